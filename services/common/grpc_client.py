@@ -1,0 +1,46 @@
+"""Client-side helpers shared by services that call other services."""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import grpc
+
+from services.common.bootstrap import channel_options
+from services.common.logs import request_id_var
+
+
+def channel_credentials_from_env() -> grpc.ChannelCredentials | None:
+    """TLS for outgoing calls when `TIERCACHE_TLS_CA` is set (client cert for mutual TLS)."""
+    ca = os.environ.get("TIERCACHE_TLS_CA")
+    if not ca:
+        return None
+
+    def read(p: str | None) -> bytes | None:
+        if not p:
+            return None
+        with open(p, "rb") as f:
+            return f.read()
+
+    return grpc.ssl_channel_credentials(
+        root_certificates=read(ca),
+        private_key=read(os.environ.get("TIERCACHE_TLS_CLIENT_KEY")),
+        certificate_chain=read(os.environ.get("TIERCACHE_TLS_CLIENT_CERT")),
+    )
+
+
+def make_channel(address: str) -> grpc.Channel:
+    """A channel to another TierCache service (TLS when configured)."""
+    creds = channel_credentials_from_env()
+    if creds is not None:
+        return grpc.secure_channel(address, creds, options=channel_options())
+    return grpc.insecure_channel(address, options=channel_options())
+
+
+def call_metadata(internal_token: str | None = None) -> list[tuple[str, str]]:
+    """Metadata for an outgoing call: the current request id and the internal credential."""
+    md = [("x-request-id", request_id_var.get() or uuid.uuid4().hex[:16])]
+    if internal_token:
+        md.append(("authorization", f"Bearer {internal_token}"))
+    return md

@@ -1,0 +1,55 @@
+"""JSON logs with the request id of the RPC being served.
+
+The request id travels in gRPC metadata as `x-request-id`; the server interceptor puts it in a
+context variable so every log line written while serving that RPC carries it.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import json
+import logging
+import os
+import sys
+import time
+
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+_SECRET_KEYS = ("authorization", "token", "secret", "password")
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line: time, level, service, logger, message, request_id, extras."""
+
+    def __init__(self, service: str) -> None:
+        super().__init__()
+        self.service = service
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "service": self.service,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        rid = getattr(record, "request_id", None) or request_id_var.get()
+        if rid:
+            out["request_id"] = rid
+        for k, v in getattr(record, "fields", {}).items():
+            # Never log credentials, even if a caller passes them by mistake.
+            out[k] = "***" if any(s in k.lower() for s in _SECRET_KEYS) else v
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str, ensure_ascii=False)
+
+
+def setup_logging(service: str, level: str | None = None) -> None:
+    """Configure the root logger once, in a service's main()."""
+    level = level or os.environ.get("TIERCACHE_LOG_LEVEL", "INFO")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter(service))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())

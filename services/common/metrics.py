@@ -1,0 +1,40 @@
+"""Prometheus metrics: one registry per process, served over HTTP by the bootstrap."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+
+_cache: dict[tuple[str, str], object] = {}
+
+
+def _get(kind, name: str, doc: str, labels: tuple[str, ...] = (), registry: CollectorRegistry
+         = REGISTRY, **kw):
+    # Idempotent: tests build several servers in one process, and prometheus_client refuses
+    # to register a name twice.
+    key = (kind.__name__, name)
+    m = _cache.get(key)
+    if m is None:
+        m = kind(name, doc, labels, registry=registry, **kw)
+        _cache[key] = m
+    return m
+
+
+def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
+    return _get(Counter, name, doc, labels)
+
+
+def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
+    return _get(Gauge, name, doc, labels)
+
+
+def histogram(name: str, doc: str, labels: tuple[str, ...] = (), buckets=None) -> Histogram:
+    kw = {"buckets": buckets} if buckets else {}
+    return _get(Histogram, name, doc, labels, **kw)
+
+
+RPC_TOTAL = counter("tiercache_rpc_total", "RPCs handled", ("service", "method", "code"))
+RPC_SECONDS = histogram(
+    "tiercache_rpc_seconds", "RPC handling time (until the last message for streams)",
+    ("service", "method"),
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+)

@@ -1,0 +1,67 @@
+"""Eviction policy shared by the kvpool's block pool and the prefix index.
+
+Blocks (or index nodes) that start before `shallow_tokens` (default 128) hold the shared base
+of many prompts — system prompts — so they are ranked by how often they are used (LFU). Deeper
+blocks follow current traffic and are ranked by recency (LRU). Deep blocks always go before
+shallow ones: a shallow block is the parent of every deep one under it, and keeping hot bases
+is the point of the split. Only unreferenced, unpinned leaves are ever candidates; that is the
+caller's job, the policy only orders them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import NamedTuple
+
+
+class BlockUsage(NamedTuple):
+    """What the policy needs to know about a candidate."""
+
+    start_token: int  # position of the block's first token in its sequence
+    hits: int  # times the block was reused (or matched)
+    last_access: float  # monotonic time (or logical clock) of the last use
+
+
+class EvictionPolicy(ABC):
+    """Orders eviction candidates: a smaller key is evicted first."""
+
+    @abstractmethod
+    def key(self, usage: BlockUsage) -> tuple:
+        """Sort key; candidates are evicted in ascending order of it."""
+
+    def order(self, usages: dict) -> list:
+        """Ids of `usages` (id -> BlockUsage) in eviction order."""
+        return sorted(usages, key=lambda i: self.key(usages[i]))
+
+
+class LRUPolicy(EvictionPolicy):
+    """Plain least-recently-used (a baseline for comparisons)."""
+
+    def key(self, usage: BlockUsage) -> tuple:
+        return (usage.last_access,)
+
+
+class HybridPolicy(EvictionPolicy):
+    """LFU for blocks starting before `shallow_tokens`, LRU for deeper ones; deep go first."""
+
+    def __init__(self, shallow_tokens: int = 128) -> None:
+        if shallow_tokens < 0:
+            raise ValueError("shallow_tokens must be >= 0")
+        self.shallow_tokens = shallow_tokens
+
+    def is_shallow(self, start_token: int) -> bool:
+        return start_token < self.shallow_tokens
+
+    def key(self, usage: BlockUsage) -> tuple:
+        if self.is_shallow(usage.start_token):
+            return (1, usage.hits, usage.last_access)
+        return (0, usage.last_access, 0)
+
+
+def make_policy(name: str, shallow_tokens: int = 128) -> EvictionPolicy:
+    """Policy by config name: "hybrid" (default) or "lru"."""
+    if name == "hybrid":
+        return HybridPolicy(shallow_tokens)
+    if name == "lru":
+        return LRUPolicy()
+    raise ValueError(f"unknown eviction policy {name!r} (expected 'hybrid' or 'lru')")
