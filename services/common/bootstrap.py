@@ -240,7 +240,7 @@ def create_server(
         services: (add_XServicer_to_server, servicer, "tiercache.v1.X") triples.
         internal_token: when set, every non-health RPC must carry `authorization: Bearer <it>`.
         metrics_port: serve Prometheus metrics over HTTP on this port (0 = free port, None = off).
-        credentials: TLS credentials; None = plaintext (or from env, see server_credentials_from_env).
+        credentials: TLS credentials; None = from env (server_credentials_from_env) or plaintext.
     Raises:
         RuntimeError: the address could not be bound.
     """

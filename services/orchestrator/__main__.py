@@ -1,0 +1,46 @@
+"""`python -m services.orchestrator` — the public TierCache service."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from tiercache.v1 import orchestrator_pb2_grpc
+
+from services.common.bootstrap import create_server, run_until_signal
+from services.common.config import ConfigError, load_config
+from services.common.logs import setup_logging
+from services.orchestrator.app import build
+from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.server import OrchestratorServicer
+
+log = logging.getLogger("services.orchestrator")
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging("orchestrator")
+    try:
+        args = sys.argv[1:] if argv is None else argv
+        cfg = load_config(OrchestratorConfig, "orchestrator", args)
+    except ConfigError as e:
+        log.error("bad configuration: %s", e)
+        return 2
+    # Bind first (health NOT_SERVING) so probes see the process while the tokenizer loads.
+    servicer = OrchestratorServicer(cfg)
+    handle = create_server(
+        service="orchestrator", address=cfg.address,
+        services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer,
+                   "tiercache.v1.Orchestrator")],
+        metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
+        max_workers=cfg.max_workers)
+    app = build(cfg)
+    servicer.attach(app.orch, app.tenants, app.warmer)
+    handle.set_serving()
+    log.info("orchestrator ready on port %d (model %s, %d replicas)", handle.port,
+             app.orch.model_id, len(cfg.kvpool_addresses))
+    run_until_signal(handle, cfg.grace_s, on_stop=app.close)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Wiring: build the orchestrator's parts from its config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.hashing import BlockHasher, hash_key_from_env
+from services.common.model_store import load_tokenizer, resolve_model
+from services.orchestrator.backends import ReplicaSet, SemanticBackend
+from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.pipeline import Orchestrator
+from services.orchestrator.prefix_backend import PrefixBackend
+from services.orchestrator.render import PromptRenderer
+from services.orchestrator.routing import make_routing_policy
+from services.orchestrator.server import Warmer
+from services.orchestrator.tenants import TenantRegistry
+
+
+@dataclass
+class App:
+    orch: Orchestrator
+    tenants: TenantRegistry
+    warmer: Warmer
+
+    def close(self) -> None:
+        self.warmer.stop()
+        self.orch.replicas.stop()
+
+
+def build(cfg: OrchestratorConfig) -> App:
+    resolved = resolve_model(cfg.model)
+    tok = load_tokenizer(resolved.path)
+    model_id = cfg.model_id or resolved.model_id
+    key = hash_key_from_env()
+    replicas = ReplicaSet(cfg.kvpool_addresses, cfg.internal_token, cfg.replica_poll_s)
+    replicas.start()
+    semantic = SemanticBackend(cfg.semantic_address, cfg.internal_token, cfg.semantic_timeout_s)
+    prefix = (PrefixBackend(cfg.prefix_addresses, cfg.internal_token, cfg.prefix_timeout_s,
+                            cfg.block_size) if cfg.prefix_addresses else None)
+    orch = Orchestrator(
+        renderer=PromptRenderer(tok, cfg.max_message_chars), tokenizer=tok, model_id=model_id,
+        hasher=BlockHasher(model_id, cfg.block_size, key), replicas=replicas, semantic=semantic,
+        prefix=prefix,
+        routing=make_routing_policy(cfg.routing_policy, cfg.routing_epsilon,
+                                    cfg.min_prefix_tokens),
+        internal_token=cfg.internal_token, default_tier=cfg.semantic_tier,
+        enable_drafts=cfg.enable_drafts, store_sampled=cfg.store_sampled,
+        max_attempts=cfg.max_attempts, min_prefix_tokens=cfg.min_prefix_tokens)
+    tenants = TenantRegistry.build(
+        tokens_file=cfg.tokens_file, tokens=cfg.tokens, key=key,
+        max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens_limit,
+        max_concurrent=cfg.max_concurrent_per_tenant)
+    warmer = Warmer(orch, cfg)
+    warmer.start()
+    return App(orch, tenants, warmer)

@@ -1,0 +1,163 @@
+"""Connections to the internal services, with health tracking.
+
+Each backend remembers whether its last call worked so that `Stats` can show which
+dependencies are healthy, and the pipeline can degrade (skip the semantic tier, fall back to
+ring routing) instead of failing.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import grpc
+from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, semantic_pb2, semantic_pb2_grpc
+
+from services.common.grpc_client import call_metadata, make_channel
+from services.orchestrator.routing import ReplicaView
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Health:
+    name: str
+    address: str
+    healthy: bool = False
+    last_error: str = ""
+    last_ok: float = 0.0
+
+    def ok(self) -> None:
+        self.healthy, self.last_error, self.last_ok = True, "", time.time()
+
+    def fail(self, err: BaseException | str) -> None:
+        msg = err.details() if isinstance(err, grpc.RpcError) else str(err)
+        if self.healthy:
+            log.warning("%s at %s is unhealthy: %s", self.name, self.address, msg)
+        self.healthy, self.last_error = False, str(msg)
+
+    def proto(self) -> common_pb2.DependencyHealth:
+        return common_pb2.DependencyHealth(name=self.name, address=self.address,
+                                           healthy=self.healthy, last_error=self.last_error)
+
+
+@dataclass
+class Replica:
+    """One kvpool replica: its stub, last stats, and requests this orchestrator has in flight."""
+
+    address: str
+    stub: kvpool_pb2_grpc.KvPoolStub
+    health: Health
+    replica_id: str = ""
+    stats: kvpool_pb2.KvStatsResponse | None = None
+    inflight: int = 0
+
+    @property
+    def load(self) -> float:
+        s = self.stats
+        engine = (s.running + s.waiting) if s is not None else 0
+        # Our own in-flight count reacts instantly; the replica's figure covers other callers.
+        return max(engine, self.inflight)
+
+
+@dataclass
+class ReplicaSet:
+    """All configured replicas, polled in the background for health and load."""
+
+    addresses: tuple[str, ...]
+    internal_token: str
+    poll_s: float = 1.0
+    replicas: list[Replica] = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    _stop: threading.Event = field(default_factory=threading.Event)
+
+    def __post_init__(self) -> None:
+        for addr in self.addresses:
+            ch = make_channel(addr)
+            self.replicas.append(Replica(addr, kvpool_pb2_grpc.KvPoolStub(ch),
+                                         Health("kvpool", addr), replica_id=addr))
+
+    def poll_once(self) -> None:
+        for r in self.replicas:
+            try:
+                s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(0.5, self.poll_s),
+                                 metadata=call_metadata(self.internal_token))
+                with self._lock:
+                    r.stats = s
+                    r.replica_id = s.replica_id or r.address
+                    r.health.name = f"kvpool/{r.replica_id}"
+                r.health.ok()
+            except grpc.RpcError as e:
+                r.health.fail(e)
+
+    def start(self) -> None:
+        self.poll_once()
+        threading.Thread(target=self._loop, name="replica-poll", daemon=True).start()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self.poll_once()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self.replicas if r.health.healthy]
+
+    def views(self) -> list[ReplicaView]:
+        return [ReplicaView(r.replica_id, r.load) for r in self.healthy()]
+
+    def by_id(self, replica_id: str) -> Replica | None:
+        for r in self.replicas:
+            if r.replica_id == replica_id:
+                return r
+        return None
+
+    def begin(self, r: Replica) -> None:
+        with self._lock:
+            r.inflight += 1
+
+    def end(self, r: Replica) -> None:
+        with self._lock:
+            r.inflight -= 1
+
+
+class SemanticBackend:
+    """The semantic cache, or nothing when no address is configured."""
+
+    def __init__(self, address: str, internal_token: str, timeout_s: float) -> None:
+        self.enabled = bool(address)
+        self.health = Health("semantic", address)
+        self.timeout_s = timeout_s
+        self.internal_token = internal_token
+        self.stub = semantic_pb2_grpc.SemanticCacheStub(make_channel(address)) if address else None
+
+    def _call(self, method: str, req, timeout: float | None = None):
+        assert self.stub is not None
+        try:
+            resp = getattr(self.stub, method)(req, timeout=timeout or self.timeout_s,
+                                              metadata=call_metadata(self.internal_token))
+            self.health.ok()
+            return resp
+        except grpc.RpcError as e:
+            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                            grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+                self.health.fail(e)
+            raise
+
+    def lookup(self, req: semantic_pb2.LookupRequest) -> semantic_pb2.LookupResponse:
+        return self._call("Lookup", req)
+
+    def store(self, req: semantic_pb2.StoreRequest) -> semantic_pb2.StoreResponse:
+        return self._call("Store", req)
+
+    def verify(self, entry_id: str, verified: bool) -> semantic_pb2.SemanticEntry:
+        return self._call("Verify", semantic_pb2.VerifyRequest(id=entry_id, verified=verified))
+
+    def invalidate(self, entry_id: str) -> semantic_pb2.InvalidateResponse:
+        return self._call("Invalidate", semantic_pb2.InvalidateRequest(id=entry_id))
+
+    def stats(self) -> semantic_pb2.SemanticStatsResponse:
+        return self._call("Stats", semantic_pb2.SemanticStatsRequest())

@@ -1,0 +1,80 @@
+"""Orchestrator configuration (env `TIERCACHE_ORCHESTRATOR_<FIELD>`, flags `--field`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import require
+
+SVC = "orchestrator"
+
+
+@dataclass(frozen=True)
+class OrchestratorConfig:
+    """Settings of the public service. Addresses are host:port."""
+
+    address: str = "127.0.0.1:50051"
+    metrics_port: int = 9101
+    # Credential sent to internal services (semantic, prefix, kvpool); "" = none.
+    internal_token: str = ""
+    # KvPool replicas to route to.
+    kvpool_addresses: tuple[str, ...] = ("127.0.0.1:50054",)
+    # Semantic cache; "" = tier off.
+    semantic_address: str = ""
+    # Prefix index shards; empty = no index (ring routing only).
+    prefix_addresses: tuple[str, ...] = ()
+    # Model whose tokenizer and chat template render prompts ("smollm2" or an HF folder).
+    model: str = "smollm2"
+    # Model id override; "" = the id resolve_model reports (must match the replicas').
+    model_id: str = ""
+    # Tokens per KV block (must match kvpool and the index).
+    block_size: int = 16
+    # Bearer tokens: a file (JSON {"token": {"tenant": ..., limits...}}) and/or "tok=tenant,..."
+    tokens_file: str = ""
+    tokens: str = ""
+    # Defaults and limits per request.
+    default_max_tokens: int = 256
+    max_tokens_limit: int = 2048
+    max_prompt_tokens: int = 8192
+    max_message_chars: int = 100_000
+    max_concurrent_per_tenant: int = 64
+    # Deadline for a whole Generate when the client sets none, and per-hop budgets.
+    request_timeout_s: float = 300.0
+    semantic_timeout_s: float = 2.0
+    prefix_timeout_s: float = 0.5
+    # Semantic tier defaults.
+    semantic_tier: str = "standard"
+    enable_drafts: bool = True
+    store_sampled: bool = False
+    # Routing: bounded-load factor and the minimum matched tokens that count as a useful prefix.
+    routing_policy: str = "prefix"  # "prefix" or "round_robin" (a baseline for benchmarks)
+    routing_epsilon: float = 0.25
+    min_prefix_tokens: int = 32
+    # Replica polling (health + load) interval.
+    replica_poll_s: float = 1.0
+    # Background warm-up: off when warm_interval_s <= 0.
+    warm_interval_s: float = 0.0
+    warm_top_k: int = 8
+    warm_max_load: float = 0.25
+    warm_max_prompts_per_cycle: int = 4
+    warm_pin_ttl_s: int = 600
+    # Failover attempts per request.
+    max_attempts: int = 3
+    # Server.
+    max_workers: int = 64
+    grace_s: float = 10.0
+
+    def validate(self) -> None:
+        require(bool(self.kvpool_addresses), SVC, "kvpool_addresses", "at least one replica")
+        require(self.block_size > 0, SVC, "block_size", "must be > 0")
+        require(0 < self.default_max_tokens <= self.max_tokens_limit, SVC, "default_max_tokens",
+                "must be in (0, max_tokens_limit]")
+        require(self.max_prompt_tokens > 0, SVC, "max_prompt_tokens", "must be > 0")
+        require(self.max_concurrent_per_tenant > 0, SVC, "max_concurrent_per_tenant", "must be > 0")
+        require(self.request_timeout_s > 0, SVC, "request_timeout_s", "must be > 0")
+        require(self.semantic_tier in ("strict", "standard", "relaxed"), SVC, "semantic_tier",
+                "must be strict, standard or relaxed")
+        require(self.routing_policy in ("prefix", "round_robin"), SVC, "routing_policy",
+                "must be prefix or round_robin")
+        require(self.routing_epsilon > 0, SVC, "routing_epsilon", "must be > 0")
+        require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")

@@ -1,0 +1,331 @@
+"""The life of a request (DESIGN.md): auth -> semantic -> tokenize -> index -> route -> generate.
+
+`Orchestrator.generate` yields plain events (`TextDelta`, `Finished`); the gRPC adapter turns
+them into proto messages. Every degradation (semantic tier down, index down, a replica lost)
+is logged and counted, and the request still completes when any replica can serve it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
+
+from services.common import errors
+from services.common.grpc_client import call_metadata
+from services.common.hashing import BlockHasher
+from services.common.metrics import counter, histogram
+from services.orchestrator.backends import ReplicaSet, SemanticBackend
+from services.orchestrator.detok import IncrementalDetokenizer
+from services.orchestrator.render import PromptRenderer, RenderedPrompt
+from services.orchestrator.routing import RoutingPolicy
+from services.orchestrator.tenants import Tenant
+
+log = logging.getLogger(__name__)
+
+REQUESTS = counter("tiercache_orchestrator_requests_total", "Generate requests by cache class",
+                   ("cache_class",))
+DEGRADED = counter("tiercache_orchestrator_degradations_total",
+                   "Requests served in a degraded way", ("kind",))
+TTFT = histogram("tiercache_orchestrator_ttft_seconds", "Time to first token", ("cache_class",),
+                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+TOKENS = counter("tiercache_orchestrator_tokens_total", "Prompt/cached/generated tokens",
+                 ("kind",))
+
+# Replica failures that mean "this replica is gone or broken", so another one should try.
+_REPLICA_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                 grpc.StatusCode.CANCELLED)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop_token_ids: tuple[int, ...]
+    ignore_eos: bool
+
+
+@dataclass(frozen=True)
+class Policy:
+    skip_semantic_lookup: bool = False
+    skip_semantic_store: bool = False
+    skip_prefix_cache: bool = False
+    skip_draft: bool = False
+    semantic_tier: str = ""
+    semantic_threshold: float = 0.0
+    store_sampled: bool = False
+
+
+@dataclass
+class TextDelta:
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Finished:
+    finish_reason: int
+    prompt_tokens: int
+    completion_tokens: int
+    report: common_pb2.CacheReport
+    request_id: str
+
+
+@dataclass
+class OrchestratorStats:
+    requests: Counter = field(default_factory=Counter)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    semantic_tokens_saved: int = 0
+    degradations: Counter = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def degrade(self, kind: str) -> None:
+        with self.lock:
+            self.degradations[kind] += 1
+        DEGRADED.labels(kind).inc()
+
+
+class Orchestrator:
+    """Runs requests through the tiers. Thread-safe; one instance per process."""
+
+    def __init__(self, *, renderer: PromptRenderer, tokenizer, model_id: str, hasher: BlockHasher,
+                 replicas: ReplicaSet, semantic: SemanticBackend, prefix, routing: RoutingPolicy,
+                 internal_token: str, default_tier: str, enable_drafts: bool,
+                 store_sampled: bool, max_attempts: int, min_prefix_tokens: int) -> None:
+        self.renderer = renderer
+        self.tok = tokenizer
+        self.model_id = model_id
+        self.hasher = hasher
+        self.replicas = replicas
+        self.semantic = semantic
+        self.prefix = prefix
+        self.routing = routing
+        self.internal_token = internal_token
+        self.default_tier = default_tier
+        self.enable_drafts = enable_drafts
+        self.store_sampled = store_sampled
+        self.max_attempts = max_attempts
+        self.min_prefix_tokens = min_prefix_tokens
+        self.stats = OrchestratorStats()
+        self._route_lock = threading.Lock()
+
+    # ---- semantic tier -------------------------------------------------------------------
+    def _namespace(self, tenant: Tenant, prompt: RenderedPrompt) -> semantic_pb2.Namespace:
+        return semantic_pb2.Namespace(tenant=tenant.name, model_id=self.model_id,
+                                      context_hash=prompt.context_hash)
+
+    def _lookup(self, tenant: Tenant, prompt: RenderedPrompt, policy: Policy, want_draft: bool,
+                deadline: float) -> semantic_pb2.LookupResponse | None:
+        if not self.semantic.enabled or policy.skip_semantic_lookup:
+            return None
+        try:
+            return self.semantic.lookup(semantic_pb2.LookupRequest(
+                namespace=self._namespace(tenant, prompt), text=prompt.query_text,
+                tier=policy.semantic_tier or self.default_tier,
+                threshold=policy.semantic_threshold, want_draft=want_draft))
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # The request's own tier/threshold is bad: tell the caller.
+                raise errors.InvalidArgument("cache_policy", e.details()) from None
+            log.warning("semantic lookup failed, skipping the tier: %s", e.details())
+            self.stats.degrade("semantic_skipped")
+            return None
+
+    def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str) -> str:
+        try:
+            return self.semantic.store(semantic_pb2.StoreRequest(
+                namespace=self._namespace(tenant, prompt), prompt=prompt.query_text,
+                answer=answer)).id
+        except grpc.RpcError as e:
+            log.warning("semantic store failed: %s", e.details())
+            self.stats.degrade("semantic_store_failed")
+            return ""
+
+    # ---- prefix tier ---------------------------------------------------------------------
+    def _matches(self, tenant: Tenant, token_ids: list[int]) -> tuple[dict[str, int], str]:
+        hashes = self.hasher.hashes(token_ids, tenant.cache_salt)
+        key = hashes[0].hex() if hashes else ""
+        if self.prefix is None or not hashes:
+            return {}, key
+        try:
+            return self.prefix.match(hashes, self.model_id), key
+        except grpc.RpcError as e:
+            log.warning("prefix index unreachable, ring routing: %s", e.details())
+            self.stats.degrade("index_down")
+            return {}, key
+
+    # ---- the request ---------------------------------------------------------------------
+    def generate(self, *, tenant: Tenant, prompt: RenderedPrompt, sampling: Sampling,
+                 policy: Policy, session_id: str, return_token_ids: bool, request_id: str,
+                 deadline: float, on_cancel: Callable[[Callable[[], None]], None]
+                 ) -> Iterator[TextDelta | Finished]:
+        t0 = time.monotonic()
+        greedy = sampling.temperature == 0.0
+        report = common_pb2.CacheReport()
+        want_draft = self.enable_drafts and not policy.skip_draft
+        look = self._lookup(tenant, prompt, policy, want_draft, deadline)
+        draft_ids: list[int] = []
+        if look is not None:
+            report.semantic_similarity = look.similarity
+            if look.hit:
+                yield from self._serve_hit(look, report, return_token_ids, request_id, t0)
+                return
+            if look.HasField("entry") and want_draft:
+                draft_ids = self.renderer.encode(look.entry.answer)
+                report.semantic_entry_id = look.entry.id
+
+        ids = prompt.token_ids
+        matches, key = ({}, "") if policy.skip_prefix_cache else self._matches(tenant, ids)
+        if not key:
+            key = session_id or str(hash(tuple(ids[:64])))
+        affinity = session_id or key
+        detok = IncrementalDetokenizer(self.tok)
+        generated: list[int] = []
+        exclude: set[str] = set()
+        final: kvpool_pb2.KvGenerateFinal | None = None
+        first_token_at: float | None = None
+        attempts = 0
+        route = ""
+        cancelled = threading.Event()
+        current: dict[str, grpc.Future] = {}
+
+        def cancel_downstream() -> None:
+            cancelled.set()
+            call = current.get("call")
+            if call is not None:
+                call.cancel()
+
+        on_cancel(cancel_downstream)
+        while final is None:
+            with self._route_lock:
+                decision = self.routing.choose(self.replicas.views(), matches, affinity,
+                                               frozenset(exclude))
+            if decision is None:
+                raise errors.Unavailable("no kvpool replica is available"
+                                         + (f" (tried {', '.join(sorted(exclude))})"
+                                            if exclude else ""))
+            replica = self.replicas.by_id(decision.replica_id)
+            assert replica is not None
+            route = decision.route if attempts == 0 else ("resume" if generated else "retry")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
+            req = kvpool_pb2.KvGenerateRequest(
+                request_id=request_id, token_ids=ids + generated,
+                sampling=common_pb2.SamplingParams(
+                    max_tokens=sampling.max_tokens - len(generated),
+                    temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+                    stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos),
+                cache_salt=tenant.cache_salt, skip_prefix_cache=policy.skip_prefix_cache,
+                draft_token_ids=draft_ids[len(generated):] if draft_ids else [],
+                model_id=self.model_id)
+            self.replicas.begin(replica)
+            try:
+                call = replica.stub.Generate(req, timeout=remaining,
+                                             metadata=call_metadata(self.internal_token)
+                                             + [("x-request-id", request_id)])
+                current["call"] = call
+                if cancelled.is_set():
+                    call.cancel()
+                for msg in call:
+                    if msg.token_ids:
+                        new = list(msg.token_ids)
+                        generated.extend(new)
+                        text = detok.push(new)
+                        if first_token_at is None:
+                            first_token_at = time.monotonic()
+                        if text or return_token_ids:
+                            yield TextDelta(text, new if return_token_ids else [])
+                    if msg.HasField("final"):
+                        final = msg.final
+                replica.health.ok()
+                if final is None:
+                    raise errors.Unavailable(f"replica {replica.replica_id} ended the stream "
+                                             "without a final message")
+            except grpc.RpcError as e:
+                code = e.code()
+                if cancelled.is_set():
+                    raise errors.Cancelled("client cancelled") from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise errors.DeadlineExceeded("deadline exceeded while generating") from None
+                if code not in _REPLICA_LOST:
+                    # The replica judged the request itself: pass its verdict on unchanged.
+                    raise _as_domain(e) from None
+                replica.health.fail(e)
+                exclude.add(replica.replica_id)
+                attempts += 1
+                self.stats.degrade("resume" if generated else "retry")
+                log.warning("replica %s failed (%s) after %d tokens; attempt %d",
+                            replica.replica_id, code.name, len(generated), attempts + 1)
+                if attempts >= self.max_attempts:
+                    raise errors.Unavailable(
+                        f"kvpool replicas failed {attempts} times; last: {e.details()}") from None
+                continue
+            finally:
+                current.pop("call", None)
+                self.replicas.end(replica)
+
+        tail = detok.flush()
+        if tail:
+            yield TextDelta(tail, [])
+        prompt_tokens = len(ids)
+        cached = min(final.cached_tokens, prompt_tokens)
+        ttft = ((first_token_at or time.monotonic()) - t0) * 1000.0
+        report.prompt_tokens = prompt_tokens
+        report.cached_tokens = cached
+        report.replica_id = final.replica_id or replica.replica_id
+        report.ttft_ms = ttft
+        report.draft_tokens_proposed = final.draft_tokens_proposed
+        report.draft_tokens_accepted = final.draft_tokens_accepted
+        report.forward_passes = final.forward_passes
+        report.route = route
+        cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
+        self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
+        answer = self.tok.decode(generated, skip_special_tokens=True).strip()
+        if (self.semantic.enabled and not policy.skip_semantic_store and answer
+                and (greedy or policy.store_sampled or self.store_sampled)):
+            sid = self._store(tenant, prompt, answer)
+            if sid and not report.semantic_entry_id:
+                report.semantic_entry_id = sid
+        yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
+
+    def _serve_hit(self, look, report, return_token_ids, request_id, t0):
+        answer = look.entry.answer
+        ids = self.renderer.encode(answer)
+        report.semantic_hit = True
+        report.semantic_entry_id = look.entry.id
+        report.route = "semantic"
+        report.ttft_ms = (time.monotonic() - t0) * 1000.0
+        yield TextDelta(answer, ids if return_token_ids else [])
+        self._count("semantic_hit", 0, 0, 0, report.ttft_ms)
+        with self.stats.lock:
+            self.stats.semantic_tokens_saved += len(ids)
+        yield Finished(common_pb2.FINISH_REASON_CACHED, 0, len(ids), report, request_id)
+
+    def _count(self, cache_class: str, prompt: int, cached: int, completion: int,
+               ttft_ms: float) -> None:
+        with self.stats.lock:
+            self.stats.requests[cache_class] += 1
+            self.stats.prompt_tokens += prompt
+            self.stats.cached_tokens += cached
+        REQUESTS.labels(cache_class).inc()
+        TTFT.labels(cache_class).observe(ttft_ms / 1000.0)
+        TOKENS.labels("prompt").inc(prompt)
+        TOKENS.labels("cached").inc(cached)
+        TOKENS.labels("generated").inc(completion)
+
+
+def _as_domain(e: grpc.RpcError) -> errors.TierCacheError:
+    """A downstream status, re-raised with the same code and message."""
+    exc = errors.TierCacheError(e.details() or "")
+    exc.code = e.code().name if e.code() is not None else "INTERNAL"
+    return exc

@@ -1,0 +1,95 @@
+"""Turning a request's chat messages into token ids, and naming its semantic context.
+
+Validation happens here, before any cache or model is touched, so a bad request leaves no
+state behind. Errors name the field as the client sent it (`messages[2].role`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from services.common.errors import InvalidArgument
+
+ROLES = ("system", "user", "assistant")
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt ready for the model plus what the semantic tier needs."""
+
+    token_ids: list[int]
+    # Text the semantic tier embeds (the last user message, or the raw prompt).
+    query_text: str
+    # Hash of everything before the query (system prompt + earlier turns); part of the namespace.
+    context_hash: str
+
+
+def validate_messages(messages: Sequence[Message], max_chars: int) -> None:
+    """Raises InvalidArgument naming the first bad field."""
+    if not messages:
+        raise InvalidArgument("messages", "must not be empty (or give prompt)")
+    for i, m in enumerate(messages):
+        if m.role not in ROLES:
+            raise InvalidArgument(f"messages[{i}].role",
+                                  f"unknown role {m.role!r}; expected one of {', '.join(ROLES)}")
+        if not m.content.strip():
+            raise InvalidArgument(f"messages[{i}].content", "must not be empty")
+        if len(m.content) > max_chars:
+            raise InvalidArgument(f"messages[{i}].content",
+                                  f"longer than the limit of {max_chars} characters")
+    if messages[-1].role != "user":
+        raise InvalidArgument(f"messages[{len(messages) - 1}].role",
+                              "the last message must be from the user")
+
+
+def context_hash(parts: Sequence[Message]) -> str:
+    """Stable hash of the conversation context before the query."""
+    blob = json.dumps([[m.role, m.content] for m in parts], ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+class PromptRenderer:
+    """Renders chat messages with the model's own chat template and tokenizes them."""
+
+    def __init__(self, tokenizer: Any, max_chars: int = 100_000) -> None:
+        self.tok = tokenizer
+        self.max_chars = max_chars
+
+    def render_text(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
+        return self.tok.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def render_chat(self, messages: Sequence[Message]) -> RenderedPrompt:
+        validate_messages(messages, self.max_chars)
+        ids = self.encode(self.render_text(messages))
+        return RenderedPrompt(ids, messages[-1].content, context_hash(messages[:-1]))
+
+    def render_raw(self, prompt: str) -> RenderedPrompt:
+        if not prompt.strip():
+            raise InvalidArgument("prompt", "must not be empty (or give messages)")
+        if len(prompt) > self.max_chars:
+            raise InvalidArgument("prompt", f"longer than the limit of {self.max_chars} characters")
+        return RenderedPrompt(self.encode(prompt), prompt, context_hash([Message("raw", "")]))
+
+    def render_warm(self, messages: Sequence[Message]) -> list[int]:
+        """A prefix to warm: rendered without the generation prompt (e.g. a system prompt)."""
+        if not messages:
+            raise InvalidArgument("prompts[].messages", "must not be empty (or give prompt)")
+        for i, m in enumerate(messages):
+            if m.role not in ROLES:
+                raise InvalidArgument(f"prompts[].messages[{i}].role", f"unknown role {m.role!r}")
+        return self.encode(self.render_text(messages, add_generation_prompt=False))

@@ -1,0 +1,119 @@
+"""Choosing a kvpool replica for a request.
+
+Two signals pull in different directions: the replica that already holds the longest prefix
+saves the most compute, but sending every request that shares a hot system prompt to that one
+replica overloads it. The policy:
+
+1. Replicas whose load would exceed a bounded-load cap, ceil((1 + eps) * (total + 1) / n),
+   are skipped (so a hot prompt spreads to more replicas instead of piling up).
+2. Among the rest, the one with the best score matched_tokens - load_penalty * load wins when
+   its match is useful (>= min_prefix_tokens).
+3. Otherwise: a consistent-hash ring with bounded loads keyed by the session id (or the
+   first block's hash), so a conversation sticks to one replica while it is healthy.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from typing import NamedTuple
+
+from services.common.ring import HashRing
+
+
+class ReplicaView(NamedTuple):
+    """What routing knows about a replica right now."""
+
+    replica_id: str
+    load: float  # active sequences (running + waiting + in flight from this orchestrator)
+
+
+class RouteDecision(NamedTuple):
+    replica_id: str
+    route: str  # "prefix" | "ring"
+    matched_tokens: int
+
+
+class RoutingPolicy(ABC):
+    @abstractmethod
+    def choose(self, replicas: Sequence[ReplicaView], matches: Mapping[str, int], key: str,
+               exclude: frozenset[str] = frozenset()) -> RouteDecision | None:
+        """Pick a replica, or None when no replica is available.
+
+        Args:
+            replicas: healthy replicas and their loads.
+            matches: replica id -> matched prefix tokens (from the prefix index; may be empty).
+            key: affinity key (session id or first block hash).
+            exclude: replicas not to use (e.g. failed on this request).
+        """
+
+
+def bounded_cap(loads: Sequence[float], epsilon: float) -> float:
+    """Max load a replica may have *before* taking one more request."""
+    n = max(1, len(loads))
+    return math.ceil((1 + epsilon) * (sum(loads) + 1) / n) - 1
+
+
+class PrefixAwarePolicy(RoutingPolicy):
+    """Longest useful prefix under a bounded-load cap, else a bounded-load session ring."""
+
+    def __init__(self, epsilon: float = 0.25, min_prefix_tokens: int = 32,
+                 load_penalty_tokens: float = 16.0, vnodes: int = 64,
+                 use_cap: bool = True) -> None:
+        self.epsilon = epsilon
+        self.min_prefix_tokens = min_prefix_tokens
+        self.load_penalty_tokens = load_penalty_tokens
+        self.use_cap = use_cap
+        self.ring = HashRing([], vnodes=vnodes)
+
+    def _sync_ring(self, ids: Sequence[str]) -> None:
+        current = set(self.ring.nodes)
+        for r in set(ids) - current:
+            self.ring.add(r)
+        for r in current - set(ids):
+            self.ring.remove(r)
+
+    def choose(self, replicas, matches, key, exclude=frozenset()):
+        live = [r for r in replicas if r.replica_id not in exclude]
+        if not live:
+            return None
+        self._sync_ring([r.replica_id for r in live])
+        loads = {r.replica_id: r.load for r in live}
+        cap = bounded_cap(list(loads.values()), self.epsilon) if self.use_cap else math.inf
+        best: tuple[float, str] | None = None
+        for r in live:
+            m = matches.get(r.replica_id, 0)
+            if m < self.min_prefix_tokens or r.load > cap:
+                continue
+            score = m - self.load_penalty_tokens * r.load
+            if best is None or score > best[0]:
+                best = (score, r.replica_id)
+        if best is not None:
+            rid = best[1]
+            return RouteDecision(rid, "prefix", matches.get(rid, 0))
+        rid = self.ring.lookup_bounded(key, loads, self.epsilon)
+        return RouteDecision(rid, "ring", matches.get(rid, 0))
+
+
+class RoundRobinPolicy(RoutingPolicy):
+    """Baseline for benchmarks: ignores prefixes and sessions."""
+
+    def __init__(self) -> None:
+        self.i = 0
+
+    def choose(self, replicas, matches, key, exclude=frozenset()):
+        live = sorted(r.replica_id for r in replicas if r.replica_id not in exclude)
+        if not live:
+            return None
+        rid = live[self.i % len(live)]
+        self.i += 1
+        return RouteDecision(rid, "round_robin", matches.get(rid, 0))
+
+
+def make_routing_policy(name: str, epsilon: float, min_prefix_tokens: int) -> RoutingPolicy:
+    if name == "prefix":
+        return PrefixAwarePolicy(epsilon, min_prefix_tokens)
+    if name == "round_robin":
+        return RoundRobinPolicy()
+    raise ValueError(f"unknown routing policy {name!r}")

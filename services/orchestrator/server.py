@@ -1,0 +1,274 @@
+"""gRPC adapter of the orchestrator: proto <-> pipeline, plus Warm, Feedback and Stats."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+from tiercache.v1 import (
+    common_pb2,
+    kvpool_pb2,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+)
+
+from services.common import errors
+from services.common.grpc_client import call_metadata
+from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling
+from services.orchestrator.render import Message
+from services.orchestrator.tenants import TenantRegistry
+
+log = logging.getLogger(__name__)
+
+
+def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig) -> Sampling:
+    """Validate sampling fields; raises InvalidArgument naming the field."""
+    if s.max_tokens < 0:
+        raise errors.InvalidArgument("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
+    max_tokens = s.max_tokens or cfg.default_max_tokens
+    if max_tokens > cfg.max_tokens_limit:
+        raise errors.InvalidArgument("sampling.max_tokens",
+                                     f"{max_tokens} exceeds the limit of {cfg.max_tokens_limit}")
+    if not s.temperature >= 0.0:  # also rejects NaN
+        raise errors.InvalidArgument("sampling.temperature", f"must be >= 0, got {s.temperature}")
+    top_p = s.top_p if s.top_p != 0.0 else 1.0
+    if not 0.0 < top_p <= 1.0:
+        raise errors.InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    return Sampling(max_tokens, float(s.temperature), float(top_p), int(s.seed),
+                    tuple(s.stop_token_ids), bool(s.ignore_eos))
+
+
+def parse_policy(p: common_pb2.CachePolicy) -> Policy:
+    if p.semantic_tier and p.semantic_tier not in ("strict", "standard", "relaxed"):
+        raise errors.InvalidArgument("cache_policy.semantic_tier",
+                                     f"unknown tier {p.semantic_tier!r}")
+    if p.semantic_threshold and not 0.0 < p.semantic_threshold <= 1.0:
+        raise errors.InvalidArgument("cache_policy.semantic_threshold", "must be in (0, 1]")
+    return Policy(p.skip_semantic_lookup, p.skip_semantic_store, p.skip_prefix_cache,
+                  p.skip_draft, p.semantic_tier, p.semantic_threshold, p.store_sampled)
+
+
+class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
+    """Bound before the tokenizer loads (health NOT_SERVING); `attach` makes it ready."""
+
+    def __init__(self, cfg: OrchestratorConfig) -> None:
+        self.cfg = cfg
+        self.orch: Orchestrator | None = None
+        self.tenants: TenantRegistry | None = None
+        self.warmer = None
+
+    def attach(self, orch: Orchestrator, tenants: TenantRegistry, warmer=None) -> None:
+        self.orch, self.tenants, self.warmer = orch, tenants, warmer
+
+    def _tenant(self, context: grpc.ServicerContext):
+        if self.orch is None or self.tenants is None:
+            raise errors.Unavailable("orchestrator is still loading")
+        return self.tenants.authenticate(dict(context.invocation_metadata() or ()))
+
+    def Generate(self, request, context):
+        tenant = self._tenant(context)
+        sampling = parse_sampling(request.sampling, self.cfg)
+        policy = parse_policy(request.cache_policy)
+        if request.messages:
+            prompt = self.orch.renderer.render_chat(
+                [Message(m.role, m.content) for m in request.messages])
+        else:
+            prompt = self.orch.renderer.render_raw(request.prompt)
+        if len(prompt.token_ids) > self.cfg.max_prompt_tokens:
+            raise errors.InvalidArgument(
+                "messages" if request.messages else "prompt",
+                f"{len(prompt.token_ids)} tokens exceed the limit of {self.cfg.max_prompt_tokens}")
+        self.tenants.check_limits(tenant, len(prompt.token_ids), sampling.max_tokens)
+        md = dict(context.invocation_metadata() or ())
+        request_id = md.get("x-request-id") or uuid.uuid4().hex[:16]
+        remaining = context.time_remaining()
+        budget = self.cfg.request_timeout_s if remaining is None else min(
+            remaining, self.cfg.request_timeout_s)
+        deadline = time.monotonic() + budget
+        self.tenants.acquire(tenant)
+        try:
+            events = self.orch.generate(
+                tenant=tenant, prompt=prompt, sampling=sampling, policy=policy,
+                session_id=request.session_id, return_token_ids=request.return_token_ids,
+                request_id=request_id, deadline=deadline,
+                on_cancel=lambda fn: context.add_callback(fn))
+            for ev in events:
+                if isinstance(ev, Finished):
+                    yield orchestrator_pb2.GenerateResponse(final=orchestrator_pb2.GenerateFinal(
+                        finish_reason=ev.finish_reason,
+                        usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens,
+                                               completion_tokens=ev.completion_tokens),
+                        cache_report=ev.report, request_id=ev.request_id))
+                else:
+                    yield orchestrator_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
+        finally:
+            self.tenants.release(tenant)
+
+    def Warm(self, request, context):
+        tenant = self._tenant(context)
+        if self.warmer is None:
+            raise errors.FailedPrecondition("warm-up is not available")
+        return self.warmer.warm(tenant, request)
+
+    def Feedback(self, request, context):
+        self._tenant(context)
+        if not request.semantic_entry_id:
+            raise errors.InvalidArgument("semantic_entry_id", "required")
+        if request.rating not in (orchestrator_pb2.RATING_GOOD, orchestrator_pb2.RATING_BAD):
+            raise errors.InvalidArgument("rating", "must be RATING_GOOD or RATING_BAD")
+        sem = self.orch.semantic
+        if not sem.enabled:
+            raise errors.FailedPrecondition("the semantic tier is not configured")
+        try:
+            if request.rating == orchestrator_pb2.RATING_BAD:
+                n = sem.invalidate(request.semantic_entry_id).removed
+                if n == 0:
+                    raise errors.NotFound(f"semantic_entry_id: {request.semantic_entry_id} unknown")
+                return orchestrator_pb2.FeedbackResponse(invalidated=True)
+            sem.verify(request.semantic_entry_id, True)
+            return orchestrator_pb2.FeedbackResponse(verified=True)
+        except grpc.RpcError as e:
+            exc = errors.TierCacheError(f"semantic_entry_id: {e.details()}")
+            exc.code = e.code().name
+            raise exc from None
+
+    def Stats(self, request, context):
+        self._tenant(context)
+        o = self.orch
+        st = o.stats
+        with st.lock:
+            resp = orchestrator_pb2.StatsResponse(
+                requests_total=sum(st.requests.values()),
+                semantic_hits=st.requests["semantic_hit"], prefix_hits=st.requests["prefix_hit"],
+                cold=st.requests["cold"], prompt_tokens_total=st.prompt_tokens,
+                cached_tokens_total=st.cached_tokens,
+                tokens_saved_semantic=st.semantic_tokens_saved,
+                degradations=dict(st.degradations))
+        for r in o.replicas.replicas:
+            if r.stats is not None and r.health.healthy:
+                resp.replicas.append(r.stats)
+            resp.dependencies.append(r.health.proto())
+        if o.semantic.enabled:
+            try:
+                resp.semantic.CopyFrom(o.semantic.stats())
+            except grpc.RpcError:
+                pass
+            resp.dependencies.append(o.semantic.health.proto())
+        if o.prefix is not None:
+            try:
+                resp.prefix.CopyFrom(o.prefix.stats())
+            except grpc.RpcError:
+                pass
+            resp.dependencies.append(o.prefix.health.proto())
+        return resp
+
+
+class Warmer:
+    """Prefills prompts on replicas (Warm RPC) and runs the low-traffic warm-up loop."""
+
+    def __init__(self, orch: Orchestrator, cfg: OrchestratorConfig) -> None:
+        self.orch = orch
+        self.cfg = cfg
+        self._stop = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="warm")
+
+    def _prefill(self, replica, token_ids, cache_salt, ttl, index):
+        try:
+            r = replica.stub.Prefill(kvpool_pb2.PrefillRequest(
+                token_ids=token_ids, cache_salt=cache_salt, pin=True, ttl_seconds=ttl,
+                model_id=self.orch.model_id), timeout=120,
+                metadata=call_metadata(self.orch.internal_token))
+            return orchestrator_pb2.WarmResult(
+                prompt_index=index, replica_id=r.replica_id or replica.replica_id,
+                prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
+                computed_tokens=r.computed_tokens, pinned_blocks=r.pinned_blocks)
+        except grpc.RpcError as e:
+            return orchestrator_pb2.WarmResult(prompt_index=index, replica_id=replica.replica_id,
+                                               error=f"{e.code().name}: {e.details()}")
+
+    def _targets(self, tenant, token_ids, target):
+        healthy = self.orch.replicas.healthy()
+        if target == orchestrator_pb2.WARM_TARGET_OWNERS:
+            matches, key = self.orch._matches(tenant, token_ids)
+            d = self.orch.routing.choose(self.orch.replicas.views(), matches, key)
+            return [r for r in healthy if d is not None and r.replica_id == d.replica_id]
+        return healthy
+
+    def warm(self, tenant, request) -> orchestrator_pb2.WarmResponse:
+        if not request.prompts and not request.top_k:
+            raise errors.InvalidArgument("prompts", "give prompts or top_k")
+        if request.top_k > 1000:
+            raise errors.InvalidArgument("top_k", "at most 1000")
+        ttl = request.pin_ttl_seconds or self.cfg.warm_pin_ttl_s
+        jobs = []
+        for i, p in enumerate(request.prompts):
+            if p.messages:
+                ids = self.orch.renderer.render_warm([Message(m.role, m.content)
+                                                      for m in p.messages])
+            elif p.prompt.strip():
+                ids = self.orch.renderer.encode(p.prompt)
+            else:
+                raise errors.InvalidArgument(f"prompts[{i}]", "give messages or prompt")
+            if len(ids) > self.cfg.max_prompt_tokens:
+                raise errors.InvalidArgument(f"prompts[{i}]", "longer than max_prompt_tokens")
+            for r in self._targets(tenant, ids, request.target):
+                jobs.append((r, ids, tenant.cache_salt, ttl, i))
+        if request.top_k and self.orch.prefix is not None:
+            for hp in self.orch.prefix.top_prefixes(request.top_k, self.orch.model_id):
+                # Only this tenant's prefixes: another tenant's salt is not ours to use.
+                if hp.cache_salt != tenant.cache_salt:
+                    continue
+                for r in self.orch.replicas.healthy():
+                    if r.replica_id not in hp.holders:
+                        jobs.append((r, list(hp.token_ids), hp.cache_salt, ttl, -1))
+        results = list(self._pool.map(lambda j: self._prefill(*j), jobs))
+        return orchestrator_pb2.WarmResponse(results=results)
+
+    # ---- background loop ----
+    def start(self) -> None:
+        if self.cfg.warm_interval_s > 0 and self.orch.prefix is not None:
+            threading.Thread(target=self._loop, name="warm-loop", daemon=True).start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def cluster_load(self) -> float:
+        healthy = self.orch.replicas.healthy()
+        if not healthy:
+            return float("inf")
+        return sum(r.load for r in healthy) / len(healthy)
+
+    def cycle(self) -> int:
+        """One warm-up pass; returns the number of prefills issued."""
+        if self.cluster_load() > self.cfg.warm_max_load:
+            return 0
+        try:
+            hot = self.orch.prefix.top_prefixes(self.cfg.warm_top_k, self.orch.model_id)
+        except grpc.RpcError:
+            return 0
+        done = 0
+        for hp in hot:
+            for r in self.orch.replicas.healthy():
+                if done >= self.cfg.warm_max_prompts_per_cycle:
+                    return done
+                if r.replica_id in hp.holders:
+                    continue
+                res = self._prefill(r, list(hp.token_ids), hp.cache_salt,
+                                    self.cfg.warm_pin_ttl_s, -1)
+                if not res.error:
+                    log.info("warmed %d tokens on %s", res.prompt_tokens, r.replica_id)
+                done += 1
+        return done
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.cfg.warm_interval_s):
+            try:
+                self.cycle()
+            except Exception:  # noqa: BLE001 - the loop must survive a bad cycle
+                log.exception("warm-up cycle failed")

@@ -1,0 +1,105 @@
+"""Bearer tokens -> tenants, each with a cache salt and limits.
+
+With no tokens configured every caller is the `default` tenant (local use). With tokens
+configured a call without a valid `authorization: Bearer <token>` is UNAUTHENTICATED.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from services.common.errors import InvalidArgument, ResourceExhausted, Unauthenticated
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    cache_salt: str
+    max_prompt_tokens: int
+    max_tokens: int
+    max_concurrent: int
+
+
+@dataclass
+class TenantRegistry:
+    """Looks tenants up by token and counts their concurrent requests."""
+
+    by_token: dict[str, Tenant]
+    default: Tenant | None
+    _active: dict[str, int] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @staticmethod
+    def salt_for(tenant: str, key: bytes) -> str:
+        # Keyed, so a tenant's salt cannot be derived from its (possibly public) name.
+        return hmac.new(key, b"tenant:" + tenant.encode(), hashlib.sha256).hexdigest()[:32]
+
+    @classmethod
+    def build(cls, *, tokens_file: str, tokens: str, key: bytes, max_prompt_tokens: int,
+              max_tokens: int, max_concurrent: int) -> TenantRegistry:
+        """From a JSON file `{"<token>": {"tenant": "a", "max_concurrent": 4, ...}}` and/or a
+        "token=tenant,..." string. No tokens at all = a single `default` tenant, no auth."""
+        entries: dict[str, dict] = {}
+        if tokens_file:
+            with open(tokens_file, encoding="utf-8") as f:
+                data = json.load(f)
+            if not isinstance(data, Mapping):
+                raise ValueError(f"{tokens_file}: expected a JSON object of token -> tenant")
+            for tok, spec in data.items():
+                entries[tok] = spec if isinstance(spec, Mapping) else {"tenant": str(spec)}
+        for pair in filter(None, (p.strip() for p in tokens.split(","))):
+            tok, sep, name = pair.partition("=")
+            if not sep or not tok or not name:
+                raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: expected token=tenant,...")
+            entries[tok] = {"tenant": name}
+
+        def make(name: str, spec: Mapping) -> Tenant:
+            return Tenant(
+                name=name, cache_salt=cls.salt_for(name, key),
+                max_prompt_tokens=int(spec.get("max_prompt_tokens", max_prompt_tokens)),
+                max_tokens=int(spec.get("max_tokens", max_tokens)),
+                max_concurrent=int(spec.get("max_concurrent", max_concurrent)))
+
+        by_token = {t: make(str(s["tenant"]), s) for t, s in entries.items()}
+        default = None if by_token else make("default", {})
+        return cls(by_token, default)
+
+    def authenticate(self, metadata: Mapping[str, str]) -> Tenant:
+        if self.default is not None:
+            return self.default
+        auth = metadata.get("authorization", "")
+        if not auth:
+            raise Unauthenticated("authorization: missing bearer token")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not token:
+            raise Unauthenticated("authorization: expected 'Bearer <token>'")
+        for known, tenant in self.by_token.items():
+            if hmac.compare_digest(known.encode(), token.encode()):
+                return tenant
+        raise Unauthenticated("authorization: unknown token")
+
+    def check_limits(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> None:
+        if prompt_tokens > tenant.max_prompt_tokens:
+            raise ResourceExhausted(
+                f"prompt: {prompt_tokens} tokens exceed tenant limit {tenant.max_prompt_tokens}")
+        if max_tokens > tenant.max_tokens:
+            raise InvalidArgument("sampling.max_tokens",
+                                  f"{max_tokens} exceeds the limit of {tenant.max_tokens}")
+
+    def acquire(self, tenant: Tenant) -> None:
+        with self._lock:
+            n = self._active.get(tenant.name, 0)
+            if n >= tenant.max_concurrent:
+                raise ResourceExhausted(
+                    f"tenant {tenant.name}: {n} concurrent requests "
+                    f"(limit {tenant.max_concurrent})")
+            self._active[tenant.name] = n + 1
+
+    def release(self, tenant: Tenant) -> None:
+        with self._lock:
+            self._active[tenant.name] = max(0, self._active.get(tenant.name, 0) - 1)
