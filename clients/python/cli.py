@@ -1,0 +1,111 @@
+"""`tiercache` — command-line client.
+
+    tiercache chat "What is a KV cache?"            # streams the answer
+    tiercache chat --session s1 "And a radix tree?"  # multi-turn (history kept in ~/.cache)
+    tiercache warm --system "You are a helpful assistant."
+    tiercache feedback <entry-id> --bad
+    tiercache stats
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from clients.python.client import TierCacheClient
+
+
+def _history_path(session: str) -> Path:
+    base = Path(os.environ.get("TIERCACHE_CLI_HOME", Path.home() / ".cache" / "tiercache"))
+    return base / "sessions" / f"{session}.json"
+
+
+def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
+    messages: list[dict[str, str]] = []
+    hist = _history_path(a.session) if a.session else None
+    if hist is not None and hist.exists():
+        messages = json.loads(hist.read_text())
+    if a.system and not messages:
+        messages.append({"role": "system", "content": a.system})
+    messages.append({"role": "user", "content": a.text})
+    out, final = [], None
+    for ch in c.stream(messages, max_tokens=a.max_tokens, temperature=a.temperature,
+                       session_id=a.session or ""):
+        sys.stdout.write(ch.text)
+        sys.stdout.flush()
+        out.append(ch.text)
+        if ch.final is not None:
+            final = ch.final
+    sys.stdout.write("\n")
+    if final is not None and not a.quiet:
+        r = final.cache_report
+        sys.stderr.write(
+            f"[{'semantic hit' if r.semantic_hit else 'model'} | prompt {r.prompt_tokens} tok, "
+            f"cached {r.cached_tokens}, replica {r.replica_id or '-'}, ttft {r.ttft_ms:.0f} ms"
+            + (f", entry {r.semantic_entry_id}" if r.semantic_entry_id else "") + "]\n")
+    if hist is not None:
+        messages.append({"role": "assistant", "content": "".join(out).strip()})
+        hist.parent.mkdir(parents=True, exist_ok=True)
+        hist.write_text(json.dumps(messages, ensure_ascii=False))
+    return 0
+
+
+def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
+    resp = c.warm([a.system] if a.system else [], top_k=a.top_k, owners_only=a.owners,
+                  pin_ttl_seconds=a.ttl)
+    print(json.dumps(MessageToDict(resp), indent=2))
+    return 0 if all(not r.error for r in resp.results) else 1
+
+
+def cmd_feedback(c: TierCacheClient, a: argparse.Namespace) -> int:
+    print(json.dumps(MessageToDict(c.feedback(a.entry_id, good=not a.bad))))
+    return 0
+
+
+def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
+    print(json.dumps(MessageToDict(c.stats()), indent=2))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
+    p.add_argument("--address", default=os.environ.get("TIERCACHE_ADDRESS", "localhost:50051"))
+    p.add_argument("--token", default=os.environ.get("TIERCACHE_TOKEN"))
+    p.add_argument("--timeout", type=float, default=300.0)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    ch = sub.add_parser("chat", help="ask a question, stream the answer")
+    ch.add_argument("text")
+    ch.add_argument("--session", default="", help="conversation id (keeps history)")
+    ch.add_argument("--system", default="", help="system prompt for a new conversation")
+    ch.add_argument("--max-tokens", type=int, default=0)
+    ch.add_argument("--temperature", type=float, default=0.0)
+    ch.add_argument("-q", "--quiet", action="store_true", help="no cache report on stderr")
+    w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
+    w.add_argument("--system", default="")
+    w.add_argument("--top-k", type=int, default=0, help="also warm the k hottest prefixes")
+    w.add_argument("--owners", action="store_true", help="only the owning replica")
+    w.add_argument("--ttl", type=int, default=0)
+    f = sub.add_parser("feedback", help="mark a semantic entry good (verified) or bad")
+    f.add_argument("entry_id")
+    f.add_argument("--bad", action="store_true")
+    sub.add_parser("stats", help="figures of every tier")
+    a = p.parse_args(argv)
+    cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats}
+    try:
+        with TierCacheClient(a.address, token=a.token, timeout=a.timeout) as c:
+            return cmds[a.cmd](c, a)
+    except grpc.RpcError as e:
+        sys.stderr.write(f"error: {e.code().name}: {e.details()}\n")
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,154 @@
+"""Typed Python client for the public TierCache API (tiercache.v1.Orchestrator).
+
+    with TierCacheClient("localhost:50051", token="...") as c:
+        for chunk in c.stream([{"role": "user", "content": "Hi"}]):
+            print(chunk.text, end="", flush=True)
+        result = c.generate("What is a KV cache?")
+        print(result.text, result.report.cached_tokens)
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from tiercache.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
+
+Messages = str | Sequence[dict[str, str]]
+
+
+@dataclass
+class Chunk:
+    """One streamed piece: text, and on the last one `final` is set."""
+
+    text: str
+    token_ids: list[int]
+    final: orchestrator_pb2.GenerateFinal | None = None
+
+
+@dataclass
+class GenerateResult:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    completion_tokens: int
+    report: common_pb2.CacheReport
+    request_id: str
+    chunks: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class TierCacheClient:
+    """A channel to the orchestrator. Every call has a timeout; errors surface as grpc.RpcError."""
+
+    def __init__(self, address: str = "localhost:50051", token: str | None = None,
+                 timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None
+                 ) -> None:
+        self.address = address
+        self.token = token
+        self.timeout = timeout
+        opts = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+        self.channel = (grpc.secure_channel(address, credentials, options=opts) if credentials
+                        else grpc.insecure_channel(address, options=opts))
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    def __enter__(self) -> TierCacheClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def _metadata(self) -> list[tuple[str, str]]:
+        md = [("x-request-id", uuid.uuid4().hex[:16])]
+        if self.token:
+            md.append(("authorization", f"Bearer {self.token}"))
+        return md
+
+    @staticmethod
+    def build_request(messages: Messages, *, max_tokens: int = 0, temperature: float = 0.0,
+                      top_p: float = 0.0, seed: int = 0, session_id: str = "",
+                      cache_policy: common_pb2.CachePolicy | None = None,
+                      return_token_ids: bool = False, raw: bool = False,
+                      stop_token_ids: Sequence[int] = (), ignore_eos: bool = False
+                      ) -> orchestrator_pb2.GenerateRequest:
+        req = orchestrator_pb2.GenerateRequest(
+            session_id=session_id, return_token_ids=return_token_ids,
+            sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                               top_p=top_p, seed=seed,
+                                               stop_token_ids=list(stop_token_ids),
+                                               ignore_eos=ignore_eos))
+        if cache_policy is not None:
+            req.cache_policy.CopyFrom(cache_policy)
+        if isinstance(messages, str):
+            if raw:
+                req.prompt = messages
+            else:
+                req.messages.add(role="user", content=messages)
+        else:
+            for m in messages:
+                req.messages.add(role=m["role"], content=m["content"])
+        return req
+
+    def stream(self, messages: Messages, *, timeout: float | None = None, **kw: Any
+               ) -> Iterator[Chunk]:
+        """Stream chunks as the model produces them; the last chunk carries `final`."""
+        req = self.build_request(messages, **kw)
+        call = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata())
+        try:
+            for msg in call:
+                yield Chunk(msg.text, list(msg.token_ids),
+                            msg.final if msg.HasField("final") else None)
+        finally:
+            call.cancel()  # no-op when finished; stops generation if the caller stops early
+
+    def generate(self, messages: Messages, **kw: Any) -> GenerateResult:
+        """Run a whole generation and return the text and figures."""
+        text, ids, final, n = [], [], None, 0
+        for ch in self.stream(messages, **kw):
+            text.append(ch.text)
+            ids.extend(ch.token_ids)
+            n += 1
+            if ch.final is not None:
+                final = ch.final
+        if final is None:
+            raise RuntimeError("stream ended without a final message")
+        return GenerateResult(
+            text="".join(text), token_ids=ids,
+            finish_reason=common_pb2.FinishReason.Name(final.finish_reason),
+            prompt_tokens=final.usage.prompt_tokens,
+            completion_tokens=final.usage.completion_tokens, report=final.cache_report,
+            request_id=final.request_id, chunks=n)
+
+    def warm(self, prompts: Sequence[Messages] = (), *, top_k: int = 0, owners_only: bool = False,
+             pin_ttl_seconds: int = 0, timeout: float | None = None
+             ) -> orchestrator_pb2.WarmResponse:
+        req = orchestrator_pb2.WarmRequest(
+            top_k=top_k, pin_ttl_seconds=pin_ttl_seconds,
+            target=(orchestrator_pb2.WARM_TARGET_OWNERS if owners_only
+                    else orchestrator_pb2.WARM_TARGET_ALL))
+        for p in prompts:
+            wp = req.prompts.add()
+            if isinstance(p, str):
+                wp.messages.add(role="system", content=p)
+            else:
+                for m in p:
+                    wp.messages.add(role=m["role"], content=m["content"])
+        return self.stub.Warm(req, timeout=timeout or self.timeout, metadata=self._metadata())
+
+    def feedback(self, semantic_entry_id: str, good: bool, timeout: float | None = None
+                 ) -> orchestrator_pb2.FeedbackResponse:
+        req = orchestrator_pb2.FeedbackRequest(
+            semantic_entry_id=semantic_entry_id,
+            rating=orchestrator_pb2.RATING_GOOD if good else orchestrator_pb2.RATING_BAD)
+        return self.stub.Feedback(req, timeout=timeout or 30, metadata=self._metadata())
+
+    def stats(self, timeout: float | None = None) -> orchestrator_pb2.StatsResponse:
+        return self.stub.Stats(orchestrator_pb2.StatsRequest(), timeout=timeout or 30,
+                               metadata=self._metadata())

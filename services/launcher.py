@@ -1,0 +1,203 @@
+"""`make run`: start every TierCache service as its own local process on loopback.
+
+Starts, in dependency order, semantic, prefix, N kvpool replicas and the orchestrator; waits
+for each one's gRPC health to report SERVING; prints how to call the stack; Ctrl-C (or
+SIGTERM) stops them all. The same `ServiceProcess` class starts real processes in tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+SERVICES = ("semantic", "prefix", "kvpool", "orchestrator")
+EXAMPLE_JSON = ('{"messages":[{"role":"user","content":"What is a KV cache?"}],'
+                '"sampling":{"max_tokens":64}}')
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def service_exists(name: str) -> bool:
+    return (ROOT / "services" / name / "__main__.py").exists()
+
+
+def wait_healthy(address: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
+    """Block until the server at `address` reports SERVING (or raise TimeoutError)."""
+    end = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as ch:
+        stub = health_pb2_grpc.HealthStub(ch)
+        while time.monotonic() < end:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(f"process for {address} exited with {proc.returncode}")
+            try:
+                r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
+                if r.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s")
+
+
+@dataclass
+class ServiceProcess:
+    """One service as a child process; `stop()` sends SIGTERM, then SIGKILL after a grace."""
+
+    name: str
+    port: int
+    env: dict[str, str] = field(default_factory=dict)
+    args: list[str] = field(default_factory=list)
+    log_path: Path | None = None
+    proc: subprocess.Popen | None = None
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> ServiceProcess:
+        env = {**os.environ, **self.env}
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        env[f"TIERCACHE_{self.name.upper()}_ADDRESS"] = self.address
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", f"services.{self.name}", *self.args], cwd=ROOT, env=env,
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        return self
+
+    def wait(self, timeout: float = 180.0) -> ServiceProcess:
+        assert self.proc is not None
+        wait_healthy(self.address, timeout, self.proc)
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL, no drain (for fault tests)."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def stop(self, grace: float = 10.0) -> None:
+        if not self.proc or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+@dataclass
+class Stack:
+    """The whole local stack."""
+
+    replicas: int = 2
+    base_port: int = 50051
+    log_dir: Path = ROOT / ".run" / "logs"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    procs: dict[str, ServiceProcess] = field(default_factory=dict)
+
+    def port(self, offset: int) -> int:
+        return free_port() if self.base_port == 0 else self.base_port + offset
+
+    def start(self, timeout: float = 600.0) -> Stack:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = dict(self.extra_env)
+        sem = prefix = None
+        if service_exists("semantic"):
+            sem = self._start("semantic", self.port(1), {"TIERCACHE_SEMANTIC_METRICS_PORT": "-1",
+                                                         **env})
+        if service_exists("prefix"):
+            prefix = self._start("prefix", self.port(2), {"TIERCACHE_PREFIX_METRICS_PORT": "-1",
+                                                          **env})
+        kv = []
+        for i in range(self.replicas):
+            kv_env = {"TIERCACHE_KVPOOL_REPLICA_ID": f"kvpool-{i}",
+                      "TIERCACHE_KVPOOL_METRICS_PORT": "-1", **env}
+            if prefix is not None:
+                kv_env["TIERCACHE_KVPOOL_PREFIX_ADDRESS"] = prefix.address
+            kv.append(self._start("kvpool", self.port(3 + i), kv_env, key=f"kvpool-{i}"))
+        orch_env = {"TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": ",".join(p.address for p in kv),
+                    "TIERCACHE_ORCHESTRATOR_METRICS_PORT": "-1", **env}
+        if sem is not None:
+            orch_env["TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS"] = sem.address
+        if prefix is not None:
+            orch_env["TIERCACHE_ORCHESTRATOR_PREFIX_ADDRESSES"] = prefix.address
+        self._start("orchestrator", self.port(0), orch_env)
+        for p in self.procs.values():
+            print(f"  waiting for {p.name} on {p.address} ...", flush=True)
+            p.wait(timeout)
+        return self
+
+    def _start(self, name: str, port: int, env: dict[str, str], key: str | None = None
+               ) -> ServiceProcess:
+        p = ServiceProcess(name, port, env, log_path=self.log_dir / f"{key or name}.log").start()
+        self.procs[key or name] = p
+        return p
+
+    def stop(self) -> None:
+        # Reverse order: the orchestrator drains first, the index last.
+        for p in reversed(list(self.procs.values())):
+            p.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Run the whole TierCache stack locally.")
+    ap.add_argument("--replicas", type=int, default=int(os.environ.get("TIERCACHE_REPLICAS", 2)))
+    ap.add_argument("--base-port", type=int, default=50051)
+    a = ap.parse_args(argv)
+    stack = Stack(replicas=a.replicas, base_port=a.base_port)
+    print(f"Starting TierCache ({', '.join(s for s in SERVICES if service_exists(s))}); "
+          f"logs in {stack.log_dir} (first start converts the model: ~1 min)", flush=True)
+    stopping = False
+
+    def _stop(*_: object) -> None:
+        nonlocal stopping
+        if not stopping:
+            stopping = True
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        stack.start()
+        orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
+        grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+        print(f"""
+TierCache is up. Orchestrator: {orch}
+  CLI:      .venv/bin/tiercache --address {orch} chat "What is a KV cache?"
+            .venv/bin/tiercache --address {orch} stats
+  grpcurl:  {grpcurl} -plaintext -d '{EXAMPLE_JSON}' \\
+              {orch} tiercache.v1.Orchestrator/Generate
+Ctrl-C stops everything.""", flush=True)
+        while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):
+            time.sleep(1.0)
+        dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
+        print(f"service(s) exited: {', '.join(dead)}; see {stack.log_dir}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nstopping ...", flush=True)
+        return 0
+    except (TimeoutError, RuntimeError) as e:
+        print(f"failed to start: {e}; see logs in {stack.log_dir}", file=sys.stderr)
+        return 1
+    finally:
+        stack.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
