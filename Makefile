@@ -48,5 +48,11 @@ bench: setup
 bench-quick: setup
 	$(VPY) -m benchmarks.kvpool --quick
 
+k8s-validate: setup
+	@set -euo pipefail; for o in deploy/k8s/overlays/*/; do \
+	  echo "== kubectl kustomize $$o | kubernetes-validate --strict (Kubernetes 1.37)"; \
+	  kubectl kustomize "$$o" | $(VENV)/bin/kubernetes-validate --strict --quiet -k 1.37.0 -; \
+	done; echo "k8s-validate: every overlay renders and validates"
+
 clean:
 	rm -rf gen $(VENV) .pytest_cache .ruff_cache
