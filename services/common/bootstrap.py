@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common import errors
 from services.common.logs import request_id_var
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
+from services.common.wire import find_invalid_utf8
 
 log = logging.getLogger(__name__)
 
@@ -98,9 +99,29 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             RPC_TOTAL.labels(service, short, "INTERNAL").inc()
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {short}; see server logs")
 
+        deserialize = handler.request_deserializer
+
+        def parse(raw, context):
+            # We parse requests ourselves so that a malformed one is INVALID_ARGUMENT naming
+            # the field, not the INTERNAL status gRPC gives a failing deserializer.
+            if deserialize is None:
+                return raw
+            try:
+                return deserialize(raw)
+            except Exception:  # noqa: BLE001 - any parse failure is the client's input
+                cls = getattr(deserialize, "__self__", None)
+                where = find_invalid_utf8(cls.DESCRIPTOR, raw) if cls is not None else None
+                RPC_TOTAL.labels(service, short, "INVALID_ARGUMENT").inc()
+                if where:
+                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                  f"{where}: invalid UTF-8 in a string field")
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                              "request: malformed protobuf message")
+
         def unary_behavior(inner):
-            def wrapped(request, context):
+            def wrapped(raw, context):
                 rid = prologue(context)
+                request = parse(raw, context)
                 tok = request_id_var.set(rid)
                 t0 = time.perf_counter()
                 try:
@@ -116,8 +137,9 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             return wrapped
 
         def stream_behavior(inner):
-            def wrapped(request, context) -> Iterator:
+            def wrapped(raw, context) -> Iterator:
                 rid = prologue(context)
+                request = parse(raw, context)
                 t0 = time.perf_counter()
                 tok = request_id_var.set(rid)
                 try:
@@ -152,13 +174,13 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 unary_behavior(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=None,
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 stream_behavior(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=None,
                 response_serializer=handler.response_serializer,
             )
         return handler

