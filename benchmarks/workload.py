@@ -1,0 +1,155 @@
+"""A seeded, documented chat workload for benchmarks and replays.
+
+Shape (all counts configurable):
+- `tenants` tenants, each with `prompts_per_tenant` system prompts of ~`system_tokens` tokens
+  (text assembled from QQP questions, so it tokenizes like real prose);
+- sessions pick a (tenant, system prompt) with Zipf weights (a few prompts are hot) and run
+  `turns` user turns; each user turn is a QQP question;
+- `sessions` fresh sessions, plus enough *paraphrased repeats* that they make up
+  `repeat_fraction` of all requests. A repeat is: a new session whose first question is
+  the QQP duplicate (question2) of an earlier session's first question (question1), in the same
+  tenant and system prompt — the traffic the semantic tier exists for;
+- arrivals follow a Poisson process whose rate follows a diurnal curve
+  rate(t) = base * (1 + amplitude * sin(2π t / period)), so there are low-traffic windows for
+  warm-up. `Request.at` is the arrival time in seconds.
+
+A trace is a JSONL file of `Request`s (`save_trace` / `load_trace`); `tiercache replay` can
+replay one against a running stack.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    seed: int = 0
+    tenants: int = 4
+    prompts_per_tenant: int = 2
+    system_tokens: int = 1000  # approximate, ~0.75 words per token
+    sessions: int = 16
+    turns: int = 3
+    repeat_fraction: float = 0.2
+    zipf_s: float = 1.1
+    base_rate: float = 1.0  # sessions per second at the curve's mean
+    amplitude: float = 0.8
+    period_s: float = 600.0
+
+
+@dataclass
+class Request:
+    """One user turn. `history` is filled in at replay time from the session's earlier turns."""
+
+    at: float
+    tenant: str
+    session_id: str
+    system_index: int
+    turn: int
+    question: str
+    repeat_of: str = ""  # session id whose first question this paraphrases
+    kind: str = "turn"  # "turn" | "repeat"
+
+
+@dataclass
+class Workload:
+    spec: WorkloadSpec
+    system_prompts: dict[str, list[str]]  # tenant -> system prompts
+    requests: list[Request] = field(default_factory=list)
+
+    def sessions(self) -> dict[str, list[Request]]:
+        out: dict[str, list[Request]] = {}
+        for r in self.requests:
+            out.setdefault(r.session_id, []).append(r)
+        return out
+
+
+def load_qqp(path: Path | None = None) -> list[tuple[str, str, int]]:
+    path = path or DATA / "qqp_val.csv"
+    with open(path, newline="", encoding="utf-8") as f:
+        return [(r["question1"], r["question2"], int(r["is_duplicate"]))
+                for r in csv.DictReader(f)]
+
+
+def _system_prompt(rng: random.Random, questions: list[str], tenant: str, i: int,
+                   approx_tokens: int) -> str:
+    head = (f"You are the assistant of {tenant}, deployment {i}. Follow the policies below, "
+            "answer briefly and precisely.\nPolicies and reference notes:\n")
+    words: list[str] = []
+    target_words = int(approx_tokens * 0.72)
+    while len(words) < target_words:
+        words.extend(rng.choice(questions).split())
+    return head + " ".join(words[:target_words])
+
+
+def _arrivals(rng: random.Random, n: int, spec: WorkloadSpec) -> Iterator[float]:
+    # Thinning of a Poisson process with the diurnal rate.
+    t, peak = 0.0, spec.base_rate * (1 + spec.amplitude)
+    made = 0
+    while made < n:
+        t += rng.expovariate(peak)
+        rate = spec.base_rate * (1 + spec.amplitude * math.sin(2 * math.pi * t / spec.period_s))
+        if rng.random() * peak <= rate:
+            made += 1
+            yield t
+
+
+def generate(spec: WorkloadSpec, qqp: list[tuple[str, str, int]] | None = None) -> Workload:
+    rng = random.Random(spec.seed)
+    qqp = qqp if qqp is not None else load_qqp()
+    dups = [(a, b) for a, b, d in qqp if d == 1]
+    singles = [a for a, _, _ in qqp]
+    tenants = [f"tenant-{i}" for i in range(spec.tenants)]
+    prompts = {t: [_system_prompt(rng, singles, t, i, spec.system_tokens)
+                   for i in range(spec.prompts_per_tenant)] for t in tenants}
+    pairs = [(t, i) for t in tenants for i in range(spec.prompts_per_tenant)]
+    weights = [1.0 / (k + 1) ** spec.zipf_s for k in range(len(pairs))]
+    rng.shuffle(pairs)
+    n_fresh = spec.sessions
+    n_repeat = int(round(spec.repeat_fraction * n_fresh * spec.turns
+                         / max(1e-9, 1.0 - spec.repeat_fraction)))
+    times = list(_arrivals(rng, n_fresh + n_repeat, spec))
+    fresh: list[tuple[str, int, str, str]] = []  # tenant, sys, sid, paraphrase of first q
+    reqs: list[Request] = []
+    order = ["fresh"] * n_fresh + ["repeat"] * n_repeat
+    # Repeats come after at least one fresh session; shuffle the rest.
+    tail = order[1:]
+    rng.shuffle(tail)
+    order = order[:1] + tail
+    for k, (kind, at) in enumerate(zip(order, times, strict=True)):
+        sid = f"s{spec.seed}-{k}"
+        if kind == "repeat" and fresh:
+            tenant, sysi, orig, para = rng.choice(fresh)
+            reqs.append(Request(at, tenant, sid, sysi, 0, para, repeat_of=orig, kind="repeat"))
+            continue
+        tenant, sysi = rng.choices(pairs, weights)[0]
+        q1, q2 = rng.choice(dups)
+        fresh.append((tenant, sysi, sid, q2))
+        for turn in range(spec.turns):
+            q = q1 if turn == 0 else rng.choice(singles)
+            # Later turns arrive after the user read the answer: a few seconds apart.
+            reqs.append(Request(at + 5.0 * turn, tenant, sid, sysi, turn, q))
+    reqs.sort(key=lambda r: (r.at, r.session_id, r.turn))
+    return Workload(spec, prompts, reqs)
+
+
+def save_trace(w: Workload, path: str | Path) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps({"spec": asdict(w.spec), "system_prompts": w.system_prompts}) + "\n")
+        for r in w.requests:
+            f.write(json.dumps(asdict(r), ensure_ascii=False) + "\n")
+
+
+def load_trace(path: str | Path) -> Workload:
+    with open(path, encoding="utf-8") as f:
+        head = json.loads(f.readline())
+        reqs = [Request(**json.loads(line)) for line in f if line.strip()]
+    return Workload(WorkloadSpec(**head["spec"]), head["system_prompts"], reqs)
