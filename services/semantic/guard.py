@@ -1,0 +1,156 @@
+"""A second opinion before a high-similarity match is served: near-paraphrase traps.
+
+Sentence embeddings are nearly bag-of-words: "flights from New York to Florida" and "flights
+from Florida to New York" score ~0.98 with all-MiniLM-L6-v2, as do most PAWS non-paraphrases.
+The guard refuses a match when the two texts disagree on something the embedding blurs:
+
+1. numbers — the sets of numbers (digits or number words) differ;
+2. negation — one text is negated and the other is not;
+3. entities — a capitalised word (not sentence-initial), acronym or alphanumeric code of one
+   text is missing from the other;
+4. order — the words the texts share are arranged differently beyond one block move.
+
+The order test counts breakpoints: adjacent pairs of shared words (with start/end sentinels)
+in the cached text that are no longer adjacent in the new one. Moving one block of words
+("X did Y in 2010" -> "In 2010 X did Y") breaks exactly 3 adjacencies; exchanging two
+words or phrases ("from A to B" -> "from B to A") breaks at least 4. So more than 3
+breakpoints means the shared words were shuffled, not just one phrase moved.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from typing import NamedTuple
+
+_NUMBER_WORDS = {
+    "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6",
+    "seven": "7", "eight": "8", "nine": "9", "ten": "10", "eleven": "11", "twelve": "12",
+    "thirteen": "13", "fourteen": "14", "fifteen": "15", "sixteen": "16", "seventeen": "17",
+    "eighteen": "18", "nineteen": "19", "twenty": "20", "thirty": "30", "forty": "40",
+    "fifty": "50", "sixty": "60", "seventy": "70", "eighty": "80", "ninety": "90",
+    "hundred": "100", "thousand": "1000", "million": "1e6", "billion": "1e9",
+    "first": "1st", "second": "2nd", "third": "3rd", "fourth": "4th", "fifth": "5th",
+    "once": "1x", "twice": "2x", "half": "0.5", "double": "2x", "triple": "3x",
+}
+_NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "nowhere",
+              "without", "cannot", "n't", "t"}  # "t" = the tail of don't/isn't/can't
+_STOP_CAPS = {"i", "i'm", "i've", "i'd", "i'll", "what", "how", "why", "when", "where", "who",
+              "which", "is", "are", "can", "do", "does", "the", "a", "an", "in", "on", "if"}
+
+
+class GuardResult(NamedTuple):
+    """`ok` False means the match must not be served; `reason` says which check refused."""
+
+    ok: bool
+    reason: str
+
+
+def _tokens(text: str) -> list[str]:
+    text = text.replace("\u2019", "'").replace("n't", " n't")
+    return re.findall(r"n't|[A-Za-z0-9]+(?:[.,][0-9]+)*|[^\sA-Za-z0-9]", text)
+
+
+def _words(tokens: list[str]) -> list[str]:
+    return [t for t in tokens if t[0].isalnum() or t == "n't"]
+
+
+def _numbers(words: list[str]) -> Counter:
+    out: Counter = Counter()
+    for w in words:
+        low = w.lower()
+        if low[0].isdigit():
+            out[low.replace(",", "")] += 1
+        elif low in _NUMBER_WORDS:
+            out[_NUMBER_WORDS[low]] += 1
+    return out
+
+
+def _negated(words: list[str]) -> bool:
+    return sum(1 for w in words if w.lower() in _NEGATIONS) % 2 == 1
+
+
+def _entities(tokens: list[str]) -> set[str]:
+    """Capitalised words not at a sentence start, acronyms and codes with digits, lowercased."""
+    out: set[str] = set()
+    start = True
+    for t in tokens:
+        if not t[0].isalnum():
+            start = t in (".", "!", "?", ":", ";", '"', "``")
+            continue
+        low = t.lower()
+        alpha = t.isalpha()
+        acronym = len(t) >= 2 and t.isupper() and alpha
+        code = not alpha and any(c.isdigit() for c in t) and any(c.isalpha() for c in t)
+        if acronym or code or (t[0].isupper() and not start and low not in _STOP_CAPS):
+            out.add(low)
+        start = False
+    return out
+
+
+def _shared_sequences(a: list[str], b: list[str]) -> tuple[list[tuple[str, int]],
+                                                           list[tuple[str, int]]]:
+    """The words common to both, in each text's order; the k-th repeat of a word pairs with
+    the k-th repeat in the other text."""
+    ca, cb = Counter(a), Counter(b)
+    keep = {w: min(ca[w], cb[w]) for w in ca if w in cb}
+
+    def seq(words: list[str]) -> list[tuple[str, int]]:
+        seen: Counter = Counter()
+        out = []
+        for w in words:
+            if seen[w] < keep.get(w, 0):
+                out.append((w, seen[w]))
+                seen[w] += 1
+        return out
+
+    return seq(a), seq(b)
+
+
+def breakpoints(a_words: list[str], b_words: list[str]) -> int:
+    """Adjacencies of shared words in `a` (with sentinels) that `b` does not keep."""
+    sa, sb = _shared_sequences([w.lower() for w in a_words], [w.lower() for w in b_words])
+    if len(sa) < 2:
+        return 0
+    begin, end = ("^", 0), ("$", 0)
+    sa, sb = [begin, *sa, end], [begin, *sb, end]
+    adj_b = set(zip(sb, sb[1:], strict=False))
+    return sum(1 for p in zip(sa, sa[1:], strict=False) if p not in adj_b)
+
+
+class ParaphraseGuard:
+    """Checks that a candidate match is not a near-paraphrase trap.
+
+    Args:
+        max_breakpoints: allowed breakpoints in the order of shared words (3 = one block move).
+        check_numbers, check_negation, check_entities, check_order: switch single checks.
+    """
+
+    def __init__(self, max_breakpoints: int = 3, *, check_numbers: bool = True,
+                 check_negation: bool = True, check_entities: bool = True,
+                 check_order: bool = True) -> None:
+        self.max_breakpoints = max_breakpoints
+        self.checks = (check_numbers, check_negation, check_entities, check_order)
+
+    def check(self, query: str, cached: str) -> GuardResult:
+        """GuardResult(True, "") if `cached` may answer `query`."""
+        tq, tc = _tokens(query), _tokens(cached)
+        wq, wc = _words(tq), _words(tc)
+        numbers, negation, entities, order = self.checks
+        if numbers:
+            nq, nc = _numbers(wq), _numbers(wc)
+            if set(nq) != set(nc):
+                diff = sorted(set(nq) ^ set(nc))
+                return GuardResult(False, f"numbers differ: {', '.join(diff[:4])}")
+        if negation and _negated(wq) != _negated(wc):
+            return GuardResult(False, "negation differs")
+        if entities:
+            lq, lc = {w.lower() for w in wq}, {w.lower() for w in wc}
+            missing = sorted((_entities(tq) - lc) | (_entities(tc) - lq))
+            if missing:
+                return GuardResult(False, f"entities differ: {', '.join(missing[:4])}")
+        if order:
+            bp = breakpoints(wc, wq)
+            if bp > self.max_breakpoints:
+                return GuardResult(False, f"word order differs ({bp} breakpoints)")
+        return GuardResult(True, "")

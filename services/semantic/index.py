@@ -1,0 +1,196 @@
+"""Per-namespace vector index: inner product over unit vectors, searches never wait on writes.
+
+    snapshot (immutable, swapped atomically)          delta (append-only buffer)
+    +--------------------------------------+          +------------------------+
+    | main: faiss Flat (small) or HNSW     |          | rows [0, n) visible    |
+    | main_labels[i] -> entry label        |          | labels[0, n)           |
+    +--------------------------------------+          +------------------------+
+
+A search reads the current snapshot reference and the delta's published row count, and never
+takes a lock: the main index is never mutated after it is published, and delta rows below the
+published count are never rewritten. Writers (serialised on one lock) append to the delta; a
+full delta is merged into a new main index (Flat while the namespace holds fewer than
+`hnsw_min_entries`, else HNSW — for HNSW a copy of the old graph plus the new rows) which is then
+swapped in. Removals are tombstones, filtered out of results, and purged at the next rebuild.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import faiss
+import numpy as np
+
+_EXTRA_K = 8  # extra neighbours fetched so that tombstoned rows rarely hide a live one
+
+
+class IndexParams(NamedTuple):
+    """How a namespace index is built."""
+
+    dim: int
+    hnsw_min_entries: int = 20000
+    hnsw_m: int = 32
+    hnsw_ef_construction: int = 80
+    hnsw_ef_search: int = 128
+    delta_capacity: int = 2048
+
+
+class Neighbor(NamedTuple):
+    """One search result: the entry label and its cosine similarity."""
+
+    label: int
+    score: float
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    main: faiss.Index | None
+    main_labels: np.ndarray  # int64, position in main -> label
+    main_vecs: np.ndarray  # float32 [n, dim], kept for rebuilds and exact search
+    delta_vecs: np.ndarray  # float32 [capacity, dim]; rows >= delta_count not yet visible
+    delta_labels: np.ndarray  # int64 [capacity]
+    kind: str  # "flat", "hnsw" or "empty"
+
+
+class NamespaceIndex:
+    """The vectors of one namespace. `search` is lock-free; writes are serialised."""
+
+    def __init__(self, params: IndexParams) -> None:
+        self.params = params
+        self._lock = threading.Lock()
+        self._dead: set[int] = set()
+        self._live: set[int] = set()
+        self._snap = self._new_snapshot(None, np.zeros(0, np.int64),
+                                        np.zeros((0, params.dim), np.float32), "empty")
+        self._delta_count = 0
+
+    def _new_snapshot(self, main, labels, vecs, kind) -> _Snapshot:
+        cap = self.params.delta_capacity
+        return _Snapshot(main, labels, vecs, np.zeros((cap, self.params.dim), np.float32),
+                         np.zeros(cap, np.int64), kind)
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    @property
+    def kind(self) -> str:
+        """"flat", "hnsw" or "empty": what the main index currently is."""
+        return self._snap.kind
+
+    def add(self, label: int, vec: np.ndarray) -> None:
+        """Adds one unit vector under `label` (visible to searches on return)."""
+        with self._lock:
+            if self._delta_count >= self.params.delta_capacity:
+                self._merge_locked()
+            snap, n = self._snap, self._delta_count
+            snap.delta_vecs[n] = vec
+            snap.delta_labels[n] = label
+            self._live.add(label)
+            self._dead.discard(label)
+            self._delta_count = n + 1  # publish the row only after it is written
+
+    def add_many(self, labels: np.ndarray, vecs: np.ndarray) -> None:
+        """Bulk load (e.g. at start): builds the main index over everything at once."""
+        with self._lock:
+            self._merge_locked(np.asarray(labels, np.int64), np.asarray(vecs, np.float32))
+
+    def remove(self, label: int) -> bool:
+        """Tombstones `label`; returns False if it was not present."""
+        with self._lock:
+            if label not in self._live:
+                return False
+            self._live.discard(label)
+            self._dead.add(label)
+            if len(self._dead) > max(64, len(self._live) // 4):
+                self._merge_locked()
+            return True
+
+    def compact(self) -> None:
+        """Merges the delta and purges tombstones now."""
+        with self._lock:
+            self._merge_locked()
+
+    def _merge_locked(self, extra_labels: np.ndarray | None = None,
+                      extra_vecs: np.ndarray | None = None) -> None:
+        snap, n = self._snap, self._delta_count
+        labels = np.concatenate([snap.main_labels, snap.delta_labels[:n]])
+        vecs = np.concatenate([snap.main_vecs, snap.delta_vecs[:n]])
+        if extra_labels is not None:
+            labels = np.concatenate([labels, extra_labels])
+            vecs = np.concatenate([vecs, extra_vecs])
+            self._live.update(int(x) for x in extra_labels)
+            self._dead.difference_update(int(x) for x in extra_labels)
+        purge = bool(self._dead)
+        if purge:
+            keep = ~np.isin(labels, np.fromiter(self._dead, np.int64, len(self._dead)))
+            labels, vecs = labels[keep], vecs[keep]
+        p = self.params
+        if len(labels) == 0:
+            main, kind = None, "empty"
+        elif len(labels) < p.hnsw_min_entries:
+            main, kind = faiss.IndexFlatIP(p.dim), "flat"
+            main.add(vecs)
+        elif snap.kind == "hnsw" and not purge and extra_labels is None:
+            # Append-only change: copy the old graph and insert only the new rows.
+            main, kind = faiss.clone_index(snap.main), "hnsw"
+            main.add(vecs[len(snap.main_labels):])
+        else:
+            main, kind = faiss.IndexHNSWFlat(p.dim, p.hnsw_m, faiss.METRIC_INNER_PRODUCT), "hnsw"
+            main.hnsw.efConstruction = p.hnsw_ef_construction
+            main.add(vecs)
+        if kind == "hnsw":
+            main.hnsw.efSearch = p.hnsw_ef_search
+        new = self._new_snapshot(main, np.ascontiguousarray(labels),
+                                 np.ascontiguousarray(vecs), kind)
+        # Order matters for lock-free readers: a reader holding the old snapshot keeps seeing
+        # its old delta rows (they are never overwritten); a new reader sees count 0 first.
+        self._delta_count = 0
+        self._snap = new
+        self._dead.clear()
+
+    def search(self, vec: np.ndarray, k: int = 1) -> list[Neighbor]:
+        """The `k` most similar live entries, best first. Never blocks on writers."""
+        snap = self._snap
+        n = min(self._delta_count, len(snap.delta_labels))
+        if snap is not self._snap:  # a merge raced us: the new snapshot's count is 0..n
+            snap, n = self._snap, 0
+        q = np.asarray(vec, np.float32).reshape(1, -1)
+        want = k + min(len(self._dead), _EXTRA_K) if self._dead else k
+        found: dict[int, float] = {}
+        if snap.main is not None:
+            scores, pos = snap.main.search(q, min(want, len(snap.main_labels)))
+            for s, i in zip(scores[0], pos[0], strict=True):
+                if i >= 0:
+                    found[int(snap.main_labels[i])] = float(s)
+        if n:
+            ds = snap.delta_vecs[:n] @ q[0]
+            top = np.argsort(-ds)[:want]
+            for i in top:
+                lab = int(snap.delta_labels[i])
+                found[lab] = max(found.get(lab, -2.0), float(ds[i]))
+        live = [Neighbor(lab, s) for lab, s in found.items() if lab in self._live]
+        live.sort(key=lambda nb: -nb.score)
+        return live[:k]
+
+    def search_exact(self, vec: np.ndarray, k: int = 1) -> list[Neighbor]:
+        """Brute-force reference search over every live vector (benchmarks, tests)."""
+        snap, n = self._snap, self._delta_count
+        labels = np.concatenate([snap.main_labels, snap.delta_labels[:n]])
+        vecs = np.concatenate([snap.main_vecs, snap.delta_vecs[:n]])
+        scores = vecs @ np.asarray(vec, np.float32)
+        out = [Neighbor(int(labels[i]), float(scores[i])) for i in np.argsort(-scores)]
+        return [nb for nb in out if nb.label in self._live][:k]
+
+    def check_integrity(self) -> None:
+        """Raises AssertionError unless labels, tombstones and vectors agree."""
+        snap, n = self._snap, self._delta_count
+        labels = np.concatenate([snap.main_labels, snap.delta_labels[:n]])
+        present = set(int(x) for x in labels)
+        assert len(present) == len(labels), "a label is indexed twice"
+        assert self._live <= present, "a live label is missing from the index"
+        assert not (self._live & self._dead), "a label is both live and dead"
+        assert present - self._live <= self._dead, "an unknown label is indexed"
+        if snap.main is not None:
+            assert snap.main.ntotal == len(snap.main_labels)

@@ -1,0 +1,189 @@
+"""One-time export of a sentence-transformers folder to an ONNX graph with pooling inside.
+
+    ensure_onnx(model_dir, cache_dir, "all-MiniLM-L6-v2")
+      -> <cache_dir>/onnx/all-MiniLM-L6-v2/model.onnx   (+ meta.json, tokenizer.json)
+
+The graph takes `input_ids`, `attention_mask` (and `token_type_ids` where the model has them)
+and returns `embedding [batch, dim]`: the transformer, then the folder's pooling (mean or CLS),
+then L2 normalisation when the folder has a Normalize module, so its output equals
+sentence-transformers'. The export runs once per model folder (fingerprinted by its config and
+weight sizes): concurrent processes serialise on a lock file and the result appears atomically
+(written to a temporary folder, then renamed), so a reader never sees a half-written model.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+OPSET = 17
+EXPORT_FORMAT = 1  # bump when the graph layout changes; old exports are then redone
+
+
+@dataclass(frozen=True)
+class SentenceModelSpec:
+    """What the sentence-transformers folder says about tokenising and pooling."""
+
+    model_dir: Path
+    max_seq_length: int
+    pooling: str  # "mean" or "cls"
+    normalize: bool
+    dim: int
+
+    @classmethod
+    def read(cls, model_dir: str | os.PathLike) -> SentenceModelSpec:
+        """Reads `modules.json`, `sentence_bert_config.json` and the pooling config.
+
+        Raises:
+            ValueError: the folder is not a sentence-transformers model we can run.
+        """
+        d = Path(model_dir)
+        if not (d / "config.json").is_file() or not (d / "tokenizer.json").is_file():
+            raise ValueError(f"{d}: needs config.json and tokenizer.json (a fast tokenizer)")
+        max_len = 256
+        sbc = d / "sentence_bert_config.json"
+        if sbc.is_file():
+            max_len = int(json.loads(sbc.read_text()).get("max_seq_length") or max_len)
+        hidden = int(json.loads((d / "config.json").read_text()).get("hidden_size", 0))
+        pooling, normalize, dim = "mean", False, hidden
+        modules = d / "modules.json"
+        if modules.is_file():
+            for m in json.loads(modules.read_text()):
+                kind = m.get("type", "")
+                if kind.endswith("Pooling"):
+                    pc = json.loads((d / m["path"] / "config.json").read_text())
+                    dim = int(pc.get("word_embedding_dimension", dim))
+                    if pc.get("pooling_mode_cls_token"):
+                        pooling = "cls"
+                    elif pc.get("pooling_mode_mean_tokens"):
+                        pooling = "mean"
+                    else:
+                        raise ValueError(f"{d}: only mean or CLS pooling is supported")
+                elif kind.endswith("Normalize"):
+                    normalize = True
+                elif kind.endswith(("Transformer", "Pooling")):
+                    pass
+                else:
+                    raise ValueError(f"{d}: unsupported sentence-transformers module {kind}")
+        return cls(d, max_len, pooling, normalize, dim)
+
+    def fingerprint(self) -> str:
+        """Changes when the folder's config, tokenizer or weights change."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(f"{EXPORT_FORMAT}|{OPSET}|{self.pooling}|{self.normalize}".encode())
+        for name in sorted(os.listdir(self.model_dir)):
+            p = self.model_dir / name
+            if p.is_file():
+                h.update(name.encode())
+                if p.suffix in (".json", ".txt"):
+                    h.update(p.read_bytes())
+                else:
+                    h.update(str(p.stat().st_size).encode())
+        return h.hexdigest()
+
+
+def _export(spec: SentenceModelSpec, out_dir: Path) -> None:
+    """Traces the transformer + pooling + normalisation into `out_dir/model.onnx`."""
+    import torch
+    from tqdm import tqdm
+    from transformers import AutoModel
+
+    steps = tqdm(total=4, desc=f"ONNX export of {spec.model_dir.name}", unit="step")
+    # Eager attention: the SDPA path drops an all-ones mask at trace time, which would bake
+    # "no padding" into the graph.
+    model = AutoModel.from_pretrained(str(spec.model_dir), attn_implementation="eager").eval()
+    steps.update(1)
+    pooling, normalize = spec.pooling, spec.normalize
+    has_types = getattr(model.config, "type_vocab_size", 0) > 1
+
+    class Pooled(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, token_type_ids=None):
+            kw = {"token_type_ids": token_type_ids} if token_type_ids is not None else {}
+            hidden = self.model(input_ids=input_ids, attention_mask=attention_mask, **kw)[0]
+            if pooling == "cls":
+                emb = hidden[:, 0]
+            else:
+                m = attention_mask.unsqueeze(-1).to(hidden.dtype)
+                emb = (hidden * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            if normalize:
+                emb = torch.nn.functional.normalize(emb, p=2.0, dim=1)
+            return emb
+
+    ids = torch.ones(2, 8, dtype=torch.long)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0  # a padded row, so the traced graph really applies the mask
+    args: tuple = (ids, mask)
+    names = ["input_ids", "attention_mask"]
+    if has_types:
+        args = (ids, mask, torch.zeros(2, 8, dtype=torch.long))
+        names.append("token_type_ids")
+    axes = {n: {0: "batch", 1: "seq"} for n in names}
+    axes["embedding"] = {0: "batch"}
+    steps.update(1)
+    with torch.inference_mode():
+        torch.onnx.export(Pooled().eval(), args, str(out_dir / "model.onnx"),
+                          input_names=names, output_names=["embedding"], dynamic_axes=axes,
+                          opset_version=OPSET, dynamo=False)
+    steps.update(1)
+    shutil.copy2(spec.model_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    meta = {"fingerprint": spec.fingerprint(), "max_seq_length": spec.max_seq_length,
+            "dim": spec.dim, "pooling": spec.pooling, "normalize": spec.normalize,
+            "inputs": names, "source": str(spec.model_dir)}
+    (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+    steps.update(1)
+    steps.close()
+
+
+def _is_current(d: Path, fingerprint: str) -> bool:
+    try:
+        meta = json.loads((d / "meta.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return meta.get("fingerprint") == fingerprint and (d / "model.onnx").is_file()
+
+
+def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name: str) -> Path:
+    """Returns the folder holding `model.onnx` for `model_dir`, exporting it first if needed.
+
+    Safe to call from several processes at once: one exports, the others wait on the lock and
+    then find the finished folder.
+    """
+    spec = SentenceModelSpec.read(model_dir)
+    fp = spec.fingerprint()
+    root = Path(cache_dir) / "onnx"
+    target = root / name
+    if _is_current(target, fp):
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _is_current(target, fp):  # another process finished while we waited
+            return target
+        log.info("exporting %s to ONNX under %s (once)", spec.model_dir, target)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
+        try:
+            _export(spec, tmp)
+            if target.exists():
+                # Stale export (other fingerprint): move it aside, then swap in the new one.
+                old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=root))
+                os.rename(target, old / "x")
+                shutil.rmtree(old, ignore_errors=True)
+            os.chmod(tmp, 0o755)
+            os.rename(tmp, target)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    return target

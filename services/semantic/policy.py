@@ -1,0 +1,99 @@
+"""When a similarity is a hit: tiers, explicit thresholds, the verified bonus and the draft band.
+
+    similarity:  0 ........ draft_floor ........ threshold(-bonus if verified) ........ 1
+                   miss      |  draft candidate   |              hit (if the guard agrees)
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from services.common.errors import InvalidArgument
+
+
+class Outcome(enum.Enum):
+    """What a lookup's best candidate is."""
+
+    HIT = "hit"
+    DRAFT = "draft"
+    MISS = "miss"
+
+
+class Resolved(NamedTuple):
+    """The tier and threshold that apply to one request."""
+
+    tier: str
+    threshold: float
+    explicit: bool
+
+
+class Decision(NamedTuple):
+    """The outcome for one candidate and the threshold it was held to."""
+
+    outcome: Outcome
+    threshold: float
+
+
+@dataclass(frozen=True)
+class ThresholdPolicy:
+    """Tiered similarity thresholds (see the module docstring).
+
+    Args:
+        tiers: tier name -> threshold.
+        default_tier: used when a request names none.
+        floor: explicit thresholds below it are refused; the verified bonus never goes below it.
+        verified_bonus: human-verified entries are held to `threshold - verified_bonus`.
+        draft_floor: similarities in [draft_floor, threshold) are draft candidates.
+    """
+
+    tiers: dict[str, float]
+    default_tier: str = "standard"
+    floor: float = 0.85
+    verified_bonus: float = 0.02
+    draft_floor: float = 0.80
+
+    @classmethod
+    def from_config(cls, cfg) -> ThresholdPolicy:
+        return cls({"strict": cfg.tier_strict, "standard": cfg.tier_standard,
+                    "relaxed": cfg.tier_relaxed}, cfg.default_tier, cfg.threshold_floor,
+                   cfg.verified_bonus, cfg.draft_floor)
+
+    def resolve(self, tier: str = "", threshold: float = 0.0) -> Resolved:
+        """The tier and threshold for a request.
+
+        An explicit threshold (non-zero) wins over the tier's; the tier name is still reported
+        (and still decides whether the guard runs).
+
+        Raises:
+            InvalidArgument: unknown tier, or a threshold outside [floor, 1].
+        """
+        name = tier or self.default_tier
+        if name not in self.tiers:
+            raise InvalidArgument("tier", f"unknown tier {tier!r}; expected one of "
+                                          f"{', '.join(sorted(self.tiers))}")
+        if threshold == 0.0:
+            return Resolved(name, self.tiers[name], False)
+        if not math.isfinite(threshold) or not (self.floor <= threshold <= 1.0):
+            raise InvalidArgument("threshold", f"must be 0 (tier default) or in "
+                                               f"[{self.floor}, 1], got {threshold}")
+        return Resolved(name, float(threshold), True)
+
+    def threshold_for(self, resolved: Resolved, verified: bool) -> float:
+        """The threshold one entry is held to (verified entries get the bonus, not below floor)."""
+        if not verified:
+            return resolved.threshold
+        return max(self.floor, resolved.threshold - self.verified_bonus)
+
+    def decide(self, similarity: float, resolved: Resolved, verified: bool) -> Decision:
+        """HIT at or above the entry's threshold, DRAFT in the draft band, MISS below."""
+        th = self.threshold_for(resolved, verified)
+        # float32 similarities: a tiny tolerance keeps an exact repeat (cos = 0.99999994) a hit
+        # at threshold 1.0 and makes the boundary inclusive as documented.
+        if similarity >= th - 1e-6:
+            return Decision(Outcome.HIT, th)
+        if similarity >= self.draft_floor:
+            return Decision(Outcome.DRAFT, th)
+        return Decision(Outcome.MISS, th)

@@ -1,0 +1,178 @@
+"""gRPC adapter of the semantic cache: proto <-> dataclasses; domain errors become statuses
+through the common interceptor."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from tiercache.v1 import semantic_pb2, semantic_pb2_grpc
+
+from services.common.bootstrap import ServerHandle, create_server
+from services.common.errors import InvalidArgument, Unavailable
+from services.semantic.cache import Embedder, Entry, Namespace, SemanticCache
+from services.semantic.config import SemanticConfig
+from services.semantic.store import EntryStore
+
+log = logging.getLogger(__name__)
+
+FULL_NAME = "tiercache.v1.SemanticCache"
+
+
+def namespace_from_proto(msg: semantic_pb2.Namespace) -> Namespace:
+    return Namespace(msg.tenant, msg.model_id, msg.context_hash)
+
+
+def entry_to_proto(e: Entry) -> semantic_pb2.SemanticEntry:
+    return semantic_pb2.SemanticEntry(
+        id=e.id, namespace=semantic_pb2.Namespace(tenant=e.namespace.tenant,
+                                                  model_id=e.namespace.model_id,
+                                                  context_hash=e.namespace.context_hash),
+        prompt=e.prompt, answer=e.answer, verified=e.verified, created_at=e.created_at,
+        last_hit_at=e.last_hit_at, hit_count=e.hit_count, ttl_seconds=e.ttl_seconds)
+
+
+def _ns(request) -> Namespace | None:
+    return namespace_from_proto(request.namespace) if request.HasField("namespace") else None
+
+
+class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
+    """Implements tiercache.v1.SemanticCache over a `SemanticCache`."""
+
+    def __init__(self, cache: SemanticCache | None = None) -> None:
+        self._cache = cache
+
+    def attach(self, cache: SemanticCache) -> None:
+        """Starts answering with `cache` (until then every RPC is UNAVAILABLE)."""
+        self._cache = cache
+
+    @property
+    def cache(self) -> SemanticCache:
+        if self._cache is None:
+            raise Unavailable("semantic cache is still loading")
+        return self._cache
+
+    def Lookup(self, request, context):
+        r = self.cache.lookup(_ns(request), request.text, request.tier, request.threshold,
+                              request.want_draft)
+        resp = semantic_pb2.LookupResponse(
+            hit=r.hit, similarity=r.similarity, threshold=r.threshold, tier=r.tier,
+            guard_rejected=r.guard_rejected, guard_reason=r.guard_reason,
+            search_ms=r.search_ms, embed_ms=r.embed_ms)
+        if r.entry is not None:
+            resp.entry.CopyFrom(entry_to_proto(r.entry))
+        return resp
+
+    def Store(self, request, context):
+        e = self.cache.store_entry(_ns(request), request.prompt, request.answer,
+                                   request.verified, request.ttl_seconds)
+        return semantic_pb2.StoreResponse(id=e.id)
+
+    def Verify(self, request, context):
+        return entry_to_proto(self.cache.verify(request.id, request.verified))
+
+    def Invalidate(self, request, context):
+        which = request.WhichOneof("target")
+        if which == "id":
+            n = self.cache.invalidate_id(request.id)
+        elif which == "namespace":
+            n = self.cache.invalidate_namespace(namespace_from_proto(request.namespace))
+        else:
+            raise InvalidArgument("target", "set either id or namespace")
+        return semantic_pb2.InvalidateResponse(removed=n)
+
+    def Stats(self, request, context):
+        s = self.cache.stats()
+        return semantic_pb2.SemanticStatsResponse(
+            entries=s.entries, namespaces=s.namespaces, lookups_total=s.lookups_total,
+            hits_by_tier=s.hits_by_tier, near_misses_total=s.near_misses_total,
+            guard_rejections_total=s.guard_rejections_total, evictions_total=s.evictions_total,
+            expirations_total=s.expirations_total, lookup_p50_ms=s.lookup_p50_ms,
+            lookup_p99_ms=s.lookup_p99_ms, embedding_model=s.embedding_model)
+
+
+class Housekeeper:
+    """Background thread: flushes buffered hit counters and purges expired entries."""
+
+    def __init__(self, cache: SemanticCache, interval_s: float) -> None:
+        self.cache = cache
+        self.interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="semantic-housekeeper",
+                                        daemon=True)
+
+    def start(self) -> Housekeeper:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.cache.store.flush_hits()
+
+    def _run(self) -> None:
+        flush_every = min(1.0, self.interval_s)
+        next_expiry = 0.0
+        while not self._stop.wait(flush_every):
+            try:
+                self.cache.store.flush_hits()
+                if time.monotonic() >= next_expiry:
+                    n = self.cache.expire()
+                    if n:
+                        log.info("expired %d entries", n)
+                    next_expiry = time.monotonic() + self.interval_s
+            except Exception:  # noqa: BLE001 - keep housekeeping alive; it retries next tick
+                log.exception("housekeeping failed")
+
+
+@dataclass
+class RunningService:
+    """A started semantic service and the pieces to stop it in order."""
+
+    handle: ServerHandle
+    cache: SemanticCache
+    embedder: Embedder
+    housekeeper: Housekeeper
+
+    def stop(self, grace: float = 2.0) -> None:
+        self.handle.stop(grace)
+        self.housekeeper.stop()
+        self.cache.store.close()
+        close = getattr(self.embedder, "close", None)
+        if close is not None:
+            close()
+
+
+def make_embedder(cfg: SemanticConfig) -> Embedder:
+    """The ONNX embedder of `cfg.model_dir` behind a micro-batcher (exports once if needed)."""
+    from services.semantic.embedder import BatchingEmbedder, OnnxEmbedder
+
+    name = cfg.model_name or Path(cfg.resolved_model_dir()).name
+    inner = OnnxEmbedder(cfg.resolved_model_dir(), cfg.resolved_cache_dir(), name,
+                         cfg.onnx_threads)
+    return BatchingEmbedder(inner, cfg.max_batch, cfg.batch_wait_ms)
+
+
+def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningService:
+    """Starts the server (NOT_SERVING), loads the embedder and the entries, then SERVING."""
+    servicer = SemanticServicer()
+    handle = create_server(
+        service="semantic", address=cfg.address,
+        services=[(semantic_pb2_grpc.add_SemanticCacheServicer_to_server, servicer, FULL_NAME)],
+        internal_token=cfg.internal_token or None,
+        metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port)
+    try:
+        embedder = embedder or make_embedder(cfg)
+        store = EntryStore(cfg.resolved_db_path(), cfg.sqlite_synchronous)
+        cache = SemanticCache(cfg, embedder, store)
+        cache.load()
+    except BaseException:
+        handle.stop(0)
+        raise
+    servicer.attach(cache)
+    keeper = Housekeeper(cache, cfg.expiry_interval_s).start()
+    handle.set_serving()
+    return RunningService(handle, cache, embedder, keeper)

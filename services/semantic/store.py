@@ -1,0 +1,166 @@
+"""Durable entry store: SQLite in WAL mode, one row per cached answer.
+
+`insert` returns only after the transaction has committed with the configured `synchronous`
+level (FULL by default: the WAL is fsynced at every commit), which is what makes an
+acknowledged `Store` survive `kill -9` and power loss. Hit counters are not worth an fsync per
+lookup: they are buffered and written in the background (`flush_hits`).
+"""
+
+from __future__ import annotations
+
+import os
+import sqlite3
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS entries (
+    label        INTEGER PRIMARY KEY AUTOINCREMENT,  -- faiss id; never reused
+    id           TEXT NOT NULL UNIQUE,               -- public entry id
+    tenant       TEXT NOT NULL,
+    model_id     TEXT NOT NULL,
+    context_hash TEXT NOT NULL,
+    prompt       TEXT NOT NULL,
+    answer       TEXT NOT NULL,
+    embedding    BLOB NOT NULL,                      -- float32 little-endian, unit length
+    embed_model  TEXT NOT NULL,                      -- embedding model that produced it
+    verified     INTEGER NOT NULL DEFAULT 0,
+    created_at   REAL NOT NULL,
+    last_hit_at  REAL NOT NULL DEFAULT 0,
+    hit_count    INTEGER NOT NULL DEFAULT 0,
+    ttl_seconds  INTEGER NOT NULL DEFAULT 0          -- 0 = never expires
+);
+CREATE INDEX IF NOT EXISTS entries_ns ON entries (tenant, model_id, context_hash);
+"""
+
+
+@dataclass
+class Row:
+    """One stored entry as read back from SQLite."""
+
+    label: int
+    id: str
+    tenant: str
+    model_id: str
+    context_hash: str
+    prompt: str
+    answer: str
+    embedding: np.ndarray
+    embed_model: str
+    verified: bool
+    created_at: float
+    last_hit_at: float
+    hit_count: int
+    ttl_seconds: int
+
+
+_COLS = ("label, id, tenant, model_id, context_hash, prompt, answer, embedding, embed_model, "
+         "verified, created_at, last_hit_at, hit_count, ttl_seconds")
+
+
+def _row(t: tuple) -> Row:
+    return Row(t[0], t[1], t[2], t[3], t[4], t[5], t[6], np.frombuffer(t[7], np.float32).copy(),
+               t[8], bool(t[9]), t[10], t[11], t[12], t[13])
+
+
+class EntryStore:
+    """All SQLite access of the service, on one connection guarded by a lock."""
+
+    def __init__(self, path: str, synchronous: str = "FULL") -> None:
+        if path != ":memory:":
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.path = path
+        self._lock = threading.Lock()
+        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+        self._db.executescript(_SCHEMA)
+        self._pending_hits: dict[int, tuple[float, int]] = {}
+
+    def close(self) -> None:
+        self.flush_hits()
+        with self._lock:
+            self._db.close()
+
+    def insert(self, *, id: str, tenant: str, model_id: str, context_hash: str, prompt: str,
+               answer: str, embedding: np.ndarray, embed_model: str, verified: bool,
+               created_at: float, ttl_seconds: int) -> int:
+        """Commits one entry durably and returns its label."""
+        blob = np.asarray(embedding, "<f4").tobytes()
+        with self._lock:
+            cur = self._db.execute(
+                "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
+                "embedding, embed_model, verified, created_at, ttl_seconds) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (id, tenant, model_id, context_hash, prompt, answer, blob, embed_model,
+                 int(verified), created_at, ttl_seconds))
+            return int(cur.lastrowid)
+
+    def get(self, id: str) -> Row | None:
+        with self._lock:
+            t = self._db.execute(f"SELECT {_COLS} FROM entries WHERE id = ?", (id,)).fetchone()
+        return _row(t) if t else None
+
+    def set_verified(self, label: int, verified: bool) -> None:
+        with self._lock:
+            self._db.execute("UPDATE entries SET verified = ? WHERE label = ?",
+                             (int(verified), label))
+
+    def set_embedding(self, label: int, embedding: np.ndarray, embed_model: str) -> None:
+        with self._lock:
+            self._db.execute("UPDATE entries SET embedding = ?, embed_model = ? WHERE label = ?",
+                             (np.asarray(embedding, "<f4").tobytes(), embed_model, label))
+
+    def delete(self, labels: list[int]) -> None:
+        """Deletes entries by label in one transaction."""
+        if not labels:
+            return
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany("DELETE FROM entries WHERE label = ?",
+                                     [(x,) for x in labels])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+            for x in labels:
+                self._pending_hits.pop(x, None)
+
+    def record_hit(self, label: int, at: float, hit_count: int) -> None:
+        """Buffers a hit (written by `flush_hits`)."""
+        with self._lock:
+            self._pending_hits[label] = (at, hit_count)
+
+    def flush_hits(self) -> int:
+        """Writes buffered hit counters; returns how many rows were updated."""
+        with self._lock:
+            pending, self._pending_hits = self._pending_hits, {}
+            if not pending:
+                return 0
+            self._db.execute("BEGIN")
+            self._db.executemany(
+                "UPDATE entries SET last_hit_at = ?, hit_count = ? WHERE label = ?",
+                [(at, n, lab) for lab, (at, n) in pending.items()])
+            self._db.execute("COMMIT")
+            return len(pending)
+
+    def iter_all(self, batch: int = 5000) -> Iterator[list[Row]]:
+        """Every entry, in label order, in batches."""
+        last = -1
+        while True:
+            with self._lock:
+                rows = self._db.execute(
+                    f"SELECT {_COLS} FROM entries WHERE label > ? ORDER BY label LIMIT ?",
+                    (last, batch)).fetchall()
+            if not rows:
+                return
+            last = rows[-1][0]
+            yield [_row(t) for t in rows]
+
+    def count(self) -> int:
+        with self._lock:
+            return int(self._db.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
