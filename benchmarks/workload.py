@@ -153,3 +153,22 @@ def load_trace(path: str | Path) -> Workload:
         head = json.loads(f.readline())
         reqs = [Request(**json.loads(line)) for line in f if line.strip()]
     return Workload(WorkloadSpec(**head["spec"]), head["system_prompts"], reqs)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write a seeded workload trace (JSONL).")
+    ap.add_argument("--out", required=True)
+    for f, v in asdict(WorkloadSpec()).items():
+        ap.add_argument("--" + f.replace("_", "-"), type=type(v), default=v)
+    a = ap.parse_args(argv)
+    spec = WorkloadSpec(**{f: getattr(a, f) for f in asdict(WorkloadSpec())})
+    w = generate(spec)
+    save_trace(w, a.out)
+    print(f"wrote {len(w.requests)} requests in {len(w.sessions())} sessions to {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -73,6 +73,32 @@ def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
+    from collections import Counter
+
+    from benchmarks.workload import load_trace
+    from clients.python.replay import replay
+
+    w = load_trace(a.trace)
+    tokens = dict(p.split("=", 1) for p in a.tenant_tokens.split(",") if "=" in p)
+    clients = {t: TierCacheClient(a.address, token=tokens.get(t, a.token), timeout=a.timeout)
+               for t in w.system_prompts}
+
+    def progress(done: int, total: int) -> None:
+        sys.stderr.write(f"\r{done}/{total} requests")
+        sys.stderr.flush()
+
+    out = replay(w, clients, concurrency=a.concurrency, time_scale=a.time_scale,
+                 max_tokens=a.max_tokens, progress=progress)
+    sys.stderr.write("\n")
+    classes = Counter(o.cache_class for o in out if not o.error)
+    errors = [o for o in out if o.error]
+    print(json.dumps({"requests": len(out), "errors": len(errors), "classes": dict(classes),
+                      "cached_tokens": sum(o.cached_tokens for o in out),
+                      "prompt_tokens": sum(o.prompt_tokens for o in out)}, indent=2))
+    return 1 if errors else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
     p.add_argument("--address", default=os.environ.get("TIERCACHE_ADDRESS", "localhost:50051"))
@@ -95,8 +121,16 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("entry_id")
     f.add_argument("--bad", action="store_true")
     sub.add_parser("stats", help="figures of every tier")
+    rp = sub.add_parser("replay", help="replay a workload trace (python -m benchmarks.workload)")
+    rp.add_argument("trace")
+    rp.add_argument("--concurrency", type=int, default=2)
+    rp.add_argument("--time-scale", type=float, default=0.0,
+                    help="seconds of replay per second of trace (0 = as fast as possible)")
+    rp.add_argument("--max-tokens", type=int, default=32)
+    rp.add_argument("--tenant-tokens", default="", help="tenant=token,... for auth")
     a = p.parse_args(argv)
-    cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats}
+    cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats,
+            "replay": cmd_replay}
     try:
         with TierCacheClient(a.address, token=a.token, timeout=a.timeout) as c:
             return cmds[a.cmd](c, a)

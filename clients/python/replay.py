@@ -1,0 +1,106 @@
+"""Replaying a workload trace against a running stack (`tiercache replay trace.jsonl`).
+
+Sessions run as chains (turn k+1 is sent after turn k's answer, with the history), starting
+at their arrival time (scaled by `time_scale`; 0 = as fast as the concurrency allows), and at
+most `concurrency` requests are in flight. Each request's outcome is recorded for reports.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+from tiercache.v1 import common_pb2
+
+from benchmarks.workload import Request, Workload
+from clients.python.client import TierCacheClient
+
+
+@dataclass
+class Outcome:
+    session_id: str
+    tenant: str
+    turn: int
+    kind: str
+    sent_at: float
+    ttft_ms: float  # client-side: request sent -> first text
+    total_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    semantic_hit: bool
+    similarity: float
+    replica_id: str
+    route: str
+    error: str = ""
+
+    @property
+    def cache_class(self) -> str:
+        if self.semantic_hit:
+            return "semantic_hit"
+        return "prefix_hit" if self.cached_tokens >= 32 else "cold"
+
+
+def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurrency: int = 2,
+           time_scale: float = 0.0, max_tokens: int = 16,
+           cache_policy: common_pb2.CachePolicy | None = None,
+           progress: Callable[[int, int], None] | None = None) -> list[Outcome]:
+    """Run every session of `workload`; `clients` maps tenant -> client (with its token)."""
+    sessions = workload.sessions()
+    outcomes: list[Outcome] = []
+    lock = threading.Lock()
+    gate = threading.Semaphore(concurrency)
+    total = len(workload.requests)
+    t0 = time.monotonic()
+
+    def run_session(reqs: list[Request]) -> None:
+        history: list[dict[str, str]] = []
+        first = reqs[0]
+        sys_prompt = workload.system_prompts[first.tenant][first.system_index]
+        if time_scale > 0:
+            delay = first.at * time_scale - (time.monotonic() - t0)
+            if delay > 0:
+                time.sleep(delay)
+        for r in reqs:
+            msgs = [{"role": "system", "content": sys_prompt}, *history,
+                    {"role": "user", "content": r.question}]
+            with gate:
+                sent = time.monotonic()
+                first_text = None
+                text: list[str] = []
+                final = None
+                err = ""
+                try:
+                    for ch in clients[r.tenant].stream(msgs, max_tokens=max_tokens,
+                                                       session_id=r.session_id,
+                                                       cache_policy=cache_policy):
+                        if ch.text and first_text is None:
+                            first_text = time.monotonic()
+                        text.append(ch.text)
+                        if ch.final is not None:
+                            final = ch.final
+                except grpc.RpcError as e:
+                    err = f"{e.code().name}: {e.details()}"
+                end = time.monotonic()
+            rep = final.cache_report if final is not None else common_pb2.CacheReport()
+            o = Outcome(
+                r.session_id, r.tenant, r.turn, r.kind, sent - t0,
+                ((first_text or end) - sent) * 1000.0, (end - sent) * 1000.0,
+                rep.prompt_tokens, rep.cached_tokens,
+                final.usage.completion_tokens if final is not None else 0,
+                rep.semantic_hit, rep.semantic_similarity, rep.replica_id, rep.route, err)
+            with lock:
+                outcomes.append(o)
+                if progress:
+                    progress(len(outcomes), total)
+            history += [{"role": "user", "content": r.question},
+                        {"role": "assistant", "content": "".join(text).strip() or "ok"}]
+
+    ordered = sorted(sessions.values(), key=lambda rs: rs[0].at)
+    with ThreadPoolExecutor(max_workers=max(concurrency, 1) * 2) as pool:
+        list(pool.map(run_session, ordered))
+    return outcomes
