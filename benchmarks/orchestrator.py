@@ -1,0 +1,142 @@
+"""Full-stack benchmark (issue 6): the seeded multi-tenant chat workload on 2 replicas.
+
+    python -m benchmarks.orchestrator [--quick]  ->  benchmarks/results/orchestrator.json
+
+Runs the same workload three times, each on a fresh stack (orchestrator, semantic, prefix,
+two kvpool replicas as real processes): TierCache as configured, round-robin routing (caches
+on), and caches off (no semantic lookup/store, no prefix reuse). Each replica's pool holds
+about half of the workload's distinct system prompts and live sessions, so routing decides
+what stays cached. Reported: TTFT p50 by cache class, prefix token hit ratio, semantic hit
+rate, replica load max/mean, and the ratios the issue sets targets for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+from tiercache.v1 import common_pb2
+
+from benchmarks.workload import WorkloadSpec, generate
+from clients.python.client import TierCacheClient
+from clients.python.replay import Outcome, replay
+from services.launcher import Stack
+
+OUT = Path(__file__).resolve().parent / "results" / "orchestrator.json"
+TARGETS = {"prefix_hit_ratio_vs_round_robin": (">=", 1.5),
+           "ttft_p50_speedup_vs_caches_off": (">=", 3.0),
+           "replica_load_max_over_mean": ("<=", 1.3)}
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def summarize(out: list[Outcome]) -> dict:
+    ok = [o for o in out if not o.error]
+    model = [o for o in ok if not o.semantic_hit]
+    by_class: dict[str, list[float]] = {}
+    for o in ok:
+        by_class.setdefault(o.cache_class, []).append(o.ttft_ms)
+    per_replica = Counter(o.replica_id for o in model)
+    loads = list(per_replica.values()) or [0]
+    mean = sum(loads) / max(1, len(loads))
+    prompt = sum(o.prompt_tokens for o in model)
+    cached = sum(o.cached_tokens for o in model)
+    return {
+        "requests": len(out), "errors": len(out) - len(ok),
+        "error_samples": [o.error for o in out if o.error][:3],
+        "classes": {k: len(v) for k, v in by_class.items()},
+        "ttft_p50_ms": {k: round(statistics.median(v), 1) for k, v in by_class.items()},
+        "ttft_p50_ms_all": round(statistics.median([o.ttft_ms for o in ok]), 1) if ok else None,
+        "ttft_p99_ms_all": round(pct([o.ttft_ms for o in ok], 0.99), 1) if ok else None,
+        "prefix_hit_token_ratio": round(cached / prompt, 4) if prompt else 0.0,
+        "semantic_hit_rate": round(sum(o.semantic_hit for o in ok) / max(1, len(ok)), 4),
+        "requests_per_replica": dict(per_replica),
+        "replica_load_max_over_mean": round(max(loads) / mean, 3) if mean else None,
+    }
+
+
+def run_variant(name: str, spec: WorkloadSpec, *, routing: str, caches: bool, num_blocks: int,
+                max_tokens: int, concurrency: int) -> dict:
+    w = generate(spec)
+    tokens = {t: f"bench-token-{t}" for t in w.system_prompts}
+    env = {
+        "TIERCACHE_ORCHESTRATOR_TOKENS": ",".join(f"{v}={k}" for k, v in tokens.items()),
+        "TIERCACHE_ORCHESTRATOR_ROUTING_POLICY": routing,
+        "TIERCACHE_KVPOOL_NUM_BLOCKS": str(num_blocks),
+        "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
+    }
+    stack = Stack(replicas=2, base_port=0, log_dir=Path("/tmp/tiercache-bench-logs") / name,
+                  extra_env=env)
+    print(f"[{name}] starting stack ...", flush=True)
+    stack.start(timeout=600)
+    try:
+        addr = stack.procs["orchestrator"].address
+        clients = {t: TierCacheClient(addr, token=tok, timeout=600) for t, tok in tokens.items()}
+        policy = None if caches else common_pb2.CachePolicy(
+            skip_semantic_lookup=True, skip_semantic_store=True, skip_prefix_cache=True)
+        t0 = time.monotonic()
+
+        def progress(done: int, total: int) -> None:
+            sys.stdout.write(f"\r[{name}] {done}/{total} requests, {time.monotonic() - t0:.0f}s")
+            sys.stdout.flush()
+
+        out = replay(w, clients, concurrency=concurrency, max_tokens=max_tokens,
+                     cache_policy=policy, progress=progress)
+        print(flush=True)
+        res = summarize(out)
+        res["wall_s"] = round(time.monotonic() - t0, 1)
+        return res
+    finally:
+        stack.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="fewer sessions, shorter prompts")
+    ap.add_argument("--out", default=str(OUT))
+    a = ap.parse_args(argv)
+    if a.quick:
+        spec = WorkloadSpec(seed=1, tenants=2, prompts_per_tenant=2, system_tokens=400,
+                            sessions=6, turns=3)
+        num_blocks = 60  # about half of 4 prompts x 25 blocks + live sessions
+    else:
+        spec = WorkloadSpec(seed=1, tenants=4, prompts_per_tenant=2, system_tokens=1000,
+                            sessions=16, turns=3)
+        num_blocks = 384  # about half of 8 prompts x ~64 blocks + live sessions
+    common = dict(num_blocks=num_blocks, max_tokens=16, concurrency=2)
+    ours = run_variant("tiercache", spec, routing="prefix", caches=True, **common)
+    rr = run_variant("round_robin", spec, routing="round_robin", caches=True, **common)
+    off = run_variant("caches_off", spec, routing="prefix", caches=False, **common)
+    ratios = {
+        "prefix_hit_ratio_vs_round_robin": round(
+            ours["prefix_hit_token_ratio"] / max(rr["prefix_hit_token_ratio"], 1e-9), 3),
+        "ttft_p50_speedup_vs_caches_off": round(
+            off["ttft_p50_ms_all"] / max(ours["ttft_p50_ms_all"], 1e-9), 3),
+        "replica_load_max_over_mean": ours["replica_load_max_over_mean"],
+    }
+    targets = {}
+    for k, (op, v) in TARGETS.items():
+        got = ratios[k]
+        met = got is not None and (got >= v if op == ">=" else got <= v)
+        targets[k] = {"target": f"{op} {v}", "value": got, "met": bool(met)}
+    result = {"benchmark": "orchestrator", "quick": a.quick, "workload": spec.__dict__,
+              "num_blocks_per_replica": num_blocks, **ratios, "targets": targets,
+              "tiercache": ours, "round_robin": rr, "caches_off": off}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(a.out).write_text(json.dumps(result, indent=2))
+    print(json.dumps({**ratios, "targets": targets}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
