@@ -1,0 +1,493 @@
+"""What must hold in every rendered overlay for TierCache to start and talk to itself.
+
+Rendered with `kubectl kustomize`, then checked the way a cluster would use the objects: probes
+and resources on every container, Services that select pods that exist, ports that agree between
+Services, probes, annotations and the services' own config, env names that the services really
+read (against their config dataclasses), addresses that point at pods that exist, and
+NetworkPolicies evaluated pair by pair.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from services.common.config import ConfigError, env_name, load_config
+from tests.deploy.k8s_view import (
+    ROOT,
+    SAMPLE_POD_IP,
+    EnvValue,
+    Rendered,
+    Workload,
+    cpu_cores,
+    mem_bytes,
+    selector_matches,
+)
+
+SERVICES = ("orchestrator", "semantic", "prefix", "kvpool")
+# Convention (DESIGN.md / STYLE.md): gRPC and metrics port of each service.
+PORTS = {"orchestrator": (50051, 9101), "semantic": (50052, 9102), "prefix": (50053, 9103),
+         "kvpool": (50054, 9104)}
+# Who may call whom on the gRPC port (besides anyone -> orchestrator).
+INTERNAL_CALLS = {("orchestrator", "semantic"), ("orchestrator", "prefix"),
+                  ("orchestrator", "kvpool"), ("kvpool", "prefix")}
+# Minimum startup budget (periodSeconds x failureThreshold): model loads are slow on a cold node.
+MIN_STARTUP_S = {"orchestrator": 120, "semantic": 300, "prefix": 60, "kvpool": 600}
+# The drain time used when a config has no such field (services.common.bootstrap default).
+DEFAULT_GRACE_S = 10.0
+GRACE_FIELDS = ("grace_s", "grace_seconds", "drain_s", "drain_seconds")
+K8S_VERSION = "1.37.0"
+
+
+# ------------------------------------------------------------------------------------ helpers
+
+
+def config_class(svc: str) -> type | None:
+    """The `*Config` dataclass of `services/<svc>/config.py`, or None if that module is absent."""
+    try:
+        mod = importlib.import_module(f"services.{svc}.config")
+    except ModuleNotFoundError as exc:
+        if exc.name in (f"services.{svc}", f"services.{svc}.config"):
+            return None
+        raise
+    found = [obj for name, obj in vars(mod).items()
+             if name.endswith("Config") and isinstance(obj, type)
+             and dataclasses.is_dataclass(obj) and obj.__module__ == mod.__name__]
+    assert len(found) == 1, f"services/{svc}/config.py: expected one *Config dataclass: {found}"
+    return found[0]
+
+
+def shared_env_names() -> set[str]:
+    """`TIERCACHE_*` names that code under services/ reads directly (not via a config class)."""
+    pat = re.compile(r"""(?:environ(?:\.get)?\(|environ\[|getenv\()\s*["'](TIERCACHE_[A-Z0-9_]+)""")
+    names: set[str] = set()
+    for path in (ROOT / "services").rglob("*.py"):
+        names.update(pat.findall(path.read_text(encoding="utf-8")))
+    return names
+
+
+def tiercache_container(w: Workload) -> dict[str, Any]:
+    (c,) = [c for c in w.containers if c["name"] == w.service]
+    return c
+
+
+def service_env(r: Rendered, w: Workload) -> dict[str, EnvValue]:
+    return r.env(w, tiercache_container(w))
+
+
+def load_service_config(r: Rendered, w: Workload) -> Any | None:
+    """The workload's config exactly as `python -m services.<svc>` would build it."""
+    cls = config_class(w.service)
+    if cls is None:
+        return None
+    environ = {k: v.value for k, v in service_env(r, w).items()}
+    try:
+        return load_config(cls, w.service, [], environ=environ)
+    except ConfigError as exc:
+        pytest.fail(f"{r.overlay}/{w.name}: the rendered env does not load: {exc}")
+
+
+def grpc_port(w: Workload) -> int:
+    return w.container_ports(tiercache_container(w))["grpc"]
+
+
+def metrics_port(w: Workload) -> int:
+    return w.container_ports(tiercache_container(w))["metrics"]
+
+
+def resolve(r: Rendered, address: str) -> tuple[Workload, list[str], int]:
+    """`host:port` inside the namespace -> (workload, pod names it reaches, port).
+
+    Accepts `<svc>[.<ns>...]` (a Service) and `<pod>.<svc>[.<ns>...]` (one StatefulSet pod
+    through its headless Service); the port must be a port of that Service.
+    """
+    host, _, port_s = address.rpartition(":")
+    assert host and port_s.isdigit(), f"{address!r}: not host:port"
+    port = int(port_s)
+    parts = host.split(".")
+    services = {s["metadata"]["name"]: s for s in r.of_kind("Service")}
+    ns = r.get("Namespace", "tiercache")["metadata"]["name"]
+    if len(parts) >= 2 and parts[1] in services and parts[0] not in services:
+        pod, svc_name, rest = parts[0], parts[1], parts[2:]
+    else:
+        pod, svc_name, rest = None, parts[0], parts[1:]
+    assert svc_name in services, f"{address!r}: no Service {svc_name!r}"
+    if rest:
+        assert rest[0] == ns, f"{address!r}: namespace {rest[0]!r}, objects live in {ns!r}"
+    svc = services[svc_name]
+    (w,) = r.selected(svc["spec"]["selector"]) or [None]
+    assert w is not None, f"{address!r}: Service {svc_name} selects no pods"
+    ports = {p["port"]: p for p in svc["spec"]["ports"]}
+    assert port in ports, f"{address!r}: Service {svc_name} exposes {sorted(ports)}"
+    if pod is None:
+        return w, w.pod_names(), port
+    assert svc["spec"].get("clusterIP") == "None", f"{address!r}: {svc_name} is not headless"
+    assert w.kind == "StatefulSet" and w.obj["spec"]["serviceName"] == svc_name, (
+        f"{address!r}: pod DNS names need a StatefulSet whose serviceName is {svc_name}")
+    assert pod in w.pod_names(), f"{address!r}: {w.name} has pods {w.pod_names()}"
+    return w, [pod], port
+
+
+# ------------------------------------------------------------------------------------ tests
+
+
+def test_overlays_render_every_service(rendered: Rendered) -> None:
+    assert sorted(w.service for w in rendered.workloads) == sorted(SERVICES)
+    kinds = {w.service: w.kind for w in rendered.workloads}
+    assert kinds["orchestrator"] == "Deployment"
+    assert kinds["kvpool"] == "StatefulSet"  # the pod name is the replica id
+    assert kinds["semantic"] == "StatefulSet"  # a PVC per shard
+    for kind in ("ServiceAccount", "Service", "PodDisruptionBudget", "NetworkPolicy",
+                 "ConfigMap", "Secret", "HorizontalPodAutoscaler"):
+        assert rendered.of_kind(kind), f"{rendered.overlay}: no {kind}"
+
+
+def test_manifests_validate_strictly_against_current_kubernetes(rendered: Rendered) -> None:
+    kv = pytest.importorskip("kubernetes_validate.utils")
+    errors = []
+    for obj in rendered.objects:
+        try:
+            kv.validate(obj, K8S_VERSION, strict=True)
+        except kv.ValidationError as exc:
+            path = ".".join(str(p) for p in exc.path)
+            errors.append(f"{obj['kind']}/{obj['metadata']['name']}: {path}: {exc.message}")
+        except kv.SchemaNotFoundError as exc:
+            errors.append(exc.message)
+    assert not errors, "\n".join(errors)
+
+
+def test_every_container_has_probes_resources_and_runs_locked_down(rendered: Rendered) -> None:
+    for w in rendered.workloads:
+        spec = w.pod_spec
+        assert spec["securityContext"]["runAsNonRoot"] is True, w.name
+        assert spec.get("automountServiceAccountToken") is False, w.name
+        assert spec["serviceAccountName"] == w.name
+        rendered.get("ServiceAccount", spec["serviceAccountName"])
+        for c in [*spec.get("initContainers", []), *w.containers]:
+            where = f"{rendered.overlay}/{w.name}/{c['name']}"
+            res = c.get("resources", {})
+            for kind in ("requests", "limits"):
+                for r in ("cpu", "memory"):
+                    assert r in res.get(kind, {}), f"{where}: no {kind}.{r}"
+            assert cpu_cores(res["requests"]["cpu"]) <= cpu_cores(res["limits"]["cpu"]), where
+            assert (mem_bytes(res["requests"]["memory"])
+                    <= mem_bytes(res["limits"]["memory"])), where
+            sc = c["securityContext"]
+            assert sc["allowPrivilegeEscalation"] is False, where
+            assert sc["capabilities"]["drop"] == ["ALL"], where
+        for c in w.containers:
+            where = f"{rendered.overlay}/{w.name}/{c['name']}"
+            port = w.container_ports(c)["grpc"]
+            for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+                assert probe in c, f"{where}: no {probe}"
+                # Native gRPC health checks against the service's own port.
+                assert c[probe].get("grpc", {}).get("port") == port, f"{where}: {probe}"
+            start = c["startupProbe"]
+            budget = start.get("periodSeconds", 10) * start.get("failureThreshold", 3)
+            assert budget >= MIN_STARTUP_S[w.service], (
+                f"{where}: startup budget {budget}s is shorter than a cold model load")
+
+
+def test_services_pdbs_hpas_and_policies_select_existing_pods(rendered: Rendered) -> None:
+    for svc in rendered.of_kind("Service"):
+        name = svc["metadata"]["name"]
+        selected = rendered.selected(svc["spec"]["selector"])
+        assert len(selected) == 1, f"{rendered.overlay}: Service {name} selects {selected}"
+        (w,) = selected
+        ports = w.container_ports(tiercache_container(w))
+        for p in svc["spec"]["ports"]:
+            target = p.get("targetPort", p["port"])
+            number = ports.get(target) if isinstance(target, str) else target
+            assert number in ports.values(), f"Service {name}: targetPort {target} not on pods"
+            assert p["port"] == number, f"Service {name}: port {p['port']} -> {number}"
+    for w in rendered.workloads:
+        if w.kind == "StatefulSet":
+            headless = rendered.get("Service", w.obj["spec"]["serviceName"])
+            assert headless["spec"].get("clusterIP") == "None", w.name
+            assert rendered.selected(headless["spec"]["selector"]) == [w]
+        assert selector_matches(w.obj["spec"]["selector"], w.pod_labels), w.name
+        pdbs = [p for p in rendered.of_kind("PodDisruptionBudget")
+                if rendered.selected(p["spec"]["selector"]) == [w]]
+        assert len(pdbs) == 1, f"{rendered.overlay}/{w.name}: PDBs {pdbs}"
+        pdb = pdbs[0]["spec"]
+        # A budget of zero disruptions would block every node drain.
+        assert pdb.get("maxUnavailable", 1) >= 1 or pdb.get("minAvailable", 0) < w.replicas
+    for hpa in rendered.of_kind("HorizontalPodAutoscaler"):
+        ref = hpa["spec"]["scaleTargetRef"]
+        target = rendered.get(ref["kind"], ref["name"])
+        assert "replicas" not in target["spec"], "the HPA owns the replica count"
+        assert 1 <= hpa["spec"]["minReplicas"] <= hpa["spec"]["maxReplicas"]
+    for np in rendered.of_kind("NetworkPolicy"):
+        sel = np["spec"]["podSelector"]
+        assert sel == {} or rendered.selected(sel), f"{np['metadata']['name']} selects nothing"
+
+
+def test_ports_agree_between_config_pods_probes_and_scrape_annotations(
+        rendered: Rendered) -> None:
+    for w in rendered.workloads:
+        where = f"{rendered.overlay}/{w.name}"
+        grpc, metrics = PORTS[w.service]
+        assert grpc_port(w) == grpc and metrics_port(w) == metrics, where
+        env = service_env(rendered, w)
+        # The default address is loopback: a pod must listen on all interfaces.
+        addr = env[env_name(w.service, "address")].value
+        assert addr == f"0.0.0.0:{grpc}", f"{where}: address {addr}"
+        assert env[env_name(w.service, "metrics_port")].value == str(metrics), where
+        ann = w.pod_annotations
+        assert ann.get("prometheus.io/scrape") == "true", where
+        assert ann.get("prometheus.io/port") == str(metrics), where
+        assert ann.get("prometheus.io/path") == "/metrics", where
+        cfg = load_service_config(rendered, w)
+        if cfg is not None:
+            assert cfg.address.endswith(f":{grpc}") and cfg.metrics_port == metrics, where
+
+
+@pytest.mark.parametrize("svc", SERVICES)
+def test_env_names_match_what_the_service_reads(rendered: Rendered, svc: str) -> None:
+    w = rendered.workload_for(svc)
+    env = service_env(rendered, w)
+    names = {n for n in env if n.startswith("TIERCACHE_")}
+    others = [n for n in names for o in SERVICES
+              if o != svc and n.startswith(f"TIERCACHE_{o.upper()}_")]
+    assert not others, f"{rendered.overlay}/{w.name} gets another service's settings: {others}"
+    own = {n for n in names if n.startswith(f"TIERCACHE_{svc.upper()}_")}
+    shared = names - own
+    unread = shared - shared_env_names()
+    assert not unread, f"{rendered.overlay}/{w.name}: no code under services/ reads {unread}"
+    cls = config_class(svc)
+    if cls is None:
+        pytest.skip(f"services/{svc}/config.py does not exist yet: cannot check {sorted(own)}")
+    fields = {env_name(svc, f.name) for f in dataclasses.fields(cls)}
+    unknown = own - fields
+    assert not unknown, (f"{rendered.overlay}/{w.name}: {cls.__name__} has no field for "
+                         f"{sorted(unknown)}")
+    # Values parse as the fields' types and pass the config's own validate().
+    assert load_service_config(rendered, w) is not None
+
+
+def test_addresses_point_at_every_pod_of_the_right_service(rendered: Rendered) -> None:
+    for w in rendered.workloads:
+        cls = config_class(w.service)
+        env = service_env(rendered, w)
+        fields = ([f.name for f in dataclasses.fields(cls)] if cls else
+                  [n.removeprefix(f"TIERCACHE_{w.service.upper()}_").lower() for n in env])
+        for f in fields:
+            if f in ("address", "advertise_address") or not f.endswith(("_address", "_addresses")):
+                continue
+            target = f.rsplit("_", 1)[0]
+            assert target in SERVICES, f"{w.name}: {f} names no TierCache service"
+            raw = env.get(env_name(w.service, f))
+            values = [a.strip() for a in raw.value.split(",") if a.strip()] if raw else []
+            reached: list[str] = []
+            for address in values:
+                tw, pods, port = resolve(rendered, address)
+                assert tw.service == target, f"{w.name}: {f}={address} reaches {tw.service}"
+                assert port == grpc_port(tw), f"{w.name}: {f}={address}: port"
+                reached += pods
+            tw = rendered.workload_for(target)
+            # Every shard/replica must be listed, once, or part of the tier is never used.
+            assert sorted(reached) == sorted(tw.pod_names()), (
+                f"{rendered.overlay}/{w.name}: {env_name(w.service, f)} reaches {reached}, "
+                f"{tw.name} runs {tw.pod_names()}")
+
+
+def test_kvpool_identity_comes_from_the_downward_api(rendered: Rendered) -> None:
+    w = rendered.workload_for("kvpool")
+    env = service_env(rendered, w)
+    replica = env[env_name("kvpool", "replica_id")]
+    assert replica.value == w.pod_names()[0]
+    adv = env[env_name("kvpool", "advertise_address")]
+    assert adv.value == f"{SAMPLE_POD_IP}:{grpc_port(w)}"
+    cfg = load_service_config(rendered, w)
+    if cfg is not None:
+        assert cfg.replica_id == w.pod_names()[0]
+        assert cfg.public_address == adv.value
+
+
+def test_shared_settings_agree_across_services(rendered: Rendered) -> None:
+    envs = {svc: service_env(rendered, rendered.workload_for(svc)) for svc in SERVICES}
+    # One block-hash key for everything that hashes blocks, from the Secret.
+    keys = {envs[s]["TIERCACHE_HASH_KEY"].source for s in ("orchestrator", "prefix", "kvpool")}
+    assert len(keys) == 1 and next(iter(keys)).startswith("secret:"), keys
+    tokens = {envs[s][env_name(s, "internal_token")].source for s in SERVICES}
+    assert len(tokens) == 1 and next(iter(tokens)).startswith("secret:"), tokens
+    # The orchestrator tokenizes for the replicas' model, with the same block size.
+    cfgs = {s: load_service_config(rendered, rendered.workload_for(s)) for s in SERVICES}
+    orch, kv = cfgs["orchestrator"], cfgs["kvpool"]
+    if orch is not None and kv is not None:
+        assert orch.model == kv.model and orch.block_size == kv.block_size
+    for s in SERVICES:
+        if cfgs[s] is not None and hasattr(cfgs[s], "block_size") and kv is not None:
+            assert cfgs[s].block_size == kv.block_size, s
+
+
+def test_termination_grace_outlasts_the_drain(rendered: Rendered) -> None:
+    for w in rendered.workloads:
+        cfg = load_service_config(rendered, w)
+        grace = next((float(getattr(cfg, f)) for f in GRACE_FIELDS if hasattr(cfg, f)),
+                     DEFAULT_GRACE_S)
+        tgps = w.pod_spec["terminationGracePeriodSeconds"]
+        assert tgps >= grace + 5, f"{rendered.overlay}/{w.name}: {tgps}s grace, drain {grace}s"
+
+
+def _peer_matches(peer: dict[str, Any], src: dict[str, Any], ns: str) -> bool:
+    assert "ipBlock" not in peer, "ipBlock peers are not modelled by this test"
+    ns_ok = (selector_matches(peer["namespaceSelector"], src["ns_labels"])
+             if "namespaceSelector" in peer else src["ns"] == ns)
+    pod_ok = selector_matches(peer["podSelector"], src["labels"]) if "podSelector" in peer else True
+    return ns_ok and pod_ok
+
+
+def _port_matches(rule_ports: list[dict[str, Any]] | None, dst: Workload, port: int) -> bool:
+    if not rule_ports:
+        return True
+    named = dst.container_ports(tiercache_container(dst))
+    for p in rule_ports:
+        if p.get("protocol", "TCP") != "TCP":
+            continue
+        want = p.get("port")
+        if want is None:
+            return True
+        lo = named.get(want) if isinstance(want, str) else want
+        if lo is not None and lo <= port <= p.get("endPort", lo):
+            return True
+    return False
+
+
+def ingress_allowed(r: Rendered, src: dict[str, Any], dst: Workload, port: int) -> bool:
+    """NetworkPolicy semantics: isolated once any Ingress policy selects the pod; then allowed
+    only if some rule of some selecting policy admits the peer on the port."""
+    ns = dst.obj["metadata"]["namespace"]
+    policies = [p["spec"] for p in r.of_kind("NetworkPolicy")
+                if p["metadata"]["namespace"] == ns
+                and selector_matches(p["spec"]["podSelector"], dst.pod_labels)
+                and "Ingress" in p["spec"].get("policyTypes", ["Ingress"])]
+    if not policies:
+        return True
+    for spec in policies:
+        for rule in spec.get("ingress", []):
+            peers = rule.get("from")
+            if (not peers or any(_peer_matches(p, src, ns) for p in peers)) and \
+                    _port_matches(rule.get("ports"), dst, port):
+                return True
+    return False
+
+
+def test_network_policies_admit_exactly_the_intended_traffic(rendered: Rendered) -> None:
+    ns = rendered.workloads[0].obj["metadata"]["namespace"]
+    sources = [{"name": w.service, "ns": ns, "labels": w.pod_labels,
+                "ns_labels": {"kubernetes.io/metadata.name": ns}} for w in rendered.workloads]
+    sources += [
+        {"name": "outside", "ns": "default", "labels": {"app": "client"},
+         "ns_labels": {"kubernetes.io/metadata.name": "default"}},
+        {"name": "monitoring", "ns": "monitoring", "labels": {"app": "prometheus"},
+         "ns_labels": {"kubernetes.io/metadata.name": "monitoring"}},
+    ]
+    allowed, expected = set(), set()
+    for src in sources:
+        for dst in rendered.workloads:
+            for kind, port in (("grpc", grpc_port(dst)), ("metrics", metrics_port(dst))):
+                key = (src["name"], dst.service, kind)
+                if ingress_allowed(rendered, src, dst, port):
+                    allowed.add(key)
+                if (kind == "grpc" and (dst.service == "orchestrator"
+                                        or (src["name"], dst.service) in INTERNAL_CALLS)) or \
+                        (kind == "metrics" and src["name"] == "monitoring"):
+                    expected.add(key)
+    assert allowed == expected, (f"{rendered.overlay}: unexpectedly allowed "
+                                 f"{sorted(allowed - expected)}, blocked "
+                                 f"{sorted(expected - allowed)}")
+
+
+def test_secret_holds_clearly_marked_placeholders_that_parse(rendered: Rendered) -> None:
+    data = rendered.secret_data("tiercache-secrets")
+    assert set(data) == {"hash-key", "internal-token", "tenant-tokens.json"}
+    assert all("PLACEHOLDER" in v for v in data.values()), "placeholders must be obvious"
+    assert len(data["hash-key"].encode()) <= 64  # TIERCACHE_HASH_KEY limit (hashing.py)
+    tokens = json.loads(data["tenant-tokens.json"])
+    assert tokens and all("tenant" in spec for spec in tokens.values())
+    w = rendered.workload_for("orchestrator")
+    cfg = load_service_config(rendered, w)
+    path = service_env(rendered, w)[env_name("orchestrator", "tokens_file")].value
+    mounts = {m["name"]: m["mountPath"] for m in tiercache_container(w)["volumeMounts"]}
+    vols = {v["name"]: v for v in w.pod_spec["volumes"]}
+    hits = [(mounts[n], item) for n, v in vols.items() if "secret" in v and n in mounts
+            for item in v["secret"].get("items", [])
+            if v["secret"]["secretName"] == "tiercache-secrets"
+            and f"{mounts[n]}/{item['path']}" == path]
+    assert hits and hits[0][1]["key"] == "tenant-tokens.json", f"{path} is not the mounted file"
+    if cfg is not None:
+        assert cfg.tokens_file == path
+
+
+def test_dev_overlay_is_cpu_only_with_one_pod_per_tier(dev: Rendered) -> None:
+    for w in dev.workloads:
+        assert w.replicas == 1, w.name
+        for c in w.containers:
+            assert not any("nvidia.com" in k for k in c["resources"]["limits"]), w.name
+    env = service_env(dev, dev.workload_for("kvpool"))
+    assert env[env_name("kvpool", "device")].value == "cpu"
+    assert env[env_name("kvpool", "model")].value == "smollm2"
+
+
+def test_gpu_overlay_gives_each_kvpool_pod_one_gpu(gpu: Rendered, dev: Rendered) -> None:
+    w = gpu.workload_for("kvpool")
+    c = tiercache_container(w)
+    assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == "1"
+    assert w.pod_spec["nodeSelector"]
+    assert any(t["key"] == "nvidia.com/gpu" for t in w.pod_spec["tolerations"])
+    env = service_env(gpu, w)
+    assert env[env_name("kvpool", "device")].value.startswith("cuda")
+    assert w.replicas > dev.workload_for("kvpool").replicas
+    assert gpu.workload_for("orchestrator").replicas > 1
+    assert all(tiercache_container(x)["image"].endswith("-cuda") for x in gpu.workloads)
+
+
+# ------------------------------------------------------------------------------------ image
+
+
+DOCKER = ROOT / "deploy" / "docker" / "Dockerfile"
+
+
+def test_dockerfile_matches_the_build_and_the_manifests(all_rendered: dict[str, Rendered]) -> None:
+    text = DOCKER.read_text(encoding="utf-8")
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (torch_pin,) = [d for d in deps if d.startswith("torch==")]
+    assert f"ARG TORCH_VERSION={torch_pin.removeprefix('torch==')}" in text
+    # Generated code is produced in the image exactly as `make protos` does it.
+    make = (ROOT / "Makefile").read_text(encoding="utf-8")
+    flags = re.search(r"grpc_tools\.protoc (-Iprotos[^$\n]*?)\s*\$\(PROTOS\)", make).group(1)
+    assert f"grpc_tools.protoc {flags}" in " ".join(text.replace("\\\n", " ").split())
+    assert "PYTHONPATH=/app:/app/gen" in text
+    for pkg in re.findall(r"--no-deps ([a-z0-9-]+==[0-9.]+)", make):
+        assert pkg in text, f"{pkg} (installed by make setup) is missing from the image"
+    # Final stage: non-root, the uid the pods require, no compiler toolchain installed.
+    final = text[text.rindex("\nFROM "):]
+    uid = int(re.search(r"^USER (\d+)", final, re.M).group(1))
+    assert uid != 0 and not re.search(r"apt-get install|build-essential|gcc", final)
+    exposed = {int(p) for p in re.findall(r"\d+", re.search(r"^EXPOSE (.+)$", text, re.M)[1])}
+    for r in all_rendered.values():
+        for w in r.workloads:
+            assert w.pod_spec["securityContext"]["runAsUser"] == uid, w.name
+            assert set(w.container_ports(tiercache_container(w)).values()) <= exposed
+            cmd = tiercache_container(w)["command"]
+            assert (ROOT / "services" / w.service).is_dir() or cmd[-1] == f"services.{w.service}"
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert {".venv", "gen", ".git"} <= ignored
+    for src in re.findall(r"^COPY (?!--from)(\S+)", text, re.M):
+        assert (ROOT / src).exists() and src.rstrip("/") not in ignored, src
+
+
+def test_docs_cover_the_operations(all_rendered: dict[str, Rendered]) -> None:
+    doc = (ROOT / "docs" / "deploy.md").read_text(encoding="utf-8")
+    for must in ("docker build", "docker push", "kubectl apply -k", "scale statefulset",
+                 "port-forward", "grpcurl", "make k8s-validate", "shard"):
+        assert must in doc, f"docs/deploy.md does not mention {must!r}"
+    assert Path(ROOT / "deploy" / "k8s" / "base" / "kustomization.yaml").exists()
