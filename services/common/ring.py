@@ -1,0 +1,134 @@
+"""Consistent-hash ring with virtual nodes and bounded-load lookup.
+
+Each node is placed on a 64-bit ring at `vnodes` points (BLAKE2b of "name#i"). A key belongs to
+the first point clockwise from the key's own hash:
+
+    0 ──●a──────●b────k──●a──────●c───── 2^64   (k -> a)
+
+Adding or removing one node moves only ~1/N of the keys. `lookup_bounded` is "consistent
+hashing with bounded loads" (Mirrokni et al.): walk clockwise from the key and take the first
+node whose load, counting this request, stays within (1 + epsilon) x the mean load counting this
+request; keys stick to their node until it is overloaded, then spill to the next distinct node.
+
+Used by the orchestrator for session affinity and by the prefix-index client to pick a shard.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from collections.abc import Iterable, Mapping
+from hashlib import blake2b
+
+DEFAULT_VNODES = 100
+
+
+def _point(data: bytes) -> int:
+    return int.from_bytes(blake2b(data, digest_size=8).digest(), "big")
+
+
+def _key_bytes(key: bytes | str) -> bytes:
+    return key.encode() if isinstance(key, str) else bytes(key)
+
+
+class HashRing:
+    """A ring of named nodes; not thread-safe for concurrent add/remove (lookups are fine)."""
+
+    def __init__(self, nodes: Iterable[str] = (), vnodes: int = DEFAULT_VNODES) -> None:
+        if vnodes <= 0:
+            raise ValueError("vnodes must be > 0")
+        self.vnodes = vnodes
+        self._nodes: set[str] = set()
+        self._points: list[int] = []  # sorted
+        self._owners: list[str] = []  # owner of _points[i]
+        for n in nodes:
+            self.add(n)
+
+    @property
+    def nodes(self) -> list[str]:
+        """Node names, sorted."""
+        return sorted(self._nodes)
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __contains__(self, node: object) -> bool:
+        return node in self._nodes
+
+    def add(self, node: str) -> None:
+        """Place `node` on the ring (no-op if present)."""
+        if node in self._nodes:
+            return
+        self._nodes.add(node)
+        for i in range(self.vnodes):
+            p = _point(f"{node}#{i}".encode())
+            at = bisect.bisect_left(self._points, p)
+            # Ties between two nodes' points are broken by name so every ring agrees.
+            while at < len(self._points) and self._points[at] == p and self._owners[at] < node:
+                at += 1
+            self._points.insert(at, p)
+            self._owners.insert(at, node)
+
+    def remove(self, node: str) -> None:
+        """Take `node` off the ring (no-op if absent)."""
+        if node not in self._nodes:
+            return
+        self._nodes.discard(node)
+        keep = [(p, o) for p, o in zip(self._points, self._owners, strict=True) if o != node]
+        self._points = [p for p, _ in keep]
+        self._owners = [o for _, o in keep]
+
+    def _start(self, key: bytes | str) -> int:
+        if not self._nodes:
+            raise LookupError("the ring has no nodes")
+        at = bisect.bisect_right(self._points, _point(_key_bytes(key)))
+        return at if at < len(self._points) else 0
+
+    def lookup(self, key: bytes | str) -> str:
+        """The node owning `key`.
+
+        Raises:
+            LookupError: the ring is empty.
+        """
+        return self._owners[self._start(key)]
+
+    def preference(self, key: bytes | str) -> list[str]:
+        """Every node once, in clockwise order from `key` (owner first): the failover order."""
+        at = self._start(key)
+        seen: list[str] = []
+        n = len(self._points)
+        for i in range(n):
+            o = self._owners[(at + i) % n]
+            if o not in seen:
+                seen.append(o)
+                if len(seen) == len(self._nodes):
+                    break
+        return seen
+
+    def lookup_bounded(self, key: bytes | str, loads: Mapping[str, float],
+                       epsilon: float = 0.25) -> str:
+        """The first node clockwise from `key` that can take one more request.
+
+        A node qualifies when `loads[node] + 1 <= (1 + epsilon) * (sum(loads) + 1) / N`, N the
+        number of nodes on the ring (nodes missing from `loads` count as 0). With epsilon > 0
+        some node always qualifies; should none (epsilon == 0 and rounding), the least loaded
+        node in preference order is returned.
+
+        Raises:
+            LookupError: the ring is empty.
+            ValueError: epsilon < 0.
+        """
+        if epsilon < 0:
+            raise ValueError("epsilon must be >= 0")
+        order = self.preference(key)
+        total = sum(float(loads.get(n, 0.0)) for n in self._nodes) + 1.0
+        cap = (1.0 + epsilon) * total / len(self._nodes)
+        for n in order:
+            if float(loads.get(n, 0.0)) + 1.0 <= cap + 1e-9:
+                return n
+        return min(order, key=lambda n: float(loads.get(n, 0.0)))
+
+    def capacity(self, loads: Mapping[str, float], epsilon: float = 0.25) -> int:
+        """Largest integral load a node may reach under `lookup_bounded` (for reports)."""
+        total = sum(float(loads.get(n, 0.0)) for n in self._nodes) + 1.0
+        return math.floor((1.0 + epsilon) * total / max(1, len(self._nodes)) + 1e-9)

@@ -1,0 +1,500 @@
+"""The prefix index: membership with leases, ordered event batches, matches, hot prefixes.
+
+Pure logic (no grpc); the server adapter serialises calls with one lock.
+
+Lifecycle of a replica, in the index's eyes:
+  1. Register(replica_id, incarnation, ...) gives it a slot (a bit in every node's holder mask)
+     and a lease. A new incarnation of a known id drops everything the old one held.
+  2. Heartbeat renews the lease and records load; a lease that lapses removes the replica
+     and its holdings.
+  3. PublishEvents batches are numbered 1, 2, 3...: the expected one is applied, an old one is
+     acknowledged and ignored (a retry), a later one means a batch was lost -> RESYNC, and the
+     replica answers with its full holdings in a batch marked `resync`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.hashing import DIGEST_SIZE, BlockHasher
+from services.common.policy import EvictionPolicy, HybridPolicy
+from services.prefix.tree import BlockTree, bits
+
+MAX_REPLICAS = 64
+# Measured by benchmarks/prefix_index.py (tracemalloc); used for the Stats estimate only.
+APPROX_BYTES_PER_NODE = 220
+
+
+class Load(NamedTuple):
+    """A replica's load at its last heartbeat."""
+
+    running: int = 0
+    waiting: int = 0
+    free_blocks: int = 0
+    total_blocks: int = 0
+
+
+@dataclass(frozen=True)
+class Stored:
+    """Blocks newly cached by a replica: a chain continuing `parent_hash` (b"" = the root)."""
+
+    parent_hash: bytes
+    block_hashes: Sequence[bytes]
+    token_ids: Sequence[int]
+    cache_salt: str = ""
+    first_block_hash: bytes = b""
+    start_block: int = 0
+
+
+@dataclass(frozen=True)
+class Removed:
+    """Blocks a replica evicted."""
+
+    block_hashes: Sequence[bytes]
+
+
+@dataclass(frozen=True)
+class Cleared:
+    """The replica dropped every block."""
+
+
+Event = Stored | Removed | Cleared
+
+
+@dataclass
+class Replica:
+    replica_id: str
+    incarnation: str
+    address: str
+    model_id: str
+    capacity_blocks: int
+    bit: int
+    deadline: float
+    last_seen: float
+    next_seq: int = 1
+    load: Load = field(default_factory=Load)
+
+
+class RegisterResult(NamedTuple):
+    lease_seconds: float
+    next_seq: int
+
+
+class HeartbeatResult(NamedTuple):
+    known: bool
+    lease_seconds: float
+
+
+class PublishResult(NamedTuple):
+    resync: bool  # False = applied (or an already applied retry)
+    next_seq: int
+
+
+class ReplicaMatch(NamedTuple):
+    replica_id: str
+    address: str
+    matched_blocks: int
+    matched_tokens: int
+    load: Load
+
+
+class MatchResult(NamedTuple):
+    matches: list[ReplicaMatch]  # every live replica of the model, longest match first
+    request_blocks: int
+    block_size: int
+
+
+class HotPrefix(NamedTuple):
+    token_ids: list[int]
+    hits: int
+    holders: list[str]
+    cache_salt: str
+    model_id: str
+    last_block_hash: bytes
+
+
+class ReplicaInfo(NamedTuple):
+    replica_id: str
+    incarnation: str
+    address: str
+    model_id: str
+    held_blocks: int
+    load: Load
+    last_seen_s: float
+
+
+class IndexStats(NamedTuple):
+    nodes: int
+    bytes: int
+    replicas: list[ReplicaInfo]
+    matches_total: int
+    matches_hit: int
+    match_blocks_total: int
+    match_blocks_hit: int
+    pruned_total: int
+    resyncs_total: int
+    block_size: int
+    dropped_blocks_total: int
+    max_nodes: int
+
+
+def _check_hashes(name: str, hashes: Sequence[bytes]) -> None:
+    for i, h in enumerate(hashes):
+        if len(h) != DIGEST_SIZE:
+            raise InvalidArgument(f"{name}[{i}]", f"must be {DIGEST_SIZE} bytes, got {len(h)}")
+
+
+class PrefixIndex:
+    """Which replica holds which blocks; see the module docstring for the protocol."""
+
+    def __init__(
+        self,
+        block_size: int = 16,
+        *,
+        lease_seconds: float = 10.0,
+        max_nodes: int = 1_000_000,
+        prune_to: float = 0.9,
+        policy: EvictionPolicy | None = None,
+        min_deep_hits: int = 1,
+        max_events: int = 4096,
+        max_blocks: int = 65536,
+        verify_hashes: bool = True,
+        hash_key: bytes | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        """
+        Args:
+            max_nodes: node budget; over it the tree is pruned down to `prune_to * max_nodes`.
+            policy: eviction order of leaves (default HybridPolicy(128)).
+            min_deep_hits: deep leaves hit fewer times than this are pruned first.
+            max_events / max_blocks: per PublishEvents batch (blocks also bound a Match).
+            verify_hashes: recompute the hashes of stored blocks; refuses chains hashed with
+                another key or model (costs ~0.6 us per new block).
+        """
+        self.block_size = block_size
+        self.lease_seconds = lease_seconds
+        self.max_nodes = max_nodes
+        self.prune_target = max(0, int(max_nodes * prune_to))
+        self.policy = policy or HybridPolicy()
+        self.shallow_tokens = getattr(self.policy, "shallow_tokens", 0)
+        self.min_deep_hits = min_deep_hits
+        self.max_events = max_events
+        self.max_blocks = max_blocks
+        self.verify_hashes = verify_hashes
+        self.hash_key = hash_key
+        self.clock = clock
+        self.tree = BlockTree(block_size)
+        self._replicas: dict[str, Replica] = {}
+        self._by_bit: list[Replica | None] = [None] * MAX_REPLICAS
+        self._by_model: dict[str, list[Replica]] = {}
+        self._hashers: dict[str, BlockHasher] = {}
+        self._next_deadline = float("inf")
+        self._tick = 0
+        self.matches_total = self.matches_hit = 0
+        self.match_blocks_total = self.match_blocks_hit = 0
+        self.resyncs_total = 0
+        self.dropped_blocks_total = 0
+
+    def hasher(self, model_id: str) -> BlockHasher:
+        h = self._hashers.get(model_id)
+        if h is None:
+            h = BlockHasher(model_id, self.block_size, self.hash_key)
+            if len(self._hashers) < 1024:
+                self._hashers[model_id] = h
+        return h
+
+    # -- membership -----------------------------------------------------------------------
+
+    def register(self, replica_id: str, incarnation: str, address: str, model_id: str,
+                 block_size: int, capacity_blocks: int = 0) -> RegisterResult:
+        """Start (or refresh) a replica's lease.
+
+        Raises:
+            InvalidArgument: a required field is empty.
+            FailedPrecondition: block_size differs from the index's.
+            ResourceExhausted: all replica slots are taken.
+        """
+        for name, value in (("replica_id", replica_id), ("incarnation", incarnation),
+                            ("address", address), ("model_id", model_id)):
+            if not value:
+                raise InvalidArgument(name, "required")
+            if len(value) > 256:
+                raise InvalidArgument(name, "longer than 256 characters")
+        if block_size != self.block_size:
+            raise FailedPrecondition(
+                f"block_size: replica uses {block_size}, this index {self.block_size}")
+        now = self.clock()
+        self._expire(now)
+        rep = self._replicas.get(replica_id)
+        if rep is not None and rep.incarnation == incarnation and rep.model_id == model_id:
+            rep.address, rep.capacity_blocks = address, capacity_blocks
+        else:
+            if rep is not None:
+                # A restarted pod keeps its name, not its memory.
+                self.tree.clear(rep.bit)
+                bit = rep.bit
+            else:
+                free = [i for i, r in enumerate(self._by_bit) if r is None]
+                if not free:
+                    raise ResourceExhausted(
+                        f"replica_id: the index already tracks {MAX_REPLICAS} replicas")
+                bit = free[0]
+            rep = Replica(replica_id, incarnation, address, model_id, capacity_blocks, bit,
+                          now, now)
+            self._replicas[replica_id] = rep
+            self._by_bit[bit] = rep
+            self._reindex_models()
+        self._renew(rep, now)
+        return RegisterResult(self.lease_seconds, rep.next_seq)
+
+    def heartbeat(self, replica_id: str, incarnation: str, load: Load) -> HeartbeatResult:
+        """Renew a lease; `known` is False if the replica must register again."""
+        if not replica_id:
+            raise InvalidArgument("replica_id", "required")
+        now = self.clock()
+        self._expire(now)
+        rep = self._replicas.get(replica_id)
+        if rep is None or rep.incarnation != incarnation:
+            return HeartbeatResult(False, self.lease_seconds)
+        rep.load = load
+        self._renew(rep, now)
+        return HeartbeatResult(True, self.lease_seconds)
+
+    def expire(self, now: float | None = None) -> list[str]:
+        """Drop replicas whose lease lapsed (and their holdings); returns their ids."""
+        return self._expire(self.clock() if now is None else now, force=True)
+
+    def _renew(self, rep: Replica, now: float) -> None:
+        rep.last_seen = now
+        rep.deadline = now + self.lease_seconds
+        self._next_deadline = min(self._next_deadline, rep.deadline)
+
+    def _expire(self, now: float, force: bool = False) -> list[str]:
+        if now < self._next_deadline and not force:
+            return []
+        gone = [r for r in self._replicas.values() if r.deadline <= now]
+        for rep in gone:
+            self._drop(rep)
+        self._next_deadline = min((r.deadline for r in self._replicas.values()),
+                                  default=float("inf"))
+        return [r.replica_id for r in gone]
+
+    def _drop(self, rep: Replica) -> None:
+        self.tree.clear(rep.bit)
+        del self._replicas[rep.replica_id]
+        self._by_bit[rep.bit] = None
+        self._reindex_models()
+
+    def _reindex_models(self) -> None:
+        by_model: dict[str, list[Replica]] = {}
+        for r in sorted(self._replicas.values(), key=lambda r: r.replica_id):
+            by_model.setdefault(r.model_id, []).append(r)
+        self._by_model = by_model
+
+    def _known(self, replica_id: str, incarnation: str) -> Replica:
+        if not replica_id:
+            raise InvalidArgument("replica_id", "required")
+        rep = self._replicas.get(replica_id)
+        if rep is None:
+            raise NotFound(f"replica_id: unknown replica {replica_id!r}; Register first")
+        if rep.incarnation != incarnation:
+            raise NotFound(f"incarnation: {incarnation!r} is not the registered incarnation of "
+                           f"{replica_id!r}; Register again")
+        return rep
+
+    # -- events ---------------------------------------------------------------------------
+
+    def publish(self, replica_id: str, incarnation: str, seq: int, events: Sequence[Event],
+                resync: bool = False) -> PublishResult:
+        """Apply a batch of events in order, or ask for a resync after a gap.
+
+        Raises:
+            NotFound: unknown replica or stale incarnation (register again).
+            InvalidArgument: a malformed event (nothing of the batch is applied).
+            ResourceExhausted: the batch exceeds the event or block limit.
+        """
+        now = self.clock()
+        self._expire(now)
+        rep = self._known(replica_id, incarnation)
+        if seq < 1:
+            raise InvalidArgument("seq", "must be >= 1")
+        if len(events) > self.max_events:
+            raise ResourceExhausted(f"events: {len(events)} events > limit {self.max_events}")
+        if not resync:
+            if seq < rep.next_seq:
+                return PublishResult(False, rep.next_seq)  # a retry of an applied batch
+            if seq > rep.next_seq:
+                self.resyncs_total += 1
+                return PublishResult(True, rep.next_seq)
+        plan = self._validate(rep, events)
+        self._tick += 1
+        tick = self._tick
+        tree = self.tree
+        if resync:
+            tree.clear(rep.bit)
+        for kind, a, b, c, salt in plan:
+            if kind == "stored":
+                if salt is not None:
+                    tree.ensure_root(a, rep.model_id, salt)
+                res = tree.store(a, b, c, rep.bit, tick)
+                self.dropped_blocks_total += res.dropped
+                tree.gc_root(a)
+            elif kind == "removed":
+                for h in a:
+                    tree.remove(h, rep.bit)
+            else:
+                tree.clear(rep.bit)
+        rep.next_seq = seq + 1
+        if len(tree) > self.max_nodes:
+            tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
+        return PublishResult(False, rep.next_seq)
+
+    def _validate(self, rep: Replica, events: Sequence[Event]) -> list[tuple]:
+        """Check every event before any is applied; returns (kind, args...) steps."""
+        bs = self.block_size
+        plan: list[tuple] = []
+        blocks = 0
+        for i, ev in enumerate(events):
+            where = f"events[{i}]"
+            if isinstance(ev, Stored):
+                hashes = list(ev.block_hashes)
+                if not hashes:
+                    raise InvalidArgument(f"{where}.stored.block_hashes", "empty")
+                _check_hashes(f"{where}.stored.block_hashes", hashes)
+                if len(ev.token_ids) != bs * len(hashes):
+                    raise InvalidArgument(
+                        f"{where}.stored.token_ids",
+                        f"{len(ev.token_ids)} tokens for {len(hashes)} blocks of {bs}")
+                if ev.parent_hash:
+                    if len(ev.parent_hash) != DIGEST_SIZE:
+                        raise InvalidArgument(f"{where}.stored.parent_hash",
+                                              f"must be empty or {DIGEST_SIZE} bytes")
+                    parent = bytes(ev.parent_hash)
+                else:
+                    if ev.start_block:
+                        raise InvalidArgument(f"{where}.stored.start_block",
+                                              "must be 0 when parent_hash is empty")
+                    if ev.first_block_hash and ev.first_block_hash != hashes[0]:
+                        raise InvalidArgument(f"{where}.stored.first_block_hash",
+                                              "must equal block_hashes[0] at the root")
+                    parent = self.hasher(rep.model_id).root(ev.cache_salt)
+                if self.verify_hashes:
+                    want = self.hasher(rep.model_id).hashes(ev.token_ids, parent=parent)
+                    if want != hashes:
+                        raise InvalidArgument(
+                            f"{where}.stored.block_hashes",
+                            "do not match the tokens (hash key, model_id or parent mismatch)")
+                blocks += len(hashes)
+                salt = None if ev.parent_hash else ev.cache_salt
+                plan.append(("stored", parent, hashes, ev.token_ids, salt))
+            elif isinstance(ev, Removed):
+                _check_hashes(f"{where}.removed.block_hashes", ev.block_hashes)
+                blocks += len(ev.block_hashes)
+                plan.append(("removed", [bytes(h) for h in ev.block_hashes], None, None, None))
+            elif isinstance(ev, Cleared):
+                plan.append(("cleared", None, None, None, None))
+            else:
+                raise InvalidArgument(where, "no event set")
+            if blocks > self.max_blocks:
+                raise ResourceExhausted(f"events: more than {self.max_blocks} blocks in a batch")
+        return plan
+
+    # -- queries --------------------------------------------------------------------------
+
+    def match(self, model_id: str, cache_salt: str = "", token_ids: Sequence[int] = (),
+              block_hashes: Sequence[bytes] = ()) -> MatchResult:
+        """Every live replica of `model_id` with the leading blocks of the request it holds.
+
+        Raises:
+            InvalidArgument: no model, no or both inputs, malformed hashes, too many blocks.
+        """
+        if not model_id:
+            raise InvalidArgument("model_id", "required")
+        if len(token_ids) and len(block_hashes):
+            raise InvalidArgument("token_ids", "give token_ids or block_hashes, not both")
+        if len(block_hashes):
+            if len(block_hashes) > self.max_blocks:
+                raise InvalidArgument("block_hashes", f"more than {self.max_blocks} blocks")
+            _check_hashes("block_hashes", block_hashes)
+            hashes = block_hashes
+        elif len(token_ids):
+            if len(token_ids) > self.max_blocks * self.block_size:
+                raise InvalidArgument("token_ids",
+                                      f"more than {self.max_blocks * self.block_size} tokens")
+            hashes = self.hasher(model_id).hashes(token_ids, cache_salt)
+        else:
+            raise InvalidArgument("token_ids", "empty: give token_ids or block_hashes")
+        now = self.clock()
+        if now >= self._next_deadline:
+            self._expire(now)
+        self._tick += 1
+        segments = self.tree.match(hashes, self._tick)
+        bs = self.block_size
+        out = []
+        for rep in self._by_model.get(model_id, ()):
+            m = 1 << rep.bit
+            got = 0
+            for seg in segments:
+                if seg.holders & m:
+                    got = seg.blocks
+                    break
+            out.append(ReplicaMatch(rep.replica_id, rep.address, got, got * bs, rep.load))
+        if len(out) > 1:
+            out.sort(key=lambda r: (-r.matched_blocks, r.load.running + r.load.waiting))
+        best = segments[0].blocks if segments else 0
+        self.matches_total += 1
+        self.match_blocks_total += len(hashes)
+        if best:
+            self.matches_hit += 1
+            self.match_blocks_hit += best
+        return MatchResult(out, len(hashes), bs)
+
+    def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0) -> list[HotPrefix]:
+        """The `k` (1..1000) prefixes where most matches ended, hottest first."""
+        if not 1 <= k <= 1000:
+            raise InvalidArgument("k", "must be in 1..1000")
+        out = []
+        for p in self.tree.top(k, model_id, min_hits):
+            holders = [r.replica_id for b in bits(p.holders) if (r := self._by_bit[b])]
+            out.append(HotPrefix(p.token_ids, p.hits, sorted(holders), p.cache_salt,
+                                 p.model_id, p.last_block_hash))
+        return out
+
+    def stats(self) -> IndexStats:
+        now = self.clock()
+        self._expire(now)
+        reps = [ReplicaInfo(r.replica_id, r.incarnation, r.address, r.model_id,
+                            self.tree.held[r.bit], r.load, max(0.0, now - r.last_seen))
+                for r in sorted(self._replicas.values(), key=lambda r: r.replica_id)]
+        n = len(self.tree)
+        return IndexStats(n, n * APPROX_BYTES_PER_NODE, reps, self.matches_total,
+                          self.matches_hit, self.match_blocks_total, self.match_blocks_hit,
+                          self.tree.pruned_total, self.resyncs_total, self.block_size,
+                          self.dropped_blocks_total, self.max_nodes)
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless tree, table, holders and membership agree."""
+        self.tree.check_integrity()
+        for b, rep in enumerate(self._by_bit):
+            if rep is None:
+                if self.tree.held[b]:
+                    raise AssertionError(f"free slot {b} still holds {self.tree.held[b]} blocks")
+            elif self._replicas.get(rep.replica_id) is not rep or rep.bit != b:
+                raise AssertionError(f"slot {b} and replica {rep.replica_id} disagree")
+        if len(self._replicas) != sum(r is not None for r in self._by_bit):
+            raise AssertionError("replica table and slots disagree")
+        for key, nd in self.tree.nodes():
+            root = self.tree.root_of(nd)
+            for b in bits(nd.holders):
+                rep = self._by_bit[b]
+                if rep is None or rep.model_id != root.model_id:
+                    raise AssertionError(f"node {key.hex()} held by slot {b} of another model")
+            if self.verify_hashes:
+                parent_key = nd.parent.key
+                toks = nd.tok[nd.idx * self.block_size:(nd.idx + 1) * self.block_size]
+                if self.hasher(root.model_id).hashes(toks, parent=parent_key) != [key]:
+                    raise AssertionError(f"node {key.hex()}: hash does not match its tokens")
