@@ -1,0 +1,60 @@
+"""`python -m services.kvpool` — one model replica with its paged KV pool."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+from tiercache.v1 import kvpool_pb2_grpc
+
+from services.common.bootstrap import create_server, run_until_signal
+from services.common.config import ConfigError, load_config
+from services.common.logs import setup_logging
+from services.kvpool.app import build_replica
+from services.kvpool.config import KvPoolConfig
+from services.kvpool.publisher import Publisher
+from services.kvpool.server import KvPoolServicer
+
+log = logging.getLogger("services.kvpool")
+
+
+def main(argv: list[str] | None = None) -> int:
+    setup_logging("kvpool")
+    try:
+        cfg = load_config(KvPoolConfig, "kvpool", sys.argv[1:] if argv is None else argv)
+    except ConfigError as e:
+        log.error("bad configuration: %s", e)
+        return 2
+    servicer = KvPoolServicer(cfg)
+    # Bind first (health NOT_SERVING) so probes see the process while the model loads.
+    handle = create_server(
+        service="kvpool", address=cfg.address,
+        services=[(kvpool_pb2_grpc.add_KvPoolServicer_to_server, servicer,
+                   "tiercache.v1.KvPool")],
+        internal_token=cfg.internal_token or None,
+        metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port)
+    replica = build_replica(cfg)
+    publisher = None
+    if cfg.prefix_address:
+        publisher = Publisher(
+            replica.engine, address=cfg.prefix_address, replica_id=cfg.replica_id,
+            incarnation=servicer.incarnation, public_address=cfg.public_address,
+            model_id=replica.info.model_id, heartbeat_seconds=cfg.heartbeat_seconds,
+            publish_interval_seconds=cfg.publish_interval_seconds,
+            internal_token=cfg.internal_token).start()
+    servicer.attach(replica.engine, replica.info, publisher)
+    handle.set_serving()
+    log.info("kvpool %s ready on port %d (model %s, %d blocks)", cfg.replica_id, handle.port,
+             replica.info.model_id, replica.engine.pool.num_blocks)
+
+    def on_stop() -> None:
+        if publisher is not None:
+            publisher.stop()
+        replica.engine.stop()
+
+    run_until_signal(handle, cfg.grace_seconds, on_stop=on_stop)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+"""Building a replica's heavy state: the model, the pool and the engine."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from services.common.hashing import BlockHasher
+from services.common.model_store import resolve_model
+from services.common.policy import make_policy
+from services.kvpool.block_pool import BlockPool
+from services.kvpool.config import KvPoolConfig
+from services.kvpool.engine import Engine, ModelInfo, model_info
+from services.kvpool.metrics import KvMetrics
+from services.kvpool.paged_cache import KvStore
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Replica:
+    """What a running replica holds."""
+
+    engine: Engine
+    info: ModelInfo
+
+
+def load_model(cfg: KvPoolConfig) -> tuple[Any, str]:
+    """Resolve and load the configured model on its device; returns (model, model_id)."""
+    from transformers import AutoModelForCausalLM
+
+    resolved = resolve_model(cfg.model, cfg.cache_dir or None, cfg.model_id or None)
+    log.info("loading model %s from %s on %s (%s)", resolved.model_id, resolved.path, cfg.device,
+             cfg.dtype)
+    model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=_DTYPES[cfg.dtype],
+                                                 attn_implementation="sdpa")
+    model.to(cfg.device).eval()
+    return model, resolved.model_id
+
+
+def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
+    """Blocks in the pool: `num_blocks`, or as many as `kv_cache_bytes` holds."""
+    if cfg.num_blocks > 0:
+        return cfg.num_blocks
+    per = KvStore.block_bytes(info.num_layers, info.kv_heads, info.head_dim, cfg.block_size, dtype)
+    return max(1, cfg.kv_cache_bytes // per)
+
+
+def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | None = None,
+                  metrics: bool = True) -> Replica:
+    """Load (or take) the model and start the engine over a fresh pool."""
+    if cfg.torch_threads > 0:
+        torch.set_num_threads(cfg.torch_threads)
+    if model is None:
+        model, model_id = load_model(cfg)
+    info = model_info(model, model_id or cfg.model_id or "model")
+    dtype = next(model.parameters()).dtype
+    n = pool_blocks(cfg, info, dtype)
+    hasher = BlockHasher(info.model_id, cfg.block_size)
+    pool = BlockPool(n, cfg.block_size, hasher, make_policy(cfg.eviction_policy,
+                                                            cfg.shallow_tokens))
+    engine = Engine(model, info, pool, max_batch_size=cfg.max_batch_size,
+                    max_prefill_chunk=cfg.max_prefill_chunk, max_waiting=cfg.max_waiting,
+                    metrics=KvMetrics() if metrics else None).start()
+    pool_b, rows_b = engine.store.nbytes()
+    log.info("kv pool: %d blocks of %d tokens (%.0f MiB), working rows %.0f MiB", n,
+             cfg.block_size, pool_b / 2**20, rows_b / 2**20)
+    return Replica(engine, info)

@@ -1,0 +1,494 @@
+"""The paged block pool's bookkeeping: ids, ref counts, hash table, eviction, pins, events.
+
+Pure logic: it never touches tensors. Block `i` here is row `i` of the KV tensor the engine owns
+(`[num_blocks, layers, 2, kv_heads, block_size, head_dim]`); when the pool asks for data to move
+(a copy-on-write), it returns the (src, dst) pair and the engine copies.
+
+Every block is in exactly one state:
+
+    in_use   ref > 0                      (held by live sequences; never evicted)
+    pinned   ref == 0, pinned             (warm-up; never evicted until the pin expires)
+    cached   ref == 0, hashed, unpinned   (eviction candidate when it is a leaf)
+    free     ref == 0, not hashed         (in the free queue)
+
+A sequence's block table lists its blocks in order; full blocks whose KV is computed are
+"committed": hashed with the chained hash of `services.common.hashing` and entered in the table so
+that later prompts starting the same way reuse them. Only the pool's owner thread calls it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from services.common.hashing import BlockHasher
+from services.common.policy import BlockUsage, EvictionPolicy, HybridPolicy
+
+
+class PoolExhausted(Exception):
+    """Not enough free or evictable blocks for an allocation."""
+
+
+class BlocksStored(NamedTuple):
+    """Blocks newly committed, a chain continuing after `parent_hash` (None = the root)."""
+
+    parent_hash: bytes | None
+    block_hashes: list[bytes]
+    token_ids: list[int]
+    cache_salt: str
+    first_block_hash: bytes
+    start_block: int
+
+
+class BlocksRemoved(NamedTuple):
+    """Blocks evicted from the table."""
+
+    block_hashes: list[bytes]
+
+
+class AllCleared(NamedTuple):
+    """Every cached block was dropped."""
+
+
+PoolEvent = BlocksStored | BlocksRemoved | AllCleared
+
+
+class Admission(NamedTuple):
+    """What `open` did for a new sequence."""
+
+    cached_tokens: int  # prompt tokens whose KV is already in the table's blocks
+    copies: list[tuple[int, int]]  # (src, dst) block copies the engine must do first (COW)
+
+
+class PoolStats(NamedTuple):
+    total: int
+    free: int
+    cached: int
+    pinned: int
+    in_use: int
+
+
+@dataclass
+class _Block:
+    ref: int = 0
+    hash: bytes | None = None
+    tokens: tuple[int, ...] = ()
+    parent: int | None = None  # block id of the previous block in the chain
+    children: int = 0  # committed blocks whose parent is this one
+    start_token: int = 0
+    cache_salt: str = ""
+    first_hash: bytes = b""
+    hits: int = 0
+    last_access: float = 0.0
+    pin_until: float = 0.0
+
+
+@dataclass
+class _Table:
+    blocks: list[int] = field(default_factory=list)
+    committed: int = 0  # leading blocks that are hashed (shared-safe)
+    cache_salt: str = ""
+
+
+class BlockPool:
+    """Ref-counted blocks with a prefix hash table; see the module docstring.
+
+    Args:
+        num_blocks: blocks in the pool.
+        block_size: tokens per block.
+        hasher: the chained block hasher (model id + hash key).
+        policy: orders eviction candidates (default HybridPolicy).
+        clock: monotonic time source (tests pass a fake one).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher,
+                 policy: EvictionPolicy | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if num_blocks <= 0:
+            raise ValueError("num_blocks must be > 0")
+        if hasher.block_size != block_size:
+            raise ValueError("hasher block size differs from the pool's")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.hasher = hasher
+        self.policy = policy or HybridPolicy()
+        self.clock = clock
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))
+        self._table: dict[bytes, int] = {}
+        self._seqs: dict[str, _Table] = {}
+        self._events: list[PoolEvent] = []
+        self.evictions_total = 0
+
+    # ---- queries ---------------------------------------------------------------------------
+
+    def match(self, token_ids: Sequence[int], cache_salt: str = "") -> list[int]:
+        """Block ids of the longest cached prefix of full blocks (tokens verified on each hit)."""
+        out: list[int] = []
+        bs = self.block_size
+        for i, h in enumerate(self.hasher.hashes(token_ids, cache_salt)):
+            bid = self._table.get(h)
+            if bid is None or self._blocks[bid].tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
+                break
+            out.append(bid)
+        return out
+
+    def blocks_of(self, seq_id: str) -> list[int]:
+        """The block table of a live sequence (a copy)."""
+        return list(self._seqs[seq_id].blocks)
+
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
+    def evictable_count(self) -> int:
+        """Blocks an allocation could take right now (free + unreferenced, unpinned cached)."""
+        now = self.clock()
+        return len(self._free) + sum(
+            1 for b in self._blocks if b.ref == 0 and b.hash is not None and b.pin_until <= now)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def stats(self) -> PoolStats:
+        now = self.clock()
+        in_use = pinned = cached = 0
+        for b in self._blocks:
+            if b.ref > 0:
+                in_use += 1
+            elif b.pin_until > now:
+                pinned += 1
+            elif b.hash is not None:
+                cached += 1
+        free = self.num_blocks - in_use - pinned - cached
+        return PoolStats(self.num_blocks, free, cached, pinned, in_use)
+
+    # ---- sequences -------------------------------------------------------------------------
+
+    def open(self, seq_id: str, token_ids: Sequence[int], cache_salt: str = "",
+             use_cache: bool = True, keep_uncached: int = 1) -> Admission:
+        """Start a sequence: reference its longest cached prefix and allocate the rest.
+
+        Args:
+            seq_id: unique id of the sequence.
+            token_ids: prompt tokens (the KV of all but the last `keep_uncached` is wanted).
+            cache_salt: tenant salt (seeds the hash chain).
+            use_cache: False = reuse nothing (the sequence's own blocks are still committed).
+            keep_uncached: leave at least this many trailing tokens to compute, so there are
+                logits to sample from (0 for pure prefill).
+        Returns:
+            Admission(cached_tokens, copies). When the reused prefix reaches into the block that
+            holds a token to recompute, that block is copied first (copy-on-write): the sequence
+            never writes into a block other sequences read.
+        Raises:
+            PoolExhausted: not enough blocks even after eviction (nothing is changed then).
+        """
+        if seq_id in self._seqs:
+            raise ValueError(f"sequence {seq_id!r} is already open")
+        bs = self.block_size
+        n = len(token_ids)
+        matched = self.match(token_ids, cache_salt) if use_cache else []
+        cached_tokens = min(len(matched) * bs, max(0, n - keep_uncached))
+        shared = matched[: cached_tokens // bs]
+        cow_src = matched[len(shared)] if cached_tokens % bs else None
+        need = self.blocks_needed(max(n, 1)) - len(shared)
+        # Referencing the shared blocks first keeps eviction from taking them for the new ones.
+        for bid in matched[: len(shared) + (cow_src is not None)]:
+            self._ref(bid)
+        try:
+            new = self._allocate(need)
+        except PoolExhausted:
+            for bid in matched[: len(shared) + (cow_src is not None)]:
+                self._unref(bid)
+            raise
+        now = self.clock()
+        for bid in shared:
+            b = self._blocks[bid]
+            b.hits += 1
+            b.last_access = now
+        copies: list[tuple[int, int]] = []
+        if cow_src is not None:
+            copies.append((cow_src, new[0]))
+            self._blocks[cow_src].hits += 1
+            self._unref(cow_src)
+        self._seqs[seq_id] = _Table(blocks=shared + new, committed=len(shared),
+                                    cache_salt=cache_salt)
+        return Admission(cached_tokens, copies)
+
+    def ensure_capacity(self, seq_id: str, num_tokens: int) -> None:
+        """Grow the sequence's table to hold `num_tokens` tokens.
+
+        Raises:
+            PoolExhausted: not enough blocks even after eviction (the table is unchanged).
+        """
+        t = self._seqs[seq_id]
+        need = self.blocks_needed(num_tokens) - len(t.blocks)
+        if need > 0:
+            t.blocks.extend(self._allocate(need))
+
+    def commit(self, seq_id: str, token_ids: Sequence[int], num_computed: int) -> list[int]:
+        """Enter the sequence's full, computed blocks in the hash table.
+
+        Args:
+            token_ids: the sequence's tokens from the start.
+            num_computed: tokens whose KV the engine has written into the blocks.
+        Returns:
+            Block ids that were replaced by an identical block already in the table (their
+            contents were duplicates; the table now references the existing block instead).
+        """
+        t = self._seqs[seq_id]
+        bs = self.block_size
+        full = min(num_computed, len(token_ids)) // bs
+        if full <= t.committed:
+            return []
+        parent_hash = self._blocks[t.blocks[t.committed - 1]].hash if t.committed else None
+        hashes = self.hasher.hashes(token_ids[t.committed * bs: full * bs], t.cache_salt,
+                                    parent=parent_hash)
+        first_hash = (self._blocks[t.blocks[0]].hash if t.committed
+                      else hashes[0])
+        now = self.clock()
+        replaced: list[int] = []
+        stored_hashes: list[bytes] = []
+        stored_start = t.committed
+        for i, h in enumerate(hashes):
+            idx = t.committed + i
+            bid = t.blocks[idx]
+            toks = tuple(token_ids[idx * bs:(idx + 1) * bs])
+            existing = self._table.get(h)
+            if existing is not None and existing != bid and self._blocks[existing].tokens == toks:
+                # Someone committed the same block first: share theirs, drop our duplicate.
+                self._ref(existing)
+                self._blocks[existing].last_access = now
+                t.blocks[idx] = existing
+                self._unref(bid)
+                replaced.append(bid)
+                if stored_hashes:
+                    self._emit_stored(t, stored_start, stored_hashes, token_ids, first_hash)
+                stored_hashes = []
+                stored_start = idx + 1
+                continue
+            b = self._blocks[bid]
+            assert b.hash is None and b.ref >= 1
+            parent = t.blocks[idx - 1] if idx else None
+            b.hash, b.tokens, b.parent = h, toks, parent
+            b.start_token, b.cache_salt, b.first_hash = idx * bs, t.cache_salt, first_hash
+            b.last_access = now
+            if parent is not None:
+                self._blocks[parent].children += 1
+            if existing is None:  # a colliding hash with other tokens stays out of the table
+                self._table[h] = bid
+            stored_hashes.append(h)
+        if stored_hashes:
+            self._emit_stored(t, stored_start, stored_hashes, token_ids, first_hash)
+        t.committed = full
+        return replaced
+
+    def truncate(self, seq_id: str, num_tokens: int) -> None:
+        """Drop the sequence's blocks beyond `num_tokens` (rollback of rejected draft tokens).
+
+        Committed blocks are kept: they only ever hold verified tokens.
+        """
+        t = self._seqs[seq_id]
+        keep = max(self.blocks_needed(num_tokens), t.committed)
+        while len(t.blocks) > keep:
+            self._unref(t.blocks.pop())
+
+    def close(self, seq_id: str) -> None:
+        """End a sequence: release its blocks, tails first (committed ones stay cached)."""
+        t = self._seqs.pop(seq_id, None)
+        if t is None:
+            return
+        now = self.clock()
+        for bid in reversed(t.blocks):
+            self._blocks[bid].last_access = now
+            self._unref(bid)
+
+    # ---- pins ------------------------------------------------------------------------------
+
+    def pin(self, block_ids: Sequence[int], ttl_seconds: float) -> int:
+        """Keep committed blocks from eviction until now + ttl (extends, never shortens)."""
+        until = self.clock() + ttl_seconds
+        n = 0
+        for bid in block_ids:
+            b = self._blocks[bid]
+            if b.hash is None:
+                continue
+            b.pin_until = max(b.pin_until, until)
+            n += 1
+        return n
+
+    def is_pinned(self, block_id: int) -> bool:
+        return self._blocks[block_id].pin_until > self.clock()
+
+    def ref_count(self, block_id: int) -> int:
+        return self._blocks[block_id].ref
+
+    def block_hash(self, block_id: int) -> bytes | None:
+        return self._blocks[block_id].hash
+
+    # ---- eviction --------------------------------------------------------------------------
+
+    def eviction_order(self) -> list[int]:
+        """Current candidates (unreferenced, unpinned, committed leaves) in eviction order."""
+        now = self.clock()
+        cands = {bid: self._usage(b) for bid, b in enumerate(self._blocks)
+                 if self._evictable(b, now) and b.children == 0}
+        return self.policy.order(cands)
+
+    def evict(self, n: int) -> list[int]:
+        """Evict up to `n` blocks, leaves first in policy order; returns their ids."""
+        now = self.clock()
+        out: list[int] = []
+        removed: list[bytes] = []
+        while len(out) < n:
+            cands = [bid for bid, b in enumerate(self._blocks)
+                     if self._evictable(b, now) and b.children == 0]
+            if not cands:
+                break
+            # Evicting a leaf can expose its parent as a new leaf, so re-rank after each batch.
+            order = sorted(cands, key=lambda i: self.policy.key(self._usage(self._blocks[i])))
+            for bid in order[: n - len(out)]:
+                removed.append(self._drop_hash(bid))
+                self._free.append(bid)
+                out.append(bid)
+        if removed:
+            self.evictions_total += len(removed)
+            self._events.append(BlocksRemoved(removed))
+        return out
+
+    def clear(self) -> int:
+        """Drop every unreferenced, unpinned cached block (AllCleared if the table empties)."""
+        now = self.clock()
+        dropped = 0
+        # Children before parents: walk deepest first.
+        order = sorted((bid for bid, b in enumerate(self._blocks) if self._evictable(b, now)),
+                       key=lambda i: -self._blocks[i].start_token)
+        removed = []
+        for bid in order:
+            if self._blocks[bid].children == 0:
+                removed.append(self._drop_hash(bid))
+                self._free.append(bid)
+                dropped += 1
+        if not self._table:
+            self._events.append(AllCleared())
+        elif removed:
+            self._events.append(BlocksRemoved(removed))
+        return dropped
+
+    # ---- events ----------------------------------------------------------------------------
+
+    def take_events(self) -> list[PoolEvent]:
+        """Events since the last call, in order."""
+        out, self._events = self._events, []
+        return out
+
+    def holdings(self) -> list[BlocksStored]:
+        """Every committed block as stored events (parents before children), for a resync."""
+        out = []
+        for bid in sorted(self._table.values(), key=lambda i: self._blocks[i].start_token):
+            b = self._blocks[bid]
+            parent = self._blocks[b.parent].hash if b.parent is not None else None
+            out.append(BlocksStored(parent, [b.hash], list(b.tokens), b.cache_salt, b.first_hash,
+                                    b.start_token // self.block_size))
+        return out
+
+    # ---- integrity -------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError unless every invariant holds.
+
+        free + cached + pinned + in_use == total; each ref count equals the number of live
+        sequence tables holding the block; hash table <-> blocks agree; free queue == the
+        unhashed, unreferenced blocks; child counts match; committed blocks are hashed.
+        """
+        s = self.stats()
+        assert s.free + s.cached + s.pinned + s.in_use == s.total, s
+        holders = [0] * self.num_blocks
+        for t in self._seqs.values():
+            assert len(set(t.blocks)) == len(t.blocks), "a table lists a block twice"
+            assert t.committed <= len(t.blocks)
+            for i, bid in enumerate(t.blocks):
+                holders[bid] += 1
+                if i < t.committed:
+                    assert self._blocks[bid].hash is not None, f"committed block {bid} unhashed"
+        children = [0] * self.num_blocks
+        for bid, b in enumerate(self._blocks):
+            assert b.ref == holders[bid], f"block {bid}: ref {b.ref} != holders {holders[bid]}"
+            if b.hash is not None and b.parent is not None:
+                children[b.parent] += 1
+                assert self._blocks[b.parent].hash is not None, f"block {bid}: parent unhashed"
+        free_set = set(self._free)
+        assert len(free_set) == len(self._free), "free queue lists a block twice"
+        for bid, b in enumerate(self._blocks):
+            assert b.children == children[bid], f"block {bid}: children {b.children}"
+            in_free = bid in free_set
+            assert in_free == (b.ref == 0 and b.hash is None), f"block {bid}: free queue wrong"
+            if b.hash is not None and self._table.get(b.hash) not in (bid, None):
+                # A duplicate (hash collision with other tokens) must not be shadowed silently.
+                assert self._blocks[self._table[b.hash]].tokens != b.tokens
+        for h, bid in self._table.items():
+            assert self._blocks[bid].hash == h, f"table entry for block {bid} is stale"
+
+    # ---- internals -------------------------------------------------------------------------
+
+    def _usage(self, b: _Block) -> BlockUsage:
+        return BlockUsage(b.start_token, b.hits, b.last_access)
+
+    @staticmethod
+    def _evictable(b: _Block, now: float) -> bool:
+        return b.ref == 0 and b.hash is not None and b.pin_until <= now
+
+    def _allocate(self, n: int) -> list[int]:
+        if n <= 0:
+            return []
+        if len(self._free) < n:
+            if self.evictable_count() < n:
+                raise PoolExhausted(f"need {n} blocks, {self.evictable_count()} available")
+            self.evict(n - len(self._free))
+            if len(self._free) < n:  # pinned/referenced parents can block leaves-first eviction
+                raise PoolExhausted(f"need {n} blocks, {len(self._free)} could be freed")
+        out = [self._free.popleft() for _ in range(n)]
+        for bid in out:
+            self._blocks[bid].ref = 1
+            self._blocks[bid].last_access = self.clock()
+        return out
+
+    def _ref(self, bid: int) -> None:
+        b = self._blocks[bid]
+        if b.ref == 0 and b.hash is None:
+            self._free.remove(bid)
+        b.ref += 1
+
+    def _unref(self, bid: int) -> None:
+        b = self._blocks[bid]
+        assert b.ref > 0, f"block {bid} released too often"
+        b.ref -= 1
+        if b.ref == 0 and b.hash is None:
+            self._reset(b)
+            self._free.append(bid)
+
+    def _drop_hash(self, bid: int) -> bytes:
+        b = self._blocks[bid]
+        h = b.hash
+        assert h is not None and b.children == 0 and b.ref == 0
+        if self._table.get(h) == bid:
+            del self._table[h]
+        if b.parent is not None:
+            self._blocks[b.parent].children -= 1
+        self._reset(b)
+        return h
+
+    @staticmethod
+    def _reset(b: _Block) -> None:
+        b.hash, b.tokens, b.parent, b.children = None, (), None, 0
+        b.start_token, b.cache_salt, b.first_hash, b.hits, b.pin_until = 0, "", b"", 0, 0.0
+
+    def _emit_stored(self, t: _Table, start: int, hashes: list[bytes], token_ids: Sequence[int],
+                     first_hash: bytes) -> None:
+        bs = self.block_size
+        parent = self._blocks[t.blocks[start - 1]].hash if start else None
+        toks = list(token_ids[start * bs:(start + len(hashes)) * bs])
+        self._events.append(BlocksStored(parent, list(hashes), toks, t.cache_salt, first_hash,
+                                         start))

@@ -1,0 +1,86 @@
+"""Configuration of a kvpool replica (`TIERCACHE_KVPOOL_<FIELD>` or `--field`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import require
+
+SERVICE = "kvpool"
+
+
+@dataclass(frozen=True)
+class KvPoolConfig:
+    """Settings of one kvpool replica.
+
+    The pool is sized either in blocks (`num_blocks` > 0) or in bytes (`kv_cache_bytes`, used when
+    `num_blocks` is 0); a block holds `block_size` tokens of K and V for every layer.
+    """
+
+    # "smollm2" (the packaged model, converted once) or the path of a local HF model folder.
+    model: str = "smollm2"
+    # Served model id; empty = derived from the model (SmolLM2-135M-Instruct or the folder name).
+    model_id: str = ""
+    # Where converted models are cached; empty = $TIERCACHE_CACHE_DIR or ~/.cache/tiercache.
+    cache_dir: str = ""
+    device: str = "cpu"
+    dtype: str = "float32"
+    num_blocks: int = 0
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    block_size: int = 16
+    # Sequences decoded together in one forward (running = prefilling + decoding).
+    max_batch_size: int = 8
+    # Prompt tokens computed per forward of one sequence (bounds decode stalls).
+    max_prefill_chunk: int = 512
+    max_new_tokens_limit: int = 2048
+    # Requests allowed to wait for admission before new ones are refused.
+    max_waiting: int = 256
+    replica_id: str = "kvpool-0"
+    address: str = "127.0.0.1:50054"
+    # Address other services dial for this replica; empty = `address`.
+    advertise_address: str = ""
+    metrics_port: int = 9104
+    internal_token: str = ""
+    # host:port of the prefix index; empty = do not publish.
+    prefix_address: str = ""
+    heartbeat_seconds: float = 2.0
+    # Events are published at least this often (seconds) while there are any.
+    publish_interval_seconds: float = 0.2
+    eviction_policy: str = "hybrid"
+    shallow_tokens: int = 128
+    pin_ttl_max_seconds: int = 3600
+    # torch intra-op threads; 0 = torch's default.
+    torch_threads: int = 0
+    grace_seconds: float = 10.0
+
+    def validate(self) -> None:
+        """Fail fast with the name of the offending variable."""
+        s = SERVICE
+        require(bool(self.model.strip()), s, "model", "must name 'smollm2' or a model folder")
+        require(self.device == "cpu" or self.device.startswith("cuda"), s, "device",
+                f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        require(self.dtype in ("float32", "float16", "bfloat16"), s, "dtype",
+                f"must be float32, float16 or bfloat16, got {self.dtype!r}")
+        require(self.num_blocks >= 0, s, "num_blocks", "must be >= 0 (0 = size by kv_cache_bytes)")
+        require(self.num_blocks > 0 or self.kv_cache_bytes > 0, s, "kv_cache_bytes",
+                "must be > 0 when num_blocks is 0")
+        require(1 <= self.block_size <= 1024, s, "block_size", "must be in 1..1024")
+        require(1 <= self.max_batch_size <= 256, s, "max_batch_size", "must be in 1..256")
+        require(self.max_prefill_chunk >= 1, s, "max_prefill_chunk", "must be >= 1")
+        require(self.max_new_tokens_limit >= 1, s, "max_new_tokens_limit", "must be >= 1")
+        require(self.max_waiting >= 0, s, "max_waiting", "must be >= 0")
+        require(bool(self.replica_id.strip()), s, "replica_id", "must not be empty")
+        require(":" in self.address, s, "address", "must be host:port")
+        require(self.metrics_port >= -1, s, "metrics_port", "must be -1 (off), 0 or a port")
+        require(self.heartbeat_seconds > 0, s, "heartbeat_seconds", "must be > 0")
+        require(self.publish_interval_seconds > 0, s, "publish_interval_seconds", "must be > 0")
+        require(self.eviction_policy in ("hybrid", "lru"), s, "eviction_policy",
+                "must be 'hybrid' or 'lru'")
+        require(self.shallow_tokens >= 0, s, "shallow_tokens", "must be >= 0")
+        require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
+        require(self.torch_threads >= 0, s, "torch_threads", "must be >= 0")
+
+    @property
+    def public_address(self) -> str:
+        """Address announced to the prefix index."""
+        return self.advertise_address or self.address

@@ -1,0 +1,553 @@
+"""The engine: one thread owns the model, the KV store and the block pool.
+
+RPC handlers `submit` requests and read results from the request's own queue; everything that
+changes ref counts happens on the engine thread. Each loop iteration:
+
+ 1. drains the inbox (new requests, cancellations, calls such as a resync snapshot);
+ 2. drops sequences whose deadline passed, expires pins;
+ 3. starts the next waiting sequence's prefill when a row is free (it references its longest
+    cached prefix; copy-on-write for the block holding the first token to recompute);
+ 4. runs one prefill chunk (at most `max_prefill_chunk` tokens) of the prefilling sequence;
+ 5. runs one batched decode forward for every decoding sequence (continuous batching);
+ 6. copies newly filled blocks into the pool and commits them (they become reusable at once).
+
+Row layout (see paged_cache): decoding sequences hold rows 0..D-1, the prefilling one row D.
+
+A sequence's KV covers `tokens[:num_computed]`; a forward always computes
+`tokens[num_computed:]` (or a chunk of it) and, once all is computed, samples the next token.
+The same step can verify several draft tokens at once and roll back the rejected ones with
+`BlockPool.truncate` plus `num_computed -= n` (cache-assisted generation builds on this).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, NamedTuple
+
+import torch
+
+from services.common import errors
+from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
+from services.kvpool.metrics import KvMetrics
+from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
+from services.kvpool.sampling import Sampler, SamplingSpec, sample_batch
+
+log = logging.getLogger(__name__)
+
+
+class FinishReason(Enum):
+    EOS = "eos"
+    LENGTH = "length"
+    STOP = "stop"
+    PREFILLED = "prefilled"
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    """A validated request for the engine (generation, or a pure prefill when prefill_only)."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingSpec
+    cache_salt: str = ""
+    skip_prefix_cache: bool = False
+    deadline: float | None = None  # time.monotonic() limit
+    prefill_only: bool = False
+    pin_ttl_seconds: float = 0.0
+
+
+class TokenDelta(NamedTuple):
+    token_ids: list[int]
+
+
+class Finished(NamedTuple):
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+    ttft_ms: float
+    forward_passes: int
+    computed_tokens: int
+    pinned_blocks: int
+    elapsed_ms: float
+
+
+class Failed(NamedTuple):
+    error: Exception
+
+
+Output = TokenDelta | Finished | Failed
+
+
+class Phase(Enum):
+    WAITING = 0
+    PREFILL = 1
+    DECODE = 2
+
+
+@dataclass
+class Sequence:
+    """Engine-side state of one request."""
+
+    req: EngineRequest
+    out: queue.Queue
+    seq_id: str
+    tokens: list[int]
+    sampler: Sampler
+    arrival: float
+    phase: Phase = Phase.WAITING
+    row: int = -1
+    num_computed: int = 0
+    stored_blocks: int = 0  # leading blocks already copied into the pool
+    cached_tokens: int = 0
+    computed_tokens: int = 0
+    generated: int = 0
+    forward_passes: int = 0
+    first_token_at: float | None = None
+    admitted_once: bool = False
+    pending: list[int] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.req.token_ids)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Shape facts of the served model."""
+
+    model_id: str
+    num_layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+
+
+def model_info(model: Any, model_id: str) -> ModelInfo:
+    """Read the facts the engine needs from a HF causal LM."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    eos: Any = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = cfg.eos_token_id
+    eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+    return ModelInfo(model_id, cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", heads),
+                     head_dim, cfg.vocab_size, cfg.max_position_embeddings, eos_ids)
+
+
+class EngineStats(NamedTuple):
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int
+    blocks_pinned: int
+    blocks_in_use: int
+    running: int
+    waiting: int
+    prompt_tokens_total: int
+    cached_tokens_total: int
+    requests_total: int
+    evictions_total: int
+    preemptions_total: int
+
+
+class Engine:
+    """Continuous-batching engine over a paged, ref-counted KV pool.
+
+    Args:
+        model: a HF causal LM (eval mode, on its device).
+        info: model facts (see `model_info`).
+        pool: the block pool bookkeeping (its block size is the store's).
+        max_batch_size: running sequences (decoding + the prefilling one).
+        max_prefill_chunk: tokens per prefill forward.
+        max_waiting: waiting requests before new ones are refused.
+        metrics: Prometheus metrics (optional).
+    """
+
+    def __init__(self, model: Any, info: ModelInfo, pool: BlockPool, *, max_batch_size: int = 8,
+                 max_prefill_chunk: int = 512, max_waiting: int = 256,
+                 metrics: KvMetrics | None = None) -> None:
+        self.model = model
+        self.info = info
+        self.pool = pool
+        self.max_batch_size = max_batch_size
+        self.max_prefill_chunk = max_prefill_chunk
+        self.max_waiting = max_waiting
+        self.metrics = metrics
+        param = next(model.parameters())
+        self.device = param.device
+        self.store = KvStore(num_layers=info.num_layers, kv_heads=info.kv_heads,
+                             head_dim=info.head_dim, num_blocks=pool.num_blocks,
+                             block_size=pool.block_size, max_rows=max_batch_size,
+                             max_context=info.max_context, dtype=param.dtype, device=self.device)
+        self.cache = PagedCache(self.store)
+        self._inbox: queue.Queue = queue.Queue()
+        self._waiting: deque[Sequence] = deque()
+        self._decoding: list[Sequence] = []  # row i holds _decoding[i]
+        self._prefilling: Sequence | None = None  # holds row len(_decoding)
+        self._by_id: dict[str, Sequence] = {}
+        self._ids = itertools.count(1)
+        self._events: deque[PoolEvent] = deque()
+        self._events_cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.requests_total = 0
+        self.preemptions_total = 0
+        self._stats = self._compute_stats()
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    # ---- API for handlers (any thread) ---------------------------------------------------
+
+    def submit(self, req: EngineRequest) -> tuple[str, queue.Queue]:
+        """Queue a request; returns (sequence id, output queue of TokenDelta/Finished/Failed).
+
+        Raises:
+            ResourceExhausted: the request can never fit the pool, or too many are waiting.
+        """
+        need = self.pool.blocks_needed(len(req.token_ids) + req.sampling.max_tokens)
+        if need > self.pool.num_blocks:
+            raise errors.ResourceExhausted(
+                f"token_ids: prompt + max_tokens need {need} KV blocks, the pool has "
+                f"{self.pool.num_blocks}")
+        if self._stats.waiting >= self.max_waiting:
+            raise errors.ResourceExhausted("replica busy: too many waiting requests")
+        seq_id = f"{req.request_id or 'req'}#{next(self._ids)}"
+        out: queue.Queue = queue.Queue()
+        seq = Sequence(req, out, seq_id, list(req.token_ids), Sampler(req.sampling),
+                       time.monotonic())
+        self._inbox.put(("submit", seq))
+        return seq_id, out
+
+    def cancel(self, seq_id: str) -> None:
+        """Stop a sequence and release its blocks (no-op if it already ended)."""
+        self._inbox.put(("cancel", seq_id))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the engine thread (between steps) and return its future."""
+        fut: Future = Future()
+        self._inbox.put(("call", fn, fut))
+        return fut
+
+    def stats(self) -> EngineStats:
+        """Figures as of the last engine step."""
+        return self._stats
+
+    def take_events(self) -> list[PoolEvent]:
+        """Pool events (stored/removed/cleared) since the last call, in order."""
+        out = []
+        while self._events:
+            out.append(self._events.popleft())
+        return out
+
+    def wait_events(self, timeout: float) -> bool:
+        """Block until events are pending or `timeout` passes; True if any are pending."""
+        with self._events_cv:
+            if not self._events:
+                self._events_cv.wait(timeout)
+            return bool(self._events)
+
+    # ---- engine thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            busy = bool(self._waiting or self._decoding or self._prefilling)
+            try:
+                self._drain_inbox(block=not busy)
+                self._expire()
+                self._step()
+            except Exception:  # noqa: BLE001 - the engine must survive a bad step
+                log.exception("engine step failed; failing the running sequences")
+                self._fail_all_running(errors.TierCacheError("internal error in the engine step"))
+            self._publish_state()
+        self._fail_everything(errors.Unavailable("replica is shutting down"))
+
+    def _drain_inbox(self, block: bool) -> None:
+        timeout = 0.5 if block else None
+        while True:
+            try:
+                msg = self._inbox.get(block=block, timeout=timeout)
+            except queue.Empty:
+                return
+            block = False
+            kind = msg[0]
+            if kind == "submit":
+                seq = msg[1]
+                self._by_id[seq.seq_id] = seq
+                self._waiting.append(seq)
+                self.requests_total += 1
+            elif kind == "cancel":
+                seq = self._by_id.get(msg[1])
+                if seq is not None:
+                    self._finish(seq, Failed(errors.Cancelled("request cancelled")))
+            elif kind == "call":
+                _, fn, fut = msg
+                try:
+                    fut.set_result(fn())
+                except Exception as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for seq in list(self._by_id.values()):
+            if seq.req.deadline is not None and now >= seq.req.deadline:
+                self._finish(seq, Failed(errors.DeadlineExceeded("deadline exceeded")))
+
+    def _step(self) -> None:
+        self._admit()
+        if self._prefilling is not None:
+            self._prefill_chunk(self._prefilling)
+        if self._decoding:
+            self._decode_step()
+
+    def _admit(self) -> None:
+        while (self._prefilling is None and self._waiting
+               and len(self._decoding) < self.max_batch_size):
+            seq = self._waiting[0]
+            keep = 0 if seq.req.prefill_only else 1
+            try:
+                adm = self.pool.open(seq.seq_id, seq.tokens, seq.req.cache_salt,
+                                     use_cache=not seq.req.skip_prefix_cache, keep_uncached=keep)
+            except PoolExhausted as exc:
+                if not self._decoding:
+                    # Nothing running will free blocks: only pins hold them. Refuse.
+                    self._finish(seq, Failed(errors.ResourceExhausted(
+                        f"KV pool exhausted: {exc} (pinned blocks hold the rest)")))
+                    continue
+                return  # wait for running sequences to finish
+            self._waiting.popleft()
+            for src, dst in adm.copies:
+                self.store.copy_block(src, dst)
+            seq.phase = Phase.PREFILL
+            seq.row = len(self._decoding)
+            seq.num_computed = adm.cached_tokens
+            seq.stored_blocks = adm.cached_tokens // self.pool.block_size
+            self.store.ensure_capacity(len(seq.tokens))
+            self.store.load_row(seq.row, self.pool.blocks_of(seq.seq_id), adm.cached_tokens)
+            if not seq.admitted_once:
+                seq.admitted_once = True
+                seq.cached_tokens = adm.cached_tokens
+                self.prompt_tokens_total += seq.prompt_len
+                self.cached_tokens_total += adm.cached_tokens
+                if self.metrics:
+                    self.metrics.prompt_tokens.inc(seq.prompt_len)
+                    self.metrics.cached_tokens.inc(adm.cached_tokens)
+            self._prefilling = seq
+
+    def _prefill_chunk(self, seq: Sequence) -> None:
+        start = seq.num_computed
+        end = min(len(seq.tokens), start + self.max_prefill_chunk)
+        if end > start:
+            t0 = time.perf_counter()
+            ids = torch.tensor([seq.tokens[start:end]], device=self.device)
+            logits = self._forward(ids, ForwardPlan(seq.row, [start], end - start))
+            seq.num_computed = end
+            seq.computed_tokens += end - start
+            self._store_full_blocks(seq)
+            if self.metrics:
+                self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - t0)
+        else:
+            logits = None
+        if seq.num_computed < len(seq.tokens):
+            return
+        self._prefilling = None
+        if seq.req.prefill_only:
+            self._finish_prefill(seq)
+            return
+        assert logits is not None, "a generating sequence always recomputes >= 1 token"
+        seq.phase = Phase.DECODE
+        self._decoding.append(seq)
+        assert seq.row == len(self._decoding) - 1
+        self._accept(seq, sample_batch([seq.sampler], logits[:, -1])[0])
+
+    def _decode_step(self) -> None:
+        # Every decoding sequence needs room for one more token; preempt the newest if short.
+        for seq in list(self._decoding):
+            if seq.phase is not Phase.DECODE:
+                continue
+            while True:
+                try:
+                    self.pool.ensure_capacity(seq.seq_id, seq.num_computed + 1)
+                    break
+                except PoolExhausted:
+                    victim = self._decoding[-1]
+                    if victim is seq and len(self._decoding) == 1:
+                        self._finish(seq, Failed(errors.ResourceExhausted(
+                            "KV pool exhausted while decoding")))
+                        break
+                    self._preempt(victim)
+                    if victim is seq:
+                        break
+        seqs = list(self._decoding)
+        if not seqs:
+            return
+        t0 = time.perf_counter()
+        ids = torch.tensor([[s.tokens[s.num_computed]] for s in seqs], device=self.device)
+        plan = ForwardPlan(0, [s.num_computed for s in seqs], 1)
+        logits = self._forward(ids, plan)[:, -1]
+        for s in seqs:
+            s.num_computed += 1
+            s.computed_tokens += 1
+            s.forward_passes += 1
+        toks = sample_batch([s.sampler for s in seqs], logits)
+        for s, tok in zip(seqs, toks, strict=True):
+            self._store_full_blocks(s)
+            self._accept(s, tok)
+        if self.metrics:
+            self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
+            self.metrics.batch_size.observe(len(seqs))
+
+    def _forward(self, ids: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
+        self.cache.begin(plan)
+        with torch.inference_mode():
+            out = self.model(input_ids=ids, cache=self.cache,
+                             position_ids=self.cache.position_ids(),
+                             attention_mask=self.cache.attention_mask(), use_cache=True,
+                             logits_to_keep=1)
+        return out.logits
+
+    def _store_full_blocks(self, seq: Sequence) -> None:
+        bs = self.pool.block_size
+        full = seq.num_computed // bs
+        if full > seq.stored_blocks:
+            table = self.pool.blocks_of(seq.seq_id)
+            self.store.store_blocks(seq.row, table[seq.stored_blocks:full], seq.stored_blocks)
+            seq.stored_blocks = full
+            self.pool.commit(seq.seq_id, seq.tokens, seq.num_computed)
+
+    def _accept(self, seq: Sequence, tok: int) -> None:
+        """Append a sampled token, stream it, and finish the sequence if it should stop."""
+        now = time.monotonic()
+        if seq.first_token_at is None:
+            seq.first_token_at = now
+            if self.metrics:
+                self.metrics.ttft_seconds.observe(now - seq.arrival)
+        seq.tokens.append(tok)
+        seq.generated += 1
+        seq.out.put(TokenDelta([tok]))
+        sp = seq.req.sampling
+        reason = None
+        if tok in self.info.eos_token_ids and not sp.ignore_eos:
+            reason = FinishReason.EOS
+        elif tok in sp.stop_token_ids:
+            reason = FinishReason.STOP
+        elif seq.generated >= sp.max_tokens or len(seq.tokens) >= self.info.max_context:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self._finish(seq, self._final(seq, reason, 0))
+
+    def _finish_prefill(self, seq: Sequence) -> None:
+        table = self.pool.blocks_of(seq.seq_id)
+        full = seq.num_computed // self.pool.block_size
+        pinned = 0
+        if seq.req.pin_ttl_seconds > 0:
+            pinned = self.pool.pin(table[:full], seq.req.pin_ttl_seconds)
+        self._finish(seq, self._final(seq, FinishReason.PREFILLED, pinned))
+
+    def _final(self, seq: Sequence, reason: FinishReason, pinned: int) -> Finished:
+        now = time.monotonic()
+        ttft = ((seq.first_token_at or now) - seq.arrival) * 1000.0
+        return Finished(reason, seq.prompt_len, seq.generated, seq.cached_tokens, ttft,
+                        seq.forward_passes, seq.computed_tokens, pinned,
+                        (now - seq.arrival) * 1000.0)
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Release a decoding sequence's blocks; it is recomputed (mostly from cache) later."""
+        log.info("preempting %s to free KV blocks", seq.seq_id)
+        self._remove_from_rows(seq)
+        self.pool.close(seq.seq_id)
+        seq.phase, seq.row, seq.num_computed, seq.stored_blocks = Phase.WAITING, -1, 0, 0
+        self._waiting.appendleft(seq)
+        self.preemptions_total += 1
+        if self.metrics:
+            self.metrics.preemptions.inc()
+
+    def _remove_from_rows(self, seq: Sequence) -> None:
+        if seq.phase is Phase.DECODE:
+            i = self._decoding.index(seq)
+            last = self._decoding.pop()
+            if last is not seq:
+                self.store.move_row(last.row, i, last.num_computed)
+                last.row = i
+                self._decoding[i] = last
+            if self._prefilling is not None:
+                p = self._prefilling
+                self.store.move_row(p.row, len(self._decoding), p.num_computed)
+                p.row = len(self._decoding)
+        elif seq.phase is Phase.PREFILL:
+            self._prefilling = None
+
+    def _finish(self, seq: Sequence, result: Finished | Failed) -> None:
+        if self._by_id.pop(seq.seq_id, None) is None:
+            return
+        if seq.phase is Phase.WAITING:
+            self._waiting.remove(seq)
+        else:
+            self._remove_from_rows(seq)
+        self.pool.close(seq.seq_id)
+        seq.phase = Phase.WAITING
+        seq.out.put(result)
+
+    def _fail_all_running(self, exc: Exception) -> None:
+        for seq in list(self._decoding) + ([self._prefilling] if self._prefilling else []):
+            self._finish(seq, Failed(exc))
+
+    def _fail_everything(self, exc: Exception) -> None:
+        for seq in list(self._by_id.values()):
+            self._finish(seq, Failed(exc))
+
+    def _publish_state(self) -> None:
+        events = self.pool.take_events()
+        if events:
+            with self._events_cv:
+                self._events.extend(events)
+                self._events_cv.notify_all()
+        self._stats = self._compute_stats()
+        if self.metrics:
+            self.metrics.observe(self._stats)
+
+    def _compute_stats(self) -> EngineStats:
+        p = self.pool.stats()
+        return EngineStats(p.total, p.free, p.cached, p.pinned, p.in_use,
+                           len(self._decoding) + (self._prefilling is not None),
+                           len(self._waiting), self.prompt_tokens_total,
+                           self.cached_tokens_total, self.requests_total,
+                           self.pool.evictions_total, self.preemptions_total)
+
+    # ---- test hooks -----------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Pool integrity plus: every pool table belongs to a live sequence (engine thread)."""
+        self.pool.check_integrity()
+        live = {s.seq_id for s in self._decoding}
+        if self._prefilling is not None:
+            live.add(self._prefilling.seq_id)
+        for sid in list(self.pool._seqs):  # noqa: SLF001 - integrity check reads internals
+            assert sid in live, f"pool holds a table for dead sequence {sid}"
+        for i, s in enumerate(self._decoding):
+            assert s.row == i

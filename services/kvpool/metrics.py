@@ -1,0 +1,41 @@
+"""Prometheus metrics of a kvpool replica."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.common.metrics import counter, gauge, histogram
+
+_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+class KvMetrics:
+    """Block states, hit tokens vs prompt tokens, TTFT and step-time histograms, batch size."""
+
+    def __init__(self) -> None:
+        self.blocks = gauge("tiercache_kvpool_blocks", "KV blocks by state", ("state",))
+        self.running = gauge("tiercache_kvpool_running", "Sequences running in the engine")
+        self.waiting = gauge("tiercache_kvpool_waiting", "Sequences waiting for admission")
+        self.prompt_tokens = counter("tiercache_kvpool_prompt_tokens_total", "Prompt tokens seen")
+        self.cached_tokens = counter("tiercache_kvpool_cached_tokens_total",
+                                     "Prompt tokens served from cached KV blocks")
+        self.evictions = gauge("tiercache_kvpool_evictions", "Blocks evicted since start")
+        self.preemptions = counter("tiercache_kvpool_preemptions_total",
+                                   "Sequences preempted (recomputed later)")
+        self.ttft_seconds = histogram("tiercache_kvpool_ttft_seconds",
+                                      "Time from arrival to the first token", buckets=_SECONDS)
+        self.step_seconds = histogram("tiercache_kvpool_step_seconds", "Engine forward time",
+                                      ("kind",), buckets=_SECONDS)
+        self.batch_size = histogram("tiercache_kvpool_batch_size", "Sequences per decode forward",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64))
+
+    def observe(self, stats: Any) -> None:
+        """Set the gauges from an EngineStats snapshot."""
+        self.blocks.labels("total").set(stats.blocks_total)
+        self.blocks.labels("free").set(stats.blocks_free)
+        self.blocks.labels("cached").set(stats.blocks_cached)
+        self.blocks.labels("pinned").set(stats.blocks_pinned)
+        self.blocks.labels("in_use").set(stats.blocks_in_use)
+        self.running.set(stats.running)
+        self.waiting.set(stats.waiting)
+        self.evictions.set(stats.evictions_total)

@@ -1,0 +1,203 @@
+"""KV storage for the pool and the `transformers` cache class that runs the model over it.
+
+Two tensors, one per purpose:
+
+    blocks  [num_blocks, layers, 2, kv_heads, block_size, head_dim]   the pool: shared, cached
+    rows    [layers, 2, max_rows, kv_heads, capacity, head_dim]        working rows, one per
+                                                                      running sequence
+
+A sequence joining the batch gathers its cached prefix from `blocks` into its row once; every
+forward then appends K/V to the rows (cheap, in place) and attention reads the rows directly, as
+a plain cache would (re-gathering blocks at each step cost ~20 ms/step). Whenever a block of a
+sequence fills up, the engine copies it from the row into its pool block and commits it, so the
+pool always holds every full block and later requests can reuse it.
+
+Rows of the sequences decoded together are kept contiguous (0..B-1), so a batched decode reads
+`rows[l, 0, :B, :, :kv_len]` as a view — no per-step copy. Keys are stored after RoPE: a block is
+only valid at its own absolute position, which is exactly how prefix reuse uses it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@dataclass
+class ForwardPlan:
+    """Where the tokens of one forward go: rows `row0..row0+B-1`, starting at `starts[b]`."""
+
+    row0: int
+    starts: list[int]  # position of each row's first new token
+    q_len: int  # new tokens per row (same for all rows of a forward)
+
+    @property
+    def batch(self) -> int:
+        return len(self.starts)
+
+    @property
+    def kv_len(self) -> int:
+        return max(self.starts) + self.q_len
+
+
+class KvStore:
+    """The block tensor plus the working rows (see the module docstring)."""
+
+    def __init__(self, *, num_layers: int, kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int, max_rows: int, max_context: int, dtype: torch.dtype,
+                 device: torch.device | str, initial_capacity: int = 256) -> None:
+        self.num_layers, self.kv_heads, self.head_dim = num_layers, kv_heads, head_dim
+        self.block_size, self.max_rows, self.max_context = block_size, max_rows, max_context
+        self.dtype, self.device = dtype, torch.device(device)
+        self.blocks = torch.zeros(num_blocks, num_layers, 2, kv_heads, block_size, head_dim,
+                                  dtype=dtype, device=self.device)
+        self.capacity = 0
+        self.rows = torch.zeros(0)
+        self.ensure_capacity(min(initial_capacity, self._round(max_context)))
+
+    @staticmethod
+    def block_bytes(num_layers: int, kv_heads: int, head_dim: int, block_size: int,
+                    dtype: torch.dtype) -> int:
+        """Bytes of one pool block."""
+        return num_layers * 2 * kv_heads * block_size * head_dim * dtype.itemsize
+
+    def _round(self, n: int) -> int:
+        return -(-n // self.block_size) * self.block_size
+
+    def ensure_capacity(self, num_tokens: int) -> None:
+        """Grow every row to hold `num_tokens` positions (doubling; contents kept)."""
+        if num_tokens <= self.capacity:
+            return
+        cap = max(self._round(num_tokens), min(self.capacity * 2, self._round(self.max_context)))
+        # Zeros, not empty(): masked-out positions are still multiplied by 0 in attention, and
+        # uninitialised memory may hold NaN (0 * NaN = NaN).
+        rows = torch.zeros(self.num_layers, 2, self.max_rows, self.kv_heads, cap, self.head_dim,
+                           dtype=self.dtype, device=self.device)
+        if self.capacity:
+            rows[..., : self.capacity, :] = self.rows
+        self.rows, self.capacity = rows, cap
+
+    def load_row(self, row: int, block_ids: list[int], num_tokens: int) -> None:
+        """Gather the first `num_tokens` tokens of a sequence from its pool blocks into `row`."""
+        if num_tokens <= 0:
+            return
+        bs = self.block_size
+        nb = -(-num_tokens // bs)
+        idx = torch.tensor(block_ids[:nb], device=self.device)
+        # [nb, L, 2, H, bs, D] -> [L, 2, H, nb*bs, D]
+        kv = self.blocks.index_select(0, idx).permute(1, 2, 3, 0, 4, 5)
+        kv = kv.reshape(self.num_layers, 2, self.kv_heads, nb * bs, self.head_dim)
+        self.rows[:, :, row, :, :num_tokens] = kv[:, :, :, :num_tokens]
+
+    def store_blocks(self, row: int, block_ids: list[int], first_block: int) -> None:
+        """Copy full blocks `first_block..` of `row` into the given pool blocks."""
+        bs = self.block_size
+        for i, bid in enumerate(block_ids):
+            s = (first_block + i) * bs
+            self.blocks[bid] = self.rows[:, :, row, :, s:s + bs]
+
+    def copy_block(self, src: int, dst: int) -> None:
+        self.blocks[dst] = self.blocks[src]
+
+    def move_row(self, src: int, dst: int, num_tokens: int) -> None:
+        """Move a sequence's working row (to keep decoding rows contiguous)."""
+        if src != dst and num_tokens > 0:
+            self.rows[:, :, dst, :, :num_tokens] = self.rows[:, :, src, :, :num_tokens]
+
+    def nbytes(self) -> tuple[int, int]:
+        """(pool bytes, working-row bytes)."""
+        return (self.blocks.numel() * self.blocks.element_size(),
+                self.rows.numel() * self.rows.element_size())
+
+
+class PagedLayer(CacheLayerMixin):
+    """One model layer's view of the working rows, driven by the cache's current plan."""
+
+    is_sliding = False
+    is_compileable = False
+    is_croppable = False
+
+    def __init__(self, cache: PagedCache, layer_idx: int) -> None:
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new K/V (after RoPE) into the rows; return all K/V attention needs."""
+        plan = self.cache.plan
+        rows = self.cache.store.rows
+        k_all, v_all = rows[self.layer_idx, 0], rows[self.layer_idx, 1]
+        r0, b, t = plan.row0, plan.batch, plan.q_len
+        if b == 1:
+            s = plan.starts[0]
+            k_all[r0, :, s:s + t] = key_states[0]
+            v_all[r0, :, s:s + t] = value_states[0]
+        else:
+            ridx, pidx = self.cache.index_tensors()
+            # [B, H, T, D] -> [B, T, H, D] to match k_all[ridx, :, pidx] (advanced dims first)
+            k_all[ridx, :, pidx] = key_states.transpose(1, 2)
+            v_all[ridx, :, pidx] = value_states.transpose(1, 2)
+        kv_len = plan.kv_len
+        return k_all[r0:r0 + b, :, :kv_len], v_all[r0:r0 + b, :, :kv_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.plan.kv_len, 0
+
+    def get_seq_length(self) -> int:
+        return min(self.cache.plan.starts)
+
+    def get_max_length(self) -> int:
+        return self.cache.store.capacity
+
+
+class PagedCache(Cache):
+    """A `transformers` Cache over a KvStore; call `begin(plan)` before each forward.
+
+    The model code runs unchanged: the caller passes explicit `position_ids` and a 4-D boolean
+    mask from `attention_mask()`, which the library uses as-is for ragged batches.
+    """
+
+    def __init__(self, store: KvStore) -> None:
+        self.store = store
+        self.plan = ForwardPlan(0, [0], 0)
+        self._idx: tuple[torch.Tensor, torch.Tensor] | None = None
+        super().__init__(layers=[PagedLayer(self, i) for i in range(store.num_layers)])
+
+    def begin(self, plan: ForwardPlan) -> None:
+        assert plan.row0 + plan.batch <= self.store.max_rows
+        self.store.ensure_capacity(plan.kv_len)
+        self.plan = plan
+        self._idx = None
+
+    def index_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, position) index tensors [B, T] of the new tokens (built once per forward)."""
+        if self._idx is None:
+            p = self.plan
+            dev = self.store.device
+            rows = torch.arange(p.row0, p.row0 + p.batch, device=dev)[:, None].expand(-1, p.q_len)
+            pos = (torch.tensor(p.starts, device=dev)[:, None]
+                   + torch.arange(p.q_len, device=dev)[None, :])
+            self._idx = (rows, pos)
+        return self._idx
+
+    def position_ids(self) -> torch.Tensor:
+        """[B, T] absolute positions of the plan's new tokens."""
+        p = self.plan
+        dev = self.store.device
+        return (torch.tensor(p.starts, device=dev)[:, None]
+                + torch.arange(p.q_len, device=dev)[None, :])
+
+    def attention_mask(self) -> torch.Tensor:
+        """[B, 1, T, kv_len] bool: query t of row b sees keys 0..starts[b]+t."""
+        p = self.plan
+        dev = self.store.device
+        q = self.position_ids()
+        k = torch.arange(p.kv_len, device=dev)
+        return (k[None, None, :] <= q[:, :, None])[:, None]

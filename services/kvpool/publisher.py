@@ -1,0 +1,199 @@
+"""Tells the prefix index what this replica holds: Register, Heartbeat, PublishEvents.
+
+One background thread. It registers (replica id, a fresh incarnation per boot, address, model id,
+block size, capacity), sends its full holdings as a resync batch, then publishes the pool's
+events in numbered batches (1, 2, 3...) and heartbeats with its load. When the index answers
+RESYNC (a gap, or it restarted) or a heartbeat says "unknown", the replica re-registers and
+sends a fresh snapshot. The index is advisory: when it is down, the replica keeps serving and
+catches up with a resync later.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import grpc
+from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+
+from services.common.grpc_client import call_metadata, make_channel
+from services.kvpool.block_pool import AllCleared, BlocksRemoved, BlocksStored, PoolEvent
+
+log = logging.getLogger(__name__)
+
+# Beyond this many unsent events while the index is unreachable, drop them and resync instead.
+MAX_BACKLOG = 50_000
+MAX_BATCH = 512
+
+
+def to_proto(ev: PoolEvent) -> prefix_pb2.KvEvent:
+    """A pool event as the index's KvEvent."""
+    if isinstance(ev, BlocksStored):
+        return prefix_pb2.KvEvent(stored=prefix_pb2.BlocksStored(
+            parent_hash=ev.parent_hash or b"", block_hashes=ev.block_hashes,
+            token_ids=ev.token_ids, cache_salt=ev.cache_salt,
+            first_block_hash=ev.first_block_hash, start_block=ev.start_block))
+    if isinstance(ev, BlocksRemoved):
+        return prefix_pb2.KvEvent(removed=prefix_pb2.BlocksRemoved(block_hashes=ev.block_hashes))
+    assert isinstance(ev, AllCleared)
+    return prefix_pb2.KvEvent(cleared=prefix_pb2.AllCleared())
+
+
+class Publisher:
+    """Background publisher of one replica's pool events to the prefix index.
+
+    Args:
+        engine: the replica's Engine (events, stats, snapshot calls).
+        address: prefix index host:port.
+        replica_id, incarnation, public_address, model_id: what the index is told.
+        heartbeat_seconds / publish_interval_seconds: cadence.
+        internal_token: credential for the index.
+        channel_factory: builds the channel (tests may pass their own).
+    """
+
+    def __init__(self, engine: Any, *, address: str, replica_id: str, incarnation: str,
+                 public_address: str, model_id: str, heartbeat_seconds: float = 2.0,
+                 publish_interval_seconds: float = 0.2, internal_token: str = "",
+                 channel_factory: Callable[[str], grpc.Channel] = make_channel) -> None:
+        self.engine = engine
+        self.address = address
+        self.replica_id = replica_id
+        self.incarnation = incarnation
+        self.public_address = public_address
+        self.model_id = model_id
+        self.heartbeat_seconds = heartbeat_seconds
+        self.publish_interval_seconds = publish_interval_seconds
+        self.internal_token = internal_token
+        self._channel = channel_factory(address)
+        self._stub = prefix_pb2_grpc.PrefixIndexStub(self._channel)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.registered = False
+        self.next_seq = 1
+        self.last_seq = 0
+        self.resyncs = 0
+        self._backlog: list[PoolEvent] = []
+        self._need_resync = True
+
+    def start(self) -> Publisher:
+        self._thread = threading.Thread(target=self._run, name="kvpool-publisher", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self._channel.close()
+
+    # ---- loop -------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        next_beat = 0.0
+        backoff = 0.2
+        while not self._stop.is_set():
+            try:
+                if not self.registered:
+                    self._register()
+                    next_beat = time.monotonic() + self.heartbeat_seconds
+                if self._need_resync:
+                    self._resync()
+                now = time.monotonic()
+                if now >= next_beat:
+                    self._heartbeat()
+                    next_beat = now + self.heartbeat_seconds
+                self._collect()
+                if self._backlog:
+                    self._publish()
+                backoff = 0.2
+                wait = max(0.0, min(self.publish_interval_seconds, next_beat - time.monotonic()))
+                if not self._backlog:
+                    self.engine.wait_events(wait)
+                    if self._stop.is_set():
+                        return
+                    # Let a burst of steps accumulate into one batch.
+                    self._stop.wait(min(wait, self.publish_interval_seconds))
+            except grpc.RpcError as e:
+                log.warning("prefix index %s: %s (%s); retrying in %.1fs", self.address,
+                            e.code().name if hasattr(e, "code") else "?",
+                            e.details() if hasattr(e, "details") else e, backoff)
+                self._collect()
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    def _md(self) -> list[tuple[str, str]]:
+        return call_metadata(self.internal_token)
+
+    def _timeout(self) -> float:
+        return max(1.0, self.heartbeat_seconds)
+
+    def _register(self) -> None:
+        s = self.engine.stats()
+        resp = self._stub.Register(prefix_pb2.RegisterRequest(
+            replica_id=self.replica_id, incarnation=self.incarnation,
+            address=self.public_address, model_id=self.model_id,
+            block_size=self.engine.pool.block_size, capacity_blocks=s.blocks_total),
+            timeout=self._timeout(), metadata=self._md())
+        self.registered = True
+        self.next_seq = resp.next_seq or 1
+        self._need_resync = True
+        log.info("registered with prefix index %s as %s/%s", self.address, self.replica_id,
+                 self.incarnation)
+
+    def _heartbeat(self) -> None:
+        s = self.engine.stats()
+        resp = self._stub.Heartbeat(prefix_pb2.HeartbeatRequest(
+            replica_id=self.replica_id, incarnation=self.incarnation,
+            load=prefix_pb2.ReplicaLoad(running=s.running, waiting=s.waiting,
+                                        free_blocks=s.blocks_free + s.blocks_cached,
+                                        total_blocks=s.blocks_total)),
+            timeout=self._timeout(), metadata=self._md())
+        if not resp.known:
+            log.info("prefix index forgot this replica; registering again")
+            self.registered = False
+
+    def _collect(self) -> None:
+        self._backlog.extend(self.engine.take_events())
+        if len(self._backlog) > MAX_BACKLOG:
+            log.warning("prefix index unreachable: dropping %d events, will resync",
+                        len(self._backlog))
+            self._backlog.clear()
+            self._need_resync = True
+
+    def _send(self, events: list[PoolEvent], resync: bool) -> bool:
+        resp = self._stub.PublishEvents(prefix_pb2.PublishEventsRequest(
+            replica_id=self.replica_id, incarnation=self.incarnation, seq=self.next_seq,
+            events=[to_proto(e) for e in events], resync=resync),
+            timeout=self._timeout(), metadata=self._md())
+        if resp.status == prefix_pb2.PUBLISH_STATUS_RESYNC:
+            log.info("prefix index asked for a resync (seq %d, expects %d)", self.next_seq,
+                     resp.next_seq)
+            self.next_seq = resp.next_seq or self.next_seq
+            self._need_resync = True
+            return False
+        self.last_seq = self.next_seq
+        self.next_seq = resp.next_seq or self.next_seq + 1
+        return True
+
+    def _publish(self) -> None:
+        while self._backlog and not self._need_resync:
+            batch = self._backlog[:MAX_BATCH]
+            if not self._send(batch, resync=False):
+                return
+            del self._backlog[: len(batch)]
+
+    def _resync(self) -> None:
+        def snapshot() -> list[PoolEvent]:
+            # On the engine thread: events so far are reflected in the snapshot, so drop them.
+            self.engine.take_events()
+            self.engine.pool.take_events()
+            return list(self.engine.pool.holdings())
+
+        holdings = self.engine.call(snapshot).result(timeout=60)
+        self._backlog.clear()
+        self._send(holdings, resync=True)
+        self._need_resync = False
+        self.resyncs += 1

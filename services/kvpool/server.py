@@ -1,0 +1,214 @@
+"""gRPC adapter of the KvPool service: proto <-> engine requests, domain errors <-> status."""
+
+from __future__ import annotations
+
+import logging
+import math
+import queue
+import time
+import uuid
+from collections.abc import Iterator
+
+import grpc
+from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
+
+from services.common import errors
+from services.kvpool.config import KvPoolConfig
+from services.kvpool.engine import (
+    EngineRequest,
+    Failed,
+    Finished,
+    FinishReason,
+    ModelInfo,
+    TokenDelta,
+)
+from services.kvpool.sampling import SamplingSpec
+
+log = logging.getLogger(__name__)
+
+_FINISH = {
+    FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+}
+_POLL_S = 0.1
+
+
+def validate_tokens(field: str, ids, vocab: int, *, allow_empty: bool = False) -> list[int]:
+    """Token ids as a list; raise InvalidArgument naming `field` if empty or out of the vocab."""
+    out = list(ids)
+    if not out and not allow_empty:
+        raise errors.InvalidArgument(field, "must not be empty")
+    bad = next((t for t in out if t >= vocab), None)
+    if bad is not None:
+        raise errors.InvalidArgument(field, f"token id {bad} is outside the vocabulary (< {vocab})")
+    return out
+
+
+def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int) -> SamplingSpec:
+    """Validate SamplingParams into a SamplingSpec (InvalidArgument names the field)."""
+    if sp.max_tokens <= 0:
+        raise errors.InvalidArgument("sampling.max_tokens", "must be > 0")
+    if sp.max_tokens > limit:
+        raise errors.InvalidArgument("sampling.max_tokens", f"must be <= {limit}")
+    if math.isnan(sp.temperature) or sp.temperature < 0:
+        raise errors.InvalidArgument("sampling.temperature", "must be >= 0")
+    top_p = sp.top_p if sp.top_p != 0 else 1.0
+    if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
+        raise errors.InvalidArgument("sampling.top_p", "must be in (0, 1]")
+    stops = validate_tokens("sampling.stop_token_ids", sp.stop_token_ids, vocab, allow_empty=True)
+    return SamplingSpec(sp.max_tokens, float(sp.temperature), float(top_p), int(sp.seed),
+                        frozenset(stops), bool(sp.ignore_eos))
+
+
+class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
+    """Serves KvPool over an engine that is attached once the model is loaded."""
+
+    def __init__(self, cfg: KvPoolConfig, incarnation: str | None = None) -> None:
+        self.cfg = cfg
+        self.incarnation = incarnation or uuid.uuid4().hex
+        self.engine = None
+        self.info: ModelInfo | None = None
+        self.publisher = None
+
+    def attach(self, engine, info: ModelInfo, publisher=None) -> None:
+        self.engine, self.info, self.publisher = engine, info, publisher
+
+    def _ready(self):
+        if self.engine is None or self.info is None:
+            raise errors.Unavailable("kvpool is loading its model; retry shortly")
+        return self.engine, self.info
+
+    def _check_model(self, model_id: str, info: ModelInfo) -> None:
+        if model_id and model_id != info.model_id:
+            raise errors.FailedPrecondition(
+                f"model_id: this replica serves {info.model_id!r}, not {model_id!r}")
+
+    @staticmethod
+    def _deadline(context: grpc.ServicerContext) -> float | None:
+        remaining = context.time_remaining()
+        if remaining is None or remaining > 1e8:
+            return None
+        return time.monotonic() + remaining
+
+    # ---- Generate --------------------------------------------------------------------------
+
+    def Generate(self, request: kvpool_pb2.KvGenerateRequest,
+                 context: grpc.ServicerContext) -> Iterator[kvpool_pb2.KvGenerateResponse]:
+        engine, info = self._ready()
+        self._check_model(request.model_id, info)
+        ids = validate_tokens("token_ids", request.token_ids, info.vocab_size)
+        spec = sampling_spec(request.sampling, self.cfg.max_new_tokens_limit, info.vocab_size)
+        validate_tokens("draft_token_ids", request.draft_token_ids, info.vocab_size,
+                        allow_empty=True)
+        if len(ids) + spec.max_tokens > info.max_context:
+            raise errors.InvalidArgument(
+                "token_ids", f"prompt ({len(ids)} tokens) + sampling.max_tokens "
+                f"({spec.max_tokens}) exceed the model context ({info.max_context})")
+        req = EngineRequest(request.request_id or uuid.uuid4().hex[:16], ids, spec,
+                            request.cache_salt, request.skip_prefix_cache,
+                            self._deadline(context))
+        seq_id, out = engine.submit(req)
+        context.add_callback(lambda: engine.cancel(seq_id))
+        done = False
+        try:
+            while True:
+                item = self._next(out, context)
+                if item is None:
+                    return  # client went away; the callback cancels the sequence
+                if isinstance(item, Failed):
+                    done = True
+                    raise item.error
+                if isinstance(item, Finished):
+                    done = True
+                    yield kvpool_pb2.KvGenerateResponse(final=self._final(item))
+                    return
+                toks = list(item.token_ids)
+                # Coalesce deltas that queued up while the client was slow.
+                while True:
+                    try:
+                        nxt = out.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(nxt, TokenDelta):
+                        toks.extend(nxt.token_ids)
+                        continue
+                    yield kvpool_pb2.KvGenerateResponse(token_ids=toks)
+                    toks = []
+                    if isinstance(nxt, Failed):
+                        done = True
+                        raise nxt.error
+                    done = True
+                    yield kvpool_pb2.KvGenerateResponse(final=self._final(nxt))
+                    return
+                yield kvpool_pb2.KvGenerateResponse(token_ids=toks)
+        finally:
+            if not done:
+                engine.cancel(seq_id)
+
+    @staticmethod
+    def _next(out: queue.Queue, context: grpc.ServicerContext):
+        while True:
+            try:
+                return out.get(timeout=_POLL_S)
+            except queue.Empty:
+                if not context.is_active():
+                    return None
+
+    def _final(self, f: Finished) -> kvpool_pb2.KvGenerateFinal:
+        return kvpool_pb2.KvGenerateFinal(
+            finish_reason=_FINISH.get(f.finish_reason, common_pb2.FINISH_REASON_UNSPECIFIED),
+            usage=common_pb2.Usage(prompt_tokens=f.prompt_tokens,
+                                   completion_tokens=f.completion_tokens),
+            cached_tokens=f.cached_tokens, ttft_ms=f.ttft_ms, forward_passes=f.forward_passes,
+            replica_id=self.cfg.replica_id)
+
+    # ---- Prefill ---------------------------------------------------------------------------
+
+    def Prefill(self, request: kvpool_pb2.PrefillRequest,
+                context: grpc.ServicerContext) -> kvpool_pb2.PrefillResponse:
+        engine, info = self._ready()
+        self._check_model(request.model_id, info)
+        ids = validate_tokens("token_ids", request.token_ids, info.vocab_size)
+        if len(ids) > info.max_context:
+            raise errors.InvalidArgument(
+                "token_ids", f"{len(ids)} tokens exceed the model context ({info.max_context})")
+        ttl = 0.0
+        if request.pin:
+            if request.ttl_seconds <= 0:
+                raise errors.InvalidArgument("ttl_seconds", "must be > 0 when pin is set")
+            ttl = float(min(request.ttl_seconds, self.cfg.pin_ttl_max_seconds))
+        req = EngineRequest(uuid.uuid4().hex[:16], ids, SamplingSpec(max_tokens=0),
+                            request.cache_salt, False, self._deadline(context),
+                            prefill_only=True, pin_ttl_seconds=ttl)
+        seq_id, out = engine.submit(req)
+        context.add_callback(lambda: engine.cancel(seq_id))
+        item = self._next(out, context)
+        if item is None:
+            engine.cancel(seq_id)
+            raise errors.Cancelled("client cancelled")
+        if isinstance(item, Failed):
+            raise item.error
+        assert isinstance(item, Finished)
+        return kvpool_pb2.PrefillResponse(
+            prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens,
+            computed_tokens=item.computed_tokens, pinned_blocks=item.pinned_blocks,
+            replica_id=self.cfg.replica_id, elapsed_ms=item.elapsed_ms)
+
+    # ---- Stats -----------------------------------------------------------------------------
+
+    def Stats(self, request: kvpool_pb2.KvStatsRequest,
+              context: grpc.ServicerContext) -> kvpool_pb2.KvStatsResponse:
+        engine, info = self._ready()
+        s = engine.stats()
+        return kvpool_pb2.KvStatsResponse(
+            replica_id=self.cfg.replica_id, incarnation=self.incarnation,
+            model_id=info.model_id, block_size=engine.pool.block_size,
+            blocks_total=s.blocks_total, blocks_free=s.blocks_free,
+            blocks_cached=s.blocks_cached, blocks_pinned=s.blocks_pinned,
+            blocks_in_use=s.blocks_in_use, running=s.running, waiting=s.waiting,
+            prompt_tokens_total=s.prompt_tokens_total, cached_tokens_total=s.cached_tokens_total,
+            requests_total=s.requests_total, max_context=info.max_context,
+            vocab_size=info.vocab_size, device=str(engine.device),
+            events_published_seq=self.publisher.last_seq if self.publisher else 0,
+            evictions_total=s.evictions_total, preemptions_total=s.preemptions_total)
