@@ -56,7 +56,9 @@ class SemanticConfig:
     threshold_floor: float = 0.85  # explicit thresholds below it are refused
     verified_bonus: float = 0.02  # verified entries need `threshold - bonus`
     draft_floor: float = 0.80  # near-misses at or above it are draft candidates
-    guard_tiers: tuple[str, ...] = ("strict",)  # tiers whose hits must pass the guard
+    # Tiers whose hits must pass the paraphrase guard (on QQP it lifts standard-tier precision
+    # from 0.85 to 0.91 for 12% of its recall; see benchmarks/results/semantic.json).
+    guard_tiers: tuple[str, ...] = ("strict", "standard")
     # Lifecycle and limits.
     default_ttl_seconds: int = 7 * 24 * 3600  # 0 = never expire
     max_ttl_seconds: int = 365 * 24 * 3600

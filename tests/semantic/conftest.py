@@ -1,0 +1,37 @@
+"""Fixtures of the semantic tests: one real ONNX embedder per session (exported once)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.semantic.config import SemanticConfig, default_cache_dir
+from services.semantic.embedder import BatchingEmbedder, OnnxEmbedder
+
+
+@pytest.fixture(scope="session")
+def onnx_embedder() -> OnnxEmbedder:
+    """all-MiniLM-L6-v2 through ONNX Runtime; the export is cached under the cache dir."""
+    cfg = SemanticConfig()
+    return OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.model_name)
+
+
+@pytest.fixture(scope="session")
+def embedder(onnx_embedder: OnnxEmbedder):
+    b = BatchingEmbedder(onnx_embedder, max_batch=32)
+    yield b
+    b.close()
+
+
+@pytest.fixture
+def make_cfg(tmp_path):
+    """SemanticConfig for tests: loopback port 0, no metrics port, a fresh database."""
+
+    def make(**kw) -> SemanticConfig:
+        base = dict(address="127.0.0.1:0", metrics_port=-1, db_path=str(tmp_path / "s.db"),
+                    sqlite_synchronous="NORMAL")
+        base.update(kw)
+        cfg = SemanticConfig(**base)
+        cfg.validate()
+        return cfg
+
+    return make

@@ -1,0 +1,193 @@
+"""SemanticCache logic with the real ONNX embedder: namespaces, thresholds, guard, lifecycle."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import InvalidArgument, NotFound
+from services.semantic.cache import Namespace, SemanticCache
+from services.semantic.store import EntryStore
+
+A = Namespace("tenant-a", "smollm2", "")
+B = Namespace("tenant-b", "smollm2", "")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def make_cache(make_cfg, embedder, clock, tmp_path):
+    made = []
+
+    def make(**kw) -> SemanticCache:
+        cfg = make_cfg(**kw)
+        c = SemanticCache(cfg, embedder, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+        c.load()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.store.close()
+
+
+def test_namespace_isolation(make_cache):
+    c = make_cache()
+    c.store_entry(A, "How do I reset my router?", "Hold the button for 10 s.")
+    assert c.lookup(A, "How do I reset my router?").hit
+    for ns in (B, Namespace("tenant-a", "other-model"), Namespace("tenant-a", "smollm2", "ab12")):
+        r = c.lookup(ns, "How do I reset my router?", want_draft=True)
+        assert not r.hit and r.entry is None and r.similarity == 0.0
+    c.check_integrity()
+
+
+def test_hit_draft_and_miss(make_cache):
+    c = make_cache()
+    e = c.store_entry(A, "How do I learn Python quickly?", "Write code every day.")
+    hit = c.lookup(A, "How do I learn Python quickly?", tier="strict")
+    assert hit.hit and hit.entry.id == e.id and hit.entry.answer == "Write code every day."
+    near = c.lookup(A, "How can I learn Python fast?", tier="strict", want_draft=True)
+    assert 0.80 <= near.similarity < 0.97
+    assert not near.hit and near.entry.id == e.id  # a draft candidate, never a hit
+    assert c.lookup(A, "How can I learn Python fast?", tier="strict").entry is None
+    miss = c.lookup(A, "What is the capital of France?", want_draft=True)
+    assert not miss.hit and miss.entry is None and miss.similarity < 0.5
+    s = c.stats()
+    assert (s.lookups_total, s.hits_by_tier["strict"], s.near_misses_total) == (4, 1, 2)
+
+
+def test_explicit_threshold_and_verified_bonus(make_cache):
+    c = make_cache()
+    e = c.store_entry(A, "How can I learn Python fast?", "Practice.")
+    sim = c.lookup(A, "How do I learn Python quickly?").similarity
+    assert c.lookup(A, "How do I learn Python quickly?", threshold=sim - 0.001).hit
+    assert not c.lookup(A, "How do I learn Python quickly?", threshold=sim + 0.005).hit
+    c.verify(e.id, True)
+    # verified entries need threshold - 0.02
+    r = c.lookup(A, "How do I learn Python quickly?", tier="relaxed", threshold=sim + 0.015)
+    assert r.hit and r.threshold == pytest.approx(sim + 0.015 - 0.02, abs=1e-6)
+    with pytest.raises(InvalidArgument, match="threshold"):
+        c.lookup(A, "x", threshold=0.5)
+
+
+def test_guard_refuses_a_swapped_trap_in_strict_tier_only(make_cache):
+    c = make_cache()
+    c.store_entry(A, "Flights from New York to Florida", "Daily at 9am.")
+    strict = c.lookup(A, "Flights from Florida to New York", tier="strict", want_draft=True)
+    assert strict.similarity >= 0.97, "the trap must pass the similarity threshold"
+    assert not strict.hit and strict.guard_rejected and "order" in strict.guard_reason
+    assert strict.entry is not None  # still offered as a draft: the model verifies drafts
+    relaxed = c.lookup(A, "Flights from Florida to New York", tier="relaxed")
+    assert relaxed.hit and not relaxed.guard_rejected
+    assert c.stats().guard_rejections_total == 1
+
+
+def test_ttl_is_not_extended_by_hits(make_cache, clock):
+    c = make_cache()
+    c.store_entry(A, "What is the boiling point of water?", "100 C at sea level.",
+                  ttl_seconds=100)
+    clock.now += 60
+    assert c.lookup(A, "What is the boiling point of water?").hit
+    clock.now += 39
+    assert c.lookup(A, "What is the boiling point of water?").hit
+    clock.now += 1  # 100 s after creation, regardless of the hits
+    assert not c.lookup(A, "What is the boiling point of water?").hit
+    assert c.expire() == 1 and c.stats().entries == 0
+    assert c.store.count() == 0
+    c.check_integrity()
+
+
+def test_lru_eviction_per_namespace_and_global(make_cache, clock):
+    c = make_cache(max_entries_per_namespace=3, max_entries_total=5)
+    ids = []
+    for i, q in enumerate(["How tall is Mount Everest?", "Who wrote Hamlet?",
+                           "What is photosynthesis?"]):
+        clock.now += 1
+        ids.append(c.store_entry(A, q, f"answer {i}").id)
+    clock.now += 1
+    assert c.lookup(A, "How tall is Mount Everest?").hit  # now most recently used
+    c.store_entry(A, "How do vaccines work?", "answer 3")
+    left = {e.prompt for e in c._entries.values()}
+    assert "Who wrote Hamlet?" not in left and "How tall is Mount Everest?" in left
+    c.check_integrity()
+    for q in ["Why is the sea salty?", "What causes rain?", "How do magnets work?"]:
+        clock.now += 1
+        c.store_entry(B, q, "b")
+    s = c.stats()
+    assert (s.entries, s.evictions_total) == (5, 2)
+    # the global LRU victim is the oldest untouched entry of namespace A
+    assert "What is photosynthesis?" not in {e.prompt for e in c._entries.values()}
+    assert c.store.count() == 5
+    c.check_integrity()
+
+
+def test_verify_invalidate_and_not_found(make_cache):
+    c = make_cache()
+    e = c.store_entry(A, "How do I boil an egg?", "8 minutes.")
+    c.store_entry(A, "How do I fry an egg?", "3 minutes.")
+    c.store_entry(B, "How do I boil an egg?", "9 minutes.")
+    assert c.verify(e.id, True).verified
+    with pytest.raises(NotFound, match="id"):
+        c.verify("nope", True)
+    assert c.invalidate_id(e.id) == 1
+    with pytest.raises(NotFound):
+        c.invalidate_id(e.id)
+    assert c.invalidate_namespace(A) == 1
+    assert c.invalidate_namespace(A) == 0
+    assert c.stats().entries == 1 and c.store.count() == 1
+    assert c.lookup(B, "How do I boil an egg?").entry.answer == "9 minutes."
+    c.check_integrity()
+
+
+def test_same_prompt_again_replaces_the_answer(make_cache):
+    c = make_cache()
+    c.store_entry(A, "Who is the CEO?", "Alice")
+    c.store_entry(A, "Who is the CEO?", "Bob")
+    assert c.stats().entries == 1
+    assert c.lookup(A, "Who is the CEO?").entry.answer == "Bob"
+
+
+@pytest.mark.parametrize(("kwargs", "field"), [
+    (dict(ns=Namespace("", "m")), "namespace.tenant"),
+    (dict(ns=Namespace("t", "")), "namespace.model_id"),
+    (dict(ns=Namespace("t", "m", "not-hex")), "namespace.context_hash"),
+    (dict(prompt=""), "prompt"),
+    (dict(prompt="   "), "prompt"),
+    (dict(prompt="x" * 9000), "prompt"),
+    (dict(answer=""), "answer"),
+    (dict(answer="y" * 70000), "answer"),
+    (dict(ttl_seconds=10**9), "ttl_seconds"),
+])
+def test_bad_store_input_writes_nothing(make_cache, kwargs, field):
+    c = make_cache()
+    args = dict(ns=A, prompt="A fine question?", answer="A fine answer.")
+    args.update(kwargs)
+    with pytest.raises(InvalidArgument) as exc:
+        c.store_entry(args.pop("ns"), **args)
+    assert exc.value.field == field
+    assert c.stats().entries == 0 and c.store.count() == 0
+
+
+def test_reload_from_sqlite(make_cache, make_cfg, embedder, clock):
+    c = make_cache()
+    keep = c.store_entry(A, "How far is the Moon?", "384,400 km", verified=True)
+    c.store_entry(A, "Short-lived fact?", "soon gone", ttl_seconds=10)
+    c.lookup(A, "How far is the Moon?")
+    c.store.flush_hits()
+    clock.now += 11
+    again = make_cache()  # same database file
+    assert again.stats().entries == 1
+    e = again.get(keep.id)
+    assert e.verified and e.hit_count == 1 and e.answer == "384,400 km"
+    assert again.lookup(A, "How far is the Moon?").hit
+    again.check_integrity()

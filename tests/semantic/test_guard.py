@@ -1,0 +1,72 @@
+"""The strict-tier guard on hand-made near-paraphrase traps and on true paraphrases."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.semantic.guard import ParaphraseGuard, breakpoints
+
+TRAPS = [
+    # swapped entities / roles
+    ("Flights from New York to Florida", "Flights from Florida to New York", "order"),
+    ("Does the dog chase the cat?", "Does the cat chase the dog?", "order"),
+    ("Is Paris bigger than London?", "Is London bigger than Paris?", "order"),
+    ("How do I convert euros to dollars?", "How do I convert dollars to euros?", "order"),
+    # changed numbers
+    ("How do I lose 10 kg in a month?", "How do I lose 15 kg in a month?", "numbers"),
+    ("What is the dose of ibuprofen for a 5 year old?",
+     "What is the dose of ibuprofen for a 10 year old?", "numbers"),
+    ("Is two weeks enough to learn Spanish?", "Is three weeks enough to learn Spanish?",
+     "numbers"),
+    # negation
+    ("Is it safe to take aspirin with alcohol?", "Is it not safe to take aspirin with alcohol?",
+     "negation"),
+    ("Why can't I sleep at night?", "Why can I sleep at night?", "negation"),
+    ("Should I never invest in bonds?", "Should I invest in bonds?", "negation"),
+    # different entities
+    ("What are good reasons to vote for Trump?", "What are good reasons to vote for Clinton?",
+     "entities"),
+    ("What is the capital city of Australia?", "What is the capital city of Austria?",
+     "entities"),
+    ("How much does a flight to Tokyo cost?", "How much does a flight to Osaka cost?",
+     "entities"),
+]
+
+PARAPHRASES = [
+    ("How do I learn Python quickly?", "What is the fastest way to learn python?"),
+    ("In 2010 he moved to Paris.", "He moved to Paris in 2010."),
+    ("How can I lose weight fast?", "What is the quickest way to lose weight?"),
+    ("What are good reasons to vote for Trump?", "Why should I vote for Trump?"),
+    ("Why is the sky blue?", "Why is the sky blue"),
+    ("How do I lose 10 kg in a month?", "How can I lose 10 kg within a month?"),
+    ("I don't understand recursion, can you explain it?",
+     "I do not understand recursion, can you explain it?"),
+    ("What is the best laptop for programming?", "Which laptop is best for programming?"),
+]
+
+
+@pytest.mark.parametrize(("query", "cached", "check"), TRAPS)
+def test_guard_refuses_traps(query, cached, check):
+    g = ParaphraseGuard()
+    res = g.check(query, cached)
+    assert not res.ok, (query, cached)
+    assert check.rstrip("s") in res.reason.replace("word order", "order")
+    assert not g.check(cached, query).ok, "the guard must be symmetric"
+
+
+@pytest.mark.parametrize(("query", "cached"), PARAPHRASES)
+def test_guard_passes_true_paraphrases(query, cached):
+    res = ParaphraseGuard().check(query, cached)
+    assert res.ok, res.reason
+
+
+def test_breakpoints_count_block_moves_and_swaps():
+    same = "a b c d e".split()
+    assert breakpoints(same, same) == 0
+    assert breakpoints(same, "d e a b c".split()) == 3  # one block moved
+    assert breakpoints(same, "a d c b e".split()) == 4  # two words exchanged
+
+
+def test_checks_can_be_switched_off():
+    g = ParaphraseGuard(check_order=False)
+    assert g.check("Flights from New York to Florida", "Flights from Florida to New York").ok

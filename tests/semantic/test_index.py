@@ -1,0 +1,90 @@
+"""Namespace index: flat -> HNSW, removals, lock-free searches during writes, recall."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from services.semantic.index import IndexParams, NamespaceIndex
+
+
+def _unit(rng, n, d=32):
+    v = rng.standard_normal((n, d)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def test_add_search_remove_and_integrity():
+    rng = np.random.default_rng(0)
+    vecs = _unit(rng, 50)
+    idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=1000, delta_capacity=8))
+    for i, v in enumerate(vecs):
+        idx.add(100 + i, v)
+        idx.check_integrity()
+    assert len(idx) == 50 and idx.kind == "flat"
+    for i in (0, 17, 49):
+        top = idx.search(vecs[i], 1)[0]
+        assert top.label == 100 + i and abs(top.score - 1.0) < 1e-5
+    assert idx.remove(117) and not idx.remove(117)
+    idx.check_integrity()
+    assert idx.search(vecs[17], 1)[0].label != 117
+    assert all(nb.label != 117 for nb in idx.search(vecs[17], 50))
+    idx.compact()
+    idx.check_integrity()
+    assert len(idx) == 49 and len(idx.search(vecs[0], 100)) == 49
+
+
+def test_switches_to_hnsw_beyond_the_configured_size_and_keeps_recall():
+    rng = np.random.default_rng(1)
+    base = _unit(rng, 600)
+    idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=400, delta_capacity=64))
+    idx.add_many(np.arange(300), base[:300])
+    assert idx.kind == "flat"
+    for i in range(300, 600):
+        idx.add(i, base[i])
+    idx.compact()
+    assert idx.kind == "hnsw"
+    idx.check_integrity()
+    # near-duplicate queries: each should find its own source vector
+    q = base + 0.05 * _unit(rng, 600)
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    agree = sum(idx.search(q[i], 1)[0].label == idx.search_exact(q[i], 1)[0].label
+                for i in range(600))
+    assert agree / 600 >= 0.98
+    for lab in range(0, 600, 3):
+        idx.remove(lab)
+    idx.check_integrity()
+    assert all(idx.search(base[i], 1)[0].label % 3 != 0 for i in range(0, 600, 3))
+
+
+def test_searches_run_while_writers_add_and_remove():
+    rng = np.random.default_rng(2)
+    vecs = _unit(rng, 3000)
+    idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=1500, delta_capacity=128))
+    idx.add_many(np.arange(500), vecs[:500])
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def reader():
+        try:
+            while not stop.is_set():
+                for i in range(0, 500, 50):
+                    top = idx.search(vecs[i], 1)
+                    # label L < 500 is removed when i = L + 500 is a multiple of 7
+                    assert top and (top[0].label == i or (i + 500) % 7 == 0)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    readers = [threading.Thread(target=reader) for _ in range(3)]
+    for t in readers:
+        t.start()
+    for i in range(500, 3000):
+        idx.add(i, vecs[i])
+        if i % 7 == 0:
+            idx.remove(i - 500)
+    stop.set()
+    for t in readers:
+        t.join()
+    assert not errors, errors[0]
+    idx.check_integrity()
+    assert idx.kind == "hnsw"
