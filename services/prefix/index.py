@@ -160,7 +160,7 @@ class PrefixIndex:
         prune_to: float = 0.9,
         policy: EvictionPolicy | None = None,
         min_deep_hits: int = 1,
-        max_events: int = 4096,
+        max_events: int = 65536,
         max_blocks: int = 65536,
         verify_hashes: bool = True,
         hash_key: bytes | None = None,
@@ -198,6 +198,10 @@ class PrefixIndex:
         self.match_blocks_total = self.match_blocks_hit = 0
         self.resyncs_total = 0
         self.dropped_blocks_total = 0
+
+    @property
+    def replica_count(self) -> int:
+        return len(self._replicas)
 
     def hasher(self, model_id: str) -> BlockHasher:
         h = self._hashers.get(model_id)
@@ -336,22 +340,39 @@ class PrefixIndex:
         tree = self.tree
         if resync:
             tree.clear(rep.bit)
+        # A chain whose parent the replica does not hold (yet) waits for that parent to be
+        # stored later in this batch (a snapshot's order must not matter); else it is dropped.
+        waiting: dict[bytes, list[tuple]] = {}
         for kind, a, b, c, salt in plan:
             if kind == "stored":
                 if salt is not None:
                     tree.ensure_root(a, rep.model_id, salt)
-                res = tree.store(a, b, c, rep.bit, tick)
-                self.dropped_blocks_total += res.dropped
+                self._store(rep.bit, (a, b, c), tick, waiting)
                 tree.gc_root(a)
             elif kind == "removed":
                 for h in a:
                     tree.remove(h, rep.bit)
             else:
                 tree.clear(rep.bit)
+        self.dropped_blocks_total += sum(len(st[1]) for sts in waiting.values() for st in sts)
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
         return PublishResult(False, rep.next_seq)
+
+    def _store(self, bit: int, step: tuple, tick: int, waiting: dict[bytes, list[tuple]]
+               ) -> None:
+        todo = [step]
+        while todo:
+            a, b, c = todo.pop()
+            res = self.tree.store(a, b, c, bit, tick)
+            if res.dropped == len(b):
+                waiting.setdefault(a, []).append((a, b, c))
+                continue
+            self.dropped_blocks_total += res.dropped
+            if waiting:
+                for h in b[: len(b) - res.dropped]:
+                    todo.extend(waiting.pop(h, ()))
 
     def _validate(self, rep: Replica, events: Sequence[Event]) -> list[tuple]:
         """Check every event before any is applied; returns (kind, args...) steps."""

@@ -1,0 +1,43 @@
+"""Configuration of the prefix index (`TIERCACHE_PREFIX_*` env vars, `--flags`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from services.common.config import require
+
+
+@dataclass(frozen=True)
+class PrefixConfig:
+    """Settings of one prefix-index process (one shard when sharded)."""
+
+    address: str = "127.0.0.1:50053"
+    metrics_port: int = -1  # -1 = off, 0 = any free port
+    internal_token: str = ""  # "" = no internal credential required
+    block_size: int = 16  # tokens per block; replicas must use the same
+    lease_seconds: float = 10.0  # a replica that does not heartbeat within this is dropped
+    max_nodes: int = 1_000_000  # node budget (~220 B each)
+    prune_to: float = 0.9  # prune down to this fraction of max_nodes
+    eviction_policy: str = "hybrid"  # "hybrid" (LFU shallow, LRU deep) or "lru"
+    shallow_tokens: int = 128  # blocks starting before this token are ranked by hits
+    min_deep_hits: int = 1  # deep leaves hit fewer times are pruned first
+    max_events: int = 65536  # events per PublishEvents batch (a resync sends one per block)
+    max_blocks: int = 65536  # blocks per batch, and per Match request
+    verify_hashes: bool = True  # recompute stored blocks' hashes (refuses foreign keys/models)
+    grace_seconds: float = 5.0  # drain time on SIGTERM
+
+    def validate(self) -> None:
+        svc = "prefix"
+        require(":" in self.address, svc, "address", "expected host:port")
+        require(self.metrics_port >= -1, svc, "metrics_port", "must be >= -1")
+        require(self.block_size > 0, svc, "block_size", "must be > 0")
+        require(self.lease_seconds > 0, svc, "lease_seconds", "must be > 0")
+        require(self.max_nodes > 0, svc, "max_nodes", "must be > 0")
+        require(0.0 < self.prune_to <= 1.0, svc, "prune_to", "must be in (0, 1]")
+        require(self.eviction_policy in ("hybrid", "lru"), svc, "eviction_policy",
+                "expected 'hybrid' or 'lru'")
+        require(self.shallow_tokens >= 0, svc, "shallow_tokens", "must be >= 0")
+        require(self.min_deep_hits >= 0, svc, "min_deep_hits", "must be >= 0")
+        require(self.max_events > 0, svc, "max_events", "must be > 0")
+        require(self.max_blocks > 0, svc, "max_blocks", "must be > 0")
+        require(self.grace_seconds >= 0, svc, "grace_seconds", "must be >= 0")

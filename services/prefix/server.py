@@ -1,0 +1,200 @@
+"""gRPC adapter of the prefix index: proto <-> plain values, one lock around the index.
+
+Domain errors raised by the index become statuses in the bootstrap's interceptor.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+
+from services.common import metrics
+from services.common.bootstrap import ServerHandle, create_server
+from services.common.errors import InvalidArgument
+from services.common.policy import make_policy
+from services.prefix.config import PrefixConfig
+from services.prefix.index import Cleared, Event, Load, PrefixIndex, Removed, Stored
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "tiercache.v1.PrefixIndex"
+
+NODES = metrics.gauge("tiercache_prefix_nodes", "Blocks (nodes) in the prefix index")
+REPLICAS = metrics.gauge("tiercache_prefix_replicas", "Live replicas known to the prefix index")
+MATCHES = metrics.counter("tiercache_prefix_matches_total", "Match calls", ("result",))
+MATCH_BLOCKS = metrics.counter("tiercache_prefix_match_blocks_total",
+                               "Blocks asked about in Match calls", ("result",))
+EVENTS = metrics.counter("tiercache_prefix_events_total", "Replica events applied", ("kind",))
+RESYNCS = metrics.counter("tiercache_prefix_resyncs_total", "Resyncs requested after a gap")
+PRUNED = metrics.gauge("tiercache_prefix_pruned_total", "Nodes pruned by the memory budget")
+
+
+def build_index(cfg: PrefixConfig) -> PrefixIndex:
+    """The index as configured."""
+    return PrefixIndex(
+        cfg.block_size, lease_seconds=cfg.lease_seconds, max_nodes=cfg.max_nodes,
+        prune_to=cfg.prune_to, policy=make_policy(cfg.eviction_policy, cfg.shallow_tokens),
+        min_deep_hits=cfg.min_deep_hits, max_events=cfg.max_events, max_blocks=cfg.max_blocks,
+        verify_hashes=cfg.verify_hashes)
+
+
+def _load_pb(load: Load) -> prefix_pb2.ReplicaLoad:
+    return prefix_pb2.ReplicaLoad(running=load.running, waiting=load.waiting,
+                                  free_blocks=load.free_blocks, total_blocks=load.total_blocks)
+
+
+def _event(ev: prefix_pb2.KvEvent) -> Event | None:
+    which = ev.WhichOneof("event")
+    if which == "stored":
+        s = ev.stored
+        return Stored(s.parent_hash, list(s.block_hashes), s.token_ids, s.cache_salt,
+                      s.first_block_hash, s.start_block)
+    if which == "removed":
+        return Removed(list(ev.removed.block_hashes))
+    if which == "cleared":
+        return Cleared()
+    return None
+
+
+class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
+    """Serves one PrefixIndex; every call holds the index lock (the index is not thread-safe)."""
+
+    def __init__(self, index: PrefixIndex) -> None:
+        self.index = index
+        self.lock = threading.Lock()
+
+    def _gauges(self) -> None:
+        NODES.set(len(self.index.tree))
+        REPLICAS.set(self.index.replica_count)
+        PRUNED.set(self.index.tree.pruned_total)
+
+    def Register(self, request, context):
+        with self.lock:
+            r = self.index.register(request.replica_id, request.incarnation, request.address,
+                                    request.model_id, request.block_size,
+                                    request.capacity_blocks)
+            self._gauges()
+        log.info("replica %s/%s registered at %s (model %s)", request.replica_id,
+                 request.incarnation, request.address, request.model_id)
+        return prefix_pb2.RegisterResponse(lease_seconds=r.lease_seconds, next_seq=r.next_seq)
+
+    def Heartbeat(self, request, context):
+        load = Load(request.load.running, request.load.waiting, request.load.free_blocks,
+                    request.load.total_blocks)
+        with self.lock:
+            r = self.index.heartbeat(request.replica_id, request.incarnation, load)
+            self._gauges()
+        return prefix_pb2.HeartbeatResponse(known=r.known, lease_seconds=r.lease_seconds)
+
+    def PublishEvents(self, request, context):
+        events = [_event(e) for e in request.events]
+        for i, e in enumerate(events):
+            if e is None:
+                raise InvalidArgument(f"events[{i}]", "no event set")
+        with self.lock:
+            before = self.index.resyncs_total
+            r = self.index.publish(request.replica_id, request.incarnation, request.seq,
+                                   events, request.resync)  # type: ignore[arg-type]
+            resynced = self.index.resyncs_total - before
+            self._gauges()
+        if resynced:
+            RESYNCS.inc(resynced)
+            log.info("replica %s: batch %d after a gap; asking for a resync (expects %d)",
+                     request.replica_id, request.seq, r.next_seq)
+        elif not r.resync:
+            for e in request.events:
+                EVENTS.labels(e.WhichOneof("event")).inc()
+        status = (prefix_pb2.PUBLISH_STATUS_RESYNC if r.resync
+                  else prefix_pb2.PUBLISH_STATUS_OK)
+        return prefix_pb2.PublishEventsResponse(status=status, next_seq=r.next_seq)
+
+    def Match(self, request, context):
+        with self.lock:
+            r = self.index.match(request.model_id, request.cache_salt, request.token_ids,
+                                 list(request.block_hashes))
+        best = r.matches[0].matched_blocks if r.matches else 0
+        result = "hit" if best else "miss"
+        MATCHES.labels(result).inc()
+        MATCH_BLOCKS.labels("asked").inc(r.request_blocks)
+        MATCH_BLOCKS.labels("hit").inc(best)
+        return prefix_pb2.MatchResponse(
+            matches=[prefix_pb2.ReplicaMatch(
+                replica_id=m.replica_id, address=m.address, matched_blocks=m.matched_blocks,
+                matched_tokens=m.matched_tokens, load=_load_pb(m.load)) for m in r.matches],
+            request_blocks=r.request_blocks, block_size=r.block_size)
+
+    def TopPrefixes(self, request, context):
+        with self.lock:
+            top = self.index.top_prefixes(request.k, request.model_id, request.min_hits)
+        return prefix_pb2.TopPrefixesResponse(prefixes=[prefix_pb2.HotPrefix(
+            token_ids=p.token_ids, hits=p.hits, holders=p.holders, cache_salt=p.cache_salt,
+            model_id=p.model_id, last_block_hash=p.last_block_hash) for p in top])
+
+    def Stats(self, request, context):
+        with self.lock:
+            s = self.index.stats()
+            self._gauges()
+        return prefix_pb2.PrefixStatsResponse(
+            nodes=s.nodes, bytes=s.bytes, replicas=[prefix_pb2.ReplicaInfo(
+                replica_id=r.replica_id, incarnation=r.incarnation, address=r.address,
+                model_id=r.model_id, held_blocks=r.held_blocks, load=_load_pb(r.load),
+                last_seen_s=r.last_seen_s) for r in s.replicas],
+            matches_total=s.matches_total, matches_hit=s.matches_hit,
+            match_blocks_total=s.match_blocks_total, match_blocks_hit=s.match_blocks_hit,
+            pruned_total=s.pruned_total, resyncs_total=s.resyncs_total,
+            block_size=s.block_size, dropped_blocks_total=s.dropped_blocks_total,
+            max_nodes=s.max_nodes)
+
+
+@dataclass
+class PrefixService:
+    """A running prefix index: server handle, servicer and lease sweeper."""
+
+    handle: ServerHandle
+    servicer: PrefixServicer
+    _stop: threading.Event
+    _sweeper: threading.Thread
+
+    @property
+    def port(self) -> int:
+        return self.handle.port
+
+    @property
+    def address(self) -> str:
+        return self.handle.address
+
+    def stop(self, grace: float | None = 0) -> None:
+        self._stop.set()
+        if not self.handle.stopped.is_set():
+            self.handle.stop(grace)
+        self._sweeper.join(5)
+
+
+def serve(cfg: PrefixConfig, index: PrefixIndex | None = None) -> PrefixService:
+    """Start the index server on `cfg.address` (port 0 = any) and mark it SERVING."""
+    index = index or build_index(cfg)
+    servicer = PrefixServicer(index)
+    handle = create_server(
+        service="prefix", address=cfg.address,
+        services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, servicer, SERVICE_NAME)],
+        internal_token=cfg.internal_token or None,
+        metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port)
+    stop = threading.Event()
+
+    def sweep() -> None:
+        # Leases also lapse lazily on every call; this catches an index nobody calls.
+        period = max(0.05, index.lease_seconds / 4)
+        while not stop.wait(period):
+            with servicer.lock:
+                gone = index.expire()
+                servicer._gauges()
+            if gone:
+                log.info("leases lapsed: dropped replicas %s", ", ".join(gone))
+
+    sweeper = threading.Thread(target=sweep, name="prefix-lease-sweeper", daemon=True)
+    sweeper.start()
+    handle.set_serving()
+    return PrefixService(handle, servicer, stop, sweeper)
