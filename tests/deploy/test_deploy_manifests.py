@@ -13,7 +13,6 @@ import dataclasses
 import importlib
 import json
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -448,41 +447,6 @@ def test_gpu_overlay_gives_each_kvpool_pod_one_gpu(gpu: Rendered, dev: Rendered)
     assert w.replicas > dev.workload_for("kvpool").replicas
     assert gpu.workload_for("orchestrator").replicas > 1
     assert all(tiercache_container(x)["image"].endswith("-cuda") for x in gpu.workloads)
-
-
-# ------------------------------------------------------------------------------------ image
-
-
-DOCKER = ROOT / "deploy" / "docker" / "Dockerfile"
-
-
-def test_dockerfile_matches_the_build_and_the_manifests(all_rendered: dict[str, Rendered]) -> None:
-    text = DOCKER.read_text(encoding="utf-8")
-    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    (torch_pin,) = [d for d in deps if d.startswith("torch==")]
-    assert f"ARG TORCH_VERSION={torch_pin.removeprefix('torch==')}" in text
-    # Generated code is produced in the image exactly as `make protos` does it.
-    make = (ROOT / "Makefile").read_text(encoding="utf-8")
-    flags = re.search(r"grpc_tools\.protoc (-Iprotos[^$\n]*?)\s*\$\(PROTOS\)", make).group(1)
-    assert f"grpc_tools.protoc {flags}" in " ".join(text.replace("\\\n", " ").split())
-    assert "PYTHONPATH=/app:/app/gen" in text
-    for pkg in re.findall(r"--no-deps ([a-z0-9-]+==[0-9.]+)", make):
-        assert pkg in text, f"{pkg} (installed by make setup) is missing from the image"
-    # Final stage: non-root, the uid the pods require, no compiler toolchain installed.
-    final = text[text.rindex("\nFROM "):]
-    uid = int(re.search(r"^USER (\d+)", final, re.M).group(1))
-    assert uid != 0 and not re.search(r"apt-get install|build-essential|gcc", final)
-    exposed = {int(p) for p in re.findall(r"\d+", re.search(r"^EXPOSE (.+)$", text, re.M)[1])}
-    for r in all_rendered.values():
-        for w in r.workloads:
-            assert w.pod_spec["securityContext"]["runAsUser"] == uid, w.name
-            assert set(w.container_ports(tiercache_container(w)).values()) <= exposed
-            cmd = tiercache_container(w)["command"]
-            assert (ROOT / "services" / w.service).is_dir() or cmd[-1] == f"services.{w.service}"
-    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
-    assert {".venv", "gen", ".git"} <= ignored
-    for src in re.findall(r"^COPY (?!--from)(\S+)", text, re.M):
-        assert (ROOT / src).exists() and src.rstrip("/") not in ignored, src
 
 
 def test_docs_cover_the_operations(all_rendered: dict[str, Rendered]) -> None:

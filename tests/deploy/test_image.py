@@ -1,0 +1,156 @@
+"""The image, checked without a Docker engine (none runs on the development machine).
+
+What can be checked here is checked for real: the Dockerfile's own shell commands (the
+requirements extraction and the protoc generation) are run against a copy of the repository laid
+out as in the image, the result is imported with the image's PYTHONPATH, and every third-party
+module the services import must be installed by the image (runtime dependencies only, not the
+dev extras). Pins, user id and ports must agree with pyproject.toml, the Makefile and the
+manifests.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.metadata as md
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.utils import canonicalize_name
+
+from tests.deploy.k8s_view import ROOT, Rendered
+
+DOCKER = ROOT / "deploy" / "docker" / "Dockerfile"
+SERVICES = ("orchestrator", "semantic", "prefix", "kvpool")
+
+
+def dockerfile() -> str:
+    """The Dockerfile with line continuations joined."""
+    return re.sub(r"\\\n\s*", " ", DOCKER.read_text(encoding="utf-8"))
+
+
+def runtime_deps() -> list[str]:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+
+
+def no_deps_packages(text: str) -> list[str]:
+    """Packages the Dockerfile installs with `pip install --no-deps a==1 b==2`."""
+    out: list[str] = []
+    for m in re.finditer(r"pip install --no-deps ((?:[A-Za-z0-9_.-]+==[0-9][^\s&]*\s*)+)", text):
+        out += m.group(1).split()
+    return out
+
+
+def installed_closure(reqs: list[str], no_deps: list[str]) -> set[str]:
+    """Distributions pip would install for `reqs` (with dependencies) plus `no_deps` (without),
+    resolved against what is installed in this venv (same pins)."""
+    seen: set[str] = {canonicalize_name(Requirement(r).name) for r in no_deps}
+    todo = [Requirement(r) for r in reqs]
+    while todo:
+        req = todo.pop()
+        name = canonicalize_name(req.name)
+        if name in seen:
+            continue
+        seen.add(name)
+        try:
+            requires = md.requires(req.name) or []
+        except md.PackageNotFoundError:
+            continue
+        for raw in requires:
+            sub = Requirement(raw)
+            if sub.marker is None or sub.marker.evaluate({"extra": ""}):
+                todo.append(sub)
+    return seen
+
+
+def third_party_imports() -> dict[str, set[str]]:
+    """Top-level modules imported anywhere under services/ -> files importing them."""
+    found: dict[str, set[str]] = {}
+    for path in (ROOT / "services").rglob("*.py"):
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names = [node.module]
+            else:
+                continue
+            for n in names:
+                top = n.split(".")[0]
+                if top in sys.stdlib_module_names or top in ("services", "tiercache"):
+                    continue
+                found.setdefault(top, set()).add(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_pins_user_and_ports_agree_with_build_and_manifests(
+        all_rendered: dict[str, Rendered]) -> None:
+    text = dockerfile()
+    (torch_pin,) = [d for d in runtime_deps() if d.startswith("torch==")]
+    assert f"ARG TORCH_VERSION={torch_pin.removeprefix('torch==')}" in text
+    make = (ROOT / "Makefile").read_text(encoding="utf-8")
+    for pkg in re.findall(r"--no-deps ([A-Za-z0-9-]+==[0-9.]+)", make):
+        assert pkg in no_deps_packages(text), f"{pkg} (make setup) is missing from the image"
+    # Final stage: non-root, the uid the pods require, no compiler toolchain installed.
+    final = text[text.rindex("\nFROM "):]
+    uid = int(re.search(r"^USER (\d+)", final, re.M).group(1))
+    assert uid != 0
+    assert not re.search(r"apt-get install|build-essential|\bgcc\b", final)
+    assert "PYTHONPATH=/app:/app/gen" in final
+    exposed = {int(p) for p in re.search(r"^EXPOSE ([\d ]+)$", text, re.M).group(1).split()}
+    for r in all_rendered.values():
+        for w in r.workloads:
+            assert w.pod_spec["securityContext"]["runAsUser"] == uid, w.name
+            for c in w.containers:
+                assert set(w.container_ports(c).values()) <= exposed, w.name
+                assert c["command"] == ["python", "-m", f"services.{w.service}"], w.name
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()}
+    assert {".venv", "gen", ".git"} <= ignored
+    for src in re.findall(r"^COPY (?!--from)(\S+)", text, re.M):
+        assert (ROOT / src).exists() and src.rstrip("/") not in ignored, src
+
+
+def test_every_module_the_services_import_is_installed_in_the_image() -> None:
+    text = dockerfile()
+    reqs = [d for d in runtime_deps() if not d.startswith("torch==")]
+    dists = installed_closure([*reqs, "torch==2.13.0"], no_deps_packages(text))
+    by_module = md.packages_distributions()
+    missing = {}
+    for module, files in third_party_imports().items():
+        owners = {canonicalize_name(d) for d in by_module.get(module, [])}
+        if not owners & dists:
+            missing[module] = sorted(files)
+    assert not missing, f"imported by services/ but not installed in the image: {missing}"
+
+
+def test_dockerfile_commands_build_an_importable_layout(tmp_path: Path) -> None:
+    """Run the Dockerfile's requirements and protoc steps on a copy laid out like /app."""
+    text = dockerfile()
+    app = tmp_path / "app"
+    app.mkdir()
+    for src in sorted(set(re.findall(r"^COPY (?!--from)(\S+) \S+$", text, re.M))):
+        (shutil.copytree if (ROOT / src).is_dir() else shutil.copy)(ROOT / src, app / src)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+
+    req_cmd = re.search(r"(python -c \".*?\") > /tmp/requirements\.txt", text).group(1)
+    out = subprocess.run(["bash", "-c", req_cmd], cwd=app, env=env, capture_output=True,
+                         text=True, timeout=60, check=True).stdout.split()
+    assert out == [d for d in runtime_deps() if not d.startswith("torch==")]
+
+    gen_cmd = re.search(r"RUN (mkdir -p gen\s+&&\s+python -m grpc_tools\.protoc .*?\.proto)", text)
+    subprocess.run(["bash", "-c", gen_cmd.group(1)], cwd=app, env=env, check=True, timeout=120)
+    # The image's PYTHONPATH puts these ahead of site-packages (and of this checkout's gen/).
+    probe = ("import services.common.bootstrap, tiercache.v1.kvpool_pb2 as k, "
+             "tiercache.v1.orchestrator_pb2_grpc as o; print(k.__file__); print(o.__file__)")
+    env["PYTHONPATH"] = f"{app}:{app / 'gen'}"
+    files = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True,
+                           capture_output=True, text=True, timeout=60).stdout.split()
+    assert files and all(f.startswith(str(app / "gen")) for f in files), files
+    for svc in SERVICES:
+        if (ROOT / "services" / svc).is_dir():
+            assert (app / "services" / svc).is_dir()
