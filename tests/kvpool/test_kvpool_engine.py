@@ -1,0 +1,223 @@
+"""Engine invariants on a tiny random Llama: exactness, ref counts, cancellation, preemption."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import pytest
+import torch
+
+from services.common import errors
+from services.kvpool.engine import Failed, Finished, FinishReason
+from services.kvpool.paged_cache import ForwardPlan
+from tests.kvpool.conftest import (
+    TINY_VOCAB,
+    assert_idle,
+    collect,
+    generate,
+    reference_greedy,
+    request,
+)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, TINY_VOCAB - 1) for _ in range(n)]
+
+
+def test_cached_prefix_logits_equal_one_full_pass(make_engine, tiny_model) -> None:
+    eng = make_engine(max_prefill_chunk=7)
+    toks = prompt(45)
+    generate(eng, toks[:32], max_tokens=1)  # caches 8 blocks of 4
+    full = tiny_model(torch.tensor([toks])).logits[0]
+
+    def suffix_logits():
+        # On the engine thread: reuse the cached prefix, compute the rest in one forward.
+        eng.pool.open("probe", toks, keep_uncached=1)
+        try:
+            table = eng.pool.blocks_of("probe")
+            cached = 32
+            eng.store.load_row(0, table, cached)
+            eng.pool.ensure_capacity("probe", len(toks))
+            eng.cache.begin(ForwardPlan(0, [cached], len(toks) - cached))
+            with torch.inference_mode():
+                out = tiny_model(input_ids=torch.tensor([toks[cached:]]), cache=eng.cache,
+                                 position_ids=eng.cache.position_ids(),
+                                 attention_mask=eng.cache.attention_mask())
+            return out.logits[0]
+        finally:
+            eng.pool.close("probe")
+
+    got = eng.call(suffix_logits).result(10)
+    assert torch.allclose(got, full[32:], atol=1e-4)
+
+
+def test_greedy_equals_transformers_with_and_without_cached_prefix(make_engine,
+                                                                     tiny_model) -> None:
+    eng = make_engine(max_prefill_chunk=5)
+    base = prompt(32, 1)
+    ref = reference_greedy(tiny_model, base, 12)
+    toks, fin = generate(eng, base, max_tokens=12)
+    assert toks == ref and isinstance(fin, Finished) and fin.cached_tokens == 0
+    toks, fin = generate(eng, base, max_tokens=12)  # whole prompt cached but one token (COW)
+    assert toks == ref and fin.cached_tokens == 31
+    longer = base + prompt(9, 2)
+    toks, fin = generate(eng, longer, max_tokens=12)  # partial reuse
+    assert toks == reference_greedy(tiny_model, longer, 12) and fin.cached_tokens == 32
+    assert_idle(eng)
+
+
+def test_next_turn_reuses_blocks_of_generated_tokens(make_engine, tiny_model) -> None:
+    eng = make_engine()
+    turn1 = prompt(10, 3)
+    answer, _ = generate(eng, turn1, max_tokens=14)
+    turn2 = turn1 + answer + prompt(6, 4)
+    toks, fin = generate(eng, turn2, max_tokens=6)
+    # KV exists for every token but the last generated one (never fed back): 23 of 24 tokens.
+    assert fin.cached_tokens == (len(turn1) + len(answer) - 1) // 4 * 4 == 20
+    assert toks == reference_greedy(tiny_model, turn2, 6)
+
+
+def test_concurrent_requests_share_blocks_and_batch_exactly(make_engine, tiny_model) -> None:
+    eng = make_engine(num_blocks=64, max_batch_size=4)
+    system = prompt(24, 5)
+    generate(eng, system, max_tokens=1)  # warm the shared prefix
+    prompts = [system + prompt(3 + i, 10 + i) for i in range(4)]
+    outs = [eng.submit(request(p, max_tokens=10, rid=f"c{i}"))[1] for i, p in enumerate(prompts)]
+    peak = 0
+    results = []
+    for out in outs:
+        while True:
+            peak = max(peak, eng.stats().blocks_in_use)
+            if not out.empty():
+                break
+            time.sleep(0.001)
+        results.append(collect(out))
+    for p, (toks, fin) in zip(prompts, results, strict=True):
+        assert isinstance(fin, Finished) and fin.cached_tokens == 24
+        assert toks == reference_greedy(tiny_model, p, 10)
+    # 6 shared prefix blocks once + at most 4 private blocks per request (with 4 unshared copies
+    # it would be 4 * (6 + 4) = 40).
+    assert peak <= 6 + 4 * 4
+
+
+def test_preemption_recomputes_and_stays_exact(make_engine, tiny_model) -> None:
+    # 14 blocks of 4: two sequences of 20 prompt + 24 new tokens cannot both finish at once.
+    eng = make_engine(num_blocks=14, max_batch_size=2, max_prefill_chunk=32)
+    a, b = prompt(20, 20), prompt(20, 21)
+    outs = [eng.submit(request(p, max_tokens=24, rid=r))[1] for p, r in ((a, "a"), (b, "b"))]
+    res = [collect(o) for o in outs]
+    assert res[0][0] == reference_greedy(tiny_model, a, 24)
+    assert res[1][0] == reference_greedy(tiny_model, b, 24)
+    assert eng.stats().preemptions_total >= 1
+
+
+def test_request_that_can_never_fit_is_refused(make_engine) -> None:
+    eng = make_engine(num_blocks=8)
+    with pytest.raises(errors.ResourceExhausted, match="KV blocks"):
+        eng.submit(request(prompt(30), max_tokens=8))
+
+
+def test_pool_held_by_pins_refuses_instead_of_hanging(make_engine) -> None:
+    eng = make_engine(num_blocks=8)
+    from services.kvpool.engine import EngineRequest
+    from services.kvpool.sampling import SamplingSpec
+
+    pin = EngineRequest("p", prompt(28, 30), SamplingSpec(max_tokens=0), prefill_only=True,
+                        pin_ttl_seconds=60)
+    _, fin = collect(eng.submit(pin)[1])
+    assert isinstance(fin, Finished) and fin.pinned_blocks == 7
+    _, fin = generate(eng, prompt(12, 31), max_tokens=4)
+    assert isinstance(fin, Failed) and isinstance(fin.error, errors.ResourceExhausted)
+    assert eng.stats().blocks_pinned == 7
+    eng.call(lambda: eng.pool.pin([], 0)).result()
+
+
+@pytest.mark.parametrize("where", ["waiting", "prefill", "decode"])
+def test_cancel_releases_everything(make_engine, where) -> None:
+    eng = make_engine(num_blocks=200, max_batch_size=1, max_prefill_chunk=4)
+    blocker = None
+    if where == "waiting":
+        blocker = eng.submit(request(prompt(40, 40), max_tokens=60, rid="blocker"))
+    sid, out = eng.submit(request(prompt(120, 41), max_tokens=200, rid="victim",
+                                  ignore_eos=True))
+    if where == "decode":
+        assert out.get(timeout=10)  # first token arrived
+    elif where == "prefill":
+        deadline = time.monotonic() + 10
+        while eng.stats().blocks_in_use == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+    eng.cancel(sid)
+    _, fin = collect(out)
+    assert isinstance(fin, Failed) and isinstance(fin.error, errors.Cancelled)
+    if blocker is not None:
+        eng.cancel(blocker[0])
+        collect(blocker[1])
+    assert_idle(eng)
+
+
+def test_deadline_ends_request_and_frees_blocks(make_engine) -> None:
+    eng = make_engine(num_blocks=200, max_batch_size=2)
+    _, out = eng.submit(request(prompt(20), max_tokens=500, ignore_eos=True,
+                                deadline=time.monotonic() + 0.2))
+    toks, fin = collect(out)
+    assert isinstance(fin, Failed) and isinstance(fin.error, errors.DeadlineExceeded)
+    assert_idle(eng)
+
+
+def test_stop_conditions(make_engine, tiny_model) -> None:
+    eng = make_engine()
+    p = prompt(12, 50)
+    ref = reference_greedy(tiny_model, p, 10)
+    toks, fin = generate(eng, p, max_tokens=10, stop_token_ids=frozenset([ref[3]]))
+    first = ref.index(ref[3])
+    assert toks == ref[: first + 1] and fin.finish_reason is FinishReason.STOP
+    toks, fin = generate(eng, p, max_tokens=5)
+    assert fin.finish_reason is FinishReason.LENGTH and fin.completion_tokens == 5
+
+
+def test_eos_stops_unless_ignored(tiny_model, make_engine) -> None:
+    from tests.kvpool.conftest import make_tiny_model
+
+    model = make_tiny_model()
+    p = prompt(12, 50)
+    ref = reference_greedy(tiny_model, p, 6)
+    model.generation_config.eos_token_id = ref[2]  # make the model's 3rd token its EOS
+    eng = make_engine(model=model)
+    toks, fin = generate(eng, p, max_tokens=6)
+    assert toks == ref[:3] and fin.finish_reason is FinishReason.EOS
+    toks, fin = generate(eng, p, max_tokens=6, ignore_eos=True)
+    assert toks == ref and fin.finish_reason is FinishReason.LENGTH
+
+
+def test_seeded_sampling_is_reproducible(make_engine) -> None:
+    eng = make_engine()
+    p = prompt(10, 60)
+    a, _ = generate(eng, p, max_tokens=12, temperature=1.5, top_p=0.9, seed=7)
+    b, _ = generate(eng, p, max_tokens=12, temperature=1.5, top_p=0.9, seed=7)
+    c, _ = generate(eng, p, max_tokens=12, temperature=1.5, top_p=0.9, seed=8)
+    assert a == b and a != c
+    d, _ = generate(eng, p, max_tokens=12, temperature=1.0, top_p=1e-6, seed=9)
+    assert d[0] == generate(eng, p, max_tokens=1)[0][0]  # tiny top_p keeps only the argmax
+
+
+def test_random_mix_of_requests_keeps_integrity(make_engine, tiny_model) -> None:
+    eng = make_engine(num_blocks=40, max_batch_size=3, max_prefill_chunk=6)
+    rng = random.Random(0)
+    base = prompt(16, 70)
+    pending = []
+    for i in range(12):
+        p = (base if rng.random() < 0.6 else []) + prompt(rng.randrange(1, 12), 100 + i)
+        sid, out = eng.submit(request(p, max_tokens=rng.randrange(1, 10), rid=f"m{i}"))
+        pending.append((sid, out, p))
+        if rng.random() < 0.25:
+            eng.cancel(sid)
+    for _, out, p in pending:
+        toks, fin = collect(out)
+        if isinstance(fin, Finished):
+            assert toks == reference_greedy(tiny_model, p, fin.completion_tokens)
+        else:
+            assert isinstance(fin.error, errors.Cancelled)
+    assert_idle(eng)
+    assert eng.stats().cached_tokens_total > 0
