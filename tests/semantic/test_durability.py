@@ -1,0 +1,104 @@
+"""Durability: every Store acknowledged before `kill -9` of the real service is served after a
+restart; the service also starts from `python -m services.semantic`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiercache.v1 import semantic_pb2 as pb
+from tiercache.v1 import semantic_pb2_grpc as pbg
+
+pytestmark = pytest.mark.e2e
+
+NS = pb.Namespace(tenant="durable", model_id="smollm2")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(db: str, port: int) -> subprocess.Popen:
+    env = dict(os.environ, TIERCACHE_SEMANTIC_ADDRESS=f"127.0.0.1:{port}",
+               TIERCACHE_SEMANTIC_METRICS_PORT="-1", TIERCACHE_SEMANTIC_DB_PATH=db,
+               PYTHONPATH=os.getcwd())
+    return subprocess.Popen([sys.executable, "-m", "services.semantic"], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 120) -> grpc.Channel:
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    health = health_pb2_grpc.HealthStub(ch)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stderr.read()[-3000:]
+        try:
+            st = health.Check(health_pb2.HealthCheckRequest(service="tiercache.v1.SemanticCache"),
+                              timeout=1).status
+            if st == health_pb2.HealthCheckResponse.SERVING:
+                return ch
+        except grpc.RpcError:
+            pass
+        time.sleep(0.2)
+    raise AssertionError("service did not become SERVING")
+
+
+def test_acknowledged_stores_survive_kill_9(tmp_path):
+    db, port = str(tmp_path / "semantic.db"), _free_port()
+    proc = _start(db, port)
+    acked: dict[str, str] = {}
+    lock = threading.Lock()
+    stop = threading.Event()
+    try:
+        stub = pbg.SemanticCacheStub(_wait_serving(port, proc))
+
+        def writer(w: int) -> None:
+            i = 0
+            while not stop.is_set():
+                prompt = f"Writer {w} asks question number {i} about durable storage?"
+                try:
+                    sid = stub.Store(pb.StoreRequest(namespace=NS, prompt=prompt,
+                                                     answer=f"answer {w}/{i}"), timeout=10).id
+                except grpc.RpcError:
+                    return  # the server died mid-call: not acknowledged, nothing promised
+                with lock:
+                    acked[sid] = prompt
+                i += 1
+
+        threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+        for t in threads:
+            t.start()
+        while len(acked) < 40:
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)  # while the writers are still storing
+        proc.wait(timeout=10)
+        stop.set()
+        for t in threads:
+            t.join(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+    proc = _start(db, port)
+    try:
+        stub = pbg.SemanticCacheStub(_wait_serving(port, proc))
+        entries = stub.Stats(pb.SemanticStatsRequest(), timeout=10).entries
+        assert entries >= len(acked)
+        for sid, prompt in acked.items():
+            r = stub.Lookup(pb.LookupRequest(namespace=NS, text=prompt, tier="strict"),
+                            timeout=10)
+            assert r.hit and r.entry.id == sid and r.entry.prompt == prompt
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0

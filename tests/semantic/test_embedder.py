@@ -1,0 +1,76 @@
+"""ONNX embedder: equal to sentence-transformers, micro-batching, concurrency-safe export."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+from services.semantic.config import SemanticConfig
+from services.semantic.embedder import BatchingEmbedder
+
+TEXTS = [
+    "Flights from New York to Florida",
+    "hi",
+    "What is the best way to learn Python programming quickly and well, in your opinion?",
+    "一个女人在弹吉他。",
+    "Émigrés café naïve — résumé?",
+    " ".join(["long"] * 400),  # truncated at max_seq_length
+]
+
+
+def test_onnx_matches_sentence_transformers(onnx_embedder):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(SemanticConfig().resolved_model_dir(), device="cpu")
+    ref = st.encode(TEXTS, convert_to_numpy=True)
+    ref = ref / np.linalg.norm(ref, axis=1, keepdims=True)
+    batched = onnx_embedder.embed(TEXTS)  # padded batch
+    single = np.stack([onnx_embedder.embed([t])[0] for t in TEXTS])
+    assert batched.shape == (len(TEXTS), 384) and batched.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(batched, axis=1), 1.0, atol=1e-5)
+    assert (batched * ref).sum(1).min() >= 0.9999
+    assert (single * ref).sum(1).min() >= 0.9999
+
+
+def test_batching_embedder_returns_each_callers_vector(onnx_embedder):
+    b = BatchingEmbedder(onnx_embedder, max_batch=8)
+    try:
+        texts = [f"question number {i} about cooking pasta" for i in range(40)]
+        with ThreadPoolExecutor(12) as pool:
+            got = np.stack(list(pool.map(b.embed_one, texts)))
+        want = onnx_embedder.embed(texts)
+        assert (got * want).sum(1).min() >= 0.9999
+        assert b.batched_texts == 40 and b.batches < 40
+    finally:
+        b.close()
+
+
+@pytest.mark.e2e
+def test_concurrent_first_export_is_done_once_and_atomically(tmp_path):
+    """Two processes export into an empty cache dir at once: both get a complete model."""
+    code = (
+        "import sys, json\n"
+        "from services.semantic.onnx_export import ensure_onnx\n"
+        "from services.semantic.config import default_model_dir\n"
+        "d = ensure_onnx(default_model_dir(), sys.argv[1], 'mini')\n"
+        "print(json.dumps(str(d)))\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
+    folders = {json.loads(o.strip().splitlines()[-1]) for o, _ in outs}
+    assert folders == {str(tmp_path / "onnx" / "mini")}
+    progress = [e for _, e in outs if "ONNX export" in e]
+    assert len(progress) == 1, "exactly one process exports (with progress output)"
+    assert sorted(os.listdir(tmp_path / "onnx")) == [".mini.lock", "mini"]
+    meta = json.loads((tmp_path / "onnx" / "mini" / "meta.json").read_text())
+    assert meta["pooling"] == "mean" and meta["normalize"] and meta["dim"] == 384

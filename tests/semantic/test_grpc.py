@@ -1,0 +1,123 @@
+"""The semantic service over a real gRPC channel (in-process server on port 0)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tiercache.v1 import semantic_pb2 as pb
+from tiercache.v1 import semantic_pb2_grpc as pbg
+
+from services.semantic.server import serve
+
+NS = pb.Namespace(tenant="acme", model_id="smollm2", context_hash="00ff")
+
+
+@pytest.fixture
+def svc(make_cfg, embedder):
+    s = serve(make_cfg(), embedder=embedder)
+    yield s
+    s.handle.stop(0)
+    s.housekeeper.stop()
+    s.cache.store.close()
+
+
+@pytest.fixture
+def stub(svc):
+    with grpc.insecure_channel(svc.handle.address) as ch:
+        yield pbg.SemanticCacheStub(ch)
+
+
+def _code(fn, req):
+    with pytest.raises(grpc.RpcError) as exc:
+        fn(req, timeout=10)
+    return exc.value.code(), exc.value.details()
+
+
+def test_store_lookup_verify_invalidate_stats(stub):
+    sid = stub.Store(pb.StoreRequest(namespace=NS, prompt="How do I center a div?",
+                                     answer="Use flexbox."), timeout=10).id
+    r = stub.Lookup(pb.LookupRequest(namespace=NS, text="How do I center a div?",
+                                     tier="strict"), timeout=10)
+    assert r.hit and r.entry.id == sid and r.entry.answer == "Use flexbox."
+    assert r.tier == "strict" and r.threshold == pytest.approx(0.97)
+    assert r.search_ms > 0 and r.embed_ms > 0
+    d = stub.Lookup(pb.LookupRequest(namespace=NS, text="What is the way to center a div?",
+                                     tier="strict", want_draft=True), timeout=10)
+    assert not d.hit and d.entry.id == sid and 0.8 <= d.similarity < 0.97
+    other = pb.Namespace(tenant="other", model_id="smollm2", context_hash="00ff")
+    assert not stub.Lookup(pb.LookupRequest(namespace=other, text="How do I center a div?"),
+                           timeout=10).HasField("entry")
+    v = stub.Verify(pb.VerifyRequest(id=sid, verified=True), timeout=10)
+    assert v.verified and v.hit_count == 1
+    st = stub.Stats(pb.SemanticStatsRequest(), timeout=10)
+    assert (st.entries, st.namespaces, st.lookups_total) == (1, 1, 3)
+    assert st.hits_by_tier["strict"] == 1 and st.near_misses_total == 1
+    assert st.embedding_model == "all-MiniLM-L6-v2"
+    assert stub.Invalidate(pb.InvalidateRequest(id=sid), timeout=10).removed == 1
+    assert stub.Stats(pb.SemanticStatsRequest(), timeout=10).entries == 0
+
+
+def test_invalidate_namespace(stub):
+    for q in ("Why is the sky blue?", "Why is grass green?"):
+        stub.Store(pb.StoreRequest(namespace=NS, prompt=q, answer="physics"), timeout=10)
+    assert stub.Invalidate(pb.InvalidateRequest(namespace=NS), timeout=10).removed == 2
+    assert stub.Stats(pb.SemanticStatsRequest(), timeout=10).entries == 0
+
+
+@pytest.mark.parametrize(("req", "field"), [
+    (pb.LookupRequest(namespace=NS, text=""), "text"),
+    (pb.LookupRequest(namespace=NS, text="x" * 9000), "text"),
+    (pb.LookupRequest(namespace=NS, text="hi", tier="lenient"), "tier"),
+    (pb.LookupRequest(namespace=NS, text="hi", threshold=0.5), "threshold"),
+    (pb.LookupRequest(namespace=NS, text="hi", threshold=1.5), "threshold"),
+    (pb.LookupRequest(text="hi"), "namespace"),
+    (pb.LookupRequest(namespace=pb.Namespace(model_id="m"), text="hi"), "namespace.tenant"),
+])
+def test_bad_lookup_is_invalid_argument(stub, req, field):
+    code, details = _code(stub.Lookup, req)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field + ":")
+    assert stub.Stats(pb.SemanticStatsRequest(), timeout=10).lookups_total == 0
+
+
+@pytest.mark.parametrize(("req", "field"), [
+    (pb.StoreRequest(namespace=NS, prompt="", answer="a"), "prompt"),
+    (pb.StoreRequest(namespace=NS, prompt="q?", answer=""), "answer"),
+    (pb.StoreRequest(namespace=NS, prompt="q?", answer="a" * 70000), "answer"),
+    (pb.StoreRequest(namespace=NS, prompt="q?", answer="a", ttl_seconds=4_000_000_000),
+     "ttl_seconds"),
+    (pb.StoreRequest(prompt="q?", answer="a"), "namespace"),
+    (pb.StoreRequest(namespace=pb.Namespace(tenant="t"), prompt="q?", answer="a"),
+     "namespace.model_id"),
+])
+def test_bad_store_is_invalid_argument_and_writes_nothing(stub, svc, req, field):
+    code, details = _code(stub.Store, req)
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field + ":")
+    assert stub.Stats(pb.SemanticStatsRequest(), timeout=10).entries == 0
+    assert svc.cache.store.count() == 0
+
+
+def test_unknown_ids_are_not_found(stub):
+    code, details = _code(stub.Verify, pb.VerifyRequest(id="deadbeef", verified=True))
+    assert code == grpc.StatusCode.NOT_FOUND and "id" in details
+    code, _ = _code(stub.Invalidate, pb.InvalidateRequest(id="deadbeef"))
+    assert code == grpc.StatusCode.NOT_FOUND
+    code, details = _code(stub.Invalidate, pb.InvalidateRequest())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("target")
+    code, details = _code(stub.Verify, pb.VerifyRequest())
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith("id")
+
+
+def test_concurrent_lookups_are_micro_batched(stub, embedder):
+    from concurrent.futures import ThreadPoolExecutor
+
+    stub.Store(pb.StoreRequest(namespace=NS, prompt="What is a monad?", answer="A monoid."),
+               timeout=10)
+    before = (embedder.batches, embedder.batched_texts)
+    texts = [f"What is a monad, question {i}?" for i in range(48)]
+    with ThreadPoolExecutor(16) as pool:
+        out = list(pool.map(lambda t: stub.Lookup(
+            pb.LookupRequest(namespace=NS, text=t, tier="relaxed"), timeout=30), texts))
+    assert all(r.similarity > 0.5 for r in out)
+    batches = embedder.batches - before[0]
+    assert embedder.batched_texts - before[1] == 48
+    assert batches < 48, "concurrent requests should share forward passes"
