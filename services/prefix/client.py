@@ -1,0 +1,315 @@
+"""Client of the prefix index, sharded or not: `PrefixIndexClient(["host:port", ...])`.
+
+One address = one index. N addresses = N independent shard processes; the client routes:
+
+    Match(token_ids | block_hashes)  -> the shard owning the request's first block hash
+    TopPrefixes, Stats               -> every shard, merged (hottest first / summed)
+    Register, Heartbeat              -> every shard (each keeps its own lease and seq)
+    PublishEvents  stored            -> the shard owning the chain's first_block_hash
+                   removed, cleared  -> every shard (a shard ignores blocks it does not know)
+
+so all continuations of one system prompt live on one shard. Shards are placed on a
+consistent-hash ring (`services.common.ring`), so adding a shard moves ~1/N of the chains.
+
+Batch sequence numbers are per shard and kept here: callers publish events and get back
+whether some shard asked for a resync (then send the full holdings with `resync=True`).
+Every call has a deadline; a failed call raises `PrefixIndexError`, a `grpc.RpcError` that
+names the method and shard, so code that already catches RpcError keeps working.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+import grpc
+from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+
+from services.common.grpc_client import call_metadata, make_channel
+from services.common.hashing import BlockHasher
+from services.common.ring import HashRing
+
+log = logging.getLogger(__name__)
+
+DEFAULT_TIMEOUT_S = 2.0
+
+
+class PrefixIndexError(grpc.RpcError):
+    """A call to one index shard failed; `code()`/`details()` as on any RpcError."""
+
+    def __init__(self, method: str, address: str, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"prefix index {address} {method}: {code.name}: {details}")
+        self.method = method
+        self.address = address
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    @classmethod
+    def wrap(cls, method: str, address: str, exc: grpc.RpcError) -> PrefixIndexError:
+        code = exc.code() if hasattr(exc, "code") else grpc.StatusCode.UNKNOWN
+        details = exc.details() if hasattr(exc, "details") else str(exc)
+        return cls(method, address, code or grpc.StatusCode.UNKNOWN, details or "")
+
+
+class RegisterOutcome(NamedTuple):
+    lease_seconds: float  # the shortest lease of all shards
+    next_seq: dict[str, int]  # per shard address
+
+
+class PublishOutcome(NamedTuple):
+    resync: bool  # some shard saw a gap: send the full holdings with resync=True
+    resync_shards: list[str]
+    sent: dict[str, int]  # seq used per shard that got a batch
+
+
+class _Shard:
+    def __init__(self, address: str, channel: grpc.Channel) -> None:
+        self.address = address
+        self.channel = channel
+        self.stub = prefix_pb2_grpc.PrefixIndexStub(channel)
+
+
+class PrefixIndexClient:
+    """Routes prefix-index calls to one index or to N shards (see the module docstring).
+
+    Args:
+        addresses: shard addresses (host:port); the order does not matter.
+        internal_token: credential sent as `authorization: Bearer ...`.
+        timeout: default deadline of each call in seconds.
+        block_size / hash_key: only used to hash the first block of a token-id Match when
+            sharded (must equal the index's; the key defaults to `TIERCACHE_HASH_KEY`).
+    """
+
+    def __init__(self, addresses: Sequence[str], internal_token: str = "", *,
+                 timeout: float = DEFAULT_TIMEOUT_S, block_size: int = 16,
+                 hash_key: bytes | None = None,
+                 channel_factory: Callable[[str], grpc.Channel] = make_channel) -> None:
+        addrs = [a.strip() for a in addresses if a.strip()]
+        if not addrs:
+            raise ValueError("addresses: at least one prefix index address is required")
+        if len(set(addrs)) != len(addrs):
+            raise ValueError("addresses: duplicate shard address")
+        self.addresses = addrs
+        self.internal_token = internal_token
+        self.timeout = timeout
+        self.block_size = block_size
+        self.hash_key = hash_key
+        self._shards = {a: _Shard(a, channel_factory(a)) for a in addrs}
+        self._ring = HashRing(addrs)
+        self._hashers: dict[str, BlockHasher] = {}
+        self._lock = threading.Lock()
+        self._seq: dict[tuple[str, str, str], int] = {}  # (replica, incarnation, shard) -> next
+
+    def close(self) -> None:
+        for s in self._shards.values():
+            s.channel.close()
+
+    def __enter__(self) -> PrefixIndexClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def sharded(self) -> bool:
+        return len(self.addresses) > 1
+
+    # -- routing --------------------------------------------------------------------------
+
+    def shard_for(self, first_block_hash: bytes) -> str:
+        """Address of the shard that owns chains starting with `first_block_hash`."""
+        if not self.sharded:
+            return self.addresses[0]
+        return self._ring.lookup(first_block_hash)
+
+    def _first_hash(self, model_id: str, cache_salt: str, token_ids: Sequence[int]) -> bytes:
+        h = self._hashers.get(model_id)
+        if h is None:
+            h = self._hashers.setdefault(model_id,
+                                         BlockHasher(model_id, self.block_size, self.hash_key))
+        got = h.hashes(token_ids[: self.block_size], cache_salt)
+        return got[0] if got else b""
+
+    def _call(self, address: str, method: str, request, timeout: float | None):
+        stub = self._shards[address].stub
+        try:
+            return getattr(stub, method)(request, timeout=timeout or self.timeout,
+                                         metadata=call_metadata(self.internal_token))
+        except grpc.RpcError as e:
+            raise PrefixIndexError.wrap(method, address, e) from e
+
+    def _fan_out(self, requests: dict[str, object], method: str, timeout: float | None,
+                 allow_partial: bool = False) -> dict[str, object]:
+        """Call `method` on several shards at once; raise the first failure unless partial."""
+        md = call_metadata(self.internal_token)
+        futs = {a: getattr(self._shards[a].stub, method).future(
+            r, timeout=timeout or self.timeout, metadata=md) for a, r in requests.items()}
+        out: dict[str, object] = {}
+        errors: list[PrefixIndexError] = []
+        for a, f in futs.items():
+            try:
+                out[a] = f.result()
+            except grpc.RpcError as e:
+                errors.append(PrefixIndexError.wrap(method, a, e))
+        if errors and (not allow_partial or not out):
+            raise errors[0]
+        for e in errors:
+            log.warning("%s", e)
+        return out
+
+    # -- membership -----------------------------------------------------------------------
+
+    def register(self, replica_id: str, incarnation: str, address: str, model_id: str,
+                 block_size: int, capacity_blocks: int = 0, *, timeout: float | None = None
+                 ) -> RegisterOutcome:
+        """Register on every shard; remembers each shard's next batch number."""
+        req = prefix_pb2.RegisterRequest(
+            replica_id=replica_id, incarnation=incarnation, address=address, model_id=model_id,
+            block_size=block_size, capacity_blocks=capacity_blocks)
+        got = self._fan_out({a: req for a in self.addresses}, "Register", timeout)
+        with self._lock:
+            for a, r in got.items():
+                self._seq[(replica_id, incarnation, a)] = r.next_seq or 1  # type: ignore[attr-defined]
+        return RegisterOutcome(min(r.lease_seconds for r in got.values()),  # type: ignore[attr-defined]
+                               {a: r.next_seq for a, r in got.items()})  # type: ignore[attr-defined]
+
+    def heartbeat(self, replica_id: str, incarnation: str,
+                  load: prefix_pb2.ReplicaLoad | None = None, *, timeout: float | None = None
+                  ) -> prefix_pb2.HeartbeatResponse:
+        """Renew the lease on every shard; `known` is False if any shard forgot the replica."""
+        req = prefix_pb2.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation,
+                                          load=load or prefix_pb2.ReplicaLoad())
+        got = self._fan_out({a: req for a in self.addresses}, "Heartbeat", timeout)
+        return prefix_pb2.HeartbeatResponse(
+            known=all(r.known for r in got.values()),  # type: ignore[attr-defined]
+            lease_seconds=min(r.lease_seconds for r in got.values()))  # type: ignore[attr-defined]
+
+    # -- events ---------------------------------------------------------------------------
+
+    def route_events(self, events: Sequence[prefix_pb2.KvEvent]
+                     ) -> dict[str, list[prefix_pb2.KvEvent]]:
+        """Events per shard address, in order (see the module docstring)."""
+        out: dict[str, list[prefix_pb2.KvEvent]] = {a: [] for a in self.addresses}
+        for i, ev in enumerate(events):
+            which = ev.WhichOneof("event")
+            if which == "stored" and self.sharded:
+                s = ev.stored
+                first = s.first_block_hash or (
+                    s.block_hashes[0] if not s.parent_hash and s.block_hashes else b"")
+                if not first:
+                    raise ValueError(f"events[{i}].stored.first_block_hash: required to route "
+                                     "a continuation to its shard")
+                out[self.shard_for(first)].append(ev)
+            elif which == "stored":
+                out[self.addresses[0]].append(ev)
+            else:
+                for a in self.addresses:
+                    out[a].append(ev)
+        return out
+
+    def publish_events(self, replica_id: str, incarnation: str,
+                       events: Sequence[prefix_pb2.KvEvent], resync: bool = False, *,
+                       timeout: float | None = None) -> PublishOutcome:
+        """Send a batch, split per shard, each with that shard's next sequence number.
+
+        A resync batch goes to every shard (an empty one clears the replica there). A shard
+        that fails has lost its batch: its number is used up, so the next batch shows a gap
+        and that shard asks for a resync; the error is raised after all shards answered.
+
+        Raises:
+            PrefixIndexError: a shard failed (the others' batches were applied).
+            ValueError: a stored continuation lacks first_block_hash on a sharded index.
+        """
+        per = self.route_events(events)
+        reqs: dict[str, prefix_pb2.PublishEventsRequest] = {}
+        with self._lock:
+            for a, evs in per.items():
+                if not evs and not resync:
+                    continue
+                key = (replica_id, incarnation, a)
+                seq = self._seq.get(key, 1)
+                self._seq[key] = seq + 1
+                reqs[a] = prefix_pb2.PublishEventsRequest(
+                    replica_id=replica_id, incarnation=incarnation, seq=seq, events=evs,
+                    resync=resync)
+        if not reqs:
+            return PublishOutcome(False, [], {})
+        md = call_metadata(self.internal_token)
+        futs = {a: self._shards[a].stub.PublishEvents.future(
+            r, timeout=timeout or self.timeout, metadata=md) for a, r in reqs.items()}
+        need: list[str] = []
+        error: PrefixIndexError | None = None
+        for a, f in futs.items():
+            try:
+                r = f.result()
+            except grpc.RpcError as e:
+                error = error or PrefixIndexError.wrap("PublishEvents", a, e)
+                continue
+            if r.status == prefix_pb2.PUBLISH_STATUS_RESYNC:
+                need.append(a)
+            if r.next_seq:
+                with self._lock:
+                    self._seq[(replica_id, incarnation, a)] = r.next_seq
+        if error is not None:
+            raise error
+        return PublishOutcome(bool(need), need, {a: r.seq for a, r in reqs.items()})
+
+    # -- queries --------------------------------------------------------------------------
+
+    def match(self, model_id: str, *, token_ids: Sequence[int] = (),
+              block_hashes: Sequence[bytes] = (), cache_salt: str = "",
+              timeout: float | None = None) -> prefix_pb2.MatchResponse:
+        """Replicas of `model_id` by matched prefix length, longest first (from one shard)."""
+        if len(block_hashes):
+            first = block_hashes[0]
+        elif self.sharded and len(token_ids) >= self.block_size:
+            first = self._first_hash(model_id, cache_salt, token_ids)
+        else:
+            first = b""
+        address = self.shard_for(first) if first else self.addresses[0]
+        req = prefix_pb2.MatchRequest(model_id=model_id, cache_salt=cache_salt,
+                                      token_ids=token_ids, block_hashes=block_hashes)
+        return self._call(address, "Match", req, timeout)
+
+    def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0, *,
+                     timeout: float | None = None, allow_partial: bool = False
+                     ) -> prefix_pb2.TopPrefixesResponse:
+        """The `k` hottest prefixes over all shards, hottest first."""
+        req = prefix_pb2.TopPrefixesRequest(k=k, model_id=model_id, min_hits=min_hits)
+        got = self._fan_out({a: req for a in self.addresses}, "TopPrefixes", timeout,
+                            allow_partial)
+        allp = [p for r in got.values() for p in r.prefixes]  # type: ignore[attr-defined]
+        allp.sort(key=lambda p: (-p.hits, -len(p.token_ids)))
+        return prefix_pb2.TopPrefixesResponse(prefixes=allp[:k])
+
+    def stats(self, *, timeout: float | None = None, allow_partial: bool = False
+              ) -> prefix_pb2.PrefixStatsResponse:
+        """Figures summed over shards; a replica's held blocks summed over shards."""
+        got = self._fan_out({a: prefix_pb2.PrefixStatsRequest() for a in self.addresses},
+                            "Stats", timeout, allow_partial)
+        out = prefix_pb2.PrefixStatsResponse()
+        reps: dict[str, prefix_pb2.ReplicaInfo] = {}
+        for r in got.values():
+            for f in ("nodes", "bytes", "matches_total", "matches_hit", "match_blocks_total",
+                      "match_blocks_hit", "pruned_total", "resyncs_total",
+                      "dropped_blocks_total", "max_nodes"):
+                setattr(out, f, getattr(out, f) + getattr(r, f))
+            out.block_size = r.block_size  # type: ignore[attr-defined]
+            for ri in r.replicas:  # type: ignore[attr-defined]
+                cur = reps.get(ri.replica_id)
+                if cur is None:
+                    reps[ri.replica_id] = prefix_pb2.ReplicaInfo()
+                    reps[ri.replica_id].CopyFrom(ri)
+                else:
+                    cur.held_blocks += ri.held_blocks
+                    cur.last_seen_s = max(cur.last_seen_s, ri.last_seen_s)
+        out.replicas.extend(reps[k] for k in sorted(reps))
+        return out

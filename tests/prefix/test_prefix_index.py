@@ -1,0 +1,255 @@
+"""Scenario tests of the pure index: exact match lengths, eviction order, leases, resyncs."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.prefix.index import Cleared, Load, Removed
+
+from .conftest import BS, MODEL, make_index, matched, stored, toks
+
+
+def reg(index, rid: str, inc: str = "i1", model: str = MODEL) -> None:
+    index.register(rid, inc, f"addr-{rid}", model, BS, 100)
+
+
+def test_match_lengths_per_replica(index, hasher):
+    reg(index, "a")
+    reg(index, "b")
+    chain = toks(1, 2, 3, 4)
+    assert index.publish("a", "i1", 1, [stored(hasher, chain)]).next_seq == 2
+    index.publish("b", "i1", 1, [stored(hasher, chain, end=2)])
+    index.check_integrity()
+    assert matched(index, chain + [7, 7]) == {"a": 4, "b": 2}
+    # Longest first; token count is blocks * block size.
+    r = index.match(MODEL, token_ids=toks(1, 2, 9))
+    assert [(m.replica_id, m.matched_blocks, m.matched_tokens) for m in r.matches] == [
+        ("a", 2, 8), ("b", 2, 8)]
+    assert r.request_blocks == 3
+    # A divergent first block matches nothing; replicas are still listed (with 0).
+    assert matched(index, toks(9, 2)) == {"a": 0, "b": 0}
+    # Block hashes given directly give the same answer.
+    assert {m.replica_id: m.matched_blocks for m in index.match(
+        MODEL, block_hashes=hasher.hashes(chain)[:3]).matches} == {"a": 3, "b": 2}
+
+
+def test_tenant_salt_isolates_chains(index, hasher):
+    reg(index, "a")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2), salt="tenant-a")])
+    assert matched(index, toks(1, 2), salt="tenant-a") == {"a": 2}
+    assert matched(index, toks(1, 2), salt="tenant-b") == {"a": 0}
+    assert matched(index, toks(1, 2)) == {"a": 0}
+
+
+def test_other_models_replicas_are_not_listed(index, hasher):
+    reg(index, "a")
+    reg(index, "z", model="other")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1))])
+    assert matched(index, toks(1)) == {"a": 1}
+
+
+def test_removal_drops_the_subtree_for_that_replica_only(index, hasher):
+    reg(index, "a")
+    reg(index, "b")
+    chain = toks(1, 2, 3)
+    index.publish("a", "i1", 1, [stored(hasher, chain)])
+    index.publish("b", "i1", 1, [stored(hasher, chain)])
+    hs = hasher.hashes(chain)
+    index.publish("a", "i1", 2, [Removed([hs[1]])])
+    index.check_integrity()
+    # a kept block 1 only (block 3 is useless to it without block 2); b keeps everything.
+    assert matched(index, chain) == {"b": 3, "a": 1}
+    assert index.stats().nodes == 3
+    index.publish("b", "i1", 2, [Removed([hs[0]])])
+    index.check_integrity()
+    assert matched(index, chain) == {"a": 1, "b": 0}
+    assert index.stats().nodes == 1
+    index.publish("a", "i1", 3, [Cleared()])
+    assert index.stats().nodes == 0
+    index.check_integrity()
+
+
+def test_stored_block_with_unknown_parent_is_dropped_not_orphaned(index, hasher):
+    reg(index, "a")
+    chain = toks(1, 2, 3)
+    # Blocks 2..3 without block 1: they could never be matched, so they are not kept.
+    index.publish("a", "i1", 1, [stored(hasher, chain, start=1)])
+    index.check_integrity()
+    assert index.stats().nodes == 0
+    assert index.stats().dropped_blocks_total == 2
+    # Within one batch the order does not matter: the child waits for its parent.
+    index.publish("a", "i1", 2, [stored(hasher, chain, start=1), stored(hasher, chain, end=1)])
+    index.check_integrity()
+    assert matched(index, chain) == {"a": 3}
+    assert index.stats().dropped_blocks_total == 2
+
+
+def test_parent_held_only_by_another_replica_is_not_enough(index, hasher):
+    reg(index, "a")
+    reg(index, "b")
+    chain = toks(1, 2)
+    index.publish("a", "i1", 1, [stored(hasher, chain, end=1)])
+    index.publish("b", "i1", 1, [stored(hasher, chain, start=1)])
+    index.check_integrity()
+    assert matched(index, chain) == {"a": 1, "b": 0}
+    assert index.stats().dropped_blocks_total == 1
+
+
+def test_lease_expiry_removes_replica_and_holdings(index, hasher, clock):
+    reg(index, "a")
+    reg(index, "b")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    index.publish("b", "i1", 1, [stored(hasher, toks(1, 3))])
+    clock.t += 6
+    assert index.heartbeat("a", "i1", Load(1, 2, 3, 4)).known
+    clock.t += 6  # b's lease (10 s) lapsed, a's was renewed 6 s ago
+    assert matched(index, toks(1, 2)) == {"a": 2}
+    index.check_integrity()
+    assert [r.replica_id for r in index.stats().replicas] == ["a"]
+    assert index.stats().nodes == 2
+    assert not index.heartbeat("b", "i1", Load()).known
+    with pytest.raises(NotFound, match="replica_id"):
+        index.publish("b", "i1", 2, [])
+    r = index.match(MODEL, token_ids=toks(1))
+    assert r.matches[0].load == Load(1, 2, 3, 4)
+
+
+def test_new_incarnation_drops_what_the_old_one_held(index, hasher):
+    reg(index, "a", "i1")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    index.publish("a", "i1", 2, [stored(hasher, toks(1, 2, 3), start=2)])
+    assert index.register("a", "i1", "addr-a", MODEL, BS).next_seq == 3  # same: idempotent
+    assert matched(index, toks(1, 2, 3)) == {"a": 3}
+    assert index.register("a", "i2", "addr-a", MODEL, BS).next_seq == 1
+    index.check_integrity()
+    assert matched(index, toks(1, 2, 3)) == {"a": 0}
+    assert index.stats().nodes == 0
+    with pytest.raises(NotFound, match="incarnation"):
+        index.publish("a", "i1", 3, [])
+
+
+def test_gap_asks_for_resync_and_resync_replaces_holdings(index, hasher):
+    reg(index, "a")
+    assert index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))]) == (False, 2)
+    # Batch 2 was lost: batch 3 is not applied.
+    r = index.publish("a", "i1", 3, [stored(hasher, toks(5))])
+    assert r == (True, 2)
+    assert matched(index, toks(5)) == {"a": 0}
+    assert index.stats().resyncs_total == 1
+    # A retry of batch 1 is acknowledged and ignored.
+    assert index.publish("a", "i1", 1, [Cleared()]) == (False, 2)
+    assert matched(index, toks(1, 2)) == {"a": 2}
+    # The full holdings, one block per event as a snapshot sends them.
+    snap = [stored(hasher, toks(5, 6), end=1), stored(hasher, toks(5, 6), start=1)]
+    assert index.publish("a", "i1", 7, snap, resync=True) == (False, 8)
+    index.check_integrity()
+    assert matched(index, toks(1, 2)) == {"a": 0}
+    assert matched(index, toks(5, 6)) == {"a": 2}
+    assert index.publish("a", "i1", 8, [Removed([hasher.hashes(toks(5))[0]])]) == (False, 9)
+    assert index.stats().nodes == 0
+
+
+def test_pruning_order_cold_deep_then_lru_deep_then_lfu_shallow(clock, hasher):
+    from services.common.policy import HybridPolicy
+
+    # Blocks starting before token 8 (blocks 0-1) are shallow.
+    index = make_index(clock, max_nodes=7, prune_to=0.5, policy=HybridPolicy(8),
+                       min_deep_hits=1)
+    reg(index, "a")
+    base = toks(1, 2)
+    index.publish("a", "i1", 1, [stored(hasher, base + toks(3, 4))])     # deep 3,4
+    index.publish("a", "i1", 2, [stored(hasher, base + toks(5), start=2)])  # deep 5
+    index.publish("a", "i1", 3, [stored(hasher, toks(7, 8))])            # shallow 7,8
+    assert index.stats().nodes == 7
+    matched(index, base + toks(5))  # hit on deep 5
+    matched(index, base + toks(3, 4))  # hit on deep 4
+    matched(index, toks(7, 8))  # shallow 8: 2 hits
+    matched(index, toks(7, 8))
+    matched(index, base)  # hit on shallow block 2 (an inner node)
+    # One more node (8 > 7) triggers pruning down to int(7 * 0.5) = 3 nodes.
+    index.publish("a", "i1", 4, [stored(hasher, base + toks(6), start=2)])  # deep 6, no hits
+    index.check_integrity()
+    hs = {n: hasher.hashes(c)[-1] for n, c in {
+        6: base + toks(6), 5: base + toks(5), 4: base + toks(3, 4), 3: base + toks(3)}.items()}
+    s = index.stats()
+    assert (s.nodes, s.pruned_total) == (3, 5)
+    # Cold deep leaf 6 first; then deep LRU: 5 (hit first; its hit folds into 2), 4 (its hit
+    # folds into 3), 3 (folds into 2: own 1 + 5's + 4's = 3 hits); then among shallow leaves
+    # LFU: 8 (2 hits) before 2 (3 hits).
+    assert all(index.tree.get(hs[n]) is None for n in (6, 5, 4, 3))
+    assert index.tree.get(hasher.hashes(toks(7, 8))[-1]) is None
+    assert index.tree.get(hasher.hashes(base)[-1]).hits == 3
+    assert matched(index, base + toks(3)) == {"a": 2}
+    assert matched(index, toks(7, 8)) == {"a": 1}
+
+
+def test_top_prefixes_hottest_first(index, hasher):
+    reg(index, "a")
+    reg(index, "b")
+    sys_prompt = toks(1, 2)
+    index.publish("a", "i1", 1, [stored(hasher, sys_prompt + toks(3))])
+    index.publish("b", "i1", 1, [stored(hasher, sys_prompt)])
+    for _ in range(3):
+        matched(index, sys_prompt + toks(9))
+    matched(index, sys_prompt + toks(3, 4))
+    top = index.top_prefixes(5)
+    assert [(p.token_ids, p.hits, p.holders) for p in top] == [
+        (sys_prompt, 3, ["a", "b"]), (sys_prompt + toks(3), 1, ["a"])]
+    assert top[0].last_block_hash == hasher.hashes(sys_prompt)[-1]
+    assert [p.hits for p in index.top_prefixes(5, min_hits=2)] == [3]
+    assert index.top_prefixes(5, model_id="other") == []
+
+
+def _state(index):
+    s = index.stats()
+    return (s.nodes, [(r.replica_id, r.incarnation, r.held_blocks) for r in s.replicas],
+            [(p.token_ids, p.holders) for p in index.top_prefixes(1000)],
+            {r.replica_id: r.next_seq for r in index._replicas.values()})
+
+
+def test_bad_input_is_refused_and_changes_nothing(index, hasher):
+    reg(index, "a")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    matched(index, toks(1, 2))
+    before = _state(index)
+    good = stored(hasher, toks(1, 2, 3), start=2)
+    bad_hash = stored(hasher, toks(1, 2, 3), start=2)
+    object.__setattr__(bad_hash, "block_hashes", [b"short"])
+    wrong_tokens = stored(hasher, toks(1, 2, 3), start=2)
+    object.__setattr__(wrong_tokens, "token_ids", [1, 2, 3])
+    forged = stored(hasher, toks(1, 2, 3), start=2)
+    object.__setattr__(forged, "token_ids", toks(4))
+    cases = [
+        (lambda: index.publish("a", "i1", 2, [good, bad_hash]), InvalidArgument,
+         r"events\[1\].stored.block_hashes\[0\]"),
+        (lambda: index.publish("a", "i1", 2, [good, wrong_tokens]), InvalidArgument,
+         r"events\[1\].stored.token_ids"),
+        (lambda: index.publish("a", "i1", 2, [good, forged]), InvalidArgument,
+         r"events\[1\].stored.block_hashes: do not match"),
+        (lambda: index.publish("a", "i1", 0, [good]), InvalidArgument, "seq"),
+        (lambda: index.publish("nobody", "i1", 2, [good]), NotFound, "replica_id"),
+        (lambda: index.match(MODEL), InvalidArgument, "token_ids: empty"),
+        (lambda: index.match("", token_ids=toks(1)), InvalidArgument, "model_id"),
+        (lambda: index.match(MODEL, block_hashes=[b"x" * 15]), InvalidArgument,
+         r"block_hashes\[0\]"),
+        (lambda: index.register("b", "i1", "addr", MODEL, BS * 2), FailedPrecondition,
+         "block_size"),
+        (lambda: index.register("", "i1", "addr", MODEL, BS), InvalidArgument, "replica_id"),
+        (lambda: index.top_prefixes(0), InvalidArgument, "k"),
+    ]
+    for call, exc, msg in cases:
+        with pytest.raises(exc, match=msg):
+            call()
+        index.check_integrity()
+        assert _state(index) == before, msg
+    from services.common.errors import ResourceExhausted
+
+    small = make_index(index.clock, max_events=1, max_blocks=2)
+    reg(small, "a")
+    with pytest.raises(ResourceExhausted, match="events"):
+        small.publish("a", "i1", 1, [good, good])
+    with pytest.raises(ResourceExhausted, match="events"):
+        small.publish("a", "i1", 1, [stored(hasher, toks(1, 2, 3))])
+    assert small.stats().nodes == 0
+    small.check_integrity()
