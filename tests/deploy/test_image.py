@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as md
+import inspect
 import os
 import re
 import shutil
@@ -154,3 +155,38 @@ def test_dockerfile_commands_build_an_importable_layout(tmp_path: Path) -> None:
     for svc in SERVICES:
         if (ROOT / "services" / svc).is_dir():
             assert (app / "services" / svc).is_dir()
+
+
+def test_manifests_name_the_model_folder_the_image_bakes(
+        all_rendered: dict[str, Rendered]) -> None:
+    from services.common import model_store
+
+    text = dockerfile()
+    snippet = re.search(r"python -c \"(from services\.common\.model_store import [^\"]+)\"", text)
+    assert snippet, "the Dockerfile no longer converts the packaged model at build time"
+    tree = ast.parse(snippet.group(1))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                assert hasattr(model_store, alias.name), alias.name
+    (call,) = [n for n in ast.walk(tree) if isinstance(n, ast.Call)
+               and getattr(n.func, "id", "") == "resolve_model"]
+    params = inspect.signature(model_store.resolve_model).parameters
+    kwargs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+    assert set(kwargs) <= set(params)
+    assert [ast.literal_eval(a) for a in call.args] == [model_store.SMOLLM2_SPEC]
+    # resolve_model puts a converted model at <cache_dir>/models/<model id>.
+    baked = f"{kwargs['cache_dir']}/models/{model_store.SMOLLM2_MODEL_ID}"
+    assert f"COPY --from=builder {kwargs['cache_dir']}/models " in text
+    local = model_store.cache_dir_default() / "models" / model_store.SMOLLM2_MODEL_ID
+    if model_store.is_converted(local):  # a conversion exists here: the layout really is so
+        resolved = model_store.resolve_model(model_store.SMOLLM2_SPEC,
+                                             cache_dir=str(model_store.cache_dir_default()))
+        assert Path(resolved.path) == local
+    for r in all_rendered.values():
+        for svc in ("orchestrator", "kvpool"):
+            w = r.workload_for(svc)
+            env = r.env(w, w.containers[0])
+            model = env[f"TIERCACHE_{svc.upper()}_MODEL"].value
+            assert model == baked or not model.startswith("/opt/tiercache/"), (
+                f"{r.overlay}/{svc}: {model} is not the folder the image bakes ({baked})")
