@@ -511,6 +511,8 @@ class Engine:
             self._remove_from_rows(seq)
         self.pool.close(seq.seq_id)
         seq.phase = Phase.WAITING
+        # Stats first, so a caller who sees the result also sees its blocks released.
+        self._stats = self._compute_stats()
         seq.out.put(result)
 
     def _fail_all_running(self, exc: Exception) -> None:

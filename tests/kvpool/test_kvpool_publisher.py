@@ -1,0 +1,135 @@
+"""The replica's publisher against an in-process fake PrefixIndex over real gRPC."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+
+from services.common.bootstrap import create_server
+from services.kvpool.publisher import Publisher
+from tests.kvpool.conftest import generate
+
+
+class FakeIndex(prefix_pb2_grpc.PrefixIndexServicer):
+    """Just enough of the index: leases by incarnation, seq checking, holdings per replica."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.registers: list[prefix_pb2.RegisterRequest] = []
+        self.heartbeats: list[prefix_pb2.HeartbeatRequest] = []
+        self.batches: list[prefix_pb2.PublishEventsRequest] = []
+        self.known: set[tuple[str, str]] = set()
+        self.expected: dict[str, int] = {}
+        self.holdings: set[bytes] = set()
+        self.resync_answers = 0
+
+    def Register(self, request, context):
+        with self.lock:
+            self.registers.append(request)
+            self.known.add((request.replica_id, request.incarnation))
+            self.expected[request.replica_id] = 1
+            self.holdings = set()
+        return prefix_pb2.RegisterResponse(lease_seconds=5, next_seq=1)
+
+    def Heartbeat(self, request, context):
+        with self.lock:
+            self.heartbeats.append(request)
+            known = (request.replica_id, request.incarnation) in self.known
+        return prefix_pb2.HeartbeatResponse(known=known, lease_seconds=5)
+
+    def PublishEvents(self, request, context):
+        with self.lock:
+            self.batches.append(request)
+            exp = self.expected.get(request.replica_id, 1)
+            if not request.resync and request.seq != exp:
+                self.resync_answers += 1
+                return prefix_pb2.PublishEventsResponse(
+                    status=prefix_pb2.PUBLISH_STATUS_RESYNC, next_seq=exp)
+            if request.resync:
+                self.holdings = set()
+            for ev in request.events:
+                kind = ev.WhichOneof("event")
+                if kind == "stored":
+                    self.holdings.update(ev.stored.block_hashes)
+                elif kind == "removed":
+                    self.holdings.difference_update(ev.removed.block_hashes)
+                else:
+                    self.holdings.clear()
+            self.expected[request.replica_id] = request.seq + 1
+            return prefix_pb2.PublishEventsResponse(status=prefix_pb2.PUBLISH_STATUS_OK,
+                                                    next_seq=request.seq + 1)
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.02)
+
+
+def test_register_publish_resync_and_reregister(make_engine) -> None:
+    index = FakeIndex()
+    handle = create_server(service="prefix-fake", address="127.0.0.1:0",
+                           services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, index,
+                                      "tiercache.v1.PrefixIndex")])
+    eng = make_engine(num_blocks=32)
+    pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
+                    incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
+                    heartbeat_seconds=0.1, publish_interval_seconds=0.02,
+                    channel_factory=grpc.insecure_channel).start()
+
+    def pool_hashes() -> set[bytes]:
+        return eng.call(lambda: {eng.pool.block_hash(b) for b in range(eng.pool.num_blocks)
+                                 if eng.pool.block_hash(b) is not None}).result(5)
+
+    try:
+        wait_for(lambda: index.registers and index.batches)
+        reg = index.registers[0]
+        assert (reg.replica_id, reg.incarnation, reg.address, reg.model_id, reg.block_size,
+                reg.capacity_blocks) == ("kv-0", "inc-1", "10.0.0.7:50054", "tiny-llama", 4, 32)
+        assert index.batches[0].resync and index.batches[0].seq == 1
+
+        generate(eng, list(range(1, 18)), max_tokens=4)
+        wait_for(lambda: index.holdings == pool_hashes() and len(index.holdings) == 5)
+        seqs = [b.seq for b in index.batches]
+        assert seqs == list(range(1, len(seqs) + 1)), "batches are numbered 1, 2, 3..."
+        first = next(b for b in index.batches if not b.resync).events[0].stored
+        assert first.parent_hash == b"" and first.start_block == 0
+        assert first.first_block_hash == first.block_hashes[0]
+
+        # The index lost track (a gap): it answers RESYNC and gets the full holdings.
+        with index.lock:
+            index.expected["kv-0"] += 3
+        generate(eng, list(range(40, 52)), max_tokens=2)
+        wait_for(lambda: index.resync_answers >= 1 and index.holdings == pool_hashes())
+        assert pub.resyncs >= 2
+
+        # The index restarted and forgot the replica: heartbeat says unknown -> register again.
+        with index.lock:
+            index.known.clear()
+        wait_for(lambda: len(index.registers) >= 2 and index.holdings == pool_hashes())
+        assert index.heartbeats[-1].load.total_blocks == 32
+
+        # Evictions are published as removals.
+        eng.call(eng.pool.clear).result(5)
+        wait_for(lambda: index.holdings == set())
+        assert pub.last_seq == index.batches[-1].seq
+    finally:
+        pub.stop()
+        handle.stop(0)
+
+
+def test_index_down_does_not_stop_serving(make_engine) -> None:
+    eng = make_engine()
+    pub = Publisher(eng, address="127.0.0.1:1", replica_id="kv-0", incarnation="i",
+                    public_address="x:1", model_id="tiny-llama", heartbeat_seconds=0.1,
+                    channel_factory=grpc.insecure_channel).start()
+    try:
+        toks, fin = generate(eng, [1, 2, 3, 4, 5, 6], max_tokens=3)
+        assert len(toks) == 3 and not pub.registered
+    finally:
+        pub.stop()

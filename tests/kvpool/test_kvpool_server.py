@@ -1,0 +1,202 @@
+"""KvPool over a real gRPC channel (port 0) with the tiny model: contract, bad input, cancel."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import grpc
+import pytest
+from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
+
+from services.common.bootstrap import create_server
+from services.kvpool.app import build_replica
+from services.kvpool.config import KvPoolConfig
+from services.kvpool.server import KvPoolServicer
+from tests.kvpool.conftest import TINY_ID, TINY_VOCAB, assert_idle, reference_greedy
+
+CFG = KvPoolConfig(address="127.0.0.1:0", metrics_port=-1, num_blocks=64, block_size=4,
+                   max_batch_size=4, max_prefill_chunk=16, max_new_tokens_limit=64,
+                   replica_id="kv-test", pin_ttl_max_seconds=30)
+
+
+class Served:
+    def __init__(self, cfg: KvPoolConfig, model) -> None:
+        self.servicer = KvPoolServicer(cfg)
+        self.handle = create_server(
+            service="kvpool", address=cfg.address,
+            services=[(kvpool_pb2_grpc.add_KvPoolServicer_to_server, self.servicer,
+                       "tiercache.v1.KvPool")])
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.handle.port}")
+        self.stub = kvpool_pb2_grpc.KvPoolStub(self.channel)
+        self.replica = None
+        if model is not None:
+            self.replica = build_replica(cfg, model=model, model_id=TINY_ID, metrics=False)
+            self.servicer.attach(self.replica.engine, self.replica.info)
+            self.handle.set_serving()
+
+    def close(self) -> None:
+        self.channel.close()
+        self.handle.stop(0)
+        if self.replica is not None:
+            self.replica.engine.stop()
+
+
+@pytest.fixture
+def served(tiny_model) -> Iterator[Served]:
+    s = Served(CFG, tiny_model)
+    yield s
+    try:
+        assert_idle(s.replica.engine)
+    finally:
+        s.close()
+
+
+def gen(stub, ids, timeout=20, **sampling) -> tuple[list[int], kvpool_pb2.KvGenerateFinal]:
+    sampling.setdefault("max_tokens", 8)
+    req = kvpool_pb2.KvGenerateRequest(token_ids=ids,
+                                       sampling=common_pb2.SamplingParams(**sampling))
+    toks, final = [], None
+    for msg in stub.Generate(req, timeout=timeout):
+        assert final is None, "nothing may follow the final message"
+        toks.extend(msg.token_ids)
+        if msg.HasField("final"):
+            final = msg.final
+    return toks, final
+
+
+PROMPT = [5, 9, 17, 33, 2, 8, 44, 61, 70, 3, 12, 99, 100, 7]
+
+
+def test_generate_streams_tokens_and_a_final_report(served, tiny_model) -> None:
+    toks, final = gen(served.stub, PROMPT, max_tokens=10)
+    assert toks == reference_greedy(tiny_model, PROMPT, 10)
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert final.usage.prompt_tokens == len(PROMPT) and final.usage.completion_tokens == 10
+    assert final.replica_id == "kv-test" and final.ttft_ms > 0
+    toks2, final2 = gen(served.stub, PROMPT, max_tokens=10)
+    assert toks2 == toks and final2.cached_tokens == 12
+    st = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+    assert st.model_id == TINY_ID and st.block_size == 4 and st.blocks_total == 64
+    assert st.blocks_free + st.blocks_cached + st.blocks_pinned + st.blocks_in_use == 64
+    assert st.prompt_tokens_total == 2 * len(PROMPT) and st.cached_tokens_total == 12
+    assert st.requests_total == 2 and st.vocab_size == TINY_VOCAB and st.device == "cpu"
+
+
+def test_prefill_pins_and_the_next_request_hits(served) -> None:
+    ids = list(range(1, 25))
+    r = served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=ids, pin=True, ttl_seconds=600),
+                            timeout=10)
+    assert (r.prompt_tokens, r.cached_tokens, r.computed_tokens, r.pinned_blocks) == (24, 0, 24, 6)
+    st = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+    assert st.blocks_pinned == 6
+    r2 = served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=ids), timeout=10)
+    assert (r2.cached_tokens, r2.computed_tokens, r2.pinned_blocks) == (24, 0, 0)
+    _, final = gen(served.stub, ids + [3], max_tokens=2)
+    assert final.cached_tokens == 24
+
+
+BAD = [
+    (dict(token_ids=[]), "token_ids"),
+    (dict(token_ids=[TINY_VOCAB]), "token_ids"),
+    (dict(sampling=dict(max_tokens=0)), "sampling.max_tokens"),
+    (dict(sampling=dict(max_tokens=-3)), "sampling.max_tokens"),
+    (dict(sampling=dict(max_tokens=65)), "sampling.max_tokens"),
+    (dict(token_ids=[1] * 1000, sampling=dict(max_tokens=30)), "token_ids"),
+    (dict(sampling=dict(max_tokens=4, temperature=-0.5)), "sampling.temperature"),
+    (dict(sampling=dict(max_tokens=4, top_p=1.5)), "sampling.top_p"),
+    (dict(sampling=dict(max_tokens=4, top_p=-0.1)), "sampling.top_p"),
+    (dict(sampling=dict(max_tokens=4, stop_token_ids=[10**6])), "sampling.stop_token_ids"),
+    (dict(draft_token_ids=[TINY_VOCAB + 1]), "draft_token_ids"),
+]
+
+
+@pytest.mark.parametrize("fields,field", BAD, ids=[b[1] + str(i) for i, b in enumerate(BAD)])
+def test_bad_input_is_invalid_argument_naming_the_field(served, fields, field) -> None:
+    before = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+    kw = {"token_ids": PROMPT, "sampling": {"max_tokens": 4}, **fields}
+    req = kvpool_pb2.KvGenerateRequest(token_ids=kw["token_ids"],
+                                       sampling=common_pb2.SamplingParams(**kw["sampling"]),
+                                       draft_token_ids=kw.get("draft_token_ids", []))
+    with pytest.raises(grpc.RpcError) as ei:
+        list(served.stub.Generate(req, timeout=5))
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().startswith(field + ":")
+    after = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+    assert after == before  # state unchanged
+
+
+def test_prefill_bad_input_and_model_mismatch(served) -> None:
+    with pytest.raises(grpc.RpcError) as ei:
+        served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=[1, 2], pin=True), timeout=5)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert ei.value.details().startswith("ttl_seconds:")
+    with pytest.raises(grpc.RpcError) as ei:
+        served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=[]), timeout=5)
+    assert ei.value.details().startswith("token_ids:")
+    with pytest.raises(grpc.RpcError) as ei:
+        list(served.stub.Generate(kvpool_pb2.KvGenerateRequest(
+            token_ids=[1], sampling=common_pb2.SamplingParams(max_tokens=1), model_id="other"),
+            timeout=5))
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "model_id" in ei.value.details()
+
+
+def test_pool_too_small_is_resource_exhausted(tiny_model) -> None:
+    s = Served(replace(CFG, num_blocks=4), tiny_model)
+    try:
+        with pytest.raises(grpc.RpcError) as ei:
+            gen(s.stub, list(range(1, 20)), max_tokens=8)
+        assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert_idle(s.replica.engine)
+    finally:
+        s.close()
+
+
+def test_client_cancel_and_deadline_free_every_block(served) -> None:
+    req = kvpool_pb2.KvGenerateRequest(
+        token_ids=PROMPT, sampling=common_pb2.SamplingParams(max_tokens=64, ignore_eos=True))
+    call = served.stub.Generate(req, timeout=20)
+    first = next(call)
+    assert first.token_ids
+    call.cancel()
+    assert_idle(served.replica.engine)
+    # A deadline that expires mid-generation ends the stream with DEADLINE_EXCEEDED.
+    slow_model_steps = kvpool_pb2.KvGenerateRequest(
+        token_ids=list(range(1, 76)) * 2,
+        sampling=common_pb2.SamplingParams(max_tokens=64, ignore_eos=True))
+    with pytest.raises(grpc.RpcError) as ei:
+        list(served.stub.Generate(slow_model_steps, timeout=0.03))
+    assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert_idle(served.replica.engine)
+
+
+def test_loading_replica_is_unavailable() -> None:
+    s = Served(CFG, None)
+    try:
+        with pytest.raises(grpc.RpcError) as ei:
+            s.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+        assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        s.close()
+
+
+def test_concurrent_streams_over_grpc(served, tiny_model) -> None:
+    import threading
+
+    prompts = [PROMPT + [i + 1, i + 2] for i in range(4)]
+    results: dict[int, list[int]] = {}
+
+    def one(i: int) -> None:
+        results[i] = gen(served.stub, prompts[i], max_tokens=12)[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert time.monotonic() - t0 < 30
+    for i, p in enumerate(prompts):
+        assert results[i] == reference_greedy(tiny_model, p, 12)
