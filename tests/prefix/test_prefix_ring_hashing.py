@@ -1,0 +1,88 @@
+"""The consistent-hash ring and the memoised block hasher (both in services/common)."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from hashlib import blake2b
+
+import pytest
+
+from services.common.hashing import BlockHasher
+from services.common.ring import HashRing
+
+
+def test_ring_spreads_keys_and_moves_few_on_change():
+    ring = HashRing([f"n{i}" for i in range(4)], vnodes=100)
+    keys = [f"k{i}".encode() for i in range(4000)]
+    owners = {k: ring.lookup(k) for k in keys}
+    counts = Counter(owners.values())
+    assert set(counts) == {"n0", "n1", "n2", "n3"}
+    assert min(counts.values()) > 600  # 1000 each on average
+    ring.add("n4")
+    moved = [k for k in keys if ring.lookup(k) != owners[k]]
+    assert all(ring.lookup(k) == "n4" for k in moved)  # keys only move to the new node
+    assert 400 < len(moved) < 1300  # ~1/5 of the keys
+    ring.remove("n4")
+    assert all(ring.lookup(k) == owners[k] for k in keys)
+    # Same nodes in any order -> same ring.
+    other = HashRing(["n3", "n1", "n0", "n2"], vnodes=100)
+    assert all(other.lookup(k) == owners[k] for k in keys[:500])
+
+
+def test_ring_preference_and_errors():
+    ring = HashRing(["a", "b", "c"])
+    pref = ring.preference(b"key")
+    assert sorted(pref) == ["a", "b", "c"] and pref[0] == ring.lookup(b"key")
+    with pytest.raises(LookupError):
+        HashRing().lookup(b"x")
+    with pytest.raises(ValueError):
+        ring.lookup_bounded(b"x", {}, -0.1)
+
+
+def test_bounded_lookup_respects_the_cap():
+    ring = HashRing(["a", "b", "c"], vnodes=50)
+    key = b"session-1"
+    owner = ring.lookup(key)
+    assert ring.lookup_bounded(key, {}, 0.25) == owner
+    # The owner is loaded beyond (1 + eps) * mean: the next node clockwise takes it.
+    loads = {owner: 10, **{n: 0 for n in ring.nodes if n != owner}}
+    got = ring.lookup_bounded(key, loads, 0.25)
+    assert got == ring.preference(key)[1]
+    # Over many sessions no node exceeds ceil((1 + eps) * mean) at any time.
+    loads = dict.fromkeys(ring.nodes, 0)
+    for i in range(300):
+        n = ring.lookup_bounded(f"s{i}", loads, 0.1)
+        loads[n] += 1
+        assert max(loads.values()) <= ((1.1 * sum(loads.values())) / 3) + 1
+    assert max(loads.values()) - min(loads.values()) <= 12
+
+
+def _plain(key: bytes, model: str, bs: int, tokens: list[int], salt: str) -> list[bytes]:
+    h0 = blake2b(b"tiercache/v1\x00" + model.encode() + b"\x00" + salt.encode(), key=key,
+                 digest_size=16).digest()
+    out, prev = [], h0
+    for i in range(len(tokens) // bs):
+        data = b"".join(t.to_bytes(4, "little") for t in tokens[i * bs : (i + 1) * bs])
+        prev = blake2b(prev + data, key=key, digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+def test_memoised_hasher_equals_the_definition():
+    rng = random.Random(7)
+    memo = BlockHasher("m", 16, b"k", memo_blocks=64)  # tiny: generations turn over often
+    cold = BlockHasher("m", 16, b"k", memo_blocks=0)
+    base = [rng.randrange(200_000) for _ in range(160)]
+    for _ in range(60):
+        toks = base[: rng.randrange(0, 160)] + [rng.randrange(200_000)
+                                                for _ in range(rng.randrange(0, 70))]
+        salt = rng.choice(["", "t1"])
+        want = _plain(b"k", "m", 16, toks, salt)
+        assert memo.hashes(toks, salt) == want
+        assert cold.hashes(toks, salt) == want
+        k = len(want) // 2
+        if k:
+            assert memo.hashes(toks[k * 16 :], parent=want[k - 1]) == want[k:]
+    assert memo.hashes([1] * 15) == []
+    assert BlockHasher("m", 16, b"other").hashes(base) != memo.hashes(base)
