@@ -1,0 +1,92 @@
+"""Two real shard processes behind the client-side router."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tiercache.v1 import prefix_pb2
+
+from services.common.hashing import BlockHasher
+from services.launcher import ServiceProcess, free_port
+from services.prefix.client import PrefixIndexClient, PrefixIndexError
+
+BS = 16
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def shards():
+    env = {"TIERCACHE_PREFIX_METRICS_PORT": "-1", "TIERCACHE_PREFIX_INTERNAL_TOKEN": "",
+           "TIERCACHE_PREFIX_BLOCK_SIZE": str(BS)}
+    procs = [ServiceProcess("prefix", free_port(), env=env).start() for _ in range(2)]
+    try:
+        for p in procs:
+            p.wait(60)
+        yield procs
+    finally:
+        for p in procs:
+            p.stop(5)
+
+
+def ev(tokens: list[int], start: int = 0, end: int | None = None) -> prefix_pb2.KvEvent:
+    hs = BlockHasher(MODEL, BS).hashes(tokens)
+    end = len(hs) if end is None else end
+    return prefix_pb2.KvEvent(stored=prefix_pb2.BlocksStored(
+        parent_hash=hs[start - 1] if start else b"", block_hashes=hs[start:end],
+        token_ids=tokens[start * BS : end * BS], first_block_hash=hs[0], start_block=start))
+
+
+@pytest.mark.e2e
+def test_two_shards_route_by_first_block(shards):
+    addrs = [p.address for p in shards]
+    c = PrefixIndexClient(addrs, timeout=5)
+    single = {a: PrefixIndexClient([a], timeout=5) for a in addrs}
+    c.register("r0", "i", "127.0.0.1:7000", MODEL, BS, 100)
+    c.register("r1", "i", "127.0.0.1:7001", MODEL, BS, 100)
+    prompts = [[1000 * p + i for i in range(3 * BS)] for p in range(12)]
+    per_shard = dict.fromkeys(addrs, 0)
+    for p in prompts:
+        # The first two blocks now, a continuation later: both must land on one shard.
+        out = c.publish_events("r0", "i", [ev(p, end=2)])
+        assert not out.resync and len(out.sent) == 1
+        owner = c.shard_for(BlockHasher(MODEL, BS).hashes(p)[0])
+        assert list(out.sent) == [owner]
+        assert c.publish_events("r0", "i", [ev(p, start=2)]).sent.keys() == {owner}
+        per_shard[owner] += 3
+    c.publish_events("r1", "i", [ev(prompts[0], end=1)])
+    assert all(per_shard.values()), per_shard  # 12 prompts spread over both shards
+    assert {a: single[a].stats().nodes for a in addrs} == per_shard
+    for i, p in enumerate(prompts):
+        r = c.match(MODEL, token_ids=p + [7] * 5)
+        want = [("r0", 3), ("r1", 1 if i == 0 else 0)]
+        assert [(m.replica_id, m.matched_blocks) for m in r.matches] == want
+    # Removals go to every shard; each ignores what it does not know.
+    h = BlockHasher(MODEL, BS).hashes(prompts[3])
+    assert c.publish_events("r0", "i", [prefix_pb2.KvEvent(
+        removed=prefix_pb2.BlocksRemoved(block_hashes=[h[1]]))]).sent.keys() == set(addrs)
+    assert c.match(MODEL, block_hashes=h).matches[0].matched_blocks == 1
+    top = c.top_prefixes(20).prefixes
+    assert len(top) == 12 and all(p.hits == 1 for p in top)
+    s = c.stats()
+    assert s.nodes == 36 - 2
+    assert [(r.replica_id, r.held_blocks) for r in s.replicas] == [("r0", 34), ("r1", 1)]
+    assert c.heartbeat("r0", "i").known
+    # One shard down: its chains fail clearly, the other shard's keep working.
+    down = addrs[1]
+    shards[1].stop(5)
+    for p in prompts:
+        owner = c.shard_for(BlockHasher(MODEL, BS).hashes(p)[0])
+        if owner == down:
+            with pytest.raises(PrefixIndexError) as ei:
+                c.match(MODEL, token_ids=p)
+            assert ei.value.address == down
+            assert ei.value.code() in (grpc.StatusCode.UNAVAILABLE,
+                                       grpc.StatusCode.DEADLINE_EXCEEDED)
+        else:
+            assert c.match(MODEL, token_ids=p).matches[0].matched_blocks >= 1
+    assert len(c.top_prefixes(20, allow_partial=True).prefixes) == per_shard[addrs[0]] // 3
+    with pytest.raises(PrefixIndexError):
+        c.top_prefixes(20)
+    c.close()
+    for x in single.values():
+        x.close()
