@@ -216,3 +216,42 @@ def render(overlay: str) -> list[dict[str, Any]]:
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, f"{' '.join(cmd)} failed:\n{out.stderr}"
     return [o for o in yaml.safe_load_all(out.stdout) if o]
+
+
+def tiercache_container(w: Workload) -> dict[str, Any]:
+    """The container that runs the service (named after it)."""
+    (c,) = [c for c in w.containers if c["name"] == w.service]
+    return c
+
+
+def resolve(r: Rendered, address: str) -> tuple[Workload, list[str], int]:
+    """`host:port` inside the namespace -> (workload, pod names it reaches, port).
+
+    Accepts `<svc>[.<ns>...]` (a Service) and `<pod>.<svc>[.<ns>...]` (one StatefulSet pod
+    through its headless Service); the port must be a port of that Service.
+    """
+    host, _, port_s = address.rpartition(":")
+    assert host and port_s.isdigit(), f"{address!r}: not host:port"
+    port = int(port_s)
+    parts = host.split(".")
+    services = {s["metadata"]["name"]: s for s in r.of_kind("Service")}
+    if len(parts) >= 2 and parts[1] in services and parts[0] not in services:
+        pod, svc_name, rest = parts[0], parts[1], parts[2:]
+    else:
+        pod, svc_name, rest = None, parts[0], parts[1:]
+    assert svc_name in services, f"{address!r}: no Service {svc_name!r}"
+    svc = services[svc_name]
+    ns = svc["metadata"]["namespace"]
+    if rest:
+        assert rest[0] == ns, f"{address!r}: namespace {rest[0]!r}, the Service is in {ns!r}"
+    (w,) = r.selected(svc["spec"]["selector"]) or [None]
+    assert w is not None, f"{address!r}: Service {svc_name} selects no pods"
+    ports = {p["port"]: p for p in svc["spec"]["ports"]}
+    assert port in ports, f"{address!r}: Service {svc_name} exposes {sorted(ports)}"
+    if pod is None:
+        return w, w.pod_names(), port
+    assert svc["spec"].get("clusterIP") == "None", f"{address!r}: {svc_name} is not headless"
+    assert w.kind == "StatefulSet" and w.obj["spec"]["serviceName"] == svc_name, (
+        f"{address!r}: pod DNS names need a StatefulSet whose serviceName is {svc_name}")
+    assert pod in w.pod_names(), f"{address!r}: {w.name} has pods {w.pod_names()}"
+    return w, [pod], port

@@ -27,7 +27,9 @@ from tests.deploy.k8s_view import (
     Workload,
     cpu_cores,
     mem_bytes,
+    resolve,
     selector_matches,
+    tiercache_container,
 )
 
 SERVICES = ("orchestrator", "semantic", "prefix", "kvpool")
@@ -72,11 +74,6 @@ def shared_env_names() -> set[str]:
     return names
 
 
-def tiercache_container(w: Workload) -> dict[str, Any]:
-    (c,) = [c for c in w.containers if c["name"] == w.service]
-    return c
-
-
 def service_env(r: Rendered, w: Workload) -> dict[str, EnvValue]:
     return r.env(w, tiercache_container(w))
 
@@ -99,39 +96,6 @@ def grpc_port(w: Workload) -> int:
 
 def metrics_port(w: Workload) -> int:
     return w.container_ports(tiercache_container(w))["metrics"]
-
-
-def resolve(r: Rendered, address: str) -> tuple[Workload, list[str], int]:
-    """`host:port` inside the namespace -> (workload, pod names it reaches, port).
-
-    Accepts `<svc>[.<ns>...]` (a Service) and `<pod>.<svc>[.<ns>...]` (one StatefulSet pod
-    through its headless Service); the port must be a port of that Service.
-    """
-    host, _, port_s = address.rpartition(":")
-    assert host and port_s.isdigit(), f"{address!r}: not host:port"
-    port = int(port_s)
-    parts = host.split(".")
-    services = {s["metadata"]["name"]: s for s in r.of_kind("Service")}
-    ns = r.get("Namespace", "tiercache")["metadata"]["name"]
-    if len(parts) >= 2 and parts[1] in services and parts[0] not in services:
-        pod, svc_name, rest = parts[0], parts[1], parts[2:]
-    else:
-        pod, svc_name, rest = None, parts[0], parts[1:]
-    assert svc_name in services, f"{address!r}: no Service {svc_name!r}"
-    if rest:
-        assert rest[0] == ns, f"{address!r}: namespace {rest[0]!r}, objects live in {ns!r}"
-    svc = services[svc_name]
-    (w,) = r.selected(svc["spec"]["selector"]) or [None]
-    assert w is not None, f"{address!r}: Service {svc_name} selects no pods"
-    ports = {p["port"]: p for p in svc["spec"]["ports"]}
-    assert port in ports, f"{address!r}: Service {svc_name} exposes {sorted(ports)}"
-    if pod is None:
-        return w, w.pod_names(), port
-    assert svc["spec"].get("clusterIP") == "None", f"{address!r}: {svc_name} is not headless"
-    assert w.kind == "StatefulSet" and w.obj["spec"]["serviceName"] == svc_name, (
-        f"{address!r}: pod DNS names need a StatefulSet whose serviceName is {svc_name}")
-    assert pod in w.pod_names(), f"{address!r}: {w.name} has pods {w.pod_names()}"
-    return w, [pod], port
 
 
 # ------------------------------------------------------------------------------------ tests

@@ -32,8 +32,7 @@ import pytest
 
 from services.common.config import env_name
 from services.launcher import free_port, service_exists, wait_healthy
-from tests.deploy.k8s_view import ROOT, Rendered, Workload
-from tests.deploy.test_deploy_manifests import resolve, tiercache_container
+from tests.deploy.k8s_view import ROOT, Rendered, Workload, resolve, tiercache_container
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
