@@ -12,8 +12,8 @@ cluster would provide mapped onto this machine:
 Then: every process reports SERVING, a tenant's Generate is answered by replica `kvpool-0` (the
 pod name from the downward API), the replica registered with the index under its advertised
 address, asking again is a semantic hit, the internal credential and tenant tokens are enforced,
-every metrics port answers, and SIGTERM drains every process to exit code 0 within the pod's
-termination grace period.
+every metrics port answers, each process stays under its pod's memory limit, and SIGTERM drains
+every process to exit code 0 within the pod's termination grace period.
 """
 
 from __future__ import annotations
@@ -32,7 +32,14 @@ import pytest
 
 from services.common.config import env_name
 from services.launcher import free_port, service_exists, wait_healthy
-from tests.deploy.k8s_view import ROOT, Rendered, Workload, resolve, tiercache_container
+from tests.deploy.k8s_view import (
+    ROOT,
+    Rendered,
+    Workload,
+    mem_bytes,
+    resolve,
+    tiercache_container,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -99,6 +106,14 @@ class LocalCluster:
         env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(ROOT / "gen")])
         env["PYTHONUNBUFFERED"] = "1"
         return env
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The process's peak resident set (VmHWM) so far."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmHWM for pid {pid}")
 
 
 def _start(svc: str, env: dict[str, str]) -> subprocess.Popen:
@@ -194,6 +209,13 @@ def test_dev_overlay_settings_boot_the_stack_and_serve_a_tenant(
         for svc, port in cluster.metrics.items():
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as resp:
                 assert resp.status == 200 and b"# TYPE" in resp.read(), svc
+
+        # Each process, having loaded and served, fits the memory limit its pod gets.
+        for svc, p in procs.items():
+            limit = mem_bytes(tiercache_container(dev.workload_for(svc))["resources"]["limits"][
+                "memory"])
+            peak = peak_rss_bytes(p.pid)
+            assert peak < limit, f"{svc}: peak RSS {peak / 2**20:.0f} MiB over its limit"
     finally:
         codes = {}
         for svc in reversed(BOOT_ORDER):
