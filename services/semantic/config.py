@@ -47,6 +47,7 @@ class SemanticConfig:
     hnsw_m: int = 32
     hnsw_ef_construction: int = 80
     hnsw_ef_search: int = 128
+    faiss_threads: int = 1  # OpenMP threads for searches (bulk builds at start use all cores)
     delta_capacity: int = 2048  # entries searched exactly before being merged into the index
     # Thresholds.
     tier_strict: float = 0.97
@@ -95,6 +96,7 @@ class SemanticConfig:
         require(4 <= self.hnsw_m <= 128, s, "hnsw_m", "must be in [4, 128]")
         require(self.hnsw_ef_construction >= 8, s, "hnsw_ef_construction", "must be >= 8")
         require(self.hnsw_ef_search >= 8, s, "hnsw_ef_search", "must be >= 8")
+        require(self.faiss_threads >= 1, s, "faiss_threads", "must be >= 1")
         require(self.delta_capacity >= 1, s, "delta_capacity", "must be >= 1")
         for name in ("tier_strict", "tier_standard", "tier_relaxed"):
             v = getattr(self, name)

@@ -34,6 +34,7 @@ class OnnxEmbedder:
         folder = ensure_onnx(model_dir, cache_dir, name)
         meta = json.loads((folder / "meta.json").read_text())
         self.name = name
+        self.fingerprint: str = meta["fingerprint"]
         self.dim: int = int(meta["dim"])
         self.max_seq_length: int = int(meta["max_seq_length"])
         self._inputs: list[str] = list(meta["inputs"])

@@ -16,7 +16,10 @@ swapped in. Removals are tombstones, filtered out of results, and purged at the 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -24,6 +27,31 @@ import faiss
 import numpy as np
 
 _EXTRA_K = 8  # extra neighbours fetched so that tombstoned rows rarely hide a live one
+_search_threads = 1
+
+
+def set_search_threads(n: int) -> None:
+    """OpenMP threads faiss may use (process-wide).
+
+    One query needs no parallelism, and on a busy machine OpenMP threads waiting for each
+    other turned a 0.6 ms flat search over 10k vectors into 23 ms (p50) — so 1 by default.
+    """
+    global _search_threads
+    _search_threads = max(1, n)
+    faiss.omp_set_num_threads(_search_threads)
+
+
+@contextlib.contextmanager
+def _build_threads() -> Iterator[None]:
+    """All cores while bulk-building an index (at start, before the service is SERVING)."""
+    faiss.omp_set_num_threads(os.cpu_count() or 1)
+    try:
+        yield
+    finally:
+        faiss.omp_set_num_threads(_search_threads)
+
+
+set_search_threads(1)
 
 
 class IndexParams(NamedTuple):
@@ -93,7 +121,7 @@ class NamespaceIndex:
 
     def add_many(self, labels: np.ndarray, vecs: np.ndarray) -> None:
         """Bulk load (e.g. at start): builds the main index over everything at once."""
-        with self._lock:
+        with self._lock, _build_threads():
             self._merge_locked(np.asarray(labels, np.int64), np.asarray(vecs, np.float32))
 
     def remove(self, label: int) -> bool:

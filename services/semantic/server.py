@@ -15,6 +15,7 @@ from services.common.bootstrap import ServerHandle, create_server
 from services.common.errors import InvalidArgument, Unavailable
 from services.semantic.cache import Embedder, Entry, Namespace, SemanticCache
 from services.semantic.config import SemanticConfig
+from services.semantic.index import set_search_threads
 from services.semantic.store import EntryStore
 
 log = logging.getLogger(__name__)
@@ -164,6 +165,7 @@ def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningServi
         services=[(semantic_pb2_grpc.add_SemanticCacheServicer_to_server, servicer, FULL_NAME)],
         internal_token=cfg.internal_token or None,
         metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port)
+    set_search_threads(cfg.faiss_threads)
     try:
         embedder = embedder or make_embedder(cfg)
         store = EntryStore(cfg.resolved_db_path(), cfg.sqlite_synchronous)

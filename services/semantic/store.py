@@ -99,6 +99,24 @@ class EntryStore:
                  int(verified), created_at, ttl_seconds))
             return int(cur.lastrowid)
 
+    def insert_many(self, rows: list[dict]) -> None:
+        """Bulk load in one transaction (benchmarks, imports); keys as for `insert`."""
+        with self._lock:
+            self._db.execute("BEGIN")
+            try:
+                self._db.executemany(
+                    "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
+                    "embedding, embed_model, verified, created_at, ttl_seconds) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    [(r["id"], r["tenant"], r["model_id"], r["context_hash"], r["prompt"],
+                      r["answer"], np.asarray(r["embedding"], "<f4").tobytes(),
+                      r["embed_model"], int(r["verified"]), r["created_at"], r["ttl_seconds"])
+                     for r in rows])
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
     def get(self, id: str) -> Row | None:
         with self._lock:
             t = self._db.execute(f"SELECT {_COLS} FROM entries WHERE id = ?", (id,)).fetchone()

@@ -1,0 +1,521 @@
+"""Semantic tier benchmark (issue 5).
+
+    python -m benchmarks.semantic [--quick]  ->  benchmarks/results/semantic.json
+                                                 (+ semantic_pr.png, semantic_table.md)
+
+1. embed    — ONNX Runtime vs the torch model: batch-1 latency, sentences/s at batch 32, cosine.
+2. quality  — per tier, on QQP pairs (hits among duplicates vs non-duplicates) and PAWS
+              non-paraphrases (false-hit rate), guard on and off; a precision-recall plot.
+3. chinese  — Chinese STS-B with the configured (English) model.
+4. latency  — 10k and 100k entries in one namespace (QQP questions padded with synthetic ones),
+              looked up through the gRPC API of a real `python -m services.semantic` process:
+              p50/p99 excluding embedding, p50 including it, and recall@1 of the index against
+              exact search on near-duplicate queries.
+
+`--quick` runs a reduced version (subsets, 5k entries) in under 3 minutes and writes
+`semantic_quick.json`. Data are read from ../shared/data (never copied into the repository).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import hashlib
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+
+from services.semantic.config import SemanticConfig, default_cache_dir
+from services.semantic.embedder import OnnxEmbedder
+from services.semantic.guard import ParaphraseGuard
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = Path(os.environ.get("TIERCACHE_DATA_DIR", ROOT.parent / "shared" / "data"))
+RESULTS = Path(__file__).resolve().parent / "results"
+TIERS = {"strict": 0.97, "standard": 0.95, "relaxed": 0.90}
+
+
+def log(msg: str) -> None:
+    print(f"[semantic-bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def pct(xs, q: float) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else float("nan")
+
+
+def embed_all(emb: OnnxEmbedder, texts: list[str], batch: int = 64) -> np.ndarray:
+    """Embeds many texts, batching texts of similar length together.
+
+    Large inputs are cached on disk under <cache dir>/bench, keyed by the ONNX model's
+    fingerprint and the texts, so a rerun does not spend minutes re-embedding the same data
+    (embedding speed is measured separately, in `bench_embed`)."""
+    path = None
+    if len(texts) >= 2000:
+        h = hashlib.blake2b(emb.fingerprint.encode(), digest_size=12)
+        for t in texts:
+            h.update(t.encode() + b"\0")
+        path = Path(default_cache_dir()) / "bench" / f"semantic-emb-{h.hexdigest()}.npy"
+        if path.is_file():
+            return np.load(path)
+    out = np.zeros((len(texts), emb.dim), np.float32)
+    order = np.argsort([len(t) for t in texts], kind="stable")
+    for i in range(0, len(texts), batch):
+        idx = order[i:i + batch]
+        out[idx] = emb.embed([texts[j] for j in idx])
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
+        np.save(tmp, out)
+        os.replace(tmp, path)
+    return out
+
+
+# ---- data -----------------------------------------------------------------------------------
+
+def load_qqp() -> list[tuple[str, str, int]]:
+    with open(DATA / "qqp_val.csv", newline="") as f:
+        return [(r["question1"], r["question2"], int(r["is_duplicate"]))
+                for r in csv.DictReader(f)]
+
+
+def load_paws() -> list[tuple[str, str, int]]:
+    rows = []
+    with open(DATA / "paws_wiki_dev.tsv") as f:
+        for line in f:
+            p = line.rstrip("\n").split("\t")
+            if len(p) == 4:
+                rows.append((p[1], p[2], int(p[3])))
+    return rows
+
+
+def load_stsb_zh() -> list[tuple[str, str, float]]:
+    rows = []
+    with open(DATA / "stsb_zh_valid.tsv") as f:
+        for line in f:
+            p = line.rstrip("\n").split("\t")
+            if len(p) == 3:
+                rows.append((p[0], p[1], float(p[2])))
+    return rows
+
+
+# ---- 1. embedding speed ---------------------------------------------------------------------
+
+def bench_embed(emb: OnnxEmbedder, model_dir: str, texts: list[str], reps: int) -> dict:
+    import torch
+    from tokenizers import Tokenizer
+    from transformers import AutoModel
+
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    tok.enable_truncation(emb.max_seq_length)
+    tok.enable_padding()
+    model = AutoModel.from_pretrained(model_dir).eval()
+
+    def torch_embed(batch: list[str]) -> np.ndarray:
+        enc = tok.encode_batch(batch)
+        ids = torch.tensor([e.ids for e in enc])
+        mask = torch.tensor([e.attention_mask for e in enc])
+        types = torch.tensor([e.type_ids for e in enc])
+        with torch.inference_mode():
+            h = model(input_ids=ids, attention_mask=mask, token_type_ids=types)[0]
+            m = mask.unsqueeze(-1).to(h.dtype)
+            v = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
+            return torch.nn.functional.normalize(v, dim=1).numpy()
+
+    def timed(fn, batch: list[str], n: int) -> list[float]:
+        fn(batch)
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            fn(batch)
+            out.append(time.perf_counter() - t0)
+        return out
+
+    # Interleave the two runtimes so that background load hits both alike.
+    b1_onnx, b1_torch = [], []
+    for t in texts[:reps]:
+        b1_onnx += timed(emb.embed, [t], 1)
+        b1_torch += timed(torch_embed, [t], 1)
+    batch = texts[:32]
+    b32_onnx = timed(emb.embed, batch, 5)
+    b32_torch = timed(torch_embed, batch, 5)
+    sample = texts[:256]
+    cos = (embed_all(emb, sample, 32) * np.concatenate(
+        [torch_embed(sample[i:i + 32]) for i in range(0, len(sample), 32)])).sum(1)
+    onnx_b1, torch_b1 = pct(b1_onnx, 50) * 1000, pct(b1_torch, 50) * 1000
+    return {
+        "onnx_batch1_p50_ms": onnx_b1, "torch_batch1_p50_ms": torch_b1,
+        "embed_speedup_onnx_over_torch": torch_b1 / onnx_b1,
+        "onnx_sentences_per_s_batch32": 32 / pct(b32_onnx, 50),
+        "torch_sentences_per_s_batch32": 32 / pct(b32_torch, 50),
+        "speedup_batch32": pct(b32_torch, 50) / pct(b32_onnx, 50),
+        "cosine_onnx_vs_torch_min": float(cos.min()),
+        "cosine_onnx_vs_torch_mean": float(cos.mean()),
+        "pairs": len(sample), "batch1_runs": len(b1_onnx),
+        "quantized": False,
+        "torch": "transformers AutoModel fp32 + mean pooling + L2 norm, same tokenizer",
+    }
+
+
+# ---- 2. quality -----------------------------------------------------------------------------
+
+def _pr(sim: np.ndarray, guard_ok: np.ndarray, labels: np.ndarray, th: float,
+        guard: bool) -> tuple[float, float, int, int]:
+    hit = (sim >= th) & (guard_ok if guard else True)
+    tp = int((hit & (labels == 1)).sum())
+    fp = int((hit & (labels == 0)).sum())
+    prec = tp / (tp + fp) if tp + fp else float("nan")
+    return prec, tp / max(1, int((labels == 1).sum())), tp, fp
+
+
+def _norm(t: str) -> str:
+    return re.sub(r"[^a-z0-9]+", " ", t.lower()).strip()
+
+
+def bench_quality(emb: OnnxEmbedder, qqp, paws, guard_tiers, png: Path | None) -> dict:
+    guard = ParaphraseGuard()
+    t0 = time.perf_counter()
+    qa = embed_all(emb, [a for a, _, _ in qqp])
+    qb = embed_all(emb, [b for _, b, _ in qqp])
+    pa = embed_all(emb, [a for a, _, _ in paws])
+    pb = embed_all(emb, [b for _, b, _ in paws])
+    log(f"embedded {2 * (len(qqp) + len(paws))} sentences in {time.perf_counter() - t0:.0f}s")
+    qs, ps = (qa * qb).sum(1), (pa * pb).sum(1)
+    ql = np.array([y for _, _, y in qqp])
+    pl = np.array([y for _, _, y in paws])
+    # The cached text is the first of a pair, the incoming query the second.
+    t0 = time.perf_counter()
+    qg = np.array([guard.check(b, a).ok for a, b, _ in qqp])
+    pg = np.array([guard.check(b, a).ok for a, b, _ in paws])
+    guard_us = (time.perf_counter() - t0) / (len(qqp) + len(paws)) * 1e6
+    tiers = {}
+    for name, th in TIERS.items():
+        row = {"threshold": th, "guard_in_default_config": name in guard_tiers}
+        for g in (False, True):
+            prec, rec, tp, fp = _pr(qs, qg, ql, th, g)
+            p0 = (ps >= th) & (pg if g else True)
+            key = "guard_on" if g else "guard_off"
+            row[key] = {"qqp_precision": prec, "qqp_recall": rec, "qqp_true_hits": tp,
+                        "qqp_false_hits": fp,
+                        "paws_false_hit_rate": float(p0[pl == 0].mean()),
+                        "paws_paraphrase_hit_rate": float(p0[pl == 1].mean())}
+        tiers[name] = row
+    # QQP labels are noisy: non-duplicates that are the same text up to case and punctuation.
+    same_text_nondup = sum(1 for a, b, y in qqp if y == 0 and _norm(a) == _norm(b))
+    curve = []
+    for th in np.round(np.arange(0.80, 1.0001, 0.005), 3):
+        pt = {"threshold": float(th)}
+        for g in (False, True):
+            prec, rec, _, _ = _pr(qs, qg, ql, th, g)
+            p0 = (ps >= th) & (pg if g else True)
+            sfx = "_guard" if g else ""
+            pt["precision" + sfx], pt["recall" + sfx] = prec, rec
+            pt["paws_fhr" + sfx] = float(p0[pl == 0].mean())
+        curve.append(pt)
+    if png is not None:
+        _plot(curve, tiers, png)
+    return {
+        "qqp_pairs": len(qqp), "qqp_duplicates": int(ql.sum()),
+        "paws_pairs": len(paws), "paws_non_paraphrases": int((pl == 0).sum()),
+        "paws_non_paraphrase_cosine_median": float(np.median(ps[pl == 0])),
+        "paws_paraphrase_cosine_median": float(np.median(ps[pl == 1])),
+        "qqp_duplicate_cosine_median": float(np.median(qs[ql == 1])),
+        "qqp_non_duplicate_cosine_median": float(np.median(qs[ql == 0])),
+        "qqp_non_duplicates_identical_up_to_case_and_punctuation": same_text_nondup,
+        "guard_check_us_per_pair": guard_us,
+        "tiers": tiers, "curve": curve,
+    }
+
+
+def _plot(curve: list[dict], tiers: dict, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    for sfx, label, style in (("", "similarity only", "--"), ("_guard", "with guard", "-")):
+        ax1.plot([p["recall" + sfx] for p in curve], [p["precision" + sfx] for p in curve],
+                 style, label=label)
+        ax2.plot([p["threshold"] for p in curve], [p["paws_fhr" + sfx] for p in curve],
+                 style, label=label)
+    for name, row in tiers.items():
+        for key, mk in (("guard_off", "o"), ("guard_on", "s")):
+            r = row[key]
+            ax1.plot(r["qqp_recall"], r["qqp_precision"], mk, color="k", ms=4)
+            ax1.annotate(f"{name}{' +g' if key == 'guard_on' else ''}",
+                         (r["qqp_recall"], r["qqp_precision"]), fontsize=7,
+                         xytext=(3, 3), textcoords="offset points")
+    ax1.set(xlabel="recall (QQP duplicates served)", ylabel="precision (QQP)",
+            title="QQP precision-recall, threshold 0.80-1.00")
+    ax2.set(xlabel="similarity threshold", ylabel="false-hit rate",
+            title="PAWS non-paraphrases served as hits")
+    ax2.axhline(0.05, color="grey", lw=0.8, ls=":")
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+# ---- 3. Chinese -----------------------------------------------------------------------------
+
+def _rank(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x))
+    for v in np.unique(x):  # average ranks of ties
+        m = x == v
+        ranks[m] = ranks[m].mean()
+    return ranks
+
+
+def bench_chinese(emb: OnnxEmbedder, rows) -> dict:
+    guard = ParaphraseGuard()
+    a = embed_all(emb, [r[0] for r in rows])
+    b = embed_all(emb, [r[1] for r in rows])
+    sim = (a * b).sum(1)
+    score = np.array([r[2] for r in rows])
+    g = np.array([guard.check(r[1], r[0]).ok for r in rows])
+    same, diff = score >= 4, score <= 2
+    # Chinese characters are outside all-MiniLM-L6-v2's useful vocabulary: count [UNK]s.
+    enc = emb._tok.encode_batch([r[0] for r in rows[:200]])
+    unk = sum(e.ids.count(100) for e in enc) / max(1, sum(len(e.ids) - 2 for e in enc))
+    out = {"pairs": len(rows), "same_meaning_pairs": int(same.sum()),
+           "different_pairs": int(diff.sum()),
+           "spearman": float(np.corrcoef(_rank(sim), _rank(score))[0, 1]),
+           "cosine_median_same": float(np.median(sim[same])),
+           "cosine_median_different": float(np.median(sim[diff])),
+           "unknown_token_fraction": unk, "tiers": {}}
+    for name, th in TIERS.items():
+        hit = sim >= th
+        out["tiers"][name] = {
+            "hit_rate_same_meaning": float(hit[same].mean()),
+            "false_hit_rate_different": float(hit[diff].mean()),
+            "false_hit_rate_different_guard_on": float((hit & g)[diff].mean()),
+            "precision": float((hit & same).sum() / max(1, (hit & (same | diff)).sum())),
+        }
+    return out
+
+
+# ---- 4. latency through gRPC ----------------------------------------------------------------
+
+def _synthetic(questions: list[str], n: int, seed: int = 7) -> list[str]:
+    """Question-like texts spliced from two real questions (distinct, plausible, seeded)."""
+    rng = random.Random(seed)
+    words = [q.rstrip("?").split() for q in questions if len(q.split()) >= 4]
+    out, seen = [], set(questions)
+    while len(out) < n:
+        a, b = rng.choice(words), rng.choice(words)
+        t = " ".join(a[:rng.randint(2, len(a) - 1)] + b[rng.randint(1, len(b) - 2):]) + "?"
+        if t not in seen:
+            seen.add(t)
+            out.append(t)
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> dict:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tiercache.v1 import semantic_pb2 as pb
+    from tiercache.v1 import semantic_pb2_grpc as pbg
+
+    from services.semantic.store import EntryStore
+
+    cfg = SemanticConfig()
+    real = list(dict.fromkeys([a for a, _, _ in qqp] + [b for _, b, _ in qqp]))
+    dup_pairs = [(a, b) for a, b, y in qqp if y == 1]
+    rng = random.Random(11)
+    results = {}
+    for size in sizes:
+        base = real[:size] + _synthetic(real, max(0, size - len(real)))
+        base = base[:size]
+        present = set(base)
+        t0 = time.perf_counter()
+        vecs = embed_all(emb, base)
+        embed_s = time.perf_counter() - t0
+        log(f"{size}: embedded {size} entries in {embed_s:.0f}s")
+        # Near-duplicate queries: QQP paraphrases of indexed questions, plus light edits.
+        queries = [b for a, b in dup_pairs if a in present and b not in present]
+        edits = [q.lower().rstrip("?") + " please?" for q in rng.sample(base, min(len(base),
+                                                                              n_queries))]
+        queries = (rng.sample(queries, min(len(queries), n_queries // 2))
+                   + edits[:n_queries - min(len(queries), n_queries // 2)])
+        rng.shuffle(queries)
+        qv = embed_all(emb, queries)
+        exact_top = np.argmax(qv @ vecs.T, axis=1)  # brute force reference
+        exact_sim = (qv @ vecs.T).max(1)
+        tmp = tempfile.mkdtemp(prefix="semantic-bench-")
+        db = os.path.join(tmp, "semantic.db")
+        store = EntryStore(db, "NORMAL")
+        ids = [uuid.uuid4().hex for _ in base]
+        now = time.time()
+        store.insert_many([{"id": ids[i], "tenant": "bench", "model_id": "m", "context_hash": "",
+                            "prompt": base[i], "answer": f"answer {i}", "embedding": vecs[i],
+                            "embed_model": cfg.model_name, "verified": False,
+                            "created_at": now, "ttl_seconds": 0} for i in range(size)])
+        store.close()
+        port = _free_port()
+        env = dict(os.environ, TIERCACHE_SEMANTIC_ADDRESS=f"127.0.0.1:{port}",
+                   TIERCACHE_SEMANTIC_METRICS_PORT="-1", TIERCACHE_SEMANTIC_DB_PATH=db,
+                   TIERCACHE_SEMANTIC_SQLITE_SYNCHRONOUS="NORMAL", PYTHONPATH=str(ROOT))
+        t0 = time.perf_counter()
+        proc = subprocess.Popen([sys.executable, "-m", "services.semantic"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+            health = health_pb2_grpc.HealthStub(ch)
+            while True:
+                if proc.poll() is not None:
+                    raise RuntimeError("semantic service exited during start")
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
+                        break
+                except grpc.RpcError:
+                    pass
+                time.sleep(0.2)
+            start_s = time.perf_counter() - t0
+            log(f"{size}: service loaded and indexed in {start_s:.1f}s")
+            stub = pbg.SemanticCacheStub(ch)
+            ns = pb.Namespace(tenant="bench", model_id="m")
+            for q in queries[:20]:  # warm-up
+                stub.Lookup(pb.LookupRequest(namespace=ns, text=q, tier="relaxed"), timeout=10)
+            rtt, excl, search, agree, counted = [], [], [], 0, 0
+            id_pos = {sid: i for i, sid in enumerate(ids)}
+            for qi, q in enumerate(queries):
+                t1 = time.perf_counter()
+                r = stub.Lookup(pb.LookupRequest(namespace=ns, text=q, tier="relaxed",
+                                                 want_draft=True), timeout=10)
+                dt = (time.perf_counter() - t1) * 1000
+                rtt.append(dt)
+                excl.append(dt - r.embed_ms)
+                search.append(r.search_ms)
+                if exact_sim[qi] >= cfg.draft_floor + 0.01:
+                    counted += 1
+                    agree += int(r.HasField("entry") and id_pos.get(r.entry.id) == exact_top[qi])
+            stats = stub.Stats(pb.SemanticStatsRequest(), timeout=10)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        results[str(size)] = {
+            "entries": int(stats.entries),
+            "index": "hnsw" if size >= cfg.hnsw_min_entries else "flat",
+            "queries": len(queries),
+            "lookup_p50_ms": pct(excl, 50), "lookup_p99_ms": pct(excl, 99),
+            "lookup_embed_p50_ms": pct(rtt, 50), "lookup_embed_p99_ms": pct(rtt, 99),
+            "server_search_p50_ms": pct(search, 50), "server_search_p99_ms": pct(search, 99),
+            "recall_at_1_vs_exact": agree / max(1, counted), "recall_queries": counted,
+            "service_start_s": start_s, "entries_embed_s": embed_s,
+            "real_questions": min(size, len(real)),
+            "synthetic_questions": max(0, size - len(real)),
+        }
+        log(f"{size}: {json.dumps(results[str(size)])}")
+    results["note"] = ("lookup_*_ms = client round trip of Lookup minus the server's embed_ms "
+                       "(gRPC + search + policy + guard); lookup_embed_* = full round trip. "
+                       f"hnsw: M={cfg.hnsw_m} efConstruction={cfg.hnsw_ef_construction} "
+                       f"efSearch={cfg.hnsw_ef_search}; flat below {cfg.hnsw_min_entries}.")
+    return results
+
+
+# ---- targets and output ---------------------------------------------------------------------
+
+def targets(res: dict) -> dict:
+    out = {}
+
+    def t(name, value, op, goal):
+        ok = value >= goal if op == ">=" else value <= goal
+        out[name] = {"value": value, "target": f"{op} {goal}", "met": bool(ok)}
+
+    lat = res.get("latency", {}).get("100000")
+    if lat:
+        t("lookup_p50_ms@100k", lat["lookup_p50_ms"], "<=", 2.0)
+        t("lookup_p99_ms@100k", lat["lookup_p99_ms"], "<=", 6.0)
+        t("lookup_embed_p50_ms@100k", lat["lookup_embed_p50_ms"], "<=", 8.0)
+        t("recall_at_1_vs_exact@100k", lat["recall_at_1_vs_exact"], ">=", 0.98)
+    e = res["embed"]
+    t("embed_speedup_onnx_over_torch", e["embed_speedup_onnx_over_torch"], ">=", 2.5)
+    t("cosine_onnx_vs_torch_min", e["cosine_onnx_vs_torch_min"], ">=", 0.9999)
+    q = res["quality"]["tiers"]
+    t("strict_paws_false_hit_rate", q["strict"]["guard_on"]["paws_false_hit_rate"], "<=", 0.05)
+    t("strict_qqp_precision", q["strict"]["guard_on"]["qqp_precision"], ">=", 0.97)
+    std = q["standard"]["guard_on" if q["standard"]["guard_in_default_config"] else "guard_off"]
+    t("standard_qqp_precision", std["qqp_precision"], ">=", 0.92)
+    return out
+
+
+def table(res: dict) -> str:
+    lines = ["| tier | threshold | guard | QQP precision | QQP recall | PAWS false-hit rate | "
+             "PAWS paraphrase hit rate |", "|---|---|---|---|---|---|---|"]
+    for name, row in res["quality"]["tiers"].items():
+        for key in ("guard_off", "guard_on"):
+            r = row[key]
+            lines.append(f"| {name} | {row['threshold']:.2f} | {key[6:]} | "
+                         f"{r['qqp_precision']:.3f} | {r['qqp_recall']:.3f} | "
+                         f"{r['paws_false_hit_rate']:.3f} | {r['paws_paraphrase_hit_rate']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.semantic")
+    ap.add_argument("--quick", action="store_true", help="reduced run (< 3 minutes)")
+    args = ap.parse_args(argv)
+    quick = args.quick
+    cfg = SemanticConfig()
+    t_all = time.perf_counter()
+    emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.model_name)
+    qqp, paws, zh = load_qqp(), load_paws(), load_stsb_zh()
+    res: dict = {"quick": quick, "model": cfg.model_name, "cpu_count": os.cpu_count(),
+                 "data": str(DATA)}
+    if quick:
+        rng = random.Random(3)
+        qqp_q, paws_q, zh_q = rng.sample(qqp, 1000), rng.sample(paws, 800), zh[:300]
+    else:
+        qqp_q, paws_q, zh_q = qqp, paws, zh
+    log("embedding speed: ONNX vs torch")
+    res["embed"] = bench_embed(emb, cfg.resolved_model_dir(), [a for a, _, _ in qqp],
+                               30 if quick else 300)
+    log(json.dumps(res["embed"]))
+    log("quality: QQP / PAWS per tier")
+    sfx = "_quick" if quick else ""
+    png = RESULTS / f"semantic{sfx}_pr.png"
+    res["quality"] = bench_quality(emb, qqp_q, paws_q, cfg.guard_tiers, png)
+    log("Chinese STS-B")
+    res["chinese_stsb"] = bench_chinese(emb, zh_q)
+    log(json.dumps(res["chinese_stsb"]))
+    log("latency through gRPC")
+    res["latency"] = bench_latency(emb, qqp, [5_000] if quick else [10_000, 100_000],
+                                   200 if quick else 1000)
+    res["targets"] = targets(res)
+    res["wall_s"] = time.perf_counter() - t_all
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / f"semantic{sfx}.json").write_text(json.dumps(res, indent=1))
+    (RESULTS / f"semantic{sfx}_table.md").write_text(table(res))
+    print(table(res))
+    for name, t in res["targets"].items():
+        print(f"{name}: {t['value']:.4g} (target {t['target']}) {'met' if t['met'] else 'NOT met'}")
+    print(f"wrote {RESULTS / f'semantic{sfx}.json'} in {res['wall_s']:.0f}s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
