@@ -255,3 +255,12 @@ def resolve(r: Rendered, address: str) -> tuple[Workload, list[str], int]:
         f"{address!r}: pod DNS names need a StatefulSet whose serviceName is {svc_name}")
     assert pod in w.pod_names(), f"{address!r}: {w.name} has pods {w.pod_names()}"
     return w, [pod], port
+
+
+def shared_env_names() -> set[str]:
+    """`TIERCACHE_*` names that code under services/ reads directly (not via a config class)."""
+    pat = re.compile(r"""(?:environ(?:\.get)?\(|environ\[|getenv\()\s*["'](TIERCACHE_[A-Z0-9_]+)""")
+    names: set[str] = set()
+    for path in (ROOT / "services").rglob("*.py"):
+        names.update(pat.findall(path.read_text(encoding="utf-8")))
+    return names

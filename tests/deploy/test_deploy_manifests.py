@@ -12,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import re
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ from tests.deploy.k8s_view import (
     mem_bytes,
     resolve,
     selector_matches,
+    shared_env_names,
     tiercache_container,
 )
 
@@ -63,15 +63,6 @@ def config_class(svc: str) -> type | None:
              and dataclasses.is_dataclass(obj) and obj.__module__ == mod.__name__]
     assert len(found) == 1, f"services/{svc}/config.py: expected one *Config dataclass: {found}"
     return found[0]
-
-
-def shared_env_names() -> set[str]:
-    """`TIERCACHE_*` names that code under services/ reads directly (not via a config class)."""
-    pat = re.compile(r"""(?:environ(?:\.get)?\(|environ\[|getenv\()\s*["'](TIERCACHE_[A-Z0-9_]+)""")
-    names: set[str] = set()
-    for path in (ROOT / "services").rglob("*.py"):
-        names.update(pat.findall(path.read_text(encoding="utf-8")))
-    return names
 
 
 def service_env(r: Rendered, w: Workload) -> dict[str, EnvValue]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
-from tests.deploy.k8s_view import ROOT, Rendered
+from tests.deploy.k8s_view import ROOT, Rendered, shared_env_names
 
 DOCKER = ROOT / "deploy" / "docker" / "Dockerfile"
 SERVICES = ("orchestrator", "semantic", "prefix", "kvpool")
@@ -103,6 +103,9 @@ def test_pins_user_and_ports_agree_with_build_and_manifests(
     assert uid != 0
     assert not re.search(r"apt-get install|build-essential|\bgcc\b", final)
     assert "PYTHONPATH=/app:/app/gen" in final
+    # TierCache settings baked into the image are ones the code reads.
+    baked = set(re.findall(r"\b(TIERCACHE_[A-Z0-9_]+)=", final))
+    assert baked and baked <= shared_env_names(), baked - shared_env_names()
     exposed = {int(p) for p in re.search(r"^EXPOSE ([\d ]+)$", text, re.M).group(1).split()}
     for r in all_rendered.values():
         for w in r.workloads:
