@@ -25,9 +25,10 @@ $(STAMP): pyproject.toml
 
 protos: $(GEN_STAMP)
 
-$(GEN_STAMP): $(PROTOS) | $(STAMP)
+$(GEN_STAMP): $(PROTOS) Makefile | $(STAMP)
 	rm -rf gen && mkdir -p gen
-	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=gen --pyi_out=gen --grpc_python_out=gen $(PROTOS)
+	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=gen --pyi_out=gen --grpc_python_out=gen \
+		--include_source_info --include_imports --descriptor_set_out=gen/tiercache_descriptors.pb $(PROTOS)
 	touch $(GEN_STAMP)
 
 run: setup

@@ -34,6 +34,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common import errors
 from services.common.logs import request_id_var
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
+from services.common.reflection import source_info_pool
 from services.common.wire import find_invalid_utf8
 
 log = logging.getLogger(__name__)
@@ -280,7 +281,7 @@ def create_server(
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server)
+         reflection.SERVICE_NAME], server, pool=source_info_pool())
     credentials = credentials or server_credentials_from_env(service)
     if credentials is not None:
         port = server.add_secure_port(address, credentials)

@@ -74,6 +74,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         tenant = self._tenant(context)
         sampling = parse_sampling(request.sampling, self.cfg)
         policy = parse_policy(request.cache_policy)
+        if not request.messages and not request.prompt:
+            raise errors.InvalidArgument("messages", "must not be empty (or give prompt)")
         if request.messages:
             prompt = self.orch.renderer.render_chat(
                 [Message(m.role, m.content) for m in request.messages])
