@@ -1,29 +1,28 @@
-"""The prefix index as the orchestrator uses it: Match, TopPrefixes, Stats, with health."""
+"""The prefix index as the orchestrator uses it (Match, TopPrefixes, Stats), with health.
+
+Sharding is the shared client's job (`PrefixIndexClient` routes by the first block hash);
+this wrapper adds the health record that `Stats` reports and turns a Match into the
+replica -> matched tokens map that routing needs.
+"""
 
 from __future__ import annotations
 
 import grpc
-from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
-from services.common.grpc_client import call_metadata, make_channel
+from services.common.prefix_client import PrefixIndexClient
 from services.orchestrator.backends import Health
 
 
 class PrefixBackend:
     def __init__(self, addresses: tuple[str, ...], internal_token: str, timeout_s: float,
                  block_size: int) -> None:
-        if len(addresses) != 1:
-            raise ValueError("TIERCACHE_ORCHESTRATOR_PREFIX_ADDRESSES: sharding not wired yet")
-        self.stub = prefix_pb2_grpc.PrefixIndexStub(make_channel(addresses[0]))
+        self.client = PrefixIndexClient(addresses, internal_token, timeout=timeout_s,
+                                        block_size=block_size)
         self.health = Health("prefix", ",".join(addresses))
-        self.timeout_s = timeout_s
-        self.token = internal_token
-        self.block_size = block_size
 
-    def _call(self, method, req):
+    def _guard(self, fn, *args, **kw):
         try:
-            r = getattr(self.stub, method)(req, timeout=self.timeout_s,
-                                           metadata=call_metadata(self.token))
+            r = fn(*args, **kw)
             self.health.ok()
             return r
         except grpc.RpcError as e:
@@ -31,13 +30,11 @@ class PrefixBackend:
             raise
 
     def match(self, block_hashes: list[bytes], model_id: str) -> dict[str, int]:
-        r = self._call("Match", prefix_pb2.MatchRequest(model_id=model_id,
-                                                        block_hashes=block_hashes))
+        r = self._guard(self.client.match, model_id, block_hashes=block_hashes)
         return {m.replica_id: m.matched_tokens for m in r.matches if m.matched_blocks}
 
     def top_prefixes(self, k: int, model_id: str):
-        return self._call("TopPrefixes", prefix_pb2.TopPrefixesRequest(k=k, model_id=model_id)
-                          ).prefixes
+        return self._guard(self.client.top_prefixes, k, model_id, allow_partial=True).prefixes
 
     def stats(self):
-        return self._call("Stats", prefix_pb2.PrefixStatsRequest())
+        return self._guard(self.client.stats, allow_partial=True)

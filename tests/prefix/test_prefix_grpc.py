@@ -8,7 +8,7 @@ from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
 from services.common.grpc_client import call_metadata, make_channel
 from services.common.hashing import BlockHasher
-from services.prefix.client import PrefixIndexClient, PrefixIndexError
+from services.common.prefix_client import PrefixIndexClient, PrefixIndexError
 from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
 
