@@ -298,12 +298,14 @@ class SemanticCache:
             dup = []
         with self._lock:
             self._add_locked(entry, vec)
-            victims = dup + self._victims_locked(ns)
+            for lab in dup:
+                self._drop_locked(lab)
+            victims = self._victims_locked(ns)
             for lab in victims:
                 self._drop_locked(lab)
-            self._evicted += len(victims) - len(dup)
-        self._m["evictions"].inc(len(victims) - len(dup))
-        self.store.delete(victims)
+            self._evicted += len(victims)
+        self._m["evictions"].inc(len(victims))
+        self.store.delete(dup + victims)
         self._m["entries"].set(len(self._entries))
         return entry
 

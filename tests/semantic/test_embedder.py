@@ -74,3 +74,44 @@ def test_concurrent_first_export_is_done_once_and_atomically(tmp_path):
     assert sorted(os.listdir(tmp_path / "onnx")) == [".mini.lock", "mini"]
     meta = json.loads((tmp_path / "onnx" / "mini" / "meta.json").read_text())
     assert meta["pooling"] == "mean" and meta["normalize"] and meta["dim"] == 384
+
+
+def test_any_sentence_transformers_folder_works_through_config(tmp_path):
+    """A folder with CLS pooling and no Normalize module (a different recipe than MiniLM's)
+    exports and matches sentence-transformers on that folder."""
+    from sentence_transformers import SentenceTransformer
+
+    from services.semantic.embedder import OnnxEmbedder
+
+    src = SemanticConfig().resolved_model_dir()
+    folder = tmp_path / "cls-model"
+    (folder / "1_Pooling").mkdir(parents=True)
+    for name in os.listdir(src):
+        if os.path.isfile(os.path.join(src, name)) and name != "modules.json":
+            os.symlink(os.path.join(src, name), folder / name)
+    modules = json.loads(open(os.path.join(src, "modules.json")).read())[:2]
+    (folder / "modules.json").write_text(json.dumps(modules))
+    pooling = json.loads(open(os.path.join(src, "1_Pooling", "config.json")).read())
+    pooling.update(pooling_mode_cls_token=True, pooling_mode_mean_tokens=False)
+    (folder / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+
+    emb = OnnxEmbedder(str(folder), str(tmp_path / "cache"), "cls-model")
+    got = emb.embed(TEXTS[:4])
+    ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS[:4])
+    assert np.linalg.norm(got, axis=1).min() > 1.5, "no normalisation in this recipe"
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(ref, axis=1),
+                               rtol=1e-4)
+    cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
+    assert cos.min() >= 0.9999
+
+
+def test_config_errors_name_the_variable(tmp_path):
+    from services.common.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="TIERCACHE_SEMANTIC_TIER_STRICT"):
+        load_config(SemanticConfig, "semantic", [], {"TIERCACHE_SEMANTIC_TIER_STRICT": "0.5"})
+    with pytest.raises(ConfigError, match="TIERCACHE_SEMANTIC_MODEL_DIR"):
+        load_config(SemanticConfig, "semantic", [],
+                    {"TIERCACHE_SEMANTIC_MODEL_DIR": str(tmp_path / "missing")})
+    with pytest.raises(ConfigError, match="GUARD_TIERS"):
+        load_config(SemanticConfig, "semantic", ["--guard-tiers", "strict,bogus"], {})
