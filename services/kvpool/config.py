@@ -46,6 +46,9 @@ class KvPoolConfig:
     heartbeat_seconds: float = 2.0
     # Events are published at least this often (seconds) while there are any.
     publish_interval_seconds: float = 0.2
+    # False = no prefix reuse and nothing cached (every block is freed at the end); for
+    # measuring what caching costs.
+    prefix_caching: bool = True
     eviction_policy: str = "hybrid"
     shallow_tokens: int = 128
     pin_ttl_max_seconds: int = 3600

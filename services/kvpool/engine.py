@@ -177,13 +177,14 @@ class Engine:
 
     def __init__(self, model: Any, info: ModelInfo, pool: BlockPool, *, max_batch_size: int = 8,
                  max_prefill_chunk: int = 512, max_waiting: int = 256,
-                 metrics: KvMetrics | None = None) -> None:
+                 prefix_caching: bool = True, metrics: KvMetrics | None = None) -> None:
         self.model = model
         self.info = info
         self.pool = pool
         self.max_batch_size = max_batch_size
         self.max_prefill_chunk = max_prefill_chunk
         self.max_waiting = max_waiting
+        self.prefix_caching = prefix_caching
         self.metrics = metrics
         param = next(model.parameters())
         self.device = param.device
@@ -330,9 +331,10 @@ class Engine:
                and len(self._decoding) < self.max_batch_size):
             seq = self._waiting[0]
             keep = 0 if seq.req.prefill_only else 1
+            reuse = self.prefix_caching and not seq.req.skip_prefix_cache
             try:
                 adm = self.pool.open(seq.seq_id, seq.tokens, seq.req.cache_salt,
-                                     use_cache=not seq.req.skip_prefix_cache, keep_uncached=keep)
+                                     use_cache=reuse, keep_uncached=keep)
             except PoolExhausted as exc:
                 if not self._decoding:
                     # Nothing running will free blocks: only pins hold them. Refuse.
@@ -432,6 +434,8 @@ class Engine:
         return out.logits
 
     def _store_full_blocks(self, seq: Sequence) -> None:
+        if not self.prefix_caching:
+            return
         bs = self.pool.block_size
         full = seq.num_computed // bs
         if full > seq.stored_blocks:

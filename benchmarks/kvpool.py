@@ -1,0 +1,403 @@
+"""kvpool on SmolLM2 (fp32, CPU), measured through its gRPC API, against plain transformers.
+
+    .venv/bin/python -m benchmarks.kvpool [--quick] [--out PATH]
+
+Starts `python -m services.kvpool` as a process on a free port and drives it with the generated
+stub; every figure below comes from timestamps taken in this client when stream messages arrive.
+Then (server stopped, so the CPUs are not shared) runs the library baselines in-process: a plain
+`DynamicCache` decode loop and transformers' own continuous batching
+(`init_continuous_batching` with `allow_block_sharing=True`). Token ids are seeded random ids
+from the vocabulary (timing does not depend on their meaning).
+
+Figures (issue 3): TTFT hit/miss on a 1,024-token system prompt + 32-token user turn; TTFT with
+caching on vs off for unique prompts; blocks in use by 8 concurrent requests sharing the system
+prompt over 8x one request alone; decode throughput at batch 8 over batch 1 (~128-token contexts,
+and with a shared 1,024-token prefix); decode step over the plain cache at 1k context; TTFT on a
+cached prefix and 8-request throughput against transformers continuous batching.
+
+`--quick` keeps every figure but shrinks repetitions, the shared prefix (256 tokens) and the
+transformers CB workload so the whole run takes under ~3 minutes; it writes `kvpool-quick.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+VOCAB_LO, VOCAB_HI = 100, 49_000
+
+TARGETS = {
+    "ttft_ratio_hit_over_miss": ("<=", 0.10),
+    "ttft_ratio_cache_on_over_off_unique": ("<=", 1.02),
+    "shared_blocks_over_unshared": ("<=", 0.22),
+    "decode_tok_s_ratio_b8_over_b1": (">=", 4.0),
+    "decode_tok_s_ratio_b8_over_b1_shared_1k": (">=", 2.5),
+    "paged_over_plain_decode_step": ("<=", 1.15),
+    "ttft_hit_vs_transformers_cb": ("<=", 1.0),
+    "throughput_vs_transformers_cb": (">=", 1.5),
+}
+
+
+@dataclass
+class Shape:
+    prefix: int = 1024
+    user: int = 32
+    gen: int = 32
+    concurrent: int = 8
+    reps: int = 3
+    decode_ctx: int = 128
+    decode_tokens: int = 48
+    cb_concurrent: int = 8
+    cb_gen: int = 32
+    cb_prefix: int = 1024
+
+
+QUICK = Shape(prefix=1024, user=32, gen=16, concurrent=8, reps=1, decode_ctx=128,
+              decode_tokens=24, cb_concurrent=4, cb_gen=8, cb_prefix=256)
+
+
+class Ids:
+    """Seeded random token ids."""
+
+    def __init__(self, seed: int = 1234) -> None:
+        self.rng = random.Random(seed)
+
+    def __call__(self, n: int) -> list[int]:
+        return [self.rng.randrange(VOCAB_LO, VOCAB_HI) for _ in range(n)]
+
+
+@dataclass
+class StreamResult:
+    submitted: float
+    token_times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    cached_tokens: int = 0
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.submitted
+
+
+# ---- kvpool process --------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(num_blocks: int) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    env = dict(os.environ, TIERCACHE_KVPOOL_ADDRESS=f"127.0.0.1:{port}",
+               TIERCACHE_KVPOOL_METRICS_PORT="-1", TIERCACHE_KVPOOL_NUM_BLOCKS=str(num_blocks),
+               TIERCACHE_KVPOOL_MAX_BATCH_SIZE="8", TIERCACHE_KVPOOL_LOG_LEVEL="WARNING",
+               TIERCACHE_LOG_LEVEL="WARNING")
+    proc = subprocess.Popen([sys.executable, "-m", "services.kvpool"], cwd=ROOT, env=env)
+    addr = f"127.0.0.1:{port}"
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    ch = grpc.insecure_channel(addr)
+    stub = health_pb2_grpc.HealthStub(ch)
+    end = time.monotonic() + 300
+    while time.monotonic() < end:
+        if proc.poll() is not None:
+            raise RuntimeError("kvpool exited during start-up")
+        try:
+            r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+            if r.status == health_pb2.HealthCheckResponse.SERVING:
+                ch.close()
+                return proc, addr
+        except grpc.RpcError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("kvpool did not become healthy")
+
+
+class Client:
+    def __init__(self, addr: str) -> None:
+        from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
+
+        self.pb, self.common = kvpool_pb2, common_pb2
+        self.channel = grpc.insecure_channel(addr)
+        self.stub = kvpool_pb2_grpc.KvPoolStub(self.channel)
+
+    def stream(self, ids: list[int], max_tokens: int, skip_cache: bool = False) -> StreamResult:
+        req = self.pb.KvGenerateRequest(
+            token_ids=ids, skip_prefix_cache=skip_cache,
+            sampling=self.common.SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        res = StreamResult(time.perf_counter())
+        for msg in self.stub.Generate(req, timeout=600):
+            now = time.perf_counter()
+            for t in msg.token_ids:
+                res.tokens.append(t)
+                res.token_times.append(now)
+            if msg.HasField("final"):
+                res.cached_tokens = msg.final.cached_tokens
+        return res
+
+    def prefill(self, ids: list[int]) -> None:
+        self.stub.Prefill(self.pb.PrefillRequest(token_ids=ids), timeout=600)
+
+    def stats(self):
+        return self.stub.Stats(self.pb.KvStatsRequest(), timeout=10)
+
+    def concurrent(self, prompts: list[list[int]], max_tokens: int, poll: bool = False
+                   ) -> tuple[list[StreamResult], float, int]:
+        """Run prompts at once; returns (results, wall seconds, peak blocks in use)."""
+        results: list[StreamResult | None] = [None] * len(prompts)
+        peak = 0
+        done = threading.Event()
+
+        def poller() -> None:
+            nonlocal peak
+            while not done.is_set():
+                s = self.stats()
+                if s.running == len(prompts):
+                    peak = max(peak, s.blocks_in_use)
+                time.sleep(0.01)
+
+        def one(i: int) -> None:
+            results[i] = self.stream(prompts[i], max_tokens)
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        pt = threading.Thread(target=poller) if poll else None
+        t0 = time.perf_counter()
+        if pt:
+            pt.start()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall = time.perf_counter() - t0
+        done.set()
+        if pt:
+            pt.join()
+        return [r for r in results if r is not None], wall, peak
+
+
+def decode_tok_s(results: list[StreamResult]) -> float:
+    """Steady-state decode throughput while every stream is generating."""
+    if len(results) == 1:
+        r = results[0]
+        return (len(r.token_times) - 1) / (r.token_times[-1] - r.token_times[0])
+    start = max(r.token_times[0] for r in results)
+    end = min(r.token_times[-1] for r in results)
+    if end <= start:
+        raise RuntimeError("streams did not overlap; raise decode_tokens")
+    n = sum(1 for r in results for t in r.token_times if start < t <= end)
+    return n / (end - start)
+
+
+# ---- the measurements ------------------------------------------------------------------------
+
+def bench_server(shape: Shape, ids: Ids, out: dict) -> dict:
+    blocks = 2048
+    proc, addr = start_server(blocks)
+    c = Client(addr)
+    try:
+        c.stream(ids(64), 4)  # warm-up (first forward pays one-off costs)
+
+        # 1. TTFT: 1,024-token system prompt + 32-token user turn, cold vs cached.
+        cold, hit = [], []
+        for _ in range(shape.reps):
+            system = ids(shape.prefix)
+            cold.append(c.stream(system + ids(shape.user), 1).ttft)
+            r = c.stream(system + ids(shape.user), 1)
+            assert r.cached_tokens >= shape.prefix - 16
+            hit.append(r.ttft)
+        out["ttft_cold_s"] = statistics.median(cold)
+        out["ttft_hit_s"] = statistics.median(hit)
+        out["ttft_ratio_hit_over_miss"] = out["ttft_hit_s"] / out["ttft_cold_s"]
+
+        # 2. Unique prompts: caching on vs off (skip_prefix_cache), interleaved.
+        on, off = [], []
+        for _ in range(max(2, shape.reps + 1)):
+            on.append(c.stream(ids(512), 1).ttft)
+            off.append(c.stream(ids(512), 1, skip_cache=True).ttft)
+        out["ttft_unique_cache_on_s"] = statistics.median(on)
+        out["ttft_unique_cache_off_s"] = statistics.median(off)
+        out["ttft_ratio_cache_on_over_off_unique"] = (out["ttft_unique_cache_on_s"]
+                                                      / out["ttft_unique_cache_off_s"])
+
+        # 3. Sharing: blocks in use while 8 requests on one system prompt all run, over 8x one.
+        alone, _, peak_alone = c.concurrent([ids(shape.prefix) + ids(shape.user)], shape.gen,
+                                            poll=True)
+        system = ids(shape.prefix)
+        prompts = [system + ids(shape.user) for _ in range(shape.concurrent)]
+        res, wall, peak = c.concurrent(prompts, shape.gen, poll=True)
+        out["blocks_in_use_one_request"] = peak_alone
+        out["blocks_in_use_8_shared"] = peak
+        out["shared_blocks_over_unshared"] = peak / (shape.concurrent * peak_alone)
+        toks = sum(len(r.tokens) for r in res)
+        out["ours_8_shared_cold_wall_s"] = wall
+        out["ours_8_shared_cold_tok_s"] = toks / wall
+
+        # 4. Decode throughput, batch 8 over batch 1, ~128-token contexts (prefixes pre-filled,
+        #    so that every stream decodes at the same time).
+        def decode_case(prompts: list[list[int]]) -> float:
+            for p in prompts:
+                c.prefill(p)
+            res, _, _ = c.concurrent(prompts, shape.decode_tokens)
+            return decode_tok_s(res)
+
+        out["decode_tok_s_b1"] = decode_case([ids(shape.decode_ctx)])
+        out["decode_tok_s_b8"] = decode_case([ids(shape.decode_ctx) for _ in range(8)])
+        out["decode_tok_s_ratio_b8_over_b1"] = out["decode_tok_s_b8"] / out["decode_tok_s_b1"]
+
+        # 5. The same over a shared 1,024-token prefix.
+        shared = ids(1024)
+        out["decode_tok_s_b1_shared_1k"] = decode_case([shared + ids(16)])
+        out["decode_tok_s_b8_shared_1k"] = decode_case([shared + ids(16) for _ in range(8)])
+        out["decode_tok_s_ratio_b8_over_b1_shared_1k"] = (out["decode_tok_s_b8_shared_1k"]
+                                                          / out["decode_tok_s_b1_shared_1k"])
+        out["paged_decode_step_1k_s"] = 1.0 / out["decode_tok_s_b1_shared_1k"]
+
+        # 6. For the transformers CB comparison: TTFT on a cached prefix of cb_prefix tokens,
+        #    and cb_concurrent requests on a fresh shared prefix.
+        sys_cb = ids(shape.cb_prefix)
+        c.stream(sys_cb + ids(shape.user), 1)
+        out["ours_ttft_hit_cb_shape_s"] = statistics.median(
+            c.stream(sys_cb + ids(shape.user), 1).ttft for _ in range(max(1, shape.reps)))
+        sys_cb2 = ids(shape.cb_prefix)
+        res, wall, _ = c.concurrent([sys_cb2 + ids(shape.user) for _ in range(shape.cb_concurrent)],
+                                    shape.cb_gen)
+        out["ours_cb_workload_wall_s"] = wall
+        out["ours_cb_workload_tok_s"] = sum(len(r.tokens) for r in res) / wall
+        s = c.stats()
+        out["server_stats"] = {"blocks_total": s.blocks_total, "evictions": s.evictions_total,
+                               "preemptions": s.preemptions_total,
+                               "prompt_tokens": s.prompt_tokens_total,
+                               "cached_tokens": s.cached_tokens_total}
+    finally:
+        c.channel.close()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    return out
+
+
+def bench_library(shape: Shape, ids: Ids, out: dict) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    from services.common.model_store import resolve_model
+
+    path = resolve_model().path
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                 attn_implementation="sdpa").eval()
+    # Plain decode step at 1k context, batch 1, the library's ordinary cache.
+    with torch.inference_mode():
+        prompt = torch.tensor([ids(1040)])
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        steps = []
+        for _ in range(shape.decode_tokens):
+            t0 = time.perf_counter()
+            logits = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1).logits
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            steps.append(time.perf_counter() - t0)
+    out["plain_decode_step_1k_s"] = statistics.median(steps)
+    out["paged_over_plain_decode_step"] = out["paged_decode_step_1k_s"] / statistics.mean(steps)
+    out["plain_decode_step_1k_mean_s"] = statistics.mean(steps)
+
+    # transformers continuous batching with block sharing.
+    gc = GenerationConfig(max_new_tokens=shape.cb_gen, do_sample=False, eos_token_id=-1)
+    cbc = ContinuousBatchingConfig(allow_block_sharing=True, num_blocks=64,
+                                   max_batch_tokens=2048)
+    mgr = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
+    mgr.start()
+    try:
+        def ttft(ids_: list[int]) -> float:
+            t0 = time.perf_counter()
+            rid = mgr.add_request(ids_, max_new_tokens=1, streaming=True)
+            first = None
+            for r in mgr.request_id_iter(rid):
+                if first is None and r.generated_tokens:
+                    first = time.perf_counter() - t0
+            return first if first is not None else time.perf_counter() - t0
+
+        sys_cb = ids(shape.cb_prefix)
+        ttft(sys_cb + ids(shape.user))  # fills their cache with the prefix
+        out["transformers_cb_ttft_hit_s"] = statistics.median(
+            ttft(sys_cb + ids(shape.user)) for _ in range(max(1, shape.reps)))
+        out["ttft_hit_vs_transformers_cb"] = (out["ours_ttft_hit_cb_shape_s"]
+                                              / out["transformers_cb_ttft_hit_s"])
+        sys_cb2 = ids(shape.cb_prefix)
+        t0 = time.perf_counter()
+        for _ in range(shape.cb_concurrent):
+            mgr.add_request(sys_cb2 + ids(shape.user), max_new_tokens=shape.cb_gen)
+        got = [mgr.get_result(timeout=900) for _ in range(shape.cb_concurrent)]
+        wall = time.perf_counter() - t0
+        toks = sum(len(r.generated_tokens) for r in got if r is not None)
+        out["transformers_cb_workload_wall_s"] = wall
+        out["transformers_cb_workload_tok_s"] = toks / wall
+        out["throughput_vs_transformers_cb"] = (out["ours_cb_workload_tok_s"]
+                                                / out["transformers_cb_workload_tok_s"])
+    finally:
+        mgr.stop(block=True)
+
+
+def verdicts(out: dict) -> dict:
+    res = {}
+    for name, (op, target) in TARGETS.items():
+        v = out.get(name)
+        met = v is not None and (v <= target if op == "<=" else v >= target)
+        res[name] = {"value": v, "target": f"{op} {target}", "met": bool(met)}
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.kvpool")
+    ap.add_argument("--quick", action="store_true", help="reduced run (< ~3 minutes)")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args(argv)
+    shape = QUICK if args.quick else Shape()
+    out_path = args.out or RESULTS / ("kvpool-quick.json" if args.quick else "kvpool.json")
+    ids = Ids()
+    t0 = time.time()
+    figures: dict = {}
+    bench_server(shape, ids, figures)
+    bench_library(shape, ids, figures)
+    result = {
+        "benchmark": "kvpool",
+        "command": "python -m benchmarks.kvpool" + (" --quick" if args.quick else ""),
+        "quick": args.quick,
+        "shape": shape.__dict__,
+        "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                    "load_avg_at_start": os.getloadavg()},
+        "model": "SmolLM2-135M-Instruct fp32 cpu",
+        "figures": figures,
+        "targets": verdicts(figures),
+        "elapsed_s": time.time() - t0,
+    }
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    for name, v in result["targets"].items():
+        print(f"{name:45s} {v['value']!s:>24} target {v['target']:>8}  "
+              f"{'met' if v['met'] else 'NOT met'}")
+    print(f"wrote {out_path} in {result['elapsed_s']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
