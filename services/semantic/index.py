@@ -9,9 +9,10 @@
 A search reads the current snapshot reference and the delta's published row count, and never
 takes a lock: the main index is never mutated after it is published, and delta rows below the
 published count are never rewritten. Writers (serialised on one lock) append to the delta; a
-full delta is merged into a new main index (Flat while the namespace holds fewer than
-`hnsw_min_entries`, else HNSW — for HNSW a copy of the old graph plus the new rows) which is then
-swapped in. Removals are tombstones, filtered out of results, and purged at the next rebuild.
+delta 3/4 full is merged on a background thread into a new main index (Flat while the namespace
+holds fewer than `hnsw_min_entries`, else HNSW — for HNSW a copy of the old graph plus the new
+rows), built without the lock and then swapped in with the rows added meanwhile carried over.
+Removals are tombstones, filtered out of results, and purged at the next rebuild.
 """
 
 from __future__ import annotations
@@ -77,27 +78,41 @@ class _Snapshot:
     main: faiss.Index | None
     main_labels: np.ndarray  # int64, position in main -> label
     main_vecs: np.ndarray  # float32 [n, dim], kept for rebuilds and exact search
-    delta_vecs: np.ndarray  # float32 [capacity, dim]; rows >= delta_count not yet visible
+    delta_vecs: np.ndarray  # float32 [capacity, dim]; rows >= count[0] not yet visible
     delta_labels: np.ndarray  # int64 [capacity]
     kind: str  # "flat", "hnsw" or "empty"
+    count: list[int]  # [visible delta rows]; the only mutable part, written under the lock
+
+    def rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(labels, vectors) of main + visible delta."""
+        n = self.count[0]
+        return (np.concatenate([self.main_labels, self.delta_labels[:n]]),
+                np.concatenate([self.main_vecs, self.delta_vecs[:n]]))
 
 
 class NamespaceIndex:
-    """The vectors of one namespace. `search` is lock-free; writes are serialised."""
+    """The vectors of one namespace. `search` is lock-free; writes are serialised.
 
-    def __init__(self, params: IndexParams) -> None:
+    Args:
+        params: index parameters.
+        background: merge a filling delta on a background thread (the writer that fills it
+            completely merges synchronously). Off = merges happen inline (deterministic tests).
+    """
+
+    def __init__(self, params: IndexParams, background: bool = True) -> None:
         self.params = params
+        self.background = background
         self._lock = threading.Lock()
         self._dead: set[int] = set()
         self._live: set[int] = set()
         self._snap = self._new_snapshot(None, np.zeros(0, np.int64),
                                         np.zeros((0, params.dim), np.float32), "empty")
-        self._delta_count = 0
+        self._merging: threading.Thread | None = None
 
     def _new_snapshot(self, main, labels, vecs, kind) -> _Snapshot:
         cap = self.params.delta_capacity
         return _Snapshot(main, labels, vecs, np.zeros((cap, self.params.dim), np.float32),
-                         np.zeros(cap, np.int64), kind)
+                         np.zeros(cap, np.int64), kind, [0])
 
     def __len__(self) -> int:
         return len(self._live)
@@ -110,19 +125,34 @@ class NamespaceIndex:
     def add(self, label: int, vec: np.ndarray) -> None:
         """Adds one unit vector under `label` (visible to searches on return)."""
         with self._lock:
-            if self._delta_count >= self.params.delta_capacity:
-                self._merge_locked()
-            snap, n = self._snap, self._delta_count
+            snap = self._snap
+            n = snap.count[0]
+            if n >= self.params.delta_capacity:
+                self._swap_locked(self._build(snap, n, set(self._dead)))
+                snap, n = self._snap, self._snap.count[0]
             snap.delta_vecs[n] = vec
             snap.delta_labels[n] = label
             self._live.add(label)
             self._dead.discard(label)
-            self._delta_count = n + 1  # publish the row only after it is written
+            snap.count[0] = n + 1  # publish the row only after it is written
+            if (self.background and n + 1 >= self.params.delta_capacity * 3 // 4
+                    and self._merging is None):
+                self._merging = threading.Thread(target=self._merge_in_background,
+                                                 name="index-merge", daemon=True)
+                self._merging.start()
 
     def add_many(self, labels: np.ndarray, vecs: np.ndarray) -> None:
         """Bulk load (e.g. at start): builds the main index over everything at once."""
+        labels = np.asarray(labels, np.int64)
         with self._lock, _build_threads():
-            self._merge_locked(np.asarray(labels, np.int64), np.asarray(vecs, np.float32))
+            snap = self._snap
+            n = snap.count[0]
+            self._live.update(int(x) for x in labels)
+            self._dead.difference_update(int(x) for x in labels)
+            old_l, old_v = snap.rows()
+            self._swap_locked(self._build(
+                snap, n, set(self._dead), np.concatenate([old_l, labels]),
+                np.concatenate([old_v, np.asarray(vecs, np.float32)])))
 
     def remove(self, label: int) -> bool:
         """Tombstones `label`; returns False if it was not present."""
@@ -132,27 +162,41 @@ class NamespaceIndex:
             self._live.discard(label)
             self._dead.add(label)
             if len(self._dead) > max(64, len(self._live) // 4):
-                self._merge_locked()
+                snap = self._snap
+                self._swap_locked(self._build(snap, snap.count[0], set(self._dead)))
             return True
 
     def compact(self) -> None:
-        """Merges the delta and purges tombstones now."""
+        """Merges the delta and purges tombstones now (waits for a running merge)."""
+        t = self._merging
+        if t is not None:
+            t.join()
         with self._lock:
-            self._merge_locked()
+            snap = self._snap
+            self._swap_locked(self._build(snap, snap.count[0], set(self._dead)))
 
-    def _merge_locked(self, extra_labels: np.ndarray | None = None,
-                      extra_vecs: np.ndarray | None = None) -> None:
-        snap, n = self._snap, self._delta_count
-        labels = np.concatenate([snap.main_labels, snap.delta_labels[:n]])
-        vecs = np.concatenate([snap.main_vecs, snap.delta_vecs[:n]])
-        if extra_labels is not None:
-            labels = np.concatenate([labels, extra_labels])
-            vecs = np.concatenate([vecs, extra_vecs])
-            self._live.update(int(x) for x in extra_labels)
-            self._dead.difference_update(int(x) for x in extra_labels)
-        purge = bool(self._dead)
-        if purge:
-            keep = ~np.isin(labels, np.fromiter(self._dead, np.int64, len(self._dead)))
+    def _merge_in_background(self) -> None:
+        try:
+            with self._lock:
+                snap = self._snap
+                n, dead = snap.count[0], set(self._dead)
+            built = self._build(snap, n, dead)  # slow part, no lock held
+            with self._lock:
+                if self._snap is snap:  # nobody merged meanwhile
+                    self._swap_locked(built)
+        finally:
+            self._merging = None
+
+    def _build(self, snap: _Snapshot, n: int, dead: set[int],
+               labels: np.ndarray | None = None, vecs: np.ndarray | None = None):
+        """A new main index over `snap`'s main + its first `n` delta rows (or over `labels`,
+        `vecs`), without `dead`. Returns (main, labels, vecs, kind, snap, n, dead)."""
+        bulk = labels is not None
+        if not bulk:
+            labels = np.concatenate([snap.main_labels, snap.delta_labels[:n]])
+            vecs = np.concatenate([snap.main_vecs, snap.delta_vecs[:n]])
+        if dead:
+            keep = ~np.isin(labels, np.fromiter(dead, np.int64, len(dead)))
             labels, vecs = labels[keep], vecs[keep]
         p = self.params
         if len(labels) == 0:
@@ -160,7 +204,7 @@ class NamespaceIndex:
         elif len(labels) < p.hnsw_min_entries:
             main, kind = faiss.IndexFlatIP(p.dim), "flat"
             main.add(vecs)
-        elif snap.kind == "hnsw" and not purge and extra_labels is None:
+        elif snap.kind == "hnsw" and not dead and not bulk:
             # Append-only change: copy the old graph and insert only the new rows.
             main, kind = faiss.clone_index(snap.main), "hnsw"
             main.add(vecs[len(snap.main_labels):])
@@ -170,20 +214,29 @@ class NamespaceIndex:
             main.add(vecs)
         if kind == "hnsw":
             main.hnsw.efSearch = p.hnsw_ef_search
-        new = self._new_snapshot(main, np.ascontiguousarray(labels),
-                                 np.ascontiguousarray(vecs), kind)
-        # Order matters for lock-free readers: a reader holding the old snapshot keeps seeing
-        # its old delta rows (they are never overwritten); a new reader sees count 0 first.
-        self._delta_count = 0
+        return (main, np.ascontiguousarray(labels), np.ascontiguousarray(vecs), kind, snap, n,
+                dead)
+
+    def _swap_locked(self, built) -> None:
+        """Publishes a built main index; delta rows added since the build carry over."""
+        main, labels, vecs, kind, snap, n, dead = built
+        new = self._new_snapshot(main, labels, vecs, kind)
+        cur = self._snap
+        assert cur is snap, "a snapshot was swapped under a build"
+        late = cur.count[0] - n
+        if late:
+            new.delta_vecs[:late] = cur.delta_vecs[n:n + late]
+            new.delta_labels[:late] = cur.delta_labels[n:n + late]
+            new.count[0] = late
+        # Readers holding the old snapshot keep a consistent view (its rows are never
+        # rewritten); new readers see the new one whole.
         self._snap = new
-        self._dead.clear()
+        self._dead -= dead
 
     def search(self, vec: np.ndarray, k: int = 1) -> list[Neighbor]:
         """The `k` most similar live entries, best first. Never blocks on writers."""
         snap = self._snap
-        n = min(self._delta_count, len(snap.delta_labels))
-        if snap is not self._snap:  # a merge raced us: the new snapshot's count is 0..n
-            snap, n = self._snap, 0
+        n = snap.count[0]
         q = np.asarray(vec, np.float32).reshape(1, -1)
         want = k + min(len(self._dead), _EXTRA_K) if self._dead else k
         found: dict[int, float] = {}
@@ -204,17 +257,16 @@ class NamespaceIndex:
 
     def search_exact(self, vec: np.ndarray, k: int = 1) -> list[Neighbor]:
         """Brute-force reference search over every live vector (benchmarks, tests)."""
-        snap, n = self._snap, self._delta_count
-        labels = np.concatenate([snap.main_labels, snap.delta_labels[:n]])
-        vecs = np.concatenate([snap.main_vecs, snap.delta_vecs[:n]])
+        labels, vecs = self._snap.rows()
         scores = vecs @ np.asarray(vec, np.float32)
         out = [Neighbor(int(labels[i]), float(scores[i])) for i in np.argsort(-scores)]
         return [nb for nb in out if nb.label in self._live][:k]
 
     def check_integrity(self) -> None:
         """Raises AssertionError unless labels, tombstones and vectors agree."""
-        snap, n = self._snap, self._delta_count
-        labels = np.concatenate([snap.main_labels, snap.delta_labels[:n]])
+        with self._lock:
+            snap = self._snap
+            labels, _ = snap.rows()
         present = set(int(x) for x in labels)
         assert len(present) == len(labels), "a label is indexed twice"
         assert self._live <= present, "a live label is missing from the index"
