@@ -10,7 +10,8 @@ Then (server stopped, so the CPUs are not shared) runs the library baselines in-
 from the vocabulary (timing does not depend on their meaning).
 
 Figures (issue 3): TTFT hit/miss on a 1,024-token system prompt + 32-token user turn; TTFT with
-caching on vs off for unique prompts; blocks in use by 8 concurrent requests sharing the system
+caching on vs off for unique prompts ("off" = a second replica started with
+TIERCACHE_KVPOOL_PREFIX_CACHING=false: no lookup, nothing stored); blocks in use by 8 concurrent requests sharing the system
 prompt over 8x one request alone; decode throughput at batch 8 over batch 1 (~128-token contexts,
 and with a shared 1,024-token prefix); decode step over the plain cache at 1k context; TTFT on a
 cached prefix and 8-request throughput against transformers continuous batching.
@@ -35,6 +36,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import grpc
 
@@ -102,12 +104,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(num_blocks: int) -> tuple[subprocess.Popen, str]:
+def start_server(num_blocks: int, **extra: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     env = dict(os.environ, TIERCACHE_KVPOOL_ADDRESS=f"127.0.0.1:{port}",
                TIERCACHE_KVPOOL_METRICS_PORT="-1", TIERCACHE_KVPOOL_NUM_BLOCKS=str(num_blocks),
-               TIERCACHE_KVPOOL_MAX_BATCH_SIZE="8", TIERCACHE_KVPOOL_LOG_LEVEL="WARNING",
-               TIERCACHE_LOG_LEVEL="WARNING")
+               TIERCACHE_KVPOOL_MAX_BATCH_SIZE="8", TIERCACHE_LOG_LEVEL="WARNING",
+               **{f"TIERCACHE_KVPOOL_{k.upper()}": v for k, v in extra.items()})
     proc = subprocess.Popen([sys.executable, "-m", "services.kvpool"], cwd=ROOT, env=env)
     addr = f"127.0.0.1:{port}"
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -206,8 +208,48 @@ def decode_tok_s(results: list[StreamResult]) -> float:
 
 # ---- the measurements ------------------------------------------------------------------------
 
-def bench_server(shape: Shape, ids: Ids, out: dict) -> dict:
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def plain_decode_steps(model: Any, ids: Ids, ctx: int, steps: int) -> list[float]:
+    """Decode step times of the library's ordinary DynamicCache at `ctx` context, batch 1."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.inference_mode():
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=torch.tensor([ids(ctx)]), cache=cache, use_cache=True,
+                       logits_to_keep=1).logits
+        nxt = logits[:, -1].argmax(-1, keepdim=True)
+        out = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            logits = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1).logits
+            nxt = logits[:, -1].argmax(-1, keepdim=True)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def load_library_model():
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from services.common.model_store import resolve_model
+
+    return AutoModelForCausalLM.from_pretrained(resolve_model().path, dtype=torch.float32,
+                                                attn_implementation="sdpa").eval()
+
+
+def bench_server(shape: Shape, ids: Ids, out: dict, model: Any) -> dict:
     blocks = 2048
+    # "Off": a replica with prefix caching disabled (no lookup, nothing stored in the pool).
+    proc_off, addr_off = start_server(256, prefix_caching="false")
+    c_off = Client(addr_off)
     proc, addr = start_server(blocks)
     c = Client(addr)
     try:
@@ -225,11 +267,15 @@ def bench_server(shape: Shape, ids: Ids, out: dict) -> dict:
         out["ttft_hit_s"] = statistics.median(hit)
         out["ttft_ratio_hit_over_miss"] = out["ttft_hit_s"] / out["ttft_cold_s"]
 
-        # 2. Unique prompts: caching on vs off (skip_prefix_cache), interleaved.
+        # 2. Unique prompts: caching on vs a replica with caching off, interleaved.
+        c_off.stream(ids(64), 4)
         on, off = [], []
-        for _ in range(max(2, shape.reps + 1)):
+        for _ in range(2 * shape.reps):
             on.append(c.stream(ids(512), 1).ttft)
-            off.append(c.stream(ids(512), 1, skip_cache=True).ttft)
+            off.append(c_off.stream(ids(512), 1).ttft)
+        c_off.channel.close()
+        stop_server(proc_off)
+        proc_off = None
         out["ttft_unique_cache_on_s"] = statistics.median(on)
         out["ttft_unique_cache_off_s"] = statistics.median(off)
         out["ttft_ratio_cache_on_over_off_unique"] = (out["ttft_unique_cache_on_s"]
@@ -260,13 +306,23 @@ def bench_server(shape: Shape, ids: Ids, out: dict) -> dict:
         out["decode_tok_s_b8"] = decode_case([ids(shape.decode_ctx) for _ in range(8)])
         out["decode_tok_s_ratio_b8_over_b1"] = out["decode_tok_s_b8"] / out["decode_tok_s_b1"]
 
-        # 5. The same over a shared 1,024-token prefix.
+        # 5. The same over a shared 1,024-token prefix; the batch-1 run doubles as the paged
+        #    decode step at 1k context, interleaved with the library's plain cache (the server
+        #    is idle meanwhile).
         shared = ids(1024)
-        out["decode_tok_s_b1_shared_1k"] = decode_case([shared + ids(16)])
+        b1, plain = [], []
+        for _ in range(max(1, shape.reps - 1)):
+            b1.append(decode_case([shared + ids(16)]))
+            plain.append(statistics.median(plain_decode_steps(model, ids, 1040,
+                                                              shape.decode_tokens)))
+        out["decode_tok_s_b1_shared_1k"] = statistics.median(b1)
         out["decode_tok_s_b8_shared_1k"] = decode_case([shared + ids(16) for _ in range(8)])
         out["decode_tok_s_ratio_b8_over_b1_shared_1k"] = (out["decode_tok_s_b8_shared_1k"]
                                                           / out["decode_tok_s_b1_shared_1k"])
         out["paged_decode_step_1k_s"] = 1.0 / out["decode_tok_s_b1_shared_1k"]
+        out["plain_decode_step_1k_s"] = statistics.median(plain)
+        out["paged_over_plain_decode_step"] = (out["paged_decode_step_1k_s"]
+                                               / out["plain_decode_step_1k_s"])
 
         # 6. For the transformers CB comparison: TTFT on a cached prefix of cb_prefix tokens,
         #    and cb_concurrent requests on a fresh shared prefix.
@@ -286,39 +342,15 @@ def bench_server(shape: Shape, ids: Ids, out: dict) -> dict:
                                "cached_tokens": s.cached_tokens_total}
     finally:
         c.channel.close()
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+        stop_server(proc)
+        if proc_off is not None:
+            stop_server(proc_off)
     return out
 
 
-def bench_library(shape: Shape, ids: Ids, out: dict) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM, DynamicCache, GenerationConfig
+def bench_library(shape: Shape, ids: Ids, out: dict, model: Any) -> None:
+    from transformers import GenerationConfig
     from transformers.generation import ContinuousBatchingConfig
-
-    from services.common.model_store import resolve_model
-
-    path = resolve_model().path
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
-                                                 attn_implementation="sdpa").eval()
-    # Plain decode step at 1k context, batch 1, the library's ordinary cache.
-    with torch.inference_mode():
-        prompt = torch.tensor([ids(1040)])
-        cache = DynamicCache(config=model.config)
-        logits = model(input_ids=prompt, cache=cache, use_cache=True, logits_to_keep=1).logits
-        nxt = logits[:, -1].argmax(-1, keepdim=True)
-        steps = []
-        for _ in range(shape.decode_tokens):
-            t0 = time.perf_counter()
-            logits = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1).logits
-            nxt = logits[:, -1].argmax(-1, keepdim=True)
-            steps.append(time.perf_counter() - t0)
-    out["plain_decode_step_1k_s"] = statistics.median(steps)
-    out["paged_over_plain_decode_step"] = out["paged_decode_step_1k_s"] / statistics.mean(steps)
-    out["plain_decode_step_1k_mean_s"] = statistics.mean(steps)
 
     # transformers continuous batching with block sharing.
     gc = GenerationConfig(max_new_tokens=shape.cb_gen, do_sample=False, eos_token_id=-1)
@@ -376,15 +408,17 @@ def main(argv: list[str] | None = None) -> int:
     ids = Ids()
     t0 = time.time()
     figures: dict = {}
-    bench_server(shape, ids, figures)
-    bench_library(shape, ids, figures)
+    load_avg = os.getloadavg()
+    model = load_library_model()
+    bench_server(shape, ids, figures, model)
+    bench_library(shape, ids, figures, model)
     result = {
         "benchmark": "kvpool",
         "command": "python -m benchmarks.kvpool" + (" --quick" if args.quick else ""),
         "quick": args.quick,
         "shape": shape.__dict__,
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
-                    "load_avg_at_start": os.getloadavg()},
+                    "load_avg_at_start": load_avg},
         "model": "SmolLM2-135M-Instruct fp32 cpu",
         "figures": figures,
         "targets": verdicts(figures),

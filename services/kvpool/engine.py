@@ -29,7 +29,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple
 
@@ -114,7 +114,6 @@ class Sequence:
     forward_passes: int = 0
     first_token_at: float | None = None
     admitted_once: bool = False
-    pending: list[int] = field(default_factory=list)
 
     @property
     def prompt_len(self) -> int:

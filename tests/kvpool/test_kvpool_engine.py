@@ -221,3 +221,26 @@ def test_random_mix_of_requests_keeps_integrity(make_engine, tiny_model) -> None
             assert isinstance(fin.error, errors.Cancelled)
     assert_idle(eng)
     assert eng.stats().cached_tokens_total > 0
+
+
+def test_metrics_follow_the_engine(make_engine) -> None:
+    from prometheus_client import REGISTRY
+
+    from services.kvpool.metrics import KvMetrics
+
+    def value(name: str, **labels) -> float:
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    before_ttft = value("tiercache_kvpool_ttft_seconds_count")
+    before_cached = value("tiercache_kvpool_cached_tokens_total")
+    eng = make_engine(metrics=KvMetrics())
+    p = prompt(17, 80)
+    generate(eng, p, max_tokens=3)
+    generate(eng, p, max_tokens=3)
+    assert_idle(eng)
+    assert value("tiercache_kvpool_ttft_seconds_count") == before_ttft + 2
+    assert value("tiercache_kvpool_cached_tokens_total") == before_cached + 16
+    assert value("tiercache_kvpool_step_seconds_count", kind="decode") > 0
+    eng.call(lambda: None).result(5)  # one more engine step publishes the gauges
+    total = value("tiercache_kvpool_blocks", state="total")
+    assert total == 64 and value("tiercache_kvpool_blocks", state="in_use") == 0
