@@ -92,11 +92,16 @@ class KvStore:
         self.rows[:, :, row, :, :num_tokens] = kv[:, :, :, :num_tokens]
 
     def store_blocks(self, row: int, block_ids: list[int], first_block: int) -> None:
-        """Copy full blocks `first_block..` of `row` into the given pool blocks."""
-        bs = self.block_size
-        for i, bid in enumerate(block_ids):
-            s = (first_block + i) * bs
-            self.blocks[bid] = self.rows[:, :, row, :, s:s + bs]
+        """Copy full blocks `first_block..` of `row` into the given pool blocks (one copy)."""
+        if not block_ids:
+            return
+        bs, nb = self.block_size, len(block_ids)
+        s = first_block * bs
+        # [L, 2, H, nb*bs, D] -> [nb, L, 2, H, bs, D]
+        src = self.rows[:, :, row, :, s:s + nb * bs].reshape(
+            self.num_layers, 2, self.kv_heads, nb, bs, self.head_dim).permute(3, 0, 1, 2, 4, 5)
+        idx = torch.tensor(block_ids, device=self.device)
+        self.blocks.index_copy_(0, idx, src)
 
     def copy_block(self, src: int, dst: int) -> None:
         self.blocks[dst] = self.blocks[src]
