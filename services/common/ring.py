@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from hashlib import blake2b
 
 DEFAULT_VNODES = 100
@@ -94,16 +94,22 @@ class HashRing:
 
     def preference(self, key: bytes | str) -> list[str]:
         """Every node once, in clockwise order from `key` (owner first): the failover order."""
+        return list(self._walk(key))
+
+    def _walk(self, key: bytes | str) -> Iterator[str]:
+        # Lazy: a bounded lookup usually stops at the first or second node; building the whole
+        # order costs ~N*ln(N)*vnodes steps (seconds per lookup at hundreds of nodes).
         at = self._start(key)
-        seen: list[str] = []
+        seen: set[str] = set()
         n = len(self._points)
+        owners = self._owners
         for i in range(n):
-            o = self._owners[(at + i) % n]
+            o = owners[(at + i) % n]
             if o not in seen:
-                seen.append(o)
+                seen.add(o)
+                yield o
                 if len(seen) == len(self._nodes):
-                    break
-        return seen
+                    return
 
     def lookup_bounded(self, key: bytes | str, loads: Mapping[str, float],
                        epsilon: float = 0.25) -> str:
@@ -120,13 +126,12 @@ class HashRing:
         """
         if epsilon < 0:
             raise ValueError("epsilon must be >= 0")
-        order = self.preference(key)
         total = sum(float(loads.get(n, 0.0)) for n in self._nodes) + 1.0
         cap = (1.0 + epsilon) * total / len(self._nodes)
-        for n in order:
+        for n in self._walk(key):
             if float(loads.get(n, 0.0)) + 1.0 <= cap + 1e-9:
                 return n
-        return min(order, key=lambda n: float(loads.get(n, 0.0)))
+        return min(self.preference(key), key=lambda n: float(loads.get(n, 0.0)))
 
     def capacity(self, loads: Mapping[str, float], epsilon: float = 0.25) -> int:
         """Largest integral load a node may reach under `lookup_bounded` (for reports)."""
