@@ -117,6 +117,11 @@ class Publisher:
                     # Let a burst of steps accumulate into one batch.
                     self._stop.wait(min(wait, self.publish_interval_seconds))
             except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    # The index does not know this incarnation (restart, lapsed lease).
+                    log.info("prefix index: %s; registering again", e.details())
+                    self.registered = False
+                    continue
                 log.warning("prefix index %s: %s (%s); retrying in %.1fs", self.address,
                             e.code().name if hasattr(e, "code") else "?",
                             e.details() if hasattr(e, "details") else e, backoff)
@@ -194,6 +199,9 @@ class Publisher:
 
         holdings = self.engine.call(snapshot).result(timeout=60)
         self._backlog.clear()
-        self._send(holdings, resync=True)
+        # The first batch replaces the index's view; large snapshots continue in normal batches.
+        if not self._send(holdings[:MAX_BATCH], resync=True):
+            return
         self._need_resync = False
         self.resyncs += 1
+        self._backlog = holdings[MAX_BATCH:] + self._backlog

@@ -53,9 +53,10 @@ def make_engine(tiny_model) -> Iterator[EngineFactory]:
     engines: list[Engine] = []
 
     def factory(num_blocks: int = 64, block_size: int = 4, max_batch_size: int = 4,
-                max_prefill_chunk: int = 16, model=None, **kw) -> Engine:
+                max_prefill_chunk: int = 16, model=None, hash_key: bytes | None = b"k",
+                **kw) -> Engine:
         m = model or tiny_model
-        pool = BlockPool(num_blocks, block_size, BlockHasher(TINY_ID, block_size, key=b"k"))
+        pool = BlockPool(num_blocks, block_size, BlockHasher(TINY_ID, block_size, key=hash_key))
         eng = Engine(m, model_info(m, TINY_ID), pool, max_batch_size=max_batch_size,
                      max_prefill_chunk=max_prefill_chunk, **kw).start()
         engines.append(eng)

@@ -43,6 +43,8 @@ class FakeIndex(prefix_pb2_grpc.PrefixIndexServicer):
 
     def PublishEvents(self, request, context):
         with self.lock:
+            if (request.replica_id, request.incarnation) not in self.known:
+                context.abort(grpc.StatusCode.NOT_FOUND, "replica_id: unknown; Register first")
             self.batches.append(request)
             exp = self.expected.get(request.replica_id, 1)
             if not request.resync and request.seq != exp:
@@ -71,7 +73,10 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_register_publish_resync_and_reregister(make_engine) -> None:
+def test_register_publish_resync_and_reregister(make_engine, monkeypatch) -> None:
+    from services.kvpool import publisher
+
+    monkeypatch.setattr(publisher, "MAX_BATCH", 2)  # snapshots span several batches
     index = FakeIndex()
     handle = create_server(service="prefix-fake", address="127.0.0.1:0",
                            services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, index,
@@ -133,3 +138,39 @@ def test_index_down_does_not_stop_serving(make_engine) -> None:
         assert len(toks) == 3 and not pub.registered
     finally:
         pub.stop()
+
+
+def test_real_prefix_index_learns_what_the_replica_holds(make_engine) -> None:
+    """Against the real PrefixIndex servicer: after a request, Match names this replica."""
+    from services.prefix.config import PrefixConfig
+    from services.prefix.server import PrefixServicer, build_index
+
+    index = build_index(PrefixConfig(block_size=4, lease_seconds=5))
+    handle = create_server(service="prefix-real", address="127.0.0.1:0",
+                           services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server,
+                                      PrefixServicer(index), "tiercache.v1.PrefixIndex")])
+    eng = make_engine(num_blocks=32, hash_key=None)  # the cluster key, as the index uses
+    pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
+                    incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
+                    heartbeat_seconds=0.1, publish_interval_seconds=0.02,
+                    channel_factory=grpc.insecure_channel).start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    stub = prefix_pb2_grpc.PrefixIndexStub(channel)
+
+    def matched(tokens: list[int], salt: str = "") -> int:
+        r = stub.Match(prefix_pb2.MatchRequest(model_id="tiny-llama", token_ids=tokens,
+                                               cache_salt=salt), timeout=5)
+        return max((m.matched_blocks for m in r.matches if m.replica_id == "kv-0"), default=0)
+
+    try:
+        prompt = list(range(1, 23))  # 5 full blocks of 4
+        toks, _ = generate(eng, prompt, max_tokens=6, salt="tenant-a")
+        # Prompt + fed-back generated tokens: 27 tokens of KV -> 6 full blocks.
+        wait_for(lambda: matched(prompt + toks, "tenant-a") == 6)
+        assert matched(prompt, "tenant-b") == 0  # another tenant's salt shares nothing
+        eng.call(eng.pool.clear).result(5)
+        wait_for(lambda: matched(prompt, "tenant-a") == 0)
+    finally:
+        channel.close()
+        pub.stop()
+        handle.stop(0)
