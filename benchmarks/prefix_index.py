@@ -9,7 +9,9 @@ matched given its block hashes, then stored as held by one replica of 8: the one
 longest match, else a seeded random one; the replica publishes the blocks it did not hold.
 
 The token trie is what a plain design builds: one node per token (children dict, holder set,
-hit count); match walks tokens, insert walks and adds the holder to every node on the path.
+hit count); match walks tokens and counts a hit on every node it passes (as SGLang's radix tree
+refreshes every node on the path), insert walks and adds the holder to every node on the path.
+The index counts a hit only where a match ends and folds it upwards when it prunes.
 Both structures answer the same per-replica matched lengths (checked on every request).
 
 Memory (`bytes_per_block`) is measured in a second, untimed pass under tracemalloc: everything
@@ -95,14 +97,13 @@ class TokenTrie:
                 break
             node = nxt
             depth += 1
+            nxt.hits += 1  # per-node access bookkeeping, as SGLang's radix tree does on a match
             if len(nxt.holders) != len(prev):
                 for r in prev - nxt.holders:
                     lengths[r] = (depth - 1) // BS
                 prev = nxt.holders
         for r in prev:
             lengths[r] = depth // BS
-        if depth:
-            node.hits += 1
         return lengths
 
     def insert(self, tokens: list[int], replica: int) -> None:

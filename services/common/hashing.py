@@ -152,6 +152,14 @@ class BlockHasher:
             append(prev)
         return out
 
+    def probe(self) -> bytes:
+        """Hash of the block [0, 1, ..., block_size-1] at the unsalted root.
+
+        Two hashers agree on every chain iff they agree on this (same key, model and block
+        size): a replica sends it when registering so the index can refuse a misconfigured one.
+        """
+        return self.hashes(range(self.block_size))[0]
+
     def next_hash(self, parent: bytes, block_tokens: Sequence[int]) -> bytes:
         """Hash of one more full block after `parent`."""
         if len(block_tokens) != self.block_size:

@@ -170,10 +170,15 @@ class PrefixIndexClient:
     def register(self, replica_id: str, incarnation: str, address: str, model_id: str,
                  block_size: int, capacity_blocks: int = 0, *, timeout: float | None = None
                  ) -> RegisterOutcome:
-        """Register on every shard; remembers each shard's next batch number."""
+        """Register on every shard; remembers each shard's next batch number.
+
+        Sends this process's hash probe, so a shard refuses (FAILED_PRECONDITION) a replica
+        whose TIERCACHE_HASH_KEY differs from its own.
+        """
+        probe = BlockHasher(model_id, block_size, self.hash_key, memo_blocks=0).probe()
         req = prefix_pb2.RegisterRequest(
             replica_id=replica_id, incarnation=incarnation, address=address, model_id=model_id,
-            block_size=block_size, capacity_blocks=capacity_blocks)
+            block_size=block_size, capacity_blocks=capacity_blocks, hash_probe=probe)
         got = self._fan_out({a: req for a in self.addresses}, "Register", timeout)
         with self._lock:
             for a, r in got.items():

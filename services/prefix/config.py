@@ -23,7 +23,8 @@ class PrefixConfig:
     min_deep_hits: int = 1  # deep leaves hit fewer times are pruned first
     max_events: int = 65536  # events per PublishEvents batch (a resync sends one per block)
     max_blocks: int = 65536  # blocks per batch, and per Match request
-    verify_hashes: bool = True  # recompute stored blocks' hashes (refuses foreign keys/models)
+    verify_hashes: bool = False  # recompute every stored block's hash (Register's probe
+    # already refuses a replica hashing with another key or model)
     grace_seconds: float = 5.0  # drain time on SIGTERM
 
     def validate(self) -> None:

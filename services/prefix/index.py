@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from operator import itemgetter
 from typing import NamedTuple
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
@@ -65,6 +66,14 @@ class Cleared:
 Event = Stored | Removed | Cleared
 
 
+class ReplicaMatch(NamedTuple):
+    replica_id: str
+    address: str
+    matched_blocks: int
+    matched_tokens: int
+    load: Load
+
+
 @dataclass
 class Replica:
     replica_id: str
@@ -77,6 +86,11 @@ class Replica:
     last_seen: float
     next_seq: int = 1
     load: Load = field(default_factory=Load)
+    zero: ReplicaMatch | None = None  # this replica's answer when it holds nothing asked for
+
+    def refresh(self) -> None:
+        """Rebuild the cached zero-length answer after address or load changed."""
+        self.zero = ReplicaMatch(self.replica_id, self.address, 0, 0, self.load)
 
 
 class RegisterResult(NamedTuple):
@@ -92,14 +106,6 @@ class HeartbeatResult(NamedTuple):
 class PublishResult(NamedTuple):
     resync: bool  # False = applied (or an already applied retry)
     next_seq: int
-
-
-class ReplicaMatch(NamedTuple):
-    replica_id: str
-    address: str
-    matched_blocks: int
-    matched_tokens: int
-    load: Load
 
 
 class MatchResult(NamedTuple):
@@ -142,6 +148,10 @@ class IndexStats(NamedTuple):
     max_nodes: int
 
 
+_ONE_DIGEST = {DIGEST_SIZE}
+_blocks = itemgetter(2)  # ReplicaMatch.matched_blocks
+
+
 def _check_hashes(name: str, hashes: Sequence[bytes]) -> None:
     for i, h in enumerate(hashes):
         if len(h) != DIGEST_SIZE:
@@ -162,7 +172,7 @@ class PrefixIndex:
         min_deep_hits: int = 1,
         max_events: int = 65536,
         max_blocks: int = 65536,
-        verify_hashes: bool = True,
+        verify_hashes: bool = False,
         hash_key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -172,8 +182,10 @@ class PrefixIndex:
             policy: eviction order of leaves (default HybridPolicy(128)).
             min_deep_hits: deep leaves hit fewer times than this are pruned first.
             max_events / max_blocks: per PublishEvents batch (blocks also bound a Match).
-            verify_hashes: recompute the hashes of stored blocks; refuses chains hashed with
-                another key or model (costs ~0.6 us per new block).
+            verify_hashes: recompute the hashes of every new stored block and refuse chains
+                that do not match their tokens (~0.6 us per block on the one central index;
+                off by default: `hash_probe` at Register catches a key or model mismatch once,
+                and a replica that lies about its blocks only misroutes its own requests).
         """
         self.block_size = block_size
         self.lease_seconds = lease_seconds
@@ -192,6 +204,7 @@ class PrefixIndex:
         self._by_bit: list[Replica | None] = [None] * MAX_REPLICAS
         self._by_model: dict[str, list[Replica]] = {}
         self._hashers: dict[str, BlockHasher] = {}
+        self._verifiers: dict[str, BlockHasher] = {}
         self._next_deadline = float("inf")
         self._tick = 0
         self.matches_total = self.matches_hit = 0
@@ -211,15 +224,28 @@ class PrefixIndex:
                 self._hashers[model_id] = h
         return h
 
+    def _verifier(self, model_id: str) -> BlockHasher:
+        # No memo: stored blocks are new by definition, a memo would only cost memory.
+        h = self._verifiers.get(model_id)
+        if h is None:
+            h = BlockHasher(model_id, self.block_size, self.hash_key, memo_blocks=0)
+            if len(self._verifiers) < 1024:
+                self._verifiers[model_id] = h
+        return h
+
     # -- membership -----------------------------------------------------------------------
 
     def register(self, replica_id: str, incarnation: str, address: str, model_id: str,
-                 block_size: int, capacity_blocks: int = 0) -> RegisterResult:
+                 block_size: int, capacity_blocks: int = 0, hash_probe: bytes = b""
+                 ) -> RegisterResult:
         """Start (or refresh) a replica's lease.
 
+        Args:
+            hash_probe: the replica's `BlockHasher.probe()`; checked against the index's own
+                when given, so that a replica hashing with another key is refused up front.
         Raises:
             InvalidArgument: a required field is empty.
-            FailedPrecondition: block_size differs from the index's.
+            FailedPrecondition: block_size or the hash probe differs from the index's.
             ResourceExhausted: all replica slots are taken.
         """
         for name, value in (("replica_id", replica_id), ("incarnation", incarnation),
@@ -231,11 +257,16 @@ class PrefixIndex:
         if block_size != self.block_size:
             raise FailedPrecondition(
                 f"block_size: replica uses {block_size}, this index {self.block_size}")
+        if hash_probe and hash_probe != self.hasher(model_id).probe():
+            raise FailedPrecondition(
+                "hash_probe: the replica's block hashes differ from the index's "
+                "(TIERCACHE_HASH_KEY or model_id mismatch)")
         now = self.clock()
         self._expire(now)
         rep = self._replicas.get(replica_id)
         if rep is not None and rep.incarnation == incarnation and rep.model_id == model_id:
             rep.address, rep.capacity_blocks = address, capacity_blocks
+            rep.refresh()
         else:
             if rep is not None:
                 # A restarted pod keeps its name, not its memory.
@@ -249,6 +280,7 @@ class PrefixIndex:
                 bit = free[0]
             rep = Replica(replica_id, incarnation, address, model_id, capacity_blocks, bit,
                           now, now)
+            rep.refresh()
             self._replicas[replica_id] = rep
             self._by_bit[bit] = rep
             self._reindex_models()
@@ -264,7 +296,10 @@ class PrefixIndex:
         rep = self._replicas.get(replica_id)
         if rep is None or rep.incarnation != incarnation:
             return HeartbeatResult(False, self.lease_seconds)
-        rep.load = load
+        if load != rep.load:
+            rep.load = load
+            rep.refresh()
+            self._reindex_models()
         self._renew(rep, now)
         return HeartbeatResult(True, self.lease_seconds)
 
@@ -294,8 +329,10 @@ class PrefixIndex:
         self._reindex_models()
 
     def _reindex_models(self) -> None:
+        # Least busy first, so that equally long matches come out in load order.
         by_model: dict[str, list[Replica]] = {}
-        for r in sorted(self._replicas.values(), key=lambda r: r.replica_id):
+        for r in sorted(self._replicas.values(),
+                        key=lambda r: (r.load.running + r.load.waiting, r.replica_id)):
             by_model.setdefault(r.model_id, []).append(r)
         self._by_model = by_model
 
@@ -382,10 +419,13 @@ class PrefixIndex:
         for i, ev in enumerate(events):
             where = f"events[{i}]"
             if isinstance(ev, Stored):
-                hashes = list(ev.block_hashes)
+                hashes = ev.block_hashes
+                if not isinstance(hashes, list):
+                    hashes = list(hashes)
                 if not hashes:
                     raise InvalidArgument(f"{where}.stored.block_hashes", "empty")
-                _check_hashes(f"{where}.stored.block_hashes", hashes)
+                if set(map(len, hashes)) != _ONE_DIGEST:
+                    _check_hashes(f"{where}.stored.block_hashes", hashes)
                 if len(ev.token_ids) != bs * len(hashes):
                     raise InvalidArgument(
                         f"{where}.stored.token_ids",
@@ -404,8 +444,15 @@ class PrefixIndex:
                                               "must equal block_hashes[0] at the root")
                     parent = self.hasher(rep.model_id).root(ev.cache_salt)
                 if self.verify_hashes:
-                    want = self.hasher(rep.model_id).hashes(ev.token_ids, parent=parent)
-                    if want != hashes:
+                    # Known blocks were verified when first stored (and store checks their
+                    # parent); only the new tail needs hashing.
+                    j = 0
+                    while j < len(hashes) and self.tree.get(hashes[j]) is not None:
+                        j += 1
+                    prev = hashes[j - 1] if j else parent
+                    want = self._verifier(rep.model_id).hashes(ev.token_ids[j * bs :],
+                                                               parent=prev)
+                    if want != hashes[j:]:
                         raise InvalidArgument(
                             f"{where}.stored.block_hashes",
                             "do not match the tokens (hash key, model_id or parent mismatch)")
@@ -440,7 +487,9 @@ class PrefixIndex:
         if len(block_hashes):
             if len(block_hashes) > self.max_blocks:
                 raise InvalidArgument("block_hashes", f"more than {self.max_blocks} blocks")
-            _check_hashes("block_hashes", block_hashes)
+            # One C-level join instead of a Python loop; a wrong length shows in the total.
+            if len(b"".join(block_hashes)) != DIGEST_SIZE * len(block_hashes):
+                _check_hashes("block_hashes", block_hashes)
             hashes = block_hashes
         elif len(token_ids):
             if len(token_ids) > self.max_blocks * self.block_size:
@@ -455,23 +504,28 @@ class PrefixIndex:
         self._tick += 1
         segments = self.tree.match(hashes, self._tick)
         bs = self.block_size
-        out = []
-        for rep in self._by_model.get(model_id, ()):
-            m = 1 << rep.bit
-            got = 0
-            for seg in segments:
-                if seg.holders & m:
-                    got = seg.blocks
-                    break
-            out.append(ReplicaMatch(rep.replica_id, rep.address, got, got * bs, rep.load))
-        if len(out) > 1:
-            out.sort(key=lambda r: (-r.matched_blocks, r.load.running + r.load.waiting))
-        best = segments[0].blocks if segments else 0
+        reps = self._by_model.get(model_id, ())
         self.matches_total += 1
         self.match_blocks_total += len(hashes)
-        if best:
-            self.matches_hit += 1
-            self.match_blocks_hit += best
+        if not segments:
+            return MatchResult([r.zero for r in reps], len(hashes), bs)  # type: ignore[misc]
+        hit: list[ReplicaMatch] = []
+        zero: list[ReplicaMatch] = []
+        for rep in reps:
+            for holders, blocks in segments:
+                if holders >> rep.bit & 1:
+                    hit.append(ReplicaMatch(rep.replica_id, rep.address, blocks, blocks * bs,
+                                            rep.load))
+                    break
+            else:
+                zero.append(rep.zero)  # type: ignore[arg-type]
+        if len(hit) > 1:
+            hit.sort(key=_blocks, reverse=True)  # stable: ties stay in load order
+        best = segments[0].blocks
+        self.matches_hit += 1
+        self.match_blocks_hit += best
+        hit += zero
+        out = hit
         return MatchResult(out, len(hashes), bs)
 
     def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0) -> list[HotPrefix]:

@@ -75,7 +75,7 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         with self.lock:
             r = self.index.register(request.replica_id, request.incarnation, request.address,
                                     request.model_id, request.block_size,
-                                    request.capacity_blocks)
+                                    request.capacity_blocks, request.hash_probe)
             self._gauges()
         log.info("replica %s/%s registered at %s (model %s)", request.replica_id,
                  request.incarnation, request.address, request.model_id)

@@ -199,30 +199,44 @@ class BlockTree:
         if isinstance(par, Node) and not par.holders & mask:
             return StoreResult(0, 0, len(hashes))
         table = self._table
-        bs = self.block_size
-        depth = 0 if isinstance(par, Root) else par.depth + 1
-        added = held = 0
-        chunk: _Chunk | None = None
-        for j, h in enumerate(hashes):
-            node = table.get(h)
+        n = len(hashes)
+        held = j = 0
+        # Known head: the replica now holds it too.
+        while j < n:
+            node = table.get(hashes[j])
             if node is None:
-                if chunk is None or depth + j >= chunk.start + len(chunk) // bs:
-                    chunk = self._new_chunk(token_ids, j, len(hashes), depth + j)
-                node = Node(h, par, chunk, (depth + j) - chunk.start, mask, clock)
-                table[h] = node
-                _add_kid(par, node)
-                added += 1
-                held += 1
-            elif node.parent is not par:
+                break
+            if node.parent is not par:
                 # Only a hash collision or a replica sending inconsistent chains gets here.
                 self.held[bit] += held
-                return StoreResult(added, held, len(hashes) - j)
-            elif not node.holders & mask:
+                return StoreResult(0, held, n - j)
+            if not node.holders & mask:
                 node.holders |= mask
                 held += 1
             par = node
-        self.held[bit] += held
-        return StoreResult(added, held, 0)
+            j += 1
+        # New tail: one node per block, the tokens in shared chunks of up to 256 blocks.
+        added = 0
+        depth = 0 if isinstance(par, Root) else par.depth + 1
+        while j < n:
+            chunk = self._new_chunk(token_ids, j, n, depth)
+            for idx in range(len(chunk) // self.block_size):
+                h = hashes[j]
+                if h in table:  # an existing block below a new one: inconsistent chain
+                    self.held[bit] += held + added
+                    return StoreResult(added, held + added, n - j)
+                node = Node(h, par, chunk, idx, mask, clock)
+                table[h] = node
+                if par.kids is None and par.__class__ is Node:
+                    par.kids = node
+                else:
+                    _add_kid(par, node)
+                par = node
+                added += 1
+                j += 1
+            depth += len(chunk) // self.block_size
+        self.held[bit] += held + added
+        return StoreResult(added, held + added, 0)
 
     def _new_chunk(self, token_ids: Sequence[int], j: int, n: int, depth: int) -> _Chunk:
         # One array for the rest of the event's blocks (at most 256 so `idx` stays a small int).

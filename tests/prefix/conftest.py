@@ -34,6 +34,7 @@ def hasher() -> BlockHasher:
 
 def make_index(clock: Clock, **kw) -> PrefixIndex:
     kw.setdefault("lease_seconds", 10.0)
+    kw.setdefault("verify_hashes", True)  # also makes check_integrity re-hash every node
     return PrefixIndex(BS, hash_key=KEY, clock=clock, **kw)
 
 

@@ -147,6 +147,15 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(server, client):
     ch.close()
 
 
+def test_register_with_a_foreign_hash_key_is_refused(server):
+    c = PrefixIndexClient([server.address], TOKEN, timeout=5, hash_key=b"not-the-cluster-key")
+    with pytest.raises(PrefixIndexError) as ei:
+        c.register("r", "i", "x:1", MODEL, BS)
+    assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "hash_probe" in ei.value.details()
+    c.close()
+
+
 def test_internal_credential_is_required(server):
     c = PrefixIndexClient([server.address], "wrong", timeout=5)
     with pytest.raises(PrefixIndexError) as ei:

@@ -253,3 +253,22 @@ def test_bad_input_is_refused_and_changes_nothing(index, hasher):
         small.publish("a", "i1", 1, [stored(hasher, toks(1, 2, 3))])
     assert small.stats().nodes == 0
     small.check_integrity()
+
+
+def test_hash_probe_refuses_a_replica_hashing_differently(index, hasher, clock):
+    from services.common.hashing import BlockHasher
+
+    assert index.register("a", "i", "x:1", MODEL, BS, 0, hasher.probe()).next_seq == 1
+    foreign = BlockHasher(MODEL, BS, b"another-key").probe()
+    with pytest.raises(FailedPrecondition, match="hash_probe"):
+        index.register("b", "i", "x:2", MODEL, BS, 0, foreign)
+    assert [r.replica_id for r in index.stats().replicas] == ["a"]
+    # Without per-block verification a forged chain is taken at its word (advisory index);
+    # with it, refused.
+    lax = make_index(clock, verify_hashes=False)
+    reg(lax, "a")
+    forged = stored(hasher, toks(1, 2))
+    object.__setattr__(forged, "token_ids", toks(3, 4))
+    assert lax.publish("a", "i1", 1, [forged]).resync is False
+    with pytest.raises(InvalidArgument, match="do not match"):
+        reg(index, "c") or index.publish("c", "i1", 1, [forged])

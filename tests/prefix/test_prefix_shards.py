@@ -7,8 +7,8 @@ import pytest
 from tiercache.v1 import prefix_pb2
 
 from services.common.hashing import BlockHasher
-from services.launcher import ServiceProcess, free_port
 from services.common.prefix_client import PrefixIndexClient, PrefixIndexError
+from services.launcher import ServiceProcess, free_port
 
 BS = 16
 MODEL = "tiny"
