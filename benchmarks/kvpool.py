@@ -11,10 +11,11 @@ from the vocabulary (timing does not depend on their meaning).
 
 Figures (issue 3): TTFT hit/miss on a 1,024-token system prompt + 32-token user turn; TTFT with
 caching on vs off for unique prompts ("off" = a second replica started with
-TIERCACHE_KVPOOL_PREFIX_CACHING=false: no lookup, nothing stored); blocks in use by 8 concurrent requests sharing the system
-prompt over 8x one request alone; decode throughput at batch 8 over batch 1 (~128-token contexts,
-and with a shared 1,024-token prefix); decode step over the plain cache at 1k context; TTFT on a
-cached prefix and 8-request throughput against transformers continuous batching.
+TIERCACHE_KVPOOL_PREFIX_CACHING=false: no lookup, nothing stored); blocks in use by 8
+concurrent requests sharing the system prompt over 8x one request alone; decode throughput at
+batch 8 over batch 1 (~128-token contexts, and with a shared 1,024-token prefix); decode step over
+the plain cache at 1k context; TTFT on a cached prefix and 8-request throughput against
+transformers continuous batching.
 
 `--quick` keeps every figure but shrinks repetitions, the shared prefix (256 tokens) and the
 transformers CB workload so the whole run takes under ~3 minutes; it writes `kvpool-quick.json`.
@@ -39,6 +40,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
+# Same OpenMP waiting policy as the kvpool process, so the in-process baselines are not
+# handicapped (torch is imported lazily, after this).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
