@@ -149,6 +149,7 @@ class IndexStats(NamedTuple):
 
 
 _ONE_DIGEST = {DIGEST_SIZE}
+
 _blocks = itemgetter(2)  # ReplicaMatch.matched_blocks
 
 
@@ -509,16 +510,21 @@ class PrefixIndex:
         self.match_blocks_total += len(hashes)
         if not segments:
             return MatchResult([r.zero for r in reps], len(hashes), bs)  # type: ignore[misc]
-        hit: list[ReplicaMatch] = []
-        zero: list[ReplicaMatch] = []
-        for rep in reps:
-            for holders, blocks in segments:
-                if holders >> rep.bit & 1:
-                    hit.append(ReplicaMatch(rep.replica_id, rep.address, blocks, blocks * bs,
-                                            rep.load))
-                    break
-            else:
-                zero.append(rep.zero)  # type: ignore[arg-type]
+        if len(segments) == 1:
+            holders, blocks = segments[0]
+            hit = [ReplicaMatch(r.replica_id, r.address, blocks, blocks * bs, r.load)
+                   for r in reps if holders >> r.bit & 1]
+            zero = [r.zero for r in reps if not holders >> r.bit & 1]
+        else:
+            hit, zero = [], []
+            for rep in reps:
+                for holders, blocks in segments:
+                    if holders >> rep.bit & 1:
+                        hit.append(ReplicaMatch(rep.replica_id, rep.address, blocks,
+                                                blocks * bs, rep.load))
+                        break
+                else:
+                    zero.append(rep.zero)
         if len(hit) > 1:
             hit.sort(key=_blocks, reverse=True)  # stable: ties stay in load order
         best = segments[0].blocks

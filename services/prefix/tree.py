@@ -243,8 +243,10 @@ class BlockTree:
         bs = self.block_size
         end = min(n, j + 256)
         part = token_ids[j * bs : end * bs]
-        code = "H" if max(part) < 65536 else "I"
-        chunk = _Chunk(code, part)
+        try:
+            chunk = _Chunk("H", part)  # half the bytes whenever the vocabulary fits
+        except OverflowError:
+            chunk = _Chunk("I", part)
         chunk.start = depth
         return chunk
 
