@@ -31,3 +31,17 @@ def test_env_and_flags() -> None:
 def test_bad_values_name_the_variable(env, var) -> None:
     with pytest.raises(ConfigError, match=var):
         load_config(KvPoolConfig, "kvpool", [], environ=env)
+
+
+def test_pool_sized_in_bytes_or_blocks() -> None:
+    import torch
+
+    from services.kvpool.app import pool_blocks
+    from services.kvpool.engine import ModelInfo
+
+    info = ModelInfo("m", num_layers=30, kv_heads=3, head_dim=64, vocab_size=10, max_context=64,
+                     eos_token_ids=frozenset())
+    per_block = 30 * 2 * 3 * 16 * 64 * 4  # SmolLM2, fp32: 737,280 bytes
+    cfg = KvPoolConfig(kv_cache_bytes=100 * per_block + 5)
+    assert pool_blocks(cfg, info, torch.float32) == 100
+    assert pool_blocks(KvPoolConfig(num_blocks=7), info, torch.float32) == 7

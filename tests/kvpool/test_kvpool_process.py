@@ -1,0 +1,68 @@
+"""`python -m services.kvpool` as a real process over a local model folder."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
+
+from tests.kvpool.conftest import make_tiny_model, reference_greedy
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.e2e
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_process_serves_a_local_model_folder_and_stops_on_sigterm(tmp_path: Path) -> None:
+    model = make_tiny_model()
+    folder = tmp_path / "tiny-folder"
+    model.save_pretrained(folder)
+    port = free_port()
+    env = dict(os.environ, TIERCACHE_KVPOOL_MODEL=str(folder),
+               TIERCACHE_KVPOOL_ADDRESS=f"127.0.0.1:{port}", TIERCACHE_KVPOOL_METRICS_PORT="0",
+               TIERCACHE_KVPOOL_NUM_BLOCKS="64", TIERCACHE_KVPOOL_REPLICA_ID="kv-proc")
+    proc = subprocess.Popen([sys.executable, "-m", "services.kvpool", "--block-size", "4"],
+                            cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        health = health_pb2_grpc.HealthStub(channel)
+        end = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stderr.read()
+            try:
+                if health.Check(health_pb2.HealthCheckRequest(service="tiercache.v1.KvPool"),
+                                timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    break
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < end, "kvpool did not become healthy"
+            time.sleep(0.2)
+        stub = kvpool_pb2_grpc.KvPoolStub(channel)
+        st = stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+        assert (st.model_id, st.block_size, st.blocks_total) == ("tiny-folder", 4, 64)
+        prompt = [3, 14, 15, 92, 65, 35, 89, 79]
+        toks = []
+        for msg in stub.Generate(kvpool_pb2.KvGenerateRequest(
+                token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=6)), timeout=30):
+            toks.extend(msg.token_ids)
+        assert toks == reference_greedy(model, prompt, 6)
+    finally:
+        channel.close()
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+    assert rc == 0
