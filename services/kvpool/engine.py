@@ -300,7 +300,6 @@ class Engine:
                 seq = msg[1]
                 self._by_id[seq.seq_id] = seq
                 self._waiting.append(seq)
-                self.requests_total += 1
             elif kind == "cancel":
                 seq = self._by_id.get(msg[1])
                 if seq is not None:
@@ -514,6 +513,7 @@ class Engine:
             self._remove_from_rows(seq)
         self.pool.close(seq.seq_id)
         seq.phase = Phase.WAITING
+        self.requests_total += 1
         # Stats first, so a caller who sees the result also sees its blocks released.
         self._stats = self._compute_stats()
         seq.out.put(result)
