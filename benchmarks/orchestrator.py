@@ -16,6 +16,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -74,6 +75,9 @@ def run_variant(name: str, spec: WorkloadSpec, *, routing: str, caches: bool, nu
         "TIERCACHE_ORCHESTRATOR_ROUTING_POLICY": routing,
         "TIERCACHE_KVPOOL_NUM_BLOCKS": str(num_blocks),
         "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
+        # A fresh semantic store per variant: one run's answers must not serve the next.
+        "TIERCACHE_SEMANTIC_DB_PATH": str(Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
+                                          / "semantic.db"),
     }
     stack = Stack(replicas=2, base_port=0, log_dir=Path("/tmp/tiercache-bench-logs") / name,
                   extra_env=env)

@@ -53,6 +53,7 @@ class Replica:
     replica_id: str = ""
     stats: kvpool_pb2.KvStatsResponse | None = None
     inflight: int = 0
+    slow_polls: int = 0
 
     @property
     def load(self) -> float:
@@ -82,15 +83,20 @@ class ReplicaSet:
     def poll_once(self) -> None:
         for r in self.replicas:
             try:
-                s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(0.5, self.poll_s),
+                # A replica busy with a long prefill answers Stats late; that is load, not
+                # death, so the timeout is generous and only repeated slowness counts.
+                s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(5.0, self.poll_s),
                                  metadata=call_metadata(self.internal_token))
                 with self._lock:
                     r.stats = s
                     r.replica_id = s.replica_id or r.address
                     r.health.name = f"kvpool/{r.replica_id}"
+                    r.slow_polls = 0
                 r.health.ok()
             except grpc.RpcError as e:
-                r.health.fail(e)
+                r.slow_polls += 1
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or r.slow_polls >= 3:
+                    r.health.fail(e)
 
     def start(self) -> None:
         self.poll_once()
@@ -107,7 +113,10 @@ class ReplicaSet:
         return [r for r in self.replicas if r.health.healthy]
 
     def views(self) -> list[ReplicaView]:
-        return [ReplicaView(r.replica_id, r.load) for r in self.healthy()]
+        """Replicas to route to: the healthy ones, or every one when none is known healthy
+        (at start-up, or after a network blip) — trying costs one fast connection error."""
+        live = self.healthy() or self.replicas
+        return [ReplicaView(r.replica_id, r.load) for r in live]
 
     def by_id(self, replica_id: str) -> Replica | None:
         for r in self.replicas:
