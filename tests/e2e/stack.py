@@ -9,6 +9,8 @@ from pathlib import Path
 from services.launcher import ServiceProcess
 from tests.e2e.conftest import start
 
+INTERNAL = "internal-e2e-secret"
+INTERNAL_MD = [("authorization", f"Bearer {INTERNAL}")]
 TOKENS = {"tok-a": {"tenant": "a"}, "tok-b": {"tenant": "b"},
           "tok-small": {"tenant": "small", "max_prompt_tokens": 60, "max_concurrent": 1}}
 
@@ -32,15 +34,18 @@ def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict 
                      ) -> FullStack:
     tokens_file = tmp / "tokens.json"
     tokens_file.write_text(json.dumps(TOKENS))
-    sem = start("semantic", {"TIERCACHE_SEMANTIC_DB_PATH": str(tmp / "semantic.db")},
+    sem = start("semantic", {"TIERCACHE_SEMANTIC_DB_PATH": str(tmp / "semantic.db"),
+                             "TIERCACHE_SEMANTIC_INTERNAL_TOKEN": INTERNAL},
                 key=f"{name}-semantic")
-    prefix = start("prefix", {"TIERCACHE_PREFIX_LEASE_SECONDS": str(lease_s)},
+    prefix = start("prefix", {"TIERCACHE_PREFIX_LEASE_SECONDS": str(lease_s),
+                              "TIERCACHE_PREFIX_INTERNAL_TOKEN": INTERNAL},
                    key=f"{name}-prefix")
     kv = [start("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": f"kv-{i}",
                            "TIERCACHE_KVPOOL_PREFIX_ADDRESS": prefix.address,
                            "TIERCACHE_KVPOOL_HEARTBEAT_SECONDS": "0.5",
                            "TIERCACHE_KVPOOL_NUM_BLOCKS": "512",
-                           "TIERCACHE_KVPOOL_TORCH_THREADS": "1"}, key=f"{name}-kv{i}")
+                           "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
+                           "TIERCACHE_KVPOOL_INTERNAL_TOKEN": INTERNAL}, key=f"{name}-kv{i}")
           for i in range(2)]
     orch = start("orchestrator", {
         "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": ",".join(k.address for k in kv),
@@ -48,6 +53,7 @@ def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict 
         "TIERCACHE_ORCHESTRATOR_PREFIX_ADDRESSES": prefix.address,
         "TIERCACHE_ORCHESTRATOR_TOKENS_FILE": str(tokens_file),
         "TIERCACHE_ORCHESTRATOR_REPLICA_POLL_S": "0.5",
+        "TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN": INTERNAL,
         "TIERCACHE_ORCHESTRATOR_PREFIX_TIMEOUT_S": "1.0",
         **(orch_env or {})}, key=f"{name}-orchestrator")
     return FullStack(sem, prefix, kv, orch)

@@ -11,7 +11,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from clients.python.client import TierCacheClient
 from services.common.prefix_client import PrefixIndexClient
-from tests.e2e.stack import start_full_stack
+from tests.e2e.stack import INTERNAL, INTERNAL_MD, start_full_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -36,7 +36,8 @@ def running_on(stack) -> list[int]:
     out = []
     for k in stack.kv:
         stub = kvpool_pb2_grpc.KvPoolStub(grpc.insecure_channel(k.address))
-        out.append(stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=10).running)
+        st = stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=10, metadata=INTERNAL_MD)
+        out.append(st.running)
     return out
 
 
@@ -71,7 +72,7 @@ def test_replica_killed_mid_stream_completes_with_the_same_tokens(stack, a):
 
     # The index forgets the dead replica within its lease.
     dead_id = killed.env["TIERCACHE_KVPOOL_REPLICA_ID"]
-    with PrefixIndexClient([stack.prefix.address]) as idx:
+    with PrefixIndexClient([stack.prefix.address], INTERNAL) as idx:
         end = time.monotonic() + LEASE_S + 3.0
         while time.monotonic() < end:
             ids = {r.replica_id for r in idx.stats().replicas}

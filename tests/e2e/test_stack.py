@@ -11,7 +11,7 @@ import pytest
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from clients.python.client import TierCacheClient
-from tests.e2e.stack import start_full_stack
+from tests.e2e.stack import INTERNAL_MD, start_full_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -43,7 +43,8 @@ def kv_requests(stack) -> int:
     total = 0
     for k in stack.kv:
         stub = kvpool_pb2_grpc.KvPoolStub(grpc.insecure_channel(k.address))
-        total += stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=10).requests_total
+        st = stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=10, metadata=INTERNAL_MD)
+        total += st.requests_total
     return total
 
 
@@ -138,3 +139,21 @@ def test_stats_aggregate_every_tier(stack, a):
     assert s.prefix.nodes > 0 and len(s.prefix.replicas) == 2
     assert s.semantic.entries >= 2
     assert all(d.healthy for d in s.dependencies)
+
+
+def test_internal_services_refuse_calls_without_the_internal_credential(stack):
+    from tiercache.v1 import prefix_pb2, prefix_pb2_grpc, semantic_pb2, semantic_pb2_grpc
+
+    calls = [
+        (kvpool_pb2_grpc.KvPoolStub, stack.kv[0].address, "Stats", kvpool_pb2.KvStatsRequest()),
+        (prefix_pb2_grpc.PrefixIndexStub, stack.prefix.address, "Stats",
+         prefix_pb2.PrefixStatsRequest()),
+        (semantic_pb2_grpc.SemanticCacheStub, stack.semantic.address, "Stats",
+         semantic_pb2.SemanticStatsRequest()),
+    ]
+    for stub_cls, addr, method, req in calls:
+        stub = stub_cls(grpc.insecure_channel(addr))
+        with pytest.raises(grpc.RpcError) as e:
+            getattr(stub, method)(req, timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, addr
+        getattr(stub, method)(req, timeout=10, metadata=INTERNAL_MD)  # with it: fine
