@@ -1,0 +1,55 @@
+"""The low-traffic warm-up loop (pure logic, fakes for the replicas and the index)."""
+
+from types import SimpleNamespace
+
+from tiercache.v1 import kvpool_pb2, prefix_pb2
+
+from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.server import Warmer
+
+
+class FakeStub:
+    def __init__(self, rid):
+        self.rid = rid
+        self.calls = []
+
+    def Prefill(self, req, timeout=None, metadata=None):  # noqa: N802
+        self.calls.append(list(req.token_ids))
+        assert req.pin and req.ttl_seconds > 0
+        return kvpool_pb2.PrefillResponse(prompt_tokens=len(req.token_ids),
+                                          computed_tokens=len(req.token_ids), replica_id=self.rid)
+
+
+def make(loads, hot):
+    reps = [SimpleNamespace(replica_id=f"r{i}", load=load, stub=FakeStub(f"r{i}"))
+            for i, load in enumerate(loads)]
+    replicas = SimpleNamespace(healthy=lambda: reps)
+    prefix = SimpleNamespace(top_prefixes=lambda k, model_id: hot[:k])
+    orch = SimpleNamespace(replicas=replicas, prefix=prefix, model_id="m", internal_token="")
+    cfg = OrchestratorConfig(warm_interval_s=1.0, warm_top_k=8, warm_max_load=1.0,
+                             warm_max_prompts_per_cycle=3, warm_pin_ttl_s=60)
+    return Warmer(orch, cfg), reps
+
+
+def hp(tokens, holders, hits=10):
+    return prefix_pb2.HotPrefix(token_ids=tokens, holders=holders, hits=hits, cache_salt="s")
+
+
+def test_warms_replicas_that_lack_hot_prefixes_when_quiet():
+    w, reps = make([0, 0, 0], [hp([1] * 32, ["r0"]), hp([2] * 32, ["r0", "r1", "r2"])])
+    assert w.cycle() == 2
+    assert reps[0].stub.calls == []
+    assert reps[1].stub.calls == [[1] * 32] and reps[2].stub.calls == [[1] * 32]
+
+
+def test_cap_on_work_per_cycle():
+    hot = [hp([i] * 32, []) for i in range(1, 5)]
+    w, reps = make([0, 0], hot)
+    assert w.cycle() == 3
+    assert sum(len(r.stub.calls) for r in reps) == 3
+
+
+def test_no_warm_up_while_busy():
+    w, reps = make([3, 2], [hp([1] * 32, [])])
+    assert w.cycle() == 0
+    assert all(r.stub.calls == [] for r in reps)
