@@ -53,7 +53,7 @@ class OrchestratorConfig:
     # Replica polling (health + load) interval.
     replica_poll_s: float = 1.0
     # Background warm-up: off when warm_interval_s <= 0.
-    warm_interval_s: float = 0.0
+    warm_interval_s: float = 30.0
     warm_top_k: int = 8
     warm_max_load: float = 0.25
     warm_max_prompts_per_cycle: int = 4

@@ -54,6 +54,9 @@ def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict 
         "TIERCACHE_ORCHESTRATOR_TOKENS_FILE": str(tokens_file),
         "TIERCACHE_ORCHESTRATOR_REPLICA_POLL_S": "0.5",
         "TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN": INTERNAL,
+        # Background warm-up would make cached-token counts depend on timing here; it has
+        # its own tests.
+        "TIERCACHE_ORCHESTRATOR_WARM_INTERVAL_S": "0",
         "TIERCACHE_ORCHESTRATOR_PREFIX_TIMEOUT_S": "1.0",
         **(orch_env or {})}, key=f"{name}-orchestrator")
     return FullStack(sem, prefix, kv, orch)
