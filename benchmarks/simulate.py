@@ -749,6 +749,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tenants", type=int, default=SimConfig.tenants)
     ap.add_argument("--req-per-replica-s", type=float, default=SimConfig.req_per_replica_s)
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the output file's results for cluster sizes not run now")
     a = ap.parse_args(argv)
     sizes = a.replicas or ([8, 64] if a.quick else [8, 64, 512])
     sessions = a.sessions or (2000 if a.quick else 100_000)
@@ -772,6 +774,7 @@ def main(argv: list[str] | None = None) -> int:
     results: list[RunResult] = []
     path = a.out or RESULTS / ("simulate-quick.json" if a.quick else "simulate.json")
     path.parent.mkdir(parents=True, exist_ok=True)
+    prev = json.loads(path.read_text()) if a.merge and path.exists() else None
     with mp.get_context("fork").Pool(a.jobs) as pool:
         for r in tqdm(pool.imap_unordered(_job, jobs), total=len(jobs), desc="simulations",
                       position=a.jobs, unit="run"):
@@ -783,12 +786,34 @@ def main(argv: list[str] | None = None) -> int:
             # Written after every run, so an interrupted run still leaves what it finished.
             out = build_output(results, sizes, sessions, rates, (bpn, bpn_src), a,
                                time.perf_counter() - t0, len(results) == len(jobs))
+            if prev is not None:
+                out = merge_previous(out, prev)
             path.write_text(json.dumps(out, indent=1))
     wall = time.perf_counter() - t0
     for k, t in out["targets"].items():
         print(f"{k}: {t['value']:.3f} (target {t['target']}) {'met' if t['met'] else 'NOT met'}")
     print(f"wrote {path} in {wall:.0f}s")
     return 0
+
+
+def merge_previous(out: dict, prev: dict) -> dict:
+    """Results of `prev` for cluster sizes `out` did not run (each size keeps its sessions)."""
+    for n, res in prev.get("results", {}).items():
+        if n in out["results"]:
+            continue
+        out["results"][n] = res
+        out["sessions"][n] = prev.get("sessions", {}).get(n, prev["config"]["sessions"])
+        out["config"]["replicas"] = sorted(set(out["config"]["replicas"]) | {int(n)})
+        out["complete_sizes"][n] = all(p in res for p in REQUIRED)
+        if n == str(prev["targets_at_replicas"]):
+            for k in ("targets_at_replicas", "hit_ratio_vs_uncapped_prefix_aware",
+                      "load_max_over_mean", "hit_ratio_vs_round_robin", "targets",
+                      "series", "ttft_hist"):
+                out[k] = prev[k]
+    out["commands"] = prev.get("commands", [prev["command"]]) + [out["command"]]
+    out["wall_s_total"] = prev.get("wall_s_total", prev["wall_s"]) + out["wall_s"]
+    out["complete"] = all(out["complete_sizes"].values())
+    return out
 
 
 def build_output(results: list[RunResult], sizes: list[int], sessions: int, rates: Rates,
@@ -818,8 +843,12 @@ def build_output(results: list[RunResult], sizes: list[int], sessions: int, rate
                                      "met": h_rr is not None and h_rr >= 2.0},
     }
     cmd = "python -m benchmarks.simulate" + (" --quick" if a.quick else "")
+    if a.replicas:
+        cmd += " --replicas " + " ".join(map(str, a.replicas))
     if a.sessions:
         cmd += f" --sessions {a.sessions}"
+    if a.merge:
+        cmd += " --merge"
     return {
         "benchmark": "simulate",
         "command": cmd,
@@ -850,6 +879,8 @@ def build_output(results: list[RunResult], sizes: list[int], sessions: int, rate
                                   "the session id instead of replica list order "
                                   "(TieBreakPrefixAwarePolicy in benchmarks/simulate.py)",
         },
+        "sessions": {str(n): sessions for n in sizes},
+        "complete_sizes": {str(n): all((n, p) in by for p in REQUIRED) for n in sizes},
         "results": {str(n): {p: by[(n, p)].summary for p in POLICIES if (n, p) in by}
                     for n in sizes},
         "series": {str(n): {p: by[(n, p)].series for p in POLICIES if (n, p) in by}
