@@ -215,6 +215,11 @@ class Engine:
         self._thread.start()
         return self
 
+    @property
+    def running(self) -> bool:
+        """True while the engine thread serves requests."""
+        return self._thread is not None and self._thread.is_alive()
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._inbox.put(("wake",))
@@ -285,6 +290,7 @@ class Engine:
                 log.exception("engine step failed; failing the running sequences")
                 self._fail_all_running(errors.TierCacheError("internal error in the engine step"))
             self._publish_state()
+        self._drain_inbox(block=False)  # requests that raced with the stop get an answer too
         self._fail_everything(errors.Unavailable("replica is shutting down"))
 
     def _drain_inbox(self, block: bool) -> None:

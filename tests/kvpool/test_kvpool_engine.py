@@ -244,3 +244,15 @@ def test_metrics_follow_the_engine(make_engine) -> None:
     eng.call(lambda: None).result(5)  # one more engine step publishes the gauges
     total = value("tiercache_kvpool_blocks", state="total")
     assert total == 64 and value("tiercache_kvpool_blocks", state="in_use") == 0
+
+
+def test_stopping_the_engine_answers_every_request(make_engine) -> None:
+    eng = make_engine(max_batch_size=1)
+    outs = [eng.submit(request(prompt(20, 90 + i), max_tokens=200, ignore_eos=True))[1]
+            for i in range(3)]
+    eng.stop()
+    for out in outs:
+        _, fin = collect(out)
+        assert isinstance(fin, Failed) and isinstance(fin.error, errors.Unavailable)
+    eng.check_integrity()
+    assert eng.pool.stats().in_use == 0
