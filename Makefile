@@ -43,11 +43,14 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check services clients tests benchmarks
 
+# Every benchmark in benchmarks/, then benchmarks/results/REPORT.md with plots (hours: the
+# simulation alone runs 100k sessions per cluster size).
 bench: setup
-	$(VPY) -m benchmarks.kvpool
+	$(VPY) -m benchmarks.report --run
 
+# Each benchmark's --quick version and the report (< 15 minutes on 2 CPUs).
 bench-quick: setup
-	$(VPY) -m benchmarks.kvpool --quick
+	$(VPY) -m benchmarks.report --run --quick
 
 k8s-validate: setup
 	@set -euo pipefail; for o in deploy/k8s/overlays/*/; do \
