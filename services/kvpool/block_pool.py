@@ -121,6 +121,8 @@ class BlockPool:
         self._table: dict[bytes, int] = {}
         self._seqs: dict[str, _Table] = {}
         self._events: list[PoolEvent] = []
+        self._in_use = 0  # blocks with ref > 0, kept incrementally: stats run every step
+        self._pins: dict[int, float] = {}  # block id -> pin expiry (pinned blocks only)
         self.evictions_total = 0
 
     # ---- queries ---------------------------------------------------------------------------
@@ -145,14 +147,26 @@ class BlockPool:
 
     def evictable_count(self) -> int:
         """Blocks an allocation could take right now (free + unreferenced, unpinned cached)."""
+        return self.num_blocks - self._in_use - self._pinned_unreferenced()
+
+    def _pinned_unreferenced(self) -> int:
         now = self.clock()
-        return len(self._free) + sum(
-            1 for b in self._blocks if b.ref == 0 and b.hash is not None and b.pin_until <= now)
+        expired = [bid for bid, until in self._pins.items() if until <= now]
+        for bid in expired:
+            del self._pins[bid]
+        return sum(1 for bid in self._pins if self._blocks[bid].ref == 0)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def stats(self) -> PoolStats:
+        """Blocks by state (O(pinned blocks), cheap enough for every engine step)."""
+        pinned = self._pinned_unreferenced()
+        free = len(self._free)
+        cached = self.num_blocks - self._in_use - pinned - free
+        return PoolStats(self.num_blocks, free, cached, pinned, self._in_use)
+
+    def _recount(self) -> PoolStats:
         now = self.clock()
         in_use = pinned = cached = 0
         for b in self._blocks:
@@ -316,6 +330,7 @@ class BlockPool:
             if b.hash is None:
                 continue
             b.pin_until = max(b.pin_until, until)
+            self._pins[bid] = b.pin_until
             n += 1
         return n
 
@@ -405,6 +420,7 @@ class BlockPool:
         """
         s = self.stats()
         assert s.free + s.cached + s.pinned + s.in_use == s.total, s
+        assert s == self._recount(), f"incremental counts {s} != recount {self._recount()}"
         holders = [0] * self.num_blocks
         for t in self._seqs.values():
             assert len(set(t.blocks)) == len(t.blocks), "a table lists a block twice"
@@ -453,20 +469,25 @@ class BlockPool:
         for bid in out:
             self._blocks[bid].ref = 1
             self._blocks[bid].last_access = self.clock()
+        self._in_use += n
         return out
 
     def _ref(self, bid: int) -> None:
         b = self._blocks[bid]
-        if b.ref == 0 and b.hash is None:
-            self._free.remove(bid)
+        if b.ref == 0:
+            self._in_use += 1
+            if b.hash is None:
+                self._free.remove(bid)
         b.ref += 1
 
     def _unref(self, bid: int) -> None:
         b = self._blocks[bid]
         assert b.ref > 0, f"block {bid} released too often"
         b.ref -= 1
+        if b.ref == 0:
+            self._in_use -= 1
         if b.ref == 0 and b.hash is None:
-            self._reset(b)
+            self._reset(bid)
             self._free.append(bid)
 
     def _drop_hash(self, bid: int) -> bytes:
@@ -477,11 +498,12 @@ class BlockPool:
             del self._table[h]
         if b.parent is not None:
             self._blocks[b.parent].children -= 1
-        self._reset(b)
+        self._reset(bid)
         return h
 
-    @staticmethod
-    def _reset(b: _Block) -> None:
+    def _reset(self, bid: int) -> None:
+        b = self._blocks[bid]
+        self._pins.pop(bid, None)
         b.hash, b.tokens, b.parent, b.children = None, (), None, 0
         b.start_token, b.cache_salt, b.first_hash, b.hits, b.pin_until = 0, "", b"", 0, 0.0
 
