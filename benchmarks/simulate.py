@@ -716,12 +716,13 @@ class Cluster:
 
 
 def simulate(cfg: SimConfig, policy: str, rates: Rates | None = None, qqp: list | None = None,
-             bar_position: int | None = None) -> RunResult:
+             bar_position: int | None = None, bytes_per_node: float | None = None
+             ) -> RunResult:
     """Run one policy on one cluster; returns its figures."""
     rates = rates or load_rates()
     firsts, spec = build_workload(cfg, qqp)
     duration = spec.period_s * cfg.cycles
-    cl = Cluster(cfg, policy, rates, index_bytes_per_node()[0])
+    cl = Cluster(cfg, policy, rates, bytes_per_node or index_bytes_per_node()[0])
     if bar_position is None:
         return cl.run(firsts, duration)
     from tqdm import tqdm
@@ -733,9 +734,9 @@ def simulate(cfg: SimConfig, policy: str, rates: Rates | None = None, qqp: list 
 
 
 def _job(args: tuple) -> RunResult:
-    cfg, policy, rates, pos = args
+    cfg, policy, rates, bpn, pos = args
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    return simulate(cfg, policy, rates, bar_position=pos)
+    return simulate(cfg, policy, rates, bar_position=pos, bytes_per_node=bpn)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -763,7 +764,7 @@ def main(argv: list[str] | None = None) -> int:
                         tenants=a.tenants, req_per_replica_s=a.req_per_replica_s)
         # Biggest clusters first: the longest jobs start early.
         # The proposed tie-break variant only where the targets are measured.
-        jobs += [(cfg, p, rates) for p in a.policies if p in REQUIRED or n == 64]
+        jobs += [(cfg, p, rates, bpn) for p in a.policies if p in REQUIRED or n == 64]
     # The target size first (its two target ratios' runs first), then the biggest (longest)
     # cluster: an interrupted run's partial results stay useful.
     first = ("tiercache", "round_robin", "prefix_uncapped", "session_ring", "tiercache_tiebreak")
