@@ -192,7 +192,8 @@ def plot_ttft(sim: Result | None, orch: Result | None, made: list[str]) -> str |
         ax.set_xscale("log")
         ax.set_xlabel("modelled TTFT (s)")
         ax.set_ylabel("fraction of requests in class")
-        ax.set_title(f"Simulation, TierCache policy, {sim.data['targets_at_replicas']} replicas")
+        ax.set_title(f"Simulation ({sim.path.name}), TierCache policy, "
+                     f"{sim.data['targets_at_replicas']} replicas", fontsize=9)
         ax.legend()
     if orch is not None:
         ax = axes[ax_i]
@@ -226,7 +227,7 @@ def plot_hits_over_time(sim: Result, made: list[str]) -> str:
     ax2.fill_between(xs, [t / s0["window_s"] for t in s0["prompt_tokens"]], alpha=0.12,
                      color="gray", label="prompt tokens/s (diurnal load)")
     ax2.set_ylabel("prompt tokens / s")
-    ax.set_title(f"Prefix tier hit ratio over time, {ref} replicas (simulation)")
+    ax.set_title(f"Prefix tier hit ratio over time, {ref} replicas ({sim.path.name})")
     lines = ax.get_legend_handles_labels()
     l2 = ax2.get_legend_handles_labels()
     ax.legend(lines[0] + l2[0], lines[1] + l2[1], fontsize=8, loc="lower right")
@@ -406,6 +407,12 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
     # TTFT by cache class.
     L += ["", "## Time to first token by cache class", ""]
     orch, sim = res["orchestrator"], res["simulate"]
+    # Plots and cluster-scale figures come from the full simulation when one exists (100k
+    # sessions say more than a quick run); the quick run's own table is still shown below.
+    simp = sim
+    full_sim = RESULTS / "simulate.json"
+    if quick and full_sim.exists():
+        simp = Result(json.loads(full_sim.read_text()), full_sim, False)
     kv = res["kvpool"]
     if kv:
         f = kv.data.get("figures", {})
@@ -436,27 +443,27 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
     else:
         L.append("orchestrator (full stack): not run.")
         L.append("")
-    if sim:
-        L.append("Modelled TTFT by class in the simulation (cold = nothing cached, warm = ≥ 80% "
-                 "of the prompt cached):")
+    if simp:
+        L.append(f"Modelled TTFT by class in the simulation ({_src(simp)}; cold = nothing "
+                 "cached, warm = ≥ 80% of the prompt cached):")
         L.append("")
-        ref = str(sim.data["targets_at_replicas"])
+        ref = str(simp.data["targets_at_replicas"])
         L.append(_table(["policy", "class", "requests", "p50 s", "p99 s"],
                         [[POLICY_LABEL.get(p, p), c, v["n"], v["p50_s"], v["p99_s"]]
-                         for p, s in sim.data["results"].get(ref, {}).items()
+                         for p, s in simp.data["results"].get(ref, {}).items()
                          for c, v in s["ttft_by_class"].items()]))
         L.append("")
-    png = plot_ttft(sim, orch, made)
+    png = plot_ttft(simp, orch, made)
     if png:
         L.append(f"![TTFT by cache class]({png})")
 
     # Hit rates per tier over time.
     L += ["", "## Hit rates per tier over time", ""]
-    if sim:
-        L.append(f"![hit rates over time]({plot_hits_over_time(sim, made)})")
+    if simp:
+        L.append(f"![hit rates over time]({plot_hits_over_time(simp, made)})")
         L.append("")
-        L.append("Prefix tier from the simulation (per time window). The semantic tier is not "
-                 "simulated; its measured rate on the full stack is "
+        L.append(f"Prefix tier from the simulation ({_src(simp)}, per time window). "
+                 "The semantic tier is not simulated; its measured rate on the full stack is "
                  + (f"{orch.data['tiercache'].get('semantic_hit_rate')} (whole run, "
                     f"{_src(orch)})" if orch and "tiercache" in orch.data else "not run")
                  + "; no benchmark records it per time window yet.")
@@ -536,14 +543,14 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
         L += ["", f"![index]({plot_index(pi, made)})"]
     else:
         L.append("prefix_index: not run.")
-    if sim:
-        ref = str(sim.data["targets_at_replicas"])
-        s = sim.data["results"].get(ref, {}).get("tiercache")
+    if simp:
+        ref = str(simp.data["targets_at_replicas"])
+        s = simp.data["results"].get(ref, {}).get("tiercache")
         if s:
             L += ["", f"At cluster scale (simulation, {ref} replicas, TierCache policy): peak "
                   f"{_f(s['index_peak_nodes'])} nodes ≈ {_f(s['index_peak_bytes'] / 2**20)} MiB "
-                  f"at {_f(sim.data['index_bytes_per_node']['value'])} B/node "
-                  f"({sim.data['index_bytes_per_node']['source']}), "
+                  f"at {_f(simp.data['index_bytes_per_node']['value'])} B/node "
+                  f"({simp.data['index_bytes_per_node']['source']}), "
                   f"{_f(s['index_us_per_request'])} µs of index work per request "
                   "(match + published events, in-process)."]
 
@@ -556,8 +563,10 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
                  f"sharing it hold {_f(f.get('blocks_in_use_8_shared'))} "
                  f"({_f(f.get('shared_blocks_over_unshared'))} of unshared).")
         L.append("")
-    if sim:
-        L.append(f"![pool occupancy]({plot_pool(sim, made)})")
+    if simp:
+        L.append(f"Simulation ({_src(simp)}):")
+        L.append("")
+        L.append(f"![pool occupancy]({plot_pool(simp, made)})")
     else:
         L.append("simulate: not run.")
 
@@ -565,6 +574,9 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
     L += ["", "## Routing at cluster size (simulation)", ""]
     if sim:
         L += sim_section(sim)
+        if simp is not sim:
+            L += ["", "### Full run", ""]
+            L += sim_section(simp)
     else:
         L.append("simulate: not run.")
 
