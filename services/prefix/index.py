@@ -527,12 +527,10 @@ class PrefixIndex:
                     zero.append(rep.zero)
         if len(hit) > 1:
             hit.sort(key=_blocks, reverse=True)  # stable: ties stay in load order
-        best = segments[0].blocks
         self.matches_hit += 1
-        self.match_blocks_hit += best
+        self.match_blocks_hit += segments[0].blocks
         hit += zero
-        out = hit
-        return MatchResult(out, len(hashes), bs)
+        return MatchResult(hit, len(hashes), bs)
 
     def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0) -> list[HotPrefix]:
         """The `k` (1..1000) prefixes where most matches ended, hottest first."""

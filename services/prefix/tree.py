@@ -25,11 +25,14 @@ traffic — exactly what leaves-first eviction needs.
 from __future__ import annotations
 
 import heapq
+import sys
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from services.common.policy import BlockUsage, EvictionPolicy
+
+_LITTLE = sys.byteorder == "little" and array("H").itemsize == 2 and array("I").itemsize == 4
 
 
 class _Chunk(array):
@@ -243,10 +246,22 @@ class BlockTree:
         bs = self.block_size
         end = min(n, j + 256)
         part = token_ids[j * bs : end * bs]
-        try:
-            chunk = _Chunk("H", part)  # half the bytes whenever the vocabulary fits
-        except OverflowError:
-            chunk = _Chunk("I", part)
+        wide = array("I")
+        wide.fromlist(part if type(part) is list else list(part))
+        if _LITTLE:
+            # uint16 halves the bytes whenever the vocabulary fits. Converting through bytes is
+            # ~2x faster than array("H", list), which parses every item separately.
+            halves = array("H", wide.tobytes())
+            high = halves[1::2]
+            if high.tobytes() == bytes(2 * len(high)):
+                chunk = _Chunk("H", halves[::2])
+            else:
+                chunk = _Chunk("I", wide)
+        else:
+            try:
+                chunk = _Chunk("H", wide)
+            except OverflowError:
+                chunk = _Chunk("I", wide)
         chunk.start = depth
         return chunk
 
