@@ -123,6 +123,8 @@ class BlockPool:
         self._events: list[PoolEvent] = []
         self._in_use = 0  # blocks with ref > 0, kept incrementally: stats run every step
         self._pins: dict[int, float] = {}  # block id -> pin expiry (pinned blocks only)
+        # Eviction candidates before the pin check: hashed, unreferenced, no hashed children.
+        self._leaves: set[int] = set()
         self.evictions_total = 0
 
     # ---- queries ---------------------------------------------------------------------------
@@ -291,6 +293,7 @@ class BlockPool:
             b.last_access = now
             if parent is not None:
                 self._blocks[parent].children += 1
+                self._leaves.discard(parent)
             if existing is None:  # a colliding hash with other tokens stays out of the table
                 self._table[h] = bid
             stored_hashes.append(h)
@@ -348,8 +351,8 @@ class BlockPool:
     def eviction_order(self) -> list[int]:
         """Current candidates (unreferenced, unpinned, committed leaves) in eviction order."""
         now = self.clock()
-        cands = {bid: self._usage(b) for bid, b in enumerate(self._blocks)
-                 if self._evictable(b, now) and b.children == 0}
+        cands = {bid: self._usage(self._blocks[bid]) for bid in self._leaves
+                 if self._blocks[bid].pin_until <= now}
         return self.policy.order(cands)
 
     def evict(self, n: int) -> list[int]:
@@ -358,8 +361,7 @@ class BlockPool:
         out: list[int] = []
         removed: list[bytes] = []
         while len(out) < n:
-            cands = [bid for bid, b in enumerate(self._blocks)
-                     if self._evictable(b, now) and b.children == 0]
+            cands = [bid for bid in self._leaves if self._blocks[bid].pin_until <= now]
             if not cands:
                 break
             # Evicting a leaf can expose its parent as a new leaf, so re-rank after each batch.
@@ -435,6 +437,9 @@ class BlockPool:
             if b.hash is not None and b.parent is not None:
                 children[b.parent] += 1
                 assert self._blocks[b.parent].hash is not None, f"block {bid}: parent unhashed"
+        leaves = {bid for bid, b in enumerate(self._blocks)
+                  if b.hash is not None and b.ref == 0 and children[bid] == 0}
+        assert self._leaves == leaves, f"leaf set {self._leaves} != {leaves}"
         free_set = set(self._free)
         assert len(free_set) == len(self._free), "free queue lists a block twice"
         for bid, b in enumerate(self._blocks):
@@ -476,6 +481,7 @@ class BlockPool:
         b = self._blocks[bid]
         if b.ref == 0:
             self._in_use += 1
+            self._leaves.discard(bid)
             if b.hash is None:
                 self._free.remove(bid)
         b.ref += 1
@@ -486,6 +492,8 @@ class BlockPool:
         b.ref -= 1
         if b.ref == 0:
             self._in_use -= 1
+            if b.hash is not None and b.children == 0:
+                self._leaves.add(bid)
         if b.ref == 0 and b.hash is None:
             self._reset(bid)
             self._free.append(bid)
@@ -497,13 +505,17 @@ class BlockPool:
         if self._table.get(h) == bid:
             del self._table[h]
         if b.parent is not None:
-            self._blocks[b.parent].children -= 1
+            p = self._blocks[b.parent]
+            p.children -= 1
+            if p.children == 0 and p.ref == 0 and p.hash is not None:
+                self._leaves.add(b.parent)
         self._reset(bid)
         return h
 
     def _reset(self, bid: int) -> None:
         b = self._blocks[bid]
         self._pins.pop(bid, None)
+        self._leaves.discard(bid)
         b.hash, b.tokens, b.parent, b.children = None, (), None, 0
         b.start_token, b.cache_salt, b.first_hash, b.hits, b.pin_until = 0, "", b"", 0, 0.0
 
