@@ -39,8 +39,7 @@ class Load(NamedTuple):
     total_blocks: int = 0
 
 
-@dataclass(frozen=True)
-class Stored:
+class Stored(NamedTuple):
     """Blocks newly cached by a replica: a chain continuing `parent_hash` (b"" = the root)."""
 
     parent_hash: bytes
@@ -51,15 +50,13 @@ class Stored:
     start_block: int = 0
 
 
-@dataclass(frozen=True)
-class Removed:
+class Removed(NamedTuple):
     """Blocks a replica evicted."""
 
     block_hashes: Sequence[bytes]
 
 
-@dataclass(frozen=True)
-class Cleared:
+class Cleared(NamedTuple):
     """The replica dropped every block."""
 
 

@@ -215,11 +215,11 @@ def test_bad_input_is_refused_and_changes_nothing(index, hasher):
     before = _state(index)
     good = stored(hasher, toks(1, 2, 3), start=2)
     bad_hash = stored(hasher, toks(1, 2, 3), start=2)
-    object.__setattr__(bad_hash, "block_hashes", [b"short"])
+    bad_hash = bad_hash._replace(block_hashes=[b"short"])
     wrong_tokens = stored(hasher, toks(1, 2, 3), start=2)
-    object.__setattr__(wrong_tokens, "token_ids", [1, 2, 3])
+    wrong_tokens = wrong_tokens._replace(token_ids=[1, 2, 3])
     forged = stored(hasher, toks(1, 2, 3), start=2)
-    object.__setattr__(forged, "token_ids", toks(4))
+    forged = forged._replace(token_ids=toks(4))
     cases = [
         (lambda: index.publish("a", "i1", 2, [good, bad_hash]), InvalidArgument,
          r"events\[1\].stored.block_hashes\[0\]"),
@@ -268,7 +268,7 @@ def test_hash_probe_refuses_a_replica_hashing_differently(index, hasher, clock):
     lax = make_index(clock, verify_hashes=False)
     reg(lax, "a")
     forged = stored(hasher, toks(1, 2))
-    object.__setattr__(forged, "token_ids", toks(3, 4))
+    forged = forged._replace(token_ids=toks(3, 4))
     assert lax.publish("a", "i1", 1, [forged]).resync is False
     with pytest.raises(InvalidArgument, match="do not match"):
         reg(index, "c") or index.publish("c", "i1", 1, [forged])
