@@ -68,7 +68,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     def _tenant(self, context: grpc.ServicerContext):
         if self.orch is None or self.tenants is None:
             raise errors.Unavailable("orchestrator is still loading")
-        return self.tenants.authenticate(dict(context.invocation_metadata() or ()))
+        tenant = self.tenants.authenticate(dict(context.invocation_metadata() or ()))
+        self.tenants.check_rate(tenant)
+        return tenant
 
     def Generate(self, request, context):
         tenant = self._tenant(context)
@@ -140,7 +142,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise exc from None
 
     def Stats(self, request, context):
-        self._tenant(context)
+        # Cluster-wide figures (every tenant's traffic, replica loads): operators only.
+        self.tenants.require_admin(self._tenant(context), "cluster stats")
         o = self.orch
         st = o.stats
         with st.lock:

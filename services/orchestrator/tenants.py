@@ -2,6 +2,11 @@
 
 With no tokens configured every caller is the `default` tenant (local use). With tokens
 configured a call without a valid `authorization: Bearer <token>` is UNAUTHENTICATED.
+
+Per tenant (tokens file): `max_prompt_tokens`, `max_tokens`, `max_concurrent` requests,
+`rate_per_s` requests per second with bursts of `burst` (token bucket; 0 = no rate limit), and
+`admin` — only admin tenants (and the `default` tenant of an unauthenticated local stack) may
+read cluster-wide Stats, which describe every tenant's traffic.
 """
 
 from __future__ import annotations
@@ -9,11 +14,18 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import math
 import threading
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from services.common.errors import InvalidArgument, ResourceExhausted, Unauthenticated
+from services.common.errors import (
+    InvalidArgument,
+    PermissionDenied,
+    ResourceExhausted,
+    Unauthenticated,
+)
 
 
 @dataclass(frozen=True)
@@ -23,15 +35,26 @@ class Tenant:
     max_prompt_tokens: int
     max_tokens: int
     max_concurrent: int
+    rate_per_s: float = 0.0  # requests per second; 0 = unlimited
+    burst: int = 1  # bucket size for rate_per_s
+    admin: bool = False  # may read cluster-wide Stats
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    at: float
 
 
 @dataclass
 class TenantRegistry:
-    """Looks tenants up by token and counts their concurrent requests."""
+    """Looks tenants up by token, counts their concurrent requests and meters their rate."""
 
     by_token: dict[str, Tenant]
     default: Tenant | None
+    clock: Callable[[], float] = time.monotonic
     _active: dict[str, int] = field(default_factory=dict)
+    _buckets: dict[str, _Bucket] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @staticmethod
@@ -59,14 +82,22 @@ class TenantRegistry:
             entries[tok] = {"tenant": name}
 
         def make(name: str, spec: Mapping) -> Tenant:
+            rate = float(spec.get("rate_per_s", 0.0))
+            if not rate >= 0.0:
+                raise ValueError(f"tenant {name}: rate_per_s must be >= 0")
+            burst = int(spec.get("burst", max(1, math.ceil(rate))))
+            if burst < 1:
+                raise ValueError(f"tenant {name}: burst must be >= 1")
             return Tenant(
                 name=name, cache_salt=cls.salt_for(name, key),
                 max_prompt_tokens=int(spec.get("max_prompt_tokens", max_prompt_tokens)),
                 max_tokens=int(spec.get("max_tokens", max_tokens)),
-                max_concurrent=int(spec.get("max_concurrent", max_concurrent)))
+                max_concurrent=int(spec.get("max_concurrent", max_concurrent)),
+                rate_per_s=rate, burst=burst, admin=bool(spec.get("admin", False)))
 
         by_token = {t: make(str(s["tenant"]), s) for t, s in entries.items()}
-        default = None if by_token else make("default", {})
+        # No tokens = a local, unauthenticated stack: its one caller is also its operator.
+        default = None if by_token else make("default", {"admin": True})
         return cls(by_token, default)
 
     def authenticate(self, metadata: Mapping[str, str]) -> Tenant:
@@ -103,3 +134,28 @@ class TenantRegistry:
     def release(self, tenant: Tenant) -> None:
         with self._lock:
             self._active[tenant.name] = max(0, self._active.get(tenant.name, 0) - 1)
+
+    def check_rate(self, tenant: Tenant) -> None:
+        """Take one request from the tenant's token bucket; RESOURCE_EXHAUSTED when empty."""
+        if tenant.rate_per_s <= 0:
+            return
+        now = self.clock()
+        with self._lock:
+            b = self._buckets.get(tenant.name)
+            if b is None:
+                b = self._buckets[tenant.name] = _Bucket(float(tenant.burst), now)
+            b.tokens = min(float(tenant.burst), b.tokens + (now - b.at) * tenant.rate_per_s)
+            b.at = now
+            if b.tokens < 1.0:
+                wait = (1.0 - b.tokens) / tenant.rate_per_s
+                raise ResourceExhausted(
+                    f"tenant {tenant.name}: rate limit of {tenant.rate_per_s:g} requests/s "
+                    f"(burst {tenant.burst}) exceeded; retry in {wait:.2f}s")
+            b.tokens -= 1.0
+
+    @staticmethod
+    def require_admin(tenant: Tenant, what: str) -> None:
+        """PERMISSION_DENIED unless the tenant may see cluster-wide figures."""
+        if not tenant.admin:
+            raise PermissionDenied(
+                f"authorization: tenant {tenant.name} may not read {what} (needs an admin token)")

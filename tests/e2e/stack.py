@@ -11,8 +11,11 @@ from tests.e2e.conftest import start
 
 INTERNAL = "internal-e2e-secret"
 INTERNAL_MD = [("authorization", f"Bearer {INTERNAL}")]
+ADMIN_TOKEN = "tok-admin"
 TOKENS = {"tok-a": {"tenant": "a"}, "tok-b": {"tenant": "b"},
-          "tok-small": {"tenant": "small", "max_prompt_tokens": 60, "max_concurrent": 1}}
+          "tok-small": {"tenant": "small", "max_prompt_tokens": 60, "max_concurrent": 1},
+          # Cluster-wide Stats describe every tenant's traffic: operators only.
+          ADMIN_TOKEN: {"tenant": "ops", "admin": True}}
 
 
 @dataclass
@@ -60,3 +63,11 @@ def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict 
         "TIERCACHE_ORCHESTRATOR_PREFIX_TIMEOUT_S": "1.0",
         **(orch_env or {})}, key=f"{name}-orchestrator")
     return FullStack(sem, prefix, kv, orch)
+
+
+def admin_stats(stack: FullStack):
+    """The orchestrator's cluster-wide Stats, read with the operators' token."""
+    from clients.python.client import TierCacheClient
+
+    with TierCacheClient(stack.orch.address, token=ADMIN_TOKEN, timeout=30) as c:
+        return c.stats()

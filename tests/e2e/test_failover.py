@@ -11,7 +11,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from clients.python.client import TierCacheClient
 from services.common.prefix_client import PrefixIndexClient
-from tests.e2e.stack import INTERNAL, INTERNAL_MD, start_full_stack
+from tests.e2e.stack import INTERNAL, INTERNAL_MD, admin_stats, start_full_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -80,7 +80,7 @@ def test_replica_killed_mid_stream_completes_with_the_same_tokens(stack, a):
                 break
             time.sleep(0.2)
         assert dead_id not in ids and ids, ids
-    s = a.stats()
+    s = admin_stats(stack)
     assert s.degradations["resume"] >= 1
     assert any(not d.healthy and dead_id in d.name for d in s.dependencies)
 
@@ -89,7 +89,7 @@ def test_semantic_down_requests_still_succeed(stack, a):
     stack.semantic.stop()
     r = a.generate("Name a planet.", max_tokens=6)
     assert r.completion_tokens > 0 and not r.report.semantic_hit
-    s = a.stats()
+    s = admin_stats(stack)
     assert s.degradations["semantic_skipped"] >= 1
     assert any(d.name == "semantic" and not d.healthy for d in s.dependencies)
 
@@ -98,6 +98,6 @@ def test_prefix_index_down_falls_back_to_the_ring(stack, a):
     stack.prefix.stop()
     r = a.generate("Name a colour.", max_tokens=6, session_id="ring-1", cache_policy=NO_SEMANTIC)
     assert r.completion_tokens > 0 and r.report.route == "ring"
-    s = a.stats()
+    s = admin_stats(stack)
     assert s.degradations["index_down"] >= 1
     assert any(d.name == "prefix" and not d.healthy for d in s.dependencies)

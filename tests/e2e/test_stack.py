@@ -11,7 +11,7 @@ import pytest
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from clients.python.client import TierCacheClient
-from tests.e2e.stack import INTERNAL_MD, start_full_stack
+from tests.e2e.stack import INTERNAL_MD, admin_stats, start_full_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -133,7 +133,7 @@ def test_auth_and_limits(stack):
 
 
 def test_stats_aggregate_every_tier(stack, a):
-    s = a.stats()
+    s = admin_stats(stack)
     assert s.requests_total >= 5 and s.semantic_hits >= 2
     assert {r.replica_id for r in s.replicas} == {"kv-0", "kv-1"}
     assert s.prefix.nodes > 0 and len(s.prefix.replicas) == 2
