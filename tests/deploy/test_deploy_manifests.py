@@ -367,6 +367,8 @@ def test_secret_holds_clearly_marked_placeholders_that_parse(rendered: Rendered)
     assert len(data["hash-key"].encode()) <= 64  # TIERCACHE_HASH_KEY limit (hashing.py)
     tokens = json.loads(data["tenant-tokens.json"])
     assert tokens and all("tenant" in spec for spec in tokens.values())
+    # One ordinary tenant (listed first) and one operator who may read cluster-wide Stats.
+    assert [bool(spec.get("admin")) for spec in tokens.values()] == [False, True]
     w = rendered.workload_for("orchestrator")
     cfg = load_service_config(rendered, w)
     path = service_env(rendered, w)[env_name("orchestrator", "tokens_file")].value

@@ -11,16 +11,18 @@ cluster would provide mapped onto this machine:
 
 Then: every process reports SERVING, a tenant's Generate is answered by replica `kvpool-0` (the
 pod name from the downward API), the replica registered with the index under its advertised
-address, asking again is a semantic hit, the internal credential and tenant tokens are enforced,
-every metrics port answers, each process stays under its pod's memory limit, and SIGTERM drains
-every process to exit code 0 within the pod's termination grace period.
+address, asking again is a semantic hit, the internal credential, tenant and admin tokens are
+enforced, every metrics port answers, each process stays under its pod's memory limit, and
+SIGTERM drains every process to exit code 0 within the pod's termination grace period.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -31,7 +33,7 @@ import grpc
 import pytest
 
 from services.common.config import env_name
-from services.launcher import free_port, service_exists, wait_healthy
+from services.launcher import service_exists, wait_healthy
 from tests.deploy.k8s_view import (
     ROOT,
     Rendered,
@@ -48,6 +50,15 @@ BAKED_MODELS = "/opt/tiercache/models"
 LOG_DIR = Path(os.environ.get("TIERCACHE_TEST_LOGS", "/tmp/tiercache-test-logs"))
 
 
+def distinct_free_ports(n: int) -> list[int]:
+    """n different free loopback ports (held open together, so no two are the same)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(n)]
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+
+
 class LocalCluster:
     """Maps what the rendered pods would see onto local processes, ports and directories."""
 
@@ -56,8 +67,9 @@ class LocalCluster:
 
         self.r = r
         self.tmp = tmp
-        self.grpc = {w.service: free_port() for w in r.workloads}
-        self.metrics = {w.service: free_port() for w in r.workloads}
+        ports = distinct_free_ports(2 * len(r.workloads))
+        self.grpc = {w.service: ports.pop() for w in r.workloads}
+        self.metrics = {w.service: ports.pop() for w in r.workloads}
         self.model_dir = resolve_model("smollm2").path  # converts once if this machine has not
         self.onnx_cache = str(cache_dir_default())
 
@@ -140,7 +152,9 @@ def test_dev_overlay_settings_boot_the_stack_and_serve_a_tenant(
 
     cluster = LocalCluster(dev, tmp_path)
     secrets = dev.secret_data("tiercache-secrets")
-    tenant_token = next(iter(json.loads(secrets["tenant-tokens.json"])))
+    tokens = json.loads(secrets["tenant-tokens.json"])
+    tenant_token = next(t for t, spec in tokens.items() if not spec.get("admin"))
+    admin_token = next(t for t, spec in tokens.items() if spec.get("admin"))
     internal = [("authorization", f"Bearer {secrets['internal-token']}")]
     procs: dict[str, subprocess.Popen] = {}
     try:
@@ -184,6 +198,13 @@ def test_dev_overlay_settings_boot_the_stack_and_serve_a_tenant(
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(req, timeout=30))
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            # Cluster-wide Stats: the operator's token only.
+            with pytest.raises(grpc.RpcError) as err:
+                stub.Stats(orchestrator_pb2.StatsRequest(), timeout=30,
+                           metadata=[("authorization", f"Bearer {tenant_token}")])
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+            stub.Stats(orchestrator_pb2.StatsRequest(), timeout=30,
+                       metadata=[("authorization", f"Bearer {admin_token}")])
 
         with grpc.insecure_channel(cluster.local("kvpool")) as ch:
             stub = kvpool_pb2_grpc.KvPoolStub(ch)
