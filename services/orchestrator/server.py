@@ -209,6 +209,8 @@ class Warmer:
             raise errors.InvalidArgument("prompts", "give prompts or top_k")
         if request.top_k > 1000:
             raise errors.InvalidArgument("top_k", "at most 1000")
+        if request.target not in orchestrator_pb2.WarmTarget.values():
+            raise errors.InvalidArgument("target", f"unknown WarmTarget {request.target}")
         ttl = request.pin_ttl_seconds or self.cfg.warm_pin_ttl_s
         jobs = []
         for i, p in enumerate(request.prompts):
