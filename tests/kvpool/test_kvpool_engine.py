@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
+import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -19,6 +22,18 @@ from tests.kvpool.conftest import (
     reference_greedy,
     request,
 )
+
+
+@contextlib.contextmanager
+def paused(eng) -> Iterator[None]:
+    """Hold the engine thread between steps, so requests submitted meanwhile arrive together."""
+    gate, entered = threading.Event(), threading.Event()
+    eng.call(lambda: (entered.set(), gate.wait(10)))
+    entered.wait(10)
+    try:
+        yield
+    finally:
+        gate.set()
 
 
 def prompt(n: int, seed: int = 0) -> list[int]:
@@ -84,7 +99,9 @@ def test_concurrent_requests_share_blocks_and_batch_exactly(make_engine, tiny_mo
     system = prompt(24, 5)
     generate(eng, system, max_tokens=1)  # warm the shared prefix
     prompts = [system + prompt(3 + i, 10 + i) for i in range(4)]
-    outs = [eng.submit(request(p, max_tokens=10, rid=f"c{i}"))[1] for i, p in enumerate(prompts)]
+    with paused(eng):
+        outs = [eng.submit(request(p, max_tokens=10, rid=f"c{i}"))[1]
+                for i, p in enumerate(prompts)]
     peak = 0
     results = []
     for out in outs:
@@ -106,7 +123,8 @@ def test_preemption_recomputes_and_stays_exact(make_engine, tiny_model) -> None:
     # 14 blocks of 4: two sequences of 20 prompt + 24 new tokens cannot both finish at once.
     eng = make_engine(num_blocks=14, max_batch_size=2, max_prefill_chunk=32)
     a, b = prompt(20, 20), prompt(20, 21)
-    outs = [eng.submit(request(p, max_tokens=24, rid=r))[1] for p, r in ((a, "a"), (b, "b"))]
+    with paused(eng):  # both arrive in the same engine step, whatever the machine's load
+        outs = [eng.submit(request(p, max_tokens=24, rid=r))[1] for p, r in ((a, "a"), (b, "b"))]
     res = [collect(o) for o in outs]
     assert res[0][0] == reference_greedy(tiny_model, a, 24)
     assert res[1][0] == reference_greedy(tiny_model, b, 24)
