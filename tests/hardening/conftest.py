@@ -33,8 +33,9 @@ TOKENS = {
     ADMIN: {"tenant": "ops", "admin": True},
     # 2 requests/s with bursts of 3: the rate-limit test exhausts it in one burst.
     "tok-rate-44c9": {"tenant": "rate", "rate_per_s": 2, "burst": 3},
+    "tok-one-2b7e": {"tenant": "one", "max_concurrent": 1},
 }
-TOK_A, TOK_B, TOK_RATE = "tok-a-5d2e", "tok-b-81f0", "tok-rate-44c9"
+TOK_A, TOK_B, TOK_RATE, TOK_ONE = "tok-a-5d2e", "tok-b-81f0", "tok-rate-44c9", "tok-one-2b7e"
 SECRETS = (INTERNAL, *TOKENS)
 
 
@@ -177,8 +178,11 @@ class Stack:
         p.start().wait(timeout)
 
     def kv_stats(self) -> list[kvpool_pb2.KvStatsResponse]:
+        """Stats of every live replica (a killed one is skipped)."""
         out = []
         for k in self.kv:
+            if k.proc is None or k.proc.poll() is not None:
+                continue
             with grpc.insecure_channel(k.address) as ch:
                 stub = kvpool_pb2_grpc.KvPoolStub(ch)
                 out.append(stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=10,

@@ -1,0 +1,342 @@
+"""Security: TLS and mutual TLS by config, tenant isolation end to end, keyed block hashes,
+limits (message size, concurrent streams, request rate) and secrets kept out of the logs."""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiercache.v1 import (
+    common_pb2,
+    kvpool_pb2_grpc,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    prefix_pb2,
+    prefix_pb2_grpc,
+)
+
+from clients.python.client import TierCacheClient
+from services.common.hashing import DEFAULT_KEY, BlockHasher
+from services.launcher import ServiceProcess, free_port
+from tests.e2e.conftest import LOG_DIR
+from tests.hardening.conftest import (
+    ADMIN,
+    INTERNAL,
+    INTERNAL_MD,
+    SECRETS,
+    TOK_A,
+    TOK_B,
+    TOK_ONE,
+    TOK_RATE,
+    md,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+NO_SEMANTIC = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("certs")
+    subprocess.run([str(ROOT / "scripts" / "gen-certs.sh"), str(out)], check=True,
+                   capture_output=True, timeout=60)
+    return out
+
+
+def creds(certs: Path, client_cert: bool = True) -> grpc.ChannelCredentials:
+    return grpc.ssl_channel_credentials(
+        root_certificates=(certs / "ca.pem").read_bytes(),
+        private_key=(certs / "client.key").read_bytes() if client_cert else None,
+        certificate_chain=(certs / "client.pem").read_bytes() if client_cert else None)
+
+
+def tls_env(certs: Path) -> dict[str, str]:
+    return {"TIERCACHE_TLS_CERT": str(certs / "server.pem"),
+            "TIERCACHE_TLS_KEY": str(certs / "server.key"),
+            "TIERCACHE_TLS_CA": str(certs / "ca.pem"),
+            "TIERCACHE_TLS_CLIENT_CERT": str(certs / "client.pem"),
+            "TIERCACHE_TLS_CLIENT_KEY": str(certs / "client.key")}
+
+
+def refused(channel: grpc.Channel) -> grpc.StatusCode:
+    """The status a Health check gets on `channel` (OK if it got through)."""
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        return e.code()
+
+
+# ---- TLS and mutual TLS ------------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_mutual_tls_process_refuses_clients_without_a_certificate(certs):
+    """A real prefix process configured only by environment: mTLS in, cert-less clients out."""
+    port = free_port()
+    p = ServiceProcess("prefix", port, {**tls_env(certs), "TIERCACHE_PREFIX_METRICS_PORT": "-1",
+                                        "TIERCACHE_PREFIX_INTERNAL_TOKEN": INTERNAL},
+                       log_path=LOG_DIR / "hard-tls-prefix.log").start()
+    try:
+        end = time.monotonic() + 120
+        with grpc.secure_channel(p.address, creds(certs)) as ch:
+            while refused(ch) != grpc.StatusCode.OK:
+                assert p.proc.poll() is None and time.monotonic() < end, "prefix did not start"
+                time.sleep(0.3)
+            st = prefix_pb2_grpc.PrefixIndexStub(ch).Stats(prefix_pb2.PrefixStatsRequest(),
+                                                           timeout=10, metadata=INTERNAL_MD)
+            assert st.block_size == 16
+        with grpc.secure_channel(p.address, creds(certs, client_cert=False)) as ch:
+            assert refused(ch) == grpc.StatusCode.UNAVAILABLE  # handshake fails: no client cert
+        with grpc.insecure_channel(p.address) as ch:
+            assert refused(ch) == grpc.StatusCode.UNAVAILABLE  # plaintext is not spoken
+        other = grpc.ssl_channel_credentials(root_certificates=(certs / "server.pem").read_bytes())
+        with grpc.secure_channel(p.address, other) as ch:
+            assert refused(ch) == grpc.StatusCode.UNAVAILABLE  # does not trust our CA
+    finally:
+        p.stop()
+
+
+def big_vocab_tiny_model(vocab: int):
+    """A random Llama the size of a unit test, with SmolLM2's vocabulary size."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=1024, eos_token_id=2, bos_token_id=1,
+                      pad_token_id=2, attn_implementation="sdpa")
+    m = LlamaForCausalLM(cfg).eval()
+    m.generation_config.eos_token_id = 2
+    return m
+
+
+def test_mutual_tls_between_all_four_services_by_config(certs, monkeypatch, tmp_path):
+    """All four services in-process, TLS for every listener and every internal client from the
+    same environment variables the processes read. A Generate crosses orchestrator -> semantic,
+    prefix and kvpool, and kvpool publishes to the index: every hop is mutual TLS."""
+    from services.common.bootstrap import create_server
+    from services.common.model_store import load_tokenizer, resolve_model
+    from services.kvpool.app import build_replica
+    from services.kvpool.config import KvPoolConfig
+    from services.kvpool.publisher import Publisher
+    from services.kvpool.server import KvPoolServicer
+    from services.orchestrator.app import build
+    from services.orchestrator.config import OrchestratorConfig
+    from services.orchestrator.server import OrchestratorServicer
+    from services.prefix.config import PrefixConfig
+    from services.prefix.server import serve as serve_prefix
+    from services.semantic.config import SemanticConfig
+    from services.semantic.server import serve as serve_semantic
+
+    for k, v in tls_env(certs).items():
+        monkeypatch.setenv(k, v)
+    stops = []
+    try:
+        prefix = serve_prefix(PrefixConfig(address="127.0.0.1:0", internal_token=INTERNAL))
+        stops.append(prefix.stop)
+        sem = serve_semantic(SemanticConfig(address="127.0.0.1:0", metrics_port=-1,
+                                            db_path=str(tmp_path / "s.db"),
+                                            internal_token=INTERNAL))
+        stops.append(lambda: sem.stop(0))
+        vocab = len(load_tokenizer(resolve_model("smollm2").path))
+        kcfg = KvPoolConfig(address="127.0.0.1:0", metrics_port=-1, num_blocks=64,
+                            replica_id="kv-tls", internal_token=INTERNAL,
+                            prefix_address=prefix.address, heartbeat_seconds=0.3,
+                            max_new_tokens_limit=16)
+        kserv = KvPoolServicer(kcfg)
+        khandle = create_server(service="kvpool", address=kcfg.address, internal_token=INTERNAL,
+                                services=[(kvpool_pb2_grpc.add_KvPoolServicer_to_server, kserv,
+                                           "tiercache.v1.KvPool")])
+        stops.append(lambda: khandle.stop(0))
+        replica = build_replica(kcfg, model=big_vocab_tiny_model(vocab), model_id="tiny-tls",
+                                metrics=False)
+        stops.append(replica.engine.stop)
+        pub = Publisher(replica.engine, address=prefix.address, replica_id="kv-tls",
+                        incarnation=kserv.incarnation, public_address=khandle.address,
+                        model_id="tiny-tls", heartbeat_seconds=0.3,
+                        publish_interval_seconds=0.05, internal_token=INTERNAL).start()
+        stops.append(pub.stop)
+        kserv.attach(replica.engine, replica.info, pub)
+        khandle.set_serving()
+
+        ocfg = OrchestratorConfig(
+            address="127.0.0.1:0", metrics_port=-1, internal_token=INTERNAL,
+            kvpool_addresses=(khandle.address,), semantic_address=sem.handle.address,
+            prefix_addresses=(prefix.address,), model_id="tiny-tls", tokens="tok-t=t",
+            warm_interval_s=0, replica_poll_s=0.2, max_tokens_limit=16, default_max_tokens=4)
+        oserv = OrchestratorServicer(ocfg)
+        ohandle = create_server(service="orchestrator", address=ocfg.address,
+                                services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server,
+                                           oserv, "tiercache.v1.Orchestrator")])
+        stops.append(lambda: ohandle.stop(0))
+        app = build(ocfg)
+        stops.append(app.close)
+        oserv.attach(app.orch, app.tenants, app.warmer)
+        ohandle.set_serving()
+
+        q = "Is every hop of this request encrypted?"
+        with TierCacheClient(ohandle.address, token="tok-t", timeout=60,
+                             credentials=creds(certs)) as c:
+            end = time.monotonic() + 30
+            while True:  # the replica poll marks kv-tls healthy within a few polls
+                try:
+                    first = c.generate(q, max_tokens=4, ignore_eos=True)
+                    break
+                except grpc.RpcError as e:
+                    assert e.code() == grpc.StatusCode.UNAVAILABLE and time.monotonic() < end
+                    time.sleep(0.3)
+            assert first.report.replica_id == "kv-tls" and first.completion_tokens == 4
+            again = c.generate(q, max_tokens=4, ignore_eos=True)
+            assert again.report.semantic_hit  # stored in, and found by, semantic over mTLS
+        with grpc.secure_channel(prefix.address, creds(certs)) as ch:
+            st = prefix_pb2_grpc.PrefixIndexStub(ch).Stats(prefix_pb2.PrefixStatsRequest(),
+                                                           timeout=10, metadata=INTERNAL_MD)
+        assert [r.replica_id for r in st.replicas] == ["kv-tls"]  # registered over mTLS
+        for addr in (ohandle.address, sem.handle.address, khandle.address, prefix.address):
+            with grpc.secure_channel(addr, creds(certs, client_cert=False)) as ch:
+                assert refused(ch) == grpc.StatusCode.UNAVAILABLE, addr
+            with grpc.insecure_channel(addr) as ch:
+                assert refused(ch) == grpc.StatusCode.UNAVAILABLE, addr
+    finally:
+        for stop in reversed(stops):
+            stop()
+
+
+# ---- keyed block hashes -----------------------------------------------------------------------
+
+def test_block_hashes_are_keyed_and_cannot_be_reproduced_without_the_key():
+    toks = list(range(64))
+    prod = BlockHasher("m", 16, b"cluster-secret-key").hashes(toks, "salt")
+    # Same construction, another key (or the dev default): no hash in common.
+    for key in (b"cluster-secret-kez", DEFAULT_KEY, b""):
+        other = BlockHasher("m", 16, key).hashes(toks, "salt")
+        assert not set(other) & set(prod)
+    # Deterministic with the key (pool and index agree), and the chain depends on the salt.
+    assert prod == BlockHasher("m", 16, b"cluster-secret-key").hashes(toks, "salt")
+    assert not set(BlockHasher("m", 16, b"cluster-secret-key").hashes(toks, "tenant-b")) & set(
+        prod)
+    # The index refuses a replica hashing with another key (see test_bad_input: Register
+    # "wrong hash key" -> FAILED_PRECONDITION hash_probe) and, with verify_hashes, any block
+    # whose hash does not match its tokens ("forged hashes" -> INVALID_ARGUMENT).
+
+
+# ---- tenant isolation, limits, secrets (shared process stack) --------------------------------
+
+SYSTEM = ("You are the archive assistant of the Lindqvist family. " + " ".join(
+    f"Record {i}: box {i} holds letters from {1900 + i} and photographs of the harbour."
+    for i in range(8)))
+
+
+def gen(client: TierCacheClient, text, **kw):
+    kw.setdefault("max_tokens", 4)
+    return client.generate(text, **kw)
+
+
+@pytest.mark.e2e
+@pytest.mark.model
+def test_tenant_isolation_end_to_end(stack):
+    msgs = [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": "Which box holds the letters from 1903?"}]
+    with TierCacheClient(stack.orch.address, token=TOK_A, timeout=120) as a, \
+            TierCacheClient(stack.orch.address, token=TOK_B, timeout=120) as b:
+        first = gen(a, msgs)
+        assert not first.report.semantic_hit
+        assert gen(a, msgs).report.semantic_hit  # a's own answer is cached for a
+        a2 = gen(a, msgs, cache_policy=NO_SEMANTIC)
+        assert a2.report.cached_tokens > 0  # and so is a's prefix
+
+        # b sends the very same conversation: no semantic hit on a's answer, no cached prefix.
+        rb = gen(b, msgs)
+        assert not rb.report.semantic_hit and rb.report.cached_tokens == 0
+        assert rb.report.semantic_entry_id != first.report.semantic_entry_id
+        rb2 = gen(b, msgs, cache_policy=NO_SEMANTIC)
+        assert rb2.report.cached_tokens > 0  # b now has its own copy, a's was never shared
+
+        # Warm with top_k never hands a another tenant's hot prefixes.
+        w = a.warm(top_k=50)
+        assert all(r.prompt_index >= -1 for r in w.results)
+        # Cluster-wide Stats (every tenant's traffic) are for operators only.
+        for c in (a, b):
+            with pytest.raises(grpc.RpcError) as e:
+                c.stats()
+            assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+        assert stack.admin_stats().requests_total >= 5
+
+
+@pytest.mark.e2e
+@pytest.mark.model
+def test_per_tenant_rate_limit(stack):
+    """tok-rate: 2 requests/s, burst 3. A burst of 6 Feedback calls: 3 pass the limiter (and
+    fail validation), the rest are RESOURCE_EXHAUSTED; other tenants are unaffected; after a
+    second the bucket has refilled."""
+    ch = grpc.insecure_channel(stack.orch.address)
+    stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+    req = orchestrator_pb2.FeedbackRequest()  # invalid: cheap, never touches a dependency
+    codes = []
+    for _ in range(6):
+        try:
+            stub.Feedback(req, timeout=10, metadata=md(TOK_RATE))
+        except grpc.RpcError as e:
+            codes.append((e.code(), e.details()))
+    assert [c for c, _ in codes[:3]] == [grpc.StatusCode.INVALID_ARGUMENT] * 3
+    assert {c for c, _ in codes[3:]} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    assert "rate limit" in codes[3][1]
+    for _ in range(6):  # tenant a has no rate limit
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Feedback(req, timeout=10, metadata=md(TOK_A))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    time.sleep(1.1)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.Feedback(req, timeout=10, metadata=md(TOK_RATE))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    ch.close()
+
+
+@pytest.mark.e2e
+@pytest.mark.model
+def test_concurrent_stream_limit_per_tenant(stack):
+    """tok-one may hold one stream: a second concurrent one is RESOURCE_EXHAUSTED, and once the
+    first ends the tenant can stream again (the slot is released, not leaked)."""
+    with TierCacheClient(stack.orch.address, token=TOK_ONE, timeout=120) as c:
+        started = threading.Event()
+        result = {}
+
+        def long_stream():
+            for ch in c.stream("Tell me a long story about ships.", max_tokens=16,
+                               ignore_eos=True, cache_policy=NO_SEMANTIC):
+                started.set()
+                if ch.final is not None:
+                    result["final"] = ch.final
+
+        t = threading.Thread(target=long_stream)
+        t.start()
+        assert started.wait(60)
+        with pytest.raises(grpc.RpcError) as e:
+            gen(c, "And a short one?", cache_policy=NO_SEMANTIC)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "concurrent" in e.value.details()
+        t.join(120)
+        assert "final" in result
+        assert gen(c, "And now a short one?", cache_policy=NO_SEMANTIC).completion_tokens > 0
+
+
+@pytest.mark.e2e
+@pytest.mark.model
+def test_secrets_never_reach_the_logs(stack):
+    """Run authenticated traffic (good and bad tokens), then grep every service's log."""
+    with TierCacheClient(stack.orch.address, token=TOK_A, timeout=120) as a:
+        gen(a, "Say hello.", cache_policy=NO_SEMANTIC)
+    with TierCacheClient(stack.orch.address, token="tok-wrong-leak-canary", timeout=30) as bad:
+        with pytest.raises(grpc.RpcError):
+            gen(bad, "hi")
+    stack.admin_stats()
+    logs = stack.logs()
+    assert len(logs) > 1000  # the services did write logs
+    for secret in (*SECRETS, "tok-wrong-leak-canary", ADMIN):
+        assert secret not in logs, f"{secret[:6]}... found in service logs"
