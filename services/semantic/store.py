@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.errors import ResourceExhausted
+
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
     label        INTEGER PRIMARY KEY AUTOINCREMENT,  -- faiss id; never reused
@@ -88,15 +90,25 @@ class EntryStore:
     def insert(self, *, id: str, tenant: str, model_id: str, context_hash: str, prompt: str,
                answer: str, embedding: np.ndarray, embed_model: str, verified: bool,
                created_at: float, ttl_seconds: int) -> int:
-        """Commits one entry durably and returns its label."""
+        """Commits one entry durably and returns its label.
+
+        Raises:
+            ResourceExhausted: the disk (or the database's size limit) is full; nothing written.
+        """
         blob = np.asarray(embedding, "<f4").tobytes()
         with self._lock:
-            cur = self._db.execute(
-                "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
-                "embedding, embed_model, verified, created_at, ttl_seconds) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                (id, tenant, model_id, context_hash, prompt, answer, blob, embed_model,
-                 int(verified), created_at, ttl_seconds))
+            try:
+                cur = self._db.execute(
+                    "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
+                    "embedding, embed_model, verified, created_at, ttl_seconds) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    (id, tenant, model_id, context_hash, prompt, answer, blob, embed_model,
+                     int(verified), created_at, ttl_seconds))
+            except sqlite3.OperationalError as e:
+                # SQLITE_FULL: the statement was rolled back; a client error, not a crash.
+                if "full" in str(e):
+                    raise ResourceExhausted(f"disk: the entry store is full ({e})") from None
+                raise
             return int(cur.lastrowid)
 
     def insert_many(self, rows: list[dict]) -> None:
