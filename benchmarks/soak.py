@@ -1,0 +1,210 @@
+"""Soak: mixed traffic with client cancellations and deadline expiries, round after round, on a
+loopback stack; checks that nothing leaks and memory does not grow.
+
+    python -m benchmarks.soak [--rounds 12] [--requests 48] [--concurrency 6]
+        ->  benchmarks/results/soak.json        (`make soak`; about 10-15 minutes on 2 CPUs)
+
+The same `run_soak` drives the short form in `make test` (tests/hardening/test_soak.py).
+
+Each round sends the same fixed mix (so caches reach a steady state after the first round):
+repeated questions (semantic hits), questions under shared system prompts (prefix hits), unique
+cold prompts, from two tenants; 10% of requests are cancelled by the client after their first
+chunk and 10% carry a deadline too short to finish. After every round, once traffic stops:
+every replica has no running sequence and no referenced block (`free + cached + pinned ==
+total`), and the RSS of every process (from /proc) is recorded. Reported: latency p50/p99 of
+completed requests, outcome counts, RSS per process per round, and growth after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from tiercache.v1 import common_pb2
+
+from clients.python.client import TierCacheClient
+
+OUT = Path(__file__).resolve().parent / "results" / "soak.json"
+CLEAN = {"OK", "CANCELLED", "DEADLINE_EXCEEDED", "RESOURCE_EXHAUSTED", "UNAVAILABLE"}
+SYSTEMS = [f"You are assistant number {i} of the Harbour Museum. " + " ".join(
+    f"Exhibit {j}: hall {j % 4}, open {8 + j % 3} to {17 + j % 2}." for j in range(10))
+    for i in range(3)]
+REPEATED = ["What is the capital of France?", "Name three primary colours.",
+            "How many legs does a spider have?", "What is the boiling point of water?"]
+# Growth allowed from the end of the first (warm-up) round to the end of the last one.
+RSS_GROWTH_LIMIT = (48 * 2**20, 0.10)  # bytes, fraction: the larger of the two
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+@dataclass
+class Job:
+    kind: str  # "repeat" | "prefix" | "cold"
+    messages: list[dict]
+    tenant_token: str
+    mode: str  # "normal" | "cancel" | "deadline"
+
+
+@dataclass
+class SoakResult:
+    rounds: list[dict] = field(default_factory=list)
+    latencies_ms: list[float] = field(default_factory=list)
+    outcomes: Counter = field(default_factory=Counter)
+
+    def summary(self) -> dict:
+        lat = sorted(self.latencies_ms)
+
+        def pct(q: float) -> float:
+            return round(lat[min(len(lat) - 1, int(q * (len(lat) - 1) + 0.5))], 1) if lat else 0.0
+
+        first, last = self.rounds[0]["rss"], self.rounds[-1]["rss"]
+        growth = {k: last[k] - first[k] for k in first}
+        return {"requests": sum(self.outcomes.values()), "outcomes": dict(self.outcomes),
+                "latency_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": pct(1.0),
+                               "completed": len(lat)},
+                "rss_growth_bytes_after_warmup": growth,
+                "rounds": self.rounds}
+
+
+def make_jobs(n: int, tokens: tuple[str, str], round_no: int, seed: int) -> list[Job]:
+    """The fixed mix of a round: the same content every round, modes drawn per round."""
+    content = random.Random(seed)
+    modes = random.Random(seed * 1000 + round_no)
+    jobs = []
+    for i in range(n):
+        r = content.random()
+        tok = tokens[i % 2]
+        if r < 0.35:
+            kind, msgs = "repeat", [{"role": "user", "content": content.choice(REPEATED)}]
+        elif r < 0.8:
+            kind = "prefix"
+            msgs = [{"role": "system", "content": content.choice(SYSTEMS)},
+                    {"role": "user", "content": f"Where is exhibit {content.randrange(10)}?"}]
+        else:
+            kind, msgs = "cold", [{"role": "user",
+                                   "content": f"Spell the number {content.randrange(10**6)}."}]
+        m = modes.random()
+        mode = "cancel" if m < 0.10 else "deadline" if m < 0.20 else "normal"
+        jobs.append(Job(kind, msgs, tok, mode))
+    return jobs
+
+
+def run_job(address: str, job: Job, max_tokens: int, timeout: float) -> tuple[str, float]:
+    t0 = time.monotonic()
+    deadline = timeout if job.mode != "deadline" else random.uniform(0.05, 0.6)
+    try:
+        with TierCacheClient(address, token=job.tenant_token, timeout=deadline) as c:
+            stream = c.stream(job.messages, max_tokens=max_tokens, ignore_eos=True,
+                              cache_policy=common_pb2.CachePolicy())
+            for ch in stream:
+                if job.mode == "cancel":
+                    stream.close()  # the client's finally cancels the call
+                    return "CANCELLED", (time.monotonic() - t0) * 1000
+                if ch.final is not None:
+                    break
+        return "OK", (time.monotonic() - t0) * 1000
+    except grpc.RpcError as e:
+        return e.code().name, (time.monotonic() - t0) * 1000
+
+
+def run_soak(*, address: str, pids: dict[str, int], kv_stats, rounds: int, requests: int,
+             concurrency: int, tokens: tuple[str, str], max_tokens: int = 6,
+             timeout: float = 60.0, seed: int = 7, idle_timeout: float = 60.0,
+             log=print) -> SoakResult:
+    """Run `rounds` rounds of `requests` jobs; `kv_stats()` returns every replica's Stats."""
+    res = SoakResult()
+    for rnd in range(rounds):
+        t0 = time.monotonic()
+        jobs = make_jobs(requests, tokens, rnd, seed)
+        with ThreadPoolExecutor(max_workers=concurrency) as pool:
+            outs = list(pool.map(lambda j: run_job(address, j, max_tokens, timeout), jobs))
+        for job, (code, ms) in zip(jobs, outs, strict=True):
+            res.outcomes[code] += 1
+            if code not in CLEAN:
+                raise AssertionError(f"round {rnd}: {job.kind}/{job.mode} ended {code}")
+            if code == "OK" and job.mode == "normal":
+                res.latencies_ms.append(ms)
+        # Idle: every sequence ended, no block referenced, the pool's books balance.
+        end = time.monotonic() + idle_timeout
+        while True:
+            st = kv_stats()
+            if all(s.running == 0 and s.waiting == 0 and s.blocks_in_use == 0 for s in st):
+                break
+            if time.monotonic() > end:
+                raise AssertionError(f"round {rnd}: replicas not idle: {st}")
+            time.sleep(0.1)
+        for s in st:
+            if s.blocks_free + s.blocks_cached + s.blocks_pinned != s.blocks_total:
+                raise AssertionError(f"round {rnd}: blocks lost on {s.replica_id}: {s}")
+        rss = {name: rss_bytes(pid) for name, pid in pids.items()}
+        res.rounds.append({"round": rnd, "seconds": round(time.monotonic() - t0, 1),
+                           "outcomes": dict(Counter(code for code, _ in outs)),
+                           "rss": rss,
+                           "blocks_cached": {s.replica_id: s.blocks_cached for s in st}})
+        log(f"round {rnd}: {res.rounds[-1]['outcomes']} in {res.rounds[-1]['seconds']} s, "
+            f"rss MiB {{{', '.join(f'{k}: {v / 2**20:.0f}' for k, v in rss.items())}}}")
+    return res
+
+
+def rss_growth_ok(res: SoakResult) -> dict[str, bool]:
+    first, last = res.rounds[0]["rss"], res.rounds[-1]["rss"]
+    lim_b, lim_f = RSS_GROWTH_LIMIT
+    return {k: last[k] - first[k] <= max(lim_b, lim_f * first[k]) for k in first}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--concurrency", type=int, default=6)
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args(argv)
+
+    from tests.hardening.conftest import TOK_A, TOK_B, start_stack
+
+    with tempfile.TemporaryDirectory() as tmp:
+        stack = start_stack(Path(tmp))
+        try:
+            pids = {f"{p.name}:{p.port}": p.proc.pid for p in stack.all()}
+            t0 = time.monotonic()
+            res = run_soak(address=stack.orch.address, pids=pids, kv_stats=stack.kv_stats,
+                           rounds=args.rounds, requests=args.requests,
+                           concurrency=args.concurrency, tokens=(TOK_A, TOK_B))
+            wall = time.monotonic() - t0
+        finally:
+            stack.stop()
+    growth = rss_growth_ok(res)
+    out = {"benchmark": "soak", "wall_s": round(wall, 1),
+           "config": {"rounds": args.rounds, "requests_per_round": args.requests,
+                      "concurrency": args.concurrency, "cancel_fraction": 0.10,
+                      "deadline_fraction": 0.10, "max_tokens": 6},
+           **res.summary(),
+           "targets": {"no_leaked_blocks": "met (checked after every round)",
+                       "rss_growth_after_warmup": "met" if all(growth.values())
+                       else f"not met: {growth}",
+                       "rss_growth_limit": f"max({RSS_GROWTH_LIMIT[0] // 2**20} MiB, "
+                                           f"{RSS_GROWTH_LIMIT[1]:.0%})"}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(json.dumps({k: out[k] for k in ("wall_s", "outcomes", "latency_ms", "targets")},
+                     indent=2))
+    return 0 if all(growth.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

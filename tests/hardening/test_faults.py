@@ -1,0 +1,318 @@
+"""Faults with real processes on the shared stack: kill -9 and restart of each service under
+load, a replica that hangs (SIGSTOP: keeps its connection, answers nothing), a dependency slower
+than the deadline, and SQLite on a full disk.
+
+After each: every in-flight request ended cleanly (completed, possibly elsewhere, or a clear
+status — never INTERNAL/UNKNOWN) within its deadline; surviving replicas hold no reference
+(`blocks_in_use == 0`, `running == 0`, `free + cached + pinned == total`); no acknowledged
+semantic entry is lost; the index converges to what the pools really hold.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from tiercache.v1 import common_pb2, semantic_pb2, semantic_pb2_grpc
+
+from clients.python.client import TierCacheClient
+from tests.hardening.conftest import INTERNAL, INTERNAL_MD, TOK_A, Stack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+NO_SEMANTIC = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True)
+CLEAN = {"OK", "UNAVAILABLE", "DEADLINE_EXCEEDED", "CANCELLED", "RESOURCE_EXHAUSTED"}
+SLACK_S = 3.0  # scheduling slack on a shared 2-core machine
+
+
+@dataclass
+class Result:
+    code: str
+    seconds: float
+    tokens: int
+    route: str = ""
+
+
+def one_request(address: str, i: int, *, timeout: float, max_tokens: int,
+                policy=NO_SEMANTIC, prompt: str | None = None) -> Result:
+    t0 = time.monotonic()
+    try:
+        with TierCacheClient(address, token=TOK_A, timeout=timeout) as c:
+            r = c.generate(prompt or f"Fault drill {i}: list three colours.", max_tokens=max_tokens,
+                           ignore_eos=True, session_id=f"s{i}", cache_policy=policy)
+        return Result("OK", time.monotonic() - t0, r.completion_tokens, r.report.route)
+    except grpc.RpcError as e:
+        return Result(e.code().name, time.monotonic() - t0, 0)
+
+
+def load(stack: Stack, n: int, *, timeout: float = 60.0, max_tokens: int = 12, policy=NO_SEMANTIC,
+         stagger_s: float = 0.1):
+    """Start n requests concurrently; returns (futures, pool)."""
+    pool = ThreadPoolExecutor(max_workers=n)
+    futs = []
+    for i in range(n):
+        futs.append(pool.submit(one_request, stack.orch.address, i, timeout=timeout,
+                                max_tokens=max_tokens, policy=policy))
+        time.sleep(stagger_s)
+    return futs, pool
+
+
+def finish(futs, pool, timeout: float) -> list[Result]:
+    out = [f.result() for f in futs]
+    pool.shutdown()
+    for r in out:
+        assert r.code in CLEAN, out
+        assert r.seconds <= timeout + SLACK_S, out
+    return out
+
+
+def wait_until(pred, timeout: float, what: str, every: float = 0.2):
+    end = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < end, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+def index_converged(stack: Stack, timeout: float = 30.0) -> None:
+    """The index's view of every live replica equals what its pool holds (idle pools)."""
+    last = {}
+
+    def same() -> bool:
+        pools = {s.replica_id: s for s in stack.kv_stats()}
+        idx = {r.replica_id: r.held_blocks for r in stack.prefix_stats().replicas}
+        truth = {rid: s.blocks_cached + s.blocks_pinned for rid, s in pools.items()}
+        last.update(index=idx, pools=truth)
+        return idx == truth
+
+    try:
+        wait_until(same, timeout, "index convergence")
+    except AssertionError:
+        raise AssertionError(f"index did not converge: {last}") from None
+
+
+def busy_replica(stack: Stack) -> int | None:
+    for i, s in enumerate(stack.kv_stats()):
+        if s.running > 0:
+            return i
+    return None
+
+
+
+def after_fault(stack: Stack) -> None:
+    stack.wait_kv_idle()
+    index_converged(stack)
+
+
+# ---- kill -9 ------------------------------------------------------------------------------------
+
+def test_kvpool_killed_mid_stream_under_load(stack):
+    futs, pool = load(stack, 6, max_tokens=16)
+    victim = wait_until(lambda: [i for i in [busy_replica(stack)] if i is not None], 60,
+                        "a busy replica")[0]
+    stack.kv[victim].kill()
+    results = finish(futs, pool, 60)
+    assert sum(r.code == "OK" for r in results) >= 4, results  # resumed on the survivor
+    assert any(r.route in ("resume", "retry") for r in results) or all(
+        r.code == "OK" for r in results)
+    stack.wait_kv_idle()  # the survivor (the victim is down): nothing referenced
+    stack.restart(stack.kv[victim])
+    after_fault(stack)
+
+
+def test_index_killed_and_restarted_under_load(stack):
+    futs, pool = load(stack, 4, max_tokens=8)
+    time.sleep(0.5)
+    stack.prefix.kill()
+    results = finish(futs, pool, 60)
+    assert all(r.code == "OK" for r in results), results  # the ring takes over
+    stack.restart(stack.prefix)
+    # Replicas notice the new index (heartbeat: unknown), register again and resync.
+    wait_until(lambda: len(stack.prefix_stats().replicas) == 2, 30, "replicas re-registered")
+    after_fault(stack)
+    with TierCacheClient(stack.orch.address, token=TOK_A, timeout=60) as c:
+        sys = "You are a careful archivist. " * 12
+        c.generate([{"role": "system", "content": sys}, {"role": "user", "content": "One?"}],
+                   max_tokens=2, cache_policy=NO_SEMANTIC)
+        again = c.generate([{"role": "system", "content": sys},
+                            {"role": "user", "content": "Two?"}], max_tokens=2,
+                           cache_policy=NO_SEMANTIC)
+        assert again.report.cached_tokens > 0  # prefix routing works on the rebuilt index
+    after_fault(stack)
+
+
+def semantic_stub(stack: Stack):
+    ch = grpc.insecure_channel(stack.semantic.address)
+    return ch, semantic_pb2_grpc.SemanticCacheStub(ch)
+
+
+def test_semantic_killed_mid_writes_loses_no_acknowledged_entry(stack):
+    ns = semantic_pb2.Namespace(tenant="fault", model_id="m", context_hash="00")
+    acked: list[str] = []
+    stop = threading.Event()
+
+    def writer() -> None:
+        ch, stub = semantic_stub(stack)
+        i = 0
+        while not stop.is_set():
+            try:
+                r = stub.Store(semantic_pb2.StoreRequest(
+                    namespace=ns, prompt=f"What is fact number {i}?", answer=f"Fact {i}."),
+                    timeout=5, metadata=INTERNAL_MD)
+                acked.append(r.id)
+            except grpc.RpcError as e:
+                assert e.code().name in CLEAN, e
+                if stop.wait(0.05):
+                    break
+            i += 1
+        ch.close()
+
+    t = threading.Thread(target=writer)
+    t.start()
+    wait_until(lambda: len(acked) >= 15, 60, "some acknowledged stores")
+    futs, pool = load(stack, 3, max_tokens=6, policy=common_pb2.CachePolicy())
+    stack.semantic.kill()
+    n_at_kill = len(acked)
+    results = finish(futs, pool, 60)
+    assert all(r.code == "OK" for r in results), results  # generation goes on without it
+    stack.restart(stack.semantic)
+    wait_until(lambda: len(acked) > n_at_kill + 3, 60, "stores after the restart")
+    stop.set()
+    t.join(30)
+    ch, stub = semantic_stub(stack)
+    lost = []
+    for eid in acked:
+        try:
+            stub.Verify(semantic_pb2.VerifyRequest(id=eid, verified=False), timeout=10,
+                        metadata=INTERNAL_MD)
+        except grpc.RpcError as e:
+            lost.append((eid, e.code().name))
+    ch.close()
+    assert not lost, f"{len(lost)} of {len(acked)} acknowledged entries lost: {lost[:5]}"
+    after_fault(stack)
+
+
+def test_orchestrator_killed_under_load_leaks_nothing(stack):
+    futs, pool = load(stack, 4, max_tokens=16, timeout=60)
+    wait_until(lambda: busy_replica(stack) is not None, 60, "requests running")
+    stack.orch.kill()
+    results = finish(futs, pool, 60)
+    assert all(r.code in ("UNAVAILABLE", "OK") for r in results), results
+    assert any(r.code == "UNAVAILABLE" for r in results)
+    # The replicas see their caller gone and cancel: no sequence, no reference left.
+    stack.wait_kv_idle()
+    stack.restart(stack.orch)
+    assert one_request(stack.orch.address, 99, timeout=60, max_tokens=4).code == "OK"
+    after_fault(stack)
+
+
+# ---- a replica that hangs, a dependency slower than the deadline --------------------------------
+
+def test_hung_replica_requests_end_within_their_deadline(stack):
+    victim = stack.kv[0]
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        futs, pool = load(stack, 4, max_tokens=8, timeout=12, stagger_s=0.0)
+        results = finish(futs, pool, 12)
+        # Routed to the hung replica: DEADLINE_EXCEEDED at the deadline; elsewhere: OK.
+        assert {r.code for r in results} <= {"OK", "DEADLINE_EXCEEDED", "UNAVAILABLE"}, results
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    # Resumed, the replica finds its callers gone and drops their sequences.
+    after_fault(stack)
+    assert one_request(stack.orch.address, 7, timeout=60, max_tokens=4).code == "OK"
+
+
+@pytest.mark.parametrize("dep", ["semantic", "prefix"])
+def test_dependency_slower_than_its_deadline_is_skipped(stack, dep):
+    """A hung semantic tier (2 s budget) or index (1 s budget): requests still complete well
+    within their own deadline, degraded."""
+    proc = getattr(stack, dep)
+    os.kill(proc.proc.pid, signal.SIGSTOP)
+    try:
+        policy = common_pb2.CachePolicy() if dep == "semantic" else NO_SEMANTIC
+        futs, pool = load(stack, 2, max_tokens=4, timeout=25, policy=policy)
+        results = finish(futs, pool, 25)
+        assert all(r.code == "OK" for r in results), results
+    finally:
+        os.kill(proc.proc.pid, signal.SIGCONT)
+    after_fault(stack)
+
+
+def test_client_deadline_shorter_than_the_generation(stack):
+    futs, pool = load(stack, 4, max_tokens=16, timeout=1.5, stagger_s=0.0)
+    results = finish(futs, pool, 1.5)
+    assert any(r.code == "DEADLINE_EXCEEDED" for r in results), results
+    after_fault(stack)
+
+
+# ---- disk full for SQLite ---------------------------------------------------------------------
+
+@pytest.fixture
+def tiny_disk(tmp_path):
+    """A 1 MiB tmpfs (root only); skipped where mounting is not allowed."""
+    mnt = tmp_path / "disk"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mnt)],
+                       capture_output=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.decode().strip()}")
+    yield mnt
+    subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_sqlite_disk_full(tiny_disk):
+    """Stores on a full disk get RESOURCE_EXHAUSTED naming the disk, never INTERNAL; lookups
+    keep working; after a restart every acknowledged entry is still there."""
+    from services.semantic.config import SemanticConfig
+    from services.semantic.server import serve
+
+    cfg = SemanticConfig(address="127.0.0.1:0", metrics_port=-1, internal_token=INTERNAL,
+                         db_path=str(tiny_disk / "s.db"))
+    cfg.validate()
+    svc = serve(cfg)
+    ns = semantic_pb2.Namespace(tenant="disk", model_id="m", context_hash="01")
+    acked, codes = [], []
+    try:
+        ch = grpc.insecure_channel(svc.handle.address)
+        stub = semantic_pb2_grpc.SemanticCacheStub(ch)
+        for i in range(400):
+            try:
+                r = stub.Store(semantic_pb2.StoreRequest(
+                    namespace=ns, prompt=f"Question {i} about the harbour records?",
+                    answer=f"Answer {i}: " + "x" * 4000), timeout=10, metadata=INTERNAL_MD)
+                acked.append(r.id)
+            except grpc.RpcError as e:
+                codes.append((e.code().name, e.details()))
+                if len(codes) >= 5:
+                    break
+        assert codes, "the disk never filled"
+        assert {c for c, _ in codes} == {"RESOURCE_EXHAUSTED"}, codes
+        assert all("disk" in d for _, d in codes), codes
+        look = stub.Lookup(semantic_pb2.LookupRequest(
+            namespace=ns, text="Question 3 about the harbour records?"), timeout=10,
+            metadata=INTERNAL_MD)
+        assert look.hit
+        ch.close()
+    finally:
+        svc.stop(0)
+    svc = serve(cfg)
+    try:
+        ch = grpc.insecure_channel(svc.handle.address)
+        stub = semantic_pb2_grpc.SemanticCacheStub(ch)
+        for eid in acked:
+            stub.Verify(semantic_pb2.VerifyRequest(id=eid), timeout=10, metadata=INTERNAL_MD)
+        assert stub.Stats(semantic_pb2.SemanticStatsRequest(), timeout=10,
+                          metadata=INTERNAL_MD).entries == len(acked)
+        ch.close()
+    finally:
+        svc.stop(0)
