@@ -103,6 +103,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 on_cancel=lambda fn: context.add_callback(fn))
             for ev in events:
                 if isinstance(ev, Finished):
+                    ev.report.semantic_entry_id = self.tenants.entry_ref(
+                        tenant, ev.report.semantic_entry_id)
                     yield orchestrator_pb2.GenerateResponse(final=orchestrator_pb2.GenerateFinal(
                         finish_reason=ev.finish_reason,
                         usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens,
@@ -120,7 +122,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return self.warmer.warm(tenant, request)
 
     def Feedback(self, request, context):
-        self._tenant(context)
+        tenant = self._tenant(context)
         if not request.semantic_entry_id:
             raise errors.InvalidArgument("semantic_entry_id", "required")
         if request.rating not in (orchestrator_pb2.RATING_GOOD, orchestrator_pb2.RATING_BAD):
@@ -128,13 +130,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         sem = self.orch.semantic
         if not sem.enabled:
             raise errors.FailedPrecondition("the semantic tier is not configured")
+        # Only references this tenant was given: another tenant's entry is simply not found.
+        entry_id = self.tenants.entry_id(tenant, request.semantic_entry_id)
+        if entry_id is None:
+            raise errors.NotFound(f"semantic_entry_id: {request.semantic_entry_id} unknown")
         try:
             if request.rating == orchestrator_pb2.RATING_BAD:
-                n = sem.invalidate(request.semantic_entry_id).removed
+                n = sem.invalidate(entry_id).removed
                 if n == 0:
                     raise errors.NotFound(f"semantic_entry_id: {request.semantic_entry_id} unknown")
                 return orchestrator_pb2.FeedbackResponse(invalidated=True)
-            sem.verify(request.semantic_entry_id, True)
+            sem.verify(entry_id, True)
             return orchestrator_pb2.FeedbackResponse(verified=True)
         except grpc.RpcError as e:
             exc = errors.TierCacheError(f"semantic_entry_id: {e.details()}")

@@ -53,6 +53,7 @@ class TenantRegistry:
     by_token: dict[str, Tenant]
     default: Tenant | None
     clock: Callable[[], float] = time.monotonic
+    key: bytes = b""  # signs the semantic entry references handed to tenants
     _active: dict[str, int] = field(default_factory=dict)
     _buckets: dict[str, _Bucket] = field(default_factory=dict)
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -98,7 +99,7 @@ class TenantRegistry:
         by_token = {t: make(str(s["tenant"]), s) for t, s in entries.items()}
         # No tokens = a local, unauthenticated stack: its one caller is also its operator.
         default = None if by_token else make("default", {"admin": True})
-        return cls(by_token, default)
+        return cls(by_token, default, key=key)
 
     def authenticate(self, metadata: Mapping[str, str]) -> Tenant:
         if self.default is not None:
@@ -159,3 +160,19 @@ class TenantRegistry:
         if not tenant.admin:
             raise PermissionDenied(
                 f"authorization: tenant {tenant.name} may not read {what} (needs an admin token)")
+
+    def _entry_tag(self, tenant: Tenant, entry_id: str) -> str:
+        msg = f"entry:{tenant.name}:{entry_id}".encode()
+        return hmac.new(self.key, msg, hashlib.sha256).hexdigest()[:16]
+
+    def entry_ref(self, tenant: Tenant, entry_id: str) -> str:
+        """The reference to a semantic entry a tenant may pass back to Feedback: the id signed
+        for that tenant, so that nobody can rate or invalidate another tenant's entry."""
+        return f"{entry_id}.{self._entry_tag(tenant, entry_id)}" if entry_id else ""
+
+    def entry_id(self, tenant: Tenant, ref: str) -> str | None:
+        """The entry id behind `ref` if `ref` was issued to `tenant`, else None."""
+        entry_id, _, tag = ref.rpartition(".")
+        if not entry_id or not hmac.compare_digest(tag, self._entry_tag(tenant, entry_id)):
+            return None
+        return entry_id

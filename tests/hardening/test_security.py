@@ -258,6 +258,16 @@ def test_tenant_isolation_end_to_end(stack):
         rb2 = gen(b, msgs, cache_policy=NO_SEMANTIC)
         assert rb2.report.cached_tokens > 0  # b now has its own copy, a's was never shared
 
+        # b cannot rate or invalidate a's answer, even holding a's entry reference.
+        ref = first.report.semantic_entry_id
+        assert ref
+        for stolen in (ref, ref.split(".")[0]):
+            with pytest.raises(grpc.RpcError) as e:
+                b.feedback(stolen, good=False)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert gen(a, msgs).report.semantic_hit  # still there for a
+        assert a.feedback(ref, good=True).verified  # and a's own reference works
+
         # Warm with top_k never hands a another tenant's hot prefixes.
         w = a.warm(top_k=50)
         assert all(r.prompt_index >= -1 for r in w.results)

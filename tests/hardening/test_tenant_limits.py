@@ -78,3 +78,15 @@ def test_cluster_stats_need_an_admin_token(tmp_path):
     local = TenantRegistry.build(tokens_file="", tokens="", key=b"k", max_prompt_tokens=1,
                                  max_tokens=1, max_concurrent=1)
     local.require_admin(local.authenticate({}), "cluster stats")
+
+
+def test_semantic_entry_references_are_signed_per_tenant(tmp_path):
+    r = registry(tmp_path, {"t": {"tenant": "a"}, "u": {"tenant": "b"}})
+    a = r.authenticate({"authorization": "Bearer t"})
+    b = r.authenticate({"authorization": "Bearer u"})
+    ref = r.entry_ref(a, "0123abcd")
+    assert r.entry_id(a, ref) == "0123abcd"
+    assert r.entry_id(b, ref) is None  # b cannot rate or invalidate a's entry
+    assert r.entry_id(a, "0123abcd") is None  # a bare id is not a reference
+    assert r.entry_id(b, ref.split(".")[0] + "." + "0" * 16) is None
+    assert r.entry_ref(a, "") == ""
