@@ -6,13 +6,15 @@ loopback stack; checks that nothing leaks and memory does not grow.
 
 The same `run_soak` drives the short form in `make test` (tests/hardening/test_soak.py).
 
-Each round sends the same fixed mix (so caches reach a steady state after the first round):
-repeated questions (semantic hits), questions under shared system prompts (prefix hits), unique
-cold prompts, from two tenants; 10% of requests are cancelled by the client after their first
-chunk and 10% carry a deadline too short to finish. After every round, once traffic stops:
-every replica has no running sequence and no referenced block (`free + cached + pinned ==
-total`), and the RSS of every process (from /proc) is recorded. Reported: latency p50/p99 of
-completed requests, outcome counts, RSS per process per round, and growth after warm-up.
+Each round sends the same mix from two tenants: repeated questions (semantic hits after the
+first round), questions under shared system prompts (prefix hits; semantic tier skipped so the
+model runs every round), and cold prompts new in every round (semantic tier skipped: they run
+the model from scratch and churn the pools, whose size bounds what they leave behind). 10% of
+requests are cancelled by the client after their first chunk and 10% carry a deadline too
+short to finish. After every round, once traffic stops: every replica has no running sequence
+and no referenced block (`free + cached + pinned == total`), and the RSS of every process
+(from /proc) is recorded. Reported: latency p50/p99 of completed requests, outcome counts,
+RSS per process per round, and growth after warm-up.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ class Job:
     messages: list[dict]
     tenant_token: str
     mode: str  # "normal" | "cancel" | "deadline"
+    policy: common_pb2.CachePolicy = field(default_factory=common_pb2.CachePolicy)
 
 
 @dataclass
@@ -65,6 +68,7 @@ class SoakResult:
     rounds: list[dict] = field(default_factory=list)
     latencies_ms: list[float] = field(default_factory=list)
     outcomes: Counter = field(default_factory=Counter)
+    by_kind: Counter = field(default_factory=Counter)
 
     def summary(self) -> dict:
         lat = sorted(self.latencies_ms)
@@ -75,6 +79,7 @@ class SoakResult:
         first, last = self.rounds[0]["rss"], self.rounds[-1]["rss"]
         growth = {k: last[k] - first[k] for k in first}
         return {"requests": sum(self.outcomes.values()), "outcomes": dict(self.outcomes),
+                "by_kind_mode_outcome": dict(sorted(self.by_kind.items())),
                 "latency_ms": {"p50": pct(0.5), "p99": pct(0.99), "max": pct(1.0),
                                "completed": len(lat)},
                 "rss_growth_bytes_after_warmup": growth,
@@ -82,9 +87,11 @@ class SoakResult:
 
 
 def make_jobs(n: int, tokens: tuple[str, str], round_no: int, seed: int) -> list[Job]:
-    """The fixed mix of a round: the same content every round, modes drawn per round."""
+    """The mix of a round: the same kinds and repeated content every round, fresh cold prompts
+    and fresh cancellation/deadline draws per round."""
     content = random.Random(seed)
     modes = random.Random(seed * 1000 + round_no)
+    model_only = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True)
     jobs = []
     for i in range(n):
         r = content.random()
@@ -96,11 +103,12 @@ def make_jobs(n: int, tokens: tuple[str, str], round_no: int, seed: int) -> list
             msgs = [{"role": "system", "content": content.choice(SYSTEMS)},
                     {"role": "user", "content": f"Where is exhibit {content.randrange(10)}?"}]
         else:
-            kind, msgs = "cold", [{"role": "user",
-                                   "content": f"Spell the number {content.randrange(10**6)}."}]
+            kind, msgs = "cold", [{"role": "user", "content": (
+                f"Round {round_no}: spell the number {modes.randrange(10**6)}.")}]
         m = modes.random()
         mode = "cancel" if m < 0.10 else "deadline" if m < 0.20 else "normal"
-        jobs.append(Job(kind, msgs, tok, mode))
+        jobs.append(Job(kind, msgs, tok, mode,
+                        common_pb2.CachePolicy() if kind == "repeat" else model_only))
     return jobs
 
 
@@ -110,7 +118,7 @@ def run_job(address: str, job: Job, max_tokens: int, timeout: float) -> tuple[st
     try:
         with TierCacheClient(address, token=job.tenant_token, timeout=deadline) as c:
             stream = c.stream(job.messages, max_tokens=max_tokens, ignore_eos=True,
-                              cache_policy=common_pb2.CachePolicy())
+                              cache_policy=job.policy)
             for ch in stream:
                 if job.mode == "cancel":
                     stream.close()  # the client's finally cancels the call
@@ -135,6 +143,7 @@ def run_soak(*, address: str, pids: dict[str, int], kv_stats, rounds: int, reque
             outs = list(pool.map(lambda j: run_job(address, j, max_tokens, timeout), jobs))
         for job, (code, ms) in zip(jobs, outs, strict=True):
             res.outcomes[code] += 1
+            res.by_kind[f"{job.kind}/{job.mode}/{code}"] += 1
             if code not in CLEAN:
                 raise AssertionError(f"round {rnd}: {job.kind}/{job.mode} ended {code}")
             if code == "OK" and job.mode == "normal":

@@ -3,7 +3,7 @@ documented status (never INTERNAL or UNKNOWN), and the prefix index's event stre
 integrity under random events and sequence numbers, converging to the truth after a resync.
 
 Bounds: a fixed number of examples per test and a per-test wall-clock cap, so `make test` stays
-predictable; `HARDENING_FUZZ_EXAMPLES` raises the counts for a longer local run.
+predictable; `HARDENING_FUZZ_EXAMPLES=N` multiplies the counts for a longer local run.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from services.common.hashing import BlockHasher
 from services.prefix.index import Cleared, PrefixIndex, Removed, Stored
 from tests.hardening.conftest import ADMIN, TOK_A, call, md
 
+# Each fuzz test is also capped in wall-clock time (pytest-timeout), whatever the examples cost.
+pytestmark = pytest.mark.timeout(240)
 SCALE = int(os.environ.get("HARDENING_FUZZ_EXAMPLES", "1"))
 DOCUMENTED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND,
               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAUTHENTICATED,
