@@ -31,8 +31,9 @@ TOKENS = {
     "tok-a-5d2e": {"tenant": "a"},
     "tok-b-81f0": {"tenant": "b"},
     ADMIN: {"tenant": "ops", "admin": True},
-    # 2 requests/s with bursts of 3: the rate-limit test exhausts it in one burst.
-    "tok-rate-44c9": {"tenant": "rate", "rate_per_s": 2, "burst": 3},
+    # One request per 2 s with bursts of 3: the rate-limit test exhausts it in one burst
+    # (slow enough that a loaded machine cannot refill it between the burst's calls).
+    "tok-rate-44c9": {"tenant": "rate", "rate_per_s": 0.5, "burst": 3},
     "tok-one-2b7e": {"tenant": "one", "max_concurrent": 1},
 }
 TOK_A, TOK_B, TOK_RATE, TOK_ONE = "tok-a-5d2e", "tok-b-81f0", "tok-rate-44c9", "tok-one-2b7e"
