@@ -68,7 +68,7 @@ class Shape:
     gen: int = 32
     concurrent: int = 8
     reps: int = 3
-    decode_reps: int = 3
+    decode_reps: int = 5
     decode_ctx: int = 128
     decode_tokens: int = 48
     cb_concurrent: int = 8
@@ -241,6 +241,45 @@ def plain_decode_steps(model: Any, ids: Ids, ctx: int, steps: int) -> list[float
     return out
 
 
+def paged_vs_plain_forward(model: Any, ids: Ids, ctx: int, steps: int) -> tuple[float, float]:
+    """Median forward time of one decode step at `ctx`, batch 1: our PagedCache vs DynamicCache.
+
+    In-process and alternated step by step, so both see the same machine load; this isolates
+    the cache class from the gRPC/engine path measured by `paged_decode_step_1k_s`.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
+
+    cfg = model.config
+    store = KvStore(num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads,
+                    head_dim=cfg.hidden_size // cfg.num_attention_heads, num_blocks=1,
+                    block_size=16, max_rows=1, max_context=cfg.max_position_embeddings,
+                    dtype=torch.float32, device="cpu", initial_capacity=ctx + steps + 16)
+    paged = PagedCache(store)
+    prompt = torch.tensor([ids(ctx)])
+    with torch.inference_mode():
+        paged.begin(ForwardPlan(0, [0], ctx))
+        model(input_ids=prompt, cache=paged, position_ids=paged.position_ids(),
+              attention_mask=paged.attention_mask(), logits_to_keep=1)
+        plain = DynamicCache(config=cfg)
+        model(input_ids=prompt, cache=plain, use_cache=True, logits_to_keep=1)
+        tp, tq = [], []
+        for i in range(steps):
+            tok = torch.tensor([[ids(1)[0]]])
+            t0 = time.perf_counter()
+            paged.begin(ForwardPlan(0, [ctx + i], 1))
+            model(input_ids=tok, cache=paged, position_ids=paged.position_ids(),
+                  attention_mask=paged.attention_mask(), logits_to_keep=1)
+            t1 = time.perf_counter()
+            model(input_ids=tok, cache=plain, use_cache=True, logits_to_keep=1)
+            t2 = time.perf_counter()
+            tp.append(t1 - t0)
+            tq.append(t2 - t1)
+    return statistics.median(tp), statistics.median(tq)
+
+
 def load_library_model():
     import torch
     from transformers import AutoModelForCausalLM
@@ -370,6 +409,10 @@ def bench_library(shape: Shape, ids: Ids, out: dict, model: Any) -> None:
     gc = GenerationConfig(max_new_tokens=shape.cb_gen, do_sample=False, eos_token_id=-1)
     cbc = ContinuousBatchingConfig(allow_block_sharing=True, num_blocks=64,
                                    max_batch_tokens=2048)
+    paged, plain = paged_vs_plain_forward(model, ids, 1040, shape.decode_tokens)
+    out["inprocess_forward_1k_paged_s"], out["inprocess_forward_1k_plain_s"] = paged, plain
+    out["inprocess_forward_1k_paged_over_plain"] = paged / plain
+
     mgr = model.init_continuous_batching(generation_config=gc, continuous_batching_config=cbc)
     mgr.start()
     try:
