@@ -122,8 +122,8 @@ def test_kvpool_killed_mid_stream_under_load(stack):
     stack.kv[victim].kill()
     results = finish(futs, pool, 60)
     assert sum(r.code == "OK" for r in results) >= 4, results  # resumed on the survivor
-    assert any(r.route in ("resume", "retry") for r in results) or all(
-        r.code == "OK" for r in results)
+    # The kill hit work in flight: some request moved to the survivor (or ended with a status).
+    assert any(r.route in ("resume", "retry") or r.code != "OK" for r in results), results
     stack.wait_kv_idle()  # the survivor (the victim is down): nothing referenced
     stack.restart(stack.kv[victim])
     after_fault(stack)
