@@ -98,7 +98,7 @@ KV_CASES = [
     case("invalid UTF-8 cache_salt", "Generate", raw(KvGen(token_ids=[1], sampling=OK_SP))
          + string_field(4, BAD_UTF8), INV, "cache_salt", stream=True),
     case("truncated message", "Generate", b"\x12\x05\x01", INV, "request", stream=True),
-    case("over the size limit", "Generate", KvGen(token_ids=[1] * (OVER_LIMIT // 1)), RES,
+    case("over the size limit", "Generate", KvGen(request_id="r" * OVER_LIMIT), RES,
          "", stream=True),
     case("no credential", "Generate", KvGen(token_ids=[1], sampling=OK_SP), UNAUTH,
          "authorization", stream=True, metadata=()),
@@ -219,7 +219,7 @@ PREFIX_CASES = [
     case("match invalid UTF-8 salt", "Match", raw(prefix_pb2.MatchRequest(
         model_id="m", token_ids=[1, 2, 3, 4])) + string_field(2, BAD_UTF8), INV, "cache_salt"),
     case("match over the size limit", "Match", prefix_pb2.MatchRequest(
-        model_id="m", token_ids=[1] * OVER_LIMIT), RES, ""),
+        model_id="m" * OVER_LIMIT), RES, ""),
     case("top k 0", "TopPrefixes", prefix_pb2.TopPrefixesRequest(), INV, "k"),
     case("top k huge", "TopPrefixes", prefix_pb2.TopPrefixesRequest(k=5000), INV, "k"),
     case("stats malformed", "Stats", b"\x0a\x10", INV, "request"),
