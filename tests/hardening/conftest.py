@@ -265,7 +265,7 @@ def start_stack(tmp: Path) -> Stack:
     return Stack(tmp, sem, prefix, kv, orch)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # stopped when tests/hardening is done, not at session end
 def stack(tmp_path_factory) -> Iterator[Stack]:
     s = start_stack(tmp_path_factory.mktemp("hardening-stack"))
     yield s
