@@ -237,8 +237,19 @@ class NamespaceIndex:
         """The `k` most similar live entries, best first. Never blocks on writers."""
         snap = self._snap
         n = snap.count[0]
+        total = len(snap.main_labels) + n
         q = np.asarray(vec, np.float32).reshape(1, -1)
-        want = k + min(len(self._dead), _EXTRA_K) if self._dead else k
+        # Tombstoned rows may fill the top of the list; the snapshot may even hold rows whose
+        # tombstones a newer snapshot already purged. Fetch extra, and more until k live.
+        want = k + _EXTRA_K
+        while True:
+            live = self._search_snapshot(snap, n, q, want)
+            if len(live) >= k or want >= total:
+                return live[:k]
+            want *= 4
+
+    def _search_snapshot(self, snap: _Snapshot, n: int, q: np.ndarray,
+                         want: int) -> list[Neighbor]:
         found: dict[int, float] = {}
         if snap.main is not None:
             scores, pos = snap.main.search(q, min(want, len(snap.main_labels)))
@@ -253,7 +264,7 @@ class NamespaceIndex:
                 found[lab] = max(found.get(lab, -2.0), float(ds[i]))
         live = [Neighbor(lab, s) for lab, s in found.items() if lab in self._live]
         live.sort(key=lambda nb: -nb.score)
-        return live[:k]
+        return live
 
     def search_exact(self, vec: np.ndarray, k: int = 1) -> list[Neighbor]:
         """Brute-force reference search over every live vector (benchmarks, tests)."""
