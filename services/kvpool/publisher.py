@@ -140,7 +140,8 @@ class Publisher:
         resp = self._stub.Register(prefix_pb2.RegisterRequest(
             replica_id=self.replica_id, incarnation=self.incarnation,
             address=self.public_address, model_id=self.model_id,
-            block_size=self.engine.pool.block_size, capacity_blocks=s.blocks_total),
+            block_size=self.engine.pool.block_size, capacity_blocks=s.blocks_total,
+            hash_probe=self.engine.pool.hasher.probe()),
             timeout=self._timeout(), metadata=self._md())
         self.registered = True
         self.next_seq = resp.next_seq or 1
