@@ -66,7 +66,8 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                                                             cfg.shallow_tokens))
     engine = Engine(model, info, pool, max_batch_size=cfg.max_batch_size,
                     max_prefill_chunk=cfg.max_prefill_chunk, max_waiting=cfg.max_waiting,
-                    prefix_caching=cfg.prefix_caching,
+                    prefix_caching=cfg.prefix_caching, drafts=cfg.drafts,
+                    max_draft_tokens=cfg.max_draft_tokens,
                     metrics=KvMetrics() if metrics else None).start()
     pool_b, rows_b = engine.store.nbytes()
     log.info("kv pool: %d blocks of %d tokens (%.0f MiB), working rows %.0f MiB", n,

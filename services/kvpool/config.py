@@ -49,6 +49,10 @@ class KvPoolConfig:
     # False = no prefix reuse and nothing cached (every block is freed at the end); for
     # measuring what caching costs.
     prefix_caching: bool = True
+    # Verify requests' draft tokens (cache-assisted generation); False = ignore drafts.
+    drafts: bool = True
+    # Most draft tokens verified per sequence in one forward (the bound of the adaptive gamma).
+    max_draft_tokens: int = 16
     eviction_policy: str = "hybrid"
     shallow_tokens: int = 128
     pin_ttl_max_seconds: int = 3600
@@ -79,6 +83,7 @@ class KvPoolConfig:
         require(self.publish_interval_seconds > 0, s, "publish_interval_seconds", "must be > 0")
         require(self.eviction_policy in ("hybrid", "lru"), s, "eviction_policy",
                 "must be 'hybrid' or 'lru'")
+        require(1 <= self.max_draft_tokens <= 64, s, "max_draft_tokens", "must be in 1..64")
         require(self.shallow_tokens >= 0, s, "shallow_tokens", "must be >= 0")
         require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
         require(self.torch_threads >= 0, s, "torch_threads", "must be >= 0")

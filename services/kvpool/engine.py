@@ -15,14 +15,25 @@ Row layout (see paged_cache): decoding sequences hold rows 0..D-1, the prefillin
 
 A sequence's KV covers `tokens[:num_computed]`; a forward always computes
 `tokens[num_computed:]` (or a chunk of it) and, once all is computed, samples the next token.
-The same step can verify several draft tokens at once and roll back the rejected ones with
-`BlockPool.truncate` plus `num_computed -= n` (cache-assisted generation builds on this).
+
+Cache-assisted generation: a request may carry draft tokens (a cached near-miss answer). While
+the draft is aligned with what has been generated, a forward also computes the next gamma draft
+tokens of that sequence (gamma adapts to the sequence's recent acceptance rate); the sampler
+accepts the longest admissible prefix (`Sampler.verify`) and the model's own next token follows
+it, so one forward emits 1..gamma+1 tokens. KV of rejected positions is dropped by not counting
+it (`num_computed`) and `BlockPool.truncate` releases the blocks allocated for it; only full,
+verified blocks are ever committed. After a mismatch the draft is re-aligned by matching the
+last 3, 2 or 1 generated tokens into it (n-gram index); with no match the sequence decodes
+normally. In a batch, rows share one query length (the longest proposal + 1): plain rows fill
+the extra positions with filler whose K/V lies beyond their `num_computed` and is overwritten
+before it is ever attended to, and whose logits are ignored.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import math
 import queue
 import threading
 import time
@@ -63,6 +74,9 @@ class EngineRequest:
     deadline: float | None = None  # time.monotonic() limit
     prefill_only: bool = False
     pin_ttl_seconds: float = 0.0
+    # Expected continuation (e.g. a cached near-miss answer) to verify instead of generating
+    # token by token; empty = no draft.
+    draft_token_ids: tuple[int, ...] = ()
 
 
 class TokenDelta(NamedTuple):
@@ -79,6 +93,8 @@ class Finished(NamedTuple):
     computed_tokens: int
     pinned_blocks: int
     elapsed_ms: float
+    draft_tokens_proposed: int = 0
+    draft_tokens_accepted: int = 0
 
 
 class Failed(NamedTuple):
@@ -114,10 +130,76 @@ class Sequence:
     forward_passes: int = 0
     first_token_at: float | None = None
     admitted_once: bool = False
+    draft: Draft | None = None
 
     @property
     def prompt_len(self) -> int:
         return len(self.req.token_ids)
+
+
+NGRAM_MAX = 3  # longest suffix of the generated tokens looked up when re-aligning a draft
+NGRAM1_WINDOW = 8  # a single-token match only counts this close after the last aligned spot
+
+
+@dataclass
+class Draft:
+    """A sequence's draft and where it stands against the generated tokens."""
+
+    tokens: list[int]
+    ends: dict[tuple[int, ...], list[int]]  # n-gram -> draft indices right after it (ascending)
+    pos: int | None = 0  # draft index expected next; None = not aligned
+    hint: int = 0  # the draft index reached so far (re-alignment prefers matches after it)
+    rate: float = 1.0  # recent acceptance rate (exponential average)
+    proposed: int = 0
+    accepted: int = 0
+
+    @classmethod
+    def of(cls, tokens: list[int]) -> Draft:
+        ends: dict[tuple[int, ...], list[int]] = {}
+        for n in range(1, NGRAM_MAX + 1):
+            for e in range(n, len(tokens)):  # a match ending at the very end proposes nothing
+                ends.setdefault(tuple(tokens[e - n:e]), []).append(e)
+        return cls(list(tokens), ends)
+
+    def gamma(self, max_tokens: int) -> int:
+        """Draft tokens to propose next: many while the draft keeps being accepted, few after
+        misses (the square makes a bad draft cheap quickly)."""
+        return max(1, min(max_tokens, math.ceil(max_tokens * self.rate * self.rate)))
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.proposed += proposed
+        self.accepted += accepted
+        self.rate = 0.6 * self.rate + 0.4 * (accepted / proposed)
+
+    def advance(self, emitted: list[int], generated: list[int]) -> None:
+        """Move past `emitted` (the newest generated tokens); re-align after a mismatch."""
+        p = self.pos
+        if p is not None:
+            k = 0
+            while (k < len(emitted) and p + k < len(self.tokens)
+                   and self.tokens[p + k] == emitted[k]):
+                k += 1
+            self.hint = max(self.hint, p + k)
+            if k == len(emitted):
+                self.pos = p + k
+                return
+        self.pos = self.realign(generated)
+
+    def realign(self, generated: list[int]) -> int | None:
+        """The draft index after the longest (3..1) suffix of `generated` found in the draft."""
+        for n in range(min(NGRAM_MAX, len(generated)), 0, -1):
+            ends = self.ends.get(tuple(generated[-n:]))
+            if not ends:
+                continue
+            after = [e for e in ends if e >= self.hint]
+            if n == 1:
+                # One token is weak evidence: only just after where the draft was left.
+                near = [e for e in after if e <= self.hint + NGRAM1_WINDOW]
+                if near:
+                    return near[0]
+                continue
+            return after[0] if after else ends[-1]
+        return None
 
 
 @dataclass(frozen=True)
@@ -159,6 +241,8 @@ class EngineStats(NamedTuple):
     requests_total: int
     evictions_total: int
     preemptions_total: int
+    draft_tokens_proposed_total: int = 0
+    draft_tokens_accepted_total: int = 0
 
 
 class Engine:
@@ -171,12 +255,15 @@ class Engine:
         max_batch_size: running sequences (decoding + the prefilling one).
         max_prefill_chunk: tokens per prefill forward.
         max_waiting: waiting requests before new ones are refused.
+        drafts: verify requests' draft tokens (False = ignore drafts, decode normally).
+        max_draft_tokens: most draft tokens verified per sequence and forward (gamma's bound).
         metrics: Prometheus metrics (optional).
     """
 
     def __init__(self, model: Any, info: ModelInfo, pool: BlockPool, *, max_batch_size: int = 8,
                  max_prefill_chunk: int = 512, max_waiting: int = 256,
-                 prefix_caching: bool = True, metrics: KvMetrics | None = None) -> None:
+                 prefix_caching: bool = True, drafts: bool = True, max_draft_tokens: int = 16,
+                 metrics: KvMetrics | None = None) -> None:
         self.model = model
         self.info = info
         self.pool = pool
@@ -184,6 +271,8 @@ class Engine:
         self.max_prefill_chunk = max_prefill_chunk
         self.max_waiting = max_waiting
         self.prefix_caching = prefix_caching
+        self.drafts = drafts
+        self.max_draft_tokens = max_draft_tokens
         self.metrics = metrics
         param = next(model.parameters())
         self.device = param.device
@@ -206,6 +295,8 @@ class Engine:
         self.cached_tokens_total = 0
         self.requests_total = 0
         self.preemptions_total = 0
+        self.draft_tokens_proposed_total = 0
+        self.draft_tokens_accepted_total = 0
         self._stats = self._compute_stats()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -245,6 +336,8 @@ class Engine:
         out: queue.Queue = queue.Queue()
         seq = Sequence(req, out, seq_id, list(req.token_ids), Sampler(req.sampling),
                        time.monotonic())
+        if self.drafts and req.draft_token_ids and not req.prefill_only:
+            seq.draft = Draft.of(list(req.draft_token_ids))
         self._inbox.put(("submit", seq))
         return seq_id, out
 
@@ -368,10 +461,13 @@ class Engine:
     def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.num_computed
         end = min(len(seq.tokens), start + self.max_prefill_chunk)
+        # The last chunk already verifies the first draft tokens.
+        prop = self._proposal(seq) if end == len(seq.tokens) > start else []
         if end > start:
             t0 = time.perf_counter()
-            ids = torch.tensor([seq.tokens[start:end]], device=self.device)
-            logits = self._forward(ids, ForwardPlan(seq.row, [start], end - start))
+            ids = torch.tensor([seq.tokens[start:end] + prop], device=self.device)
+            logits = self._forward(ids, ForwardPlan(seq.row, [start], end - start + len(prop)),
+                                   keep=1 + len(prop))
             seq.num_computed = end
             seq.computed_tokens += end - start
             self._store_full_blocks(seq)
@@ -389,7 +485,12 @@ class Engine:
         seq.phase = Phase.DECODE
         self._decoding.append(seq)
         assert seq.row == len(self._decoding) - 1
-        self._accept(seq, sample_batch([seq.sampler], logits[:, -1])[0])
+        if prop:
+            seq.num_computed += len(prop)
+            a, tok = seq.sampler.verify(logits[0], prop)
+            self._apply_verified(seq, prop, a, tok, count_pass=False)
+        else:
+            self._accept(seq, sample_batch([seq.sampler], logits[:, -1])[0])
 
     def _decode_step(self) -> None:
         # Every decoding sequence needs room for one more token; preempt the newest if short.
@@ -412,6 +513,10 @@ class Engine:
         seqs = list(self._decoding)
         if not seqs:
             return
+        props = [self._proposal(s) for s in seqs]
+        if any(props):
+            self._decode_with_drafts(seqs, props)
+            return
         t0 = time.perf_counter()
         ids = torch.tensor([[s.tokens[s.num_computed]] for s in seqs], device=self.device)
         plan = ForwardPlan(0, [s.num_computed for s in seqs], 1)
@@ -424,17 +529,99 @@ class Engine:
         for s, tok in zip(seqs, toks, strict=True):
             self._store_full_blocks(s)
             self._accept(s, tok)
+            if s.draft is not None and s.seq_id in self._by_id:
+                s.draft.advance([tok], s.tokens[s.prompt_len:])
         if self.metrics:
             self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
             self.metrics.batch_size.observe(len(seqs))
 
-    def _forward(self, ids: torch.Tensor, plan: ForwardPlan) -> torch.Tensor:
+    def _decode_with_drafts(self, seqs: list[Sequence], props: list[list[int]]) -> None:
+        """One forward for the batch: each row its last token plus its proposal (maybe none)."""
+        t0 = time.perf_counter()
+        q = 1 + max(len(p) for p in props)
+        rows = []
+        for s, p in zip(seqs, props, strict=True):
+            last = s.tokens[s.num_computed]
+            rows.append([last] + p + [last] * (q - 1 - len(p)))  # filler, see module docstring
+        ids = torch.tensor(rows, device=self.device)
+        plan = ForwardPlan(0, [s.num_computed for s in seqs], q)
+        logits = self._forward(ids, plan, keep=q)
+        plain = [i for i, p in enumerate(props) if not p]
+        plain_toks = sample_batch([seqs[i].sampler for i in plain], logits[plain, 0]) \
+            if plain else []
+        results: dict[int, tuple[int, int]] = dict(
+            zip(plain, ((0, t) for t in plain_toks), strict=True))
+        for i, p in enumerate(props):
+            if p:
+                results[i] = seqs[i].sampler.verify(logits[i, :len(p) + 1], p)
+        for s, p in zip(seqs, props, strict=True):
+            # Everything just written counts until verified, so a row moved while an earlier
+            # sequence finishes keeps it (`_apply_verified` then drops the rejected part).
+            s.num_computed += 1 + len(p)
+        for i, s in enumerate(seqs):
+            a, tok = results[i]
+            self._apply_verified(s, props[i], a, tok, count_pass=True)
+        if self.metrics:
+            self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
+            self.metrics.batch_size.observe(len(seqs))
+
+    def _proposal(self, seq: Sequence) -> list[int]:
+        """The draft tokens to verify in this sequence's next forward (often none).
+
+        Pool blocks for them are reserved here; `_apply_verified` gives back what was rejected.
+        """
+        d = seq.draft
+        if d is None or d.pos is None or seq.req.prefill_only:
+            return []
+        sp = seq.req.sampling
+        g = min(d.gamma(self.max_draft_tokens), len(d.tokens) - d.pos,
+                sp.max_tokens - seq.generated - 1,
+                self.info.max_context - len(seq.tokens) - 1)
+        if g <= 0:
+            return []
+        try:
+            self.pool.ensure_capacity(seq.seq_id, len(seq.tokens) + g)
+        except PoolExhausted:
+            return []  # no room for speculation now; decode normally
+        self.store.ensure_capacity(len(seq.tokens) + g)
+        return d.tokens[d.pos:d.pos + g]
+
+    def _apply_verified(self, seq: Sequence, prop: list[int], accepted: int, tok: int,
+                        count_pass: bool) -> None:
+        """Emit the accepted draft tokens and the model's token; roll back the rest."""
+        valid = len(seq.tokens) + accepted  # KV computed and verified after this forward
+        if count_pass:
+            seq.forward_passes += 1
+            seq.computed_tokens += 1 + len(prop)
+        else:
+            seq.computed_tokens += len(prop)
+        if prop:
+            assert seq.draft is not None
+            seq.draft.record(len(prop), accepted)
+            self.draft_tokens_proposed_total += len(prop)
+            self.draft_tokens_accepted_total += accepted
+            if self.metrics:
+                self.metrics.draft_proposed.inc(len(prop))
+                self.metrics.draft_accepted.inc(accepted)
+        emitted = prop[:accepted] + [tok]
+        for t in emitted:
+            self._accept(seq, t)
+            if seq.seq_id not in self._by_id:
+                return  # finished (EOS, stop, length): the pool already released everything
+        seq.num_computed = valid
+        if prop:
+            self.pool.truncate(seq.seq_id, valid)
+        self._store_full_blocks(seq)
+        if seq.draft is not None:
+            seq.draft.advance(emitted, seq.tokens[seq.prompt_len:])
+
+    def _forward(self, ids: torch.Tensor, plan: ForwardPlan, keep: int = 1) -> torch.Tensor:
         self.cache.begin(plan)
         with torch.inference_mode():
             out = self.model(input_ids=ids, cache=self.cache,
                              position_ids=self.cache.position_ids(),
                              attention_mask=self.cache.attention_mask(), use_cache=True,
-                             logits_to_keep=1)
+                             logits_to_keep=keep)
         return out.logits
 
     def _store_full_blocks(self, seq: Sequence) -> None:
@@ -480,9 +667,11 @@ class Engine:
     def _final(self, seq: Sequence, reason: FinishReason, pinned: int) -> Finished:
         now = time.monotonic()
         ttft = ((seq.first_token_at or now) - seq.arrival) * 1000.0
+        d = seq.draft
         return Finished(reason, seq.prompt_len, seq.generated, seq.cached_tokens, ttft,
                         seq.forward_passes, seq.computed_tokens, pinned,
-                        (now - seq.arrival) * 1000.0)
+                        (now - seq.arrival) * 1000.0, d.proposed if d else 0,
+                        d.accepted if d else 0)
 
     def _preempt(self, seq: Sequence) -> None:
         """Release a decoding sequence's blocks; it is recomputed (mostly from cache) later."""
@@ -548,7 +737,8 @@ class Engine:
                            len(self._decoding) + (self._prefilling is not None),
                            len(self._waiting), self.prompt_tokens_total,
                            self.cached_tokens_total, self.requests_total,
-                           self.pool.evictions_total, self.preemptions_total)
+                           self.pool.evictions_total, self.preemptions_total,
+                           self.draft_tokens_proposed_total, self.draft_tokens_accepted_total)
 
     # ---- test hooks -----------------------------------------------------------------------
 

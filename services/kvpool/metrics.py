@@ -22,6 +22,10 @@ class KvMetrics:
         self.evictions = gauge("tiercache_kvpool_evictions", "Blocks evicted since start")
         self.preemptions = counter("tiercache_kvpool_preemptions_total",
                                    "Sequences preempted (recomputed later)")
+        self.draft_proposed = counter("tiercache_kvpool_draft_tokens_proposed_total",
+                                      "Draft tokens verified by the model")
+        self.draft_accepted = counter("tiercache_kvpool_draft_tokens_accepted_total",
+                                      "Draft tokens accepted (each saves a forward pass)")
         self.ttft_seconds = histogram("tiercache_kvpool_ttft_seconds",
                                       "Time from arrival to the first token", buckets=_SECONDS)
         self.step_seconds = histogram("tiercache_kvpool_step_seconds", "Engine forward time",

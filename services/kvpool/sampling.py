@@ -38,6 +38,10 @@ class Sampler:
         """Next token id from a [vocab] logits vector."""
         if self.spec.greedy:
             return int(torch.argmax(logits))
+        return self.draw(self.probs(logits))
+
+    def probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution sampling draws from: softmax(logits / T), cut to the top-p set."""
         probs = torch.softmax(logits.float().cpu() / self.spec.temperature, dim=-1)
         if self.spec.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
@@ -46,7 +50,36 @@ class Sampler:
             drop = cum - sorted_p >= self.spec.top_p
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
+            probs /= probs.sum()
+        return probs
+
+    def draw(self, probs: torch.Tensor) -> int:
+        """One token from a (not necessarily normalised) [vocab] weight vector."""
         return int(torch.multinomial(probs, 1, generator=self._gen))
+
+    def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
+        """Accept the longest admissible prefix of `draft`; returns (accepted, next token).
+
+        `logits` is [len(draft) + 1, vocab]: row i is the model's prediction after the context
+        plus `draft[:i]`. Greedy accepts while the draft equals the argmax. With sampling, draft
+        token x (a point mass) is accepted with probability p(x); on rejection the token is drawn
+        from p with x removed and renormalised, so every emitted token is distributed exactly as
+        the model's p. After a fully accepted draft the next token is drawn from the last row.
+        """
+        if self.spec.greedy:
+            model = torch.argmax(logits, dim=-1).tolist()
+            a = 0
+            while a < len(draft) and model[a] == draft[a]:
+                a += 1
+            return a, model[a]
+        for i, x in enumerate(draft):
+            p = self.probs(logits[i])
+            px = float(p[x])
+            if float(torch.rand((), generator=self._gen)) < px:
+                continue
+            p[x] = 0.0  # residual max(p - q, 0) for a point-mass q at x
+            return i, self.draw(p)
+        return len(draft), self.draw(self.probs(logits[len(draft)]))
 
 
 def sample_batch(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:

@@ -99,15 +99,15 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
         self._check_model(request.model_id, info)
         ids = validate_tokens("token_ids", request.token_ids, info.vocab_size)
         spec = sampling_spec(request.sampling, self.cfg.max_new_tokens_limit, info.vocab_size)
-        validate_tokens("draft_token_ids", request.draft_token_ids, info.vocab_size,
-                        allow_empty=True)
+        draft = validate_tokens("draft_token_ids", request.draft_token_ids, info.vocab_size,
+                                allow_empty=True)
         if len(ids) + spec.max_tokens > info.max_context:
             raise errors.InvalidArgument(
                 "token_ids", f"prompt ({len(ids)} tokens) + sampling.max_tokens "
                 f"({spec.max_tokens}) exceed the model context ({info.max_context})")
         req = EngineRequest(request.request_id or uuid.uuid4().hex[:16], ids, spec,
                             request.cache_salt, request.skip_prefix_cache,
-                            self._deadline(context))
+                            self._deadline(context), draft_token_ids=tuple(draft))
         seq_id, out = engine.submit(req)
         context.add_callback(lambda: engine.cancel(seq_id))
         done = False
@@ -161,7 +161,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             usage=common_pb2.Usage(prompt_tokens=f.prompt_tokens,
                                    completion_tokens=f.completion_tokens),
             cached_tokens=f.cached_tokens, ttft_ms=f.ttft_ms, forward_passes=f.forward_passes,
-            replica_id=self.cfg.replica_id)
+            draft_tokens_proposed=f.draft_tokens_proposed,
+            draft_tokens_accepted=f.draft_tokens_accepted, replica_id=self.cfg.replica_id)
 
     # ---- Prefill ---------------------------------------------------------------------------
 
@@ -211,4 +212,6 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             requests_total=s.requests_total, max_context=info.max_context,
             vocab_size=info.vocab_size, device=str(engine.device),
             events_published_seq=self.publisher.last_seq if self.publisher else 0,
-            evictions_total=s.evictions_total, preemptions_total=s.preemptions_total)
+            evictions_total=s.evictions_total, preemptions_total=s.preemptions_total,
+            draft_tokens_proposed_total=s.draft_tokens_proposed_total,
+            draft_tokens_accepted_total=s.draft_tokens_accepted_total)
