@@ -140,8 +140,11 @@ def test_client_cancel_stops_generation_on_the_replica(stack, client):
                            ignore_eos=True)
     next(stream)
     next(stream)
-    running = kv_stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=10).running
-    assert running == 1
+    # Replica stats are published after each engine step: give them a moment to catch up.
+    end = time.monotonic() + 10
+    while kv_stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=10).running != 1:
+        assert time.monotonic() < end, "the replica never reported the stream as running"
+        time.sleep(0.05)
     stream.close()  # cancels the RPC
     end = time.monotonic() + 10
     while time.monotonic() < end:
