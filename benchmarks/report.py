@@ -262,7 +262,21 @@ def plot_decode(kv: Result | None, assisted: Result | None, made: list[str]) -> 
     if kv is None and assisted is None:
         return None
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4))
+    pairs = [p for p in (assisted.data.get("pairs") or []) if isinstance(p, dict)
+             and {"wall_plain_s", "wall_draft_s", "b_tokens"} <= set(p)] if assisted else []
+    fig, axes = plt.subplots(1, 2 if pairs else 1, figsize=(13 if pairs else 7, 4))
+    ax = axes[0] if pairs else axes
+    if pairs:
+        xs = range(len(pairs))
+        axes[1].bar([x - 0.2 for x in xs], [p["b_tokens"] / p["wall_plain_s"] for p in pairs],
+                    0.4, label="without draft")
+        axes[1].bar([x + 0.2 for x in xs], [p["b_tokens"] / p["wall_draft_s"] for p in pairs],
+                    0.4, label="with the cached answer as draft")
+        axes[1].set_xticks(list(xs), [f"pair {p.get('pair', i)}\nshare {p.get('share', '')}"
+                                      for i, p in enumerate(pairs)], fontsize=7)
+        axes[1].set_ylabel("decode tokens / s (batch 1)")
+        axes[1].set_title(f"Decode with and without drafts ({assisted.path.name})", fontsize=9)
+        axes[1].legend(fontsize=8)
     labels, vals = [], []
     if kv is not None:
         f = kv.data.get("figures", {})
@@ -272,14 +286,10 @@ def plot_decode(kv: Result | None, assisted: Result | None, made: list[str]) -> 
             if isinstance(f.get(k), (int, float)):
                 labels.append(lab)
                 vals.append(f[k])
-    if assisted is not None:
-        for k, v in _numeric(assisted.data).items():
-            if "tok_s" in k:
-                labels.append("assisted: " + k)
-                vals.append(v)
     ax.barh(labels, vals)
     ax.set_xlabel("decode tokens / s (aggregate)")
-    ax.set_title("Decode speed" + ("" if assisted else " (drafts: not measured)"))
+    ax.set_title("KV pool decode speed" + ("" if assisted else " (drafts: not measured)"),
+                 fontsize=9)
     return _save(fig, "report_decode_speed.png", made)
 
 
@@ -344,11 +354,14 @@ def _numeric(d: object, prefix: str = "") -> dict[str, float]:
 
 def sim_section(sim: Result) -> list[str]:
     d = sim.data
-    out = [f"Source: {_src(sim)}; command `{d.get('command')}`"
-           + (f" then `{'`, `'.join(d['commands'][1:])}`" if d.get("commands") else "")
+    cmds = d.get("commands") or [d.get("command")]
+    out = [f"Source: {_src(sim)}; command{'s' if len(cmds) > 1 else ''} `"
+           + "` then `".join(map(str, cmds)) + "`"
            + f"; {_f(d.get('wall_s_total', d.get('wall_s')))} s of wall time on this machine"
            + ("" if d.get("complete", True) else " — **incomplete: some runs did not finish**")
            + "."]
+    if d.get("notes"):
+        out.append(d["notes"])
     c = d["config"]
     sessions = d.get("sessions", {})
     out.append(
@@ -362,7 +375,7 @@ def sim_section(sim: Result) -> list[str]:
         f"{d.get('load_definition', 'requests per replica')}.")
     out.append("")
     rows = []
-    for n, pols in d["results"].items():
+    for n, pols in sorted(d["results"].items(), key=lambda kv: int(kv[0])):
         for p, s in pols.items():
             rows.append([n, POLICY_LABEL.get(p, p), s["token_hit_ratio"], s["load_max_over_mean"],
                          s["busy_max_over_mean"], s["ttft_p50_s"], s["ttft_p99_s"],
@@ -400,6 +413,9 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
                      st.get("wall_s"),
                      f"{sum(1 for t in tg if t[3])}/{len(tg)}" if tg else "–"])
     L.append(_table(["benchmark", "result", "this run", "wall s", "targets met"], rows))
+    if status:
+        L += ["", f"This run's benchmarks took {_f(sum(v['wall_s'] for v in status.values()))} s "
+              "in all."]
     L.append("")
     L.append("Commands: `python -m benchmarks.<name>` (full) or with `--quick`; "
              "`make bench` / `make bench-quick` run them all and this report.")
@@ -481,10 +497,12 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
             if k in f]))
         L.append("")
     if asst:
-        L.append(f"Cache-assisted generation ({_src(asst)}):")
+        L.append(f"Cache-assisted generation, a cached near-miss answer as the draft "
+                 f"({_src(asst)}; {asst.data.get('model', '')}):")
         L.append("")
-        L.append(_table(["figure", "value"], [[k, v] for k, v in _numeric(asst.data).items()
-                                              if not k.startswith("config")][:30]))
+        figs = asst.data.get("figures") or _numeric(asst.data)
+        L.append(_table(["figure", "value"], [[k, v] for k, v in figs.items()
+                                              if isinstance(v, (int, float, bool))][:30]))
     else:
         L.append("With drafts (cache-assisted generation): **not measured** — no "
                  "`assisted` benchmark result exists.")
