@@ -139,6 +139,8 @@ class Sequence:
 
 NGRAM_MAX = 3  # longest suffix of the generated tokens looked up when re-aligning a draft
 NGRAM1_WINDOW = 8  # a single-token match only counts this close after the last aligned spot
+GAMMA_START = 4  # first proposal of a fresh draft
+GAMMA_AFTER_MATCH = {0: 1, 1: 2, 2: 4, 3: 8}  # first proposal after re-aligning on an n-gram
 
 
 @dataclass
@@ -150,6 +152,7 @@ class Draft:
     pos: int | None = 0  # draft index expected next; None = not aligned
     hint: int = 0  # the draft index reached so far (re-alignment prefers matches after it)
     rate: float = 1.0  # recent acceptance rate (exponential average)
+    run: int = GAMMA_START  # next gamma before the rate cap: doubles while fully accepted
     proposed: int = 0
     accepted: int = 0
 
@@ -162,14 +165,18 @@ class Draft:
         return cls(list(tokens), ends)
 
     def gamma(self, max_tokens: int) -> int:
-        """Draft tokens to propose next: many while the draft keeps being accepted, few after
-        misses (the square makes a bad draft cheap quickly)."""
-        return max(1, min(max_tokens, math.ceil(max_tokens * self.rate * self.rate)))
+        """Draft tokens to propose next: the run length (doubling while everything is accepted,
+        small after a re-alignment on weak evidence), capped by the recent acceptance rate
+        (squared, so a draft that keeps failing quickly costs almost nothing)."""
+        cap = math.ceil(max_tokens * self.rate * self.rate)
+        return max(1, min(max_tokens, self.run, cap))
 
     def record(self, proposed: int, accepted: int) -> None:
         self.proposed += proposed
         self.accepted += accepted
         self.rate = 0.6 * self.rate + 0.4 * (accepted / proposed)
+        if accepted == proposed:
+            self.run = 2 * proposed
 
     def advance(self, emitted: list[int], generated: list[int]) -> None:
         """Move past `emitted` (the newest generated tokens); re-align after a mismatch."""
@@ -184,6 +191,12 @@ class Draft:
                 self.pos = p + k
                 return
         self.pos = self.realign(generated)
+        if self.pos is None and p is not None and k == len(emitted) - 1 \
+                and p + k + 1 < len(self.tokens):
+            # The model replaced draft token p+k by one of its own: try the draft's
+            # continuation right after it (a one-word substitution), with a short proposal.
+            self.pos = p + k + 1
+            self.run = GAMMA_AFTER_MATCH[0]
 
     def realign(self, generated: list[int]) -> int | None:
         """The draft index after the longest (3..1) suffix of `generated` found in the draft."""
@@ -194,10 +207,10 @@ class Draft:
             after = [e for e in ends if e >= self.hint]
             if n == 1:
                 # One token is weak evidence: only just after where the draft was left.
-                near = [e for e in after if e <= self.hint + NGRAM1_WINDOW]
-                if near:
-                    return near[0]
-                continue
+                after = [e for e in after if e <= self.hint + NGRAM1_WINDOW]
+                if not after:
+                    continue
+            self.run = GAMMA_AFTER_MATCH[n]
             return after[0] if after else ends[-1]
         return None
 
@@ -604,14 +617,15 @@ class Engine:
                 self.metrics.draft_proposed.inc(len(prop))
                 self.metrics.draft_accepted.inc(accepted)
         emitted = prop[:accepted] + [tok]
+        seq.num_computed = valid
+        if prop:
+            self.pool.truncate(seq.seq_id, valid)
+        # Commit verified blocks before emitting: emitting may finish the sequence.
+        self._store_full_blocks(seq, seq.tokens + prop[:accepted])
         for t in emitted:
             self._accept(seq, t)
             if seq.seq_id not in self._by_id:
                 return  # finished (EOS, stop, length): the pool already released everything
-        seq.num_computed = valid
-        if prop:
-            self.pool.truncate(seq.seq_id, valid)
-        self._store_full_blocks(seq)
         if seq.draft is not None:
             seq.draft.advance(emitted, seq.tokens[seq.prompt_len:])
 
@@ -624,7 +638,7 @@ class Engine:
                              logits_to_keep=keep)
         return out.logits
 
-    def _store_full_blocks(self, seq: Sequence) -> None:
+    def _store_full_blocks(self, seq: Sequence, tokens: list[int] | None = None) -> None:
         if not self.prefix_caching:
             return
         bs = self.pool.block_size
@@ -633,7 +647,8 @@ class Engine:
             table = self.pool.blocks_of(seq.seq_id)
             self.store.store_blocks(seq.row, table[seq.stored_blocks:full], seq.stored_blocks)
             seq.stored_blocks = full
-            self.pool.commit(seq.seq_id, seq.tokens, seq.num_computed)
+            self.pool.commit(seq.seq_id, seq.tokens if tokens is None else tokens,
+                             seq.num_computed)
 
     def _accept(self, seq: Sequence, tok: int) -> None:
         """Append a sampled token, stream it, and finish the sequence if it should stop."""

@@ -1,0 +1,234 @@
+"""Draft verification in the engine (tiny random Llama): exactness, rollback, statistics."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import torch
+
+from services.kvpool.engine import Draft, EngineRequest, Finished
+from services.kvpool.sampling import SamplingSpec
+from tests.kvpool.conftest import TINY_VOCAB, assert_idle, collect, reference_greedy
+from tests.kvpool.test_kvpool_engine import paused
+
+N_NEW = 40
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, TINY_VOCAB - 1) for _ in range(n)]
+
+
+def run(eng, tokens: list[int], draft: list[int], max_tokens: int = N_NEW, rid: str = "r",
+        **sampling) -> tuple[list[int], Finished]:
+    sampling.setdefault("ignore_eos", True)
+    req = EngineRequest(rid, list(tokens), SamplingSpec(max_tokens=max_tokens, **sampling),
+                        draft_token_ids=tuple(draft))
+    toks, fin = collect(eng.submit(req)[1])
+    assert isinstance(fin, Finished), fin
+    return toks, fin
+
+
+def other(t: int) -> int:
+    return (t + 7) % (TINY_VOCAB - 1)
+
+
+def drafts_for(ref: list[int]) -> dict[str, list[int]]:
+    mid = len(ref) // 2
+    return {
+        "perfect": list(ref),
+        "one_word": ref[:mid] + [other(ref[mid])] + ref[mid + 1:],
+        "inserted_word": ref[:mid] + [other(ref[mid])] + ref[mid:],
+        "nothing_shared": [t for t in prompt(60, 99) if t not in ref] or [1],
+        "longer_than_answer": ref + prompt(30, 98),
+    }
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_greedy_with_any_draft_is_token_identical(make_engine, tiny_model, seed) -> None:
+    eng = make_engine(num_blocks=64, block_size=4)
+    p = prompt(13, seed)
+    ref, base = run(eng, p, [])
+    assert ref == reference_greedy(tiny_model, p, N_NEW)
+    assert base.draft_tokens_proposed == 0 and base.forward_passes == N_NEW - 1
+    for name, draft in drafts_for(ref).items():
+        toks, fin = run(eng, p, draft, rid=name)
+        assert toks == ref, name
+        assert fin.draft_tokens_accepted <= fin.draft_tokens_proposed
+        # Every forward emits >= 1 token, each accepted draft token saves one.
+        assert fin.forward_passes == N_NEW - 1 - fin.draft_tokens_accepted, name
+        if name in ("perfect", "longer_than_answer"):
+            assert fin.draft_tokens_accepted == fin.draft_tokens_proposed >= N_NEW - 5
+            assert fin.forward_passes <= 4
+        if name in ("one_word", "inserted_word"):
+            # Re-alignment: the part after the changed word is verified too.
+            assert fin.draft_tokens_accepted >= N_NEW - 1 - 6, name
+        if name == "nothing_shared":
+            assert fin.draft_tokens_accepted == 0
+        assert_idle(eng)
+    st = eng.stats()
+    assert st.draft_tokens_proposed_total >= st.draft_tokens_accepted_total > 3 * (N_NEW - 8)
+
+
+def test_stop_conditions_inside_an_accepted_run(make_engine, tiny_model) -> None:
+    eng = make_engine()
+    p = prompt(11, 3)
+    ref, _ = run(eng, p, [], max_tokens=30)
+    toks, fin = run(eng, p, ref, max_tokens=7)
+    assert toks == ref[:7] and fin.completion_tokens == 7
+    stop = ref[12]
+    toks, fin = run(eng, p, ref, max_tokens=30, stop_token_ids=frozenset([stop]))
+    assert toks == ref[:ref.index(stop) + 1]
+    assert_idle(eng)
+
+
+def test_rollback_keeps_the_pool_exact_at_every_step(make_engine, tiny_model) -> None:
+    """Integrity (ref counts, free queue, hash table) is checked between every engine step
+    while drafts with many rejections run; blocks are back to zero at the end."""
+    eng = make_engine(num_blocks=48, block_size=2, max_batch_size=3)
+    prompts = [prompt(9, 10 + i) for i in range(3)]
+    refs = [reference_greedy(tiny_model, p, N_NEW) for p in prompts]
+    bad = [[t if i % 5 else other(t) for i, t in enumerate(r)] for r in refs]  # 1 in 5 wrong
+    stop = threading.Event()
+    failures: list[BaseException] = []
+
+    def checker() -> None:
+        while not stop.is_set():
+            try:
+                eng.call(eng.check_integrity).result(10)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                failures.append(exc)
+                return
+
+    th = threading.Thread(target=checker)
+    th.start()
+    try:
+        with paused(eng):
+            outs = [eng.submit(EngineRequest(f"b{i}", p, SamplingSpec(N_NEW, ignore_eos=True),
+                                             draft_token_ids=tuple(d)))[1]
+                    for i, (p, d) in enumerate(zip(prompts, bad, strict=True))]
+        res = [collect(o) for o in outs]
+    finally:
+        stop.set()
+        th.join()
+    assert not failures, failures
+    for (toks, fin), ref in zip(res, refs, strict=True):
+        assert toks == ref
+        assert 0 < fin.draft_tokens_accepted < fin.draft_tokens_proposed
+    assert_idle(eng)
+
+
+def test_drafting_sequence_batched_with_plain_ones_and_prefix_reuse(make_engine,
+                                                                    tiny_model) -> None:
+    eng = make_engine(num_blocks=96, block_size=4, max_batch_size=4)
+    system = prompt(20, 7)
+    run(eng, system, [], max_tokens=1)  # caches the shared prefix
+    prompts = [system + prompt(3 + i, 30 + i) for i in range(3)]
+    refs = [reference_greedy(tiny_model, p, N_NEW) for p in prompts]
+    with paused(eng):  # one drafting sequence and two plain ones decode in the same forwards
+        outs = [eng.submit(EngineRequest(f"m{i}", p, SamplingSpec(N_NEW, ignore_eos=True),
+                                         draft_token_ids=tuple(refs[0]) if i == 0 else ()))[1]
+                for i, p in enumerate(prompts)]
+    res = [collect(o) for o in outs]
+    for i, ((toks, fin), ref) in enumerate(zip(res, refs, strict=True)):
+        assert toks == ref, i
+        assert fin.cached_tokens == 20
+    assert res[0][1].draft_tokens_accepted == res[0][1].draft_tokens_proposed >= N_NEW - 5
+    assert res[1][1].draft_tokens_proposed == 0
+    # The drafted answer's blocks were committed: the next turn reuses them.
+    follow = prompts[0] + refs[0] + [5, 6, 7]
+    toks, fin = run(eng, follow, [], max_tokens=4)
+    assert fin.cached_tokens >= (len(prompts[0]) + N_NEW) // 4 * 4 - 4
+    assert toks == reference_greedy(tiny_model, follow, 4)
+    assert_idle(eng)
+
+
+def test_switches_per_request_and_per_engine(make_engine, tiny_model) -> None:
+    p = prompt(10, 4)
+    ref = reference_greedy(tiny_model, p, N_NEW)
+    off = make_engine(drafts=False)
+    toks, fin = run(off, p, ref)
+    assert toks == ref and fin.draft_tokens_proposed == 0 and fin.forward_passes == N_NEW - 1
+    on = make_engine(max_draft_tokens=3)
+    toks, fin = run(on, p, ref)
+    assert toks == ref and fin.draft_tokens_accepted == fin.draft_tokens_proposed > 0
+    assert fin.forward_passes >= (N_NEW - 1) // 4 - 1  # at most 3 draft tokens per forward
+    toks, fin = run(on, p, [])
+    assert toks == ref and fin.draft_tokens_proposed == 0
+
+
+def _chi2_pvalue(observed: list[int], probs: torch.Tensor, n: int) -> float:
+    """Pearson chi-square p-value; bins with expectation < 5 are pooled."""
+    exp = probs.double() * n
+    big = exp >= 5
+    obs = torch.tensor(observed, dtype=torch.float64)
+    o = torch.cat([obs[big], obs[~big].sum().view(1)])
+    e = torch.cat([exp[big], exp[~big].sum().view(1)])
+    keep = e > 0
+    stat = float(((o[keep] - e[keep]) ** 2 / e[keep]).sum())
+    df = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(df / 2), torch.tensor(stat / 2)))
+
+
+def test_sampling_distribution_after_a_rejection_is_the_models(make_engine, tiny_model) -> None:
+    p = prompt(12, 5)
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([p])).logits[0, -1].double()
+    temp = next(t for t in (0.85 ** k for k in range(200))
+                if torch.softmax(logits / t, -1).max() >= 0.4)
+    probs = torch.softmax(logits / temp, -1)
+    d = int(probs.argmax())  # a draft token the model accepts often but not always
+    eng = make_engine(num_blocks=256, block_size=4, max_batch_size=8)
+    n = 1500
+    firsts, rejected_firsts, accepted = [], [], 0
+    for lo in range(0, n, 50):
+        with paused(eng):
+            outs = [eng.submit(EngineRequest(
+                f"s{i}", p, SamplingSpec(2, temperature=temp, seed=i + 1, ignore_eos=True),
+                skip_prefix_cache=True, draft_token_ids=(d,)))[1] for i in range(lo, lo + 50)]
+        for o in outs:
+            toks, fin = collect(o)
+            assert fin.draft_tokens_proposed == 1
+            firsts.append(toks[0])
+            accepted += fin.draft_tokens_accepted
+            if not fin.draft_tokens_accepted:
+                rejected_firsts.append(toks[0])
+    assert_idle(eng)
+    pd = float(probs[d])
+    # Acceptance happens with probability p(d) (binomial, 5 sigma).
+    assert abs(accepted - n * pd) <= 5 * (n * pd * (1 - pd)) ** 0.5
+    counts = [0] * TINY_VOCAB
+    for t in firsts:
+        counts[t] += 1
+    assert _chi2_pvalue(counts, probs, n) > 1e-3
+    # After a rejection: the residual distribution (p without d, renormalised), never d.
+    residual = probs.clone()
+    residual[d] = 0
+    residual /= residual.sum()
+    rcounts = [0] * TINY_VOCAB
+    for t in rejected_firsts:
+        rcounts[t] += 1
+    assert rcounts[d] == 0
+    assert _chi2_pvalue(rcounts, residual, len(rejected_firsts)) > 1e-3
+    # Power check: the wrong rule (resample from p itself) is rejected by the same test.
+    wrong = probs.clone()
+    assert _chi2_pvalue(rcounts, wrong, len(rejected_firsts)) < 1e-3
+
+
+def test_draft_realignment_unit() -> None:
+    d = Draft.of([10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
+    d.advance([10, 11, 12], [10, 11, 12])
+    assert d.pos == 3
+    d.advance([99], [10, 11, 12, 99])  # substitution of 13: continue after it
+    assert d.pos == 4
+    d.advance([14, 15], [10, 11, 12, 99, 14, 15])
+    assert d.pos == 6
+    d.advance([18], [10, 11, 12, 99, 14, 15, 18])  # skipped 16, 17: 1-gram near the spot
+    assert d.pos == 9
+    d.advance([50, 51], [10, 11, 12, 99, 14, 15, 18, 50, 51])
+    assert d.pos is None
+    d.advance([12, 13], [10, 11, 12, 99, 14, 15, 18, 50, 51, 12, 13])  # bigram anywhere
+    assert d.pos == 4
+    assert 1 <= d.gamma(16) <= 16
