@@ -15,6 +15,7 @@ replica overloads it. The policy:
 from __future__ import annotations
 
 import math
+import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import NamedTuple
@@ -81,16 +82,19 @@ class PrefixAwarePolicy(RoutingPolicy):
         self._sync_ring([r.replica_id for r in live])
         loads = {r.replica_id: r.load for r in live}
         cap = bounded_cap(list(loads.values()), self.epsilon) if self.use_cap else math.inf
-        best: tuple[float, str] | None = None
+        best: tuple[float, int, str] | None = None
         for r in live:
             m = matches.get(r.replica_id, 0)
             if m < self.min_prefix_tokens or r.load > cap:
                 continue
             score = m - self.load_penalty_tokens * r.load
-            if best is None or score > best[0]:
-                best = (score, r.replica_id)
+            # Equal scores are common (a hot prompt held everywhere, all idle): break the tie
+            # by a per-key hash, not list order, or the first replicas get more traffic.
+            tie = zlib.crc32(f"{key}|{r.replica_id}".encode())
+            if best is None or (score, tie) > best[:2]:
+                best = (score, tie, r.replica_id)
         if best is not None:
-            rid = best[1]
+            rid = best[2]
             return RouteDecision(rid, "prefix", matches.get(rid, 0))
         rid = self.ring.lookup_bounded(key, loads, self.epsilon)
         return RouteDecision(rid, "ring", matches.get(rid, 0))
