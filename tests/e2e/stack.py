@@ -33,22 +33,26 @@ class FullStack:
             p.stop()
 
 
-def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict | None = None
-                     ) -> FullStack:
+def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict | None = None,
+                     *, tokens: dict | None = None, internal: str = INTERNAL,
+                     kv_env: dict | None = None) -> FullStack:
+    """semantic, prefix, two kvpool replicas and the orchestrator, with an internal credential
+    on every hop; logs are named `<name>-<service>`."""
     tokens_file = tmp / "tokens.json"
-    tokens_file.write_text(json.dumps(TOKENS))
+    tokens_file.write_text(json.dumps(TOKENS if tokens is None else tokens))
     sem = start("semantic", {"TIERCACHE_SEMANTIC_DB_PATH": str(tmp / "semantic.db"),
-                             "TIERCACHE_SEMANTIC_INTERNAL_TOKEN": INTERNAL},
+                             "TIERCACHE_SEMANTIC_INTERNAL_TOKEN": internal},
                 key=f"{name}-semantic")
     prefix = start("prefix", {"TIERCACHE_PREFIX_LEASE_SECONDS": str(lease_s),
-                              "TIERCACHE_PREFIX_INTERNAL_TOKEN": INTERNAL},
+                              "TIERCACHE_PREFIX_INTERNAL_TOKEN": internal},
                    key=f"{name}-prefix")
     kv = [start("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": f"kv-{i}",
                            "TIERCACHE_KVPOOL_PREFIX_ADDRESS": prefix.address,
                            "TIERCACHE_KVPOOL_HEARTBEAT_SECONDS": "0.5",
                            "TIERCACHE_KVPOOL_NUM_BLOCKS": "512",
                            "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
-                           "TIERCACHE_KVPOOL_INTERNAL_TOKEN": INTERNAL}, key=f"{name}-kv{i}")
+                           "TIERCACHE_KVPOOL_INTERNAL_TOKEN": internal, **(kv_env or {})},
+                key=f"{name}-kv{i}")
           for i in range(2)]
     orch = start("orchestrator", {
         "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": ",".join(k.address for k in kv),
@@ -56,7 +60,7 @@ def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict 
         "TIERCACHE_ORCHESTRATOR_PREFIX_ADDRESSES": prefix.address,
         "TIERCACHE_ORCHESTRATOR_TOKENS_FILE": str(tokens_file),
         "TIERCACHE_ORCHESTRATOR_REPLICA_POLL_S": "0.5",
-        "TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN": INTERNAL,
+        "TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN": internal,
         # Background warm-up would make cached-token counts depend on timing here; it has
         # its own tests.
         "TIERCACHE_ORCHESTRATOR_WARM_INTERVAL_S": "0",

@@ -4,7 +4,6 @@ security tests (it is restarted in place by the fault tests, never left broken).
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Iterator
@@ -22,7 +21,8 @@ from tiercache.v1 import (
 )
 
 from services.launcher import ServiceProcess
-from tests.e2e.conftest import LOG_DIR, start
+from tests.e2e.conftest import LOG_DIR
+from tests.e2e.stack import start_full_stack
 
 INTERNAL = "internal-hardening-secret-7f3a"
 INTERNAL_MD = [("authorization", f"Bearer {INTERNAL}")]
@@ -234,35 +234,16 @@ LEASE_S = 3.0
 def start_stack(tmp: Path) -> Stack:
     for old in LOG_DIR.glob("hard-*.log"):
         old.unlink()
-    tokens_file = tmp / "tokens.json"
-    tokens_file.write_text(json.dumps(TOKENS))
-    sem = start("semantic", {"TIERCACHE_SEMANTIC_DB_PATH": str(tmp / "semantic.db"),
-                             "TIERCACHE_SEMANTIC_INTERNAL_TOKEN": INTERNAL},
-                key="hard-semantic")
-    prefix = start("prefix", {"TIERCACHE_PREFIX_LEASE_SECONDS": str(LEASE_S),
-                              "TIERCACHE_PREFIX_INTERNAL_TOKEN": INTERNAL}, key="hard-prefix")
-    kv = [start("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": f"kv-{i}",
-                           "TIERCACHE_KVPOOL_PREFIX_ADDRESS": prefix.address,
-                           "TIERCACHE_KVPOOL_HEARTBEAT_SECONDS": "0.5",
-                           "TIERCACHE_KVPOOL_NUM_BLOCKS": "256",
-                           "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
-                           "TIERCACHE_KVPOOL_INTERNAL_TOKEN": INTERNAL}, key=f"hard-kv{i}")
-          for i in range(2)]
-    orch = start("orchestrator", {
-        "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": ",".join(k.address for k in kv),
-        "TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS": sem.address,
-        "TIERCACHE_ORCHESTRATOR_PREFIX_ADDRESSES": prefix.address,
-        "TIERCACHE_ORCHESTRATOR_TOKENS_FILE": str(tokens_file),
-        "TIERCACHE_ORCHESTRATOR_REPLICA_POLL_S": "0.5",
-        "TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN": INTERNAL,
-        "TIERCACHE_ORCHESTRATOR_WARM_INTERVAL_S": "0",
-        "TIERCACHE_ORCHESTRATOR_PREFIX_TIMEOUT_S": "1.0",
-        # Small limits keep the fuzzing cheap: anything larger is refused before the model.
-        "TIERCACHE_ORCHESTRATOR_MAX_TOKENS_LIMIT": "16",
-        "TIERCACHE_ORCHESTRATOR_DEFAULT_MAX_TOKENS": "4",
-        "TIERCACHE_ORCHESTRATOR_MAX_PROMPT_TOKENS": "512",
-        "TIERCACHE_ORCHESTRATOR_MAX_MESSAGE_CHARS": "4000"}, key="hard-orchestrator")
-    return Stack(tmp, sem, prefix, kv, orch)
+    s = start_full_stack(
+        tmp, "hard", lease_s=LEASE_S, tokens=TOKENS, internal=INTERNAL,
+        kv_env={"TIERCACHE_KVPOOL_NUM_BLOCKS": "256"},
+        orch_env={
+            # Small limits keep the fuzzing cheap: anything larger is refused before the model.
+            "TIERCACHE_ORCHESTRATOR_MAX_TOKENS_LIMIT": "16",
+            "TIERCACHE_ORCHESTRATOR_DEFAULT_MAX_TOKENS": "4",
+            "TIERCACHE_ORCHESTRATOR_MAX_PROMPT_TOKENS": "512",
+            "TIERCACHE_ORCHESTRATOR_MAX_MESSAGE_CHARS": "4000"})
+    return Stack(tmp, s.semantic, s.prefix, s.kv, s.orch)
 
 
 @pytest.fixture(scope="package")  # stopped when tests/hardening is done, not at session end
