@@ -16,6 +16,7 @@ import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, semantic_pb2, semantic_pb2_grpc
 
 from services.common.grpc_client import call_metadata, make_channel
+from services.common.ring import HashRing
 from services.orchestrator.routing import ReplicaView
 
 log = logging.getLogger(__name__)
@@ -134,20 +135,33 @@ class ReplicaSet:
 
 
 class SemanticBackend:
-    """The semantic cache, or nothing when no address is configured."""
+    """The semantic cache (one process or N shards), or nothing when no address is configured.
+
+    Shards own whole namespaces: Lookup/Store go to the shard a consistent-hash ring picks for
+    `tenant|model|context`, so a namespace's entries are all in one place and adding a shard
+    moves ~1/N of them. Verify/Invalidate by id ask every shard (ids do not name a shard;
+    feedback is rare). Stats are summed.
+    """
 
     def __init__(self, address: str, internal_token: str, timeout_s: float) -> None:
-        self.enabled = bool(address)
-        self.health = Health("semantic", address)
+        self.addresses = [a.strip() for a in address.split(",") if a.strip()]
+        self.enabled = bool(self.addresses)
+        self.health = Health("semantic", ",".join(self.addresses))
         self.timeout_s = timeout_s
         self.internal_token = internal_token
-        self.stub = semantic_pb2_grpc.SemanticCacheStub(make_channel(address)) if address else None
+        self.stubs = {a: semantic_pb2_grpc.SemanticCacheStub(make_channel(a))
+                      for a in self.addresses}
+        self.ring = HashRing(self.addresses)
 
-    def _call(self, method: str, req, timeout: float | None = None):
-        assert self.stub is not None
+    def shard_for(self, ns: semantic_pb2.Namespace) -> str:
+        if len(self.addresses) == 1:
+            return self.addresses[0]
+        return self.ring.lookup(f"{ns.tenant}|{ns.model_id}|{ns.context_hash}")
+
+    def _call(self, address: str, method: str, req, timeout: float | None = None):
         try:
-            resp = getattr(self.stub, method)(req, timeout=timeout or self.timeout_s,
-                                              metadata=call_metadata(self.internal_token))
+            resp = getattr(self.stubs[address], method)(
+                req, timeout=timeout or self.timeout_s, metadata=call_metadata(self.internal_token))
             self.health.ok()
             return resp
         except grpc.RpcError as e:
@@ -156,17 +170,45 @@ class SemanticBackend:
                 self.health.fail(e)
             raise
 
+    def _each(self, method: str, req) -> list:
+        """Call every shard; NOT_FOUND answers are skipped, re-raised if all say so."""
+        out, not_found = [], None
+        for a in self.addresses:
+            try:
+                out.append(self._call(a, method, req))
+            except grpc.RpcError as e:
+                if e.code() != grpc.StatusCode.NOT_FOUND:
+                    raise
+                not_found = e
+        if not out and not_found is not None:
+            raise not_found
+        return out
+
     def lookup(self, req: semantic_pb2.LookupRequest) -> semantic_pb2.LookupResponse:
-        return self._call("Lookup", req)
+        return self._call(self.shard_for(req.namespace), "Lookup", req)
 
     def store(self, req: semantic_pb2.StoreRequest) -> semantic_pb2.StoreResponse:
-        return self._call("Store", req)
+        return self._call(self.shard_for(req.namespace), "Store", req)
 
     def verify(self, entry_id: str, verified: bool) -> semantic_pb2.SemanticEntry:
-        return self._call("Verify", semantic_pb2.VerifyRequest(id=entry_id, verified=verified))
+        return self._each("Verify", semantic_pb2.VerifyRequest(id=entry_id, verified=verified))[0]
 
     def invalidate(self, entry_id: str) -> semantic_pb2.InvalidateResponse:
-        return self._call("Invalidate", semantic_pb2.InvalidateRequest(id=entry_id))
+        got = self._each("Invalidate", semantic_pb2.InvalidateRequest(id=entry_id))
+        return semantic_pb2.InvalidateResponse(removed=sum(r.removed for r in got))
 
     def stats(self) -> semantic_pb2.SemanticStatsResponse:
-        return self._call("Stats", semantic_pb2.SemanticStatsRequest())
+        parts = self._each("Stats", semantic_pb2.SemanticStatsRequest())
+        if len(parts) == 1:
+            return parts[0]
+        out = semantic_pb2.SemanticStatsResponse(embedding_model=parts[0].embedding_model)
+        for p in parts:
+            for f in ("entries", "namespaces", "lookups_total", "near_misses_total",
+                      "guard_rejections_total", "evictions_total", "expirations_total"):
+                setattr(out, f, getattr(out, f) + getattr(p, f))
+            for tier, n in p.hits_by_tier.items():
+                out.hits_by_tier[tier] += n
+            # Percentiles do not add up; the slowest shard's is the honest cluster figure.
+            out.lookup_p50_ms = max(out.lookup_p50_ms, p.lookup_p50_ms)
+            out.lookup_p99_ms = max(out.lookup_p99_ms, p.lookup_p99_ms)
+        return out

@@ -19,7 +19,7 @@ class OrchestratorConfig:
     internal_token: str = ""
     # KvPool replicas to route to.
     kvpool_addresses: tuple[str, ...] = ("127.0.0.1:50054",)
-    # Semantic cache; "" = tier off.
+    # Semantic cache: one address or comma-separated shards (by namespace); "" = tier off.
     semantic_address: str = ""
     # Prefix index shards; empty = no index (ring routing only).
     prefix_addresses: tuple[str, ...] = ()

@@ -1,0 +1,78 @@
+"""The orchestrator's semantic backend over 2 real in-process shards: namespaces stay whole."""
+
+import grpc
+import pytest
+from tiercache.v1 import semantic_pb2, semantic_pb2_grpc
+
+from services.common.bootstrap import create_server
+from services.orchestrator.backends import SemanticBackend
+
+
+class Shard(semantic_pb2_grpc.SemanticCacheServicer):
+    """A dictionary standing in for one shard (pure routing test, no embeddings)."""
+
+    def __init__(self, name):
+        self.name = name
+        self.entries = {}
+
+    def Store(self, req, ctx):  # noqa: N802
+        eid = f"{self.name}-{len(self.entries)}"
+        self.entries[eid] = req
+        return semantic_pb2.StoreResponse(id=eid)
+
+    def Lookup(self, req, ctx):  # noqa: N802
+        for eid, e in self.entries.items():
+            if e.namespace == req.namespace and e.prompt == req.text:
+                return semantic_pb2.LookupResponse(hit=True, similarity=1.0, entry=semantic_pb2
+                                                   .SemanticEntry(id=eid, answer=e.answer))
+        return semantic_pb2.LookupResponse()
+
+    def Invalidate(self, req, ctx):  # noqa: N802
+        return semantic_pb2.InvalidateResponse(removed=int(self.entries.pop(req.id, None)
+                                                           is not None))
+
+    def Verify(self, req, ctx):  # noqa: N802
+        if req.id not in self.entries:
+            ctx.abort(grpc.StatusCode.NOT_FOUND, f"id: {req.id} unknown")
+        return semantic_pb2.SemanticEntry(id=req.id, verified=req.verified)
+
+    def Stats(self, req, ctx):  # noqa: N802
+        return semantic_pb2.SemanticStatsResponse(entries=len(self.entries), lookup_p99_ms=1.0)
+
+
+@pytest.fixture
+def shards():
+    svcs = [Shard("s0"), Shard("s1")]
+    handles = [create_server(service="semantic", address="127.0.0.1:0", services=[
+        (semantic_pb2_grpc.add_SemanticCacheServicer_to_server, s, "tiercache.v1.SemanticCache")])
+        for s in svcs]
+    yield svcs, handles
+    for h in handles:
+        h.stop(0)
+
+
+def test_namespaces_are_routed_whole_and_ids_found_on_any_shard(shards):
+    svcs, handles = shards
+    be = SemanticBackend(",".join(h.address for h in handles), "", 5.0)
+    namespaces = [semantic_pb2.Namespace(tenant=f"t{i}", model_id="m", context_hash="c")
+                  for i in range(16)]
+    ids = {}
+    for ns in namespaces:
+        for q in ("q1", "q2"):
+            ids[(ns.tenant, q)] = be.store(semantic_pb2.StoreRequest(namespace=ns, prompt=q,
+                                                                     answer=f"a-{q}")).id
+    # Both shards are used, and each namespace lives on exactly one of them.
+    assert all(s.entries for s in svcs)
+    for ns in namespaces:
+        owners = {s.name for s in svcs for e in s.entries.values() if e.namespace == ns}
+        assert len(owners) == 1
+        hit = be.lookup(semantic_pb2.LookupRequest(namespace=ns, text="q2"))
+        assert hit.hit and hit.entry.answer == "a-q2"
+    assert be.stats().entries == 32
+    some = ids[("t3", "q1")]
+    assert be.verify(some, True).verified
+    assert be.invalidate(some).removed == 1
+    assert be.invalidate(some).removed == 0
+    with pytest.raises(grpc.RpcError) as e:
+        be.verify(some, True)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
