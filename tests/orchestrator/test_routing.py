@@ -54,7 +54,7 @@ def test_session_affinity_is_stable_and_moves_only_when_its_replica_leaves():
 def test_ring_respects_bounded_load():
     p = PrefixAwarePolicy(epsilon=0.25)
     loads = Counter()
-    for i in range(400):
+    for _ in range(400):
         v = [ReplicaView(r, float(loads[r])) for r in ("r0", "r1", "r2", "r3")]
         loads[p.choose(v, {}, "same-session").replica_id] += 1
     assert max(loads.values()) <= 1.25 * (400 / 4) + 1
