@@ -106,10 +106,10 @@ def share(draft: list[int], answer: list[int]) -> float:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.assisted")
     ap.add_argument("--quick", action="store_true", help="reduced run (<= ~3 minutes)")
-    ap.add_argument("--pairs", type=int, default=0, help="pairs to run (default 6 / 24)")
+    ap.add_argument("--pairs", type=int, default=0, help="pairs to run (default 3 / 16)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    n = args.pairs or (6 if args.quick else 24)
+    n = args.pairs or (3 if args.quick else 16)
     out_path = args.out or RESULTS / ("assisted-quick.json" if args.quick else "assisted.json")
 
     from services.common.model_store import load_tokenizer, resolve_model
