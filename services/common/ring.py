@@ -115,8 +115,10 @@ class HashRing:
                        epsilon: float = 0.25) -> str:
         """The first node clockwise from `key` that can take one more request.
 
-        A node qualifies when `loads[node] + 1 <= (1 + epsilon) * (sum(loads) + 1) / N`, N the
-        number of nodes on the ring (nodes missing from `loads` count as 0). With epsilon > 0
+        A node qualifies when `loads[node] + 1 <= ceil((1 + epsilon) * (sum(loads) + 1) / N)`, N
+        the number of nodes on the ring (nodes missing from `loads` count as 0). The ceiling is
+        the usual bounded-load rule: without it, at low load one request in flight on a node
+        (or a stale load figure) would push its sessions elsewhere. With epsilon > 0
         some node always qualifies; should none (epsilon == 0 and rounding), the least loaded
         node in preference order is returned.
 
@@ -127,7 +129,7 @@ class HashRing:
         if epsilon < 0:
             raise ValueError("epsilon must be >= 0")
         total = sum(float(loads.get(n, 0.0)) for n in self._nodes) + 1.0
-        cap = (1.0 + epsilon) * total / len(self._nodes)
+        cap = math.ceil((1.0 + epsilon) * total / len(self._nodes) - 1e-9)
         for n in self._walk(key):
             if float(loads.get(n, 0.0)) + 1.0 <= cap + 1e-9:
                 return n
@@ -136,4 +138,4 @@ class HashRing:
     def capacity(self, loads: Mapping[str, float], epsilon: float = 0.25) -> int:
         """Largest integral load a node may reach under `lookup_bounded` (for reports)."""
         total = sum(float(loads.get(n, 0.0)) for n in self._nodes) + 1.0
-        return math.floor((1.0 + epsilon) * total / max(1, len(self._nodes)) + 1e-9)
+        return math.ceil((1.0 + epsilon) * total / max(1, len(self._nodes)) - 1e-9)
