@@ -168,14 +168,16 @@ class PrefixIndexClient:
     # -- membership -----------------------------------------------------------------------
 
     def register(self, replica_id: str, incarnation: str, address: str, model_id: str,
-                 block_size: int, capacity_blocks: int = 0, *, timeout: float | None = None
-                 ) -> RegisterOutcome:
+                 block_size: int, capacity_blocks: int = 0, *, timeout: float | None = None,
+                 hash_probe: bytes | None = None) -> RegisterOutcome:
         """Register on every shard; remembers each shard's next batch number.
 
         Sends this process's hash probe, so a shard refuses (FAILED_PRECONDITION) a replica
-        whose TIERCACHE_HASH_KEY differs from its own.
+        whose TIERCACHE_HASH_KEY differs from its own. `hash_probe` overrides it with the
+        caller's own hasher's probe (a replica sends what its pool really computes).
         """
-        probe = BlockHasher(model_id, block_size, self.hash_key, memo_blocks=0).probe()
+        probe = hash_probe or BlockHasher(model_id, block_size, self.hash_key,
+                                          memo_blocks=0).probe()
         req = prefix_pb2.RegisterRequest(
             replica_id=replica_id, incarnation=incarnation, address=address, model_id=model_id,
             block_size=block_size, capacity_blocks=capacity_blocks, hash_probe=probe)

@@ -41,7 +41,7 @@ class KvPoolConfig:
     advertise_address: str = ""
     metrics_port: int = 9104
     internal_token: str = ""
-    # host:port of the prefix index; empty = do not publish.
+    # host:port of the prefix index, or its shards comma-separated; empty = do not publish.
     prefix_address: str = ""
     heartbeat_seconds: float = 2.0
     # Events are published at least this often (seconds) while there are any.

@@ -1,11 +1,16 @@
 """Tells the prefix index what this replica holds: Register, Heartbeat, PublishEvents.
 
-One background thread. It registers (replica id, a fresh incarnation per boot, address, model id,
-block size, capacity), sends its full holdings as a resync batch, then publishes the pool's
-events in numbered batches (1, 2, 3...) and heartbeats with its load. When the index answers
-RESYNC (a gap, or it restarted) or a heartbeat says "unknown", the replica re-registers and
-sends a fresh snapshot. The index is advisory: when it is down, the replica keeps serving and
-catches up with a resync later.
+The index may be one process or N shards (`address` = "host:port[,host:port...]"): the
+sharded client (`services.common.prefix_client`) registers and heartbeats on every shard,
+sends each stored chain to the shard that owns its first block's hash and removals to every
+shard, and keeps one batch sequence per shard.
+
+One background thread. It registers (replica id, a fresh incarnation per boot, address,
+model id, block size, capacity), sends its full holdings as a resync batch, then publishes
+the pool's events in numbered batches (1, 2, 3...) and heartbeats with its load. When the
+index answers RESYNC (a gap, or it restarted) or a heartbeat says "unknown", the replica
+re-registers and sends a fresh snapshot. The index is advisory: when it is down, the
+replica keeps serving and catches up with a resync later.
 """
 
 from __future__ import annotations
@@ -17,9 +22,10 @@ from collections.abc import Callable
 from typing import Any
 
 import grpc
-from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+from tiercache.v1 import prefix_pb2
 
-from services.common.grpc_client import call_metadata, make_channel
+from services.common.grpc_client import make_channel
+from services.common.prefix_client import PrefixIndexClient
 from services.kvpool.block_pool import AllCleared, BlocksRemoved, BlocksStored, PoolEvent
 
 log = logging.getLogger(__name__)
@@ -47,7 +53,7 @@ class Publisher:
 
     Args:
         engine: the replica's Engine (events, stats, snapshot calls).
-        address: prefix index host:port.
+        address: prefix index host:port, or comma-separated shard addresses.
         replica_id, incarnation, public_address, model_id: what the index is told.
         heartbeat_seconds / publish_interval_seconds: cadence.
         internal_token: credential for the index.
@@ -67,8 +73,10 @@ class Publisher:
         self.heartbeat_seconds = heartbeat_seconds
         self.publish_interval_seconds = publish_interval_seconds
         self.internal_token = internal_token
-        self._channel = channel_factory(address)
-        self._stub = prefix_pb2_grpc.PrefixIndexStub(self._channel)
+        self._client = PrefixIndexClient(
+            address.split(","), internal_token, timeout=max(1.0, heartbeat_seconds),
+            block_size=engine.pool.block_size, hash_key=engine.pool.hasher.key,
+            channel_factory=channel_factory)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registered = False
@@ -87,7 +95,7 @@ class Publisher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
-        self._channel.close()
+        self._client.close()
 
     # ---- loop -------------------------------------------------------------------------------
 
@@ -129,34 +137,25 @@ class Publisher:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    def _md(self) -> list[tuple[str, str]]:
-        return call_metadata(self.internal_token)
-
-    def _timeout(self) -> float:
-        return max(1.0, self.heartbeat_seconds)
-
     def _register(self) -> None:
         s = self.engine.stats()
-        resp = self._stub.Register(prefix_pb2.RegisterRequest(
-            replica_id=self.replica_id, incarnation=self.incarnation,
-            address=self.public_address, model_id=self.model_id,
-            block_size=self.engine.pool.block_size, capacity_blocks=s.blocks_total,
-            hash_probe=self.engine.pool.hasher.probe()),
-            timeout=self._timeout(), metadata=self._md())
+        out = self._client.register(self.replica_id, self.incarnation, self.public_address,
+                                    self.model_id, self.engine.pool.block_size,
+                                    s.blocks_total,
+                                    hash_probe=self.engine.pool.hasher.probe())
         self.registered = True
-        self.next_seq = resp.next_seq or 1
+        self.next_seq = min(out.next_seq.values(), default=1) or 1
         self._need_resync = True
         log.info("registered with prefix index %s as %s/%s", self.address, self.replica_id,
                  self.incarnation)
 
     def _heartbeat(self) -> None:
         s = self.engine.stats()
-        resp = self._stub.Heartbeat(prefix_pb2.HeartbeatRequest(
-            replica_id=self.replica_id, incarnation=self.incarnation,
-            load=prefix_pb2.ReplicaLoad(running=s.running, waiting=s.waiting,
-                                        free_blocks=s.blocks_free + s.blocks_cached,
-                                        total_blocks=s.blocks_total)),
-            timeout=self._timeout(), metadata=self._md())
+        resp = self._client.heartbeat(
+            self.replica_id, self.incarnation,
+            prefix_pb2.ReplicaLoad(running=s.running, waiting=s.waiting,
+                                   free_blocks=s.blocks_free + s.blocks_cached,
+                                   total_blocks=s.blocks_total))
         if not resp.known:
             log.info("prefix index forgot this replica; registering again")
             self.registered = False
@@ -170,18 +169,15 @@ class Publisher:
             self._need_resync = True
 
     def _send(self, events: list[PoolEvent], resync: bool) -> bool:
-        resp = self._stub.PublishEvents(prefix_pb2.PublishEventsRequest(
-            replica_id=self.replica_id, incarnation=self.incarnation, seq=self.next_seq,
-            events=[to_proto(e) for e in events], resync=resync),
-            timeout=self._timeout(), metadata=self._md())
-        if resp.status == prefix_pb2.PUBLISH_STATUS_RESYNC:
-            log.info("prefix index asked for a resync (seq %d, expects %d)", self.next_seq,
-                     resp.next_seq)
-            self.next_seq = resp.next_seq or self.next_seq
+        out = self._client.publish_events(self.replica_id, self.incarnation,
+                                          [to_proto(e) for e in events], resync=resync)
+        if out.sent:
+            self.last_seq = max(out.sent.values())
+            self.next_seq = self.last_seq + 1
+        if out.resync:
+            log.info("prefix index shard(s) %s asked for a resync", ", ".join(out.resync_shards))
             self._need_resync = True
             return False
-        self.last_seq = self.next_seq
-        self.next_seq = resp.next_seq or self.next_seq + 1
         return True
 
     def _publish(self) -> None:

@@ -1,0 +1,90 @@
+"""A replica publishing to a prefix index that runs as two shards (real servicers, real gRPC).
+
+Each shard must learn exactly the chains it owns (by the first block's hash on the ring), every
+shard must know the replica (Register/Heartbeat fan out), and the sharded client's Match must
+find the replica's holdings whichever shard owns the prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import grpc
+from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+
+from services.common.bootstrap import create_server
+from services.common.hashing import BlockHasher
+from services.common.prefix_client import PrefixIndexClient
+from services.kvpool.publisher import Publisher
+from services.prefix.config import PrefixConfig
+from services.prefix.server import PrefixServicer, build_index
+from tests.kvpool.conftest import TINY_ID, generate
+
+
+def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.05)
+
+
+def test_publisher_feeds_every_shard_its_own_chains(make_engine) -> None:
+    shards, handles = [], []
+    for i in range(2):
+        index = build_index(PrefixConfig(block_size=4, lease_seconds=5))
+        h = create_server(service=f"prefix-shard-{i}", address="127.0.0.1:0",
+                          services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server,
+                                     PrefixServicer(index), "tiercache.v1.PrefixIndex")])
+        h.set_serving()
+        shards.append(index)
+        handles.append(h)
+    addrs = [f"127.0.0.1:{h.port}" for h in handles]
+    eng = make_engine(num_blocks=64, hash_key=None)  # the cluster key, as the index uses
+    pub = Publisher(eng, address=",".join(addrs), replica_id="kv-0", incarnation="inc-1",
+                    public_address="10.0.0.7:50054", model_id=TINY_ID,
+                    heartbeat_seconds=0.2, publish_interval_seconds=0.02,
+                    channel_factory=grpc.insecure_channel).start()
+    client = PrefixIndexClient(addrs, block_size=4, channel_factory=grpc.insecure_channel)
+    hasher = BlockHasher(TINY_ID, 4)
+    try:
+        # Prompts until both shards own at least one (the ring decides; a few suffice).
+        prompts: list[list[int]] = []
+        owners: set[str] = set()
+        for k in range(12):
+            p = [100 + k] + list(range(1, 12))  # distinct first block, 3 full blocks
+            prompts.append(p)
+            owners.add(client.shard_for(hasher.hashes(p, "t")[0]))
+            if len(owners) == 2 and len(prompts) >= 4:
+                break
+        assert owners == set(addrs), "the ring put every test prompt on one shard"
+        for p in prompts:
+            generate(eng, p, max_tokens=2, salt="t")
+
+        def matched(p: list[int]) -> int:
+            r = client.match(TINY_ID, token_ids=p, cache_salt="t")
+            return max((m.matched_blocks for m in r.matches if m.replica_id == "kv-0"),
+                       default=0)
+
+        wait_for(lambda: all(matched(p) >= 2 for p in prompts))
+        # Each shard holds only the chains whose first block it owns, and knows the replica.
+        for addr, index in zip(addrs, shards, strict=True):
+            stats = index.stats()
+            mine = [p for p in prompts if client.shard_for(hasher.hashes(p, "t")[0]) == addr]
+            theirs = [p for p in prompts if p not in mine]
+            direct = prefix_pb2_grpc.PrefixIndexStub(grpc.insecure_channel(addr))
+            for p, want in [(p, True) for p in mine] + [(p, False) for p in theirs]:
+                r = direct.Match(prefix_pb2.MatchRequest(model_id=TINY_ID, token_ids=p,
+                                                         cache_salt="t"), timeout=5)
+                got = any(m.replica_id == "kv-0" and m.matched_blocks for m in r.matches)
+                assert got == want, (addr, p[:2], want)
+            assert "kv-0" in {r.replica_id for r in stats.replicas}
+            index.check_integrity()
+        # Evictions reach every shard: after a clear, nothing matches anywhere.
+        eng.call(eng.pool.clear).result(5)
+        wait_for(lambda: all(matched(p) == 0 for p in prompts))
+    finally:
+        client.close()
+        pub.stop()
+        for h in handles:
+            h.stop(0)
