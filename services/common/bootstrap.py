@@ -320,3 +320,22 @@ def run_until_signal(handle: ServerHandle, grace: float = 10.0,
     if on_stop is not None:
         on_stop()
     log.info("%s stopped", handle.service)
+
+
+def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> Any | None:
+    """Start a service's `main`: JSON logging, then its validated config.
+
+    Returns None (after logging which variable is wrong) when the config is invalid, so
+    `main` can exit with status 2 before binding anything.
+    """
+    import sys
+
+    from services.common.config import ConfigError, load_config
+    from services.common.logs import setup_logging
+
+    setup_logging(service)
+    try:
+        return load_config(cls, service, list(sys.argv[1:] if argv is None else argv))
+    except ConfigError as exc:
+        logging.getLogger(f"services.{service}").error("bad configuration: %s", exc)
+        return None

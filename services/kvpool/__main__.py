@@ -13,9 +13,11 @@ import sys  # noqa: E402
 
 from tiercache.v1 import kvpool_pb2_grpc  # noqa: E402
 
-from services.common.bootstrap import create_server, run_until_signal  # noqa: E402
-from services.common.config import ConfigError, load_config  # noqa: E402
-from services.common.logs import setup_logging  # noqa: E402
+from services.common.bootstrap import (  # noqa: E402
+    create_server,
+    load_service_config,
+    run_until_signal,
+)
 from services.kvpool.app import build_replica  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
 from services.kvpool.publisher import Publisher  # noqa: E402
@@ -25,11 +27,8 @@ log = logging.getLogger("services.kvpool")
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging("kvpool")
-    try:
-        cfg = load_config(KvPoolConfig, "kvpool", sys.argv[1:] if argv is None else argv)
-    except ConfigError as e:
-        log.error("bad configuration: %s", e)
+    cfg = load_service_config(KvPoolConfig, "kvpool", argv)
+    if cfg is None:
         return 2
     servicer = KvPoolServicer(cfg)
     # Bind first (health NOT_SERVING) so probes see the process while the model loads.

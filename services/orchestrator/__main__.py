@@ -7,9 +7,7 @@ import sys
 
 from tiercache.v1 import orchestrator_pb2_grpc
 
-from services.common.bootstrap import create_server, run_until_signal
-from services.common.config import ConfigError, load_config
-from services.common.logs import setup_logging
+from services.common.bootstrap import create_server, load_service_config, run_until_signal
 from services.orchestrator.app import build
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.server import OrchestratorServicer
@@ -18,12 +16,8 @@ log = logging.getLogger("services.orchestrator")
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging("orchestrator")
-    try:
-        args = sys.argv[1:] if argv is None else argv
-        cfg = load_config(OrchestratorConfig, "orchestrator", args)
-    except ConfigError as e:
-        log.error("bad configuration: %s", e)
+    cfg = load_service_config(OrchestratorConfig, "orchestrator", argv)
+    if cfg is None:
         return 2
     # Bind first (health NOT_SERVING) so probes see the process while the tokenizer loads.
     servicer = OrchestratorServicer(cfg)

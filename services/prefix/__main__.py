@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from services.common.bootstrap import run_until_signal
-from services.common.config import ConfigError, load_config
-from services.common.logs import setup_logging
+from services.common.bootstrap import load_service_config, run_until_signal
 from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
 
@@ -15,11 +13,8 @@ log = logging.getLogger("services.prefix")
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging("prefix")
-    try:
-        cfg = load_config(PrefixConfig, "prefix", sys.argv[1:] if argv is None else argv)
-    except ConfigError as exc:
-        log.error("bad configuration: %s", exc)
+    cfg = load_service_config(PrefixConfig, "prefix", argv)
+    if cfg is None:
         return 2
     svc = serve(cfg)
     log.info("prefix index serving on port %d (block size %d, budget %d nodes)", svc.port,

@@ -5,9 +5,7 @@ from __future__ import annotations
 import logging
 import sys
 
-from services.common.bootstrap import run_until_signal
-from services.common.config import ConfigError, load_config
-from services.common.logs import setup_logging
+from services.common.bootstrap import load_service_config, run_until_signal
 from services.semantic.config import SemanticConfig
 from services.semantic.server import serve
 
@@ -15,11 +13,8 @@ log = logging.getLogger("services.semantic")
 
 
 def main(argv: list[str] | None = None) -> int:
-    setup_logging("semantic")
-    try:
-        cfg = load_config(SemanticConfig, "semantic", sys.argv[1:] if argv is None else argv)
-    except ConfigError as exc:
-        log.error("bad configuration: %s", exc)
+    cfg = load_service_config(SemanticConfig, "semantic", argv)
+    if cfg is None:
         return 2
     svc = serve(cfg)
     log.info("semantic cache serving on port %d with %d entries", svc.handle.port,
