@@ -22,7 +22,7 @@ from tiercache.v1 import (
 
 from services.launcher import ServiceProcess
 from tests.e2e.conftest import LOG_DIR
-from tests.e2e.stack import start_full_stack
+from tests.e2e.stack import FullStack, start_full_stack
 
 INTERNAL = "internal-hardening-secret-7f3a"
 INTERNAL_MD = [("authorization", f"Bearer {INTERNAL}")]
@@ -154,15 +154,10 @@ def semantic_inproc(tmp_path_factory) -> Iterator[InProc]:
 # ---- the shared process stack -----------------------------------------------------------------
 
 @dataclass
-class Stack:
-    tmp: Path
-    semantic: ServiceProcess
-    prefix: ServiceProcess
-    kv: list[ServiceProcess]
-    orch: ServiceProcess
+class Stack(FullStack):
+    """The e2e FullStack plus what the hardening tests need to poke at it."""
 
-    def all(self) -> list[ServiceProcess]:
-        return [self.orch, *self.kv, self.prefix, self.semantic]
+    tmp: Path = Path()
 
     def stop(self) -> None:
         for p in self.all():
@@ -243,7 +238,7 @@ def start_stack(tmp: Path) -> Stack:
             "TIERCACHE_ORCHESTRATOR_DEFAULT_MAX_TOKENS": "4",
             "TIERCACHE_ORCHESTRATOR_MAX_PROMPT_TOKENS": "512",
             "TIERCACHE_ORCHESTRATOR_MAX_MESSAGE_CHARS": "4000"})
-    return Stack(tmp, s.semantic, s.prefix, s.kv, s.orch)
+    return Stack(s.semantic, s.prefix, s.kv, s.orch, tmp=tmp)
 
 
 @pytest.fixture(scope="package")  # stopped when tests/hardening is done, not at session end
