@@ -84,12 +84,17 @@ class KvStore:
         if num_tokens <= 0:
             return
         bs = self.block_size
-        nb = -(-num_tokens // bs)
-        idx = torch.tensor(block_ids[:nb], device=self.device)
-        # [nb, L, 2, H, bs, D] -> [L, 2, H, nb*bs, D]
-        kv = self.blocks.index_select(0, idx).permute(1, 2, 3, 0, 4, 5)
-        kv = kv.reshape(self.num_layers, 2, self.kv_heads, nb * bs, self.head_dim)
-        self.rows[:, :, row, :, :num_tokens] = kv[:, :, :, :num_tokens]
+        full, rem = divmod(num_tokens, bs)
+        # One strided copy per run of consecutive block ids, straight into the row: a gather
+        # (index_select, then reshape) made two full-size temporaries and cost ~5x as much,
+        # which a prefix hit pays before its first token.
+        # rows[l, kv, row, h, j*bs + t, d] <- blocks[ids[j], l, kv, h, t, d]
+        dst = self.rows[:, :, row, :, :full * bs].unflatten(3, (full, bs))
+        for j0, j1, b0 in _runs(block_ids[:full]):
+            dst[:, :, :, j0:j1].copy_(self.blocks[b0:b0 + j1 - j0].permute(1, 2, 3, 0, 4, 5))
+        if rem:
+            tail = self.blocks[block_ids[full], :, :, :, :rem]
+            self.rows[:, :, row, :, full * bs:num_tokens] = tail
 
     def store_blocks(self, row: int, block_ids: list[int], first_block: int) -> None:
         """Copy full blocks `first_block..` of `row` into the given pool blocks (one copy)."""
@@ -115,6 +120,17 @@ class KvStore:
         """(pool bytes, working-row bytes)."""
         return (self.blocks.numel() * self.blocks.element_size(),
                 self.rows.numel() * self.rows.element_size())
+
+
+def _runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive ids as (start index, end index, first id)."""
+    out = []
+    start = 0
+    for j in range(1, len(ids) + 1):
+        if j == len(ids) or ids[j] != ids[j - 1] + 1:
+            out.append((start, j, ids[start]))
+            start = j
+    return out
 
 
 class PagedLayer(CacheLayerMixin):
