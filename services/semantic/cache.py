@@ -1,7 +1,7 @@
 """The semantic cache: namespaces of (prompt, answer) entries found by embedding similarity.
 
     lookup(ns, text) : validate -> embed -> search ns index -> policy (tier, verified bonus)
-                       -> guard (strict tier) -> hit | draft candidate | miss
+                       -> guard / verifier (strict, standard tiers) -> hit | draft | miss
     store(ns, ...)   : validate -> embed -> SQLite commit (durable) -> index -> evict (LRU)
 
 The SQLite store is the truth; the in-memory maps and faiss indexes are rebuilt from it at start
@@ -28,6 +28,7 @@ from services.semantic.guard import ParaphraseGuard
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.policy import Outcome, ThresholdPolicy
 from services.semantic.store import EntryStore, Row
+from services.semantic.verifier import Verifier, VerifierModel
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +143,9 @@ class SemanticCache:
         self.policy = ThresholdPolicy.from_config(cfg)
         self.guard = ParaphraseGuard()
         self.guard_tiers = frozenset(cfg.guard_tiers)
+        self.verifier_tiers = frozenset(cfg.verifier_tiers)
+        self.verifier = (Verifier(VerifierModel.load(cfg.verifier_path) if cfg.verifier_path
+                                  else None, self.guard) if self.verifier_tiers else None)
         self._params = IndexParams(embedder.dim, cfg.hnsw_min_entries, cfg.hnsw_m,
                                    cfg.hnsw_ef_construction, cfg.hnsw_ef_search,
                                    cfg.delta_capacity)
@@ -218,18 +222,27 @@ class SemanticCache:
                 best, best_sim, best_th = e, sim, decision.threshold
             if decision.outcome is not Outcome.HIT:
                 break  # results are sorted: nothing further can be a hit
-            if resolved.tier in self.guard_tiers:
-                g = self.guard.check(text, e.prompt)
-                if not g.ok:
-                    if not rejected:
-                        rejected, reason = True, g.reason
-                    continue
+            refusal = self._second_opinion(text, e.prompt, sim, resolved.tier)
+            if refusal:
+                if not rejected:
+                    rejected, reason = True, refusal
+                continue
             return LookupResult(True, self._touch(e, now), sim, decision.threshold,
                                 resolved.tier, rejected, reason)
         draft = None
         if want_draft and best is not None and best_sim >= self.policy.draft_floor:
             draft = best
         return LookupResult(False, draft, best_sim, best_th, resolved.tier, rejected, reason)
+
+    def _second_opinion(self, text: str, prompt: str, sim: float, tier: str) -> str:
+        """Why the verifier or the guard refuses this hit ("" = serve it)."""
+        if self.verifier is not None and tier in self.verifier_tiers:
+            v = self.verifier.check(text, prompt, sim, tier)
+            return "" if v.ok else v.reason
+        if tier in self.guard_tiers:
+            g = self.guard.check(text, prompt)
+            return "" if g.ok else g.reason
+        return ""
 
     def _touch(self, e: Entry, now: float) -> Entry:
         """Counts a hit (the TTL is not extended) and marks the entry most recently used."""

@@ -1,0 +1,262 @@
+"""A learned second opinion on a high-similarity match: cosine + pair features -> P(same).
+
+The hand-made `ParaphraseGuard` refuses a match on one signal at a time (numbers, negation,
+entities, word order). The verifier feeds those signals, the cosine and a few cheap lexical
+features of the pair into a logistic regression fitted on labelled pairs (QQP and PAWS, see
+`services/semantic/fit_verifier.py`) and serves a match only when
+
+    guard passes  and  P(same meaning | features) >= the tier's cut
+
+The guard stays a hard veto, so every hand-made trap is still refused; the model adds what the
+guard cannot express: how many content words one text has that the other lacks ("best websites
+to download *latest* Hindi movies"), whether the two ask with the same question word, how much
+of the word order and of the word bigrams survive. The weights are a small JSON file
+(`verifier.json` beside this module), fitted once and committed; scoring is pure Python + numpy
+(~0.1-0.2 ms per pair) and deterministic.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import NamedTuple
+
+import numpy as np
+
+from services.semantic.guard import (
+    ParaphraseGuard,
+    _entities,
+    _negated,
+    _numbers,
+    _tokens,
+    _words,
+    breakpoints,
+)
+
+DEFAULT_WEIGHTS = Path(__file__).with_name("verifier.json")
+
+_STOP = frozenset("""a an the is are was were be been being am do does did doing have has had
+having i me my mine we our you your he him his she her it its they them their this that these
+those to of in on at for with by from as into about than then so such and or but if there here
+can could would should will shall may might must what how why when where who whom which whose
+some any all most more very just also get got make one s t ll ve re d m""".split())
+_WH = ("what", "how", "why", "when", "where", "who", "which", "whom", "whose")
+
+FEATURES = (
+    "cos", "cos_excess", "numbers_differ", "negation_differs", "entities_missing",
+    "breakpoints", "breakpoints_rate", "content_jaccard", "extra_words_max", "extra_words_min",
+    "extra_words_total", "bigram_jaccard", "len_log_ratio", "wh_differs", "same_normalised",
+    "discordant_rate", "guard_ok",
+)
+
+
+class VerifierResult(NamedTuple):
+    """`ok` False: do not serve the match. `score` is P(same meaning); `reason` says why not."""
+
+    ok: bool
+    score: float
+    reason: str
+
+
+def _stem(w: str) -> str:
+    if len(w) > 4 and w.endswith("ies"):
+        return w[:-3] + "y"
+    if len(w) > 3 and w.endswith("s") and not w.endswith("ss"):
+        return w[:-1]
+    return w
+
+
+class _Text(NamedTuple):
+    tokens: list[str]
+    words: list[str]
+    lower: list[str]
+    content: list[str]
+    norm: str
+
+
+def _text(s: str) -> _Text:
+    tokens = _tokens(s)
+    words = _words(tokens)
+    lower = [w.lower() for w in words]
+    content = [_stem(w) for w in lower if w not in _STOP and w != "n't"]
+    return _Text(tokens, words, lower, content, " ".join(lower))
+
+
+def _wh(lower: list[str]) -> str:
+    for w in lower[:6]:
+        if w in _WH:
+            return w
+    return ""
+
+
+def _discordant_rate(a: list[str], b: list[str]) -> float:
+    """Fraction of pairs of shared (first-occurrence) content words whose order flips."""
+    pos_b: dict[str, int] = {}
+    for i, w in enumerate(b):
+        pos_b.setdefault(w, i)
+    seen: set[str] = set()
+    seq = []
+    for w in a:
+        if w in pos_b and w not in seen:
+            seen.add(w)
+            seq.append(pos_b[w])
+    n = len(seq)
+    if n < 2:
+        return 0.0
+    disc = sum(1 for i in range(n) for j in range(i + 1, n) if seq[i] > seq[j])
+    return disc / (n * (n - 1) / 2)
+
+
+def _bigrams(lower: list[str]) -> set[tuple[str, str]]:
+    return set(zip(lower, lower[1:], strict=False))
+
+
+def pair_features(query: str, cached: str, cosine: float,
+                  guard: ParaphraseGuard | None = None,
+                  guard_ok: bool | None = None) -> np.ndarray:
+    """The feature vector (order of `FEATURES`) of one (query, cached prompt) pair.
+
+    `guard_ok`: the guard's verdict when the caller already has it (else it is computed).
+    """
+    q, c = _text(query), _text(cached)
+    if guard_ok is None:
+        guard_ok = (guard or _GUARD).check(query, cached).ok
+    nq, nc = _numbers(q.words), _numbers(c.words)
+    lq, lc = set(q.lower), set(c.lower)
+    missing = (_entities(q.tokens) - lc) | (_entities(c.tokens) - lq)
+    bp = breakpoints(c.words, q.words)
+    cq, cc = set(q.content), set(c.content)
+    union = cq | cc
+    jac = len(cq & cc) / len(union) if union else 1.0
+    extra_q, extra_c = len(cq - cc), len(cc - cq)
+    bq, bc = _bigrams(q.lower), _bigrams(c.lower)
+    bunion = bq | bc
+    shared = len(lq & lc)
+    return np.array([
+        cosine,
+        max(0.0, cosine - 0.9) * 10.0,
+        float(set(nq) != set(nc)),
+        float(_negated(q.words) != _negated(c.words)),
+        float(min(3, len(missing))),
+        float(min(8, bp)),
+        bp / max(1, shared),
+        jac,
+        float(min(4, max(extra_q, extra_c))),
+        float(min(4, min(extra_q, extra_c))),
+        float(min(6, extra_q + extra_c)),
+        len(bq & bc) / len(bunion) if bunion else 1.0,
+        abs(math.log((len(q.words) + 1) / (len(c.words) + 1))),
+        float(_wh(q.lower) != _wh(c.lower)),
+        float(q.norm == c.norm),
+        _discordant_rate(c.content, q.content),
+        float(guard_ok),
+    ], dtype=np.float64)
+
+
+_GUARD = ParaphraseGuard()
+
+
+@dataclass(frozen=True)
+class VerifierModel:
+    """Logistic regression over standardised `FEATURES`, plus one probability cut per tier.
+
+    Args:
+        mean, scale: standardisation of each feature.
+        coef, intercept: the fitted weights.
+        cuts: tier name -> minimum P(same meaning) to serve a hit.
+        guard_veto: a failed hand-made guard check refuses the match whatever the score.
+    """
+
+    mean: tuple[float, ...]
+    scale: tuple[float, ...]
+    coef: tuple[float, ...]
+    intercept: float
+    cuts: dict[str, float]
+    guard_veto: bool = True
+    meta: dict | None = None
+
+    def probabilities(self, x: np.ndarray) -> np.ndarray:
+        """P(same meaning) for feature rows `x` `[n, len(FEATURES)]`."""
+        z = (np.atleast_2d(x) - np.asarray(self.mean)) / np.asarray(self.scale)
+        return 1.0 / (1.0 + np.exp(-(z @ np.asarray(self.coef) + self.intercept)))
+
+    def to_json(self) -> str:
+        return json.dumps({"features": list(FEATURES), "mean": list(self.mean),
+                           "scale": list(self.scale), "coef": list(self.coef),
+                           "intercept": self.intercept, "cuts": self.cuts,
+                           "guard_veto": self.guard_veto, "meta": self.meta or {}}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> VerifierModel:
+        d = json.loads(text)
+        if tuple(d["features"]) != FEATURES:
+            raise ValueError("verifier weights were fitted on other features; refit them "
+                             "with python -m services.semantic.fit_verifier")
+        return cls(tuple(d["mean"]), tuple(d["scale"]), tuple(d["coef"]),
+                   float(d["intercept"]), {k: float(v) for k, v in d["cuts"].items()},
+                   bool(d.get("guard_veto", True)), d.get("meta"))
+
+    @classmethod
+    def load(cls, path: str | Path = DEFAULT_WEIGHTS) -> VerifierModel:
+        return cls.from_json(Path(path).read_text())
+
+
+def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0,
+                 weights: np.ndarray | None = None, iters: int = 50) -> tuple[np.ndarray,
+                                                                           np.ndarray,
+                                                                           np.ndarray, float]:
+    """L2-regularised logistic regression by Newton's method (deterministic).
+
+    Returns (mean, scale, coef, intercept) over standardised features.
+    """
+    mean = x.mean(0)
+    scale = x.std(0)
+    scale[scale < 1e-9] = 1.0
+    z = np.hstack([(x - mean) / scale, np.ones((len(x), 1))])
+    w = np.ones(len(x)) if weights is None else np.asarray(weights, np.float64)
+    beta = np.zeros(z.shape[1])
+    reg = np.full(z.shape[1], l2)
+    reg[-1] = 0.0  # the intercept is not shrunk
+    for _ in range(iters):
+        p = 1.0 / (1.0 + np.exp(-(z @ beta)))
+        grad = z.T @ (w * (p - y)) + reg * beta
+        hess = (z * (w * p * (1 - p))[:, None]).T @ z + np.diag(reg)
+        step = np.linalg.solve(hess, grad)
+        beta -= step
+        if np.abs(step).max() < 1e-8:
+            break
+    return mean, scale, beta[:-1], float(beta[-1])
+
+
+class Verifier:
+    """Decides whether a candidate above the similarity threshold may be served.
+
+    Args:
+        model: fitted weights and cuts (default: the committed `verifier.json`).
+        guard: the hand-made checks used as features and as a veto.
+    """
+
+    def __init__(self, model: VerifierModel | None = None,
+                 guard: ParaphraseGuard | None = None) -> None:
+        self.model = model or VerifierModel.load()
+        self.guard = guard or ParaphraseGuard()
+
+    def check(self, query: str, cached: str, cosine: float, tier: str) -> VerifierResult:
+        """VerifierResult(True, p, "") if `cached` may answer `query` in `tier`."""
+        g = self.guard.check(query, cached)
+        x = pair_features(query, cached, cosine, self.guard, g.ok)
+        p = float(self.model.probabilities(x)[0])
+        if self.model.guard_veto and not g.ok:
+            return VerifierResult(False, p, g.reason)
+        cut = self.model.cuts.get(tier, 0.5)
+        if p < cut:
+            return VerifierResult(False, p, f"verifier score {p:.3f} below {cut:.3f}")
+        return VerifierResult(True, p, "")
+
+    def scores(self, pairs: Sequence[tuple[str, str, float]]) -> np.ndarray:
+        """P(same meaning) of many (query, cached, cosine) triples (benchmarks)."""
+        x = np.stack([pair_features(q, c, s, self.guard) for q, c, s in pairs])
+        return self.model.probabilities(x)

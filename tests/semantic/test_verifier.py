@@ -1,0 +1,139 @@
+"""The learned verifier: traps refused, paraphrases above the tier threshold served, the fit
+deterministic, the committed weights loadable, and its config checked."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.common.config import ConfigError
+from services.semantic.cache import Namespace, SemanticCache
+from services.semantic.config import SemanticConfig
+from services.semantic.fit_verifier import PairSet, cross_validate, fit
+from services.semantic.store import EntryStore
+from services.semantic.verifier import (
+    DEFAULT_WEIGHTS,
+    FEATURES,
+    Verifier,
+    VerifierModel,
+    pair_features,
+)
+
+from .test_guard import PARAPHRASES, TRAPS
+
+
+@pytest.fixture(scope="module")
+def verifier() -> Verifier:
+    return Verifier()
+
+
+def _cos(emb, a: str, b: str) -> float:
+    va, vb = emb.embed([a, b])
+    return float(va @ vb)
+
+
+@pytest.mark.parametrize(("query", "cached", "check"), TRAPS)
+@pytest.mark.parametrize("tier", ["strict", "standard"])
+def test_verifier_refuses_traps(verifier, onnx_embedder, query, cached, check, tier):
+    # Even at a perfect cosine: the verifier never serves what the guard refuses.
+    for sim in (_cos(onnx_embedder, query, cached), 1.0):
+        assert not verifier.check(query, cached, sim, tier).ok
+        assert not verifier.check(cached, query, sim, tier).ok
+
+
+@pytest.mark.parametrize(("query", "cached"), PARAPHRASES + [
+    ("What is the best way to learn guitar?", "What's the best way to learn the guitar?"),
+    ("How do I get rid of acne?", "How can I get rid of acne?"),
+    ("What are the benefits of drinking green tea?", "What are the health benefits of green tea?"),
+])
+def test_verifier_serves_paraphrases_that_reach_the_threshold(verifier, onnx_embedder, query,
+                                                              cached):
+    sim = _cos(onnx_embedder, query, cached)
+    for tier, th in (("strict", 0.97), ("standard", 0.95)):
+        if sim >= th - 0.005:  # paraphrases below the tier's threshold are misses anyway
+            r = verifier.check(query, cached, sim, tier)
+            assert r.ok, (tier, sim, r)
+
+
+def test_verifier_refuses_an_extra_qualifier_the_guard_lets_through(verifier, onnx_embedder):
+    """What the learned part adds: one text asks for more than the other (a QQP non-duplicate
+    with cosine 0.98 that every hand-made check passes; depends on the committed weights)."""
+    q, c = ("Which is the best and worst Bollywood movie which released between July 2016 and "
+            "December 2016?",
+            "Which is the worst Bollywood movie which released between July 2016 and December "
+            "2016?")
+    sim = _cos(onnx_embedder, q, c)
+    assert sim >= 0.97 and verifier.guard.check(q, c).ok
+    r = verifier.check(q, c, sim, "strict")
+    assert not r.ok and "verifier score" in r.reason
+
+
+def test_scores_are_deterministic_and_increase_with_similarity(verifier):
+    q, c = "How do I learn Python quickly?", "What is the fastest way to learn python?"
+    a = [verifier.check(q, c, 0.96, "strict").score for _ in range(3)]
+    assert a[0] == a[1] == a[2]
+    assert verifier.check(q, c, 0.99, "strict").score > a[0]
+    np.testing.assert_array_equal(pair_features(q, c, 0.96), pair_features(q, c, 0.96))
+
+
+def _toy_pairs(seed: int = 0) -> PairSet:
+    rng = np.random.default_rng(seed)
+    n = 600
+    x = np.zeros((n, len(FEATURES)))
+    y = rng.integers(0, 2, n)
+    x[:, 0] = 0.9 + 0.1 * rng.random(n)
+    x[:, FEATURES.index("guard_ok")] = 1.0
+    x[:, FEATURES.index("content_jaccard")] = np.where(y == 1, 0.8, 0.5) + 0.2 * rng.random(n)
+    x[:, FEATURES.index("extra_words_total")] = rng.integers(0, 4, n)
+    return PairSet(x, y, rng.random(n) < 0.5)
+
+
+def test_fit_is_deterministic_and_round_trips_through_json():
+    data = _toy_pairs()
+    m1, m2 = fit(data), fit(data)
+    assert m1 == m2
+    back = VerifierModel.from_json(m1.to_json())
+    np.testing.assert_allclose(back.probabilities(data.x), m1.probabilities(data.x))
+    assert back.cuts == m1.cuts
+
+
+def test_cross_validation_scores_each_pair_with_a_model_fitted_without_it():
+    data = _toy_pairs()
+    p, cuts = cross_validate(data, folds=5, seed=0)
+    fold = np.random.default_rng(0).integers(0, 5, len(data.y))
+    test = fold == 0
+    held_out = fit(data.subset(~test))
+    np.testing.assert_allclose(p[test], held_out.probabilities(data.x[test]))
+    assert set(cuts) == {"strict", "standard", "relaxed"}
+    assert np.all(cuts["strict"][test] == held_out.cuts["strict"])
+
+
+def test_committed_weights_match_the_features():
+    m = VerifierModel.load(DEFAULT_WEIGHTS)
+    assert len(m.coef) == len(FEATURES) and set(m.cuts) >= {"strict", "standard"}
+    assert 0.0 <= m.cuts["strict"] < 1.0
+    bad = m.to_json().replace('"cos"', '"cosine"', 1)
+    with pytest.raises(ValueError, match="fit_verifier"):
+        VerifierModel.from_json(bad)
+
+
+def test_verifier_tiers_must_be_guarded():
+    with pytest.raises(ConfigError, match="VERIFIER_TIERS"):
+        SemanticConfig(guard_tiers=("strict",), verifier_tiers=("standard",)).validate()
+
+
+def test_cache_uses_the_verifier_only_in_its_tiers(make_cfg, embedder, tmp_path):
+    cfg = make_cfg(guard_tiers=("strict", "standard"), verifier_tiers=("strict",))
+    cache = SemanticCache(cfg, embedder, EntryStore(str(tmp_path / "v.db"), "NORMAL"))
+    try:
+        ns = Namespace("t", "m")
+        cache.store_entry(ns, "Which is the worst Bollywood movie which released between July "
+                              "2016 and December 2016?", "A list.")
+        q = ("Which is the best and worst Bollywood movie which released between July 2016 and "
+             "December 2016?")
+        strict = cache.lookup(ns, q, threshold=0.95, tier="strict")
+        standard = cache.lookup(ns, q, tier="standard")
+        assert not strict.hit and strict.guard_rejected and "verifier" in strict.guard_reason
+        assert standard.hit and not standard.guard_rejected  # guard only in standard here
+    finally:
+        cache.store.close()
