@@ -357,7 +357,8 @@ class PrefixIndex:
             ResourceExhausted: the batch exceeds the event or block limit.
         """
         now = self.clock()
-        self._expire(now)
+        if now >= self._next_deadline:
+            self._expire(now)
         rep = self._known(replica_id, incarnation)
         if seq < 1:
             raise InvalidArgument("seq", "must be >= 1")
@@ -389,7 +390,9 @@ class PrefixIndex:
                     tree.remove(h, rep.bit)
             else:
                 tree.clear(rep.bit)
-        self.dropped_blocks_total += sum(len(st[1]) for sts in waiting.values() for st in sts)
+        if waiting:
+            self.dropped_blocks_total += sum(len(st[1]) for sts in waiting.values()
+                                             for st in sts)
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
@@ -397,7 +400,15 @@ class PrefixIndex:
 
     def _store(self, bit: int, step: tuple, tick: int, waiting: dict[bytes, list[tuple]]
                ) -> None:
-        todo = [step]
+        a, b, c = step
+        res = self.tree.store(a, b, c, bit, tick)
+        if res.dropped == len(b):
+            waiting.setdefault(a, []).append(step)
+            return
+        self.dropped_blocks_total += res.dropped
+        if not waiting:
+            return
+        todo = [st for h in b[: len(b) - res.dropped] for st in waiting.pop(h, ())]
         while todo:
             a, b, c = todo.pop()
             res = self.tree.store(a, b, c, bit, tick)
@@ -415,56 +426,55 @@ class PrefixIndex:
         plan: list[tuple] = []
         blocks = 0
         for i, ev in enumerate(events):
-            where = f"events[{i}]"
             if isinstance(ev, Stored):
                 hashes = ev.block_hashes
                 if not isinstance(hashes, list):
                     hashes = list(hashes)
                 if not hashes:
-                    raise InvalidArgument(f"{where}.stored.block_hashes", "empty")
+                    raise InvalidArgument(f"events[{i}].stored.block_hashes", "empty")
                 if set(map(len, hashes)) != _ONE_DIGEST:
-                    _check_hashes(f"{where}.stored.block_hashes", hashes)
+                    _check_hashes(f"events[{i}].stored.block_hashes", hashes)
                 if len(ev.token_ids) != bs * len(hashes):
                     raise InvalidArgument(
-                        f"{where}.stored.token_ids",
+                        f"events[{i}].stored.token_ids",
                         f"{len(ev.token_ids)} tokens for {len(hashes)} blocks of {bs}")
                 if ev.parent_hash:
                     if len(ev.parent_hash) != DIGEST_SIZE:
-                        raise InvalidArgument(f"{where}.stored.parent_hash",
+                        raise InvalidArgument(f"events[{i}].stored.parent_hash",
                                               f"must be empty or {DIGEST_SIZE} bytes")
                     parent = bytes(ev.parent_hash)
                 else:
                     if ev.start_block:
-                        raise InvalidArgument(f"{where}.stored.start_block",
+                        raise InvalidArgument(f"events[{i}].stored.start_block",
                                               "must be 0 when parent_hash is empty")
                     if ev.first_block_hash and ev.first_block_hash != hashes[0]:
-                        raise InvalidArgument(f"{where}.stored.first_block_hash",
+                        raise InvalidArgument(f"events[{i}].stored.first_block_hash",
                                               "must equal block_hashes[0] at the root")
                     parent = self.hasher(rep.model_id).root(ev.cache_salt)
                 if self.verify_hashes:
                     # Known blocks were verified when first stored (and store checks their
                     # parent); only the new tail needs hashing.
                     j = 0
-                    while j < len(hashes) and self.tree.get(hashes[j]) is not None:
+                    while j < len(hashes) and hashes[j] in self.tree:
                         j += 1
                     prev = hashes[j - 1] if j else parent
                     want = self._verifier(rep.model_id).hashes(ev.token_ids[j * bs :],
                                                                parent=prev)
                     if want != hashes[j:]:
                         raise InvalidArgument(
-                            f"{where}.stored.block_hashes",
+                            f"events[{i}].stored.block_hashes",
                             "do not match the tokens (hash key, model_id or parent mismatch)")
                 blocks += len(hashes)
                 salt = None if ev.parent_hash else ev.cache_salt
                 plan.append(("stored", parent, hashes, ev.token_ids, salt))
             elif isinstance(ev, Removed):
-                _check_hashes(f"{where}.removed.block_hashes", ev.block_hashes)
+                _check_hashes(f"events[{i}].removed.block_hashes", ev.block_hashes)
                 blocks += len(ev.block_hashes)
                 plan.append(("removed", [bytes(h) for h in ev.block_hashes], None, None, None))
             elif isinstance(ev, Cleared):
                 plan.append(("cleared", None, None, None, None))
             else:
-                raise InvalidArgument(where, "no event set")
+                raise InvalidArgument(f"events[{i}]", "no event set")
             if blocks > self.max_blocks:
                 raise ResourceExhausted(f"events: more than {self.max_blocks} blocks in a batch")
         return plan
@@ -563,14 +573,12 @@ class PrefixIndex:
                 raise AssertionError(f"slot {b} and replica {rep.replica_id} disagree")
         if len(self._replicas) != sum(r is not None for r in self._by_bit):
             raise AssertionError("replica table and slots disagree")
-        for key, nd in self.tree.nodes():
-            root = self.tree.root_of(nd)
-            for b in bits(nd.holders):
+        for blk in self.tree.blocks():
+            for b in bits(blk.holders):
                 rep = self._by_bit[b]
-                if rep is None or rep.model_id != root.model_id:
-                    raise AssertionError(f"node {key.hex()} held by slot {b} of another model")
+                if rep is None or rep.model_id != blk.model_id:
+                    raise AssertionError(f"node {blk.key.hex()} held by slot {b} of another model")
             if self.verify_hashes:
-                parent_key = nd.parent.key
-                toks = nd.tok[nd.idx * self.block_size:(nd.idx + 1) * self.block_size]
-                if self.hasher(root.model_id).hashes(toks, parent=parent_key) != [key]:
-                    raise AssertionError(f"node {key.hex()}: hash does not match its tokens")
+                want = self.hasher(blk.model_id).hashes(blk.token_ids, parent=blk.parent_key)
+                if want != [blk.key]:
+                    raise AssertionError(f"node {blk.key.hex()}: hash does not match its tokens")

@@ -1,12 +1,22 @@
 """Radix tree of KV blocks plus a hash table from chained block hash to node (pure logic).
 
     roots (one per model_id + cache_salt, keyed by h_0)
-      └─ block 1 ── block 2 ── block 3        a node per block; `table[h_i] -> node`
+      └─ block 1 ── block 2 ── block 3        a node per block; `table[h_i] -> slot`
                        └──── block 3'         branches where prompts diverge
 
-Each node keeps its block's tokens (compactly: a slice of one uint16/uint32 array shared by the
-blocks stored together), its parent, its children, the set of replicas holding it (a bitmask of
-replica slots), a hit counter and the logical time of its last hit.
+Nodes live in parallel arrays indexed by a slot number (struct of arrays): parent and first
+child (as slot differences), next and previous sibling, holders (a bitmask of replica slots),
+hits, last hit, depth, and the block's tokens (little-endian uint16 in one bytearray, widened
+once to uint32 when a token needs it). A stored chain of k new blocks is then k dict entries
+plus a handful of C-level `extend` calls, not k Python objects; roots take a slot too
+(depth -1, no holders). Slots freed by removals and pruning are reused one at a time before
+the arrays grow again.
+
+    slot:        p    s0   s0+1  s0+2           a new chain appended in one go:
+    up:          .    s0-p 1     1              up   = s - parent(s)      (0 = no parent)
+    down:        s0-p 1    1     0              down = first_kid(s) - s   (0 = no child)
+    depth:       d    d+1  d+2   d+3            so every array but p's grows by a constant
+                                                run or a slice of a precomputed range
 
 Holder closure: a replica that holds a node holds every ancestor of it. Stores that would break
 this are dropped (a block is useless without its parent: a match must be contiguous), removals
@@ -32,76 +42,11 @@ from typing import NamedTuple
 
 from services.common.policy import BlockUsage, EvictionPolicy
 
-_LITTLE = sys.byteorder == "little" and array("H").itemsize == 2 and array("I").itemsize == 4
-
-
-class _Chunk(array):
-    """Tokens of consecutive new blocks stored in one event; `start` = depth of the first."""
-
-    __slots__ = ("start",)
-
-
-class Root:
-    """The virtual block 0 of one (model_id, cache_salt) chain; never matched itself."""
-
-    __slots__ = ("key", "model_id", "cache_salt", "kids")
-
-    def __init__(self, key: bytes, model_id: str, cache_salt: str) -> None:
-        self.key = key
-        self.model_id = model_id
-        self.cache_salt = cache_salt
-        self.kids: set[Node] = set()
-
-
-class Node:
-    """One block. `kids` is None (leaf), one Node, or a set of Nodes (memory: most have 0-1)."""
-
-    __slots__ = ("key", "parent", "kids", "tok", "idx", "holders", "hits", "last")
-
-    def __init__(self, key: bytes, parent: Node | Root, tok: _Chunk, idx: int, holders: int,
-                 last: int) -> None:
-        self.key = key
-        self.parent = parent
-        self.kids: Node | set[Node] | None = None
-        self.tok = tok
-        self.idx = idx
-        self.holders = holders
-        self.hits = 0
-        self.last = last
-
-    @property
-    def depth(self) -> int:
-        """0-based block position in its chain."""
-        return self.tok.start + self.idx
-
-
-def _kids(x: Node | Root) -> Iterator[Node]:
-    k = x.kids
-    if k is None:
-        return iter(())
-    if isinstance(k, Node):
-        return iter((k,))
-    return iter(tuple(k))
-
-
-def _add_kid(parent: Node | Root, node: Node) -> None:
-    k = parent.kids
-    if isinstance(parent, Root) or isinstance(k, set):
-        k.add(node)  # type: ignore[union-attr]
-    elif k is None:
-        parent.kids = node
-    else:
-        parent.kids = {k, node}
-
-
-def _del_kid(parent: Node | Root, node: Node) -> None:
-    k = parent.kids
-    if isinstance(k, set):
-        k.discard(node)
-        if isinstance(parent, Node) and len(k) <= 1:
-            parent.kids = next(iter(k)) if k else None
-    elif k is node:
-        parent.kids = None
+NIL = -1  # no slot
+_NIL1 = array("i", [NIL])
+_ONE1 = array("i", [1])
+_IOTA = array("i", range(1 << 16))  # depths of a new chain are a slice of this
+_BIG = sys.byteorder != "little"
 
 
 def bits(mask: int) -> Iterator[int]:
@@ -134,6 +79,20 @@ class Prefix(NamedTuple):
     last_block_hash: bytes
 
 
+class BlockInfo(NamedTuple):
+    """A snapshot of one block (for tests and integrity checks; not kept by the tree)."""
+
+    key: bytes
+    parent_key: bytes  # the root key h_0 for a first block
+    depth: int  # 0-based block position in its chain
+    holders: int
+    hits: int
+    last: int
+    token_ids: list[int]  # this block's tokens only
+    model_id: str
+    cache_salt: str
+
+
 class BlockTree:
     """The tree and its table. Not thread-safe: the owner serialises calls."""
 
@@ -141,16 +100,36 @@ class BlockTree:
         if block_size <= 0:
             raise ValueError("block_size must be > 0")
         self.block_size = block_size
-        self._table: dict[bytes, Node] = {}
-        self._roots: dict[bytes, Root] = {}
+        self._table: dict[bytes, int] = {}  # block hash -> slot
+        self._roots: dict[bytes, int] = {}  # h_0 -> slot
+        self._meta: dict[int, tuple[str, str]] = {}  # root slot -> (model_id, cache_salt)
+        self._key: list[bytes | None] = []  # None = a free slot
+        self._up = array("i")  # slot - parent slot; 0 = none (a root or a free slot)
+        self._down = array("i")  # first child slot - slot; 0 = none
+        self._next = array("i")  # next sibling
+        self._prev = array("i")  # previous sibling
+        self._holders = array("Q")
+        self._hits = array("Q")
+        self._last = array("Q")
+        self._depth = array("i")  # -1 for a root
+        # Slot s's tokens: bytes [s * tb, (s + 1) * tb) with tb = block_size * _width,
+        # little-endian; _width goes from 2 to 4 with the first token >= 2**16.
+        self._tok = bytearray()
+        self._width = 2
+        self._free: list[int] = []
         self.held = [0] * 64  # blocks held per replica slot
         self.pruned_total = 0
 
     def __len__(self) -> int:
         return len(self._table)
 
-    def get(self, key: bytes) -> Node | None:
-        return self._table.get(key)
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._table
+
+    def get(self, key: bytes) -> BlockInfo | None:
+        """A snapshot of block `key`, or None."""
+        s = self._table.get(key)
+        return None if s is None else self._info(s)
 
     def is_known(self, key: bytes) -> bool:
         """True if `key` is a node or a root."""
@@ -158,32 +137,120 @@ class BlockTree:
 
     def ensure_root(self, key: bytes, model_id: str, cache_salt: str) -> None:
         if key not in self._roots:
-            self._roots[key] = Root(key, model_id, cache_salt)
+            s = self._new_slot(key, NIL, 0, 0, -1, bytes(self.block_size * self._width))
+            self._roots[key] = s
+            self._meta[s] = (model_id, cache_salt)
 
     def gc_root(self, key: bytes) -> None:
         """Forget root `key` if no block hangs under it."""
-        root = self._roots.get(key)
-        if root is not None and not root.kids:
-            del self._roots[key]
+        s = self._roots.get(key)
+        if s is not None:
+            self._gc_root(s)
 
-    def root_of(self, node: Node) -> Root:
-        p: Node | Root = node
-        while isinstance(p, Node):
-            p = p.parent
-        return p
+    def tokens(self, key: bytes) -> list[int]:
+        """Token ids of the whole prefix ending at block `key`."""
+        return self._prefix_tokens(self._table[key])
 
-    def tokens(self, node: Node) -> list[int]:
-        """Token ids of the whole prefix ending at `node`."""
-        parts = []
-        bs = self.block_size
-        p: Node | Root = node
-        while isinstance(p, Node):
-            parts.append(p.tok[p.idx * bs : (p.idx + 1) * bs])
-            p = p.parent
-        out: list[int] = []
-        for a in reversed(parts):
-            out.extend(a)
+    # -- slots ----------------------------------------------------------------------------
+
+    def _parent(self, s: int) -> int:
+        d = self._up[s]
+        return s - d if d else NIL
+
+    def _kid(self, s: int) -> int:
+        d = self._down[s]
+        return s + d if d else NIL
+
+    def _set_kid(self, s: int, k: int) -> None:
+        self._down[s] = k - s if k != NIL else 0
+
+    def _new_slot(self, key: bytes, parent: int, holders: int, clock: int, depth: int,
+                  tokens: bytes) -> int:
+        """One slot, reused if one is free; not linked under its parent.
+
+        `tokens` is the block's token bytes (see `_pack`).
+        """
+        if self._free:
+            s = self._free.pop()
+            self._key[s] = key
+            self._up[s] = s - parent if parent != NIL else 0
+            self._down[s] = 0
+            self._next[s] = self._prev[s] = NIL
+            self._holders[s] = holders
+            self._hits[s] = 0
+            self._last[s] = clock
+            self._depth[s] = depth
+            tb = len(tokens)
+            self._tok[s * tb : (s + 1) * tb] = tokens
+            return s
+        s = len(self._key)
+        self._key.append(key)
+        self._up.append(s - parent if parent != NIL else 0)
+        self._down.append(0)
+        self._next.append(NIL)
+        self._prev.append(NIL)
+        self._holders.append(holders)
+        self._hits.append(0)
+        self._last.append(clock)
+        self._depth.append(depth)
+        self._tok += tokens
+        return s
+
+    def _free_slot(self, s: int) -> None:
+        self._key[s] = None
+        self._up[s] = self._down[s] = 0
+        self._next[s] = self._prev[s] = NIL
+        self._holders[s] = self._hits[s] = 0
+        self._free.append(s)
+
+    def _link(self, par: int, s: int) -> None:
+        """Push `s` in front of `par`'s children."""
+        first = self._kid(par)
+        self._next[s] = first
+        self._prev[s] = NIL
+        if first != NIL:
+            self._prev[first] = s
+        self._set_kid(par, s)
+
+    def _unlink(self, s: int) -> None:
+        p, n = self._prev[s], self._next[s]
+        if p == NIL:
+            self._set_kid(self._parent(s), n)
+        else:
+            self._next[p] = n
+        if n != NIL:
+            self._prev[n] = p
+
+    def _kids(self, s: int) -> list[int]:
+        out = []
+        k = self._kid(s)
+        nxt = self._next
+        while k != NIL:
+            out.append(k)
+            k = nxt[k]
         return out
+
+    def _pack(self, part: Sequence[int]) -> bytes:
+        """Tokens as the tree stores them (widening the tree's tokens if one needs 32 bits)."""
+        wide = array("I")  # fromlist on "I" is a fast C loop ("H" parses every item)
+        wide.fromlist(part if type(part) is list else list(part))
+        if _BIG:
+            wide.byteswap()
+        raw = wide.tobytes()
+        if self._width == 4:
+            return raw
+        halves = memoryview(raw).cast("H")  # (low, high) pairs of little-endian uint16
+        if halves[1::2].tobytes().count(0) == 2 * len(wide):
+            return halves[::2].tobytes()
+        narrow = array("H", bytes(self._tok))
+        if _BIG:
+            narrow.byteswap()
+        widened = array("I", narrow)  # once: this vocabulary needs 32 bits
+        if _BIG:
+            widened.byteswap()
+        self._tok = bytearray(widened.tobytes())
+        self._width = 4
+        return raw
 
     # -- stores and removals ---------------------------------------------------------------
 
@@ -195,129 +262,179 @@ class BlockTree:
             parent_key: a root key (h_0) or the hash of a known block.
             hashes: block hashes in chain order; `token_ids` holds their tokens, concatenated.
         """
-        par: Node | Root | None = self._table.get(parent_key) or self._roots.get(parent_key)
-        if par is None:
-            return StoreResult(0, 0, len(hashes))
-        mask = 1 << bit
-        if isinstance(par, Node) and not par.holders & mask:
-            return StoreResult(0, 0, len(hashes))
         table = self._table
         n = len(hashes)
+        par = table.get(parent_key)
+        if par is None:
+            par = self._roots.get(parent_key)
+            if par is None:
+                return StoreResult(0, 0, n)
+        mask = 1 << bit
+        holders = self._holders
+        if self._depth[par] >= 0 and not holders[par] & mask:
+            return StoreResult(0, 0, n)
+        up = self._up
         held = j = 0
         # Known head: the replica now holds it too.
         while j < n:
-            node = table.get(hashes[j])
-            if node is None:
+            s = table.get(hashes[j])
+            if s is None:
                 break
-            if node.parent is not par:
+            if s - up[s] != par:
                 # Only a hash collision or a replica sending inconsistent chains gets here.
                 self.held[bit] += held
                 return StoreResult(0, held, n - j)
-            if not node.holders & mask:
-                node.holders |= mask
+            h = holders[s]
+            if not h & mask:
+                holders[s] = h | mask
                 held += 1
-            par = node
+            par = s
             j += 1
-        # New tail: one node per block, the tokens in shared chunks of up to 256 blocks.
-        added = 0
-        depth = 0 if isinstance(par, Root) else par.depth + 1
-        while j < n:
-            chunk = self._new_chunk(token_ids, j, n, depth)
-            for idx in range(len(chunk) // self.block_size):
-                h = hashes[j]
-                if h in table:  # an existing block below a new one: inconsistent chain
-                    self.held[bit] += held + added
-                    return StoreResult(added, held + added, n - j)
-                node = Node(h, par, chunk, idx, mask, clock)
-                table[h] = node
-                if par.kids is None and par.__class__ is Node:
-                    par.kids = node
-                else:
-                    _add_kid(par, node)
-                par = node
-                added += 1
-                j += 1
-            depth += len(chunk) // self.block_size
-        self.held[bit] += held + added
-        return StoreResult(added, held + added, 0)
-
-    def _new_chunk(self, token_ids: Sequence[int], j: int, n: int, depth: int) -> _Chunk:
-        # One array for the rest of the event's blocks (at most 256 so `idx` stays a small int).
+        if j == n:
+            self.held[bit] += held
+            return StoreResult(0, held, 0)
+        # New tail, up to the first hash that is known or repeated (which only an
+        # inconsistent chain has).
         bs = self.block_size
-        end = min(n, j + 256)
-        part = token_ids[j * bs : end * bs]
-        wide = array("I")
-        wide.fromlist(part if type(part) is list else list(part))
-        if _LITTLE:
-            # uint16 halves the bytes whenever the vocabulary fits. Converting through bytes is
-            # ~2x faster than array("H", list), which parses every item separately.
-            halves = array("H", wide.tobytes())
-            high = halves[1::2]
-            if high.tobytes() == bytes(2 * len(high)):
-                chunk = _Chunk("H", halves[::2])
+        k = self._add_chain(par, hashes, j, self._pack(token_ids[j * bs : n * bs]), mask, clock)
+        self.held[bit] += held + k
+        return StoreResult(k, held + k, n - j - k)
+
+    def _add_chain(self, par: int, hashes: Sequence[bytes], j: int, tokens: bytes, mask: int,
+                   clock: int) -> int:
+        """Add `hashes[j:]` as a chain of new blocks under slot `par`; returns how many.
+
+        Stops before the first hash already in the table (or repeated). `tokens` holds the
+        chain's token bytes (see `_pack`).
+        """
+        table = self._table
+        n = len(hashes)
+        depth = self._depth[par] + 1 - j  # depth of hashes[i] is depth + i; a root's is -1
+        tb = self.block_size * self._width
+        lo = j
+        # Free slots first (after removals or pruning), one at a time.
+        while j < n and self._free:
+            h = hashes[j]
+            if h in table:
+                return j - lo
+            s = self._new_slot(h, par, mask, clock, depth + j,
+                               tokens[(j - lo) * tb : (j - lo + 1) * tb])
+            table[h] = s
+            if j == lo:
+                self._link(par, s)
             else:
-                chunk = _Chunk("I", wide)
+                self._down[par] = s - par  # `par` is the block before: no other child
+            par = s
+            j += 1
+        if j == n:
+            return j - lo
+        # The rest in bulk: table entries first (setdefault answers the existing slot for a
+        # known or repeated hash), then every array grows by one run.
+        s0 = s = len(self._key)
+        setdefault = table.setdefault
+        for h in hashes[j:] if j else hashes:
+            if setdefault(h, s) != s:
+                break
+            s += 1
+        m = s - s0
+        if not m:
+            return j - lo
+        i = j - lo  # blocks already placed in free slots
+        self._key.extend(hashes[j : j + m])
+        run = _ONE1 * m
+        run[0] = s0 - par
+        self._up.extend(run)
+        run[0] = 1
+        run[-1] = 0
+        self._down.extend(run)
+        nils = _NIL1 * m
+        self._next.extend(nils)
+        self._prev.extend(nils)
+        self._holders.extend(array("Q", (mask,)) * m)
+        self._hits.frombytes(bytes(8 * m))
+        self._last.extend(array("Q", (clock,)) * m)
+        d0, d1 = depth + j, depth + j + m
+        self._depth.extend(_IOTA[d0:d1] if d1 <= len(_IOTA) else array("i", range(d0, d1)))
+        self._tok += tokens[i * tb : (i + m) * tb] if i or m * tb != len(tokens) else tokens
+        if i:
+            self._down[par] = s0 - par
         else:
-            try:
-                chunk = _Chunk("H", wide)
-            except OverflowError:
-                chunk = _Chunk("I", wide)
-        chunk.start = depth
-        return chunk
+            first = self._kid(par)
+            self._next[s0] = first
+            if first != NIL:
+                self._prev[first] = s0
+            self._down[par] = s0 - par
+        return i + m
 
     def remove(self, key: bytes, bit: int) -> int:
         """Replica slot `bit` dropped block `key`: it drops the block's whole subtree too.
 
         Returns the number of blocks the replica stopped holding.
         """
-        node = self._table.get(key)
+        s = self._table.get(key)
         mask = 1 << bit
-        if node is None or not node.holders & mask:
+        if s is None or not self._holders[s] & mask:
             return 0
-        return self._drop_subtree(node, mask, bit)
+        return self._drop_subtree(s, mask, bit)
 
     def clear(self, bit: int) -> int:
         """Replica slot `bit` holds nothing any more. Returns the blocks it stopped holding."""
         mask = 1 << bit
+        holders = self._holders
         n = 0
         for root in list(self._roots.values()):
-            for kid in list(root.kids):
-                if kid.holders & mask:
+            for kid in self._kids(root):
+                # A kid unlinked meanwhile has no holders (no slot is reused during a clear).
+                if holders[kid] & mask:
                     n += self._drop_subtree(kid, mask, bit)
         return n
 
-    def _drop_subtree(self, top: Node, mask: int, bit: int) -> int:
+    def _drop_subtree(self, top: int, mask: int, bit: int) -> int:
+        holders, down, nxt = self._holders, self._down, self._next
         n = 0
         stack = [top]
-        dead: list[Node] = []
+        dead: list[int] = []
         while stack:
-            node = stack.pop()
-            node.holders &= ~mask
+            s = stack.pop()
+            h = holders[s] & ~mask
+            holders[s] = h
             n += 1
-            if not node.holders:
-                dead.append(node)
-            stack.extend(k for k in _kids(node) if k.holders & mask)
+            if not h:
+                dead.append(s)
+            k = s + down[s] if down[s] else NIL
+            while k != NIL:
+                if holders[k] & mask:
+                    stack.append(k)
+                k = nxt[k]
         self.held[bit] -= n
         # By closure, a node nobody holds has only such descendants: unlink top-down.
-        for node in dead:
-            if node.key in self._table:
-                self._unlink_subtree(node)
+        for s in dead:
+            if self._key[s] is not None:
+                self._unlink_subtree(s)
         return n
 
-    def _unlink_subtree(self, top: Node) -> None:
-        _del_kid(top.parent, top)
-        self._gc_root(top.parent)
+    def _unlink_subtree(self, top: int) -> None:
+        par = self._parent(top)
+        self._unlink(top)
+        down, nxt, key, holders, held = self._down, self._next, self._key, self._holders, self.held
         stack = [top]
         while stack:
-            node = stack.pop()
-            del self._table[node.key]
-            for b in bits(node.holders):
-                self.held[b] -= 1
-            stack.extend(_kids(node))
+            s = stack.pop()
+            del self._table[key[s]]  # type: ignore[arg-type]
+            for b in bits(holders[s]):
+                held[b] -= 1
+            k = s + down[s] if down[s] else NIL
+            while k != NIL:
+                stack.append(k)
+                k = nxt[k]
+            self._free_slot(s)
+        self._gc_root(par)
 
-    def _gc_root(self, p: Node | Root) -> None:
-        if isinstance(p, Root) and not p.kids:
-            del self._roots[p.key]
+    def _gc_root(self, s: int) -> None:
+        if self._depth[s] < 0 and not self._down[s]:
+            del self._roots[self._key[s]]  # type: ignore[arg-type]
+            del self._meta[s]
+            self._free_slot(s)
 
     # -- queries --------------------------------------------------------------------------
 
@@ -335,25 +452,27 @@ class BlockTree:
         if first is None:
             return []
         # Binary search for the deepest known block (presence is monotone along the chain).
-        lo, lo_node = 1, first
+        lo, lo_s = 1, first
         deep = get(hashes[-1])
         if deep is not None:
-            lo, lo_node = n, deep
+            lo, lo_s = n, deep
         else:
             hi = n
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
-                nd = get(hashes[mid - 1])
-                if nd is None:
+                s = get(hashes[mid - 1])
+                if s is None:
                     hi = mid
                 else:
-                    lo, lo_node = mid, nd
-        lo_node.hits += 1
-        lo_node.last = clock
-        out = [MatchSegment(lo_node.holders, lo)]
-        if first.holders != lo_node.holders:
+                    lo, lo_s = mid, s
+        self._hits[lo_s] += 1
+        self._last[lo_s] = clock
+        holders = self._holders
+        first_h, lo_h = holders[first], holders[lo_s]
+        out = [MatchSegment(lo_h, lo)]
+        if first_h != lo_h:
             # Masks shrink along the chain; bisect only between positions whose masks differ.
-            stack = [(1, first.holders, lo, lo_node.holders)]
+            stack = [(1, first_h, lo, lo_h)]
             while stack:
                 a, ma, b, mb = stack.pop()
                 if ma == mb:
@@ -362,27 +481,62 @@ class BlockTree:
                     out.append(MatchSegment(ma & ~mb, a))
                     continue
                 m = (a + b) >> 1
-                mm = get(hashes[m - 1]).holders  # type: ignore[union-attr]
+                mm = holders[get(hashes[m - 1])]  # type: ignore[index]
                 stack.append((a, ma, m, mm))
                 stack.append((m, mm, b, mb))
-            out.sort(key=lambda s: -s.blocks)
+            out.sort(key=lambda seg: -seg.blocks)
         return out
 
     def top(self, k: int, model_id: str = "", min_hits: int = 1) -> list[Prefix]:
         """The `k` most hit prefixes (where matches ended), hottest first."""
         floor = max(1, min_hits)
-        cands = [nd for nd in self._table.values() if nd.hits >= floor]
-        cands.sort(key=lambda nd: (-nd.hits, -nd.last))
+        hits, last = self._hits, self._last
+        cands = [s for s in self._table.values() if hits[s] >= floor]
+        cands.sort(key=lambda s: (-hits[s], -last[s]))
         out: list[Prefix] = []
-        for nd in cands:
-            root = self.root_of(nd)
-            if model_id and root.model_id != model_id:
+        for s in cands:
+            model, salt = self._meta[self._root_slot(s)]
+            if model_id and model != model_id:
                 continue
-            out.append(Prefix(self.tokens(nd), nd.hits, nd.holders, root.cache_salt,
-                              root.model_id, nd.key))
+            out.append(Prefix(self._prefix_tokens(s), hits[s], self._holders[s], salt, model,
+                              self._key[s]))  # type: ignore[arg-type]
             if len(out) >= k:
                 break
         return out
+
+    def _root_slot(self, s: int) -> int:
+        up, depth = self._up, self._depth
+        while depth[s] >= 0:
+            s -= up[s]
+        return s
+
+    def _block_tokens(self, s: int) -> list[int]:
+        tb = self.block_size * self._width
+        out = array("H" if self._width == 2 else "I", self._tok[s * tb : (s + 1) * tb])
+        if _BIG:
+            out.byteswap()
+        return out.tolist()
+
+    def _prefix_tokens(self, s: int) -> list[int]:
+        parts = []
+        while self._depth[s] >= 0:
+            parts.append(s)
+            s -= self._up[s]
+        out: list[int] = []
+        for p in reversed(parts):
+            out.extend(self._block_tokens(p))
+        return out
+
+    def _info(self, s: int) -> BlockInfo:
+        model, salt = self._meta[self._root_slot(s)]
+        return BlockInfo(self._key[s], self._key[self._parent(s)],  # type: ignore[arg-type]
+                         self._depth[s], self._holders[s], self._hits[s], self._last[s],
+                         self._block_tokens(s), model, salt)
+
+    def blocks(self) -> Iterator[BlockInfo]:
+        """A snapshot of every block, in table order."""
+        for s in self._table.values():
+            yield self._info(s)
 
     # -- bounded memory -------------------------------------------------------------------
 
@@ -395,72 +549,90 @@ class BlockTree:
         which becomes a candidate once it is a leaf.
         """
         bs = self.block_size
+        depth, hits, last, down, key = self._depth, self._hits, self._last, self._down, self._key
 
-        def rank(nd: Node) -> tuple:
-            start = nd.depth * bs
-            cold = start >= shallow_tokens and nd.hits < min_deep_hits
-            return (0 if cold else 1, *policy.key(BlockUsage(start, nd.hits, nd.last)))
+        def rank(s: int) -> tuple:
+            start = depth[s] * bs
+            cold = start >= shallow_tokens and hits[s] < min_deep_hits
+            return (0 if cold else 1, *policy.key(BlockUsage(start, hits[s], last[s])))
 
-        heap = [(rank(nd), i, nd) for i, nd in enumerate(self._table.values()) if nd.kids is None]
+        heap = [(rank(s), i, s) for i, s in enumerate(self._table.values()) if not down[s]]
         heapq.heapify(heap)
         tie = len(heap)
         evicted: list[bytes] = []
+        # No slot is reused while pruning, so a freed slot in the heap stays recognisable.
         while len(self._table) > target and heap:
-            _, _, nd = heapq.heappop(heap)
-            if nd.key not in self._table or nd.kids is not None:
+            _, _, s = heapq.heappop(heap)
+            if key[s] is None or down[s]:
                 continue
-            parent = nd.parent
-            self._unlink_subtree(nd)
-            evicted.append(nd.key)
-            if isinstance(parent, Node):
-                parent.hits += nd.hits
-                parent.last = max(parent.last, nd.last)
-                if parent.kids is None:
+            p = self._parent(s)
+            is_node = depth[p] >= 0
+            evicted.append(key[s])  # type: ignore[arg-type]
+            h, t = hits[s], last[s]
+            self._unlink_subtree(s)
+            if is_node:
+                hits[p] += h
+                last[p] = max(last[p], t)
+                if not down[p]:
                     tie += 1
-                    heapq.heappush(heap, (rank(parent), tie, parent))
+                    heapq.heappush(heap, (rank(p), tie, p))
         self.pruned_total += len(evicted)
         return evicted
 
     # -- checks ---------------------------------------------------------------------------
 
-    def nodes(self) -> Iterator[tuple[bytes, Node]]:
-        return iter(self._table.items())
-
     def check_integrity(self) -> None:
-        """Raise AssertionError unless tree, table, holders and counters agree."""
+        """Raise AssertionError unless tree, table, holders, free slots and counters agree."""
         bs = self.block_size
+        size = len(self._key)
+        for name in ("_up", "_down", "_next", "_prev", "_holders", "_hits", "_last", "_depth"):
+            if len(getattr(self, name)) != size:
+                raise AssertionError(f"array {name} has {len(getattr(self, name))} != {size}")
+        if len(self._tok) != size * bs * self._width:
+            raise AssertionError("token bytes out of step with the slots")
+        free = set(self._free)
+        if len(free) != len(self._free) or any(self._key[s] is not None for s in free):
+            raise AssertionError("free list repeats a slot or lists a live one")
+        if size - len(free) != len(self._table) + len(self._roots):
+            raise AssertionError("live slots != nodes + roots")
+        if set(self._meta) != set(self._roots.values()):
+            raise AssertionError("root metadata and roots disagree")
         reach = 0
         held = [0] * 64
-        for rkey, root in self._roots.items():
-            if root.key != rkey or not root.kids:
-                raise AssertionError(f"root {rkey.hex()}: bad key or no children")
-            stack = list(root.kids)
+        for rkey, r in self._roots.items():
+            if self._key[r] != rkey or self._depth[r] != -1 or not self._down[r] or self._up[r]:
+                raise AssertionError(f"root {rkey.hex()}: bad key, depth or no children")
+            stack = self._checked_kids(r, size)
             while stack:
-                nd = stack.pop()
+                s = stack.pop()
                 reach += 1
-                if self._table.get(nd.key) is not nd:
-                    raise AssertionError(f"node {nd.key.hex()} reachable but not in the table")
-                if not nd.holders:
-                    raise AssertionError(f"node {nd.key.hex()} has no holder")
-                if len(nd.tok) < (nd.idx + 1) * bs:
-                    raise AssertionError(f"node {nd.key.hex()} lacks tokens")
-                p = nd.parent
-                if isinstance(p, Node):
-                    if nd.depth != p.depth + 1:
-                        raise AssertionError(f"node {nd.key.hex()}: depth")
-                    if nd.holders & ~p.holders:
-                        raise AssertionError(f"node {nd.key.hex()}: holder closure broken")
-                elif nd.depth != 0:
-                    raise AssertionError(f"node {nd.key.hex()}: root child at depth {nd.depth}")
-                if isinstance(nd.kids, set) and len(nd.kids) < 2:
-                    raise AssertionError(f"node {nd.key.hex()}: kid set of size < 2")
-                for b in bits(nd.holders):
+                key = self._key[s]
+                if key is None or self._table.get(key) != s:
+                    raise AssertionError(f"slot {s} reachable but not in the table")
+                h = self._holders[s]
+                if not h:
+                    raise AssertionError(f"node {key.hex()} has no holder")
+                p = self._parent(s)
+                if self._depth[s] != self._depth[p] + 1:
+                    raise AssertionError(f"node {key.hex()}: depth")
+                if self._depth[p] >= 0 and h & ~self._holders[p]:
+                    raise AssertionError(f"node {key.hex()}: holder closure broken")
+                for b in bits(h):
                     held[b] += 1
-                for kid in _kids(nd):
-                    if kid.parent is not nd:
-                        raise AssertionError(f"node {kid.key.hex()}: wrong parent")
-                    stack.append(kid)
+                stack.extend(self._checked_kids(s, size))
         if reach != len(self._table):
             raise AssertionError(f"{len(self._table) - reach} table entries unreachable")
         if held != self.held:
             raise AssertionError(f"held counts {self.held} != recount {held}")
+
+    def _checked_kids(self, s: int, size: int) -> list[int]:
+        out = []
+        prev, k = NIL, self._kid(s)
+        while k != NIL:
+            if not 0 <= k < size or self._parent(k) != s or self._prev[k] != prev:
+                raise AssertionError(f"slot {k}: wrong parent or sibling link")
+            out.append(k)
+            if len(out) > size:
+                raise AssertionError(f"slot {s}: cycle in its children")
+            prev, k = k, self._next[k]
+        return out
