@@ -483,11 +483,18 @@ class Engine:
                                    keep=1 + len(prop))
             seq.num_computed = end
             seq.computed_tokens += end - start
-            self._store_full_blocks(seq)
             if self.metrics:
                 self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - t0)
         else:
             logits = None
+        # The first token goes out before the last chunk's blocks are copied into the pool (the
+        # copy is all that caching adds to a miss's TTFT); they are committed before it, so a
+        # sequence that ends with that token still leaves them cached.
+        late = (self._commit_full_blocks(seq)
+                if end == len(seq.tokens) and logits is not None and not prop
+                and not seq.req.prefill_only else None)
+        if late is None:
+            self._store_full_blocks(seq)
         if seq.num_computed < len(seq.tokens):
             return
         self._prefilling = None
@@ -504,6 +511,8 @@ class Engine:
             self._apply_verified(seq, prop, a, tok, count_pass=False)
         else:
             self._accept(seq, sample_batch([seq.sampler], logits[:, -1])[0])
+            if late is not None:
+                self.store.store_blocks(*late)
 
     def _decode_step(self) -> None:
         # Every decoding sequence needs room for one more token; preempt the newest if short.
@@ -639,16 +648,27 @@ class Engine:
         return out.logits
 
     def _store_full_blocks(self, seq: Sequence, tokens: list[int] | None = None) -> None:
+        late = self._commit_full_blocks(seq, tokens)
+        if late is not None:
+            self.store.store_blocks(*late)
+
+    def _commit_full_blocks(self, seq: Sequence, tokens: list[int] | None = None
+                            ) -> tuple[int, list[int], int] | None:
+        """Commit the sequence's newly filled blocks; returns the copy (row, block ids, first
+        block) that must follow before this thread does anything else, or None."""
         if not self.prefix_caching:
-            return
+            return None
         bs = self.pool.block_size
         full = seq.num_computed // bs
-        if full > seq.stored_blocks:
-            table = self.pool.blocks_of(seq.seq_id)
-            self.store.store_blocks(seq.row, table[seq.stored_blocks:full], seq.stored_blocks)
-            seq.stored_blocks = full
-            self.pool.commit(seq.seq_id, seq.tokens if tokens is None else tokens,
-                             seq.num_computed)
+        if full <= seq.stored_blocks:
+            return None
+        # The table before the commit: blocks that it swaps for an identical block already in
+        # the pool are freed (copying into them is harmless), shared ones are never written.
+        table = self.pool.blocks_of(seq.seq_id)
+        copy = (seq.row, table[seq.stored_blocks:full], seq.stored_blocks)
+        seq.stored_blocks = full
+        self.pool.commit(seq.seq_id, seq.tokens if tokens is None else tokens, seq.num_computed)
+        return copy
 
     def _accept(self, seq: Sequence, tok: int) -> None:
         """Append a sampled token, stream it, and finish the sequence if it should stop."""
