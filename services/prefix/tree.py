@@ -6,11 +6,11 @@
 
 Nodes live in parallel arrays indexed by a slot number (struct of arrays): parent and first
 child (as slot differences), next and previous sibling, holders (a bitmask of replica slots),
-hits, last hit, depth, and the block's tokens (little-endian uint16 in one bytearray, widened
-once to uint32 when a token needs it). A stored chain of k new blocks is then k dict entries
-plus a handful of C-level `extend` calls, not k Python objects; roots take a slot too
-(depth -1, no holders). Slots freed by removals and pruning are reused one at a time before
-the arrays grow again.
+hits, last hit, depth, and the block's tokens (byte planes: plane p holds byte p of every
+token; two planes while the vocabulary fits 16 bits, four after). A stored chain of k new
+blocks is then k dict entries plus a handful of C-level `extend` calls, not k Python objects;
+roots take a slot too (depth -1, no holders). Slots freed by removals and pruning are reused
+one at a time before the arrays grow again.
 
     slot:        p    s0   s0+1  s0+2           a new chain appended in one go:
     up:          .    s0-p 1     1              up   = s - parent(s)      (0 = no parent)
@@ -112,10 +112,10 @@ class BlockTree:
         self._hits = array("Q")
         self._last = array("Q")
         self._depth = array("i")  # -1 for a root
-        # Slot s's tokens: bytes [s * tb, (s + 1) * tb) with tb = block_size * _width,
-        # little-endian; _width goes from 2 to 4 with the first token >= 2**16.
-        self._tok = bytearray()
-        self._width = 2
+        # Slot s's tokens: bytes [s * block_size, (s + 1) * block_size) of each plane; plane p
+        # holds byte p (little-endian) of every token. Planes 2 and 3 appear with the first
+        # token >= 2**16. (Planes are cheap to cut from packed uint32: one bytes slice each.)
+        self._planes = [bytearray(), bytearray()]
         self._free: list[int] = []
         self.held = [0] * 64  # blocks held per replica slot
         self.pruned_total = 0
@@ -137,7 +137,7 @@ class BlockTree:
 
     def ensure_root(self, key: bytes, model_id: str, cache_salt: str) -> None:
         if key not in self._roots:
-            s = self._new_slot(key, NIL, 0, 0, -1, bytes(self.block_size * self._width))
+            s = self._new_slot(key, NIL, 0, 0, -1, [bytes(self.block_size)] * len(self._planes))
             self._roots[key] = s
             self._meta[s] = (model_id, cache_salt)
 
@@ -165,10 +165,10 @@ class BlockTree:
         self._down[s] = k - s if k != NIL else 0
 
     def _new_slot(self, key: bytes, parent: int, holders: int, clock: int, depth: int,
-                  tokens: bytes) -> int:
+                  tokens: list[bytes]) -> int:
         """One slot, reused if one is free; not linked under its parent.
 
-        `tokens` is the block's token bytes (see `_pack`).
+        `tokens` holds the block's bytes of each token plane (see `_pack`).
         """
         if self._free:
             s = self._free.pop()
@@ -180,8 +180,9 @@ class BlockTree:
             self._hits[s] = 0
             self._last[s] = clock
             self._depth[s] = depth
-            tb = len(tokens)
-            self._tok[s * tb : (s + 1) * tb] = tokens
+            bs = self.block_size
+            for plane, part in zip(self._planes, tokens, strict=True):
+                plane[s * bs : (s + 1) * bs] = part
             return s
         s = len(self._key)
         self._key.append(key)
@@ -193,7 +194,8 @@ class BlockTree:
         self._hits.append(0)
         self._last.append(clock)
         self._depth.append(depth)
-        self._tok += tokens
+        for plane, part in zip(self._planes, tokens, strict=True):
+            plane += part
         return s
 
     def _free_slot(self, s: int) -> None:
@@ -230,27 +232,21 @@ class BlockTree:
             k = nxt[k]
         return out
 
-    def _pack(self, part: Sequence[int]) -> bytes:
-        """Tokens as the tree stores them (widening the tree's tokens if one needs 32 bits)."""
+    def _pack(self, part: Sequence[int]) -> list[bytes]:
+        """Token planes of `part` (widening the tree's planes if a token needs 32 bits)."""
         wide = array("I")  # fromlist on "I" is a fast C loop ("H" parses every item)
         wide.fromlist(part if type(part) is list else list(part))
         if _BIG:
             wide.byteswap()
         raw = wide.tobytes()
-        if self._width == 4:
-            return raw
-        halves = memoryview(raw).cast("H")  # (low, high) pairs of little-endian uint16
-        if halves[1::2].tobytes().count(0) == 2 * len(wide):
-            return halves[::2].tobytes()
-        narrow = array("H", bytes(self._tok))
-        if _BIG:
-            narrow.byteswap()
-        widened = array("I", narrow)  # once: this vocabulary needs 32 bits
-        if _BIG:
-            widened.byteswap()
-        self._tok = bytearray(widened.tobytes())
-        self._width = 4
-        return raw
+        planes = self._planes
+        if len(planes) == 2:
+            n = len(wide)
+            if raw[2::4].count(0) == n and raw[3::4].count(0) == n:
+                return [raw[0::4], raw[1::4]]
+            size = len(planes[0])
+            planes += [bytearray(size), bytearray(size)]  # once: this vocabulary needs 32 bits
+        return [raw[0::4], raw[1::4], raw[2::4], raw[3::4]]
 
     # -- stores and removals ---------------------------------------------------------------
 
@@ -300,25 +296,26 @@ class BlockTree:
         self.held[bit] += held + k
         return StoreResult(k, held + k, n - j - k)
 
-    def _add_chain(self, par: int, hashes: Sequence[bytes], j: int, tokens: bytes, mask: int,
-                   clock: int) -> int:
+    def _add_chain(self, par: int, hashes: Sequence[bytes], j: int, tokens: list[bytes],
+                   mask: int, clock: int) -> int:
         """Add `hashes[j:]` as a chain of new blocks under slot `par`; returns how many.
 
         Stops before the first hash already in the table (or repeated). `tokens` holds the
-        chain's token bytes (see `_pack`).
+        chain's token planes (see `_pack`).
         """
         table = self._table
         n = len(hashes)
         depth = self._depth[par] + 1 - j  # depth of hashes[i] is depth + i; a root's is -1
-        tb = self.block_size * self._width
+        bs = self.block_size
         lo = j
         # Free slots first (after removals or pruning), one at a time.
         while j < n and self._free:
             h = hashes[j]
             if h in table:
                 return j - lo
+            i = j - lo
             s = self._new_slot(h, par, mask, clock, depth + j,
-                               tokens[(j - lo) * tb : (j - lo + 1) * tb])
+                               [t[i * bs : (i + 1) * bs] for t in tokens])
             table[h] = s
             if j == lo:
                 self._link(par, s)
@@ -355,7 +352,9 @@ class BlockTree:
         self._last.extend(array("Q", (clock,)) * m)
         d0, d1 = depth + j, depth + j + m
         self._depth.extend(_IOTA[d0:d1] if d1 <= len(_IOTA) else array("i", range(d0, d1)))
-        self._tok += tokens[i * tb : (i + m) * tb] if i or m * tb != len(tokens) else tokens
+        whole = not i and m * bs == len(tokens[0])
+        for plane, t in zip(self._planes, tokens, strict=True):
+            plane += t if whole else t[i * bs : (i + m) * bs]
         if i:
             self._down[par] = s0 - par
         else:
@@ -511,8 +510,11 @@ class BlockTree:
         return s
 
     def _block_tokens(self, s: int) -> list[int]:
-        tb = self.block_size * self._width
-        out = array("H" if self._width == 2 else "I", self._tok[s * tb : (s + 1) * tb])
+        bs = self.block_size
+        raw = bytearray(4 * bs)
+        for p, plane in enumerate(self._planes):
+            raw[p::4] = plane[s * bs : (s + 1) * bs]
+        out = array("I", bytes(raw))
         if _BIG:
             out.byteswap()
         return out.tolist()
@@ -588,8 +590,8 @@ class BlockTree:
         for name in ("_up", "_down", "_next", "_prev", "_holders", "_hits", "_last", "_depth"):
             if len(getattr(self, name)) != size:
                 raise AssertionError(f"array {name} has {len(getattr(self, name))} != {size}")
-        if len(self._tok) != size * bs * self._width:
-            raise AssertionError("token bytes out of step with the slots")
+        if len(self._planes) not in (2, 4) or any(len(p) != size * bs for p in self._planes):
+            raise AssertionError("token planes out of step with the slots")
         free = set(self._free)
         if len(free) != len(self._free) or any(self._key[s] is not None for s in free):
             raise AssertionError("free list repeats a slot or lists a live one")
