@@ -10,8 +10,10 @@ Then (server stopped, so the CPUs are not shared) runs the library baselines in-
 from the vocabulary (timing does not depend on their meaning).
 
 Figures (issue 3): TTFT hit/miss on a 1,024-token system prompt + 32-token user turn; TTFT with
-caching on vs off for unique prompts ("off" = a second replica started with
-TIERCACHE_KVPOOL_PREFIX_CACHING=false: no lookup, nothing stored); blocks in use by 8
+caching on vs off for unique 512-token prompts ("off" = a second replica, same pool size, started
+with TIERCACHE_KVPOOL_PREFIX_CACHING=false: no lookup, nothing stored; after one warm-up prompt
+each, 4 x reps pairs in ABBA order, ratio of the medians; the per-pair ratios are written too,
+as a check on the noise of shared CPUs); blocks in use by 8
 concurrent requests sharing the system prompt over 8x one request alone; decode throughput at
 batch 8 over batch 1 (~128-token contexts, and with a shared 1,024-token prefix); decode step over
 the plain cache at 1k context; TTFT on a cached prefix and 8-request throughput against
@@ -292,8 +294,9 @@ def load_library_model():
 
 def bench_server(shape: Shape, ids: Ids, out: dict, model: Any) -> dict:
     blocks = 2048
-    # "Off": a replica with prefix caching disabled (no lookup, nothing stored in the pool).
-    proc_off, addr_off = start_server(256, prefix_caching="false")
+    # "Off": a replica with prefix caching disabled (no lookup, nothing stored in the pool),
+    # otherwise configured exactly like the measured one (same pool size).
+    proc_off, addr_off = start_server(blocks, prefix_caching="false")
     c_off = Client(addr_off)
     proc, addr = start_server(blocks)
     c = Client(addr)
@@ -312,12 +315,17 @@ def bench_server(shape: Shape, ids: Ids, out: dict, model: Any) -> dict:
         out["ttft_hit_s"] = statistics.median(hit)
         out["ttft_ratio_hit_over_miss"] = out["ttft_hit_s"] / out["ttft_cold_s"]
 
-        # 2. Unique prompts: caching on vs a replica with caching off, interleaved.
+        # 2. Unique prompts: caching on vs a replica with caching off. Both first serve one
+        #    unwarmed 512-token prompt (their working rows grow to it once), then pairs run in
+        #    ABBA order, so neither side always runs right after the other's request.
         c_off.stream(ids(64), 4)
+        for client in (c, c_off):
+            client.stream(ids(512), 1)
         on, off = [], []
-        for _ in range(2 * shape.reps):
-            on.append(c.stream(ids(512), 1).ttft)
-            off.append(c_off.stream(ids(512), 1).ttft)
+        for i in range(4 * shape.reps):
+            pair = (c, c_off) if i % 2 == 0 else (c_off, c)
+            for client in pair:
+                (on if client is c else off).append(client.stream(ids(512), 1).ttft)
         c_off.channel.close()
         stop_server(proc_off)
         proc_off = None
@@ -325,6 +333,9 @@ def bench_server(shape: Shape, ids: Ids, out: dict, model: Any) -> dict:
         out["ttft_unique_cache_off_s"] = statistics.median(off)
         out["ttft_ratio_cache_on_over_off_unique"] = (out["ttft_unique_cache_on_s"]
                                                       / out["ttft_unique_cache_off_s"])
+        out["ttft_unique_cache_on_s_runs"], out["ttft_unique_cache_off_s_runs"] = on, off
+        out["ttft_unique_pair_ratio_median"] = statistics.median(
+            a / b for a, b in zip(on, off, strict=True))
 
         # 3. Sharing: blocks in use while 8 requests on one system prompt all run, over 8x one.
         alone, _, peak_alone = c.concurrent([ids(shape.prefix) + ids(shape.user)], shape.gen,
