@@ -370,6 +370,9 @@ class PrefixIndex:
             if seq > rep.next_seq:
                 self.resyncs_total += 1
                 return PublishResult(True, rep.next_seq)
+        if len(events) == 1 and not resync and type(events[0]) is Stored \
+                and events[0].parent_hash:
+            return self._publish_one(rep, seq, events[0])
         plan = self._validate(rep, events)
         self._tick += 1
         tick = self._tick
@@ -393,6 +396,25 @@ class PrefixIndex:
         if waiting:
             self.dropped_blocks_total += sum(len(st[1]) for sts in waiting.values()
                                              for st in sts)
+        rep.next_seq = seq + 1
+        if len(tree) > self.max_nodes:
+            tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
+        return PublishResult(False, rep.next_seq)
+
+    def _publish_one(self, rep: Replica, seq: int, ev: Stored) -> PublishResult:
+        """`publish` of the most common batch: one stored chain below a known block.
+
+        The same steps as the general path, without its bookkeeping for batches whose chains
+        wait for each other.
+        """
+        parent, hashes = self._check_stored(rep, 0, ev)
+        if len(hashes) > self.max_blocks:
+            raise ResourceExhausted(f"events: more than {self.max_blocks} blocks in a batch")
+        self._tick += 1
+        tree = self.tree
+        self.dropped_blocks_total += tree.store(parent, hashes, ev.token_ids, rep.bit,
+                                                self._tick).dropped
+        tree.gc_root(parent)
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
@@ -422,48 +444,11 @@ class PrefixIndex:
 
     def _validate(self, rep: Replica, events: Sequence[Event]) -> list[tuple]:
         """Check every event before any is applied; returns (kind, args...) steps."""
-        bs = self.block_size
         plan: list[tuple] = []
         blocks = 0
         for i, ev in enumerate(events):
             if isinstance(ev, Stored):
-                hashes = ev.block_hashes
-                if not isinstance(hashes, list):
-                    hashes = list(hashes)
-                if not hashes:
-                    raise InvalidArgument(f"events[{i}].stored.block_hashes", "empty")
-                if set(map(len, hashes)) != _ONE_DIGEST:
-                    _check_hashes(f"events[{i}].stored.block_hashes", hashes)
-                if len(ev.token_ids) != bs * len(hashes):
-                    raise InvalidArgument(
-                        f"events[{i}].stored.token_ids",
-                        f"{len(ev.token_ids)} tokens for {len(hashes)} blocks of {bs}")
-                if ev.parent_hash:
-                    if len(ev.parent_hash) != DIGEST_SIZE:
-                        raise InvalidArgument(f"events[{i}].stored.parent_hash",
-                                              f"must be empty or {DIGEST_SIZE} bytes")
-                    parent = bytes(ev.parent_hash)
-                else:
-                    if ev.start_block:
-                        raise InvalidArgument(f"events[{i}].stored.start_block",
-                                              "must be 0 when parent_hash is empty")
-                    if ev.first_block_hash and ev.first_block_hash != hashes[0]:
-                        raise InvalidArgument(f"events[{i}].stored.first_block_hash",
-                                              "must equal block_hashes[0] at the root")
-                    parent = self.hasher(rep.model_id).root(ev.cache_salt)
-                if self.verify_hashes:
-                    # Known blocks were verified when first stored (and store checks their
-                    # parent); only the new tail needs hashing.
-                    j = 0
-                    while j < len(hashes) and hashes[j] in self.tree:
-                        j += 1
-                    prev = hashes[j - 1] if j else parent
-                    want = self._verifier(rep.model_id).hashes(ev.token_ids[j * bs :],
-                                                               parent=prev)
-                    if want != hashes[j:]:
-                        raise InvalidArgument(
-                            f"events[{i}].stored.block_hashes",
-                            "do not match the tokens (hash key, model_id or parent mismatch)")
+                parent, hashes = self._check_stored(rep, i, ev)
                 blocks += len(hashes)
                 salt = None if ev.parent_hash else ev.cache_salt
                 plan.append(("stored", parent, hashes, ev.token_ids, salt))
@@ -478,6 +463,47 @@ class PrefixIndex:
             if blocks > self.max_blocks:
                 raise ResourceExhausted(f"events: more than {self.max_blocks} blocks in a batch")
         return plan
+
+    def _check_stored(self, rep: Replica, i: int, ev: Stored) -> tuple[bytes, list[bytes]]:
+        """Validate stored event `i`; returns its parent key (h_0 at the root) and hashes."""
+        bs = self.block_size
+        hashes = ev.block_hashes
+        if not isinstance(hashes, list):
+            hashes = list(hashes)
+        if not hashes:
+            raise InvalidArgument(f"events[{i}].stored.block_hashes", "empty")
+        if set(map(len, hashes)) != _ONE_DIGEST:
+            _check_hashes(f"events[{i}].stored.block_hashes", hashes)
+        if len(ev.token_ids) != bs * len(hashes):
+            raise InvalidArgument(
+                f"events[{i}].stored.token_ids",
+                f"{len(ev.token_ids)} tokens for {len(hashes)} blocks of {bs}")
+        if ev.parent_hash:
+            if len(ev.parent_hash) != DIGEST_SIZE:
+                raise InvalidArgument(f"events[{i}].stored.parent_hash",
+                                      f"must be empty or {DIGEST_SIZE} bytes")
+            parent = bytes(ev.parent_hash)
+        else:
+            if ev.start_block:
+                raise InvalidArgument(f"events[{i}].stored.start_block",
+                                      "must be 0 when parent_hash is empty")
+            if ev.first_block_hash and ev.first_block_hash != hashes[0]:
+                raise InvalidArgument(f"events[{i}].stored.first_block_hash",
+                                      "must equal block_hashes[0] at the root")
+            parent = self.hasher(rep.model_id).root(ev.cache_salt)
+        if self.verify_hashes:
+            # Known blocks were verified when first stored (and store checks their parent);
+            # only the new tail needs hashing.
+            j = 0
+            while j < len(hashes) and hashes[j] in self.tree:
+                j += 1
+            prev = hashes[j - 1] if j else parent
+            want = self._verifier(rep.model_id).hashes(ev.token_ids[j * bs :], parent=prev)
+            if want != hashes[j:]:
+                raise InvalidArgument(
+                    f"events[{i}].stored.block_hashes",
+                    "do not match the tokens (hash key, model_id or parent mismatch)")
+        return parent, hashes
 
     # -- queries --------------------------------------------------------------------------
 
