@@ -80,6 +80,9 @@ class EntryStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
         self._db.executescript(_SCHEMA)
+        # Hit counters have their own lock: a lookup that records a hit must not wait behind a
+        # Store's fsync or a flush holding the connection.
+        self._hits_lock = threading.Lock()
         self._pending_hits: dict[int, tuple[float, int]] = {}
 
     def close(self) -> None:
@@ -157,20 +160,23 @@ class EntryStore:
             except BaseException:
                 self._db.execute("ROLLBACK")
                 raise
+        with self._hits_lock:
             for x in labels:
                 self._pending_hits.pop(x, None)
 
     def record_hit(self, label: int, at: float, hit_count: int) -> None:
-        """Buffers a hit (written by `flush_hits`)."""
-        with self._lock:
+        """Buffers a hit (written by `flush_hits`); never waits on SQLite."""
+        with self._hits_lock:
             self._pending_hits[label] = (at, hit_count)
 
     def flush_hits(self) -> int:
         """Writes buffered hit counters; returns how many rows were updated."""
-        with self._lock:
+        with self._hits_lock:
             pending, self._pending_hits = self._pending_hits, {}
-            if not pending:
-                return 0
+        if not pending:
+            return 0
+        # A counter of an entry deleted meanwhile updates no row: harmless.
+        with self._lock:
             self._db.execute("BEGIN")
             self._db.executemany(
                 "UPDATE entries SET last_hit_at = ?, hit_count = ? WHERE label = ?",
