@@ -148,6 +148,9 @@ class IndexStats(NamedTuple):
 _ONE_DIGEST = {DIGEST_SIZE}
 
 _blocks = itemgetter(2)  # ReplicaMatch.matched_blocks
+# A NamedTuple's own constructor runs a Python-level __new__; tuple.__new__ builds the same
+# object in C (~4x cheaper), which counts for the up to 64 answers of every Match.
+_new = tuple.__new__
 
 
 def _check_hashes(name: str, hashes: Sequence[bytes]) -> None:
@@ -418,7 +421,7 @@ class PrefixIndex:
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
-        return PublishResult(False, rep.next_seq)
+        return _new(PublishResult, (False, rep.next_seq))
 
     def _store(self, bit: int, step: tuple, tick: int, waiting: dict[bytes, list[tuple]]
                ) -> None:
@@ -545,7 +548,7 @@ class PrefixIndex:
             return MatchResult([r.zero for r in reps], len(hashes), bs)  # type: ignore[misc]
         if len(segments) == 1:
             holders, blocks = segments[0]
-            hit = [ReplicaMatch(r.replica_id, r.address, blocks, blocks * bs, r.load)
+            hit = [_new(ReplicaMatch, (r.replica_id, r.address, blocks, blocks * bs, r.load))
                    for r in reps if holders >> r.bit & 1]
             zero = [r.zero for r in reps if not holders >> r.bit & 1]
         else:
@@ -553,8 +556,8 @@ class PrefixIndex:
             for rep in reps:
                 for holders, blocks in segments:
                     if holders >> rep.bit & 1:
-                        hit.append(ReplicaMatch(rep.replica_id, rep.address, blocks,
-                                                blocks * bs, rep.load))
+                        hit.append(_new(ReplicaMatch, (rep.replica_id, rep.address, blocks,
+                                                       blocks * bs, rep.load)))
                         break
                 else:
                     zero.append(rep.zero)

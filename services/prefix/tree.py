@@ -47,6 +47,7 @@ _NIL1 = array("i", [NIL])
 _ONE1 = array("i", [1])
 _IOTA = array("i", range(1 << 16))  # depths of a new chain are a slice of this
 _BIG = sys.byteorder != "little"
+_new = tuple.__new__  # builds a NamedTuple without its Python-level __new__
 
 
 def bits(mask: int) -> Iterator[int]:
@@ -292,9 +293,10 @@ class BlockTree:
         # New tail, up to the first hash that is known or repeated (which only an
         # inconsistent chain has).
         bs = self.block_size
-        k = self._add_chain(par, hashes, j, self._pack(token_ids[j * bs : n * bs]), mask, clock)
+        part = token_ids if not j and len(token_ids) == n * bs else token_ids[j * bs : n * bs]
+        k = self._add_chain(par, hashes, j, self._pack(part), mask, clock)
         self.held[bit] += held + k
-        return StoreResult(k, held + k, n - j - k)
+        return _new(StoreResult, (k, held + k, n - j - k))
 
     def _add_chain(self, par: int, hashes: Sequence[bytes], j: int, tokens: list[bytes],
                    mask: int, clock: int) -> int:
@@ -477,7 +479,7 @@ class BlockTree:
                 if ma == mb:
                     continue
                 if b - a == 1:
-                    out.append(MatchSegment(ma & ~mb, a))
+                    out.append(_new(MatchSegment, (ma & ~mb, a)))
                     continue
                 m = (a + b) >> 1
                 mm = holders[get(hashes[m - 1])]  # type: ignore[index]
