@@ -11,6 +11,7 @@ The SQLite store is the truth; the in-memory maps and faiss indexes are rebuilt 
 from __future__ import annotations
 
 import logging
+import math
 import re
 import threading
 import time
@@ -70,8 +71,12 @@ class Entry:
     hit_count: int
     ttl_seconds: int
 
+    def expires_at(self) -> float:
+        """When the TTL runs out (inf = never)."""
+        return self.created_at + self.ttl_seconds if self.ttl_seconds > 0 else math.inf
+
     def expired(self, now: float) -> bool:
-        return self.ttl_seconds > 0 and now >= self.created_at + self.ttl_seconds
+        return now >= self.expires_at()
 
 
 @dataclass(frozen=True)
@@ -158,6 +163,10 @@ class SemanticCache:
         self._lookups = 0
         self._hits: dict[str, int] = {t: 0 for t in self.policy.tiers}
         self._near = self._guarded = self._evicted = self._expired = 0
+        # No entry expires before `_next_expiry` (a lower bound; 0 = unknown, scan). Entries
+        # added while a scan runs lower `_added_min`, folded in when the scan ends.
+        self._next_expiry = 0.0
+        self._added_min = math.inf
         self._latency: deque[float] = deque(maxlen=10_000)
         self._m = _metrics()
 
@@ -329,6 +338,9 @@ class SemanticCache:
             self._ns_lru[e.namespace] = OrderedDict()
         index.add(e.label, vec)
         self._entries[e.label] = e
+        at = e.expires_at()
+        self._next_expiry = min(self._next_expiry, at)
+        self._added_min = min(self._added_min, at)
         self._by_id[e.id] = e.label
         self._lru[e.label] = None
         self._ns_lru[e.namespace][e.label] = None
@@ -423,7 +435,21 @@ class SemanticCache:
         """Removes entries past their TTL; returns how many."""
         now = self.clock()
         with self._lock:
-            labels = [lab for lab, e in self._entries.items() if e.expired(now)]
+            if now < self._next_expiry:
+                return 0  # the usual case with day-long TTLs: no scan at all
+            # Scan a copy outside the lock: at 100k entries the scan takes tens of ms, and every
+            # lookup takes this lock to record itself.
+            entries = self._entries.copy()
+            self._added_min = math.inf
+        labels, nxt = [], math.inf
+        for lab, e in entries.items():
+            at = e.expires_at()
+            if now >= at:
+                labels.append(lab)
+            elif at < nxt:
+                nxt = at
+        with self._lock:
+            self._next_expiry = min(nxt, self._added_min)
         self.store.delete(labels)
         with self._lock:
             n = sum(1 for lab in labels if self._drop_locked(lab) is not None)
@@ -470,6 +496,7 @@ class SemanticCache:
                 victims += self._victims_locked(ns)
             for lab in victims:
                 self._drop_locked(lab)
+            self._next_expiry = 0.0  # loaded entries were not added one by one: scan next time
         self.store.delete(victims)
         self._m["entries"].set(len(self._entries))
         log.info("loaded %d entries in %d namespaces (%d expired, %d over capacity)",

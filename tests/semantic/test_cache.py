@@ -107,6 +107,31 @@ def test_ttl_is_not_extended_by_hits(make_cache, clock):
     c.check_integrity()
 
 
+def test_expire_skips_scans_until_the_earliest_expiry(make_cache, clock):
+    c = make_cache()
+    c.store_entry(A, "What is the boiling point of water?", "100 C.", ttl_seconds=100)
+    assert c.expire() == 0  # first scan: learns that nothing expires before t+100
+    scans = []
+
+    class Spy(dict):
+        def copy(self):
+            scans.append(1)
+            return dict(self)
+
+    clock.now += 50
+    c.store_entry(A, "Who wrote Hamlet?", "Shakespeare.", ttl_seconds=20)  # expires at t+70
+    c._entries = Spy(c._entries)
+    clock.now += 10
+    assert c.expire() == 0 and scans == []  # t+60: before any expiry, no scan
+    clock.now += 10
+    assert c.expire() == 1 and len(scans) == 1  # t+70: the late entry expires on time
+    clock.now += 29
+    assert c.expire() == 0 and len(scans) == 1
+    clock.now += 1
+    assert c.expire() == 1 and c.stats().entries == 0
+    c.check_integrity()
+
+
 def test_lru_eviction_per_namespace_and_global(make_cache, clock):
     c = make_cache(max_entries_per_namespace=3, max_entries_total=5)
     ids = []
