@@ -64,9 +64,10 @@ class SemanticConfig:
     # from 0.85 to 0.91 for 12% of its recall; see benchmarks/results/semantic.json).
     guard_tiers: tuple[str, ...] = ("strict", "standard")
     # Tiers (among guard_tiers) whose hits must also pass the learned verifier (verifier.py):
-    # out-of-sample on QQP + PAWS it halves the PAWS false-hit rate of both tiers (strict 3.6% ->
-    # ~1.9%, standard 4.7% -> ~2.2%) and lifts standard-tier QQP precision 0.907 -> ~0.918, for
-    # 7% (strict) / 16% (standard) of their recall; see benchmarks/results/semantic.json.
+    # out-of-sample on QQP + PAWS it cuts the PAWS false-hit rate (strict 3.6% -> 2.2%, standard
+    # 4.7% -> 2.4%) and lifts standard-tier QQP precision 0.907 -> 0.916 (strict: 0.935 -> 0.930,
+    # within the fold-split spread), for 8% (strict) / 16% (standard) of the tiers' recall; see
+    # benchmarks/results/semantic.json and services/semantic/README.md.
     verifier_tiers: tuple[str, ...] = ("strict", "standard")
     # Weights of the verifier; "" = the committed services/semantic/verifier.json.
     verifier_path: str = ""
