@@ -473,7 +473,10 @@ class Engine:
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.num_computed
-        end = min(len(seq.tokens), start + self.max_prefill_chunk)
+        # Equal chunks of at most max_prefill_chunk: 1,056 tokens as 528 + 528, not
+        # 512 + 512 + 32 (every forward reads all the weights, so a small last chunk is dear).
+        left = len(seq.tokens) - start
+        end = start + -(-left // max(1, -(-left // self.max_prefill_chunk)))
         # The last chunk already verifies the first draft tokens.
         prop = self._proposal(seq) if end == len(seq.tokens) > start else []
         if end > start:

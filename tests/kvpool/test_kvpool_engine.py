@@ -83,6 +83,23 @@ def test_greedy_equals_transformers_with_and_without_cached_prefix(make_engine,
     assert_idle(eng)
 
 
+def test_prefill_runs_in_equal_chunks_and_stays_exact(make_engine, tiny_model) -> None:
+    eng = make_engine(max_prefill_chunk=16)
+    sizes: list[int] = []
+    forward = eng._forward
+
+    def recording(ids, plan, keep=1):
+        sizes.append(plan.q_len)
+        return forward(ids, plan, keep)
+
+    eng._forward = recording
+    toks = prompt(34, 6)
+    got, _ = generate(eng, toks, max_tokens=3)
+    # Prompt chunks, then one decode forward per further token.
+    assert sizes == [12, 11, 11, 1, 1]
+    assert got == reference_greedy(tiny_model, toks, 3)
+
+
 def test_next_turn_reuses_blocks_of_generated_tokens(make_engine, tiny_model) -> None:
     eng = make_engine()
     turn1 = prompt(10, 3)
