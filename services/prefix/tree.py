@@ -4,19 +4,19 @@
       └─ block 1 ── block 2 ── block 3        a node per block; `table[h_i] -> slot`
                        └──── block 3'         branches where prompts diverge
 
-Nodes live in parallel arrays indexed by a slot number (struct of arrays): parent and first
-child (as slot differences), next and previous sibling, holders (a bitmask of replica slots),
-hits, last hit, depth, and the block's tokens (byte planes: plane p holds byte p of every
-token; two planes while the vocabulary fits 16 bits, four after). A stored chain of k new
-blocks is then k dict entries plus a handful of C-level `extend` calls, not k Python objects;
-roots take a slot too (depth -1, no holders). Slots freed by removals and pruning are reused
-one at a time before the arrays grow again.
+Nodes live in a few flat arrays indexed by a slot number: `_nav` (int32 records: up, down,
+next and previous sibling, depth), `_use` (uint64 records: holders, a bitmask of replica
+slots; hits; last hit), the hash list and the block's tokens (byte planes: plane p holds byte
+p of every token; two planes while the vocabulary fits 16 bits, four after). A stored chain of
+k new blocks is then k dict entries plus a handful of C-level `extend` calls, not k Python
+objects, and a node's fields share a cache line or two; roots take a slot too (depth -1, no
+holders). Slots freed by removals and pruning are reused one at a time before the arrays grow.
 
     slot:        p    s0   s0+1  s0+2           a new chain appended in one go:
     up:          .    s0-p 1     1              up   = s - parent(s)      (0 = no parent)
     down:        s0-p 1    1     0              down = first_kid(s) - s   (0 = no child)
-    depth:       d    d+1  d+2   d+3            so every array but p's grows by a constant
-                                                run or a slice of a precomputed range
+    depth:       d    d+1  d+2   d+3            so the new records are a repeated template,
+                                                patched at both ends and in the depth column
 
 Holder closure: a replica that holds a node holds every ancestor of it. Stores that would break
 this are dropped (a block is useless without its parent: a match must be contiguous), removals
@@ -43,8 +43,10 @@ from typing import NamedTuple
 from services.common.policy import BlockUsage, EvictionPolicy
 
 NIL = -1  # no slot
-_NIL1 = array("i", [NIL])
-_ONE1 = array("i", [1])
+# `_nav` record: slot s at [_NAV * s + field]; `_use` record: at [_USE * s + field].
+_UP, _DOWN, _NEXT, _PREV, _DEPTH, _NAV = 0, 1, 2, 3, 4, 5
+_HOLD, _HITS, _LAST, _USE = 0, 1, 2, 3
+_CHAIN = array("i", [1, 1, NIL, NIL, 0])  # an inner block of a new chain (depth patched)
 _IOTA = array("i", range(1 << 16))  # depths of a new chain are a slice of this
 _BIG = sys.byteorder != "little"
 _new = tuple.__new__  # builds a NamedTuple without its Python-level __new__
@@ -105,14 +107,10 @@ class BlockTree:
         self._roots: dict[bytes, int] = {}  # h_0 -> slot
         self._meta: dict[int, tuple[str, str]] = {}  # root slot -> (model_id, cache_salt)
         self._key: list[bytes | None] = []  # None = a free slot
-        self._up = array("i")  # slot - parent slot; 0 = none (a root or a free slot)
-        self._down = array("i")  # first child slot - slot; 0 = none
-        self._next = array("i")  # next sibling
-        self._prev = array("i")  # previous sibling
-        self._holders = array("Q")
-        self._hits = array("Q")
-        self._last = array("Q")
-        self._depth = array("i")  # -1 for a root
+        # up: slot - parent slot (0 = none: a root or a free slot); down: first child slot -
+        # slot (0 = none); next/prev: sibling slots (NIL = none); depth: -1 for a root.
+        self._nav = array("i")
+        self._use = array("Q")  # holders, hits, last
         # Slot s's tokens: bytes [s * block_size, (s + 1) * block_size) of each plane; plane p
         # holds byte p (little-endian) of every token. Planes 2 and 3 appear with the first
         # token >= 2**16. (Planes are cheap to cut from packed uint32: one bytes slice each.)
@@ -155,15 +153,21 @@ class BlockTree:
     # -- slots ----------------------------------------------------------------------------
 
     def _parent(self, s: int) -> int:
-        d = self._up[s]
+        d = self._nav[_NAV * s + _UP]
         return s - d if d else NIL
 
     def _kid(self, s: int) -> int:
-        d = self._down[s]
+        d = self._nav[_NAV * s + _DOWN]
         return s + d if d else NIL
 
     def _set_kid(self, s: int, k: int) -> None:
-        self._down[s] = k - s if k != NIL else 0
+        self._nav[_NAV * s + _DOWN] = k - s if k != NIL else 0
+
+    def _depth(self, s: int) -> int:
+        return self._nav[_NAV * s + _DEPTH]
+
+    def _holders(self, s: int) -> int:
+        return self._use[_USE * s + _HOLD]
 
     def _new_slot(self, key: bytes, parent: int, holders: int, clock: int, depth: int,
                   tokens: list[bytes]) -> int:
@@ -171,66 +175,63 @@ class BlockTree:
 
         `tokens` holds the block's bytes of each token plane (see `_pack`).
         """
+        nav = array("i", (0, 0, NIL, NIL, depth))
+        use = array("Q", (holders, 0, clock))
         if self._free:
             s = self._free.pop()
             self._key[s] = key
-            self._up[s] = s - parent if parent != NIL else 0
-            self._down[s] = 0
-            self._next[s] = self._prev[s] = NIL
-            self._holders[s] = holders
-            self._hits[s] = 0
-            self._last[s] = clock
-            self._depth[s] = depth
+            nav[_UP] = s - parent if parent != NIL else 0
+            self._nav[_NAV * s : _NAV * (s + 1)] = nav
+            self._use[_USE * s : _USE * (s + 1)] = use
             bs = self.block_size
             for plane, part in zip(self._planes, tokens, strict=True):
                 plane[s * bs : (s + 1) * bs] = part
             return s
         s = len(self._key)
         self._key.append(key)
-        self._up.append(s - parent if parent != NIL else 0)
-        self._down.append(0)
-        self._next.append(NIL)
-        self._prev.append(NIL)
-        self._holders.append(holders)
-        self._hits.append(0)
-        self._last.append(clock)
-        self._depth.append(depth)
+        nav[_UP] = s - parent if parent != NIL else 0
+        self._nav += nav
+        self._use += use
         for plane, part in zip(self._planes, tokens, strict=True):
             plane += part
         return s
 
     def _free_slot(self, s: int) -> None:
         self._key[s] = None
-        self._up[s] = self._down[s] = 0
-        self._next[s] = self._prev[s] = NIL
-        self._holders[s] = self._hits[s] = 0
+        nav = self._nav
+        base = _NAV * s
+        nav[base + _UP] = nav[base + _DOWN] = 0
+        nav[base + _NEXT] = nav[base + _PREV] = NIL
+        self._use[_USE * s + _HOLD] = self._use[_USE * s + _HITS] = 0
         self._free.append(s)
 
     def _link(self, par: int, s: int) -> None:
         """Push `s` in front of `par`'s children."""
+        nav = self._nav
         first = self._kid(par)
-        self._next[s] = first
-        self._prev[s] = NIL
+        nav[_NAV * s + _NEXT] = first
+        nav[_NAV * s + _PREV] = NIL
         if first != NIL:
-            self._prev[first] = s
+            nav[_NAV * first + _PREV] = s
         self._set_kid(par, s)
 
     def _unlink(self, s: int) -> None:
-        p, n = self._prev[s], self._next[s]
+        nav = self._nav
+        p, n = nav[_NAV * s + _PREV], nav[_NAV * s + _NEXT]
         if p == NIL:
             self._set_kid(self._parent(s), n)
         else:
-            self._next[p] = n
+            nav[_NAV * p + _NEXT] = n
         if n != NIL:
-            self._prev[n] = p
+            nav[_NAV * n + _PREV] = p
 
     def _kids(self, s: int) -> list[int]:
         out = []
         k = self._kid(s)
-        nxt = self._next
+        nav = self._nav
         while k != NIL:
             out.append(k)
-            k = nxt[k]
+            k = nav[_NAV * k + _NEXT]
         return out
 
     def _pack(self, part: Sequence[int]) -> list[bytes]:
@@ -267,23 +268,22 @@ class BlockTree:
             if par is None:
                 return StoreResult(0, 0, n)
         mask = 1 << bit
-        holders = self._holders
-        if self._depth[par] >= 0 and not holders[par] & mask:
+        use, nav = self._use, self._nav
+        if nav[_NAV * par + _DEPTH] >= 0 and not use[_USE * par + _HOLD] & mask:
             return StoreResult(0, 0, n)
-        up = self._up
         held = j = 0
         # Known head: the replica now holds it too.
         while j < n:
             s = table.get(hashes[j])
             if s is None:
                 break
-            if s - up[s] != par:
+            if s - nav[_NAV * s + _UP] != par:
                 # Only a hash collision or a replica sending inconsistent chains gets here.
                 self.held[bit] += held
                 return StoreResult(0, held, n - j)
-            h = holders[s]
+            h = use[_USE * s + _HOLD]
             if not h & mask:
-                holders[s] = h | mask
+                use[_USE * s + _HOLD] = h | mask
                 held += 1
             par = s
             j += 1
@@ -307,7 +307,7 @@ class BlockTree:
         """
         table = self._table
         n = len(hashes)
-        depth = self._depth[par] + 1 - j  # depth of hashes[i] is depth + i; a root's is -1
+        depth = self._depth(par) + 1 - j  # depth of hashes[i] is depth + i; a root's is -1
         bs = self.block_size
         lo = j
         # Free slots first (after removals or pruning), one at a time.
@@ -322,7 +322,7 @@ class BlockTree:
             if j == lo:
                 self._link(par, s)
             else:
-                self._down[par] = s - par  # `par` is the block before: no other child
+                self._set_kid(par, s)  # `par` is the block before: no other child
             par = s
             j += 1
         if j == n:
@@ -340,31 +340,21 @@ class BlockTree:
             return j - lo
         i = j - lo  # blocks already placed in free slots
         self._key.extend(hashes[j : j + m])
-        run = _ONE1 * m
-        run[0] = s0 - par
-        self._up.extend(run)
-        run[0] = 1
-        run[-1] = 0
-        self._down.extend(run)
-        nils = _NIL1 * m
-        self._next.extend(nils)
-        self._prev.extend(nils)
-        self._holders.extend(array("Q", (mask,)) * m)
-        self._hits.frombytes(bytes(8 * m))
-        self._last.extend(array("Q", (clock,)) * m)
+        run = _CHAIN * m
+        run[_UP] = s0 - par
+        run[_NAV * (m - 1) + _DOWN] = 0
         d0, d1 = depth + j, depth + j + m
-        self._depth.extend(_IOTA[d0:d1] if d1 <= len(_IOTA) else array("i", range(d0, d1)))
+        run[_DEPTH::_NAV] = _IOTA[d0:d1] if d1 <= len(_IOTA) else array("i", range(d0, d1))
+        first = NIL if i else self._kid(par)  # s0 goes in front of par's children
+        run[_NEXT] = first
+        self._nav += run
+        self._use += array("Q", (mask, 0, clock)) * m
         whole = not i and m * bs == len(tokens[0])
         for plane, t in zip(self._planes, tokens, strict=True):
             plane += t if whole else t[i * bs : (i + m) * bs]
-        if i:
-            self._down[par] = s0 - par
-        else:
-            first = self._kid(par)
-            self._next[s0] = first
-            if first != NIL:
-                self._prev[first] = s0
-            self._down[par] = s0 - par
+        if first != NIL:
+            self._nav[_NAV * first + _PREV] = s0
+        self._set_kid(par, s0)
         return i + m
 
     def remove(self, key: bytes, bit: int) -> int:
@@ -374,39 +364,36 @@ class BlockTree:
         """
         s = self._table.get(key)
         mask = 1 << bit
-        if s is None or not self._holders[s] & mask:
+        if s is None or not self._holders(s) & mask:
             return 0
         return self._drop_subtree(s, mask, bit)
 
     def clear(self, bit: int) -> int:
         """Replica slot `bit` holds nothing any more. Returns the blocks it stopped holding."""
         mask = 1 << bit
-        holders = self._holders
         n = 0
         for root in list(self._roots.values()):
             for kid in self._kids(root):
                 # A kid unlinked meanwhile has no holders (no slot is reused during a clear).
-                if holders[kid] & mask:
+                if self._holders(kid) & mask:
                     n += self._drop_subtree(kid, mask, bit)
         return n
 
     def _drop_subtree(self, top: int, mask: int, bit: int) -> int:
-        holders, down, nxt = self._holders, self._down, self._next
+        use = self._use
         n = 0
         stack = [top]
         dead: list[int] = []
         while stack:
             s = stack.pop()
-            h = holders[s] & ~mask
-            holders[s] = h
+            h = use[_USE * s + _HOLD] & ~mask
+            use[_USE * s + _HOLD] = h
             n += 1
             if not h:
                 dead.append(s)
-            k = s + down[s] if down[s] else NIL
-            while k != NIL:
-                if holders[k] & mask:
+            for k in self._kids(s):
+                if use[_USE * k + _HOLD] & mask:
                     stack.append(k)
-                k = nxt[k]
         self.held[bit] -= n
         # By closure, a node nobody holds has only such descendants: unlink top-down.
         for s in dead:
@@ -417,22 +404,19 @@ class BlockTree:
     def _unlink_subtree(self, top: int) -> None:
         par = self._parent(top)
         self._unlink(top)
-        down, nxt, key, holders, held = self._down, self._next, self._key, self._holders, self.held
+        key, held = self._key, self.held
         stack = [top]
         while stack:
             s = stack.pop()
             del self._table[key[s]]  # type: ignore[arg-type]
-            for b in bits(holders[s]):
+            for b in bits(self._holders(s)):
                 held[b] -= 1
-            k = s + down[s] if down[s] else NIL
-            while k != NIL:
-                stack.append(k)
-                k = nxt[k]
+            stack.extend(self._kids(s))
             self._free_slot(s)
         self._gc_root(par)
 
     def _gc_root(self, s: int) -> None:
-        if self._depth[s] < 0 and not self._down[s]:
+        if self._depth(s) < 0 and self._kid(s) == NIL:
             del self._roots[self._key[s]]  # type: ignore[arg-type]
             del self._meta[s]
             self._free_slot(s)
@@ -466,10 +450,10 @@ class BlockTree:
                     hi = mid
                 else:
                     lo, lo_s = mid, s
-        self._hits[lo_s] += 1
-        self._last[lo_s] = clock
-        holders = self._holders
-        first_h, lo_h = holders[first], holders[lo_s]
+        use = self._use
+        use[_USE * lo_s + _HITS] += 1
+        use[_USE * lo_s + _LAST] = clock
+        first_h, lo_h = use[_USE * first + _HOLD], use[_USE * lo_s + _HOLD]
         out = [MatchSegment(lo_h, lo)]
         if first_h != lo_h:
             # Masks shrink along the chain; bisect only between positions whose masks differ.
@@ -482,7 +466,7 @@ class BlockTree:
                     out.append(_new(MatchSegment, (ma & ~mb, a)))
                     continue
                 m = (a + b) >> 1
-                mm = holders[get(hashes[m - 1])]  # type: ignore[index]
+                mm = use[_USE * get(hashes[m - 1]) + _HOLD]  # type: ignore[operator]
                 stack.append((a, ma, m, mm))
                 stack.append((m, mm, b, mb))
             out.sort(key=lambda seg: -seg.blocks)
@@ -491,24 +475,24 @@ class BlockTree:
     def top(self, k: int, model_id: str = "", min_hits: int = 1) -> list[Prefix]:
         """The `k` most hit prefixes (where matches ended), hottest first."""
         floor = max(1, min_hits)
-        hits, last = self._hits, self._last
-        cands = [s for s in self._table.values() if hits[s] >= floor]
-        cands.sort(key=lambda s: (-hits[s], -last[s]))
+        use = self._use
+        cands = [s for s in self._table.values() if use[_USE * s + _HITS] >= floor]
+        cands.sort(key=lambda s: (-use[_USE * s + _HITS], -use[_USE * s + _LAST]))
         out: list[Prefix] = []
         for s in cands:
             model, salt = self._meta[self._root_slot(s)]
             if model_id and model != model_id:
                 continue
-            out.append(Prefix(self._prefix_tokens(s), hits[s], self._holders[s], salt, model,
-                              self._key[s]))  # type: ignore[arg-type]
+            out.append(Prefix(self._prefix_tokens(s), use[_USE * s + _HITS], self._holders(s),
+                              salt, model, self._key[s]))  # type: ignore[arg-type]
             if len(out) >= k:
                 break
         return out
 
     def _root_slot(self, s: int) -> int:
-        up, depth = self._up, self._depth
-        while depth[s] >= 0:
-            s -= up[s]
+        nav = self._nav
+        while nav[_NAV * s + _DEPTH] >= 0:
+            s -= nav[_NAV * s + _UP]
         return s
 
     def _block_tokens(self, s: int) -> list[int]:
@@ -523,9 +507,9 @@ class BlockTree:
 
     def _prefix_tokens(self, s: int) -> list[int]:
         parts = []
-        while self._depth[s] >= 0:
+        while self._depth(s) >= 0:
             parts.append(s)
-            s -= self._up[s]
+            s = self._parent(s)
         out: list[int] = []
         for p in reversed(parts):
             out.extend(self._block_tokens(p))
@@ -534,7 +518,7 @@ class BlockTree:
     def _info(self, s: int) -> BlockInfo:
         model, salt = self._meta[self._root_slot(s)]
         return BlockInfo(self._key[s], self._key[self._parent(s)],  # type: ignore[arg-type]
-                         self._depth[s], self._holders[s], self._hits[s], self._last[s],
+                         self._depth(s), *self._use[_USE * s : _USE * (s + 1)],
                          self._block_tokens(s), model, salt)
 
     def blocks(self) -> Iterator[BlockInfo]:
@@ -553,31 +537,34 @@ class BlockTree:
         which becomes a candidate once it is a leaf.
         """
         bs = self.block_size
-        depth, hits, last, down, key = self._depth, self._hits, self._last, self._down, self._key
+        use, key = self._use, self._key
 
         def rank(s: int) -> tuple:
-            start = depth[s] * bs
-            cold = start >= shallow_tokens and hits[s] < min_deep_hits
-            return (0 if cold else 1, *policy.key(BlockUsage(start, hits[s], last[s])))
+            start = self._depth(s) * bs
+            hits = use[_USE * s + _HITS]
+            cold = start >= shallow_tokens and hits < min_deep_hits
+            return (0 if cold else 1,
+                    *policy.key(BlockUsage(start, hits, use[_USE * s + _LAST])))
 
-        heap = [(rank(s), i, s) for i, s in enumerate(self._table.values()) if not down[s]]
+        heap = [(rank(s), i, s) for i, s in enumerate(self._table.values())
+                if self._kid(s) == NIL]
         heapq.heapify(heap)
         tie = len(heap)
         evicted: list[bytes] = []
         # No slot is reused while pruning, so a freed slot in the heap stays recognisable.
         while len(self._table) > target and heap:
             _, _, s = heapq.heappop(heap)
-            if key[s] is None or down[s]:
+            if key[s] is None or self._kid(s) != NIL:
                 continue
             p = self._parent(s)
-            is_node = depth[p] >= 0
+            is_node = self._depth(p) >= 0
             evicted.append(key[s])  # type: ignore[arg-type]
-            h, t = hits[s], last[s]
+            h, t = use[_USE * s + _HITS], use[_USE * s + _LAST]
             self._unlink_subtree(s)
             if is_node:
-                hits[p] += h
-                last[p] = max(last[p], t)
-                if not down[p]:
+                use[_USE * p + _HITS] += h
+                use[_USE * p + _LAST] = max(use[_USE * p + _LAST], t)
+                if self._kid(p) == NIL:
                     tie += 1
                     heapq.heappush(heap, (rank(p), tie, p))
         self.pruned_total += len(evicted)
@@ -589,9 +576,8 @@ class BlockTree:
         """Raise AssertionError unless tree, table, holders, free slots and counters agree."""
         bs = self.block_size
         size = len(self._key)
-        for name in ("_up", "_down", "_next", "_prev", "_holders", "_hits", "_last", "_depth"):
-            if len(getattr(self, name)) != size:
-                raise AssertionError(f"array {name} has {len(getattr(self, name))} != {size}")
+        if len(self._nav) != _NAV * size or len(self._use) != _USE * size:
+            raise AssertionError("record arrays out of step with the slots")
         if len(self._planes) not in (2, 4) or any(len(p) != size * bs for p in self._planes):
             raise AssertionError("token planes out of step with the slots")
         free = set(self._free)
@@ -604,7 +590,8 @@ class BlockTree:
         reach = 0
         held = [0] * 64
         for rkey, r in self._roots.items():
-            if self._key[r] != rkey or self._depth[r] != -1 or not self._down[r] or self._up[r]:
+            if (self._key[r] != rkey or self._depth(r) != -1 or self._kid(r) == NIL
+                    or self._parent(r) != NIL):
                 raise AssertionError(f"root {rkey.hex()}: bad key, depth or no children")
             stack = self._checked_kids(r, size)
             while stack:
@@ -613,13 +600,13 @@ class BlockTree:
                 key = self._key[s]
                 if key is None or self._table.get(key) != s:
                     raise AssertionError(f"slot {s} reachable but not in the table")
-                h = self._holders[s]
+                h = self._holders(s)
                 if not h:
                     raise AssertionError(f"node {key.hex()} has no holder")
                 p = self._parent(s)
-                if self._depth[s] != self._depth[p] + 1:
+                if self._depth(s) != self._depth(p) + 1:
                     raise AssertionError(f"node {key.hex()}: depth")
-                if self._depth[p] >= 0 and h & ~self._holders[p]:
+                if self._depth(p) >= 0 and h & ~self._holders(p):
                     raise AssertionError(f"node {key.hex()}: holder closure broken")
                 for b in bits(h):
                     held[b] += 1
@@ -633,10 +620,10 @@ class BlockTree:
         out = []
         prev, k = NIL, self._kid(s)
         while k != NIL:
-            if not 0 <= k < size or self._parent(k) != s or self._prev[k] != prev:
+            if not 0 <= k < size or self._parent(k) != s or self._nav[_NAV * k + _PREV] != prev:
                 raise AssertionError(f"slot {k}: wrong parent or sibling link")
             out.append(k)
             if len(out) > size:
                 raise AssertionError(f"slot {s}: cycle in its children")
-            prev, k = k, self._next[k]
+            prev, k = k, self._nav[_NAV * k + _NEXT]
         return out
