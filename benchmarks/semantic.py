@@ -336,7 +336,7 @@ def _plot(curve: list[dict], tiers: dict, png: Path) -> None:
                          (r["qqp_recall"], r["qqp_precision"]), fontsize=7,
                          xytext=(3, 3), textcoords="offset points")
     ax1.set(xlabel="recall (QQP duplicates served)", ylabel="precision (QQP)",
-            title="QQP precision-recall, threshold 0.80-1.00 (+v: verifier)")
+            title="QQP precision-recall, threshold 0.80-1.00 (+v: verifier)", ylim=(0.6, 1.0))
     ax2.set(xlabel="similarity threshold", ylabel="false-hit rate",
             title="PAWS non-paraphrases served as hits")
     ax2.axhline(0.05, color="grey", lw=0.8, ls=":")
