@@ -16,24 +16,23 @@ Row layout (see paged_cache): decoding sequences hold rows 0..D-1, the prefillin
 A sequence's KV covers `tokens[:num_computed]`; a forward always computes
 `tokens[num_computed:]` (or a chunk of it) and, once all is computed, samples the next token.
 
-Cache-assisted generation: a request may carry draft tokens (a cached near-miss answer). While
-the draft is aligned with what has been generated, a forward also computes the next gamma draft
-tokens of that sequence (gamma adapts to the sequence's recent acceptance rate); the sampler
-accepts the longest admissible prefix (`Sampler.verify`) and the model's own next token follows
-it, so one forward emits 1..gamma+1 tokens. KV of rejected positions is dropped by not counting
-it (`num_computed`) and `BlockPool.truncate` releases the blocks allocated for it; only full,
-verified blocks are ever committed. After a mismatch the draft is re-aligned by matching the
-last 3, 2 or 1 generated tokens into it (n-gram index); with no match the sequence decodes
-normally. In a batch, rows share one query length (the longest proposal + 1): plain rows fill
-the extra positions with filler whose K/V lies beyond their `num_computed` and is overwritten
-before it is ever attended to, and whose logits are ignored.
+Cache-assisted generation: a request may carry draft tokens (a cached near-miss answer). Its
+`Draft` (see drafting.py) proposes the next gamma tokens: from the draft while aligned with what
+has been generated (re-aligned by n-gram lookup after a mismatch), else from the sequence's own
+prompt and output (prompt lookup). A forward also computes them; the sampler accepts the longest
+admissible prefix (`Sampler.verify`) and the model's own next token follows it, so one forward
+emits 1..gamma+1 tokens. KV of rejected positions is dropped by not counting it (`num_computed`)
+and `BlockPool.truncate` releases the blocks allocated for it; only full, verified blocks are
+ever committed. With nothing to propose the sequence decodes normally. In a batch, rows share
+one query length (the longest proposal + 1): plain rows fill the extra positions with filler
+whose K/V lies beyond their `num_computed` and is overwritten before it is ever attended to, and
+whose logits are ignored.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-import math
 import queue
 import threading
 import time
@@ -48,6 +47,7 @@ import torch
 
 from services.common import errors
 from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
+from services.kvpool.drafting import Draft
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
 from services.kvpool.sampling import Sampler, SamplingSpec, sample_batch
@@ -95,6 +95,9 @@ class Finished(NamedTuple):
     elapsed_ms: float
     draft_tokens_proposed: int = 0
     draft_tokens_accepted: int = 0
+    # Of draft_tokens_accepted: proposed from the sequence's own context (prompt lookup) while
+    # the draft had nothing aligned, not from the draft itself.
+    lookup_tokens_accepted: int = 0
 
 
 class Failed(NamedTuple):
@@ -135,84 +138,6 @@ class Sequence:
     @property
     def prompt_len(self) -> int:
         return len(self.req.token_ids)
-
-
-NGRAM_MAX = 3  # longest suffix of the generated tokens looked up when re-aligning a draft
-NGRAM1_WINDOW = 8  # a single-token match only counts this close after the last aligned spot
-GAMMA_START = 4  # first proposal of a fresh draft
-GAMMA_AFTER_MATCH = {0: 1, 1: 2, 2: 4, 3: 8}  # first proposal after re-aligning on an n-gram
-
-
-@dataclass
-class Draft:
-    """A sequence's draft and where it stands against the generated tokens."""
-
-    tokens: list[int]
-    ends: dict[tuple[int, ...], list[int]]  # n-gram -> draft indices right after it (ascending)
-    pos: int | None = 0  # draft index expected next; None = not aligned
-    hint: int = 0  # the draft index reached so far (re-alignment prefers matches after it)
-    rate: float = 1.0  # recent acceptance rate (exponential average)
-    run: int = GAMMA_START  # next gamma before the rate cap: doubles while fully accepted
-    proposed: int = 0
-    accepted: int = 0
-
-    @classmethod
-    def of(cls, tokens: list[int]) -> Draft:
-        ends: dict[tuple[int, ...], list[int]] = {}
-        for n in range(1, NGRAM_MAX + 1):
-            for e in range(n, len(tokens)):  # a match ending at the very end proposes nothing
-                ends.setdefault(tuple(tokens[e - n:e]), []).append(e)
-        return cls(list(tokens), ends)
-
-    def gamma(self, max_tokens: int) -> int:
-        """Draft tokens to propose next: the run length (doubling while everything is accepted,
-        small after a re-alignment on weak evidence), capped by the recent acceptance rate
-        (squared, so a draft that keeps failing quickly costs almost nothing)."""
-        cap = math.ceil(max_tokens * self.rate * self.rate)
-        return max(1, min(max_tokens, self.run, cap))
-
-    def record(self, proposed: int, accepted: int) -> None:
-        self.proposed += proposed
-        self.accepted += accepted
-        self.rate = 0.6 * self.rate + 0.4 * (accepted / proposed)
-        if accepted == proposed:
-            self.run = 2 * proposed
-
-    def advance(self, emitted: list[int], generated: list[int]) -> None:
-        """Move past `emitted` (the newest generated tokens); re-align after a mismatch."""
-        p = self.pos
-        if p is not None:
-            k = 0
-            while (k < len(emitted) and p + k < len(self.tokens)
-                   and self.tokens[p + k] == emitted[k]):
-                k += 1
-            self.hint = max(self.hint, p + k)
-            if k == len(emitted):
-                self.pos = p + k
-                return
-        self.pos = self.realign(generated)
-        if self.pos is None and p is not None and k == len(emitted) - 1 \
-                and p + k + 1 < len(self.tokens):
-            # The model replaced draft token p+k by one of its own: try the draft's
-            # continuation right after it (a one-word substitution), with a short proposal.
-            self.pos = p + k + 1
-            self.run = GAMMA_AFTER_MATCH[0]
-
-    def realign(self, generated: list[int]) -> int | None:
-        """The draft index after the longest (3..1) suffix of `generated` found in the draft."""
-        for n in range(min(NGRAM_MAX, len(generated)), 0, -1):
-            ends = self.ends.get(tuple(generated[-n:]))
-            if not ends:
-                continue
-            after = [e for e in ends if e >= self.hint]
-            if n == 1:
-                # One token is weak evidence: only just after where the draft was left.
-                after = [e for e in after if e <= self.hint + NGRAM1_WINDOW]
-                if not after:
-                    continue
-            self.run = GAMMA_AFTER_MATCH[n]
-            return after[0] if after else ends[-1]
-        return None
 
 
 @dataclass(frozen=True)
@@ -555,7 +480,7 @@ class Engine:
             self._store_full_blocks(s)
             self._accept(s, tok)
             if s.draft is not None and s.seq_id in self._by_id:
-                s.draft.advance([tok], s.tokens[s.prompt_len:])
+                s.draft.update(0, [tok], s.tokens[s.prompt_len:])
         if self.metrics:
             self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
             self.metrics.batch_size.observe(len(seqs))
@@ -596,20 +521,20 @@ class Engine:
         Pool blocks for them are reserved here; `_apply_verified` gives back what was rejected.
         """
         d = seq.draft
-        if d is None or d.pos is None or seq.req.prefill_only:
+        if d is None or seq.req.prefill_only:
             return []
-        sp = seq.req.sampling
-        g = min(d.gamma(self.max_draft_tokens), len(d.tokens) - d.pos,
-                sp.max_tokens - seq.generated - 1,
-                self.info.max_context - len(seq.tokens) - 1)
-        if g <= 0:
+        limit = min(self.max_draft_tokens, seq.req.sampling.max_tokens - seq.generated - 1,
+                    self.info.max_context - len(seq.tokens) - 1)
+        prop = d.propose(seq.tokens, limit)
+        if not prop:
             return []
         try:
-            self.pool.ensure_capacity(seq.seq_id, len(seq.tokens) + g)
+            self.pool.ensure_capacity(seq.seq_id, len(seq.tokens) + len(prop))
         except PoolExhausted:
+            d.withdraw()
             return []  # no room for speculation now; decode normally
-        self.store.ensure_capacity(len(seq.tokens) + g)
-        return d.tokens[d.pos:d.pos + g]
+        self.store.ensure_capacity(len(seq.tokens) + len(prop))
+        return prop
 
     def _apply_verified(self, seq: Sequence, prop: list[int], accepted: int, tok: int,
                         count_pass: bool) -> None:
@@ -621,14 +546,14 @@ class Engine:
         else:
             seq.computed_tokens += len(prop)
         if prop:
-            assert seq.draft is not None
-            seq.draft.record(len(prop), accepted)
             self.draft_tokens_proposed_total += len(prop)
             self.draft_tokens_accepted_total += accepted
             if self.metrics:
                 self.metrics.draft_proposed.inc(len(prop))
                 self.metrics.draft_accepted.inc(accepted)
         emitted = prop[:accepted] + [tok]
+        if seq.draft is not None:
+            seq.draft.record(accepted)
         seq.num_computed = valid
         if prop:
             self.pool.truncate(seq.seq_id, valid)
@@ -709,7 +634,7 @@ class Engine:
         return Finished(reason, seq.prompt_len, seq.generated, seq.cached_tokens, ttft,
                         seq.forward_passes, seq.computed_tokens, pinned,
                         (now - seq.arrival) * 1000.0, d.proposed if d else 0,
-                        d.accepted if d else 0)
+                        d.accepted if d else 0, d.accepted_lookup if d else 0)
 
     def _preempt(self, seq: Sequence) -> None:
         """Release a decoding sequence's blocks; it is recomputed (mostly from cache) later."""

@@ -66,7 +66,8 @@ def test_greedy_with_any_draft_is_token_identical(make_engine, tiny_model, seed)
             # Re-alignment: the part after the changed word is verified too.
             assert fin.draft_tokens_accepted >= N_NEW - 1 - 6, name
         if name == "nothing_shared":
-            assert fin.draft_tokens_accepted == 0
+            # Only the sequence's own context (prompt lookup) may have proposed usefully.
+            assert fin.draft_tokens_accepted == fin.lookup_tokens_accepted
         assert_idle(eng)
     st = eng.stats()
     assert st.draft_tokens_proposed_total >= st.draft_tokens_accepted_total > 3 * (N_NEW - 8)
@@ -218,7 +219,7 @@ def test_sampling_distribution_after_a_rejection_is_the_models(make_engine, tiny
 
 
 def test_draft_realignment_unit() -> None:
-    d = Draft.of([10, 11, 12, 13, 14, 15, 16, 17, 18, 19])
+    d = Draft.of([10, 11, 12, 13, 14, 15, 16, 17, 18, 19], self_lookup=False)
     d.advance([10, 11, 12], [10, 11, 12])
     assert d.pos == 3
     d.advance([99], [10, 11, 12, 99])  # substitution of 13: continue after it
@@ -229,6 +230,31 @@ def test_draft_realignment_unit() -> None:
     assert d.pos == 9
     d.advance([50, 51], [10, 11, 12, 99, 14, 15, 18, 50, 51])
     assert d.pos is None
+    assert d.propose([1, 2, 50, 51], 16) == []  # not aligned, no lookup: nothing
     d.advance([12, 13], [10, 11, 12, 99, 14, 15, 18, 50, 51, 12, 13])  # bigram anywhere
     assert d.pos == 4
-    assert 1 <= d.gamma(16) <= 16
+    assert d.propose([1, 2, 12, 13], 16) == [14, 15]  # after a 2-gram match: a short rung
+
+
+def test_draft_gamma_ladder_and_prompt_lookup_unit() -> None:
+    d = Draft.of(list(range(100, 140)))
+    ctx = [1, 2, 3]
+    # A fresh draft proposes a full rung (it rides on the prefill forward), capped by limit.
+    assert d.propose(ctx, 16) == list(range(100, 116))
+    d.update(16, list(range(100, 117)), list(range(100, 117)))
+    assert d.propose(ctx, 5) == list(range(117, 122))
+    d.update(2, [117, 118, 7], list(range(100, 119)) + [7])  # partial: a short rung next
+    assert d.pos == 120 - 100  # 7 replaced draft token 119: resume after it
+    assert len(d.propose(ctx, 16)) == 1
+    d.withdraw()
+    assert d.pending.tokens == []
+    # Not aligned: the last tokens of the context are looked up in the context itself.
+    d = Draft.of([200, 201])
+    d.pos = None
+    ctx = [5, 6, 7, 8, 9, 5, 6]
+    assert d.propose(ctx, 16) == [7]  # "5 6" was followed by 7 (2-gram: one token first)
+    d.update(1, [7, 8], [7, 8])
+    ctx += [7, 8]
+    assert d.propose(ctx, 16) == [9, 5]  # fully accepted: the next rung
+    assert d.accepted == 1 and d.accepted_lookup == 1 and d.proposed == 1
+    assert Draft.of([200], self_lookup=False).propose([], 16) == [200]

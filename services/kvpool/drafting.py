@@ -1,0 +1,203 @@
+"""What a sequence verifies next in cache-assisted generation (pure logic: no torch, no grpc).
+
+A `Draft` holds a cached near-miss answer (token ids) for one sequence and proposes the tokens
+that the sequence's next forward verifies. Two sources, tried in order:
+
+ 1. The draft, while aligned: `pos` is the draft index expected next. After a mismatch it is
+    re-aligned by looking up the last 3, 2 or 1 generated tokens in the draft; the nearest match
+    after the point reached so far wins (a single token only counts just after it), and a
+    single substituted token resumes the draft right after the token it replaced.
+ 2. The sequence's own context (prompt + generated tokens), when the draft has nothing aligned:
+    the last 3 or 2 tokens are looked up among earlier positions and what followed their most
+    recent occurrence is proposed (prompt-lookup decoding): answers repeat names and phrases of
+    the question and of themselves.
+
+Gamma (tokens proposed) climbs a ladder, one rung per fully accepted proposal, and drops after a
+miss. The rungs follow what a verify forward costs: on the 2-core CPU this runs on (MKL on
+AMD), a forward of 2 or 3 tokens costs 1.08x / 1.16x a 1-token decode step, 4..15 tokens
+1.6-2.5x (a slow small-matrix path) and 16-17 tokens 1.9x, so proposals are 1, 2 or 16 tokens
+long, never in between. The first proposal rides on the prompt's prefill forward, where extra
+tokens are almost free, so it is a full rung. Proposals never change what is generated (the
+verifier decides); they only decide how many forwards it takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import NamedTuple
+
+NGRAM_MAX = 3  # longest suffix of the generated tokens looked up in the draft or the context
+NGRAM1_WINDOW = 8  # a single-token match only counts this close after the last aligned spot
+LOOKUP_MIN = 2  # shortest context suffix that prompt lookup trusts
+LADDER = (1, 2, 16)  # proposal lengths (see the module docstring for why these)
+RUNG_AFTER_MATCH = {1: 1, 2: 1, 3: 2}  # rung after re-aligning on an n-gram of this length
+RUNG_AFTER_SUBSTITUTION = 0  # rung after resuming past a substituted token
+RUNG_AFTER_MISS = (0, 1)  # rung after a proposal with none / some tokens accepted
+LOOKUP_RUNG = {2: 0, 3: 1}  # first lookup rung by the length of the matched context suffix
+
+
+class Source(Enum):
+    """Where proposed tokens come from."""
+
+    NONE = "none"
+    DRAFT = "draft"  # the cached answer
+    LOOKUP = "lookup"  # the sequence's own prompt and generated tokens
+
+
+class Proposal(NamedTuple):
+    """Tokens to verify in the next forward and their source."""
+
+    tokens: list[int]
+    source: Source
+
+
+NO_PROPOSAL = Proposal([], Source.NONE)
+
+
+class NgramIndex:
+    """For a growing token list: each n-gram (n = 1..max_n) -> the indices right after it."""
+
+    def __init__(self, max_n: int) -> None:
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self.ends: dict[tuple[int, ...], list[int]] = {}
+
+    def extend(self, tokens: list[int]) -> None:
+        """Append tokens, indexing every n-gram that ends at one of them."""
+        toks = self.tokens
+        for t in tokens:
+            toks.append(t)
+            e = len(toks)
+            for n in range(1, min(self.max_n, e) + 1):
+                self.ends.setdefault(tuple(toks[e - n:e]), []).append(e)
+
+    def sync(self, tokens: list[int]) -> None:
+        """Index the tail of `tokens` (a longer version of the indexed list) not seen yet."""
+        if len(tokens) > len(self.tokens):
+            self.extend(tokens[len(self.tokens):])
+
+    def after(self, key: tuple[int, ...]) -> list[int]:
+        """Ascending indices right after the occurrences of `key`."""
+        return self.ends.get(key, [])
+
+
+@dataclass
+class Draft:
+    """A sequence's draft, where it stands against the generated tokens, and its proposals.
+
+    The engine calls `propose` before a forward, then `record` and (unless the sequence ended)
+    `advance` after it, also after a forward without a proposal (`update` does both);
+    `withdraw` when a proposal could not be used after all.
+    """
+
+    tokens: list[int]
+    index: NgramIndex  # over the draft
+    self_lookup: bool = True  # propose from the sequence's own context when not aligned
+    pos: int | None = 0  # draft index expected next; None = not aligned
+    hint: int = 0  # the draft index reached so far (re-alignment prefers matches after it)
+    rung: int = len(LADDER) - 1  # LADDER index of the next draft proposal
+    lookup_rung: int = 0  # LADDER index of the next lookup proposal (while it keeps verifying)
+    context: NgramIndex = field(default_factory=lambda: NgramIndex(NGRAM_MAX))
+    pending: Proposal = NO_PROPOSAL  # proposed, not yet verified
+    proposed: int = 0
+    accepted: int = 0
+    accepted_lookup: int = 0  # of `accepted`, tokens proposed by context lookup
+
+    @classmethod
+    def of(cls, tokens: list[int], self_lookup: bool = True) -> Draft:
+        index = NgramIndex(NGRAM_MAX)
+        index.extend(list(tokens))
+        return cls(list(tokens), index, self_lookup)
+
+    # ---- proposing -----------------------------------------------------------------------
+
+    def propose(self, context: list[int], limit: int) -> list[int]:
+        """The tokens to verify after `context` (prompt + generated), at most `limit` (maybe
+        none); they stay pending until `update` or `withdraw`."""
+        self.pending = NO_PROPOSAL
+        if limit <= 0:
+            return []
+        if self.pos is not None and self.pos < len(self.tokens):
+            g = min(LADDER[self.rung], limit, len(self.tokens) - self.pos)
+            self.pending = Proposal(self.tokens[self.pos:self.pos + g], Source.DRAFT)
+        elif self.self_lookup:
+            self.pending = self._lookup(context, limit)
+        return self.pending.tokens
+
+    def withdraw(self) -> None:
+        """Forget the pending proposal (it was not verified)."""
+        self.pending = NO_PROPOSAL
+
+    def _lookup(self, context: list[int], limit: int) -> Proposal:
+        self.context.sync(context)
+        n_ctx = len(context)
+        for n in range(min(NGRAM_MAX, n_ctx - 1), LOOKUP_MIN - 1, -1):
+            ends = self.context.after(tuple(context[n_ctx - n:]))
+            # The last entry is the suffix itself; the one before is its latest earlier match.
+            if len(ends) >= 2 and ends[-1] == n_ctx:
+                e = ends[-2]
+                g = min(LADDER[max(self.lookup_rung, LOOKUP_RUNG[n])], limit)
+                return Proposal(context[e:e + g], Source.LOOKUP)
+        return NO_PROPOSAL
+
+    # ---- learning from the verifier -------------------------------------------------------
+
+    def update(self, accepted: int, emitted: list[int], generated: list[int]) -> None:
+        """After a forward: `accepted` tokens of the pending proposal verified, `emitted` (those
+        plus the model's own token) appended; `generated` is every token generated so far."""
+        self.record(accepted)
+        self.advance(emitted, generated)
+
+    def record(self, accepted: int) -> None:
+        """`accepted` tokens of the pending proposal (maybe none) verified: adapt gamma."""
+        prop, self.pending = self.pending, NO_PROPOSAL
+        full = accepted == len(prop.tokens)
+        if prop.source is Source.LOOKUP:
+            self.accepted_lookup += accepted
+            self.lookup_rung = min(self.lookup_rung + 1, len(LADDER) - 1) if full else 0
+        elif prop.source is Source.DRAFT:
+            self.rung = min(self.rung + 1, len(LADDER) - 1) if full \
+                else RUNG_AFTER_MISS[accepted > 0]
+        else:
+            self.lookup_rung = 0
+        self.proposed += len(prop.tokens)
+        self.accepted += accepted
+
+    def advance(self, emitted: list[int], generated: list[int]) -> None:
+        """Move past `emitted` (the newest generated tokens); re-align after a mismatch."""
+        p = self.pos
+        k = 0
+        if p is not None:
+            while (k < len(emitted) and p + k < len(self.tokens)
+                   and self.tokens[p + k] == emitted[k]):
+                k += 1
+            self.hint = max(self.hint, p + k)
+            if k == len(emitted):
+                self.pos = p + k
+                return
+        self.pos = self.realign(generated)
+        if self.pos is None and p is not None and k == len(emitted) - 1 \
+                and p + k + 1 < len(self.tokens):
+            # The model replaced draft token p+k by one of its own: try the draft's
+            # continuation right after it (a one-word substitution), with a short proposal.
+            self.pos = p + k + 1
+            self.rung = RUNG_AFTER_SUBSTITUTION
+
+    def realign(self, generated: list[int]) -> int | None:
+        """The draft index after the longest (3..1) suffix of `generated` found in the draft:
+        the nearest match at or after `hint`, else (n >= 2) the last one before it."""
+        for n in range(min(NGRAM_MAX, len(generated)), 0, -1):
+            # A match at the very end of the draft proposes nothing.
+            ends = [e for e in self.index.after(tuple(generated[-n:])) if e < len(self.tokens)]
+            if not ends:
+                continue
+            after = [e for e in ends if e >= self.hint]
+            if n == 1:
+                # One token is weak evidence: only just after where the draft was left.
+                after = [e for e in after if e <= self.hint + NGRAM1_WINDOW]
+                if not after:
+                    continue
+            self.rung = RUNG_AFTER_MATCH[n]
+            return after[0] if after else ends[-1]
+        return None
