@@ -476,7 +476,7 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
             ns = pb.Namespace(tenant="bench", model_id="m")
             for q in queries[:20]:  # warm-up
                 stub.Lookup(pb.LookupRequest(namespace=ns, text=q, tier="relaxed"), timeout=10)
-            rtt, excl, search, agree, counted = [], [], [], 0, 0
+            rtt, excl, search, handler, agree, counted = [], [], [], [], 0, 0
             id_pos = {sid: i for i, sid in enumerate(ids)}
             for qi, q in enumerate(queries):
                 t1 = time.perf_counter()
@@ -486,6 +486,7 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
                 rtt.append(dt)
                 excl.append(dt - r.embed_ms)
                 search.append(r.search_ms)
+                handler.append(r.handler_ms - r.embed_ms)
                 if exact_sim[qi] >= cfg.draft_floor + 0.01:
                     counted += 1
                     agree += int(r.HasField("entry") and id_pos.get(r.entry.id) == exact_top[qi])
@@ -503,6 +504,12 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
             "lookup_p50_ms": pct(excl, 50), "lookup_p99_ms": pct(excl, 99),
             "lookup_embed_p50_ms": pct(rtt, 50), "lookup_embed_p99_ms": pct(rtt, 99),
             "server_search_p50_ms": pct(search, 50), "server_search_p99_ms": pct(search, 99),
+            # Where lookup_*_ms goes: inside the server's handler (minus embedding) vs gRPC
+            # transport, thread hand-offs and scheduling between the two processes.
+            "server_handler_excl_embed_p50_ms": pct(handler, 50),
+            "server_handler_excl_embed_p99_ms": pct(handler, 99),
+            "transport_p50_ms": pct(np.subtract(excl, handler), 50),
+            "transport_p99_ms": pct(np.subtract(excl, handler), 99),
             "recall_at_1_vs_exact": agree / max(1, counted), "recall_queries": counted,
             "service_start_s": start_s, "entries_embed_s": embed_s,
             "real_questions": min(size, len(real)),
@@ -510,7 +517,9 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
         }
         log(f"{size}: {json.dumps(results[str(size)])}")
     results["note"] = ("lookup_*_ms = client round trip of Lookup minus the server's embed_ms "
-                       "(gRPC + search + policy + guard); lookup_embed_* = full round trip. "
+                       "(gRPC + search + policy + guard); lookup_embed_* = full round trip; "
+                       "server_handler_excl_embed_* = the server's Lookup handler minus embed_ms, "
+                       "transport_* = lookup_*_ms minus that (per query). "
                        f"hnsw: M={cfg.hnsw_m} efConstruction={cfg.hnsw_ef_construction} "
                        f"efSearch={cfg.hnsw_ef_search}; flat below {cfg.hnsw_min_entries}.")
     return results

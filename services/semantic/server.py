@@ -57,6 +57,7 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
         return self._cache
 
     def Lookup(self, request, context):
+        t0 = time.perf_counter()
         r = self.cache.lookup(_ns(request), request.text, request.tier, request.threshold,
                               request.want_draft)
         resp = semantic_pb2.LookupResponse(
@@ -65,6 +66,7 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
             search_ms=r.search_ms, embed_ms=r.embed_ms)
         if r.entry is not None:
             resp.entry.CopyFrom(entry_to_proto(r.entry))
+        resp.handler_ms = (time.perf_counter() - t0) * 1000
         return resp
 
     def Store(self, request, context):

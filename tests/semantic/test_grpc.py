@@ -41,6 +41,7 @@ def test_store_lookup_verify_invalidate_stats(stub):
     assert r.hit and r.entry.id == sid and r.entry.answer == "Use flexbox."
     assert r.tier == "strict" and r.threshold == pytest.approx(0.97)
     assert r.search_ms > 0 and r.embed_ms > 0
+    assert r.handler_ms >= r.embed_ms + r.search_ms  # the handler times both, and more
     d = stub.Lookup(pb.LookupRequest(namespace=NS, text="What is the way to center a div?",
                                      tier="strict", want_draft=True), timeout=10)
     assert not d.hit and d.entry.id == sid and 0.8 <= d.similarity < 0.97
