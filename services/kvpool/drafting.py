@@ -17,8 +17,11 @@ miss. The rungs follow what a verify forward costs: on the 2-core CPU this runs 
 AMD), a forward of 2 or 3 tokens costs 1.08x / 1.16x a 1-token decode step, 4..15 tokens
 1.6-2.5x (a slow small-matrix path) and 16-17 tokens 1.9x, so proposals are 1, 2 or 16 tokens
 long, never in between. The first proposal rides on the prompt's prefill forward, where extra
-tokens are almost free, so it is a full rung. Proposals never change what is generated (the
-verifier decides); they only decide how many forwards it takes.
+tokens are almost free, so it is a full rung. Each source keeps its recent acceptance rate:
+while the draft's is low, alignments resting on one matching token (or a guessed substitution)
+propose nothing, and while lookup's is low, only 3-token context matches propose, so an
+unrelated draft costs next to nothing. Proposals never change what is generated (the verifier
+decides); they only decide how many forwards it takes.
 """
 
 from __future__ import annotations
@@ -35,6 +38,9 @@ RUNG_AFTER_MATCH = {1: 1, 2: 1, 3: 2}  # rung after re-aligning on an n-gram of 
 RUNG_AFTER_SUBSTITUTION = 0  # rung after resuming past a substituted token
 RUNG_AFTER_MISS = (0, 1)  # rung after a proposal with none / some tokens accepted
 LOOKUP_RUNG = {2: 0, 3: 1}  # first lookup rung by the length of the matched context suffix
+RATE_ALPHA = 0.3  # weight of the newest proposal in a source's acceptance rate
+WEAK_RATE_MIN = 0.2  # below this draft acceptance rate, weak alignments propose nothing
+LOOKUP_RATE_MIN = 0.3  # below this lookup acceptance rate, 2-token context matches are ignored
 
 
 class Source(Enum):
@@ -100,6 +106,9 @@ class Draft:
     lookup_rung: int = 0  # LADDER index of the next lookup proposal (while it keeps verifying)
     context: NgramIndex = field(default_factory=lambda: NgramIndex(NGRAM_MAX))
     pending: Proposal = NO_PROPOSAL  # proposed, not yet verified
+    weak: bool = False  # `pos` rests on one matching token or a guessed substitution
+    rate: float = 1.0  # recent acceptance rate of draft proposals
+    lookup_rate: float = 1.0  # recent acceptance rate of lookup proposals
     proposed: int = 0
     accepted: int = 0
     accepted_lookup: int = 0  # of `accepted`, tokens proposed by context lookup
@@ -118,7 +127,11 @@ class Draft:
         self.pending = NO_PROPOSAL
         if limit <= 0:
             return []
-        if self.pos is not None and self.pos < len(self.tokens):
+        aligned = self.pos is not None and self.pos < len(self.tokens)
+        if aligned and self.weak and self.rate < WEAK_RATE_MIN:
+            aligned = False  # a draft that keeps failing only gets to propose on solid matches
+        if aligned:
+            assert self.pos is not None
             g = min(LADDER[self.rung], limit, len(self.tokens) - self.pos)
             self.pending = Proposal(self.tokens[self.pos:self.pos + g], Source.DRAFT)
         elif self.self_lookup:
@@ -135,6 +148,8 @@ class Draft:
         for n in range(min(NGRAM_MAX, n_ctx - 1), LOOKUP_MIN - 1, -1):
             ends = self.context.after(tuple(context[n_ctx - n:]))
             # The last entry is the suffix itself; the one before is its latest earlier match.
+            if n == 2 and self.lookup_rate < LOOKUP_RATE_MIN:
+                break
             if len(ends) >= 2 and ends[-1] == n_ctx:
                 e = ends[-2]
                 g = min(LADDER[max(self.lookup_rung, LOOKUP_RUNG[n])], limit)
@@ -153,6 +168,13 @@ class Draft:
         """`accepted` tokens of the pending proposal (maybe none) verified: adapt gamma."""
         prop, self.pending = self.pending, NO_PROPOSAL
         full = accepted == len(prop.tokens)
+        if prop.tokens:
+            r = RATE_ALPHA * accepted / len(prop.tokens)
+            if prop.source is Source.LOOKUP:
+                self.lookup_rate = (1 - RATE_ALPHA) * self.lookup_rate + r
+            else:
+                self.rate = (1 - RATE_ALPHA) * self.rate + r
+                self.weak = self.weak and accepted == 0
         if prop.source is Source.LOOKUP:
             self.accepted_lookup += accepted
             self.lookup_rung = min(self.lookup_rung + 1, len(LADDER) - 1) if full else 0
@@ -183,6 +205,7 @@ class Draft:
             # continuation right after it (a one-word substitution), with a short proposal.
             self.pos = p + k + 1
             self.rung = RUNG_AFTER_SUBSTITUTION
+            self.weak = True
 
     def realign(self, generated: list[int]) -> int | None:
         """The draft index after the longest (3..1) suffix of `generated` found in the draft:
@@ -199,5 +222,6 @@ class Draft:
                 if not after:
                     continue
             self.rung = RUNG_AFTER_MATCH[n]
+            self.weak = n == 1
             return after[0] if after else ends[-1]
         return None
