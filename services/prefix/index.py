@@ -27,7 +27,7 @@ from services.prefix.tree import BlockTree, bits
 
 MAX_REPLICAS = 64
 # Measured by benchmarks/prefix_index.py (tracemalloc); used for the Stats estimate only.
-APPROX_BYTES_PER_NODE = 220
+APPROX_BYTES_PER_NODE = 210
 
 
 class Load(NamedTuple):
