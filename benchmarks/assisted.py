@@ -178,14 +178,14 @@ def replay(prompt: list[int], answer: list[int], draft: list[int]) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.assisted")
-    ap.add_argument("--quick", action="store_true", help="reduced run (<= ~4 minutes)")
+    ap.add_argument("--quick", action="store_true", help="reduced run (~5 minutes)")
     ap.add_argument("--candidates", type=int, default=0,
-                    help="near-miss pairs to answer (default 12 quick / 40)")
+                    help="near-miss pairs to answer (default 10 quick / 24)")
     ap.add_argument("--min-timed", type=int, default=0,
                     help="pairs to time at least (default 3 quick / 10)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    n = args.candidates or (12 if args.quick else 40)
+    n = args.candidates or (10 if args.quick else 24)
     min_timed = args.min_timed or (3 if args.quick else 10)
     out_path = args.out or RESULTS / ("assisted-quick.json" if args.quick else "assisted.json")
 

@@ -4,11 +4,11 @@ A `Draft` holds a cached near-miss answer (token ids) for one sequence and propo
 that the sequence's next forward verifies. Two sources, tried in order:
 
  1. The draft, while aligned: `pos` is the draft index expected next. After a mismatch it is
-    re-aligned by looking up the last 3, 2 or 1 generated tokens in the draft; the nearest match
+    re-aligned by looking up the last 4, 3, 2 or 1 generated tokens in the draft; the nearest match
     after the point reached so far wins (a single token only counts just after it), and a
     single substituted token resumes the draft right after the token it replaced.
  2. The sequence's own context (prompt + generated tokens), when the draft has nothing aligned:
-    the last 3 or 2 tokens are looked up among earlier positions and what followed their most
+    the last 4, 3 or 2 tokens are looked up among earlier positions and what followed their most
     recent occurrence is proposed (prompt-lookup decoding): answers repeat names and phrases of
     the question and of themselves.
 
@@ -30,14 +30,14 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-NGRAM_MAX = 3  # longest suffix of the generated tokens looked up in the draft or the context
-NGRAM1_WINDOW = 8  # a single-token match only counts this close after the last aligned spot
+NGRAM_MAX = 4  # longest suffix of the generated tokens looked up in the draft or the context
+NGRAM1_WINDOW = 4  # a single-token match only counts this close after the last aligned spot
 LOOKUP_MIN = 2  # shortest context suffix that prompt lookup trusts
 LADDER = (1, 2, 16)  # proposal lengths (see the module docstring for why these)
-RUNG_AFTER_MATCH = {1: 1, 2: 1, 3: 2}  # rung after re-aligning on an n-gram of this length
+RUNG_AFTER_MATCH = {1: 1, 2: 1, 3: 2}  # rung after re-aligning on an n-gram (3 = 3 or more)
 RUNG_AFTER_SUBSTITUTION = 0  # rung after resuming past a substituted token
 RUNG_AFTER_MISS = (0, 1)  # rung after a proposal with none / some tokens accepted
-LOOKUP_RUNG = {2: 0, 3: 1}  # first lookup rung by the length of the matched context suffix
+LOOKUP_RUNG = {2: 0, 3: 1}  # first lookup rung by the matched context suffix (3 = 3 or more)
 RATE_ALPHA = 0.3  # weight of the newest proposal in a source's acceptance rate
 WEAK_RATE_MIN = 0.2  # below this draft acceptance rate, weak alignments propose nothing
 LOOKUP_RATE_MIN = 0.3  # below this lookup acceptance rate, 2-token context matches are ignored
@@ -152,7 +152,7 @@ class Draft:
                 break
             if len(ends) >= 2 and ends[-1] == n_ctx:
                 e = ends[-2]
-                g = min(LADDER[max(self.lookup_rung, LOOKUP_RUNG[n])], limit)
+                g = min(LADDER[max(self.lookup_rung, LOOKUP_RUNG[min(n, 3)])], limit)
                 return Proposal(context[e:e + g], Source.LOOKUP)
         return NO_PROPOSAL
 
@@ -208,7 +208,7 @@ class Draft:
             self.weak = True
 
     def realign(self, generated: list[int]) -> int | None:
-        """The draft index after the longest (3..1) suffix of `generated` found in the draft:
+        """The draft index after the longest (4..1) suffix of `generated` found in the draft:
         the nearest match at or after `hint`, else (n >= 2) the last one before it."""
         for n in range(min(NGRAM_MAX, len(generated)), 0, -1):
             # A match at the very end of the draft proposes nothing.
@@ -221,7 +221,7 @@ class Draft:
                 after = [e for e in after if e <= self.hint + NGRAM1_WINDOW]
                 if not after:
                     continue
-            self.rung = RUNG_AFTER_MATCH[n]
+            self.rung = RUNG_AFTER_MATCH[min(n, 3)]
             self.weak = n == 1
             return after[0] if after else ends[-1]
         return None
