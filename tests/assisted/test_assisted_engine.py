@@ -258,3 +258,19 @@ def test_draft_gamma_ladder_and_prompt_lookup_unit() -> None:
     assert d.propose(ctx, 16) == [9, 5]  # fully accepted: the next rung
     assert d.accepted == 1 and d.accepted_lookup == 1 and d.proposed == 1
     assert Draft.of([200], self_lookup=False).propose([], 16) == [200]
+
+
+def test_a_failing_draft_proposes_only_on_solid_matches_unit() -> None:
+    d = Draft.of([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], self_lookup=False)
+    gen: list[int] = []
+    sizes = []
+    for t in [50, 51, 52, 53, 54, 55, 56]:  # the model never agrees with the draft
+        sizes.append(len(d.propose([0] + gen, 16)))
+        gen.append(t)
+        d.update(0, [t], gen)
+    # Substitution guesses keep it aligned, but once its rate is low they propose nothing.
+    assert sizes[0] == 10 and sizes[1] == 1 and sizes[-1] == 0
+    assert d.pos is not None and d.weak and d.rate < 0.2
+    gen += [6, 7]  # a 2-gram of the draft: solid evidence, proposals resume
+    d.update(0, [6, 7], gen)
+    assert d.propose([0] + gen, 16) == [8, 9]
