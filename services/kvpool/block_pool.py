@@ -102,11 +102,14 @@ class BlockPool:
         hasher: the chained block hasher (model id + hash key).
         policy: orders eviction candidates (default HybridPolicy).
         clock: monotonic time source (tests pass a fake one).
+        record_events: False = emit no events (a replica that publishes to no prefix index
+            would otherwise keep every event it never hands to anyone).
     """
 
     def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher,
                  policy: EvictionPolicy | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, *,
+                 record_events: bool = True) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be > 0")
         if hasher.block_size != block_size:
@@ -116,6 +119,7 @@ class BlockPool:
         self.hasher = hasher
         self.policy = policy or HybridPolicy()
         self.clock = clock
+        self.record_events = record_events
         self._blocks = [_Block() for _ in range(num_blocks)]
         self._free: deque[int] = deque(range(num_blocks))
         self._table: dict[bytes, int] = {}
@@ -372,7 +376,7 @@ class BlockPool:
                 out.append(bid)
         if removed:
             self.evictions_total += len(removed)
-            self._events.append(BlocksRemoved(removed))
+            self._emit(BlocksRemoved(removed))
         return out
 
     def clear(self) -> int:
@@ -389,12 +393,16 @@ class BlockPool:
                 self._free.append(bid)
                 dropped += 1
         if not self._table:
-            self._events.append(AllCleared())
+            self._emit(AllCleared())
         elif removed:
-            self._events.append(BlocksRemoved(removed))
+            self._emit(BlocksRemoved(removed))
         return dropped
 
     # ---- events ----------------------------------------------------------------------------
+
+    def _emit(self, ev: PoolEvent) -> None:
+        if self.record_events:
+            self._events.append(ev)
 
     def take_events(self) -> list[PoolEvent]:
         """Events since the last call, in order."""
@@ -521,6 +529,8 @@ class BlockPool:
 
     def _emit_stored(self, t: _Table, start: int, hashes: list[bytes], token_ids: Sequence[int],
                      first_hash: bytes) -> None:
+        if not self.record_events:
+            return
         bs = self.block_size
         parent = self._blocks[t.blocks[start - 1]].hash if start else None
         toks = list(token_ids[start * bs:(start + len(hashes)) * bs])

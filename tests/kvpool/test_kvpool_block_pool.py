@@ -268,3 +268,13 @@ def test_random_interleavings_match_a_naive_reference(ops) -> None:
         pool.close(s)
     pool.check_integrity()
     assert pool.stats().in_use == 0
+
+
+def test_a_pool_that_records_no_events_still_caches() -> None:
+    hasher = BlockHasher("m", BS, key=b"k")
+    pool = BlockPool(8, BS, hasher, record_events=False)
+    run_seq(pool, "a", X)
+    assert pool.take_events() == [] and pool.match(X, "") == [0, 1, 2]
+    pool.clear()
+    assert pool.take_events() == []
+    pool.check_integrity()

@@ -200,3 +200,14 @@ def test_concurrent_streams_over_grpc(served, tiny_model) -> None:
     assert time.monotonic() - t0 < 30
     for i, p in enumerate(prompts):
         assert results[i] == reference_greedy(tiny_model, p, 12)
+
+
+def test_a_replica_without_prefix_index_keeps_no_events(served) -> None:
+    """Events exist for the publisher; with no prefix index nobody takes them, so none pile up
+    (a long-running replica would otherwise grow that list forever)."""
+    assert not CFG.prefix_address
+    for i in range(3):
+        gen(served.stub, [i + 1, *PROMPT], max_tokens=4)
+    eng = served.replica.engine
+    assert eng.call(lambda: eng.pool.stats().cached).result(5) > 0  # blocks were cached...
+    assert eng.take_events() == [] and eng.call(eng.pool.take_events).result(5) == []
