@@ -31,6 +31,12 @@ Figures (ratios are measured within one run; the machine is shared and noisy):
                             greedy answer, which must reproduce the served forward counts
                             (`replay_matches_server`)
   unrelated_slowdown        wall with an unrelated draft / without, over all timed pairs
+Context figures, computed from the greedy answers, not timed:
+  forward_passes_per_token_draft_only_replayed  the same replay with prompt lookup off
+  forward_passes_per_token_ngram_oracle         the best an n-gram drafter could do on these
+                            pairs: after every forward it re-aligns on the longest (4..1) suffix
+                            match and picks, with hindsight, the matching draft position that
+                            agrees longest; proposals are free (`ngram_oracle_passes`)
 Greedy outputs with and without a draft are compared token by token (`identical_outputs`).
 
 Run: python -m benchmarks.assisted [--quick]
@@ -154,13 +160,14 @@ def share(draft: list[int], answer: list[int]) -> float:
     return sum((Counter(draft) & Counter(answer)).values()) / len(answer)
 
 
-def replay(prompt: list[int], answer: list[int], draft: list[int]) -> dict[str, int]:
+def replay(prompt: list[int], answer: list[int], draft: list[int],
+           self_lookup: bool = True) -> dict[str, int]:
     """The replica's drafting logic run against a known greedy answer (greedy verification
     accepts exactly the proposal's prefix that equals the answer): forward passes and accepted
     tokens by source, as the engine counts them for one sequence decoded alone."""
     from services.kvpool.drafting import Draft
 
-    d = Draft.of(draft)
+    d = Draft.of(draft, self_lookup)
     gen: list[int] = []
     passes = -1  # the first proposal rides on the prefill forward, which is not counted
     while len(gen) < len(answer):
@@ -174,6 +181,32 @@ def replay(prompt: list[int], answer: list[int], draft: list[int]) -> dict[str, 
         d.record(a)
         d.advance(emitted, gen)
     return {"passes": passes, "accepted": d.accepted, "accepted_lookup": d.accepted_lookup}
+
+
+def ngram_oracle_passes(answer: list[int], draft: list[int], max_n: int = 4) -> int:
+    """Decode forwards an n-gram drafter would need at best: before each forward it aligns on
+    the longest (max_n..1) suffix of the answer so far found in the draft and, among the
+    matching draft positions, proposes from the one that turns out to agree longest (chosen
+    with hindsight, at most MAX_DRAFT_TOKENS); proposals cost nothing and lookup is not used."""
+    def agree(t: int, j: int) -> int:
+        k = 0
+        while (k < MAX_DRAFT_TOKENS and t + k < len(answer) and j + k < len(draft)
+               and draft[j + k] == answer[t + k]):
+            k += 1
+        return k
+
+    t, passes = 0, -1  # the first proposal rides on the prefill forward
+    while t < len(answer):
+        best = agree(0, 0) if t == 0 else 0
+        for n in range(min(max_n, t), 0, -1):
+            key = answer[t - n:t]
+            js = [j for j in range(n, len(draft)) if draft[j - n:j] == key]
+            if js:
+                best = max(agree(t, j) for j in js)
+                break
+        t += best + 1
+        passes += 1
+    return passes
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -232,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 runs[kind] = cli.generate(ids, d)
             plain = runs["plain"]
             rep = replay(ids, plain.tokens, drafts[i])
+            draft_only = replay(ids, plain.tokens, drafts[i], self_lookup=False)
             rows.append({
                 "pair": i, "cosine": pairs[i].cosine, "b_tokens": len(plain.tokens),
                 "share": round(share(drafts[i], plain.tokens), 3),
@@ -243,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
                 "passes_unrelated": runs["unrelated"].forward_passes,
                 "proposed": runs["draft"].proposed, "accepted": runs["draft"].accepted,
                 "accepted_lookup": rep["accepted_lookup"],
+                "passes_draft_only_replayed": draft_only["passes"],
+                "passes_ngram_oracle": ngram_oracle_passes(plain.tokens, drafts[i]),
                 "replay_matches": rep["passes"] == runs["draft"].forward_passes
                 and rep["accepted"] == runs["draft"].accepted,
                 "unrelated_proposed": runs["unrelated"].proposed,
@@ -279,6 +315,10 @@ def main(argv: list[str] | None = None) -> int:
         "forward_passes_per_token": ratio(total(near, "passes_draft"), total(near, "b_tokens")),
         "forward_passes_per_token_without_draft": ratio(total(near, "passes_plain"),
                                                         total(near, "b_tokens")),
+        "forward_passes_per_token_draft_only_replayed": ratio(
+            total(near, "passes_draft_only_replayed"), total(near, "b_tokens")),
+        "forward_passes_per_token_ngram_oracle": ratio(total(near, "passes_ngram_oracle"),
+                                                       total(near, "b_tokens")),
         "acceptance_rate": ratio(total(near, "accepted"), total(near, "proposed")),
         "draft_coverage": ratio(total(near, "accepted") - total(near, "accepted_lookup"),
                                 total(near, "b_tokens")),
