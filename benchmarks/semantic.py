@@ -25,8 +25,6 @@ precision does not depend on load) and keeps the other parts' figures from the e
 from __future__ import annotations
 
 import argparse
-import csv
-import hashlib
 import json
 import os
 import random
@@ -46,10 +44,16 @@ from services.semantic.config import SemanticConfig, default_cache_dir
 from services.semantic.embedder import OnnxEmbedder
 from services.semantic.fit_verifier import PairSet, cross_validate, featurise
 from services.semantic.guard import ParaphraseGuard
+from services.semantic.labelled_data import (  # noqa: F401 (re-exported for older callers)
+    DATA,
+    embed_all,
+    load_paws,
+    load_qqp,
+    load_stsb_zh,
+)
 from services.semantic.verifier import FEATURES, _text
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = Path(os.environ.get("TIERCACHE_DATA_DIR", ROOT.parent / "shared" / "data"))
 RESULTS = Path(__file__).resolve().parent / "results"
 TIERS = {"strict": 0.97, "standard": 0.95, "relaxed": 0.90}
 
@@ -60,61 +64,6 @@ def log(msg: str) -> None:
 
 def pct(xs, q: float) -> float:
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q)) if len(xs) else float("nan")
-
-
-def embed_all(emb: OnnxEmbedder, texts: list[str], batch: int = 64) -> np.ndarray:
-    """Embeds many texts, batching texts of similar length together.
-
-    Large inputs are cached on disk under <cache dir>/bench, keyed by the ONNX model's
-    fingerprint and the texts, so a rerun does not spend minutes re-embedding the same data
-    (embedding speed is measured separately, in `bench_embed`)."""
-    path = None
-    if len(texts) >= 2000:
-        h = hashlib.blake2b(emb.fingerprint.encode(), digest_size=12)
-        for t in texts:
-            h.update(t.encode() + b"\0")
-        path = Path(default_cache_dir()) / "bench" / f"semantic-emb-{h.hexdigest()}.npy"
-        if path.is_file():
-            return np.load(path)
-    out = np.zeros((len(texts), emb.dim), np.float32)
-    order = np.argsort([len(t) for t in texts], kind="stable")
-    for i in range(0, len(texts), batch):
-        idx = order[i:i + batch]
-        out[idx] = emb.embed([texts[j] for j in idx])
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(tmp, out)
-        os.replace(tmp, path)
-    return out
-
-
-# ---- data -----------------------------------------------------------------------------------
-
-def load_qqp() -> list[tuple[str, str, int]]:
-    with open(DATA / "qqp_val.csv", newline="") as f:
-        return [(r["question1"], r["question2"], int(r["is_duplicate"]))
-                for r in csv.DictReader(f)]
-
-
-def load_paws() -> list[tuple[str, str, int]]:
-    rows = []
-    with open(DATA / "paws_wiki_dev.tsv") as f:
-        for line in f:
-            p = line.rstrip("\n").split("\t")
-            if len(p) == 4:
-                rows.append((p[1], p[2], int(p[3])))
-    return rows
-
-
-def load_stsb_zh() -> list[tuple[str, str, float]]:
-    rows = []
-    with open(DATA / "stsb_zh_valid.tsv") as f:
-        for line in f:
-            p = line.rstrip("\n").split("\t")
-            if len(p) == 3:
-                rows.append((p[0], p[1], float(p[2])))
-    return rows
 
 
 # ---- 1. embedding speed ---------------------------------------------------------------------

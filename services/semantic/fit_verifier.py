@@ -127,9 +127,9 @@ def cross_validate(data: PairSet, folds: int = 5, seed: int = 0) -> tuple[np.nda
 
 def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, str, int]]]:
     """QQP + PAWS as a PairSet (embedding with the configured model; cached on disk)."""
-    from benchmarks.semantic import embed_all, load_paws, load_qqp
     from services.semantic.config import SemanticConfig, default_cache_dir
     from services.semantic.embedder import OnnxEmbedder
+    from services.semantic.labelled_data import embed_all, load_paws, load_qqp
 
     cfg = SemanticConfig()
     emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.model_name)
