@@ -249,8 +249,10 @@ def test_dependency_slower_than_its_deadline_is_skipped(stack, dep):
 
 
 def test_client_deadline_shorter_than_the_generation(stack):
-    futs, pool = load(stack, 4, max_tokens=16, timeout=1.5, stagger_s=0.0)
-    results = finish(futs, pool, 1.5)
+    # 8 concurrent 16-token generations take well over a second here even on a quiet machine
+    # (4 of them took ~1.3 s each): a 0.4 s deadline cuts some of them off mid-generation.
+    futs, pool = load(stack, 8, max_tokens=16, timeout=0.4, stagger_s=0.0)
+    results = finish(futs, pool, 0.4)
     assert any(r.code == "DEADLINE_EXCEEDED" for r in results), results
     after_fault(stack)
 
