@@ -56,21 +56,23 @@ def load_qqp() -> list[tuple[str, str, int]]:
                 for r in csv.DictReader(f)]
 
 
+def _tsv(name: str, columns: int) -> list[list[str]]:
+    """Rows of a tab-separated data file that have exactly `columns` fields."""
+    with open(DATA / name, encoding="utf-8") as f:
+        return [p for p in (line.rstrip("\n").split("\t") for line in f) if len(p) == columns]
+
+
 def load_paws() -> list[tuple[str, str, int]]:
-    rows = []
-    with open(DATA / "paws_wiki_dev.tsv") as f:
-        for line in f:
-            p = line.rstrip("\n").split("\t")
-            if len(p) == 4:
-                rows.append((p[1], p[2], int(p[3])))
-    return rows
+    """PAWS-Wiki dev pairs (sentence1, sentence2, label 0/1); malformed rows are skipped."""
+    return [(p[1], p[2], int(p[3])) for p in _tsv("paws_wiki_dev.tsv", 4) if p[3].isdigit()]
 
 
 def load_stsb_zh() -> list[tuple[str, str, float]]:
-    rows = []
-    with open(DATA / "stsb_zh_valid.tsv") as f:
-        for line in f:
-            p = line.rstrip("\n").split("\t")
-            if len(p) == 3:
-                rows.append((p[0], p[1], float(p[2])))
-    return rows
+    """Chinese STS-B validation pairs (sentence1, sentence2, score 0-5)."""
+    out = []
+    for p in _tsv("stsb_zh_valid.tsv", 3):
+        try:
+            out.append((p[0], p[1], float(p[2])))
+        except ValueError:  # malformed score: skip the row
+            continue
+    return out
