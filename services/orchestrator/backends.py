@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -55,6 +56,9 @@ class Replica:
     stats: kvpool_pb2.KvStatsResponse | None = None
     inflight: int = 0
     slow_polls: int = 0
+    # Called when the poller declares the replica unhealthy: in-flight calls on it cancel
+    # themselves and fail over (a hung replica would otherwise hold them to their deadline).
+    watchers: set[Callable[[], None]] = field(default_factory=set)
 
     @property
     def load(self) -> float:
@@ -98,6 +102,28 @@ class ReplicaSet:
                 r.slow_polls += 1
                 if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or r.slow_polls >= 3:
                     r.health.fail(e)
+                    self._notify_down(r)
+
+    def _notify_down(self, r: Replica) -> None:
+        with self._lock:
+            watchers = list(r.watchers)
+        if watchers:
+            log.warning("replica %s is down: failing over %d in-flight request(s)",
+                        r.replica_id, len(watchers))
+        for fn in watchers:
+            try:
+                fn()
+            except Exception:  # a watcher must not stop the poller
+                log.exception("replica-down watcher failed")
+
+    def watch(self, r: Replica, fn: Callable[[], None]) -> None:
+        """Call `fn` if the poller declares `r` down (until `unwatch`)."""
+        with self._lock:
+            r.watchers.add(fn)
+
+    def unwatch(self, r: Replica, fn: Callable[[], None]) -> None:
+        with self._lock:
+            r.watchers.discard(fn)
 
     def start(self) -> None:
         self.poll_once()

@@ -229,11 +229,16 @@ class Orchestrator:
                 draft_token_ids=draft_ids[len(generated):] if draft_ids else [],
                 model_id=self.model_id)
             self.replicas.begin(replica)
+            watcher: Callable[[], None] | None = None
             try:
                 call = replica.stub.Generate(req, timeout=remaining,
                                              metadata=call_metadata(self.internal_token)
                                              + [("x-request-id", request_id)])
                 current["call"] = call
+                # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
+                # ends CANCELLED, which fails over below like any lost replica.
+                watcher = call.cancel
+                self.replicas.watch(replica, watcher)
                 if cancelled.is_set():
                     call.cancel()
                 for msg in call:
@@ -271,6 +276,8 @@ class Orchestrator:
                         f"kvpool replicas failed {attempts} times; last: {e.details()}") from None
                 continue
             finally:
+                if watcher is not None:
+                    self.replicas.unwatch(replica, watcher)
                 current.pop("call", None)
                 self.replicas.end(replica)
 

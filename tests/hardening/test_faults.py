@@ -232,6 +232,27 @@ def test_hung_replica_requests_end_within_their_deadline(stack):
     assert one_request(stack.orch.address, 7, timeout=60, max_tokens=4).code == "OK"
 
 
+def test_hung_replica_is_failed_over_before_the_deadline(stack):
+    """A replica that stops answering (SIGSTOP: connections accepted, nothing served) is
+    declared down by the orchestrator's poller after three unanswered Stats (~15-20 s); the
+    requests stuck on it are cancelled there and finish on the other replica, long before
+    their 90 s deadline, with the same greedy tokens as anywhere else."""
+    victim = stack.kv[0]
+    os.kill(victim.proc.pid, signal.SIGSTOP)
+    try:
+        # Four at once: the bounded-load cap sends at least one to the hung replica.
+        futs, pool = load(stack, 4, max_tokens=8, timeout=90, stagger_s=0.0)
+        results = finish(futs, pool, 90)
+    finally:
+        os.kill(victim.proc.pid, signal.SIGCONT)
+    assert all(r.code == "OK" and r.tokens == 8 for r in results), results
+    moved = [r for r in results if r.route in ("retry", "resume")]
+    assert moved, results  # someone was on the hung replica and got moved
+    assert max(r.seconds for r in moved) < 45, results  # detection, not the deadline
+    after_fault(stack)
+    assert one_request(stack.orch.address, 9, timeout=60, max_tokens=4).code == "OK"
+
+
 @pytest.mark.parametrize("dep", ["semantic", "prefix"])
 def test_dependency_slower_than_its_deadline_is_skipped(stack, dep):
     """A hung semantic tier (2 s budget) or index (1 s budget): requests still complete well
