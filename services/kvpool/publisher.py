@@ -80,8 +80,7 @@ class Publisher:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.registered = False
-        self.next_seq = 1
-        self.last_seq = 0
+        self.last_seq = 0  # the newest batch number any shard accepted (Stats shows it)
         self.resyncs = 0
         self._backlog: list[PoolEvent] = []
         self._need_resync = True
@@ -139,12 +138,11 @@ class Publisher:
 
     def _register(self) -> None:
         s = self.engine.stats()
-        out = self._client.register(self.replica_id, self.incarnation, self.public_address,
-                                    self.model_id, self.engine.pool.block_size,
-                                    s.blocks_total,
-                                    hash_probe=self.engine.pool.hasher.probe())
+        # The client keeps each shard's batch numbers from here on.
+        self._client.register(self.replica_id, self.incarnation, self.public_address,
+                              self.model_id, self.engine.pool.block_size, s.blocks_total,
+                              hash_probe=self.engine.pool.hasher.probe())
         self.registered = True
-        self.next_seq = min(out.next_seq.values(), default=1) or 1
         self._need_resync = True
         log.info("registered with prefix index %s as %s/%s", self.address, self.replica_id,
                  self.incarnation)
@@ -173,7 +171,6 @@ class Publisher:
                                           [to_proto(e) for e in events], resync=resync)
         if out.sent:
             self.last_seq = max(out.sent.values())
-            self.next_seq = self.last_seq + 1
         if out.resync:
             log.info("prefix index shard(s) %s asked for a resync", ", ".join(out.resync_shards))
             self._need_resync = True
