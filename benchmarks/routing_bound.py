@@ -31,41 +31,42 @@ from collections import Counter
 from pathlib import Path
 
 from benchmarks import simulate as sim
-from services.orchestrator.routing import RouteDecision
+from services.orchestrator.routing import RouteDecision, RoutingPolicy
 
 OUT = Path(__file__).resolve().parent / "results" / "routing_bound.json"
 POLICIES = ("round_robin", "session_ring", "tiercache", "oracle_partition")
 
 
+class OraclePolicy(RoutingPolicy):
+    """Sends each session to the replica that owns its system prompt (fixed in advance)."""
+
+    def __init__(self, owner_of_session: dict[str, str]) -> None:
+        self.owner_of_session = owner_of_session
+
+    def choose(self, replicas, matches, key, exclude=frozenset()):
+        owner = self.owner_of_session[key]
+        return RouteDecision(owner, "oracle", matches.get(owner, 0))
+
+
 class OracleCluster(sim.Cluster):
-    """Routes each request to its system prompt's owner, fixed in advance from the trace."""
+    """The simulated cluster with `OraclePolicy`, its partition computed from the whole trace."""
 
     def __init__(self, cfg: sim.SimConfig, rates: sim.Rates, bytes_per_node: float) -> None:
         super().__init__(cfg, "tiercache", rates, bytes_per_node)
         self.name = "oracle_partition"
-        self.owner: dict[tuple[int, ...], str] = {}
-        self._session_owner: str | None = None
 
     def run(self, firsts, duration, progress=None, check_every=0):
         served: Counter[tuple[int, ...]] = Counter()
         for _, s in firsts:
             served[tuple(s.system)] += s.turns * len(s.system)
         load = {r.rid: 0 for r in self.replicas}
+        owner: dict[tuple[int, ...], str] = {}
         for prompt, tokens in served.most_common():
             rid = min(sorted(load), key=load.__getitem__)
-            self.owner[prompt] = rid
+            owner[prompt] = rid
             load[rid] += tokens
+        self.policy = OraclePolicy({s.sid: owner[tuple(s.system)] for _, s in firsts})
         return super().run(firsts, duration, progress, check_every)
-
-    def _arrive(self, now, s):
-        owner = self.owner[tuple(s.system)]
-        real = self.policy.choose
-        self.policy.choose = lambda views, matches, key, exclude=frozenset(): RouteDecision(
-            owner, "oracle", matches.get(owner, 0))
-        try:
-            super()._arrive(now, s)
-        finally:
-            self.policy.choose = real
 
 
 def run_one(cfg: sim.SimConfig, policy: str, rates: sim.Rates, bpn: float) -> dict:
