@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import os
 import platform
 import sys
@@ -56,7 +55,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.kvpool import start_server, stop_server
+from benchmarks.kvpool import start_server, stop_server, write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -356,12 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         "pairs": rows,
         "elapsed_s": round(time.time() - t0, 1),
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=2) + "\n")
-    for name, v in targets.items():
-        print(f"{name:28s} {v['value']!s:>8} target {v['target']:>8}  "
-              f"{'met' if v['met'] else 'NOT met'}")
-    print(f"wrote {out_path} in {result['elapsed_s']:.0f} s")
+    write_result(out_path, result)
     return 0
 
 

@@ -492,13 +492,20 @@ def main(argv: list[str] | None = None) -> int:
         "targets": verdicts(figures),
         "elapsed_s": time.time() - t0,
     }
+    write_result(out_path, result)
+    return 0
+
+
+def write_result(out_path: Path, result: dict) -> None:
+    """Write a benchmark's JSON and print its `targets` (value, target, met) one per line."""
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    for name, v in result["targets"].items():
-        print(f"{name:45s} {v['value']!s:>24} target {v['target']:>8}  "
+    targets = result["targets"]
+    width = max((len(name) for name in targets), default=0)
+    for name, v in targets.items():
+        print(f"{name:{width}s} {v['value']!s:>24} target {v['target']:>8}  "
               f"{'met' if v['met'] else 'NOT met'}")
     print(f"wrote {out_path} in {result['elapsed_s']:.0f} s")
-    return 0
 
 
 if __name__ == "__main__":
