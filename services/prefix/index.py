@@ -547,20 +547,29 @@ class PrefixIndex:
         if not segments:
             return MatchResult([r.zero for r in reps], len(hashes), bs)  # type: ignore[misc]
         if len(segments) == 1:
+            # Every holder matched the same length: already in load order, nothing to sort.
             holders, blocks = segments[0]
-            hit = [_new(ReplicaMatch, (r.replica_id, r.address, blocks, blocks * bs, r.load))
-                   for r in reps if holders >> r.bit & 1]
-            zero = [r.zero for r in reps if not holders >> r.bit & 1]
-        else:
+            tokens = blocks * bs
             hit, zero = [], []
-            for rep in reps:
-                for holders, blocks in segments:
-                    if holders >> rep.bit & 1:
-                        hit.append(_new(ReplicaMatch, (rep.replica_id, rep.address, blocks,
-                                                       blocks * bs, rep.load)))
-                        break
+            for r in reps:
+                if holders >> r.bit & 1:
+                    hit.append(_new(ReplicaMatch, (r.replica_id, r.address, blocks, tokens,
+                                                   r.load)))
                 else:
-                    zero.append(rep.zero)
+                    zero.append(r.zero)
+            self.matches_hit += 1
+            self.match_blocks_hit += blocks
+            hit += zero
+            return _new(MatchResult, (hit, len(hashes), bs))
+        hit, zero = [], []
+        for rep in reps:
+            for holders, blocks in segments:
+                if holders >> rep.bit & 1:
+                    hit.append(_new(ReplicaMatch, (rep.replica_id, rep.address, blocks,
+                                                   blocks * bs, rep.load)))
+                    break
+            else:
+                zero.append(rep.zero)
         if len(hit) > 1:
             hit.sort(key=_blocks, reverse=True)  # stable: ties stay in load order
         self.matches_hit += 1

@@ -40,6 +40,7 @@ from array import array
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
+from services.common.hashing import pack_tokens
 from services.common.policy import BlockUsage, EvictionPolicy
 
 NIL = -1  # no slot
@@ -236,14 +237,10 @@ class BlockTree:
 
     def _pack(self, part: Sequence[int]) -> list[bytes]:
         """Token planes of `part` (widening the tree's planes if a token needs 32 bits)."""
-        wide = array("I")  # fromlist on "I" is a fast C loop ("H" parses every item)
-        wide.fromlist(part if type(part) is list else list(part))
-        if _BIG:
-            wide.byteswap()
-        raw = wide.tobytes()
+        n = len(part)
+        raw = pack_tokens(part, n)  # little-endian uint32 (the C packer when built)
         planes = self._planes
         if len(planes) == 2:
-            n = len(wide)
             if raw[2::4].count(0) == n and raw[3::4].count(0) == n:
                 return [raw[0::4], raw[1::4]]
             size = len(planes[0])
