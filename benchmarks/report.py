@@ -518,12 +518,19 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
         L.append("")
         rows = []
         for name, t in sem.data.get("quality", {}).get("tiers", {}).items():
-            for g in ("guard_off", "guard_on"):
-                x = t.get(g, {})
-                rows.append([name, t.get("threshold"), g.replace("guard_", "guard "),
+            # guard off / guard on / the learned verifier (guard + P(same) cut, out-of-fold):
+            # the last is what the default config serves.
+            for g, label in (("guard_off", "guard off"), ("guard_on", "guard on"),
+                             ("verifier", "guard + verifier (5-fold CV)")):
+                x = t.get(g)
+                if not x:
+                    continue
+                if t.get("default") == g:
+                    label += ", default"
+                rows.append([name, t.get("threshold"), label,
                              x.get("qqp_precision"), x.get("qqp_recall"),
                              x.get("paws_false_hit_rate"), x.get("paws_paraphrase_hit_rate")])
-        L.append(_table(["tier", "threshold", "guard", "QQP precision", "QQP recall",
+        L.append(_table(["tier", "threshold", "check", "QQP precision", "QQP recall",
                          "PAWS false-hit rate", "PAWS paraphrase hit rate"], rows))
         png = plot_semantic(sem, made)
         if png:
