@@ -8,25 +8,13 @@ from __future__ import annotations
 
 import random
 import shutil
-from hashlib import blake2b
 
 import numpy as np
 import pytest
 
 from services.common import hashing
 from services.common.hashing import BlockHasher
-
-
-def _plain(key: bytes, model: str, bs: int, tokens: list[int], salt: str) -> list[bytes]:
-    h0 = blake2b(b"tiercache/v1\x00" + model.encode() + b"\x00" + salt.encode(), key=key,
-                 digest_size=16).digest()
-    out, prev = [], h0
-    for i in range(len(tokens) // bs):
-        data = b"".join(t.to_bytes(4, "little") for t in tokens[i * bs : (i + 1) * bs])
-        prev = blake2b(prev + data, key=key, digest_size=16).digest()
-        out.append(prev)
-    return out
-
+from tests.prefix.test_prefix_ring_hashing import _plain
 
 native = pytest.mark.skipif(hashing._blockhash is None, reason="C extension not built")
 
@@ -54,23 +42,18 @@ def test_chain_equals_hashlib_for_block_sizes_that_span_compressions(bs: int):
 
 
 @native
-def test_every_memo_path_agrees_with_and_without_the_extension():
+def test_spans_the_c_path_remembers_map_to_their_hashes():
+    """The memo entries written after a C chain: (parent ‖ 8 packed blocks) -> their hashes
+    (every hashing path is compared with the definition in test_prefix_ring_hashing)."""
     rng = random.Random(11)
     fast = BlockHasher("m", 16, b"key", memo_blocks=64)  # tiny: generations turn over often
-    slow = BlockHasher("m", 16, b"key", memo_blocks=64, native=False)
+    slow = BlockHasher("m", 16, b"key", memo_blocks=0, native=False)
     assert fast._chain is not None and slow._chain is None
     base = [rng.randrange(200_000) for _ in range(400)]
-    for _ in range(80):
+    for _ in range(40):
         toks = base[: rng.randrange(0, 400)] + [rng.randrange(200_000)
                                                 for _ in range(rng.randrange(0, 300))]
-        salt = rng.choice(["", "t1"])
-        want = _plain(b"key", "m", 16, toks, salt)
-        assert fast.hashes(toks, salt) == want
-        assert slow.hashes(toks, salt) == want
-        k = len(want) // 3
-        if k:
-            assert fast.hashes(toks[k * 16 :], parent=want[k - 1]) == want[k:]
-    # Spans the C path remembered map (parent ‖ 8 packed blocks) to those blocks' hashes.
+        assert fast.hashes(toks) == _plain(b"key", "m", 16, toks, "")
     memo = {**fast._old, **fast._young}
     assert len(memo) > 4
     for key, digests in memo.items():

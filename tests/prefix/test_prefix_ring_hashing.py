@@ -69,10 +69,12 @@ def _plain(key: bytes, model: str, bs: int, tokens: list[int], salt: str) -> lis
     return out
 
 
-def test_memoised_hasher_equals_the_definition():
+@pytest.mark.parametrize("native", [True, False], ids=["c-chain-if-built", "hashlib"])
+def test_memoised_hasher_equals_the_definition(native: bool):
     rng = random.Random(7)
-    memo = BlockHasher("m", 16, b"k", memo_blocks=64)  # tiny: generations turn over often
-    cold = BlockHasher("m", 16, b"k", memo_blocks=0)
+    # tiny memo: generations turn over often
+    memo = BlockHasher("m", 16, b"k", memo_blocks=64, native=native)
+    cold = BlockHasher("m", 16, b"k", memo_blocks=0, native=native)
     base = [rng.randrange(200_000) for _ in range(160)]
     for _ in range(60):
         toks = base[: rng.randrange(0, 160)] + [rng.randrange(200_000)
