@@ -15,11 +15,14 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.grpc_client import channel_credentials_from_env
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("semantic", "prefix", "kvpool", "orchestrator")
@@ -37,10 +40,17 @@ def service_exists(name: str) -> bool:
     return (ROOT / "services" / name / "__main__.py").exists()
 
 
-def wait_healthy(address: str, timeout: float, proc: subprocess.Popen | None = None) -> None:
-    """Block until the server at `address` reports SERVING (or raise TimeoutError)."""
+def wait_healthy(address: str, timeout: float, proc: subprocess.Popen | None = None,
+                 env: Mapping[str, str] | None = None) -> None:
+    """Block until the server at `address` reports SERVING (or raise TimeoutError).
+
+    Speaks TLS (with the client certificate, for mutual TLS) when `env` (default: this
+    process's environment) sets `TIERCACHE_TLS_CA`, as the services' own clients do.
+    """
     end = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as ch:
+    creds = channel_credentials_from_env(env)
+    with (grpc.secure_channel(address, creds) if creds is not None
+          else grpc.insecure_channel(address)) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < end:
             if proc is not None and proc.poll() is not None:
@@ -85,7 +95,7 @@ class ServiceProcess:
 
     def wait(self, timeout: float = 180.0) -> ServiceProcess:
         assert self.proc is not None
-        wait_healthy(self.address, timeout, self.proc)
+        wait_healthy(self.address, timeout, self.proc, {**os.environ, **self.env})
         return self
 
     def kill(self) -> None:
@@ -159,6 +169,24 @@ class Stack:
             p.stop()
 
 
+def tls_note() -> str:
+    return " (TLS, mutual when client certificates are set)" if os.environ.get(
+        "TIERCACHE_TLS_CA") else ""
+
+
+def grpcurl_transport() -> str:
+    """grpcurl's transport flags for this stack: the same variables the CLI reads."""
+    ca = os.environ.get("TIERCACHE_TLS_CA")
+    if not ca:
+        return "-plaintext"
+    flags = f"-cacert {ca}"
+    cert, key = (os.environ.get("TIERCACHE_TLS_CLIENT_CERT"),
+                 os.environ.get("TIERCACHE_TLS_CLIENT_KEY"))
+    if cert and key:
+        flags += f" -cert {cert} -key {key}"
+    return flags
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run the whole TierCache stack locally.")
     ap.add_argument("--replicas", type=int, default=int(os.environ.get("TIERCACHE_REPLICAS", 2)))
@@ -181,10 +209,10 @@ def main(argv: list[str] | None = None) -> int:
         orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
         grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
         print(f"""
-TierCache is up. Orchestrator: {orch}
+TierCache is up{tls_note()}. Orchestrator: {orch}
   CLI:      .venv/bin/tiercache --address {orch} chat "What is a KV cache?"
             .venv/bin/tiercache --address {orch} stats
-  grpcurl:  {grpcurl} -plaintext -d '{EXAMPLE_JSON}' \\
+  grpcurl:  {grpcurl} {grpcurl_transport()} -d '{EXAMPLE_JSON}' \\
               {orch} tiercache.v1.Orchestrator/Generate
 Ctrl-C stops everything.""", flush=True)
         while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):

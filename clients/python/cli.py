@@ -73,6 +73,22 @@ def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
     return 0
 
 
+def credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
+    """TLS when --ca is given (mutual TLS with --cert and --key); None = plaintext."""
+    if not a.ca:
+        if a.cert or a.key:
+            raise SystemExit("error: --cert/--key need --ca (TLS)")
+        return None
+    if bool(a.cert) != bool(a.key):
+        raise SystemExit("error: give --cert and --key together")
+    try:
+        read = [Path(x).read_bytes() if x else None for x in (a.ca, a.key, a.cert)]
+    except OSError as e:
+        raise SystemExit(f"error: cannot read TLS file: {e}") from None
+    return grpc.ssl_channel_credentials(root_certificates=read[0], private_key=read[1],
+                                        certificate_chain=read[2])
+
+
 def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
     from collections import Counter
 
@@ -81,7 +97,8 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
 
     w = load_trace(a.trace)
     tokens = dict(p.split("=", 1) for p in a.tenant_tokens.split(",") if "=" in p)
-    clients = {t: TierCacheClient(a.address, token=tokens.get(t, a.token), timeout=a.timeout)
+    clients = {t: TierCacheClient(a.address, token=tokens.get(t, a.token), timeout=a.timeout,
+                                  credentials=credentials(a))
                for t in w.system_prompts}
 
     def progress(done: int, total: int) -> None:
@@ -104,6 +121,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--address", default=os.environ.get("TIERCACHE_ADDRESS", "localhost:50051"))
     p.add_argument("--token", default=os.environ.get("TIERCACHE_TOKEN"))
     p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--ca", default=os.environ.get("TIERCACHE_TLS_CA"),
+                   help="CA bundle: speak TLS and verify the server (env TIERCACHE_TLS_CA)")
+    p.add_argument("--cert", default=os.environ.get("TIERCACHE_TLS_CLIENT_CERT"),
+                   help="client certificate for mutual TLS (env TIERCACHE_TLS_CLIENT_CERT)")
+    p.add_argument("--key", default=os.environ.get("TIERCACHE_TLS_CLIENT_KEY"),
+                   help="client key for mutual TLS (env TIERCACHE_TLS_CLIENT_KEY)")
     sub = p.add_subparsers(dest="cmd", required=True)
     ch = sub.add_parser("chat", help="ask a question, stream the answer")
     ch.add_argument("text")
@@ -132,7 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats,
             "replay": cmd_replay}
     try:
-        with TierCacheClient(a.address, token=a.token, timeout=a.timeout) as c:
+        with TierCacheClient(a.address, token=a.token, timeout=a.timeout,
+                             credentials=credentials(a)) as c:
             return cmds[a.cmd](c, a)
     except grpc.RpcError as e:
         sys.stderr.write(f"error: {e.code().name}: {e.details()}\n")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Mapping
 
 import grpc
 
@@ -11,9 +12,14 @@ from services.common.bootstrap import channel_options
 from services.common.logs import request_id_var
 
 
-def channel_credentials_from_env() -> grpc.ChannelCredentials | None:
-    """TLS for outgoing calls when `TIERCACHE_TLS_CA` is set (client cert for mutual TLS)."""
-    ca = os.environ.get("TIERCACHE_TLS_CA")
+def channel_credentials_from_env(env: Mapping[str, str] | None = None
+                                 ) -> grpc.ChannelCredentials | None:
+    """TLS for outgoing calls when `TIERCACHE_TLS_CA` is set (client cert for mutual TLS).
+
+    `env`: where to read the variables (default: this process's environment).
+    """
+    env = os.environ if env is None else env
+    ca = env.get("TIERCACHE_TLS_CA")
     if not ca:
         return None
 
@@ -25,8 +31,8 @@ def channel_credentials_from_env() -> grpc.ChannelCredentials | None:
 
     return grpc.ssl_channel_credentials(
         root_certificates=read(ca),
-        private_key=read(os.environ.get("TIERCACHE_TLS_CLIENT_KEY")),
-        certificate_chain=read(os.environ.get("TIERCACHE_TLS_CLIENT_CERT")),
+        private_key=read(env.get("TIERCACHE_TLS_CLIENT_KEY")),
+        certificate_chain=read(env.get("TIERCACHE_TLS_CLIENT_CERT")),
     )
 
 

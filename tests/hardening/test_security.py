@@ -21,9 +21,10 @@ from tiercache.v1 import (
 )
 
 from clients.python.client import TierCacheClient
+from services import launcher
 from services.common.hashing import DEFAULT_KEY, BlockHasher
-from services.launcher import ServiceProcess, free_port
-from tests.e2e.conftest import LOG_DIR
+from services.launcher import ServiceProcess, free_port, wait_healthy
+from tests.e2e.conftest import LOG_DIR, grpcurl_path
 from tests.hardening.conftest import (
     ADMIN,
     INTERNAL,
@@ -75,18 +76,27 @@ def refused(channel: grpc.Channel) -> grpc.StatusCode:
 # ---- TLS and mutual TLS ------------------------------------------------------------------------
 
 @pytest.mark.e2e
-def test_mutual_tls_process_refuses_clients_without_a_certificate(certs):
+def test_mutual_tls_process_refuses_clients_without_a_certificate(certs, monkeypatch):
     """A real prefix process configured only by environment: mTLS in, cert-less clients out."""
     port = free_port()
     p = ServiceProcess("prefix", port, {**tls_env(certs), "TIERCACHE_PREFIX_METRICS_PORT": "-1",
                                         "TIERCACHE_PREFIX_INTERNAL_TOKEN": INTERNAL},
                        log_path=LOG_DIR / "hard-tls-prefix.log").start()
     try:
-        end = time.monotonic() + 120
+        # What `make run` does: the launcher's health wait speaks mTLS from the same variables.
+        p.wait(120)
+        with pytest.raises(TimeoutError):
+            wait_healthy(p.address, 1.5, env={})  # a plaintext health check never gets through
+        # The grpcurl line `make run` prints for a TLS stack works as printed.
+        for k, v in tls_env(certs).items():
+            monkeypatch.setenv(k, v)
+        flags = launcher.grpcurl_transport()
+        assert "-plaintext" not in flags and "-cert" in flags
+        r = subprocess.run([grpcurl_path(), *flags.split(), p.address,
+                            "grpc.health.v1.Health/Check"], capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == 0 and "SERVING" in r.stdout, r.stderr
         with grpc.secure_channel(p.address, creds(certs)) as ch:
-            while refused(ch) != grpc.StatusCode.OK:
-                assert p.proc.poll() is None and time.monotonic() < end, "prefix did not start"
-                time.sleep(0.3)
             st = prefix_pb2_grpc.PrefixIndexStub(ch).Stats(prefix_pb2.PrefixStatsRequest(),
                                                            timeout=10, metadata=INTERNAL_MD)
             assert st.block_size == 16
@@ -116,7 +126,7 @@ def big_vocab_tiny_model(vocab: int):
     return m
 
 
-def test_mutual_tls_between_all_four_services_by_config(certs, monkeypatch, tmp_path):
+def test_mutual_tls_between_all_four_services_by_config(certs, monkeypatch, tmp_path, capsys):
     """All four services in-process, TLS for every listener and every internal client from the
     same environment variables the processes read. A Generate crosses orchestrator -> semantic,
     prefix and kvpool, and kvpool publishes to the index: every hop is mutual TLS."""
@@ -194,6 +204,17 @@ def test_mutual_tls_between_all_four_services_by_config(certs, monkeypatch, tmp_
             assert first.report.replica_id == "kv-tls" and first.completion_tokens == 4
             again = c.generate(q, max_tokens=4, ignore_eos=True)
             assert again.report.semantic_hit  # stored in, and found by, semantic over mTLS
+        # The CLI takes its TLS files from the same variables (or --ca/--cert/--key).
+        from clients.python.cli import main as cli
+
+        capsys.readouterr()
+        assert cli(["--address", ohandle.address, "--token", "tok-t", "chat", q,
+                    "--max-tokens", "4"]) == 0
+        out = capsys.readouterr()
+        assert out.out.strip() == again.text.strip() and "semantic hit" in out.err
+        assert cli(["--address", ohandle.address, "--token", "tok-t", "--ca", "", "--cert", "",
+                    "--key", "", "--timeout", "5", "chat", q]) == 1  # plaintext: refused
+        assert "UNAVAILABLE" in capsys.readouterr().err
         with grpc.secure_channel(prefix.address, creds(certs)) as ch:
             st = prefix_pb2_grpc.PrefixIndexStub(ch).Stats(prefix_pb2.PrefixStatsRequest(),
                                                            timeout=10, metadata=INTERNAL_MD)
