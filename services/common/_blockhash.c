@@ -127,14 +127,20 @@ static PyObject *pack(PyObject *self, PyObject *args) {
         return NULL;
     }
     uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
-    PyObject **items = PySequence_Fast_ITEMS(seq);
     for (Py_ssize_t i = 0; i < count; i++, p += 4) {
-        PyObject *o = items[i];
+        /* Re-read the item each time: an __index__ method (Python code) may resize the list. */
+        if (i >= PySequence_Fast_GET_SIZE(seq)) {
+            PyErr_SetString(PyExc_RuntimeError, "tokens changed size while being packed");
+            goto fail;
+        }
+        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
         unsigned long v;
         if (PyLong_CheckExact(o)) {
             v = PyLong_AsUnsignedLong(o);
         } else {
+            Py_INCREF(o);
             PyObject *ix = PyNumber_Index(o);  /* numpy and torch integers, bools */
+            Py_DECREF(o);
             if (ix == NULL) goto fail;
             v = PyLong_AsUnsignedLong(ix);
             Py_DECREF(ix);

@@ -95,3 +95,18 @@ def test_chain_rejects_malformed_arguments():
         chain(b"k", bytes(16), good[:-4], 16)
     with pytest.raises(ValueError, match="block_size"):
         chain(b"k", bytes(16), good, 0)
+
+
+@native
+def test_pack_survives_a_token_whose_index_method_shrinks_the_list():
+    """Python code runs inside pack (an __index__); it must not read freed list memory."""
+    toks: list = []
+
+    class Shrinks:
+        def __index__(self) -> int:
+            del toks[1:]
+            return 7
+
+    toks.extend([Shrinks(), 1, 2, 3])
+    with pytest.raises(RuntimeError, match="changed size"):
+        hashing.pack_tokens(toks, 4)
