@@ -18,6 +18,7 @@ that later prompts starting the same way reuse them. Only the pool's owner threa
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -127,8 +128,14 @@ class BlockPool:
         self._events: list[PoolEvent] = []
         self._in_use = 0  # blocks with ref > 0, kept incrementally: stats run every step
         self._pins: dict[int, float] = {}  # block id -> pin expiry (pinned blocks only)
-        # Eviction candidates before the pin check: hashed, unreferenced, no hashed children.
-        self._leaves: set[int] = set()
+        # Eviction candidates before the pin check: hashed, unreferenced, no hashed children;
+        # block id -> the stamp of its current entry in `_heap`. A leaf's usage never changes
+        # while it is a leaf (hits and recency move only while a sequence holds the block), so
+        # its policy key is fixed from the moment it becomes one: `_heap` orders (key, stamp,
+        # id) lazily, and an entry whose stamp is no longer the block's is skipped when popped.
+        self._leaves: dict[int, int] = {}
+        self._heap: list[tuple[tuple, int, int]] = []
+        self._stamp = 0
         self.evictions_total = 0
 
     # ---- queries ---------------------------------------------------------------------------
@@ -297,7 +304,7 @@ class BlockPool:
             b.last_access = now
             if parent is not None:
                 self._blocks[parent].children += 1
-                self._leaves.discard(parent)
+                self._leaves.pop(parent, None)
             if existing is None:  # a colliding hash with other tokens stays out of the table
                 self._table[h] = bid
             stored_hashes.append(h)
@@ -360,20 +367,32 @@ class BlockPool:
         return self.policy.order(cands)
 
     def evict(self, n: int) -> list[int]:
-        """Evict up to `n` blocks, leaves first in policy order; returns their ids."""
+        """Evict up to `n` blocks, leaves first in policy order; returns their ids.
+
+        Pops the lowest-key leaf each time (O(log leaves)); a parent exposed by an eviction
+        becomes a candidate at once, ranked by its own key. Pinned leaves are set aside and
+        pushed back afterwards.
+        """
         now = self.clock()
         out: list[int] = []
         removed: list[bytes] = []
-        while len(out) < n:
-            cands = [bid for bid in self._leaves if self._blocks[bid].pin_until <= now]
-            if not cands:
-                break
-            # Evicting a leaf can expose its parent as a new leaf, so re-rank after each batch.
-            order = sorted(cands, key=lambda i: self.policy.key(self._usage(self._blocks[i])))
-            for bid in order[: n - len(out)]:
-                removed.append(self._drop_hash(bid))
-                self._free.append(bid)
-                out.append(bid)
+        pinned: list[tuple[tuple, int, int]] = []
+        heap, leaves = self._heap, self._leaves
+        while len(out) < n and heap:
+            entry = heapq.heappop(heap)
+            _, stamp, bid = entry
+            if leaves.get(bid) != stamp:
+                continue  # stale: no longer a leaf, or re-entered with a newer key
+            if self._blocks[bid].pin_until > now:
+                pinned.append(entry)
+                continue
+            removed.append(self._drop_hash(bid))
+            self._free.append(bid)
+            out.append(bid)
+        for entry in pinned:
+            heapq.heappush(heap, entry)
+        if len(heap) > 2 * len(leaves) + 1024:
+            self._rebuild_heap()
         if removed:
             self.evictions_total += len(removed)
             self._emit(BlocksRemoved(removed))
@@ -447,7 +466,10 @@ class BlockPool:
                 assert self._blocks[b.parent].hash is not None, f"block {bid}: parent unhashed"
         leaves = {bid for bid, b in enumerate(self._blocks)
                   if b.hash is not None and b.ref == 0 and children[bid] == 0}
-        assert self._leaves == leaves, f"leaf set {self._leaves} != {leaves}"
+        assert self._leaves.keys() == leaves, f"leaf set {set(self._leaves)} != {leaves}"
+        live = {(bid, stamp) for _, stamp, bid in self._heap}
+        assert all((bid, stamp) in live for bid, stamp in self._leaves.items()), \
+            "a leaf has no current entry in the eviction heap"
         free_set = set(self._free)
         assert len(free_set) == len(self._free), "free queue lists a block twice"
         for bid, b in enumerate(self._blocks):
@@ -489,7 +511,7 @@ class BlockPool:
         b = self._blocks[bid]
         if b.ref == 0:
             self._in_use += 1
-            self._leaves.discard(bid)
+            self._leaves.pop(bid, None)
             if b.hash is None:
                 self._free.remove(bid)
         b.ref += 1
@@ -501,10 +523,24 @@ class BlockPool:
         if b.ref == 0:
             self._in_use -= 1
             if b.hash is not None and b.children == 0:
-                self._leaves.add(bid)
+                self._add_leaf(bid)
         if b.ref == 0 and b.hash is None:
             self._reset(bid)
             self._free.append(bid)
+
+    def _add_leaf(self, bid: int) -> None:
+        self._stamp += 1
+        self._leaves[bid] = self._stamp
+        heapq.heappush(self._heap,
+                       (self.policy.key(self._usage(self._blocks[bid])), self._stamp, bid))
+        if len(self._heap) > 4 * len(self._leaves) + 4096:
+            self._rebuild_heap()  # many stale entries (leaves referenced again): compact
+
+    def _rebuild_heap(self) -> None:
+        key, blocks = self.policy.key, self._blocks
+        self._heap = [(key(self._usage(blocks[bid])), stamp, bid)
+                      for bid, stamp in self._leaves.items()]
+        heapq.heapify(self._heap)
 
     def _drop_hash(self, bid: int) -> bytes:
         b = self._blocks[bid]
@@ -516,14 +552,14 @@ class BlockPool:
             p = self._blocks[b.parent]
             p.children -= 1
             if p.children == 0 and p.ref == 0 and p.hash is not None:
-                self._leaves.add(b.parent)
+                self._add_leaf(b.parent)
         self._reset(bid)
         return h
 
     def _reset(self, bid: int) -> None:
         b = self._blocks[bid]
         self._pins.pop(bid, None)
-        self._leaves.discard(bid)
+        self._leaves.pop(bid, None)
         b.hash, b.tokens, b.parent, b.children = None, (), None, 0
         b.start_token, b.cache_salt, b.first_hash, b.hits, b.pin_until = 0, "", b"", 0, 0.0
 
