@@ -98,7 +98,7 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
     w = load_trace(a.trace)
     tokens = dict(p.split("=", 1) for p in a.tenant_tokens.split(",") if "=" in p)
     clients = {t: TierCacheClient(a.address, token=tokens.get(t, a.token), timeout=a.timeout,
-                                  credentials=credentials(a))
+                                  credentials=a.credentials)
                for t in w.system_prompts}
 
     def progress(done: int, total: int) -> None:
@@ -154,9 +154,10 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats,
             "replay": cmd_replay}
+    a.credentials = credentials(a)  # files read once; replay's per-tenant clients share it
     try:
         with TierCacheClient(a.address, token=a.token, timeout=a.timeout,
-                             credentials=credentials(a)) as c:
+                             credentials=a.credentials) as c:
             return cmds[a.cmd](c, a)
     except grpc.RpcError as e:
         sys.stderr.write(f"error: {e.code().name}: {e.details()}\n")
