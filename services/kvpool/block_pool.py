@@ -391,8 +391,6 @@ class BlockPool:
             out.append(bid)
         for entry in pinned:
             heapq.heappush(heap, entry)
-        if len(heap) > 2 * len(leaves) + 1024:
-            self._rebuild_heap()
         if removed:
             self.evictions_total += len(removed)
             self._emit(BlocksRemoved(removed))
@@ -533,6 +531,7 @@ class BlockPool:
         self._leaves[bid] = self._stamp
         heapq.heappush(self._heap,
                        (self.policy.key(self._usage(self._blocks[bid])), self._stamp, bid))
+        # Only pushes grow the heap, so this is the one place stale entries need compacting.
         if len(self._heap) > 4 * len(self._leaves) + 4096:
             self._rebuild_heap()  # many stale entries (leaves referenced again): compact
 
