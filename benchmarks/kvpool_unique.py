@@ -45,11 +45,35 @@ OUT = Path(__file__).resolve().parent / "results" / "kvpool_unique.json"
 TARGET = 1.02
 
 
+def _ids(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(100, 40000) for _ in range(n)]
+
+
+def _compare(ttft, names: list[str], pairs: int, rng: random.Random
+             ) -> tuple[list[float], list[float]]:
+    """The shared protocol: the same history on both sides (64-token warm-up, 1,056 and 512
+    tokens), then `pairs` pairs of unique 512-token prompts in ABBA order. `ttft(name, tokens,
+    max_tokens)` runs one request; returns the TTFTs of "on" and "off"."""
+    for n in (64, 1056, 512):
+        for name in names:
+            ttft(name, _ids(rng, n), 4 if n == 64 else 1)
+    on: list[float] = []
+    off: list[float] = []
+    for i in range(pairs):
+        for name in (("on", "off") if i % 2 == 0 else ("off", "on")):
+            (on if name == "on" else off).append(ttft(name, _ids(rng, 512), 1))
+    return on, off
+
+
+def _result(run: int, started_first: str, on: list[float], off: list[float], **extra) -> dict:
+    ratios = [a / b for a, b in zip(on, off, strict=True)]
+    return {"run": run, "started_first": started_first, "on_s": on, "off_s": off,
+            "ratio_of_medians": statistics.median(on) / statistics.median(off),
+            "pair_ratio_median": statistics.median(ratios), "pair_ratios": ratios, **extra}
+
+
 def one_run(run: int, pairs: int, rng: random.Random, null: bool = False) -> dict:
     """One fresh pair of replica processes; `null`: both with caching off (a noise check)."""
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(100, 40000) for _ in range(n)]
-
     order = [("on", {"prefix_caching": "false"} if null else {}),
              ("off", {"prefix_caching": "false"})]
     if run % 2:
@@ -59,24 +83,14 @@ def one_run(run: int, pairs: int, rng: random.Random, null: bool = False) -> dic
         for name, extra in order:
             procs[name], addr = start_server(2048, **extra)
             clients[name] = Client(addr)
-        for n in (64, 1056, 512):  # the same history on both
-            for name, _ in order:
-                clients[name].stream(ids(n), 4 if n == 64 else 1)
-        on, off = [], []
-        for i in range(pairs):
-            seq = ("on", "off") if i % 2 == 0 else ("off", "on")
-            for name in seq:
-                ttft = clients[name].stream(ids(512), 1).ttft
-                (on if name == "on" else off).append(ttft)
+        on, off = _compare(lambda name, toks, mt: clients[name].stream(toks, mt).ttft,
+                           [name for name, _ in order], pairs, rng)
     finally:
         for c in clients.values():
             c.channel.close()
         for p in procs.values():
             stop_server(p)
-    ratios = [a / b for a, b in zip(on, off, strict=True)]
-    return {"run": run, "started_first": order[0][0], "on_s": on, "off_s": off,
-            "ratio_of_medians": statistics.median(on) / statistics.median(off),
-            "pair_ratio_median": statistics.median(ratios), "pair_ratios": ratios}
+    return _result(run, order[0][0], on, off)
 
 
 _MODEL: list = []  # (model, model id), loaded once for every in-process run
@@ -89,9 +103,6 @@ def in_process_run(run: int, pairs: int, rng: random.Random, null: bool = False)
     from services.kvpool.config import KvPoolConfig
     from services.kvpool.engine import EngineRequest, TokenDelta
     from services.kvpool.sampling import SamplingSpec
-
-    def ids(n: int) -> list[int]:
-        return [rng.randrange(100, 40000) for _ in range(n)]
 
     cfgs = {"on": KvPoolConfig(num_blocks=2048, max_batch_size=8, prefix_caching=not null),
             "off": KvPoolConfig(num_blocks=2048, max_batch_size=8, prefix_caching=False)}
@@ -115,24 +126,16 @@ def in_process_run(run: int, pairs: int, rng: random.Random, null: bool = False)
                 return first
 
     try:
-        for n in (64, 1056, 512):  # the same history on both
-            for name in ("on", "off"):
-                ttft(name, ids(n), 4 if n == 64 else 1)
-        on, off = [], []
-        for i in range(pairs):
-            for name in (("on", "off") if i % 2 == 0 else ("off", "on")):
-                (on if name == "on" else off).append(ttft(name, ids(512)))
+        on, off = _compare(ttft, ["on", "off"], pairs, rng)
         full_after = next((i for i in range(pairs) if (i + 2) * 32 > 2048), pairs)
         stats = engines["on"].pool.stats()
     finally:
         for e in engines.values():
             e.stop()
-    ratios = [a / b for a, b in zip(on, off, strict=True)]
-    return {"run": run, "started_first": "-", "on_s": on, "off_s": off,
-            "ratio_of_medians": statistics.median(on) / statistics.median(off),
-            "pair_ratio_median": statistics.median(ratios), "pair_ratios": ratios,
-            "pair_ratio_median_pool_full": statistics.median(ratios[full_after:] or [0.0]),
-            "pool_at_end": stats._asdict()}
+    res = _result(run, "-", on, off, pool_at_end=stats._asdict())
+    res["pair_ratio_median_pool_full"] = statistics.median(res["pair_ratios"][full_after:]
+                                                           or [0.0])
+    return res
 
 
 def bootstrap(runs: list[dict], rng: random.Random, n: int = 2000) -> tuple[float, float]:
