@@ -11,8 +11,9 @@ from the vocabulary (timing does not depend on their meaning).
 
 Figures (issue 3): TTFT hit/miss on a 1,024-token system prompt + 32-token user turn; TTFT with
 caching on vs off for unique 512-token prompts ("off" = a second replica, same pool size, started
-with TIERCACHE_KVPOOL_PREFIX_CACHING=false: no lookup, nothing stored), pooled over 4 fresh pairs
-of replica processes (one pair's figure moves by several percent from one start to the next; see
+with TIERCACHE_KVPOOL_PREFIX_CACHING=false: no lookup, nothing stored), pooled over 8 fresh pairs
+of replica processes (one pair's figure moves by several percent from one start to the next —
+between-pair sd ~0.045 in the null runs, twice the 2% being measured; see
 benchmarks/kvpool_unique.py): each pair gets the same history, then 16 pairs of prompts in ABBA
 order; the figure is the median per-pair ratio, with a bootstrap 90% interval and the ratio of
 the medians beside it; blocks in use by 8
@@ -78,7 +79,7 @@ class Shape:
     cb_concurrent: int = 8
     cb_gen: int = 32
     cb_prefix: int = 1024
-    unique_runs: int = 4
+    unique_runs: int = 8
     unique_pairs: int = 16
 
 

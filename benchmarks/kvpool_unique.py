@@ -7,7 +7,7 @@ On this 2-core machine two replica processes' TTFTs differ by several percent fr
 to the next whichever has caching on (how threads land on cores, what else runs), which is more
 than the 2% the target allows. This script repeats the comparison over `--runs` fresh pairs of
 processes; `python -m benchmarks.kvpool` reports `ttft_ratio_cache_on_over_off_unique` with
-`one_run` below (4 runs of 16 pairs). Each run:
+`one_run` below (8 runs of 16 pairs). Each run:
 
 - both replicas get the same history first (a 64-token warm-up, one 1,056-token prompt, one
   512-token prompt), so working-row sizes and allocator state match;
