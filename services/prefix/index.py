@@ -546,21 +546,6 @@ class PrefixIndex:
         self.match_blocks_total += len(hashes)
         if not segments:
             return MatchResult([r.zero for r in reps], len(hashes), bs)  # type: ignore[misc]
-        if len(segments) == 1:
-            # Every holder matched the same length: already in load order, nothing to sort.
-            holders, blocks = segments[0]
-            tokens = blocks * bs
-            hit, zero = [], []
-            for r in reps:
-                if holders >> r.bit & 1:
-                    hit.append(_new(ReplicaMatch, (r.replica_id, r.address, blocks, tokens,
-                                                   r.load)))
-                else:
-                    zero.append(r.zero)
-            self.matches_hit += 1
-            self.match_blocks_hit += blocks
-            hit += zero
-            return _new(MatchResult, (hit, len(hashes), bs))
         hit, zero = [], []
         for rep in reps:
             for holders, blocks in segments:
@@ -570,12 +555,13 @@ class PrefixIndex:
                     break
             else:
                 zero.append(rep.zero)
-        if len(hit) > 1:
+        # One segment: every holder matched the same length, already in load order.
+        if len(segments) > 1 and len(hit) > 1:
             hit.sort(key=_blocks, reverse=True)  # stable: ties stay in load order
         self.matches_hit += 1
         self.match_blocks_hit += segments[0].blocks
         hit += zero
-        return MatchResult(hit, len(hashes), bs)
+        return _new(MatchResult, (hit, len(hashes), bs))
 
     def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0) -> list[HotPrefix]:
         """The `k` (1..1000) prefixes where most matches ended, hottest first."""
