@@ -44,16 +44,21 @@ def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
             final = ch.final
     sys.stdout.write("\n")
     if final is not None and not a.quiet:
-        r = final.cache_report
-        sys.stderr.write(
-            f"[{'semantic hit' if r.semantic_hit else 'model'} | prompt {r.prompt_tokens} tok, "
-            f"cached {r.cached_tokens}, replica {r.replica_id or '-'}, ttft {r.ttft_ms:.0f} ms"
-            + (f", entry {r.semantic_entry_id}" if r.semantic_entry_id else "") + "]\n")
+        sys.stderr.write(format_report(final.cache_report) + "\n")
     if hist is not None:
         messages.append({"role": "assistant", "content": "".join(out).strip()})
         hist.parent.mkdir(parents=True, exist_ok=True)
         hist.write_text(json.dumps(messages, ensure_ascii=False))
     return 0
+
+
+def format_report(r) -> str:
+    """One line for a stream's CacheReport: which tier answered and what it reused."""
+    return (f"[{'semantic hit' if r.semantic_hit else 'model'} | prompt {r.prompt_tokens} tok, "
+            f"cached {r.cached_tokens}, replica {r.replica_id or '-'}, ttft {r.ttft_ms:.0f} ms"
+            + (f", draft {r.draft_tokens_accepted}/{r.draft_tokens_proposed} accepted"
+               if r.draft_tokens_proposed else "")
+            + (f", entry {r.semantic_entry_id}" if r.semantic_entry_id else "") + "]")
 
 
 def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
