@@ -456,6 +456,16 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
                           orch.data[v].get("semantic_hit_rate"),
                           orch.data[v].get("replica_load_max_over_mean")] for v in variants]))
         L.append("")
+        ceil = orch.data.get("unbounded_cache_ceiling")
+        if ceil:
+            L.append("One cache with unbounded memory on the same workload (no router can reuse "
+                     "more): token hit ratio "
+                     f"{ceil['model_served']['prefix_hit_token_ratio']} over the requests the "
+                     f"model answered, {ceil['all_requests']['prefix_hit_token_ratio']} over all; "
+                     f"that is {ceil['ceiling_over_round_robin']}x round-robin's, the most the "
+                     "routing ratio could be. TierCache reaches "
+                     f"{ceil['tiercache_share_of_ceiling']} of it.")
+            L.append("")
     else:
         L.append("orchestrator (full stack): not run.")
         L.append("")
