@@ -16,8 +16,11 @@ Gamma (tokens proposed) climbs a ladder, one rung per fully accepted proposal, a
 miss. The rungs follow what a verify forward costs: on the 2-core CPU this runs on (MKL on
 AMD), a forward of 2 or 3 tokens costs 1.08x / 1.16x a 1-token decode step, 4..15 tokens
 1.6-2.5x (a slow small-matrix path) and 16-17 tokens 1.9x, so proposals are 1, 2 or 16 tokens
-long, never in between. The first proposal rides on the prompt's prefill forward, where extra
-tokens are almost free, so it is a full rung. Each source keeps its recent acceptance rate:
+long, never in between. A 2-core Intel Xeon (AVX-512) host gave the same shape: 1.12x, 1.24x,
+1.62x (4), 1.98x (8), 1.86x (16), 1.93x (17); there too the linears' time grows with the rows
+from ~4 on. On a GPU a verify forward should cost about one decode step (not measured: no GPU
+here). The first proposal rides on the prompt's prefill forward, where extra tokens are
+almost free, so it is a full rung. Each source keeps its recent acceptance rate:
 while the draft's is low, alignments resting on one matching token (or a guessed substitution)
 propose nothing, and while lookup's is low, only 3-token context matches propose, so an
 unrelated draft costs next to nothing. Proposals never change what is generated (the verifier
