@@ -55,6 +55,8 @@ class Replica:
     replica_id: str = ""
     stats: kvpool_pb2.KvStatsResponse | None = None
     inflight: int = 0
+    # Our in-flight count when `stats` was taken: the part of the replica's figure that is ours.
+    inflight_at_poll: int = 0
     slow_polls: int = 0
     # Called when the poller declares the replica unhealthy: in-flight calls on it cancel
     # themselves and fail over (a hung replica would otherwise hold them to their deadline).
@@ -62,10 +64,16 @@ class Replica:
 
     @property
     def load(self) -> float:
+        """Active sequences: ours in flight now, plus the other callers' share of the last poll.
+
+        The replica's own figure is up to a poll interval old. Taking it as the load (or the max
+        of it and ours) counts a request of ours that has since finished, so a conversation's
+        next turn could find its replica "over the cap" and be sent to one that holds nothing
+        of it. Only what the poll counted beyond our own requests is carried over.
+        """
         s = self.stats
         engine = (s.running + s.waiting) if s is not None else 0
-        # Our own in-flight count reacts instantly; the replica's figure covers other callers.
-        return max(engine, self.inflight)
+        return self.inflight + max(0, engine - self.inflight_at_poll)
 
 
 @dataclass
@@ -88,12 +96,17 @@ class ReplicaSet:
     def poll_once(self) -> None:
         for r in self.replicas:
             try:
+                with self._lock:
+                    ours_before = r.inflight
                 # A replica busy with a long prefill answers Stats late; that is load, not
                 # death, so the timeout is generous and only repeated slowness counts.
                 s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(5.0, self.poll_s),
                                  metadata=call_metadata(self.internal_token))
                 with self._lock:
                     r.stats = s
+                    # The replica counted at some moment during the call; attribute to us the
+                    # larger of our counts at either end, so ours never inflate the others'.
+                    r.inflight_at_poll = max(ours_before, r.inflight)
                     r.replica_id = s.replica_id or r.address
                     r.health.name = f"kvpool/{r.replica_id}"
                     r.slow_polls = 0

@@ -1,0 +1,73 @@
+"""Replica load as routing sees it: our in-flight count now plus other callers' share of the
+last Stats poll (a poll is up to a second old; our own finished requests must not linger)."""
+
+from tiercache.v1 import kvpool_pb2
+
+from services.orchestrator.backends import Health, Replica, ReplicaSet
+from services.orchestrator.routing import PrefixAwarePolicy
+
+
+class StatsStub:
+    """Answers Stats with a fixed running count; `during` runs inside the call."""
+
+    def __init__(self, name: str, running: int, during=None) -> None:
+        self.name, self.running, self.during = name, running, during
+
+    def Stats(self, req, timeout=None, metadata=None):  # noqa: N802 (gRPC method name)
+        if self.during:
+            self.during()
+        return kvpool_pb2.KvStatsResponse(replica_id=self.name, running=self.running)
+
+
+def replica_set(*replicas: Replica) -> ReplicaSet:
+    rs = ReplicaSet(addresses=(), internal_token="")
+    rs.replicas.extend(replicas)
+    return rs
+
+
+def replica(name: str, running: int, inflight: int, during=None) -> Replica:
+    return Replica(name, StatsStub(name, running, during), Health("kvpool", name), replica_id=name,
+                   inflight=inflight)
+
+
+def test_a_finished_request_of_ours_stops_counting_before_the_next_poll():
+    r = replica("r0", running=2, inflight=2)
+    rs = replica_set(r)
+    rs.poll_once()
+    assert r.load == 2
+    rs.end(r)  # one of our two requests finished; the replica's figure still says 2
+    assert r.load == 1
+
+
+def test_other_callers_load_is_kept():
+    r = replica("r0", running=5, inflight=1)
+    rs = replica_set(r)
+    rs.poll_once()
+    assert r.load == 5
+    rs.end(r)
+    assert r.load == 4  # the 4 sequences that are not ours stay until the next poll
+    rs.begin(r)
+    rs.begin(r)
+    assert r.load == 6
+
+
+def test_requests_that_start_during_the_poll_are_not_counted_as_others():
+    holder: list[Replica] = []
+    r = replica("r0", running=2, inflight=1, during=lambda: setattr(holder[0], "inflight", 2))
+    holder.append(r)
+    rs = replica_set(r)
+    rs.poll_once()
+    assert r.inflight_at_poll == 2 and r.load == 2
+
+
+def test_a_conversation_keeps_its_replica_after_its_turn_ends():
+    """Turn 1 and another request ran on r0 at the last poll; turn 1 has finished and turn 2
+    arrives while the other still runs. Counting the stale 2 put r0 over the bounded-load cap
+    and sent turn 2 to r1, which holds nothing of the conversation."""
+    r0, r1 = replica("r0", running=2, inflight=2), replica("r1", running=0, inflight=0)
+    rs = replica_set(r0, r1)
+    rs.poll_once()
+    rs.end(r0)
+    policy = PrefixAwarePolicy(epsilon=0.25, min_prefix_tokens=32)
+    d = policy.choose(rs.views(), {"r0": 1040}, "session-1")
+    assert (d.replica_id, d.route) == ("r0", "prefix")
