@@ -177,21 +177,25 @@ class TieBreakPrefixAwarePolicy(PrefixAwarePolicy):
         return super().choose(replicas, matches, key, exclude)
 
 
-def make_policy(name: str, cfg: SimConfig) -> tuple[RoutingPolicy, bool]:
-    """The policy under test and whether it consults the prefix index."""
+def make_policy(name: str, cfg: SimConfig, clock: Callable[[], float] = lambda: 0.0
+                ) -> tuple[RoutingPolicy, bool]:
+    """The policy under test and whether it consults the prefix index; `clock` is simulated
+    time (the policy's recent-share counts decay with it)."""
     if name == "round_robin":
         return RoundRobinPolicy(), False
     if name == "session_ring":
         # The same bounded-load ring TierCache falls back to, never given index matches.
-        return PrefixAwarePolicy(cfg.epsilon, cfg.min_prefix_tokens, cfg.load_penalty_tokens), False
+        return PrefixAwarePolicy(cfg.epsilon, cfg.min_prefix_tokens, cfg.load_penalty_tokens,
+                                 clock=clock), False
     if name == "prefix_uncapped":
         return PrefixAwarePolicy(cfg.epsilon, cfg.min_prefix_tokens, cfg.load_penalty_tokens,
-                                 use_cap=False), True
+                                 use_cap=False, clock=clock), True
     if name == "tiercache":
-        return PrefixAwarePolicy(cfg.epsilon, cfg.min_prefix_tokens, cfg.load_penalty_tokens), True
+        return PrefixAwarePolicy(cfg.epsilon, cfg.min_prefix_tokens, cfg.load_penalty_tokens,
+                                 clock=clock), True
     if name == "tiercache_tiebreak":
         return TieBreakPrefixAwarePolicy(cfg.epsilon, cfg.min_prefix_tokens,
-                                         cfg.load_penalty_tokens), True
+                                         cfg.load_penalty_tokens, clock=clock), True
     raise ValueError(f"unknown policy {name!r}")
 
 
@@ -442,7 +446,8 @@ class Cluster:
         self.rates = rates
         self.bytes_per_node = bytes_per_node
         self.name = policy_name
-        self.policy, self.uses_index = make_policy(policy_name, cfg)
+        self.now = 0.0  # simulated time of the event being handled
+        self.policy, self.uses_index = make_policy(policy_name, cfg, lambda: self.now)
         # Policies that never ask the index do not need one (it changes nothing they do).
         self.keep_index = self.uses_index or keep_index
         evict = HybridPolicy()
@@ -636,6 +641,7 @@ class Cluster:
         steps = 0
         while self.events:
             now, _, _, payload = heapq.heappop(self.events)
+            self.now = now
             while now >= next_sample and w < cfg.windows:
                 self._sample(w)
                 w += 1

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Iterator, Mapping
 from hashlib import blake2b
 
 DEFAULT_VNODES = 100
@@ -112,7 +112,7 @@ class HashRing:
                     return
 
     def lookup_bounded(self, key: bytes | str, loads: Mapping[str, float],
-                       epsilon: float = 0.25) -> str:
+                       epsilon: float = 0.25, prefer: Container[str] | None = None) -> str:
         """The first node clockwise from `key` that can take one more request.
 
         A node qualifies when `loads[node] + 1 <= ceil((1 + epsilon) * (sum(loads) + 1) / N)`, N
@@ -120,7 +120,8 @@ class HashRing:
         the usual bounded-load rule: without it, at low load one request in flight on a node
         (or a stale load figure) would push its sessions elsewhere. With epsilon > 0
         some node always qualifies; should none (epsilon == 0 and rounding), the least loaded
-        node in preference order is returned.
+        node in preference order is returned. With `prefer`, qualifying nodes in it come first
+        (still in clockwise order), then any qualifying node.
 
         Raises:
             LookupError: the ring is empty.
@@ -130,9 +131,14 @@ class HashRing:
             raise ValueError("epsilon must be >= 0")
         total = sum(float(loads.get(n, 0.0)) for n in self._nodes) + 1.0
         cap = math.ceil((1.0 + epsilon) * total / len(self._nodes) - 1e-9)
+        fallback = None
         for n in self._walk(key):
             if float(loads.get(n, 0.0)) + 1.0 <= cap + 1e-9:
-                return n
+                if prefer is None or n in prefer:
+                    return n
+                fallback = fallback or n
+        if fallback is not None:
+            return fallback
         return min(self.preference(key), key=lambda n: float(loads.get(n, 0.0)))
 
     def capacity(self, loads: Mapping[str, float], epsilon: float = 0.25) -> int:

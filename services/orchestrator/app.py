@@ -42,7 +42,7 @@ def build(cfg: OrchestratorConfig) -> App:
         hasher=BlockHasher(model_id, cfg.block_size, key), replicas=replicas, semantic=semantic,
         prefix=prefix,
         routing=make_routing_policy(cfg.routing_policy, cfg.routing_epsilon,
-                                    cfg.min_prefix_tokens),
+                                    cfg.min_prefix_tokens, cfg.routing_load_window_s),
         internal_token=cfg.internal_token, default_tier=cfg.semantic_tier,
         enable_drafts=cfg.enable_drafts, store_sampled=cfg.store_sampled,
         max_attempts=cfg.max_attempts, min_prefix_tokens=cfg.min_prefix_tokens)

@@ -156,7 +156,8 @@ class ReplicaSet:
         """Replicas to route to: the healthy ones, or every one when none is known healthy
         (at start-up, or after a network blip) — trying costs one fast connection error."""
         live = self.healthy() or self.replicas
-        return [ReplicaView(r.replica_id, r.load) for r in live]
+        return [ReplicaView(r.replica_id, r.load,
+                            r.stats.blocks_free if r.stats is not None else -1) for r in live]
 
     def by_id(self, replica_id: str) -> Replica | None:
         for r in self.replicas:

@@ -49,6 +49,9 @@ class OrchestratorConfig:
     # Routing: bounded-load factor and the minimum matched tokens that count as a useful prefix.
     routing_policy: str = "prefix"  # "prefix" or "round_robin" (a baseline for benchmarks)
     routing_epsilon: float = 0.25
+    # Time constant of the decaying count of requests routed to each replica; routing keeps
+    # every replica's share within (1 + routing_epsilon) / n (see routing.PrefixAwarePolicy).
+    routing_load_window_s: float = 30.0
     min_prefix_tokens: int = 32
     # Replica polling (health + load) interval.
     replica_poll_s: float = 1.0
@@ -77,4 +80,5 @@ class OrchestratorConfig:
         require(self.routing_policy in ("prefix", "round_robin"), SVC, "routing_policy",
                 "must be prefix or round_robin")
         require(self.routing_epsilon > 0, SVC, "routing_epsilon", "must be > 0")
+        require(self.routing_load_window_s > 0, SVC, "routing_load_window_s", "must be > 0")
         require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")

@@ -151,17 +151,19 @@ class Orchestrator:
             return ""
 
     # ---- prefix tier ---------------------------------------------------------------------
-    def _matches(self, tenant: Tenant, token_ids: list[int]) -> tuple[dict[str, int], str]:
+    def _matches(self, tenant: Tenant, token_ids: list[int]
+                 ) -> tuple[dict[str, int], str, bool]:
+        """(replica -> matched tokens, affinity key, whether the prefix index answered)."""
         hashes = self.hasher.hashes(token_ids, tenant.cache_salt)
         key = hashes[0].hex() if hashes else ""
         if self.prefix is None or not hashes:
-            return {}, key
+            return {}, key, False
         try:
-            return self.prefix.match(hashes, self.model_id), key
+            return self.prefix.match(hashes, self.model_id), key, True
         except grpc.RpcError as e:
             log.warning("prefix index unreachable, ring routing: %s", e.details())
             self.stats.degrade("index_down")
-            return {}, key
+            return {}, key, False
 
     # ---- the request ---------------------------------------------------------------------
     def generate(self, *, tenant: Tenant, prompt: RenderedPrompt, sampling: Sampling,
@@ -184,7 +186,10 @@ class Orchestrator:
                 report.semantic_entry_id = look.entry.id
 
         ids = prompt.token_ids
-        matches, key = ({}, "") if policy.skip_prefix_cache else self._matches(tenant, ids)
+        matches, key, answered = (({}, "", False) if policy.skip_prefix_cache
+                                   else self._matches(tenant, ids))
+        # Only a known-new prompt is placed by free blocks (see routing.PrefixAwarePolicy).
+        new_blocks = len(ids) // self.hasher.block_size + 1 if answered else None
         if not key:
             key = session_id or str(hash(tuple(ids[:64])))
         affinity = session_id or key
@@ -208,7 +213,7 @@ class Orchestrator:
         while final is None:
             with self._route_lock:
                 decision = self.routing.choose(self.replicas.views(), matches, affinity,
-                                               frozenset(exclude))
+                                               frozenset(exclude), new_blocks)
             if decision is None:
                 raise errors.Unavailable("no kvpool replica is available"
                                          + (f" (tried {', '.join(sorted(exclude))})"

@@ -5,19 +5,29 @@ saves the most compute, but sending every request that shares a hot system promp
 replica overloads it. The policy:
 
 1. Replicas whose load would exceed a bounded-load cap, ceil((1 + eps) * (total + 1) / n),
-   are skipped (so a hot prompt spreads to more replicas instead of piling up).
+   are skipped (so a hot prompt spreads to more replicas instead of piling up), and so are
+   replicas that took more than (1 + eps) / n of the requests routed recently (a count that
+   decays with time constant `window_s`). The instant cap binds under heavy traffic; at low
+   traffic (one or two requests in flight) it never does, and without the second rule every
+   session of a replica's prompts would stay there however uneven the work. A replica skipped
+   for its share has its hot prompt computed once on another, whose later sessions share it.
 2. Among the rest, the one with the best score matched_tokens - load_penalty * load wins when
    its match is useful (>= min_prefix_tokens).
 3. Otherwise: a consistent-hash ring with bounded loads keyed by the session id (or the
-   first block's hash), so a conversation sticks to one replica while it is healthy.
+   first block's hash), so a conversation sticks to one replica while it is healthy. When the
+   index answered (so the prompt is new to every replica, not unknown) and some replicas have
+   room for it in free blocks while others would have to evict, the ring walk tries the ones
+   with room first: the hash alone would pile new system prompts onto a pool that is already
+   full while the other has space, and that pool then evicts the prompts it serves.
 """
 
 from __future__ import annotations
 
 import math
+import time
 import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from services.common.ring import HashRing
@@ -28,6 +38,7 @@ class ReplicaView(NamedTuple):
 
     replica_id: str
     load: float  # active sequences (running + waiting + in flight from this orchestrator)
+    free_blocks: int = -1  # free KV blocks at the last poll; -1 = unknown
 
 
 class RouteDecision(NamedTuple):
@@ -39,7 +50,8 @@ class RouteDecision(NamedTuple):
 class RoutingPolicy(ABC):
     @abstractmethod
     def choose(self, replicas: Sequence[ReplicaView], matches: Mapping[str, int], key: str,
-               exclude: frozenset[str] = frozenset()) -> RouteDecision | None:
+               exclude: frozenset[str] = frozenset(),
+               new_blocks: int | None = None) -> RouteDecision | None:
         """Pick a replica, or None when no replica is available.
 
         Args:
@@ -47,6 +59,8 @@ class RoutingPolicy(ABC):
             matches: replica id -> matched prefix tokens (from the prefix index; may be empty).
             key: affinity key (session id or first block hash).
             exclude: replicas not to use (e.g. failed on this request).
+            new_blocks: KV blocks the request needs, given only when the prefix index answered
+                (`matches` is then the truth, not a blank); None = unknown.
         """
 
 
@@ -61,8 +75,16 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def __init__(self, epsilon: float = 0.25, min_prefix_tokens: int = 32,
                  load_penalty_tokens: float = 16.0, vnodes: int = 64,
-                 use_cap: bool = True) -> None:
+                 use_cap: bool = True, window_s: float = 30.0, min_recent: float = 4.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.epsilon = epsilon
+        # Requests routed to each replica, decaying with time constant window_s; the share
+        # rule applies once the recent total reaches min_recent (below it, shares are noise).
+        self.window_s = window_s
+        self.min_recent = min_recent
+        self.clock = clock
+        self._recent: dict[str, float] = {}
+        self._recent_at = clock()
         self.min_prefix_tokens = min_prefix_tokens
         self.load_penalty_tokens = load_penalty_tokens
         self.use_cap = use_cap
@@ -75,17 +97,18 @@ class PrefixAwarePolicy(RoutingPolicy):
         for r in current - set(ids):
             self.ring.remove(r)
 
-    def choose(self, replicas, matches, key, exclude=frozenset()):
+    def choose(self, replicas, matches, key, exclude=frozenset(), new_blocks=None):
         live = [r for r in replicas if r.replica_id not in exclude]
         if not live:
             return None
         self._sync_ring([r.replica_id for r in live])
         loads = {r.replica_id: r.load for r in live}
         cap = bounded_cap(list(loads.values()), self.epsilon) if self.use_cap else math.inf
+        busy = self._over_share(live) if self.use_cap else set()
         best: tuple[float, int, str] | None = None
         for r in live:
             m = matches.get(r.replica_id, 0)
-            if m < self.min_prefix_tokens or r.load > cap:
+            if m < self.min_prefix_tokens or r.load > cap or r.replica_id in busy:
                 continue
             score = m - self.load_penalty_tokens * r.load
             # Equal scores are common (a hot prompt held everywhere, all idle): break the tie
@@ -95,9 +118,36 @@ class PrefixAwarePolicy(RoutingPolicy):
                 best = (score, tie, r.replica_id)
         if best is not None:
             rid = best[2]
+            self.record(rid)
             return RouteDecision(rid, "prefix", matches.get(rid, 0))
-        rid = self.ring.lookup_bounded(key, loads, self.epsilon)
+        ok = {r.replica_id for r in live} - busy
+        room = ({r.replica_id for r in live if r.free_blocks >= new_blocks}
+                if new_blocks is not None else set())
+        prefer = (room & ok) or ok
+        rid = self.ring.lookup_bounded(key, loads, self.epsilon,
+                                       prefer=prefer if len(prefer) < len(live) else None)
+        self.record(rid)
         return RouteDecision(rid, "ring", matches.get(rid, 0))
+
+    def _decay(self) -> None:
+        now = self.clock()
+        a = math.exp(-max(0.0, now - self._recent_at) / self.window_s)
+        self._recent = {k: v * a for k, v in self._recent.items() if v * a > 1e-3}
+        self._recent_at = now
+
+    def _over_share(self, live: Sequence[ReplicaView]) -> set[str]:
+        """Replicas over (1 + eps) / n of the recent requests among `live` (none when few)."""
+        self._decay()
+        counts = {r.replica_id: self._recent.get(r.replica_id, 0.0) for r in live}
+        total = sum(counts.values())
+        if len(live) < 2 or total < self.min_recent:
+            return set()
+        return {rid for rid, c in counts.items() if c > (1 + self.epsilon) * total / len(live)}
+
+    def record(self, replica_id: str) -> None:
+        """Count a request sent to `replica_id` (the caller routed it there)."""
+        self._decay()
+        self._recent[replica_id] = self._recent.get(replica_id, 0.0) + 1.0
 
 
 class RoundRobinPolicy(RoutingPolicy):
@@ -106,7 +156,7 @@ class RoundRobinPolicy(RoutingPolicy):
     def __init__(self) -> None:
         self.i = 0
 
-    def choose(self, replicas, matches, key, exclude=frozenset()):
+    def choose(self, replicas, matches, key, exclude=frozenset(), new_blocks=None):
         live = sorted(r.replica_id for r in replicas if r.replica_id not in exclude)
         if not live:
             return None
@@ -115,9 +165,10 @@ class RoundRobinPolicy(RoutingPolicy):
         return RouteDecision(rid, "round_robin", matches.get(rid, 0))
 
 
-def make_routing_policy(name: str, epsilon: float, min_prefix_tokens: int) -> RoutingPolicy:
+def make_routing_policy(name: str, epsilon: float, min_prefix_tokens: int,
+                        window_s: float = 30.0) -> RoutingPolicy:
     if name == "prefix":
-        return PrefixAwarePolicy(epsilon, min_prefix_tokens)
+        return PrefixAwarePolicy(epsilon, min_prefix_tokens, window_s=window_s)
     if name == "round_robin":
         return RoundRobinPolicy()
     raise ValueError(f"unknown routing policy {name!r}")

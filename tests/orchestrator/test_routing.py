@@ -1,5 +1,6 @@
 """Routing policy: prefix match under a bounded-load cap, else a bounded-load session ring."""
 
+import math
 from collections import Counter
 
 from services.orchestrator.routing import (
@@ -41,7 +42,7 @@ def test_load_penalty_spreads_a_hot_prompt_between_holders():
 
 
 def test_session_affinity_is_stable_and_moves_only_when_its_replica_leaves():
-    p = PrefixAwarePolicy()
+    p = PrefixAwarePolicy(min_recent=math.inf)  # the ring alone (no recent-share rule)
     v = views(r0=0, r1=0, r2=0, r3=0)
     first = {f"s{i}": p.choose(v, {}, f"s{i}").replica_id for i in range(200)}
     assert all(p.choose(v, {}, s).replica_id == r for s, r in first.items())
@@ -71,3 +72,67 @@ def test_round_robin_cycles():
     p = RoundRobinPolicy()
     v = views(a=0, b=0, c=0)
     assert [p.choose(v, {}, "s").replica_id for _ in range(4)] == ["a", "b", "c", "a"]
+
+
+def test_a_new_prompt_goes_to_a_replica_with_room_when_the_ring_owner_would_evict():
+    p = PrefixAwarePolicy(min_recent=math.inf)
+    v = [ReplicaView("r0", 0.0, 5), ReplicaView("r1", 0.0, 200)]  # r0 full, r1 has room
+    keys = [f"s{i}" for i in range(40)]
+    owners = {k: p.choose(v, {}, k).replica_id for k in keys}  # index unknown: plain ring
+    assert set(owners.values()) == {"r0", "r1"}
+    for k in keys:  # the index answered: nothing cached anywhere, 64 blocks needed
+        d = p.choose(v, {}, k, new_blocks=64)
+        assert (d.replica_id, d.route) == ("r1", "ring")
+
+
+def test_room_does_not_override_the_ring_when_all_or_none_have_it():
+    p = PrefixAwarePolicy(min_recent=math.inf)
+    for free in ((200, 200), (5, 5), (-1, -1)):
+        v = [ReplicaView("r0", 0.0, free[0]), ReplicaView("r1", 0.0, free[1])]
+        for i in range(40):
+            assert p.choose(v, {}, f"s{i}", new_blocks=64).replica_id == \
+                p.choose(v, {}, f"s{i}").replica_id
+
+
+def test_room_never_beats_a_useful_prefix_or_the_load_cap():
+    p = PrefixAwarePolicy(epsilon=0.25)
+    v = [ReplicaView("r0", 0.0, 5), ReplicaView("r1", 0.0, 200)]
+    d = p.choose(v, {"r0": 960}, "s", new_blocks=64)
+    assert (d.replica_id, d.route) == ("r0", "prefix")
+    # r1 has room but is over the bounded-load cap: the ring goes on to r0.
+    v = [ReplicaView("r0", 0.0, 5), ReplicaView("r1", 4.0, 200)]
+    assert p.choose(v, {}, "s", new_blocks=64).replica_id == "r0"
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_replica_over_its_recent_share_is_skipped_then_recovers():
+    """Every request matches a prompt only r0 holds, and at most one is in flight at a time,
+    so the instant cap never binds; the recent-share rule sends the work past 62.5 % to r1."""
+    clock = Clock()
+    p = PrefixAwarePolicy(epsilon=0.25, window_s=30.0, min_recent=4.0, clock=clock)
+    v = views(r0=0, r1=0)
+    got = []
+    for i in range(40):
+        got.append(p.choose(v, {"r0": 960}, f"s{i}").replica_id)
+        clock.t += 0.5
+    assert got[:5] == ["r0"] * 5  # under min_recent, then under the share: the holder wins
+    share = got.count("r0") / len(got)
+    assert 0.5 < share <= 0.625 + 1 / len(got), got
+    d = p.choose(v, {"r0": 960, "r1": 960}, "s")  # both hold it now: r1 is the one under
+    assert d.replica_id == "r1" and d.route == "prefix"
+    clock.t += 300.0  # ten windows later the counts have decayed: r0 wins again
+    assert p.choose(v, {"r0": 960}, "s").replica_id == "r0"
+
+
+def test_recent_share_needs_min_recent_requests():
+    clock = Clock()
+    p = PrefixAwarePolicy(window_s=30.0, min_recent=1000.0, clock=clock)
+    v = views(r0=0, r1=0)
+    assert all(p.choose(v, {"r0": 960}, f"s{i}").replica_id == "r0" for i in range(50))

@@ -88,3 +88,15 @@ def test_memoised_hasher_equals_the_definition(native: bool):
             assert memo.hashes(toks[k * 16 :], parent=want[k - 1]) == want[k:]
     assert memo.hashes([1] * 15) == []
     assert BlockHasher("m", 16, b"other").hashes(base) != memo.hashes(base)
+
+
+def test_bounded_lookup_prefers_qualifying_nodes_in_prefer():
+    ring = HashRing(["a", "b", "c"], vnodes=64)
+    for i in range(50):
+        key = f"k{i}"
+        order = ring.preference(key)
+        assert ring.lookup_bounded(key, {}, 0.25, prefer={order[2]}) == order[2]
+        assert ring.lookup_bounded(key, {}, 0.25, prefer=set()) == order[0]
+        # A preferred node over the cap is passed over for the first qualifying node.
+        loads = {order[2]: 10.0}
+        assert ring.lookup_bounded(key, loads, 0.25, prefer={order[2]}) == order[0]
