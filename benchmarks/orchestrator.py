@@ -190,14 +190,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer sessions, shorter prompts")
     ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--sessions", type=int, default=16,
+                    help="fresh sessions in the full workload (default 16; more sessions reuse "
+                    "each system prompt more, which raises every router's hit ratio)")
     a = ap.parse_args(argv)
+    if a.sessions < 1:
+        ap.error("--sessions must be >= 1")
     if a.quick:
         spec = WorkloadSpec(seed=1, tenants=2, prompts_per_tenant=2, system_tokens=400,
                             sessions=6, turns=3)
     else:
         # zipf_s 0.6: a hot head, but most of the 8 system prompts appear in 16 sessions.
         spec = WorkloadSpec(seed=3, tenants=4, prompts_per_tenant=2, system_tokens=1000,
-                            sessions=16, turns=3, zipf_s=0.6)
+                            sessions=a.sessions, turns=3, zipf_s=0.6)
     max_tokens, concurrency = 16, 2
     ws = working_set_blocks(spec, concurrency, max_tokens)
     # As in production, the working set is larger than one replica's memory: each pool holds
