@@ -213,7 +213,8 @@ class Orchestrator:
         while final is None:
             with self._route_lock:
                 decision = self.routing.choose(self.replicas.views(), matches, affinity,
-                                               frozenset(exclude), new_blocks)
+                                               frozenset(exclude), new_blocks,
+                                               prompt.continues)
             if decision is None:
                 raise errors.Unavailable("no kvpool replica is available"
                                          + (f" (tried {', '.join(sorted(exclude))})"

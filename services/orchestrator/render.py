@@ -32,6 +32,8 @@ class RenderedPrompt:
     query_text: str
     # Hash of everything before the query (system prompt + earlier turns); part of the namespace.
     context_hash: str
+    # The messages carry an earlier assistant turn: this continues a conversation.
+    continues: bool = False
 
 
 def validate_messages(messages: Sequence[Message], max_chars: int) -> None:
@@ -76,7 +78,8 @@ class PromptRenderer:
     def render_chat(self, messages: Sequence[Message]) -> RenderedPrompt:
         validate_messages(messages, self.max_chars)
         ids = self.encode(self.render_text(messages))
-        return RenderedPrompt(ids, messages[-1].content, context_hash(messages[:-1]))
+        return RenderedPrompt(ids, messages[-1].content, context_hash(messages[:-1]),
+                              any(m.role == "assistant" for m in messages[:-1]))
 
     def render_raw(self, prompt: str) -> RenderedPrompt:
         if not prompt.strip():

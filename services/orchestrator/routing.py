@@ -11,6 +11,7 @@ replica overloads it. The policy:
    traffic (one or two requests in flight) it never does, and without the second rule every
    session of a replica's prompts would stay there however uneven the work. A replica skipped
    for its share has its hot prompt computed once on another, whose later sessions share it.
+   The share rule moves only new conversations: a later turn stays with its history.
 2. Among the rest, the one with the best score matched_tokens - load_penalty * load wins when
    its match is useful (>= min_prefix_tokens).
 3. Otherwise: a consistent-hash ring with bounded loads keyed by the session id (or the
@@ -51,7 +52,8 @@ class RoutingPolicy(ABC):
     @abstractmethod
     def choose(self, replicas: Sequence[ReplicaView], matches: Mapping[str, int], key: str,
                exclude: frozenset[str] = frozenset(),
-               new_blocks: int | None = None) -> RouteDecision | None:
+               new_blocks: int | None = None, continues: bool = False
+               ) -> RouteDecision | None:
         """Pick a replica, or None when no replica is available.
 
         Args:
@@ -61,6 +63,8 @@ class RoutingPolicy(ABC):
             exclude: replicas not to use (e.g. failed on this request).
             new_blocks: KV blocks the request needs, given only when the prefix index answered
                 (`matches` is then the truth, not a blank); None = unknown.
+            continues: the request is a later turn of a conversation; the recent-share rule
+                does not move it (its replica holds the whole history, not just the prompt).
         """
 
 
@@ -97,14 +101,15 @@ class PrefixAwarePolicy(RoutingPolicy):
         for r in current - set(ids):
             self.ring.remove(r)
 
-    def choose(self, replicas, matches, key, exclude=frozenset(), new_blocks=None):
+    def choose(self, replicas, matches, key, exclude=frozenset(), new_blocks=None,
+               continues=False):
         live = [r for r in replicas if r.replica_id not in exclude]
         if not live:
             return None
         self._sync_ring([r.replica_id for r in live])
         loads = {r.replica_id: r.load for r in live}
         cap = bounded_cap(list(loads.values()), self.epsilon) if self.use_cap else math.inf
-        busy = self._over_share(live) if self.use_cap else set()
+        busy = self._over_share(live) if self.use_cap and not continues else set()
         best: tuple[float, int, str] | None = None
         for r in live:
             m = matches.get(r.replica_id, 0)
@@ -156,7 +161,8 @@ class RoundRobinPolicy(RoutingPolicy):
     def __init__(self) -> None:
         self.i = 0
 
-    def choose(self, replicas, matches, key, exclude=frozenset(), new_blocks=None):
+    def choose(self, replicas, matches, key, exclude=frozenset(), new_blocks=None,
+               continues=False):
         live = sorted(r.replica_id for r in replicas if r.replica_id not in exclude)
         if not live:
             return None

@@ -36,6 +36,14 @@ def test_context_hash_depends_on_earlier_turns(renderer):
     assert a.context_hash != b.context_hash
 
 
+def test_a_prompt_with_an_earlier_answer_continues_a_conversation(renderer):
+    first = [Message("system", "S"), Message("user", "q1")]
+    assert not renderer.render_chat(first).continues
+    assert not renderer.render_raw("plain text").continues
+    later = first + [Message("assistant", "a1"), Message("user", "q2")]
+    assert renderer.render_chat(later).continues
+
+
 @pytest.mark.parametrize("msgs,field", [
     ([], "messages"),
     ([Message("wizard", "hi")], "messages[0].role"),

@@ -136,3 +136,14 @@ def test_recent_share_needs_min_recent_requests():
     p = PrefixAwarePolicy(window_s=30.0, min_recent=1000.0, clock=clock)
     v = views(r0=0, r1=0)
     assert all(p.choose(v, {"r0": 960}, f"s{i}").replica_id == "r0" for i in range(50))
+
+
+def test_a_later_turn_stays_with_its_history_whatever_the_share():
+    clock = Clock()
+    p = PrefixAwarePolicy(epsilon=0.25, window_s=30.0, min_recent=4.0, clock=clock)
+    v = views(r0=0, r1=0)
+    for _ in range(10):
+        p.record("r0")
+    assert p.choose(v, {"r0": 960}, "new").replica_id == "r1"  # r0 is over its share
+    d = p.choose(v, {"r0": 1100}, "s3", continues=True)
+    assert (d.replica_id, d.route) == ("r0", "prefix")
