@@ -25,6 +25,7 @@ replica overloads it. The policy:
 from __future__ import annotations
 
 import math
+import threading
 import time
 import zlib
 from abc import ABC, abstractmethod
@@ -89,6 +90,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         self.clock = clock
         self._recent: dict[str, float] = {}
         self._recent_at = clock()
+        self._recent_lock = threading.Lock()  # Warm picks owners outside the route lock
         self.min_prefix_tokens = min_prefix_tokens
         self.load_penalty_tokens = load_penalty_tokens
         self.use_cap = use_cap
@@ -135,6 +137,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         return RouteDecision(rid, "ring", matches.get(rid, 0))
 
     def _decay(self) -> None:
+        """Age the recent counts to now (the caller holds `_recent_lock`)."""
         now = self.clock()
         a = math.exp(-max(0.0, now - self._recent_at) / self.window_s)
         self._recent = {k: v * a for k, v in self._recent.items() if v * a > 1e-3}
@@ -142,8 +145,9 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def _over_share(self, live: Sequence[ReplicaView]) -> set[str]:
         """Replicas over (1 + eps) / n of the recent requests among `live` (none when few)."""
-        self._decay()
-        counts = {r.replica_id: self._recent.get(r.replica_id, 0.0) for r in live}
+        with self._recent_lock:
+            self._decay()
+            counts = {r.replica_id: self._recent.get(r.replica_id, 0.0) for r in live}
         total = sum(counts.values())
         if len(live) < 2 or total < self.min_recent:
             return set()
@@ -151,8 +155,9 @@ class PrefixAwarePolicy(RoutingPolicy):
 
     def record(self, replica_id: str) -> None:
         """Count a request sent to `replica_id` (the caller routed it there)."""
-        self._decay()
-        self._recent[replica_id] = self._recent.get(replica_id, 0.0) + 1.0
+        with self._recent_lock:
+            self._decay()
+            self._recent[replica_id] = self._recent.get(replica_id, 0.0) + 1.0
 
 
 class RoundRobinPolicy(RoutingPolicy):
