@@ -1,0 +1,25 @@
+"""The orchestrator benchmark's repeats: which run is reported and how runs are summarised."""
+
+from benchmarks.orchestrator import median_run, repeat_summary
+
+
+def run(hit: float, load: float = 1.0, ttft: float = 300.0) -> dict:
+    return {"prefix_hit_token_ratio": hit, "replica_load_max_over_mean": load,
+            "ttft_p50_ms_all": ttft, "classes": {}}
+
+
+def test_median_run_is_the_middle_by_hit_ratio():
+    runs = [run(0.65), run(0.53), run(0.60)]
+    assert median_run(runs) is runs[2]
+    assert median_run([run(0.7), run(0.5)])["prefix_hit_token_ratio"] == 0.5  # lower middle
+    one = [run(0.8)]
+    assert median_run(one) is one[0]
+
+
+def test_repeat_summary_lists_every_run_and_pairs_the_ratio_in_order():
+    s = repeat_summary({"tiercache": [run(0.8, 1.1), run(0.75, 1.2)],
+                        "round_robin": [run(0.64), run(0.5)]})
+    assert [r["prefix_hit_token_ratio"] for r in s["tiercache"]] == [0.8, 0.75]
+    assert s["tiercache"][1]["replica_load_max_over_mean"] == 1.2
+    assert "classes" not in s["round_robin"][0]
+    assert s["prefix_hit_ratio_vs_round_robin_by_run"] == [1.25, 1.5]
