@@ -161,12 +161,12 @@ class SimConfig:
 
 
 class TieBreakPrefixAwarePolicy(PrefixAwarePolicy):
-    """A proposed change, not shipped: equal scores go to a key-dependent replica.
+    """The tie-break study kept for comparison: the candidate list rotated by a key hash.
 
-    `PrefixAwarePolicy` keeps the first replica with the best score, so among replicas that
-    hold the same prompt at the same load the one listed first always wins; over a long run
-    the low replica ids take more requests. Rotating the candidate list by a hash of the
-    affinity key spreads those ties without changing what is compared.
+    Before eecf49f, `PrefixAwarePolicy` kept the first replica with the best score, so among
+    replicas holding the same prompt at the same load the one listed first always won. The
+    shipped policy now breaks such ties by a per-key hash itself; rotating the list here on
+    top of it shows the two agree.
     """
 
     def choose(self, replicas, matches, key, exclude=frozenset()):
