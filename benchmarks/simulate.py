@@ -165,8 +165,8 @@ class TieBreakPrefixAwarePolicy(PrefixAwarePolicy):
 
     Before eecf49f, `PrefixAwarePolicy` kept the first replica with the best score, so among
     replicas holding the same prompt at the same load the one listed first always won. The
-    shipped policy now breaks such ties by a per-key hash itself; rotating the list here on
-    top of it shows the two agree.
+    shipped policy now breaks such ties by a per-key hash itself; this variant stays so the
+    earlier `tiercache_tiebreak` results can be re-run.
     """
 
     def choose(self, replicas, matches, key, exclude=frozenset()):
