@@ -152,18 +152,24 @@ class Orchestrator:
 
     # ---- prefix tier ---------------------------------------------------------------------
     def _matches(self, tenant: Tenant, token_ids: list[int]
-                 ) -> tuple[dict[str, int], str, bool]:
-        """(replica -> matched tokens, affinity key, whether the prefix index answered)."""
+                 ) -> tuple[dict[str, int], str, int | None]:
+        """(replica -> matched tokens, affinity key, KV blocks the prompt needs).
+
+        The block count is given only when the prefix index answered: then an empty match
+        means the prompt is new to every replica, and routing may place it by free blocks
+        (see routing.PrefixAwarePolicy); None = unknown.
+        """
         hashes = self.hasher.hashes(token_ids, tenant.cache_salt)
         key = hashes[0].hex() if hashes else ""
         if self.prefix is None or not hashes:
-            return {}, key, False
+            return {}, key, None
         try:
-            return self.prefix.match(hashes, self.model_id), key, True
+            # Full blocks are hashed; the partial last block and the answer need one more.
+            return self.prefix.match(hashes, self.model_id), key, len(hashes) + 1
         except grpc.RpcError as e:
             log.warning("prefix index unreachable, ring routing: %s", e.details())
             self.stats.degrade("index_down")
-            return {}, key, False
+            return {}, key, None
 
     # ---- the request ---------------------------------------------------------------------
     def generate(self, *, tenant: Tenant, prompt: RenderedPrompt, sampling: Sampling,
@@ -186,10 +192,8 @@ class Orchestrator:
                 report.semantic_entry_id = look.entry.id
 
         ids = prompt.token_ids
-        matches, key, answered = (({}, "", False) if policy.skip_prefix_cache
-                                   else self._matches(tenant, ids))
-        # Only a known-new prompt is placed by free blocks (see routing.PrefixAwarePolicy).
-        new_blocks = len(ids) // self.hasher.block_size + 1 if answered else None
+        matches, key, new_blocks = (({}, "", None) if policy.skip_prefix_cache
+                                     else self._matches(tenant, ids))
         if not key:
             key = session_id or str(hash(tuple(ids[:64])))
         affinity = session_id or key

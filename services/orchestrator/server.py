@@ -205,8 +205,7 @@ class Warmer:
     def _targets(self, tenant, token_ids, target):
         healthy = self.orch.replicas.healthy()
         if target == orchestrator_pb2.WARM_TARGET_OWNERS:
-            matches, key, answered = self.orch._matches(tenant, token_ids)
-            new_blocks = len(token_ids) // self.orch.hasher.block_size + 1 if answered else None
+            matches, key, new_blocks = self.orch._matches(tenant, token_ids)
             d = self.orch.routing.choose(self.orch.replicas.views(), matches, key,
                                          new_blocks=new_blocks)
             return [r for r in healthy if d is not None and r.replica_id == d.replica_id]
