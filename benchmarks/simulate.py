@@ -169,12 +169,13 @@ class TieBreakPrefixAwarePolicy(PrefixAwarePolicy):
     earlier `tiercache_tiebreak` results can be re-run.
     """
 
-    def choose(self, replicas, matches, key, exclude=frozenset()):
+    def choose(self, replicas, matches, key, exclude=frozenset(), new_blocks=None,
+               continues=False):
         n = len(replicas)
         if n > 1:
             at = int.from_bytes(hashlib.blake2b(key.encode(), digest_size=8).digest(), "big") % n
             replicas = list(replicas[at:]) + list(replicas[:at])
-        return super().choose(replicas, matches, key, exclude)
+        return super().choose(replicas, matches, key, exclude, new_blocks, continues)
 
 
 def make_policy(name: str, cfg: SimConfig, clock: Callable[[], float] = lambda: 0.0
