@@ -378,10 +378,13 @@ class Engine:
                     continue
                 return  # wait for running sequences to finish
             self._waiting.popleft()
-            for src, dst in adm.copies:
-                self.store.copy_block(src, dst)
+            # The prefilling sequence from here on, before any tensor work that may raise (an
+            # allocation on a GPU): a failure then ends it with the others, releasing its blocks.
             seq.phase = Phase.PREFILL
             seq.row = len(self._decoding)
+            self._prefilling = seq
+            for src, dst in adm.copies:
+                self.store.copy_block(src, dst)
             seq.num_computed = adm.cached_tokens
             seq.stored_blocks = adm.cached_tokens // self.pool.block_size
             self.store.ensure_capacity(len(seq.tokens))
@@ -394,7 +397,6 @@ class Engine:
                 if self.metrics:
                     self.metrics.prompt_tokens.inc(seq.prompt_len)
                     self.metrics.cached_tokens.inc(adm.cached_tokens)
-            self._prefilling = seq
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.num_computed
@@ -438,9 +440,13 @@ class Engine:
             a, tok = seq.sampler.verify(logits[0], prop)
             self._apply_verified(seq, prop, a, tok, count_pass=False)
         else:
-            self._accept(seq, sample_batch([seq.sampler], logits[:, -1])[0])
-            if late is not None:
-                self.store.store_blocks(*late)
+            try:
+                self._accept(seq, sample_batch([seq.sampler], logits[:, -1])[0])
+            finally:
+                # Committed blocks are in the hash table already: their KV must be copied
+                # even when sampling fails, or a later request would reuse stale KV.
+                if late is not None:
+                    self.store.store_blocks(*late)
 
     def _decode_step(self) -> None:
         # Every decoding sequence needs room for one more token; preempt the newest if short.
@@ -454,6 +460,11 @@ class Engine:
                 except PoolExhausted:
                     victim = self._decoding[-1]
                     if victim is seq and len(self._decoding) == 1:
+                        if self._prefilling is not None:
+                            # The newest sequence holds its whole prompt's blocks: it waits,
+                            # rather than failing one that fits the pool on its own.
+                            self._preempt(self._prefilling)
+                            continue
                         self._finish(seq, Failed(errors.ResourceExhausted(
                             "KV pool exhausted while decoding")))
                         break
@@ -659,7 +670,7 @@ class Engine:
                 p = self._prefilling
                 self.store.move_row(p.row, len(self._decoding), p.num_computed)
                 p.row = len(self._decoding)
-        elif seq.phase is Phase.PREFILL:
+        elif seq.phase is Phase.PREFILL and self._prefilling is seq:
             self._prefilling = None
 
     def _finish(self, seq: Sequence, result: Finished | Failed) -> None:

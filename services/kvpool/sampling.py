@@ -42,7 +42,12 @@ class Sampler:
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution sampling draws from: softmax(logits / T), cut to the top-p set."""
-        probs = torch.softmax(logits.float().cpu() / self.spec.temperature, dim=-1)
+        x = logits.float().cpu()
+        # Shift before scaling: at a tiny temperature logits / T overflows to inf and softmax
+        # turns inf - inf into NaN; (x - max) / T is <= 0 and tends to a point mass instead.
+        probs = torch.softmax((x - x.max()) / self.spec.temperature, dim=-1)
+        if not bool(torch.isfinite(probs).all()):
+            raise ValueError("sampling: the model's logits are not finite")
         if self.spec.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             cum = torch.cumsum(sorted_p, dim=-1)
@@ -78,6 +83,8 @@ class Sampler:
             if float(torch.rand((), generator=self._gen)) < px:
                 continue
             p[x] = 0.0  # residual max(p - q, 0) for a point-mass q at x
+            if float(p.sum()) <= 0.0:  # p was x alone up to rounding: x is what p draws
+                continue
             return i, self.draw(p)
         return len(draft), self.draw(self.probs(logits[len(draft)]))
 

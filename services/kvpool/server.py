@@ -51,8 +51,8 @@ def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int) -> Samp
         raise errors.InvalidArgument("sampling.max_tokens", "must be > 0")
     if sp.max_tokens > limit:
         raise errors.InvalidArgument("sampling.max_tokens", f"must be <= {limit}")
-    if math.isnan(sp.temperature) or sp.temperature < 0:
-        raise errors.InvalidArgument("sampling.temperature", "must be >= 0")
+    if not math.isfinite(sp.temperature) or sp.temperature < 0:
+        raise errors.InvalidArgument("sampling.temperature", "must be a finite number >= 0")
     top_p = sp.top_p if sp.top_p != 0 else 1.0
     if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
         raise errors.InvalidArgument("sampling.top_p", "must be in (0, 1]")

@@ -237,6 +237,94 @@ def test_seeded_sampling_is_reproducible(make_engine) -> None:
     assert d[0] == generate(eng, p, max_tokens=1)[0][0]  # tiny top_p keeps only the argmax
 
 
+def test_a_tiny_temperature_samples_the_argmax(make_engine, tiny_model) -> None:
+    """logits / 1e-45 overflows to inf; sampling must still work (a point mass on the argmax),
+    not crash the engine step."""
+    eng = make_engine()
+    p = prompt(13, 61)
+    toks, fin = generate(eng, p, max_tokens=6, temperature=1e-45, seed=3)
+    assert isinstance(fin, Finished) and toks == reference_greedy(tiny_model, p, 6)
+
+
+def test_a_failed_sampling_step_leaves_no_block_cached_without_its_kv(make_engine, tiny_model,
+                                                                       monkeypatch) -> None:
+    """The prompt's last blocks are committed before the first token is sampled and copied
+    after it: when sampling raises, the copy must still happen, or the next request with the
+    same prefix reuses blocks that hold no KV of it."""
+    from services.kvpool import sampling
+
+    real = sampling.Sampler.sample
+
+    def sample(self, logits):
+        if self.spec.seed == 13:
+            raise ValueError("sampling: simulated failure")
+        return real(self, logits)
+
+    monkeypatch.setattr(sampling.Sampler, "sample", sample)
+    eng = make_engine()
+    p = prompt(13, 62)  # 3 full blocks of 4, one prefill chunk
+    _, fin = generate(eng, p, max_tokens=6, temperature=1.0, seed=13)
+    assert isinstance(fin, Failed)
+    toks, fin = generate(eng, p, max_tokens=6)
+    assert isinstance(fin, Finished) and fin.cached_tokens == 12
+    assert toks == reference_greedy(tiny_model, p, 6)
+
+
+def test_a_failure_while_admitting_ends_the_request_and_frees_its_blocks(make_engine,
+                                                                        tiny_model) -> None:
+    """An allocation error after the pool opened the sequence (the KV rows grow for a long
+    prompt) fails that request; it must not linger holding blocks, nor disturb the next one."""
+    eng = make_engine()
+    real = eng.store.ensure_capacity
+    calls = []
+
+    def ensure_capacity(n):
+        calls.append(n)
+        if len(calls) == 1:
+            raise RuntimeError("simulated out of memory")
+        return real(n)
+
+    eng.store.ensure_capacity = ensure_capacity
+    a = prompt(29, 63)
+    _, fin = generate(eng, a, max_tokens=4)
+    assert isinstance(fin, Failed)
+    assert eng.call(lambda: eng.pool.stats().in_use).result(10) == 0
+    b = prompt(40, 64)
+    toks, fin = generate(eng, b, max_tokens=4)
+    assert isinstance(fin, Finished) and toks == reference_greedy(tiny_model, b, 4)
+
+
+def test_a_decoding_request_is_not_failed_while_a_prefill_holds_blocks(make_engine) -> None:
+    """A (14 of 16 blocks at its end) is the only decoding sequence when B's prompt takes every
+    free block and is still prefilling: when A needs a block, B is preempted, not A failed."""
+    eng = make_engine(num_blocks=16, block_size=4, max_prefill_chunk=4, drafts=False)
+    forward = eng._forward
+
+    def slow(ids, plan, keep=1):
+        time.sleep(0.02)  # keeps A from finishing before B arrives, whatever the machine
+        return forward(ids, plan, keep)
+
+    eng._forward = slow
+    a = prompt(8, 65)
+    _, out_a = eng.submit(request(a, 48, rid="A", ignore_eos=True))
+    first: list[int] = []
+    while len(first) < 20:
+        first.extend(out_a.get(timeout=30).token_ids)
+    with paused(eng):  # the engine is held: the pool's free count is exact
+        free = eng.pool.stats().free
+        assert free >= 5  # B's prefill (one chunk per block) outlasts A's next 4 tokens
+        # B takes every free block; A needs its next one within 4 tokens.
+        _, out_b = eng.submit(request(prompt(4 * free, 66), 2, rid="B", ignore_eos=True))
+    toks_a, fin_a = collect(out_a)
+    toks_b, fin_b = collect(out_b)
+    assert isinstance(fin_a, Finished) and len(first + toks_a) == 48
+    assert isinstance(fin_b, Finished) and len(toks_b) == 2
+    assert eng.stats().preemptions_total >= 1
+    eng._forward = forward
+    alone, _ = generate(eng, a, max_tokens=48, ignore_eos=True)
+    assert first + toks_a == alone
+
+
 def test_random_mix_of_requests_keeps_integrity(make_engine, tiny_model) -> None:
     eng = make_engine(num_blocks=40, max_batch_size=3, max_prefill_chunk=6)
     rng = random.Random(0)
