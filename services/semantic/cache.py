@@ -10,6 +10,7 @@ The SQLite store is the truth; the in-memory maps and faiss indexes are rebuilt 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import re
@@ -70,6 +71,7 @@ class Entry:
     last_hit_at: float
     hit_count: int
     ttl_seconds: int
+    truncated: bool = False  # the answer was cut at a token limit or a stop token
 
     def expires_at(self) -> float:
         """When the TTL runs out (inf = never)."""
@@ -221,6 +223,8 @@ class SemanticCache:
         best: Entry | None = None
         best_sim, best_th = 0.0, resolved.threshold
         rejected, reason = False, ""
+        # Below the verified threshold (the lowest any entry is held to) nothing can be a hit.
+        lowest = self.policy.threshold_for(resolved, True)
         for nb in index.search(vec, _CANDIDATES):
             e = self._entries.get(nb.label)
             if e is None or e.expired(now):
@@ -230,7 +234,9 @@ class SemanticCache:
             if best is None:
                 best, best_sim, best_th = e, sim, decision.threshold
             if decision.outcome is not Outcome.HIT:
-                break  # results are sorted: nothing further can be a hit
+                if sim < lowest - 1e-6:
+                    break  # results are sorted: nothing further can be a hit
+                continue  # a verified entry further down may still be one
             refusal = self._second_opinion(text, e.prompt, sim, resolved.tier)
             if refusal:
                 if not rejected:
@@ -287,7 +293,7 @@ class SemanticCache:
     # ---- store ------------------------------------------------------------------------------
 
     def store_entry(self, ns: Namespace, prompt: str, answer: str, verified: bool = False,
-                    ttl_seconds: int = 0) -> Entry:
+                    ttl_seconds: int = 0, truncated: bool = False) -> Entry:
         """Embeds and durably stores an answer; returns once it is committed.
 
         Evicts least recently used entries beyond the namespace and global capacity. A second
@@ -308,8 +314,9 @@ class SemanticCache:
         label = self.store.insert(id=eid, tenant=ns.tenant, model_id=ns.model_id,
                                   context_hash=ns.context_hash, prompt=prompt, answer=answer,
                                   embedding=vec, embed_model=self.embedder.name,
-                                  verified=verified, created_at=now, ttl_seconds=ttl)
-        entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl)
+                                  verified=verified, created_at=now, ttl_seconds=ttl,
+                                  truncated=truncated)
+        entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated)
         index = self._indexes.get(ns)
         if index is not None:
             # Same prompt again: the new answer replaces the old one.
@@ -474,7 +481,7 @@ class SemanticCache:
             for r in rows:
                 ns = Namespace(r.tenant, r.model_id, r.context_hash)
                 e = Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
-                          r.last_hit_at, r.hit_count, r.ttl_seconds)
+                          r.last_hit_at, r.hit_count, r.ttl_seconds, r.truncated)
                 es, vs = groups.setdefault(ns, ([], []))
                 es.append(e)
                 vs.append(r.embedding)
@@ -491,9 +498,19 @@ class SemanticCache:
             for e in sorted(self._entries.values(),
                             key=lambda e: max(e.last_hit_at, e.created_at)):
                 self._lru[e.label] = None
+            # Limits lowered since the entries were written: each namespace's excess first,
+            # then what is still over the global limit (choosing both before dropping would
+            # count global victims twice and drop more than needed).
             victims: list[int] = []
             for ns in list(self._ns_lru):
-                victims += self._victims_locked(ns)
+                lru = self._ns_lru.get(ns)
+                over = len(lru) - self.cfg.max_entries_per_namespace if lru else 0
+                victims += list(itertools.islice(lru, over)) if over > 0 else []
+            over = len(self._entries) - len(victims) - self.cfg.max_entries_total
+            if over > 0:
+                chosen = set(victims)
+                victims += list(itertools.islice((x for x in self._lru if x not in chosen),
+                                                 over))
             for lab in victims:
                 self._drop_locked(lab)
             self._next_expiry = 0.0  # loaded entries were not added one by one: scan next time

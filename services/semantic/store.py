@@ -33,7 +33,8 @@ CREATE TABLE IF NOT EXISTS entries (
     created_at   REAL NOT NULL,
     last_hit_at  REAL NOT NULL DEFAULT 0,
     hit_count    INTEGER NOT NULL DEFAULT 0,
-    ttl_seconds  INTEGER NOT NULL DEFAULT 0          -- 0 = never expires
+    ttl_seconds  INTEGER NOT NULL DEFAULT 0,         -- 0 = never expires
+    truncated    INTEGER NOT NULL DEFAULT 0          -- answer cut at a token limit / stop
 );
 CREATE INDEX IF NOT EXISTS entries_ns ON entries (tenant, model_id, context_hash);
 """
@@ -57,15 +58,16 @@ class Row:
     last_hit_at: float
     hit_count: int
     ttl_seconds: int
+    truncated: bool
 
 
 _COLS = ("label, id, tenant, model_id, context_hash, prompt, answer, embedding, embed_model, "
-         "verified, created_at, last_hit_at, hit_count, ttl_seconds")
+         "verified, created_at, last_hit_at, hit_count, ttl_seconds, truncated")
 
 
 def _row(t: tuple) -> Row:
     return Row(t[0], t[1], t[2], t[3], t[4], t[5], t[6], np.frombuffer(t[7], np.float32).copy(),
-               t[8], bool(t[9]), t[10], t[11], t[12], t[13])
+               t[8], bool(t[9]), t[10], t[11], t[12], t[13], bool(t[14]))
 
 
 class EntryStore:
@@ -80,6 +82,9 @@ class EntryStore:
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
         self._db.executescript(_SCHEMA)
+        cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
+        if "truncated" not in cols:  # a database written before the column existed
+            self._db.execute("ALTER TABLE entries ADD COLUMN truncated INTEGER NOT NULL DEFAULT 0")
         # Hit counters have their own lock: a lookup that records a hit must not wait behind a
         # Store's fsync or a flush holding the connection.
         self._hits_lock = threading.Lock()
@@ -92,7 +97,7 @@ class EntryStore:
 
     def insert(self, *, id: str, tenant: str, model_id: str, context_hash: str, prompt: str,
                answer: str, embedding: np.ndarray, embed_model: str, verified: bool,
-               created_at: float, ttl_seconds: int) -> int:
+               created_at: float, ttl_seconds: int, truncated: bool = False) -> int:
         """Commits one entry durably and returns its label.
 
         Raises:
@@ -103,10 +108,10 @@ class EntryStore:
             try:
                 cur = self._db.execute(
                     "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
-                    "embedding, embed_model, verified, created_at, ttl_seconds) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "embedding, embed_model, verified, created_at, ttl_seconds, truncated) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     (id, tenant, model_id, context_hash, prompt, answer, blob, embed_model,
-                     int(verified), created_at, ttl_seconds))
+                     int(verified), created_at, ttl_seconds, int(truncated)))
             except sqlite3.OperationalError as e:
                 # SQLITE_FULL: the statement was rolled back; a client error, not a crash.
                 if "full" in str(e):
@@ -121,15 +126,16 @@ class EntryStore:
             try:
                 self._db.executemany(
                     "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
-                    "embedding, embed_model, verified, created_at, ttl_seconds) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                    "embedding, embed_model, verified, created_at, ttl_seconds, truncated) "
+                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                     [(r["id"], r["tenant"], r["model_id"], r["context_hash"], r["prompt"],
                       r["answer"], np.asarray(r["embedding"], "<f4").tobytes(),
-                      r["embed_model"], int(r["verified"]), r["created_at"], r["ttl_seconds"])
+                      r["embed_model"], int(r["verified"]), r["created_at"], r["ttl_seconds"],
+                      int(r.get("truncated", False)))
                      for r in rows])
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
 
     def get(self, id: str) -> Row | None:
@@ -158,7 +164,7 @@ class EntryStore:
                                      [(x,) for x in labels])
                 self._db.execute("COMMIT")
             except BaseException:
-                self._db.execute("ROLLBACK")
+                self._rollback()
                 raise
         with self._hits_lock:
             for x in labels:
@@ -178,11 +184,25 @@ class EntryStore:
         # A counter of an entry deleted meanwhile updates no row: harmless.
         with self._lock:
             self._db.execute("BEGIN")
-            self._db.executemany(
-                "UPDATE entries SET last_hit_at = ?, hit_count = ? WHERE label = ?",
-                [(at, n, lab) for lab, (at, n) in pending.items()])
-            self._db.execute("COMMIT")
+            try:
+                self._db.executemany(
+                    "UPDATE entries SET last_hit_at = ?, hit_count = ? WHERE label = ?",
+                    [(at, n, lab) for lab, (at, n) in pending.items()])
+                self._db.execute("COMMIT")
+            except BaseException:
+                # Left open, the transaction would swallow every later insert: acknowledged
+                # Stores that are never committed.
+                self._rollback()
+                with self._hits_lock:  # retried next flush; hits recorded since are newer
+                    for lab, v in pending.items():
+                        self._pending_hits.setdefault(lab, v)
+                raise
             return len(pending)
+
+    def _rollback(self) -> None:
+        """Ends a failed transaction (SQLite may already have rolled it back itself)."""
+        if self._db.in_transaction:
+            self._db.execute("ROLLBACK")
 
     def iter_all(self, batch: int = 5000) -> Iterator[list[Row]]:
         """Every entry, in label order, in batches."""

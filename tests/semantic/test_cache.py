@@ -80,6 +80,24 @@ def test_explicit_threshold_and_verified_bonus(make_cache):
         c.lookup(A, "x", threshold=0.5)
 
 
+def test_a_verified_entry_below_an_unverified_near_miss_still_hits(make_cache, embedder):
+    """The nearest entry misses its threshold, the next one is verified and within the bonus:
+    the lookup must go on past the first and serve the verified one."""
+    c = make_cache()
+    q = "How do I learn Python quickly?"
+    near, verified = "How can I learn Python fast?", "Best way to learn Python quickly?"
+    v = embedder.embed([q, near, verified])
+    s_near, s_ver = float(v[0] @ v[1]), float(v[0] @ v[2])
+    th = s_near + 0.002  # the nearest entry just misses
+    assert s_ver < s_near and s_ver >= th - 0.02 + 0.001  # the verified one is within the bonus
+    c.store_entry(A, near, "Practice every day.")
+    e = c.store_entry(A, verified, "Build small projects.", verified=True)
+    r = c.lookup(A, q, tier="relaxed", threshold=th)
+    assert r.hit and r.entry.id == e.id
+    c.verify(e.id, False)
+    assert not c.lookup(A, q, tier="relaxed", threshold=th).hit
+
+
 def test_guard_refuses_a_swapped_trap_in_strict_tier_only(make_cache):
     c = make_cache()
     c.store_entry(A, "Flights from New York to Florida", "Daily at 9am.")
@@ -156,6 +174,23 @@ def test_lru_eviction_per_namespace_and_global(make_cache, clock):
     c.check_integrity()
 
 
+def test_lowered_limits_at_load_evict_only_the_excess(make_cache, clock):
+    """Reloaded under smaller limits: each namespace's excess goes, then only what is still
+    over the global limit (oldest first), never more."""
+    c = make_cache()
+    order = []
+    for ns in (A, B):
+        for q in ("How tall is Mount Everest?", "Who wrote Hamlet?", "What is photosynthesis?"):
+            clock.now += 1
+            order.append((ns, c.store_entry(ns, q, "answer").id))
+    smaller = make_cache(max_entries_per_namespace=2, max_entries_total=3)
+    kept = {eid for _, eid in order if eid in smaller._by_id}
+    # per namespace: the oldest of A and of B go; global: then the oldest left (A's second).
+    assert kept == {order[2][1], order[4][1], order[5][1]}
+    assert smaller.store.count() == 3
+    smaller.check_integrity()
+
+
 def test_verify_invalidate_and_not_found(make_cache):
     c = make_cache()
     e = c.store_entry(A, "How do I boil an egg?", "8 minutes.")
@@ -206,13 +241,16 @@ def test_bad_store_input_writes_nothing(make_cache, kwargs, field):
 def test_reload_from_sqlite(make_cache, make_cfg, embedder, clock):
     c = make_cache()
     keep = c.store_entry(A, "How far is the Moon?", "384,400 km", verified=True)
+    cut = c.store_entry(A, "List every planet with its moons.", "Mercury: none; Venus:",
+                        truncated=True)
     c.store_entry(A, "Short-lived fact?", "soon gone", ttl_seconds=10)
     c.lookup(A, "How far is the Moon?")
     c.store.flush_hits()
     clock.now += 11
     again = make_cache()  # same database file
-    assert again.stats().entries == 1
+    assert again.stats().entries == 2
     e = again.get(keep.id)
-    assert e.verified and e.hit_count == 1 and e.answer == "384,400 km"
+    assert e.verified and e.hit_count == 1 and e.answer == "384,400 km" and not e.truncated
+    assert again.get(cut.id).truncated
     assert again.lookup(A, "How far is the Moon?").hit
     again.check_integrity()

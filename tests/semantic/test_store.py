@@ -1,0 +1,77 @@
+"""EntryStore on real SQLite: failed writes leave no open transaction, old databases upgrade."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import numpy as np
+import pytest
+
+from services.semantic.store import EntryStore
+
+VEC = np.ones(4, np.float32) / 2.0
+
+
+def insert(st: EntryStore, eid: str, **kw) -> int:
+    args = dict(id=eid, tenant="t", model_id="m", context_hash="", prompt=f"q {eid}",
+                answer=f"a {eid}", embedding=VEC, embed_model="e", verified=False,
+                created_at=1.0, ttl_seconds=0)
+    args.update(kw)
+    return st.insert(**args)
+
+
+def committed_ids(path) -> set[str]:
+    """What another connection sees: only committed rows."""
+    with sqlite3.connect(path) as other:
+        return {r[0] for r in other.execute("SELECT id FROM entries")}
+
+
+def test_a_failed_hit_flush_rolls_back_and_keeps_the_hits(tmp_path):
+    path = str(tmp_path / "s.db")
+    st = EntryStore(path, "NORMAL")
+    lab = insert(st, "one")
+    # Every UPDATE fails mid-transaction, as a disk or I/O error would.
+    st._db.execute("CREATE TRIGGER no_update BEFORE UPDATE ON entries "
+                   "BEGIN SELECT RAISE(ABORT, 'simulated I/O error'); END")
+    st.record_hit(lab, 5.0, 1)
+    with pytest.raises(sqlite3.DatabaseError, match="simulated"):
+        st.flush_hits()
+    assert not st._db.in_transaction
+    insert(st, "two")  # acknowledged, so it must be committed
+    assert committed_ids(path) == {"one", "two"}
+    st._db.execute("DROP TRIGGER no_update")
+    assert st.flush_hits() == 1  # the hit that failed to flush is written next time
+    assert st.get("one").hit_count == 1 and st.get("one").last_hit_at == 5.0
+    st.close()
+
+
+def test_truncated_flag_round_trips(tmp_path):
+    st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    insert(st, "cut", truncated=True)
+    insert(st, "whole")
+    st.insert_many([dict(id="bulk", tenant="t", model_id="m", context_hash="", prompt="p",
+                         answer="a", embedding=VEC, embed_model="e", verified=False,
+                         created_at=1.0, ttl_seconds=0, truncated=True)])
+    assert st.get("cut").truncated and not st.get("whole").truncated and st.get("bulk").truncated
+    st.close()
+
+
+def test_a_database_from_before_the_truncated_column_is_upgraded(tmp_path):
+    path = str(tmp_path / "old.db")
+    with sqlite3.connect(path) as db:
+        db.execute("""CREATE TABLE entries (
+            label INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+            tenant TEXT NOT NULL, model_id TEXT NOT NULL, context_hash TEXT NOT NULL,
+            prompt TEXT NOT NULL, answer TEXT NOT NULL, embedding BLOB NOT NULL,
+            embed_model TEXT NOT NULL, verified INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL, last_hit_at REAL NOT NULL DEFAULT 0,
+            hit_count INTEGER NOT NULL DEFAULT 0, ttl_seconds INTEGER NOT NULL DEFAULT 0)""")
+        db.execute("INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
+                   "embedding, embed_model, created_at) VALUES ('old', 't', 'm', '', 'q', 'a', "
+                   "?, 'e', 1.0)", (VEC.tobytes(),))
+    st = EntryStore(path, "NORMAL")
+    old = st.get("old")
+    assert old is not None and not old.truncated and old.answer == "a"
+    insert(st, "new", truncated=True)
+    assert st.get("new").truncated
+    st.close()
