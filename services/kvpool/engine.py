@@ -81,6 +81,7 @@ class EngineRequest:
 
 class TokenDelta(NamedTuple):
     token_ids: list[int]
+    last: bool = False  # the sequence ends with these; its Finished follows at once
 
 
 class Finished(NamedTuple):
@@ -618,7 +619,6 @@ class Engine:
                 self.metrics.ttft_seconds.observe(now - seq.arrival)
         seq.tokens.append(tok)
         seq.generated += 1
-        seq.out.put(TokenDelta([tok]))
         sp = seq.req.sampling
         reason = None
         if tok in self.info.eos_token_ids and not sp.ignore_eos:
@@ -627,6 +627,9 @@ class Engine:
             reason = FinishReason.STOP
         elif seq.generated >= sp.max_tokens or len(seq.tokens) >= self.info.max_context:
             reason = FinishReason.LENGTH
+        # The server sends a last token together with the final message, so no reader can see
+        # the end of an answer without knowing that it ended (and resume it elsewhere).
+        seq.out.put(TokenDelta([tok], reason is not None))
         if reason is not None:
             self._finish(seq, self._final(seq, reason, 0))
 

@@ -31,6 +31,7 @@ _FINISH = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
 }
+_LAST_WAIT_S = 30.0  # for the Finished that follows a last token (queued in the same call)
 _POLL_S = 0.1
 
 
@@ -123,15 +124,16 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                     done = True
                     yield kvpool_pb2.KvGenerateResponse(final=self._final(item))
                     return
-                toks = list(item.token_ids)
+                toks, last = list(item.token_ids), item.last
                 # Coalesce deltas that queued up while the client was slow.
-                while True:
+                while not last:
                     try:
                         nxt = out.get_nowait()
                     except queue.Empty:
                         break
                     if isinstance(nxt, TokenDelta):
                         toks.extend(nxt.token_ids)
+                        last = nxt.last
                         continue
                     yield kvpool_pb2.KvGenerateResponse(token_ids=toks)
                     toks = []
@@ -140,6 +142,16 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                         raise nxt.error
                     done = True
                     yield kvpool_pb2.KvGenerateResponse(final=self._final(nxt))
+                    return
+                if last:
+                    # The engine queues the end right after the last token: one message, so a
+                    # reader never holds a finished answer without knowing it finished.
+                    end = out.get(timeout=_LAST_WAIT_S)
+                    done = True
+                    if isinstance(end, Failed):
+                        yield kvpool_pb2.KvGenerateResponse(token_ids=toks)
+                        raise end.error
+                    yield kvpool_pb2.KvGenerateResponse(token_ids=toks, final=self._final(end))
                     return
                 yield kvpool_pb2.KvGenerateResponse(token_ids=toks)
         finally:

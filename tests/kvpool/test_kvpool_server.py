@@ -84,6 +84,18 @@ def test_generate_streams_tokens_and_a_final_report(served, tiny_model) -> None:
     assert st.requests_total == 2 and st.vocab_size == TINY_VOCAB and st.device == "cpu"
 
 
+def test_the_last_token_travels_with_the_final_message(served) -> None:
+    """A reader that holds every token of an answer also holds its end: otherwise a failover
+    between the two would resume an answer that had already finished."""
+    for n in (1, 3, 7):
+        req = kvpool_pb2.KvGenerateRequest(token_ids=PROMPT,
+                                           sampling=common_pb2.SamplingParams(max_tokens=n))
+        msgs = list(served.stub.Generate(req, timeout=20))
+        assert msgs[-1].HasField("final") and list(msgs[-1].token_ids)
+        assert not any(m.HasField("final") for m in msgs[:-1])
+        assert sum(len(m.token_ids) for m in msgs) == msgs[-1].final.usage.completion_tokens == n
+
+
 def test_prefill_pins_and_the_next_request_hits(served) -> None:
     ids = list(range(1, 25))
     r = served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=ids, pin=True, ttl_seconds=600),
