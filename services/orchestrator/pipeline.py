@@ -35,10 +35,14 @@ DEGRADED = counter("tiercache_orchestrator_degradations_total",
                    "Requests served in a degraded way", ("kind",))
 TTFT = histogram("tiercache_orchestrator_ttft_seconds", "Time to first token", ("cache_class",),
                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+TOO_SHORT = counter("tiercache_orchestrator_semantic_hits_too_short_total",
+                    "Semantic hits not served: the cached answer is cut shorter than asked")
 TOKENS = counter("tiercache_orchestrator_tokens_total", "Prompt/cached/generated tokens",
                  ("kind",))
 
 # Replica failures that mean "this replica is gone or broken", so another one should try.
+# Semantic-tier INVALID_ARGUMENT details that blame the request's cache policy.
+_POLICY_FIELDS = ("tier", "threshold")
 _REPLICA_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                  grpc.StatusCode.CANCELLED)
 
@@ -85,6 +89,7 @@ class OrchestratorStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     semantic_tokens_saved: int = 0
+    semantic_truncated_passed: int = 0  # hits not served: cut shorter than the request wants
     degradations: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -133,18 +138,23 @@ class Orchestrator:
                 tier=policy.semantic_tier or self.default_tier,
                 threshold=policy.semantic_threshold, want_draft=want_draft))
         except grpc.RpcError as e:
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            details = e.details() or ""
+            if (e.code() == grpc.StatusCode.INVALID_ARGUMENT
+                    and details.startswith(_POLICY_FIELDS)):
                 # The request's own tier/threshold is bad: tell the caller.
-                raise errors.InvalidArgument("cache_policy", e.details()) from None
-            log.warning("semantic lookup failed, skipping the tier: %s", e.details())
+                raise errors.InvalidArgument("cache_policy", details) from None
+            # Anything else (the tier down, or a text the tier will not take, such as a
+            # message over its size limit) only means this request goes without the tier.
+            log.warning("semantic lookup failed, skipping the tier: %s", details)
             self.stats.degrade("semantic_skipped")
             return None
 
-    def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str) -> str:
+    def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated: bool
+               ) -> str:
         try:
             return self.semantic.store(semantic_pb2.StoreRequest(
                 namespace=self._namespace(tenant, prompt), prompt=prompt.query_text,
-                answer=answer)).id
+                answer=answer, truncated=truncated)).id
         except grpc.RpcError as e:
             log.warning("semantic store failed: %s", e.details())
             self.stats.degrade("semantic_store_failed")
@@ -171,6 +181,15 @@ class Orchestrator:
             self.stats.degrade("index_down")
             return {}, key, None
 
+    def owner(self, tenant: Tenant, token_ids: list[int]) -> str | None:
+        """The replica a request with this prompt would be routed to now (Warm's owners), not
+        counted as routed traffic; None when no replica is available."""
+        matches, key, new_blocks = self._matches(tenant, token_ids)
+        with self._route_lock:  # the policy's ring changes as replicas come and go
+            d = self.routing.choose(self.replicas.views(), matches, key, new_blocks=new_blocks,
+                                    record=False)
+        return d.replica_id if d is not None else None
+
     # ---- the request ---------------------------------------------------------------------
     def generate(self, *, tenant: Tenant, prompt: RenderedPrompt, sampling: Sampling,
                  policy: Policy, session_id: str, return_token_ids: bool, request_id: str,
@@ -184,11 +203,20 @@ class Orchestrator:
         draft_ids: list[int] = []
         if look is not None:
             report.semantic_similarity = look.similarity
-            if look.hit:
-                yield from self._serve_hit(look, report, return_token_ids, request_id, t0)
+            cached_ids = (self.renderer.encode(look.entry.answer) if look.HasField("entry")
+                          else [])
+            if look.hit and look.entry.truncated and len(cached_ids) < sampling.max_tokens:
+                # A cut-short answer cannot stand for a longer one: the model answers, with
+                # the cached part as its draft.
+                with self.stats.lock:
+                    self.stats.semantic_truncated_passed += 1
+                TOO_SHORT.inc()
+            elif look.hit:
+                yield from self._serve_hit(look, cached_ids, sampling.max_tokens, report,
+                                           return_token_ids, request_id, t0)
                 return
             if look.HasField("entry") and want_draft:
-                draft_ids = self.renderer.encode(look.entry.answer)
+                draft_ids = cached_ids
                 report.semantic_entry_id = look.entry.id
 
         ids = prompt.token_ids
@@ -308,16 +336,26 @@ class Orchestrator:
         cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
         self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
         answer = self.tok.decode(generated, skip_special_tokens=True).strip()
+        # ignore_eos answers run on past the model's own end: never an answer to serve. An
+        # answer that ended at max_tokens or a stop token is stored as truncated (it serves
+        # only requests that want no more tokens than it has).
         if (self.semantic.enabled and not policy.skip_semantic_store and answer
+                and not sampling.ignore_eos
                 and (greedy or policy.store_sampled or self.store_sampled)):
-            sid = self._store(tenant, prompt, answer)
+            sid = self._store(tenant, prompt, answer,
+                              final.finish_reason != common_pb2.FINISH_REASON_EOS)
             if sid and not report.semantic_entry_id:
                 report.semantic_entry_id = sid
         yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
 
-    def _serve_hit(self, look, report, return_token_ids, request_id, t0):
+    def _serve_hit(self, look, ids: list[int], max_tokens: int, report, return_token_ids,
+                   request_id, t0):
         answer = look.entry.answer
-        ids = self.renderer.encode(answer)
+        finish = common_pb2.FINISH_REASON_CACHED
+        if len(ids) > max_tokens:  # the request wants less than the cached answer holds
+            ids = ids[:max_tokens]
+            answer = self.tok.decode(ids, skip_special_tokens=True)
+            finish = common_pb2.FINISH_REASON_LENGTH
         report.semantic_hit = True
         report.semantic_entry_id = look.entry.id
         report.route = "semantic"
@@ -326,7 +364,7 @@ class Orchestrator:
         self._count("semantic_hit", 0, 0, 0, report.ttft_ms)
         with self.stats.lock:
             self.stats.semantic_tokens_saved += len(ids)
-        yield Finished(common_pb2.FINISH_REASON_CACHED, 0, len(ids), report, request_id)
+        yield Finished(finish, 0, len(ids), report, request_id)
 
     def _count(self, cache_class: str, prompt: int, cached: int, completion: int,
                ttft_ms: float) -> None:

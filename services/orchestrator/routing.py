@@ -53,9 +53,10 @@ class RoutingPolicy(ABC):
     @abstractmethod
     def choose(self, replicas: Sequence[ReplicaView], matches: Mapping[str, int], key: str,
                exclude: frozenset[str] = frozenset(),
-               new_blocks: int | None = None, continues: bool = False
-               ) -> RouteDecision | None:
-        """Pick a replica, or None when no replica is available.
+               new_blocks: int | None = None, continues: bool = False, *,
+               record: bool = True) -> RouteDecision | None:
+        """Pick a replica, or None when no replica is available. Not thread-safe: callers
+        serialise calls (the orchestrator's route lock).
 
         Args:
             replicas: healthy replicas and their loads.
@@ -66,6 +67,7 @@ class RoutingPolicy(ABC):
                 (`matches` is then the truth, not a blank); None = unknown.
             continues: the request is a later turn of a conversation; the recent-share rule
                 does not move it (its replica holds the whole history, not just the prompt).
+            record: count the choice as routed traffic (False for a warm-up's owner lookup).
         """
 
 
@@ -90,7 +92,7 @@ class PrefixAwarePolicy(RoutingPolicy):
         self.clock = clock
         self._recent: dict[str, float] = {}
         self._recent_at = clock()
-        self._recent_lock = threading.Lock()  # Warm picks owners outside the route lock
+        self._recent_lock = threading.Lock()
         self.min_prefix_tokens = min_prefix_tokens
         self.load_penalty_tokens = load_penalty_tokens
         self.use_cap = use_cap
@@ -104,7 +106,7 @@ class PrefixAwarePolicy(RoutingPolicy):
             self.ring.remove(r)
 
     def choose(self, replicas, matches, key, exclude=frozenset(), new_blocks=None,
-               continues=False):
+               continues=False, *, record=True):
         live = [r for r in replicas if r.replica_id not in exclude]
         if not live:
             return None
@@ -125,7 +127,8 @@ class PrefixAwarePolicy(RoutingPolicy):
                 best = (score, tie, r.replica_id)
         if best is not None:
             rid = best[2]
-            self.record(rid)
+            if record:
+                self.record(rid)
             return RouteDecision(rid, "prefix", matches.get(rid, 0))
         ok = {r.replica_id for r in live} - busy
         room = ({r.replica_id for r in live if r.free_blocks >= new_blocks}
@@ -133,7 +136,8 @@ class PrefixAwarePolicy(RoutingPolicy):
         prefer = (room & ok) or ok
         rid = self.ring.lookup_bounded(key, loads, self.epsilon,
                                        prefer=prefer if len(prefer) < len(live) else None)
-        self.record(rid)
+        if record:
+            self.record(rid)
         return RouteDecision(rid, "ring", matches.get(rid, 0))
 
     def _decay(self) -> None:
@@ -167,12 +171,13 @@ class RoundRobinPolicy(RoutingPolicy):
         self.i = 0
 
     def choose(self, replicas, matches, key, exclude=frozenset(), new_blocks=None,
-               continues=False):
+               continues=False, *, record=True):
         live = sorted(r.replica_id for r in replicas if r.replica_id not in exclude)
         if not live:
             return None
         rid = live[self.i % len(live)]
-        self.i += 1
+        if record:
+            self.i += 1
         return RouteDecision(rid, "round_robin", matches.get(rid, 0))
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 import threading
 import time
 import uuid
@@ -34,8 +36,9 @@ def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig) -> Sam
     if max_tokens > cfg.max_tokens_limit:
         raise errors.InvalidArgument("sampling.max_tokens",
                                      f"{max_tokens} exceeds the limit of {cfg.max_tokens_limit}")
-    if not s.temperature >= 0.0:  # also rejects NaN
-        raise errors.InvalidArgument("sampling.temperature", f"must be >= 0, got {s.temperature}")
+    if not 0.0 <= s.temperature < math.inf:  # also rejects NaN
+        raise errors.InvalidArgument("sampling.temperature",
+                                     f"must be a finite number >= 0, got {s.temperature}")
     top_p = s.top_p if s.top_p != 0.0 else 1.0
     if not 0.0 < top_p <= 1.0:
         raise errors.InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
@@ -87,6 +90,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise errors.InvalidArgument(
                 "messages" if request.messages else "prompt",
                 f"{len(prompt.token_ids)} tokens exceed the limit of {self.cfg.max_prompt_tokens}")
+        if not request.sampling.max_tokens and sampling.max_tokens > tenant.max_tokens:
+            # Unset max_tokens means the server default, capped by the tenant's limit: a
+            # field the client never set must not fail its request.
+            sampling = dataclasses.replace(sampling, max_tokens=tenant.max_tokens)
         self.tenants.check_limits(tenant, len(prompt.token_ids), sampling.max_tokens)
         md = dict(context.invocation_metadata() or ())
         request_id = md.get("x-request-id") or uuid.uuid4().hex[:16]
@@ -159,7 +166,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 cold=st.requests["cold"], prompt_tokens_total=st.prompt_tokens,
                 cached_tokens_total=st.cached_tokens,
                 tokens_saved_semantic=st.semantic_tokens_saved,
-                degradations=dict(st.degradations))
+                degradations=dict(st.degradations),
+                semantic_hits_too_short=st.semantic_truncated_passed)
         for r in o.replicas.replicas:
             if r.stats is not None and r.health.healthy:
                 resp.replicas.append(r.stats)
@@ -205,10 +213,8 @@ class Warmer:
     def _targets(self, tenant, token_ids, target):
         healthy = self.orch.replicas.healthy()
         if target == orchestrator_pb2.WARM_TARGET_OWNERS:
-            matches, key, new_blocks = self.orch._matches(tenant, token_ids)
-            d = self.orch.routing.choose(self.orch.replicas.views(), matches, key,
-                                         new_blocks=new_blocks)
-            return [r for r in healthy if d is not None and r.replica_id == d.replica_id]
+            owner = self.orch.owner(tenant, token_ids)
+            return [r for r in healthy if r.replica_id == owner]
         return healthy
 
     def warm(self, tenant, request) -> orchestrator_pb2.WarmResponse:

@@ -21,7 +21,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from services.common.errors import (
-    InvalidArgument,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
@@ -120,8 +119,8 @@ class TenantRegistry:
             raise ResourceExhausted(
                 f"prompt: {prompt_tokens} tokens exceed tenant limit {tenant.max_prompt_tokens}")
         if max_tokens > tenant.max_tokens:
-            raise InvalidArgument("sampling.max_tokens",
-                                  f"{max_tokens} exceeds the limit of {tenant.max_tokens}")
+            raise ResourceExhausted(
+                f"sampling.max_tokens: {max_tokens} exceed tenant limit {tenant.max_tokens}")
 
     def acquire(self, tenant: Tenant) -> None:
         with self._lock:

@@ -13,7 +13,8 @@ INTERNAL = "internal-e2e-secret"
 INTERNAL_MD = [("authorization", f"Bearer {INTERNAL}")]
 ADMIN_TOKEN = "tok-admin"
 TOKENS = {"tok-a": {"tenant": "a"}, "tok-b": {"tenant": "b"},
-          "tok-small": {"tenant": "small", "max_prompt_tokens": 60, "max_concurrent": 1},
+          "tok-small": {"tenant": "small", "max_prompt_tokens": 60, "max_tokens": 6,
+                        "max_concurrent": 1},
           # Cluster-wide Stats describe every tenant's traffic: operators only.
           ADMIN_TOKEN: {"tenant": "ops", "admin": True}}
 

@@ -66,6 +66,29 @@ def test_repeat_is_a_semantic_hit_without_a_model_call(stack, a):
     assert kv_requests(stack) == before + 1
 
 
+def test_a_cut_short_answer_serves_only_requests_that_want_no_more(stack, a):
+    """An answer stopped by max_tokens is stored as truncated: it serves requests for as many
+    tokens or fewer (cut to their max_tokens), never one that wants more — the model answers
+    that one, with the cached part as its draft."""
+    q = "Name three famous rivers of Europe and describe each of them in detail."
+    first = a.generate(q, max_tokens=6, return_token_ids=True)
+    assert first.finish_reason == "FINISH_REASON_LENGTH" and first.completion_tokens == 6
+    before = kv_requests(stack)
+    too_short_before = admin_stats(stack).semantic_hits_too_short
+    same = a.generate(q, max_tokens=6)
+    assert same.report.semantic_hit and same.text == first.text.strip()
+    fewer = a.generate(q, max_tokens=3)
+    assert fewer.report.semantic_hit
+    assert fewer.completion_tokens == 3 and fewer.finish_reason == "FINISH_REASON_LENGTH"
+    assert kv_requests(stack) == before  # both served without the model
+    more = a.generate(q, max_tokens=10, return_token_ids=True)
+    assert not more.report.semantic_hit and more.report.replica_id
+    assert kv_requests(stack) == before + 1
+    assert more.token_ids[:6] == first.token_ids  # greedy: the same start, then more
+    assert more.report.draft_tokens_accepted > 0  # the cut-short answer was its draft
+    assert admin_stats(stack).semantic_hits_too_short == too_short_before + 1
+
+
 def test_turn_two_reuses_turn_one_on_the_same_replica(stack, a):
     msgs = [{"role": "system", "content": SYSTEM},
             {"role": "user", "content": "How long do category 3 orders take to ship?"}]
@@ -130,6 +153,13 @@ def test_auth_and_limits(stack):
             c.generate("word " * 200, max_tokens=4)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "prompt" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("hi", max_tokens=7)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "sampling.max_tokens" in e.value.details()
+        # max_tokens left unset: the server default, capped at the tenant's limit of 6.
+        r = c.generate("Count from one to twenty in words.")
+        assert 0 < r.completion_tokens <= 6
 
 
 def test_stats_aggregate_every_tier(stack, a):

@@ -147,3 +147,17 @@ def test_a_later_turn_stays_with_its_history_whatever_the_share():
     assert p.choose(v, {"r0": 960}, "new").replica_id == "r1"  # r0 is over its share
     d = p.choose(v, {"r0": 1100}, "s3", continues=True)
     assert (d.replica_id, d.route) == ("r0", "prefix")
+
+
+def test_an_unrecorded_choice_is_not_counted_as_traffic():
+    """Warm asks which replica owns a prompt without routing a request there: 50 such lookups
+    leave the recent shares (and round-robin's turn) as they were."""
+    clock = Clock()
+    p = PrefixAwarePolicy(epsilon=0.25, window_s=30.0, min_recent=4.0, clock=clock)
+    v = views(r0=0, r1=0)
+    for _ in range(50):
+        assert p.choose(v, {"r0": 960}, "s", record=False).replica_id == "r0"
+    assert p.choose(v, {"r0": 960}, "new").replica_id == "r0"  # r0 is not over any share
+    rr = RoundRobinPolicy()
+    assert {rr.choose(v, {}, "s", record=False).replica_id for _ in range(5)} == {"r0"}
+    assert [rr.choose(v, {}, "s").replica_id for _ in range(2)] == ["r0", "r1"]
