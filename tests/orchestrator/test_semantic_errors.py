@@ -1,0 +1,66 @@
+"""How the orchestrator treats a semantic tier that refuses a lookup (pure logic, a fake tier)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.orchestrator.pipeline import Orchestrator, OrchestratorStats, Policy
+from services.orchestrator.render import RenderedPrompt
+from services.orchestrator.tenants import Tenant
+
+
+class Refusal(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+
+class RefusingTier:
+    enabled = True
+
+    def __init__(self, error: Refusal) -> None:
+        self.error = error
+
+    def lookup(self, request):
+        raise self.error
+
+
+def orchestrator(error: Refusal) -> Orchestrator:
+    o = Orchestrator.__new__(Orchestrator)  # only what _lookup reads
+    o.semantic, o.stats, o.model_id, o.default_tier = (RefusingTier(error), OrchestratorStats(),
+                                                       "m", "standard")
+    return o
+
+
+TENANT = Tenant("a", "salt", 100, 10, 1)
+PROMPT = RenderedPrompt([1, 2, 3], "word " * 3000, "")
+
+
+@pytest.mark.parametrize("details", ["text: longer than the limit of 8192 characters",
+                                     "namespace.tenant: longer than 256 chars"])
+def test_a_text_the_tier_will_not_take_skips_the_tier(details):
+    o = orchestrator(Refusal(grpc.StatusCode.INVALID_ARGUMENT, details))
+    assert o._lookup(TENANT, PROMPT, Policy(), want_draft=True, deadline=0.0) is None
+    assert o.stats.degradations["semantic_skipped"] == 1
+
+
+@pytest.mark.parametrize("details", ["tier: unknown tier 'x'", "threshold: must be 0 or in"])
+def test_a_bad_tier_or_threshold_is_the_callers_error(details):
+    o = orchestrator(Refusal(grpc.StatusCode.INVALID_ARGUMENT, details))
+    with pytest.raises(InvalidArgument) as e:
+        o._lookup(TENANT, PROMPT, Policy(semantic_tier="x"), want_draft=True, deadline=0.0)
+    assert e.value.field == "cache_policy" and details in str(e.value)
+    assert not o.stats.degradations
+
+
+def test_an_unavailable_tier_is_skipped():
+    o = orchestrator(Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    assert o._lookup(TENANT, PROMPT, Policy(), want_draft=False, deadline=0.0) is None
+    assert o.stats.degradations["semantic_skipped"] == 1
