@@ -149,12 +149,12 @@ class Orchestrator:
             self.stats.degrade("semantic_skipped")
             return None
 
-    def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated: bool
+    def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated_at: int
                ) -> str:
         try:
             return self.semantic.store(semantic_pb2.StoreRequest(
                 namespace=self._namespace(tenant, prompt), prompt=prompt.query_text,
-                answer=answer, truncated=truncated)).id
+                answer=answer, truncated_at=truncated_at)).id
         except grpc.RpcError as e:
             log.warning("semantic store failed: %s", e.details())
             self.stats.degrade("semantic_store_failed")
@@ -205,7 +205,8 @@ class Orchestrator:
             report.semantic_similarity = look.similarity
             cached_ids = (self.renderer.encode(look.entry.answer) if look.HasField("entry")
                           else [])
-            if look.hit and look.entry.truncated and len(cached_ids) < sampling.max_tokens:
+            cut = look.entry.truncated_at if look.hit else 0
+            if cut and cut < sampling.max_tokens:
                 # A cut-short answer cannot stand for a longer one: the model answers, with
                 # the cached part as its draft.
                 with self.stats.lock:
@@ -337,13 +338,14 @@ class Orchestrator:
         self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
         answer = self.tok.decode(generated, skip_special_tokens=True).strip()
         # ignore_eos answers run on past the model's own end: never an answer to serve. An
-        # answer that ended at max_tokens or a stop token is stored as truncated (it serves
-        # only requests that want no more tokens than it has).
+        # answer that ended at max_tokens or a stop token is stored as cut short after its
+        # token count (it serves only requests that want no more tokens than that).
         if (self.semantic.enabled and not policy.skip_semantic_store and answer
                 and not sampling.ignore_eos
                 and (greedy or policy.store_sampled or self.store_sampled)):
             sid = self._store(tenant, prompt, answer,
-                              final.finish_reason != common_pb2.FINISH_REASON_EOS)
+                              0 if final.finish_reason == common_pb2.FINISH_REASON_EOS
+                              else len(generated))
             if sid and not report.semantic_entry_id:
                 report.semantic_entry_id = sid
         yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)

@@ -71,7 +71,7 @@ class Entry:
     last_hit_at: float
     hit_count: int
     ttl_seconds: int
-    truncated: bool = False  # the answer was cut at a token limit or a stop token
+    truncated: int = 0  # cut short after this many model tokens (max_tokens/stop); 0 = whole
 
     def expires_at(self) -> float:
         """When the TTL runs out (inf = never)."""
@@ -293,7 +293,7 @@ class SemanticCache:
     # ---- store ------------------------------------------------------------------------------
 
     def store_entry(self, ns: Namespace, prompt: str, answer: str, verified: bool = False,
-                    ttl_seconds: int = 0, truncated: bool = False) -> Entry:
+                    ttl_seconds: int = 0, truncated: int = 0) -> Entry:
         """Embeds and durably stores an answer; returns once it is committed.
 
         Evicts least recently used entries beyond the namespace and global capacity. A second

@@ -34,7 +34,7 @@ CREATE TABLE IF NOT EXISTS entries (
     last_hit_at  REAL NOT NULL DEFAULT 0,
     hit_count    INTEGER NOT NULL DEFAULT 0,
     ttl_seconds  INTEGER NOT NULL DEFAULT 0,         -- 0 = never expires
-    truncated    INTEGER NOT NULL DEFAULT 0          -- answer cut at a token limit / stop
+    truncated    INTEGER NOT NULL DEFAULT 0          -- answer cut after N tokens; 0 = whole
 );
 CREATE INDEX IF NOT EXISTS entries_ns ON entries (tenant, model_id, context_hash);
 """
@@ -58,7 +58,7 @@ class Row:
     last_hit_at: float
     hit_count: int
     ttl_seconds: int
-    truncated: bool
+    truncated: int
 
 
 _COLS = ("label, id, tenant, model_id, context_hash, prompt, answer, embedding, embed_model, "
@@ -67,7 +67,7 @@ _COLS = ("label, id, tenant, model_id, context_hash, prompt, answer, embedding, 
 
 def _row(t: tuple) -> Row:
     return Row(t[0], t[1], t[2], t[3], t[4], t[5], t[6], np.frombuffer(t[7], np.float32).copy(),
-               t[8], bool(t[9]), t[10], t[11], t[12], t[13], bool(t[14]))
+               t[8], bool(t[9]), t[10], t[11], t[12], t[13], int(t[14]))
 
 
 class EntryStore:
@@ -97,7 +97,7 @@ class EntryStore:
 
     def insert(self, *, id: str, tenant: str, model_id: str, context_hash: str, prompt: str,
                answer: str, embedding: np.ndarray, embed_model: str, verified: bool,
-               created_at: float, ttl_seconds: int, truncated: bool = False) -> int:
+               created_at: float, ttl_seconds: int, truncated: int = 0) -> int:
         """Commits one entry durably and returns its label.
 
         Raises:
@@ -131,7 +131,7 @@ class EntryStore:
                     [(r["id"], r["tenant"], r["model_id"], r["context_hash"], r["prompt"],
                       r["answer"], np.asarray(r["embedding"], "<f4").tobytes(),
                       r["embed_model"], int(r["verified"]), r["created_at"], r["ttl_seconds"],
-                      int(r.get("truncated", False)))
+                      int(r.get("truncated", 0)))
                      for r in rows])
                 self._db.execute("COMMIT")
             except BaseException:

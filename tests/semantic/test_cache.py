@@ -242,7 +242,7 @@ def test_reload_from_sqlite(make_cache, make_cfg, embedder, clock):
     c = make_cache()
     keep = c.store_entry(A, "How far is the Moon?", "384,400 km", verified=True)
     cut = c.store_entry(A, "List every planet with its moons.", "Mercury: none; Venus:",
-                        truncated=True)
+                        truncated=6)
     c.store_entry(A, "Short-lived fact?", "soon gone", ttl_seconds=10)
     c.lookup(A, "How far is the Moon?")
     c.store.flush_hits()
@@ -250,7 +250,7 @@ def test_reload_from_sqlite(make_cache, make_cfg, embedder, clock):
     again = make_cache()  # same database file
     assert again.stats().entries == 2
     e = again.get(keep.id)
-    assert e.verified and e.hit_count == 1 and e.answer == "384,400 km" and not e.truncated
-    assert again.get(cut.id).truncated
+    assert e.verified and e.hit_count == 1 and e.answer == "384,400 km" and e.truncated == 0
+    assert again.get(cut.id).truncated == 6
     assert again.lookup(A, "How far is the Moon?").hit
     again.check_integrity()

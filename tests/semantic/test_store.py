@@ -47,12 +47,13 @@ def test_a_failed_hit_flush_rolls_back_and_keeps_the_hits(tmp_path):
 
 def test_truncated_flag_round_trips(tmp_path):
     st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
-    insert(st, "cut", truncated=True)
+    insert(st, "cut", truncated=16)
     insert(st, "whole")
     st.insert_many([dict(id="bulk", tenant="t", model_id="m", context_hash="", prompt="p",
                          answer="a", embedding=VEC, embed_model="e", verified=False,
-                         created_at=1.0, ttl_seconds=0, truncated=True)])
-    assert st.get("cut").truncated and not st.get("whole").truncated and st.get("bulk").truncated
+                         created_at=1.0, ttl_seconds=0, truncated=8)])
+    assert (st.get("cut").truncated, st.get("whole").truncated, st.get("bulk").truncated) == (
+        16, 0, 8)
     st.close()
 
 
@@ -71,7 +72,7 @@ def test_a_database_from_before_the_truncated_column_is_upgraded(tmp_path):
                    "?, 'e', 1.0)", (VEC.tobytes(),))
     st = EntryStore(path, "NORMAL")
     old = st.get("old")
-    assert old is not None and not old.truncated and old.answer == "a"
-    insert(st, "new", truncated=True)
-    assert st.get("new").truncated
+    assert old is not None and old.truncated == 0 and old.answer == "a"
+    insert(st, "new", truncated=5)
+    assert st.get("new").truncated == 5
     st.close()
