@@ -99,7 +99,7 @@ class ServiceProcess:
         return self
 
     def kill(self) -> None:
-        """SIGKILL, no drain (for fault tests)."""
+        """SIGKILL, no drain (fault tests; and what `Stack.stop` does if its stop is cut short)."""
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
@@ -164,9 +164,16 @@ class Stack:
         return p
 
     def stop(self) -> None:
-        # Reverse order: the orchestrator drains first, the index last.
-        for p in reversed(list(self.procs.values())):
-            p.stop()
+        # Reverse order: the orchestrator drains first, the index last. Whatever interrupts
+        # that, no child may outlive the stack (they run in their own sessions, so a terminal's
+        # Ctrl-C never reaches them).
+        procs = list(reversed(list(self.procs.values())))
+        try:
+            for p in procs:
+                p.stop()
+        finally:
+            for p in procs:
+                p.kill()
 
 
 def tls_note() -> str:
@@ -227,6 +234,9 @@ Ctrl-C stops everything.""", flush=True)
         print(f"failed to start: {e}; see logs in {stack.log_dir}", file=sys.stderr)
         return 1
     finally:
+        # A second Ctrl-C (or a SIGTERM) must not cut the orderly stop short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.stop()
 
 

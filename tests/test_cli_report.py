@@ -22,3 +22,45 @@ def test_semantic_hit_has_no_replica_and_no_draft():
 def test_cold_answer_mentions_neither_draft_nor_entry():
     r = common_pb2.CacheReport(prompt_tokens=40, replica_id="kvpool-0", ttft_ms=269.0)
     assert format_report(r) == "[model | prompt 40 tok, cached 0, replica kvpool-0, ttft 269 ms]"
+
+
+class FakeClient:
+    """Streams the given answers, one per call (pure logic: no server)."""
+
+    def __init__(self, *answers: str) -> None:
+        self.answers = list(answers)
+        self.sent = []
+
+    def stream(self, messages, **kw):
+        from clients.python.client import Chunk
+
+        self.sent.append([dict(m) for m in messages])
+        from tiercache.v1 import orchestrator_pb2
+
+        yield Chunk(self.answers.pop(0), [], None)
+        yield Chunk("", [], orchestrator_pb2.GenerateFinal())
+
+
+def chat_args(text: str):
+    import argparse
+
+    return argparse.Namespace(text=text, session="s1", system="", max_tokens=8, temperature=0.0,
+                              quiet=True)
+
+
+def test_an_empty_answer_leaves_the_session_usable(tmp_path, monkeypatch, capsys):
+    """An empty assistant turn would make every later request of the session invalid."""
+    import json
+
+    from clients.python.cli import _history_path, cmd_chat
+
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path))
+    c = FakeClient("Paris.", "\n", "About 2.1 million.")
+    assert cmd_chat(c, chat_args("Capital of France?")) == 0
+    assert cmd_chat(c, chat_args("Say nothing.")) == 0
+    assert "session 's1' left unchanged" in capsys.readouterr().err
+    assert cmd_chat(c, chat_args("Population?")) == 0
+    assert [m["content"] for m in c.sent[2]] == ["Capital of France?", "Paris.", "Population?"]
+    saved = json.loads(_history_path("s1").read_text())
+    assert [m["role"] for m in saved] == ["user", "assistant", "user", "assistant"]
+    assert all(m["content"] for m in saved)

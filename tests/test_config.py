@@ -51,3 +51,24 @@ def test_orchestrator_config_validates():
     cfg = load_config(OrchestratorConfig, "orchestrator", [],
                       environ={"TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": "h:1,h:2"})
     assert cfg.kvpool_addresses == ("h:1", "h:2")
+    with pytest.raises(ConfigError, match="TIERCACHE_ORCHESTRATOR_REPLICA_POLL_S"):
+        load_config(OrchestratorConfig, "orchestrator", ["--replica-poll-s", "0"], environ={})
+
+
+def test_an_unknown_log_level_is_a_config_error_not_a_traceback(monkeypatch, caplog):
+    """A service's main gets None (and exits 2) with a message naming the variable."""
+    import logging
+
+    from services.common.bootstrap import load_service_config
+
+    monkeypatch.setenv("TIERCACHE_LOG_LEVEL", "verbose")
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        assert load_service_config(DemoConfig, "demo", []) is None
+        monkeypatch.setenv("TIERCACHE_LOG_LEVEL", "warning")
+        assert load_service_config(DemoConfig, "demo", []) == DemoConfig()
+        assert root.level == logging.WARNING
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])

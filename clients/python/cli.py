@@ -45,8 +45,13 @@ def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
     sys.stdout.write("\n")
     if final is not None and not a.quiet:
         sys.stderr.write(format_report(final.cache_report) + "\n")
-    if hist is not None:
-        messages.append({"role": "assistant", "content": "".join(out).strip()})
+    answer = "".join(out).strip()
+    if hist is not None and not answer:
+        # An empty assistant turn is invalid input for every later request of the session:
+        # keep the history as it was (the question can be asked again).
+        sys.stderr.write(f"empty answer: session {a.session!r} left unchanged\n")
+    elif hist is not None:
+        messages.append({"role": "assistant", "content": answer})
         hist.parent.mkdir(parents=True, exist_ok=True)
         hist.write_text(json.dumps(messages, ensure_ascii=False))
     return 0
@@ -65,6 +70,9 @@ def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
     resp = c.warm([a.system] if a.system else [], top_k=a.top_k, owners_only=a.owners,
                   pin_ttl_seconds=a.ttl)
     print(json.dumps(MessageToDict(resp), indent=2))
+    if not resp.results:
+        sys.stderr.write("nothing was warmed: no healthy replica (or owner) to warm\n")
+        return 1
     return 0 if all(not r.error for r in resp.results) else 1
 
 

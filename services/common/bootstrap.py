@@ -52,6 +52,11 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
+        # gRPC's default reconnect backoff grows to 120 s: a restarted replica (or index) would
+        # stay unreachable through its channel that long after it is back.
+        ("grpc.initial_reconnect_backoff_ms", 500),
+        ("grpc.min_reconnect_backoff_ms", 500),
+        ("grpc.max_reconnect_backoff_ms", 5_000),
     ]
 
 
@@ -333,7 +338,11 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
     from services.common.config import ConfigError, load_config
     from services.common.logs import setup_logging
 
-    setup_logging(service)
+    try:
+        setup_logging(service)
+    except ValueError as exc:
+        logging.getLogger(f"services.{service}").error("bad configuration: %s", exc)
+        return None
     try:
         return load_config(cls, service, list(sys.argv[1:] if argv is None else argv))
     except ConfigError as exc:

@@ -52,4 +52,9 @@ def setup_logging(service: str, level: str | None = None) -> None:
     handler.setFormatter(JsonFormatter(service))
     root = logging.getLogger()
     root.handlers[:] = [handler]
+    if not isinstance(logging.getLevelName(level.upper()), int):
+        root.setLevel(logging.INFO)
+        # The config check that follows fails the boot (exit 2) with the same message.
+        raise ValueError(f"TIERCACHE_LOG_LEVEL: unknown level {level!r}; expected one of "
+                         "DEBUG, INFO, WARNING, ERROR, CRITICAL")
     root.setLevel(level.upper())

@@ -37,7 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         services=[(kvpool_pb2_grpc.add_KvPoolServicer_to_server, servicer,
                    "tiercache.v1.KvPool")],
         internal_token=cfg.internal_token or None,
-        metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port)
+        metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
+        # A Generate stream holds a thread from admission to its last token: one for every
+        # sequence the engine may hold, plus room for Stats polls, Prefill and Resync, or a
+        # busy replica's Stats would queue behind streams until it is declared hung.
+        max_workers=cfg.max_batch_size + cfg.max_waiting + 16)
     replica = build_replica(cfg)
     publisher = None
     if cfg.prefix_address:

@@ -113,8 +113,13 @@ class ReplicaSet:
                 r.health.ok()
             except grpc.RpcError as e:
                 r.slow_polls += 1
-                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED or r.slow_polls >= 3:
-                    r.health.fail(e)
+                hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                if not hung or r.slow_polls >= 3:
+                    r.health.fail(e)  # no new requests go there
+                if hung and r.slow_polls >= 3:
+                    # Only a hung replica has its in-flight calls cancelled: one that refuses
+                    # Stats because it is draining (SIGTERM) still finishes its streams, and
+                    # one that died fails them itself (UNAVAILABLE), which fails them over.
                     self._notify_down(r)
 
     def _notify_down(self, r: Replica) -> None:

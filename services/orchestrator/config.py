@@ -82,3 +82,4 @@ class OrchestratorConfig:
         require(self.routing_epsilon > 0, SVC, "routing_epsilon", "must be > 0")
         require(self.routing_load_window_s > 0, SVC, "routing_load_window_s", "must be > 0")
         require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")
+        require(self.replica_poll_s > 0, SVC, "replica_poll_s", "must be > 0")

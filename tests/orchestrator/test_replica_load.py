@@ -71,3 +71,52 @@ def test_a_conversation_keeps_its_replica_after_its_turn_ends():
     policy = PrefixAwarePolicy(epsilon=0.25, min_prefix_tokens=32)
     d = policy.choose(rs.views(), {"r0": 1040}, "session-1")
     assert (d.replica_id, d.route) == ("r0", "prefix")
+
+
+class FailingStats:
+    """Stats fails with `code` (a draining replica refuses calls; a hung one times out)."""
+
+    def __init__(self, code) -> None:
+        import grpc
+
+        class Err(grpc.RpcError):
+            def code(self_inner):
+                return code
+
+            def details(self_inner):
+                return code.name
+
+        self.err = Err()
+
+    def Stats(self, req, timeout=None, metadata=None):  # noqa: N802 (gRPC method name)
+        raise self.err
+
+
+def test_a_draining_replica_is_avoided_but_its_streams_finish():
+    import grpc
+
+    r = Replica("r0", FailingStats(grpc.StatusCode.UNAVAILABLE), Health("kvpool", "r0"),
+                replica_id="r0")
+    rs = replica_set(r)
+    r.health.ok()
+    cancelled = []
+    rs.watch(r, lambda: cancelled.append(1))
+    rs.poll_once()
+    assert not r.health.healthy  # no new requests are routed there
+    assert cancelled == []  # the streams it is finishing are not cut off
+
+
+def test_a_hung_replica_has_its_streams_failed_over_after_three_slow_polls():
+    import grpc
+
+    r = Replica("r0", FailingStats(grpc.StatusCode.DEADLINE_EXCEEDED), Health("kvpool", "r0"),
+                replica_id="r0")
+    rs = replica_set(r)
+    r.health.ok()  # it answered before
+    cancelled = []
+    rs.watch(r, lambda: cancelled.append(1))
+    rs.poll_once()
+    rs.poll_once()
+    assert r.health.healthy and cancelled == []  # slow is load, not death
+    rs.poll_once()
+    assert not r.health.healthy and cancelled == [1]
