@@ -216,18 +216,26 @@ class SemanticBackend:
             raise
 
     def _each(self, method: str, req) -> list:
-        """Call every shard; NOT_FOUND answers are skipped, re-raised if all say so."""
-        out, not_found = [], None
+        """Call every shard; the answers of those that had it.
+
+        A shard that is down does not hide the answer of one that acted (the entry lives on
+        one shard: a rating applied there must not be reported as failed). With no answer,
+        another error wins over NOT_FOUND (the entry may be on the shard that failed).
+        """
+        out: list = []
+        not_found: grpc.RpcError | None = None
+        failed: grpc.RpcError | None = None
         for a in self.addresses:
             try:
                 out.append(self._call(a, method, req))
             except grpc.RpcError as e:
-                if e.code() != grpc.StatusCode.NOT_FOUND:
-                    raise
-                not_found = e
-        if not out and not_found is not None:
-            raise not_found
-        return out
+                if e.code() == grpc.StatusCode.NOT_FOUND:
+                    not_found = e
+                else:
+                    failed = failed or e
+        if out:
+            return out
+        raise failed or not_found or RuntimeError("no semantic shard configured")
 
     def lookup(self, req: semantic_pb2.LookupRequest) -> semantic_pb2.LookupResponse:
         return self._call(self.shard_for(req.namespace), "Lookup", req)

@@ -76,3 +76,20 @@ def test_namespaces_are_routed_whole_and_ids_found_on_any_shard(shards):
     with pytest.raises(grpc.RpcError) as e:
         be.verify(some, True)
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_a_rating_on_a_live_shard_is_not_reported_failed_when_another_is_down(shards):
+    svcs, handles = shards
+    be = SemanticBackend(",".join(h.address for h in handles), "", 2.0)
+    ns = [semantic_pb2.Namespace(tenant=f"t{i}", model_id="m", context_hash="c")
+          for i in range(16)]
+    ids = [be.store(semantic_pb2.StoreRequest(namespace=n, prompt="q", answer="a")).id
+           for n in ns]
+    on_s1 = next(i for i in ids if i.startswith("s1-"))
+    on_s0 = next(i for i in ids if i.startswith("s0-"))
+    handles[0].stop(0)  # shard s0 goes down
+    assert be.verify(on_s1, True).verified  # applied on s1: reported as applied
+    assert be.invalidate(on_s1).removed == 1
+    with pytest.raises(grpc.RpcError) as e:  # s0's entry: the outage, not NOT_FOUND
+        be.verify(on_s0, True)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
