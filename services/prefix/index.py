@@ -212,6 +212,11 @@ class PrefixIndex:
         self.match_blocks_total = self.match_blocks_hit = 0
         self.resyncs_total = 0
         self.dropped_blocks_total = 0
+        # Where a dropped replica record's batch numbers ended (by replica id: incarnation,
+        # next seq): the same incarnation registering again after its lease lapsed continues
+        # from there, so a batch delayed from before the lapse can never pass for a new one.
+        # (Another incarnation's batches are refused by the incarnation check.)
+        self._seq_floor: dict[str, tuple[str, int]] = {}
 
     @property
     def replica_count(self) -> int:
@@ -279,8 +284,10 @@ class PrefixIndex:
                     raise ResourceExhausted(
                         f"replica_id: the index already tracks {MAX_REPLICAS} replicas")
                 bit = free[0]
+            floor = self._seq_floor.pop(replica_id, None)
+            start = floor[1] if rep is None and floor and floor[0] == incarnation else 1
             rep = Replica(replica_id, incarnation, address, model_id, capacity_blocks, bit,
-                          now, now)
+                          now, now, next_seq=start)
             rep.refresh()
             self._replicas[replica_id] = rep
             self._by_bit[bit] = rep
@@ -324,6 +331,7 @@ class PrefixIndex:
         return [r.replica_id for r in gone]
 
     def _drop(self, rep: Replica) -> None:
+        self._seq_floor[rep.replica_id] = (rep.incarnation, rep.next_seq)
         self.tree.clear(rep.bit)
         del self._replicas[rep.replica_id]
         self._by_bit[rep.bit] = None
@@ -367,12 +375,13 @@ class PrefixIndex:
             raise InvalidArgument("seq", "must be >= 1")
         if len(events) > self.max_events:
             raise ResourceExhausted(f"events: {len(events)} events > limit {self.max_events}")
-        if not resync:
-            if seq < rep.next_seq:
-                return PublishResult(False, rep.next_seq)  # a retry of an applied batch
-            if seq > rep.next_seq:
-                self.resyncs_total += 1
-                return PublishResult(True, rep.next_seq)
+        if seq < rep.next_seq:
+            # A retry of an applied batch, or a resync overtaken by a newer one (a timed-out
+            # call still queued here): applying it would bring back an older view.
+            return PublishResult(False, rep.next_seq)
+        if not resync and seq > rep.next_seq:
+            self.resyncs_total += 1
+            return PublishResult(True, rep.next_seq)
         if len(events) == 1 and not resync and type(events[0]) is Stored \
                 and events[0].parent_hash:
             return self._publish_one(rep, seq, events[0])
@@ -384,6 +393,7 @@ class PrefixIndex:
             tree.clear(rep.bit)
         # A chain whose parent the replica does not hold (yet) waits for that parent to be
         # stored later in this batch (a snapshot's order must not matter); else it is dropped.
+        # A removal later in the batch also reaches the chains still waiting.
         waiting: dict[bytes, list[tuple]] = {}
         for kind, a, b, c, salt in plan:
             if kind == "stored":
@@ -394,8 +404,14 @@ class PrefixIndex:
             elif kind == "removed":
                 for h in a:
                     tree.remove(h, rep.bit)
+                if waiting:
+                    self._forget_waiting(waiting, a)
             else:
                 tree.clear(rep.bit)
+                if waiting:
+                    self.dropped_blocks_total += sum(len(st[1]) for sts in waiting.values()
+                                                     for st in sts)
+                    waiting.clear()
         if waiting:
             self.dropped_blocks_total += sum(len(st[1]) for sts in waiting.values()
                                              for st in sts)
@@ -422,6 +438,34 @@ class PrefixIndex:
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
         return _new(PublishResult, (False, rep.next_seq))
+
+    def _forget_waiting(self, waiting: dict[bytes, list[tuple]], gone: list[bytes]) -> None:
+        """Blocks the replica no longer holds: waiting chains lose them and all below them.
+
+        Without this a chain waiting for a pruned parent, then removed by the replica, would
+        still be stored when the parent comes back later in the batch: a claim on blocks the
+        replica evicted, which no later event would ever withdraw.
+        """
+        gone_set = set(gone)
+        bs = self.block_size
+        for key in list(waiting):
+            kept = []
+            for a, b, c in waiting[key]:
+                cut = next((i for i, h in enumerate(b) if h in gone_set), len(b))
+                if cut < len(b):
+                    self.dropped_blocks_total += len(b) - cut
+                    gone_set.update(b[cut:])  # what waits below them goes too
+                if cut:
+                    kept.append((a, b[:cut], c[: cut * bs]))
+            if kept:
+                waiting[key] = kept
+            else:
+                del waiting[key]
+        stack = [h for h in gone_set if h in waiting]
+        while stack:
+            for _, b, _ in waiting.pop(stack.pop(), ()):
+                self.dropped_blocks_total += len(b)
+                stack.extend(h for h in b if h in waiting)
 
     def _store(self, bit: int, step: tuple, tick: int, waiting: dict[bytes, list[tuple]]
                ) -> None:

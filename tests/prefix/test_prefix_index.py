@@ -272,3 +272,58 @@ def test_hash_probe_refuses_a_replica_hashing_differently(index, hasher, clock):
     assert lax.publish("a", "i1", 1, [forged]).resync is False
     with pytest.raises(InvalidArgument, match="do not match"):
         reg(index, "c") or index.publish("c", "i1", 1, [forged])
+
+
+def test_a_waiting_chain_removed_later_in_the_batch_is_not_stored(index, hasher):
+    """The index pruned P; the replica stores C under P, evicts C and P, then recomputes P,
+    all in one batch (its own order is right). C waited for P and must not be stored when P
+    comes back: the replica no longer holds it and no later event would withdraw the claim."""
+    reg(index, "a")
+    chain = toks(1, 2, 3)
+    hs = hasher.hashes(chain)
+    index.publish("a", "i1", 1, [stored(hasher, chain, end=2)])
+    index.tree.prune(1, index.policy, index.shallow_tokens, index.min_deep_hits)
+    assert matched(index, chain) == {"a": 1}  # P (block 2) pruned
+    index.publish("a", "i1", 2, [stored(hasher, chain, start=2), Removed([hs[2]]),
+                                 Removed([hs[1]]), stored(hasher, chain, start=1, end=2)])
+    index.check_integrity()
+    assert matched(index, chain) == {"a": 2}  # P again, not C
+
+
+def test_a_removal_cuts_a_waiting_chain_at_the_removed_block(index, hasher):
+    reg(index, "a")
+    chain = toks(1, 2, 3, 4)
+    hs = hasher.hashes(chain)
+    index.publish("a", "i1", 1, [stored(hasher, chain, start=1), Removed([hs[2]]),
+                                 stored(hasher, chain, end=1)])
+    index.check_integrity()
+    assert matched(index, chain) == {"a": 2}  # blocks 1-2; 3 was removed, so 4 went with it
+
+
+def test_a_batch_delayed_from_before_a_lapsed_lease_is_not_taken_for_a_new_one(index, hasher,
+                                                                                clock):
+    reg(index, "a")
+    chain = toks(1, 2)
+    hs = hasher.hashes(chain)
+    index.publish("a", "i1", 1, [stored(hasher, chain, end=1)], resync=True)
+    delayed = [stored(hasher, chain, start=1)]  # batch 2, queued while the client timed out
+    clock.t += 11.0
+    assert index.expire() == ["a"]
+    nxt = index.register("a", "i1", "addr-a", MODEL, BS).next_seq  # same incarnation again
+    assert nxt == 2  # numbering continues: batch 2 cannot be reused
+    index.publish("a", "i1", nxt, [stored(hasher, chain, end=1)], resync=True)
+    assert index.publish("a", "i1", 2, delayed).next_seq == nxt + 1  # ignored as old
+    index.publish("a", "i1", nxt + 1, [Removed([hs[0]])])
+    assert matched(index, chain) == {"a": 0}
+
+
+def test_a_resync_overtaken_by_a_newer_one_is_ignored(index, hasher):
+    reg(index, "a")
+    chain = toks(1, 2)
+    hs = hasher.hashes(chain)
+    old_snapshot = [stored(hasher, chain)]  # resync 1: its call timed out, still queued
+    index.publish("a", "i1", 2, [stored(hasher, chain, end=1)], resync=True)  # the retry
+    index.publish("a", "i1", 3, [Removed([hs[0]])])
+    assert index.publish("a", "i1", 1, old_snapshot, resync=True).next_seq == 4
+    index.check_integrity()
+    assert matched(index, chain) == {"a": 0}
