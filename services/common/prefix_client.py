@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 import grpc
@@ -68,6 +68,9 @@ class PublishOutcome(NamedTuple):
     resync: bool  # some shard saw a gap: send the full holdings with resync=True
     resync_shards: list[str]
     sent: dict[str, int]  # seq used per shard that got a batch
+    # Shards whose call failed while others applied theirs (their batch is lost: resync them
+    # once they answer again), with the error.
+    failed: dict[str, PrefixIndexError] = {}
 
 
 class _Shard:
@@ -181,7 +184,10 @@ class PrefixIndexClient:
         req = prefix_pb2.RegisterRequest(
             replica_id=replica_id, incarnation=incarnation, address=address, model_id=model_id,
             block_size=block_size, capacity_blocks=capacity_blocks, hash_probe=probe)
-        got = self._fan_out({a: req for a in self.addresses}, "Register", timeout)
+        # Shards that are down are registered with later (they answer NOT_FOUND to the first
+        # batch once back, and the publisher registers again); the others start now.
+        got = self._fan_out({a: req for a in self.addresses}, "Register", timeout,
+                            allow_partial=True)
         with self._lock:
             for a, r in got.items():
                 self._seq[(replica_id, incarnation, a)] = r.next_seq or 1  # type: ignore[attr-defined]
@@ -191,10 +197,13 @@ class PrefixIndexClient:
     def heartbeat(self, replica_id: str, incarnation: str,
                   load: prefix_pb2.ReplicaLoad | None = None, *, timeout: float | None = None
                   ) -> prefix_pb2.HeartbeatResponse:
-        """Renew the lease on every shard; `known` is False if any shard forgot the replica."""
+        """Renew the lease on every shard that answers; `known` is False if any of them forgot
+        the replica. Raises only when no shard answers: one shard down must not let the
+        others' leases lapse."""
         req = prefix_pb2.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation,
                                           load=load or prefix_pb2.ReplicaLoad())
-        got = self._fan_out({a: req for a in self.addresses}, "Heartbeat", timeout)
+        got = self._fan_out({a: req for a in self.addresses}, "Heartbeat", timeout,
+                            allow_partial=True)
         return prefix_pb2.HeartbeatResponse(
             known=all(r.known for r in got.values()),  # type: ignore[attr-defined]
             lease_seconds=min(r.lease_seconds for r in got.values()))  # type: ignore[attr-defined]
@@ -224,21 +233,26 @@ class PrefixIndexClient:
 
     def publish_events(self, replica_id: str, incarnation: str,
                        events: Sequence[prefix_pb2.KvEvent], resync: bool = False, *,
-                       timeout: float | None = None) -> PublishOutcome:
+                       timeout: float | None = None,
+                       only: Collection[str] | None = None) -> PublishOutcome:
         """Send a batch, split per shard, each with that shard's next sequence number.
 
-        A resync batch goes to every shard (an empty one clears the replica there). A shard
-        that fails has lost its batch: its number is used up, so the next batch shows a gap
-        and that shard asks for a resync; the error is raised after all shards answered.
+        A resync batch goes to every shard (an empty one clears the replica there), or to the
+        shards in `only`. A shard that fails has lost its batch: its number is used up, so
+        its next batch shows a gap and it asks for a resync. While another shard applied its
+        batch, failures are reported in `failed` (one shard down must not hold the others
+        back); when every shard that got a batch failed, the first error is raised.
 
         Raises:
-            PrefixIndexError: a shard failed (the others' batches were applied).
+            PrefixIndexError: every shard that got a batch failed.
             ValueError: a stored continuation lacks first_block_hash on a sharded index.
         """
         per = self.route_events(events)
         reqs: dict[str, prefix_pb2.PublishEventsRequest] = {}
         with self._lock:
             for a, evs in per.items():
+                if only is not None and a not in only:
+                    continue
                 if not evs and not resync:
                     continue
                 key = (replica_id, incarnation, a)
@@ -253,21 +267,24 @@ class PrefixIndexClient:
         futs = {a: self._shards[a].stub.PublishEvents.future(
             r, timeout=timeout or self.timeout, metadata=md) for a, r in reqs.items()}
         need: list[str] = []
-        error: PrefixIndexError | None = None
+        failed: dict[str, PrefixIndexError] = {}
         for a, f in futs.items():
             try:
                 r = f.result()
             except grpc.RpcError as e:
-                error = error or PrefixIndexError.wrap("PublishEvents", a, e)
+                failed[a] = PrefixIndexError.wrap("PublishEvents", a, e)
                 continue
             if r.status == prefix_pb2.PUBLISH_STATUS_RESYNC:
                 need.append(a)
             if r.next_seq:
                 with self._lock:
                     self._seq[(replica_id, incarnation, a)] = r.next_seq
-        if error is not None:
-            raise error
-        return PublishOutcome(bool(need), need, {a: r.seq for a, r in reqs.items()})
+        if failed and len(failed) == len(futs):
+            raise next(iter(failed.values()))
+        for e in failed.values():
+            log.warning("%s", e)
+        return PublishOutcome(bool(need), need, {a: r.seq for a, r in reqs.items()
+                                                 if a not in failed}, failed)
 
     # -- queries --------------------------------------------------------------------------
 

@@ -84,6 +84,10 @@ class Publisher:
         self.resyncs = 0
         self._backlog: list[PoolEvent] = []
         self._need_resync = True
+        # Shards that missed a batch (down, or asked for a resync) while the others took it:
+        # only they get a snapshot, once the backlog is out, so one shard's outage neither
+        # stalls the others nor has them reloaded again and again.
+        self._lagging: set[str] = set()
 
     def start(self) -> Publisher:
         self._thread = threading.Thread(target=self._run, name="kvpool-publisher", daemon=True)
@@ -110,11 +114,15 @@ class Publisher:
                     self._resync()
                 now = time.monotonic()
                 if now >= next_beat:
-                    self._heartbeat()
+                    # Set first: a failing heartbeat must not run again on every retry ahead
+                    # of publishing.
                     next_beat = now + self.heartbeat_seconds
+                    self._heartbeat()
                 self._collect()
                 if self._backlog:
                     self._publish()
+                if self._lagging and not self._backlog and not self._need_resync:
+                    self._resync(only=set(self._lagging))
                 backoff = 0.2
                 wait = max(0.0, min(self.publish_interval_seconds, next_beat - time.monotonic()))
                 if not self._backlog:
@@ -166,36 +174,65 @@ class Publisher:
             self._backlog.clear()
             self._need_resync = True
 
-    def _send(self, events: list[PoolEvent], resync: bool) -> bool:
+    def _send(self, events: list[PoolEvent], resync: bool,
+              only: set[str] | None = None) -> bool:
+        """Send one batch; False when the whole view must be resent (every shard resyncs).
+
+        Raises:
+            PrefixIndexError: every shard that got the batch failed (retried with backoff).
+        """
         out = self._client.publish_events(self.replica_id, self.incarnation,
-                                          [to_proto(e) for e in events], resync=resync)
+                                          [to_proto(e) for e in events], resync=resync,
+                                          only=only)
         if out.sent:
             self.last_seq = max(out.sent.values())
-        if out.resync:
+        if any(e.code() == grpc.StatusCode.NOT_FOUND for e in out.failed.values()):
+            log.info("a prefix index shard forgot this replica; registering again")
+            self.registered = False
+            return False
+        lost = set(out.failed) | set(out.resync_shards)
+        if out.resync_shards:
             log.info("prefix index shard(s) %s asked for a resync", ", ".join(out.resync_shards))
+        if lost and not self._client.sharded:
             self._need_resync = True
             return False
+        self._lagging |= lost
         return True
 
     def _publish(self) -> None:
-        while self._backlog and not self._need_resync:
+        while self._backlog and not self._need_resync and self.registered:
             batch = self._backlog[:MAX_BATCH]
             if not self._send(batch, resync=False):
                 return
             del self._backlog[: len(batch)]
 
-    def _resync(self) -> None:
-        def snapshot() -> list[PoolEvent]:
-            # On the engine thread: events so far are reflected in the snapshot, so drop them.
-            self.engine.take_events()
-            self.engine.pool.take_events()
-            return list(self.engine.pool.holdings())
+    def _resync(self, only: set[str] | None = None) -> None:
+        """Replace the index's view of this replica with a snapshot of the pool: on every
+        shard, or (`only`, with the backlog already out) on the shards that fell behind."""
+        def snapshot() -> tuple[list[PoolEvent], list[PoolEvent]]:
+            # On the engine thread: events so far are reflected in the snapshot.
+            pending = self.engine.take_events() + self.engine.pool.take_events()
+            return list(self.engine.pool.holdings()), pending
 
-        holdings = self.engine.call(snapshot).result(timeout=60)
-        self._backlog.clear()
-        # The first batch replaces the index's view; large snapshots continue in normal batches.
-        if not self._send(holdings[:MAX_BATCH], resync=True):
-            return
-        self._need_resync = False
+        holdings, pending = self.engine.call(snapshot).result(timeout=60)
+        if only is None:
+            self._backlog.clear()  # every shard gets the snapshot, which reflects them
+        else:
+            # The other shards have not seen these yet; replayed after the snapshot on the
+            # lagging ones they change nothing (their effect is in it already).
+            self._backlog.extend(pending)
+        # Shards the snapshot fails to reach are marked lagging again by _send.
+        before = set(self._lagging)
+        self._lagging = set() if only is None else self._lagging - only
+        try:
+            # The first batch replaces the index's view; large snapshots continue in normal
+            # batches.
+            if not self._send(holdings[:MAX_BATCH], resync=True, only=only):
+                return
+        except grpc.RpcError:
+            self._lagging |= before
+            raise
+        if only is None:
+            self._need_resync = False
         self.resyncs += 1
         self._backlog = holdings[MAX_BATCH:] + self._backlog

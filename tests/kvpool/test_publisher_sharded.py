@@ -88,3 +88,70 @@ def test_publisher_feeds_every_shard_its_own_chains(make_engine) -> None:
         pub.stop()
         for h in handles:
             h.stop(0)
+
+
+def start_shard(port: int = 0, lease_seconds: float = 1.0):
+    index = build_index(PrefixConfig(block_size=4, lease_seconds=lease_seconds))
+    h = create_server(service="prefix-shard", address=f"127.0.0.1:{port}",
+                      services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server,
+                                 PrefixServicer(index), "tiercache.v1.PrefixIndex")])
+    h.set_serving()
+    return index, h
+
+
+def test_one_shard_down_holds_back_neither_the_others_nor_itself_once_back(make_engine,
+                                                                          monkeypatch) -> None:
+    """Shard A goes away: B still learns every eviction and keeps the replica's lease (before,
+    a failing heartbeat or publish to A stopped B's updates, then its heartbeats). A restarted
+    on the same port learns the replica's holdings again."""
+    (ia, ha), (ib, hb) = start_shard(), start_shard()
+    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    eng = make_engine(num_blocks=64, hash_key=None)
+    pub = Publisher(eng, address=",".join(addrs), replica_id="kv-0", incarnation="inc-1",
+                    public_address="10.0.0.7:50054", model_id=TINY_ID,
+                    heartbeat_seconds=0.2, publish_interval_seconds=0.02,
+                    channel_factory=grpc.insecure_channel).start()
+    client = PrefixIndexClient(addrs, block_size=4, channel_factory=grpc.insecure_channel)
+    hasher = BlockHasher(TINY_ID, 4)
+    owned: dict[str, list[int]] = {}
+    for k in range(40):
+        p = [60 + k] + list(range(1, 12))
+        owned.setdefault(client.shard_for(hasher.hashes(p, "t")[0]), p)
+        if len(owned) == 2:
+            break
+    pa, pb = owned[addrs[0]], owned[addrs[1]]
+
+    def held(index, p: list[int]) -> int:
+        r = index.match(TINY_ID, "t", token_ids=p)
+        return max((m.matched_blocks for m in r.matches if m.replica_id == "kv-0"), default=-1)
+
+    try:
+        generate(eng, pa, max_tokens=2, salt="t")
+        generate(eng, pb, max_tokens=2, salt="t")
+        wait_for(lambda: held(ia, pa) >= 2 and held(ib, pb) >= 2)
+        ha.stop(0)  # shard A goes away
+        time.sleep(0.6)  # a few heartbeats and publishes have failed on A by now
+        eng.call(eng.pool.clear).result(5)
+        wait_for(lambda: held(ib, pb) == 0)  # B learns the eviction
+        # Enough events while A is down to overflow the backlog (which resyncs).
+        monkeypatch.setattr("services.kvpool.publisher.MAX_BACKLOG", 3)
+        for k in range(4):
+            generate(eng, [100 + k] + list(range(1, 12)), max_tokens=2, salt="u")
+        generate(eng, pb, max_tokens=2, salt="t")
+        wait_for(lambda: held(ib, pb) >= 2)
+        time.sleep(1.5)  # past B's lease: heartbeats still reach it
+        assert "kv-0" in {r.replica_id for r in ib.stats().replicas}
+        eng.call(eng.pool.clear).result(5)
+        wait_for(lambda: held(ib, pb) == 0)
+        ia2, ha2 = start_shard(ha.port)  # A restarts, empty, on the same address
+        try:
+            generate(eng, pa, max_tokens=2, salt="t")
+            wait_for(lambda: held(ia2, pa) >= 2)
+            ia2.check_integrity()
+            ib.check_integrity()
+        finally:
+            ha2.stop(0)
+    finally:
+        client.close()
+        pub.stop()
+        hb.stop(0)
