@@ -112,8 +112,9 @@ class ReplicaSet:
                     r.slow_polls = 0
                 r.health.ok()
             except grpc.RpcError as e:
-                r.slow_polls += 1
                 hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                # Consecutive timed-out polls: a refusal in between (draining) is not one.
+                r.slow_polls = r.slow_polls + 1 if hung else 0
                 if not hung or r.slow_polls >= 3:
                     r.health.fail(e)  # no new requests go there
                 if hung and r.slow_polls >= 3:

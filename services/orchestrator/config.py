@@ -9,6 +9,9 @@ from services.common.config import require
 SVC = "orchestrator"
 
 
+# Worker threads never taken by Generate streams (health probes, Stats, Warm, Feedback).
+STREAM_HEADROOM = 8
+
 @dataclass(frozen=True)
 class OrchestratorConfig:
     """Settings of the public service. Addresses are host:port."""
@@ -63,7 +66,9 @@ class OrchestratorConfig:
     warm_pin_ttl_s: int = 600
     # Failover attempts per request.
     max_attempts: int = 3
-    # Server.
+    # Server. A Generate stream holds a worker thread until it ends: streams past
+    # max_workers - STREAM_HEADROOM are refused (RESOURCE_EXHAUSTED), so health checks,
+    # Stats, Warm and Feedback always find a thread.
     max_workers: int = 64
     grace_s: float = 10.0
 
@@ -83,3 +88,10 @@ class OrchestratorConfig:
         require(self.routing_load_window_s > 0, SVC, "routing_load_window_s", "must be > 0")
         require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")
         require(self.replica_poll_s > 0, SVC, "replica_poll_s", "must be > 0")
+        require(self.max_workers > STREAM_HEADROOM, SVC, "max_workers",
+                f"must be > {STREAM_HEADROOM} (threads kept for health checks and Stats)")
+
+    @property
+    def max_streams(self) -> int:
+        """Concurrent Generate streams the server takes before RESOURCE_EXHAUSTED."""
+        return self.max_workers - STREAM_HEADROOM

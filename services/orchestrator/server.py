@@ -64,6 +64,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.orch: Orchestrator | None = None
         self.tenants: TenantRegistry | None = None
         self.warmer = None
+        self._streams = 0  # Generate streams in progress (see OrchestratorConfig.max_streams)
+        self._streams_lock = threading.Lock()
 
     def attach(self, orch: Orchestrator, tenants: TenantRegistry, warmer=None) -> None:
         self.orch, self.tenants, self.warmer = orch, tenants, warmer
@@ -101,7 +103,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         budget = self.cfg.request_timeout_s if remaining is None else min(
             remaining, self.cfg.request_timeout_s)
         deadline = time.monotonic() + budget
-        self.tenants.acquire(tenant)
+        with self._streams_lock:
+            if self._streams >= self.cfg.max_streams:
+                raise errors.ResourceExhausted(
+                    f"server: {self._streams} concurrent streams (limit {self.cfg.max_streams}"
+                    "); retry shortly or on another orchestrator")
+            self._streams += 1
+        try:
+            self.tenants.acquire(tenant)
+        except BaseException:
+            with self._streams_lock:
+                self._streams -= 1
+            raise
         try:
             events = self.orch.generate(
                 tenant=tenant, prompt=prompt, sampling=sampling, policy=policy,
@@ -121,6 +134,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     yield orchestrator_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
         finally:
             self.tenants.release(tenant)
+            with self._streams_lock:
+                self._streams -= 1
 
     def Warm(self, request, context):
         tenant = self._tenant(context)

@@ -120,3 +120,23 @@ def test_a_hung_replica_has_its_streams_failed_over_after_three_slow_polls():
     assert r.health.healthy and cancelled == []  # slow is load, not death
     rs.poll_once()
     assert not r.health.healthy and cancelled == [1]
+
+
+def test_refusals_between_timeouts_do_not_count_as_slow_polls():
+    import grpc
+
+    codes = iter([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAVAILABLE,
+                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE,
+                  grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.DEADLINE_EXCEEDED])
+
+    class Stub:
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802 (gRPC method name)
+            raise FailingStats(next(codes)).err
+
+    r = Replica("r0", Stub(), Health("kvpool", "r0"), replica_id="r0")
+    rs = replica_set(r)
+    cancelled = []
+    rs.watch(r, lambda: cancelled.append(1))
+    for _ in range(6):
+        rs.poll_once()
+    assert cancelled == []  # never 3 timed-out polls in a row

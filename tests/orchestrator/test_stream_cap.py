@@ -1,0 +1,88 @@
+"""The orchestrator's server-wide cap on Generate streams (fakes behind the servicer: pure logic).
+
+Each stream holds a worker thread until it ends; past max_workers - STREAM_HEADROOM streams a
+new one is refused with RESOURCE_EXHAUSTED so health checks and Stats always find a thread.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from tiercache.v1 import orchestrator_pb2
+
+from services.common.errors import ResourceExhausted
+from services.orchestrator.config import STREAM_HEADROOM, OrchestratorConfig
+from services.orchestrator.pipeline import TextDelta
+from services.orchestrator.render import RenderedPrompt
+from services.orchestrator.server import OrchestratorServicer
+from services.orchestrator.tenants import TenantRegistry
+
+
+class Renderer:
+    def render_chat(self, messages):
+        return RenderedPrompt([1, 2, 3], messages[-1].content, "")
+
+
+class SlowOrchestrator:
+    """Streams one delta, then waits until released (a long generation)."""
+
+    renderer = Renderer()
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+
+    def generate(self, **kw):
+        yield TextDelta("hi", [])
+        self.release.wait(10)
+
+
+class Context:
+    def invocation_metadata(self):
+        return ()
+
+    def time_remaining(self):
+        return None
+
+    def add_callback(self, fn):
+        return True
+
+
+def servicer(max_workers: int) -> tuple[OrchestratorServicer, SlowOrchestrator]:
+    cfg = OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=max_workers)
+    cfg.validate()
+    s = OrchestratorServicer(cfg)
+    orch = SlowOrchestrator()
+    s.attach(orch, TenantRegistry.build(tokens_file="", tokens="", key=b"k",
+                                        max_prompt_tokens=100, max_tokens=100,
+                                        max_concurrent=100))
+    return s, orch
+
+
+def request() -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "hi"}])
+
+
+def test_streams_past_the_cap_are_refused_and_slots_come_back():
+    s, orch = servicer(STREAM_HEADROOM + 2)  # room for 2 streams
+    open_streams = [s.Generate(request(), Context()) for _ in range(2)]
+    for g in open_streams:
+        assert next(g).text == "hi"  # both in progress
+    with pytest.raises(ResourceExhausted, match="concurrent streams"):
+        next(s.Generate(request(), Context()))
+    orch.release.set()
+    for g in open_streams:
+        list(g)  # they end
+    orch.release.clear()
+    again = s.Generate(request(), Context())
+    assert next(again).text == "hi"  # the slots were released
+    orch.release.set()
+    list(again)
+    assert s._streams == 0
+
+
+def test_too_few_workers_is_a_config_error():
+    from services.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="TIERCACHE_ORCHESTRATOR_MAX_WORKERS"):
+        OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=STREAM_HEADROOM).validate()
