@@ -397,7 +397,7 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
         now = time.time()
         store.insert_many([{"id": ids[i], "tenant": "bench", "model_id": "m", "context_hash": "",
                             "prompt": base[i], "answer": f"answer {i}", "embedding": vecs[i],
-                            "embed_model": cfg.model_name, "verified": False,
+                            "embed_model": emb.identity, "verified": False,
                             "created_at": now, "ttl_seconds": 0} for i in range(size)])
         store.close()
         port = _free_port()

@@ -145,6 +145,8 @@ class SemanticCache:
                  clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
         self.embedder = embedder
+        # Tags stored vectors: entries embedded by anything else are re-embedded at load.
+        self._embed_id: str = getattr(embedder, "identity", embedder.name)
         self.store = store
         self.clock = clock
         self.policy = ThresholdPolicy.from_config(cfg)
@@ -313,7 +315,7 @@ class SemanticCache:
         eid = uuid.uuid4().hex
         label = self.store.insert(id=eid, tenant=ns.tenant, model_id=ns.model_id,
                                   context_hash=ns.context_hash, prompt=prompt, answer=answer,
-                                  embedding=vec, embed_model=self.embedder.name,
+                                  embedding=vec, embed_model=self._embed_id,
                                   verified=verified, created_at=now, ttl_seconds=ttl,
                                   truncated=truncated)
         entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated)
@@ -525,20 +527,28 @@ class SemanticCache:
         return r.ttl_seconds > 0 and now >= r.created_at + r.ttl_seconds
 
     def _reembed(self, rows: list[Row]) -> None:
-        old = [r for r in rows if r.embed_model != self.embedder.name
+        old = [r for r in rows if r.embed_model != self._embed_id
                or r.embedding.shape != (self.embedder.dim,)]
         for i in range(0, len(old), 64):
             chunk = old[i:i + 64]
             vecs = self.embedder.embed([r.prompt for r in chunk])
             for r, v in zip(chunk, vecs, strict=True):
                 r.embedding = v
-                self.store.set_embedding(r.label, v, self.embedder.name)
+                self.store.set_embedding(r.label, v, self._embed_id)
         if old:
             log.info("re-embedded %d entries with %s", len(old), self.embedder.name)
 
     def index_of(self, ns: Namespace) -> NamespaceIndex | None:
         """The namespace's index (benchmarks and tests)."""
         return self._indexes.get(ns)
+
+    def close_indexes(self, timeout: float = 20.0) -> None:
+        """Waits for running index merges to finish (shutdown); starts no more."""
+        with self._lock:
+            indexes = list(self._indexes.values())
+        end = time.monotonic() + timeout
+        for index in indexes:
+            index.close(max(0.0, end - time.monotonic()))
 
     def stats(self) -> CacheStats:
         with self._lock:

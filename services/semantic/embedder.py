@@ -35,6 +35,9 @@ class OnnxEmbedder:
         meta = json.loads((folder / "meta.json").read_text())
         self.name = name
         self.fingerprint: str = meta["fingerprint"]
+        # What stored vectors are tagged with: another model (or other weights) under the
+        # same name must not pass for this one.
+        self.identity = f"{name}@{self.fingerprint}"
         self.dim: int = int(meta["dim"])
         self.max_seq_length: int = int(meta["max_seq_length"])
         self._inputs: list[str] = list(meta["inputs"])
@@ -77,6 +80,7 @@ class BatchingEmbedder:
         self.inner = inner
         self.dim = inner.dim
         self.name = inner.name
+        self.identity = inner.identity
         self.max_batch = max_batch
         self.wait_s = wait_ms / 1000.0
         self.batches = 0

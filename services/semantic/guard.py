@@ -46,8 +46,15 @@ class GuardResult(NamedTuple):
     reason: str
 
 
+# Negated auxiliaries written without the apostrophe ("doesnt", "cant") or with it misplaced
+# ("does'nt"): the same negation as "doesn't".
+_BARE_NOT = re.compile(r"\b(do|does|did|is|are|was|were|ca|could|should|would|wo|has|have|had|"
+                       r"must|need|might|ai)(?:nt|'nt)\b", re.IGNORECASE)
+
+
 def _tokens(text: str) -> list[str]:
-    text = text.replace("\u2019", "'").replace("n't", " n't")
+    text = text.replace("\u2019", "'")
+    text = _BARE_NOT.sub(lambda m: m.group(1) + "n't", text).replace("n't", " n't")
     return re.findall(r"n't|[A-Za-z0-9]+(?:[.,][0-9]+)*|[^\sA-Za-z0-9]", text)
 
 

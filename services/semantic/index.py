@@ -12,7 +12,10 @@ published count are never rewritten. Writers (serialised on one lock) append to 
 delta 3/4 full is merged on a background thread into a new main index (Flat while the namespace
 holds fewer than `hnsw_min_entries`, else HNSW — for HNSW a copy of the old graph plus the new
 rows), built without the lock and then swapped in with the rows added meanwhile carried over.
-Removals are tombstones, filtered out of results, and purged at the next rebuild.
+A writer never builds: while a merge runs, a full delta is copied into a larger one (readers of
+the old snapshot keep theirs). Removals are tombstones, filtered out of results; they stay in
+an HNSW graph that is only extended, and are purged by a full rebuild once they are a quarter
+of the index (also on a background thread).
 """
 
 from __future__ import annotations
@@ -108,9 +111,10 @@ class NamespaceIndex:
         self._snap = self._new_snapshot(None, np.zeros(0, np.int64),
                                         np.zeros((0, params.dim), np.float32), "empty")
         self._merging: threading.Thread | None = None
+        self._closing = False
 
-    def _new_snapshot(self, main, labels, vecs, kind) -> _Snapshot:
-        cap = self.params.delta_capacity
+    def _new_snapshot(self, main, labels, vecs, kind, cap: int | None = None) -> _Snapshot:
+        cap = cap or self.params.delta_capacity
         return _Snapshot(main, labels, vecs, np.zeros((cap, self.params.dim), np.float32),
                          np.zeros(cap, np.int64), kind, [0])
 
@@ -127,19 +131,42 @@ class NamespaceIndex:
         with self._lock:
             snap = self._snap
             n = snap.count[0]
-            if n >= self.params.delta_capacity:
-                self._swap_locked(self._build(snap, n, set(self._dead)))
-                snap, n = self._snap, self._snap.count[0]
+            if n >= len(snap.delta_labels):
+                if self.background:
+                    snap = self._grow_delta_locked(snap, n)
+                else:
+                    self._swap_locked(self._build(snap, n, set(self._dead)))
+                    snap, n = self._snap, self._snap.count[0]
             snap.delta_vecs[n] = vec
             snap.delta_labels[n] = label
             self._live.add(label)
             self._dead.discard(label)
             snap.count[0] = n + 1  # publish the row only after it is written
-            if (self.background and n + 1 >= self.params.delta_capacity * 3 // 4
-                    and self._merging is None):
-                self._merging = threading.Thread(target=self._merge_in_background,
-                                                 name="index-merge", daemon=True)
-                self._merging.start()
+            self._maybe_merge_locked()
+
+    def _grow_delta_locked(self, snap: _Snapshot, n: int) -> _Snapshot:
+        """A snapshot with the same main index and a delta twice as large (rows copied):
+        writers go on while a merge is still building, instead of building themselves."""
+        cap = 2 * len(snap.delta_labels)
+        new = _Snapshot(snap.main, snap.main_labels, snap.main_vecs,
+                        np.zeros((cap, self.params.dim), np.float32), np.zeros(cap, np.int64),
+                        snap.kind, [n])
+        new.delta_vecs[:n] = snap.delta_vecs[:n]
+        new.delta_labels[:n] = snap.delta_labels[:n]
+        self._snap = new
+        return new
+
+    def _needs_merge_locked(self) -> bool:
+        snap = self._snap
+        return (snap.count[0] >= self.params.delta_capacity * 3 // 4
+                or len(self._dead) > max(64, len(self._live) // 4))
+
+    def _maybe_merge_locked(self) -> None:
+        if (self.background and self._merging is None and not self._closing
+                and self._needs_merge_locked()):
+            self._merging = threading.Thread(target=self._merge_in_background,
+                                             name="index-merge", daemon=True)
+            self._merging.start()
 
     def add_many(self, labels: np.ndarray, vecs: np.ndarray) -> None:
         """Bulk load (e.g. at start): builds the main index over everything at once."""
@@ -161,10 +188,20 @@ class NamespaceIndex:
                 return False
             self._live.discard(label)
             self._dead.add(label)
-            if len(self._dead) > max(64, len(self._live) // 4):
+            if not self.background and len(self._dead) > max(64, len(self._live) // 4):
                 snap = self._snap
                 self._swap_locked(self._build(snap, snap.count[0], set(self._dead)))
+            self._maybe_merge_locked()
             return True
+
+    def close(self, timeout: float | None = None) -> None:
+        """Lets a running merge finish and starts no more (before the process exits: a
+        thread killed inside faiss aborts the interpreter)."""
+        with self._lock:
+            self._closing = True
+            t = self._merging
+        if t is not None:
+            t.join(timeout)
 
     def compact(self) -> None:
         """Merges the delta and purges tombstones now (waits for a running merge)."""
@@ -176,38 +213,52 @@ class NamespaceIndex:
             self._swap_locked(self._build(snap, snap.count[0], set(self._dead)))
 
     def _merge_in_background(self) -> None:
-        try:
+        while True:
+            try:
+                with self._lock:
+                    snap = self._snap
+                    n, dead = snap.count[0], set(self._dead)
+                built = self._build(snap, n, dead)  # slow part, no lock held
+            except BaseException:
+                with self._lock:
+                    self._merging = None
+                raise
             with self._lock:
-                snap = self._snap
-                n, dead = snap.count[0], set(self._dead)
-            built = self._build(snap, n, dead)  # slow part, no lock held
-            with self._lock:
-                if self._snap is snap:  # nobody merged meanwhile
+                # Nobody merged meanwhile (a grown delta shares the main and its labels).
+                if self._snap.main_labels is snap.main_labels:
                     self._swap_locked(built)
-        finally:
-            self._merging = None
+                if self._closing or not self._needs_merge_locked():
+                    self._merging = None
+                    return
 
     def _build(self, snap: _Snapshot, n: int, dead: set[int],
                labels: np.ndarray | None = None, vecs: np.ndarray | None = None):
         """A new main index over `snap`'s main + its first `n` delta rows (or over `labels`,
-        `vecs`), without `dead`. Returns (main, labels, vecs, kind, snap, n, dead)."""
+        `vecs`), without `dead` unless the HNSW graph is only extended. Returns (main, labels,
+        vecs, kind, snap, n, purged): `purged` the tombstones it left out."""
         bulk = labels is not None
         if not bulk:
             labels = np.concatenate([snap.main_labels, snap.delta_labels[:n]])
             vecs = np.concatenate([snap.main_vecs, snap.delta_vecs[:n]])
+        p = self.params
+        if (not bulk and snap.kind == "hnsw" and len(labels) - len(dead) >= p.hnsw_min_entries
+                and len(dead) <= len(labels) // 4):
+            # Extend the graph: a copy of it plus the new rows. Tombstoned rows stay (searches
+            # skip them) until they are a quarter of the index; rebuilding HNSW from scratch
+            # on every merge cost seconds per thousand rows.
+            main, kind = faiss.clone_index(snap.main), "hnsw"
+            main.add(vecs[len(snap.main_labels):])
+            main.hnsw.efSearch = p.hnsw_ef_search
+            return (main, np.ascontiguousarray(labels), np.ascontiguousarray(vecs), kind, snap,
+                    n, set())
         if dead:
             keep = ~np.isin(labels, np.fromiter(dead, np.int64, len(dead)))
             labels, vecs = labels[keep], vecs[keep]
-        p = self.params
         if len(labels) == 0:
             main, kind = None, "empty"
         elif len(labels) < p.hnsw_min_entries:
             main, kind = faiss.IndexFlatIP(p.dim), "flat"
             main.add(vecs)
-        elif snap.kind == "hnsw" and not dead and not bulk:
-            # Append-only change: copy the old graph and insert only the new rows.
-            main, kind = faiss.clone_index(snap.main), "hnsw"
-            main.add(vecs[len(snap.main_labels):])
         else:
             main, kind = faiss.IndexHNSWFlat(p.dim, p.hnsw_m, faiss.METRIC_INNER_PRODUCT), "hnsw"
             main.hnsw.efConstruction = p.hnsw_ef_construction
@@ -220,10 +271,12 @@ class NamespaceIndex:
     def _swap_locked(self, built) -> None:
         """Publishes a built main index; delta rows added since the build carry over."""
         main, labels, vecs, kind, snap, n, dead = built
-        new = self._new_snapshot(main, labels, vecs, kind)
         cur = self._snap
-        assert cur is snap, "a snapshot was swapped under a build"
+        # `cur` is `snap`, or a copy of it with a larger delta (same main, same first rows).
+        assert cur.main_labels is snap.main_labels, "a snapshot was swapped under a build"
         late = cur.count[0] - n
+        new = self._new_snapshot(main, labels, vecs, kind,
+                                 max(self.params.delta_capacity, 2 * late))
         if late:
             new.delta_vecs[:late] = cur.delta_vecs[n:n + late]
             new.delta_labels[:late] = cur.delta_labels[n:n + late]

@@ -76,10 +76,12 @@ class ThresholdPolicy:
                                           f"{', '.join(sorted(self.tiers))}")
         if threshold == 0.0:
             return Resolved(name, self.tiers[name], False)
-        if not math.isfinite(threshold) or not (self.floor <= threshold <= 1.0):
+        # The wire carries a float32: 0.9 arrives as 0.89999998. Within that rounding of the
+        # floor (or of 1) it is the bound the caller wrote.
+        if not math.isfinite(threshold) or not (self.floor - 1e-6 <= threshold <= 1.0 + 1e-6):
             raise InvalidArgument("threshold", f"must be 0 (tier default) or in "
                                                f"[{self.floor}, 1], got {threshold}")
-        return Resolved(name, float(threshold), True)
+        return Resolved(name, min(1.0, max(self.floor, float(threshold))), True)
 
     def threshold_for(self, resolved: Resolved, verified: bool) -> float:
         """The threshold one entry is held to (verified entries get the bonus, not below floor)."""

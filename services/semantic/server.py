@@ -144,6 +144,7 @@ class RunningService:
     def stop(self, grace: float = 2.0) -> None:
         self.handle.stop(grace)
         self.housekeeper.stop()
+        self.cache.close_indexes()
         self.cache.store.close()
         close = getattr(self.embedder, "close", None)
         if close is not None:

@@ -191,6 +191,22 @@ def test_lowered_limits_at_load_evict_only_the_excess(make_cache, clock):
     smaller.check_integrity()
 
 
+def test_entries_embedded_by_another_model_are_re_embedded_at_load(make_cache):
+    """Vectors tagged with another embedder identity (another model, or other weights under
+    the same name) are useless to this one's queries: load re-embeds them."""
+    import numpy as np
+
+    c = make_cache()
+    e = c.store_entry(A, "How far is the Moon?", "384,400 km")
+    assert c.embedder.identity.startswith(c.embedder.name + "@")
+    junk = np.zeros(c.embedder.dim, np.float32)
+    junk[0] = 1.0
+    c.store.set_embedding(c.get(e.id).label, junk, c.embedder.name)  # tagged by name only
+    again = make_cache()
+    assert again.lookup(A, "How far is the Moon?").hit
+    assert again.store.get(e.id).embed_model == c.embedder.identity
+
+
 def test_verify_invalidate_and_not_found(make_cache):
     c = make_cache()
     e = c.store_entry(A, "How do I boil an egg?", "8 minutes.")

@@ -115,3 +115,21 @@ def test_config_errors_name_the_variable(tmp_path):
                     {"TIERCACHE_SEMANTIC_MODEL_DIR": str(tmp_path / "missing")})
     with pytest.raises(ConfigError, match="GUARD_TIERS"):
         load_config(SemanticConfig, "semantic", ["--guard-tiers", "strict,bogus"], {})
+
+
+def test_the_export_fingerprint_follows_the_weights_content(tmp_path):
+    """A fine-tuned checkpoint has the same size as the original: the fingerprint must still
+    change, or the old export (and old stored vectors) would keep being used."""
+    from pathlib import Path
+
+    from services.semantic.onnx_export import SentenceModelSpec
+
+    (tmp_path / "config.json").write_text('{"hidden_size": 4}')
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(bytes(range(256)) * 4)
+    spec = SentenceModelSpec(Path(tmp_path), 16, "mean", True, 4)
+    before = spec.fingerprint()
+    data = bytearray(weights.read_bytes())
+    data[100] ^= 0xFF  # same size, other weights
+    weights.write_bytes(bytes(data))
+    assert spec.fingerprint() != before

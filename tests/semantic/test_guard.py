@@ -23,6 +23,11 @@ TRAPS = [
      "negation"),
     ("Why can't I sleep at night?", "Why can I sleep at night?", "negation"),
     ("Should I never invest in bonds?", "Should I invest in bonds?", "negation"),
+    # negation written without (or with a misplaced) apostrophe
+    ("Why does my phone charge slowly?", "Why doesnt my phone charge slowly?", "negation"),
+    ("Why is my wifi working at night?", "Why isnt my wifi working at night?", "negation"),
+    ("How can I stop my dog barking?", "How cant I stop my dog barking?", "negation"),
+    ("Why does the app load?", "Why does'nt the app load?", "negation"),
     # different entities
     ("What are good reasons to vote for Trump?", "What are good reasons to vote for Clinton?",
      "entities"),
@@ -42,6 +47,8 @@ PARAPHRASES = [
     ("I don't understand recursion, can you explain it?",
      "I do not understand recursion, can you explain it?"),
     ("What is the best laptop for programming?", "Which laptop is best for programming?"),
+    ("Why shouldn't I eat after 8 pm?", "Why shouldnt I eat after 8 pm?"),
+    ("I dont understand recursion", "I don't understand recursion"),
 ]
 
 

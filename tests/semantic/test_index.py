@@ -21,8 +21,8 @@ def test_add_search_remove_and_integrity():
     for i, v in enumerate(vecs):
         idx.add(100 + i, v)
         idx.check_integrity()
-    assert len(idx) == 50 and idx.kind == "flat"
-    for i in (0, 17, 49):
+    assert len(idx) == 50
+    for i in (0, 17, 49):  # searched across main and delta, whatever merges have run
         top = idx.search(vecs[i], 1)[0]
         assert top.label == 100 + i and abs(top.score - 1.0) < 1e-5
     assert idx.remove(117) and not idx.remove(117)
@@ -31,7 +31,7 @@ def test_add_search_remove_and_integrity():
     assert all(nb.label != 117 for nb in idx.search(vecs[17], 50))
     idx.compact()
     idx.check_integrity()
-    assert len(idx) == 49 and len(idx.search(vecs[0], 100)) == 49
+    assert len(idx) == 49 and len(idx.search(vecs[0], 100)) == 49 and idx.kind == "flat"
 
 
 def test_switches_to_hnsw_beyond_the_configured_size_and_keeps_recall():
@@ -87,4 +87,42 @@ def test_searches_run_while_writers_add_and_remove():
         t.join()
     assert not errors, errors[0]
     idx.check_integrity()
-    assert idx.kind == "hnsw"
+    idx.compact()  # writers never build: merges may still be catching up
+    idx.check_integrity()
+    assert idx.kind == "hnsw" and len(idx) == 3000 - len(range(504, 3000, 7))
+
+
+def test_writers_never_wait_for_an_index_build():
+    """A build may take seconds (HNSW over a large namespace) and the cache calls the index
+    under its own lock, which every lookup also takes: writers must not build."""
+    rng = np.random.default_rng(4)
+    vecs = _unit(rng, 300)
+    idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=10**6, delta_capacity=16))
+    gate = threading.Event()
+    real = idx._build
+
+    def slow_build(*a, **kw):
+        gate.wait(30)
+        return real(*a, **kw)
+
+    idx._build = slow_build
+    done = threading.Event()
+
+    def writer():
+        for i in range(300):
+            idx.add(i, vecs[i])
+        for i in range(0, 300, 2):
+            idx.remove(i)
+        done.set()
+
+    threading.Thread(target=writer, daemon=True).start()
+    try:
+        assert done.wait(20), "a writer waited for an index build"
+        assert idx.search(vecs[7], 1)[0].label == 7
+        assert all(nb.label % 2 for nb in idx.search(vecs[8], 5))  # removed ones never come back
+    finally:
+        gate.set()
+    idx.close()
+    idx.compact()
+    idx.check_integrity()
+    assert len(idx) == 150 and idx.search(vecs[9], 1)[0].label == 9

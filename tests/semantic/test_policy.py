@@ -58,3 +58,16 @@ def test_unknown_tier(policy):
     with pytest.raises(InvalidArgument) as exc:
         policy.resolve("lenient")
     assert exc.value.field == "tier"
+
+
+@pytest.mark.parametrize("floor", [0.85, 0.9, 0.95])
+def test_a_threshold_equal_to_the_floor_survives_the_float32_wire(floor):
+    """The proto's float carries 0.9 as 0.89999998: that is still the floor, not below it."""
+    import numpy as np
+
+    p = ThresholdPolicy.from_config(SemanticConfig(threshold_floor=floor))
+    wire = float(np.float32(floor))
+    assert p.resolve("", wire).threshold == pytest.approx(floor)
+    assert p.resolve("", float(np.float32(1.0))).threshold == 1.0
+    with pytest.raises(InvalidArgument):
+        p.resolve("", float(np.float32(floor - 0.001)))
