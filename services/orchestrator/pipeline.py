@@ -337,11 +337,13 @@ class Orchestrator:
         cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
         self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
         answer = self.tok.decode(generated, skip_special_tokens=True).strip()
-        # ignore_eos answers run on past the model's own end: never an answer to serve. An
-        # answer that ended at max_tokens or a stop token is stored as cut short after its
-        # token count (it serves only requests that want no more tokens than that).
+        # An ignore_eos answer that ran on past the model's end of sequence is not an answer
+        # to serve. One that ended at max_tokens or a stop token is stored as cut short after
+        # its token count (it serves only requests that want no more tokens than that).
+        eos = getattr(self.tok, "eos_token_id", None)
+        past_end = sampling.ignore_eos and (eos is None or eos in generated)
         if (self.semantic.enabled and not policy.skip_semantic_store and answer
-                and not sampling.ignore_eos
+                and not past_end
                 and (greedy or policy.store_sampled or self.store_sampled)):
             sid = self._store(tenant, prompt, answer,
                               0 if final.finish_reason == common_pb2.FINISH_REASON_EOS
