@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
@@ -104,9 +105,31 @@ def load_tokenizer(path: str) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def is_converted(target: Path) -> bool:
-    """True once a conversion into `target` has completed."""
-    return (target / _DONE_MARKER).is_file()
+def is_converted(target: Path, source_id: str | None = None) -> bool:
+    """True once a conversion into `target` has completed (of `source_id`, when given)."""
+    marker = target / _DONE_MARKER
+    if not marker.is_file():
+        return False
+    if source_id is None:
+        return True
+    try:
+        return json.loads(marker.read_text()).get("source_id") == source_id
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def source_id(gguf: Path) -> str:
+    """What a conversion is of: the GGUF's name and content hash, and the transformers major
+    version that writes the folder (another package release or another transformers must not
+    be served a stale conversion). Hashing ~90 MB takes ~0.2 s per start."""
+    import transformers
+
+    h = hashlib.blake2b(digest_size=8)
+    with contextlib.suppress(FileNotFoundError), open(gguf, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    major = transformers.__version__.split(".")[0]
+    return f"{gguf.name}|{h.hexdigest()}|transformers-{major}"
 
 
 @contextlib.contextmanager
@@ -121,17 +144,22 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _ensure_converted(gguf: Path, target: Path) -> Path:
-    if is_converted(target):
+    sid = source_id(gguf)
+    if is_converted(target, sid):
         return target
     with _file_lock(target.parent / f".{target.name}.lock"):
         # Another process may have finished while we waited for the lock.
-        if is_converted(target):
+        if is_converted(target, sid):
             return target
-        _convert(gguf, target)
+        # Leftovers of conversions killed mid-way (SIGKILL, or SIGTERM before any handler):
+        # the lock is ours, so no conversion is running.
+        for stale in target.parent.glob(f".{target.name}.tmp-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        _convert(gguf, target, sid)
     return target
 
 
-def _convert(gguf: Path, target: Path) -> None:
+def _convert(gguf: Path, target: Path, source: str = "") -> None:
     from tqdm import tqdm
 
     steps = ["load GGUF (slow: parses metadata, dequantizes)", "save weights", "save tokenizer",
@@ -155,7 +183,13 @@ def _convert(gguf: Path, target: Path) -> None:
             bar.update(1)
             bar.set_postfix_str(steps[3])
             (tmp / _DONE_MARKER).write_text(json.dumps(
-                {"source": gguf.name, "converted_at": time.time()}))
+                {"source": gguf.name, "source_id": source, "converted_at": time.time()}))
+            # mkdtemp made the folder 0700 and save_pretrained wrote 0600 files: a service
+            # running as another user (the image converts as root, pods run as uid 10001)
+            # could not read them.
+            tmp.chmod(0o755)
+            for f in tmp.rglob("*"):
+                f.chmod(0o755 if f.is_dir() else 0o644)
             if target.exists():  # a stale, incomplete folder from a crashed conversion
                 shutil.rmtree(target)
             os.rename(tmp, target)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +60,8 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
     if model is None:
         model, model_id = load_model(cfg)
     info = model_info(model, model_id or cfg.model_id or "model")
+    if cfg.max_context > 0:
+        info = dataclasses.replace(info, max_context=min(info.max_context, cfg.max_context))
     dtype = next(model.parameters()).dtype
     n = pool_blocks(cfg, info, dtype)
     hasher = BlockHasher(info.model_id, cfg.block_size)
@@ -72,6 +75,10 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     max_draft_tokens=cfg.max_draft_tokens,
                     metrics=KvMetrics() if metrics else None).start()
     pool_b, rows_b = engine.store.nbytes()
-    log.info("kv pool: %d blocks of %d tokens (%.0f MiB), working rows %.0f MiB", n,
-             cfg.block_size, pool_b / 2**20, rows_b / 2**20)
+    rows_max = (KvStore.block_bytes(info.num_layers, info.kv_heads, info.head_dim,
+                                    cfg.block_size, dtype) // cfg.block_size
+                * (cfg.max_batch_size + 1) * info.max_context)
+    log.info("kv pool: %d blocks of %d tokens (%.0f MiB), working rows %.0f MiB now, up to "
+             "%.0f MiB at the %d-token context (TIERCACHE_KVPOOL_MAX_CONTEXT)", n,
+             cfg.block_size, pool_b / 2**20, rows_b / 2**20, rows_max / 2**20, info.max_context)
     return Replica(engine, info)

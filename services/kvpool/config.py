@@ -58,6 +58,10 @@ class KvPoolConfig:
     pin_ttl_max_seconds: int = 3600
     # torch intra-op threads; 0 = torch's default.
     torch_threads: int = 0
+    # Longest sequence (prompt + generated) served; 0 = the model's max_position_embeddings.
+    # The working rows grow to (max_batch_size + 1) x this many tokens of KV on top of the
+    # pool (SmolLM2 fp32: 46 KB per token, so 9 x 8,192 tokens = 3.4 GB): bound it to fit.
+    max_context: int = 0
     grace_seconds: float = 10.0
 
     def validate(self) -> None:
@@ -69,6 +73,7 @@ class KvPoolConfig:
         require(self.dtype in ("float32", "float16", "bfloat16"), s, "dtype",
                 f"must be float32, float16 or bfloat16, got {self.dtype!r}")
         require(self.num_blocks >= 0, s, "num_blocks", "must be >= 0 (0 = size by kv_cache_bytes)")
+        require(self.max_context >= 0, s, "max_context", "must be >= 0 (0 = the model's)")
         require(self.num_blocks > 0 or self.kv_cache_bytes > 0, s, "kv_cache_bytes",
                 "must be > 0 when num_blocks is 0")
         require(1 <= self.block_size <= 1024, s, "block_size", "must be in 1..1024")

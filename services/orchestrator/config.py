@@ -88,6 +88,11 @@ class OrchestratorConfig:
         require(self.routing_load_window_s > 0, SVC, "routing_load_window_s", "must be > 0")
         require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")
         require(self.replica_poll_s > 0, SVC, "replica_poll_s", "must be > 0")
+        require(self.warm_pin_ttl_s > 0, SVC, "warm_pin_ttl_s", "must be > 0")
+        require(self.warm_top_k >= 0, SVC, "warm_top_k", "must be >= 0")
+        require(self.warm_max_load >= 0, SVC, "warm_max_load", "must be >= 0")
+        require(self.warm_max_prompts_per_cycle >= 0, SVC, "warm_max_prompts_per_cycle",
+                "must be >= 0")
         require(self.max_workers > STREAM_HEADROOM, SVC, "max_workers",
                 f"must be > {STREAM_HEADROOM} (threads kept for health checks and Stats)")
 

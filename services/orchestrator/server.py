@@ -141,7 +141,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         tenant = self._tenant(context)
         if self.warmer is None:
             raise errors.FailedPrecondition("warm-up is not available")
-        return self.warmer.warm(tenant, request)
+        # A warm-up holds a tenant slot like a request does, and ends by the caller's deadline.
+        self.tenants.acquire(tenant)
+        try:
+            return self.warmer.warm(tenant, request, context.time_remaining())
+        finally:
+            self.tenants.release(tenant)
 
     def Feedback(self, request, context):
         tenant = self._tenant(context)
@@ -202,6 +207,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return resp
 
 
+# Prompts (or top_k prefixes) one Warm call may ask for.
+MAX_WARM_PROMPTS = 64
+
+
 class Warmer:
     """Prefills prompts on replicas (Warm RPC) and runs the low-traffic warm-up loop."""
 
@@ -211,11 +220,11 @@ class Warmer:
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="warm")
 
-    def _prefill(self, replica, token_ids, cache_salt, ttl, index):
+    def _prefill(self, replica, token_ids, cache_salt, ttl, index, timeout: float = 120.0):
         try:
             r = replica.stub.Prefill(kvpool_pb2.PrefillRequest(
                 token_ids=token_ids, cache_salt=cache_salt, pin=True, ttl_seconds=ttl,
-                model_id=self.orch.model_id), timeout=120,
+                model_id=self.orch.model_id), timeout=max(0.1, timeout),
                 metadata=call_metadata(self.orch.internal_token))
             return orchestrator_pb2.WarmResult(
                 prompt_index=index, replica_id=r.replica_id or replica.replica_id,
@@ -232,11 +241,16 @@ class Warmer:
             return [r for r in healthy if r.replica_id == owner]
         return healthy
 
-    def warm(self, tenant, request) -> orchestrator_pb2.WarmResponse:
+    def warm(self, tenant, request, time_remaining: float | None = None
+             ) -> orchestrator_pb2.WarmResponse:
         if not request.prompts and not request.top_k:
             raise errors.InvalidArgument("prompts", "give prompts or top_k")
-        if request.top_k > 1000:
-            raise errors.InvalidArgument("top_k", "at most 1000")
+        if len(request.prompts) > MAX_WARM_PROMPTS:
+            raise errors.InvalidArgument("prompts", f"at most {MAX_WARM_PROMPTS} per call")
+        if request.top_k > MAX_WARM_PROMPTS:
+            raise errors.InvalidArgument("top_k", f"at most {MAX_WARM_PROMPTS}")
+        deadline = time.monotonic() + (120.0 if time_remaining is None
+                                       else min(120.0, time_remaining))
         if request.target not in orchestrator_pb2.WarmTarget.values():
             raise errors.InvalidArgument("target", f"unknown WarmTarget {request.target}")
         ttl = request.pin_ttl_seconds or self.cfg.warm_pin_ttl_s
@@ -251,6 +265,10 @@ class Warmer:
                 raise errors.InvalidArgument(f"prompts[{i}]", "give messages or prompt")
             if len(ids) > self.cfg.max_prompt_tokens:
                 raise errors.InvalidArgument(f"prompts[{i}]", "longer than max_prompt_tokens")
+            if len(ids) > tenant.max_prompt_tokens:  # the same limit as the tenant's requests
+                raise errors.ResourceExhausted(
+                    f"prompts[{i}]: {len(ids)} tokens exceed tenant limit "
+                    f"{tenant.max_prompt_tokens}")
             for r in self._targets(tenant, ids, request.target):
                 jobs.append((r, ids, tenant.cache_salt, ttl, i))
         if request.top_k and self.orch.prefix is not None:
@@ -261,7 +279,8 @@ class Warmer:
                 for r in self.orch.replicas.healthy():
                     if r.replica_id not in hp.holders:
                         jobs.append((r, list(hp.token_ids), hp.cache_salt, ttl, -1))
-        results = list(self._pool.map(lambda j: self._prefill(*j), jobs))
+        results = list(self._pool.map(
+            lambda j: self._prefill(*j, timeout=deadline - time.monotonic()), jobs))
         return orchestrator_pb2.WarmResponse(results=results)
 
     # ---- background loop ----
@@ -290,9 +309,13 @@ class Warmer:
         done = 0
         for hp in hot:
             for r in self.orch.replicas.healthy():
-                if done >= self.cfg.warm_max_prompts_per_cycle:
+                if done >= self.cfg.warm_max_prompts_per_cycle or self._stop.is_set():
                     return done
                 if r.replica_id in hp.holders:
+                    continue
+                # Traffic may have come back since the cycle began (or a prefill of ours is
+                # load itself): warm only idle replicas while the cluster stays quiet.
+                if r.load > 0 or self.cluster_load() > self.cfg.warm_max_load:
                     continue
                 res = self._prefill(r, list(hp.token_ids), hp.cache_salt,
                                     self.cfg.warm_pin_ttl_s, -1)

@@ -157,6 +157,10 @@ def test_auth_and_limits(stack):
             c.generate("hi", max_tokens=7)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "sampling.max_tokens" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:  # Warm obeys the tenant's prompt limit too
+            c.warm(["word " * 200])
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "tenant limit" in e.value.details()
         # max_tokens left unset: the server default, capped at the tenant's limit of 6.
         r = c.generate("Count from one to twenty in words.")
         assert 0 < r.completion_tokens <= 6

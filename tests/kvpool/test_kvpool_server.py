@@ -223,3 +223,21 @@ def test_a_replica_without_prefix_index_keeps_no_events(served) -> None:
     eng = served.replica.engine
     assert eng.call(lambda: eng.pool.stats().cached).result(5) > 0  # blocks were cached...
     assert eng.take_events() == [] and eng.call(eng.pool.take_events).result(5) == []
+
+
+def test_a_configured_max_context_bounds_requests(tiny_model) -> None:
+    """TIERCACHE_KVPOOL_MAX_CONTEXT caps prompt + answer below the model's own context (the
+    working rows grow to it): longer requests are INVALID_ARGUMENT, shorter ones served."""
+    import dataclasses
+
+    s = Served(dataclasses.replace(CFG, max_context=40), tiny_model)
+    try:
+        assert s.replica.info.max_context == 40
+        with pytest.raises(grpc.RpcError) as e:
+            gen(s.stub, list(range(1, 36)), max_tokens=8)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "context (40)" in e.value.details()
+        toks, final = gen(s.stub, list(range(1, 30)), max_tokens=8)
+        assert final.usage.completion_tokens == len(toks) > 0
+    finally:
+        s.close()

@@ -42,13 +42,13 @@ def test_packaged_gguf_is_found_without_importing_the_package() -> None:
 def test_concurrent_resolvers_convert_once(tmp_path: Path, monkeypatch) -> None:
     calls: list[int] = []
 
-    def slow_convert(gguf: Path, target: Path) -> None:
+    def slow_convert(gguf: Path, target: Path, source: str) -> None:
         calls.append(1)
         tmp = target.parent / "tmp-build"
         tmp.mkdir(parents=True)
         time.sleep(0.3)  # long enough for the other resolver to hit the lock
         (tmp / "config.json").write_text("{}")
-        (tmp / model_store._DONE_MARKER).write_text("{}")
+        (tmp / model_store._DONE_MARKER).write_text(json.dumps({"source_id": source}))
         tmp.rename(target)
 
     monkeypatch.setattr(model_store, "_convert", slow_convert)
@@ -72,14 +72,45 @@ def test_incomplete_folder_is_rebuilt(tmp_path: Path, monkeypatch) -> None:
     assert not model_store.is_converted(target)
     calls: list[int] = []
 
-    def fake_convert(gguf: Path, tgt: Path) -> None:
+    def fake_convert(gguf: Path, tgt: Path, source: str) -> None:
         calls.append(1)
-        (tgt / model_store._DONE_MARKER).write_text("{}")
+        (tgt / model_store._DONE_MARKER).write_text(json.dumps({"source_id": source}))
 
     monkeypatch.setattr(model_store, "_convert", fake_convert)
     monkeypatch.setattr(model_store, "packaged_gguf_path", lambda: tmp_path / "x.gguf")
     resolve_model("smollm2", cache_dir=str(tmp_path))
     assert calls == [1]
+
+
+def test_a_conversion_of_another_source_is_redone_and_leftovers_go(tmp_path: Path,
+                                                                    monkeypatch) -> None:
+    """Another GGUF (a package upgrade) or another transformers major version must not be
+    served the old folder; temp folders of killed conversions are removed."""
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"weights v1")
+    calls: list[str] = []
+
+    def fake_convert(g: Path, tgt: Path, source: str) -> None:
+        calls.append(source)
+        tgt.mkdir(parents=True, exist_ok=True)
+        (tgt / "config.json").write_text("{}")
+        (tgt / model_store._DONE_MARKER).write_text(json.dumps({"source_id": source}))
+
+    monkeypatch.setattr(model_store, "_convert", fake_convert)
+    monkeypatch.setattr(model_store, "packaged_gguf_path", lambda: gguf)
+    models = tmp_path / "models"
+    models.mkdir()
+    leftover = models / ".SmolLM2-135M-Instruct.tmp-abc"
+    leftover.mkdir()
+    resolve_model("smollm2", cache_dir=str(tmp_path))
+    resolve_model("smollm2", cache_dir=str(tmp_path))
+    assert len(calls) == 1 and not leftover.exists()
+    gguf.write_bytes(b"weights v2")  # a new package release
+    resolve_model("smollm2", cache_dir=str(tmp_path))
+    assert len(calls) == 2 and calls[0] != calls[1]
+    monkeypatch.setattr("transformers.__version__", "99.0.0")
+    resolve_model("smollm2", cache_dir=str(tmp_path))
+    assert len(calls) == 3 and calls[2].endswith("transformers-99")
 
 
 _RESOLVE = (
@@ -104,6 +135,9 @@ def test_real_conversion_twice_at_once_gives_a_loadable_model(tmp_path: Path) ->
     assert [p.name for p in path.parent.iterdir() if ".tmp-" in p.name] == []
     cfg = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in cfg and cfg["model_type"] == "llama"
+    # Readable by any user: the image converts as root and its pods run as uid 10001.
+    assert path.stat().st_mode & 0o777 == 0o755
+    assert all(f.stat().st_mode & 0o044 == 0o044 for f in path.rglob("*") if f.is_file())
 
     import torch
     from transformers import AutoModelForCausalLM

@@ -29,22 +29,28 @@ def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
         time.sleep(0.05)
 
 
+def start_shard(port: int = 0, lease_seconds: float = 1.0):
+    """One prefix-index shard (real servicer and gRPC server): (index, server handle)."""
+    index = build_index(PrefixConfig(block_size=4, lease_seconds=lease_seconds))
+    h = create_server(service="prefix-shard", address=f"127.0.0.1:{port}",
+                      services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server,
+                                 PrefixServicer(index), "tiercache.v1.PrefixIndex")])
+    h.set_serving()
+    return index, h
+
+
+def start_publisher(eng, addrs: list[str]) -> Publisher:
+    return Publisher(eng, address=",".join(addrs), replica_id="kv-0", incarnation="inc-1",
+                     public_address="10.0.0.7:50054", model_id=TINY_ID,
+                     heartbeat_seconds=0.2, publish_interval_seconds=0.02,
+                     channel_factory=grpc.insecure_channel).start()
+
+
 def test_publisher_feeds_every_shard_its_own_chains(make_engine) -> None:
-    shards, handles = [], []
-    for i in range(2):
-        index = build_index(PrefixConfig(block_size=4, lease_seconds=5))
-        h = create_server(service=f"prefix-shard-{i}", address="127.0.0.1:0",
-                          services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server,
-                                     PrefixServicer(index), "tiercache.v1.PrefixIndex")])
-        h.set_serving()
-        shards.append(index)
-        handles.append(h)
+    shards, handles = zip(*(start_shard(lease_seconds=5) for _ in range(2)), strict=True)
     addrs = [f"127.0.0.1:{h.port}" for h in handles]
     eng = make_engine(num_blocks=64, hash_key=None)  # the cluster key, as the index uses
-    pub = Publisher(eng, address=",".join(addrs), replica_id="kv-0", incarnation="inc-1",
-                    public_address="10.0.0.7:50054", model_id=TINY_ID,
-                    heartbeat_seconds=0.2, publish_interval_seconds=0.02,
-                    channel_factory=grpc.insecure_channel).start()
+    pub = start_publisher(eng, addrs)
     client = PrefixIndexClient(addrs, block_size=4, channel_factory=grpc.insecure_channel)
     hasher = BlockHasher(TINY_ID, 4)
     try:
@@ -90,15 +96,6 @@ def test_publisher_feeds_every_shard_its_own_chains(make_engine) -> None:
             h.stop(0)
 
 
-def start_shard(port: int = 0, lease_seconds: float = 1.0):
-    index = build_index(PrefixConfig(block_size=4, lease_seconds=lease_seconds))
-    h = create_server(service="prefix-shard", address=f"127.0.0.1:{port}",
-                      services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server,
-                                 PrefixServicer(index), "tiercache.v1.PrefixIndex")])
-    h.set_serving()
-    return index, h
-
-
 def test_one_shard_down_holds_back_neither_the_others_nor_itself_once_back(make_engine,
                                                                           monkeypatch) -> None:
     """Shard A goes away: B still learns every eviction and keeps the replica's lease (before,
@@ -107,10 +104,7 @@ def test_one_shard_down_holds_back_neither_the_others_nor_itself_once_back(make_
     (ia, ha), (ib, hb) = start_shard(), start_shard()
     addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
     eng = make_engine(num_blocks=64, hash_key=None)
-    pub = Publisher(eng, address=",".join(addrs), replica_id="kv-0", incarnation="inc-1",
-                    public_address="10.0.0.7:50054", model_id=TINY_ID,
-                    heartbeat_seconds=0.2, publish_interval_seconds=0.02,
-                    channel_factory=grpc.insecure_channel).start()
+    pub = start_publisher(eng, addrs)
     client = PrefixIndexClient(addrs, block_size=4, channel_factory=grpc.insecure_channel)
     hasher = BlockHasher(TINY_ID, 4)
     owned: dict[str, list[int]] = {}

@@ -53,3 +53,33 @@ def test_no_warm_up_while_busy():
     w, reps = make([3, 2], [hp([1] * 32, [])])
     assert w.cycle() == 0
     assert all(r.stub.calls == [] for r in reps)
+
+
+def test_a_busy_replica_is_skipped_and_traffic_mid_cycle_stops_the_warm_up():
+    """The cluster is quiet on average (one request on one of five replicas): that replica is
+    not warmed; once traffic comes back during the cycle, no further prefill goes out."""
+    w, reps = make([1, 0, 0, 0, 0], [hp([1] * 32, []), hp([2] * 32, [])])
+    w.cfg = OrchestratorConfig(warm_interval_s=1.0, warm_top_k=8, warm_max_load=0.5,
+                               warm_max_prompts_per_cycle=10, warm_pin_ttl_s=60)
+    real = reps[1].stub.Prefill
+
+    def prefill_then_traffic(req, timeout=None, metadata=None):
+        for r in reps:
+            r.load = 2  # requests arrive while the first warm prefill runs
+        return real(req, timeout, metadata)
+
+    reps[1].stub.Prefill = prefill_then_traffic
+    assert w.cycle() == 1
+    assert reps[0].stub.calls == [] and reps[1].stub.calls == [[1] * 32]
+    assert all(r.stub.calls == [] for r in reps[2:])
+
+
+def test_bad_warm_settings_fail_at_boot():
+    import pytest
+
+    from services.common.config import ConfigError
+
+    for field, value in (("warm_pin_ttl_s", 0), ("warm_max_load", -1),
+                         ("warm_max_prompts_per_cycle", -1)):
+        with pytest.raises(ConfigError, match=f"TIERCACHE_ORCHESTRATOR_{field.upper()}"):
+            OrchestratorConfig(kvpool_addresses=("h:1",), **{field: value}).validate()
