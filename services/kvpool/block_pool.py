@@ -135,6 +135,7 @@ class BlockPool:
         # id) lazily, and an entry whose stamp is no longer the block's is skipped when popped.
         self._leaves: dict[int, int] = {}
         self._heap: list[tuple[tuple, int, int]] = []
+        self._evicting = False  # inside evict(): the heap must not be compacted
         self._stamp = 0
         self.evictions_total = 0
 
@@ -162,8 +163,8 @@ class BlockPool:
         """Blocks an allocation could take right now (free + unreferenced, unpinned cached)."""
         return self.num_blocks - self._in_use - self._pinned_unreferenced()
 
-    def _pinned_unreferenced(self) -> int:
-        now = self.clock()
+    def _pinned_unreferenced(self, now: float | None = None) -> int:
+        now = self.clock() if now is None else now
         expired = [bid for bid, until in self._pins.items() if until <= now]
         for bid in expired:
             del self._pins[bid]
@@ -172,15 +173,15 @@ class BlockPool:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def stats(self) -> PoolStats:
+    def stats(self, now: float | None = None) -> PoolStats:
         """Blocks by state (O(pinned blocks), cheap enough for every engine step)."""
-        pinned = self._pinned_unreferenced()
+        pinned = self._pinned_unreferenced(now)
         free = len(self._free)
         cached = self.num_blocks - self._in_use - pinned - free
         return PoolStats(self.num_blocks, free, cached, pinned, self._in_use)
 
-    def _recount(self) -> PoolStats:
-        now = self.clock()
+    def _recount(self, now: float | None = None) -> PoolStats:
+        now = self.clock() if now is None else now
         in_use = pinned = cached = 0
         for b in self._blocks:
             if b.ref > 0:
@@ -378,19 +379,26 @@ class BlockPool:
         removed: list[bytes] = []
         pinned: list[tuple[tuple, int, int]] = []
         heap, leaves = self._heap, self._leaves
-        while len(out) < n and heap:
-            entry = heapq.heappop(heap)
-            _, stamp, bid = entry
-            if leaves.get(bid) != stamp:
-                continue  # stale: no longer a leaf, or re-entered with a newer key
-            if self._blocks[bid].pin_until > now:
-                pinned.append(entry)
-                continue
-            removed.append(self._drop_hash(bid))
-            self._free.append(bid)
-            out.append(bid)
-        for entry in pinned:
-            heapq.heappush(heap, entry)
+        # Parents exposed below are pushed onto `heap`: it must stay the heap until the end
+        # (a compaction in between would leave them on a list this loop no longer reads).
+        self._evicting = True
+        try:
+            while len(out) < n and heap:
+                entry = heapq.heappop(heap)
+                _, stamp, bid = entry
+                if leaves.get(bid) != stamp:
+                    continue  # stale: no longer a leaf, or re-entered with a newer key
+                if self._blocks[bid].pin_until > now:
+                    pinned.append(entry)
+                    continue
+                removed.append(self._drop_hash(bid))
+                self._free.append(bid)
+                out.append(bid)
+            for entry in pinned:
+                heapq.heappush(heap, entry)
+        finally:
+            self._evicting = False
+        self._maybe_compact_heap()
         if removed:
             self.evictions_total += len(removed)
             self._emit(BlocksRemoved(removed))
@@ -445,9 +453,10 @@ class BlockPool:
         sequence tables holding the block; hash table <-> blocks agree; free queue == the
         unhashed, unreferenced blocks; child counts match; committed blocks are hashed.
         """
-        s = self.stats()
-        assert s.free + s.cached + s.pinned + s.in_use == s.total, s
-        assert s == self._recount(), f"incremental counts {s} != recount {self._recount()}"
+        now = self.clock()  # one instant for both counts: a pin may expire in between
+        s = self.stats(now)
+        recount = self._recount(now)
+        assert s == recount, f"incremental counts {s} != recount {recount}"
         holders = [0] * self.num_blocks
         for t in self._seqs.values():
             assert len(set(t.blocks)) == len(t.blocks), "a table lists a block twice"
@@ -531,7 +540,12 @@ class BlockPool:
         self._leaves[bid] = self._stamp
         heapq.heappush(self._heap,
                        (self.policy.key(self._usage(self._blocks[bid])), self._stamp, bid))
-        # Only pushes grow the heap, so this is the one place stale entries need compacting.
+        # Only pushes grow the heap, so this (and the end of evict) is where stale entries
+        # are compacted.
+        if not self._evicting:
+            self._maybe_compact_heap()
+
+    def _maybe_compact_heap(self) -> None:
         if len(self._heap) > 4 * len(self._leaves) + 4096:
             self._rebuild_heap()  # many stale entries (leaves referenced again): compact
 

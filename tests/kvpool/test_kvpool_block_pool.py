@@ -207,6 +207,33 @@ def test_eviction_takes_the_oldest_chain_whole_before_a_younger_leaf() -> None:
     pool.check_integrity()
 
 
+def test_a_heap_compaction_during_eviction_loses_no_candidate() -> None:
+    """evict() pops its heap while each eviction may expose a parent (a push) and used to
+    compact the heap right there: the parents pushed after it were lost to that evict(), which
+    freed too few blocks, and open() failed with the cache already half evicted."""
+    pool, clock, _ = make_pool(n=15, shallow=0)
+    leaves = [[1000 + 4 * i + j for j in range(4)] for i in range(10)]
+    for i, p in enumerate(leaves):
+        run_seq(pool, f"e{i}", p)
+    chain = list(range(100, 112))
+    run_seq(pool, "c", chain)  # 3 blocks: evicting its leaf exposes its parent, and so on
+    k = 0
+    # Re-reference the one-block leaves until stale heap entries reach the compaction point.
+    while len(pool._heap) < 4 * len(pool._leaves) + 4096:
+        clock.t += 0.001
+        pool.open("x", leaves[k % 10], keep_uncached=0)
+        pool.close("x")
+        k += 1
+    for i, p in enumerate(leaves):  # held: only the chain is evictable
+        pool.open(f"h{i}", p, keep_uncached=0)
+    pool.open("fill", list(range(5000, 5008)), use_cache=False)  # the 2 free blocks
+    pool.check_integrity()
+    assert pool.evictable_count() == 3
+    pool.open("new", list(range(7000, 7012)), use_cache=False)  # needs all 3 of the chain
+    pool.check_integrity()
+    assert pool.stats().cached == 0
+
+
 def test_eviction_keys_are_fixed_while_a_block_is_a_leaf() -> None:
     """A leaf referenced again (a hit) gets a new key when it is released; its old heap entry
     must not be used."""

@@ -80,6 +80,17 @@ def test_pack_accepts_integer_types_and_refuses_what_array_refuses():
 
 
 @native
+def test_pack_checks_only_the_tokens_it_packs_and_refuses_too_few_either_way():
+    """The C and Python packers agree on edge cases: a bad token past `count` is not packed
+    (nor refused), and fewer tokens than `count` is an error in both."""
+    for native in (True, False):
+        assert hashing.pack_tokens([1, 2, 3, 4, -5], 4, native=native) == \
+            hashing.pack_tokens([1, 2, 3, 4], 4, native=False)
+        with pytest.raises(ValueError):
+            hashing.pack_tokens([1, 2], 3, native=native)
+
+
+@native
 def test_chain_rejects_malformed_arguments():
     chain = hashing._blockhash.chain
     good = bytes(64)
