@@ -156,10 +156,13 @@ class NamespaceIndex:
         self._snap = new
         return new
 
+    def _too_many_dead_locked(self) -> bool:
+        return len(self._dead) > max(64, len(self._live) // 4)
+
     def _needs_merge_locked(self) -> bool:
         snap = self._snap
         return (snap.count[0] >= self.params.delta_capacity * 3 // 4
-                or len(self._dead) > max(64, len(self._live) // 4))
+                or self._too_many_dead_locked())
 
     def _maybe_merge_locked(self) -> None:
         if (self.background and self._merging is None and not self._closing
@@ -188,9 +191,10 @@ class NamespaceIndex:
                 return False
             self._live.discard(label)
             self._dead.add(label)
-            if not self.background and len(self._dead) > max(64, len(self._live) // 4):
+            if not self.background and self._too_many_dead_locked():
                 snap = self._snap
-                self._swap_locked(self._build(snap, snap.count[0], set(self._dead)))
+                self._swap_locked(self._build(snap, snap.count[0], set(self._dead),
+                                              purge=True))
             self._maybe_merge_locked()
             return True
 
@@ -210,7 +214,7 @@ class NamespaceIndex:
             t.join()
         with self._lock:
             snap = self._snap
-            self._swap_locked(self._build(snap, snap.count[0], set(self._dead)))
+            self._swap_locked(self._build(snap, snap.count[0], set(self._dead), purge=True))
 
     def _merge_in_background(self) -> None:
         while True:
@@ -218,7 +222,10 @@ class NamespaceIndex:
                 with self._lock:
                     snap = self._snap
                     n, dead = snap.count[0], set(self._dead)
-                built = self._build(snap, n, dead)  # slow part, no lock held
+                    # The same rule that asked for this merge: many tombstones = purge them
+                    # (an extended graph would keep them, and the merge would start again).
+                    purge = self._too_many_dead_locked()
+                built = self._build(snap, n, dead, purge=purge)  # slow part, no lock held
             except BaseException:
                 with self._lock:
                     self._merging = None
@@ -232,7 +239,8 @@ class NamespaceIndex:
                     return
 
     def _build(self, snap: _Snapshot, n: int, dead: set[int],
-               labels: np.ndarray | None = None, vecs: np.ndarray | None = None):
+               labels: np.ndarray | None = None, vecs: np.ndarray | None = None,
+               purge: bool = False):
         """A new main index over `snap`'s main + its first `n` delta rows (or over `labels`,
         `vecs`), without `dead` unless the HNSW graph is only extended. Returns (main, labels,
         vecs, kind, snap, n, purged): `purged` the tombstones it left out."""
@@ -241,11 +249,11 @@ class NamespaceIndex:
             labels = np.concatenate([snap.main_labels, snap.delta_labels[:n]])
             vecs = np.concatenate([snap.main_vecs, snap.delta_vecs[:n]])
         p = self.params
-        if (not bulk and snap.kind == "hnsw" and len(labels) - len(dead) >= p.hnsw_min_entries
-                and len(dead) <= len(labels) // 4):
+        if (not bulk and not purge and snap.kind == "hnsw"
+                and len(labels) - len(dead) >= p.hnsw_min_entries):
             # Extend the graph: a copy of it plus the new rows. Tombstoned rows stay (searches
-            # skip them) until they are a quarter of the index; rebuilding HNSW from scratch
-            # on every merge cost seconds per thousand rows.
+            # skip them) until a merge purges them (more than a quarter of the live entries);
+            # rebuilding HNSW from scratch on every merge cost seconds per thousand rows.
             main, kind = faiss.clone_index(snap.main), "hnsw"
             main.add(vecs[len(snap.main_labels):])
             main.hnsw.efSearch = p.hnsw_ef_search

@@ -126,3 +126,33 @@ def test_writers_never_wait_for_an_index_build():
     idx.compact()
     idx.check_integrity()
     assert len(idx) == 150 and idx.search(vecs[9], 1)[0].label == 9
+
+
+def test_many_removals_are_purged_by_one_background_merge_not_a_loop():
+    """Tombstones past a quarter of the live entries ask for a merge; that merge must purge
+    them (a graph only extended would keep them, and the merge would start over forever)."""
+    import time
+
+    rng = np.random.default_rng(5)
+    vecs = _unit(rng, 1200)
+    idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=200, delta_capacity=64))
+    idx.add_many(np.arange(1200), vecs)
+    assert idx.kind == "hnsw"
+    builds = []
+    real = idx._build
+
+    def counting_build(*a, **kw):
+        builds.append(kw.get("purge", False))
+        return real(*a, **kw)
+
+    idx._build = counting_build
+    for lab in range(0, 1200, 3):  # 400 removed: a third of the entries
+        idx.remove(lab)
+    end = time.monotonic() + 30
+    while idx._merging is not None and time.monotonic() < end:
+        time.sleep(0.02)
+    assert idx._merging is None, "the background merge did not settle"
+    assert True in builds and len(builds) <= 3, builds
+    assert not idx._dead  # purged
+    idx.check_integrity()
+    assert len(idx) == 800 and all(nb.label % 3 for nb in idx.search(vecs[1], 10))
