@@ -8,6 +8,7 @@ lookup: they are buffered and written in the background (`flush_hits`).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sqlite3
 import threading
@@ -121,22 +122,16 @@ class EntryStore:
 
     def insert_many(self, rows: list[dict]) -> None:
         """Bulk load in one transaction (benchmarks, imports); keys as for `insert`."""
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.executemany(
-                    "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
-                    "embedding, embed_model, verified, created_at, ttl_seconds, truncated) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    [(r["id"], r["tenant"], r["model_id"], r["context_hash"], r["prompt"],
-                      r["answer"], np.asarray(r["embedding"], "<f4").tobytes(),
-                      r["embed_model"], int(r["verified"]), r["created_at"], r["ttl_seconds"],
-                      int(r.get("truncated", 0)))
-                     for r in rows])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
+        with self._lock, self._transaction():
+            self._db.executemany(
+                "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
+                "embedding, embed_model, verified, created_at, ttl_seconds, truncated) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                [(r["id"], r["tenant"], r["model_id"], r["context_hash"], r["prompt"],
+                  r["answer"], np.asarray(r["embedding"], "<f4").tobytes(),
+                  r["embed_model"], int(r["verified"]), r["created_at"], r["ttl_seconds"],
+                  int(r.get("truncated", 0)))
+                 for r in rows])
 
     def get(self, id: str) -> Row | None:
         with self._lock:
@@ -157,15 +152,8 @@ class EntryStore:
         """Deletes entries by label in one transaction."""
         if not labels:
             return
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
-                self._db.executemany("DELETE FROM entries WHERE label = ?",
-                                     [(x,) for x in labels])
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._rollback()
-                raise
+        with self._lock, self._transaction():
+            self._db.executemany("DELETE FROM entries WHERE label = ?", [(x,) for x in labels])
         with self._hits_lock:
             for x in labels:
                 self._pending_hits.pop(x, None)
@@ -182,27 +170,31 @@ class EntryStore:
         if not pending:
             return 0
         # A counter of an entry deleted meanwhile updates no row: harmless.
-        with self._lock:
-            self._db.execute("BEGIN")
-            try:
+        try:
+            with self._lock, self._transaction():
                 self._db.executemany(
                     "UPDATE entries SET last_hit_at = ?, hit_count = ? WHERE label = ?",
                     [(at, n, lab) for lab, (at, n) in pending.items()])
-                self._db.execute("COMMIT")
-            except BaseException:
-                # Left open, the transaction would swallow every later insert: acknowledged
-                # Stores that are never committed.
-                self._rollback()
-                with self._hits_lock:  # retried next flush; hits recorded since are newer
-                    for lab, v in pending.items():
-                        self._pending_hits.setdefault(lab, v)
-                raise
-            return len(pending)
+        except BaseException:
+            with self._hits_lock:  # retried next flush; hits recorded since are newer
+                for lab, v in pending.items():
+                    self._pending_hits.setdefault(lab, v)
+            raise
+        return len(pending)
 
-    def _rollback(self) -> None:
-        """Ends a failed transaction (SQLite may already have rolled it back itself)."""
-        if self._db.in_transaction:
-            self._db.execute("ROLLBACK")
+    @contextlib.contextmanager
+    def _transaction(self) -> Iterator[None]:
+        """BEGIN ... COMMIT, rolled back on any error (the caller holds `_lock`). Left open, a
+        failed transaction would swallow every later insert: acknowledged Stores that are
+        never committed."""
+        self._db.execute("BEGIN")
+        try:
+            yield
+            self._db.execute("COMMIT")
+        except BaseException:
+            if self._db.in_transaction:  # SQLite may already have rolled it back itself
+                self._db.execute("ROLLBACK")
+            raise
 
     def iter_all(self, batch: int = 5000) -> Iterator[list[Row]]:
         """Every entry, in label order, in batches."""
