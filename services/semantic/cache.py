@@ -373,21 +373,23 @@ class SemanticCache:
 
     def _victims_locked(self, ns: Namespace) -> list[int]:
         """Least recently used labels beyond the namespace and the global capacity."""
-        out: list[int] = []
-        ns_lru = self._ns_lru.get(ns, OrderedDict())
-        over = len(ns_lru) - self.cfg.max_entries_per_namespace
-        it = iter(ns_lru)
-        out.extend(next(it) for _ in range(max(0, over)))
-        over = len(self._entries) - len(out) - self.cfg.max_entries_total
-        if over > 0:
-            chosen = set(out)
-            for lab in self._lru:
-                if over == 0:
-                    break
-                if lab not in chosen:
-                    out.append(lab)
-                    over -= 1
-        return out
+        out = self._ns_excess_locked(ns)
+        return out + self._global_excess_locked(out)
+
+    def _ns_excess_locked(self, ns: Namespace) -> list[int]:
+        """The namespace's least recently used labels beyond its capacity."""
+        lru = self._ns_lru.get(ns, OrderedDict())
+        over = len(lru) - self.cfg.max_entries_per_namespace
+        return list(itertools.islice(lru, over)) if over > 0 else []
+
+    def _global_excess_locked(self, chosen: list[int]) -> list[int]:
+        """Least recently used labels, besides `chosen` (already going), beyond the global
+        capacity."""
+        over = len(self._entries) - len(chosen) - self.cfg.max_entries_total
+        if over <= 0:
+            return []
+        skip = set(chosen)
+        return list(itertools.islice((x for x in self._lru if x not in skip), over))
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -503,16 +505,8 @@ class SemanticCache:
             # Limits lowered since the entries were written: each namespace's excess first,
             # then what is still over the global limit (choosing both before dropping would
             # count global victims twice and drop more than needed).
-            victims: list[int] = []
-            for ns in list(self._ns_lru):
-                lru = self._ns_lru.get(ns)
-                over = len(lru) - self.cfg.max_entries_per_namespace if lru else 0
-                victims += list(itertools.islice(lru, over)) if over > 0 else []
-            over = len(self._entries) - len(victims) - self.cfg.max_entries_total
-            if over > 0:
-                chosen = set(victims)
-                victims += list(itertools.islice((x for x in self._lru if x not in chosen),
-                                                 over))
+            victims = [lab for ns in self._ns_lru for lab in self._ns_excess_locked(ns)]
+            victims += self._global_excess_locked(victims)
             for lab in victims:
                 self._drop_locked(lab)
             self._next_expiry = 0.0  # loaded entries were not added one by one: scan next time
