@@ -408,13 +408,8 @@ class PrefixIndex:
                     self._forget_waiting(waiting, a)
             else:
                 tree.clear(rep.bit)
-                if waiting:
-                    self.dropped_blocks_total += sum(len(st[1]) for sts in waiting.values()
-                                                     for st in sts)
-                    waiting.clear()
-        if waiting:
-            self.dropped_blocks_total += sum(len(st[1]) for sts in waiting.values()
-                                             for st in sts)
+                self._drop_waiting(waiting)
+        self._drop_waiting(waiting)  # parents that never came
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
@@ -438,6 +433,11 @@ class PrefixIndex:
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
         return _new(PublishResult, (False, rep.next_seq))
+
+    def _drop_waiting(self, waiting: dict[bytes, list[tuple]]) -> None:
+        """Counts every waiting chain's blocks as dropped and forgets them."""
+        self.dropped_blocks_total += sum(len(st[1]) for sts in waiting.values() for st in sts)
+        waiting.clear()
 
     def _forget_waiting(self, waiting: dict[bytes, list[tuple]], gone: list[bytes]) -> None:
         """Blocks the replica no longer holds: waiting chains lose them and all below them.
