@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
 import threading
 import time
 import uuid
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -103,6 +105,33 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         budget = self.cfg.request_timeout_s if remaining is None else min(
             remaining, self.cfg.request_timeout_s)
         deadline = time.monotonic() + budget
+        with self._stream_slot():
+            self.tenants.acquire(tenant)
+            try:
+                events = self.orch.generate(
+                    tenant=tenant, prompt=prompt, sampling=sampling, policy=policy,
+                    session_id=request.session_id, return_token_ids=request.return_token_ids,
+                    request_id=request_id, deadline=deadline,
+                    on_cancel=lambda fn: context.add_callback(fn))
+                for ev in events:
+                    if isinstance(ev, Finished):
+                        ev.report.semantic_entry_id = self.tenants.entry_ref(
+                            tenant, ev.report.semantic_entry_id)
+                        yield orchestrator_pb2.GenerateResponse(
+                            final=orchestrator_pb2.GenerateFinal(
+                                finish_reason=ev.finish_reason,
+                                usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens,
+                                                       completion_tokens=ev.completion_tokens),
+                                cache_report=ev.report, request_id=ev.request_id))
+                    else:
+                        yield orchestrator_pb2.GenerateResponse(text=ev.text,
+                                                                token_ids=ev.token_ids)
+            finally:
+                self.tenants.release(tenant)
+
+    @contextlib.contextmanager
+    def _stream_slot(self) -> Iterator[None]:
+        """One of the server's `max_streams` Generate slots, for the stream's lifetime."""
         with self._streams_lock:
             if self._streams >= self.cfg.max_streams:
                 raise errors.ResourceExhausted(
@@ -110,30 +139,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     "); retry shortly or on another orchestrator")
             self._streams += 1
         try:
-            self.tenants.acquire(tenant)
-        except BaseException:
-            with self._streams_lock:
-                self._streams -= 1
-            raise
-        try:
-            events = self.orch.generate(
-                tenant=tenant, prompt=prompt, sampling=sampling, policy=policy,
-                session_id=request.session_id, return_token_ids=request.return_token_ids,
-                request_id=request_id, deadline=deadline,
-                on_cancel=lambda fn: context.add_callback(fn))
-            for ev in events:
-                if isinstance(ev, Finished):
-                    ev.report.semantic_entry_id = self.tenants.entry_ref(
-                        tenant, ev.report.semantic_entry_id)
-                    yield orchestrator_pb2.GenerateResponse(final=orchestrator_pb2.GenerateFinal(
-                        finish_reason=ev.finish_reason,
-                        usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens,
-                                               completion_tokens=ev.completion_tokens),
-                        cache_report=ev.report, request_id=ev.request_id))
-                else:
-                    yield orchestrator_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
+            yield
         finally:
-            self.tenants.release(tenant)
             with self._streams_lock:
                 self._streams -= 1
 
