@@ -40,9 +40,9 @@ TOO_SHORT = counter("tiercache_orchestrator_semantic_hits_too_short_total",
 TOKENS = counter("tiercache_orchestrator_tokens_total", "Prompt/cached/generated tokens",
                  ("kind",))
 
-# Replica failures that mean "this replica is gone or broken", so another one should try.
 # Semantic-tier INVALID_ARGUMENT details that blame the request's cache policy.
 _POLICY_FIELDS = ("tier", "threshold")
+# Replica failures that mean "this replica is gone or broken", so another one should try.
 _REPLICA_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                  grpc.StatusCode.CANCELLED)
 
@@ -89,7 +89,7 @@ class OrchestratorStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     semantic_tokens_saved: int = 0
-    semantic_truncated_passed: int = 0  # hits not served: cut shorter than the request wants
+    semantic_hits_too_short: int = 0  # hits not served: cut shorter than the request wants
     degradations: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -210,7 +210,7 @@ class Orchestrator:
                 # A cut-short answer cannot stand for a longer one: the model answers, with
                 # the cached part as its draft.
                 with self.stats.lock:
-                    self.stats.semantic_truncated_passed += 1
+                    self.stats.semantic_hits_too_short += 1
                 TOO_SHORT.inc()
             elif look.hit:
                 yield from self._serve_hit(look, cached_ids, sampling.max_tokens, report,

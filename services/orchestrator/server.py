@@ -194,7 +194,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 cached_tokens_total=st.cached_tokens,
                 tokens_saved_semantic=st.semantic_tokens_saved,
                 degradations=dict(st.degradations),
-                semantic_hits_too_short=st.semantic_truncated_passed)
+                semantic_hits_too_short=st.semantic_hits_too_short)
         for r in o.replicas.replicas:
             if r.stats is not None and r.health.healthy:
                 resp.replicas.append(r.stats)
