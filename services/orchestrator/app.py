@@ -8,6 +8,7 @@ from services.common.hashing import BlockHasher, hash_key_from_env
 from services.common.model_store import load_tokenizer, resolve_model
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
 from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.pipeline import Orchestrator
 from services.orchestrator.prefix_backend import PrefixBackend
 from services.orchestrator.render import PromptRenderer
@@ -45,7 +46,9 @@ def build(cfg: OrchestratorConfig) -> App:
                                     cfg.min_prefix_tokens, cfg.routing_load_window_s),
         internal_token=cfg.internal_token, default_tier=cfg.semantic_tier,
         enable_drafts=cfg.enable_drafts, store_sampled=cfg.store_sampled,
-        max_attempts=cfg.max_attempts, min_prefix_tokens=cfg.min_prefix_tokens)
+        max_attempts=cfg.max_attempts, min_prefix_tokens=cfg.min_prefix_tokens,
+        dispatched=(DispatchMemory(cfg.block_size, cfg.dispatch_memory_s)
+                    if cfg.dispatch_memory_s > 0 else None))
     tenants = TenantRegistry.build(
         tokens_file=cfg.tokens_file, tokens=cfg.tokens, key=key,
         max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens_limit,

@@ -56,6 +56,9 @@ class OrchestratorConfig:
     # every replica's share within (1 + routing_epsilon) / n (see routing.PrefixAwarePolicy).
     routing_load_window_s: float = 30.0
     min_prefix_tokens: int = 32
+    # How long routing remembers the prompts it sent to each replica, for requests that share
+    # one before the prefix index has learnt it (a long prefill takes seconds); 0 = off.
+    dispatch_memory_s: float = 10.0
     # Replica polling (health + load) interval.
     replica_poll_s: float = 1.0
     # Background warm-up: off when warm_interval_s <= 0.
@@ -86,6 +89,7 @@ class OrchestratorConfig:
                 "must be prefix or round_robin")
         require(self.routing_epsilon > 0, SVC, "routing_epsilon", "must be > 0")
         require(self.routing_load_window_s > 0, SVC, "routing_load_window_s", "must be > 0")
+        require(self.dispatch_memory_s >= 0, SVC, "dispatch_memory_s", "must be >= 0")
         require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")
         require(self.replica_poll_s > 0, SVC, "replica_poll_s", "must be > 0")
         require(self.warm_pin_ttl_s > 0, SVC, "warm_pin_ttl_s", "must be > 0")

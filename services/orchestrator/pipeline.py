@@ -13,6 +13,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
@@ -23,6 +24,7 @@ from services.common.hashing import BlockHasher
 from services.common.metrics import counter, histogram
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
 from services.orchestrator.detok import IncrementalDetokenizer
+from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.render import PromptRenderer, RenderedPrompt
 from services.orchestrator.routing import RoutingPolicy
 from services.orchestrator.tenants import Tenant
@@ -39,12 +41,27 @@ TOO_SHORT = counter("tiercache_orchestrator_semantic_hits_too_short_total",
                     "Semantic hits not served: the cached answer is cut shorter than asked")
 TOKENS = counter("tiercache_orchestrator_tokens_total", "Prompt/cached/generated tokens",
                  ("kind",))
+DISPATCH_ROUTES = counter("tiercache_orchestrator_dispatch_memory_routes_total",
+                          "Requests routed to a replica for a prefix the index did not know yet "
+                          "(sent there moments before)")
 
 # Semantic-tier INVALID_ARGUMENT details that blame the request's cache policy.
 _POLICY_FIELDS = ("tier", "threshold")
 # Replica failures that mean "this replica is gone or broken", so another one should try.
 _REPLICA_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                  grpc.StatusCode.CANCELLED)
+
+
+class PrefixView(NamedTuple):
+    """What the prefix index says of a prompt."""
+
+    matches: dict[str, int]  # replica id -> matched prompt tokens
+    key: str  # the first block's hash (hex), the affinity key without a session; "" = none
+    # KV blocks the prompt needs, given only when the index answered: then an empty match
+    # means the prompt is new to every replica, and routing may place it by free blocks (see
+    # routing.PrefixAwarePolicy); None = unknown.
+    new_blocks: int | None
+    hashes: list[bytes]  # the prompt's full-block hashes (salted by tenant)
 
 
 @dataclass(frozen=True)
@@ -105,7 +122,8 @@ class Orchestrator:
     def __init__(self, *, renderer: PromptRenderer, tokenizer, model_id: str, hasher: BlockHasher,
                  replicas: ReplicaSet, semantic: SemanticBackend, prefix, routing: RoutingPolicy,
                  internal_token: str, default_tier: str, enable_drafts: bool,
-                 store_sampled: bool, max_attempts: int, min_prefix_tokens: int) -> None:
+                 store_sampled: bool, max_attempts: int, min_prefix_tokens: int,
+                 dispatched: DispatchMemory | None = None) -> None:
         self.renderer = renderer
         self.tok = tokenizer
         self.model_id = model_id
@@ -120,6 +138,8 @@ class Orchestrator:
         self.store_sampled = store_sampled
         self.max_attempts = max_attempts
         self.min_prefix_tokens = min_prefix_tokens
+        # Prompts sent to each replica moments ago, before the index has them (None = off).
+        self.dispatched = dispatched
         self.stats = OrchestratorStats()
         self._route_lock = threading.Lock()
 
@@ -161,33 +181,36 @@ class Orchestrator:
             return ""
 
     # ---- prefix tier ---------------------------------------------------------------------
-    def _matches(self, tenant: Tenant, token_ids: list[int]
-                 ) -> tuple[dict[str, int], str, int | None]:
-        """(replica -> matched tokens, affinity key, KV blocks the prompt needs).
-
-        The block count is given only when the prefix index answered: then an empty match
-        means the prompt is new to every replica, and routing may place it by free blocks
-        (see routing.PrefixAwarePolicy); None = unknown.
-        """
+    def _matches(self, tenant: Tenant, token_ids: list[int]) -> PrefixView:
+        """What the prefix index knows of this prompt (see PrefixView)."""
         hashes = self.hasher.hashes(token_ids, tenant.cache_salt)
         key = hashes[0].hex() if hashes else ""
         if self.prefix is None or not hashes:
-            return {}, key, None
+            return PrefixView({}, key, None, hashes)
         try:
             # Full blocks are hashed; the partial last block and the answer need one more.
-            return self.prefix.match(hashes, self.model_id), key, len(hashes) + 1
+            return PrefixView(self.prefix.match(hashes, self.model_id), key, len(hashes) + 1,
+                              hashes)
         except grpc.RpcError as e:
             log.warning("prefix index unreachable, ring routing: %s", e.details())
             self.stats.degrade("index_down")
-            return {}, key, None
+            return PrefixView({}, key, None, hashes)
+
+    def _with_dispatched(self, matches: dict[str, int], hashes: list[bytes]) -> dict[str, int]:
+        """`matches` raised by what was sent to each replica moments ago (the caller holds
+        the route lock, so a request sent just before this one is already recorded)."""
+        if self.dispatched is None or not hashes:
+            return matches
+        return self.dispatched.merged(matches, hashes)
 
     def owner(self, tenant: Tenant, token_ids: list[int]) -> str | None:
         """The replica a request with this prompt would be routed to now (Warm's owners), not
         counted as routed traffic; None when no replica is available."""
-        matches, key, new_blocks = self._matches(tenant, token_ids)
+        view = self._matches(tenant, token_ids)
         with self._route_lock:  # the policy's ring changes as replicas come and go
-            d = self.routing.choose(self.replicas.views(), matches, key, new_blocks=new_blocks,
-                                    record=False)
+            d = self.routing.choose(self.replicas.views(),
+                                    self._with_dispatched(view.matches, view.hashes), view.key,
+                                    new_blocks=view.new_blocks, record=False)
         return d.replica_id if d is not None else None
 
     # ---- the request ---------------------------------------------------------------------
@@ -221,8 +244,8 @@ class Orchestrator:
                 report.semantic_entry_id = look.entry.id
 
         ids = prompt.token_ids
-        matches, key, new_blocks = (({}, "", None) if policy.skip_prefix_cache
-                                     else self._matches(tenant, ids))
+        matches, key, new_blocks, hashes = (PrefixView({}, "", None, []) if policy.skip_prefix_cache
+                                             else self._matches(tenant, ids))
         if not key:
             key = session_id or str(hash(tuple(ids[:64])))
         affinity = session_id or key
@@ -245,15 +268,27 @@ class Orchestrator:
         on_cancel(cancel_downstream)
         while final is None:
             with self._route_lock:
-                decision = self.routing.choose(self.replicas.views(), matches, affinity,
+                seen = self._with_dispatched(matches, hashes)
+                decision = self.routing.choose(self.replicas.views(), seen, affinity,
                                                frozenset(exclude), new_blocks,
                                                prompt.continues)
+                if decision is not None and hashes and self.dispatched is not None:
+                    self.dispatched.record(decision.replica_id, hashes)
+            if (decision is not None and decision.route == "prefix"
+                    and seen.get(decision.replica_id, 0) > matches.get(decision.replica_id, 0)):
+                DISPATCH_ROUTES.inc()
             if decision is None:
                 raise errors.Unavailable("no kvpool replica is available"
                                          + (f" (tried {', '.join(sorted(exclude))})"
                                             if exclude else ""))
             replica = self.replicas.by_id(decision.replica_id)
             assert replica is not None
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("route %s: %s -> %s (matched %d; index %s; sent moments ago %s; "
+                          "loads %s)", request_id, decision.route, decision.replica_id,
+                          decision.matched_tokens, dict(matches),
+                          {r: t for r, t in seen.items() if t > matches.get(r, 0)},
+                          {v.replica_id: v.load for v in self.replicas.views()})
             route = decision.route if attempts == 0 else ("resume" if generated else "retry")
             remaining = deadline - time.monotonic()
             if remaining <= 0:
@@ -306,6 +341,8 @@ class Orchestrator:
                     raise _as_domain(e) from None
                 replica.health.fail(e)
                 exclude.add(replica.replica_id)
+                if self.dispatched is not None:
+                    self.dispatched.forget(replica.replica_id)
                 attempts += 1
                 self.stats.degrade("resume" if generated else "retry")
                 log.warning("replica %s failed (%s) after %d tokens; attempt %d",

@@ -24,6 +24,7 @@ replica overloads it. The policy:
 
 from __future__ import annotations
 
+import logging
 import math
 import threading
 import time
@@ -33,6 +34,8 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
 from services.common.ring import HashRing
+
+log = logging.getLogger(__name__)
 
 
 class ReplicaView(NamedTuple):
@@ -118,6 +121,10 @@ class PrefixAwarePolicy(RoutingPolicy):
         for r in live:
             m = matches.get(r.replica_id, 0)
             if m < self.min_prefix_tokens or r.load > cap or r.replica_id in busy:
+                if m >= self.min_prefix_tokens:
+                    log.debug("prefix holder %s (%d tokens) skipped: %s", r.replica_id, m,
+                              "over its recent share" if r.replica_id in busy
+                              else f"load {r.load} over cap {cap}")
                 continue
             score = m - self.load_penalty_tokens * r.load
             # Equal scores are common (a hot prompt held everywhere, all idle): break the tie

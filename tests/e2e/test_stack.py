@@ -11,6 +11,7 @@ import pytest
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from clients.python.client import TierCacheClient
+from services.orchestrator.routing import PrefixAwarePolicy, ReplicaView
 from tests.e2e.stack import INTERNAL_MD, admin_stats, start_full_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -22,7 +23,10 @@ SYSTEM = ("You are the support assistant of Northwind Traders. " + " ".join(
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = start_full_stack(tmp_path_factory.mktemp("stack"), "stack")
+    # Routing's recent-share rule (unit-tested in tests/orchestrator) would make where a new
+    # conversation goes depend on the traffic of earlier tests here: a 10 ms window turns it off.
+    s = start_full_stack(tmp_path_factory.mktemp("stack"), "stack",
+                         orch_env={"TIERCACHE_ORCHESTRATOR_ROUTING_LOAD_WINDOW_S": "0.01"})
     yield s
     s.stop()
 
@@ -128,6 +132,41 @@ def test_warm_then_first_requests_hit_on_every_replica(stack, a):
     assert {results[i].report.replica_id for i in range(2)} == {"kv-0", "kv-1"}
     for i in range(2):
         assert results[i].report.cached_tokens >= warm_tokens // 16 * 16 - 16
+
+
+def test_requests_sharing_a_new_system_prompt_meet_on_one_replica(stack, a):
+    """Two sessions whose hashes put them on different replicas open with the same new system
+    prompt, the second while the first is still prefilling it (the index cannot know it yet):
+    routing remembers where it sent the first, so both land there and one reuses the other's
+    KV instead of each computing the prompt on its own replica."""
+    sys3 = SYSTEM.replace("Northwind", "Fabrikam")
+    policy = PrefixAwarePolicy()
+    views = [ReplicaView("kv-0", 0, 512), ReplicaView("kv-1", 0, 512)]
+    ring: dict[str, str] = {}
+    for i in range(64):
+        sid = f"meet-{i}"
+        ring.setdefault(policy.choose(views, {}, sid, new_blocks=32, record=False).replica_id,
+                        sid)
+    results: dict[int, object] = {}
+
+    def ask(i: int, sid: str) -> None:
+        results[i] = a.generate([{"role": "system", "content": sys3},
+                                 {"role": "user", "content": f"Question number {i}: hello?"}],
+                                max_tokens=4, session_id=sid,
+                                cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True))
+
+    ts = [threading.Thread(target=ask, args=(i, ring[rid]))
+          for i, rid in enumerate(("kv-0", "kv-1"))]
+    for t in ts:
+        t.start()
+        time.sleep(0.05)
+    for t in ts:
+        t.join(180)
+    assert results[0].report.replica_id == results[1].report.replica_id
+    # The question (and the template's closing tokens) differ; the ~300-token system prompt
+    # before them is computed once.
+    prompt = min(r.prompt_tokens for r in results.values())
+    assert max(r.report.cached_tokens for r in results.values()) >= prompt - 48
 
 
 def test_tenants_share_nothing(stack, a, b):

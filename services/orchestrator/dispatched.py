@@ -1,0 +1,125 @@
+"""What this orchestrator has just sent where, for routing before the prefix index knows it.
+
+The prefix index learns a prompt's blocks when the replica has computed and published them:
+for a long prompt that is seconds after dispatch (a 1,000-token prefill takes ~3 s on a CPU,
+longer behind a queue). Requests sharing that prompt that arrive in between would be routed
+as if it were new: by session hash, to any replica, each computing the same prompt again and
+holding a second copy of it. That is the common case for a burst of requests that open with
+one new system prompt.
+
+`DispatchMemory` remembers, per replica, the full-block hashes of the prompts routed there in
+the last `ttl_s` seconds, and routing takes, for each replica, the longer of the index's
+match and this one. A request credited this way waits behind the earlier one on the same
+replica, and kvpool prefills one sequence at a time, so it is admitted after the shared
+blocks are committed and reuses them. A stale credit (the replica evicted the blocks, or the
+request failed) lasts at most `ttl_s`; a replica that fails is forgotten at once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+
+
+class DispatchMemory:
+    """Block hashes routed to each replica recently. Thread-safe."""
+
+    def __init__(self, block_size: int, ttl_s: float, max_blocks: int = 50_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if block_size <= 0:
+            raise ValueError("block_size must be > 0")
+        if max_blocks <= 0:
+            raise ValueError("max_blocks must be > 0")
+        self.block_size = block_size
+        self.ttl_s = ttl_s
+        self.max_blocks = max_blocks  # over all replicas; the oldest go first
+        self.clock = clock
+        self._lock = threading.Lock()
+        # replica id -> block hash -> time recorded, oldest first
+        self._by_replica: dict[str, OrderedDict[bytes, float]] = {}
+        self._size = 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.ttl_s > 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            self._expire(self.clock())
+            return self._size
+
+    def record(self, replica_id: str, hashes: Sequence[bytes]) -> None:
+        """`replica_id` was sent a prompt whose full blocks hash to `hashes`."""
+        if not self.enabled or not hashes:
+            return
+        with self._lock:
+            now = self.clock()
+            blocks = self._by_replica.setdefault(replica_id, OrderedDict())
+            for h in hashes:
+                if h in blocks:
+                    blocks.move_to_end(h)
+                else:
+                    self._size += 1
+                blocks[h] = now
+            self._expire(now)
+            self._shed()
+
+    def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
+        """Replica id -> prompt tokens in leading blocks of `hashes` sent there recently.
+
+        Block hashes are chained (each covers the whole prefix up to its block), so the
+        leading run of known hashes is a shared prefix."""
+        if not self.enabled or not hashes:
+            return {}
+        out: dict[str, int] = {}
+        with self._lock:
+            self._expire(self.clock())
+            for rid, blocks in self._by_replica.items():
+                n = 0
+                for h in hashes:
+                    if h not in blocks:
+                        break
+                    n += 1
+                if n:
+                    out[rid] = n * self.block_size
+        return out
+
+    def merged(self, matches: Mapping[str, int], hashes: Sequence[bytes]) -> dict[str, int]:
+        """The index's `matches` with each replica raised to what was sent there recently."""
+        out = dict(matches)
+        for rid, tokens in self.match(hashes).items():
+            if tokens > out.get(rid, 0):
+                out[rid] = tokens
+        return out
+
+    def forget(self, replica_id: str) -> None:
+        """Drop everything sent to `replica_id` (it failed: its work may be lost)."""
+        with self._lock:
+            blocks = self._by_replica.pop(replica_id, None)
+            if blocks:
+                self._size -= len(blocks)
+
+    def _expire(self, now: float) -> None:
+        cutoff = now - self.ttl_s
+        for rid in list(self._by_replica):
+            blocks = self._by_replica[rid]
+            while blocks:
+                h, at = next(iter(blocks.items()))
+                if at > cutoff:
+                    break
+                blocks.popitem(last=False)
+                self._size -= 1
+            if not blocks:
+                del self._by_replica[rid]
+
+    def _shed(self) -> None:
+        """Past max_blocks: drop the oldest entries, whichever replica holds them."""
+        while self._size > self.max_blocks:
+            rid = min(self._by_replica, key=lambda r: next(iter(self._by_replica[r].values())))
+            blocks = self._by_replica[rid]
+            blocks.popitem(last=False)
+            self._size -= 1
+            if not blocks:
+                del self._by_replica[rid]
