@@ -87,7 +87,12 @@ def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
 
 
 def credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
-    """TLS when --ca is given (mutual TLS with --cert and --key); None = plaintext."""
+    """TLS when --ca is given (mutual TLS with --cert and --key); None = plaintext.
+
+    An empty --ca (or TIERCACHE_TLS_CA="") forces plaintext even when the client certificate
+    variables are exported; --cert/--key without any CA are an error."""
+    if a.ca == "":
+        return None
     if not a.ca:
         if a.cert or a.key:
             raise SystemExit("error: --cert/--key need --ca (TLS)")

@@ -16,7 +16,7 @@ class PrefixConfig:
     internal_token: str = ""  # "" = no internal credential required
     block_size: int = 16  # tokens per block; replicas must use the same
     lease_seconds: float = 10.0  # a replica that does not heartbeat within this is dropped
-    max_nodes: int = 1_000_000  # node budget (~220 B each)
+    max_nodes: int = 1_000_000  # node budget (~208 B each)
     prune_to: float = 0.9  # prune down to this fraction of max_nodes
     eviction_policy: str = "hybrid"  # "hybrid" (LFU shallow, LRU deep) or "lru"
     shallow_tokens: int = 128  # blocks starting before this token are ranked by hits

@@ -1,0 +1,33 @@
+"""The CLI's choice between plaintext and (mutual) TLS from --ca/--cert/--key and their env."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from clients.python.cli import credentials
+
+
+def ns(ca, cert=None, key=None) -> argparse.Namespace:
+    return argparse.Namespace(ca=ca, cert=cert, key=key)
+
+
+def test_empty_ca_forces_plaintext_even_with_client_cert_variables_exported():
+    assert credentials(ns("", "/x/client.pem", "/x/client.key")) is None
+
+
+def test_no_ca_at_all_is_plaintext():
+    assert credentials(ns(None)) is None
+
+
+def test_cert_without_any_ca_is_an_error():
+    with pytest.raises(SystemExit, match="need --ca"):
+        credentials(ns(None, "/x/client.pem", "/x/client.key"))
+
+
+def test_cert_without_key_is_an_error(tmp_path):
+    ca = tmp_path / "ca.pem"
+    ca.write_text("x")
+    with pytest.raises(SystemExit, match="together"):
+        credentials(ns(str(ca), "/x/client.pem", None))
