@@ -61,7 +61,7 @@ class OrchestratorConfig:
     dispatch_memory_s: float = 10.0
     # Replica polling (health + load) interval.
     replica_poll_s: float = 1.0
-    # Background warm-up: off when warm_interval_s <= 0.
+    # Background warm-up: off when warm_interval_s <= 0 or warm_top_k == 0.
     warm_interval_s: float = 30.0
     warm_top_k: int = 8
     warm_max_load: float = 0.25

@@ -219,6 +219,18 @@ class Orchestrator:
                  deadline: float, on_cancel: Callable[[Callable[[], None]], None]
                  ) -> Iterator[TextDelta | Finished]:
         t0 = time.monotonic()
+        # Registered first: a client gone during the semantic lookup or the index match must
+        # not get a model call (nor hold its slots until the replica's first token).
+        cancelled = threading.Event()
+        current: dict[str, grpc.Future] = {}
+
+        def cancel_downstream() -> None:
+            cancelled.set()
+            call = current.get("call")
+            if call is not None:
+                call.cancel()
+
+        on_cancel(cancel_downstream)
         greedy = sampling.temperature == 0.0
         report = common_pb2.CacheReport()
         want_draft = self.enable_drafts and not policy.skip_draft
@@ -256,17 +268,9 @@ class Orchestrator:
         first_token_at: float | None = None
         attempts = 0
         route = ""
-        cancelled = threading.Event()
-        current: dict[str, grpc.Future] = {}
-
-        def cancel_downstream() -> None:
-            cancelled.set()
-            call = current.get("call")
-            if call is not None:
-                call.cancel()
-
-        on_cancel(cancel_downstream)
         while final is None:
+            if cancelled.is_set():
+                raise errors.Cancelled("client cancelled")
             with self._route_lock:
                 seen = self._with_dispatched(matches, hashes)
                 decision = self.routing.choose(self.replicas.views(), seen, affinity,
@@ -332,6 +336,12 @@ class Orchestrator:
                                              "without a final message")
             except grpc.RpcError as e:
                 code = e.code()
+                if final is not None:
+                    # The answer is whole: the stream broke only after the final message
+                    # (its trailing status lost, or the hung-replica watcher firing just then).
+                    log.info("replica %s: %s after the final message; answer complete",
+                             replica.replica_id, code.name)
+                    break
                 if cancelled.is_set():
                     raise errors.Cancelled("client cancelled") from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:

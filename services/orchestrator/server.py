@@ -9,7 +9,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -56,6 +56,13 @@ def parse_policy(p: common_pb2.CachePolicy) -> Policy:
         raise errors.InvalidArgument("cache_policy.semantic_threshold", "must be in (0, 1]")
     return Policy(p.skip_semantic_lookup, p.skip_semantic_store, p.skip_prefix_cache,
                   p.skip_draft, p.semantic_tier, p.semantic_threshold, p.store_sampled)
+
+
+def _on_rpc_end(context: grpc.ServicerContext, fn: Callable[[], None]) -> None:
+    """Run `fn` when the RPC ends (the client cancelled or went away) — at once if it has
+    ended already: gRPC then refuses the callback instead of running it."""
+    if not context.add_callback(fn):
+        fn()
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
@@ -112,7 +119,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     tenant=tenant, prompt=prompt, sampling=sampling, policy=policy,
                     session_id=request.session_id, return_token_ids=request.return_token_ids,
                     request_id=request_id, deadline=deadline,
-                    on_cancel=lambda fn: context.add_callback(fn))
+                    on_cancel=lambda fn: _on_rpc_end(context, fn))
                 for ev in events:
                     if isinstance(ev, Finished):
                         ev.report.semantic_entry_id = self.tenants.entry_ref(
@@ -283,16 +290,18 @@ class Warmer:
                 # Only this tenant's prefixes: another tenant's salt is not ours to use.
                 if hp.cache_salt != tenant.cache_salt:
                     continue
-                for r in self.orch.replicas.healthy():
+                ids = list(hp.token_ids)
+                for r in self._targets(tenant, ids, request.target):
                     if r.replica_id not in hp.holders:
-                        jobs.append((r, list(hp.token_ids), hp.cache_salt, ttl, -1))
+                        jobs.append((r, ids, hp.cache_salt, ttl, -1))
         results = list(self._pool.map(
             lambda j: self._prefill(*j, timeout=deadline - time.monotonic()), jobs))
         return orchestrator_pb2.WarmResponse(results=results)
 
     # ---- background loop ----
     def start(self) -> None:
-        if self.cfg.warm_interval_s > 0 and self.orch.prefix is not None:
+        if (self.cfg.warm_interval_s > 0 and self.cfg.warm_top_k > 0
+                and self.orch.prefix is not None):
             threading.Thread(target=self._loop, name="warm-loop", daemon=True).start()
 
     def stop(self) -> None:
@@ -307,7 +316,7 @@ class Warmer:
 
     def cycle(self) -> int:
         """One warm-up pass; returns the number of prefills issued."""
-        if self.cluster_load() > self.cfg.warm_max_load:
+        if self.cfg.warm_top_k <= 0 or self.cluster_load() > self.cfg.warm_max_load:
             return 0
         try:
             hot = self.orch.prefix.top_prefixes(self.cfg.warm_top_k, self.orch.model_id)

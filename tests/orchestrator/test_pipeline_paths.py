@@ -1,0 +1,186 @@
+"""Orchestrator request paths around cancellation, broken streams and Warm targets (pure logic:
+fakes for the replicas, the semantic tier and the index; the real pipeline and Warmer)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from tiercache.v1 import common_pb2, kvpool_pb2, orchestrator_pb2, prefix_pb2
+
+from services.common import errors
+from services.common.hashing import BlockHasher
+from services.orchestrator.backends import ReplicaSet
+from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.dispatched import DispatchMemory
+from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling, TextDelta
+from services.orchestrator.render import RenderedPrompt
+from services.orchestrator.routing import PrefixAwarePolicy
+from services.orchestrator.server import Warmer, _on_rpc_end
+from services.orchestrator.tenants import Tenant
+
+
+class RpcError(grpc.RpcError):
+    def __init__(self, code: grpc.StatusCode) -> None:
+        self._code = code
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._code.name.lower()
+
+
+class Call:
+    """A Generate stream: its messages, then `err` (or a clean end)."""
+
+    def __init__(self, msgs, err=None) -> None:
+        self.msgs, self.err, self.cancelled = msgs, err, False
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        return True
+
+    def __iter__(self):
+        yield from self.msgs
+        if self.err is not None:
+            raise self.err
+
+
+class Stub:
+    def __init__(self, rid: str, calls: list[Call]) -> None:
+        self.rid, self.calls, self.requests = rid, list(calls), []
+
+    def Generate(self, req, timeout=None, metadata=None):  # noqa: N802
+        self.requests.append(req)
+        return self.calls.pop(0)
+
+    def Prefill(self, req, timeout=None, metadata=None):  # noqa: N802
+        self.requests.append(req)
+        return kvpool_pb2.PrefillResponse(prompt_tokens=len(req.token_ids),
+                                          computed_tokens=len(req.token_ids), replica_id=self.rid)
+
+
+class Tok:
+    eos_token_id = 0
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return bytes(i for i in ids if i).decode("utf-8", "replace")
+
+    def encode(self, text: str, add_special_tokens=False) -> list[int]:
+        return list(text.encode())
+
+
+class Semantic:
+    enabled = True
+
+    def __init__(self, on_lookup=None) -> None:
+        self.on_lookup = on_lookup
+
+    def lookup(self, req):
+        if self.on_lookup:
+            self.on_lookup()
+        return None
+
+    def store(self, req):
+        return SimpleNamespace(id="e1")
+
+
+TENANT = Tenant("a", "salt-a", 10_000, 1_000, 4)
+PROMPT = list(range(1, 100))
+
+
+def make(stubs: dict[str, Stub], semantic=None, max_attempts=3, prefix=None) -> Orchestrator:
+    replicas = ReplicaSet(tuple(stubs), "")
+    for r in replicas.replicas:
+        r.stub = stubs[r.address]
+        r.health.ok()
+    tok = Tok()
+    return Orchestrator(
+        renderer=SimpleNamespace(encode=tok.encode), tokenizer=tok, model_id="m",
+        hasher=BlockHasher("m", 16, b"k" * 32), replicas=replicas,
+        semantic=semantic or Semantic(), prefix=prefix, routing=PrefixAwarePolicy(),
+        internal_token="", default_tier="standard", enable_drafts=True, store_sampled=False,
+        max_attempts=max_attempts, min_prefix_tokens=32, dispatched=DispatchMemory(16, 10.0))
+
+
+def generate(orch: Orchestrator, callbacks: list):
+    return list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(4, 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
+        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
+        on_cancel=callbacks.append))
+
+
+def final(rid: str, n: int) -> kvpool_pb2.KvGenerateResponse:
+    return kvpool_pb2.KvGenerateResponse(token_ids=[ord("o"), ord("k")][:n], final=kvpool_pb2.
+                                         KvGenerateFinal(finish_reason=common_pb2.
+                                                         FINISH_REASON_LENGTH, replica_id=rid))
+
+
+def test_a_client_gone_during_the_semantic_lookup_gets_no_model_call():
+    callbacks: list = []
+    stub = Stub("A", [Call([final("A", 2)])])
+    # The client cancels while the lookup runs: gRPC runs the registered callbacks.
+    orch = make({"A": stub}, semantic=Semantic(on_lookup=lambda: [cb() for cb in callbacks]))
+    with pytest.raises(errors.Cancelled):
+        generate(orch, callbacks)
+    assert stub.requests == []
+    assert orch.replicas.replicas[0].inflight == 0
+
+
+def test_a_callback_refused_because_the_rpc_already_ended_runs_at_once():
+    ran = []
+    _on_rpc_end(SimpleNamespace(add_callback=lambda fn: False), lambda: ran.append(1))
+    assert ran == [1]
+    live = []
+    _on_rpc_end(SimpleNamespace(add_callback=lambda fn: live.append(fn) or True),
+                lambda: ran.append(2))
+    assert ran == [1] and len(live) == 1  # registered, not run
+
+
+@pytest.mark.parametrize("max_attempts", [1, 3])
+def test_a_stream_that_breaks_after_its_final_message_is_a_complete_answer(max_attempts):
+    stub = Stub("A", [Call([final("A", 2)], RpcError(grpc.StatusCode.UNAVAILABLE))])
+    orch = make({"A": stub}, max_attempts=max_attempts)
+    events = generate(orch, [])
+    fin = [e for e in events if isinstance(e, Finished)]
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == "ok"
+    assert len(fin) == 1 and fin[0].report.route == "ring" and fin[0].report.replica_id == "A"
+    assert len(stub.requests) == 1  # no retry, no resume
+    assert not orch.stats.degradations
+    assert orch.replicas.replicas[0].health.healthy
+    assert orch.dispatched.match(orch.hasher.hashes(PROMPT, TENANT.cache_salt)) == {"A": 96}
+
+
+def test_warm_top_k_for_owners_warms_only_the_owner():
+    stubs = {r: Stub(r, []) for r in ("A", "B", "C")}
+    hot = list(range(100, 164))
+    prefix = SimpleNamespace(
+        match=lambda hashes, model_id: {"A": 64},
+        top_prefixes=lambda k, model_id: [prefix_pb2.HotPrefix(
+            token_ids=hot, holders=["A"], hits=5, cache_salt=TENANT.cache_salt)])
+    orch = make(stubs, prefix=prefix)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
+    try:
+        assert orch.owner(TENANT, hot) == "A"
+        owners = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            top_k=1, target=orchestrator_pb2.WARM_TARGET_OWNERS))
+        assert list(owners.results) == []  # the owner holds it already
+        everyone = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(top_k=1))
+        assert sorted(r.replica_id for r in everyone.results) == ["B", "C"]
+    finally:
+        warmer.stop()
+
+
+def test_warm_top_k_zero_turns_the_loop_off_without_asking_the_index():
+    asked = []
+    orch = SimpleNamespace(prefix=SimpleNamespace(top_prefixes=lambda k, m: asked.append(k)),
+                           replicas=SimpleNamespace(healthy=lambda: [SimpleNamespace(load=0)]))
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",), warm_top_k=0))
+    try:
+        assert warmer.cycle() == 0 and asked == []
+    finally:
+        warmer.stop()
