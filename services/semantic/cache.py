@@ -162,6 +162,12 @@ class SemanticCache:
         self._indexes: dict[Namespace, NamespaceIndex] = {}
         self._entries: dict[int, Entry] = {}  # label -> entry
         self._by_id: dict[str, int] = {}
+        # (namespace, exact prompt) -> label: a second Store of the same prompt replaces the
+        # first. Found by text, not by a nearest-neighbour search: MiniLM embeds case and accent
+        # variants identically, and they can fill every near slot.
+        self._by_prompt: dict[tuple[Namespace, str], int] = {}
+        # Indexes of namespaces emptied while a merge of theirs ran: shutdown still waits on it.
+        self._retired: list[NamespaceIndex] = []
         self._lru: OrderedDict[int, None] = OrderedDict()  # global, least recent first
         self._ns_lru: dict[Namespace, OrderedDict[int, None]] = {}
         self._lookups = 0
@@ -271,7 +277,9 @@ class SemanticCache:
             self._entries[e.label] = cur
             self._lru.move_to_end(e.label)
             self._ns_lru[cur.namespace].move_to_end(e.label)
-        self.store.record_hit(cur.label, now, cur.hit_count)
+            # Buffered in order (a dict write, no SQLite): two hits recorded outside the lock
+            # could land last-writer-wins with the lower count.
+            self.store.record_hit(cur.label, now, cur.hit_count)
         return cur
 
     def _record(self, r: LookupResult, search_s: float, embed_s: float) -> None:
@@ -319,25 +327,28 @@ class SemanticCache:
                                   verified=verified, created_at=now, ttl_seconds=ttl,
                                   truncated=truncated)
         entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated)
-        index = self._indexes.get(ns)
-        if index is not None:
-            # Same prompt again: the new answer replaces the old one.
-            dup = [nb.label for nb in index.search(vec, 2)
-                   if nb.score > 0.9999 and self._entries.get(nb.label) is not None
-                   and self._entries[nb.label].prompt == prompt]
-        else:
-            dup = []
-        with self._lock:
-            self._add_locked(entry, vec)
-            for lab in dup:
-                self._drop_locked(lab)
-            victims = self._victims_locked(ns)
-            for lab in victims:
-                self._drop_locked(lab)
-            self._evicted += len(victims)
+        try:
+            with self._lock:
+                # Same prompt again: the new answer replaces the old one.
+                old = self._by_prompt.get((ns, prompt))
+                dup = [old] if old is not None else []
+                self._add_locked(entry, vec)
+                for lab in dup:
+                    self._drop_locked(lab)
+                victims = self._victims_locked(ns)
+                for lab in victims:
+                    self._drop_locked(lab)
+                self._evicted += len(victims)
+                self._m["entries"].set(len(self._entries))
+        except BaseException:
+            # The row is committed but memory does not hold it: a row nothing serves, that
+            # invalidate would miss and a restart would bring back. Take it out again.
+            with self._lock:
+                self._drop_locked(label)
+            self.store.delete([label])
+            raise
         self._m["evictions"].inc(len(victims))
         self.store.delete(dup + victims)
-        self._m["entries"].set(len(self._entries))
         return entry
 
     def _add_locked(self, e: Entry, vec: np.ndarray) -> None:
@@ -351,6 +362,7 @@ class SemanticCache:
         self._next_expiry = min(self._next_expiry, at)
         self._added_min = min(self._added_min, at)
         self._by_id[e.id] = e.label
+        self._by_prompt[(e.namespace, e.prompt)] = e.label
         self._lru[e.label] = None
         self._ns_lru[e.namespace][e.label] = None
 
@@ -359,6 +371,8 @@ class SemanticCache:
         if e is None:
             return None
         self._by_id.pop(e.id, None)
+        if self._by_prompt.get((e.namespace, e.prompt)) == label:
+            del self._by_prompt[(e.namespace, e.prompt)]
         self._lru.pop(label, None)
         ns_lru = self._ns_lru.get(e.namespace)
         if ns_lru is not None:
@@ -369,6 +383,9 @@ class SemanticCache:
             if len(index) == 0:
                 del self._indexes[e.namespace]
                 del self._ns_lru[e.namespace]
+                self._retired = [i for i in self._retired if i.merging]
+                if index.merging:
+                    self._retired.append(index)
         return e
 
     def _victims_locked(self, ns: Namespace) -> list[int]:
@@ -409,11 +426,13 @@ class SemanticCache:
         if not entry_id:
             raise InvalidArgument("id", "required")
         e = self.get(entry_id)
-        self.store.set_verified(e.label, verified)
+        # SQLite and memory change under one lock: two Verify calls interleaving across two
+        # locks could leave memory saying one thing and the row (after a restart) the other.
         with self._lock:
             cur = self._entries.get(e.label)
             if cur is None:
                 raise NotFound(f"id: no entry {entry_id!r}")
+            self.store.set_verified(e.label, verified)
             cur = replace(cur, verified=verified)
             self._entries[e.label] = cur
         return cur
@@ -429,7 +448,9 @@ class SemanticCache:
         e = self.get(entry_id)
         self.store.delete([e.label])
         with self._lock:
-            return 1 if self._drop_locked(e.label) is not None else 0
+            n = 1 if self._drop_locked(e.label) is not None else 0
+            self._m["entries"].set(len(self._entries))
+        return n
 
     def invalidate_namespace(self, ns: Namespace) -> int:
         """Removes every entry of a namespace; returns how many."""
@@ -439,7 +460,7 @@ class SemanticCache:
         self.store.delete(labels)
         with self._lock:
             n = sum(1 for lab in labels if self._drop_locked(lab) is not None)
-        self._m["entries"].set(len(self._entries))
+            self._m["entries"].set(len(self._entries))
         return n
 
     def expire(self) -> int:
@@ -465,8 +486,8 @@ class SemanticCache:
         with self._lock:
             n = sum(1 for lab in labels if self._drop_locked(lab) is not None)
             self._expired += n
+            self._m["entries"].set(len(self._entries))
         self._m["expirations"].inc(n)
-        self._m["entries"].set(len(self._entries))
         return n
 
     def load(self) -> int:
@@ -476,8 +497,9 @@ class SemanticCache:
         capacity limits are applied (least recently used go first).
         """
         now = self.clock()
-        groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
+        newest: dict[tuple[Namespace, str], tuple[Entry, np.ndarray]] = {}
         stale: list[int] = []
+        replaced: list[int] = []
         for rows in self.store.iter_all():
             stale += [r.label for r in rows if self._expired_row(r, now)]
             rows = [r for r in rows if not self._expired_row(r, now)]
@@ -486,10 +508,22 @@ class SemanticCache:
                 ns = Namespace(r.tenant, r.model_id, r.context_hash)
                 e = Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
                           r.last_hit_at, r.hit_count, r.ttl_seconds, r.truncated)
-                es, vs = groups.setdefault(ns, ([], []))
-                es.append(e)
-                vs.append(r.embedding)
-        self.store.delete(stale)
+                # Two rows of one prompt: a replacing Store that crashed between committing the
+                # new row and deleting the old one. The newer answer stands.
+                prev = newest.get((ns, r.prompt))
+                if prev is None or (prev[0].created_at, prev[0].label) < (e.created_at, e.label):
+                    if prev is not None:
+                        replaced.append(prev[0].label)
+                    newest[(ns, r.prompt)] = (e, r.embedding)
+                else:
+                    replaced.append(e.label)
+        groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
+        for e, vec in newest.values():
+            es, vs = groups.setdefault(e.namespace, ([], []))
+            es.append(e)
+            vs.append(vec)
+        del newest
+        self.store.delete(stale + replaced)
         with self._lock:
             for ns, (es, vs) in groups.items():
                 index = self._indexes[ns] = NamespaceIndex(self._params)
@@ -498,6 +532,7 @@ class SemanticCache:
                 for e in sorted(es, key=lambda e: max(e.last_hit_at, e.created_at)):
                     self._entries[e.label] = e
                     self._by_id[e.id] = e.label
+                    self._by_prompt[(ns, e.prompt)] = e.label
                     self._ns_lru[ns][e.label] = None
             for e in sorted(self._entries.values(),
                             key=lambda e: max(e.last_hit_at, e.created_at)):
@@ -510,10 +545,11 @@ class SemanticCache:
             for lab in victims:
                 self._drop_locked(lab)
             self._next_expiry = 0.0  # loaded entries were not added one by one: scan next time
+            self._m["entries"].set(len(self._entries))
         self.store.delete(victims)
-        self._m["entries"].set(len(self._entries))
-        log.info("loaded %d entries in %d namespaces (%d expired, %d over capacity)",
-                 len(self._entries), len(self._indexes), len(stale), len(victims))
+        log.info("loaded %d entries in %d namespaces (%d expired, %d over capacity, %d replaced "
+                 "by a newer answer to the same prompt)", len(self._entries), len(self._indexes),
+                 len(stale), len(victims), len(replaced))
         return len(self._entries)
 
     @staticmethod
@@ -539,7 +575,7 @@ class SemanticCache:
     def close_indexes(self, timeout: float = 20.0) -> None:
         """Waits for running index merges to finish (shutdown); starts no more."""
         with self._lock:
-            indexes = list(self._indexes.values())
+            indexes = list(self._indexes.values()) + self._retired
         end = time.monotonic() + timeout
         for index in indexes:
             index.close(max(0.0, end - time.monotonic()))
@@ -557,6 +593,8 @@ class SemanticCache:
         with self._lock:
             assert set(self._lru) == set(self._entries), "global LRU != entries"
             assert {e.id: lab for lab, e in self._entries.items()} == self._by_id
+            assert {(e.namespace, e.prompt): lab
+                    for lab, e in self._entries.items()} == self._by_prompt, "prompt map"
             total = 0
             for ns, index in self._indexes.items():
                 index.check_integrity()

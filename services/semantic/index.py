@@ -198,6 +198,12 @@ class NamespaceIndex:
             self._maybe_merge_locked()
             return True
 
+    @property
+    def merging(self) -> bool:
+        """A background merge is running."""
+        t = self._merging
+        return t is not None and t.is_alive()
+
     def close(self, timeout: float | None = None) -> None:
         """Lets a running merge finish and starts no more (before the process exits: a
         thread killed inside faiss aborts the interpreter)."""

@@ -173,7 +173,9 @@ class EntryStore:
         try:
             with self._lock, self._transaction():
                 self._db.executemany(
-                    "UPDATE entries SET last_hit_at = ?, hit_count = ? WHERE label = ?",
+                    # Never lower: a counter restored after a failed flush may be older.
+                    "UPDATE entries SET last_hit_at = MAX(last_hit_at, ?), "
+                    "hit_count = MAX(hit_count, ?) WHERE label = ?",
                     [(at, n, lab) for lab, (at, n) in pending.items()])
         except BaseException:
             with self._hits_lock:  # retried next flush; hits recorded since are newer

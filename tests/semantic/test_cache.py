@@ -270,3 +270,98 @@ def test_reload_from_sqlite(make_cache, make_cfg, embedder, clock):
     assert again.get(cut.id).truncated == 6
     assert again.lookup(A, "How far is the Moon?").hit
     again.check_integrity()
+
+
+def entries_gauge() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("tiercache_semantic_entries")
+
+
+def test_a_second_store_of_a_prompt_replaces_it_whatever_its_near_twins(make_cache):
+    """MiniLM is uncased and strips accents: these variants embed (almost) identically and
+    used to fill the two nearest slots that the duplicate check searched, so the old answer
+    to the exact prompt stayed beside the new one."""
+    c = make_cache()
+    for q, twins in (("How do I get to Zürich airport?",
+                      ("How do I get to Zurich airport?", "how do i get to zurich airport?")),
+                     ("What is the price of Apple stock?",
+                      ("what is the price of apple stock?", "WHAT IS THE PRICE OF APPLE STOCK?"))):
+        for v in twins:
+            c.store_entry(A, v, f"answer to {v}")
+        c.store_entry(A, q, "old answer")
+        c.store_entry(A, q, "new answer")
+        same = [e for e in c._entries.values() if e.prompt == q]
+        assert [e.answer for e in same] == ["new answer"], q
+    assert c.stats().entries == 6 and c.store.count() == 6
+    assert entries_gauge() == 6
+    c.check_integrity()
+
+
+def test_a_store_that_fails_after_its_commit_leaves_no_row(make_cache, monkeypatch):
+    c = make_cache()
+    c.store_entry(A, "What is a heat pump?", "A machine that moves heat.")
+
+    def boom(ns):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(c, "_victims_locked", boom)
+    with pytest.raises(RuntimeError):
+        c.store_entry(A, "What does a compressor do?", "It raises the gas pressure.")
+    assert c.store.count() == 1 and c.stats().entries == 1
+    c.check_integrity()
+
+
+def test_load_keeps_the_newest_row_of_a_prompt(make_cache, make_cfg, embedder, clock):
+    """A replacing Store killed between committing its row and deleting the old one leaves
+    two rows of one prompt: the next start serves the newer answer only."""
+    c = make_cache()
+    q = "How long does a passport renewal take?"
+    old = c.store_entry(A, q, "Six weeks.")
+    clock.now += 5
+    c.store.insert(id="crashed-replacement", tenant=A.tenant, model_id=A.model_id,
+                   context_hash=A.context_hash, prompt=q, answer="Ten weeks.",
+                   embedding=embedder.embed_one(q), embed_model=c._embed_id, verified=False,
+                   created_at=clock.now, ttl_seconds=old.ttl_seconds)
+    assert c.store.count() == 2
+    c.store.close()
+    cfg = make_cfg()
+    again = SemanticCache(cfg, embedder, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        assert again.load() == 1
+        assert again.lookup(A, q).entry.answer == "Ten weeks."
+        assert again.store.count() == 1
+        again.check_integrity()
+    finally:
+        again.store.close()
+
+
+def test_invalidating_by_id_updates_the_entries_gauge(make_cache):
+    c = make_cache()
+    e = c.store_entry(A, "What is the boiling point of water?", "100 °C at sea level.")
+    c.store_entry(A, "What is the freezing point of water?", "0 °C.")
+    assert entries_gauge() == 2
+    assert c.invalidate_id(e.id) == 1
+    assert entries_gauge() == 1
+
+
+def test_shutdown_waits_for_the_merge_of_a_namespace_emptied_meanwhile(make_cache):
+    import threading
+    import time
+
+    c = make_cache()
+    e = c.store_entry(B, "Where is the Eiffel tower?", "In Paris.")
+    index = c.index_of(B)
+    release = threading.Event()
+    merge = threading.Thread(target=release.wait, daemon=True)  # stands in for a slow merge
+    merge.start()
+    index._merging = merge
+    c.invalidate_id(e.id)
+    assert c.index_of(B) is None
+    closer = threading.Thread(target=c.close_indexes, kwargs={"timeout": 10})
+    closer.start()
+    time.sleep(0.2)
+    assert closer.is_alive()  # waiting on the retired index's merge
+    release.set()
+    closer.join(5)
+    assert not closer.is_alive()

@@ -76,3 +76,23 @@ def test_a_database_from_before_the_truncated_column_is_upgraded(tmp_path):
     insert(st, "new", truncated=5)
     assert st.get("new").truncated == 5
     st.close()
+
+
+def test_hit_counters_never_go_down_in_sqlite(tmp_path):
+    """Counters are absolute values buffered per entry: one restored after a failed flush,
+    or recorded late, must not overwrite a higher one already written."""
+    import numpy as np
+
+    s = EntryStore(str(tmp_path / "h.db"), "NORMAL")
+    try:
+        lab = s.insert(id="e", tenant="t", model_id="m", context_hash="", prompt="p",
+                       answer="a", embedding=np.ones(4, np.float32), embed_model="x",
+                       verified=False, created_at=1.0, ttl_seconds=60)
+        s.record_hit(lab, 10.0, 5)
+        s.flush_hits()
+        s.record_hit(lab, 7.0, 3)
+        s.flush_hits()
+        (row,) = [r for rows in s.iter_all() for r in rows]
+        assert (row.hit_count, row.last_hit_at) == (5, 10.0)
+    finally:
+        s.close()
