@@ -29,6 +29,8 @@ from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
+from services.common.errors import InvalidArgument
+
 DIGEST_SIZE = 16
 DEFAULT_KEY = b"tiercache-dev-hash-key"  # dev only; production sets TIERCACHE_HASH_KEY
 DEFAULT_MEMO_BLOCKS = 16384  # per generation; two generations hold at most ~3 MB
@@ -78,6 +80,17 @@ def pack_tokens(token_ids: Sequence[int], count: int, native: bool = True) -> by
     return buf.tobytes()
 
 
+# Longest cache_salt an RPC accepts (the orchestrator sends 32 hex characters).
+MAX_SALT_CHARS = 256
+
+
+def check_salt(field: str, cache_salt: str) -> str:
+    """`cache_salt`, or InvalidArgument naming `field` when it is too long."""
+    if len(cache_salt) > MAX_SALT_CHARS:
+        raise InvalidArgument(field, f"{len(cache_salt)} characters > limit {MAX_SALT_CHARS}")
+    return cache_salt
+
+
 class BlockHasher:
     """Computes chained block hashes for one model and block size with one key.
 
@@ -111,7 +124,8 @@ class BlockHasher:
             h = self._proto.copy()
             h.update(b"tiercache/v1\x00" + self.model_id.encode() + b"\x00" + cache_salt.encode())
             r = h.digest()
-            if len(self._roots) < 65536:
+            # Only salt-sized keys are kept: a caller's megabyte string must not stay resident.
+            if len(self._roots) < 65536 and len(cache_salt) <= 128:
                 self._roots[cache_salt] = r
         return r
 

@@ -68,7 +68,8 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
     # Events exist for the publisher; without a prefix index nobody would ever take them.
     pool = BlockPool(n, cfg.block_size, hasher,
                      make_policy(cfg.eviction_policy, cfg.shallow_tokens),
-                     record_events=bool(cfg.prefix_address))
+                     record_events=bool(cfg.prefix_address),
+                     max_pinned=max(1, int(n * cfg.max_pinned_fraction)))
     engine = Engine(model, info, pool, max_batch_size=cfg.max_batch_size,
                     max_prefill_chunk=cfg.max_prefill_chunk, max_waiting=cfg.max_waiting,
                     prefix_caching=cfg.prefix_caching, drafts=cfg.drafts,

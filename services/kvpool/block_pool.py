@@ -110,7 +110,7 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher,
                  policy: EvictionPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, *,
-                 record_events: bool = True) -> None:
+                 record_events: bool = True, max_pinned: int | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be > 0")
         if hasher.block_size != block_size:
@@ -118,6 +118,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.hasher = hasher
+        # Most blocks pins may hold at once (None = all): warm-up must not starve requests.
+        self.max_pinned = num_blocks if max_pinned is None else max_pinned
         self.policy = policy or HybridPolicy()
         self.clock = clock
         self.record_events = record_events
@@ -337,8 +339,20 @@ class BlockPool:
     # ---- pins ------------------------------------------------------------------------------
 
     def pin(self, block_ids: Sequence[int], ttl_seconds: float) -> int:
-        """Keep committed blocks from eviction until now + ttl (extends, never shortens)."""
-        until = self.clock() + ttl_seconds
+        """Keep committed blocks from eviction until now + ttl (extends, never shortens).
+
+        Raises:
+            PoolExhausted: the pins would then hold more than `max_pinned` blocks (nothing is
+                pinned).
+        """
+        now = self.clock()
+        self._pinned_unreferenced(now)  # forget expired pins
+        new = sum(1 for bid in set(block_ids)
+                  if self._blocks[bid].hash is not None and bid not in self._pins)
+        if len(self._pins) + new > self.max_pinned:
+            raise PoolExhausted(f"pins would hold {len(self._pins) + new} blocks, over the "
+                                f"limit of {self.max_pinned} (max_pinned_fraction)")
+        until = now + ttl_seconds
         n = 0
         for bid in block_ids:
             b = self._blocks[bid]

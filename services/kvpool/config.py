@@ -56,6 +56,9 @@ class KvPoolConfig:
     eviction_policy: str = "hybrid"
     shallow_tokens: int = 128
     pin_ttl_max_seconds: int = 3600
+    # Share of the pool that pins (warm-up) may hold at once; a pin past it is refused
+    # (RESOURCE_EXHAUSTED) so that one tenant's Warm cannot starve every request.
+    max_pinned_fraction: float = 0.5
     # torch intra-op threads; 0 = torch's default.
     torch_threads: int = 0
     # Longest sequence (prompt + generated) served; 0 = the model's max_position_embeddings.
@@ -91,6 +94,7 @@ class KvPoolConfig:
         require(1 <= self.max_draft_tokens <= 64, s, "max_draft_tokens", "must be in 1..64")
         require(self.shallow_tokens >= 0, s, "shallow_tokens", "must be >= 0")
         require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
+        require(0 < self.max_pinned_fraction <= 1, s, "max_pinned_fraction", "must be in (0, 1]")
         require(self.torch_threads >= 0, s, "torch_threads", "must be >= 0")
 
     @property

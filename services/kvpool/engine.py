@@ -638,7 +638,11 @@ class Engine:
         full = seq.num_computed // self.pool.block_size
         pinned = 0
         if seq.req.pin_ttl_seconds > 0:
-            pinned = self.pool.pin(table[:full], seq.req.pin_ttl_seconds)
+            try:
+                pinned = self.pool.pin(table[:full], seq.req.pin_ttl_seconds)
+            except PoolExhausted as exc:  # computed and cached, but not pinned
+                self._finish(seq, Failed(errors.ResourceExhausted(f"pin refused: {exc}")))
+                return
         self._finish(seq, self._final(seq, FinishReason.PREFILLED, pinned))
 
     def _final(self, seq: Sequence, reason: FinishReason, pinned: int) -> Finished:

@@ -13,6 +13,7 @@ import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from services.common import errors
+from services.common.hashing import check_salt
 from services.kvpool.config import KvPoolConfig
 from services.kvpool.engine import (
     EngineRequest,
@@ -46,6 +47,9 @@ def validate_tokens(field: str, ids, vocab: int, *, allow_empty: bool = False) -
     return out
 
 
+# Stop token ids one request may give.
+MAX_STOP_TOKEN_IDS = 256
+
 def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int) -> SamplingSpec:
     """Validate SamplingParams into a SamplingSpec (InvalidArgument names the field)."""
     if sp.max_tokens <= 0:
@@ -57,6 +61,9 @@ def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int) -> Samp
     top_p = sp.top_p if sp.top_p != 0 else 1.0
     if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
         raise errors.InvalidArgument("sampling.top_p", "must be in (0, 1]")
+    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise errors.InvalidArgument("sampling.stop_token_ids",
+                                     f"more than {MAX_STOP_TOKEN_IDS} ids")
     stops = validate_tokens("sampling.stop_token_ids", sp.stop_token_ids, vocab, allow_empty=True)
     return SamplingSpec(sp.max_tokens, float(sp.temperature), float(top_p), int(sp.seed),
                         frozenset(stops), bool(sp.ignore_eos))
@@ -100,14 +107,17 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
         self._check_model(request.model_id, info)
         ids = validate_tokens("token_ids", request.token_ids, info.vocab_size)
         spec = sampling_spec(request.sampling, self.cfg.max_new_tokens_limit, info.vocab_size)
-        draft = validate_tokens("draft_token_ids", request.draft_token_ids, info.vocab_size,
-                                allow_empty=True)
+        # Draft tokens past max_tokens can never be verified: they are dropped before the draft
+        # is indexed (its n-gram index costs ~240x the wire size).
+        draft = validate_tokens("draft_token_ids", request.draft_token_ids[:spec.max_tokens],
+                                info.vocab_size, allow_empty=True)
         if len(ids) + spec.max_tokens > info.max_context:
             raise errors.InvalidArgument(
                 "token_ids", f"prompt ({len(ids)} tokens) + sampling.max_tokens "
                 f"({spec.max_tokens}) exceed the model context ({info.max_context})")
         req = EngineRequest(request.request_id or uuid.uuid4().hex[:16], ids, spec,
-                            request.cache_salt, request.skip_prefix_cache,
+                            check_salt("cache_salt", request.cache_salt),
+                            request.skip_prefix_cache,
                             self._deadline(context), draft_token_ids=tuple(draft))
         seq_id, out = engine.submit(req)
         context.add_callback(lambda: engine.cancel(seq_id))
@@ -192,7 +202,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                 raise errors.InvalidArgument("ttl_seconds", "must be > 0 when pin is set")
             ttl = float(min(request.ttl_seconds, self.cfg.pin_ttl_max_seconds))
         req = EngineRequest(uuid.uuid4().hex[:16], ids, SamplingSpec(max_tokens=0),
-                            request.cache_salt, False, self._deadline(context),
+                            check_salt("cache_salt", request.cache_salt), False,
+                            self._deadline(context),
                             prefill_only=True, pin_ttl_seconds=ttl)
         seq_id, out = engine.submit(req)
         context.add_callback(lambda: engine.cancel(seq_id))

@@ -67,6 +67,8 @@ class OrchestratorConfig:
     warm_max_load: float = 0.25
     warm_max_prompts_per_cycle: int = 4
     warm_pin_ttl_s: int = 600
+    # Longest pin a Warm call may ask for (pin_ttl_seconds); longer is INVALID_ARGUMENT.
+    warm_pin_ttl_max_s: int = 3600
     # Failover attempts per request.
     max_attempts: int = 3
     # Server. A Generate stream holds a worker thread until it ends: streams past
@@ -93,6 +95,8 @@ class OrchestratorConfig:
         require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")
         require(self.replica_poll_s > 0, SVC, "replica_poll_s", "must be > 0")
         require(self.warm_pin_ttl_s > 0, SVC, "warm_pin_ttl_s", "must be > 0")
+        require(self.warm_pin_ttl_max_s >= self.warm_pin_ttl_s, SVC, "warm_pin_ttl_max_s",
+                "must be >= warm_pin_ttl_s")
         require(self.warm_top_k >= 0, SVC, "warm_top_k", "must be >= 0")
         require(self.warm_max_load >= 0, SVC, "warm_max_load", "must be >= 0")
         require(self.warm_max_prompts_per_cycle >= 0, SVC, "warm_max_prompts_per_cycle",

@@ -88,11 +88,15 @@ class PromptRenderer:
             raise InvalidArgument("prompt", f"longer than the limit of {self.max_chars} characters")
         return RenderedPrompt(self.encode(prompt), prompt, context_hash([Message("raw", "")]))
 
-    def render_warm(self, messages: Sequence[Message]) -> list[int]:
-        """A prefix to warm: rendered without the generation prompt (e.g. a system prompt)."""
+    def render_warm(self, messages: Sequence[Message], field: str = "prompts[]") -> list[int]:
+        """A prefix to warm: rendered without the generation prompt (e.g. a system prompt).
+        `field` names the prompt in errors (e.g. "prompts[1]")."""
         if not messages:
-            raise InvalidArgument("prompts[].messages", "must not be empty (or give prompt)")
+            raise InvalidArgument(f"{field}.messages", "must not be empty (or give prompt)")
         for i, m in enumerate(messages):
             if m.role not in ROLES:
-                raise InvalidArgument(f"prompts[].messages[{i}].role", f"unknown role {m.role!r}")
+                raise InvalidArgument(f"{field}.messages[{i}].role", f"unknown role {m.role!r}")
+            if len(m.content) > self.max_chars:
+                raise InvalidArgument(f"{field}.messages[{i}].content",
+                                      f"longer than the limit of {self.max_chars} characters")
         return self.encode(self.render_text(messages, add_generation_prompt=False))

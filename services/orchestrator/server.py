@@ -30,8 +30,15 @@ from services.orchestrator.tenants import TenantRegistry
 log = logging.getLogger(__name__)
 
 
-def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig) -> Sampling:
-    """Validate sampling fields; raises InvalidArgument naming the field."""
+# Stop token ids one request may give (kvpool applies the same limit).
+MAX_STOP_TOKEN_IDS = 256
+
+def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig,
+                   vocab_size: int | None = None) -> Sampling:
+    """Validate sampling fields; raises InvalidArgument naming the field.
+
+    Stop ids are checked here, before the semantic lookup and routing: a request the replica
+    would refuse must not be answered from the cache, nor leave routing state behind."""
     if s.max_tokens < 0:
         raise errors.InvalidArgument("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
     max_tokens = s.max_tokens or cfg.default_max_tokens
@@ -44,6 +51,14 @@ def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig) -> Sam
     top_p = s.top_p if s.top_p != 0.0 else 1.0
     if not 0.0 < top_p <= 1.0:
         raise errors.InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise errors.InvalidArgument("sampling.stop_token_ids",
+                                     f"more than {MAX_STOP_TOKEN_IDS} ids")
+    if vocab_size is not None:
+        bad = [t for t in s.stop_token_ids if not 0 <= t < vocab_size]
+        if bad:
+            raise errors.InvalidArgument("sampling.stop_token_ids",
+                                         f"{bad[0]} is outside the vocabulary [0, {vocab_size})")
     return Sampling(max_tokens, float(s.temperature), float(top_p), int(s.seed),
                     tuple(s.stop_token_ids), bool(s.ignore_eos))
 
@@ -88,7 +103,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def Generate(self, request, context):
         tenant = self._tenant(context)
-        sampling = parse_sampling(request.sampling, self.cfg)
+        sampling = parse_sampling(request.sampling, self.cfg, len(self.orch.tok))
         policy = parse_policy(request.cache_policy)
         if not request.messages and not request.prompt:
             raise errors.InvalidArgument("messages", "must not be empty (or give prompt)")
@@ -267,13 +282,21 @@ class Warmer:
                                        else min(120.0, time_remaining))
         if request.target not in orchestrator_pb2.WarmTarget.values():
             raise errors.InvalidArgument("target", f"unknown WarmTarget {request.target}")
+        if request.pin_ttl_seconds > self.cfg.warm_pin_ttl_max_s:
+            raise errors.InvalidArgument(
+                "pin_ttl_seconds", f"{request.pin_ttl_seconds} s exceeds the limit of "
+                f"{self.cfg.warm_pin_ttl_max_s} s")
         ttl = request.pin_ttl_seconds or self.cfg.warm_pin_ttl_s
         jobs = []
         for i, p in enumerate(request.prompts):
             if p.messages:
                 ids = self.orch.renderer.render_warm([Message(m.role, m.content)
-                                                      for m in p.messages])
+                                                      for m in p.messages], f"prompts[{i}]")
             elif p.prompt.strip():
+                if len(p.prompt) > self.cfg.max_message_chars:
+                    raise errors.InvalidArgument(
+                        f"prompts[{i}].prompt",
+                        f"longer than the limit of {self.cfg.max_message_chars} characters")
                 ids = self.orch.renderer.encode(p.prompt)
             else:
                 raise errors.InvalidArgument(f"prompts[{i}]", "give messages or prompt")

@@ -172,6 +172,8 @@ class TenantRegistry:
     def entry_id(self, tenant: Tenant, ref: str) -> str | None:
         """The entry id behind `ref` if `ref` was issued to `tenant`, else None."""
         entry_id, _, tag = ref.rpartition(".")
-        if not entry_id or not hmac.compare_digest(tag, self._entry_tag(tenant, entry_id)):
+        # Bytes: compare_digest refuses str with non-ASCII characters (a TypeError, INTERNAL).
+        if not entry_id or not hmac.compare_digest(tag.encode(),
+                                                   self._entry_tag(tenant, entry_id).encode()):
             return None
         return entry_id

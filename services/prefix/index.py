@@ -21,7 +21,7 @@ from operator import itemgetter
 from typing import NamedTuple
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
-from services.common.hashing import DIGEST_SIZE, BlockHasher
+from services.common.hashing import DIGEST_SIZE, BlockHasher, check_salt
 from services.common.policy import EvictionPolicy, HybridPolicy
 from services.prefix.tree import BlockTree, bits
 
@@ -371,8 +371,8 @@ class PrefixIndex:
         if now >= self._next_deadline:
             self._expire(now)
         rep = self._known(replica_id, incarnation)
-        if seq < 1:
-            raise InvalidArgument("seq", "must be >= 1")
+        if not 1 <= seq < 2**64 - 1:  # the next batch number must fit the uint64 answer
+            raise InvalidArgument("seq", "must be in 1..2^64-2")
         if len(events) > self.max_events:
             raise ResourceExhausted(f"events: {len(events)} events > limit {self.max_events}")
         if seq < rep.next_seq:
@@ -537,7 +537,8 @@ class PrefixIndex:
             if ev.first_block_hash and ev.first_block_hash != hashes[0]:
                 raise InvalidArgument(f"events[{i}].stored.first_block_hash",
                                       "must equal block_hashes[0] at the root")
-            parent = self.hasher(rep.model_id).root(ev.cache_salt)
+            parent = self.hasher(rep.model_id).root(
+                check_salt(f"events[{i}].stored.cache_salt", ev.cache_salt))
         if self.verify_hashes:
             # Known blocks were verified when first stored (and store checks their parent);
             # only the new tail needs hashing.
@@ -576,7 +577,7 @@ class PrefixIndex:
             if len(token_ids) > self.max_blocks * self.block_size:
                 raise InvalidArgument("token_ids",
                                       f"more than {self.max_blocks * self.block_size} tokens")
-            hashes = self.hasher(model_id).hashes(token_ids, cache_salt)
+            hashes = self.hasher(model_id).hashes(token_ids, check_salt("cache_salt", cache_salt))
         else:
             raise InvalidArgument("token_ids", "empty: give token_ids or block_hashes")
         now = self.clock()

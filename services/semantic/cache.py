@@ -34,7 +34,7 @@ from services.semantic.verifier import Verifier, VerifierModel
 
 log = logging.getLogger(__name__)
 
-_HEX = re.compile(r"^[0-9a-fA-F]*$")
+_HEX = re.compile(r"[0-9a-fA-F]*")
 _CANDIDATES = 4  # neighbours checked when the best one is refused by the guard
 
 
@@ -191,7 +191,7 @@ class SemanticCache:
                 raise InvalidArgument(field, "required")
             if len(value) > self.cfg.max_tenant_chars:
                 raise InvalidArgument(field, f"longer than {self.cfg.max_tenant_chars} chars")
-        if len(ns.context_hash) > 128 or not _HEX.match(ns.context_hash):
+        if len(ns.context_hash) > 128 or not _HEX.fullmatch(ns.context_hash):
             raise InvalidArgument("namespace.context_hash", "must be hex, at most 128 chars")
         return Namespace(ns.tenant, ns.model_id, ns.context_hash.lower())
 

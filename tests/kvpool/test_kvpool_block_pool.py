@@ -342,3 +342,21 @@ def test_a_pool_that_records_no_events_still_caches() -> None:
     pool.clear()
     assert pool.take_events() == []
     pool.check_integrity()
+
+
+def test_pins_past_max_pinned_are_refused_whole() -> None:
+    clock = Clock()
+    pool = BlockPool(8, BS, BlockHasher("m", BS, key=b"k"), HybridPolicy(8), clock=clock,
+                     max_pinned=4)
+    run_seq(pool, "x", X)  # 3 blocks
+    run_seq(pool, "y", Y)  # 2 blocks
+    xs = [pool._table[h] for h in pool.hasher.hashes(X)]
+    ys = [pool._table[h] for h in pool.hasher.hashes(Y)]
+    assert pool.pin(xs, ttl_seconds=10) == 3
+    assert pool.pin(xs, ttl_seconds=20) == 3  # re-pinning is not more blocks
+    with pytest.raises(PoolExhausted, match="limit of 4"):
+        pool.pin(ys, ttl_seconds=10)
+    assert not any(pool.is_pinned(b) for b in ys)
+    clock.t += 21  # the first pins expire: room again
+    assert pool.pin(ys, ttl_seconds=10) == 2
+    pool.check_integrity()

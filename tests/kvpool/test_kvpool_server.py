@@ -121,6 +121,9 @@ BAD = [
     (dict(sampling=dict(max_tokens=4, top_p=-0.1)), "sampling.top_p"),
     (dict(sampling=dict(max_tokens=4, stop_token_ids=[10**6])), "sampling.stop_token_ids"),
     (dict(draft_token_ids=[TINY_VOCAB + 1]), "draft_token_ids"),
+    (dict(sampling=dict(max_tokens=4, stop_token_ids=list(range(257)))),
+     "sampling.stop_token_ids"),
+    (dict(cache_salt="s" * 257), "cache_salt"),
 ]
 
 
@@ -130,7 +133,8 @@ def test_bad_input_is_invalid_argument_naming_the_field(served, fields, field) -
     kw = {"token_ids": PROMPT, "sampling": {"max_tokens": 4}, **fields}
     req = kvpool_pb2.KvGenerateRequest(token_ids=kw["token_ids"],
                                        sampling=common_pb2.SamplingParams(**kw["sampling"]),
-                                       draft_token_ids=kw.get("draft_token_ids", []))
+                                       draft_token_ids=kw.get("draft_token_ids", []),
+                                       cache_salt=kw.get("cache_salt", ""))
     with pytest.raises(grpc.RpcError) as ei:
         list(served.stub.Generate(req, timeout=5))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -241,3 +245,20 @@ def test_a_configured_max_context_bounds_requests(tiny_model) -> None:
         assert final.usage.completion_tokens == len(toks) > 0
     finally:
         s.close()
+
+
+def test_draft_tokens_past_max_tokens_are_dropped_unread(served, tiny_model) -> None:
+    """Only max_tokens draft tokens can ever be verified: a huge draft is cut before it is
+    indexed (its n-gram index costs ~240x its wire size); the answer is unchanged."""
+    want = reference_greedy(tiny_model, PROMPT, 3)
+    draft = want + [7] * 50_000
+    req = kvpool_pb2.KvGenerateRequest(token_ids=PROMPT,
+                                       sampling=common_pb2.SamplingParams(max_tokens=3),
+                                       draft_token_ids=draft)
+    toks, final = [], None
+    for msg in served.stub.Generate(req, timeout=20):
+        toks.extend(msg.token_ids)
+        if msg.HasField("final"):
+            final = msg.final
+    assert toks == want
+    assert final.draft_tokens_proposed <= 3

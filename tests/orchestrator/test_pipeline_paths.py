@@ -184,3 +184,45 @@ def test_warm_top_k_zero_turns_the_loop_off_without_asking_the_index():
         assert warmer.cycle() == 0 and asked == []
     finally:
         warmer.stop()
+
+
+def test_stop_ids_outside_the_vocabulary_or_too_many_are_refused_before_any_tier():
+    from services.orchestrator.server import parse_sampling
+
+    cfg = OrchestratorConfig(kvpool_addresses=("A",))
+    ok = parse_sampling(common_pb2.SamplingParams(stop_token_ids=[0, 999]), cfg, 1000)
+    assert ok.stop_token_ids == (0, 999)
+    for stops, msg in (([1000], "outside the vocabulary"), ([2**31], "outside the vocabulary"),
+                       (list(range(257)), "more than 256")):
+        with pytest.raises(errors.InvalidArgument, match=msg) as ei:
+            parse_sampling(common_pb2.SamplingParams(stop_token_ids=stops), cfg, 1000)
+        assert str(ei.value).startswith("sampling.stop_token_ids")
+
+
+def test_warm_refuses_long_pins_and_names_the_bad_prompt():
+    from services.orchestrator.render import PromptRenderer
+
+    stubs = {"A": Stub("A", [])}
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=50)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",), max_message_chars=50))
+    try:
+        cases = [
+            (orchestrator_pb2.WarmRequest(prompts=[orchestrator_pb2.WarmPrompt(prompt="x")],
+                                          pin_ttl_seconds=3601), "pin_ttl_seconds"),
+            (orchestrator_pb2.WarmRequest(prompts=[
+                orchestrator_pb2.WarmPrompt(prompt="x"),
+                orchestrator_pb2.WarmPrompt(messages=[orchestrator_pb2.ChatMessage(
+                    role="wizard", content="hi")])]), r"prompts\[1\].messages\[0\].role"),
+            (orchestrator_pb2.WarmRequest(prompts=[orchestrator_pb2.WarmPrompt(
+                messages=[orchestrator_pb2.ChatMessage(role="system", content="y" * 51)])]),
+             r"prompts\[0\].messages\[0\].content"),
+            (orchestrator_pb2.WarmRequest(prompts=[orchestrator_pb2.WarmPrompt(prompt="z" * 51)]),
+             r"prompts\[0\].prompt"),
+        ]
+        for req, field in cases:
+            with pytest.raises(errors.InvalidArgument, match=field):
+                warmer.warm(TENANT, req)
+        assert stubs["A"].requests == []
+    finally:
+        warmer.stop()

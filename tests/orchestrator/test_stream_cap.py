@@ -28,6 +28,7 @@ class SlowOrchestrator:
     """Streams one delta, then waits until released (a long generation)."""
 
     renderer = Renderer()
+    tok = range(1000)  # only its length (the vocabulary size) is read
 
     def __init__(self) -> None:
         self.release = threading.Event()

@@ -59,3 +59,12 @@ def test_limits():
 def test_malformed_tokens_setting_is_rejected():
     with pytest.raises(ValueError, match="TIERCACHE_ORCHESTRATOR_TOKENS"):
         reg(tokens="justatoken")
+
+
+def test_a_forged_entry_reference_with_non_ascii_characters_is_just_unknown():
+    r = reg(tokens="tok-a=a")
+    a = r.authenticate({"authorization": "Bearer tok-a"})
+    ref = r.entry_ref(a, "abc")
+    assert r.entry_id(a, ref) == "abc"
+    assert r.entry_id(a, "abc.é") is None
+    assert r.entry_id(a, "abc.\u00e9" + ref[-15:]) is None

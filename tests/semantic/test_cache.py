@@ -365,3 +365,10 @@ def test_shutdown_waits_for_the_merge_of_a_namespace_emptied_meanwhile(make_cach
     release.set()
     closer.join(5)
     assert not closer.is_alive()
+
+
+def test_a_context_hash_with_a_trailing_newline_is_not_hex(make_cache):
+    c = make_cache()
+    with pytest.raises(InvalidArgument, match="namespace.context_hash"):
+        c.store_entry(Namespace("t", "m", "ab\n"), "Hello?", "Hi.")
+    assert c.store.count() == 0
