@@ -363,6 +363,18 @@ class BlockPool:
             n += 1
         return n
 
+    def release_pins(self) -> int:
+        """Unpin every unreferenced pinned block (they stay cached, now evictable); returns how
+        many. Pins are advice for warm-up: an admitted request that fits the pool must not fail
+        because of them."""
+        now = self.clock()
+        released = [bid for bid, until in self._pins.items()
+                    if until > now and self._blocks[bid].ref == 0]
+        for bid in released:
+            self._blocks[bid].pin_until = 0.0
+            del self._pins[bid]
+        return len(released)
+
     def is_pinned(self, block_id: int) -> bool:
         return self._blocks[block_id].pin_until > self.clock()
 

@@ -167,8 +167,11 @@ class Draft:
         self.record(accepted)
         self.advance(emitted, generated)
 
-    def record(self, accepted: int) -> None:
-        """`accepted` tokens of the pending proposal (maybe none) verified: adapt gamma."""
+    def record(self, accepted: int, used: int | None = None) -> None:
+        """`accepted` tokens of the pending proposal (maybe none) verified: adapt gamma.
+        `used` of them were emitted (fewer when a stop among them ended the answer); the
+        accepted counts report those."""
+        used = accepted if used is None else used
         prop, self.pending = self.pending, NO_PROPOSAL
         full = accepted == len(prop.tokens)
         if prop.tokens:
@@ -179,7 +182,7 @@ class Draft:
                 self.rate = (1 - RATE_ALPHA) * self.rate + r
                 self.weak = self.weak and accepted == 0
         if prop.source is Source.LOOKUP:
-            self.accepted_lookup += accepted
+            self.accepted_lookup += used
             self.lookup_rung = min(self.lookup_rung + 1, len(LADDER) - 1) if full else 0
         elif prop.source is Source.DRAFT:
             self.rung = min(self.rung + 1, len(LADDER) - 1) if full \
@@ -187,7 +190,7 @@ class Draft:
         else:
             self.lookup_rung = 0
         self.proposed += len(prop.tokens)
-        self.accepted += accepted
+        self.accepted += used
 
     def advance(self, emitted: list[int], generated: list[int]) -> None:
         """Move past `emitted` (the newest generated tokens); re-align after a mismatch."""

@@ -373,6 +373,8 @@ class Engine:
                                      use_cache=reuse, keep_uncached=keep)
             except PoolExhausted as exc:
                 if not self._decoding:
+                    if seq.admitted_once and self.pool.release_pins():
+                        continue  # a preempted answer comes back before warm-up pins
                     # Nothing running will free blocks: only pins hold them. Refuse.
                     self._finish(seq, Failed(errors.ResourceExhausted(
                         f"KV pool exhausted: {exc} (pinned blocks hold the rest)")))
@@ -466,6 +468,11 @@ class Engine:
                             # rather than failing one that fits the pool on its own.
                             self._preempt(self._prefilling)
                             continue
+                        if self.pool.release_pins():
+                            # Warm-up pins yield to an answer already streaming.
+                            log.info("released warm-up pins for decoding sequence %s",
+                                     seq.seq_id)
+                            continue
                         self._finish(seq, Failed(errors.ResourceExhausted(
                             "KV pool exhausted while decoding")))
                         break
@@ -557,15 +564,22 @@ class Engine:
             seq.computed_tokens += 1 + len(prop)
         else:
             seq.computed_tokens += len(prop)
+        # Accepted draft tokens the answer really uses: a stop, EOS or the length limit among
+        # them ends it there (and the model's own token is not emitted).
+        used = accepted
+        for i, t in enumerate(prop[:accepted]):
+            if self._stop_reason(seq, t, seq.generated + i + 1, len(seq.tokens) + i + 1):
+                used = i + 1
+                break
         if prop:
             self.draft_tokens_proposed_total += len(prop)
-            self.draft_tokens_accepted_total += accepted
+            self.draft_tokens_accepted_total += used
             if self.metrics:
                 self.metrics.draft_proposed.inc(len(prop))
-                self.metrics.draft_accepted.inc(accepted)
+                self.metrics.draft_accepted.inc(used)
         emitted = prop[:accepted] + [tok]
         if seq.draft is not None:
-            seq.draft.record(accepted)
+            seq.draft.record(accepted, used)
         seq.num_computed = valid
         if prop:
             self.pool.truncate(seq.seq_id, valid)
@@ -619,19 +633,24 @@ class Engine:
                 self.metrics.ttft_seconds.observe(now - seq.arrival)
         seq.tokens.append(tok)
         seq.generated += 1
-        sp = seq.req.sampling
-        reason = None
-        if tok in self.info.eos_token_ids and not sp.ignore_eos:
-            reason = FinishReason.EOS
-        elif tok in sp.stop_token_ids:
-            reason = FinishReason.STOP
-        elif seq.generated >= sp.max_tokens or len(seq.tokens) >= self.info.max_context:
-            reason = FinishReason.LENGTH
+        reason = self._stop_reason(seq, tok, seq.generated, len(seq.tokens))
         # The server sends a last token together with the final message, so no reader can see
         # the end of an answer without knowing that it ended (and resume it elsewhere).
         seq.out.put(TokenDelta([tok], reason is not None))
         if reason is not None:
             self._finish(seq, self._final(seq, reason, 0))
+
+    def _stop_reason(self, seq: Sequence, tok: int, generated: int, length: int
+                     ) -> FinishReason | None:
+        """Why a sequence ends with `tok` as its `generated`-th token (None: it goes on)."""
+        sp = seq.req.sampling
+        if tok in self.info.eos_token_ids and not sp.ignore_eos:
+            return FinishReason.EOS
+        if tok in sp.stop_token_ids:
+            return FinishReason.STOP
+        if generated >= sp.max_tokens or length >= self.info.max_context:
+            return FinishReason.LENGTH
+        return None
 
     def _finish_prefill(self, seq: Sequence) -> None:
         table = self.pool.blocks_of(seq.seq_id)

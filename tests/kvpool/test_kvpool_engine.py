@@ -379,3 +379,44 @@ def test_stopping_the_engine_answers_every_request(make_engine) -> None:
         assert isinstance(fin, Failed) and isinstance(fin.error, errors.Unavailable)
     eng.check_integrity()
     assert eng.pool.stats().in_use == 0
+
+
+def test_warm_up_pins_yield_to_an_answer_already_streaming(make_engine, tiny_model) -> None:
+    """A generation that fits the pool on its own (4 + 28 tokens = all 8 blocks) is running
+    when a Warm pins 2 blocks: the pins are released for it instead of failing it mid-answer."""
+    from services.kvpool.engine import EngineRequest
+    from services.kvpool.sampling import SamplingSpec
+
+    eng = make_engine(num_blocks=8, max_batch_size=2, drafts=False)
+    p = prompt(4, 50)
+    with paused(eng):  # both arrive together: the generation is admitted first
+        _, out = eng.submit(request(p, max_tokens=28, rid="gen", ignore_eos=True))
+        _, wout = eng.submit(EngineRequest("warm", prompt(8, 51), SamplingSpec(max_tokens=0),
+                                           prefill_only=True, pin_ttl_seconds=60))
+    _, wfin = collect(wout)
+    assert isinstance(wfin, Finished) and wfin.pinned_blocks == 2
+    toks, fin = collect(out)
+    assert isinstance(fin, Finished) and fin.finish_reason == FinishReason.LENGTH
+    alone, _ = generate(make_engine(num_blocks=16, drafts=False), p, max_tokens=28,
+                        ignore_eos=True)
+    assert toks == alone
+
+
+def test_a_stop_inside_an_accepted_draft_counts_only_the_draft_tokens_emitted(make_engine,
+                                                                              tiny_model):
+    from services.kvpool.engine import EngineRequest
+    from services.kvpool.sampling import SamplingSpec
+
+    eng = make_engine(num_blocks=64)
+    p = prompt(11, 52)
+    ref, _ = generate(make_engine(num_blocks=64), p, max_tokens=30, ignore_eos=True)
+    stop = ref[2]
+    first = ref.index(stop)
+    toks, fin = collect(eng.submit(EngineRequest(
+        "d", p, SamplingSpec(30, ignore_eos=True, stop_token_ids=frozenset([stop])),
+        draft_token_ids=tuple(ref)))[1])
+    assert toks == ref[:first + 1] and fin.finish_reason == FinishReason.STOP
+    # The prefill's forward already verifies the draft: every emitted token is an accepted
+    # draft token, and none of the 16 accepted after the stop counts.
+    assert fin.draft_tokens_accepted == fin.completion_tokens == first + 1
+    assert eng.stats().draft_tokens_accepted_total == first + 1
