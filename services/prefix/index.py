@@ -530,6 +530,12 @@ class PrefixIndex:
                 raise InvalidArgument(f"events[{i}].stored.parent_hash",
                                       f"must be empty or {DIGEST_SIZE} bytes")
             parent = bytes(ev.parent_hash)
+            model = self.tree.root_model(parent)
+            if model is not None and model != rep.model_id:
+                # A root's own children skip the holder check: without this, a replica could
+                # hang its blocks under another model's prompts.
+                raise InvalidArgument(f"events[{i}].stored.parent_hash",
+                                      f"is the root of model {model!r}, not {rep.model_id!r}")
         else:
             if ev.start_block:
                 raise InvalidArgument(f"events[{i}].stored.start_block",

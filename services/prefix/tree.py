@@ -141,6 +141,11 @@ class BlockTree:
             self._roots[key] = s
             self._meta[s] = (model_id, cache_salt)
 
+    def root_model(self, key: bytes) -> str | None:
+        """The model of root `key` (h_0), or None when `key` is not a root."""
+        s = self._roots.get(key)
+        return None if s is None else self._meta[s][0]
+
     def gc_root(self, key: bytes) -> None:
         """Forget root `key` if no block hangs under it."""
         s = self._roots.get(key)

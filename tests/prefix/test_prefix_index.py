@@ -331,3 +331,20 @@ def test_a_resync_overtaken_by_a_newer_one_is_ignored(index, hasher):
     assert index.publish("a", "i1", 1, old_snapshot, resync=True).next_seq == 4
     index.check_integrity()
     assert matched(index, chain) == {"a": 0}
+
+
+def test_a_replica_cannot_hang_blocks_under_another_models_root():
+    from services.common.hashing import BlockHasher
+    from services.prefix.index import PrefixIndex, Stored
+
+    idx = PrefixIndex(4)
+    ha, hb = BlockHasher("model-a", 4), BlockHasher("model-b", 4)
+    idx.register("ra", "i", "a:1", "model-a", 4, 10, ha.probe())
+    idx.register("rb", "i", "b:1", "model-b", 4, 10, hb.probe())
+    idx.publish("rb", "i", 1, [Stored(b"", hb.hashes([1, 2, 3, 4]), [1, 2, 3, 4])])
+    root_b = hb.root("")
+    forged = ha.hashes([9, 9, 9, 9], parent=root_b)
+    with pytest.raises(InvalidArgument, match=r"events\[0\].stored.parent_hash: is the root"):
+        idx.publish("ra", "i", 1, [Stored(root_b, forged, [9, 9, 9, 9])])
+    idx.check_integrity()
+    assert {r.replica_id: r.held_blocks for r in idx.stats().replicas} == {"ra": 0, "rb": 1}
