@@ -431,7 +431,11 @@ class Orchestrator:
 
 
 def _as_domain(e: grpc.RpcError) -> errors.TierCacheError:
-    """A downstream status, re-raised with the same code and message."""
-    exc = errors.TierCacheError(e.details() or "")
+    """A replica's status, re-raised with the same code and message — its fields renamed to
+    the caller's: the replica's token_ids are the rendered prompt (messages or prompt)."""
+    details = e.details() or ""
+    if details.startswith("token_ids:"):
+        details = "prompt (rendered messages):" + details[len("token_ids:"):]
+    exc = errors.TierCacheError(details)
     exc.code = e.code().name if e.code() is not None else "INTERNAL"
     return exc

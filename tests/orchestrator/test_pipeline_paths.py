@@ -226,3 +226,17 @@ def test_warm_refuses_long_pins_and_names_the_bad_prompt():
         assert stubs["A"].requests == []
     finally:
         warmer.stop()
+
+
+def test_a_replica_refusal_names_the_callers_field_not_the_replicas():
+    class Refusal(RpcError):
+        def details(self) -> str:
+            return "token_ids: prompt + max_tokens need 144 KV blocks, the pool has 128"
+
+    stub = Stub("A", [Call([], Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED))])
+    orch = make({"A": stub})
+    with pytest.raises(errors.TierCacheError) as ei:
+        generate(orch, [])
+    assert ei.value.code == "RESOURCE_EXHAUSTED"
+    assert str(ei.value).startswith("prompt (rendered messages): prompt + max_tokens need 144")
+    assert len(stub.requests) == 1  # the replica's verdict: no retry elsewhere
