@@ -5,7 +5,8 @@ from Florida to New York" score ~0.98 with all-MiniLM-L6-v2, as do most PAWS non
 The guard refuses a match when the two texts disagree on something the embedding blurs:
 
 1. numbers — the sets of numbers (digits or number words) differ;
-2. negation — one text is negated and the other is not;
+2. negation — one text is negated and the other is not, or one has a word the other has only
+   with a negating prefix ("legal" / "illegal", "safe" / "unsafe": ~0.99 cosine);
 3. entities — a capitalised word (not sentence-initial), acronym or alphanumeric code of one
    text is missing from the other;
 4. order — the words the texts share are arranged differently beyond one block move.
@@ -34,7 +35,8 @@ _NUMBER_WORDS = {
     "once": "1x", "twice": "2x", "half": "0.5", "double": "2x", "triple": "3x",
 }
 _NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "nowhere",
-              "without", "cannot", "n't", "t"}  # "t" = the tail of don't/isn't/can't
+              "without", "cannot", "n't", "t",  # "t" = the tail of don't/isn't/can't
+              "non"}  # "non-smoking": the hyphen splits it off
 _STOP_CAPS = {"i", "i'm", "i've", "i'd", "i'll", "what", "how", "why", "when", "where", "who",
               "which", "is", "are", "can", "do", "does", "the", "a", "an", "in", "on", "if"}
 
@@ -75,6 +77,23 @@ def _numbers(words: list[str]) -> Counter:
 
 def _negated(words: list[str]) -> bool:
     return sum(1 for w in words if w.lower() in _NEGATIONS) % 2 == 1
+
+
+# Prefixes that turn a word into its opposite, and the shortest stem taken as a word.
+_NEG_PREFIXES = ("non", "dis", "un", "in", "im", "il", "ir")
+_MIN_STEM = 4
+
+
+def _opposite(a: set[str], b: set[str]) -> str:
+    """A word of `a` that `b` has only with a negating prefix (or the reverse), as
+    "word/prefixword"; "" when there is none."""
+    for x, y in ((a, b), (b, a)):
+        for w in x - y:
+            for p in _NEG_PREFIXES:
+                stem = w[len(p):].lstrip("-")
+                if w.startswith(p) and len(stem) >= _MIN_STEM and stem in y and stem not in x:
+                    return f"{stem}/{w}"
+    return ""
 
 
 def _entities(tokens: list[str]) -> set[str]:
@@ -151,6 +170,10 @@ class ParaphraseGuard:
                 return GuardResult(False, f"numbers differ: {', '.join(diff[:4])}")
         if negation and _negated(wq) != _negated(wc):
             return GuardResult(False, "negation differs")
+        if negation:
+            opposite = _opposite({w.lower() for w in wq}, {w.lower() for w in wc})
+            if opposite:
+                return GuardResult(False, f"opposite words: {opposite}")
         if entities:
             lq, lc = {w.lower() for w in wq}, {w.lower() for w in wc}
             missing = sorted((_entities(tq) - lc) | (_entities(tc) - lq))

@@ -28,6 +28,14 @@ TRAPS = [
     ("Why is my wifi working at night?", "Why isnt my wifi working at night?", "negation"),
     ("How can I stop my dog barking?", "How cant I stop my dog barking?", "negation"),
     ("Why does the app load?", "Why does'nt the app load?", "negation"),
+    # opposites by prefix (MiniLM: ~0.99 cosine)
+    ("Is it legal to record a phone call?", "Is it illegal to record a phone call?", "opposite"),
+    ("Is it safe to swim after eating?", "Is it unsafe to swim after eating?", "opposite"),
+    ("Is it possible to travel faster than light?",
+     "Is it impossible to travel faster than light?", "opposite"),
+    ("Why do people like Mondays?", "Why do people dislike Mondays?", "opposite"),
+    ("Which restaurants have smoking areas?", "Which restaurants have non-smoking areas?",
+     "negation"),
     # different entities
     ("What are good reasons to vote for Trump?", "What are good reasons to vote for Clinton?",
      "entities"),
@@ -49,6 +57,9 @@ PARAPHRASES = [
     ("What is the best laptop for programming?", "Which laptop is best for programming?"),
     ("Why shouldn't I eat after 8 pm?", "Why shouldnt I eat after 8 pm?"),
     ("I dont understand recursion", "I don't understand recursion"),
+    ("How do I improve my English?", "What can I do to improve my English?"),
+    ("How do I install Python on Windows?", "How can I install Python on Windows?"),
+    ("Is it illegal to drive without insurance?", "Is driving without insurance illegal?"),
 ]
 
 
