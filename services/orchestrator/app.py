@@ -49,6 +49,8 @@ def build(cfg: OrchestratorConfig) -> App:
         max_attempts=cfg.max_attempts, min_prefix_tokens=cfg.min_prefix_tokens,
         dispatched=(DispatchMemory(cfg.block_size, cfg.dispatch_memory_s)
                     if cfg.dispatch_memory_s > 0 else None))
+    if orch.dispatched is not None:
+        replicas.on_lost.append(orch.dispatched.forget)
     tenants = TenantRegistry.build(
         tokens_file=cfg.tokens_file, tokens=cfg.tokens, key=key,
         max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens_limit,

@@ -84,6 +84,9 @@ class ReplicaSet:
     internal_token: str
     poll_s: float = 1.0
     replicas: list[Replica] = field(default_factory=list)
+    # Called with a replica's id when the poller finds it failed or restarted (its cache may be
+    # gone): routing forgets what it sent there.
+    on_lost: list[Callable[[str], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
 
@@ -102,6 +105,8 @@ class ReplicaSet:
                 # death, so the timeout is generous and only repeated slowness counts.
                 s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(5.0, self.poll_s),
                                  metadata=call_metadata(self.internal_token))
+                restarted = (r.stats is not None and s.incarnation
+                             and s.incarnation != r.stats.incarnation)
                 with self._lock:
                     r.stats = s
                     # The replica counted at some moment during the call; attribute to us the
@@ -110,6 +115,8 @@ class ReplicaSet:
                     r.replica_id = s.replica_id or r.address
                     r.health.name = f"kvpool/{r.replica_id}"
                     r.slow_polls = 0
+                if restarted:
+                    self._lost(r)
                 r.health.ok()
             except grpc.RpcError as e:
                 hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
@@ -117,11 +124,19 @@ class ReplicaSet:
                 r.slow_polls = r.slow_polls + 1 if hung else 0
                 if not hung or r.slow_polls >= 3:
                     r.health.fail(e)  # no new requests go there
+                    self._lost(r)
                 if hung and r.slow_polls >= 3:
                     # Only a hung replica has its in-flight calls cancelled: one that refuses
                     # Stats because it is draining (SIGTERM) still finishes its streams, and
                     # one that died fails them itself (UNAVAILABLE), which fails them over.
                     self._notify_down(r)
+
+    def _lost(self, r: Replica) -> None:
+        for fn in self.on_lost:
+            try:
+                fn(r.replica_id)
+            except Exception:  # a listener must not stop the poller
+                log.exception("on_lost listener failed")
 
     def _notify_down(self, r: Replica) -> None:
         with self._lock:

@@ -167,6 +167,7 @@ class SemanticCache:
         # variants identically, and they can fill every near slot.
         self._by_prompt: dict[tuple[Namespace, str], int] = {}
         # Indexes of namespaces emptied while a merge of theirs ran: shutdown still waits on it.
+        self._verify_lock = threading.Lock()
         self._retired: list[NamespaceIndex] = []
         self._lru: OrderedDict[int, None] = OrderedDict()  # global, least recent first
         self._ns_lru: dict[Namespace, OrderedDict[int, None]] = {}
@@ -327,28 +328,32 @@ class SemanticCache:
                                   verified=verified, created_at=now, ttl_seconds=ttl,
                                   truncated=truncated)
         entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated)
+        dropped: list[int] = []  # labels memory no longer holds: their rows go too
         try:
             with self._lock:
                 # Same prompt again: the new answer replaces the old one.
                 old = self._by_prompt.get((ns, prompt))
-                dup = [old] if old is not None else []
                 self._add_locked(entry, vec)
-                for lab in dup:
-                    self._drop_locked(lab)
+                if old is not None:
+                    self._drop_locked(old)
+                    dropped.append(old)
                 victims = self._victims_locked(ns)
                 for lab in victims:
                     self._drop_locked(lab)
+                    dropped.append(lab)
                 self._evicted += len(victims)
                 self._m["entries"].set(len(self._entries))
         except BaseException:
-            # The row is committed but memory does not hold it: a row nothing serves, that
-            # invalidate would miss and a restart would bring back. Take it out again.
+            # Committed rows that memory does not hold would be served by nothing, missed by
+            # invalidate and brought back by a restart: the new one, and any old one already
+            # dropped, leave SQLite too.
             with self._lock:
                 self._drop_locked(label)
-            self.store.delete([label])
+                self._m["entries"].set(len(self._entries))
+            self.store.delete([label, *dropped])
             raise
         self._m["evictions"].inc(len(victims))
-        self.store.delete(dup + victims)
+        self.store.delete(dropped)
         return entry
 
     def _add_locked(self, e: Entry, vec: np.ndarray) -> None:
@@ -426,15 +431,17 @@ class SemanticCache:
         if not entry_id:
             raise InvalidArgument("id", "required")
         e = self.get(entry_id)
-        # SQLite and memory change under one lock: two Verify calls interleaving across two
-        # locks could leave memory saying one thing and the row (after a restart) the other.
-        with self._lock:
-            cur = self._entries.get(e.label)
-            if cur is None:
-                raise NotFound(f"id: no entry {entry_id!r}")
+        # Verify calls run one at a time, SQLite then memory: interleaved, memory could say one
+        # thing and the row (after a restart) the other. Not under the cache lock, which every
+        # lookup takes: it is never held across a SQLite write.
+        with self._verify_lock:
             self.store.set_verified(e.label, verified)
-            cur = replace(cur, verified=verified)
-            self._entries[e.label] = cur
+            with self._lock:
+                cur = self._entries.get(e.label)
+                if cur is None:
+                    raise NotFound(f"id: no entry {entry_id!r}")
+                cur = replace(cur, verified=verified)
+                self._entries[e.label] = cur
         return cur
 
     def invalidate_id(self, entry_id: str) -> int:

@@ -252,6 +252,14 @@ def test_draft_tokens_past_max_tokens_are_dropped_unread(served, tiny_model) -> 
     indexed (its n-gram index costs ~240x its wire size); the answer is unchanged."""
     want = reference_greedy(tiny_model, PROMPT, 3)
     draft = want + [7] * 50_000
+    seen: list[int] = []
+    submit = served.servicer.engine.submit
+
+    def spy(req):
+        seen.append(len(req.draft_token_ids))
+        return submit(req)
+
+    served.servicer.engine.submit = spy
     req = kvpool_pb2.KvGenerateRequest(token_ids=PROMPT,
                                        sampling=common_pb2.SamplingParams(max_tokens=3),
                                        draft_token_ids=draft)
@@ -262,3 +270,4 @@ def test_draft_tokens_past_max_tokens_are_dropped_unread(served, tiny_model) -> 
             final = msg.final
     assert toks == want
     assert final.draft_tokens_proposed <= 3
+    assert seen == [3]  # the engine got max_tokens draft tokens, not 50,003

@@ -140,3 +140,37 @@ def test_refusals_between_timeouts_do_not_count_as_slow_polls():
     for _ in range(6):
         rs.poll_once()
     assert cancelled == []  # never 3 timed-out polls in a row
+
+
+def test_the_poller_reports_a_replica_lost_when_it_fails_or_restarts():
+    import grpc
+
+    class Err(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "connection refused"
+
+    class Stub:
+        def __init__(self) -> None:
+            self.answer: object = kvpool_pb2.KvStatsResponse(replica_id="r0", incarnation="a")
+
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
+            if isinstance(self.answer, Exception):
+                raise self.answer
+            return self.answer
+
+    stub = Stub()
+    rs = replica_set(Replica("r0", stub, Health("kvpool", "r0"), replica_id="r0"))
+    lost: list[str] = []
+    rs.on_lost.append(lost.append)
+    rs.poll_once()
+    rs.poll_once()
+    assert lost == []  # healthy, same process
+    stub.answer = kvpool_pb2.KvStatsResponse(replica_id="r0", incarnation="b")
+    rs.poll_once()
+    assert lost == ["r0"]  # restarted: its cache is gone
+    stub.answer = Err()
+    rs.poll_once()
+    assert lost == ["r0", "r0"] and not rs.replicas[0].health.healthy

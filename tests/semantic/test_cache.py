@@ -372,3 +372,42 @@ def test_a_context_hash_with_a_trailing_newline_is_not_hex(make_cache):
     with pytest.raises(InvalidArgument, match="namespace.context_hash"):
         c.store_entry(Namespace("t", "m", "ab\n"), "Hello?", "Hi.")
     assert c.store.count() == 0
+
+
+def test_a_failed_repeat_store_leaves_sqlite_and_memory_agreeing(make_cache, monkeypatch):
+    c = make_cache()
+    q = "What is the speed of sound?"
+    c.store_entry(A, q, "About 343 m/s in air.")
+
+    def boom(ns):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(c, "_victims_locked", boom)
+    with pytest.raises(RuntimeError):
+        c.store_entry(A, q, "About 1,235 km/h.")
+    # The old entry was already dropped from memory when the Store failed: its row goes too.
+    assert c.store.count() == c.stats().entries == 0
+    assert entries_gauge() == 0
+    c.check_integrity()
+
+
+def test_verify_does_not_hold_up_lookups_while_it_waits_for_sqlite(make_cache):
+    import threading
+    import time
+
+    c = make_cache()
+    e = c.store_entry(A, "Who wrote Hamlet?", "William Shakespeare.")
+    done, looked = threading.Event(), threading.Event()
+    with c.store._lock:  # a Store's fsync or a hit flush in progress
+        t = threading.Thread(target=lambda: (c.verify(e.id, True), done.set()), daemon=True)
+        t.start()
+        time.sleep(0.1)
+        # In a thread: a lookup stuck behind the verify must fail the test, not hang it.
+        lt = threading.Thread(target=lambda: c.lookup(A, "Who wrote Hamlet?").hit
+                              and looked.set(), daemon=True)
+        lt.start()
+        lt.join(2)
+        assert looked.is_set()  # not behind the verify (it waits on SQLite, not the cache lock)
+        assert not done.is_set()
+    t.join(5)
+    assert done.is_set() and c.get(e.id).verified
