@@ -45,13 +45,15 @@ def pct(xs: list[float], q: float) -> float:
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def summarize(out: list[Outcome]) -> dict:
+def summarize(out: list[Outcome], replica_ids: tuple[str, ...] = ()) -> dict:
+    """`replica_ids`: every replica of the stack — one that served nothing counts as load 0."""
     ok = [o for o in out if not o.error]
     model = [o for o in ok if not o.semantic_hit]
     by_class: dict[str, list[float]] = {}
     for o in ok:
         by_class.setdefault(o.cache_class, []).append(o.ttft_ms)
-    per_replica = Counter(o.replica_id for o in model)
+    per_replica = Counter({rid: 0 for rid in replica_ids})
+    per_replica.update(o.replica_id for o in model)
     loads = list(per_replica.values()) or [0]
     mean = sum(loads) / max(1, len(loads))
     prompt = sum(o.prompt_tokens for o in model)
@@ -83,9 +85,10 @@ def working_set_blocks(spec: WorkloadSpec, concurrency: int, max_tokens: int,
         text = tok.apply_chat_template([{"role": "system", "content": w.system_prompts[tenant][i]}],
                                        tokenize=False)
         prompt_blocks += len(tok.encode(text, add_special_tokens=False)) // block_size
-    # A live session holds its turns: question (~30 tokens) + answer + template per turn.
+    # A live session holds its turns: question (~30 tokens) + answer + template per turn. The
+    # replay keeps 2 x concurrency sessions open (one waits between turns while one runs).
     per_session = spec.turns * (40 + max_tokens) // block_size + 1
-    live_blocks = concurrency * per_session
+    live_blocks = 2 * concurrency * per_session
     return {"distinct_system_prompts": len(used), "system_prompt_blocks": prompt_blocks,
             "live_session_blocks": live_blocks}
 
@@ -194,7 +197,7 @@ def run_variant(name: str, spec: WorkloadSpec, *, routing: str, caches: bool, nu
         out = replay(w, clients, concurrency=concurrency, max_tokens=max_tokens,
                      cache_policy=policy, progress=progress)
         print(flush=True)
-        res = summarize(out)
+        res = summarize(out, tuple(f"kvpool-{i}" for i in range(2)))
         res["model_served"] = [(o.session_id, o.turn) for o in out
                                if not o.error and not o.semantic_hit]
         res["wall_s"] = round(time.monotonic() - t0, 1)

@@ -453,7 +453,7 @@ class Cluster:
         self.keep_index = self.uses_index or keep_index
         evict = HybridPolicy()
         self.replicas = [_Replica(f"r{i:03d}", cfg, evict) for i in range(cfg.replicas)]
-        self.views = [ReplicaView(r.rid, 0) for r in self.replicas]
+        self.views = [ReplicaView(r.rid, 0, r.pool.free) for r in self.replicas]
         self.by_id = {r.rid: i for i, r in enumerate(self.replicas)}
         self.hasher = BlockHasher(MODEL, cfg.block_size, HASH_KEY)
         self.cells = [PrefixIndex(cfg.block_size, lease_seconds=1e12, verify_hashes=False,
@@ -482,7 +482,8 @@ class Cluster:
         heapq.heappush(self.events, (t, prio, self._tie, payload))
 
     def _set_load(self, i: int) -> None:
-        self.views[i] = ReplicaView(self.replicas[i].rid, self.replicas[i].load)
+        r = self.replicas[i]
+        self.views[i] = ReplicaView(r.rid, r.load, r.pool.free + r.pool.unref)
 
     def _publish(self, i: int, events: list) -> None:
         if not events or not self.keep_index:
@@ -519,7 +520,11 @@ class Cluster:
                     matches[m.replica_id] = m.matched_tokens
             self.index_s += time.perf_counter() - t0
             self.index_calls += 1
-        d = self.policy.choose(self.views, matches, s.sid)
+        # As the orchestrator calls it: the block count only when the index answered, and
+        # whether this is a later turn (the recent-share rule never moves those).
+        d = self.policy.choose(self.views, matches, s.sid,
+                               new_blocks=len(hashes) + 1 if self.uses_index else None,
+                               continues=s.turn > 0)
         assert d is not None
         self.routes[d.route] = self.routes.get(d.route, 0) + 1
         i = self.by_id[d.replica_id]
