@@ -196,7 +196,12 @@ def grpcurl_transport() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run the whole TierCache stack locally.")
-    ap.add_argument("--replicas", type=int, default=int(os.environ.get("TIERCACHE_REPLICAS", 2)))
+    raw = os.environ.get("TIERCACHE_REPLICAS", "2")
+    try:
+        replicas = int(raw)
+    except ValueError:
+        ap.error(f"TIERCACHE_REPLICAS: expected a whole number, got {raw!r}")
+    ap.add_argument("--replicas", type=int, default=replicas)
     ap.add_argument("--base-port", type=int, default=50051)
     a = ap.parse_args(argv)
     stack = Stack(replicas=a.replicas, base_port=a.base_port)

@@ -26,11 +26,25 @@ def _history_path(session: str) -> Path:
     return base / "sessions" / f"{session}.json"
 
 
+def _load_history(path: Path) -> list[dict[str, str]]:
+    """A session's messages; SystemExit naming the file when it is not a list of messages."""
+    try:
+        messages = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"error: session history {path} is unreadable: {e}") from None
+    if not isinstance(messages, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str) for m in messages):
+        raise SystemExit(f"error: session history {path} is not a list of "
+                         '{"role": ..., "content": ...} messages (delete it to start over)')
+    return messages
+
+
 def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     hist = _history_path(a.session) if a.session else None
     if hist is not None and hist.exists():
-        messages = json.loads(hist.read_text())
+        messages = _load_history(hist)
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
     messages.append({"role": "user", "content": a.text})
@@ -71,8 +85,13 @@ def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
                   pin_ttl_seconds=a.ttl)
     print(json.dumps(MessageToDict(resp), indent=2))
     if not resp.results:
-        sys.stderr.write("nothing was warmed: no healthy replica (or owner) to warm\n")
-        return 1
+        if a.system:
+            sys.stderr.write("nothing was warmed: no healthy replica (or owner) to warm\n")
+            return 1
+        # Only --top-k: every hot prefix of this tenant is already where it should be (or
+        # there is no prefix index to ask). Nothing to do is not a failure.
+        sys.stderr.write("nothing to warm: the hot prefixes are already held where asked\n")
+        return 0
     return 0 if all(not r.error for r in resp.results) else 1
 
 

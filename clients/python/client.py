@@ -147,8 +147,8 @@ class TierCacheClient:
         req = orchestrator_pb2.FeedbackRequest(
             semantic_entry_id=semantic_entry_id,
             rating=orchestrator_pb2.RATING_GOOD if good else orchestrator_pb2.RATING_BAD)
-        return self.stub.Feedback(req, timeout=timeout or 30, metadata=self._metadata())
+        return self.stub.Feedback(req, timeout=timeout or self.timeout, metadata=self._metadata())
 
     def stats(self, timeout: float | None = None) -> orchestrator_pb2.StatsResponse:
-        return self.stub.Stats(orchestrator_pb2.StatsRequest(), timeout=timeout or 30,
+        return self.stub.Stats(orchestrator_pb2.StatsRequest(), timeout=timeout or self.timeout,
                                metadata=self._metadata())

@@ -275,7 +275,10 @@ def create_server(
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{service}-rpc"),
         interceptors=[_ServerInterceptor(service, internal_token)],
-        options=channel_options(max_message_bytes),
+        # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and
+        # split connections with the first (and a launcher would take the old one's health
+        # for the new one's). A port in use must fail the bind.
+        options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     names = []

@@ -18,7 +18,9 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 _TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off", ""}
+# No "" here: an empty value must not turn a default-on feature off (it is an error, as for
+# numbers).
+_FALSE = {"0", "false", "no", "off"}
 
 
 class ConfigError(ValueError):

@@ -205,7 +205,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def Stats(self, request, context):
         # Cluster-wide figures (every tenant's traffic, replica loads): operators only.
-        self.tenants.require_admin(self._tenant(context), "cluster stats")
+        tenant = self._tenant(context)  # UNAVAILABLE while loading, before tenants exist
+        self.tenants.require_admin(tenant, "cluster stats")
         o = self.orch
         st = o.stats
         with st.lock:

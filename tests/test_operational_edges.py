@@ -1,0 +1,89 @@
+"""Operational edges: config parsing, the CLI's session files and timeouts, a busy port,
+and the launcher's own settings (pure logic or one in-process server; no model)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from clients.python import cli
+from services.common.config import ConfigError, load_config
+from services.kvpool.config import KvPoolConfig
+
+
+def test_an_empty_boolean_is_an_error_not_false():
+    with pytest.raises(ConfigError, match="TIERCACHE_KVPOOL_PREFIX_CACHING"):
+        load_config(KvPoolConfig, "kvpool", [], {"TIERCACHE_KVPOOL_PREFIX_CACHING": ""})
+    cfg = load_config(KvPoolConfig, "kvpool", [], {"TIERCACHE_KVPOOL_PREFIX_CACHING": "off"})
+    assert cfg.prefix_caching is False
+
+
+@pytest.mark.parametrize("content", ["{not json", '{"role": "user"}', '[{"role": "user"}]'])
+def test_a_broken_session_file_is_a_clear_error_naming_it(tmp_path, monkeypatch, content):
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path))
+    path = tmp_path / "sessions" / "s1.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(content)
+    a = SimpleNamespace(session="s1", system="", text="hi", max_tokens=0, temperature=0.0,
+                        quiet=True)
+    with pytest.raises(SystemExit, match="s1.json"):
+        cli.cmd_chat(SimpleNamespace(), a)
+
+
+def test_stats_and_feedback_use_the_clients_timeout():
+    from clients.python.client import TierCacheClient
+
+    seen = []
+
+    class Stub:
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
+            seen.append(timeout)
+
+        def Feedback(self, req, timeout=None, metadata=None):  # noqa: N802
+            seen.append(timeout)
+
+    c = TierCacheClient("127.0.0.1:1", timeout=2.0)
+    try:
+        c.stub = Stub()
+        c.stats()
+        c.feedback("e.1", good=True)
+    finally:
+        c.close()
+    assert seen == [2.0, 2.0]
+
+
+def test_a_busy_port_fails_the_bind_instead_of_sharing_it():
+    from services.prefix.config import PrefixConfig
+    from services.prefix.server import serve
+
+    first = serve(PrefixConfig(address="127.0.0.1:0", metrics_port=-1))
+    try:
+        with pytest.raises(RuntimeError):
+            second = serve(PrefixConfig(address=f"127.0.0.1:{first.handle.port}",
+                                        metrics_port=-1))
+            second.stop(0)
+    finally:
+        first.stop(0)
+
+
+def test_the_launcher_names_a_bad_replica_count(monkeypatch, capsys):
+    from services import launcher
+
+    monkeypatch.setenv("TIERCACHE_REPLICAS", "two")
+    with pytest.raises(SystemExit) as ei:
+        launcher.main(["--help"])
+    assert ei.value.code == 2
+    assert "TIERCACHE_REPLICAS" in capsys.readouterr().err
+
+
+def test_orchestrator_stats_while_loading_is_unavailable_not_internal():
+    from services.common import errors
+    from services.orchestrator.config import OrchestratorConfig
+    from services.orchestrator.server import OrchestratorServicer
+
+    servicer = OrchestratorServicer(OrchestratorConfig(kvpool_addresses=("A",)))
+    ctx = SimpleNamespace(invocation_metadata=lambda: ())
+    for call in (servicer.Stats, servicer.Feedback):
+        with pytest.raises(errors.Unavailable, match="still loading"):
+            call(None, ctx)
