@@ -87,3 +87,37 @@ def test_orchestrator_stats_while_loading_is_unavailable_not_internal():
     for call in (servicer.Stats, servicer.Feedback):
         with pytest.raises(errors.Unavailable, match="still loading"):
             call(None, ctx)
+
+
+def test_sigterm_reports_not_serving_while_still_serving_for_the_drain_delay():
+    """With TIERCACHE_DRAIN_DELAY_S, health turns NOT_SERVING at SIGTERM while new requests
+    are still answered (Kubernetes removes endpoints asynchronously); then the process exits."""
+    import signal
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+
+    from tests.e2e.conftest import start
+
+    p = start("prefix", {"TIERCACHE_DRAIN_DELAY_S": "3"}, key="drain-delay", timeout=60)
+    try:
+        ch = grpc.insecure_channel(p.address)
+        health = health_pb2_grpc.HealthStub(ch)
+        index = prefix_pb2_grpc.PrefixIndexStub(ch)
+        p.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 2
+        status = None
+        while time.monotonic() < deadline:
+            status = health.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+            if status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                break
+            time.sleep(0.05)
+        assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        index.Stats(prefix_pb2.PrefixStatsRequest(), timeout=2)  # still answered
+        assert p.proc.wait(timeout=30) == 0
+        ch.close()
+    finally:
+        if p.proc.poll() is None:
+            p.proc.kill()

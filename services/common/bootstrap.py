@@ -32,6 +32,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common import errors
+from services.common.config import ConfigError
 from services.common.logs import request_id_var
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.common.reflection import source_info_pool
@@ -311,6 +312,19 @@ def create_server(
     return handle
 
 
+def drain_delay_from_env() -> float:
+    """`TIERCACHE_DRAIN_DELAY_S`: seconds between SIGTERM (health NOT_SERVING) and refusing new
+    requests; 0 (the default) stops at once, as `make run` wants."""
+    raw = os.environ.get("TIERCACHE_DRAIN_DELAY_S", "0").strip() or "0"
+    try:
+        delay = float(raw)
+    except ValueError:
+        raise ConfigError(f"TIERCACHE_DRAIN_DELAY_S: expected seconds, got {raw!r}") from None
+    if not 0 <= delay <= 300:
+        raise ConfigError(f"TIERCACHE_DRAIN_DELAY_S: must be in [0, 300], got {raw!r}")
+    return delay
+
+
 def run_until_signal(handle: ServerHandle, grace: float = 10.0,
                      on_stop: Callable[[], None] | None = None) -> None:
     """Block until SIGTERM/SIGINT, then drain and stop. Call from the main thread."""
@@ -324,6 +338,14 @@ def run_until_signal(handle: ServerHandle, grace: float = 10.0,
     signal.signal(signal.SIGINT, _on_signal)
     while not stop.wait(1.0):
         pass
+    delay = drain_delay_from_env()
+    if delay > 0:
+        # Health says NOT_SERVING while requests are still served: Kubernetes takes a pod out
+        # of its endpoints asynchronously, and clients still sent here meanwhile must not be
+        # refused.
+        handle.set_serving(False)
+        log.info("not serving; accepting requests for %.1fs more before draining", delay)
+        time.sleep(delay)
     handle.stop(grace)
     if on_stop is not None:
         on_stop()

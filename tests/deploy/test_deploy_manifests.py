@@ -287,8 +287,14 @@ def test_termination_grace_outlasts_the_drain(rendered: Rendered) -> None:
         cfg = load_service_config(rendered, w)
         grace = next((float(getattr(cfg, f)) for f in GRACE_FIELDS if hasattr(cfg, f)),
                      DEFAULT_GRACE_S)
+        env = service_env(rendered, w)
+        # Health goes NOT_SERVING first; requests are still served this long before the drain.
+        delay = float(env["TIERCACHE_DRAIN_DELAY_S"].value) if "TIERCACHE_DRAIN_DELAY_S" in env \
+            else 0.0
+        assert delay > 0, f"{rendered.overlay}/{w.name}: no TIERCACHE_DRAIN_DELAY_S"
         tgps = w.pod_spec["terminationGracePeriodSeconds"]
-        assert tgps >= grace + 5, f"{rendered.overlay}/{w.name}: {tgps}s grace, drain {grace}s"
+        assert tgps >= delay + grace + 5, (f"{rendered.overlay}/{w.name}: {tgps}s grace, "
+                                           f"{delay}s delay + drain {grace}s")
 
 
 def _peer_matches(peer: dict[str, Any], src: dict[str, Any], ns: str) -> bool:
