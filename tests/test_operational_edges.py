@@ -121,3 +121,20 @@ def test_sigterm_reports_not_serving_while_still_serving_for_the_drain_delay():
     finally:
         if p.proc.poll() is None:
             p.proc.kill()
+
+
+@pytest.mark.parametrize(("service", "cls_path", "var", "value"), [
+    ("prefix", "services.prefix.config:PrefixConfig", "LEASE_SECONDS", "inf"),
+    ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "GRACE_S", "nan"),
+    ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "GRACE_S", "-1"),
+    ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "PREFIX_TIMEOUT_S", "0"),
+    ("kvpool", "services.kvpool.config:KvPoolConfig", "GRACE_SECONDS", "-5"),
+])
+def test_non_finite_or_negative_durations_are_refused_at_start(service, cls_path, var, value):
+    import importlib
+
+    mod, name = cls_path.split(":")
+    cls = getattr(importlib.import_module(mod), name)
+    env = f"TIERCACHE_{service.upper()}_{var}"
+    with pytest.raises(ConfigError, match=env):
+        load_config(cls, service, [], {env: value})

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import typing
 from collections.abc import Mapping, Sequence
@@ -54,7 +55,10 @@ def _parse(raw: str, typ: Any, where: str) -> Any:
         if typ is int:
             return int(raw)
         if typ is float:
-            return float(raw)
+            v = float(raw)
+            if not math.isfinite(v):  # nan/inf pass float() and break timers and sleeps later
+                raise ValueError(f"expected a finite number, got {raw!r}")
+            return v
         if typ is str:
             return raw
     except ValueError as exc:

@@ -94,6 +94,7 @@ class KvPoolConfig:
         require(1 <= self.max_draft_tokens <= 64, s, "max_draft_tokens", "must be in 1..64")
         require(self.shallow_tokens >= 0, s, "shallow_tokens", "must be >= 0")
         require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
+        require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
         require(0 < self.max_pinned_fraction <= 1, s, "max_pinned_fraction", "must be in (0, 1]")
         require(self.torch_threads >= 0, s, "torch_threads", "must be >= 0")
 

@@ -85,6 +85,9 @@ class OrchestratorConfig:
         require(self.max_prompt_tokens > 0, SVC, "max_prompt_tokens", "must be > 0")
         require(self.max_concurrent_per_tenant > 0, SVC, "max_concurrent_per_tenant", "must be > 0")
         require(self.request_timeout_s > 0, SVC, "request_timeout_s", "must be > 0")
+        for name in ("semantic_timeout_s", "prefix_timeout_s"):
+            require(getattr(self, name) > 0, SVC, name, "must be > 0")
+        require(self.grace_s >= 0, SVC, "grace_s", "must be >= 0")
         require(self.semantic_tier in ("strict", "standard", "relaxed"), SVC, "semantic_tier",
                 "must be strict, standard or relaxed")
         require(self.routing_policy in ("prefix", "round_robin"), SVC, "routing_policy",
