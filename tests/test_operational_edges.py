@@ -138,3 +138,15 @@ def test_non_finite_or_negative_durations_are_refused_at_start(service, cls_path
     env = f"TIERCACHE_{service.upper()}_{var}"
     with pytest.raises(ConfigError, match=env):
         load_config(cls, service, [], {env: value})
+
+
+@pytest.mark.parametrize(("service", "cls_path", "var", "value"), [
+    ("prefix", "services.prefix.config:PrefixConfig", "METRICS_PORT", "99999"),
+    ("semantic", "services.semantic.config:SemanticConfig", "METRICS_PORT", "70000"),
+    ("kvpool", "services.kvpool.config:KvPoolConfig", "METRICS_PORT", "65536"),
+    ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "METRICS_PORT", "99999"),
+    ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "TOKENS", "abc"),
+])
+def test_settings_that_used_to_fail_after_start_are_refused_at_load(service, cls_path, var,
+                                                                     value):
+    test_non_finite_or_negative_durations_are_refused_at_start(service, cls_path, var, value)

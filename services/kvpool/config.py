@@ -86,7 +86,8 @@ class KvPoolConfig:
         require(self.max_waiting >= 0, s, "max_waiting", "must be >= 0")
         require(bool(self.replica_id.strip()), s, "replica_id", "must not be empty")
         require(":" in self.address, s, "address", "must be host:port")
-        require(self.metrics_port >= -1, s, "metrics_port", "must be -1 (off), 0 or a port")
+        require(-1 <= self.metrics_port <= 65535, s, "metrics_port",
+                "must be -1 (off), 0 or a port")
         require(self.heartbeat_seconds > 0, s, "heartbeat_seconds", "must be > 0")
         require(self.publish_interval_seconds > 0, s, "publish_interval_seconds", "must be > 0")
         require(self.eviction_policy in ("hybrid", "lru"), s, "eviction_policy",

@@ -78,6 +78,12 @@ class OrchestratorConfig:
     grace_s: float = 10.0
 
     def validate(self) -> None:
+        require(-1 <= self.metrics_port <= 65535, SVC, "metrics_port",
+                "must be -1 (off), 0 or a port")
+        for pair in filter(None, (p.strip() for p in self.tokens.split(","))):
+            tok, sep, name = pair.partition("=")
+            require(bool(sep and tok and name), SVC, "tokens",
+                    "expected token=tenant,... (a pair lacks its '=' or a side)")
         require(bool(self.kvpool_addresses), SVC, "kvpool_addresses", "at least one replica")
         require(self.block_size > 0, SVC, "block_size", "must be > 0")
         require(0 < self.default_max_tokens <= self.max_tokens_limit, SVC, "default_max_tokens",

@@ -30,7 +30,8 @@ class PrefixConfig:
     def validate(self) -> None:
         svc = "prefix"
         require(":" in self.address, svc, "address", "expected host:port")
-        require(self.metrics_port >= -1, svc, "metrics_port", "must be >= -1")
+        require(-1 <= self.metrics_port <= 65535, svc, "metrics_port",
+                "must be -1 (off), 0 or a port")
         require(self.block_size > 0, svc, "block_size", "must be > 0")
         require(self.lease_seconds > 0, svc, "lease_seconds", "must be > 0")
         require(self.max_nodes > 0, svc, "max_nodes", "must be > 0")

@@ -94,7 +94,7 @@ class SemanticConfig:
         """Raises ConfigError naming the variable of the first bad field."""
         s = SERVICE
         require(bool(self.address), s, "address", "must not be empty")
-        require(self.metrics_port >= -1, s, "metrics_port", "must be -1 (off) or a port")
+        require(-1 <= self.metrics_port <= 65535, s, "metrics_port", "must be -1 (off) or a port")
         md = self.resolved_model_dir()
         require(bool(md) and os.path.isdir(md), s, "model_dir",
                 f"not a sentence-transformers folder: {md!r}")
