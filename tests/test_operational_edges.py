@@ -129,8 +129,14 @@ def test_sigterm_reports_not_serving_while_still_serving_for_the_drain_delay():
     ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "GRACE_S", "-1"),
     ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "PREFIX_TIMEOUT_S", "0"),
     ("kvpool", "services.kvpool.config:KvPoolConfig", "GRACE_SECONDS", "-5"),
+    # These used to fail only after the server had started.
+    ("prefix", "services.prefix.config:PrefixConfig", "METRICS_PORT", "99999"),
+    ("semantic", "services.semantic.config:SemanticConfig", "METRICS_PORT", "70000"),
+    ("kvpool", "services.kvpool.config:KvPoolConfig", "METRICS_PORT", "65536"),
+    ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "METRICS_PORT", "99999"),
+    ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "TOKENS", "abc"),
 ])
-def test_non_finite_or_negative_durations_are_refused_at_start(service, cls_path, var, value):
+def test_bad_durations_ports_and_token_lists_are_refused_at_load(service, cls_path, var, value):
     import importlib
 
     mod, name = cls_path.split(":")
@@ -138,15 +144,3 @@ def test_non_finite_or_negative_durations_are_refused_at_start(service, cls_path
     env = f"TIERCACHE_{service.upper()}_{var}"
     with pytest.raises(ConfigError, match=env):
         load_config(cls, service, [], {env: value})
-
-
-@pytest.mark.parametrize(("service", "cls_path", "var", "value"), [
-    ("prefix", "services.prefix.config:PrefixConfig", "METRICS_PORT", "99999"),
-    ("semantic", "services.semantic.config:SemanticConfig", "METRICS_PORT", "70000"),
-    ("kvpool", "services.kvpool.config:KvPoolConfig", "METRICS_PORT", "65536"),
-    ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "METRICS_PORT", "99999"),
-    ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "TOKENS", "abc"),
-])
-def test_settings_that_used_to_fail_after_start_are_refused_at_load(service, cls_path, var,
-                                                                     value):
-    test_non_finite_or_negative_durations_are_refused_at_start(service, cls_path, var, value)
