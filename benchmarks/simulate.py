@@ -483,7 +483,8 @@ class Cluster:
 
     def _set_load(self, i: int) -> None:
         r = self.replicas[i]
-        self.views[i] = ReplicaView(r.rid, r.load, r.pool.free + r.pool.unref)
+        # Truly free blocks, as kvpool's Stats reports them (cached ones are not free).
+        self.views[i] = ReplicaView(r.rid, r.load, r.pool.free)
 
     def _publish(self, i: int, events: list) -> None:
         if not events or not self.keep_index:

@@ -144,3 +144,14 @@ def test_bad_durations_ports_and_token_lists_are_refused_at_load(service, cls_pa
     env = f"TIERCACHE_{service.upper()}_{var}"
     with pytest.raises(ConfigError, match=env):
         load_config(cls, service, [], {env: value})
+
+
+def test_a_bad_drain_delay_fails_the_start_not_the_shutdown(monkeypatch):
+    from services.common.bootstrap import run_until_signal
+
+    monkeypatch.setenv("TIERCACHE_DRAIN_DELAY_S", "5s")
+    stopped = []
+    handle = SimpleNamespace(stop=lambda grace: stopped.append(grace), service="x")
+    with pytest.raises(ConfigError, match="TIERCACHE_DRAIN_DELAY_S"):
+        run_until_signal(handle)  # raises before it waits for a signal
+    assert stopped == []

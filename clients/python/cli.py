@@ -87,11 +87,11 @@ def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
     if not resp.results:
         if a.system:
             sys.stderr.write("nothing was warmed: no healthy replica (or owner) to warm\n")
-            return 1
-        # Only --top-k: every hot prefix of this tenant is already where it should be (or
-        # there is no prefix index to ask). Nothing to do is not a failure.
-        sys.stderr.write("nothing to warm: the hot prefixes are already held where asked\n")
-        return 0
+        else:
+            # The reply does not say which: nothing to do, or nobody to do it.
+            sys.stderr.write("nothing was warmed: the hot prefixes are already held where asked, "
+                             "or no healthy replica or prefix index is available\n")
+        return 1
     return 0 if all(not r.error for r in resp.results) else 1
 
 

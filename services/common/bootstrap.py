@@ -334,11 +334,11 @@ def run_until_signal(handle: ServerHandle, grace: float = 10.0,
         log.info("signal %d: draining (grace %.1fs)", signum, grace)
         stop.set()
 
+    delay = drain_delay_from_env()  # read now: a bad value fails the start, not the shutdown
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
     while not stop.wait(1.0):
         pass
-    delay = drain_delay_from_env()
     if delay > 0:
         # Health says NOT_SERVING while requests are still served: Kubernetes takes a pod out
         # of its endpoints asynchronously, and clients still sent here meanwhile must not be

@@ -35,8 +35,7 @@ _NUMBER_WORDS = {
     "once": "1x", "twice": "2x", "half": "0.5", "double": "2x", "triple": "3x",
 }
 _NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "nowhere",
-              "without", "cannot", "n't", "t",  # "t" = the tail of don't/isn't/can't
-              "non"}  # "non-smoking": the hyphen splits it off
+              "without", "cannot", "n't", "t"}  # "t" = the tail of don't/isn't/can't
 _STOP_CAPS = {"i", "i'm", "i've", "i'd", "i'll", "what", "how", "why", "when", "where", "who",
               "which", "is", "are", "can", "do", "does", "the", "a", "an", "in", "on", "if"}
 
@@ -56,6 +55,8 @@ _BARE_NOT = re.compile(r"\b(do|does|did|is|are|was|were|ca|could|should|would|wo
 
 def _tokens(text: str) -> list[str]:
     text = text.replace("\u2019", "'")
+    # "non-stop" and "nonstop" are one word (and "non-smoking" the opposite of "smoking").
+    text = re.sub(r"\b([Nn]on)-(?=[A-Za-z])", r"\1", text)
     text = _BARE_NOT.sub(lambda m: m.group(1) + "n't", text).replace("n't", " n't")
     return re.findall(r"n't|[A-Za-z0-9]+(?:[.,][0-9]+)*|[^\sA-Za-z0-9]", text)
 
@@ -82,6 +83,14 @@ def _negated(words: list[str]) -> bool:
 # Prefixes that turn a word into its opposite, and the shortest stem taken as a word.
 _NEG_PREFIXES = ("non", "dis", "un", "in", "im", "il", "ir")
 _MIN_STEM = 4
+# Words that only look like prefix + stem: "intake" is not "not take".
+_NOT_OPPOSITES = {
+    "intake", "income", "input", "inside", "insight", "install", "instance", "inform", "invest",
+    "increase", "include", "indoor", "inroad", "index", "interest", "intend", "invent", "involve",
+    "import", "impact", "impress", "improve", "impose", "imprint", "discover", "display",
+    "disease", "discuss", "dismiss", "dispose", "dispatch", "distance", "district", "discharge",
+    "disclose", "dissolve", "universe", "unite", "united", "union", "irate", "illustrate",
+}
 
 
 def _opposite(a: set[str], b: set[str]) -> str:
@@ -89,6 +98,8 @@ def _opposite(a: set[str], b: set[str]) -> str:
     "word/prefixword"; "" when there is none."""
     for x, y in ((a, b), (b, a)):
         for w in x - y:
+            if w in _NOT_OPPOSITES:
+                continue
             for p in _NEG_PREFIXES:
                 stem = w[len(p):].lstrip("-")
                 if w.startswith(p) and len(stem) >= _MIN_STEM and stem in y and stem not in x:

@@ -35,7 +35,7 @@ TRAPS = [
      "Is it impossible to travel faster than light?", "opposite"),
     ("Why do people like Mondays?", "Why do people dislike Mondays?", "opposite"),
     ("Which restaurants have smoking areas?", "Which restaurants have non-smoking areas?",
-     "negation"),
+     "opposite"),
     # different entities
     ("What are good reasons to vote for Trump?", "What are good reasons to vote for Clinton?",
      "entities"),
@@ -60,6 +60,14 @@ PARAPHRASES = [
     ("How do I improve my English?", "What can I do to improve my English?"),
     ("How do I install Python on Windows?", "How can I install Python on Windows?"),
     ("Is it illegal to drive without insurance?", "Is driving without insurance illegal?"),
+    # prefixed words that are not opposites, and hyphen variants
+    ("How much protein should I take per day?", "What should my daily protein intake be?"),
+    ("What topics does the course cover?", "What topics will I discover in the course?"),
+    ("How do I play a video from my phone on my TV?",
+     "How do I display a video from my phone on my TV?"),
+    ("Are there non-stop flights to Paris?", "Are there nonstop flights to Paris?"),
+    ("How do I start a non-profit?", "How do I start a nonprofit?"),
+    ("Does the hotel have non-smoking rooms?", "Does the hotel have smoke-free rooms?"),
 ]
 
 
