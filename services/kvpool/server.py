@@ -14,6 +14,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from services.common import errors
 from services.common.hashing import check_salt
+from services.common.tokens import validate_stop_ids, validate_tokens
 from services.kvpool.config import KvPoolConfig
 from services.kvpool.engine import (
     EngineRequest,
@@ -36,19 +37,6 @@ _LAST_WAIT_S = 30.0  # for the Finished that follows a last token (queued in the
 _POLL_S = 0.1
 
 
-def validate_tokens(field: str, ids, vocab: int, *, allow_empty: bool = False) -> list[int]:
-    """Token ids as a list; raise InvalidArgument naming `field` if empty or out of the vocab."""
-    out = list(ids)
-    if not out and not allow_empty:
-        raise errors.InvalidArgument(field, "must not be empty")
-    bad = next((t for t in out if t >= vocab), None)
-    if bad is not None:
-        raise errors.InvalidArgument(field, f"token id {bad} is outside the vocabulary (< {vocab})")
-    return out
-
-
-# Stop token ids one request may give.
-MAX_STOP_TOKEN_IDS = 256
 
 def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int) -> SamplingSpec:
     """Validate SamplingParams into a SamplingSpec (InvalidArgument names the field)."""
@@ -61,10 +49,7 @@ def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int) -> Samp
     top_p = sp.top_p if sp.top_p != 0 else 1.0
     if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
         raise errors.InvalidArgument("sampling.top_p", "must be in (0, 1]")
-    if len(sp.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise errors.InvalidArgument("sampling.stop_token_ids",
-                                     f"more than {MAX_STOP_TOKEN_IDS} ids")
-    stops = validate_tokens("sampling.stop_token_ids", sp.stop_token_ids, vocab, allow_empty=True)
+    stops = validate_stop_ids(sp.stop_token_ids, vocab)
     return SamplingSpec(sp.max_tokens, float(sp.temperature), float(top_p), int(sp.seed),
                         frozenset(stops), bool(sp.ignore_eos))
 

@@ -22,6 +22,7 @@ from tiercache.v1 import (
 
 from services.common import errors
 from services.common.grpc_client import call_metadata
+from services.common.tokens import validate_stop_ids
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling
 from services.orchestrator.render import Message
@@ -30,8 +31,6 @@ from services.orchestrator.tenants import TenantRegistry
 log = logging.getLogger(__name__)
 
 
-# Stop token ids one request may give (kvpool applies the same limit).
-MAX_STOP_TOKEN_IDS = 256
 
 def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig,
                    vocab_size: int | None = None) -> Sampling:
@@ -51,14 +50,8 @@ def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig,
     top_p = s.top_p if s.top_p != 0.0 else 1.0
     if not 0.0 < top_p <= 1.0:
         raise errors.InvalidArgument("sampling.top_p", f"must be in (0, 1], got {s.top_p}")
-    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise errors.InvalidArgument("sampling.stop_token_ids",
-                                     f"more than {MAX_STOP_TOKEN_IDS} ids")
-    if vocab_size is not None:
-        bad = [t for t in s.stop_token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise errors.InvalidArgument("sampling.stop_token_ids",
-                                         f"{bad[0]} is outside the vocabulary [0, {vocab_size})")
+    # The replicas' own check, before any tier runs (count only when the vocabulary is unknown).
+    validate_stop_ids(s.stop_token_ids, math.inf if vocab_size is None else vocab_size)
     return Sampling(max_tokens, float(s.temperature), float(top_p), int(s.seed),
                     tuple(s.stop_token_ids), bool(s.ignore_eos))
 
