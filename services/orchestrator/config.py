@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from services.common.config import require
+from services.orchestrator.tenants import parse_token_pairs
 
 SVC = "orchestrator"
 
@@ -80,9 +81,10 @@ class OrchestratorConfig:
     def validate(self) -> None:
         require(-1 <= self.metrics_port <= 65535, SVC, "metrics_port",
                 "must be -1 (off), 0 or a port")
-        for pair in filter(None, (p.strip() for p in self.tokens.split(","))):
-            tok, sep, name = pair.partition("=")
-            require(bool(sep and tok and name), SVC, "tokens",
+        try:
+            parse_token_pairs(self.tokens)
+        except ValueError:
+            require(False, SVC, "tokens",
                     "expected token=tenant,... (a pair lacks its '=' or a side)")
         require(bool(self.kvpool_addresses), SVC, "kvpool_addresses", "at least one replica")
         require(self.block_size > 0, SVC, "block_size", "must be > 0")

@@ -27,6 +27,21 @@ from services.common.errors import (
 )
 
 
+def parse_token_pairs(tokens: str) -> dict[str, str]:
+    """`TIERCACHE_ORCHESTRATOR_TOKENS` ("token=tenant,...") as token -> tenant.
+
+    Raises:
+        ValueError: a pair lacks its '=' or a side.
+    """
+    out: dict[str, str] = {}
+    for pair in filter(None, (p.strip() for p in tokens.split(","))):
+        tok, sep, name = pair.partition("=")
+        if not sep or not tok or not name:
+            raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: expected token=tenant,...")
+        out[tok] = name
+    return out
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
@@ -75,10 +90,7 @@ class TenantRegistry:
                 raise ValueError(f"{tokens_file}: expected a JSON object of token -> tenant")
             for tok, spec in data.items():
                 entries[tok] = spec if isinstance(spec, Mapping) else {"tenant": str(spec)}
-        for pair in filter(None, (p.strip() for p in tokens.split(","))):
-            tok, sep, name = pair.partition("=")
-            if not sep or not tok or not name:
-                raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: expected token=tenant,...")
+        for tok, name in parse_token_pairs(tokens).items():
             entries[tok] = {"tenant": name}
 
         def make(name: str, spec: Mapping) -> Tenant:
