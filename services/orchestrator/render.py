@@ -36,19 +36,24 @@ class RenderedPrompt:
     continues: bool = False
 
 
+def _check_message(field: str, m: Message, max_chars: int, *, allow_empty: bool) -> None:
+    """One message's role, content and length; InvalidArgument names `field`.role/.content."""
+    if m.role not in ROLES:
+        raise InvalidArgument(f"{field}.role",
+                              f"unknown role {m.role!r}; expected one of {', '.join(ROLES)}")
+    if not allow_empty and not m.content.strip():
+        raise InvalidArgument(f"{field}.content", "must not be empty")
+    if len(m.content) > max_chars:
+        raise InvalidArgument(f"{field}.content",
+                              f"longer than the limit of {max_chars} characters")
+
+
 def validate_messages(messages: Sequence[Message], max_chars: int) -> None:
     """Raises InvalidArgument naming the first bad field."""
     if not messages:
         raise InvalidArgument("messages", "must not be empty (or give prompt)")
     for i, m in enumerate(messages):
-        if m.role not in ROLES:
-            raise InvalidArgument(f"messages[{i}].role",
-                                  f"unknown role {m.role!r}; expected one of {', '.join(ROLES)}")
-        if not m.content.strip():
-            raise InvalidArgument(f"messages[{i}].content", "must not be empty")
-        if len(m.content) > max_chars:
-            raise InvalidArgument(f"messages[{i}].content",
-                                  f"longer than the limit of {max_chars} characters")
+        _check_message(f"messages[{i}]", m, max_chars, allow_empty=False)
     if messages[-1].role != "user":
         raise InvalidArgument(f"messages[{len(messages) - 1}].role",
                               "the last message must be from the user")
@@ -94,9 +99,5 @@ class PromptRenderer:
         if not messages:
             raise InvalidArgument(f"{field}.messages", "must not be empty (or give prompt)")
         for i, m in enumerate(messages):
-            if m.role not in ROLES:
-                raise InvalidArgument(f"{field}.messages[{i}].role", f"unknown role {m.role!r}")
-            if len(m.content) > self.max_chars:
-                raise InvalidArgument(f"{field}.messages[{i}].content",
-                                      f"longer than the limit of {self.max_chars} characters")
+            _check_message(f"{field}.messages[{i}]", m, self.max_chars, allow_empty=True)
         return self.encode(self.render_text(messages, add_generation_prompt=False))
