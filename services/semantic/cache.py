@@ -35,7 +35,9 @@ from services.semantic.verifier import Verifier, VerifierModel
 log = logging.getLogger(__name__)
 
 _HEX = re.compile(r"[0-9a-fA-F]*")
-_CANDIDATES = 4  # neighbours checked when the best one is refused by the guard
+_CANDIDATES = 4  # neighbours fetched first; more (x4 each round) while they could still hit
+_MAX_CANDIDATES = 256  # at most this many neighbours per lookup (each refusal costs a check)
+_DROP_CHUNK = 1000  # entries removed from memory per hold of the cache lock
 
 
 class Embedder(Protocol):
@@ -234,25 +236,37 @@ class SemanticCache:
         rejected, reason = False, ""
         # Below the verified threshold (the lowest any entry is held to) nothing can be a hit.
         lowest = self.policy.threshold_for(resolved, True)
-        for nb in index.search(vec, _CANDIDATES):
-            e = self._entries.get(nb.label)
-            if e is None or e.expired(now):
-                continue
-            sim = min(1.0, nb.score)
-            decision = self.policy.decide(sim, resolved, e.verified)
-            if best is None:
-                best, best_sim, best_th = e, sim, decision.threshold
-            if decision.outcome is not Outcome.HIT:
-                if sim < lowest - 1e-6:
-                    break  # results are sorted: nothing further can be a hit
-                continue  # a verified entry further down may still be one
-            refusal = self._second_opinion(text, e.prompt, sim, resolved.tier)
-            if refusal:
-                if not rejected:
-                    rejected, reason = True, refusal
-                continue
-            return LookupResult(True, self._touch(e, now), sim, decision.threshold,
-                                resolved.tier, rejected, reason)
+        # Entries that cannot be served (expired but not yet removed, unverified near-misses
+        # above the verified threshold, refused by the verifier or guard) must not hide one
+        # further down that can: fetch more neighbours until similarity drops below `lowest`.
+        k, seen, done = _CANDIDATES, set(), False
+        while not done:
+            found = index.search(vec, k)
+            for nb in found:
+                if nb.label in seen:
+                    continue
+                seen.add(nb.label)
+                e = self._entries.get(nb.label)
+                if e is None or e.expired(now):
+                    continue
+                sim = min(1.0, nb.score)
+                decision = self.policy.decide(sim, resolved, e.verified)
+                if best is None:
+                    best, best_sim, best_th = e, sim, decision.threshold
+                if decision.outcome is not Outcome.HIT:
+                    if sim < lowest - 1e-6:
+                        done = True  # results are sorted: nothing further can be a hit
+                        break
+                    continue  # a verified entry further down may still be one
+                refusal = self._second_opinion(text, e.prompt, sim, resolved.tier)
+                if refusal:
+                    if not rejected:
+                        rejected, reason = True, refusal
+                    continue
+                return LookupResult(True, self._touch(e, now), sim, decision.threshold,
+                                    resolved.tier, rejected, reason)
+            done = done or len(found) < k or k >= _MAX_CANDIDATES
+            k *= 4
         draft = None
         if want_draft and best is not None and best_sim >= self.policy.draft_floor:
             draft = best
@@ -465,9 +479,17 @@ class SemanticCache:
         with self._lock:
             labels = list(self._ns_lru.get(ns, ()))
         self.store.delete(labels)
-        with self._lock:
-            n = sum(1 for lab in labels if self._drop_locked(lab) is not None)
-            self._m["entries"].set(len(self._entries))
+        return self._drop_in_chunks(labels)
+
+    def _drop_in_chunks(self, labels: list[int]) -> int:
+        """Drops `labels` from memory (already deleted from SQLite), a chunk per lock hold:
+        every lookup takes this lock to record itself, and 100k removals take about a second."""
+        n = 0
+        for i in range(0, len(labels), _DROP_CHUNK):
+            with self._lock:
+                n += sum(1 for lab in labels[i:i + _DROP_CHUNK]
+                         if self._drop_locked(lab) is not None)
+                self._m["entries"].set(len(self._entries))
         return n
 
     def expire(self) -> int:
@@ -487,13 +509,17 @@ class SemanticCache:
                 labels.append(lab)
             elif at < nxt:
                 nxt = at
+        try:
+            self.store.delete(labels)
+        except BaseException:
+            with self._lock:
+                self._next_expiry = 0.0  # nothing was removed: scan again next time
+            raise
         with self._lock:
             self._next_expiry = min(nxt, self._added_min)
-        self.store.delete(labels)
+        n = self._drop_in_chunks(labels)
         with self._lock:
-            n = sum(1 for lab in labels if self._drop_locked(lab) is not None)
             self._expired += n
-            self._m["entries"].set(len(self._entries))
         self._m["expirations"].inc(n)
         return n
 
@@ -504,32 +530,34 @@ class SemanticCache:
         capacity limits are applied (least recently used go first).
         """
         now = self.clock()
-        newest: dict[tuple[Namespace, str], tuple[Entry, np.ndarray]] = {}
-        stale: list[int] = []
+        # Two rows of one prompt: a replacing Store that crashed between committing the new row
+        # and deleting the old one. The newer answer stands, expired or not (an expired newer
+        # answer must not bring back the one it replaced). Labels grow in commit order, which
+        # a wall-clock step cannot reorder as it could `created_at`.
+        newest: dict[tuple[Namespace, str], Row] = {}
         replaced: list[int] = []
         for rows in self.store.iter_all():
-            stale += [r.label for r in rows if self._expired_row(r, now)]
-            rows = [r for r in rows if not self._expired_row(r, now)]
-            self._reembed(rows)
             for r in rows:
-                ns = Namespace(r.tenant, r.model_id, r.context_hash)
-                e = Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
-                          r.last_hit_at, r.hit_count, r.ttl_seconds, r.truncated)
-                # Two rows of one prompt: a replacing Store that crashed between committing the
-                # new row and deleting the old one. The newer answer stands.
-                prev = newest.get((ns, r.prompt))
-                if prev is None or (prev[0].created_at, prev[0].label) < (e.created_at, e.label):
+                key = (Namespace(r.tenant, r.model_id, r.context_hash), r.prompt)
+                prev = newest.get(key)
+                if prev is None or prev.label < r.label:
                     if prev is not None:
-                        replaced.append(prev[0].label)
-                    newest[(ns, r.prompt)] = (e, r.embedding)
+                        replaced.append(prev.label)
+                    newest[key] = r
                 else:
-                    replaced.append(e.label)
-        groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
-        for e, vec in newest.values():
-            es, vs = groups.setdefault(e.namespace, ([], []))
-            es.append(e)
-            vs.append(vec)
+                    replaced.append(r.label)
+        stale = [r.label for r in newest.values() if self._expired_row(r, now)]
+        live = [r for r in newest.values() if not self._expired_row(r, now)]
         del newest
+        self._reembed(live)
+        groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
+        for r in live:
+            ns = Namespace(r.tenant, r.model_id, r.context_hash)
+            es, vs = groups.setdefault(ns, ([], []))
+            es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
+                            r.last_hit_at, r.hit_count, r.ttl_seconds, r.truncated))
+            vs.append(r.embedding)
+        del live
         self.store.delete(stale + replaced)
         with self._lock:
             for ns, (es, vs) in groups.items():
@@ -551,8 +579,12 @@ class SemanticCache:
             victims += self._global_excess_locked(victims)
             for lab in victims:
                 self._drop_locked(lab)
+            self._evicted += len(victims)
+            self._expired += len(stale)
             self._next_expiry = 0.0  # loaded entries were not added one by one: scan next time
             self._m["entries"].set(len(self._entries))
+        self._m["evictions"].inc(len(victims))
+        self._m["expirations"].inc(len(stale))
         self.store.delete(victims)
         log.info("loaded %d entries in %d namespaces (%d expired, %d over capacity, %d replaced "
                  "by a newer answer to the same prompt)", len(self._entries), len(self._indexes),

@@ -161,7 +161,7 @@ class NamespaceIndex:
 
     def _needs_merge_locked(self) -> bool:
         snap = self._snap
-        return (snap.count[0] >= self.params.delta_capacity * 3 // 4
+        return (snap.count[0] >= max(1, self.params.delta_capacity * 3 // 4)
                 or self._too_many_dead_locked())
 
     def _maybe_merge_locked(self) -> None:

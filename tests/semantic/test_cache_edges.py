@@ -1,0 +1,253 @@
+"""SemanticCache edge cases that need exact similarities: a fake embedder with chosen vectors.
+
+The cache's candidate loop, expiry and load are pure logic over the vectors they are given,
+so these tests place entries at exact cosines instead of hunting for sentences that land there.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from services.semantic import cache as cache_mod
+from services.semantic.cache import Namespace, SemanticCache
+from services.semantic.index import IndexParams, NamespaceIndex
+from services.semantic.store import EntryStore
+
+DIM = 16
+A = Namespace("tenant-a", "smollm2", "")
+B = Namespace("tenant-b", "smollm2", "")
+
+
+class FixedEmbedder:
+    """Each text's vector is given by the test (or derived from its hash)."""
+
+    name = identity = "fixed@test"
+    dim = DIM
+
+    def __init__(self) -> None:
+        self.fixed: dict[str, np.ndarray] = {}
+
+    def at(self, text: str, cos: float, axis: int) -> None:
+        """Places `text` at cosine `cos` to the query direction e0, off along `axis`."""
+        v = np.zeros(DIM, np.float32)
+        v[0], v[axis] = cos, np.sqrt(1.0 - cos * cos)
+        self.fixed[text] = v
+
+    def embed_one(self, text: str) -> np.ndarray:
+        if text in self.fixed:
+            return self.fixed[text]
+        rng = np.random.default_rng(abs(hash(text)) % 2**32)
+        v = rng.standard_normal(DIM).astype(np.float32)
+        v[0] = 0.0  # far from the query direction
+        return v / np.linalg.norm(v)
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return (np.stack([self.embed_one(t) for t in texts]) if texts
+                else np.zeros((0, DIM), np.float32))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def emb() -> FixedEmbedder:
+    e = FixedEmbedder()
+    e.at("query", 1.0, 1)
+    return e
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def make_cache(make_cfg, emb, clock):
+    made = []
+
+    def make(**kw) -> SemanticCache:
+        kw.setdefault("guard_tiers", ())
+        kw.setdefault("verifier_tiers", ())
+        cfg = make_cfg(**kw)
+        c = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+        c.load()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close_indexes()
+        c.store.close()
+
+
+def test_expired_neighbours_do_not_hide_a_live_hit(make_cache, emb, clock):
+    """Four nearer entries past their TTL, not yet removed by the housekeeper, sit in front of
+    a live one at 0.98: the lookup must look past them."""
+    c = make_cache()
+    for i in range(4):
+        emb.at(f"short-lived {i}", 0.999 - 0.001 * i, 2 + i)
+        c.store_entry(A, f"short-lived {i}", f"old {i}", ttl_seconds=60)
+    emb.at("long-lived", 0.98, 8)
+    c.store_entry(A, "long-lived", "live answer", ttl_seconds=3600)
+    clock.now += 61
+    r = c.lookup(A, "query", tier="relaxed")
+    assert r.hit and r.entry.answer == "live answer"
+    assert r.similarity == pytest.approx(0.98, abs=1e-4)
+
+
+def test_unverified_near_misses_do_not_hide_a_verified_hit(make_cache, emb):
+    """Standard tier: 0.95, or 0.93 for a verified entry. Four unverified entries between the
+    two thresholds come first; the verified one at 0.94 behind them is a hit."""
+    c = make_cache()
+    for i in range(4):
+        emb.at(f"unverified {i}", 0.948 - 0.002 * i, 2 + i)
+        c.store_entry(A, f"unverified {i}", f"draft {i}")
+    emb.at("verified", 0.94, 8)
+    e = c.store_entry(A, "verified", "checked answer", verified=True)
+    r = c.lookup(A, "query", tier="standard", want_draft=True)
+    assert r.hit and r.entry.id == e.id
+    c.verify(e.id, False)
+    r = c.lookup(A, "query", tier="standard", want_draft=True)
+    assert not r.hit and r.entry.answer == "draft 0"  # the nearest one, as a draft
+
+
+def test_a_lookup_stops_fetching_once_nothing_further_can_hit(make_cache, emb, monkeypatch):
+    """Neighbours are fetched in growing rounds only while they could still be hits."""
+    c = make_cache()
+    for i in range(6):
+        emb.at(f"near miss {i}", 0.90 - 0.01 * i, 2 + i)
+        c.store_entry(A, f"near miss {i}", f"a {i}")
+    asked: list[int] = []
+    index = c.index_of(A)
+    real = index.search
+    monkeypatch.setattr(index, "search", lambda vec, k=1: asked.append(k) or real(vec, k))
+    r = c.lookup(A, "query", tier="standard", want_draft=True)
+    assert not r.hit and r.entry.answer == "a 0"
+    assert asked == [cache_mod._CANDIDATES]  # 0.90 < 0.93: the first round settles it
+
+
+def test_a_failed_expiry_delete_is_retried_on_the_next_tick(make_cache, emb, clock,
+                                                           monkeypatch):
+    c = make_cache()
+    for i in range(3):
+        c.store_entry(A, f"question {i}", f"answer {i}", ttl_seconds=60)
+    c.store_entry(A, "kept", "kept answer", ttl_seconds=86_400)
+    clock.now += 61
+    real = c.store.delete
+    calls = {"n": 0}
+
+    def failing_once(labels):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise OSError("disk full")
+        return real(labels)
+
+    monkeypatch.setattr(c.store, "delete", failing_once)
+    with pytest.raises(OSError):
+        c.expire()
+    assert c.stats().entries == 4
+    assert c.expire() == 3
+    assert c.stats().entries == 1 and c.store.count() == 1
+    c.check_integrity()
+
+
+def test_load_does_not_bring_back_an_answer_replaced_by_one_that_expired(
+        make_cache, make_cfg, emb, clock):
+    """A replacing Store killed between committing its row and deleting the old one; by the
+    restart the newer row has expired. The older answer was replaced: it must not return."""
+    c = make_cache()
+    q = "How long does a passport renewal take?"
+    emb.at(q, 1.0, 1)
+    c.store_entry(A, q, "Six weeks.", ttl_seconds=86_400)
+    clock.now += 5
+    c.store.insert(id="crashed-replacement", tenant=A.tenant, model_id=A.model_id,
+                   context_hash=A.context_hash, prompt=q, answer="Ten weeks.",
+                   embedding=emb.embed_one(q), embed_model=c._embed_id, verified=False,
+                   created_at=clock.now, ttl_seconds=60)
+    c.store.close()
+    clock.now += 120
+    cfg = make_cfg(guard_tiers=(), verifier_tiers=())
+    again = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        assert again.load() == 0
+        r = again.lookup(A, q, want_draft=True)
+        assert not r.hit and r.entry is None
+        assert again.store.count() == 0
+    finally:
+        again.store.close()
+
+
+def test_load_counts_what_it_evicts_and_expires(make_cache, make_cfg, emb, clock):
+    c = make_cache()
+    c.store_entry(A, "expiring", "x", ttl_seconds=60)
+    for i in range(3):
+        c.store_entry(A, f"question {i}", f"answer {i}", ttl_seconds=86_400)
+    c.store.close()
+    clock.now += 61
+    cfg = make_cfg(guard_tiers=(), verifier_tiers=(), max_entries_per_namespace=2)
+    again = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        assert again.load() == 2
+        s = again.stats()
+        assert (s.evictions_total, s.expirations_total) == (1, 1)
+    finally:
+        again.store.close()
+
+
+def test_invalidating_a_large_namespace_lets_lookups_through_between_chunks(
+        make_cache, emb, monkeypatch):
+    """Removing a namespace's entries from memory takes the cache lock a chunk at a time, so a
+    lookup elsewhere waits for one chunk, not for the whole namespace."""
+    c = make_cache()
+    for i in range(200):
+        c.store_entry(A, f"question {i}", f"answer {i}")
+    emb.at("other", 0.99, 2)
+    c.store_entry(B, "other", "other answer")
+    monkeypatch.setattr(cache_mod, "_DROP_CHUNK", 20, raising=False)
+    started = threading.Event()
+    real = c._drop_locked
+
+    def slow_drop(label):
+        started.set()
+        time.sleep(0.005)  # 200 removals: about 1 s in all, 0.1 s per chunk
+        return real(label)
+
+    monkeypatch.setattr(c, "_drop_locked", slow_drop)
+    t = threading.Thread(target=c.invalidate_namespace, args=(A,))
+    t.start()
+    try:
+        assert started.wait(10)
+        r = c.lookup(B, "query", tier="relaxed")
+        still_invalidating = t.is_alive()
+    finally:
+        t.join(30)
+    assert r.hit and r.entry.answer == "other answer"
+    assert still_invalidating, "the lookup waited for the whole invalidation"
+    assert c.stats().entries == 1
+    c.check_integrity()
+
+
+def test_a_delta_capacity_of_one_merges_and_then_rests():
+    """3/4 of a capacity of 1 rounds to 0: the merge loop must not take "0 rows >= 0" as work
+    left and rebuild forever."""
+    idx = NamespaceIndex(IndexParams(DIM, delta_capacity=1))
+    v = np.zeros(DIM, np.float32)
+    v[0] = 1.0
+    idx.add(1, v)
+    end = time.monotonic() + 10
+    while idx.merging and time.monotonic() < end:
+        time.sleep(0.02)
+    try:
+        assert not idx.merging
+        assert idx.search(v, 1)[0].label == 1
+    finally:
+        idx.close(5)
