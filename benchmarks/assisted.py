@@ -1,43 +1,54 @@
 """Cache-assisted generation: a near-miss's answer as a draft the model only verifies.
 
 Workload (the issue's): near-miss pairs from `../shared/data/qqp_val.csv` duplicates
-(is_duplicate = 1). A pair is a near-miss as the semantic tier sees it: the cosine similarity of
-question A and paraphrase B under the tier's embedder (all-MiniLM-L6-v2 through ONNX Runtime,
-`services/semantic/embedder.py`) lies in the upper part of the draft band, [0.90, 0.95): at or
-above the draft floor (0.80) and below the standard tier's hit threshold (0.95), so B gets A's
-answer as a draft, not as a hit. Pairs are taken in file order until `--candidates` are found.
+(is_duplicate = 1), run through the served path: a loopback stack of real processes (semantic,
+prefix, one kvpool replica, orchestrator; `services/launcher.py`).
 
-Each candidate's question A is answered by SmolLM2 (greedy, up to 128 tokens) through a real
-kvpool replica over gRPC; A's answer, re-tokenized from its text as the orchestrator does, is
-the draft for B. To time enough pairs whose draft is useful, B is first answered once without a
-draft in untimed batches (8 at a time) and only pairs whose draft shares >= 50% of that answer's
-tokens are timed, plus further candidates in file order until at least `--min-timed` pairs are
-timed (so the unrelated-draft figure also covers drafts that share little). Each timed pair runs
-B at batch 1 without a draft, with A's draft and with an unrelated draft (another candidate's
-answer), rotating the order, with the prefix cache skipped so all three compute the same prompt.
-The target subset is then decided on the timed no-draft answer, as the issue defines it.
+ 1. Candidates: duplicates in file order whose cosine under the tier's embedder
+    (all-MiniLM-L6-v2 through ONNX Runtime) lies in the draft band, [draft floor 0.80,
+    standard threshold 0.95). This only saves answering pairs that cannot be near-misses;
+    the service decides.
+ 2. Each candidate's question A is answered through the orchestrator (greedy, up to 128
+    tokens, semantic lookup skipped) and, as for any greedy answer, the orchestrator stores it
+    in the semantic tier. All pairs share one namespace (default tenant, no system prompt),
+    so B's lookup searches every stored answer.
+ 3. Paraphrase B is asked through the orchestrator in the standard tier with its answer not
+    stored and the prefix cache skipped (every run computes the same prompt). B is a near-miss
+    when the tier hands the orchestrator a draft (the CacheReport names an entry and it is not
+    a hit); hits and B's without a draft are counted and left out. One untimed run per B,
+    8 at a time, gives B's greedy answer and its draft entry.
+ 4. Timed, at batch 1, rotating the order: B through the orchestrator without the draft
+    (`skip_draft`) and with it (the entry the tier chose, re-tokenized by the orchestrator);
+    and, because the orchestrator cannot be told which draft to use, B on the replica directly
+    without a draft and with an unrelated draft (another pair's answer). Only pairs whose
+    screening share is >= 50% are timed, plus further near-miss pairs in file order until
+    at least `--min-timed` are timed (so the unrelated-draft figure also covers drafts that
+    share little). The target subset is decided on the timed no-draft answer.
 
 Figures (ratios are measured within one run; the machine is shared and noisy):
-  decode_speedup            sum of B's wall time without draft / with draft (request start to
-                            final message), over timed pairs whose A answer shares >= 50% of
-                            B's tokens (multiset overlap)
-  forward_passes_per_token  decode forwards / generated tokens of B with the draft (same pairs)
-  acceptance_rate           accepted / proposed tokens (same pairs)
-  draft_coverage            tokens proposed from A's answer and accepted / generated tokens
+  decode_speedup            sum of B's wall time through the orchestrator without draft /
+                            with draft (request start to final message), over timed pairs whose
+                            draft shares >= 50% of B's tokens (multiset overlap)
+  forward_passes_per_token  decode forwards / generated tokens of B with the draft (same
+                            pairs; CacheReport.forward_passes)
+  acceptance_rate           accepted / proposed tokens as served (CacheReport), both sources;
+                            acceptance_rate_draft / _lookup split them by source
+  draft_coverage            tokens proposed from the cached answer and accepted / generated
   lookup_coverage           tokens proposed by prompt lookup (the sequence's own prompt and
                             output, used while the draft has nothing aligned) and accepted /
-                            generated tokens; the split comes from replaying the replica's
-                            pure drafting logic (`services/kvpool/drafting.py`) against the
-                            greedy answer, which must reproduce the served forward counts
-                            (`replay_matches_server`)
-  unrelated_slowdown        wall with an unrelated draft / without, over all timed pairs
+                            generated tokens; the split by source comes from replaying the
+                            replica's pure drafting logic (`services/kvpool/drafting.py`)
+                            against the greedy answer, which must reproduce the served forward
+                            and accepted counts (`replay_matches_server`)
+  unrelated_slowdown        wall with an unrelated draft / without, on the replica directly,
+                            over all timed pairs
 Context figures, computed from the greedy answers, not timed:
   forward_passes_per_token_draft_only_replayed  the same replay with prompt lookup off
   forward_passes_per_token_ngram_oracle         the best an n-gram drafter could do on these
                             pairs: after every forward it re-aligns on the longest (4..1) suffix
                             match and picks, with hindsight, the matching draft position that
                             agrees longest; proposals are free (`ngram_oracle_passes`)
-Greedy outputs with and without a draft are compared token by token (`identical_outputs`).
+Greedy outputs of all four timed runs are compared token by token (`identical_outputs`).
 
 Run: python -m benchmarks.assisted [--quick]
 """
@@ -49,13 +60,14 @@ import csv
 import os
 import platform
 import sys
+import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.kvpool import start_server, stop_server, write_result
+from benchmarks.kvpool import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -63,8 +75,8 @@ QQP = ROOT.parent / "shared" / "data" / "qqp_val.csv"
 MAX_TOKENS = 128
 MAX_DRAFT_TOKENS = 16  # the replica's default max_draft_tokens (the replay must use the same)
 SHARE_MIN = 0.5
-BAND = (0.90, 0.95)  # upper part of the draft band [draft_floor 0.80, standard threshold 0.95)
 UNTIMED_BATCH = 8
+TIER = "standard"
 
 TARGETS = {
     "decode_speedup": (">=", 2.0),
@@ -80,40 +92,64 @@ class Run:
     forward_passes: int
     proposed: int
     accepted: int
+    entry_id: str = ""  # semantic entry stored (A) or used as the draft / served (B)
+    similarity: float = 0.0
+    hit: bool = False
+    prompt_tokens: int = 0
 
 
-class Client:
-    def __init__(self, addr: str) -> None:
+class Served:
+    """The stack's orchestrator (the served path) and its one replica (the unrelated draft)."""
+
+    def __init__(self, orchestrator: str, replica: str) -> None:
         import grpc
         from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
-        self.pb, self.common = kvpool_pb2, common_pb2
-        self.channel = grpc.insecure_channel(addr)
-        self.stub = kvpool_pb2_grpc.KvPoolStub(self.channel)
+        from clients.python.client import TierCacheClient
 
-    def generate(self, ids: list[int], draft: list[int] | None = None) -> Run:
-        req = self.pb.KvGenerateRequest(
+        self.common, self.kv = common_pb2, kvpool_pb2
+        self.client = TierCacheClient(orchestrator, timeout=900)
+        self.channel = grpc.insecure_channel(replica)
+        self.replica = kvpool_pb2_grpc.KvPoolStub(self.channel)
+
+    def close(self) -> None:
+        self.client.close()
+        self.channel.close()
+
+    def ask(self, question: str, *, lookup: bool = True, store: bool = False,
+            draft: bool = True) -> Run:
+        """One request through the orchestrator, prefix cache skipped."""
+        policy = self.common.CachePolicy(
+            skip_semantic_lookup=not lookup, skip_semantic_store=not store,
+            skip_prefix_cache=True, skip_draft=not draft, semantic_tier=TIER)
+        t0 = time.perf_counter()
+        r = self.client.generate(question, max_tokens=MAX_TOKENS, cache_policy=policy,
+                                 return_token_ids=True)
+        wall = time.perf_counter() - t0
+        rep = r.report
+        return Run(r.token_ids, wall, rep.forward_passes, rep.draft_tokens_proposed,
+                   rep.draft_tokens_accepted, rep.semantic_entry_id, rep.semantic_similarity,
+                   rep.semantic_hit, r.prompt_tokens)
+
+    def direct(self, ids: list[int], draft: list[int] | None) -> Run:
+        """The same prompt on the replica itself, with a draft of our choosing."""
+        req = self.kv.KvGenerateRequest(
             token_ids=ids, draft_token_ids=draft or [], skip_prefix_cache=True,
             sampling=self.common.SamplingParams(max_tokens=MAX_TOKENS))
         t0 = time.perf_counter()
         toks: list[int] = []
         final = None
-        for msg in self.stub.Generate(req, timeout=900):
+        for msg in self.replica.Generate(req, timeout=900):
             toks.extend(msg.token_ids)
             if msg.HasField("final"):
                 final = msg.final
         wall = time.perf_counter() - t0
         assert final is not None
         return Run(toks, wall, final.forward_passes, final.draft_tokens_proposed,
-                   final.draft_tokens_accepted)
-
-    def answer_all(self, prompts: list[list[int]]) -> list[list[int]]:
-        """Untimed answers without drafts, UNTIMED_BATCH requests at a time."""
-        with ThreadPoolExecutor(UNTIMED_BATCH) as ex:
-            return [r.tokens for r in ex.map(self.generate, prompts)]
+                   final.draft_tokens_accepted, prompt_tokens=len(ids))
 
     def stats(self):
-        return self.stub.Stats(self.pb.KvStatsRequest(), timeout=10)
+        return self.client.stats()
 
 
 @dataclass
@@ -124,13 +160,13 @@ class Pair:
 
 
 def near_miss_pairs(n: int) -> tuple[list[Pair], int]:
-    """The first `n` QQP duplicates (file order) whose MiniLM cosine lies in BAND; also returns
-    how many duplicates were scanned."""
+    """The first `n` QQP duplicates (file order) whose MiniLM cosine lies in the draft band
+    [draft floor, standard threshold); also returns how many duplicates were scanned."""
     from services.semantic.config import SemanticConfig, default_cache_dir
     from services.semantic.embedder import OnnxEmbedder
 
     cfg = SemanticConfig()
-    assert cfg.draft_floor <= BAND[0] and BAND[1] <= cfg.tier_standard
+    band = (cfg.draft_floor, cfg.tier_standard)
     emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.model_name)
     dups = []
     with QQP.open(newline="") as f:
@@ -145,7 +181,7 @@ def near_miss_pairs(n: int) -> tuple[list[Pair], int]:
         b = emb.embed([q for _, q in chunk])
         for (qa, qb), cos in zip(chunk, (a * b).sum(axis=1).tolist(), strict=True):
             scanned += 1
-            if BAND[0] <= cos < BAND[1]:
+            if band[0] <= cos < band[1]:
                 out.append(Pair(qa, qb, round(cos, 4)))
                 if len(out) >= n:
                     return out, scanned
@@ -162,15 +198,18 @@ def share(draft: list[int], answer: list[int]) -> float:
 def replay(prompt: list[int], answer: list[int], draft: list[int],
            self_lookup: bool = True) -> dict[str, int]:
     """The replica's drafting logic run against a known greedy answer (greedy verification
-    accepts exactly the proposal's prefix that equals the answer): forward passes and accepted
-    tokens by source, as the engine counts them for one sequence decoded alone."""
-    from services.kvpool.drafting import Draft
+    accepts exactly the proposal's prefix that equals the answer): forward passes, and proposed
+    and accepted tokens by source, as the engine counts them for one sequence decoded alone."""
+    from services.kvpool.drafting import Draft, Source
 
     d = Draft.of(draft, self_lookup)
     gen: list[int] = []
+    proposed_lookup = 0
     passes = -1  # the first proposal rides on the prefill forward, which is not counted
     while len(gen) < len(answer):
         prop = d.propose(prompt + gen, min(MAX_DRAFT_TOKENS, MAX_TOKENS - len(gen) - 1))
+        if d.pending.source is Source.LOOKUP:
+            proposed_lookup += len(prop)
         a = 0
         while a < len(prop) and len(gen) + a < len(answer) and prop[a] == answer[len(gen) + a]:
             a += 1
@@ -179,7 +218,8 @@ def replay(prompt: list[int], answer: list[int], draft: list[int],
         passes += 1
         d.record(a)
         d.advance(emitted, gen)
-    return {"passes": passes, "accepted": d.accepted, "accepted_lookup": d.accepted_lookup}
+    return {"passes": passes, "proposed": d.proposed, "accepted": d.accepted,
+            "proposed_lookup": proposed_lookup, "accepted_lookup": d.accepted_lookup}
 
 
 def ngram_oracle_passes(answer: list[int], draft: list[int], max_n: int = 4) -> int:
@@ -212,89 +252,123 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.assisted")
     ap.add_argument("--quick", action="store_true", help="reduced run (~5 minutes)")
     ap.add_argument("--candidates", type=int, default=0,
-                    help="near-miss pairs to answer (default 10 quick / 24)")
+                    help="candidate pairs to answer (default 16 quick / 64)")
     ap.add_argument("--min-timed", type=int, default=0,
-                    help="pairs to time at least (default 3 quick / 10)")
+                    help="near-miss pairs to time at least (default 3 quick / 10)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    n = args.candidates or (10 if args.quick else 24)
+    n = args.candidates or (16 if args.quick else 64)
     min_timed = args.min_timed or (3 if args.quick else 10)
     out_path = args.out or RESULTS / ("assisted-quick.json" if args.quick else "assisted.json")
 
     from services.common.model_store import load_tokenizer, resolve_model
+    from services.launcher import Stack
+    from services.orchestrator.render import Message, PromptRenderer
 
     tok = load_tokenizer(resolve_model("smollm2").path)
+    renderer = PromptRenderer(tok)
 
-    def prompt(q: str) -> list[int]:
-        text = tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                       add_generation_prompt=True)
-        return list(tok.encode(text, add_special_tokens=False))
+    def prompt_ids(q: str) -> list[int]:  # as the orchestrator renders a one-message chat
+        return renderer.render_chat([Message("user", q)]).token_ids
 
-    def retokenize(ids: list[int]) -> list[int]:
-        return list(tok.encode(tok.decode(ids, skip_special_tokens=True),
-                               add_special_tokens=False))
+    def draft_of(answer: list[int]) -> list[int]:
+        """A's answer as the semantic tier stores it and the orchestrator re-tokenizes it."""
+        return renderer.encode(tok.decode(answer, skip_special_tokens=True).strip())
 
     t0 = time.time()
     load_avg = os.getloadavg()
     pairs, scanned = near_miss_pairs(n)
-    print(f"{len(pairs)} near-miss pairs in {BAND} among {scanned} duplicates", flush=True)
-    proc, addr = start_server(4096)
+    print(f"{len(pairs)} candidate pairs in the draft band among {scanned} duplicates",
+          flush=True)
     rows = []
-    try:
-        cli = Client(addr)
-        cli.generate(prompt("Warm-up question?"))
-        prompts_b = [prompt(p.qb) for p in pairs]
-        answers = cli.answer_all([prompt(p.qa) for p in pairs])
-        drafts = [retokenize(a) for a in answers]
-        screen = cli.answer_all(prompts_b)
-        t_untimed = time.time() - t0
-        shares = [share(d, b) for d, b in zip(drafts, screen, strict=True)]
-        timed = [i for i, s in enumerate(shares) if s >= SHARE_MIN]
-        timed += [i for i in range(len(pairs)) if i not in timed][:max(0, min_timed - len(timed))]
-        print(f"untimed answers done in {t_untimed:.0f} s; timing {len(timed)} pairs "
-              f"({sum(s >= SHARE_MIN for s in shares)} screened near)", flush=True)
-        for k, i in enumerate(sorted(timed)):
-            ids = prompts_b[i]
-            unrelated = drafts[(i + len(pairs) // 2) % len(pairs)]
-            kinds = ["plain", "draft", "unrelated"]
-            order = kinds[k % 3:] + kinds[:k % 3]
-            runs: dict[str, Run] = {}
-            for kind in order:
-                d = {"plain": None, "draft": drafts[i], "unrelated": unrelated}[kind]
-                runs[kind] = cli.generate(ids, d)
-            plain = runs["plain"]
-            rep = replay(ids, plain.tokens, drafts[i])
-            draft_only = replay(ids, plain.tokens, drafts[i], self_lookup=False)
-            rows.append({
-                "pair": i, "cosine": pairs[i].cosine, "b_tokens": len(plain.tokens),
-                "share": round(share(drafts[i], plain.tokens), 3),
-                "screen_share": round(shares[i], 3),
-                "wall_plain_s": plain.wall_s, "wall_draft_s": runs["draft"].wall_s,
-                "wall_unrelated_s": runs["unrelated"].wall_s,
-                "passes_plain": plain.forward_passes,
-                "passes_draft": runs["draft"].forward_passes,
-                "passes_unrelated": runs["unrelated"].forward_passes,
-                "proposed": runs["draft"].proposed, "accepted": runs["draft"].accepted,
-                "accepted_lookup": rep["accepted_lookup"],
-                "passes_draft_only_replayed": draft_only["passes"],
-                "passes_ngram_oracle": ngram_oracle_passes(plain.tokens, drafts[i]),
-                "replay_matches": rep["passes"] == runs["draft"].forward_passes
-                and rep["accepted"] == runs["draft"].accepted,
-                "unrelated_proposed": runs["unrelated"].proposed,
-                "unrelated_accepted": runs["unrelated"].accepted,
-                "identical": runs["draft"].tokens == plain.tokens
-                and runs["unrelated"].tokens == plain.tokens,
-                "qa": pairs[i].qa, "qb": pairs[i].qb,
-            })
-            r = rows[-1]
-            print(f"pair {i:2d} cos {r['cosine']:.3f} share {r['share']:.2f} "
-                  f"tokens {r['b_tokens']:3d} wall {r['wall_plain_s']:.2f}/"
-                  f"{r['wall_draft_s']:.2f}/{r['wall_unrelated_s']:.2f} s "
-                  f"passes {r['passes_draft']} acc {r['accepted']}/{r['proposed']} "
-                  f"(lookup {r['accepted_lookup']}) same {r['identical']}", flush=True)
-        stats = cli.stats()
-    finally:
-        stop_server(proc)
+    with tempfile.TemporaryDirectory(prefix="bench-assisted-") as tmp:
+        env = {"TIERCACHE_SEMANTIC_DB_PATH": str(Path(tmp) / "semantic.db"),
+               "TIERCACHE_KVPOOL_NUM_BLOCKS": "4096", "TIERCACHE_KVPOOL_MAX_BATCH_SIZE": "8",
+               "TIERCACHE_LOG_LEVEL": "WARNING"}
+        stack = Stack(replicas=1, base_port=0, extra_env=env,
+                      log_dir=Path("/tmp/tiercache-bench-logs") / "assisted")
+        print("starting stack (semantic, prefix, 1 kvpool replica, orchestrator) ...",
+              flush=True)
+        stack.start(timeout=600)
+        try:
+            s = Served(stack.procs["orchestrator"].address, stack.procs["kvpool-0"].address)
+            s.ask("Warm-up question?", lookup=False)
+            with ThreadPoolExecutor(UNTIMED_BATCH) as ex:
+                a_runs = list(ex.map(lambda p: s.ask(p.qa, lookup=False, store=True), pairs))
+            drafts = {r.entry_id: draft_of(r.tokens) for r in a_runs if r.entry_id}
+            print(f"{len(drafts)} answers to A stored in {time.time() - t0:.0f} s", flush=True)
+            with ThreadPoolExecutor(UNTIMED_BATCH) as ex:
+                screen = list(ex.map(lambda p: s.ask(p.qb), pairs))
+            near_miss = [i for i, r in enumerate(screen)
+                         if not r.hit and r.entry_id in drafts]
+            shares = {i: share(drafts[screen[i].entry_id][:MAX_TOKENS], screen[i].tokens)
+                      for i in near_miss}
+            timed = [i for i in near_miss if shares[i] >= SHARE_MIN]
+            timed += [i for i in near_miss if i not in timed][:max(0, min_timed - len(timed))]
+            print(f"B: {sum(r.hit for r in screen)} semantic hits, {len(near_miss)} near-misses "
+                  f"with a draft ({len([i for i in near_miss if shares[i] >= SHARE_MIN])} "
+                  f"share >= {SHARE_MIN}); timing {len(timed)} pairs "
+                  f"({time.time() - t0:.0f} s)", flush=True)
+            kinds = ["plain", "draft", "direct_plain", "direct_unrelated"]
+            for k, i in enumerate(sorted(timed)):
+                q = pairs[i].qb
+                ids = prompt_ids(q)
+                entry = screen[i].entry_id
+                draft = drafts[entry][:MAX_TOKENS]  # the replica keeps at most max_tokens
+                others = [a_runs[(i + len(pairs) // 2 + j) % len(pairs)] for j in range(len(pairs))]
+                unrelated = next(draft_of(r.tokens) for r in others if r.entry_id != entry)
+                runs: dict[str, Run] = {}
+                for kind in kinds[k % 4:] + kinds[:k % 4]:
+                    if kind == "plain":
+                        runs[kind] = s.ask(q, draft=False)
+                    elif kind == "draft":
+                        runs[kind] = s.ask(q)
+                    else:
+                        runs[kind] = s.direct(ids, unrelated if kind == "direct_unrelated"
+                                              else None)
+                plain, with_draft = runs["plain"], runs["draft"]
+                rep = replay(ids, plain.tokens, draft)
+                draft_only = replay(ids, plain.tokens, draft, self_lookup=False)
+                rows.append({
+                    "pair": i, "cosine": pairs[i].cosine,
+                    "similarity_served": round(with_draft.similarity, 4),
+                    "draft_from_own_question": entry == a_runs[i].entry_id,
+                    "same_draft_as_screening": with_draft.entry_id == entry,
+                    "prompt_matches_server": plain.prompt_tokens == len(ids),
+                    "b_tokens": len(plain.tokens), "draft_tokens": len(draft),
+                    "share": round(share(draft, plain.tokens), 3),
+                    "screen_share": round(shares[i], 3),
+                    "wall_plain_s": plain.wall_s, "wall_draft_s": with_draft.wall_s,
+                    "wall_direct_plain_s": runs["direct_plain"].wall_s,
+                    "wall_unrelated_s": runs["direct_unrelated"].wall_s,
+                    "passes_plain": plain.forward_passes,
+                    "passes_draft": with_draft.forward_passes,
+                    "passes_unrelated": runs["direct_unrelated"].forward_passes,
+                    "proposed": with_draft.proposed, "accepted": with_draft.accepted,
+                    "proposed_lookup": rep["proposed_lookup"],
+                    "accepted_lookup": rep["accepted_lookup"],
+                    "passes_draft_only_replayed": draft_only["passes"],
+                    "passes_ngram_oracle": ngram_oracle_passes(plain.tokens, draft),
+                    "passes_replayed": rep["passes"], "proposed_replayed": rep["proposed"],
+                    "accepted_replayed": rep["accepted"],
+                    "replay_matches": rep["passes"] == with_draft.forward_passes
+                    and rep["accepted"] == with_draft.accepted,
+                    "unrelated_proposed": runs["direct_unrelated"].proposed,
+                    "unrelated_accepted": runs["direct_unrelated"].accepted,
+                    "identical": all(r.tokens == plain.tokens for r in runs.values()),
+                    "qa": pairs[i].qa, "qb": pairs[i].qb,
+                })
+                r = rows[-1]
+                print(f"pair {i:2d} cos {r['similarity_served']:.3f} share {r['share']:.2f} "
+                      f"tokens {r['b_tokens']:3d} wall {r['wall_plain_s']:.2f}/"
+                      f"{r['wall_draft_s']:.2f} s (replica {r['wall_direct_plain_s']:.2f}/"
+                      f"unrelated {r['wall_unrelated_s']:.2f}) passes {r['passes_draft']} "
+                      f"acc {r['accepted']}/{r['proposed']} (lookup {r['accepted_lookup']}/"
+                      f"{r['proposed_lookup']}) same {r['identical']}", flush=True)
+            stats = s.stats()
+            s.close()
+        finally:
+            stack.stop()
 
     near = [r for r in rows if r["share"] >= SHARE_MIN]
 
@@ -307,9 +381,14 @@ def main(argv: list[str] | None = None) -> int:
     figures = {
         "candidate_pairs": len(pairs),
         "duplicates_scanned": scanned,
-        "screened_near_pairs": sum(s >= SHARE_MIN for s in shares),
+        "a_answers_stored": len(drafts),
+        "b_semantic_hits": sum(r.hit for r in screen),
+        "b_without_draft": sum(not r.hit and r.entry_id not in drafts for r in screen),
+        "near_miss_pairs": len(near_miss),
+        "screened_near_pairs": sum(shares[i] >= SHARE_MIN for i in near_miss),
         "timed_pairs": len(rows),
         "near_pairs": len(near),
+        "near_pairs_draft_from_own_question": sum(r["draft_from_own_question"] for r in near),
         "decode_speedup": ratio(total(near, "wall_plain_s"), total(near, "wall_draft_s")),
         "forward_passes_per_token": ratio(total(near, "passes_draft"), total(near, "b_tokens")),
         "forward_passes_per_token_without_draft": ratio(total(near, "passes_plain"),
@@ -319,6 +398,10 @@ def main(argv: list[str] | None = None) -> int:
         "forward_passes_per_token_ngram_oracle": ratio(total(near, "passes_ngram_oracle"),
                                                        total(near, "b_tokens")),
         "acceptance_rate": ratio(total(near, "accepted"), total(near, "proposed")),
+        "acceptance_rate_draft": ratio(total(near, "accepted") - total(near, "accepted_lookup"),
+                                       total(near, "proposed") - total(near, "proposed_lookup")),
+        "acceptance_rate_lookup": ratio(total(near, "accepted_lookup"),
+                                        total(near, "proposed_lookup")),
         "draft_coverage": ratio(total(near, "accepted") - total(near, "accepted_lookup"),
                                 total(near, "b_tokens")),
         "lookup_coverage": ratio(total(near, "accepted_lookup"), total(near, "b_tokens")),
@@ -327,15 +410,21 @@ def main(argv: list[str] | None = None) -> int:
         "draft_coverage_timed_pairs": ratio(
             total(rows, "accepted") - total(rows, "accepted_lookup"), total(rows, "b_tokens")),
         "unrelated_slowdown": ratio(total(rows, "wall_unrelated_s"),
-                                    total(rows, "wall_plain_s")),
+                                    total(rows, "wall_direct_plain_s")),
         "unrelated_acceptance_rate": ratio(total(rows, "unrelated_accepted"),
                                            total(rows, "unrelated_proposed")),
+        "orchestrator_over_replica_wall_no_draft": ratio(total(rows, "wall_plain_s"),
+                                                         total(rows, "wall_direct_plain_s")),
         "wall_plain_s_near": round(total(near, "wall_plain_s"), 3),
         "wall_draft_s_near": round(total(near, "wall_draft_s"), 3),
         "identical_outputs": all(r["identical"] for r in rows),
         "replay_matches_server": all(r["replay_matches"] for r in rows),
-        "stats_draft_tokens_proposed_total": stats.draft_tokens_proposed_total,
-        "stats_draft_tokens_accepted_total": stats.draft_tokens_accepted_total,
+        "prompts_match_server": all(r["prompt_matches_server"] for r in rows),
+        "stats_semantic_near_misses_total": stats.semantic.near_misses_total,
+        "stats_replica_draft_tokens_proposed_total":
+            sum(rep.draft_tokens_proposed_total for rep in stats.replicas),
+        "stats_replica_draft_tokens_accepted_total":
+            sum(rep.draft_tokens_accepted_total for rep in stats.replicas),
     }
     targets = {}
     for name, (op, target) in TARGETS.items():
@@ -347,7 +436,11 @@ def main(argv: list[str] | None = None) -> int:
         "command": "python -m benchmarks.assisted" + (" --quick" if args.quick else ""),
         "quick": args.quick,
         "model": "SmolLM2-135M-Instruct fp32 cpu, greedy, max 128 tokens, prefix cache skipped",
-        "pairs_from": f"QQP duplicates, MiniLM cosine in [{BAND[0]}, {BAND[1]}), file order",
+        "path": "loopback stack (semantic, prefix, 1 kvpool replica, orchestrator); A stored "
+                "by the orchestrator, B asked through it in the standard tier; the unrelated "
+                "draft on the replica directly",
+        "pairs_from": "QQP duplicates in file order, MiniLM cosine in the draft band "
+                      "[0.80, 0.95); near-miss as the served semantic tier decides",
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                     "load_avg_at_start": load_avg, "load_avg_at_end": os.getloadavg()},
         "figures": figures,
