@@ -103,6 +103,7 @@ class Draft:
     tokens: list[int]
     index: NgramIndex  # over the draft
     self_lookup: bool = True  # propose from the sequence's own context when not aligned
+    ladder: tuple[int, ...] = LADDER  # proposal lengths (the top one may be raised, see `of`)
     pos: int | None = 0  # draft index expected next; None = not aligned
     hint: int = 0  # the draft index reached so far (re-alignment prefers matches after it)
     rung: int = len(LADDER) - 1  # LADDER index of the next draft proposal
@@ -117,10 +118,12 @@ class Draft:
     accepted_lookup: int = 0  # of `accepted`, tokens proposed by context lookup
 
     @classmethod
-    def of(cls, tokens: list[int], self_lookup: bool = True) -> Draft:
+    def of(cls, tokens: list[int], self_lookup: bool = True, top: int = LADDER[-1]) -> Draft:
+        """`top`: the longest proposal wanted (a replica's max_draft_tokens); above the ladder's
+        top rung it replaces that rung, for hardware whose verify forward pays for longer ones."""
         index = NgramIndex(NGRAM_MAX)
         index.extend(list(tokens))
-        return cls(list(tokens), index, self_lookup)
+        return cls(list(tokens), index, self_lookup, LADDER[:-1] + (max(LADDER[-1], top),))
 
     # ---- proposing -----------------------------------------------------------------------
 
@@ -135,7 +138,7 @@ class Draft:
             aligned = False  # a draft that keeps failing only gets to propose on solid matches
         if aligned:
             assert self.pos is not None
-            g = min(LADDER[self.rung], limit, len(self.tokens) - self.pos)
+            g = min(self.ladder[self.rung], limit, len(self.tokens) - self.pos)
             self.pending = Proposal(self.tokens[self.pos:self.pos + g], Source.DRAFT)
         elif self.self_lookup:
             self.pending = self._lookup(context, limit)
@@ -144,6 +147,14 @@ class Draft:
     def withdraw(self) -> None:
         """Forget the pending proposal (it was not verified)."""
         self.pending = NO_PROPOSAL
+
+    def trim(self, n: int) -> list[int]:
+        """Keep only the first `n` tokens of the pending proposal; returns what is left."""
+        if n <= 0:
+            self.withdraw()
+        elif n < len(self.pending.tokens):
+            self.pending = Proposal(self.pending.tokens[:n], self.pending.source)
+        return self.pending.tokens
 
     def _lookup(self, context: list[int], limit: int) -> Proposal:
         self.context.sync(context)
@@ -155,7 +166,7 @@ class Draft:
                 break
             if len(ends) >= 2 and ends[-1] == n_ctx:
                 e = ends[-2]
-                g = min(LADDER[max(self.lookup_rung, LOOKUP_RUNG[min(n, 3)])], limit)
+                g = min(self.ladder[max(self.lookup_rung, LOOKUP_RUNG[min(n, 3)])], limit)
                 return Proposal(context[e:e + g], Source.LOOKUP)
         return NO_PROPOSAL
 

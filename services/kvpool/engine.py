@@ -276,7 +276,7 @@ class Engine:
         seq = Sequence(req, out, seq_id, list(req.token_ids), Sampler(req.sampling),
                        time.monotonic())
         if self.drafts and req.draft_token_ids and not req.prefill_only:
-            seq.draft = Draft.of(list(req.draft_token_ids))
+            seq.draft = Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens)
         self._inbox.put(("submit", seq))
         return seq_id, out
 
@@ -444,12 +444,16 @@ class Engine:
             self._apply_verified(seq, prop, a, tok, count_pass=False)
         else:
             try:
-                self._accept(seq, sample_batch([seq.sampler], logits[:, -1])[0])
+                tok = sample_batch([seq.sampler], logits[:, -1])[0]
+                self._accept(seq, tok)
             finally:
                 # Committed blocks are in the hash table already: their KV must be copied
                 # even when sampling fails, or a later request would reuse stale KV.
                 if late is not None:
                     self.store.store_blocks(*late)
+            if seq.draft is not None and seq.seq_id in self._by_id:
+                # A draft whose proposal was withdrawn (no room) moves past this token too.
+                seq.draft.update(0, [tok], seq.tokens[seq.prompt_len:])
 
     def _decode_step(self) -> None:
         # Every decoding sequence needs room for one more token; preempt the newest if short.
@@ -507,6 +511,18 @@ class Engine:
     def _decode_with_drafts(self, seqs: list[Sequence], props: list[list[int]]) -> None:
         """One forward for the batch: each row its last token plus its proposal (maybe none)."""
         t0 = time.perf_counter()
+        # Every row is as long as the longest proposal; shorter ones are padded with filler
+        # positions, which must stay inside the context (the working rows are sized to it, and
+        # position ids past it are outside the model's range): trim proposals that would not.
+        room = min(self.info.max_context - s.num_computed for s in seqs) - 1
+        if max(len(p) for p in props) > room:
+            trimmed = []
+            for s, p in zip(seqs, props, strict=True):
+                if len(p) > room and s.draft is not None:
+                    p = s.draft.trim(room)
+                    self.pool.truncate(s.seq_id, len(s.tokens) + len(p))  # the reserved rest
+                trimmed.append(p)
+            props = trimmed
         q = 1 + max(len(p) for p in props)
         rows = []
         for s, p in zip(seqs, props, strict=True):

@@ -70,6 +70,12 @@ class Sampler:
         token x (a point mass) is accepted with probability p(x); on rejection the token is drawn
         from p with x removed and renormalised, so every emitted token is distributed exactly as
         the model's p. After a fully accepted draft the next token is drawn from the last row.
+
+        The rule is carried out by drawing y from p and accepting x when y == x: that accepts
+        with probability p(x), and a rejected y is distributed as p restricted to y != x, the
+        residual max(p - q, 0) renormalised. It takes one draw per emitted token, exactly as
+        plain decoding does, so a seeded request samples the same answer whether or not it has
+        a draft and however much of a proposal the pool had room for.
         """
         if self.spec.greedy:
             model = torch.argmax(logits, dim=-1).tolist()
@@ -78,14 +84,9 @@ class Sampler:
                 a += 1
             return a, model[a]
         for i, x in enumerate(draft):
-            p = self.probs(logits[i])
-            px = float(p[x])
-            if float(torch.rand((), generator=self._gen)) < px:
-                continue
-            p[x] = 0.0  # residual max(p - q, 0) for a point-mass q at x
-            if float(p.sum()) <= 0.0:  # p was x alone up to rounding: x is what p draws
-                continue
-            return i, self.draw(p)
+            y = self.draw(self.probs(logits[i]))
+            if y != x:
+                return i, y
         return len(draft), self.draw(self.probs(logits[len(draft)]))
 
 

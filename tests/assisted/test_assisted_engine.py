@@ -274,3 +274,80 @@ def test_a_failing_draft_proposes_only_on_solid_matches_unit() -> None:
     gen += [6, 7]  # a 2-gram of the draft: solid evidence, proposals resume
     d.update(0, [6, 7], gen)
     assert d.propose([0] + gen, 16) == [8, 9]
+
+
+def test_a_seed_samples_the_same_answer_with_or_without_a_draft(make_engine) -> None:
+    """One draw per emitted token, as plain decoding makes: a seeded sampled request gives the
+    same answer with no draft, with a draft (even its own answer), with a pool too tight for
+    whole proposals, and next to another request."""
+    p = prompt(12, 5)
+    spec = dict(temperature=0.8, seed=1234, max_tokens=20)
+    plain, _ = run(make_engine(num_blocks=64), p, [], **spec)
+    assert run(make_engine(num_blocks=64), p, [], **spec)[0] == plain
+    own = plain[:10]
+    for name, draft, blocks in (("own answer", own, 64), ("own answer, tight pool", own, 9),
+                                ("unrelated", prompt(20, 77), 64)):
+        toks, fin = run(make_engine(num_blocks=blocks), p, draft, rid=name, **spec)
+        assert toks == plain, name
+        if name == "own answer":
+            assert fin.draft_tokens_accepted == fin.draft_tokens_proposed == 10
+    eng = make_engine(num_blocks=9)
+    with paused(eng):
+        other = eng.submit(EngineRequest("other", prompt(16, 1), SamplingSpec(
+            max_tokens=8, ignore_eos=True)))[1]
+        mine = eng.submit(EngineRequest("mine", p, SamplingSpec(ignore_eos=True, **spec),
+                                        draft_token_ids=tuple(own)))[1]
+    assert collect(mine)[0] == plain
+    collect(other)
+
+
+def test_filler_positions_stay_inside_the_context(make_engine) -> None:
+    """A plain row near the context limit batched with a drafting row: the rows' common length
+    must not push the plain row's filler past max_context (the working rows would grow)."""
+    from tests.kvpool.conftest import make_tiny_model
+
+    model = make_tiny_model(0, max_pos=64)
+    eng = make_engine(num_blocks=64, model=model)
+    assert eng.info.max_context == 64
+    capacity = eng.store.capacity
+    near_end, short = prompt(52, 1), prompt(8, 2)
+    ref_b = reference_greedy(model, short, 30)
+    with paused(eng):
+        outs = [eng.submit(EngineRequest("a", near_end, SamplingSpec(12, ignore_eos=True)))[1],
+                eng.submit(EngineRequest("b", short, SamplingSpec(30, ignore_eos=True),
+                                         draft_token_ids=tuple(ref_b)))[1]]
+    (a, fa), (b, fb) = (collect(o) for o in outs)
+    assert b == ref_b and len(a) == 12
+    assert fb.draft_tokens_accepted > 0
+    assert eng.store.capacity == capacity
+
+
+def test_a_withdrawn_prefill_proposal_still_advances_the_draft(make_engine, tiny_model) -> None:
+    """No room for a proposal on the prefill forward (another request holds the pool): the
+    token that forward emits must move the draft on. Left behind, the next proposal repeats
+    that token, is rejected at once, and the draft re-aligns on a short match with a small
+    gamma: 3 forwards instead of 2 here."""
+    short = prompt(9, 2)
+    ref = reference_greedy(tiny_model, short, 12)
+    eng = make_engine(num_blocks=8)
+    with paused(eng):
+        outs = [eng.submit(EngineRequest("a", prompt(16, 1), SamplingSpec(3, ignore_eos=True)))[1],
+                eng.submit(EngineRequest("b", short, SamplingSpec(12, ignore_eos=True),
+                                         draft_token_ids=tuple(ref)))[1]]
+    collect(outs[0])
+    toks, fin = collect(outs[1])
+    assert toks == ref
+    assert fin.draft_tokens_accepted == fin.draft_tokens_proposed  # a perfect draft
+    assert fin.forward_passes == 11 - fin.draft_tokens_accepted <= 2
+
+
+def test_max_draft_tokens_above_the_top_rung_proposes_longer(make_engine, tiny_model) -> None:
+    p = prompt(13, 3)
+    ref = reference_greedy(tiny_model, p, 50)
+    passes = {}
+    for top in (16, 32):
+        toks, fin = run(make_engine(num_blocks=64, max_draft_tokens=top), p, ref,
+                        max_tokens=50, rid=f"top{top}")
+        assert toks == ref
+        passes[top] = fin.forward_passes
+    assert passes[32] < passes[16]
