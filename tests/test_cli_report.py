@@ -1,5 +1,6 @@
 """The CLI's one-line CacheReport: says which tier answered and what was reused (pure logic)."""
 
+import pytest
 from tiercache.v1 import common_pb2
 
 from clients.python.cli import format_report
@@ -64,3 +65,18 @@ def test_an_empty_answer_leaves_the_session_usable(tmp_path, monkeypatch, capsys
     saved = json.loads(_history_path("s1").read_text())
     assert [m["role"] for m in saved] == ["user", "assistant", "user", "assistant"]
     assert all(m["content"] for m in saved)
+
+
+@pytest.mark.parametrize("argv", [
+    ["warm", "--top-k", "-1"], ["warm", "--ttl", "-5"],
+    ["chat", "--max-tokens", "3000000000", "hi"], ["chat", "--max-tokens", "many", "hi"]])
+def test_out_of_range_numbers_are_usage_errors(argv, capsys):
+    """Before: protobuf's ValueError escaped as a traceback (exit 1) after dialling."""
+    from clients.python.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--address", "127.0.0.1:1", *argv])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "must be in [0, 4294967295]" in err or "must be in [0, 2147483647]" in err \
+        or "not an integer" in err

@@ -153,6 +153,22 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
     return 1 if errors else 0
 
 
+def _count(top: int):
+    def parse(text: str) -> int:
+        """An argparse type for the API's counts (a bad value: usage error, exit 2)."""
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if not 0 <= v <= top:
+            raise argparse.ArgumentTypeError(f"must be in [0, {top}], got {v}")
+        return v
+    return parse
+
+
+uint32, int32 = _count(2**32 - 1), _count(2**31 - 1)  # as the proto fields are declared
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
     p.add_argument("--address", default=os.environ.get("TIERCACHE_ADDRESS", "localhost:50051"))
@@ -169,14 +185,14 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("text")
     ch.add_argument("--session", default="", help="conversation id (keeps history)")
     ch.add_argument("--system", default="", help="system prompt for a new conversation")
-    ch.add_argument("--max-tokens", type=int, default=0)
+    ch.add_argument("--max-tokens", type=int32, default=0)
     ch.add_argument("--temperature", type=float, default=0.0)
     ch.add_argument("-q", "--quiet", action="store_true", help="no cache report on stderr")
     w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
     w.add_argument("--system", default="")
-    w.add_argument("--top-k", type=int, default=0, help="also warm the k hottest prefixes")
+    w.add_argument("--top-k", type=uint32, default=0, help="also warm the k hottest prefixes")
     w.add_argument("--owners", action="store_true", help="only the owning replica")
-    w.add_argument("--ttl", type=int, default=0)
+    w.add_argument("--ttl", type=uint32, default=0)
     f = sub.add_parser("feedback", help="mark a semantic entry good (verified) or bad")
     f.add_argument("entry_id")
     f.add_argument("--bad", action="store_true")
@@ -186,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--concurrency", type=int, default=2)
     rp.add_argument("--time-scale", type=float, default=0.0,
                     help="seconds of replay per second of trace (0 = as fast as possible)")
-    rp.add_argument("--max-tokens", type=int, default=32)
+    rp.add_argument("--max-tokens", type=int32, default=32)
     rp.add_argument("--tenant-tokens", default="", help="tenant=token,... for auth")
     a = p.parse_args(argv)
     cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats,
