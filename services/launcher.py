@@ -65,6 +65,19 @@ def wait_healthy(address: str, timeout: float, proc: subprocess.Popen | None = N
     raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s")
 
 
+def metrics_env(service: str, replica: int = 0) -> dict[str, str]:
+    """The metrics port a local service gets: off (-1) unless `TIERCACHE_<SVC>_METRICS_PORT` is
+    set, since services on one host would otherwise all want their default port. Replica i
+    of kvpool gets the port asked for + i."""
+    key = f"TIERCACHE_{service.upper()}_METRICS_PORT"
+    raw = os.environ.get(key, "").strip()
+    if not raw:
+        return {key: "-1"}
+    if replica and raw.isdigit() and int(raw) > 0:
+        return {key: str(int(raw) + replica)}
+    return {key: raw}
+
+
 @dataclass
 class ServiceProcess:
     """One service as a child process; `stop()` sends SIGTERM, then SIGKILL after a grace."""
@@ -133,20 +146,18 @@ class Stack:
         env = dict(self.extra_env)
         sem = prefix = None
         if service_exists("semantic"):
-            sem = self._start("semantic", self.port(1), {"TIERCACHE_SEMANTIC_METRICS_PORT": "-1",
-                                                         **env})
+            sem = self._start("semantic", self.port(1), {**metrics_env("semantic"), **env})
         if service_exists("prefix"):
-            prefix = self._start("prefix", self.port(2), {"TIERCACHE_PREFIX_METRICS_PORT": "-1",
-                                                          **env})
+            prefix = self._start("prefix", self.port(2), {**metrics_env("prefix"), **env})
         kv = []
         for i in range(self.replicas):
             kv_env = {"TIERCACHE_KVPOOL_REPLICA_ID": f"kvpool-{i}",
-                      "TIERCACHE_KVPOOL_METRICS_PORT": "-1", **env}
+                      **metrics_env("kvpool", i), **env}
             if prefix is not None:
                 kv_env["TIERCACHE_KVPOOL_PREFIX_ADDRESS"] = prefix.address
             kv.append(self._start("kvpool", self.port(3 + i), kv_env, key=f"kvpool-{i}"))
         orch_env = {"TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": ",".join(p.address for p in kv),
-                    "TIERCACHE_ORCHESTRATOR_METRICS_PORT": "-1", **env}
+                    **metrics_env("orchestrator"), **env}
         if sem is not None:
             orch_env["TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS"] = sem.address
         if prefix is not None:

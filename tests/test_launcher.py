@@ -27,3 +27,30 @@ def test_an_interrupted_stop_still_kills_every_child():
         stack.stop()
     assert log[:2] == [("stop", "orchestrator"), ("stop", "kvpool-0")]  # drains first
     assert {n for op, n in log if op == "kill"} == {"prefix", "kvpool-0", "orchestrator"}
+
+
+def test_make_run_keeps_metrics_ports_the_user_set(monkeypatch):
+    """Metrics are off by default (local services would all want the same port), but a
+    `TIERCACHE_<SVC>_METRICS_PORT` the user exported is kept; replica i gets that port + i."""
+    started: dict[str, dict[str, str]] = {}
+
+    class Started:
+        address, name = "127.0.0.1:1", "fake"
+
+        def wait(self, timeout: float) -> None:
+            pass
+
+    def fake_start(self, name, port, env, key=None):
+        started[key or name] = env
+        self.procs[key or name] = Started()
+        return self.procs[key or name]
+
+    monkeypatch.setattr(Stack, "_start", fake_start)
+    monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "9300")
+    monkeypatch.setenv("TIERCACHE_SEMANTIC_METRICS_PORT", "9199")
+    monkeypatch.delenv("TIERCACHE_ORCHESTRATOR_METRICS_PORT", raising=False)
+    Stack(replicas=2, base_port=0).start()
+    assert started["semantic"]["TIERCACHE_SEMANTIC_METRICS_PORT"] == "9199"
+    assert started["kvpool-0"]["TIERCACHE_KVPOOL_METRICS_PORT"] == "9300"
+    assert started["kvpool-1"]["TIERCACHE_KVPOOL_METRICS_PORT"] == "9301"
+    assert started["orchestrator"]["TIERCACHE_ORCHESTRATOR_METRICS_PORT"] == "-1"
