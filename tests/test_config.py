@@ -72,3 +72,50 @@ def test_an_unknown_log_level_is_a_config_error_not_a_traceback(monkeypatch, cap
     finally:
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
+
+
+@pytest.mark.parametrize("var,value", [("TIERCACHE_DRAIN_DELAY_S", "abc"),
+                                       ("TIERCACHE_HASH_KEY", "k" * 65)])
+def test_process_wide_settings_fail_the_start_before_anything_binds(monkeypatch, capfd, var,
+                                                                     value):
+    """Read later (drain delay at shutdown, hash key after the model loads), they used to
+    crash with a traceback and exit 1 after health said SERVING."""
+    import logging
+
+    from services.common.bootstrap import load_service_config
+
+    monkeypatch.setenv(var, value)
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        assert load_service_config(DemoConfig, "demo", []) is None
+        err = capfd.readouterr().err
+        assert var in err and "bad configuration" in err
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+
+
+def test_a_cuda_device_without_cuda_is_refused_before_the_model_loads(monkeypatch):
+    import logging
+
+    import torch
+
+    from services.kvpool.__main__ import device_problem, main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert device_problem("cpu") == ""
+    assert "no CUDA device" in device_problem("cuda")
+    monkeypatch.setenv("TIERCACHE_KVPOOL_DEVICE", "cuda:0")
+    monkeypatch.setenv("TIERCACHE_KVPOOL_ADDRESS", "127.0.0.1:0")
+    monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "-1")
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        assert main([]) == 2
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device_problem("cuda:0") == "" and "only 1" in device_problem("cuda:1")

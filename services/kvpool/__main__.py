@@ -26,9 +26,28 @@ from services.kvpool.server import KvPoolServicer  # noqa: E402
 log = logging.getLogger("services.kvpool")
 
 
+def device_problem(device: str) -> str:
+    """Why this process cannot use `device` ("" = it can). Checked before the model loads."""
+    if not device.startswith("cuda"):
+        return ""
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"this torch ({torch.__version__}) sees no CUDA device; a GPU needs a CUDA "
+                "build of torch (the `cuda` image) and a visible GPU")
+    _, _, index = device.partition(":")
+    if index and int(index) >= torch.cuda.device_count():
+        return f"only {torch.cuda.device_count()} CUDA device(s) are visible"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     cfg = load_service_config(KvPoolConfig, "kvpool", argv)
     if cfg is None:
+        return 2
+    problem = device_problem(cfg.device)
+    if problem:
+        log.error("bad configuration: TIERCACHE_KVPOOL_DEVICE=%s: %s", cfg.device, problem)
         return 2
     servicer = KvPoolServicer(cfg)
     # Bind first (health NOT_SERVING) so probes see the process while the model loads.
