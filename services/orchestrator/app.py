@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from services.common.hashing import BlockHasher, hash_key_from_env
@@ -15,6 +16,8 @@ from services.orchestrator.render import PromptRenderer
 from services.orchestrator.routing import make_routing_policy
 from services.orchestrator.server import Warmer
 from services.orchestrator.tenants import TenantRegistry
+
+log = logging.getLogger("services.orchestrator")
 
 
 @dataclass
@@ -31,6 +34,9 @@ class App:
 def build(cfg: OrchestratorConfig) -> App:
     resolved = resolve_model(cfg.model)
     tok = load_tokenizer(resolved.path)
+    if not getattr(tok, "chat_template", None):
+        log.warning("model %s has no chat template: requests must send a raw `prompt`; "
+                    "`messages` get FAILED_PRECONDITION", resolved.path)
     model_id = cfg.model_id or resolved.model_id
     key = hash_key_from_env()
     replicas = ReplicaSet(cfg.kvpool_addresses, cfg.internal_token, cfg.replica_poll_s)

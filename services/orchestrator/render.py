@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.errors import InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument
 
 ROLES = ("system", "user", "assistant")
 
@@ -72,10 +72,29 @@ class PromptRenderer:
         self.tok = tokenizer
         self.max_chars = max_chars
 
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tok, "chat_template", None))
+
     def render_text(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        return self.tok.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
-            tokenize=False, add_generation_prompt=add_generation_prompt)
+        """The messages through the model's chat template.
+
+        Raises:
+            FailedPrecondition: the model has no chat template (a base model): send `prompt`.
+            InvalidArgument: the template refused the messages (e.g. a role it does not know).
+        """
+        if not self.has_chat_template:
+            raise FailedPrecondition("the model has no chat template (a base model?): send a "
+                                     "raw `prompt` instead of `messages`")
+        from jinja2 import TemplateError
+
+        try:
+            return self.tok.apply_chat_template(
+                [{"role": m.role, "content": m.content} for m in messages],
+                tokenize=False, add_generation_prompt=add_generation_prompt)
+        except (TemplateError, ValueError, TypeError) as exc:
+            raise InvalidArgument("messages", f"the model's chat template refused them: {exc}"
+                                  ) from None
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))

@@ -92,3 +92,28 @@ def test_split_character_is_held_back(tok):
     d = IncrementalDetokenizer(tok)
     assert d.push(ids[:1]) == ""
     assert d.push(ids[1:]) + d.flush() == ch
+
+
+def test_a_model_without_a_usable_chat_template_gets_a_clear_status(tok):
+    """A base model folder (no chat template) used to fail every `messages` request with
+    INTERNAL; a template that raises (e.g. no system role) too."""
+    import copy
+
+    from services.common.errors import FailedPrecondition
+
+    base = copy.deepcopy(tok)
+    base.chat_template = None
+    r = PromptRenderer(base, max_chars=1000)
+    with pytest.raises(FailedPrecondition, match="raw `prompt`"):
+        r.render_chat([Message("user", "Hi")])
+    with pytest.raises(FailedPrecondition):
+        r.render_warm([Message("system", "Be brief.")])
+    assert r.render_raw("Hi").token_ids == tok.encode("Hi", add_special_tokens=False)
+    strict = copy.deepcopy(tok)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('system messages are not supported') }}"
+                            "{% endif %}{{ m['content'] }}{% endfor %}")
+    r = PromptRenderer(strict, max_chars=1000)
+    with pytest.raises(InvalidArgument, match="messages: .*system messages are not supported"):
+        r.render_chat([Message("system", "Be brief."), Message("user", "Hi")])
+    assert r.render_chat([Message("user", "Hi")]).query_text == "Hi"
