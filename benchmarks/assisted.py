@@ -167,7 +167,7 @@ def near_miss_pairs(n: int) -> tuple[list[Pair], int]:
 
     cfg = SemanticConfig()
     band = (cfg.draft_floor, cfg.tier_standard)
-    emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.model_name)
+    emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.resolved_model_name())
     dups = []
     with QQP.open(newline="") as f:
         for row in csv.DictReader(f):

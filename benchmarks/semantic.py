@@ -546,12 +546,12 @@ def main(argv: list[str] | None = None) -> int:
     quick = args.quick
     cfg = SemanticConfig()
     t_all = time.perf_counter()
-    emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.model_name)
+    emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.resolved_model_name())
     qqp, paws, zh = load_qqp(), load_paws(), load_stsb_zh()
     sfx = "_quick" if quick else ""
     out = RESULTS / f"semantic{sfx}.json"
     res: dict = json.loads(out.read_text()) if out.is_file() and len(parts) < len(PARTS) else {}
-    res.update({"quick": quick, "model": cfg.model_name, "cpu_count": os.cpu_count(),
+    res.update({"quick": quick, "model": cfg.resolved_model_name(), "cpu_count": os.cpu_count(),
                 "data": str(DATA)})
     res.pop("targets", None)
     if quick:

@@ -119,3 +119,14 @@ def test_a_cuda_device_without_cuda_is_refused_before_the_model_loads(monkeypatc
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert device_problem("cuda:0") == "" and "only 1" in device_problem("cuda:1")
+
+
+def test_another_embedding_folder_gets_its_own_name():
+    """The default name used to stand for any folder: another model's ONNX export went to
+    all-MiniLM-L6-v2's cache path (replacing it) and its entries carried MiniLM's name."""
+    from services.semantic.config import SemanticConfig
+
+    assert SemanticConfig().resolved_model_name() == "all-MiniLM-L6-v2"
+    assert SemanticConfig(model_dir="/models/paraphrase-multilingual-MiniLM-L12-v2/"
+                          ).resolved_model_name() == "paraphrase-multilingual-MiniLM-L12-v2"
+    assert SemanticConfig(model_dir="/models/x", model_name="mine").resolved_model_name() == "mine"

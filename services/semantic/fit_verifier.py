@@ -132,7 +132,7 @@ def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, s
     from services.semantic.labelled_data import embed_all, load_paws, load_qqp
 
     cfg = SemanticConfig()
-    emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.model_name)
+    emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.resolved_model_name())
     qqp, paws = load_qqp(), load_paws()
     xs, ys, src = [], [], []
     for rows, is_paws in ((qqp, False), (paws, True)):

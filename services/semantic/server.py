@@ -7,7 +7,6 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 from tiercache.v1 import semantic_pb2, semantic_pb2_grpc
 
@@ -155,7 +154,7 @@ def make_embedder(cfg: SemanticConfig) -> Embedder:
     """The ONNX embedder of `cfg.model_dir` behind a micro-batcher (exports once if needed)."""
     from services.semantic.embedder import BatchingEmbedder, OnnxEmbedder
 
-    name = cfg.model_name or Path(cfg.resolved_model_dir()).name
+    name = cfg.resolved_model_name()
     inner = OnnxEmbedder(cfg.resolved_model_dir(), cfg.resolved_cache_dir(), name,
                          cfg.onnx_threads)
     return BatchingEmbedder(inner, cfg.max_batch, cfg.batch_wait_ms)

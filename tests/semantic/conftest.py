@@ -12,7 +12,7 @@ from services.semantic.embedder import BatchingEmbedder, OnnxEmbedder
 def onnx_embedder() -> OnnxEmbedder:
     """all-MiniLM-L6-v2 through ONNX Runtime; the export is cached under the cache dir."""
     cfg = SemanticConfig()
-    return OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.model_name)
+    return OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.resolved_model_name())
 
 
 @pytest.fixture(scope="session")
