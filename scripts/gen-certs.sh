@@ -11,6 +11,8 @@
 # Then run every service with
 #   TIERCACHE_TLS_CERT=OUT/server.pem TIERCACHE_TLS_KEY=OUT/server.key   (TLS)
 #   TIERCACHE_TLS_CA=OUT/ca.pem                                          (+ mutual TLS)
+# The services' own clients trust this private CA only through TIERCACHE_TLS_CA: without it
+# they verify servers against the system's roots, which do not include it.
 #   TIERCACHE_TLS_CLIENT_CERT=OUT/client.pem TIERCACHE_TLS_CLIENT_KEY=OUT/client.key
 # See docs/reliability.md ("TLS and mutual TLS"). Production certificates come from your PKI
 # (e.g. cert-manager), never from this script.

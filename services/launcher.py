@@ -44,8 +44,9 @@ def wait_healthy(address: str, timeout: float, proc: subprocess.Popen | None = N
                  env: Mapping[str, str] | None = None) -> None:
     """Block until the server at `address` reports SERVING (or raise TimeoutError).
 
-    Speaks TLS (with the client certificate, for mutual TLS) when `env` (default: this
-    process's environment) sets `TIERCACHE_TLS_CA`, as the services' own clients do.
+    Speaks TLS when `env` (default: this process's environment) sets `TIERCACHE_TLS_CA` (with
+    the client certificate, for mutual TLS) or only `TIERCACHE_TLS_CERT` (verifying against the
+    system's roots), as the services' own clients do.
     """
     end = time.monotonic() + timeout
     creds = channel_credentials_from_env(env)
@@ -188,15 +189,17 @@ class Stack:
 
 
 def tls_note() -> str:
-    return " (TLS, mutual when client certificates are set)" if os.environ.get(
-        "TIERCACHE_TLS_CA") else ""
+    if os.environ.get("TIERCACHE_TLS_CA"):
+        return " (TLS, mutual when client certificates are set)"
+    return " (TLS)" if os.environ.get("TIERCACHE_TLS_CERT") else ""
 
 
 def grpcurl_transport() -> str:
     """grpcurl's transport flags for this stack: the same variables the CLI reads."""
     ca = os.environ.get("TIERCACHE_TLS_CA")
     if not ca:
-        return "-plaintext"
+        # TLS without a CA of ours: grpcurl verifies against the system's roots by default.
+        return "" if os.environ.get("TIERCACHE_TLS_CERT") else "-plaintext"
     flags = f"-cacert {ca}"
     cert, key = (os.environ.get("TIERCACHE_TLS_CLIENT_CERT"),
                  os.environ.get("TIERCACHE_TLS_CLIENT_KEY"))

@@ -14,13 +14,17 @@ from services.common.logs import request_id_var
 
 def channel_credentials_from_env(env: Mapping[str, str] | None = None
                                  ) -> grpc.ChannelCredentials | None:
-    """TLS for outgoing calls when `TIERCACHE_TLS_CA` is set (client cert for mutual TLS).
+    """TLS for outgoing calls when the services speak TLS (None = plaintext).
 
-    `env`: where to read the variables (default: this process's environment).
+    `TIERCACHE_TLS_CA` set: servers are verified against that CA and the client certificate
+    (`TIERCACHE_TLS_CLIENT_CERT/_KEY`) is presented, for mutual TLS. Only
+    `TIERCACHE_TLS_CERT` set (TLS without client certificates): servers are verified against
+    the system's trusted roots. `env`: where to read the variables (default: this process's
+    environment).
     """
     env = os.environ if env is None else env
     ca = env.get("TIERCACHE_TLS_CA")
-    if not ca:
+    if not ca and not env.get("TIERCACHE_TLS_CERT"):
         return None
 
     def read(p: str | None) -> bytes | None:

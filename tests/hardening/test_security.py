@@ -3,7 +3,9 @@ limits (message size, concurrent streams, request rate) and secrets kept out of 
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -107,6 +109,41 @@ def test_mutual_tls_process_refuses_clients_without_a_certificate(certs, monkeyp
         other = grpc.ssl_channel_credentials(root_certificates=(certs / "server.pem").read_bytes())
         with grpc.secure_channel(p.address, other) as ch:
             assert refused(ch) == grpc.StatusCode.UNAVAILABLE  # does not trust our CA
+    finally:
+        p.stop()
+
+
+@pytest.mark.e2e
+def test_tls_without_client_certificates_is_spoken_by_the_internal_clients(certs):
+    """Servers with only TIERCACHE_TLS_CERT/_KEY (TLS, no mutual TLS): internal clients and the
+    launcher's health wait must speak TLS too (verifying against the system's roots, here
+    pointed at our CA), not plaintext, or `make run` waits out its timeout."""
+    port = free_port()
+    server_only = {"TIERCACHE_TLS_CERT": str(certs / "server.pem"),
+                   "TIERCACHE_TLS_KEY": str(certs / "server.key")}
+    p = ServiceProcess("prefix", port, {**server_only, "TIERCACHE_PREFIX_METRICS_PORT": "-1"},
+                       log_path=LOG_DIR / "hard-tls-server-only-prefix.log").start()
+    try:
+        with grpc.secure_channel(p.address, creds(certs, client_cert=False)) as ch:
+            end = time.monotonic() + 120
+            while refused(ch) != grpc.StatusCode.OK:  # up, and TLS without a client cert
+                assert time.monotonic() < end and p.proc.poll() is None
+                time.sleep(0.5)
+        # A fresh process: gRPC reads its default roots once per process.
+        env = {**os.environ, **server_only, "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH":
+               str(certs / "ca.pem"), "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'gen'}"}
+        env.pop("TIERCACHE_TLS_CA", None)
+        code = ("import sys; from services.launcher import wait_healthy; "
+                f"wait_healthy({p.address!r}, 20); "
+                "from services.common.grpc_client import make_channel; "
+                "from grpc_health.v1 import health_pb2, health_pb2_grpc; "
+                f"ch = make_channel({p.address!r}); "
+                "print(health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), "
+                "timeout=10).status)")
+        r = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
+                           text=True, timeout=120)
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip() == "1"  # SERVING
     finally:
         p.stop()
 
