@@ -155,3 +155,29 @@ def test_a_bad_drain_delay_fails_the_start_not_the_shutdown(monkeypatch):
     with pytest.raises(ConfigError, match="TIERCACHE_DRAIN_DELAY_S"):
         run_until_signal(handle)  # raises before it waits for a signal
     assert stopped == []
+
+
+@pytest.mark.parametrize("service,env,words", [
+    ("orchestrator", {"TIERCACHE_ORCHESTRATOR_TOKENS_FILE": "/nonexistent/tokens.json",
+                      "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": "127.0.0.1:1"},
+     "/nonexistent/tokens.json"),
+    ("kvpool", {"TIERCACHE_KVPOOL_MODEL": "/nonexistent/model-folder"},
+     "/nonexistent/model-folder")])
+def test_a_missing_model_folder_or_tokens_file_is_a_config_error(service, env, words):
+    """These paths exist only where the service runs, so config validation cannot check
+    them; the start still ends with exit 2 and one line naming the path, not a traceback."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    up = service.upper()
+    full = {**os.environ, **env, f"TIERCACHE_{up}_ADDRESS": "127.0.0.1:0",
+            f"TIERCACHE_{up}_METRICS_PORT": "-1",
+            "PYTHONPATH": f"{root}{os.pathsep}{root / 'gen'}"}
+    r = subprocess.run([sys.executable, "-m", f"services.{service}"], env=full, cwd=root,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "bad configuration" in r.stderr and words in r.stderr
+    assert "Traceback" not in r.stderr

@@ -18,6 +18,7 @@ from services.common.bootstrap import (  # noqa: E402
     load_service_config,
     run_until_signal,
 )
+from services.common.model_store import ModelStoreError  # noqa: E402
 from services.kvpool.app import build_replica  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
 from services.kvpool.publisher import Publisher  # noqa: E402
@@ -61,7 +62,12 @@ def main(argv: list[str] | None = None) -> int:
         # sequence the engine may hold, plus room for Stats polls, Prefill and Resync, or a
         # busy replica's Stats would queue behind streams until it is declared hung.
         max_workers=cfg.max_batch_size + cfg.max_waiting + 16)
-    replica = build_replica(cfg)
+    try:
+        replica = build_replica(cfg)
+    except ModelStoreError as exc:
+        log.error("bad configuration: %s", exc)  # e.g. a model folder that does not exist
+        handle.stop(None)
+        return 2
     publisher = None
     if cfg.prefix_address:
         publisher = Publisher(

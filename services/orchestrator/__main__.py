@@ -8,6 +8,7 @@ import sys
 from tiercache.v1 import orchestrator_pb2_grpc
 
 from services.common.bootstrap import create_server, load_service_config, run_until_signal
+from services.common.model_store import ModelStoreError
 from services.orchestrator.app import build
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.server import OrchestratorServicer
@@ -27,7 +28,14 @@ def main(argv: list[str] | None = None) -> int:
                    "tiercache.v1.Orchestrator")],
         metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
         max_workers=cfg.max_workers)
-    app = build(cfg)
+    try:
+        app = build(cfg)
+    except (ModelStoreError, OSError, ValueError) as exc:
+        # A model folder or tokens file that is missing or malformed: a configuration error
+        # (exit 2, one line), found only now because the paths exist only where it runs.
+        log.error("bad configuration: %s", exc)
+        handle.stop(None)
+        return 2
     servicer.attach(app.orch, app.tenants, app.warmer)
     handle.set_serving()
     log.info("orchestrator ready on port %d (model %s, %d replicas)", handle.port,
