@@ -124,9 +124,11 @@ def test_a_cuda_device_without_cuda_is_refused_before_the_model_loads(monkeypatc
 def test_another_embedding_folder_gets_its_own_name():
     """The default name used to stand for any folder: another model's ONNX export went to
     all-MiniLM-L6-v2's cache path (replacing it) and its entries carried MiniLM's name."""
-    from services.semantic.config import SemanticConfig
+    from services.semantic.config import SemanticConfig, default_model_dir
 
     assert SemanticConfig().resolved_model_name() == "all-MiniLM-L6-v2"
+    assert SemanticConfig(model_dir=default_model_dir() + "/").resolved_model_name() \
+        == "all-MiniLM-L6-v2"  # the packaged folder named explicitly
     assert SemanticConfig(model_dir="/models/paraphrase-multilingual-MiniLM-L12-v2/"
                           ).resolved_model_name() == "paraphrase-multilingual-MiniLM-L12-v2"
     assert SemanticConfig(model_dir="/models/x", model_name="mine").resolved_model_name() == "mine"

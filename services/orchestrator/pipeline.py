@@ -1,4 +1,5 @@
-"""The life of a request (DESIGN.md): auth -> semantic -> tokenize -> index -> route -> generate.
+"""The life of a request (DESIGN.md): auth -> validate, render and tokenize -> semantic -> index
+-> route -> generate.
 
 `Orchestrator.generate` yields plain events (`TextDelta`, `Finished`); the gRPC adapter turns
 them into proto messages. Every degradation (semantic tier down, index down, a replica lost)

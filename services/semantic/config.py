@@ -37,7 +37,7 @@ class SemanticConfig:
     # Embedding model: any sentence-transformers folder; "" = the packaged all-MiniLM-L6-v2.
     model_dir: str = ""
     # Name used in the ONNX cache path and stored with each entry ("" = all-MiniLM-L6-v2 for
-    # the packaged model, else the folder's name; see resolved_model_name).
+    # the packaged folder, wherever it is named from, else the folder's name).
     model_name: str = ""
     cache_dir: str = ""  # "" = $TIERCACHE_CACHE_DIR or ~/.cache/tiercache
     onnx_threads: int = 0  # intra-op threads of ONNX Runtime; 0 = its default
@@ -95,8 +95,11 @@ class SemanticConfig:
         """The embedding model's name: each folder gets its own ONNX export and entry tag."""
         if self.model_name:
             return self.model_name
-        return os.path.basename(os.path.normpath(self.model_dir)) if self.model_dir \
-            else DEFAULT_MODEL_NAME
+        packaged = default_model_dir()
+        if not self.model_dir or (packaged and os.path.realpath(self.model_dir)
+                                  == os.path.realpath(packaged)):
+            return DEFAULT_MODEL_NAME
+        return os.path.basename(os.path.normpath(self.model_dir))
 
     def resolved_db_path(self) -> str:
         return self.db_path or os.path.join(self.resolved_cache_dir(), "semantic", "semantic.db")
