@@ -35,3 +35,39 @@ def make_cfg(tmp_path):
         return cfg
 
     return make
+
+
+class Clock:
+    """A settable clock for the cache (TTL, LRU order)."""
+
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def cache_factory(make_cfg, clock):
+    """A SemanticCache over a fresh database with the given embedder; closed at the end."""
+    from services.semantic.cache import SemanticCache
+    from services.semantic.store import EntryStore
+
+    made = []
+
+    def make(embedder, **kw) -> SemanticCache:
+        cfg = make_cfg(**kw)
+        c = SemanticCache(cfg, embedder, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+        c.load()
+        made.append(c)
+        return c
+
+    yield make
+    for c in made:
+        c.close_indexes()
+        c.store.close()

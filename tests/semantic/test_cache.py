@@ -12,33 +12,9 @@ A = Namespace("tenant-a", "smollm2", "")
 B = Namespace("tenant-b", "smollm2", "")
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
-def clock():
-    return Clock()
-
-
-@pytest.fixture
-def make_cache(make_cfg, embedder, clock, tmp_path):
-    made = []
-
-    def make(**kw) -> SemanticCache:
-        cfg = make_cfg(**kw)
-        c = SemanticCache(cfg, embedder, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
-        c.load()
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.store.close()
+def make_cache(cache_factory, embedder):
+    return lambda **kw: cache_factory(embedder, **kw)
 
 
 def test_namespace_isolation(make_cache):

@@ -50,14 +50,6 @@ class FixedEmbedder:
                 else np.zeros((0, DIM), np.float32))
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def emb() -> FixedEmbedder:
     e = FixedEmbedder()
@@ -66,27 +58,13 @@ def emb() -> FixedEmbedder:
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def make_cache(make_cfg, emb, clock):
-    made = []
-
+def make_cache(cache_factory, emb):
     def make(**kw) -> SemanticCache:
         kw.setdefault("guard_tiers", ())
         kw.setdefault("verifier_tiers", ())
-        cfg = make_cfg(**kw)
-        c = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
-        c.load()
-        made.append(c)
-        return c
+        return cache_factory(emb, **kw)
 
-    yield make
-    for c in made:
-        c.close_indexes()
-        c.store.close()
+    return make
 
 
 def test_expired_neighbours_do_not_hide_a_live_hit(make_cache, emb, clock):
