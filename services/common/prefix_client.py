@@ -190,7 +190,11 @@ class PrefixIndexClient:
                             allow_partial=True)
         with self._lock:
             for a, r in got.items():
-                self._seq[(replica_id, incarnation, a)] = r.next_seq or 1  # type: ignore[attr-defined]
+                key = (replica_id, incarnation, a)
+                # Never backwards: a batch sent before a lease lapse may still be queued at the
+                # shard under the number the shard now hands back, and reusing it would let
+                # that old batch stand in for this one.
+                self._seq[key] = max(self._seq.get(key, 1), r.next_seq or 1)  # type: ignore[attr-defined]
         return RegisterOutcome(min(r.lease_seconds for r in got.values()),  # type: ignore[attr-defined]
                                {a: r.next_seq for a, r in got.items()})  # type: ignore[attr-defined]
 
@@ -278,7 +282,11 @@ class PrefixIndexClient:
                 need.append(a)
             if r.next_seq:
                 with self._lock:
-                    self._seq[(replica_id, incarnation, a)] = r.next_seq
+                    # Never backwards (see register): after RESYNC the shard's next_seq can be
+                    # the number of a timed-out batch still queued there; the resync must come
+                    # after it, or the shard takes the old batch and then drops the resync.
+                    key = (replica_id, incarnation, a)
+                    self._seq[key] = max(self._seq.get(key, 1), r.next_seq)
         if failed and len(failed) == len(futs):
             raise next(iter(failed.values()))
         for e in failed.values():
