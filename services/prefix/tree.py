@@ -477,18 +477,17 @@ class BlockTree:
     def top(self, k: int, model_id: str = "", min_hits: int = 1) -> list[Prefix]:
         """The `k` most hit prefixes (where matches ended), hottest first."""
         floor = max(1, min_hits)
-        use = self._use
-        cands = [s for s in self._table.values() if use[_USE * s + _HITS] >= floor]
-        cands.sort(key=lambda s: (-use[_USE * s + _HITS], -use[_USE * s + _LAST]))
+        use, meta = self._use, self._meta
+        cands = (s for s in self._table.values() if use[_USE * s + _HITS] >= floor
+                 and (not model_id or meta[self._root_slot(s)][0] == model_id))
+        # A bounded heap, not a sort of every hit node: the caller holds the index's lock.
+        best = heapq.nlargest(k, cands, key=lambda s: (use[_USE * s + _HITS],
+                                                         use[_USE * s + _LAST]))
         out: list[Prefix] = []
-        for s in cands:
-            model, salt = self._meta[self._root_slot(s)]
-            if model_id and model != model_id:
-                continue
+        for s in best:
+            model, salt = meta[self._root_slot(s)]
             out.append(Prefix(self._prefix_tokens(s), use[_USE * s + _HITS], self._holders(s),
                               salt, model, self._key[s]))  # type: ignore[arg-type]
-            if len(out) >= k:
-                break
         return out
 
     def _root_slot(self, s: int) -> int:

@@ -205,7 +205,8 @@ def _state(index):
     s = index.stats()
     return (s.nodes, [(r.replica_id, r.incarnation, r.held_blocks) for r in s.replicas],
             [(p.token_ids, p.holders) for p in index.top_prefixes(1000)],
-            {r.replica_id: r.next_seq for r in index._replicas.values()})
+            {r.replica_id: r.next_seq for r in index._replicas.values()},
+            s.matches_total, s.match_blocks_total)
 
 
 def test_bad_input_is_refused_and_changes_nothing(index, hasher):
@@ -237,6 +238,12 @@ def test_bad_input_is_refused_and_changes_nothing(index, hasher):
         (lambda: index.match("", token_ids=toks(1)), InvalidArgument, "model_id"),
         (lambda: index.match(MODEL, block_hashes=[b"x" * 15]), InvalidArgument,
          r"block_hashes\[0\]"),
+        # Lengths that add up to whole digests (15 + 17, 0 + 32) are still wrong.
+        (lambda: index.match(MODEL, block_hashes=[b"x" * 15, b"y" * 17]), InvalidArgument,
+         r"block_hashes\[0\]"),
+        (lambda: index.match(MODEL, block_hashes=[b"", b"y" * 32]), InvalidArgument,
+         r"block_hashes\[0\]"),
+        (lambda: index.match("m" * 257, token_ids=toks(1)), InvalidArgument, "model_id"),
         (lambda: index.register("b", "i1", "addr", MODEL, BS * 2), FailedPrecondition,
          "block_size"),
         (lambda: index.register("", "i1", "addr", MODEL, BS), InvalidArgument, "replica_id"),
@@ -348,3 +355,26 @@ def test_a_replica_cannot_hang_blocks_under_another_models_root():
         idx.publish("ra", "i", 1, [Stored(root_b, forged, [9, 9, 9, 9])])
     idx.check_integrity()
     assert {r.replica_id: r.held_blocks for r in idx.stats().replicas} == {"ra": 0, "rb": 1}
+
+
+def test_a_match_for_a_model_nobody_serves_keeps_no_hasher(index, hasher):
+    """Any model id may be asked about; none is remembered (a hasher holds a ~3 MB memo)."""
+    reg(index, "a")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    r = index.match("nobody-serves-this", token_ids=toks(1, 2))
+    assert r.matches == [] and r.request_blocks == 2
+    assert "nobody-serves-this" not in index._hashers
+    assert matched(index, toks(1, 2)) == {"a": 2}
+
+
+def test_top_prefixes_leave_out_a_replica_whose_lease_lapsed(index, hasher, clock):
+    reg(index, "a")
+    reg(index, "b")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    index.publish("b", "i1", 1, [stored(hasher, toks(1, 2))])
+    matched(index, toks(1, 2, 9))
+    assert index.top_prefixes(5)[0].holders == ["a", "b"]
+    clock.t += 6
+    assert index.heartbeat("a", "i1", Load()).known
+    clock.t += 6  # b's lease lapsed; nothing else has looked since
+    assert [p.holders for p in index.top_prefixes(5)] == [["a"]]
