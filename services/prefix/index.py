@@ -389,7 +389,11 @@ class PrefixIndex:
         self._tick += 1
         tick = self._tick
         tree = self.tree
+        usage = None
         if resync:
+            # A resync restates the replica's holdings; nodes it alone held are deleted and
+            # stored again, and must keep their hits (TopPrefixes, LFU pruning).
+            usage = tree.usage_held_only_by(rep.bit)
             tree.clear(rep.bit)
         # A chain whose parent the replica does not hold (yet) waits for that parent to be
         # stored later in this batch (a snapshot's order must not matter); else it is dropped.
@@ -410,6 +414,8 @@ class PrefixIndex:
                 tree.clear(rep.bit)
                 self._drop_waiting(waiting)
         self._drop_waiting(waiting)  # parents that never came
+        if usage:
+            tree.restore_usage(usage)
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)

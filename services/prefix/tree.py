@@ -381,6 +381,31 @@ class BlockTree:
                     n += self._drop_subtree(kid, mask, bit)
         return n
 
+    def usage_held_only_by(self, bit: int) -> dict[bytes, tuple[int, int]]:
+        """Hits and last use, by key, of the used nodes that slot `bit` alone holds: the
+        ones `clear(bit)` deletes (see `restore_usage`)."""
+        mask = 1 << bit
+        use, key = self._use, self._key
+        out: dict[bytes, tuple[int, int]] = {}
+        stack = [k for root in self._roots.values() for k in self._kids(root)
+                 if use[_USE * k + _HOLD] & mask]
+        while stack:
+            s = stack.pop()
+            if use[_USE * s + _HOLD] == mask and use[_USE * s + _HITS]:
+                out[key[s]] = (use[_USE * s + _HITS], use[_USE * s + _LAST])  # type: ignore[index]
+            stack.extend(k for k in self._kids(s) if use[_USE * k + _HOLD] & mask)
+        return out
+
+    def restore_usage(self, usage: dict[bytes, tuple[int, int]]) -> None:
+        """Gives nodes stored again (no hits yet) the hits they had before a clear; last use
+        only moves forward (a parent is never older than its children)."""
+        use, table = self._use, self._table
+        for k, (hits, last) in usage.items():
+            s = table.get(k)
+            if s is not None and not use[_USE * s + _HITS]:
+                use[_USE * s + _HITS] = hits
+                use[_USE * s + _LAST] = max(use[_USE * s + _LAST], last)
+
     def _drop_subtree(self, top: int, mask: int, bit: int) -> int:
         use = self._use
         n = 0

@@ -378,3 +378,20 @@ def test_top_prefixes_leave_out_a_replica_whose_lease_lapsed(index, hasher, cloc
     assert index.heartbeat("a", "i1", Load()).known
     clock.t += 6  # b's lease lapsed; nothing else has looked since
     assert [p.holders for p in index.top_prefixes(5)] == [["a"]]
+
+
+def test_a_resync_keeps_the_hits_of_what_the_replica_still_holds(index, hasher):
+    """A resync (after any gap) restates the holdings; the nodes only this replica held are
+    deleted and stored again, and used to come back with no hits: TopPrefixes forgot the hot
+    prompt and LFU pruning took it first."""
+    reg(index, "a")
+    hot = toks(1, 2)
+    index.publish("a", "i1", 1, [stored(hasher, hot + toks(3))])
+    for _ in range(5):
+        matched(index, hot + toks(9))
+    assert [(p.token_ids, p.hits) for p in index.top_prefixes(5)] == [(hot, 5)]
+    assert not index.publish("a", "i1", 2, [stored(hasher, hot + toks(3))], resync=True).resync
+    assert [(p.token_ids, p.hits) for p in index.top_prefixes(5)] == [(hot, 5)]
+    assert not index.publish("a", "i1", 3, [stored(hasher, toks(1))], resync=True).resync
+    assert index.top_prefixes(5) == []  # block 2 is not held any more: its hits go with it
+    index.check_integrity()
