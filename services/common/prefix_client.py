@@ -59,6 +59,13 @@ class PrefixIndexError(grpc.RpcError):
         return cls(method, address, code or grpc.StatusCode.UNKNOWN, details or "")
 
 
+# Failures that another try (or the shard coming back) can cure.
+_TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.CANCELLED,
+                        grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
+                        grpc.StatusCode.ABORTED})
+
+
 class RegisterOutcome(NamedTuple):
     lease_seconds: float  # the shortest lease of all shards
     next_seq: dict[str, int]  # per shard address
@@ -151,7 +158,12 @@ class PrefixIndexClient:
 
     def _fan_out(self, requests: dict[str, object], method: str, timeout: float | None,
                  allow_partial: bool = False) -> dict[str, object]:
-        """Call `method` on several shards at once; raise the first failure unless partial."""
+        """Call `method` on several shards at once; raise the first failure unless partial.
+
+        Partial success covers shards that are down or slow only: a shard that refuses the
+        call (FAILED_PRECONDITION, INVALID_ARGUMENT, ...) always raises, since retrying the
+        others would only repeat the refusal.
+        """
         md = call_metadata(self.internal_token)
         futs = {a: getattr(self._shards[a].stub, method).future(
             r, timeout=timeout or self.timeout, metadata=md) for a, r in requests.items()}
@@ -162,6 +174,9 @@ class PrefixIndexClient:
                 out[a] = f.result()
             except grpc.RpcError as e:
                 errors.append(PrefixIndexError.wrap(method, a, e))
+        refused = [e for e in errors if e.code() not in _TRANSIENT]
+        if refused:
+            raise refused[0]
         if errors and (not allow_partial or not out):
             raise errors[0]
         for e in errors:

@@ -71,6 +71,7 @@ class Publisher:
         self.public_address = public_address
         self.model_id = model_id
         self.heartbeat_seconds = heartbeat_seconds
+        self._beat_every = heartbeat_seconds  # shortened to a third of a shorter lease
         self.publish_interval_seconds = publish_interval_seconds
         self.internal_token = internal_token
         self._client = PrefixIndexClient(
@@ -109,14 +110,14 @@ class Publisher:
             try:
                 if not self.registered:
                     self._register()
-                    next_beat = time.monotonic() + self.heartbeat_seconds
+                    next_beat = time.monotonic() + self._beat_every
                 if self._need_resync:
                     self._resync()
                 now = time.monotonic()
                 if now >= next_beat:
                     # Set first: a failing heartbeat must not run again on every retry ahead
                     # of publishing.
-                    next_beat = now + self.heartbeat_seconds
+                    next_beat = now + self._beat_every
                     self._heartbeat()
                 self._collect()
                 if self._backlog:
@@ -147,9 +148,10 @@ class Publisher:
     def _register(self) -> None:
         s = self.engine.stats()
         # The client keeps each shard's batch numbers from here on.
-        self._client.register(self.replica_id, self.incarnation, self.public_address,
-                              self.model_id, self.engine.pool.block_size, s.blocks_total,
-                              hash_probe=self.engine.pool.hasher.probe())
+        out = self._client.register(self.replica_id, self.incarnation, self.public_address,
+                                    self.model_id, self.engine.pool.block_size, s.blocks_total,
+                                    hash_probe=self.engine.pool.hasher.probe())
+        self._pace(out.lease_seconds)
         self.registered = True
         self._need_resync = True
         log.info("registered with prefix index %s as %s/%s", self.address, self.replica_id,
@@ -165,6 +167,20 @@ class Publisher:
         if not resp.known:
             log.info("prefix index forgot this replica; registering again")
             self.registered = False
+        else:
+            self._pace(resp.lease_seconds)
+
+    def _pace(self, lease_seconds: float) -> None:
+        """Heartbeats every `heartbeat_seconds`, or a third of the index's lease if shorter
+        (an index with a shorter lease would otherwise drop a healthy replica between beats)."""
+        every = self.heartbeat_seconds
+        if lease_seconds > 0:
+            every = min(every, lease_seconds / 3)
+        if every != self._beat_every:
+            if every < self.heartbeat_seconds:
+                log.info("prefix index lease %.1fs: heartbeats every %.2fs", lease_seconds,
+                         every)
+            self._beat_every = every
 
     def _collect(self) -> None:
         self._backlog.extend(self.engine.take_events())

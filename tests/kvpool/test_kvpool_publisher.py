@@ -174,3 +174,63 @@ def test_real_prefix_index_learns_what_the_replica_holds(make_engine) -> None:
         channel.close()
         pub.stop()
         handle.stop(0)
+
+
+def _real_index(**cfg):
+    from services.prefix.config import PrefixConfig
+    from services.prefix.server import PrefixServicer, build_index
+
+    index = build_index(PrefixConfig(block_size=4, **cfg))
+    handle = create_server(service="prefix-real", address="127.0.0.1:0",
+                           services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server,
+                                      PrefixServicer(index), "tiercache.v1.PrefixIndex")])
+    return index, handle
+
+
+def test_heartbeats_follow_an_index_lease_shorter_than_the_replicas_interval(make_engine):
+    """Index lease 1 s, replica heartbeat 2 s: the replica must beat within the lease it was
+    given, or the index drops it between beats and it re-registers and resyncs forever."""
+    index, handle = _real_index(lease_seconds=1.0)
+    eng = make_engine(num_blocks=32, hash_key=None)
+    pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
+                    incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
+                    heartbeat_seconds=2.0, channel_factory=grpc.insecure_channel).start()
+    try:
+        wait_for(lambda: pub.registered and index.replica_count == 1)
+        resyncs, missing = pub.resyncs, 0
+        end = time.monotonic() + 4
+        while time.monotonic() < end:
+            missing += index.stats().replicas == []
+            time.sleep(0.1)
+        assert missing == 0 and pub.resyncs == resyncs
+    finally:
+        pub.stop()
+        handle.stop(0)
+
+
+def test_a_shard_refusing_registration_is_an_error_not_a_partial_success(make_engine):
+    """A shard that refuses Register (here: another block size) used to count as 'down for
+    now': the publisher registered with the other shard, resynced it, was told NOT_FOUND by the
+    refusing one, and started over every 0.2 s."""
+    good_index, good = _real_index(lease_seconds=5.0)
+    from services.prefix.config import PrefixConfig
+    from services.prefix.server import PrefixServicer, build_index
+
+    other = create_server(service="prefix-other", address="127.0.0.1:0", services=[(
+        prefix_pb2_grpc.add_PrefixIndexServicer_to_server,
+        PrefixServicer(build_index(PrefixConfig(block_size=8, lease_seconds=5.0))),
+        "tiercache.v1.PrefixIndex")])
+    eng = make_engine(num_blocks=32, hash_key=None)
+    pub = Publisher(eng, address=f"127.0.0.1:{good.port},127.0.0.1:{other.port}",
+                    replica_id="kv-0", incarnation="inc-1", public_address="10.0.0.7:50054",
+                    model_id="tiny-llama", heartbeat_seconds=0.5,
+                    channel_factory=grpc.insecure_channel).start()
+    try:
+        time.sleep(2.0)
+        assert not pub.registered
+        # Nothing was sent to the healthy shard (before: a full resync every 0.2 s).
+        assert all(r.next_seq <= 1 for r in good_index._replicas.values())
+    finally:
+        pub.stop()
+        good.stop(0)
+        other.stop(0)
