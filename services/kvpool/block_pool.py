@@ -213,7 +213,10 @@ class BlockPool:
             holds a token to recompute, that block is copied first (copy-on-write): the sequence
             never writes into a block other sequences read.
         Raises:
-            PoolExhausted: not enough blocks even after eviction (nothing is changed then).
+            PoolExhausted: not enough blocks even after eviction. The sequence is not opened
+                and holds nothing; cached blocks evicted while trying stay evicted (a
+                pinned or referenced block below them can leave their parents unfreeable,
+                which only eviction finds out).
         """
         if seq_id in self._seqs:
             raise ValueError(f"sequence {seq_id!r} is already open")
