@@ -28,6 +28,7 @@ from services.prefix.tree import BlockTree, bits
 MAX_REPLICAS = 64
 # Measured by benchmarks/prefix_index.py (tracemalloc); used for the Stats estimate only.
 APPROX_BYTES_PER_NODE = 210
+MAX_SEQ_FLOORS = 4096  # lapsed replicas whose next batch number is remembered
 
 
 class Load(NamedTuple):
@@ -331,7 +332,13 @@ class PrefixIndex:
         return [r.replica_id for r in gone]
 
     def _drop(self, rep: Replica) -> None:
-        self._seq_floor[rep.replica_id] = (rep.incarnation, rep.next_seq)
+        # Kept for a re-Register of the same incarnation (a batch sent before the lapse may
+        # still arrive); bounded, oldest first: replica ids come and go with every restart.
+        floors = self._seq_floor
+        floors.pop(rep.replica_id, None)
+        floors[rep.replica_id] = (rep.incarnation, rep.next_seq)
+        while len(floors) > MAX_SEQ_FLOORS:
+            del floors[next(iter(floors))]
         self.tree.clear(rep.bit)
         del self._replicas[rep.replica_id]
         self._by_bit[rep.bit] = None

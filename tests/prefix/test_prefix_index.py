@@ -395,3 +395,20 @@ def test_a_resync_keeps_the_hits_of_what_the_replica_still_holds(index, hasher):
     assert not index.publish("a", "i1", 3, [stored(hasher, toks(1))], resync=True).resync
     assert index.top_prefixes(5) == []  # block 2 is not held any more: its hits go with it
     index.check_integrity()
+
+
+def test_lapsed_replicas_batch_numbers_are_remembered_for_a_bounded_number(hasher, clock,
+                                                                         monkeypatch):
+    """Each lapsed replica id leaves its next batch number behind (for a re-Register); ids
+    change with every restart, so the memory must not grow with them."""
+    from services.prefix import index as index_mod
+
+    monkeypatch.setattr(index_mod, "MAX_SEQ_FLOORS", 3)
+    idx = make_index(clock)
+    for i in range(10):
+        reg(idx, f"r{i}")
+        clock.t += 11  # its lease (10 s) lapses
+        idx.stats()  # expires it
+    assert list(idx._seq_floor) == ["r7", "r8", "r9"]
+    reg(idx, "r9")  # the newest kept one registers again with its floor
+    assert "r9" not in idx._seq_floor and idx._replicas["r9"].next_seq == 1
