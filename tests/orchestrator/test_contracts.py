@@ -1,0 +1,350 @@
+"""Contracts of the orchestrator's pieces that a wrong constant or a swapped field would break
+silently: the semantic namespace, the policy flags, session affinity, failover resume, cut-short
+hits, replica free blocks, routing boundaries, tenant salts and context hashes.
+
+Pipeline tests are pure logic with the fakes of test_pipeline_paths (no processes, no model);
+the context-hash test renders with the real SmolLM2 tokenizer.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
+
+from services.common.ring import HashRing
+from services.orchestrator.backends import ReplicaSet
+from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
+from services.orchestrator.render import Message, PromptRenderer, RenderedPrompt
+from services.orchestrator.routing import PrefixAwarePolicy, ReplicaView, bounded_cap
+from services.orchestrator.server import parse_policy
+from services.orchestrator.tenants import TenantRegistry
+from tests.orchestrator.test_pipeline_paths import (
+    PROMPT,
+    TENANT,
+    Call,
+    RpcError,
+    Semantic,
+    Stub,
+    final,
+    make,
+)
+
+
+class RecordingSemantic(Semantic):
+    """The semantic fake, keeping every Lookup/Store request and answering `answer`."""
+
+    def __init__(self, answer: semantic_pb2.LookupResponse | None = None) -> None:
+        super().__init__()
+        self.answer = answer or semantic_pb2.LookupResponse()
+        self.lookups: list[semantic_pb2.LookupRequest] = []
+        self.stores: list[semantic_pb2.StoreRequest] = []
+
+    def lookup(self, req):
+        self.lookups.append(req)
+        return self.answer
+
+    def store(self, req):
+        self.stores.append(req)
+        return super().store(req)
+
+
+def run(orch, *, prompt: RenderedPrompt | None = None, policy: Policy = Policy(),
+        session_id: str = "s", max_tokens: int = 4) -> list:
+    return list(orch.generate(
+        tenant=TENANT, prompt=prompt or RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(max_tokens, 0.0, 1.0, 0, (), False), policy=policy,
+        session_id=session_id, return_token_ids=True, request_id="rid",
+        deadline=time.monotonic() + 30, on_cancel=lambda fn: None))
+
+
+def text_of(events) -> str:
+    return "".join(e.text for e in events if isinstance(e, TextDelta))
+
+
+def finished(events) -> Finished:
+    fin = [e for e in events if isinstance(e, Finished)]
+    assert len(fin) == 1
+    return fin[0]
+
+
+def one_replica(n_calls: int = 1) -> tuple[Stub, dict[str, Stub]]:
+    stub = Stub("A", [Call([final("A", 2)]) for _ in range(n_calls)])
+    return stub, {"A": stub}
+
+
+# ---- semantic namespace (M26) ------------------------------------------------------------
+
+def test_semantic_lookup_and_store_use_the_prompts_context_and_the_tenants_name():
+    sem = RecordingSemantic()
+    stub, stubs = one_replica()
+    prompt = RenderedPrompt(PROMPT, "what is a kv cache?", "0123456789abcdef0123456789abcdef")
+    events = run(make(stubs, semantic=sem), prompt=prompt)
+    assert text_of(events) == "ok"
+    assert len(sem.lookups) == 1 and len(sem.stores) == 1
+    for req in (sem.lookups[0], sem.stores[0]):
+        assert req.namespace.context_hash == prompt.context_hash
+        assert req.namespace.tenant == TENANT.name
+        assert req.namespace.model_id == "m"
+    assert sem.lookups[0].text == prompt.query_text
+    assert sem.stores[0].prompt == prompt.query_text and sem.stores[0].answer == "ok"
+
+
+# ---- cache policy flags (M29) ------------------------------------------------------------
+
+POLICY_FLAGS = ("skip_semantic_lookup", "skip_semantic_store", "skip_prefix_cache", "skip_draft",
+                "store_sampled")
+
+
+@pytest.mark.parametrize("flag", POLICY_FLAGS)
+def test_each_cache_policy_flag_lands_in_the_same_named_policy_field(flag):
+    policy = parse_policy(common_pb2.CachePolicy(**{flag: True}))
+    assert {f: getattr(policy, f) for f in POLICY_FLAGS} == {f: f == flag for f in POLICY_FLAGS}
+
+
+def test_cache_policy_tier_and_threshold_are_carried_over():
+    policy = parse_policy(common_pb2.CachePolicy(semantic_tier="strict", semantic_threshold=0.5))
+    assert (policy.semantic_tier, policy.semantic_threshold) == ("strict", 0.5)
+    assert not any(getattr(policy, f) for f in POLICY_FLAGS)
+
+
+def test_skip_semantic_store_still_looks_up_but_stores_nothing():
+    sem = RecordingSemantic()
+    stub, stubs = one_replica()
+    events = run(make(stubs, semantic=sem), policy=Policy(skip_semantic_store=True))
+    assert text_of(events) == "ok" and len(stub.requests) == 1
+    assert len(sem.lookups) == 1
+    assert sem.stores == []
+
+
+def test_skip_semantic_lookup_still_stores_the_answer():
+    sem = RecordingSemantic()
+    stub, stubs = one_replica()
+    events = run(make(stubs, semantic=sem), policy=Policy(skip_semantic_lookup=True))
+    assert text_of(events) == "ok" and len(stub.requests) == 1
+    assert sem.lookups == []
+    assert len(sem.stores) == 1 and sem.stores[0].answer == "ok"
+
+
+# ---- session affinity (M37) --------------------------------------------------------------
+
+def test_without_an_index_a_prompt_follows_its_session_on_the_ring():
+    ids = ("A", "B", "C")
+    stubs = {r: Stub(r, [Call([final(r, 2)]) for _ in range(2)]) for r in ids}
+    orch = make(stubs)  # no prefix index
+    orch.dispatched = None  # no dispatch memory: only the ring places the prompt
+    # The policy's ring, as it will be once synced with the three replicas (all idle).
+    ring = HashRing(ids, vnodes=orch.routing.ring.vnodes)
+    idle = {r: 0.0 for r in ids}
+    owner = {f"session-{i}": ring.lookup_bounded(f"session-{i}", idle, orch.routing.epsilon)
+             for i in range(64)}
+    first = "session-0"
+    second = next(s for s, r in owner.items() if r != owner[first])
+    for session in (first, second):
+        fin = finished(run(orch, session_id=session))
+        assert fin.report.route == "ring"
+        assert fin.report.replica_id == owner[session]
+    assert {r: len(s.requests) for r, s in stubs.items()} == {
+        r: (owner[first] == r) + (owner[second] == r) for r in ids}
+
+
+# ---- failover resume (M20/M22) -----------------------------------------------------------
+
+def tokens(text: str) -> kvpool_pb2.KvGenerateResponse:
+    return kvpool_pb2.KvGenerateResponse(token_ids=list(text.encode()))
+
+
+class OrderedStub(Stub):
+    """A replica whose Generate calls are taken from a list shared by every replica (so the
+    first call anywhere gets the first stream), noting in `asked` who was called when."""
+
+    def __init__(self, rid: str, calls: list[Call], asked: list[Stub]) -> None:
+        super().__init__(rid, [])
+        self.calls, self.asked = calls, asked
+
+    def Generate(self, req, timeout=None, metadata=None):  # noqa: N802
+        self.asked.append(self)
+        return super().Generate(req, timeout, metadata)
+
+
+def test_a_replica_lost_mid_answer_is_resumed_elsewhere_from_the_tokens_already_sent():
+    draft = "hello world"
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=False, similarity=0.9, entry=semantic_pb2.SemanticEntry(id="e9", answer=draft)))
+    # Whichever replica is asked first streams "he" and dies; the other finishes the answer.
+    calls = [Call([tokens("he")], RpcError(grpc.StatusCode.UNAVAILABLE)),
+             Call([tokens("llo"), kvpool_pb2.KvGenerateResponse(final=kvpool_pb2.KvGenerateFinal(
+                 finish_reason=common_pb2.FINISH_REASON_LENGTH))])]
+    asked: list[Stub] = []
+    stubs = {r: OrderedStub(r, calls, asked) for r in ("A", "B")}
+    orch = make(stubs, semantic=sem)
+    events = run(orch, max_tokens=16)
+
+    assert len(asked) == 2 and asked[0] is not asked[1]
+    lost, resumer = asked
+    first, resumed = lost.requests[0], resumer.requests[0]
+    assert list(first.token_ids) == PROMPT and first.sampling.max_tokens == 16
+    assert list(first.draft_token_ids) == list(draft.encode())
+    sent = list(b"he")
+    assert list(resumed.token_ids) == PROMPT + sent
+    assert resumed.sampling.max_tokens == 16 - len(sent)
+    assert list(resumed.draft_token_ids) == list(draft.encode())[len(sent):]
+    assert resumed.cache_salt == first.cache_salt == TENANT.cache_salt
+
+    assert text_of(events) == "hello"  # the tokens before the failure are not emitted twice
+    fin = finished(events)
+    assert fin.report.route == "resume"
+    assert fin.report.replica_id == resumer.rid
+    assert fin.completion_tokens == len("hello")
+    assert orch.stats.degradations["resume"] == 1
+    assert sem.stores[0].answer == "hello"
+
+
+# ---- cut-short semantic hits (M21) -------------------------------------------------------
+
+def cut_hit(answer: str, truncated_at: int) -> RecordingSemantic:
+    return RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=True, similarity=0.99,
+        entry=semantic_pb2.SemanticEntry(id="e1", answer=answer, truncated_at=truncated_at)))
+
+
+def test_a_hit_cut_at_exactly_max_tokens_is_served_from_the_cache():
+    max_tokens = 8
+    answer = "abcdefgh"  # the fake tokenizer: one token per byte, so 8 tokens
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=cut_hit(answer, max_tokens))
+    events = run(orch, max_tokens=max_tokens)
+    assert stub.requests == []
+    assert text_of(events) == answer
+    fin = finished(events)
+    assert fin.report.semantic_hit and fin.report.route == "semantic"
+    assert fin.finish_reason == common_pb2.FINISH_REASON_CACHED
+    assert fin.completion_tokens == max_tokens
+    assert orch.stats.semantic_hits_too_short == 0
+
+
+def test_a_hit_cut_shorter_than_max_tokens_goes_to_the_model_as_a_draft():
+    max_tokens = 8
+    answer = "abcdefg"  # cut after 7 tokens: cannot stand for an 8-token answer
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=cut_hit(answer, max_tokens - 1))
+    events = run(orch, max_tokens=max_tokens)
+    assert len(stub.requests) == 1
+    assert list(stub.requests[0].draft_token_ids) == list(answer.encode())
+    assert text_of(events) == "ok"
+    fin = finished(events)
+    assert not fin.report.semantic_hit and fin.report.route == "ring"
+    assert fin.report.semantic_entry_id == "e1"
+    assert orch.stats.semantic_hits_too_short == 1
+
+
+# ---- replica views (M36) -----------------------------------------------------------------
+
+class StatsStub:
+    def __init__(self, resp: kvpool_pb2.KvStatsResponse) -> None:
+        self.resp = resp
+
+    def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
+        return self.resp
+
+
+def test_views_report_the_free_blocks_of_the_last_stats_poll():
+    replicas = ReplicaSet(("A", "B"), "")
+    stats = {"A": kvpool_pb2.KvStatsResponse(replica_id="A", incarnation="i", blocks_total=500,
+                                             blocks_free=123, blocks_cached=77, running=1),
+             "B": kvpool_pb2.KvStatsResponse(replica_id="B", incarnation="i", blocks_total=400,
+                                             blocks_free=9, blocks_in_use=300)}
+    for r in replicas.replicas:
+        r.stub = StatsStub(stats[r.address])
+    assert [v.free_blocks for v in replicas.views()] == [-1, -1]  # never polled: unknown
+    replicas.poll_once()
+    views = {v.replica_id: v for v in replicas.views()}
+    assert views["A"].free_blocks == 123 and views["B"].free_blocks == 9
+    assert views["A"].load == 1 and views["B"].load == 0
+
+
+# ---- routing boundaries (M01, M02) -------------------------------------------------------
+
+def idle(*ids: str) -> list[ReplicaView]:
+    return [ReplicaView(r, 0.0) for r in ids]
+
+
+def test_a_match_of_exactly_min_prefix_tokens_is_useful():
+    p = PrefixAwarePolicy(min_prefix_tokens=32)
+    d = p.choose(idle("r0", "r1", "r2"), {"r1": 32}, "s")
+    assert (d.replica_id, d.route, d.matched_tokens) == ("r1", "prefix", 32)
+    short = PrefixAwarePolicy(min_prefix_tokens=32).choose(idle("r0", "r1", "r2"), {"r1": 31}, "s")
+    assert short.route == "ring"
+
+
+@pytest.mark.parametrize(("loads", "epsilon", "cap"), [
+    # ceil((1 + eps) * (total + 1) / n) - 1, worked by hand:
+    ([6, 1, 1], 0.25, 3),  # 1.25 * 9 / 3 = 3.75 -> 4 - 1
+    ([2, 0], 0.25, 1),  # 1.25 * 3 / 2 = 1.875 -> 2 - 1
+    ([0, 0], 0.25, 0),  # 1.25 * 1 / 2 = 0.625 -> 1 - 1
+    ([7, 0, 0, 0, 0], 0.25, 1),  # 1.25 * 8 / 5 = 2.0 exactly -> 2 - 1
+    ([3, 1], 0.0, 2),  # 5 / 2 = 2.5 -> 3 - 1
+    ([1, 1, 0], 0.0, 0),  # 3 / 3 = 1.0 exactly -> 1 - 1
+    ([], 0.25, 1),  # no replicas counts as one: 1.25 * 1 / 1 -> 2 - 1
+])
+def test_bounded_cap_is_the_documented_formula(loads, epsilon, cap):
+    assert bounded_cap(loads, epsilon) == cap
+
+
+# ---- ring bounded lookup (M04) -----------------------------------------------------------
+
+def test_a_sessions_owner_keeps_it_while_its_load_plus_one_is_within_the_cap():
+    ring = HashRing(["n0", "n1"], vnodes=64)
+    key = "session-x"
+    owner = ring.lookup(key)
+    (other,) = [n for n in ring.nodes if n != owner]
+    # total 1 + 0 + 1 = 2: cap ceil(1.25 * 2 / 2) = 2; the owner's 1 + 1 <= 2 qualifies.
+    assert ring.lookup_bounded(key, {owner: 1, other: 0}, 0.25) == owner
+    # epsilon 0, total 1 + 1 + 1 = 3: cap ceil(3 / 2) = 2; still 1 + 1 <= 2.
+    assert ring.lookup_bounded(key, {owner: 1, other: 1}, 0.0) == owner
+    # total 2 + 0 + 1 = 3: cap ceil(1.25 * 3 / 2) = 2; the owner's 2 + 1 > 2 spills.
+    assert ring.lookup_bounded(key, {owner: 2, other: 0}, 0.25) == other
+
+
+# ---- tenant salts (M05) ------------------------------------------------------------------
+
+KEY = b"configured-secret-key"
+
+
+def test_tenant_salts_are_keyed_with_the_configured_key():
+    assert TenantRegistry.salt_for("alice", KEY) != TenantRegistry.salt_for("alice", b"")
+    reg = TenantRegistry.build(tokens_file="", tokens="tok-a=alice", key=KEY,
+                               max_prompt_tokens=100, max_tokens=50, max_concurrent=2)
+    alice = reg.authenticate({"authorization": "Bearer tok-a"})
+    assert alice.cache_salt == TenantRegistry.salt_for("alice", KEY)
+    assert alice.cache_salt != TenantRegistry.salt_for("alice", b"")
+    local = TenantRegistry.build(tokens_file="", tokens="", key=KEY, max_prompt_tokens=100,
+                                 max_tokens=50, max_concurrent=2).authenticate({})
+    assert local.cache_salt == TenantRegistry.salt_for("default", KEY)
+    assert local.cache_salt != TenantRegistry.salt_for("default", b"")
+
+
+# ---- context hash of a conversation (M34) ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def renderer():
+    from services.common.model_store import load_tokenizer, resolve_model
+
+    return PromptRenderer(load_tokenizer(resolve_model("smollm2").path), max_chars=1000)
+
+
+def test_context_hash_covers_every_earlier_turn_not_just_the_system_prompt(renderer):
+    system, q = Message("system", "You are terse."), Message("user", "And the second one?")
+
+    def chat(u: str, a: str, query: Message = q):
+        return renderer.render_chat([system, Message("user", u), Message("assistant", a), query])
+
+    one = chat("Name a prime.", "2.")
+    other = chat("Name a colour.", "Red.")
+    assert one.context_hash != other.context_hash
+    again = chat("Name a prime.", "2.")
+    assert again.context_hash == one.context_hash
+    # The query itself is not context: another question in the same conversation shares it.
+    assert chat("Name a prime.", "2.", Message("user", "Why?")).context_hash == one.context_hash

@@ -1,0 +1,52 @@
+"""`tiercache warm`'s exit status (pure logic: a fake client answering WarmResponses)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+from tiercache.v1 import orchestrator_pb2
+
+from clients.python.cli import cmd_warm
+
+
+class FakeWarmClient:
+    def __init__(self, resp: orchestrator_pb2.WarmResponse) -> None:
+        self.resp = resp
+        self.calls: list[tuple] = []
+
+    def warm(self, prompts, **kw):
+        self.calls.append((prompts, kw))
+        return self.resp
+
+
+def warm_args(system: str = "You are terse.") -> argparse.Namespace:
+    return argparse.Namespace(system=system, top_k=0, owners=False, ttl=0)
+
+
+def result(rid: str, error: str = "") -> orchestrator_pb2.WarmResult:
+    return orchestrator_pb2.WarmResult(replica_id=rid, prompt_tokens=10, computed_tokens=10,
+                                       error=error)
+
+
+def test_warm_exits_0_when_every_replica_was_warmed(capsys):
+    c = FakeWarmClient(orchestrator_pb2.WarmResponse(results=[result("A"), result("B")]))
+    assert cmd_warm(c, warm_args()) == 0
+    assert c.calls == [(["You are terse."], dict(top_k=0, owners_only=False, pin_ttl_seconds=0))]
+    shown = json.loads(capsys.readouterr().out)
+    assert [r["replicaId"] for r in shown["results"]] == ["A", "B"]
+
+
+@pytest.mark.parametrize("errors", [("", "kvpool B: UNAVAILABLE"), ("boom", ""),
+                                    ("x", "y")])
+def test_warm_exits_1_when_any_replica_failed(capsys, errors):
+    resp = orchestrator_pb2.WarmResponse(
+        results=[result(rid, err) for rid, err in zip("AB", errors, strict=True)])
+    assert cmd_warm(FakeWarmClient(resp), warm_args()) == 1
+
+
+@pytest.mark.parametrize("system", ["You are terse.", ""])
+def test_warm_exits_1_when_nothing_was_warmed(capsys, system):
+    assert cmd_warm(FakeWarmClient(orchestrator_pb2.WarmResponse()), warm_args(system)) == 1
+    assert "nothing was warmed" in capsys.readouterr().err
