@@ -369,15 +369,21 @@ def test_a_failed_repeat_store_leaves_sqlite_and_memory_agreeing(make_cache, mon
 
 def test_verify_does_not_hold_up_lookups_while_it_waits_for_sqlite(make_cache):
     import threading
-    import time
 
     c = make_cache()
     e = c.store_entry(A, "Who wrote Hamlet?", "William Shakespeare.")
-    done, looked = threading.Event(), threading.Event()
+    done, looked, writing = threading.Event(), threading.Event(), threading.Event()
+    set_verified = c.store.set_verified
+
+    def signalled(*args, **kw):
+        writing.set()  # verify has reached its SQLite write (and will wait for the lock)
+        return set_verified(*args, **kw)
+
+    c.store.set_verified = signalled
     with c.store._lock:  # a Store's fsync or a hit flush in progress
         t = threading.Thread(target=lambda: (c.verify(e.id, True), done.set()), daemon=True)
         t.start()
-        time.sleep(0.1)
+        assert writing.wait(5)
         # In a thread: a lookup stuck behind the verify must fail the test, not hang it.
         lt = threading.Thread(target=lambda: c.lookup(A, "Who wrote Hamlet?").hit
                               and looked.set(), daemon=True)
