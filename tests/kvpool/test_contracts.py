@@ -1,0 +1,216 @@
+"""Contracts of the block pool and the engine that a mutation audit found unguarded.
+
+Eviction ranks shallow blocks by use (LFU), re-pinning never shortens a pin, a colliding hash
+with other tokens is never reused, rejected draft tokens give their blocks back, and pool
+pressure preempts the newest decoding sequence. The engine tests drive a stopped engine one
+`_step` at a time, so the pool can be inspected between steps.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+
+from services.common.hashing import BlockHasher
+from services.common.policy import HybridPolicy
+from services.kvpool.block_pool import BlockPool
+from services.kvpool.engine import Engine, EngineRequest, Finished
+from services.kvpool.sampling import SamplingSpec
+from tests.kvpool.conftest import TINY_VOCAB, collect, reference_greedy, request
+from tests.prefix.conftest import Clock
+
+BS = 4
+
+
+def make_pool(n: int = 8, shallow: int = 64, hasher=None) -> tuple[BlockPool, Clock]:
+    clock = Clock()
+    hasher = hasher or BlockHasher("m", BS, key=b"k")
+    return BlockPool(n, BS, hasher, HybridPolicy(shallow), clock=clock), clock
+
+
+def run_seq(pool: BlockPool, sid: str, toks: list[int]) -> None:
+    """Open, compute everything, commit, close."""
+    pool.open(sid, toks)
+    pool.commit(sid, toks, len(toks))
+    pool.close(sid)
+    pool.check_integrity()
+
+
+# ---- M07: shallow leaves are evicted least frequently used first ------------------------------
+
+def test_shallow_leaves_are_evicted_by_fewest_hits_not_by_age() -> None:
+    pool, clock = make_pool(n=8, shallow=64)  # every block here starts before token 64
+    a, b = [11, 12, 13, 14], [21, 22, 23, 24]
+    clock.t = 1.0
+    run_seq(pool, "a", a)
+    (blk_a,) = pool.match(a)
+    for i in range(2):  # two later prompts reuse A's block (and end with an uncached token)
+        clock.t = 2.0 + i
+        adm = pool.open(f"a{i}", a + [99])
+        assert adm.cached_tokens == BS
+        pool.close(f"a{i}")
+    clock.t = 10.0
+    run_seq(pool, "b", b)  # B: newer than A's last use, never reused
+    (blk_b,) = pool.match(b)
+    # LRU would take A (older) first; the shallow rule is LFU: B (0 hits) before A (2 hits).
+    assert pool.eviction_order() == [blk_b, blk_a]
+    assert pool.evict(1) == [blk_b]
+    assert pool.match(a) == [blk_a] and pool.match(b) == []
+    pool.check_integrity()
+
+
+# ---- M18: a second, shorter pin does not shorten the first --------------------------------------
+
+def test_re_pinning_with_a_shorter_ttl_keeps_the_longer_pin() -> None:
+    pool, clock = make_pool()
+    toks = [1, 2, 3, 4, 5, 6, 7, 8]
+    run_seq(pool, "x", toks)
+    blocks = pool.match(toks)
+    assert len(blocks) == 2
+    assert pool.pin(blocks, 20.0) == 2
+    assert pool.pin(blocks, 10.0) == 2
+    clock.t += 15.0  # past the second pin, inside the first
+    assert all(pool.is_pinned(b) for b in blocks)
+    assert pool.eviction_order() == []
+    assert pool.evict(2) == []
+    assert pool.stats().pinned == 2
+    clock.t += 5.0  # 20 s after pinning: the pin has run out
+    assert not any(pool.is_pinned(b) for b in blocks)
+    assert sorted(pool.evict(2)) == sorted(blocks)
+    pool.check_integrity()
+
+
+# ---- M19: a hash hit whose tokens differ is a collision, never reused ---------------------------
+
+class CollidingHasher:
+    """Test double: a block's hash depends only on its position, so any two chains collide."""
+
+    block_size = BS
+
+    def hashes(self, token_ids: Sequence[int], cache_salt: str = "",
+               parent: bytes | None = None, start_block: int = 0) -> list[bytes]:
+        first = 0 if parent is None else int.from_bytes(parent, "little") + 1
+        n = len(token_ids) // BS
+        return [i.to_bytes(16, "little") for i in range(first, first + n)]
+
+
+def test_a_colliding_hash_with_other_tokens_is_not_reused() -> None:
+    pool, _ = make_pool(hasher=CollidingHasher())
+    x = [1, 2, 3, 4, 5, 6, 7, 8]
+    y = [9, 10, 11, 12, 13, 14, 15, 16]
+    assert CollidingHasher().hashes(x) == CollidingHasher().hashes(y)  # the premise
+    run_seq(pool, "x", x)
+    assert len(pool.match(x)) == 2  # X itself is cached
+    assert pool.match(y) == []
+    adm = pool.open("y", y + [0])
+    assert adm.cached_tokens == 0 and adm.copies == []
+    assert not set(pool.blocks_of("y")) & set(pool.match(x))
+    pool.commit("y", y + [0], len(y))
+    pool.close("y")
+    pool.check_integrity()
+    assert pool.match(y) == []  # Y's blocks stay out of the table: X keeps the hashes
+    assert len(pool.match(x)) == 2
+
+
+# ---- engine: synchronous stepping ----------------------------------------------------------
+
+def prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, TINY_VOCAB - 1) for _ in range(n)]
+
+
+def drive(eng: Engine, reqs: list[EngineRequest], after_step: Callable[[Engine], None],
+          max_steps: int = 5000) -> list[tuple[list[int], Finished]]:
+    """Run requests to completion on a stopped engine, calling `after_step` after each step."""
+    assert not eng.running
+    outs = [eng.submit(r)[1] for r in reqs]
+    try:
+        for _ in range(max_steps):
+            eng._drain_inbox(block=False)
+            if not (eng._waiting or eng._decoding or eng._prefilling):
+                break
+            eng._expire()
+            eng._step()
+            eng._publish_state()
+            eng.check_integrity()
+            after_step(eng)
+        else:
+            raise AssertionError(f"requests not done after {max_steps} steps")
+    except BaseException:
+        # End what is left, so that the failure is reported once (not again by make_engine).
+        eng._fail_everything(RuntimeError("test failed"))
+        raise
+    res = []
+    for out in outs:
+        toks, fin = collect(out, timeout=1)
+        assert isinstance(fin, Finished), fin
+        res.append((toks, fin))
+    return res
+
+
+def other(t: int) -> int:
+    return (t + 7) % (TINY_VOCAB - 1)
+
+
+# ---- M30: blocks reserved for rejected draft tokens are released in the same step -------------
+
+def test_rejected_draft_tokens_give_their_blocks_back_at_every_step(make_engine,
+                                                                    tiny_model) -> None:
+    eng = make_engine(num_blocks=64, block_size=2, max_batch_size=3)
+    eng.stop()  # stepped by hand below
+    n_new = 30
+    prompts = [prompt(9, 40 + i) for i in range(3)]
+    refs = [reference_greedy(tiny_model, p, n_new) for p in prompts]
+    drafts = [
+        [t if i % 5 else other(t) for i, t in enumerate(refs[0])],  # 1 in 5 wrong
+        [other(t) for t in refs[1]],  # every token wrong
+        [t if i % 3 else other(t) for i, t in enumerate(refs[2])],  # 1 in 3 wrong
+    ]
+    reqs = [EngineRequest(f"d{i}", p, SamplingSpec(n_new, ignore_eos=True),
+                          draft_token_ids=tuple(d))
+            for i, (p, d) in enumerate(zip(prompts, drafts, strict=True))]
+    pool = eng.pool
+    checked = []
+
+    def held_blocks_are_needed(e: Engine) -> None:
+        # Between steps nothing is speculatively reserved: a decoding sequence holds the blocks
+        # of its computed tokens plus the next one's, a prefilling one those of its prompt.
+        for s in e._decoding:
+            assert len(pool.blocks_of(s.seq_id)) <= pool.blocks_needed(s.num_computed + 1), \
+                (s.seq_id, s.num_computed, len(pool.blocks_of(s.seq_id)))
+            assert len(s.tokens) == s.num_computed + 1
+            checked.append(s.seq_id)
+        if e._prefilling is not None:
+            s = e._prefilling
+            assert len(pool.blocks_of(s.seq_id)) <= pool.blocks_needed(len(s.tokens))
+
+    res = drive(eng, reqs, held_blocks_are_needed)
+    assert len(checked) > n_new
+    for (toks, fin), ref in zip(res, refs, strict=True):
+        assert toks == ref
+        assert fin.draft_tokens_proposed > fin.draft_tokens_accepted  # rejections happened
+    assert pool.stats().in_use == 0
+
+
+# ---- M31: pool pressure preempts the newest decoding sequence -------------------------------
+
+def test_pool_pressure_preempts_the_newest_decoding_sequence(make_engine, tiny_model) -> None:
+    # 14 blocks of 4: two sequences of 20 prompt + 24 new tokens cannot both finish at once.
+    eng = make_engine(num_blocks=14, max_batch_size=2, max_prefill_chunk=32)
+    eng.stop()  # stepped by hand below
+    a, b = prompt(20, 20), prompt(20, 21)
+    preempted: set[str] = set()
+
+    def record_preempted(e: Engine) -> None:
+        # A preemption sends an admitted sequence back to the waiting queue.
+        preempted.update(s.req.request_id for s in e._waiting if s.admitted_once)
+
+    res = drive(eng, [request(a, 24, rid="a"), request(b, 24, rid="b")], record_preempted)
+    (toks_a, fin_a), (toks_b, fin_b) = res
+    assert eng.stats().preemptions_total >= 1
+    assert preempted == {"b"}  # only the later one went back, never the first admitted
+    # The first one was computed once: its prompt, then one forward per token but the last.
+    assert fin_a.computed_tokens == fin_a.prompt_tokens + fin_a.completion_tokens - 1
+    assert fin_b.computed_tokens >= fin_b.prompt_tokens + fin_b.completion_tokens - 1
+    assert toks_a == reference_greedy(tiny_model, a, 24)
+    assert toks_b == reference_greedy(tiny_model, b, 24)

@@ -1,0 +1,115 @@
+"""Contracts of the prefix index that a mutation audit found unguarded: the order in which the
+tree prunes leaves (cold deep first, then deep LRU, then shallow LFU) and the lease boundary."""
+
+from __future__ import annotations
+
+from services.common.policy import HybridPolicy
+from services.prefix.index import Load
+
+from .conftest import BS, MODEL, make_index, matched, stored, toks
+
+SHALLOW = 2 * BS  # blocks 0 and 1 of a chain are shallow, block 2 on is deep
+
+
+def reg(index, rid: str = "a") -> None:
+    index.register(rid, "i1", f"addr-{rid}", MODEL, BS, 100)
+
+
+def last_hash(hasher, tokens: list[int]) -> bytes:
+    return hasher.hashes(tokens)[-1]
+
+
+# ---- M07: shallow leaves are pruned least frequently used first ------------------------------
+
+def test_prune_takes_the_shallow_leaf_with_fewer_hits_before_an_older_hit_one(clock, hasher):
+    policy = HybridPolicy(SHALLOW)
+    index = make_index(clock, policy=policy, min_deep_hits=1)
+    reg(index)
+    index.publish("a", "i1", 1, [stored(hasher, toks(1))])  # shallow leaf A
+    assert matched(index, toks(1)) == {"a": 1}
+    assert matched(index, toks(1)) == {"a": 1}  # A: 2 hits, both before B exists
+    index.publish("a", "i1", 2, [stored(hasher, toks(6))])  # shallow leaf B: newer, no hits
+    a, b = last_hash(hasher, toks(1)), last_hash(hasher, toks(6))
+    assert (index.tree.get(a).hits, index.tree.get(b).hits) == (2, 0)
+    assert index.tree.get(a).last < index.tree.get(b).last  # LRU would take A first
+    tree = index.tree
+    assert tree.prune(len(tree) - 1, policy, SHALLOW, 1) == [b]
+    assert b not in tree and a in tree
+    index.check_integrity()
+    assert matched(index, toks(1)) == {"a": 1}
+
+
+# ---- M08 / M08b: deep leaves hit fewer than min_deep_hits times are pruned first -------------
+
+def test_a_cold_newer_deep_leaf_is_pruned_before_an_older_one_hit_min_deep_hits_times(
+        clock, hasher):
+    policy = HybridPolicy(SHALLOW)
+    index = make_index(clock, policy=policy, min_deep_hits=1)
+    reg(index)
+    base = toks(1, 2)  # two shallow blocks
+    index.publish("a", "i1", 1, [stored(hasher, base + toks(3))])  # deep leaf D
+    assert matched(index, base + toks(3)) == {"a": 3}  # D: exactly min_deep_hits (1) hit
+    index.publish("a", "i1", 2, [stored(hasher, base + toks(4), start=2)])  # deep leaf C: newer
+    d, c = last_hash(hasher, base + toks(3)), last_hash(hasher, base + toks(4))
+    tree = index.tree
+    assert (tree.get(d).hits, tree.get(c).hits) == (1, 0)
+    assert tree.get(d).last < tree.get(c).last  # plain deep LRU would take D first
+    assert len(tree) == 4
+    # C is cold (0 < 1 hit) and goes first; D, with exactly min_deep_hits, is not cold.
+    assert tree.prune(len(tree) - 1, policy, SHALLOW, 1) == [c]
+    assert d in tree and c not in tree
+    index.check_integrity()
+    # Then the deep LRU leaf (D) before any shallow one; D's hit folds into block 2.
+    assert tree.prune(len(tree) - 1, policy, SHALLOW, 1) == [d]
+    assert tree.get(last_hash(hasher, base)).hits == 1
+
+
+def test_cold_deep_leaves_go_before_warm_deep_and_shallow_ones_in_one_prune(clock, hasher):
+    policy = HybridPolicy(SHALLOW)
+    index = make_index(clock, policy=policy, min_deep_hits=2)
+    reg(index)
+    base = toks(1, 2)
+    index.publish("a", "i1", 1, [stored(hasher, base + toks(3))])  # deep W (warm: 2 hits)
+    matched(index, base + toks(3))
+    matched(index, base + toks(3))
+    index.publish("a", "i1", 2, [stored(hasher, base + toks(4), start=2)])  # deep K: 1 hit
+    matched(index, base + toks(4))
+    index.publish("a", "i1", 3, [stored(hasher, toks(7))])  # shallow S, no hits
+    w, k = last_hash(hasher, base + toks(3)), last_hash(hasher, base + toks(4))
+    s = last_hash(hasher, toks(7))
+    tree = index.tree
+    # K (1 < 2 hits: cold, newest) first; then deep LRU: W; then the shallow leaves by hits:
+    # S (0) before block 2 (1 + 2 folded hits).
+    assert tree.prune(len(tree) - 3, policy, SHALLOW, 2) == [k, w, s]
+    index.check_integrity()
+
+
+# ---- M09: a lease has expired when the clock reaches its deadline -----------------------------
+
+def test_a_lease_has_lapsed_exactly_at_its_deadline(clock, hasher):
+    # The index's rule: a lease renewed at t lasts until t + lease_seconds, and a replica whose
+    # deadline <= now is gone (PrefixIndex._expire).
+    index = make_index(clock)
+    reg(index)
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    start = clock.t
+    clock.t = start + index.lease_seconds - 0.5
+    assert matched(index, toks(1, 2)) == {"a": 2}  # still inside the lease
+    clock.t = start + index.lease_seconds  # exactly the deadline
+    assert matched(index, toks(1, 2)) == {}
+    assert index.stats().replicas == [] and index.stats().nodes == 0
+    assert not index.heartbeat("a", "i1", Load()).known
+
+
+def test_an_explicit_sweep_at_the_deadline_drops_the_replica(clock, hasher):
+    index = make_index(clock)
+    reg(index)
+    reg(index, "b")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1))])
+    deadline = clock.t + index.lease_seconds
+    clock.t += 1
+    assert index.heartbeat("b", "i1", Load()).known  # b's lease now ends 1 s later
+    assert index.expire(deadline - 0.001) == []
+    assert index.expire(deadline) == ["a"]
+    assert [r.replica_id for r in index.stats().replicas] == ["b"]
+    index.check_integrity()
