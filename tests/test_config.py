@@ -132,3 +132,24 @@ def test_another_embedding_folder_gets_its_own_name():
     assert SemanticConfig(model_dir="/models/paraphrase-multilingual-MiniLM-L12-v2/"
                           ).resolved_model_name() == "paraphrase-multilingual-MiniLM-L12-v2"
     assert SemanticConfig(model_dir="/models/x", model_name="mine").resolved_model_name() == "mine"
+
+
+def test_the_orchestrator_reads_converted_models_from_its_own_cache_dir(monkeypatch, tmp_path):
+    """Before, only kvpool had cache_dir: setting it alone made the orchestrator convert the
+    packaged model a second time into the default cache, just for its tokenizer."""
+    from services.common.model_store import ModelStoreError
+    from services.orchestrator import app
+    from services.orchestrator.config import OrchestratorConfig
+
+    seen = []
+
+    def resolve(spec, cache_dir=None, model_id=None):
+        seen.append((spec, cache_dir))
+        raise ModelStoreError("stop here")  # nothing after resolving matters here
+
+    monkeypatch.setattr(app, "resolve_model", resolve)
+    cfg = load_config(OrchestratorConfig, "orchestrator", [],
+                      environ={"TIERCACHE_ORCHESTRATOR_CACHE_DIR": str(tmp_path)})
+    with pytest.raises(ModelStoreError):
+        app.build(cfg)
+    assert seen == [("smollm2", str(tmp_path))]

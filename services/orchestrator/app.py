@@ -32,7 +32,7 @@ class App:
 
 
 def build(cfg: OrchestratorConfig) -> App:
-    resolved = resolve_model(cfg.model)
+    resolved = resolve_model(cfg.model, cfg.cache_dir or None)
     tok = load_tokenizer(resolved.path)
     if not getattr(tok, "chat_template", None):
         log.warning("model %s has no chat template: requests must send a raw `prompt`; "

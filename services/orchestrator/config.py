@@ -31,6 +31,9 @@ class OrchestratorConfig:
     model: str = "smollm2"
     # Model id override; "" = the id resolve_model reports (must match the replicas').
     model_id: str = ""
+    # Where converted models are cached (as kvpool's cache_dir); empty = $TIERCACHE_CACHE_DIR or
+    # ~/.cache/tiercache.
+    cache_dir: str = ""
     # Tokens per KV block (must match kvpool and the index).
     block_size: int = 16
     # Bearer tokens: a file (JSON {"token": {"tenant": ..., limits...}}) and/or "tok=tenant,..."
