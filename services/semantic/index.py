@@ -45,10 +45,20 @@ def set_search_threads(n: int) -> None:
     faiss.omp_set_num_threads(_search_threads)
 
 
+def _build_thread_count() -> int:
+    """Threads for bulk builds: OMP_NUM_THREADS when set (a pod sets it to its CPU limit; the
+    node's core count would oversubscribe the quota and get throttled), else every core."""
+    try:
+        n = int(os.environ.get("OMP_NUM_THREADS", "") or 0)
+    except ValueError:
+        n = 0
+    return n if n > 0 else (os.cpu_count() or 1)
+
+
 @contextlib.contextmanager
 def _build_threads() -> Iterator[None]:
-    """All cores while bulk-building an index (at start, before the service is SERVING)."""
-    faiss.omp_set_num_threads(os.cpu_count() or 1)
+    """The build threads while bulk-building an index (at start, before SERVING)."""
+    faiss.omp_set_num_threads(_build_thread_count())
     try:
         yield
     finally:

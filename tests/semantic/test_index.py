@@ -158,3 +158,16 @@ def test_many_removals_are_purged_by_one_background_merge_not_a_loop():
     assert len(idx._dead) <= max(64, len(idx) // 4)
     idx.check_integrity()
     assert len(idx) == 800 and all(nb.label % 3 for nb in idx.search(vecs[1], 10))
+
+
+def test_bulk_builds_use_the_pods_cpu_limit_not_the_nodes_cores(monkeypatch):
+    """A pod sets OMP_NUM_THREADS to its CPU limit; builds used os.cpu_count() (the node's
+    cores), oversubscribing the quota at every start."""
+    import os
+
+    from services.semantic.index import _build_thread_count
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert _build_thread_count() == 2
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert _build_thread_count() == (os.cpu_count() or 1)
