@@ -153,3 +153,17 @@ def test_the_orchestrator_reads_converted_models_from_its_own_cache_dir(monkeypa
     with pytest.raises(ModelStoreError):
         app.build(cfg)
     assert seen == [("smollm2", str(tmp_path))]
+
+
+@pytest.mark.parametrize("var,value", [("TIERCACHE_KVPOOL_MAX_WAITING", "0"),
+                                       ("TIERCACHE_KVPOOL_DEVICE", "cudafoo"),
+                                       ("TIERCACHE_KVPOOL_DEVICE", "cuda:abc")])
+def test_kvpool_settings_that_would_brick_or_crash_the_replica_are_refused(var, value):
+    """max_waiting=0 refused every request on an idle replica; 'cuda:abc' crashed int() at
+    start and 'cudafoo' failed inside torch."""
+    from services.kvpool.config import KvPoolConfig
+
+    with pytest.raises(ConfigError, match=var):
+        load_config(KvPoolConfig, "kvpool", [], environ={var: value})
+    assert load_config(KvPoolConfig, "kvpool", [],
+                       environ={"TIERCACHE_KVPOOL_DEVICE": "cuda:1"}).device == "cuda:1"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from services.common.config import require
@@ -71,7 +72,8 @@ class KvPoolConfig:
         """Fail fast with the name of the offending variable."""
         s = SERVICE
         require(bool(self.model.strip()), s, "model", "must name 'smollm2' or a model folder")
-        require(self.device == "cpu" or self.device.startswith("cuda"), s, "device",
+        require(self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device) is not None,
+                s, "device",
                 f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         require(self.dtype in ("float32", "float16", "bfloat16"), s, "dtype",
                 f"must be float32, float16 or bfloat16, got {self.dtype!r}")
@@ -83,7 +85,7 @@ class KvPoolConfig:
         require(1 <= self.max_batch_size <= 256, s, "max_batch_size", "must be in 1..256")
         require(self.max_prefill_chunk >= 1, s, "max_prefill_chunk", "must be >= 1")
         require(self.max_new_tokens_limit >= 1, s, "max_new_tokens_limit", "must be >= 1")
-        require(self.max_waiting >= 0, s, "max_waiting", "must be >= 0")
+        require(self.max_waiting >= 1, s, "max_waiting", "must be >= 1 (0 refuses everything)")
         require(bool(self.replica_id.strip()), s, "replica_id", "must not be empty")
         require(":" in self.address, s, "address", "must be host:port")
         require(-1 <= self.metrics_port <= 65535, s, "metrics_port",

@@ -135,6 +135,8 @@ class Sequence:
     first_token_at: float | None = None
     admitted_once: bool = False
     draft: Draft | None = None
+    order: int = 0  # submission order: preemption takes the latest submitted
+    queued: bool = False  # counted in Engine._queued (submitted, not yet admitted or ended)
 
     @property
     def prompt_len(self) -> int:
@@ -226,6 +228,8 @@ class Engine:
         self._prefilling: Sequence | None = None  # holds row len(_decoding)
         self._by_id: dict[str, Sequence] = {}
         self._ids = itertools.count(1)
+        self._queue_lock = threading.Lock()
+        self._queued = 0  # submitted and not yet admitted or ended (max_waiting)
         self._events: deque[PoolEvent] = deque()
         self._events_cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -264,21 +268,34 @@ class Engine:
         Raises:
             ResourceExhausted: the request can never fit the pool, or too many are waiting.
         """
-        need = self.pool.blocks_needed(len(req.token_ids) + req.sampling.max_tokens)
+        # The last generated token is emitted, never run through the model: its KV is not kept.
+        kv_tokens = len(req.token_ids) + max(req.sampling.max_tokens - 1, 0)
+        need = self.pool.blocks_needed(kv_tokens)
         if need > self.pool.num_blocks:
             raise errors.ResourceExhausted(
                 f"token_ids: prompt + max_tokens need {need} KV blocks, the pool has "
                 f"{self.pool.num_blocks}")
-        if self._stats.waiting >= self.max_waiting:
-            raise errors.ResourceExhausted("replica busy: too many waiting requests")
-        seq_id = f"{req.request_id or 'req'}#{next(self._ids)}"
         out: queue.Queue = queue.Queue()
-        seq = Sequence(req, out, seq_id, list(req.token_ids), Sampler(req.sampling),
-                       time.monotonic())
+        with self._queue_lock:
+            # Counted here, not from the last step's stats: a burst arriving between two steps
+            # must meet the limit too (every waiting stream holds a gRPC thread).
+            if self._queued >= self.max_waiting:
+                raise errors.ResourceExhausted("replica busy: too many waiting requests")
+            self._queued += 1
+            order = next(self._ids)
+        seq = Sequence(req, out, f"{req.request_id or 'req'}#{order}", list(req.token_ids),
+                       Sampler(req.sampling), time.monotonic(), order=order, queued=True)
         if self.drafts and req.draft_token_ids and not req.prefill_only:
             seq.draft = Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens)
         self._inbox.put(("submit", seq))
-        return seq_id, out
+        return seq.seq_id, out
+
+    def _dequeue(self, seq: Sequence) -> None:
+        """`seq` was admitted or ended: it no longer counts against max_waiting."""
+        if seq.queued:
+            seq.queued = False
+            with self._queue_lock:
+                self._queued -= 1
 
     def cancel(self, seq_id: str) -> None:
         """Stop a sequence and release its blocks (no-op if it already ended)."""
@@ -394,6 +411,7 @@ class Engine:
             self.store.load_row(seq.row, self.pool.blocks_of(seq.seq_id), adm.cached_tokens)
             if not seq.admitted_once:
                 seq.admitted_once = True
+                self._dequeue(seq)
                 seq.cached_tokens = adm.cached_tokens
                 self.prompt_tokens_total += seq.prompt_len
                 self.cached_tokens_total += adm.cached_tokens
@@ -403,7 +421,7 @@ class Engine:
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.num_computed
-        # Equal chunks of at most max_prefill_chunk: 1,056 tokens as 528 + 528, not
+        # Equal chunks of at most max_prefill_chunk: with 512, 1,056 tokens as 352 x 3, not
         # 512 + 512 + 32 (every forward reads all the weights, so a small last chunk is dear).
         left = len(seq.tokens) - start
         end = start + -(-left // max(1, -(-left // self.max_prefill_chunk)))
@@ -465,7 +483,8 @@ class Engine:
                     self.pool.ensure_capacity(seq.seq_id, seq.num_computed + 1)
                     break
                 except PoolExhausted:
-                    victim = self._decoding[-1]
+                    # The latest submitted (rows are swap-removed, so not the last row).
+                    victim = max(self._decoding, key=lambda s: s.order)
                     if victim is seq and len(self._decoding) == 1:
                         if self._prefilling is not None:
                             # The newest sequence holds its whole prompt's blocks: it waits,
@@ -716,6 +735,7 @@ class Engine:
             self._prefilling = None
 
     def _finish(self, seq: Sequence, result: Finished | Failed) -> None:
+        self._dequeue(seq)
         if self._by_id.pop(seq.seq_id, None) is None:
             return
         if seq.phase is Phase.WAITING:

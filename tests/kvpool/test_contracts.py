@@ -214,3 +214,56 @@ def test_pool_pressure_preempts_the_newest_decoding_sequence(make_engine, tiny_m
     assert fin_b.computed_tokens >= fin_b.prompt_tokens + fin_b.completion_tokens - 1
     assert toks_a == reference_greedy(tiny_model, a, 24)
     assert toks_b == reference_greedy(tiny_model, b, 24)
+
+
+def test_preemption_takes_the_latest_submitted_even_after_a_row_move(make_engine,
+                                                                      tiny_model) -> None:
+    """A, B, C admitted in order; A finishes first and C's row moves into its slot, so the last
+    row is B. Pool pressure must still send C back, not B (before: `_decoding[-1]`)."""
+    eng = make_engine(num_blocks=16, max_batch_size=3, prefix_caching=False)
+    eng.stop()
+    first_victims: list[str] = []
+    preempt = eng._preempt
+
+    def record(seq) -> None:
+        first_victims.append(seq.req.request_id)
+        preempt(seq)
+
+    eng._preempt = record
+    reqs = [request(prompt(4, 1), 8, rid="A", ignore_eos=True),
+            request(prompt(4, 2), 40, rid="B", ignore_eos=True),
+            request(prompt(4, 3), 40, rid="C", ignore_eos=True)]
+    res = drive(eng, reqs, lambda e: None)
+    assert first_victims and first_victims[0] == "C", first_victims
+    for r, (toks, _) in zip(reqs, res, strict=True):
+        assert toks == reference_greedy(tiny_model, list(r.token_ids), r.sampling.max_tokens)
+
+
+def test_a_request_that_fits_the_pool_exactly_is_admitted(make_engine, tiny_model) -> None:
+    """13 prompt + 4 new tokens need KV for 16 (the last token is emitted, never computed):
+    4 blocks of 4. It used to be refused as needing 5."""
+    eng = make_engine(num_blocks=4)
+    p = prompt(13, 4)
+    toks, fin = collect(eng.submit(request(p, 4, ignore_eos=True))[1])
+    assert isinstance(fin, Finished) and toks == reference_greedy(tiny_model, p, 4)
+
+
+def test_max_waiting_holds_against_a_burst_between_two_steps(make_engine) -> None:
+    """The limit was read from the last step's stats, so a burst arriving before the next step
+    was all accepted (40 of 40 with max_waiting=2)."""
+    from services.common.errors import ResourceExhausted
+
+    eng = make_engine(max_waiting=2)
+    eng.stop()  # nothing is admitted meanwhile
+    accepted, refused = [], 0
+    for i in range(10):
+        try:
+            accepted.append(eng.submit(request(prompt(4, i), 2, rid=f"r{i}"))[1])
+        except ResourceExhausted:
+            refused += 1
+    assert (len(accepted), refused) == (2, 8)
+    drive(eng, [], lambda e: None)  # admits and finishes the two
+    for out in accepted:
+        assert isinstance(collect(out, timeout=1)[1], Finished)
+    eng.submit(request(prompt(4, 99), 2, rid="after"))  # room again once they were admitted
+    drive(eng, [], lambda e: None)
