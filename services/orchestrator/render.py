@@ -105,11 +105,12 @@ class PromptRenderer:
         return RenderedPrompt(ids, messages[-1].content, context_hash(messages[:-1]),
                               any(m.role == "assistant" for m in messages[:-1]))
 
-    def render_raw(self, prompt: str) -> RenderedPrompt:
+    def render_raw(self, prompt: str, field: str = "prompt") -> RenderedPrompt:
+        """A raw prompt, used as-is; `field` names it in errors (e.g. "prompts[1].prompt")."""
         if not prompt.strip():
-            raise InvalidArgument("prompt", "must not be empty (or give messages)")
+            raise InvalidArgument(field, "must not be empty (or give messages)")
         if len(prompt) > self.max_chars:
-            raise InvalidArgument("prompt", f"longer than the limit of {self.max_chars} characters")
+            raise InvalidArgument(field, f"longer than the limit of {self.max_chars} characters")
         return RenderedPrompt(self.encode(prompt), prompt, context_hash([Message("raw", "")]))
 
     def render_warm(self, messages: Sequence[Message], field: str = "prompts[]") -> list[int]:

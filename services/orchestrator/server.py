@@ -31,7 +31,6 @@ from services.orchestrator.tenants import TenantRegistry
 log = logging.getLogger(__name__)
 
 
-
 def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig,
                    vocab_size: int | None = None) -> Sampling:
     """Validate sampling fields; raises InvalidArgument naming the field.
@@ -287,11 +286,7 @@ class Warmer:
                 ids = self.orch.renderer.render_warm([Message(m.role, m.content)
                                                       for m in p.messages], f"prompts[{i}]")
             elif p.prompt.strip():
-                if len(p.prompt) > self.cfg.max_message_chars:
-                    raise errors.InvalidArgument(
-                        f"prompts[{i}].prompt",
-                        f"longer than the limit of {self.cfg.max_message_chars} characters")
-                ids = self.orch.renderer.encode(p.prompt)
+                ids = self.orch.renderer.render_raw(p.prompt, f"prompts[{i}].prompt").token_ids
             else:
                 raise errors.InvalidArgument(f"prompts[{i}]", "give messages or prompt")
             if len(ids) > self.cfg.max_prompt_tokens:
