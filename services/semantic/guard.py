@@ -179,14 +179,14 @@ class ParaphraseGuard:
             if set(nq) != set(nc):
                 diff = sorted(set(nq) ^ set(nc))
                 return GuardResult(False, f"numbers differ: {', '.join(diff[:4])}")
-        if negation and _negated(wq) != _negated(wc):
-            return GuardResult(False, "negation differs")
+        lq, lc = {w.lower() for w in wq}, {w.lower() for w in wc}
         if negation:
-            opposite = _opposite({w.lower() for w in wq}, {w.lower() for w in wc})
+            if _negated(wq) != _negated(wc):
+                return GuardResult(False, "negation differs")
+            opposite = _opposite(lq, lc)
             if opposite:
                 return GuardResult(False, f"opposite words: {opposite}")
         if entities:
-            lq, lc = {w.lower() for w in wq}, {w.lower() for w in wc}
             missing = sorted((_entities(tq) - lc) | (_entities(tc) - lq))
             if missing:
                 return GuardResult(False, f"entities differ: {', '.join(missing[:4])}")
