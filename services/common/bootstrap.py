@@ -360,7 +360,8 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
     """
     import sys
 
-    from services.common.config import ConfigError, load_config
+    from services.common.config import load_config
+    from services.common.hashing import hash_key_from_env
     from services.common.logs import setup_logging
 
     try:
@@ -368,18 +369,13 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
     except ValueError as exc:
         logging.getLogger(f"services.{service}").error("bad configuration: %s", exc)
         return None
-    from services.common.hashing import hash_key_from_env
-
     try:
         cfg = load_config(cls, service, list(sys.argv[1:] if argv is None else argv))
         # Process-wide settings read later (at shutdown, or after the model has loaded):
         # checked here so that a bad value fails the start at once, before anything binds.
         drain_delay_from_env()
-        try:
-            hash_key_from_env()
-        except ValueError as exc:
-            raise ConfigError(str(exc)) from None
-        return cfg
+        hash_key_from_env()
     except ConfigError as exc:
         logging.getLogger(f"services.{service}").error("bad configuration: %s", exc)
         return None
+    return cfg

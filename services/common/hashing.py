@@ -29,6 +29,7 @@ from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
+from services.common.config import ConfigError
 from services.common.errors import InvalidArgument
 
 DIGEST_SIZE = 16
@@ -51,11 +52,15 @@ def native() -> bool:
 
 
 def hash_key_from_env() -> bytes:
-    """The cluster hash key (`TIERCACHE_HASH_KEY`, at most 64 bytes), or the dev default."""
+    """The cluster hash key (`TIERCACHE_HASH_KEY`, at most 64 bytes), or the dev default.
+
+    Raises:
+        ConfigError (a ValueError): the key is longer than 64 bytes.
+    """
     raw = os.environ.get("TIERCACHE_HASH_KEY", "")
     key = raw.encode() if raw else DEFAULT_KEY
     if len(key) > 64:
-        raise ValueError("TIERCACHE_HASH_KEY: at most 64 bytes")
+        raise ConfigError("TIERCACHE_HASH_KEY: at most 64 bytes")
     return key
 
 
