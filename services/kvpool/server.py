@@ -37,7 +37,6 @@ _LAST_WAIT_S = 30.0  # for the Finished that follows a last token (queued in the
 _POLL_S = 0.1
 
 
-
 def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int) -> SamplingSpec:
     """Validate SamplingParams into a SamplingSpec (InvalidArgument names the field)."""
     if sp.max_tokens <= 0:

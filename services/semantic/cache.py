@@ -168,8 +168,8 @@ class SemanticCache:
         # first. Found by text, not by a nearest-neighbour search: MiniLM embeds case and accent
         # variants identically, and they can fill every near slot.
         self._by_prompt: dict[tuple[Namespace, str], int] = {}
+        self._verify_lock = threading.Lock()  # Verify calls, one at a time (see verify)
         # Indexes of namespaces emptied while a merge of theirs ran: shutdown still waits on it.
-        self._verify_lock = threading.Lock()
         self._retired: list[NamespaceIndex] = []
         self._lru: OrderedDict[int, None] = OrderedDict()  # global, least recent first
         self._ns_lru: dict[Namespace, OrderedDict[int, None]] = {}
