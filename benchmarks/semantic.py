@@ -144,7 +144,7 @@ def _norm(t: str) -> str:
     return re.sub(r"[^a-z0-9]+", " ", t.lower()).strip()
 
 
-def _content(t: str) -> list[str]:
+def _content(t: str) -> tuple[str, ...]:
     """Content words (stop words dropped, plural -s stripped) in order."""
     return _text(t).content
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from functools import lru_cache
 from typing import NamedTuple
 
 _NUMBER_WORDS = {
@@ -101,8 +102,10 @@ def _opposite(a: set[str], b: set[str]) -> str:
             if w in _NOT_OPPOSITES:
                 continue
             for p in _NEG_PREFIXES:
+                if not w.startswith(p):
+                    continue
                 stem = w[len(p):].lstrip("-")
-                if w.startswith(p) and len(stem) >= _MIN_STEM and stem in y and stem not in x:
+                if len(stem) >= _MIN_STEM and stem in y and stem not in x:
                     return f"{stem}/{w}"
     return ""
 
@@ -115,30 +118,30 @@ def _entities(tokens: list[str]) -> set[str]:
         if not t[0].isalnum():
             start = t in (".", "!", "?", ":", ";", '"', "``")
             continue
-        low = t.lower()
-        alpha = t.isalpha()
-        acronym = len(t) >= 2 and t.isupper() and alpha
-        code = not alpha and any(c.isdigit() for c in t) and any(c.isalpha() for c in t)
-        if acronym or code or (t[0].isupper() and not start and low not in _STOP_CAPS):
-            out.add(low)
+        if t.isalpha():
+            special = len(t) >= 2 and t.isupper()  # an acronym
+        else:  # a code: letters and digits
+            special = any(c.isdigit() for c in t) and any(c.isalpha() for c in t)
+        if special or (t[0].isupper() and not start and t.lower() not in _STOP_CAPS):
+            out.add(t.lower())
         start = False
     return out
 
 
-def _shared_sequences(a: list[str], b: list[str]) -> tuple[list[tuple[str, int]],
-                                                           list[tuple[str, int]]]:
+def _shared_sequences(a, b) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
     """The words common to both, in each text's order; the k-th repeat of a word pairs with
     the k-th repeat in the other text."""
     ca, cb = Counter(a), Counter(b)
     keep = {w: min(ca[w], cb[w]) for w in ca if w in cb}
 
-    def seq(words: list[str]) -> list[tuple[str, int]]:
-        seen: Counter = Counter()
+    def seq(words) -> list[tuple[str, int]]:
+        seen: dict[str, int] = {}
         out = []
         for w in words:
-            if seen[w] < keep.get(w, 0):
-                out.append((w, seen[w]))
-                seen[w] += 1
+            k = seen.get(w, 0)
+            if k < keep.get(w, 0):
+                out.append((w, k))
+                seen[w] = k + 1
         return out
 
     return seq(a), seq(b)
@@ -146,13 +149,52 @@ def _shared_sequences(a: list[str], b: list[str]) -> tuple[list[tuple[str, int]]
 
 def breakpoints(a_words: list[str], b_words: list[str]) -> int:
     """Adjacencies of shared words in `a` (with sentinels) that `b` does not keep."""
-    sa, sb = _shared_sequences([w.lower() for w in a_words], [w.lower() for w in b_words])
+    return _breakpoints_lower([w.lower() for w in a_words], [w.lower() for w in b_words])
+
+
+def _breakpoints_lower(a: list[str] | tuple[str, ...], b: list[str] | tuple[str, ...]) -> int:
+    sa, sb = _shared_sequences(a, b)
     if len(sa) < 2:
         return 0
     begin, end = ("^", 0), ("$", 0)
     sa, sb = [begin, *sa, end], [begin, *sb, end]
     adj_b = set(zip(sb, sb[1:], strict=False))
     return sum(1 for p in zip(sa, sa[1:], strict=False) if p not in adj_b)
+
+
+class TextFacts(NamedTuple):
+    """What the guard (and the verifier) read from one text; computed once per text."""
+
+    tokens: tuple[str, ...]
+    words: tuple[str, ...]
+    lower: tuple[str, ...]  # the words, lowercased
+    lower_set: frozenset[str]
+    numbers: frozenset[str]
+    negated: bool
+    entities: frozenset[str]
+
+
+# A lookup checks one query against a few candidates, and a popular cached prompt is checked
+# against many queries: analysing each text once (not once per pair and check) halves the
+# guard's cost. Only short texts are kept, so the cache stays a few MB.
+_FACTS_CACHE_CHARS = 1024
+_FACTS_CACHE_SIZE = 4096
+
+
+def _facts(text: str) -> TextFacts:
+    tokens = _tokens(text)
+    words = _words(tokens)
+    lower = tuple(w.lower() for w in words)
+    return TextFacts(tuple(tokens), tuple(words), lower, frozenset(lower),
+                     frozenset(_numbers(words)), _negated(words), frozenset(_entities(tokens)))
+
+
+_cached_facts = lru_cache(maxsize=_FACTS_CACHE_SIZE)(_facts)
+
+
+def text_facts(text: str) -> TextFacts:
+    """The `TextFacts` of `text` (cached for short texts)."""
+    return _cached_facts(text) if len(text) <= _FACTS_CACHE_CHARS else _facts(text)
 
 
 class ParaphraseGuard:
@@ -171,27 +213,29 @@ class ParaphraseGuard:
 
     def check(self, query: str, cached: str) -> GuardResult:
         """GuardResult(True, "") if `cached` may answer `query`."""
-        tq, tc = _tokens(query), _tokens(cached)
-        wq, wc = _words(tq), _words(tc)
+        return self.check_facts(text_facts(query), text_facts(cached))[0]
+
+    def check_facts(self, q: TextFacts, c: TextFacts) -> tuple[GuardResult, int | None]:
+        """The verdict on two analysed texts, and the breakpoints of `c`'s shared words in `q`
+        when the order check got that far (None otherwise)."""
         numbers, negation, entities, order = self.checks
-        if numbers:
-            nq, nc = _numbers(wq), _numbers(wc)
-            if set(nq) != set(nc):
-                diff = sorted(set(nq) ^ set(nc))
-                return GuardResult(False, f"numbers differ: {', '.join(diff[:4])}")
-        lq, lc = {w.lower() for w in wq}, {w.lower() for w in wc}
+        if numbers and q.numbers != c.numbers:
+            diff = sorted(q.numbers ^ c.numbers)
+            return GuardResult(False, f"numbers differ: {', '.join(diff[:4])}"), None
+        lq, lc = q.lower_set, c.lower_set
         if negation:
-            if _negated(wq) != _negated(wc):
-                return GuardResult(False, "negation differs")
+            if q.negated != c.negated:
+                return GuardResult(False, "negation differs"), None
             opposite = _opposite(lq, lc)
             if opposite:
-                return GuardResult(False, f"opposite words: {opposite}")
+                return GuardResult(False, f"opposite words: {opposite}"), None
         if entities:
-            missing = sorted((_entities(tq) - lc) | (_entities(tc) - lq))
+            missing = sorted((q.entities - lc) | (c.entities - lq))
             if missing:
-                return GuardResult(False, f"entities differ: {', '.join(missing[:4])}")
+                return GuardResult(False, f"entities differ: {', '.join(missing[:4])}"), None
         if order:
-            bp = breakpoints(wc, wq)
+            bp = _breakpoints_lower(c.lower, q.lower)
             if bp > self.max_breakpoints:
-                return GuardResult(False, f"word order differs ({bp} breakpoints)")
-        return GuardResult(True, "")
+                return GuardResult(False, f"word order differs ({bp} breakpoints)"), bp
+            return GuardResult(True, ""), bp
+        return GuardResult(True, ""), None

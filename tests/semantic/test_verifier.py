@@ -137,3 +137,38 @@ def test_cache_uses_the_verifier_only_in_its_tiers(make_cfg, embedder, tmp_path)
         assert standard.hit and not standard.guard_rejected  # guard only in standard here
     finally:
         cache.store.close()
+
+
+def test_one_pair_probability_matches_the_batch_formula():
+    # check() scores one pair in pure Python; the fit and the benchmark use the numpy batch
+    # path. Both must give the same P(same meaning), also far out in either tail.
+    model = VerifierModel.load()
+    rng = np.random.default_rng(5)
+    rows = rng.normal(0.0, 1.0, (200, len(FEATURES))) * np.asarray(model.scale) * 3
+    rows += np.asarray(model.mean)
+    rows[0] = np.asarray(model.mean) + 200 * np.asarray(model.scale) * np.sign(model.coef)
+    rows[1] = np.asarray(model.mean) - 200 * np.asarray(model.scale) * np.sign(model.coef)
+    batch = model.probabilities(rows)
+    one = np.array([model.probability(list(r)) for r in rows])
+    np.testing.assert_allclose(one, batch, rtol=1e-12, atol=1e-300)
+    assert one[0] == 1.0 and one[1] < 1e-100
+
+
+def test_check_scores_a_pair_as_its_features_say(verifier):
+    # check() computes the features from per-text analyses (cached for short texts) and
+    # reuses the guard's breakpoint count; the score must be the one pair_features gives,
+    # for texts inside and beyond the cache's length limit.
+    long_tail = " and also" * 200  # > 1024 characters: analysed uncached
+    pairs = [("How do I learn Python quickly?", "What is the fastest way to learn python?"),
+             ("Flights from New York to Florida", "Flights from Florida to New York"),
+             ("Is it legal to park here?", "Is it illegal to park here?"),
+             ("What is 2 + 2" + long_tail, "What is two plus two" + long_tail),
+             ("Does the dog chase the cat" + long_tail, "Does the cat chase the dog" + long_tail)]
+    for q, c in pairs:
+        for sim in (0.91, 0.99):
+            got = verifier.check(q, c, sim, "strict")
+            x = pair_features(q, c, sim, verifier.guard)
+            want = float(verifier.model.probabilities(x)[0])
+            assert got.score == pytest.approx(want, rel=1e-12)
+            assert x[FEATURES.index("guard_ok")] == float(verifier.guard.check(q, c).ok)
+    assert not verifier.check(*pairs[4], 1.0, "strict").ok  # order trap, long texts
