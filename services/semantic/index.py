@@ -32,17 +32,27 @@ import numpy as np
 
 _EXTRA_K = 8  # extra neighbours fetched so that tombstoned rows rarely hide a live one
 _search_threads = 1
+_thread_state = threading.local()
 
 
 def set_search_threads(n: int) -> None:
-    """OpenMP threads faiss may use (process-wide).
+    """OpenMP threads faiss may use for a search (every thread that searches).
 
     One query needs no parallelism, and on a busy machine OpenMP threads waiting for each
     other turned a 0.6 ms flat search over 10k vectors into 23 ms (p50) — so 1 by default.
+    OpenMP keeps this setting per thread, and threads it did not start (gRPC's workers) begin
+    with the default of one per core: each searching thread applies it itself
+    (`_apply_search_threads`).
     """
     global _search_threads
     _search_threads = max(1, n)
-    faiss.omp_set_num_threads(_search_threads)
+    _apply_search_threads()
+
+
+def _apply_search_threads() -> None:
+    if getattr(_thread_state, "threads", None) != _search_threads:
+        faiss.omp_set_num_threads(_search_threads)
+        _thread_state.threads = _search_threads
 
 
 def _build_thread_count() -> int:
@@ -63,6 +73,7 @@ def _build_threads() -> Iterator[None]:
         yield
     finally:
         faiss.omp_set_num_threads(_search_threads)
+        _thread_state.threads = _search_threads
 
 
 set_search_threads(1)
@@ -316,6 +327,7 @@ class NamespaceIndex:
         n = snap.count[0]
         total = len(snap.main_labels) + n
         q = np.asarray(vec, np.float32).reshape(1, -1)
+        _apply_search_threads()
         # Tombstoned rows may fill the top of the list; the snapshot may even hold rows whose
         # tombstones a newer snapshot already purged. Fetch extra, and more until k live.
         want = k + _EXTRA_K

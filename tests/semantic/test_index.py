@@ -171,3 +171,33 @@ def test_bulk_builds_use_the_pods_cpu_limit_not_the_nodes_cores(monkeypatch):
     assert _build_thread_count() == 2
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert _build_thread_count() == (os.cpu_count() or 1)
+
+
+def test_every_searching_thread_uses_the_configured_openmp_threads():
+    # OpenMP keeps its thread count per thread: gRPC's worker threads (not started by the
+    # thread that configured faiss) began with one per core, and a flat search over 10k
+    # entries in the server took 2.3 ms instead of 0.7 ms with both threads contending.
+    import faiss
+
+    from services.semantic.index import set_search_threads
+
+    idx = NamespaceIndex(IndexParams(dim=8, hnsw_min_entries=10**6), background=False)
+    rng = np.random.default_rng(0)
+    vecs = rng.normal(size=(50, 8)).astype(np.float32)
+    vecs /= np.linalg.norm(vecs, axis=1, keepdims=True)
+    idx.add_many(np.arange(50), vecs)
+    seen: list[int] = []
+
+    def worker() -> None:
+        assert idx.search(vecs[3], 1)[0].label == 3
+        seen.append(faiss.omp_get_max_threads())
+
+    try:
+        for n in (3, 1):
+            set_search_threads(n)
+            t = threading.Thread(target=worker)
+            t.start()
+            t.join()
+            assert seen[-1] == n
+    finally:
+        set_search_threads(1)
