@@ -28,10 +28,9 @@ $(STAMP): pyproject.toml setup.py services/common/_blockhash.c
 
 protos: $(GEN_STAMP)
 
-$(GEN_STAMP): $(PROTOS) Makefile | $(STAMP)
-	rm -rf gen && mkdir -p gen
-	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=gen --pyi_out=gen --grpc_python_out=gen \
-		--include_source_info --include_imports --descriptor_set_out=gen/tiercache_descriptors.pb $(PROTOS)
+$(GEN_STAMP): $(PROTOS) scripts/gen_protos.py | $(STAMP)
+	rm -rf gen
+	$(VPY) scripts/gen_protos.py gen --descriptors
 	touch $(GEN_STAMP)
 
 run: setup

@@ -8,7 +8,7 @@ editable and puts `gen/` (written by `make protos`) on the path; a plain wheel h
 so its build compiles `protos/` into the wheel itself.
 """
 
-import os
+import runpy
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -22,19 +22,9 @@ class BuildPyWithProtos(build_py):
         super().run()
         if getattr(self, "editable_mode", False):
             return  # editable installs import gen/ (see the Makefile)
-        protos = sorted(str(p) for p in Path("protos/tiercache/v1").glob("*.proto"))
-        if not protos:
-            return
-        import grpc_tools
-        from grpc_tools import protoc
-
-        well_known = os.path.join(os.path.dirname(grpc_tools.__file__), "_proto")
-        out = self.build_lib
-        rc = protoc.main(["grpc_tools.protoc", "-Iprotos", f"-I{well_known}",
-                          f"--python_out={out}", f"--pyi_out={out}",
-                          f"--grpc_python_out={out}", *protos])
-        if rc != 0:
-            raise RuntimeError(f"protoc failed ({rc}) compiling {protos}")
+        # The script `make protos` and the image run (scripts/gen_protos.py, in the sdist).
+        script = Path(__file__).resolve().parent / "scripts" / "gen_protos.py"
+        runpy.run_path(str(script))["compile_protos"](self.build_lib)
 
 
 setup(

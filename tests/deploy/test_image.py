@@ -138,6 +138,7 @@ def test_dockerfile_commands_build_an_importable_layout(tmp_path: Path) -> None:
     app = tmp_path / "app"
     app.mkdir()
     for src in sorted(set(re.findall(r"^COPY (?!--from)(\S+) \S+$", text, re.M))):
+        (app / src).parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if (ROOT / src).is_dir() else shutil.copy)(ROOT / src, app / src)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
 
@@ -146,8 +147,9 @@ def test_dockerfile_commands_build_an_importable_layout(tmp_path: Path) -> None:
                          text=True, timeout=60, check=True).stdout.split()
     assert out == [d for d in runtime_deps() if not d.startswith("torch==")]
 
-    gen_cmd = re.search(r"RUN (mkdir -p gen\s+&&\s+python -m grpc_tools\.protoc .*?\.proto)", text)
+    gen_cmd = re.search(r"RUN (python scripts/gen_protos\.py gen [^\n&]*)", text)
     subprocess.run(["bash", "-c", gen_cmd.group(1)], cwd=app, env=env, check=True, timeout=120)
+    assert (app / "gen" / "tiercache_descriptors.pb").is_file()  # reflection's comments
     # The image's PYTHONPATH puts these ahead of site-packages (and of this checkout's gen/).
     probe = ("import services.common.bootstrap, tiercache.v1.kvpool_pb2 as k, "
              "tiercache.v1.orchestrator_pb2_grpc as o; print(k.__file__); print(o.__file__)")
