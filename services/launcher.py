@@ -22,7 +22,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.grpc_client import channel_credentials_from_env
+from services.common.grpc_client import channel_credentials_from_env, tls_mode
 
 ROOT = Path(__file__).resolve().parent.parent
 SERVICES = ("semantic", "prefix", "kvpool", "orchestrator")
@@ -189,18 +189,17 @@ class Stack:
 
 
 def tls_note() -> str:
-    if os.environ.get("TIERCACHE_TLS_CA"):
-        return " (TLS, mutual when client certificates are set)"
-    return " (TLS)" if os.environ.get("TIERCACHE_TLS_CERT") else ""
+    return {"ca": " (TLS, mutual when client certificates are set)", "roots": " (TLS)",
+            "": ""}[tls_mode()]
 
 
 def grpcurl_transport() -> str:
     """grpcurl's transport flags for this stack: the same variables the CLI reads."""
-    ca = os.environ.get("TIERCACHE_TLS_CA")
-    if not ca:
+    mode = tls_mode()
+    if mode != "ca":
         # TLS without a CA of ours: grpcurl verifies against the system's roots by default.
-        return "" if os.environ.get("TIERCACHE_TLS_CERT") else "-plaintext"
-    flags = f"-cacert {ca}"
+        return "" if mode == "roots" else "-plaintext"
+    flags = f"-cacert {os.environ['TIERCACHE_TLS_CA']}"
     cert, key = (os.environ.get("TIERCACHE_TLS_CLIENT_CERT"),
                  os.environ.get("TIERCACHE_TLS_CLIENT_KEY"))
     if cert and key:

@@ -54,3 +54,32 @@ def test_make_run_keeps_metrics_ports_the_user_set(monkeypatch):
     assert started["kvpool-0"]["TIERCACHE_KVPOOL_METRICS_PORT"] == "9300"
     assert started["kvpool-1"]["TIERCACHE_KVPOOL_METRICS_PORT"] == "9301"
     assert started["orchestrator"]["TIERCACHE_ORCHESTRATOR_METRICS_PORT"] == "-1"
+
+
+@pytest.mark.parametrize(("env", "mode", "grpcurl", "note"), [
+    ({}, "", "-plaintext", ""),
+    ({"TIERCACHE_TLS_CERT": "s.pem", "TIERCACHE_TLS_KEY": "s.key"}, "roots", "", " (TLS)"),
+    ({"TIERCACHE_TLS_CERT": "s.pem", "TIERCACHE_TLS_CA": "ca.pem"}, "ca", "-cacert ca.pem",
+     " (TLS, mutual when client certificates are set)"),
+    ({"TIERCACHE_TLS_CA": "ca.pem", "TIERCACHE_TLS_CLIENT_CERT": "c.pem",
+      "TIERCACHE_TLS_CLIENT_KEY": "c.key"}, "ca", "-cacert ca.pem -cert c.pem -key c.key",
+     " (TLS, mutual when client certificates are set)"),
+])
+def test_clients_health_wait_and_grpcurl_hint_agree_on_tls(monkeypatch, env, mode, grpcurl,
+                                                           note):
+    # One decision (tls_mode) behind the internal clients' credentials, the launcher's note
+    # and the grpcurl flags it prints: a stack whose servers speak TLS is never called in
+    # plaintext by one of them and over TLS by another.
+    from services import launcher
+    from services.common.grpc_client import channel_credentials_from_env, tls_mode
+
+    for k in ("TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY", "TIERCACHE_TLS_CA",
+              "TIERCACHE_TLS_CLIENT_CERT", "TIERCACHE_TLS_CLIENT_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    assert tls_mode() == mode
+    assert launcher.grpcurl_transport() == grpcurl
+    assert launcher.tls_note() == note
+    if mode != "ca":  # (with a CA the files would be read)
+        assert (channel_credentials_from_env() is None) == (mode == "")

@@ -12,6 +12,18 @@ from services.common.bootstrap import channel_options
 from services.common.logs import request_id_var
 
 
+def tls_mode(env: Mapping[str, str] | None = None) -> str:
+    """How callers of this stack's services connect, from the same variables the servers read:
+    "ca" (`TIERCACHE_TLS_CA` set: verify against it, present the client certificate if any),
+    "roots" (only the servers' `TIERCACHE_TLS_CERT`: verify against the system's roots) or ""
+    (plaintext). The one place this is decided: internal clients, the launcher's health wait and
+    the grpcurl hints all follow it."""
+    env = os.environ if env is None else env
+    if env.get("TIERCACHE_TLS_CA"):
+        return "ca"
+    return "roots" if env.get("TIERCACHE_TLS_CERT") else ""
+
+
 def channel_credentials_from_env(env: Mapping[str, str] | None = None
                                  ) -> grpc.ChannelCredentials | None:
     """TLS for outgoing calls when the services speak TLS (None = plaintext).
@@ -23,9 +35,10 @@ def channel_credentials_from_env(env: Mapping[str, str] | None = None
     environment).
     """
     env = os.environ if env is None else env
-    ca = env.get("TIERCACHE_TLS_CA")
-    if not ca and not env.get("TIERCACHE_TLS_CERT"):
+    mode = tls_mode(env)
+    if not mode:
         return None
+    ca = env.get("TIERCACHE_TLS_CA") if mode == "ca" else None
 
     def read(p: str | None) -> bytes | None:
         if not p:
