@@ -483,22 +483,21 @@ class Engine:
                     self.pool.ensure_capacity(seq.seq_id, seq.num_computed + 1)
                     break
                 except PoolExhausted:
-                    # The latest submitted (rows are swap-removed, so not the last row).
-                    victim = max(self._decoding, key=lambda s: s.order)
-                    if victim is seq and len(self._decoding) == 1:
-                        if self._prefilling is not None:
-                            # The newest sequence holds its whole prompt's blocks: it waits,
-                            # rather than failing one that fits the pool on its own.
-                            self._preempt(self._prefilling)
-                            continue
+                    # The latest submitted waits (rows are swap-removed, so not the last row);
+                    # a prefilling sequence holds its whole prompt's blocks and streams nothing
+                    # yet. A streaming answer is preempted only once warm-up pins have yielded.
+                    running = [*self._decoding, *([self._prefilling] if self._prefilling
+                                                  else [])]
+                    victim = max(running, key=lambda s: s.order)
+                    if victim is not self._prefilling:
                         if self.pool.release_pins():
-                            # Warm-up pins yield to an answer already streaming.
                             log.info("released warm-up pins for decoding sequence %s",
                                      seq.seq_id)
                             continue
-                        self._finish(seq, Failed(errors.ResourceExhausted(
-                            "KV pool exhausted while decoding")))
-                        break
+                        if victim is seq and len(running) == 1:
+                            self._finish(seq, Failed(errors.ResourceExhausted(
+                                "KV pool exhausted while decoding")))
+                            break
                     self._preempt(victim)
                     if victim is seq:
                         break

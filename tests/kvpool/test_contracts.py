@@ -267,3 +267,28 @@ def test_max_waiting_holds_against_a_burst_between_two_steps(make_engine) -> Non
         assert isinstance(collect(out, timeout=1)[1], Finished)
     eng.submit(request(prompt(4, 99), 2, rid="after"))  # room again once they were admitted
     drive(eng, [], lambda e: None)
+
+
+# ---- warm-up pins yield before a streaming answer is preempted ------------------------------
+
+def test_pins_are_released_before_any_streaming_answer_is_preempted(make_engine,
+                                                                   tiny_model) -> None:
+    # 13 blocks of 4. A Warm pins 2; then two answers of 12 prompt + 12 new tokens (6 blocks
+    # each) decode side by side: together with the pins they need 14 blocks, without them 12.
+    # The pins are warm-up advice: they must go before either answer is stopped and
+    # recomputed (before, they went only when a single answer was decoding).
+    eng = make_engine(num_blocks=13, max_batch_size=2, max_prefill_chunk=32, drafts=False)
+    eng.stop()
+    warm = EngineRequest("warm", prompt(8, 30), SamplingSpec(max_tokens=0), prefill_only=True,
+                         pin_ttl_seconds=600)
+    ((_, wfin),) = drive(eng, [warm], lambda e: None)
+    assert wfin.pinned_blocks == 2 and eng.pool.stats().pinned == 2
+    a, b = prompt(12, 31), prompt(12, 32)
+    res = drive(eng, [request(a, 12, rid="a", ignore_eos=True),
+                      request(b, 12, rid="b", ignore_eos=True)], lambda e: None)
+    (toks_a, fin_a), (toks_b, fin_b) = res
+    assert eng.stats().preemptions_total == 0
+    assert eng.pool.stats().pinned == 0  # the pins yielded
+    assert fin_b.computed_tokens == fin_b.prompt_tokens + fin_b.completion_tokens - 1
+    assert toks_a == reference_greedy(tiny_model, a, 12)
+    assert toks_b == reference_greedy(tiny_model, b, 12)
