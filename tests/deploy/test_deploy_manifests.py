@@ -419,3 +419,34 @@ def test_docs_cover_the_operations(all_rendered: dict[str, Rendered]) -> None:
                  "port-forward", "grpcurl", "make k8s-validate", "shard"):
         assert must in doc, f"docs/deploy.md does not mention {must!r}"
     assert Path(ROOT / "deploy" / "k8s" / "base" / "kustomization.yaml").exists()
+
+
+def test_gpu_overlay_schedules_kvpool_only_on_gpus_its_pool_fits(gpu: Rendered) -> None:
+    # The pool (TIERCACHE_KVPOOL_KV_CACHE_BYTES) + the working rows ((max batch + 1) x max
+    # context tokens) + SmolLM2's bf16 weights must fit the smallest GPU the pod may land on
+    # (GPU feature discovery's nvidia.com/gpu.memory label, MiB): on a 16 GB card it would
+    # fail at start with CUDA out of memory.
+    import torch
+
+    from services.kvpool.paged_cache import KvStore
+
+    w = gpu.workload_for("kvpool")
+    env = service_env(gpu, w)
+    terms = w.pod_spec["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    floors = []
+    for term in terms:  # the pod may land on a node matching any term: each needs a floor
+        (floor,) = [int(e["values"][0]) for e in term["matchExpressions"]
+                    if e["key"] == "nvidia.com/gpu.memory" and e["operator"] == "Gt"]
+        floors.append(floor)
+    # SmolLM2-135M: 30 layers, 3 KV heads of 64; bf16.
+    per_token = KvStore.block_bytes(30, 3, 64, 1, torch.bfloat16)
+    assert env[env_name("kvpool", "dtype")].value == "bfloat16"
+    assert int(env[env_name("kvpool", "num_blocks")].value) == 0  # sized in bytes
+    pool = int(env[env_name("kvpool", "kv_cache_bytes")].value)
+    rows = ((int(env[env_name("kvpool", "max_batch_size")].value) + 1)
+            * int(env[env_name("kvpool", "max_context")].value) * per_token)
+    weights = 135e6 * 2
+    cuda_context = 0.5 * 2**30
+    assert min(floors) * 2**20 >= pool + rows + weights + cuda_context, (
+        f"GPUs of {min(floors)} MiB admitted for {(pool + rows + weights) / 2**20:.0f} MiB")
