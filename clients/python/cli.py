@@ -77,6 +77,7 @@ def format_report(r) -> str:
             f"cached {r.cached_tokens}, replica {r.replica_id or '-'}, ttft {r.ttft_ms:.0f} ms"
             + (f", draft {r.draft_tokens_accepted}/{r.draft_tokens_proposed} accepted"
                if r.draft_tokens_proposed else "")
+            + (f", draft from {r.draft_entry_id}" if r.draft_entry_id else "")
             + (f", entry {r.semantic_entry_id}" if r.semantic_entry_id else "") + "]")
 
 

@@ -181,10 +181,24 @@ class ReplicaSet:
                             r.stats.blocks_free if r.stats is not None else -1) for r in live]
 
     def by_id(self, replica_id: str) -> Replica | None:
+        """The replica named `replica_id`, also by its address: a replica is known by its
+        address until its first Stats answer names it, which may land between routing and
+        this lookup."""
         for r in self.replicas:
             if r.replica_id == replica_id:
                 return r
+        for r in self.replicas:
+            if r.address == replica_id:
+                return r
         return None
+
+    def max_context(self) -> int:
+        """The smallest model context the replicas report (0 = none has answered Stats yet):
+        a request longer than it could be refused by the replica it is routed to."""
+        with self._lock:
+            sizes = [r.stats.max_context for r in self.replicas
+                     if r.stats is not None and r.stats.max_context]
+        return min(sizes, default=0)
 
     def begin(self, r: Replica) -> None:
         with self._lock:
@@ -253,11 +267,13 @@ class SemanticBackend:
             return out
         raise failed or not_found or RuntimeError("no semantic shard configured")
 
-    def lookup(self, req: semantic_pb2.LookupRequest) -> semantic_pb2.LookupResponse:
-        return self._call(self.shard_for(req.namespace), "Lookup", req)
+    def lookup(self, req: semantic_pb2.LookupRequest, timeout: float | None = None
+               ) -> semantic_pb2.LookupResponse:
+        return self._call(self.shard_for(req.namespace), "Lookup", req, timeout)
 
-    def store(self, req: semantic_pb2.StoreRequest) -> semantic_pb2.StoreResponse:
-        return self._call(self.shard_for(req.namespace), "Store", req)
+    def store(self, req: semantic_pb2.StoreRequest, timeout: float | None = None
+              ) -> semantic_pb2.StoreResponse:
+        return self._call(self.shard_for(req.namespace), "Store", req, timeout)
 
     def verify(self, entry_id: str, verified: bool) -> semantic_pb2.SemanticEntry:
         return self._each("Verify", semantic_pb2.VerifyRequest(id=entry_id, verified=verified))[0]

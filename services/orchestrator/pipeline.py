@@ -51,6 +51,12 @@ _POLICY_FIELDS = ("tier", "threshold")
 # Replica failures that mean "this replica is gone or broken", so another one should try.
 _REPLICA_LOST = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
                  grpc.StatusCode.CANCELLED)
+# A replica refusing the orchestrator's internal credential: a deployment fault, failed over.
+_REPLICA_REFUSED_US = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED)
+
+
+class _StreamCut(Exception):
+    """A replica's stream ended without its final message."""
 
 
 class PrefixView(NamedTuple):
@@ -153,11 +159,14 @@ class Orchestrator:
                 deadline: float) -> semantic_pb2.LookupResponse | None:
         if not self.semantic.enabled or policy.skip_semantic_lookup:
             return None
+        timeout = _within(self.semantic.timeout_s, deadline)
+        if timeout is None:
+            return None  # the request's deadline has passed: the replica step reports it
         try:
             return self.semantic.lookup(semantic_pb2.LookupRequest(
                 namespace=self._namespace(tenant, prompt), text=prompt.query_text,
                 tier=policy.semantic_tier or self.default_tier,
-                threshold=policy.semantic_threshold, want_draft=want_draft))
+                threshold=policy.semantic_threshold, want_draft=want_draft), timeout)
         except grpc.RpcError as e:
             details = e.details() or ""
             if (e.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -170,28 +179,39 @@ class Orchestrator:
             self.stats.degrade("semantic_skipped")
             return None
 
-    def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated_at: int
-               ) -> str:
+    def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated_at: int,
+               deadline: float) -> str:
+        # Before the final message, whose report names the stored entry: bounded by what is
+        # left of the request's deadline (past it, the answer is not stored).
+        timeout = _within(self.semantic.timeout_s, deadline)
+        if timeout is None:
+            return ""
         try:
             return self.semantic.store(semantic_pb2.StoreRequest(
                 namespace=self._namespace(tenant, prompt), prompt=prompt.query_text,
-                answer=answer, truncated_at=truncated_at)).id
+                answer=answer, truncated_at=truncated_at), timeout).id
         except grpc.RpcError as e:
             log.warning("semantic store failed: %s", e.details())
             self.stats.degrade("semantic_store_failed")
             return ""
 
     # ---- prefix tier ---------------------------------------------------------------------
-    def _matches(self, tenant: Tenant, token_ids: list[int]) -> PrefixView:
+    def _matches(self, tenant: Tenant, token_ids: list[int],
+                 deadline: float | None = None) -> PrefixView:
         """What the prefix index knows of this prompt (see PrefixView)."""
         hashes = self.hasher.hashes(token_ids, tenant.cache_salt)
         key = hashes[0].hex() if hashes else ""
         if self.prefix is None or not hashes:
             return PrefixView({}, key, None, hashes)
+        timeout = None
+        if deadline is not None:
+            timeout = _within(self.prefix.timeout_s, deadline)
+            if timeout is None:
+                return PrefixView({}, key, None, hashes)  # no time left: ring routing
         try:
             # Full blocks are hashed; the partial last block and the answer need one more.
-            return PrefixView(self.prefix.match(hashes, self.model_id), key, len(hashes) + 1,
-                              hashes)
+            return PrefixView(self.prefix.match(hashes, self.model_id, timeout), key,
+                              len(hashes) + 1, hashes)
         except grpc.RpcError as e:
             log.warning("prefix index unreachable, ring routing: %s", e.details())
             self.stats.degrade("index_down")
@@ -248,17 +268,21 @@ class Orchestrator:
                 with self.stats.lock:
                     self.stats.semantic_hits_too_short += 1
                 TOO_SHORT.inc()
+            elif look.hit and sampling.ignore_eos:
+                # The stored answer ended where the model ended it; a request told to go on
+                # past the end of sequence gets the model (the answer as its draft).
+                pass
             elif look.hit:
-                yield from self._serve_hit(look, cached_ids, sampling.max_tokens, report,
+                yield from self._serve_hit(look, cached_ids, sampling, report,
                                            return_token_ids, request_id, t0)
                 return
             if look.HasField("entry") and want_draft:
                 draft_ids = cached_ids
-                report.semantic_entry_id = look.entry.id
+                report.draft_entry_id = look.entry.id
 
         ids = prompt.token_ids
         matches, key, new_blocks, hashes = (PrefixView({}, "", None, []) if policy.skip_prefix_cache
-                                             else self._matches(tenant, ids))
+                                             else self._matches(tenant, ids, deadline))
         if not key:
             key = session_id or str(hash(tuple(ids[:64])))
         affinity = session_id or key
@@ -277,39 +301,45 @@ class Orchestrator:
                 decision = self.routing.choose(self.replicas.views(), seen, affinity,
                                                frozenset(exclude), new_blocks,
                                                prompt.continues)
-                if decision is not None and hashes and self.dispatched is not None:
-                    self.dispatched.record(decision.replica_id, hashes)
-            if (decision is not None and decision.route == "prefix"
-                    and seen.get(decision.replica_id, 0) > matches.get(decision.replica_id, 0)):
-                DISPATCH_ROUTES.inc()
-            if decision is None:
+                replica = (self.replicas.by_id(decision.replica_id) if decision is not None
+                           else None)
+                if replica is not None:
+                    # Counted before the lock is released: a request routed right after this
+                    # one sees this replica's load with it.
+                    self.replicas.begin(replica)
+                    if hashes and self.dispatched is not None:
+                        self.dispatched.record(decision.replica_id, hashes)
+            if decision is None or replica is None:
                 raise errors.Unavailable("no kvpool replica is available"
                                          + (f" (tried {', '.join(sorted(exclude))})"
                                             if exclude else ""))
-            replica = self.replicas.by_id(decision.replica_id)
-            assert replica is not None
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("route %s: %s -> %s (matched %d; index %s; sent moments ago %s; "
-                          "loads %s)", request_id, decision.route, decision.replica_id,
-                          decision.matched_tokens, dict(matches),
-                          {r: t for r, t in seen.items() if t > matches.get(r, 0)},
-                          {v.replica_id: v.load for v in self.replicas.views()})
-            route = decision.route if attempts == 0 else ("resume" if generated else "retry")
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
-            req = kvpool_pb2.KvGenerateRequest(
-                request_id=request_id, token_ids=ids + generated,
-                sampling=common_pb2.SamplingParams(
-                    max_tokens=sampling.max_tokens - len(generated),
-                    temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-                    stop_token_ids=sampling.stop_token_ids, ignore_eos=sampling.ignore_eos),
-                cache_salt=tenant.cache_salt, skip_prefix_cache=policy.skip_prefix_cache,
-                draft_token_ids=draft_ids[len(generated):] if draft_ids else [],
-                model_id=self.model_id)
-            self.replicas.begin(replica)
             watcher: Callable[[], None] | None = None
             try:
+                if (decision.route == "prefix"
+                        and seen.get(decision.replica_id, 0) > matches.get(decision.replica_id,
+                                                                           0)):
+                    DISPATCH_ROUTES.inc()
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("route %s: %s -> %s (matched %d; index %s; sent moments ago %s; "
+                              "loads %s)", request_id, decision.route, decision.replica_id,
+                              decision.matched_tokens, dict(matches),
+                              {r: t for r, t in seen.items() if t > matches.get(r, 0)},
+                              {v.replica_id: v.load for v in self.replicas.views()})
+                route = (decision.route if attempts == 0
+                         else ("resume" if generated else "retry"))
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
+                req = kvpool_pb2.KvGenerateRequest(
+                    request_id=request_id, token_ids=ids + generated,
+                    sampling=common_pb2.SamplingParams(
+                        max_tokens=sampling.max_tokens - len(generated),
+                        temperature=sampling.temperature, top_p=sampling.top_p,
+                        seed=sampling.seed, stop_token_ids=sampling.stop_token_ids,
+                        ignore_eos=sampling.ignore_eos),
+                    cache_salt=tenant.cache_salt, skip_prefix_cache=policy.skip_prefix_cache,
+                    draft_token_ids=draft_ids[len(generated):] if draft_ids else [],
+                    model_id=self.model_id)
                 call = replica.stub.Generate(req, timeout=remaining,
                                              metadata=call_metadata(self.internal_token)
                                              + [("x-request-id", request_id)])
@@ -331,10 +361,12 @@ class Orchestrator:
                             yield TextDelta(text, new if return_token_ids else [])
                     if msg.HasField("final"):
                         final = msg.final
-                replica.health.ok()
                 if final is None:
-                    raise errors.Unavailable(f"replica {replica.replica_id} ended the stream "
-                                             "without a final message")
+                    # Ended cleanly but without its final message: the replica broke off (a
+                    # proxy or a replica going away); fail over as for a lost replica.
+                    raise _StreamCut(f"replica {replica.replica_id} ended the stream without "
+                                     "a final message")
+                replica.health.ok()
             except grpc.RpcError as e:
                 code = e.code()
                 if final is not None:
@@ -347,26 +379,39 @@ class Orchestrator:
                     raise errors.Cancelled("client cancelled") from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise errors.DeadlineExceeded("deadline exceeded while generating") from None
-                if code not in _REPLICA_LOST:
+                if code in _REPLICA_REFUSED_US:
+                    # Our internal credential, not the client's: a misconfigured replica.
+                    # Never the client's UNAUTHENTICATED; try another replica.
+                    log.error("replica %s refused the orchestrator's internal credential (%s: "
+                              "%s): check TIERCACHE_INTERNAL_TOKEN on both", replica.replica_id,
+                              code.name, e.details())
+                elif code not in _REPLICA_LOST:
                     # The replica judged the request itself: pass its verdict on unchanged.
                     raise _as_domain(e) from None
-                replica.health.fail(e)
-                exclude.add(replica.replica_id)
-                if self.dispatched is not None:
-                    self.dispatched.forget(replica.replica_id)
-                attempts += 1
-                self.stats.degrade("resume" if generated else "retry")
-                log.warning("replica %s failed (%s) after %d tokens; attempt %d",
-                            replica.replica_id, code.name, len(generated), attempts + 1)
-                if attempts >= self.max_attempts:
-                    raise errors.Unavailable(
-                        f"kvpool replicas failed {attempts} times; last: {e.details()}") from None
-                continue
+                lost: BaseException = e
+                why = f"{code.name}: {e.details()}"
+            except _StreamCut as e:
+                lost, why = e, str(e)
+            else:
+                continue  # the final message arrived: the loop ends
             finally:
                 if watcher is not None:
                     self.replicas.unwatch(replica, watcher)
                 current.pop("call", None)
                 self.replicas.end(replica)
+            # The replica is lost for this request: try the next one (resuming after the
+            # tokens already streamed).
+            replica.health.fail(lost)
+            exclude.update((replica.replica_id, replica.address))
+            if self.dispatched is not None:
+                self.dispatched.forget(replica.replica_id)
+            attempts += 1
+            self.stats.degrade("resume" if generated else "retry")
+            log.warning("replica %s failed (%s) after %d tokens; attempt %d",
+                        replica.replica_id, why, len(generated), attempts + 1)
+            if attempts >= self.max_attempts:
+                raise errors.Unavailable(
+                    f"kvpool replicas failed {attempts} times; last: {why}") from None
 
         tail = detok.flush()
         if tail:
@@ -395,17 +440,25 @@ class Orchestrator:
                 and (greedy or policy.store_sampled or self.store_sampled)):
             sid = self._store(tenant, prompt, answer,
                               0 if final.finish_reason == common_pb2.FINISH_REASON_EOS
-                              else len(generated))
-            if sid and not report.semantic_entry_id:
+                              else len(generated), deadline)
+            if sid:
                 report.semantic_entry_id = sid
         yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
 
-    def _serve_hit(self, look, ids: list[int], max_tokens: int, report, return_token_ids,
+    def _serve_hit(self, look, ids: list[int], sampling: Sampling, report, return_token_ids,
                    request_id, t0):
         answer = look.entry.answer
         finish = common_pb2.FINISH_REASON_CACHED
-        if len(ids) > max_tokens:  # the request wants less than the cached answer holds
-            ids = ids[:max_tokens]
+        stop = set(sampling.stop_token_ids)
+        first_stop = next((i for i, t in enumerate(ids) if t in stop), None)
+        if first_stop is not None and first_stop < sampling.max_tokens:
+            # The request's stop token ends the answer there, as it would end the model's
+            # (the stop token is emitted, as the replica emits it).
+            ids = ids[:first_stop + 1]
+            answer = self.tok.decode(ids, skip_special_tokens=True)
+            finish = common_pb2.FINISH_REASON_STOP
+        elif len(ids) > sampling.max_tokens:  # the request wants less than the answer holds
+            ids = ids[:sampling.max_tokens]
             answer = self.tok.decode(ids, skip_special_tokens=True)
             finish = common_pb2.FINISH_REASON_LENGTH
         report.semantic_hit = True
@@ -429,6 +482,12 @@ class Orchestrator:
         TOKENS.labels("prompt").inc(prompt)
         TOKENS.labels("cached").inc(cached)
         TOKENS.labels("generated").inc(completion)
+
+
+def _within(timeout_s: float, deadline: float) -> float | None:
+    """`timeout_s`, or less when the request's deadline comes first; None when it has passed."""
+    left = deadline - time.monotonic()
+    return None if left <= 0 else min(timeout_s, left)
 
 
 def _as_domain(e: grpc.RpcError) -> errors.TierCacheError:

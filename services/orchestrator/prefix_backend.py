@@ -19,6 +19,7 @@ class PrefixBackend:
         self.client = PrefixIndexClient(addresses, internal_token, timeout=timeout_s,
                                         block_size=block_size)
         self.health = Health("prefix", ",".join(addresses))
+        self.timeout_s = timeout_s
 
     def _guard(self, fn, *args, **kw):
         try:
@@ -29,8 +30,10 @@ class PrefixBackend:
             self.health.fail(e)
             raise
 
-    def match(self, block_hashes: list[bytes], model_id: str) -> dict[str, int]:
-        r = self._guard(self.client.match, model_id, block_hashes=block_hashes)
+    def match(self, block_hashes: list[bytes], model_id: str,
+              timeout: float | None = None) -> dict[str, int]:
+        r = self._guard(self.client.match, model_id, block_hashes=block_hashes,
+                        timeout=timeout)
         return {m.replica_id: m.matched_tokens for m in r.matches if m.matched_blocks}
 
     def top_prefixes(self, k: int, model_id: str):

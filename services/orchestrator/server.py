@@ -112,6 +112,18 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             # Unset max_tokens means the server default, capped by the tenant's limit: a
             # field the client never set must not fail its request.
             sampling = dataclasses.replace(sampling, max_tokens=tenant.max_tokens)
+        context_limit = self.orch.replicas.max_context()
+        n_prompt = len(prompt.token_ids)
+        if context_limit and n_prompt + sampling.max_tokens > context_limit:
+            # Checked here, before any tier: a request the replicas would refuse must not be
+            # answered from the semantic cache, nor leave routing state behind.
+            if not request.sampling.max_tokens and n_prompt < context_limit:
+                sampling = dataclasses.replace(sampling, max_tokens=context_limit - n_prompt)
+            else:
+                raise errors.InvalidArgument(
+                    "messages" if request.messages else "prompt",
+                    f"prompt ({n_prompt} tokens) + sampling.max_tokens ({sampling.max_tokens}) "
+                    f"exceed the model context ({context_limit})")
         self.tenants.check_limits(tenant, len(prompt.token_ids), sampling.max_tokens)
         md = dict(context.invocation_metadata() or ())
         request_id = md.get("x-request-id") or uuid.uuid4().hex[:16]
@@ -131,6 +143,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     if isinstance(ev, Finished):
                         ev.report.semantic_entry_id = self.tenants.entry_ref(
                             tenant, ev.report.semantic_entry_id)
+                        ev.report.draft_entry_id = self.tenants.entry_ref(
+                            tenant, ev.report.draft_entry_id)
                         yield orchestrator_pb2.GenerateResponse(
                             final=orchestrator_pb2.GenerateFinal(
                                 finish_reason=ev.finish_reason,

@@ -9,6 +9,7 @@ the context-hash test renders with the real SmolLM2 tokenizer.
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -42,13 +43,13 @@ class RecordingSemantic(Semantic):
         self.lookups: list[semantic_pb2.LookupRequest] = []
         self.stores: list[semantic_pb2.StoreRequest] = []
 
-    def lookup(self, req):
+    def lookup(self, req, timeout=None):
         self.lookups.append(req)
         return self.answer
 
-    def store(self, req):
+    def store(self, req, timeout=None):
         self.stores.append(req)
-        return super().store(req)
+        return SimpleNamespace(id=f"stored-{len(self.stores)}")
 
 
 def run(orch, *, prompt: RenderedPrompt | None = None, policy: Policy = Policy(),
@@ -236,7 +237,9 @@ def test_a_hit_cut_shorter_than_max_tokens_goes_to_the_model_as_a_draft():
     assert text_of(events) == "ok"
     fin = finished(events)
     assert not fin.report.semantic_hit and fin.report.route == "ring"
-    assert fin.report.semantic_entry_id == "e1"
+    # The draft's source and the entry this answer was stored as (what Feedback rates).
+    assert fin.report.draft_entry_id == "e1"
+    assert fin.report.semantic_entry_id == "stored-1"
     assert orch.stats.semantic_hits_too_short == 1
 
 

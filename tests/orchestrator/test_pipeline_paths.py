@@ -75,16 +75,17 @@ class Tok:
 
 class Semantic:
     enabled = True
+    timeout_s = 2.0
 
     def __init__(self, on_lookup=None) -> None:
         self.on_lookup = on_lookup
 
-    def lookup(self, req):
+    def lookup(self, req, timeout=None):
         if self.on_lookup:
             self.on_lookup()
         return None
 
-    def store(self, req):
+    def store(self, req, timeout=None):
         return SimpleNamespace(id="e1")
 
 
@@ -159,7 +160,7 @@ def test_warm_top_k_for_owners_warms_only_the_owner():
     stubs = {r: Stub(r, []) for r in ("A", "B", "C")}
     hot = list(range(100, 164))
     prefix = SimpleNamespace(
-        match=lambda hashes, model_id: {"A": 64},
+        match=lambda hashes, model_id, timeout=None: {"A": 64},
         top_prefixes=lambda k, model_id: [prefix_pb2.HotPrefix(
             token_ids=hot, holders=["A"], hits=5, cache_salt=TENANT.cache_salt)])
     orch = make(stubs, prefix=prefix)

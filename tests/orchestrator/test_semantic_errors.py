@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import grpc
 import pytest
 
@@ -24,12 +26,17 @@ class Refusal(grpc.RpcError):
 
 class RefusingTier:
     enabled = True
+    timeout_s = 2.0
 
     def __init__(self, error: Refusal) -> None:
         self.error = error
 
-    def lookup(self, request):
+    def lookup(self, request, timeout=None):
         raise self.error
+
+
+def _soon() -> float:
+    return time.monotonic() + 30
 
 
 def orchestrator(error: Refusal) -> Orchestrator:
@@ -47,7 +54,7 @@ PROMPT = RenderedPrompt([1, 2, 3], "word " * 3000, "")
                                      "namespace.tenant: longer than 256 chars"])
 def test_a_text_the_tier_will_not_take_skips_the_tier(details):
     o = orchestrator(Refusal(grpc.StatusCode.INVALID_ARGUMENT, details))
-    assert o._lookup(TENANT, PROMPT, Policy(), want_draft=True, deadline=0.0) is None
+    assert o._lookup(TENANT, PROMPT, Policy(), want_draft=True, deadline=_soon()) is None
     assert o.stats.degradations["semantic_skipped"] == 1
 
 
@@ -55,12 +62,12 @@ def test_a_text_the_tier_will_not_take_skips_the_tier(details):
 def test_a_bad_tier_or_threshold_is_the_callers_error(details):
     o = orchestrator(Refusal(grpc.StatusCode.INVALID_ARGUMENT, details))
     with pytest.raises(InvalidArgument) as e:
-        o._lookup(TENANT, PROMPT, Policy(semantic_tier="x"), want_draft=True, deadline=0.0)
+        o._lookup(TENANT, PROMPT, Policy(semantic_tier="x"), want_draft=True, deadline=_soon())
     assert e.value.field == "cache_policy" and details in str(e.value)
     assert not o.stats.degradations
 
 
 def test_an_unavailable_tier_is_skipped():
     o = orchestrator(Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused"))
-    assert o._lookup(TENANT, PROMPT, Policy(), want_draft=False, deadline=0.0) is None
+    assert o._lookup(TENANT, PROMPT, Policy(), want_draft=False, deadline=_soon()) is None
     assert o.stats.degradations["semantic_skipped"] == 1

@@ -7,6 +7,7 @@ new one is refused with RESOURCE_EXHAUSTED so health checks and Stats always fin
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import pytest
 from tiercache.v1 import orchestrator_pb2
@@ -29,6 +30,7 @@ class SlowOrchestrator:
 
     renderer = Renderer()
     tok = range(1000)  # only its length (the vocabulary size) is read
+    replicas = SimpleNamespace(max_context=lambda: 0)  # no replica has reported its context
 
     def __init__(self) -> None:
         self.release = threading.Event()

@@ -1,0 +1,266 @@
+"""The orchestrator's request path where a review found it wrong: a hit honours the request's
+stop tokens and ignore_eos, every tier call is bounded by the request's deadline, routing
+counts a replica's load before another request can choose, replicas renamed by their first
+Stats answer are still found, a replica refusing our internal credential or ending a stream
+without its final message is failed over, and a prompt longer than the replicas' context is
+refused before any tier (pure logic with the fakes of test_pipeline_paths)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import grpc
+import pytest
+from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
+
+from services.common import errors
+from services.orchestrator.pipeline import Policy, Sampling
+from services.orchestrator.render import RenderedPrompt
+from services.orchestrator.server import OrchestratorServicer
+from tests.orchestrator.test_contracts import (
+    RecordingSemantic,
+    finished,
+    one_replica,
+    text_of,
+)
+from tests.orchestrator.test_pipeline_paths import (
+    PROMPT,
+    TENANT,
+    Call,
+    RpcError,
+    Stub,
+    final,
+    make,
+)
+
+
+def hit(answer: str) -> RecordingSemantic:
+    return RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=True, similarity=0.99, entry=semantic_pb2.SemanticEntry(id="e1", answer=answer)))
+
+
+def run(orch, *, max_tokens: int = 16, stop: tuple[int, ...] = (), ignore_eos: bool = False,
+        deadline_s: float = 30.0) -> list:
+    return list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(max_tokens, 0.0, 1.0, 0, stop, ignore_eos), policy=Policy(),
+        session_id="s", return_token_ids=True, request_id="rid",
+        deadline=time.monotonic() + deadline_s, on_cancel=lambda fn: None))
+
+
+# ---- a semantic hit obeys the request's stopping rules -----------------------------------
+
+def test_a_hit_ends_at_the_requests_stop_token_as_the_model_would():
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=hit("Paris. It is big."))
+    events = run(orch, stop=(ord("."),))
+    assert stub.requests == []  # still served from the cache
+    assert text_of(events) == "Paris."
+    fin = finished(events)
+    assert fin.finish_reason == common_pb2.FINISH_REASON_STOP and fin.completion_tokens == 6
+    assert fin.report.semantic_hit
+
+
+def test_a_stop_token_beyond_max_tokens_leaves_the_length_cut():
+    stub, stubs = one_replica()
+    events = run(make(stubs, semantic=hit("Paris is big. Yes.")), max_tokens=5,
+                 stop=(ord("."),))
+    assert text_of(events) == "Paris"
+    assert finished(events).finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_an_ignore_eos_request_is_not_served_an_answer_that_ended_at_eos():
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=hit("Paris."))
+    events = run(orch, ignore_eos=True)
+    assert len(stub.requests) == 1  # the model answers ...
+    assert list(stub.requests[0].draft_token_ids) == list(b"Paris.")  # ... from the draft
+    fin = finished(events)
+    assert not fin.report.semantic_hit and fin.report.draft_entry_id == "e1"
+
+
+# ---- every tier call is bounded by the request's deadline --------------------------------
+
+class TimedSemantic(RecordingSemantic):
+    timeout_s = 2.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.timeouts: list[tuple[str, float | None]] = []
+
+    def lookup(self, req, timeout=None):
+        self.timeouts.append(("Lookup", timeout))
+        return super().lookup(req, timeout)
+
+    def store(self, req, timeout=None):
+        self.timeouts.append(("Store", timeout))
+        return super().store(req, timeout)
+
+
+def test_lookup_store_and_match_get_what_is_left_of_the_deadline():
+    sem = TimedSemantic()
+    matched: list[float | None] = []
+    prefix = SimpleNamespace(timeout_s=0.5, match=lambda h, m, timeout=None: (
+        matched.append(timeout) or {}))
+    stub, stubs = one_replica()
+    run(make(stubs, semantic=sem, prefix=prefix), deadline_s=0.3)
+    assert [name for name, _ in sem.timeouts] == ["Lookup", "Store"]
+    assert all(t is not None and 0 < t <= 0.3 for _, t in sem.timeouts), sem.timeouts
+    assert len(matched) == 1 and 0 < matched[0] <= 0.3
+    # With time to spare, each call keeps its own (shorter) timeout.
+    sem2 = TimedSemantic()
+    stub, stubs = one_replica()
+    run(make(stubs, semantic=sem2), deadline_s=30)
+    assert [t for _, t in sem2.timeouts] == [2.0, 2.0]
+
+
+# ---- routing: load counted inside the decision; renamed replicas -------------------------
+
+def test_a_replica_is_counted_busy_before_another_request_can_route():
+    stub, stubs = one_replica()
+    orch = make(stubs)
+    seen_locked: list[bool] = []
+    begin = orch.replicas.begin
+
+    def begin_checked(r):
+        seen_locked.append(orch._route_lock.locked())
+        begin(r)
+
+    orch.replicas.begin = begin_checked
+    run(orch)
+    assert seen_locked == [True]
+    assert orch.replicas.replicas[0].inflight == 0  # and given back after the answer
+
+
+def test_a_replica_renamed_by_its_first_stats_answer_is_still_found():
+    stub, stubs = one_replica()
+    orch = make(stubs)
+    r = orch.replicas.replicas[0]
+    chosen = orch.routing.choose
+
+    def choose_then_rename(*a, **kw):
+        d = chosen(*a, **kw)
+        r.replica_id = "kvpool-0"  # the poller's Stats answer lands right after routing
+        return d
+
+    orch.routing.choose = choose_then_rename
+    events = run(orch)
+    assert text_of(events) == "ok" and len(stub.requests) == 1
+
+
+# ---- failover on faults that are not the client's ---------------------------------------
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAUTHENTICATED,
+                                  grpc.StatusCode.PERMISSION_DENIED])
+def test_a_replica_refusing_our_internal_credential_is_failed_over(code):
+    a = Stub("A", [Call([], RpcError(code))])
+    b = Stub("B", [Call([final("B", 2)])])
+    orch = make({"A": a, "B": b})
+    orch.routing.choose = _prefer("A", orch.routing.choose)
+    events = run(orch)
+    assert text_of(events) == "ok" and finished(events).report.replica_id == "B"
+    assert len(a.requests) == 1 and len(b.requests) == 1
+    assert not orch.replicas.by_id("A").health.healthy
+
+
+def test_only_replicas_refusing_our_credential_is_unavailable_not_unauthenticated():
+    a = Stub("A", [Call([], RpcError(grpc.StatusCode.UNAUTHENTICATED))])
+    orch = make({"A": a}, max_attempts=1)
+    with pytest.raises(errors.Unavailable, match="UNAUTHENTICATED"):
+        run(orch)
+
+
+def test_a_stream_ended_without_its_final_message_resumes_elsewhere():
+    def tok(t: str) -> kvpool_pb2.KvGenerateResponse:
+        return kvpool_pb2.KvGenerateResponse(token_ids=[ord(t)])
+
+    a = Stub("A", [Call([tok("o")])])  # one token, then a clean end: no final message
+    b = Stub("B", [Call([final("B", 2)])])
+    orch = make({"A": a, "B": b})
+    orch.routing.choose = _prefer("A", orch.routing.choose)
+    events = run(orch)
+    assert len(b.requests) == 1
+    assert list(b.requests[0].token_ids) == PROMPT + [ord("o")]  # resumed after the token
+    assert finished(events).report.route == "resume"
+    assert orch.stats.degradations["resume"] == 1
+
+
+def _prefer(rid: str, choose):
+    """Routing that picks `rid` first (while it is not excluded)."""
+    def pick(views, matches, key, exclude=frozenset(), *a, **kw):
+        d = choose(views, matches, key, exclude, *a, **kw)
+        if d is not None and rid not in exclude and any(v.replica_id == rid for v in views):
+            return d._replace(replica_id=rid)
+        return d
+    return pick
+
+
+# ---- a prompt the replicas' context cannot hold is refused before any tier ---------------
+
+def test_prompt_plus_max_tokens_over_the_replicas_context_is_refused_before_the_cache():
+    from services.orchestrator.backends import ReplicaSet
+
+    rs = ReplicaSet(("A",), "")
+    assert rs.max_context() == 0  # nothing known before the first Stats answer
+    rs.replicas[0].stats = kvpool_pb2.KvStatsResponse(max_context=128)
+    rs.replicas.append(SimpleNamespace(stats=kvpool_pb2.KvStatsResponse(max_context=96)))
+    rs.replicas.append(SimpleNamespace(stats=None))
+    assert rs.max_context() == 96  # the smallest a request might be routed to
+
+
+class ContextOrchestrator:
+    """The pipeline's stand-in for Generate's checks: records whether it was reached."""
+
+    def __init__(self, max_context: int) -> None:
+        self.renderer = SimpleNamespace(
+            render_raw=lambda text: RenderedPrompt(list(range(1, 11)), text, ""))
+        self.tok = range(1000)
+        self.replicas = SimpleNamespace(max_context=lambda: max_context)
+        self.calls: list[dict] = []
+
+    def generate(self, **kw):
+        self.calls.append(kw)
+        yield from ()
+
+
+class Context:
+    def invocation_metadata(self):
+        return ()
+
+    def time_remaining(self):
+        return None
+
+    def add_callback(self, fn):
+        return True
+
+
+def generate_call(max_context: int, max_tokens: int):
+    from tiercache.v1 import orchestrator_pb2
+
+    from services.orchestrator.config import OrchestratorConfig
+    from services.orchestrator.tenants import TenantRegistry
+
+    cfg = OrchestratorConfig(kvpool_addresses=("h:1",))
+    cfg.validate()
+    s = OrchestratorServicer(cfg)
+    orch = ContextOrchestrator(max_context)
+    s.attach(orch, TenantRegistry.build(tokens_file="", tokens="", key=b"k",
+                                        max_prompt_tokens=1000, max_tokens=1000,
+                                        max_concurrent=10))
+    req = orchestrator_pb2.GenerateRequest(prompt="x" * 40)
+    if max_tokens:
+        req.sampling.max_tokens = max_tokens
+    list(s.Generate(req, Context()))
+    return orch
+
+
+def test_a_request_over_the_replicas_context_never_reaches_the_pipeline():
+    n = 10  # the fake renderer's prompt tokens
+    with pytest.raises(errors.InvalidArgument, match=r"exceed the model context \(64\)"):
+        generate_call(64, 64 - n + 1)
+    assert generate_call(64, 64 - n).calls[0]["sampling"].max_tokens == 64 - n
+    # Unset max_tokens: the server default, cut to what the context leaves.
+    assert generate_call(64, 0).calls[0]["sampling"].max_tokens == 64 - n
+    # No replica has reported a context yet: the replica checks it.
+    assert generate_call(0, 900).calls[0]["sampling"].max_tokens == 900
