@@ -181,3 +181,29 @@ def test_a_missing_model_folder_or_tokens_file_is_a_config_error(service, env, w
     assert r.returncode == 2, r.stderr[-2000:]
     assert "bad configuration" in r.stderr and words in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_model_folder_without_weights_is_a_config_error(tmp_path):
+    """A folder with a config but no weights passes the model store and fails in
+    transformers (OSError): still exit 2 and one line naming the folder, not a traceback."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    folder = tmp_path / "no-weights"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 64,
+        "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 256}))
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TIERCACHE_KVPOOL_MODEL": str(folder),
+           "TIERCACHE_KVPOOL_ADDRESS": "127.0.0.1:0", "TIERCACHE_KVPOOL_METRICS_PORT": "-1",
+           "PYTHONPATH": f"{root}{os.pathsep}{root / 'gen'}"}
+    r = subprocess.run([sys.executable, "-m", "services.kvpool"], env=env, cwd=root,
+                       capture_output=True, text=True, timeout=180)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "bad configuration" in r.stderr and str(folder) in r.stderr
+    assert "Traceback" not in r.stderr

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import math
 import os
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -108,3 +109,24 @@ def require(cond: bool, service: str, field: str, why: str) -> None:
     """Raise ConfigError naming the env variable of `field` unless `cond` holds."""
     if not cond:
         raise ConfigError(f"{env_name(service, field)}: {why}")
+
+
+_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:,\[\]]+):\d{1,5}")
+
+
+def require_addresses(addresses, service: str, field: str, *, allow_none: bool) -> None:
+    """Each address is host:port (or [v6]:port), none twice; at least one unless `allow_none`.
+
+    Checked at start so that a bad list is a one-line ConfigError (exit 2), not a traceback
+    from the client that dials it once the model has loaded.
+    """
+    items = [a.strip() for a in addresses]
+    if not items and allow_none:
+        return
+    require(bool(items) and all(items), service, field,
+            "must be host:port entries separated by commas (an entry is empty)")
+    for a in items:
+        require(_HOST_PORT.fullmatch(a) is not None and int(a.rsplit(":", 1)[1]) <= 65535,
+                service, field, f"{a!r} is not host:port")
+    dup = sorted({a for a in items if items.count(a) > 1})
+    require(not dup, service, field, f"{', '.join(dup)} given twice")

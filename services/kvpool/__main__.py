@@ -64,8 +64,10 @@ def main(argv: list[str] | None = None) -> int:
         max_workers=cfg.max_batch_size + cfg.max_waiting + 16)
     try:
         replica = build_replica(cfg)
-    except ModelStoreError as exc:
-        log.error("bad configuration: %s", exc)  # e.g. a model folder that does not exist
+    except (ModelStoreError, OSError) as exc:
+        # A model folder that does not exist (ModelStoreError), or one transformers cannot
+        # load (OSError: no weights file, unreadable files).
+        log.error("bad configuration: %s", exc)
         handle.stop(None)
         return 2
     publisher = None

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from services.common.config import require
+from services.common.config import require, require_addresses
 
 SERVICE = "kvpool"
 
@@ -87,7 +87,14 @@ class KvPoolConfig:
         require(self.max_new_tokens_limit >= 1, s, "max_new_tokens_limit", "must be >= 1")
         require(self.max_waiting >= 1, s, "max_waiting", "must be >= 1 (0 refuses everything)")
         require(bool(self.replica_id.strip()), s, "replica_id", "must not be empty")
+        # The prefix index refuses longer ids at Register: the replica would never be indexed.
+        require(len(self.replica_id) <= 256, s, "replica_id", "must be at most 256 characters")
         require(":" in self.address, s, "address", "must be host:port")
+        require_addresses(self.prefix_address.split(",") if self.prefix_address else [], s,
+                          "prefix_address", allow_none=True)
+        if self.advertise_address:
+            require_addresses([self.advertise_address], s, "advertise_address",
+                              allow_none=False)
         require(-1 <= self.metrics_port <= 65535, s, "metrics_port",
                 "must be -1 (off), 0 or a port")
         require(self.heartbeat_seconds > 0, s, "heartbeat_seconds", "must be > 0")

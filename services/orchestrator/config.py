@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import require
+from services.common.config import require, require_addresses
 from services.orchestrator.tenants import parse_token_pairs
 
 SVC = "orchestrator"
@@ -90,6 +90,10 @@ class OrchestratorConfig:
             require(False, SVC, "tokens",
                     "expected token=tenant,... (a pair lacks its '=' or a side)")
         require(bool(self.kvpool_addresses), SVC, "kvpool_addresses", "at least one replica")
+        require_addresses(self.kvpool_addresses, SVC, "kvpool_addresses", allow_none=False)
+        require_addresses(self.prefix_addresses, SVC, "prefix_addresses", allow_none=True)
+        require_addresses(self.semantic_address.split(",") if self.semantic_address else [],
+                          SVC, "semantic_address", allow_none=True)
         require(self.block_size > 0, SVC, "block_size", "must be > 0")
         require(0 < self.default_max_tokens <= self.max_tokens_limit, SVC, "default_max_tokens",
                 "must be in (0, max_tokens_limit]")

@@ -45,3 +45,24 @@ def test_pool_sized_in_bytes_or_blocks() -> None:
     cfg = KvPoolConfig(kv_cache_bytes=100 * per_block + 5)
     assert pool_blocks(cfg, info, torch.float32) == 100
     assert pool_blocks(KvPoolConfig(num_blocks=7), info, torch.float32) == 7
+
+
+@pytest.mark.parametrize(("field", "value", "words"), [
+    ("prefix_address", "127.0.0.1:1,127.0.0.1:1", "given twice"),
+    ("prefix_address", " , ", "an entry is empty"),
+    ("prefix_address", "prefix-0.prefix", "is not host:port"),
+    ("advertise_address", "kvpool-0", "is not host:port"),
+    ("replica_id", "r" * 257, "at most 256"),
+])
+def test_addresses_and_ids_the_replica_would_fail_on_later_are_refused_at_start(field, value,
+                                                                                words):
+    # Before: the publisher's client raised ValueError (a traceback, exit 1) after the model
+    # had loaded, or the index refused Register forever (replica_id over 256 characters).
+    from services.common.config import ConfigError
+    from services.kvpool.config import KvPoolConfig
+
+    with pytest.raises(ConfigError, match=f"TIERCACHE_KVPOOL_{field.upper()}.*{words}"):
+        KvPoolConfig(**{field: value}).validate()
+    ok = {"prefix_address": "prefix-0.prefix:50053,[::1]:50053", "advertise_address":
+          "kvpool-0.kvpool:50054", "replica_id": "r" * 256}[field]
+    KvPoolConfig(**{field: ok}).validate()

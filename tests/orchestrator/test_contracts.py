@@ -351,3 +351,17 @@ def test_context_hash_covers_every_earlier_turn_not_just_the_system_prompt(rende
     assert again.context_hash == one.context_hash
     # The query itself is not context: another question in the same conversation shares it.
     assert chat("Name a prime.", "2.", Message("user", "Why?")).context_hash == one.context_hash
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("kvpool_addresses", ("127.0.0.1:1", "127.0.0.1:1")),
+    ("prefix_addresses", ("p:1", "")),
+    ("semantic_address", "s:1,s:1"),
+    ("semantic_address", "s"),
+])
+def test_bad_address_lists_fail_the_start_naming_the_variable(field, value):
+    from services.common.config import ConfigError
+    from services.orchestrator.config import OrchestratorConfig
+
+    with pytest.raises(ConfigError, match=f"TIERCACHE_ORCHESTRATOR_{field.upper()}"):
+        OrchestratorConfig(**{field: value}).validate()
