@@ -276,6 +276,10 @@ class Engine:
                 f"token_ids: prompt + max_tokens need {need} KV blocks, the pool has "
                 f"{self.pool.num_blocks}")
         out: queue.Queue = queue.Queue()
+        # Built before a waiting slot is taken: a failure here must not use one up for good.
+        sampler = Sampler(req.sampling)
+        draft = (Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens)
+                 if self.drafts and req.draft_token_ids and not req.prefill_only else None)
         with self._queue_lock:
             # Counted here, not from the last step's stats: a burst arriving between two steps
             # must meet the limit too (every waiting stream holds a gRPC thread).
@@ -284,9 +288,8 @@ class Engine:
             self._queued += 1
             order = next(self._ids)
         seq = Sequence(req, out, f"{req.request_id or 'req'}#{order}", list(req.token_ids),
-                       Sampler(req.sampling), time.monotonic(), order=order, queued=True)
-        if self.drafts and req.draft_token_ids and not req.prefill_only:
-            seq.draft = Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens)
+                       sampler, time.monotonic(), order=order, queued=True)
+        seq.draft = draft
         self._inbox.put(("submit", seq))
         return seq.seq_id, out
 
@@ -337,8 +340,15 @@ class Engine:
                 self._step()
             except Exception:  # noqa: BLE001 - the engine must survive a bad step
                 log.exception("engine step failed; failing the running sequences")
-                self._fail_all_running(errors.TierCacheError("internal error in the engine step"))
-            self._publish_state()
+                try:
+                    self._fail_all_running(
+                        errors.TierCacheError("internal error in the engine step"))
+                except Exception:  # noqa: BLE001 - nor a failure while failing them
+                    log.exception("failing the running sequences failed")
+            try:
+                self._publish_state()
+            except Exception:  # noqa: BLE001 - a dead engine thread would hang every caller
+                log.exception("publishing the engine's stats and events failed")
         self._drain_inbox(block=False)  # requests that raced with the stop get an answer too
         self._fail_everything(errors.Unavailable("replica is shutting down"))
 
@@ -397,6 +407,13 @@ class Engine:
                         f"KV pool exhausted: {exc} (pinned blocks hold the rest)")))
                     continue
                 return  # wait for running sequences to finish
+            except Exception:  # noqa: BLE001 - only this request fails, not every step
+                # Left at the head of the queue it would fail the step again and again,
+                # taking the running sequences with it each time.
+                log.exception("admitting %s failed", seq.seq_id)
+                self._finish(seq, Failed(errors.TierCacheError(
+                    "internal error admitting the request")))
+                continue
             self._waiting.popleft()
             # The prefilling sequence from here on, before any tensor work that may raise (an
             # allocation on a GPU): a failure then ends it with the others, releasing its blocks.

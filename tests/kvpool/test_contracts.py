@@ -292,3 +292,70 @@ def test_pins_are_released_before_any_streaming_answer_is_preempted(make_engine,
     assert fin_b.computed_tokens == fin_b.prompt_tokens + fin_b.completion_tokens - 1
     assert toks_a == reference_greedy(tiny_model, a, 12)
     assert toks_b == reference_greedy(tiny_model, b, 12)
+
+
+# ---- the engine thread survives faults around a step ---------------------------------------
+
+def test_a_request_that_cannot_be_admitted_fails_alone(make_engine, tiny_model,
+                                                        monkeypatch) -> None:
+    # pool.open raising (not PoolExhausted) for one request used to fail the step and leave
+    # it at the head of the queue: every later step failed again, with the running answers.
+    from services.kvpool.engine import Failed
+
+    eng = make_engine(num_blocks=32, drafts=False)
+    real_open = eng.pool.open
+
+    def open_(seq_id, *a, **kw):
+        if seq_id.startswith("bad#"):
+            raise RuntimeError("boom")
+        return real_open(seq_id, *a, **kw)
+
+    monkeypatch.setattr(eng.pool, "open", open_)
+    a = prompt(8, 40)
+    _, bad = eng.submit(request(prompt(8, 41), 4, rid="bad"))
+    _, good = eng.submit(request(a, 6, rid="good", ignore_eos=True))
+    _, fin_bad = collect(bad)
+    toks, fin_good = collect(good)
+    assert isinstance(fin_bad, Failed)
+    assert isinstance(fin_good, Finished) and toks == reference_greedy(tiny_model, a, 6)
+
+
+def test_the_engine_keeps_serving_after_publishing_its_state_fails(make_engine, tiny_model,
+                                                                  monkeypatch) -> None:
+    eng = make_engine(num_blocks=32, drafts=False)
+    real = eng._compute_stats
+    fails = [1]
+
+    def flaky():
+        if fails:
+            fails.pop()
+            raise RuntimeError("boom")
+        return real()
+
+    monkeypatch.setattr(eng, "_compute_stats", flaky)
+    eng.call(lambda: None).result(timeout=10)  # a loop iteration: its publish raises
+    a = prompt(8, 42)
+    toks, fin = collect(eng.submit(request(a, 5, ignore_eos=True))[1])
+    assert not fails and eng.running
+    assert isinstance(fin, Finished) and toks == reference_greedy(tiny_model, a, 5)
+
+
+def test_a_submit_that_fails_does_not_use_up_a_waiting_slot(make_engine, monkeypatch) -> None:
+    import pytest
+
+    import services.kvpool.engine as engine_mod
+
+    eng = make_engine(num_blocks=32, max_waiting=1)
+
+    def broken(*a, **kw):
+        raise RuntimeError("bad draft")
+
+    monkeypatch.setattr(engine_mod.Draft, "of", staticmethod(broken))
+    for _ in range(3):
+        with pytest.raises(RuntimeError):
+            eng.submit(EngineRequest("d", prompt(8, 43), SamplingSpec(max_tokens=4),
+                                     draft_token_ids=(1, 2, 3)))
+    assert eng._queued == 0
+    monkeypatch.undo()
+    _, fin = collect(eng.submit(request(prompt(8, 44), 4))[1])
+    assert isinstance(fin, Finished)  # max_waiting=1 still admits one

@@ -271,3 +271,18 @@ def test_draft_tokens_past_max_tokens_are_dropped_unread(served, tiny_model) -> 
     assert toks == want
     assert final.draft_tokens_proposed <= 3
     assert seen == [3]  # the engine got max_tokens draft tokens, not 50,003
+
+
+def test_a_replica_whose_engine_stopped_refuses_calls_as_unavailable():
+    # A stopped (or dead) engine thread answers nothing: Generate would hang to its deadline.
+    from types import SimpleNamespace
+
+    from services.common import errors
+    from services.kvpool.server import KvPoolServicer
+
+    s = KvPoolServicer.__new__(KvPoolServicer)
+    s.engine, s.info = SimpleNamespace(running=False), object()
+    with pytest.raises(errors.Unavailable, match="engine is not running"):
+        s._ready()
+    s.engine = SimpleNamespace(running=True)
+    assert s._ready()[1] is s.info
