@@ -144,6 +144,11 @@ class Publisher:
                 self._collect()
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
+            except Exception:  # noqa: BLE001 - a dead publisher leaves the index stale for good
+                # E.g. the engine did not take the resync snapshot within 60 s (a long step).
+                log.exception("prefix publisher step failed; retrying in %.1fs", backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
 
     def _register(self) -> None:
         s = self.engine.stats()
@@ -200,8 +205,10 @@ class Publisher:
         out = self._client.publish_events(self.replica_id, self.incarnation,
                                           [to_proto(e) for e in events], resync=resync,
                                           only=only)
-        if out.sent:
-            self.last_seq = max(out.sent.values())
+        # Shards that answered RESYNC did not apply their batch: its number is not "accepted".
+        accepted = [n for a, n in out.sent.items() if a not in out.resync_shards]
+        if accepted:
+            self.last_seq = max(accepted)
         if any(e.code() == grpc.StatusCode.NOT_FOUND for e in out.failed.values()):
             log.info("a prefix index shard forgot this replica; registering again")
             self.registered = False

@@ -234,3 +234,56 @@ def test_a_shard_refusing_registration_is_an_error_not_a_partial_success(make_en
         pub.stop()
         good.stop(0)
         other.stop(0)
+
+
+def test_the_publisher_survives_a_snapshot_the_engine_did_not_take_in_time(make_engine,
+                                                                          monkeypatch) -> None:
+    # engine.call(snapshot).result(timeout=60) raising TimeoutError (a step longer than a
+    # minute) used to end the publisher thread: the index stayed stale for good.
+    from concurrent.futures import Future
+    from concurrent.futures import TimeoutError as FutureTimeout
+
+    index = FakeIndex()
+    handle = create_server(service="prefix-fake", address="127.0.0.1:0",
+                           services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, index,
+                                      "tiercache.v1.PrefixIndex")])
+    eng = make_engine(num_blocks=32)
+    real_call = eng.call
+    stalls = [1]
+
+    def call(fn):
+        if stalls and getattr(fn, "__name__", "") == "snapshot":
+            stalls.pop()
+            f: Future = Future()
+            f.set_exception(FutureTimeout())
+            return f
+        return real_call(fn)
+
+    monkeypatch.setattr(eng, "call", call)
+    generate(eng, list(range(1, 18)), max_tokens=4)
+    pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
+                    incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
+                    heartbeat_seconds=0.1, publish_interval_seconds=0.02,
+                    channel_factory=grpc.insecure_channel).start()
+    try:
+        wait_for(lambda: not stalls and index.batches and len(index.holdings) == 5)
+        assert pub._thread.is_alive() and pub.resyncs >= 1
+    finally:
+        pub.stop()
+        handle.stop(0)
+
+
+def test_a_batch_a_shard_answered_resync_for_is_not_counted_as_accepted(make_engine) -> None:
+    from services.common.prefix_client import PublishOutcome
+
+    eng = make_engine()
+    pub = Publisher(eng, address="127.0.0.1:1", replica_id="kv-0", incarnation="i",
+                    public_address="x:1", model_id="tiny-llama",
+                    channel_factory=grpc.insecure_channel)
+    outcomes = [PublishOutcome(False, [], {"a": 4}, {}),
+                PublishOutcome(True, ["a"], {"a": 5}, {})]
+    pub._client.publish_events = lambda *a, **kw: outcomes.pop(0)
+    pub._send([], resync=False)
+    assert pub.last_seq == 4
+    pub._send([], resync=False)
+    assert pub.last_seq == 4  # batch 5 was not applied: the shard asked for a resync
