@@ -209,6 +209,20 @@ class ReplicaSet:
             r.inflight -= 1
 
 
+class _SkippedShard(grpc.RpcError):
+    """A semantic shard skipped while it is hung (see SemanticBackend.HUNG_BACKOFF_S)."""
+
+    def __init__(self, address: str, left_s: float) -> None:
+        super().__init__()
+        self._details = f"semantic shard {address} hung: skipped for another {left_s:.1f}s"
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
 class SemanticBackend:
     """The semantic cache (one process or N shards), or nothing when no address is configured.
 
@@ -218,11 +232,19 @@ class SemanticBackend:
     feedback is rare). Stats are summed.
     """
 
-    def __init__(self, address: str, internal_token: str, timeout_s: float) -> None:
+    # A shard whose call ran out its whole timeout (hung, not down) is skipped for this long,
+    # doubling while it stays hung, then one call tries it again: otherwise every request
+    # would wait the timeout twice (Lookup, then Store) for a tier that answers nobody.
+    HUNG_BACKOFF_S = (0.5, 5.0)
+
+    def __init__(self, address: str, internal_token: str, timeout_s: float,
+                 clock=time.monotonic) -> None:
         self.addresses = [a.strip() for a in address.split(",") if a.strip()]
         self.enabled = bool(self.addresses)
         self.health = Health("semantic", ",".join(self.addresses))
         self.timeout_s = timeout_s
+        self.clock = clock
+        self._hung: dict[str, tuple[float, float]] = {}  # address -> (skip until, backoff)
         self.internal_token = internal_token
         self.stubs = {a: semantic_pb2_grpc.SemanticCacheStub(make_channel(a))
                       for a in self.addresses}
@@ -234,15 +256,28 @@ class SemanticBackend:
         return self.ring.lookup(f"{ns.tenant}|{ns.model_id}|{ns.context_hash}")
 
     def _call(self, address: str, method: str, req, timeout: float | None = None):
+        hung = self._hung.get(address)
+        if hung is not None and self.clock() < hung[0]:
+            raise _SkippedShard(address, hung[0] - self.clock())
+        timeout = timeout or self.timeout_s
         try:
             resp = getattr(self.stubs[address], method)(
-                req, timeout=timeout or self.timeout_s, metadata=call_metadata(self.internal_token))
+                req, timeout=timeout, metadata=call_metadata(self.internal_token))
             self.health.ok()
+            self._hung.pop(address, None)
             return resp
         except grpc.RpcError as e:
-            if e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                            grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            code = e.code()
+            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                        grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
                 self.health.fail(e)
+            # Hung: it used its whole timeout (a request's own short deadline proves nothing).
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout >= self.timeout_s:
+                first, most = self.HUNG_BACKOFF_S
+                back = min(most, hung[1] * 2) if hung is not None else first
+                self._hung[address] = (self.clock() + back, back)
+                log.warning("semantic shard %s timed out (%.1fs): skipped for %.1fs", address,
+                            timeout, back)
             raise
 
     def _each(self, method: str, req) -> list:

@@ -388,7 +388,11 @@ class Orchestrator:
                 elif code not in _REPLICA_LOST:
                     # The replica judged the request itself: pass its verdict on unchanged.
                     raise _as_domain(e) from None
-                lost: BaseException = e
+                # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
+                # another, but it is not marked down for everyone (Stats polls judge that):
+                # one request that breaks replicas must not take every replica out of routing.
+                lost: BaseException | None = (
+                    None if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
                 why = f"{code.name}: {e.details()}"
             except _StreamCut as e:
                 lost, why = e, str(e)
@@ -401,10 +405,11 @@ class Orchestrator:
                 self.replicas.end(replica)
             # The replica is lost for this request: try the next one (resuming after the
             # tokens already streamed).
-            replica.health.fail(lost)
             exclude.update((replica.replica_id, replica.address))
-            if self.dispatched is not None:
-                self.dispatched.forget(replica.replica_id)
+            if lost is not None:
+                replica.health.fail(lost)
+                if self.dispatched is not None:
+                    self.dispatched.forget(replica.replica_id)
             attempts += 1
             self.stats.degrade("resume" if generated else "retry")
             log.warning("replica %s failed (%s) after %d tokens; attempt %d",

@@ -264,3 +264,75 @@ def test_a_request_over_the_replicas_context_never_reaches_the_pipeline():
     assert generate_call(64, 0).calls[0]["sampling"].max_tokens == 64 - n
     # No replica has reported a context yet: the replica checks it.
     assert generate_call(0, 900).calls[0]["sampling"].max_tokens == 900
+
+
+# ---- a hung semantic tier is skipped, not waited for on every request ---------------------
+
+def test_a_hung_semantic_shard_is_skipped_for_a_while_then_tried_again():
+    from services.orchestrator.backends import SemanticBackend
+
+    now = [100.0]
+    calls: list[float] = []
+
+    class HungStub:
+        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
+            calls.append(timeout)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    sb = SemanticBackend("s:1", "", 2.0, clock=lambda: now[0])
+    sb.stubs["s:1"] = HungStub()
+    req = semantic_pb2.LookupRequest()
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(req)  # waited its whole timeout: hung
+    with pytest.raises(grpc.RpcError) as e:
+        sb.lookup(req)  # skipped at once, the shard not called
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "hung" in e.value.details()
+    assert calls == [2.0]
+    now[0] += 0.6  # past the first back-off (0.5 s): one call tries it again
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(req)
+    assert calls == [2.0, 2.0]
+    now[0] += 0.6  # the back-off doubled to 1 s: still skipped
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(req)
+    assert len(calls) == 2
+
+    class Answers:
+        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
+            calls.append(timeout)
+            return semantic_pb2.LookupResponse()
+
+    now[0] += 1.0
+    sb.stubs["s:1"] = Answers()
+    sb.lookup(req)
+    sb.lookup(req)  # recovered: no more skipping
+    assert len(calls) == 4 and sb.health.healthy
+
+
+def test_a_request_running_out_of_its_own_deadline_does_not_mark_the_tier_hung():
+    from services.orchestrator.backends import SemanticBackend
+
+    calls: list[float] = []
+
+    class Slow:
+        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
+            calls.append(timeout)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    sb = SemanticBackend("s:1", "", 2.0)
+    sb.stubs["s:1"] = Slow()
+    for _ in range(2):
+        with pytest.raises(grpc.RpcError):
+            sb.lookup(semantic_pb2.LookupRequest(), 0.3)  # the request had only 0.3 s left
+    assert calls == [0.3, 0.3]  # both reached the shard
+
+
+def test_an_internal_error_on_one_replica_fails_over_without_marking_it_down():
+    a = Stub("A", [Call([], RpcError(grpc.StatusCode.INTERNAL))])
+    b = Stub("B", [Call([final("B", 2)])])
+    orch = make({"A": a, "B": b})
+    orch.routing.choose = _prefer("A", orch.routing.choose)
+    events = run(orch)
+    assert finished(events).report.replica_id == "B" and len(a.requests) == 1
+    assert orch.replicas.by_id("A").health.healthy  # the poller decides whether it is down
+    assert orch.stats.degradations["retry"] == 1
