@@ -171,8 +171,11 @@ class Orchestrator:
             details = e.details() or ""
             if (e.code() == grpc.StatusCode.INVALID_ARGUMENT
                     and details.startswith(_POLICY_FIELDS)):
-                # The request's own tier/threshold is bad: tell the caller.
-                raise errors.InvalidArgument("cache_policy", details) from None
+                # The request's own tier/threshold is bad: tell the caller, in its own field
+                # names ("threshold: must be 0 or in [0.85, 1]" -> cache_policy.semantic_...).
+                field, _, why = details.partition(":")
+                raise errors.InvalidArgument(f"cache_policy.semantic_{field}",
+                                             why.strip()) from None
             # Anything else (the tier down, or a text the tier will not take, such as a
             # message over its size limit) only means this request goes without the tier.
             log.warning("semantic lookup failed, skipping the tier: %s", details)

@@ -63,7 +63,10 @@ def test_a_bad_tier_or_threshold_is_the_callers_error(details):
     o = orchestrator(Refusal(grpc.StatusCode.INVALID_ARGUMENT, details))
     with pytest.raises(InvalidArgument) as e:
         o._lookup(TENANT, PROMPT, Policy(semantic_tier="x"), want_draft=True, deadline=_soon())
-    assert e.value.field == "cache_policy" and details in str(e.value)
+    # Named as the caller's field: cache_policy.semantic_tier / cache_policy.semantic_threshold.
+    field, _, why = details.partition(":")
+    assert e.value.field == f"cache_policy.semantic_{field}"
+    assert str(e.value) == f"cache_policy.semantic_{field}: {why.strip()}"
     assert not o.stats.degradations
 
 
