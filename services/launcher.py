@@ -66,6 +66,18 @@ def wait_healthy(address: str, timeout: float, proc: subprocess.Popen | None = N
     raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s")
 
 
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a service could bind `host:port` now. As gRPC does: SO_REUSEADDR (connections
+    of a stopped run in TIME_WAIT do not count) and no SO_REUSEPORT (a live listener does)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
 def metrics_env(service: str, replica: int = 0) -> dict[str, str]:
     """The metrics port a local service gets: off (-1) unless `TIERCACHE_<SVC>_METRICS_PORT` is
     set, since services on one host would otherwise all want their default port. Replica i
@@ -171,6 +183,11 @@ class Stack:
 
     def _start(self, name: str, port: int, env: dict[str, str], key: str | None = None
                ) -> ServiceProcess:
+        if not port_is_free(port):
+            # Its health check would reach whatever holds the port (an earlier `make run`),
+            # report it up, and the new service would then die failing to bind.
+            raise RuntimeError(f"port {port} for {key or name} is in use (another TierCache "
+                               "stack?); stop it or pass --base-port")
         p = ServiceProcess(name, port, env, log_path=self.log_dir / f"{key or name}.log").start()
         self.procs[key or name] = p
         return p
@@ -191,6 +208,12 @@ class Stack:
 def tls_note() -> str:
     return {"ca": " (TLS, mutual when client certificates are set)", "roots": " (TLS)",
             "": ""}[tls_mode()]
+
+
+def cli_transport() -> str:
+    """The CLI's transport flag for this stack: with a CA it reads TIERCACHE_TLS_CA itself;
+    servers with only a certificate need --tls (verified against the system's roots)."""
+    return " --tls" if tls_mode() == "roots" else ""
 
 
 def grpcurl_transport() -> str:
@@ -235,8 +258,8 @@ def main(argv: list[str] | None = None) -> int:
         grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
         print(f"""
 TierCache is up{tls_note()}. Orchestrator: {orch}
-  CLI:      .venv/bin/tiercache --address {orch} chat "What is a KV cache?"
-            .venv/bin/tiercache --address {orch} stats
+  CLI:      .venv/bin/tiercache{cli_transport()} --address {orch} chat "What is a KV cache?"
+            .venv/bin/tiercache{cli_transport()} --address {orch} stats
   grpcurl:  {grpcurl} {grpcurl_transport()} -d '{EXAMPLE_JSON}' \\
               {orch} tiercache.v1.Orchestrator/Generate
 Ctrl-C stops everything.""", flush=True)

@@ -9,8 +9,8 @@ import pytest
 from clients.python.cli import credentials
 
 
-def ns(ca, cert=None, key=None) -> argparse.Namespace:
-    return argparse.Namespace(ca=ca, cert=cert, key=key)
+def ns(ca, cert=None, key=None, tls=False) -> argparse.Namespace:
+    return argparse.Namespace(ca=ca, cert=cert, key=key, tls=tls)
 
 
 def test_empty_ca_forces_plaintext_even_with_client_cert_variables_exported():
@@ -31,3 +31,11 @@ def test_cert_without_key_is_an_error(tmp_path):
     ca.write_text("x")
     with pytest.raises(SystemExit, match="together"):
         credentials(ns(str(ca), "/x/client.pem", None))
+
+
+def test_tls_without_a_ca_verifies_against_the_system_roots():
+    # What `make run` prints for servers with only TIERCACHE_TLS_CERT (no private CA).
+    import grpc
+
+    assert isinstance(credentials(ns(None, tls=True)), grpc.ChannelCredentials)
+    assert isinstance(credentials(ns("", tls=True)), grpc.ChannelCredentials)

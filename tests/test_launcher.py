@@ -81,5 +81,26 @@ def test_clients_health_wait_and_grpcurl_hint_agree_on_tls(monkeypatch, env, mod
     assert tls_mode() == mode
     assert launcher.grpcurl_transport() == grpcurl
     assert launcher.tls_note() == note
+    # The CLI reads TIERCACHE_TLS_CA itself; without a CA it needs --tls to speak TLS at all.
+    assert launcher.cli_transport() == (" --tls" if mode == "roots" else "")
     if mode != "ca":  # (with a CA the files would be read)
         assert (channel_credentials_from_env() is None) == (mode == "")
+
+
+def test_a_stack_refuses_to_start_on_a_port_something_already_listens_on(tmp_path):
+    # Before: the new service's health check reached the old listener, "TierCache is up" was
+    # printed, and the new service died failing to bind.
+    import socket
+
+    from services import launcher
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert not launcher.port_is_free(port)
+        stack = Stack(replicas=1, base_port=port, log_dir=tmp_path)
+        with pytest.raises(RuntimeError, match=f"port {port} for orchestrator is in use"):
+            stack._start("orchestrator", port, {})
+        assert stack.procs == {}
+    assert launcher.port_is_free(port)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -19,6 +20,17 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from clients.python.client import TierCacheClient
+
+_SESSION_NAME = re.compile(r"[A-Za-z0-9_@+=:,-][A-Za-z0-9._@+=:,-]{0,127}")
+
+
+def session_name(text: str) -> str:
+    """An argparse type for --session: it names a file under the sessions folder, so no path
+    separators, no leading dot, at most 128 characters."""
+    if text and not _SESSION_NAME.fullmatch(text):  # "" = no session (the default)
+        raise argparse.ArgumentTypeError(
+            f"{text[:40]!r}: use 1-128 letters, digits or . _ - @ + = : , (not starting with .)")
+    return text
 
 
 def _history_path(session: str) -> Path:
@@ -29,21 +41,43 @@ def _history_path(session: str) -> Path:
 def _load_history(path: Path) -> list[dict[str, str]]:
     """A session's messages; SystemExit naming the file when it is not a list of messages."""
     try:
-        messages = json.loads(path.read_text())
+        if not path.exists():
+            return []
+        messages = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise SystemExit(f"error: session history {path} is unreadable: {e}") from None
     if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str) for m in messages):
+            and isinstance(m.get("content"), str) and _utf8(m["role"]) and _utf8(m["content"])
+            for m in messages):
         raise SystemExit(f"error: session history {path} is not a list of "
                          '{"role": ..., "content": ...} messages (delete it to start over)')
     return messages
 
 
+def _save_history(path: Path, messages: list[dict[str, str]]) -> None:
+    """Written whole or not at all (a temporary file renamed over the old one)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(messages, ensure_ascii=False), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as e:
+        raise SystemExit(f"error: cannot save session history {path}: {e}") from None
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
     messages: list[dict[str, str]] = []
     hist = _history_path(a.session) if a.session else None
-    if hist is not None and hist.exists():
+    if hist is not None:
         messages = _load_history(hist)
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
@@ -66,8 +100,7 @@ def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
         sys.stderr.write(f"empty answer: session {a.session!r} left unchanged\n")
     elif hist is not None:
         messages.append({"role": "assistant", "content": answer})
-        hist.parent.mkdir(parents=True, exist_ok=True)
-        hist.write_text(json.dumps(messages, ensure_ascii=False))
+        _save_history(hist, messages)
     return 0
 
 
@@ -107,15 +140,16 @@ def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
 
 
 def credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
-    """TLS when --ca is given (mutual TLS with --cert and --key); None = plaintext.
+    """TLS when --ca is given, or --tls (verified against the system's trusted roots); mutual
+    TLS with --cert and --key. None = plaintext.
 
-    An empty --ca (or TIERCACHE_TLS_CA="") forces plaintext even when the client certificate
-    variables are exported; --cert/--key without any CA are an error."""
-    if a.ca == "":
+    An empty --ca (or TIERCACHE_TLS_CA="") without --tls forces plaintext even when the client
+    certificate variables are exported; --cert/--key without TLS are an error."""
+    if a.ca == "" and not a.tls:
         return None
-    if not a.ca:
+    if not a.ca and not a.tls:
         if a.cert or a.key:
-            raise SystemExit("error: --cert/--key need --ca (TLS)")
+            raise SystemExit("error: --cert/--key need --ca or --tls (TLS)")
         return None
     if bool(a.cert) != bool(a.key):
         raise SystemExit("error: give --cert and --key together")
@@ -133,7 +167,10 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
     from benchmarks.workload import load_trace
     from clients.python.replay import replay
 
-    w = load_trace(a.trace)
+    try:
+        w = load_trace(a.trace)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise SystemExit(f"error: trace {a.trace}: {type(e).__name__}: {e}") from None
     tokens = dict(p.split("=", 1) for p in a.tenant_tokens.split(",") if "=" in p)
     clients = {t: TierCacheClient(a.address, token=tokens.get(t, a.token), timeout=a.timeout,
                                   credentials=a.credentials)
@@ -143,11 +180,17 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
         sys.stderr.write(f"\r{done}/{total} requests")
         sys.stderr.flush()
 
-    out = replay(w, clients, concurrency=a.concurrency, time_scale=a.time_scale,
-                 max_tokens=a.max_tokens, progress=progress)
+    try:
+        out = replay(w, clients, concurrency=a.concurrency, time_scale=a.time_scale,
+                     max_tokens=a.max_tokens, progress=progress)
+    finally:
+        for cl in clients.values():
+            cl.close()
     sys.stderr.write("\n")
     classes = Counter(o.cache_class for o in out if not o.error)
     errors = [o for o in out if o.error]
+    for text, n in Counter(o.error for o in errors).most_common(5):
+        sys.stderr.write(f"error ({n}x): {text}\n")
     print(json.dumps({"requests": len(out), "errors": len(errors), "classes": dict(classes),
                       "cached_tokens": sum(o.cached_tokens for o in out),
                       "prompt_tokens": sum(o.prompt_tokens for o in out)}, indent=2))
@@ -170,6 +213,18 @@ def _count(top: int):
 uint32, int32 = _count(2**32 - 1), _count(2**31 - 1)  # as the proto fields are declared
 
 
+def _positive(text: str) -> int:
+    v = _count(2**31 - 1)(text)
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {v}")
+    return v
+
+
+# Arguments sent over the wire: they must be valid UTF-8 (a shell passes undecodable bytes as
+# surrogates, which protobuf cannot encode).
+_WIRE_ARGS = ("address", "token", "text", "session", "system", "entry_id", "tenant_tokens")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
     p.add_argument("--address", default=os.environ.get("TIERCACHE_ADDRESS", "localhost:50051"))
@@ -181,10 +236,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="client certificate for mutual TLS (env TIERCACHE_TLS_CLIENT_CERT)")
     p.add_argument("--key", default=os.environ.get("TIERCACHE_TLS_CLIENT_KEY"),
                    help="client key for mutual TLS (env TIERCACHE_TLS_CLIENT_KEY)")
+    p.add_argument("--tls", action="store_true",
+                   help="speak TLS, verifying the server against the system's trusted roots "
+                        "(servers with a public certificate; no --ca needed)")
     sub = p.add_subparsers(dest="cmd", required=True)
     ch = sub.add_parser("chat", help="ask a question, stream the answer")
     ch.add_argument("text")
-    ch.add_argument("--session", default="", help="conversation id (keeps history)")
+    ch.add_argument("--session", default="", type=session_name,
+                    help="conversation id (keeps history)")
     ch.add_argument("--system", default="", help="system prompt for a new conversation")
     ch.add_argument("--max-tokens", type=int32, default=0)
     ch.add_argument("--temperature", type=float, default=0.0)
@@ -200,12 +259,16 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("stats", help="figures of every tier")
     rp = sub.add_parser("replay", help="replay a workload trace (python -m benchmarks.workload)")
     rp.add_argument("trace")
-    rp.add_argument("--concurrency", type=int, default=2)
+    rp.add_argument("--concurrency", type=_positive, default=2)
     rp.add_argument("--time-scale", type=float, default=0.0,
                     help="seconds of replay per second of trace (0 = as fast as possible)")
     rp.add_argument("--max-tokens", type=int32, default=32)
     rp.add_argument("--tenant-tokens", default="", help="tenant=token,... for auth")
     a = p.parse_args(argv)
+    for name in _WIRE_ARGS:
+        value = getattr(a, name, None)
+        if isinstance(value, str) and not _utf8(value):
+            p.error(f"{name.replace('_', '-')}: not valid UTF-8")
     cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats,
             "replay": cmd_replay}
     a.credentials = credentials(a)  # files read once; replay's per-tenant clients share it
@@ -218,6 +281,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # The reader went away (`| head -1`): stop quietly, as a Unix filter does. The output
+        # still buffered must not raise again when Python flushes it at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
 
 
 if __name__ == "__main__":

@@ -1,0 +1,112 @@
+"""The CLI on input a user can give it by mistake: every case ends with a message and an exit
+status, never a traceback (a fake client stands in for the server: pure client logic)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tiercache.v1 import common_pb2, orchestrator_pb2
+
+from clients.python import cli
+from clients.python.client import Chunk
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class FakeClient:
+    """Streams `pieces`, then a final message."""
+
+    pieces = ["Hel", "lo."]
+
+    def __init__(self, *a, **kw) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def close(self) -> None:
+        pass
+
+    def stream(self, messages, **kw):
+        for p in self.pieces:
+            yield Chunk(p, [])
+        yield Chunk("", [], orchestrator_pb2.GenerateFinal(
+            finish_reason=common_pb2.FINISH_REASON_EOS, cache_report=common_pb2.CacheReport()))
+
+
+@pytest.fixture
+def fake(monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "TierCacheClient", FakeClient)
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path / "home"))
+    return tmp_path
+
+
+@pytest.mark.parametrize("name", ["../../escaped", "a/b", ".hidden", "x" * 129, "nul\0"])
+def test_session_names_that_are_not_plain_file_names_are_refused(fake, capsys, name):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["chat", "--session", name, "hi"])
+    assert e.value.code == 2 and "--session" in capsys.readouterr().err
+    assert not (fake / "escaped.json").exists()
+
+
+@pytest.mark.parametrize("argv", [["chat", "\udcff\udcfe"], ["chat", "--system", "\udcff", "hi"],
+                                  ["feedback", "\udcff"], ["--token", "\udcff", "stats"]])
+def test_arguments_that_are_not_utf8_are_a_usage_error(fake, capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and "not valid UTF-8" in capsys.readouterr().err
+
+
+def test_a_session_that_cannot_be_saved_is_a_message_not_a_traceback(fake, monkeypatch,
+                                                                     capsys):
+    blocker = fake / "a-file"
+    blocker.write_text("x")
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(blocker))  # sessions/ cannot be made in it
+    with pytest.raises(SystemExit, match="cannot save session history"):
+        cli.main(["chat", "-q", "--session", "s1", "hi"])
+    assert "Hello." in capsys.readouterr().out  # the answer was shown first
+
+
+def test_a_session_is_saved_whole_and_read_back(fake):
+    assert cli.main(["chat", "-q", "--session", "s1", "hi"]) == 0
+    assert cli.main(["chat", "-q", "--session", "s1", "and then?"]) == 0
+    path = fake / "home" / "sessions" / "s1.json"
+    assert [m["role"] for m in cli._load_history(path)] == ["user", "assistant"] * 2
+    assert not path.with_name("s1.json.tmp").exists()
+
+
+def test_replay_refuses_a_bad_trace_or_concurrency_with_a_message(fake, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["replay", "--concurrency", "0", "t.jsonl"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit, match="trace /nonexistent.jsonl"):
+        cli.main(["replay", "/nonexistent.jsonl"])
+    bad = fake / "bad.jsonl"
+    bad.write_text("not json\n")
+    with pytest.raises(SystemExit, match="error: trace"):
+        cli.main(["replay", str(bad)])
+
+
+def test_a_closed_output_pipe_ends_chat_quietly():
+    # `tiercache chat ... | head -c 3`: the reader goes away mid-answer.
+    script = (
+        "import sys\n"
+        "from clients.python import cli\n"
+        "from tests.test_cli_input import FakeClient\n"
+        "FakeClient.pieces = ['word ' * 20 + '\\n'] * 20000\n"
+        "cli.TierCacheClient = FakeClient\n"
+        "sys.exit(cli.main(['chat', '-q', 'hi']))\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'gen'}"}
+    r = subprocess.run(["bash", "-c", f"{sys.executable} -c \"$S\" | head -c 3; "
+                        "echo \"rc=${PIPESTATUS[0]}\" >&2"],
+                       env={**env, "S": script}, cwd=ROOT, capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout == "wor"
+    assert "Traceback" not in r.stderr and "rc=141" in r.stderr, r.stderr[-2000:]
