@@ -110,3 +110,26 @@ def test_a_closed_output_pipe_ends_chat_quietly():
                        timeout=60)
     assert r.stdout == "wor"
     assert "Traceback" not in r.stderr and "rc=141" in r.stderr, r.stderr[-2000:]
+
+
+def test_a_session_too_long_for_the_model_says_how_to_go_on(fake, monkeypatch, capsys):
+    import grpc
+
+    class TooLong(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.INVALID_ARGUMENT
+
+        def details(self):
+            return "messages: 14063 tokens exceed the limit of 8192"
+
+    assert cli.main(["chat", "-q", "--session", "long", "hi"]) == 0
+
+    def refuse(self, messages, **kw):
+        raise TooLong()
+        yield  # a generator, as the real stream is
+
+    monkeypatch.setattr(FakeClient, "stream", refuse)
+    assert cli.main(["chat", "-q", "--session", "long", "and then?"]) == 1
+    err = capsys.readouterr().err
+    assert "grown too long" in err and "long.json" in err
+    assert "INVALID_ARGUMENT: messages: 14063 tokens exceed" in err

@@ -83,13 +83,22 @@ def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
         messages.append({"role": "system", "content": a.system})
     messages.append({"role": "user", "content": a.text})
     out, final = [], None
-    for ch in c.stream(messages, max_tokens=a.max_tokens, temperature=a.temperature,
-                       session_id=a.session or ""):
-        sys.stdout.write(ch.text)
-        sys.stdout.flush()
-        out.append(ch.text)
-        if ch.final is not None:
-            final = ch.final
+    try:
+        for ch in c.stream(messages, max_tokens=a.max_tokens, temperature=a.temperature,
+                           session_id=a.session or ""):
+            sys.stdout.write(ch.text)
+            sys.stdout.flush()
+            out.append(ch.text)
+            if ch.final is not None:
+                final = ch.final
+    except grpc.RpcError as e:
+        if (hist is not None and len(messages) > 1
+                and e.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceed" in e.details()):
+            # The conversation outgrew the prompt limit or the model's context: every later
+            # turn would fail the same way.
+            sys.stderr.write(f"note: session {a.session!r} has grown too long for the model; "
+                             f"start a new one, or delete {hist}\n")
+        raise
     sys.stdout.write("\n")
     if final is not None and not a.quiet:
         sys.stderr.write(format_report(final.cache_report) + "\n")
