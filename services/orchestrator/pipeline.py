@@ -271,9 +271,9 @@ class Orchestrator:
                 with self.stats.lock:
                     self.stats.semantic_hits_too_short += 1
                 TOO_SHORT.inc()
-            elif look.hit and sampling.ignore_eos:
-                # The stored answer ended where the model ended it; a request told to go on
-                # past the end of sequence gets the model (the answer as its draft).
+            elif look.hit and sampling.ignore_eos and not cut:
+                # The stored answer ended at the model's end of sequence (not cut short); a
+                # request told to go on past it gets the model (the answer as its draft).
                 pass
             elif look.hit:
                 yield from self._serve_hit(look, cached_ids, sampling, report,

@@ -70,6 +70,15 @@ def test_a_stop_token_beyond_max_tokens_leaves_the_length_cut():
     assert finished(events).finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+def test_an_ignore_eos_request_is_served_an_answer_cut_at_max_tokens():
+    # Cut at max_tokens (truncated_at), not ended at EOS: what the model would emit again.
+    from tests.orchestrator.test_contracts import cut_hit
+
+    stub, stubs = one_replica()
+    events = run(make(stubs, semantic=cut_hit("abcdefgh", 8)), max_tokens=8, ignore_eos=True)
+    assert stub.requests == [] and finished(events).report.semantic_hit
+
+
 def test_an_ignore_eos_request_is_not_served_an_answer_that_ended_at_eos():
     stub, stubs = one_replica()
     orch = make(stubs, semantic=hit("Paris."))
