@@ -512,7 +512,7 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
         L.append("")
         figs = asst.data.get("figures") or _numeric(asst.data)
         L.append(_table(["figure", "value"], [[k, v] for k, v in figs.items()
-                                              if isinstance(v, (int, float, bool))][:30]))
+                                              if isinstance(v, (int, float, bool))][:60]))
     else:
         L.append("With drafts (cache-assisted generation): **not measured** — no "
                  "`assisted` benchmark result exists.")

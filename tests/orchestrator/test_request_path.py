@@ -33,6 +33,7 @@ from tests.orchestrator.test_pipeline_paths import (
     final,
     make,
 )
+from tests.orchestrator.test_stream_cap import Context
 
 
 def hit(answer: str) -> RecordingSemantic:
@@ -231,17 +232,6 @@ class ContextOrchestrator:
     def generate(self, **kw):
         self.calls.append(kw)
         yield from ()
-
-
-class Context:
-    def invocation_metadata(self):
-        return ()
-
-    def time_remaining(self):
-        return None
-
-    def add_callback(self, fn):
-        return True
 
 
 def generate_call(max_context: int, max_tokens: int):
