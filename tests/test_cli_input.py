@@ -48,7 +48,8 @@ def fake(monkeypatch, tmp_path):
     return tmp_path
 
 
-@pytest.mark.parametrize("name", ["../../escaped", "a/b", ".hidden", "x" * 129, "nul\0"])
+@pytest.mark.parametrize("name", ["../../escaped", "a/b", "a\\b", ".hidden", "x" * 201,
+                                  "é" * 101, "nul\0"])
 def test_session_names_that_are_not_plain_file_names_are_refused(fake, capsys, name):
     with pytest.raises(SystemExit) as e:
         cli.main(["chat", "--session", name, "hi"])
@@ -56,12 +57,19 @@ def test_session_names_that_are_not_plain_file_names_are_refused(fake, capsys, n
     assert not (fake / "escaped.json").exists()
 
 
+@pytest.mark.parametrize("name", ["my chat", "café", "会话1", "2024-06-01 notes", "x" * 200])
+def test_plain_session_names_with_spaces_or_any_letters_work(fake, name):
+    assert cli.main(["chat", "-q", "--session", name, "hi"]) == 0
+    assert (fake / "home" / "sessions" / f"{name}.json").is_file()
+
+
 @pytest.mark.parametrize("argv", [["chat", "\udcff\udcfe"], ["chat", "--system", "\udcff", "hi"],
-                                  ["feedback", "\udcff"], ["--token", "\udcff", "stats"]])
+                                  ["feedback", "\udcff"], ["--token", "\udcff", "stats"],
+                                  ["chat", "--session", "\udcff", "hi"]])
 def test_arguments_that_are_not_utf8_are_a_usage_error(fake, capsys, argv):
     with pytest.raises(SystemExit) as e:
         cli.main(argv)
-    assert e.value.code == 2 and "not valid UTF-8" in capsys.readouterr().err
+    assert e.value.code == 2 and "UTF-8" in capsys.readouterr().err
 
 
 def test_a_session_that_cannot_be_saved_is_a_message_not_a_traceback(fake, monkeypatch,
@@ -133,3 +141,38 @@ def test_a_session_too_long_for_the_model_says_how_to_go_on(fake, monkeypatch, c
     err = capsys.readouterr().err
     assert "grown too long" in err and "long.json" in err
     assert "INVALID_ARGUMENT: messages: 14063 tokens exceed" in err
+
+
+def test_the_long_session_note_is_only_for_the_prompts_size_in_a_session_with_history(
+        fake, monkeypatch, capsys):
+    import grpc
+
+    class Refusal(grpc.RpcError):
+        def __init__(self, details):
+            self._d = details
+
+        def code(self):
+            return grpc.StatusCode.INVALID_ARGUMENT
+
+        def details(self):
+            return self._d
+
+    def refuse_with(details):
+        def refuse(self, messages, **kw):
+            raise Refusal(details)
+            yield
+        return refuse
+
+    # A new session (only --system + the question): no history to blame.
+    monkeypatch.setattr(FakeClient, "stream", refuse_with(
+        "messages: prompt (9 tokens) + sampling.max_tokens (99999) exceed the model context"))
+    assert cli.main(["chat", "-q", "--session", "new", "--system", "be brief", "hi"]) == 1
+    assert "grown too long" not in capsys.readouterr().err
+    # An old session refused for another field: not its length.
+    monkeypatch.undo()
+    monkeypatch.setattr(cli, "TierCacheClient", FakeClient)
+    assert cli.main(["chat", "-q", "--session", "old", "hi"]) == 0
+    monkeypatch.setattr(FakeClient, "stream", refuse_with(
+        "sampling.max_tokens: 5000 exceeds the limit of 512"))
+    assert cli.main(["chat", "-q", "--session", "old", "more"]) == 1
+    assert "grown too long" not in capsys.readouterr().err

@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 from pathlib import Path
 
@@ -21,15 +20,20 @@ from google.protobuf.json_format import MessageToDict
 
 from clients.python.client import TierCacheClient
 
-_SESSION_NAME = re.compile(r"[A-Za-z0-9_@+=:,-][A-Za-z0-9._@+=:,-]{0,127}")
-
 
 def session_name(text: str) -> str:
     """An argparse type for --session: it names a file under the sessions folder, so no path
-    separators, no leading dot, at most 128 characters."""
-    if text and not _SESSION_NAME.fullmatch(text):  # "" = no session (the default)
+    separator or NUL, no leading dot, at most 200 bytes of UTF-8 (file names stop at 255)."""
+    if not text:
+        return text  # "" = no session (the default)
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("not valid UTF-8") from None
+    if any(c in text for c in "/\\\0") or text.startswith(".") or size > 200:
         raise argparse.ArgumentTypeError(
-            f"{text[:40]!r}: use 1-128 letters, digits or . _ - @ + = : , (not starting with .)")
+            f"{text[:40]!r}: a session name is a file name: no / \\ or NUL, not starting "
+            "with '.', at most 200 bytes")
     return text
 
 
@@ -79,6 +83,7 @@ def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
     hist = _history_path(a.session) if a.session else None
     if hist is not None:
         messages = _load_history(hist)
+    had_history = bool(messages)
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
     messages.append({"role": "user", "content": a.text})
@@ -92,8 +97,10 @@ def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
             if ch.final is not None:
                 final = ch.final
     except grpc.RpcError as e:
-        if (hist is not None and len(messages) > 1
-                and e.code() == grpc.StatusCode.INVALID_ARGUMENT and "exceed" in e.details()):
+        # Only the prompt's own size: "messages: N tokens exceed the limit of M" or "messages:
+        # prompt (N tokens) + sampling.max_tokens (M) exceed the model context (C)".
+        if (hist is not None and had_history and e.code() == grpc.StatusCode.INVALID_ARGUMENT
+                and (e.details() or "").startswith("messages:") and "exceed" in e.details()):
             # The conversation outgrew the prompt limit or the model's context: every later
             # turn would fail the same way.
             sys.stderr.write(f"note: session {a.session!r} has grown too long for the model; "

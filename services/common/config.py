@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import math
 import os
-import re
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -111,22 +110,26 @@ def require(cond: bool, service: str, field: str, why: str) -> None:
         raise ConfigError(f"{env_name(service, field)}: {why}")
 
 
-_HOST_PORT = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\s:,\[\]]+):\d{1,5}")
+def _is_host_port(a: str) -> bool:
+    """host:port, the host anything without spaces or commas (a name, an IPv4 address, a bare
+    or [bracketed] IPv6 address, a gRPC target such as dns:///name); the port 1..65535."""
+    host, sep, port = a.rpartition(":")
+    return (bool(sep) and bool(host) and not any(c.isspace() or c == "," for c in host)
+            and port.isdigit() and 0 < int(port) <= 65535)
 
 
 def require_addresses(addresses, service: str, field: str, *, allow_none: bool) -> None:
-    """Each address is host:port (or [v6]:port), none twice; at least one unless `allow_none`.
+    """Each address is host:port (see `_is_host_port`), none twice; at least one unless
+    `allow_none`. Blank entries (a trailing comma) are ignored, as the clients ignore them.
 
     Checked at start so that a bad list is a one-line ConfigError (exit 2), not a traceback
     from the client that dials it once the model has loaded.
     """
-    items = [a.strip() for a in addresses]
-    if not items and allow_none:
+    items = [a.strip() for a in addresses if a.strip()]
+    if not items:
+        require(allow_none, service, field, "must name at least one host:port")
         return
-    require(bool(items) and all(items), service, field,
-            "must be host:port entries separated by commas (an entry is empty)")
     for a in items:
-        require(_HOST_PORT.fullmatch(a) is not None and int(a.rsplit(":", 1)[1]) <= 65535,
-                service, field, f"{a!r} is not host:port")
+        require(_is_host_port(a), service, field, f"{a!r} is not host:port")
     dup = sorted({a for a in items if items.count(a) > 1})
     require(not dup, service, field, f"{', '.join(dup)} given twice")

@@ -66,8 +66,9 @@ def main(argv: list[str] | None = None) -> int:
         replica = build_replica(cfg)
     except (ModelStoreError, OSError) as exc:
         # A model folder that does not exist (ModelStoreError), or one transformers cannot
-        # load (OSError: no weights file, unreadable files).
-        log.error("bad configuration: %s", exc)
+        # load (OSError: no weights file, unreadable files; also a full disk or too many open
+        # files while converting, which a restart with the same settings would meet again).
+        log.error("bad configuration (the model could not be loaded): %s", exc)
         handle.stop(None)
         return 2
     publisher = None

@@ -90,8 +90,9 @@ class KvPoolConfig:
         # The prefix index refuses longer ids at Register: the replica would never be indexed.
         require(len(self.replica_id) <= 256, s, "replica_id", "must be at most 256 characters")
         require(":" in self.address, s, "address", "must be host:port")
-        require_addresses(self.prefix_address.split(",") if self.prefix_address else [], s,
-                          "prefix_address", allow_none=True)
+        if self.prefix_address.strip():  # "" = no prefix index; anything else must name one
+            require_addresses(self.prefix_address.split(","), s, "prefix_address",
+                              allow_none=False)
         if self.advertise_address:
             require_addresses([self.advertise_address], s, "advertise_address",
                               allow_none=False)

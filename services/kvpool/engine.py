@@ -501,8 +501,9 @@ class Engine:
                     break
                 except PoolExhausted:
                     # The latest submitted waits (rows are swap-removed, so not the last row);
-                    # a prefilling sequence holds its whole prompt's blocks and streams nothing
-                    # yet. A streaming answer is preempted only once warm-up pins have yielded.
+                    # if that is the prefilling sequence (it holds its whole prompt's blocks)
+                    # it is preempted at once, a decoding answer only once warm-up pins have
+                    # yielded.
                     running = [*self._decoding, *([self._prefilling] if self._prefilling
                                                   else [])]
                     victim = max(running, key=lambda s: s.order)

@@ -245,6 +245,7 @@ class SemanticBackend:
         self.timeout_s = timeout_s
         self.clock = clock
         self._hung: dict[str, tuple[float, float]] = {}  # address -> (skip until, backoff)
+        self._hung_lock = threading.Lock()
         self.internal_token = internal_token
         self.stubs = {a: semantic_pb2_grpc.SemanticCacheStub(make_channel(a))
                       for a in self.addresses}
@@ -256,28 +257,41 @@ class SemanticBackend:
         return self.ring.lookup(f"{ns.tenant}|{ns.model_id}|{ns.context_hash}")
 
     def _call(self, address: str, method: str, req, timeout: float | None = None):
-        hung = self._hung.get(address)
-        if hung is not None and self.clock() < hung[0]:
-            raise _SkippedShard(address, hung[0] - self.clock())
         timeout = timeout or self.timeout_s
+        with self._hung_lock:
+            hung = self._hung.get(address)
+            if hung is not None:
+                now = self.clock()
+                if now < hung[0]:
+                    raise _SkippedShard(address, hung[0] - now)
+                # The pause is over: this call probes the shard; the others keep skipping it
+                # until the probe answers or times out.
+                self._hung[address] = (now + timeout, hung[1])
         try:
             resp = getattr(self.stubs[address], method)(
                 req, timeout=timeout, metadata=call_metadata(self.internal_token))
             self.health.ok()
-            self._hung.pop(address, None)
+            with self._hung_lock:
+                self._hung.pop(address, None)
             return resp
         except grpc.RpcError as e:
             code = e.code()
-            if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                        grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            # A call cut short by the request's own deadline says nothing of the tier.
+            whole = code != grpc.StatusCode.DEADLINE_EXCEEDED or timeout >= self.timeout_s
+            if whole and code in (grpc.StatusCode.UNAVAILABLE,
+                                  grpc.StatusCode.DEADLINE_EXCEEDED,
+                                  grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
                 self.health.fail(e)
-            # Hung: it used its whole timeout (a request's own short deadline proves nothing).
-            if code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout >= self.timeout_s:
-                first, most = self.HUNG_BACKOFF_S
-                back = min(most, hung[1] * 2) if hung is not None else first
-                self._hung[address] = (self.clock() + back, back)
-                log.warning("semantic shard %s timed out (%.1fs): skipped for %.1fs", address,
-                            timeout, back)
+            with self._hung_lock:
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED and whole:
+                    # Hung: it let a call run out its whole timeout.
+                    first, most = self.HUNG_BACKOFF_S
+                    back = min(most, hung[1] * 2) if hung is not None else first
+                    self._hung[address] = (self.clock() + back, back)
+                    log.warning("semantic shard %s timed out (%.1fs): skipped for %.1fs",
+                                address, timeout, back)
+                elif hung is not None:
+                    self._hung.pop(address, None)  # the probe got an answer (an error)
             raise
 
     def _each(self, method: str, req) -> list:

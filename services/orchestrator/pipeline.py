@@ -26,6 +26,7 @@ from services.common.metrics import counter, histogram
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
 from services.orchestrator.detok import IncrementalDetokenizer
 from services.orchestrator.dispatched import DispatchMemory
+from services.orchestrator.prefix_backend import cut_short
 from services.orchestrator.render import PromptRenderer, RenderedPrompt
 from services.orchestrator.routing import RoutingPolicy
 from services.orchestrator.tenants import Tenant
@@ -216,6 +217,9 @@ class Orchestrator:
             return PrefixView(self.prefix.match(hashes, self.model_id, timeout), key,
                               len(hashes) + 1, hashes)
         except grpc.RpcError as e:
+            if timeout is not None and cut_short(e, timeout, self.prefix.timeout_s):
+                # The request's deadline, not the index: ring routing, no degradation.
+                return PrefixView({}, key, None, hashes)
             log.warning("prefix index unreachable, ring routing: %s", e.details())
             self.stats.degrade("index_down")
             return PrefixView({}, key, None, hashes)

@@ -13,6 +13,13 @@ from services.common.prefix_client import PrefixIndexClient
 from services.orchestrator.backends import Health
 
 
+def cut_short(e: grpc.RpcError, timeout: float | None, full_s: float) -> bool:
+    """Whether `e` is a deadline the caller's own shorter timeout ran into (the request had
+    little time left): it says nothing of the index's health."""
+    return (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
+            and timeout < full_s)
+
+
 class PrefixBackend:
     def __init__(self, addresses: tuple[str, ...], internal_token: str, timeout_s: float,
                  block_size: int) -> None:
@@ -27,7 +34,8 @@ class PrefixBackend:
             self.health.ok()
             return r
         except grpc.RpcError as e:
-            self.health.fail(e)
+            if not cut_short(e, kw.get("timeout"), self.timeout_s):
+                self.health.fail(e)
             raise
 
     def match(self, block_hashes: list[bytes], model_id: str,

@@ -49,7 +49,7 @@ def test_pool_sized_in_bytes_or_blocks() -> None:
 
 @pytest.mark.parametrize(("field", "value", "words"), [
     ("prefix_address", "127.0.0.1:1,127.0.0.1:1", "given twice"),
-    ("prefix_address", " , ", "an entry is empty"),
+    ("prefix_address", " , ", "at least one host:port"),
     ("prefix_address", "prefix-0.prefix", "is not host:port"),
     ("advertise_address", "kvpool-0", "is not host:port"),
     ("replica_id", "r" * 257, "at most 256"),
@@ -63,6 +63,8 @@ def test_addresses_and_ids_the_replica_would_fail_on_later_are_refused_at_start(
 
     with pytest.raises(ConfigError, match=f"TIERCACHE_KVPOOL_{field.upper()}.*{words}"):
         KvPoolConfig(**{field: value}).validate()
-    ok = {"prefix_address": "prefix-0.prefix:50053,[::1]:50053", "advertise_address":
-          "kvpool-0.kvpool:50054", "replica_id": "r" * 256}[field]
-    KvPoolConfig(**{field: ok}).validate()
+    ok = {"prefix_address": ["prefix-0.prefix:50053,[::1]:50053,", "dns:///prefix:50053"],
+          "advertise_address": ["kvpool-0.kvpool:50054", "fd00:10:244::5:50054"],
+          "replica_id": ["r" * 256]}[field]
+    for v in ok:  # a trailing comma, a gRPC target, a bare IPv6 pod IP + port (the manifest's)
+        KvPoolConfig(**{field: v}).validate()

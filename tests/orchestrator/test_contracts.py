@@ -355,7 +355,8 @@ def test_context_hash_covers_every_earlier_turn_not_just_the_system_prompt(rende
 
 @pytest.mark.parametrize(("field", "value"), [
     ("kvpool_addresses", ("127.0.0.1:1", "127.0.0.1:1")),
-    ("prefix_addresses", ("p:1", "")),
+    ("prefix_addresses", ("p:1", "q")),
+    ("kvpool_addresses", ("", " ")),
     ("semantic_address", "s:1,s:1"),
     ("semantic_address", "s"),
 ])

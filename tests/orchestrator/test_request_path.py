@@ -208,7 +208,7 @@ def _prefer(rid: str, choose):
 
 # ---- a prompt the replicas' context cannot hold is refused before any tier ---------------
 
-def test_prompt_plus_max_tokens_over_the_replicas_context_is_refused_before_the_cache():
+def test_the_context_limit_is_the_smallest_any_replica_reports():
     from services.orchestrator.backends import ReplicaSet
 
     rs = ReplicaSet(("A",), "")
@@ -320,10 +320,58 @@ def test_a_request_running_out_of_its_own_deadline_does_not_mark_the_tier_hung()
 
     sb = SemanticBackend("s:1", "", 2.0)
     sb.stubs["s:1"] = Slow()
+    sb.health.ok()
     for _ in range(2):
         with pytest.raises(grpc.RpcError):
             sb.lookup(semantic_pb2.LookupRequest(), 0.3)  # the request had only 0.3 s left
     assert calls == [0.3, 0.3]  # both reached the shard
+    assert sb.health.healthy  # and the tier is not reported unhealthy for it
+
+
+def test_after_the_pause_one_call_probes_the_hung_shard_and_the_others_keep_skipping():
+    from services.orchestrator.backends import SemanticBackend
+
+    now = [100.0]
+    inner: list[str] = []
+
+    class Hung:
+        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
+            if not inner:  # a concurrent request arrives while the probe is in flight
+                try:
+                    sb.lookup(req)
+                    inner.append("called")
+                except grpc.RpcError as e:
+                    inner.append(e.details())
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    sb = SemanticBackend("s:1", "", 2.0, clock=lambda: now[0])
+    sb.stubs["s:1"] = Hung()
+    sb._hung["s:1"] = (now[0] - 1, 0.5)  # hung before; its pause just ended
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(semantic_pb2.LookupRequest())  # the probe
+    assert len(inner) == 1 and "hung" in inner[0]  # the concurrent one was skipped
+
+
+def test_a_short_deadline_on_the_index_is_not_an_index_failure():
+    from services.orchestrator.prefix_backend import PrefixBackend
+
+    pb = PrefixBackend.__new__(PrefixBackend)
+    pb.timeout_s = 0.5
+    from services.orchestrator.backends import Health
+
+    pb.health = Health("prefix", "p:1")
+    pb.health.ok()
+
+    def match(model_id, block_hashes=(), timeout=None):
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    pb.client = SimpleNamespace(match=match)
+    with pytest.raises(grpc.RpcError):
+        pb.match([b"h"], "m", timeout=0.1)  # the request had 0.1 s left
+    assert pb.health.healthy
+    with pytest.raises(grpc.RpcError):
+        pb.match([b"h"], "m", timeout=0.5)  # its whole timeout: the index is slow
+    assert not pb.health.healthy
 
 
 def test_an_internal_error_on_one_replica_fails_over_without_marking_it_down():

@@ -158,7 +158,7 @@ def test_check_scores_a_pair_as_its_features_say(verifier):
     # check() computes the features from per-text analyses (cached for short texts) and
     # reuses the guard's breakpoint count; the score must be the one pair_features gives,
     # for texts inside and beyond the cache's length limit.
-    long_tail = " and also" * 200  # > 1024 characters: analysed uncached
+    long_tail = " and also" * 200  # > 256 characters: analysed uncached
     pairs = [("How do I learn Python quickly?", "What is the fastest way to learn python?"),
              ("Flights from New York to Florida", "Flights from Florida to New York"),
              ("Is it legal to park here?", "Is it illegal to park here?"),
