@@ -290,6 +290,10 @@ class SemanticBackend:
                     self._hung[address] = (self.clock() + back, back)
                     log.warning("semantic shard %s timed out (%.1fs): skipped for %.1fs",
                                 address, timeout, back)
+                elif hung is not None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    # The probe ran out of its request's own time: nothing learnt, the next
+                    # call probes again (the back-off stays).
+                    self._hung[address] = (self.clock(), hung[1])
                 elif hung is not None:
                     self._hung.pop(address, None)  # the probe got an answer (an error)
             raise

@@ -352,6 +352,28 @@ def test_after_the_pause_one_call_probes_the_hung_shard_and_the_others_keep_skip
     assert len(inner) == 1 and "hung" in inner[0]  # the concurrent one was skipped
 
 
+def test_a_probe_cut_short_by_its_request_leaves_the_shard_marked_hung():
+    from services.orchestrator.backends import SemanticBackend
+
+    now = [100.0]
+    calls: list[float] = []
+
+    class Hung:
+        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
+            calls.append(timeout)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    sb = SemanticBackend("s:1", "", 2.0, clock=lambda: now[0])
+    sb.stubs["s:1"] = Hung()
+    sb._hung["s:1"] = (now[0] - 1, 1.0)
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(semantic_pb2.LookupRequest(), 0.2)  # a probe with only 0.2 s to spare
+    assert sb._hung["s:1"][1] == 1.0  # still hung, same back-off: the next call probes again
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(semantic_pb2.LookupRequest())  # a whole-timeout probe: hung, back-off x2
+    assert calls == [0.2, 2.0] and sb._hung["s:1"] == (now[0] + 2.0, 2.0)
+
+
 def test_a_short_deadline_on_the_index_is_not_an_index_failure():
     from services.orchestrator.prefix_backend import PrefixBackend
 
