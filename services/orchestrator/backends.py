@@ -209,6 +209,13 @@ class ReplicaSet:
             r.inflight -= 1
 
 
+def cut_short(e: grpc.RpcError, timeout: float | None, full_s: float) -> bool:
+    """Whether `e` is a deadline the caller's own shorter timeout ran into (the request had
+    little time left): it says nothing of the dependency's health."""
+    return (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
+            and timeout < full_s)
+
+
 class _SkippedShard(grpc.RpcError):
     """A semantic shard skipped while it is hung (see SemanticBackend.HUNG_BACKOFF_S)."""
 
@@ -276,8 +283,7 @@ class SemanticBackend:
             return resp
         except grpc.RpcError as e:
             code = e.code()
-            # A call cut short by the request's own deadline says nothing of the tier.
-            whole = code != grpc.StatusCode.DEADLINE_EXCEEDED or timeout >= self.timeout_s
+            whole = not cut_short(e, timeout, self.timeout_s)
             if whole and code in (grpc.StatusCode.UNAVAILABLE,
                                   grpc.StatusCode.DEADLINE_EXCEEDED,
                                   grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):

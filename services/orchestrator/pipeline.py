@@ -23,10 +23,9 @@ from services.common import errors
 from services.common.grpc_client import call_metadata
 from services.common.hashing import BlockHasher
 from services.common.metrics import counter, histogram
-from services.orchestrator.backends import ReplicaSet, SemanticBackend
+from services.orchestrator.backends import ReplicaSet, SemanticBackend, cut_short
 from services.orchestrator.detok import IncrementalDetokenizer
 from services.orchestrator.dispatched import DispatchMemory
-from services.orchestrator.prefix_backend import cut_short
 from services.orchestrator.render import PromptRenderer, RenderedPrompt
 from services.orchestrator.routing import RoutingPolicy
 from services.orchestrator.tenants import Tenant

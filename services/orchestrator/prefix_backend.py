@@ -10,14 +10,7 @@ from __future__ import annotations
 import grpc
 
 from services.common.prefix_client import PrefixIndexClient
-from services.orchestrator.backends import Health
-
-
-def cut_short(e: grpc.RpcError, timeout: float | None, full_s: float) -> bool:
-    """Whether `e` is a deadline the caller's own shorter timeout ran into (the request had
-    little time left): it says nothing of the index's health."""
-    return (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
-            and timeout < full_s)
+from services.orchestrator.backends import Health, cut_short
 
 
 class PrefixBackend:
