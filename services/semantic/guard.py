@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from collections.abc import Callable
 from functools import lru_cache
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
+
+T = TypeVar("T")
 
 _NUMBER_WORDS = {
     "zero": "0", "one": "1", "two": "2", "three": "3", "four": "4", "five": "5", "six": "6",
@@ -191,12 +194,20 @@ def _facts(text: str) -> TextFacts:
                      frozenset(_numbers(words)), _negated(words), frozenset(_entities(tokens)))
 
 
-_cached_facts = lru_cache(maxsize=_FACTS_CACHE_SIZE)(_facts)
+def cached_while_short(analyse: Callable[[str], T]) -> Callable[[str], T]:
+    """`analyse(text)`, cached for texts of up to `_FACTS_CACHE_CHARS` characters (at most
+    `_FACTS_CACHE_SIZE` of them); longer texts are analysed every time."""
+    cached = lru_cache(maxsize=_FACTS_CACHE_SIZE)(analyse)
+
+    def get(text: str) -> T:
+        return cached(text) if len(text) <= _FACTS_CACHE_CHARS else analyse(text)
+
+    get.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+    return get
 
 
-def text_facts(text: str) -> TextFacts:
-    """The `TextFacts` of `text` (cached for short texts)."""
-    return _cached_facts(text) if len(text) <= _FACTS_CACHE_CHARS else _facts(text)
+text_facts = cached_while_short(_facts)
+text_facts.__doc__ = "The `TextFacts` of `text` (cached for short texts)."
 
 
 class ParaphraseGuard:

@@ -22,18 +22,17 @@ import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 
 from services.semantic.guard import (
-    _FACTS_CACHE_CHARS,
-    _FACTS_CACHE_SIZE,
     ParaphraseGuard,
     TextFacts,
     _breakpoints_lower,
+    cached_while_short,
     text_facts,
 )
 
@@ -87,12 +86,8 @@ def _text_uncached(s: str) -> _Text:
                  frozenset(zip(lower, lower[1:], strict=False)))
 
 
-_text_cached = lru_cache(maxsize=_FACTS_CACHE_SIZE)(_text_uncached)
-
-
-def _text(s: str) -> _Text:
-    """The verifier's view of one text (cached for short texts, as the guard's facts are)."""
-    return _text_cached(s) if len(s) <= _FACTS_CACHE_CHARS else _text_uncached(s)
+# The verifier's view of one text (cached for short texts, as the guard's facts are).
+_text = cached_while_short(_text_uncached)
 
 
 def _wh(lower: Sequence[str]) -> str:
