@@ -267,19 +267,31 @@ def test_a_request_over_the_replicas_context_never_reaches_the_pipeline():
 
 # ---- a hung semantic tier is skipped, not waited for on every request ---------------------
 
-def test_a_hung_semantic_shard_is_skipped_for_a_while_then_tried_again():
+class TimesOut:
+    """A semantic shard whose Lookup runs out of time, recording each call's timeout."""
+
+    def __init__(self) -> None:
+        self.calls: list[float] = []
+
+    def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
+        self.calls.append(timeout)
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+def backend_with(stub, now: list[float] | None = None):
+    """A one-shard SemanticBackend (timeout 2 s) over `stub`, on the clock `now[0]`."""
     from services.orchestrator.backends import SemanticBackend
 
+    sb = SemanticBackend("s:1", "", 2.0, **({"clock": lambda: now[0]} if now else {}))
+    sb.stubs["s:1"] = stub
+    return sb
+
+
+def test_a_hung_semantic_shard_is_skipped_for_a_while_then_tried_again():
     now = [100.0]
-    calls: list[float] = []
-
-    class HungStub:
-        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
-            calls.append(timeout)
-            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
-
-    sb = SemanticBackend("s:1", "", 2.0, clock=lambda: now[0])
-    sb.stubs["s:1"] = HungStub()
+    hung = TimesOut()
+    calls = hung.calls
+    sb = backend_with(hung, now)
     req = semantic_pb2.LookupRequest()
     with pytest.raises(grpc.RpcError):
         sb.lookup(req)  # waited its whole timeout: hung
@@ -309,32 +321,21 @@ def test_a_hung_semantic_shard_is_skipped_for_a_while_then_tried_again():
 
 
 def test_a_request_running_out_of_its_own_deadline_does_not_mark_the_tier_hung():
-    from services.orchestrator.backends import SemanticBackend
-
-    calls: list[float] = []
-
-    class Slow:
-        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
-            calls.append(timeout)
-            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
-
-    sb = SemanticBackend("s:1", "", 2.0)
-    sb.stubs["s:1"] = Slow()
+    slow = TimesOut()
+    sb = backend_with(slow)
     sb.health.ok()
     for _ in range(2):
         with pytest.raises(grpc.RpcError):
             sb.lookup(semantic_pb2.LookupRequest(), 0.3)  # the request had only 0.3 s left
-    assert calls == [0.3, 0.3]  # both reached the shard
+    assert slow.calls == [0.3, 0.3]  # both reached the shard
     assert sb.health.healthy  # and the tier is not reported unhealthy for it
 
 
 def test_after_the_pause_one_call_probes_the_hung_shard_and_the_others_keep_skipping():
-    from services.orchestrator.backends import SemanticBackend
-
     now = [100.0]
     inner: list[str] = []
 
-    class Hung:
+    class Hung(TimesOut):
         def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
             if not inner:  # a concurrent request arrives while the probe is in flight
                 try:
@@ -342,10 +343,9 @@ def test_after_the_pause_one_call_probes_the_hung_shard_and_the_others_keep_skip
                     inner.append("called")
                 except grpc.RpcError as e:
                     inner.append(e.details())
-            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+            return super().Lookup(req, timeout, metadata)
 
-    sb = SemanticBackend("s:1", "", 2.0, clock=lambda: now[0])
-    sb.stubs["s:1"] = Hung()
+    sb = backend_with(Hung(), now)
     sb._hung["s:1"] = (now[0] - 1, 0.5)  # hung before; its pause just ended
     with pytest.raises(grpc.RpcError):
         sb.lookup(semantic_pb2.LookupRequest())  # the probe
@@ -353,18 +353,10 @@ def test_after_the_pause_one_call_probes_the_hung_shard_and_the_others_keep_skip
 
 
 def test_a_probe_cut_short_by_its_request_leaves_the_shard_marked_hung():
-    from services.orchestrator.backends import SemanticBackend
-
     now = [100.0]
-    calls: list[float] = []
-
-    class Hung:
-        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
-            calls.append(timeout)
-            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
-
-    sb = SemanticBackend("s:1", "", 2.0, clock=lambda: now[0])
-    sb.stubs["s:1"] = Hung()
+    hung = TimesOut()
+    calls = hung.calls
+    sb = backend_with(hung, now)
     sb._hung["s:1"] = (now[0] - 1, 1.0)
     with pytest.raises(grpc.RpcError):
         sb.lookup(semantic_pb2.LookupRequest(), 0.2)  # a probe with only 0.2 s to spare
