@@ -8,14 +8,7 @@ import pytest
 
 from services.common.errors import PermissionDenied, ResourceExhausted
 from services.orchestrator.tenants import TenantRegistry
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.clock import Clock
 
 
 def registry(tmp_path, spec: dict) -> TenantRegistry:
@@ -28,7 +21,7 @@ def registry(tmp_path, spec: dict) -> TenantRegistry:
 def test_token_bucket_allows_a_burst_then_refills_at_the_rate(tmp_path):
     r = registry(tmp_path, {"t": {"tenant": "a", "rate_per_s": 2, "burst": 3},
                             "u": {"tenant": "b"}})
-    r.clock = clock = Clock()
+    r.clock = clock = Clock(100.0)
     a = r.authenticate({"authorization": "Bearer t"})
     b = r.authenticate({"authorization": "Bearer u"})
     for _ in range(3):
@@ -50,7 +43,7 @@ def test_token_bucket_allows_a_burst_then_refills_at_the_rate(tmp_path):
 
 def test_a_refused_request_does_not_consume_a_token(tmp_path):
     r = registry(tmp_path, {"t": {"tenant": "a", "rate_per_s": 1, "burst": 1}})
-    r.clock = clock = Clock()
+    r.clock = clock = Clock(100.0)
     a = r.authenticate({"authorization": "Bearer t"})
     r.check_rate(a)
     for _ in range(5):

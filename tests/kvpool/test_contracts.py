@@ -16,8 +16,8 @@ from services.common.policy import HybridPolicy
 from services.kvpool.block_pool import BlockPool
 from services.kvpool.engine import Engine, EngineRequest, Finished
 from services.kvpool.sampling import SamplingSpec
+from tests.clock import Clock
 from tests.kvpool.conftest import TINY_VOCAB, collect, reference_greedy, request
-from tests.prefix.conftest import Clock
 
 BS = 4
 

@@ -15,20 +15,13 @@ from services.kvpool.block_pool import (
     BlocksStored,
     PoolExhausted,
 )
+from tests.clock import Clock
 
 BS = 4
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def make_pool(n: int = 8, shallow: int = 8) -> tuple[BlockPool, Clock, BlockHasher]:
-    clock = Clock()
+    clock = Clock(1.0)
     hasher = BlockHasher("m", BS, key=b"k")
     return BlockPool(n, BS, hasher, HybridPolicy(shallow), clock=clock), clock, hasher
 
@@ -345,7 +338,7 @@ def test_a_pool_that_records_no_events_still_caches() -> None:
 
 
 def test_pins_past_max_pinned_are_refused_whole() -> None:
-    clock = Clock()
+    clock = Clock(1.0)
     pool = BlockPool(8, BS, BlockHasher("m", BS, key=b"k"), HybridPolicy(8), clock=clock,
                      max_pinned=4)
     run_seq(pool, "x", X)  # 3 blocks

@@ -7,15 +7,7 @@ import pytest
 from services.common.hashing import BlockHasher
 from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.routing import PrefixAwarePolicy, ReplicaView
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
+from tests.clock import Clock
 
 HASHER = BlockHasher("m", 16, b"k" * 32)
 SYSTEM = list(range(1000, 1160))  # 10 full blocks
@@ -26,7 +18,7 @@ def hashes(tokens: list[int], salt: str = "") -> list[bytes]:
 
 
 def test_a_prompt_sent_to_a_replica_matches_its_full_blocks_there_only():
-    mem = DispatchMemory(16, ttl_s=10, clock=Clock())
+    mem = DispatchMemory(16, ttl_s=10, clock=Clock(100.0))
     assert mem.match(hashes(SYSTEM)) == {}
     mem.record("r0", hashes(SYSTEM + [1, 2, 3]))
     # A later request with the same system prompt and its own question.
@@ -37,14 +29,14 @@ def test_a_prompt_sent_to_a_replica_matches_its_full_blocks_there_only():
 
 
 def test_only_the_leading_run_counts():
-    mem = DispatchMemory(16, ttl_s=10, clock=Clock())
+    mem = DispatchMemory(16, ttl_s=10, clock=Clock(100.0))
     h = hashes(SYSTEM)
     mem.record("r0", h[:3] + h[5:])
     assert mem.match(h) == {"r0": 48}
 
 
 def test_entries_expire_after_ttl_and_a_resend_refreshes_them():
-    clock = Clock()
+    clock = Clock(100.0)
     mem = DispatchMemory(16, ttl_s=10, clock=clock)
     mem.record("r0", hashes(SYSTEM))
     clock.t += 6
@@ -59,7 +51,7 @@ def test_entries_expire_after_ttl_and_a_resend_refreshes_them():
 
 
 def test_a_failed_replica_is_forgotten():
-    mem = DispatchMemory(16, ttl_s=10, clock=Clock())
+    mem = DispatchMemory(16, ttl_s=10, clock=Clock(100.0))
     mem.record("r0", hashes(SYSTEM))
     mem.record("r1", hashes(SYSTEM))
     mem.forget("r0")
@@ -68,7 +60,7 @@ def test_a_failed_replica_is_forgotten():
 
 
 def test_past_max_blocks_the_oldest_go_first_whichever_replica_holds_them():
-    clock = Clock()
+    clock = Clock(100.0)
     mem = DispatchMemory(16, ttl_s=60, max_blocks=12, clock=clock)
     mem.record("r0", hashes(SYSTEM))  # 10 blocks
     clock.t += 1
@@ -80,7 +72,7 @@ def test_past_max_blocks_the_oldest_go_first_whichever_replica_holds_them():
 
 
 def test_merged_raises_the_index_matches_never_lowers_them():
-    mem = DispatchMemory(16, ttl_s=10, clock=Clock())
+    mem = DispatchMemory(16, ttl_s=10, clock=Clock(100.0))
     mem.record("r0", hashes(SYSTEM[:48]))
     got = mem.merged({"r0": 96, "r1": 32}, hashes(SYSTEM))
     assert got == {"r0": 96, "r1": 32}
@@ -89,7 +81,7 @@ def test_merged_raises_the_index_matches_never_lowers_them():
 
 
 def test_ttl_zero_is_off():
-    mem = DispatchMemory(16, ttl_s=0, clock=Clock())
+    mem = DispatchMemory(16, ttl_s=0, clock=Clock(100.0))
     mem.record("r0", hashes(SYSTEM))
     assert not mem.enabled and mem.match(hashes(SYSTEM)) == {} and len(mem) == 0
 
@@ -104,7 +96,7 @@ def test_bad_sizes_are_refused(kwargs):
 def test_routing_sends_a_second_request_for_a_new_prompt_where_the_first_went():
     """The index knows nothing yet (both requests arrive within one prefill): without the
     memory the second goes wherever its session hashes; with it, to the first one's replica."""
-    clock = Clock()
+    clock = Clock(100.0)
     policy = PrefixAwarePolicy(clock=clock)
     mem = DispatchMemory(16, ttl_s=10, clock=clock)
     h = hashes(SYSTEM + [1, 2, 3])

@@ -9,6 +9,7 @@ from services.orchestrator.routing import (
     RoundRobinPolicy,
     bounded_cap,
 )
+from tests.clock import Clock
 
 
 def views(**loads):
@@ -104,18 +105,10 @@ def test_room_never_beats_a_useful_prefix_or_the_load_cap():
     assert p.choose(v, {}, "s", new_blocks=64).replica_id == "r0"
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
 def test_a_replica_over_its_recent_share_is_skipped_then_recovers():
     """Every request matches a prompt only r0 holds, and at most one is in flight at a time,
     so the instant cap never binds; the recent-share rule sends the work past 62.5 % to r1."""
-    clock = Clock()
+    clock = Clock(100.0)
     p = PrefixAwarePolicy(epsilon=0.25, window_s=30.0, min_recent=4.0, clock=clock)
     v = views(r0=0, r1=0)
     got = []
@@ -132,14 +125,14 @@ def test_a_replica_over_its_recent_share_is_skipped_then_recovers():
 
 
 def test_recent_share_needs_min_recent_requests():
-    clock = Clock()
+    clock = Clock(100.0)
     p = PrefixAwarePolicy(window_s=30.0, min_recent=1000.0, clock=clock)
     v = views(r0=0, r1=0)
     assert all(p.choose(v, {"r0": 960}, f"s{i}").replica_id == "r0" for i in range(50))
 
 
 def test_a_later_turn_stays_with_its_history_whatever_the_share():
-    clock = Clock()
+    clock = Clock(100.0)
     p = PrefixAwarePolicy(epsilon=0.25, window_s=30.0, min_recent=4.0, clock=clock)
     v = views(r0=0, r1=0)
     for _ in range(10):
@@ -152,7 +145,7 @@ def test_a_later_turn_stays_with_its_history_whatever_the_share():
 def test_an_unrecorded_choice_is_not_counted_as_traffic():
     """Warm asks which replica owns a prompt without routing a request there: 50 such lookups
     leave the recent shares (and round-robin's turn) as they were."""
-    clock = Clock()
+    clock = Clock(100.0)
     p = PrefixAwarePolicy(epsilon=0.25, window_s=30.0, min_recent=4.0, clock=clock)
     v = views(r0=0, r1=0)
     for _ in range(50):

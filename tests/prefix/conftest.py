@@ -8,18 +8,11 @@ import pytest
 
 from services.common.hashing import BlockHasher
 from services.prefix.index import PrefixIndex, Stored
+from tests.clock import Clock
 
 BS = 4
 MODEL = "m"
 KEY = b"test-key"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 @pytest.fixture

@@ -13,8 +13,9 @@ from hypothesis import strategies as st
 
 from services.common.hashing import BlockHasher
 from services.prefix.index import Cleared, Removed
+from tests.clock import Clock
 
-from .conftest import BS, KEY, MODEL, Clock, make_index, stored, toks
+from .conftest import BS, KEY, MODEL, make_index, stored, toks
 
 REPLICAS = ("a", "b", "c")
 chains = st.lists(st.integers(0, 2), min_size=1, max_size=4)

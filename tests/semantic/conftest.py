@@ -6,6 +6,7 @@ import pytest
 
 from services.semantic.config import SemanticConfig, default_cache_dir
 from services.semantic.embedder import BatchingEmbedder, OnnxEmbedder
+from tests.clock import Clock
 
 
 @pytest.fixture(scope="session")
@@ -37,19 +38,9 @@ def make_cfg(tmp_path):
     return make
 
 
-class Clock:
-    """A settable clock for the cache (TTL, LRU order)."""
-
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 @pytest.fixture
 def clock() -> Clock:
-    return Clock()
+    return Clock(1_000_000.0)
 
 
 @pytest.fixture

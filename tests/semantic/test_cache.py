@@ -90,11 +90,11 @@ def test_ttl_is_not_extended_by_hits(make_cache, clock):
     c = make_cache()
     c.store_entry(A, "What is the boiling point of water?", "100 C at sea level.",
                   ttl_seconds=100)
-    clock.now += 60
+    clock.t += 60
     assert c.lookup(A, "What is the boiling point of water?").hit
-    clock.now += 39
+    clock.t += 39
     assert c.lookup(A, "What is the boiling point of water?").hit
-    clock.now += 1  # 100 s after creation, regardless of the hits
+    clock.t += 1  # 100 s after creation, regardless of the hits
     assert not c.lookup(A, "What is the boiling point of water?").hit
     assert c.expire() == 1 and c.stats().entries == 0
     assert c.store.count() == 0
@@ -112,16 +112,16 @@ def test_expire_skips_scans_until_the_earliest_expiry(make_cache, clock):
             scans.append(1)
             return dict(self)
 
-    clock.now += 50
+    clock.t += 50
     c.store_entry(A, "Who wrote Hamlet?", "Shakespeare.", ttl_seconds=20)  # expires at t+70
     c._entries = Spy(c._entries)
-    clock.now += 10
+    clock.t += 10
     assert c.expire() == 0 and scans == []  # t+60: before any expiry, no scan
-    clock.now += 10
+    clock.t += 10
     assert c.expire() == 1 and len(scans) == 1  # t+70: the late entry expires on time
-    clock.now += 29
+    clock.t += 29
     assert c.expire() == 0 and len(scans) == 1
-    clock.now += 1
+    clock.t += 1
     assert c.expire() == 1 and c.stats().entries == 0
     c.check_integrity()
 
@@ -131,16 +131,16 @@ def test_lru_eviction_per_namespace_and_global(make_cache, clock):
     ids = []
     for i, q in enumerate(["How tall is Mount Everest?", "Who wrote Hamlet?",
                            "What is photosynthesis?"]):
-        clock.now += 1
+        clock.t += 1
         ids.append(c.store_entry(A, q, f"answer {i}").id)
-    clock.now += 1
+    clock.t += 1
     assert c.lookup(A, "How tall is Mount Everest?").hit  # now most recently used
     c.store_entry(A, "How do vaccines work?", "answer 3")
     left = {e.prompt for e in c._entries.values()}
     assert "Who wrote Hamlet?" not in left and "How tall is Mount Everest?" in left
     c.check_integrity()
     for q in ["Why is the sea salty?", "What causes rain?", "How do magnets work?"]:
-        clock.now += 1
+        clock.t += 1
         c.store_entry(B, q, "b")
     s = c.stats()
     assert (s.entries, s.evictions_total) == (5, 2)
@@ -157,7 +157,7 @@ def test_lowered_limits_at_load_evict_only_the_excess(make_cache, clock):
     order = []
     for ns in (A, B):
         for q in ("How tall is Mount Everest?", "Who wrote Hamlet?", "What is photosynthesis?"):
-            clock.now += 1
+            clock.t += 1
             order.append((ns, c.store_entry(ns, q, "answer").id))
     smaller = make_cache(max_entries_per_namespace=2, max_entries_total=3)
     kept = {eid for _, eid in order if eid in smaller._by_id}
@@ -238,7 +238,7 @@ def test_reload_from_sqlite(make_cache, make_cfg, embedder, clock):
     c.store_entry(A, "Short-lived fact?", "soon gone", ttl_seconds=10)
     c.lookup(A, "How far is the Moon?")
     c.store.flush_hits()
-    clock.now += 11
+    clock.t += 11
     again = make_cache()  # same database file
     assert again.stats().entries == 2
     e = again.get(keep.id)
@@ -294,11 +294,11 @@ def test_load_keeps_the_newest_row_of_a_prompt(make_cache, make_cfg, embedder, c
     c = make_cache()
     q = "How long does a passport renewal take?"
     old = c.store_entry(A, q, "Six weeks.")
-    clock.now += 5
+    clock.t += 5
     c.store.insert(id="crashed-replacement", tenant=A.tenant, model_id=A.model_id,
                    context_hash=A.context_hash, prompt=q, answer="Ten weeks.",
                    embedding=embedder.embed_one(q), embed_model=c._embed_id, verified=False,
-                   created_at=clock.now, ttl_seconds=old.ttl_seconds)
+                   created_at=clock.t, ttl_seconds=old.ttl_seconds)
     assert c.store.count() == 2
     c.store.close()
     cfg = make_cfg()

@@ -76,7 +76,7 @@ def test_expired_neighbours_do_not_hide_a_live_hit(make_cache, emb, clock):
         c.store_entry(A, f"short-lived {i}", f"old {i}", ttl_seconds=60)
     emb.at("long-lived", 0.98, 8)
     c.store_entry(A, "long-lived", "live answer", ttl_seconds=3600)
-    clock.now += 61
+    clock.t += 61
     r = c.lookup(A, "query", tier="relaxed")
     assert r.hit and r.entry.answer == "live answer"
     assert r.similarity == pytest.approx(0.98, abs=1e-4)
@@ -119,7 +119,7 @@ def test_a_failed_expiry_delete_is_retried_on_the_next_tick(make_cache, emb, clo
     for i in range(3):
         c.store_entry(A, f"question {i}", f"answer {i}", ttl_seconds=60)
     c.store_entry(A, "kept", "kept answer", ttl_seconds=86_400)
-    clock.now += 61
+    clock.t += 61
     real = c.store.delete
     calls = {"n": 0}
 
@@ -146,13 +146,13 @@ def test_load_does_not_bring_back_an_answer_replaced_by_one_that_expired(
     q = "How long does a passport renewal take?"
     emb.at(q, 1.0, 1)
     c.store_entry(A, q, "Six weeks.", ttl_seconds=86_400)
-    clock.now += 5
+    clock.t += 5
     c.store.insert(id="crashed-replacement", tenant=A.tenant, model_id=A.model_id,
                    context_hash=A.context_hash, prompt=q, answer="Ten weeks.",
                    embedding=emb.embed_one(q), embed_model=c._embed_id, verified=False,
-                   created_at=clock.now, ttl_seconds=60)
+                   created_at=clock.t, ttl_seconds=60)
     c.store.close()
-    clock.now += 120
+    clock.t += 120
     cfg = make_cfg(guard_tiers=(), verifier_tiers=())
     again = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
     try:
@@ -170,7 +170,7 @@ def test_load_counts_what_it_evicts_and_expires(make_cache, make_cfg, emb, clock
     for i in range(3):
         c.store_entry(A, f"question {i}", f"answer {i}", ttl_seconds=86_400)
     c.store.close()
-    clock.now += 61
+    clock.t += 61
     cfg = make_cfg(guard_tiers=(), verifier_tiers=(), max_entries_per_namespace=2)
     again = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
     try:

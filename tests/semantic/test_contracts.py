@@ -24,9 +24,9 @@ def test_an_entry_stored_without_ttl_expires_after_the_default_ttl(cache_factory
     e = c.store_entry(A, EVEREST, "8,849 m")
     assert e.ttl_seconds == ttl and e.expires_at() == e.created_at + ttl
     assert c.store.get(e.id).ttl_seconds == ttl  # durably, too
-    clock.now = e.created_at + ttl - 1
+    clock.t = e.created_at + ttl - 1
     assert c.lookup(A, EVEREST).hit
-    clock.now = e.created_at + ttl
+    clock.t = e.created_at + ttl
     assert not c.lookup(A, EVEREST).hit
     assert c.expire() == 1 and c.stats().entries == 0
     assert c.store.count() == 0
@@ -37,11 +37,11 @@ def test_an_entry_stored_without_ttl_expires_after_the_default_ttl(cache_factory
 
 def _older_entry_hit_recently(c, clock, ns_old, ns_new) -> tuple[str, str]:
     """Stores an entry, then a newer one, then hits the older one; returns their ids."""
-    clock.now += 1
+    clock.t += 1
     old = c.store_entry(ns_old, EVEREST, "8,849 m")
-    clock.now += 1
+    clock.t += 1
     new = c.store_entry(ns_new, HAMLET, "Shakespeare")
-    clock.now += 1
+    clock.t += 1
     assert c.lookup(ns_old, EVEREST).hit
     c.store.flush_hits()
     return old.id, new.id
