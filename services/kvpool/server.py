@@ -183,6 +183,12 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
         if len(ids) > info.max_context:
             raise errors.InvalidArgument(
                 "token_ids", f"{len(ids)} tokens exceed the model context ({info.max_context})")
+        if not engine.prefix_caching:
+            # Prefill only fills the prefix cache; with it off the work would be thrown away and
+            # an "OK, 0 blocks pinned" would hide that warm-up cannot work on this replica.
+            raise errors.FailedPrecondition(
+                "prefix caching is off on this replica (TIERCACHE_KVPOOL_PREFIX_CACHING): "
+                "nothing can be prefilled or pinned")
         ttl = 0.0
         if request.pin:
             if request.ttl_seconds <= 0:

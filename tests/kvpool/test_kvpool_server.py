@@ -143,6 +143,24 @@ def test_bad_input_is_invalid_argument_naming_the_field(served, fields, field) -
     assert after == before  # state unchanged
 
 
+def test_prefill_is_refused_when_prefix_caching_is_off(tiny_model) -> None:
+    """Nothing prefilled can be kept on such a replica: an OK with 0 pinned blocks hid that
+    warm-up cannot work there. The refusal names the setting and leaves the pool as it was."""
+    s = Served(replace(CFG, prefix_caching=False), tiny_model)
+    try:
+        before = s.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+        for pin in (True, False):
+            with pytest.raises(grpc.RpcError) as ei:
+                s.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=list(range(1, 25)), pin=pin,
+                                                         ttl_seconds=60), timeout=10)
+            assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "PREFIX_CACHING" in ei.value.details()
+        assert s.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5) == before
+        assert_idle(s.replica.engine)
+    finally:
+        s.close()
+
+
 def test_prefill_bad_input_and_model_mismatch(served) -> None:
     with pytest.raises(grpc.RpcError) as ei:
         served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=[1, 2], pin=True), timeout=5)
