@@ -34,7 +34,7 @@ $(GEN_STAMP): $(PROTOS) scripts/gen_protos.py | $(STAMP)
 	touch $(GEN_STAMP)
 
 run: setup
-	$(VPY) -m services.launcher
+	$(VPY) -m services.launcher $(ARGS)
 
 test: setup
 	$(VPY) -m pytest -q -ra

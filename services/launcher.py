@@ -187,7 +187,8 @@ class Stack:
             # Its health check would reach whatever holds the port (an earlier `make run`),
             # report it up, and the new service would then die failing to bind.
             raise RuntimeError(f"port {port} for {key or name} is in use (another TierCache "
-                               "stack?); stop it or pass --base-port")
+                               "stack?); stop it or pass --base-port N "
+                               "(make run ARGS='--base-port N')")
         p = ServiceProcess(name, port, env, log_path=self.log_dir / f"{key or name}.log").start()
         self.procs[key or name] = p
         return p
@@ -242,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     stack = Stack(replicas=a.replicas, base_port=a.base_port)
     print(f"Starting TierCache ({', '.join(s for s in SERVICES if service_exists(s))}); "
-          f"logs in {stack.log_dir} (first start converts the model: ~1 min)", flush=True)
+          f"logs in {stack.log_dir} (first start converts the model: about 30–60 s)", flush=True)
     stopping = False
 
     def _stop(*_: object) -> None:

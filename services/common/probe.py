@@ -1,0 +1,65 @@
+"""A gRPC health probe that speaks the stack's TLS: `python -m services.common.probe HOST:PORT`.
+
+Kubelet's native gRPC probes speak plaintext only. With TLS on, the manifests can run this as an
+`exec` probe instead: it connects the way the services' own clients do (`TIERCACHE_TLS_CA` and
+the client certificate for mutual TLS, the system's roots with only `TIERCACHE_TLS_CERT`,
+plaintext with neither), calls `grpc.health.v1.Health/Check` and exits 0 when the answer is
+SERVING, 1 when it is anything else or the call fails, 2 on a usage error. Health is open to
+calls without the internal credential, so none is sent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.grpc_client import channel_credentials_from_env
+
+
+def check(address: str, service: str = "", timeout: float = 2.0, server_name: str = "",
+          env: Mapping[str, str] | None = None) -> tuple[bool, str]:
+    """(serving, what the probe saw) for one Health/Check call."""
+    try:
+        creds = channel_credentials_from_env(env)
+    except OSError as e:
+        return False, f"cannot read a TLS file: {e}"
+    options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+    channel = (grpc.secure_channel(address, creds, options=options) if creds is not None
+               else grpc.insecure_channel(address, options=options))
+    try:
+        r = health_pb2_grpc.HealthStub(channel).Check(
+            health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError as e:
+        return False, f"{e.code().name}: {e.details()}"
+    finally:
+        channel.close()
+    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    return r.status == health_pb2.HealthCheckResponse.SERVING, status
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(
+        prog="python -m services.common.probe",
+        description="Exit 0 when the gRPC server at ADDRESS reports SERVING (TLS from "
+                    "TIERCACHE_TLS_* as the services use it), else 1.")
+    ap.add_argument("address", help="HOST:PORT of the server")
+    ap.add_argument("--service", default="",
+                    help="health service name (default: the whole server)")
+    ap.add_argument("--timeout", type=float, default=2.0, help="seconds (default 2)")
+    ap.add_argument("--server-name", default="",
+                    help="the name the server's certificate is checked against, when it differs "
+                         "from ADDRESS's host (e.g. probing 127.0.0.1 inside the pod)")
+    a = ap.parse_args(argv)
+    if not a.timeout > 0:
+        ap.error("--timeout must be > 0")
+    ok, seen = check(a.address, a.service, a.timeout, a.server_name)
+    print(f"{a.address}: {seen}", file=sys.stdout if ok else sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
