@@ -432,9 +432,12 @@ class SemanticCache:
     def get(self, entry_id: str) -> Entry:
         """Raises NotFound for an unknown id."""
         label = self._by_id.get(entry_id) if entry_id else None
-        if label is None or label not in self._entries:
+        # One read each: a concurrent Invalidate, eviction or expiry may drop the entry between
+        # a membership check and a second read (a KeyError, INTERNAL to the caller).
+        e = self._entries.get(label) if label is not None else None
+        if e is None:
             raise NotFound(f"id: no entry {entry_id!r}")
-        return self._entries[label]
+        return e
 
     def verify(self, entry_id: str, verified: bool) -> Entry:
         """Sets the human-verified flag (durably).

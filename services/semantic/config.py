@@ -144,6 +144,8 @@ class SemanticConfig:
         require(self.default_ttl_seconds >= 0, s, "default_ttl_seconds", "must be >= 0")
         require(self.max_ttl_seconds >= self.default_ttl_seconds, s, "max_ttl_seconds",
                 "must be >= default_ttl_seconds")
+        require(self.max_ttl_seconds <= 2**32 - 1, s, "max_ttl_seconds",
+                "must fit the API's uint32 ttl_seconds (<= 4294967295)")
         require(self.max_entries_per_namespace >= 1, s, "max_entries_per_namespace", ">= 1")
         require(self.max_entries_total >= 1, s, "max_entries_total", "must be >= 1")
         require(self.max_text_chars >= 1, s, "max_text_chars", "must be >= 1")

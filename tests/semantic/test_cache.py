@@ -86,6 +86,28 @@ def test_guard_refuses_a_swapped_trap_in_strict_tier_only(make_cache):
     assert c.stats().guard_rejections_total == 1
 
 
+class _DropsOnCheck(dict):
+    """Entries that a concurrent Invalidate empties right after a membership check."""
+
+    def __contains__(self, key) -> bool:
+        found = super().__contains__(key)
+        if found:
+            del self[key]
+        return found
+
+
+def test_an_entry_dropped_while_looked_up_by_id_is_not_found_not_a_keyerror(make_cache):
+    """Verify/Invalidate read the entry once: a check-then-read let a concurrent removal turn
+    NOT_FOUND into a KeyError (INTERNAL at the server)."""
+    c = make_cache()
+    e = c.store_entry(A, "How do I reset my router?", "Hold the button for 10 s.")
+    c._entries = _DropsOnCheck(c._entries)
+    assert c.get(e.id).id == e.id
+    del c._entries[e.label]
+    with pytest.raises(NotFound, match="id:"):
+        c.get(e.id)
+
+
 def test_ttl_is_not_extended_by_hits(make_cache, clock):
     c = make_cache()
     c.store_entry(A, "What is the boiling point of water?", "100 C at sea level.",

@@ -115,6 +115,11 @@ def test_config_errors_name_the_variable(tmp_path):
                     {"TIERCACHE_SEMANTIC_MODEL_DIR": str(tmp_path / "missing")})
     with pytest.raises(ConfigError, match="GUARD_TIERS"):
         load_config(SemanticConfig, "semantic", ["--guard-tiers", "strict,bogus"], {})
+    # ttl_seconds is a uint32 on the wire: a larger TTL stored fine, then every hit failed.
+    with pytest.raises(ConfigError, match="TIERCACHE_SEMANTIC_MAX_TTL_SECONDS"):
+        load_config(SemanticConfig, "semantic", [],
+                    {"TIERCACHE_SEMANTIC_DEFAULT_TTL_SECONDS": str(2**32),
+                     "TIERCACHE_SEMANTIC_MAX_TTL_SECONDS": str(2**32)})
 
 
 def test_the_export_fingerprint_follows_the_weights_content(tmp_path):
