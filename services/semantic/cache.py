@@ -74,6 +74,9 @@ class Entry:
     hit_count: int
     ttl_seconds: int
     truncated: int = 0  # cut short after this many model tokens (max_tokens/stop); 0 = whole
+    # The prompt is longer than the embedding model's window (None = not known yet): its vector
+    # stands for its first tokens only, so only an exact repeat may hit it.
+    over_window: bool | None = None
 
     def expires_at(self) -> float:
         """When the TTL runs out (inf = never)."""
@@ -218,15 +221,47 @@ class SemanticCache:
         self._check_text("text", text, self.cfg.max_text_chars)
         resolved = self.policy.resolve(tier, threshold)
         t0 = time.perf_counter()
-        vec = self.embedder.embed_one(text)
+        vec, over = self._embed(text)
         t1 = time.perf_counter()
-        result = self._search(ns, vec, text, resolved, want_draft)
+        result = self._search(ns, vec, text, resolved, want_draft, over)
         t2 = time.perf_counter()
         result = replace(result, search_ms=(t2 - t1) * 1000, embed_ms=(t1 - t0) * 1000)
         self._record(result, t2 - t1, t1 - t0)
         return result
 
-    def _search(self, ns, vec, text, resolved, want_draft) -> LookupResult:
+    def _embed(self, text: str) -> tuple[np.ndarray, bool]:
+        """The text's vector, and whether the model read only its start (see `over_window`)."""
+        checked = getattr(self.embedder, "embed_one_checked", None)
+        if checked is not None:
+            return checked(text)
+        return self.embedder.embed_one(text), False  # a test double without a window
+
+    def _over_window(self, e: Entry) -> bool:
+        """`e.over_window`, tokenising its prompt once for entries loaded from SQLite."""
+        if e.over_window is not None:
+            return e.over_window
+        check = getattr(self.embedder, "exceeds_window", None)
+        over = bool(check(e.prompt)) if check is not None else False
+        with self._lock:
+            cur = self._entries.get(e.label)
+            if cur is not None:
+                self._entries[e.label] = replace(cur, over_window=over)
+        return over
+
+    def _window_refusal(self, text: str, text_over: bool, e: Entry) -> str:
+        """Past the embedding window two texts with the same start embed identically, however
+        their ends differ (a pasted document, then another question): only an exact repeat is
+        served when either side is that long."""
+        if text == e.prompt or not (text_over or self._over_window(e)):
+            return ""
+        return (f"longer than the embedding window ({self._window_tokens()} tokens): "
+                "only an exact repeat is served")
+
+    def _window_tokens(self) -> int | str:
+        inner = getattr(self.embedder, "inner", self.embedder)
+        return getattr(inner, "max_seq_length", "?")
+
+    def _search(self, ns, vec, text, resolved, want_draft, text_over=False) -> LookupResult:
         index = self._indexes.get(ns)
         if index is None:
             return LookupResult(False, None, 0.0, resolved.threshold, resolved.tier)
@@ -258,7 +293,8 @@ class SemanticCache:
                         done = True  # results are sorted: nothing further can be a hit
                         break
                     continue  # a verified entry further down may still be one
-                refusal = self._second_opinion(text, e.prompt, sim, resolved.tier)
+                refusal = (self._window_refusal(text, text_over, e)
+                           or self._second_opinion(text, e.prompt, sim, resolved.tier))
                 if refusal:
                     if not rejected:
                         rejected, reason = True, refusal
@@ -333,7 +369,7 @@ class SemanticCache:
         if ttl_seconds < 0 or ttl_seconds > self.cfg.max_ttl_seconds:
             raise InvalidArgument("ttl_seconds", f"must be in [0, {self.cfg.max_ttl_seconds}]")
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
-        vec = self.embedder.embed_one(prompt)
+        vec, over = self._embed(prompt)
         now = self.clock()
         eid = uuid.uuid4().hex
         label = self.store.insert(id=eid, tenant=ns.tenant, model_id=ns.model_id,
@@ -341,7 +377,8 @@ class SemanticCache:
                                   embedding=vec, embed_model=self._embed_id,
                                   verified=verified, created_at=now, ttl_seconds=ttl,
                                   truncated=truncated)
-        entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated)
+        entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated,
+                      over)
         dropped: list[int] = []  # labels memory no longer holds: their rows go too
         try:
             with self._lock:

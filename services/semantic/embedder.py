@@ -53,8 +53,17 @@ class OnnxEmbedder:
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """Embeds `texts` in one forward pass -> float32 `[len(texts), dim]`."""
+        return self.embed_checked(texts)[0]
+
+    def exceeds_window(self, text: str) -> bool:
+        """Whether `text` is longer than the `max_seq_length` tokens the model reads: its
+        vector then says nothing of the rest, so it is like any text with the same start."""
+        return bool(self._tok.encode(text).overflowing)
+
+    def embed_checked(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]:
+        """`embed`, and for each text whether it was cut to the window (`exceeds_window`)."""
         if not texts:
-            return np.zeros((0, self.dim), dtype=np.float32)
+            return np.zeros((0, self.dim), dtype=np.float32), []
         enc = self._tok.encode_batch(texts)
         feeds = {
             "input_ids": np.array([e.ids for e in enc], dtype=np.int64),
@@ -63,7 +72,8 @@ class OnnxEmbedder:
         if "token_type_ids" in self._inputs:
             feeds["token_type_ids"] = np.array([e.type_ids for e in enc], dtype=np.int64)
         (out,) = self._sess.run(["embedding"], feeds)
-        return np.ascontiguousarray(out, dtype=np.float32)
+        return (np.ascontiguousarray(out, dtype=np.float32),
+                [bool(e.overflowing) for e in enc])
 
 
 class BatchingEmbedder:
@@ -86,11 +96,17 @@ class BatchingEmbedder:
         self.batches = 0
         self.batched_texts = 0
         self._q: queue.SimpleQueue[tuple[str, Future] | None] = queue.SimpleQueue()
+        self.exceeds_window = inner.exceeds_window
         self._thread = threading.Thread(target=self._run, name="embed-batcher", daemon=True)
         self._thread.start()
 
     def embed_one(self, text: str, timeout: float | None = None) -> np.ndarray:
         """Embedding of one text (blocks until its batch has run)."""
+        return self.embed_one_checked(text, timeout)[0]
+
+    def embed_one_checked(self, text: str, timeout: float | None = None
+                          ) -> tuple[np.ndarray, bool]:
+        """`embed_one`, and whether the text was cut to the model's window."""
         fut: Future = Future()
         self._q.put((text, fut))
         return fut.result(timeout)
@@ -121,7 +137,7 @@ class BatchingEmbedder:
                     break
                 batch.append(nxt)
             try:
-                vecs = self.inner.embed([t for t, _ in batch])
+                vecs, cut = self.inner.embed_checked([t for t, _ in batch])
             except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
                 for _, f in batch:
                     f.set_exception(exc)
@@ -129,4 +145,4 @@ class BatchingEmbedder:
             self.batches += 1
             self.batched_texts += len(batch)
             for i, (_, f) in enumerate(batch):
-                f.set_result(vecs[i])
+                f.set_result((vecs[i], cut[i]))

@@ -415,3 +415,44 @@ def test_verify_does_not_hold_up_lookups_while_it_waits_for_sqlite(make_cache):
         assert not done.is_set()
     t.join(5)
     assert done.is_set() and c.get(e.id).verified
+
+
+POLICY = ("Our travel policy covers every trip an employee takes on company business. "
+          "Bookings go through the travel desk, receipts are kept for seven years, and any "
+          "exception needs a manager's written approval before the trip starts. ") * 9
+
+
+@pytest.mark.parametrize("tier", ["relaxed", "standard", "strict"])
+def test_texts_past_the_embedding_window_hit_only_an_exact_repeat(make_cache, make_cfg,
+                                                                   embedder, clock, tier):
+    """MiniLM reads 256 tokens: a pasted document followed by two different questions embeds
+    to one vector (similarity 1.0), and the first question's answer was served for the second
+    in every tier."""
+    c = make_cache()
+    stored = POLICY + "May I fly business class on long flights?"
+    other = POLICY + "Must I delete customer data after an audit?"
+    assert embedder.exceeds_window(stored) and not embedder.exceeds_window("Short question?")
+    e = c.store_entry(A, stored, "Yes, business class is allowed on long flights.")
+    r = c.lookup(A, other, tier=tier, want_draft=True)
+    assert r.similarity > 0.999  # the vectors cannot tell them apart
+    assert not r.hit and r.guard_rejected and "embedding window" in r.guard_reason
+    assert r.entry is not None and r.entry.id == e.id  # still offered as a draft
+    assert c.lookup(A, stored, tier=tier).hit  # the exact repeat is served
+    # A short text that is the start of the long prompt: within the window itself, but the
+    # stored vector stands for the long prompt's start only.
+    start = POLICY[:1300]  # 251 tokens, similarity 0.999 to the stored prompt
+    assert not embedder.exceeds_window(start)
+    r = c.lookup(A, start, tier=tier)
+    assert not r.hit and "embedding window" in r.guard_reason
+    # After a restart the flag is not stored: it is found again from the prompt.
+    c.store.close()
+    cfg = make_cfg()
+    again = SemanticCache(cfg, embedder, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        assert again.load() == 1
+        r = again.lookup(A, start, tier=tier)
+        assert not r.hit and "embedding window" in r.guard_reason
+        assert again.lookup(A, stored, tier=tier).hit
+    finally:
+        again.close_indexes()
+        again.store.close()
