@@ -1,4 +1,4 @@
-"""Configuration of a kvpool replica (`TIERCACHE_KVPOOL_<FIELD>` or `--field`)."""
+"""Configuration of a kvpool replica (`TIERCACHE_KVPOOL_<FIELD>` or `--field-name`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Orchestrator configuration (env `TIERCACHE_ORCHESTRATOR_<FIELD>`, flags `--field`)."""
+"""Orchestrator configuration (env `TIERCACHE_ORCHESTRATOR_<FIELD>`, flags `--field-name`)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Configuration of the semantic cache service (`TIERCACHE_SEMANTIC_<FIELD>` / `--field`)."""
+"""Configuration of the semantic cache service (`TIERCACHE_SEMANTIC_<FIELD>` / `--field-name`)."""
 
 from __future__ import annotations
 
