@@ -1,6 +1,7 @@
 """Full-stack benchmark (issue 6): the seeded multi-tenant chat workload on 2 replicas.
 
     python -m benchmarks.orchestrator [--quick]  ->  benchmarks/results/orchestrator.json
+                                                      (--quick: orchestrator-quick.json)
 
 Runs the same workload on fresh stacks (orchestrator, semantic, prefix, two kvpool replicas
 as real processes): TierCache as configured and round-robin routing (caches on), each
@@ -209,7 +210,9 @@ def run_variant(name: str, spec: WorkloadSpec, *, routing: str, caches: bool, nu
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--quick", action="store_true", help="fewer sessions, shorter prompts")
-    ap.add_argument("--out", default=str(OUT))
+    ap.add_argument("--out", default="",
+                    help="default: results/orchestrator.json (--quick: orchestrator-quick.json, "
+                         "so a short run never replaces the full one)")
     ap.add_argument("--repeat", type=int, default=None,
                     help="runs of TierCache and of round-robin, interleaved (default 3, 1 with "
                     "--quick); the median run by hit ratio is reported, every run is listed")
@@ -274,8 +277,10 @@ def main(argv: list[str] | None = None) -> int:
               "working_set": ws, "num_blocks_per_replica": num_blocks, **ratios, "targets": targets,
               "unbounded_cache_ceiling": ceiling, "tiercache": ours, "round_robin": rr,
               "caches_off": off, "repeats": repeat_summary(runs)}
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(result, indent=2))
+    out = Path(a.out) if a.out else OUT.with_name(
+        "orchestrator-quick.json" if a.quick else OUT.name)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
     print(json.dumps({**ratios, "targets": targets}, indent=2))
     return 0
 
