@@ -454,32 +454,34 @@ class BlockTree:
         """Which replica slots hold how many leading blocks of `hashes`.
 
         Returns segments, deepest first; slots in no segment hold 0 blocks. The deepest matched
-        node is credited with a hit at `clock`.
+        node is credited with a hit at `clock`. A list that is not one chain of the tree (a
+        caller's garbage, or a publisher's chain that skips blocks) never raises: it matches up
+        to the first break the binary search probes (each probed node must sit at its
+        position's depth; where the bisect finds a gap, parent links are followed instead).
         """
         n = len(hashes)
         if not n:
             return []
-        get = self._table.get
+        get, nav = self._table.get, self._nav
         first = get(hashes[0])
-        if first is None:
+        if first is None or nav[_NAV * first + _DEPTH] != 0:
             return []
-        # Binary search for the deepest known block (presence is monotone along the chain).
+        # Binary search for the deepest known block (presence is monotone along a chain; a
+        # node at another depth than its position is not part of this one).
         lo, lo_s = 1, first
         deep = get(hashes[-1])
-        if deep is not None:
+        if deep is not None and nav[_NAV * deep + _DEPTH] == n - 1:
             lo, lo_s = n, deep
         else:
             hi = n
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
                 s = get(hashes[mid - 1])
-                if s is None:
+                if s is None or nav[_NAV * s + _DEPTH] != mid - 1:
                     hi = mid
                 else:
                     lo, lo_s = mid, s
         use = self._use
-        use[_USE * lo_s + _HITS] += 1
-        use[_USE * lo_s + _LAST] = clock
         first_h, lo_h = use[_USE * first + _HOLD], use[_USE * lo_s + _HOLD]
         out = [MatchSegment(lo_h, lo)]
         if first_h != lo_h:
@@ -493,10 +495,38 @@ class BlockTree:
                     out.append(_new(MatchSegment, (ma & ~mb, a)))
                     continue
                 m = (a + b) >> 1
-                mm = use[_USE * get(hashes[m - 1]) + _HOLD]  # type: ignore[operator]
+                s = get(hashes[m - 1])
+                if s is None or nav[_NAV * s + _DEPTH] != m - 1:
+                    return self._match_walk(hashes, first, clock)  # not one chain
+                mm = use[_USE * s + _HOLD]
                 stack.append((a, ma, m, mm))
                 stack.append((m, mm, b, mb))
             out.sort(key=lambda seg: -seg.blocks)
+        use[_USE * lo_s + _HITS] += 1
+        use[_USE * lo_s + _LAST] = clock
+        return out
+
+    def _match_walk(self, hashes: Sequence[bytes], first: int, clock: int
+                    ) -> list[MatchSegment]:
+        """`match` one block at a time, following parent links: for lists whose blocks are
+        not all one chain of the tree, where the binary search's assumption fails."""
+        get, use = self._table.get, self._use
+        path = [first]
+        for h in hashes[1:]:
+            s = get(h)
+            if s is None or self._parent(s) != path[-1]:
+                break
+            path.append(s)
+        out: list[MatchSegment] = []
+        for i, s in enumerate(path):
+            mask = use[_USE * s + _HOLD]
+            below = use[_USE * path[i + 1] + _HOLD] if i + 1 < len(path) else 0
+            if mask & ~below:
+                out.append(_new(MatchSegment, (mask & ~below, i + 1)))
+        out.sort(key=lambda seg: -seg.blocks)
+        deepest = path[-1]
+        use[_USE * deepest + _HITS] += 1
+        use[_USE * deepest + _LAST] = clock
         return out
 
     def top(self, k: int, model_id: str = "", min_hits: int = 1) -> list[Prefix]:
