@@ -313,8 +313,9 @@ class PrefixIndexClient:
 
     def match(self, model_id: str, *, token_ids: Sequence[int] = (),
               block_hashes: Sequence[bytes] = (), cache_salt: str = "",
-              timeout: float | None = None) -> prefix_pb2.MatchResponse:
-        """Replicas of `model_id` by matched prefix length, longest first (from one shard)."""
+              timeout: float | None = None, probe: bool = False) -> prefix_pb2.MatchResponse:
+        """Replicas of `model_id` by matched prefix length, longest first (from one shard).
+        `probe`: routing asking, not traffic (no hit credited, nothing counted)."""
         if len(block_hashes):
             first = block_hashes[0]
         elif self.sharded and len(token_ids) >= self.block_size:
@@ -323,7 +324,8 @@ class PrefixIndexClient:
             first = b""
         address = self.shard_for(first) if first else self.addresses[0]
         req = prefix_pb2.MatchRequest(model_id=model_id, cache_salt=cache_salt,
-                                      token_ids=token_ids, block_hashes=block_hashes)
+                                      token_ids=token_ids, block_hashes=block_hashes,
+                                      probe=probe)
         return self._call(address, "Match", req, timeout)
 
     def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0, *,

@@ -200,8 +200,9 @@ class Orchestrator:
 
     # ---- prefix tier ---------------------------------------------------------------------
     def _matches(self, tenant: Tenant, token_ids: list[int],
-                 deadline: float | None = None) -> PrefixView:
-        """What the prefix index knows of this prompt (see PrefixView)."""
+                 deadline: float | None = None, probe: bool = False) -> PrefixView:
+        """What the prefix index knows of this prompt (see PrefixView); `probe`: asked for
+        routing's sake, not a request (the index credits no hit)."""
         hashes = self.hasher.hashes(token_ids, tenant.cache_salt)
         key = hashes[0].hex() if hashes else ""
         if self.prefix is None or not hashes:
@@ -213,8 +214,8 @@ class Orchestrator:
                 return PrefixView({}, key, None, hashes)  # no time left: ring routing
         try:
             # Full blocks are hashed; the partial last block and the answer need one more.
-            return PrefixView(self.prefix.match(hashes, self.model_id, timeout), key,
-                              len(hashes) + 1, hashes)
+            return PrefixView(self.prefix.match(hashes, self.model_id, timeout, probe=probe),
+                              key, len(hashes) + 1, hashes)
         except grpc.RpcError as e:
             if timeout is not None and cut_short(e, timeout, self.prefix.timeout_s):
                 # The request's deadline, not the index: ring routing, no degradation.
@@ -233,7 +234,7 @@ class Orchestrator:
     def owner(self, tenant: Tenant, token_ids: list[int]) -> str | None:
         """The replica a request with this prompt would be routed to now (Warm's owners), not
         counted as routed traffic; None when no replica is available."""
-        view = self._matches(tenant, token_ids)
+        view = self._matches(tenant, token_ids, probe=True)
         with self._route_lock:  # the policy's ring changes as replicas come and go
             d = self.routing.choose(self.replicas.views(),
                                     self._with_dispatched(view.matches, view.hashes), view.key,

@@ -32,9 +32,9 @@ class PrefixBackend:
             raise
 
     def match(self, block_hashes: list[bytes], model_id: str,
-              timeout: float | None = None) -> dict[str, int]:
+              timeout: float | None = None, probe: bool = False) -> dict[str, int]:
         r = self._guard(self.client.match, model_id, block_hashes=block_hashes,
-                        timeout=timeout)
+                        timeout=timeout, probe=probe)
         return {m.replica_id: m.matched_tokens for m in r.matches if m.matched_blocks}
 
     def top_prefixes(self, k: int, model_id: str):

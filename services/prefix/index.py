@@ -575,8 +575,11 @@ class PrefixIndex:
     # -- queries --------------------------------------------------------------------------
 
     def match(self, model_id: str, cache_salt: str = "", token_ids: Sequence[int] = (),
-              block_hashes: Sequence[bytes] = ()) -> MatchResult:
+              block_hashes: Sequence[bytes] = (), probe: bool = False) -> MatchResult:
         """Every live replica of `model_id` with the leading blocks of the request it holds.
+
+        Only chains under `model_id`'s roots match. A `probe` (routing asking, not traffic)
+        gets the same answer without a hit credited or a match counted.
 
         Raises:
             InvalidArgument: no model, no or both inputs, malformed hashes, too many blocks.
@@ -601,8 +604,9 @@ class PrefixIndex:
             salt = check_salt("cache_salt", cache_salt)
             if model_id not in self._by_model:
                 # No replica serves it: nothing to hash, and no hasher to keep for it.
-                self.matches_total += 1
-                self.match_blocks_total += len(token_ids) // self.block_size
+                if not probe:
+                    self.matches_total += 1
+                    self.match_blocks_total += len(token_ids) // self.block_size
                 return MatchResult([], len(token_ids) // self.block_size, self.block_size)
             hashes = self.hasher(model_id).hashes(token_ids, salt)
         else:
@@ -611,11 +615,12 @@ class PrefixIndex:
         if now >= self._next_deadline:
             self._expire(now)
         self._tick += 1
-        segments = self.tree.match(hashes, self._tick)
+        segments = self.tree.match(hashes, self._tick, model_id, credit=not probe)
         bs = self.block_size
         reps = self._by_model.get(model_id, ())
-        self.matches_total += 1
-        self.match_blocks_total += len(hashes)
+        if not probe:
+            self.matches_total += 1
+            self.match_blocks_total += len(hashes)
         if not segments:
             return MatchResult([r.zero for r in reps], len(hashes), bs)  # type: ignore[misc]
         hit, zero = [], []
@@ -630,8 +635,9 @@ class PrefixIndex:
         # One segment: every holder matched the same length, already in load order.
         if len(segments) > 1 and len(hit) > 1:
             hit.sort(key=_blocks, reverse=True)  # stable: ties stay in load order
-        self.matches_hit += 1
-        self.match_blocks_hit += segments[0].blocks
+        if not probe:
+            self.matches_hit += 1
+            self.match_blocks_hit += segments[0].blocks
         hit += zero
         return _new(MatchResult, (hit, len(hashes), bs))
 

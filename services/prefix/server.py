@@ -114,12 +114,12 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
     def Match(self, request, context):
         with self.lock:
             r = self.index.match(request.model_id, request.cache_salt, request.token_ids,
-                                 list(request.block_hashes))
-        best = r.matches[0].matched_blocks if r.matches else 0
-        result = "hit" if best else "miss"
-        MATCHES.labels(result).inc()
-        MATCH_BLOCKS.labels("asked").inc(r.request_blocks)
-        MATCH_BLOCKS.labels("hit").inc(best)
+                                 list(request.block_hashes), probe=request.probe)
+        if not request.probe:
+            best = r.matches[0].matched_blocks if r.matches else 0
+            MATCHES.labels("hit" if best else "miss").inc()
+            MATCH_BLOCKS.labels("asked").inc(r.request_blocks)
+            MATCH_BLOCKS.labels("hit").inc(best)
         return prefix_pb2.MatchResponse(
             matches=[prefix_pb2.ReplicaMatch(
                 replica_id=m.replica_id, address=m.address, matched_blocks=m.matched_blocks,

@@ -450,11 +450,13 @@ class BlockTree:
 
     # -- queries --------------------------------------------------------------------------
 
-    def match(self, hashes: Sequence[bytes], clock: int) -> list[MatchSegment]:
+    def match(self, hashes: Sequence[bytes], clock: int, model_id: str | None = None,
+              credit: bool = True) -> list[MatchSegment]:
         """Which replica slots hold how many leading blocks of `hashes`.
 
         Returns segments, deepest first; slots in no segment hold 0 blocks. The deepest matched
-        node is credited with a hit at `clock`. A list that is not one chain of the tree (a
+        node is credited with a hit at `clock` (unless `credit` is False). With `model_id`,
+        a chain under another model's root matches nothing. A list that is not one chain of the tree (a
         caller's garbage, or a publisher's chain that skips blocks) never raises: it matches up
         to the first break the binary search probes (each probed node must sit at its
         position's depth; where the bisect finds a gap, parent links are followed instead).
@@ -466,6 +468,8 @@ class BlockTree:
         first = get(hashes[0])
         if first is None or nav[_NAV * first + _DEPTH] != 0:
             return []
+        if model_id is not None and self._meta.get(self._parent(first), ("",))[0] != model_id:
+            return []  # another model's hashes, asked for under this one
         # Binary search for the deepest known block (presence is monotone along a chain; a
         # node at another depth than its position is not part of this one).
         lo, lo_s = 1, first
@@ -497,16 +501,17 @@ class BlockTree:
                 m = (a + b) >> 1
                 s = get(hashes[m - 1])
                 if s is None or nav[_NAV * s + _DEPTH] != m - 1:
-                    return self._match_walk(hashes, first, clock)  # not one chain
+                    return self._match_walk(hashes, first, clock, credit)  # not one chain
                 mm = use[_USE * s + _HOLD]
                 stack.append((a, ma, m, mm))
                 stack.append((m, mm, b, mb))
             out.sort(key=lambda seg: -seg.blocks)
-        use[_USE * lo_s + _HITS] += 1
-        use[_USE * lo_s + _LAST] = clock
+        if credit:
+            use[_USE * lo_s + _HITS] += 1
+            use[_USE * lo_s + _LAST] = clock
         return out
 
-    def _match_walk(self, hashes: Sequence[bytes], first: int, clock: int
+    def _match_walk(self, hashes: Sequence[bytes], first: int, clock: int, credit: bool
                     ) -> list[MatchSegment]:
         """`match` one block at a time, following parent links: for lists whose blocks are
         not all one chain of the tree, where the binary search's assumption fails."""
@@ -524,9 +529,9 @@ class BlockTree:
             if mask & ~below:
                 out.append(_new(MatchSegment, (mask & ~below, i + 1)))
         out.sort(key=lambda seg: -seg.blocks)
-        deepest = path[-1]
-        use[_USE * deepest + _HITS] += 1
-        use[_USE * deepest + _LAST] = clock
+        if credit:
+            use[_USE * path[-1] + _HITS] += 1
+            use[_USE * path[-1] + _LAST] = clock
         return out
 
     def top(self, k: int, model_id: str = "", min_hits: int = 1) -> list[Prefix]:

@@ -160,7 +160,7 @@ def test_warm_top_k_for_owners_warms_only_the_owner():
     stubs = {r: Stub(r, []) for r in ("A", "B", "C")}
     hot = list(range(100, 164))
     prefix = SimpleNamespace(
-        match=lambda hashes, model_id, timeout=None: {"A": 64},
+        match=lambda hashes, model_id, timeout=None, probe=False: {"A": 64},
         top_prefixes=lambda k, model_id: [prefix_pb2.HotPrefix(
             token_ids=hot, holders=["A"], hits=5, cache_salt=TENANT.cache_salt)])
     orch = make(stubs, prefix=prefix)

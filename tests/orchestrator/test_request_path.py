@@ -108,10 +108,23 @@ class TimedSemantic(RecordingSemantic):
         return super().store(req, timeout)
 
 
+def test_warms_owner_lookup_is_a_probe_and_a_request_is_not():
+    """Warm choosing owners asked the index like traffic: each call credited the prefix a hit,
+    so warming made the hottest prefixes hotter (see the index's probe test)."""
+    probes: list[bool] = []
+    prefix = SimpleNamespace(timeout_s=0.5, match=lambda h, m, timeout=None, probe=False: (
+        probes.append(probe) or {}))
+    stub, stubs = one_replica()
+    orch = make(stubs, prefix=prefix)
+    assert orch.owner(TENANT, PROMPT) is not None
+    run(orch)
+    assert probes == [True, False]
+
+
 def test_lookup_store_and_match_get_what_is_left_of_the_deadline():
     sem = TimedSemantic()
     matched: list[float | None] = []
-    prefix = SimpleNamespace(timeout_s=0.5, match=lambda h, m, timeout=None: (
+    prefix = SimpleNamespace(timeout_s=0.5, match=lambda h, m, timeout=None, probe=False: (
         matched.append(timeout) or {}))
     stub, stubs = one_replica()
     run(make(stubs, semantic=sem, prefix=prefix), deadline_s=0.3)
@@ -376,7 +389,7 @@ def test_a_short_deadline_on_the_index_is_not_an_index_failure():
     pb.health = Health("prefix", "p:1")
     pb.health.ok()
 
-    def match(model_id, block_hashes=(), timeout=None):
+    def match(model_id, block_hashes=(), timeout=None, probe=False):
         raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
 
     pb.client = SimpleNamespace(match=match)

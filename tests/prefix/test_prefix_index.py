@@ -447,3 +447,36 @@ def test_hash_lists_that_are_not_one_chain_match_up_to_the_break(clock, hasher):
     assert matched(index, chain) == {"a": 8, "b": 2}
     top = index.top_prefixes(10, MODEL)
     assert sum(p.hits for p in top) == index.stats().matches_hit
+
+
+def test_another_models_hashes_match_nothing_and_count_no_hit(index, hasher):
+    """Hashes are keyed by model, but Match(block_hashes) took any chain: model B's request
+    with model A's hashes credited A's prefix with a hit and counted a hit in Stats."""
+    reg(index, "a")
+    reg(index, "z", model="other")
+    chain = toks(1, 2)
+    index.publish("a", "i1", 1, [stored(hasher, chain)])
+    r = index.match("other", block_hashes=hasher.hashes(chain))
+    assert [(m.replica_id, m.matched_blocks) for m in r.matches] == [("z", 0)]
+    st = index.stats()
+    assert (st.matches_total, st.matches_hit) == (1, 0)
+    assert index.top_prefixes(5, MODEL) == []
+
+
+def test_a_probe_gets_the_answer_without_counting_a_hit(index, hasher):
+    """Warm's owner lookups asked the index as if they were traffic: every Warm call made the
+    hottest prefixes hotter and raised the hit ratio."""
+    reg(index, "a")
+    chain = toks(1, 2, 3)
+    index.publish("a", "i1", 1, [stored(hasher, chain)])
+    assert matched(index, chain) == {"a": 3}
+    before = index.stats()
+    for _ in range(5):
+        r = index.match(MODEL, token_ids=chain, probe=True)
+        assert [(m.replica_id, m.matched_blocks) for m in r.matches] == [("a", 3)]
+        index.match(MODEL, token_ids=toks(7), probe=True)
+    index.match("unserved", token_ids=chain, probe=True)
+    after = index.stats()
+    assert (after.matches_total, after.matches_hit, after.match_blocks_total) == (
+        before.matches_total, before.matches_hit, before.match_blocks_total)
+    assert [p.hits for p in index.top_prefixes(5, MODEL)] == [1]
