@@ -227,15 +227,24 @@ class BlockPool:
         shared = matched[: cached_tokens // bs]
         cow_src = matched[len(shared)] if cached_tokens % bs else None
         need = self.blocks_needed(max(n, 1)) - len(shared)
-        # Referencing the shared blocks first keeps eviction from taking them for the new ones.
-        for bid in matched[: len(shared) + (cow_src is not None)]:
-            self._ref(bid)
-        try:
-            new = self._allocate(need)
-        except PoolExhausted:
-            for bid in matched[: len(shared) + (cow_src is not None)]:
-                self._unref(bid)
-            raise
+        while True:
+            # Referencing the shared blocks first keeps eviction from taking them for the new
+            # ones.
+            held = matched[: len(shared) + (cow_src is not None)]
+            for bid in held:
+                self._ref(bid)
+            try:
+                new = self._allocate(need)
+                break
+            except PoolExhausted:
+                for bid in held:
+                    self._unref(bid)
+                if cow_src is None:
+                    raise
+                # The copy-on-write source is held while its copy is allocated: one block more
+                # than computing that block afresh, which can fail a prompt that fills the
+                # pool. Give the source up (it may be evicted for the copy) and recompute it.
+                cached_tokens, cow_src = len(shared) * bs, None
         now = self.clock()
         for bid in shared:
             b = self._blocks[bid]

@@ -403,8 +403,11 @@ class Engine:
                     if seq.admitted_once and self.pool.release_pins():
                         continue  # a preempted answer comes back before warm-up pins
                     # Nothing running will free blocks: only pins hold them. Refuse.
+                    pinned = self.pool.stats().pinned
+                    why = (f"{pinned} pinned blocks hold the rest" if pinned
+                           else "more than the pool can free for it")
                     self._finish(seq, Failed(errors.ResourceExhausted(
-                        f"KV pool exhausted: {exc} (pinned blocks hold the rest)")))
+                        f"KV pool exhausted: {exc} ({why})")))
                     continue
                 return  # wait for running sequences to finish
             except Exception:  # noqa: BLE001 - only this request fails, not every step

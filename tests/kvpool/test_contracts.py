@@ -359,3 +359,15 @@ def test_a_submit_that_fails_does_not_use_up_a_waiting_slot(make_engine, monkeyp
     monkeypatch.undo()
     _, fin = collect(eng.submit(request(prompt(8, 44), 4))[1])
     assert isinstance(fin, Finished)  # max_waiting=1 still admits one
+
+
+def test_a_whole_prompt_hit_on_a_full_pool_is_served_as_from_scratch(make_engine,
+                                                                       tiny_model) -> None:
+    """32 tokens fill 8 blocks of 4. From scratch it fits; again, the hit copied its last block
+    (copy-on-write) while holding the source, one block more than the pool has, and failed."""
+    eng = make_engine(num_blocks=8)
+    p = prompt(32, 5)
+    want = reference_greedy(tiny_model, p, 1)
+    for _ in range(2):
+        toks, fin = collect(eng.submit(request(p, 1))[1])
+        assert isinstance(fin, Finished) and toks == want, fin
