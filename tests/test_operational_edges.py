@@ -135,6 +135,8 @@ def test_sigterm_reports_not_serving_while_still_serving_for_the_drain_delay():
     ("kvpool", "services.kvpool.config:KvPoolConfig", "METRICS_PORT", "65536"),
     ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "METRICS_PORT", "99999"),
     ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "TOKENS", "abc"),
+    # Pruning to the budget itself rescans every leaf on each publish under the index lock.
+    ("prefix", "services.prefix.config:PrefixConfig", "PRUNE_TO", "1.0"),
 ])
 def test_bad_durations_ports_and_token_lists_are_refused_at_load(service, cls_path, var, value):
     import importlib

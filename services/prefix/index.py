@@ -104,6 +104,7 @@ class HeartbeatResult(NamedTuple):
 class PublishResult(NamedTuple):
     resync: bool  # False = applied (or an already applied retry)
     next_seq: int
+    applied: bool = True  # False for a retry or an overtaken resync: nothing changed
 
 
 class MatchResult(NamedTuple):
@@ -171,6 +172,7 @@ class PrefixIndex:
         max_nodes: int = 1_000_000,
         prune_to: float = 0.9,
         policy: EvictionPolicy | None = None,
+        shallow_tokens: int | None = None,
         min_deep_hits: int = 1,
         max_events: int = 65536,
         max_blocks: int = 65536,
@@ -182,6 +184,8 @@ class PrefixIndex:
         Args:
             max_nodes: node budget; over it the tree is pruned down to `prune_to * max_nodes`.
             policy: eviction order of leaves (default HybridPolicy(128)).
+            shallow_tokens: blocks starting before this token are never "deep" for the
+                `min_deep_hits` rule (default: the policy's split, else 128).
             min_deep_hits: deep leaves hit fewer times than this are pruned first.
             max_events / max_blocks: per PublishEvents batch (blocks also bound a Match).
             verify_hashes: recompute the hashes of every new stored block and refuse chains
@@ -194,7 +198,10 @@ class PrefixIndex:
         self.max_nodes = max_nodes
         self.prune_target = max(0, int(max_nodes * prune_to))
         self.policy = policy or HybridPolicy()
-        self.shallow_tokens = getattr(self.policy, "shallow_tokens", 0)
+        # Where "deep" starts for the cold-leaf rule; the hybrid policy's own split by default.
+        # Given apart from the policy: the LRU policy has none, and took every leaf for deep.
+        self.shallow_tokens = (getattr(self.policy, "shallow_tokens", 128)
+                               if shallow_tokens is None else shallow_tokens)
         self.min_deep_hits = min_deep_hits
         self.max_events = max_events
         self.max_blocks = max_blocks
@@ -385,10 +392,10 @@ class PrefixIndex:
         if seq < rep.next_seq:
             # A retry of an applied batch, or a resync overtaken by a newer one (a timed-out
             # call still queued here): applying it would bring back an older view.
-            return PublishResult(False, rep.next_seq)
+            return PublishResult(False, rep.next_seq, applied=False)
         if not resync and seq > rep.next_seq:
             self.resyncs_total += 1
-            return PublishResult(True, rep.next_seq)
+            return PublishResult(True, rep.next_seq, applied=False)
         if len(events) == 1 and not resync and type(events[0]) is Stored \
                 and events[0].parent_hash:
             return self._publish_one(rep, seq, events[0])
@@ -445,7 +452,7 @@ class PrefixIndex:
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
-        return _new(PublishResult, (False, rep.next_seq))
+        return _new(PublishResult, (False, rep.next_seq, True))
 
     def _drop_waiting(self, waiting: dict[bytes, list[tuple]]) -> None:
         """Counts every waiting chain's blocks as dropped and forgets them."""

@@ -37,8 +37,8 @@ def build_index(cfg: PrefixConfig) -> PrefixIndex:
     return PrefixIndex(
         cfg.block_size, lease_seconds=cfg.lease_seconds, max_nodes=cfg.max_nodes,
         prune_to=cfg.prune_to, policy=make_policy(cfg.eviction_policy, cfg.shallow_tokens),
-        min_deep_hits=cfg.min_deep_hits, max_events=cfg.max_events, max_blocks=cfg.max_blocks,
-        verify_hashes=cfg.verify_hashes)
+        shallow_tokens=cfg.shallow_tokens, min_deep_hits=cfg.min_deep_hits,
+        max_events=cfg.max_events, max_blocks=cfg.max_blocks, verify_hashes=cfg.verify_hashes)
 
 
 def _load_pb(load: Load) -> prefix_pb2.ReplicaLoad:
@@ -104,7 +104,7 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
             RESYNCS.inc(resynced)
             log.info("replica %s: batch %d after a gap; asking for a resync (expects %d)",
                      request.replica_id, request.seq, r.next_seq)
-        elif not r.resync:
+        elif r.applied:  # not a retry of an applied batch, nor an overtaken resync
             for e in request.events:
                 EVENTS.labels(e.WhichOneof("event")).inc()
         status = (prefix_pb2.PUBLISH_STATUS_RESYNC if r.resync

@@ -455,11 +455,11 @@ class BlockTree:
         """Which replica slots hold how many leading blocks of `hashes`.
 
         Returns segments, deepest first; slots in no segment hold 0 blocks. The deepest matched
-        node is credited with a hit at `clock` (unless `credit` is False). With `model_id`,
-        a chain under another model's root matches nothing. A list that is not one chain of the tree (a
-        caller's garbage, or a publisher's chain that skips blocks) never raises: it matches up
-        to the first break the binary search probes (each probed node must sit at its
-        position's depth; where the bisect finds a gap, parent links are followed instead).
+        node is credited with a hit at `clock` (unless `credit` is False). With `model_id`, a
+        chain under another model's root matches nothing. A list that is not one chain of the
+        tree (a caller's garbage, or a publisher's chain that skips blocks) never raises: it
+        matches up to the first break the binary search probes (each probed node must sit at
+        its position's depth; where the bisect finds a gap, parent links are followed instead).
         """
         n = len(hashes)
         if not n:

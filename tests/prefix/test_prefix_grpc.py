@@ -174,3 +174,32 @@ def test_client_errors_name_the_shard_and_have_deadlines():
     with pytest.raises(ValueError, match="addresses"):
         PrefixIndexClient([])
     c.close()
+
+
+def test_events_metric_counts_applied_batches_only(server):
+    """A retried batch (a timed-out call sent again) changes nothing, but was counted as
+    applied events."""
+    from prometheus_client import REGISTRY
+
+    def applied() -> float:
+        return REGISTRY.get_sample_value("tiercache_prefix_events_total",
+                                         {"kind": "stored"}) or 0.0
+
+    ch = make_channel(server.address)
+    stub = prefix_pb2_grpc.PrefixIndexStub(ch)
+    md = call_metadata(TOKEN)
+    try:
+        stub.Register(prefix_pb2.RegisterRequest(
+            replica_id="r0", incarnation="i", address="127.0.0.1:7000", model_id=MODEL,
+            block_size=BS, capacity_blocks=64), metadata=md, timeout=5)
+        batch = prefix_pb2.PublishEventsRequest(replica_id="r0", incarnation="i", seq=1,
+                                                events=[stored_pb(chain(2))])
+        start = applied()
+        stub.PublishEvents(batch, metadata=md, timeout=5)
+        assert applied() == start + 1
+        for _ in range(3):  # retries of the applied batch
+            r = stub.PublishEvents(batch, metadata=md, timeout=5)
+            assert r.status == prefix_pb2.PUBLISH_STATUS_OK and r.next_seq == 2
+        assert applied() == start + 1
+    finally:
+        ch.close()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
+from services.common.hashing import BlockHasher
 from services.prefix.index import Cleared, Load, Removed
 
 from .conftest import BS, MODEL, make_index, matched, stored, toks
@@ -131,22 +132,23 @@ def test_new_incarnation_drops_what_the_old_one_held(index, hasher):
 
 def test_gap_asks_for_resync_and_resync_replaces_holdings(index, hasher):
     reg(index, "a")
-    assert index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))]) == (False, 2)
+    assert index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))]) == (False, 2, True)
     # Batch 2 was lost: batch 3 is not applied.
     r = index.publish("a", "i1", 3, [stored(hasher, toks(5))])
-    assert r == (True, 2)
+    assert r == (True, 2, False)
     assert matched(index, toks(5)) == {"a": 0}
     assert index.stats().resyncs_total == 1
     # A retry of batch 1 is acknowledged and ignored.
-    assert index.publish("a", "i1", 1, [Cleared()]) == (False, 2)
+    assert index.publish("a", "i1", 1, [Cleared()]) == (False, 2, False)  # a retry
     assert matched(index, toks(1, 2)) == {"a": 2}
     # The full holdings, one block per event as a snapshot sends them.
     snap = [stored(hasher, toks(5, 6), end=1), stored(hasher, toks(5, 6), start=1)]
-    assert index.publish("a", "i1", 7, snap, resync=True) == (False, 8)
+    assert index.publish("a", "i1", 7, snap, resync=True) == (False, 8, True)
     index.check_integrity()
     assert matched(index, toks(1, 2)) == {"a": 0}
     assert matched(index, toks(5, 6)) == {"a": 2}
-    assert index.publish("a", "i1", 8, [Removed([hasher.hashes(toks(5))[0]])]) == (False, 9)
+    assert index.publish("a", "i1", 8, [Removed([hasher.hashes(toks(5))[0]])]) == (
+        False, 9, True)
     assert index.stats().nodes == 0
 
 
@@ -267,8 +269,6 @@ def test_bad_input_is_refused_and_changes_nothing(index, hasher):
 
 
 def test_hash_probe_refuses_a_replica_hashing_differently(index, hasher, clock):
-    from services.common.hashing import BlockHasher
-
     assert index.register("a", "i", "x:1", MODEL, BS, 0, hasher.probe()).next_seq == 1
     foreign = BlockHasher(MODEL, BS, b"another-key").probe()
     with pytest.raises(FailedPrecondition, match="hash_probe"):
@@ -341,7 +341,6 @@ def test_a_resync_overtaken_by_a_newer_one_is_ignored(index, hasher):
 
 
 def test_a_replica_cannot_hang_blocks_under_another_models_root():
-    from services.common.hashing import BlockHasher
     from services.prefix.index import PrefixIndex, Stored
 
     idx = PrefixIndex(4)
@@ -480,3 +479,24 @@ def test_a_probe_gets_the_answer_without_counting_a_hit(index, hasher):
     assert (after.matches_total, after.matches_hit, after.match_blocks_total) == (
         before.matches_total, before.matches_hit, before.match_blocks_total)
     assert [p.hits for p in index.top_prefixes(5, MODEL)] == [1]
+
+
+@pytest.mark.parametrize("name", ["hybrid", "lru"])
+def test_the_cold_deep_rule_spares_shallow_leaves_under_either_policy(name):
+    """The LRU policy carries no shallow/deep split, and the index then took every leaf for
+    deep: a new, never-matched one-block prompt went before an old deep leaf."""
+    from services.prefix.config import PrefixConfig
+    from services.prefix.server import build_index
+
+    index = build_index(PrefixConfig(block_size=BS, max_nodes=5, prune_to=0.8,
+                                     eviction_policy=name, shallow_tokens=8, min_deep_hits=1))
+    hasher = BlockHasher(MODEL, BS)  # the service's index uses the default hash key
+    reg(index, "a")
+    deep = toks(1, 2, 3, 4)  # blocks from token 8 on are deep
+    index.publish("a", "i1", 1, [stored(hasher, deep)])
+    matched(index, deep)  # the deep leaf is hit once, long ago
+    index.publish("a", "i1", 2, [stored(hasher, toks(9))])  # 5 nodes: at the budget
+    index.publish("a", "i1", 3, [stored(hasher, toks(8))])  # 6 nodes: prune to 4
+    index.check_integrity()
+    assert matched(index, toks(8)) == {"a": 1} and matched(index, toks(9)) == {"a": 1}
+    assert matched(index, deep) == {"a": 2}
