@@ -44,6 +44,8 @@ class OnnxEmbedder:
         self._tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
         self._tok.enable_truncation(self.max_seq_length)
         self._tok.enable_padding()
+        # Tokens a text gets beyond its own (e.g. [CLS] [SEP]), read from the empty text.
+        self._specials = sum(self._tok.encode("").attention_mask)
         opts = ort.SessionOptions()
         if threads:
             opts.intra_op_num_threads = threads
@@ -58,6 +60,11 @@ class OnnxEmbedder:
     def exceeds_window(self, text: str) -> bool:
         """Whether `text` is longer than the `max_seq_length` tokens the model reads: its
         vector then says nothing of the rest, so it is like any text with the same start."""
+        # Every token covers at least one byte of the text (WordPiece, byte-level BPE, and
+        # SentencePiece but for its one dummy-prefix piece): short texts need no tokenising.
+        room = self.max_seq_length - self._specials - 1
+        if 4 * len(text) <= room or len(text.encode()) <= room:
+            return False
         return bool(self._tok.encode(text).overflowing)
 
     def embed_checked(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]:

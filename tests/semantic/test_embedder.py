@@ -138,3 +138,18 @@ def test_the_export_fingerprint_follows_the_weights_content(tmp_path):
     data[100] ^= 0xFF  # same size, other weights
     weights.write_bytes(bytes(data))
     assert spec.fingerprint() != before
+
+
+def test_exceeds_window_agrees_with_the_tokenizer(onnx_embedder):
+    """The byte-count shortcut never calls a text short that the model would cut."""
+    import random
+
+    rng = random.Random(7)
+    pieces = ["a", "é", "中", "😀", " ", "word ", "x.", "!!", "1 "]
+    seen = set()
+    for _ in range(600):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 400)))
+        cut = bool(onnx_embedder._tok.encode(text).overflowing)
+        assert onnx_embedder.exceeds_window(text) == cut, text
+        seen.add(cut)
+    assert seen == {True, False}
