@@ -42,6 +42,48 @@ def parse_token_pairs(tokens: str) -> dict[str, str]:
     return out
 
 
+_LIMITS = ("max_prompt_tokens", "max_tokens", "max_concurrent")
+_KEYS = frozenset(("tenant", "rate_per_s", "burst", "admin", *_LIMITS))
+
+
+def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, dict]:
+    """(tenant name, Tenant fields but name/salt) of one tokens-file entry, checked: a JSON
+    string (the tenant) or an object with `tenant` and optional limits.
+
+    Raises:
+        ValueError: naming `where` and the field.
+    """
+    spec = {"tenant": raw} if isinstance(raw, str) else raw
+    if not isinstance(spec, Mapping):
+        raise ValueError(f"{where}: expected a tenant name or an object with 'tenant'")
+    unknown = set(spec) - _KEYS
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; "
+                         f"expected {sorted(_KEYS)}")
+    name = spec.get("tenant")
+    if not isinstance(name, str) or not name.strip():
+        raise ValueError(f"{where}: 'tenant' must be a non-empty string")
+    out: dict = {}
+    for k in _LIMITS:
+        v = spec.get(k, defaults[k])
+        if type(v) is not int or v < 1:
+            raise ValueError(f"{where}: {k!r} must be a whole number >= 1, got {v!r}")
+        out[k] = v
+    rate = spec.get("rate_per_s", 0.0)
+    if type(rate) not in (int, float) or not math.isfinite(rate) or rate < 0:
+        raise ValueError(f"{where}: 'rate_per_s' must be a finite number >= 0, got {rate!r}")
+    burst = spec.get("burst", max(1, math.ceil(rate)))
+    if type(burst) is not int or burst < 1:
+        raise ValueError(f"{where}: 'burst' must be a whole number >= 1, got {burst!r}")
+    admin = spec.get("admin", False)
+    if type(admin) is not bool:
+        # "false" or "no" as a string would be truthy: admin by accident.
+        raise ValueError(f"{where}: 'admin' must be true or false (a JSON boolean), "
+                         f"got {admin!r}")
+    out.update(rate_per_s=float(rate), burst=burst, admin=admin)
+    return name, out
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
@@ -81,35 +123,55 @@ class TenantRegistry:
     def build(cls, *, tokens_file: str, tokens: str, key: bytes, max_prompt_tokens: int,
               max_tokens: int, max_concurrent: int) -> TenantRegistry:
         """From a JSON file `{"<token>": {"tenant": "a", "max_concurrent": 4, ...}}` and/or a
-        "token=tenant,..." string. No tokens at all = a single `default` tenant, no auth."""
-        entries: dict[str, dict] = {}
+        "token=tenant,..." string. No tokens at all = a single `default` tenant, no auth.
+
+        Limits belong to the tenant, not the token: every token of a tenant gets the same ones
+        (a string token of a tenant the file describes takes the file's limits).
+
+        Raises:
+            ValueError: a malformed entry (naming its position and field, never the token),
+                tokens configured but none given (that would open the API to everyone), or two
+                tokens of one tenant with different limits.
+        """
+        defaults = {"max_prompt_tokens": max_prompt_tokens, "max_tokens": max_tokens,
+                    "max_concurrent": max_concurrent}
+        specs: dict[str, dict] = {}  # tenant -> its limits (one spec per tenant)
+        names: dict[str, str] = {}  # token -> tenant
         if tokens_file:
             with open(tokens_file, encoding="utf-8") as f:
                 data = json.load(f)
             if not isinstance(data, Mapping):
                 raise ValueError(f"{tokens_file}: expected a JSON object of token -> tenant")
-            for tok, spec in data.items():
-                entries[tok] = spec if isinstance(spec, Mapping) else {"tenant": str(spec)}
+            for i, (tok, raw) in enumerate(data.items(), 1):
+                where = f"{tokens_file}: entry {i}"
+                if not isinstance(tok, str) or not tok.strip():
+                    raise ValueError(f"{where}: the token must be a non-empty string")
+                name, spec = _spec(where, raw, defaults)
+                if specs.setdefault(name, spec) != spec:
+                    raise ValueError(f"{where}: tenant {name!r} has another token with "
+                                     "different limits (limits are per tenant)")
+                names[tok] = name
+        if tokens.strip() and not parse_token_pairs(tokens):
+            raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: set but names no token=tenant")
         for tok, name in parse_token_pairs(tokens).items():
-            entries[tok] = {"tenant": name}
+            if names.get(tok, name) != name:
+                raise ValueError(f"TIERCACHE_ORCHESTRATOR_TOKENS: a token of tenant {name!r} "
+                                 f"is the file's token of tenant {names[tok]!r}")
+            names[tok] = name
+            specs.setdefault(name, _spec("TIERCACHE_ORCHESTRATOR_TOKENS", name, defaults)[1])
+        if tokens_file and not names:
+            # An emptied secret must not turn authentication off.
+            raise ValueError(f"{tokens_file}: no tokens (remove the setting to run without "
+                             "authentication)")
 
         def make(name: str, spec: Mapping) -> Tenant:
-            rate = float(spec.get("rate_per_s", 0.0))
-            if not rate >= 0.0:
-                raise ValueError(f"tenant {name}: rate_per_s must be >= 0")
-            burst = int(spec.get("burst", max(1, math.ceil(rate))))
-            if burst < 1:
-                raise ValueError(f"tenant {name}: burst must be >= 1")
-            return Tenant(
-                name=name, cache_salt=cls.salt_for(name, key),
-                max_prompt_tokens=int(spec.get("max_prompt_tokens", max_prompt_tokens)),
-                max_tokens=int(spec.get("max_tokens", max_tokens)),
-                max_concurrent=int(spec.get("max_concurrent", max_concurrent)),
-                rate_per_s=rate, burst=burst, admin=bool(spec.get("admin", False)))
+            return Tenant(name=name, cache_salt=cls.salt_for(name, key), **spec)
 
-        by_token = {t: make(str(s["tenant"]), s) for t, s in entries.items()}
+        tenants = {name: make(name, spec) for name, spec in specs.items()}
+        by_token = {tok: tenants[name] for tok, name in names.items()}
         # No tokens = a local, unauthenticated stack: its one caller is also its operator.
-        default = None if by_token else make("default", {"admin": True})
+        default = None if by_token else make("default", _spec("default", {
+            "tenant": "default", "admin": True}, defaults)[1])
         return cls(by_token, default, key=key)
 
     def authenticate(self, metadata: Mapping[str, str]) -> Tenant:

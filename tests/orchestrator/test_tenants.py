@@ -68,3 +68,59 @@ def test_a_forged_entry_reference_with_non_ascii_characters_is_just_unknown():
     assert r.entry_id(a, ref) == "abc"
     assert r.entry_id(a, "abc.é") is None
     assert r.entry_id(a, "abc.\u00e9" + ref[-15:]) is None
+
+
+@pytest.mark.parametrize("entry,field", [
+    ({"tenant": "a", "admin": "false"}, "admin"),  # a truthy string made anyone admin
+    ({"tenant": "a", "admin": 1}, "admin"),
+    ({"tenant": "a", "max_concurrent": 0}, "max_concurrent"),
+    ({"tenant": "a", "max_prompt_tokens": -5}, "max_prompt_tokens"),
+    ({"tenant": "a", "max_tokens": None}, "max_tokens"),
+    ({"tenant": "a", "max_tokens": 2.5}, "max_tokens"),
+    ({"tenant": "a", "rate_per_s": "inf"}, "rate_per_s"),
+    ({"tenant": "a", "rate_per_s": -1}, "rate_per_s"),
+    ({"tenant": "a", "burst": 0}, "burst"),
+    ({"tenant": "a", "max_concurent": 4}, "unknown field"),
+    ({"tenant": ""}, "tenant"),
+    ({"max_tokens": 5}, "tenant"),  # a KeyError traceback at start before
+    (None, "tenant name"),  # became a tenant named "None"
+    (["a"], "tenant name"),
+])
+def test_malformed_token_entries_are_refused_naming_the_field(tmp_path, entry, field):
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"secret-token": entry}))
+    with pytest.raises(ValueError, match=field) as ei:
+        reg(tokens_file=str(f))
+    assert "secret-token" not in str(ei.value)  # positions, never the token itself
+    assert "entry 1" in str(ei.value)
+
+
+def test_a_configured_tokens_file_without_tokens_does_not_open_the_api(tmp_path):
+    f = tmp_path / "tokens.json"
+    f.write_text("{}")
+    with pytest.raises(ValueError, match="no tokens"):
+        reg(tokens_file=str(f))
+    with pytest.raises(ValueError, match="names no token"):
+        reg(tokens=" , ")
+
+
+def test_limits_belong_to_the_tenant_whichever_token_it_uses(tmp_path):
+    """Each token built its own Tenant while counters are per tenant name: a second token let
+    a tenant with max_concurrent 1 run two requests, and an env token replaced the file's
+    whole spec (admin and limits) for the same token."""
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"t1": {"tenant": "a", "max_concurrent": 1, "admin": True}}))
+    r = reg(tokens_file=str(f), tokens="t2=a,t1=a")
+    t1 = r.authenticate({"authorization": "Bearer t1"})
+    t2 = r.authenticate({"authorization": "Bearer t2"})
+    assert t1 == t2 and t1.max_concurrent == 1 and t1.admin
+    r.acquire(t1)
+    with pytest.raises(ResourceExhausted):
+        r.acquire(t2)
+    f.write_text(json.dumps({"t1": {"tenant": "a", "max_concurrent": 1},
+                             "t3": {"tenant": "a", "max_concurrent": 5}}))
+    with pytest.raises(ValueError, match="different limits"):
+        reg(tokens_file=str(f))
+    f.write_text(json.dumps({"t1": {"tenant": "a"}}))
+    with pytest.raises(ValueError, match="file's token of tenant 'a'"):
+        reg(tokens_file=str(f), tokens="t1=b")
