@@ -176,12 +176,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         tenant = self._tenant(context)
         if self.warmer is None:
             raise errors.FailedPrecondition("warm-up is not available")
-        # A warm-up holds a tenant slot like a request does, and ends by the caller's deadline.
-        self.tenants.acquire(tenant)
-        try:
-            return self.warmer.warm(tenant, request, context.time_remaining())
-        finally:
-            self.tenants.release(tenant)
+        # A warm-up holds a tenant slot and a server stream slot like a request does (it holds
+        # a worker thread for up to 120 s: uncounted, Warm calls could take the threads kept
+        # for health probes and Stats), and ends by the caller's deadline.
+        with self._stream_slot():
+            self.tenants.acquire(tenant)
+            try:
+                return self.warmer.warm(tenant, request, context.time_remaining())
+            finally:
+                self.tenants.release(tenant)
 
     def Feedback(self, request, context):
         tenant = self._tenant(context)
@@ -245,6 +248,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
 # Prompts (or top_k prefixes) one Warm call may ask for.
 MAX_WARM_PROMPTS = 64
+# TopPrefixes' largest k (the index refuses more).
+MAX_TOP_PREFIXES = 1000
 
 
 class Warmer:
@@ -294,6 +299,9 @@ class Warmer:
                 "pin_ttl_seconds", f"{request.pin_ttl_seconds} s exceeds the limit of "
                 f"{self.cfg.warm_pin_ttl_max_s} s")
         ttl = request.pin_ttl_seconds or self.cfg.warm_pin_ttl_s
+        if request.top_k and self.orch.prefix is None:
+            raise errors.FailedPrecondition(
+                "top_k: no prefix index is configured to name the hot prefixes")
         jobs = []
         for i, p in enumerate(request.prompts):
             if p.messages:
@@ -311,15 +319,22 @@ class Warmer:
                     f"{tenant.max_prompt_tokens}")
             for r in self._targets(tenant, ids, request.target):
                 jobs.append((r, ids, tenant.cache_salt, ttl, i))
-        if request.top_k and self.orch.prefix is not None:
-            for hp in self.orch.prefix.top_prefixes(request.top_k, self.orch.model_id):
-                # Only this tenant's prefixes: another tenant's salt is not ours to use.
-                if hp.cache_salt != tenant.cache_salt:
-                    continue
+        if request.top_k:
+            try:
+                # The index ranks every tenant's prefixes: ask for its longest list, keep this
+                # tenant's (another tenant's salt is not ours to use), then the top k of those.
+                hot = self.orch.prefix.top_prefixes(MAX_TOP_PREFIXES, self.orch.model_id)
+            except grpc.RpcError as e:
+                raise errors.Unavailable(f"top_k: the prefix index is unavailable "
+                                         f"({e.code().name})") from None
+            mine = [hp for hp in hot if hp.cache_salt == tenant.cache_salt][:request.top_k]
+            for hp in mine:
                 ids = list(hp.token_ids)
                 for r in self._targets(tenant, ids, request.target):
                     if r.replica_id not in hp.holders:
                         jobs.append((r, ids, hp.cache_salt, ttl, -1))
+        if not self.orch.replicas.healthy():  # after the checks of the request itself
+            raise errors.Unavailable("no healthy replica to warm")
         results = list(self._pool.map(
             lambda j: self._prefill(*j, timeout=deadline - time.monotonic()), jobs))
         return orchestrator_pb2.WarmResponse(results=results)

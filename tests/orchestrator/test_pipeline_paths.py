@@ -176,6 +176,58 @@ def test_warm_top_k_for_owners_warms_only_the_owner():
         warmer.stop()
 
 
+def test_warm_top_k_keeps_k_of_the_tenants_own_prefixes_and_names_an_index_outage():
+    """top_k took the cluster's k hottest prefixes and then dropped other tenants': a tenant
+    whose prefixes ranked below k others' got nothing. An index outage was INTERNAL."""
+    stubs = {r: Stub(r, []) for r in ("A", "B")}
+    asked: list[int] = []
+    others = [prefix_pb2.HotPrefix(token_ids=list(range(200 + i, 264 + i)), holders=["A"],
+                                   hits=50, cache_salt="someone-else") for i in range(3)]
+    mine = [prefix_pb2.HotPrefix(token_ids=list(range(300 + i, 364 + i)), holders=["A"],
+                                 hits=5 - i, cache_salt=TENANT.cache_salt) for i in range(3)]
+
+    def top(k, model_id):
+        asked.append(k)
+        return (others + mine)[:k]
+
+    prefix = SimpleNamespace(match=lambda hashes, model_id, timeout=None, probe=False: {},
+                             top_prefixes=top)
+    orch = make(stubs, prefix=prefix)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
+    try:
+        got = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(top_k=2))
+        assert [(r.replica_id, r.prompt_index) for r in got.results] == [("B", -1), ("B", -1)]
+        assert [list(req.token_ids) for req in stubs["B"].requests] == [
+            list(p.token_ids) for p in mine[:2]]
+
+        def down(k, model_id):
+            raise RpcError(grpc.StatusCode.UNAVAILABLE)
+
+        prefix.top_prefixes = down
+        with pytest.raises(errors.Unavailable, match="top_k: the prefix index"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(top_k=2))
+    finally:
+        warmer.stop()
+
+
+def test_warm_that_cannot_do_anything_says_why_instead_of_ok():
+    from services.orchestrator.render import PromptRenderer
+
+    stubs = {"A": Stub("A", [])}
+    orch = make(stubs)  # no prefix index
+    orch.renderer = PromptRenderer(Tok(), max_chars=50)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
+    try:
+        with pytest.raises(errors.FailedPrecondition, match="top_k: no prefix index"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(top_k=2))
+        orch.replicas.replicas[0].health.fail(RpcError(grpc.StatusCode.UNAVAILABLE))
+        with pytest.raises(errors.Unavailable, match="no healthy replica"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+                prompts=[orchestrator_pb2.WarmPrompt(prompt="x")]))
+    finally:
+        warmer.stop()
+
+
 def test_warm_top_k_zero_turns_the_loop_off_without_asking_the_index():
     asked = []
     orch = SimpleNamespace(prefix=SimpleNamespace(top_prefixes=lambda k, m: asked.append(k)),

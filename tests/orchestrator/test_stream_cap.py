@@ -89,3 +89,21 @@ def test_too_few_workers_is_a_config_error():
 
     with pytest.raises(ConfigError, match="TIERCACHE_ORCHESTRATOR_MAX_WORKERS"):
         OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=STREAM_HEADROOM).validate()
+
+
+def test_warm_takes_a_stream_slot_so_the_headroom_stays_for_probes():
+    """A Warm holds a worker thread for up to 120 s; uncounted, a tenant's Warm calls could
+    take the threads kept for health checks and Stats."""
+    s, orch = servicer(STREAM_HEADROOM + 1)  # room for 1 stream
+    calls: list[int] = []
+    s.warmer = SimpleNamespace(warm=lambda tenant, req, left: calls.append(s._streams) or
+                               orchestrator_pb2.WarmResponse())
+    s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
+    assert calls == [1] and s._streams == 0  # held during the call, released after
+    g = s.Generate(request(), Context())
+    assert next(g).text == "hi"
+    with pytest.raises(ResourceExhausted, match="concurrent streams"):
+        s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
+    orch.release.set()
+    list(g)
+    assert s._streams == 0 and calls == [1]
