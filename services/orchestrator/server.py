@@ -154,6 +154,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     else:
                         yield orchestrator_pb2.GenerateResponse(text=ev.text,
                                                                 token_ids=ev.token_ids)
+            except errors.Cancelled:
+                # The RPC-end callback fires for an expired deadline too: say which it was
+                # (the client sees DEADLINE_EXCEEDED either way; metrics and logs must agree).
+                left = context.time_remaining()
+                if left is not None and left <= 0:
+                    raise errors.DeadlineExceeded("deadline exceeded while generating") from None
+                raise
             finally:
                 self.tenants.release(tenant)
 

@@ -107,3 +107,33 @@ def test_warm_takes_a_stream_slot_so_the_headroom_stays_for_probes():
     orch.release.set()
     list(g)
     assert s._streams == 0 and calls == [1]
+
+
+@pytest.mark.parametrize(("left", "want"), [(0.0, "DeadlineExceeded"), (-0.2, "DeadlineExceeded"),
+                                            (5.0, "Cancelled"), (None, "Cancelled")])
+def test_a_stream_ended_by_its_deadline_is_not_counted_as_cancelled(left, want):
+    """The RPC-end callback fires for an expired deadline as for a client cancel, and the
+    pipeline raised Cancelled for both: the metrics counted deadlines as CANCELLED."""
+    from services.common import errors
+
+    s, orch = servicer(STREAM_HEADROOM + 1)
+
+    def ended(**kw):
+        yield TextDelta("hi", [])
+        raise errors.Cancelled("client cancelled")
+
+    orch.generate = ended
+
+    class Ctx(Context):
+        calls = 0
+
+        def time_remaining(self):
+            Ctx.calls += 1
+            return None if left is None else (30.0 if Ctx.calls == 1 else left)
+
+    g = s.Generate(request(), Ctx())
+    assert next(g).text == "hi"
+    with pytest.raises(errors.TierCacheError) as ei:
+        next(g)
+    assert type(ei.value).__name__ == want
+    assert s._streams == 0
