@@ -266,6 +266,8 @@ class SemanticCache:
         if index is None:
             return LookupResult(False, None, 0.0, resolved.threshold, resolved.tier)
         now = self.clock()
+        if text_over:
+            return self._search_over_window(ns, index, vec, text, resolved, want_draft, now)
         best: Entry | None = None
         best_sim, best_th = 0.0, resolved.threshold
         rejected, reason = False, ""
@@ -307,6 +309,31 @@ class SemanticCache:
         if want_draft and best is not None and best_sim >= self.policy.draft_floor:
             draft = best
         return LookupResult(False, draft, best_sim, best_th, resolved.tier, rejected, reason)
+
+    def _search_over_window(self, ns, index, vec, text, resolved, want_draft, now
+                            ) -> LookupResult:
+        """A text past the embedding window hits only its identical prompt, found by text: every
+        text with the same start ties at similarity 1.0, and a search among them could stop
+        before reaching it. Otherwise the nearest entry can still be a draft."""
+        label = self._by_prompt.get((ns, text))
+        e = self._entries.get(label) if label is not None else None
+        if e is not None and not e.expired(now):
+            return LookupResult(True, self._touch(e, now), 1.0,
+                                self.policy.decide(1.0, resolved, e.verified).threshold,
+                                resolved.tier)
+        near, sim = None, 0.0
+        for nb in index.search(vec, _CANDIDATES):
+            cand = self._entries.get(nb.label)
+            if cand is not None and not cand.expired(now):
+                near, sim = cand, min(1.0, nb.score)
+                break
+        reason = ""
+        if near is not None and self.policy.decide(sim, resolved,
+                                                   near.verified).outcome is Outcome.HIT:
+            reason = self._window_refusal(text, True, near)  # close enough, but not the text
+        draft = near if want_draft and sim >= self.policy.draft_floor else None
+        return LookupResult(False, draft, sim, resolved.threshold, resolved.tier,
+                            bool(reason), reason)
 
     def _second_opinion(self, text: str, prompt: str, sim: float, tier: str) -> str:
         """Why the verifier or the guard refuses this hit ("" = serve it)."""
@@ -594,8 +621,11 @@ class SemanticCache:
         for r in live:
             ns = Namespace(r.tenant, r.model_id, r.context_hash)
             es, vs = groups.setdefault(ns, ([], []))
+            # A row stored under a larger TTL limit (an older version, or a lowered setting)
+            # keeps at most today's: past the API's uint32 every hit on it failed.
+            ttl = min(r.ttl_seconds, self.cfg.max_ttl_seconds)
             es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
-                            r.last_hit_at, r.hit_count, r.ttl_seconds, r.truncated))
+                            r.last_hit_at, r.hit_count, ttl, r.truncated))
             vs.append(r.embedding)
         del live
         self.store.delete(stale + replaced)

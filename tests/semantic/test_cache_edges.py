@@ -229,3 +229,55 @@ def test_a_delta_capacity_of_one_merges_and_then_rests():
         assert idx.search(v, 1)[0].label == 1
     finally:
         idx.close(5)
+
+
+class WindowEmbedder(FixedEmbedder):
+    """Texts starting with "LONG" are past the window: they all embed like their start."""
+
+    def embed_one_checked(self, text: str):
+        if text.startswith("LONG"):
+            return self.fixed["query"], True
+        return self.embed_one(text), False
+
+    def exceeds_window(self, text: str) -> bool:
+        return text.startswith("LONG")
+
+
+def test_an_exact_repeat_past_the_window_hits_among_hundreds_that_tie(cache_factory, emb):
+    """300 stored prompts share their first 256 tokens, so all tie at similarity 1.0: the
+    search refused the others one by one and gave up after 256 candidates, and 44 of the 300
+    exact repeats missed."""
+    w = WindowEmbedder()
+    w.fixed = emb.fixed
+    c = cache_factory(w, guard_tiers=(), verifier_tiers=())
+    for i in range(300):
+        c.store_entry(A, f"LONG shared document, question {i}", f"answer {i}")
+    for i in (0, 255, 256, 299):
+        r = c.lookup(A, f"LONG shared document, question {i}", tier="strict")
+        assert r.hit and r.entry.answer == f"answer {i}", (i, r)
+    r = c.lookup(A, "LONG shared document, another question", want_draft=True)
+    assert not r.hit and r.entry is not None and "embedding window" in r.guard_reason
+    assert c.lookup(A, "LONG shared document, another question").entry is None
+
+
+def test_a_row_stored_under_a_larger_ttl_limit_loads_with_todays(make_cfg, emb, clock):
+    """Rows written while the TTL limit was higher (past the API's uint32 once) hit after a
+    restart and then failed in entry_to_proto: every hit on them was INTERNAL."""
+    from services.semantic.server import entry_to_proto
+
+    cfg = make_cfg(guard_tiers=(), verifier_tiers=())
+    store = EntryStore(cfg.resolved_db_path(), "NORMAL")
+    store.insert(id="old", tenant=A.tenant, model_id=A.model_id, context_hash="",
+                 prompt="query", answer="x", embedding=emb.embed_one("query"),
+                 embed_model=emb.identity, verified=False, created_at=clock.t,
+                 ttl_seconds=2**33)
+    store.close()
+    c = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        assert c.load() == 1
+        r = c.lookup(A, "query")
+        assert r.hit and r.entry.ttl_seconds == cfg.max_ttl_seconds
+        assert entry_to_proto(r.entry).ttl_seconds == cfg.max_ttl_seconds
+    finally:
+        c.close_indexes()
+        c.store.close()
