@@ -137,6 +137,7 @@ def test_sigterm_reports_not_serving_while_still_serving_for_the_drain_delay():
     ("orchestrator", "services.orchestrator.config:OrchestratorConfig", "TOKENS", "abc"),
     # Pruning to the budget itself rescans every leaf on each publish under the index lock.
     ("prefix", "services.prefix.config:PrefixConfig", "PRUNE_TO", "1.0"),
+    ("prefix", "services.prefix.config:PrefixConfig", "PRUNE_TO", "0.9999999"),
 ])
 def test_bad_durations_ports_and_token_lists_are_refused_at_load(service, cls_path, var, value):
     import importlib

@@ -211,7 +211,8 @@ class BlockPool:
         Returns:
             Admission(cached_tokens, copies). When the reused prefix reaches into the block that
             holds a token to recompute, that block is copied first (copy-on-write): the sequence
-            never writes into a block other sequences read.
+            never writes into a block other sequences read. If the pool cannot hold the source
+            and its copy at once, the source is given up and that block recomputed instead.
         Raises:
             PoolExhausted: not enough blocks even after eviction. The sequence is not opened
                 and holds nothing; cached blocks evicted while trying stay evicted (a

@@ -459,7 +459,8 @@ class BlockTree:
         chain under another model's root matches nothing. A list that is not one chain of the
         tree (a caller's garbage, or a publisher's chain that skips blocks) never raises: it
         matches up to the first break the binary search probes (each probed node must sit at
-        its position's depth; where the bisect finds a gap, parent links are followed instead).
+        its position's depth under the previous position's node; where the bisect finds a
+        gap, parent links are followed instead).
         """
         n = len(hashes)
         if not n:
@@ -470,18 +471,26 @@ class BlockTree:
             return []
         if model_id is not None and self._meta.get(self._parent(first), ("",))[0] != model_id:
             return []  # another model's hashes, asked for under this one
-        # Binary search for the deepest known block (presence is monotone along a chain; a
-        # node at another depth than its position is not part of this one).
+        def at(i: int) -> int | None:
+            """The node of hashes[i] if it sits at depth i under the node of hashes[i-1] (a
+            node elsewhere is not part of this chain: a publisher's skip, another model)."""
+            s = get(hashes[i])
+            if s is None or nav[_NAV * s + _DEPTH] != i:
+                return None
+            up = nav[_NAV * s + _UP]
+            return s if up and s - up == get(hashes[i - 1]) else None
+
+        # Binary search for the deepest known block (presence is monotone along a chain).
         lo, lo_s = 1, first
-        deep = get(hashes[-1])
-        if deep is not None and nav[_NAV * deep + _DEPTH] == n - 1:
+        deep = at(n - 1) if n > 1 else None
+        if deep is not None:
             lo, lo_s = n, deep
         else:
             hi = n
             while hi - lo > 1:
                 mid = (lo + hi) >> 1
-                s = get(hashes[mid - 1])
-                if s is None or nav[_NAV * s + _DEPTH] != mid - 1:
+                s = at(mid - 1)
+                if s is None:
                     hi = mid
                 else:
                     lo, lo_s = mid, s
@@ -499,8 +508,8 @@ class BlockTree:
                     out.append(_new(MatchSegment, (ma & ~mb, a)))
                     continue
                 m = (a + b) >> 1
-                s = get(hashes[m - 1])
-                if s is None or nav[_NAV * s + _DEPTH] != m - 1:
+                s = at(m - 1)
+                if s is None:
                     return self._match_walk(hashes, first, clock, credit)  # not one chain
                 mm = use[_USE * s + _HOLD]
                 stack.append((a, ma, m, mm))

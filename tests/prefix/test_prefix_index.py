@@ -8,7 +8,7 @@ from services.common.errors import FailedPrecondition, InvalidArgument, NotFound
 from services.common.hashing import BlockHasher
 from services.prefix.index import Cleared, Load, Removed
 
-from .conftest import BS, MODEL, make_index, matched, stored, toks
+from .conftest import BS, KEY, MODEL, make_index, matched, stored, toks
 
 
 def reg(index, rid: str, inc: str = "i1", model: str = MODEL) -> None:
@@ -500,3 +500,26 @@ def test_the_cold_deep_rule_spares_shallow_leaves_under_either_policy(name):
     index.check_integrity()
     assert matched(index, toks(8)) == {"a": 1} and matched(index, toks(9)) == {"a": 1}
     assert matched(index, deep) == {"a": 2}
+
+
+def test_a_node_under_the_wrong_parent_or_model_is_not_part_of_the_chain(clock, hasher):
+    """Depth alone let a block hung one level right but under another parent (a publisher's
+    [A1, X, A3], hashes unverified) rank its holder first with 3 blocks of a prompt it holds 1
+    of; and another model's deeper block at the end of a list took the match and its hit."""
+    index = make_index(clock, verify_hashes=False)
+    reg(index, "r0")
+    reg(index, "r1")
+    reg(index, "z", model="m2")
+    p = toks(1, 2, 3, 4)
+    a = hasher.hashes(p)
+    x = hasher.hashes(toks(1, 9))[1]
+    index.publish("r1", "i1", 1, [type(stored(hasher, p))(b"", [a[0], x, a[2]], toks(1, 9, 3),
+                                                        "", a[0], 0)])
+    index.publish("r0", "i1", 1, [stored(hasher, p, end=3)])
+    assert matched(index, p) == {"r0": 2, "r1": 1}
+    other = BlockHasher("m2", BS, KEY)
+    z = other.hashes(toks(7, 8, 9, 6))
+    index.publish("z", "i1", 1, [stored(other, toks(7, 8, 9, 6))])
+    got = index.match(MODEL, block_hashes=[a[0], a[1], z[2], z[3]])
+    assert {m.replica_id: m.matched_blocks for m in got.matches} == {"r0": 2, "r1": 1}
+    assert index.top_prefixes(5, "m2") == []
