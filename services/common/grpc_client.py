@@ -61,9 +61,11 @@ def make_channel(address: str) -> grpc.Channel:
     return grpc.insecure_channel(address, options=channel_options())
 
 
-def call_metadata(internal_token: str | None = None) -> list[tuple[str, str]]:
-    """Metadata for an outgoing call: the current request id and the internal credential."""
-    md = [("x-request-id", request_id_var.get() or uuid.uuid4().hex[:16])]
+def call_metadata(internal_token: str | None = None,
+                  request_id: str = "") -> list[tuple[str, str]]:
+    """Metadata for an outgoing call: the request id (`request_id`, else the current one) and
+    the internal credential."""
+    md = [("x-request-id", request_id or request_id_var.get() or uuid.uuid4().hex[:16])]
     if internal_token:
         md.append(("authorization", f"Bearer {internal_token}"))
     return md

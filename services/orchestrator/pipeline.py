@@ -348,8 +348,8 @@ class Orchestrator:
                     draft_token_ids=draft_ids[len(generated):] if draft_ids else [],
                     model_id=self.model_id)
                 call = replica.stub.Generate(req, timeout=remaining,
-                                             metadata=call_metadata(self.internal_token)
-                                             + [("x-request-id", request_id)])
+                                             metadata=call_metadata(self.internal_token,
+                                                                    request_id))
                 current["call"] = call
                 # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
                 # ends CANCELLED, which fails over below like any lost replica.

@@ -22,6 +22,7 @@ from tiercache.v1 import (
 
 from services.common import errors
 from services.common.grpc_client import call_metadata
+from services.common.logs import request_id_var
 from services.common.tokens import validate_stop_ids
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling
@@ -126,7 +127,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     f"exceed the model context ({context_limit})")
         self.tenants.check_limits(tenant, len(prompt.token_ids), sampling.max_tokens)
         md = dict(context.invocation_metadata() or ())
-        request_id = md.get("x-request-id") or uuid.uuid4().hex[:16]
+        # The id the interceptor bound to this call's logs (the client's x-request-id, else one
+        # it made up): one id in every log line, every downstream call and GenerateFinal.
+        request_id = request_id_var.get() or md.get("x-request-id") or uuid.uuid4().hex[:16]
         remaining = context.time_remaining()
         budget = self.cfg.request_timeout_s if remaining is None else min(
             remaining, self.cfg.request_timeout_s)

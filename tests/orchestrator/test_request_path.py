@@ -121,6 +121,20 @@ def test_warms_owner_lookup_is_a_probe_and_a_request_is_not():
     assert probes == [True, False]
 
 
+def test_a_replica_call_carries_one_x_request_id_the_requests_own():
+    seen: list = []
+    stub, stubs = one_replica()
+    gen = stub.Generate
+
+    def recording(req, timeout=None, metadata=None):
+        seen.append([v for k, v in metadata if k == "x-request-id"])
+        return gen(req, timeout=timeout, metadata=metadata)
+
+    stub.Generate = recording
+    run(make(stubs))
+    assert seen == [["rid"]]  # was the ambient id and then the request's: two headers
+
+
 def test_lookup_store_and_match_get_what_is_left_of_the_deadline():
     sem = TimedSemantic()
     matched: list[float | None] = []

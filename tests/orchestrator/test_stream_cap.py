@@ -137,3 +137,24 @@ def test_a_stream_ended_by_its_deadline_is_not_counted_as_cancelled(left, want):
         next(g)
     assert type(ei.value).__name__ == want
     assert s._streams == 0
+
+
+def test_the_request_id_is_the_one_the_interceptor_bound_to_the_logs():
+    """Generate made up a second id when the client sent none: GenerateFinal and kvpool got one
+    id, every orchestrator log line and the semantic and prefix calls another."""
+    from services.common.logs import request_id_var
+
+    s, orch = servicer(STREAM_HEADROOM + 1)
+    seen: list[str] = []
+
+    def record(**kw):
+        seen.append(kw["request_id"])
+        yield TextDelta("hi", [])
+
+    orch.generate = record
+    tok = request_id_var.set("bound-by-interceptor")
+    try:
+        list(s.Generate(request(), Context()))
+    finally:
+        request_id_var.reset(tok)
+    assert seen == ["bound-by-interceptor"]
