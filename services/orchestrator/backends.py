@@ -30,15 +30,25 @@ class Health:
     healthy: bool = False
     last_error: str = ""
     last_ok: float = 0.0
+    # Marked down by the health poller (a replica refusing Stats, e.g. draining): only the
+    # poller brings it back, not a request that still finishes there.
+    held_down: bool = False
 
     def ok(self) -> None:
         self.healthy, self.last_error, self.last_ok = True, "", time.time()
+        self.held_down = False
 
-    def fail(self, err: BaseException | str) -> None:
+    def traffic_ok(self) -> None:
+        """A call succeeded: healthy again, unless the poller holds it down."""
+        if not self.held_down:
+            self.ok()
+
+    def fail(self, err: BaseException | str, hold: bool = False) -> None:
         msg = err.details() if isinstance(err, grpc.RpcError) else str(err)
         if self.healthy:
             log.warning("%s at %s is unhealthy: %s", self.name, self.address, msg)
         self.healthy, self.last_error = False, str(msg)
+        self.held_down = self.held_down or hold
 
     def proto(self) -> common_pb2.DependencyHealth:
         return common_pb2.DependencyHealth(name=self.name, address=self.address,
@@ -123,7 +133,7 @@ class ReplicaSet:
                 # Consecutive timed-out polls: a refusal in between (draining) is not one.
                 r.slow_polls = r.slow_polls + 1 if hung else 0
                 if not hung or r.slow_polls >= 3:
-                    r.health.fail(e)  # no new requests go there
+                    r.health.fail(e, hold=True)  # no new requests go there
                     self._lost(r)
                 if hung and r.slow_polls >= 3:
                     # Only a hung replica has its in-flight calls cancelled: one that refuses

@@ -194,6 +194,8 @@ class Orchestrator:
                 namespace=self._namespace(tenant, prompt), prompt=prompt.query_text,
                 answer=answer, truncated_at=truncated_at), timeout).id
         except grpc.RpcError as e:
+            if cut_short(e, timeout, self.semantic.timeout_s):
+                return ""  # the request's own deadline, not the tier: no degradation
             log.warning("semantic store failed: %s", e.details())
             self.stats.degrade("semantic_store_failed")
             return ""
@@ -288,6 +290,10 @@ class Orchestrator:
                 report.draft_entry_id = look.entry.id
 
         ids = prompt.token_ids
+        if cancelled.is_set():
+            # Gone during the semantic lookup: no Match either (the index would count it as
+            # traffic, and its hits steer warm-up).
+            raise errors.Cancelled("client cancelled")
         matches, key, new_blocks, hashes = (PrefixView({}, "", None, []) if policy.skip_prefix_cache
                                              else self._matches(tenant, ids, deadline))
         if not key:
@@ -303,6 +309,10 @@ class Orchestrator:
         while final is None:
             if cancelled.is_set():
                 raise errors.Cancelled("client cancelled")
+            if deadline - time.monotonic() <= 0:
+                # Before routing: a request never sent must leave no prompt credit or routed
+                # count behind (requests sharing its prefix would follow it there).
+                raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
             with self._route_lock:
                 seen = self._with_dispatched(matches, hashes)
                 decision = self.routing.choose(self.replicas.views(), seen, affinity,
@@ -373,7 +383,9 @@ class Orchestrator:
                     # proxy or a replica going away); fail over as for a lost replica.
                     raise _StreamCut(f"replica {replica.replica_id} ended the stream without "
                                      "a final message")
-                replica.health.ok()
+                # Not ok(): a draining replica (down by the poller) finishing its streams must
+                # not come back into routing with each one.
+                replica.health.traffic_ok()
             except grpc.RpcError as e:
                 code = e.code()
                 if final is not None:

@@ -15,7 +15,7 @@ import pytest
 from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
 
 from services.common import errors
-from services.orchestrator.pipeline import Policy, Sampling
+from services.orchestrator.pipeline import Finished, Policy, Sampling
 from services.orchestrator.render import RenderedPrompt
 from services.orchestrator.server import OrchestratorServicer
 from tests.orchestrator.test_contracts import (
@@ -133,6 +133,72 @@ def test_a_replica_call_carries_one_x_request_id_the_requests_own():
     stub.Generate = recording
     run(make(stubs))
     assert seen == [["rid"]]  # was the ambient id and then the request's: two headers
+
+
+def test_a_stream_finishing_on_a_draining_replica_does_not_bring_it_back():
+    """The poller marks a replica that refuses Stats (SIGTERM, draining) down; its streams
+    still finish, and each one marked it healthy again, so the next request was sent there,
+    refused, and retried elsewhere."""
+    stub, stubs = one_replica()
+    orch = make(stubs)
+    replica = orch.replicas.replicas[0]
+    gen = stub.Generate
+
+    def drains_meanwhile(req, timeout=None, metadata=None):
+        call = gen(req, timeout=timeout, metadata=metadata)
+        replica.health.fail("draining: Stats refused", hold=True)  # the poller, mid-stream
+        return call
+
+    stub.Generate = drains_meanwhile
+    assert any(isinstance(e, Finished) for e in run(orch))
+    assert not replica.health.healthy
+    replica.health.ok()  # the poller's next answer
+    assert replica.health.healthy and not replica.health.held_down
+
+
+def test_a_request_past_its_deadline_leaves_no_routing_state():
+    """The deadline was checked after routing had recorded the request: a request never sent
+    credited the replica with its prompt for 10 s and counted as routed traffic."""
+    stub, stubs = one_replica()
+    orch = make(stubs)
+    with pytest.raises(errors.DeadlineExceeded):
+        run(orch, deadline_s=-0.001)
+    assert stub.requests == []
+    assert orch.dispatched.match(orch.hasher.hashes(PROMPT, TENANT.cache_salt)) == {}
+    assert not orch.routing._recent
+
+
+def test_a_client_gone_during_the_semantic_lookup_asks_the_index_nothing():
+    from tests.orchestrator.test_pipeline_paths import Semantic
+
+    callbacks: list = []
+    asked: list = []
+    prefix = SimpleNamespace(timeout_s=1.0, match=lambda h, m, timeout=None, probe=False: (
+        asked.append(probe) or {}))
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=Semantic(on_lookup=lambda: [cb() for cb in callbacks]),
+                prefix=prefix)
+    with pytest.raises(errors.Cancelled):
+        list(orch.generate(
+            tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+            sampling=Sampling(4, 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
+            return_token_ids=False, request_id="r", deadline=time.monotonic() + 30,
+            on_cancel=callbacks.append))
+    assert asked == [] and stub.requests == []
+
+
+def test_a_store_cut_short_by_the_requests_deadline_is_no_degradation():
+    class SlowStore(TimedSemantic):
+        def store(self, req, timeout=None):
+            super().store(req, timeout)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    stub, stubs = one_replica(2)
+    orch = make(stubs, semantic=SlowStore())
+    run(orch, deadline_s=1.0)  # less than the tier's 2 s: the request's own deadline
+    assert "semantic_store_failed" not in orch.stats.degradations
+    run(orch, deadline_s=30.0)  # the tier's whole timeout: the tier is slow
+    assert orch.stats.degradations["semantic_store_failed"] == 1
 
 
 def test_lookup_store_and_match_get_what_is_left_of_the_deadline():
