@@ -28,7 +28,9 @@ $(STAMP): pyproject.toml setup.py services/common/_blockhash.c
 
 protos: $(GEN_STAMP)
 
-$(GEN_STAMP): $(PROTOS) scripts/gen_protos.py | $(STAMP)
+# The venv is a real prerequisite: generated code records the grpcio-tools/protobuf versions
+# it was made with, so a new pin (a new $(STAMP)) must regenerate it.
+$(GEN_STAMP): $(PROTOS) scripts/gen_protos.py $(STAMP)
 	rm -rf gen
 	$(VPY) scripts/gen_protos.py gen --descriptors
 	touch $(GEN_STAMP)

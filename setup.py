@@ -24,7 +24,12 @@ class BuildPyWithProtos(build_py):
             return  # editable installs import gen/ (see the Makefile)
         # The script `make protos` and the image run (scripts/gen_protos.py, in the sdist).
         script = Path(__file__).resolve().parent / "scripts" / "gen_protos.py"
-        runpy.run_path(str(script))["compile_protos"](self.build_lib)
+        gen = runpy.run_path(str(script))
+        gen["compile_protos"](self.build_lib, descriptors=True)
+        # Beside the generated package, where services/common/reflection.py looks in a wheel
+        # install (with the .proto comments that grpcurl describe shows).
+        name = gen["DESCRIPTOR_SET_NAME"]
+        Path(self.build_lib, name).replace(Path(self.build_lib, "tiercache", name))
 
 
 setup(

@@ -26,7 +26,12 @@ umask 077
 
 san="DNS:localhost,IP:127.0.0.1,IP:::1"
 for extra in "$@"; do
-  if [[ "$extra" =~ ^[0-9.:]+$ ]]; then san="$san,IP:$extra"; else san="$san,DNS:$extra"; fi
+  # IPv4, or IPv6 (hex digits and colons: fd00::1); anything else is a DNS name.
+  if [[ "$extra" =~ ^[0-9.]+$ || ( "$extra" == *:* && "$extra" =~ ^[0-9a-fA-F:.]+$ ) ]]; then
+    san="$san,IP:$extra"
+  else
+    san="$san,DNS:$extra"
+  fi
 done
 
 openssl req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 3650 \

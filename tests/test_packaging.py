@@ -24,4 +24,16 @@ def test_a_plain_wheel_has_the_generated_grpc_code_and_the_verifier_weights(tmp_
         for suffix in ("_pb2.py", "_pb2_grpc.py"):
             assert f"tiercache/v1/{proto.stem}{suffix}" in names
     assert "services/semantic/verifier.json" in names
+    assert "tiercache/tiercache_descriptors.pb" in names  # reflection with the proto comments
+    # Installed from the wheel alone (no gen/ on the path), reflection finds that set.
+    site = tmp_path / "site"
+    zipfile.ZipFile(wheel).extractall(site)
+    probe = ("import sys; sys.path[:] = [sys.argv[1]] + [p for p in sys.path if p and "
+             "not p.endswith('/gen') and p != sys.argv[2]]; "
+             "from services.common.reflection import descriptor_set_path, source_info_pool; "
+             "p = descriptor_set_path(); assert str(p).startswith(sys.argv[1]), p; "
+             "assert source_info_pool() is not None; print(p)")
+    out = subprocess.run([sys.executable, "-c", probe, str(site), str(ROOT)], check=True,
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("tiercache/tiercache_descriptors.pb")
     assert "clients/python/cli.py" in names

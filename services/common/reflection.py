@@ -1,7 +1,8 @@
 """Server reflection that carries the .proto comments, so `grpcurl describe` shows them.
 
 The descriptors compiled into `*_pb2.py` have no source info (comments). `make protos` also
-writes `gen/tiercache_descriptors.pb`, a FileDescriptorSet built with `--include_source_info`;
+writes `gen/tiercache_descriptors.pb`, a FileDescriptorSet built with `--include_source_info`
+(a wheel carries it as `tiercache/tiercache_descriptors.pb`, beside the generated package);
 this module serves those file descriptors through the stock reflection servicer by handing it
 a pool whose files copy themselves from that set.
 """
@@ -13,7 +14,23 @@ from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool
 
-DESCRIPTOR_SET = Path(__file__).resolve().parents[2] / "gen" / "tiercache_descriptors.pb"
+DESCRIPTOR_SET_NAME = "tiercache_descriptors.pb"
+DESCRIPTOR_SET = Path(__file__).resolve().parents[2] / "gen" / DESCRIPTOR_SET_NAME
+
+
+def descriptor_set_path() -> Path:
+    """`gen/`'s set (a source checkout, the image), else the one a wheel installs beside the
+    generated `tiercache` package."""
+    if DESCRIPTOR_SET.exists():
+        return DESCRIPTOR_SET
+    import importlib.util
+
+    spec = importlib.util.find_spec("tiercache")
+    for folder in (spec.submodule_search_locations or []) if spec else []:
+        candidate = Path(folder) / DESCRIPTOR_SET_NAME
+        if candidate.exists():
+            return candidate
+    return DESCRIPTOR_SET
 
 
 class _FileWithSource:
@@ -51,8 +68,9 @@ class SourceInfoPool:
         return getattr(self._pool, name)
 
 
-def source_info_pool(path: Path = DESCRIPTOR_SET) -> SourceInfoPool | None:
+def source_info_pool(path: Path | None = None) -> SourceInfoPool | None:
     """A pool serving commented descriptors, or None when the set was not generated."""
+    path = descriptor_set_path() if path is None else path
     if not path.exists():
         return None
     fds = descriptor_pb2.FileDescriptorSet.FromString(path.read_bytes())

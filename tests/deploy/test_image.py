@@ -137,7 +137,9 @@ def test_dockerfile_commands_build_an_importable_layout(tmp_path: Path) -> None:
     text = dockerfile()
     app = tmp_path / "app"
     app.mkdir()
-    for src in sorted(set(re.findall(r"^COPY (?!--from)(\S+) \S+$", text, re.M))):
+    sources = {s for line in re.findall(r"^COPY (?!--from)(.+) \S+$", text, re.M)
+               for s in line.split()}
+    for src in sorted(sources):
         (app / src).parent.mkdir(parents=True, exist_ok=True)
         (shutil.copytree if (ROOT / src).is_dir() else shutil.copy)(ROOT / src, app / src)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -151,12 +153,15 @@ def test_dockerfile_commands_build_an_importable_layout(tmp_path: Path) -> None:
     subprocess.run(["bash", "-c", gen_cmd.group(1)], cwd=app, env=env, check=True, timeout=120)
     assert (app / "gen" / "tiercache_descriptors.pb").is_file()  # reflection's comments
     # The image's PYTHONPATH puts these ahead of site-packages (and of this checkout's gen/).
-    probe = ("import services.common.bootstrap, tiercache.v1.kvpool_pb2 as k, "
-             "tiercache.v1.orchestrator_pb2_grpc as o; print(k.__file__); print(o.__file__)")
+    # clients.python.replay: `tiercache replay` in the image needs benchmarks/workload.py.
+    probe = ("import services.common.bootstrap, clients.python.replay, benchmarks.workload as w, "
+             "tiercache.v1.kvpool_pb2 as k, tiercache.v1.orchestrator_pb2_grpc as o; "
+             "print(k.__file__); print(o.__file__); print(w.__file__)")
     env["PYTHONPATH"] = f"{app}:{app / 'gen'}"
     files = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, check=True,
                            capture_output=True, text=True, timeout=60).stdout.split()
-    assert files and all(f.startswith(str(app / "gen")) for f in files), files
+    assert len(files) == 3 and all(f.startswith(str(app / "gen")) for f in files[:2]), files
+    assert files[2].startswith(str(app / "benchmarks")), files  # not this checkout's
     for svc in SERVICES:
         if (ROOT / "services" / svc).is_dir():
             assert (app / "services" / svc).is_dir()
