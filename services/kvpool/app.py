@@ -74,12 +74,16 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     max_prefill_chunk=cfg.max_prefill_chunk, max_waiting=cfg.max_waiting,
                     prefix_caching=cfg.prefix_caching, drafts=cfg.drafts,
                     max_draft_tokens=cfg.max_draft_tokens,
+                    preallocate_rows=cfg.preallocate_rows,
                     metrics=KvMetrics() if metrics else None).start()
     pool_b, rows_b = engine.store.nbytes()
     rows_max = (KvStore.block_bytes(info.num_layers, info.kv_heads, info.head_dim,
                                     cfg.block_size, dtype) // cfg.block_size
-                * (cfg.max_batch_size + 1) * info.max_context)
+                * engine.store.max_rows * info.max_context)
+    # Growing by doubling holds the old rows beside the new ones while copying.
+    peak = rows_max * (1.0 if cfg.preallocate_rows else 1.5)
     log.info("kv pool: %d blocks of %d tokens (%.0f MiB), working rows %.0f MiB now, up to "
-             "%.0f MiB at the %d-token context (TIERCACHE_KVPOOL_MAX_CONTEXT)", n,
-             cfg.block_size, pool_b / 2**20, rows_b / 2**20, rows_max / 2**20, info.max_context)
+             "%.0f MiB at the %d-token context (TIERCACHE_KVPOOL_MAX_CONTEXT; %.0f MiB while "
+             "growing)", n, cfg.block_size, pool_b / 2**20, rows_b / 2**20, rows_max / 2**20,
+             info.max_context, peak / 2**20)
     return Replica(engine, info)

@@ -54,6 +54,10 @@ class KvPoolConfig:
     drafts: bool = True
     # Most draft tokens verified per sequence in one forward (the bound of the adaptive gamma).
     max_draft_tokens: int = 16
+    # Allocate the working rows for the whole max_context at start instead of growing them by
+    # doubling. Growing holds the old and new rows at once while copying (1.5x the full size at
+    # the last step); allocated up front the peak is the full size, known at start (GPUs).
+    preallocate_rows: bool = False
     eviction_policy: str = "hybrid"
     shallow_tokens: int = 128
     pin_ttl_max_seconds: int = 3600

@@ -198,13 +198,15 @@ class Engine:
         max_waiting: waiting requests before new ones are refused.
         drafts: verify requests' draft tokens (False = ignore drafts, decode normally).
         max_draft_tokens: most draft tokens verified per sequence and forward (gamma's bound).
+        preallocate_rows: allocate the working rows for the whole context now (peak memory at
+            start, no 1.5x copy peak while growing later).
         metrics: Prometheus metrics (optional).
     """
 
     def __init__(self, model: Any, info: ModelInfo, pool: BlockPool, *, max_batch_size: int = 8,
                  max_prefill_chunk: int = 512, max_waiting: int = 256,
                  prefix_caching: bool = True, drafts: bool = True, max_draft_tokens: int = 16,
-                 metrics: KvMetrics | None = None) -> None:
+                 preallocate_rows: bool = False, metrics: KvMetrics | None = None) -> None:
         self.model = model
         self.info = info
         self.pool = pool
@@ -221,6 +223,8 @@ class Engine:
                              head_dim=info.head_dim, num_blocks=pool.num_blocks,
                              block_size=pool.block_size, max_rows=max_batch_size,
                              max_context=info.max_context, dtype=param.dtype, device=self.device)
+        if preallocate_rows:
+            self.store.ensure_capacity(info.max_context)
         self.cache = PagedCache(self.store)
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Sequence] = deque()

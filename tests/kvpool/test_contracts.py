@@ -371,3 +371,17 @@ def test_a_whole_prompt_hit_on_a_full_pool_is_served_as_from_scratch(make_engine
     for _ in range(2):
         toks, fin = collect(eng.submit(request(p, 1))[1])
         assert isinstance(fin, Finished) and toks == want, fin
+
+
+def test_preallocated_rows_hold_the_whole_context_from_the_start(make_engine,
+                                                                  tiny_model) -> None:
+    """Grown by doubling, the rows peak at 1.5x their full size while copying; allocated at
+    start (the GPU overlay) the peak is the full size, and nothing grows later."""
+    eng = make_engine(preallocate_rows=True)
+    full = eng.store.capacity
+    assert full >= eng.info.max_context and full - eng.info.max_context < eng.pool.block_size
+    p = prompt(40, 6)
+    toks, fin = collect(eng.submit(request(p, 8))[1])
+    assert isinstance(fin, Finished) and toks == reference_greedy(tiny_model, p, 8)
+    assert eng.store.capacity == full
+    assert make_engine().store.capacity < full  # the default grows on demand
