@@ -20,6 +20,14 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
+SECRET_TEMPLATE = K8S / "components" / "dev-secret" / "secret.yaml"
+
+
+def template_secret(name: str) -> dict[str, Any]:
+    """The Secret an overlay without one expects the operator to create (same keys)."""
+    s = yaml.safe_load(SECRET_TEMPLATE.read_text())
+    assert s["kind"] == "Secret" and s["metadata"]["name"] == name, SECRET_TEMPLATE
+    return s
 OVERLAYS = sorted(p.name for p in (K8S / "overlays").iterdir() if p.is_dir())
 
 # Values the downward API would give a pod; addresses only need to look like the real ones.
@@ -118,7 +126,10 @@ class Rendered:
         return [w for w in self.workloads if selector_matches(selector, w.pod_labels)]
 
     def secret_data(self, name: str) -> dict[str, str]:
-        s = self.get("Secret", name)
+        """The Secret's values: the overlay's own (dev), else the template the operator
+        fills in (components/dev-secret), which has the keys the pods read."""
+        found = [o for o in self.of_kind("Secret") if o["metadata"]["name"] == name]
+        s = found[0] if found else template_secret(name)
         assert not s.get("data"), "secrets are written as stringData so placeholders are visible"
         return dict(s.get("stringData", {}))
 

@@ -99,7 +99,7 @@ def test_overlays_render_every_service(rendered: Rendered) -> None:
     assert kinds["kvpool"] == "StatefulSet"  # the pod name is the replica id
     assert kinds["semantic"] == "StatefulSet"  # a PVC per shard
     for kind in ("ServiceAccount", "Service", "PodDisruptionBudget", "NetworkPolicy",
-                 "ConfigMap", "Secret", "HorizontalPodAutoscaler"):
+                 "ConfigMap", "HorizontalPodAutoscaler"):  # the Secret: see below
         assert rendered.of_kind(kind), f"{rendered.overlay}: no {kind}"
 
 
@@ -364,6 +364,14 @@ def test_network_policies_admit_exactly_the_intended_traffic(rendered: Rendered)
     assert allowed == expected, (f"{rendered.overlay}: unexpectedly allowed "
                                  f"{sorted(allowed - expected)}, blocked "
                                  f"{sorted(expected - allowed)}")
+
+
+def test_only_the_dev_overlay_ships_a_secret(rendered: Rendered) -> None:
+    """A Secret in an overlay is written back on every `kubectl apply -k`: the operator's real
+    hash key and tokens would be reset to the public placeholders (and the placeholder admin
+    token would work). Only the laptop overlay carries one."""
+    names = [o["metadata"]["name"] for o in rendered.of_kind("Secret")]
+    assert names == (["tiercache-secrets"] if rendered.overlay == "dev" else []), names
 
 
 def test_secret_holds_clearly_marked_placeholders_that_parse(rendered: Rendered) -> None:
