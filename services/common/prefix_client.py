@@ -113,6 +113,8 @@ class PrefixIndexClient:
         self.block_size = block_size
         self.hash_key = hash_key
         self._shards = {a: _Shard(a, channel_factory(a)) for a in addrs}
+        # address -> how its last call went ("" = answered; else the transient failure).
+        self.shard_errors: dict[str, str] = {}
         self._ring = HashRing(addrs)
         self._hashers: dict[str, BlockHasher] = {}
         self._lock = threading.Lock()
@@ -151,10 +153,22 @@ class PrefixIndexClient:
     def _call(self, address: str, method: str, request, timeout: float | None):
         stub = self._shards[address].stub
         try:
-            return getattr(stub, method)(request, timeout=timeout or self.timeout,
+            resp = getattr(stub, method)(request, timeout=timeout or self.timeout,
                                          metadata=call_metadata(self.internal_token))
         except grpc.RpcError as e:
-            raise PrefixIndexError.wrap(method, address, e) from e
+            err = PrefixIndexError.wrap(method, address, e)
+            self._outcome(address, err)
+            raise err from e
+        self._outcome(address, None)
+        return resp
+
+    def _outcome(self, address: str, err: PrefixIndexError | None) -> None:
+        """Remember how `address`'s last call went (`shard_errors`): a shard's failure hidden
+        by a partial answer must still show in Stats."""
+        if err is None:
+            self.shard_errors[address] = ""
+        elif err.code() in _TRANSIENT:
+            self.shard_errors[address] = f"{err.code().name}: {err.details()}"
 
     def _fan_out(self, requests: dict[str, object], method: str, timeout: float | None,
                  allow_partial: bool = False) -> dict[str, object]:
@@ -172,8 +186,10 @@ class PrefixIndexClient:
         for a, f in futs.items():
             try:
                 out[a] = f.result()
+                self._outcome(a, None)
             except grpc.RpcError as e:
                 errors.append(PrefixIndexError.wrap(method, a, e))
+                self._outcome(a, errors[-1])
         refused = [e for e in errors if e.code() not in _TRANSIENT]
         if refused:
             raise refused[0]

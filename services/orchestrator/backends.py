@@ -259,6 +259,8 @@ class SemanticBackend:
         self.addresses = [a.strip() for a in address.split(",") if a.strip()]
         self.enabled = bool(self.addresses)
         self.health = Health("semantic", ",".join(self.addresses))
+        # Each shard's own (the tier's health is whichever shard answered last).
+        self.shard_health = {a: Health("semantic shard", a) for a in self.addresses}
         self.timeout_s = timeout_s
         self.clock = clock
         self._hung: dict[str, tuple[float, float]] = {}  # address -> (skip until, backoff)
@@ -288,6 +290,7 @@ class SemanticBackend:
             resp = getattr(self.stubs[address], method)(
                 req, timeout=timeout, metadata=call_metadata(self.internal_token))
             self.health.ok()
+            self.shard_health[address].ok()
             with self._hung_lock:
                 self._hung.pop(address, None)
             return resp
@@ -298,6 +301,7 @@ class SemanticBackend:
                                   grpc.StatusCode.DEADLINE_EXCEEDED,
                                   grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
                 self.health.fail(e)
+                self.shard_health[address].fail(e)
             with self._hung_lock:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and whole:
                     # Hung: it let a call run out its whole timeout.

@@ -8,6 +8,7 @@ replica -> matched tokens map that routing needs.
 from __future__ import annotations
 
 import grpc
+from tiercache.v1 import common_pb2
 
 from services.common.prefix_client import PrefixIndexClient
 from services.orchestrator.backends import Health, cut_short
@@ -36,6 +37,18 @@ class PrefixBackend:
         r = self._guard(self.client.match, model_id, block_hashes=block_hashes,
                         timeout=timeout, probe=probe)
         return {m.replica_id: m.matched_tokens for m in r.matches if m.matched_blocks}
+
+    def dependencies(self) -> list:
+        """Stats' health entries: the tier, and with shards each shard's own (a partial answer
+        hides a shard that is down; its last call's outcome does not)."""
+        out = [self.health.proto()]
+        if len(self.client.addresses) > 1:
+            for a in self.client.addresses:
+                err = self.client.shard_errors.get(a)
+                out.append(common_pb2.DependencyHealth(
+                    name="prefix shard", address=a, healthy=err == "",
+                    last_error="no call yet" if err is None else err))
+        return out
 
     def top_prefixes(self, k: int, model_id: str):
         return self._guard(self.client.top_prefixes, k, model_id, allow_partial=True).prefixes

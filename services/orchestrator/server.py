@@ -247,12 +247,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             except grpc.RpcError:
                 pass
             resp.dependencies.append(o.semantic.health.proto())
+            if len(o.semantic.addresses) > 1:  # which shard: the tier's shows the last call
+                resp.dependencies.extend(h.proto() for h in o.semantic.shard_health.values())
         if o.prefix is not None:
             try:
                 resp.prefix.CopyFrom(o.prefix.stats())
             except grpc.RpcError:
                 pass
-            resp.dependencies.append(o.prefix.health.proto())
+            resp.dependencies.extend(o.prefix.dependencies())
         return resp
 
 

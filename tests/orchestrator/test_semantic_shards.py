@@ -93,3 +93,41 @@ def test_a_rating_on_a_live_shard_is_not_reported_failed_when_another_is_down(sh
     with pytest.raises(grpc.RpcError) as e:  # s0's entry: the outage, not NOT_FOUND
         be.verify(on_s0, True)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_a_shard_that_is_down_shows_in_the_shard_health_stats_reports(shards):
+    """Partial answers summed the live shards, and the tier's one health record said healthy
+    (the last call that worked), so Stats hid a shard that was down: each shard's own shows."""
+    import socket
+
+    from services.orchestrator.prefix_backend import PrefixBackend
+
+    _, handles = shards
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    live = handles[0].address
+    be = SemanticBackend(f"{dead},{live}", "", 1.0)
+    assert be.stats().entries == 0  # the live shard answered
+    assert be.health.healthy  # the tier as a whole: the last call worked
+    by_addr = {h.address: h for h in be.shard_health.values()}
+    assert by_addr[live].healthy and not by_addr[dead].healthy
+    assert by_addr[dead].last_error
+
+    pb = PrefixBackend((live, dead), "", 1.0, 16)
+    calls = {"n": 0}
+
+    class Answer:
+        def future(self, req, timeout=None, metadata=None):
+            calls["n"] += 1
+            return SimpleFuture()
+
+    class SimpleFuture:
+        def result(self):
+            from tiercache.v1 import prefix_pb2
+            return prefix_pb2.PrefixStatsResponse(nodes=10, block_size=16)
+
+    pb.client._shards[live].stub = type("S", (), {"Stats": Answer()})()
+    assert pb.stats().nodes == 10
+    deps = {d.address: d for d in pb.dependencies() if d.name == "prefix shard"}
+    assert deps[live].healthy and not deps[dead].healthy and deps[dead].last_error
