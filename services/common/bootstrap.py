@@ -165,8 +165,9 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                         yield item
                     RPC_TOTAL.labels(service, short, "OK").inc()
                 except GeneratorExit:
-                    # Client went away; closing the inner generator runs its cleanup.
-                    RPC_TOTAL.labels(service, short, "CANCELLED").inc()
+                    # Client went away (or its deadline passed); closing the inner generator
+                    # runs its cleanup.
+                    RPC_TOTAL.labels(service, short, rpc_ended(context).code).inc()
                     close = getattr(it, "close", None)
                     if close:
                         close()
@@ -247,6 +248,15 @@ def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:
             ca_b = f.read()
     return grpc.ssl_server_credentials([(key_b, cert_b)], root_certificates=ca_b,
                                        require_client_auth=ca_b is not None)
+
+
+def rpc_ended(context: grpc.ServicerContext) -> errors.TierCacheError:
+    """Why an RPC ended under a handler that was still working: its deadline passed
+    (DeadlineExceeded), else the client cancelled or went away (Cancelled)."""
+    left = context.time_remaining() if hasattr(context, "time_remaining") else None
+    if left is not None and left <= 0:
+        return errors.DeadlineExceeded("deadline exceeded")
+    return errors.Cancelled("client cancelled")
 
 
 def create_server(

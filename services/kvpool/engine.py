@@ -768,7 +768,8 @@ class Engine:
             self._remove_from_rows(seq)
         self.pool.close(seq.seq_id)
         seq.phase = Phase.WAITING
-        self.requests_total += 1
+        if isinstance(result, Finished):  # completed: not cancelled, timed out or refused
+            self.requests_total += 1
         # Stats first, so a caller who sees the result also sees its blocks released.
         self._stats = self._compute_stats()
         seq.out.put(result)

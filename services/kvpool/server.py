@@ -13,6 +13,7 @@ import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from services.common import errors
+from services.common.bootstrap import rpc_ended
 from services.common.hashing import check_salt
 from services.common.tokens import validate_stop_ids, validate_tokens
 from services.kvpool.config import KvPoolConfig
@@ -113,7 +114,9 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             while True:
                 item = self._next(out, context)
                 if item is None:
-                    return  # client went away; the callback cancels the sequence
+                    # The client went away or its deadline passed (the callback cancels the
+                    # sequence): say which, not OK, in the RPC metrics.
+                    raise rpc_ended(context)
                 if isinstance(item, Failed):
                     done = True
                     raise item.error
@@ -203,7 +206,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
         item = self._next(out, context)
         if item is None:
             engine.cancel(seq_id)
-            raise errors.Cancelled("client cancelled")
+            raise rpc_ended(context)
         if isinstance(item, Failed):
             raise item.error
         assert isinstance(item, Finished)

@@ -176,6 +176,8 @@ class Orchestrator:
                 field, _, why = details.partition(":")
                 raise errors.InvalidArgument(f"cache_policy.semantic_{field}",
                                              why.strip()) from None
+            if cut_short(e, timeout, self.semantic.timeout_s):
+                return None  # the request's own deadline, not the tier: no degradation
             # Anything else (the tier down, or a text the tier will not take, such as a
             # message over its size limit) only means this request goes without the tier.
             log.warning("semantic lookup failed, skipping the tier: %s", details)

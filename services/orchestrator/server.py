@@ -21,6 +21,7 @@ from tiercache.v1 import (
 )
 
 from services.common import errors
+from services.common.bootstrap import rpc_ended
 from services.common.grpc_client import call_metadata
 from services.common.logs import request_id_var
 from services.common.tokens import validate_stop_ids
@@ -160,10 +161,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             except errors.Cancelled:
                 # The RPC-end callback fires for an expired deadline too: say which it was
                 # (the client sees DEADLINE_EXCEEDED either way; metrics and logs must agree).
-                left = context.time_remaining()
-                if left is not None and left <= 0:
-                    raise errors.DeadlineExceeded("deadline exceeded while generating") from None
-                raise
+                raise rpc_ended(context) from None
             finally:
                 self.tenants.release(tenant)
 

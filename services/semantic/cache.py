@@ -125,11 +125,14 @@ def _metrics():
         "lookups": m.counter("tiercache_semantic_lookups_total", "Semantic lookups",
                              ("tier", "outcome")),
         "guard": m.counter("tiercache_semantic_guard_rejections_total",
-                           "Hits refused by the paraphrase guard"),
+                           "Hits refused by the guard, the verifier or the embedding-window "
+                           "rule"),
         "evictions": m.counter("tiercache_semantic_evictions_total", "Entries evicted (LRU)"),
         "expirations": m.counter("tiercache_semantic_expirations_total", "Entries expired"),
         "entries": m.gauge("tiercache_semantic_entries", "Entries held"),
-        "search": m.histogram("tiercache_semantic_search_seconds", "Index search time",
+        "search": m.histogram("tiercache_semantic_search_seconds",
+                              "Index search and the candidates' checks (guard, verifier), "
+                              "excluding embedding",
                               buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.05, 0.1)),
         "embed": m.histogram("tiercache_semantic_embed_seconds", "Embedding time",
                              buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.1, 0.5)),

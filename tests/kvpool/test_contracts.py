@@ -385,3 +385,18 @@ def test_preallocated_rows_hold_the_whole_context_from_the_start(make_engine,
     assert isinstance(fin, Finished) and toks == reference_greedy(tiny_model, p, 8)
     assert eng.store.capacity == full
     assert make_engine().store.capacity < full  # the default grows on demand
+
+
+def test_requests_total_counts_completed_requests_only(make_engine) -> None:
+    """Stats' requests_total ("completed since start") counted cancelled, timed-out and
+    refused requests too."""
+    import time
+
+    from services.kvpool.engine import Failed
+
+    eng = make_engine()
+    _, fin = collect(eng.submit(request(prompt(8, 1), 4, deadline=time.monotonic() - 1))[1])
+    assert isinstance(fin, Failed)
+    assert eng.stats().requests_total == 0
+    _, fin = collect(eng.submit(request(prompt(8, 2), 4))[1])
+    assert isinstance(fin, Finished) and eng.stats().requests_total == 1

@@ -304,3 +304,64 @@ def test_a_replica_whose_engine_stopped_refuses_calls_as_unavailable():
         s._ready()
     s.engine = SimpleNamespace(running=True)
     assert s._ready()[1] is s.info
+
+
+def test_a_stream_ended_by_cancel_or_deadline_is_not_counted_ok(tiny_model) -> None:
+    """A Generate whose client went away while the engine worked returned normally, so the
+    RPC metric counted every cancel and deadline during a long prefill as OK (and Prefill's
+    deadline as CANCELLED)."""
+    import queue
+    import threading
+
+    from services.common.metrics import RPC_TOTAL
+
+    class Silent:  # a prefill that never answers in time
+        running = True
+        prefix_caching = True
+
+        def __init__(self) -> None:
+            self.cancelled: list[str] = []
+
+        def submit(self, req):
+            return "s1", queue.Queue()
+
+        def cancel(self, seq_id) -> None:
+            self.cancelled.append(seq_id)
+
+    s = Served(CFG, None)
+    eng = Silent()
+    from services.kvpool.engine import model_info
+
+    s.servicer.attach(eng, model_info(tiny_model, TINY_ID))
+    s.handle.set_serving()
+
+    def count(method: str, code: str) -> float:
+        return RPC_TOTAL.labels("kvpool", method, code)._value.get()
+
+    try:
+        before = {c: count("Generate", c) for c in ("OK", "CANCELLED", "DEADLINE_EXCEEDED")}
+        req = kvpool_pb2.KvGenerateRequest(token_ids=PROMPT,
+                                           sampling=common_pb2.SamplingParams(max_tokens=4))
+        call = s.stub.Generate(req, timeout=30)
+        threading.Timer(0.3, call.cancel).start()
+        with pytest.raises(grpc.RpcError):
+            list(call)
+        with pytest.raises(grpc.RpcError) as ei:
+            list(s.stub.Generate(req, timeout=0.3))
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        pre = count("Prefill", "DEADLINE_EXCEEDED")
+        with pytest.raises(grpc.RpcError):
+            s.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=PROMPT), timeout=0.3)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and (
+                count("Generate", "DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"]
+                or count("Prefill", "DEADLINE_EXCEEDED") == pre):
+            time.sleep(0.05)
+        after = {c: count("Generate", c) for c in before}
+        assert after["OK"] == before["OK"]
+        assert after["CANCELLED"] == before["CANCELLED"] + 1
+        assert after["DEADLINE_EXCEEDED"] == before["DEADLINE_EXCEEDED"] + 1
+        assert count("Prefill", "DEADLINE_EXCEEDED") == pre + 1
+        assert len(eng.cancelled) >= 3
+    finally:
+        s.close()

@@ -201,6 +201,20 @@ def test_a_store_cut_short_by_the_requests_deadline_is_no_degradation():
     assert orch.stats.degradations["semantic_store_failed"] == 1
 
 
+def test_a_lookup_cut_short_by_the_requests_deadline_is_no_degradation():
+    class SlowLookup(TimedSemantic):
+        def lookup(self, req, timeout=None):
+            super().lookup(req, timeout)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    stub, stubs = one_replica(2)
+    orch = make(stubs, semantic=SlowLookup())
+    run(orch, deadline_s=1.0)  # less than the tier's 2 s: the request's own deadline
+    assert "semantic_skipped" not in orch.stats.degradations
+    run(orch, deadline_s=30.0)  # the tier's whole timeout: the tier is slow
+    assert orch.stats.degradations["semantic_skipped"] == 1
+
+
 def test_lookup_store_and_match_get_what_is_left_of_the_deadline():
     sem = TimedSemantic()
     matched: list[float | None] = []
