@@ -616,8 +616,9 @@ class SemanticCache:
                     newest[key] = r
                 else:
                     replaced.append(r.label)
-        stale = [r.label for r in newest.values() if self._expired_row(r, now)]
-        live = [r for r in newest.values() if not self._expired_row(r, now)]
+        cap = self.cfg.max_ttl_seconds
+        stale = [r.label for r in newest.values() if self._expired_row(r, now, cap)]
+        live = [r for r in newest.values() if not self._expired_row(r, now, cap)]
         del newest
         self._reembed(live)
         groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
@@ -665,8 +666,10 @@ class SemanticCache:
         return len(self._entries)
 
     @staticmethod
-    def _expired_row(r: Row, now: float) -> bool:
-        return r.ttl_seconds > 0 and now >= r.created_at + r.ttl_seconds
+    def _expired_row(r: Row, now: float, cap: int) -> bool:
+        """Expired under its TTL, at most `cap` (today's max_ttl_seconds: see load)."""
+        ttl = min(r.ttl_seconds, cap)
+        return ttl > 0 and now >= r.created_at + ttl
 
     def _reembed(self, rows: list[Row]) -> None:
         old = [r for r in rows if r.embed_model != self._embed_id

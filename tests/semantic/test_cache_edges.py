@@ -281,3 +281,32 @@ def test_a_row_stored_under_a_larger_ttl_limit_loads_with_todays(make_cfg, emb, 
     finally:
         c.close_indexes()
         c.store.close()
+
+
+def test_a_row_expired_under_todays_ttl_limit_is_not_loaded(make_cfg, emb, clock):
+    """The clamp came after the expiry check: a row expired under today's limit was loaded,
+    took capacity, and could push out a live entry."""
+    from services.semantic.store import EntryStore as Store
+
+    cfg = make_cfg(guard_tiers=(), verifier_tiers=(), max_entries_per_namespace=1)
+    store = Store(cfg.resolved_db_path(), "NORMAL")
+    two_years = 2 * 365 * 24 * 3600
+    old = store.insert(id="old", tenant=A.tenant, model_id=A.model_id, context_hash="",
+                       prompt="old question", answer="x",
+                       embedding=emb.embed_one("old question"), embed_model=emb.identity,
+                       verified=False, created_at=clock.t - two_years, ttl_seconds=2**33)
+    store.record_hit(old, clock.t - 1, 5)  # hit recently: the LRU pass would keep it
+    store.flush_hits()
+    store.insert(id="fresh", tenant=A.tenant, model_id=A.model_id, context_hash="",
+                 prompt="query", answer="live", embedding=emb.embed_one("query"),
+                 embed_model=emb.identity, verified=False, created_at=clock.t - 100,
+                 ttl_seconds=3600)
+    store.close()
+    c = SemanticCache(cfg, emb, Store(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        assert c.load() == 1
+        assert c.lookup(A, "query").entry.answer == "live"
+        assert [r.id for rows in c.store.iter_all() for r in rows] == ["fresh"]
+    finally:
+        c.close_indexes()
+        c.store.close()
