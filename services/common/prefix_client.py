@@ -345,10 +345,13 @@ class PrefixIndexClient:
         return self._call(address, "Match", req, timeout)
 
     def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0, *,
-                     timeout: float | None = None, allow_partial: bool = False
-                     ) -> prefix_pb2.TopPrefixesResponse:
-        """The `k` hottest prefixes over all shards, hottest first."""
+                     cache_salt: str | None = None, timeout: float | None = None,
+                     allow_partial: bool = False) -> prefix_pb2.TopPrefixesResponse:
+        """The `k` hottest prefixes over all shards, hottest first (only under `cache_salt`
+        when given)."""
         req = prefix_pb2.TopPrefixesRequest(k=k, model_id=model_id, min_hits=min_hits)
+        if cache_salt is not None:
+            req.cache_salt = cache_salt
         got = self._fan_out({a: req for a in self.addresses}, "TopPrefixes", timeout,
                             allow_partial)
         allp = [p for r in got.values() for p in r.prefixes]  # type: ignore[attr-defined]

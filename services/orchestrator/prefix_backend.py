@@ -50,8 +50,9 @@ class PrefixBackend:
                     last_error="no call yet" if err is None else err))
         return out
 
-    def top_prefixes(self, k: int, model_id: str):
-        return self._guard(self.client.top_prefixes, k, model_id, allow_partial=True).prefixes
+    def top_prefixes(self, k: int, model_id: str, cache_salt: str | None = None):
+        return self._guard(self.client.top_prefixes, k, model_id, cache_salt=cache_salt,
+                           allow_partial=True).prefixes
 
     def stats(self):
         return self._guard(self.client.stats, allow_partial=True)

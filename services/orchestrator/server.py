@@ -258,8 +258,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
 # Prompts (or top_k prefixes) one Warm call may ask for.
 MAX_WARM_PROMPTS = 64
-# TopPrefixes' largest k (the index refuses more).
-MAX_TOP_PREFIXES = 1000
 
 
 class Warmer:
@@ -331,9 +329,10 @@ class Warmer:
                 jobs.append((r, ids, tenant.cache_salt, ttl, i))
         if request.top_k:
             try:
-                # The index ranks every tenant's prefixes: ask for its longest list, keep this
-                # tenant's (another tenant's salt is not ours to use), then the top k of those.
-                hot = self.orch.prefix.top_prefixes(MAX_TOP_PREFIXES, self.orch.model_id)
+                # This tenant's prefixes only (another tenant's salt is not ours to use): the
+                # index filters, so k of them come back, not k of everyone's.
+                hot = self.orch.prefix.top_prefixes(request.top_k, self.orch.model_id,
+                                                    cache_salt=tenant.cache_salt)
             except grpc.RpcError as e:
                 raise errors.Unavailable(f"top_k: the prefix index is unavailable "
                                          f"({e.code().name})") from None

@@ -648,15 +648,17 @@ class PrefixIndex:
         hit += zero
         return _new(MatchResult, (hit, len(hashes), bs))
 
-    def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0) -> list[HotPrefix]:
-        """The `k` (1..1000) prefixes where most matches ended, hottest first."""
+    def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0,
+                     cache_salt: str | None = None) -> list[HotPrefix]:
+        """The `k` (1..1000) prefixes where most matches ended, hottest first (only under
+        `cache_salt` when given)."""
         if not 1 <= k <= 1000:
             raise InvalidArgument("k", "must be in 1..1000")
         now = self.clock()
         if now >= self._next_deadline:
             self._expire(now)  # a lapsed replica's prefixes are not reported, as in match
         out = []
-        for p in self.tree.top(k, model_id, min_hits):
+        for p in self.tree.top(k, model_id, min_hits, cache_salt):
             holders = [r.replica_id for b in bits(p.holders) if (r := self._by_bit[b])]
             out.append(HotPrefix(p.token_ids, p.hits, sorted(holders), p.cache_salt,
                                  p.model_id, p.last_block_hash))

@@ -128,7 +128,9 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
 
     def TopPrefixes(self, request, context):
         with self.lock:
-            top = self.index.top_prefixes(request.k, request.model_id, request.min_hits)
+            top = self.index.top_prefixes(
+                request.k, request.model_id, request.min_hits,
+                request.cache_salt if request.HasField("cache_salt") else None)
         return prefix_pb2.TopPrefixesResponse(prefixes=[prefix_pb2.HotPrefix(
             token_ids=p.token_ids, hits=p.hits, holders=p.holders, cache_salt=p.cache_salt,
             model_id=p.model_id, last_block_hash=p.last_block_hash) for p in top])

@@ -543,12 +543,22 @@ class BlockTree:
             use[_USE * path[-1] + _LAST] = clock
         return out
 
-    def top(self, k: int, model_id: str = "", min_hits: int = 1) -> list[Prefix]:
-        """The `k` most hit prefixes (where matches ended), hottest first."""
+    def top(self, k: int, model_id: str = "", min_hits: int = 1,
+            cache_salt: str | None = None) -> list[Prefix]:
+        """The `k` most hit prefixes (where matches ended), hottest first; only `model_id`'s
+        and only under `cache_salt` when given."""
         floor = max(1, min_hits)
         use, meta = self._use, self._meta
+
+        def wanted(s: int) -> bool:
+            if not model_id and cache_salt is None:
+                return True
+            model, salt = meta[self._root_slot(s)]
+            return ((not model_id or model == model_id)
+                    and (cache_salt is None or salt == cache_salt))
+
         cands = (s for s in self._table.values() if use[_USE * s + _HITS] >= floor
-                 and (not model_id or meta[self._root_slot(s)][0] == model_id))
+                 and wanted(s))
         # A bounded heap, not a sort of every hit node: the caller holds the index's lock.
         best = heapq.nlargest(k, cands, key=lambda s: (use[_USE * s + _HITS],
                                                          use[_USE * s + _LAST]))

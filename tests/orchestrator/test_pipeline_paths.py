@@ -161,7 +161,7 @@ def test_warm_top_k_for_owners_warms_only_the_owner():
     hot = list(range(100, 164))
     prefix = SimpleNamespace(
         match=lambda hashes, model_id, timeout=None, probe=False: {"A": 64},
-        top_prefixes=lambda k, model_id: [prefix_pb2.HotPrefix(
+        top_prefixes=lambda k, model_id, cache_salt=None: [prefix_pb2.HotPrefix(
             token_ids=hot, holders=["A"], hits=5, cache_salt=TENANT.cache_salt)])
     orch = make(stubs, prefix=prefix)
     warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
@@ -186,9 +186,9 @@ def test_warm_top_k_keeps_k_of_the_tenants_own_prefixes_and_names_an_index_outag
     mine = [prefix_pb2.HotPrefix(token_ids=list(range(300 + i, 364 + i)), holders=["A"],
                                  hits=5 - i, cache_salt=TENANT.cache_salt) for i in range(3)]
 
-    def top(k, model_id):
-        asked.append(k)
-        return (others + mine)[:k]
+    def top(k, model_id, cache_salt=None):
+        asked.append((k, cache_salt))
+        return [p for p in others + mine if cache_salt in (None, p.cache_salt)][:k]
 
     prefix = SimpleNamespace(match=lambda hashes, model_id, timeout=None, probe=False: {},
                              top_prefixes=top)
@@ -199,8 +199,9 @@ def test_warm_top_k_keeps_k_of_the_tenants_own_prefixes_and_names_an_index_outag
         assert [(r.replica_id, r.prompt_index) for r in got.results] == [("B", -1), ("B", -1)]
         assert [list(req.token_ids) for req in stubs["B"].requests] == [
             list(p.token_ids) for p in mine[:2]]
+        assert asked == [(2, TENANT.cache_salt)]  # the index filters: k of the tenant's own
 
-        def down(k, model_id):
+        def down(k, model_id, cache_salt=None):
             raise RpcError(grpc.StatusCode.UNAVAILABLE)
 
         prefix.top_prefixes = down

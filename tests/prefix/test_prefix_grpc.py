@@ -203,3 +203,15 @@ def test_events_metric_counts_applied_batches_only(server):
         assert applied() == start + 1
     finally:
         ch.close()
+
+
+def test_top_prefixes_filters_by_cache_salt_over_grpc(client):
+    client.register("r0", "inc1", "127.0.0.1:7000", MODEL, BS, 64)
+    client.publish_events("r0", "inc1", [stored_pb(chain(2), salt="s1"),
+                                          stored_pb(chain(2, base=500), salt="s2")])
+    client.match(MODEL, token_ids=chain(2), cache_salt="s1")
+    client.match(MODEL, token_ids=chain(2, base=500), cache_salt="s2")
+    assert {p.cache_salt for p in client.top_prefixes(5, MODEL).prefixes} == {"s1", "s2"}
+    only = client.top_prefixes(5, MODEL, cache_salt="s2").prefixes
+    assert [p.cache_salt for p in only] == ["s2"]
+    assert list(client.top_prefixes(5, MODEL, cache_salt="").prefixes) == []  # unsalted only

@@ -523,3 +523,19 @@ def test_a_node_under_the_wrong_parent_or_model_is_not_part_of_the_chain(clock, 
     got = index.match(MODEL, block_hashes=[a[0], a[1], z[2], z[3]])
     assert {m.replica_id: m.matched_blocks for m in got.matches} == {"r0": 2, "r1": 1}
     assert index.top_prefixes(5, "m2") == []
+
+
+def test_top_prefixes_for_one_tenant_salt(index, hasher):
+    """Warm(top_k) asked for the cluster's hottest and kept its tenant's: to get k of its own
+    it had to ask for 1,000 (384 ms under the index lock at 2,048-token prefixes)."""
+    reg(index, "a")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2), salt="hot-tenant")])
+    index.publish("a", "i1", 2, [stored(hasher, toks(3, 4), salt="quiet-tenant")])
+    for _ in range(5):
+        matched(index, toks(1, 2), salt="hot-tenant")
+    matched(index, toks(3, 4), salt="quiet-tenant")
+    assert [p.cache_salt for p in index.top_prefixes(1, MODEL)] == ["hot-tenant"]
+    mine = index.top_prefixes(1, MODEL, cache_salt="quiet-tenant")
+    assert [(p.cache_salt, p.hits) for p in mine] == [("quiet-tenant", 1)]
+    assert index.top_prefixes(5, MODEL, cache_salt="nobody") == []
+    assert len(index.top_prefixes(5, MODEL, cache_salt=None)) == 2
