@@ -157,18 +157,26 @@ class PrefixIndexClient:
                                          metadata=call_metadata(self.internal_token))
         except grpc.RpcError as e:
             err = PrefixIndexError.wrap(method, address, e)
-            self._outcome(address, err)
+            self._outcome(address, err, timeout)
             raise err from e
         self._outcome(address, None)
         return resp
 
-    def _outcome(self, address: str, err: PrefixIndexError | None) -> None:
+    def _outcome(self, address: str, err: PrefixIndexError | None,
+                 timeout: float | None = None) -> None:
         """Remember how `address`'s last call went (`shard_errors`): a shard's failure hidden
-        by a partial answer must still show in Stats."""
+        by a partial answer must still show in Stats. Not a caller's bad request, nor a
+        deadline its own shorter timeout ran into (as for the tier's health)."""
         if err is None:
             self.shard_errors[address] = ""
-        elif err.code() in _TRANSIENT:
-            self.shard_errors[address] = f"{err.code().name}: {err.details()}"
+            return
+        code = err.code()
+        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+            return
+        if (code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
+                and timeout < self.timeout):
+            return
+        self.shard_errors[address] = f"{code.name}: {err.details()}"
 
     def _fan_out(self, requests: dict[str, object], method: str, timeout: float | None,
                  allow_partial: bool = False) -> dict[str, object]:
@@ -189,7 +197,7 @@ class PrefixIndexClient:
                 self._outcome(a, None)
             except grpc.RpcError as e:
                 errors.append(PrefixIndexError.wrap(method, a, e))
-                self._outcome(a, errors[-1])
+                self._outcome(a, errors[-1], timeout)
         refused = [e for e in errors if e.code() not in _TRANSIENT]
         if refused:
             raise refused[0]

@@ -90,3 +90,47 @@ def test_two_shards_route_by_first_block(shards):
     c.close()
     for x in single.values():
         x.close()
+
+
+def test_shard_health_skips_cut_short_calls_and_records_refusals():
+    """The per-shard record took a deadline the caller's own shorter timeout ran into for a
+    shard failure, and ignored an UNAUTHENTICATED refusal (a wrong internal token)."""
+    import grpc
+
+    from services.common.prefix_client import PrefixIndexClient
+
+    class Err(grpc.RpcError):
+        def __init__(self, code):
+            self.c = code
+
+        def code(self):
+            return self.c
+
+        def details(self):
+            return self.c.name.lower()
+
+    codes = {"a:1": grpc.StatusCode.DEADLINE_EXCEEDED, "b:1": grpc.StatusCode.UNAUTHENTICATED}
+
+    class Chan:
+        def __init__(self, addr):
+            self.addr = addr
+
+        def unary_unary(self, path, *a, **k):
+            def call(req, timeout=None, metadata=None):
+                raise Err(codes[self.addr])
+            return call
+
+        def close(self):
+            pass
+
+    c = PrefixIndexClient(["a:1", "b:1"], timeout=0.5, block_size=16, channel_factory=Chan)
+    for addr, first in (("a:1", b"a" * 16), ("b:1", b"b" * 16)):
+        c._ring.lookup = lambda key, addr=addr: addr  # route this Match to that shard
+        with pytest.raises(grpc.RpcError):
+            c.match("m", block_hashes=[first], timeout=0.05)
+    assert "a:1" not in c.shard_errors  # cut short by the caller: says nothing of the shard
+    assert c.shard_errors["b:1"].startswith("UNAUTHENTICATED")
+    with pytest.raises(grpc.RpcError):
+        c._ring.lookup = lambda key: "a:1"
+        c.match("m", block_hashes=[b"a" * 16])  # the whole timeout: the shard is slow
+    assert c.shard_errors["a:1"].startswith("DEADLINE_EXCEEDED")
