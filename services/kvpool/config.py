@@ -67,8 +67,9 @@ class KvPoolConfig:
     # torch intra-op threads; 0 = torch's default.
     torch_threads: int = 0
     # Longest sequence (prompt + generated) served; 0 = the model's max_position_embeddings.
-    # The working rows grow to (max_batch_size + 1) x this many tokens of KV on top of the
-    # pool (SmolLM2 fp32: 46 KB per token, so 9 x 8,192 tokens = 3.4 GB): bound it to fit.
+    # The working rows grow to max_batch_size x this many tokens of KV on top of the pool
+    # (SmolLM2 fp32: 46 KB per token, so 8 x 8,192 tokens = 3.0 GB; up to 1.5x that while the
+    # last growth step copies, unless preallocate_rows): bound it to fit.
     max_context: int = 0
     grace_seconds: float = 10.0
 

@@ -66,11 +66,27 @@ class KvStore:
     def _round(self, n: int) -> int:
         return -(-n // self.block_size) * self.block_size
 
+    def _rung(self, num_tokens: int) -> int:
+        """The smallest capacity on the ladder max_context, max_context/2, /4, ... (each rounded
+        up to a block) that holds `num_tokens`. Growing only along it keeps the copy's peak
+        (old and new rows at once) within 1.5x the full size: the step to the top comes from
+        at most half of it. Jumping straight to a long prompt's length and then doubling
+        could hold nearly 2x."""
+        top = self._round(self.max_context)
+        cap = top
+        while cap > self.block_size:
+            half = self._round(-(-cap // 2))
+            if half < num_tokens or half >= cap:
+                break
+            cap = half
+        return max(cap, self._round(num_tokens))
+
     def ensure_capacity(self, num_tokens: int) -> None:
-        """Grow every row to hold `num_tokens` positions (doubling; contents kept)."""
+        """Grow every row to hold `num_tokens` positions (along `_rung`'s ladder; contents
+        kept)."""
         if num_tokens <= self.capacity:
             return
-        cap = max(self._round(num_tokens), min(self.capacity * 2, self._round(self.max_context)))
+        cap = self._rung(max(num_tokens, min(self.capacity * 2, self.max_context)))
         # Zeros, not empty(): masked-out positions are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaN (0 * NaN = NaN).
         rows = torch.zeros(self.num_layers, 2, self.max_rows, self.kv_heads, cap, self.head_dim,

@@ -400,3 +400,27 @@ def test_requests_total_counts_completed_requests_only(make_engine) -> None:
     assert eng.stats().requests_total == 0
     _, fin = collect(eng.submit(request(prompt(8, 2), 4))[1])
     assert isinstance(fin, Finished) and eng.stats().requests_total == 1
+
+
+def test_the_working_rows_never_hold_more_than_1_5x_their_full_size_while_growing() -> None:
+    """Rows jumped straight to a long prompt's length (256 -> 4,000) and then doubled to the
+    context (4,096) while the 4,000 were held: nearly 2x the full size at once. Growing along
+    halves of the context, the step to the top always comes from at most half of it."""
+    import torch
+
+    from services.kvpool.paged_cache import KvStore
+
+    rng = random.Random(3)
+    for max_context in (4096, 4000, 2048, 1000, 8192):
+        for _ in range(20):
+            s = KvStore(num_layers=1, kv_heads=1, head_dim=2, num_blocks=1, block_size=16,
+                        max_rows=1, max_context=max_context, dtype=torch.float32, device="cpu")
+            full = s._round(max_context)
+            for n in sorted(rng.randint(1, max_context) for _ in range(4)) + [max_context]:
+                before = s.capacity
+                s.ensure_capacity(n)
+                assert s.capacity >= n
+                if s.capacity != before:
+                    assert before + s.capacity <= 1.5 * full + s.block_size, (
+                        max_context, before, s.capacity)
+            assert s.capacity == full
