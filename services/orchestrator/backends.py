@@ -33,22 +33,30 @@ class Health:
     # Marked down by the health poller (a replica refusing Stats, e.g. draining): only the
     # poller brings it back, not a request that still finishes there.
     held_down: bool = False
+    # traffic_ok's check and set, against the poller's fail(hold=True) in between.
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def ok(self) -> None:
+        with self._lock:
+            self._ok()
+
+    def _ok(self) -> None:
         self.healthy, self.last_error, self.last_ok = True, "", time.time()
         self.held_down = False
 
     def traffic_ok(self) -> None:
         """A call succeeded: healthy again, unless the poller holds it down."""
-        if not self.held_down:
-            self.ok()
+        with self._lock:
+            if not self.held_down:
+                self._ok()
 
     def fail(self, err: BaseException | str, hold: bool = False) -> None:
         msg = err.details() if isinstance(err, grpc.RpcError) else str(err)
-        if self.healthy:
-            log.warning("%s at %s is unhealthy: %s", self.name, self.address, msg)
-        self.healthy, self.last_error = False, str(msg)
-        self.held_down = self.held_down or hold
+        with self._lock:
+            if self.healthy:
+                log.warning("%s at %s is unhealthy: %s", self.name, self.address, msg)
+            self.healthy, self.last_error = False, str(msg)
+            self.held_down = self.held_down or hold
 
     def proto(self) -> common_pb2.DependencyHealth:
         return common_pb2.DependencyHealth(name=self.name, address=self.address,

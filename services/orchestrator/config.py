@@ -10,7 +10,7 @@ from services.orchestrator.tenants import parse_token_pairs
 SVC = "orchestrator"
 
 
-# Worker threads never taken by Generate streams (health probes, Stats, Warm, Feedback).
+# Worker threads never taken by Generate streams or Warm calls (health probes, Stats, Feedback).
 STREAM_HEADROOM = 8
 
 @dataclass(frozen=True)
@@ -75,9 +75,9 @@ class OrchestratorConfig:
     warm_pin_ttl_max_s: int = 3600
     # Failover attempts per request.
     max_attempts: int = 3
-    # Server. A Generate stream holds a worker thread until it ends: streams past
-    # max_workers - STREAM_HEADROOM are refused (RESOURCE_EXHAUSTED), so health checks,
-    # Stats, Warm and Feedback always find a thread.
+    # Server. A Generate stream (or a Warm call) holds a worker thread until it ends: past
+    # max_workers - STREAM_HEADROOM they are refused (RESOURCE_EXHAUSTED), so health checks,
+    # Stats and Feedback always find a thread.
     max_workers: int = 64
     grace_s: float = 10.0
 

@@ -269,12 +269,13 @@ class Warmer:
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="warm")
 
-    def _prefill(self, replica, token_ids, cache_salt, ttl, index, timeout: float = 120.0):
+    def _prefill(self, replica, token_ids, cache_salt, ttl, index, timeout: float = 120.0,
+                 request_id: str = ""):
         try:
             r = replica.stub.Prefill(kvpool_pb2.PrefillRequest(
                 token_ids=token_ids, cache_salt=cache_salt, pin=True, ttl_seconds=ttl,
                 model_id=self.orch.model_id), timeout=max(0.1, timeout),
-                metadata=call_metadata(self.orch.internal_token))
+                metadata=call_metadata(self.orch.internal_token, request_id))
             return orchestrator_pb2.WarmResult(
                 prompt_index=index, replica_id=r.replica_id or replica.replica_id,
                 prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
@@ -344,8 +345,11 @@ class Warmer:
                         jobs.append((r, ids, hp.cache_salt, ttl, -1))
         if not self.orch.replicas.healthy():  # after the checks of the request itself
             raise errors.Unavailable("no healthy replica to warm")
+        # The pool's threads do not inherit the call's request id: hand it to each Prefill.
+        rid = request_id_var.get()
         results = list(self._pool.map(
-            lambda j: self._prefill(*j, timeout=deadline - time.monotonic()), jobs))
+            lambda j: self._prefill(*j, timeout=deadline - time.monotonic(), request_id=rid),
+            jobs))
         return orchestrator_pb2.WarmResponse(results=results)
 
     # ---- background loop ----

@@ -63,18 +63,19 @@ def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, di
     name = spec.get("tenant")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{where}: 'tenant' must be a non-empty string")
-    out: dict = {}
-    for k in _LIMITS:
-        v = spec.get(k, defaults[k])
+    def whole(k: str, v: object) -> int:
+        # JSON has one number type: 10.0 and 1e3 are whole numbers too (True is not).
+        if type(v) is float and math.isfinite(v) and v.is_integer():
+            v = int(v)
         if type(v) is not int or v < 1:
             raise ValueError(f"{where}: {k!r} must be a whole number >= 1, got {v!r}")
-        out[k] = v
+        return v
+
+    out: dict = {k: whole(k, spec.get(k, defaults[k])) for k in _LIMITS}
     rate = spec.get("rate_per_s", 0.0)
     if type(rate) not in (int, float) or not math.isfinite(rate) or rate < 0:
         raise ValueError(f"{where}: 'rate_per_s' must be a finite number >= 0, got {rate!r}")
-    burst = spec.get("burst", max(1, math.ceil(rate)))
-    if type(burst) is not int or burst < 1:
-        raise ValueError(f"{where}: 'burst' must be a whole number >= 1, got {burst!r}")
+    burst = whole("burst", spec.get("burst", max(1, math.ceil(rate))))
     admin = spec.get("admin", False)
     if type(admin) is not bool:
         # "false" or "no" as a string would be truthy: admin by accident.

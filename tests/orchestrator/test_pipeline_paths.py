@@ -211,6 +211,35 @@ def test_warm_top_k_keeps_k_of_the_tenants_own_prefixes_and_names_an_index_outag
         warmer.stop()
 
 
+def test_warms_prefill_calls_carry_the_warm_calls_request_id():
+    """The prefills run on the warmer's thread pool, which does not inherit the call's request
+    id: each one made up its own."""
+    from services.common.logs import request_id_var
+    from services.orchestrator.render import PromptRenderer
+
+    stubs = {r: Stub(r, []) for r in ("A", "B")}
+    seen: list = []
+    for stub in stubs.values():
+        plain = stub.Prefill
+
+        def recording(req, timeout=None, metadata=None, plain=plain):
+            seen.append([v for k, v in metadata if k == "x-request-id"])
+            return plain(req, timeout=timeout, metadata=metadata)
+
+        stub.Prefill = recording
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=50)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
+    tok = request_id_var.set("warm-call-1")
+    try:
+        warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x")]))
+    finally:
+        request_id_var.reset(tok)
+        warmer.stop()
+    assert seen == [["warm-call-1"], ["warm-call-1"]]
+
+
 def test_warm_that_cannot_do_anything_says_why_instead_of_ok():
     from services.orchestrator.render import PromptRenderer
 

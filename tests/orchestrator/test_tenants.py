@@ -77,6 +77,7 @@ def test_a_forged_entry_reference_with_non_ascii_characters_is_just_unknown():
     ({"tenant": "a", "max_prompt_tokens": -5}, "max_prompt_tokens"),
     ({"tenant": "a", "max_tokens": None}, "max_tokens"),
     ({"tenant": "a", "max_tokens": 2.5}, "max_tokens"),
+    ({"tenant": "a", "max_tokens": True}, "max_tokens"),
     ({"tenant": "a", "rate_per_s": "inf"}, "rate_per_s"),
     ({"tenant": "a", "rate_per_s": -1}, "rate_per_s"),
     ({"tenant": "a", "burst": 0}, "burst"),
@@ -124,3 +125,11 @@ def test_limits_belong_to_the_tenant_whichever_token_it_uses(tmp_path):
     f.write_text(json.dumps({"t1": {"tenant": "a"}}))
     with pytest.raises(ValueError, match="file's token of tenant 'a'"):
         reg(tokens_file=str(f), tokens="t1=b")
+
+
+def test_whole_numbers_written_as_json_floats_are_accepted(tmp_path):
+    f = tmp_path / "tokens.json"
+    f.write_text('{"t": {"tenant": "a", "burst": 10.0, "max_tokens": 1e3, "rate_per_s": 2}}')
+    t = reg(tokens_file=str(f)).authenticate({"authorization": "Bearer t"})
+    assert (t.burst, t.max_tokens, t.rate_per_s) == (10, 1000, 2.0)
+    assert type(t.burst) is int and type(t.max_tokens) is int
