@@ -79,11 +79,13 @@ def test_a_cut_short_answer_serves_only_requests_that_want_no_more(stack, a):
     assert first.finish_reason == "FINISH_REASON_LENGTH" and first.completion_tokens == 6
     before = kv_requests(stack)
     too_short_before = admin_stats(stack).semantic_hits_too_short
-    same = a.generate(q, max_tokens=6)
+    same = a.generate(q, max_tokens=6, return_token_ids=True)
     assert same.report.semantic_hit and same.text == first.text.strip()
-    fewer = a.generate(q, max_tokens=3)
+    assert same.token_ids == first.token_ids  # the stored answer re-encodes to the model's ids
+    fewer = a.generate(q, max_tokens=3, return_token_ids=True)
     assert fewer.report.semantic_hit
     assert fewer.completion_tokens == 3 and fewer.finish_reason == "FINISH_REASON_LENGTH"
+    assert fewer.token_ids == first.token_ids[:3]  # cut by tokens, not by characters
     assert kv_requests(stack) == before  # both served without the model
     more = a.generate(q, max_tokens=10, return_token_ids=True)
     assert not more.report.semantic_hit and more.report.replica_id
@@ -172,13 +174,16 @@ def test_requests_sharing_a_new_system_prompt_meet_on_one_replica(stack, a):
 def test_tenants_share_nothing(stack, a, b):
     q = "Explain what a heat pump does in one sentence."
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}]
+    # a's system prompt KV, from a conversation of a's own (not left by other tests).
+    a.generate([{"role": "system", "content": SYSTEM},
+                {"role": "user", "content": "And what does a compressor do?"}], max_tokens=4)
     ra = a.generate(msgs, max_tokens=12)
     ra2 = a.generate(msgs, max_tokens=12)
     assert ra2.report.semantic_hit  # tenant a hits its own entry
     rb = b.generate(msgs, max_tokens=12)
     assert not rb.report.semantic_hit
     assert rb.report.cached_tokens == 0  # a's system prompt KV is not b's
-    assert ra.report.cached_tokens > 0  # while a reuses its own (earlier tests used SYSTEM)
+    assert ra.report.cached_tokens > 0  # while a reuses its own
 
 
 def test_auth_and_limits(stack):
@@ -206,11 +211,16 @@ def test_auth_and_limits(stack):
 
 
 def test_stats_aggregate_every_tier(stack, a):
+    before = admin_stats(stack)
+    q = "What colour is the sky on a clear afternoon?"
+    assert not a.generate(q, max_tokens=4).report.semantic_hit
+    assert a.generate(q, max_tokens=4).report.semantic_hit
     s = admin_stats(stack)
-    assert s.requests_total >= 5 and s.semantic_hits >= 2
+    assert s.requests_total == before.requests_total + 2
+    assert s.semantic_hits == before.semantic_hits + 1
     assert {r.replica_id for r in s.replicas} == {"kv-0", "kv-1"}
     assert s.prefix.nodes > 0 and len(s.prefix.replicas) == 2
-    assert s.semantic.entries >= 2
+    assert s.semantic.entries >= 1
     assert all(d.healthy for d in s.dependencies)
 
 

@@ -326,9 +326,18 @@ def test_tenant_isolation_end_to_end(stack):
         assert gen(a, msgs).report.semantic_hit  # still there for a
         assert a.feedback(ref, good=True).verified  # and a's own reference works
 
-        # Warm with top_k never hands a another tenant's hot prefixes.
+        # Warm with top_k never hands a another tenant's hot prefixes: b makes a longer
+        # conversation of its own hot; a's top-k warm-up may prefill only prefixes of at most
+        # a's own prompt length (and does prefill some: the replica a did not use lacks them).
+        msgs_b = [{"role": "system", "content": SYSTEM + " " + SYSTEM.replace("Record", "Entry")},
+                  {"role": "user", "content": "Which box holds the photographs?"}]
+        longer = gen(b, msgs_b, cache_policy=NO_SEMANTIC)
+        gen(b, msgs_b, cache_policy=NO_SEMANTIC)
+        assert longer.prompt_tokens > first.prompt_tokens + 64
         w = a.warm(top_k=50)
-        assert all(r.prompt_index >= -1 for r in w.results)
+        assert w.results and all(not r.error for r in w.results), w
+        assert all(r.prompt_index == -1 and 0 < r.prompt_tokens <= first.prompt_tokens
+                   for r in w.results), w
         # Cluster-wide Stats (every tenant's traffic) are for operators only.
         for c in (a, b):
             with pytest.raises(grpc.RpcError) as e:
