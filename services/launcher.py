@@ -241,6 +241,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=replicas)
     ap.add_argument("--base-port", type=int, default=50051)
     a = ap.parse_args(argv)
+    if not 0 <= a.base_port <= 65535 - 3 - max(a.replicas, 0):
+        ap.error(f"--base-port {a.base_port}: the stack needs ports N..N+{3 + a.replicas - 1} "
+                 "within 1..65535 (0 = any free ports)")
     stack = Stack(replicas=a.replicas, base_port=a.base_port)
     print(f"Starting TierCache ({', '.join(s for s in SERVICES if service_exists(s))}); "
           f"logs in {stack.log_dir} (first start converts the model: about 30–60 s)", flush=True)
@@ -252,9 +255,16 @@ def main(argv: list[str] | None = None) -> int:
             stopping = True
             raise KeyboardInterrupt
 
-    signal.signal(signal.SIGTERM, _stop)
+    # A closed terminal (SIGHUP) or SIGQUIT too: the children run in their own sessions and
+    # would outlive the launcher (and hold the ports of the next `make run`).
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, _stop)
     try:
         stack.start()
+        dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
+        if dead:  # each was waited for in turn: an earlier one may have died meanwhile
+            raise RuntimeError(f"service(s) exited during start: {', '.join(dead)}; see "
+                               f"{stack.log_dir}")
         orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
         grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
         print(f"""
@@ -276,9 +286,9 @@ Ctrl-C stops everything.""", flush=True)
         print(f"failed to start: {e}; see logs in {stack.log_dir}", file=sys.stderr)
         return 1
     finally:
-        # A second Ctrl-C (or a SIGTERM) must not cut the orderly stop short.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        # A second Ctrl-C (or a SIGTERM, SIGHUP) must not cut the orderly stop short.
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            signal.signal(sig, signal.SIG_IGN)
         stack.stop()
 
 

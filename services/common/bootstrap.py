@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import re
 import signal
 import threading
 import time
@@ -42,6 +43,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -91,7 +93,10 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     RPC_TOTAL.labels(service, short, "UNAUTHENTICATED").inc()
                     context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                   "authorization: missing or wrong internal credential")
-            return metadata.get("x-request-id") or uuid.uuid4().hex[:16]
+            rid = metadata.get("x-request-id", "")
+            # A client's id goes into every log line and every downstream call's metadata:
+            # only a short, plain one is kept (a 12 KB id failed calls two hops down).
+            return rid if _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex[:16]
 
         def fail(context, exc: BaseException) -> None:
             if isinstance(exc, errors.TierCacheError):
@@ -371,6 +376,7 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
     import sys
 
     from services.common.config import load_config
+    from services.common.grpc_client import tls_env_problem
     from services.common.hashing import hash_key_from_env
     from services.common.logs import setup_logging
 
@@ -385,6 +391,9 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
         # checked here so that a bad value fails the start at once, before anything binds.
         drain_delay_from_env()
         hash_key_from_env()
+        problem = tls_env_problem()
+        if problem:
+            raise ConfigError(problem)
     except ConfigError as exc:
         logging.getLogger(f"services.{service}").error("bad configuration: %s", exc)
         return None

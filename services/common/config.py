@@ -82,16 +82,24 @@ def load_config(
     values: dict[str, Any] = {}
     parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
-        var = env_name(service, f.name)
-        if var in environ:
-            values[f.name] = _parse(environ[var], hints[f.name], var)
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
-                            help=f"(env {var})")
+                            help=f"(env {env_name(service, f.name)})")
     args = parser.parse_args(list(argv) if argv is not None else [])
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         raw = getattr(args, f.name)
-        if raw is not None:
+        var = env_name(service, f.name)
+        if raw is not None:  # a flag wins: the env value it overrides is not read at all
             values[f.name] = _parse(raw, hints[f.name], "--" + f.name.replace("_", "-"))
+        elif var in environ:
+            values[f.name] = _parse(environ[var], hints[f.name], var)
+    token = values.get("internal_token")
+    if isinstance(token, str):
+        # A Secret made with --from-file ends in a newline; gRPC refuses such metadata (and
+        # anything non-ASCII) on every call, long after the service said it was serving.
+        token = values["internal_token"] = token.strip()
+        if token and not all(0x21 <= ord(c) <= 0x7E for c in token):
+            raise ConfigError(f"{env_name(service, 'internal_token')}: printable ASCII "
+                              "without spaces only (it travels as gRPC metadata)")
     cfg = cls(**values)
     validate = getattr(cfg, "validate", None)
     if validate is not None:
@@ -115,7 +123,7 @@ def _is_host_port(a: str) -> bool:
     or [bracketed] IPv6 address, a gRPC target such as dns:///name); the port 1..65535."""
     host, sep, port = a.rpartition(":")
     return (bool(sep) and bool(host) and not any(c.isspace() or c == "," for c in host)
-            and port.isdigit() and 0 < int(port) <= 65535)
+            and port.isascii() and port.isdigit() and 0 < int(port) <= 65535)
 
 
 def require_addresses(addresses, service: str, field: str, *, allow_none: bool) -> None:

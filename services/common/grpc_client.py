@@ -24,6 +24,20 @@ def tls_mode(env: Mapping[str, str] | None = None) -> str:
     return "roots" if env.get("TIERCACHE_TLS_CERT") else ""
 
 
+def tls_env_problem(env: Mapping[str, str] | None = None) -> str:
+    """What is wrong with the TLS variables ("" = nothing): half a client key pair (gRPC's C
+    core aborts the process on it), or a CA without the server certificate (servers would
+    speak plaintext while every client speaks TLS)."""
+    env = os.environ if env is None else env
+    if bool(env.get("TIERCACHE_TLS_CLIENT_CERT")) != bool(env.get("TIERCACHE_TLS_CLIENT_KEY")):
+        return "TIERCACHE_TLS_CLIENT_CERT and TIERCACHE_TLS_CLIENT_KEY must be set together"
+    if env.get("TIERCACHE_TLS_CA") and not (env.get("TIERCACHE_TLS_CERT")
+                                            and env.get("TIERCACHE_TLS_KEY")):
+        return ("TIERCACHE_TLS_CA needs TIERCACHE_TLS_CERT and TIERCACHE_TLS_KEY: with the CA "
+                "every client speaks TLS, so the servers must too")
+    return ""
+
+
 def channel_credentials_from_env(env: Mapping[str, str] | None = None
                                  ) -> grpc.ChannelCredentials | None:
     """TLS for outgoing calls when the services speak TLS (None = plaintext).
@@ -38,6 +52,9 @@ def channel_credentials_from_env(env: Mapping[str, str] | None = None
     mode = tls_mode(env)
     if not mode:
         return None
+    if bool(env.get("TIERCACHE_TLS_CLIENT_CERT")) != bool(env.get("TIERCACHE_TLS_CLIENT_KEY")):
+        # Half a pair makes gRPC's C core abort the process: refuse it here instead.
+        raise ValueError(tls_env_problem(env))
     ca = env.get("TIERCACHE_TLS_CA") if mode == "ca" else None
 
     def read(p: str | None) -> bytes | None:

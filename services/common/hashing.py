@@ -42,7 +42,8 @@ try:
     from services.common import _blockhash
 except ImportError:  # no compiler where this was installed: hashlib below, same values
     _blockhash = None
-if os.environ.get("TIERCACHE_PURE_PYTHON_HASH", "") not in ("", "0"):
+# The config module's boolean words: "false"/"no"/"off" keep the C hasher.
+if os.environ.get("TIERCACHE_PURE_PYTHON_HASH", "").strip().lower() in ("1", "true", "yes", "on"):
     _blockhash = None
 
 
@@ -57,8 +58,9 @@ def hash_key_from_env() -> bytes:
     Raises:
         ConfigError (a ValueError): the key is longer than 64 bytes.
     """
-    raw = os.environ.get("TIERCACHE_HASH_KEY", "")
-    key = raw.encode() if raw else DEFAULT_KEY
+    raw = os.environb.get(b"TIERCACHE_HASH_KEY", b"") if os.supports_bytes_environ else (
+        os.environ.get("TIERCACHE_HASH_KEY", "").encode())
+    key = raw or DEFAULT_KEY
     if len(key) > 64:
         raise ConfigError("TIERCACHE_HASH_KEY: at most 64 bytes")
     return key

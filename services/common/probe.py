@@ -54,8 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     help="the name the server's certificate is checked against, when it differs "
                          "from ADDRESS's host (e.g. probing 127.0.0.1 inside the pod)")
     a = ap.parse_args(argv)
-    if not a.timeout > 0:
-        ap.error("--timeout must be > 0")
+    if not 0 < a.timeout <= 3600:  # gRPC turns larger (or infinite) deadlines into none at all
+        ap.error("--timeout must be in (0, 3600] seconds")
     ok, seen = check(a.address, a.service, a.timeout, a.server_name)
     print(f"{a.address}: {seen}", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1

@@ -1,0 +1,201 @@
+"""Shared infrastructure at its edges: TLS variables, the internal token, flags over env,
+request ids, the hash key, the probe's timeout and the launcher's signals and ports."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from services.common.config import ConfigError, load_config, require_addresses
+from services.prefix.config import PrefixConfig
+
+ROOT = Path(__file__).resolve().parent
+
+
+@pytest.mark.parametrize(("env", "problem"), [
+    ({"TIERCACHE_TLS_CA": "ca.pem", "TIERCACHE_TLS_CLIENT_KEY": "k.pem"}, "CLIENT_CERT"),
+    ({"TIERCACHE_TLS_CA": "ca.pem", "TIERCACHE_TLS_CLIENT_CERT": "c.pem"}, "CLIENT_CERT"),
+    ({"TIERCACHE_TLS_CA": "ca.pem"}, "TIERCACHE_TLS_CERT"),  # servers plaintext, clients TLS
+    ({}, ""),
+    ({"TIERCACHE_TLS_CERT": "s.pem", "TIERCACHE_TLS_KEY": "s.key"}, ""),
+])
+def test_tls_variables_that_cannot_work_are_named(env, problem):
+    from services.common.grpc_client import channel_credentials_from_env, tls_env_problem
+
+    got = tls_env_problem(env)
+    assert (problem in got) if problem else got == ""
+    if "CLIENT" in problem:
+        # gRPC's C core aborted the whole process on half a client key pair.
+        with pytest.raises(ValueError, match="together"):
+            channel_credentials_from_env(env)
+
+
+def test_a_service_refuses_to_start_on_half_a_tls_client_pair():
+    env = {**os.environ, "TIERCACHE_TLS_CA": "/nonexistent/ca.pem",
+           "TIERCACHE_TLS_CERT": "/nonexistent/s.pem", "TIERCACHE_TLS_KEY": "/nonexistent/s.key",
+           "TIERCACHE_TLS_CLIENT_KEY": "/nonexistent/k.pem",
+           "TIERCACHE_PREFIX_ADDRESS": "127.0.0.1:0", "TIERCACHE_PREFIX_METRICS_PORT": "-1"}
+    r = subprocess.run([sys.executable, "-m", "services.prefix"], cwd=ROOT.parent, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "TIERCACHE_TLS_CLIENT_CERT" in r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(("raw", "want"), [("s3cret\n", "s3cret"), ("  s3cret ", "s3cret"),
+                                           ("", "")])
+def test_the_internal_token_is_trimmed(raw, want):
+    cfg = load_config(PrefixConfig, "prefix", [], {"TIERCACHE_PREFIX_INTERNAL_TOKEN": raw})
+    assert cfg.internal_token == want
+
+
+@pytest.mark.parametrize("raw", ["tökén", "two words", "ctl\x01"])
+def test_an_internal_token_grpc_cannot_send_is_refused_at_load(raw):
+    """It loaded, the service said SERVING, and every internal call then failed INTERNAL
+    ("Invalid metadata") on the caller's side."""
+    with pytest.raises(ConfigError, match="TIERCACHE_PREFIX_INTERNAL_TOKEN"):
+        load_config(PrefixConfig, "prefix", [], {"TIERCACHE_PREFIX_INTERNAL_TOKEN": raw})
+
+
+def test_a_flag_wins_without_the_env_value_it_overrides_being_read():
+    cfg = load_config(PrefixConfig, "prefix", ["--block-size", "32"],
+                      {"TIERCACHE_PREFIX_BLOCK_SIZE": "sixteen"})
+    assert cfg.block_size == 32
+    with pytest.raises(ConfigError, match="TIERCACHE_PREFIX_BLOCK_SIZE"):
+        load_config(PrefixConfig, "prefix", [], {"TIERCACHE_PREFIX_BLOCK_SIZE": "sixteen"})
+
+
+def test_ports_are_ascii_digits():
+    with pytest.raises(ConfigError, match="TIERCACHE_PREFIX_X"):
+        require_addresses(["127.0.0.1:\u0665\u0660\u0660\u0665\u0664"], "prefix", "x",
+                          allow_none=False)
+
+
+def test_a_hash_key_that_is_not_utf8_is_used_as_bytes(monkeypatch):
+    from services.common.hashing import hash_key_from_env
+
+    monkeypatch.setitem(os.environb, b"TIERCACHE_HASH_KEY", b"\xff\xfe-key")
+    assert hash_key_from_env() == b"\xff\xfe-key"  # was a UnicodeEncodeError traceback
+
+
+def test_pure_python_hash_reads_booleans_like_the_config():
+    from services.common import hashing
+
+    if not hashing.native():
+        pytest.skip("no C block hasher here")
+    probe = "from services.common import hashing; print(hashing.native())"
+    for value, native in (("false", "True"), ("off", "True"), ("true", "False")):
+        out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT.parent, timeout=60,
+                             env={**os.environ, "TIERCACHE_PURE_PYTHON_HASH": value},
+                             capture_output=True, text=True, check=True).stdout.strip()
+        assert out == native, value
+
+
+@pytest.mark.parametrize("timeout", ["inf", "1e10", "0", "nan"])
+def test_the_probe_refuses_timeouts_grpc_cannot_keep(timeout):
+    from services.common import probe
+
+    with pytest.raises(SystemExit) as e:
+        probe.main(["127.0.0.1:1", "--timeout", timeout])
+    assert e.value.code == 2
+
+
+def test_a_client_request_id_is_kept_only_when_short_and_plain():
+    """A client's id goes into every log line and downstream call: a 12 KB one failed calls
+    two hops down (metadata too large)."""
+    import grpc
+
+    from services.common.bootstrap import create_server
+    from services.common.logs import request_id_var
+
+    seen: list[str] = []
+
+    def call(request: bytes, context) -> bytes:
+        seen.append(request_id_var.get())
+        return b""
+
+    def add(_servicer, server) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "x.Echo", {"Call": grpc.unary_unary_rpc_method_handler(call)}),))
+
+    handle = create_server(service="rid-test", address="127.0.0.1:0",
+                           services=[(add, None, "x.Echo")])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            echo = ch.unary_unary("/x.Echo/Call")
+            for rid in ("req-1.a:b", "x" * 5000, "bad id", "a/b"):
+                echo(b"", timeout=5, metadata=[("x-request-id", rid)])
+    finally:
+        handle.stop(0)
+    assert seen[0] == "req-1.a:b"
+    assert len(seen) == 4 and all(len(r) == 16 for r in seen[1:]), seen
+
+
+@pytest.mark.parametrize("port", ["65535", "-1", "70000"])
+def test_the_launcher_refuses_a_base_port_its_stack_cannot_fit(port):
+    from services.launcher import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["--base-port", port])
+    assert e.value.code == 2
+
+
+@pytest.fixture
+def saved_signals():
+    sigs = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+    old = {s: signal.getsignal(s) for s in sigs}
+    yield
+    for s, h in old.items():
+        signal.signal(s, h)
+
+
+def test_a_closed_terminal_stops_the_stack(monkeypatch, saved_signals):
+    """SIGHUP (the terminal closed) left every child running: they have their own sessions,
+    and the next `make run` found the ports taken."""
+    from services.launcher import Stack, main
+
+    stopped: list[bool] = []
+
+    def start(self):
+        os.kill(os.getpid(), signal.SIGHUP)
+        time.sleep(2)  # the handler interrupts this
+        raise AssertionError("SIGHUP did not interrupt the start")
+
+    monkeypatch.setattr(Stack, "start", start)
+    monkeypatch.setattr(Stack, "stop", lambda self: stopped.append(True))
+    assert main(["--base-port", "0", "--replicas", "1"]) == 0
+    assert stopped == [True]
+
+
+def test_a_service_that_died_while_others_started_fails_the_start(monkeypatch, saved_signals,
+                                                                   capsys):
+    """Each service was waited for in turn and never checked again: one that died meanwhile
+    still got "TierCache is up" printed."""
+    from services.launcher import Stack, main
+
+    class Proc:
+        def __init__(self, code):
+            self.code = code
+
+        def poll(self):
+            return self.code
+
+    class Child:
+        address = "127.0.0.1:1"
+
+        def __init__(self, code):
+            self.proc = Proc(code)
+
+    def start(self):
+        self.procs = {"semantic": Child(1), "orchestrator": Child(None)}
+        return self
+
+    monkeypatch.setattr(Stack, "start", start)
+    monkeypatch.setattr(Stack, "stop", lambda self: None)
+    assert main(["--base-port", "0", "--replicas", "1"]) == 1
+    out = capsys.readouterr()
+    assert "TierCache is up" not in out.out and "semantic" in out.err
