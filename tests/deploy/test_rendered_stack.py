@@ -42,12 +42,12 @@ from tests.deploy.k8s_view import (
     resolve,
     tiercache_container,
 )
+from tests.e2e.conftest import LOG_DIR  # one folder per test run
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 BOOT_ORDER = ("prefix", "semantic", "kvpool", "orchestrator")
 BAKED_MODELS = "/opt/tiercache/models"
-LOG_DIR = Path(os.environ.get("TIERCACHE_TEST_LOGS", "/tmp/tiercache-test-logs"))
 
 
 def distinct_free_ports(n: int) -> list[int]:

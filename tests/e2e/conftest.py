@@ -5,13 +5,18 @@ from __future__ import annotations
 import os
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from services.launcher import ServiceProcess, free_port, service_exists
 
-LOG_DIR = Path(os.environ.get("TIERCACHE_TEST_LOGS", "/tmp/tiercache-test-logs"))
+# One folder per test run (the secrets check reads every log in it; another run on the same
+# host must not add to it or delete from it): TIERCACHE_TEST_LOGS, else <tmp>/tiercache-test-
+# logs-<pid> (kept after the run, for reading a failure).
+LOG_DIR = Path(os.environ.get("TIERCACHE_TEST_LOGS")
+               or Path(tempfile.gettempdir()) / f"tiercache-test-logs-{os.getpid()}")
 
 
 def start(name: str, env: dict[str, str], key: str | None = None, timeout: float = 240.0

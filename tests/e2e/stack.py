@@ -41,32 +41,46 @@ def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict 
     on every hop; logs are named `<name>-<service>`."""
     tokens_file = tmp / "tokens.json"
     tokens_file.write_text(json.dumps(TOKENS if tokens is None else tokens))
-    sem = start("semantic", {"TIERCACHE_SEMANTIC_DB_PATH": str(tmp / "semantic.db"),
-                             "TIERCACHE_SEMANTIC_INTERNAL_TOKEN": internal},
-                key=f"{name}-semantic")
-    prefix = start("prefix", {"TIERCACHE_PREFIX_LEASE_SECONDS": str(lease_s),
-                              "TIERCACHE_PREFIX_INTERNAL_TOKEN": internal},
-                   key=f"{name}-prefix")
-    kv = [start("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": f"kv-{i}",
-                           "TIERCACHE_KVPOOL_PREFIX_ADDRESS": prefix.address,
-                           "TIERCACHE_KVPOOL_HEARTBEAT_SECONDS": "0.5",
-                           "TIERCACHE_KVPOOL_NUM_BLOCKS": "512",
-                           "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
-                           "TIERCACHE_KVPOOL_INTERNAL_TOKEN": internal, **(kv_env or {})},
-                key=f"{name}-kv{i}")
-          for i in range(2)]
-    orch = start("orchestrator", {
-        "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": ",".join(k.address for k in kv),
-        "TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS": sem.address,
-        "TIERCACHE_ORCHESTRATOR_PREFIX_ADDRESSES": prefix.address,
-        "TIERCACHE_ORCHESTRATOR_TOKENS_FILE": str(tokens_file),
-        "TIERCACHE_ORCHESTRATOR_REPLICA_POLL_S": "0.5",
-        "TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN": internal,
-        # Background warm-up would make cached-token counts depend on timing here; it has
-        # its own tests.
-        "TIERCACHE_ORCHESTRATOR_WARM_INTERVAL_S": "0",
-        "TIERCACHE_ORCHESTRATOR_PREFIX_TIMEOUT_S": "1.0",
-        **(orch_env or {})}, key=f"{name}-orchestrator")
+    started: list = []
+
+    def go(service: str, env: dict, key: str):
+        p = start(service, env, key=key)
+        started.append(p)
+        return p
+
+    try:
+        sem = go("semantic", {"TIERCACHE_SEMANTIC_DB_PATH": str(tmp / "semantic.db"),
+                              "TIERCACHE_SEMANTIC_INTERNAL_TOKEN": internal},
+                 key=f"{name}-semantic")
+        prefix = go("prefix", {"TIERCACHE_PREFIX_LEASE_SECONDS": str(lease_s),
+                               "TIERCACHE_PREFIX_INTERNAL_TOKEN": internal},
+                    key=f"{name}-prefix")
+        kv = [go("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": f"kv-{i}",
+                            "TIERCACHE_KVPOOL_PREFIX_ADDRESS": prefix.address,
+                            "TIERCACHE_KVPOOL_HEARTBEAT_SECONDS": "0.5",
+                            "TIERCACHE_KVPOOL_NUM_BLOCKS": "512",
+                            "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
+                            "TIERCACHE_KVPOOL_INTERNAL_TOKEN": internal, **(kv_env or {})},
+                 key=f"{name}-kv{i}")
+              for i in range(2)]
+        orch = go("orchestrator", {
+            "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": ",".join(k.address for k in kv),
+            "TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS": sem.address,
+            "TIERCACHE_ORCHESTRATOR_PREFIX_ADDRESSES": prefix.address,
+            "TIERCACHE_ORCHESTRATOR_TOKENS_FILE": str(tokens_file),
+            "TIERCACHE_ORCHESTRATOR_REPLICA_POLL_S": "0.5",
+            "TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN": internal,
+            # Background warm-up would make cached-token counts depend on timing here; it has
+            # its own tests.
+            "TIERCACHE_ORCHESTRATOR_WARM_INTERVAL_S": "0",
+            "TIERCACHE_ORCHESTRATOR_PREFIX_TIMEOUT_S": "1.0",
+            **(orch_env or {})}, key=f"{name}-orchestrator")
+    except BaseException:
+        # A later service that fails to start (or a skip) would otherwise leave the earlier
+        # ones running: they have their own sessions and outlive pytest.
+        for p in reversed(started):
+            p.stop()
+        raise
     return FullStack(sem, prefix, kv, orch)
 
 

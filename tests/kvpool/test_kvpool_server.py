@@ -226,12 +226,11 @@ def test_concurrent_streams_over_grpc(served, tiny_model) -> None:
         results[i] = gen(served.stub, prompts[i], max_tokens=12)[0]
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
-    t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
-    assert time.monotonic() - t0 < 30
+        t.join(60)
+    assert not any(t.is_alive() for t in threads)
     for i, p in enumerate(prompts):
         assert results[i] == reference_greedy(tiny_model, p, 12)
 

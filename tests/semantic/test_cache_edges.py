@@ -191,25 +191,49 @@ def test_invalidating_a_large_namespace_lets_lookups_through_between_chunks(
     emb.at("other", 0.99, 2)
     c.store_entry(B, "other", "other answer")
     monkeypatch.setattr(cache_mod, "_DROP_CHUNK", 20, raising=False)
-    started = threading.Event()
+    started = threading.Event()  # the invalidation has dropped its first chunk
+    looked = threading.Event()  # the lookup has returned
     real = c._drop_locked
+    dropped = [0]
 
-    def slow_drop(label):
-        started.set()
-        time.sleep(0.005)  # 200 removals: about 1 s in all, 0.1 s per chunk
+    def counting_drop(label):
+        dropped[0] += 1
         return real(label)
 
-    monkeypatch.setattr(c, "_drop_locked", slow_drop)
-    t = threading.Thread(target=c.invalidate_namespace, args=(A,))
+    class GateLock:
+        """The cache's lock; once the invalidating thread has let go of it after its first
+        chunk, that thread waits (outside the lock) until the lookup has returned. No timing
+        involved: had the whole namespace been dropped under one hold of the lock, the lookup
+        could not run before the invalidation ended."""
+
+        def __init__(self, inner) -> None:
+            self.inner = inner
+
+        def __enter__(self):
+            return self.inner.__enter__()
+
+        def __exit__(self, *exc):
+            out = self.inner.__exit__(*exc)
+            if (threading.current_thread() is t and dropped[0] >= 20
+                    and not self.inner._is_owned() and not started.is_set()):
+                started.set()
+                looked.wait(30)
+            return out
+
+    monkeypatch.setattr(c, "_drop_locked", counting_drop)
+    t = threading.Thread(target=c.invalidate_namespace, args=(A,), daemon=True)
+    c._lock = GateLock(c._lock)
     t.start()
     try:
         assert started.wait(10)
         r = c.lookup(B, "query", tier="relaxed")
-        still_invalidating = t.is_alive()
+        dropped_before_lookup = dropped[0]
+        looked.set()
     finally:
-        t.join(30)
+        looked.set()
+        t.join(60)
     assert r.hit and r.entry.answer == "other answer"
-    assert still_invalidating, "the lookup waited for the whole invalidation"
+    assert dropped_before_lookup == 20, "the lookup waited for the whole invalidation"
     assert c.stats().entries == 1
     c.check_integrity()
 

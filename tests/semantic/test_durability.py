@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -22,6 +23,9 @@ pytestmark = pytest.mark.e2e
 NS = pb.Namespace(tenant="durable", model_id="smollm2")
 
 
+ROOT = Path(__file__).resolve().parents[2]  # not the working directory pytest started in
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -31,8 +35,8 @@ def _free_port() -> int:
 def _start(db: str, port: int) -> subprocess.Popen:
     env = dict(os.environ, TIERCACHE_SEMANTIC_ADDRESS=f"127.0.0.1:{port}",
                TIERCACHE_SEMANTIC_METRICS_PORT="-1", TIERCACHE_SEMANTIC_DB_PATH=db,
-               PYTHONPATH=os.getcwd())
-    return subprocess.Popen([sys.executable, "-m", "services.semantic"], env=env,
+               PYTHONPATH=str(ROOT))
+    return subprocess.Popen([sys.executable, "-m", "services.semantic"], env=env, cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
 
@@ -75,10 +79,13 @@ def test_acknowledged_stores_survive_kill_9(tmp_path):
                     acked[sid] = prompt
                 i += 1
 
-        threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+        threads = [threading.Thread(target=writer, args=(w,), daemon=True) for w in range(4)]
         for t in threads:
             t.start()
+        deadline = time.monotonic() + 120  # bounded: writers end on their first error
         while len(acked) < 40:
+            assert time.monotonic() < deadline and any(t.is_alive() for t in threads), (
+                f"only {len(acked)} stores acknowledged")
             time.sleep(0.01)
         os.kill(proc.pid, signal.SIGKILL)  # while the writers are still storing
         proc.wait(timeout=10)

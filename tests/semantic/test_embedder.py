@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -61,8 +62,9 @@ def test_concurrent_first_export_is_done_once_and_atomically(tmp_path):
         "d = ensure_onnx(default_model_dir(), sys.argv[1], 'mini')\n"
         "print(json.dumps(str(d)))\n"
     )
-    env = dict(os.environ, PYTHONPATH=os.getcwd())
-    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env,
+    root = Path(__file__).resolve().parents[2]  # not the working directory pytest started in
+    env = dict(os.environ, PYTHONPATH=str(root))
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, cwd=root,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -125,7 +127,6 @@ def test_config_errors_name_the_variable(tmp_path):
 def test_the_export_fingerprint_follows_the_weights_content(tmp_path):
     """A fine-tuned checkpoint has the same size as the original: the fingerprint must still
     change, or the old export (and old stored vectors) would keep being used."""
-    from pathlib import Path
 
     from services.semantic.onnx_export import SentenceModelSpec
 
