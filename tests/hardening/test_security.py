@@ -163,6 +163,7 @@ def big_vocab_tiny_model(vocab: int):
     return m
 
 
+@pytest.mark.model  # the orchestrator loads the real SmolLM2 tokenizer
 def test_mutual_tls_between_all_four_services_by_config(certs, monkeypatch, tmp_path, capsys):
     """All four services in-process, TLS for every listener and every internal client from the
     same environment variables the processes read. A Generate crosses orchestrator -> semantic,

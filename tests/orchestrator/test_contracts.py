@@ -338,6 +338,7 @@ def renderer():
     return PromptRenderer(load_tokenizer(resolve_model("smollm2").path), max_chars=1000)
 
 
+@pytest.mark.model  # the real SmolLM2 tokenizer
 def test_context_hash_covers_every_earlier_turn_not_just_the_system_prompt(renderer):
     system, q = Message("system", "You are terse."), Message("user", "And the second one?")
 

@@ -6,6 +6,8 @@ from services.common.errors import InvalidArgument
 from services.orchestrator.detok import IncrementalDetokenizer
 from services.orchestrator.render import Message, PromptRenderer, context_hash
 
+pytestmark = pytest.mark.model  # the real SmolLM2 tokenizer (converted on first use)
+
 
 @pytest.fixture(scope="module")
 def tok():
