@@ -187,32 +187,23 @@ def test_a_client_gone_during_the_semantic_lookup_asks_the_index_nothing():
     assert asked == [] and stub.requests == []
 
 
-def test_a_store_cut_short_by_the_requests_deadline_is_no_degradation():
-    class SlowStore(TimedSemantic):
-        def store(self, req, timeout=None):
-            super().store(req, timeout)
-            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+@pytest.mark.parametrize(("method", "kind"), [("store", "semantic_store_failed"),
+                                               ("lookup", "semantic_skipped")])
+def test_a_semantic_call_cut_short_by_the_requests_deadline_is_no_degradation(method, kind):
+    class Slow(TimedSemantic):
+        pass
 
+    def slow(self, req, timeout=None):
+        getattr(TimedSemantic, method)(self, req, timeout)
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    setattr(Slow, method, slow)
     stub, stubs = one_replica(2)
-    orch = make(stubs, semantic=SlowStore())
+    orch = make(stubs, semantic=Slow())
     run(orch, deadline_s=1.0)  # less than the tier's 2 s: the request's own deadline
-    assert "semantic_store_failed" not in orch.stats.degradations
+    assert kind not in orch.stats.degradations
     run(orch, deadline_s=30.0)  # the tier's whole timeout: the tier is slow
-    assert orch.stats.degradations["semantic_store_failed"] == 1
-
-
-def test_a_lookup_cut_short_by_the_requests_deadline_is_no_degradation():
-    class SlowLookup(TimedSemantic):
-        def lookup(self, req, timeout=None):
-            super().lookup(req, timeout)
-            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
-
-    stub, stubs = one_replica(2)
-    orch = make(stubs, semantic=SlowLookup())
-    run(orch, deadline_s=1.0)  # less than the tier's 2 s: the request's own deadline
-    assert "semantic_skipped" not in orch.stats.degradations
-    run(orch, deadline_s=30.0)  # the tier's whole timeout: the tier is slow
-    assert orch.stats.degradations["semantic_skipped"] == 1
+    assert orch.stats.degradations[kind] == 1
 
 
 def test_lookup_store_and_match_get_what_is_left_of_the_deadline():
