@@ -130,9 +130,18 @@ class ServiceProcess:
             self.proc.kill()
             self.proc.wait()
 
-    def stop(self, grace: float = 10.0) -> None:
+    def stop(self, grace: float | None = None) -> None:
+        """SIGTERM, then SIGKILL after `grace` seconds; by default the service's own drain
+        time (10 s) plus its TIERCACHE_DRAIN_DELAY_S and a margin, so that a drain that uses
+        its time still runs `on_stop` (a fixed 10 s cut it short)."""
         if not self.proc or self.proc.poll() is not None:
             return
+        if grace is None:
+            try:
+                delay = float({**os.environ, **self.env}.get("TIERCACHE_DRAIN_DELAY_S") or 0)
+            except ValueError:
+                delay = 0.0  # the service refuses such a value at start
+            grace = 15.0 + max(0.0, min(delay, 600.0))
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(grace)

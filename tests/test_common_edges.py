@@ -199,3 +199,49 @@ def test_a_service_that_died_while_others_started_fails_the_start(monkeypatch, s
     assert main(["--base-port", "0", "--replicas", "1"]) == 1
     out = capsys.readouterr()
     assert "TierCache is up" not in out.out and "semantic" in out.err
+
+
+def test_tls_files_that_cannot_be_read_or_are_not_pem_are_named(tmp_path):
+    """A bad certificate file surfaced as gRPC's "Failed to bind to address"."""
+    from services.common.grpc_client import tls_files_problem
+
+    good = tmp_path / "good.pem"
+    good.write_text("-----BEGIN CERTIFICATE-----\nAAAA\n-----END CERTIFICATE-----\n")
+    junk = tmp_path / "junk.pem"
+    junk.write_text("not a certificate")
+    assert tls_files_problem("prefix", {"TIERCACHE_TLS_CERT": str(good)}) == ""
+    got = tls_files_problem("prefix", {"TIERCACHE_TLS_CERT": str(good),
+                                       "TIERCACHE_TLS_KEY": str(junk)})
+    assert got.startswith("TIERCACHE_TLS_KEY:") and "not a PEM" in got
+    got = tls_files_problem("prefix", {"TIERCACHE_PREFIX_TLS_CERT": str(tmp_path / "none")})
+    assert got.startswith("TIERCACHE_PREFIX_TLS_CERT: cannot read")
+    env = {**os.environ, "TIERCACHE_TLS_CERT": str(junk), "TIERCACHE_TLS_KEY": str(junk),
+           "TIERCACHE_PREFIX_ADDRESS": "127.0.0.1:0", "TIERCACHE_PREFIX_METRICS_PORT": "-1"}
+    r = subprocess.run([sys.executable, "-m", "services.prefix"], cwd=ROOT.parent, env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "TIERCACHE_TLS_CERT" in r.stdout + r.stderr
+
+
+def test_the_launcher_waits_out_a_services_drain_delay_before_sigkill(monkeypatch):
+    from services.launcher import ServiceProcess
+
+    waited: list[float] = []
+
+    class Proc:
+        def poll(self):
+            return None
+
+        def send_signal(self, sig):
+            pass
+
+        def wait(self, timeout=None):
+            waited.append(timeout)
+
+    p = ServiceProcess("prefix", 1, env={"TIERCACHE_DRAIN_DELAY_S": "20"})
+    p.proc = Proc()
+    p.stop()
+    monkeypatch.delenv("TIERCACHE_DRAIN_DELAY_S", raising=False)
+    plain = ServiceProcess("prefix", 1)
+    plain.proc = Proc()
+    plain.stop()
+    assert waited[0] >= 20 + 10 and waited[1] >= 10

@@ -376,7 +376,7 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
     import sys
 
     from services.common.config import load_config
-    from services.common.grpc_client import tls_env_problem
+    from services.common.grpc_client import tls_env_problem, tls_files_problem
     from services.common.hashing import hash_key_from_env
     from services.common.logs import setup_logging
 
@@ -391,7 +391,7 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
         # checked here so that a bad value fails the start at once, before anything binds.
         drain_delay_from_env()
         hash_key_from_env()
-        problem = tls_env_problem()
+        problem = tls_env_problem() or tls_files_problem(service)
         if problem:
             raise ConfigError(problem)
     except ConfigError as exc:

@@ -38,6 +38,28 @@ def tls_env_problem(env: Mapping[str, str] | None = None) -> str:
     return ""
 
 
+def tls_files_problem(service: str = "", env: Mapping[str, str] | None = None) -> str:
+    """A TLS file variable naming a file that cannot be read or holds no PEM ("" = none):
+    found at start, not as gRPC's "Failed to bind to address" or a handshake error later."""
+    env = os.environ if env is None else env
+    names = ["TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY", "TIERCACHE_TLS_CA",
+             "TIERCACHE_TLS_CLIENT_CERT", "TIERCACHE_TLS_CLIENT_KEY"]
+    if service:
+        names += [f"TIERCACHE_{service.upper()}_TLS_CERT", f"TIERCACHE_{service.upper()}_TLS_KEY"]
+    for var in names:
+        path = env.get(var)
+        if not path:
+            continue
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except OSError as exc:
+            return f"{var}: cannot read {path}: {exc.strerror or exc}"
+        if b"-----BEGIN " not in data:
+            return f"{var}: {path} is not a PEM file"
+    return ""
+
+
 def channel_credentials_from_env(env: Mapping[str, str] | None = None
                                  ) -> grpc.ChannelCredentials | None:
     """TLS for outgoing calls when the services speak TLS (None = plaintext).

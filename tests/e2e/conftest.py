@@ -17,6 +17,7 @@ from services.launcher import ServiceProcess, free_port, service_exists
 # logs-<pid> (kept after the run, for reading a failure).
 LOG_DIR = Path(os.environ.get("TIERCACHE_TEST_LOGS")
                or Path(tempfile.gettempdir()) / f"tiercache-test-logs-{os.getpid()}")
+LOG_DIR.mkdir(parents=True, exist_ok=True)  # before any test opens a log in it
 
 
 def start(name: str, env: dict[str, str], key: str | None = None, timeout: float = 240.0
