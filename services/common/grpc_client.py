@@ -24,13 +24,28 @@ def tls_mode(env: Mapping[str, str] | None = None) -> str:
     return "roots" if env.get("TIERCACHE_TLS_CERT") else ""
 
 
+def cut_short(e: grpc.RpcError, timeout: float | None, full_s: float) -> bool:
+    """Whether `e` is a deadline the caller's own shorter timeout ran into (the request had
+    little time left): it says nothing of the dependency's health."""
+    return (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
+            and timeout < full_s)
+
+
+_HALF_CLIENT_PAIR = "TIERCACHE_TLS_CLIENT_CERT and TIERCACHE_TLS_CLIENT_KEY must be set together"
+
+
+def _half_client_pair(env: Mapping[str, str]) -> bool:
+    """One of the client certificate and key without the other (gRPC's C core aborts on it)."""
+    return bool(env.get("TIERCACHE_TLS_CLIENT_CERT")) != bool(env.get("TIERCACHE_TLS_CLIENT_KEY"))
+
+
 def tls_env_problem(env: Mapping[str, str] | None = None) -> str:
     """What is wrong with the TLS variables ("" = nothing): half a client key pair (gRPC's C
     core aborts the process on it), or a CA without the server certificate (servers would
     speak plaintext while every client speaks TLS)."""
     env = os.environ if env is None else env
-    if bool(env.get("TIERCACHE_TLS_CLIENT_CERT")) != bool(env.get("TIERCACHE_TLS_CLIENT_KEY")):
-        return "TIERCACHE_TLS_CLIENT_CERT and TIERCACHE_TLS_CLIENT_KEY must be set together"
+    if _half_client_pair(env):
+        return _HALF_CLIENT_PAIR
     if env.get("TIERCACHE_TLS_CA") and not (env.get("TIERCACHE_TLS_CERT")
                                             and env.get("TIERCACHE_TLS_KEY")):
         return ("TIERCACHE_TLS_CA needs TIERCACHE_TLS_CERT and TIERCACHE_TLS_KEY: with the CA "
@@ -74,9 +89,8 @@ def channel_credentials_from_env(env: Mapping[str, str] | None = None
     mode = tls_mode(env)
     if not mode:
         return None
-    if bool(env.get("TIERCACHE_TLS_CLIENT_CERT")) != bool(env.get("TIERCACHE_TLS_CLIENT_KEY")):
-        # Half a pair makes gRPC's C core abort the process: refuse it here instead.
-        raise ValueError(tls_env_problem(env))
+    if _half_client_pair(env):  # refused here instead of aborting the process
+        raise ValueError(_HALF_CLIENT_PAIR)
     ca = env.get("TIERCACHE_TLS_CA") if mode == "ca" else None
 
     def read(p: str | None) -> bytes | None:

@@ -27,7 +27,7 @@ from typing import NamedTuple
 import grpc
 from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
-from services.common.grpc_client import call_metadata, make_channel
+from services.common.grpc_client import call_metadata, cut_short, make_channel
 from services.common.hashing import BlockHasher
 from services.common.ring import HashRing
 
@@ -173,8 +173,7 @@ class PrefixIndexClient:
         code = err.code()
         if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
             return
-        if (code == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
-                and timeout < self.timeout):
+        if cut_short(err, timeout, self.timeout):
             return
         self.shard_errors[address] = f"{code.name}: {err.details()}"
 

@@ -70,13 +70,15 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                      make_policy(cfg.eviction_policy, cfg.shallow_tokens),
                      record_events=bool(cfg.prefix_address),
                      max_pinned=max(1, int(n * cfg.max_pinned_fraction)))
+    # The working rows at their full size: max_batch_size rows of the whole context.
+    rows_max = (KvStore.block_bytes(info.num_layers, info.kv_heads, info.head_dim,
+                                    cfg.block_size, dtype) // cfg.block_size
+                * cfg.max_batch_size * info.max_context)
     if cfg.preallocate_rows:
         # Logged before the allocation: a context too long for the device fails right after.
-        per_token = KvStore.block_bytes(info.num_layers, info.kv_heads, info.head_dim,
-                                        cfg.block_size, dtype) // cfg.block_size
         log.info("allocating working rows for %d x %d tokens: %.0f MiB "
                  "(TIERCACHE_KVPOOL_PREALLOCATE_ROWS)", cfg.max_batch_size, info.max_context,
-                 per_token * cfg.max_batch_size * info.max_context / 2**20)
+                 rows_max / 2**20)
     engine = Engine(model, info, pool, max_batch_size=cfg.max_batch_size,
                     max_prefill_chunk=cfg.max_prefill_chunk, max_waiting=cfg.max_waiting,
                     prefix_caching=cfg.prefix_caching, drafts=cfg.drafts,
@@ -84,9 +86,6 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     preallocate_rows=cfg.preallocate_rows,
                     metrics=KvMetrics() if metrics else None).start()
     pool_b, rows_b = engine.store.nbytes()
-    rows_max = (KvStore.block_bytes(info.num_layers, info.kv_heads, info.head_dim,
-                                    cfg.block_size, dtype) // cfg.block_size
-                * engine.store.max_rows * info.max_context)
     # Growing by doubling holds the old rows beside the new ones while copying.
     peak = rows_max * (1.0 if cfg.preallocate_rows else 1.5)
     log.info("kv pool: %d blocks of %d tokens (%.0f MiB), working rows %.0f MiB now, up to "

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, semantic_pb2, semantic_pb2_grpc
 
-from services.common.grpc_client import call_metadata, make_channel
+from services.common.grpc_client import call_metadata, cut_short, make_channel
 from services.common.ring import HashRing
 from services.orchestrator.routing import ReplicaView
 
@@ -225,13 +225,6 @@ class ReplicaSet:
     def end(self, r: Replica) -> None:
         with self._lock:
             r.inflight -= 1
-
-
-def cut_short(e: grpc.RpcError, timeout: float | None, full_s: float) -> bool:
-    """Whether `e` is a deadline the caller's own shorter timeout ran into (the request had
-    little time left): it says nothing of the dependency's health."""
-    return (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
-            and timeout < full_s)
 
 
 class _SkippedShard(grpc.RpcError):

@@ -20,10 +20,10 @@ import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
 
 from services.common import errors
-from services.common.grpc_client import call_metadata
+from services.common.grpc_client import call_metadata, cut_short
 from services.common.hashing import BlockHasher
 from services.common.metrics import counter, histogram
-from services.orchestrator.backends import ReplicaSet, SemanticBackend, cut_short
+from services.orchestrator.backends import ReplicaSet, SemanticBackend
 from services.orchestrator.detok import IncrementalDetokenizer
 from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.render import PromptRenderer, RenderedPrompt

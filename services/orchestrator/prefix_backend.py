@@ -10,8 +10,9 @@ from __future__ import annotations
 import grpc
 from tiercache.v1 import common_pb2
 
+from services.common.grpc_client import cut_short
 from services.common.prefix_client import PrefixIndexClient
-from services.orchestrator.backends import Health, cut_short
+from services.orchestrator.backends import Health
 
 
 class PrefixBackend:

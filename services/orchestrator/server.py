@@ -127,10 +127,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     f"prompt ({n_prompt} tokens) + sampling.max_tokens ({sampling.max_tokens}) "
                     f"exceed the model context ({context_limit})")
         self.tenants.check_limits(tenant, len(prompt.token_ids), sampling.max_tokens)
-        md = dict(context.invocation_metadata() or ())
-        # The id the interceptor bound to this call's logs (the client's x-request-id, else one
-        # it made up): one id in every log line, every downstream call and GenerateFinal.
-        request_id = request_id_var.get() or md.get("x-request-id") or uuid.uuid4().hex[:16]
+        # The id the interceptor bound to this call's logs (the client's x-request-id if short
+        # and plain, else one it made up): one id in every log line, every downstream call and
+        # GenerateFinal.
+        request_id = request_id_var.get() or uuid.uuid4().hex[:16]
         remaining = context.time_remaining()
         budget = self.cfg.request_timeout_s if remaining is None else min(
             remaining, self.cfg.request_timeout_s)
