@@ -16,6 +16,14 @@ class Index(prefix_pb2_grpc.PrefixIndexServicer):
             raise errors.InvalidArgument("token_ids", "give token_ids or block_hashes")
         if request.model_id == "boom":
             raise RuntimeError("secret internal detail")
+        if request.model_id == "coded":
+            # A code set without abort, then an exception: the code stands, the text stays.
+            context.set_code(grpc.StatusCode.FAILED_PRECONDITION)
+            raise RuntimeError("secret internal detail")
+        if request.model_id == "coded-details":
+            context.set_code(grpc.StatusCode.FAILED_PRECONDITION)
+            context.set_details("model_id: not loaded")
+            raise RuntimeError("secret internal detail")
         return prefix_pb2.MatchResponse(request_blocks=len(request.token_ids) // 16)
 
 
@@ -57,6 +65,18 @@ def test_unexpected_error_is_internal_without_traceback(server):
     assert e.value.code() == grpc.StatusCode.INTERNAL
     assert "secret internal detail" not in e.value.details()
     assert "Traceback" not in e.value.details()
+
+
+@pytest.mark.parametrize("model_id,details", [
+    ("coded", "Match failed: FAILED_PRECONDITION"),
+    ("coded-details", "model_id: not loaded"),
+])
+def test_code_set_then_raise_keeps_code_not_exception_text(server, model_id, details):
+    with pytest.raises(grpc.RpcError) as e:
+        _stub(server).Match(prefix_pb2.MatchRequest(model_id=model_id, token_ids=[1]),
+                            timeout=5, metadata=AUTH)
+    assert e.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert e.value.details() == details
 
 
 def test_internal_credential_required(server):

@@ -104,9 +104,14 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 context.abort(_status_code(exc.code), str(exc))
             code = context.code() if hasattr(context, "code") else None
             if code not in (None, grpc.StatusCode.OK):
-                # The handler already aborted with its own status.
+                # The handler already aborted, or set a code and then raised. Abort again
+                # with that code and the handler's own details: left to gRPC, a code set
+                # without details would go out with the exception's text as its message.
                 RPC_TOTAL.labels(service, short, code.name).inc()
-                raise exc
+                details = context.details() if hasattr(context, "details") else None
+                if isinstance(details, bytes):
+                    details = details.decode("utf-8", "replace")
+                context.abort(code, details or f"{short} failed: {code.name}")
             log.exception("unhandled error in %s", method)
             RPC_TOTAL.labels(service, short, "INTERNAL").inc()
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {short}; see server logs")
