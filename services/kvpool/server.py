@@ -233,4 +233,5 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             events_published_seq=self.publisher.last_seq if self.publisher else 0,
             evictions_total=s.evictions_total, preemptions_total=s.preemptions_total,
             draft_tokens_proposed_total=s.draft_tokens_proposed_total,
-            draft_tokens_accepted_total=s.draft_tokens_accepted_total)
+            draft_tokens_accepted_total=s.draft_tokens_accepted_total,
+            prefix_caching_disabled=not engine.prefix_caching)

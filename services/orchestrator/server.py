@@ -260,6 +260,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 MAX_WARM_PROMPTS = 64
 
 
+def _caching_off(replica) -> bool:
+    """The replica's last Stats said prefix caching is off: a prefill there is refused every
+    time, and each refusal would use one of the warm-up cycle's prefills."""
+    stats = getattr(replica, "stats", None)
+    return stats is not None and stats.prefix_caching_disabled
+
+
 class Warmer:
     """Prefills prompts on replicas (Warm RPC) and runs the low-traffic warm-up loop."""
 
@@ -381,7 +388,7 @@ class Warmer:
             for r in self.orch.replicas.healthy():
                 if done >= self.cfg.warm_max_prompts_per_cycle or self._stop.is_set():
                     return done
-                if r.replica_id in hp.holders:
+                if r.replica_id in hp.holders or _caching_off(r):
                     continue
                 # Traffic may have come back since the cycle began (or a prefill of ours is
                 # load itself): warm only idle replicas while the cluster stays quiet.

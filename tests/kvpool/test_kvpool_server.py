@@ -149,6 +149,7 @@ def test_prefill_is_refused_when_prefix_caching_is_off(tiny_model) -> None:
     s = Served(replace(CFG, prefix_caching=False), tiny_model)
     try:
         before = s.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+        assert before.prefix_caching_disabled  # what the orchestrator's warm-up loop reads
         for pin in (True, False):
             with pytest.raises(grpc.RpcError) as ei:
                 s.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=list(range(1, 25)), pin=pin,

@@ -49,6 +49,25 @@ def test_cap_on_work_per_cycle():
     assert sum(len(r.stub.calls) for r in reps) == 3
 
 
+def test_replicas_with_prefix_caching_off_are_left_alone():
+    """Such a replica refuses every prefill: asking each cycle wasted the cycle's budget
+    (here 3 prefills), so the replica with caching on got none."""
+    hot = [hp([i] * 32, []) for i in range(1, 5)]
+    w, reps = make([0, 0], hot)
+    reps[0].stats = kvpool_pb2.KvStatsResponse(prefix_caching_disabled=True)
+    reps[1].stats = kvpool_pb2.KvStatsResponse()
+    real = reps[0].stub.Prefill
+
+    def refuse(req, timeout=None, metadata=None):
+        real(req, timeout, metadata)
+        raise AssertionError("prefill sent to a replica with prefix caching off")
+
+    reps[0].stub.Prefill = refuse
+    assert w.cycle() == 3
+    assert reps[0].stub.calls == []
+    assert reps[1].stub.calls == [[1] * 32, [2] * 32, [3] * 32]
+
+
 def test_no_warm_up_while_busy():
     w, reps = make([3, 2], [hp([1] * 32, [])])
     assert w.cycle() == 0
