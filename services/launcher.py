@@ -150,6 +150,25 @@ class ServiceProcess:
             self.proc.wait()
 
 
+def semantic_db_env(port: int, env: dict[str, str]) -> dict[str, str]:
+    """The semantic database for this stack: the default one, unless another stack's semantic
+    service holds it (one process per database), then one of its own beside it."""
+    if "TIERCACHE_SEMANTIC_DB_PATH" in env or "TIERCACHE_SEMANTIC_DB_PATH" in os.environ:
+        return {}
+    from services.semantic.config import SemanticConfig
+    from services.semantic.store import database_in_use
+
+    cache_dir = (env.get("TIERCACHE_SEMANTIC_CACHE_DIR")
+                 or os.environ.get("TIERCACHE_SEMANTIC_CACHE_DIR", ""))
+    default = SemanticConfig(cache_dir=cache_dir).resolved_db_path()
+    if not database_in_use(default):
+        return {}
+    own = os.path.join(os.path.dirname(default), f"semantic-{port}.db")
+    print(f"  {default} is in use by another stack: this one's semantic cache uses {own}",
+          flush=True)
+    return {"TIERCACHE_SEMANTIC_DB_PATH": own}
+
+
 @dataclass
 class Stack:
     """The whole local stack."""
@@ -168,7 +187,10 @@ class Stack:
         env = dict(self.extra_env)
         sem = prefix = None
         if service_exists("semantic"):
-            sem = self._start("semantic", self.port(1), {**metrics_env("semantic"), **env})
+            sem_port = self.port(1)
+            sem = self._start("semantic", sem_port,
+                              {**metrics_env("semantic"), **semantic_db_env(sem_port, env),
+                               **env})
         if service_exists("prefix"):
             prefix = self._start("prefix", self.port(2), {**metrics_env("prefix"), **env})
         kv = []

@@ -46,6 +46,7 @@ def test_make_run_keeps_metrics_ports_the_user_set(monkeypatch):
         return self.procs[key or name]
 
     monkeypatch.setattr(Stack, "_start", fake_start)
+    monkeypatch.setattr("services.launcher.semantic_db_env", lambda port, env: {})
     monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "9300")
     monkeypatch.setenv("TIERCACHE_SEMANTIC_METRICS_PORT", "9199")
     monkeypatch.delenv("TIERCACHE_ORCHESTRATOR_METRICS_PORT", raising=False)
@@ -104,3 +105,28 @@ def test_a_stack_refuses_to_start_on_a_port_something_already_listens_on(tmp_pat
             stack._start("orchestrator", port, {})
         assert stack.procs == {}
     assert launcher.port_is_free(port)
+
+
+def test_a_second_stack_gets_its_own_semantic_database(monkeypatch, tmp_path, capsys):
+    """One semantic process per database: a second `make run ARGS=--base-port N` (which the
+    port-in-use message suggests) would otherwise find the first stack's database locked."""
+    from services.launcher import semantic_db_env
+    from services.semantic.store import EntryStore
+
+    monkeypatch.setenv("TIERCACHE_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("TIERCACHE_SEMANTIC_DB_PATH", raising=False)
+    monkeypatch.delenv("TIERCACHE_SEMANTIC_CACHE_DIR", raising=False)
+    default = tmp_path / "semantic" / "semantic.db"
+    assert semantic_db_env(50062, {}) == {}  # free: the default database
+    holder = EntryStore(str(default))
+    try:
+        own = str(tmp_path / "semantic" / "semantic-50062.db")
+        assert semantic_db_env(50062, {}) == {"TIERCACHE_SEMANTIC_DB_PATH": own}
+        assert "in use by another stack" in capsys.readouterr().out
+        EntryStore(own).close()  # and that one is free
+        # A database the user chose is theirs to manage.
+        assert semantic_db_env(50062, {"TIERCACHE_SEMANTIC_DB_PATH": "/x.db"}) == {}
+        monkeypatch.setenv("TIERCACHE_SEMANTIC_DB_PATH", "/y.db")
+        assert semantic_db_env(50062, {}) == {}
+    finally:
+        holder.close()

@@ -9,6 +9,7 @@ import sys
 from services.common.bootstrap import load_service_config, run_until_signal
 from services.semantic.config import SemanticConfig
 from services.semantic.server import serve
+from services.semantic.store import DatabaseInUse
 
 log = logging.getLogger("services.semantic")
 
@@ -17,7 +18,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_service_config(SemanticConfig, "semantic", argv)
     if cfg is None:
         return 2
-    svc = serve(cfg)
+    try:
+        svc = serve(cfg)
+    except DatabaseInUse as exc:
+        log.error("cannot start: %s", exc)
+        return 2
     # Move what loading built (entries, maps, index arrays) out of the cyclic collector's reach:
     # a full collection walked 100k entries in ~30 ms, a pause lookups would wait through.
     # Process-wide, so here and not in serve() (tests start many services in one process).

@@ -9,6 +9,7 @@ lookup: they are buffered and written in the background (`flush_hits`).
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import sqlite3
 import threading
@@ -18,6 +19,41 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.common.errors import ResourceExhausted
+
+
+class DatabaseInUse(RuntimeError):
+    """Another process has the database open: two caches on one file would each keep their own
+    view of it and delete each other's rows (start-up de-duplication, lowered limits)."""
+
+
+def database_in_use(path: str) -> bool:
+    """Whether a running store holds `path` (a probe: takes and drops the lock)."""
+    try:
+        fd = _lock_database(path)
+    except DatabaseInUse:
+        return True
+    except OSError:
+        return False  # cannot even create the lock file: the service will say so itself
+    os.close(fd)
+    return False
+
+
+def _lock_database(path: str) -> int:
+    """Holds an exclusive lock on `<path>.lock` for the life of the store (released by the
+    kernel if the process dies); raises DatabaseInUse naming the holder when it is taken."""
+    lock_path = path + ".lock"
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
+        os.close(fd)
+        raise DatabaseInUse(
+            f"{path} is in use by another process (pid {holder}); stop it, or give this one "
+            "its own database (TIERCACHE_SEMANTIC_DB_PATH)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -75,26 +111,42 @@ class EntryStore:
     """All SQLite access of the service, on one connection guarded by a lock."""
 
     def __init__(self, path: str, synchronous: str = "FULL") -> None:
+        self._lock_fd: int | None = None
+        self._closed = False
         if path != ":memory:":
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self._lock_fd = _lock_database(path)
         self.path = path
         self._lock = threading.Lock()
-        self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
-        self._db.executescript(_SCHEMA)
-        cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
-        if "truncated" not in cols:  # a database written before the column existed
-            self._db.execute("ALTER TABLE entries ADD COLUMN truncated INTEGER NOT NULL DEFAULT 0")
+        try:
+            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            self._db.executescript(_SCHEMA)
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
+            if "truncated" not in cols:  # a database written before the column existed
+                self._db.execute(
+                    "ALTER TABLE entries ADD COLUMN truncated INTEGER NOT NULL DEFAULT 0")
+        except BaseException:
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+            raise
         # Hit counters have their own lock: a lookup that records a hit must not wait behind a
         # Store's fsync or a flush holding the connection.
         self._hits_lock = threading.Lock()
         self._pending_hits: dict[int, tuple[float, int]] = {}
 
     def close(self) -> None:
+        """Writes buffered hit counts, closes the database and releases its lock (idempotent)."""
+        if self._closed:
+            return
         self.flush_hits()
         with self._lock:
+            self._closed = True
             self._db.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)  # releases the lock
+                self._lock_fd = None
 
     def insert(self, *, id: str, tenant: str, model_id: str, context_hash: str, prompt: str,
                answer: str, embedding: np.ndarray, embed_model: str, verified: bool,

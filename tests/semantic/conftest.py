@@ -53,6 +53,11 @@ def cache_factory(make_cfg, clock):
 
     def make(embedder, **kw) -> SemanticCache:
         cfg = make_cfg(**kw)
+        for old in made:
+            # A second cache on the same file is the service restarted: the first process is
+            # gone (one process at a time holds a database).
+            if old.store.path == cfg.resolved_db_path():
+                old.store.close()
         c = SemanticCache(cfg, embedder, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
         c.load()
         made.append(c)

@@ -96,3 +96,41 @@ def test_hit_counters_never_go_down_in_sqlite(tmp_path):
         assert (row.hit_count, row.last_hit_at) == (5, 10.0)
     finally:
         s.close()
+
+
+def test_one_process_at_a_time_holds_a_database(tmp_path):
+    """Two services on one file each kept their own view of it: an entry invalidated through
+    one was still served by the other, and the second one's start-up trimming deleted rows
+    the first had acknowledged. The second is now refused, naming the holder."""
+    import os
+
+    from services.semantic.store import DatabaseInUse
+
+    path = str(tmp_path / "s.db")
+    first = EntryStore(path)
+    with pytest.raises(DatabaseInUse) as e:
+        EntryStore(path)
+    assert path in str(e.value) and f"pid {os.getpid()}" in str(e.value)
+    assert "TIERCACHE_SEMANTIC_DB_PATH" in str(e.value)
+    first.close()
+    first.close()  # idempotent
+    second = EntryStore(path)  # the lock went with the first store
+    second.close()
+    EntryStore(":memory:").close()  # no file, no lock
+
+
+def test_the_service_refuses_to_start_on_a_database_in_use(tmp_path):
+    import subprocess
+    import sys
+
+    path = str(tmp_path / "s.db")
+    holder = EntryStore(path)
+    try:
+        # A process of its own: one that started anyway would serve until stopped.
+        p = subprocess.run([sys.executable, "-m", "services.semantic", "--address",
+                            "127.0.0.1:0", "--metrics-port", "-1", "--db-path", path],
+                           capture_output=True, text=True, timeout=120)
+        assert p.returncode == 2, p.stderr[-2000:]
+        assert "in use by another process" in p.stderr
+    finally:
+        holder.close()
