@@ -77,6 +77,9 @@ class Entry:
     # The prompt is longer than the embedding model's window (None = not known yet): its vector
     # stands for its first tokens only, so only an exact repeat may hit it.
     over_window: bool | None = None
+    # What of the prompt the embedding model cannot read (see `OnnxEmbedder.unseen`; None =
+    # not known yet).
+    unseen: str | None = None
 
     def expires_at(self) -> float:
         """When the TTL runs out (inf = never)."""
@@ -125,8 +128,8 @@ def _metrics():
         "lookups": m.counter("tiercache_semantic_lookups_total", "Semantic lookups",
                              ("tier", "outcome")),
         "guard": m.counter("tiercache_semantic_guard_rejections_total",
-                           "Hits refused by the guard, the verifier or the embedding-window "
-                           "rule"),
+                           "Hits refused by the guard, the verifier, or the embedding-window "
+                           "or unread-characters rule"),
         "evictions": m.counter("tiercache_semantic_evictions_total", "Entries evicted (LRU)"),
         "expirations": m.counter("tiercache_semantic_expirations_total", "Entries expired"),
         "entries": m.gauge("tiercache_semantic_entries", "Entries held"),
@@ -251,6 +254,34 @@ class SemanticCache:
                 self._entries[e.label] = replace(cur, over_window=over)
         return over
 
+    def _unseen(self, text: str) -> str:
+        fn = getattr(self.embedder, "unseen", None)
+        return fn(text) if fn is not None else ""  # a test double that reads everything
+
+    def _entry_unseen(self, e: Entry) -> str:
+        """`e.unseen`, tokenising its prompt once (entries are told on their first near hit)."""
+        if e.unseen is not None:
+            return e.unseen
+        unseen = self._unseen(e.prompt)
+        with self._lock:
+            cur = self._entries.get(e.label)
+            if cur is not None:
+                self._entries[e.label] = replace(cur, unseen=unseen)
+        return unseen
+
+    def _unseen_refusal(self, text: str, text_unseen: list[str], e: Entry) -> str:
+        """Texts that differ only in what the embedding model cannot read (an emoji, a word in
+        a script outside its vocabulary, control characters) embed identically: a hit needs
+        those parts to agree. `text_unseen` memoises the query's part over one lookup."""
+        if text == e.prompt:
+            return ""
+        if not text_unseen:
+            text_unseen.append(self._unseen(text))
+        if text_unseen[0] == self._entry_unseen(e):
+            return ""
+        return ("differs in characters the embedding model cannot read (emoji, unknown "
+                "scripts, control characters)")
+
     def _window_refusal(self, text: str, text_over: bool, e: Entry) -> str:
         """Past the embedding window two texts with the same start embed identically, however
         their ends differ (a pasted document, then another question): only an exact repeat is
@@ -280,6 +311,7 @@ class SemanticCache:
         # above the verified threshold, refused by the verifier or guard) must not hide one
         # further down that can: fetch more neighbours until similarity drops below `lowest`.
         k, seen, done = _CANDIDATES, set(), False
+        text_unseen: list[str] = []
         while not done:
             found = index.search(vec, k)
             for nb in found:
@@ -299,6 +331,7 @@ class SemanticCache:
                         break
                     continue  # a verified entry further down may still be one
                 refusal = (self._window_refusal(text, text_over, e)
+                           or self._unseen_refusal(text, text_unseen, e)
                            or self._second_opinion(text, e.prompt, sim, resolved.tier))
                 if refusal:
                     if not rejected:

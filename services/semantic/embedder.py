@@ -44,6 +44,12 @@ class OnnxEmbedder:
         self._tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
         self._tok.enable_truncation(self.max_seq_length)
         self._tok.enable_padding()
+        # The same tokenizer, whole texts, for `unseen`.
+        self._plain = Tokenizer.from_str(self._tok.to_str())
+        self._plain.no_truncation()
+        self._plain.no_padding()
+        unk = json.loads(self._tok.to_str()).get("model", {}).get("unk_token")
+        self._unk_id = self._tok.token_to_id(unk) if unk else None
         # Tokens a text gets beyond its own (e.g. [CLS] [SEP]), read from the empty text.
         self._specials = sum(self._tok.encode("").attention_mask)
         opts = ort.SessionOptions()
@@ -66,6 +72,19 @@ class OnnxEmbedder:
         if 4 * len(text) <= room or len(text.encode()) <= room:
             return False
         return bool(self._tok.encode(text).overflowing)
+
+    def unseen(self, text: str) -> str:
+        """The characters of `text` the model cannot read, in order: those it maps to its
+        unknown token (emoji, scripts outside its vocabulary) or drops (control and format
+        characters), whitespace aside. Two texts that differ only there embed identically."""
+        enc = self._plain.encode(text)
+        covered = bytearray(len(text))
+        for tid, (a, b), special in zip(enc.ids, enc.offsets, enc.special_tokens_mask,
+                                         strict=True):
+            if not special and tid != self._unk_id and b > a:
+                covered[a:b] = b"\x01" * (b - a)
+        return "".join(c for c, seen in zip(text, covered, strict=True)
+                       if not seen and not c.isspace())
 
     def embed_checked(self, texts: list[str]) -> tuple[np.ndarray, list[bool]]:
         """`embed`, and for each text whether it was cut to the window (`exceeds_window`)."""
@@ -104,6 +123,7 @@ class BatchingEmbedder:
         self.batched_texts = 0
         self._q: queue.SimpleQueue[tuple[str, Future] | None] = queue.SimpleQueue()
         self.exceeds_window = inner.exceeds_window
+        self.unseen = inner.unseen
         self._thread = threading.Thread(target=self._run, name="embed-batcher", daemon=True)
         self._thread.start()
 

@@ -423,6 +423,29 @@ POLICY = ("Our travel policy covers every trip an employee takes on company busi
 
 
 @pytest.mark.parametrize("tier", ["relaxed", "standard", "strict"])
+def test_texts_that_differ_only_where_the_model_cannot_read_do_not_hit(make_cache, embedder,
+                                                                      tier):
+    """MiniLM maps emoji and unknown scripts to [UNK] and drops control characters, so these
+    pairs embed to one vector (similarity 1.0): the snake's answer was served for the shark,
+    in the strict tier too."""
+    c = make_cache(guard_tiers=(), verifier_tiers=())
+    pairs = [("Is 🐍 a good pet?", "Is 🦈 a good pet?"),
+             ("Translate to English: ሰላም", "Translate to English: ደህና"),
+             ("\x00", "\u200b"),
+             ("Describe this emoji in one word: 🍕", "Describe this emoji in one word: 🥶")]
+    for stored, asked in pairs:
+        e = c.store_entry(A, stored, f"answer to {stored!r}")
+        r = c.lookup(A, asked, tier=tier, want_draft=True)
+        assert r.similarity > 0.999, (stored, asked)  # the vectors cannot tell them apart
+        assert not r.hit and r.guard_rejected and "cannot read" in r.guard_reason
+        assert r.entry is not None and r.entry.id == e.id  # still offered as a draft
+        assert c.lookup(A, stored, tier=tier).hit  # the exact repeat is served
+    # What the model reads may still differ: case, spacing, accents and the same emoji.
+    c.store_entry(A, "Is 🐱 a good pet for Zürich flats?", "Yes.")
+    assert c.lookup(A, "is 🐱  a good pet for Zurich flats", tier=tier).hit
+
+
+@pytest.mark.parametrize("tier", ["relaxed", "standard", "strict"])
 def test_texts_past_the_embedding_window_hit_only_an_exact_repeat(make_cache, make_cfg,
                                                                    embedder, clock, tier):
     """MiniLM reads 256 tokens: a pasted document followed by two different questions embeds
