@@ -97,6 +97,10 @@ class Neighbor(NamedTuple):
     score: float
 
 
+# Rows a new delta starts with (it doubles as it fills).
+_INITIAL_DELTA_ROWS = 2
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     main: faiss.Index | None
@@ -135,7 +139,10 @@ class NamespaceIndex:
         self._closing = False
 
     def _new_snapshot(self, main, labels, vecs, kind, cap: int | None = None) -> _Snapshot:
-        cap = cap or self.params.delta_capacity
+        # The delta starts at 2 rows and doubles as it fills (up to `delta_capacity`): chat
+        # traffic has about one namespace per conversation turn, and a full-size delta each
+        # (3 MiB of address space at 2048 x 384 floats) cost 28-140 KiB of RSS per entry.
+        cap = cap or min(_INITIAL_DELTA_ROWS, self.params.delta_capacity)
         return _Snapshot(main, labels, vecs, np.zeros((cap, self.params.dim), np.float32),
                          np.zeros(cap, np.int64), kind, [0])
 
@@ -153,7 +160,7 @@ class NamespaceIndex:
             snap = self._snap
             n = snap.count[0]
             if n >= len(snap.delta_labels):
-                if self.background:
+                if self.background or n < self.params.delta_capacity:
                     snap = self._grow_delta_locked(snap, n)
                 else:
                     self._swap_locked(self._build(snap, n, set(self._dead)))
@@ -169,6 +176,8 @@ class NamespaceIndex:
         """A snapshot with the same main index and a delta twice as large (rows copied):
         writers go on while a merge is still building, instead of building themselves."""
         cap = 2 * len(snap.delta_labels)
+        if len(snap.delta_labels) < self.params.delta_capacity:
+            cap = min(cap, self.params.delta_capacity)  # still growing to its planned size
         new = _Snapshot(snap.main, snap.main_labels, snap.main_vecs,
                         np.zeros((cap, self.params.dim), np.float32), np.zeros(cap, np.int64),
                         snap.kind, [n])
@@ -311,7 +320,8 @@ class NamespaceIndex:
         assert cur.main_labels is snap.main_labels, "a snapshot was swapped under a build"
         late = cur.count[0] - n
         new = self._new_snapshot(main, labels, vecs, kind,
-                                 max(self.params.delta_capacity, 2 * late))
+                                 max(min(_INITIAL_DELTA_ROWS, self.params.delta_capacity),
+                                     2 * late))
         if late:
             new.delta_vecs[:late] = cur.delta_vecs[n:n + late]
             new.delta_labels[:late] = cur.delta_labels[n:n + late]

@@ -201,3 +201,35 @@ def test_every_searching_thread_uses_the_configured_openmp_threads():
             assert seen[-1] == n
     finally:
         set_search_threads(1)
+
+
+def _delta_rows(idx: NamespaceIndex) -> int:
+    return len(idx._snap.delta_labels)
+
+
+def test_a_small_namespace_holds_a_small_delta_that_grows_as_it_fills():
+    """Chat traffic has about one namespace per conversation turn: a full-size delta each
+    (2048 x 384 floats, 3 MiB of address space) cost 25-140 KiB of RSS per entry."""
+    rng = np.random.default_rng(3)
+    for background in (False, True):
+        idx = NamespaceIndex(IndexParams(384, hnsw_min_entries=10_000, delta_capacity=2048),
+                             background=background)
+        vecs = _unit(rng, 300, 384)
+        idx.add(1, vecs[0])
+        assert _delta_rows(idx) <= 16
+        for i, v in enumerate(vecs[1:], start=2):
+            idx.add(i, v)
+        assert 300 <= _delta_rows(idx) <= 512  # doubled as needed, not the full 2048
+        for i in (0, 150, 299):
+            assert idx.search(vecs[i], 1)[0].label == i + 1
+        idx.check_integrity()
+        idx.close(5)
+    # An uneven capacity is reached exactly (inline merges happen at that size).
+    idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=1000, delta_capacity=100),
+                         background=False)
+    vecs = _unit(rng, 250)
+    for i, v in enumerate(vecs):
+        idx.add(i, v)
+        assert _delta_rows(idx) <= 100
+    assert all(idx.search(vecs[i], 1)[0].label == i for i in (0, 99, 100, 249))
+    idx.check_integrity()
