@@ -1,5 +1,8 @@
 """The common bootstrap over a real channel: health, reflection, error mapping, UTF-8, auth."""
 
+import queue
+import time
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -108,3 +111,80 @@ def test_find_invalid_utf8_nested_and_repeated():
         "messages[1].content"
     assert find_invalid_utf8(orchestrator_pb2.GenerateRequest.DESCRIPTOR,
                              good.SerializeToString()) is None
+
+
+@pytest.fixture
+def small_server():
+    h = create_server(service="test", address="127.0.0.1:0", internal_token="s3cret",
+                      max_workers=6,
+                      services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, Index(),
+                                 "tiercache.v1.PrefixIndex")])
+    h.set_serving()
+    yield h
+    h.stop(0)
+
+
+def test_open_watches_hold_no_worker_thread_and_leave_nothing_behind(small_server):
+    """Health.Watch needs no credential. Wrapped by the interceptor it ran as a blocking
+    generator, one worker thread per open watch (32 watches stalled a 32-thread server), and
+    each name watched stayed in the servicer's table after the stream ended."""
+    ch = grpc.insecure_channel(small_server.address)
+    hs = health_pb2_grpc.HealthStub(ch)
+    watches = [hs.Watch(health_pb2.HealthCheckRequest(service=f"unknown-{i}"), timeout=20)
+               for i in range(12)]  # twice the server's threads
+    try:
+        for w in watches:
+            assert next(w).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        r = _stub(small_server).Match(prefix_pb2.MatchRequest(token_ids=[1] * 32), timeout=3,
+                                      metadata=AUTH)
+        assert r.request_blocks == 2
+    finally:
+        for w in watches:
+            w.cancel()
+    table = small_server.health._send_response_callbacks
+    deadline = time.monotonic() + 5
+    while any(k.startswith("unknown-") for k in table) and \
+            time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [k for k in table if k.startswith("unknown-")]
+    with pytest.raises(grpc.RpcError) as e:
+        next(hs.Watch(health_pb2.HealthCheckRequest(service="x" * 100_000), timeout=5))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert e.value.details().startswith("service:")
+
+
+def test_idle_reflection_streams_cannot_take_every_thread(small_server):
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from services.common.bootstrap import MAX_OPEN_STREAMS
+
+    ch = grpc.insecure_channel(small_server.address)
+    rs = reflection_pb2_grpc.ServerReflectionStub(ch)
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    held = []
+    for _ in range(MAX_OPEN_STREAMS):
+        q = queue.Queue()
+        q.put(ask)
+        it = rs.ServerReflectionInfo(iter(q.get, None), timeout=20)
+        assert next(it).list_services_response.service  # open, answered, now idle
+        held.append((q, it))
+    try:
+        with pytest.raises(grpc.RpcError) as e:
+            next(rs.ServerReflectionInfo(iter([ask]), timeout=5))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        r = _stub(small_server).Match(prefix_pb2.MatchRequest(token_ids=[1] * 16), timeout=3,
+                                      metadata=AUTH)
+        assert r.request_blocks == 1
+    finally:
+        for q, it in held:
+            q.put(None)  # the client ends its side
+            it.cancel()
+    deadline = time.monotonic() + 5
+    while True:  # the slots come back once the streams have ended
+        try:
+            got = list(rs.ServerReflectionInfo(iter([ask]), timeout=5))
+            break
+        except grpc.RpcError:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    assert got and got[0].list_services_response.service

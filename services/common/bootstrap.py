@@ -44,6 +44,35 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Open two-way streams (server reflection) one server serves at once: each holds a worker
+# thread while open, and needs no credential.
+MAX_OPEN_STREAMS = 4
+# Longest service name Health.Watch accepts (the names served are a few dozen characters).
+MAX_HEALTH_NAME = 256
+
+
+class _HealthServicer(health.HealthServicer):
+    """gRPC's health servicer, minus two leaks open to anyone who can connect: a Watch of a
+    never-registered name kept an entry per name after the stream ended, and names had no
+    length limit (200 watches of 1 MB names held 200 MiB)."""
+
+    def Watch(self, request, context, send_response_callback=None):  # noqa: N802
+        if len(request.service) > MAX_HEALTH_NAME:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"service: longer than {MAX_HEALTH_NAME} characters")
+        return super().Watch(request, context, send_response_callback)
+
+    def _on_close_callback(self, send_response_callback, service):
+        def callback():
+            with self._lock:
+                watchers = self._send_response_callbacks.get(service)
+                if watchers is not None:
+                    watchers.discard(send_response_callback)
+                    if not watchers:
+                        del self._send_response_callbacks[service]
+            send_response_callback(None)
+
+        return callback
 
 
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
@@ -73,11 +102,17 @@ class _ServerInterceptor(grpc.ServerInterceptor):
     def __init__(self, service: str, internal_token: str | None) -> None:
         self.service = service
         self.internal_token = internal_token
+        self._open_streams = threading.BoundedSemaphore(MAX_OPEN_STREAMS)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
+        if getattr(handler.unary_stream, "experimental_non_blocking", False):
+            # Health.Watch answers through callbacks and holds no thread; wrapped, it would
+            # fall back to a blocking generator that holds one per open watch (32 of them,
+            # with no credential, stalled a 32-thread server).
+            return handler
         method = handler_call_details.method
         short = method.rsplit("/", 1)[-1]
         metadata = dict(handler_call_details.invocation_metadata or ())
@@ -201,7 +236,31 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 request_deserializer=None,
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_stream:
+            return grpc.stream_stream_rpc_method_handler(
+                self._limited(handler.stream_stream, short),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
         return handler
+
+    def _limited(self, inner, short: str):
+        """Two-way streams (reflection) under a small cap: each holds a worker thread while
+        open, so idle ones, with no credential, could take every thread of the server."""
+        service, slots = self.service, self._open_streams
+
+        def wrapped(request_iterator, context) -> Iterator:
+            if not slots.acquire(blocking=False):
+                RPC_TOTAL.labels(service, short, "RESOURCE_EXHAUSTED").inc()
+                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"{short}: at most {MAX_OPEN_STREAMS} open streams at once; "
+                              "close one")
+            try:
+                yield from inner(request_iterator, context)
+            finally:
+                slots.release()
+
+        return wrapped
 
 
 @dataclass
@@ -306,7 +365,7 @@ def create_server(
     for add, servicer, full_name in services:
         add(servicer, server)
         names.append(full_name)
-    hs = health.HealthServicer(experimental_non_blocking=True)
+    hs = _HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
