@@ -92,6 +92,18 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
     ]
 
 
+# Longest status message sent: gRPC refuses a status over 16 KiB of metadata, and the client
+# then gets RESOURCE_EXHAUSTED naming no field. Messages repeat client values cut short
+# (errors.shown); this is the backstop for any that does not.
+MAX_DETAILS_CHARS = 2048
+
+
+def _capped(details: str) -> str:
+    if len(details) <= MAX_DETAILS_CHARS:
+        return details
+    return f"{details[:MAX_DETAILS_CHARS]}... ({len(details) - MAX_DETAILS_CHARS} characters cut)"
+
+
 def _status_code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
@@ -136,7 +148,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         def fail(context, exc: BaseException) -> None:
             if isinstance(exc, errors.TierCacheError):
                 RPC_TOTAL.labels(service, short, exc.code).inc()
-                context.abort(_status_code(exc.code), str(exc))
+                context.abort(_status_code(exc.code), _capped(str(exc)))
             code = context.code() if hasattr(context, "code") else None
             if code not in (None, grpc.StatusCode.OK):
                 # The handler already aborted, or set a code and then raised. Abort again
@@ -146,7 +158,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 details = context.details() if hasattr(context, "details") else None
                 if isinstance(details, bytes):
                     details = details.decode("utf-8", "replace")
-                context.abort(code, details or f"{short} failed: {code.name}")
+                context.abort(code, _capped(details or f"{short} failed: {code.name}"))
             log.exception("unhandled error in %s", method)
             RPC_TOTAL.labels(service, short, "INTERNAL").inc()
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {short}; see server logs")

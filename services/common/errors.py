@@ -6,6 +6,17 @@ turns them into a status with a message that names the offending field.
 
 from __future__ import annotations
 
+# Longest client value a status message repeats (gRPC refuses a status over 16 KiB of
+# metadata, and the client then sees a transport error that names no field).
+SHOWN_CHARS = 64
+
+
+def shown(value: object) -> str:
+    """`repr(value)` for a status message, cut to SHOWN_CHARS characters of the value."""
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+    return repr(value)
+
 
 class TierCacheError(Exception):
     """Base class; `code` is the grpc.StatusCode name the adapter uses."""

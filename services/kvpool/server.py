@@ -78,7 +78,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
     def _check_model(self, model_id: str, info: ModelInfo) -> None:
         if model_id and model_id != info.model_id:
             raise errors.FailedPrecondition(
-                f"model_id: this replica serves {info.model_id!r}, not {model_id!r}")
+                f"model_id: this replica serves {info.model_id!r}, not {errors.shown(model_id)}")
 
     @staticmethod
     def _deadline(context: grpc.ServicerContext) -> float | None:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.errors import FailedPrecondition, InvalidArgument
+from services.common.errors import FailedPrecondition, InvalidArgument, shown
 
 ROLES = ("system", "user", "assistant")
 
@@ -40,7 +40,7 @@ def _check_message(field: str, m: Message, max_chars: int, *, allow_empty: bool)
     """One message's role, content and length; InvalidArgument names `field`.role/.content."""
     if m.role not in ROLES:
         raise InvalidArgument(f"{field}.role",
-                              f"unknown role {m.role!r}; expected one of {', '.join(ROLES)}")
+                              f"unknown role {shown(m.role)}; expected one of {', '.join(ROLES)}")
     if not allow_empty and not m.content.strip():
         raise InvalidArgument(f"{field}.content", "must not be empty")
     if len(m.content) > max_chars:

@@ -60,7 +60,7 @@ def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig,
 def parse_policy(p: common_pb2.CachePolicy) -> Policy:
     if p.semantic_tier and p.semantic_tier not in ("strict", "standard", "relaxed"):
         raise errors.InvalidArgument("cache_policy.semantic_tier",
-                                     f"unknown tier {p.semantic_tier!r}")
+                                     f"unknown tier {errors.shown(p.semantic_tier)}")
     if p.semantic_threshold and not 0.0 < p.semantic_threshold <= 1.0:
         raise errors.InvalidArgument("cache_policy.semantic_threshold", "must be in (0, 1]")
     return Policy(p.skip_semantic_lookup, p.skip_semantic_store, p.skip_prefix_cache,
@@ -206,12 +206,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # Only references this tenant was given: another tenant's entry is simply not found.
         entry_id = self.tenants.entry_id(tenant, request.semantic_entry_id)
         if entry_id is None:
-            raise errors.NotFound(f"semantic_entry_id: {request.semantic_entry_id} unknown")
+            raise errors.NotFound(
+                f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown")
         try:
             if request.rating == orchestrator_pb2.RATING_BAD:
                 n = sem.invalidate(entry_id).removed
                 if n == 0:
-                    raise errors.NotFound(f"semantic_entry_id: {request.semantic_entry_id} unknown")
+                    raise errors.NotFound(
+                        f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown")
                 return orchestrator_pb2.FeedbackResponse(invalidated=True)
             sem.verify(entry_id, True)
             return orchestrator_pb2.FeedbackResponse(verified=True)

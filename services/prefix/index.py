@@ -20,7 +20,13 @@ from dataclasses import dataclass, field
 from operator import itemgetter
 from typing import NamedTuple
 
-from services.common.errors import FailedPrecondition, InvalidArgument, NotFound, ResourceExhausted
+from services.common.errors import (
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    shown,
+)
 from services.common.hashing import DIGEST_SIZE, BlockHasher, check_salt
 from services.common.policy import EvictionPolicy, HybridPolicy
 from services.prefix.tree import BlockTree, bits
@@ -364,10 +370,10 @@ class PrefixIndex:
             raise InvalidArgument("replica_id", "required")
         rep = self._replicas.get(replica_id)
         if rep is None:
-            raise NotFound(f"replica_id: unknown replica {replica_id!r}; Register first")
+            raise NotFound(f"replica_id: unknown replica {shown(replica_id)}; Register first")
         if rep.incarnation != incarnation:
-            raise NotFound(f"incarnation: {incarnation!r} is not the registered incarnation of "
-                           f"{replica_id!r}; Register again")
+            raise NotFound(f"incarnation: {shown(incarnation)} is not the registered "
+                           f"incarnation of {shown(replica_id)}; Register again")
         return rep
 
     # -- events ---------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from services.common.errors import InvalidArgument, NotFound
+from services.common.errors import InvalidArgument, NotFound, shown
 from services.semantic.config import SemanticConfig
 from services.semantic.guard import ParaphraseGuard
 from services.semantic.index import IndexParams, NamespaceIndex
@@ -536,7 +536,7 @@ class SemanticCache:
         # a membership check and a second read (a KeyError, INTERNAL to the caller).
         e = self._entries.get(label) if label is not None else None
         if e is None:
-            raise NotFound(f"id: no entry {entry_id!r}")
+            raise NotFound(f"id: no entry {shown(entry_id)}")
         return e
 
     def verify(self, entry_id: str, verified: bool) -> Entry:
@@ -556,7 +556,7 @@ class SemanticCache:
             with self._lock:
                 cur = self._entries.get(e.label)
                 if cur is None:
-                    raise NotFound(f"id: no entry {entry_id!r}")
+                    raise NotFound(f"id: no entry {shown(entry_id)}")
                 cur = replace(cur, verified=verified)
                 self._entries[e.label] = cur
         return cur

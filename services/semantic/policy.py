@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, shown
 
 
 class Outcome(enum.Enum):
@@ -72,7 +72,7 @@ class ThresholdPolicy:
         """
         name = tier or self.default_tier
         if name not in self.tiers:
-            raise InvalidArgument("tier", f"unknown tier {tier!r}; expected one of "
+            raise InvalidArgument("tier", f"unknown tier {shown(tier)}; expected one of "
                                           f"{', '.join(sorted(self.tiers))}")
         if threshold == 0.0:
             return Resolved(name, self.tiers[name], False)

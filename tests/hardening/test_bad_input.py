@@ -96,6 +96,9 @@ KV_CASES = [
          KvGen(token_ids=[5] * 200_000, sampling=OK_SP), INV, "token_ids", stream=True),
     case("other model", "Generate", KvGen(token_ids=[1], sampling=OK_SP, model_id="gpt-9"), FP,
          "model_id", stream=True),
+    case("huge other model", "Generate", KvGen(token_ids=[1], sampling=OK_SP,
+                                               model_id="g" * 20_000), FP, "model_id",
+         stream=True),
     case("invalid UTF-8 request_id", "Generate", raw(KvGen(token_ids=[1], sampling=OK_SP))
          + string_field(1, BAD_UTF8), INV, "request_id", stream=True),
     case("invalid UTF-8 cache_salt", "Generate", raw(KvGen(token_ids=[1], sampling=OK_SP))
@@ -301,6 +304,12 @@ SEMANTIC_CASES = [
                                                     answer="z" * OVER_LIMIT), RES, ""),
     case("verify empty id", "Verify", semantic_pb2.VerifyRequest(), INV, "id"),
     case("verify unknown id", "Verify", semantic_pb2.VerifyRequest(id="nope"), NF, "id"),
+    # Repeated in full, these made a status over gRPC's 16 KiB limit: RESOURCE_EXHAUSTED
+    # naming no field.
+    case("verify huge unknown id", "Verify", semantic_pb2.VerifyRequest(id="x" * 1_000_000), NF,
+         "id"),
+    case("lookup huge unknown tier", "Lookup", LK(namespace=NS, text="hi", tier="t" * 20_000),
+         INV, "tier"),
     case("invalidate nothing", "Invalidate", semantic_pb2.InvalidateRequest(), INV, "target"),
     case("invalidate empty namespace", "Invalidate", semantic_pb2.InvalidateRequest(
         namespace=semantic_pb2.Namespace()), INV, "namespace"),
@@ -364,6 +373,11 @@ ORCH_CASES = [
         stop_token_ids=[2**31])), INV, "sampling.stop_token_ids", stream=True, metadata=A),
     case("unknown role", "Generate", Gen(messages=[CM(role="wizard", content="hi")]), INV,
          "messages[0].role", stream=True, metadata=A),
+    case("huge unknown role", "Generate", Gen(messages=[CM(role="r" * 20_000, content="hi")]),
+         INV, "messages[0].role", stream=True, metadata=A),
+    case("huge unknown tier", "Generate", Gen(messages=HI, cache_policy=CP(
+        semantic_tier="t" * 20_000)), INV, "cache_policy.semantic_tier", stream=True,
+         metadata=A),
     case("oversized message", "Generate", Gen(messages=[CM(role="user", content="w " * 3000)]),
          INV, "messages[0].content", stream=True, metadata=A),
     case("huge repeated messages", "Generate", Gen(messages=HI * 5000), INV, "messages",
@@ -398,6 +412,9 @@ ORCH_CASES = [
          "rating", metadata=A),
     case("feedback unknown entry", "Feedback", FB(semantic_entry_id="nope",
                                                   rating=orchestrator_pb2.RATING_BAD), NF,
+         "semantic_entry_id", metadata=A),
+    case("feedback huge unknown entry", "Feedback", FB(semantic_entry_id="e" * 20_000,
+                                                       rating=orchestrator_pb2.RATING_BAD), NF,
          "semantic_entry_id", metadata=A),
     case("stats as a tenant", "Stats", orchestrator_pb2.StatsRequest(), DENIED, "authorization",
          metadata=A),
