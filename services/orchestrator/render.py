@@ -71,6 +71,29 @@ class PromptRenderer:
     def __init__(self, tokenizer: Any, max_chars: int = 100_000) -> None:
         self.tok = tokenizer
         self.max_chars = max_chars
+        self._max_token_chars: int | None = None
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters one token stands for: its longest vocabulary
+        entry (byte-level and SentencePiece entries spell each byte or space as at most one
+        character; 0 = unknown)."""
+        if self._max_token_chars is None:
+            vocab = getattr(self.tok, "get_vocab", None)
+            self._max_token_chars = max(map(len, vocab()), default=0) if vocab else 0
+        return self._max_token_chars
+
+    def check_size(self, field: str, n_messages: int, chars: int, max_tokens: int) -> None:
+        """Refuses, before any rendering, what cannot fit in `max_tokens`: each message
+        takes at least one token, and no token stands for more than `max_token_chars`
+        characters. (Rendering and tokenizing 12 MB of messages took 20 s, only to refuse.)"""
+        if n_messages > max_tokens:
+            raise InvalidArgument(field, f"{n_messages} messages exceed the limit of "
+                                         f"{max_tokens} prompt tokens (one at least each)")
+        per_token = self.max_token_chars
+        if per_token and chars > max_tokens * per_token:
+            raise InvalidArgument(field, f"{chars} characters cannot fit in the limit of "
+                                         f"{max_tokens} prompt tokens")
 
     @property
     def has_chat_template(self) -> bool:

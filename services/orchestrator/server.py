@@ -102,6 +102,31 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if not request.messages and not request.prompt:
             raise errors.InvalidArgument("messages", "must not be empty (or give prompt)")
         if request.messages:
+            self.orch.renderer.check_size("messages", len(request.messages),
+                                          sum(len(m.content) for m in request.messages),
+                                          self.cfg.max_prompt_tokens)
+        # The id the interceptor bound to this call's logs (the client's x-request-id if short
+        # and plain, else one it made up): one id in every log line, every downstream call and
+        # GenerateFinal.
+        request_id = request_id_var.get() or uuid.uuid4().hex[:16]
+        remaining = context.time_remaining()
+        budget = self.cfg.request_timeout_s if remaining is None else min(
+            remaining, self.cfg.request_timeout_s)
+        deadline = time.monotonic() + budget
+        # Rendering and tokenizing is the costly part of checking a request: it runs in the
+        # server's stream slot and the tenant's, under their limits.
+        with self._stream_slot():
+            self.tenants.acquire(tenant)
+            try:
+                prompt, sampling = self._prepare(request, tenant, sampling)
+                yield from self._generate(context, tenant, prompt, sampling, policy,
+                                          request, request_id, deadline)
+            finally:
+                self.tenants.release(tenant)
+
+    def _prepare(self, request, tenant, sampling):
+        """The rendered prompt and the sampling it runs with, after every limit."""
+        if request.messages:
             prompt = self.orch.renderer.render_chat(
                 [Message(m.role, m.content) for m in request.messages])
         else:
@@ -127,43 +152,34 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     f"prompt ({n_prompt} tokens) + sampling.max_tokens ({sampling.max_tokens}) "
                     f"exceed the model context ({context_limit})")
         self.tenants.check_limits(tenant, len(prompt.token_ids), sampling.max_tokens)
-        # The id the interceptor bound to this call's logs (the client's x-request-id if short
-        # and plain, else one it made up): one id in every log line, every downstream call and
-        # GenerateFinal.
-        request_id = request_id_var.get() or uuid.uuid4().hex[:16]
-        remaining = context.time_remaining()
-        budget = self.cfg.request_timeout_s if remaining is None else min(
-            remaining, self.cfg.request_timeout_s)
-        deadline = time.monotonic() + budget
-        with self._stream_slot():
-            self.tenants.acquire(tenant)
-            try:
-                events = self.orch.generate(
-                    tenant=tenant, prompt=prompt, sampling=sampling, policy=policy,
-                    session_id=request.session_id, return_token_ids=request.return_token_ids,
-                    request_id=request_id, deadline=deadline,
-                    on_cancel=lambda fn: _on_rpc_end(context, fn))
-                for ev in events:
-                    if isinstance(ev, Finished):
-                        ev.report.semantic_entry_id = self.tenants.entry_ref(
-                            tenant, ev.report.semantic_entry_id)
-                        ev.report.draft_entry_id = self.tenants.entry_ref(
-                            tenant, ev.report.draft_entry_id)
-                        yield orchestrator_pb2.GenerateResponse(
-                            final=orchestrator_pb2.GenerateFinal(
-                                finish_reason=ev.finish_reason,
-                                usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens,
-                                                       completion_tokens=ev.completion_tokens),
-                                cache_report=ev.report, request_id=ev.request_id))
-                    else:
-                        yield orchestrator_pb2.GenerateResponse(text=ev.text,
-                                                                token_ids=ev.token_ids)
-            except errors.Cancelled:
-                # The RPC-end callback fires for an expired deadline too: say which it was
-                # (the client sees DEADLINE_EXCEEDED either way; metrics and logs must agree).
-                raise rpc_ended(context) from None
-            finally:
-                self.tenants.release(tenant)
+        return prompt, sampling
+
+    def _generate(self, context, tenant, prompt, sampling, policy, request, request_id,
+                  deadline):
+        try:
+            events = self.orch.generate(
+                tenant=tenant, prompt=prompt, sampling=sampling, policy=policy,
+                session_id=request.session_id, return_token_ids=request.return_token_ids,
+                request_id=request_id, deadline=deadline,
+                on_cancel=lambda fn: _on_rpc_end(context, fn))
+            for ev in events:
+                if isinstance(ev, Finished):
+                    ev.report.semantic_entry_id = self.tenants.entry_ref(
+                        tenant, ev.report.semantic_entry_id)
+                    ev.report.draft_entry_id = self.tenants.entry_ref(
+                        tenant, ev.report.draft_entry_id)
+                    yield orchestrator_pb2.GenerateResponse(
+                        final=orchestrator_pb2.GenerateFinal(
+                            finish_reason=ev.finish_reason,
+                            usage=common_pb2.Usage(prompt_tokens=ev.prompt_tokens,
+                                                   completion_tokens=ev.completion_tokens),
+                            cache_report=ev.report, request_id=ev.request_id))
+                else:
+                    yield orchestrator_pb2.GenerateResponse(text=ev.text, token_ids=ev.token_ids)
+        except errors.Cancelled:
+            # The RPC-end callback fires for an expired deadline too: say which it was
+            # (the client sees DEADLINE_EXCEEDED either way; metrics and logs must agree).
+            raise rpc_ended(context) from None
 
     @contextlib.contextmanager
     def _stream_slot(self) -> Iterator[None]:

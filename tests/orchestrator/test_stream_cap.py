@@ -15,25 +15,32 @@ from tiercache.v1 import orchestrator_pb2
 from services.common.errors import ResourceExhausted
 from services.orchestrator.config import STREAM_HEADROOM, OrchestratorConfig
 from services.orchestrator.pipeline import TextDelta
-from services.orchestrator.render import RenderedPrompt
+from services.orchestrator.render import PromptRenderer, RenderedPrompt
 from services.orchestrator.server import OrchestratorServicer
 from services.orchestrator.tenants import TenantRegistry
 
 
 class Renderer:
+    max_token_chars = 8  # no token stands for more than 8 characters
+    check_size = PromptRenderer.check_size
+
+    def __init__(self) -> None:
+        self.rendered = 0
+
     def render_chat(self, messages):
+        self.rendered += 1
         return RenderedPrompt([1, 2, 3], messages[-1].content, "")
 
 
 class SlowOrchestrator:
     """Streams one delta, then waits until released (a long generation)."""
 
-    renderer = Renderer()
     tok = range(1000)  # only its length (the vocabulary size) is read
     replicas = SimpleNamespace(max_context=lambda: 0)  # no replica has reported its context
 
     def __init__(self) -> None:
         self.release = threading.Event()
+        self.renderer = Renderer()
 
     def generate(self, **kw):
         yield TextDelta("hi", [])
@@ -51,14 +58,16 @@ class Context:
         return True
 
 
-def servicer(max_workers: int) -> tuple[OrchestratorServicer, SlowOrchestrator]:
-    cfg = OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=max_workers)
+def servicer(max_workers: int, max_concurrent: int = 100, max_prompt_tokens: int = 8192
+             ) -> tuple[OrchestratorServicer, SlowOrchestrator]:
+    cfg = OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=max_workers,
+                             max_prompt_tokens=max_prompt_tokens)
     cfg.validate()
     s = OrchestratorServicer(cfg)
     orch = SlowOrchestrator()
     s.attach(orch, TenantRegistry.build(tokens_file="", tokens="", key=b"k",
                                         max_prompt_tokens=100, max_tokens=100,
-                                        max_concurrent=100))
+                                        max_concurrent=max_concurrent))
     return s, orch
 
 
@@ -158,3 +167,37 @@ def test_the_request_id_is_the_one_the_interceptor_bound_to_the_logs():
     finally:
         request_id_var.reset(tok)
     assert seen == ["bound-by-interceptor"]
+
+
+def test_a_request_that_cannot_fit_is_refused_before_rendering():
+    """Rendering and tokenizing 12 MB of messages took 20 s only to refuse them: more messages
+    than prompt tokens, or more characters than the tokens can stand for, are refused first."""
+    from services.common.errors import InvalidArgument
+
+    s, orch = servicer(STREAM_HEADROOM + 2, max_prompt_tokens=64)
+    many = orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "hi"}] * 65)
+    with pytest.raises(InvalidArgument, match="^messages: 65 messages exceed"):
+        next(s.Generate(many, Context()))
+    long = orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "w" * 513}])
+    with pytest.raises(InvalidArgument, match="^messages: 513 characters cannot fit"):
+        next(s.Generate(long, Context()))
+    assert orch.renderer.rendered == 0 and s._streams == 0
+    fits = orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "w" * 512}])
+    g = s.Generate(fits, Context())
+    assert next(g).text == "hi" and orch.renderer.rendered == 1
+    orch.release.set()
+    list(g)
+
+
+def test_rendering_waits_for_the_tenants_slot():
+    """Four parallel 4 MB requests of a tenant limited to one request at a time were all
+    rendered at once (25-34 s each): the render ran before the tenant's limit applied."""
+    s, orch = servicer(STREAM_HEADROOM + 4, max_concurrent=1)
+    g = s.Generate(request(), Context())
+    assert next(g).text == "hi" and orch.renderer.rendered == 1
+    with pytest.raises(ResourceExhausted):
+        next(s.Generate(request(), Context()))
+    assert orch.renderer.rendered == 1  # refused before rendering
+    orch.release.set()
+    list(g)
+    assert s._streams == 0
