@@ -178,8 +178,12 @@ class Orchestrator:
                                              why.strip()) from None
             if cut_short(e, timeout, self.semantic.timeout_s):
                 return None  # the request's own deadline, not the tier: no degradation
-            # Anything else (the tier down, or a text the tier will not take, such as a
-            # message over its size limit) only means this request goes without the tier.
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # A text the tier will not take (a message over its size limit): this request
+                # goes without the tier, which is healthy; not a degradation to alert on.
+                log.info("semantic tier skipped for this request: %s", details)
+                return None
+            # Anything else (the tier down) only means this request goes without the tier.
             log.warning("semantic lookup failed, skipping the tier: %s", details)
             self.stats.degrade("semantic_skipped")
             return None
@@ -198,6 +202,11 @@ class Orchestrator:
         except grpc.RpcError as e:
             if cut_short(e, timeout, self.semantic.timeout_s):
                 return ""  # the request's own deadline, not the tier: no degradation
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # A prompt or answer the tier will not take (over its size limits): not stored,
+                # and not a degradation of a healthy tier.
+                log.info("answer not stored in the semantic tier: %s", e.details())
+                return ""
             log.warning("semantic store failed: %s", e.details())
             self.stats.degrade("semantic_store_failed")
             return ""

@@ -34,6 +34,9 @@ class RefusingTier:
     def lookup(self, request, timeout=None):
         raise self.error
 
+    def store(self, request, timeout=None):
+        raise self.error
+
 
 def _soon() -> float:
     return time.monotonic() + 30
@@ -53,9 +56,21 @@ PROMPT = RenderedPrompt([1, 2, 3], "word " * 3000, "")
 @pytest.mark.parametrize("details", ["text: longer than the limit of 8192 characters",
                                      "namespace.tenant: longer than 256 chars"])
 def test_a_text_the_tier_will_not_take_skips_the_tier(details):
+    """The request goes without the tier, which is healthy: counted as a degradation, a
+    client's long messages raised the alerts meant for a tier that is down."""
     o = orchestrator(Refusal(grpc.StatusCode.INVALID_ARGUMENT, details))
     assert o._lookup(TENANT, PROMPT, Policy(), want_draft=True, deadline=_soon()) is None
-    assert o.stats.degradations["semantic_skipped"] == 1
+    assert not o.stats.degradations
+
+
+def test_an_answer_the_tier_will_not_take_is_not_stored_and_no_degradation():
+    o = orchestrator(Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                             "answer: longer than the limit of 32768 characters"))
+    assert o._store(TENANT, PROMPT, "x" * 40_000, 0, deadline=_soon()) == ""
+    assert not o.stats.degradations
+    o = orchestrator(Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    assert o._store(TENANT, PROMPT, "x", 0, deadline=_soon()) == ""
+    assert o.stats.degradations["semantic_store_failed"] == 1
 
 
 @pytest.mark.parametrize("details", ["tier: unknown tier 'x'", "threshold: must be 0 or in"])
