@@ -649,18 +649,15 @@ class SemanticCache:
                     newest[key] = r
                 else:
                     replaced.append(r.label)
-        cap = self.cfg.max_ttl_seconds
-        stale = [r.label for r in newest.values() if self._expired_row(r, now, cap)]
-        live = [r for r in newest.values() if not self._expired_row(r, now, cap)]
+        stale = [r.label for r in newest.values() if self._expired_row(r, now)]
+        live = [r for r in newest.values() if not self._expired_row(r, now)]
         del newest
         self._reembed(live)
         groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
         for r in live:
             ns = Namespace(r.tenant, r.model_id, r.context_hash)
             es, vs = groups.setdefault(ns, ([], []))
-            # A row stored under a larger TTL limit (an older version, or a lowered setting)
-            # keeps at most today's: past the API's uint32 every hit on it failed.
-            ttl = min(r.ttl_seconds, self.cfg.max_ttl_seconds)
+            ttl = self._loaded_ttl(r)
             es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
                             r.last_hit_at, r.hit_count, ttl, r.truncated))
             vs.append(r.embedding)
@@ -698,11 +695,21 @@ class SemanticCache:
                  len(stale), len(victims), len(replaced))
         return len(self._entries)
 
-    @staticmethod
-    def _expired_row(r: Row, now: float, cap: int) -> bool:
-        """Expired under its TTL, at most `cap` (today's max_ttl_seconds: see load)."""
-        ttl = min(r.ttl_seconds, cap)
+    def _expired_row(self, r: Row, now: float) -> bool:
+        """Expired under its TTL as loaded (`_loaded_ttl`)."""
+        ttl = self._loaded_ttl(r)
         return ttl > 0 and now >= r.created_at + ttl
+
+    def _loaded_ttl(self, r: Row) -> int:
+        """A row's TTL under today's limits. One stored under a larger limit (an older version,
+        or a lowered setting) keeps at most today's `max_ttl_seconds` (past the API's uint32,
+        every hit on it failed). One stored to never expire (0, under a default of 0) gets
+        that limit too once today's default expires entries: else entries of a no-TTL past
+        could never age out."""
+        cap = self.cfg.max_ttl_seconds
+        if r.ttl_seconds > 0:
+            return min(r.ttl_seconds, cap)
+        return cap if self.cfg.default_ttl_seconds > 0 else 0
 
     def _reembed(self, rows: list[Row]) -> None:
         old = [r for r in rows if r.embed_model != self._embed_id

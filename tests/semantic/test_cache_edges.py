@@ -307,6 +307,34 @@ def test_a_row_stored_under_a_larger_ttl_limit_loads_with_todays(make_cfg, emb, 
         c.store.close()
 
 
+@pytest.mark.parametrize("default_ttl", [0, 3600])
+def test_a_never_expiring_row_ages_out_once_entries_expire_by_default(make_cfg, emb, clock,
+                                                                      default_ttl):
+    """A row stored to never expire (TTL 0, under a default of 0) stayed so after the
+    operator set a default TTL: entries of a no-TTL past could only be deleted by hand."""
+    cfg = make_cfg(guard_tiers=(), verifier_tiers=(), default_ttl_seconds=default_ttl,
+                   max_ttl_seconds=7200)
+    store = EntryStore(cfg.resolved_db_path(), "NORMAL")
+    for eid, age in (("old", 7300), ("young", 100)):
+        store.insert(id=eid, tenant=A.tenant, model_id=A.model_id, context_hash="",
+                     prompt=f"query {eid}", answer="x", embedding=emb.embed_one("query"),
+                     embed_model=emb.identity, verified=False, created_at=clock.t - age,
+                     ttl_seconds=0)
+    store.close()
+    c = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        if default_ttl == 0:  # never-expiring entries are still allowed: kept as they were
+            assert c.load() == 2 and c.get("old").ttl_seconds == 0
+        else:  # today's limit (2 h): the 2-hour-old row is gone, the other expires in time
+            assert c.load() == 1 and c.get("young").ttl_seconds == 7200
+            clock.t += 7200
+            c.expire()
+            assert c.stats().entries == 0
+    finally:
+        c.close_indexes()
+        c.store.close()
+
+
 def test_a_row_expired_under_todays_ttl_limit_is_not_loaded(make_cfg, emb, clock):
     """The clamp came after the expiry check: a row expired under today's limit was loaded,
     took capacity, and could push out a live entry."""
