@@ -75,6 +75,10 @@ class Replica:
     inflight: int = 0
     # Our in-flight count when `stats` was taken: the part of the replica's figure that is ours.
     inflight_at_poll: int = 0
+    # (stats, inflight_at_poll) as one value, replaced whole by the poller: `load` reads it
+    # without the set's lock, and the two read one after the other could come from two polls
+    # (a load of 10 where 5 was true, which put the replica holding a prefix over the cap).
+    polled: tuple[kvpool_pb2.KvStatsResponse | None, int] = (None, 0)
     slow_polls: int = 0
     # Called when the poller declares the replica unhealthy: in-flight calls on it cancel
     # themselves and fail over (a hung replica would otherwise hold them to their deadline).
@@ -89,9 +93,9 @@ class Replica:
         next turn could find its replica "over the cap" and be sent to one that holds nothing
         of it. Only what the poll counted beyond our own requests is carried over.
         """
-        s = self.stats
+        s, ours_at_poll = self.polled
         engine = (s.running + s.waiting) if s is not None else 0
-        return self.inflight + max(0, engine - self.inflight_at_poll)
+        return self.inflight + max(0, engine - ours_at_poll)
 
 
 @dataclass
@@ -130,6 +134,7 @@ class ReplicaSet:
                     # The replica counted at some moment during the call; attribute to us the
                     # larger of our counts at either end, so ours never inflate the others'.
                     r.inflight_at_poll = max(ours_before, r.inflight)
+                    r.polled = (s, r.inflight_at_poll)
                     r.replica_id = s.replica_id or r.address
                     r.health.name = f"kvpool/{r.replica_id}"
                     r.slow_polls = 0

@@ -174,3 +174,41 @@ def test_the_poller_reports_a_replica_lost_when_it_fails_or_restarts():
     stub.answer = Err()
     rs.poll_once()
     assert lost == ["r0", "r0"] and not rs.replicas[0].health.healthy
+
+
+def test_routing_never_reads_a_load_from_two_polls():
+    """The poller replaces the replica's figure and our share of it together; `load` read
+    them one after the other without the lock, and could pair a new figure with an old share:
+    a load of 10 where 5 was true, putting the replica that holds a prefix over the cap."""
+    import sys
+    import threading
+    import time
+
+    stub = StatsStub("r0", running=0)
+    r = Replica("r0", stub, Health("kvpool", "r0"), replica_id="r0")
+    rs = replica_set(r)
+    stop = time.monotonic() + 2
+    seen: set[float] = set()
+
+    def traffic() -> None:
+        while time.monotonic() < stop:
+            stub.running = 0
+            rs.poll_once()  # idle
+            for _ in range(5):
+                rs.begin(r)
+            stub.running = 5
+            rs.poll_once()  # the replica's 5 are ours
+            for _ in range(5):
+                rs.end(r)
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # widen the window between the two reads
+    try:
+        t = threading.Thread(target=traffic)
+        t.start()
+        while t.is_alive():
+            seen.add(r.load)  # what views() hands routing
+        t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert max(seen) <= 5, sorted(seen)
