@@ -274,6 +274,9 @@ class PrefixIndex:
                 raise InvalidArgument(name, "required")
             if len(value) > 256:
                 raise InvalidArgument(name, "longer than 256 characters")
+        if hash_probe and len(hash_probe) != DIGEST_SIZE:
+            raise InvalidArgument("hash_probe", f"must be {DIGEST_SIZE} bytes, got "
+                                                f"{len(hash_probe)}")
         if block_size != self.block_size:
             raise FailedPrecondition(
                 f"block_size: replica uses {block_size}, this index {self.block_size}")

@@ -180,6 +180,9 @@ PREFIX_CASES = [
         replica_id="r9", incarnation="i", address="a:1", model_id="m", block_size=4,
         hash_probe=BlockHasher("m", 4, b"another-key").probe()),
         FP, "hash"),
+    case("register short hash probe", "Register", prefix_pb2.RegisterRequest(
+        replica_id="r9", incarnation="i", address="a:1", model_id="m", block_size=4,
+        hash_probe=b"abc"), INV, "hash_probe: must be 16 bytes"),
     case("register invalid UTF-8 address", "Register", raw(GOOD) + string_field(3, BAD_UTF8),
          INV, "address"),
     case("heartbeat empty", "Heartbeat", prefix_pb2.HeartbeatRequest(), INV, "replica_id"),
