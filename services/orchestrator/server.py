@@ -151,7 +151,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     "messages" if request.messages else "prompt",
                     f"prompt ({n_prompt} tokens) + sampling.max_tokens ({sampling.max_tokens}) "
                     f"exceed the model context ({context_limit})")
-        self.tenants.check_limits(tenant, len(prompt.token_ids), sampling.max_tokens)
+        self.tenants.check_limits(tenant, len(prompt.token_ids), sampling.max_tokens,
+                                  "messages" if request.messages else "prompt")
         return prompt, sampling
 
     def _generate(self, context, tenant, prompt, sampling, policy, request, request_id,

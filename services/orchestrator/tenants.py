@@ -189,10 +189,12 @@ class TenantRegistry:
                 return tenant
         raise Unauthenticated("authorization: unknown token")
 
-    def check_limits(self, tenant: Tenant, prompt_tokens: int, max_tokens: int) -> None:
+    def check_limits(self, tenant: Tenant, prompt_tokens: int, max_tokens: int,
+                     field: str = "prompt") -> None:
+        """`field` names the prompt as the request gave it ("messages" or "prompt")."""
         if prompt_tokens > tenant.max_prompt_tokens:
             raise ResourceExhausted(
-                f"prompt: {prompt_tokens} tokens exceed tenant limit {tenant.max_prompt_tokens}")
+                f"{field}: {prompt_tokens} tokens exceed tenant limit {tenant.max_prompt_tokens}")
         if max_tokens > tenant.max_tokens:
             raise ResourceExhausted(
                 f"sampling.max_tokens: {max_tokens} exceed tenant limit {tenant.max_tokens}")

@@ -196,7 +196,12 @@ def test_auth_and_limits(stack):
         with pytest.raises(grpc.RpcError) as e:
             c.generate("word " * 200, max_tokens=4)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "prompt" in e.value.details()
+        # Named as the request gave it: a chat message, not a raw prompt.
+        assert e.value.details().startswith("messages: ")
+        assert "tenant limit" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("word " * 200, max_tokens=4, raw=True)
+        assert e.value.details().startswith("prompt: ")
         with pytest.raises(grpc.RpcError) as e:
             c.generate("hi", max_tokens=7)
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

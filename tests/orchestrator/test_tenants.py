@@ -45,6 +45,8 @@ def test_limits():
     a = r.authenticate({"authorization": "Bearer t"})
     with pytest.raises(ResourceExhausted, match="prompt"):
         r.check_limits(a, 101, 10)
+    with pytest.raises(ResourceExhausted, match="^messages: 101 tokens"):
+        r.check_limits(a, 101, 10, "messages")  # named as the request gave its prompt
     with pytest.raises(ResourceExhausted, match="sampling.max_tokens"):
         r.check_limits(a, 10, 51)
     r.check_limits(a, 100, 50)  # at the limits is allowed
