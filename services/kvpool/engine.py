@@ -319,10 +319,13 @@ class Engine:
         return self._stats
 
     def take_events(self) -> list[PoolEvent]:
-        """Pool events (stored/removed/cleared) since the last call, in order."""
-        out = []
-        while self._events:
-            out.append(self._events.popleft())
+        """Pool events (stored/removed/cleared) since the last call, in order.
+
+        Atomic: the publisher thread and a snapshot on the engine thread may both take events;
+        each event goes to exactly one of them.
+        """
+        with self._events_cv:
+            out, self._events = list(self._events), deque()
         return out
 
     def wait_events(self, timeout: float) -> bool:
@@ -375,6 +378,10 @@ class Engine:
                     self._finish(seq, Failed(errors.Cancelled("request cancelled")))
             elif kind == "call":
                 _, fn, fut = msg
+                if not fut.set_running_or_notify_cancel():
+                    # The caller gave up (cancelled): running it anyway could take something
+                    # (a snapshot takes the pending events) and hand it to nobody.
+                    continue
                 try:
                     fut.set_result(fn())
                 except Exception as exc:  # noqa: BLE001 - handed to the caller

@@ -19,6 +19,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import grpc
@@ -31,8 +32,12 @@ from services.kvpool.block_pool import AllCleared, BlocksRemoved, BlocksStored, 
 log = logging.getLogger(__name__)
 
 # Beyond this many unsent events while the index is unreachable, drop them and resync instead.
+# Only incremental events count: the rest of a snapshot waiting to go out is not a backlog (a
+# replica may hold more blocks than this).
 MAX_BACKLOG = 50_000
 MAX_BATCH = 512
+# How long a resync waits for the engine thread to take its snapshot (between two steps).
+SNAPSHOT_TIMEOUT = 60.0
 
 
 def to_proto(ev: PoolEvent) -> prefix_pb2.KvEvent:
@@ -84,6 +89,9 @@ class Publisher:
         self.last_seq = 0  # the newest batch number any shard accepted (Stats shows it)
         self.resyncs = 0
         self._backlog: list[PoolEvent] = []
+        # How many events at the head of _backlog are the rest of a snapshot (not held
+        # against MAX_BACKLOG).
+        self._snapshot_left = 0
         self._need_resync = True
         # Shards that missed a batch (down, or asked for a resync) while the others took it:
         # only they get a snapshot, once the backlog is out, so one shard's outage neither
@@ -189,10 +197,11 @@ class Publisher:
 
     def _collect(self) -> None:
         self._backlog.extend(self.engine.take_events())
-        if len(self._backlog) > MAX_BACKLOG:
+        if len(self._backlog) - self._snapshot_left > MAX_BACKLOG:
             log.warning("prefix index unreachable: dropping %d events, will resync",
                         len(self._backlog))
             self._backlog.clear()
+            self._snapshot_left = 0
             self._need_resync = True
 
     def _send(self, events: list[PoolEvent], resync: bool,
@@ -228,6 +237,7 @@ class Publisher:
             if not self._send(batch, resync=False):
                 return
             del self._backlog[: len(batch)]
+            self._snapshot_left = max(0, self._snapshot_left - len(batch))
 
     def _resync(self, only: set[str] | None = None) -> None:
         """Replace the index's view of this replica with a snapshot of the pool: on every
@@ -237,9 +247,19 @@ class Publisher:
             pending = self.engine.take_events() + self.engine.pool.take_events()
             return list(self.engine.pool.holdings()), pending
 
-        holdings, pending = self.engine.call(snapshot).result(timeout=60)
+        fut = self.engine.call(snapshot)
+        try:
+            holdings, pending = fut.result(timeout=SNAPSHOT_TIMEOUT)
+        except FutureTimeout:
+            # A snapshot left in the engine's inbox would still run later and take the pending
+            # events, handing them to nobody: cancel it, or, if it is running already, wait
+            # for it (it is quick once started) rather than abandon what it takes.
+            if fut.cancel():
+                raise
+            holdings, pending = fut.result()
         if only is None:
             self._backlog.clear()  # every shard gets the snapshot, which reflects them
+            self._snapshot_left = 0
         else:
             # The other shards have not seen these yet; replayed after the snapshot on the
             # lagging ones they change nothing (their effect is in it already).
@@ -258,4 +278,6 @@ class Publisher:
         if only is None:
             self._need_resync = False
         self.resyncs += 1
-        self._backlog = holdings[MAX_BATCH:] + self._backlog
+        rest = holdings[MAX_BATCH:]
+        self._backlog = rest + self._backlog
+        self._snapshot_left += len(rest)

@@ -196,7 +196,8 @@ def test_heartbeats_follow_an_index_lease_shorter_than_the_replicas_interval(mak
                     incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
                     heartbeat_seconds=2.0, channel_factory=grpc.insecure_channel).start()
     try:
-        wait_for(lambda: pub.registered and index.replica_count == 1)
+        # The first resync follows registration: wait for it to be counted.
+        wait_for(lambda: pub.registered and index.replica_count == 1 and pub.resyncs >= 1)
         resyncs, missing = pub.resyncs, 0
         end = time.monotonic() + 4
         while time.monotonic() < end:
@@ -266,8 +267,10 @@ def test_the_publisher_survives_a_snapshot_the_engine_did_not_take_in_time(make_
                     heartbeat_seconds=0.1, publish_interval_seconds=0.02,
                     channel_factory=grpc.insecure_channel).start()
     try:
-        wait_for(lambda: not stalls and index.batches and len(index.holdings) == 5)
-        assert pub._thread.is_alive() and pub.resyncs >= 1
+        # resyncs counts once the batch is sent: the index may hold it a moment before.
+        wait_for(lambda: not stalls and index.batches and len(index.holdings) == 5
+                 and pub.resyncs >= 1)
+        assert pub._thread.is_alive()
     finally:
         pub.stop()
         handle.stop(0)
@@ -287,3 +290,195 @@ def test_a_batch_a_shard_answered_resync_for_is_not_counted_as_accepted(make_eng
     assert pub.last_seq == 4
     pub._send([], resync=False)
     assert pub.last_seq == 4  # batch 5 was not applied: the shard asked for a resync
+
+
+def _recording_publisher(eng) -> tuple[Publisher, list[tuple[bool, int]]]:
+    """A publisher whose index accepts every batch; records (resync, events) per batch."""
+    from services.common.prefix_client import PublishOutcome
+
+    pub = Publisher(eng, address="127.0.0.1:1", replica_id="kv-0", incarnation="i",
+                    public_address="x:1", model_id="tiny-llama",
+                    channel_factory=grpc.insecure_channel)
+    sent: list[tuple[bool, int]] = []
+
+    def publish_events(rid, inc, events, resync=False, only=None):
+        sent.append((resync, len(events)))
+        return PublishOutcome(False, [], {"a": len(sent)}, {})
+
+    pub._client.publish_events = publish_events
+    return pub, sent
+
+
+def _stored(events) -> set[bytes]:
+    from services.kvpool.block_pool import BlocksStored
+
+    return {h for e in events if isinstance(e, BlocksStored) for h in e.block_hashes}
+
+
+def test_a_snapshot_whose_caller_timed_out_takes_no_events(make_engine, monkeypatch) -> None:
+    # The publisher gave up waiting for its snapshot (engine busy); the engine used to run the
+    # abandoned snapshot later anyway, taking the pending events and handing them to nobody
+    # (a healthy shard never heard of those blocks, with no gap to make it ask for a resync).
+    import pytest
+
+    from services.kvpool import publisher
+
+    monkeypatch.setattr(publisher, "SNAPSHOT_TIMEOUT", 0.2)
+    eng = make_engine(num_blocks=32)
+    pub, _ = _recording_publisher(eng)
+    generate(eng, list(range(1, 18)), max_tokens=1)
+    eng.call(lambda: None).result(5)  # the step's events are in the engine's queue
+    release = threading.Event()
+    busy = eng.call(release.wait)  # a long engine step
+    with pytest.raises(TimeoutError):
+        pub._resync(only={"a"})
+    release.set()
+    busy.result(5)
+    eng.call(lambda: None).result(5)  # the inbox is drained: the abandoned call had its turn
+    pub._collect()
+    assert len(_stored(pub._backlog)) == 4  # the next collect still delivers them
+
+
+def test_a_snapshot_already_running_at_the_timeout_is_waited_for(make_engine,
+                                                                 monkeypatch) -> None:
+    from services.kvpool import publisher
+
+    monkeypatch.setattr(publisher, "SNAPSHOT_TIMEOUT", 0.1)
+    eng = make_engine(num_blocks=32)
+    pub, sent = _recording_publisher(eng)
+    generate(eng, list(range(1, 18)), max_tokens=1)
+    eng.call(lambda: None).result(5)
+    real_holdings = eng.pool.holdings
+
+    def slow_holdings():
+        time.sleep(0.5)  # the snapshot is running when the caller's timeout passes
+        return real_holdings()
+
+    monkeypatch.setattr(eng.pool, "holdings", slow_holdings)
+    pub._resync(only={"a"})  # before: TimeoutError, and the snapshot's events were lost
+    assert pub.resyncs == 1 and sent == [(True, 4)]
+    assert len(_stored(pub._backlog)) == 4  # replayed to the other shards
+
+
+def test_take_events_hands_each_event_to_exactly_one_concurrent_taker(make_engine,
+                                                                      monkeypatch) -> None:
+    # The publisher thread and a snapshot on the engine thread both take events; a non-atomic
+    # `while events: popleft()` raised IndexError in one of them, dropping what it had taken.
+    import sys
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    eng = make_engine()
+    n, done = 100_000, threading.Event()
+    got: list[list] = [[], []]
+    errors: list[BaseException] = []
+
+    def take(i: int) -> None:
+        try:
+            while not done.is_set():
+                got[i].extend(eng.take_events())
+            got[i].extend(eng.take_events())
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    takers = [threading.Thread(target=take, args=(i,)) for i in range(2)]
+    try:
+        for t in takers:
+            t.start()
+        for k in range(n):
+            with eng._events_cv:
+                eng._events.append(k)
+        done.set()
+        for t in takers:
+            t.join(10)
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors
+    assert sorted(got[0] + got[1]) == list(range(n))
+
+
+def test_a_snapshot_larger_than_the_backlog_limit_is_delivered_once(monkeypatch) -> None:
+    # A replica holding more blocks than MAX_BACKLOG (a GPU-sized pool): the snapshot's rest,
+    # queued behind its first batch, counted as a backlog overflow, so every loop dropped it
+    # and snapshotted the whole pool again, forever, and the index never learnt it all.
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from services.common.prefix_client import PublishOutcome, RegisterOutcome
+    from services.kvpool import publisher
+    from services.kvpool.block_pool import BlocksStored
+
+    n = 60_000
+    assert n > publisher.MAX_BACKLOG + publisher.MAX_BATCH
+    holdings = [BlocksStored(None, [i.to_bytes(16, "big")], [0] * 4, "", i.to_bytes(16, "big"),
+                             0) for i in range(n)]
+    incoming: list = []
+
+    class Pool:
+        block_size = 4
+        hasher = SimpleNamespace(key=b"k", probe=lambda: b"")
+
+        def holdings(self):
+            return holdings
+
+        def take_events(self):
+            return []
+
+    class FakeEngine:
+        pool = Pool()
+
+        def stats(self):
+            return SimpleNamespace(blocks_total=n, running=0, waiting=0, blocks_free=0,
+                                   blocks_cached=n)
+
+        def take_events(self):
+            out = list(incoming)
+            incoming.clear()
+            return out
+
+        def call(self, fn):
+            f: Future = Future()
+            f.set_result(fn())
+            return f
+
+    got: list[bytes] = []
+    resync_batches = []
+
+    class Client:
+        sharded = False
+
+        def register(self, *a, **k):
+            return RegisterOutcome(10.0, {"a": 1})
+
+        def publish_events(self, rid, inc, events, resync=False, only=None):
+            resync_batches.append(resync)
+            got.extend(h for e in events for h in e.stored.block_hashes)
+            return PublishOutcome(False, [], {"a": len(resync_batches)}, {})
+
+        def close(self):
+            pass
+
+    pub = Publisher(FakeEngine(), address="127.0.0.1:1", replica_id="r", incarnation="i",
+                    public_address="x", model_id="m", channel_factory=grpc.insecure_channel)
+    pub._client = Client()
+
+    def loop(times: int) -> None:  # Publisher._run's body, without the waits
+        for _ in range(times):
+            if not pub.registered:
+                pub._register()
+            if pub._need_resync:
+                pub._resync()
+            pub._collect()
+            if pub._backlog:
+                pub._publish()
+
+    loop(5)
+    assert pub.resyncs == 1 and not pub._need_resync and not pub._backlog
+    assert resync_batches.count(True) == 1
+    assert len(got) == n and set(got) == {h.block_hashes[0] for h in holdings}
+    # Incremental events past the limit still give up on the backlog and resync.
+    pub._backlog = list(holdings[:10])
+    pub._snapshot_left = 10
+    incoming.extend(holdings[: publisher.MAX_BACKLOG + 1])
+    pub._collect()
+    assert pub._need_resync and not pub._backlog and pub._snapshot_left == 0
