@@ -50,7 +50,7 @@ from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
 from services.kvpool.drafting import Draft
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
-from services.kvpool.sampling import Sampler, SamplingSpec, sample_batch
+from services.kvpool.sampling import NonFiniteLogits, Sampler, SamplingSpec, sample_batch
 
 log = logging.getLogger(__name__)
 
@@ -169,6 +169,32 @@ def model_info(model: Any, model_id: str) -> ModelInfo:
                      head_dim, cfg.vocab_size, cfg.max_position_embeddings, eos_ids)
 
 
+# Config attributes of architectures whose logits are more than lm_head(hidden states).
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scaling",
+                         "output_multiplier_scale")
+
+
+def fp32_head(model: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None] | None:
+    """(base model, lm_head weight, bias) in float32, to compute a half-precision model's logits
+    in float32 from its hidden states; None for a float32 model (its logits already are), or
+    one whose logits are not a plain `lm_head(hidden)` (those get `.float()` on the logits).
+
+    In bfloat16 the top logits often tie exactly (8 bits of mantissa), and batches, cached
+    prefixes and draft verification (other matmul shapes) then break the tie differently:
+    greedy answers would depend on them. Costs a float32 copy of lm_head's weight.
+    """
+    param = next(model.parameters())
+    base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
+    if (param.dtype == torch.float32 or not isinstance(base, torch.nn.Module)
+            or not isinstance(head, torch.nn.Linear)):
+        return None
+    cfg = getattr(model, "config", None)
+    if any(getattr(cfg, a, None) not in (None, 0, 1, 1.0) for a in _LOGIT_POSTPROCESSING):
+        return None
+    bias = head.bias.detach().float() if head.bias is not None else None
+    return base, head.weight.detach().float(), bias
+
+
 class EngineStats(NamedTuple):
     blocks_total: int
     blocks_free: int
@@ -226,6 +252,7 @@ class Engine:
         if preallocate_rows:
             self.store.ensure_capacity(info.max_context)
         self.cache = PagedCache(self.store)
+        self._head = fp32_head(model)
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Sequence] = deque()
         self._decoding: list[Sequence] = []  # row i holds _decoding[i]
@@ -489,11 +516,18 @@ class Engine:
         assert seq.row == len(self._decoding) - 1
         if prop:
             seq.num_computed += len(prop)
-            a, tok = seq.sampler.verify(logits[0], prop)
+            try:
+                a, tok = seq.sampler.verify(logits[0], prop)
+            except NonFiniteLogits as exc:
+                self._fail_numerics(seq, exc)
+                return
             self._apply_verified(seq, prop, a, tok, count_pass=False)
         else:
             try:
                 tok = sample_batch([seq.sampler], logits[:, -1])[0]
+                if isinstance(tok, NonFiniteLogits):
+                    self._fail_numerics(seq, tok)
+                    return
                 self._accept(seq, tok)
             finally:
                 # Committed blocks are in the hash table already: their KV must be copied
@@ -550,6 +584,9 @@ class Engine:
             s.forward_passes += 1
         toks = sample_batch([s.sampler for s in seqs], logits)
         for s, tok in zip(seqs, toks, strict=True):
+            if isinstance(tok, NonFiniteLogits):
+                self._fail_numerics(s, tok)  # its new KV is not committed either
+                continue
             self._store_full_blocks(s)
             self._accept(s, tok)
             if s.draft is not None and s.seq_id in self._by_id:
@@ -584,17 +621,25 @@ class Engine:
         plain = [i for i, p in enumerate(props) if not p]
         plain_toks = sample_batch([seqs[i].sampler for i in plain], logits[plain, 0]) \
             if plain else []
-        results: dict[int, tuple[int, int]] = dict(
-            zip(plain, ((0, t) for t in plain_toks), strict=True))
+        results: dict[int, tuple[int, int] | NonFiniteLogits] = {
+            i: t if isinstance(t, NonFiniteLogits) else (0, t)
+            for i, t in zip(plain, plain_toks, strict=True)}
         for i, p in enumerate(props):
             if p:
-                results[i] = seqs[i].sampler.verify(logits[i, :len(p) + 1], p)
+                try:
+                    results[i] = seqs[i].sampler.verify(logits[i, :len(p) + 1], p)
+                except NonFiniteLogits as exc:
+                    results[i] = exc
         for s, p in zip(seqs, props, strict=True):
             # Everything just written counts until verified, so a row moved while an earlier
             # sequence finishes keeps it (`_apply_verified` then drops the rejected part).
             s.num_computed += 1 + len(p)
         for i, s in enumerate(seqs):
-            a, tok = results[i]
+            r = results[i]
+            if isinstance(r, NonFiniteLogits):
+                self._fail_numerics(s, r)
+                continue
+            a, tok = r
             self._apply_verified(s, props[i], a, tok, count_pass=True)
         if self.metrics:
             self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
@@ -659,13 +704,16 @@ class Engine:
             seq.draft.advance(emitted, seq.tokens[seq.prompt_len:])
 
     def _forward(self, ids: torch.Tensor, plan: ForwardPlan, keep: int = 1) -> torch.Tensor:
+        """Logits of the last `keep` positions of each row, always in float32."""
         self.cache.begin(plan)
+        kw = dict(input_ids=ids, cache=self.cache, position_ids=self.cache.position_ids(),
+                  attention_mask=self.cache.attention_mask(), use_cache=True)
         with torch.inference_mode():
-            out = self.model(input_ids=ids, cache=self.cache,
-                             position_ids=self.cache.position_ids(),
-                             attention_mask=self.cache.attention_mask(), use_cache=True,
-                             logits_to_keep=keep)
-        return out.logits
+            if self._head is not None:
+                base, weight, bias = self._head
+                hidden = base(**kw).last_hidden_state[:, -keep:, :]
+                return torch.nn.functional.linear(hidden.float(), weight, bias)
+            return self.model(**kw, logits_to_keep=keep).logits.float()
 
     def _store_full_blocks(self, seq: Sequence, tokens: list[int] | None = None) -> None:
         late = self._commit_full_blocks(seq, tokens)
@@ -780,6 +828,11 @@ class Engine:
         # Stats first, so a caller who sees the result also sees its blocks released.
         self._stats = self._compute_stats()
         seq.out.put(result)
+
+    def _fail_numerics(self, seq: Sequence, exc: NonFiniteLogits) -> None:
+        """NaN/inf logits end this sequence only (INTERNAL); the rest of its batch goes on."""
+        log.warning("%s: %s", seq.seq_id, exc)
+        self._finish(seq, Failed(errors.TierCacheError(str(exc))))
 
     def _fail_all_running(self, exc: Exception) -> None:
         for seq in list(self._decoding) + ([self._prefilling] if self._prefilling else []):

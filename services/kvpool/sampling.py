@@ -1,11 +1,31 @@
-"""Choosing the next token: greedy, or temperature + top-p with a per-request seeded generator."""
+"""Choosing the next token: greedy, or temperature + top-p with a per-request seed.
+
+A seeded request's n-th token of the answer is drawn with a generator seeded from (seed, n),
+n counted from the start of the answer (`seed_offset` tokens were generated before this request,
+e.g. on a replica that was lost): an answer resumed elsewhere continues with the randomness an
+uninterrupted run would have used, instead of replaying the stream from its start.
+"""
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from dataclasses import dataclass, field
 
 import torch
+
+
+class NonFiniteLogits(ValueError):
+    """A sequence's logits hold NaN or inf (a numerical overflow in the model): that sequence
+    cannot go on, the others in its batch can."""
+
+    def __init__(self) -> None:
+        super().__init__("non-finite logits (numerical overflow; try float32)")
+
+
+def _check_finite(logits: torch.Tensor) -> None:
+    if not bool(torch.isfinite(logits).all()):
+        raise NonFiniteLogits()
 
 
 @dataclass(frozen=True)
@@ -18,10 +38,20 @@ class SamplingSpec:
     seed: int = 0
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
+    # Tokens of this answer generated before this request (a resumed answer): the first token
+    # this request draws is the answer's token number seed_offset (0-based).
+    seed_offset: int = 0
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+def draw_seed(seed: int, index: int) -> int:
+    """The generator seed for token `index` (0-based, from the answer's start) of a request
+    seeded with `seed`."""
+    key = (seed % 2**64).to_bytes(8, "little") + (index % 2**64).to_bytes(8, "little")
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
 
 
 class Sampler:
@@ -30,24 +60,31 @@ class Sampler:
     def __init__(self, spec: SamplingSpec) -> None:
         self.spec = spec
         self._gen: torch.Generator | None = None
+        self._seed = 0
+        self._index = spec.seed_offset  # the answer's token the next draw chooses
         if not spec.greedy:
             self._gen = torch.Generator(device="cpu")
-            self._gen.manual_seed(spec.seed if spec.seed else secrets.randbits(63))
+            self._seed = spec.seed if spec.seed else secrets.randbits(63)
 
     def sample(self, logits: torch.Tensor) -> int:
-        """Next token id from a [vocab] logits vector."""
+        """Next token id from a [vocab] logits vector.
+
+        Raises:
+            NonFiniteLogits: the logits hold NaN or inf (argmax would pick a NaN's index).
+        """
         if self.spec.greedy:
+            _check_finite(logits)
             return int(torch.argmax(logits))
         return self.draw(self.probs(logits))
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution sampling draws from: softmax(logits / T), cut to the top-p set."""
         x = logits.float().cpu()
+        _check_finite(x)
         # Shift before scaling: at a tiny temperature logits / T overflows to inf and softmax
         # turns inf - inf into NaN; (x - max) / T is <= 0 and tends to a point mass instead.
         probs = torch.softmax((x - x.max()) / self.spec.temperature, dim=-1)
-        if not bool(torch.isfinite(probs).all()):
-            raise ValueError("sampling: the model's logits are not finite")
+        _check_finite(probs)
         if self.spec.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             cum = torch.cumsum(sorted_p, dim=-1)
@@ -59,7 +96,11 @@ class Sampler:
         return probs
 
     def draw(self, probs: torch.Tensor) -> int:
-        """One token from a (not necessarily normalised) [vocab] weight vector."""
+        """One token from a (not necessarily normalised) [vocab] weight vector: the answer's
+        next token (one draw per emitted token, see `verify`)."""
+        assert self._gen is not None
+        self._gen.manual_seed(draw_seed(self._seed, self._index))
+        self._index += 1
         return int(torch.multinomial(probs, 1, generator=self._gen))
 
     def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[int, int]:
@@ -76,12 +117,16 @@ class Sampler:
         residual max(p - q, 0) renormalised. It takes one draw per emitted token, exactly as
         plain decoding does, so a seeded request samples the same answer whether or not it has
         a draft and however much of a proposal the pool had room for.
+
+        Raises:
+            NonFiniteLogits: a row the answer uses holds NaN or inf.
         """
         if self.spec.greedy:
             model = torch.argmax(logits, dim=-1).tolist()
             a = 0
             while a < len(draft) and model[a] == draft[a]:
                 a += 1
+            _check_finite(logits[:a + 1])  # the rows the answer used
             return a, model[a]
         for i, x in enumerate(draft):
             y = self.draw(self.probs(logits[i]))
@@ -90,8 +135,18 @@ class Sampler:
         return len(draft), self.draw(self.probs(logits[len(draft)]))
 
 
-def sample_batch(samplers: list[Sampler], logits: torch.Tensor) -> list[int]:
-    """One token per row of [B, vocab] logits (all greedy rows in one argmax)."""
+def sample_batch(samplers: list[Sampler], logits: torch.Tensor
+                 ) -> list[int | NonFiniteLogits]:
+    """One token per row of [B, vocab] logits (all greedy rows in one argmax); a row whose
+    logits are not finite gets a NonFiniteLogits instead (only that sequence fails)."""
     if all(s.spec.greedy for s in samplers):
-        return torch.argmax(logits, dim=-1).tolist()
-    return [s.sample(logits[i]) for i, s in enumerate(samplers)]
+        toks = torch.argmax(logits, dim=-1).tolist()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+        return [t if ok else NonFiniteLogits() for t, ok in zip(toks, finite, strict=True)]
+    out: list[int | NonFiniteLogits] = []
+    for i, s in enumerate(samplers):
+        try:
+            out.append(s.sample(logits[i]))
+        except NonFiniteLogits as exc:
+            out.append(exc)
+    return out

@@ -38,8 +38,10 @@ _LAST_WAIT_S = 30.0  # for the Finished that follows a last token (queued in the
 _POLL_S = 0.1
 
 
-def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int) -> SamplingSpec:
-    """Validate SamplingParams into a SamplingSpec (InvalidArgument names the field)."""
+def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int,
+                  seed_offset: int = 0) -> SamplingSpec:
+    """Validate SamplingParams into a SamplingSpec (InvalidArgument names the field);
+    `seed_offset`: tokens of the answer generated before (KvGenerateRequest.seed_offset)."""
     if sp.max_tokens <= 0:
         raise errors.InvalidArgument("sampling.max_tokens", "must be > 0")
     if sp.max_tokens > limit:
@@ -51,7 +53,7 @@ def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int) -> Samp
         raise errors.InvalidArgument("sampling.top_p", "must be in (0, 1]")
     stops = validate_stop_ids(sp.stop_token_ids, vocab)
     return SamplingSpec(sp.max_tokens, float(sp.temperature), float(top_p), int(sp.seed),
-                        frozenset(stops), bool(sp.ignore_eos))
+                        frozenset(stops), bool(sp.ignore_eos), int(seed_offset))
 
 
 class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
@@ -94,7 +96,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
         engine, info = self._ready()
         self._check_model(request.model_id, info)
         ids = validate_tokens("token_ids", request.token_ids, info.vocab_size)
-        spec = sampling_spec(request.sampling, self.cfg.max_new_tokens_limit, info.vocab_size)
+        spec = sampling_spec(request.sampling, self.cfg.max_new_tokens_limit, info.vocab_size,
+                             request.seed_offset)
         # Draft tokens past max_tokens can never be verified: they are dropped before the draft
         # is indexed (its n-gram index costs ~240x the wire size).
         draft = validate_tokens("draft_token_ids", request.draft_token_ids[:spec.max_tokens],

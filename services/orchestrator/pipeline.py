@@ -367,7 +367,9 @@ class Orchestrator:
                         ignore_eos=sampling.ignore_eos),
                     cache_salt=tenant.cache_salt, skip_prefix_cache=policy.skip_prefix_cache,
                     draft_token_ids=draft_ids[len(generated):] if draft_ids else [],
-                    model_id=self.model_id)
+                    model_id=self.model_id,
+                    # A resumed answer continues the seeded randomness where it stopped.
+                    seed_offset=len(generated))
                 call = replica.stub.Generate(req, timeout=remaining,
                                              metadata=call_metadata(self.internal_token,
                                                                     request_id))

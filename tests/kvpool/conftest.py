@@ -107,9 +107,10 @@ def generate(eng: Engine, tokens: list[int], max_tokens: int = 8, salt: str = ""
 
 def request(tokens: list[int], max_tokens: int = 8, salt: str = "", rid: str = "r",
             skip_prefix_cache: bool = False, deadline: float | None = None,
-            **sampling) -> EngineRequest:
+            draft: list[int] | tuple[int, ...] = (), **sampling) -> EngineRequest:
     spec = SamplingSpec(max_tokens=max_tokens, **sampling)
-    return EngineRequest(rid, list(tokens), spec, salt, skip_prefix_cache, deadline)
+    return EngineRequest(rid, list(tokens), spec, salt, skip_prefix_cache, deadline,
+                         draft_token_ids=tuple(draft))
 
 
 def reference_greedy(model, tokens: list[int], max_tokens: int) -> list[int]:

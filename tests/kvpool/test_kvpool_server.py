@@ -365,3 +365,15 @@ def test_a_stream_ended_by_cancel_or_deadline_is_not_counted_ok(tiny_model) -> N
         assert len(eng.cancelled) >= 3
     finally:
         s.close()
+
+
+def test_seed_offset_continues_a_seeded_answer(served) -> None:
+    """KvGenerateRequest.seed_offset (set by the orchestrator when it resumes an answer on
+    another replica) reaches the sampler: the resumed tokens are the uninterrupted ones."""
+    sp = dict(temperature=0.8, seed=99, ignore_eos=True)
+    full, _ = gen(served.stub, PROMPT, max_tokens=12, **sp)
+    req = kvpool_pb2.KvGenerateRequest(
+        token_ids=PROMPT + full[:5], seed_offset=5,
+        sampling=common_pb2.SamplingParams(max_tokens=7, **sp))
+    rest = [t for msg in served.stub.Generate(req, timeout=20) for t in msg.token_ids]
+    assert full[:5] + rest == full

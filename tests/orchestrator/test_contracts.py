@@ -191,6 +191,8 @@ def test_a_replica_lost_mid_answer_is_resumed_elsewhere_from_the_tokens_already_
     sent = list(b"he")
     assert list(resumed.token_ids) == PROMPT + sent
     assert resumed.sampling.max_tokens == 16 - len(sent)
+    # A seeded answer continues its randomness where it stopped, not from its start.
+    assert first.seed_offset == 0 and resumed.seed_offset == len(sent)
     assert list(resumed.draft_token_ids) == list(draft.encode())[len(sent):]
     assert resumed.cache_salt == first.cache_salt == TENANT.cache_salt
 
