@@ -166,6 +166,14 @@ class SemanticCache:
         self.verifier_tiers = frozenset(cfg.verifier_tiers)
         self.verifier = (Verifier(VerifierModel.load(cfg.verifier_path) if cfg.verifier_path
                                   else None, self.guard) if self.verifier_tiers else None)
+        fitted_for = (self.verifier.model.meta or {}).get("embedder") if self.verifier else None
+        if fitted_for and fitted_for != embedder.name:
+            # Its weights read similarities of the model it was fitted with; another model's
+            # scale differs. Its tiers keep the guard (verifier tiers are guard tiers too).
+            log.warning("the verifier was fitted for %s, not %s: verifier off (guard only); "
+                        "fit one with python -m services.semantic.fit_verifier", fitted_for,
+                        embedder.name)
+            self.verifier = None
         self._params = IndexParams(embedder.dim, cfg.hnsw_min_entries, cfg.hnsw_m,
                                    cfg.hnsw_ef_construction, cfg.hnsw_ef_search,
                                    cfg.delta_capacity)

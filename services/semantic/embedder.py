@@ -48,8 +48,10 @@ class OnnxEmbedder:
         self._plain = Tokenizer.from_str(self._tok.to_str())
         self._plain.no_truncation()
         self._plain.no_padding()
-        unk = json.loads(self._tok.to_str()).get("model", {}).get("unk_token")
-        self._unk_id = self._tok.token_to_id(unk) if unk else None
+        tok_model = json.loads(self._tok.to_str()).get("model", {})
+        unk = tok_model.get("unk_token")  # WordPiece, BPE
+        # Unigram (SentencePiece, e.g. XLM-R-based multilingual models) stores the id.
+        self._unk_id = self._tok.token_to_id(unk) if unk else tok_model.get("unk_id")
         # Tokens a text gets beyond its own (e.g. [CLS] [SEP]), read from the empty text.
         self._specials = sum(self._tok.encode("").attention_mask)
         opts = ort.SessionOptions()
@@ -98,8 +100,12 @@ class OnnxEmbedder:
         if "token_type_ids" in self._inputs:
             feeds["token_type_ids"] = np.array([e.type_ids for e in enc], dtype=np.int64)
         (out,) = self._sess.run(["embedding"], feeds)
-        return (np.ascontiguousarray(out, dtype=np.float32),
-                [bool(e.overflowing) for e in enc])
+        out = np.asarray(out, dtype=np.float32)
+        # Unit length whatever the folder: one without a Normalize module gives vectors of
+        # norm 5-7, and an inner product over those reads as similarity 1.0 for anything.
+        norms = np.linalg.norm(out, axis=1, keepdims=True)
+        out = out / np.maximum(norms, 1e-12)
+        return np.ascontiguousarray(out, dtype=np.float32), [bool(e.overflowing) for e in enc]
 
 
 class BatchingEmbedder:

@@ -151,6 +151,10 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     data, _, _ = load_pairs()
     model = fit(data)
+    from services.semantic.config import SemanticConfig
+
+    # The cache turns the verifier off under another embedding model (its cosines differ).
+    model.meta["embedder"] = SemanticConfig().resolved_model_name()
     with open(args.out, "w") as f:
         f.write(model.to_json() + "\n")
     print(f"fitted on {model.meta['train_pairs']} pairs in {time.perf_counter() - t0:.0f}s; "

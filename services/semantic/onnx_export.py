@@ -6,9 +6,12 @@
 The graph takes `input_ids`, `attention_mask` (and `token_type_ids` where the model has them)
 and returns `embedding [batch, dim]`: the transformer, then the folder's pooling (mean or CLS),
 then L2 normalisation when the folder has a Normalize module, so its output equals
-sentence-transformers'. The export runs once per model folder (fingerprinted by its config and
-weight sizes): concurrent processes serialise on a lock file and the result appears atomically
-(written to a temporary folder, then renamed), so a reader never sees a half-written model.
+sentence-transformers' (the embedder then makes every vector unit length, Normalize module or
+not: the index searches by inner product). Folders with other modules (Dense, as in LaBSE or
+distiluse) are refused at start, naming the module. The export runs once per model folder
+(fingerprinted by its config and weight sizes): concurrent processes serialise on a lock file
+and the result appears atomically (written to a temporary folder, then renamed), so a reader
+never sees a half-written model.
 """
 
 from __future__ import annotations

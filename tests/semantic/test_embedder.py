@@ -78,9 +78,11 @@ def test_concurrent_first_export_is_done_once_and_atomically(tmp_path):
     assert meta["pooling"] == "mean" and meta["normalize"] and meta["dim"] == 384
 
 
-def test_any_sentence_transformers_folder_works_through_config(tmp_path):
+def test_any_sentence_transformers_folder_works_through_config(tmp_path, make_cfg, clock):
     """A folder with CLS pooling and no Normalize module (a different recipe than MiniLM's)
-    exports and matches sentence-transformers on that folder."""
+    exports and matches sentence-transformers on that folder, in direction: its vectors (norm
+    5-7 there) are made unit length, as the index's inner product needs. Unnormalised, every
+    lookup hit at similarity 1.0, an unrelated question too."""
     from sentence_transformers import SentenceTransformer
 
     from services.semantic.embedder import OnnxEmbedder
@@ -100,11 +102,31 @@ def test_any_sentence_transformers_folder_works_through_config(tmp_path):
     emb = OnnxEmbedder(str(folder), str(tmp_path / "cache"), "cls-model")
     got = emb.embed(TEXTS[:4])
     ref = SentenceTransformer(str(folder), device="cpu").encode(TEXTS[:4])
-    assert np.linalg.norm(got, axis=1).min() > 1.5, "no normalisation in this recipe"
-    np.testing.assert_allclose(np.linalg.norm(got, axis=1), np.linalg.norm(ref, axis=1),
-                               rtol=1e-4)
+    assert np.linalg.norm(ref, axis=1).min() > 1.5, "no normalisation in this recipe"
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, rtol=1e-5)
     cos = (got * ref).sum(1) / np.linalg.norm(got, axis=1) / np.linalg.norm(ref, axis=1)
     assert cos.min() >= 0.9999
+    # Through the cache: an unrelated question misses, the stored one hits.
+    from services.semantic.cache import Namespace, SemanticCache
+    from services.semantic.embedder import BatchingEmbedder
+    from services.semantic.store import EntryStore
+
+    cfg = make_cfg()
+    batching = BatchingEmbedder(emb)
+    cache = SemanticCache(cfg, batching, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        ns = Namespace("t", "m", "")
+        cache.store_entry(ns, "How do I cook pasta?", "Boil water, add pasta.")
+        assert cache.lookup(ns, "How do I cook pasta?").hit
+        r = cache.lookup(ns, "What is the capital of France?", tier="relaxed")
+        assert not r.hit and r.similarity < 0.9
+        # The committed verifier was fitted on MiniLM's similarities: off for this model
+        # (its tiers keep the guard).
+        assert cache.verifier is None
+    finally:
+        cache.close_indexes()
+        cache.store.close()
+        batching.close()
 
 
 def test_config_errors_name_the_variable(tmp_path):
