@@ -63,10 +63,28 @@ def test_repeat_is_a_semantic_hit_without_a_model_call(stack, a):
     assert again.text == first.text.strip()
     assert again.report.replica_id == "" and again.report.prompt_tokens == 0
     assert kv_requests(stack) == before  # no model call
-    para = a.generate("Which animals live in Australia?", max_tokens=8)
+    # A real paraphrase below the standard tier's 0.95 (MiniLM: 0.917): the model answers,
+    # with the near-miss's answer as its draft.
+    para = a.generate("Name the capital city of Australia.", max_tokens=8)
     assert not para.report.semantic_hit
-    assert para.report.semantic_similarity < 0.95
-    assert para.report.replica_id
+    assert 0.80 <= para.report.semantic_similarity < 0.95
+    assert para.report.replica_id and para.report.draft_entry_id
+    assert kv_requests(stack) == before + 1
+    other = a.generate("Which animals live in Australia?", max_tokens=8)
+    assert not other.report.semantic_hit and other.report.semantic_similarity < 0.80
+    assert other.report.replica_id and not other.report.draft_entry_id
+    assert kv_requests(stack) == before + 2
+
+
+def test_feedback_that_an_answer_was_wrong_invalidates_it(stack, a):
+    q = "Which river flows through the city of Vienna?"
+    first = a.generate(q, max_tokens=8)
+    assert first.report.semantic_entry_id
+    assert a.generate(q, max_tokens=8).report.semantic_hit
+    assert a.feedback(first.report.semantic_entry_id, good=False).invalidated
+    before = kv_requests(stack)
+    again = a.generate(q, max_tokens=8)
+    assert not again.report.semantic_hit and again.report.replica_id  # the model answers
     assert kv_requests(stack) == before + 1
 
 
