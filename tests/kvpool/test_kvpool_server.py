@@ -377,3 +377,14 @@ def test_seed_offset_continues_a_seeded_answer(served) -> None:
         sampling=common_pb2.SamplingParams(max_tokens=7, **sp))
     rest = [t for msg in served.stub.Generate(req, timeout=20) for t in msg.token_ids]
     assert full[:5] + rest == full
+
+
+def test_the_drafts_setting_reaches_the_engine(tiny_model) -> None:
+    """TIERCACHE_KVPOOL_DRAFTS=false: the replica's engine ignores drafts."""
+    for on in (True, False):
+        replica = build_replica(replace(CFG, drafts=on), model=tiny_model, model_id=TINY_ID,
+                                metrics=False)
+        try:
+            assert replica.engine.drafts is on
+        finally:
+            replica.engine.stop()

@@ -369,3 +369,42 @@ def test_bad_address_lists_fail_the_start_naming_the_variable(field, value):
 
     with pytest.raises(ConfigError, match=f"TIERCACHE_ORCHESTRATOR_{field.upper()}"):
         OrchestratorConfig(**{field: value}).validate()
+
+
+# ---- drafts switched off (issue 7: per request and by config) ---------------------------
+
+NEAR = semantic_pb2.LookupResponse(hit=False, similarity=0.9,
+                                   entry=semantic_pb2.SemanticEntry(id="e9",
+                                                                    answer="hello world"))
+
+
+def test_a_near_miss_becomes_the_draft_unless_the_request_or_the_config_says_no():
+    sem = RecordingSemantic(NEAR)
+    stub, stubs = one_replica()
+    run(make(stubs, semantic=sem))
+    assert sem.lookups[0].want_draft and len(stub.requests[0].draft_token_ids) > 0
+
+    sem = RecordingSemantic(NEAR)
+    stub, stubs = one_replica()
+    run(make(stubs, semantic=sem), policy=Policy(skip_draft=True))  # per request
+    assert not sem.lookups[0].want_draft and not stub.requests[0].draft_token_ids
+
+    sem = RecordingSemantic(NEAR)
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=sem)
+    orch.enable_drafts = False  # TIERCACHE_ORCHESTRATOR_ENABLE_DRAFTS=false
+    run(orch)
+    assert not sem.lookups[0].want_draft and not stub.requests[0].draft_token_ids
+
+
+def test_the_drafts_settings_are_read_from_the_environment():
+    from services.common.config import load_config
+    from services.kvpool.config import KvPoolConfig
+    from services.orchestrator.config import OrchestratorConfig
+
+    o = load_config(OrchestratorConfig, "orchestrator", [],
+                    {"TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": "h:1",
+                     "TIERCACHE_ORCHESTRATOR_ENABLE_DRAFTS": "false"})
+    assert o.enable_drafts is False
+    k = load_config(KvPoolConfig, "kvpool", [], {"TIERCACHE_KVPOOL_DRAFTS": "false"})
+    assert k.drafts is False

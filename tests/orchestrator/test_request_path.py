@@ -486,12 +486,17 @@ def test_a_short_deadline_on_the_index_is_not_an_index_failure():
     assert not pb.health.healthy
 
 
-def test_an_internal_error_on_one_replica_fails_over_without_marking_it_down():
-    a = Stub("A", [Call([], RpcError(grpc.StatusCode.INTERNAL))])
+@pytest.mark.parametrize(("code", "down"), [(grpc.StatusCode.INTERNAL, False),
+                                            (grpc.StatusCode.UNAVAILABLE, True)])
+def test_an_error_before_the_first_token_fails_over(code, down):
+    """UNAVAILABLE before the first token (the issue's own case) and INTERNAL alike: the
+    request goes to the next candidate. An unreachable replica is held down at once; one that
+    answered INTERNAL is left to the poller."""
+    a = Stub("A", [Call([], RpcError(code))])
     b = Stub("B", [Call([final("B", 2)])])
     orch = make({"A": a, "B": b})
     orch.routing.choose = _prefer("A", orch.routing.choose)
     events = run(orch)
     assert finished(events).report.replica_id == "B" and len(a.requests) == 1
-    assert orch.replicas.by_id("A").health.healthy  # the poller decides whether it is down
+    assert orch.replicas.by_id("A").health.healthy is not down
     assert orch.stats.degradations["retry"] == 1
