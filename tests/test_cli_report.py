@@ -14,6 +14,14 @@ def test_model_answer_with_draft_names_replica_cache_and_draft():
                                 " draft 10/56 accepted, entry ns.e1]")
 
 
+def test_accepted_tokens_from_prompt_lookup_are_told_apart():
+    r = common_pb2.CacheReport(prompt_tokens=61, replica_id="kvpool-1", ttft_ms=10,
+                               draft_tokens_proposed=56, draft_tokens_accepted=10,
+                               lookup_tokens_accepted=4)
+    assert format_report(r) == ("[model | prompt 61 tok, cached 0, replica kvpool-1, ttft 10 ms,"
+                                " draft 10/56 accepted (4 by prompt lookup)]")
+
+
 def test_semantic_hit_has_no_replica_and_no_draft():
     r = common_pb2.CacheReport(semantic_hit=True, ttft_ms=9.6, semantic_entry_id="ns.e2")
     assert format_report(r) == ("[semantic hit | prompt 0 tok, cached 0, replica -, ttft 10 ms,"

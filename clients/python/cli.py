@@ -125,6 +125,8 @@ def format_report(r) -> str:
     return (f"[{'semantic hit' if r.semantic_hit else 'model'} | prompt {r.prompt_tokens} tok, "
             f"cached {r.cached_tokens}, replica {r.replica_id or '-'}, ttft {r.ttft_ms:.0f} ms"
             + (f", draft {r.draft_tokens_accepted}/{r.draft_tokens_proposed} accepted"
+               + (f" ({r.lookup_tokens_accepted} by prompt lookup)"
+                  if r.lookup_tokens_accepted else "")
                if r.draft_tokens_proposed else "")
             + (f", draft from {r.draft_entry_id}" if r.draft_entry_id else "")
             + (f", entry {r.semantic_entry_id}" if r.semantic_entry_id else "") + "]")

@@ -177,7 +177,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                                    completion_tokens=f.completion_tokens),
             cached_tokens=f.cached_tokens, ttft_ms=f.ttft_ms, forward_passes=f.forward_passes,
             draft_tokens_proposed=f.draft_tokens_proposed,
-            draft_tokens_accepted=f.draft_tokens_accepted, replica_id=self.cfg.replica_id)
+            draft_tokens_accepted=f.draft_tokens_accepted, replica_id=self.cfg.replica_id,
+            lookup_tokens_accepted=f.lookup_tokens_accepted)
 
     # ---- Prefill ---------------------------------------------------------------------------
 

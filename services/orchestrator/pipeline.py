@@ -42,6 +42,10 @@ TOO_SHORT = counter("tiercache_orchestrator_semantic_hits_too_short_total",
                     "Semantic hits not served: the cached answer is cut shorter than asked")
 TOKENS = counter("tiercache_orchestrator_tokens_total", "Prompt/cached/generated tokens",
                  ("kind",))
+DRAFT_TOKENS = counter("tiercache_orchestrator_draft_tokens_total",
+                       "Draft tokens proposed to replicas, and accepted (each accepted one saved "
+                       "a forward pass) by source: the cached near-miss or prompt lookup",
+                       ("kind",))
 DISPATCH_ROUTES = counter("tiercache_orchestrator_dispatch_memory_routes_total",
                           "Requests routed to a replica for a prefix the index did not know yet "
                           "(sent there moments before)")
@@ -462,7 +466,12 @@ class Orchestrator:
         report.ttft_ms = ttft
         report.draft_tokens_proposed = final.draft_tokens_proposed
         report.draft_tokens_accepted = final.draft_tokens_accepted
+        report.lookup_tokens_accepted = final.lookup_tokens_accepted
         report.forward_passes = final.forward_passes
+        DRAFT_TOKENS.labels("proposed").inc(final.draft_tokens_proposed)
+        DRAFT_TOKENS.labels("accepted_from_cache").inc(
+            max(0, final.draft_tokens_accepted - final.lookup_tokens_accepted))
+        DRAFT_TOKENS.labels("accepted_from_lookup").inc(final.lookup_tokens_accepted)
         report.route = route
         cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
         self._count(cache_class, prompt_tokens, cached, len(generated), ttft)

@@ -44,3 +44,15 @@ def test_bad_draft_token_is_invalid_argument_and_changes_nothing(served) -> None
     after = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
     assert after.requests_total == before.requests_total
     assert after.draft_tokens_proposed_total == before.draft_tokens_proposed_total
+
+
+def test_the_final_message_says_which_accepted_tokens_came_from_prompt_lookup(
+        served, tiny_model) -> None:  # noqa: F811
+    """What the cached answer itself covered is draft - lookup: without the split on the wire,
+    the orchestrator's report counted prompt-lookup guesses as cache-assisted drafting."""
+    ref = reference_greedy(tiny_model, PROMPT, 24)
+    _, perfect = gen(served.stub, ref)
+    assert perfect.draft_tokens_accepted > 0 and perfect.lookup_tokens_accepted == 0
+    unrelated = [t for t in range(TINY_VOCAB) if t not in ref][:24]
+    _, fin = gen(served.stub, unrelated)
+    assert fin.lookup_tokens_accepted == fin.draft_tokens_accepted > 0

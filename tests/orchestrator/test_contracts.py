@@ -408,3 +408,26 @@ def test_the_drafts_settings_are_read_from_the_environment():
     assert o.enable_drafts is False
     k = load_config(KvPoolConfig, "kvpool", [], {"TIERCACHE_KVPOOL_DRAFTS": "false"})
     assert k.drafts is False
+
+
+def test_the_report_and_metrics_split_accepted_draft_tokens_by_source():
+    """The cached near-miss's own contribution is draft - lookup; prompt-lookup guesses are
+    not cache-assisted generation."""
+    from prometheus_client import REGISTRY
+
+    def metric(kind: str) -> float:
+        return REGISTRY.get_sample_value("tiercache_orchestrator_draft_tokens_total",
+                                         {"kind": kind}) or 0.0
+
+    msg = final("A", 2)
+    msg.final.draft_tokens_proposed, msg.final.draft_tokens_accepted = 9, 5
+    msg.final.lookup_tokens_accepted, msg.final.forward_passes = 2, 3
+    stub = Stub("A", [Call([msg])])
+    before = {k: metric(k) for k in ("proposed", "accepted_from_cache", "accepted_from_lookup")}
+    report = [e for e in run(make({"A": stub}, semantic=RecordingSemantic(NEAR)))
+              if isinstance(e, Finished)][0].report
+    assert (report.draft_tokens_proposed, report.draft_tokens_accepted,
+            report.lookup_tokens_accepted, report.forward_passes) == (9, 5, 2, 3)
+    assert metric("proposed") - before["proposed"] == 9
+    assert metric("accepted_from_cache") - before["accepted_from_cache"] == 3
+    assert metric("accepted_from_lookup") - before["accepted_from_lookup"] == 2
