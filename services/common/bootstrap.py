@@ -18,11 +18,9 @@ from __future__ import annotations
 import hmac
 import logging
 import os
-import re
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import errors
 from services.common.config import ConfigError
-from services.common.logs import request_id_var
+from services.common.logs import plain_request_id, request_id_var
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.common.reflection import source_info_pool
 from services.common.wire import find_invalid_utf8
@@ -43,7 +41,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
-_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Open two-way streams (server reflection) one server serves at once: each holds a worker
 # thread while open, and needs no credential.
 MAX_OPEN_STREAMS = 4
@@ -140,10 +137,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     RPC_TOTAL.labels(service, short, "UNAUTHENTICATED").inc()
                     context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                   "authorization: missing or wrong internal credential")
-            rid = metadata.get("x-request-id", "")
-            # A client's id goes into every log line and every downstream call's metadata:
-            # only a short, plain one is kept (a 12 KB id failed calls two hops down).
-            return rid if _REQUEST_ID.fullmatch(rid) else uuid.uuid4().hex[:16]
+            return plain_request_id(metadata.get("x-request-id", ""))
 
         def fail(context, exc: BaseException) -> None:
             if isinstance(exc, errors.TierCacheError):

@@ -10,10 +10,20 @@ import contextvars
 import json
 import logging
 import os
+import re
 import sys
 import time
+import uuid
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+_PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def plain_request_id(rid: str) -> str:
+    """`rid` if short and plain, else a new id: a caller's id goes into every log line and
+    every downstream call's metadata (a 12 KB id failed calls two hops down)."""
+    return rid if _PLAIN_ID.fullmatch(rid) else uuid.uuid4().hex[:16]
 
 _SECRET_KEYS = ("authorization", "token", "secret", "password")
 

@@ -15,6 +15,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 from services.common import errors
 from services.common.bootstrap import rpc_ended
 from services.common.hashing import check_salt
+from services.common.logs import plain_request_id
 from services.common.tokens import validate_stop_ids, validate_tokens
 from services.kvpool.config import KvPoolConfig
 from services.kvpool.engine import (
@@ -106,7 +107,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             raise errors.InvalidArgument(
                 "token_ids", f"prompt ({len(ids)} tokens) + sampling.max_tokens "
                 f"({spec.max_tokens}) exceed the model context ({info.max_context})")
-        req = EngineRequest(request.request_id or uuid.uuid4().hex[:16], ids, spec,
+        # Into sequence ids and log lines: a 1 MB id with newlines was taken as it came.
+        req = EngineRequest(plain_request_id(request.request_id), ids, spec,
                             check_salt("cache_salt", request.cache_salt),
                             request.skip_prefix_cache,
                             self._deadline(context), draft_token_ids=tuple(draft))

@@ -388,3 +388,24 @@ def test_the_drafts_setting_reaches_the_engine(tiny_model) -> None:
             assert replica.engine.drafts is on
         finally:
             replica.engine.stop()
+
+
+def test_a_long_or_odd_request_id_is_replaced_not_carried_into_sequence_ids(served,
+                                                                             monkeypatch) -> None:
+    """The id goes into sequence ids and every log line: a 1 MB id with newlines was taken as
+    it came. Short plain ids are kept (the orchestrator's, for tracing)."""
+    seen: list[str] = []
+    real = served.replica.engine.submit
+
+    def submit(req):
+        seen.append(req.request_id)
+        return real(req)
+
+    monkeypatch.setattr(served.replica.engine, "submit", submit)
+    for rid in ("x" * 1_000_000 + "\n", "abc\u202edef", "trace-42.a:b"):
+        req = kvpool_pb2.KvGenerateRequest(token_ids=PROMPT, request_id=rid,
+                                           sampling=common_pb2.SamplingParams(max_tokens=2))
+        assert list(served.stub.Generate(req, timeout=20))[-1].HasField("final")
+    assert len(seen[0]) <= 128 and "\n" not in seen[0]
+    assert "\u202e" not in seen[1] and len(seen[1]) <= 128
+    assert seen[2] == "trace-42.a:b"
