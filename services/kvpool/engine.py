@@ -303,9 +303,9 @@ class Engine:
         kv_tokens = len(req.token_ids) + max(req.sampling.max_tokens - 1, 0)
         need = self.pool.blocks_needed(kv_tokens)
         if need > self.pool.num_blocks:
+            what = "the prefix needs" if req.prefill_only else "prompt + max_tokens need"
             raise errors.ResourceExhausted(
-                f"token_ids: prompt + max_tokens need {need} KV blocks, the pool has "
-                f"{self.pool.num_blocks}")
+                f"token_ids: {what} {need} KV blocks, the pool has {self.pool.num_blocks}")
         out: queue.Queue = queue.Queue()
         # Built before a waiting slot is taken: a failure here must not use one up for good.
         sampler = Sampler(req.sampling)
