@@ -317,6 +317,7 @@ class Orchestrator:
         detok = IncrementalDetokenizer(self.tok)
         generated: list[int] = []
         exclude: set[str] = set()
+        tried: list[str] = []  # replica ids, for the client's error (addresses stay internal)
         final: kvpool_pb2.KvGenerateFinal | None = None
         first_token_at: float | None = None
         attempts = 0
@@ -343,8 +344,7 @@ class Orchestrator:
                         self.dispatched.record(decision.replica_id, hashes)
             if decision is None or replica is None:
                 raise errors.Unavailable("no kvpool replica is available"
-                                         + (f" (tried {', '.join(sorted(exclude))})"
-                                            if exclude else ""))
+                                         + (f" (tried {', '.join(tried)})" if tried else ""))
             watcher: Callable[[], None] | None = None
             try:
                 if (decision.route == "prefix"
@@ -430,8 +430,10 @@ class Orchestrator:
                 lost: BaseException | None = (
                     None if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
                 why = f"{code.name}: {e.details()}"
+                why_public = code.name
             except _StreamCut as e:
                 lost, why = e, str(e)
+                why_public = why
             else:
                 continue  # the final message arrived: the loop ends
             finally:
@@ -442,6 +444,7 @@ class Orchestrator:
             # The replica is lost for this request: try the next one (resuming after the
             # tokens already streamed).
             exclude.update((replica.replica_id, replica.address))
+            tried.append(replica.replica_id)
             if lost is not None:
                 replica.health.fail(lost)
                 if self.dispatched is not None:
@@ -451,8 +454,11 @@ class Orchestrator:
             log.warning("replica %s failed (%s) after %d tokens; attempt %d",
                         replica.replica_id, why, len(generated), attempts + 1)
             if attempts >= self.max_attempts:
+                # The replica's own message (transport errors name internal addresses) is in
+                # the log line above, not in the client's status.
                 raise errors.Unavailable(
-                    f"kvpool replicas failed {attempts} times; last: {why}") from None
+                    f"kvpool replicas failed {attempts} times (tried {', '.join(tried)}); "
+                    f"last: {why_public}") from None
 
         tail = detok.flush()
         if tail:

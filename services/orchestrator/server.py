@@ -235,7 +235,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             sem.verify(entry_id, True)
             return orchestrator_pb2.FeedbackResponse(verified=True)
         except grpc.RpcError as e:
-            exc = errors.TierCacheError(f"semantic_entry_id: {e.details()}")
+            why = _public_details(e, "the semantic tier")
+            exc = errors.TierCacheError(f"semantic_entry_id: {why}")
             exc.code = e.code().name
             raise exc from None
 
@@ -275,6 +276,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return resp
 
 
+# A dependency's failures whose text is about the transport (addresses, connection errors):
+# logged, not handed to tenants.
+_TRANSPORT_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+
+
+def _public_details(e: grpc.RpcError, what: str) -> str:
+    """A dependency's error as a tenant may see it: its own verdicts (a refused pin, an unknown
+    entry) as they are; transport failures, whose text names internal addresses, only by
+    code (the full text is logged)."""
+    if e.code() in _TRANSPORT_CODES:
+        log.warning("%s failed: %s: %s", what, e.code().name, e.details())
+        return f"{what} is unavailable ({e.code().name.lower()})"
+    return e.details() or e.code().name
+
+
 # Prompts (or top_k prefixes) one Warm call may ask for.
 MAX_WARM_PROMPTS = 64
 
@@ -307,8 +324,9 @@ class Warmer:
                 prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
                 computed_tokens=r.computed_tokens, pinned_blocks=r.pinned_blocks)
         except grpc.RpcError as e:
-            return orchestrator_pb2.WarmResult(prompt_index=index, replica_id=replica.replica_id,
-                                               error=f"{e.code().name}: {e.details()}")
+            return orchestrator_pb2.WarmResult(
+                prompt_index=index, replica_id=replica.replica_id,
+                error=f"{e.code().name}: {_public_details(e, f'replica {replica.replica_id}')}")
 
     def _targets(self, tenant, token_ids, target):
         healthy = self.orch.replicas.healthy()

@@ -500,3 +500,24 @@ def test_an_error_before_the_first_token_fails_over(code, down):
     assert finished(events).report.replica_id == "B" and len(a.requests) == 1
     assert orch.replicas.by_id("A").health.healthy is not down
     assert orch.stats.degradations["retry"] == 1
+
+
+def test_a_failed_request_names_replica_ids_not_their_addresses_or_transport_errors():
+    """Tenants got 'no kvpool replica is available (tried 10.0.3.7:50053, kvpool-0)' and the
+    replica's own transport error text, which names internal addresses."""
+
+    class Leaky(RpcError):
+        def details(self) -> str:
+            return "failed to connect to all addresses; ipv4:10.0.3.7:50053: Connection refused"
+
+    a = Stub("A", [Call([], Leaky(grpc.StatusCode.UNAVAILABLE))])
+    b = Stub("B", [Call([], Leaky(grpc.StatusCode.INTERNAL))])
+    orch = make({"A": a, "B": b}, max_attempts=2)
+    for r in orch.replicas.replicas:  # ids differ from addresses, as in a cluster
+        r.replica_id = f"kvpool-{r.address}"
+    with pytest.raises(errors.Unavailable) as e:
+        run(orch)
+    msg = str(e.value)
+    assert "kvpool-A" in msg and "kvpool-B" in msg
+    assert "10.0.3.7" not in msg and "connect" not in msg
+    assert "'A'" not in msg and ", A" not in msg and "(A" not in msg  # no address either

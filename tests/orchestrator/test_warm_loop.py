@@ -102,3 +102,34 @@ def test_bad_warm_settings_fail_at_boot():
                          ("warm_max_prompts_per_cycle", -1)):
         with pytest.raises(ConfigError, match=f"TIERCACHE_ORCHESTRATOR_{field.upper()}"):
             OrchestratorConfig(kvpool_addresses=("h:1",), **{field: value}).validate()
+
+
+def test_warm_results_and_feedback_errors_keep_internal_addresses_out():
+    """A tenant's WarmResult.error (and Feedback's status) carried the dependency's own text:
+    for a transport failure that names internal addresses. Its verdicts stay readable."""
+    import grpc
+
+    from services.orchestrator.server import _public_details
+
+    class Err(grpc.RpcError):
+        def __init__(self, code, details):
+            self._c, self._d = code, details
+
+        def code(self):
+            return self._c
+
+        def details(self):
+            return self._d
+
+    w, reps = make([0], [])
+
+    def down(req, timeout=None, metadata=None):
+        raise Err(grpc.StatusCode.UNAVAILABLE, "ipv4:10.0.3.7:50053: Connection refused")
+
+    reps[0].stub.Prefill = down
+    res = w._prefill(reps[0], [1] * 32, "s", 60, 0)
+    assert res.error == "UNAVAILABLE: replica r0 is unavailable (unavailable)"
+    refused = Err(grpc.StatusCode.RESOURCE_EXHAUSTED, "pin refused: pins would hold 134 blocks")
+    assert _public_details(refused, "replica r0") == "pin refused: pins would hold 134 blocks"
+    hung = Err(grpc.StatusCode.UNAVAILABLE, "semantic shard 10.0.3.9:50052 hung: skipped")
+    assert "10.0.3.9" not in _public_details(hung, "the semantic tier")
