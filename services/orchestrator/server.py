@@ -352,6 +352,10 @@ class Warmer:
                 "pin_ttl_seconds", f"{request.pin_ttl_seconds} s exceeds the limit of "
                 f"{self.cfg.warm_pin_ttl_max_s} s")
         ttl = request.pin_ttl_seconds or self.cfg.warm_pin_ttl_s
+        for i, p in enumerate(request.prompts):  # before any rendering, as Generate does
+            texts = [m.content for m in p.messages] if p.messages else [p.prompt]
+            self.orch.renderer.check_size(f"prompts[{i}]", len(texts), sum(map(len, texts)),
+                                          self.cfg.max_prompt_tokens)
         if request.top_k and self.orch.prefix is None:
             raise errors.FailedPrecondition(
                 "top_k: no prefix index is configured to name the hot prefixes")

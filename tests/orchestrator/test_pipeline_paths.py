@@ -323,3 +323,31 @@ def test_a_replica_refusal_names_the_callers_field_not_the_replicas():
     assert ei.value.code == "RESOURCE_EXHAUSTED"
     assert str(ei.value).startswith("prompt (rendered messages): prompt + max_tokens need 144")
     assert len(stub.requests) == 1  # the replica's verdict: no retry elsewhere
+
+
+def test_warm_refuses_what_cannot_fit_before_rendering_it():
+    """Generate checked sizes before rendering; Warm rendered 15 MB of messages (20 s of CPU
+    for one rate-limit token) only to refuse them."""
+    from services.orchestrator.render import PromptRenderer
+
+    orch = make({"A": Stub("A", [])})
+    renderer = PromptRenderer(Tok(), max_chars=1000)
+    renderer._max_token_chars = 4  # no token stands for more than 4 characters
+    rendered: list[str] = []
+    plain_render = renderer.render_raw
+    renderer.render_raw = lambda p, field="prompt": rendered.append(p) or plain_render(p, field)
+    orch.renderer = renderer
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",), max_prompt_tokens=8))
+    try:
+        for req, msg in (
+            (orchestrator_pb2.WarmRequest(prompts=[orchestrator_pb2.WarmPrompt(prompt="x"),
+                                                   orchestrator_pb2.WarmPrompt(prompt="y" * 33)]),
+             r"^prompts\[1\]: 33 characters cannot fit"),
+            (orchestrator_pb2.WarmRequest(prompts=[orchestrator_pb2.WarmPrompt(messages=[
+                orchestrator_pb2.ChatMessage(role="user", content="hi")] * 9)]),
+             r"^prompts\[0\]: 9 messages exceed")):
+            with pytest.raises(errors.InvalidArgument, match=msg):
+                warmer.warm(TENANT, req)
+        assert rendered == []  # refused before any rendering
+    finally:
+        warmer.stop()
