@@ -44,7 +44,9 @@ class OrchestratorConfig:
     max_tokens_limit: int = 2048
     max_prompt_tokens: int = 8192
     max_message_chars: int = 100_000
-    max_concurrent_per_tenant: int = 64
+    # Below max_streams (56 with the default 64 workers): one tenant without a limit of its own
+    # must not be able to take every stream slot of the server.
+    max_concurrent_per_tenant: int = 16
     # Deadline for a whole Generate when the client sets none, and per-hop budgets.
     request_timeout_s: float = 300.0
     semantic_timeout_s: float = 2.0

@@ -201,3 +201,10 @@ def test_rendering_waits_for_the_tenants_slot():
     orch.release.set()
     list(g)
     assert s._streams == 0
+
+
+def test_a_tenant_without_its_own_limit_cannot_take_every_stream_slot():
+    """The default per-tenant limit (64) was above the server's 56 streams: one tenant's
+    slow calls refused every other tenant."""
+    cfg = OrchestratorConfig(kvpool_addresses=("h:1",))
+    assert cfg.max_concurrent_per_tenant * 2 <= cfg.max_streams  # room for others
