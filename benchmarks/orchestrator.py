@@ -173,6 +173,7 @@ def run_variant(name: str, spec: WorkloadSpec, *, routing: str, caches: bool, nu
     tokens = {t: f"bench-token-{t}" for t in w.system_prompts}
     env = {
         "TIERCACHE_ORCHESTRATOR_TOKENS": ",".join(f"{v}={k}" for k, v in tokens.items()),
+        "TIERCACHE_HASH_KEY": "bench-hash-key",  # tenants configured: not the public default
         "TIERCACHE_ORCHESTRATOR_ROUTING_POLICY": routing,
         "TIERCACHE_KVPOOL_NUM_BLOCKS": str(num_blocks),
         "TIERCACHE_KVPOOL_TORCH_THREADS": "1",

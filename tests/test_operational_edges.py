@@ -163,8 +163,13 @@ def test_a_bad_drain_delay_fails_the_start_not_the_shutdown(monkeypatch):
 
 @pytest.mark.parametrize("service,env,words", [
     ("orchestrator", {"TIERCACHE_ORCHESTRATOR_TOKENS_FILE": "/nonexistent/tokens.json",
-                      "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": "127.0.0.1:1"},
+                      "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": "127.0.0.1:1",
+                      "TIERCACHE_HASH_KEY": "test-key"},
      "/nonexistent/tokens.json"),
+    # Tenants with the public default hash key: a tenant could sign another's entry id.
+    ("orchestrator", {"TIERCACHE_ORCHESTRATOR_TOKENS": "tok=a",
+                      "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": "127.0.0.1:1"},
+     "TIERCACHE_HASH_KEY must be set"),
     ("kvpool", {"TIERCACHE_KVPOOL_MODEL": "/nonexistent/model-folder"},
      "/nonexistent/model-folder")])
 def test_a_missing_model_folder_or_tokens_file_is_a_config_error(service, env, words):
@@ -177,7 +182,8 @@ def test_a_missing_model_folder_or_tokens_file_is_a_config_error(service, env, w
 
     root = Path(__file__).resolve().parent.parent
     up = service.upper()
-    full = {**os.environ, **env, f"TIERCACHE_{up}_ADDRESS": "127.0.0.1:0",
+    base = {k: v for k, v in os.environ.items() if k != "TIERCACHE_HASH_KEY"}
+    full = {**base, **env, f"TIERCACHE_{up}_ADDRESS": "127.0.0.1:0",
             f"TIERCACHE_{up}_METRICS_PORT": "-1",
             "PYTHONPATH": f"{root}{os.pathsep}{root / 'gen'}"}
     r = subprocess.run([sys.executable, "-m", f"services.{service}"], env=full, cwd=root,

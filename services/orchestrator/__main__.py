@@ -8,6 +8,7 @@ import sys
 from tiercache.v1 import orchestrator_pb2_grpc
 
 from services.common.bootstrap import create_server, load_service_config, run_until_signal
+from services.common.hashing import DEFAULT_KEY, hash_key_from_env
 from services.common.model_store import ModelStoreError
 from services.orchestrator.app import build
 from services.orchestrator.config import OrchestratorConfig
@@ -19,6 +20,12 @@ log = logging.getLogger("services.orchestrator")
 def main(argv: list[str] | None = None) -> int:
     cfg = load_service_config(OrchestratorConfig, "orchestrator", argv)
     if cfg is None:
+        return 2
+    if (cfg.tokens or cfg.tokens_file) and hash_key_from_env() == DEFAULT_KEY:
+        # The key signs the entry references tenants get and derives their cache salts: with
+        # the public development key a tenant could sign another's entry id and invalidate it.
+        log.error("bad configuration: TIERCACHE_HASH_KEY must be set (the same secret on every "
+                  "service) when tenant tokens are configured; the default is public")
         return 2
     # Bind first (health NOT_SERVING) so probes see the process while the tokenizer loads.
     servicer = OrchestratorServicer(cfg)

@@ -25,7 +25,9 @@ def start(name: str, env: dict[str, str], key: str | None = None, timeout: float
     if not service_exists(name):
         pytest.skip(f"service {name} does not exist yet")
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1", **env}
+    # Tenants configured: the orchestrator refuses the public default hash key.
+    env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1",
+           "TIERCACHE_HASH_KEY": "e2e-test-hash-key", **env}
     p = ServiceProcess(name, free_port(), env, log_path=LOG_DIR / f"{key or name}.log").start()
     try:
         p.wait(timeout)
