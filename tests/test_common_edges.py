@@ -46,17 +46,17 @@ def test_a_service_refuses_to_start_on_half_a_tls_client_pair():
     assert r.returncode == 2 and "TIERCACHE_TLS_CLIENT_CERT" in r.stdout + r.stderr
 
 
-@pytest.mark.parametrize(("raw", "want"), [("s3cret\n", "s3cret"), ("  s3cret ", "s3cret"),
-                                           ("", "")])
+@pytest.mark.parametrize(("raw", "want"), [("s3cret\n", "s3cret"), ("  s3cret ", "s3cret")])
 def test_the_internal_token_is_trimmed(raw, want):
     cfg = load_config(PrefixConfig, "prefix", [], {"TIERCACHE_PREFIX_INTERNAL_TOKEN": raw})
     assert cfg.internal_token == want
 
 
-@pytest.mark.parametrize("raw", ["tökén", "two words", "ctl\x01"])
+@pytest.mark.parametrize("raw", ["tökén", "two words", "ctl\x01", "", "\n", "   "])
 def test_an_internal_token_grpc_cannot_send_is_refused_at_load(raw):
     """It loaded, the service said SERVING, and every internal call then failed INTERNAL
-    ("Invalid metadata") on the caller's side."""
+    ("Invalid metadata") on the caller's side. Set but empty (a Secret from an unset variable
+    or an empty file) it turned internal authentication off."""
     with pytest.raises(ConfigError, match="TIERCACHE_PREFIX_INTERNAL_TOKEN"):
         load_config(PrefixConfig, "prefix", [], {"TIERCACHE_PREFIX_INTERNAL_TOKEN": raw})
 

@@ -97,7 +97,12 @@ def load_config(
         # A Secret made with --from-file ends in a newline; gRPC refuses such metadata (and
         # anything non-ASCII) on every call, long after the service said it was serving.
         token = values["internal_token"] = token.strip()
-        if token and not all(0x21 <= ord(c) <= 0x7E for c in token):
+        if not token:
+            # A Secret made from an unset variable or an empty file: taken as "no credential",
+            # it silently opened semantic, prefix and kvpool to anyone who can connect.
+            raise ConfigError(f"{env_name(service, 'internal_token')}: set but empty; unset it "
+                              "to run without an internal credential")
+        if not all(0x21 <= ord(c) <= 0x7E for c in token):
             raise ConfigError(f"{env_name(service, 'internal_token')}: printable ASCII "
                               "without spaces only (it travels as gRPC metadata)")
     cfg = cls(**values)

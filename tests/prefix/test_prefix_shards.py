@@ -16,8 +16,7 @@ MODEL = "tiny"
 
 @pytest.fixture(scope="module")
 def shards():
-    env = {"TIERCACHE_PREFIX_METRICS_PORT": "-1", "TIERCACHE_PREFIX_INTERNAL_TOKEN": "",
-           "TIERCACHE_PREFIX_BLOCK_SIZE": str(BS)}
+    env = {"TIERCACHE_PREFIX_METRICS_PORT": "-1", "TIERCACHE_PREFIX_BLOCK_SIZE": str(BS)}
     procs = [ServiceProcess("prefix", free_port(), env=env).start() for _ in range(2)]
     try:
         for p in procs:
