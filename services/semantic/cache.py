@@ -730,6 +730,18 @@ class SemanticCache:
                 self.store.set_embedding(r.label, v, self._embed_id)
         if old:
             log.info("re-embedded %d entries with %s", len(old), self.embedder.name)
+        # Rows stored before every vector was made unit length (a folder without a Normalize
+        # module gave norms of 5-7): the index's inner product over them read as similarity
+        # 1.0 for unrelated questions. Normalised once, and written back.
+        fixed = 0
+        for r in rows:
+            norm = float(np.linalg.norm(r.embedding))
+            if abs(norm - 1.0) > 1e-3 and norm > 0:
+                r.embedding = (r.embedding / norm).astype(np.float32)
+                self.store.set_embedding(r.label, r.embedding, r.embed_model)
+                fixed += 1
+        if fixed:
+            log.info("normalised %d stored vectors to unit length", fixed)
 
     def index_of(self, ns: Namespace) -> NamespaceIndex | None:
         """The namespace's index (benchmarks and tests)."""

@@ -125,14 +125,24 @@ def cross_validate(data: PairSet, folds: int = 5, seed: int = 0) -> tuple[np.nda
     return p, cuts
 
 
+def semantic_config():
+    """The semantic service's config from its environment variables."""
+    from services.common.config import load_config
+    from services.semantic.config import SemanticConfig
+
+    return load_config(SemanticConfig, "semantic", [])
+
+
 def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, str, int]]]:
     """QQP + PAWS as a PairSet (embedding with the configured model; cached on disk)."""
-    from services.semantic.config import SemanticConfig, default_cache_dir
     from services.semantic.embedder import OnnxEmbedder
     from services.semantic.labelled_data import embed_all, load_paws, load_qqp
 
-    cfg = SemanticConfig()
-    emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.resolved_model_name())
+    # The service's own settings (TIERCACHE_SEMANTIC_MODEL_DIR, _MODEL_NAME, _CACHE_DIR): the
+    # verifier is fitted for the model the service will run.
+    cfg = semantic_config()
+    emb = OnnxEmbedder(cfg.resolved_model_dir(), cfg.resolved_cache_dir(),
+                       cfg.resolved_model_name())
     qqp, paws = load_qqp(), load_paws()
     xs, ys, src = [], [], []
     for rows, is_paws in ((qqp, False), (paws, True)):
@@ -151,10 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     data, _, _ = load_pairs()
     model = fit(data)
-    from services.semantic.config import SemanticConfig
-
     # The cache turns the verifier off under another embedding model (its cosines differ).
-    model.meta["embedder"] = SemanticConfig().resolved_model_name()
+    model.meta["embedder"] = semantic_config().resolved_model_name()
     with open(args.out, "w") as f:
         f.write(model.to_json() + "\n")
     print(f"fitted on {model.meta['train_pairs']} pairs in {time.perf_counter() - t0:.0f}s; "

@@ -3,6 +3,7 @@ through the common interceptor."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -169,6 +170,7 @@ def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningServi
         internal_token=cfg.internal_token or None,
         metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port)
     set_search_threads(cfg.faiss_threads)
+    store = None
     try:
         embedder = embedder or make_embedder(cfg)
         store = EntryStore(cfg.resolved_db_path(), cfg.sqlite_synchronous)
@@ -176,6 +178,10 @@ def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningServi
         cache.load()
     except BaseException:
         handle.stop(0)
+        if store is not None:
+            # And its database lock: a retry in this process must not be refused.
+            with contextlib.suppress(Exception):
+                store.close()
         raise
     servicer.attach(cache)
     keeper = Housekeeper(cache, cfg.expiry_interval_s).start()

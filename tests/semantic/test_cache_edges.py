@@ -307,6 +307,31 @@ def test_a_row_stored_under_a_larger_ttl_limit_loads_with_todays(make_cfg, emb, 
         c.store.close()
 
 
+def test_vectors_stored_before_unit_length_are_normalised_at_load(make_cfg, emb, clock):
+    """Every vector is now unit length, but rows stored before (a folder without a Normalize
+    module: norms of 5-7) were loaded as they were, and an unrelated question still scored
+    cosine x 6, capped at 1.0: a hit."""
+    cfg = make_cfg(guard_tiers=(), verifier_tiers=())
+    emb.at("unrelated", 0.39, 2)
+    store = EntryStore(cfg.resolved_db_path(), "NORMAL")
+    store.insert(id="old", tenant=A.tenant, model_id=A.model_id, context_hash="",
+                 prompt="How do I cook pasta?", answer="Boil water.",
+                 embedding=emb.embed_one("query") * 6.0, embed_model=emb.identity,
+                 verified=False, created_at=clock.t, ttl_seconds=0)
+    store.close()
+    c = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        assert c.load() == 1
+        r = c.lookup(A, "unrelated", tier="relaxed")
+        assert not r.hit and abs(r.similarity - 0.39) < 1e-3
+        assert c.lookup(A, "query").hit  # its own direction still hits
+        (row,) = [r for rows in c.store.iter_all() for r in rows]
+        assert abs(float(np.linalg.norm(row.embedding)) - 1.0) < 1e-5  # written back
+    finally:
+        c.close_indexes()
+        c.store.close()
+
+
 @pytest.mark.parametrize("default_ttl", [0, 3600])
 def test_a_never_expiring_row_ages_out_once_entries_expire_by_default(make_cfg, emb, clock,
                                                                       default_ttl):

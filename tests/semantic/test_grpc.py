@@ -122,3 +122,16 @@ def test_concurrent_lookups_are_micro_batched(stub, embedder):
     batches = embedder.batches - before[0]
     assert embedder.batched_texts - before[1] == 48
     assert batches < 48, "concurrent requests should share forward passes"
+
+
+def test_a_failed_start_releases_the_database_for_the_next_one(make_cfg, embedder, tmp_path):
+    """serve() stopped the server on a failed start but kept the store open, with its lock:
+    the next start in the same process was refused as 'in use by another process'."""
+    bad = tmp_path / "verifier.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError):
+        serve(make_cfg(verifier_path=str(bad)), embedder=embedder)
+    s = serve(make_cfg(), embedder=embedder)  # the same database
+    s.handle.stop(0)  # not s.stop(): that would close the session's shared embedder
+    s.housekeeper.stop()
+    s.cache.store.close()
