@@ -88,6 +88,7 @@ def test_a_session_is_saved_whole_and_read_back(fake):
     path = fake / "home" / "sessions" / "s1.json"
     assert [m["role"] for m in cli._load_history(path)] == ["user", "assistant"] * 2
     assert not path.with_name("s1.json.tmp").exists()
+    assert path.stat().st_mode & 0o077 == 0  # a conversation: this user's only
 
 
 def test_replay_refuses_a_bad_trace_or_concurrency_with_a_message(fake, capsys):

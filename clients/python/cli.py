@@ -63,8 +63,11 @@ def _save_history(path: Path, messages: list[dict[str, str]]) -> None:
     """Written whole or not at all (a temporary file renamed over the old one)."""
     tmp = path.with_name(path.name + ".tmp")
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps(messages, ensure_ascii=False), encoding="utf-8")
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        # A conversation is private: readable by this user only.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(json.dumps(messages, ensure_ascii=False))
         os.replace(tmp, path)
     except OSError as e:
         raise SystemExit(f"error: cannot save session history {path}: {e}") from None

@@ -42,7 +42,7 @@ def _lock_database(path: str) -> int:
     """Holds an exclusive lock on `<path>.lock` for the life of the store (released by the
     kernel if the process dies); raises DatabaseInUse naming the holder when it is taken."""
     lock_path = path + ".lock"
-    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -114,8 +114,12 @@ class EntryStore:
         self._lock_fd: int | None = None
         self._closed = False
         if path != ":memory:":
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            # Every tenant's prompts and answers: readable by this user only (SQLite gives its
+            # -wal and -shm files the database's mode).
+            os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
             self._lock_fd = _lock_database(path)
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            os.chmod(path, 0o600)
         self.path = path
         self._lock = threading.Lock()
         try:

@@ -134,3 +134,25 @@ def test_the_service_refuses_to_start_on_a_database_in_use(tmp_path):
         assert "in use by another process" in p.stderr
     finally:
         holder.close()
+
+
+def test_the_database_and_its_lock_are_readable_by_their_owner_only(tmp_path):
+    """Every tenant's prompts and answers: they were 0644 in a 0755 folder."""
+    import os
+    import stat
+
+    old = os.umask(0o022)
+    try:
+        folder = tmp_path / "fresh"
+        st = EntryStore(str(folder / "s.db"))
+        insert(st, "a")  # the WAL file exists now
+        mode = lambda p: stat.S_IMODE(os.stat(p).st_mode)  # noqa: E731
+        assert mode(folder) == 0o700
+        for name in ("s.db", "s.db-wal", "s.db.lock"):
+            assert mode(folder / name) == 0o600, name
+        st.close()
+        (folder / "s.db").chmod(0o644)  # one made by an older version
+        EntryStore(str(folder / "s.db")).close()
+        assert mode(folder / "s.db") == 0o600
+    finally:
+        os.umask(old)
