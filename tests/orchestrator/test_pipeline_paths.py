@@ -351,3 +351,47 @@ def test_warm_refuses_what_cannot_fit_before_rendering_it():
         assert rendered == []  # refused before any rendering
     finally:
         warmer.stop()
+
+
+def test_a_tenants_warm_pins_are_held_to_its_quota_until_they_expire():
+    """The replicas cap pins at half their pool, but only overall: one tenant's Warm with a
+    one-hour TTL held half of every replica, and every other tenant's Warm was refused."""
+    from services.orchestrator.render import PromptRenderer
+    from tests.clock import Clock
+
+    stubs = {r: Stub(r, []) for r in ("A", "B")}
+    for stub in stubs.values():
+        plain = stub.Prefill
+
+        def pinning(req, timeout=None, metadata=None, plain=plain):
+            resp = plain(req, timeout=timeout, metadata=metadata)
+            resp.pinned_blocks = len(req.token_ids) // 16
+            return resp
+
+        stub.Prefill = pinning
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=1000)
+    clock = Clock(100.0)
+    cfg = OrchestratorConfig(kvpool_addresses=("A", "B"), block_size=16,
+                             warm_max_pinned_blocks_per_tenant=20)
+    warmer = Warmer(orch, cfg, clock=clock)
+    other = Tenant("b", "salt-b", 1000, 100, 4)
+
+    def warm(tenant, text, ttl=60):
+        return warmer.warm(tenant, orchestrator_pb2.WarmRequest(
+            prompts=[orchestrator_pb2.WarmPrompt(prompt=text)], pin_ttl_seconds=ttl))
+
+    try:
+        warm(TENANT, "x" * 160)  # 10 blocks on each of 2 replicas: the whole quota
+        assert warmer.pinned_blocks(TENANT.name) == 20
+        sent = sum(len(s.requests) for s in stubs.values())
+        with pytest.raises(errors.ResourceExhausted, match="quota of 20"):
+            warm(TENANT, "y" * 16)
+        assert sum(len(s.requests) for s in stubs.values()) == sent  # refused before prefills
+        warm(other, "z" * 160)  # another tenant has its own quota
+        clock.t += 61  # the pins lapse
+        assert warmer.pinned_blocks(TENANT.name) == 0
+        warm(TENANT, "y" * 16)
+        assert warmer.pinned_blocks(TENANT.name) == 2
+    finally:
+        warmer.stop()
