@@ -73,10 +73,6 @@ class OrchestratorConfig:
     warm_max_load: float = 0.25
     warm_max_prompts_per_cycle: int = 4
     warm_pin_ttl_s: int = 600
-    # KV blocks one tenant's Warm calls may hold pinned at once, over all replicas (0 = no
-    # quota). The replicas cap pins at half their pool, but only overall: without a quota one
-    # tenant could hold that half of every replica for an hour.
-    warm_max_pinned_blocks_per_tenant: int = 256
     # Longest pin a Warm call may ask for (pin_ttl_seconds); longer is INVALID_ARGUMENT.
     warm_pin_ttl_max_s: int = 3600
     # Failover attempts per request.
@@ -122,8 +118,6 @@ class OrchestratorConfig:
         require(self.warm_pin_ttl_max_s >= self.warm_pin_ttl_s, SVC, "warm_pin_ttl_max_s",
                 "must be >= warm_pin_ttl_s")
         require(self.warm_top_k >= 0, SVC, "warm_top_k", "must be >= 0")
-        require(self.warm_max_pinned_blocks_per_tenant >= 0, SVC,
-                "warm_max_pinned_blocks_per_tenant", "must be >= 0")
         require(self.warm_max_load >= 0, SVC, "warm_max_load", "must be >= 0")
         require(self.warm_max_prompts_per_cycle >= 0, SVC, "warm_max_prompts_per_cycle",
                 "must be >= 0")

@@ -306,56 +306,11 @@ def _caching_off(replica) -> bool:
 class Warmer:
     """Prefills prompts on replicas (Warm RPC) and runs the low-traffic warm-up loop."""
 
-    def __init__(self, orch: Orchestrator, cfg: OrchestratorConfig,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, orch: Orchestrator, cfg: OrchestratorConfig) -> None:
         self.orch = orch
         self.cfg = cfg
-        self.clock = clock
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="warm")
-        # Pins each tenant's Warm calls made: tenant -> [[until, blocks]], for its quota. A
-        # call reserves its most before it prefills (concurrent calls must not both pass),
-        # then keeps what the replicas report having pinned.
-        self._pins: dict[str, list[list[float]]] = {}
-        self._pins_lock = threading.Lock()
-
-    def _live_pins_locked(self, tenant_name: str) -> list[list[float]]:
-        now = self.clock()
-        live = [p for p in self._pins.get(tenant_name, []) if p[0] > now]
-        if live:
-            self._pins[tenant_name] = live
-        else:
-            self._pins.pop(tenant_name, None)
-        return live
-
-    def pinned_blocks(self, tenant_name: str) -> int:
-        """Blocks the tenant's Warm calls hold pinned (or have reserved) now."""
-        with self._pins_lock:
-            return int(sum(p[1] for p in self._live_pins_locked(tenant_name)))
-
-    def _reserve(self, tenant, jobs, ttl: int) -> list[float] | None:
-        """Reserves the blocks these prefills may pin (every full block, as if pinned anew);
-        RESOURCE_EXHAUSTED past the tenant's quota."""
-        quota = self.cfg.warm_max_pinned_blocks_per_tenant
-        if not quota:
-            return None
-        want = sum(len(ids) // self.cfg.block_size for _, ids, _, _, _ in jobs)
-        with self._pins_lock:
-            held = int(sum(p[1] for p in self._live_pins_locked(tenant.name)))
-            if held + want > quota:
-                raise errors.ResourceExhausted(
-                    f"tenant {tenant.name}: pins would hold {held + want} KV blocks, over its "
-                    f"quota of {quota} (TIERCACHE_ORCHESTRATOR_WARM_MAX_PINNED_BLOCKS_PER_"
-                    f"TENANT); {held} are pinned now")
-            entry = [self.clock() + ttl, float(want)]
-            self._pins.setdefault(tenant.name, []).append(entry)
-            return entry
-
-    def _settle(self, entry: list[float] | None, results) -> None:
-        """The reservation becomes what the replicas report having pinned."""
-        if entry is not None:
-            with self._pins_lock:
-                entry[1] = float(sum(r.pinned_blocks for r in results))
 
     def _prefill(self, replica, token_ids, cache_salt, ttl, index, timeout: float = 120.0,
                  request_id: str = ""):
@@ -438,16 +393,11 @@ class Warmer:
                         jobs.append((r, ids, hp.cache_salt, ttl, -1))
         if not self.orch.replicas.healthy():  # after the checks of the request itself
             raise errors.Unavailable("no healthy replica to warm")
-        entry = self._reserve(tenant, jobs, ttl)
         # The pool's threads do not inherit the call's request id: hand it to each Prefill.
         rid = request_id_var.get()
-        results: list = []
-        try:
-            results = list(self._pool.map(
-                lambda j: self._prefill(*j, timeout=deadline - time.monotonic(),
-                                        request_id=rid), jobs))
-        finally:
-            self._settle(entry, results)
+        results = list(self._pool.map(
+            lambda j: self._prefill(*j, timeout=deadline - time.monotonic(), request_id=rid),
+            jobs))
         return orchestrator_pb2.WarmResponse(results=results)
 
     # ---- background loop ----
