@@ -69,7 +69,8 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
     pool = BlockPool(n, cfg.block_size, hasher,
                      make_policy(cfg.eviction_policy, cfg.shallow_tokens),
                      record_events=bool(cfg.prefix_address),
-                     max_pinned=max(1, int(n * cfg.max_pinned_fraction)))
+                     max_pinned=max(1, int(n * cfg.max_pinned_fraction)),
+                     max_pinned_per_salt=max(1, int(n * cfg.max_pinned_per_tenant_fraction)))
     # The working rows at their full size: max_batch_size rows of the whole context.
     rows_max = (KvStore.block_bytes(info.num_layers, info.kv_heads, info.head_dim,
                                     cfg.block_size, dtype) // cfg.block_size

@@ -110,7 +110,8 @@ class BlockPool:
     def __init__(self, num_blocks: int, block_size: int, hasher: BlockHasher,
                  policy: EvictionPolicy | None = None,
                  clock: Callable[[], float] = time.monotonic, *,
-                 record_events: bool = True, max_pinned: int | None = None) -> None:
+                 record_events: bool = True, max_pinned: int | None = None,
+                 max_pinned_per_salt: int | None = None) -> None:
         if num_blocks <= 0:
             raise ValueError("num_blocks must be > 0")
         if hasher.block_size != block_size:
@@ -120,6 +121,10 @@ class BlockPool:
         self.hasher = hasher
         # Most blocks pins may hold at once (None = all): warm-up must not starve requests.
         self.max_pinned = num_blocks if max_pinned is None else max_pinned
+        # Most of them one cache salt (one tenant) may hold (None = max_pinned): else one
+        # tenant's Warm with a long TTL could hold every pin the pool allows.
+        self.max_pinned_per_salt = (self.max_pinned if max_pinned_per_salt is None
+                                    else max_pinned_per_salt)
         self.policy = policy or HybridPolicy()
         self.clock = clock
         self.record_events = record_events
@@ -355,16 +360,29 @@ class BlockPool:
         """Keep committed blocks from eviction until now + ttl (extends, never shortens).
 
         Raises:
-            PoolExhausted: the pins would then hold more than `max_pinned` blocks (nothing is
-                pinned).
+            PoolExhausted: the pins would then hold more than `max_pinned` blocks, or more
+                than `max_pinned_per_salt` of one cache salt (nothing is pinned). Blocks
+                pinned already (a refresh) count once.
         """
         now = self.clock()
         self._pinned_unreferenced(now)  # forget expired pins
-        new = sum(1 for bid in set(block_ids)
-                  if self._blocks[bid].hash is not None and bid not in self._pins)
+        fresh = [bid for bid in set(block_ids)
+                 if self._blocks[bid].hash is not None and bid not in self._pins]
+        new = len(fresh)
         if len(self._pins) + new > self.max_pinned:
             raise PoolExhausted(f"pins would hold {len(self._pins) + new} blocks, over the "
                                 f"limit of {self.max_pinned} (max_pinned_fraction)")
+        per_salt: dict[str, int] = {}
+        for bid in fresh:
+            salt = self._blocks[bid].cache_salt
+            per_salt[salt] = per_salt.get(salt, 0) + 1
+        for salt, more in per_salt.items():
+            held = sum(1 for bid in self._pins if self._blocks[bid].cache_salt == salt)
+            if held + more > self.max_pinned_per_salt:
+                raise PoolExhausted(
+                    f"pins of this tenant (its cache salt) would hold {held + more} blocks, "
+                    f"over the limit of {self.max_pinned_per_salt} "
+                    "(max_pinned_per_tenant_fraction)")
         until = now + ttl_seconds
         n = 0
         for bid in block_ids:

@@ -64,6 +64,9 @@ class KvPoolConfig:
     # Share of the pool that pins (warm-up) may hold at once; a pin past it is refused
     # (RESOURCE_EXHAUSTED) so that one tenant's Warm cannot starve every request.
     max_pinned_fraction: float = 0.5
+    # Share of the pool the pins of one cache salt (one tenant) may hold: one tenant's Warm
+    # with a long TTL must not take every pin the pool allows from the others.
+    max_pinned_per_tenant_fraction: float = 0.125
     # torch intra-op threads; 0 = torch's default.
     torch_threads: int = 0
     # Longest sequence (prompt + generated) served; 0 = the model's max_position_embeddings.
@@ -112,6 +115,8 @@ class KvPoolConfig:
         require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
         require(0 < self.max_pinned_fraction <= 1, s, "max_pinned_fraction", "must be in (0, 1]")
+        require(0 < self.max_pinned_per_tenant_fraction <= self.max_pinned_fraction, s,
+                "max_pinned_per_tenant_fraction", "must be in (0, max_pinned_fraction]")
         require(self.torch_threads >= 0, s, "torch_threads", "must be >= 0")
 
     @property

@@ -353,3 +353,27 @@ def test_pins_past_max_pinned_are_refused_whole() -> None:
     clock.t += 21  # the first pins expire: room again
     assert pool.pin(ys, ttl_seconds=10) == 2
     pool.check_integrity()
+
+
+def test_one_tenants_pins_are_held_to_its_share_of_the_pool() -> None:
+    """Pins were capped only overall (half the pool): one tenant's Warm with a one-hour TTL
+    held all of it, and every other tenant's Warm was refused. Each cache salt now gets its
+    own share; refreshing pins already held counts once."""
+    clock = Clock(1.0)
+    pool = BlockPool(16, BS, BlockHasher("m", BS, key=b"k"), HybridPolicy(8), clock=clock,
+                     max_pinned=8, max_pinned_per_salt=3)
+    a_x, a_y, b_x = X, Y, X  # tenant b sends the same tokens under its own salt
+    run_seq(pool, "ax", a_x, salt="a")  # 3 blocks
+    run_seq(pool, "ay", a_y, salt="a")  # 2 blocks
+    run_seq(pool, "bx", b_x, salt="b")  # 3 blocks
+    ids = {k: [pool._table[h] for h in pool.hasher.hashes(toks, salt)]
+           for k, toks, salt in (("ax", a_x, "a"), ("ay", a_y, "a"), ("bx", b_x, "b"))}
+    assert pool.pin(ids["ax"], ttl_seconds=10) == 3
+    assert pool.pin(ids["ax"], ttl_seconds=20) == 3  # a refresh is not more blocks
+    with pytest.raises(PoolExhausted, match="this tenant .* limit of 3"):
+        pool.pin(ids["ay"], ttl_seconds=10)
+    assert not any(pool.is_pinned(b) for b in ids["ay"])
+    assert pool.pin(ids["bx"], ttl_seconds=10) == 3  # another tenant has its own share
+    clock.t += 21  # a's pins lapse
+    assert pool.pin(ids["ay"], ttl_seconds=10) == 2
+    pool.check_integrity()

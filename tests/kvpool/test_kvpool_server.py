@@ -414,3 +414,14 @@ def test_a_long_or_odd_request_id_is_replaced_not_carried_into_sequence_ids(serv
     assert len(seen[0]) <= 128 and "\n" not in seen[0]
     assert "\u202e" not in seen[1] and len(seen[1]) <= 128
     assert seen[2] == "trace-42.a:b"
+
+
+def test_pin_limits_reach_the_pool(tiny_model) -> None:
+    replica = build_replica(replace(CFG, num_blocks=64, max_pinned_fraction=0.5,
+                                    max_pinned_per_tenant_fraction=0.25),
+                            model=tiny_model, model_id=TINY_ID, metrics=False)
+    try:
+        assert (replica.engine.pool.max_pinned, replica.engine.pool.max_pinned_per_salt) \
+            == (32, 16)
+    finally:
+        replica.engine.stop()
