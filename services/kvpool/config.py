@@ -66,7 +66,7 @@ class KvPoolConfig:
     max_pinned_fraction: float = 0.5
     # Share of the pool the pins of one cache salt (one tenant) may hold: one tenant's Warm
     # with a long TTL must not take every pin the pool allows from the others.
-    max_pinned_per_tenant_fraction: float = 0.125
+    max_pinned_per_tenant_fraction: float = 0.25
     # torch intra-op threads; 0 = torch's default.
     torch_threads: int = 0
     # Longest sequence (prompt + generated) served; 0 = the model's max_position_embeddings.
