@@ -31,6 +31,14 @@ class App:
         self.orch.replicas.stop()
 
 
+def tenant_concurrency(cfg: OrchestratorConfig) -> int:
+    """Concurrent requests of a tenant without a limit of its own. With no tokens there is
+    one tenant, every caller: nobody to leave stream slots for, so it gets them all."""
+    if cfg.tokens or cfg.tokens_file:
+        return cfg.max_concurrent_per_tenant
+    return max(cfg.max_concurrent_per_tenant, cfg.max_streams)
+
+
 def build(cfg: OrchestratorConfig) -> App:
     resolved = resolve_model(cfg.model, cfg.cache_dir or None)
     tok = load_tokenizer(resolved.path)
@@ -60,7 +68,7 @@ def build(cfg: OrchestratorConfig) -> App:
     tenants = TenantRegistry.build(
         tokens_file=cfg.tokens_file, tokens=cfg.tokens, key=key,
         max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens_limit,
-        max_concurrent=cfg.max_concurrent_per_tenant)
+        max_concurrent=tenant_concurrency(cfg))
     warmer = Warmer(orch, cfg)
     warmer.start()
     return App(orch, tenants, warmer)

@@ -208,3 +208,14 @@ def test_a_tenant_without_its_own_limit_cannot_take_every_stream_slot():
     slow calls refused every other tenant."""
     cfg = OrchestratorConfig(kvpool_addresses=("h:1",))
     assert cfg.max_concurrent_per_tenant * 2 <= cfg.max_streams  # room for others
+
+
+def test_without_tokens_the_one_tenant_may_use_every_stream_slot():
+    """The lower default is for tenants sharing a server; a stack without tokens has one
+    tenant, every caller, and was capped at 16 of its 56 slots."""
+    from services.orchestrator.app import tenant_concurrency
+
+    local = OrchestratorConfig(kvpool_addresses=("h:1",))
+    assert tenant_concurrency(local) == local.max_streams == 56
+    shared = OrchestratorConfig(kvpool_addresses=("h:1",), tokens="t=a")
+    assert tenant_concurrency(shared) == shared.max_concurrent_per_tenant == 16
