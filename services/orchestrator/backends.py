@@ -80,9 +80,19 @@ class Replica:
     # (a load of 10 where 5 was true, which put the replica holding a prefix over the cap).
     polled: tuple[kvpool_pb2.KvStatsResponse | None, int] = (None, 0)
     slow_polls: int = 0
+    # A name for errors before the replica's first Stats answer ("kvpool#2"): see public_id.
+    alias: str = ""
     # Called when the poller declares the replica unhealthy: in-flight calls on it cancel
     # themselves and fail over (a hung replica would otherwise hold them to their deadline).
     watchers: set[Callable[[], None]] = field(default_factory=set)
+
+    @property
+    def public_id(self) -> str:
+        """The id tenants may see: the replica's own, or, until its first Stats answer (when
+        `replica_id` is still the address), a name that says nothing of the network."""
+        if self.replica_id and self.replica_id != self.address:
+            return self.replica_id
+        return self.alias or "kvpool (not yet polled)"
 
     @property
     def load(self) -> float:
@@ -113,10 +123,11 @@ class ReplicaSet:
     _stop: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
-        for addr in self.addresses:
+        for i, addr in enumerate(self.addresses):
             ch = make_channel(addr)
             self.replicas.append(Replica(addr, kvpool_pb2_grpc.KvPoolStub(ch),
-                                         Health("kvpool", addr), replica_id=addr))
+                                         Health("kvpool", addr), replica_id=addr,
+                                         alias=f"kvpool#{i}"))
 
     def poll_once(self) -> None:
         for r in self.replicas:

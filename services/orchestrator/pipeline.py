@@ -398,7 +398,7 @@ class Orchestrator:
                 if final is None:
                     # Ended cleanly but without its final message: the replica broke off (a
                     # proxy or a replica going away); fail over as for a lost replica.
-                    raise _StreamCut(f"replica {replica.replica_id} ended the stream without "
+                    raise _StreamCut(f"replica {replica.public_id} ended the stream without "
                                      "a final message")
                 # Not ok(): a draining replica (down by the poller) finishing its streams must
                 # not come back into routing with each one.
@@ -444,7 +444,7 @@ class Orchestrator:
             # The replica is lost for this request: try the next one (resuming after the
             # tokens already streamed).
             exclude.update((replica.replica_id, replica.address))
-            tried.append(replica.replica_id)
+            tried.append(replica.public_id)
             if lost is not None:
                 replica.health.fail(lost)
                 if self.dispatched is not None:
@@ -468,7 +468,7 @@ class Orchestrator:
         ttft = ((first_token_at or time.monotonic()) - t0) * 1000.0
         report.prompt_tokens = prompt_tokens
         report.cached_tokens = cached
-        report.replica_id = final.replica_id or replica.replica_id
+        report.replica_id = final.replica_id or replica.public_id
         report.ttft_ms = ttft
         report.draft_tokens_proposed = final.draft_tokens_proposed
         report.draft_tokens_accepted = final.draft_tokens_accepted

@@ -320,13 +320,13 @@ class Warmer:
                 model_id=self.orch.model_id), timeout=max(0.1, timeout),
                 metadata=call_metadata(self.orch.internal_token, request_id))
             return orchestrator_pb2.WarmResult(
-                prompt_index=index, replica_id=r.replica_id or replica.replica_id,
+                prompt_index=index, replica_id=r.replica_id or replica.public_id,
                 prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
                 computed_tokens=r.computed_tokens, pinned_blocks=r.pinned_blocks)
         except grpc.RpcError as e:
             return orchestrator_pb2.WarmResult(
-                prompt_index=index, replica_id=replica.replica_id,
-                error=f"{e.code().name}: {_public_details(e, f'replica {replica.replica_id}')}")
+                prompt_index=index, replica_id=replica.public_id,
+                error=f"{e.code().name}: {_public_details(e, f'replica {replica.public_id}')}")
 
     def _targets(self, tenant, token_ids, target):
         healthy = self.orch.replicas.healthy()

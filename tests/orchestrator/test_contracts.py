@@ -199,7 +199,9 @@ def test_a_replica_lost_mid_answer_is_resumed_elsewhere_from_the_tokens_already_
     assert text_of(events) == "hello"  # the tokens before the failure are not emitted twice
     fin = finished(events)
     assert fin.report.route == "resume"
-    assert fin.report.replica_id == resumer.rid
+    # The final message names no replica and none was polled: the resumer's public name.
+    assert fin.report.replica_id == orch.replicas.by_id(resumer.rid).public_id
+    assert fin.report.replica_id.startswith("kvpool#")
     assert fin.completion_tokens == len("hello")
     assert orch.stats.degradations["resume"] == 1
     assert sem.stores[0].answer == "hello"

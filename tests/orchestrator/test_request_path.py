@@ -521,3 +521,13 @@ def test_a_failed_request_names_replica_ids_not_their_addresses_or_transport_err
     assert "kvpool-A" in msg and "kvpool-B" in msg
     assert "10.0.3.7" not in msg and "connect" not in msg
     assert "'A'" not in msg and ", A" not in msg and "(A" not in msg  # no address either
+
+
+def test_before_a_replica_answers_stats_errors_name_it_by_position_not_address():
+    """Until its first Stats answer a replica's id is its address (routing needs a key):
+    errors and reports then named 10.0.3.7:50053."""
+    a = Stub("10.0.3.7:50053", [Call([], RpcError(grpc.StatusCode.UNAVAILABLE))])
+    orch = make({"10.0.3.7:50053": a}, max_attempts=1)
+    with pytest.raises(errors.Unavailable) as e:
+        run(orch)
+    assert "kvpool#0" in str(e.value) and "10.0.3.7" not in str(e.value)

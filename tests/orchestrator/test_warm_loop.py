@@ -21,8 +21,8 @@ class FakeStub:
 
 
 def make(loads, hot):
-    reps = [SimpleNamespace(replica_id=f"r{i}", load=load, stub=FakeStub(f"r{i}"))
-            for i, load in enumerate(loads)]
+    reps = [SimpleNamespace(replica_id=f"r{i}", public_id=f"r{i}", load=load,
+                            stub=FakeStub(f"r{i}")) for i, load in enumerate(loads)]
     replicas = SimpleNamespace(healthy=lambda: reps)
     prefix = SimpleNamespace(top_prefixes=lambda k, model_id: hot[:k])
     orch = SimpleNamespace(replicas=replicas, prefix=prefix, model_id="m", internal_token="")
