@@ -26,6 +26,16 @@ class DatabaseInUse(RuntimeError):
     view of it and delete each other's rows (start-up de-duplication, lowered limits)."""
 
 
+def _owner_only(path: str) -> None:
+    """Creates the database file readable by this user only, and tightens one of ours made
+    by an older version. One owned by another user (a volume shared through a group, as
+    Kubernetes' fsGroup does) is left as it is: its mode is its owner's choice."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    st = os.stat(path)
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        os.chmod(path, 0o600)
+
+
 def database_in_use(path: str) -> bool:
     """Whether a running store holds `path` (a probe: takes and drops the lock)."""
     try:
@@ -118,11 +128,11 @@ class EntryStore:
             # -wal and -shm files the database's mode).
             os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
             self._lock_fd = _lock_database(path)
-            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
-            os.chmod(path, 0o600)
         self.path = path
         self._lock = threading.Lock()
         try:
+            if path != ":memory:":
+                _owner_only(path)
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")

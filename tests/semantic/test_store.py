@@ -156,3 +156,31 @@ def test_the_database_and_its_lock_are_readable_by_their_owner_only(tmp_path):
         assert mode(folder / "s.db") == 0o600
     finally:
         os.umask(old)
+
+
+def test_a_database_that_cannot_be_opened_leaves_no_lock_behind(tmp_path):
+    """A failure between taking the lock and opening SQLite kept the lock: the retry in the
+    same process was refused as 'in use by another process'."""
+    path = tmp_path / "s.db"
+    path.mkdir()  # a folder where the database should be
+    with pytest.raises(OSError):
+        EntryStore(str(path))
+    path.rmdir()
+    EntryStore(str(path)).close()  # not DatabaseInUse
+
+
+def test_a_database_owned_by_another_user_keeps_its_mode(tmp_path):
+    """A volume shared through a group (Kubernetes' fsGroup) holds a database another uid
+    made, 0660: changing its mode is not ours to do (and as that group's member, not root,
+    it failed the start with EPERM)."""
+    import os
+    import stat
+
+    if os.geteuid() != 0:
+        pytest.skip("making a file another user owns needs root")
+    path = tmp_path / "s.db"
+    EntryStore(str(path)).close()
+    os.chown(path, 1000, 2000)
+    path.chmod(0o660)
+    EntryStore(str(path)).close()
+    assert stat.S_IMODE(path.stat().st_mode) == 0o660
