@@ -82,6 +82,18 @@ def test_a_session_that_cannot_be_saved_is_a_message_not_a_traceback(fake, monke
     assert "Hello." in capsys.readouterr().out  # the answer was shown first
 
 
+def test_a_session_saved_over_a_loose_folder_and_leftover_is_private(fake):
+    folder = fake / "home" / "sessions"
+    folder.mkdir(parents=True, exist_ok=True)
+    folder.chmod(0o755)
+    leftover = folder / "s2.json.tmp"
+    leftover.write_text("[]")
+    leftover.chmod(0o644)
+    assert cli.main(["chat", "-q", "--session", "s2", "hi"]) == 0
+    assert (folder / "s2.json").stat().st_mode & 0o077 == 0
+    assert folder.stat().st_mode & 0o077 == 0
+
+
 def test_a_session_is_saved_whole_and_read_back(fake):
     assert cli.main(["chat", "-q", "--session", "s1", "hi"]) == 0
     assert cli.main(["chat", "-q", "--session", "s1", "and then?"]) == 0

@@ -64,8 +64,12 @@ def _save_history(path: Path, messages: list[dict[str, str]]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # A conversation is private: readable by this user only.
+        # A conversation is private: readable by this user only (a folder or a leftover
+        # temporary file made before keeps its mode through mkdir and O_CREAT).
+        if path.parent.stat().st_mode & 0o077:
+            path.parent.chmod(0o700)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(json.dumps(messages, ensure_ascii=False))
         os.replace(tmp, path)

@@ -27,6 +27,7 @@ that a verifier fitted without the veto can use them.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -126,11 +127,13 @@ def cross_validate(data: PairSet, folds: int = 5, seed: int = 0) -> tuple[np.nda
 
 
 def semantic_config():
-    """The semantic service's config from its environment variables."""
+    """The semantic service's config from its environment variables (but the verifier path,
+    which names the file this fits, and need not exist yet)."""
     from services.common.config import load_config
     from services.semantic.config import SemanticConfig
 
-    return load_config(SemanticConfig, "semantic", [])
+    env = {k: v for k, v in os.environ.items() if k != "TIERCACHE_SEMANTIC_VERIFIER_PATH"}
+    return load_config(SemanticConfig, "semantic", [], env)
 
 
 def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, str, int]]]:
@@ -156,7 +159,10 @@ def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, s
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m services.semantic.fit_verifier")
-    ap.add_argument("--out", default=str(DEFAULT_WEIGHTS), help="where to write the weights")
+    ap.add_argument("--out", default=os.environ.get("TIERCACHE_SEMANTIC_VERIFIER_PATH")
+                    or str(DEFAULT_WEIGHTS),
+                    help="where to write the weights (default: TIERCACHE_SEMANTIC_VERIFIER_PATH, "
+                         "else the packaged verifier.json)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     data, _, _ = load_pairs()

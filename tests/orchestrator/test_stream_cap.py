@@ -219,3 +219,30 @@ def test_without_tokens_the_one_tenant_may_use_every_stream_slot():
     assert tenant_concurrency(local) == local.max_streams == 56
     shared = OrchestratorConfig(kvpool_addresses=("h:1",), tokens="t=a")
     assert tenant_concurrency(shared) == shared.max_concurrent_per_tenant == 16
+
+
+def test_feedback_with_the_semantic_tier_down_names_no_internal_address():
+    """Feedback wrapped the semantic service's transport error text, which names its
+    address, into the tenant's status."""
+    import grpc
+
+    class Down(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "failed to connect to all addresses; ipv4:10.0.3.9:50052: Connection refused"
+
+    def down(*a, **kw):
+        raise Down()
+
+    s, orch = servicer(STREAM_HEADROOM + 2)
+    orch.semantic = SimpleNamespace(enabled=True, invalidate=down, verify=down)
+    tenant = s.tenants.authenticate({})
+    ref = s.tenants.entry_ref(tenant, "e1")
+    for rating in (orchestrator_pb2.RATING_BAD, orchestrator_pb2.RATING_GOOD):
+        with pytest.raises(Exception) as e:
+            s.Feedback(orchestrator_pb2.FeedbackRequest(semantic_entry_id=ref, rating=rating),
+                       Context())
+        assert getattr(e.value, "code", "") == "UNAVAILABLE"
+        assert "10.0.3.9" not in str(e.value) and "semantic tier" in str(e.value)

@@ -172,3 +172,14 @@ def test_check_scores_a_pair_as_its_features_say(verifier):
             assert got.score == pytest.approx(want, rel=1e-12)
             assert x[FEATURES.index("guard_ok")] == float(verifier.guard.check(q, c).ok)
     assert not verifier.check(*pairs[4], 1.0, "strict").ok  # order trap, long texts
+
+
+def test_the_fitter_reads_the_services_settings(monkeypatch, tmp_path):
+    """It read plain defaults: it always fitted (and tagged) the packaged MiniLM, whatever
+    model the service runs; and a verifier path not yet written refused the fit."""
+    from services.semantic.fit_verifier import semantic_config
+
+    monkeypatch.setenv("TIERCACHE_SEMANTIC_MODEL_NAME", "my-model")
+    monkeypatch.setenv("TIERCACHE_SEMANTIC_VERIFIER_PATH", str(tmp_path / "to-fit.json"))
+    cfg = semantic_config()
+    assert cfg.resolved_model_name() == "my-model"
