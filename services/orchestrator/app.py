@@ -31,12 +31,19 @@ class App:
         self.orch.replicas.stop()
 
 
+# A tenant's concurrent requests when tokens are configured and nothing else is said.
+DEFAULT_TENANT_CONCURRENCY = 16
+
+
 def tenant_concurrency(cfg: OrchestratorConfig) -> int:
-    """Concurrent requests of a tenant without a limit of its own. With no tokens there is
-    one tenant, every caller: nobody to leave stream slots for, so it gets them all."""
-    if cfg.tokens or cfg.tokens_file:
+    """Concurrent requests of a tenant without a limit of its own: the setting, or when it is
+    0 (automatic) 16 with tokens, and every stream slot without them (one tenant, every
+    caller: nobody to leave slots for)."""
+    if cfg.max_concurrent_per_tenant:
         return cfg.max_concurrent_per_tenant
-    return max(cfg.max_concurrent_per_tenant, cfg.max_streams)
+    if cfg.tokens or cfg.tokens_file:
+        return min(DEFAULT_TENANT_CONCURRENCY, cfg.max_streams)
+    return cfg.max_streams
 
 
 def build(cfg: OrchestratorConfig) -> App:

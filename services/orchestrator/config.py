@@ -44,9 +44,10 @@ class OrchestratorConfig:
     max_tokens_limit: int = 2048
     max_prompt_tokens: int = 8192
     max_message_chars: int = 100_000
-    # Below max_streams (56 with the default 64 workers): one tenant without a limit of its own
-    # must not be able to take every stream slot of the server.
-    max_concurrent_per_tenant: int = 16
+    # Concurrent requests of a tenant without a limit of its own. 0 = automatic: 16 with
+    # tenant tokens (under max_streams, 56 by default: one tenant must not take every stream
+    # slot), and every slot without them (one tenant, every caller).
+    max_concurrent_per_tenant: int = 0
     # Deadline for a whole Generate when the client sets none, and per-hop budgets.
     request_timeout_s: float = 300.0
     semantic_timeout_s: float = 2.0
@@ -100,7 +101,8 @@ class OrchestratorConfig:
         require(0 < self.default_max_tokens <= self.max_tokens_limit, SVC, "default_max_tokens",
                 "must be in (0, max_tokens_limit]")
         require(self.max_prompt_tokens > 0, SVC, "max_prompt_tokens", "must be > 0")
-        require(self.max_concurrent_per_tenant > 0, SVC, "max_concurrent_per_tenant", "must be > 0")
+        require(self.max_concurrent_per_tenant >= 0, SVC, "max_concurrent_per_tenant",
+                "must be >= 0 (0 = automatic)")
         require(self.request_timeout_s > 0, SVC, "request_timeout_s", "must be > 0")
         for name in ("semantic_timeout_s", "prefix_timeout_s"):
             require(getattr(self, name) > 0, SVC, name, "must be > 0")

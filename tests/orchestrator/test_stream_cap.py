@@ -206,8 +206,10 @@ def test_rendering_waits_for_the_tenants_slot():
 def test_a_tenant_without_its_own_limit_cannot_take_every_stream_slot():
     """The default per-tenant limit (64) was above the server's 56 streams: one tenant's
     slow calls refused every other tenant."""
-    cfg = OrchestratorConfig(kvpool_addresses=("h:1",))
-    assert cfg.max_concurrent_per_tenant * 2 <= cfg.max_streams  # room for others
+    from services.orchestrator.app import tenant_concurrency
+
+    cfg = OrchestratorConfig(kvpool_addresses=("h:1",), tokens="t=a")
+    assert tenant_concurrency(cfg) * 2 <= cfg.max_streams  # room for others
 
 
 def test_without_tokens_the_one_tenant_may_use_every_stream_slot():
@@ -218,7 +220,11 @@ def test_without_tokens_the_one_tenant_may_use_every_stream_slot():
     local = OrchestratorConfig(kvpool_addresses=("h:1",))
     assert tenant_concurrency(local) == local.max_streams == 56
     shared = OrchestratorConfig(kvpool_addresses=("h:1",), tokens="t=a")
-    assert tenant_concurrency(shared) == shared.max_concurrent_per_tenant == 16
+    assert tenant_concurrency(shared) == 16
+    # A limit the operator set is kept either way (it was raised to 56 without tokens).
+    for tokens in ("", "t=a"):
+        assert tenant_concurrency(OrchestratorConfig(kvpool_addresses=("h:1",), tokens=tokens,
+                                                     max_concurrent_per_tenant=4)) == 4
 
 
 def test_feedback_with_the_semantic_tier_down_names_no_internal_address():
