@@ -369,7 +369,15 @@ class Warmer:
             else:
                 raise errors.InvalidArgument(f"prompts[{i}]", "give messages or prompt")
             if len(ids) > self.cfg.max_prompt_tokens:
-                raise errors.InvalidArgument(f"prompts[{i}]", "longer than max_prompt_tokens")
+                raise errors.InvalidArgument(
+                    f"prompts[{i}]", f"{len(ids)} tokens exceed the limit of "
+                                     f"{self.cfg.max_prompt_tokens}")
+            if len(ids) < self.cfg.block_size:
+                # Only full KV blocks are cached and pinned: such a warm-up would report
+                # success and leave nothing behind.
+                raise errors.InvalidArgument(
+                    f"prompts[{i}]", f"{len(ids)} tokens, shorter than one KV block "
+                                     f"({self.cfg.block_size}): nothing could be kept")
             if len(ids) > tenant.max_prompt_tokens:  # the same limit as the tenant's requests
                 raise errors.ResourceExhausted(
                     f"prompts[{i}]: {len(ids)} tokens exceed tenant limit "

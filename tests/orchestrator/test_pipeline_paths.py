@@ -233,7 +233,7 @@ def test_warms_prefill_calls_carry_the_warm_calls_request_id():
     tok = request_id_var.set("warm-call-1")
     try:
         warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
-            prompts=[orchestrator_pb2.WarmPrompt(prompt="x")]))
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]))
     finally:
         request_id_var.reset(tok)
         warmer.stop()
@@ -253,7 +253,7 @@ def test_warm_that_cannot_do_anything_says_why_instead_of_ok():
         orch.replicas.replicas[0].health.fail(RpcError(grpc.StatusCode.UNAVAILABLE))
         with pytest.raises(errors.Unavailable, match="no healthy replica"):
             warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
-                prompts=[orchestrator_pb2.WarmPrompt(prompt="x")]))
+                prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]))
     finally:
         warmer.stop()
 
@@ -291,10 +291,10 @@ def test_warm_refuses_long_pins_and_names_the_bad_prompt():
     warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",), max_message_chars=50))
     try:
         cases = [
-            (orchestrator_pb2.WarmRequest(prompts=[orchestrator_pb2.WarmPrompt(prompt="x")],
+            (orchestrator_pb2.WarmRequest(prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)],
                                           pin_ttl_seconds=3601), "pin_ttl_seconds"),
             (orchestrator_pb2.WarmRequest(prompts=[
-                orchestrator_pb2.WarmPrompt(prompt="x"),
+                orchestrator_pb2.WarmPrompt(prompt="x" * 16),
                 orchestrator_pb2.WarmPrompt(messages=[orchestrator_pb2.ChatMessage(
                     role="wizard", content="hi")])]), r"prompts\[1\].messages\[0\].role"),
             (orchestrator_pb2.WarmRequest(prompts=[orchestrator_pb2.WarmPrompt(
@@ -349,5 +349,31 @@ def test_warm_refuses_what_cannot_fit_before_rendering_it():
             with pytest.raises(errors.InvalidArgument, match=msg):
                 warmer.warm(TENANT, req)
         assert rendered == []  # refused before any rendering
+    finally:
+        warmer.stop()
+
+
+def test_warm_refuses_a_prompt_shorter_than_a_block_and_says_how_long_one_is():
+    """Only full blocks are cached and pinned: a 14-token system prompt was 'warmed' (OK,
+    computed 14 tokens) and nothing was kept."""
+    from services.orchestrator.render import PromptRenderer
+
+    stubs = {"A": Stub("A", [])}
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=5000)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",), max_prompt_tokens=64))
+    try:
+        with pytest.raises(errors.InvalidArgument,
+                           match=r"^prompts\[0\]: 15 tokens, shorter than one KV block \(16\)"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+                prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 15)]))
+        with pytest.raises(errors.InvalidArgument,
+                           match=r"^prompts\[0\]: 65 tokens exceed the limit of 64"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+                prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 65)]))
+        assert stubs["A"].requests == []
+        warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]))
+        assert len(stubs["A"].requests) == 1
     finally:
         warmer.stop()
