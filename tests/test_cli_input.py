@@ -189,3 +189,12 @@ def test_the_long_session_note_is_only_for_the_prompts_size_in_a_session_with_hi
         "sampling.max_tokens: 5000 exceeds the limit of 512"))
     assert cli.main(["chat", "-q", "--session", "old", "more"]) == 1
     assert "grown too long" not in capsys.readouterr().err
+
+
+def test_warm_with_nothing_to_warm_names_the_clis_flags(capsys):
+    """It reached the server and came back as 'prompts: give prompts or top_k', the wire's
+    field names, not the flags the user can type."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["warm"])
+    assert e.value.code == 2
+    assert "--system PROMPT or --top-k K" in capsys.readouterr().err

@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--max-tokens", type=int32, default=32)
     rp.add_argument("--tenant-tokens", default="", help="tenant=token,... for auth")
     a = p.parse_args(argv)
+    if a.cmd == "warm" and not a.system and not a.top_k:
+        w.error("give --system PROMPT or --top-k K")  # not the wire's "prompts or top_k"
     for name in _WIRE_ARGS:
         value = getattr(a, name, None)
         if isinstance(value, str) and not _utf8(value):
