@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common import model_store
 from services.common.grpc_client import channel_credentials_from_env, tls_mode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -150,9 +152,11 @@ class ServiceProcess:
             self.proc.wait()
 
 
-def semantic_db_env(port: int, env: dict[str, str]) -> dict[str, str]:
+def semantic_db_env(base_port: int, env: dict[str, str]) -> dict[str, str]:
     """The semantic database for this stack: the default one, unless another stack's semantic
-    service holds it (one process per database), then one of its own beside it."""
+    service holds it (one process per database). Then one of its own beside it, named after
+    the base port (the same stack finds it again); with --base-port 0 (ports drawn at
+    random) a temporary one, deleted when the stack stops (see `Stack.stop`)."""
     if "TIERCACHE_SEMANTIC_DB_PATH" in env or "TIERCACHE_SEMANTIC_DB_PATH" in os.environ:
         return {}
     from services.semantic.config import SemanticConfig
@@ -163,10 +167,23 @@ def semantic_db_env(port: int, env: dict[str, str]) -> dict[str, str]:
     default = SemanticConfig(cache_dir=cache_dir).resolved_db_path()
     if not database_in_use(default):
         return {}
-    own = os.path.join(os.path.dirname(default), f"semantic-{port}.db")
-    print(f"  {default} is in use by another stack: this one's semantic cache uses {own}",
+    if base_port:
+        own = os.path.join(os.path.dirname(default), f"semantic-{base_port}.db")
+        what = own
+    else:
+        own = os.path.join(tempfile.mkdtemp(prefix="tiercache-semantic-"), "semantic.db")
+        what = f"{own} (temporary: deleted when this stack stops)"
+    print(f"  {default} is in use by another stack: this one's semantic cache uses {what}",
           flush=True)
     return {"TIERCACHE_SEMANTIC_DB_PATH": own}
+
+
+def _temporary_db(path: str | None) -> str | None:
+    """The folder of a database `semantic_db_env` made temporary, else None."""
+    if path and os.path.basename(os.path.dirname(path)).startswith("tiercache-semantic-") \
+            and os.path.dirname(os.path.dirname(path)) == tempfile.gettempdir():
+        return os.path.dirname(path)
+    return None
 
 
 @dataclass
@@ -178,6 +195,7 @@ class Stack:
     log_dir: Path = ROOT / ".run" / "logs"
     extra_env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
+    _tmp_db: str | None = None  # a temporary semantic database's folder, deleted at stop
 
     def port(self, offset: int) -> int:
         return free_port() if self.base_port == 0 else self.base_port + offset
@@ -187,10 +205,10 @@ class Stack:
         env = dict(self.extra_env)
         sem = prefix = None
         if service_exists("semantic"):
-            sem_port = self.port(1)
-            sem = self._start("semantic", sem_port,
-                              {**metrics_env("semantic"), **semantic_db_env(sem_port, env),
-                               **env})
+            db_env = semantic_db_env(self.base_port, env)
+            self._tmp_db = _temporary_db(db_env.get("TIERCACHE_SEMANTIC_DB_PATH"))
+            sem = self._start("semantic", self.port(1),
+                              {**metrics_env("semantic"), **db_env, **env})
         if service_exists("prefix"):
             prefix = self._start("prefix", self.port(2), {**metrics_env("prefix"), **env})
         kv = []
@@ -207,8 +225,8 @@ class Stack:
         if prefix is not None:
             orch_env["TIERCACHE_ORCHESTRATOR_PREFIX_ADDRESSES"] = prefix.address
         self._start("orchestrator", self.port(0), orch_env)
-        for p in self.procs.values():
-            print(f"  waiting for {p.name} on {p.address} ...", flush=True)
+        for key, p in self.procs.items():
+            print(f"  waiting for {key} on {p.address} ...", flush=True)
             p.wait(timeout)
         return self
 
@@ -235,6 +253,9 @@ class Stack:
         finally:
             for p in procs:
                 p.kill()
+            if self._tmp_db:
+                shutil.rmtree(self._tmp_db, ignore_errors=True)
+                self._tmp_db = None
 
 
 def tls_note() -> str:
@@ -272,12 +293,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--replicas", type=int, default=replicas)
     ap.add_argument("--base-port", type=int, default=50051)
     a = ap.parse_args(argv)
+    if a.replicas < 1:
+        ap.error(f"--replicas {a.replicas}: the stack needs at least one kvpool replica")
     if not 0 <= a.base_port <= 65535 - 3 - max(a.replicas, 0):
         ap.error(f"--base-port {a.base_port}: the stack needs ports N..N+{3 + a.replicas - 1} "
                  "within 1..65535 (0 = any free ports)")
-    stack = Stack(replicas=a.replicas, base_port=a.base_port)
+    # A stack on other ports (a second one, as the port-in-use message suggests) logs apart.
+    logs = ROOT / ".run" / "logs"
+    if a.base_port != 50051:
+        logs = logs / (f"port-{a.base_port}" if a.base_port else f"pid-{os.getpid()}")
+    stack = Stack(replicas=a.replicas, base_port=a.base_port, log_dir=logs)
+    first = not (model_store.cache_dir_default() / "models" / model_store.SMOLLM2_MODEL_ID
+                 / "config.json").is_file()
     print(f"Starting TierCache ({', '.join(s for s in SERVICES if service_exists(s))}); "
-          f"logs in {stack.log_dir} (first start converts the model: about 30–60 s)", flush=True)
+          f"logs in {stack.log_dir}"
+          + (" (first start converts the model: about 30-60 s)" if first else ""), flush=True)
     stopping = False
 
     def _stop(*_: object) -> None:

@@ -110,6 +110,8 @@ def test_a_stack_refuses_to_start_on_a_port_something_already_listens_on(tmp_pat
 def test_a_second_stack_gets_its_own_semantic_database(monkeypatch, tmp_path, capsys):
     """One semantic process per database: a second `make run ARGS=--base-port N` (which the
     port-in-use message suggests) would otherwise find the first stack's database locked."""
+    import os
+
     from services.launcher import semantic_db_env
     from services.semantic.store import EntryStore
 
@@ -124,9 +126,33 @@ def test_a_second_stack_gets_its_own_semantic_database(monkeypatch, tmp_path, ca
         assert semantic_db_env(50062, {}) == {"TIERCACHE_SEMANTIC_DB_PATH": own}
         assert "in use by another stack" in capsys.readouterr().out
         EntryStore(own).close()  # and that one is free
+        # Ports drawn at random (--base-port 0): a temporary database, not one file per run
+        # left behind under a port number never used again.
+        tmp = semantic_db_env(0, {})["TIERCACHE_SEMANTIC_DB_PATH"]
+        assert "temporary" in capsys.readouterr().out
+        from services.launcher import Stack, _temporary_db
+
+        assert _temporary_db(own) is None  # a named one stays
+        stack = Stack(replicas=1, base_port=0)
+        stack._tmp_db = _temporary_db(tmp)  # as start() does
+        assert stack._tmp_db == os.path.dirname(tmp)
+        EntryStore(tmp).close()
+        stack.stop()
+        assert not os.path.exists(os.path.dirname(tmp))
         # A database the user chose is theirs to manage.
         assert semantic_db_env(50062, {"TIERCACHE_SEMANTIC_DB_PATH": "/x.db"}) == {}
         monkeypatch.setenv("TIERCACHE_SEMANTIC_DB_PATH", "/y.db")
         assert semantic_db_env(50062, {}) == {}
     finally:
         holder.close()
+
+
+def test_a_stack_without_replicas_is_a_usage_error(capsys):
+    """--replicas 0 started semantic and prefix, then failed naming a variable the user never
+    set (TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES)."""
+    from services import launcher
+
+    with pytest.raises(SystemExit) as e:
+        launcher.main(["--replicas", "0"])
+    assert e.value.code == 2
+    assert "--replicas 0: the stack needs at least one kvpool replica" in capsys.readouterr().err
