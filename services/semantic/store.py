@@ -139,8 +139,15 @@ class EntryStore:
             self._db.executescript(_SCHEMA)
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
             if "truncated" not in cols:  # a database written before the column existed
-                self._db.execute(
-                    "ALTER TABLE entries ADD COLUMN truncated INTEGER NOT NULL DEFAULT 0")
+                # Its answers may have been cut by max_tokens, and nothing says which: 0
+                # ("whole") served a 24-token cut as the complete answer to a request for 64.
+                # As cut after 1 token they serve no request wanting more (the model answers,
+                # with the old answer as its draft, and the new answer replaces it).
+                with self._db:
+                    self._db.execute("BEGIN")
+                    self._db.execute(
+                        "ALTER TABLE entries ADD COLUMN truncated INTEGER NOT NULL DEFAULT 0")
+                    self._db.execute("UPDATE entries SET truncated = 1")
         except BaseException:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
