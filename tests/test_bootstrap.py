@@ -188,3 +188,18 @@ def test_idle_reflection_streams_cannot_take_every_thread(small_server):
             assert time.monotonic() < deadline
             time.sleep(0.1)
     assert got and got[0].list_services_response.service
+
+
+def test_servers_accept_the_keepalive_pings_our_clients_send():
+    """Clients ping idle connections every 20 s; servers took such pings at most every 5
+    minutes and closed connections with GOAWAY too_many_pings (seen in make run's logs).
+    A 50 s run with 11 s pings (a script, too slow for the suite) drew the GOAWAY with gRPC's
+    defaults and with min_recv_ping_interval_without_data_ms alone, not with both set."""
+    from services.common.bootstrap import channel_options, server_options
+
+    client = dict(channel_options())["grpc.keepalive_time_ms"]
+    server = dict(server_options())
+    for name in ("grpc.http2.min_recv_ping_interval_without_data_ms",
+                 "grpc.http2.min_ping_interval_without_data_ms"):
+        assert server[name] < client, name
+    assert server["grpc.keepalive_permit_without_calls"] == 1

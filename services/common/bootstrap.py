@@ -72,12 +72,28 @@ class _HealthServicer(health.HealthServicer):
         return callback
 
 
+# Clients ping an idle connection this often (a dead peer is found without traffic).
+KEEPALIVE_MS = 20_000
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
+    """channel_options, plus what a server needs to accept our clients' keepalive pings: by
+    default gRPC servers take pings without data at most every 5 minutes, and answered our
+    20 s pings on idle connections with GOAWAY "too_many_pings" (connections dropped). gRPC
+    1.85's server reads the older name of the setting (min_ping_interval_without_data_ms):
+    measured, min_recv_... alone still drew the GOAWAY; both are set."""
+    return [*channel_options(max_message_bytes),
+            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+            ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
+            ("grpc.so_reuseport", 0)]
+
+
 def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, Any]]:
     """Options for servers and channels alike."""
     return [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
-        ("grpc.keepalive_time_ms", 20_000),
+        ("grpc.keepalive_time_ms", KEEPALIVE_MS),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.max_pings_without_data", 0),
         ("grpc.keepalive_permit_without_calls", 1),
@@ -364,7 +380,7 @@ def create_server(
         # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and
         # split connections with the first (and a launcher would take the old one's health
         # for the new one's). A port in use must fail the bind.
-        options=[*channel_options(max_message_bytes), ("grpc.so_reuseport", 0)],
+        options=server_options(max_message_bytes),
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     names = []
