@@ -20,6 +20,9 @@ import numpy as np
 
 from services.common.errors import ResourceExhausted
 
+# When the `truncated` column came to be (commit 970136f): see _mark_uncertain_answers.
+_COLUMN_ADDED = 1796004933.0
+
 
 class DatabaseInUse(RuntimeError):
     """Another process has the database open: two caches on one file would each keep their own
@@ -138,16 +141,8 @@ class EntryStore:
             self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
             self._db.executescript(_SCHEMA)
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
-            if "truncated" not in cols:  # a database written before the column existed
-                # Its answers may have been cut by max_tokens, and nothing says which: 0
-                # ("whole") served a 24-token cut as the complete answer to a request for 64.
-                # As cut after 1 token they serve no request wanting more (the model answers,
-                # with the old answer as its draft, and the new answer replaces it).
-                with self._db:
-                    self._db.execute("BEGIN")
-                    self._db.execute(
-                        "ALTER TABLE entries ADD COLUMN truncated INTEGER NOT NULL DEFAULT 0")
-                    self._db.execute("UPDATE entries SET truncated = 1")
+            if self._db.execute("PRAGMA user_version").fetchone()[0] < 1:
+                self._mark_uncertain_answers("truncated" in cols)
         except BaseException:
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
@@ -156,6 +151,26 @@ class EntryStore:
         # Store's fsync or a flush holding the connection.
         self._hits_lock = threading.Lock()
         self._pending_hits: dict[int, tuple[float, int]] = {}
+
+    def _mark_uncertain_answers(self, has_column: bool) -> None:
+        """Answers stored before the `truncated` column may have been cut by max_tokens, and
+        nothing says which: read as 0 ("whole"), a 24-token cut was served as the complete
+        answer to a request for 64. They are marked cut after 1 token: they serve no request
+        wanting more (the model answers, with the old answer as its draft, and the new answer
+        replaces it). Once per database (user_version 1)."""
+        with self._db:
+            self._db.execute("BEGIN")
+            if not has_column:
+                # A schema change only: every existing row reads the default, nothing is
+                # rewritten (inserts always give the column).
+                self._db.execute(
+                    "ALTER TABLE entries ADD COLUMN truncated INTEGER NOT NULL DEFAULT 1")
+            else:
+                # Upgraded by an earlier version, which gave old rows 0: those from before the
+                # column existed (2026-11-30 02:15:33 UTC) are the uncertain ones.
+                self._db.execute("UPDATE entries SET truncated = 1 "
+                                 "WHERE truncated = 0 AND created_at < ?", (_COLUMN_ADDED,))
+            self._db.execute("PRAGMA user_version = 1")
 
     def close(self) -> None:
         """Writes buffered hit counts, closes the database and releases its lock (idempotent)."""

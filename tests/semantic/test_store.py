@@ -186,3 +186,23 @@ def test_a_database_owned_by_another_user_keeps_its_mode(tmp_path):
     path.chmod(0o660)
     EntryStore(str(path)).close()
     assert stat.S_IMODE(path.stat().st_mode) == 0o660
+
+
+def test_rows_an_earlier_version_upgraded_as_whole_are_marked_once(tmp_path):
+    """Databases opened between the column's arrival and this fix already had it, with 0
+    ('whole') on rows older than the column: those stayed served as complete answers."""
+    from services.semantic.store import _COLUMN_ADDED
+
+    path = str(tmp_path / "s.db")
+    st = EntryStore(path)
+    insert(st, "before", created_at=_COLUMN_ADDED - 3600)
+    insert(st, "after", created_at=_COLUMN_ADDED + 3600, truncated=0)
+    st._db.execute("PRAGMA user_version = 0")  # as a database the earlier version upgraded
+    st.close()
+    st = EntryStore(path)
+    assert st.get("before").truncated == 1 and st.get("after").truncated == 0
+    insert(st, "later-but-backdated", created_at=_COLUMN_ADDED - 10)
+    st.close()
+    st = EntryStore(path)  # once only: rows written since keep what they were written with
+    assert st.get("later-but-backdated").truncated == 0
+    st.close()
