@@ -294,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--base-port", type=int, default=50051)
     a = ap.parse_args(argv)
     if a.replicas < 1:
-        ap.error(f"--replicas {a.replicas}: the stack needs at least one kvpool replica")
+        ap.error(f"--replicas (or TIERCACHE_REPLICAS) {a.replicas}: the stack needs at least "
+                 "one kvpool replica")
     if not 0 <= a.base_port <= 65535 - 3 - max(a.replicas, 0):
         ap.error(f"--base-port {a.base_port}: the stack needs ports N..N+{3 + a.replicas - 1} "
                  "within 1..65535 (0 = any free ports)")
@@ -303,11 +304,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.base_port != 50051:
         logs = logs / (f"port-{a.base_port}" if a.base_port else f"pid-{os.getpid()}")
     stack = Stack(replicas=a.replicas, base_port=a.base_port, log_dir=logs)
-    first = not (model_store.cache_dir_default() / "models" / model_store.SMOLLM2_MODEL_ID
-                 / "config.json").is_file()
+    converted = model_store.is_converted(
+        model_store.cache_dir_default() / "models" / model_store.SMOLLM2_MODEL_ID)
     print(f"Starting TierCache ({', '.join(s for s in SERVICES if service_exists(s))}); "
           f"logs in {stack.log_dir}"
-          + (" (first start converts the model: about 30-60 s)" if first else ""), flush=True)
+          + ("" if converted else " (the first start converts the model: about 30-60 s)"),
+          flush=True)
     stopping = False
 
     def _stop(*_: object) -> None:

@@ -127,18 +127,38 @@ def test_a_second_stack_gets_its_own_semantic_database(monkeypatch, tmp_path, ca
         assert "in use by another stack" in capsys.readouterr().out
         EntryStore(own).close()  # and that one is free
         # Ports drawn at random (--base-port 0): a temporary database, not one file per run
-        # left behind under a port number never used again.
-        tmp = semantic_db_env(0, {})["TIERCACHE_SEMANTIC_DB_PATH"]
-        assert "temporary" in capsys.readouterr().out
-        from services.launcher import Stack, _temporary_db
+        # left behind under a port number never used again; the stack deletes it at stop.
+        from services.launcher import Stack
 
-        assert _temporary_db(own) is None  # a named one stays
-        stack = Stack(replicas=1, base_port=0)
-        stack._tmp_db = _temporary_db(tmp)  # as start() does
-        assert stack._tmp_db == os.path.dirname(tmp)
-        EntryStore(tmp).close()
+        started: dict[str, dict[str, str]] = {}
+
+        class Started:
+            address, name, proc = "127.0.0.1:1", "fake", None
+
+            def wait(self, timeout: float) -> None:
+                pass
+
+            def stop(self) -> None:
+                pass
+
+            def kill(self) -> None:
+                pass
+
+        def fake_start(self, name, port, env, key=None):
+            started[key or name] = env
+            self.procs[key or name] = Started()
+            return self.procs[key or name]
+
+        monkeypatch.setattr(Stack, "_start", fake_start)
+        stack = Stack(replicas=1, base_port=0).start()
+        tmp = started["semantic"]["TIERCACHE_SEMANTIC_DB_PATH"]
+        assert "temporary" in capsys.readouterr().out
+        EntryStore(tmp).close()  # the semantic service made it
         stack.stop()
         assert not os.path.exists(os.path.dirname(tmp))
+        stack = Stack(replicas=1, base_port=50061).start()  # a chosen port: a named one, kept
+        assert started["semantic"]["TIERCACHE_SEMANTIC_DB_PATH"].endswith("semantic-50061.db")
+        stack.stop()
         # A database the user chose is theirs to manage.
         assert semantic_db_env(50062, {"TIERCACHE_SEMANTIC_DB_PATH": "/x.db"}) == {}
         monkeypatch.setenv("TIERCACHE_SEMANTIC_DB_PATH", "/y.db")
@@ -155,4 +175,4 @@ def test_a_stack_without_replicas_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         launcher.main(["--replicas", "0"])
     assert e.value.code == 2
-    assert "--replicas 0: the stack needs at least one kvpool replica" in capsys.readouterr().err
+    assert "0: the stack needs at least one kvpool replica" in capsys.readouterr().err
