@@ -194,12 +194,11 @@ def test_servers_accept_the_keepalive_pings_our_clients_send():
     """Clients ping idle connections every 20 s; servers took such pings at most every 5
     minutes and closed connections with GOAWAY too_many_pings (seen in make run's logs).
     A 50 s run with 11 s pings (a script, too slow for the suite) drew the GOAWAY with gRPC's
-    defaults and with min_recv_ping_interval_without_data_ms alone, not with both set."""
+    defaults and with min_recv_ping_interval_without_data_ms, not with
+    min_ping_interval_without_data_ms (the name gRPC 1.85 reads)."""
     from services.common.bootstrap import channel_options, server_options
 
     client = dict(channel_options())["grpc.keepalive_time_ms"]
     server = dict(server_options())
-    for name in ("grpc.http2.min_recv_ping_interval_without_data_ms",
-                 "grpc.http2.min_ping_interval_without_data_ms"):
-        assert server[name] < client, name
+    assert server["grpc.http2.min_ping_interval_without_data_ms"] < client
     assert server["grpc.keepalive_permit_without_calls"] == 1

@@ -80,10 +80,10 @@ def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
     """channel_options, plus what a server needs to accept our clients' keepalive pings: by
     default gRPC servers take pings without data at most every 5 minutes, and answered our
     20 s pings on idle connections with GOAWAY "too_many_pings" (connections dropped). gRPC
-    1.85's server reads the older name of the setting (min_ping_interval_without_data_ms):
-    measured, min_recv_... alone still drew the GOAWAY; both are set."""
+    1.85 knows the setting as min_ping_interval_without_data_ms (the documented
+    min_recv_ping_interval_without_data_ms is not in its library, and alone still drew the
+    GOAWAY, measured)."""
     return [*channel_options(max_message_bytes),
-            ("grpc.http2.min_recv_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
             ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MS // 2),
             ("grpc.so_reuseport", 0)]
 
