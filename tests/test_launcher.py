@@ -29,23 +29,38 @@ def test_an_interrupted_stop_still_kills_every_child():
     assert {n for op, n in log if op == "kill"} == {"prefix", "kvpool-0", "orchestrator"}
 
 
-def test_make_run_keeps_metrics_ports_the_user_set(monkeypatch):
-    """Metrics are off by default (local services would all want the same port), but a
-    `TIERCACHE_<SVC>_METRICS_PORT` the user exported is kept; replica i gets that port + i."""
+class _Started:
+    """A service `Stack.start` believes it started (see `fake_starts`)."""
+
+    address, name, proc = "127.0.0.1:1", "fake", None
+
+    def wait(self, timeout: float) -> None:
+        pass
+
+    def stop(self) -> None:
+        pass
+
+    def kill(self) -> None:
+        pass
+
+
+def fake_starts(monkeypatch) -> dict[str, dict[str, str]]:
+    """Stack.start starts nothing; returns each service's environment as it would be."""
     started: dict[str, dict[str, str]] = {}
-
-    class Started:
-        address, name = "127.0.0.1:1", "fake"
-
-        def wait(self, timeout: float) -> None:
-            pass
 
     def fake_start(self, name, port, env, key=None):
         started[key or name] = env
-        self.procs[key or name] = Started()
+        self.procs[key or name] = _Started()
         return self.procs[key or name]
 
     monkeypatch.setattr(Stack, "_start", fake_start)
+    return started
+
+
+def test_make_run_keeps_metrics_ports_the_user_set(monkeypatch):
+    """Metrics are off by default (local services would all want the same port), but a
+    `TIERCACHE_<SVC>_METRICS_PORT` the user exported is kept; replica i gets that port + i."""
+    started = fake_starts(monkeypatch)
     monkeypatch.setattr("services.launcher.semantic_db_env", lambda port, env: {})
     monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "9300")
     monkeypatch.setenv("TIERCACHE_SEMANTIC_METRICS_PORT", "9199")
@@ -128,28 +143,7 @@ def test_a_second_stack_gets_its_own_semantic_database(monkeypatch, tmp_path, ca
         EntryStore(own).close()  # and that one is free
         # Ports drawn at random (--base-port 0): a temporary database, not one file per run
         # left behind under a port number never used again; the stack deletes it at stop.
-        from services.launcher import Stack
-
-        started: dict[str, dict[str, str]] = {}
-
-        class Started:
-            address, name, proc = "127.0.0.1:1", "fake", None
-
-            def wait(self, timeout: float) -> None:
-                pass
-
-            def stop(self) -> None:
-                pass
-
-            def kill(self) -> None:
-                pass
-
-        def fake_start(self, name, port, env, key=None):
-            started[key or name] = env
-            self.procs[key or name] = Started()
-            return self.procs[key or name]
-
-        monkeypatch.setattr(Stack, "_start", fake_start)
+        started = fake_starts(monkeypatch)
         stack = Stack(replicas=1, base_port=0).start()
         tmp = started["semantic"]["TIERCACHE_SEMANTIC_DB_PATH"]
         assert "temporary" in capsys.readouterr().out
