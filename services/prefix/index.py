@@ -274,6 +274,10 @@ class PrefixIndex:
                 raise InvalidArgument(name, "required")
             if len(value) > 256:
                 raise InvalidArgument(name, "longer than 256 characters")
+            if name != "model_id" and (not value.isprintable()
+                                       or any(c.isspace() for c in value)):
+                # Ids and the address go into Stats, logs and routing as they are.
+                raise InvalidArgument(name, "printable characters without spaces only")
         if hash_probe and len(hash_probe) != DIGEST_SIZE:
             raise InvalidArgument("hash_probe", f"must be {DIGEST_SIZE} bytes, got "
                                                 f"{len(hash_probe)}")

@@ -180,6 +180,15 @@ PREFIX_CASES = [
         replica_id="r9", incarnation="i", address="a:1", model_id="m", block_size=4,
         hash_probe=BlockHasher("m", 4, b"another-key").probe()),
         FP, "hash"),
+    case("register address not host:port", "Register", prefix_pb2.RegisterRequest(
+        replica_id="r9", incarnation="i", address="not an address", model_id="m", block_size=4),
+        INV, "address: 'not an address' is not host:port"),
+    case("register port out of range", "Register", prefix_pb2.RegisterRequest(
+        replica_id="r9", incarnation="i", address="127.0.0.1:99999", model_id="m",
+        block_size=4), INV, "address"),
+    case("register blank replica id", "Register", prefix_pb2.RegisterRequest(
+        replica_id="   ", incarnation="i", address="a:1", model_id="m", block_size=4),
+        INV, "replica_id: printable characters without spaces only"),
     case("register short hash probe", "Register", prefix_pb2.RegisterRequest(
         replica_id="r9", incarnation="i", address="a:1", model_id="m", block_size=4,
         hash_probe=b"abc"), INV, "hash_probe: must be 16 bytes"),
