@@ -245,3 +245,21 @@ def test_the_launcher_waits_out_a_services_drain_delay_before_sigkill(monkeypatc
     plain.proc = Proc()
     plain.stop()
     assert waited[0] >= 20 + 10 and waited[1] >= 10
+
+
+def test_client_values_in_status_messages_are_cut_short():
+    from services.common.errors import SHOWN_CHARS, shown
+
+    assert shown("tier") == "'tier'"
+    long = shown("x" * 100)
+    assert long.endswith("... (100 characters)") and len(long) < SHOWN_CHARS + 30
+
+
+def test_no_status_message_is_longer_than_the_cap():
+    """The backstop behind errors.shown: gRPC refuses a status over 16 KiB of metadata."""
+    from services.common.bootstrap import MAX_DETAILS_CHARS, _capped
+
+    assert _capped("short") == "short"
+    cut = _capped("y" * 10_000)
+    assert cut.startswith("y" * MAX_DETAILS_CHARS) and cut.endswith("characters cut)")
+    assert len(cut) < MAX_DETAILS_CHARS + 40

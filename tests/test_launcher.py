@@ -170,3 +170,21 @@ def test_a_stack_without_replicas_is_a_usage_error(capsys):
         launcher.main(["--replicas", "0"])
     assert e.value.code == 2
     assert "0: the stack needs at least one kvpool replica" in capsys.readouterr().err
+
+
+def test_the_database_probed_is_the_one_the_semantic_service_will_open(tmp_path, monkeypatch):
+    """The semantic cache folder can be set for the stack (extra_env) or the user's shell."""
+    from services.launcher import semantic_db_env
+    from services.semantic.store import EntryStore
+
+    monkeypatch.delenv("TIERCACHE_SEMANTIC_DB_PATH", raising=False)
+    monkeypatch.delenv("TIERCACHE_SEMANTIC_CACHE_DIR", raising=False)
+    holder = EntryStore(str(tmp_path / "semantic" / "semantic.db"))
+    try:
+        got = semantic_db_env(50070, {"TIERCACHE_SEMANTIC_CACHE_DIR": str(tmp_path)})
+        assert got == {"TIERCACHE_SEMANTIC_DB_PATH":
+                       str(tmp_path / "semantic" / "semantic-50070.db")}
+        monkeypatch.setenv("TIERCACHE_SEMANTIC_CACHE_DIR", str(tmp_path))
+        assert semantic_db_env(50070, {}) == got
+    finally:
+        holder.close()

@@ -68,3 +68,10 @@ def test_addresses_and_ids_the_replica_would_fail_on_later_are_refused_at_start(
           "replica_id": ["r" * 256]}[field]
     for v in ok:  # a trailing comma, a gRPC target, a bare IPv6 pod IP + port (the manifest's)
         KvPoolConfig(**{field: v}).validate()
+
+
+def test_a_tenants_pin_share_cannot_exceed_what_pins_may_hold() -> None:
+    with pytest.raises(ConfigError, match="TIERCACHE_KVPOOL_MAX_PINNED_PER_TENANT_FRACTION"):
+        load_config(KvPoolConfig, "kvpool", [],
+                    environ={"TIERCACHE_KVPOOL_MAX_PINNED_FRACTION": "0.5",
+                             "TIERCACHE_KVPOOL_MAX_PINNED_PER_TENANT_FRACTION": "0.6"})

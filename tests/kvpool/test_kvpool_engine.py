@@ -546,3 +546,32 @@ def test_a_seeded_answer_resumed_elsewhere_continues_its_randomness(make_engine,
     # The seed still matters.
     other, _ = generate(eng, p, max_tokens=n, **{**sp, "seed": 4321})
     assert other != full
+
+
+def test_the_float32_head_is_for_plain_half_precision_heads_only(tiny_model) -> None:
+    """Soft-capped (or otherwise post-processed) logits are not lm_head(hidden): such models
+    keep their own forward (with .float() on its logits); a float32 model needs no copy."""
+    import copy
+
+    import torch
+
+    from services.kvpool.engine import fp32_head
+
+    assert fp32_head(tiny_model) is None  # float32 already
+    half = copy.deepcopy(tiny_model).to(torch.bfloat16)
+    got = fp32_head(half)
+    assert got is not None and got[1].dtype == torch.float32
+    half.config.final_logit_softcapping = 30.0
+    assert fp32_head(half) is None
+
+
+def test_each_token_of_a_seeded_answer_gets_its_own_randomness() -> None:
+    """Token n is drawn from (seed, n): were the index ignored, every token would reuse the
+    first one's random numbers (a uniform distribution then gives one token over and over)."""
+    import torch
+
+    from services.kvpool.sampling import Sampler, SamplingSpec, draw_seed
+
+    assert draw_seed(7, 0) != draw_seed(7, 1) != draw_seed(8, 1)
+    s = Sampler(SamplingSpec(max_tokens=20, temperature=1.0, seed=7))
+    assert len({s.sample(torch.zeros(1000)) for _ in range(20)}) > 5

@@ -474,6 +474,7 @@ def test_a_snapshot_larger_than_the_backlog_limit_is_delivered_once(monkeypatch)
 
     loop(5)
     assert pub.resyncs == 1 and not pub._need_resync and not pub._backlog
+    assert pub._snapshot_left == 0  # the rest delivered counts down to nothing
     assert resync_batches.count(True) == 1
     assert len(got) == n and set(got) == {h.block_hashes[0] for h in holdings}
     # Incremental events past the limit still give up on the backlog and resync.
@@ -482,3 +483,7 @@ def test_a_snapshot_larger_than_the_backlog_limit_is_delivered_once(monkeypatch)
     incoming.extend(holdings[: publisher.MAX_BACKLOG + 1])
     pub._collect()
     assert pub._need_resync and not pub._backlog and pub._snapshot_left == 0
+    # A full resync starts the count from its own rest only.
+    pub._snapshot_left = 123
+    pub._resync()
+    assert pub._snapshot_left == n - publisher.MAX_BATCH

@@ -119,3 +119,18 @@ def test_a_model_without_a_usable_chat_template_gets_a_clear_status(tok):
     with pytest.raises(InvalidArgument, match="messages: .*system messages are not supported"):
         r.render_chat([Message("system", "Be brief."), Message("user", "Hi")])
     assert r.render_chat([Message("user", "Hi")]).query_text == "Hi"
+
+
+def test_the_longest_vocabulary_entry_bounds_the_characters_a_token_stands_for():
+    from types import SimpleNamespace
+
+    from services.orchestrator.render import PromptRenderer
+
+    r = PromptRenderer(SimpleNamespace(get_vocab=lambda: {"abcdefgh": 0, "a": 1}))
+    assert r.max_token_chars == 8
+    assert PromptRenderer(SimpleNamespace()).max_token_chars == 0  # unknown: no bound
+
+
+def test_smollm2s_longest_token_is_81_characters(renderer):
+    """The bound check_size uses: 8,192 tokens stand for at most 663,552 characters."""
+    assert renderer.max_token_chars == 81

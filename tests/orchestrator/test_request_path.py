@@ -531,3 +531,21 @@ def test_before_a_replica_answers_stats_errors_name_it_by_position_not_address()
     with pytest.raises(errors.Unavailable) as e:
         run(orch)
     assert "kvpool#0" in str(e.value) and "10.0.3.7" not in str(e.value)
+
+
+def test_no_replica_left_names_the_ones_tried_by_id():
+    """The other refusal ("no kvpool replica is available (tried ...)") listed addresses."""
+
+    class Leaky(RpcError):
+        def details(self) -> str:
+            return "ipv4:10.0.3.7:50053: Connection refused"
+
+    a = Stub("A", [Call([], Leaky(grpc.StatusCode.UNAVAILABLE))])
+    b = Stub("B", [Call([], Leaky(grpc.StatusCode.UNAVAILABLE))])
+    orch = make({"A": a, "B": b}, max_attempts=5)  # runs out of replicas first
+    for r in orch.replicas.replicas:
+        r.replica_id = f"kvpool-{r.address}"
+    with pytest.raises(errors.Unavailable, match="no kvpool replica is available") as e:
+        run(orch)
+    assert "kvpool-A" in str(e.value) and "kvpool-B" in str(e.value)
+    assert "(A" not in str(e.value) and ", A" not in str(e.value)

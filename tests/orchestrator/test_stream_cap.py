@@ -252,3 +252,10 @@ def test_feedback_with_the_semantic_tier_down_names_no_internal_address():
                        Context())
         assert getattr(e.value, "code", "") == "UNAVAILABLE"
         assert "10.0.3.9" not in str(e.value) and "semantic tier" in str(e.value)
+
+
+def test_a_tokens_file_alone_counts_as_tenants_configured(tmp_path):
+    from services.orchestrator.app import tenant_concurrency
+
+    cfg = OrchestratorConfig(kvpool_addresses=("h:1",), tokens_file=str(tmp_path / "t.json"))
+    assert tenant_concurrency(cfg) == 16

@@ -133,3 +133,51 @@ def test_warm_results_and_feedback_errors_keep_internal_addresses_out():
     assert _public_details(refused, "replica r0") == "pin refused: pins would hold 134 blocks"
     hung = Err(grpc.StatusCode.UNAVAILABLE, "semantic shard 10.0.3.9:50052 hung: skipped")
     assert "10.0.3.9" not in _public_details(hung, "the semantic tier")
+
+
+def test_internal_and_unknown_failures_are_transport_failures_to_tenants():
+    import grpc
+
+    from services.orchestrator.server import _public_details
+
+    class Err(grpc.RpcError):
+        def __init__(self, code):
+            self._c = code
+
+        def code(self):
+            return self._c
+
+        def details(self):
+            return "Exception iterating responses: ipv4:10.0.3.7:50053 reset"
+
+    for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                 grpc.StatusCode.DEADLINE_EXCEEDED):
+        assert "10.0.3.7" not in _public_details(Err(code), "replica r0"), code
+
+
+def test_warm_names_a_replica_not_yet_polled_by_position():
+    """Until its first Stats answer a replica's id is its address."""
+    import grpc
+
+    from services.orchestrator.backends import ReplicaSet
+
+    rs = ReplicaSet(("10.0.3.7:50053",), "")
+    r = rs.replicas[0]
+
+    class Down(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "connection refused"
+
+    def down(req, timeout=None, metadata=None):
+        raise Down()
+
+    r.stub = SimpleNamespace(Prefill=down)
+    w, _ = make([0], [])
+    res = w._prefill(r, [1] * 32, "s", 60, 0)
+    assert res.replica_id == "kvpool#0" and "10.0.3.7" not in res.error
+    r.stub = SimpleNamespace(Prefill=lambda req, timeout=None, metadata=None:
+                             kvpool_pb2.PrefillResponse(prompt_tokens=32))  # names no replica
+    assert w._prefill(r, [1] * 32, "s", 60, 0).replica_id == "kvpool#0"

@@ -435,9 +435,10 @@ def test_texts_that_differ_only_where_the_model_cannot_read_do_not_hit(make_cach
              ("Describe this emoji in one word: 🍕", "Describe this emoji in one word: 🥶")]
     for stored, asked in pairs:
         e = c.store_entry(A, stored, f"answer to {stored!r}")
-        r = c.lookup(A, asked, tier=tier, want_draft=True)
-        assert r.similarity > 0.999, (stored, asked)  # the vectors cannot tell them apart
-        assert not r.hit and r.guard_rejected and "cannot read" in r.guard_reason
+        for _ in range(2):  # the second time from what the entry remembered of its prompt
+            r = c.lookup(A, asked, tier=tier, want_draft=True)
+            assert r.similarity > 0.999, (stored, asked)  # the vectors cannot tell them apart
+            assert not r.hit and r.guard_rejected and "cannot read" in r.guard_reason
         assert r.entry is not None and r.entry.id == e.id  # still offered as a draft
         assert c.lookup(A, stored, tier=tier).hit  # the exact repeat is served
     # What the model reads may still differ: case, spacing, accents and the same emoji.

@@ -318,15 +318,20 @@ def test_vectors_stored_before_unit_length_are_normalised_at_load(make_cfg, emb,
                  prompt="How do I cook pasta?", answer="Boil water.",
                  embedding=emb.embed_one("query") * 6.0, embed_model=emb.identity,
                  verified=False, created_at=clock.t, ttl_seconds=0)
+    emb.at("short", 1.0, 3)
+    store.insert(id="short", tenant=B.tenant, model_id=B.model_id, context_hash="",
+                 prompt="short", answer="x", embedding=emb.embed_one("short") * 0.5,
+                 embed_model=emb.identity, verified=False, created_at=clock.t, ttl_seconds=0)
     store.close()
     c = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
     try:
-        assert c.load() == 1
+        assert c.load() == 2
         r = c.lookup(A, "unrelated", tier="relaxed")
         assert not r.hit and abs(r.similarity - 0.39) < 1e-3
         assert c.lookup(A, "query").hit  # its own direction still hits
-        (row,) = [r for rows in c.store.iter_all() for r in rows]
-        assert abs(float(np.linalg.norm(row.embedding)) - 1.0) < 1e-5  # written back
+        rows = [r for rows in c.store.iter_all() for r in rows]
+        assert len(rows) == 2  # too long and too short alike: written back at unit length
+        assert all(abs(float(np.linalg.norm(r.embedding)) - 1.0) < 1e-5 for r in rows)
     finally:
         c.close_indexes()
         c.store.close()

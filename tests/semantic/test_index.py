@@ -233,3 +233,13 @@ def test_a_small_namespace_holds_a_small_delta_that_grows_as_it_fills():
         assert _delta_rows(idx) <= 100
     assert all(idx.search(vecs[i], 1)[0].label == i for i in (0, 99, 100, 249))
     idx.check_integrity()
+
+
+def test_after_a_merge_the_delta_starts_small_again():
+    rng = np.random.default_rng(5)
+    idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=1000, delta_capacity=64),
+                         background=False)
+    for i, v in enumerate(_unit(rng, 64)):  # fills the delta: merged inline
+        idx.add(i, v)
+    idx.compact()
+    assert _delta_rows(idx) <= 2

@@ -206,3 +206,19 @@ def test_rows_an_earlier_version_upgraded_as_whole_are_marked_once(tmp_path):
     st = EntryStore(path)  # once only: rows written since keep what they were written with
     assert st.get("later-but-backdated").truncated == 0
     st.close()
+
+
+def test_probing_a_free_database_leaves_it_free(tmp_path):
+    """The launcher probes before starting the service: a probe that kept the lock would have
+    the service refused as 'in use by another process'."""
+    from services.semantic.store import database_in_use
+
+    path = str(tmp_path / "s.db")
+    assert database_in_use(path) is False
+    assert database_in_use(path) is False  # twice: nothing kept the first time
+    EntryStore(path).close()
+    held = EntryStore(path)
+    try:
+        assert database_in_use(path) is True
+    finally:
+        held.close()
