@@ -2,10 +2,24 @@
 
 from types import SimpleNamespace
 
+import grpc
 from tiercache.v1 import kvpool_pb2, prefix_pb2
 
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.server import Warmer
+
+
+class Err(grpc.RpcError):
+    """A dependency's failure: a status code and its text."""
+
+    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
+        self._c, self._d = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._c
+
+    def details(self) -> str:
+        return self._d
 
 
 class FakeStub:
@@ -107,19 +121,7 @@ def test_bad_warm_settings_fail_at_boot():
 def test_warm_results_and_feedback_errors_keep_internal_addresses_out():
     """A tenant's WarmResult.error (and Feedback's status) carried the dependency's own text:
     for a transport failure that names internal addresses. Its verdicts stay readable."""
-    import grpc
-
     from services.orchestrator.server import _public_details
-
-    class Err(grpc.RpcError):
-        def __init__(self, code, details):
-            self._c, self._d = code, details
-
-        def code(self):
-            return self._c
-
-        def details(self):
-            return self._d
 
     w, reps = make([0], [])
 
@@ -136,43 +138,23 @@ def test_warm_results_and_feedback_errors_keep_internal_addresses_out():
 
 
 def test_internal_and_unknown_failures_are_transport_failures_to_tenants():
-    import grpc
-
     from services.orchestrator.server import _public_details
 
-    class Err(grpc.RpcError):
-        def __init__(self, code):
-            self._c = code
-
-        def code(self):
-            return self._c
-
-        def details(self):
-            return "Exception iterating responses: ipv4:10.0.3.7:50053 reset"
-
+    text = "Exception iterating responses: ipv4:10.0.3.7:50053 reset"
     for code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
                  grpc.StatusCode.DEADLINE_EXCEEDED):
-        assert "10.0.3.7" not in _public_details(Err(code), "replica r0"), code
+        assert "10.0.3.7" not in _public_details(Err(code, text), "replica r0"), code
 
 
 def test_warm_names_a_replica_not_yet_polled_by_position():
     """Until its first Stats answer a replica's id is its address."""
-    import grpc
-
     from services.orchestrator.backends import ReplicaSet
 
     rs = ReplicaSet(("10.0.3.7:50053",), "")
     r = rs.replicas[0]
 
-    class Down(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNAVAILABLE
-
-        def details(self):
-            return "connection refused"
-
     def down(req, timeout=None, metadata=None):
-        raise Down()
+        raise Err(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
     r.stub = SimpleNamespace(Prefill=down)
     w, _ = make([0], [])
