@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sqlite3
 import threading
 import time
 from dataclasses import dataclass
@@ -115,7 +116,10 @@ class Housekeeper:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
-        self.cache.store.flush_hits()
+        try:
+            self.cache.store.flush_hits()
+        except sqlite3.Error as exc:  # a full disk: the service must still stop
+            log.warning("hit counters not written at stop: %s", exc)
 
     def _run(self) -> None:
         flush_every = min(1.0, self.interval_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import sqlite3
 import threading
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from services.common.errors import ResourceExhausted
+
+log = logging.getLogger(__name__)
 
 # When the `truncated` column came to be (commit 970136f): see _mark_uncertain_answers.
 _COLUMN_ADDED = 1796004933.0
@@ -176,7 +179,12 @@ class EntryStore:
         """Writes buffered hit counts, closes the database and releases its lock (idempotent)."""
         if self._closed:
             return
-        self.flush_hits()
+        try:
+            self.flush_hits()
+        except sqlite3.Error as exc:
+            # Hit counters are best effort (not worth an fsync per lookup); a full disk at
+            # shutdown must not keep the database open and locked.
+            log.warning("hit counters not written at close: %s", exc)
         with self._lock:
             self._closed = True
             self._db.close()

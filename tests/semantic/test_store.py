@@ -222,3 +222,23 @@ def test_probing_a_free_database_leaves_it_free(tmp_path):
         assert database_in_use(path) is True
     finally:
         held.close()
+
+
+def test_a_full_disk_at_close_still_closes_and_frees_the_database(tmp_path, monkeypatch):
+    """Buffered hit counters are flushed at close; on a full disk that raised, the store
+    stayed open and locked, and the service's stop ended in a traceback."""
+    import contextlib
+
+    path = str(tmp_path / "s.db")
+    st = EntryStore(path)
+    label = insert(st, "a")
+    st.record_hit(label, 5.0, 1)
+
+    @contextlib.contextmanager
+    def full():
+        raise sqlite3.OperationalError("database or disk is full")
+        yield  # pragma: no cover
+
+    monkeypatch.setattr(st, "_transaction", full)
+    st.close()  # no exception
+    EntryStore(path).close()  # and the lock went with it
