@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import queue
+import re
 import threading
 import time
 from concurrent.futures import Future
@@ -22,6 +23,10 @@ import numpy as np
 from services.semantic.onnx_export import ensure_onnx
 
 log = logging.getLogger(__name__)
+
+# Printable ASCII and the whitespace a question holds: no control character (those a model
+# drops) may pass the fast path of `OnnxEmbedder.unseen`.
+_PLAIN_ASCII = re.compile(r"[\x20-\x7e\t\n\r]*")
 
 
 class OnnxEmbedder:
@@ -52,6 +57,11 @@ class OnnxEmbedder:
         unk = tok_model.get("unk_token")  # WordPiece, BPE
         # Unigram (SentencePiece, e.g. XLM-R-based multilingual models) stores the id.
         self._unk_id = self._tok.token_to_id(unk) if unk else tok_model.get("unk_id")
+        # Whether the model reads every printable ASCII character: then an ASCII text has
+        # nothing unseen, and `unseen` skips tokenising it (the common case, on every
+        # lookup whose candidate would hit).
+        printable = [chr(c) for c in range(0x21, 0x7F)]
+        self._reads_ascii = all(self.unseen_slow(c) == "" for c in printable)
         # Tokens a text gets beyond its own (e.g. [CLS] [SEP]), read from the empty text.
         self._specials = sum(self._tok.encode("").attention_mask)
         opts = ort.SessionOptions()
@@ -79,6 +89,12 @@ class OnnxEmbedder:
         """The characters of `text` the model cannot read, in order: those it maps to its
         unknown token (emoji, scripts outside its vocabulary) or drops (control and format
         characters), whitespace aside. Two texts that differ only there embed identically."""
+        if self._reads_ascii and text.isascii() and _PLAIN_ASCII.fullmatch(text):
+            return ""
+        return self.unseen_slow(text)
+
+    def unseen_slow(self, text: str) -> str:
+        """`unseen` from the tokenizer's offsets, whatever the text."""
         enc = self._plain.encode(text)
         covered = bytearray(len(text))
         for tid, (a, b), special in zip(enc.ids, enc.offsets, enc.special_tokens_mask,
