@@ -161,8 +161,7 @@ class EntryStore:
         answer to a request for 64. They are marked cut after 1 token: they serve no request
         wanting more (the model answers, with the old answer as its draft, and the new answer
         replaces it). Once per database (user_version 1)."""
-        with self._db:
-            self._db.execute("BEGIN")
+        with self._lock, self._transaction():
             if not has_column:
                 # A schema change only: every existing row reads the default, nothing is
                 # rewritten (inserts always give the column).
