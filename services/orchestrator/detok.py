@@ -19,6 +19,12 @@ class _Decoder(Protocol):
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = ...) -> str: ...
 
 
+def complete_text(text: str) -> str:
+    """`text` without the replacement characters it ends with: the decoding of a character
+    whose bytes were cut short (a byte-level tokenizer's answer stopped inside it)."""
+    return text.rstrip("\ufffd")
+
+
 class IncrementalDetokenizer:
     """Feed token ids, get text deltas; `flush()` returns whatever is left at the end."""
 
@@ -46,8 +52,9 @@ class IncrementalDetokenizer:
         return delta
 
     def flush(self) -> str:
-        """Emit the rest, replacement characters included (the stream is over)."""
+        """Emit the rest (the stream is over). A character the stream ends inside (max_tokens
+        cut a multi-byte character short) is dropped: its bytes would only decode to U+FFFD."""
         prev = self._decode(self.ids[self.prefix : self.read])
-        full = self._decode(self.ids[self.prefix :])
+        full = complete_text(self._decode(self.ids[self.prefix :]))
         self.prefix = self.read = len(self.ids)
         return full[len(prev) :] if len(full) > len(prev) else ""

@@ -24,7 +24,7 @@ from services.common.grpc_client import call_metadata, cut_short
 from services.common.hashing import BlockHasher
 from services.common.metrics import counter, histogram
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
-from services.orchestrator.detok import IncrementalDetokenizer
+from services.orchestrator.detok import IncrementalDetokenizer, complete_text
 from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.render import PromptRenderer, RenderedPrompt
 from services.orchestrator.routing import RoutingPolicy
@@ -481,7 +481,7 @@ class Orchestrator:
         report.route = route
         cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
         self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
-        answer = self.tok.decode(generated, skip_special_tokens=True).strip()
+        answer = complete_text(self.tok.decode(generated, skip_special_tokens=True)).strip()
         # An ignore_eos answer that ran on past the model's end of sequence is not an answer
         # to serve. One that ended at max_tokens or a stop token is stored as cut short after
         # its token count (it serves only requests that want no more tokens than that).
@@ -511,7 +511,7 @@ class Orchestrator:
             finish = common_pb2.FINISH_REASON_STOP
         elif len(ids) > sampling.max_tokens:  # the request wants less than the answer holds
             ids = ids[:sampling.max_tokens]
-            answer = self.tok.decode(ids, skip_special_tokens=True)
+            answer = complete_text(self.tok.decode(ids, skip_special_tokens=True))
             finish = common_pb2.FINISH_REASON_LENGTH
         report.semantic_hit = True
         report.semantic_entry_id = look.entry.id

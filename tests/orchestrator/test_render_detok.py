@@ -96,6 +96,22 @@ def test_split_character_is_held_back(tok):
     assert d.push(ids[1:]) + d.flush() == ch
 
 
+def test_a_stream_cut_inside_a_character_ends_without_a_replacement_character(tok):
+    """max_tokens can stop an answer between the byte-level tokens of one character: the text
+    ended in U+FFFD, which the model never wrote. The cut character is dropped."""
+    from services.orchestrator.detok import complete_text
+
+    whole = tok.encode("Hi", add_special_tokens=False)
+    char = tok.encode("龘", add_special_tokens=False)
+    assert len(char) > 1  # the byte-level BPE splits the character
+    cut = whole + char[:-1]
+    assert tok.decode(cut).endswith("\ufffd")
+    d = IncrementalDetokenizer(tok)
+    streamed = "".join(d.push([i]) for i in cut) + d.flush()
+    assert streamed == tok.decode(whole) == complete_text(tok.decode(cut))
+    assert complete_text("a\ufffd\ufffd") == "a" and complete_text("\ufffdb") == "\ufffdb"
+
+
 def test_a_model_without_a_usable_chat_template_gets_a_clear_status(tok):
     """A base model folder (no chat template) used to fail every `messages` request with
     INTERNAL; a template that raises (e.g. no system role) too."""

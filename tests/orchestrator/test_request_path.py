@@ -71,6 +71,24 @@ def test_a_stop_token_beyond_max_tokens_leaves_the_length_cut():
     assert finished(events).finish_reason == common_pb2.FINISH_REASON_LENGTH
 
 
+def test_answers_cut_inside_a_character_end_before_it_not_in_a_replacement_character():
+    """max_tokens between the bytes of "é": the served hit, the model's streamed text and the
+    answer stored for later requests all end before the character (they ended in U+FFFD)."""
+    stub, stubs = one_replica()
+    events = run(make(stubs, semantic=hit("Paris é")), max_tokens=7)
+    assert stub.requests == [] and text_of(events) == "Paris "
+    assert finished(events).finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    cut = list("ok ".encode()) + list("é".encode())[:1]
+    stub = Stub("A", [Call([kvpool_pb2.KvGenerateResponse(
+        token_ids=cut, final=kvpool_pb2.KvGenerateFinal(
+            finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id="A"))])])
+    sem = RecordingSemantic()
+    events = run(make({"A": stub}, semantic=sem), max_tokens=len(cut))
+    assert text_of(events) == "ok "
+    assert [r.answer for r in sem.stores] == ["ok"]
+
+
 def test_an_ignore_eos_request_is_served_an_answer_cut_at_max_tokens():
     # Cut at max_tokens (truncated_at), not ended at EOS: what the model would emit again.
     from tests.orchestrator.test_contracts import cut_hit
