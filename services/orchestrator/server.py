@@ -207,7 +207,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         with self._stream_slot():
             self.tenants.acquire(tenant)
             try:
-                return self.warmer.warm(tenant, request, context.time_remaining())
+                return self.warmer.warm(tenant, request, context.time_remaining(),
+                                        charge=lambda n: self.tenants.charge(tenant, n))
             finally:
                 self.tenants.release(tenant)
 
@@ -335,8 +336,11 @@ class Warmer:
             return [r for r in healthy if r.replica_id == owner]
         return healthy
 
-    def warm(self, tenant, request, time_remaining: float | None = None
-             ) -> orchestrator_pb2.WarmResponse:
+    def warm(self, tenant, request, time_remaining: float | None = None,
+             charge: Callable[[int], None] | None = None) -> orchestrator_pb2.WarmResponse:
+        """Prefill and pin the request's prompts (and/or the tenant's top_k hot prefixes) on
+        their target replicas. `charge(n)` is told the prefills beyond the first before they
+        run (the call itself paid for one): the tenant's rate limit counts each."""
         if not request.prompts and not request.top_k:
             raise errors.InvalidArgument("prompts", "give prompts or top_k")
         if len(request.prompts) > MAX_WARM_PROMPTS:
@@ -401,6 +405,8 @@ class Warmer:
                         jobs.append((r, ids, hp.cache_salt, ttl, -1))
         if not self.orch.replicas.healthy():  # after the checks of the request itself
             raise errors.Unavailable("no healthy replica to warm")
+        if charge is not None and len(jobs) > 1:
+            charge(len(jobs) - 1)
         # The pool's threads do not inherit the call's request id: hand it to each Prefill.
         rid = request_id_var.get()
         results = list(self._pool.map(

@@ -216,19 +216,34 @@ class TenantRegistry:
         """Take one request from the tenant's token bucket; RESOURCE_EXHAUSTED when empty."""
         if tenant.rate_per_s <= 0:
             return
-        now = self.clock()
         with self._lock:
-            b = self._buckets.get(tenant.name)
-            if b is None:
-                b = self._buckets[tenant.name] = _Bucket(float(tenant.burst), now)
-            b.tokens = min(float(tenant.burst), b.tokens + (now - b.at) * tenant.rate_per_s)
-            b.at = now
+            b = self._refilled(tenant)
             if b.tokens < 1.0:
                 wait = (1.0 - b.tokens) / tenant.rate_per_s
                 raise ResourceExhausted(
                     f"tenant {tenant.name}: rate limit of {tenant.rate_per_s:g} requests/s "
                     f"(burst {tenant.burst}) exceeded; retry in {wait:.2f}s")
             b.tokens -= 1.0
+
+    def charge(self, tenant: Tenant, requests: float) -> None:
+        """Take `requests` more from the tenant's bucket after `check_rate` let a call in: a
+        call that does the work of many requests (Warm: a prefill per prompt and replica)
+        pays for them. The bucket may go below zero; the tenant's next calls then wait until
+        it has refilled, so its average rate stays within `rate_per_s`."""
+        if tenant.rate_per_s <= 0 or requests <= 0:
+            return
+        with self._lock:
+            self._refilled(tenant).tokens -= requests
+
+    def _refilled(self, tenant: Tenant) -> _Bucket:
+        """The tenant's bucket, refilled for the time since its last use (lock held)."""
+        now = self.clock()
+        b = self._buckets.get(tenant.name)
+        if b is None:
+            b = self._buckets[tenant.name] = _Bucket(float(tenant.burst), now)
+        b.tokens = min(float(tenant.burst), b.tokens + (now - b.at) * tenant.rate_per_s)
+        b.at = now
+        return b
 
     @staticmethod
     def require_admin(tenant: Tenant, what: str) -> None:

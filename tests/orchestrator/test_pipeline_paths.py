@@ -231,13 +231,16 @@ def test_warms_prefill_calls_carry_the_warm_calls_request_id():
     orch.renderer = PromptRenderer(Tok(), max_chars=50)
     warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
     tok = request_id_var.set("warm-call-1")
+    charged: list[int] = []
     try:
         warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
-            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]))
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16),
+                     orchestrator_pb2.WarmPrompt(prompt="y" * 16)]), charge=charged.append)
     finally:
         request_id_var.reset(tok)
         warmer.stop()
-    assert seen == [["warm-call-1"], ["warm-call-1"]]
+    assert seen == [["warm-call-1"]] * 4
+    assert charged == [3]  # 2 prompts x 2 replicas; the call itself paid for the first
 
 
 def test_warm_that_cannot_do_anything_says_why_instead_of_ok():

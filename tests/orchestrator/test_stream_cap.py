@@ -105,8 +105,8 @@ def test_warm_takes_a_stream_slot_so_the_headroom_stays_for_probes():
     take the threads kept for health checks and Stats."""
     s, orch = servicer(STREAM_HEADROOM + 1)  # room for 1 stream
     calls: list[int] = []
-    s.warmer = SimpleNamespace(warm=lambda tenant, req, left: calls.append(s._streams) or
-                               orchestrator_pb2.WarmResponse())
+    s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge: calls.append(s._streams)
+                               or orchestrator_pb2.WarmResponse())
     s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
     assert calls == [1] and s._streams == 0  # held during the call, released after
     g = s.Generate(request(), Context())
@@ -116,6 +116,29 @@ def test_warm_takes_a_stream_slot_so_the_headroom_stays_for_probes():
     orch.release.set()
     list(g)
     assert s._streams == 0 and calls == [1]
+
+
+def test_a_warm_pays_the_tenants_rate_limit_for_each_prefill_it_runs():
+    """One Warm runs up to 64 prompts x replicas prefills: the tenant's rate limit counted it
+    as one request."""
+    import dataclasses
+
+    from tests.clock import Clock
+
+    s, orch = servicer(STREAM_HEADROOM + 1)
+    s.tenants.default = dataclasses.replace(s.tenants.default, rate_per_s=1.0, burst=2)
+    s.tenants.clock = clock = Clock(100.0)
+    s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge: charge(5)
+                               or orchestrator_pb2.WarmResponse())
+    s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())  # 6 prefills: 2 - 6 = -4 left
+    clock.t += 4.0  # refilled to 0: still short of one request
+    with pytest.raises(ResourceExhausted, match="rate limit"):
+        s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
+    clock.t += 1.0
+    g = s.Generate(request(), Context())
+    assert next(g).text == "hi"
+    orch.release.set()
+    list(g)
 
 
 @pytest.mark.parametrize(("left", "want"), [(0.0, "DeadlineExceeded"), (-0.2, "DeadlineExceeded"),
