@@ -359,40 +359,50 @@ class BlockPool:
     def pin(self, block_ids: Sequence[int], ttl_seconds: float) -> int:
         """Keep committed blocks from eviction until now + ttl (extends, never shortens).
 
+        `block_ids` is a prompt's chain, first block first. When the pin limits leave room for
+        only part of it, its leading blocks are pinned (a prefix hit needs the start of a
+        chain, and a pinned block keeps its parents anyway) and the rest stay cached, unpinned.
+        Blocks pinned already (a refresh) count once. Returns the blocks pinned or refreshed.
+
         Raises:
-            PoolExhausted: the pins would then hold more than `max_pinned` blocks, or more
-                than `max_pinned_per_salt` of one cache salt (nothing is pinned). Blocks
-                pinned already (a refresh) count once.
+            PoolExhausted: none of them could be pinned: the pins already hold `max_pinned`
+                blocks, or `max_pinned_per_salt` of the first new block's cache salt.
         """
         now = self.clock()
         self._pinned_unreferenced(now)  # forget expired pins
-        fresh = [bid for bid in set(block_ids)
-                 if self._blocks[bid].hash is not None and bid not in self._pins]
-        new = len(fresh)
-        if len(self._pins) + new > self.max_pinned:
-            raise PoolExhausted(f"pins would hold {len(self._pins) + new} blocks, over the "
-                                f"limit of {self.max_pinned} (max_pinned_fraction)")
-        per_salt: dict[str, int] = {}
-        for bid in fresh:
-            salt = self._blocks[bid].cache_salt
-            per_salt[salt] = per_salt.get(salt, 0) + 1
-        for salt, more in per_salt.items():
-            held = sum(1 for bid in self._pins if self._blocks[bid].cache_salt == salt)
-            if held + more > self.max_pinned_per_salt:
-                raise PoolExhausted(
-                    f"pins of this tenant (its cache salt) would hold {held + more} blocks, "
-                    f"over the limit of {self.max_pinned_per_salt} "
-                    "(max_pinned_per_tenant_fraction)")
+        room = self.max_pinned - len(self._pins)
+        salt_room: dict[str, int] = {}
         until = now + ttl_seconds
-        n = 0
-        for bid in block_ids:
+        chosen: list[int] = []
+        refused = ""
+        for bid in dict.fromkeys(block_ids):  # in order, once each
             b = self._blocks[bid]
             if b.hash is None:
                 continue
+            if bid not in self._pins:
+                salt = b.cache_salt
+                if salt not in salt_room:
+                    held = sum(1 for p in self._pins if self._blocks[p].cache_salt == salt)
+                    salt_room[salt] = self.max_pinned_per_salt - held
+                if room <= 0:
+                    refused = (f"pins hold {len(self._pins)} blocks, the limit of "
+                               f"{self.max_pinned} (max_pinned_fraction)")
+                    break
+                if salt_room[salt] <= 0:
+                    refused = ("pins of this tenant (its cache salt) hold "
+                               f"{self.max_pinned_per_salt - salt_room[salt]} blocks, the limit "
+                               f"of {self.max_pinned_per_salt} (max_pinned_per_tenant_fraction)")
+                    break
+                room -= 1
+                salt_room[salt] -= 1
+            chosen.append(bid)
+        if not chosen and refused:
+            raise PoolExhausted(refused)
+        for bid in chosen:
+            b = self._blocks[bid]
             b.pin_until = max(b.pin_until, until)
             self._pins[bid] = b.pin_until
-            n += 1
-        return n
+        return len(chosen)
 
     def release_pins(self) -> int:
         """Unpin every unreferenced pinned block (they stay cached, now evictable); returns how

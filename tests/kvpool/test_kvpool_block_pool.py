@@ -337,7 +337,10 @@ def test_a_pool_that_records_no_events_still_caches() -> None:
     pool.check_integrity()
 
 
-def test_pins_past_max_pinned_are_refused_whole() -> None:
+def test_pins_past_max_pinned_keep_the_chains_leading_blocks() -> None:
+    """A pin past the limit was refused whole: on a small pool a ~1,000-token system prompt
+    was longer than a tenant's share and kept nothing pinned. Its leading blocks (what a
+    prefix hit needs) are now pinned up to the limit; only a pin with no room at all fails."""
     clock = Clock(1.0)
     pool = BlockPool(8, BS, BlockHasher("m", BS, key=b"k"), HybridPolicy(8), clock=clock,
                      max_pinned=4)
@@ -347,10 +350,12 @@ def test_pins_past_max_pinned_are_refused_whole() -> None:
     ys = [pool._table[h] for h in pool.hasher.hashes(Y)]
     assert pool.pin(xs, ttl_seconds=10) == 3
     assert pool.pin(xs, ttl_seconds=20) == 3  # re-pinning is not more blocks
+    assert pool.pin(ys, ttl_seconds=10) == 1  # room for one more: the chain's first block
+    assert [pool.is_pinned(b) for b in ys] == [True, False]
     with pytest.raises(PoolExhausted, match="limit of 4"):
-        pool.pin(ys, ttl_seconds=10)
-    assert not any(pool.is_pinned(b) for b in ys)
-    clock.t += 21  # the first pins expire: room again
+        pool.pin(ys[1:], ttl_seconds=10)
+    assert pool.pin(ys, ttl_seconds=30) == 1  # the pinned start is refreshed, nothing more
+    clock.t += 21  # x's pins expire: room again
     assert pool.pin(ys, ttl_seconds=10) == 2
     pool.check_integrity()
 
@@ -376,4 +381,6 @@ def test_one_tenants_pins_are_held_to_its_share_of_the_pool() -> None:
     assert pool.pin(ids["bx"], ttl_seconds=10) == 3  # another tenant has its own share
     clock.t += 21  # a's pins lapse
     assert pool.pin(ids["ay"], ttl_seconds=10) == 2
+    assert pool.pin(ids["ax"], ttl_seconds=10) == 1  # a's share: the start of its chain
+    assert [pool.is_pinned(b) for b in ids["ax"]] == [True, False, False]
     pool.check_integrity()

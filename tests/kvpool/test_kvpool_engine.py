@@ -170,6 +170,31 @@ def test_pool_held_by_pins_refuses_instead_of_hanging(make_engine) -> None:
     eng.call(lambda: eng.pool.pin([], 0)).result()
 
 
+def test_a_prefill_longer_than_the_pin_share_pins_its_leading_blocks(make_engine) -> None:
+    """The pin was all-or-nothing: a prompt longer than a tenant's share of the pins (a
+    ~1,000-token system prompt on a small pool) kept none of it pinned."""
+    from services.kvpool.engine import EngineRequest
+    from services.kvpool.sampling import SamplingSpec
+
+    eng = make_engine(num_blocks=32)
+    eng.pool.max_pinned_per_salt = 3
+
+    def prefill(rid: str, toks: list[int]):
+        return collect(eng.submit(EngineRequest(rid, toks, SamplingSpec(max_tokens=0),
+                                                prefill_only=True, pin_ttl_seconds=60))[1])[1]
+
+    long = prompt(28, 40)  # 7 full blocks
+    fin = prefill("p", long)
+    assert isinstance(fin, Finished) and fin.pinned_blocks == 3
+    table = [eng.pool._table[h] for h in eng.pool.hasher.hashes(long)]
+    assert [eng.pool.is_pinned(b) for b in table] == [True] * 3 + [False] * 4
+    fin = prefill("q", prompt(12, 41))  # the share is used up: nothing pinned, said so
+    assert isinstance(fin, Failed) and isinstance(fin.error, errors.ResourceExhausted)
+    assert "max_pinned_per_tenant_fraction" in str(fin.error)
+    assert eng.stats().blocks_pinned == 3
+    eng.call(eng.pool.release_pins).result()
+
+
 @pytest.mark.parametrize("where", ["waiting", "prefill", "decode"])
 def test_cancel_releases_everything(make_engine, where) -> None:
     eng = make_engine(num_blocks=200, max_batch_size=1, max_prefill_chunk=4)
