@@ -17,6 +17,10 @@ class Index(prefix_pb2_grpc.PrefixIndexServicer):
     def Match(self, request, context):
         if not request.token_ids and not request.block_hashes:
             raise errors.InvalidArgument("token_ids", "give token_ids or block_hashes")
+        if request.model_id == "busy":
+            raise errors.Overloaded("replica busy: too many waiting requests")
+        if request.model_id == "full":
+            raise errors.ResourceExhausted("token_ids: never fits")
         if request.model_id == "boom":
             raise RuntimeError("secret internal detail")
         if request.model_id == "coded":
@@ -59,6 +63,18 @@ def test_domain_error_maps_to_status(server):
         _stub(server).Match(prefix_pb2.MatchRequest(), timeout=5, metadata=AUTH)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert e.value.details() == "token_ids: give token_ids or block_hashes"
+
+
+def test_busy_is_told_apart_from_never_fits_by_a_trailer(server):
+    """Both are RESOURCE_EXHAUSTED; only "busy now" may be tried on another replica."""
+    got = {}
+    for model_id in ("busy", "full"):
+        with pytest.raises(grpc.RpcError) as e:
+            _stub(server).Match(prefix_pb2.MatchRequest(model_id=model_id, token_ids=[1]),
+                                timeout=5, metadata=AUTH)
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        got[model_id] = errors.overloaded(e.value)
+    assert got == {"busy": True, "full": False}
 
 
 def test_unexpected_error_is_internal_without_traceback(server):

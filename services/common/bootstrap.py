@@ -158,6 +158,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         def fail(context, exc: BaseException) -> None:
             if isinstance(exc, errors.TierCacheError):
                 RPC_TOTAL.labels(service, short, exc.code).inc()
+                if isinstance(exc, errors.Overloaded):
+                    context.set_trailing_metadata(((errors.OVERLOADED_KEY, "1"),))
                 context.abort(_status_code(exc.code), _capped(str(exc)))
             code = context.code() if hasattr(context, "code") else None
             if code not in (None, grpc.StatusCode.OK):

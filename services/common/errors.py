@@ -42,6 +42,26 @@ class ResourceExhausted(TierCacheError):
     code = "RESOURCE_EXHAUSTED"
 
 
+# Trailing metadata key set on an Overloaded status (value "1"), so a caller with other servers
+# to try can tell "busy now" from a request that can never fit.
+OVERLOADED_KEY = "tiercache-overloaded"
+
+
+class Overloaded(ResourceExhausted):
+    """This server cannot take the request now (its queue is full, its memory held); another
+    replica may. RESOURCE_EXHAUSTED with the OVERLOADED_KEY trailer."""
+
+
+def overloaded(rpc_error: object) -> bool:
+    """True when a gRPC error carries the Overloaded trailer."""
+    trailers = getattr(rpc_error, "trailing_metadata", None)
+    try:
+        md = trailers() if callable(trailers) else None
+    except Exception:  # noqa: BLE001 - a call object without trailers
+        return False
+    return any(k == OVERLOADED_KEY for k, _ in (md or ()))
+
+
 class FailedPrecondition(TierCacheError):
     code = "FAILED_PRECONDITION"
 

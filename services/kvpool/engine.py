@@ -297,7 +297,8 @@ class Engine:
         """Queue a request; returns (sequence id, output queue of TokenDelta/Finished/Failed).
 
         Raises:
-            ResourceExhausted: the request can never fit the pool, or too many are waiting.
+            ResourceExhausted: the request can never fit the pool.
+            Overloaded: too many requests are waiting (another replica may take it).
         """
         # The last generated token is emitted, never run through the model: its KV is not kept.
         kv_tokens = len(req.token_ids) + max(req.sampling.max_tokens - 1, 0)
@@ -315,7 +316,7 @@ class Engine:
             # Counted here, not from the last step's stats: a burst arriving between two steps
             # must meet the limit too (every waiting stream holds a gRPC thread).
             if self._queued >= self.max_waiting:
-                raise errors.ResourceExhausted("replica busy: too many waiting requests")
+                raise errors.Overloaded("replica busy: too many waiting requests")
             self._queued += 1
             order = next(self._ids)
         seq = Sequence(req, out, f"{req.request_id or 'req'}#{order}", list(req.token_ids),
@@ -444,7 +445,7 @@ class Engine:
                     pinned = self.pool.stats().pinned
                     why = (f"{pinned} pinned blocks hold the rest" if pinned
                            else "more than the pool can free for it")
-                    self._finish(seq, Failed(errors.ResourceExhausted(
+                    self._finish(seq, Failed(errors.Overloaded(
                         f"KV pool exhausted: {exc} ({why})")))
                     continue
                 return  # wait for running sequences to finish
@@ -561,7 +562,7 @@ class Engine:
                                      seq.seq_id)
                             continue
                         if victim is seq and len(running) == 1:
-                            self._finish(seq, Failed(errors.ResourceExhausted(
+                            self._finish(seq, Failed(errors.Overloaded(
                                 "KV pool exhausted while decoding")))
                             break
                     self._preempt(victim)

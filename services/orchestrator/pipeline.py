@@ -321,6 +321,7 @@ class Orchestrator:
         final: kvpool_pb2.KvGenerateFinal | None = None
         first_token_at: float | None = None
         attempts = 0
+        only_busy = True  # every replica tried so far said it was busy (Overloaded)
         route = ""
         while final is None:
             if cancelled.is_set():
@@ -343,9 +344,13 @@ class Orchestrator:
                     if hashes and self.dispatched is not None:
                         self.dispatched.record(decision.replica_id, hashes)
             if decision is None or replica is None:
+                if tried and only_busy:
+                    raise errors.ResourceExhausted(
+                        f"every kvpool replica is busy (tried {', '.join(tried)}); retry later")
                 raise errors.Unavailable("no kvpool replica is available"
                                          + (f" (tried {', '.join(tried)})" if tried else ""))
             watcher: Callable[[], None] | None = None
+            busy = False
             try:
                 if (decision.route == "prefix"
                         and seen.get(decision.replica_id, 0) > matches.get(decision.replica_id,
@@ -415,7 +420,13 @@ class Orchestrator:
                     raise errors.Cancelled("client cancelled") from None
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise errors.DeadlineExceeded("deadline exceeded while generating") from None
-                if code in _REPLICA_REFUSED_US:
+                busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.overloaded(e)
+                if busy:
+                    # Full queue or memory held on this replica only: another may serve it
+                    # (an answer under way resumes there, exactly). Not marked down.
+                    log.info("replica %s is busy (%s); trying another", replica.replica_id,
+                             e.details())
+                elif code in _REPLICA_REFUSED_US:
                     # Our internal credential, not the client's: a misconfigured replica.
                     # Never the client's UNAUTHENTICATED; try another replica.
                     log.error("replica %s refused the orchestrator's internal credential (%s: "
@@ -428,9 +439,10 @@ class Orchestrator:
                 # another, but it is not marked down for everyone (Stats polls judge that):
                 # one request that breaks replicas must not take every replica out of routing.
                 lost: BaseException | None = (
-                    None if code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
+                    None if busy or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
+                    else e)
                 why = f"{code.name}: {e.details()}"
-                why_public = code.name
+                why_public = f"{code.name}: {e.details()}" if busy else code.name
             except _StreamCut as e:
                 lost, why = e, str(e)
                 why_public = why
@@ -445,6 +457,7 @@ class Orchestrator:
             # tokens already streamed).
             exclude.update((replica.replica_id, replica.address))
             tried.append(replica.public_id)
+            only_busy = only_busy and busy
             if lost is not None:
                 replica.health.fail(lost)
                 if self.dispatched is not None:
@@ -456,6 +469,10 @@ class Orchestrator:
             if attempts >= self.max_attempts:
                 # The replica's own message (transport errors name internal addresses) is in
                 # the log line above, not in the client's status.
+                if only_busy:
+                    raise errors.ResourceExhausted(
+                        f"every kvpool replica tried is busy (tried {', '.join(tried)}); "
+                        f"last: {why_public}; retry later")
                 raise errors.Unavailable(
                     f"kvpool replicas failed {attempts} times (tried {', '.join(tried)}); "
                     f"last: {why_public}") from None

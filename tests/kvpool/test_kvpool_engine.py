@@ -151,8 +151,9 @@ def test_preemption_recomputes_and_stays_exact(make_engine, tiny_model) -> None:
 
 def test_request_that_can_never_fit_is_refused(make_engine) -> None:
     eng = make_engine(num_blocks=8)
-    with pytest.raises(errors.ResourceExhausted, match="KV blocks"):
+    with pytest.raises(errors.ResourceExhausted, match="KV blocks") as e:
         eng.submit(request(prompt(30), max_tokens=8))
+    assert not isinstance(e.value, errors.Overloaded)  # no other replica of its size fits it
 
 
 def test_pool_held_by_pins_refuses_instead_of_hanging(make_engine) -> None:
@@ -165,7 +166,7 @@ def test_pool_held_by_pins_refuses_instead_of_hanging(make_engine) -> None:
     _, fin = collect(eng.submit(pin)[1])
     assert isinstance(fin, Finished) and fin.pinned_blocks == 7
     _, fin = generate(eng, prompt(12, 31), max_tokens=4)
-    assert isinstance(fin, Failed) and isinstance(fin.error, errors.ResourceExhausted)
+    assert isinstance(fin, Failed) and isinstance(fin.error, errors.Overloaded)  # held here
     assert eng.stats().blocks_pinned == 7
     eng.call(lambda: eng.pool.pin([], 0)).result()
 

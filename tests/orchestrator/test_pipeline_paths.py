@@ -33,6 +33,19 @@ class RpcError(grpc.RpcError):
         return self._code.name.lower()
 
 
+class Busy(RpcError):
+    """A replica's RESOURCE_EXHAUSTED with the Overloaded trailer (queue full, memory held)."""
+
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+    def details(self) -> str:
+        return "replica busy: too many waiting requests"
+
+    def trailing_metadata(self):
+        return ((errors.OVERLOADED_KEY, "1"),)
+
+
 class Call:
     """A Generate stream: its messages, then `err` (or a clean end)."""
 
@@ -130,6 +143,33 @@ def test_a_client_gone_during_the_semantic_lookup_gets_no_model_call():
         generate(orch, callbacks)
     assert stub.requests == []
     assert orch.replicas.replicas[0].inflight == 0
+
+
+def test_a_busy_replica_hands_the_request_to_another_and_stays_in_routing():
+    """A replica's queue full or memory held by pins (RESOURCE_EXHAUSTED) went to the client
+    as final though the other replica was idle; an answer cut short by it resumes exactly."""
+    a = Stub("A", [Call([kvpool_pb2.KvGenerateResponse(token_ids=[ord("o")])], Busy())])
+    b = Stub("B", [Call([kvpool_pb2.KvGenerateResponse(
+        token_ids=[ord("k")], final=kvpool_pb2.KvGenerateFinal(
+            finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id="B"))])])
+    orch = make({"A": a, "B": b})
+    orch.routing = SimpleNamespace(choose=lambda views, seen, aff, exclude, *rest: next(
+        (SimpleNamespace(replica_id=r, route="least_loaded", matched_tokens=0)
+         for r in ("A", "B") if r not in exclude), None))
+    events = generate(orch, [])
+    assert "".join(e.text for e in events if hasattr(e, "text")) == "ok"
+    assert list(b.requests[0].token_ids) == PROMPT + [ord("o")]  # resumed after "o"
+    assert all(r.health.healthy for r in orch.replicas.replicas)  # busy is not down
+
+    both = make({"A": Stub("A", [Call([], Busy())]), "B": Stub("B", [Call([], Busy())])})
+    with pytest.raises(errors.ResourceExhausted, match="every kvpool replica is busy"):
+        generate(both, [])
+    never = make({r: Stub(r, [Call([], RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED))])
+                  for r in ("A", "B")})
+    with pytest.raises(errors.TierCacheError) as e:  # can never fit: the replica's verdict
+        generate(never, [])
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+    assert sum(len(r.stub.requests) for r in never.replicas.replicas) == 1
 
 
 def test_a_callback_refused_because_the_rpc_already_ended_runs_at_once():
