@@ -134,22 +134,34 @@ class ServiceProcess:
 
     def stop(self, grace: float | None = None) -> None:
         """SIGTERM, then SIGKILL after `grace` seconds; by default the service's own drain
-        time (10 s) plus its TIERCACHE_DRAIN_DELAY_S and a margin, so that a drain that uses
-        its time still runs `on_stop` (a fixed 10 s cut it short)."""
+        time (its TIERCACHE_<NAME>_GRACE_SECONDS or _GRACE_S, else 10 s) plus its
+        TIERCACHE_DRAIN_DELAY_S and a 15 s margin (the engine's and publisher's joins), so
+        that a drain that uses its time still runs `on_stop` (a fixed 15 s cut a 60 s kvpool
+        drain short)."""
         if not self.proc or self.proc.poll() is not None:
             return
         if grace is None:
-            try:
-                delay = float({**os.environ, **self.env}.get("TIERCACHE_DRAIN_DELAY_S") or 0)
-            except ValueError:
-                delay = 0.0  # the service refuses such a value at start
-            grace = 15.0 + max(0.0, min(delay, 600.0))
+            env = {**os.environ, **self.env}
+            svc = self.name.upper()
+            drain = _seconds(env.get(f"TIERCACHE_{svc}_GRACE_SECONDS")
+                             or env.get(f"TIERCACHE_{svc}_GRACE_S"), 10.0)
+            grace = 15.0 + drain + _seconds(env.get("TIERCACHE_DRAIN_DELAY_S"), 0.0)
         self.proc.send_signal(signal.SIGTERM)
         try:
             self.proc.wait(grace)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _seconds(raw: str | None, default: float) -> float:
+    """A duration setting as a service reads it, bounded to [0, 600]; `default` when unset or
+    not a number (the service itself refuses such a value at start)."""
+    try:
+        v = float(raw) if raw else default
+    except ValueError:
+        return default
+    return max(0.0, min(v, 600.0)) if v == v else default
 
 
 def semantic_db_env(base_port: int, env: dict[str, str]) -> dict[str, str]:

@@ -218,3 +218,45 @@ def test_servers_accept_the_keepalive_pings_our_clients_send():
     server = dict(server_options())
     assert server["grpc.http2.min_ping_interval_without_data_ms"] < client
     assert server["grpc.keepalive_permit_without_calls"] == 1
+
+
+def test_an_open_health_watch_does_not_hold_the_shutdown_for_its_grace():
+    """The server counts a Watch stream as an RPC in flight: one open Watch made every stop
+    (kvpool, 60 s grace) wait the whole grace. Watches now end, after NOT_SERVING."""
+    h = create_server(service="test", address="127.0.0.1:0", services=[])
+    h.set_serving()
+    channel = grpc.insecure_channel(h.address)
+    watch = health_pb2_grpc.HealthStub(channel).Watch(
+        health_pb2.HealthCheckRequest(service=""), timeout=60)
+    seen = [next(watch).status]
+    t0 = time.monotonic()
+    h.stop(30.0)
+    took = time.monotonic() - t0
+    seen += [m.status for m in watch]  # the stream ends: no error, nothing after NOT_SERVING
+    channel.close()
+    assert seen == [health_pb2.HealthCheckResponse.SERVING,
+                    health_pb2.HealthCheckResponse.NOT_SERVING]
+    assert took < 20.0  # not the 30 s grace (it takes well under a second)
+
+
+def test_a_signal_while_starting_ends_the_process_at_once(tmp_path):
+    """Handlers were installed only once serving: as PID 1 (a container) SIGTERM during a
+    model load was ignored, the pod turned SERVING and was killed at the end of its grace."""
+    import signal
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "from services.common.bootstrap import exit_on_signal_while_starting\n"
+            "exit_on_signal_while_starting()\n"
+            "print('loading', flush=True)\n"
+            "time.sleep(60)\n"
+            "sys.exit(3)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline().strip() == "loading"
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(timeout=20) == 0
+    finally:
+        p.kill()
+        p.wait()

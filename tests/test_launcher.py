@@ -188,3 +188,47 @@ def test_the_database_probed_is_the_one_the_semantic_service_will_open(tmp_path,
         assert semantic_db_env(50070, {}) == got
     finally:
         holder.close()
+
+
+class _Proc:
+    """A child that outlives any wait: records how long `stop` gave it."""
+
+    def __init__(self) -> None:
+        self.waits: list = []
+        self.signals: list = []
+
+    def poll(self):
+        return None
+
+    def send_signal(self, sig) -> None:
+        self.signals.append(sig)
+
+    def kill(self) -> None:
+        self.signals.append("kill")
+
+    def wait(self, timeout=None):
+        import subprocess
+
+        self.waits.append(timeout)
+        if timeout is not None:
+            raise subprocess.TimeoutExpired("x", timeout)
+
+
+@pytest.mark.parametrize(("name", "env", "want"), [
+    ("kvpool", {"TIERCACHE_KVPOOL_GRACE_SECONDS": "60", "TIERCACHE_DRAIN_DELAY_S": "5"}, 80.0),
+    ("orchestrator", {"TIERCACHE_ORCHESTRATOR_GRACE_S": "30"}, 45.0),
+    ("semantic", {}, 25.0),
+    ("prefix", {"TIERCACHE_PREFIX_GRACE_SECONDS": "nope"}, 25.0),  # refused by the service
+])
+def test_stop_waits_for_the_services_own_drain_before_killing_it(monkeypatch, name, env, want):
+    """The launcher killed every child 15 s (+ drain delay) after SIGTERM: a kvpool set to
+    drain for 60 s (as in the Kubernetes config) was cut short mid-drain."""
+    from services.launcher import ServiceProcess
+
+    for k in ("TIERCACHE_DRAIN_DELAY_S", f"TIERCACHE_{name.upper()}_GRACE_SECONDS",
+              f"TIERCACHE_{name.upper()}_GRACE_S"):
+        monkeypatch.delenv(k, raising=False)
+    p = ServiceProcess(name, 1, env=env)
+    p.proc = proc = _Proc()
+    p.stop()
+    assert proc.waits[0] == want and proc.signals[-1] == "kill"

@@ -59,6 +59,15 @@ class _HealthServicer(health.HealthServicer):
                           f"service: longer than {MAX_HEALTH_NAME} characters")
         return super().Watch(request, context, send_response_callback)
 
+    def close_watches(self) -> None:
+        """End every open Watch stream (each got NOT_SERVING first): the server counts them
+        as RPCs in flight, so one open Watch held every shutdown for its whole grace."""
+        with self._lock:
+            callbacks = [cb for cbs in self._send_response_callbacks.values() for cb in cbs]
+            self._send_response_callbacks.clear()
+        for cb in callbacks:
+            cb(None)
+
     def _on_close_callback(self, send_response_callback, service):
         def callback():
             with self._lock:
@@ -313,7 +322,11 @@ class ServerHandle:
     def stop(self, grace: float | None = 5.0) -> None:
         """Health NOT_SERVING, refuse new RPCs, let in-flight ones finish within `grace`."""
         self.set_serving(False)
-        self.server.stop(grace).wait()
+        stopping = self.server.stop(grace)  # new RPCs (a Watch opened again) refused from here
+        close = getattr(self.health, "close_watches", None)
+        if close is not None:
+            close()
+        stopping.wait()
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
@@ -428,6 +441,25 @@ def drain_delay_from_env() -> float:
     return delay
 
 
+def _exit_while_starting(signum: int, _frame: Any) -> None:
+    """SIGTERM/SIGINT before the service serves (loading a model, rebuilding indexes): exit
+    now. Nothing is served yet, and what loading writes survives a kill (as it must survive
+    kill -9). As PID 1 in a container a signal without a handler is ignored: the pod went on
+    loading, turned SERVING, and was killed at the end of its grace period."""
+    log.info("signal %d while starting: exiting", signum)
+    for h in logging.getLogger().handlers:
+        h.flush()
+    os._exit(0)
+
+
+def exit_on_signal_while_starting() -> None:
+    """Until `run_until_signal` takes over, SIGTERM and SIGINT end the process at once (main
+    thread only: elsewhere signals cannot be handled)."""
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _exit_while_starting)
+        signal.signal(signal.SIGINT, _exit_while_starting)
+
+
 def run_until_signal(handle: ServerHandle, grace: float = 10.0,
                      on_stop: Callable[[], None] | None = None) -> None:
     """Block until SIGTERM/SIGINT, then drain and stop. Call from the main thread."""
@@ -468,6 +500,7 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
     from services.common.hashing import hash_key_from_env
     from services.common.logs import setup_logging
 
+    exit_on_signal_while_starting()
     try:
         setup_logging(service)
     except ValueError as exc:

@@ -297,6 +297,16 @@ def test_termination_grace_outlasts_the_drain(rendered: Rendered) -> None:
                                            f"{delay}s delay + drain {grace}s")
 
 
+def test_the_orchestrator_drains_as_long_as_the_replicas_it_streams_from(rendered: Rendered
+                                                                           ) -> None:
+    """Its drain was 30 s against the replicas' 60 s: a rollout of the orchestrator cut the
+    answers the replicas would have finished (the public API cannot resume a stream)."""
+    cfg = {s: load_service_config(rendered, rendered.workload_for(s))
+           for s in ("orchestrator", "kvpool")}
+    if None not in cfg.values():
+        assert cfg["orchestrator"].grace_s >= cfg["kvpool"].grace_seconds
+
+
 def _peer_matches(peer: dict[str, Any], src: dict[str, Any], ns: str) -> bool:
     assert "ipBlock" not in peer, "ipBlock peers are not modelled by this test"
     ns_ok = (selector_matches(peer["namespaceSelector"], src["ns_labels"])
