@@ -79,7 +79,7 @@ def test_answers_cut_inside_a_character_end_before_it_not_in_a_replacement_chara
     assert stub.requests == [] and text_of(events) == "Paris "
     assert finished(events).finish_reason == common_pb2.FINISH_REASON_LENGTH
 
-    cut = list("ok ".encode()) + list("é".encode())[:1]
+    cut = list(b"ok ") + list("é".encode())[:1]
     stub = Stub("A", [Call([kvpool_pb2.KvGenerateResponse(
         token_ids=cut, final=kvpool_pb2.KvGenerateFinal(
             finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id="A"))])])
