@@ -59,7 +59,9 @@ def test_a_busy_port_fails_the_bind_instead_of_sharing_it():
 
     first = serve(PrefixConfig(address="127.0.0.1:0", metrics_port=-1))
     try:
-        with pytest.raises(RuntimeError):
+        from services.common.bootstrap import BindError
+
+        with pytest.raises(BindError, match="TIERCACHE_PREFIX_ADDRESS: cannot listen"):
             second = serve(PrefixConfig(address=f"127.0.0.1:{first.handle.port}",
                                         metrics_port=-1))
             second.stop(0)

@@ -296,6 +296,10 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         return wrapped
 
 
+class BindError(ConfigError):
+    """The service's address or metrics port cannot be bound (in use, or not this host's)."""
+
+
 @dataclass
 class ServerHandle:
     """A started gRPC server and the pieces around it."""
@@ -408,12 +412,16 @@ def create_server(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server, pool=source_info_pool())
     credentials = credentials or server_credentials_from_env(service)
-    if credentials is not None:
-        port = server.add_secure_port(address, credentials)
-    else:
-        port = server.add_insecure_port(address)
+    try:
+        if credentials is not None:
+            port = server.add_secure_port(address, credentials)
+        else:
+            port = server.add_insecure_port(address)
+    except RuntimeError:  # gRPC raises where it once returned 0
+        port = 0
     if port == 0:
-        raise RuntimeError(f"could not bind {address}")
+        raise BindError(f"TIERCACHE_{service.upper()}_ADDRESS: cannot listen on {address} "
+                        "(the port is in use, or the host is not an address of this machine)")
     server.start()
     handle = ServerHandle(service, server, port, hs, names)
     handle.set_serving(False)
@@ -421,7 +429,12 @@ def create_server(
         from prometheus_client import start_http_server
 
         host = address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-        httpd, _ = start_http_server(metrics_port, addr=host)
+        try:
+            httpd, _ = start_http_server(metrics_port, addr=host)
+        except OSError as exc:
+            server.stop(None)
+            raise BindError(f"TIERCACHE_{service.upper()}_METRICS_PORT: cannot listen on "
+                            f"{host}:{metrics_port} ({exc.strerror or exc})") from None
         handle._metrics_httpd = httpd
         handle.metrics_port = httpd.server_address[1]
     log.info("%s listening on port %d (metrics %s)", service, port, handle.metrics_port)

@@ -33,6 +33,10 @@ def env_name(service: str, field: str) -> str:
     return f"TIERCACHE_{service.upper()}_{field.upper()}"
 
 
+# Largest float a setting may have (seconds: about 31 years).
+MAX_FLOAT_SETTING = 1e9
+
+
 def _parse(raw: str, typ: Any, where: str) -> Any:
     origin = typing.get_origin(typ)
     if origin is typing.Union or origin is getattr(__import__("types"), "UnionType", None):
@@ -58,6 +62,10 @@ def _parse(raw: str, typ: Any, where: str) -> Any:
             v = float(raw)
             if not math.isfinite(v):  # nan/inf pass float() and break timers and sleeps later
                 raise ValueError(f"expected a finite number, got {raw!r}")
+            if abs(v) > MAX_FLOAT_SETTING:
+                # Durations this long overflow Event.wait (threading.TIMEOUT_MAX) and gRPC
+                # deadlines: a lease sweeper died, every call expired at once.
+                raise ValueError(f"expected at most {MAX_FLOAT_SETTING:g} in size, got {raw!r}")
             return v
         if typ is str:
             return raw
@@ -123,16 +131,24 @@ def require(cond: bool, service: str, field: str, why: str) -> None:
         raise ConfigError(f"{env_name(service, field)}: {why}")
 
 
-def _is_host_port(a: str) -> bool:
+def is_host_port(a: str, *, listen: bool = False) -> bool:
     """host:port, the host anything without spaces or commas (a name, an IPv4 address, a bare
-    or [bracketed] IPv6 address, a gRPC target such as dns:///name); the port 1..65535."""
+    or [bracketed] IPv6 address, a gRPC target such as dns:///name); the port 1..65535, or
+    0..65535 for an address to listen on (0 = any free port)."""
     host, sep, port = a.rpartition(":")
     return (bool(sep) and bool(host) and not any(c.isspace() or c == "," for c in host)
-            and port.isascii() and port.isdigit() and 0 < int(port) <= 65535)
+            and port.isascii() and port.isdigit() and (1 - listen) <= int(port) <= 65535)
+
+
+def require_listen_address(address: str, service: str) -> None:
+    """The address a service binds: host:port with a port in 0..65535. gRPC took a port
+    over 65535 modulo 65536 and served on another port without a word."""
+    require(is_host_port(address.strip(), listen=True), service, "address",
+            f"{address!r} is not host:port (port 0..65535, 0 = any free one)")
 
 
 def require_addresses(addresses, service: str, field: str, *, allow_none: bool) -> None:
-    """Each address is host:port (see `_is_host_port`), none twice; at least one unless
+    """Each address is host:port (see `is_host_port`), none twice; at least one unless
     `allow_none`. Blank entries (a trailing comma) are ignored, as the clients ignore them.
 
     Checked at start so that a bad list is a one-line ConfigError (exit 2), not a traceback
@@ -143,6 +159,6 @@ def require_addresses(addresses, service: str, field: str, *, allow_none: bool) 
         require(allow_none, service, field, "must name at least one host:port")
         return
     for a in items:
-        require(_is_host_port(a), service, field, f"{a!r} is not host:port")
+        require(is_host_port(a), service, field, f"{a!r} is not host:port")
     dup = sorted({a for a in items if items.count(a) > 1})
     require(not dup, service, field, f"{', '.join(dup)} given twice")

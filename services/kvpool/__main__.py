@@ -18,6 +18,7 @@ from services.common.bootstrap import (  # noqa: E402
     load_service_config,
     run_until_signal,
 )
+from services.common.config import ConfigError  # noqa: E402
 from services.common.model_store import ModelStoreError  # noqa: E402
 from services.kvpool.app import build_replica  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
@@ -52,7 +53,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     servicer = KvPoolServicer(cfg)
     # Bind first (health NOT_SERVING) so probes see the process while the model loads.
-    handle = create_server(
+    try:
+        handle = create_server(
         service="kvpool", address=cfg.address,
         services=[(kvpool_pb2_grpc.add_KvPoolServicer_to_server, servicer,
                    "tiercache.v1.KvPool")],
@@ -62,12 +64,16 @@ def main(argv: list[str] | None = None) -> int:
         # sequence the engine may hold, plus room for Stats polls, Prefill and Resync, or a
         # busy replica's Stats would queue behind streams until it is declared hung.
         max_workers=cfg.max_batch_size + cfg.max_waiting + 16)
+    except ConfigError as exc:  # the address or metrics port cannot be bound
+        log.error("bad configuration: %s", exc)
+        return 2
     try:
         replica = build_replica(cfg)
-    except (ModelStoreError, OSError) as exc:
+    except (ModelStoreError, OSError, ValueError) as exc:
         # A model folder that does not exist (ModelStoreError), or one transformers cannot
         # load (OSError: no weights file, unreadable files; also a full disk or too many open
-        # files while converting, which a restart with the same settings would meet again).
+        # files while converting, which a restart with the same settings would meet again;
+        # ValueError: a config.json transformers does not recognise).
         log.error("bad configuration (the model could not be loaded): %s", exc)
         handle.stop(None)
         return 2

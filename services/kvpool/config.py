@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from services.common.config import require, require_addresses
+from services.common.config import require, require_addresses, require_listen_address
 
 SERVICE = "kvpool"
 
@@ -97,7 +97,7 @@ class KvPoolConfig:
         require(bool(self.replica_id.strip()), s, "replica_id", "must not be empty")
         # The prefix index refuses longer ids at Register: the replica would never be indexed.
         require(len(self.replica_id) <= 256, s, "replica_id", "must be at most 256 characters")
-        require(":" in self.address, s, "address", "must be host:port")
+        require_listen_address(self.address, s)
         if self.prefix_address.strip():  # "" = no prefix index; anything else must name one
             require_addresses(self.prefix_address.split(","), s, "prefix_address",
                               allow_none=False)

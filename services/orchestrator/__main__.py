@@ -8,6 +8,7 @@ import sys
 from tiercache.v1 import orchestrator_pb2_grpc
 
 from services.common.bootstrap import create_server, load_service_config, run_until_signal
+from services.common.config import ConfigError
 from services.common.hashing import DEFAULT_KEY, hash_key_from_env
 from services.common.model_store import ModelStoreError
 from services.orchestrator.app import build
@@ -29,12 +30,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     # Bind first (health NOT_SERVING) so probes see the process while the tokenizer loads.
     servicer = OrchestratorServicer(cfg)
-    handle = create_server(
-        service="orchestrator", address=cfg.address,
-        services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer,
-                   "tiercache.v1.Orchestrator")],
-        metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
-        max_workers=cfg.max_workers)
+    try:
+        handle = create_server(
+            service="orchestrator", address=cfg.address,
+            services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer,
+                       "tiercache.v1.Orchestrator")],
+            metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
+            max_workers=cfg.max_workers)
+    except ConfigError as exc:  # the address or metrics port cannot be bound
+        log.error("bad configuration: %s", exc)
+        return 2
     try:
         app = build(cfg)
     except (ModelStoreError, OSError, ValueError) as exc:

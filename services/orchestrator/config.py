@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import require, require_addresses
+from services.common.config import require, require_addresses, require_listen_address
 from services.orchestrator.tenants import parse_token_pairs
 
 SVC = "orchestrator"
@@ -89,9 +89,9 @@ class OrchestratorConfig:
                 "must be -1 (off), 0 or a port")
         try:
             parse_token_pairs(self.tokens)
-        except ValueError:
-            require(False, SVC, "tokens",
-                    "expected token=tenant,... (a pair lacks its '=' or a side)")
+        except ValueError as exc:
+            require(False, SVC, "tokens", str(exc).split(": ", 1)[-1])
+        require_listen_address(self.address, SVC)
         require(bool(self.kvpool_addresses), SVC, "kvpool_addresses", "at least one replica")
         require_addresses(self.kvpool_addresses, SVC, "kvpool_addresses", allow_none=False)
         require_addresses(self.prefix_addresses, SVC, "prefix_addresses", allow_none=True)
@@ -101,6 +101,7 @@ class OrchestratorConfig:
         require(0 < self.default_max_tokens <= self.max_tokens_limit, SVC, "default_max_tokens",
                 "must be in (0, max_tokens_limit]")
         require(self.max_prompt_tokens > 0, SVC, "max_prompt_tokens", "must be > 0")
+        require(self.max_message_chars > 0, SVC, "max_message_chars", "must be > 0")
         require(self.max_concurrent_per_tenant >= 0, SVC, "max_concurrent_per_tenant",
                 "must be >= 0 (0 = automatic)")
         require(self.request_timeout_s > 0, SVC, "request_timeout_s", "must be > 0")

@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from services.common.errors import (
     PermissionDenied,
@@ -31,14 +32,29 @@ def parse_token_pairs(tokens: str) -> dict[str, str]:
     """`TIERCACHE_ORCHESTRATOR_TOKENS` ("token=tenant,...") as token -> tenant.
 
     Raises:
-        ValueError: a pair lacks its '=' or a side.
+        ValueError: a pair lacks its '=' or a side, or a token is given twice (the last one
+            silently took the token from the first tenant).
     """
     out: dict[str, str] = {}
-    for pair in filter(None, (p.strip() for p in tokens.split(","))):
+    for i, pair in enumerate(filter(None, (p.strip() for p in tokens.split(","))), 1):
         tok, sep, name = pair.partition("=")
         if not sep or not tok or not name:
             raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: expected token=tenant,...")
+        if tok in out:
+            raise ValueError(f"TIERCACHE_ORCHESTRATOR_TOKENS: pair {i} repeats the token of "
+                             "an earlier pair (each token names one tenant)")
         out[tok] = name
+    return out
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """json object_pairs_hook: a key (a token, or a tenant's setting) given twice is an error,
+    not the last one silently winning. The key itself is not shown: it may be a token."""
+    out: dict[str, Any] = {}
+    for i, (k, v) in enumerate(pairs, 1):
+        if k in out:
+            raise ValueError(f"key {i} of an object repeats an earlier key of it")
+        out[k] = v
     return out
 
 
@@ -140,7 +156,12 @@ class TenantRegistry:
         names: dict[str, str] = {}  # token -> tenant
         if tokens_file:
             with open(tokens_file, encoding="utf-8") as f:
-                data = json.load(f)
+                try:
+                    data = json.load(f, object_pairs_hook=_unique_keys)
+                except json.JSONDecodeError as exc:
+                    raise ValueError(f"{tokens_file}: not JSON: {exc}") from None
+                except ValueError as exc:
+                    raise ValueError(f"{tokens_file}: {exc}") from None
             if not isinstance(data, Mapping):
                 raise ValueError(f"{tokens_file}: expected a JSON object of token -> tenant")
             for i, (tok, raw) in enumerate(data.items(), 1):

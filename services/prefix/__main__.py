@@ -6,6 +6,7 @@ import logging
 import sys
 
 from services.common.bootstrap import load_service_config, run_until_signal
+from services.common.config import ConfigError
 from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
 
@@ -16,7 +17,11 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_service_config(PrefixConfig, "prefix", argv)
     if cfg is None:
         return 2
-    svc = serve(cfg)
+    try:
+        svc = serve(cfg)
+    except ConfigError as exc:  # the address or metrics port cannot be bound
+        log.error("bad configuration: %s", exc)
+        return 2
     log.info("prefix index serving on port %d (block size %d, budget %d nodes)", svc.port,
              cfg.block_size, cfg.max_nodes)
     run_until_signal(svc.handle, grace=cfg.grace_seconds, on_stop=lambda: svc.stop(0))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import require
+from services.common.config import require, require_listen_address
 
 
 @dataclass(frozen=True)
@@ -29,7 +29,7 @@ class PrefixConfig:
 
     def validate(self) -> None:
         svc = "prefix"
-        require(":" in self.address, svc, "address", "expected host:port")
+        require_listen_address(self.address, svc)
         require(-1 <= self.metrics_port <= 65535, svc, "metrics_port",
                 "must be -1 (off), 0 or a port")
         require(self.block_size > 0, svc, "block_size", "must be > 0")

@@ -13,7 +13,7 @@ from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
 from services.common import metrics
 from services.common.bootstrap import ServerHandle, create_server
-from services.common.config import _is_host_port
+from services.common.config import is_host_port
 from services.common.errors import InvalidArgument, shown
 from services.common.policy import make_policy
 from services.prefix.config import PrefixConfig
@@ -73,7 +73,7 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         PRUNED.set(self.index.tree.pruned_total)
 
     def Register(self, request, context):
-        if request.address and not _is_host_port(request.address):
+        if request.address and not is_host_port(request.address):
             # What TopPrefixes hands out as where a prefix lives: it must be dialable.
             raise InvalidArgument("address", f"{shown(request.address)} is not host:port")
         with self.lock:

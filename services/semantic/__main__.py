@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import gc
 import logging
+import sqlite3
 import sys
 
 from services.common.bootstrap import load_service_config, run_until_signal
+from services.common.config import ConfigError
 from services.semantic.config import SemanticConfig
 from services.semantic.server import serve
 from services.semantic.store import DatabaseInUse
@@ -22,6 +24,12 @@ def main(argv: list[str] | None = None) -> int:
         svc = serve(cfg)
     except DatabaseInUse as exc:
         log.error("cannot start: %s", exc)
+        return 2
+    except (ConfigError, OSError, ValueError, sqlite3.Error) as exc:
+        # A port in use; a model folder without its tokenizer, a database path that is a
+        # folder or not a database, a cache folder that cannot be made, a verifier file that
+        # is not JSON: found only now, where the paths exist. One line, exit 2.
+        log.error("bad configuration: %s: %s", type(exc).__name__, exc)
         return 2
     # Move what loading built (entries, maps, index arrays) out of the cyclic collector's reach:
     # a full collection walked 100k entries in ~30 ms, a pause lookups would wait through.

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from services.common.config import require
+from services.common.config import require, require_listen_address
 
 SERVICE = "semantic"
 
@@ -107,7 +107,7 @@ class SemanticConfig:
     def validate(self) -> None:
         """Raises ConfigError naming the variable of the first bad field."""
         s = SERVICE
-        require(bool(self.address), s, "address", "must not be empty")
+        require_listen_address(self.address, s)
         require(-1 <= self.metrics_port <= 65535, s, "metrics_port", "must be -1 (off) or a port")
         md = self.resolved_model_dir()
         require(bool(md) and os.path.isdir(md), s, "model_dir",
@@ -127,6 +127,11 @@ class SemanticConfig:
             v = getattr(self, name)
             require(self.threshold_floor <= v <= 1.0, s, name,
                     f"must be in [threshold_floor={self.threshold_floor}, 1], got {v}")
+        require(self.tier_relaxed <= self.tier_standard <= self.tier_strict, s, "tier_standard",
+                f"tiers must not cross: relaxed {self.tier_relaxed} <= standard "
+                f"{self.tier_standard} <= strict {self.tier_strict}")
+        require(self.max_tenant_chars >= 64, s, "max_tenant_chars",
+                "must be >= 64 (it also bounds model ids; below that every request is refused)")
         require(self.default_tier in ("strict", "standard", "relaxed"), s, "default_tier",
                 "must be strict, standard or relaxed")
         require(0.0 < self.threshold_floor <= 1.0, s, "threshold_floor", "must be in (0, 1]")
