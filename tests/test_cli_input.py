@@ -198,3 +198,47 @@ def test_warm_with_nothing_to_warm_names_the_clis_flags(capsys):
         cli.main(["warm"])
     assert e.value.code == 2
     assert "--system PROMPT or --top-k K" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "words"), [
+    (["--timeout", "0", "stats"], "--timeout"), (["--timeout", "nan", "stats"], "--timeout"),
+    (["--timeout", "1e10", "stats"], "--timeout"),
+    (["--token", "a\nb", "stats"], "--token"), (["--token", "é", "stats"], "--token"),
+    (["replay", "t.jsonl", "--time-scale", "inf"], "--time-scale"),
+    (["replay", "t.jsonl", "--time-scale", "-1"], "--time-scale"),
+    (["replay", "t.jsonl", "--tenant-tokens", "abc"], "--tenant-tokens"),
+    (["--cert", "c.pem", "stats"], "--cert"),
+    (["--ca", "ca.pem", "--cert", "c.pem", "stats"], "--cert and --key"),
+])
+def test_values_that_failed_later_or_named_nothing_are_usage_errors(fake, capsys, argv, words):
+    """A 0, nan or 1e10 s timeout came back as DEADLINE_EXCEEDED from the server; a token with
+    a newline or an accent as gRPC's INTERNAL "Invalid metadata"; an infinite time scale as an
+    OverflowError traceback; a tenant pair without '=' was dropped; --cert without TLS exited
+    1, not 2 as other usage errors."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and words in err and "Traceback" not in err
+
+
+def test_a_token_from_a_secret_file_loses_its_trailing_newline(fake, monkeypatch):
+    seen = []
+    monkeypatch.setattr(cli, "cmd_stats", lambda c, a: seen.append(a.token) or 0)
+    assert cli.main(["--token", "tok-1\n", "stats"]) == 0
+    monkeypatch.setenv("TIERCACHE_TOKEN", "tok-2\n")
+    assert cli.main(["stats"]) == 0
+    monkeypatch.setenv("TIERCACHE_TOKEN", "tok 3")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["stats"])
+    assert e.value.code == 2 and seen == ["tok-1", "tok-2"]
+
+
+def test_output_that_cannot_be_written_is_one_line_not_a_traceback(fake, monkeypatch, capsys):
+    import errno
+
+    def full(c, a):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cli, "cmd_stats", full)
+    assert cli.main(["stats"]) == 1
+    assert "No space left on device" in capsys.readouterr().err

@@ -21,16 +21,18 @@ def test_no_ca_at_all_is_plaintext():
     assert credentials(ns(None)) is None
 
 
-def test_cert_without_any_ca_is_an_error():
-    with pytest.raises(SystemExit, match="need --ca"):
+def test_cert_without_any_ca_is_an_error(capsys):
+    with pytest.raises(SystemExit) as e:
         credentials(ns(None, "/x/client.pem", "/x/client.key"))
+    assert e.value.code == 2 and "need --ca" in capsys.readouterr().err  # a usage error
 
 
-def test_cert_without_key_is_an_error(tmp_path):
+def test_cert_without_key_is_an_error(tmp_path, capsys):
     ca = tmp_path / "ca.pem"
     ca.write_text("x")
-    with pytest.raises(SystemExit, match="together"):
+    with pytest.raises(SystemExit) as e:
         credentials(ns(str(ca), "/x/client.pem", None))
+    assert e.value.code == 2 and "together" in capsys.readouterr().err
 
 
 def test_tls_without_a_ca_verifies_against_the_system_roots():

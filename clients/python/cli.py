@@ -14,6 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -164,6 +165,21 @@ def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
     return 0
 
 
+def _drop_buffered_output() -> None:
+    """Point stdout at /dev/null: the output still buffered must not raise again when Python
+    flushes it at exit."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # stdout is not a file (captured, closed)
+        pass
+
+
+def _usage(why: str) -> NoReturn:
+    """A usage error found after parsing: exit 2, as argparse's own."""
+    sys.stderr.write(f"tiercache: error: {why}\n")
+    raise SystemExit(2)
+
+
 def credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
     """TLS when --ca is given, or --tls (verified against the system's trusted roots); mutual
     TLS with --cert and --key. None = plaintext.
@@ -174,10 +190,10 @@ def credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
         return None
     if not a.ca and not a.tls:
         if a.cert or a.key:
-            raise SystemExit("error: --cert/--key need --ca or --tls (TLS)")
+            _usage("--cert/--key need --ca or --tls (TLS)")
         return None
     if bool(a.cert) != bool(a.key):
-        raise SystemExit("error: give --cert and --key together")
+        _usage("give --cert and --key together")
     try:
         read = [Path(x).read_bytes() if x else None for x in (a.ca, a.key, a.cert)]
     except OSError as e:
@@ -196,7 +212,7 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
         w = load_trace(a.trace)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"error: trace {a.trace}: {type(e).__name__}: {e}") from None
-    tokens = dict(p.split("=", 1) for p in a.tenant_tokens.split(",") if "=" in p)
+    tokens = a.tenant_tokens
     clients = {t: TierCacheClient(a.address, token=tokens.get(t, a.token), timeout=a.timeout,
                                   credentials=a.credentials)
                for t in w.system_prompts}
@@ -238,6 +254,44 @@ def _count(top: int):
 uint32, int32 = _count(2**32 - 1), _count(2**31 - 1)  # as the proto fields are declared
 
 
+def _seconds(low_inclusive: bool):
+    """argparse type: finite seconds, > 0 (or >= 0), at most 1e6. A huge deadline expired at
+    once as DEADLINE_EXCEEDED, 0 and nan did too, and inf overflowed a sleep."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (0 <= v <= 1e6) or (v == 0 and not low_inclusive):
+            raise argparse.ArgumentTypeError(
+                f"must be in {'[' if low_inclusive else '('}0, 1e6] seconds, got {text!r}")
+        return v
+    return parse
+
+
+def _token(text: str) -> str:
+    """A bearer token, surrounding whitespace dropped (a secret file's trailing newline):
+    printable ASCII, as gRPC metadata must be (else an INTERNAL "Invalid metadata" that named
+    nothing)."""
+    t = text.strip()
+    if not _utf8(t):
+        raise argparse.ArgumentTypeError("not valid UTF-8")
+    if not t or not all(" " < c <= "~" for c in t):
+        raise argparse.ArgumentTypeError("must be printable ASCII without spaces")
+    return t
+
+
+def _tenant_tokens(text: str) -> dict[str, str]:
+    """--tenant-tokens tenant=token,...: a pair without '=' was dropped without a word."""
+    out: dict[str, str] = {}
+    for pair in filter(None, (s.strip() for s in text.split(","))):
+        tenant, sep, tok = pair.partition("=")
+        if not sep or not tenant:
+            raise argparse.ArgumentTypeError(f"expected tenant=token, got {pair!r}")
+        out[tenant] = _token(tok)
+    return out
+
+
 def _positive(text: str) -> int:
     v = _count(2**31 - 1)(text)
     if v < 1:
@@ -252,9 +306,12 @@ _WIRE_ARGS = ("address", "token", "text", "session", "system", "entry_id", "tena
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
-    p.add_argument("--address", default=os.environ.get("TIERCACHE_ADDRESS", "localhost:50051"))
-    p.add_argument("--token", default=os.environ.get("TIERCACHE_TOKEN"))
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--address", default=os.environ.get("TIERCACHE_ADDRESS", "localhost:50051"),
+                   help="orchestrator host:port (env TIERCACHE_ADDRESS; default %(default)s)")
+    p.add_argument("--token", type=_token, default=os.environ.get("TIERCACHE_TOKEN"),
+                   help="tenant bearer token (env TIERCACHE_TOKEN; none = no auth)")
+    p.add_argument("--timeout", type=_seconds(False), default=300.0,
+                   help="seconds per call (default %(default)s)")
     p.add_argument("--ca", default=os.environ.get("TIERCACHE_TLS_CA"),
                    help="CA bundle: speak TLS and verify the server (env TIERCACHE_TLS_CA)")
     p.add_argument("--cert", default=os.environ.get("TIERCACHE_TLS_CLIENT_CERT"),
@@ -270,14 +327,15 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--session", default="", type=session_name,
                     help="conversation id (keeps history)")
     ch.add_argument("--system", default="", help="system prompt for a new conversation")
-    ch.add_argument("--max-tokens", type=int32, default=0)
+    ch.add_argument("--max-tokens", type=int32, default=0, help="0 = the server's default")
     ch.add_argument("--temperature", type=float, default=0.0)
     ch.add_argument("-q", "--quiet", action="store_true", help="no cache report on stderr")
     w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
     w.add_argument("--system", default="")
     w.add_argument("--top-k", type=uint32, default=0, help="also warm the k hottest prefixes")
     w.add_argument("--owners", action="store_true", help="only the owning replica")
-    w.add_argument("--ttl", type=uint32, default=0)
+    w.add_argument("--ttl", type=uint32, default=0,
+                   help="pin lifetime in seconds (0 = the server's default)")
     f = sub.add_parser("feedback", help="mark a semantic entry good (verified) or bad")
     f.add_argument("entry_id")
     f.add_argument("--bad", action="store_true")
@@ -285,11 +343,17 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("replay", help="replay a workload trace (python -m benchmarks.workload)")
     rp.add_argument("trace")
     rp.add_argument("--concurrency", type=_positive, default=2)
-    rp.add_argument("--time-scale", type=float, default=0.0,
+    rp.add_argument("--time-scale", type=_seconds(True), default=0.0,
                     help="seconds of replay per second of trace (0 = as fast as possible)")
     rp.add_argument("--max-tokens", type=int32, default=32)
-    rp.add_argument("--tenant-tokens", default="", help="tenant=token,... for auth")
+    rp.add_argument("--tenant-tokens", type=_tenant_tokens, default={},
+                    help="tenant=token,... for auth (tenants not named use --token)")
     a = p.parse_args(argv)
+    if isinstance(a.token, str) and a.token:  # from TIERCACHE_TOKEN: argparse types skip defaults
+        try:
+            a.token = _token(a.token)
+        except argparse.ArgumentTypeError as e:
+            p.error(f"TIERCACHE_TOKEN: {e}")
     if a.cmd == "warm" and not a.system and not a.top_k:
         w.error("give --system PROMPT or --top-k K")  # not the wire's "prompts or top_k"
     for name in _WIRE_ARGS:
@@ -309,10 +373,13 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
-        # The reader went away (`| head -1`): stop quietly, as a Unix filter does. The output
-        # still buffered must not raise again when Python flushes it at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        # The reader went away (`| head -1`): stop quietly, as a Unix filter does.
+        _drop_buffered_output()
         return 141
+    except OSError as e:  # e.g. the output cannot be written (a full disk): one line
+        _drop_buffered_output()
+        sys.stderr.write(f"error: {e}\n")
+        return 1
 
 
 if __name__ == "__main__":
