@@ -115,6 +115,10 @@ class ReplicaSet:
     addresses: tuple[str, ...]
     internal_token: str
     poll_s: float = 1.0
+    # What every replica must serve (checked on each Stats poll; "" / 0 = not checked): one
+    # with another model or block size is a deployment fault, kept out of routing.
+    model_id: str = ""
+    block_size: int = 0
     replicas: list[Replica] = field(default_factory=list)
     # Called with a replica's id when the poller finds it failed or restarted (its cache may be
     # gone): routing forgets what it sent there.
@@ -138,6 +142,14 @@ class ReplicaSet:
                 # death, so the timeout is generous and only repeated slowness counts.
                 s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(5.0, self.poll_s),
                                  metadata=call_metadata(self.internal_token))
+                wrong = self._mismatch(s)
+                if wrong:
+                    if r.health.healthy or r.health.last_error != wrong:
+                        log.error("replica %s at %s is out of routing: %s", s.replica_id,
+                                  r.address, wrong)
+                    r.health.fail(wrong, hold=True)
+                    self._lost(r)
+                    continue
                 restarted = (r.stats is not None and s.incarnation
                              and s.incarnation != r.stats.incarnation)
                 with self._lock:
@@ -164,6 +176,16 @@ class ReplicaSet:
                     # Stats because it is draining (SIGTERM) still finishes its streams, and
                     # one that died fails them itself (UNAVAILABLE), which fails them over.
                     self._notify_down(r)
+
+    def _mismatch(self, s: kvpool_pb2.KvStatsResponse) -> str:
+        """Why a replica answering `s` must not serve this orchestrator's requests ("" = it
+        may): another model (every request would be refused) or another block size (its
+        prefix hashes would never match ours)."""
+        if self.model_id and s.model_id and s.model_id != self.model_id:
+            return f"it serves model {s.model_id!r}, this orchestrator {self.model_id!r}"
+        if self.block_size and s.block_size and s.block_size != self.block_size:
+            return f"its KV block size is {s.block_size}, this orchestrator's {self.block_size}"
+        return ""
 
     def _lost(self, r: Replica) -> None:
         for fn in self.on_lost:

@@ -430,8 +430,15 @@ class Orchestrator:
                     # Our internal credential, not the client's: a misconfigured replica.
                     # Never the client's UNAUTHENTICATED; try another replica.
                     log.error("replica %s refused the orchestrator's internal credential (%s: "
-                              "%s): check TIERCACHE_INTERNAL_TOKEN on both", replica.replica_id,
+                              "%s): check TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN and "
+                              "TIERCACHE_KVPOOL_INTERNAL_TOKEN", replica.replica_id,
                               code.name, e.details())
+                elif (code == grpc.StatusCode.FAILED_PRECONDITION
+                      and (e.details() or "").startswith("model_id:")):
+                    # The orchestrator sends its own model id: a replica serving another
+                    # model is a deployment fault, not the client's; try another replica.
+                    log.error("replica %s serves another model (%s)", replica.replica_id,
+                              e.details())
                 elif code not in _REPLICA_LOST:
                     # The replica judged the request itself: pass its verdict on unchanged.
                     raise _as_domain(e) from None

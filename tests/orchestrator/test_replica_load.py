@@ -212,3 +212,30 @@ def test_routing_never_reads_a_load_from_two_polls():
     finally:
         sys.setswitchinterval(old)
     assert max(seen) <= 5, sorted(seen)
+
+
+def test_a_replica_serving_another_model_or_block_size_is_kept_out_of_routing():
+    """The poller never compared them: a replica with another model stayed in routing and
+    failed every request sent there (FAILED_PRECONDITION to the client); one with another
+    block size would never match a prefix."""
+    class Serving(StatsStub):
+        def __init__(self, name, model_id, block_size):
+            super().__init__(name, 0)
+            self.model_id, self.block_size = model_id, block_size
+
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
+            return kvpool_pb2.KvStatsResponse(replica_id=self.name, model_id=self.model_id,
+                                              block_size=self.block_size)
+
+    rs = ReplicaSet(addresses=(), internal_token="", model_id="m", block_size=16)
+    good, other_model, other_block = (
+        Replica(n, Serving(n, m, b), Health("kvpool", n), replica_id=n)
+        for n, m, b in (("r0", "m", 16), ("r1", "m2", 16), ("r2", "m", 32)))
+    rs.replicas.extend([good, other_model, other_block])
+    rs.poll_once()
+    assert [r.replica_id for r in rs.healthy()] == ["r0"]
+    assert "serves model 'm2'" in other_model.health.last_error
+    assert "block size is 32" in other_block.health.last_error
+    other_model.stub.model_id = "m"  # redeployed with the right model: back in routing
+    rs.poll_once()
+    assert [r.replica_id for r in rs.healthy()] == ["r0", "r1"]

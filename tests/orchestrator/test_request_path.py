@@ -290,6 +290,20 @@ def test_a_replica_refusing_our_internal_credential_is_failed_over(code):
     assert not orch.replicas.by_id("A").health.healthy
 
 
+def test_a_replica_serving_another_model_is_failed_over_not_blamed_on_the_client():
+    class WrongModel(RpcError):
+        def details(self) -> str:
+            return "model_id: this replica serves 'other', not 'm'"
+
+    a = Stub("A", [Call([], WrongModel(grpc.StatusCode.FAILED_PRECONDITION))])
+    b = Stub("B", [Call([final("B", 2)])])
+    orch = make({"A": a, "B": b})
+    orch.routing.choose = _prefer("A", orch.routing.choose)
+    events = run(orch)
+    assert text_of(events) == "ok" and finished(events).report.replica_id == "B"
+    assert not orch.replicas.by_id("A").health.healthy
+
+
 def test_only_replicas_refusing_our_credential_is_unavailable_not_unauthenticated():
     a = Stub("A", [Call([], RpcError(grpc.StatusCode.UNAUTHENTICATED))])
     orch = make({"A": a}, max_attempts=1)
