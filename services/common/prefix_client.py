@@ -69,6 +69,9 @@ _TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EX
 class RegisterOutcome(NamedTuple):
     lease_seconds: float  # the shortest lease of all shards
     next_seq: dict[str, int]  # per shard address
+    # The smallest batch limits of the shards that said theirs (0 = none said).
+    max_events: int = 0
+    max_blocks: int = 0
 
 
 class PublishOutcome(NamedTuple):
@@ -233,8 +236,13 @@ class PrefixIndexClient:
                 # shard under the number the shard now hands back, and reusing it would let
                 # that old batch stand in for this one.
                 self._seq[key] = max(self._seq.get(key, 1), r.next_seq or 1)  # type: ignore[attr-defined]
+        def smallest(field: str) -> int:
+            said = [getattr(r, field) for r in got.values() if getattr(r, field)]
+            return min(said) if said else 0
+
         return RegisterOutcome(min(r.lease_seconds for r in got.values()),  # type: ignore[attr-defined]
-                               {a: r.next_seq for a, r in got.items()})  # type: ignore[attr-defined]
+                               {a: r.next_seq for a, r in got.items()},  # type: ignore[attr-defined]
+                               smallest("max_events"), smallest("max_blocks"))
 
     def heartbeat(self, replica_id: str, incarnation: str,
                   load: prefix_pb2.ReplicaLoad | None = None, *, timeout: float | None = None

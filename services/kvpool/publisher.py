@@ -36,6 +36,8 @@ log = logging.getLogger(__name__)
 # replica may hold more blocks than this).
 MAX_BACKLOG = 50_000
 MAX_BATCH = 512
+# Blocks per batch when the index does not say its limit (its default).
+MAX_BATCH_BLOCKS = 65536
 # How long a resync waits for the engine thread to take its snapshot (between two steps).
 SNAPSHOT_TIMEOUT = 60.0
 
@@ -51,6 +53,43 @@ def to_proto(ev: PoolEvent) -> prefix_pb2.KvEvent:
         return prefix_pb2.KvEvent(removed=prefix_pb2.BlocksRemoved(block_hashes=ev.block_hashes))
     assert isinstance(ev, AllCleared)
     return prefix_pb2.KvEvent(cleared=prefix_pb2.AllCleared())
+
+
+def _blocks(ev: PoolEvent) -> int:
+    return 0 if isinstance(ev, AllCleared) else len(ev.block_hashes)
+
+
+def _split(ev: PoolEvent, n: int, block_size: int) -> tuple[PoolEvent, PoolEvent]:
+    """`ev`'s first `n` blocks, and the rest: a stored chain's second part continues after the
+    first part's last block."""
+    if isinstance(ev, BlocksRemoved):
+        return BlocksRemoved(ev.block_hashes[:n]), BlocksRemoved(ev.block_hashes[n:])
+    assert isinstance(ev, BlocksStored)
+    cut = n * block_size
+    return (ev._replace(block_hashes=ev.block_hashes[:n], token_ids=ev.token_ids[:cut]),
+            ev._replace(parent_hash=ev.block_hashes[n - 1], block_hashes=ev.block_hashes[n:],
+                        token_ids=ev.token_ids[cut:], start_block=ev.start_block + n))
+
+
+def next_batch(events: list[PoolEvent], max_events: int, max_blocks: int, block_size: int
+               ) -> tuple[list[PoolEvent], list[PoolEvent]]:
+    """The next batch within the index's limits, and what is left. An event with more blocks
+    than a batch may carry is split (a batch over the limits was refused RESOURCE_EXHAUSTED,
+    retried as transient for ever, and the index never heard of this replica again)."""
+    batch: list[PoolEvent] = []
+    room = max_blocks
+    for i, ev in enumerate(events):
+        if len(batch) >= max_events:
+            return batch, events[i:]
+        b = _blocks(ev)
+        if b > room:
+            if room == 0:
+                return batch, events[i:]
+            head, tail = _split(ev, room, block_size)
+            return [*batch, head], [tail, *events[i + 1:]]
+        batch.append(ev)
+        room -= b
+    return batch, []
 
 
 class Publisher:
@@ -89,6 +128,9 @@ class Publisher:
         self.last_seq = 0  # the newest batch number any shard accepted (Stats shows it)
         self.resyncs = 0
         self._backlog: list[PoolEvent] = []
+        # The index's batch limits, from its Register answer.
+        self._max_events = MAX_BATCH
+        self._max_blocks = MAX_BATCH_BLOCKS
         # How many events at the head of _backlog are the rest of a snapshot (not held
         # against MAX_BACKLOG).
         self._snapshot_left = 0
@@ -165,6 +207,8 @@ class Publisher:
                                     self.model_id, self.engine.pool.block_size, s.blocks_total,
                                     hash_probe=self.engine.pool.hasher.probe())
         self._pace(out.lease_seconds)
+        self._max_events = min(MAX_BATCH, out.max_events or MAX_BATCH)
+        self._max_blocks = out.max_blocks or MAX_BATCH_BLOCKS
         self.registered = True
         self._need_resync = True
         log.info("registered with prefix index %s as %s/%s", self.address, self.replica_id,
@@ -233,11 +277,13 @@ class Publisher:
 
     def _publish(self) -> None:
         while self._backlog and not self._need_resync and self.registered:
-            batch = self._backlog[:MAX_BATCH]
+            batch, rest = next_batch(self._backlog, self._max_events, self._max_blocks,
+                                     self.engine.pool.block_size)
             if not self._send(batch, resync=False):
                 return
-            del self._backlog[: len(batch)]
-            self._snapshot_left = max(0, self._snapshot_left - len(batch))
+            sent = len(self._backlog) - len(rest)  # -1 when an event was split
+            self._backlog = rest
+            self._snapshot_left = max(0, self._snapshot_left - max(0, sent))
 
     def _resync(self, only: set[str] | None = None) -> None:
         """Replace the index's view of this replica with a snapshot of the pool: on every
@@ -270,7 +316,8 @@ class Publisher:
         try:
             # The first batch replaces the index's view; large snapshots continue in normal
             # batches.
-            if not self._send(holdings[:MAX_BATCH], resync=True, only=only):
+            first = min(self._max_events, self._max_blocks)  # a holding is one block
+            if not self._send(holdings[:first], resync=True, only=only):
                 return
         except grpc.RpcError:
             self._lagging |= before
@@ -278,6 +325,6 @@ class Publisher:
         if only is None:
             self._need_resync = False
         self.resyncs += 1
-        rest = holdings[MAX_BATCH:]
+        rest = holdings[first:]
         self._backlog = rest + self._backlog
         self._snapshot_left += len(rest)

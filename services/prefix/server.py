@@ -83,7 +83,9 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
             self._gauges()
         log.info("replica %s/%s registered at %s (model %s)", request.replica_id,
                  request.incarnation, request.address, request.model_id)
-        return prefix_pb2.RegisterResponse(lease_seconds=r.lease_seconds, next_seq=r.next_seq)
+        return prefix_pb2.RegisterResponse(lease_seconds=r.lease_seconds, next_seq=r.next_seq,
+                                           max_events=self.index.max_events,
+                                           max_blocks=self.index.max_blocks)
 
     def Heartbeat(self, request, context):
         load = Load(request.load.running, request.load.waiting, request.load.free_blocks,

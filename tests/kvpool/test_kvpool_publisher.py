@@ -487,3 +487,46 @@ def test_a_snapshot_larger_than_the_backlog_limit_is_delivered_once(monkeypatch)
     pub._snapshot_left = 123
     pub._resync()
     assert pub._snapshot_left == n - publisher.MAX_BATCH
+
+
+def test_batches_fit_the_index_limits_an_event_too_big_is_split() -> None:
+    from services.kvpool.block_pool import AllCleared, BlocksRemoved, BlocksStored
+    from services.kvpool.publisher import next_batch
+
+    h = [bytes([i]) * 16 for i in range(10)]
+    chain = BlocksStored(None, h[:5], list(range(20)), "s", h[0], 0)
+    gone = BlocksRemoved(h[5:8])
+    batch, rest = next_batch([chain, gone, AllCleared()], max_events=8, max_blocks=3,
+                             block_size=4)
+    assert batch == [BlocksStored(None, h[:3], list(range(12)), "s", h[0], 0)]
+    assert rest[0] == BlocksStored(h[2], h[3:5], list(range(12, 20)), "s", h[0], 3)
+    batch, rest = next_batch(rest, max_events=8, max_blocks=3, block_size=4)
+    assert batch == [rest_head := BlocksStored(h[2], h[3:5], list(range(12, 20)), "s", h[0], 3),
+                     BlocksRemoved(h[5:6])] and rest_head.start_block == 3
+    assert rest == [BlocksRemoved(h[6:8]), AllCleared()]
+    batch, rest = next_batch(rest, max_events=1, max_blocks=3, block_size=4)
+    assert (batch, rest) == ([BlocksRemoved(h[6:8])], [AllCleared()])
+
+
+def test_a_replica_publishes_to_an_index_with_small_batch_limits(make_engine) -> None:
+    """The publisher sent up to 512 events per batch whatever the index took: an index set to
+    take fewer refused every batch (RESOURCE_EXHAUSTED, retried as transient) and never
+    learned this replica's blocks. Register now says the limits; batches are cut to them."""
+    index, handle = _real_index(lease_seconds=5, max_events=2, max_blocks=3)
+    eng = make_engine(num_blocks=64, hash_key=None)
+    pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
+                    incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
+                    heartbeat_seconds=0.1, publish_interval_seconds=0.02,
+                    channel_factory=grpc.insecure_channel).start()
+    try:
+        wait_for(lambda: pub.registered)
+        prompts = [list(range(35 * i + 1, 35 * i + 31)) for i in range(3)]  # 7 blocks each
+        for p in prompts:
+            toks, fin = generate(eng, p, max_tokens=2)
+            assert len(toks) == 2, fin
+        want = [h for p in prompts for h in eng.pool.hasher.hashes(p)]
+        wait_for(lambda: all(h in index.tree for h in want))
+        assert pub.resyncs == 1  # the first one, at registration: no batch was refused
+    finally:
+        pub.stop()
+        handle.stop(0)
