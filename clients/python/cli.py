@@ -142,7 +142,7 @@ def format_report(r) -> str:
 
 def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
     resp = c.warm([a.system] if a.system else [], top_k=a.top_k, owners_only=a.owners,
-                  pin_ttl_seconds=a.ttl)
+                  pin_ttl_seconds=a.ttl, raw=a.raw)
     print(json.dumps(MessageToDict(resp), indent=2))
     if not resp.results:
         if a.system:
@@ -334,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--system", default="")
     w.add_argument("--top-k", type=uint32, default=0, help="also warm the k hottest prefixes")
     w.add_argument("--owners", action="store_true", help="only the owning replica")
+    w.add_argument("--raw", action="store_true",
+                   help="send --system as a raw prompt (a model without a chat template)")
     w.add_argument("--ttl", type=uint32, default=0,
                    help="pin lifetime in seconds (0 = the server's default)")
     f = sub.add_parser("feedback", help="mark a semantic entry good (verified) or bad")

@@ -65,8 +65,10 @@ class TierCacheClient:
     def close(self) -> None:
         self.channel.close()
 
-    def _metadata(self) -> list[tuple[str, str]]:
-        md = [("x-request-id", uuid.uuid4().hex[:16])]
+    def _metadata(self, request_id: str = "") -> list[tuple[str, str]]:
+        """Call metadata: the caller's request id (it names the call in every service's logs
+        and comes back in GenerateFinal.request_id) or a new one; the bearer token."""
+        md = [("x-request-id", request_id or uuid.uuid4().hex[:16])]
         if self.token:
             md.append(("authorization", f"Bearer {self.token}"))
         return md
@@ -96,11 +98,13 @@ class TierCacheClient:
                 req.messages.add(role=m["role"], content=m["content"])
         return req
 
-    def stream(self, messages: Messages, *, timeout: float | None = None, **kw: Any
-               ) -> Iterator[Chunk]:
-        """Stream chunks as the model produces them; the last chunk carries `final`."""
+    def stream(self, messages: Messages, *, timeout: float | None = None, request_id: str = "",
+               **kw: Any) -> Iterator[Chunk]:
+        """Stream chunks as the model produces them; the last chunk carries `final`.
+        `request_id` (plain, at most 128 characters) correlates the call with your own logs."""
         req = self.build_request(messages, **kw)
-        call = self.stub.Generate(req, timeout=timeout or self.timeout, metadata=self._metadata())
+        call = self.stub.Generate(req, timeout=timeout or self.timeout,
+                                  metadata=self._metadata(request_id))
         try:
             for msg in call:
                 yield Chunk(msg.text, list(msg.token_ids),
@@ -127,8 +131,10 @@ class TierCacheClient:
             request_id=final.request_id, chunks=n)
 
     def warm(self, prompts: Sequence[Messages] = (), *, top_k: int = 0, owners_only: bool = False,
-             pin_ttl_seconds: int = 0, timeout: float | None = None
-             ) -> orchestrator_pb2.WarmResponse:
+             pin_ttl_seconds: int = 0, timeout: float | None = None, raw: bool = False,
+             request_id: str = "") -> orchestrator_pb2.WarmResponse:
+        """Prefill and pin prompts: a string is a system prompt, or with `raw` a raw prompt
+        (a model without a chat template); a list of messages is rendered as given."""
         req = orchestrator_pb2.WarmRequest(
             top_k=top_k, pin_ttl_seconds=pin_ttl_seconds,
             target=(orchestrator_pb2.WARM_TARGET_OWNERS if owners_only
@@ -136,11 +142,15 @@ class TierCacheClient:
         for p in prompts:
             wp = req.prompts.add()
             if isinstance(p, str):
-                wp.messages.add(role="system", content=p)
+                if raw:
+                    wp.prompt = p
+                else:
+                    wp.messages.add(role="system", content=p)
             else:
                 for m in p:
                     wp.messages.add(role=m["role"], content=m["content"])
-        return self.stub.Warm(req, timeout=timeout or self.timeout, metadata=self._metadata())
+        return self.stub.Warm(req, timeout=timeout or self.timeout,
+                              metadata=self._metadata(request_id))
 
     def feedback(self, semantic_entry_id: str, good: bool, timeout: float | None = None
                  ) -> orchestrator_pb2.FeedbackResponse:
