@@ -146,9 +146,18 @@ class Publisher:
         return self
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop publishing and withdraw this replica's blocks from the index (an empty
+        resync): else Match named a stopped replica's blocks until its lease lapsed."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout)
+        if self.registered and (self._thread is None or not self._thread.is_alive()):
+            try:
+                self._client.publish_events(self.replica_id, self.incarnation, [], resync=True,
+                                            timeout=min(timeout, 2.0))
+            except Exception as exc:  # noqa: BLE001 - the lease lapses anyway
+                log.info("could not withdraw this replica's blocks from the prefix index: %s",
+                         exc)
         self._client.close()
 
     # ---- loop -------------------------------------------------------------------------------

@@ -530,3 +530,23 @@ def test_a_replica_publishes_to_an_index_with_small_batch_limits(make_engine) ->
     finally:
         pub.stop()
         handle.stop(0)
+
+
+def test_a_stopped_replica_withdraws_its_blocks_from_the_index(make_engine) -> None:
+    """Match still named a stopped (SIGTERMed) replica's blocks until its lease lapsed."""
+    index, handle = _real_index(lease_seconds=30)
+    eng = make_engine(num_blocks=32, hash_key=None)
+    pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
+                    incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
+                    heartbeat_seconds=0.1, publish_interval_seconds=0.02,
+                    channel_factory=grpc.insecure_channel).start()
+    try:
+        prompt = list(range(1, 23))
+        generate(eng, prompt, max_tokens=2)
+        want = eng.pool.hasher.hashes(prompt)
+        wait_for(lambda: all(h in index.tree for h in want))
+        pub.stop()
+        assert not any(h in index.tree for h in want)  # at once, not after 30 s
+    finally:
+        pub.stop()
+        handle.stop(0)
