@@ -23,7 +23,7 @@ from services.common.model_store import ModelStoreError  # noqa: E402
 from services.kvpool.app import build_replica  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
 from services.kvpool.publisher import Publisher  # noqa: E402
-from services.kvpool.server import KvPoolServicer  # noqa: E402
+from services.kvpool.server import KvPoolServicer, watch_engine  # noqa: E402
 
 log = logging.getLogger("services.kvpool")
 
@@ -87,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             internal_token=cfg.internal_token).start()
     servicer.attach(replica.engine, replica.info, publisher)
     handle.set_serving()
+    watch_engine(replica.engine, handle)
     log.info("kvpool %s ready on port %d (model %s, %d blocks)", cfg.replica_id, handle.port,
              replica.info.model_id, replica.engine.pool.num_blocks)
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import logging
 import math
 import queue
+import threading
 import time
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
@@ -241,3 +243,21 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             draft_tokens_proposed_total=s.draft_tokens_proposed_total,
             draft_tokens_accepted_total=s.draft_tokens_accepted_total,
             prefix_caching_disabled=not engine.prefix_caching)
+
+
+def watch_engine(engine: Any, handle: Any, every: float = 1.0) -> threading.Thread:
+    """Turn health NOT_SERVING once the engine thread has died (every call then answers
+    UNAVAILABLE): health stayed SERVING, so the liveness probe never restarted the replica.
+    Ends quietly when the server stops (a drain stops the engine on purpose)."""
+    def run() -> None:
+        while not handle.stopped.wait(every):
+            if not engine.running:
+                if not handle.stopped.is_set():
+                    log.error("the engine thread has stopped: health NOT_SERVING, so the "
+                              "replica is restarted")
+                    handle.set_serving(False)
+                return
+
+    t = threading.Thread(target=run, name="engine-watch", daemon=True)
+    t.start()
+    return t

@@ -425,3 +425,28 @@ def test_pin_limits_reach_the_pool(tiny_model) -> None:
             == (32, 16)
     finally:
         replica.engine.stop()
+
+
+def test_a_dead_engine_turns_health_not_serving_so_the_replica_is_restarted() -> None:
+    """Health stayed SERVING with the engine thread dead (every call UNAVAILABLE), so the
+    liveness probe never restarted the replica; a drain's own engine stop says nothing."""
+    import threading
+    from types import SimpleNamespace
+
+    from services.kvpool.server import watch_engine
+
+    calls: list[bool] = []
+    engine = SimpleNamespace(running=True)
+    handle = SimpleNamespace(stopped=threading.Event(), set_serving=calls.append)
+    t = watch_engine(engine, handle, every=0.01)
+    engine.running = False  # the thread died
+    t.join(5)
+    assert not t.is_alive() and calls == [False]
+
+    calls.clear()
+    engine.running, handle.stopped = True, threading.Event()
+    t = watch_engine(engine, handle, every=0.01)
+    handle.stopped.set()  # the server drained and stopped...
+    engine.running = False  # ... then stopped its engine
+    t.join(5)
+    assert not t.is_alive() and calls == []
