@@ -281,6 +281,8 @@ class PrefixIndex:
         if hash_probe and len(hash_probe) != DIGEST_SIZE:
             raise InvalidArgument("hash_probe", f"must be {DIGEST_SIZE} bytes, got "
                                                 f"{len(hash_probe)}")
+        if not block_size:
+            raise InvalidArgument("block_size", "required")
         if block_size != self.block_size:
             raise FailedPrecondition(
                 f"block_size: replica uses {block_size}, this index {self.block_size}")

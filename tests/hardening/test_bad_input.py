@@ -176,6 +176,9 @@ PREFIX_CASES = [
     case("register other block size", "Register", prefix_pb2.RegisterRequest(
         replica_id="r9", incarnation="i", address="a:1", model_id="m", block_size=16),
         FP, "block_size"),
+    case("register without block size", "Register", prefix_pb2.RegisterRequest(
+        replica_id="r9", incarnation="i", address="a:1", model_id="m"),
+        INV, "block_size: required"),
     case("register wrong hash key", "Register", prefix_pb2.RegisterRequest(
         replica_id="r9", incarnation="i", address="a:1", model_id="m", block_size=4,
         hash_probe=BlockHasher("m", 4, b"another-key").probe()),
