@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     log.info("semantic cache serving on port %d with %d entries", svc.handle.port,
              svc.cache.stats().entries)
-    run_until_signal(svc.handle, grace=5.0, on_stop=lambda: svc.stop(0))
+    run_until_signal(svc.handle, grace=cfg.grace_seconds, on_stop=lambda: svc.stop(0))
     return 0
 
 

@@ -83,6 +83,9 @@ class SemanticConfig:
     max_text_chars: int = 8192
     max_answer_chars: int = 65536
     max_tenant_chars: int = 256
+    # Drain time on SIGTERM (in-flight lookups and stores finish; stored entries are durable
+    # already).
+    grace_seconds: float = 5.0
     expiry_interval_s: float = 30.0  # how often expired entries are purged
 
     def resolved_cache_dir(self) -> str:
@@ -130,6 +133,7 @@ class SemanticConfig:
         require(self.tier_relaxed <= self.tier_standard <= self.tier_strict, s, "tier_standard",
                 f"tiers must not cross: relaxed {self.tier_relaxed} <= standard "
                 f"{self.tier_standard} <= strict {self.tier_strict}")
+        require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
         require(self.max_tenant_chars >= 64, s, "max_tenant_chars",
                 "must be >= 64 (it also bounds model ids; below that every request is refused)")
         require(self.default_tier in ("strict", "standard", "relaxed"), s, "default_tier",
