@@ -295,6 +295,11 @@ def grpcurl_transport() -> str:
     return flags
 
 
+def ports_fit(base_port: int, replicas: int) -> bool:
+    """The stack's ports N..N+3+replicas-1 lie in 1..65535 (base 0 = any free ports)."""
+    return 0 <= base_port <= 65535 - 2 - replicas
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run the whole TierCache stack locally.")
     raw = os.environ.get("TIERCACHE_REPLICAS", "2")
@@ -308,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.replicas < 1:
         ap.error(f"--replicas (or TIERCACHE_REPLICAS) {a.replicas}: the stack needs at least "
                  "one kvpool replica")
-    if not 0 <= a.base_port <= 65535 - 3 - max(a.replicas, 0):
+    if not ports_fit(a.base_port, a.replicas):
         ap.error(f"--base-port {a.base_port}: the stack needs ports N..N+{3 + a.replicas - 1} "
                  "within 1..65535 (0 = any free ports)")
     # A stack on other ports (a second one, as the port-in-use message suggests) logs apart.

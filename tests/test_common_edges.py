@@ -263,3 +263,14 @@ def test_no_status_message_is_longer_than_the_cap():
     cut = _capped("y" * 10_000)
     assert cut.startswith("y" * MAX_DETAILS_CHARS) and cut.endswith("characters cut)")
     assert len(cut) < MAX_DETAILS_CHARS + 40
+
+
+def test_a_ca_with_only_the_services_own_certificate_pair_is_accepted():
+    """docs/reliability.md allows TIERCACHE_<SERVICE>_TLS_CERT/_KEY per service; with a CA and
+    only those, the start was refused for want of the shared pair."""
+    from services.common.grpc_client import tls_env_problem
+
+    env = {"TIERCACHE_TLS_CA": "ca.pem", "TIERCACHE_PREFIX_TLS_CERT": "p.pem",
+           "TIERCACHE_PREFIX_TLS_KEY": "p.key"}
+    assert tls_env_problem(env, service="prefix") == ""
+    assert "TIERCACHE_TLS_CERT" in tls_env_problem(env, service="semantic")  # not its pair

@@ -232,3 +232,13 @@ def test_stop_waits_for_the_services_own_drain_before_killing_it(monkeypatch, na
     p.proc = proc = _Proc()
     p.stop()
     assert proc.waits[0] == want and proc.signals[-1] == "kill"
+
+
+def test_the_highest_base_port_whose_stack_fits_is_taken():
+    """N..N+3+replicas-1 must fit under 65536: 65532 with one replica (65532..65535) was
+    refused."""
+    from services.launcher import ports_fit
+
+    assert ports_fit(65532, 1) and not ports_fit(65533, 1)
+    assert ports_fit(65530, 3) and not ports_fit(65531, 3)
+    assert ports_fit(0, 8) and not ports_fit(-1, 1)

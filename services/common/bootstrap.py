@@ -525,7 +525,7 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
         # checked here so that a bad value fails the start at once, before anything binds.
         drain_delay_from_env()
         hash_key_from_env()
-        problem = tls_env_problem() or tls_files_problem(service)
+        problem = tls_env_problem(service=service) or tls_files_problem(service)
         if problem:
             raise ConfigError(problem)
     except ConfigError as exc:

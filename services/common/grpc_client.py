@@ -39,17 +39,21 @@ def _half_client_pair(env: Mapping[str, str]) -> bool:
     return bool(env.get("TIERCACHE_TLS_CLIENT_CERT")) != bool(env.get("TIERCACHE_TLS_CLIENT_KEY"))
 
 
-def tls_env_problem(env: Mapping[str, str] | None = None) -> str:
+def tls_env_problem(env: Mapping[str, str] | None = None, service: str = "") -> str:
     """What is wrong with the TLS variables ("" = nothing): half a client key pair (gRPC's C
     core aborts the process on it), or a CA without the server certificate (servers would
-    speak plaintext while every client speaks TLS)."""
+    speak plaintext while every client speaks TLS). `service`'s own pair
+    (TIERCACHE_<SERVICE>_TLS_CERT/_KEY) stands in for the shared one, as the server reads it."""
     env = os.environ if env is None else env
     if _half_client_pair(env):
         return _HALF_CLIENT_PAIR
-    if env.get("TIERCACHE_TLS_CA") and not (env.get("TIERCACHE_TLS_CERT")
-                                            and env.get("TIERCACHE_TLS_KEY")):
-        return ("TIERCACHE_TLS_CA needs TIERCACHE_TLS_CERT and TIERCACHE_TLS_KEY: with the CA "
-                "every client speaks TLS, so the servers must too")
+    own = f"TIERCACHE_{service.upper()}_TLS_" if service else None
+    cert = (own and env.get(own + "CERT")) or env.get("TIERCACHE_TLS_CERT")
+    key = (own and env.get(own + "KEY")) or env.get("TIERCACHE_TLS_KEY")
+    if env.get("TIERCACHE_TLS_CA") and not (cert and key):
+        return ("TIERCACHE_TLS_CA needs TIERCACHE_TLS_CERT and TIERCACHE_TLS_KEY (or the "
+                "service's own TIERCACHE_<SERVICE>_TLS_CERT/_KEY): with the CA every client "
+                "speaks TLS, so the servers must too")
     return ""
 
 
