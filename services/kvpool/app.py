@@ -45,11 +45,19 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str]:
 
 
 def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
-    """Blocks in the pool: `num_blocks`, or as many as `kv_cache_bytes` holds."""
+    """Blocks in the pool: `num_blocks`, or as many as `kv_cache_bytes` holds.
+
+    Raises:
+        ValueError: `kv_cache_bytes` holds no block (it was rounded up to one block, and every
+            request over one block's tokens was refused).
+    """
     if cfg.num_blocks > 0:
         return cfg.num_blocks
     per = KvStore.block_bytes(info.num_layers, info.kv_heads, info.head_dim, cfg.block_size, dtype)
-    return max(1, cfg.kv_cache_bytes // per)
+    if cfg.kv_cache_bytes < per:
+        raise ValueError(f"TIERCACHE_KVPOOL_KV_CACHE_BYTES: {cfg.kv_cache_bytes} bytes hold no KV "
+                         f"block of this model ({per} bytes per {cfg.block_size}-token block)")
+    return cfg.kv_cache_bytes // per
 
 
 def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | None = None,

@@ -45,6 +45,8 @@ def test_pool_sized_in_bytes_or_blocks() -> None:
     cfg = KvPoolConfig(kv_cache_bytes=100 * per_block + 5)
     assert pool_blocks(cfg, info, torch.float32) == 100
     assert pool_blocks(KvPoolConfig(num_blocks=7), info, torch.float32) == 7
+    with pytest.raises(ValueError, match="TIERCACHE_KVPOOL_KV_CACHE_BYTES: 1000 bytes hold no"):
+        pool_blocks(KvPoolConfig(kv_cache_bytes=1000), info, torch.float32)
 
 
 @pytest.mark.parametrize(("field", "value", "words"), [
