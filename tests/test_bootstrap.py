@@ -2,6 +2,7 @@
 
 import queue
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -248,15 +249,41 @@ def test_a_signal_while_starting_ends_the_process_at_once(tmp_path):
 
     code = ("import sys, time\n"
             "from services.common.bootstrap import exit_on_signal_while_starting\n"
-            "exit_on_signal_while_starting()\n"
-            "print('loading', flush=True)\n"
-            "time.sleep(60)\n"
+            "with exit_on_signal_while_starting():\n"
+            "    print('loading', flush=True)\n"
+            "    time.sleep(60)\n"
             "sys.exit(3)\n")
     p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline().strip() == "loading"
         p.send_signal(signal.SIGTERM)
-        assert p.wait(timeout=20) == 0
+        assert p.wait(timeout=20) == 128 + signal.SIGTERM  # at once, as a signal's exit
     finally:
         p.kill()
         p.wait()
+
+
+def test_the_starting_handlers_go_away_with_main_and_a_late_signal_drains():
+    """A review found them left installed in any process that had called main (tests among
+    them: a killed pytest run then exited 0). Once health is SERVING, a signal before
+    run_until_signal's own handlers is kept for its drain, not a hard exit."""
+    import signal
+
+    from services.common import bootstrap
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    stopped: list[float] = []
+    handle = SimpleNamespace(set_serving=lambda s=True: s and bootstrap._serving_began.set(),
+                             stop=stopped.append, service="test")
+    try:
+        with bootstrap.exit_on_signal_while_starting():
+            assert signal.getsignal(signal.SIGTERM) is bootstrap._exit_while_starting
+            handle.set_serving()
+            signal.raise_signal(signal.SIGTERM)  # just after SERVING: no exit here
+            t0 = time.monotonic()
+            bootstrap.run_until_signal(handle, grace=3.0)
+            assert stopped == [3.0] and time.monotonic() - t0 < 0.9  # drained at once
+        assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+    finally:
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])

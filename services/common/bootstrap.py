@@ -15,6 +15,7 @@ reaches a client. SIGTERM/SIGINT -> health NOT_SERVING -> stop accepting -> drai
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import logging
 import os
@@ -318,6 +319,8 @@ class ServerHandle:
         return f"127.0.0.1:{self.port}"
 
     def set_serving(self, serving: bool = True) -> None:
+        if serving:
+            _serving_began.set()
         status = (health_pb2.HealthCheckResponse.SERVING if serving
                   else health_pb2.HealthCheckResponse.NOT_SERVING)
         for name in ["", *self.service_names]:
@@ -454,23 +457,46 @@ def drain_delay_from_env() -> float:
     return delay
 
 
+# A signal that came after health turned SERVING but before `run_until_signal` took over:
+# that drain starts at once.
+_early_stop = threading.Event()
+_serving_began = threading.Event()
+
+
 def _exit_while_starting(signum: int, _frame: Any) -> None:
     """SIGTERM/SIGINT before the service serves (loading a model, rebuilding indexes): exit
-    now. Nothing is served yet, and what loading writes survives a kill (as it must survive
-    kill -9). As PID 1 in a container a signal without a handler is ignored: the pod went on
-    loading, turned SERVING, and was killed at the end of its grace period."""
+    now, 128 + signum. Nothing is served yet, and what loading writes survives a kill (as it
+    must survive kill -9). As PID 1 in a container a signal without a handler is ignored: the
+    pod went on loading, turned SERVING, and was killed at the end of its grace period. Once
+    serving has begun, the signal is kept for `run_until_signal`'s drain instead."""
+    if _serving_began.is_set():
+        log.info("signal %d as serving began: draining", signum)
+        _early_stop.set()
+        return
     log.info("signal %d while starting: exiting", signum)
     for h in logging.getLogger().handlers:
         h.flush()
-    os._exit(0)
+    os._exit(128 + signum)
 
 
-def exit_on_signal_while_starting() -> None:
-    """Until `run_until_signal` takes over, SIGTERM and SIGINT end the process at once (main
-    thread only: elsewhere signals cannot be handled)."""
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _exit_while_starting)
-        signal.signal(signal.SIGINT, _exit_while_starting)
+@contextlib.contextmanager
+def exit_on_signal_while_starting() -> Iterator[None]:
+    """Around a service's `main`: until `run_until_signal` takes over, SIGTERM and SIGINT end
+    the process at once; the handlers before it are back afterwards (a caller in-process, such
+    as a test, keeps its own). Main thread only: elsewhere signals cannot be handled."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _early_stop.clear()
+    _serving_began.clear()
+    before = [(s, signal.getsignal(s)) for s in (signal.SIGTERM, signal.SIGINT)]
+    for s, _ in before:
+        signal.signal(s, _exit_while_starting)
+    try:
+        yield
+    finally:
+        for s, h in before:
+            signal.signal(s, h)
 
 
 def run_until_signal(handle: ServerHandle, grace: float = 10.0,
@@ -485,6 +511,8 @@ def run_until_signal(handle: ServerHandle, grace: float = 10.0,
     delay = drain_delay_from_env()  # read now: a bad value fails the start, not the shutdown
     signal.signal(signal.SIGTERM, _on_signal)
     signal.signal(signal.SIGINT, _on_signal)
+    if _early_stop.is_set():  # signalled between turning SERVING and here
+        stop.set()
     while not stop.wait(1.0):
         pass
     if delay > 0:
@@ -513,7 +541,6 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
     from services.common.hashing import hash_key_from_env
     from services.common.logs import setup_logging
 
-    exit_on_signal_while_starting()
     try:
         setup_logging(service)
     except ValueError as exc:

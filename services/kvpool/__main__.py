@@ -15,6 +15,7 @@ from tiercache.v1 import kvpool_pb2_grpc  # noqa: E402
 
 from services.common.bootstrap import (  # noqa: E402
     create_server,
+    exit_on_signal_while_starting,
     load_service_config,
     run_until_signal,
 )
@@ -44,6 +45,12 @@ def device_problem(device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM while loading exits at once (see exit_on_signal_while_starting).
+    with exit_on_signal_while_starting():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     cfg = load_service_config(KvPoolConfig, "kvpool", argv)
     if cfg is None:
         return 2

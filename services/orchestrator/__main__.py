@@ -7,7 +7,12 @@ import sys
 
 from tiercache.v1 import orchestrator_pb2_grpc
 
-from services.common.bootstrap import create_server, load_service_config, run_until_signal
+from services.common.bootstrap import (
+    create_server,
+    exit_on_signal_while_starting,
+    load_service_config,
+    run_until_signal,
+)
 from services.common.config import ConfigError
 from services.common.hashing import DEFAULT_KEY, hash_key_from_env
 from services.common.model_store import ModelStoreError
@@ -19,6 +24,12 @@ log = logging.getLogger("services.orchestrator")
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM while loading exits at once (see exit_on_signal_while_starting).
+    with exit_on_signal_while_starting():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     cfg = load_service_config(OrchestratorConfig, "orchestrator", argv)
     if cfg is None:
         return 2

@@ -5,7 +5,11 @@ from __future__ import annotations
 import logging
 import sys
 
-from services.common.bootstrap import load_service_config, run_until_signal
+from services.common.bootstrap import (
+    exit_on_signal_while_starting,
+    load_service_config,
+    run_until_signal,
+)
 from services.common.config import ConfigError
 from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
@@ -14,6 +18,12 @@ log = logging.getLogger("services.prefix")
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM while loading exits at once (see exit_on_signal_while_starting).
+    with exit_on_signal_while_starting():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     cfg = load_service_config(PrefixConfig, "prefix", argv)
     if cfg is None:
         return 2

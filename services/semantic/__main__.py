@@ -7,7 +7,11 @@ import logging
 import sqlite3
 import sys
 
-from services.common.bootstrap import load_service_config, run_until_signal
+from services.common.bootstrap import (
+    exit_on_signal_while_starting,
+    load_service_config,
+    run_until_signal,
+)
 from services.common.config import ConfigError
 from services.semantic.config import SemanticConfig
 from services.semantic.server import serve
@@ -17,6 +21,12 @@ log = logging.getLogger("services.semantic")
 
 
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM while loading exits at once (see exit_on_signal_while_starting).
+    with exit_on_signal_while_starting():
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     cfg = load_service_config(SemanticConfig, "semantic", argv)
     if cfg is None:
         return 2
