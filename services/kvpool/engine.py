@@ -445,8 +445,10 @@ class Engine:
                     pinned = self.pool.stats().pinned
                     why = (f"{pinned} pinned blocks hold the rest" if pinned
                            else "more than the pool can free for it")
-                    self._finish(seq, Failed(errors.Overloaded(
-                        f"KV pool exhausted: {exc} ({why})")))
+                    # Pins are this replica's own state (another may have room); without
+                    # them no replica of this size could take it.
+                    error = errors.Overloaded if pinned else errors.ResourceExhausted
+                    self._finish(seq, Failed(error(f"KV pool exhausted: {exc} ({why})")))
                     continue
                 return  # wait for running sequences to finish
             except Exception:  # noqa: BLE001 - only this request fails, not every step

@@ -467,8 +467,10 @@ class Orchestrator:
             only_busy = only_busy and busy
             if lost is not None:
                 replica.health.fail(lost)
-                if self.dispatched is not None:
-                    self.dispatched.forget(replica.replica_id)
+            if (lost is not None or busy) and self.dispatched is not None:
+                # What was sent there moments ago is not held there (lost), or would steer
+                # the same prefix back to a replica that cannot take it (busy).
+                self.dispatched.forget(replica.replica_id)
             attempts += 1
             self.stats.degrade("resume" if generated else "retry")
             log.warning("replica %s failed (%s) after %d tokens; attempt %d",

@@ -339,8 +339,9 @@ class Warmer:
     def warm(self, tenant, request, time_remaining: float | None = None,
              charge: Callable[[int], None] | None = None) -> orchestrator_pb2.WarmResponse:
         """Prefill and pin the request's prompts (and/or the tenant's top_k hot prefixes) on
-        their target replicas. `charge(n)` is told the prefills beyond the first before they
-        run (the call itself paid for one): the tenant's rate limit counts each."""
+        their target replicas. `charge(n)` is told afterwards how many prefills beyond the first
+        computed something (the call itself paid for one): the tenant's rate limit counts
+        each."""
         if not request.prompts and not request.top_k:
             raise errors.InvalidArgument("prompts", "give prompts or top_k")
         if len(request.prompts) > MAX_WARM_PROMPTS:
@@ -405,13 +406,15 @@ class Warmer:
                         jobs.append((r, ids, hp.cache_salt, ttl, -1))
         if not self.orch.replicas.healthy():  # after the checks of the request itself
             raise errors.Unavailable("no healthy replica to warm")
-        if charge is not None and len(jobs) > 1:
-            charge(len(jobs) - 1)
         # The pool's threads do not inherit the call's request id: hand it to each Prefill.
         rid = request_id_var.get()
         results = list(self._pool.map(
             lambda j: self._prefill(*j, timeout=deadline - time.monotonic(), request_id=rid),
             jobs))
+        if charge is not None:
+            worked = sum(1 for r in results if not r.error and r.computed_tokens > 0)
+            if worked > 1:
+                charge(worked - 1)
         return orchestrator_pb2.WarmResponse(results=results)
 
     # ---- background loop ----

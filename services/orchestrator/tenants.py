@@ -249,12 +249,14 @@ class TenantRegistry:
     def charge(self, tenant: Tenant, requests: float) -> None:
         """Take `requests` more from the tenant's bucket after `check_rate` let a call in: a
         call that does the work of many requests (Warm: a prefill per prompt and replica)
-        pays for them. The bucket may go below zero; the tenant's next calls then wait until
-        it has refilled, so its average rate stays within `rate_per_s`."""
+        pays for them. The bucket may go below zero, down to -burst: the tenant's next calls
+        then wait until it has refilled (at most (burst + 1) / rate_per_s seconds; a debt
+        without a floor locked a tenant out of every RPC for minutes after one large Warm)."""
         if tenant.rate_per_s <= 0 or requests <= 0:
             return
         with self._lock:
-            self._refilled(tenant).tokens -= requests
+            b = self._refilled(tenant)
+            b.tokens = max(-float(tenant.burst), b.tokens - requests)
 
     def _refilled(self, tenant: Tenant) -> _Bucket:
         """The tenant's bucket, refilled for the time since its last use (lock held)."""

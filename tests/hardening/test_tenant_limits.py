@@ -83,3 +83,18 @@ def test_semantic_entry_references_are_signed_per_tenant(tmp_path):
     assert r.entry_id(a, "0123abcd") is None  # a bare id is not a reference
     assert r.entry_id(b, ref.split(".")[0] + "." + "0" * 16) is None
     assert r.entry_ref(a, "") == ""
+
+
+def test_a_charge_goes_into_debt_of_at_most_one_burst(tmp_path):
+    """A 64-prompt Warm on 4 replicas left a tenant at -246 tokens: every RPC refused for
+    four minutes. The debt now stops at -burst."""
+    r = registry(tmp_path, {"t": {"tenant": "a", "rate_per_s": 1, "burst": 10}})
+    r.clock = clock = Clock(100.0)
+    a = r.authenticate({"authorization": "Bearer t"})
+    r.check_rate(a)
+    r.charge(a, 255)
+    clock.t += 10.5  # -10 + 10.5 = 0.5: not yet
+    with pytest.raises(ResourceExhausted, match=r"retry in 0\.50s"):
+        r.check_rate(a)
+    clock.t += 0.5
+    r.check_rate(a)

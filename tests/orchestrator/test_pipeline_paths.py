@@ -160,6 +160,10 @@ def test_a_busy_replica_hands_the_request_to_another_and_stays_in_routing():
     assert "".join(e.text for e in events if hasattr(e, "text")) == "ok"
     assert list(b.requests[0].token_ids) == PROMPT + [ord("o")]  # resumed after "o"
     assert all(r.health.healthy for r in orch.replicas.replicas)  # busy is not down
+    # Nothing steers this prefix back to the busy replica ("sent there moments ago").
+    hashes = orch.hasher.hashes(PROMPT, TENANT.cache_salt)
+    assert orch.dispatched.match(hashes).get("B")  # what was sent, recorded
+    assert "A" not in orch.dispatched.match(hashes)
 
     both = make({"A": Stub("A", [Call([], Busy())]), "B": Stub("B", [Call([], Busy())])})
     with pytest.raises(errors.ResourceExhausted, match="every kvpool replica is busy"):
@@ -281,6 +285,17 @@ def test_warms_prefill_calls_carry_the_warm_calls_request_id():
         warmer.stop()
     assert seen == [["warm-call-1"]] * 4
     assert charged == [3]  # 2 prompts x 2 replicas; the call itself paid for the first
+    charged.clear()
+    for stub in stubs.values():  # refreshes that computed nothing are not charged
+        stub.Prefill = lambda req, timeout=None, metadata=None: kvpool_pb2.PrefillResponse(
+            prompt_tokens=len(req.token_ids), cached_tokens=len(req.token_ids))
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
+    try:
+        warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]), charge=charged.append)
+    finally:
+        warmer.stop()
+    assert charged == []
 
 
 def test_warm_that_cannot_do_anything_says_why_instead_of_ok():

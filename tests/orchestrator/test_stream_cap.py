@@ -130,11 +130,11 @@ def test_a_warm_pays_the_tenants_rate_limit_for_each_prefill_it_runs():
     s.tenants.clock = clock = Clock(100.0)
     s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge: charge(5)
                                or orchestrator_pb2.WarmResponse())
-    s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())  # 6 prefills: 2 - 6 = -4 left
-    clock.t += 4.0  # refilled to 0: still short of one request
+    s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())  # 6 prefills: 2 - 6 -> -2 (floor)
+    clock.t += 2.0  # refilled to 0: still short of one request
     with pytest.raises(ResourceExhausted, match="rate limit"):
         s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
-    clock.t += 1.0
+    clock.t += 1.0  # the debt never exceeds one burst: back after (burst + 1) / rate
     g = s.Generate(request(), Context())
     assert next(g).text == "hi"
     orch.release.set()
