@@ -227,10 +227,15 @@ def test_a_token_from_a_secret_file_loses_its_trailing_newline(fake, monkeypatch
     assert cli.main(["--token", "tok-1\n", "stats"]) == 0
     monkeypatch.setenv("TIERCACHE_TOKEN", "tok-2\n")
     assert cli.main(["stats"]) == 0
+    monkeypatch.setenv("TIERCACHE_TOKEN", "")  # empty (or blank) = no auth, as before
+    assert cli.main(["stats"]) == 0
+    assert cli.main(["--token", " ", "stats"]) == 0
+    monkeypatch.setenv("TIERCACHE_TOKEN", "bad-env")
+    assert cli.main(["--token", "", "stats"]) == 0  # an explicit empty --token wins
     monkeypatch.setenv("TIERCACHE_TOKEN", "tok 3")
     with pytest.raises(SystemExit) as e:
         cli.main(["stats"])
-    assert e.value.code == 2 and seen == ["tok-1", "tok-2"]
+    assert e.value.code == 2 and seen == ["tok-1", "tok-2", None, None, None]
 
 
 def test_output_that_cannot_be_written_is_one_line_not_a_traceback(fake, monkeypatch, capsys):

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -254,29 +255,39 @@ def _count(top: int):
 uint32, int32 = _count(2**32 - 1), _count(2**31 - 1)  # as the proto fields are declared
 
 
-def _seconds(low_inclusive: bool):
-    """argparse type: finite seconds, > 0 (or >= 0), at most 1e6. A huge deadline expired at
-    once as DEADLINE_EXCEEDED, 0 and nan did too, and inf overflowed a sleep."""
-    def parse(text: str) -> float:
-        try:
-            v = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-        if not (0 <= v <= 1e6) or (v == 0 and not low_inclusive):
-            raise argparse.ArgumentTypeError(
-                f"must be in {'[' if low_inclusive else '('}0, 1e6] seconds, got {text!r}")
-        return v
-    return parse
+def _timeout(text: str) -> float:
+    """argparse type: finite seconds in (0, 1e6]. A huge deadline expired at once as
+    DEADLINE_EXCEEDED, and 0 and nan did too."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 < v <= 1e6:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1e6] seconds, got {text!r}")
+    return v
 
 
-def _token(text: str) -> str:
+def _ratio(text: str) -> float:
+    """argparse type: a finite ratio in [0, 1e6] (inf overflowed a sleep)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0 <= v <= 1e6:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1e6], got {text!r}")
+    return v
+
+
+def _token(text: str) -> str | None:
     """A bearer token, surrounding whitespace dropped (a secret file's trailing newline):
     printable ASCII, as gRPC metadata must be (else an INTERNAL "Invalid metadata" that named
-    nothing)."""
+    nothing). Blank = no token (no auth)."""
     t = text.strip()
     if not _utf8(t):
         raise argparse.ArgumentTypeError("not valid UTF-8")
-    if not t or not all(" " < c <= "~" for c in t):
+    if not t:
+        return None
+    if not all(" " < c <= "~" for c in t):
         raise argparse.ArgumentTypeError("must be printable ASCII without spaces")
     return t
 
@@ -308,9 +319,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
     p.add_argument("--address", default=os.environ.get("TIERCACHE_ADDRESS", "localhost:50051"),
                    help="orchestrator host:port (env TIERCACHE_ADDRESS; default %(default)s)")
-    p.add_argument("--token", type=_token, default=os.environ.get("TIERCACHE_TOKEN"),
+    p.add_argument("--token", type=_token, default=None,
                    help="tenant bearer token (env TIERCACHE_TOKEN; none = no auth)")
-    p.add_argument("--timeout", type=_seconds(False), default=300.0,
+    p.add_argument("--timeout", type=_timeout, default=300.0,
                    help="seconds per call (default %(default)s)")
     p.add_argument("--ca", default=os.environ.get("TIERCACHE_TLS_CA"),
                    help="CA bundle: speak TLS and verify the server (env TIERCACHE_TLS_CA)")
@@ -345,15 +356,15 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("replay", help="replay a workload trace (python -m benchmarks.workload)")
     rp.add_argument("trace")
     rp.add_argument("--concurrency", type=_positive, default=2)
-    rp.add_argument("--time-scale", type=_seconds(True), default=0.0,
+    rp.add_argument("--time-scale", type=_ratio, default=0.0,
                     help="seconds of replay per second of trace (0 = as fast as possible)")
     rp.add_argument("--max-tokens", type=int32, default=32)
     rp.add_argument("--tenant-tokens", type=_tenant_tokens, default={},
                     help="tenant=token,... for auth (tenants not named use --token)")
     a = p.parse_args(argv)
-    if isinstance(a.token, str) and a.token:  # from TIERCACHE_TOKEN: argparse types skip defaults
+    if a.token is None and "--token" not in (argv if argv is not None else sys.argv[1:]):
         try:
-            a.token = _token(a.token)
+            a.token = _token(os.environ.get("TIERCACHE_TOKEN", ""))
         except argparse.ArgumentTypeError as e:
             p.error(f"TIERCACHE_TOKEN: {e}")
     if a.cmd == "warm" and not a.system and not a.top_k:
@@ -379,7 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         _drop_buffered_output()
         return 141
     except OSError as e:  # e.g. the output cannot be written (a full disk): one line
-        _drop_buffered_output()
+        if e.errno in (errno.ENOSPC, errno.EIO, errno.EFBIG, errno.EDQUOT):
+            _drop_buffered_output()  # it could not be written either: no second traceback
         sys.stderr.write(f"error: {e}\n")
         return 1
 
