@@ -508,16 +508,21 @@ def test_batches_fit_the_index_limits_an_event_too_big_is_split() -> None:
     assert (batch, rest) == ([BlocksRemoved(h[6:8])], [AllCleared()])
 
 
+def _publisher_to(eng, handle) -> Publisher:
+    """A started publisher of `eng`'s events to the index served by `handle`."""
+    return Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
+                     incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
+                     heartbeat_seconds=0.1, publish_interval_seconds=0.02,
+                     channel_factory=grpc.insecure_channel).start()
+
+
 def test_a_replica_publishes_to_an_index_with_small_batch_limits(make_engine) -> None:
     """The publisher sent up to 512 events per batch whatever the index took: an index set to
     take fewer refused every batch (RESOURCE_EXHAUSTED, retried as transient) and never
     learned this replica's blocks. Register now says the limits; batches are cut to them."""
     index, handle = _real_index(lease_seconds=5, max_events=2, max_blocks=3)
     eng = make_engine(num_blocks=64, hash_key=None)
-    pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
-                    incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
-                    heartbeat_seconds=0.1, publish_interval_seconds=0.02,
-                    channel_factory=grpc.insecure_channel).start()
+    pub = _publisher_to(eng, handle)
     try:
         wait_for(lambda: pub.registered)
         prompts = [list(range(35 * i + 1, 35 * i + 31)) for i in range(3)]  # 7 blocks each
@@ -536,10 +541,7 @@ def test_a_stopped_replica_withdraws_its_blocks_from_the_index(make_engine) -> N
     """Match still named a stopped (SIGTERMed) replica's blocks until its lease lapsed."""
     index, handle = _real_index(lease_seconds=30)
     eng = make_engine(num_blocks=32, hash_key=None)
-    pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
-                    incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
-                    heartbeat_seconds=0.1, publish_interval_seconds=0.02,
-                    channel_factory=grpc.insecure_channel).start()
+    pub = _publisher_to(eng, handle)
     try:
         prompt = list(range(1, 23))
         generate(eng, prompt, max_tokens=2)
