@@ -275,3 +275,19 @@ def test_a_bad_path_found_only_at_start_is_one_line_and_exit_2(tmp_path, service
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "bad configuration" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_help_shows_each_default_and_a_refused_flag_is_named_as_the_flag(capsys):
+    """--help showed neither defaults nor what a flag takes (booleans need a value); a value
+    refused after parsing named the environment variable though the user typed a flag."""
+    from services.prefix.config import PrefixConfig
+
+    with pytest.raises(SystemExit):
+        load_config(PrefixConfig, "prefix", ["--help"])
+    out = capsys.readouterr().out
+    assert "default 16" in out and "--verify-hashes {true,false}" in out
+    assert "TIERCACHE_PREFIX_INTERNAL_TOKEN; default none" in out
+    with pytest.raises(ConfigError, match=r"^--prune-to \(env TIERCACHE_PREFIX_PRUNE_TO\): "):
+        load_config(PrefixConfig, "prefix", ["--prune-to", "1"])
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_PREFIX_PRUNE_TO: "):
+        load_config(PrefixConfig, "prefix", [], environ={"TIERCACHE_PREFIX_PRUNE_TO": "1"})

@@ -91,13 +91,16 @@ def load_config(
     parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
-                            help=f"(env {env_name(service, f.name)})")
+                            metavar=_metavar(hints[f.name]),
+                            help=f"env {env_name(service, f.name)}; default {_shown_default(f)}")
     args = parser.parse_args(list(argv) if argv is not None else [])
+    flags: dict[str, str] = {}  # env name -> the flag that set the field instead
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         raw = getattr(args, f.name)
         var = env_name(service, f.name)
         if raw is not None:  # a flag wins: the env value it overrides is not read at all
-            values[f.name] = _parse(raw, hints[f.name], "--" + f.name.replace("_", "-"))
+            flags[var] = "--" + f.name.replace("_", "-")
+            values[f.name] = _parse(raw, hints[f.name], flags[var])
         elif var in environ:
             values[f.name] = _parse(environ[var], hints[f.name], var)
     token = values.get("internal_token")
@@ -118,11 +121,40 @@ def load_config(
     if validate is not None:
         try:
             validate()
-        except ConfigError:
-            raise
         except ValueError as exc:
-            raise ConfigError(str(exc)) from None
+            # Name what the user typed: a value given as a flag is refused under the flag.
+            msg = str(exc)
+            var = msg.split(":", 1)[0]
+            if var in flags:
+                msg = f"{flags[var]} (env {var}){msg[len(var):]}"
+            raise ConfigError(msg) from None
     return cfg
+
+
+def _shown_default(f: dataclasses.Field) -> str:
+    """A field's default for --help ("" shown as none; secrets are never set by default)."""
+    if f.default is not dataclasses.MISSING:
+        d = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        d = f.default_factory()  # type: ignore[misc]
+    else:
+        return "none (required)"
+    if d == "" or d == ():
+        return "none"
+    if isinstance(d, bool):
+        return "true" if d else "false"
+    if isinstance(d, tuple):
+        return ",".join(map(str, d))
+    return str(d)
+
+
+def _metavar(typ: Any) -> str:
+    """What a flag takes, for --help: true/false for booleans (a value is required)."""
+    if typ is bool:
+        return "{true,false}"
+    if typing.get_origin(typ) in (tuple, list):
+        return "A,B,..."
+    return {int: "N", float: "X"}.get(typ, "VALUE")
 
 
 def require(cond: bool, service: str, field: str, why: str) -> None:
