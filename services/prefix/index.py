@@ -136,6 +136,7 @@ class ReplicaInfo(NamedTuple):
     held_blocks: int
     load: Load
     last_seen_s: float
+    capacity_blocks: int = 0
 
 
 class IndexStats(NamedTuple):
@@ -683,7 +684,8 @@ class PrefixIndex:
         now = self.clock()
         self._expire(now)
         reps = [ReplicaInfo(r.replica_id, r.incarnation, r.address, r.model_id,
-                            self.tree.held[r.bit], r.load, max(0.0, now - r.last_seen))
+                            self.tree.held[r.bit], r.load, max(0.0, now - r.last_seen),
+                            r.capacity_blocks)
                 for r in sorted(self._replicas.values(), key=lambda r: r.replica_id)]
         n = len(self.tree)
         return IndexStats(n, n * APPROX_BYTES_PER_NODE, reps, self.matches_total,

@@ -149,7 +149,8 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
             nodes=s.nodes, bytes=s.bytes, replicas=[prefix_pb2.ReplicaInfo(
                 replica_id=r.replica_id, incarnation=r.incarnation, address=r.address,
                 model_id=r.model_id, held_blocks=r.held_blocks, load=_load_pb(r.load),
-                last_seen_s=r.last_seen_s) for r in s.replicas],
+                last_seen_s=r.last_seen_s, capacity_blocks=r.capacity_blocks)
+                for r in s.replicas],
             matches_total=s.matches_total, matches_hit=s.matches_hit,
             match_blocks_total=s.match_blocks_total, match_blocks_hit=s.match_blocks_hit,
             pruned_total=s.pruned_total, resyncs_total=s.resyncs_total,

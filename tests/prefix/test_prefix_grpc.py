@@ -67,6 +67,7 @@ def test_register_publish_match_top_stats(client):
     s = client.stats()
     assert (s.nodes, s.matches_total, s.matches_hit, s.block_size) == (4, 2, 2, BS)
     assert [(x.replica_id, x.held_blocks) for x in s.replicas] == [("r0", 4), ("r1", 2)]
+    assert [x.capacity_blocks for x in s.replicas] == [64, 64]  # as registered (was dropped)
 
 
 def test_gap_resync_over_grpc(server):
