@@ -30,7 +30,12 @@ from services.common.policy import BlockUsage, EvictionPolicy, HybridPolicy
 
 
 class PoolExhausted(Exception):
-    """Not enough free or evictable blocks for an allocation."""
+    """Not enough free or evictable blocks for an allocation. `short`: how many blocks were
+    missing (0 = not known)."""
+
+    def __init__(self, message: str, short: int = 0) -> None:
+        super().__init__(message)
+        self.short = short
 
 
 class BlocksStored(NamedTuple):
@@ -404,13 +409,20 @@ class BlockPool:
             self._pins[bid] = b.pin_until
         return len(chosen)
 
-    def release_pins(self) -> int:
-        """Unpin every unreferenced pinned block (they stay cached, now evictable); returns how
-        many. Pins are advice for warm-up: an admitted request that fits the pool must not fail
-        because of them."""
+    def release_pins(self, blocks: int | None = None) -> int:
+        """Unpin unreferenced pinned blocks (they stay cached, now evictable): every one, or
+        `blocks` of them, the deepest first (chain tails: the starts of prompts, which prefix
+        hits need, stay pinned longest; a chain's child goes before its parent, so what is
+        unpinned can be evicted). Returns how many. Pins are advice for warm-up: a request
+        that fits the pool must not fail because of them, and one block of pressure must not
+        drop every tenant's pins."""
         now = self.clock()
         released = [bid for bid, until in self._pins.items()
                     if until > now and self._blocks[bid].ref == 0]
+        if blocks is not None:
+            released.sort(key=lambda bid: (-self._blocks[bid].start_token,
+                                           self._blocks[bid].pin_until))
+            released = released[:max(0, blocks)]
         for bid in released:
             self._blocks[bid].pin_until = 0.0
             del self._pins[bid]
@@ -569,11 +581,13 @@ class BlockPool:
         if n <= 0:
             return []
         if len(self._free) < n:
-            if self.evictable_count() < n:
-                raise PoolExhausted(f"need {n} blocks, {self.evictable_count()} available")
+            have = self.evictable_count()
+            if have < n:
+                raise PoolExhausted(f"need {n} blocks, {have} available", short=n - have)
             self.evict(n - len(self._free))
             if len(self._free) < n:  # pinned/referenced parents can block leaves-first eviction
-                raise PoolExhausted(f"need {n} blocks, {len(self._free)} could be freed")
+                raise PoolExhausted(f"need {n} blocks, {len(self._free)} could be freed",
+                                    short=n - len(self._free))
         out = [self._free.popleft() for _ in range(n)]
         for bid in out:
             self._blocks[bid].ref = 1

@@ -438,17 +438,18 @@ class Engine:
                 adm = self.pool.open(seq.seq_id, seq.tokens, seq.req.cache_salt,
                                      use_cache=reuse, keep_uncached=keep)
             except PoolExhausted as exc:
+                # Warm-up pins yield first, as few as needed: a request that fits the pool was
+                # refused for the pins' whole lifetime (up to an hour), or held the head of the
+                # queue until every running answer ended, only to be refused then.
+                if self.pool.release_pins(max(1, exc.short)):
+                    continue
                 if not self._decoding:
-                    if seq.admitted_once and self.pool.release_pins():
-                        continue  # a preempted answer comes back before warm-up pins
-                    # Nothing running will free blocks: only pins hold them. Refuse.
-                    pinned = self.pool.stats().pinned
-                    why = (f"{pinned} pinned blocks hold the rest" if pinned
-                           else "more than the pool can free for it")
-                    # Pins are this replica's own state (another may have room); without
-                    # them no replica of this size could take it.
-                    error = errors.Overloaded if pinned else errors.ResourceExhausted
-                    self._finish(seq, Failed(error(f"KV pool exhausted: {exc} ({why})")))
+                    # Nothing running will free blocks. A preempted answer (part streamed)
+                    # may still finish on another replica; a new request fits no replica of
+                    # this size.
+                    error = errors.Overloaded if seq.admitted_once else errors.ResourceExhausted
+                    self._finish(seq, Failed(error(
+                        f"KV pool exhausted: {exc} (more than the pool can free for it)")))
                     continue
                 return  # wait for running sequences to finish
             except Exception:  # noqa: BLE001 - only this request fails, not every step
@@ -559,8 +560,8 @@ class Engine:
                                                   else [])]
                     victim = max(running, key=lambda s: s.order)
                     if victim is not self._prefilling:
-                        if self.pool.release_pins():
-                            log.info("released warm-up pins for decoding sequence %s",
+                        if self.pool.release_pins(1):
+                            log.info("released a warm-up pin for decoding sequence %s",
                                      seq.seq_id)
                             continue
                         if victim is seq and len(running) == 1:

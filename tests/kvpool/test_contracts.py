@@ -288,10 +288,42 @@ def test_pins_are_released_before_any_streaming_answer_is_preempted(make_engine,
                       request(b, 12, rid="b", ignore_eos=True)], lambda e: None)
     (toks_a, fin_a), (toks_b, fin_b) = res
     assert eng.stats().preemptions_total == 0
-    assert eng.pool.stats().pinned == 0  # the pins yielded
+    assert eng.pool.stats().pinned < 2  # the pins yielded, as many as the answers needed
     assert fin_b.computed_tokens == fin_b.prompt_tokens + fin_b.completion_tokens - 1
     assert toks_a == reference_greedy(tiny_model, a, 12)
     assert toks_b == reference_greedy(tiny_model, b, 12)
+
+
+def test_a_request_that_fits_the_pool_gets_in_past_pins_which_yield_only_what_it_needs(
+        make_engine, tiny_model) -> None:
+    """Memory-pressure review: a new request that fits the pool was refused (busy) for as long
+    as warm-up pins held the rest, up to their hour; with an answer decoding it held the head
+    of the queue until that answer ended, then was refused anyway; and any pressure released
+    every tenant's pins. Now as few pins yield as the request needs, chain tails first."""
+    eng = make_engine(num_blocks=16, max_batch_size=4, max_prefill_chunk=64, drafts=False)
+    eng.stop()
+    eng.pool.max_pinned = 8
+    warms = [EngineRequest(f"warm-{salt}", prompt(16, seed), SamplingSpec(max_tokens=0), salt,
+                           prefill_only=True, pin_ttl_seconds=3600)
+             for salt, seed in (("a", 50), ("b", 51))]
+    assert [fin.pinned_blocks for _, fin in drive(eng, warms, lambda e: None)] == [4, 4]
+    chains = [[eng.pool._table[h] for h in eng.pool.hasher.hashes(w.token_ids, w.cache_salt)]
+              for w in warms]
+
+    # A long answer decodes; then a 40-token prompt (+4 new: 11 of 16 blocks) arrives.
+    big = prompt(40, 52)
+    seen: list[int] = []
+    (toks_d, _), (toks_big, fin_big) = drive(
+        eng, [request(prompt(4, 53), 20, rid="d", ignore_eos=True), request(big, 4, rid="w")],
+        lambda e: seen.append(len(e._decoding)))
+    assert toks_big == reference_greedy(tiny_model, big, 4)
+    assert max(seen) == 2  # admitted beside the decoding answer, not after it
+    pinned = [[eng.pool.is_pinned(b) for b in c] for c in chains]
+    # Only what the two needed yielded (all 8 did before), the deepest first: each prompt
+    # keeps its first blocks pinned, a pinned block never below an unpinned one.
+    assert 2 <= sum(map(sum, pinned)) < 8
+    assert all(c[0] and c == sorted(c, reverse=True) for c in pinned)
+    eng.pool.release_pins()
 
 
 # ---- the engine thread survives faults around a step ---------------------------------------
