@@ -322,6 +322,9 @@ class Orchestrator:
         first_token_at: float | None = None
         attempts = 0
         only_busy = True  # every replica tried so far said it was busy (Overloaded)
+        # The first "needs more KV blocks than the pool has": the client's answer if no
+        # replica with a larger pool takes the request either.
+        too_big: grpc.RpcError | None = None
         route = ""
         while final is None:
             if cancelled.is_set():
@@ -344,13 +347,15 @@ class Orchestrator:
                     if hashes and self.dispatched is not None:
                         self.dispatched.record(decision.replica_id, hashes)
             if decision is None or replica is None:
+                if too_big is not None:
+                    raise _as_domain(too_big) from None
                 if tried and only_busy:
                     raise errors.ResourceExhausted(
                         f"every kvpool replica is busy (tried {', '.join(tried)}); retry later")
                 raise errors.Unavailable("no kvpool replica is available"
                                          + (f" (tried {', '.join(tried)})" if tried else ""))
             watcher: Callable[[], None] | None = None
-            busy = False
+            busy = larger = False
             try:
                 if (decision.route == "prefix"
                         and seen.get(decision.replica_id, 0) > matches.get(decision.replica_id,
@@ -439,6 +444,15 @@ class Orchestrator:
                     # model is a deployment fault, not the client's; try another replica.
                     log.error("replica %s serves another model (%s)", replica.replica_id,
                               e.details())
+                elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                      and (e.details() or "").startswith("token_ids:")
+                      and self._larger_pool(replica, exclude)):
+                    # Too big for this replica's pool, not for every one: pools sized by
+                    # kv_cache_bytes differ with each replica's hardware.
+                    larger = True
+                    too_big = too_big or e
+                    log.info("replica %s cannot hold the request (%s); trying a larger pool",
+                             replica.replica_id, e.details())
                 elif code not in _REPLICA_LOST:
                     # The replica judged the request itself: pass its verdict on unchanged.
                     raise _as_domain(e) from None
@@ -446,8 +460,8 @@ class Orchestrator:
                 # another, but it is not marked down for everyone (Stats polls judge that):
                 # one request that breaks replicas must not take every replica out of routing.
                 lost: BaseException | None = (
-                    None if busy or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN)
-                    else e)
+                    None if busy or larger
+                    or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
                 why = f"{code.name}: {e.details()}"
                 why_public = f"{code.name}: {e.details()}" if busy else code.name
             except _StreamCut as e:
@@ -478,6 +492,8 @@ class Orchestrator:
             if attempts >= self.max_attempts:
                 # The replica's own message (transport errors name internal addresses) is in
                 # the log line above, not in the client's status.
+                if too_big is not None:
+                    raise _as_domain(too_big) from None
                 if only_busy:
                     raise errors.ResourceExhausted(
                         f"every kvpool replica tried is busy (tried {', '.join(tried)}); "
@@ -548,6 +564,14 @@ class Orchestrator:
         with self.stats.lock:
             self.stats.semantic_tokens_saved += len(ids)
         yield Finished(finish, 0, len(ids), report, request_id)
+
+    def _larger_pool(self, replica, exclude: set) -> bool:
+        """Whether a healthy replica not tried yet has more KV blocks than `replica`."""
+        mine = replica.stats.blocks_total if replica.stats is not None else 0
+        return any(r.stats is not None and r.stats.blocks_total > mine
+                   for r in self.replicas.healthy()
+                   if r is not replica and r.replica_id not in exclude
+                   and r.address not in exclude)
 
     def _count(self, cache_class: str, prompt: int, cached: int, completion: int,
                ttft_ms: float) -> None:

@@ -176,6 +176,38 @@ def test_a_busy_replica_hands_the_request_to_another_and_stays_in_routing():
     assert sum(len(r.stub.requests) for r in never.replicas.replicas) == 1
 
 
+def test_a_request_too_big_for_one_pool_goes_to_a_replica_with_a_larger_one():
+    """Pools sized by kv_cache_bytes differ with the hardware: a request one replica can never
+    hold went back to the client as final, though another replica's pool could."""
+    class TooBig(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return "token_ids: prompt + max_tokens need 300 KV blocks, the pool has 200"
+
+    def sized(orch, sizes):
+        for r in orch.replicas.replicas:
+            r.stats = kvpool_pb2.KvStatsResponse(replica_id=r.replica_id,
+                                                 blocks_total=sizes[r.replica_id])
+        orch.routing = SimpleNamespace(choose=lambda views, seen, aff, exclude, *rest: next(
+            (SimpleNamespace(replica_id=r, route="least_loaded", matched_tokens=0)
+             for r in ("A", "B") if r not in exclude), None))
+        return orch
+
+    a, b = Stub("A", [Call([], TooBig())]), Stub("B", [Call([final("B", 2)])])
+    orch = sized(make({"A": a, "B": b}), {"A": 200, "B": 400})
+    assert "".join(e.text for e in generate(orch, []) if hasattr(e, "text")) == "ok"
+    assert len(b.requests) == 1 and orch.replicas.by_id("A").health.healthy
+
+    same = sized(make({r: Stub(r, [Call([], TooBig())]) for r in ("A", "B")}),
+                 {"A": 200, "B": 200})
+    with pytest.raises(errors.TierCacheError, match="need 300 KV blocks") as e:
+        generate(same, [])  # no larger pool: the first replica's verdict, no second call
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+    assert sum(len(r.stub.requests) for r in same.replicas.replicas) == 1
+
+
 def test_a_callback_refused_because_the_rpc_already_ended_runs_at_once():
     ran = []
     _on_rpc_end(SimpleNamespace(add_callback=lambda fn: False), lambda: ran.append(1))
