@@ -273,7 +273,8 @@ def test_warm_top_k_keeps_k_of_the_tenants_own_prefixes_and_names_an_index_outag
     try:
         got = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(top_k=2))
         assert [(r.replica_id, r.prompt_index) for r in got.results] == [("B", -1), ("B", -1)]
-        assert [list(req.token_ids) for req in stubs["B"].requests] == [
+        # The prefills run on the warmer's thread pool: in any order.
+        assert sorted(list(req.token_ids) for req in stubs["B"].requests) == [
             list(p.token_ids) for p in mine[:2]]
         assert asked == [(2, TENANT.cache_salt)]  # the index filters: k of the tenant's own
 
