@@ -308,7 +308,7 @@ class ServerHandle:
     service: str
     server: grpc.Server
     port: int
-    health: health.HealthServicer
+    health: _HealthServicer
     service_names: list[str]
     metrics_port: int | None = None
     _metrics_httpd: Any = None
@@ -330,9 +330,7 @@ class ServerHandle:
         """Health NOT_SERVING, refuse new RPCs, let in-flight ones finish within `grace`."""
         self.set_serving(False)
         stopping = self.server.stop(grace)  # new RPCs (a Watch opened again) refused from here
-        close = getattr(self.health, "close_watches", None)
-        if close is not None:
-            close()
+        self.health.close_watches()
         stopping.wait()
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
@@ -497,6 +495,20 @@ def exit_on_signal_while_starting() -> Iterator[None]:
     finally:
         for s, h in before:
             signal.signal(s, h)
+
+
+def service_main(service: str, body: Callable[[Sequence[str] | None], int],
+                 argv: Sequence[str] | None) -> int:
+    """Run a service's `main` body: SIGTERM/SIGINT while it starts exit at once (see
+    `exit_on_signal_while_starting`), and a configuration problem found only while starting
+    (an address or metrics port that cannot be bound: BindError) is one line and exit 2, not
+    a traceback."""
+    with exit_on_signal_while_starting():
+        try:
+            return body(argv)
+        except ConfigError as exc:
+            logging.getLogger(f"services.{service}").error("bad configuration: %s", exc)
+            return 2
 
 
 def run_until_signal(handle: ServerHandle, grace: float = 10.0,

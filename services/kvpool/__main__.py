@@ -15,11 +15,10 @@ from tiercache.v1 import kvpool_pb2_grpc  # noqa: E402
 
 from services.common.bootstrap import (  # noqa: E402
     create_server,
-    exit_on_signal_while_starting,
     load_service_config,
     run_until_signal,
+    service_main,
 )
-from services.common.config import ConfigError  # noqa: E402
 from services.common.model_store import ModelStoreError  # noqa: E402
 from services.kvpool.app import build_replica  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
@@ -45,9 +44,7 @@ def device_problem(device: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    # SIGTERM while loading exits at once (see exit_on_signal_while_starting).
-    with exit_on_signal_while_starting():
-        return _main(argv)
+    return service_main("kvpool", _main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -60,8 +57,7 @@ def _main(argv: list[str] | None) -> int:
         return 2
     servicer = KvPoolServicer(cfg)
     # Bind first (health NOT_SERVING) so probes see the process while the model loads.
-    try:
-        handle = create_server(
+    handle = create_server(  # a port that cannot be bound: ConfigError, exit 2 (service_main)
         service="kvpool", address=cfg.address,
         services=[(kvpool_pb2_grpc.add_KvPoolServicer_to_server, servicer,
                    "tiercache.v1.KvPool")],
@@ -71,9 +67,6 @@ def _main(argv: list[str] | None) -> int:
         # sequence the engine may hold, plus room for Stats polls, Prefill and Resync, or a
         # busy replica's Stats would queue behind streams until it is declared hung.
         max_workers=cfg.max_batch_size + cfg.max_waiting + 16)
-    except ConfigError as exc:  # the address or metrics port cannot be bound
-        log.error("bad configuration: %s", exc)
-        return 2
     try:
         replica = build_replica(cfg)
     except (ModelStoreError, OSError, ValueError) as exc:

@@ -9,11 +9,10 @@ from tiercache.v1 import orchestrator_pb2_grpc
 
 from services.common.bootstrap import (
     create_server,
-    exit_on_signal_while_starting,
     load_service_config,
     run_until_signal,
+    service_main,
 )
-from services.common.config import ConfigError
 from services.common.hashing import DEFAULT_KEY, hash_key_from_env
 from services.common.model_store import ModelStoreError
 from services.orchestrator.app import build
@@ -24,9 +23,7 @@ log = logging.getLogger("services.orchestrator")
 
 
 def main(argv: list[str] | None = None) -> int:
-    # SIGTERM while loading exits at once (see exit_on_signal_while_starting).
-    with exit_on_signal_while_starting():
-        return _main(argv)
+    return service_main("orchestrator", _main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -41,16 +38,12 @@ def _main(argv: list[str] | None) -> int:
         return 2
     # Bind first (health NOT_SERVING) so probes see the process while the tokenizer loads.
     servicer = OrchestratorServicer(cfg)
-    try:
-        handle = create_server(
-            service="orchestrator", address=cfg.address,
-            services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer,
-                       "tiercache.v1.Orchestrator")],
-            metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
-            max_workers=cfg.max_workers)
-    except ConfigError as exc:  # the address or metrics port cannot be bound
-        log.error("bad configuration: %s", exc)
-        return 2
+    handle = create_server(  # a port that cannot be bound: ConfigError, exit 2 (service_main)
+        service="orchestrator", address=cfg.address,
+        services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer,
+                   "tiercache.v1.Orchestrator")],
+        metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
+        max_workers=cfg.max_workers)
     try:
         app = build(cfg)
     except (ModelStoreError, OSError, ValueError) as exc:

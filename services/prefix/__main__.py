@@ -6,11 +6,10 @@ import logging
 import sys
 
 from services.common.bootstrap import (
-    exit_on_signal_while_starting,
     load_service_config,
     run_until_signal,
+    service_main,
 )
-from services.common.config import ConfigError
 from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
 
@@ -18,20 +17,14 @@ log = logging.getLogger("services.prefix")
 
 
 def main(argv: list[str] | None = None) -> int:
-    # SIGTERM while loading exits at once (see exit_on_signal_while_starting).
-    with exit_on_signal_while_starting():
-        return _main(argv)
+    return service_main("prefix", _main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
     cfg = load_service_config(PrefixConfig, "prefix", argv)
     if cfg is None:
         return 2
-    try:
-        svc = serve(cfg)
-    except ConfigError as exc:  # the address or metrics port cannot be bound
-        log.error("bad configuration: %s", exc)
-        return 2
+    svc = serve(cfg)  # a port that cannot be bound: ConfigError, exit 2 (service_main)
     log.info("prefix index serving on port %d (block size %d, budget %d nodes)", svc.port,
              cfg.block_size, cfg.max_nodes)
     run_until_signal(svc.handle, grace=cfg.grace_seconds, on_stop=lambda: svc.stop(0))

@@ -8,11 +8,10 @@ import sqlite3
 import sys
 
 from services.common.bootstrap import (
-    exit_on_signal_while_starting,
     load_service_config,
     run_until_signal,
+    service_main,
 )
-from services.common.config import ConfigError
 from services.semantic.config import SemanticConfig
 from services.semantic.server import serve
 from services.semantic.store import DatabaseInUse
@@ -21,9 +20,7 @@ log = logging.getLogger("services.semantic")
 
 
 def main(argv: list[str] | None = None) -> int:
-    # SIGTERM while loading exits at once (see exit_on_signal_while_starting).
-    with exit_on_signal_while_starting():
-        return _main(argv)
+    return service_main("semantic", _main, argv)
 
 
 def _main(argv: list[str] | None) -> int:
@@ -35,10 +32,11 @@ def _main(argv: list[str] | None) -> int:
     except DatabaseInUse as exc:
         log.error("cannot start: %s", exc)
         return 2
-    except (ConfigError, OSError, ValueError, sqlite3.Error) as exc:
-        # A port in use; a model folder without its tokenizer, a database path that is a
-        # folder or not a database, a cache folder that cannot be made, a verifier file that
-        # is not JSON: found only now, where the paths exist. One line, exit 2.
+    except (OSError, ValueError, sqlite3.Error) as exc:
+        # A port in use (BindError, a ValueError); a model folder without its tokenizer, a
+        # database path that is a folder or not a database, a cache folder that cannot be
+        # made, a verifier file that is not JSON: found only now, where the paths exist. One
+        # line, exit 2.
         log.error("bad configuration: %s: %s", type(exc).__name__, exc)
         return 2
     # Move what loading built (entries, maps, index arrays) out of the cyclic collector's reach:
