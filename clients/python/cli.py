@@ -255,27 +255,20 @@ def _count(top: int):
 uint32, int32 = _count(2**32 - 1), _count(2**31 - 1)  # as the proto fields are declared
 
 
-def _timeout(text: str) -> float:
-    """argparse type: finite seconds in (0, 1e6]. A huge deadline expired at once as
-    DEADLINE_EXCEEDED, and 0 and nan did too."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < v <= 1e6:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1e6] seconds, got {text!r}")
-    return v
-
-
-def _ratio(text: str) -> float:
-    """argparse type: a finite ratio in [0, 1e6] (inf overflowed a sleep)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 <= v <= 1e6:
-        raise argparse.ArgumentTypeError(f"must be in [0, 1e6], got {text!r}")
-    return v
+def _up_to_1e6(zero: bool, unit: str = ""):
+    """argparse type: a finite number in (0, 1e6], or [0, 1e6] with `zero`. A huge timeout
+    expired at once as DEADLINE_EXCEEDED, as did 0 and nan; an infinite time scale
+    overflowed a sleep."""
+    def parse(text: str) -> float:
+        try:
+            v = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if not (0 <= v <= 1e6 and (zero or v > 0)):
+            raise argparse.ArgumentTypeError(
+                f"must be in {'[' if zero else '('}0, 1e6]{unit}, got {text!r}")
+        return v
+    return parse
 
 
 def _token(text: str) -> str | None:
@@ -290,6 +283,11 @@ def _token(text: str) -> str | None:
     if not all(" " < c <= "~" for c in t):
         raise argparse.ArgumentTypeError("must be printable ASCII without spaces")
     return t
+
+
+# --token's default: read TIERCACHE_TOKEN after parsing (argparse would run `_token` on a
+# string default, and an empty variable then failed every command).
+_FROM_ENV = object()
 
 
 def _tenant_tokens(text: str) -> dict[str, str]:
@@ -319,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
     p.add_argument("--address", default=os.environ.get("TIERCACHE_ADDRESS", "localhost:50051"),
                    help="orchestrator host:port (env TIERCACHE_ADDRESS; default %(default)s)")
-    p.add_argument("--token", type=_token, default=None,
+    p.add_argument("--token", type=_token, default=_FROM_ENV,
                    help="tenant bearer token (env TIERCACHE_TOKEN; none = no auth)")
-    p.add_argument("--timeout", type=_timeout, default=300.0,
+    p.add_argument("--timeout", type=_up_to_1e6(False, " seconds"), default=300.0,
                    help="seconds per call (default %(default)s)")
     p.add_argument("--ca", default=os.environ.get("TIERCACHE_TLS_CA"),
                    help="CA bundle: speak TLS and verify the server (env TIERCACHE_TLS_CA)")
@@ -356,13 +354,13 @@ def main(argv: list[str] | None = None) -> int:
     rp = sub.add_parser("replay", help="replay a workload trace (python -m benchmarks.workload)")
     rp.add_argument("trace")
     rp.add_argument("--concurrency", type=_positive, default=2)
-    rp.add_argument("--time-scale", type=_ratio, default=0.0,
+    rp.add_argument("--time-scale", type=_up_to_1e6(True), default=0.0,
                     help="seconds of replay per second of trace (0 = as fast as possible)")
     rp.add_argument("--max-tokens", type=int32, default=32)
     rp.add_argument("--tenant-tokens", type=_tenant_tokens, default={},
                     help="tenant=token,... for auth (tenants not named use --token)")
     a = p.parse_args(argv)
-    if a.token is None and "--token" not in (argv if argv is not None else sys.argv[1:]):
+    if a.token is _FROM_ENV:  # no --token given (an empty one means no auth)
         try:
             a.token = _token(os.environ.get("TIERCACHE_TOKEN", ""))
         except argparse.ArgumentTypeError as e:
