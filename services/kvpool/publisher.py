@@ -325,8 +325,9 @@ class Publisher:
         try:
             # The first batch replaces the index's view; large snapshots continue in normal
             # batches.
-            first = min(self._max_events, self._max_blocks)  # a holding is one block
-            if not self._send(holdings[:first], resync=True, only=only):
+            first, rest = next_batch(holdings, self._max_events, self._max_blocks,
+                                     self.engine.pool.block_size)
+            if not self._send(first, resync=True, only=only):
                 return
         except grpc.RpcError:
             self._lagging |= before
@@ -334,6 +335,5 @@ class Publisher:
         if only is None:
             self._need_resync = False
         self.resyncs += 1
-        rest = holdings[first:]
         self._backlog = rest + self._backlog
         self._snapshot_left += len(rest)
