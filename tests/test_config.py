@@ -1,4 +1,8 @@
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -171,16 +175,29 @@ def test_kvpool_settings_that_would_brick_or_crash_the_replica_are_refused(var, 
 
 # ---- the config review: values that passed and then misbehaved ------------------------------
 
+def config_class(service: str) -> type:
+    from services.kvpool.config import KvPoolConfig
+    from services.orchestrator.config import OrchestratorConfig
+    from services.prefix.config import PrefixConfig
+    from services.semantic.config import SemanticConfig
+
+    return {"semantic": SemanticConfig, "prefix": PrefixConfig, "kvpool": KvPoolConfig,
+            "orchestrator": OrchestratorConfig}[service]
+
+
+def run_service(service: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """`python -m services.<service>` from the repo root with `env` added; its output."""
+    root = Path(__file__).resolve().parent.parent
+    full = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'gen'}", **env}
+    return subprocess.run([sys.executable, "-m", f"services.{service}"], env=full, cwd=root,
+                          capture_output=True, text=True, timeout=timeout)
+
 @pytest.mark.parametrize("service", ["semantic", "prefix", "kvpool", "orchestrator"])
 @pytest.mark.parametrize("address", ["127.0.0.1:99999", "127.0.0.1:abc", ":", "127.0.0.1"])
 def test_a_listen_address_outside_host_port_is_refused(service, address):
     """gRPC took port 99999 modulo 65536 and served on 34463 without a word; `host:abc`
     passed too."""
-    import importlib
-
-    mod = importlib.import_module(f"services.{service}.config")
-    cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("Config") and n[0] != "_"
-               and n.lower().startswith(service[:4]))
+    cls = config_class(service)
     with pytest.raises(ConfigError, match=f"TIERCACHE_{service.upper()}_ADDRESS"):
         load_config(cls, service, [], environ={f"TIERCACHE_{service.upper()}_ADDRESS": address})
     assert load_config(cls, service, [], environ={
@@ -203,11 +220,7 @@ def test_settings_that_started_a_service_refusing_everything_are_refused(service
     """Crossed tiers made strict laxer than relaxed; a tenant/message limit of 0 refused every
     request; a 1e11 s lease killed the sweeper thread (Event.wait overflow); a repeated token
     silently moved to the last tenant."""
-    import importlib
-
-    mod = importlib.import_module(f"services.{service}.config")
-    cls = next(getattr(mod, n) for n in dir(mod) if n.endswith("Config") and n[0] != "_"
-               and n.lower().startswith(service[:4]))
+    cls = config_class(service)
     with pytest.raises(ConfigError, match=var):
         load_config(cls, service, [], environ=env)
 
@@ -232,23 +245,17 @@ def test_a_tokens_file_that_is_not_json_or_repeats_a_token_names_the_file(tmp_pa
 def test_a_port_in_use_is_one_line_and_exit_2_not_a_traceback(what):
     """add_insecure_port raises RuntimeError (and the metrics server OSError) where the code
     checked for a 0 return: every service died with a traceback and exit 1."""
-    import os
     import socket
-    import subprocess
-    import sys
-    from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
         busy = held.getsockname()[1]
-        env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'gen'}",
-               "TIERCACHE_PREFIX_ADDRESS": f"127.0.0.1:{busy}" if what == "address"
-               else "127.0.0.1:0",
-               "TIERCACHE_PREFIX_METRICS_PORT": str(busy) if what == "metrics_port" else "-1"}
-        r = subprocess.run([sys.executable, "-m", "services.prefix"], env=env, cwd=root,
-                           capture_output=True, text=True, timeout=120)
+        r = run_service("prefix", {
+            "TIERCACHE_PREFIX_ADDRESS": f"127.0.0.1:{busy}" if what == "address"
+            else "127.0.0.1:0",
+            "TIERCACHE_PREFIX_METRICS_PORT": str(busy) if what == "metrics_port" else "-1"},
+            timeout=120)
     assert r.returncode == 2, r.stderr[-2000:]
     assert f"TIERCACHE_PREFIX_{what.upper()}" in r.stderr and "Traceback" not in r.stderr
 
@@ -257,22 +264,14 @@ def test_a_port_in_use_is_one_line_and_exit_2_not_a_traceback(what):
 def test_a_bad_path_found_only_at_start_is_one_line_and_exit_2(tmp_path, service):
     """semantic: a database path that is a folder died with IsADirectoryError (exit 1, a
     traceback); kvpool: a model folder whose config.json names no model_type with ValueError."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = Path(__file__).resolve().parent.parent
     up = service.upper()
-    env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{root / 'gen'}",
-           f"TIERCACHE_{up}_ADDRESS": "127.0.0.1:0", f"TIERCACHE_{up}_METRICS_PORT": "-1"}
+    env = {f"TIERCACHE_{up}_ADDRESS": "127.0.0.1:0", f"TIERCACHE_{up}_METRICS_PORT": "-1"}
     if service == "semantic":
         env["TIERCACHE_SEMANTIC_DB_PATH"] = str(tmp_path)  # a folder
     else:
         (tmp_path / "config.json").write_text("{}")
         env["TIERCACHE_KVPOOL_MODEL"] = str(tmp_path)
-    r = subprocess.run([sys.executable, "-m", f"services.{service}"], env=env, cwd=root,
-                       capture_output=True, text=True, timeout=300)
+    r = run_service(service, env, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "bad configuration" in r.stderr and "Traceback" not in r.stderr
 
