@@ -145,6 +145,13 @@ def test_a_client_gone_during_the_semantic_lookup_gets_no_model_call():
     assert orch.replicas.replicas[0].inflight == 0
 
 
+def in_order(*replica_ids: str) -> SimpleNamespace:
+    """Routing that takes the replicas in this order, skipping the ones already tried."""
+    return SimpleNamespace(choose=lambda views, seen, aff, exclude, *rest: next(
+        (SimpleNamespace(replica_id=r, route="least_loaded", matched_tokens=0)
+         for r in replica_ids if r not in exclude), None))
+
+
 def test_a_busy_replica_hands_the_request_to_another_and_stays_in_routing():
     """A replica's queue full or memory held by pins (RESOURCE_EXHAUSTED) went to the client
     as final though the other replica was idle; an answer cut short by it resumes exactly."""
@@ -153,9 +160,7 @@ def test_a_busy_replica_hands_the_request_to_another_and_stays_in_routing():
         token_ids=[ord("k")], final=kvpool_pb2.KvGenerateFinal(
             finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id="B"))])])
     orch = make({"A": a, "B": b})
-    orch.routing = SimpleNamespace(choose=lambda views, seen, aff, exclude, *rest: next(
-        (SimpleNamespace(replica_id=r, route="least_loaded", matched_tokens=0)
-         for r in ("A", "B") if r not in exclude), None))
+    orch.routing = in_order("A", "B")
     events = generate(orch, [])
     assert "".join(e.text for e in events if hasattr(e, "text")) == "ok"
     assert list(b.requests[0].token_ids) == PROMPT + [ord("o")]  # resumed after "o"
@@ -190,9 +195,7 @@ def test_a_request_too_big_for_one_pool_goes_to_a_replica_with_a_larger_one():
         for r in orch.replicas.replicas:
             r.stats = kvpool_pb2.KvStatsResponse(replica_id=r.replica_id,
                                                  blocks_total=sizes[r.replica_id])
-        orch.routing = SimpleNamespace(choose=lambda views, seen, aff, exclude, *rest: next(
-            (SimpleNamespace(replica_id=r, route="least_loaded", matched_tokens=0)
-             for r in ("A", "B") if r not in exclude), None))
+        orch.routing = in_order("A", "B")
         return orch
 
     a, b = Stub("A", [Call([], TooBig())]), Stub("B", [Call([final("B", 2)])])
