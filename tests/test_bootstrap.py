@@ -287,3 +287,14 @@ def test_the_starting_handlers_go_away_with_main_and_a_late_signal_drains():
     finally:
         signal.signal(signal.SIGTERM, before[0])
         signal.signal(signal.SIGINT, before[1])
+
+
+def test_once_a_drain_begins_nothing_turns_health_serving_again(server):
+    """kvpool's stalled-engine watcher turns health back on when the engine moves again; during
+    a drain that would have put a stopping pod back into its Service's endpoints."""
+    hs = health_pb2_grpc.HealthStub(grpc.insecure_channel(server.address))
+    req = health_pb2.HealthCheckRequest(service="")
+    server.set_serving()
+    server.begin_drain()
+    server.set_serving(True)
+    assert hs.Check(req, timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING

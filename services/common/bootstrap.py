@@ -313,22 +313,35 @@ class ServerHandle:
     metrics_port: int | None = None
     _metrics_httpd: Any = None
     stopped: threading.Event = field(default_factory=threading.Event)
+    # Set when a drain begins: health stays NOT_SERVING from then on, whoever asks (a watcher
+    # that turns it off and on again, such as kvpool's stalled-engine check).
+    draining: threading.Event = field(default_factory=threading.Event)
+    _health_lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def address(self) -> str:
         return f"127.0.0.1:{self.port}"
 
     def set_serving(self, serving: bool = True) -> None:
-        if serving:
-            _serving_began.set()
-        status = (health_pb2.HealthCheckResponse.SERVING if serving
-                  else health_pb2.HealthCheckResponse.NOT_SERVING)
-        for name in ["", *self.service_names]:
-            self.health.set(name, status)
+        """Health SERVING or NOT_SERVING; SERVING is ignored once a drain has begun."""
+        with self._health_lock:
+            if serving and self.draining.is_set():
+                return
+            if serving:
+                _serving_began.set()
+            status = (health_pb2.HealthCheckResponse.SERVING if serving
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for name in ["", *self.service_names]:
+                self.health.set(name, status)
+
+    def begin_drain(self) -> None:
+        """Health NOT_SERVING for good (requests are still served until `stop`)."""
+        self.draining.set()
+        self.set_serving(False)
 
     def stop(self, grace: float | None = 5.0) -> None:
         """Health NOT_SERVING, refuse new RPCs, let in-flight ones finish within `grace`."""
-        self.set_serving(False)
+        self.begin_drain()
         stopping = self.server.stop(grace)  # new RPCs (a Watch opened again) refused from here
         self.health.close_watches()
         stopping.wait()
@@ -531,7 +544,7 @@ def run_until_signal(handle: ServerHandle, grace: float = 10.0,
         # Health says NOT_SERVING while requests are still served: Kubernetes takes a pod out
         # of its endpoints asynchronously, and clients still sent here meanwhile must not be
         # refused.
-        handle.set_serving(False)
+        handle.begin_drain()
         log.info("not serving; accepting requests for %.1fs more before draining", delay)
         time.sleep(delay)
     handle.stop(grace)

@@ -87,7 +87,7 @@ def _main(argv: list[str] | None) -> int:
             internal_token=cfg.internal_token).start()
     servicer.attach(replica.engine, replica.info, publisher)
     handle.set_serving()
-    watch_engine(replica.engine, handle)
+    watch_engine(replica.engine, handle, stall_seconds=cfg.engine_stall_seconds)
     log.info("kvpool %s ready on port %d (model %s, %d blocks)", cfg.replica_id, handle.port,
              replica.info.model_id, replica.engine.pool.num_blocks)
 

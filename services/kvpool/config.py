@@ -75,6 +75,11 @@ class KvPoolConfig:
     # last growth step copies, unless preallocate_rows): bound it to fit.
     max_context: int = 0
     grace_seconds: float = 10.0
+    # Health turns NOT_SERVING (the liveness probe then restarts the replica) when one engine
+    # step has not finished in this long: a hung step holds every stream. Far above any real
+    # step (a 512-token prefill chunk of SmolLM2 takes ~0.5 s on 2 CPU cores); raise it for
+    # large models on CPU. 0 = off.
+    engine_stall_seconds: float = 300.0
 
     def validate(self) -> None:
         """Fail fast with the name of the offending variable."""
@@ -114,6 +119,8 @@ class KvPoolConfig:
         require(self.shallow_tokens >= 0, s, "shallow_tokens", "must be >= 0")
         require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
+        require(self.engine_stall_seconds >= 0, s, "engine_stall_seconds",
+                "must be >= 0 (0 = off)")
         require(0 < self.max_pinned_fraction <= 1, s, "max_pinned_fraction", "must be in (0, 1]")
         require(0 < self.max_pinned_per_tenant_fraction <= self.max_pinned_fraction, s,
                 "max_pinned_per_tenant_fraction", "must be in (0, max_pinned_fraction]")

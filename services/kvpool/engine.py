@@ -265,6 +265,7 @@ class Engine:
         self._events_cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._turned_at = time.monotonic()  # when the engine loop last began a turn
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.requests_total = 0
@@ -284,6 +285,11 @@ class Engine:
     def running(self) -> bool:
         """True while the engine thread serves requests."""
         return self._thread is not None and self._thread.is_alive()
+
+    def stalled_for(self) -> float:
+        """Seconds since the engine loop last began a turn: one step while busy, at most
+        ~0.5 s while idle. Large only when one step (or a call run between steps) is stuck."""
+        return time.monotonic() - self._turned_at
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -368,6 +374,7 @@ class Engine:
     def _run(self) -> None:
         torch.set_grad_enabled(False)
         while not self._stop.is_set():
+            self._turned_at = time.monotonic()
             busy = bool(self._waiting or self._decoding or self._prefilling)
             try:
                 self._drain_inbox(block=not busy)

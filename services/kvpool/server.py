@@ -245,11 +245,17 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             prefix_caching_disabled=not engine.prefix_caching)
 
 
-def watch_engine(engine: Any, handle: Any, every: float = 1.0) -> threading.Thread:
+def watch_engine(engine: Any, handle: Any, every: float = 1.0,
+                 stall_seconds: float = 0.0) -> threading.Thread:
     """Turn health NOT_SERVING once the engine thread has died (every call then answers
     UNAVAILABLE): health stayed SERVING, so the liveness probe never restarted the replica.
-    Ends quietly when the server stops (a drain stops the engine on purpose)."""
+    Also while the engine thread is alive but has not begun a turn for `stall_seconds` (> 0):
+    one step stuck (a hung device, a deadlock) held every stream on the replica while health
+    said SERVING. Health turns SERVING again if the engine moves on before the liveness probe
+    restarts the replica, unless the server is draining. Ends quietly when the server stops
+    (a drain stops the engine on purpose)."""
     def run() -> None:
+        stalled = False
         while not handle.stopped.wait(every):
             if not engine.running:
                 if not handle.stopped.is_set():
@@ -257,6 +263,18 @@ def watch_engine(engine: Any, handle: Any, every: float = 1.0) -> threading.Thre
                               "replica is restarted")
                     handle.set_serving(False)
                 return
+            if stall_seconds <= 0:
+                continue
+            age = engine.stalled_for()
+            if age > stall_seconds and not stalled:
+                stalled = True
+                log.error("the engine has not finished a step in %.0f s (engine_stall_seconds="
+                          "%g): health NOT_SERVING", age, stall_seconds)
+                handle.set_serving(False)
+            elif age <= stall_seconds and stalled:
+                stalled = False
+                log.warning("the engine is stepping again: health SERVING unless draining")
+                handle.set_serving(True)  # ignored once a drain has begun
 
     t = threading.Thread(target=run, name="engine-watch", daemon=True)
     t.start()

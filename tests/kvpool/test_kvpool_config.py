@@ -27,6 +27,7 @@ def test_env_and_flags() -> None:
     ({"TIERCACHE_KVPOOL_EVICTION_POLICY": "fifo"}, "TIERCACHE_KVPOOL_EVICTION_POLICY"),
     ({"TIERCACHE_KVPOOL_DTYPE": "int8"}, "TIERCACHE_KVPOOL_DTYPE"),
     ({"TIERCACHE_KVPOOL_KV_CACHE_BYTES": "0"}, "TIERCACHE_KVPOOL_KV_CACHE_BYTES"),
+    ({"TIERCACHE_KVPOOL_ENGINE_STALL_SECONDS": "-1"}, "TIERCACHE_KVPOOL_ENGINE_STALL_SECONDS"),
 ])
 def test_bad_values_name_the_variable(env, var) -> None:
     with pytest.raises(ConfigError, match=var):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import replace
@@ -450,3 +451,53 @@ def test_a_dead_engine_turns_health_not_serving_so_the_replica_is_restarted() ->
     engine.running = False  # ... then stopped its engine
     t.join(5)
     assert not t.is_alive() and calls == []
+
+
+def test_a_stalled_engine_turns_health_not_serving_until_it_steps_again() -> None:
+    """Only a dead engine thread was noticed: one stuck step (a hung device, a deadlock) held
+    every stream on the replica while health said SERVING, so nothing restarted it."""
+    from types import SimpleNamespace
+
+    from services.kvpool.server import watch_engine
+
+    calls: list[bool] = []
+    age = [0.0]
+    moved = threading.Event()
+
+    def set_serving(serving: bool) -> None:
+        calls.append(serving)
+        moved.set()
+
+    engine = SimpleNamespace(running=True, stalled_for=lambda: age[0])
+    handle = SimpleNamespace(stopped=threading.Event(), set_serving=set_serving)
+    t = watch_engine(engine, handle, every=0.01, stall_seconds=5.0)
+    try:
+        age[0] = 4.9  # a slow step is not a stall
+        time.sleep(0.1)
+        assert calls == []
+        age[0] = 5.1
+        assert moved.wait(5) and calls == [False]
+        moved.clear()
+        time.sleep(0.1)
+        assert calls == [False]  # said once, not on every check
+        age[0] = 0.2  # the step finished
+        assert moved.wait(5) and calls == [False, True]
+    finally:
+        handle.stopped.set()
+        t.join(5)
+    assert not t.is_alive()
+
+
+def test_the_engine_reports_how_long_its_loop_has_been_stuck(make_engine) -> None:
+    eng = make_engine()
+    assert eng.stalled_for() < 2.0  # idle: the loop turns every ~0.5 s
+    started = threading.Event()
+    fut = eng.call(lambda: (started.set(), time.sleep(1.2)))
+    assert started.wait(5)
+    time.sleep(1.0)
+    assert eng.stalled_for() >= 0.9  # a call run between steps holds the loop
+    fut.result(5)
+    deadline = time.monotonic() + 5
+    while eng.stalled_for() > 0.8 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert eng.stalled_for() <= 0.8
