@@ -213,6 +213,8 @@ def test_a_listen_address_outside_host_port_is_refused(service, address):
      "TIERCACHE_ORCHESTRATOR_MAX_MESSAGE_CHARS"),
     ("prefix", {"TIERCACHE_PREFIX_LEASE_SECONDS": "1e11"}, "TIERCACHE_PREFIX_LEASE_SECONDS"),
     ("semantic", {"TIERCACHE_SEMANTIC_GRACE_SECONDS": "-1"}, "TIERCACHE_SEMANTIC_GRACE_SECONDS"),
+    ("semantic", {"TIERCACHE_SEMANTIC_INDEX_CLOSE_SECONDS": "-1"},
+     "TIERCACHE_SEMANTIC_INDEX_CLOSE_SECONDS"),
     ("orchestrator", {"TIERCACHE_ORCHESTRATOR_TOKENS": "a=b,a=c"},
      "TIERCACHE_ORCHESTRATOR_TOKENS.*repeats"),
 ])

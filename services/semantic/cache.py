@@ -747,13 +747,16 @@ class SemanticCache:
         """The namespace's index (benchmarks and tests)."""
         return self._indexes.get(ns)
 
-    def close_indexes(self, timeout: float = 20.0) -> None:
-        """Waits for running index merges to finish (shutdown); starts no more."""
+    def close_indexes(self, timeout: float = 20.0) -> bool:
+        """Waits up to `timeout` in all for running index merges to finish (shutdown); starts
+        no more. False if one is still running (the process must then exit without
+        finalizing: a thread still inside faiss aborts the interpreter's exit)."""
         with self._lock:
             indexes = list(self._indexes.values()) + self._retired
         end = time.monotonic() + timeout
         for index in indexes:
             index.close(max(0.0, end - time.monotonic()))
+        return not any(index.merging for index in indexes)
 
     def stats(self) -> CacheStats:
         with self._lock:

@@ -86,6 +86,10 @@ class SemanticConfig:
     # Drain time on SIGTERM (in-flight lookups and stores finish; stored entries are durable
     # already).
     grace_seconds: float = 5.0
+    # After the drain, how long shutdown waits for a running index merge (HNSW builds take
+    # seconds per 100k entries) before exiting anyway. The pod's terminationGracePeriodSeconds
+    # must cover the drain delay + grace_seconds + this.
+    index_close_seconds: float = 10.0
     expiry_interval_s: float = 30.0  # how often expired entries are purged
 
     def resolved_cache_dir(self) -> str:
@@ -134,6 +138,7 @@ class SemanticConfig:
                 f"tiers must not cross: relaxed {self.tier_relaxed} <= standard "
                 f"{self.tier_standard} <= strict {self.tier_strict}")
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
+        require(self.index_close_seconds >= 0, s, "index_close_seconds", "must be >= 0")
         require(self.max_tenant_chars >= 64, s, "max_tenant_chars",
                 "must be >= 64 (it also bounds model ids; below that every request is refused)")
         require(self.default_tier in ("strict", "standard", "relaxed"), s, "default_tier",

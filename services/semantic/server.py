@@ -145,14 +145,17 @@ class RunningService:
     embedder: Embedder
     housekeeper: Housekeeper
 
-    def stop(self, grace: float = 2.0) -> None:
+    def stop(self, grace: float = 2.0, index_close: float = 20.0) -> bool:
+        """Drain, then close. True unless an index merge outlived `index_close` seconds (the
+        entries are in SQLite either way; indexes are rebuilt at start)."""
         self.handle.stop(grace)
         self.housekeeper.stop()
-        self.cache.close_indexes()
+        merged = self.cache.close_indexes(index_close)
         self.cache.store.close()
         close = getattr(self.embedder, "close", None)
         if close is not None:
             close()
+        return merged
 
 
 def make_embedder(cfg: SemanticConfig) -> Embedder:

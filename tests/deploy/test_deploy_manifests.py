@@ -292,9 +292,12 @@ def test_termination_grace_outlasts_the_drain(rendered: Rendered) -> None:
         delay = float(env["TIERCACHE_DRAIN_DELAY_S"].value) if "TIERCACHE_DRAIN_DELAY_S" in env \
             else 0.0
         assert delay > 0, f"{rendered.overlay}/{w.name}: no TIERCACHE_DRAIN_DELAY_S"
+        # The semantic service then waits this long for a running index merge.
+        close = float(getattr(cfg, "index_close_seconds", 0.0)) if cfg is not None else 0.0
         tgps = w.pod_spec["terminationGracePeriodSeconds"]
-        assert tgps >= delay + grace + 5, (f"{rendered.overlay}/{w.name}: {tgps}s grace, "
-                                           f"{delay}s delay + drain {grace}s")
+        assert tgps >= delay + grace + close + 5, (
+            f"{rendered.overlay}/{w.name}: {tgps}s grace, {delay}s delay + drain {grace}s + "
+            f"index close {close}s")
 
 
 def test_the_orchestrator_drains_as_long_as_the_replicas_it_streams_from(rendered: Rendered

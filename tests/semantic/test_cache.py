@@ -365,6 +365,25 @@ def test_shutdown_waits_for_the_merge_of_a_namespace_emptied_meanwhile(make_cach
     assert not closer.is_alive()
 
 
+def test_shutdown_waits_for_a_merge_only_as_long_as_it_was_given(make_cache):
+    """close_indexes took up to 20 s whatever was left of the pod's termination grace; the
+    service now passes index_close_seconds and exits without finalizing when told False."""
+    import threading
+    import time
+
+    c = make_cache()
+    c.store_entry(B, "Where is the Eiffel tower?", "In Paris.")
+    release = threading.Event()
+    merge = threading.Thread(target=release.wait, daemon=True)  # stands in for a slow merge
+    merge.start()
+    c.index_of(B)._merging = merge
+    t0 = time.monotonic()
+    assert c.close_indexes(timeout=0.3) is False
+    assert time.monotonic() - t0 < 2.0
+    release.set()
+    assert c.close_indexes(timeout=5) is True
+
+
 def test_a_context_hash_with_a_trailing_newline_is_not_hex(make_cache):
     c = make_cache()
     with pytest.raises(InvalidArgument, match="namespace.context_hash"):
