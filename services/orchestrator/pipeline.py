@@ -347,13 +347,11 @@ class Orchestrator:
                     if hashes and self.dispatched is not None:
                         self.dispatched.record(decision.replica_id, hashes)
             if decision is None or replica is None:
-                if too_big is not None:
-                    raise _as_domain(too_big) from None
-                if tried and only_busy:
-                    raise errors.ResourceExhausted(
-                        f"every kvpool replica is busy (tried {', '.join(tried)}); retry later")
-                raise errors.Unavailable("no kvpool replica is available"
-                                         + (f" (tried {', '.join(tried)})" if tried else ""))
+                raise _give_up(
+                    too_big, bool(tried) and only_busy,
+                    f"every kvpool replica is busy (tried {', '.join(tried)}); retry later",
+                    "no kvpool replica is available"
+                    + (f" (tried {', '.join(tried)})" if tried else "")) from None
             watcher: Callable[[], None] | None = None
             busy = larger = False
             try:
@@ -492,13 +490,10 @@ class Orchestrator:
             if attempts >= self.max_attempts:
                 # The replica's own message (transport errors name internal addresses) is in
                 # the log line above, not in the client's status.
-                if too_big is not None:
-                    raise _as_domain(too_big) from None
-                if only_busy:
-                    raise errors.ResourceExhausted(
-                        f"every kvpool replica tried is busy (tried {', '.join(tried)}); "
-                        f"last: {why_public}; retry later")
-                raise errors.Unavailable(
+                raise _give_up(
+                    too_big, only_busy,
+                    f"every kvpool replica tried is busy (tried {', '.join(tried)}); "
+                    f"last: {why_public}; retry later",
                     f"kvpool replicas failed {attempts} times (tried {', '.join(tried)}); "
                     f"last: {why_public}") from None
 
@@ -590,6 +585,18 @@ def _within(timeout_s: float, deadline: float) -> float | None:
     """`timeout_s`, or less when the request's deadline comes first; None when it has passed."""
     left = deadline - time.monotonic()
     return None if left <= 0 else min(timeout_s, left)
+
+
+def _give_up(too_big: grpc.RpcError | None, all_busy: bool, busy: str,
+             unavailable: str) -> errors.TierCacheError:
+    """The client's error once no replica is left to try (none routable, or attempts used
+    up), in one order: too big for every pool that was tried (a fixed limit), then every
+    replica tried busy (retry later: Overloaded), then unavailable."""
+    if too_big is not None:
+        return _as_domain(too_big)
+    if all_busy:
+        return errors.Overloaded(busy)
+    return errors.Unavailable(unavailable)
 
 
 def _as_domain(e: grpc.RpcError) -> errors.TierCacheError:
