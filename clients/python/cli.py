@@ -20,7 +20,7 @@ from typing import NoReturn
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from clients.python.client import TierCacheClient
+from clients.python.client import TierCacheClient, retry_later
 
 
 def session_name(text: str) -> str:
@@ -379,7 +379,9 @@ def main(argv: list[str] | None = None) -> int:
                              credentials=a.credentials) as c:
             return cmds[a.cmd](c, a)
     except grpc.RpcError as e:
-        sys.stderr.write(f"error: {e.code().name}: {e.details()}\n")
+        later = " (retry later)" if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED \
+            and retry_later(e) else ""
+        sys.stderr.write(f"error: {e.code().name}{later}: {e.details()}\n")
         return 1
     except KeyboardInterrupt:
         return 130

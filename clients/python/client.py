@@ -19,6 +19,26 @@ from tiercache.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 Messages = str | Sequence[dict[str, str]]
 
+# The trailer the server sets on a RESOURCE_EXHAUSTED that means "busy now, retry later"
+# (concurrency or rate limits, every replica busy). Without it the request exceeds a fixed
+# limit (prompt tokens, max_tokens, the largest pool) and fails the same way every time.
+OVERLOADED_TRAILER = "tiercache-overloaded"
+
+
+def retry_later(error: grpc.RpcError) -> bool:
+    """True when `error` says the same request may succeed later (RESOURCE_EXHAUSTED marked
+    overloaded, or UNAVAILABLE); False for a request that can never succeed as it is."""
+    code = error.code() if callable(getattr(error, "code", None)) else None
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return True
+    if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return False
+    try:
+        trailers = error.trailing_metadata() or ()
+    except Exception:  # noqa: BLE001 - an error object without trailers
+        return False
+    return any(k == OVERLOADED_TRAILER for k, _ in trailers)
+
 
 @dataclass
 class Chunk:

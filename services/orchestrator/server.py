@@ -187,7 +187,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         """One of the server's `max_streams` Generate slots, for the stream's lifetime."""
         with self._streams_lock:
             if self._streams >= self.cfg.max_streams:
-                raise errors.ResourceExhausted(
+                raise errors.Overloaded(
                     f"server: {self._streams} concurrent streams (limit {self.cfg.max_streams}"
                     "); retry shortly or on another orchestrator")
             self._streams += 1

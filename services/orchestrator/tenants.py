@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from services.common.errors import (
+    Overloaded,
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
@@ -224,7 +225,7 @@ class TenantRegistry:
         with self._lock:
             n = self._active.get(tenant.name, 0)
             if n >= tenant.max_concurrent:
-                raise ResourceExhausted(
+                raise Overloaded(  # retry later: a slot frees when a stream ends
                     f"tenant {tenant.name}: {n} concurrent requests "
                     f"(limit {tenant.max_concurrent})")
             self._active[tenant.name] = n + 1
@@ -241,7 +242,7 @@ class TenantRegistry:
             b = self._refilled(tenant)
             if b.tokens < 1.0:
                 wait = (1.0 - b.tokens) / tenant.rate_per_s
-                raise ResourceExhausted(
+                raise Overloaded(  # retry later: the bucket refills
                     f"tenant {tenant.name}: rate limit of {tenant.rate_per_s:g} requests/s "
                     f"(burst {tenant.burst}) exceeded; retry in {wait:.2f}s")
             b.tokens -= 1.0

@@ -171,13 +171,13 @@ def test_a_busy_replica_hands_the_request_to_another_and_stays_in_routing():
     assert "A" not in orch.dispatched.match(hashes)
 
     both = make({"A": Stub("A", [Call([], Busy())]), "B": Stub("B", [Call([], Busy())])})
-    with pytest.raises(errors.ResourceExhausted, match="every kvpool replica is busy"):
-        generate(both, [])
+    with pytest.raises(errors.Overloaded, match="every kvpool replica is busy"):
+        generate(both, [])  # retry later: the client sees the tiercache-overloaded trailer
     never = make({r: Stub(r, [Call([], RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED))])
                   for r in ("A", "B")})
     with pytest.raises(errors.TierCacheError) as e:  # can never fit: the replica's verdict
         generate(never, [])
-    assert e.value.code == "RESOURCE_EXHAUSTED"
+    assert e.value.code == "RESOURCE_EXHAUSTED" and not isinstance(e.value, errors.Overloaded)
     assert sum(len(r.stub.requests) for r in never.replicas.replicas) == 1
 
 

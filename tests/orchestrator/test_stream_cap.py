@@ -282,3 +282,43 @@ def test_a_tokens_file_alone_counts_as_tenants_configured(tmp_path):
 
     cfg = OrchestratorConfig(kvpool_addresses=("h:1",), tokens_file=str(tmp_path / "t.json"))
     assert tenant_concurrency(cfg) == 16
+
+
+def test_retry_later_is_told_apart_from_a_fixed_limit_on_the_wire():
+    """RESOURCE_EXHAUSTED meant both "busy now" (a tenant's concurrent requests, the rate
+    limit, every replica busy) and "this request exceeds a limit" (max_tokens, prompt tokens):
+    a client could not tell whether retrying the same request made sense. The first kind now
+    carries the tiercache-overloaded trailer."""
+    import grpc
+    from tiercache.v1 import orchestrator_pb2_grpc
+
+    from clients.python.client import retry_later
+    from services.common.bootstrap import create_server
+
+    s, orch = servicer(STREAM_HEADROOM + 4, max_concurrent=1)
+    handle = create_server(service="orchestrator", address="127.0.0.1:0", services=[
+        (orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, s,
+         "tiercache.v1.Orchestrator")])
+    handle.set_serving()
+    channel = grpc.insecure_channel(handle.address)
+    stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+    try:
+        held = stub.Generate(request(), timeout=20)
+        assert next(held).text == "hi"  # the tenant's one slot is taken
+        with pytest.raises(grpc.RpcError) as busy:
+            next(stub.Generate(request(), timeout=20))
+        assert busy.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "concurrent requests" in busy.value.details() and retry_later(busy.value)
+        orch.release.set()
+        list(held)
+
+        big = request()
+        big.sampling.max_tokens = 1000  # the tenant's limit is 100
+        with pytest.raises(grpc.RpcError) as fixed:
+            next(stub.Generate(big, timeout=20))
+        assert fixed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "max_tokens" in fixed.value.details() and not retry_later(fixed.value)
+    finally:
+        orch.release.set()
+        channel.close()
+        handle.stop(0)
