@@ -274,3 +274,44 @@ def test_a_ca_with_only_the_services_own_certificate_pair_is_accepted():
            "TIERCACHE_PREFIX_TLS_KEY": "p.key"}
     assert tls_env_problem(env, service="prefix") == ""
     assert "TIERCACHE_TLS_CERT" in tls_env_problem(env, service="semantic")  # not its pair
+
+
+def test_an_unexpected_error_in_a_stream_is_logged_with_its_request_id():
+    """The stream path reset the request id before mapping the error, so the traceback of an
+    INTERNAL in Generate (the client is told "see server logs") had no id to find it by."""
+    import logging
+
+    import grpc
+
+    from services.common.bootstrap import create_server
+    from services.common.logs import request_id_var
+
+    def call(request: bytes, context):
+        yield b"one"
+        raise RuntimeError("boom")
+
+    def add(_servicer, server) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "x.Stream", {"Call": grpc.unary_stream_rpc_method_handler(call)}),))
+
+    seen: list[tuple[str, str]] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.exc_info:
+                seen.append((record.getMessage(), request_id_var.get()))
+
+    grab = Grab()
+    logging.getLogger().addHandler(grab)
+    handle = create_server(service="rid-stream", address="127.0.0.1:0",
+                           services=[(add, None, "x.Stream")])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            stream = ch.unary_stream("/x.Stream/Call")
+            with pytest.raises(grpc.RpcError) as e:
+                list(stream(b"", timeout=5, metadata=[("x-request-id", "req-42")]))
+    finally:
+        handle.stop(0)
+        logging.getLogger().removeHandler(grab)
+    assert e.value.code() == grpc.StatusCode.INTERNAL
+    assert seen and seen[0][0].startswith("unhandled error") and seen[0][1] == "req-42", seen

@@ -227,12 +227,13 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 rid = prologue(context)
                 request = parse(raw, context)
                 t0 = time.perf_counter()
-                tok = request_id_var.set(rid)
+                it = None
                 try:
-                    it = iter(inner(request, context))
-                finally:
-                    request_id_var.reset(tok)
-                try:
+                    tok = request_id_var.set(rid)
+                    try:
+                        it = iter(inner(request, context))
+                    finally:
+                        request_id_var.reset(tok)
                     while True:
                         tok = request_id_var.set(rid)
                         try:
@@ -249,10 +250,20 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     RPC_TOTAL.labels(service, short, rpc_ended(context).code).inc()
                     close = getattr(it, "close", None)
                     if close:
-                        close()
+                        tok = request_id_var.set(rid)  # its cleanup logs as this request
+                        try:
+                            close()
+                        finally:
+                            request_id_var.reset(tok)
                     raise
                 except BaseException as exc:  # noqa: BLE001
-                    fail(context, exc)
+                    # Bound again: the id was reset when next() raised, and an unexpected
+                    # error's traceback must carry the id the client was told to look for.
+                    tok = request_id_var.set(rid)
+                    try:
+                        fail(context, exc)
+                    finally:
+                        request_id_var.reset(tok)
                 finally:
                     RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 
