@@ -35,7 +35,9 @@ log = logging.getLogger(__name__)
 REQUESTS = counter("tiercache_orchestrator_requests_total", "Generate requests by cache class",
                    ("cache_class",))
 DEGRADED = counter("tiercache_orchestrator_degradations_total",
-                   "Requests served in a degraded way", ("kind",))
+                   "Degraded events, one per event (a request may count several): tier "
+                   "skipped, index down, replica failed over (retry/resume), replica busy, "
+                   "larger pool sought", ("kind",))
 TTFT = histogram("tiercache_orchestrator_ttft_seconds", "Time to first token", ("cache_class",),
                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 TOO_SHORT = counter("tiercache_orchestrator_semantic_hits_too_short_total",
@@ -484,9 +486,14 @@ class Orchestrator:
                 # the same prefix back to a replica that cannot take it (busy).
                 self.dispatched.forget(replica.replica_id)
             attempts += 1
-            self.stats.degrade("resume" if generated else "retry")
-            log.warning("replica %s failed (%s) after %d tokens; attempt %d",
-                        replica.replica_id, why, len(generated), attempts + 1)
+            if busy or larger:
+                # Saturation or a small pool, already logged at INFO above: counted apart
+                # from replica failures, so alerts on "retry"/"resume" mean broken replicas.
+                self.stats.degrade("busy_replica" if busy else "larger_pool")
+            else:
+                self.stats.degrade("resume" if generated else "retry")
+                log.warning("replica %s failed (%s) after %d tokens; attempt %d",
+                            replica.replica_id, why, len(generated), attempts + 1)
             if attempts >= self.max_attempts:
                 # The replica's own message (transport errors name internal addresses) is in
                 # the log line above, not in the client's status.

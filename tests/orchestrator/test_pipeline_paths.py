@@ -165,6 +165,9 @@ def test_a_busy_replica_hands_the_request_to_another_and_stays_in_routing():
     assert "".join(e.text for e in events if hasattr(e, "text")) == "ok"
     assert list(b.requests[0].token_ids) == PROMPT + [ord("o")]  # resumed after "o"
     assert all(r.health.healthy for r in orch.replicas.replicas)  # busy is not down
+    # Counted as saturation, not as a replica failure (alerts on retry/resume mean broken).
+    assert orch.stats.degradations["busy_replica"] == 1
+    assert orch.stats.degradations["resume"] == 0 and orch.stats.degradations["retry"] == 0
     # Nothing steers this prefix back to the busy replica ("sent there moments ago").
     hashes = orch.hasher.hashes(PROMPT, TENANT.cache_salt)
     assert orch.dispatched.match(hashes).get("B")  # what was sent, recorded
@@ -202,6 +205,7 @@ def test_a_request_too_big_for_one_pool_goes_to_a_replica_with_a_larger_one():
     orch = sized(make({"A": a, "B": b}), {"A": 200, "B": 400})
     assert "".join(e.text for e in generate(orch, []) if hasattr(e, "text")) == "ok"
     assert len(b.requests) == 1 and orch.replicas.by_id("A").health.healthy
+    assert orch.stats.degradations["larger_pool"] == 1 and orch.stats.degradations["retry"] == 0
 
     same = sized(make({r: Stub(r, [Call([], TooBig())]) for r in ("A", "B")}),
                  {"A": 200, "B": 200})
