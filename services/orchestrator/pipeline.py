@@ -239,6 +239,11 @@ class Orchestrator:
             if timeout is not None and cut_short(e, timeout, self.prefix.timeout_s):
                 # The request's deadline, not the index: ring routing, no degradation.
                 return PrefixView({}, key, None, hashes)
+            if probe:
+                # A Warm choosing owners (up to 64 prompts a call) is not a request served
+                # degraded: counting each probe swamped the per-request figure.
+                log.info("prefix index unreachable for a routing probe: %s", e.details())
+                return PrefixView({}, key, None, hashes)
             log.warning("prefix index unreachable, ring routing: %s", e.details())
             self.stats.degrade("index_down")
             return PrefixView({}, key, None, hashes)

@@ -139,6 +139,21 @@ def test_warms_owner_lookup_is_a_probe_and_a_request_is_not():
     assert probes == [True, False]
 
 
+def test_an_index_outage_during_warms_owner_probes_is_not_a_degraded_request():
+    """Each Warm prompt's owner probe (up to 64 a call) counted an index_down degradation:
+    one warm-up looked like 64 requests served degraded."""
+    def down(h, m, timeout=None, probe=False):
+        raise RpcError(grpc.StatusCode.UNAVAILABLE)
+
+    stub, stubs = one_replica()
+    orch = make(stubs, prefix=SimpleNamespace(timeout_s=0.5, match=down))
+    for _ in range(3):
+        assert orch.owner(TENANT, PROMPT) is not None  # ring routing still names an owner
+    assert orch.stats.degradations["index_down"] == 0
+    run(orch)  # a request with the index down is degraded
+    assert orch.stats.degradations["index_down"] == 1
+
+
 def test_a_replica_call_carries_one_x_request_id_the_requests_own():
     seen: list = []
     stub, stubs = one_replica()
