@@ -315,6 +315,17 @@ class Warmer:
 
     def _prefill(self, replica, token_ids, cache_salt, ttl, index, timeout: float = 120.0,
                  request_id: str = ""):
+        # Runs on the Warm pool's threads, which do not inherit the call's context: bound
+        # here so a replica's failure is logged with the Warm's request id.
+        tok = request_id_var.set(request_id)
+        try:
+            return self._prefill_bound(replica, token_ids, cache_salt, ttl, index, timeout,
+                                       request_id)
+        finally:
+            request_id_var.reset(tok)
+
+    def _prefill_bound(self, replica, token_ids, cache_salt, ttl, index, timeout: float,
+                       request_id: str):
         try:
             r = replica.stub.Prefill(kvpool_pb2.PrefillRequest(
                 token_ids=token_ids, cache_salt=cache_salt, pin=True, ttl_seconds=ttl,

@@ -475,3 +475,40 @@ def test_warm_refuses_a_prompt_shorter_than_a_block_and_says_how_long_one_is():
         assert len(stubs["A"].requests) == 1
     finally:
         warmer.stop()
+
+
+def test_a_warms_replica_failure_is_logged_with_the_warms_request_id():
+    """The Warm pool's threads do not inherit the call's context: 'replica X failed' was
+    logged with no request id (only the Prefill's metadata carried it)."""
+    import logging
+
+    from services.common.logs import request_id_var
+    from services.orchestrator.render import PromptRenderer
+
+    class Down(Stub):
+        def Prefill(self, req, timeout=None, metadata=None):  # noqa: N802
+            raise RpcError(grpc.StatusCode.UNAVAILABLE)
+
+    orch = make({"A": Down("A", [])})
+    orch.renderer = PromptRenderer(Tok(), max_chars=50)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
+    seen: list[str] = []
+
+    class Grab(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "failed" in record.getMessage():
+                seen.append(request_id_var.get())
+
+    grab = Grab()
+    logger = logging.getLogger("services.orchestrator")
+    logger.addHandler(grab)
+    tok = request_id_var.set("warm-9")
+    try:
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]))
+    finally:
+        request_id_var.reset(tok)
+        logger.removeHandler(grab)
+        warmer.stop()
+    assert out.results[0].error.startswith("UNAVAILABLE")
+    assert seen == ["warm-9"]
