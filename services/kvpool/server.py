@@ -17,7 +17,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 from services.common import errors
 from services.common.bootstrap import rpc_ended
 from services.common.hashing import check_salt
-from services.common.logs import plain_request_id
+from services.common.logs import plain_request_id, request_id_var
 from services.common.tokens import validate_stop_ids, validate_tokens
 from services.kvpool.config import KvPoolConfig
 from services.kvpool.engine import (
@@ -205,7 +205,10 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             if request.ttl_seconds <= 0:
                 raise errors.InvalidArgument("ttl_seconds", "must be > 0 when pin is set")
             ttl = float(min(request.ttl_seconds, self.cfg.pin_ttl_max_seconds))
-        req = EngineRequest(uuid.uuid4().hex[:16], ids, SamplingSpec(max_tokens=0),
+        # The caller's id (bound by the interceptor from x-request-id): the engine's log lines
+        # for this warm-up (admission failures, preemption) can be matched to the Warm.
+        req = EngineRequest(plain_request_id(request_id_var.get()), ids,
+                            SamplingSpec(max_tokens=0),
                             check_salt("cache_salt", request.cache_salt), False,
                             self._deadline(context),
                             prefill_only=True, pin_ttl_seconds=ttl)

@@ -144,6 +144,26 @@ def test_bad_input_is_invalid_argument_naming_the_field(served, fields, field) -
     assert after == before  # state unchanged
 
 
+def test_a_prefill_runs_under_the_callers_request_id(served) -> None:
+    """Prefill gave its engine sequence a random id: the engine's log lines for a warm-up
+    (admission failures, preemption) could not be matched to the orchestrator's Warm."""
+    engine = served.replica.engine
+    submitted: list[str] = []
+    submit = engine.submit
+
+    def recording(req):
+        submitted.append(req.request_id)
+        return submit(req)
+
+    engine.submit = recording
+    try:
+        served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=list(range(1, 25))), timeout=10,
+                            metadata=[("x-request-id", "warm-7")])
+    finally:
+        del engine.submit
+    assert submitted == ["warm-7"]
+
+
 def test_prefill_is_refused_when_prefix_caching_is_off(tiny_model) -> None:
     """Nothing prefilled can be kept on such a replica: an OK with 0 pinned blocks hid that
     warm-up cannot work there. The refusal names the setting and leaves the pool as it was."""
