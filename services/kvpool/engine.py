@@ -270,6 +270,7 @@ class Engine:
         self.cached_tokens_total = 0
         self.requests_total = 0
         self.preemptions_total = 0
+        self.step_failures_total = 0  # engine steps that raised (their sequences failed)
         self.draft_tokens_proposed_total = 0
         self.draft_tokens_accepted_total = 0
         self._stats = self._compute_stats()
@@ -381,7 +382,13 @@ class Engine:
                 self._expire()
                 self._step()
             except Exception:  # noqa: BLE001 - the engine must survive a bad step
-                log.exception("engine step failed; failing the running sequences")
+                # The engine thread has no request id of its own: name the sequences (each
+                # id starts with its request id) so their clients' INTERNAL can be traced.
+                log.exception("engine step failed; failing the running sequences: %s",
+                              ", ".join(s.seq_id for s in self._running()) or "none")
+                self.step_failures_total += 1
+                if self.metrics is not None:
+                    self.metrics.step_failures.inc()
                 try:
                     self._fail_all_running(
                         errors.TierCacheError("internal error in the engine step"))
@@ -845,8 +852,12 @@ class Engine:
         log.warning("%s: %s", seq.seq_id, exc)
         self._finish(seq, Failed(errors.TierCacheError(str(exc))))
 
+    def _running(self) -> list[Sequence]:
+        """The sequences holding a row: decoding, and the one prefilling."""
+        return list(self._decoding) + ([self._prefilling] if self._prefilling else [])
+
     def _fail_all_running(self, exc: Exception) -> None:
-        for seq in list(self._decoding) + ([self._prefilling] if self._prefilling else []):
+        for seq in self._running():
             self._finish(seq, Failed(exc))
 
     def _fail_everything(self, exc: Exception) -> None:

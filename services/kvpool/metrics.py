@@ -22,6 +22,9 @@ class KvMetrics:
         self.evictions = gauge("tiercache_kvpool_evictions", "Blocks evicted since start")
         self.preemptions = counter("tiercache_kvpool_preemptions_total",
                                    "Sequences preempted (recomputed later)")
+        self.step_failures = counter("tiercache_kvpool_engine_step_failures_total",
+                                     "Engine steps that raised; their running sequences failed "
+                                     "with INTERNAL")
         self.draft_proposed = counter("tiercache_kvpool_draft_tokens_proposed_total",
                                       "Draft tokens verified by the model")
         self.draft_accepted = counter("tiercache_kvpool_draft_tokens_accepted_total",

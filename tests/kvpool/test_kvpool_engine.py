@@ -601,3 +601,30 @@ def test_each_token_of_a_seeded_answer_gets_its_own_randomness() -> None:
     assert draw_seed(7, 0) != draw_seed(7, 1) != draw_seed(8, 1)
     s = Sampler(SamplingSpec(max_tokens=20, temperature=1.0, seed=7))
     assert len({s.sample(torch.zeros(1000)) for _ in range(20)}) > 5
+
+
+def test_a_failed_step_names_the_sequences_it_fails_and_is_counted(make_engine, caplog) -> None:
+    """The engine thread has no request id: 'engine step failed' named no request, so the
+    clients' INTERNAL could not be traced to the traceback, and no metric counted it."""
+    import logging
+
+    eng = make_engine(num_blocks=200, max_batch_size=2)
+    real = eng._decode_step
+    broken = threading.Event()
+
+    def once() -> None:
+        if not broken.is_set():
+            broken.set()
+            raise RuntimeError("device lost")
+        real()
+
+    eng._decode_step = once
+    with caplog.at_level(logging.ERROR, logger="services.kvpool"):
+        _, fin = collect(eng.submit(request(prompt(12), max_tokens=8, rid="trace-me"))[1])
+    assert isinstance(fin, Failed) and fin.error.code == "INTERNAL"
+    failed = [r for r in caplog.records if "engine step failed" in r.getMessage()]
+    assert failed and "trace-me#" in failed[0].getMessage()
+    assert eng.step_failures_total == 1
+    toks, fin = collect(eng.submit(request(prompt(12), max_tokens=4))[1])  # the engine goes on
+    assert isinstance(fin, Finished) and len(toks) == 4
+    assert_idle(eng)
