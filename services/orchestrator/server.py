@@ -28,7 +28,7 @@ from services.common.tokens import validate_stop_ids
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling
 from services.orchestrator.render import Message
-from services.orchestrator.tenants import TenantRegistry
+from services.orchestrator.tenants import REJECTED, TenantRegistry
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         deadline = time.monotonic() + budget
         # Rendering and tokenizing is the costly part of checking a request: it runs in the
         # server's stream slot and the tenant's, under their limits.
-        with self._stream_slot():
+        with self._stream_slot(tenant.name):
             self.tenants.acquire(tenant)
             try:
                 prompt, sampling = self._prepare(request, tenant, sampling)
@@ -183,10 +183,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise rpc_ended(context) from None
 
     @contextlib.contextmanager
-    def _stream_slot(self) -> Iterator[None]:
+    def _stream_slot(self, tenant_name: str) -> Iterator[None]:
         """One of the server's `max_streams` Generate slots, for the stream's lifetime."""
         with self._streams_lock:
             if self._streams >= self.cfg.max_streams:
+                REJECTED.labels(tenant_name, "server_streams").inc()
                 raise errors.Overloaded(
                     f"server: {self._streams} concurrent streams (limit {self.cfg.max_streams}"
                     "); retry shortly or on another orchestrator")
@@ -204,7 +205,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # A warm-up holds a tenant slot and a server stream slot like a request does (it holds
         # a worker thread for up to 120 s: uncounted, Warm calls could take the threads kept
         # for health probes and Stats), and ends by the caller's deadline.
-        with self._stream_slot():
+        with self._stream_slot(tenant.name):
             self.tenants.acquire(tenant)
             try:
                 return self.warmer.warm(tenant, request, context.time_remaining(),

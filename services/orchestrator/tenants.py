@@ -27,6 +27,13 @@ from services.common.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
+from services.common.metrics import counter
+
+# Every refusal was only one more RESOURCE_EXHAUSTED in tiercache_rpc_total, mixed with
+# "every replica busy" and fixed limits: an operator could not tell which tenant was throttled
+# or why. Tenants come from configuration, so the label set is bounded.
+REJECTED = counter("tiercache_orchestrator_rejections_total",
+                   "Requests refused by a tenant or server limit", ("tenant", "reason"))
 
 
 def parse_token_pairs(tokens: str) -> dict[str, str]:
@@ -215,9 +222,11 @@ class TenantRegistry:
                      field: str = "prompt") -> None:
         """`field` names the prompt as the request gave it ("messages" or "prompt")."""
         if prompt_tokens > tenant.max_prompt_tokens:
+            REJECTED.labels(tenant.name, "prompt_tokens").inc()
             raise ResourceExhausted(
                 f"{field}: {prompt_tokens} tokens exceed tenant limit {tenant.max_prompt_tokens}")
         if max_tokens > tenant.max_tokens:
+            REJECTED.labels(tenant.name, "max_tokens").inc()
             raise ResourceExhausted(
                 f"sampling.max_tokens: {max_tokens} exceed tenant limit {tenant.max_tokens}")
 
@@ -225,6 +234,7 @@ class TenantRegistry:
         with self._lock:
             n = self._active.get(tenant.name, 0)
             if n >= tenant.max_concurrent:
+                REJECTED.labels(tenant.name, "concurrent").inc()
                 raise Overloaded(  # retry later: a slot frees when a stream ends
                     f"tenant {tenant.name}: {n} concurrent requests "
                     f"(limit {tenant.max_concurrent})")
@@ -242,6 +252,7 @@ class TenantRegistry:
             b = self._refilled(tenant)
             if b.tokens < 1.0:
                 wait = (1.0 - b.tokens) / tenant.rate_per_s
+                REJECTED.labels(tenant.name, "rate_limit").inc()
                 raise Overloaded(  # retry later: the bucket refills
                     f"tenant {tenant.name}: rate limit of {tenant.rate_per_s:g} requests/s "
                     f"(burst {tenant.burst}) exceeded; retry in {wait:.2f}s")

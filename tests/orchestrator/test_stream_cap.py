@@ -80,8 +80,13 @@ def test_streams_past_the_cap_are_refused_and_slots_come_back():
     open_streams = [s.Generate(request(), Context()) for _ in range(2)]
     for g in open_streams:
         assert next(g).text == "hi"  # both in progress
+    from prometheus_client import REGISTRY
+    labels = {"tenant": "default", "reason": "server_streams"}
+    before = REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total", labels) or 0
     with pytest.raises(ResourceExhausted, match="concurrent streams"):
         next(s.Generate(request(), Context()))
+    assert REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total",
+                                     labels) == before + 1
     orch.release.set()
     for g in open_streams:
         list(g)  # they end
@@ -131,9 +136,14 @@ def test_a_warm_pays_the_tenants_rate_limit_for_each_prefill_it_runs():
     s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge: charge(5)
                                or orchestrator_pb2.WarmResponse())
     s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())  # 6 prefills: 2 - 6 -> -2 (floor)
+    from prometheus_client import REGISTRY
+    labels = {"tenant": "default", "reason": "rate_limit"}
+    before = REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total", labels) or 0
     clock.t += 2.0  # refilled to 0: still short of one request
     with pytest.raises(ResourceExhausted, match="rate limit"):
         s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
+    assert REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total",
+                                     labels) == before + 1
     clock.t += 1.0  # the debt never exceeds one burst: back after (burst + 1) / rate
     g = s.Generate(request(), Context())
     assert next(g).text == "hi"
@@ -295,6 +305,13 @@ def test_retry_later_is_told_apart_from_a_fixed_limit_on_the_wire():
     from clients.python.client import retry_later
     from services.common.bootstrap import create_server
 
+    from prometheus_client import REGISTRY
+
+    def rejected(reason: str) -> float:
+        return REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total",
+                                         {"tenant": "default", "reason": reason}) or 0.0
+
+    before = {r: rejected(r) for r in ("concurrent", "max_tokens")}
     s, orch = servicer(STREAM_HEADROOM + 4, max_concurrent=1)
     handle = create_server(service="orchestrator", address="127.0.0.1:0", services=[
         (orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, s,
@@ -318,6 +335,8 @@ def test_retry_later_is_told_apart_from_a_fixed_limit_on_the_wire():
             next(stub.Generate(big, timeout=20))
         assert fixed.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "max_tokens" in fixed.value.details() and not retry_later(fixed.value)
+        # Counted by tenant and reason (before, only as one more RESOURCE_EXHAUSTED).
+        assert {r: rejected(r) - before[r] for r in before} == {"concurrent": 1, "max_tokens": 1}
     finally:
         orch.release.set()
         channel.close()
