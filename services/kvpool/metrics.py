@@ -19,7 +19,9 @@ class KvMetrics:
         self.prompt_tokens = counter("tiercache_kvpool_prompt_tokens_total", "Prompt tokens seen")
         self.cached_tokens = counter("tiercache_kvpool_cached_tokens_total",
                                      "Prompt tokens served from cached KV blocks")
-        self.evictions = gauge("tiercache_kvpool_evictions", "Blocks evicted since start")
+        # A counter (rate() works on it), fed from the pool's running total.
+        self.evictions = counter("tiercache_kvpool_evictions_total", "Blocks evicted")
+        self._evictions_counted = 0
         self.preemptions = counter("tiercache_kvpool_preemptions_total",
                                    "Sequences preempted (recomputed later)")
         self.step_failures = counter("tiercache_kvpool_engine_step_failures_total",
@@ -45,4 +47,6 @@ class KvMetrics:
         self.blocks.labels("in_use").set(stats.blocks_in_use)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
-        self.evictions.set(stats.evictions_total)
+        if stats.evictions_total > self._evictions_counted:
+            self.evictions.inc(stats.evictions_total - self._evictions_counted)
+            self._evictions_counted = stats.evictions_total

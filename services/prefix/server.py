@@ -30,7 +30,8 @@ MATCH_BLOCKS = metrics.counter("tiercache_prefix_match_blocks_total",
                                "Blocks asked about in Match calls", ("result",))
 EVENTS = metrics.counter("tiercache_prefix_events_total", "Replica events applied", ("kind",))
 RESYNCS = metrics.counter("tiercache_prefix_resyncs_total", "Resyncs requested after a gap")
-PRUNED = metrics.gauge("tiercache_prefix_pruned_total", "Nodes pruned by the memory budget")
+# A counter (rate() and increase() work on it), fed from the tree's running total.
+PRUNED = metrics.counter("tiercache_prefix_pruned_total", "Nodes pruned by the memory budget")
 
 
 def build_index(cfg: PrefixConfig) -> PrefixIndex:
@@ -66,11 +67,15 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
     def __init__(self, index: PrefixIndex) -> None:
         self.index = index
         self.lock = threading.Lock()
+        self._pruned_counted = 0  # of the tree's pruned_total, already added to PRUNED
 
     def _gauges(self) -> None:
         NODES.set(len(self.index.tree))
         REPLICAS.set(self.index.replica_count)
-        PRUNED.set(self.index.tree.pruned_total)
+        pruned = self.index.tree.pruned_total
+        if pruned > self._pruned_counted:
+            PRUNED.inc(pruned - self._pruned_counted)
+            self._pruned_counted = pruned
 
     def Register(self, request, context):
         if request.address and not is_host_port(request.address):

@@ -521,3 +521,45 @@ def test_the_engine_reports_how_long_its_loop_has_been_stuck(make_engine) -> Non
     while eng.stalled_for() > 0.8 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert eng.stalled_for() <= 0.8
+
+
+def test_running_totals_are_exported_as_counters_that_only_add_what_is_new() -> None:
+    """Blocks evicted (kvpool) and nodes pruned (prefix) were gauges holding running totals:
+    rate() and increase() are meant for counters, and the prefix one was named like one."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    from services.kvpool.metrics import KvMetrics
+    from services.prefix.server import PrefixServicer
+
+    def value(name: str) -> float:
+        return REGISTRY.get_sample_value(name) or 0.0
+
+    m = KvMetrics()
+    stats = SimpleNamespace(blocks_total=8, blocks_free=1, blocks_cached=2, blocks_pinned=0,
+                            blocks_in_use=5, running=1, waiting=0, evictions_total=3,
+                            preemptions_total=0)
+    before = value("tiercache_kvpool_evictions_total")
+    m.observe(stats)
+    m.observe(stats)  # the same total again adds nothing
+    stats.evictions_total = 7
+    m.observe(stats)
+    assert value("tiercache_kvpool_evictions_total") - before == 7
+
+    class Tree:
+        pruned_total = 2
+
+        def __len__(self) -> int:
+            return 0
+
+    index = SimpleNamespace(tree=Tree(), replica_count=0)
+    before = value("tiercache_prefix_pruned_total")
+    s = PrefixServicer(index)
+    s._gauges()
+    index.tree.pruned_total = 5
+    s._gauges()
+    s._gauges()
+    assert value("tiercache_prefix_pruned_total") - before == 5
+    kinds = {m.name: m.type for m in REGISTRY.collect()}
+    assert kinds["tiercache_kvpool_evictions"] == kinds["tiercache_prefix_pruned"] == "counter"
