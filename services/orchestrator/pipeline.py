@@ -268,9 +268,11 @@ class Orchestrator:
     # ---- the request ---------------------------------------------------------------------
     def generate(self, *, tenant: Tenant, prompt: RenderedPrompt, sampling: Sampling,
                  policy: Policy, session_id: str, return_token_ids: bool, request_id: str,
-                 deadline: float, on_cancel: Callable[[Callable[[], None]], None]
-                 ) -> Iterator[TextDelta | Finished]:
-        t0 = time.monotonic()
+                 deadline: float, on_cancel: Callable[[Callable[[], None]], None],
+                 arrived: float | None = None) -> Iterator[TextDelta | Finished]:
+        # TTFT's start: when the server received the request (rendering and tokenizing
+        # included), or now.
+        t0 = time.monotonic() if arrived is None else arrived
         # Registered first: a client gone during the semantic lookup or the index match must
         # not get a model call (nor hold its slots until the replica's first token).
         cancelled = threading.Event()

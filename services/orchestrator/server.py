@@ -96,6 +96,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return tenant
 
     def Generate(self, request, context):
+        # TTFT counts from here: rendering and tokenizing a long prompt is part of what the
+        # client waits for.
+        arrived = time.monotonic()
         tenant = self._tenant(context)
         sampling = parse_sampling(request.sampling, self.cfg, len(self.orch.tok))
         policy = parse_policy(request.cache_policy)
@@ -120,7 +123,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             try:
                 prompt, sampling = self._prepare(request, tenant, sampling)
                 yield from self._generate(context, tenant, prompt, sampling, policy,
-                                          request, request_id, deadline)
+                                          request, request_id, deadline, arrived)
             finally:
                 self.tenants.release(tenant)
 
@@ -156,12 +159,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return prompt, sampling
 
     def _generate(self, context, tenant, prompt, sampling, policy, request, request_id,
-                  deadline):
+                  deadline, arrived: float | None = None):
         try:
             events = self.orch.generate(
                 tenant=tenant, prompt=prompt, sampling=sampling, policy=policy,
                 session_id=request.session_id, return_token_ids=request.return_token_ids,
-                request_id=request_id, deadline=deadline,
+                request_id=request_id, deadline=deadline, arrived=arrived,
                 on_cancel=lambda fn: _on_rpc_end(context, fn))
             for ev in events:
                 if isinstance(ev, Finished):

@@ -341,3 +341,26 @@ def test_retry_later_is_told_apart_from_a_fixed_limit_on_the_wire():
         orch.release.set()
         channel.close()
         handle.stop(0)
+
+
+def test_ttft_counts_from_the_requests_arrival_not_from_after_rendering():
+    """The pipeline started its TTFT clock after rendering and tokenizing, so a long prompt's
+    TTFT (CacheReport and the histogram) understated what the client waited for."""
+    import time
+
+    s, orch = servicer(STREAM_HEADROOM + 1)
+    seen: dict[str, float] = {}
+    render = orch.renderer.render_chat
+
+    def slow_render(messages):
+        seen["rendered"] = time.monotonic()
+        return render(messages)
+
+    def generate(**kw):
+        seen["arrived"] = kw["arrived"]
+        yield TextDelta("hi", [])
+
+    orch.renderer.render_chat = slow_render
+    orch.generate = generate
+    assert [d.text for d in s.Generate(request(), Context())] == ["hi"]
+    assert seen["arrived"] <= seen["rendered"]
