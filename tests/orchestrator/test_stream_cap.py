@@ -300,12 +300,11 @@ def test_retry_later_is_told_apart_from_a_fixed_limit_on_the_wire():
     a client could not tell whether retrying the same request made sense. The first kind now
     carries the tiercache-overloaded trailer."""
     import grpc
+    from prometheus_client import REGISTRY
     from tiercache.v1 import orchestrator_pb2_grpc
 
     from clients.python.client import retry_later
     from services.common.bootstrap import create_server
-
-    from prometheus_client import REGISTRY
 
     def rejected(reason: str) -> float:
         return REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total",
