@@ -10,6 +10,7 @@ The SQLite store is the truth; the in-memory maps and faiss indexes are rebuilt 
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 import math
@@ -38,6 +39,8 @@ _HEX = re.compile(r"[0-9a-fA-F]*")
 _CANDIDATES = 4  # neighbours fetched first; more (x4 each round) while they could still hit
 _MAX_CANDIDATES = 256  # at most this many neighbours per lookup (each refusal costs a check)
 _DROP_CHUNK = 1000  # entries removed from memory per hold of the cache lock
+# The expiry heap is compacted once it holds this many items more than twice the entries.
+_EXPIRY_HEAP_SLACK = 4096
 
 
 class Embedder(Protocol):
@@ -193,10 +196,12 @@ class SemanticCache:
         self._lookups = 0
         self._hits: dict[str, int] = {t: 0 for t in self.policy.tiers}
         self._near = self._guarded = self._evicted = self._expired = 0
-        # No entry expires before `_next_expiry` (a lower bound; 0 = unknown, scan). Entries
-        # added while a scan runs lower `_added_min`, folded in when the scan ends.
-        self._next_expiry = 0.0
-        self._added_min = math.inf
+        # (expires_at, label) of every entry with a TTL, earliest first: `expire` pops only
+        # what is due, where a scan of every entry under steady traffic ran every tick. Items
+        # of entries removed otherwise (evicted, replaced, invalidated) stay until popped or
+        # compacted away (`_compact_expiry_heap`).
+        self._expiry_heap: list[tuple[float, int]] = []
+        self._expiry_examined = 0  # heap items popped by `expire` (tests count the work)
         self._latency: deque[float] = deque(maxlen=10_000)
         self._m = _metrics()
 
@@ -486,8 +491,8 @@ class SemanticCache:
         index.add(e.label, vec)
         self._entries[e.label] = e
         at = e.expires_at()
-        self._next_expiry = min(self._next_expiry, at)
-        self._added_min = min(self._added_min, at)
+        if at < math.inf:
+            heapq.heappush(self._expiry_heap, (at, e.label))
         self._by_id[e.id] = e.label
         self._by_prompt[(e.namespace, e.prompt)] = e.label
         self._lru[e.label] = None
@@ -604,35 +609,56 @@ class SemanticCache:
         return n
 
     def expire(self) -> int:
-        """Removes entries past their TTL; returns how many."""
+        """Removes entries past their TTL; returns how many.
+
+        Pops the due items of the expiry heap: the work is the entries that expire (and stale
+        items of entries already gone), never the entries held. A scan of every entry, as once
+        ran whenever one was due, ran every tick once entries expired under steady traffic.
+        """
         now = self.clock()
+        due: list[tuple[float, int]] = []
         with self._lock:
-            if now < self._next_expiry:
-                return 0  # the usual case with day-long TTLs: no scan at all
-            # Scan a copy outside the lock: at 100k entries the scan takes tens of ms, and every
-            # lookup takes this lock to record itself.
-            entries = self._entries.copy()
-            self._added_min = math.inf
-        labels, nxt = [], math.inf
-        for lab, e in entries.items():
-            at = e.expires_at()
-            if now >= at:
-                labels.append(lab)
-            elif at < nxt:
-                nxt = at
+            heap = self._expiry_heap
+            while heap and heap[0][0] <= now:
+                at, lab = heapq.heappop(heap)
+                self._expiry_examined += 1
+                e = self._entries.get(lab)
+                # Gone (evicted, replaced, invalidated), or not this item's entry: skipped.
+                if e is not None and e.expires_at() == at:
+                    due.append((at, lab))
+        labels = [lab for _, lab in due]
         try:
             self.store.delete(labels)
         except BaseException:
-            with self._lock:
-                self._next_expiry = 0.0  # nothing was removed: scan again next time
+            with self._lock:  # nothing is dropped from memory: retried next tick
+                for item in due:
+                    heapq.heappush(self._expiry_heap, item)
             raise
-        with self._lock:
-            self._next_expiry = min(nxt, self._added_min)
         n = self._drop_in_chunks(labels)
         with self._lock:
             self._expired += n
         self._m["expirations"].inc(n)
+        self._compact_expiry_heap()
         return n
+
+    def _compact_expiry_heap(self) -> None:
+        """Drops the items of entries no longer held once they outnumber the entries: evictions
+        and replacements leave their items behind, and with day-long TTLs a churning cache
+        would otherwise hold one per Store of the last day. The filtering runs outside the
+        lock (every lookup takes it); items pushed meanwhile are merged back in."""
+        with self._lock:
+            if len(self._expiry_heap) <= 2 * len(self._entries) + _EXPIRY_HEAP_SLACK:
+                return
+            old, self._expiry_heap = self._expiry_heap, []
+        entries = self._entries
+        kept = [(at, lab) for at, lab in old
+                if (e := entries.get(lab)) is not None and e.expires_at() == at]
+        del old
+        kept.sort()  # a sorted list is a heap
+        with self._lock:
+            for item in self._expiry_heap:
+                heapq.heappush(kept, item)
+            self._expiry_heap = kept
 
     def load(self) -> int:
         """Rebuilds every namespace from SQLite (at start); returns the entries loaded.
@@ -693,7 +719,9 @@ class SemanticCache:
                 self._drop_locked(lab)
             self._evicted += len(victims)
             self._expired += len(stale)
-            self._next_expiry = 0.0  # loaded entries were not added one by one: scan next time
+            self._expiry_heap = [(e.expires_at(), lab) for lab, e in self._entries.items()
+                                 if e.ttl_seconds > 0]
+            heapq.heapify(self._expiry_heap)
             self._m["entries"].set(len(self._entries))
         self._m["evictions"].inc(len(victims))
         self._m["expirations"].inc(len(stale))

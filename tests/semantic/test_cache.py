@@ -123,26 +123,18 @@ def test_ttl_is_not_extended_by_hits(make_cache, clock):
     c.check_integrity()
 
 
-def test_expire_skips_scans_until_the_earliest_expiry(make_cache, clock):
+def test_expire_examines_nothing_until_the_earliest_expiry(make_cache, clock):
     c = make_cache()
     c.store_entry(A, "What is the boiling point of water?", "100 C.", ttl_seconds=100)
-    assert c.expire() == 0  # first scan: learns that nothing expires before t+100
-    scans = []
-
-    class Spy(dict):
-        def copy(self):
-            scans.append(1)
-            return dict(self)
-
+    assert c.expire() == 0 and c._expiry_examined == 0  # nothing expires before t+100
     clock.t += 50
     c.store_entry(A, "Who wrote Hamlet?", "Shakespeare.", ttl_seconds=20)  # expires at t+70
-    c._entries = Spy(c._entries)
     clock.t += 10
-    assert c.expire() == 0 and scans == []  # t+60: before any expiry, no scan
+    assert c.expire() == 0 and c._expiry_examined == 0  # t+60: before any expiry
     clock.t += 10
-    assert c.expire() == 1 and len(scans) == 1  # t+70: the late entry expires on time
+    assert c.expire() == 1 and c._expiry_examined == 1  # t+70: the late entry expires on time
     clock.t += 29
-    assert c.expire() == 0 and len(scans) == 1
+    assert c.expire() == 0 and c._expiry_examined == 1
     clock.t += 1
     assert c.expire() == 1 and c.stats().entries == 0
     c.check_integrity()

@@ -138,6 +138,69 @@ def test_a_failed_expiry_delete_is_retried_on_the_next_tick(make_cache, emb, clo
     c.check_integrity()
 
 
+class NoScan(dict):
+    """The cache's entry map, refusing to be walked while armed: expiry must not touch every
+    entry."""
+
+    armed = True
+
+    def _walk(name: str):
+        def method(self, *a):
+            assert not self.armed, "expire() walked every entry"
+            return getattr(dict, name)(self, *a)
+
+        return method
+
+    copy, items, values, keys, __iter__ = map(_walk, ("copy", "items", "values", "keys",
+                                                      "__iter__"))
+
+
+def test_expiry_pops_only_what_is_due_however_many_entries_are_held(make_cache, clock):
+    """Once entries expired under steady traffic the next expiry was always seconds away, and
+    every tick copied and walked every entry under the cache lock (2M entries: seconds)."""
+    c = make_cache()
+    for i in range(300):
+        c.store_entry(A, f"long-lived {i}", "kept", ttl_seconds=86_400)
+    for i in range(3):
+        c.store_entry(B, f"short-lived {i}", "gone", ttl_seconds=60)
+    c.store_entry(A, "never expires", "kept")
+    clock.t += 30
+    c._entries = NoScan(c._entries)
+    assert c.expire() == 0 and c._expiry_examined == 0
+    clock.t += 31
+    c.store_entry(A, "stored later", "kept", ttl_seconds=86_400)
+    assert c.expire() == 3 and c._expiry_examined == 3
+    assert c.expire() == 0 and c._expiry_examined == 3
+    c._entries.armed = False
+    assert c.stats().entries == 302 and c.store.count() == 302
+    assert c.lookup(A, "long-lived 7").hit  # a hit does not extend its TTL
+    clock.t += 86_400 - 61  # day-long entries stored at t
+    assert c.expire() == 300 and c._expiry_examined == 303
+    clock.t += 61  # and the one stored at t+61
+    assert c.expire() == 1 and c._expiry_examined == 304
+    assert [e.prompt for e in c._entries.values()] == ["never expires"]
+    c.check_integrity()
+
+
+def test_items_of_entries_removed_otherwise_do_not_pile_up(make_cache, clock, monkeypatch):
+    """Evicted, replaced and invalidated entries leave their expiry items behind: once they
+    outnumber the entries they are compacted away, and expiry still works."""
+    monkeypatch.setattr(cache_mod, "_EXPIRY_HEAP_SLACK", 10)
+    c = make_cache(max_entries_per_namespace=5)
+    for i in range(200):  # 195 evicted
+        c.store_entry(A, f"question {i}", "x", ttl_seconds=3600 + i)
+    for _ in range(3):
+        c.store_entry(B, "replaced", "again", ttl_seconds=60)
+    assert c.expire() == 0
+    assert len(c._expiry_heap) <= 2 * c.stats().entries + 10
+    assert sorted(lab for _, lab in c._expiry_heap) == sorted(c._entries)
+    clock.t += 60
+    assert c.expire() == 1 and c.stats().entries == 5
+    clock.t += 3600 + 200
+    assert c.expire() == 5 and c.stats().entries == 0
+    c.check_integrity()
+
+
 def test_load_does_not_bring_back_an_answer_replaced_by_one_that_expired(
         make_cache, make_cfg, emb, clock):
     """A replacing Store killed between committing its row and deleting the old one; by the
