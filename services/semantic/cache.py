@@ -30,7 +30,7 @@ from services.semantic.config import SemanticConfig
 from services.semantic.guard import ParaphraseGuard
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.policy import Outcome, ThresholdPolicy
-from services.semantic.store import EntryStore, Row
+from services.semantic.store import WRITE_CHUNK, EntryStore, Row
 from services.semantic.verifier import Verifier, VerifierModel
 
 log = logging.getLogger(__name__)
@@ -748,26 +748,44 @@ class SemanticCache:
         return cap if self.cfg.default_ttl_seconds > 0 else 0
 
     def _reembed(self, rows: list[Row]) -> None:
+        """Re-embeds the rows of another embedder and normalises vectors that are not unit
+        length, in memory and in SQLite. The writes go in batches of `WRITE_CHUNK` rows per
+        transaction: one commit (an fsync) per row made a restart after a model change take
+        minutes at 100k entries."""
         old = [r for r in rows if r.embed_model != self._embed_id
                or r.embedding.shape != (self.embedder.dim,)]
+        updates: list[tuple[int, np.ndarray, str]] = []
         for i in range(0, len(old), 64):
             chunk = old[i:i + 64]
             vecs = self.embedder.embed([r.prompt for r in chunk])
             for r, v in zip(chunk, vecs, strict=True):
-                r.embedding = v
-                self.store.set_embedding(r.label, v, self._embed_id)
+                r.embedding, r.embed_model = v, self._embed_id
+                updates.append((r.label, v, self._embed_id))
+            if len(updates) >= WRITE_CHUNK:  # written as it goes: a restart keeps the work
+                self.store.set_embeddings(updates)
+                updates = []
+        self.store.set_embeddings(updates)
         if old:
             log.info("re-embedded %d entries with %s", len(old), self.embedder.name)
         # Rows stored before every vector was made unit length (a folder without a Normalize
         # module gave norms of 5-7): the index's inner product over them read as similarity
         # 1.0 for unrelated questions. Normalised once, and written back.
         fixed = 0
-        for r in rows:
-            norm = float(np.linalg.norm(r.embedding))
-            if abs(norm - 1.0) > 1e-3 and norm > 0:
-                r.embedding = (r.embedding / norm).astype(np.float32)
-                self.store.set_embedding(r.label, r.embedding, r.embed_model)
-                fixed += 1
+        for i in range(0, len(rows), WRITE_CHUNK):
+            chunk = rows[i:i + WRITE_CHUNK]
+            vecs = np.stack([r.embedding for r in chunk])
+            norms = np.linalg.norm(vecs, axis=1)
+            bad = np.flatnonzero((np.abs(norms - 1.0) > 1e-3) & (norms > 0))
+            if not len(bad):
+                continue
+            unit = (vecs[bad] / norms[bad, None]).astype(np.float32)
+            updates = []
+            for j, v in zip(bad, unit, strict=True):
+                r = chunk[j]
+                r.embedding = v
+                updates.append((r.label, v, r.embed_model))
+            self.store.set_embeddings(updates)
+            fixed += len(bad)
         if fixed:
             log.info("normalised %d stored vectors to unit length", fixed)
 

@@ -23,6 +23,10 @@ from services.common.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
 
+# Rows per transaction of a bulk update: each commit is an fsync (synchronous=FULL), and the
+# store's lock is let go between chunks so that Stores are not held up behind a long write.
+WRITE_CHUNK = 5000
+
 # When the `truncated` column came to be (commit 970136f): see _mark_uncertain_answers.
 _COLUMN_ADDED = 1796004933.0
 
@@ -242,6 +246,18 @@ class EntryStore:
         with self._lock:
             self._db.execute("UPDATE entries SET embedding = ?, embed_model = ? WHERE label = ?",
                              (np.asarray(embedding, "<f4").tobytes(), embed_model, label))
+
+    def set_embeddings(self, rows: list[tuple[int, np.ndarray, str]]) -> None:
+        """Rewrites many rows' (label, vector, embedding model), `WRITE_CHUNK` rows per
+        transaction. Re-embedding or normalising 100k rows at start one autocommitted UPDATE
+        at a time cost 100k fsyncs. A failure leaves earlier chunks written: each row is
+        whole, and one not yet rewritten is simply fixed again at the next start."""
+        for i in range(0, len(rows), WRITE_CHUNK):
+            params = [(np.asarray(v, "<f4").tobytes(), model, label)
+                      for label, v, model in rows[i:i + WRITE_CHUNK]]
+            with self._lock, self._transaction():
+                self._db.executemany(
+                    "UPDATE entries SET embedding = ?, embed_model = ? WHERE label = ?", params)
 
     def delete(self, labels: list[int]) -> None:
         """Deletes entries by label in one transaction."""

@@ -242,3 +242,24 @@ def test_a_full_disk_at_close_still_closes_and_frees_the_database(tmp_path, monk
     monkeypatch.setattr(st, "_transaction", full)
     st.close()  # no exception
     EntryStore(path).close()  # and the lock went with it
+
+
+def test_many_embeddings_are_rewritten_in_one_transaction_per_chunk(tmp_path):
+    """Start-up re-embedding wrote one autocommitted row at a time: an fsync per row."""
+    from services.semantic.store import WRITE_CHUNK
+    from tests.semantic.sql_trace import SqlTrace
+
+    st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    n = 2 * WRITE_CHUNK + 1
+    st.insert_many([dict(id=f"e{i}", tenant="t", model_id="m", context_hash="", prompt=f"q{i}",
+                         answer="a", embedding=VEC, embed_model="old", verified=False,
+                         created_at=1.0, ttl_seconds=0) for i in range(n)])
+    labels = [r.label for rows in st.iter_all() for r in rows]
+    trace = SqlTrace(st)
+    new = np.array([1.0, 0.0, 0.0, 0.0], np.float32)
+    st.set_embeddings([(lab, new, "new") for lab in labels])
+    assert len(trace.transactions("UPDATE")) == 3  # ceil(n / WRITE_CHUNK)
+    rows = [r for rows in st.iter_all() for r in rows]
+    assert {r.embed_model for r in rows} == {"new"}
+    assert all(np.array_equal(r.embedding, new) for r in rows)
+    st.close()
