@@ -594,8 +594,14 @@ class SemanticCache:
         ns = self._check_namespace(ns)
         with self._lock:
             labels = list(self._ns_lru.get(ns, ()))
+            index = self._indexes.get(ns)
         self.store.delete(labels)
-        return self._drop_in_chunks(labels)
+        if index is None:
+            return self._drop_in_chunks(labels)
+        # Its tombstones pass a quarter of the entries long before the end, and would start a
+        # rebuild of an index about to be emptied and thrown away.
+        with index.merges_held():
+            return self._drop_in_chunks(labels)
 
     def _drop_in_chunks(self, labels: list[int]) -> int:
         """Drops `labels` from memory (already deleted from SQLite), a chunk per lock hold:

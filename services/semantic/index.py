@@ -137,6 +137,7 @@ class NamespaceIndex:
                                         np.zeros((0, params.dim), np.float32), "empty")
         self._merging: threading.Thread | None = None
         self._closing = False
+        self._held = 0  # callers inside `merges_held`
 
     def _new_snapshot(self, main, labels, vecs, kind, cap: int | None = None) -> _Snapshot:
         # The delta starts at 2 rows and doubles as it fills (up to `delta_capacity`): chat
@@ -196,7 +197,7 @@ class NamespaceIndex:
 
     def _maybe_merge_locked(self) -> None:
         if (self.background and self._merging is None and not self._closing
-                and self._needs_merge_locked()):
+                and not self._held and self._needs_merge_locked()):
             self._merging = threading.Thread(target=self._merge_in_background,
                                              name="index-merge", daemon=True)
             self._merging.start()
@@ -221,12 +222,34 @@ class NamespaceIndex:
                 return False
             self._live.discard(label)
             self._dead.add(label)
-            if not self.background and self._too_many_dead_locked():
-                snap = self._snap
-                self._swap_locked(self._build(snap, snap.count[0], set(self._dead),
-                                              purge=True))
-            self._maybe_merge_locked()
+            self._after_removal_locked()
             return True
+
+    def _after_removal_locked(self) -> None:
+        """Purges tombstones (inline without a background thread) or starts a merge, if they
+        ask for it and no caller holds merges."""
+        if self._held:
+            return
+        if not self.background and self._too_many_dead_locked():
+            snap = self._snap
+            self._swap_locked(self._build(snap, snap.count[0], set(self._dead), purge=True))
+        self._maybe_merge_locked()
+
+    @contextlib.contextmanager
+    def merges_held(self) -> Iterator[None]:
+        """No merge or purge starts inside (removals are only tombstoned), and a running merge
+        stops after its current build: a namespace being emptied crossed the tombstone rule
+        a quarter of the way and rebuilt an index about to be thrown away (seconds of HNSW).
+        On leaving, an index that still holds entries merges if it needs to."""
+        with self._lock:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._held -= 1
+                if self._live:
+                    self._after_removal_locked()
 
     @property
     def merging(self) -> bool:
@@ -270,7 +293,7 @@ class NamespaceIndex:
                 # Nobody merged meanwhile (a grown delta shares the main and its labels).
                 if self._snap.main_labels is snap.main_labels:
                     self._swap_locked(built)
-                if self._closing or not self._needs_merge_locked():
+                if self._closing or self._held or not self._needs_merge_locked():
                     self._merging = None
                     return
 

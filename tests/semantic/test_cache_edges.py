@@ -301,6 +301,25 @@ def test_invalidating_a_large_namespace_lets_lookups_through_between_chunks(
     c.check_integrity()
 
 
+def test_invalidating_a_large_namespace_starts_no_index_rebuild(make_cache, monkeypatch):
+    """Past a quarter of its entries the tombstones of a namespace being invalidated asked for
+    a purge: a background rebuild (seconds of HNSW at 100k) of an index about to be emptied."""
+    c = make_cache()
+    for i in range(300):
+        c.store_entry(A, f"question {i}", f"answer {i}")
+    c.store_entry(B, "other", "kept")
+    started: list[NamespaceIndex] = []
+    monkeypatch.setattr(NamespaceIndex, "_merge_in_background",
+                        lambda self: started.append(self))
+    index = c.index_of(A)
+    assert index is not None and not index.merging
+    assert c.invalidate_namespace(A) == 300
+    assert started == [] and index._merging is None
+    assert c.index_of(A) is None and c.stats().entries == 1
+    assert c.store.count() == 1  # durably gone
+    c.check_integrity()
+
+
 def test_a_delta_capacity_of_one_merges_and_then_rests():
     """3/4 of a capacity of 1 rounds to 0: the merge loop must not take "0 rows >= 0" as work
     left and rebuild forever."""

@@ -243,3 +243,42 @@ def test_after_a_merge_the_delta_starts_small_again():
         idx.add(i, v)
     idx.compact()
     assert _delta_rows(idx) <= 2
+
+
+def test_removals_while_merges_are_held_start_none_until_released():
+    """A namespace being emptied must not purge its tombstones on the way; one that still
+    holds entries afterwards purges them once, when the hold ends."""
+    import time
+
+    rng = np.random.default_rng(7)
+    vecs = _unit(rng, 400)
+    for background in (False, True):
+        idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=1000, delta_capacity=64),
+                             background=background)
+        idx.add_many(np.arange(400), vecs)
+        builds = []
+        real = idx._build
+
+        def counting_build(*a, _real=real, _builds=builds, **kw):
+            _builds.append(kw.get("purge", False))
+            return _real(*a, **kw)
+
+        idx._build = counting_build
+        with idx.merges_held():
+            for lab in range(300):
+                assert idx.remove(lab)
+            assert builds == [] and idx._merging is None
+            assert idx.search(vecs[350], 1)[0].label == 350
+        end = time.monotonic() + 30  # the release purged inline, or started a merge
+        while idx._merging is not None and time.monotonic() < end:
+            time.sleep(0.02)
+        assert builds == [True] and len(idx._dead) == 0
+        idx.check_integrity()
+        assert len(idx) == 100 and idx.search(vecs[399], 1)[0].label == 399
+        idx.close(5)
+    idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=1000))
+    idx.add_many(np.arange(400), vecs)
+    with idx.merges_held():
+        for lab in range(400):
+            idx.remove(lab)
+    assert idx._merging is None  # emptied: nothing to rebuild
