@@ -23,9 +23,13 @@ from services.common.errors import ResourceExhausted
 
 log = logging.getLogger(__name__)
 
-# Rows per transaction of a bulk update: each commit is an fsync (synchronous=FULL), and the
-# store's lock is let go between chunks so that Stores are not held up behind a long write.
+# Rows per transaction of a bulk update or delete: each commit is an fsync (synchronous=FULL),
+# and the store's lock is let go between chunks so that Stores are not held up behind a long
+# write.
 WRITE_CHUNK = 5000
+# The -wal file is truncated to this after a checkpoint: a large transaction (an Invalidate of
+# a big namespace) otherwise leaves it at its largest size on disk for good.
+_JOURNAL_SIZE_LIMIT = 64 << 20
 
 # When the `truncated` column came to be (commit 970136f): see _mark_uncertain_answers.
 _COLUMN_ADDED = 1796004933.0
@@ -93,7 +97,9 @@ CREATE TABLE IF NOT EXISTS entries (
     ttl_seconds  INTEGER NOT NULL DEFAULT 0,         -- 0 = never expires
     truncated    INTEGER NOT NULL DEFAULT 0          -- answer cut after N tokens; 0 = whole
 );
-CREATE INDEX IF NOT EXISTS entries_ns ON entries (tenant, model_id, context_hash);
+-- Once created, never read: namespaces live in memory and rows are read by label or id. It
+-- cost every insert and delete a b-tree update, and each row 30-65 bytes of disk.
+DROP INDEX IF EXISTS entries_ns;
 """
 
 
@@ -146,6 +152,7 @@ class EntryStore:
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
             self._db.execute("PRAGMA journal_mode=WAL")
             self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            self._db.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
             self._db.executescript(_SCHEMA)
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
             if self._db.execute("PRAGMA user_version").fetchone()[0] < 1:
@@ -260,14 +267,18 @@ class EntryStore:
                     "UPDATE entries SET embedding = ?, embed_model = ? WHERE label = ?", params)
 
     def delete(self, labels: list[int]) -> None:
-        """Deletes entries by label in one transaction."""
-        if not labels:
-            return
-        with self._lock, self._transaction():
-            self._db.executemany("DELETE FROM entries WHERE label = ?", [(x,) for x in labels])
-        with self._hits_lock:
-            for x in labels:
-                self._pending_hits.pop(x, None)
+        """Deletes entries by label, `WRITE_CHUNK` per transaction with the lock let go between
+        them: an Invalidate of 200k entries in one transaction held every Store for seconds.
+        Not atomic: a failure leaves the earlier chunks deleted, and deleting them again is
+        harmless (callers drop entries from memory only once this has returned)."""
+        for i in range(0, len(labels), WRITE_CHUNK):
+            chunk = labels[i:i + WRITE_CHUNK]
+            with self._lock, self._transaction():
+                self._db.executemany("DELETE FROM entries WHERE label = ?",
+                                     [(x,) for x in chunk])
+            with self._hits_lock:
+                for x in chunk:
+                    self._pending_hits.pop(x, None)
 
     def record_hit(self, label: int, at: float, hit_count: int) -> None:
         """Buffers a hit (written by `flush_hits`); never waits on SQLite."""

@@ -263,3 +263,46 @@ def test_many_embeddings_are_rewritten_in_one_transaction_per_chunk(tmp_path):
     assert {r.embed_model for r in rows} == {"new"}
     assert all(np.array_equal(r.embedding, new) for r in rows)
     st.close()
+
+
+def test_a_large_delete_commits_chunk_by_chunk(tmp_path):
+    """An Invalidate of 200k entries deleted them in one transaction holding the store's lock:
+    every Store waited seconds behind it."""
+    from services.semantic.store import WRITE_CHUNK
+    from tests.semantic.sql_trace import SqlTrace
+
+    st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    n = 2 * WRITE_CHUNK + 1
+    st.insert_many([dict(id=f"e{i}", tenant="t", model_id="m", context_hash="", prompt=f"q{i}",
+                         answer="a", embedding=VEC, embed_model="e", verified=False,
+                         created_at=1.0, ttl_seconds=0) for i in range(n + 1)])
+    labels = [r.label for rows in st.iter_all() for r in rows]
+    st.record_hit(labels[0], 5.0, 1)
+    trace = SqlTrace(st)
+    st.delete(labels[:n])
+    assert [len(t) for t in trace.transactions("DELETE")] == [WRITE_CHUNK, WRITE_CHUNK, 1]
+    assert st.count() == 1 and st.flush_hits() == 0  # the deleted row's hit is dropped too
+    st.close()
+
+
+def test_the_wal_is_bounded_and_the_unread_namespace_index_is_dropped(tmp_path):
+    """After a large transaction the -wal file stayed at its largest size; the (tenant, model,
+    context) index, read by no query, cost every insert and delete a b-tree update."""
+    path = str(tmp_path / "s.db")
+    with sqlite3.connect(path) as old:  # a database created by an earlier version
+        old.execute("CREATE TABLE entries (label INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT "
+                    "NOT NULL UNIQUE, tenant TEXT NOT NULL, model_id TEXT NOT NULL, "
+                    "context_hash TEXT NOT NULL, prompt TEXT NOT NULL, answer TEXT NOT NULL, "
+                    "embedding BLOB NOT NULL, embed_model TEXT NOT NULL, verified INTEGER NOT "
+                    "NULL DEFAULT 0, created_at REAL NOT NULL, last_hit_at REAL NOT NULL "
+                    "DEFAULT 0, hit_count INTEGER NOT NULL DEFAULT 0, ttl_seconds INTEGER NOT "
+                    "NULL DEFAULT 0, truncated INTEGER NOT NULL DEFAULT 0)")
+        old.execute("CREATE INDEX entries_ns ON entries (tenant, model_id, context_hash)")
+        old.execute("PRAGMA user_version = 1")
+    st = EntryStore(path, "NORMAL")
+    insert(st, "one")
+    assert st._db.execute("PRAGMA journal_size_limit").fetchone()[0] == 64 << 20
+    names = {r[0] for r in st._db.execute("SELECT name FROM sqlite_master WHERE type='index'")}
+    assert "entries_ns" not in names
+    assert st.get("one").answer == "a one"
+    st.close()
