@@ -673,40 +673,25 @@ class SemanticCache:
         capacity limits are applied (least recently used go first).
         """
         now = self.clock()
-        # Two rows of one prompt: a replacing Store that crashed between committing the new row
-        # and deleting the old one. The newer answer stands, expired or not (an expired newer
-        # answer must not bring back the one it replaced). Labels grow in commit order, which
-        # a wall-clock step cannot reorder as it could `created_at`.
-        newest: dict[tuple[Namespace, str], Row] = {}
-        replaced: list[int] = []
-        for rows in self.store.iter_all():
-            for r in rows:
-                key = (Namespace(r.tenant, r.model_id, r.context_hash), r.prompt)
-                prev = newest.get(key)
-                if prev is None or prev.label < r.label:
-                    if prev is not None:
-                        replaced.append(prev.label)
-                    newest[key] = r
-                else:
-                    replaced.append(r.label)
+        newest, replaced = self._newest_rows()
         stale = [r.label for r in newest.values() if self._expired_row(r, now)]
         live = [r for r in newest.values() if not self._expired_row(r, now)]
         del newest
         self._reembed(live)
-        groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
-        for r in live:
-            ns = Namespace(r.tenant, r.model_id, r.context_hash)
-            es, vs = groups.setdefault(ns, ([], []))
-            ttl = self._loaded_ttl(r)
-            es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
-                            r.last_hit_at, r.hit_count, ttl, r.truncated))
-            vs.append(r.embedding)
-        del live
+        groups = self._group_rows(live)
+        del live  # the rows: only each namespace's entries and per-row vectors are left
         self.store.delete(stale + replaced)
         with self._lock:
-            for ns, (es, vs) in groups.items():
+            # One namespace at a time, its per-row vectors let go as soon as they are stacked:
+            # kept until the end, every row's array stayed alive beside the stacked copy, the
+            # index's copy and faiss's copy of each namespace (the peak of a restart).
+            for ns in list(groups):
+                es, vs = groups.pop(ns)
+                vecs = np.stack(vs)
+                vs.clear()
                 index = self._indexes[ns] = NamespaceIndex(self._params)
-                index.add_many(np.array([e.label for e in es], np.int64), np.stack(vs))
+                index.add_many(np.array([e.label for e in es], np.int64), vecs)
+                del vecs
                 self._ns_lru[ns] = OrderedDict()
                 for e in sorted(es, key=lambda e: max(e.last_hit_at, e.created_at)):
                     self._entries[e.label] = e
@@ -736,6 +721,40 @@ class SemanticCache:
                  "by a newer answer to the same prompt)", len(self._entries), len(self._indexes),
                  len(stale), len(victims), len(replaced))
         return len(self._entries)
+
+    def _newest_rows(self) -> tuple[dict[tuple[Namespace, str], Row], list[int]]:
+        """Every stored row, keeping the newest of each (namespace, prompt); and the labels of
+        the older ones.
+
+        Two rows of one prompt: a replacing Store that crashed between committing the new row
+        and deleting the old one. The newer answer stands, expired or not (an expired newer
+        answer must not bring back the one it replaced). Labels grow in commit order, which a
+        wall-clock step cannot reorder as it could `created_at`."""
+        newest: dict[tuple[Namespace, str], Row] = {}
+        replaced: list[int] = []
+        for rows in self.store.iter_all():
+            for r in rows:
+                key = (Namespace(r.tenant, r.model_id, r.context_hash), r.prompt)
+                prev = newest.get(key)
+                if prev is None or prev.label < r.label:
+                    if prev is not None:
+                        replaced.append(prev.label)
+                    newest[key] = r
+                else:
+                    replaced.append(r.label)
+        return newest, replaced
+
+    def _group_rows(self, rows: list[Row]
+                    ) -> dict[Namespace, tuple[list[Entry], list[np.ndarray]]]:
+        """Each namespace's entries and their vectors, in `rows`' order."""
+        groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
+        for r in rows:
+            ns = Namespace(r.tenant, r.model_id, r.context_hash)
+            es, vs = groups.setdefault(ns, ([], []))
+            es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
+                            r.last_hit_at, r.hit_count, self._loaded_ttl(r), r.truncated))
+            vs.append(r.embedding)
+        return groups
 
     def _expired_row(self, r: Row, now: float) -> bool:
         """Expired under its TTL as loaded (`_loaded_ttl`)."""

@@ -143,7 +143,10 @@ class NamespaceIndex:
         # The delta starts at 2 rows and doubles as it fills (up to `delta_capacity`): chat
         # traffic has about one namespace per conversation turn, and a full-size delta each
         # (3 MiB of address space at 2048 x 384 floats) cost 28-140 KiB of RSS per entry.
-        cap = cap or min(_INITIAL_DELTA_ROWS, self.params.delta_capacity)
+        # After a build it holds just the rows added meanwhile, often none: a namespace loaded
+        # at start and never written to again holds no delta at all.
+        if cap is None:
+            cap = min(_INITIAL_DELTA_ROWS, self.params.delta_capacity)
         return _Snapshot(main, labels, vecs, np.zeros((cap, self.params.dim), np.float32),
                          np.zeros(cap, np.int64), kind, [0])
 
@@ -160,12 +163,12 @@ class NamespaceIndex:
         with self._lock:
             snap = self._snap
             n = snap.count[0]
-            if n >= len(snap.delta_labels):
-                if self.background or n < self.params.delta_capacity:
-                    snap = self._grow_delta_locked(snap, n)
-                else:
-                    self._swap_locked(self._build(snap, n, set(self._dead)))
-                    snap, n = self._snap, self._snap.count[0]
+            if (n >= len(snap.delta_labels) and not self.background
+                    and n >= self.params.delta_capacity):
+                self._swap_locked(self._build(snap, n, set(self._dead)))
+                snap, n = self._snap, self._snap.count[0]
+            if n >= len(snap.delta_labels):  # full, or a build left no rows
+                snap = self._grow_delta_locked(snap, n)
             snap.delta_vecs[n] = vec
             snap.delta_labels[n] = label
             self._live.add(label)
@@ -176,7 +179,8 @@ class NamespaceIndex:
     def _grow_delta_locked(self, snap: _Snapshot, n: int) -> _Snapshot:
         """A snapshot with the same main index and a delta twice as large (rows copied):
         writers go on while a merge is still building, instead of building themselves."""
-        cap = 2 * len(snap.delta_labels)
+        cap = max(min(_INITIAL_DELTA_ROWS, self.params.delta_capacity),
+                  2 * len(snap.delta_labels))
         if len(snap.delta_labels) < self.params.delta_capacity:
             cap = min(cap, self.params.delta_capacity)  # still growing to its planned size
         new = _Snapshot(snap.main, snap.main_labels, snap.main_vecs,
@@ -342,9 +346,7 @@ class NamespaceIndex:
         # `cur` is `snap`, or a copy of it with a larger delta (same main, same first rows).
         assert cur.main_labels is snap.main_labels, "a snapshot was swapped under a build"
         late = cur.count[0] - n
-        new = self._new_snapshot(main, labels, vecs, kind,
-                                 max(min(_INITIAL_DELTA_ROWS, self.params.delta_capacity),
-                                     2 * late))
+        new = self._new_snapshot(main, labels, vecs, kind, 2 * late)
         if late:
             new.delta_vecs[:late] = cur.delta_vecs[n:n + late]
             new.delta_labels[:late] = cur.delta_labels[n:n + late]

@@ -457,6 +457,51 @@ def test_load_rewrites_vectors_in_one_transaction_not_one_per_row(make_cfg, emb,
         c.store.close()
 
 
+def test_load_lets_go_of_each_rows_vector_once_its_namespace_is_stacked(make_cfg, emb, clock,
+                                                                      monkeypatch):
+    """load() kept every row's own vector array alive until it returned, beside the stacked
+    copy, the index's copy and faiss's: the peak memory of a restart."""
+    import weakref
+
+    cfg = make_cfg(guard_tiers=(), verifier_tiers=())
+    store = EntryStore(cfg.resolved_db_path(), "NORMAL")
+    for ns in (A, B):
+        for i in range(5):
+            q = f"{ns.tenant} question {i}"
+            store.insert(id=q, tenant=ns.tenant, model_id=ns.model_id, context_hash="",
+                         prompt=q, answer="x", embedding=emb.embed_one(q),
+                         embed_model=emb.identity, verified=False, created_at=clock.t,
+                         ttl_seconds=0)
+    store.close()
+    c = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    read: list[weakref.ref] = []  # every row's vector as read from SQLite
+    real_iter = c.store.iter_all
+
+    def iter_all(*a, **kw):
+        for rows in real_iter(*a, **kw):
+            read.extend(weakref.ref(r.embedding) for r in rows)
+            yield rows
+
+    alive_at_build: list[int] = []
+    real_add_many = NamespaceIndex.add_many
+
+    def add_many(self, labels, vecs):
+        alive_at_build.append(sum(ref() is not None for ref in read))
+        return real_add_many(self, labels, vecs)
+
+    monkeypatch.setattr(c.store, "iter_all", iter_all)
+    monkeypatch.setattr(NamespaceIndex, "add_many", add_many)
+    try:
+        assert c.load() == 10
+        # Building the first namespace: its rows' arrays are gone, the second's still held.
+        assert alive_at_build == [5, 0] and len(read) == 10
+        assert c.lookup(B, "tenant-b question 4").hit
+        c.check_integrity()
+    finally:
+        c.close_indexes()
+        c.store.close()
+
+
 @pytest.mark.parametrize("default_ttl", [0, 3600])
 def test_a_never_expiring_row_ages_out_once_entries_expire_by_default(make_cfg, emb, clock,
                                                                       default_ttl):

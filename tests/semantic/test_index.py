@@ -282,3 +282,24 @@ def test_removals_while_merges_are_held_start_none_until_released():
         for lab in range(400):
             idx.remove(lab)
     assert idx._merging is None  # emptied: nothing to rebuild
+
+
+def test_a_built_index_holds_no_delta_until_written_to():
+    """Every namespace loaded at start kept a 2-row delta it might never use: 3 KiB at 384
+    dimensions, per namespace, and chat traffic has about one namespace per turn."""
+    rng = np.random.default_rng(9)
+    vecs = _unit(rng, 40)
+    for background in (False, True):
+        idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=1000, delta_capacity=4),
+                             background=background)
+        idx.add_many(np.arange(10), vecs[:10])
+        assert _delta_rows(idx) == 0
+        assert idx.search(vecs[3], 1)[0].label == 3
+        for i in range(10, 40):  # grows from nothing; merges (inline or not) empty it again
+            idx.add(i, vecs[i])
+            assert idx.search(vecs[i], 1)[0].label == i
+        idx.check_integrity()
+        idx.close(5)
+        idx.compact()
+        assert _delta_rows(idx) == 0 and len(idx) == 40
+        idx.check_integrity()
