@@ -91,6 +91,11 @@ class Replica:
     next_seq: int = 1
     load: Load = field(default_factory=Load)
     zero: ReplicaMatch | None = None  # this replica's answer when it holds nothing asked for
+    # Hits of the nodes a resync deleted that its first batch did not store again: a
+    # snapshot spans many batches, and the rest arrive in the next ones. Given back as those
+    # store them, until `usage_until` (one lease after the resync).
+    usage: dict[bytes, tuple[int, int]] | None = None
+    usage_until: float = 0.0
 
     def refresh(self) -> None:
         """Rebuild the cached zero-length answer after address or load changed."""
@@ -401,6 +406,10 @@ class PrefixIndex:
         if now >= self._next_deadline:
             self._expire(now)
         rep = self._known(replica_id, incarnation)
+        # A publish shows the replica alive as much as a heartbeat does: a resync of many
+        # batches queued behind other replicas' let the lease lapse midway (NOT_FOUND, a new
+        # registration, a new snapshot, again).
+        self._renew(rep, now)
         if not 1 <= seq < 2**64 - 1:  # the next batch number must fit the uint64 answer
             raise InvalidArgument("seq", "must be in 1..2^64-2")
         if len(events) > self.max_events:
@@ -425,6 +434,11 @@ class PrefixIndex:
             # stored again, and must keep their hits (TopPrefixes, LFU pruning).
             usage = tree.usage_held_only_by(rep.bit)
             tree.clear(rep.bit)
+            rep.usage, rep.usage_until = None, now + self.lease_seconds
+        elif rep.usage is not None:
+            usage = self._pending_usage(rep, now,
+                                        (h for kind, _, b, _, _ in plan if kind == "stored"
+                                         for h in b))
         # A chain whose parent the replica does not hold (yet) waits for that parent to be
         # stored later in this batch (a snapshot's order must not matter); else it is dropped.
         # A removal later in the batch also reaches the chains still waiting.
@@ -445,7 +459,9 @@ class PrefixIndex:
                 self._drop_waiting(waiting)
         self._drop_waiting(waiting)  # parents that never came
         if usage:
-            tree.restore_usage(usage)
+            left = tree.restore_usage(usage)
+            if resync:
+                rep.usage = left or None
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
@@ -465,10 +481,28 @@ class PrefixIndex:
         self.dropped_blocks_total += tree.store(parent, hashes, ev.token_ids, rep.bit,
                                                 self._tick).dropped
         tree.gc_root(parent)
+        if rep.usage is not None:
+            usage = self._pending_usage(rep, self.clock(), hashes)
+            if usage:
+                tree.restore_usage(usage)
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
         return _new(PublishResult, (False, rep.next_seq, True))
+
+    def _pending_usage(self, rep: Replica, now: float, stored) -> dict[bytes, tuple[int, int]]:
+        """The hits a resync saved for the blocks `stored` in this batch (taken from the
+        replica's pending ones); forgets them all one lease after the resync."""
+        pending = rep.usage
+        if pending is None:
+            return {}
+        if now > rep.usage_until:
+            rep.usage = None
+            return {}
+        out = {h: pending.pop(h) for h in stored if h in pending}
+        if not pending:
+            rep.usage = None
+        return out
 
     def _drop_waiting(self, waiting: dict[bytes, list[tuple]]) -> None:
         """Counts every waiting chain's blocks as dropped and forgets them."""

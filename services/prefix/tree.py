@@ -396,15 +396,21 @@ class BlockTree:
             stack.extend(k for k in self._kids(s) if use[_USE * k + _HOLD] & mask)
         return out
 
-    def restore_usage(self, usage: dict[bytes, tuple[int, int]]) -> None:
+    def restore_usage(self, usage: dict[bytes, tuple[int, int]]
+                      ) -> dict[bytes, tuple[int, int]]:
         """Gives nodes stored again (no hits yet) the hits they had before a clear; last use
-        only moves forward (a parent is never older than its children)."""
+        only moves forward (a parent is never older than its children). Returns the entries
+        of `usage` whose node is not in the tree (not stored again yet)."""
         use, table = self._use, self._table
+        left: dict[bytes, tuple[int, int]] = {}
         for k, (hits, last) in usage.items():
             s = table.get(k)
-            if s is not None and not use[_USE * s + _HITS]:
+            if s is None:
+                left[k] = (hits, last)
+            elif not use[_USE * s + _HITS]:
                 use[_USE * s + _HITS] = hits
                 use[_USE * s + _LAST] = max(use[_USE * s + _LAST], last)
+        return left
 
     def _drop_subtree(self, top: int, mask: int, bit: int) -> int:
         use = self._use

@@ -396,6 +396,46 @@ def test_a_resync_keeps_the_hits_of_what_the_replica_still_holds(index, hasher):
     index.check_integrity()
 
 
+def test_a_resync_spread_over_several_batches_keeps_the_hits_of_its_later_blocks(
+        index, hasher, clock):
+    """The publisher sends a snapshot as one resync batch and then plain batches; hits were
+    kept only for the blocks of the first, so a hot chain stored later came back with none and
+    dropped out of TopPrefixes (and was pruned first)."""
+    reg(index, "a")
+    chain = toks(1, 2, 3, 4, 5, 6)
+    index.publish("a", "i1", 1, [stored(hasher, chain)])
+    for _ in range(5):
+        matched(index, chain)
+    top = [(p.token_ids, p.hits) for p in index.top_prefixes(5)]
+    assert top == [(chain, 5)]
+    assert not index.publish("a", "i1", 2, [stored(hasher, chain, end=2)], resync=True).resync
+    assert not index.publish("a", "i1", 3, [stored(hasher, chain, start=2, end=4)]).resync
+    assert not index.publish("a", "i1", 4, [stored(hasher, chain, start=4)]).resync
+    assert [(p.token_ids, p.hits) for p in index.top_prefixes(5)] == top
+    index.check_integrity()
+    # What is not stored again within a lease is forgotten (no hits for ever after).
+    assert not index.publish("a", "i1", 5, [stored(hasher, chain, end=2)], resync=True).resync
+    for _ in range(2):  # 12 s, the lease renewed halfway
+        clock.t += 6
+        assert index.heartbeat("a", "i1", Load()).known
+    index.publish("a", "i1", 6, [stored(hasher, chain, start=2)])
+    assert index.top_prefixes(5) == []
+
+
+def test_publishing_renews_the_lease(index, hasher, clock):
+    """Only Register and Heartbeat renewed it: a resync of many batches, queued behind other
+    replicas' at the index, let the lease lapse midway (NOT_FOUND, a new registration, a new
+    snapshot, again)."""
+    reg(index, "a")
+    chain = toks(*range(1, 20))
+    index.publish("a", "i1", 1, [stored(hasher, chain, end=1)], resync=True)
+    for i in range(1, 18):
+        clock.t += 1.0  # 17 s in all, past the 10 s lease, without a heartbeat
+        assert not index.publish("a", "i1", i + 1, [stored(hasher, chain, start=i,
+                                                           end=i + 1)]).resync
+    assert matched(index, chain) == {"a": 18}
+
+
 def test_lapsed_replicas_batch_numbers_are_remembered_for_a_bounded_number(hasher, clock,
                                                                          monkeypatch):
     """Each lapsed replica id leaves its next batch number behind (for a re-Register); ids
