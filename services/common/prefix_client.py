@@ -245,15 +245,17 @@ class PrefixIndexClient:
                                smallest("max_events"), smallest("max_blocks"))
 
     def heartbeat(self, replica_id: str, incarnation: str,
-                  load: prefix_pb2.ReplicaLoad | None = None, *, timeout: float | None = None
-                  ) -> prefix_pb2.HeartbeatResponse:
+                  load: prefix_pb2.ReplicaLoad | None = None, *, timeout: float | None = None,
+                  only: Collection[str] | None = None) -> prefix_pb2.HeartbeatResponse:
         """Renew the lease on every shard that answers; `known` is False if any of them forgot
         the replica. Raises only when no shard answers: one shard down must not let the
-        others' leases lapse."""
+        others' leases lapse. With `only` (shard addresses): those shards, and raises if any
+        of them does not answer (a probe before resending a snapshot to them)."""
         req = prefix_pb2.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation,
                                           load=load or prefix_pb2.ReplicaLoad())
-        got = self._fan_out({a: req for a in self.addresses}, "Heartbeat", timeout,
-                            allow_partial=True)
+        targets = self.addresses if only is None else [a for a in self.addresses if a in only]
+        got = self._fan_out({a: req for a in targets}, "Heartbeat", timeout,
+                            allow_partial=only is None)
         return prefix_pb2.HeartbeatResponse(
             known=all(r.known for r in got.values()),  # type: ignore[attr-defined]
             lease_seconds=min(r.lease_seconds for r in got.values()))  # type: ignore[attr-defined]

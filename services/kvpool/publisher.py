@@ -16,6 +16,7 @@ replica keeps serving and catches up with a resync later.
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -166,11 +167,17 @@ class Publisher:
         next_beat = 0.0
         backoff = 0.2
         while not self._stop.is_set():
+            # After a failure: a snapshot (a pass over the pool on the engine thread, ~0.3 s
+            # per 100k blocks, which every decoding answer waits for) is taken only once the
+            # shards it goes to answer a heartbeat, not on every retry of an outage.
+            retrying = backoff > 0.2
             try:
                 if not self.registered:
                     self._register()
                     next_beat = time.monotonic() + self._beat_every
                 if self._need_resync:
+                    if retrying and not self._probe(None):
+                        continue
                     self._resync()
                 now = time.monotonic()
                 if now >= next_beat:
@@ -182,6 +189,8 @@ class Publisher:
                 if self._backlog:
                     self._publish()
                 if self._lagging and not self._backlog and not self._need_resync:
+                    if retrying and not self._probe(set(self._lagging)):
+                        continue
                     self._resync(only=set(self._lagging))
                 backoff = 0.2
                 wait = max(0.0, min(self.publish_interval_seconds, next_beat - time.monotonic()))
@@ -196,6 +205,9 @@ class Publisher:
                     # The index does not know this incarnation (restart, lapsed lease).
                     log.info("prefix index: %s; registering again", e.details())
                     self.registered = False
+                    # Spread out: after an index restart every replica hears this at once,
+                    # and each registration brings a full snapshot.
+                    self._stop.wait(random.uniform(0.0, self._beat_every))
                     continue
                 log.warning("prefix index %s: %s (%s); retrying in %.1fs", self.address,
                             e.code().name if hasattr(e, "code") else "?",
@@ -223,18 +235,24 @@ class Publisher:
         log.info("registered with prefix index %s as %s/%s", self.address, self.replica_id,
                  self.incarnation)
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, only: set[str] | None = None) -> None:
         s = self.engine.stats()
         resp = self._client.heartbeat(
             self.replica_id, self.incarnation,
             prefix_pb2.ReplicaLoad(running=s.running, waiting=s.waiting,
                                    free_blocks=s.blocks_free + s.blocks_cached,
-                                   total_blocks=s.blocks_total))
+                                   total_blocks=s.blocks_total), only=only)
         if not resp.known:
             log.info("prefix index forgot this replica; registering again")
             self.registered = False
         else:
             self._pace(resp.lease_seconds)
+
+    def _probe(self, only: set[str] | None) -> bool:
+        """Heartbeat the shards a snapshot would go to (all: None); True if they answered and
+        know this replica. Raises (the caller backs off) when one does not answer."""
+        self._heartbeat(only)
+        return self.registered
 
     def _pace(self, lease_seconds: float) -> None:
         """Heartbeats every `heartbeat_seconds`, or a third of the index's lease if shorter

@@ -552,3 +552,63 @@ def test_a_stopped_replica_withdraws_its_blocks_from_the_index(make_engine) -> N
     finally:
         pub.stop()
         handle.stop(0)
+
+
+def test_an_index_outage_costs_one_snapshot_not_one_per_retry(make_engine, monkeypatch) -> None:
+    """Each retry of a failed resync took a new snapshot of the pool on the engine thread
+    (~0.3 s per 100k blocks that every decoding answer waits for), every few seconds for as
+    long as the index was down. Retries now heartbeat first and snapshot once it answers."""
+    from services.common.prefix_client import PublishOutcome
+
+    class Down(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "index down"
+
+    eng = make_engine(num_blocks=32)
+    generate(eng, list(range(1, 18)), max_tokens=4)
+    snapshots: list[int] = []
+    real_call = eng.call
+
+    def call(fn):
+        if getattr(fn, "__name__", "") == "snapshot":
+            snapshots.append(1)
+        return real_call(fn)
+
+    monkeypatch.setattr(eng, "call", call)
+    pub = Publisher(eng, address="127.0.0.1:1", replica_id="kv-0", incarnation="i",
+                    public_address="x:1", model_id="tiny-llama", heartbeat_seconds=30,
+                    channel_factory=grpc.insecure_channel)
+    up = threading.Event()
+    beats: list[int] = []
+    sent: list[bool] = []
+
+    def register(*a, **kw):
+        return prefix_pb2.RegisterResponse(lease_seconds=90, next_seq=1)
+
+    def heartbeat(*a, **kw):
+        beats.append(1)
+        if not up.is_set():
+            raise Down()
+        return prefix_pb2.HeartbeatResponse(known=True, lease_seconds=90)
+
+    def publish_events(rid, inc, events, resync=False, only=None):
+        if not up.is_set():
+            raise Down()
+        sent.append(resync)
+        return PublishOutcome(False, [], {"a": len(sent)}, {})
+
+    monkeypatch.setattr(pub._client, "register", register)
+    monkeypatch.setattr(pub._client, "heartbeat", heartbeat)
+    monkeypatch.setattr(pub._client, "publish_events", publish_events)
+    pub.start()
+    try:
+        time.sleep(2.0)  # retries after 0.2, 0.4 and 0.8 s of backoff
+        assert len(snapshots) == 1 and beats  # only the first attempt's; retries probed
+        up.set()
+        wait_for(lambda: pub.resyncs >= 1)
+        assert len(snapshots) == 2 and sent[0] is True
+    finally:
+        pub.stop(timeout=5)
