@@ -555,16 +555,15 @@ class BlockTree:
         and only under `cache_salt` when given."""
         floor = max(1, min_hits)
         use, meta = self._use, self._meta
-
-        def wanted(s: int) -> bool:
-            if not model_id and cache_salt is None:
-                return True
-            model, salt = meta[self._root_slot(s)]
-            return ((not model_id or model == model_id)
-                    and (cache_salt is None or salt == cache_salt))
-
-        cands = (s for s in self._table.values() if use[_USE * s + _HITS] >= floor
-                 and wanted(s))
+        # The filter is decided per root (a few per model and tenant), not per node: walking
+        # every hit node up to its root took seconds at a million nodes, under the index lock
+        # every Match waits for. Only the passing roots' subtrees are visited.
+        roots = [r for r, (model, salt) in meta.items()
+                 if (not model_id or model == model_id)
+                 and (cache_salt is None or salt == cache_salt)]
+        slots = (self._table.values() if len(roots) == len(meta)
+                 else self._slots_under(roots))
+        cands = (s for s in slots if use[_USE * s + _HITS] >= floor)
         # A bounded heap, not a sort of every hit node: the caller holds the index's lock.
         best = heapq.nlargest(k, cands, key=lambda s: (use[_USE * s + _HITS],
                                                          use[_USE * s + _LAST]))
@@ -574,6 +573,14 @@ class BlockTree:
             out.append(Prefix(self._prefix_tokens(s), use[_USE * s + _HITS], self._holders(s),
                               salt, model, self._key[s]))  # type: ignore[arg-type]
         return out
+
+    def _slots_under(self, roots: list[int]) -> Iterator[int]:
+        """Every slot of the subtrees under `roots` (the roots included)."""
+        stack = list(roots)
+        while stack:
+            s = stack.pop()
+            yield s
+            stack.extend(self._kids(s))
 
     def _root_slot(self, s: int) -> int:
         nav = self._nav
