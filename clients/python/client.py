@@ -21,7 +21,8 @@ Messages = str | Sequence[dict[str, str]]
 
 # The trailer the server sets on a RESOURCE_EXHAUSTED that means "busy now, retry later"
 # (concurrency or rate limits, every replica busy). Without it the request exceeds a fixed
-# limit (prompt tokens, max_tokens, the largest pool) and fails the same way every time.
+# limit (the tenant's prompt-token or max_tokens limit, the largest pool) and fails the same way
+# every time.
 OVERLOADED_TRAILER = "tiercache-overloaded"
 
 
