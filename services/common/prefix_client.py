@@ -213,8 +213,10 @@ class PrefixIndexClient:
 
     def register(self, replica_id: str, incarnation: str, address: str, model_id: str,
                  block_size: int, capacity_blocks: int = 0, *, timeout: float | None = None,
-                 hash_probe: bytes | None = None) -> RegisterOutcome:
-        """Register on every shard; remembers each shard's next batch number.
+                 hash_probe: bytes | None = None,
+                 only: Collection[str] | None = None) -> RegisterOutcome:
+        """Register on every shard (or the shards in `only`: those that forgot the replica);
+        remembers each shard's next batch number.
 
         Sends this process's hash probe, so a shard refuses (FAILED_PRECONDITION) a replica
         whose TIERCACHE_HASH_KEY differs from its own. `hash_probe` overrides it with the
@@ -227,7 +229,8 @@ class PrefixIndexClient:
             block_size=block_size, capacity_blocks=capacity_blocks, hash_probe=probe)
         # Shards that are down are registered with later (they answer NOT_FOUND to the first
         # batch once back, and the publisher registers again); the others start now.
-        got = self._fan_out({a: req for a in self.addresses}, "Register", timeout,
+        targets = self.addresses if only is None else [a for a in self.addresses if a in only]
+        got = self._fan_out({a: req for a in targets}, "Register", timeout,
                             allow_partial=True)
         with self._lock:
             for a, r in got.items():
@@ -251,14 +254,21 @@ class PrefixIndexClient:
         the replica. Raises only when no shard answers: one shard down must not let the
         others' leases lapse. With `only` (shard addresses): those shards, and raises if any
         of them does not answer (a probe before resending a snapshot to them)."""
-        req = prefix_pb2.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation,
-                                          load=load or prefix_pb2.ReplicaLoad())
-        targets = self.addresses if only is None else [a for a in self.addresses if a in only]
-        got = self._fan_out({a: req for a in targets}, "Heartbeat", timeout,
-                            allow_partial=only is None)
+        got = self.heartbeat_shards(replica_id, incarnation, load, timeout=timeout, only=only)
         return prefix_pb2.HeartbeatResponse(
             known=all(r.known for r in got.values()),  # type: ignore[attr-defined]
             lease_seconds=min(r.lease_seconds for r in got.values()))  # type: ignore[attr-defined]
+
+    def heartbeat_shards(self, replica_id: str, incarnation: str,
+                         load: prefix_pb2.ReplicaLoad | None = None, *,
+                         timeout: float | None = None, only: Collection[str] | None = None
+                         ) -> dict[str, prefix_pb2.HeartbeatResponse]:
+        """`heartbeat`, answered per shard address (the shards that answered)."""
+        req = prefix_pb2.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation,
+                                          load=load or prefix_pb2.ReplicaLoad())
+        targets = self.addresses if only is None else [a for a in self.addresses if a in only]
+        return self._fan_out({a: req for a in targets}, "Heartbeat", timeout,  # type: ignore[return-value]
+                             allow_partial=only is None)
 
     # -- events ---------------------------------------------------------------------------
 

@@ -221,32 +221,51 @@ class Publisher:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
 
-    def _register(self) -> None:
+    def _register(self, only: set[str] | None = None) -> None:
+        """Register on every shard (then resync all), or on the shards in `only` that forgot
+        this replica (then resync only those: the others still hold the right view)."""
         s = self.engine.stats()
         # The client keeps each shard's batch numbers from here on.
         out = self._client.register(self.replica_id, self.incarnation, self.public_address,
                                     self.model_id, self.engine.pool.block_size, s.blocks_total,
-                                    hash_probe=self.engine.pool.hasher.probe())
+                                    hash_probe=self.engine.pool.hasher.probe(), only=only)
         self._pace(out.lease_seconds)
-        self._max_events = min(MAX_BATCH, out.max_events or MAX_BATCH)
-        self._max_blocks = out.max_blocks or MAX_BATCH_BLOCKS
-        self.registered = True
-        self._need_resync = True
-        log.info("registered with prefix index %s as %s/%s", self.address, self.replica_id,
-                 self.incarnation)
+        events = min(MAX_BATCH, out.max_events or MAX_BATCH)
+        blocks = out.max_blocks or MAX_BATCH_BLOCKS
+        if only is None:
+            self._max_events, self._max_blocks = events, blocks
+            self.registered = True
+            self._need_resync = True
+        else:  # every shard's limits hold for batches that fan out to all of them
+            self._max_events = min(self._max_events, events)
+            self._max_blocks = min(self._max_blocks, blocks)
+            self._lagging |= set(out.next_seq)
+        log.info("registered with prefix index %s as %s/%s", ", ".join(sorted(only))
+                 if only else self.address, self.replica_id, self.incarnation)
+
+    def _rejoin(self, forgot: set[str]) -> None:
+        """Shards that forgot this replica (restarted, or its lease lapsed there): register
+        again on those alone when others still know it, else everywhere."""
+        if self._client.sharded and forgot != set(self._client.addresses):
+            log.info("prefix index shard(s) %s forgot this replica; registering there again",
+                     ", ".join(sorted(forgot)))
+            self._register(only=forgot)
+        else:
+            log.info("prefix index forgot this replica; registering again")
+            self.registered = False
 
     def _heartbeat(self, only: set[str] | None = None) -> None:
         s = self.engine.stats()
-        resp = self._client.heartbeat(
+        got = self._client.heartbeat_shards(
             self.replica_id, self.incarnation,
             prefix_pb2.ReplicaLoad(running=s.running, waiting=s.waiting,
                                    free_blocks=s.blocks_free + s.blocks_cached,
                                    total_blocks=s.blocks_total), only=only)
-        if not resp.known:
-            log.info("prefix index forgot this replica; registering again")
-            self.registered = False
+        forgot = {a for a, r in got.items() if not r.known}
+        if forgot:
+            self._rejoin(forgot)
         else:
-            self._pace(resp.lease_seconds)
+            self._pace(min(r.lease_seconds for r in got.values()))
 
     def _probe(self, only: set[str] | None) -> bool:
         """Heartbeat the shards a snapshot would go to (all: None); True if they answered and
@@ -289,10 +308,11 @@ class Publisher:
         accepted = [n for a, n in out.sent.items() if a not in out.resync_shards]
         if accepted:
             self.last_seq = max(accepted)
-        if any(e.code() == grpc.StatusCode.NOT_FOUND for e in out.failed.values()):
-            log.info("a prefix index shard forgot this replica; registering again")
-            self.registered = False
-            return False
+        forgot = {a for a, e in out.failed.items() if e.code() == grpc.StatusCode.NOT_FOUND}
+        if forgot:
+            self._rejoin(forgot)
+            if not self.registered:
+                return False
         lost = set(out.failed) | set(out.resync_shards)
         if out.resync_shards:
             log.info("prefix index shard(s) %s asked for a resync", ", ".join(out.resync_shards))

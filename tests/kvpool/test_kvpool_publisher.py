@@ -592,7 +592,7 @@ def test_an_index_outage_costs_one_snapshot_not_one_per_retry(make_engine, monke
         beats.append(1)
         if not up.is_set():
             raise Down()
-        return prefix_pb2.HeartbeatResponse(known=True, lease_seconds=90)
+        return {"a": prefix_pb2.HeartbeatResponse(known=True, lease_seconds=90)}
 
     def publish_events(rid, inc, events, resync=False, only=None):
         if not up.is_set():
@@ -601,7 +601,7 @@ def test_an_index_outage_costs_one_snapshot_not_one_per_retry(make_engine, monke
         return PublishOutcome(False, [], {"a": len(sent)}, {})
 
     monkeypatch.setattr(pub._client, "register", register)
-    monkeypatch.setattr(pub._client, "heartbeat", heartbeat)
+    monkeypatch.setattr(pub._client, "heartbeat_shards", heartbeat)
     monkeypatch.setattr(pub._client, "publish_events", publish_events)
     pub.start()
     try:

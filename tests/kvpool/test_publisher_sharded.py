@@ -149,3 +149,51 @@ def test_one_shard_down_holds_back_neither_the_others_nor_itself_once_back(make_
         client.close()
         pub.stop()
         hb.stop(0)
+
+
+def test_a_restarted_shard_is_resynced_alone(make_engine, monkeypatch) -> None:
+    """One shard forgetting the replica (a restart) made it register again everywhere and
+    resend its whole view to every shard: N shards' worth of snapshot work for one restart,
+    at every replica at once."""
+    (ia, ha), (ib, hb) = start_shard(lease_seconds=5), start_shard(lease_seconds=5)
+    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    eng = make_engine(num_blocks=64, hash_key=None)
+    client = PrefixIndexClient(addrs, block_size=4, channel_factory=grpc.insecure_channel)
+    hasher = BlockHasher(TINY_ID, 4)
+    owned: dict[str, list[int]] = {}
+    for k in range(40):
+        p = [60 + k] + list(range(1, 12))
+        owned.setdefault(client.shard_for(hasher.hashes(p, "t")[0]), p)
+        if len(owned) == 2:
+            break
+    pa, pb = owned[addrs[0]], owned[addrs[1]]
+
+    def held(index, p: list[int]) -> int:
+        r = index.match(TINY_ID, "t", token_ids=p)
+        return max((m.matched_blocks for m in r.matches if m.replica_id == "kv-0"), default=-1)
+
+    pub = start_publisher(eng, addrs)
+    try:
+        generate(eng, pa, max_tokens=2, salt="t")
+        generate(eng, pb, max_tokens=2, salt="t")
+        wait_for(lambda: held(ia, pa) >= 2 and held(ib, pb) >= 2)
+        to_b: list[bool] = []
+        publish = ib.publish
+        monkeypatch.setattr(ib, "publish", lambda *a, **kw: (
+            to_b.append(bool(kw.get("resync", a[4] if len(a) > 4 else False)))
+            or publish(*a, **kw)))
+        ha.stop(0)
+        ia2, ha2 = start_shard(ha.port, lease_seconds=5)  # A restarts, empty, same address
+        try:
+            wait_for(lambda: held(ia2, pa) >= 2)  # A learns the replica's holdings again
+            time.sleep(0.5)
+            assert True not in to_b  # B, which never forgot, got no resync
+            assert held(ib, pb) >= 2
+            ia2.check_integrity()
+            ib.check_integrity()
+        finally:
+            ha2.stop(0)
+    finally:
+        client.close()
+        pub.stop()
+        hb.stop(0)
