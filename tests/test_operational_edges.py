@@ -219,3 +219,53 @@ def test_a_model_folder_without_weights_is_a_config_error(tmp_path):
     assert r.returncode == 2, r.stderr[-2000:]
     assert "bad configuration" in r.stderr and str(folder) in r.stderr
     assert "Traceback" not in r.stderr
+
+
+@pytest.mark.e2e  # starts a process
+def test_a_native_crash_leaves_every_threads_stack_in_the_log(tmp_path):
+    """A SIGSEGV or SIGABRT in torch, faiss or gRPC left only 'exit 134' in the pod's log:
+    services now enable faulthandler, which writes each thread's Python stack to stderr."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, TIERCACHE_PREFIX_ADDRESS=f"127.0.0.1:{port}",
+               TIERCACHE_PREFIX_METRICS_PORT="-1")
+    env.pop("PYTHONFAULTHANDLER", None)
+    err = tmp_path / "stderr"
+    with open(err, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "services.prefix"], cwd=root, env=env,
+                                stdout=subprocess.DEVNULL, stderr=f)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+            health = health_pb2_grpc.HealthStub(ch)
+            end = time.monotonic() + 60
+            while True:
+                assert proc.poll() is None, err.read_text()
+                try:
+                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
+                            health_pb2.HealthCheckResponse.SERVING:
+                        break
+                except grpc.RpcError:
+                    pass
+                assert time.monotonic() < end, "prefix did not become healthy"
+                time.sleep(0.2)
+        proc.send_signal(signal.SIGABRT)
+        assert proc.wait(30) == -signal.SIGABRT
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+    text = err.read_text()
+    assert "Fatal Python error: Aborted" in text and "most recent call first" in text, text

@@ -16,6 +16,7 @@ reaches a client. SIGTERM/SIGINT -> health NOT_SERVING -> stop accepting -> drai
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import hmac
 import logging
 import os
@@ -527,6 +528,9 @@ def service_main(service: str, body: Callable[[Sequence[str] | None], int],
     `exit_on_signal_while_starting`), and a configuration problem found only while starting
     (an address or metrics port that cannot be bound: BindError) is one line and exit 2, not
     a traceback."""
+    # A crash in native code (SIGSEGV, SIGABRT from torch, faiss or gRPC) dumps every
+    # thread's Python stack to stderr: the pod's log says where, not only "exit 134".
+    faulthandler.enable()
     with exit_on_signal_while_starting():
         try:
             return body(argv)
