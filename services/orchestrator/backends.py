@@ -11,6 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -125,6 +126,7 @@ class ReplicaSet:
     on_lost: list[Callable[[str], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
+    _asker: ThreadPoolExecutor | None = None
 
     def __post_init__(self) -> None:
         for i, addr in enumerate(self.addresses):
@@ -132,16 +134,27 @@ class ReplicaSet:
             self.replicas.append(Replica(addr, kvpool_pb2_grpc.KvPoolStub(ch),
                                          Health("kvpool", addr), replica_id=addr,
                                          alias=f"kvpool#{i}"))
+        if len(self.replicas) > 1:
+            # All replicas asked at once: one at a time, each hung replica added its whole
+            # timeout to every cycle, and every other replica's load and health went stale.
+            self._asker = ThreadPoolExecutor(max_workers=min(32, len(self.replicas)),
+                                             thread_name_prefix="replica-stats")
+
+    def _ask(self, r: Replica) -> kvpool_pb2.KvStatsResponse:
+        # A replica busy with a long prefill answers Stats late; that is load, not death, so
+        # the timeout is generous and only repeated slowness counts.
+        return r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(5.0, self.poll_s),
+                            metadata=call_metadata(self.internal_token))
 
     def poll_once(self) -> None:
-        for r in self.replicas:
+        with self._lock:
+            before = [r.inflight for r in self.replicas]
+        asked = ([self._asker.submit(self._ask, r) for r in self.replicas]
+                 if self._asker is not None else None)
+        for i, r in enumerate(self.replicas):
+            ours_before = before[i]
             try:
-                with self._lock:
-                    ours_before = r.inflight
-                # A replica busy with a long prefill answers Stats late; that is load, not
-                # death, so the timeout is generous and only repeated slowness counts.
-                s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(5.0, self.poll_s),
-                                 metadata=call_metadata(self.internal_token))
+                s = asked[i].result() if asked is not None else self._ask(r)
                 wrong = self._mismatch(s)
                 if wrong:
                     if r.health.healthy or r.health.last_error != wrong:
@@ -176,6 +189,8 @@ class ReplicaSet:
                     # Stats because it is draining (SIGTERM) still finishes its streams, and
                     # one that died fails them itself (UNAVAILABLE), which fails them over.
                     self._notify_down(r)
+            except Exception:  # noqa: BLE001 - one replica's odd answer must not stop the poll
+                log.exception("polling replica %s failed", r.replica_id)
 
     def _mismatch(self, s: kvpool_pb2.KvStatsResponse) -> str:
         """Why a replica answering `s` must not serve this orchestrator's requests ("" = it
@@ -221,10 +236,15 @@ class ReplicaSet:
 
     def _loop(self) -> None:
         while not self._stop.wait(self.poll_s):
-            self.poll_once()
+            try:
+                self.poll_once()
+            except Exception:  # noqa: BLE001 - a dead poller froze health and loads for good
+                log.exception("replica poll failed")
 
     def stop(self) -> None:
         self._stop.set()
+        if self._asker is not None:
+            self._asker.shutdown(wait=False)
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.health.healthy]

@@ -239,3 +239,46 @@ def test_a_replica_serving_another_model_or_block_size_is_kept_out_of_routing():
     other_model.stub.model_id = "m"  # redeployed with the right model: back in routing
     rs.poll_once()
     assert [r.replica_id for r in rs.healthy()] == ["r0", "r1"]
+
+
+def test_replicas_are_polled_at_once_so_a_slow_one_delays_no_other():
+    """The poller asked one replica at a time with a 5 s timeout: each hung replica added 5 s
+    to every cycle, and every other replica's load and health went stale meanwhile. Here the
+    first replica answers only once the second has been asked: in turn, it never would."""
+    import threading
+
+    import grpc
+
+    second_asked = threading.Event()
+
+    class Slow(StatsStub):
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
+            if not second_asked.wait(timeout):
+                raise Hung()
+            return super().Stats(req, timeout, metadata)
+
+    class Hung(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    rs = ReplicaSet(addresses=("first:1", "second:1"), internal_token="")
+    try:
+        rs.replicas[0].stub = Slow("first", running=1)
+        rs.replicas[1].stub = StatsStub("second", running=2, during=second_asked.set)
+        rs.poll_once()
+        assert [r.replica_id for r in rs.replicas] == ["first", "second"]
+        assert [r.stats.running for r in rs.replicas] == [1, 2]
+        assert all(r.health.healthy and r.slow_polls == 0 for r in rs.replicas)
+    finally:
+        rs.stop()
+
+
+def test_an_unexpected_error_polling_one_replica_does_not_stop_the_others():
+    class Broken(StatsStub):
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
+            raise ValueError("channel closed")
+
+    rs = replica_set(Replica("bad", Broken("bad", 0), Health("kvpool", "bad"), replica_id="bad"),
+                     replica("ok", running=3, inflight=0))
+    rs.poll_once()
+    assert rs.replicas[1].stats.running == 3
