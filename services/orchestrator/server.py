@@ -330,6 +330,14 @@ class Warmer:
 
     def _prefill_bound(self, replica, token_ids, cache_salt, ttl, index, timeout: float,
                        request_id: str):
+        if timeout <= 0:
+            # Queued behind the call's other prefills (prompts x replicas share the pool)
+            # until its deadline: sending it anyway made replicas compute for a caller that
+            # had its answer, and held the pool from other tenants' Warm calls.
+            return orchestrator_pb2.WarmResult(
+                prompt_index=index, replica_id=replica.public_id,
+                error="DEADLINE_EXCEEDED: the call's deadline passed before this prefill "
+                      "could start")
         try:
             r = replica.stub.Prefill(kvpool_pb2.PrefillRequest(
                 token_ids=token_ids, cache_salt=cache_salt, pin=True, ttl_seconds=ttl,

@@ -512,3 +512,33 @@ def test_a_warms_replica_failure_is_logged_with_the_warms_request_id():
         warmer.stop()
     assert out.results[0].error.startswith("UNAVAILABLE")
     assert seen == ["warm-9"]
+
+
+def test_a_warm_sends_no_prefill_once_its_deadline_has_passed():
+    """Prefills queued behind the call's others (prompts x replicas share one pool) were still
+    sent after the deadline, with a 0.1 s timeout: replicas computed for a caller that had its
+    answer, and other tenants' Warm calls waited behind them."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from services.orchestrator.render import PromptRenderer
+
+    class Slow(Stub):
+        def Prefill(self, req, timeout=None, metadata=None):  # noqa: N802
+            time.sleep(0.6)  # past the call's 0.3 s
+            return super().Prefill(req, timeout, metadata)
+
+    stubs = {"A": Slow("A", []), "B": Stub("B", [])}
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=50)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
+    warmer._pool.shutdown()
+    warmer._pool = ThreadPoolExecutor(max_workers=1)  # the jobs queue, as when it is busy
+    try:
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]), time_remaining=0.3)
+    finally:
+        warmer.stop()
+    first, second = out.results  # A's, then B's (the jobs' order)
+    assert not first.error and second.error.startswith("DEADLINE_EXCEEDED"), out
+    assert stubs["B"].requests == []  # never sent
