@@ -112,11 +112,16 @@ class HashRing:
                     return
 
     def lookup_bounded(self, key: bytes | str, loads: Mapping[str, float],
-                       epsilon: float = 0.25, prefer: Container[str] | None = None) -> str:
+                       epsilon: float = 0.25, prefer: Container[str] | None = None, *,
+                       floor: int = 0, skip: Container[str] = ()) -> str:
         """The first node clockwise from `key` that can take one more request.
 
         A node qualifies when `loads[node] + 1 <= ceil((1 + epsilon) * (sum(loads) + 1) / N)`, N
-        the number of nodes on the ring (nodes missing from `loads` count as 0). The ceiling is
+        the number of nodes on the ring (nodes missing from `loads` count as 0), or when
+        `loads[node] <= floor` (a node running that few requests is never full: with many
+        nodes and little traffic the ceiling is 1, and one request in flight pushed a session
+        off its node). Nodes in `skip` are passed over and not counted (a request's failed
+        replicas: removing them from the ring and adding them back rebuilt it). The ceiling is
         the usual bounded-load rule: without it, at low load one request in flight on a node
         (or a stale load figure) would push its sessions elsewhere. With epsilon > 0
         some node always qualifies; should none (epsilon == 0 and rounding), the least loaded
@@ -129,17 +134,23 @@ class HashRing:
         """
         if epsilon < 0:
             raise ValueError("epsilon must be >= 0")
-        total = sum(float(loads.get(n, 0.0)) for n in self._nodes) + 1.0
-        cap = math.ceil((1.0 + epsilon) * total / len(self._nodes) - 1e-9)
+        nodes = [n for n in self._nodes if n not in skip] if skip else list(self._nodes)
+        if not nodes:
+            raise LookupError("every node of the ring is skipped")
+        total = sum(float(loads.get(n, 0.0)) for n in nodes) + 1.0
+        cap = max(math.ceil((1.0 + epsilon) * total / len(nodes) - 1e-9), floor + 1)
         fallback = None
         for n in self._walk(key):
+            if skip and n in skip:
+                continue
             if float(loads.get(n, 0.0)) + 1.0 <= cap + 1e-9:
                 if prefer is None or n in prefer:
                     return n
                 fallback = fallback or n
         if fallback is not None:
             return fallback
-        return min(self.preference(key), key=lambda n: float(loads.get(n, 0.0)))
+        return min((n for n in self.preference(key) if not skip or n not in skip),
+                   key=lambda n: float(loads.get(n, 0.0)))
 
     def capacity(self, loads: Mapping[str, float], epsilon: float = 0.25) -> int:
         """Largest integral load a node may reach under `lookup_bounded` (for reports)."""

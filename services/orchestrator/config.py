@@ -62,6 +62,10 @@ class OrchestratorConfig:
     # Time constant of the decaying count of requests routed to each replica; routing keeps
     # every replica's share within (1 + routing_epsilon) / n (see routing.PrefixAwarePolicy).
     routing_load_window_s: float = 30.0
+    # A replica running at most this many requests is never over the bounded-load cap (with
+    # many replicas and little traffic the cap alone is 0, and prefix holders lost their
+    # requests to cold replicas for running one).
+    routing_load_floor: int = 2
     min_prefix_tokens: int = 32
     # How long routing remembers the prompts it sent to each replica, for requests that share
     # one before the prefix index has learnt it (a long prefill takes seconds); 0 = off.
@@ -114,6 +118,8 @@ class OrchestratorConfig:
                 "must be prefix or round_robin")
         require(self.routing_epsilon > 0, SVC, "routing_epsilon", "must be > 0")
         require(self.routing_load_window_s > 0, SVC, "routing_load_window_s", "must be > 0")
+        require(0 <= self.routing_load_floor <= 1024, SVC, "routing_load_floor",
+                "must be in [0, 1024]")
         require(self.dispatch_memory_s >= 0, SVC, "dispatch_memory_s", "must be >= 0")
         require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")
         require(self.replica_poll_s > 0, SVC, "replica_poll_s", "must be > 0")

@@ -74,10 +74,11 @@ class RoutingPolicy(ABC):
         """
 
 
-def bounded_cap(loads: Sequence[float], epsilon: float) -> float:
-    """Max load a replica may have *before* taking one more request."""
+def bounded_cap(loads: Sequence[float], epsilon: float, floor: int = 0) -> float:
+    """Max load a replica may have *before* taking one more request: the bounded-load rule,
+    but never below `floor` (see PrefixAwarePolicy's load_floor)."""
     n = max(1, len(loads))
-    return math.ceil((1 + epsilon) * (sum(loads) + 1) / n) - 1
+    return max(math.ceil((1 + epsilon) * (sum(loads) + 1) / n) - 1, floor)
 
 
 class PrefixAwarePolicy(RoutingPolicy):
@@ -86,10 +87,17 @@ class PrefixAwarePolicy(RoutingPolicy):
     def __init__(self, epsilon: float = 0.25, min_prefix_tokens: int = 32,
                  load_penalty_tokens: float = 16.0, vnodes: int = 64,
                  use_cap: bool = True, window_s: float = 30.0, min_recent: float = 4.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, load_floor: int = 2) -> None:
         self.epsilon = epsilon
+        # A replica running at most this many requests is never over the cap. The bounded-
+        # load rule alone gives a cap of 0 while fewer than ~0.8 x n requests are in flight:
+        # at 64 replicas a conversation's replica running one request lost its next turn (and
+        # a prompt's holder its next user) to a cold replica.
+        self.load_floor = load_floor
         # Requests routed to each replica, decaying with time constant window_s; the share
-        # rule applies once the recent total reaches min_recent (below it, shares are noise).
+        # rule applies once the recent total reaches min_recent per replica (below it, shares
+        # are noise: at 64 replicas a fixed 4 requests made every replica that had served one
+        # "over its share").
         self.window_s = window_s
         self.min_recent = min_recent
         self.clock = clock
@@ -113,9 +121,13 @@ class PrefixAwarePolicy(RoutingPolicy):
         live = [r for r in replicas if r.replica_id not in exclude]
         if not live:
             return None
-        self._sync_ring([r.replica_id for r in live])
+        # Every replica on the ring, the excluded ones skipped by the lookup: taking a failed
+        # replica off and putting it back rebuilt the ring twice per retry, under the route
+        # lock, during exactly the storms when routing must be quick.
+        self._sync_ring([r.replica_id for r in replicas])
         loads = {r.replica_id: r.load for r in live}
-        cap = bounded_cap(list(loads.values()), self.epsilon) if self.use_cap else math.inf
+        cap = (bounded_cap(list(loads.values()), self.epsilon, self.load_floor) if self.use_cap
+               else math.inf)
         busy = self._over_share(live) if self.use_cap and not continues else set()
         best: tuple[float, int, str] | None = None
         for r in live:
@@ -142,7 +154,9 @@ class PrefixAwarePolicy(RoutingPolicy):
                 if new_blocks is not None else set())
         prefer = (room & ok) or ok
         rid = self.ring.lookup_bounded(key, loads, self.epsilon,
-                                       prefer=prefer if len(prefer) < len(live) else None)
+                                       prefer=prefer if len(prefer) < len(live) else None,
+                                       floor=self.load_floor if self.use_cap else 0,
+                                       skip=exclude)
         if record:
             self.record(rid)
         return RouteDecision(rid, "ring", matches.get(rid, 0))
@@ -160,7 +174,7 @@ class PrefixAwarePolicy(RoutingPolicy):
             self._decay()
             counts = {r.replica_id: self._recent.get(r.replica_id, 0.0) for r in live}
         total = sum(counts.values())
-        if len(live) < 2 or total < self.min_recent:
+        if len(live) < 2 or total < self.min_recent * len(live):
             return set()
         return {rid for rid, c in counts.items() if c > (1 + self.epsilon) * total / len(live)}
 
@@ -189,9 +203,10 @@ class RoundRobinPolicy(RoutingPolicy):
 
 
 def make_routing_policy(name: str, epsilon: float, min_prefix_tokens: int,
-                        window_s: float = 30.0) -> RoutingPolicy:
+                        window_s: float = 30.0, load_floor: int = 2) -> RoutingPolicy:
     if name == "prefix":
-        return PrefixAwarePolicy(epsilon, min_prefix_tokens, window_s=window_s)
+        return PrefixAwarePolicy(epsilon, min_prefix_tokens, window_s=window_s,
+                                 load_floor=load_floor)
     if name == "round_robin":
         return RoundRobinPolicy()
     raise ValueError(f"unknown routing policy {name!r}")

@@ -154,3 +154,49 @@ def test_an_unrecorded_choice_is_not_counted_as_traffic():
     rr = RoundRobinPolicy()
     assert {rr.choose(v, {}, "s", record=False).replica_id for _ in range(5)} == {"r0"}
     assert [rr.choose(v, {}, "s").replica_id for _ in range(2)] == ["r0", "r1"]
+
+
+def _sixty_four(busy: int, holder: str = "r0") -> list[ReplicaView]:
+    """64 replicas, `busy` of them (the holder first) running one request each."""
+    ids = [holder] + [f"r{i}" for i in range(1, 64)]
+    return [ReplicaView(r, 1.0 if i < busy else 0.0) for i, r in enumerate(ids)]
+
+
+def test_at_many_replicas_a_holder_running_one_request_keeps_its_prefix():
+    """With 64 replicas and 20 requests in flight the bounded-load cap is 0: the replica
+    holding a 2,000-token prompt (or a conversation's history) lost its next request to a
+    cold one because it ran one request. A replica running at most load_floor is never over
+    the cap."""
+    assert bounded_cap([1.0] * 20 + [0.0] * 44, 0.25) == 0  # the rule alone
+    assert bounded_cap([1.0] * 20 + [0.0] * 44, 0.25, floor=2) == 2
+    p = PrefixAwarePolicy(epsilon=0.25)
+    d = p.choose(_sixty_four(busy=20), {"r0": 2000}, "s")
+    assert (d.replica_id, d.route) == ("r0", "prefix")
+    strict = PrefixAwarePolicy(epsilon=0.25, load_floor=0)
+    assert strict.choose(_sixty_four(busy=20), {"r0": 2000}, "s").replica_id != "r0"
+    # The session ring too: the owner of a key stays its owner at load 1.
+    owner = p.choose(_sixty_four(busy=0), {}, "conv-7").replica_id
+    loaded = [ReplicaView(v.replica_id, 1.0 if v.replica_id in (owner, "r1", "r2") else 0.0)
+              for v in _sixty_four(busy=0)]
+    assert p.choose(loaded, {}, "conv-7").replica_id == owner
+
+
+def test_at_many_replicas_one_recent_request_is_not_over_the_share():
+    """min_recent was a total: at 64 replicas, 30 requests in the window made every replica
+    that had served one 'over its share', and new conversations left their prompt's holder."""
+    clock = Clock(100.0)
+    p = PrefixAwarePolicy(epsilon=0.25, window_s=30.0, min_recent=4.0, clock=clock)
+    for i in range(30):
+        p.record(f"r{i}")
+    d = p.choose(_sixty_four(busy=0), {"r0": 2000}, "new-conversation")
+    assert (d.replica_id, d.route) == ("r0", "prefix")
+
+
+def test_a_retry_elsewhere_does_not_rebuild_the_ring():
+    p = PrefixAwarePolicy()
+    v = views(r0=0, r1=0, r2=0)
+    p.choose(v, {}, "s")
+    ring = p.ring
+    points = list(ring._points)
+    d = p.choose(v, {}, "s", exclude=frozenset({"r0", "r1"}))
+    assert d.replica_id == "r2" and p.ring is ring and list(ring._points) == points
