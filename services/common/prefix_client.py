@@ -45,6 +45,8 @@ class PrefixIndexError(grpc.RpcError):
         self.address = address
         self._code = code
         self._details = details
+        # When a call to several shards failed on all of them: each shard's error.
+        self.shards_failed: dict[str, PrefixIndexError] = {address: self}
 
     def code(self) -> grpc.StatusCode:
         return self._code
@@ -229,8 +231,7 @@ class PrefixIndexClient:
             block_size=block_size, capacity_blocks=capacity_blocks, hash_probe=probe)
         # Shards that are down are registered with later (they answer NOT_FOUND to the first
         # batch once back, and the publisher registers again); the others start now.
-        targets = self.addresses if only is None else [a for a in self.addresses if a in only]
-        got = self._fan_out({a: req for a in targets}, "Register", timeout,
+        got = self._fan_out({a: req for a in self._shards_in(only)}, "Register", timeout,
                             allow_partial=True)
         with self._lock:
             for a, r in got.items():
@@ -266,9 +267,13 @@ class PrefixIndexClient:
         """`heartbeat`, answered per shard address (the shards that answered)."""
         req = prefix_pb2.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation,
                                           load=load or prefix_pb2.ReplicaLoad())
-        targets = self.addresses if only is None else [a for a in self.addresses if a in only]
-        return self._fan_out({a: req for a in targets}, "Heartbeat", timeout,  # type: ignore[return-value]
-                             allow_partial=only is None)
+        return self._fan_out({a: req for a in self._shards_in(only)}, "Heartbeat",  # type: ignore[return-value]
+                             timeout, allow_partial=only is None)
+
+    def _shards_in(self, only: Collection[str] | None) -> list[str]:
+        """Every shard address, or those in `only`, in the configured order."""
+        return list(self.addresses) if only is None else [a for a in self.addresses
+                                                           if a in only]
 
     # -- events ---------------------------------------------------------------------------
 
@@ -346,7 +351,9 @@ class PrefixIndexClient:
                     key = (replica_id, incarnation, a)
                     self._seq[key] = max(self._seq.get(key, 1), r.next_seq)
         if failed and len(failed) == len(futs):
-            raise next(iter(failed.values()))
+            first = next(iter(failed.values()))
+            first.shards_failed = dict(failed)  # every shard's error, not only the first's
+            raise first
         for e in failed.values():
             log.warning("%s", e)
         return PublishOutcome(bool(need), need, {a: r.seq for a, r in reqs.items()

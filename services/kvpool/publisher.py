@@ -140,6 +140,7 @@ class Publisher:
         # only they get a snapshot, once the backlog is out, so one shard's outage neither
         # stalls the others nor has them reloaded again and again.
         self._lagging: set[str] = set()
+        self._forgot: set[str] = set()  # shards that answered NOT_FOUND: register there again
 
     def start(self) -> Publisher:
         self._thread = threading.Thread(target=self._run, name="kvpool-publisher", daemon=True)
@@ -172,6 +173,9 @@ class Publisher:
             # shards it goes to answer a heartbeat, not on every retry of an outage.
             retrying = backoff > 0.2
             try:
+                if self._forgot:
+                    forgot, self._forgot = self._forgot, set()
+                    self._rejoin(forgot)
                 if not self.registered:
                     self._register()
                     next_beat = time.monotonic() + self._beat_every
@@ -202,8 +206,16 @@ class Publisher:
                     self._stop.wait(min(wait, self.publish_interval_seconds))
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
-                    # The index does not know this incarnation (restart, lapsed lease).
+                    # The index does not know this incarnation (restart, lapsed lease). A
+                    # batch or a lagging shard's resync that went to the forgetful shards
+                    # alone fails whole: register again on those only (`_rejoin`).
+                    failed = getattr(e, "shards_failed", {})
+                    forgot = {a for a, f in failed.items()
+                              if f.code() == grpc.StatusCode.NOT_FOUND}
                     log.info("prefix index: %s; registering again", e.details())
+                    if self._client.sharded and forgot:
+                        self._forgot |= forgot
+                        continue
                     self.registered = False
                     # Spread out: after an index restart every replica hears this at once,
                     # and each registration brings a full snapshot.
@@ -269,7 +281,8 @@ class Publisher:
 
     def _probe(self, only: set[str] | None) -> bool:
         """Heartbeat the shards a snapshot would go to (all: None); True if they answered and
-        know this replica. Raises (the caller backs off) when one does not answer."""
+        know this replica. Raises (the caller backs off) when one in `only` does not answer,
+        or, for all shards, when none does (a shard down then just stays lagging)."""
         self._heartbeat(only)
         return self.registered
 

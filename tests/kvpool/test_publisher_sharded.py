@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable
 
 import grpc
+import pytest
 from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
 from services.common.bootstrap import create_server
@@ -151,11 +152,14 @@ def test_one_shard_down_holds_back_neither_the_others_nor_itself_once_back(make_
         hb.stop(0)
 
 
-def test_a_restarted_shard_is_resynced_alone(make_engine, monkeypatch) -> None:
+@pytest.mark.parametrize("told_by", ["heartbeat", "publish"])
+def test_a_restarted_shard_is_resynced_alone(make_engine, monkeypatch, told_by) -> None:
     """One shard forgetting the replica (a restart) made it register again everywhere and
     resend its whole view to every shard: N shards' worth of snapshot work for one restart,
-    at every replica at once."""
-    (ia, ha), (ib, hb) = start_shard(lease_seconds=5), start_shard(lease_seconds=5)
+    at every replica at once. The replica hears it from a heartbeat (known=false) or, under
+    traffic, from a batch that went to that shard alone (NOT_FOUND)."""
+    lease = 5.0 if told_by == "heartbeat" else 60.0  # heartbeats every 20 s: none in the test
+    (ia, ha), (ib, hb) = start_shard(lease_seconds=lease), start_shard(lease_seconds=lease)
     addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
     eng = make_engine(num_blocks=64, hash_key=None)
     client = PrefixIndexClient(addrs, block_size=4, channel_factory=grpc.insecure_channel)
@@ -172,7 +176,11 @@ def test_a_restarted_shard_is_resynced_alone(make_engine, monkeypatch) -> None:
         r = index.match(TINY_ID, "t", token_ids=p)
         return max((m.matched_blocks for m in r.matches if m.replica_id == "kv-0"), default=-1)
 
-    pub = start_publisher(eng, addrs)
+    pub = Publisher(eng, address=",".join(addrs), replica_id="kv-0", incarnation="inc-1",
+                    public_address="10.0.0.7:50054", model_id=TINY_ID,
+                    heartbeat_seconds=0.2 if told_by == "heartbeat" else 60.0,
+                    publish_interval_seconds=0.02,
+                    channel_factory=grpc.insecure_channel).start()
     try:
         generate(eng, pa, max_tokens=2, salt="t")
         generate(eng, pb, max_tokens=2, salt="t")
@@ -183,8 +191,11 @@ def test_a_restarted_shard_is_resynced_alone(make_engine, monkeypatch) -> None:
             to_b.append(bool(kw.get("resync", a[4] if len(a) > 4 else False)))
             or publish(*a, **kw)))
         ha.stop(0)
-        ia2, ha2 = start_shard(ha.port, lease_seconds=5)  # A restarts, empty, same address
+        ia2, ha2 = start_shard(ha.port, lease_seconds=lease)  # A restarts, empty, same address
         try:
+            if told_by == "publish":
+                # A batch for A alone (a chain A owns): A answers NOT_FOUND.
+                generate(eng, pa[:4] + [7] * 8, max_tokens=2, salt="t")
             wait_for(lambda: held(ia2, pa) >= 2)  # A learns the replica's holdings again
             time.sleep(0.5)
             assert True not in to_b  # B, which never forgot, got no resync
