@@ -435,10 +435,6 @@ class PrefixIndex:
             usage = tree.usage_held_only_by(rep.bit)
             tree.clear(rep.bit)
             rep.usage, rep.usage_until = None, now + self.lease_seconds
-        elif rep.usage is not None:
-            usage = self._pending_usage(rep, now,
-                                        (h for kind, _, b, _, _ in plan if kind == "stored"
-                                         for h in b))
         # A chain whose parent the replica does not hold (yet) waits for that parent to be
         # stored later in this batch (a snapshot's order must not matter); else it is dropped.
         # A removal later in the batch also reaches the chains still waiting.
@@ -459,9 +455,10 @@ class PrefixIndex:
                 self._drop_waiting(waiting)
         self._drop_waiting(waiting)  # parents that never came
         if usage:
-            left = tree.restore_usage(usage)
-            if resync:
-                rep.usage = left or None
+            rep.usage = tree.restore_usage(usage) or None
+        elif rep.usage is not None:
+            self._give_back_usage(rep, now, (h for kind, _, b, _, _ in plan
+                                             if kind == "stored" for h in b))
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
@@ -482,27 +479,26 @@ class PrefixIndex:
                                                 self._tick).dropped
         tree.gc_root(parent)
         if rep.usage is not None:
-            usage = self._pending_usage(rep, self.clock(), hashes)
-            if usage:
-                tree.restore_usage(usage)
+            self._give_back_usage(rep, self.clock(), hashes)
         rep.next_seq = seq + 1
         if len(tree) > self.max_nodes:
             tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
         return _new(PublishResult, (False, rep.next_seq, True))
 
-    def _pending_usage(self, rep: Replica, now: float, stored) -> dict[bytes, tuple[int, int]]:
-        """The hits a resync saved for the blocks `stored` in this batch (taken from the
-        replica's pending ones); forgets them all one lease after the resync."""
+    def _give_back_usage(self, rep: Replica, now: float, stored) -> None:
+        """Gives the blocks `stored` by this batch the hits a resync saved for them (the
+        replica's pending ones); blocks the batch named but did not keep (a parent that never
+        came) stay pending. All are forgotten one lease after the resync."""
         pending = rep.usage
         if pending is None:
-            return {}
+            return
         if now > rep.usage_until:
             rep.usage = None
-            return {}
-        out = {h: pending.pop(h) for h in stored if h in pending}
-        if not pending:
-            rep.usage = None
-        return out
+            return
+        mine = {h: pending.pop(h) for h in stored if h in pending}
+        if mine:
+            pending.update(self.tree.restore_usage(mine))
+        rep.usage = pending or None
 
     def _drop_waiting(self, waiting: dict[bytes, list[tuple]]) -> None:
         """Counts every waiting chain's blocks as dropped and forgets them."""

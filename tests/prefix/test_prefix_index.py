@@ -422,6 +422,25 @@ def test_a_resync_spread_over_several_batches_keeps_the_hits_of_its_later_blocks
     assert index.top_prefixes(5) == []
 
 
+def test_hits_saved_by_a_resync_outlive_a_batch_that_could_not_keep_their_blocks(index,
+                                                                                hasher):
+    """A later batch naming blocks it then dropped (their parent not held yet) took their
+    saved hits and lost them: stored again by the next batch, they came back with none."""
+    reg(index, "a")
+    chain = toks(1, 2, 3, 4, 5, 6)
+    index.publish("a", "i1", 1, [stored(hasher, chain)])
+    for _ in range(5):
+        matched(index, chain)
+    top = [(p.token_ids, p.hits) for p in index.top_prefixes(5)]
+    index.publish("a", "i1", 2, [stored(hasher, chain, end=2)], resync=True)
+    before = index.dropped_blocks_total
+    index.publish("a", "i1", 3, [stored(hasher, chain, start=3)])  # block 2 missing: dropped
+    assert index.dropped_blocks_total - before == 3
+    index.publish("a", "i1", 4, [stored(hasher, chain, start=2)])
+    assert [(p.token_ids, p.hits) for p in index.top_prefixes(5)] == top == [(chain, 5)]
+    index.check_integrity()
+
+
 def test_publishing_renews_the_lease(index, hasher, clock):
     """Only Register and Heartbeat renewed it: a resync of many batches, queued behind other
     replicas' at the index, let the lease lapse midway (NOT_FOUND, a new registration, a new
