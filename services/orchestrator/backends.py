@@ -11,7 +11,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 
 import grpc
@@ -140,21 +140,29 @@ class ReplicaSet:
             self._asker = ThreadPoolExecutor(max_workers=min(32, len(self.replicas)),
                                              thread_name_prefix="replica-stats")
 
-    def _ask(self, r: Replica) -> kvpool_pb2.KvStatsResponse:
+    def _ask(self, r: Replica) -> tuple[kvpool_pb2.KvStatsResponse, int]:
+        """The replica's Stats, and our in-flight count there when it answered."""
         # A replica busy with a long prefill answers Stats late; that is load, not death, so
         # the timeout is generous and only repeated slowness counts.
-        return r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(5.0, self.poll_s),
-                            metadata=call_metadata(self.internal_token))
+        s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(5.0, self.poll_s),
+                         metadata=call_metadata(self.internal_token))
+        with self._lock:
+            return s, r.inflight
 
     def poll_once(self) -> None:
         with self._lock:
             before = [r.inflight for r in self.replicas]
-        asked = ([self._asker.submit(self._ask, r) for r in self.replicas]
-                 if self._asker is not None else None)
-        for i, r in enumerate(self.replicas):
-            ours_before = before[i]
+        if self._asker is not None:
+            # Each answer applied as it arrives: a hung replica first in the list must not
+            # hold back the others' loads and health for its whole timeout.
+            futs = {self._asker.submit(self._ask, r): i for i, r in enumerate(self.replicas)}
+            order = ((futs[f], f.result) for f in as_completed(futs))
+        else:
+            order = ((i, lambda r=r: self._ask(r)) for i, r in enumerate(self.replicas))
+        for i, answer in order:
+            r, ours_before = self.replicas[i], before[i]
             try:
-                s = asked[i].result() if asked is not None else self._ask(r)
+                s, ours_after = answer()
                 wrong = self._mismatch(s)
                 if wrong:
                     if r.health.healthy or r.health.last_error != wrong:
@@ -169,7 +177,7 @@ class ReplicaSet:
                     r.stats = s
                     # The replica counted at some moment during the call; attribute to us the
                     # larger of our counts at either end, so ours never inflate the others'.
-                    r.inflight_at_poll = max(ours_before, r.inflight)
+                    r.inflight_at_poll = max(ours_before, ours_after)
                     r.polled = (s, r.inflight_at_poll)
                     r.replica_id = s.replica_id or r.address
                     r.health.name = f"kvpool/{r.replica_id}"

@@ -244,24 +244,31 @@ def test_a_replica_serving_another_model_or_block_size_is_kept_out_of_routing():
 def test_replicas_are_polled_at_once_so_a_slow_one_delays_no_other():
     """The poller asked one replica at a time with a 5 s timeout: each hung replica added 5 s
     to every cycle, and every other replica's load and health went stale meanwhile. Here the
-    first replica answers only once the second has been asked: in turn, it never would."""
+    first replica answers only once the second's answer is applied: in turn, it never would."""
     import threading
+    import time
 
     import grpc
 
     second_asked = threading.Event()
+    rs = ReplicaSet(addresses=("first:1", "second:1"), internal_token="")
 
     class Slow(StatsStub):
         def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
-            if not second_asked.wait(timeout):
-                raise Hung()
+            # Answers only once the second replica's answer has been applied: asked in turn,
+            # or applied in list order, the first one would hang until its timeout.
+            end = time.monotonic() + timeout
+            while rs.replicas[1].stats is None:
+                if time.monotonic() > end:
+                    raise Hung()
+                time.sleep(0.01)
+            assert second_asked.is_set()
             return super().Stats(req, timeout, metadata)
 
     class Hung(grpc.RpcError):
         def code(self):
             return grpc.StatusCode.DEADLINE_EXCEEDED
 
-    rs = ReplicaSet(addresses=("first:1", "second:1"), internal_token="")
     try:
         rs.replicas[0].stub = Slow("first", running=1)
         rs.replicas[1].stub = StatsStub("second", running=2, during=second_asked.set)
