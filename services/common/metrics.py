@@ -32,6 +32,20 @@ def histogram(name: str, doc: str, labels: tuple[str, ...] = (), buckets=None) -
     return _get(Histogram, name, doc, labels, **kw)
 
 
+class TotalCounter:
+    """A counter fed from a running total kept elsewhere (a pool's evictions, a tree's pruned
+    nodes): each `update` adds what is new since the last one, so rate() works on it."""
+
+    def __init__(self, metric: Counter) -> None:
+        self.metric = metric
+        self.counted = 0
+
+    def update(self, total: int) -> None:
+        if total > self.counted:
+            self.metric.inc(total - self.counted)
+            self.counted = total
+
+
 RPC_TOTAL = counter("tiercache_rpc_total", "RPCs handled", ("service", "method", "code"))
 RPC_SECONDS = histogram(
     "tiercache_rpc_seconds", "RPC handling time (until the last message for streams)",

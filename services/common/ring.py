@@ -152,7 +152,3 @@ class HashRing:
         return min((n for n in self.preference(key) if not skip or n not in skip),
                    key=lambda n: float(loads.get(n, 0.0)))
 
-    def capacity(self, loads: Mapping[str, float], epsilon: float = 0.25) -> int:
-        """Largest integral load a node may reach under `lookup_bounded` (for reports)."""
-        total = sum(float(loads.get(n, 0.0)) for n in self._nodes) + 1.0
-        return math.ceil((1.0 + epsilon) * total / max(1, len(self._nodes)) - 1e-9)

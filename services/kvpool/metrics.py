@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.metrics import counter, gauge, histogram
+from services.common.metrics import TotalCounter, counter, gauge, histogram
 
 _SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
@@ -19,9 +19,8 @@ class KvMetrics:
         self.prompt_tokens = counter("tiercache_kvpool_prompt_tokens_total", "Prompt tokens seen")
         self.cached_tokens = counter("tiercache_kvpool_cached_tokens_total",
                                      "Prompt tokens served from cached KV blocks")
-        # A counter (rate() works on it), fed from the pool's running total.
-        self.evictions = counter("tiercache_kvpool_evictions_total", "Blocks evicted")
-        self._evictions_counted = 0
+        self.evictions = TotalCounter(counter("tiercache_kvpool_evictions_total",
+                                              "Blocks evicted"))
         self.preemptions = counter("tiercache_kvpool_preemptions_total",
                                    "Sequences preempted (recomputed later)")
         self.step_failures = counter("tiercache_kvpool_engine_step_failures_total",
@@ -47,6 +46,4 @@ class KvMetrics:
         self.blocks.labels("in_use").set(stats.blocks_in_use)
         self.running.set(stats.running)
         self.waiting.set(stats.waiting)
-        if stats.evictions_total > self._evictions_counted:
-            self.evictions.inc(stats.evictions_total - self._evictions_counted)
-            self._evictions_counted = stats.evictions_total
+        self.evictions.update(stats.evictions_total)

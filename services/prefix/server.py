@@ -67,15 +67,12 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
     def __init__(self, index: PrefixIndex) -> None:
         self.index = index
         self.lock = threading.Lock()
-        self._pruned_counted = 0  # of the tree's pruned_total, already added to PRUNED
+        self._pruned = metrics.TotalCounter(PRUNED)
 
     def _gauges(self) -> None:
         NODES.set(len(self.index.tree))
         REPLICAS.set(self.index.replica_count)
-        pruned = self.index.tree.pruned_total
-        if pruned > self._pruned_counted:
-            PRUNED.inc(pruned - self._pruned_counted)
-            self._pruned_counted = pruned
+        self._pruned.update(self.index.tree.pruned_total)
 
     def Register(self, request, context):
         if request.address and not is_host_port(request.address):

@@ -250,9 +250,7 @@ class EntryStore:
                              (int(verified), label))
 
     def set_embedding(self, label: int, embedding: np.ndarray, embed_model: str) -> None:
-        with self._lock:
-            self._db.execute("UPDATE entries SET embedding = ?, embed_model = ? WHERE label = ?",
-                             (np.asarray(embedding, "<f4").tobytes(), embed_model, label))
+        self.set_embeddings([(label, embedding, embed_model)])
 
     def set_embeddings(self, rows: list[tuple[int, np.ndarray, str]]) -> None:
         """Rewrites many rows' (label, vector, embedding model), `WRITE_CHUNK` rows per
