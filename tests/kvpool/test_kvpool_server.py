@@ -511,11 +511,12 @@ def test_a_stalled_engine_turns_health_not_serving_until_it_steps_again() -> Non
 def test_the_engine_reports_how_long_its_loop_has_been_stuck(make_engine) -> None:
     eng = make_engine()
     assert eng.stalled_for() < 2.0  # idle: the loop turns every ~0.5 s
-    started = threading.Event()
-    fut = eng.call(lambda: (started.set(), time.sleep(1.2)))
+    started, release = threading.Event(), threading.Event()
+    fut = eng.call(lambda: (started.set(), release.wait(10)))
     assert started.wait(5)
     time.sleep(1.0)
     assert eng.stalled_for() >= 0.9  # a call run between steps holds the loop
+    release.set()
     fut.result(5)
     deadline = time.monotonic() + 5
     while eng.stalled_for() > 0.8 and time.monotonic() < deadline:

@@ -525,7 +525,7 @@ def test_a_warm_sends_no_prefill_once_its_deadline_has_passed():
 
     class Slow(Stub):
         def Prefill(self, req, timeout=None, metadata=None):  # noqa: N802
-            time.sleep(0.6)  # past the call's 0.3 s
+            time.sleep(2.0)  # past the call's 1 s
             return super().Prefill(req, timeout, metadata)
 
     stubs = {"A": Slow("A", []), "B": Stub("B", [])}
@@ -536,7 +536,7 @@ def test_a_warm_sends_no_prefill_once_its_deadline_has_passed():
     warmer._pool = ThreadPoolExecutor(max_workers=1)  # the jobs queue, as when it is busy
     try:
         out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
-            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]), time_remaining=0.3)
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]), time_remaining=1.0)
     finally:
         warmer.stop()
     first, second = out.results  # A's, then B's (the jobs' order)

@@ -596,3 +596,17 @@ def test_no_replica_left_names_the_ones_tried_by_id():
         run(orch)
     assert "kvpool-A" in str(e.value) and "kvpool-B" in str(e.value)
     assert "(A" not in str(e.value) and ", A" not in str(e.value)
+
+
+def test_ttft_is_counted_from_the_arrival_the_servicer_gives():
+    """The pipeline's TTFT clock started after the servicer had rendered and tokenized the
+    prompt: the time before it (here 5 s) was left out of CacheReport.ttft_ms."""
+    stub, stubs = one_replica()
+    orch = make(stubs)
+    events = list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(16, 0.0, 1.0, 0, (), False), policy=Policy(),
+        session_id="s", return_token_ids=True, request_id="rid",
+        deadline=time.monotonic() + 30.0, on_cancel=lambda fn: None,
+        arrived=time.monotonic() - 5.0))
+    assert finished(events).report.ttft_ms >= 5000.0
