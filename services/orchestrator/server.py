@@ -407,6 +407,7 @@ class Warmer:
                     f"prompts[{i}]", f"{len(ids)} tokens, shorter than one KV block "
                                      f"({self.cfg.block_size}): nothing could be kept")
             if len(ids) > tenant.max_prompt_tokens:  # the same limit as the tenant's requests
+                REJECTED.labels(tenant.name, "prompt_tokens").inc()
                 raise errors.ResourceExhausted(
                     f"prompts[{i}]: {len(ids)} tokens exceed tenant limit "
                     f"{tenant.max_prompt_tokens}")
