@@ -97,6 +97,31 @@ def test_publisher_feeds_every_shard_its_own_chains(make_engine) -> None:
             h.stop(0)
 
 
+def stop_all(client: PrefixIndexClient, pub: Publisher, *handles) -> None:
+    client.close()
+    pub.stop()
+    for h in handles:
+        h.stop(0)
+
+
+def prompts_owned_by(client: PrefixIndexClient, addrs: list[str]) -> tuple[list[int], list[int]]:
+    """A 3-block prompt whose chain each of the two shards owns (the ring decides)."""
+    hasher = BlockHasher(TINY_ID, 4)
+    owned: dict[str, list[int]] = {}
+    for k in range(40):
+        p = [60 + k] + list(range(1, 12))
+        owned.setdefault(client.shard_for(hasher.hashes(p, "t")[0]), p)
+        if len(owned) == 2:
+            break
+    return owned[addrs[0]], owned[addrs[1]]
+
+
+def held(index, p: list[int]) -> int:
+    """Blocks of `p` (salt "t") the shard says replica kv-0 holds; -1 if it lists none."""
+    r = index.match(TINY_ID, "t", token_ids=p)
+    return max((m.matched_blocks for m in r.matches if m.replica_id == "kv-0"), default=-1)
+
+
 def test_one_shard_down_holds_back_neither_the_others_nor_itself_once_back(make_engine,
                                                                           monkeypatch) -> None:
     """Shard A goes away: B still learns every eviction and keeps the replica's lease (before,
@@ -107,18 +132,7 @@ def test_one_shard_down_holds_back_neither_the_others_nor_itself_once_back(make_
     eng = make_engine(num_blocks=64, hash_key=None)
     pub = start_publisher(eng, addrs)
     client = PrefixIndexClient(addrs, block_size=4, channel_factory=grpc.insecure_channel)
-    hasher = BlockHasher(TINY_ID, 4)
-    owned: dict[str, list[int]] = {}
-    for k in range(40):
-        p = [60 + k] + list(range(1, 12))
-        owned.setdefault(client.shard_for(hasher.hashes(p, "t")[0]), p)
-        if len(owned) == 2:
-            break
-    pa, pb = owned[addrs[0]], owned[addrs[1]]
-
-    def held(index, p: list[int]) -> int:
-        r = index.match(TINY_ID, "t", token_ids=p)
-        return max((m.matched_blocks for m in r.matches if m.replica_id == "kv-0"), default=-1)
+    pa, pb = prompts_owned_by(client, addrs)
 
     try:
         generate(eng, pa, max_tokens=2, salt="t")
@@ -147,9 +161,7 @@ def test_one_shard_down_holds_back_neither_the_others_nor_itself_once_back(make_
         finally:
             ha2.stop(0)
     finally:
-        client.close()
-        pub.stop()
-        hb.stop(0)
+        stop_all(client, pub, hb)
 
 
 @pytest.mark.parametrize("told_by", ["heartbeat", "publish"])
@@ -163,18 +175,7 @@ def test_a_restarted_shard_is_resynced_alone(make_engine, monkeypatch, told_by) 
     addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
     eng = make_engine(num_blocks=64, hash_key=None)
     client = PrefixIndexClient(addrs, block_size=4, channel_factory=grpc.insecure_channel)
-    hasher = BlockHasher(TINY_ID, 4)
-    owned: dict[str, list[int]] = {}
-    for k in range(40):
-        p = [60 + k] + list(range(1, 12))
-        owned.setdefault(client.shard_for(hasher.hashes(p, "t")[0]), p)
-        if len(owned) == 2:
-            break
-    pa, pb = owned[addrs[0]], owned[addrs[1]]
-
-    def held(index, p: list[int]) -> int:
-        r = index.match(TINY_ID, "t", token_ids=p)
-        return max((m.matched_blocks for m in r.matches if m.replica_id == "kv-0"), default=-1)
+    pa, pb = prompts_owned_by(client, addrs)
 
     pub = Publisher(eng, address=",".join(addrs), replica_id="kv-0", incarnation="inc-1",
                     public_address="10.0.0.7:50054", model_id=TINY_ID,
@@ -200,11 +201,9 @@ def test_a_restarted_shard_is_resynced_alone(make_engine, monkeypatch, told_by) 
             time.sleep(0.5)
             assert True not in to_b  # B, which never forgot, got no resync
             assert held(ib, pb) >= 2
-            ia2.check_integrity()
-            ib.check_integrity()
+            for index in (ia2, ib):
+                index.check_integrity()
         finally:
             ha2.stop(0)
     finally:
-        client.close()
-        pub.stop()
-        hb.stop(0)
+        stop_all(client, pub, hb)

@@ -396,17 +396,22 @@ def test_a_resync_keeps_the_hits_of_what_the_replica_still_holds(index, hasher):
     index.check_integrity()
 
 
-def test_a_resync_spread_over_several_batches_keeps_the_hits_of_its_later_blocks(
-        index, hasher, clock):
-    """The publisher sends a snapshot as one resync batch and then plain batches; hits were
-    kept only for the blocks of the first, so a hot chain stored later came back with none and
-    dropped out of TopPrefixes (and was pruned first)."""
+def hot_chain(index, hasher) -> tuple[list[int], list[tuple[list[int], int]]]:
+    """Replica "a" holds a 6-block chain matched 5 times; (chain, TopPrefixes as pairs)."""
     reg(index, "a")
     chain = toks(1, 2, 3, 4, 5, 6)
     index.publish("a", "i1", 1, [stored(hasher, chain)])
     for _ in range(5):
         matched(index, chain)
-    top = [(p.token_ids, p.hits) for p in index.top_prefixes(5)]
+    return chain, [(p.token_ids, p.hits) for p in index.top_prefixes(5)]
+
+
+def test_a_resync_spread_over_several_batches_keeps_the_hits_of_its_later_blocks(
+        index, hasher, clock):
+    """The publisher sends a snapshot as one resync batch and then plain batches; hits were
+    kept only for the blocks of the first, so a hot chain stored later came back with none and
+    dropped out of TopPrefixes (and was pruned first)."""
+    chain, top = hot_chain(index, hasher)
     assert top == [(chain, 5)]
     assert not index.publish("a", "i1", 2, [stored(hasher, chain, end=2)], resync=True).resync
     assert not index.publish("a", "i1", 3, [stored(hasher, chain, start=2, end=4)]).resync
@@ -426,12 +431,7 @@ def test_hits_saved_by_a_resync_outlive_a_batch_that_could_not_keep_their_blocks
                                                                                 hasher):
     """A later batch naming blocks it then dropped (their parent not held yet) took their
     saved hits and lost them: stored again by the next batch, they came back with none."""
-    reg(index, "a")
-    chain = toks(1, 2, 3, 4, 5, 6)
-    index.publish("a", "i1", 1, [stored(hasher, chain)])
-    for _ in range(5):
-        matched(index, chain)
-    top = [(p.token_ids, p.hits) for p in index.top_prefixes(5)]
+    chain, top = hot_chain(index, hasher)
     index.publish("a", "i1", 2, [stored(hasher, chain, end=2)], resync=True)
     before = index.dropped_blocks_total
     index.publish("a", "i1", 3, [stored(hasher, chain, start=3)])  # block 2 missing: dropped
