@@ -336,8 +336,10 @@ def main(argv: list[str] | None = None) -> int:
             raise KeyboardInterrupt
 
     # A closed terminal (SIGHUP) or SIGQUIT too: the children run in their own sessions and
-    # would outlive the launcher (and hold the ports of the next `make run`).
-    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+    # would outlive the launcher (and hold the ports of the next `make run`). SIGINT as well:
+    # started in the background by a script, it arrives ignored (the shell's rule for `&`),
+    # and a supervisor's `kill -INT` stopped nothing.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, _stop)
     try:
         stack.start()

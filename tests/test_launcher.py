@@ -242,3 +242,32 @@ def test_the_highest_base_port_whose_stack_fits_is_taken():
     assert ports_fit(65532, 1) and not ports_fit(65533, 1)
     assert ports_fit(65530, 3) and not ports_fit(65531, 3)
     assert ports_fit(0, 8) and not ports_fit(-1, 1)
+
+
+def test_sigint_stops_the_stack_even_when_it_arrived_ignored(monkeypatch, capsys):
+    """Started in the background by a script, the launcher inherits SIGINT ignored (the
+    shell's rule for `&`): `kill -INT` left the whole stack running. It now handles SIGINT
+    itself, as it does SIGTERM."""
+    import os
+    import signal
+
+    from services import launcher
+
+    stopped = []
+
+    def start(self):
+        os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C while the stack starts
+        return self
+
+    monkeypatch.setattr(Stack, "start", start)
+    monkeypatch.setattr(Stack, "stop", lambda self: stopped.append(True))
+    monkeypatch.setattr(launcher, "semantic_db_env", lambda port, env: {})
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                                               signal.SIGQUIT)}
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        assert launcher.main(["--base-port", "0"]) == 0
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+    assert stopped and "stopping" in capsys.readouterr().out
