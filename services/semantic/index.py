@@ -31,6 +31,11 @@ import faiss
 import numpy as np
 
 _EXTRA_K = 8  # extra neighbours fetched so that tombstoned rows rarely hide a live one
+# Background merges building at once, process-wide. Each builds a whole namespace's index
+# (HNSW on every core, plus a copy of its vectors): many namespaces filling their deltas at
+# once multiplied the CPU contention and the memory peak. A merge waiting here lets its
+# namespace go on filling a grown delta, as when a merge runs.
+MERGE_SLOTS = threading.BoundedSemaphore(2)
 _search_threads = 1
 _thread_state = threading.local()
 
@@ -282,13 +287,18 @@ class NamespaceIndex:
     def _merge_in_background(self) -> None:
         while True:
             try:
-                with self._lock:
-                    snap = self._snap
-                    n, dead = snap.count[0], set(self._dead)
-                    # The same rule that asked for this merge: many tombstones = purge them
-                    # (an extended graph would keep them, and the merge would start again).
-                    purge = self._too_many_dead_locked()
-                built = self._build(snap, n, dead, purge=purge)  # slow part, no lock held
+                with MERGE_SLOTS:
+                    with self._lock:
+                        if self._closing:  # shut down while waiting for a slot: no build
+                            self._merging = None
+                            return
+                        snap = self._snap
+                        n, dead = snap.count[0], set(self._dead)
+                        # The same rule that asked for this merge: many tombstones = purge
+                        # them (an extended graph would keep them, and the merge would start
+                        # again).
+                        purge = self._too_many_dead_locked()
+                    built = self._build(snap, n, dead, purge=purge)  # slow; no index lock
             except BaseException:
                 with self._lock:
                     self._merging = None

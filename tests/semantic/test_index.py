@@ -303,3 +303,49 @@ def test_a_built_index_holds_no_delta_until_written_to():
         idx.compact()
         assert _delta_rows(idx) == 0 and len(idx) == 40
         idx.check_integrity()
+
+
+def test_background_merges_wait_for_a_process_wide_slot(monkeypatch):
+    """Every namespace merged on its own thread at once: many namespaces filling together
+    built many indexes at once (HNSW on every core, a copy of the vectors each). A merge now
+    waits for one of a few process-wide slots; its namespace keeps taking adds meanwhile,
+    and one shut down while waiting builds nothing."""
+    import time
+
+    from services.semantic import index as index_mod
+
+    slots = threading.BoundedSemaphore(1)
+    monkeypatch.setattr(index_mod, "MERGE_SLOTS", slots)
+    rng = np.random.default_rng(9)
+    vecs = _unit(rng, 40)
+
+    def waiting_index() -> tuple[NamespaceIndex, list[int]]:
+        idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=10**6, delta_capacity=16))
+        builds: list[int] = []
+        real = idx._build
+        idx._build = lambda *a, **kw: builds.append(1) or real(*a, **kw)
+        for i in range(20):  # past 3/4 of the delta: a merge is asked for
+            idx.add(i, vecs[i])
+        return idx, builds
+
+    assert slots.acquire(timeout=1)  # another namespace's merge holds the only slot
+    idx, builds = waiting_index()
+    time.sleep(0.3)
+    assert idx.merging and builds == []  # waiting, not building
+    for i in range(20, 40):
+        idx.add(i, vecs[i])  # the namespace still takes adds...
+    assert [n.label for n in idx.search(vecs[33])][:1] == [33]  # ...and serves them
+    slots.release()
+    end = time.monotonic() + 30
+    while idx._merging is not None and time.monotonic() < end:
+        time.sleep(0.02)
+    assert idx._merging is None and builds, "the merge did not run once a slot was free"
+
+    assert slots.acquire(timeout=5)
+    closing, builds = waiting_index()
+    closing.close(timeout=0.2)  # shutdown while it waits
+    slots.release()
+    end = time.monotonic() + 10
+    while closing._merging is not None and time.monotonic() < end:
+        time.sleep(0.02)
+    assert closing._merging is None and builds == []
