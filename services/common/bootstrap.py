@@ -34,7 +34,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import errors
 from services.common.config import ConfigError
-from services.common.logs import plain_request_id, request_id_var
+from services.common.logs import bound_request_id, plain_request_id
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.common.reflection import source_info_pool
 from services.common.wire import find_invalid_utf8
@@ -209,17 +209,16 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             def wrapped(raw, context):
                 rid = prologue(context)
                 request = parse(raw, context)
-                tok = request_id_var.set(rid)
                 t0 = time.perf_counter()
-                try:
-                    resp = inner(request, context)
-                    RPC_TOTAL.labels(service, short, "OK").inc()
-                    return resp
-                except BaseException as exc:  # noqa: BLE001 - mapped to a status
-                    fail(context, exc)
-                finally:
-                    RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
-                    request_id_var.reset(tok)
+                with bound_request_id(rid):
+                    try:
+                        resp = inner(request, context)
+                        RPC_TOTAL.labels(service, short, "OK").inc()
+                        return resp
+                    except BaseException as exc:  # noqa: BLE001 - mapped to a status
+                        fail(context, exc)
+                    finally:
+                        RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 
             return wrapped
 
@@ -230,19 +229,14 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 t0 = time.perf_counter()
                 it = None
                 try:
-                    tok = request_id_var.set(rid)
-                    try:
+                    with bound_request_id(rid):
                         it = iter(inner(request, context))
-                    finally:
-                        request_id_var.reset(tok)
                     while True:
-                        tok = request_id_var.set(rid)
                         try:
-                            item = next(it)
+                            with bound_request_id(rid):
+                                item = next(it)
                         except StopIteration:
                             break
-                        finally:
-                            request_id_var.reset(tok)
                         yield item
                     RPC_TOTAL.labels(service, short, "OK").inc()
                 except GeneratorExit:
@@ -251,20 +245,14 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     RPC_TOTAL.labels(service, short, rpc_ended(context).code).inc()
                     close = getattr(it, "close", None)
                     if close:
-                        tok = request_id_var.set(rid)  # its cleanup logs as this request
-                        try:
+                        with bound_request_id(rid):  # its cleanup logs as this request
                             close()
-                        finally:
-                            request_id_var.reset(tok)
                     raise
                 except BaseException as exc:  # noqa: BLE001
                     # Bound again: the id was reset when next() raised, and an unexpected
                     # error's traceback must carry the id the client was told to look for.
-                    tok = request_id_var.set(rid)
-                    try:
+                    with bound_request_id(rid):
                         fail(context, exc)
-                    finally:
-                        request_id_var.reset(tok)
                 finally:
                     RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 

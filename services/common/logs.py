@@ -6,6 +6,7 @@ context variable so every log line written while serving that RPC carries it.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import json
 import logging
@@ -14,8 +15,19 @@ import re
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
+
+
+@contextlib.contextmanager
+def bound_request_id(rid: str) -> Iterator[None]:
+    """Log lines written inside carry `rid` (restored on leaving)."""
+    tok = request_id_var.set(rid)
+    try:
+        yield
+    finally:
+        request_id_var.reset(tok)
 
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 

@@ -23,7 +23,7 @@ from tiercache.v1 import (
 from services.common import errors
 from services.common.bootstrap import rpc_ended
 from services.common.grpc_client import call_metadata
-from services.common.logs import request_id_var
+from services.common.logs import bound_request_id, request_id_var
 from services.common.tokens import validate_stop_ids
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling
@@ -319,17 +319,6 @@ class Warmer:
 
     def _prefill(self, replica, token_ids, cache_salt, ttl, index, timeout: float = 120.0,
                  request_id: str = ""):
-        # Runs on the Warm pool's threads, which do not inherit the call's context: bound
-        # here so a replica's failure is logged with the Warm's request id.
-        tok = request_id_var.set(request_id)
-        try:
-            return self._prefill_bound(replica, token_ids, cache_salt, ttl, index, timeout,
-                                       request_id)
-        finally:
-            request_id_var.reset(tok)
-
-    def _prefill_bound(self, replica, token_ids, cache_salt, ttl, index, timeout: float,
-                       request_id: str):
         if timeout <= 0:
             # Queued behind the call's other prefills (prompts x replicas share the pool)
             # until its deadline: sending it anyway made replicas compute for a caller that
@@ -430,11 +419,15 @@ class Warmer:
                         jobs.append((r, ids, hp.cache_salt, ttl, -1))
         if not self.orch.replicas.healthy():  # after the checks of the request itself
             raise errors.Unavailable("no healthy replica to warm")
-        # The pool's threads do not inherit the call's request id: hand it to each Prefill.
+        # The pool's threads do not inherit the call's request id: bound there for the logs,
+        # and handed to each Prefill.
         rid = request_id_var.get()
-        results = list(self._pool.map(
-            lambda j: self._prefill(*j, timeout=deadline - time.monotonic(), request_id=rid),
-            jobs))
+
+        def prefill(job) -> orchestrator_pb2.WarmResult:
+            with bound_request_id(rid):
+                return self._prefill(*job, timeout=deadline - time.monotonic(), request_id=rid)
+
+        results = list(self._pool.map(prefill, jobs))
         if charge is not None:
             worked = sum(1 for r in results if not r.error and r.computed_tokens > 0)
             if worked > 1:
