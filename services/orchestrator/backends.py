@@ -126,7 +126,7 @@ class ReplicaSet:
     on_lost: list[Callable[[str], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
-    _asker: ThreadPoolExecutor | None = None
+    _asker: ThreadPoolExecutor = field(init=False)
 
     def __post_init__(self) -> None:
         for i, addr in enumerate(self.addresses):
@@ -134,11 +134,10 @@ class ReplicaSet:
             self.replicas.append(Replica(addr, kvpool_pb2_grpc.KvPoolStub(ch),
                                          Health("kvpool", addr), replica_id=addr,
                                          alias=f"kvpool#{i}"))
-        if len(self.replicas) > 1:
-            # All replicas asked at once: one at a time, each hung replica added its whole
-            # timeout to every cycle, and every other replica's load and health went stale.
-            self._asker = ThreadPoolExecutor(max_workers=min(32, len(self.replicas)),
-                                             thread_name_prefix="replica-stats")
+        # All replicas asked at once: one at a time, each hung replica added its whole
+        # timeout to every cycle, and every other replica's load and health went stale.
+        self._asker = ThreadPoolExecutor(max_workers=min(32, max(1, len(self.replicas))),
+                                         thread_name_prefix="replica-stats")
 
     def _ask(self, r: Replica) -> tuple[kvpool_pb2.KvStatsResponse, int]:
         """The replica's Stats, and our in-flight count there when it answered."""
@@ -152,17 +151,16 @@ class ReplicaSet:
     def poll_once(self) -> None:
         with self._lock:
             before = [r.inflight for r in self.replicas]
-        if self._asker is not None:
-            # Each answer applied as it arrives: a hung replica first in the list must not
-            # hold back the others' loads and health for its whole timeout.
-            futs = {self._asker.submit(self._ask, r): i for i, r in enumerate(self.replicas)}
-            order = ((futs[f], f.result) for f in as_completed(futs))
-        else:
-            order = ((i, lambda r=r: self._ask(r)) for i, r in enumerate(self.replicas))
-        for i, answer in order:
+        if self._stop.is_set():  # the asker is shut down: a poll racing `stop` asks nothing
+            return
+        futs = {self._asker.submit(self._ask, r): i for i, r in enumerate(self.replicas)}
+        # Each answer applied as it arrives: a hung replica first in the list must not hold
+        # back the others' loads and health for its whole timeout.
+        for fut in as_completed(futs):
+            i = futs[fut]
             r, ours_before = self.replicas[i], before[i]
             try:
-                s, ours_after = answer()
+                s, ours_after = fut.result()
                 wrong = self._mismatch(s)
                 if wrong:
                     if r.health.healthy or r.health.last_error != wrong:
@@ -251,8 +249,7 @@ class ReplicaSet:
 
     def stop(self) -> None:
         self._stop.set()
-        if self._asker is not None:
-            self._asker.shutdown(wait=False)
+        self._asker.shutdown(wait=False)
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.health.healthy]
