@@ -151,9 +151,14 @@ class NamespaceIndex:
         # After a build it holds just the rows added meanwhile, often none: a namespace loaded
         # at start and never written to again holds no delta at all.
         if cap is None:
-            cap = min(_INITIAL_DELTA_ROWS, self.params.delta_capacity)
+            cap = self._first_delta_rows
         return _Snapshot(main, labels, vecs, np.zeros((cap, self.params.dim), np.float32),
                          np.zeros(cap, np.int64), kind, [0])
+
+    @property
+    def _first_delta_rows(self) -> int:
+        """Rows of a new namespace's delta (and of one grown from none)."""
+        return min(_INITIAL_DELTA_ROWS, self.params.delta_capacity)
 
     def __len__(self) -> int:
         return len(self._live)
@@ -184,8 +189,7 @@ class NamespaceIndex:
     def _grow_delta_locked(self, snap: _Snapshot, n: int) -> _Snapshot:
         """A snapshot with the same main index and a delta twice as large (rows copied):
         writers go on while a merge is still building, instead of building themselves."""
-        cap = max(min(_INITIAL_DELTA_ROWS, self.params.delta_capacity),
-                  2 * len(snap.delta_labels))
+        cap = max(self._first_delta_rows, 2 * len(snap.delta_labels))
         if len(snap.delta_labels) < self.params.delta_capacity:
             cap = min(cap, self.params.delta_capacity)  # still growing to its planned size
         new = _Snapshot(snap.main, snap.main_labels, snap.main_vecs,
