@@ -18,6 +18,7 @@ class PrefixConfig:
     lease_seconds: float = 10.0  # a replica that does not heartbeat within this is dropped
     max_nodes: int = 1_000_000  # node budget (~208 B each)
     prune_to: float = 0.9  # prune down to this fraction of max_nodes
+    prune_step: int = 8000  # work units per call while pruning (~10 ms; see PruneRun)
     eviction_policy: str = "hybrid"  # "hybrid" (LFU shallow, LRU deep) or "lru"
     shallow_tokens: int = 128  # blocks starting before this token are ranked by hits
     min_deep_hits: int = 1  # deep leaves hit fewer times are pruned first
@@ -39,6 +40,7 @@ class PrefixConfig:
         # publish and rescans every leaf each time, under the index lock (13.6 ms a publish at
         # 60k nodes with 1.0, 0.35 ms with 0.9).
         require(0.0 < self.prune_to <= 0.99, svc, "prune_to", "must be in (0, 0.99]")
+        require(self.prune_step > 0, svc, "prune_step", "must be > 0")
         require(self.eviction_policy in ("hybrid", "lru"), svc, "eviction_policy",
                 "expected 'hybrid' or 'lru'")
         require(self.shallow_tokens >= 0, svc, "shallow_tokens", "must be >= 0")

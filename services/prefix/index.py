@@ -29,7 +29,7 @@ from services.common.errors import (
 )
 from services.common.hashing import DIGEST_SIZE, BlockHasher, check_salt
 from services.common.policy import EvictionPolicy, HybridPolicy
-from services.prefix.tree import BlockTree, bits
+from services.prefix.tree import BlockTree, PruneRun, bits
 
 MAX_REPLICAS = 64
 # Measured by benchmarks/prefix_index.py (tracemalloc); used for the Stats estimate only.
@@ -183,6 +183,7 @@ class PrefixIndex:
         lease_seconds: float = 10.0,
         max_nodes: int = 1_000_000,
         prune_to: float = 0.9,
+        prune_step: int = 8000,
         policy: EvictionPolicy | None = None,
         shallow_tokens: int | None = None,
         min_deep_hits: int = 1,
@@ -194,7 +195,8 @@ class PrefixIndex:
     ) -> None:
         """
         Args:
-            max_nodes: node budget; over it the tree is pruned down to `prune_to * max_nodes`.
+            max_nodes: node budget; over it the tree is pruned down to `prune_to * max_nodes`,
+                `prune_step` units of work per call (Publish or Heartbeat) while it runs.
             policy: eviction order of leaves (default HybridPolicy(128)).
             shallow_tokens: blocks starting before this token are never "deep" for the
                 `min_deep_hits` rule (default: the policy's split, else 128).
@@ -237,6 +239,8 @@ class PrefixIndex:
         # from there, so a batch delayed from before the lapse can never pass for a new one.
         # (Another incarnation's batches are refused by the incarnation check.)
         self._seq_floor: dict[str, tuple[str, int]] = {}
+        self.prune_step = prune_step
+        self._prune_run: PruneRun | None = None
 
     @property
     def replica_count(self) -> int:
@@ -338,6 +342,8 @@ class PrefixIndex:
             rep.refresh()
             self._reindex_models()
         self._renew(rep, now)
+        if self._prune_run is not None:
+            self._prune_some()  # a run started by a burst of publishes goes on without them
         return HeartbeatResult(True, self.lease_seconds)
 
     def expire(self, now: float | None = None) -> list[str]:
@@ -460,8 +466,7 @@ class PrefixIndex:
             self._give_back_usage(rep, now, (h for kind, _, b, _, _ in plan
                                              if kind == "stored" for h in b))
         rep.next_seq = seq + 1
-        if len(tree) > self.max_nodes:
-            tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
+        self._prune_some()
         return PublishResult(False, rep.next_seq)
 
     def _publish_one(self, rep: Replica, seq: int, ev: Stored) -> PublishResult:
@@ -481,9 +486,25 @@ class PrefixIndex:
         if rep.usage is not None:
             self._give_back_usage(rep, self.clock(), hashes)
         rep.next_seq = seq + 1
-        if len(tree) > self.max_nodes:
-            tree.prune(self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
+        self._prune_some()
         return _new(PublishResult, (False, rep.next_seq, True))
+
+    def _prune_some(self) -> None:
+        """Over `max_nodes`, one step of a pruning run (`prune_step` units: a node looked at
+        costs 1, an eviction 20), so that a big tree's pruning is spread over the calls that
+        follow instead of holding the index for half a second. Past `max_nodes` plus the gap
+        down to the prune target (arrivals outran the steps), the run finishes at once:
+        memory stays bounded by that."""
+        run = self._prune_run
+        n = len(self.tree)
+        if run is None:
+            if n <= self.max_nodes:
+                return
+            run = self._prune_run = self.tree.pruning(
+                self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
+        hard = n > 2 * self.max_nodes - self.prune_target
+        if run.step(None if hard else self.prune_step):
+            self._prune_run = None
 
     def _give_back_usage(self, rep: Replica, now: float, stored) -> None:
         """Gives the blocks `stored` by this batch the hits a resync saved for them (the

@@ -38,7 +38,8 @@ def build_index(cfg: PrefixConfig) -> PrefixIndex:
     """The index as configured."""
     return PrefixIndex(
         cfg.block_size, lease_seconds=cfg.lease_seconds, max_nodes=cfg.max_nodes,
-        prune_to=cfg.prune_to, policy=make_policy(cfg.eviction_policy, cfg.shallow_tokens),
+        prune_to=cfg.prune_to, prune_step=cfg.prune_step,
+        policy=make_policy(cfg.eviction_policy, cfg.shallow_tokens),
         shallow_tokens=cfg.shallow_tokens, min_deep_hits=cfg.min_deep_hits,
         max_events=cfg.max_events, max_blocks=cfg.max_blocks, verify_hashes=cfg.verify_hashes)
 

@@ -627,41 +627,20 @@ class BlockTree:
 
         Deep leaves hit fewer than `min_deep_hits` times go first, then the policy's order
         (deep LRU before shallow LFU). An evicted leaf's hits and recency fold into its parent,
-        which becomes a candidate once it is a leaf.
+        which becomes a candidate once it is a leaf. All at once: see `pruning` for the same
+        work in bounded steps.
         """
-        bs = self.block_size
-        use, key = self._use, self._key
+        run = self.pruning(target, policy, shallow_tokens, min_deep_hits)
+        while not run.step(None):
+            pass
+        return run.evicted
 
-        def rank(s: int) -> tuple:
-            start = self._depth(s) * bs
-            hits = use[_USE * s + _HITS]
-            cold = start >= shallow_tokens and hits < min_deep_hits
-            return (0 if cold else 1,
-                    *policy.key(BlockUsage(start, hits, use[_USE * s + _LAST])))
-
-        heap = [(rank(s), i, s) for i, s in enumerate(self._table.values())
-                if self._kid(s) == NIL]
-        heapq.heapify(heap)
-        tie = len(heap)
-        evicted: list[bytes] = []
-        # No slot is reused while pruning, so a freed slot in the heap stays recognisable.
-        while len(self._table) > target and heap:
-            _, _, s = heapq.heappop(heap)
-            if key[s] is None or self._kid(s) != NIL:
-                continue
-            p = self._parent(s)
-            is_node = self._depth(p) >= 0
-            evicted.append(key[s])  # type: ignore[arg-type]
-            h, t = use[_USE * s + _HITS], use[_USE * s + _LAST]
-            self._unlink_subtree(s)
-            if is_node:
-                use[_USE * p + _HITS] += h
-                use[_USE * p + _LAST] = max(use[_USE * p + _LAST], t)
-                if self._kid(p) == NIL:
-                    tie += 1
-                    heapq.heappush(heap, (rank(p), tie, p))
-        self.pruned_total += len(evicted)
-        return evicted
+    def pruning(self, target: int, policy: EvictionPolicy, shallow_tokens: int,
+                min_deep_hits: int) -> PruneRun:
+        """`prune` as a run of bounded steps (`PruneRun.step`), so that the owner can let
+        other calls in between: ranking every leaf of a million-node tree takes most of a
+        second."""
+        return PruneRun(self, target, policy, shallow_tokens, min_deep_hits)
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -720,3 +699,89 @@ class BlockTree:
                 raise AssertionError(f"slot {s}: cycle in its children")
             prev, k = k, self._nav[_NAV * k + _NEXT]
         return out
+
+
+EVICT_COST = 20  # PruneRun work units of one eviction (looking at a node: 1)
+
+
+class PruneRun:
+    """One pruning of a `BlockTree` in steps of bounded work (`BlockTree.pruning`).
+
+    The tree may change between steps (stores, removals, matches). A candidate is checked
+    when it comes off the heap: a slot freed or reused since it was ranked is skipped, one
+    that gained children is skipped, and one whose rank grew (hits or recency, which only
+    grow) goes back with its new rank. Leaves added after the run began are not candidates
+    of this run; the next run sees them.
+    """
+
+    def __init__(self, tree: BlockTree, target: int, policy: EvictionPolicy,
+                 shallow_tokens: int, min_deep_hits: int) -> None:
+        self.tree = tree
+        self.target = target
+        self._policy = policy
+        self._shallow = shallow_tokens
+        self._min_hits = min_deep_hits
+        self._slots = list(tree._table.values())  # ranked in steps
+        self._next = 0
+        self._heap: list[tuple] = []
+        self._tie = len(self._slots)
+        self._step = 0  # steps begun; an entry ranked in this one is still current
+        self.evicted: list[bytes] = []
+
+    def _rank(self, s: int) -> tuple:
+        t = self.tree
+        use = t._use
+        start = t._depth(s) * t.block_size
+        hits = use[_USE * s + _HITS]
+        cold = start >= self._shallow and hits < self._min_hits
+        return (0 if cold else 1,
+                *self._policy.key(BlockUsage(start, hits, use[_USE * s + _LAST])))
+
+    def step(self, budget: int | None) -> bool:
+        """Do up to `budget` units of work (None: no bound); True once the run is done.
+
+        A node looked at while ranking costs one unit, an eviction `EVICT_COST` (measured:
+        about 0.85 us and 15 us at a million nodes)."""
+        t = self.tree
+        left = sys.maxsize if budget is None else budget
+        self._step += 1
+        step = self._step
+        slots, key, heap = self._slots, t._key, self._heap
+        while self._next < len(slots) and left > 0:
+            chunk = slots[self._next : self._next + left]
+            self._next += len(chunk)
+            left -= len(chunk)
+            for i, s in enumerate(chunk, self._next - len(chunk)):
+                k = key[s]
+                if k is not None and t._depth(s) >= 0 and t._kid(s) == NIL:
+                    heapq.heappush(heap, (self._rank(s), i, s, k, step))
+        if self._next < len(slots):
+            return False
+        self._slots = []  # ranked: let the snapshot go
+        use = t._use
+        while len(t._table) > self.target and heap and left > 0:
+            r, _, s, k, ranked = heapq.heappop(heap)
+            if key[s] != k or t._depth(s) < 0 or t._kid(s) != NIL:
+                left -= 1
+                continue
+            if ranked != step:  # other calls ran since: it may have been used
+                now = self._rank(s)
+                if now != r:
+                    self._tie += 1
+                    heapq.heappush(heap, (now, self._tie, s, k, step))
+                    left -= 1
+                    continue
+            left -= EVICT_COST
+            p = t._parent(s)
+            is_node = t._depth(p) >= 0
+            self.evicted.append(k)
+            h, last = use[_USE * s + _HITS], use[_USE * s + _LAST]
+            t._unlink_subtree(s)
+            t.pruned_total += 1
+            if is_node:
+                use[_USE * p + _HITS] += h
+                use[_USE * p + _LAST] = max(use[_USE * p + _LAST], last)
+                if t._kid(p) == NIL:
+                    self._tie += 1
+                    heapq.heappush(heap, (self._rank(p), self._tie, p, key[p], step))
+        return len(t._table) <= self.target or not heap

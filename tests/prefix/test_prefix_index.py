@@ -619,3 +619,26 @@ def test_top_prefixes_for_one_tenant_salt(index, hasher):
     assert [(p.cache_salt, p.hits) for p in mine] == [("quiet-tenant", 1)]
     assert index.top_prefixes(5, MODEL, cache_salt="nobody") == []
     assert len(index.top_prefixes(5, MODEL, cache_salt=None)) == 2
+
+
+def test_pruning_a_big_tree_is_spread_over_later_calls_and_bounded(clock, hasher):
+    """Over max_nodes a pruning run starts; each Publish or Heartbeat does `prune_step`
+    leaves of it, and past max_nodes plus the prune gap the run finishes at once."""
+    index = make_index(clock, max_nodes=20, prune_to=0.5, prune_step=4)
+    reg(index, "a")
+    seq = 0
+    for b in range(21):  # 21 one-block chains: one over the budget
+        seq += 1
+        index.publish("a", "i1", seq, [stored(hasher, toks(100 + b))])
+    assert 10 < index.stats().nodes <= 21  # a step ranked 4 leaves; nothing evicted yet
+    beats = 0
+    while index.stats().nodes > 10:
+        assert index.heartbeat("a", "i1", Load()).known
+        beats += 1
+    assert beats > 2 and index.stats().pruned_total == 11
+    index.check_integrity()
+    # A flood: arrivals past 2 * 20 - 10 = 30 nodes finish the run within that publish.
+    seq += 1
+    index.publish("a", "i1", seq, [stored(hasher, toks(200 + b)) for b in range(25)])
+    assert index.stats().nodes == 10
+    index.check_integrity()

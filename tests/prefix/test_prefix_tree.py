@@ -78,3 +78,39 @@ def test_prune_frees_slots_and_folds_hits() -> None:
     tree.store(h(2), [h(6), h(7), h(8)], list(range(12)), 0, 6)
     tree.check_integrity()
     assert tree.tokens(h(8)) == list(range(8)) + list(range(12))
+
+
+def _leafy_tree(n: int) -> BlockTree:
+    """n two-block chains under ROOT: n shallow inner nodes and n leaves, all unhit."""
+    tree = new_tree()
+    for i in range(n):
+        tree.store(ROOT, [h(1000 + i), h(2000 + i)], [i] * 2 * BS, 0, i + 1)
+    return tree
+
+
+def test_a_pruning_run_in_steps_evicts_what_one_prune_does() -> None:
+    whole, stepped = _leafy_tree(30), _leafy_tree(30)
+    expect = whole.prune(25, HybridPolicy(0), 0, 0)
+    run = stepped.pruning(25, HybridPolicy(0), 0, 0)
+    steps = 1
+    while not run.step(3):
+        steps += 1
+    assert run.evicted == expect and len(expect) == 35
+    assert steps > 10  # it did run in bounded steps
+    stepped.check_integrity()
+    assert len(stepped) == len(whole) == 25
+
+
+def test_a_pruning_run_spares_a_leaf_used_between_steps_and_a_slot_reused() -> None:
+    tree = _leafy_tree(6)  # LRU: chain i's leaf h(2000+i) last used at i + 1
+    run = tree.pruning(len(tree) - 2, HybridPolicy(0), 0, 0)
+    assert not run.step(12)  # every leaf ranked; no budget left to evict
+    tree.match([h(1000), h(2000)], 50)  # the oldest leaf is used again
+    # Chain 1 goes away; its leaf's slot comes back as a new leaf before the run evicts.
+    tree.remove(h(1001), 0)
+    tree.store(ROOT, [h(3000)], [7] * BS, 0, 60)
+    while not run.step(1):
+        pass
+    tree.check_integrity()
+    assert h(2000) in tree and h(3000) in tree  # re-ranked; the reused slot is not the old leaf
+    assert run.evicted == [h(2002)] and len(tree) == 10
