@@ -80,6 +80,9 @@ class OrchestratorConfig:
     warm_pin_ttl_s: int = 600
     # Longest pin a Warm call may ask for (pin_ttl_seconds); longer is INVALID_ARGUMENT.
     warm_pin_ttl_max_s: int = 3600
+    # Prefills one Warm call may ask for (its prompts and top_k prefixes x their target
+    # replicas); more is INVALID_ARGUMENT. 64 prompts on 64 replicas would be 4,096.
+    warm_max_prefills_per_call: int = 256
     # Failover attempts per request.
     max_attempts: int = 3
     # Server. A Generate stream (or a Warm call) holds a worker thread until it ends: past
@@ -127,6 +130,8 @@ class OrchestratorConfig:
         require(self.warm_pin_ttl_max_s >= self.warm_pin_ttl_s, SVC, "warm_pin_ttl_max_s",
                 "must be >= warm_pin_ttl_s")
         require(self.warm_top_k >= 0, SVC, "warm_top_k", "must be >= 0")
+        require(self.warm_max_prefills_per_call >= 1, SVC, "warm_max_prefills_per_call",
+                "must be >= 1")
         require(self.warm_max_load >= 0, SVC, "warm_max_load", "must be >= 0")
         require(self.warm_max_prompts_per_cycle >= 0, SVC, "warm_max_prompts_per_cycle",
                 "must be >= 0")

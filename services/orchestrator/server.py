@@ -10,7 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 import grpc
 from tiercache.v1 import (
@@ -299,6 +299,7 @@ def _public_details(e: grpc.RpcError, what: str) -> str:
 
 # Prompts (or top_k prefixes) one Warm call may ask for.
 MAX_WARM_PROMPTS = 64
+WARM_WINDOW = 4  # one Warm call's prefills queued or running at once (the pool has 8 threads)
 
 
 def _caching_off(replica) -> bool:
@@ -417,6 +418,12 @@ class Warmer:
                 for r in self._targets(tenant, ids, request.target):
                     if r.replica_id not in hp.holders:
                         jobs.append((r, ids, hp.cache_salt, ttl, -1))
+        limit = self.cfg.warm_max_prefills_per_call
+        if len(jobs) > limit:
+            raise errors.InvalidArgument(
+                "prompts" if request.prompts else "top_k",
+                f"{len(jobs)} prefills (prompts x target replicas) exceed the limit of {limit} "
+                f"per call: warm fewer prompts, or target the owners")
         if not self.orch.replicas.healthy():  # after the checks of the request itself
             raise errors.Unavailable("no healthy replica to warm")
         # The pool's threads do not inherit the call's request id: bound there for the logs,
@@ -427,12 +434,47 @@ class Warmer:
             with bound_request_id(rid):
                 return self._prefill(*job, timeout=deadline - time.monotonic(), request_id=rid)
 
-        results = list(self._pool.map(prefill, jobs))
+        results = self._run_windowed(prefill, jobs, deadline)
         if charge is not None:
             worked = sum(1 for r in results if not r.error and r.computed_tokens > 0)
             if worked > 1:
                 charge(worked - 1)
         return orchestrator_pb2.WarmResponse(results=results)
+
+    def _run_windowed(self, fn, jobs: list, deadline: float) -> list:
+        """`fn` over `jobs` on the shared pool, results in order, with at most `WARM_WINDOW`
+        of them queued or running at once: a call's next prefill queues behind what other
+        calls already queued, so one big call does not hold every warm thread until it is
+        done. Past `deadline` no job waits for a thread: `fn` answers those at once (a
+        prefill's own timeout is what is left of the deadline)."""
+        results: list = [None] * len(jobs)
+        todo = iter(enumerate(jobs))
+        running: dict = {}
+
+        def submit_next() -> None:
+            nxt = next(todo, None)
+            if nxt is None:
+                return
+            if time.monotonic() >= deadline:
+                results[nxt[0]] = fn(nxt[1])
+                submit_next()
+            else:
+                running[self._pool.submit(fn, nxt[1])] = nxt[0]
+
+        for _ in range(WARM_WINDOW):
+            submit_next()
+        while running:
+            done, _ = wait(running, timeout=max(0.0, deadline - time.monotonic()),
+                           return_when=FIRST_COMPLETED)
+            if not done:  # the deadline passed while some still wait for a thread
+                for f in [f for f in running if f.cancel()]:
+                    i = running.pop(f)
+                    results[i] = fn(jobs[i])
+                done, _ = wait(running)  # started: each ends by its own timeout
+            for f in done:
+                results[running.pop(f)] = f.result()
+                submit_next()
+        return results
 
     # ---- background loop ----
     def start(self) -> None:

@@ -542,3 +542,72 @@ def test_a_warm_sends_no_prefill_once_its_deadline_has_passed():
     first, second = out.results  # A's, then B's (the jobs' order)
     assert not first.error and second.error.startswith("DEADLINE_EXCEEDED"), out
     assert stubs["B"].requests == []  # never sent
+
+
+def test_warm_caps_prefills_per_call_and_leaves_pool_threads_to_other_calls():
+    """prompts x replicas was unbounded (4,096 prefills at 64 x 64), and one call queued all
+    of its prefills on the 8 shared warm threads: another tenant's Warm waited for all of them."""
+    import threading
+
+    from services.orchestrator.render import PromptRenderer
+
+    stubs = {r: Stub(r, []) for r in ("A", "B", "C")}
+    gate, lock = threading.Event(), threading.Lock()
+    inflight, peak = [0], [0]
+    for stub in stubs.values():
+        plain = stub.Prefill
+
+        def held(req, timeout=None, metadata=None, plain=plain):
+            if list(req.token_ids)[0] == ord("x"):  # the big call's prompts wait for the gate
+                with lock:
+                    inflight[0] += 1
+                    peak[0] = max(peak[0], inflight[0])
+                assert gate.wait(30)
+                with lock:
+                    inflight[0] -= 1
+            return plain(req, timeout=timeout, metadata=metadata)
+
+        stub.Prefill = held
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=100)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",),
+                                             warm_max_prefills_per_call=12))
+    prompts = [orchestrator_pb2.WarmPrompt(prompt=f"x{i:02d}" + "." * 16) for i in range(5)]
+    try:
+        with pytest.raises(errors.InvalidArgument, match="15 prefills .* limit of 12"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(prompts=prompts))
+        assert all(not s.requests for s in stubs.values())  # refused before any prefill
+        big: list = []
+        t = threading.Thread(target=lambda: big.append(warmer.warm(
+            TENANT, orchestrator_pb2.WarmRequest(prompts=prompts[:4]))))
+        t.start()
+        deadline = time.monotonic() + 30
+        while inflight[0] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        small = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="y" * 16)]))
+        assert [r.error for r in small.results] == ["", "", ""] and not big
+        # A second big call takes the other 4 threads; a call queued behind both ends by its
+        # deadline, not when a thread frees up.
+        t2 = threading.Thread(target=lambda: big.append(warmer.warm(
+            TENANT, orchestrator_pb2.WarmRequest(prompts=prompts[:4]))))
+        t2.start()
+        while inflight[0] < 8 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        late: list = []
+        t3 = threading.Thread(target=lambda: late.append(warmer.warm(
+            TENANT, orchestrator_pb2.WarmRequest(
+                prompts=[orchestrator_pb2.WarmPrompt(prompt="z" * 16)]), time_remaining=0.3)))
+        t3.start()
+        t3.join(10)
+        assert late and {r.error.split(":")[0] for r in late[0].results} == {
+            "DEADLINE_EXCEEDED"} and len(late[0].results) == 3
+        assert inflight[0] == 8 and not big
+        gate.set()
+        t.join(30)
+        t2.join(30)
+        assert [r.prompt_index for r in big[0].results] == [i for i in range(4) for _ in "ABC"]
+        assert peak[0] == 8  # two calls' windows, however many prefills each has
+    finally:
+        gate.set()
+        warmer.stop()
