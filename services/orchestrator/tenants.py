@@ -68,6 +68,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 
 _LIMITS = ("max_prompt_tokens", "max_tokens", "max_concurrent")
 _KEYS = frozenset(("tenant", "rate_per_s", "burst", "admin", *_LIMITS))
+MAX_TENANT_CHARS = 64  # the smallest max_tenant_chars a semantic tier accepts
 
 
 def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, dict]:
@@ -87,6 +88,14 @@ def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, di
     name = spec.get("tenant")
     if not isinstance(name, str) or not name.strip():
         raise ValueError(f"{where}: 'tenant' must be a non-empty string")
+    if name != name.strip():
+        # " acme" and "acme" would be two tenants, with two salts and two sets of limits.
+        raise ValueError(f"{where}: 'tenant' {name!r} has leading or trailing whitespace")
+    if len(name) > MAX_TENANT_CHARS:
+        # The semantic tier refuses longer names (max_tenant_chars, at least 64), and the
+        # tenant's cache would be off without a word.
+        raise ValueError(f"{where}: 'tenant' is {len(name)} characters; at most "
+                         f"{MAX_TENANT_CHARS}")
     def whole(k: str, v: object) -> int:
         # JSON has one number type: 10.0 and 1e3 are whole numbers too (True is not).
         if type(v) is float and math.isfinite(v) and v.is_integer():

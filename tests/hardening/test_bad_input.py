@@ -402,6 +402,8 @@ ORCH_CASES = [
          INV, "messages[0].content", stream=True, metadata=A),
     case("invalid UTF-8 session", "Generate", raw(Gen(messages=HI)) + string_field(3, BAD_UTF8),
          INV, "session_id", stream=True, metadata=A),
+    case("huge session id", "Generate", Gen(messages=HI, session_id="s" * 100_000), INV,
+         "session_id", stream=True, metadata=A),
     case("truncated message", "Generate", b"\x0a\x7f\x01", INV, "request", stream=True,
          metadata=A),
     case("over the size limit", "Generate", Gen(prompt="q" * OVER_LIMIT), RES, "", stream=True,

@@ -135,3 +135,16 @@ def test_whole_numbers_written_as_json_floats_are_accepted(tmp_path):
     t = reg(tokens_file=str(f)).authenticate({"authorization": "Bearer t"})
     assert (t.burst, t.max_tokens, t.rate_per_s) == (10, 1000, 2.0)
     assert type(t.burst) is int and type(t.max_tokens) is int
+
+
+@pytest.mark.parametrize("name,msg", [(" acme", "whitespace"), ("acme\t", "whitespace"),
+                                      ("t" * 65, "65 characters; at most 64")])
+def test_tenant_names_the_semantic_tier_would_refuse_or_split_fail_at_boot(tmp_path, name, msg):
+    """A 300-character name turned the tenant's semantic cache off without a word (the tier
+    refuses the namespace); " acme" and "acme" were two tenants with two salts."""
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"tok": {"tenant": name}}))
+    with pytest.raises(ValueError, match=msg):
+        reg(tokens_file=str(f))
+    assert reg(tokens_file="", tokens="tok=" + "t" * 64).authenticate(
+        {"authorization": "Bearer tok"}).name == "t" * 64
