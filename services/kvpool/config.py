@@ -76,7 +76,8 @@ class KvPoolConfig:
     max_context: int = 0
     grace_seconds: float = 10.0
     # Health turns NOT_SERVING (the liveness probe then restarts the replica) when one engine
-    # step has not finished in this long: a hung step holds every stream. Far above any real
+    # step has not finished in this long, or every step has failed for this long: a hung step
+    # holds every stream, a broken device fails each one. Far above any real
     # step (a 512-token prefill chunk of SmolLM2 takes ~0.5 s on 2 CPU cores); raise it for
     # large models on CPU. 0 = off.
     engine_stall_seconds: float = 300.0

@@ -265,7 +265,7 @@ class Engine:
         self._events_cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
-        self._turned_at = time.monotonic()  # when the engine loop last began a turn
+        self._turned_at = time.monotonic()  # when the last turn without an error ended
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.requests_total = 0
@@ -288,8 +288,10 @@ class Engine:
         return self._thread is not None and self._thread.is_alive()
 
     def stalled_for(self) -> float:
-        """Seconds since the engine loop last began a turn: one step while busy, at most
-        ~0.5 s while idle. Large only when one step (or a call run between steps) is stuck."""
+        """Seconds since the engine loop last ended a turn without an error: about one step
+        while busy, at most ~0.5 s while idle. Large only when one step
+        (or a call run between steps) is stuck, or when every turn fails (a broken device):
+        either way the replica serves nobody."""
         return time.monotonic() - self._turned_at
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -374,14 +376,21 @@ class Engine:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        failed_in_a_row = 0
         while not self._stop.is_set():
-            self._turned_at = time.monotonic()
             busy = bool(self._waiting or self._decoding or self._prefilling)
             try:
                 self._drain_inbox(block=not busy)
                 self._expire()
                 self._step()
+                self._turned_at = time.monotonic()
+                failed_in_a_row = 0
             except Exception:  # noqa: BLE001 - the engine must survive a bad step
+                failed_in_a_row += 1
+                if failed_in_a_row > 1:
+                    # A step that fails again and again (a broken device) spun the thread at
+                    # thousands of tracebacks a second: back off, up to 1 s between turns.
+                    self._stop.wait(min(1.0, 0.01 * 2 ** (failed_in_a_row - 2)))
                 # The engine thread has no request id of its own: name the sequences (each
                 # id starts with its request id) so their clients' INTERNAL can be traced.
                 log.exception("engine step failed; failing the running sequences: %s",
@@ -808,44 +817,56 @@ class Engine:
     def _preempt(self, seq: Sequence) -> None:
         """Release a decoding sequence's blocks; it is recomputed (mostly from cache) later."""
         log.info("preempting %s to free KV blocks", seq.seq_id)
-        self._remove_from_rows(seq)
-        self.pool.close(seq.seq_id)
-        seq.phase, seq.row, seq.num_computed, seq.stored_blocks = Phase.WAITING, -1, 0, 0
-        self._waiting.appendleft(seq)
+        try:
+            self._remove_from_rows(seq)
+        finally:  # out of the rows whatever the row copies did: waiting, recomputed later
+            self.pool.close(seq.seq_id)
+            seq.phase, seq.row, seq.num_computed, seq.stored_blocks = Phase.WAITING, -1, 0, 0
+            self._waiting.appendleft(seq)
         self.preemptions_total += 1
         if self.metrics:
             self.metrics.preemptions.inc()
 
     def _remove_from_rows(self, seq: Sequence) -> None:
+        """Take `seq` out of the rows; the last decoding row (and the prefilling one) move
+        down. The bookkeeping is done before any row's KV is copied: a copy that raises (a
+        device error) leaves every sequence in exactly one place, for the step-failure
+        handler to fail, instead of one in no row and never stepped, and one stepped that no
+        one answers."""
+        moves = []
         if seq.phase is Phase.DECODE:
             i = self._decoding.index(seq)
             last = self._decoding.pop()
             if last is not seq:
-                self.store.move_row(last.row, i, last.num_computed)
+                moves.append((last.row, i, last.num_computed))
                 last.row = i
                 self._decoding[i] = last
             if self._prefilling is not None:
                 p = self._prefilling
-                self.store.move_row(p.row, len(self._decoding), p.num_computed)
+                moves.append((p.row, len(self._decoding), p.num_computed))
                 p.row = len(self._decoding)
         elif seq.phase is Phase.PREFILL and self._prefilling is seq:
             self._prefilling = None
+        for src, dst, n in moves:
+            self.store.move_row(src, dst, n)
 
     def _finish(self, seq: Sequence, result: Finished | Failed) -> None:
         self._dequeue(seq)
         if self._by_id.pop(seq.seq_id, None) is None:
             return
-        if seq.phase is Phase.WAITING:
-            self._waiting.remove(seq)
-        else:
-            self._remove_from_rows(seq)
-        self.pool.close(seq.seq_id)
-        seq.phase = Phase.WAITING
-        if isinstance(result, Finished):  # completed: not cancelled, timed out or refused
-            self.requests_total += 1
-        # Stats first, so a caller who sees the result also sees its blocks released.
-        self._stats = self._compute_stats()
-        seq.out.put(result)
+        try:
+            if seq.phase is Phase.WAITING:
+                self._waiting.remove(seq)
+            else:
+                self._remove_from_rows(seq)
+        finally:  # a row copy that raised still ends this sequence and frees its blocks
+            self.pool.close(seq.seq_id)
+            seq.phase = Phase.WAITING
+            if isinstance(result, Finished):  # completed: not cancelled, timed out or refused
+                self.requests_total += 1
+            # Stats first, so a caller who sees the result also sees its blocks released.
+            self._stats = self._compute_stats()
+            seq.out.put(result)
 
     def _fail_numerics(self, seq: Sequence, exc: NonFiniteLogits) -> None:
         """NaN/inf logits end this sequence only (INTERNAL); the rest of its batch goes on."""

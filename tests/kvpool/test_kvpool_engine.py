@@ -29,8 +29,8 @@ from tests.kvpool.conftest import (
 def paused(eng) -> Iterator[None]:
     """Hold the engine thread between steps, so requests submitted meanwhile arrive together."""
     gate, entered = threading.Event(), threading.Event()
-    eng.call(lambda: (entered.set(), gate.wait(10)))
-    entered.wait(10)
+    eng.call(lambda: (entered.set(), gate.wait(120)))
+    assert entered.wait(60), "the engine thread never reached the pause"
     try:
         yield
     finally:
@@ -628,3 +628,55 @@ def test_a_failed_step_names_the_sequences_it_fails_and_is_counted(make_engine, 
     toks, fin = collect(eng.submit(request(prompt(12), max_tokens=4))[1])  # the engine goes on
     assert isinstance(fin, Finished) and len(toks) == 4
     assert_idle(eng)
+
+
+def test_a_row_copy_that_fails_while_a_sequence_leaves_fails_the_batch_not_the_engine(
+        make_engine) -> None:
+    """Cancelling a decoding sequence copies the last row down. When that copy raised, the
+    moved sequence sat in no row (never stepped, never answered) and the leaving one kept
+    decoding unseen; every step after failed, for good, while health said SERVING."""
+    eng = make_engine(num_blocks=64, max_batch_size=4)
+    outs = [eng.submit(request(prompt(7, seed=i), max_tokens=200, ignore_eos=True,
+                               rid=f"r{i}")) for i in range(3)]
+    with paused(eng):
+        pass
+    for _, out in outs:  # all three decoding
+        out.get(timeout=30)
+    real, calls = eng.store.move_row, []
+
+    def flaky(*a):
+        calls.append(a)
+        if len(calls) == 1:
+            raise RuntimeError("device error in move_row")
+        return real(*a)
+
+    eng.store.move_row = flaky
+    eng.cancel(outs[0][0])  # row 0 leaves: the last row is copied into it, and raises
+    ends = [collect(out)[1] for _, out in outs]
+    assert calls and isinstance(ends[0], Failed) and ends[0].error.code == "CANCELLED"
+    assert all(isinstance(f, Failed) and f.error.code == "INTERNAL" for f in ends[1:])
+    toks, fin = collect(eng.submit(request(prompt(12), max_tokens=4))[1])
+    assert isinstance(fin, Finished) and len(toks) == 4  # the engine goes on
+    assert_idle(eng)
+    assert eng.step_failures_total == 1
+
+
+def test_an_engine_whose_every_turn_fails_reads_as_stalled(make_engine) -> None:
+    """The stall watch saw only steps that never ended; an engine failing every step turned
+    on and on, serving nobody, and health stayed SERVING."""
+    eng = make_engine(num_blocks=64)
+    real = eng._step
+
+    def broken() -> None:
+        raise RuntimeError("device lost")
+
+    eng._step = broken
+    deadline = time.monotonic() + 30
+    while eng.step_failures_total < 3:  # idle turns wait up to 0.5 s for work
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert eng.stalled_for() >= 0.5
+    eng._step = real
+    while eng.stalled_for() > 0.5:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
