@@ -208,6 +208,7 @@ def test_fuzz_index_event_stream_converges_after_resync(steps):
         before = idx.stats().nodes
         try:
             r = idx.publish("r", "i", s, events)
+            assert kind != "junk" or s != seq, "a malformed batch was accepted"
             if not r.resync and s == seq:
                 seq = r.next_seq
         except InvalidArgument:

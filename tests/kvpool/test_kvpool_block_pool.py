@@ -280,7 +280,9 @@ def test_random_interleavings_match_a_naive_reference(ops) -> None:
             try:
                 pool.ensure_capacity(sid, len(extra))
             except PoolExhausted:
-                pass
+                st = pool.stats()  # refused only when free and evictable blocks fall short
+                need = -(-len(extra) // BS) - len(pool.blocks_of(sid))
+                assert need > st.free + st.cached, (need, st)
             else:
                 live[sid] = extra
         elif op == "close" and sid in live:

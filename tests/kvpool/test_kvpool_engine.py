@@ -198,19 +198,29 @@ def test_a_prefill_longer_than_the_pin_share_pins_its_leading_blocks(make_engine
 
 @pytest.mark.parametrize("where", ["waiting", "prefill", "decode"])
 def test_cancel_releases_everything(make_engine, where) -> None:
+    from services.kvpool.engine import Phase
+
     eng = make_engine(num_blocks=200, max_batch_size=1, max_prefill_chunk=4)
     blocker = None
-    if where == "waiting":
-        blocker = eng.submit(request(prompt(40, 40), max_tokens=60, rid="blocker"))
+    if where == "waiting":  # holds the only row until cancelled
+        blocker = eng.submit(request(prompt(40, 40), max_tokens=150, rid="blocker",
+                                     ignore_eos=True))
+        blocker[1].get(timeout=30)
     sid, out = eng.submit(request(prompt(120, 41), max_tokens=200, rid="victim",
                                   ignore_eos=True))
-    if where == "decode":
-        assert out.get(timeout=10)  # first token arrived
-    elif where == "prefill":
-        deadline = time.monotonic() + 10
-        while eng.stats().blocks_in_use == 0 and time.monotonic() < deadline:
-            time.sleep(0.001)
-    eng.cancel(sid)
+    want = {"waiting": Phase.WAITING, "prefill": Phase.PREFILL, "decode": Phase.DECODE}[where]
+
+    def cancel_if_there() -> bool:
+        """On the engine thread, between steps: the cancel is handled in this same turn."""
+        seq = eng._by_id.get(sid)
+        if seq is None or seq.phase is not want:
+            return False
+        eng.cancel(sid)
+        return True
+
+    deadline = time.monotonic() + 30
+    while not eng.call(cancel_if_there).result(30):  # one engine turn a try
+        assert time.monotonic() < deadline, f"the victim never reached {where}"
     _, fin = collect(out)
     assert isinstance(fin, Failed) and isinstance(fin.error, errors.Cancelled)
     if blocker is not None:
