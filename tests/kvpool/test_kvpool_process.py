@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -16,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from tests.kvpool.conftest import make_tiny_model, reference_greedy
+from tests.procs import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -63,6 +63,5 @@ def test_process_serves_a_local_model_folder_and_stops_on_sigterm(tmp_path: Path
         assert toks == reference_greedy(model, prompt, 6)
     finally:
         channel.close()
-        proc.send_signal(signal.SIGTERM)
-        rc = proc.wait(30)
+        rc = terminate(proc)
     assert rc == 0, proc.stderr.read()[-6000:]  # a crash at exit: faulthandler's stacks

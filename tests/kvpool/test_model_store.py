@@ -6,13 +6,13 @@ import json
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
 
 from services.common import model_store
 from services.common.model_store import ModelStoreError, ResolvedModel, resolve_model
+from tests.procs import communicate_all
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -41,17 +41,28 @@ def test_packaged_gguf_is_found_without_importing_the_package() -> None:
 
 def test_concurrent_resolvers_convert_once(tmp_path: Path, monkeypatch) -> None:
     calls: list[int] = []
+    arrived: list[int] = []
+    all_there = threading.Event()
+    real_lock = model_store._file_lock
+
+    def counted_lock(path: Path):
+        arrived.append(1)
+        if len(arrived) == 3:
+            all_there.set()
+        return real_lock(path)
 
     def slow_convert(gguf: Path, target: Path, source: str) -> None:
         calls.append(1)
         tmp = target.parent / "tmp-build"
         tmp.mkdir(parents=True)
-        time.sleep(0.3)  # long enough for the other resolver to hit the lock
+        # Converting until every resolver has come to the lock, whatever the machine's load.
+        assert all_there.wait(60), "the other resolvers never reached the lock"
         (tmp / "config.json").write_text("{}")
         (tmp / model_store._DONE_MARKER).write_text(json.dumps({"source_id": source}))
         tmp.rename(target)
 
     monkeypatch.setattr(model_store, "_convert", slow_convert)
+    monkeypatch.setattr(model_store, "_file_lock", counted_lock)
     monkeypatch.setattr(model_store, "packaged_gguf_path", lambda: tmp_path / "x.gguf")
     results: list[ResolvedModel] = []
     threads = [threading.Thread(target=lambda: results.append(
@@ -59,8 +70,8 @@ def test_concurrent_resolvers_convert_once(tmp_path: Path, monkeypatch) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join()
-    assert len(calls) == 1
+        t.join(120)
+    assert len(calls) == 1 and len(arrived) == 3 and len(results) == 3
     assert {r.path for r in results} == {str(tmp_path / "models" / "SmolLM2-135M-Instruct")}
     assert all(r.model_id == "SmolLM2-135M-Instruct" for r in results)
 
@@ -125,7 +136,7 @@ def test_real_conversion_twice_at_once_gives_a_loadable_model(tmp_path: Path) ->
     procs = [subprocess.Popen([sys.executable, "-c", _RESOLVE, str(tmp_path)], cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = communicate_all(procs, timeout=300)
     assert [p.returncode for p in procs] == [0, 0], outs[0][1][-2000:] + outs[1][1][-2000:]
     paths = {o[0].strip().splitlines()[-1] for o in outs}
     assert len(paths) == 1

@@ -17,8 +17,10 @@ MODEL = "tiny"
 @pytest.fixture(scope="module")
 def shards():
     env = {"TIERCACHE_PREFIX_METRICS_PORT": "-1", "TIERCACHE_PREFIX_BLOCK_SIZE": str(BS)}
-    procs = [ServiceProcess("prefix", free_port(), env=env).start() for _ in range(2)]
-    try:
+    procs: list[ServiceProcess] = []
+    try:  # the first shard is stopped even if the second fails to start
+        for _ in range(2):
+            procs.append(ServiceProcess("prefix", free_port(), env=env).start())
         for p in procs:
             p.wait(60)
         yield procs

@@ -18,6 +18,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiercache.v1 import semantic_pb2 as pb
 from tiercache.v1 import semantic_pb2_grpc as pbg
 
+from tests.procs import terminate
+
 pytestmark = pytest.mark.e2e
 
 NS = pb.Namespace(tenant="durable", model_id="smollm2")
@@ -107,5 +109,4 @@ def test_acknowledged_stores_survive_kill_9(tmp_path):
                             timeout=10)
             assert r.hit and r.entry.id == sid and r.entry.prompt == prompt
     finally:
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
+        assert terminate(proc) == 0

@@ -14,6 +14,7 @@ import pytest
 
 from services.semantic.config import SemanticConfig
 from services.semantic.embedder import BatchingEmbedder
+from tests.procs import communicate_all
 
 TEXTS = [
     "Flights from New York to Florida",
@@ -67,7 +68,7 @@ def test_concurrent_first_export_is_done_once_and_atomically(tmp_path):
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], env=env, cwd=root,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for _ in range(2)]
-    outs = [p.communicate(timeout=300) for p in procs]
+    outs = communicate_all(procs, timeout=300)
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
     folders = {json.loads(o.strip().splitlines()[-1]) for o, _ in outs}
     assert folders == {str(tmp_path / "onnx" / "mini")}

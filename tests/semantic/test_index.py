@@ -75,16 +75,18 @@ def test_searches_run_while_writers_add_and_remove():
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
 
-    readers = [threading.Thread(target=reader) for _ in range(3)]
+    readers = [threading.Thread(target=reader, daemon=True) for _ in range(3)]
     for t in readers:
         t.start()
-    for i in range(500, 3000):
-        idx.add(i, vecs[i])
-        if i % 7 == 0:
-            idx.remove(i - 500)
-    stop.set()
-    for t in readers:
-        t.join()
+    try:  # a writer that raises must not leave the readers spinning
+        for i in range(500, 3000):
+            idx.add(i, vecs[i])
+            if i % 7 == 0:
+                idx.remove(i - 500)
+    finally:
+        stop.set()
+        for t in readers:
+            t.join(60)
     assert not errors, errors[0]
     idx.check_integrity()
     idx.compact()  # writers never build: merges may still be catching up
