@@ -61,6 +61,7 @@ class Job:
     tenant_token: str
     mode: str  # "normal" | "cancel" | "deadline"
     policy: common_pb2.CachePolicy = field(default_factory=common_pb2.CachePolicy)
+    deadline_s: float = 0.0  # the client's deadline in "deadline" mode (drawn with the mode)
 
 
 @dataclass
@@ -108,13 +109,14 @@ def make_jobs(n: int, tokens: tuple[str, str], round_no: int, seed: int) -> list
         m = modes.random()
         mode = "cancel" if m < 0.10 else "deadline" if m < 0.20 else "normal"
         jobs.append(Job(kind, msgs, tok, mode,
-                        common_pb2.CachePolicy() if kind == "repeat" else model_only))
+                        common_pb2.CachePolicy() if kind == "repeat" else model_only,
+                        modes.uniform(0.05, 0.6)))
     return jobs
 
 
 def run_job(address: str, job: Job, max_tokens: int, timeout: float) -> tuple[str, float]:
     t0 = time.monotonic()
-    deadline = timeout if job.mode != "deadline" else random.uniform(0.05, 0.6)
+    deadline = timeout if job.mode != "deadline" else job.deadline_s
     try:
         with TierCacheClient(address, token=job.tenant_token, timeout=deadline) as c:
             stream = c.stream(job.messages, max_tokens=max_tokens, ignore_eos=True,

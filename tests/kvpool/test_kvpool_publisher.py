@@ -188,18 +188,19 @@ def _real_index(**cfg):
 
 
 def test_heartbeats_follow_an_index_lease_shorter_than_the_replicas_interval(make_engine):
-    """Index lease 1 s, replica heartbeat 2 s: the replica must beat within the lease it was
-    given, or the index drops it between beats and it re-registers and resyncs forever."""
-    index, handle = _real_index(lease_seconds=1.0)
+    """Index lease 3 s, replica heartbeat 6 s: the replica must beat within the lease it was
+    given, or the index drops it between beats and it re-registers and resyncs forever.
+    (A lease of seconds: a stall of the loaded test machine must not pass for a lapse.)"""
+    index, handle = _real_index(lease_seconds=3.0)
     eng = make_engine(num_blocks=32, hash_key=None)
     pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
                     incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
-                    heartbeat_seconds=2.0, channel_factory=grpc.insecure_channel).start()
+                    heartbeat_seconds=6.0, channel_factory=grpc.insecure_channel).start()
     try:
         # The first resync follows registration: wait for it to be counted.
         wait_for(lambda: pub.registered and index.replica_count == 1 and pub.resyncs >= 1)
         resyncs, missing = pub.resyncs, 0
-        end = time.monotonic() + 4
+        end = time.monotonic() + 7  # past two leases, short of one 6 s heartbeat
         while time.monotonic() < end:
             missing += index.stats().replicas == []
             time.sleep(0.1)

@@ -4,7 +4,6 @@ place of the replica's resync (a real index server, a gate standing in for its l
 from __future__ import annotations
 
 import threading
-import time
 
 import grpc
 from tiercache.v1 import prefix_pb2
@@ -27,6 +26,7 @@ class Gate:
         self.closed = False
         self.waiting: list[object] = []
         self.admit: set[object] = set()
+        self.exits = 0  # calls that have left the lock
 
     def __enter__(self) -> None:
         with self.cv:
@@ -39,6 +39,13 @@ class Gate:
 
     def __exit__(self, *exc: object) -> None:
         self.mu.release()
+        with self.cv:
+            self.exits += 1
+            self.cv.notify_all()
+
+    def wait_exits(self, n: int) -> None:
+        with self.cv:
+            assert self.cv.wait_for(lambda: self.exits >= n, timeout=30)
 
     def wait_waiters(self, n: int) -> None:
         with self.cv:
@@ -94,9 +101,10 @@ def test_a_delayed_old_batch_cannot_stand_in_for_the_resync():
         gate.release(1)
         t.join(10)
         assert out["r"].resync  # a gap: batch 2 has not arrived
+        done = gate.exits
         gate.release(0)  # the delayed batch 2 is applied now
         gate.open()
-        time.sleep(0.3)
+        gate.wait_exits(done + 1)
         # The replica's resync: it holds blocks 0 and 1 only.
         assert not c.publish_events("r", "inc", [stored(hs, toks, 0, 2)], resync=True).resync
         m = c.match(MODEL, token_ids=toks)
