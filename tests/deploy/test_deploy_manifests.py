@@ -41,6 +41,10 @@ INTERNAL_CALLS = {("orchestrator", "semantic"), ("orchestrator", "prefix"),
                   ("orchestrator", "kvpool"), ("kvpool", "prefix")}
 # Minimum startup budget (periodSeconds x failureThreshold): model loads are slow on a cold node.
 MIN_STARTUP_S = {"orchestrator": 120, "semantic": 300, "prefix": 60, "kvpool": 600}
+# Measured peaks the base requests cover (docs/deploy.md "Memory", docs/capacity.md): kvpool
+# 4.4 GiB with a long prompt at the base's 4,096-token context, semantic ~1.6 GiB while a
+# restart rebuilds 200,000 entries. The dev overlay's smaller settings have smaller peaks.
+MEMORY_PEAK = {"kvpool": int(4.4 * 2**30), "semantic": int(1.6 * 2**30)}
 # The drain time used when a config has no such field (services.common.bootstrap default).
 DEFAULT_GRACE_S = 10.0
 GRACE_FIELDS = ("grace_s", "grace_seconds", "drain_s", "drain_seconds")
@@ -147,6 +151,14 @@ def test_every_container_has_probes_resources_and_runs_locked_down(rendered: Ren
             budget = start.get("periodSeconds", 10) * start.get("failureThreshold", 3)
             assert budget >= MIN_STARTUP_S[w.service], (
                 f"{where}: startup budget {budget}s is shorter than a cold model load")
+            for probe in ("startupProbe", "readinessProbe"):
+                # The 1 s default: a pod busy on its CPU limit (torch threads, the GIL) missed
+                # two checks and left the Service's endpoints while serving.
+                assert c[probe].get("timeoutSeconds", 1) >= 3, f"{where}: {probe} timeout"
+            if w.service in MEMORY_PEAK and rendered.overlay != "dev":
+                # Requested near the measured peak: a pod over its request is among the first
+                # the kubelet evicts under node memory pressure.
+                assert mem_bytes(res["requests"]["memory"]) >= MEMORY_PEAK[w.service], where
 
 
 def test_services_pdbs_hpas_and_policies_select_existing_pods(rendered: Rendered) -> None:
