@@ -32,6 +32,9 @@ class Index(prefix_pb2_grpc.PrefixIndexServicer):
             context.set_code(grpc.StatusCode.FAILED_PRECONDITION)
             context.set_details("model_id: not loaded")
             raise RuntimeError("secret internal detail")
+        if request.model_id == "peer":  # which client connection carried the call
+            return prefix_pb2.MatchResponse(matches=[prefix_pb2.ReplicaMatch(
+                address=context.peer())])
         return prefix_pb2.MatchResponse(request_blocks=len(request.token_ids) // 16)
 
 
@@ -219,6 +222,31 @@ def test_servers_accept_the_keepalive_pings_our_clients_send():
     server = dict(server_options())
     assert server["grpc.http2.min_ping_interval_without_data_ms"] < client
     assert server["grpc.keepalive_permit_without_calls"] == 1
+
+
+def test_connections_are_closed_at_their_max_age_and_clients_move_to_a_new_one():
+    """Behind a Service (balanced per connection) a client kept its first connection for
+    good, so orchestrator pods added by the HPA got no traffic from it."""
+    h = create_server(service="test", address="127.0.0.1:0", max_connection_age_s=0.5,
+                      connection_age_grace_s=5,
+                      services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, Index(),
+                                 "tiercache.v1.PrefixIndex")])
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            stub = prefix_pb2_grpc.PrefixIndexStub(ch)
+
+            def peer() -> str:
+                return stub.Match(prefix_pb2.MatchRequest(model_id="peer", token_ids=[1]),
+                                  timeout=10).matches[0].address
+
+            first = peer()
+            assert peer() == first  # one connection while it is young
+            deadline = time.monotonic() + 30
+            while peer() == first:  # a new connection (another client port) once it aged
+                assert time.monotonic() < deadline, "the connection was never closed"
+                time.sleep(0.2)
+    finally:
+        h.stop(0)
 
 
 def test_an_open_health_watch_does_not_hold_the_shutdown_for_its_grace():

@@ -394,6 +394,8 @@ def create_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     max_concurrent_rpcs: int | None = None,
     credentials: grpc.ServerCredentials | None = None,
+    max_connection_age_s: float = 0.0,
+    connection_age_grace_s: float = 0.0,
 ) -> ServerHandle:
     """Build and start a server; health starts NOT_SERVING.
 
@@ -404,6 +406,9 @@ def create_server(
         internal_token: when set, every non-health RPC must carry `authorization: Bearer <it>`.
         metrics_port: serve Prometheus metrics over HTTP on this port (0 = free port, None = off).
         credentials: TLS credentials; None = from env (server_credentials_from_env) or plaintext.
+        max_connection_age_s: > 0: a client connection is closed (GOAWAY) after this long;
+            clients reconnect for their next calls, so behind a Service connections spread
+            over pods added since. Calls under way get `connection_age_grace_s` to end.
     Raises:
         RuntimeError: the address could not be bound.
     """
@@ -413,7 +418,10 @@ def create_server(
         # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and
         # split connections with the first (and a launcher would take the old one's health
         # for the new one's). A port in use must fail the bind.
-        options=server_options(max_message_bytes),
+        options=server_options(max_message_bytes) + (
+            [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
+             ("grpc.max_connection_age_grace_ms", int(connection_age_grace_s * 1000))]
+            if max_connection_age_s > 0 else []),
         maximum_concurrent_rpcs=max_concurrent_rpcs,
     )
     names = []

@@ -43,7 +43,8 @@ def _main(argv: list[str] | None) -> int:
         services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer,
                    "tiercache.v1.Orchestrator")],
         metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
-        max_workers=cfg.max_workers)
+        max_workers=cfg.max_workers, max_connection_age_s=cfg.max_connection_age_s,
+        connection_age_grace_s=cfg.request_timeout_s)  # a stream under way ends as it would
     try:
         app = build(cfg)
     except (ModelStoreError, OSError, ValueError) as exc:

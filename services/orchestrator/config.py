@@ -90,6 +90,11 @@ class OrchestratorConfig:
     # Stats and Feedback always find a thread.
     max_workers: int = 64
     grace_s: float = 10.0
+    # Client connections are closed (GOAWAY) after this long and clients reconnect: behind a
+    # Kubernetes Service (balanced per connection) long-lived connections otherwise stay on
+    # the pods that existed when they opened, and pods the HPA adds get no traffic. Streams
+    # under way finish (grace: request_timeout_s). 0 = never.
+    max_connection_age_s: float = 300.0
 
     def validate(self) -> None:
         require(-1 <= self.metrics_port <= 65535, SVC, "metrics_port",
@@ -115,6 +120,7 @@ class OrchestratorConfig:
         for name in ("semantic_timeout_s", "prefix_timeout_s"):
             require(getattr(self, name) > 0, SVC, name, "must be > 0")
         require(self.grace_s >= 0, SVC, "grace_s", "must be >= 0")
+        require(self.max_connection_age_s >= 0, SVC, "max_connection_age_s", "must be >= 0")
         require(self.semantic_tier in ("strict", "standard", "relaxed"), SVC, "semantic_tier",
                 "must be strict, standard or relaxed")
         require(self.routing_policy in ("prefix", "round_robin"), SVC, "routing_policy",
