@@ -216,8 +216,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         with self._stream_slot(tenant.name):
             self.tenants.acquire(tenant)
             try:
+                gone = threading.Event()  # the caller cancelled or went away
+                _on_rpc_end(context, gone.set)
                 return self.warmer.warm(tenant, request, context.time_remaining(),
-                                        charge=lambda n: self.tenants.charge(tenant, n))
+                                        charge=lambda n: self.tenants.charge(tenant, n),
+                                        gone=gone)
             finally:
                 self.tenants.release(tenant)
 
@@ -356,11 +359,12 @@ class Warmer:
         return healthy
 
     def warm(self, tenant, request, time_remaining: float | None = None,
-             charge: Callable[[int], None] | None = None) -> orchestrator_pb2.WarmResponse:
+             charge: Callable[[int], None] | None = None,
+             gone: threading.Event | None = None) -> orchestrator_pb2.WarmResponse:
         """Prefill and pin the request's prompts (and/or the tenant's top_k hot prefixes) on
         their target replicas. `charge(n)` is told afterwards how many prefills beyond the first
         computed something (the call itself paid for one): the tenant's rate limit counts
-        each."""
+        each. Once `gone` is set (the caller cancelled), no further prefill is sent."""
         if not request.prompts and not request.top_k:
             raise errors.InvalidArgument("prompts", "give prompts or top_k")
         if len(request.prompts) > MAX_WARM_PROMPTS:
@@ -436,32 +440,42 @@ class Warmer:
         # and handed to each Prefill.
         rid = request_id_var.get()
 
+        gone = gone or threading.Event()
+
         def prefill(job) -> orchestrator_pb2.WarmResult:
+            if gone.is_set():  # nobody to tell: the replicas' work and pins would be wasted
+                return orchestrator_pb2.WarmResult(
+                    prompt_index=job[4], replica_id=job[0].public_id,
+                    error="CANCELLED: the caller went away before this prefill started")
             with bound_request_id(rid):
                 return self._prefill(*job, timeout=deadline - time.monotonic(), request_id=rid)
 
-        results = self._run_windowed(prefill, jobs, deadline)
+        results = self._run_windowed(prefill, jobs, deadline, gone)
         if charge is not None:
             worked = sum(1 for r in results if not r.error and r.computed_tokens > 0)
             if worked > 1:
                 charge(worked - 1)
         return orchestrator_pb2.WarmResponse(results=results)
 
-    def _run_windowed(self, fn, jobs: list, deadline: float) -> list:
+    def _run_windowed(self, fn, jobs: list, deadline: float,
+                      gone: threading.Event) -> list:
         """`fn` over `jobs` on the shared pool, results in order, with at most `WARM_WINDOW`
         of them queued or running at once: a call's next prefill queues behind what other
         calls already queued, so one big call does not hold every warm thread until it is
-        done. Past `deadline` no job waits for a thread: `fn` answers those at once (a
-        prefill's own timeout is what is left of the deadline)."""
+        done. Past `deadline`, or once `gone` is set, no job waits for a thread: `fn` answers
+        those at once (a prefill's own timeout is what is left of the deadline)."""
         results: list = [None] * len(jobs)
         todo = iter(enumerate(jobs))
         running: dict = {}
+
+        def over() -> bool:
+            return gone.is_set() or time.monotonic() >= deadline
 
         def submit_next() -> None:
             nxt = next(todo, None)
             if nxt is None:
                 return
-            if time.monotonic() >= deadline:
+            if over():
                 results[nxt[0]] = fn(nxt[1])
                 submit_next()
             else:
@@ -470,9 +484,10 @@ class Warmer:
         for _ in range(WARM_WINDOW):
             submit_next()
         while running:
-            done, _ = wait(running, timeout=max(0.0, deadline - time.monotonic()),
+            # Woken at least every 0.5 s to see whether the caller went away.
+            done, _ = wait(running, timeout=min(0.5, max(0.0, deadline - time.monotonic())),
                            return_when=FIRST_COMPLETED)
-            if not done:  # the deadline passed while some still wait for a thread
+            if not done and over():  # some still wait for a thread: they need not
                 for f in [f for f in running if f.cancel()]:
                     i = running.pop(f)
                     results[i] = fn(jobs[i])

@@ -3,6 +3,7 @@ fakes for the replicas, the semantic tier and the index; the real pipeline and W
 
 from __future__ import annotations
 
+import threading
 import time
 from types import SimpleNamespace
 
@@ -544,11 +545,9 @@ def test_a_warm_sends_no_prefill_once_its_deadline_has_passed():
     assert stubs["B"].requests == []  # never sent
 
 
-def test_warm_caps_prefills_per_call_and_leaves_pool_threads_to_other_calls():
-    """prompts x replicas was unbounded (4,096 prefills at 64 x 64), and one call queued all
-    of its prefills on the 8 shared warm threads: another tenant's Warm waited for all of them."""
-    import threading
-
+def _gated_warmer(**cfg):
+    """A Warmer over three fake replicas whose prefills of prompts starting with "x" wait for
+    `gate`; `inflight`/`peak` count them: (stubs, gate, inflight, peak, warmer)."""
     from services.orchestrator.render import PromptRenderer
 
     stubs = {r: Stub(r, []) for r in ("A", "B", "C")}
@@ -570,8 +569,14 @@ def test_warm_caps_prefills_per_call_and_leaves_pool_threads_to_other_calls():
         stub.Prefill = held
     orch = make(stubs)
     orch.renderer = PromptRenderer(Tok(), max_chars=100)
-    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",),
-                                             warm_max_prefills_per_call=12))
+    return stubs, gate, inflight, peak, Warmer(orch, OrchestratorConfig(
+        kvpool_addresses=("A",), **cfg))
+
+
+def test_warm_caps_prefills_per_call_and_leaves_pool_threads_to_other_calls():
+    """prompts x replicas was unbounded (4,096 prefills at 64 x 64), and one call queued all
+    of its prefills on the 8 shared warm threads: another tenant's Warm waited for all of them."""
+    stubs, gate, inflight, peak, warmer = _gated_warmer(warm_max_prefills_per_call=12)
     prompts = [orchestrator_pb2.WarmPrompt(prompt=f"x{i:02d}" + "." * 16) for i in range(5)]
     try:
         with pytest.raises(errors.InvalidArgument, match="15 prefills .* limit of 12"):
@@ -608,6 +613,31 @@ def test_warm_caps_prefills_per_call_and_leaves_pool_threads_to_other_calls():
         t2.join(30)
         assert [r.prompt_index for r in big[0].results] == [i for i in range(4) for _ in "ABC"]
         assert peak[0] == 8  # two calls' windows, however many prefills each has
+    finally:
+        gate.set()
+        warmer.stop()
+
+
+def test_a_warm_whose_caller_went_away_sends_no_further_prefill():
+    """A cancelled Warm kept prefilling and pinning for nobody, up to 120 s, holding its
+    stream slot, its tenant slot and the shared warm threads."""
+    stubs, gate, inflight, _, warmer = _gated_warmer()
+    gone = threading.Event()
+    out: list = []
+    prompts = [orchestrator_pb2.WarmPrompt(prompt=f"x{i:02d}" + "." * 16) for i in range(4)]
+    t = threading.Thread(target=lambda: out.append(warmer.warm(
+        TENANT, orchestrator_pb2.WarmRequest(prompts=prompts), gone=gone)))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while inflight[0] < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gone.set()  # the client cancels while 4 of its 12 prefills run
+        gate.set()
+        t.join(30)
+        errors_ = [r.error.split(":")[0] for r in out[0].results]
+        assert errors_.count("") == 4 and errors_.count("CANCELLED") == 8
+        assert sum(len(s.requests) for s in stubs.values()) == 4
     finally:
         gate.set()
         warmer.stop()
