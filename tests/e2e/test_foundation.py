@@ -29,12 +29,16 @@ QUESTION = "Name three primary colors."
 def stack():
     kv = start("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": "kvpool-e2e",
                           "TIERCACHE_KVPOOL_TORCH_THREADS": "1"}, key="foundation-kvpool")
-    orch = start("orchestrator", {"TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": kv.address,
-                                  "TIERCACHE_ORCHESTRATOR_MAX_TOKENS_LIMIT": "512"},
-                 key="foundation-orchestrator")
-    yield kv, orch
-    orch.stop()
-    kv.stop()
+    try:  # an orchestrator that fails to start must not leave the replica running
+        orch = start("orchestrator", {"TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": kv.address,
+                                      "TIERCACHE_ORCHESTRATOR_MAX_TOKENS_LIMIT": "512"},
+                     key="foundation-orchestrator")
+        try:
+            yield kv, orch
+        finally:
+            orch.stop()
+    finally:
+        kv.stop()
 
 
 @pytest.fixture(scope="module")

@@ -52,6 +52,21 @@ def kv_requests(stack) -> int:
     return total
 
 
+def wait_admitted(stack, errors: list, timeout: float = 120.0) -> None:
+    """Until some replica runs (or queues) a request: the one a thread just sent has been
+    routed. Sleeping a guessed while instead was too short on a loaded machine."""
+    stubs = [kvpool_pb2_grpc.KvPoolStub(grpc.insecure_channel(k.address)) for k in stack.kv]
+    end = time.monotonic() + timeout
+    while not errors:
+        if any(st.running + st.waiting > 0 for st in (
+                s.Stats(kvpool_pb2.KvStatsRequest(), timeout=10, metadata=INTERNAL_MD)
+                for s in stubs)):
+            return
+        assert time.monotonic() < end, "the request never reached a replica"
+        time.sleep(0.01)
+    raise errors[0]
+
+
 def test_repeat_is_a_semantic_hit_without_a_model_call(stack, a):
     q = "What is the capital city of Australia?"
     first = a.generate(q, max_tokens=16)
@@ -136,19 +151,25 @@ def test_warm_then_first_requests_hit_on_every_replica(stack, a):
                for r in resp.results)
     warm_tokens = resp.results[0].prompt_tokens
     results: dict[int, object] = {}
+    errors: list[BaseException] = []
 
     def ask(i: int) -> None:
-        results[i] = a.generate([{"role": "system", "content": sys2},
-                                 {"role": "user", "content": f"Question number {i}: hello?"}],
-                                max_tokens=32, ignore_eos=True,
-                                cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True))
+        try:
+            results[i] = a.generate(
+                [{"role": "system", "content": sys2},
+                 {"role": "user", "content": f"Question number {i}: hello?"}],
+                max_tokens=32, ignore_eos=True,
+                cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test
+            errors.append(exc)
 
     ts = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-    for t in ts:
-        t.start()
-        time.sleep(0.3)
+    ts[0].start()
+    wait_admitted(stack, errors)  # the second finds the first's replica busy
+    ts[1].start()
     for t in ts:
         t.join(180)
+    assert not errors, errors[0]
     assert {results[i].report.replica_id for i in range(2)} == {"kv-0", "kv-1"}
     for i in range(2):
         assert results[i].report.cached_tokens >= warm_tokens // 16 * 16 - 16
@@ -168,20 +189,26 @@ def test_requests_sharing_a_new_system_prompt_meet_on_one_replica(stack, a):
         ring.setdefault(policy.choose(views, {}, sid, new_blocks=32, record=False).replica_id,
                         sid)
     results: dict[int, object] = {}
+    errors: list[BaseException] = []
 
     def ask(i: int, sid: str) -> None:
-        results[i] = a.generate([{"role": "system", "content": sys3},
-                                 {"role": "user", "content": f"Question number {i}: hello?"}],
-                                max_tokens=4, session_id=sid,
-                                cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True))
+        try:
+            results[i] = a.generate(
+                [{"role": "system", "content": sys3},
+                 {"role": "user", "content": f"Question number {i}: hello?"}],
+                max_tokens=4, session_id=sid,
+                cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True))
+        except BaseException as exc:  # noqa: BLE001 - re-raised by the test
+            errors.append(exc)
 
     ts = [threading.Thread(target=ask, args=(i, ring[rid]))
           for i, rid in enumerate(("kv-0", "kv-1"))]
-    for t in ts:
-        t.start()
-        time.sleep(0.05)
+    ts[0].start()
+    wait_admitted(stack, errors)  # routed, and (a ~300-token prompt) still prefilling
+    ts[1].start()
     for t in ts:
         t.join(180)
+    assert not errors, errors[0]
     assert results[0].report.replica_id == results[1].report.replica_id
     # The question (and the template's closing tokens) differ; the ~300-token system prompt
     # before them is computed once.

@@ -119,23 +119,24 @@ def test_kvpool_killed_mid_stream_under_load(stack):
     futs, pool = load(stack, 6, max_tokens=16)
     victim = wait_until(lambda: [i for i in [busy_replica(stack)] if i is not None], 60,
                         "a busy replica")[0]
-    stack.kv[victim].kill()
-    results = finish(futs, pool, 60)
-    assert sum(r.code == "OK" for r in results) >= 4, results  # resumed on the survivor
-    # The kill hit work in flight: some request moved to the survivor (or ended with a status).
-    assert any(r.route in ("resume", "retry") or r.code != "OK" for r in results), results
-    stack.wait_kv_idle()  # the survivor (the victim is down): nothing referenced
-    stack.restart(stack.kv[victim])
+    with stack.revived(stack.kv[victim]) as kv:
+        kv.kill()
+        results = finish(futs, pool, 60)
+        assert sum(r.code == "OK" for r in results) >= 4, results  # resumed on the survivor
+        # The kill hit work in flight: some request moved to the survivor (or ended with a
+        # status).
+        assert any(r.route in ("resume", "retry") or r.code != "OK" for r in results), results
+        stack.wait_kv_idle()  # the survivor (the victim is down): nothing referenced
     after_fault(stack)
 
 
 def test_index_killed_and_restarted_under_load(stack):
     futs, pool = load(stack, 4, max_tokens=8)
     time.sleep(0.5)
-    stack.prefix.kill()
-    results = finish(futs, pool, 60)
-    assert all(r.code == "OK" for r in results), results  # the ring takes over
-    stack.restart(stack.prefix)
+    with stack.revived(stack.prefix) as prefix:
+        prefix.kill()
+        results = finish(futs, pool, 60)
+        assert all(r.code == "OK" for r in results), results  # the ring takes over
     # Replicas notice the new index (heartbeat: unknown), register again and resync.
     wait_until(lambda: len(stack.prefix_stats().replicas) == 2, 30, "replicas re-registered")
     after_fault(stack)
@@ -185,11 +186,12 @@ def test_semantic_killed_mid_writes_loses_no_acknowledged_entry(stack):
     try:
         wait_until(lambda: len(acked) >= 15, 60, "some acknowledged stores")
         futs, pool = load(stack, 3, max_tokens=6, policy=common_pb2.CachePolicy())
-        stack.semantic.kill()
-        n_at_kill = len(acked)
-        results = finish(futs, pool, 60)
-        assert all(r.code == "OK" for r in results), results  # generation goes on without it
-        stack.restart(stack.semantic)
+        with stack.revived(stack.semantic) as semantic:
+            semantic.kill()
+            n_at_kill = len(acked)
+            results = finish(futs, pool, 60)
+            # Generation goes on without it.
+            assert all(r.code == "OK" for r in results), results
         wait_until(lambda: len(acked) > n_at_kill + 3, 60, "stores after the restart")
     finally:
         stop.set()
@@ -211,13 +213,13 @@ def test_semantic_killed_mid_writes_loses_no_acknowledged_entry(stack):
 def test_orchestrator_killed_under_load_leaks_nothing(stack):
     futs, pool = load(stack, 4, max_tokens=16, timeout=60)
     wait_until(lambda: busy_replica(stack) is not None, 60, "requests running")
-    stack.orch.kill()
-    results = finish(futs, pool, 60)
-    assert all(r.code in ("UNAVAILABLE", "OK") for r in results), results
-    assert any(r.code == "UNAVAILABLE" for r in results)
-    # The replicas see their caller gone and cancel: no sequence, no reference left.
-    stack.wait_kv_idle()
-    stack.restart(stack.orch)
+    with stack.revived(stack.orch) as orch:
+        orch.kill()
+        results = finish(futs, pool, 60)
+        assert all(r.code in ("UNAVAILABLE", "OK") for r in results), results
+        assert any(r.code == "UNAVAILABLE" for r in results)
+        # The replicas see their caller gone and cancel: no sequence, no reference left.
+        stack.wait_kv_idle()
     assert one_request(stack.orch.address, 99, timeout=60, max_tokens=4).code == "OK"
     after_fault(stack)
 

@@ -4,6 +4,7 @@ limits (message size, concurrent streams, request rate) and secrets kept out of 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -384,21 +385,31 @@ def test_concurrent_stream_limit_per_tenant(stack):
     with TierCacheClient(stack.orch.address, token=TOK_ONE, timeout=120) as c:
         started = threading.Event()
         result = {}
+        kv_pids = [k.proc.pid for k in stack.kv]
 
         def long_stream():
             for ch in c.stream("Tell me a long story about ships.", max_tokens=16,
                                ignore_eos=True, cache_policy=NO_SEMANTIC):
-                started.set()
+                if not started.is_set():
+                    # The replicas stop mid-answer: the stream (and its tenant slot) stays
+                    # open however fast the machine would have finished its 16 tokens.
+                    for pid in kv_pids:
+                        os.kill(pid, signal.SIGSTOP)
+                    started.set()
                 if ch.final is not None:
                     result["final"] = ch.final
 
         t = threading.Thread(target=long_stream)
         t.start()
-        assert started.wait(60)
-        with pytest.raises(grpc.RpcError) as e:
-            gen(c, "And a short one?", cache_policy=NO_SEMANTIC)
-        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "concurrent" in e.value.details()
+        try:
+            assert started.wait(60)
+            with pytest.raises(grpc.RpcError) as e:
+                gen(c, "And a short one?", cache_policy=NO_SEMANTIC)
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "concurrent" in e.value.details()
+        finally:
+            for pid in kv_pids:
+                os.kill(pid, signal.SIGCONT)
         t.join(120)
         assert "final" in result
         assert gen(c, "And now a short one?", cache_policy=NO_SEMANTIC).completion_tokens > 0
