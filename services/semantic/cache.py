@@ -191,8 +191,11 @@ class SemanticCache:
         self._verify_lock = threading.Lock()  # Verify calls, one at a time (see verify)
         # Indexes of namespaces emptied while a merge of theirs ran: shutdown still waits on it.
         self._retired: list[NamespaceIndex] = []
-        self._lru: OrderedDict[int, None] = OrderedDict()  # global, least recent first
         self._ns_lru: dict[Namespace, OrderedDict[int, None]] = {}
+        # Per tenant, least recent first (there is no global order): the global capacity is
+        # taken back from the tenant holding the most entries, so one tenant storing without
+        # end evicts its own.
+        self._tenant_lru: dict[str, OrderedDict[int, None]] = {}
         self._lookups = 0
         self._hits: dict[str, int] = {t: 0 for t in self.policy.tiers}
         self._near = self._guarded = self._evicted = self._expired = 0
@@ -402,8 +405,8 @@ class SemanticCache:
                 return e
             cur = replace(cur, last_hit_at=now, hit_count=cur.hit_count + 1)
             self._entries[e.label] = cur
-            self._lru.move_to_end(e.label)
             self._ns_lru[cur.namespace].move_to_end(e.label)
+            self._tenant_lru[cur.namespace.tenant].move_to_end(e.label)
             # Buffered in order (a dict write, no SQLite): two hits recorded outside the lock
             # could land last-writer-wins with the lower count.
             self.store.record_hit(cur.label, now, cur.hit_count)
@@ -495,8 +498,8 @@ class SemanticCache:
             heapq.heappush(self._expiry_heap, (at, e.label))
         self._by_id[e.id] = e.label
         self._by_prompt[(e.namespace, e.prompt)] = e.label
-        self._lru[e.label] = None
         self._ns_lru[e.namespace][e.label] = None
+        self._tenant_lru.setdefault(e.namespace.tenant, OrderedDict())[e.label] = None
 
     def _drop_locked(self, label: int) -> Entry | None:
         e = self._entries.pop(label, None)
@@ -505,10 +508,14 @@ class SemanticCache:
         self._by_id.pop(e.id, None)
         if self._by_prompt.get((e.namespace, e.prompt)) == label:
             del self._by_prompt[(e.namespace, e.prompt)]
-        self._lru.pop(label, None)
         ns_lru = self._ns_lru.get(e.namespace)
         if ns_lru is not None:
             ns_lru.pop(label, None)
+        t_lru = self._tenant_lru.get(e.namespace.tenant)
+        if t_lru is not None:
+            t_lru.pop(label, None)
+            if not t_lru:
+                del self._tenant_lru[e.namespace.tenant]
         index = self._indexes.get(e.namespace)
         if index is not None:
             index.remove(label)
@@ -521,9 +528,23 @@ class SemanticCache:
         return e
 
     def _victims_locked(self, ns: Namespace) -> list[int]:
-        """Least recently used labels beyond the namespace and the global capacity."""
+        """Least recently used labels beyond the namespace's, the tenant's and the global
+        capacity."""
         out = self._ns_excess_locked(ns)
+        out += self._tenant_excess_locked(ns.tenant, out)
         return out + self._global_excess_locked(out)
+
+    def _tenant_excess_locked(self, tenant: str, chosen: list[int]) -> list[int]:
+        """The tenant's least recently used labels, besides `chosen`, beyond its quota."""
+        quota = self.cfg.max_entries_per_tenant
+        lru = self._tenant_lru.get(tenant)
+        if quota <= 0 or lru is None:
+            return []
+        skip = set(chosen)
+        over = len(lru) - len(skip.intersection(lru)) - quota
+        if over <= 0:
+            return []
+        return list(itertools.islice((x for x in lru if x not in skip), over))
 
     def _ns_excess_locked(self, ns: Namespace) -> list[int]:
         """The namespace's least recently used labels beyond its capacity."""
@@ -532,13 +553,28 @@ class SemanticCache:
         return list(itertools.islice(lru, over)) if over > 0 else []
 
     def _global_excess_locked(self, chosen: list[int]) -> list[int]:
-        """Least recently used labels, besides `chosen` (already going), beyond the global
-        capacity."""
+        """Labels beyond the global capacity, besides `chosen` (already going): each the least
+        recently used of the tenant that holds the most entries at that point. (A global LRU
+        let one tenant storing distinct prompts without end evict every other tenant's
+        answers; now it evicts its own once it holds the most.)"""
         over = len(self._entries) - len(chosen) - self.cfg.max_entries_total
         if over <= 0:
             return []
         skip = set(chosen)
-        return list(itertools.islice((x for x in self._lru if x not in skip), over))
+        held = {t: len(lru) for t, lru in self._tenant_lru.items()}
+        for lab in skip:
+            held[self._entries[lab].namespace.tenant] -= 1
+        order = {t: iter(lru) for t, lru in self._tenant_lru.items()}
+        out: list[int] = []
+        while len(out) < over:
+            t = max(held, key=held.__getitem__)
+            lab = next((x for x in order[t] if x not in skip), None)
+            if lab is None:  # nothing of this tenant left to take
+                held[t] = -1
+                continue
+            out.append(lab)
+            held[t] -= 1
+        return out
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -700,11 +736,13 @@ class SemanticCache:
                     self._ns_lru[ns][e.label] = None
             for e in sorted(self._entries.values(),
                             key=lambda e: max(e.last_hit_at, e.created_at)):
-                self._lru[e.label] = None
+                self._tenant_lru.setdefault(e.namespace.tenant, OrderedDict())[e.label] = None
             # Limits lowered since the entries were written: each namespace's excess first,
             # then what is still over the global limit (choosing both before dropping would
             # count global victims twice and drop more than needed).
             victims = [lab for ns in self._ns_lru for lab in self._ns_excess_locked(ns)]
+            for tenant in list(self._tenant_lru):
+                victims += self._tenant_excess_locked(tenant, victims)
             victims += self._global_excess_locked(victims)
             for lab in victims:
                 self._drop_locked(lab)
@@ -840,7 +878,9 @@ class SemanticCache:
     def check_integrity(self) -> None:
         """Raises AssertionError unless maps, LRU lists and indexes agree."""
         with self._lock:
-            assert set(self._lru) == set(self._entries), "global LRU != entries"
+            assert {t: set(lru) for t, lru in self._tenant_lru.items()} == {
+                t: {lab for lab, e in self._entries.items() if e.namespace.tenant == t}
+                for t in {e.namespace.tenant for e in self._entries.values()}}, "tenant LRU"
             assert {e.id: lab for lab, e in self._entries.items()} == self._by_id
             assert {(e.namespace, e.prompt): lab
                     for lab, e in self._entries.items()} == self._by_prompt, "prompt map"

@@ -80,6 +80,9 @@ class SemanticConfig:
     max_ttl_seconds: int = 365 * 24 * 3600
     max_entries_per_namespace: int = 200_000
     max_entries_total: int = 2_000_000
+    # A tenant's own cap (0 = none): past it, its least recently used entries go. Without
+    # one, the global cap is still taken back from whichever tenant holds the most.
+    max_entries_per_tenant: int = 0
     max_text_chars: int = 8192
     max_answer_chars: int = 65536
     max_tenant_chars: int = 256
@@ -162,6 +165,8 @@ class SemanticConfig:
                 "must fit the API's uint32 ttl_seconds (<= 4294967295)")
         require(self.max_entries_per_namespace >= 1, s, "max_entries_per_namespace", ">= 1")
         require(self.max_entries_total >= 1, s, "max_entries_total", "must be >= 1")
+        require(self.max_entries_per_tenant >= 0, s, "max_entries_per_tenant",
+                "must be >= 0 (0 = no quota)")
         require(self.max_text_chars >= 1, s, "max_text_chars", "must be >= 1")
         require(self.max_answer_chars >= 1, s, "max_answer_chars", "must be >= 1")
         require(self.expiry_interval_s > 0, s, "expiry_interval_s", "must be > 0")

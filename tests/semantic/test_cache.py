@@ -164,6 +164,39 @@ def test_lru_eviction_per_namespace_and_global(make_cache, clock):
     c.check_integrity()
 
 
+def test_a_tenant_storing_without_end_evicts_its_own_entries_not_others(make_cache, clock):
+    """The global capacity was one LRU over every tenant: a tenant storing distinct prompts
+    (in as many namespaces as it liked) evicted every other tenant's answers."""
+    c = make_cache(max_entries_total=6)
+    kept = []
+    for q in ("How tall is Mount Everest?", "Who wrote Hamlet?"):
+        clock.t += 1
+        kept.append(c.store_entry(A, q, "answer").id)
+    for i in range(12):  # tenant-b floods, each prompt in a namespace of its own
+        clock.t += 1
+        c.store_entry(Namespace("tenant-b", "smollm2", f"{i:02x}"), f"Spell the number {i}.",
+                      str(i))
+    assert all(eid in c._by_id for eid in kept)  # the oldest entries, yet kept
+    assert c.stats().entries == 6 and c.stats().evictions_total == 8
+    c.check_integrity()
+    assert c.lookup(A, "Who wrote Hamlet?").hit
+
+
+def test_a_tenant_quota_evicts_only_that_tenants_oldest(make_cache, clock):
+    c = make_cache(max_entries_per_tenant=2)
+    b = c.store_entry(B, "Why is the sea salty?", "salt").id
+    ids = []
+    for q in ("How tall is Mount Everest?", "Who wrote Hamlet?", "What is photosynthesis?"):
+        clock.t += 1
+        ids.append(c.store_entry(Namespace("tenant-a", "smollm2", f"{len(ids)}"), q, "a").id)
+    assert [eid in c._by_id for eid in ids] == [False, True, True] and b in c._by_id
+    assert c.store.count() == 3
+    c.check_integrity()
+    smaller = make_cache(max_entries_per_tenant=1)  # a lower quota at load: the excess goes
+    assert {e.id for e in smaller._entries.values()} == {b, ids[2]}
+    smaller.check_integrity()
+
+
 def test_lowered_limits_at_load_evict_only_the_excess(make_cache, clock):
     """Reloaded under smaller limits: each namespace's excess goes, then only what is still
     over the global limit (oldest first), never more."""
