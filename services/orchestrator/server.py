@@ -318,6 +318,24 @@ def _caching_off(replica) -> bool:
     return stats is not None and stats.prefix_caching_disabled
 
 
+def _fair_share(hot: list, replicas: set[str], k: int) -> list:
+    """Up to `k` of the hot prefixes (hottest first) that some replica lacks, taken in turn
+    from each tenant (cache salt) in the order of its hottest: the cluster's k hottest were
+    all one tenant's when it had the most prefix hits, and once they were held everywhere the
+    warm-up warmed nothing for anyone."""
+    by_salt: dict[str, list] = {}
+    for hp in hot:
+        if not replicas <= set(hp.holders):
+            by_salt.setdefault(hp.cache_salt, []).append(hp)
+    out: list = []
+    queues = list(by_salt.values())
+    while queues and len(out) < k:
+        for q in queues:
+            out.append(q.pop(0))
+        queues = [q for q in queues if q]
+    return out[:k]
+
+
 class Warmer:
     """Prefills prompts on replicas (Warm RPC) and runs the low-traffic warm-up loop."""
 
@@ -517,12 +535,14 @@ class Warmer:
         """One warm-up pass; returns the number of prefills issued."""
         if self.cfg.warm_top_k <= 0 or self.cluster_load() > self.cfg.warm_max_load:
             return 0
+        k = self.cfg.warm_top_k
         try:
-            hot = self.orch.prefix.top_prefixes(self.cfg.warm_top_k, self.orch.model_id)
+            # More than k: the k hottest are often one tenant's, and already held everywhere.
+            hot = self.orch.prefix.top_prefixes(min(1000, 4 * k), self.orch.model_id)
         except grpc.RpcError:
             return 0
         done = 0
-        for hp in hot:
+        for hp in _fair_share(hot, {r.replica_id for r in self.orch.replicas.healthy()}, k):
             for r in self.orch.replicas.healthy():
                 if done >= self.cfg.warm_max_prompts_per_cycle or self._stop.is_set():
                     return done

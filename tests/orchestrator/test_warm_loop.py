@@ -163,3 +163,22 @@ def test_warm_names_a_replica_not_yet_polled_by_position():
     r.stub = SimpleNamespace(Prefill=lambda req, timeout=None, metadata=None:
                              kvpool_pb2.PrefillResponse(prompt_tokens=32))  # names no replica
     assert w._prefill(r, [1] * 32, "s", 60, 0).replica_id == "kvpool#0"
+
+
+def test_the_warm_up_takes_tenants_in_turn_and_skips_what_every_replica_holds():
+    """The cluster's k hottest prefixes were often one tenant's: it took every slot, and once
+    they were held everywhere the cycle warmed nothing for anyone."""
+    def salted(tokens, holders, salt, hits):
+        return prefix_pb2.HotPrefix(token_ids=tokens, holders=holders, hits=hits,
+                                    cache_salt=salt)
+
+    cfg = OrchestratorConfig(warm_interval_s=1.0, warm_top_k=2, warm_max_load=1.0,
+                             warm_max_prompts_per_cycle=10, warm_pin_ttl_s=60)
+    everywhere = [salted([i] * 32, ["r0", "r1"], "x", 100 - i) for i in range(1, 3)]
+    w, reps = make([0, 0], everywhere + [salted([9] * 32, ["r0"], "y", 5)])
+    w.cfg = cfg
+    assert w.cycle() == 1 and reps[1].stub.calls == [[9] * 32]
+    lacking = [salted([i] * 32, ["r0"], "x", 100 - i) for i in range(1, 4)]
+    w, reps = make([0, 0], lacking + [salted([9] * 32, ["r0"], "y", 5)])
+    w.cfg = cfg
+    assert w.cycle() == 2 and reps[1].stub.calls == [[1] * 32, [9] * 32]  # x's hottest, y's
