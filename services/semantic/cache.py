@@ -436,8 +436,10 @@ class SemanticCache:
                     ttl_seconds: int = 0, truncated: int = 0) -> Entry:
         """Embeds and durably stores an answer; returns once it is committed.
 
-        Evicts least recently used entries beyond the namespace and global capacity. A second
-        store of the identical prompt in a namespace replaces the first.
+        Evicts least recently used entries beyond the namespace, tenant and global capacity
+        (see `_global_excess_locked`). A second store of the identical prompt in a namespace
+        replaces the first: of two at once, the one committed later stands, and the other
+        returns it.
 
         Raises:
             InvalidArgument: bad namespace, prompt, answer or ttl (nothing is written).
@@ -459,20 +461,29 @@ class SemanticCache:
         entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated,
                       over)
         dropped: list[int] = []  # labels memory no longer holds: their rows go too
+        victims: list[int] = []
+        stands: Entry | None = None
         try:
             with self._lock:
                 # Same prompt again: the new answer replaces the old one.
                 old = self._by_prompt.get((ns, prompt))
-                self._add_locked(entry, vec)
-                if old is not None:
-                    self._drop_locked(old)
-                    dropped.append(old)
-                victims = self._victims_locked(ns)
-                for lab in victims:
-                    self._drop_locked(lab)
-                    dropped.append(lab)
-                self._evicted += len(victims)
-                self._m["entries"].set(len(self._entries))
+                if old is not None and old > label:
+                    # A Store of the same prompt committed after this one (a higher label)
+                    # took the lock first: the later answer stands, as a restart would have
+                    # it (load keeps the newest row). Served the earlier one instead.
+                    stands = self._entries[old]
+                    dropped.append(label)
+                else:
+                    self._add_locked(entry, vec)
+                    if old is not None:
+                        self._drop_locked(old)
+                        dropped.append(old)
+                    victims = self._victims_locked(ns)
+                    for lab in victims:
+                        self._drop_locked(lab)
+                        dropped.append(lab)
+                    self._evicted += len(victims)
+                    self._m["entries"].set(len(self._entries))
         except BaseException:
             # Committed rows that memory does not hold would be served by nothing, missed by
             # invalidate and brought back by a restart: the new one, and any old one already
@@ -484,7 +495,7 @@ class SemanticCache:
             raise
         self._m["evictions"].inc(len(victims))
         self.store.delete(dropped)
-        return entry
+        return stands or entry
 
     def _add_locked(self, e: Entry, vec: np.ndarray) -> None:
         index = self._indexes.get(e.namespace)

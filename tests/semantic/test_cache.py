@@ -197,6 +197,31 @@ def test_a_tenant_quota_evicts_only_that_tenants_oldest(make_cache, clock):
     smaller.check_integrity()
 
 
+def test_of_two_stores_of_one_prompt_at_once_the_later_commit_stands(make_cache):
+    """Rows commit outside the cache lock: a Store committed first but taking the lock last
+    replaced the later answer in memory, while a restart (newest row wins) served the later
+    one, so the answer flipped."""
+    c = make_cache()
+    real = c.store.insert
+    later: list = []
+
+    def insert_then_overtaken(**row):
+        label = real(**row)
+        if c.store.insert is insert_then_overtaken:
+            # The second Store runs whole between this commit and this Store's lock.
+            c.store.insert = real
+            later.append(c.store_entry(A, "Who wrote Hamlet?", "Shakespeare (later)"))
+        return label
+
+    c.store.insert = insert_then_overtaken
+    got = c.store_entry(A, "Who wrote Hamlet?", "Shakespeare (earlier)")
+    assert got.id == later[0].id and got.answer == "Shakespeare (later)"
+    assert c.lookup(A, "Who wrote Hamlet?").entry.answer == "Shakespeare (later)"
+    assert c.store.count() == 1
+    c.check_integrity()
+    assert make_cache().lookup(A, "Who wrote Hamlet?").entry.answer == "Shakespeare (later)"
+
+
 def test_lowered_limits_at_load_evict_only_the_excess(make_cache, clock):
     """Reloaded under smaller limits: each namespace's excess goes, then only what is still
     over the global limit (oldest first), never more."""
