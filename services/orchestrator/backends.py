@@ -368,9 +368,12 @@ class SemanticBackend:
                 self.shard_health[address].fail(e)
             with self._hung_lock:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and whole:
-                    # Hung: it let a call run out its whole timeout.
+                    # Hung: it let a call run out its whole timeout. The back-off grows from
+                    # what is recorded now: a call begun before another marked the shard hung
+                    # held no record, and reset a grown back-off to the first one.
                     first, most = self.HUNG_BACKOFF_S
-                    back = min(most, hung[1] * 2) if hung is not None else first
+                    now_hung = self._hung.get(address)
+                    back = min(most, now_hung[1] * 2) if now_hung is not None else first
                     self._hung[address] = (self.clock() + back, back)
                     log.warning("semantic shard %s timed out (%.1fs): skipped for %.1fs",
                                 address, timeout, back)

@@ -610,3 +610,20 @@ def test_ttft_is_counted_from_the_arrival_the_servicer_gives():
         deadline=time.monotonic() + 30.0, on_cancel=lambda fn: None,
         arrived=time.monotonic() - 5.0))
     assert finished(events).report.ttft_ms >= 5000.0
+
+
+def test_a_slow_call_begun_before_the_shard_was_marked_hung_keeps_its_grown_back_off():
+    """A call took its view of the shard when it began (not hung yet). Timing out after
+    another call had doubled the back-off to 4 s, it wrote back the first, 0.5 s."""
+    now = [100.0]
+    sb = None
+
+    class Late(TimesOut):
+        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
+            sb._hung["s:1"] = (now[0] + 4.0, 4.0)  # meanwhile: hung, back-off grown to 4 s
+            return super().Lookup(req, timeout, metadata)
+
+    sb = backend_with(Late(), now)
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(semantic_pb2.LookupRequest())
+    assert sb._hung["s:1"] == (now[0] + 5.0, 5.0)  # doubled from 4 s (capped at 5 s)
