@@ -260,6 +260,7 @@ class Engine:
         self._by_id: dict[str, Sequence] = {}
         self._ids = itertools.count(1)
         self._queue_lock = threading.Lock()
+        self._closed = False  # the loop has ended: submit and call refuse (Unavailable)
         self._queued = 0  # submitted and not yet admitted or ended (max_waiting)
         self._events: deque[PoolEvent] = deque()
         self._events_cv = threading.Condition()
@@ -322,16 +323,20 @@ class Engine:
         draft = (Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens)
                  if self.drafts and req.draft_token_ids and not req.prefill_only else None)
         with self._queue_lock:
+            if self._closed:
+                raise errors.Unavailable("replica is shutting down")
             # Counted here, not from the last step's stats: a burst arriving between two steps
             # must meet the limit too (every waiting stream holds a gRPC thread).
             if self._queued >= self.max_waiting:
                 raise errors.Overloaded("replica busy: too many waiting requests")
             self._queued += 1
             order = next(self._ids)
-        seq = Sequence(req, out, f"{req.request_id or 'req'}#{order}", list(req.token_ids),
-                       sampler, time.monotonic(), order=order, queued=True)
-        seq.draft = draft
-        self._inbox.put(("submit", seq))
+            seq = Sequence(req, out, f"{req.request_id or 'req'}#{order}", list(req.token_ids),
+                           sampler, time.monotonic(), order=order, queued=True)
+            seq.draft = draft
+            # Under the lock that closes the engine: queued before the loop's last drain, or
+            # refused (a request slipping in after it waited for an answer for good).
+            self._inbox.put(("submit", seq))
         return seq.seq_id, out
 
     def _dequeue(self, seq: Sequence) -> None:
@@ -348,7 +353,11 @@ class Engine:
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run `fn` on the engine thread (between steps) and return its future."""
         fut: Future = Future()
-        self._inbox.put(("call", fn, fut))
+        with self._queue_lock:
+            if self._closed:
+                fut.set_exception(errors.Unavailable("replica is shutting down"))
+            else:
+                self._inbox.put(("call", fn, fut))
         return fut
 
     def stats(self) -> EngineStats:
@@ -407,6 +416,8 @@ class Engine:
                 self._publish_state()
             except Exception:  # noqa: BLE001 - a dead engine thread would hang every caller
                 log.exception("publishing the engine's stats and events failed")
+        with self._queue_lock:
+            self._closed = True  # nothing is queued after the drain below
         self._drain_inbox(block=False)  # requests that raced with the stop get an answer too
         self._fail_everything(errors.Unavailable("replica is shutting down"))
 

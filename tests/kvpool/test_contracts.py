@@ -119,6 +119,13 @@ def prompt(n: int, seed: int) -> list[int]:
     return [rng.randrange(1, TINY_VOCAB - 1) for _ in range(n)]
 
 
+def by_hand(eng: Engine) -> None:
+    """Stop the engine thread; the test's own loop steps it (a stopped engine refuses
+    requests, so it is opened again for that)."""
+    eng.stop()
+    eng._closed = False
+
+
 def drive(eng: Engine, reqs: list[EngineRequest], after_step: Callable[[Engine], None],
           max_steps: int = 5000) -> list[tuple[list[int], Finished]]:
     """Run requests to completion on a stopped engine, calling `after_step` after each step."""
@@ -157,7 +164,7 @@ def other(t: int) -> int:
 def test_rejected_draft_tokens_give_their_blocks_back_at_every_step(make_engine,
                                                                     tiny_model) -> None:
     eng = make_engine(num_blocks=64, block_size=2, max_batch_size=3)
-    eng.stop()  # stepped by hand below
+    by_hand(eng)  # stepped by hand below
     n_new = 30
     prompts = [prompt(9, 40 + i) for i in range(3)]
     refs = [reference_greedy(tiny_model, p, n_new) for p in prompts]
@@ -197,7 +204,7 @@ def test_rejected_draft_tokens_give_their_blocks_back_at_every_step(make_engine,
 def test_pool_pressure_preempts_the_newest_decoding_sequence(make_engine, tiny_model) -> None:
     # 14 blocks of 4: two sequences of 20 prompt + 24 new tokens cannot both finish at once.
     eng = make_engine(num_blocks=14, max_batch_size=2, max_prefill_chunk=32)
-    eng.stop()  # stepped by hand below
+    by_hand(eng)  # stepped by hand below
     a, b = prompt(20, 20), prompt(20, 21)
     preempted: set[str] = set()
 
@@ -221,7 +228,7 @@ def test_preemption_takes_the_latest_submitted_even_after_a_row_move(make_engine
     """A, B, C admitted in order; A finishes first and C's row moves into its slot, so the last
     row is B. Pool pressure must still send C back, not B (before: `_decoding[-1]`)."""
     eng = make_engine(num_blocks=16, max_batch_size=3, prefix_caching=False)
-    eng.stop()
+    by_hand(eng)
     first_victims: list[str] = []
     preempt = eng._preempt
 
@@ -254,7 +261,7 @@ def test_max_waiting_holds_against_a_burst_between_two_steps(make_engine) -> Non
     from services.common.errors import Overloaded as ResourceExhausted  # busy, not "never"
 
     eng = make_engine(max_waiting=2)
-    eng.stop()  # nothing is admitted meanwhile
+    by_hand(eng)  # nothing is admitted meanwhile
     accepted, refused = [], 0
     for i in range(10):
         try:
@@ -278,7 +285,7 @@ def test_pins_are_released_before_any_streaming_answer_is_preempted(make_engine,
     # The pins are warm-up advice: they must go before either answer is stopped and
     # recomputed (before, they went only when a single answer was decoding).
     eng = make_engine(num_blocks=13, max_batch_size=2, max_prefill_chunk=32, drafts=False)
-    eng.stop()
+    by_hand(eng)
     warm = EngineRequest("warm", prompt(8, 30), SamplingSpec(max_tokens=0), prefill_only=True,
                          pin_ttl_seconds=600)
     ((_, wfin),) = drive(eng, [warm], lambda e: None)
@@ -301,7 +308,7 @@ def test_a_request_that_fits_the_pool_gets_in_past_pins_which_yield_only_what_it
     of the queue until that answer ended, then was refused anyway; and any pressure released
     every tenant's pins. Now as few pins yield as the request needs, chain tails first."""
     eng = make_engine(num_blocks=16, max_batch_size=4, max_prefill_chunk=64, drafts=False)
-    eng.stop()
+    by_hand(eng)
     eng.pool.max_pinned = 8
     warms = [EngineRequest(f"warm-{salt}", prompt(16, seed), SamplingSpec(max_tokens=0), salt,
                            prefill_only=True, pin_ttl_seconds=3600)

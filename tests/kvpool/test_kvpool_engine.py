@@ -690,3 +690,15 @@ def test_an_engine_whose_every_turn_fails_reads_as_stalled(make_engine) -> None:
     while eng.stalled_for() > 0.5:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_stopped_engine_refuses_requests_instead_of_queueing_them_for_nobody(
+        make_engine) -> None:
+    """A request queued after the loop's last drain was never answered: its handler waited
+    for the client's deadline, or for good without one."""
+    eng = make_engine(num_blocks=64)
+    eng.stop()
+    with pytest.raises(errors.Unavailable, match="shutting down"):
+        eng.submit(request(prompt(8), max_tokens=2))
+    with pytest.raises(errors.Unavailable):
+        eng.call(lambda: None).result(5)
