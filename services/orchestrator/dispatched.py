@@ -37,9 +37,11 @@ class DispatchMemory:
         self.max_blocks = max_blocks  # over all replicas; the oldest go first
         self.clock = clock
         self._lock = threading.Lock()
-        # replica id -> block hash -> time recorded, oldest first
-        self._by_replica: dict[str, OrderedDict[bytes, float]] = {}
-        self._size = 0
+        # (replica id, block hash) -> time recorded, oldest first over every replica: expiry
+        # and shedding pop from the front, O(1) a block (a per-replica order made shedding
+        # scan every replica for the oldest, under the route lock, once per block).
+        self._order: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        self._by_replica: dict[str, set[bytes]] = {}  # for match: what each replica was sent
 
     @property
     def enabled(self) -> bool:
@@ -48,7 +50,7 @@ class DispatchMemory:
     def __len__(self) -> int:
         with self._lock:
             self._expire(self.clock())
-            return self._size
+            return len(self._order)
 
     def record(self, replica_id: str, hashes: Sequence[bytes]) -> None:
         """`replica_id` was sent a prompt whose full blocks hash to `hashes`."""
@@ -56,15 +58,18 @@ class DispatchMemory:
             return
         with self._lock:
             now = self.clock()
-            blocks = self._by_replica.setdefault(replica_id, OrderedDict())
+            blocks = self._by_replica.setdefault(replica_id, set())
+            order = self._order
             for h in hashes:
-                if h in blocks:
-                    blocks.move_to_end(h)
+                key = (replica_id, h)
+                if key in order:
+                    order.move_to_end(key)
                 else:
-                    self._size += 1
-                blocks[h] = now
+                    blocks.add(h)
+                order[key] = now
             self._expire(now)
-            self._shed()
+            while len(order) > self.max_blocks:  # the oldest go, whichever replica's
+                self._pop_oldest()
 
     def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
         """Replica id -> prompt tokens in leading blocks of `hashes` sent there recently.
@@ -97,29 +102,18 @@ class DispatchMemory:
     def forget(self, replica_id: str) -> None:
         """Drop everything sent to `replica_id` (it failed: its work may be lost)."""
         with self._lock:
-            blocks = self._by_replica.pop(replica_id, None)
-            if blocks:
-                self._size -= len(blocks)
+            for h in self._by_replica.pop(replica_id, ()):
+                del self._order[(replica_id, h)]
+
+    def _pop_oldest(self) -> None:
+        (rid, h), _ = self._order.popitem(last=False)
+        blocks = self._by_replica[rid]
+        blocks.discard(h)
+        if not blocks:
+            del self._by_replica[rid]
 
     def _expire(self, now: float) -> None:
         cutoff = now - self.ttl_s
-        for rid in list(self._by_replica):
-            blocks = self._by_replica[rid]
-            while blocks:
-                h, at = next(iter(blocks.items()))
-                if at > cutoff:
-                    break
-                blocks.popitem(last=False)
-                self._size -= 1
-            if not blocks:
-                del self._by_replica[rid]
-
-    def _shed(self) -> None:
-        """Past max_blocks: drop the oldest entries, whichever replica holds them."""
-        while self._size > self.max_blocks:
-            rid = min(self._by_replica, key=lambda r: next(iter(self._by_replica[r].values())))
-            blocks = self._by_replica[rid]
-            blocks.popitem(last=False)
-            self._size -= 1
-            if not blocks:
-                del self._by_replica[rid]
+        order = self._order
+        while order and next(iter(order.values())) <= cutoff:
+            self._pop_oldest()

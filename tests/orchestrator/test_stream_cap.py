@@ -110,7 +110,7 @@ def test_warm_takes_a_stream_slot_so_the_headroom_stays_for_probes():
     take the threads kept for health checks and Stats."""
     s, orch = servicer(STREAM_HEADROOM + 1)  # room for 1 stream
     calls: list[int] = []
-    s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge: calls.append(s._streams)
+    s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge, gone: calls.append(s._streams)
                                or orchestrator_pb2.WarmResponse())
     s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
     assert calls == [1] and s._streams == 0  # held during the call, released after
@@ -133,7 +133,7 @@ def test_a_warm_pays_the_tenants_rate_limit_for_each_prefill_it_runs():
     s, orch = servicer(STREAM_HEADROOM + 1)
     s.tenants.default = dataclasses.replace(s.tenants.default, rate_per_s=1.0, burst=2)
     s.tenants.clock = clock = Clock(100.0)
-    s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge: charge(5)
+    s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge, gone: charge(5)
                                or orchestrator_pb2.WarmResponse())
     s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())  # 6 prefills: 2 - 6 -> -2 (floor)
     from prometheus_client import REGISTRY
