@@ -106,21 +106,34 @@ class Neighbor(NamedTuple):
 _INITIAL_DELTA_ROWS = 2
 
 
+def _stored(main: faiss.Index | None, dim: int) -> np.ndarray:
+    """The vectors a main index holds, in its order: a view of faiss's own storage, valid
+    while `main` lives and never written (a published main is immutable). A copy kept beside
+    it doubled the vectors' memory (about 3 GB at 2M entries of 384 floats)."""
+    if main is None:
+        return np.zeros((0, dim), np.float32)
+    flat = faiss.downcast_index(main.storage) if isinstance(main, faiss.IndexHNSWFlat) else main
+    n = flat.ntotal
+    if n == 0:
+        return np.zeros((0, dim), np.float32)
+    return faiss.rev_swig_ptr(flat.get_xb(), n * dim).reshape(n, dim)
+
+
 @dataclass(frozen=True)
 class _Snapshot:
     main: faiss.Index | None
     main_labels: np.ndarray  # int64, position in main -> label
-    main_vecs: np.ndarray  # float32 [n, dim], kept for rebuilds and exact search
     delta_vecs: np.ndarray  # float32 [capacity, dim]; rows >= count[0] not yet visible
     delta_labels: np.ndarray  # int64 [capacity]
     kind: str  # "flat", "hnsw" or "empty"
     count: list[int]  # [visible delta rows]; the only mutable part, written under the lock
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
-        """(labels, vectors) of main + visible delta."""
+        """(labels, vectors) of main + visible delta (copies)."""
         n = self.count[0]
         return (np.concatenate([self.main_labels, self.delta_labels[:n]]),
-                np.concatenate([self.main_vecs, self.delta_vecs[:n]]))
+                np.concatenate([_stored(self.main, self.delta_vecs.shape[1]),
+                                self.delta_vecs[:n]]))
 
 
 class NamespaceIndex:
@@ -138,13 +151,12 @@ class NamespaceIndex:
         self._lock = threading.Lock()
         self._dead: set[int] = set()
         self._live: set[int] = set()
-        self._snap = self._new_snapshot(None, np.zeros(0, np.int64),
-                                        np.zeros((0, params.dim), np.float32), "empty")
+        self._snap = self._new_snapshot(None, np.zeros(0, np.int64), "empty")
         self._merging: threading.Thread | None = None
         self._closing = False
         self._held = 0  # callers inside `merges_held`
 
-    def _new_snapshot(self, main, labels, vecs, kind, cap: int | None = None) -> _Snapshot:
+    def _new_snapshot(self, main, labels, kind, cap: int | None = None) -> _Snapshot:
         # The delta starts at 2 rows and doubles as it fills (up to `delta_capacity`): chat
         # traffic has about one namespace per conversation turn, and a full-size delta each
         # (3 MiB of address space at 2048 x 384 floats) cost 28-140 KiB of RSS per entry.
@@ -152,7 +164,7 @@ class NamespaceIndex:
         # at start and never written to again holds no delta at all.
         if cap is None:
             cap = self._first_delta_rows
-        return _Snapshot(main, labels, vecs, np.zeros((cap, self.params.dim), np.float32),
+        return _Snapshot(main, labels, np.zeros((cap, self.params.dim), np.float32),
                          np.zeros(cap, np.int64), kind, [0])
 
     @property
@@ -192,7 +204,7 @@ class NamespaceIndex:
         cap = max(self._first_delta_rows, 2 * len(snap.delta_labels))
         if len(snap.delta_labels) < self.params.delta_capacity:
             cap = min(cap, self.params.delta_capacity)  # still growing to its planned size
-        new = _Snapshot(snap.main, snap.main_labels, snap.main_vecs,
+        new = _Snapshot(snap.main, snap.main_labels,
                         np.zeros((cap, self.params.dim), np.float32), np.zeros(cap, np.int64),
                         snap.kind, [n])
         new.delta_vecs[:n] = snap.delta_vecs[:n]
@@ -320,22 +332,22 @@ class NamespaceIndex:
                purge: bool = False):
         """A new main index over `snap`'s main + its first `n` delta rows (or over `labels`,
         `vecs`), without `dead` unless the HNSW graph is only extended. Returns (main, labels,
-        vecs, kind, snap, n, purged): `purged` the tombstones it left out."""
+        kind, snap, n, purged): `purged` the tombstones it left out."""
         bulk = labels is not None
+        p = self.params
         if not bulk:
             labels = np.concatenate([snap.main_labels, snap.delta_labels[:n]])
-            vecs = np.concatenate([snap.main_vecs, snap.delta_vecs[:n]])
-        p = self.params
-        if (not bulk and not purge and snap.kind == "hnsw"
-                and len(labels) - len(dead) >= p.hnsw_min_entries):
-            # Extend the graph: a copy of it plus the new rows. Tombstoned rows stay (searches
-            # skip them) until a merge purges them (more than a quarter of the live entries);
-            # rebuilding HNSW from scratch on every merge cost seconds per thousand rows.
-            main, kind = faiss.clone_index(snap.main), "hnsw"
-            main.add(vecs[len(snap.main_labels):])
-            main.hnsw.efSearch = p.hnsw_ef_search
-            return (main, np.ascontiguousarray(labels), np.ascontiguousarray(vecs), kind, snap,
-                    n, set())
+            if (not purge and snap.kind == "hnsw"
+                    and len(labels) - len(dead) >= p.hnsw_min_entries):
+                # Extend the graph: a copy of it plus the new rows. Tombstoned rows stay
+                # (searches skip them) until a merge purges them (more than a quarter of the
+                # live entries); rebuilding HNSW from scratch on every merge cost seconds per
+                # thousand rows.
+                main = faiss.clone_index(snap.main)
+                main.add(np.ascontiguousarray(snap.delta_vecs[:n]))
+                main.hnsw.efSearch = p.hnsw_ef_search
+                return main, np.ascontiguousarray(labels), "hnsw", snap, n, set()
+            vecs = np.concatenate([_stored(snap.main, p.dim), snap.delta_vecs[:n]])
         if dead:
             keep = ~np.isin(labels, np.fromiter(dead, np.int64, len(dead)))
             labels, vecs = labels[keep], vecs[keep]
@@ -350,17 +362,16 @@ class NamespaceIndex:
             main.add(vecs)
         if kind == "hnsw":
             main.hnsw.efSearch = p.hnsw_ef_search
-        return (main, np.ascontiguousarray(labels), np.ascontiguousarray(vecs), kind, snap, n,
-                dead)
+        return main, np.ascontiguousarray(labels), kind, snap, n, dead
 
     def _swap_locked(self, built) -> None:
         """Publishes a built main index; delta rows added since the build carry over."""
-        main, labels, vecs, kind, snap, n, dead = built
+        main, labels, kind, snap, n, dead = built
         cur = self._snap
         # `cur` is `snap`, or a copy of it with a larger delta (same main, same first rows).
         assert cur.main_labels is snap.main_labels, "a snapshot was swapped under a build"
         late = cur.count[0] - n
-        new = self._new_snapshot(main, labels, vecs, kind, 2 * late)
+        new = self._new_snapshot(main, labels, kind, 2 * late)
         if late:
             new.delta_vecs[:late] = cur.delta_vecs[n:n + late]
             new.delta_labels[:late] = cur.delta_labels[n:n + late]
