@@ -25,13 +25,13 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from services.common.errors import InvalidArgument, NotFound, shown
+from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, shown
 from services.semantic.config import SemanticConfig
 from services.semantic.guard import ParaphraseGuard
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.policy import Outcome, ThresholdPolicy
 from services.semantic.store import WRITE_CHUNK, EntryStore, Row
-from services.semantic.verifier import Verifier, VerifierModel
+from services.semantic.verifier import StaleVerifier, Verifier, VerifierModel
 
 log = logging.getLogger(__name__)
 
@@ -167,8 +167,17 @@ class SemanticCache:
         self.guard = ParaphraseGuard()
         self.guard_tiers = frozenset(cfg.guard_tiers)
         self.verifier_tiers = frozenset(cfg.verifier_tiers)
-        self.verifier = (Verifier(VerifierModel.load(cfg.verifier_path) if cfg.verifier_path
-                                  else None, self.guard) if self.verifier_tiers else None)
+        self.verifier: Verifier | None = None
+        if self.verifier_tiers:
+            try:
+                self.verifier = Verifier(VerifierModel.load(cfg.verifier_path)
+                                         if cfg.verifier_path else None, self.guard)
+            except StaleVerifier as e:
+                # Fitted on another version's features (an upgrade changed them, or a
+                # rollback): the verifier tiers keep the guard, as with weights fitted for
+                # another embedder below. It stopped every shard (exit 2).
+                log.warning("%s: %s; verifier off (guard only) until then", cfg.verifier_path,
+                            e)
         fitted_for = (self.verifier.model.meta or {}).get("embedder") if self.verifier else None
         if fitted_for and fitted_for != embedder.name:
             # Its weights read similarities of the model it was fitted with; another model's
@@ -727,7 +736,7 @@ class SemanticCache:
         self._reembed(live)
         groups = self._group_rows(live)
         del live  # the rows: only each namespace's entries and per-row vectors are left
-        self.store.delete(stale + replaced)
+        self._delete_at_load(stale + replaced, "expired or replaced")
         with self._lock:
             # One namespace at a time, its per-row vectors let go as soon as they are stacked:
             # kept until the end, every row's array stayed alive beside the stacked copy, the
@@ -765,11 +774,29 @@ class SemanticCache:
             self._m["entries"].set(len(self._entries))
         self._m["evictions"].inc(len(victims))
         self._m["expirations"].inc(len(stale))
-        self.store.delete(victims)
+        self._delete_at_load(victims, "over capacity")
         log.info("loaded %d entries in %d namespaces (%d expired, %d over capacity, %d replaced "
                  "by a newer answer to the same prompt)", len(self._entries), len(self._indexes),
                  len(stale), len(victims), len(replaced))
         return len(self._entries)
+
+    def _delete_at_load(self, labels: list[int], what: str) -> None:
+        """Deletes rows memory does not load. On a full disk they stay on disk (the next start
+        drops them again): a restart must not fail for it, where the running service serves
+        lookups on a full disk. Start-up otherwise failed (exit 2) whenever rows had expired
+        meanwhile, so the shard never came back."""
+        try:
+            self.store.delete(labels)
+        except ResourceExhausted as e:
+            log.warning("%d %s rows left on disk, not loaded: %s", len(labels), what, e)
+
+    def _rewrite_at_load(self, updates: list[tuple[int, np.ndarray, str]]) -> None:
+        """Writes re-embedded vectors back; on a full disk memory keeps the new ones and the
+        next start embeds those rows again."""
+        try:
+            self.store.set_embeddings(updates)
+        except ResourceExhausted as e:
+            log.warning("%d re-embedded vectors not written back: %s", len(updates), e)
 
     def _newest_rows(self) -> tuple[dict[tuple[Namespace, str], Row], list[int]]:
         """Every stored row, keeping the newest of each (namespace, prompt); and the labels of
@@ -836,9 +863,9 @@ class SemanticCache:
                 r.embedding, r.embed_model = v, self._embed_id
                 updates.append((r.label, v, self._embed_id))
             if len(updates) >= WRITE_CHUNK:  # written as it goes: a restart keeps the work
-                self.store.set_embeddings(updates)
+                self._rewrite_at_load(updates)
                 updates = []
-        self.store.set_embeddings(updates)
+        self._rewrite_at_load(updates)
         if old:
             log.info("re-embedded %d entries with %s", len(old), self.embedder.name)
         # Rows stored before every vector was made unit length (a folder without a Normalize
@@ -858,7 +885,7 @@ class SemanticCache:
                 r = chunk[j]
                 r.embedding = v
                 updates.append((r.label, v, r.embed_model))
-            self.store.set_embeddings(updates)
+            self._rewrite_at_load(updates)
             fixed += len(bad)
         if fixed:
             log.info("normalised %d stored vectors to unit length", fixed)

@@ -27,6 +27,7 @@ log = logging.getLogger(__name__)
 # and the store's lock is let go between chunks so that Stores are not held up behind a long
 # write.
 WRITE_CHUNK = 5000
+SCHEMA_VERSION = 1  # PRAGMA user_version this build writes and understands
 # The -wal file is truncated to this after a checkpoint: a large transaction (an Invalidate of
 # a big namespace) otherwise leaves it at its largest size on disk for good.
 _JOURNAL_SIZE_LIMIT = 64 << 20
@@ -133,6 +134,22 @@ def _row(t: tuple) -> Row:
                t[8], bool(t[9]), t[10], t[11], t[12], t[13], int(t[14]))
 
 
+def _full(e: sqlite3.Error) -> bool:
+    """SQLITE_FULL (the disk or the database's size limit)."""
+    return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "full" in str(e)
+
+
+@contextlib.contextmanager
+def _full_is_exhausted() -> Iterator[None]:
+    """A full disk is RESOURCE_EXHAUSTED naming it, not an INTERNAL error."""
+    try:
+        yield
+    except sqlite3.OperationalError as e:
+        if _full(e):
+            raise ResourceExhausted(f"disk: the entry store is full ({e})") from None
+        raise
+
+
 class EntryStore:
     """All SQLite access of the service, on one connection guarded by a lock."""
 
@@ -155,11 +172,26 @@ class EntryStore:
             self._db.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
             self._db.executescript(_SCHEMA)
             cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
-            if self._db.execute("PRAGMA user_version").fetchone()[0] < 1:
+            version = self._db.execute("PRAGMA user_version").fetchone()[0]
+            if version > SCHEMA_VERSION:
+                # A rollback past a schema change: this build would read (and write) rows
+                # whose meaning it does not know, and never run the newer migration again.
+                raise ValueError(
+                    f"{path}: schema version {version} is newer than this build's "
+                    f"({SCHEMA_VERSION}); run the newer build, or move the database aside "
+                    "to start this one empty")
+            if version < 1:
                 self._mark_uncertain_answers("truncated" in cols)
-        except BaseException:
+        except BaseException as e:
+            if getattr(self, "_db", None) is not None:
+                self._db.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
+            if type(e) is sqlite3.DatabaseError:  # not a database, or a malformed one
+                # "file is not a database" named no file and no way out: the pod crash-looped.
+                raise sqlite3.DatabaseError(
+                    f"{path}: {e} (a damaged database: move it aside and the service starts "
+                    "empty; the cache refills)") from e
             raise
         # Hit counters have their own lock: a lookup that records a hit must not wait behind a
         # Store's fsync or a flush holding the connection.
@@ -221,7 +253,7 @@ class EntryStore:
                      int(verified), created_at, ttl_seconds, int(truncated)))
             except sqlite3.OperationalError as e:
                 # SQLITE_FULL: the statement was rolled back; a client error, not a crash.
-                if "full" in str(e):
+                if _full(e):
                     raise ResourceExhausted(f"disk: the entry store is full ({e})") from None
                 raise
             return int(cur.lastrowid)
@@ -260,7 +292,7 @@ class EntryStore:
         for i in range(0, len(rows), WRITE_CHUNK):
             params = [(np.asarray(v, "<f4").tobytes(), model, label)
                       for label, v, model in rows[i:i + WRITE_CHUNK]]
-            with self._lock, self._transaction():
+            with _full_is_exhausted(), self._lock, self._transaction():
                 self._db.executemany(
                     "UPDATE entries SET embedding = ?, embed_model = ? WHERE label = ?", params)
 
@@ -268,10 +300,14 @@ class EntryStore:
         """Deletes entries by label, `WRITE_CHUNK` per transaction with the lock let go between
         them: an Invalidate of 200k entries in one transaction held every Store for seconds.
         Not atomic: a failure leaves the earlier chunks deleted, and deleting them again is
-        harmless (callers drop entries from memory only once this has returned)."""
+        harmless (callers drop entries from memory only once this has returned).
+
+        Raises:
+            ResourceExhausted: the disk is full (a delete writes to the WAL first).
+        """
         for i in range(0, len(labels), WRITE_CHUNK):
             chunk = labels[i:i + WRITE_CHUNK]
-            with self._lock, self._transaction():
+            with _full_is_exhausted(), self._lock, self._transaction():
                 self._db.executemany("DELETE FROM entries WHERE label = ?",
                                      [(x,) for x in chunk])
             with self._hits_lock:

@@ -313,10 +313,16 @@ def test_sqlite_disk_full(tiny_disk):
     cfg.validate()
     svc = serve(cfg)
     ns = semantic_pb2.Namespace(tenant="disk", model_id="m", context_hash="01")
+    short = semantic_pb2.Namespace(tenant="disk", model_id="m", context_hash="02")
     acked, codes = [], []
     try:
         ch = grpc.insecure_channel(svc.handle.address)
         stub = semantic_pb2_grpc.SemanticCacheStub(ch)
+        for i in range(3):  # expired by the restart below: loading must delete them
+            stub.Store(semantic_pb2.StoreRequest(
+                namespace=short, prompt=f"Short-lived question {i}?", answer="soon gone",
+                ttl_seconds=1), timeout=10, metadata=INTERNAL_MD)
+        expires = time.monotonic() + 1.5
         for i in range(400):
             try:
                 r = stub.Store(semantic_pb2.StoreRequest(
@@ -334,9 +340,19 @@ def test_sqlite_disk_full(tiny_disk):
             namespace=ns, text="Question 3 about the harbour records?"), timeout=10,
             metadata=INTERNAL_MD)
         assert look.hit
+        # Deleting writes to the WAL too: on the full disk RESOURCE_EXHAUSTED, not INTERNAL.
+        other = semantic_pb2.Namespace(tenant="disk", model_id="m", context_hash="03")
+        try:
+            stub.Invalidate(semantic_pb2.InvalidateRequest(namespace=other), timeout=10,
+                            metadata=INTERNAL_MD)
+        except grpc.RpcError as e:
+            assert e.code().name == "RESOURCE_EXHAUSTED" and "disk" in e.details(), e
         ch.close()
     finally:
         svc.stop(0)
+    time.sleep(max(0.0, expires - time.monotonic()))
+    # Loading deletes the expired rows: on the full disk that failed the start (exit 2, a
+    # crash loop); they stay on disk, unloaded, and the service starts.
     svc = serve(cfg)
     try:
         ch = grpc.insecure_channel(svc.handle.address)

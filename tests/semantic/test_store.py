@@ -306,3 +306,31 @@ def test_the_wal_is_bounded_and_the_unread_namespace_index_is_dropped(tmp_path):
     assert "entries_ns" not in names
     assert st.get("one").answer == "a one"
     st.close()
+
+
+def test_a_database_of_a_newer_schema_is_refused_naming_it(tmp_path):
+    """A rollback past a schema change opened the newer database silently: this build would
+    read rows it does not understand and never run the newer migration again."""
+    path = tmp_path / "s.db"
+    EntryStore(str(path)).close()
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA user_version = 7")
+    con.close()
+    with pytest.raises(ValueError, match=r"s\.db: schema version 7 is newer than this build"):
+        EntryStore(str(path))
+    con = sqlite3.connect(path)
+    con.execute("PRAGMA user_version = 1")
+    con.close()
+    EntryStore(str(path)).close()  # the refused open let its lock go
+
+
+def test_a_damaged_database_is_refused_naming_the_file_and_the_way_out(tmp_path):
+    path = tmp_path / "s.db"
+    st = EntryStore(str(path))
+    insert(st, "a")
+    st.close()
+    path.write_bytes(b"\x00" * 4096)  # the header overwritten
+    with pytest.raises(sqlite3.DatabaseError, match=r"s\.db: .*move it aside"):
+        EntryStore(str(path))
+    path.unlink()
+    EntryStore(str(path)).close()  # its lock was let go: the next start works
