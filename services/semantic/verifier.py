@@ -168,6 +168,10 @@ def _features(q: _Text, c: _Text, cosine: float, guard_ok: bool,
 _GUARD = ParaphraseGuard()
 
 
+class StaleVerifier(ValueError):
+    """Weights fitted on another version's features: usable by that version only."""
+
+
 @dataclass(frozen=True)
 class VerifierModel:
     """Logistic regression over standardised `FEATURES`, plus one probability cut per tier.
@@ -213,10 +217,16 @@ class VerifierModel:
 
     @classmethod
     def from_json(cls, text: str) -> VerifierModel:
+        """Raises StaleVerifier (weights of other features: another version's file), or
+        ValueError naming what is missing or malformed."""
         d = json.loads(text)
+        missing = [k for k in ("features", "mean", "scale", "coef", "intercept", "cuts")
+                   if k not in d]
+        if missing:
+            raise ValueError(f"verifier weights: missing {', '.join(missing)}")
         if tuple(d["features"]) != FEATURES:
-            raise ValueError("verifier weights were fitted on other features; refit them "
-                             "with python -m services.semantic.fit_verifier")
+            raise StaleVerifier("verifier weights were fitted on other features; refit them "
+                                "with python -m services.semantic.fit_verifier")
         return cls(tuple(d["mean"]), tuple(d["scale"]), tuple(d["coef"]),
                    float(d["intercept"]), {k: float(v) for k, v in d["cuts"].items()},
                    bool(d.get("guard_veto", True)), d.get("meta"))

@@ -183,3 +183,27 @@ def test_the_fitter_reads_the_services_settings(monkeypatch, tmp_path):
     monkeypatch.setenv("TIERCACHE_SEMANTIC_VERIFIER_PATH", str(tmp_path / "to-fit.json"))
     cfg = semantic_config()
     assert cfg.resolved_model_name() == "my-model"
+
+
+def test_weights_of_another_versions_features_leave_the_guard_not_a_stopped_shard(
+        make_cfg, embedder, tmp_path, caplog):
+    """An upgrade that changed the verifier's features, with an old custom weights file
+    still configured, stopped every shard (exit 2). A file missing fields is still refused."""
+    import json
+    import logging
+
+    stale = json.loads(VerifierModel.load().to_json())
+    stale["features"] = stale["features"][:-1]
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(stale))
+    cfg = make_cfg(verifier_path=str(path))
+    with caplog.at_level(logging.WARNING, logger="services.semantic"):
+        cache = SemanticCache(cfg, embedder, EntryStore(str(tmp_path / "v.db"), "NORMAL"))
+    try:
+        assert cache.verifier is None and "guard only" in caplog.text
+    finally:
+        cache.store.close()
+    del stale["coef"]
+    path.write_text(json.dumps(stale))
+    with pytest.raises(ValueError, match="missing coef"):
+        VerifierModel.load(path)
