@@ -41,8 +41,8 @@ class OnnxEmbedder:
         self.name = name
         self.fingerprint: str = meta["fingerprint"]
         # What stored vectors are tagged with: another model (or other weights) under the
-        # same name must not pass for this one.
-        self.identity = f"{name}@{self.fingerprint}"
+        # same name must not pass for this one; a new export of the same weights does.
+        self.identity = f"{name}@{meta.get('weights', self.fingerprint)}"
         self.dim: int = int(meta["dim"])
         self.max_seq_length: int = int(meta["max_seq_length"])
         self._inputs: list[str] = list(meta["inputs"])

@@ -80,19 +80,37 @@ class SentenceModelSpec:
         return cls(d, max_len, pooling, normalize, dim)
 
     def fingerprint(self) -> str:
-        """Changes when the folder's config, tokenizer or weights change (hashes every file:
-        ~0.2 s for MiniLM's 90 MB, once per start)."""
+        """Keys the ONNX export: the export's own format and opset, and `weights_fingerprint`.
+        """
         h = hashlib.blake2b(digest_size=8)
-        h.update(f"{EXPORT_FORMAT}|{OPSET}|{self.pooling}|{self.normalize}".encode())
+        h.update(f"{EXPORT_FORMAT}|{OPSET}|{self.weights_fingerprint()}".encode())
+        return h.hexdigest()
+
+    def weights_fingerprint(self) -> str:
+        """Changes when what the vectors depend on changes: config, tokenizer, weights,
+        pooling, normalisation, window (hashes every file but documentation: ~0.2 s for
+        MiniLM's 90 MB, once per start). Stored vectors are tagged with it, and a change
+        re-embeds every entry at start, so a new README (or a new export format) must not
+        count: at the 200,000-entry cap that took most of an hour."""
+        h = hashlib.blake2b(digest_size=8)
+        h.update(f"{self.pooling}|{self.normalize}|{self.max_seq_length}".encode())
         for name in sorted(os.listdir(self.model_dir)):
             p = self.model_dir / name
-            if p.is_file():
+            if p.is_file() and not _is_documentation(name):
                 h.update(name.encode())
                 # Content, weights included: a fine-tuned checkpoint has the same size.
                 with p.open("rb") as f:
                     for chunk in iter(lambda: f.read(1 << 20), b""):
                         h.update(chunk)
         return h.hexdigest()
+
+
+def _is_documentation(name: str) -> bool:
+    """Files of a model folder that no vector depends on."""
+    low = name.lower()
+    return (low.startswith(("readme", "license", "licence", ".git"))
+            or low.endswith((".md", ".png", ".jpg", ".jpeg", ".gif"))
+            or low in ("data_config.json", "config_sentence_transformers.json"))
 
 
 def _export(spec: SentenceModelSpec, out_dir: Path) -> None:
@@ -143,20 +161,29 @@ def _export(spec: SentenceModelSpec, out_dir: Path) -> None:
                           opset_version=OPSET, dynamo=False)
     steps.update(1)
     shutil.copy2(spec.model_dir / "tokenizer.json", out_dir / "tokenizer.json")
-    meta = {"fingerprint": spec.fingerprint(), "max_seq_length": spec.max_seq_length,
-            "dim": spec.dim, "pooling": spec.pooling, "normalize": spec.normalize,
-            "inputs": names, "source": str(spec.model_dir)}
+    meta = {"fingerprint": spec.fingerprint(), "weights": spec.weights_fingerprint(),
+            "max_seq_length": spec.max_seq_length, "dim": spec.dim, "pooling": spec.pooling,
+            "normalize": spec.normalize, "inputs": names, "source": str(spec.model_dir),
+            "model_bytes": (out_dir / "model.onnx").stat().st_size}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
+    # On disk before the folder is renamed into place: after a power loss the rename could
+    # survive with an empty model.onnx, which no later start would ever export again.
+    for name in ("model.onnx", "tokenizer.json", "meta.json"):
+        with open(out_dir / name, "rb") as f:
+            os.fsync(f.fileno())
     steps.update(1)
     steps.close()
 
 
 def _is_current(d: Path, fingerprint: str) -> bool:
+    """An export of this fingerprint, whole (a model.onnx of another size than the export
+    wrote was cut short: exported again)."""
     try:
         meta = json.loads((d / "meta.json").read_text())
+        size = (d / "model.onnx").stat().st_size
     except (OSError, ValueError):
         return False
-    return meta.get("fingerprint") == fingerprint and (d / "model.onnx").is_file()
+    return meta.get("fingerprint") == fingerprint and meta.get("model_bytes", size) == size
 
 
 def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name: str) -> Path:
@@ -187,6 +214,11 @@ def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name
                 shutil.rmtree(old, ignore_errors=True)
             os.chmod(tmp, 0o755)
             os.rename(tmp, target)
+            fd = os.open(root, os.O_RDONLY)  # the rename itself, durable
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -158,10 +158,29 @@ def test_the_export_fingerprint_follows_the_weights_content(tmp_path):
     weights.write_bytes(bytes(range(256)) * 4)
     spec = SentenceModelSpec(Path(tmp_path), 16, "mean", True, 4)
     before = spec.fingerprint()
+    vectors = spec.weights_fingerprint()
+    # Documentation changes neither: a new README re-embedded every stored entry at start
+    # (most of an hour at the 200,000-entry cap).
+    (tmp_path / "README.md").write_text("# a new release of the model card")
+    (tmp_path / ".gitattributes").write_text("*.bin filter=lfs")
+    assert (spec.fingerprint(), spec.weights_fingerprint()) == (before, vectors)
     data = bytearray(weights.read_bytes())
     data[100] ^= 0xFF  # same size, other weights
     weights.write_bytes(bytes(data))
-    assert spec.fingerprint() != before
+    assert spec.fingerprint() != before and spec.weights_fingerprint() != vectors
+
+
+def test_an_export_cut_short_is_exported_again(tmp_path):
+    """After a power loss the export folder could keep its meta.json and an empty
+    model.onnx: no start would export it again, and every start failed to load it."""
+    from services.semantic.config import default_model_dir
+    from services.semantic.onnx_export import ensure_onnx
+
+    d = ensure_onnx(default_model_dir(), tmp_path, "mini")
+    whole = (d / "model.onnx").stat().st_size
+    (d / "model.onnx").write_bytes(b"")
+    again = ensure_onnx(default_model_dir(), tmp_path, "mini")
+    assert (again / "model.onnx").stat().st_size == whole
 
 
 def test_exceeds_window_agrees_with_the_tokenizer(onnx_embedder):
