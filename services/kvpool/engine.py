@@ -108,6 +108,9 @@ class Failed(NamedTuple):
 Output = TokenDelta | Finished | Failed
 
 
+STALL_AFTER_FAILURES = 3  # model steps failed in a row that make the engine read as stalled
+
+
 class Phase(Enum):
     WAITING = 0
     PREFILL = 1
@@ -290,9 +293,9 @@ class Engine:
 
     def stalled_for(self) -> float:
         """Seconds since the engine loop last ended a turn without an error: about one step
-        while busy, at most ~0.5 s while idle. Large only when one step
-        (or a call run between steps) is stuck, or when every turn fails (a broken device):
-        either way the replica serves nobody."""
+        while busy, at most ~0.5 s while idle. Large only when one step (or a call run between
+        steps) is stuck, or once model steps keep failing (`STALL_AFTER_FAILURES` in a row;
+        idle turns between them do not count): either way the replica serves nobody."""
         return time.monotonic() - self._turned_at
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -385,17 +388,27 @@ class Engine:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
-        failed_in_a_row = 0
+        failed_in_a_row = 0  # turns, for the back-off
+        # Turns with model work that failed in a row: past STALL_AFTER_FAILURES the device is
+        # taken for broken, and idle turns in between (requests a second apart) no longer
+        # count as progress for the stall watch.
+        work_failed = 0
         while not self._stop.is_set():
             busy = bool(self._waiting or self._decoding or self._prefilling)
+            worked = False
             try:
                 self._drain_inbox(block=not busy)
                 self._expire()
+                worked = bool(self._waiting or self._decoding or self._prefilling)
                 self._step()
-                self._turned_at = time.monotonic()
                 failed_in_a_row = 0
+                if worked:
+                    work_failed = 0
+                if work_failed < STALL_AFTER_FAILURES:
+                    self._turned_at = time.monotonic()
             except Exception:  # noqa: BLE001 - the engine must survive a bad step
                 failed_in_a_row += 1
+                work_failed += worked
                 if failed_in_a_row > 1:
                     # A step that fails again and again (a broken device) spun the thread at
                     # thousands of tracebacks a second: back off, up to 1 s between turns.
@@ -889,12 +902,21 @@ class Engine:
         return list(self._decoding) + ([self._prefilling] if self._prefilling else [])
 
     def _fail_all_running(self, exc: Exception) -> None:
-        for seq in self._running():
-            self._finish(seq, Failed(exc))
+        self._fail_each(self._running(), exc)
 
     def _fail_everything(self, exc: Exception) -> None:
-        for seq in list(self._by_id.values()):
-            self._finish(seq, Failed(exc))
+        self._fail_each(list(self._by_id.values()), exc)
+
+    def _fail_each(self, seqs: list[Sequence], exc: Exception) -> None:
+        """Fails every one of `seqs`, whatever failing one raises: a row copy that raised
+        while one left its row stopped the loop, and the others decoded on, one of them on a
+        row whose KV was never copied in, and finished as if all were well."""
+        for seq in seqs:
+            try:
+                self._finish(seq, Failed(exc))
+            except Exception:  # noqa: BLE001 - answered already (_finish's finally)
+                log.exception("failing %s raised; the others are failed all the same",
+                              seq.seq_id)
 
     def _publish_state(self) -> None:
         events = self.pool.take_events()

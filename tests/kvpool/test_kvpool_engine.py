@@ -671,25 +671,59 @@ def test_a_row_copy_that_fails_while_a_sequence_leaves_fails_the_batch_not_the_e
     assert eng.step_failures_total == 1
 
 
-def test_an_engine_whose_every_turn_fails_reads_as_stalled(make_engine) -> None:
-    """The stall watch saw only steps that never ended; an engine failing every step turned
-    on and on, serving nobody, and health stayed SERVING."""
+def test_an_engine_whose_model_steps_keep_failing_reads_as_stalled(make_engine) -> None:
+    """The stall watch saw only steps that never ended; an engine failing every model step
+    turned on and on, serving nobody, and health stayed SERVING. Idle turns between requests
+    (a second apart) must not count as progress either."""
     eng = make_engine(num_blocks=64)
-    real = eng._step
+    real = eng._decode_step
 
     def broken() -> None:
         raise RuntimeError("device lost")
 
-    eng._step = broken
-    deadline = time.monotonic() + 30
-    while eng.step_failures_total < 3:  # idle turns wait up to 0.5 s for work
+    eng._decode_step = broken
+    deadline = time.monotonic() + 60
+    while eng.step_failures_total < 4:  # requests a while apart, each failing
+        _, fin = collect(eng.submit(request(prompt(8), max_tokens=4))[1])
+        assert isinstance(fin, Failed) and time.monotonic() < deadline
+        time.sleep(0.6)  # idle turns in between
+    assert eng.stalled_for() >= 0.6
+    eng._decode_step = real
+    toks, fin = collect(eng.submit(request(prompt(8), max_tokens=4))[1])
+    assert isinstance(fin, Finished) and len(toks) == 4
+    while eng.stalled_for() >= 0.6:  # a model step went through: progress again
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    assert eng.stalled_for() >= 0.5
-    eng._step = real
-    while eng.stalled_for() > 0.5:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+
+
+def test_a_row_copy_failing_while_a_failed_batch_is_failed_fails_the_rest_too(
+        make_engine) -> None:
+    """Failing a batch stopped at the first row copy that raised: the other sequences
+    decoded on, one on a row whose KV was never copied in, and finished as if all were
+    well."""
+    eng = make_engine(num_blocks=64, max_batch_size=4)
+    outs = [eng.submit(request(prompt(7, seed=i), max_tokens=200, ignore_eos=True,
+                               rid=f"r{i}")) for i in range(3)]
+    for _, out in outs:
+        out.get(timeout=30)  # all three decoding
+    real_step, real_move = eng._decode_step, eng.store.move_row
+    broken = []
+
+    def step_once() -> None:
+        if not broken:
+            broken.append(1)
+            eng.store.move_row = move_once
+            raise RuntimeError("device error in a step")
+        real_step()
+
+    def move_once(*a):
+        eng.store.move_row = real_move
+        raise RuntimeError("device error in move_row")
+
+    eng._decode_step = step_once
+    ends = [collect(out)[1] for _, out in outs]
+    assert all(isinstance(f, Failed) and f.error.code == "INTERNAL" for f in ends), ends
+    assert_idle(eng)
 
 
 def test_a_stopped_engine_refuses_requests_instead_of_queueing_them_for_nobody(
