@@ -342,7 +342,7 @@ class PrefixIndex:
             rep.refresh()
             self._reindex_models()
         self._renew(rep, now)
-        if self._prune_run is not None:
+        if self._prune_run is not None or len(self.tree) > self.max_nodes:
             self._prune_some()  # a run started by a burst of publishes goes on without them
         return HeartbeatResult(True, self.lease_seconds)
 
@@ -505,6 +505,12 @@ class PrefixIndex:
         hard = n > 2 * self.max_nodes - self.prune_target
         if run.step(None if hard else self.prune_step):
             self._prune_run = None
+            if hard and len(self.tree) > self.max_nodes:
+                # Its candidates were the leaves when it began; chains extended since (each
+                # turn of a conversation extends one) left it nothing to evict. A run over
+                # today's leaves, at once: the bound holds.
+                self.tree.prune(self.prune_target, self.policy, self.shallow_tokens,
+                                self.min_deep_hits)
 
     def _give_back_usage(self, rep: Replica, now: float, stored) -> None:
         """Gives the blocks `stored` by this batch the hits a resync saved for them (the

@@ -642,3 +642,16 @@ def test_pruning_a_big_tree_is_spread_over_later_calls_and_bounded(clock, hasher
     index.publish("a", "i1", seq, [stored(hasher, toks(200 + b)) for b in range(25)])
     assert index.stats().nodes == 10
     index.check_integrity()
+
+
+def test_pruning_keeps_its_bound_when_new_blocks_extend_the_leaves_it_ranked(clock, hasher):
+    """A run ranks the leaves it starts with; a batch extending every chain left it nothing
+    to evict, so a hard finish ended over the bound and no call started another."""
+    index = make_index(clock, max_nodes=20, prune_to=0.5, prune_step=4)
+    reg(index, "a")
+    for b in range(21):  # a run starts over 20 nodes
+        index.publish("a", "i1", b + 1, [stored(hasher, toks(100 + b))])
+    index.publish("a", "i1", 22, [stored(hasher, toks(100 + b, 300 + b), start=1)
+                                  for b in range(21)])  # every chain one block longer
+    assert index.stats().nodes <= 20
+    index.check_integrity()
