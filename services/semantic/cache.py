@@ -561,7 +561,8 @@ class SemanticCache:
         if quota <= 0 or lru is None:
             return []
         skip = set(chosen)
-        over = len(lru) - len(skip.intersection(lru)) - quota
+        # Counted over `chosen` (few), not over the tenant's LRU (up to millions).
+        over = len(lru) - sum(1 for x in skip if x in lru) - quota
         if over <= 0:
             return []
         return list(itertools.islice((x for x in lru if x not in skip), over))
@@ -585,15 +586,18 @@ class SemanticCache:
         for lab in skip:
             held[self._entries[lab].namespace.tenant] -= 1
         order = {t: iter(lru) for t, lru in self._tenant_lru.items()}
+        # The tenant holding the most on top (a heap: a restart under a lowered limit takes
+        # many victims over many tenants; a scan of every tenant per victim took seconds).
+        heap = [(-n, t) for t, n in held.items()]
+        heapq.heapify(heap)
         out: list[int] = []
-        while len(out) < over:
-            t = max(held, key=held.__getitem__)
+        while len(out) < over and heap:
+            n, t = heapq.heappop(heap)
             lab = next((x for x in order[t] if x not in skip), None)
             if lab is None:  # nothing of this tenant left to take
-                held[t] = -1
                 continue
             out.append(lab)
-            held[t] -= 1
+            heapq.heappush(heap, (n + 1, t))
         return out
 
     # ---- lifecycle --------------------------------------------------------------------------
