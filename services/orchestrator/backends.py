@@ -8,6 +8,7 @@ ring routing) instead of failing.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -328,6 +329,7 @@ class SemanticBackend:
         self.timeout_s = timeout_s
         self.clock = clock
         self._hung: dict[str, tuple[float, float]] = {}  # address -> (skip until, backoff)
+        self._hung_marked: dict[str, float] = {}  # address -> when a timeout last set it
         self._hung_lock = threading.Lock()
         self.internal_token = internal_token
         self.stubs = {a: semantic_pb2_grpc.SemanticCacheStub(make_channel(a))
@@ -341,6 +343,7 @@ class SemanticBackend:
 
     def _call(self, address: str, method: str, req, timeout: float | None = None):
         timeout = timeout or self.timeout_s
+        began = self.clock()
         with self._hung_lock:
             hung = self._hung.get(address)
             if hung is not None:
@@ -369,14 +372,18 @@ class SemanticBackend:
             with self._hung_lock:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED and whole:
                     # Hung: it let a call run out its whole timeout. The back-off grows from
-                    # what is recorded now: a call begun before another marked the shard hung
-                    # held no record, and reset a grown back-off to the first one.
+                    # what is recorded now (a call begun before another marked the shard
+                    # hung held no record, and reset a grown back-off to the first one), and
+                    # once per stall: calls under way together when it stalled time out
+                    # together, and each doubled it (one hiccup skipped the shard 5 s).
                     first, most = self.HUNG_BACKOFF_S
                     now_hung = self._hung.get(address)
-                    back = min(most, now_hung[1] * 2) if now_hung is not None else first
-                    self._hung[address] = (self.clock() + back, back)
-                    log.warning("semantic shard %s timed out (%.1fs): skipped for %.1fs",
-                                address, timeout, back)
+                    if now_hung is None or self._hung_marked.get(address, -math.inf) <= began:
+                        back = min(most, now_hung[1] * 2) if now_hung is not None else first
+                        self._hung[address] = (self.clock() + back, back)
+                        self._hung_marked[address] = self.clock()
+                        log.warning("semantic shard %s timed out (%.1fs): skipped for %.1fs",
+                                    address, timeout, back)
                 elif hung is not None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     # The probe ran out of its request's own time: nothing learnt, the next
                     # call probes again (the back-off stays).

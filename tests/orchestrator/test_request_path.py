@@ -627,3 +627,26 @@ def test_a_slow_call_begun_before_the_shard_was_marked_hung_keeps_its_grown_back
     with pytest.raises(grpc.RpcError):
         sb.lookup(semantic_pb2.LookupRequest())
     assert sb._hung["s:1"] == (now[0] + 5.0, 5.0)  # doubled from 4 s (capped at 5 s)
+
+
+def test_calls_that_time_out_together_in_one_stall_grow_the_back_off_once():
+    """Every call under way when the shard stalled timed out together and each doubled the
+    back-off: one hiccup with 8 calls in flight skipped the shard for 5 s instead of 0.5 s."""
+    now = [100.0]
+    sb = backend_with(TimesOut(), now)
+    started: list = []
+
+    class Together(TimesOut):
+        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
+            if not started:  # 3 more calls began at the same moment, all timing out now
+                started.append(1)
+                for _ in range(3):
+                    with pytest.raises(grpc.RpcError):
+                        sb.lookup(req)
+            now[0] += 0.001  # each ends a moment after the one before
+            return super().Lookup(req, timeout, metadata)
+
+    sb.stubs["s:1"] = Together()
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(semantic_pb2.LookupRequest())
+    assert sb._hung["s:1"][1] == 0.5  # the first back-off, set once
