@@ -44,7 +44,8 @@ def _main(argv: list[str] | None) -> int:
                    "tiercache.v1.Orchestrator")],
         metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
         max_workers=cfg.max_workers, max_connection_age_s=cfg.max_connection_age_s,
-        connection_age_grace_s=cfg.request_timeout_s)  # a stream under way ends as it would
+        # A stream (or a Warm, up to 120 s) under way ends as it would have.
+        connection_age_grace_s=max(cfg.request_timeout_s, 120.0))
     try:
         app = build(cfg)
     except (ModelStoreError, OSError, ValueError) as exc:

@@ -136,8 +136,8 @@ class OrchestratorConfig:
         require(self.warm_pin_ttl_max_s >= self.warm_pin_ttl_s, SVC, "warm_pin_ttl_max_s",
                 "must be >= warm_pin_ttl_s")
         require(self.warm_top_k >= 0, SVC, "warm_top_k", "must be >= 0")
-        require(self.warm_max_prefills_per_call >= 1, SVC, "warm_max_prefills_per_call",
-                "must be >= 1")
+        require(1 <= self.warm_max_prefills_per_call <= 4096, SVC,
+                "warm_max_prefills_per_call", "must be in 1..4096 (64 prompts x 64 replicas)")
         require(self.warm_max_load >= 0, SVC, "warm_max_load", "must be >= 0")
         require(self.warm_max_prompts_per_cycle >= 0, SVC, "warm_max_prompts_per_cycle",
                 "must be >= 0")

@@ -490,14 +490,11 @@ class Warmer:
             return gone.is_set() or time.monotonic() >= deadline
 
         def submit_next() -> None:
-            nxt = next(todo, None)
-            if nxt is None:
-                return
-            if over():
-                results[nxt[0]] = fn(nxt[1])
-                submit_next()
-            else:
-                running[self._pool.submit(fn, nxt[1])] = nxt[0]
+            for i, job in todo:
+                if not over():
+                    running[self._pool.submit(fn, job)] = i
+                    return
+                results[i] = fn(job)  # answered at once, no thread needed
 
         for _ in range(WARM_WINDOW):
             submit_next()
@@ -542,7 +539,10 @@ class Warmer:
         except grpc.RpcError:
             return 0
         done = 0
-        for hp in _fair_share(hot, {r.replica_id for r in self.orch.replicas.healthy()}, k):
+        # Replicas this cycle could warm: one with prefix caching off never holds a prefix,
+        # and kept every prefix "lacking somewhere" while the cycle skipped it anyway.
+        warmable = {r.replica_id for r in self.orch.replicas.healthy() if not _caching_off(r)}
+        for hp in _fair_share(hot, warmable, k):
             for r in self.orch.replicas.healthy():
                 if done >= self.cfg.warm_max_prompts_per_cycle or self._stop.is_set():
                     return done

@@ -641,3 +641,16 @@ def test_a_warm_whose_caller_went_away_sends_no_further_prefill():
     finally:
         gate.set()
         warmer.stop()
+
+
+def test_a_warm_past_its_deadline_answers_every_prefill_without_recursing():
+    """Each prefill past the deadline was answered by a recursive call: 1,500 of them (the
+    cap goes to 4,096) raised RecursionError, INTERNAL to the caller."""
+    _, gate, _, _, warmer = _gated_warmer()
+    try:
+        jobs = list(range(1500))
+        assert warmer._run_windowed(lambda job: job, jobs, time.monotonic() - 1,
+                                    threading.Event()) == jobs
+    finally:
+        gate.set()
+        warmer.stop()

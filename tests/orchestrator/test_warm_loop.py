@@ -113,7 +113,8 @@ def test_bad_warm_settings_fail_at_boot():
     from services.common.config import ConfigError
 
     for field, value in (("warm_pin_ttl_s", 0), ("warm_max_load", -1),
-                         ("warm_max_prompts_per_cycle", -1)):
+                         ("warm_max_prompts_per_cycle", -1), ("warm_max_prefills_per_call", 0),
+                         ("warm_max_prefills_per_call", 4097), ("max_connection_age_s", -1)):
         with pytest.raises(ConfigError, match=f"TIERCACHE_ORCHESTRATOR_{field.upper()}"):
             OrchestratorConfig(kvpool_addresses=("h:1",), **{field: value}).validate()
 
@@ -182,3 +183,16 @@ def test_the_warm_up_takes_tenants_in_turn_and_skips_what_every_replica_holds():
     w, reps = make([0, 0], lacking + [salted([9] * 32, ["r0"], "y", 5)])
     w.cfg = cfg
     assert w.cycle() == 2 and reps[1].stub.calls == [[1] * 32, [9] * 32]  # x's hottest, y's
+
+
+def test_a_replica_with_caching_off_does_not_keep_held_prefixes_in_the_warm_up():
+    """Such a replica holds nothing, so every prefix lacked "somewhere" and the tenant whose
+    prefixes every other replica held kept the slots while the cycle skipped that replica."""
+    held = prefix_pb2.HotPrefix(token_ids=[1] * 32, holders=["r0", "r1"], hits=100,
+                                cache_salt="x")
+    other = prefix_pb2.HotPrefix(token_ids=[9] * 32, holders=["r0"], hits=5, cache_salt="y")
+    w, reps = make([0, 0, 0], [held, other])
+    reps[2].stats = kvpool_pb2.KvStatsResponse(prefix_caching_disabled=True)
+    w.cfg = OrchestratorConfig(warm_interval_s=1.0, warm_top_k=1, warm_max_load=1.0,
+                               warm_max_prompts_per_cycle=10, warm_pin_ttl_s=60)
+    assert w.cycle() == 1 and reps[1].stub.calls == [[9] * 32] and not reps[2].stub.calls
