@@ -52,19 +52,27 @@ def kv_requests(stack) -> int:
     return total
 
 
-def wait_admitted(stack, errors: list, timeout: float = 120.0) -> None:
-    """Until some replica runs (or queues) a request: the one a thread just sent has been
-    routed. Sleeping a guessed while instead was too short on a loaded machine."""
-    stubs = [kvpool_pb2_grpc.KvPoolStub(grpc.insecure_channel(k.address)) for k in stack.kv]
-    end = time.monotonic() + timeout
-    while not errors:
-        if any(st.running + st.waiting > 0 for st in (
-                s.Stats(kvpool_pb2.KvStatsRequest(), timeout=10, metadata=INTERNAL_MD)
-                for s in stubs)):
-            return
-        assert time.monotonic() < end, "the request never reached a replica"
-        time.sleep(0.01)
-    raise errors[0]
+def wait_admitted(stack, errors: list, sender: threading.Thread,
+                  timeout: float = 120.0) -> None:
+    """Until some replica runs (or queues) a request, or `sender` has its answer already:
+    the request it sent has been routed. Sleeping a guessed while instead was too short on a
+    loaded machine."""
+    channels = [grpc.insecure_channel(k.address) for k in stack.kv]
+    try:
+        stubs = [kvpool_pb2_grpc.KvPoolStub(ch) for ch in channels]
+        end = time.monotonic() + timeout
+        while not errors and sender.is_alive():
+            if any(st.running + st.waiting > 0 for st in (
+                    s.Stats(kvpool_pb2.KvStatsRequest(), timeout=10, metadata=INTERNAL_MD)
+                    for s in stubs)):
+                return
+            assert time.monotonic() < end, "the request never reached a replica"
+            time.sleep(0.01)
+    finally:
+        for ch in channels:
+            ch.close()
+    if errors:
+        raise errors[0]
 
 
 def test_repeat_is_a_semantic_hit_without_a_model_call(stack, a):
@@ -165,7 +173,7 @@ def test_warm_then_first_requests_hit_on_every_replica(stack, a):
 
     ts = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
     ts[0].start()
-    wait_admitted(stack, errors)  # the second finds the first's replica busy
+    wait_admitted(stack, errors, ts[0])  # the second finds the first's replica busy
     ts[1].start()
     for t in ts:
         t.join(180)
@@ -204,7 +212,7 @@ def test_requests_sharing_a_new_system_prompt_meet_on_one_replica(stack, a):
     ts = [threading.Thread(target=ask, args=(i, ring[rid]))
           for i, rid in enumerate(("kv-0", "kv-1"))]
     ts[0].start()
-    wait_admitted(stack, errors)  # routed, and (a ~300-token prompt) still prefilling
+    wait_admitted(stack, errors, ts[0])  # routed, and (a ~300-token prompt) still prefilling
     ts[1].start()
     for t in ts:
         t.join(180)
