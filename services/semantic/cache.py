@@ -586,18 +586,27 @@ class SemanticCache:
         for lab in skip:
             held[self._entries[lab].namespace.tenant] -= 1
         order = {t: iter(lru) for t, lru in self._tenant_lru.items()}
-        # The tenant holding the most on top (a heap: a restart under a lowered limit takes
-        # many victims over many tenants; a scan of every tenant per victim took seconds).
-        heap = [(-n, t) for t, n in held.items()]
+
+        def head(t: str) -> tuple | None:
+            """The tenant's next victim, keyed: most entries first, then least recently used
+            (between tenants holding as many, the global LRU order as before)."""
+            lab = next((x for x in order[t] if x not in skip), None)
+            if lab is None:
+                return None
+            e = self._entries[lab]
+            return (-held[t], max(e.last_hit_at, e.created_at), lab, t)
+
+        # A heap: a restart under a lowered limit takes many victims over many tenants, and a
+        # scan of every tenant per victim took seconds.
+        heap = [h for t in held if (h := head(t)) is not None]
         heapq.heapify(heap)
         out: list[int] = []
         while len(out) < over and heap:
-            n, t = heapq.heappop(heap)
-            lab = next((x for x in order[t] if x not in skip), None)
-            if lab is None:  # nothing of this tenant left to take
-                continue
+            _, _, lab, t = heapq.heappop(heap)
             out.append(lab)
-            heapq.heappush(heap, (n + 1, t))
+            held[t] -= 1
+            if (h := head(t)) is not None:
+                heapq.heappush(heap, h)
         return out
 
     # ---- lifecycle --------------------------------------------------------------------------
