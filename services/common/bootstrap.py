@@ -21,6 +21,7 @@ import hmac
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -516,6 +517,20 @@ def exit_on_signal_while_starting() -> Iterator[None]:
     finally:
         for s, h in before:
             signal.signal(s, h)
+
+
+def exit_process(rc: int) -> None:
+    """Ends the process with `rc` once the service has stopped (everything closed): logs and
+    streams flushed, then `os._exit`, skipping the interpreter's finalisation. There, native
+    threads of torch or gRPC still winding down met C++ static destructors: "terminate called
+    without an active exception", SIGABRT (exit 134) after a clean drain, now and then."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(rc)
 
 
 def service_main(service: str, body: Callable[[Sequence[str] | None], int],

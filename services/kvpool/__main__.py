@@ -9,12 +9,12 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import logging  # noqa: E402
-import sys  # noqa: E402
 
 from tiercache.v1 import kvpool_pb2_grpc  # noqa: E402
 
 from services.common.bootstrap import (  # noqa: E402
     create_server,
+    exit_process,
     load_service_config,
     run_until_signal,
     service_main,
@@ -101,4 +101,4 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

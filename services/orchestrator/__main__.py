@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-import sys
 
 from tiercache.v1 import orchestrator_pb2_grpc
 
 from services.common.bootstrap import (
     create_server,
+    exit_process,
     load_service_config,
     run_until_signal,
     service_main,
@@ -63,4 +63,4 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

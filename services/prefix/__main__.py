@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import logging
-import sys
 
 from services.common.bootstrap import (
+    exit_process,
     load_service_config,
     run_until_signal,
     service_main,
@@ -32,4 +32,4 @@ def _main(argv: list[str] | None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())

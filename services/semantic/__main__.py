@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import sqlite3
-import sys
 
 from services.common.bootstrap import (
+    exit_process,
     load_service_config,
     run_until_signal,
     service_main,
@@ -57,10 +56,9 @@ def _main(argv: list[str] | None) -> int:
         log.warning("an index merge is still running after index_close_seconds=%g: exiting "
                     "without waiting for it (indexes are rebuilt from SQLite at start)",
                     cfg.index_close_seconds)
-        logging.shutdown()
-        os._exit(0)
+        exit_process(0)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
