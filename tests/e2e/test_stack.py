@@ -75,6 +75,28 @@ def wait_admitted(stack, errors: list, sender: threading.Thread,
         raise errors[0]
 
 
+def two_in_turn(stack, send) -> list:
+    """send(0), then send(1) once the first is on a replica (or answered); both answers, a
+    thread's error raised here."""
+    results: dict[int, object] = {}
+    errors: list[BaseException] = []
+
+    def run(i: int) -> None:
+        try:
+            results[i] = send(i)
+        except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread below
+            errors.append(exc)
+
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    ts[0].start()
+    wait_admitted(stack, errors, ts[0])
+    ts[1].start()
+    for t in ts:
+        t.join(180)
+    assert not errors, errors[0]
+    return [results[0], results[1]]
+
+
 def test_repeat_is_a_semantic_hit_without_a_model_call(stack, a):
     q = "What is the capital city of Australia?"
     first = a.generate(q, max_tokens=16)
@@ -158,26 +180,11 @@ def test_warm_then_first_requests_hit_on_every_replica(stack, a):
     assert all(not r.error and r.computed_tokens > 0 and r.pinned_blocks > 0
                for r in resp.results)
     warm_tokens = resp.results[0].prompt_tokens
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
-
-    def ask(i: int) -> None:
-        try:
-            results[i] = a.generate(
-                [{"role": "system", "content": sys2},
-                 {"role": "user", "content": f"Question number {i}: hello?"}],
-                max_tokens=32, ignore_eos=True,
-                cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test
-            errors.append(exc)
-
-    ts = [threading.Thread(target=ask, args=(i,)) for i in range(2)]
-    ts[0].start()
-    wait_admitted(stack, errors, ts[0])  # the second finds the first's replica busy
-    ts[1].start()
-    for t in ts:
-        t.join(180)
-    assert not errors, errors[0]
+    results = two_in_turn(stack, lambda i: a.generate(
+        [{"role": "system", "content": sys2},
+         {"role": "user", "content": f"Question number {i}: hello?"}],
+        max_tokens=32, ignore_eos=True,
+        cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True)))
     assert {results[i].report.replica_id for i in range(2)} == {"kv-0", "kv-1"}
     for i in range(2):
         assert results[i].report.cached_tokens >= warm_tokens // 16 * 16 - 16
@@ -196,32 +203,17 @@ def test_requests_sharing_a_new_system_prompt_meet_on_one_replica(stack, a):
         sid = f"meet-{i}"
         ring.setdefault(policy.choose(views, {}, sid, new_blocks=32, record=False).replica_id,
                         sid)
-    results: dict[int, object] = {}
-    errors: list[BaseException] = []
-
-    def ask(i: int, sid: str) -> None:
-        try:
-            results[i] = a.generate(
-                [{"role": "system", "content": sys3},
-                 {"role": "user", "content": f"Question number {i}: hello?"}],
-                max_tokens=4, session_id=sid,
-                cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True))
-        except BaseException as exc:  # noqa: BLE001 - re-raised by the test
-            errors.append(exc)
-
-    ts = [threading.Thread(target=ask, args=(i, ring[rid]))
-          for i, rid in enumerate(("kv-0", "kv-1"))]
-    ts[0].start()
-    wait_admitted(stack, errors, ts[0])  # routed, and (a ~300-token prompt) still prefilling
-    ts[1].start()
-    for t in ts:
-        t.join(180)
-    assert not errors, errors[0]
+    sids = [ring["kv-0"], ring["kv-1"]]
+    results = two_in_turn(stack, lambda i: a.generate(
+        [{"role": "system", "content": sys3},
+         {"role": "user", "content": f"Question number {i}: hello?"}],
+        max_tokens=4, session_id=sids[i],
+        cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True)))
     assert results[0].report.replica_id == results[1].report.replica_id
     # The question (and the template's closing tokens) differ; the ~300-token system prompt
     # before them is computed once.
-    prompt = min(r.prompt_tokens for r in results.values())
-    assert max(r.report.cached_tokens for r in results.values()) >= prompt - 48
+    prompt = min(r.prompt_tokens for r in results)
+    assert max(r.report.cached_tokens for r in results) >= prompt - 48
 
 
 def test_tenants_share_nothing(stack, a, b):
