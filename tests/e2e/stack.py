@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,6 +34,28 @@ class FullStack:
     def stop(self) -> None:
         for p in self.all():
             p.stop()
+
+    def restart(self, p: ServiceProcess, timeout: float = 240.0) -> None:
+        """Start a (killed) service again on the same port with the same config."""
+        p.kill()
+        p.start().wait(timeout)
+
+    @contextlib.contextmanager
+    def revived(self, p: ServiceProcess) -> Iterator[ServiceProcess]:
+        """Whatever the test asserts, `p` runs again afterwards: a fault test that failed
+        before its own restart left the shared stack without it, and every later test
+        (fuzz, security, soak) failed for that."""
+        try:
+            yield p
+        finally:
+            if p.proc is None or p.proc.poll() is not None:
+                self.restart(p)
+
+    def revive_dead(self) -> None:
+        """Start again every service a test killed or stopped."""
+        for p in self.all():
+            if p.proc is None or p.proc.poll() is not None:
+                self.restart(p)
 
 
 def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict | None = None,

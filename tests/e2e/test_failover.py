@@ -26,6 +26,14 @@ def stack(tmp_path_factory):
     s.stop()
 
 
+@pytest.fixture(autouse=True)
+def revived(stack):
+    """Each test stops a service: it runs again for the next, so that the tests pass in any
+    order or alone (they depended on file order)."""
+    yield
+    stack.revive_dead()
+
+
 @pytest.fixture(scope="module")
 def a(stack):
     with TierCacheClient(stack.orch.address, token="tok-a", timeout=180) as c:

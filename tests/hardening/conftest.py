@@ -4,7 +4,6 @@ security tests (it is restarted in place by the fault tests, never left broken).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -21,7 +20,6 @@ from tiercache.v1 import (
     semantic_pb2,
 )
 
-from services.launcher import ServiceProcess
 from tests.e2e.conftest import LOG_DIR
 from tests.e2e.stack import FullStack, start_full_stack
 
@@ -168,22 +166,6 @@ class Stack(FullStack):
                 except ProcessLookupError:
                     pass
             p.stop()
-
-    def restart(self, p: ServiceProcess, timeout: float = 240.0) -> None:
-        """Start a (killed) service again on the same port with the same config."""
-        p.kill()
-        p.start().wait(timeout)
-
-    @contextlib.contextmanager
-    def revived(self, p: ServiceProcess) -> Iterator[ServiceProcess]:
-        """Whatever the test asserts, `p` runs again afterwards: a fault test that failed
-        before its own restart left the shared stack without it, and every later test
-        (fuzz, security, soak) failed for that."""
-        try:
-            yield p
-        finally:
-            if p.proc is None or p.proc.poll() is not None:
-                self.restart(p)
 
     def kv_stats(self) -> list[kvpool_pb2.KvStatsResponse]:
         """Stats of every live replica (a killed one is skipped)."""
