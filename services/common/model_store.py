@@ -153,8 +153,9 @@ def _ensure_converted(gguf: Path, target: Path) -> Path:
             return target
         # Leftovers of conversions killed mid-way (SIGKILL, or SIGTERM before any handler):
         # the lock is ours, so no conversion is running.
-        for stale in target.parent.glob(f".{target.name}.tmp-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        for pattern in (f".{target.name}.tmp-*", f".{target.name}.old-*"):
+            for stale in target.parent.glob(pattern):
+                shutil.rmtree(stale, ignore_errors=True)
         _convert(gguf, target, sid)
     return target
 
@@ -190,14 +191,25 @@ def _convert(gguf: Path, target: Path, source: str = "") -> None:
             tmp.chmod(0o755)
             for f in tmp.rglob("*"):
                 f.chmod(0o755 if f.is_dir() else 0o644)
-            if target.exists():  # a stale, incomplete folder from a crashed conversion
-                shutil.rmtree(target)
-            os.rename(tmp, target)
+            _publish(tmp, target)
             bar.update(1)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     log.info("converted %s in %.1f s", SMOLLM2_MODEL_ID, time.monotonic() - t0)
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Puts the finished folder `tmp` at `target`. A folder already there (a stale
+    conversion: another GGUF or transformers version, or an incomplete one from a crash) is
+    renamed aside before it is deleted: a process of another version still reading it from a
+    shared cache folder never sees it half deleted, and `target` changes in one step. A
+    crash while deleting leaves `.<name>.old-*`, removed by the next conversion."""
+    if target.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.rename(target, old / "model")
+        shutil.rmtree(old, ignore_errors=True)
+    os.rename(tmp, target)
 
 
 def _load_gguf(gguf: Path) -> tuple[Any, Any]:

@@ -113,9 +113,11 @@ def test_a_conversion_of_another_source_is_redone_and_leftovers_go(tmp_path: Pat
     models.mkdir()
     leftover = models / ".SmolLM2-135M-Instruct.tmp-abc"
     leftover.mkdir()
+    aside = models / ".SmolLM2-135M-Instruct.old-abc"  # a crash while deleting a stale one
+    aside.mkdir()
     resolve_model("smollm2", cache_dir=str(tmp_path))
     resolve_model("smollm2", cache_dir=str(tmp_path))
-    assert len(calls) == 1 and not leftover.exists()
+    assert len(calls) == 1 and not leftover.exists() and not aside.exists()
     gguf.write_bytes(b"weights v2")  # a new package release
     resolve_model("smollm2", cache_dir=str(tmp_path))
     assert len(calls) == 2 and calls[0] != calls[1]
@@ -161,3 +163,28 @@ def test_real_conversion_twice_at_once_gives_a_loadable_model(tmp_path: Path) ->
     assert model.dtype == torch.float32
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_a_stale_conversion_is_renamed_aside_before_it_is_deleted(tmp_path: Path,
+                                                                   monkeypatch) -> None:
+    """It was deleted in place (rmtree) while a process of another version sharing the cache
+    folder could still be reading it; leftovers of a crash while deleting go next time."""
+    target = tmp_path / "SmolLM2-135M-Instruct"
+    target.mkdir()
+    (target / "model.safetensors").write_text("old")
+    new = tmp_path / ".SmolLM2-135M-Instruct.tmp-1"
+    new.mkdir()
+    (new / "model.safetensors").write_text("new")
+    seen: list[tuple] = []
+    real_rmtree = model_store.shutil.rmtree
+
+    def watching_rmtree(path, *a, **kw):
+        seen.append((Path(path).name, target.exists()))  # the old one is gone from target
+        return real_rmtree(path, *a, **kw)
+
+    monkeypatch.setattr(model_store.shutil, "rmtree", watching_rmtree)
+    model_store._publish(new, target)
+    assert (target / "model.safetensors").read_text() == "new"
+    assert len(seen) == 1 and seen[0][0].startswith(".SmolLM2-135M-Instruct.old-")
+    assert seen[0][1] is False  # deleted only once it no longer stood at target
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["SmolLM2-135M-Instruct"]
