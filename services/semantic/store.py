@@ -134,18 +134,14 @@ def _row(t: tuple) -> Row:
                t[8], bool(t[9]), t[10], t[11], t[12], t[13], int(t[14]))
 
 
-def _full(e: sqlite3.Error) -> bool:
-    """SQLITE_FULL (the disk or the database's size limit)."""
-    return getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "full" in str(e)
-
-
 @contextlib.contextmanager
 def _full_is_exhausted() -> Iterator[None]:
-    """A full disk is RESOURCE_EXHAUSTED naming it, not an INTERNAL error."""
+    """A full disk (SQLITE_FULL: the disk or the database's size limit) is
+    RESOURCE_EXHAUSTED naming it, not an INTERNAL error."""
     try:
         yield
     except sqlite3.OperationalError as e:
-        if _full(e):
+        if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "full" in str(e):
             raise ResourceExhausted(f"disk: the entry store is full ({e})") from None
         raise
 
@@ -243,19 +239,14 @@ class EntryStore:
             ResourceExhausted: the disk (or the database's size limit) is full; nothing written.
         """
         blob = np.asarray(embedding, "<f4").tobytes()
-        with self._lock:
-            try:
-                cur = self._db.execute(
-                    "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
-                    "embedding, embed_model, verified, created_at, ttl_seconds, truncated) "
-                    "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                    (id, tenant, model_id, context_hash, prompt, answer, blob, embed_model,
-                     int(verified), created_at, ttl_seconds, int(truncated)))
-            except sqlite3.OperationalError as e:
-                # SQLITE_FULL: the statement was rolled back; a client error, not a crash.
-                if _full(e):
-                    raise ResourceExhausted(f"disk: the entry store is full ({e})") from None
-                raise
+        # SQLITE_FULL: the statement was rolled back; a client error, not a crash.
+        with _full_is_exhausted(), self._lock:
+            cur = self._db.execute(
+                "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
+                "embedding, embed_model, verified, created_at, ttl_seconds, truncated) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (id, tenant, model_id, context_hash, prompt, answer, blob, embed_model,
+                 int(verified), created_at, ttl_seconds, int(truncated)))
             return int(cur.lastrowid)
 
     def insert_many(self, rows: list[dict]) -> None:
