@@ -50,7 +50,13 @@ from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
 from services.kvpool.drafting import Draft
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
-from services.kvpool.sampling import NonFiniteLogits, Sampler, SamplingSpec, sample_batch
+from services.kvpool.sampling import (
+    NonFiniteLogits,
+    Sampler,
+    SamplingSpec,
+    sample_batch,
+    verify_batch,
+)
 
 log = logging.getLogger(__name__)
 
@@ -178,18 +184,20 @@ _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scali
 
 
 def fp32_head(model: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None] | None:
-    """(base model, lm_head weight, bias) in float32, to compute a half-precision model's logits
-    in float32 from its hidden states; None for a float32 model (its logits already are), or
-    one whose logits are not a plain `lm_head(hidden)` (those get `.float()` on the logits).
+    """(base model, lm_head weight, bias) in float32, to compute the logits from the hidden
+    states; None for a model whose logits are not a plain `lm_head(hidden)` (those keep their
+    own forward, with `.float()` on its logits).
 
-    In bfloat16 the top logits often tie exactly (8 bits of mantissa), and batches, cached
-    prefixes and draft verification (other matmul shapes) then break the tie differently:
-    greedy answers would depend on them. Costs a float32 copy of lm_head's weight.
+    Two uses:
+    - a half-precision model's logits are computed in float32. In bfloat16 the top logits often
+      tie exactly (8 bits of mantissa), and batches, cached prefixes and draft verification
+      (other matmul shapes) then break the tie differently: greedy answers would depend on
+      them. Costs a float32 copy of lm_head's weight (a float32 model's is used as it is);
+    - a batch whose rows verify drafts of different lengths computes logits only at the
+      positions each row uses (`Engine._forward`'s `need`), not at every padded position.
     """
-    param = next(model.parameters())
     base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if (param.dtype == torch.float32 or not isinstance(base, torch.nn.Module)
-            or not isinstance(head, torch.nn.Linear)):
+    if not isinstance(base, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
         return None
     cfg = getattr(model, "config", None)
     if any(getattr(cfg, a, None) not in (None, 0, 1, 1.0) for a in _LOGIT_POSTPROCESSING):
@@ -668,19 +676,9 @@ class Engine:
             rows.append([last] + p + [last] * (q - 1 - len(p)))  # filler, see module docstring
         ids = torch.tensor(rows, device=self.device)
         plan = ForwardPlan(0, [s.num_computed for s in seqs], q)
-        logits = self._forward(ids, plan, keep=q)
-        plain = [i for i, p in enumerate(props) if not p]
-        plain_toks = sample_batch([seqs[i].sampler for i in plain], logits[plain, 0]) \
-            if plain else []
-        results: dict[int, tuple[int, int] | NonFiniteLogits] = {
-            i: t if isinstance(t, NonFiniteLogits) else (0, t)
-            for i, t in zip(plain, plain_toks, strict=True)}
-        for i, p in enumerate(props):
-            if p:
-                try:
-                    results[i] = seqs[i].sampler.verify(logits[i, :len(p) + 1], p)
-                except NonFiniteLogits as exc:
-                    results[i] = exc
+        # Logits only where a row has a draft token to check (a row without one: its first).
+        logits = self._forward(ids, plan, keep=q, need=[1 + len(p) for p in props])
+        results = verify_batch([s.sampler for s in seqs], logits, props)
         for s, p in zip(seqs, props, strict=True):
             # Everything just written counts until verified, so a row moved while an earlier
             # sequence finishes keeps it (`_apply_verified` then drops the rejected part).
@@ -754,17 +752,32 @@ class Engine:
         if seq.draft is not None:
             seq.draft.advance(emitted, seq.tokens[seq.prompt_len:])
 
-    def _forward(self, ids: torch.Tensor, plan: ForwardPlan, keep: int = 1) -> torch.Tensor:
-        """Logits of the last `keep` positions of each row, always in float32."""
+    def _forward(self, ids: torch.Tensor, plan: ForwardPlan, keep: int = 1,
+                 need: list[int] | None = None) -> torch.Tensor:
+        """Logits in float32: of the last `keep` positions of each row ([B, keep, vocab]); or,
+        given `need` (a count per row, keep = the plan's q_len), of the first need[b] positions
+        of row b only, rows in order ([sum(need), vocab]). With drafts of different lengths in
+        one batch, that spares the padded positions' logits (at batch 64 and 16 draft tokens,
+        about 200 MB of float32 per step for a 49k vocabulary)."""
+        assert need is None or (keep == plan.q_len and len(need) == plan.batch)
         self.cache.begin(plan)
         kw = dict(input_ids=ids, cache=self.cache, position_ids=self.cache.position_ids(),
                   attention_mask=self.cache.attention_mask(), use_cache=True)
         with torch.inference_mode():
-            if self._head is not None:
-                base, weight, bias = self._head
-                hidden = base(**kw).last_hidden_state[:, -keep:, :]
-                return torch.nn.functional.linear(hidden.float(), weight, bias)
-            return self.model(**kw, logits_to_keep=keep).logits.float()
+            if self._head is None:
+                logits = self.model(**kw, logits_to_keep=keep).logits.float()
+                return logits if need is None else torch.cat(
+                    [logits[b, :n] for b, n in enumerate(need)])
+            base, weight, bias = self._head
+            hidden = base(**kw).last_hidden_state
+            if need is None:
+                hidden = hidden[:, -keep:, :]
+            else:
+                q = plan.q_len
+                at = torch.tensor([b * q + t for b, n in enumerate(need) for t in range(n)],
+                                  device=hidden.device)
+                hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)
+            return torch.nn.functional.linear(hidden.float(), weight, bias)
 
     def _store_full_blocks(self, seq: Sequence, tokens: list[int] | None = None) -> None:
         late = self._commit_full_blocks(seq, tokens)

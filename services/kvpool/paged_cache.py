@@ -205,6 +205,7 @@ class PagedCache(Cache):
         self.store = store
         self.plan = ForwardPlan(0, [0], 0)
         self._idx: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pos: torch.Tensor | None = None
         super().__init__(layers=[PagedLayer(self, i) for i in range(store.num_layers)])
 
     def begin(self, plan: ForwardPlan) -> None:
@@ -212,24 +213,26 @@ class PagedCache(Cache):
         self.store.ensure_capacity(plan.kv_len)
         self.plan = plan
         self._idx = None
+        self._pos = None
 
     def index_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, position) index tensors [B, T] of the new tokens (built once per forward)."""
         if self._idx is None:
             p = self.plan
-            dev = self.store.device
-            rows = torch.arange(p.row0, p.row0 + p.batch, device=dev)[:, None].expand(-1, p.q_len)
-            pos = (torch.tensor(p.starts, device=dev)[:, None]
-                   + torch.arange(p.q_len, device=dev)[None, :])
-            self._idx = (rows, pos)
+            rows = torch.arange(p.row0, p.row0 + p.batch,
+                                device=self.store.device)[:, None].expand(-1, p.q_len)
+            self._idx = (rows, self.position_ids())
         return self._idx
 
     def position_ids(self) -> torch.Tensor:
-        """[B, T] absolute positions of the plan's new tokens."""
-        p = self.plan
-        dev = self.store.device
-        return (torch.tensor(p.starts, device=dev)[:, None]
-                + torch.arange(p.q_len, device=dev)[None, :])
+        """[B, T] absolute positions of the plan's new tokens (built once per forward: the
+        model, the mask and the KV writes all use it, and each build copies to the device)."""
+        if self._pos is None:
+            p = self.plan
+            dev = self.store.device
+            self._pos = (torch.tensor(p.starts, device=dev)[:, None]
+                         + torch.arange(p.q_len, device=dev)[None, :])
+        return self._pos
 
     def attention_mask(self) -> torch.Tensor:
         """[B, 1, T, kv_len] bool: query t of row b sees keys 0..starts[b]+t."""

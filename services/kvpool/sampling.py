@@ -9,6 +9,7 @@ uninterrupted run would have used, instead of replaying the stream from its star
 from __future__ import annotations
 
 import hashlib
+import itertools
 import secrets
 from dataclasses import dataclass, field
 
@@ -122,31 +123,67 @@ class Sampler:
             NonFiniteLogits: a row the answer uses holds NaN or inf.
         """
         if self.spec.greedy:
-            model = torch.argmax(logits, dim=-1).tolist()
-            a = 0
-            while a < len(draft) and model[a] == draft[a]:
-                a += 1
-            _check_finite(logits[:a + 1])  # the rows the answer used
-            return a, model[a]
-        for i, x in enumerate(draft):
-            y = self.draw(self.probs(logits[i]))
-            if y != x:
+            return _greedy_verdict(torch.argmax(logits, dim=-1).tolist(),
+                                   torch.isfinite(logits).all(dim=-1).tolist(), draft)
+        x = logits[:len(draft) + 1].float().cpu()  # one copy off the device, not one per row
+        for i, t in enumerate(draft):
+            y = self.draw(self.probs(x[i]))
+            if y != t:
                 return i, y
-        return len(draft), self.draw(self.probs(logits[len(draft)]))
+        return len(draft), self.draw(self.probs(x[len(draft)]))
+
+
+def _greedy_verdict(model: list[int], finite: list[bool], draft: list[int]) -> tuple[int, int]:
+    """Greedy `Sampler.verify` from the rows' argmax and finiteness."""
+    a = 0
+    while a < len(draft) and model[a] == draft[a]:
+        a += 1
+    if not all(finite[:a + 1]):  # the rows the answer used
+        raise NonFiniteLogits()
+    return a, model[a]
+
+
+def verify_batch(samplers: list[Sampler], logits: torch.Tensor, drafts: list[list[int]]
+                 ) -> list[tuple[int, int] | NonFiniteLogits]:
+    """`Sampler.verify` for every row of a batch: (accepted, next token) per row, or a
+    NonFiniteLogits for a row whose used logits are not finite (only that sequence fails).
+
+    `logits` is [sum(len(d) + 1), vocab]: row b's len(drafts[b]) + 1 positions, rows in order (a
+    row without a draft has one). Greedy rows share one argmax and one finiteness check, sampled
+    rows one copy to the CPU (where their seeded generators draw): a constant number of device
+    synchronisations per forward, not a few per row.
+    """
+    offsets = list(itertools.accumulate((len(d) + 1 for d in drafts), initial=0))
+    out: list[tuple[int, int] | NonFiniteLogits] = []
+    model: list[int] = []
+    finite: list[bool] = []
+    if any(s.spec.greedy for s in samplers):
+        model = torch.argmax(logits, dim=-1).tolist()
+        finite = torch.isfinite(logits).all(dim=-1).tolist()
+    sampled = [b for b, s in enumerate(samplers) if not s.spec.greedy]
+    host: dict[int, torch.Tensor] = {}
+    if sampled:
+        rows = [r for b in sampled for r in range(offsets[b], offsets[b + 1])]
+        x = logits[torch.tensor(rows, device=logits.device)].float().cpu()
+        at = 0
+        for b in sampled:
+            n = offsets[b + 1] - offsets[b]
+            host[b] = x[at:at + n]
+            at += n
+    for b, (s, d) in enumerate(zip(samplers, drafts, strict=True)):
+        lo, hi = offsets[b], offsets[b + 1]
+        try:
+            out.append(_greedy_verdict(model[lo:hi], finite[lo:hi], d) if s.spec.greedy
+                       else s.verify(host[b], d))
+        except NonFiniteLogits as exc:
+            out.append(exc)
+    return out
 
 
 def sample_batch(samplers: list[Sampler], logits: torch.Tensor
                  ) -> list[int | NonFiniteLogits]:
-    """One token per row of [B, vocab] logits (all greedy rows in one argmax); a row whose
-    logits are not finite gets a NonFiniteLogits instead (only that sequence fails)."""
-    if all(s.spec.greedy for s in samplers):
-        toks = torch.argmax(logits, dim=-1).tolist()
-        finite = torch.isfinite(logits).all(dim=-1).tolist()
-        return [t if ok else NonFiniteLogits() for t, ok in zip(toks, finite, strict=True)]
-    out: list[int | NonFiniteLogits] = []
-    for i, s in enumerate(samplers):
-        try:
-            out.append(s.sample(logits[i]))
-        except NonFiniteLogits as exc:
-            out.append(exc)
-    return out
+    """One token per row of [B, vocab] logits (see `verify_batch`: one argmax for the greedy
+    rows, one copy to the CPU for the sampled ones); a row whose logits are not finite gets a
+    NonFiniteLogits instead (only that sequence fails)."""
+    return [r if isinstance(r, NonFiniteLogits) else r[1]
+            for r in verify_batch(samplers, logits, [[] for _ in samplers])]

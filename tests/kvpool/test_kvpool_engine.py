@@ -89,9 +89,9 @@ def test_prefill_runs_in_equal_chunks_and_stays_exact(make_engine, tiny_model) -
     sizes: list[int] = []
     forward = eng._forward
 
-    def recording(ids, plan, keep=1):
+    def recording(ids, plan, keep=1, need=None):
         sizes.append(plan.q_len)
-        return forward(ids, plan, keep)
+        return forward(ids, plan, keep, need)
 
     eng._forward = recording
     toks = prompt(34, 6)
@@ -290,14 +290,14 @@ def test_a_failed_sampling_step_leaves_no_block_cached_without_its_kv(make_engin
     same prefix reuses blocks that hold no KV of it."""
     from services.kvpool import sampling
 
-    real = sampling.Sampler.sample
+    real = sampling.Sampler.draw
 
-    def sample(self, logits):
+    def draw(self, probs):
         if self.spec.seed == 13:
             raise ValueError("sampling: simulated failure")
-        return real(self, logits)
+        return real(self, probs)
 
-    monkeypatch.setattr(sampling.Sampler, "sample", sample)
+    monkeypatch.setattr(sampling.Sampler, "draw", draw)
     eng = make_engine()
     p = prompt(13, 62)  # 3 full blocks of 4, one prefill chunk
     _, fin = generate(eng, p, max_tokens=6, temperature=1.0, seed=13)
@@ -337,9 +337,9 @@ def test_a_decoding_request_is_not_failed_while_a_prefill_holds_blocks(make_engi
     eng = make_engine(num_blocks=16, block_size=4, max_prefill_chunk=4, drafts=False)
     forward = eng._forward
 
-    def slow(ids, plan, keep=1):
+    def slow(ids, plan, keep=1, need=None):
         time.sleep(0.02)  # keeps A from finishing before B arrives, whatever the machine
-        return forward(ids, plan, keep)
+        return forward(ids, plan, keep, need)
 
     eng._forward = slow
     a = prompt(8, 65)
@@ -472,13 +472,16 @@ def test_non_finite_logits_fail_only_their_sequence(make_engine, tiny_model, mod
     eng = make_engine(max_batch_size=4)
     real = eng._forward
 
-    def forward(ids, plan, keep=1):
-        logits = real(ids, plan, keep).clone()
+    def forward(ids, plan, keep=1, need=None):
+        logits = real(ids, plan, keep, need).clone()
         p = eng._prefilling
         seqs = [p] if p is not None and plan.row0 == p.row else eng._decoding
         for i, s in enumerate(seqs):
             if s.req.request_id == "bad" and (s.generated == 0) == (when == "prefill"):
-                logits[i] = float("nan")
+                if need is None:
+                    logits[i] = float("nan")
+                else:  # [sum(need), vocab]: row i's positions follow the rows before it
+                    logits[sum(need[:i]):sum(need[:i + 1])] = float("nan")
         return logits
 
     eng._forward = forward
@@ -523,9 +526,10 @@ def test_bfloat16_greedy_is_the_same_with_drafts_and_cached_prefixes(make_engine
     seen: list[torch.Tensor] = []
     real = plain._forward
 
-    def forward(ids, plan, keep=1):
-        logits = real(ids, plan, keep)
-        seen.append(logits[0, -1].clone())
+    def forward(ids, plan, keep=1, need=None):
+        logits = real(ids, plan, keep, need)
+        if need is None:  # the reference answers (no draft): [B, keep, vocab]
+            seen.append(logits[0, -1].clone())
         return logits
 
     plain._forward = forward
@@ -586,14 +590,16 @@ def test_a_seeded_answer_resumed_elsewhere_continues_its_randomness(make_engine,
 
 def test_the_float32_head_is_for_plain_half_precision_heads_only(tiny_model) -> None:
     """Soft-capped (or otherwise post-processed) logits are not lm_head(hidden): such models
-    keep their own forward (with .float() on its logits); a float32 model needs no copy."""
+    keep their own forward (with .float() on its logits); a float32 model's head is used as it
+    is (no copy)."""
     import copy
 
     import torch
 
     from services.kvpool.engine import fp32_head
 
-    assert fp32_head(tiny_model) is None  # float32 already
+    own = fp32_head(tiny_model)  # float32 already: its own weight, not a copy
+    assert own is not None and own[1].data_ptr() == tiny_model.lm_head.weight.data_ptr()
     half = copy.deepcopy(tiny_model).to(torch.bfloat16)
     got = fp32_head(half)
     assert got is not None and got[1].dtype == torch.float32
@@ -736,3 +742,20 @@ def test_a_stopped_engine_refuses_requests_instead_of_queueing_them_for_nobody(
         eng.submit(request(prompt(8), max_tokens=2))
     with pytest.raises(errors.Unavailable):
         eng.call(lambda: None).result(5)
+
+
+def test_a_forwards_positions_are_built_once(make_engine) -> None:
+    """The model's position ids, the attention mask and the KV writes all use the plan's
+    positions; each build copies the start list to the device (a sync on CUDA), and it used to
+    be built three times per forward."""
+    from services.kvpool.paged_cache import ForwardPlan
+
+    eng = make_engine()
+    cache = eng.cache
+    with paused(eng):
+        cache.begin(ForwardPlan(0, [3, 5], 2))
+        pos = cache.position_ids()
+        assert cache.position_ids() is pos and cache.index_tensors()[1] is pos
+        assert pos.tolist() == [[3, 4], [5, 6]]
+        cache.begin(ForwardPlan(0, [7], 1))
+        assert cache.position_ids().tolist() == [[7]]
