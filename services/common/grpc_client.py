@@ -24,11 +24,19 @@ def tls_mode(env: Mapping[str, str] | None = None) -> str:
     return "roots" if env.get("TIERCACHE_TLS_CERT") else ""
 
 
+# A cache tier (semantic lookup/store, prefix index match) answers in milliseconds: one that
+# has not answered a call within this long has stalled, even when the request's own deadline
+# is what shortened that call.
+STALL_EVIDENCE_S = 0.5
+
+
 def cut_short(e: grpc.RpcError, timeout: float | None, full_s: float) -> bool:
     """Whether `e` is a deadline the caller's own shorter timeout ran into (the request had
-    little time left): it says nothing of the dependency's health."""
+    little time left): it says nothing of the dependency's health. A call given at least
+    STALL_EVIDENCE_S is never cut short: otherwise a tier that hangs would never be marked so
+    while every request's deadline is shorter than the tier's timeout."""
     return (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
-            and timeout < full_s)
+            and timeout < min(full_s, STALL_EVIDENCE_S))
 
 
 _HALF_CLIENT_PAIR = "TIERCACHE_TLS_CLIENT_CERT and TIERCACHE_TLS_CLIENT_KEY must be set together"

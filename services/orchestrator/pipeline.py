@@ -165,7 +165,7 @@ class Orchestrator:
                 deadline: float) -> semantic_pb2.LookupResponse | None:
         if not self.semantic.enabled or policy.skip_semantic_lookup:
             return None
-        timeout = _within(self.semantic.timeout_s, deadline)
+        timeout = _within(self.semantic.timeout_s, deadline, _CACHE_SHARE)
         if timeout is None:
             return None  # the request's deadline has passed: the replica step reports it
         try:
@@ -196,9 +196,10 @@ class Orchestrator:
 
     def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated_at: int,
                deadline: float) -> str:
-        # Before the final message, whose report names the stored entry: bounded by what is
-        # left of the request's deadline (past it, the answer is not stored).
-        timeout = _within(self.semantic.timeout_s, deadline)
+        # Before the final message, whose report names the stored entry: bounded by half of
+        # what is left of the request's deadline (past it, the answer is not stored), so a
+        # slow Store cannot turn a finished answer into DEADLINE_EXCEEDED.
+        timeout = _within(self.semantic.timeout_s, deadline, _STORE_SHARE)
         if timeout is None:
             return ""
         try:
@@ -228,7 +229,7 @@ class Orchestrator:
             return PrefixView({}, key, None, hashes)
         timeout = None
         if deadline is not None:
-            timeout = _within(self.prefix.timeout_s, deadline)
+            timeout = _within(self.prefix.timeout_s, deadline, _CACHE_SHARE)
             if timeout is None:
                 return PrefixView({}, key, None, hashes)  # no time left: ring routing
         try:
@@ -595,10 +596,19 @@ class Orchestrator:
         TOKENS.labels("generated").inc(completion)
 
 
-def _within(timeout_s: float, deadline: float) -> float | None:
-    """`timeout_s`, or less when the request's deadline comes first; None when it has passed."""
+# The most of what is left of a request's deadline that an optional cache call may take: a
+# tier that hangs must leave the replica most of the time (a lookup given all of it failed
+# every request with a deadline under the tier's timeout), and a Store after the answer must
+# leave time for the final message.
+_CACHE_SHARE = 0.25
+_STORE_SHARE = 0.5
+
+
+def _within(timeout_s: float, deadline: float, share: float = 1.0) -> float | None:
+    """`timeout_s`, or `share` of what is left of the request's deadline when that is less;
+    None when the deadline has passed."""
     left = deadline - time.monotonic()
-    return None if left <= 0 else min(timeout_s, left)
+    return None if left <= 0 else min(timeout_s, share * left)
 
 
 def _give_up(too_big: grpc.RpcError | None, all_busy: bool, busy: str,

@@ -471,9 +471,65 @@ def test_a_request_running_out_of_its_own_deadline_does_not_mark_the_tier_hung()
     sb.health.ok()
     for _ in range(2):
         with pytest.raises(grpc.RpcError):
-            sb.lookup(semantic_pb2.LookupRequest(), 0.3)  # the request had only 0.3 s left
-    assert slow.calls == [0.3, 0.3]  # both reached the shard
+            sb.lookup(semantic_pb2.LookupRequest(), 0.1)  # the request had only 0.1 s left
+    assert slow.calls == [0.1, 0.1]  # both reached the shard
     assert sb.health.healthy  # and the tier is not reported unhealthy for it
+
+
+def test_a_tier_silent_for_half_a_second_is_hung_whatever_the_requests_deadline():
+    """Every request's deadline may be under the tier's 2 s timeout: a call cut to 0.6 s by its
+    request still shows the tier hung (it answers in milliseconds), or it was never skipped
+    and every request waited on it."""
+    now = [100.0]
+    slow = TimesOut()
+    sb = backend_with(slow, now)
+    sb.health.ok()
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(semantic_pb2.LookupRequest(), 0.6)
+    assert not sb.health.healthy and "s:1" in sb._hung
+    with pytest.raises(grpc.RpcError) as skipped:
+        sb.lookup(semantic_pb2.LookupRequest(), 0.6)
+    assert "hung: skipped" in skipped.value.details()
+    assert slow.calls == [0.6]  # the second call did not wait on the shard
+
+
+def test_a_hung_tier_leaves_the_replica_most_of_a_short_deadline():
+    """A request with 1.5 s to live and a semantic tier that never answers: the lookup used to
+    get all 1.5 s (min(2 s timeout, time left)), and the request then failed with
+    DEADLINE_EXCEEDED before any replica was asked, every time."""
+    from tests.orchestrator.test_pipeline_paths import Call, Stub, final, make
+
+    class Hung:
+        enabled = True
+        timeout_s = 2.0
+
+        def __init__(self) -> None:
+            self.timeouts: list[float] = []
+
+        def lookup(self, req, timeout=None):
+            self.timeouts.append(timeout)
+            time.sleep(timeout)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+        def store(self, req, timeout=None):
+            self.timeouts.append(timeout)
+            time.sleep(timeout)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    sem = Hung()
+    stub = Stub("A", [Call([final("A", 2)])])
+    orch = make({"A": stub}, semantic=sem)
+    t0 = time.monotonic()
+    events = list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(2, 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
+        return_token_ids=True, request_id="rid", deadline=t0 + 1.5, on_cancel=lambda fn: None))
+    took = time.monotonic() - t0
+    assert isinstance(events[-1], Finished) and len(stub.requests) == 1
+    lookup, store = sem.timeouts
+    assert lookup <= 0.25 * 1.5 + 1e-6  # a quarter of what was left
+    assert store <= 0.5 * (1.5 - lookup) + 1e-6  # half of what was left after the answer
+    assert took < 1.5  # the final message came before the deadline
 
 
 def test_after_the_pause_one_call_probes_the_hung_shard_and_the_others_keep_skipping():
