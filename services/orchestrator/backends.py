@@ -292,17 +292,82 @@ class ReplicaSet:
 
 
 class _SkippedShard(grpc.RpcError):
-    """A semantic shard skipped while it is hung (see SemanticBackend.HUNG_BACKOFF_S)."""
+    """A shard skipped while it is hung (see HungBackoff)."""
 
-    def __init__(self, address: str, left_s: float) -> None:
+    def __init__(self, what: str, address: str, left_s: float) -> None:
         super().__init__()
-        self._details = f"semantic shard {address} hung: skipped for another {left_s:.1f}s"
+        self._details = f"{what} {address} hung: skipped for another {left_s:.1f}s"
 
     def code(self) -> grpc.StatusCode:
         return grpc.StatusCode.UNAVAILABLE
 
     def details(self) -> str:
         return self._details
+
+
+class HungBackoff:
+    """Skips a cache tier's shard while it is hung (a call ran out its whole timeout), for
+    `backoff_s[0]` seconds, doubling up to `backoff_s[1]` while it stays hung; then one call
+    probes it again. Without it every request waits the tier's timeout on a tier that answers
+    nobody (the semantic tier twice: Lookup, then Store).
+
+    Around each call: `enter` (raises `_SkippedShard`, UNAVAILABLE, while the pause lasts),
+    then `answered` or `failed`.
+    """
+
+    def __init__(self, what: str, backoff_s: tuple[float, float],
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.what = what
+        self.backoff_s = backoff_s
+        self.clock = clock
+        self.state: dict[str, tuple[float, float]] = {}  # address -> (skip until, backoff)
+        self.marked: dict[str, float] = {}  # address -> when a timeout last set it
+        self.lock = threading.Lock()
+
+    def enter(self, address: str, timeout: float) -> tuple[float, tuple[float, float] | None]:
+        """Before a call of `timeout` seconds: (when it began, the hung record it probes)."""
+        began = self.clock()
+        with self.lock:
+            hung = self.state.get(address)
+            if hung is not None:
+                now = self.clock()
+                if now < hung[0]:
+                    raise _SkippedShard(self.what, address, hung[0] - now)
+                # The pause is over: this call probes the shard; the others keep skipping it
+                # until the probe answers or times out.
+                self.state[address] = (now + timeout, hung[1])
+        return began, hung
+
+    def answered(self, address: str) -> None:
+        with self.lock:
+            self.state.pop(address, None)
+
+    def failed(self, address: str, e: grpc.RpcError, timeout: float, whole: bool,
+               began: float, hung: tuple[float, float] | None) -> None:
+        """The call failed with `e`; `whole`: not a deadline the request's own shorter
+        timeout ran into (see `cut_short`)."""
+        code = e.code()
+        with self.lock:
+            if code == grpc.StatusCode.DEADLINE_EXCEEDED and whole:
+                # Hung: it let a call run out its whole timeout. The back-off grows from
+                # what is recorded now (a call begun before another marked the shard
+                # hung held no record, and reset a grown back-off to the first one), and
+                # once per stall: calls under way together when it stalled time out
+                # together, and each doubled it (one hiccup skipped the shard 5 s).
+                first, most = self.backoff_s
+                now_hung = self.state.get(address)
+                if now_hung is None or self.marked.get(address, -math.inf) <= began:
+                    back = min(most, now_hung[1] * 2) if now_hung is not None else first
+                    self.state[address] = (self.clock() + back, back)
+                    self.marked[address] = self.clock()
+                    log.warning("%s %s timed out (%.1fs): skipped for %.1fs", self.what,
+                                address, timeout, back)
+            elif hung is not None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                # The probe ran out of its request's own time: nothing learnt, the next
+                # call probes again (the back-off stays).
+                self.state[address] = (self.clock(), hung[1])
+            elif hung is not None:
+                self.state.pop(address, None)  # the probe got an answer (an error)
 
 
 class SemanticBackend:
@@ -328,9 +393,8 @@ class SemanticBackend:
         self.shard_health = {a: Health("semantic shard", a) for a in self.addresses}
         self.timeout_s = timeout_s
         self.clock = clock
-        self._hung: dict[str, tuple[float, float]] = {}  # address -> (skip until, backoff)
-        self._hung_marked: dict[str, float] = {}  # address -> when a timeout last set it
-        self._hung_lock = threading.Lock()
+        self.hung = HungBackoff("semantic shard", self.HUNG_BACKOFF_S, clock)
+        self._hung = self.hung.state  # address -> (skip until, backoff)
         self.internal_token = internal_token
         self.stubs = {a: semantic_pb2_grpc.SemanticCacheStub(make_channel(a))
                       for a in self.addresses}
@@ -343,53 +407,25 @@ class SemanticBackend:
 
     def _call(self, address: str, method: str, req, timeout: float | None = None):
         timeout = timeout or self.timeout_s
-        began = self.clock()
-        with self._hung_lock:
-            hung = self._hung.get(address)
-            if hung is not None:
-                now = self.clock()
-                if now < hung[0]:
-                    raise _SkippedShard(address, hung[0] - now)
-                # The pause is over: this call probes the shard; the others keep skipping it
-                # until the probe answers or times out.
-                self._hung[address] = (now + timeout, hung[1])
+        began, hung = self.hung.enter(address, timeout)
         try:
             resp = getattr(self.stubs[address], method)(
                 req, timeout=timeout, metadata=call_metadata(self.internal_token))
             self.health.ok()
             self.shard_health[address].ok()
-            with self._hung_lock:
-                self._hung.pop(address, None)
+            self.hung.answered(address)
             return resp
         except grpc.RpcError as e:
-            code = e.code()
             whole = not cut_short(e, timeout, self.timeout_s)
-            if whole and code in (grpc.StatusCode.UNAVAILABLE,
-                                  grpc.StatusCode.DEADLINE_EXCEEDED,
-                                  grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN):
+            if whole and e.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
+                                          grpc.StatusCode.NOT_FOUND):
+                # Not only down or hung: a tier refusing our credential (UNAUTHENTICATED) or
+                # every Store (RESOURCE_EXHAUSTED: a full disk) does no work either, and
+                # Stats must say so. A request's own bad input or an unknown id is not the
+                # tier's fault.
                 self.health.fail(e)
                 self.shard_health[address].fail(e)
-            with self._hung_lock:
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED and whole:
-                    # Hung: it let a call run out its whole timeout. The back-off grows from
-                    # what is recorded now (a call begun before another marked the shard
-                    # hung held no record, and reset a grown back-off to the first one), and
-                    # once per stall: calls under way together when it stalled time out
-                    # together, and each doubled it (one hiccup skipped the shard 5 s).
-                    first, most = self.HUNG_BACKOFF_S
-                    now_hung = self._hung.get(address)
-                    if now_hung is None or self._hung_marked.get(address, -math.inf) <= began:
-                        back = min(most, now_hung[1] * 2) if now_hung is not None else first
-                        self._hung[address] = (self.clock() + back, back)
-                        self._hung_marked[address] = self.clock()
-                        log.warning("semantic shard %s timed out (%.1fs): skipped for %.1fs",
-                                    address, timeout, back)
-                elif hung is not None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    # The probe ran out of its request's own time: nothing learnt, the next
-                    # call probes again (the back-off stays).
-                    self._hung[address] = (self.clock(), hung[1])
-                elif hung is not None:
-                    self._hung.pop(address, None)  # the probe got an answer (an error)
+            self.hung.failed(address, e, timeout, whole, began, hung)
             raise
 
     def _each(self, method: str, req) -> list:

@@ -256,10 +256,12 @@ class Orchestrator:
             return matches
         return self.dispatched.merged(matches, hashes)
 
-    def owner(self, tenant: Tenant, token_ids: list[int]) -> str | None:
+    def owner(self, tenant: Tenant, token_ids: list[int], deadline: float | None = None
+              ) -> str | None:
         """The replica a request with this prompt would be routed to now (Warm's owners), not
-        counted as routed traffic; None when no replica is available."""
-        view = self._matches(tenant, token_ids, probe=True)
+        counted as routed traffic; None when no replica is available. Past `deadline` the
+        index is not asked (ring routing)."""
+        view = self._matches(tenant, token_ids, deadline, probe=True)
         with self._route_lock:  # the policy's ring changes as replicas come and go
             d = self.routing.choose(self.replicas.views(),
                                     self._with_dispatched(view.matches, view.hashes), view.key,
@@ -335,6 +337,7 @@ class Orchestrator:
         # The first "needs more KV blocks than the pool has": the client's answer if no
         # replica with a larger pool takes the request either.
         too_big: grpc.RpcError | None = None
+        why_public = ""  # the last replica failure, as the client may see it
         route = ""
         while final is None:
             if cancelled.is_set():
@@ -361,7 +364,8 @@ class Orchestrator:
                     too_big, bool(tried) and only_busy,
                     f"every kvpool replica is busy (tried {', '.join(tried)}); retry later",
                     "no kvpool replica is available"
-                    + (f" (tried {', '.join(tried)})" if tried else "")) from None
+                    + (f" (tried {', '.join(tried)})" if tried else "")
+                    + (f"; last: {why_public}" if why_public else "")) from None
             watcher: Callable[[], None] | None = None
             busy = larger = False
             try:

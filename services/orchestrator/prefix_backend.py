@@ -12,16 +12,22 @@ from tiercache.v1 import common_pb2
 
 from services.common.grpc_client import cut_short
 from services.common.prefix_client import PrefixIndexClient
-from services.orchestrator.backends import Health
+from services.orchestrator.backends import Health, HungBackoff
 
 
 class PrefixBackend:
+    # An index shard whose Match ran out its whole timeout is skipped (ring routing) for this
+    # long, doubling while it stays hung: every request waited the timeout on it before.
+    HUNG_BACKOFF_S = (0.5, 5.0)
+
     def __init__(self, addresses: tuple[str, ...], internal_token: str, timeout_s: float,
-                 block_size: int) -> None:
+                 block_size: int, clock=None) -> None:
         self.client = PrefixIndexClient(addresses, internal_token, timeout=timeout_s,
                                         block_size=block_size)
         self.health = Health("prefix", ",".join(addresses))
         self.timeout_s = timeout_s
+        self.hung = HungBackoff("prefix index shard", self.HUNG_BACKOFF_S,
+                                *([clock] if clock else []))
 
     def _guard(self, fn, *args, **kw):
         try:
@@ -35,8 +41,17 @@ class PrefixBackend:
 
     def match(self, block_hashes: list[bytes], model_id: str,
               timeout: float | None = None, probe: bool = False) -> dict[str, int]:
-        r = self._guard(self.client.match, model_id, block_hashes=block_hashes,
-                        timeout=timeout, probe=probe)
+        shard = self.client.shard_for(block_hashes[0]) if block_hashes else ""
+        whole_s = timeout or self.timeout_s
+        began, hung = self.hung.enter(shard, whole_s)
+        try:
+            r = self._guard(self.client.match, model_id, block_hashes=block_hashes,
+                            timeout=timeout, probe=probe)
+        except grpc.RpcError as e:
+            self.hung.failed(shard, e, whole_s, not cut_short(e, timeout, self.timeout_s),
+                             began, hung)
+            raise
+        self.hung.answered(shard)
         return {m.replica_id: m.matched_tokens for m in r.matches if m.matched_blocks}
 
     def dependencies(self) -> list:

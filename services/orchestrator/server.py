@@ -369,10 +369,15 @@ class Warmer:
                 prompt_index=index, replica_id=replica.public_id,
                 error=f"{e.code().name}: {_public_details(e, f'replica {replica.public_id}')}")
 
-    def _targets(self, tenant, token_ids, target):
+    def _targets(self, tenant, token_ids, target, deadline: float, gone=None):
         healthy = self.orch.replicas.healthy()
         if target == orchestrator_pb2.WARM_TARGET_OWNERS:
-            owner = self.orch.owner(tenant, token_ids)
+            # The caller's deadline bounds each owner lookup (and once it has passed, or the
+            # caller is gone, the index is not asked): one lookup per prompt at the index's
+            # whole timeout held a hung index's Warm far past its deadline.
+            owner = self.orch.owner(tenant, token_ids,
+                                    time.monotonic() if gone is not None and gone.is_set()
+                                    else deadline)
             return [r for r in healthy if r.replica_id == owner]
         return healthy
 
@@ -429,7 +434,7 @@ class Warmer:
                 raise errors.ResourceExhausted(
                     f"prompts[{i}]: {len(ids)} tokens exceed tenant limit "
                     f"{tenant.max_prompt_tokens}")
-            for r in self._targets(tenant, ids, request.target):
+            for r in self._targets(tenant, ids, request.target, deadline, gone):
                 jobs.append((r, ids, tenant.cache_salt, ttl, i))
         if request.top_k:
             try:
@@ -443,7 +448,7 @@ class Warmer:
             mine = [hp for hp in hot if hp.cache_salt == tenant.cache_salt][:request.top_k]
             for hp in mine:
                 ids = list(hp.token_ids)
-                for r in self._targets(tenant, ids, request.target):
+                for r in self._targets(tenant, ids, request.target, deadline, gone):
                     if r.replica_id not in hp.holders:
                         jobs.append((r, ids, hp.cache_salt, ttl, -1))
         limit = self.cfg.warm_max_prefills_per_call

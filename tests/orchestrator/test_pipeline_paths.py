@@ -244,7 +244,7 @@ def test_warm_top_k_for_owners_warms_only_the_owner():
     stubs = {r: Stub(r, []) for r in ("A", "B", "C")}
     hot = list(range(100, 164))
     prefix = SimpleNamespace(
-        match=lambda hashes, model_id, timeout=None, probe=False: {"A": 64},
+        timeout_s=0.5, match=lambda hashes, model_id, timeout=None, probe=False: {"A": 64},
         top_prefixes=lambda k, model_id, cache_salt=None: [prefix_pb2.HotPrefix(
             token_ids=hot, holders=["A"], hits=5, cache_salt=TENANT.cache_salt)])
     orch = make(stubs, prefix=prefix)
@@ -654,3 +654,52 @@ def test_a_warm_past_its_deadline_answers_every_prefill_without_recursing():
     finally:
         gate.set()
         warmer.stop()
+
+
+@pytest.mark.parametrize("replicas", [1, 2, 3])
+def test_the_clients_error_names_the_replicas_last_failure_however_many_there_are(replicas):
+    """With fewer replicas than max_attempts (3) the "no replica left" error used to drop the
+    replicas' failure (every one INTERNAL read as a plain UNAVAILABLE); with 3 it said it."""
+    from services.common import errors
+
+    stubs = {f"R{i}": Stub(f"R{i}", [Call([], RpcError(grpc.StatusCode.INTERNAL))])
+             for i in range(replicas)}
+    orch = make(stubs, max_attempts=3)
+    with pytest.raises(errors.TierCacheError) as got:
+        generate(orch, [])
+    assert got.value.code == "UNAVAILABLE" and "last: INTERNAL" in str(got.value)
+
+
+def test_a_warm_for_owners_keeps_its_deadline_with_a_hung_index():
+    """Choosing each prompt's owner asks the index; with the index hung each lookup waited
+    the index's whole timeout (0.5 s), one prompt after another, whatever the Warm call's
+    deadline: 12 prompts held a 1 s call for 6 s."""
+    import time
+
+    from services.orchestrator.render import PromptRenderer
+
+    class HungIndex:
+        timeout_s = 0.5
+
+        def __init__(self) -> None:
+            self.timeouts: list[float | None] = []
+
+        def match(self, hashes, model_id, timeout=None, probe=False):
+            self.timeouts.append(timeout)
+            time.sleep(self.timeout_s if timeout is None else timeout)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    stubs = {r: Stub(r, []) for r in ("A", "B")}
+    index = HungIndex()
+    orch = make(stubs, prefix=index)
+    orch.renderer = PromptRenderer(Tok(), max_chars=100)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
+    prompts = [orchestrator_pb2.WarmPrompt(prompt=f"p{i:02d}" + "." * 30) for i in range(12)]
+    t0 = time.monotonic()
+    try:
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=prompts, target=orchestrator_pb2.WARM_TARGET_OWNERS), time_remaining=1.0)
+    finally:
+        warmer.stop()
+    assert time.monotonic() - t0 < 1.5
+    assert len(out.results) == 12 and all(t is not None for t in index.timeouts)

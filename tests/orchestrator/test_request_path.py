@@ -567,26 +567,57 @@ def test_a_probe_cut_short_by_its_request_leaves_the_shard_marked_hung():
     assert calls == [0.2, 2.0] and sb._hung["s:1"] == (now[0] + 2.0, 2.0)
 
 
-def test_a_short_deadline_on_the_index_is_not_an_index_failure():
+def index_over(match, now: list[float] | None = None):
+    """A one-shard PrefixBackend (timeout 0.5 s) whose client's Match is `match`."""
     from services.orchestrator.prefix_backend import PrefixBackend
 
-    pb = PrefixBackend.__new__(PrefixBackend)
-    pb.timeout_s = 0.5
-    from services.orchestrator.backends import Health
-
-    pb.health = Health("prefix", "p:1")
+    pb = PrefixBackend(("p:1",), "", 0.5, 16, clock=(lambda: now[0]) if now else None)
+    pb.client = SimpleNamespace(match=match, shard_for=lambda h: "p:1")
     pb.health.ok()
+    return pb
 
+
+def test_a_short_deadline_on_the_index_is_not_an_index_failure():
     def match(model_id, block_hashes=(), timeout=None, probe=False):
         raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
 
-    pb.client = SimpleNamespace(match=match)
+    pb = index_over(match)
     with pytest.raises(grpc.RpcError):
         pb.match([b"h"], "m", timeout=0.1)  # the request had 0.1 s left
-    assert pb.health.healthy
+    assert pb.health.healthy and not pb.hung.state
     with pytest.raises(grpc.RpcError):
         pb.match([b"h"], "m", timeout=0.5)  # its whole timeout: the index is slow
     assert not pb.health.healthy
+
+
+def test_a_hung_index_shard_is_skipped_for_a_while_then_tried_again():
+    """Every request waited the index's whole timeout (0.5 s) while a shard was hung: the
+    semantic tier's back-off now covers the index too."""
+    now = [50.0]
+    calls: list[float | None] = []
+    answer = []
+
+    def match(model_id, block_hashes=(), timeout=None, probe=False):
+        calls.append(timeout)
+        if answer:
+            return SimpleNamespace(matches=[])
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    pb = index_over(match, now)
+    with pytest.raises(grpc.RpcError):
+        pb.match([b"h"], "m", timeout=0.5)  # its whole timeout: hung
+    assert not pb.health.healthy
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as skipped:
+            pb.match([b"h"], "m", timeout=0.5)
+        assert skipped.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "hung: skipped" in skipped.value.details()
+    assert calls == [0.5]  # the skipped ones did not wait on the shard
+    now[0] += 0.6
+    answer.append(True)
+    assert pb.match([b"h"], "m", timeout=0.5) == {}  # the pause is over: it answers again
+    assert pb.match([b"h"], "m", timeout=0.5) == {} and len(calls) == 3
+    assert pb.health.healthy
 
 
 @pytest.mark.parametrize(("code", "down"), [(grpc.StatusCode.INTERNAL, False),
@@ -706,3 +737,30 @@ def test_calls_that_time_out_together_in_one_stall_grow_the_back_off_once():
     with pytest.raises(grpc.RpcError):
         sb.lookup(semantic_pb2.LookupRequest())
     assert sb._hung["s:1"][1] == 0.5  # the first back-off, set once
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAUTHENTICATED,
+                                  grpc.StatusCode.PERMISSION_DENIED,
+                                  grpc.StatusCode.RESOURCE_EXHAUSTED])
+def test_a_tier_refusing_every_call_reads_unhealthy(code):
+    """A semantic tier that refuses the orchestrator's credential, or every Store (a full
+    disk), does no work: its health used to stay "healthy" (only UNAVAILABLE, DEADLINE_EXCEEDED,
+    INTERNAL and UNKNOWN counted). A request's own bad input still does not count."""
+    class Refuses:
+        def __init__(self, code) -> None:
+            self.code = code
+
+        def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
+            raise RpcError(self.code)
+
+    sb = backend_with(Refuses(code))
+    sb.health.ok()
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(semantic_pb2.LookupRequest())
+    assert not sb.health.healthy and sb.health.last_error == code.name.lower()
+    assert not sb.shard_health["s:1"].healthy
+    sb = backend_with(Refuses(grpc.StatusCode.INVALID_ARGUMENT))
+    sb.health.ok()
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(semantic_pb2.LookupRequest())
+    assert sb.health.healthy
