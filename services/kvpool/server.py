@@ -245,7 +245,14 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             evictions_total=s.evictions_total, preemptions_total=s.preemptions_total,
             draft_tokens_proposed_total=s.draft_tokens_proposed_total,
             draft_tokens_accepted_total=s.draft_tokens_accepted_total,
-            prefix_caching_disabled=not engine.prefix_caching)
+            prefix_caching_disabled=not engine.prefix_caching,
+            stalled_for_s=_stalled_s(engine.stalled_for()))
+
+
+def _stalled_s(seconds: float) -> float:
+    """Stats' stalled_for_s: 0 while the engine turns at least once a second (below that it is
+    noise, and Stats taken a moment apart stay equal when nothing happened)."""
+    return seconds if seconds >= 1.0 else 0.0
 
 
 def watch_engine(engine: Any, handle: Any, every: float = 1.0,

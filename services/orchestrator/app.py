@@ -55,7 +55,8 @@ def build(cfg: OrchestratorConfig) -> App:
     model_id = cfg.model_id or resolved.model_id
     key = hash_key_from_env()
     replicas = ReplicaSet(cfg.kvpool_addresses, cfg.internal_token, cfg.replica_poll_s,
-                          model_id=model_id, block_size=cfg.block_size)
+                          model_id=model_id, block_size=cfg.block_size,
+                          stall_s=cfg.replica_stall_s)
     replicas.start()
     semantic = SemanticBackend(cfg.semantic_address, cfg.internal_token, cfg.semantic_timeout_s)
     prefix = (PrefixBackend(cfg.prefix_addresses, cfg.internal_token, cfg.prefix_timeout_s,

@@ -12,7 +12,8 @@ import math
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 
 import grpc
@@ -121,6 +122,9 @@ class ReplicaSet:
     # with another model or block size is a deployment fault, kept out of routing.
     model_id: str = ""
     block_size: int = 0
+    # A replica whose engine reports no finished turn for this long is held out of routing
+    # and its in-flight calls fail over (see OrchestratorConfig.replica_stall_s); 0 = off.
+    stall_s: float = 60.0
     replicas: list[Replica] = field(default_factory=list)
     # Called with a replica's id when the poller finds it failed or restarted (its cache may be
     # gone): routing forgets what it sent there.
@@ -128,6 +132,9 @@ class ReplicaSet:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _asker: ThreadPoolExecutor = field(init=False)
+    # Each replica's Stats call still under way (index -> future): a hung replica is not asked
+    # again until it answers or times out, and no poll cycle waits for it.
+    _pending: dict[int, Future] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for i, addr in enumerate(self.addresses):
@@ -150,54 +157,91 @@ class ReplicaSet:
             return s, r.inflight
 
     def poll_once(self) -> None:
+        """Ask every replica for its Stats and apply each answer as it arrives. The cycle waits
+        at most max(1 s, poll_s): an answer later than that (a hung replica's, which takes its
+        5 s timeout) is applied when it comes, so one hung replica no longer stretched every
+        cycle, and every other replica's load and health, to 5 s."""
         with self._lock:
             before = [r.inflight for r in self.replicas]
         if self._stop.is_set():  # the asker is shut down: a poll racing `stop` asks nothing
             return
-        futs = {self._asker.submit(self._ask, r): i for i, r in enumerate(self.replicas)}
-        # Each answer applied as it arrives: a hung replica first in the list must not hold
-        # back the others' loads and health for its whole timeout.
-        for fut in as_completed(futs):
-            i = futs[fut]
-            r, ours_before = self.replicas[i], before[i]
+        futs: dict[Future, int] = {}
+        for i, r in enumerate(self.replicas):
+            prev = self._pending.get(i)
+            if prev is not None and not prev.done():
+                continue  # still asking: its answer is applied when it comes
             try:
-                s, ours_after = fut.result()
-                wrong = self._mismatch(s)
-                if wrong:
-                    if r.health.healthy or r.health.last_error != wrong:
-                        log.error("replica %s at %s is out of routing: %s", s.replica_id,
-                                  r.address, wrong)
-                    r.health.fail(wrong, hold=True)
+                fut = self._asker.submit(self._ask, r)
+            except RuntimeError:  # shut down meanwhile (stop)
+                return
+            futs[fut] = i
+            self._pending[i] = fut
+        applied: set[Future] = set()
+        try:
+            # Each answer applied as it arrives: a hung replica first in the list must not
+            # hold back the others' loads and health.
+            for fut in as_completed(futs, timeout=max(1.0, self.poll_s)):
+                applied.add(fut)
+                self._apply(futs[fut], before[futs[fut]], fut)
+        except FutureTimeout:
+            for fut, i in futs.items():
+                if fut not in applied:
+                    fut.add_done_callback(lambda f, i=i, ours=before[i]: self._apply(i, ours, f))
+
+    def _apply(self, i: int, ours_before: int, fut: Future) -> None:
+        """Apply replica i's Stats answer (or failure)."""
+        r = self.replicas[i]
+        try:
+            s, ours_after = fut.result()
+            wrong = self._mismatch(s)
+            if wrong:
+                if r.health.healthy or r.health.last_error != wrong:
+                    log.error("replica %s at %s is out of routing: %s", s.replica_id,
+                              r.address, wrong)
+                r.health.fail(wrong, hold=True)
+                self._lost(r)
+                return
+            restarted = (r.stats is not None and s.incarnation
+                         and s.incarnation != r.stats.incarnation)
+            with self._lock:
+                r.stats = s
+                # The replica counted at some moment during the call; attribute to us the
+                # larger of our counts at either end, so ours never inflate the others'.
+                r.inflight_at_poll = max(ours_before, ours_after)
+                r.polled = (s, r.inflight_at_poll)
+                r.replica_id = s.replica_id or r.address
+                r.health.name = f"kvpool/{r.replica_id}"
+                r.slow_polls = 0
+            if restarted:
+                self._lost(r)
+            if self.stall_s > 0 and s.stalled_for_s >= self.stall_s:
+                # Its gRPC server answers, its engine does not: requests sent there would
+                # wait to their deadline. Out of routing, and in-flight calls fail over.
+                why = (f"engine stalled: no step finished for {s.stalled_for_s:.0f}s "
+                       f"(replica_stall_s {self.stall_s:g})")
+                was = r.health.healthy
+                r.health.fail(why, hold=True)
+                if was:
+                    log.error("replica %s at %s is out of routing: %s", r.replica_id,
+                              r.address, why)
                     self._lost(r)
-                    continue
-                restarted = (r.stats is not None and s.incarnation
-                             and s.incarnation != r.stats.incarnation)
-                with self._lock:
-                    r.stats = s
-                    # The replica counted at some moment during the call; attribute to us the
-                    # larger of our counts at either end, so ours never inflate the others'.
-                    r.inflight_at_poll = max(ours_before, ours_after)
-                    r.polled = (s, r.inflight_at_poll)
-                    r.replica_id = s.replica_id or r.address
-                    r.health.name = f"kvpool/{r.replica_id}"
-                    r.slow_polls = 0
-                if restarted:
-                    self._lost(r)
-                r.health.ok()
-            except grpc.RpcError as e:
-                hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-                # Consecutive timed-out polls: a refusal in between (draining) is not one.
-                r.slow_polls = r.slow_polls + 1 if hung else 0
-                if not hung or r.slow_polls >= 3:
-                    r.health.fail(e, hold=True)  # no new requests go there
-                    self._lost(r)
-                if hung and r.slow_polls >= 3:
-                    # Only a hung replica has its in-flight calls cancelled: one that refuses
-                    # Stats because it is draining (SIGTERM) still finishes its streams, and
-                    # one that died fails them itself (UNAVAILABLE), which fails them over.
-                    self._notify_down(r)
-            except Exception:  # noqa: BLE001 - one replica's odd answer must not stop the poll
-                log.exception("polling replica %s failed", r.replica_id)
+                self._notify_down(r)
+                return
+            r.health.ok()
+        except grpc.RpcError as e:
+            hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            # Consecutive timed-out polls: a refusal in between (draining) is not one.
+            r.slow_polls = r.slow_polls + 1 if hung else 0
+            if not hung or r.slow_polls >= 3:
+                r.health.fail(e, hold=True)  # no new requests go there
+                self._lost(r)
+            if hung and r.slow_polls >= 3:
+                # Only a hung replica has its in-flight calls cancelled: one that refuses
+                # Stats because it is draining (SIGTERM) still finishes its streams, and
+                # one that died fails them itself (UNAVAILABLE), which fails them over.
+                self._notify_down(r)
+        except Exception:  # noqa: BLE001 - one replica's odd answer must not stop the poll
+            log.exception("polling replica %s failed", r.replica_id)
 
     def _mismatch(self, s: kvpool_pb2.KvStatsResponse) -> str:
         """Why a replica answering `s` must not serve this orchestrator's requests ("" = it

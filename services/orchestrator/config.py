@@ -72,6 +72,11 @@ class OrchestratorConfig:
     dispatch_memory_s: float = 10.0
     # Replica polling (health + load) interval.
     replica_poll_s: float = 1.0
+    # A replica whose engine has not finished a turn for this long (Stats' stalled_for_s: a
+    # stuck step or device) is taken out of routing and its requests in flight fail over; it
+    # comes back once it turns again. Above the longest step the model takes (a 512-token
+    # prefill chunk of a large model on CPU takes tens of seconds). 0 = off.
+    replica_stall_s: float = 60.0
     # Background warm-up: off when warm_interval_s <= 0 or warm_top_k == 0.
     warm_interval_s: float = 30.0
     warm_top_k: int = 8
@@ -132,6 +137,7 @@ class OrchestratorConfig:
         require(self.dispatch_memory_s >= 0, SVC, "dispatch_memory_s", "must be >= 0")
         require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")
         require(self.replica_poll_s > 0, SVC, "replica_poll_s", "must be > 0")
+        require(self.replica_stall_s >= 0, SVC, "replica_stall_s", "must be >= 0 (0 = off)")
         require(self.warm_pin_ttl_s > 0, SVC, "warm_pin_ttl_s", "must be > 0")
         require(self.warm_pin_ttl_max_s >= self.warm_pin_ttl_s, SVC, "warm_pin_ttl_max_s",
                 "must be >= warm_pin_ttl_s")

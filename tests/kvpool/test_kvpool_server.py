@@ -564,3 +564,24 @@ def test_running_totals_are_exported_as_counters_that_only_add_what_is_new() -> 
     assert value("tiercache_prefix_pruned_total") - before == 5
     kinds = {m.name: m.type for m in REGISTRY.collect()}
     assert kinds["tiercache_kvpool_evictions"] == kinds["tiercache_prefix_pruned"] == "counter"
+
+
+def test_stats_say_how_long_the_engine_has_not_turned(served) -> None:
+    """The orchestrator takes a replica whose engine is stuck out of routing; Stats (answered
+    by the gRPC server, which stays responsive) must say so."""
+    import threading
+    import time
+
+    assert served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5).stalled_for_s == 0
+    release = threading.Event()
+    served.replica.engine.call(lambda: release.wait(10))  # a step that does not end
+    try:
+        time.sleep(1.5)
+        stuck = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5).stalled_for_s
+        assert stuck >= 1.0
+    finally:
+        release.set()
+    deadline = time.monotonic() + 5
+    while served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5).stalled_for_s >= 1.0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

@@ -289,3 +289,74 @@ def test_an_unexpected_error_polling_one_replica_does_not_stop_the_others():
                      replica("ok", running=3, inflight=0))
     rs.poll_once()
     assert rs.replicas[1].stats.running == 3
+
+
+def test_a_stalled_engine_takes_its_replica_out_of_routing_until_it_turns_again():
+    """A replica whose gRPC server answers while its engine is stuck read healthy (Stats was
+    all the poller looked at): requests routed there waited to their deadline. Its Stats now
+    say how long the engine has not finished a turn."""
+    class Stalling(StatsStub):
+        stalled = 0.0
+
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
+            return kvpool_pb2.KvStatsResponse(replica_id=self.name, running=self.running,
+                                              stalled_for_s=self.stalled)
+
+    stub = Stalling("r0", running=1)
+    r = Replica("r0", stub, Health("kvpool", "r0"), replica_id="r0")
+    rs = replica_set(r)
+    rs.stall_s = 30.0
+    cancelled: list[int] = []
+    lost: list[str] = []
+    rs.watch(r, lambda: cancelled.append(1))
+    rs.on_lost.append(lost.append)
+    stub.stalled = 2.0  # a long step: still working
+    rs.poll_once()
+    assert r.health.healthy and cancelled == []
+    stub.stalled = 45.0
+    rs.poll_once()
+    assert not r.health.healthy and r.health.held_down and "engine stalled" in r.health.last_error
+    assert cancelled == [1] and lost == ["r0"]  # in-flight calls fail over
+    assert rs.views()[0].replica_id == "r0"  # (the only replica: tried when none is healthy)
+    stub.stalled = 0.3  # it turns again
+    rs.poll_once()
+    assert r.health.healthy and not r.health.held_down
+
+
+def test_a_hung_replica_does_not_hold_up_the_poll_cycle():
+    """poll_once waited for every replica's Stats; a hung one took its 5 s timeout, so every
+    other replica's load and health were refreshed every ~6 s instead of every poll_s."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    release = threading.Event()
+
+    class Hung(StatsStub):
+        calls = 0
+
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
+            Hung.calls += 1
+            release.wait(10)
+            return super().Stats(req, timeout, metadata)
+
+    hung = Replica("h", Hung("h", 0), Health("kvpool", "h"), replica_id="h")
+    fine = replica("f", running=3, inflight=0)
+    rs = replica_set(hung, fine)
+    rs._asker = ThreadPoolExecutor(max_workers=2)  # one per replica, as in service
+    try:
+        rs.poll_s = 0.2
+        t0 = time.monotonic()
+        rs.poll_once()
+        assert time.monotonic() - t0 < 2.5 and fine.stats is not None and hung.stats is None
+        fine.stats = None
+        rs.poll_once()  # the hung one is still being asked: not asked again
+        assert fine.stats is not None and Hung.calls == 1
+        release.set()  # its answer lands later, and is applied then
+        deadline = time.monotonic() + 5
+        while hung.stats is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert hung.stats is not None and hung.health.healthy
+    finally:
+        release.set()
+        rs._asker.shutdown(wait=True)
