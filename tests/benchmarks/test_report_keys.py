@@ -1,0 +1,78 @@
+"""benchmarks/report.py renders both the results written before the bound/ceiling fixes (old
+keys) and those written after (new keys), into a copy of the results folder."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+
+RESULTS = Path(report.RESULTS)
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    """A copy of the stored results (json only), the report pointed at it."""
+    root = tmp_path / "repo"
+    out = root / "benchmarks" / "results"
+    out.mkdir(parents=True)
+    for p in RESULTS.glob("*.json"):
+        shutil.copy(p, out / p.name)
+    monkeypatch.setattr(report, "ROOT", root)
+    monkeypatch.setattr(report, "RESULTS", out)
+    return out
+
+
+def _render(results: Path, monkeypatch) -> str:
+    # Plots are not what is tested here (and are slow).
+    for name in ("plot_ttft", "plot_hits_over_time", "plot_pool", "plot_decode",
+                 "plot_semantic", "plot_index"):
+        monkeypatch.setattr(report, name, lambda *a, **k: None)
+    return report.write_report(False).read_text()
+
+
+def test_old_results_render_without_the_retired_oracle(results, monkeypatch):
+    text = _render(results, monkeypatch)
+    assert "ngram_oracle" not in text
+    orch = json.loads((results / "orchestrator.json").read_text())
+    if "unbounded_cache_ceiling" in orch:
+        assert "not over the requests each ratio counts" in text
+    asst = json.loads((results / "assisted.json").read_text())
+    if "unrelated_slowdown" in asst.get("figures", {}):
+        assert "Any draft turns on prompt lookup" in text
+
+
+def test_new_results_render_the_matched_ceiling_and_bounds(results, monkeypatch):
+    orch = json.loads((results / "orchestrator.json").read_text())
+    orch["unbounded_cache_ceiling"] = {
+        "model_served": {"requests_counted": 51, "prefix_hit_token_ratio": 0.84},
+        "round_robin_model_served": {"requests_counted": 50, "prefix_hit_token_ratio": 0.83},
+        "all_requests": {"requests_counted": 60, "prefix_hit_token_ratio": 0.861},
+        "tiercache_share_of_ceiling": 0.93, "round_robin_share_of_ceiling": 0.7,
+        "ceiling_over_round_robin": 1.43, "routing_ratio_ceiling": 1.45}
+    (results / "orchestrator.json").write_text(json.dumps(orch))
+    asst = json.loads((results / "assisted.json").read_text())
+    figs = asst["figures"]
+    figs.pop("forward_passes_per_token_ngram_oracle", None)
+    figs.update({"forward_passes_per_token_hindsight_bound_draft": 0.344,
+                 "forward_passes_per_token_hindsight_bound": 0.28,
+                 "random_draft_slowdown": 0.91, "random_draft_cost_vs_lookup_only": 1.0})
+    asst["notes"] = {"forward_passes_per_token_hindsight_bound": "with hindsight."}
+    (results / "assisted.json").write_text(json.dumps(asst))
+    text = _render(results, monkeypatch)
+    assert "1.43x round-robin's ratio (like for like" in text
+    assert "could have been is 1.45" in text
+    assert "| forward_passes_per_token_hindsight_bound | 0.28 |" in text
+    assert "random_draft_slowdown 0.91" in text
+    assert "are lower bounds, not estimates: with hindsight." in text
+
+
+def test_missing_ceiling_parts_do_not_crash():
+    assert "–" in report.ceiling_text({})
+    assert report.assisted_notes({}, {}) == []
+    line, = report.assisted_notes({"unrelated_slowdown": 0.9}, {})
+    assert "unrelated_draft_cost_vs_lookup_only –" in line
