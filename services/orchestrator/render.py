@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +16,9 @@ from typing import Any
 from services.common.errors import FailedPrecondition, InvalidArgument, shown
 
 ROLES = ("system", "user", "assistant")
+# Stand-ins for message contents while the chat template renders (private-use characters).
+_SLOT = "\ue000{}\ue001"
+_SLOT_RE = re.compile("\ue000([0-9]+)\ue001")
 
 
 @dataclass(frozen=True)
@@ -72,6 +76,7 @@ class PromptRenderer:
         self.tok = tokenizer
         self.max_chars = max_chars
         self._max_token_chars: int | None = None
+        self._specials: tuple[str, ...] | None = None
 
     @property
     def max_token_chars(self) -> int:
@@ -122,9 +127,50 @@ class PromptRenderer:
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
 
+    @property
+    def special_texts(self) -> tuple[str, ...]:
+        """The texts the tokenizer turns into special (control) tokens, e.g. "<|im_end|>"."""
+        if self._specials is None:
+            added = getattr(self.tok, "added_tokens_decoder", None) or {}
+            texts = {t.content for t in added.values() if getattr(t, "special", False)}
+            texts |= set(getattr(self.tok, "all_special_tokens", None) or ())
+            self._specials = tuple(sorted(t for t in texts if t))
+        return self._specials
+
+    def encode_messages(self, messages: Sequence[Message], add_generation_prompt: bool = True
+                        ) -> list[int]:
+        """The messages through the chat template, tokenized; what a message says is always
+        text. Tokenizing the rendered string whole turned a "<|im_end|>" typed in a message
+        into the real control token, so a user could end their turn and write the assistant's
+        (or a system) turn themselves. A message holding such a text is tokenized apart, with
+        special tokens split into plain text; the others as before (one string)."""
+        text = self.render_text(messages, add_generation_prompt)
+        specials = self.special_texts
+        if not any(sp in m.content for m in messages for sp in specials):
+            return self.encode(text)
+        if any(_SLOT_RE.search(m.content) for m in messages):
+            raise InvalidArgument("messages", "a message holds both a control-token text and "
+                                  "a private-use stand-in the server needs; remove either")
+        slotted = self.render_text([Message(m.role, _SLOT.format(i))
+                                    for i, m in enumerate(messages)], add_generation_prompt)
+        parts = _SLOT_RE.split(slotted)  # template text, slot index, template text, ...
+        slots = [int(i) for i in parts[1::2]]
+        if sorted(slots) != list(range(len(messages))):
+            raise InvalidArgument("messages", "a message holds a control-token text (e.g. "
+                                  f"{shown(specials[0])}) and the model's chat template does "
+                                  "not keep messages verbatim, so it cannot be sent as text")
+        ids: list[int] = []
+        for k, part in enumerate(parts):
+            if k % 2 == 0:
+                ids += self.encode(part)
+            else:
+                ids += self.tok.encode(messages[int(part)].content, add_special_tokens=False,
+                                       split_special_tokens=True)
+        return ids
+
     def render_chat(self, messages: Sequence[Message]) -> RenderedPrompt:
         validate_messages(messages, self.max_chars)
-        ids = self.encode(self.render_text(messages))
+        ids = self.encode_messages(messages)
         return RenderedPrompt(ids, messages[-1].content, context_hash(messages[:-1]),
                               any(m.role == "assistant" for m in messages[:-1]))
 
@@ -143,4 +189,4 @@ class PromptRenderer:
             raise InvalidArgument(f"{field}.messages", "must not be empty (or give prompt)")
         for i, m in enumerate(messages):
             _check_message(f"{field}.messages[{i}]", m, self.max_chars, allow_empty=True)
-        return self.encode(self.render_text(messages, add_generation_prompt=False))
+        return self.encode_messages(messages, add_generation_prompt=False)
