@@ -537,13 +537,15 @@ class Orchestrator:
         report.route = route
         cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
         self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
-        answer = complete_text(self.tok.decode(generated, skip_special_tokens=True)).strip()
+        # Stored as the model said it: leading whitespace included (a raw completion's answer
+        # often starts with a space; stripped, a hit's text and tokens were not the model's).
+        answer = complete_text(self.tok.decode(generated, skip_special_tokens=True))
         # An ignore_eos answer that ran on past the model's end of sequence is not an answer
         # to serve. One that ended at max_tokens or a stop token is stored as cut short after
         # its token count (it serves only requests that want no more tokens than that).
         eos = getattr(self.tok, "eos_token_id", None)
         past_end = sampling.ignore_eos and (eos is None or eos in generated)
-        if (self.semantic.enabled and not policy.skip_semantic_store and answer
+        if (self.semantic.enabled and not policy.skip_semantic_store and answer.strip()
                 and not past_end
                 and (greedy or policy.store_sampled or self.store_sampled)):
             sid = self._store(tenant, prompt, answer,
@@ -563,11 +565,16 @@ class Orchestrator:
             # The request's stop token ends the answer there, as it would end the model's
             # (the stop token is emitted, as the replica emits it).
             ids = ids[:first_stop + 1]
-            answer = self.tok.decode(ids, skip_special_tokens=True)
+            # The stop token may be part of a character: never end on a broken one.
+            answer = complete_text(self.tok.decode(ids, skip_special_tokens=True))
             finish = common_pb2.FINISH_REASON_STOP
         elif len(ids) > sampling.max_tokens:  # the request wants less than the answer holds
             ids = ids[:sampling.max_tokens]
             answer = complete_text(self.tok.decode(ids, skip_special_tokens=True))
+            finish = common_pb2.FINISH_REASON_LENGTH
+        elif look.entry.truncated_at:
+            # Served whole, but the stored answer was itself cut short (the model would have
+            # gone on): not CACHED, which says "whole", but LENGTH, as the model's run ended.
             finish = common_pb2.FINISH_REASON_LENGTH
         report.semantic_hit = True
         report.semantic_entry_id = look.entry.id

@@ -225,7 +225,9 @@ def test_a_hit_cut_at_exactly_max_tokens_is_served_from_the_cache():
     assert text_of(events) == answer
     fin = finished(events)
     assert fin.report.semantic_hit and fin.report.route == "semantic"
-    assert fin.finish_reason == common_pb2.FINISH_REASON_CACHED
+    # Served whole, but the stored answer was itself cut at max_tokens: the run it stands for
+    # ended LENGTH (CACHED says "whole"; clients continue an answer that ended LENGTH).
+    assert fin.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert fin.completion_tokens == max_tokens
     assert orch.stats.semantic_hits_too_short == 0
 

@@ -15,7 +15,7 @@ import pytest
 from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
 
 from services.common import errors
-from services.orchestrator.pipeline import Finished, Policy, Sampling
+from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
 from services.orchestrator.render import RenderedPrompt
 from services.orchestrator.server import OrchestratorServicer
 from tests.orchestrator.test_contracts import (
@@ -86,7 +86,34 @@ def test_answers_cut_inside_a_character_end_before_it_not_in_a_replacement_chara
     sem = RecordingSemantic()
     events = run(make({"A": stub}, semantic=sem), max_tokens=len(cut))
     assert text_of(events) == "ok "
-    assert [r.answer for r in sem.stores] == ["ok"]
+    assert [r.answer for r in sem.stores] == ["ok "]  # what the client was sent
+
+
+def test_a_stop_token_inside_a_character_ends_a_hit_before_it():
+    """A hit cut by the request's stop token decoded the ids up to it as they were: a stop id
+    that is one byte of "é" left a U+FFFD at the end of the answer."""
+    stub, stubs = one_replica()
+    first_byte = "é".encode()[0]
+    events = run(make(stubs, semantic=hit("Paris é")), stop=(first_byte,))
+    assert stub.requests == [] and text_of(events) == "Paris "
+    assert finished(events).finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_the_stored_answer_keeps_the_models_leading_space():
+    """A raw completion's answer usually starts with a space (" Rome."); it was stored
+    stripped, so a hit served "Rome." (and "...Italy isRome." once joined to the prompt), with
+    token ids the model never produced."""
+    said = list(b" Rome.\n")
+    stub = Stub("A", [Call([kvpool_pb2.KvGenerateResponse(
+        token_ids=said, final=kvpool_pb2.KvGenerateFinal(
+            finish_reason=common_pb2.FINISH_REASON_EOS, replica_id="A"))])])
+    sem = RecordingSemantic()
+    events = run(make({"A": stub}, semantic=sem))
+    assert text_of(events) == " Rome.\n" and [r.answer for r in sem.stores] == [" Rome.\n"]
+    stub, stubs = one_replica()
+    events = run(make(stubs, semantic=hit(" Rome.\n")))
+    assert text_of(events) == " Rome.\n"
+    assert [t for e in events if isinstance(e, TextDelta) for t in e.token_ids] == said
 
 
 def test_an_ignore_eos_request_is_served_an_answer_cut_at_max_tokens():
