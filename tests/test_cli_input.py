@@ -247,3 +247,21 @@ def test_output_that_cannot_be_written_is_one_line_not_a_traceback(fake, monkeyp
     monkeypatch.setattr(cli, "cmd_stats", full)
     assert cli.main(["stats"]) == 1
     assert "No space left on device" in capsys.readouterr().err
+
+
+def test_an_answer_the_console_cannot_encode_is_printed_with_replacements():
+    """On a console whose encoding cannot spell the answer (PYTHONIOENCODING=ascii, a Windows
+    code page) the CLI died with a UnicodeEncodeError traceback mid-answer."""
+    script = (
+        "import sys\n"
+        "from clients.python import cli\n"
+        "from tests.test_cli_input import FakeClient\n"
+        "FakeClient.pieces = ['缓存是', 'é ok']\n"
+        "cli.TierCacheClient = FakeClient\n"
+        "sys.exit(cli.main(['chat', '-q', 'hi']))\n")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'gen'}",
+           "PYTHONIOENCODING": "ascii"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, capture_output=True,
+                       timeout=60)
+    assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr[-2000:]
+    assert r.stdout.decode("ascii").rstrip("\n") == "???? ok"

@@ -360,6 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     rp.add_argument("--tenant-tokens", type=_tenant_tokens, default={},
                     help="tenant=token,... for auth (tenants not named use --token)")
     a = p.parse_args(argv)
+    for stream in (sys.stdout, sys.stderr):
+        # A console whose encoding cannot spell the answer (ascii, a Windows code page) gets
+        # "?" for what it cannot show, not a UnicodeEncodeError traceback mid-answer.
+        try:
+            stream.reconfigure(errors="replace")
+        except (AttributeError, ValueError, OSError):  # not a text file (captured, closed)
+            pass
     if a.token is _FROM_ENV:  # no --token given (an empty one means no auth)
         try:
             a.token = _token(os.environ.get("TIERCACHE_TOKEN", ""))
