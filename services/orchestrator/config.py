@@ -56,6 +56,9 @@ class OrchestratorConfig:
     semantic_tier: str = "standard"
     enable_drafts: bool = True
     store_sampled: bool = False
+    # Serve semantic hits to sampled (temperature > 0) requests too (CachePolicy.serve_sampled
+    # per request). Off: they get the model's own sample, the hit as its draft.
+    serve_sampled: bool = False
     # Routing: bounded-load factor and the minimum matched tokens that count as a useful prefix.
     routing_policy: str = "prefix"  # "prefix" or "round_robin" (a baseline for benchmarks)
     routing_epsilon: float = 0.25

@@ -96,6 +96,7 @@ class Policy:
     semantic_tier: str = ""
     semantic_threshold: float = 0.0
     store_sampled: bool = False
+    serve_sampled: bool = False
 
 
 @dataclass
@@ -120,6 +121,7 @@ class OrchestratorStats:
     cached_tokens: int = 0
     semantic_tokens_saved: int = 0
     semantic_hits_too_short: int = 0  # hits not served: cut shorter than the request wants
+    semantic_hits_sampled: int = 0  # hits not served: a sampled request (serve_sampled off)
     degradations: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -136,7 +138,7 @@ class Orchestrator:
                  replicas: ReplicaSet, semantic: SemanticBackend, prefix, routing: RoutingPolicy,
                  internal_token: str, default_tier: str, enable_drafts: bool,
                  store_sampled: bool, max_attempts: int, min_prefix_tokens: int,
-                 dispatched: DispatchMemory | None = None) -> None:
+                 dispatched: DispatchMemory | None = None, serve_sampled: bool = False) -> None:
         self.renderer = renderer
         self.tok = tokenizer
         self.model_id = model_id
@@ -149,6 +151,7 @@ class Orchestrator:
         self.default_tier = default_tier
         self.enable_drafts = enable_drafts
         self.store_sampled = store_sampled
+        self.serve_sampled = serve_sampled
         self.max_attempts = max_attempts
         self.min_prefix_tokens = min_prefix_tokens
         # Prompts sent to each replica moments ago, before the index has them (None = off).
@@ -308,6 +311,11 @@ class Orchestrator:
                 # The stored answer ended at the model's end of sequence (not cut short); a
                 # request told to go on past it gets the model (the answer as its draft).
                 pass
+            elif look.hit and not greedy and not (policy.serve_sampled or self.serve_sampled):
+                # A sampled request wants the model's sample (a seed: the same one whatever
+                # the cache holds), not the one cached answer every time: the hit is its draft.
+                with self.stats.lock:
+                    self.stats.semantic_hits_sampled += 1
             elif look.hit:
                 yield from self._serve_hit(look, cached_ids, sampling, report,
                                            return_token_ids, request_id, t0)

@@ -64,7 +64,8 @@ def parse_policy(p: common_pb2.CachePolicy) -> Policy:
     if p.semantic_threshold and not 0.0 < p.semantic_threshold <= 1.0:
         raise errors.InvalidArgument("cache_policy.semantic_threshold", "must be in (0, 1]")
     return Policy(p.skip_semantic_lookup, p.skip_semantic_store, p.skip_prefix_cache,
-                  p.skip_draft, p.semantic_tier, p.semantic_threshold, p.store_sampled)
+                  p.skip_draft, p.semantic_tier, p.semantic_threshold, p.store_sampled,
+                  p.serve_sampled)
 
 
 def _on_rpc_end(context: grpc.ServicerContext, fn: Callable[[], None]) -> None:
@@ -267,7 +268,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 cached_tokens_total=st.cached_tokens,
                 tokens_saved_semantic=st.semantic_tokens_saved,
                 degradations=dict(st.degradations),
-                semantic_hits_too_short=st.semantic_hits_too_short)
+                semantic_hits_too_short=st.semantic_hits_too_short,
+                semantic_hits_sampled=st.semantic_hits_sampled)
         for r in o.replicas.replicas:
             if r.stats is not None and r.health.healthy:
                 resp.replicas.append(r.stats)

@@ -96,7 +96,7 @@ def test_semantic_lookup_and_store_use_the_prompts_context_and_the_tenants_name(
 # ---- cache policy flags (M29) ------------------------------------------------------------
 
 POLICY_FLAGS = ("skip_semantic_lookup", "skip_semantic_store", "skip_prefix_cache", "skip_draft",
-                "store_sampled")
+                "store_sampled", "serve_sampled")
 
 
 @pytest.mark.parametrize("flag", POLICY_FLAGS)
@@ -435,3 +435,28 @@ def test_the_report_and_metrics_split_accepted_draft_tokens_by_source():
     assert metric("proposed") - before["proposed"] == 9
     assert metric("accepted_from_cache") - before["accepted_from_cache"] == 3
     assert metric("accepted_from_lookup") - before["accepted_from_lookup"] == 2
+
+
+@pytest.mark.parametrize("serve", ["off", "policy", "config"])
+def test_a_sampled_request_gets_the_models_sample_with_the_hit_as_its_draft(serve):
+    """A sampled request (temperature > 0, maybe seeded) was served the one cached greedy
+    answer every time: its seed no longer said what it would get, and it lost its diversity.
+    Unless serve_sampled is on (per request or for the server), the hit is its draft."""
+    sem = cut_hit("abcdefgh", 0)
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=sem)
+    orch.serve_sampled = serve == "config"
+    events = list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(16, 0.8, 1.0, 7, (), False),
+        policy=Policy(serve_sampled=serve == "policy"), session_id="s", return_token_ids=True,
+        request_id="rid", deadline=time.monotonic() + 30, on_cancel=lambda fn: None))
+    fin = finished(events)
+    if serve == "off":
+        assert len(stub.requests) == 1 and not fin.report.semantic_hit
+        assert list(stub.requests[0].draft_token_ids) == list(b"abcdefgh")
+        assert stub.requests[0].sampling.temperature == pytest.approx(0.8)
+        assert orch.stats.semantic_hits_sampled == 1
+    else:
+        assert stub.requests == [] and fin.report.semantic_hit and text_of(events) == "abcdefgh"
+        assert orch.stats.semantic_hits_sampled == 0
