@@ -27,7 +27,7 @@ import numpy as np
 
 from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, shown
 from services.semantic.config import SemanticConfig
-from services.semantic.guard import ParaphraseGuard
+from services.semantic.guard import ParaphraseGuard, spelling_differs
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.policy import Outcome, ThresholdPolicy
 from services.semantic.store import WRITE_CHUNK, EntryStore, Row
@@ -357,6 +357,7 @@ class SemanticCache:
                     continue  # a verified entry further down may still be one
                 refusal = (self._window_refusal(text, text_over, e)
                            or self._unseen_refusal(text, text_unseen, e)
+                           or spelling_differs(text, e.prompt)
                            or self._second_opinion(text, e.prompt, sim, resolved.tier))
                 if refusal:
                     if not rejected:

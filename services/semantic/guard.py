@@ -21,7 +21,8 @@ breakpoints means the shared words were shuffled, not just one phrase moved.
 from __future__ import annotations
 
 import re
-from collections import Counter
+import unicodedata
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from functools import lru_cache
 from typing import NamedTuple, TypeVar
@@ -252,3 +253,52 @@ class ParaphraseGuard:
                 return GuardResult(False, f"word order differs ({bp} breakpoints)"), bp
             return GuardResult(True, ""), bp
         return GuardResult(True, ""), None
+
+
+# ---- what an uncased embedder cannot see --------------------------------------------------
+
+_UWORD = re.compile(r"\w+")
+
+
+def _fold(word: str) -> str:
+    """`word` as an uncased embedder reads it: lowercased, accents dropped."""
+    return "".join(c for c in unicodedata.normalize("NFD", word)
+                   if not unicodedata.combining(c)).lower()
+
+
+def _initial_case_only(a: str, b: str) -> bool:
+    """`a` and `b` differ at most in their first letter's case ("What" / "what")."""
+    return a[1:] == b[1:] and a[:1].lower() == b[:1].lower()
+
+
+def _layout(text: str) -> tuple[int, ...]:
+    """The indentation of each non-blank line."""
+    return tuple(len(line) - len(line.lstrip(" \t")) for line in text.splitlines()
+                 if line.strip())
+
+
+def spelling_differs(query: str, cached: str) -> str:
+    """Why `cached` must not answer `query` although an uncased embedder (all-MiniLM-L6-v2
+    lowercases and strips accents; whitespace is only a separator) sees one text twice ("" =
+    no such difference). Served at similarity 1.0 before: "What is CO?" got "Co"'s answer,
+    "salé" got "sale"'s, "ls -A" / "ls -a" aside (one letter: a sentence's first word differs
+    the same way), and two code snippets that differ only in indentation shared an answer.
+
+    Refused: a word spelt in the other text with other case (beyond its first letter) or
+    other accents, and, for texts equal up to whitespace, a different indentation.
+    """
+    if query == cached:
+        return ""
+    qw, cw = _UWORD.findall(query), _UWORD.findall(cached)
+    for words, other in ((qw, cw), (cw, qw)):
+        forms: dict[str, set[str]] = defaultdict(set)
+        for w in other:
+            forms[_fold(w)].add(w)
+        for w in words:
+            seen = forms.get(_fold(w))
+            if seen and w not in seen and not any(_initial_case_only(w, o) for o in seen):
+                return f"spelling differs: {w!r} / {sorted(seen)[0]!r} (case or accents)"
+    if qw == cw and " ".join(query.split()) == " ".join(cached.split()) \
+            and _layout(query) != _layout(cached):
+        return "indentation differs"
+    return ""
