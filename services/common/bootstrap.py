@@ -52,15 +52,52 @@ MAX_HEALTH_NAME = 256
 
 
 class _HealthServicer(health.HealthServicer):
-    """gRPC's health servicer, minus two leaks open to anyone who can connect: a Watch of a
-    never-registered name kept an entry per name after the stream ended, and names had no
-    length limit (200 watches of 1 MB names held 200 MiB)."""
+    """gRPC's health servicer, minus what anyone who can connect could do to it:
+
+    - a Watch of a never-registered name kept an entry per name after the stream ended, and
+      names had no length limit (200 watches of 1 MB names held 200 MiB);
+    - a Watch that ended before its close callback was added (cancelled right after its first
+      message, a short deadline) was never removed: ~2.8 KB for good per such call;
+    - Watch and `set` sent responses while holding the servicer's lock, and sending waits on
+      gRPC's polling thread, which runs the close callbacks that take that lock: one Watch
+      cancelled while another started deadlocked the two, and with the polling thread stuck
+      the whole server stopped answering (about 2,500 Watch + cancel calls froze it). Sends
+      now happen outside the lock.
+    """
 
     def Watch(self, request, context, send_response_callback=None):  # noqa: N802
         if len(request.service) > MAX_HEALTH_NAME:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                           f"service: longer than {MAX_HEALTH_NAME} characters")
-        return super().Watch(request, context, send_response_callback)
+        blocking_watcher = None
+        if send_response_callback is None:  # a server without non-blocking streams
+            blocking_watcher = health._Watcher()
+            send_response_callback = health._watcher_to_send_response_callback_adapter(
+                blocking_watcher)
+        service = request.service
+        unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        with self._lock:
+            status = self._server_status.get(service, unknown)
+            self._send_response_callbacks.setdefault(service, set()).add(send_response_callback)
+        send_response_callback(health_pb2.HealthCheckResponse(status=status))
+        with self._lock:
+            now = self._server_status.get(service, unknown)
+        if now != status:  # `set` ran between: its message may have gone out before ours
+            send_response_callback(health_pb2.HealthCheckResponse(status=now))
+        close = self._on_close_callback(send_response_callback, service)
+        if not context.add_callback(close):
+            close()  # the call has ended already: nothing else would remove it
+        return blocking_watcher
+
+    def set(self, service, status):
+        """The library's `set`, sending to the watchers after releasing the lock."""
+        with self._lock:
+            if self._gracefully_shutting_down:
+                return
+            self._server_status[service] = status
+            watchers = list(self._send_response_callbacks.get(service, ()))
+        for send in watchers:
+            send(health_pb2.HealthCheckResponse(status=status))
 
     def close_watches(self) -> None:
         """End every open Watch stream (each got NOT_SERVING first): the server counts them
