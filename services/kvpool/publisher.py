@@ -36,6 +36,10 @@ log = logging.getLogger(__name__)
 # Only incremental events count: the rest of a snapshot waiting to go out is not a backlog (a
 # replica may hold more blocks than this).
 MAX_BACKLOG = 50_000
+# ... or beyond this many times the pool's blocks in the events taken since the backlog was
+# last empty: an event carries its tokens (a 512-token prefill's ~23 KB of Python ints), so
+# 50,000 events could hold ~1 GB per replica, while a snapshot is never larger than the pool.
+MAX_BACKLOG_POOLS = 2
 MAX_BATCH = 512
 # Blocks per batch when the index does not say its limit (its default).
 MAX_BATCH_BLOCKS = 65536
@@ -135,6 +139,9 @@ class Publisher:
         # How many events at the head of _backlog are the rest of a snapshot (not held
         # against MAX_BACKLOG).
         self._snapshot_left = 0
+        # Blocks in the incremental events taken since the backlog was last empty (held
+        # against MAX_BACKLOG_POOLS; counted as they arrive, reset when the backlog empties).
+        self._taken_blocks = 0
         self._need_resync = True
         # Shards that missed a batch (down, or asked for a resync) while the others took it:
         # only they get a snapshot, once the backlog is out, so one shard's outage neither
@@ -299,12 +306,19 @@ class Publisher:
             self._beat_every = every
 
     def _collect(self) -> None:
-        self._backlog.extend(self.engine.take_events())
-        if len(self._backlog) - self._snapshot_left > MAX_BACKLOG:
-            log.warning("prefix index unreachable: dropping %d events, will resync",
-                        len(self._backlog))
+        new = self.engine.take_events()
+        if not self._backlog:
+            self._taken_blocks = 0
+        self._backlog.extend(new)
+        self._taken_blocks += sum(len(getattr(e, "block_hashes", ())) for e in new)
+        cap_blocks = MAX_BACKLOG_POOLS * max(1, self.engine.pool.num_blocks)
+        if (len(self._backlog) - self._snapshot_left > MAX_BACKLOG
+                or self._taken_blocks > cap_blocks):
+            log.warning("prefix index unreachable: dropping %d events (%d blocks), will resync",
+                        len(self._backlog), self._taken_blocks)
             self._backlog.clear()
             self._snapshot_left = 0
+            self._taken_blocks = 0
             self._need_resync = True
 
     def _send(self, events: list[PoolEvent], resync: bool,

@@ -417,6 +417,7 @@ def test_a_snapshot_larger_than_the_backlog_limit_is_delivered_once(monkeypatch)
 
     class Pool:
         block_size = 4
+        num_blocks = n
         hasher = SimpleNamespace(key=b"k", probe=lambda: b"")
 
         def holdings(self):
@@ -613,3 +614,42 @@ def test_an_index_outage_costs_one_snapshot_not_one_per_retry(make_engine, monke
         assert len(snapshots) == 2 and sent[0] is True
     finally:
         pub.stop(timeout=5)
+
+
+def test_a_backlog_is_bounded_by_the_blocks_it_describes_not_only_by_events() -> None:
+    """While the index is unreachable, events pile up, each with its tokens (a 512-token
+    prefill's event ~23 KB): 50,000 events could hold ~1 GB per replica. Past twice the pool's
+    blocks, a snapshot is smaller than the backlog, so the backlog is dropped for a resync."""
+    from types import SimpleNamespace
+
+    from services.kvpool import publisher
+    from services.kvpool.block_pool import BlocksStored
+
+    incoming: list = []
+
+    class FakeEngine:
+        pool = SimpleNamespace(block_size=16, num_blocks=100,
+                               hasher=SimpleNamespace(key=b"k", probe=lambda: b""))
+
+        def take_events(self):
+            out = list(incoming)
+            incoming.clear()
+            return out
+
+    def stored(i: int, blocks: int) -> BlocksStored:
+        hashes = [(i * 1000 + j).to_bytes(16, "big") for j in range(blocks)]
+        return BlocksStored(None, hashes, [0] * 16 * blocks, "", hashes[0], 0)
+
+    pub = Publisher(FakeEngine(), address="127.0.0.1:1", replica_id="r", incarnation="i",
+                    public_address="x", model_id="m", channel_factory=grpc.insecure_channel)
+    try:
+        pub._need_resync = False  # registered and in step, then the index goes away
+        incoming.extend(stored(i, 32) for i in range(6))  # 192 blocks: under 2 x 100
+        pub._collect()
+        assert len(pub._backlog) == 6 and not pub._need_resync
+        incoming.append(stored(6, 32))  # 224 blocks in 7 events: far under MAX_BACKLOG
+        pub._collect()
+        assert 7 < publisher.MAX_BACKLOG
+        assert pub._backlog == [] and pub._need_resync
+    finally:
+        pub._client.close()
