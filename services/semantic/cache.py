@@ -357,7 +357,7 @@ class SemanticCache:
                     continue  # a verified entry further down may still be one
                 refusal = (self._window_refusal(text, text_over, e)
                            or self._unseen_refusal(text, text_unseen, e)
-                           or spelling_differs(text, e.prompt)
+                           or spelling_differs(text, e.prompt, resolved.tier == "strict")
                            or self._second_opinion(text, e.prompt, sim, resolved.tier))
                 if refusal:
                     if not rejected:

@@ -277,20 +277,25 @@ def _layout(text: str) -> tuple[int, ...]:
                  if line.strip())
 
 
-def spelling_differs(query: str, cached: str) -> str:
+def spelling_differs(query: str, cached: str, case_and_accents: bool = True) -> str:
     """Why `cached` must not answer `query` although an uncased embedder (all-MiniLM-L6-v2
     lowercases and strips accents; whitespace is only a separator) sees one text twice ("" =
     no such difference). Served at similarity 1.0 before: "What is CO?" got "Co"'s answer,
-    "salé" got "sale"'s, "ls -A" / "ls -a" aside (one letter: a sentence's first word differs
-    the same way), and two code snippets that differ only in indentation shared an answer.
+    "salé" got "sale"'s, and two code snippets that differ only in indentation shared an
+    answer.
 
-    Refused: a word spelt in the other text with other case (beyond its first letter) or
-    other accents, and, for texts equal up to whitespace, a different indentation.
+    Refused: for texts equal up to whitespace, a different indentation; with
+    `case_and_accents`, also a word spelt in the other text with other case (beyond its first
+    letter) or other accents ("ls -A" / "ls -a" aside: one letter, as a sentence's first word
+    differs). The cache asks for that in its strict tier only: in users' questions such
+    differences are nearly always the same word typed otherwise ("gta" / "GTA", "Pokemon" /
+    "Pokémon": 279 QQP pairs, none of the refused hits a false one), while where a wrong answer
+    is dear "CO" is not "Co" and "mg" is not "Mg".
     """
     if query == cached:
         return ""
     qw, cw = _UWORD.findall(query), _UWORD.findall(cached)
-    for words, other in ((qw, cw), (cw, qw)):
+    for words, other in ((qw, cw), (cw, qw)) if case_and_accents else ():
         forms: dict[str, set[str]] = defaultdict(set)
         for w in other:
             forms[_fold(w)].add(w)
