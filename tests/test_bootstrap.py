@@ -200,6 +200,50 @@ def test_watches_cancelled_at_once_neither_freeze_the_server_nor_stay_behind(sma
     assert sum(map(len, table.values())) == 0
 
 
+def test_status_changes_while_watches_come_and_go_keep_the_server_alive(small_server):
+    """A Watch's first message and a status broadcast sent to the same stream at once (both
+    outside the servicer's lock) crashed gRPC's polling thread (KeyError 'send_message'):
+    new Watches then timed out and set_serving blocked for good, holding the drain's lock."""
+    import threading
+
+    stop = time.monotonic() + 5
+    errors: list = []
+    watched = [0]
+    sets = [0]
+
+    def setter() -> None:
+        serving = True
+        while time.monotonic() < stop:
+            small_server.set_serving(serving)
+            serving = not serving
+            sets[0] += 1
+            time.sleep(0.02)
+
+    def watcher() -> None:
+        hs = health_pb2_grpc.HealthStub(grpc.insecure_channel(small_server.address))
+        while time.monotonic() < stop:
+            w = hs.Watch(health_pb2.HealthCheckRequest(service=""), timeout=3)
+            try:
+                next(w)
+                watched[0] += 1
+            except grpc.RpcError as e:
+                errors.append(e.code())
+            w.cancel()
+
+    threads = [threading.Thread(target=setter, daemon=True)] + [
+        threading.Thread(target=watcher, daemon=True) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(15)
+    assert not any(t.is_alive() for t in threads), "set_serving or a Watch hung"
+    assert errors == [] and watched[0] > 100 and sets[0] > 50, (errors[:3], watched, sets)
+    small_server.set_serving()
+    hs = health_pb2_grpc.HealthStub(grpc.insecure_channel(small_server.address))
+    assert hs.Check(health_pb2.HealthCheckRequest(), timeout=3).status == \
+        health_pb2.HealthCheckResponse.SERVING
+
+
 def test_idle_reflection_streams_cannot_take_every_thread(small_server):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 

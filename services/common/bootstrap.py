@@ -51,6 +51,28 @@ MAX_OPEN_STREAMS = 4
 MAX_HEALTH_NAME = 256
 
 
+class _StatusSender:
+    """One Watch stream's send callback, with its own lock: gRPC allows one message send at a
+    time on a call, and a Watch's first message and a `set` broadcast could overlap (sending
+    both under the servicer's lock deadlocked the server; sending both at once crashed gRPC's
+    polling thread). The lock is never taken for the end of the stream (`None`, sent by close
+    callbacks on that polling thread, which an ongoing send waits on), which gRPC allows
+    alongside a send."""
+
+    __slots__ = ("_send", "_lock")
+
+    def __init__(self, send) -> None:
+        self._send = send
+        self._lock = threading.Lock()
+
+    def __call__(self, response) -> None:
+        if response is None:
+            self._send(None)
+            return
+        with self._lock:
+            self._send(response)
+
+
 class _HealthServicer(health.HealthServicer):
     """gRPC's health servicer, minus what anyone who can connect could do to it:
 
@@ -62,7 +84,7 @@ class _HealthServicer(health.HealthServicer):
       gRPC's polling thread, which runs the close callbacks that take that lock: one Watch
       cancelled while another started deadlocked the two, and with the polling thread stuck
       the whole server stopped answering (about 2,500 Watch + cancel calls froze it). Sends
-      now happen outside the lock.
+      now happen outside the lock, one at a time per stream (`_StatusSender`).
     """
 
     def Watch(self, request, context, send_response_callback=None):  # noqa: N802
@@ -74,6 +96,7 @@ class _HealthServicer(health.HealthServicer):
             blocking_watcher = health._Watcher()
             send_response_callback = health._watcher_to_send_response_callback_adapter(
                 blocking_watcher)
+        send_response_callback = _StatusSender(send_response_callback)
         service = request.service
         unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
         with self._lock:
