@@ -272,9 +272,12 @@ def _initial_case_only(a: str, b: str) -> bool:
 
 
 def _layout(text: str) -> tuple[int, ...]:
-    """The indentation of each non-blank line."""
-    return tuple(len(line) - len(line.lstrip(" \t")) for line in text.splitlines()
-                 if line.strip())
+    """The indentation of each non-blank line, relative to the least indented one (a text
+    pasted with a margin, or starting with a space, is laid out the same)."""
+    indents = [len(line) - len(line.lstrip(" \t")) for line in text.splitlines()
+               if line.strip()]
+    least = min(indents, default=0)
+    return tuple(i - least for i in indents)
 
 
 def spelling_differs(query: str, cached: str, case_and_accents: bool = True) -> str:
@@ -303,7 +306,10 @@ def spelling_differs(query: str, cached: str, case_and_accents: bool = True) -> 
             seen = forms.get(_fold(w))
             if seen and w not in seen and not any(_initial_case_only(w, o) for o in seen):
                 return f"spelling differs: {w!r} / {sorted(seen)[0]!r} (case or accents)"
-    if qw == cw and " ".join(query.split()) == " ".join(cached.split()) \
-            and _layout(query) != _layout(cached):
-        return "indentation differs"
+    if qw == cw and " ".join(query.split()) == " ".join(cached.split()):
+        # Only lines laid out alike can differ in indentation: the same sentence wrapped
+        # otherwise, or with a leading space, is the same text.
+        ql, cl = _layout(query), _layout(cached)
+        if len(ql) == len(cl) >= 2 and ql != cl:
+            return "indentation differs"
     return ""

@@ -583,6 +583,9 @@ def test_texts_the_embedder_reads_alike_but_spelt_otherwise_are_not_hits(make_ca
     ("iPhone battery", "Iphone battery", True),
     ("año nuevo", "ano nuevo", True),
     ("if x:\n  y()\nz()", "if x:\n  y()\n  z()", True),
+    (" What is the capital of France?", "What is the capital of France?", False),
+    ("What is the capital\nof France?", "What is the capital of France?", False),
+    ("\n  What is it?\n  Why?", "What is it?\nWhy?", False),  # the same layout, a margin
 ])
 def test_spelling_differs_refuses_case_accents_and_indentation_only(a, b, refused):
     from services.semantic.guard import spelling_differs
