@@ -278,6 +278,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._turned_at = time.monotonic()  # when the last turn without an error ended
+        self._looped_at = time.monotonic()  # when the last turn ended, failed or not
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.requests_total = 0
@@ -305,6 +306,13 @@ class Engine:
         steps) is stuck, or once model steps keep failing (`STALL_AFTER_FAILURES` in a row;
         idle turns between them do not count): either way the replica serves nobody."""
         return time.monotonic() - self._turned_at
+
+    def stuck_for(self) -> float:
+        """Seconds since the engine loop last ended a turn, whether it failed or not: about one
+        step while busy, at most ~0.5 s while idle; large only while a step (or a call run
+        between steps) does not return. Unlike `stalled_for`, failing steps do not count: they
+        fail their requests (which fail over), and an idle replica has no step to succeed."""
+        return time.monotonic() - self._looped_at
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -437,6 +445,7 @@ class Engine:
                 self._publish_state()
             except Exception:  # noqa: BLE001 - a dead engine thread would hang every caller
                 log.exception("publishing the engine's stats and events failed")
+            self._looped_at = time.monotonic()
         with self._queue_lock:
             self._closed = True  # nothing is queued after the drain below
         self._drain_inbox(block=False)  # requests that raced with the stop get an answer too
