@@ -767,7 +767,8 @@ class Engine:
         given `need` (a count per row, keep = the plan's q_len), of the first need[b] positions
         of row b only, rows in order ([sum(need), vocab]). With drafts of different lengths in
         one batch, that spares the padded positions' logits (at batch 64 and 16 draft tokens,
-        about 200 MB of float32 per step for a 49k vocabulary)."""
+        about 200 MB of float32 per step for a 49k vocabulary) — for models with a plain head
+        (`fp32_head`); one whose logits are post-processed computes them all, then selects."""
         assert need is None or (keep == plan.q_len and len(need) == plan.batch)
         self.cache.begin(plan)
         kw = dict(input_ids=ids, cache=self.cache, position_ids=self.cache.position_ids(),

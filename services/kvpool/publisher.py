@@ -380,6 +380,7 @@ class Publisher:
         if only is None:
             self._backlog.clear()  # every shard gets the snapshot, which reflects them
             self._snapshot_left = 0
+            self._taken_blocks = 0  # (else the next events could overflow the cap at once)
         else:
             # The other shards have not seen these yet; replayed after the snapshot on the
             # lagging ones they change nothing (their effect is in it already).

@@ -132,9 +132,9 @@ class ReplicaSet:
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _asker: ThreadPoolExecutor = field(init=False)
-    # Each replica's Stats call still under way (index -> future): a hung replica is not asked
-    # again until it answers or times out, and no poll cycle waits for it.
-    _pending: dict[int, Future] = field(default_factory=dict)
+    # Each replica's Stats call still under way or not yet applied (index -> future): a hung
+    # replica is not asked again until it answers or times out, and no poll cycle waits for it.
+    _pending: dict[int, Future | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for i, addr in enumerate(self.addresses):
@@ -167,12 +167,15 @@ class ReplicaSet:
             return
         futs: dict[Future, int] = {}
         for i, r in enumerate(self.replicas):
-            prev = self._pending.get(i)
-            if prev is not None and not prev.done():
-                continue  # still asking: its answer is applied when it comes
+            if i in self._pending:
+                # Still asking, or its answer not yet applied (a future is done before its
+                # callbacks run): a second ask could apply an older answer after a newer one.
+                continue
+            self._pending[i] = None
             try:
                 fut = self._asker.submit(self._ask, r)
             except RuntimeError:  # shut down meanwhile (stop)
+                self._pending.pop(i, None)
                 return
             futs[fut] = i
             self._pending[i] = fut
@@ -189,7 +192,14 @@ class ReplicaSet:
                     fut.add_done_callback(lambda f, i=i, ours=before[i]: self._apply(i, ours, f))
 
     def _apply(self, i: int, ours_before: int, fut: Future) -> None:
-        """Apply replica i's Stats answer (or failure)."""
+        """Apply replica i's Stats answer (or failure); then it may be asked again."""
+        try:
+            if not self._stop.is_set():
+                self._apply_answer(i, ours_before, fut)
+        finally:
+            self._pending.pop(i, None)
+
+    def _apply_answer(self, i: int, ours_before: int, fut: Future) -> None:
         r = self.replicas[i]
         try:
             s, ours_after = fut.result()
