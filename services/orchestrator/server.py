@@ -413,6 +413,10 @@ class Warmer:
             raise errors.FailedPrecondition(
                 "top_k: no prefix index is configured to name the hot prefixes")
         jobs = []
+        # Choosing owners asks the index once per prompt, one after another: together those
+        # lookups get at most a quarter of the call's time (each a share of what is left of
+        # it), so a hung index leaves the prefills most of it.
+        owners_until = time.monotonic() + 0.25 * max(0.0, deadline - time.monotonic())
         for i, p in enumerate(request.prompts):
             if p.messages:
                 ids = self.orch.renderer.render_warm([Message(m.role, m.content)
@@ -436,7 +440,7 @@ class Warmer:
                 raise errors.ResourceExhausted(
                     f"prompts[{i}]: {len(ids)} tokens exceed tenant limit "
                     f"{tenant.max_prompt_tokens}")
-            for r in self._targets(tenant, ids, request.target, deadline, gone):
+            for r in self._targets(tenant, ids, request.target, owners_until, gone):
                 jobs.append((r, ids, tenant.cache_salt, ttl, i))
         if request.top_k:
             try:
@@ -450,7 +454,7 @@ class Warmer:
             mine = [hp for hp in hot if hp.cache_salt == tenant.cache_salt][:request.top_k]
             for hp in mine:
                 ids = list(hp.token_ids)
-                for r in self._targets(tenant, ids, request.target, deadline, gone):
+                for r in self._targets(tenant, ids, request.target, owners_until, gone):
                     if r.replica_id not in hp.holders:
                         jobs.append((r, ids, hp.cache_salt, ttl, -1))
         limit = self.cfg.warm_max_prefills_per_call
