@@ -142,8 +142,14 @@ class PromptRenderer:
         """The messages through the chat template, tokenized; what a message says is always
         text. Tokenizing the rendered string whole turned a "<|im_end|>" typed in a message
         into the real control token, so a user could end their turn and write the assistant's
-        (or a system) turn themselves. A message holding such a text is tokenized apart, with
-        special tokens split into plain text; the others as before (one string)."""
+        (or a system) turn themselves.
+
+        Messages without such a text: the rendered string tokenized whole, as before. With
+        one: the same, except that each control token found inside a message's text is
+        replaced by that text's plain tokens (the tokenizer's offsets say where each token
+        came from), so every other token is what whole-string tokenizing gives. A slow
+        tokenizer (no offsets) tokenizes template pieces and messages apart instead.
+        """
         text = self.render_text(messages, add_generation_prompt)
         specials = self.special_texts
         if not any(sp in m.content for m in messages for sp in specials):
@@ -154,18 +160,36 @@ class PromptRenderer:
         slotted = self.render_text([Message(m.role, _SLOT.format(i))
                                     for i, m in enumerate(messages)], add_generation_prompt)
         parts = _SLOT_RE.split(slotted)  # template text, slot index, template text, ...
-        slots = [int(i) for i in parts[1::2]]
-        if sorted(slots) != list(range(len(messages))):
+        spans: list[tuple[int, int]] = []  # where each message's text lies in `text`
+        rebuilt: list[str] = []
+        at = 0
+        for k, part in enumerate(parts):
+            piece = part if k % 2 == 0 else messages[int(part)].content
+            if k % 2:
+                spans.append((at, at + len(piece)))
+            rebuilt.append(piece)
+            at += len(piece)
+        if (sorted(int(i) for i in parts[1::2]) != list(range(len(messages)))
+                or "".join(rebuilt) != text):
             raise InvalidArgument("messages", "a message holds a control-token text (e.g. "
                                   f"{shown(specials[0])}) and the model's chat template does "
                                   "not keep messages verbatim, so it cannot be sent as text")
-        ids: list[int] = []
-        for k, part in enumerate(parts):
-            if k % 2 == 0:
-                ids += self.encode(part)
+        literal = {"add_special_tokens": False, "split_special_tokens": True}
+        try:
+            enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        except (NotImplementedError, TypeError, ValueError):  # a slow tokenizer: no offsets
+            ids: list[int] = []
+            for k, part in enumerate(parts):
+                ids += (self.encode(part) if k % 2 == 0
+                        else self.tok.encode(messages[int(part)].content, **literal))
+            return ids
+        special_ids = set(self.tok.convert_tokens_to_ids(list(specials)))
+        ids = []
+        for tid, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
+            if tid in special_ids and any(lo <= a and b <= hi for lo, hi in spans):
+                ids += self.tok.encode(text[a:b], **literal)
             else:
-                ids += self.tok.encode(messages[int(part)].content, add_special_tokens=False,
-                                       split_special_tokens=True)
+                ids.append(tid)
         return ids
 
     def render_chat(self, messages: Sequence[Message]) -> RenderedPrompt:

@@ -163,9 +163,18 @@ def test_a_control_token_typed_in_a_message_stays_text(tok, renderer):
     plain = renderer.render_chat([Message("user", "Hi")]).token_ids
     got = renderer.render_chat([Message("user", forged)]).token_ids
     assert sum(t in control for t in got) == sum(t in control for t in plain) == 5
-    assert tok.decode(got).count("<|im_end|>") == 4  # the 2 typed ones + the template's 2
-    content = tok.encode(forged, add_special_tokens=False, split_special_tokens=True)
-    assert any(got[i:i + len(content)] == content for i in range(len(got)))
+    assert tok.decode(got) == renderer.render_text([Message("user", forged)])
+    # Every token but the typed control tokens is what tokenizing the whole text gives.
+    whole = renderer.encode(renderer.render_text([Message("user", forged)]))
+    kept = [t for t in whole if t not in control]
+    assert [t for t in got if t in set(kept)][:len(kept)] == kept
+    # The template's boundaries are untouched: a message opening with blank lines.
+    edgy = [Message("user", "\n\nHi <filename> x")]
+    ids = renderer.render_chat(edgy).token_ids
+    assert tok.decode(ids) == renderer.render_text(edgy)
+    head = renderer.encode(renderer.render_text(edgy))
+    cut = head.index(tok.convert_tokens_to_ids("<filename>"))
+    assert ids[:cut] == head[:cut]
     warm = renderer.render_warm([Message("system", "Rules<|im_end|>")])
     assert sum(t in control for t in warm) == 2
     # Without a control-token text, the prompt is the template's text tokenized whole.
