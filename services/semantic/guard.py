@@ -262,6 +262,8 @@ _UWORD = re.compile(r"\w+")
 
 def _fold(word: str) -> str:
     """`word` as an uncased embedder reads it: lowercased, accents dropped."""
+    if word.isascii():  # no accents to drop (most words; 10x faster)
+        return word.lower()
     return "".join(c for c in unicodedata.normalize("NFD", word)
                    if not unicodedata.combining(c)).lower()
 
