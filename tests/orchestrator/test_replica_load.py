@@ -360,3 +360,46 @@ def test_a_hung_replica_does_not_hold_up_the_poll_cycle():
     finally:
         release.set()
         rs._asker.shutdown(wait=True)
+
+
+def test_a_replica_is_asked_again_only_once_its_last_answer_is_applied():
+    """A future is done before its callbacks run: the poller, seeing the previous ask done,
+    asked again while the late answer was still being applied, so an older answer could be
+    applied after a newer one."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    class Slow(StatsStub):
+        calls = 0
+
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
+            Slow.calls += 1
+            time.sleep(1.3)  # later than the cycle waits (1 s): applied by a callback
+            return super().Stats(req, timeout, metadata)
+
+    r = Replica("s", Slow("s", 1), Health("kvpool", "s"), replica_id="s")
+    rs = replica_set(r)
+    rs._asker = ThreadPoolExecutor(max_workers=2)
+    applying, release = threading.Event(), threading.Event()
+    real = rs._apply_answer
+
+    def held(*a):
+        applying.set()
+        release.wait(10)
+        real(*a)
+
+    rs._apply_answer = held
+    try:
+        rs.poll_once()  # returns after 1 s; the answer lands at 1.3 s and is being applied
+        assert applying.wait(5)
+        rs.poll_once()  # its answer is not applied yet: not asked again
+        assert Slow.calls == 1
+        release.set()
+        deadline = time.monotonic() + 5
+        while 0 in rs._pending and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert r.stats is not None and 0 not in rs._pending
+    finally:
+        release.set()
+        rs._asker.shutdown(wait=True)
