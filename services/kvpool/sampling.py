@@ -73,10 +73,7 @@ class Sampler:
         Raises:
             NonFiniteLogits: the logits hold NaN or inf (argmax would pick a NaN's index).
         """
-        if self.spec.greedy:
-            _check_finite(logits)
-            return int(torch.argmax(logits))
-        return self.draw(self.probs(logits))
+        return self.verify(logits[None], [])[1]
 
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution sampling draws from: softmax(logits / T), cut to the top-p set."""

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, semantic_pb2, semantic_pb2_grpc
@@ -24,6 +25,7 @@ from services.common.ring import HashRing
 from services.orchestrator.routing import ReplicaView
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -365,8 +367,8 @@ class HungBackoff:
     probes it again. Without it every request waits the tier's timeout on a tier that answers
     nobody (the semantic tier twice: Lookup, then Store).
 
-    Around each call: `enter` (raises `_SkippedShard`, UNAVAILABLE, while the pause lasts),
-    then `answered` or `failed`.
+    `call` runs one call under it (raising `_SkippedShard`, UNAVAILABLE, while the pause
+    lasts).
     """
 
     def __init__(self, what: str, backoff_s: tuple[float, float],
@@ -377,6 +379,18 @@ class HungBackoff:
         self.state: dict[str, tuple[float, float]] = {}  # address -> (skip until, backoff)
         self.marked: dict[str, float] = {}  # address -> when a timeout last set it
         self.lock = threading.Lock()
+
+    def call(self, address: str, timeout: float, full_s: float, fn: Callable[[], T]) -> T:
+        """`fn()`, a call of `timeout` seconds to `address` (the tier's own timeout is
+        `full_s`: a shorter one may be cut short by the request, see `cut_short`)."""
+        began, hung = self.enter(address, timeout)
+        try:
+            out = fn()
+        except grpc.RpcError as e:
+            self.failed(address, e, timeout, not cut_short(e, timeout, full_s), began, hung)
+            raise
+        self.answered(address)
+        return out
 
     def enter(self, address: str, timeout: float) -> tuple[float, tuple[float, float] | None]:
         """Before a call of `timeout` seconds: (when it began, the hung record it probes)."""
@@ -446,7 +460,6 @@ class SemanticBackend:
         # Each shard's own (the tier's health is whichever shard answered last).
         self.shard_health = {a: Health("semantic shard", a) for a in self.addresses}
         self.timeout_s = timeout_s
-        self.clock = clock
         self.hung = HungBackoff("semantic shard", self.HUNG_BACKOFF_S, clock)
         self._hung = self.hung.state  # address -> (skip until, backoff)
         self.internal_token = internal_token
@@ -461,25 +474,25 @@ class SemanticBackend:
 
     def _call(self, address: str, method: str, req, timeout: float | None = None):
         timeout = timeout or self.timeout_s
-        began, hung = self.hung.enter(address, timeout)
         try:
-            resp = getattr(self.stubs[address], method)(
-                req, timeout=timeout, metadata=call_metadata(self.internal_token))
+            resp = self.hung.call(address, timeout, self.timeout_s, lambda: getattr(
+                self.stubs[address], method)(req, timeout=timeout,
+                                             metadata=call_metadata(self.internal_token)))
             self.health.ok()
             self.shard_health[address].ok()
-            self.hung.answered(address)
             return resp
         except grpc.RpcError as e:
-            whole = not cut_short(e, timeout, self.timeout_s)
-            if whole and e.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
-                                          grpc.StatusCode.NOT_FOUND):
+            if isinstance(e, _SkippedShard):
+                raise
+            if (not cut_short(e, timeout, self.timeout_s)
+                    and e.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
+                                         grpc.StatusCode.NOT_FOUND)):
                 # Not only down or hung: a tier refusing our credential (UNAUTHENTICATED) or
                 # every Store (RESOURCE_EXHAUSTED: a full disk) does no work either, and
                 # Stats must say so. A request's own bad input or an unknown id is not the
                 # tier's fault.
                 self.health.fail(e)
                 self.shard_health[address].fail(e)
-            self.hung.failed(address, e, timeout, whole, began, hung)
             raise
 
     def _each(self, method: str, req) -> list:

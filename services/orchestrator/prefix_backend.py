@@ -42,16 +42,10 @@ class PrefixBackend:
     def match(self, block_hashes: list[bytes], model_id: str,
               timeout: float | None = None, probe: bool = False) -> dict[str, int]:
         shard = self.client.shard_for(block_hashes[0]) if block_hashes else ""
-        whole_s = timeout or self.timeout_s
-        began, hung = self.hung.enter(shard, whole_s)
-        try:
-            r = self._guard(self.client.match, model_id, block_hashes=block_hashes,
-                            timeout=timeout, probe=probe)
-        except grpc.RpcError as e:
-            self.hung.failed(shard, e, whole_s, not cut_short(e, timeout, self.timeout_s),
-                             began, hung)
-            raise
-        self.hung.answered(shard)
+        r = self.hung.call(shard, timeout or self.timeout_s, self.timeout_s,
+                           lambda: self._guard(self.client.match, model_id,
+                                               block_hashes=block_hashes, timeout=timeout,
+                                               probe=probe))
         return {m.replica_id: m.matched_tokens for m in r.matches if m.matched_blocks}
 
     def dependencies(self) -> list:
