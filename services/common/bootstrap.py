@@ -57,20 +57,24 @@ class _StatusSender:
     both under the servicer's lock deadlocked the server; sending both at once crashed gRPC's
     polling thread). The lock is never taken for the end of the stream (`None`, sent by close
     callbacks on that polling thread, which an ongoing send waits on), which gRPC allows
-    alongside a send."""
+    alongside a send. A status equal to the last one sent is not sent again: Watch re-checks
+    the status after its first message, and a `set` in between sent the new one too."""
 
-    __slots__ = ("_send", "_lock")
+    __slots__ = ("_send", "_lock", "_last")
 
     def __init__(self, send) -> None:
         self._send = send
         self._lock = threading.Lock()
+        self._last = None
 
     def __call__(self, response) -> None:
         if response is None:
             self._send(None)
             return
         with self._lock:
-            self._send(response)
+            if response.status != self._last:
+                self._send(response)
+                self._last = response.status
 
 
 class _HealthServicer(health.HealthServicer):
