@@ -99,6 +99,13 @@ class Policy:
     serve_sampled: bool = False
 
 
+def session_routing_key(tenant: Tenant, session_id: str) -> str:
+    """The session ring's key for a session ("" for none). A session id is the client's name,
+    unique only within its tenant: two tenants that both say "s1" are two sessions, and must
+    not be pinned to one replica together."""
+    return f"{tenant.name}\x1f{session_id}" if session_id else ""
+
+
 @dataclass
 class TextDelta:
     text: str
@@ -331,9 +338,10 @@ class Orchestrator:
             raise errors.Cancelled("client cancelled")
         matches, key, new_blocks, hashes = (PrefixView({}, "", None, []) if policy.skip_prefix_cache
                                              else self._matches(tenant, ids, deadline))
+        session_key = session_routing_key(tenant, session_id)
         if not key:
-            key = session_id or str(hash(tuple(ids[:64])))
-        affinity = session_id or key
+            key = session_key or str(hash(tuple(ids[:64])))
+        affinity = session_key or key
         detok = IncrementalDetokenizer(self.tok)
         generated: list[int] = []
         exclude: set[str] = set()

@@ -14,8 +14,8 @@ replica overloads it. The policy:
    The share rule moves only new conversations: a later turn stays with its history.
 2. Among the rest, the one with the best score matched_tokens - load_penalty * load wins when
    its match is useful (>= min_prefix_tokens).
-3. Otherwise: a consistent-hash ring with bounded loads keyed by the session id (or the
-   first block's hash), so a conversation sticks to one replica while it is healthy. When the
+3. Otherwise: a consistent-hash ring with bounded loads keyed by the tenant and session id (or
+   the first block's hash), so a conversation sticks to one replica while it is healthy. When the
    index answered (so the prompt is new to every replica, not unknown) and some replicas have
    room for it in free blocks while others would have to evict, the ring walk tries the ones
    with room first: the hash alone would pile new system prompts onto a pool that is already

@@ -17,7 +17,13 @@ from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
 
 from services.common.ring import HashRing
 from services.orchestrator.backends import ReplicaSet
-from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
+from services.orchestrator.pipeline import (
+    Finished,
+    Policy,
+    Sampling,
+    TextDelta,
+    session_routing_key,
+)
 from services.orchestrator.render import Message, PromptRenderer, RenderedPrompt
 from services.orchestrator.routing import PrefixAwarePolicy, ReplicaView, bounded_cap
 from services.orchestrator.server import parse_policy
@@ -139,7 +145,8 @@ def test_without_an_index_a_prompt_follows_its_session_on_the_ring():
     # The policy's ring, as it will be once synced with the three replicas (all idle).
     ring = HashRing(ids, vnodes=orch.routing.ring.vnodes)
     idle = {r: 0.0 for r in ids}
-    owner = {f"session-{i}": ring.lookup_bounded(f"session-{i}", idle, orch.routing.epsilon)
+    owner = {f"session-{i}": ring.lookup_bounded(session_routing_key(TENANT, f"session-{i}"),
+                                                 idle, orch.routing.epsilon)
              for i in range(64)}
     first = "session-0"
     second = next(s for s, r in owner.items() if r != owner[first])

@@ -706,3 +706,27 @@ def test_a_warm_for_owners_keeps_its_deadline_with_a_hung_index():
     # The lookups together took at most a quarter of the call: the prefills keep the rest
     # (each taking a quarter of what was left of the whole call used ~97% of it over 12).
     assert sum(index.timeouts) <= 0.25 * 1.0 + 0.01, sum(index.timeouts)
+
+
+def test_one_session_id_in_two_tenants_is_two_routing_keys():
+    """A session id is unique only within its tenant: two tenants both calling theirs "s"
+    were keyed to one replica on the session ring, whatever their load."""
+    seen: list[str] = []
+
+    def choose(views, matched, affinity, exclude, *rest):
+        seen.append(affinity)
+        return SimpleNamespace(replica_id="A", route="session", matched_tokens=0)
+
+    orch = make({"A": Stub("A", [Call([final("A", 2)]), Call([final("A", 2)]),
+                                 Call([final("A", 2)])])})
+    orch.routing = SimpleNamespace(choose=choose)
+    other = Tenant("b", "salt-b", 10_000, 1_000, 4)
+    for tenant in (TENANT, other, TENANT):
+        list(orch.generate(
+            tenant=tenant, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+            sampling=Sampling(4, 0.0, 1.0, 0, (), False), policy=Policy(skip_prefix_cache=True),
+            session_id="s", return_token_ids=True, request_id="rid",
+            deadline=time.monotonic() + 30, on_cancel=lambda cb: None))
+    assert len(seen) == 3
+    assert seen[0] == seen[2]  # the same tenant's session keeps its key
+    assert seen[0] != seen[1]
