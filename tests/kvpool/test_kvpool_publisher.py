@@ -487,8 +487,15 @@ def test_a_snapshot_larger_than_the_backlog_limit_is_delivered_once(monkeypatch)
     assert pub._need_resync and not pub._backlog and pub._snapshot_left == 0
     # A full resync starts the count from its own rest only.
     pub._snapshot_left = 123
+    pub._taken_blocks = publisher.MAX_BACKLOG_POOLS * n  # the count an outage can leave
     pub._resync()
     assert pub._snapshot_left == n - publisher.MAX_BATCH
+    # ... and its block count from nothing: the blocks counted before the snapshot are in it.
+    # Left as it was, the next two events overflowed the cap and dropped the snapshot's rest.
+    incoming.extend(holdings[:2])
+    pub._collect()
+    assert not pub._need_resync
+    assert len(pub._backlog) == n - publisher.MAX_BATCH + 2
 
 
 def test_batches_fit_the_index_limits_an_event_too_big_is_split() -> None:
