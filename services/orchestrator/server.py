@@ -338,6 +338,20 @@ def _fair_share(hot: list, replicas: set[str], k: int) -> list:
     return out[:k]
 
 
+GONE_POLL_S = 0.25  # how often a running Warm prefill checks whether its caller went away
+
+
+def _unless_gone(call, gone: threading.Event):
+    """`call`'s response (a unary gRPC future), or None when `gone` is set before it ends: the
+    call is then cancelled, and the replica's handler cancels its work."""
+    done = threading.Event()
+    call.add_done_callback(lambda _call: done.set())
+    while not done.wait(GONE_POLL_S):
+        if gone.is_set() and call.cancel():
+            return None
+    return call.result()
+
+
 class Warmer:
     """Prefills prompts on replicas (Warm RPC) and runs the low-traffic warm-up loop."""
 
@@ -348,7 +362,10 @@ class Warmer:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="warm")
 
     def _prefill(self, replica, token_ids, cache_salt, ttl, index, timeout: float = 120.0,
-                 request_id: str = ""):
+                 request_id: str = "", gone: threading.Event | None = None):
+        """One pinned Prefill on `replica`. With `gone` (the Warm caller cancelled or went away),
+        a running prefill is cancelled once it is set: the replica stops computing and pins
+        nothing more for nobody."""
         if timeout <= 0:
             # Queued behind the call's other prefills (prompts x replicas share the pool)
             # until its deadline: sending it anyway made replicas compute for a caller that
@@ -357,11 +374,20 @@ class Warmer:
                 prompt_index=index, replica_id=replica.public_id,
                 error="DEADLINE_EXCEEDED: the call's deadline passed before this prefill "
                       "could start")
+        req = kvpool_pb2.PrefillRequest(token_ids=token_ids, cache_salt=cache_salt, pin=True,
+                                        ttl_seconds=ttl, model_id=self.orch.model_id)
+        kw = dict(timeout=max(0.1, timeout),
+                  metadata=call_metadata(self.orch.internal_token, request_id))
         try:
-            r = replica.stub.Prefill(kvpool_pb2.PrefillRequest(
-                token_ids=token_ids, cache_salt=cache_salt, pin=True, ttl_seconds=ttl,
-                model_id=self.orch.model_id), timeout=max(0.1, timeout),
-                metadata=call_metadata(self.orch.internal_token, request_id))
+            if gone is None:
+                r = replica.stub.Prefill(req, **kw)
+            else:
+                r = _unless_gone(replica.stub.Prefill.future(req, **kw), gone)
+                if r is None:
+                    return orchestrator_pb2.WarmResult(
+                        prompt_index=index, replica_id=replica.public_id,
+                        error="CANCELLED: the caller went away; this prefill was cancelled on "
+                              "the replica")
             return orchestrator_pb2.WarmResult(
                 prompt_index=index, replica_id=r.replica_id or replica.public_id,
                 prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
@@ -477,7 +503,8 @@ class Warmer:
                     prompt_index=job[4], replica_id=job[0].public_id,
                     error="CANCELLED: the caller went away before this prefill started")
             with bound_request_id(rid):
-                return self._prefill(*job, timeout=deadline - time.monotonic(), request_id=rid)
+                return self._prefill(*job, timeout=deadline - time.monotonic(), request_id=rid,
+                                     gone=gone)
 
         results = self._run_windowed(prefill, jobs, deadline, gone)
         if charge is not None:
@@ -517,7 +544,9 @@ class Warmer:
                 for f in [f for f in running if f.cancel()]:
                     i = running.pop(f)
                     results[i] = fn(jobs[i])
-                done, _ = wait(running)  # started: each ends by its own timeout
+                # Started: each ends by its own timeout (the deadline), or is cancelled
+                # within GONE_POLL_S once the caller is gone.
+                done, _ = wait(running)
             for f in done:
                 results[running.pop(f)] = f.result()
                 submit_next()

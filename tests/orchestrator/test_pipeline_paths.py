@@ -63,15 +63,77 @@ class Call:
             raise self.err
 
 
+class UnaryCall:
+    """A unary call's future, as gRPC's: cancellable until it ends, whatever its handler does."""
+
+    def __init__(self) -> None:
+        self._lock, self._done, self._callbacks = threading.Lock(), threading.Event(), []
+        self._response = self._error = None
+        self.cancelled = False
+
+    def end(self, response=None, error=None) -> bool:
+        with self._lock:
+            if self._done.is_set():
+                return False
+            self._response, self._error = response, error
+            self._done.set()
+            callbacks, self._callbacks = self._callbacks, []
+        for cb in callbacks:
+            cb(self)
+        return True
+
+    def cancel(self) -> bool:
+        self.cancelled = self.end(error=RpcError(grpc.StatusCode.CANCELLED))
+        return self.cancelled
+
+    def add_done_callback(self, cb) -> None:
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(cb)
+                return
+        cb(self)
+
+    def result(self, timeout=None):
+        self._done.wait(timeout)
+        if self._error is not None:
+            raise self._error
+        return self._response
+
+
+class Unary:
+    """A unary method of a fake stub: called (blocking) or through `.future` (its handler on a
+    thread of its own); `calls` holds the futures handed out."""
+
+    def __init__(self, handler) -> None:
+        self.handler, self.calls = handler, []
+
+    def __call__(self, req, timeout=None, metadata=None):
+        return self.handler(req, timeout=timeout, metadata=metadata)
+
+    def future(self, req, timeout=None, metadata=None) -> UnaryCall:
+        call = UnaryCall()
+        self.calls.append(call)
+
+        def run() -> None:
+            try:
+                call.end(response=self.handler(req, timeout=timeout, metadata=metadata))
+            except grpc.RpcError as e:
+                call.end(error=e)
+
+        threading.Thread(target=run, daemon=True).start()
+        return call
+
+
 class Stub:
     def __init__(self, rid: str, calls: list[Call]) -> None:
         self.rid, self.calls, self.requests = rid, list(calls), []
+        self.Prefill = Unary(self._prefill)
 
     def Generate(self, req, timeout=None, metadata=None):  # noqa: N802
         self.requests.append(req)
         return self.calls.pop(0)
 
-    def Prefill(self, req, timeout=None, metadata=None):  # noqa: N802
+    def _prefill(self, req, timeout=None, metadata=None):
         self.requests.append(req)
         return kvpool_pb2.PrefillResponse(prompt_tokens=len(req.token_ids),
                                           computed_tokens=len(req.token_ids), replica_id=self.rid)
@@ -311,7 +373,7 @@ def test_warms_prefill_calls_carry_the_warm_calls_request_id():
             seen.append([v for k, v in metadata if k == "x-request-id"])
             return plain(req, timeout=timeout, metadata=metadata)
 
-        stub.Prefill = recording
+        stub.Prefill = Unary(recording)
     orch = make(stubs)
     orch.renderer = PromptRenderer(Tok(), max_chars=50)
     warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
@@ -328,8 +390,8 @@ def test_warms_prefill_calls_carry_the_warm_calls_request_id():
     assert charged == [3]  # 2 prompts x 2 replicas; the call itself paid for the first
     charged.clear()
     for stub in stubs.values():  # refreshes that computed nothing are not charged
-        stub.Prefill = lambda req, timeout=None, metadata=None: kvpool_pb2.PrefillResponse(
-            prompt_tokens=len(req.token_ids), cached_tokens=len(req.token_ids))
+        stub.Prefill = Unary(lambda req, timeout=None, metadata=None: kvpool_pb2.PrefillResponse(
+            prompt_tokens=len(req.token_ids), cached_tokens=len(req.token_ids)))
     warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
     try:
         warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
@@ -487,7 +549,7 @@ def test_a_warms_replica_failure_is_logged_with_the_warms_request_id():
     from services.orchestrator.render import PromptRenderer
 
     class Down(Stub):
-        def Prefill(self, req, timeout=None, metadata=None):  # noqa: N802
+        def _prefill(self, req, timeout=None, metadata=None):
             raise RpcError(grpc.StatusCode.UNAVAILABLE)
 
     orch = make({"A": Down("A", [])})
@@ -525,9 +587,9 @@ def test_a_warm_sends_no_prefill_once_its_deadline_has_passed():
     from services.orchestrator.render import PromptRenderer
 
     class Slow(Stub):
-        def Prefill(self, req, timeout=None, metadata=None):  # noqa: N802
+        def _prefill(self, req, timeout=None, metadata=None):
             time.sleep(2.0)  # past the call's 1 s
-            return super().Prefill(req, timeout, metadata)
+            return super()._prefill(req, timeout, metadata)
 
     stubs = {"A": Slow("A", []), "B": Stub("B", [])}
     orch = make(stubs)
@@ -566,7 +628,7 @@ def _gated_warmer(**cfg):
                     inflight[0] -= 1
             return plain(req, timeout=timeout, metadata=metadata)
 
-        stub.Prefill = held
+        stub.Prefill = Unary(held)
     orch = make(stubs)
     orch.renderer = PromptRenderer(Tok(), max_chars=100)
     return stubs, gate, inflight, peak, Warmer(orch, OrchestratorConfig(
@@ -618,9 +680,11 @@ def test_warm_caps_prefills_per_call_and_leaves_pool_threads_to_other_calls():
         warmer.stop()
 
 
-def test_a_warm_whose_caller_went_away_sends_no_further_prefill():
+def test_a_warm_whose_caller_went_away_sends_no_further_prefill_and_cancels_the_running():
     """A cancelled Warm kept prefilling and pinning for nobody, up to 120 s, holding its
-    stream slot, its tenant slot and the shared warm threads."""
+    stream slot, its tenant slot and the shared warm threads. Then its prefills already
+    running still ran to their own timeout on the replicas, which went on computing and
+    pinning: they are cancelled now."""
     stubs, gate, inflight, _, warmer = _gated_warmer()
     gone = threading.Event()
     out: list = []
@@ -632,12 +696,14 @@ def test_a_warm_whose_caller_went_away_sends_no_further_prefill():
         deadline = time.monotonic() + 30
         while inflight[0] < 4 and time.monotonic() < deadline:
             time.sleep(0.01)
-        gone.set()  # the client cancels while 4 of its 12 prefills run
-        gate.set()
-        t.join(30)
-        errors_ = [r.error.split(":")[0] for r in out[0].results]
-        assert errors_.count("") == 4 and errors_.count("CANCELLED") == 8
-        assert sum(len(s.requests) for s in stubs.values()) == 4
+        gone.set()  # the client cancels while 4 of its 12 prefills run (and never end)
+        t.join(10)
+        assert not t.is_alive()
+        errors_ = [r.error for r in out[0].results]
+        assert all(e.startswith("CANCELLED") for e in errors_) and len(errors_) == 12
+        assert sum("cancelled on the replica" in e for e in errors_) == 4
+        calls = [c for s in stubs.values() for c in s.Prefill.calls]
+        assert len(calls) == 4 and all(c.cancelled for c in calls)  # no further one sent
     finally:
         gate.set()
         warmer.stop()
