@@ -210,7 +210,10 @@ class Orchestrator:
         # what is left of the request's deadline (past it, the answer is not stored), so a
         # slow Store cannot turn a finished answer into DEADLINE_EXCEEDED.
         timeout = _within(self.semantic.timeout_s, deadline, _STORE_SHARE)
-        if timeout is None:
+        if timeout is None or timeout < min(_STORE_MIN_S, self.semantic.timeout_s):
+            # Too little left to embed and write it (and then send the final message): sent
+            # anyway, the Store timed out here while the tier still wrote the entry, which
+            # the client could then not name.
             return ""
         try:
             return self.semantic.store(semantic_pb2.StoreRequest(
@@ -629,6 +632,7 @@ class Orchestrator:
 # leave time for the final message.
 _CACHE_SHARE = 0.25
 _STORE_SHARE = 0.5
+_STORE_MIN_S = 0.05  # a Store is only sent with at least this long for it (embed + write)
 
 
 def _within(timeout_s: float, deadline: float, share: float = 1.0) -> float | None:

@@ -25,7 +25,13 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from services.common.errors import InvalidArgument, NotFound, ResourceExhausted, shown
+from services.common.errors import (
+    DeadlineExceeded,
+    InvalidArgument,
+    NotFound,
+    ResourceExhausted,
+    shown,
+)
 from services.semantic.config import SemanticConfig
 from services.semantic.guard import ParaphraseGuard, spelling_differs
 from services.semantic.index import IndexParams, NamespaceIndex
@@ -443,7 +449,8 @@ class SemanticCache:
     # ---- store ------------------------------------------------------------------------------
 
     def store_entry(self, ns: Namespace, prompt: str, answer: str, verified: bool = False,
-                    ttl_seconds: int = 0, truncated: int = 0) -> Entry:
+                    ttl_seconds: int = 0, truncated: int = 0,
+                    wanted: Callable[[], bool] | None = None) -> Entry:
         """Embeds and durably stores an answer; returns once it is committed.
 
         Evicts least recently used entries beyond the namespace, tenant and global capacity
@@ -451,8 +458,13 @@ class SemanticCache:
         replaces the first: of two at once, the one committed later stands, and the other
         returns it.
 
+        `wanted`, asked once the prompt is embedded, right before the write: False (the
+        caller's deadline passed, or it went away) writes nothing, so a caller told its Store
+        failed does not leave an entry behind it cannot name.
+
         Raises:
             InvalidArgument: bad namespace, prompt, answer or ttl (nothing is written).
+            DeadlineExceeded: `wanted` said no (nothing is written).
         """
         ns = self._check_namespace(ns)
         self._check_text("prompt", prompt, self.cfg.max_text_chars)
@@ -461,6 +473,9 @@ class SemanticCache:
             raise InvalidArgument("ttl_seconds", f"must be in [0, {self.cfg.max_ttl_seconds}]")
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
         vec, over = self._embed(prompt)
+        if wanted is not None and not wanted():
+            raise DeadlineExceeded("the caller's deadline passed (or it went away) before the "
+                                   "answer was written: nothing stored")
         now = self.clock()
         eid = uuid.uuid4().hex
         label = self.store.insert(id=eid, tenant=ns.tenant, model_id=ns.model_id,

@@ -42,6 +42,12 @@ def _ns(request) -> Namespace | None:
     return namespace_from_proto(request.namespace) if request.HasField("namespace") else None
 
 
+def _still_wanted(context) -> bool:
+    """Whether the caller still waits for this RPC's answer: not cancelled, deadline not passed."""
+    left = context.time_remaining()
+    return context.is_active() and (left is None or left > 0)
+
+
 class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
     """Implements tiercache.v1.SemanticCache over a `SemanticCache`."""
 
@@ -73,7 +79,8 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
 
     def Store(self, request, context):
         e = self.cache.store_entry(_ns(request), request.prompt, request.answer,
-                                   request.verified, request.ttl_seconds, request.truncated_at)
+                                   request.verified, request.ttl_seconds, request.truncated_at,
+                                   wanted=lambda: _still_wanted(context))
         return semantic_pb2.StoreResponse(id=e.id)
 
     def Verify(self, request, context):

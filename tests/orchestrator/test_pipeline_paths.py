@@ -796,3 +796,22 @@ def test_one_session_id_in_two_tenants_is_two_routing_keys():
     assert len(seen) == 3
     assert seen[0] == seen[2]  # the same tenant's session keeps its key
     assert seen[0] != seen[1]
+
+
+def test_no_store_is_sent_with_too_little_of_the_deadline_left_to_write_it():
+    """A Store sent with a few ms left timed out here while the tier still wrote the entry:
+    the client got DEADLINE_EXCEEDED (or a report without the entry) and an entry it could
+    not name."""
+    timeouts: list[float] = []
+
+    class Recording(Semantic):
+        def store(self, req, timeout=None):
+            timeouts.append(timeout)
+            return SimpleNamespace(id="e1")
+
+    orch = make({"A": Stub("A", [])}, semantic=Recording())
+    prompt = RenderedPrompt(PROMPT, "q", "ctx")
+    assert orch._store(TENANT, prompt, "ok", 0, time.monotonic() + 0.06) == ""
+    assert timeouts == []
+    assert orch._store(TENANT, prompt, "ok", 0, time.monotonic() + 10) == "e1"
+    assert timeouts == [2.0]

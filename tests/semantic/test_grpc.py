@@ -135,3 +135,42 @@ def test_a_failed_start_releases_the_database_for_the_next_one(make_cfg, embedde
     s.handle.stop(0)  # not s.stop(): that would close the session's shared embedder
     s.housekeeper.stop()
     s.cache.store.close()
+
+
+def test_a_store_whose_caller_gave_up_writes_nothing(make_cfg, embedder):
+    """A Store whose deadline passed while the prompt was embedded still wrote the entry: the
+    caller, told DEADLINE_EXCEEDED, could not name (nor rate, nor invalidate) it."""
+    import threading
+    import time
+
+    release = threading.Event()
+
+    class Slow:
+        """The real embedder, held until the test releases it."""
+
+        def __getattr__(self, name):
+            return getattr(embedder, name)
+
+        def embed_one_checked(self, text):
+            release.wait(10)
+            return embedder.embed_one_checked(text)
+
+    s = serve(make_cfg(), embedder=Slow())
+    try:
+        with grpc.insecure_channel(s.handle.address) as ch:
+            stub = pbg.SemanticCacheStub(ch)
+            req = pb.StoreRequest(namespace=NS, prompt="What is a KV cache?", answer="a")
+            with pytest.raises(grpc.RpcError) as e:
+                stub.Store(req, timeout=0.3)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            release.set()
+            time.sleep(0.5)  # the handler finishes its embedding, then would have written
+            assert s.cache.store.count() == 0
+            assert stub.Stats(pb.SemanticStatsRequest(), timeout=10).entries == 0
+            assert stub.Store(req, timeout=10).id  # a caller still waiting gets it stored
+            assert s.cache.store.count() == 1
+    finally:
+        release.set()
+        s.handle.stop(0)
+        s.housekeeper.stop()
+        s.cache.store.close()
