@@ -20,6 +20,7 @@ from typing import TypeVar
 import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, semantic_pb2, semantic_pb2_grpc
 
+from services.common import errors
 from services.common.grpc_client import call_metadata, cut_short, make_channel
 from services.common.ring import HashRing
 from services.orchestrator.routing import ReplicaView
@@ -495,19 +496,30 @@ class SemanticBackend:
                 self.shard_health[address].fail(e)
             raise
 
-    def _each(self, method: str, req) -> list:
+    def _each(self, method: str, req, deadline: float | None = None) -> list:
         """Call every shard; the answers of those that had it.
 
         A shard that is down does not hide the answer of one that acted (the entry lives on
         one shard: a rating applied there must not be reported as failed). With no answer,
         another error wins over NOT_FOUND (the entry may be on the shard that failed).
+        `deadline` (time.monotonic()) bounds the whole round: each shard gets what is left of
+        it, and none is called once it has passed (DeadlineExceeded if none answered).
         """
         out: list = []
         not_found: grpc.RpcError | None = None
         failed: grpc.RpcError | None = None
         for a in self.addresses:
+            timeout = None
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    if out:
+                        return out
+                    raise errors.DeadlineExceeded(
+                        f"deadline exceeded before the semantic tier answered {method}")
+                timeout = min(self.timeout_s, left)
             try:
-                out.append(self._call(a, method, req))
+                out.append(self._call(a, method, req, timeout))
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     not_found = e
@@ -525,15 +537,18 @@ class SemanticBackend:
               ) -> semantic_pb2.StoreResponse:
         return self._call(self.shard_for(req.namespace), "Store", req, timeout)
 
-    def verify(self, entry_id: str, verified: bool) -> semantic_pb2.SemanticEntry:
-        return self._each("Verify", semantic_pb2.VerifyRequest(id=entry_id, verified=verified))[0]
+    def verify(self, entry_id: str, verified: bool, deadline: float | None = None
+               ) -> semantic_pb2.SemanticEntry:
+        return self._each("Verify", semantic_pb2.VerifyRequest(id=entry_id, verified=verified),
+                          deadline)[0]
 
-    def invalidate(self, entry_id: str) -> semantic_pb2.InvalidateResponse:
-        got = self._each("Invalidate", semantic_pb2.InvalidateRequest(id=entry_id))
+    def invalidate(self, entry_id: str, deadline: float | None = None
+                   ) -> semantic_pb2.InvalidateResponse:
+        got = self._each("Invalidate", semantic_pb2.InvalidateRequest(id=entry_id), deadline)
         return semantic_pb2.InvalidateResponse(removed=sum(r.removed for r in got))
 
-    def stats(self) -> semantic_pb2.SemanticStatsResponse:
-        parts = self._each("Stats", semantic_pb2.SemanticStatsRequest())
+    def stats(self, deadline: float | None = None) -> semantic_pb2.SemanticStatsResponse:
+        parts = self._each("Stats", semantic_pb2.SemanticStatsRequest(), deadline)
         if len(parts) == 1:
             return parts[0]
         out = semantic_pb2.SemanticStatsResponse(embedding_model=parts[0].embedding_model)

@@ -48,7 +48,9 @@ class OrchestratorConfig:
     # tenant tokens (under max_streams, 56 by default: one tenant must not take every stream
     # slot), and every slot without them (one tenant, every caller).
     max_concurrent_per_tenant: int = 0
-    # Deadline for a whole Generate when the client sets none, and per-hop budgets.
+    # Deadline for a whole Generate: when the client sets none, and the most a client's own
+    # deadline gets (a longer one is cut to this; the client then sees DEADLINE_EXCEEDED).
+    # Then the per-hop budgets.
     request_timeout_s: float = 300.0
     semantic_timeout_s: float = 2.0
     prefix_timeout_s: float = 0.5

@@ -64,5 +64,7 @@ class PrefixBackend:
         return self._guard(self.client.top_prefixes, k, model_id, cache_salt=cache_salt,
                            allow_partial=True).prefixes
 
-    def stats(self):
-        return self._guard(self.client.stats, allow_partial=True)
+    def stats(self, timeout: float | None = None):
+        """`timeout`: at most this long (the caller's deadline), else the index's own."""
+        return self._guard(self.client.stats, allow_partial=True,
+                           timeout=None if timeout is None else min(timeout, self.timeout_s))

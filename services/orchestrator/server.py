@@ -240,13 +240,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise errors.NotFound(
                 f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown")
         try:
+            deadline = _call_deadline(context)
             if request.rating == orchestrator_pb2.RATING_BAD:
-                n = sem.invalidate(entry_id).removed
+                n = sem.invalidate(entry_id, deadline).removed
                 if n == 0:
                     raise errors.NotFound(
                         f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown")
                 return orchestrator_pb2.FeedbackResponse(invalidated=True)
-            sem.verify(entry_id, True)
+            sem.verify(entry_id, True, deadline)
             return orchestrator_pb2.FeedbackResponse(verified=True)
         except grpc.RpcError as e:
             why = _public_details(e, "the semantic tier")
@@ -274,21 +275,33 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             if r.stats is not None and r.health.healthy:
                 resp.replicas.append(r.stats)
             resp.dependencies.append(r.health.proto())
+        deadline = _call_deadline(context)
         if o.semantic.enabled:
             try:
-                resp.semantic.CopyFrom(o.semantic.stats())
-            except grpc.RpcError:
+                # Half of what is left: the prefix index's figures get the rest.
+                resp.semantic.CopyFrom(o.semantic.stats(
+                    None if deadline is None
+                    else time.monotonic() + (deadline - time.monotonic()) / 2))
+            except (grpc.RpcError, errors.DeadlineExceeded):
                 pass
             resp.dependencies.append(o.semantic.health.proto())
             if len(o.semantic.addresses) > 1:  # which shard: the tier's shows the last call
                 resp.dependencies.extend(h.proto() for h in o.semantic.shard_health.values())
         if o.prefix is not None:
+            left = None if deadline is None else deadline - time.monotonic()
             try:
-                resp.prefix.CopyFrom(o.prefix.stats())
+                if left is None or left > 0:
+                    resp.prefix.CopyFrom(o.prefix.stats(timeout=left))
             except grpc.RpcError:
                 pass
             resp.dependencies.extend(o.prefix.dependencies())
         return resp
+
+
+def _call_deadline(context) -> float | None:
+    """The RPC's deadline as a time.monotonic() instant; None when the client set none."""
+    left = context.time_remaining()
+    return None if left is None else time.monotonic() + left
 
 
 # A dependency's failures whose text is about the transport (addresses, connection errors):

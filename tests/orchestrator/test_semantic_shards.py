@@ -14,6 +14,7 @@ class Shard(semantic_pb2_grpc.SemanticCacheServicer):
     def __init__(self, name):
         self.name = name
         self.entries = {}
+        self.hold = None  # called with the context before an Invalidate answers
 
     def Store(self, req, ctx):  # noqa: N802
         eid = f"{self.name}-{len(self.entries)}"
@@ -28,6 +29,8 @@ class Shard(semantic_pb2_grpc.SemanticCacheServicer):
         return semantic_pb2.LookupResponse()
 
     def Invalidate(self, req, ctx):  # noqa: N802
+        if self.hold is not None:
+            self.hold(ctx)
         return semantic_pb2.InvalidateResponse(removed=int(self.entries.pop(req.id, None)
                                                            is not None))
 
@@ -131,3 +134,38 @@ def test_a_shard_that_is_down_shows_in_the_shard_health_stats_reports(shards):
     assert pb.stats().nodes == 10
     deps = {d.address: d for d in pb.dependencies() if d.name == "prefix shard"}
     assert deps[live].healthy and not deps[dead].healthy and deps[dead].last_error
+
+
+def test_ratings_and_stats_keep_the_callers_deadline_over_every_shard(shards):
+    """Feedback and Stats called each shard with the tier's own 2 s timeout, one after the
+    other: a client that gave 0.3 s got DEADLINE_EXCEEDED while its rating went on to be
+    applied seconds later."""
+    import threading
+    import time
+
+    from services.common import errors
+
+    svcs, handles = shards
+    release = threading.Event()
+    seen: list[float] = []
+
+    def held(ctx):
+        seen.append(ctx.time_remaining())
+        release.wait(5)
+
+    for s in svcs:
+        s.hold = held
+    be = SemanticBackend(",".join(h.address for h in handles), "", 2.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises((grpc.RpcError, errors.DeadlineExceeded)) as e:
+            be.invalidate("s0-0", deadline=t0 + 0.3)
+        took = time.monotonic() - t0
+        assert took < 1.0, took  # not 2 s per shard
+        code = e.value.code() if isinstance(e.value, grpc.RpcError) else e.value.code
+        assert code in (grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED")
+        assert seen and max(seen) <= 0.35  # the shard was told the caller's deadline
+        assert len(seen) == 1  # none called once it had passed
+    finally:
+        release.set()
+    assert be.stats(deadline=time.monotonic() + 5).entries == 0  # with time left, all answer
