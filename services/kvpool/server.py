@@ -46,14 +46,16 @@ def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int,
     """Validate SamplingParams into a SamplingSpec (InvalidArgument names the field);
     `seed_offset`: tokens of the answer generated before (KvGenerateRequest.seed_offset)."""
     if sp.max_tokens <= 0:
-        raise errors.InvalidArgument("sampling.max_tokens", "must be > 0")
+        raise errors.InvalidArgument("sampling.max_tokens", f"must be > 0, got {sp.max_tokens}")
     if sp.max_tokens > limit:
-        raise errors.InvalidArgument("sampling.max_tokens", f"must be <= {limit}")
+        raise errors.InvalidArgument("sampling.max_tokens",
+                                     f"must be <= {limit}, got {sp.max_tokens}")
     if not math.isfinite(sp.temperature) or sp.temperature < 0:
-        raise errors.InvalidArgument("sampling.temperature", "must be a finite number >= 0")
+        raise errors.InvalidArgument("sampling.temperature",
+                                     f"must be a finite number >= 0, got {sp.temperature}")
     top_p = sp.top_p if sp.top_p != 0 else 1.0
     if math.isnan(top_p) or not 0.0 < top_p <= 1.0:
-        raise errors.InvalidArgument("sampling.top_p", "must be in (0, 1]")
+        raise errors.InvalidArgument("sampling.top_p", f"must be in (0, 1], got {sp.top_p}")
     stops = validate_stop_ids(sp.stop_token_ids, vocab)
     return SamplingSpec(sp.max_tokens, float(sp.temperature), float(top_p), int(sp.seed),
                         frozenset(stops), bool(sp.ignore_eos), int(seed_offset))

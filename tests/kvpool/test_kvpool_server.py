@@ -140,6 +140,10 @@ def test_bad_input_is_invalid_argument_naming_the_field(served, fields, field) -
         list(served.stub.Generate(req, timeout=5))
     assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert ei.value.details().startswith(field + ":")
+    if field.startswith("sampling.") and field != "sampling.stop_token_ids":
+        # The value received, as the orchestrator says it (NaN and inf too).
+        value = kw["sampling"][field.split(".")[1]]
+        assert float(ei.value.details().rsplit(", got ", 1)[1]) == pytest.approx(value)
     after = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
     assert after == before  # state unchanged
 
