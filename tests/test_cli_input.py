@@ -265,3 +265,22 @@ def test_an_answer_the_console_cannot_encode_is_printed_with_replacements():
                        timeout=60)
     assert r.returncode == 0 and b"Traceback" not in r.stderr, r.stderr[-2000:]
     assert r.stdout.decode("ascii").rstrip("\n") == "???? ok"
+
+
+def test_chat_sends_the_seed_and_top_p_it_is_given(fake, monkeypatch):
+    """`chat` had --temperature only: a seeded sample could not be asked for again."""
+    sent: list[dict] = []
+    plain = FakeClient.stream
+
+    def stream(self, messages, **kw):
+        sent.append(kw)
+        yield from plain(self, messages, **kw)
+
+    monkeypatch.setattr(FakeClient, "stream", stream)
+    argv = ["chat", "-q", "--temperature", "0.8", "--top-p", "0.9", "--seed", str(2**64 - 1),
+            "Hi?"]
+    assert cli.main(argv) == 0
+    assert (sent[0]["temperature"], sent[0]["top_p"], sent[0]["seed"]) == (0.8, 0.9, 2**64 - 1)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["chat", "--seed", "-1", "Hi?"])
+    assert e.value.code == 2

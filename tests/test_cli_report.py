@@ -54,7 +54,7 @@ def chat_args(text: str):
     import argparse
 
     return argparse.Namespace(text=text, session="s1", system="", max_tokens=8, temperature=0.0,
-                              quiet=True)
+                              top_p=0.0, seed=0, quiet=True)
 
 
 def test_an_empty_answer_leaves_the_session_usable(tmp_path, monkeypatch, capsys):

@@ -99,7 +99,7 @@ def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
     out, final = [], None
     try:
         for ch in c.stream(messages, max_tokens=a.max_tokens, temperature=a.temperature,
-                           session_id=a.session or ""):
+                           top_p=a.top_p, seed=a.seed, session_id=a.session or ""):
             sys.stdout.write(ch.text)
             sys.stdout.flush()
             out.append(ch.text)
@@ -252,7 +252,8 @@ def _count(top: int):
     return parse
 
 
-uint32, int32 = _count(2**32 - 1), _count(2**31 - 1)  # as the proto fields are declared
+# As the proto fields are declared.
+uint32, int32, uint64 = _count(2**32 - 1), _count(2**31 - 1), _count(2**64 - 1)
 
 
 def _up_to_1e6(zero: bool, unit: str = ""):
@@ -338,6 +339,9 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--system", default="", help="system prompt for a new conversation")
     ch.add_argument("--max-tokens", type=int32, default=0, help="0 = the server's default")
     ch.add_argument("--temperature", type=float, default=0.0)
+    ch.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling (0 = off)")
+    ch.add_argument("--seed", type=uint64, default=0,
+                    help="a sampled answer's seed: the same seed, the same answer")
     ch.add_argument("-q", "--quiet", action="store_true", help="no cache report on stderr")
     w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
     w.add_argument("--system", default="")
