@@ -46,6 +46,7 @@ from typing import Any, NamedTuple
 import torch
 
 from services.common import errors
+from services.kvpool import attention
 from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
 from services.kvpool.drafting import Draft
 from services.kvpool.metrics import KvMetrics
@@ -244,6 +245,10 @@ class Engine:
                  max_prefill_chunk: int = 512, max_waiting: int = 256,
                  prefix_caching: bool = True, drafts: bool = True, max_draft_tokens: int = 16,
                  preallocate_rows: bool = False, metrics: KvMetrics | None = None) -> None:
+        if getattr(model.config, "_attn_implementation", None) == "sdpa":
+            # SDPA with grouped-query heads kept grouped in multi-token forwards on CPU
+            # (services/kvpool/attention.py); set on the model object itself.
+            model.set_attn_implementation(attention.register())
         self.model = model
         self.info = info
         self.pool = pool
