@@ -40,6 +40,7 @@ from services.semantic.store import WRITE_CHUNK, EntryStore, Row
 from services.semantic.verifier import StaleVerifier, Verifier, VerifierModel
 
 log = logging.getLogger(__name__)
+RECENT_VECTORS = 256  # looked-up texts whose vectors a following Store may take
 
 _HEX = re.compile(r"[0-9a-fA-F]*")
 _CANDIDATES = 4  # neighbours fetched first; more (x4 each round) while they could still hit
@@ -195,6 +196,11 @@ class SemanticCache:
         self._params = IndexParams(embedder.dim, cfg.hnsw_min_entries, cfg.hnsw_m,
                                    cfg.hnsw_ef_construction, cfg.hnsw_ef_search,
                                    cfg.delta_capacity)
+        # Vectors of texts just looked up, for the Store that usually follows a miss (the
+        # orchestrator stores the model's answer under the text it looked up): embedding is
+        # ~95% of a Store. Bounded, newest last; a Store takes its text's vector out.
+        self._recent: OrderedDict[str, tuple[np.ndarray, bool]] = OrderedDict()
+        self._recent_lock = threading.Lock()
         self._lock = threading.RLock()  # guards the maps below, never held during I/O waits
         self._indexes: dict[Namespace, NamespaceIndex] = {}
         self._entries: dict[int, Entry] = {}  # label -> entry
@@ -258,7 +264,7 @@ class SemanticCache:
         self._check_text("text", text, self.cfg.max_text_chars)
         resolved = self.policy.resolve(tier, threshold)
         t0 = time.perf_counter()
-        vec, over = self._embed(text)
+        vec, over = self._embed(text, remember=True)
         t1 = time.perf_counter()
         result = self._search(ns, vec, text, resolved, want_draft, over)
         t2 = time.perf_counter()
@@ -266,12 +272,25 @@ class SemanticCache:
         self._record(result, t2 - t1, t1 - t0)
         return result
 
-    def _embed(self, text: str) -> tuple[np.ndarray, bool]:
-        """The text's vector, and whether the model read only its start (see `over_window`)."""
+    def _embed(self, text: str, *, remember: bool = False, reuse: bool = False
+               ) -> tuple[np.ndarray, bool]:
+        """The text's vector, and whether the model read only its start (see `over_window`).
+        `remember`: keep it for a Store of the same text; `reuse`: take one kept."""
+        if reuse:
+            with self._recent_lock:
+                kept = self._recent.pop(text, None)
+            if kept is not None:
+                return kept
         checked = getattr(self.embedder, "embed_one_checked", None)
-        if checked is not None:
-            return checked(text)
-        return self.embedder.embed_one(text), False  # a test double without a window
+        got = (checked(text) if checked is not None
+               else (self.embedder.embed_one(text), False))  # a test double without a window
+        if remember:
+            with self._recent_lock:
+                self._recent[text] = got
+                self._recent.move_to_end(text)
+                while len(self._recent) > RECENT_VECTORS:
+                    self._recent.popitem(last=False)
+        return got
 
     def _over_window(self, e: Entry) -> bool:
         """`e.over_window`, tokenising its prompt once for entries loaded from SQLite."""
@@ -472,7 +491,7 @@ class SemanticCache:
         if ttl_seconds < 0 or ttl_seconds > self.cfg.max_ttl_seconds:
             raise InvalidArgument("ttl_seconds", f"must be in [0, {self.cfg.max_ttl_seconds}]")
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
-        vec, over = self._embed(prompt)
+        vec, over = self._embed(prompt, reuse=True)
         if wanted is not None and not wanted():
             raise DeadlineExceeded("the caller's deadline passed (or it went away) before the "
                                    "answer was written: nothing stored")
