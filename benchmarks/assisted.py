@@ -186,6 +186,10 @@ class Served:
     def stats(self):
         return self.client.stats()
 
+    def ladder(self) -> tuple[int, ...]:
+        """The replica's draft proposal lengths (measured at its start)."""
+        return tuple(self.replica.Stats(self.kv.KvStatsRequest(), timeout=30).draft_ladder)
+
 
 @dataclass
 class Pair:
@@ -233,13 +237,13 @@ def share(draft: list[int], answer: list[int]) -> float:
 
 
 def replay(prompt: list[int], answer: list[int], draft: list[int],
-           self_lookup: bool = True) -> dict[str, int]:
+           self_lookup: bool = True, ladder: tuple[int, ...] | None = None) -> dict[str, int]:
     """The replica's drafting logic run against a known greedy answer (greedy verification
     accepts exactly the proposal's prefix that equals the answer): forward passes, and proposed
     and accepted tokens by source, as the engine counts them for one sequence decoded alone."""
     from services.kvpool.drafting import Draft, Source
 
-    d = Draft.of(draft, self_lookup)
+    d = Draft.of(draft, self_lookup, ladder=ladder)
     gen: list[int] = []
     proposed_lookup = 0
     passes = -1  # the first proposal rides on the prefill forward, which is not counted
@@ -357,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         try:
             s = Served(stack.procs["orchestrator"].address, stack.procs["kvpool-0"].address)
             s.ask("Warm-up question?", lookup=False)
+            ladder = s.ladder()
+            print(f"replica's draft proposal lengths: {ladder}", flush=True)
             with ThreadPoolExecutor(UNTIMED_BATCH) as ex:
                 a_runs = list(ex.map(lambda p: s.ask(p.qa, lookup=False, store=True), pairs))
             drafts = {r.entry_id: draft_of(r.tokens) for r in a_runs if r.entry_id}
@@ -404,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
                                                     "direct_lookup": never,
                                                     "direct_random": random_draft}.get(kind))
                 plain, with_draft = runs["plain"], runs["draft"]
-                rep = replay(ids, plain.tokens, draft)
-                draft_only = replay(ids, plain.tokens, draft, self_lookup=False)
+                rep = replay(ids, plain.tokens, draft, ladder=ladder)
+                draft_only = replay(ids, plain.tokens, draft, self_lookup=False, ladder=ladder)
                 rows.append({
                     "pair": i, "cosine": pairs[i].cosine,
                     "similarity_served": round(with_draft.similarity, 4),
@@ -558,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
                       "too); hit or near-miss as the served semantic tier decides",
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                     "load_avg_at_start": load_avg, "load_avg_at_end": os.getloadavg()},
+        "draft_ladder": list(ladder),
         "figures": figures,
         "targets": targets,
         "notes": NOTES,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,7 +14,9 @@ from services.common.hashing import BlockHasher
 from services.common.model_store import resolve_model
 from services.common.policy import make_policy
 from services.kvpool.block_pool import BlockPool
+from services.kvpool.calibrate import forward_costs
 from services.kvpool.config import KvPoolConfig
+from services.kvpool.drafting import choose_ladder
 from services.kvpool.engine import Engine, ModelInfo, model_info
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import KvStore
@@ -60,6 +63,23 @@ def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
     return cfg.kv_cache_bytes // per
 
 
+def draft_ladder(cfg: KvPoolConfig, model: Any) -> tuple[int, int, int]:
+    """The drafts' proposal lengths: `cfg.draft_ladder`, or measured on this device."""
+    fixed = cfg.fixed_ladder()
+    if fixed is not None:
+        return fixed
+    t0 = time.monotonic()
+    costs = forward_costs(model, cfg.max_draft_tokens + 1)
+    ladder = choose_ladder(costs, cfg.max_draft_tokens)
+    base = costs[1]
+    log.info("draft proposal lengths %s, from forwards of 1..%d tokens costing %s x one "
+             "token's %.1f ms (measured in %.1f s; TIERCACHE_KVPOOL_DRAFT_LADDER)",
+             ",".join(map(str, ladder)), cfg.max_draft_tokens + 1,
+             " ".join(f"{costs[q] / base:.2f}" for q in sorted(costs)), base * 1000,
+             time.monotonic() - t0)
+    return ladder
+
+
 def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | None = None,
                   metrics: bool = True) -> Replica:
     """Load (or take) the model and start the engine over a fresh pool."""
@@ -93,7 +113,11 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     prefix_caching=cfg.prefix_caching, drafts=cfg.drafts,
                     max_draft_tokens=cfg.max_draft_tokens,
                     preallocate_rows=cfg.preallocate_rows,
-                    metrics=KvMetrics() if metrics else None).start()
+                    metrics=KvMetrics() if metrics else None)
+    if cfg.drafts:
+        # Before the engine thread runs: the timings need the device to themselves.
+        engine.draft_ladder = draft_ladder(cfg, model)
+    engine.start()
     pool_b, rows_b = engine.store.nbytes()
     # Growing by doubling holds the old rows beside the new ones while copying.
     peak = rows_max * (1.0 if cfg.preallocate_rows else 1.5)

@@ -54,6 +54,11 @@ class KvPoolConfig:
     drafts: bool = True
     # Most draft tokens verified per sequence in one forward (the bound of the adaptive gamma).
     max_draft_tokens: int = 16
+    # Draft proposal lengths: "auto" = chosen at start from forwards of 1..max_draft_tokens+1
+    # tokens timed on this device (a few seconds on a CPU; services/kvpool/calibrate.py), or
+    # three ascending lengths "a,b,c" in 1..max_draft_tokens (after a miss, after a match,
+    # while proposals verify). Only read when drafts are on.
+    draft_ladder: str = "auto"
     # Allocate the working rows for the whole max_context at start instead of growing them by
     # doubling. Growing holds the old and new rows at once while copying (1.5x the full size at
     # the last step); allocated up front the peak is the full size, known at start (GPUs).
@@ -117,6 +122,9 @@ class KvPoolConfig:
         require(self.eviction_policy in ("hybrid", "lru"), s, "eviction_policy",
                 "must be 'hybrid' or 'lru'")
         require(1 <= self.max_draft_tokens <= 64, s, "max_draft_tokens", "must be in 1..64")
+        require(self.draft_ladder == "auto" or self.fixed_ladder() is not None, s,
+                "draft_ladder", "must be 'auto' or three ascending integers 'a,b,c' in "
+                f"1..max_draft_tokens ({self.max_draft_tokens})")
         require(self.shallow_tokens >= 0, s, "shallow_tokens", "must be >= 0")
         require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
@@ -131,3 +139,12 @@ class KvPoolConfig:
     def public_address(self) -> str:
         """Address announced to the prefix index."""
         return self.advertise_address or self.address
+
+    def fixed_ladder(self) -> tuple[int, int, int] | None:
+        """`draft_ladder` as three lengths; None for "auto" or a malformed value."""
+        parts = self.draft_ladder.split(",")
+        if len(parts) != 3 or not all(p.strip().isascii() and p.strip().isdigit()
+                                      for p in parts):
+            return None
+        a, b, c = (int(p) for p in parts)
+        return (a, b, c) if 1 <= a <= b <= c <= self.max_draft_tokens else None

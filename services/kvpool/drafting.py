@@ -12,15 +12,17 @@ that the sequence's next forward verifies. Two sources, tried in order:
     recent occurrence is proposed (prompt-lookup decoding): answers repeat names and phrases of
     the question and of themselves.
 
-Gamma (tokens proposed) climbs a ladder, one rung per fully accepted proposal, and drops after a
-miss. The rungs follow what a verify forward costs: on the 2-core CPU this runs on (MKL on
-AMD), a forward of 2 or 3 tokens costs 1.08x / 1.16x a 1-token decode step, 4..15 tokens
-1.6-2.5x (a slow small-matrix path) and 16-17 tokens 1.9x, so proposals are 1, 2 or 16 tokens
-long, never in between. A 2-core Intel Xeon (AVX-512) host gave the same shape: 1.12x, 1.24x,
-1.62x (4), 1.98x (8), 1.86x (16), 1.93x (17); there too the linears' time grows with the rows
-from ~4 on. On a GPU a verify forward should cost about one decode step (not measured: no GPU
-here). The first proposal rides on the prompt's prefill forward, where extra tokens are
-almost free, so it is a full rung. Each source keeps its recent acceptance rate:
+Gamma (tokens proposed) climbs a ladder of three rungs, one rung per fully accepted proposal,
+and drops after a miss. The rungs follow what a verify forward costs, which differs by device:
+on one 2-core CPU host a forward of 2 or 3 tokens cost 1.08x / 1.16x a 1-token decode step,
+4..15 tokens 1.6-2.5x and 16-17 tokens 1.9x (so proposals of 1, 2 or 16 tokens: `LADDER`); a
+2-core Intel Xeon host gave the same shape; on a 2-core AMD EPYC host 2-3 tokens cost 1.4-1.7x
+and 5-6 tokens 1.0-1.3x, where `LADDER` proposed exactly the dearest lengths. So a replica
+times its forwards at start and picks the rungs from them (`choose_ladder`,
+TIERCACHE_KVPOOL_DRAFT_LADDER=auto); `LADDER` is the default of engines built without that.
+On a GPU a verify forward should cost about one decode step, and the ladder is then the
+longest proposal throughout (not measured: no GPU here). The first proposal rides on the
+prompt's prefill forward, where extra tokens are almost free, so it is a full rung. Each source keeps its recent acceptance rate:
 while the draft's is low, alignments resting on one matching token (or a guessed substitution)
 propose nothing, and while lookup's is low, only 3-token context matches propose, so an
 unrelated draft costs next to nothing. Proposals never change what is generated (the verifier
@@ -44,6 +46,41 @@ LOOKUP_RUNG = {2: 0, 3: 1}  # first lookup rung by the matched context suffix (3
 RATE_ALPHA = 0.3  # weight of the newest proposal in a source's acceptance rate
 WEAK_RATE_MIN = 0.2  # below this draft acceptance rate, weak alignments propose nothing
 LOOKUP_RATE_MIN = 0.3  # below this lookup acceptance rate, 2-token context matches are ignored
+
+
+CHEAPER_BY = 0.98  # a shorter proposal joins the ladder only if its forward costs this much less
+
+
+def default_ladder(top: int) -> tuple[int, ...]:
+    """LADDER, its top rung raised to `top` (a replica's max_draft_tokens) when above it."""
+    return LADDER[:-1] + (max(LADDER[-1], top),)
+
+
+def choose_ladder(costs: dict[int, float], top: int) -> tuple[int, int, int]:
+    """The ladder's three rungs (proposal lengths) for a device whose forward of q tokens
+    per row costs costs[q] (relative or absolute; q = 1..top + 1, a proposal of g tokens rides
+    a forward of g + 1).
+
+    Only lengths on the cost frontier are worth proposing: one whose forward costs no less
+    than a longer proposal's would verify fewer tokens for as much. The frontier is built from
+    `top` down, keeping g when its forward is at least 2% cheaper (timing noise) than every
+    longer one kept. Rungs: the shortest frontier length (after a miss), the one nearest
+    twice it (after a match), and, while proposals verify, the one that emits the most tokens
+    per cost when all of it verifies ((g + 1) / costs[g + 1]). On the 2-core CPUs
+    measured (see the module docstring) the frontier starts at 1, 2 or 4 tokens; where
+    forwards cost the same at any length (a GPU) it is `top` alone.
+    """
+    assert top >= 1 and all(q in costs for q in range(2, top + 2)), "costs for q = 2..top+1"
+    frontier = [top]
+    best = costs[top + 1]
+    for g in range(top - 1, 0, -1):
+        if costs[g + 1] < best * CHEAPER_BY:
+            frontier.append(g)
+            best = costs[g + 1]
+    low = frontier[-1]
+    high = max(frontier, key=lambda g: ((g + 1) / costs[g + 1], g))
+    mid = min((g for g in frontier if g <= high), key=lambda g: (abs(g - 2 * low), g))
+    return low, mid, high
 
 
 class Source(Enum):
@@ -118,12 +155,17 @@ class Draft:
     accepted_lookup: int = 0  # of `accepted`, tokens proposed by context lookup
 
     @classmethod
-    def of(cls, tokens: list[int], self_lookup: bool = True, top: int = LADDER[-1]) -> Draft:
+    def of(cls, tokens: list[int], self_lookup: bool = True, top: int = LADDER[-1],
+           ladder: tuple[int, ...] | None = None) -> Draft:
         """`top`: the longest proposal wanted (a replica's max_draft_tokens); above the ladder's
-        top rung it replaces that rung, for hardware whose verify forward pays for longer ones."""
+        top rung it replaces that rung, for hardware whose verify forward pays for longer ones.
+        `ladder`: the rungs to use instead (a replica's measured `choose_ladder`)."""
         index = NgramIndex(NGRAM_MAX)
         index.extend(list(tokens))
-        return cls(list(tokens), index, self_lookup, LADDER[:-1] + (max(LADDER[-1], top),))
+        if ladder is None:
+            ladder = default_ladder(top)
+        assert len(ladder) == len(LADDER) and list(ladder) == sorted(ladder) and ladder[0] >= 1
+        return cls(list(tokens), index, self_lookup, tuple(ladder))
 
     # ---- proposing -----------------------------------------------------------------------
 

@@ -48,7 +48,7 @@ import torch
 from services.common import errors
 from services.kvpool import attention
 from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
-from services.kvpool.drafting import Draft
+from services.kvpool.drafting import Draft, default_ladder
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
 from services.kvpool.sampling import (
@@ -239,12 +239,15 @@ class Engine:
         preallocate_rows: allocate the working rows for the whole context now (peak memory at
             start, no 1.5x copy peak while growing later).
         metrics: Prometheus metrics (optional).
+        draft_ladder: the drafts' proposal lengths (`drafting.choose_ladder`); None = the
+            fixed `drafting.LADDER`.
     """
 
     def __init__(self, model: Any, info: ModelInfo, pool: BlockPool, *, max_batch_size: int = 8,
                  max_prefill_chunk: int = 512, max_waiting: int = 256,
                  prefix_caching: bool = True, drafts: bool = True, max_draft_tokens: int = 16,
-                 preallocate_rows: bool = False, metrics: KvMetrics | None = None) -> None:
+                 preallocate_rows: bool = False, metrics: KvMetrics | None = None,
+                 draft_ladder: tuple[int, int, int] | None = None) -> None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             # SDPA with grouped-query heads kept grouped in multi-token forwards on CPU
             # (services/kvpool/attention.py); set on the model object itself.
@@ -258,6 +261,9 @@ class Engine:
         self.prefix_caching = prefix_caching
         self.drafts = drafts
         self.max_draft_tokens = max_draft_tokens
+        # Proposal lengths (drafting.choose_ladder, measured on this device at start by the
+        # replica); None = drafting's fixed LADDER.
+        self.draft_ladder = draft_ladder
         self.metrics = metrics
         param = next(model.parameters())
         self.device = param.device
@@ -344,7 +350,8 @@ class Engine:
         out: queue.Queue = queue.Queue()
         # Built before a waiting slot is taken: a failure here must not use one up for good.
         sampler = Sampler(req.sampling)
-        draft = (Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens)
+        draft = (Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens,
+                          ladder=self.draft_ladder)
                  if self.drafts and req.draft_token_ids and not req.prefill_only else None)
         with self._queue_lock:
             if self._closed:
@@ -383,6 +390,12 @@ class Engine:
             else:
                 self._inbox.put(("call", fn, fut))
         return fut
+
+    def ladder(self) -> tuple[int, ...]:
+        """The drafts' proposal lengths in use (() with drafts off)."""
+        if not self.drafts:
+            return ()
+        return self.draft_ladder or default_ladder(self.max_draft_tokens)
 
     def stats(self) -> EngineStats:
         """Figures as of the last engine step."""

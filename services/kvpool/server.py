@@ -248,7 +248,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             draft_tokens_proposed_total=s.draft_tokens_proposed_total,
             draft_tokens_accepted_total=s.draft_tokens_accepted_total,
             prefix_caching_disabled=not engine.prefix_caching,
-            stalled_for_s=_stalled_s(engine.stuck_for()))
+            stalled_for_s=_stalled_s(engine.stuck_for()), draft_ladder=engine.ladder())
 
 
 def _stalled_s(seconds: float) -> float:

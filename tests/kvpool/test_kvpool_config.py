@@ -28,10 +28,22 @@ def test_env_and_flags() -> None:
     ({"TIERCACHE_KVPOOL_DTYPE": "int8"}, "TIERCACHE_KVPOOL_DTYPE"),
     ({"TIERCACHE_KVPOOL_KV_CACHE_BYTES": "0"}, "TIERCACHE_KVPOOL_KV_CACHE_BYTES"),
     ({"TIERCACHE_KVPOOL_ENGINE_STALL_SECONDS": "-1"}, "TIERCACHE_KVPOOL_ENGINE_STALL_SECONDS"),
+    ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "2,1,16"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
+    ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "0,1,2"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
+    ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "1,2,17"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
+    ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "1,2"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
+    ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "fast"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
 ])
 def test_bad_values_name_the_variable(env, var) -> None:
     with pytest.raises(ConfigError, match=var):
         load_config(KvPoolConfig, "kvpool", [], environ=env)
+
+
+def test_draft_ladder_is_auto_or_three_ascending_lengths() -> None:
+    assert KvPoolConfig().draft_ladder == "auto" and KvPoolConfig().fixed_ladder() is None
+    cfg = load_config(KvPoolConfig, "kvpool", [],
+                      environ={"TIERCACHE_KVPOOL_DRAFT_LADDER": "4, 8,16"})
+    assert cfg.fixed_ladder() == (4, 8, 16)
 
 
 def test_pool_sized_in_bytes_or_blocks() -> None:

@@ -1,0 +1,51 @@
+"""Draft proposal lengths chosen from what a forward costs on the device (pure logic), and
+measured at a replica's start (the tiny model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.kvpool.drafting import LADDER, Draft, choose_ladder, default_ladder
+
+# Relative forward costs by tokens per row, as measured on three devices: an Intel Xeon host
+# (2-3 tokens nearly free), an AMD EPYC host (2-3 tokens dear, 5-6 cheap), a flat one (GPU).
+XEON = {1: 1.0, 2: 1.12, 3: 1.24, 4: 1.62, 5: 1.7, 6: 1.8, 7: 1.9, 8: 1.98, 9: 1.97,
+        10: 1.96, 11: 1.95, 12: 1.94, 13: 1.93, 14: 1.92, 15: 1.91, 16: 1.86, 17: 1.93}
+EPYC = {1: 1.0, 2: 1.41, 3: 1.73, 4: 1.48, 5: 1.00, 6: 1.03, 7: 1.56, 8: 1.07, 9: 1.24,
+        10: 1.49, 11: 1.40, 12: 1.31, 13: 1.31, 14: 1.24, 15: 1.24, 16: 1.30, 17: 1.20}
+FLAT = {q: 1.0 for q in range(1, 18)}
+
+
+def test_each_device_gets_lengths_its_forwards_pay_for():
+    assert choose_ladder(XEON, 16) == (1, 2, 16)  # the fixed LADDER, hand-tuned there
+    low, mid, high = choose_ladder(EPYC, 16)
+    assert low == 4  # 1-3 tokens cost more than 4: never proposed
+    assert EPYC[mid + 1] < EPYC[3] and high == 16
+    assert choose_ladder(FLAT, 16) == (16, 16, 16)  # forwards cost alike: always the most
+
+
+@pytest.mark.parametrize("costs", [XEON, EPYC, FLAT])
+def test_no_rung_costs_as_much_as_a_longer_proposal(costs):
+    ladder = choose_ladder(costs, 16)
+    assert list(ladder) == sorted(ladder) and 1 <= ladder[0] and ladder[-1] <= 16
+    for g in ladder:
+        assert all(costs[g + 1] < costs[h + 1] for h in range(g + 1, 17) if h in ladder)
+
+
+def test_a_draft_proposes_the_ladder_it_is_given():
+    d = Draft.of(list(range(100, 140)), ladder=(4, 7, 12))
+    assert len(d.propose([1, 2, 3], 16)) == 12  # the first proposal is a full rung
+    d.record(0)
+    d.advance([999], [999])
+    d.pos, d.weak = 0, False  # re-aligned by hand: the rung after a miss
+    assert len(d.propose([1, 2, 3, 999], 16)) == 4
+    assert Draft.of([1, 2]).ladder == default_ladder(16) == LADDER
+
+
+def test_a_replica_measures_its_ladder_or_takes_the_configured_one(tiny_model):
+    from services.kvpool.app import draft_ladder
+    from services.kvpool.config import KvPoolConfig
+
+    assert draft_ladder(KvPoolConfig(draft_ladder="2,3,5"), tiny_model) == (2, 3, 5)
+    low, mid, high = draft_ladder(KvPoolConfig(max_draft_tokens=8), tiny_model)
+    assert 1 <= low <= mid <= high <= 8
