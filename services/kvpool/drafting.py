@@ -22,10 +22,10 @@ times its forwards at start and picks the rungs from them (`choose_ladder`,
 TIERCACHE_KVPOOL_DRAFT_LADDER=auto); `LADDER` is the default of engines built without that.
 On a GPU a verify forward should cost about one decode step, and the ladder is then the
 longest proposal throughout (not measured: no GPU here). The first proposal rides on the
-prompt's prefill forward, where extra tokens are almost free, so it is a full rung. Each source keeps its recent acceptance rate:
-while the draft's is low, alignments resting on one matching token (or a guessed substitution)
-propose nothing, and while lookup's is low, only 3-token context matches propose, so an
-unrelated draft costs next to nothing. Proposals never change what is generated (the verifier
+prompt's prefill forward, where extra tokens are almost free, so it is a full rung. Each
+source keeps its recent acceptance rate: while the draft's is low, alignments resting on one
+matching token (or a guessed substitution) propose nothing, and while lookup's is low, only
+3-token context matches propose, so an unrelated draft costs next to nothing. Proposals never change what is generated (the verifier
 decides); they only decide how many forwards it takes.
 """
 

@@ -152,6 +152,13 @@ def _metrics():
     }
 
 
+def _still(wanted: Callable[[], bool] | None, what: str) -> None:
+    """Raise DeadlineExceeded unless the caller still waits (`wanted` None: always)."""
+    if wanted is not None and not wanted():
+        raise DeadlineExceeded(f"the caller's deadline passed (or it went away) before the "
+                               f"{what} was written: nothing changed")
+
+
 class SemanticCache:
     """Thread-safe semantic cache over one embedder, one SQLite store and per-namespace indexes.
 
@@ -478,8 +485,9 @@ class SemanticCache:
         returns it.
 
         `wanted`, asked once the prompt is embedded, right before the write: False (the
-        caller's deadline passed, or it went away) writes nothing, so a caller told its Store
-        failed does not leave an entry behind it cannot name.
+        caller's deadline passed, or it went away) writes nothing, so a caller whose deadline
+        passed before the write does not leave an entry behind it cannot name (one passing
+        during the write still can: best effort).
 
         Raises:
             InvalidArgument: bad namespace, prompt, answer or ttl (nothing is written).
@@ -492,9 +500,7 @@ class SemanticCache:
             raise InvalidArgument("ttl_seconds", f"must be in [0, {self.cfg.max_ttl_seconds}]")
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
         vec, over = self._embed(prompt, reuse=True)
-        if wanted is not None and not wanted():
-            raise DeadlineExceeded("the caller's deadline passed (or it went away) before the "
-                                   "answer was written: nothing stored")
+        _still(wanted, "answer")
         now = self.clock()
         eid = uuid.uuid4().hex
         label = self.store.insert(id=eid, tenant=ns.tenant, model_id=ns.model_id,
@@ -656,11 +662,13 @@ class SemanticCache:
             raise NotFound(f"id: no entry {shown(entry_id)}")
         return e
 
-    def verify(self, entry_id: str, verified: bool) -> Entry:
-        """Sets the human-verified flag (durably).
+    def verify(self, entry_id: str, verified: bool,
+               wanted: Callable[[], bool] | None = None) -> Entry:
+        """Sets the human-verified flag (durably). `wanted`: as in `store_entry`, asked right
+        before the write.
 
         Raises:
-            InvalidArgument: empty id. NotFound: unknown id.
+            InvalidArgument: empty id. NotFound: unknown id. DeadlineExceeded: not wanted.
         """
         if not entry_id:
             raise InvalidArgument("id", "required")
@@ -669,6 +677,7 @@ class SemanticCache:
         # thing and the row (after a restart) the other. Not under the cache lock, which every
         # lookup takes: it is never held across a SQLite write.
         with self._verify_lock:
+            _still(wanted, "rating")
             self.store.set_verified(e.label, verified)
             with self._lock:
                 cur = self._entries.get(e.label)
@@ -678,15 +687,17 @@ class SemanticCache:
                 self._entries[e.label] = cur
         return cur
 
-    def invalidate_id(self, entry_id: str) -> int:
-        """Removes one entry (e.g. after feedback that its answer was wrong).
+    def invalidate_id(self, entry_id: str, wanted: Callable[[], bool] | None = None) -> int:
+        """Removes one entry (e.g. after feedback that its answer was wrong). `wanted`: as in
+        `store_entry`, asked right before the delete.
 
         Raises:
-            InvalidArgument: empty id. NotFound: unknown id.
+            InvalidArgument: empty id. NotFound: unknown id. DeadlineExceeded: not wanted.
         """
         if not entry_id:
             raise InvalidArgument("id", "required")
         e = self.get(entry_id)
+        _still(wanted, "removal")
         self.store.delete([e.label])
         with self._lock:
             n = 1 if self._drop_locked(e.label) is not None else 0

@@ -84,12 +84,13 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
         return semantic_pb2.StoreResponse(id=e.id)
 
     def Verify(self, request, context):
-        return entry_to_proto(self.cache.verify(request.id, request.verified))
+        return entry_to_proto(self.cache.verify(request.id, request.verified,
+                                                wanted=lambda: _still_wanted(context)))
 
     def Invalidate(self, request, context):
         which = request.WhichOneof("target")
         if which == "id":
-            n = self.cache.invalidate_id(request.id)
+            n = self.cache.invalidate_id(request.id, wanted=lambda: _still_wanted(context))
         elif which == "namespace":
             n = self.cache.invalidate_namespace(namespace_from_proto(request.namespace))
         else:

@@ -174,3 +174,37 @@ def test_a_store_whose_caller_gave_up_writes_nothing(make_cfg, embedder):
         s.handle.stop(0)
         s.housekeeper.stop()
         s.cache.store.close()
+
+
+def test_a_rating_whose_caller_gave_up_changes_nothing(svc, stub):
+    """A Verify or Invalidate that reached its write after the caller's deadline still
+    applied it: the client, told DEADLINE_EXCEEDED, retried a BAD rating and got NOT_FOUND."""
+    import threading
+    import time
+
+    eid = stub.Store(pb.StoreRequest(namespace=NS, prompt="What is a KV cache?", answer="a"),
+                     timeout=10).id
+    release = threading.Event()
+    real_get = svc.cache.get
+
+    def held_get(entry_id):
+        release.wait(10)
+        return real_get(entry_id)
+
+    svc.cache.get = held_get
+    try:
+        for call, req in ((stub.Invalidate, pb.InvalidateRequest(id=eid)),
+                          (stub.Verify, pb.VerifyRequest(id=eid, verified=True))):
+            release.clear()
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, timeout=0.3)
+            assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            release.set()
+            time.sleep(0.5)  # the handler goes on, then would have written
+            e = real_get(eid)
+            assert not e.verified and svc.cache.store.count() == 1
+    finally:
+        release.set()
+        svc.cache.get = real_get
+    assert stub.Verify(pb.VerifyRequest(id=eid, verified=True), timeout=10).verified
+    assert stub.Invalidate(pb.InvalidateRequest(id=eid), timeout=10).removed == 1
