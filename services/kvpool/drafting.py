@@ -25,8 +25,8 @@ longest proposal throughout (not measured: no GPU here). The first proposal ride
 prompt's prefill forward, where extra tokens are almost free, so it is a full rung. Each
 source keeps its recent acceptance rate: while the draft's is low, alignments resting on one
 matching token (or a guessed substitution) propose nothing, and while lookup's is low, only
-3-token context matches propose, so an unrelated draft costs next to nothing. Proposals never change what is generated (the verifier
-decides); they only decide how many forwards it takes.
+3-token context matches propose, so an unrelated draft costs next to nothing. Proposals never
+change what is generated (the verifier decides); they only decide how many forwards it takes.
 """
 
 from __future__ import annotations
