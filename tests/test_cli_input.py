@@ -281,6 +281,7 @@ def test_chat_sends_the_seed_and_top_p_it_is_given(fake, monkeypatch):
             "Hi?"]
     assert cli.main(argv) == 0
     assert (sent[0]["temperature"], sent[0]["top_p"], sent[0]["seed"]) == (0.8, 0.9, 2**64 - 1)
-    with pytest.raises(SystemExit) as e:
-        cli.main(["chat", "--seed", "-1", "Hi?"])
-    assert e.value.code == 2
+    for bad in (["--seed", "-1"], ["--top-p", "1.5"], ["--top-p", "nan"], ["--top-p", "-0.1"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["chat", *bad, "Hi?"])
+        assert e.value.code == 2

@@ -256,6 +256,17 @@ def _count(top: int):
 uint32, int32, uint64 = _count(2**32 - 1), _count(2**31 - 1), _count(2**64 - 1)
 
 
+def _top_p(text: str) -> float:
+    """argparse type: a top-p in [0, 1] (0 = off), refused here rather than by the server."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= v <= 1.0:  # nan fails both
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return v
+
+
 def _up_to_1e6(zero: bool, unit: str = ""):
     """argparse type: a finite number in (0, 1e6], or [0, 1e6] with `zero`. A huge timeout
     expired at once as DEADLINE_EXCEEDED, as did 0 and nan; an infinite time scale
@@ -339,9 +350,9 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--system", default="", help="system prompt for a new conversation")
     ch.add_argument("--max-tokens", type=int32, default=0, help="0 = the server's default")
     ch.add_argument("--temperature", type=float, default=0.0)
-    ch.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling (0 = off)")
+    ch.add_argument("--top-p", type=_top_p, default=0.0, help="nucleus sampling (0 = off)")
     ch.add_argument("--seed", type=uint64, default=0,
-                    help="a sampled answer's seed: the same seed, the same answer")
+                    help="a sampled answer's seed (0 = none): the same seed, the same answer")
     ch.add_argument("-q", "--quiet", action="store_true", help="no cache report on stderr")
     w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
     w.add_argument("--system", default="")

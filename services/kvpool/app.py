@@ -16,7 +16,7 @@ from services.common.policy import make_policy
 from services.kvpool.block_pool import BlockPool
 from services.kvpool.calibrate import forward_costs
 from services.kvpool.config import KvPoolConfig
-from services.kvpool.drafting import choose_ladder
+from services.kvpool.drafting import choose_ladder, default_ladder
 from services.kvpool.engine import Engine, ModelInfo, model_info
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import KvStore
@@ -63,15 +63,35 @@ def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
     return cfg.kv_cache_bytes // per
 
 
-def draft_ladder(cfg: KvPoolConfig, model: Any) -> tuple[int, int, int]:
+IMPLAUSIBLE = 0.85  # a multi-token forward timed under this share of a 1-token one: noise
+
+
+def draft_ladder(cfg: KvPoolConfig, model: Any) -> tuple[int, ...]:
     """The drafts' proposal lengths: `cfg.draft_ladder`, or measured on this device."""
     fixed = cfg.fixed_ladder()
     if fixed is not None:
         return fixed
     t0 = time.monotonic()
-    costs = forward_costs(model, cfg.max_draft_tokens + 1)
-    ladder = choose_ladder(costs, cfg.max_draft_tokens)
+    fallback = default_ladder(cfg.max_draft_tokens)
+    try:
+        costs = forward_costs(model, cfg.max_draft_tokens + 1)
+    except Exception as e:  # noqa: BLE001 - any failure: the model still serves
+        # A model the engine serves may still fail this plain-cache timing (a sliding window
+        # shorter than its context, a cache without crop): drafts keep the fixed lengths.
+        log.warning("could not time draft forwards (%s: %s): draft proposal lengths %s "
+                    "(TIERCACHE_KVPOOL_DRAFT_LADDER fixes them)", type(e).__name__, e,
+                    ",".join(map(str, fallback)))
+        return fallback
     base = costs[1]
+    if min(costs[q] for q in costs if q > 1) < IMPLAUSIBLE * base:
+        # More tokens for much less than one: the host was busy while timing (other replicas
+        # starting beside this one), and the figures are noise.
+        log.warning("draft forward timings look disturbed (a forward of several tokens "
+                    "measured under %.0f%% of one token's): draft proposal lengths %s "
+                    "(TIERCACHE_KVPOOL_DRAFT_LADDER fixes them)", IMPLAUSIBLE * 100,
+                    ",".join(map(str, fallback)))
+        return fallback
+    ladder = choose_ladder(costs, cfg.max_draft_tokens)
     log.info("draft proposal lengths %s, from forwards of 1..%d tokens costing %s x one "
              "token's %.1f ms (measured in %.1f s; TIERCACHE_KVPOOL_DRAFT_LADDER)",
              ",".join(map(str, ladder)), cfg.max_draft_tokens + 1,

@@ -19,10 +19,19 @@ import torch
 log = logging.getLogger(__name__)
 
 
+class TooSlow(RuntimeError):
+    """The measurement ran past its time budget (a loaded host: its figures would be noise)."""
+
+
 def forward_costs(model: Any, max_q: int, *, context: int = 96, reps: int = 3,
-                  rounds: int = 1) -> dict[int, float]:
+                  rounds: int = 2, budget_s: float = 60.0) -> dict[int, float]:
     """{q: median seconds of one forward of q new tokens (batch 1)}, q = 1..max_q, the
-    smallest of `rounds` interleaved rounds of `reps` each (the least disturbed)."""
+    smallest of `rounds` interleaved rounds of `reps` each (the least disturbed).
+
+    Raises:
+        TooSlow: past `budget_s` seconds.
+    """
+    t_start = time.monotonic()
     from transformers import DynamicCache
 
     dev = next(model.parameters()).device
@@ -53,4 +62,6 @@ def forward_costs(model: Any, max_q: int, *, context: int = 96, reps: int = 3,
                     times.append(time.perf_counter() - t0)
                 med = sorted(times[1:])[reps // 2]
                 best[q] = min(best.get(q, med), med)
+                if time.monotonic() - t_start > budget_s:
+                    raise TooSlow(f"timing forwards took over {budget_s:.0f} s")
     return best

@@ -343,7 +343,8 @@ class Orchestrator:
                                              else self._matches(tenant, ids, deadline))
         session_key = session_routing_key(tenant, session_id)
         if not key:
-            key = session_key or str(hash(tuple(ids[:64])))
+            # Keyed by tenant too: two tenants' prompts never share KV (their salts differ).
+            key = session_key or str(hash((tenant.name, tuple(ids[:64]))))
         affinity = session_key or key
         detok = IncrementalDetokenizer(self.tok)
         generated: list[int] = []

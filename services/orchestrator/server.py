@@ -359,9 +359,10 @@ def _unless_gone(call, gone: threading.Event):
     call is then cancelled, and the replica's handler cancels its work."""
     done = threading.Event()
     call.add_done_callback(lambda _call: done.set())
-    while not done.wait(GONE_POLL_S):
-        if gone.is_set() and call.cancel():
-            return None
+    while not (done.is_set() or gone.is_set()):
+        done.wait(GONE_POLL_S)
+    if not done.is_set() and call.cancel():
+        return None
     return call.result()
 
 
@@ -399,8 +400,8 @@ class Warmer:
                 if r is None:
                     return orchestrator_pb2.WarmResult(
                         prompt_index=index, replica_id=replica.public_id,
-                        error="CANCELLED: the caller went away; this prefill was cancelled on "
-                              "the replica")
+                        error="CANCELLED: the caller went away; this prefill's cancellation "
+                              "was sent to the replica")
             return orchestrator_pb2.WarmResult(
                 prompt_index=index, replica_id=r.replica_id or replica.public_id,
                 prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,

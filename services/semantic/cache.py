@@ -271,33 +271,37 @@ class SemanticCache:
         self._check_text("text", text, self.cfg.max_text_chars)
         resolved = self.policy.resolve(tier, threshold)
         t0 = time.perf_counter()
-        vec, over = self._embed(text, remember=True)
+        vec, over = self._embed(text)
         t1 = time.perf_counter()
         result = self._search(ns, vec, text, resolved, want_draft, over)
+        if not result.hit:  # the model answers, and its answer is stored under this text
+            self._remember(text, vec, over)
         t2 = time.perf_counter()
         result = replace(result, search_ms=(t2 - t1) * 1000, embed_ms=(t1 - t0) * 1000)
         self._record(result, t2 - t1, t1 - t0)
         return result
 
-    def _embed(self, text: str, *, remember: bool = False, reuse: bool = False
-               ) -> tuple[np.ndarray, bool]:
+    def _embed(self, text: str, *, reuse: bool = False) -> tuple[np.ndarray, bool]:
         """The text's vector, and whether the model read only its start (see `over_window`).
-        `remember`: keep it for a Store of the same text; `reuse`: take one kept."""
+        `reuse`: take the one a Lookup of the text that missed kept (see `_remember`)."""
         if reuse:
             with self._recent_lock:
                 kept = self._recent.pop(text, None)
             if kept is not None:
                 return kept
         checked = getattr(self.embedder, "embed_one_checked", None)
-        got = (checked(text) if checked is not None
-               else (self.embedder.embed_one(text), False))  # a test double without a window
-        if remember:
-            with self._recent_lock:
-                self._recent[text] = got
-                self._recent.move_to_end(text)
-                while len(self._recent) > RECENT_VECTORS:
-                    self._recent.popitem(last=False)
-        return got
+        if checked is not None:
+            return checked(text)
+        return self.embedder.embed_one(text), False  # a test double without a window
+
+    def _remember(self, text: str, vec: np.ndarray, over: bool) -> None:
+        """Keep a missed Lookup's vector for the Store that follows (bounded, newest last).
+        Copied: the embedder's vectors are views of its whole batch."""
+        with self._recent_lock:
+            self._recent[text] = (vec.copy(), over)
+            self._recent.move_to_end(text)
+            while len(self._recent) > RECENT_VECTORS:
+                self._recent.popitem(last=False)
 
     def _over_window(self, e: Entry) -> bool:
         """`e.over_window`, tokenising its prompt once for entries loaded from SQLite."""

@@ -49,3 +49,31 @@ def test_a_replica_measures_its_ladder_or_takes_the_configured_one(tiny_model):
     assert draft_ladder(KvPoolConfig(draft_ladder="2,3,5"), tiny_model) == (2, 3, 5)
     low, mid, high = draft_ladder(KvPoolConfig(max_draft_tokens=8), tiny_model)
     assert 1 <= low <= mid <= high <= 8
+
+
+def test_a_replica_whose_timing_fails_or_looks_disturbed_keeps_the_fixed_lengths(
+        tiny_model, monkeypatch, caplog):
+    """A model the engine serves may fail the plain-cache timing (a sliding window shorter
+    than the timing's context): the replica did not start. A busy host gave one length 14x
+    cheaper than the rest, and an absurd ladder for the replica's whole life."""
+    from services.kvpool import app
+    from services.kvpool.config import KvPoolConfig
+
+    def fails(model, max_q, **kw):
+        raise RuntimeError("The size of tensor a (64) must match the size of tensor b (97)")
+
+    monkeypatch.setattr(app, "forward_costs", fails)
+    assert app.draft_ladder(KvPoolConfig(), tiny_model) == default_ladder(16)
+    assert "could not time draft forwards" in caplog.text
+    disturbed = {q: 1.0 for q in range(1, 18)}
+    disturbed[9] = 0.07
+    monkeypatch.setattr(app, "forward_costs", lambda model, max_q, **kw: disturbed)
+    assert app.draft_ladder(KvPoolConfig(), tiny_model) == default_ladder(16)
+    assert "look disturbed" in caplog.text
+
+
+def test_timing_past_its_budget_gives_up(tiny_model):
+    from services.kvpool.calibrate import TooSlow, forward_costs
+
+    with pytest.raises(TooSlow):
+        forward_costs(tiny_model, 4, budget_s=0.0)

@@ -701,7 +701,7 @@ def test_a_warm_whose_caller_went_away_sends_no_further_prefill_and_cancels_the_
         assert not t.is_alive()
         errors_ = [r.error for r in out[0].results]
         assert all(e.startswith("CANCELLED") for e in errors_) and len(errors_) == 12
-        assert sum("cancelled on the replica" in e for e in errors_) == 4
+        assert sum("cancellation was sent to the replica" in e for e in errors_) == 4
         calls = [c for s in stubs.values() for c in s.Prefill.calls]
         assert len(calls) == 4 and all(c.cancelled for c in calls)  # no further one sent
     finally:

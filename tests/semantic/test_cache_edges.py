@@ -580,12 +580,16 @@ def test_a_store_after_a_lookup_of_its_text_does_not_embed_it_again(cache_factor
     assert not cache.lookup(A, "What is a KV cache?").hit
     e = cache.store_entry(A, "What is a KV cache?", "Keys and values kept.")
     assert emb.calls == ["What is a KV cache?"]
-    assert cache.lookup(A, "What is a KV cache?").entry.id == e.id  # the same vector found
-    cache.store_entry(A, "Never looked up?", "x")  # no lookup first: embedded
-    cache.store_entry(A, "What is a KV cache?", "Replaced.")  # the second lookup's vector
-    assert emb.calls == ["What is a KV cache?"] * 2 + ["Never looked up?"]
-    cache.store_entry(A, "What is a KV cache?", "Again.")  # each kept vector serves one Store
-    assert emb.calls[-1] == "What is a KV cache?" and len(emb.calls) == 4
+    hit = cache.lookup(A, "What is a KV cache?")
+    assert hit.hit and hit.entry.id == e.id  # the kept vector is the one stored
+    cache.store_entry(A, "What is a KV cache?", "Replaced.")  # after a hit nothing was kept
+    assert emb.calls == ["What is a KV cache?"] * 3
+    assert not cache.lookup(A, "Never stored?").hit
+    cache.store_entry(A, "Never stored?", "x")
+    cache.store_entry(A, "Never stored?", "y")  # each kept vector serves one Store
+    assert emb.calls[3:] == ["Never stored?"] * 2
     for i in range(RECENT + 10):  # bounded
         cache.lookup(A, f"q{i}")
     assert len(cache._recent) == RECENT
+    cache._recent.clear()  # a hit keeps nothing: no Store follows it
+    assert cache.lookup(A, "What is a KV cache?").hit and not cache._recent

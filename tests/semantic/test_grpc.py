@@ -184,27 +184,35 @@ def test_a_rating_whose_caller_gave_up_changes_nothing(svc, stub):
 
     eid = stub.Store(pb.StoreRequest(namespace=NS, prompt="What is a KV cache?", answer="a"),
                      timeout=10).id
-    release = threading.Event()
+    release: list[threading.Event] = []
+    returned = threading.Semaphore(0)
     real_get = svc.cache.get
 
     def held_get(entry_id):
-        release.wait(10)
-        return real_get(entry_id)
+        try:
+            release[-1].wait(10)
+            return real_get(entry_id)
+        finally:
+            returned.release()
 
     svc.cache.get = held_get
     try:
         for call, req in ((stub.Invalidate, pb.InvalidateRequest(id=eid)),
                           (stub.Verify, pb.VerifyRequest(id=eid, verified=True))):
-            release.clear()
+            release.append(threading.Event())
             with pytest.raises(grpc.RpcError) as e:
                 call(req, timeout=0.3)
             assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            release.set()
-            time.sleep(0.5)  # the handler goes on, then would have written
+            release[-1].set()
+            # The handler goes on past the lookup (if gRPC ran it at all: a call whose
+            # deadline passed while queued may never reach it), to where it would write.
+            returned.acquire(timeout=5)
+            time.sleep(0.3)
             e = real_get(eid)
             assert not e.verified and svc.cache.store.count() == 1
     finally:
-        release.set()
+        for r in release:
+            r.set()
         svc.cache.get = real_get
     assert stub.Verify(pb.VerifyRequest(id=eid, verified=True), timeout=10).verified
     assert stub.Invalidate(pb.InvalidateRequest(id=eid), timeout=10).removed == 1
