@@ -344,7 +344,9 @@ class Orchestrator:
         session_key = session_routing_key(tenant, session_id)
         if not key:
             # Keyed by tenant too: two tenants' prompts never share KV (their salts differ).
-            key = session_key or str(hash((tenant.name, tuple(ids[:64]))))
+            # Not hash() of a str: it is salted per process, and every orchestrator pod must
+            # put a prompt on the same replica (a tuple of ints hashes alike everywhere).
+            key = session_key or f"{tenant.name}\x1f{hash(tuple(ids[:64]))}"
         affinity = session_key or key
         detok = IncrementalDetokenizer(self.tok)
         generated: list[int] = []

@@ -815,3 +815,40 @@ def test_no_store_is_sent_with_too_little_of_the_deadline_left_to_write_it():
     assert timeouts == []
     assert orch._store(TENANT, prompt, "ok", 0, time.monotonic() + 10) == "e1"
     assert timeouts == [2.0]
+
+
+_AFFINITY_SCRIPT = """
+import time
+from types import SimpleNamespace
+from tests.orchestrator.test_pipeline_paths import (PROMPT, TENANT, Call, Policy,
+    RenderedPrompt, Sampling, Stub, final, make)
+seen = []
+orch = make({"A": Stub("A", [Call([final("A", 2)])])})
+orch.routing = SimpleNamespace(choose=lambda v, m, aff, *rest: seen.append(aff) or
+                               SimpleNamespace(replica_id="A", route="ring", matched_tokens=0))
+list(orch.generate(tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+                   sampling=Sampling(4, 0.0, 1.0, 0, (), False),
+                   policy=Policy(skip_prefix_cache=True), session_id="", return_token_ids=True,
+                   request_id="r", deadline=time.monotonic() + 30, on_cancel=lambda cb: None))
+print(repr(seen[0]))
+"""
+
+
+def test_a_prompt_without_session_or_index_has_one_ring_key_in_every_orchestrator():
+    """Orchestrator pods must put such a prompt on the same replica: a key built with hash()
+    of a string differs between processes (PYTHONHASHSEED)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    keys = set()
+    for seed in ("1", "2"):
+        env = {**os.environ, "PYTHONHASHSEED": seed,
+               "PYTHONPATH": os.pathsep.join([str(root), str(root / "gen")])}
+        out = subprocess.run([sys.executable, "-c", _AFFINITY_SCRIPT], cwd=root, env=env,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        keys.add(out.stdout.strip().splitlines()[-1])
+    assert len(keys) == 1, keys
