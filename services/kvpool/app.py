@@ -72,25 +72,25 @@ def draft_ladder(cfg: KvPoolConfig, model: Any) -> tuple[int, ...]:
     if fixed is not None:
         return fixed
     t0 = time.monotonic()
-    fallback = default_ladder(cfg.max_draft_tokens)
+
+    def fall_back(why: str) -> tuple[int, ...]:
+        fallback = default_ladder(cfg.max_draft_tokens)
+        log.warning("%s: draft proposal lengths %s (TIERCACHE_KVPOOL_DRAFT_LADDER fixes them)",
+                    why, ",".join(map(str, fallback)))
+        return fallback
+
     try:
         costs = forward_costs(model, cfg.max_draft_tokens + 1)
     except Exception as e:  # noqa: BLE001 - any failure: the model still serves
         # A model the engine serves may still fail this plain-cache timing (a sliding window
         # shorter than its context, a cache without crop): drafts keep the fixed lengths.
-        log.warning("could not time draft forwards (%s: %s): draft proposal lengths %s "
-                    "(TIERCACHE_KVPOOL_DRAFT_LADDER fixes them)", type(e).__name__, e,
-                    ",".join(map(str, fallback)))
-        return fallback
+        return fall_back(f"could not time draft forwards ({type(e).__name__}: {e})")
     base = costs[1]
     if min(costs[q] for q in costs if q > 1) < IMPLAUSIBLE * base:
         # More tokens for much less than one: the host was busy while timing (other replicas
         # starting beside this one), and the figures are noise.
-        log.warning("draft forward timings look disturbed (a forward of several tokens "
-                    "measured under %.0f%% of one token's): draft proposal lengths %s "
-                    "(TIERCACHE_KVPOOL_DRAFT_LADDER fixes them)", IMPLAUSIBLE * 100,
-                    ",".join(map(str, fallback)))
-        return fallback
+        return fall_back(f"draft forward timings look disturbed (a forward of several tokens "
+                         f"measured under {IMPLAUSIBLE:.0%} of one token's)")
     ladder = choose_ladder(costs, cfg.max_draft_tokens)
     log.info("draft proposal lengths %s, from forwards of 1..%d tokens costing %s x one "
              "token's %.1f ms (measured in %.1f s; TIERCACHE_KVPOOL_DRAFT_LADDER)",

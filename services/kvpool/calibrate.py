@@ -10,13 +10,10 @@ and `drafting.choose_ladder` picks the proposal lengths from it.
 
 from __future__ import annotations
 
-import logging
 import time
 from typing import Any
 
 import torch
-
-log = logging.getLogger(__name__)
 
 
 class TooSlow(RuntimeError):
