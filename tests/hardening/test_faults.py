@@ -142,12 +142,21 @@ def test_index_killed_and_restarted_under_load(stack):
     after_fault(stack)
     with TierCacheClient(stack.orch.address, token=TOK_A, timeout=60) as c:
         sys = "You are a careful archivist. " * 12
-        c.generate([{"role": "system", "content": sys}, {"role": "user", "content": "One?"}],
-                   max_tokens=2, cache_policy=NO_SEMANTIC)
-        again = c.generate([{"role": "system", "content": sys},
-                            {"role": "user", "content": "Two?"}], max_tokens=2,
-                           cache_policy=NO_SEMANTIC)
-        assert again.report.cached_tokens > 0  # prefix routing works on the rebuilt index
+        turn = [{"role": "system", "content": sys}, {"role": "user", "content": "One?"}]
+        first = c.generate(turn, max_tokens=2, cache_policy=NO_SEMANTIC)
+        # The first answer's blocks reached the rebuilt index (published after the answer, so
+        # not yet when generate() returns).
+        after_fault(stack)
+        # A later turn of that conversation: the routing policy's recent-share rule (which may
+        # send a new conversation away from a replica that served more than its share) does
+        # not apply, so only the index can send it to the replica holding its prefix.
+        again = c.generate(turn + [{"role": "assistant", "content": first.text},
+                                   {"role": "user", "content": "Two?"}],
+                           max_tokens=2, cache_policy=NO_SEMANTIC)
+        # Routed by the rebuilt index to the replica holding the prefix, which reused it.
+        assert again.report.route == "prefix", again.report
+        assert again.report.replica_id == first.report.replica_id, (first.report, again.report)
+        assert again.report.cached_tokens > 0, again.report
     after_fault(stack)
 
 
