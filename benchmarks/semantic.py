@@ -1,6 +1,6 @@
 """Semantic tier benchmark (issue 5).
 
-    python -m benchmarks.semantic [--quick] [--parts embed,quality,chinese,latency]
+    python -m benchmarks.semantic [--quick] [--parts embed,quality,chinese,latency,ef_sweep]
         ->  benchmarks/results/semantic.json (+ semantic_pr.png, semantic_table.md)
 
 `--parts` runs a subset (e.g. `--parts latency` on a quiet machine, `--parts quality` anywhere:
@@ -17,6 +17,12 @@ precision does not depend on load) and keeps the other parts' figures from the e
               looked up through the gRPC API of a real `python -m services.semantic` process:
               p50/p99 excluding embedding, p50 including it, and recall@1 of the index against
               exact search on near-duplicate queries.
+5. ef_sweep — the HNSW index of the 100k entries built in this process (the service's own
+              `NamespaceIndex`, its configured M and efConstruction): per efSearch, search time
+              and recall@1 against exact search on the latency part's near-duplicate queries and
+              on harder ones (an indexed question with a word dropped and two words swapped),
+              counted where the exact best similarity reaches the draft floor. It is what the
+              configured efSearch is chosen from.
 
 `--quick` runs a reduced version (subsets, 5k entries) in under 3 minutes and writes
 `semantic_quick.json`. Data are read from ../shared/data (never copied into the repository).
@@ -390,6 +396,97 @@ def _synthetic(questions: list[str], n: int, seed: int = 7) -> list[str]:
     return out
 
 
+def _latency_corpus(qqp, size: int, n_queries: int) -> tuple[list[str], list[str], int, int]:
+    """The latency part's entries and near-duplicate queries at `size` entries: (entries,
+    queries, how many queries are QQP paraphrases (the rest are light edits), how many
+    entries are real QQP questions (the rest are synthetic))."""
+    dup_pairs = [(a, b) for a, b, y in qqp if y == 1 and a != b]
+    # The paraphrase side of every duplicate pair is held out of the entries, so that at every
+    # size half the queries are real QQP paraphrases of an indexed question (at 100k every
+    # real question is indexed: without the hold-out none would be left to ask).
+    held = {b for _, b in dup_pairs}
+    real = [t for t in dict.fromkeys([a for a, _, _ in qqp] + [b for _, b, _ in qqp])
+            if t not in held]
+    rng = random.Random(11)
+    base = real[:size] + _synthetic(real, max(0, size - len(real)))
+    base = base[:size]
+    present = set(base)
+    # Near-duplicate queries: QQP paraphrases of indexed questions, plus light edits.
+    queries = list(dict.fromkeys(b for a, b in dup_pairs if a in present and b not in present))
+    edits = [q.lower().rstrip("?") + " please?" for q in rng.sample(base, min(len(base),
+                                                                          n_queries))]
+    n_para = min(len(queries), n_queries // 2)
+    queries = rng.sample(queries, n_para) + edits[:n_queries - n_para]
+    rng.shuffle(queries)
+    return base, queries, n_para, min(size, len(real))
+
+
+def _harder_queries(base: list[str], n: int, seed: int = 5) -> list[str]:
+    """Indexed questions with one word dropped and two neighbouring words swapped."""
+    rng = random.Random(seed)
+    out = []
+    for t in rng.sample(base, min(len(base), 2 * n)):
+        w = t.split()
+        if len(w) < 5:
+            continue
+        del w[rng.randrange(len(w))]
+        j = rng.randrange(len(w) - 1)
+        w[j], w[j + 1] = w[j + 1], w[j]
+        out.append(" ".join(w))
+        if len(out) == n:
+            break
+    return out
+
+
+def bench_ef_sweep(emb: OnnxEmbedder, qqp, size: int, n_queries: int,
+                   efs: tuple[int, ...] = (16, 24, 32, 48, 64, 128)) -> dict:
+    from services.semantic.index import IndexParams, NamespaceIndex, set_search_threads
+
+    cfg = SemanticConfig()
+    base, near, _, _ = _latency_corpus(qqp, size, n_queries)
+    vecs = embed_all(emb, base)
+    index = NamespaceIndex(IndexParams(dim=vecs.shape[1], hnsw_min_entries=cfg.hnsw_min_entries,
+                                       hnsw_m=cfg.hnsw_m,
+                                       hnsw_ef_construction=cfg.hnsw_ef_construction),
+                           background=False)
+    t0 = time.perf_counter()
+    index.add_many(np.arange(size), vecs)
+    build_s = time.perf_counter() - t0
+    log(f"ef_sweep: built {index.kind} over {size} entries in {build_s:.0f}s")
+    set_search_threads(cfg.faiss_threads)
+    out: dict = {"entries": size, "index": index.kind, "hnsw_m": cfg.hnsw_m,
+                 "hnsw_ef_construction": cfg.hnsw_ef_construction, "build_s": build_s,
+                 "configured_ef_search": cfg.hnsw_ef_search, "sets": {}}
+    main = index._snap.main
+    for name, texts in (("near_duplicate", near), ("word_dropped_and_swapped",
+                                                     _harder_queries(base, n_queries))):
+        qv = embed_all(emb, texts)
+        exact = (qv @ vecs.T).max(1)
+        counted = exact >= cfg.draft_floor + 0.01
+        rows = {}
+        for ef in efs:
+            if main is not None:
+                main.hnsw.efSearch = ef
+            times, agree = [], 0
+            for rep in range(2):  # the first pass warms caches; the second is timed
+                times = []
+                for i, v in enumerate(qv):
+                    t1 = time.perf_counter()
+                    nb = index.search(v, 1)
+                    times.append((time.perf_counter() - t1) * 1000)
+                    if rep == 0 and counted[i]:
+                        agree += int(bool(nb) and nb[0].score >= exact[i] - 1e-5)
+            rows[str(ef)] = {"search_p50_ms": pct(times, 50), "search_p99_ms": pct(times, 99),
+                             "recall_at_1_vs_exact": agree / max(1, int(counted.sum()))}
+        out["sets"][name] = {"queries": len(texts), "recall_queries": int(counted.sum()),
+                             "by_ef_search": rows}
+        log(f"ef_sweep {name}: {json.dumps(rows)}")
+    index.close()
+    out["note"] = ("index.search in this process (no gRPC, no verifier): one thread, k=1; a hit "
+                   "counts when the top score equals the exact best (1e-5)")
+    return out
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -405,31 +502,13 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
     from services.semantic.store import EntryStore
 
     cfg = SemanticConfig()
-    dup_pairs = [(a, b) for a, b, y in qqp if y == 1 and a != b]
-    # The paraphrase side of every duplicate pair is held out of the entries, so that at every
-    # size half the queries are real QQP paraphrases of an indexed question (at 100k every
-    # real question is indexed: without the hold-out none would be left to ask).
-    held = {b for _, b in dup_pairs}
-    real = [t for t in dict.fromkeys([a for a, _, _ in qqp] + [b for _, b, _ in qqp])
-            if t not in held]
-    rng = random.Random(11)
     results = {}
     for size in sizes:
-        base = real[:size] + _synthetic(real, max(0, size - len(real)))
-        base = base[:size]
-        present = set(base)
+        base, queries, n_para, n_real = _latency_corpus(qqp, size, n_queries)
         t0 = time.perf_counter()
         vecs = embed_all(emb, base)
         embed_s = time.perf_counter() - t0
         log(f"{size}: embedded {size} entries in {embed_s:.0f}s")
-        # Near-duplicate queries: QQP paraphrases of indexed questions, plus light edits.
-        queries = list(dict.fromkeys(b for a, b in dup_pairs if a in present
-                                     and b not in present))
-        edits = [q.lower().rstrip("?") + " please?" for q in rng.sample(base, min(len(base),
-                                                                              n_queries))]
-        n_para = min(len(queries), n_queries // 2)
-        queries = rng.sample(queries, n_para) + edits[:n_queries - n_para]
-        rng.shuffle(queries)
         qv = embed_all(emb, queries)
         exact_top = np.argmax(qv @ vecs.T, axis=1)  # brute force reference
         exact_sim = (qv @ vecs.T).max(1)
@@ -506,8 +585,8 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
             "transport_p99_ms": pct(np.subtract(excl, handler), 99),
             "recall_at_1_vs_exact": agree / max(1, counted), "recall_queries": counted,
             "service_start_s": start_s, "entries_embed_s": embed_s,
-            "real_questions": min(size, len(real)),
-            "synthetic_questions": max(0, size - len(real)),
+            "real_questions": n_real,
+            "synthetic_questions": size - n_real,
         }
         log(f"{size}: {json.dumps(results[str(size)])}")
     results["tier"] = LATENCY_TIER
@@ -571,7 +650,7 @@ def table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-PARTS = ("embed", "quality", "chinese", "latency")
+PARTS = ("embed", "quality", "chinese", "latency", "ef_sweep")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -620,6 +699,10 @@ def main(argv: list[str] | None = None) -> int:
         log("latency through gRPC")
         res["latency"] = bench_latency(emb, qqp, [5_000] if quick else [10_000, 100_000],
                                        200 if quick else 1000)
+    if "ef_sweep" in parts:
+        log("HNSW efSearch sweep")
+        res["ef_sweep"] = bench_ef_sweep(emb, qqp, 5_000 if quick else 100_000,
+                                         200 if quick else 1000)
     for p in parts:
         runs[p] = {"at": stamp, "load_average_1m": os.getloadavg()[0]}
     res["targets"] = targets(res)

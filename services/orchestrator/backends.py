@@ -548,10 +548,17 @@ class SemanticBackend:
         return semantic_pb2.InvalidateResponse(removed=sum(r.removed for r in got))
 
     def stats(self, deadline: float | None = None) -> semantic_pb2.SemanticStatsResponse:
+        """Every shard's figures summed. `shards_answered` < `shards_total` says some shard's
+        are missing (it was down or slow), rather than the sum passing for the whole tier's."""
         parts = self._each("Stats", semantic_pb2.SemanticStatsRequest(), deadline)
         if len(parts) == 1:
-            return parts[0]
-        out = semantic_pb2.SemanticStatsResponse(embedding_model=parts[0].embedding_model)
+            out = semantic_pb2.SemanticStatsResponse()
+            out.CopyFrom(parts[0])
+            out.shards_total, out.shards_answered = len(self.addresses), 1
+            return out
+        out = semantic_pb2.SemanticStatsResponse(embedding_model=parts[0].embedding_model,
+                                                 shards_total=len(self.addresses),
+                                                 shards_answered=len(parts))
         for p in parts:
             for f in ("entries", "namespaces", "lookups_total", "near_misses_total",
                       "guard_rejections_total", "evictions_total", "expirations_total"):

@@ -50,10 +50,12 @@ class SemanticConfig:
     hnsw_min_entries: int = 20000
     hnsw_m: int = 32
     hnsw_ef_construction: int = 80
-    # 64: on the benchmark's 1,000 near-duplicate queries at 100k entries recall@1 against exact
-    # search is 1.000 at efSearch 32..128 (0.999 at 16), and a search costs 0.29 ms vs 0.57 ms
-    # at 128 (one thread, same run).
-    hnsw_ef_search: int = 64
+    # 32: at 100k entries recall@1 against exact search is 1.000 on the benchmark's 1,000
+    # near-duplicate queries (0.999 at 16) and 0.999 on harder ones (a word dropped, two
+    # swapped; 1.000 from 48), for 0.20 ms a search vs 0.36-0.41 ms at 64 and 0.64-0.74 ms at
+    # 128 (`python -m benchmarks.semantic --parts ef_sweep`, one thread). A miss of the best
+    # neighbour costs a cache hit, never a wrong answer: the one served passes the same checks.
+    hnsw_ef_search: int = 32
     faiss_threads: int = 1  # OpenMP threads for searches (bulk builds at start use all cores)
     delta_capacity: int = 2048  # entries searched exactly before being merged into the index
     # Thresholds.

@@ -91,7 +91,7 @@ class IndexParams(NamedTuple):
     hnsw_min_entries: int = 20000
     hnsw_m: int = 32
     hnsw_ef_construction: int = 80
-    hnsw_ef_search: int = 64
+    hnsw_ef_search: int = 32
     delta_capacity: int = 2048
 
 

@@ -111,7 +111,9 @@ def test_a_shard_that_is_down_shows_in_the_shard_health_stats_reports(shards):
         dead = f"127.0.0.1:{s.getsockname()[1]}"
     live = handles[0].address
     be = SemanticBackend(f"{dead},{live}", "", 1.0)
-    assert be.stats().entries == 0  # the live shard answered
+    st = be.stats()
+    assert st.entries == 0  # the live shard answered
+    assert (st.shards_total, st.shards_answered) == (2, 1)  # and the sum says it is partial
     assert be.health.healthy  # the tier as a whole: the last call worked
     by_addr = {h.address: h for h in be.shard_health.values()}
     assert by_addr[live].healthy and not by_addr[dead].healthy
@@ -168,4 +170,5 @@ def test_ratings_and_stats_keep_the_callers_deadline_over_every_shard(shards):
         assert len(seen) == 1  # none called once it had passed
     finally:
         release.set()
-    assert be.stats(deadline=time.monotonic() + 5).entries == 0  # with time left, all answer
+    st = be.stats(deadline=time.monotonic() + 5)
+    assert st.entries == 0 and (st.shards_total, st.shards_answered) == (2, 2)  # all answer
