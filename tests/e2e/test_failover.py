@@ -51,9 +51,11 @@ def running_on(stack) -> list[int]:
 
 def test_replica_killed_mid_stream_completes_with_the_same_tokens(stack, a):
     q = "Write a short poem about the sea."
-    kw = dict(max_tokens=48, ignore_eos=True, return_token_ids=True, cache_policy=NO_SEMANTIC)
+    # Long enough that the kill after 8 tokens always lands mid-stream, however late the
+    # client reads (it asks two Stats first).
+    kw = dict(max_tokens=96, ignore_eos=True, return_token_ids=True, cache_policy=NO_SEMANTIC)
     reference = a.generate(q, **kw)
-    assert len(reference.token_ids) == 48
+    assert len(reference.token_ids) == 96
 
     stream = a.stream(q, **kw)
     got: list[int] = []

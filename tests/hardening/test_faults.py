@@ -266,7 +266,7 @@ def test_hung_replica_is_failed_over_before_the_deadline(stack):
     assert all(r.code == "OK" and r.tokens == 8 for r in results), results
     moved = [r for r in results if r.route in ("retry", "resume")]
     assert moved, results  # someone was on the hung replica and got moved
-    assert max(r.seconds for r in moved) < 45, results  # detection, not the deadline
+    assert max(r.seconds for r in moved) < 60, results  # detection, not the 90 s deadline
     after_fault(stack)
     assert one_request(stack.orch.address, 9, timeout=60, max_tokens=4).code == "OK"
 

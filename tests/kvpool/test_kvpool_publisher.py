@@ -344,7 +344,9 @@ def test_a_snapshot_already_running_at_the_timeout_is_waited_for(make_engine,
                                                                  monkeypatch) -> None:
     from services.kvpool import publisher
 
-    monkeypatch.setattr(publisher, "SNAPSHOT_TIMEOUT", 0.1)
+    # The engine thread must start the snapshot within the timeout (or the call is cancelled
+    # unstarted, another case): 0.5 s, not 0.1, for a loaded machine's thread wake-ups.
+    monkeypatch.setattr(publisher, "SNAPSHOT_TIMEOUT", 0.5)
     eng = make_engine(num_blocks=32)
     pub, sent = _recording_publisher(eng)
     generate(eng, list(range(1, 18)), max_tokens=1)
@@ -352,7 +354,7 @@ def test_a_snapshot_already_running_at_the_timeout_is_waited_for(make_engine,
     real_holdings = eng.pool.holdings
 
     def slow_holdings():
-        time.sleep(0.5)  # the snapshot is running when the caller's timeout passes
+        time.sleep(2.0)  # the snapshot is running when the caller's timeout passes
         return real_holdings()
 
     monkeypatch.setattr(eng.pool, "holdings", slow_holdings)

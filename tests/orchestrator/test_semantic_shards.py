@@ -155,15 +155,18 @@ def test_ratings_and_stats_keep_the_callers_deadline_over_every_shard(shards):
         seen.append(ctx.time_remaining())
         release.wait(5)
 
+    be = SemanticBackend(",".join(h.address for h in handles), "", 2.0)
+    # Connected first: a channel's first connection within the 0.3 s below, on a loaded
+    # machine, could leave the shard's handler never called.
+    assert be.stats().shards_answered == 2
     for s in svcs:
         s.hold = held
-    be = SemanticBackend(",".join(h.address for h in handles), "", 2.0)
     try:
         t0 = time.monotonic()
         with pytest.raises((grpc.RpcError, errors.DeadlineExceeded)) as e:
             be.invalidate("s0-0", deadline=t0 + 0.3)
         took = time.monotonic() - t0
-        assert took < 1.0, took  # not 2 s per shard
+        assert took < 1.5, took  # not 2 s per shard
         code = e.value.code() if isinstance(e.value, grpc.RpcError) else e.value.code
         assert code in (grpc.StatusCode.DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED")
         assert seen and max(seen) <= 0.35  # the shard was told the caller's deadline
