@@ -112,6 +112,8 @@ class LookupResult:
     guard_reason: str = ""
     search_ms: float = 0.0
     embed_ms: float = 0.0
+    # The text is the entry's own prompt: found by text, served without embedding.
+    exact: bool = False
 
 
 @dataclass
@@ -149,6 +151,9 @@ def _metrics():
                               buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.05, 0.1)),
         "embed": m.histogram("tiercache_semantic_embed_seconds", "Embedding time",
                              buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.1, 0.5)),
+        "exact": m.counter("tiercache_semantic_exact_hits_total",
+                           "Hits on an exact repeat of a cached prompt, served without "
+                           "embedding (also counted in tiercache_semantic_lookups_total)"),
     }
 
 
@@ -271,6 +276,12 @@ class SemanticCache:
         self._check_text("text", text, self.cfg.max_text_chars)
         resolved = self.policy.resolve(tier, threshold)
         t0 = time.perf_counter()
+        exact = self._exact_repeat(ns, text, resolved)
+        if exact is not None:
+            t1 = time.perf_counter()
+            exact = replace(exact, search_ms=(t1 - t0) * 1000)
+            self._record(exact, t1 - t0, None)
+            return exact
         vec, over = self._embed(text)
         t1 = time.perf_counter()
         result = self._search(ns, vec, text, resolved, want_draft, over)
@@ -280,6 +291,26 @@ class SemanticCache:
         result = replace(result, search_ms=(t2 - t1) * 1000, embed_ms=(t1 - t0) * 1000)
         self._record(result, t2 - t1, t1 - t0)
         return result
+
+    def _exact_repeat(self, ns: Namespace, text: str, resolved) -> LookupResult | None:
+        """The hit on the entry whose prompt is `text` itself, found by text: the embedding
+        (most of a lookup: 3-6 ms of ~7 on a CPU) would only find that entry again, at
+        similarity 1. None when there is no such entry or it cannot be served (expired, or
+        refused by a check): then the lookup searches by similarity as usual. What is served
+        is what that search finds first (the text's own entry, at similarity 1, unless another
+        ties with it), except that an identical text cannot miss by a rounding error."""
+        label = self._by_prompt.get((ns, text))
+        e = self._entries.get(label) if label is not None else None
+        now = self.clock()
+        if e is None or e.expired(now):
+            return None
+        decision = self.policy.decide(1.0, resolved, e.verified)
+        if (decision.outcome is not Outcome.HIT
+                or spelling_differs(text, e.prompt, resolved.tier == "strict")
+                or self._second_opinion(text, e.prompt, 1.0, resolved.tier)):
+            return None
+        return LookupResult(True, self._touch(e, now), 1.0, decision.threshold, resolved.tier,
+                            exact=True)
 
     def _embed(self, text: str, *, reuse: bool = False) -> tuple[np.ndarray, bool]:
         """The text's vector, and whether the model read only its start (see `over_window`).
@@ -458,7 +489,8 @@ class SemanticCache:
             self.store.record_hit(cur.label, now, cur.hit_count)
         return cur
 
-    def _record(self, r: LookupResult, search_s: float, embed_s: float) -> None:
+    def _record(self, r: LookupResult, search_s: float, embed_s: float | None) -> None:
+        """Count one lookup (`embed_s` None: it embedded nothing)."""
         outcome = "hit" if r.hit else ("draft" if r.similarity >= self.policy.draft_floor
                                        else "miss")
         with self._lock:
@@ -474,7 +506,10 @@ class SemanticCache:
         if r.guard_rejected:
             self._m["guard"].inc()
         self._m["search"].observe(search_s)
-        self._m["embed"].observe(embed_s)
+        if embed_s is None:
+            self._m["exact"].inc()
+        else:
+            self._m["embed"].observe(embed_s)
 
     # ---- store ------------------------------------------------------------------------------
 

@@ -580,10 +580,13 @@ def test_a_store_after_a_lookup_of_its_text_does_not_embed_it_again(cache_factor
     assert not cache.lookup(A, "What is a KV cache?").hit
     e = cache.store_entry(A, "What is a KV cache?", "Keys and values kept.")
     assert emb.calls == ["What is a KV cache?"]
-    hit = cache.lookup(A, "What is a KV cache?")
-    assert hit.hit and hit.entry.id == e.id  # the kept vector is the one stored
+    # Not the same text (so it is embedded), the same vector (so it hits).
+    emb.fixed["What is a KV cache "] = FixedEmbedder.embed_one(emb, "What is a KV cache?")
+    hit = cache.lookup(A, "What is a KV cache ")
+    assert hit.hit and hit.entry.id == e.id and not hit.exact
+    assert emb.calls == ["What is a KV cache?", "What is a KV cache "]
     cache.store_entry(A, "What is a KV cache?", "Replaced.")  # after a hit nothing was kept
-    assert emb.calls == ["What is a KV cache?"] * 3
+    assert emb.calls[2:] == ["What is a KV cache?"]
     assert not cache.lookup(A, "Never stored?").hit
     cache.store_entry(A, "Never stored?", "x")
     cache.store_entry(A, "Never stored?", "y")  # each kept vector serves one Store
@@ -593,3 +596,47 @@ def test_a_store_after_a_lookup_of_its_text_does_not_embed_it_again(cache_factor
     assert len(cache._recent) == RECENT
     cache._recent.clear()  # a hit keeps nothing: no Store follows it
     assert cache.lookup(A, "What is a KV cache?").hit and not cache._recent
+
+
+def test_an_exact_repeat_is_served_by_text_without_embedding(cache_factory, clock):
+    """A repeated question was embedded again (3-6 ms of a ~7 ms lookup on a CPU) only to find
+    its own entry at similarity 1 (or just under it: at threshold 1.0 it could miss)."""
+    emb = CountingEmbedder()
+    emb.at("Far away?", 0.0, 2)  # orthogonal to the stored prompt's vector below
+    emb.at("What is a KV cache?", 1.0, 1)
+    cache = cache_factory(emb, guard_tiers=(), verifier_tiers=())
+    e = cache.store_entry(A, "What is a KV cache?", "Keys and values kept.", ttl_seconds=60)
+    emb.calls.clear()
+    r = cache.lookup(A, "What is a KV cache?", threshold=1.0)
+    assert r.hit and r.exact and r.entry.id == e.id and r.entry.hit_count == 1
+    assert (r.similarity, r.embed_ms) == (1.0, 0.0) and emb.calls == []
+    assert not cache.lookup(B, "What is a KV cache?").hit  # another namespace: searched
+    assert not cache.lookup(A, "Far away?").exact
+    assert emb.calls == ["What is a KV cache?", "Far away?"]
+    s = cache.stats()
+    assert s.lookups_total == 3 and sum(s.hits_by_tier.values()) == 1
+    clock.t += 61  # expired: not served by its text either
+    gone = cache.lookup(A, "What is a KV cache?", want_draft=True)
+    assert not gone.hit and not gone.exact and gone.entry is None
+    assert emb.calls[-1] == "What is a KV cache?"  # searched by similarity instead
+    cache.check_integrity()
+
+
+def test_an_exact_repeat_refused_by_a_check_is_searched_as_before(cache_factory):
+    """A check that refuses the exact pair (the verifier, as it may refuse any pair) refuses
+    it found by text too: the lookup then searches by similarity as before."""
+    emb = CountingEmbedder()
+    cache = cache_factory(emb, guard_tiers=(), verifier_tiers=())
+    e = cache.store_entry(A, "Is it safe?", "Yes.")
+    refused: list[str] = []
+
+    def no(text, prompt, sim, tier):  # the verifier says no, as it may for any pair
+        refused.append(text)
+        return "verifier score 0.100 below 0.880"
+
+    cache._second_opinion = no
+    emb.calls.clear()
+    r = cache.lookup(A, "Is it safe?")
+    assert not r.hit and not r.exact and r.guard_rejected
+    assert emb.calls == ["Is it safe?"] and refused == ["Is it safe?", "Is it safe?"]
+    assert cache.get(e.id).hit_count == 0

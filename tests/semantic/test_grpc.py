@@ -40,11 +40,14 @@ def test_store_lookup_verify_invalidate_stats(stub):
                                      tier="strict"), timeout=10)
     assert r.hit and r.entry.id == sid and r.entry.answer == "Use flexbox."
     assert r.tier == "strict" and r.threshold == pytest.approx(0.97)
-    assert r.search_ms > 0 and r.embed_ms > 0
-    assert r.handler_ms >= r.embed_ms + r.search_ms  # the handler times both, and more
+    # The stored prompt itself: found by text, not embedded.
+    assert r.exact and r.similarity == 1.0 and r.embed_ms == 0 and r.search_ms > 0
+    assert r.handler_ms >= r.search_ms
     d = stub.Lookup(pb.LookupRequest(namespace=NS, text="What is the way to center a div?",
                                      tier="strict", want_draft=True), timeout=10)
     assert not d.hit and d.entry.id == sid and 0.8 <= d.similarity < 0.97
+    assert not d.exact and d.search_ms > 0 and d.embed_ms > 0
+    assert d.handler_ms >= d.embed_ms + d.search_ms  # the handler times both, and more
     other = pb.Namespace(tenant="other", model_id="smollm2", context_hash="00ff")
     assert not stub.Lookup(pb.LookupRequest(namespace=other, text="How do I center a div?"),
                            timeout=10).HasField("entry")
