@@ -103,6 +103,28 @@ def test_a_session_is_saved_whole_and_read_back(fake):
     assert path.stat().st_mode & 0o077 == 0  # a conversation: this user's only
 
 
+def test_two_turns_of_one_session_saving_at_once_each_save_whole(fake, monkeypatch):
+    """The temporary file had one fixed name (`<session>.json.tmp`): two turns of a session
+    at once wrote the same file, and the first to rename it away made the other fail
+    ("cannot save session history") or save what the other had half written."""
+    path = fake / "home" / "sessions" / "s1.json"
+    real_replace = os.replace
+    temps: list[str] = []
+
+    def interleaved(src, dst):
+        temps.append(str(src))
+        if len(temps) == 1:  # the other turn saves while this one is about to rename
+            cli._save_history(path, [{"role": "user", "content": "second"}])
+        real_replace(src, dst)
+
+    monkeypatch.setattr(cli.os, "replace", interleaved)
+    cli._save_history(path, [{"role": "user", "content": "first"}])
+    assert len(set(temps)) == 2  # a temporary file each
+    assert cli._load_history(path) == [{"role": "user", "content": "first"}]  # renamed last
+    assert os.listdir(path.parent) == ["s1.json"]
+    assert path.stat().st_mode & 0o077 == 0
+
+
 def test_replay_refuses_a_bad_trace_or_concurrency_with_a_message(fake, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["replay", "--concurrency", "0", "t.jsonl"])

@@ -10,10 +10,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import errno
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import NoReturn
 
@@ -62,21 +64,29 @@ def _load_history(path: Path) -> list[dict[str, str]]:
 
 
 def _save_history(path: Path, messages: list[dict[str, str]]) -> None:
-    """Written whole or not at all (a temporary file renamed over the old one)."""
-    tmp = path.with_name(path.name + ".tmp")
+    """Written whole or not at all (a temporary file renamed over the old one). The temporary
+    file has a name of its own (mkstemp): with one fixed name, two turns of one session at
+    once wrote the same file, and one renamed away the other's, which then failed (or saved
+    the other's half-written text). Its name starts with a dot, as no session's can."""
+    tmp: str | None = None
     try:
         path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        # A conversation is private: readable by this user only (a folder or a leftover
-        # temporary file made before keeps its mode through mkdir and O_CREAT).
+        # A conversation is private: readable by this user only (a folder made before keeps
+        # its mode through mkdir).
         if path.parent.stat().st_mode & 0o077:
             path.parent.chmod(0o700)
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         os.fchmod(fd, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(json.dumps(messages, ensure_ascii=False))
         os.replace(tmp, path)
+        tmp = None
     except OSError as e:
         raise SystemExit(f"error: cannot save session history {path}: {e}") from None
+    finally:
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
 
 
 def _utf8(text: str) -> bool:

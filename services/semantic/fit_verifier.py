@@ -27,8 +27,11 @@ that a verifier fitted without the veto can use them.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import stat
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -157,6 +160,38 @@ def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, s
     return PairSet(np.vstack(xs), np.concatenate(ys), np.concatenate(src)), qqp, paws
 
 
+def write_weights(path: str | os.PathLike, text: str) -> None:
+    """Replaces `path` with `text` in one step: written to a temporary file beside it, fsynced,
+    then renamed over it. Written in place, an interrupted fit (or a power loss) left a file
+    cut short, and every semantic shard then refused to start. Keeps the mode of the file it
+    replaces (a new one gets the umask's), as writing in place did."""
+    path = os.path.abspath(path)
+    folder, name = os.path.split(path)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(folder, os.O_RDONLY)  # the rename itself, durable
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m services.semantic.fit_verifier")
     ap.add_argument("--out", default=os.environ.get("TIERCACHE_SEMANTIC_VERIFIER_PATH")
@@ -169,8 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     model = fit(data)
     # The cache turns the verifier off under another embedding model (its cosines differ).
     model.meta["embedder"] = semantic_config().resolved_model_name()
-    with open(args.out, "w") as f:
-        f.write(model.to_json() + "\n")
+    write_weights(args.out, model.to_json() + "\n")
     print(f"fitted on {model.meta['train_pairs']} pairs in {time.perf_counter() - t0:.0f}s; "
           f"cuts {model.cuts}; wrote {args.out}", file=sys.stderr)
     return 0

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -186,32 +187,71 @@ def _is_current(d: Path, fingerprint: str) -> bool:
     return meta.get("fingerprint") == fingerprint and meta.get("model_bytes", size) == size
 
 
-def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name: str) -> Path:
+def export_identity(d: Path) -> tuple[int, int, int, int] | None:
+    """Which model.onnx file the export folder `d` holds (device, inode, size, mtime), None
+    if none: what `ensure_onnx(broken=...)` takes."""
+    try:
+        st = (d / "model.onnx").stat()
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def _remove(root: Path, name: str, target: Path) -> None:
+    """Moves the export at `target` aside, then deletes it: a process still reading it never
+    sees it half deleted, and `target` changes in one step."""
+    old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=root))
+    os.rename(target, old / "x")
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _remove_leftovers(root: Path, name: str) -> None:
+    """Deletes the temporary folders of exports killed part-way (`.{name}.XXXXXXXX`, and
+    `.{name}.old.XXXXXXXX` of one killed while deleting a stale export): SIGKILL, an OOM kill,
+    or SIGTERM while starting leave them, and nothing else ever removed them (tens of MB
+    each, for good). The caller holds the lock: no export of `name` is running. Folders
+    only: the lock file `.{name}.lock` stays."""
+    leftover = re.compile(rf"\.{re.escape(name)}\.(?:old\.)?[a-z0-9_]{{8}}")
+    for p in root.iterdir():
+        if leftover.fullmatch(p.name) and p.is_dir() and not p.is_symlink():
+            log.info("removing %s, left by an export that did not finish", p)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name: str, *,
+                broken: tuple[int, int, int, int] | None = None) -> Path:
     """Returns the folder holding `model.onnx` for `model_dir`, exporting it first if needed.
 
     Safe to call from several processes at once: one exports, the others wait on the lock and
     then find the finished folder.
+
+    Args:
+        broken: `export_identity` of an export that could not be loaded (damaged, though of
+            the size meta.json records): it is removed and exported again, unless another
+            process has replaced it meanwhile.
     """
     spec = SentenceModelSpec.read(model_dir)
     fp = spec.fingerprint()
     root = Path(cache_dir) / "onnx"
     target = root / name
-    if _is_current(target, fp):
+    if broken is None and _is_current(target, fp):
         return target
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
+        if broken is not None and export_identity(target) == broken:
+            log.warning("removing the export %s, which could not be loaded", target)
+            _remove(root, name, target)
         if _is_current(target, fp):  # another process finished while we waited
             return target
+        _remove_leftovers(root, name)
         log.info("exporting %s to ONNX under %s (once)", spec.model_dir, target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root))
         try:
             _export(spec, tmp)
             if target.exists():
                 # Stale export (other fingerprint): move it aside, then swap in the new one.
-                old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=root))
-                os.rename(target, old / "x")
-                shutil.rmtree(old, ignore_errors=True)
+                _remove(root, name, target)
             os.chmod(tmp, 0o755)
             os.rename(tmp, target)
             fd = os.open(root, os.O_RDONLY)  # the rename itself, durable

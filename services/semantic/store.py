@@ -9,6 +9,7 @@ lookup: they are buffered and written in the background (`flush_hits`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import logging
 import os
@@ -76,9 +77,36 @@ def _lock_database(path: str) -> int:
         raise DatabaseInUse(
             f"{path} is in use by another process (pid {holder}); stop it, or give this one "
             "its own database (TIERCACHE_SEMANTIC_DB_PATH)") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    except OSError as e:
+        # Kept open, this fd held the lock for the life of the process: a retry (a full disk
+        # freed) was refused as "in use by another process".
+        os.close(fd)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT)
+        raise OSError(e.errno, f"{e.strerror} (writing the lock file"
+                      f"{'; free space on its volume, then start again' if full else ''})",
+                      lock_path) from e
     return fd
+
+
+def _damaged_advice(path: str) -> str:
+    """The way out of a damaged database, for every message that names one. Its -wal holds
+    acknowledged rows not yet copied into the file: moved alone, the file's copy lacks them,
+    and SQLite discards the WAL left behind at the next start."""
+    name = os.path.basename(path) or path
+    return (f"stop the service, then move {name} together with its {name}-wal and "
+            f"{name}-shm files aside")
+
+
+def _damaged_error(path: str, e: sqlite3.DatabaseError) -> sqlite3.DatabaseError:
+    """`e` (not a database, or a malformed one) as an error naming the file and the way out:
+    "database disk image is malformed" named neither, and the pod crash-looped."""
+    return sqlite3.DatabaseError(
+        f"{path}: {e} (a damaged database: {_damaged_advice(path)}; the service then starts "
+        "empty and the cache refills)")
+
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS entries (
@@ -135,6 +163,20 @@ def _row(t: tuple) -> Row:
 
 
 @contextlib.contextmanager
+def _damaged_is_named(path: str) -> Iterator[None]:
+    """A damaged database (SQLITE_CORRUPT, SQLITE_NOTADB: plain DatabaseError, not one of its
+    subclasses) found past the open, where pages are first read, names its file and the way
+    out. Only the header and the schema are read at open: a page damaged in the middle
+    surfaced as a bare "database disk image is malformed" from `load`."""
+    try:
+        yield
+    except sqlite3.DatabaseError as e:
+        if type(e) is sqlite3.DatabaseError:
+            raise _damaged_error(path, e) from e
+        raise
+
+
+@contextlib.contextmanager
 def _full_is_exhausted() -> Iterator[None]:
     """A full disk (SQLITE_FULL: the disk or the database's size limit) is
     RESOURCE_EXHAUSTED naming it, not an INTERNAL error."""
@@ -163,19 +205,21 @@ class EntryStore:
             if path != ":memory:":
                 _owner_only(path)
             self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
-            self._db.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
-            self._db.executescript(_SCHEMA)
-            cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
+            # Read before anything is written (journal mode, schema): a newer database is
+            # refused as it was found, for the newer build to open again.
             version = self._db.execute("PRAGMA user_version").fetchone()[0]
             if version > SCHEMA_VERSION:
                 # A rollback past a schema change: this build would read (and write) rows
                 # whose meaning it does not know, and never run the newer migration again.
                 raise ValueError(
                     f"{path}: schema version {version} is newer than this build's "
-                    f"({SCHEMA_VERSION}); run the newer build, or move the database aside "
+                    f"({SCHEMA_VERSION}); run the newer build, or {_damaged_advice(path)} "
                     "to start this one empty")
+            self._db.execute("PRAGMA journal_mode=WAL")
+            self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+            self._db.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
+            self._db.executescript(_SCHEMA)
+            cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
             if version < 1:
                 self._mark_uncertain_answers("truncated" in cols)
         except BaseException as e:
@@ -185,9 +229,7 @@ class EntryStore:
                 os.close(self._lock_fd)
             if type(e) is sqlite3.DatabaseError:  # not a database, or a malformed one
                 # "file is not a database" named no file and no way out: the pod crash-looped.
-                raise sqlite3.DatabaseError(
-                    f"{path}: {e} (a damaged database: move it aside and the service starts "
-                    "empty; the cache refills)") from e
+                raise _damaged_error(path, e) from e
             raise
         # Hit counters have their own lock: a lookup that records a hit must not wait behind a
         # Store's fsync or a flush holding the connection.
@@ -263,7 +305,7 @@ class EntryStore:
                  for r in rows])
 
     def get(self, id: str) -> Row | None:
-        with self._lock:
+        with self._lock, _damaged_is_named(self.path):
             t = self._db.execute(f"SELECT {_COLS} FROM entries WHERE id = ?", (id,)).fetchone()
         return _row(t) if t else None
 
@@ -283,7 +325,8 @@ class EntryStore:
         for i in range(0, len(rows), WRITE_CHUNK):
             params = [(np.asarray(v, "<f4").tobytes(), model, label)
                       for label, v, model in rows[i:i + WRITE_CHUNK]]
-            with _full_is_exhausted(), self._lock, self._transaction():
+            with (_full_is_exhausted(), _damaged_is_named(self.path), self._lock,
+                  self._transaction()):
                 self._db.executemany(
                     "UPDATE entries SET embedding = ?, embed_model = ? WHERE label = ?", params)
 
@@ -298,7 +341,8 @@ class EntryStore:
         """
         for i in range(0, len(labels), WRITE_CHUNK):
             chunk = labels[i:i + WRITE_CHUNK]
-            with _full_is_exhausted(), self._lock, self._transaction():
+            with (_full_is_exhausted(), _damaged_is_named(self.path), self._lock,
+                  self._transaction()):
                 self._db.executemany("DELETE FROM entries WHERE label = ?",
                                      [(x,) for x in chunk])
             with self._hits_lock:
@@ -346,10 +390,10 @@ class EntryStore:
             raise
 
     def iter_all(self, batch: int = 5000) -> Iterator[list[Row]]:
-        """Every entry, in label order, in batches."""
+        """Every entry, in label order, in batches (read at start: `load`)."""
         last = -1
         while True:
-            with self._lock:
+            with self._lock, _damaged_is_named(self.path):
                 rows = self._db.execute(
                     f"SELECT {_COLS} FROM entries WHERE label > ? ORDER BY label LIMIT ?",
                     (last, batch)).fetchall()
@@ -359,5 +403,5 @@ class EntryStore:
             yield [_row(t) for t in rows]
 
     def count(self) -> int:
-        with self._lock:
+        with self._lock, _damaged_is_named(self.path):
             return int(self._db.execute("SELECT COUNT(*) FROM entries").fetchone()[0])

@@ -227,13 +227,42 @@ class VerifierModel:
         if tuple(d["features"]) != FEATURES:
             raise StaleVerifier("verifier weights were fitted on other features; refit them "
                                 "with python -m services.semantic.fit_verifier")
-        return cls(tuple(d["mean"]), tuple(d["scale"]), tuple(d["coef"]),
+        vectors = {k: tuple(float(v) for v in d[k]) for k in ("mean", "scale", "coef")}
+        for k, v in vectors.items():
+            # Checked only when a pair was scored (zip(strict=True)): every verified lookup
+            # would then fail, not the start.
+            if len(v) != len(FEATURES):
+                raise ValueError(f"verifier weights: {k} has {len(v)} values, not "
+                                 f"{len(FEATURES)} (one per feature)")
+        return cls(vectors["mean"], vectors["scale"], vectors["coef"],
                    float(d["intercept"]), {k: float(v) for k, v in d["cuts"].items()},
                    bool(d.get("guard_veto", True)), d.get("meta"))
 
     @classmethod
     def load(cls, path: str | Path = DEFAULT_WEIGHTS) -> VerifierModel:
-        return cls.from_json(Path(path).read_text())
+        """The weights in `path`.
+
+        Raises:
+            StaleVerifier: fitted on another version's features.
+            ValueError: not JSON (cut short), or fields missing or of the wrong shape, naming
+                the file and the way out (a bare JSONDecodeError named neither).
+            OSError: the file cannot be read.
+        """
+        text = Path(path).read_text()
+        try:
+            return cls.from_json(text)
+        except StaleVerifier:
+            raise
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            if Path(path).resolve() == DEFAULT_WEIGHTS.resolve():
+                way_out = ("the packaged weights are damaged: reinstall the package, or refit "
+                           "them with python -m services.semantic.fit_verifier")
+            else:
+                way_out = (f"refit them with python -m services.semantic.fit_verifier --out "
+                           f"{path}, or unset TIERCACHE_SEMANTIC_VERIFIER_PATH (--verifier-path) "
+                           "to use the packaged weights")
+            raise ValueError(f"{path}: not usable verifier weights ({type(e).__name__}: {e}); "
+                             f"{way_out}") from e
 
 
 def fit_logistic(x: np.ndarray, y: np.ndarray, l2: float = 1.0,

@@ -188,3 +188,102 @@ def test_a_stale_conversion_is_renamed_aside_before_it_is_deleted(tmp_path: Path
     assert len(seen) == 1 and seen[0][0].startswith(".SmolLM2-135M-Instruct.old-")
     assert seen[0][1] is False  # deleted only once it no longer stood at target
     assert sorted(p.name for p in tmp_path.iterdir()) == ["SmolLM2-135M-Instruct"]
+
+
+class _FakeModel:
+    """What `_convert` needs of a transformers model: writes small files quickly."""
+
+    config = None
+
+    def save_pretrained(self, folder: Path, safe_serialization: bool = True) -> None:
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(b"w" * 4096)
+
+
+class _FakeTokenizer:
+    def save_pretrained(self, folder: Path) -> None:
+        (folder / "tokenizer.json").write_text('{"tok": 1}')
+
+
+def _fake_gguf(tmp_path: Path, monkeypatch) -> list[int]:
+    """The packaged GGUF replaced by a small file whose 'conversion' writes small files."""
+    gguf = tmp_path / "x.gguf"
+    gguf.write_bytes(b"weights")
+    loads: list[int] = []
+
+    def load(g: Path):
+        loads.append(1)
+        return _FakeModel(), _FakeTokenizer()
+
+    monkeypatch.setattr(model_store, "_load_gguf", load)
+    monkeypatch.setattr(model_store, "packaged_gguf_path", lambda: gguf)
+    return loads
+
+
+def test_a_conversion_with_files_cut_short_is_converted_again(tmp_path: Path,
+                                                              monkeypatch) -> None:
+    """A whole marker over a cut-short model.safetensors (a power loss after the rename, the
+    data not yet on disk) was trusted: kvpool crash-looped on a SafetensorError."""
+    loads = _fake_gguf(tmp_path, monkeypatch)
+    path = Path(resolve_model("smollm2", cache_dir=str(tmp_path)).path)
+    marker = json.loads((path / model_store._DONE_MARKER).read_text())
+    assert marker["files"] == {"config.json": 2, "model.safetensors": 4096,
+                               "tokenizer.json": 10}
+    sid = model_store.source_id(model_store.packaged_gguf_path())
+    assert model_store.is_converted(path, sid) and model_store.is_converted(path)
+    resolve_model("smollm2", cache_dir=str(tmp_path))
+    assert loads == [1]
+    with open(path / "model.safetensors", "r+b") as f:
+        f.truncate(1024)
+    assert not model_store.is_converted(path, sid) and not model_store.is_converted(path)
+    resolve_model("smollm2", cache_dir=str(tmp_path))
+    assert loads == [1, 1]  # converted again
+    assert (path / "model.safetensors").stat().st_size == 4096
+    (path / "tokenizer.json").unlink()  # a file gone counts as well
+    assert not model_store.is_converted(path, sid)
+
+
+def test_a_marker_from_before_sizes_were_recorded_is_trusted_if_its_weights_are_whole(
+        tmp_path: Path) -> None:
+    """Backward compatible: an older marker (no "files") is accepted (redoing every existing
+    conversion would fail on a cache folder the service cannot write), but only once each
+    safetensors file is as long as its header says: the one cut short is converted again."""
+    header = json.dumps({"__metadata__": {"format": "pt"},
+                         "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                         "b": {"dtype": "F32", "shape": [4], "data_offsets": [8, 24]}}).encode()
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 24)
+    (tmp_path / model_store._DONE_MARKER).write_text(json.dumps({"source_id": "s"}))
+    assert model_store.is_converted(tmp_path, "s") and model_store.is_converted(tmp_path)
+    assert not model_store.is_converted(tmp_path, "other")
+    with open(weights, "r+b") as f:
+        f.truncate(8 + len(header) + 10)
+    assert not model_store.is_converted(tmp_path, "s")
+    with open(weights, "r+b") as f:
+        f.truncate(20)  # the header itself cut
+    assert not model_store.is_converted(tmp_path, "s")
+
+
+def test_a_conversion_is_on_disk_before_and_after_its_rename(tmp_path: Path,
+                                                             monkeypatch) -> None:
+    """Every written file, the temp folder, and the folder holding the rename are fsynced:
+    after a power loss the rename could survive with the files empty or cut short."""
+    import os
+
+    _fake_gguf(tmp_path, monkeypatch)
+    synced: list[str] = []
+    real_fsync = os.fsync
+
+    def watching_fsync(fd: int) -> None:
+        synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    monkeypatch.setattr(model_store.os, "fsync", watching_fsync)
+    path = Path(resolve_model("smollm2", cache_dir=str(tmp_path)).path)
+    tmp = [Path(p) for p in synced if Path(p).name.startswith(".SmolLM2-135M-Instruct.tmp-")]
+    assert len(tmp) == 1, synced  # the temp folder itself
+    names = {Path(p).relative_to(tmp[0]).as_posix() for p in synced
+             if Path(p).is_relative_to(tmp[0]) and Path(p) != tmp[0]}
+    assert names == {"config.json", "model.safetensors", "tokenizer.json",
+                     model_store._DONE_MARKER}
+    assert synced[-1] == str(path.parent)  # after the rename: the rename itself

@@ -211,3 +211,79 @@ def test_unseen_skips_tokenising_plain_ascii_and_agrees_with_the_tokenizer(onnx_
     monkeypatch.setattr(onnx_embedder, "unseen_slow", lambda t: (_ for _ in ()).throw(
         AssertionError(f"tokenised {t!r}")))
     assert onnx_embedder.unseen("How do I reset my router?") == ""
+
+
+def test_folders_of_exports_killed_part_way_are_removed_at_the_next_export(tmp_path,
+                                                                           monkeypatch):
+    """SIGKILL, an OOM kill or SIGTERM while starting left `.{name}.XXXXXXXX` (and
+    `.{name}.old.XXXXXXXX`) behind for good: tens of MB at each interrupted start."""
+    from services.semantic import onnx_export
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    (model / "tokenizer.json").write_text("{}")
+    root = tmp_path / "cache" / "onnx"
+    for leftover in (".m.abcd1234", ".m.old.x_y9zz00"):
+        (root / leftover).mkdir(parents=True)
+        (root / leftover / "model.onnx").write_bytes(b"\0" * 1024)
+    (root / ".m.lock").write_text("")
+    (root / ".other.abcd1234").mkdir()  # another model's: its own lock guards it
+    (root / ".m.notmine").mkdir()  # not a name mkdtemp gives
+
+    def fake_export(spec, out: Path) -> None:
+        (out / "model.onnx").write_bytes(b"x")
+        (out / "tokenizer.json").write_text("{}")
+        (out / "meta.json").write_text(json.dumps({"fingerprint": spec.fingerprint(),
+                                                   "model_bytes": 1}))
+
+    monkeypatch.setattr(onnx_export, "_export", fake_export)
+    assert onnx_export.ensure_onnx(model, tmp_path / "cache", "m") == root / "m"
+    assert sorted(os.listdir(root)) == [".m.lock", ".m.notmine", ".other.abcd1234", "m"]
+
+
+def test_an_export_damaged_but_of_its_size_is_exported_again_once(tmp_path, monkeypatch,
+                                                                  onnx_embedder):
+    """A cached model.onnx damaged in place (its size kept, so meta.json's check passed) made
+    every start exit on onnxruntime's InvalidProtobuf. It is now removed and exported again,
+    once: an export that fails to load as well is not retried."""
+    import shutil
+
+    from services.semantic import onnx_export
+    from services.semantic.config import default_cache_dir
+    from services.semantic.embedder import OnnxEmbedder
+
+    cfg = SemanticConfig()
+    name = cfg.resolved_model_name()
+    real = onnx_export.ensure_onnx(cfg.resolved_model_dir(), default_cache_dir(), name)
+    cached = tmp_path / "onnx" / name
+    shutil.copytree(real, cached)
+
+    def damage(folder: Path) -> None:
+        with open(folder / "model.onnx", "r+b") as f:
+            f.write(np.random.default_rng(0).bytes(4096))
+
+    damage(cached)
+    exports: list[bool] = []
+    damaged_export = [False]
+
+    def copy_export(spec, out: Path) -> None:  # the real export, without its ~10 s
+        exports.append(True)
+        for f in real.iterdir():
+            shutil.copy2(f, out / f.name)
+        if damaged_export[0]:
+            damage(out)
+
+    monkeypatch.setattr(onnx_export, "_export", copy_export)
+    emb = OnnxEmbedder(cfg.resolved_model_dir(), str(tmp_path), name)
+    assert exports == [True]
+    assert (cached / "model.onnx").read_bytes() == (real / "model.onnx").read_bytes()
+    np.testing.assert_allclose(emb.embed(["hello there"]), onnx_embedder.embed(["hello there"]),
+                               atol=1e-6)
+    assert sorted(os.listdir(tmp_path / "onnx")) == [f".{name}.lock", name]
+
+    damage(cached)
+    damaged_export[0] = True
+    with pytest.raises(Exception, match="(?i)protobuf"):
+        OnnxEmbedder(cfg.resolved_model_dir(), str(tmp_path), name)
+    assert exports == [True, True]  # once, not in a loop

@@ -330,7 +330,104 @@ def test_a_damaged_database_is_refused_naming_the_file_and_the_way_out(tmp_path)
     insert(st, "a")
     st.close()
     path.write_bytes(b"\x00" * 4096)  # the header overwritten
-    with pytest.raises(sqlite3.DatabaseError, match=r"s\.db: .*move it aside"):
+    with pytest.raises(sqlite3.DatabaseError, match=r"s\.db: .*stop the service, then move "
+                       r"s\.db together with its s\.db-wal and s\.db-shm files aside"):
         EntryStore(str(path))
     path.unlink()
     EntryStore(str(path)).close()  # its lock was let go: the next start works
+
+
+class FakeEmbedder:
+    name = "e"
+    dim = 4
+
+    def embed_one(self, text: str) -> np.ndarray:
+        return VEC
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return np.stack([VEC for _ in texts])
+
+
+def damage_pages_past_the_header(path) -> None:
+    """Random bytes over three pages in the middle of a checkpointed database: the header and
+    the schema still read, so the open succeeds (bit rot, a bad restore)."""
+    st = EntryStore(str(path))
+    st.insert_many([dict(id=f"id{i}", tenant="t", model_id="m", context_hash="",
+                         prompt=f"question number {i} " * 5, answer="answer " * 40,
+                         embedding=VEC, embed_model="e", verified=False, created_at=1.0,
+                         ttl_seconds=0) for i in range(3000)])
+    st.close()  # checkpointed into the file, the WAL removed
+    size = path.stat().st_size
+    with open(path, "r+b") as f:
+        f.seek(size // 2 // 4096 * 4096)
+        f.write(np.random.default_rng(0).bytes(3 * 4096))
+
+
+def test_pages_damaged_past_the_header_are_named_where_they_are_read(tmp_path):
+    """The open checks only the header and the schema: pages damaged in the middle surfaced
+    from `load` as a bare "database disk image is malformed", which the service printed as
+    "bad configuration" naming no file."""
+    from services.semantic.cache import SemanticCache
+    from services.semantic.config import SemanticConfig
+
+    path = tmp_path / "s.db"
+    damage_pages_past_the_header(path)
+    st = EntryStore(str(path))
+    try:
+        way_out = (rf"{path}: database disk image is malformed \(a damaged database: stop the "
+                   r"service, then move s\.db together with its s\.db-wal and s\.db-shm files "
+                   "aside")
+        with pytest.raises(sqlite3.DatabaseError, match=way_out):
+            for _ in st.iter_all():
+                pass
+        with pytest.raises(sqlite3.DatabaseError, match=way_out):  # where the service reads
+            SemanticCache(SemanticConfig(verifier_tiers=()), FakeEmbedder(), st).load()
+    finally:
+        st.close()
+
+
+def test_a_lock_file_that_cannot_be_written_is_let_go(tmp_path, monkeypatch):
+    """A full disk failed writing the pid into the lock file after the lock was taken: the
+    fd stayed open, holding the lock, and the retry in the same process (space freed) was
+    refused as "in use by another process"."""
+    import errno
+    import os
+
+    import services.semantic.store as store_mod
+
+    path = str(tmp_path / "s.db")
+    real_pwrite = os.pwrite
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(store_mod.os, "pwrite", full)
+    with pytest.raises(OSError, match=r"writing the lock file; free space on its volume") as e:
+        EntryStore(path)
+    assert e.value.filename == path + ".lock" and e.value.errno == errno.ENOSPC
+    monkeypatch.setattr(store_mod.os, "pwrite", real_pwrite)
+    EntryStore(path).close()  # not DatabaseInUse
+
+
+def test_a_newer_database_is_refused_before_anything_is_written_to_it(tmp_path):
+    """The version was read after the journal mode and the schema script had run: a newer
+    database was refused only once this build had created its table in it (and dropped an
+    index of that name) and switched it to WAL."""
+    path = tmp_path / "s.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE entries_v7 (x)")
+    con.execute("CREATE INDEX entries_ns ON entries_v7 (x)")
+    con.execute("PRAGMA user_version = 7")
+    con.commit()
+    con.close()
+    before = path.read_bytes()
+    with pytest.raises(ValueError, match=r"s\.db: schema version 7 is newer than this build.*"
+                       r"run the newer build, or stop the service, then move s\.db together "
+                       r"with its s\.db-wal and s\.db-shm files aside"):
+        EntryStore(str(path))
+    assert path.read_bytes() == before
+    con = sqlite3.connect(path)
+    assert con.execute("PRAGMA journal_mode").fetchone()[0] == "delete"
+    names = {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
+    con.close()
+    assert names == {"entries_v7", "entries_ns"}

@@ -207,3 +207,62 @@ def test_weights_of_another_versions_features_leave_the_guard_not_a_stopped_shar
     path.write_text(json.dumps(stale))
     with pytest.raises(ValueError, match="missing coef"):
         VerifierModel.load(path)
+
+
+def test_a_cut_short_weights_file_is_refused_naming_it_and_the_way_out(tmp_path):
+    """A weights file cut short (fit_verifier wrote it in place) stopped the shard with a bare
+    JSONDecodeError naming no file; weights of the wrong shape failed only at the first
+    verified lookup."""
+    import json
+
+    text = DEFAULT_WEIGHTS.read_text()
+    path = tmp_path / "verifier.json"
+    path.write_text(text[: len(text) // 2])
+    way_out = (r"refit them with python -m services\.semantic\.fit_verifier --out .*"
+               r"verifier\.json, or unset TIERCACHE_SEMANTIC_VERIFIER_PATH")
+    with pytest.raises(ValueError, match=rf"{path}: not usable verifier weights "
+                       rf"\(JSONDecodeError: .*\); {way_out}"):
+        VerifierModel.load(path)
+    d = json.loads(text)
+    d["coef"] = d["coef"][:-1]
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=rf"{path}: .*coef has {len(FEATURES) - 1} values, not "
+                       rf"{len(FEATURES)}.*{way_out}"):
+        VerifierModel.load(path)
+    path.write_text("[1, 2]")  # JSON, not an object
+    with pytest.raises(ValueError, match=rf"{path}: not usable verifier weights"):
+        VerifierModel.load(path)
+
+
+def test_the_fitter_replaces_its_output_in_one_step(monkeypatch, tmp_path):
+    """It wrote the weights in place (open "w"): a fit interrupted while writing, or a power
+    loss, left a file cut short that stopped every shard. The new weights are now on disk
+    (fsynced) in a file beside it before they replace the old ones."""
+    import dataclasses
+    import os
+    import stat
+
+    from services.semantic import fit_verifier
+
+    out = tmp_path / "verifier.json"
+    out.write_text("old weights")
+    out.chmod(0o644)
+    model = dataclasses.replace(VerifierModel.load(), meta={"train_pairs": 1})
+    monkeypatch.setattr(fit_verifier, "load_pairs", lambda: (None, None, None))
+    monkeypatch.setattr(fit_verifier, "fit", lambda data: model)
+    synced: list[tuple[str, str]] = []
+    real_fsync = os.fsync
+
+    def watching_fsync(fd: int) -> None:
+        synced.append((os.readlink(f"/proc/self/fd/{fd}"), out.read_text()))
+        real_fsync(fd)
+
+    monkeypatch.setattr(fit_verifier.os, "fsync", watching_fsync)
+    assert fit_verifier.main(["--out", str(out)]) == 0
+    written = [p for p, _ in synced if p != str(out) and p != str(tmp_path)]
+    assert len(written) == 1 and os.path.dirname(written[0]) == str(tmp_path)
+    assert synced[0][1] == "old weights"  # the new file was on disk before the rename
+    assert synced[-1][0] == str(tmp_path)  # then the rename itself
+    assert VerifierModel.load(out).coef == model.coef
+    assert stat.S_IMODE(out.stat().st_mode) == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["verifier.json"]
