@@ -114,3 +114,32 @@ def admin_stats(stack: FullStack):
 
     with TierCacheClient(stack.orch.address, token=ADMIN_TOKEN, timeout=30) as c:
         return c.stats()
+
+
+def wait_index_caught_up(stack: FullStack, timeout: float = 30.0) -> None:
+    """Until the prefix index lists, for every replica, as many blocks as its idle pool holds:
+    replicas publish what they cache asynchronously (batched, up to ~0.2 s after a prefill),
+    so a request sent right after a Warm could be routed before the index knew of it."""
+    import time
+
+    import grpc
+    from tiercache.v1 import kvpool_pb2, kvpool_pb2_grpc, prefix_pb2, prefix_pb2_grpc
+
+    end = time.monotonic() + timeout
+    last: dict = {}
+    while True:
+        truth = {}
+        for k in stack.kv:
+            with grpc.insecure_channel(k.address) as ch:
+                st = kvpool_pb2_grpc.KvPoolStub(ch).Stats(kvpool_pb2.KvStatsRequest(),
+                                                          timeout=10, metadata=INTERNAL_MD)
+            truth[st.replica_id] = st.blocks_cached + st.blocks_pinned
+        with grpc.insecure_channel(stack.prefix.address) as ch:
+            idx = prefix_pb2_grpc.PrefixIndexStub(ch).Stats(prefix_pb2.PrefixStatsRequest(),
+                                                            timeout=10, metadata=INTERNAL_MD)
+        held = {r.replica_id: r.held_blocks for r in idx.replicas}
+        if held == truth:
+            return
+        last = {"index": held, "pools": truth}
+        assert time.monotonic() < end, f"the index did not catch up with the pools: {last}"
+        time.sleep(0.1)

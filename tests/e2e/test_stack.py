@@ -11,8 +11,10 @@ import pytest
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from clients.python.client import TierCacheClient
+from services.orchestrator.pipeline import session_routing_key
 from services.orchestrator.routing import PrefixAwarePolicy, ReplicaView
-from tests.e2e.stack import INTERNAL_MD, admin_stats, start_full_stack
+from services.orchestrator.tenants import Tenant
+from tests.e2e.stack import INTERNAL_MD, admin_stats, start_full_stack, wait_index_caught_up
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -183,14 +185,16 @@ def test_warm_then_first_requests_hit_on_every_replica(stack, a):
     assert all(not r.error and r.computed_tokens > 0 and r.pinned_blocks > 0
                for r in resp.results)
     warm_tokens = resp.results[0].prompt_tokens
+    # Both replicas' warmed blocks are in the index: otherwise the second request, sent before
+    # the slower replica's publish arrived, saw one holder only (a CI run saw both on kv-1).
+    wait_index_caught_up(stack)
     results = two_in_turn(stack, lambda i: a.generate(
         [{"role": "system", "content": sys2},
          {"role": "user", "content": f"Question number {i}: hello?"}],
         max_tokens=32, ignore_eos=True,
         cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True)),
         # 0.3 s, not "once the first runs": later, the first's prompt blocks are known on its
-        # replica, whose longer match (within the routing floor) then takes the second too
-        # (a fresh-clone CI run saw both on kv-1).
+        # replica, whose longer match (within the routing floor) then takes the second too.
         gap_s=0.3)
     assert {results[i].report.replica_id for i in range(2)} == {"kv-0", "kv-1"}
     for i in range(2):
@@ -206,9 +210,11 @@ def test_requests_sharing_a_new_system_prompt_meet_on_one_replica(stack, a):
     policy = PrefixAwarePolicy()
     views = [ReplicaView("kv-0", 0, 512), ReplicaView("kv-1", 0, 512)]
     ring: dict[str, str] = {}
+    tenant_a = Tenant("a", "", 0, 0, 0)  # the ring's key is the tenant's and the session's
     for i in range(64):
         sid = f"meet-{i}"
-        ring.setdefault(policy.choose(views, {}, sid, new_blocks=32, record=False).replica_id,
+        key = session_routing_key(tenant_a, sid)
+        ring.setdefault(policy.choose(views, {}, key, new_blocks=32, record=False).replica_id,
                         sid)
     sids = [ring["kv-0"], ring["kv-1"]]
     results = two_in_turn(stack, lambda i: a.generate(
