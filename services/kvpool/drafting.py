@@ -52,8 +52,10 @@ CHEAPER_BY = 0.98  # a shorter proposal joins the ladder only if its forward cos
 
 
 def default_ladder(top: int) -> tuple[int, ...]:
-    """LADDER, its top rung raised to `top` (a replica's max_draft_tokens) when above it."""
-    return LADDER[:-1] + (max(LADDER[-1], top),)
+    """LADDER with `top` (a replica's max_draft_tokens) as its top rung, raised or lowered to
+    it, and no rung above it. (Only raised, a replica with max_draft_tokens 8 that fell back
+    to the fixed lengths reported a rung of 16 it never proposes.)"""
+    return tuple(min(r, top) for r in LADDER[:-1]) + (top,)
 
 
 def choose_ladder(costs: dict[int, float], top: int) -> tuple[int, int, int]:

@@ -47,8 +47,16 @@ def test_a_replica_measures_its_ladder_or_takes_the_configured_one(tiny_model):
     from services.kvpool.config import KvPoolConfig
 
     assert draft_ladder(KvPoolConfig(draft_ladder="2,3,5"), tiny_model) == (2, 3, 5)
+    # Measured, or (a busy host) the fixed lengths: within max_draft_tokens either way.
     low, mid, high = draft_ladder(KvPoolConfig(max_draft_tokens=8), tiny_model)
     assert 1 <= low <= mid <= high <= 8
+
+
+def test_the_fixed_lengths_stay_within_max_draft_tokens():
+    assert default_ladder(16) == (1, 2, 16)
+    assert default_ladder(32) == (1, 2, 32)  # hardware that pays for longer proposals
+    assert default_ladder(8) == (1, 2, 8)  # was (1, 2, 16): a CI run on a busy host fell back
+    assert default_ladder(1) == (1, 1, 1)
 
 
 def test_a_replica_whose_timing_fails_or_looks_disturbed_keeps_the_fixed_lengths(
