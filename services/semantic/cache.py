@@ -953,6 +953,13 @@ class SemanticCache:
         minutes at 100k entries."""
         old = [r for r in rows if r.embed_model != self._embed_id
                or r.embedding.shape != (self.embedder.dim,)]
+        if old:
+            # Minutes at a full shard (~640 s for 200k entries at ~300 sentences/s on 2 cores):
+            # said up front and as it goes, or a pod not yet serving looks hung.
+            log.info("re-embedding %d entries stored by %s with %s (the service starts serving "
+                     "once done; progress is kept across restarts)", len(old),
+                     ", ".join(sorted({r.embed_model for r in old})) or "?", self._embed_id)
+        t0 = time.monotonic()
         updates: list[tuple[int, np.ndarray, str]] = []
         for i in range(0, len(old), 64):
             chunk = old[i:i + 64]
@@ -963,9 +970,13 @@ class SemanticCache:
             if len(updates) >= WRITE_CHUNK:  # written as it goes: a restart keeps the work
                 self._rewrite_at_load(updates)
                 updates = []
+                done, took = i + len(chunk), time.monotonic() - t0
+                log.info("re-embedded %d of %d entries (%.0f%%) in %.0f s, ~%.0f s left", done,
+                         len(old), 100 * done / len(old), took, took / done * (len(old) - done))
         self._rewrite_at_load(updates)
         if old:
-            log.info("re-embedded %d entries with %s", len(old), self.embedder.name)
+            log.info("re-embedded %d entries with %s in %.0f s", len(old), self.embedder.name,
+                     time.monotonic() - t0)
         # Rows stored before every vector was made unit length (a folder without a Normalize
         # module gave norms of 5-7): the index's inner product over them read as similarity
         # 1.0 for unrelated questions. Normalised once, and written back.

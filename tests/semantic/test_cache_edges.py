@@ -457,6 +457,37 @@ def test_load_rewrites_vectors_in_one_transaction_not_one_per_row(make_cfg, emb,
         c.store.close()
 
 
+def test_re_embedding_at_start_says_what_it_does_and_how_far_it_is(make_cfg, emb, clock,
+                                                                    monkeypatch, caplog):
+    """After a change of embedding model a full shard re-embeds for ~10 minutes before it
+    serves, and said nothing until the end: a pod that looked hung to its operator (and
+    outlasted the startup probe)."""
+    import logging
+
+    from services.semantic import cache as cache_mod
+
+    monkeypatch.setattr(cache_mod, "WRITE_CHUNK", 64)
+    cfg = make_cfg(guard_tiers=(), verifier_tiers=())
+    store = EntryStore(cfg.resolved_db_path(), "NORMAL")
+    store.insert_many([{"id": f"e{i}", "tenant": A.tenant, "model_id": A.model_id,
+                        "context_hash": "", "prompt": f"question {i}", "answer": "x",
+                        "embedding": np.ones(8, np.float32), "embed_model": "old@model",
+                        "verified": False, "created_at": clock.t, "ttl_seconds": 0}
+                       for i in range(200)])
+    store.close()
+    c = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        with caplog.at_level(logging.INFO, logger=cache_mod.log.name):
+            assert c.load() == 200
+        text = caplog.text
+        assert f"re-embedding 200 entries stored by old@model with {emb.identity}" in text
+        assert "re-embedded 128 of 200 entries (64%)" in text  # every 64 written here
+        assert "re-embedded 200 entries with" in text
+    finally:
+        c.close_indexes()
+        c.store.close()
+
+
 def test_load_lets_go_of_each_rows_vector_once_its_namespace_is_stacked(make_cfg, emb, clock,
                                                                       monkeypatch):
     """load() kept every row's own vector array alive until it returned, beside the stacked
