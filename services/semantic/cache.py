@@ -157,6 +157,20 @@ def _metrics():
     }
 
 
+def _fitted_elsewhere(meta: dict, embedder: Embedder) -> str:
+    """The model a verifier's weights were fitted for, when it is not `embedder` ("" when it
+    is). By the model's weights (`embedder_weights`, the part of its identity after "@") when
+    the weights file records them: by name alone, a fine-tuned model in a folder of the same
+    name kept weights fitted for another's cosines, and the packaged model served under
+    another name lost its verifier. Older files record the name only."""
+    weights = meta.get("embedder_weights")
+    ours = getattr(embedder, "identity", "").rpartition("@")[2]
+    if weights and ours:
+        return "" if weights == ours else f"{meta.get('embedder', '?')}@{weights}"
+    name = meta.get("embedder")
+    return "" if not name or name == embedder.name else name
+
+
 def _still(wanted: Callable[[], bool] | None, what: str) -> None:
     """Raise DeadlineExceeded unless the caller still waits (`wanted` None: always)."""
     if wanted is not None and not wanted():
@@ -197,13 +211,14 @@ class SemanticCache:
                 # another embedder below. It stopped every shard (exit 2).
                 log.warning("%s: %s; verifier off (guard only) until then", cfg.verifier_path,
                             e)
-        fitted_for = (self.verifier.model.meta or {}).get("embedder") if self.verifier else None
-        if fitted_for and fitted_for != embedder.name:
+        fitted_for = (_fitted_elsewhere(self.verifier.model.meta or {}, embedder)
+                      if self.verifier else "")
+        if fitted_for:
             # Its weights read similarities of the model it was fitted with; another model's
             # scale differs. Its tiers keep the guard (verifier tiers are guard tiers too).
             log.warning("the verifier was fitted for %s, not %s: verifier off (guard only); "
                         "fit one with python -m services.semantic.fit_verifier", fitted_for,
-                        embedder.name)
+                        getattr(embedder, "identity", embedder.name))
             self.verifier = None
         self._params = IndexParams(embedder.dim, cfg.hnsw_min_entries, cfg.hnsw_m,
                                    cfg.hnsw_ef_construction, cfg.hnsw_ef_search,

@@ -139,8 +139,9 @@ def semantic_config():
     return load_config(SemanticConfig, "semantic", [], env)
 
 
-def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, str, int]]]:
-    """QQP + PAWS as a PairSet (embedding with the configured model; cached on disk)."""
+def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, str, int]], str]:
+    """QQP + PAWS as a PairSet (embedding with the configured model; cached on disk), the rows,
+    and the embedding model's identity (name@weights)."""
     from services.semantic.embedder import OnnxEmbedder
     from services.semantic.labelled_data import embed_all, load_paws, load_qqp
 
@@ -157,7 +158,8 @@ def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, s
         xs.append(featurise([(r[0], r[1]) for r in rows], (a * b).sum(1)))
         ys.append(np.array([r[2] for r in rows]))
         src.append(np.full(len(rows), is_paws))
-    return PairSet(np.vstack(xs), np.concatenate(ys), np.concatenate(src)), qqp, paws
+    return (PairSet(np.vstack(xs), np.concatenate(ys), np.concatenate(src)), qqp, paws,
+            emb.identity)
 
 
 def write_weights(path: str | os.PathLike, text: str) -> None:
@@ -200,10 +202,12 @@ def main(argv: list[str] | None = None) -> int:
                          "else the packaged verifier.json)")
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
-    data, _, _ = load_pairs()
+    data, _, _, identity = load_pairs()
     model = fit(data)
-    # The cache turns the verifier off under another embedding model (its cosines differ).
+    # The cache turns the verifier off under another embedding model (its cosines differ):
+    # recognised by its weights, whatever name it is served under.
     model.meta["embedder"] = semantic_config().resolved_model_name()
+    model.meta["embedder_weights"] = identity.rpartition("@")[2]
     write_weights(args.out, model.to_json() + "\n")
     print(f"fitted on {model.meta['train_pairs']} pairs in {time.perf_counter() - t0:.0f}s; "
           f"cuts {model.cuts}; wrote {args.out}", file=sys.stderr)

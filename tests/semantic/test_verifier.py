@@ -248,7 +248,7 @@ def test_the_fitter_replaces_its_output_in_one_step(monkeypatch, tmp_path):
     out.write_text("old weights")
     out.chmod(0o644)
     model = dataclasses.replace(VerifierModel.load(), meta={"train_pairs": 1})
-    monkeypatch.setattr(fit_verifier, "load_pairs", lambda: (None, None, None))
+    monkeypatch.setattr(fit_verifier, "load_pairs", lambda: (None, None, None, "m@w"))
     monkeypatch.setattr(fit_verifier, "fit", lambda data: model)
     synced: list[tuple[str, str]] = []
     real_fsync = os.fsync
@@ -266,3 +266,37 @@ def test_the_fitter_replaces_its_output_in_one_step(monkeypatch, tmp_path):
     assert VerifierModel.load(out).coef == model.coef
     assert stat.S_IMODE(out.stat().st_mode) == 0o644
     assert sorted(p.name for p in tmp_path.iterdir()) == ["verifier.json"]
+
+
+def test_the_verifier_follows_the_embedding_models_weights_not_its_name(make_cfg, embedder,
+                                                                      tmp_path, caplog):
+    """Matched by name alone, a fine-tuned model in a folder of the packaged model's name kept
+    weights fitted for another model's cosines, and the packaged model served under another
+    name lost its verifier."""
+    import json
+
+    base = json.loads(VerifierModel.load().to_json())
+    assert base["meta"]["embedder_weights"] == embedder.identity.rpartition("@")[2]
+
+    def cache_with(name: str, weights: str | None) -> SemanticCache:
+        meta = dict(base["meta"], embedder=name)
+        if weights is None:
+            meta.pop("embedder_weights")
+        else:
+            meta["embedder_weights"] = weights
+        path = tmp_path / f"{name}-{weights}.json"
+        path.write_text(json.dumps(dict(base, meta=meta)))
+        cfg = make_cfg(verifier_path=str(path), db_path=str(tmp_path / f"{path.stem}.db"))
+        cache = SemanticCache(cfg, embedder, EntryStore(cfg.resolved_db_path(), "NORMAL"))
+        cache.store.close()
+        return cache
+
+    ours = base["meta"]["embedder_weights"]
+    assert cache_with("all-MiniLM-L6-v2", ours).verifier is not None
+    assert cache_with("renamed-minilm", ours).verifier is not None  # same weights
+    caplog.clear()
+    assert cache_with("all-MiniLM-L6-v2", "0123456789abcdef").verifier is None  # fine-tuned
+    assert "fitted for all-MiniLM-L6-v2@0123456789abcdef" in caplog.text
+    # Files from before weights were recorded: by name, as before.
+    assert cache_with("all-MiniLM-L6-v2", None).verifier is not None
+    assert cache_with("another-model", None).verifier is None
