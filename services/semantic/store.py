@@ -124,7 +124,10 @@ CREATE TABLE IF NOT EXISTS entries (
     last_hit_at  REAL NOT NULL DEFAULT 0,
     hit_count    INTEGER NOT NULL DEFAULT 0,
     ttl_seconds  INTEGER NOT NULL DEFAULT 0,         -- 0 = never expires
-    truncated    INTEGER NOT NULL DEFAULT 0          -- answer cut after N tokens; 0 = whole
+    -- Answer cut after N tokens; 0 = whole. Every insert here sets it: the default is for a
+    -- writer that does not know the column (a build rolled back to, before it existed),
+    -- whose answers may have been cut, as _mark_uncertain_answers assumes of old rows.
+    truncated    INTEGER NOT NULL DEFAULT 1
 );
 -- Once created, never read: namespaces live in memory and rows are read by label or id. It
 -- cost every insert and delete a b-tree update, and each row 30-65 bytes of disk.

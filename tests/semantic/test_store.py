@@ -431,3 +431,22 @@ def test_a_newer_database_is_refused_before_anything_is_written_to_it(tmp_path):
     names = {r[0] for r in con.execute("SELECT name FROM sqlite_master")}
     con.close()
     assert names == {"entries_v7", "entries_ns"}
+
+
+def test_rows_written_by_a_build_that_does_not_know_truncated_are_not_taken_as_whole(tmp_path):
+    """A rollback to a build from before the `truncated` column, then forward again: that
+    build's rows read as whole answers (the column's default was 0), and a cut-off answer was
+    served to requests wanting more."""
+    path = str(tmp_path / "s.db")
+    EntryStore(path, "NORMAL").close()
+    db = sqlite3.connect(path)
+    db.execute("INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
+               "embedding, embed_model, created_at) VALUES ('old', 't', 'm', '', 'q', 'a', ?, "
+               "'e', 1.0)", (np.ones(4, "<f4").tobytes(),))
+    db.commit()
+    db.close()
+    s = EntryStore(path, "NORMAL")
+    try:
+        assert s.get("old").truncated == 1
+    finally:
+        s.close()
