@@ -396,10 +396,12 @@ def _synthetic(questions: list[str], n: int, seed: int = 7) -> list[str]:
     return out
 
 
-def _latency_corpus(qqp, size: int, n_queries: int) -> tuple[list[str], list[str], int, int]:
+def _latency_corpus(qqp, size: int, n_queries: int, rng: random.Random
+                    ) -> tuple[list[str], list[str], int, int]:
     """The latency part's entries and near-duplicate queries at `size` entries: (entries,
     queries, how many queries are QQP paraphrases (the rest are light edits), how many
-    entries are real QQP questions (the rest are synthetic))."""
+    entries are real QQP questions (the rest are synthetic)). `rng` draws the queries: the
+    latency part passes one generator through its sizes in turn."""
     dup_pairs = [(a, b) for a, b, y in qqp if y == 1 and a != b]
     # The paraphrase side of every duplicate pair is held out of the entries, so that at every
     # size half the queries are real QQP paraphrases of an indexed question (at 100k every
@@ -407,7 +409,6 @@ def _latency_corpus(qqp, size: int, n_queries: int) -> tuple[list[str], list[str
     held = {b for _, b in dup_pairs}
     real = [t for t in dict.fromkeys([a for a, _, _ in qqp] + [b for _, b, _ in qqp])
             if t not in held]
-    rng = random.Random(11)
     base = real[:size] + _synthetic(real, max(0, size - len(real)))
     base = base[:size]
     present = set(base)
@@ -443,9 +444,11 @@ def bench_ef_sweep(emb: OnnxEmbedder, qqp, size: int, n_queries: int,
     from services.semantic.index import IndexParams, NamespaceIndex, set_search_threads
 
     cfg = SemanticConfig()
-    base, near, _, _ = _latency_corpus(qqp, size, n_queries)
+    base, near, _, _ = _latency_corpus(qqp, size, n_queries, random.Random(11))
     vecs = embed_all(emb, base)
-    index = NamespaceIndex(IndexParams(dim=vecs.shape[1], hnsw_min_entries=cfg.hnsw_min_entries,
+    # HNSW at any size (the service builds it from hnsw_min_entries on; --quick's 5k entries
+    # would otherwise be a flat index, with no efSearch to sweep).
+    index = NamespaceIndex(IndexParams(dim=vecs.shape[1], hnsw_min_entries=0,
                                        hnsw_m=cfg.hnsw_m,
                                        hnsw_ef_construction=cfg.hnsw_ef_construction),
                            background=False)
@@ -502,9 +505,10 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
     from services.semantic.store import EntryStore
 
     cfg = SemanticConfig()
+    rng = random.Random(11)  # one generator through the sizes, as the part always drew them
     results = {}
     for size in sizes:
-        base, queries, n_para, n_real = _latency_corpus(qqp, size, n_queries)
+        base, queries, n_para, n_real = _latency_corpus(qqp, size, n_queries, rng)
         t0 = time.perf_counter()
         vecs = embed_all(emb, base)
         embed_s = time.perf_counter() - t0

@@ -40,15 +40,18 @@ class OnnxEmbedder:
         if threads:
             opts.intra_op_num_threads = threads
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf
+
         folder = ensure_onnx(model_dir, cache_dir, name)
         loaded = export_identity(folder)
         try:
             self._sess = ort.InferenceSession(str(folder / "model.onnx"), opts,
                                               providers=["CPUExecutionProvider"])
-        except Exception as e:  # noqa: BLE001 - onnxruntime's own types (InvalidProtobuf, ...)
+        except (InvalidProtobuf, InvalidGraph) as e:
             # A cached export damaged but of the size meta.json records (bit rot, a bad
             # restore) passed ensure_onnx's checks: every start then failed on it. Exported
-            # again, once; a second failure is not the cache's and propagates.
+            # again, once; a second failure is not the cache's and propagates. (Only a file
+            # that does not parse: out of memory, say, would not be mended by an export.)
             log.warning("%s cannot be loaded (%s: %s): exporting it again",
                         folder / "model.onnx", type(e).__name__, str(e)[:300])
             folder = ensure_onnx(model_dir, cache_dir, name, broken=loaded)

@@ -126,7 +126,8 @@ CREATE TABLE IF NOT EXISTS entries (
     ttl_seconds  INTEGER NOT NULL DEFAULT 0,         -- 0 = never expires
     -- Answer cut after N tokens; 0 = whole. Every insert here sets it: the default is for a
     -- writer that does not know the column (a build rolled back to, before it existed),
-    -- whose answers may have been cut, as _mark_uncertain_answers assumes of old rows.
+    -- whose answers may have been cut, as _mark_uncertain_answers assumes of old rows. (A
+    -- table created with DEFAULT 0 by an earlier build keeps it: IF NOT EXISTS leaves it.)
     truncated    INTEGER NOT NULL DEFAULT 1
 );
 -- Once created, never read: namespaces live in memory and rows are read by label or id. It

@@ -252,6 +252,9 @@ def test_entries_embedded_by_another_model_are_re_embedded_at_load(make_cache):
     c.store.set_embedding(c.get(e.id).label, junk, c.embedder.name)  # tagged by name only
     again = make_cache()
     assert again.lookup(A, "How far is the Moon?").hit
+    # Not the same text (an exact repeat is found by text): found by its new vector.
+    near = again.lookup(A, "How far is the Moon? ")
+    assert near.hit and not near.exact and near.entry.id == e.id
     assert again.store.get(e.id).embed_model == c.embedder.identity
 
 
@@ -317,6 +320,8 @@ def test_reload_from_sqlite(make_cache, make_cfg, embedder, clock):
     assert e.verified and e.hit_count == 1 and e.answer == "384,400 km" and e.truncated == 0
     assert again.get(cut.id).truncated == 6
     assert again.lookup(A, "How far is the Moon?").hit
+    near = again.lookup(A, "How far is the Moon? ")  # through the rebuilt index
+    assert near.hit and not near.exact and near.entry.id == keep.id
     again.check_integrity()
 
 

@@ -108,5 +108,9 @@ def test_acknowledged_stores_survive_kill_9(tmp_path):
             r = stub.Lookup(pb.LookupRequest(namespace=NS, text=prompt, tier="strict"),
                             timeout=10)
             assert r.hit and r.entry.id == sid and r.entry.prompt == prompt
+            # And through the rebuilt index (an exact repeat is found by its text).
+            r = stub.Lookup(pb.LookupRequest(namespace=NS, text=prompt + " ", tier="strict"),
+                            timeout=10)
+            assert r.hit and not r.exact and r.entry.id == sid
     finally:
         assert terminate(proc) == 0

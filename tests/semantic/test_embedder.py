@@ -119,6 +119,8 @@ def test_any_sentence_transformers_folder_works_through_config(tmp_path, make_cf
         ns = Namespace("t", "m", "")
         cache.store_entry(ns, "How do I cook pasta?", "Boil water, add pasta.")
         assert cache.lookup(ns, "How do I cook pasta?").hit
+        near = cache.lookup(ns, "How do I cook pasta? ")  # by its vector, not its text
+        assert near.hit and not near.exact
         r = cache.lookup(ns, "What is the capital of France?", tier="relaxed")
         assert not r.hit and r.similarity < 0.9
         # The committed verifier was fitted on MiniLM's similarities: off for this model
