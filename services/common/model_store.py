@@ -30,6 +30,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from services.common.files import fsync_path
+
 log = logging.getLogger(__name__)
 
 SMOLLM2_SPEC = "smollm2"
@@ -157,20 +159,12 @@ def _file_sizes(folder: Path) -> dict[str, int]:
             for f in sorted(folder.rglob("*")) if f.is_file() and f.name != _DONE_MARKER}
 
 
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _fsync_tree(folder: Path) -> None:
     """Every file and folder under `folder`, and `folder` itself, on disk: a rename that
     survives a power loss must not publish files whose data did not."""
     for f in sorted(folder.rglob("*")):
-        _fsync_path(f)
-    _fsync_path(folder)
+        fsync_path(f)
+    fsync_path(folder)
 
 
 def source_id(gguf: Path) -> str:
@@ -268,7 +262,7 @@ def _publish(tmp: Path, target: Path) -> None:
         os.rename(target, old / "model")
         shutil.rmtree(old, ignore_errors=True)
     os.rename(tmp, target)
-    _fsync_path(target.parent)  # the rename itself, durable
+    fsync_path(target.parent)  # the rename itself, durable
 
 
 def _load_gguf(gguf: Path) -> tuple[Any, Any]:

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from services.common.files import fsync_path
 from services.semantic.verifier import (
     DEFAULT_WEIGHTS,
     FEATURES,
@@ -187,11 +188,7 @@ def write_weights(path: str | os.PathLike, text: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    dfd = os.open(folder, os.O_RDONLY)  # the rename itself, durable
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    fsync_path(folder)  # the rename itself, durable
 
 
 def main(argv: list[str] | None = None) -> int:

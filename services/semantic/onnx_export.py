@@ -27,6 +27,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from services.common.files import fsync_path
+
 log = logging.getLogger(__name__)
 
 OPSET = 17
@@ -254,11 +256,7 @@ def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name
                 _remove(root, name, target)
             os.chmod(tmp, 0o755)
             os.rename(tmp, target)
-            fd = os.open(root, os.O_RDONLY)  # the rename itself, durable
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_path(root)  # the rename itself, durable
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
