@@ -43,10 +43,13 @@ class OnnxEmbedder:
         from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf
 
         folder = ensure_onnx(model_dir, cache_dir, name)
+        def session(folder: Path) -> ort.InferenceSession:
+            return ort.InferenceSession(str(folder / "model.onnx"), opts,
+                                        providers=["CPUExecutionProvider"])
+
         loaded = export_identity(folder)
         try:
-            self._sess = ort.InferenceSession(str(folder / "model.onnx"), opts,
-                                              providers=["CPUExecutionProvider"])
+            self._sess = session(folder)
         except (InvalidProtobuf, InvalidGraph) as e:
             # A cached export damaged but of the size meta.json records (bit rot, a bad
             # restore) passed ensure_onnx's checks: every start then failed on it. Exported
@@ -55,8 +58,7 @@ class OnnxEmbedder:
             log.warning("%s cannot be loaded (%s: %s): exporting it again",
                         folder / "model.onnx", type(e).__name__, str(e)[:300])
             folder = ensure_onnx(model_dir, cache_dir, name, broken=loaded)
-            self._sess = ort.InferenceSession(str(folder / "model.onnx"), opts,
-                                              providers=["CPUExecutionProvider"])
+            self._sess = session(folder)
         meta = json.loads((folder / "meta.json").read_text())
         self.name = name
         self.fingerprint: str = meta["fingerprint"]
