@@ -186,9 +186,11 @@ class Served:
     def stats(self):
         return self.client.stats()
 
-    def ladder(self) -> tuple[int, ...]:
-        """The replica's draft proposal lengths (measured at its start)."""
-        return tuple(self.replica.Stats(self.kv.KvStatsRequest(), timeout=30).draft_ladder)
+    def ladder(self) -> tuple[tuple[int, ...], str, list[float]]:
+        """The replica's draft proposal lengths (measured at its start), where they came from,
+        and the relative forward costs they were chosen from."""
+        st = self.replica.Stats(self.kv.KvStatsRequest(), timeout=30)
+        return tuple(st.draft_ladder), st.draft_ladder_source, list(st.draft_forward_costs)
 
 
 @dataclass
@@ -361,8 +363,9 @@ def main(argv: list[str] | None = None) -> int:
         try:
             s = Served(stack.procs["orchestrator"].address, stack.procs["kvpool-0"].address)
             s.ask("Warm-up question?", lookup=False)
-            ladder = s.ladder()
-            print(f"replica's draft proposal lengths: {ladder}", flush=True)
+            ladder, ladder_source, forward_costs = s.ladder()
+            print(f"replica's draft proposal lengths: {ladder} ({ladder_source}; forwards of "
+                  f"1.. tokens cost {forward_costs} x one token's)", flush=True)
             with ThreadPoolExecutor(UNTIMED_BATCH) as ex:
                 a_runs = list(ex.map(lambda p: s.ask(p.qa, lookup=False, store=True), pairs))
             drafts = {r.entry_id: draft_of(r.tokens) for r in a_runs if r.entry_id}
@@ -565,6 +568,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                     "load_avg_at_start": load_avg, "load_avg_at_end": os.getloadavg()},
         "draft_ladder": list(ladder),
+        "draft_ladder_source": ladder_source,
+        "draft_forward_costs": forward_costs,
         "figures": figures,
         "targets": targets,
         "notes": NOTES,

@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -66,18 +66,26 @@ def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
 IMPLAUSIBLE = 0.85  # a multi-token forward timed under this share of a 1-token one: noise
 
 
-def draft_ladder(cfg: KvPoolConfig, model: Any) -> tuple[int, ...]:
+class LadderChoice(NamedTuple):
+    """The drafts' proposal lengths, where they came from, and what they were chosen from."""
+
+    ladder: tuple[int, ...]
+    source: str  # "configured", "measured", or "fixed: <why the measurement was not used>"
+    costs: tuple[float, ...] = ()  # measured forward of q = 1.. tokens / a 1-token one
+
+
+def draft_ladder(cfg: KvPoolConfig, model: Any) -> LadderChoice:
     """The drafts' proposal lengths: `cfg.draft_ladder`, or measured on this device."""
     fixed = cfg.fixed_ladder()
     if fixed is not None:
-        return fixed
+        return LadderChoice(fixed, "configured")
     t0 = time.monotonic()
 
-    def fall_back(why: str) -> tuple[int, ...]:
+    def fall_back(why: str, costs: tuple[float, ...] = ()) -> LadderChoice:
         fallback = default_ladder(cfg.max_draft_tokens)
         log.warning("%s: draft proposal lengths %s (TIERCACHE_KVPOOL_DRAFT_LADDER fixes them)",
                     why, ",".join(map(str, fallback)))
-        return fallback
+        return LadderChoice(fallback, f"fixed: {why}", costs)
 
     try:
         costs = forward_costs(model, cfg.max_draft_tokens + 1)
@@ -86,18 +94,18 @@ def draft_ladder(cfg: KvPoolConfig, model: Any) -> tuple[int, ...]:
         # shorter than its context, a cache without crop): drafts keep the fixed lengths.
         return fall_back(f"could not time draft forwards ({type(e).__name__}: {e})")
     base = costs[1]
+    relative = tuple(round(costs[q] / base, 3) for q in sorted(costs))
     if min(costs[q] for q in costs if q > 1) < IMPLAUSIBLE * base:
         # More tokens for much less than one: the host was busy while timing (other replicas
         # starting beside this one), and the figures are noise.
         return fall_back(f"draft forward timings look disturbed (a forward of several tokens "
-                         f"measured under {IMPLAUSIBLE:.0%} of one token's)")
+                         f"measured under {IMPLAUSIBLE:.0%} of one token's)", relative)
     ladder = choose_ladder(costs, cfg.max_draft_tokens)
     log.info("draft proposal lengths %s, from forwards of 1..%d tokens costing %s x one "
              "token's %.1f ms (measured in %.1f s; TIERCACHE_KVPOOL_DRAFT_LADDER)",
              ",".join(map(str, ladder)), cfg.max_draft_tokens + 1,
-             " ".join(f"{costs[q] / base:.2f}" for q in sorted(costs)), base * 1000,
-             time.monotonic() - t0)
-    return ladder
+             " ".join(f"{c:.2f}" for c in relative), base * 1000, time.monotonic() - t0)
+    return LadderChoice(ladder, "measured", relative)
 
 
 def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | None = None,
@@ -136,7 +144,9 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     metrics=KvMetrics() if metrics else None)
     if cfg.drafts:
         # Before the engine thread runs: the timings need the device to themselves.
-        engine.draft_ladder = draft_ladder(cfg, model)
+        choice = draft_ladder(cfg, model)
+        engine.draft_ladder = choice.ladder
+        engine.draft_ladder_source, engine.draft_costs = choice.source, choice.costs
     engine.start()
     pool_b, rows_b = engine.store.nbytes()
     # Growing by doubling holds the old rows beside the new ones while copying.

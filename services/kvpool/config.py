@@ -55,7 +55,8 @@ class KvPoolConfig:
     # Most draft tokens verified per sequence in one forward (the bound of the adaptive gamma).
     max_draft_tokens: int = 16
     # Draft proposal lengths: "auto" = chosen at start from forwards of 1..max_draft_tokens+1
-    # tokens timed on this device (10-20 s on a 2-core CPU; services/kvpool/calibrate.py), or
+    # tokens timed on this device (15-20 s on a quiet 2-core CPU, longer while other processes
+    # keep it busy: disturbed timings are dropped; services/kvpool/calibrate.py), or
     # three ascending lengths "a,b,c" in 1..max_draft_tokens (after a miss, after a match,
     # while proposals verify). Only read when drafts are on.
     draft_ladder: str = "auto"

@@ -264,6 +264,10 @@ class Engine:
         # Proposal lengths (drafting.choose_ladder, measured on this device at start by the
         # replica); None = drafting's fixed LADDER.
         self.draft_ladder = draft_ladder
+        # Where the lengths came from and the relative forward costs they were chosen from
+        # (set by the replica with the lengths; Stats reports them).
+        self.draft_ladder_source = "configured" if draft_ladder else "fixed"
+        self.draft_costs: tuple[float, ...] = ()
         self.metrics = metrics
         param = next(model.parameters())
         self.device = param.device
@@ -302,6 +306,9 @@ class Engine:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> Engine:
+        # Counted from now, not from construction: the replica times draft forwards in
+        # between (seconds), and the engine reported that time as a stall until its first turn.
+        self._turned_at = self._looped_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
         self._thread.start()
         return self

@@ -16,6 +16,7 @@ from services.common import errors
 from services.kvpool.engine import Failed, Finished, FinishReason
 from services.kvpool.paged_cache import ForwardPlan
 from tests.kvpool.conftest import (
+    TINY_ID,
     TINY_VOCAB,
     assert_idle,
     collect,
@@ -765,3 +766,20 @@ def test_a_forwards_positions_are_built_once(make_engine) -> None:
         assert pos.tolist() == [[3, 4], [5, 6]]
         cache.begin(ForwardPlan(0, [7], 1))
         assert cache.position_ids().tolist() == [[7]]
+
+
+def test_time_between_building_an_engine_and_starting_it_is_not_a_stall(tiny_model) -> None:
+    """A replica times draft forwards between building its engine and starting it (~16 s on
+    SmolLM2): Stats read that time as a stall until the engine's first turn ended."""
+    from services.common.hashing import BlockHasher
+    from services.kvpool.block_pool import BlockPool
+    from services.kvpool.engine import Engine, model_info
+
+    eng = Engine(tiny_model, model_info(tiny_model, TINY_ID),
+                 BlockPool(16, 4, BlockHasher(TINY_ID, 4, key=b"k")))
+    time.sleep(1.2)
+    eng.start()
+    try:
+        assert eng.stuck_for() < 1.0 and eng.stalled_for() < 1.0
+    finally:
+        eng.stop()
