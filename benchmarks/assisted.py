@@ -64,6 +64,11 @@ Context figures, computed from the greedy answers, not timed:
                             (`hindsight_passes`)
   forward_passes_per_token_hindsight_bound  the same bound with the sequence's own context
                             (prompt + answer so far, what prompt lookup sees) as a second source
+  replayed_speedup_by_ladder  the decode speed-up of the near pairs' answers replayed with
+                            the replica's ladder, the fixed fallback LADDER, 4,8,16, 16,16,16
+                            and the best ladder in hindsight, costing each forward what the
+                            replica timed at its start (forward cost only, no serving overhead:
+                            how much the start-time choice of lengths gave away)
 Greedy outputs of all six timed runs are compared token by token (`identical_outputs`).
 
 Run: python -m benchmarks.assisted [--quick]
@@ -239,16 +244,20 @@ def share(draft: list[int], answer: list[int]) -> float:
 
 
 def replay(prompt: list[int], answer: list[int], draft: list[int],
-           self_lookup: bool = True, ladder: tuple[int, ...] | None = None) -> dict[str, int]:
+           self_lookup: bool = True, ladder: tuple[int, ...] | None = None,
+           costs: list[float] | None = None) -> dict[str, float]:
     """The replica's drafting logic run against a known greedy answer (greedy verification
     accepts exactly the proposal's prefix that equals the answer): forward passes, and proposed
-    and accepted tokens by source, as the engine counts them for one sequence decoded alone."""
+    and accepted tokens by source, as the engine counts them for one sequence decoded alone.
+    With `costs` (a forward of q tokens costs costs[q - 1]), also "cost": what the counted
+    forwards cost together."""
     from services.kvpool.drafting import Draft, Source
 
     d = Draft.of(draft, self_lookup, ladder=ladder)
     gen: list[int] = []
     proposed_lookup = 0
     passes = -1  # the first proposal rides on the prefill forward, which is not counted
+    cost = 0.0
     while len(gen) < len(answer):
         prop = d.propose(prompt + gen, min(MAX_DRAFT_TOKENS, MAX_TOKENS - len(gen) - 1))
         if d.pending.source is Source.LOOKUP:
@@ -257,12 +266,43 @@ def replay(prompt: list[int], answer: list[int], draft: list[int],
         while a < len(prop) and len(gen) + a < len(answer) and prop[a] == answer[len(gen) + a]:
             a += 1
         emitted = answer[len(gen):len(gen) + a + 1]
+        if costs is not None and passes >= 0:
+            cost += costs[len(prop)]
         gen += emitted
         passes += 1
         d.record(a)
         d.advance(emitted, gen)
-    return {"passes": passes, "proposed": d.proposed, "accepted": d.accepted,
-            "proposed_lookup": proposed_lookup, "accepted_lookup": d.accepted_lookup}
+    out = {"passes": passes, "proposed": d.proposed, "accepted": d.accepted,
+           "proposed_lookup": proposed_lookup, "accepted_lookup": d.accepted_lookup}
+    if costs is not None:
+        out["cost"] = cost
+    return out
+
+
+def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: list[float],
+                   chosen: tuple[int, ...]) -> dict:
+    """Decode speed-up each draft ladder would give on `runs` (prompt, greedy answer, draft) if
+    forwards cost what the replica timed at its start (`costs`, relative to a 1-token forward):
+    the replica's own ladder, the fixed fallback, two others, and the best of every ladder
+    topped by MAX_DRAFT_TOKENS or one less. Forward cost only (no serving overhead), so above
+    the served decode_speedup; it says how much the start-time choice of lengths gave away."""
+    import itertools
+
+    from services.kvpool.drafting import LADDER
+
+    plain = sum(len(answer) - 1 for _, answer, _ in runs)  # a 1-token forward costs 1
+
+    def speedup(ladder: tuple[int, ...]) -> float:
+        used = sum(replay(p, a, d, ladder=ladder, costs=costs)["cost"] for p, a, d in runs)
+        return round(plain / used, 3) if used else 0.0
+
+    named = {"replica": chosen, "fixed_fallback": LADDER, "4,8,16": (4, 8, 16),
+             "16,16,16": (16, 16, 16)}
+    out = {name: {"ladder": list(lad), "speedup": speedup(lad)} for name, lad in named.items()}
+    best = max((lad for lad in itertools.combinations_with_replacement(
+        range(1, MAX_DRAFT_TOKENS + 1), 3) if lad[2] >= MAX_DRAFT_TOKENS - 1), key=speedup)
+    out["best"] = {"ladder": list(best), "speedup": speedup(best)}
+    return out
 
 
 def hindsight_passes(answer: list[int], draft: list[int], prompt: list[int] | None = None,
@@ -351,6 +391,7 @@ def main(argv: list[str] | None = None) -> int:
           "duplicates",
           flush=True)
     rows = []
+    replayed: list[tuple[list[int], list[int], list[int]]] = []  # near pairs, for ladder_replays
     with tempfile.TemporaryDirectory(prefix="bench-assisted-") as tmp:
         env = {"TIERCACHE_SEMANTIC_DB_PATH": str(Path(tmp) / "semantic.db"),
                "TIERCACHE_KVPOOL_NUM_BLOCKS": "4096", "TIERCACHE_KVPOOL_MAX_BATCH_SIZE": "8",
@@ -450,6 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                     "qa": pairs[i].qa, "qb": pairs[i].qb,
                 })
                 r = rows[-1]
+                if r["share"] >= SHARE_MIN:
+                    replayed.append((ids, plain.tokens, draft))
                 print(f"pair {i:2d} cos {r['similarity_served']:.3f} share {r['share']:.2f} "
                       f"tokens {r['b_tokens']:3d} wall {r['wall_plain_s']:.2f}/"
                       f"{r['wall_draft_s']:.2f} s (replica {r['wall_direct_plain_s']:.2f}/"
@@ -544,6 +587,9 @@ def main(argv: list[str] | None = None) -> int:
         "stats_replica_draft_tokens_accepted_total":
             sum(rep.draft_tokens_accepted_total for rep in stats.replicas),
     }
+    if forward_costs and replayed:
+        print("replaying the timed answers with other draft ladders ...", flush=True)
+        figures["replayed_speedup_by_ladder"] = ladder_replays(replayed, forward_costs, ladder)
     targets = {}
     for name, (op, target) in TARGETS.items():
         v = figures.get(name)

@@ -142,3 +142,31 @@ def test_never_above_what_the_replicas_drafting_needs(c):
     assert bound <= bound_draft
     # And no bound is above decoding without a draft.
     assert bound_draft <= len(answer) - 1
+
+
+# -- replayed costs by draft ladder -------------------------------------------------------------
+
+
+def test_replayed_cost_counts_each_decode_forward_at_its_length():
+    # A perfect 40-token draft with the top rung: forwards of 17 tokens after the prefill one.
+    flat = [1.0] * (MAX_DRAFT_TOKENS + 1)
+    r = replay([1, 2], ANSWER, ANSWER, ladder=(16, 16, 16), costs=flat)
+    assert r["cost"] == r["passes"] == 2
+    dear = [1.0] + [3.0] * MAX_DRAFT_TOKENS  # any proposal triples a forward's cost
+    assert replay([1, 2], ANSWER, ANSWER, ladder=(16, 16, 16), costs=dear)["cost"] == 6.0
+    # No draft to verify: every decode forward is a 1-token one.
+    assert replay([1, 2], ANSWER, [], costs=dear)["cost"] == len(ANSWER) - 1
+
+
+def test_ladder_replays_rank_the_ladders_by_what_their_forwards_cost():
+    from benchmarks.assisted import ladder_replays
+
+    draft = list(ANSWER)
+    draft[20] = 7  # one substituted token
+    runs = [([1, 2], ANSWER, draft)]
+    flat = [1.0] * (MAX_DRAFT_TOKENS + 1)
+    out = ladder_replays(runs, flat, (1, 2, 16))
+    # Forwards cost alike: the longest proposals throughout are best.
+    assert out["16,16,16"]["speedup"] >= out["replica"]["speedup"]
+    assert out["best"]["speedup"] >= max(v["speedup"] for k, v in out.items() if k != "best")
+    assert out["replica"]["ladder"] == [1, 2, 16]
