@@ -71,7 +71,9 @@ class LadderChoice(NamedTuple):
 
     ladder: tuple[int, ...]
     source: str  # "configured", "measured", or "fixed: <why the measurement was not used>"
-    costs: tuple[float, ...] = ()  # measured forward of q = 1.. tokens / a 1-token one
+    # Timed forward of q = 1.. tokens / a 1-token one: what `ladder` was chosen from when
+    # measured, or the timings refused as disturbed.
+    costs: tuple[float, ...] = ()
 
 
 def draft_ladder(cfg: KvPoolConfig, model: Any) -> LadderChoice:

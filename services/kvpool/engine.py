@@ -266,7 +266,8 @@ class Engine:
         self.draft_ladder = draft_ladder
         # Where the lengths came from and the relative forward costs they were chosen from
         # (set by the replica with the lengths; Stats reports them).
-        self.draft_ladder_source = "configured" if draft_ladder else "fixed"
+        self.draft_ladder_source = ("configured" if draft_ladder
+                                    else "fixed: the engine was given no lengths")
         self.draft_costs: tuple[float, ...] = ()
         self.metrics = metrics
         param = next(model.parameters())

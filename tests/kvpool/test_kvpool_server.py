@@ -86,6 +86,12 @@ def test_generate_streams_tokens_and_a_final_report(served, tiny_model) -> None:
     # The draft proposal lengths the replica measured at its start, as its engine uses them.
     assert len(st.draft_ladder) == 3 and tuple(st.draft_ladder) == served.replica.engine.ladder()
     assert served.replica.engine.draft_ladder is not None
+    # Where they came from, and the timing (forwards of 1..max_draft_tokens + 1 tokens).
+    assert st.draft_ladder_source == served.replica.engine.draft_ladder_source
+    assert st.draft_ladder_source == "measured" or st.draft_ladder_source.startswith("fixed: ")
+    if st.draft_ladder_source == "measured":
+        assert len(st.draft_forward_costs) == CFG.max_draft_tokens + 1
+        assert st.draft_forward_costs[0] == 1.0
 
 
 def test_the_last_token_travels_with_the_final_message(served) -> None:
@@ -419,6 +425,12 @@ def test_the_drafts_setting_reaches_the_engine(tiny_model) -> None:
                                 metrics=False)
         try:
             assert replica.engine.drafts is on
+            if not on:  # no drafts: no lengths, and no timing spent on them
+                servicer = KvPoolServicer(CFG)
+                servicer.attach(replica.engine, replica.info)
+                st = servicer.Stats(kvpool_pb2.KvStatsRequest(), None)
+                assert (list(st.draft_ladder), st.draft_ladder_source,
+                        list(st.draft_forward_costs)) == ([], "", [])
         finally:
             replica.engine.stop()
 
