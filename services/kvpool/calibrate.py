@@ -27,7 +27,7 @@ class TooSlow(RuntimeError):
 # dropped. Quiet sweeps of SmolLM2 on a 2-core host took 1.99-2.57 s; one beside a busy
 # process, 5.46 s.
 SLOW_SWEEP = 1.35
-BUSY_CPU = 0.85  # a sweep with under this share of the best sweep's CPU per second: dropped
+BUSY_CPU = 0.85  # a sweep with under this share of the reference CPU per second: dropped
 
 
 @dataclass
@@ -59,14 +59,13 @@ def forward_costs(model: Any, max_q: int, *, context: int = 96, sweeps: int = 6,
 
     A sweep times one forward of each q in turn (after one sweep that warms the shapes up), each
     sweep starting at another q, so a slow spell of the host lands on a sweep rather than on
-    the same lengths every time. Replicas start
-    beside other services (the semantic tier loading its index, sibling replicas): one such
-    start-up chose rungs (1, 1, 16) that cost the benchmark most of its speed-up, where six
-    quiet timings on the same host chose a lowest rung of 4 to 9 (most likely a busy spell
-    landed on the short lengths). So a sweep counts only if its wall time is
-    within `SLOW_SWEEP` of the fastest sweep and this process got at least `BUSY_CPU` of the
-    CPU per second that the best sweep got (another process taking cores shows as both), and
-    sweeps continue until `sweeps` of them count.
+    the same lengths every time. Replicas start beside other services (the semantic tier
+    loading its index, sibling replicas): one such start-up chose rungs (1, 1, 16) that cost
+    the benchmark most of its speed-up, where six quiet timings on the same host chose a
+    lowest rung of 4 to 9 (most likely a busy spell landed on the short lengths). So a sweep
+    counts only if its wall time is within `SLOW_SWEEP` of the reference sweep's and this
+    process got at least `BUSY_CPU` of the reference CPU per second (another process taking
+    cores shows as both; see `undisturbed`), and sweeps continue until `sweeps` of them count.
 
     Raises:
         TooSlow: past `budget_s` seconds without enough undisturbed sweeps.
