@@ -206,34 +206,34 @@ class EntryStore:
         self.path = path
         self._lock = threading.Lock()
         try:
-            if path != ":memory:":
-                _owner_only(path)
-            self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
-            # Read before anything is written (journal mode, schema): a newer database is
-            # refused as it was found, for the newer build to open again.
-            version = self._db.execute("PRAGMA user_version").fetchone()[0]
-            if version > SCHEMA_VERSION:
-                # A rollback past a schema change: this build would read (and write) rows
-                # whose meaning it does not know, and never run the newer migration again.
-                raise ValueError(
-                    f"{path}: schema version {version} is newer than this build's "
-                    f"({SCHEMA_VERSION}); run the newer build, or {_damaged_advice(path)} "
-                    "to start this one empty")
-            self._db.execute("PRAGMA journal_mode=WAL")
-            self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
-            self._db.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
-            self._db.executescript(_SCHEMA)
-            cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
-            if version < 1:
-                self._mark_uncertain_answers("truncated" in cols)
-        except BaseException as e:
+            # Not a database, or a malformed one: "file is not a database" named no file
+            # and no way out, and the pod crash-looped.
+            with _damaged_is_named(path):
+                if path != ":memory:":
+                    _owner_only(path)
+                self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+                # Read before anything is written (journal mode, schema): a newer database is
+                # refused as it was found, for the newer build to open again.
+                version = self._db.execute("PRAGMA user_version").fetchone()[0]
+                if version > SCHEMA_VERSION:
+                    # A rollback past a schema change: this build would read (and write) rows
+                    # whose meaning it does not know, and never run the newer migration again.
+                    raise ValueError(
+                        f"{path}: schema version {version} is newer than this build's "
+                        f"({SCHEMA_VERSION}); run the newer build, or {_damaged_advice(path)} "
+                        "to start this one empty")
+                self._db.execute("PRAGMA journal_mode=WAL")
+                self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
+                self._db.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
+                self._db.executescript(_SCHEMA)
+                cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
+                if version < 1:
+                    self._mark_uncertain_answers("truncated" in cols)
+        except BaseException:
             if getattr(self, "_db", None) is not None:
                 self._db.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
-            if type(e) is sqlite3.DatabaseError:  # not a database, or a malformed one
-                # "file is not a database" named no file and no way out: the pod crash-looped.
-                raise _damaged_error(path, e) from e
             raise
         # Hit counters have their own lock: a lookup that records a hit must not wait behind a
         # Store's fsync or a flush holding the connection.
