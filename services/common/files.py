@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
+from pathlib import Path
 
 
 def fsync_path(path: str | os.PathLike) -> None:
@@ -12,3 +15,13 @@ def fsync_path(path: str | os.PathLike) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def remove_aside(target: Path, prefix: str) -> None:
+    """Deletes the folder `target` after renaming it into a fresh folder beside it named
+    `prefix` + 8 random characters: a process still reading it never sees it half deleted,
+    and `target` is gone in one step. A crash while deleting leaves that folder behind, for
+    its owner's clean-up to recognise by `prefix`."""
+    old = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
+    os.rename(target, old / "x")
+    shutil.rmtree(old, ignore_errors=True)

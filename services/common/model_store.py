@@ -30,7 +30,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from services.common.files import fsync_path
+from services.common.files import fsync_path, remove_aside
 
 log = logging.getLogger(__name__)
 
@@ -258,9 +258,7 @@ def _publish(tmp: Path, target: Path) -> None:
     shared cache folder never sees it half deleted, and `target` changes in one step. A
     crash while deleting leaves `.<name>.old-*`, removed by the next conversion."""
     if target.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.rename(target, old / "model")
-        shutil.rmtree(old, ignore_errors=True)
+        remove_aside(target, f".{target.name}.old-")
     os.rename(tmp, target)
     fsync_path(target.parent)  # the rename itself, durable
 

@@ -27,7 +27,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.files import fsync_path
+from services.common.files import fsync_path, remove_aside
 
 log = logging.getLogger(__name__)
 
@@ -199,14 +199,6 @@ def export_identity(d: Path) -> tuple[int, int, int, int] | None:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
 
 
-def _remove(root: Path, name: str, target: Path) -> None:
-    """Moves the export at `target` aside, then deletes it: a process still reading it never
-    sees it half deleted, and `target` changes in one step."""
-    old = Path(tempfile.mkdtemp(prefix=f".{name}.old.", dir=root))
-    os.rename(target, old / "x")
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def _remove_leftovers(root: Path, name: str) -> None:
     """Deletes the temporary folders of exports killed part-way (`.{name}.XXXXXXXX`, and
     `.{name}.old.XXXXXXXX` of one killed while deleting a stale export): SIGKILL, an OOM kill,
@@ -243,7 +235,7 @@ def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name
         fcntl.flock(lock, fcntl.LOCK_EX)
         if broken is not None and export_identity(target) == broken:
             log.warning("removing the export %s, which could not be loaded", target)
-            _remove(root, name, target)
+            remove_aside(target, f".{name}.old.")
         if _is_current(target, fp):  # another process finished while we waited
             return target
         _remove_leftovers(root, name)
@@ -253,7 +245,7 @@ def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name
             _export(spec, tmp)
             if target.exists():
                 # Stale export (other fingerprint): move it aside, then swap in the new one.
-                _remove(root, name, target)
+                remove_aside(target, f".{name}.old.")
             os.chmod(tmp, 0o755)
             os.rename(tmp, target)
             fsync_path(root)  # the rename itself, durable
