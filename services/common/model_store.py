@@ -42,11 +42,11 @@ _DONE_MARKER = ".tiercache-complete"
 # What this module's own conversion steps are at (part of `source_id`): a change to them must
 # redo conversions made before it. "tok2": the tokenizer splits digits first (`_fix_pre_tokenizer`).
 CONVERSION = "tok2"
-# llama.cpp's pre-tokenizer types that split every digit off before the GPT-2 regex
-# (llama-vocab.cpp: "\p{N}" then the GPT-2 pattern); transformers' GGUF reader maps none of
-# them and leaves a plain byte-level split, which tokenizes differently (see _fix_pre_tokenizer).
-DIGITS_FIRST_PRE_TYPES = frozenset({"smollm", "starcoder", "refact", "command-r", "codeshell",
-                                    "exaone", "minerva"})
+# GGUF pre-tokenizer types that split every digit off before the GPT-2 regex (llama.cpp's
+# llama-vocab.cpp: "\p{N}" first). transformers' GGUF reader maps none and leaves a plain
+# byte-level split (see _fix_pre_tokenizer). llama.cpp gives a few more types the same split;
+# only SmolLM2's is listed, the one GGUF this store converts.
+DIGITS_FIRST_PRE_TYPES = frozenset({"smollm"})
 
 
 class ModelStoreError(RuntimeError):
@@ -299,8 +299,8 @@ def _fix_pre_tokenizer(tokenizer: Any, pre_type: str | None) -> None:
     off before the byte-level regex, as SmolLM2's own tokenizer.json does (Digits, then
     ByteLevel).
 
-    Without it, "\n\n" before a digit became two "\n" tokens where the model (trained on
-    the digit split) writes one "\n\n" token, as before every item of a numbered list: its
+    Without it, "\\n\\n" before a digit became two "\\n" tokens where the model (trained on
+    the digit split) writes one "\\n\\n" token, as before every item of a numbered list: its
     prompts held token pairs it never saw in training, and every list item of a cached answer,
     re-tokenized as a draft, mismatched what the model generates."""
     if pre_type not in DIGITS_FIRST_PRE_TYPES:
