@@ -456,15 +456,12 @@ class SemanticCache:
 
     def _search_over_window(self, ns, index, vec, text, resolved, want_draft, now
                             ) -> LookupResult:
-        """A text past the embedding window hits only its identical prompt, found by text: every
-        text with the same start ties at similarity 1.0, and a search among them could stop
-        before reaching it. Otherwise the nearest entry can still be a draft."""
-        label = self._by_prompt.get((ns, text))
-        e = self._entries.get(label) if label is not None else None
-        if e is not None and not e.expired(now):
-            return LookupResult(True, self._touch(e, now), 1.0,
-                                self.policy.decide(1.0, resolved, e.verified).threshold,
-                                resolved.tier)
+        """A text past the embedding window hits only its identical prompt, which `lookup`
+        serves by text (`_exact_repeat`) before embedding: every text with the same start ties
+        at similarity 1.0, and a search among them could stop before reaching it. So here
+        nothing is a hit, and the nearest entry can still be a draft. (This found the identical
+        prompt by text again and served it without the checks, so an exact repeat that
+        `_exact_repeat` had refused was served all the same.)"""
         near, sim = None, 0.0
         for nb in index.search(vec, _CANDIDATES):
             cand = self._entries.get(nb.label)
@@ -474,7 +471,10 @@ class SemanticCache:
         reason = ""
         if near is not None and self.policy.decide(sim, resolved,
                                                    near.verified).outcome is Outcome.HIT:
-            reason = self._window_refusal(text, True, near)  # close enough, but not the text
+            # Close enough, but not the text; or the text itself, which a check refused.
+            reason = (self._window_refusal(text, True, near)
+                      or spelling_differs(text, near.prompt, resolved.tier == "strict")
+                      or self._second_opinion(text, near.prompt, sim, resolved.tier))
         draft = near if want_draft and sim >= self.policy.draft_floor else None
         return LookupResult(False, draft, sim, resolved.threshold, resolved.tier,
                             bool(reason), reason)

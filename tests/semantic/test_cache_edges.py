@@ -366,6 +366,23 @@ def test_an_exact_repeat_past_the_window_hits_among_hundreds_that_tie(cache_fact
     assert c.lookup(A, "LONG shared document, another question").entry is None
 
 
+def test_an_exact_repeat_past_the_window_that_a_check_refuses_is_not_served(cache_factory, emb
+                                                                           ) -> None:
+    """The exact repeat is looked up by text first, with the checks a hit must pass. Past the
+    window, the search after it found the same entry by text again and served it without
+    them: what the verifier or guard had refused was served anyway."""
+    w = WindowEmbedder()
+    w.fixed = emb.fixed
+    c = cache_factory(w, guard_tiers=(), verifier_tiers=())
+    e = c.store_entry(A, "LONG shared document, question 1", "answer 1")
+    assert c.lookup(A, "LONG shared document, question 1").hit
+    c._second_opinion = lambda *args: "refused by the test's check"  # a check that refuses all
+    r = c.lookup(A, "LONG shared document, question 1", want_draft=True)
+    assert not r.hit and r.guard_rejected and r.guard_reason == "refused by the test's check"
+    assert r.entry is not None and r.entry.id == e.id  # offered as a draft instead
+    c.check_integrity()
+
+
 def test_a_row_stored_under_a_larger_ttl_limit_loads_with_todays(make_cfg, emb, clock):
     """Rows written while the TTL limit was higher (past the API's uint32 once) hit after a
     restart and then failed in entry_to_proto: every hit on them was INTERNAL."""
