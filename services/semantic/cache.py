@@ -471,9 +471,9 @@ class SemanticCache:
         reason = ""
         if near is not None and self.policy.decide(sim, resolved,
                                                    near.verified).outcome is Outcome.HIT:
-            # Close enough, but not the text; or the text itself, which a check refused.
+            # Close enough, but not the text; or the text itself (whose spelling cannot
+            # differ), which the verifier or guard refused.
             reason = (self._window_refusal(text, True, near)
-                      or spelling_differs(text, near.prompt, resolved.tier == "strict")
                       or self._second_opinion(text, near.prompt, sim, resolved.tier))
         draft = near if want_draft and sim >= self.policy.draft_floor else None
         return LookupResult(False, draft, sim, resolved.threshold, resolved.tier,
