@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -16,7 +16,7 @@ from services.common.policy import make_policy
 from services.kvpool.block_pool import BlockPool
 from services.kvpool.calibrate import forward_costs
 from services.kvpool.config import KvPoolConfig
-from services.kvpool.drafting import choose_ladder, default_ladder
+from services.kvpool.drafting import LadderChoice, choose_ladder, default_ladder
 from services.kvpool.engine import Engine, ModelInfo, model_info
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import KvStore
@@ -64,16 +64,6 @@ def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
 
 
 IMPLAUSIBLE = 0.85  # a multi-token forward timed under this share of a 1-token one: noise
-
-
-class LadderChoice(NamedTuple):
-    """The drafts' proposal lengths, where they came from, and what they were chosen from."""
-
-    ladder: tuple[int, ...]
-    source: str  # "configured", "measured", or "fixed: <why the measurement was not used>"
-    # Timed forward of q = 1.. tokens / a 1-token one: what `ladder` was chosen from when
-    # measured, or the timings refused as disturbed.
-    costs: tuple[float, ...] = ()
 
 
 def draft_ladder(cfg: KvPoolConfig, model: Any) -> LadderChoice:
@@ -146,9 +136,7 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     metrics=KvMetrics() if metrics else None)
     if cfg.drafts:
         # Before the engine thread runs: the timings need the device to themselves.
-        choice = draft_ladder(cfg, model)
-        engine.draft_ladder = choice.ladder
-        engine.draft_ladder_source, engine.draft_costs = choice.source, choice.costs
+        engine.draft_ladder = draft_ladder(cfg, model)
     engine.start()
     pool_b, rows_b = engine.store.nbytes()
     # Growing by doubling holds the old rows beside the new ones while copying.

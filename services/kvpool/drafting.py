@@ -85,6 +85,16 @@ def choose_ladder(costs: dict[int, float], top: int) -> tuple[int, int, int]:
     return low, mid, high
 
 
+class LadderChoice(NamedTuple):
+    """The drafts' proposal lengths, where they came from, and what they were chosen from."""
+
+    ladder: tuple[int, ...]
+    source: str  # "configured", "measured", or "fixed: <why the measurement was not used>"
+    # Timed forward of q = 1.. tokens / a 1-token one: what `ladder` was chosen from when
+    # measured, or the timings refused as disturbed.
+    costs: tuple[float, ...] = ()
+
+
 class Source(Enum):
     """Where proposed tokens come from."""
 

@@ -48,7 +48,7 @@ import torch
 from services.common import errors
 from services.kvpool import attention
 from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
-from services.kvpool.drafting import Draft, default_ladder
+from services.kvpool.drafting import Draft, LadderChoice, default_ladder
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
 from services.kvpool.sampling import (
@@ -239,15 +239,15 @@ class Engine:
         preallocate_rows: allocate the working rows for the whole context now (peak memory at
             start, no 1.5x copy peak while growing later).
         metrics: Prometheus metrics (optional).
-        draft_ladder: the drafts' proposal lengths (`drafting.choose_ladder`); None = the
-            fixed `drafting.LADDER`.
+        draft_ladder: the drafts' proposal lengths (`drafting.choose_ladder`) and where they
+            came from; None = the fixed `drafting.LADDER` (topped at max_draft_tokens).
     """
 
     def __init__(self, model: Any, info: ModelInfo, pool: BlockPool, *, max_batch_size: int = 8,
                  max_prefill_chunk: int = 512, max_waiting: int = 256,
                  prefix_caching: bool = True, drafts: bool = True, max_draft_tokens: int = 16,
                  preallocate_rows: bool = False, metrics: KvMetrics | None = None,
-                 draft_ladder: tuple[int, ...] | None = None) -> None:
+                 draft_ladder: LadderChoice | None = None) -> None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             # SDPA with grouped-query heads kept grouped in multi-token forwards on CPU
             # (services/kvpool/attention.py); set on the model object itself.
@@ -261,14 +261,11 @@ class Engine:
         self.prefix_caching = prefix_caching
         self.drafts = drafts
         self.max_draft_tokens = max_draft_tokens
-        # Proposal lengths (drafting.choose_ladder, measured on this device at start by the
-        # replica); None = drafting's fixed LADDER.
-        self.draft_ladder = draft_ladder
-        # Where the lengths came from and the relative forward costs they were chosen from
-        # (set by the replica with the lengths; Stats reports them).
-        self.draft_ladder_source = ("configured" if draft_ladder
-                                    else "fixed: the engine was given no lengths")
-        self.draft_costs: tuple[float, ...] = ()
+        # Proposal lengths, where they came from and the relative forward costs they were
+        # chosen from (measured on this device at start by the replica, which sets it before
+        # `start`; Stats reports it).
+        self.draft_ladder = draft_ladder or LadderChoice(
+            default_ladder(max_draft_tokens), "fixed: the engine was given no lengths")
         self.metrics = metrics
         param = next(model.parameters())
         self.device = param.device
@@ -359,7 +356,7 @@ class Engine:
         # Built before a waiting slot is taken: a failure here must not use one up for good.
         sampler = Sampler(req.sampling)
         draft = (Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens,
-                          ladder=self.draft_ladder)
+                          ladder=self.draft_ladder.ladder)
                  if self.drafts and req.draft_token_ids and not req.prefill_only else None)
         with self._queue_lock:
             if self._closed:
@@ -403,7 +400,7 @@ class Engine:
         """The drafts' proposal lengths in use (() with drafts off)."""
         if not self.drafts:
             return ()
-        return self.draft_ladder or default_ladder(self.max_draft_tokens)
+        return self.draft_ladder.ladder
 
     def stats(self) -> EngineStats:
         """Figures as of the last engine step."""

@@ -249,8 +249,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             draft_tokens_accepted_total=s.draft_tokens_accepted_total,
             prefix_caching_disabled=not engine.prefix_caching,
             stalled_for_s=_stalled_s(engine.stuck_for()), draft_ladder=engine.ladder(),
-            draft_ladder_source=engine.draft_ladder_source if engine.drafts else "",
-            draft_forward_costs=engine.draft_costs if engine.drafts else ())
+            draft_ladder_source=engine.draft_ladder.source if engine.drafts else "",
+            draft_forward_costs=engine.draft_ladder.costs if engine.drafts else ())
 
 
 def _stalled_s(seconds: float) -> float:

@@ -85,9 +85,9 @@ def test_generate_streams_tokens_and_a_final_report(served, tiny_model) -> None:
     assert st.requests_total == 2 and st.vocab_size == TINY_VOCAB and st.device == "cpu"
     # The draft proposal lengths the replica measured at its start, as its engine uses them.
     assert len(st.draft_ladder) == 3 and tuple(st.draft_ladder) == served.replica.engine.ladder()
-    assert served.replica.engine.draft_ladder is not None
+    assert served.replica.engine.draft_ladder.source != "fixed: the engine was given no lengths"
     # Where they came from, and the timing (forwards of 1..max_draft_tokens + 1 tokens).
-    assert st.draft_ladder_source == served.replica.engine.draft_ladder_source
+    assert st.draft_ladder_source == served.replica.engine.draft_ladder.source
     assert st.draft_ladder_source == "measured" or st.draft_ladder_source.startswith("fixed: ")
     if st.draft_ladder_source == "measured":
         assert len(st.draft_forward_costs) == CFG.max_draft_tokens + 1
