@@ -87,8 +87,7 @@ def forward_costs(model: Any, max_q: int, *, context: int = 96, sweeps: int = 6,
     with torch.inference_mode():
         cache = DynamicCache(config=model.config)
         model(ids[:, :context], cache=cache, use_cache=True)
-        warm = True
-        n = 0
+        n = 0  # sweeps run; the first only warms the shapes up
         while True:
             sweep = Sweep()
             start = n % len(shapes)
@@ -108,13 +107,12 @@ def forward_costs(model: Any, max_q: int, *, context: int = 96, sweeps: int = 6,
                 sweep.times[q] = time.perf_counter() - t0
             sweep.wall = time.perf_counter() - w0
             sweep.cpu = time.process_time() - c0
-            if not warm:
+            if n > 1:
                 done.append(sweep)
                 kept = undisturbed(done)
                 if len(kept) >= sweeps:
                     return {q: statistics.median(s.times[q] for s in kept)
                             for q in range(1, max_q + 1)}
-            warm = False
             if time.monotonic() - t_start > budget_s:
                 raise TooSlow(f"timing forwards took over {budget_s:.0f} s with "
                               f"{len(undisturbed(done)) if done else 0} of {sweeps} sweeps "
