@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -165,6 +165,8 @@ class Orchestrator:
         self.dispatched = dispatched
         self.stats = OrchestratorStats()
         self._route_lock = threading.Lock()
+        # Tokens a stored answer's text leaves out (skip_special_tokens): the end of sequence.
+        self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
 
     # ---- semantic tier -------------------------------------------------------------------
     def _namespace(self, tenant: Tenant, prompt: RenderedPrompt) -> semantic_pb2.Namespace:
@@ -205,7 +207,7 @@ class Orchestrator:
             return None
 
     def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated_at: int,
-               deadline: float) -> str:
+               deadline: float, answer_ids: Sequence[int] = ()) -> str:
         # Before the final message, whose report names the stored entry: bounded by half of
         # what is left of the request's deadline (past it, the answer is not stored), so a
         # slow Store cannot turn a finished answer into DEADLINE_EXCEEDED.
@@ -218,7 +220,8 @@ class Orchestrator:
         try:
             return self.semantic.store(semantic_pb2.StoreRequest(
                 namespace=self._namespace(tenant, prompt), prompt=prompt.query_text,
-                answer=answer, truncated_at=truncated_at), timeout).id
+                answer=answer, truncated_at=truncated_at, answer_token_ids=answer_ids),
+                timeout).id
         except grpc.RpcError as e:
             if cut_short(e, timeout, self.semantic.timeout_s):
                 return ""  # the request's own deadline, not the tier: no degradation
@@ -308,8 +311,11 @@ class Orchestrator:
         draft_ids: list[int] = []
         if look is not None:
             report.semantic_similarity = look.similarity
-            cached_ids = (self.renderer.encode(look.entry.answer) if look.HasField("entry")
-                          else [])
+            # The answer's ids as the model generated them; tokenized again only for an entry
+            # stored without them (the text alone: a client's Store, an older build's row).
+            cached_ids = ((list(look.entry.answer_token_ids)
+                           or self.renderer.encode(look.entry.answer))
+                          if look.HasField("entry") else [])
             cut = look.entry.truncated_at if look.hit else 0
             if cut and cut < sampling.max_tokens:
                 # A cut-short answer cannot stand for a longer one: the model answers, with
@@ -572,10 +578,20 @@ class Orchestrator:
                 and (greedy or policy.store_sampled or self.store_sampled)):
             sid = self._store(tenant, prompt, answer,
                               0 if final.finish_reason == common_pb2.FINISH_REASON_EOS
-                              else len(generated), deadline)
+                              else len(generated), deadline,
+                              answer_ids=self._ids_of(generated, answer))
             if sid:
                 report.semantic_entry_id = sid
         yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
+
+    def _ids_of(self, generated: list[int], answer: str) -> list[int]:
+        """The model's ids of `answer`: `generated` less its special tokens, if they decode to
+        exactly that text (not when the answer's last character was cut inside its bytes); else
+        none, and readers tokenize the text. Tokenizing it again is not always the same: the
+        model may write a word in pieces its tokenizer would not choose ("Mar" "ath" "i"), and
+        a draft made that way disagrees with the model there."""
+        ids = [t for t in generated if t not in self._special_ids]
+        return ids if self.tok.decode(ids) == answer else []
 
     def _serve_hit(self, look, ids: list[int], sampling: Sampling, report, return_token_ids,
                    request_id, t0):

@@ -19,7 +19,7 @@ import threading
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
@@ -36,7 +36,7 @@ from services.semantic.config import SemanticConfig
 from services.semantic.guard import ParaphraseGuard, spelling_differs
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.policy import Outcome, ThresholdPolicy
-from services.semantic.store import WRITE_CHUNK, EntryStore, Row
+from services.semantic.store import WRITE_CHUNK, EntryStore, Row, pack_tokens, unpack_tokens
 from services.semantic.verifier import StaleVerifier, Verifier, VerifierModel
 
 log = logging.getLogger(__name__)
@@ -90,6 +90,12 @@ class Entry:
     # What of the prompt the embedding model cannot read (see `OnnxEmbedder.unseen`; None =
     # not known yet).
     unseen: str | None = None
+    # The model's token ids of the answer (`store.pack_tokens`); empty = not given.
+    answer_tokens: bytes = b""
+
+    @property
+    def answer_token_ids(self) -> list[int]:
+        return unpack_tokens(self.answer_tokens)
 
     def expires_at(self) -> float:
         """When the TTL runs out (inf = never)."""
@@ -530,7 +536,8 @@ class SemanticCache:
 
     def store_entry(self, ns: Namespace, prompt: str, answer: str, verified: bool = False,
                     ttl_seconds: int = 0, truncated: int = 0,
-                    wanted: Callable[[], bool] | None = None) -> Entry:
+                    wanted: Callable[[], bool] | None = None,
+                    answer_token_ids: Sequence[int] = ()) -> Entry:
         """Embeds and durably stores an answer; returns once it is committed.
 
         Evicts least recently used entries beyond the namespace, tenant and global capacity
@@ -543,8 +550,12 @@ class SemanticCache:
         passed before the write does not leave an entry behind it cannot name (one passing
         during the write still can: best effort).
 
+        `answer_token_ids`: the answer as the namespace's model generated it (optional; served
+        back with the entry, see SemanticEntry.answer_token_ids).
+
         Raises:
-            InvalidArgument: bad namespace, prompt, answer or ttl (nothing is written).
+            InvalidArgument: bad namespace, prompt, answer, token ids or ttl (nothing is
+                written).
             DeadlineExceeded: `wanted` said no (nothing is written).
         """
         ns = self._check_namespace(ns)
@@ -552,6 +563,16 @@ class SemanticCache:
         self._check_text("answer", answer, self.cfg.max_answer_chars)
         if ttl_seconds < 0 or ttl_seconds > self.cfg.max_ttl_seconds:
             raise InvalidArgument("ttl_seconds", f"must be in [0, {self.cfg.max_ttl_seconds}]")
+        answer_bytes = len(answer.encode("utf-8", "surrogatepass"))
+        if len(answer_token_ids) > answer_bytes:
+            # A byte-level tokenizer gives each token at least one byte of text: more ids than
+            # bytes are not this answer's.
+            raise InvalidArgument(
+                "answer_token_ids", f"{len(answer_token_ids)} token ids for an answer of "
+                f"{answer_bytes} UTF-8 bytes: at most one per byte")
+        if any(t < 0 or t >= 1 << 32 for t in answer_token_ids):
+            raise InvalidArgument("answer_token_ids", "token ids must be in [0, 2^32)")
+        answer_tokens = pack_tokens(answer_token_ids)
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
         vec, over = self._embed(prompt, reuse=True)
         _still(wanted, "answer")
@@ -561,9 +582,9 @@ class SemanticCache:
                                   context_hash=ns.context_hash, prompt=prompt, answer=answer,
                                   embedding=vec, embed_model=self._embed_id,
                                   verified=verified, created_at=now, ttl_seconds=ttl,
-                                  truncated=truncated)
+                                  truncated=truncated, answer_tokens=answer_tokens)
         entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated,
-                      over)
+                      over, answer_tokens=answer_tokens)
         dropped: list[int] = []  # labels memory no longer holds: their rows go too
         victims: list[int] = []
         stands: Entry | None = None
@@ -941,7 +962,8 @@ class SemanticCache:
             ns = Namespace(r.tenant, r.model_id, r.context_hash)
             es, vs = groups.setdefault(ns, ([], []))
             es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
-                            r.last_hit_at, r.hit_count, self._loaded_ttl(r), r.truncated))
+                            r.last_hit_at, r.hit_count, self._loaded_ttl(r), r.truncated,
+                            answer_tokens=r.answer_tokens))
             vs.append(r.embedding)
         return groups
 

@@ -35,7 +35,7 @@ def entry_to_proto(e: Entry) -> semantic_pb2.SemanticEntry:
                                                   context_hash=e.namespace.context_hash),
         prompt=e.prompt, answer=e.answer, verified=e.verified, created_at=e.created_at,
         last_hit_at=e.last_hit_at, hit_count=e.hit_count, ttl_seconds=e.ttl_seconds,
-        truncated_at=e.truncated)
+        truncated_at=e.truncated, answer_token_ids=e.answer_token_ids)
 
 
 def _ns(request) -> Namespace | None:
@@ -80,7 +80,8 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
     def Store(self, request, context):
         e = self.cache.store_entry(_ns(request), request.prompt, request.answer,
                                    request.verified, request.ttl_seconds, request.truncated_at,
-                                   wanted=lambda: _still_wanted(context))
+                                   wanted=lambda: _still_wanted(context),
+                                   answer_token_ids=request.answer_token_ids)
         return semantic_pb2.StoreResponse(id=e.id)
 
     def Verify(self, request, context):

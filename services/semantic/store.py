@@ -15,7 +15,7 @@ import logging
 import os
 import sqlite3
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -128,7 +128,11 @@ CREATE TABLE IF NOT EXISTS entries (
     -- writer that does not know the column (a build rolled back to, before it existed),
     -- whose answers may have been cut, as _mark_uncertain_answers assumes of old rows. (A
     -- table created with DEFAULT 0 by an earlier build keeps it: IF NOT EXISTS leaves it.)
-    truncated    INTEGER NOT NULL DEFAULT 1
+    truncated    INTEGER NOT NULL DEFAULT 1,
+    -- The model's token ids of the answer, uint32 little-endian; empty = not given (readers
+    -- tokenize the answer). Added without a schema version: a build that does not know it
+    -- writes the default, which means just that.
+    answer_tokens BLOB NOT NULL DEFAULT x''
 );
 -- Once created, never read: namespaces live in memory and rows are read by label or id. It
 -- cost every insert and delete a b-tree update, and each row 30-65 bytes of disk.
@@ -155,15 +159,26 @@ class Row:
     hit_count: int
     ttl_seconds: int
     truncated: int
+    answer_tokens: bytes  # see pack_tokens
 
 
 _COLS = ("label, id, tenant, model_id, context_hash, prompt, answer, embedding, embed_model, "
-         "verified, created_at, last_hit_at, hit_count, ttl_seconds, truncated")
+         "verified, created_at, last_hit_at, hit_count, ttl_seconds, truncated, answer_tokens")
 
 
 def _row(t: tuple) -> Row:
     return Row(t[0], t[1], t[2], t[3], t[4], t[5], t[6], np.frombuffer(t[7], np.float32).copy(),
-               t[8], bool(t[9]), t[10], t[11], t[12], t[13], int(t[14]))
+               t[8], bool(t[9]), t[10], t[11], t[12], t[13], int(t[14]), bytes(t[15]))
+
+
+def pack_tokens(ids: Sequence[int]) -> bytes:
+    """Token ids as stored: uint32 little-endian (4 bytes each, a quarter of a Python list's
+    cost per id in memory)."""
+    return np.asarray(ids, "<u4").tobytes() if len(ids) else b""
+
+
+def unpack_tokens(blob: bytes) -> list[int]:
+    return np.frombuffer(blob, "<u4").tolist()
 
 
 @contextlib.contextmanager
@@ -229,6 +244,10 @@ class EntryStore:
                 cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
                 if version < 1:
                     self._mark_uncertain_answers("truncated" in cols)
+                if "answer_tokens" not in cols:
+                    # Every existing row reads the default (no ids: tokenize the answer).
+                    self._db.execute("ALTER TABLE entries ADD COLUMN answer_tokens BLOB "
+                                     "NOT NULL DEFAULT x''")
         except BaseException:
             if getattr(self, "_db", None) is not None:
                 self._db.close()
@@ -278,7 +297,8 @@ class EntryStore:
 
     def insert(self, *, id: str, tenant: str, model_id: str, context_hash: str, prompt: str,
                answer: str, embedding: np.ndarray, embed_model: str, verified: bool,
-               created_at: float, ttl_seconds: int, truncated: int = 0) -> int:
+               created_at: float, ttl_seconds: int, truncated: int = 0,
+               answer_tokens: bytes = b"") -> int:
         """Commits one entry durably and returns its label.
 
         Raises:
@@ -289,10 +309,10 @@ class EntryStore:
         with _full_is_exhausted(), self._lock:
             cur = self._db.execute(
                 "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
-                "embedding, embed_model, verified, created_at, ttl_seconds, truncated) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "embedding, embed_model, verified, created_at, ttl_seconds, truncated, "
+                "answer_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (id, tenant, model_id, context_hash, prompt, answer, blob, embed_model,
-                 int(verified), created_at, ttl_seconds, int(truncated)))
+                 int(verified), created_at, ttl_seconds, int(truncated), answer_tokens))
             return int(cur.lastrowid)
 
     def insert_many(self, rows: list[dict]) -> None:
@@ -300,12 +320,12 @@ class EntryStore:
         with self._lock, self._transaction():
             self._db.executemany(
                 "INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
-                "embedding, embed_model, verified, created_at, ttl_seconds, truncated) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "embedding, embed_model, verified, created_at, ttl_seconds, truncated, "
+                "answer_tokens) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 [(r["id"], r["tenant"], r["model_id"], r["context_hash"], r["prompt"],
                   r["answer"], np.asarray(r["embedding"], "<f4").tobytes(),
                   r["embed_model"], int(r["verified"]), r["created_at"], r["ttl_seconds"],
-                  int(r.get("truncated", 0)))
+                  int(r.get("truncated", 0)), r.get("answer_tokens", b""))
                  for r in rows])
 
     def get(self, id: str) -> Row | None:

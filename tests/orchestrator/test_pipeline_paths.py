@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from tiercache.v1 import common_pb2, kvpool_pb2, orchestrator_pb2, prefix_pb2
+from tiercache.v1 import common_pb2, kvpool_pb2, orchestrator_pb2, prefix_pb2, semantic_pb2
 
 from services.common import errors
 from services.common.hashing import BlockHasher
@@ -169,12 +169,13 @@ TENANT = Tenant("a", "salt-a", 10_000, 1_000, 4)
 PROMPT = list(range(1, 100))
 
 
-def make(stubs: dict[str, Stub], semantic=None, max_attempts=3, prefix=None) -> Orchestrator:
+def make(stubs: dict[str, Stub], semantic=None, max_attempts=3, prefix=None,
+         tok=None) -> Orchestrator:
     replicas = ReplicaSet(tuple(stubs), "")
     for r in replicas.replicas:
         r.stub = stubs[r.address]
         r.health.ok()
-    tok = Tok()
+    tok = tok or Tok()
     return Orchestrator(
         renderer=SimpleNamespace(encode=tok.encode), tokenizer=tok, model_id="m",
         hasher=BlockHasher("m", 16, b"k" * 32), replicas=replicas,
@@ -852,3 +853,73 @@ def test_a_prompt_without_session_or_index_has_one_ring_key_in_every_orchestrato
         assert out.returncode == 0, out.stderr
         keys.add(out.stdout.strip().splitlines()[-1])
     assert len(keys) == 1, keys
+
+
+class SpecialTok(Tok):
+    all_special_ids = [0]  # the end of sequence, which an answer's text leaves out
+
+
+class Recorded(Semantic):
+    """A tier that answers every lookup with `look` and records each Store."""
+
+    def __init__(self, look=None) -> None:
+        super().__init__()
+        self.look, self.stored = look, []
+
+    def lookup(self, req, timeout=None):
+        return self.look
+
+    def store(self, req, timeout=None):
+        self.stored.append(req)
+        return SimpleNamespace(id="e1")
+
+
+def ended(ids: list[int]) -> kvpool_pb2.KvGenerateResponse:
+    return kvpool_pb2.KvGenerateResponse(token_ids=ids, final=kvpool_pb2.KvGenerateFinal(
+        finish_reason=common_pb2.FINISH_REASON_EOS, replica_id="A"))
+
+
+def test_an_answer_is_stored_with_the_models_own_ids_unless_they_are_not_its_text():
+    sem = Recorded()
+    orch = make({"A": Stub("A", [Call([ended([ord("o"), ord("k"), 0])]),
+                                 Call([ended([ord("o"), 0xC3, 0])])])},
+                semantic=sem, tok=SpecialTok())
+    generate(orch, [])
+    generate(orch, [])  # ends inside a character: "o" is stored, and its ids are not "o"'s
+    assert [(r.answer, list(r.answer_token_ids)) for r in sem.stored] == [
+        ("ok", [ord("o"), ord("k")]), ("o", [])]
+
+
+@pytest.mark.parametrize(("hit", "ids", "expected"), [
+    (False, [7, 8], [7, 8]),  # the model's ids, not the text tokenized again
+    (False, [], [ord("o"), ord("k")]),  # an entry stored without ids: its text tokenized
+    (True, [7, 8], [7, 8]),
+])
+def test_a_draft_or_a_hit_carries_the_stored_ids_of_the_answer(hit, ids, expected):
+    look = semantic_pb2.LookupResponse(hit=hit, similarity=0.99 if hit else 0.9,
+                                       entry=semantic_pb2.SemanticEntry(
+                                           id="e0", answer="ok", answer_token_ids=ids))
+    stub = Stub("A", [Call([final("A", 2)])])
+    out = generate(make({"A": stub}, semantic=Recorded(look), tok=SpecialTok()), [])
+    if hit:
+        assert stub.requests == []  # served by the tier
+        assert [d.token_ids for d in out if isinstance(d, TextDelta)] == [expected]
+    else:
+        assert list(stub.requests[0].draft_token_ids) == expected
+
+
+@pytest.mark.model
+def test_a_word_the_model_wrote_in_unusual_pieces_is_stored_as_it_wrote_it():
+    """The model may write " Marathi" as " Mar" "ath" "i" where its tokenizer gives " Mar"
+    "athi": tokenized again, the cached answer disagreed with the model there as a draft, and
+    a hit's token ids were not the ones the model gave."""
+    from services.common.model_store import load_tokenizer, resolve_model
+
+    tok = load_tokenizer(resolve_model("smollm2").path)
+    orch = make({"A": Stub("A", [])}, tok=tok)
+    written = tok.encode("It is spoken in", add_special_tokens=False) + \
+        tok.convert_tokens_to_ids(["\u0120Mar", "ath", "i", "."])
+    answer = tok.decode(written + [tok.eos_token_id], skip_special_tokens=True)
+    assert answer == "It is spoken in Marathi."
+    assert tok.encode(answer, add_special_tokens=False) != written  # the case is exercised
+    assert orch._ids_of(written + [tok.eos_token_id], answer) == written

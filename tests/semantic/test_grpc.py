@@ -92,12 +92,49 @@ def test_bad_lookup_is_invalid_argument(stub, req, field):
     (pb.StoreRequest(prompt="q?", answer="a"), "namespace"),
     (pb.StoreRequest(namespace=pb.Namespace(tenant="t"), prompt="q?", answer="a"),
      "namespace.model_id"),
+    # Two tokens for one byte of text: not this answer's ids.
+    (pb.StoreRequest(namespace=NS, prompt="q?", answer="a", answer_token_ids=[64, 65]),
+     "answer_token_ids"),
 ])
 def test_bad_store_is_invalid_argument_and_writes_nothing(stub, svc, req, field):
     code, details = _code(stub.Store, req)
     assert code == grpc.StatusCode.INVALID_ARGUMENT and details.startswith(field + ":")
     assert stub.Stats(pb.SemanticStatsRequest(), timeout=10).entries == 0
     assert svc.cache.store.count() == 0
+
+
+def test_the_models_token_ids_come_back_with_the_entry_and_after_a_restart(make_cfg, embedder):
+    cfg = make_cfg()
+    ids = [34, 1116, 46, 30, 0, 4294967295]  # any uint32, as the model's vocabulary has them
+    s = serve(cfg, embedder=embedder)
+    try:
+        with grpc.insecure_channel(s.handle.address) as ch:
+            stub = pbg.SemanticCacheStub(ch)
+            with_ids = stub.Store(pb.StoreRequest(namespace=NS, prompt="Name six rivers.",
+                                                  answer="1. Nile, 2. Amazon",
+                                                  answer_token_ids=ids), timeout=10).id
+            stub.Store(pb.StoreRequest(namespace=NS, prompt="Name a lake.", answer="Baikal."),
+                       timeout=10)
+            r = stub.Lookup(pb.LookupRequest(namespace=NS, text="Name six rivers."), timeout=10)
+            assert r.hit and r.entry.id == with_ids and list(r.entry.answer_token_ids) == ids
+            assert stub.Verify(pb.VerifyRequest(id=with_ids, verified=True),
+                               timeout=10).answer_token_ids == ids
+    finally:
+        s.handle.stop(0)
+        s.housekeeper.stop()
+        s.cache.store.close()
+    s = serve(cfg, embedder=embedder)  # the same database: the ids were committed with the row
+    try:
+        with grpc.insecure_channel(s.handle.address) as ch:
+            stub = pbg.SemanticCacheStub(ch)
+            r = stub.Lookup(pb.LookupRequest(namespace=NS, text="Name six rivers."), timeout=10)
+            assert r.hit and list(r.entry.answer_token_ids) == ids
+            r = stub.Lookup(pb.LookupRequest(namespace=NS, text="Name a lake."), timeout=10)
+            assert r.hit and r.entry.answer == "Baikal." and not r.entry.answer_token_ids
+    finally:
+        s.handle.stop(0)
+        s.housekeeper.stop()
+        s.cache.store.close()
 
 
 def test_unknown_ids_are_not_found(stub):

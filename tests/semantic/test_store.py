@@ -7,7 +7,7 @@ import sqlite3
 import numpy as np
 import pytest
 
-from services.semantic.store import EntryStore
+from services.semantic.store import EntryStore, pack_tokens, unpack_tokens
 
 VEC = np.ones(4, np.float32) / 2.0
 
@@ -78,6 +78,36 @@ def test_a_database_from_before_the_truncated_column_is_upgraded(tmp_path):
     insert(st, "new", truncated=5)
     assert st.get("new").truncated == 5
     st.close()
+
+
+def test_a_database_from_before_the_token_ids_column_reads_none_and_takes_them(tmp_path):
+    path = str(tmp_path / "s.db")
+    with sqlite3.connect(path) as db:  # as the build before the column left its table
+        db.execute("""CREATE TABLE entries (
+            label INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
+            tenant TEXT NOT NULL, model_id TEXT NOT NULL, context_hash TEXT NOT NULL,
+            prompt TEXT NOT NULL, answer TEXT NOT NULL, embedding BLOB NOT NULL,
+            embed_model TEXT NOT NULL, verified INTEGER NOT NULL DEFAULT 0,
+            created_at REAL NOT NULL, last_hit_at REAL NOT NULL DEFAULT 0,
+            hit_count INTEGER NOT NULL DEFAULT 0, ttl_seconds INTEGER NOT NULL DEFAULT 0,
+            truncated INTEGER NOT NULL DEFAULT 1)""")
+        db.execute("PRAGMA user_version = 1")
+        db.execute("INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
+                   "embedding, embed_model, created_at, truncated) VALUES ('old', 't', 'm', "
+                   "'', 'q', 'a', ?, 'e', 1.0, 0)", (VEC.tobytes(),))
+    st = EntryStore(path, "NORMAL")
+    try:
+        assert st.get("old").answer_tokens == b"" and st.get("old").truncated == 0
+        insert(st, "new", answer_tokens=pack_tokens([7, 70000]))
+        assert unpack_tokens(st.get("new").answer_tokens) == [7, 70000]
+        st.insert_many([dict(id="bulk", tenant="t", model_id="m", context_hash="", prompt="p",
+                             answer="a", embedding=VEC, embed_model="e", verified=False,
+                             created_at=1.0, ttl_seconds=0, answer_tokens=pack_tokens([5]))])
+        assert unpack_tokens(st.get("bulk").answer_tokens) == [5]
+    finally:
+        st.close()
+    with sqlite3.connect(path) as db:  # no schema version: a build without the column opens it
+        assert db.execute("PRAGMA user_version").fetchone()[0] == 1
 
 
 def test_hit_counters_never_go_down_in_sqlite(tmp_path):
