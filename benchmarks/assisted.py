@@ -383,9 +383,12 @@ def main(argv: list[str] | None = None) -> int:
     def prompt_ids(q: str) -> list[int]:  # as the orchestrator renders a one-message chat
         return renderer.render_chat([Message("user", q)]).token_ids
 
+    special = set(tok.all_special_ids)
+
     def draft_of(answer: list[int]) -> list[int]:
-        """A's answer as the semantic tier stores it and the orchestrator re-tokenizes it."""
-        return renderer.encode(tok.decode(answer, skip_special_tokens=True).strip())
+        """A's answer as the semantic tier stores it with the entry: the ids the model
+        generated, less the end of sequence (Orchestrator._ids_of)."""
+        return [t for t in answer if t not in special]
 
     t0 = time.time()
     load_avg = os.getloadavg()
