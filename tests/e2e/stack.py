@@ -10,6 +10,7 @@ from pathlib import Path
 
 from services.launcher import ServiceProcess
 from tests.e2e.conftest import start
+from tests.index_sync import wait_index_matches_pools
 
 INTERNAL = "internal-e2e-secret"
 INTERNAL_MD = [("authorization", f"Bearer {INTERNAL}")]
@@ -117,29 +118,21 @@ def admin_stats(stack: FullStack):
 
 
 def wait_index_caught_up(stack: FullStack, timeout: float = 30.0) -> None:
-    """Until the prefix index lists, for every replica, as many blocks as its idle pool holds:
-    replicas publish what they cache asynchronously (batched, up to ~0.2 s after a prefill),
-    so a request sent right after a Warm could be routed before the index knew of it."""
-    import time
-
+    """Until the index agrees with every replica's idle pool (`wait_index_matches_pools`)."""
     import grpc
     from tiercache.v1 import kvpool_pb2, kvpool_pb2_grpc, prefix_pb2, prefix_pb2_grpc
 
-    end = time.monotonic() + timeout
-    last: dict = {}
-    while True:
-        truth = {}
+    def pools() -> list:
+        out = []
         for k in stack.kv:
             with grpc.insecure_channel(k.address) as ch:
-                st = kvpool_pb2_grpc.KvPoolStub(ch).Stats(kvpool_pb2.KvStatsRequest(),
-                                                          timeout=10, metadata=INTERNAL_MD)
-            truth[st.replica_id] = st.blocks_cached + st.blocks_pinned
+                out.append(kvpool_pb2_grpc.KvPoolStub(ch).Stats(
+                    kvpool_pb2.KvStatsRequest(), timeout=10, metadata=INTERNAL_MD))
+        return out
+
+    def index():
         with grpc.insecure_channel(stack.prefix.address) as ch:
-            idx = prefix_pb2_grpc.PrefixIndexStub(ch).Stats(prefix_pb2.PrefixStatsRequest(),
-                                                            timeout=10, metadata=INTERNAL_MD)
-        held = {r.replica_id: r.held_blocks for r in idx.replicas}
-        if held == truth:
-            return
-        last = {"index": held, "pools": truth}
-        assert time.monotonic() < end, f"the index did not catch up with the pools: {last}"
-        time.sleep(0.1)
+            return prefix_pb2_grpc.PrefixIndexStub(ch).Stats(prefix_pb2.PrefixStatsRequest(),
+                                                             timeout=10, metadata=INTERNAL_MD)
+
+    wait_index_matches_pools(pools, index, timeout)

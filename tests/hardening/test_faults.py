@@ -24,6 +24,7 @@ from tiercache.v1 import common_pb2, semantic_pb2, semantic_pb2_grpc
 
 from clients.python.client import TierCacheClient
 from tests.hardening.conftest import INTERNAL, INTERNAL_MD, TOK_A, Stack
+from tests.index_sync import wait_index_matches_pools
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -85,19 +86,7 @@ def wait_until(pred, timeout: float, what: str, every: float = 0.2):
 
 def index_converged(stack: Stack, timeout: float = 30.0) -> None:
     """The index's view of every live replica equals what its pool holds (idle pools)."""
-    last = {}
-
-    def same() -> bool:
-        pools = {s.replica_id: s for s in stack.kv_stats()}
-        idx = {r.replica_id: r.held_blocks for r in stack.prefix_stats().replicas}
-        truth = {rid: s.blocks_cached + s.blocks_pinned for rid, s in pools.items()}
-        last.update(index=idx, pools=truth)
-        return idx == truth
-
-    try:
-        wait_until(same, timeout, "index convergence")
-    except AssertionError:
-        raise AssertionError(f"index did not converge: {last}") from None
+    wait_index_matches_pools(stack.kv_stats, stack.prefix_stats, timeout)
 
 
 def busy_replica(stack: Stack) -> int | None:
