@@ -386,9 +386,12 @@ def main(argv: list[str] | None = None) -> int:
     special = set(tok.all_special_ids)
 
     def draft_of(answer: list[int]) -> list[int]:
-        """A's answer as the semantic tier stores it with the entry: the ids the model
-        generated, less the end of sequence (Orchestrator._ids_of)."""
-        return [t for t in answer if t not in special]
+        """A's answer as the semantic tier stores it with the entry (Orchestrator._ids_of): the
+        ids the model generated, its end of sequence included; the text tokenized again only
+        if a special token came before the end."""
+        if any(t in special for t in answer[:-1]):
+            return renderer.encode(tok.decode(answer, skip_special_tokens=True))
+        return list(answer)
 
     t0 = time.time()
     load_avg = os.getloadavg()

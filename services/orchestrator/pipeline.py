@@ -585,13 +585,17 @@ class Orchestrator:
         yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
 
     def _ids_of(self, generated: list[int], answer: str) -> list[int]:
-        """The model's ids of `answer`: `generated` less its special tokens, if they decode to
-        exactly that text (not when the answer's last character was cut inside its bytes); else
-        none, and readers tokenize the text. Tokenizing it again is not always the same: the
-        model may write a word in pieces its tokenizer would not choose ("Mar" "ath" "i"), and
-        a draft made that way disagrees with the model there."""
-        ids = [t for t in generated if t not in self._special_ids]
-        return ids if self.tok.decode(ids) == answer else []
+        """The model's own ids of `answer`, as the model's stream gave them (its end of
+        sequence included, so a hit gives back what the model did): `generated`, if it decodes
+        to exactly that text and a special token comes only last; else none (not when the
+        answer's last character was cut inside its bytes), and readers tokenize the text.
+        Tokenizing it again is not always the same: the model may write a word in pieces its
+        tokenizer would not choose (" Mar" "ath" "i"), and a draft made that way disagrees
+        with the model there."""
+        body = generated[:-1] if generated and generated[-1] in self._special_ids else generated
+        if any(t in self._special_ids for t in body) or self.tok.decode(body) != answer:
+            return []
+        return list(generated)
 
     def _serve_hit(self, look, ids: list[int], sampling: Sampling, report, return_token_ids,
                    request_id, t0):

@@ -564,12 +564,12 @@ class SemanticCache:
         if ttl_seconds < 0 or ttl_seconds > self.cfg.max_ttl_seconds:
             raise InvalidArgument("ttl_seconds", f"must be in [0, {self.cfg.max_ttl_seconds}]")
         answer_bytes = len(answer.encode("utf-8", "surrogatepass"))
-        if len(answer_token_ids) > answer_bytes:
-            # A byte-level tokenizer gives each token at least one byte of text: more ids than
-            # bytes are not this answer's.
+        if len(answer_token_ids) > answer_bytes + 1:
+            # A byte-level tokenizer gives each token at least one byte of text, and the end of
+            # sequence none: more ids than that are not this answer's.
             raise InvalidArgument(
                 "answer_token_ids", f"{len(answer_token_ids)} token ids for an answer of "
-                f"{answer_bytes} UTF-8 bytes: at most one per byte")
+                f"{answer_bytes} UTF-8 bytes: at most one per byte, and an end of sequence")
         if any(t < 0 or t >= 1 << 32 for t in answer_token_ids):
             raise InvalidArgument("answer_token_ids", "token ids must be in [0, 2^32)")
         answer_tokens = pack_tokens(answer_token_ids)

@@ -104,13 +104,16 @@ def two_in_turn(stack, send, gap_s: float | None = None) -> list:
 
 def test_repeat_is_a_semantic_hit_without_a_model_call(stack, a):
     q = "What is the capital city of Australia?"
-    first = a.generate(q, max_tokens=16)
+    first = a.generate(q, max_tokens=16, return_token_ids=True)
     assert not first.report.semantic_hit and first.report.replica_id
     before = kv_requests(stack)
-    again = a.generate(q, max_tokens=16)
+    again = a.generate(q, max_tokens=16, return_token_ids=True)
     assert again.report.semantic_hit
     assert again.report.semantic_similarity >= 0.95
     assert again.text == first.text.strip()
+    # The model's own ids, its end of sequence included, not the text tokenized again.
+    assert again.token_ids == first.token_ids
+    assert again.completion_tokens == first.completion_tokens
     assert again.report.replica_id == "" and again.report.prompt_tokens == 0
     assert kv_requests(stack) == before  # no model call
     # A real paraphrase below the standard tier's 0.95 (MiniLM: 0.917): the model answers,

@@ -887,7 +887,7 @@ def test_an_answer_is_stored_with_the_models_own_ids_unless_they_are_not_its_tex
     generate(orch, [])
     generate(orch, [])  # ends inside a character: "o" is stored, and its ids are not "o"'s
     assert [(r.answer, list(r.answer_token_ids)) for r in sem.stored] == [
-        ("ok", [ord("o"), ord("k")]), ("o", [])]
+        ("ok", [ord("o"), ord("k"), 0]), ("o", [])]
 
 
 @pytest.mark.parametrize(("hit", "ids", "expected"), [
@@ -922,4 +922,6 @@ def test_a_word_the_model_wrote_in_unusual_pieces_is_stored_as_it_wrote_it():
     answer = tok.decode(written + [tok.eos_token_id], skip_special_tokens=True)
     assert answer == "It is spoken in Marathi."
     assert tok.encode(answer, add_special_tokens=False) != written  # the case is exercised
-    assert orch._ids_of(written + [tok.eos_token_id], answer) == written
+    assert orch._ids_of(written + [tok.eos_token_id], answer) == written + [tok.eos_token_id]
+    # A control token inside the answer: its text leaves it out, so the ids are not the text's.
+    assert orch._ids_of(written[:2] + [tok.eos_token_id] + written[2:], answer) == []

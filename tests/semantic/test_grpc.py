@@ -92,8 +92,9 @@ def test_bad_lookup_is_invalid_argument(stub, req, field):
     (pb.StoreRequest(prompt="q?", answer="a"), "namespace"),
     (pb.StoreRequest(namespace=pb.Namespace(tenant="t"), prompt="q?", answer="a"),
      "namespace.model_id"),
-    # Two tokens for one byte of text: not this answer's ids.
-    (pb.StoreRequest(namespace=NS, prompt="q?", answer="a", answer_token_ids=[64, 65]),
+    # Three tokens for one byte of text (one for it, one for an end of sequence): not this
+    # answer's ids.
+    (pb.StoreRequest(namespace=NS, prompt="q?", answer="a", answer_token_ids=[64, 65, 2]),
      "answer_token_ids"),
 ])
 def test_bad_store_is_invalid_argument_and_writes_nothing(stub, svc, req, field):
