@@ -129,7 +129,7 @@ CREATE TABLE IF NOT EXISTS entries (
     -- whose answers may have been cut, as _mark_uncertain_answers assumes of old rows. (A
     -- table created with DEFAULT 0 by an earlier build keeps it: IF NOT EXISTS leaves it.)
     truncated    INTEGER NOT NULL DEFAULT 1,
-    -- The model's token ids of the answer, uint32 little-endian; empty = not given (readers
+    -- The model's token ids of the answer (pack_tokens); empty = not given (readers
     -- tokenize the answer). Added without a schema version: a build that does not know it
     -- writes the default, which means just that.
     answer_tokens BLOB NOT NULL DEFAULT x''
@@ -171,14 +171,23 @@ def _row(t: tuple) -> Row:
                t[8], bool(t[9]), t[10], t[11], t[12], t[13], int(t[14]), bytes(t[15]))
 
 
+_TOKEN_WIDTHS = {2: "<u2", 4: "<u4"}
+
+
 def pack_tokens(ids: Sequence[int]) -> bytes:
-    """Token ids as stored: uint32 little-endian (4 bytes each, a quarter of a Python list's
-    cost per id in memory)."""
-    return np.asarray(ids, "<u4").tobytes() if len(ids) else b""
+    """Token ids as stored: a byte giving their width, then each as an unsigned little-endian
+    integer of that width: 2 bytes while every id is below 65,536 (SmolLM2's 49,152-token
+    vocabulary), else 4. A Python list costs 8 bytes an id and more."""
+    if not len(ids):
+        return b""
+    width = 2 if max(ids) < 1 << 16 else 4
+    return bytes([width]) + np.asarray(ids, _TOKEN_WIDTHS[width]).tobytes()
 
 
 def unpack_tokens(blob: bytes) -> list[int]:
-    return np.frombuffer(blob, "<u4").tolist()
+    if not blob:
+        return []
+    return np.frombuffer(blob, _TOKEN_WIDTHS[blob[0]], offset=1).tolist()
 
 
 @contextlib.contextmanager

@@ -315,6 +315,9 @@ SEMANTIC_CASES = [
                                                  answer="y" * 3_000_000), INV, "answer"),
     case("store invalid UTF-8 answer", "Store", raw(STORE(namespace=NS, prompt="p"))
          + string_field(3, BAD_UTF8), INV, "answer"),
+    case("store more token ids than the answer has bytes", "Store",
+         STORE(namespace=NS, prompt="p", answer="ab", answer_token_ids=[1] * 100_000), INV,
+         "answer_token_ids"),
     case("store over the size limit", "Store", STORE(namespace=NS, prompt="p",
                                                     answer="z" * OVER_LIMIT), RES, ""),
     case("verify empty id", "Verify", semantic_pb2.VerifyRequest(), INV, "id"),

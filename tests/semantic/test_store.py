@@ -480,3 +480,14 @@ def test_rows_written_by_a_build_that_does_not_know_truncated_are_not_taken_as_w
         assert s.get("old").truncated == 1
     finally:
         s.close()
+
+
+@pytest.mark.parametrize(("ids", "size"), [
+    ([], 0),
+    ([0, 49151, 65535], 1 + 3 * 2),  # SmolLM2's vocabulary: two bytes an id
+    ([7, 65536], 1 + 2 * 4),  # one id past 16 bits: four bytes each
+    ([2**32 - 1], 1 + 4),
+])
+def test_token_ids_are_packed_as_narrow_as_they_fit_and_read_back(ids, size):
+    blob = pack_tokens(ids)
+    assert len(blob) == size and unpack_tokens(blob) == ids
