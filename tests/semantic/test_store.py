@@ -20,6 +20,18 @@ def insert(st: EntryStore, eid: str, **kw) -> int:
     return st.insert(**args)
 
 
+def create_old_table(db: sqlite3.Connection, *added: str) -> None:
+    """The entries table as the first build created it, with the columns `added` since."""
+    db.execute("CREATE TABLE entries (" + ", ".join((
+        "label INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE, "
+        "tenant TEXT NOT NULL, model_id TEXT NOT NULL, context_hash TEXT NOT NULL, "
+        "prompt TEXT NOT NULL, answer TEXT NOT NULL, embedding BLOB NOT NULL, "
+        "embed_model TEXT NOT NULL, verified INTEGER NOT NULL DEFAULT 0, "
+        "created_at REAL NOT NULL, last_hit_at REAL NOT NULL DEFAULT 0, "
+        "hit_count INTEGER NOT NULL DEFAULT 0, ttl_seconds INTEGER NOT NULL DEFAULT 0",
+        *added)) + ")")
+
+
 def committed_ids(path) -> set[str]:
     """What another connection sees: only committed rows."""
     with sqlite3.connect(path) as other:
@@ -60,13 +72,7 @@ def test_truncated_flag_round_trips(tmp_path):
 def test_a_database_from_before_the_truncated_column_is_upgraded(tmp_path):
     path = str(tmp_path / "old.db")
     with sqlite3.connect(path) as db:
-        db.execute("""CREATE TABLE entries (
-            label INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
-            tenant TEXT NOT NULL, model_id TEXT NOT NULL, context_hash TEXT NOT NULL,
-            prompt TEXT NOT NULL, answer TEXT NOT NULL, embedding BLOB NOT NULL,
-            embed_model TEXT NOT NULL, verified INTEGER NOT NULL DEFAULT 0,
-            created_at REAL NOT NULL, last_hit_at REAL NOT NULL DEFAULT 0,
-            hit_count INTEGER NOT NULL DEFAULT 0, ttl_seconds INTEGER NOT NULL DEFAULT 0)""")
+        create_old_table(db)
         db.execute("INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
                    "embedding, embed_model, created_at) VALUES ('old', 't', 'm', '', 'q', 'a', "
                    "?, 'e', 1.0)", (VEC.tobytes(),))
@@ -83,14 +89,7 @@ def test_a_database_from_before_the_truncated_column_is_upgraded(tmp_path):
 def test_a_database_from_before_the_token_ids_column_reads_none_and_takes_them(tmp_path):
     path = str(tmp_path / "s.db")
     with sqlite3.connect(path) as db:  # as the build before the column left its table
-        db.execute("""CREATE TABLE entries (
-            label INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT NOT NULL UNIQUE,
-            tenant TEXT NOT NULL, model_id TEXT NOT NULL, context_hash TEXT NOT NULL,
-            prompt TEXT NOT NULL, answer TEXT NOT NULL, embedding BLOB NOT NULL,
-            embed_model TEXT NOT NULL, verified INTEGER NOT NULL DEFAULT 0,
-            created_at REAL NOT NULL, last_hit_at REAL NOT NULL DEFAULT 0,
-            hit_count INTEGER NOT NULL DEFAULT 0, ttl_seconds INTEGER NOT NULL DEFAULT 0,
-            truncated INTEGER NOT NULL DEFAULT 1)""")
+        create_old_table(db, "truncated INTEGER NOT NULL DEFAULT 1")
         db.execute("PRAGMA user_version = 1")
         db.execute("INSERT INTO entries (id, tenant, model_id, context_hash, prompt, answer, "
                    "embedding, embed_model, created_at, truncated) VALUES ('old', 't', 'm', "
@@ -320,13 +319,7 @@ def test_the_wal_is_bounded_and_the_unread_namespace_index_is_dropped(tmp_path):
     context) index, read by no query, cost every insert and delete a b-tree update."""
     path = str(tmp_path / "s.db")
     with sqlite3.connect(path) as old:  # a database created by an earlier version
-        old.execute("CREATE TABLE entries (label INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT "
-                    "NOT NULL UNIQUE, tenant TEXT NOT NULL, model_id TEXT NOT NULL, "
-                    "context_hash TEXT NOT NULL, prompt TEXT NOT NULL, answer TEXT NOT NULL, "
-                    "embedding BLOB NOT NULL, embed_model TEXT NOT NULL, verified INTEGER NOT "
-                    "NULL DEFAULT 0, created_at REAL NOT NULL, last_hit_at REAL NOT NULL "
-                    "DEFAULT 0, hit_count INTEGER NOT NULL DEFAULT 0, ttl_seconds INTEGER NOT "
-                    "NULL DEFAULT 0, truncated INTEGER NOT NULL DEFAULT 0)")
+        create_old_table(old, "truncated INTEGER NOT NULL DEFAULT 0")
         old.execute("CREATE INDEX entries_ns ON entries (tenant, model_id, context_hash)")
         old.execute("PRAGMA user_version = 1")
     st = EntryStore(path, "NORMAL")
