@@ -1,5 +1,7 @@
 """Rendering, validation and incremental detokenization with the real SmolLM2 tokenizer."""
 
+from types import SimpleNamespace
+
 import pytest
 
 from services.common.errors import InvalidArgument
@@ -180,3 +182,68 @@ def test_a_control_token_typed_in_a_message_stays_text(tok, renderer):
     # Without a control-token text, the prompt is the template's text tokenized whole.
     msgs = [Message("system", "Be brief."), Message("user", "a <b> c")]
     assert renderer.render_chat(msgs).token_ids == renderer.encode(renderer.render_text(msgs))
+
+
+_LONG_PIECES = [
+    " ".join(f"Rule {i}: be polite, cite section {i * 7}.\n\n{i}. Then stop." for i in range(40)),
+    "  Leading spaces, trailing ones   \n\n\n" + "Grüße, 中文, 🚀 and 1234567890 " * 30,
+    "\n" + "x" * 600 + "\t\t" + "42" * 300 + " ",
+]
+
+
+@pytest.mark.parametrize("system", _LONG_PIECES)
+def test_a_prompt_tokenized_piece_by_piece_is_the_prompt_tokenized_whole(tok, system):
+    """The system prompt and earlier turns are kept tokenized between requests; the ids must be
+    what tokenizing the whole rendered text gives, the first time and from the cache."""
+    renderer = PromptRenderer(tok, max_chars=100_000)
+    turns = [Message("system", system), Message("user", "Which rule applies?"),
+             Message("assistant", system[::-1]), Message("user", "And now? 3.14 ")]
+    for msgs in (turns[:2], turns, turns[:2]):
+        text = tok.apply_chat_template([{"role": m.role, "content": m.content} for m in msgs],
+                                       tokenize=False, add_generation_prompt=True)
+        assert renderer.render_chat(msgs).token_ids == tok.encode(text, add_special_tokens=False)
+    raw = "<|im_start|>system\n" + system + "<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n"
+    for _ in range(2):
+        assert renderer.render_raw(raw).token_ids == tok.encode(raw, add_special_tokens=False)
+    assert renderer.piece_hits >= 3  # the cache was used, not bypassed
+
+
+def test_the_piece_cache_keeps_at_most_its_budget(tok, monkeypatch):
+    from services.orchestrator import render
+
+    piece = len("system\n0 " + "word " * 240)  # the text between <|im_start|> and <|im_end|>
+    monkeypatch.setattr(render, "PIECE_CACHE_MAX_CHARS", piece * 9 // 2)  # one may take 1/4
+    renderer = PromptRenderer(tok, max_chars=100_000)
+    for i in range(6):
+        renderer.render_chat([Message("system", f"{i} " + "word " * 240), Message("user", "q")])
+    assert renderer._pieces_chars == 4 * piece and len(renderer._pieces) == 4
+    assert next(iter(renderer._pieces)) == "system\n2 " + "word " * 240  # oldest went first
+    renderer.render_chat([Message("system", "x " + "word " * 2000), Message("user", "q")])
+    assert len(renderer._pieces) == 4  # over a quarter of the budget: not kept
+
+
+class _FirstPieceTok:
+    """A fast tokenizer whose text's first piece gets a marker (as a Metaspace pre-tokenizer
+    prepending to the first piece only does): pieces cannot be tokenized apart."""
+
+    is_fast = True
+    added_tokens_decoder = {0: SimpleNamespace(content="<s>", lstrip=False, rstrip=False,
+                                               single_word=False, normalized=False)}
+
+    def encode(self, text, add_special_tokens=False):
+        ids, first = [], True
+        for k, part in enumerate(text.split("<s>")):
+            if k:
+                ids.append(0)
+            if part:
+                ids += ([1] if first else []) + [ord(c) for c in part]
+                first = False
+        return ids
+
+
+def test_a_tokenizer_that_treats_its_first_piece_apart_is_tokenized_whole():
+    tok = _FirstPieceTok()
+    renderer = PromptRenderer(tok)
+    text = "<s>" + "y" * 600 + "<s>" + "z" * 600
+    assert renderer._added_split() is None
+    assert renderer.encode_prompt(text) == tok.encode(text) and renderer.piece_misses == 0
