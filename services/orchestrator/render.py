@@ -11,7 +11,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,20 @@ PIECE_CACHE_MAX_CHARS = 4_000_000
 # tokenizer does not treat text between added tokens on its own, and prompts are tokenized
 # whole (see PromptRenderer.encode_prompt).
 _PIECE_PROBES = ("a{0}b c{0} d\n\n2. x{1}\n{0}", " {0}  {1}1{0}\tq", "{1}{0}é 中文 42{1} ")
+
+
+def _encode_split(text: str, pattern: re.Pattern, added_ids: dict[str, int],
+                  encode_piece: Callable[[str], Sequence[int]]) -> list[int]:
+    """`text` tokenized as a fast tokenizer does: split at its added tokens (`pattern`), each
+    piece between them tokenized alone by `encode_piece`."""
+    ids: list[int] = []
+    at = 0
+    for m in pattern.finditer(text):
+        ids += encode_piece(text[at:m.start()])
+        ids.append(added_ids[m.group()])
+        at = m.end()
+    ids += encode_piece(text[at:])
+    return ids
 
 
 @dataclass(frozen=True)
@@ -153,15 +167,7 @@ class PromptRenderer:
         added = self._added_split()
         if added is None or len(text) < PIECE_CACHE_MIN_CHARS:
             return self.encode(text)
-        pattern, added_ids = added
-        ids: list[int] = []
-        at = 0
-        for m in pattern.finditer(text):
-            ids += self._piece(text[at:m.start()])
-            ids.append(added_ids[m.group()])
-            at = m.end()
-        ids += self._piece(text[at:])
-        return ids
+        return _encode_split(text, *added, self._piece)
 
     def _piece(self, piece: str) -> tuple[int, ...] | list[int]:
         if len(piece) < PIECE_CACHE_MIN_CHARS:
@@ -206,13 +212,7 @@ class PromptRenderer:
         a, b = names[0], names[-1]
         for probe in _PIECE_PROBES:
             text = probe.format(a, b)
-            pieces: list[int] = []
-            at = 0
-            for m in pattern.finditer(text):
-                pieces += self.encode(text[at:m.start()]) + [ids[m.group()]]
-                at = m.end()
-            pieces += self.encode(text[at:])
-            if pieces != self.encode(text):
+            if _encode_split(text, pattern, ids, self.encode) != self.encode(text):
                 return None
         return pattern, ids
 
