@@ -375,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.common.model_store import load_tokenizer, resolve_model
     from services.launcher import Stack
+    from services.orchestrator.detok import complete_text
+    from services.orchestrator.pipeline import answer_ids
     from services.orchestrator.render import Message, PromptRenderer
 
     tok = load_tokenizer(resolve_model("smollm2").path)
@@ -383,15 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     def prompt_ids(q: str) -> list[int]:  # as the orchestrator renders a one-message chat
         return renderer.render_chat([Message("user", q)]).token_ids
 
-    special = set(tok.all_special_ids)
+    special = frozenset(tok.all_special_ids)
 
     def draft_of(answer: list[int]) -> list[int]:
-        """A's answer as the semantic tier stores it with the entry (Orchestrator._ids_of): the
-        ids the model generated, its end of sequence included; the text tokenized again only
-        if a special token came before the end."""
-        if any(t in special for t in answer[:-1]):
-            return renderer.encode(tok.decode(answer, skip_special_tokens=True))
-        return list(answer)
+        """A's answer as the orchestrator stores it and drafts with it: its generated ids
+        (`pipeline.answer_ids`), or its text tokenized again where the tier keeps none."""
+        text = complete_text(tok.decode(answer, skip_special_tokens=True))
+        return answer_ids(tok, special, answer, text) or renderer.encode(text)
 
     t0 = time.time()
     load_avg = os.getloadavg()

@@ -138,6 +138,21 @@ class OrchestratorStats:
         DEGRADED.labels(kind).inc()
 
 
+def answer_ids(tok, special_ids: frozenset[int], generated: list[int], answer: str
+               ) -> list[int]:
+    """The model's own ids of `answer`, as the semantic tier stores them with it: `generated`
+    as the model's stream gave it (its end of sequence included, so a hit gives back what the
+    model did), if it decodes to exactly that text and a special token comes only last; else
+    none (not when the answer's last character was cut inside its bytes), and readers tokenize
+    the text. Tokenizing it again is not always the same: the model may write a word in pieces
+    its tokenizer would not choose (" Mar" "ath" "i"), and a draft made that way disagrees
+    with the model there."""
+    body = generated[:-1] if generated and generated[-1] in special_ids else generated
+    if any(t in special_ids for t in body) or tok.decode(body) != answer:
+        return []
+    return list(generated)
+
+
 class Orchestrator:
     """Runs requests through the tiers. Thread-safe; one instance per process."""
 
@@ -579,23 +594,11 @@ class Orchestrator:
             sid = self._store(tenant, prompt, answer,
                               0 if final.finish_reason == common_pb2.FINISH_REASON_EOS
                               else len(generated), deadline,
-                              answer_ids=self._ids_of(generated, answer))
+                              answer_ids=answer_ids(self.tok, self._special_ids, generated,
+                                                    answer))
             if sid:
                 report.semantic_entry_id = sid
         yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
-
-    def _ids_of(self, generated: list[int], answer: str) -> list[int]:
-        """The model's own ids of `answer`, as the model's stream gave them (its end of
-        sequence included, so a hit gives back what the model did): `generated`, if it decodes
-        to exactly that text and a special token comes only last; else none (not when the
-        answer's last character was cut inside its bytes), and readers tokenize the text.
-        Tokenizing it again is not always the same: the model may write a word in pieces its
-        tokenizer would not choose (" Mar" "ath" "i"), and a draft made that way disagrees
-        with the model there."""
-        body = generated[:-1] if generated and generated[-1] in self._special_ids else generated
-        if any(t in self._special_ids for t in body) or self.tok.decode(body) != answer:
-            return []
-        return list(generated)
 
     def _serve_hit(self, look, ids: list[int], sampling: Sampling, report, return_token_ids,
                    request_id, t0):

@@ -16,7 +16,14 @@ from services.common.hashing import BlockHasher
 from services.orchestrator.backends import ReplicaSet
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.dispatched import DispatchMemory
-from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling, TextDelta
+from services.orchestrator.pipeline import (
+    Finished,
+    Orchestrator,
+    Policy,
+    Sampling,
+    TextDelta,
+    answer_ids,
+)
 from services.orchestrator.render import RenderedPrompt
 from services.orchestrator.routing import PrefixAwarePolicy
 from services.orchestrator.server import Warmer, _on_rpc_end
@@ -922,6 +929,8 @@ def test_a_word_the_model_wrote_in_unusual_pieces_is_stored_as_it_wrote_it():
     answer = tok.decode(written + [tok.eos_token_id], skip_special_tokens=True)
     assert answer == "It is spoken in Marathi."
     assert tok.encode(answer, add_special_tokens=False) != written  # the case is exercised
-    assert orch._ids_of(written + [tok.eos_token_id], answer) == written + [tok.eos_token_id]
+    special = orch._special_ids
+    assert answer_ids(tok, special, written + [tok.eos_token_id], answer) == \
+        written + [tok.eos_token_id]
     # A control token inside the answer: its text leaves it out, so the ids are not the text's.
-    assert orch._ids_of(written[:2] + [tok.eos_token_id] + written[2:], answer) == []
+    assert answer_ids(tok, special, written[:2] + [tok.eos_token_id] + written[2:], answer) == []
