@@ -108,7 +108,7 @@ def in_process_run(run: int, pairs: int, rng: random.Random, null: bool = False)
             "off": KvPoolConfig(num_blocks=2048, max_batch_size=8, prefix_caching=False)}
     if not _MODEL:
         _MODEL.append(load_model(cfgs["on"]))
-    model, model_id = _MODEL[0]
+    model, model_id, _ = _MODEL[0]  # linear layers packed as a replica's are
     engines = {k: build_replica(c, model, model_id, metrics=False).engine
                for k, c in cfgs.items()}
 

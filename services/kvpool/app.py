@@ -18,6 +18,7 @@ from services.kvpool.calibrate import forward_costs
 from services.kvpool.config import KvPoolConfig
 from services.kvpool.drafting import LadderChoice, choose_ladder, default_ladder
 from services.kvpool.engine import Engine, ModelInfo, model_info
+from services.kvpool.linear import Packing, pack_linears
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import KvStore
 
@@ -34,8 +35,9 @@ class Replica:
     info: ModelInfo
 
 
-def load_model(cfg: KvPoolConfig) -> tuple[Any, str]:
-    """Resolve and load the configured model on its device; returns (model, model_id)."""
+def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
+    """Resolve and load the configured model on its device, its linear layers on the configured
+    kernels; returns (model, model_id, what `pack_linears` did)."""
     from transformers import AutoModelForCausalLM
 
     resolved = resolve_model(cfg.model, cfg.cache_dir or None, cfg.model_id or None)
@@ -44,7 +46,13 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str]:
     model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=_DTYPES[cfg.dtype],
                                                  attn_implementation="sdpa")
     model.to(cfg.device).eval()
-    return model, resolved.model_id
+    packing = pack_linears(model, cfg.linear_kernels)
+    if packing.kernels == "onednn":
+        log.info("linear layers: %d on oneDNN with packed weights "
+                 "(TIERCACHE_KVPOOL_LINEAR_KERNELS)", packing.layers)
+    elif packing.why_not != "configured":
+        log.warning("linear layers stay on torch's kernels: %s", packing.why_not)
+    return model, resolved.model_id, packing
 
 
 def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
@@ -105,8 +113,9 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
     """Load (or take) the model and start the engine over a fresh pool."""
     if cfg.torch_threads > 0:
         torch.set_num_threads(cfg.torch_threads)
+    packing = None  # a model given is served on the kernels it has (the engine tells which)
     if model is None:
-        model, model_id = load_model(cfg)
+        model, model_id, packing = load_model(cfg)
     info = model_info(model, model_id or cfg.model_id or "model")
     if cfg.max_context > 0:
         info = dataclasses.replace(info, max_context=min(info.max_context, cfg.max_context))
@@ -134,6 +143,8 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     max_draft_tokens=cfg.max_draft_tokens,
                     preallocate_rows=cfg.preallocate_rows,
                     metrics=KvMetrics() if metrics else None)
+    if packing is not None:
+        engine.packing = packing
     if cfg.drafts:
         # Before the engine thread runs: the timings need the device to themselves.
         engine.draft_ladder = draft_ladder(cfg, model)

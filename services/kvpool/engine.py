@@ -31,6 +31,7 @@ whose logits are ignored.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import queue
@@ -49,6 +50,7 @@ from services.common import errors
 from services.kvpool import attention
 from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
 from services.kvpool.drafting import Draft, LadderChoice, default_ladder
+from services.kvpool.linear import PackedLinear, Packing
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
 from services.kvpool.sampling import (
@@ -184,10 +186,19 @@ _LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logit_scale", "logits_scali
                          "output_multiplier_scale")
 
 
-def fp32_head(model: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None] | None:
-    """(base model, lm_head weight, bias) in float32, to compute the logits from the hidden
-    states; None for a model whose logits are not a plain `lm_head(hidden)` (those keep their
-    own forward, with `.float()` on its logits).
+class Head(NamedTuple):
+    """The base model and its head, to compute float32 logits from the hidden states."""
+
+    base: Any
+    logits: Callable[[torch.Tensor], torch.Tensor]  # float32 hidden states -> float32 logits
+    weight: torch.Tensor | None  # the float32 weight it multiplies by; None when packed
+
+
+def fp32_head(model: Any) -> Head | None:
+    """The base model and a float32 head (lm_head's own when it is float32 already, or packed
+    for oneDNN by `linear.pack_linears`), to compute the logits from the hidden states; None
+    for a model whose logits are not a plain `lm_head(hidden)` (those keep their own forward,
+    with `.float()` on its logits).
 
     Two uses:
     - a half-precision model's logits are computed in float32. In bfloat16 the top logits often
@@ -198,13 +209,18 @@ def fp32_head(model: Any) -> tuple[Any, torch.Tensor, torch.Tensor | None] | Non
       positions each row uses (`Engine._forward`'s `need`), not at every padded position.
     """
     base, head = getattr(model, "model", None), getattr(model, "lm_head", None)
-    if not isinstance(base, torch.nn.Module) or not isinstance(head, torch.nn.Linear):
+    if not isinstance(base, torch.nn.Module) or not isinstance(head, (torch.nn.Linear,
+                                                                        PackedLinear)):
         return None
     cfg = getattr(model, "config", None)
     if any(getattr(cfg, a, None) not in (None, 0, 1, 1.0) for a in _LOGIT_POSTPROCESSING):
         return None
+    if isinstance(head, PackedLinear):  # float32 (only float32 models are packed)
+        return Head(base, head, None)
+    weight = head.weight.detach().float()
     bias = head.bias.detach().float() if head.bias is not None else None
-    return base, head.weight.detach().float(), bias
+    return Head(base, functools.partial(torch.nn.functional.linear, weight=weight, bias=bias),
+                weight)
 
 
 class EngineStats(NamedTuple):
@@ -277,6 +293,10 @@ class Engine:
             self.store.ensure_capacity(info.max_context)
         self.cache = PagedCache(self.store)
         self._head = fp32_head(model)
+        # The kernels of the model's linear layers, as the model has them (a replica that
+        # loaded the model sets what `pack_linears` did, with why not; Stats reports it).
+        packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+        self.packing = Packing("onednn", packed) if packed else Packing("torch", 0, "not packed")
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Sequence] = deque()
         self._decoding: list[Sequence] = []  # row i holds _decoding[i]
@@ -801,8 +821,7 @@ class Engine:
                 logits = self.model(**kw, logits_to_keep=keep).logits.float()
                 return logits if need is None else torch.cat(
                     [logits[b, :n] for b, n in enumerate(need)])
-            base, weight, bias = self._head
-            hidden = base(**kw).last_hidden_state
+            hidden = self._head.base(**kw).last_hidden_state
             if need is None:
                 hidden = hidden[:, -keep:, :]
             else:
@@ -810,7 +829,7 @@ class Engine:
                 at = torch.tensor([b * q + t for b, n in enumerate(need) for t in range(n)],
                                   device=hidden.device)
                 hidden = hidden.reshape(-1, hidden.shape[-1]).index_select(0, at)
-            return torch.nn.functional.linear(hidden.float(), weight, bias)
+            return self._head.logits(hidden.float())
 
     def _store_full_blocks(self, seq: Sequence, tokens: list[int] | None = None) -> None:
         late = self._commit_full_blocks(seq, tokens)

@@ -124,12 +124,17 @@ def reference_greedy(model, tokens: list[int], max_tokens: int) -> list[int]:
 
 @pytest.fixture(scope="session")
 def smollm2():
-    """(model, tokenizer, model_id) of the real SmolLM2 (converted once into the user cache)."""
+    """(model, tokenizer, model_id) of the real SmolLM2 (converted once into the user cache),
+    its linear layers packed as a replica packs them."""
     from transformers import AutoModelForCausalLM
 
     from services.common.model_store import load_tokenizer, resolve_model
+    from services.kvpool.linear import pack_linears
 
     r = resolve_model("smollm2")
     model = AutoModelForCausalLM.from_pretrained(r.path, dtype=torch.float32,
                                                  attn_implementation="sdpa").eval()
+    # On the kernels a replica serves it with (oneDNN where the host has it): the exactness
+    # tests then check the kernels in production.
+    pack_linears(model)
     return model, load_tokenizer(r.path), r.model_id

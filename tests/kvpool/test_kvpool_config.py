@@ -33,6 +33,7 @@ def test_env_and_flags() -> None:
     ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "1,2,17"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
     ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "1,2"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
     ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "fast"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
+    ({"TIERCACHE_KVPOOL_LINEAR_KERNELS": "mkl"}, "TIERCACHE_KVPOOL_LINEAR_KERNELS"),
 ])
 def test_bad_values_name_the_variable(env, var) -> None:
     with pytest.raises(ConfigError, match=var):

@@ -600,10 +600,10 @@ def test_the_float32_head_is_for_plain_half_precision_heads_only(tiny_model) -> 
     from services.kvpool.engine import fp32_head
 
     own = fp32_head(tiny_model)  # float32 already: its own weight, not a copy
-    assert own is not None and own[1].data_ptr() == tiny_model.lm_head.weight.data_ptr()
+    assert own is not None and own.weight.data_ptr() == tiny_model.lm_head.weight.data_ptr()
     half = copy.deepcopy(tiny_model).to(torch.bfloat16)
     got = fp32_head(half)
-    assert got is not None and got[1].dtype == torch.float32
+    assert got is not None and got.weight.dtype == torch.float32
     half.config.final_logit_softcapping = 30.0
     assert fp32_head(half) is None
 

@@ -14,6 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
+from services.kvpool.linear import pack_linears
 from tests.kvpool.conftest import make_tiny_model, reference_greedy
 from tests.procs import terminate
 
@@ -55,12 +56,15 @@ def test_process_serves_a_local_model_folder_and_stops_on_sigterm(tmp_path: Path
         stub = kvpool_pb2_grpc.KvPoolStub(channel)
         st = stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
         assert (st.model_id, st.block_size, st.blocks_total) == ("tiny-folder", 4, 64)
+        # A float32 CPU model runs on oneDNN with packed weights where this torch has it.
+        packing = pack_linears(model)
+        assert (st.linear_kernels, st.linear_kernels_why) == (packing.kernels, packing.why_not)
         prompt = [3, 14, 15, 92, 65, 35, 89, 79]
         toks = []
         for msg in stub.Generate(kvpool_pb2.KvGenerateRequest(
                 token_ids=prompt, sampling=common_pb2.SamplingParams(max_tokens=6)), timeout=30):
             toks.extend(msg.token_ids)
-        assert toks == reference_greedy(model, prompt, 6)
+        assert toks == reference_greedy(model, prompt, 6)  # on the replica's kernels
     finally:
         channel.close()
         rc = terminate(proc)

@@ -1,0 +1,86 @@
+"""Linear layers on oneDNN with packed weights (services/kvpool/linear.py): when a model is
+packed, that the packed model computes what the plain one does, and that the engine stays
+token-exact on it (reuse and drafts against computing from scratch)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from services.kvpool.engine import EngineRequest, Finished, fp32_head
+from services.kvpool.linear import PackedLinear, Packing, pack_linears, unsupported
+from services.kvpool.sampling import SamplingSpec
+from tests.kvpool.conftest import assert_idle, collect, make_tiny_model, reference_greedy
+
+ONEDNN = unsupported(make_tiny_model()) == ""
+needs_onednn = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN linear")
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+def test_a_packed_linear_computes_the_linear_at_every_row_count(bias) -> None:
+    g = torch.Generator().manual_seed(1)
+    lin = torch.nn.Linear(96, 200, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(200, 96, generator=g))
+    packed = PackedLinear(lin)
+    for shape in [(1, 96), (3, 96), (2, 17, 96)]:
+        x = torch.randn(*shape, generator=g)
+        torch.testing.assert_close(packed(x), lin(x), rtol=1e-4, atol=1e-4)
+    x = torch.randn(2, 9, 96, generator=g)[:, 3:7]  # a strided slice, as the engine's rows are
+    torch.testing.assert_close(packed(x), lin(x), rtol=1e-4, atol=1e-4)
+
+
+@needs_onednn
+def test_packing_swaps_every_linear_and_keeps_the_logits() -> None:
+    plain = make_tiny_model()
+    model = copy.deepcopy(plain)
+    n = sum(type(m) is torch.nn.Linear for m in model.modules())
+    assert n == 2 * 7 + 1  # q, k, v, o, gate, up, down per layer, and the head
+    assert pack_linears(model) == Packing("onednn", n)
+    assert not any(type(m) is torch.nn.Linear for m in model.modules())
+    assert pack_linears(model) == Packing("onednn", n)  # packed before: reported, not redone
+    ids = torch.tensor([[5, 9, 17, 33, 2, 8, 44, 61, 70, 3]])
+    with torch.inference_mode():
+        torch.testing.assert_close(model(ids).logits, plain(ids).logits, rtol=1e-4, atol=1e-4)
+    head = fp32_head(model)
+    assert head is not None and isinstance(head.logits, PackedLinear) and head.weight is None
+
+
+def test_models_the_kernels_do_not_serve_keep_torchs_and_say_why() -> None:
+    half = make_tiny_model().to(torch.bfloat16)
+    got = pack_linears(half)
+    assert got.kernels == "torch" and got.layers == 0
+    if ONEDNN:
+        assert "bfloat16" in got.why_not
+    assert any(type(m) is torch.nn.Linear for m in half.modules())  # untouched
+    plain = make_tiny_model()
+    assert pack_linears(plain, "torch") == Packing("torch", 0, "configured")
+    assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+
+
+@needs_onednn
+def test_the_engine_on_packed_layers_is_exact_with_reuse_and_drafts(make_engine) -> None:
+    """Greedy tokens on the packed model: cold, from a cached prefix, batched, and verifying a
+    perfect and a one-token-off draft all equal its plain generate (same kernels), and the
+    engine reports the packing."""
+    model = make_tiny_model(seed=3)
+    pack_linears(model)
+    eng = make_engine(num_blocks=96, block_size=4, max_batch_size=4, model=model)
+    assert eng.packing.kernels == "onednn" and eng.packing.layers == 15
+    prompt = [5, 9, 17, 33, 2, 8, 44, 61, 70, 3, 12, 99, 100, 7]
+    ref = reference_greedy(model, prompt, 24)
+    plain = SamplingSpec(24, ignore_eos=True)
+    toks, fin = collect(eng.submit(EngineRequest("a", prompt, plain))[1])
+    assert toks == ref and isinstance(fin, Finished)
+    off = list(ref)
+    off[10] = (off[10] + 1) % 120
+    outs = [eng.submit(EngineRequest(f"b{i}", prompt, plain, draft_token_ids=tuple(d)))[1]
+            for i, d in enumerate([ref, off, ()])]
+    res = [collect(o) for o in outs]
+    assert [t for t, _ in res] == [ref, ref, ref]
+    assert all(f.cached_tokens >= 12 for _, f in res)
+    assert eng.draft_tokens_accepted_total >= 23  # the perfect draft verified nearly whole
+    assert_idle(eng)
