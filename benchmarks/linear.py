@@ -50,8 +50,8 @@ def head_ms(weight: torch.Tensor, reps: int) -> dict[str, dict[int, float]]:
     with torch.inference_mode():
         for rows in ROWS:
             x = torch.randn(rows, weight.shape[1], generator=g)
-            out["torch"][rows] = _median_ms(lambda: lin(x), reps)
-            out["onednn"][rows] = _median_ms(lambda: packed(x), reps)
+            out["torch"][rows] = _median_ms(lambda x=x: lin(x), reps)
+            out["onednn"][rows] = _median_ms(lambda x=x: packed(x), reps)
             print(f"  head, {rows:2d} rows: torch {out['torch'][rows]:7.2f} ms, "
                   f"oneDNN {out['onednn'][rows]:7.2f} ms", flush=True)
     return out
