@@ -8,8 +8,10 @@ import os
 # went from 173 to 87 ms under contention with passive waiting).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+import dataclasses  # noqa: E402
 import logging  # noqa: E402
 
+import torch  # noqa: E402
 from tiercache.v1 import kvpool_pb2_grpc  # noqa: E402
 
 from services.common.bootstrap import (  # noqa: E402
@@ -67,6 +69,13 @@ def _main(argv: list[str] | None) -> int:
         # sequence the engine may hold, plus room for Stats polls, Prefill and Resync, or a
         # busy replica's Stats would queue behind streams until it is declared hung.
         max_workers=cfg.max_batch_size + cfg.max_waiting + 16)
+    # Only the engine thread runs the model with several threads; this one loads it with one.
+    # Two threads that each ran an OpenMP team leave libgomp with more threads than cores, and it
+    # then stops spinning between parallel regions: each of the ~200 oneDNN layers of a SmolLM2
+    # forward waited for its worker to wake, and an engine decode step took 75 ms instead of
+    # 60 (2-core host, in-process; 95-106 ms against 77-126 with OMP_WAIT_POLICY=PASSIVE).
+    cfg = dataclasses.replace(cfg, torch_threads=cfg.torch_threads or torch.get_num_threads())
+    torch.set_num_threads(1)
     try:
         replica = build_replica(cfg)
     except (ModelStoreError, OSError, ValueError) as exc:

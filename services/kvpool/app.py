@@ -115,8 +115,6 @@ def draft_ladder(cfg: KvPoolConfig, model: Any) -> LadderChoice:
 def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | None = None,
                   metrics: bool = True) -> Replica:
     """Load (or take) the model and start the engine over a fresh pool."""
-    if cfg.torch_threads > 0:
-        torch.set_num_threads(cfg.torch_threads)
     packing = None  # a model given is served on the kernels it has (the engine tells which)
     if model is None:
         model, model_id, packing = load_model(cfg)
@@ -146,13 +144,14 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     prefix_caching=cfg.prefix_caching, drafts=cfg.drafts,
                     max_draft_tokens=cfg.max_draft_tokens,
                     preallocate_rows=cfg.preallocate_rows,
-                    metrics=KvMetrics() if metrics else None)
+                    metrics=KvMetrics() if metrics else None, threads=cfg.torch_threads)
     if packing is not None:
         engine.packing = packing
-    if cfg.drafts:
-        # Before the engine thread runs: the timings need the device to themselves.
-        engine.draft_ladder = draft_ladder(cfg, model)
     engine.start()
+    if cfg.drafts:
+        # On the engine thread, whose forwards the lengths are for (with its threads), before
+        # anything is served: the timings need the device to themselves.
+        engine.draft_ladder = engine.call(lambda: draft_ladder(cfg, model)).result()
     pool_b, rows_b = engine.store.nbytes()
     # Growing by doubling holds the old rows beside the new ones while copying.
     peak = rows_max * (1.0 if cfg.preallocate_rows else 1.5)

@@ -79,7 +79,8 @@ class KvPoolConfig:
     # Share of the pool the pins of one cache salt (one tenant) may hold: one tenant's Warm
     # with a long TTL must not take every pin the pool allows from the others.
     max_pinned_per_tenant_fraction: float = 0.25
-    # torch intra-op threads; 0 = torch's default.
+    # torch intra-op threads of the engine thread, which runs the model; 0 = torch's default.
+    # The replica's main thread loads the model with one (services/kvpool/__main__.py).
     torch_threads: int = 0
     # Longest sequence (prompt + generated) served; 0 = the model's max_position_embeddings.
     # The working rows grow to max_batch_size x this many tokens of KV on top of the pool

@@ -255,6 +255,9 @@ class Engine:
         preallocate_rows: allocate the working rows for the whole context now (peak memory at
             start, no 1.5x copy peak while growing later).
         metrics: Prometheus metrics (optional).
+        threads: torch intra-op threads of the engine thread, set when it starts (0 = as
+            torch has them). A replica process loads the model on its main thread with one
+            thread and leaves OpenMP to the engine thread: see `services/kvpool/__main__.py`.
         draft_ladder: the drafts' proposal lengths (`drafting.choose_ladder`) and where they
             came from; None = the fixed `drafting.LADDER` (topped at max_draft_tokens).
     """
@@ -263,7 +266,7 @@ class Engine:
                  max_prefill_chunk: int = 512, max_waiting: int = 256,
                  prefix_caching: bool = True, drafts: bool = True, max_draft_tokens: int = 16,
                  preallocate_rows: bool = False, metrics: KvMetrics | None = None,
-                 draft_ladder: LadderChoice | None = None) -> None:
+                 draft_ladder: LadderChoice | None = None, threads: int = 0) -> None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             # SDPA with grouped-query heads kept grouped in multi-token forwards on CPU
             # (services/kvpool/attention.py); set on the model object itself.
@@ -277,6 +280,7 @@ class Engine:
         self.prefix_caching = prefix_caching
         self.drafts = drafts
         self.max_draft_tokens = max_draft_tokens
+        self.threads = threads
         # Proposal lengths, where they came from and the relative forward costs they were
         # chosen from (measured on this device at start by the replica, which sets it before
         # `start`; Stats reports it).
@@ -447,6 +451,8 @@ class Engine:
 
     def _run(self) -> None:
         torch.set_grad_enabled(False)
+        if self.threads > 0:
+            torch.set_num_threads(self.threads)
         failed_in_a_row = 0  # turns, for the back-off
         # Turns with model work that failed in a row: past STALL_AFTER_FAILURES the device is
         # taken for broken, and idle turns in between (requests a second apart) no longer

@@ -84,3 +84,15 @@ def test_the_engine_on_packed_layers_is_exact_with_reuse_and_drafts(make_engine)
     assert all(f.cached_tokens >= 12 for _, f in res)
     assert eng.draft_tokens_accepted_total >= 23  # the perfect draft verified nearly whole
     assert_idle(eng)
+
+
+def test_the_engine_thread_runs_with_the_threads_it_was_given(make_engine) -> None:
+    """A replica process leaves OpenMP to the engine thread (its main thread loads the model
+    with one thread): the engine sets its own thread count when it starts."""
+    before = torch.get_num_threads()
+    eng = make_engine(threads=1)
+    try:
+        assert eng.call(torch.get_num_threads).result(timeout=10) == 1
+    finally:
+        # torch keeps the last count for threads started later: put it back for other tests.
+        eng.call(lambda: torch.set_num_threads(before)).result(timeout=10)
