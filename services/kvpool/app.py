@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,7 +79,8 @@ def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
 IMPLAUSIBLE = 0.7
 
 
-def draft_ladder(cfg: KvPoolConfig, model: Any) -> LadderChoice:
+def draft_ladder(cfg: KvPoolConfig, model: Any,
+                 threads_for: Callable[[int], int] | None = None) -> LadderChoice:
     """The drafts' proposal lengths: `cfg.draft_ladder`, or measured on this device."""
     fixed = cfg.fixed_ladder()
     if fixed is not None:
@@ -92,7 +94,7 @@ def draft_ladder(cfg: KvPoolConfig, model: Any) -> LadderChoice:
         return LadderChoice(fallback, f"fixed: {why}", costs)
 
     try:
-        costs = forward_costs(model, cfg.max_draft_tokens + 1)
+        costs = forward_costs(model, cfg.max_draft_tokens + 1, threads_for=threads_for)
     except Exception as e:  # noqa: BLE001 - any failure: the model still serves
         # A model the engine serves may still fail this plain-cache timing (a sliding window
         # shorter than its context, a cache without crop): drafts keep the fixed lengths.
@@ -144,14 +146,16 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     prefix_caching=cfg.prefix_caching, drafts=cfg.drafts,
                     max_draft_tokens=cfg.max_draft_tokens,
                     preallocate_rows=cfg.preallocate_rows,
-                    metrics=KvMetrics() if metrics else None, threads=cfg.torch_threads)
+                    metrics=KvMetrics() if metrics else None, threads=cfg.torch_threads,
+                    one_thread_below=cfg.one_thread_below)
     if packing is not None:
         engine.packing = packing
     engine.start()
     if cfg.drafts:
         # On the engine thread, whose forwards the lengths are for (with its threads), before
         # anything is served: the timings need the device to themselves.
-        engine.draft_ladder = engine.call(lambda: draft_ladder(cfg, model)).result()
+        engine.draft_ladder = engine.call(
+            lambda: draft_ladder(cfg, model, engine.threads_for)).result()
     pool_b, rows_b = engine.store.nbytes()
     # Growing by doubling holds the old rows beside the new ones while copying.
     peak = rows_max * (1.0 if cfg.preallocate_rows else 1.5)

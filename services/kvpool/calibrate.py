@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,7 +54,8 @@ def undisturbed(sweeps: list[Sweep]) -> list[Sweep]:
 
 
 def forward_costs(model: Any, max_q: int, *, context: int = 96, sweeps: int = 6,
-                  budget_s: float = 60.0) -> dict[int, float]:
+                  budget_s: float = 60.0,
+                  threads_for: Callable[[int], int] | None = None) -> dict[int, float]:
     """{q: median seconds of one forward of q new tokens (batch 1)}, q = 1..max_q, over
     `sweeps` undisturbed sweeps.
 
@@ -67,9 +69,21 @@ def forward_costs(model: Any, max_q: int, *, context: int = 96, sweeps: int = 6,
     process got at least `BUSY_CPU` of the reference CPU per second (another process taking
     cores shows as both; see `undisturbed`), and sweeps continue until `sweeps` of them count.
 
+    `threads_for(q)`: the torch threads a forward of q new tokens runs with when served
+    (`Engine.threads_for`); the count found at the start is restored at the end.
+
     Raises:
         TooSlow: past `budget_s` seconds without enough undisturbed sweeps.
     """
+    threads = torch.get_num_threads()
+    try:
+        return _forward_costs(model, max_q, context, sweeps, budget_s, threads_for)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _forward_costs(model: Any, max_q: int, context: int, sweeps: int, budget_s: float,
+                   threads_for: Callable[[int], int] | None) -> dict[int, float]:
     t_start = time.monotonic()
     from transformers import DynamicCache
 
@@ -97,6 +111,8 @@ def forward_costs(model: Any, max_q: int, *, context: int = 96, sweeps: int = 6,
                 extra = cache.get_seq_length() - context
                 if extra > 0:
                     cache.crop(-extra)
+                if threads_for is not None:
+                    torch.set_num_threads(threads_for(q))
                 if dev.type == "cuda":
                     torch.cuda.synchronize(dev)
                 t0 = time.perf_counter()

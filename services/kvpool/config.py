@@ -82,6 +82,14 @@ class KvPoolConfig:
     # torch intra-op threads of the engine thread, which runs the model; 0 = torch's default.
     # The replica's main thread loads the model with one (services/kvpool/__main__.py).
     torch_threads: int = 0
+    # Forwards of fewer new tokens than this (rows x tokens per row: decode steps, draft
+    # verifies, short prefill chunks) run on one thread, longer ones on torch_threads. With
+    # OMP_WAIT_POLICY=PASSIVE (the process default) waking the OpenMP workers for each of a
+    # SmolLM2 forward's ~200 small matmuls cost more than the second core gave: a lone
+    # replica's decode step took 134-163 ms on two threads, 74-79 ms on one (2-core host).
+    # 0 = every forward on torch_threads (a replica with cores of its own, spinning OpenMP
+    # workers: GOMP_SPINCOUNT; services/kvpool/README.md).
+    one_thread_below: int = 64
     # Longest sequence (prompt + generated) served; 0 = the model's max_position_embeddings.
     # The working rows grow to max_batch_size x this many tokens of KV on top of the pool
     # (SmolLM2 fp32: 46 KB per token, so 8 x 8,192 tokens = 3.0 GB; up to 1.5x that while the
@@ -144,6 +152,7 @@ class KvPoolConfig:
         require(0 < self.max_pinned_per_tenant_fraction <= self.max_pinned_fraction, s,
                 "max_pinned_per_tenant_fraction", "must be in (0, max_pinned_fraction]")
         require(self.torch_threads >= 0, s, "torch_threads", "must be >= 0")
+        require(self.one_thread_below >= 0, s, "one_thread_below", "must be >= 0")
 
     @property
     def public_address(self) -> str:

@@ -50,7 +50,7 @@ from services.common import errors
 from services.kvpool import attention
 from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
 from services.kvpool.drafting import Draft, LadderChoice, default_ladder
-from services.kvpool.linear import PackedLinear, Packing
+from services.kvpool.linear import PackedLinear, Packing, packed_layers
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
 from services.kvpool.sampling import (
@@ -258,6 +258,8 @@ class Engine:
         threads: torch intra-op threads of the engine thread, set when it starts (0 = as
             torch has them). A replica process loads the model on its main thread with one
             thread and leaves OpenMP to the engine thread: see `services/kvpool/__main__.py`.
+        one_thread_below: forwards of fewer new tokens than this run on one thread (0 = all on
+            `threads`); see `KvPoolConfig.one_thread_below`.
         draft_ladder: the drafts' proposal lengths (`drafting.choose_ladder`) and where they
             came from; None = the fixed `drafting.LADDER` (topped at max_draft_tokens).
     """
@@ -266,7 +268,8 @@ class Engine:
                  max_prefill_chunk: int = 512, max_waiting: int = 256,
                  prefix_caching: bool = True, drafts: bool = True, max_draft_tokens: int = 16,
                  preallocate_rows: bool = False, metrics: KvMetrics | None = None,
-                 draft_ladder: LadderChoice | None = None, threads: int = 0) -> None:
+                 draft_ladder: LadderChoice | None = None, threads: int = 0,
+                 one_thread_below: int = 0) -> None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             # SDPA with grouped-query heads kept grouped in multi-token forwards on CPU
             # (services/kvpool/attention.py); set on the model object itself.
@@ -281,9 +284,11 @@ class Engine:
         self.drafts = drafts
         self.max_draft_tokens = max_draft_tokens
         self.threads = threads
+        self.one_thread_below = one_thread_below
+        self._threads_now = 0  # what the engine thread runs with (set when it starts)
         # Proposal lengths, where they came from and the relative forward costs they were
-        # chosen from (measured on this device at start by the replica, which sets it before
-        # `start`; Stats reports it).
+        # chosen from (measured on this device by the replica on the engine thread, right after
+        # `start` and before it serves; Stats reports it).
         self.draft_ladder = draft_ladder or LadderChoice(
             default_ladder(max_draft_tokens), "fixed: the engine was given no lengths")
         self.metrics = metrics
@@ -299,7 +304,7 @@ class Engine:
         self._head = fp32_head(model)
         # The kernels of the model's linear layers, as the model has them (a replica that
         # loaded the model sets what `pack_linears` did, with why not; Stats reports it).
-        packed = sum(isinstance(m, PackedLinear) for m in model.modules())
+        packed = packed_layers(model)
         self.packing = Packing("onednn", packed) if packed else Packing("torch", 0, "not packed")
         self._inbox: queue.Queue = queue.Queue()
         self._waiting: deque[Sequence] = deque()
@@ -328,8 +333,9 @@ class Engine:
     # ---- lifecycle ---------------------------------------------------------------------------
 
     def start(self) -> Engine:
-        # Counted from now, not from construction: the replica times draft forwards in
-        # between (seconds), and the engine reported that time as a stall until its first turn.
+        # Counted from now, not from construction: a replica loaded the model and built the
+        # pool in between (seconds), and the engine reported that time as a stall until its
+        # first turn. (It times draft forwards on this thread next, as one call.)
         self._turned_at = self._looped_at = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvpool-engine", daemon=True)
         self._thread.start()
@@ -420,6 +426,11 @@ class Engine:
                 self._inbox.put(("call", fn, fut))
         return fut
 
+    def threads_for(self, tokens: int) -> int:
+        """The torch threads a forward of `tokens` new tokens (all rows) runs with, on the
+        engine thread once it started."""
+        return 1 if tokens < self.one_thread_below else self.threads
+
     def ladder(self) -> tuple[int, ...]:
         """The drafts' proposal lengths in use (() with drafts off)."""
         if not self.drafts:
@@ -453,6 +464,7 @@ class Engine:
         torch.set_grad_enabled(False)
         if self.threads > 0:
             torch.set_num_threads(self.threads)
+        self.threads = self._threads_now = torch.get_num_threads()
         failed_in_a_row = 0  # turns, for the back-off
         # Turns with model work that failed in a row: past STALL_AFTER_FAILURES the device is
         # taken for broken, and idle turns in between (requests a second apart) no longer
@@ -819,6 +831,10 @@ class Engine:
         about 200 MB of float32 per step for a 49k vocabulary) — for models with a plain head
         (`fp32_head`); one whose logits are post-processed computes them all, then selects."""
         assert need is None or (keep == plan.q_len and len(need) == plan.batch)
+        n = self.threads_for(plan.batch * plan.q_len)
+        if n != self._threads_now:
+            torch.set_num_threads(n)
+            self._threads_now = n
         self.cache.begin(plan)
         kw = dict(input_ids=ids, cache=self.cache, position_ids=self.cache.position_ids(),
                   attention_mask=self.cache.attention_mask(), use_cache=True)

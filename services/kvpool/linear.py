@@ -57,6 +57,11 @@ class Packing(NamedTuple):
     why_not: str = ""
 
 
+def packed_layers(model: Any) -> int:
+    """How many of the model's linear layers run on packed oneDNN weights."""
+    return sum(isinstance(m, PackedLinear) for m in model.modules())
+
+
 def unsupported(model: Any) -> str:
     """Why this model's linear layers cannot run on packed oneDNN weights ("" = they can)."""
     if not (torch.backends.mkldnn.is_available()
@@ -96,7 +101,7 @@ def pack_linears(model: Any, kernels: str = "onednn") -> Packing:
     assert kernels in LINEAR_KERNELS, kernels
     if kernels == "torch":
         return Packing("torch", 0, "configured")
-    done = sum(isinstance(m, PackedLinear) for m in model.modules())
+    done = packed_layers(model)
     if done and not any(type(m) is torch.nn.Linear for m in model.modules()):
         return Packing("onednn", done)  # packed before (a model shared by replicas)
     why = unsupported(model)

@@ -5,6 +5,7 @@ token-exact on it (reuse and drafts against computing from scratch)."""
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -95,4 +96,41 @@ def test_the_engine_thread_runs_with_the_threads_it_was_given(make_engine) -> No
         assert eng.call(torch.get_num_threads).result(timeout=10) == 1
     finally:
         # torch keeps the last count for threads started later: put it back for other tests.
+        eng.call(lambda: torch.set_num_threads(before)).result(timeout=10)
+
+
+def test_small_forwards_run_on_one_thread_and_large_ones_on_all(make_engine) -> None:
+    """With OMP_WAIT_POLICY=PASSIVE, waking OpenMP workers for each small matmul of a decode step
+    cost more than the second core gave: forwards under `one_thread_below` new tokens run on
+    one thread, longer ones (prefill chunks) on the engine's threads; the start-time timing of
+    draft forwards uses the same rule and leaves the count as it found it."""
+    from services.kvpool.calibrate import forward_costs
+
+    before = torch.get_num_threads()
+    model = make_tiny_model(seed=5)
+    seen: list[tuple[int, int]] = []  # (new tokens, threads) per forward on the engine thread
+
+    def record(module, args, kw) -> None:
+        if threading.current_thread().name == "kvpool-engine":
+            seen.append((kw["input_ids"].numel(), torch.get_num_threads()))
+
+    hook = model.model.register_forward_pre_hook(record, with_kwargs=True)
+    eng = make_engine(model=model, threads=2, one_thread_below=8, max_prefill_chunk=16)
+    try:
+        assert eng.call(lambda: eng.threads_for(7)).result(timeout=10) == 1
+        assert eng.threads_for(8) == 2
+        prompt = list(range(3, 23))  # prefill chunks of 10, then decode steps of one token
+        plain = SamplingSpec(6, ignore_eos=True)
+        toks, _ = collect(eng.submit(EngineRequest("t", prompt, plain))[1])
+        assert toks == reference_greedy(model, prompt, 6)
+        assert (10, 2) in seen and (1, 1) in seen
+        assert all(t == (1 if n < 8 else 2) for n, t in seen)
+        seen.clear()
+        costs = eng.call(lambda: forward_costs(model, 10, context=8, sweeps=1,
+                                               threads_for=eng.threads_for)).result(timeout=60)
+        assert sorted(costs) == list(range(1, 11))
+        assert {(q, 1 if q < 8 else 2) for q in range(1, 11)} <= set(seen)
+        assert eng.call(torch.get_num_threads).result(timeout=10) == eng._threads_now
+    finally:
+        hook.remove()
         eng.call(lambda: torch.set_num_threads(before)).result(timeout=10)
