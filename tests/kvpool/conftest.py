@@ -49,8 +49,11 @@ EngineFactory = Callable[..., Engine]
 
 @pytest.fixture
 def make_engine(tiny_model) -> Iterator[EngineFactory]:
-    """Build engines over the tiny model; each is checked for integrity and zero refs at the end."""
+    """Build engines over the tiny model; each is checked for integrity and zero refs at the end.
+    An engine given `threads` sets torch's thread count, which threads started later inherit:
+    it is put back at the end."""
     engines: list[Engine] = []
+    threads = torch.get_num_threads()
 
     def factory(num_blocks: int = 64, block_size: int = 4, max_batch_size: int = 4,
                 max_prefill_chunk: int = 16, model=None, hash_key: bytes | None = b"k",
@@ -72,6 +75,7 @@ def make_engine(tiny_model) -> Iterator[EngineFactory]:
             assert_idle(eng)
         finally:
             eng.stop()
+    torch.set_num_threads(threads)
 
 
 def assert_idle(eng: Engine, timeout: float = 10.0) -> None:

@@ -90,13 +90,8 @@ def test_the_engine_on_packed_layers_is_exact_with_reuse_and_drafts(make_engine)
 def test_the_engine_thread_runs_with_the_threads_it_was_given(make_engine) -> None:
     """A replica process leaves OpenMP to the engine thread (its main thread loads the model
     with one thread): the engine sets its own thread count when it starts."""
-    before = torch.get_num_threads()
     eng = make_engine(threads=1)
-    try:
-        assert eng.call(torch.get_num_threads).result(timeout=10) == 1
-    finally:
-        # torch keeps the last count for threads started later: put it back for other tests.
-        eng.call(lambda: torch.set_num_threads(before)).result(timeout=10)
+    assert eng.call(torch.get_num_threads).result(timeout=10) == 1
 
 
 def test_small_forwards_run_on_one_thread_and_large_ones_on_all(make_engine) -> None:
@@ -106,7 +101,6 @@ def test_small_forwards_run_on_one_thread_and_large_ones_on_all(make_engine) -> 
     draft forwards uses the same rule and leaves the count as it found it."""
     from services.kvpool.calibrate import forward_costs
 
-    before = torch.get_num_threads()
     model = make_tiny_model(seed=5)
     seen: list[tuple[int, int]] = []  # (new tokens, threads) per forward on the engine thread
 
@@ -133,4 +127,3 @@ def test_small_forwards_run_on_one_thread_and_large_ones_on_all(make_engine) -> 
         assert eng.call(torch.get_num_threads).result(timeout=10) == eng._threads_now
     finally:
         hook.remove()
-        eng.call(lambda: torch.set_num_threads(before)).result(timeout=10)
