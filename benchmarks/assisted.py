@@ -191,11 +191,13 @@ class Served:
     def stats(self):
         return self.client.stats()
 
-    def ladder(self) -> tuple[tuple[int, ...], str, list[float]]:
+    def ladder(self) -> tuple[tuple[int, ...], str, list[float], bool]:
         """The replica's draft proposal lengths (measured at its start), where they came from,
-        and the relative forward costs they were chosen from."""
+        the relative forward costs they were chosen from, and whether its drafts make cheap
+        guesses (`LadderChoice.cheap_guesses`)."""
         st = self.replica.Stats(self.kv.KvStatsRequest(), timeout=30)
-        return tuple(st.draft_ladder), st.draft_ladder_source, list(st.draft_forward_costs)
+        return (tuple(st.draft_ladder), st.draft_ladder_source, list(st.draft_forward_costs),
+                st.draft_cheap_guesses)
 
 
 @dataclass
@@ -245,7 +247,7 @@ def share(draft: list[int], answer: list[int]) -> float:
 
 def replay(prompt: list[int], answer: list[int], draft: list[int],
            self_lookup: bool = True, ladder: tuple[int, ...] | None = None,
-           costs: list[float] | None = None) -> dict[str, float]:
+           costs: list[float] | None = None, cheap_guesses: bool = False) -> dict[str, float]:
     """The replica's drafting logic run against a known greedy answer (greedy verification
     accepts exactly the proposal's prefix that equals the answer): forward passes, and proposed
     and accepted tokens by source, as the engine counts them for one sequence decoded alone.
@@ -253,7 +255,7 @@ def replay(prompt: list[int], answer: list[int], draft: list[int],
     forwards cost together."""
     from services.kvpool.drafting import Draft, Source
 
-    d = Draft.of(draft, self_lookup, ladder=ladder)
+    d = Draft.of(draft, self_lookup, ladder=ladder, cheap_guesses=cheap_guesses)
     gen: list[int] = []
     proposed_lookup = 0
     passes = -1  # the first proposal rides on the prefill forward, which is not counted
@@ -289,14 +291,18 @@ def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: li
     import functools
     import itertools
 
-    from services.kvpool.drafting import LADDER
+    from services.kvpool.drafting import LADDER, LadderChoice
 
     assert len(costs) == MAX_DRAFT_TOKENS + 1, "costs of forwards of 1..MAX_DRAFT_TOKENS + 1"
     plain = sum(len(answer) - 1 for _, answer, _ in runs)  # a 1-token forward costs 1
 
     @functools.cache
     def speedup(ladder: tuple[int, ...]) -> float:
-        used = sum(replay(p, a, d, ladder=ladder, costs=costs)["cost"] for p, a, d in runs)
+        # Whether its drafts guess on thin evidence follows from the ladder and these costs,
+        # as on the replica.
+        cheap = LadderChoice(ladder, "measured", tuple(costs)).cheap_guesses
+        used = sum(replay(p, a, d, ladder=ladder, costs=costs, cheap_guesses=cheap)["cost"]
+                   for p, a, d in runs)
         return round(plain / used, 3) if used else 0.0
 
     named = {"replica": tuple(chosen), "fixed_fallback": LADDER, "4,8,16": (4, 8, 16),
@@ -413,9 +419,10 @@ def main(argv: list[str] | None = None) -> int:
         try:
             s = Served(stack.procs["orchestrator"].address, stack.procs["kvpool-0"].address)
             s.ask("Warm-up question?", lookup=False)
-            ladder, ladder_source, forward_costs = s.ladder()
+            ladder, ladder_source, forward_costs, cheap_guesses = s.ladder()
             print(f"replica's draft proposal lengths: {ladder} ({ladder_source}; forwards of "
-                  f"1.. tokens cost {forward_costs} x one token's)", flush=True)
+                  f"1.. tokens cost {forward_costs} x one token's; cheap guesses "
+                  f"{cheap_guesses})", flush=True)
             with ThreadPoolExecutor(UNTIMED_BATCH) as ex:
                 a_runs = list(ex.map(lambda p: s.ask(p.qa, lookup=False, store=True), pairs))
             drafts = {r.entry_id: draft_of(r.tokens) for r in a_runs if r.entry_id}
@@ -463,8 +470,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     "direct_lookup": never,
                                                     "direct_random": random_draft}.get(kind))
                 plain, with_draft = runs["plain"], runs["draft"]
-                rep = replay(ids, plain.tokens, draft, ladder=ladder)
-                draft_only = replay(ids, plain.tokens, draft, self_lookup=False, ladder=ladder)
+                rep = replay(ids, plain.tokens, draft, ladder=ladder, cheap_guesses=cheap_guesses)
+                draft_only = replay(ids, plain.tokens, draft, self_lookup=False, ladder=ladder,
+                                    cheap_guesses=cheap_guesses)
                 rows.append({
                     "pair": i, "cosine": pairs[i].cosine,
                     "similarity_served": round(with_draft.similarity, 4),
@@ -629,6 +637,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft_ladder": list(ladder),
         "draft_ladder_source": ladder_source,
         "draft_forward_costs": forward_costs,
+        "draft_cheap_guesses": cheap_guesses,
         "figures": figures,
         "targets": targets,
         "notes": NOTES,

@@ -1,32 +1,42 @@
 """What a sequence verifies next in cache-assisted generation (pure logic: no torch, no grpc).
 
 A `Draft` holds a cached near-miss answer (token ids) for one sequence and proposes the tokens
-that the sequence's next forward verifies. Two sources, tried in order:
+that the sequence's next forward verifies. Before every forward it looks for where the
+sequence is in two sources (suffix matching):
 
- 1. The draft, while aligned: `pos` is the draft index expected next. After a mismatch it is
-    re-aligned by looking up the last 4, 3, 2 or 1 generated tokens in the draft; the nearest match
-    after the point reached so far wins (a single token only counts just after it), and a
-    single substituted token resumes the draft right after the token it replaced.
- 2. The sequence's own context (prompt + generated tokens), when the draft has nothing aligned:
-    the last 4, 3 or 2 tokens are looked up among earlier positions and what followed their most
-    recent occurrence is proposed (prompt-lookup decoding): answers repeat names and phrases of
-    the question and of themselves.
+ 1. The draft: the draft position whose preceding tokens agree longest with the end of the
+    context (prompt + generated), found through an index of the draft's 1..4-grams and ranked
+    by how far back the agreement goes (up to 32 tokens); among equal matches the one nearest
+    where the draft was last followed. While the model follows the draft, that is simply the
+    next draft token; after the model replaced a word, dropped one or inserted a clause, the
+    first generated token that the draft has again re-aligns it. With no match at all right
+    after the model replaced one draft token, the draft is guessed to go on right after it
+    (a one-word substitution).
+ 2. The sequence's own context (prompt lookup): the same search among the context's earlier
+    positions, for matches of 2+ tokens: answers repeat names and phrases of the question and
+    of themselves. A longer match here beats the draft's; on a tie the draft wins.
 
-Gamma (tokens proposed) climbs a ladder of three rungs, one rung per fully accepted proposal,
-and drops after a miss. The rungs follow what a verify forward costs, which differs by device:
-on one 2-core CPU host a forward of 2 or 3 tokens cost 1.08x / 1.16x a 1-token decode step,
-4..15 tokens 1.6-2.5x and 16-17 tokens 1.9x (so proposals of 1, 2 or 16 tokens: `LADDER`); a
-2-core Intel Xeon host gave the same shape; on a 2-core AMD EPYC host 2-3 tokens cost 1.4-1.7x
-and 5-6 tokens 1.0-1.3x, where `LADDER` proposed exactly the dearest lengths. So a replica
-times its forwards at start and picks the rungs from them (`choose_ladder`,
-TIERCACHE_KVPOOL_DRAFT_LADDER=auto); `LADDER` is the default of engines built without that.
-On a GPU a verify forward should cost about one decode step, and the ladder is then the
-longest proposal throughout (not measured: no GPU here). The first proposal rides on the
-prompt's prefill forward, where extra tokens are almost free, so it is a full rung. Each
-source keeps its recent acceptance rate: while the draft's is low, alignments resting on one
-matching token (or a guessed substitution) propose nothing, and while lookup's is low, only
-3-token context matches propose, so an unrelated draft costs next to nothing. Proposals never
-change what is generated (the verifier decides); they only decide how many forwards it takes.
+The first proposal is the draft's start; it rides on the prompt's prefill forward, where extra
+tokens are almost free, so it is a full (top) rung.
+
+Gamma (tokens proposed) is one of three rungs: the lowest for a match of one token (or a
+guessed substitution), the middle for two, the top for three or more, and at least a rung
+above a proposal that verified in full. The rungs follow what a verify forward costs, which
+differs by device: on one 2-core CPU host (MKL kernels) a forward of 2 or 3 tokens cost
+1.08x / 1.16x a 1-token decode step, 4..15 tokens 1.6-2.5x and 16-17 tokens 1.9x (so
+proposals of 1, 2 or 16 tokens: `LADDER`); on a 2-core AMD EPYC host 2-3 tokens cost 1.4-1.7x
+and 5-6 tokens 1.0-1.3x, where `LADDER` proposed exactly the dearest lengths; with oneDNN
+kernels there, 2-6 tokens cost about one token. So a replica times its forwards at start and
+picks the rungs from them (`choose_ladder`, TIERCACHE_KVPOOL_DRAFT_LADDER=auto); `LADDER` is
+the default of engines built without that. On a GPU a verify forward should cost about one
+decode step, and the ladder is then the longest proposal throughout (not measured: no GPU).
+
+Each source keeps its recent acceptance rate. Where the lowest rung's forward was timed at
+about a decode step's cost (`LadderChoice.cheap_guesses`), a failed proposal costs nothing and
+both sources propose on every match. Elsewhere, while the draft's rate is low, matches of one
+token and substitution guesses propose nothing, and while lookup's is low, only 3-token context
+matches propose, so an unrelated draft costs next to nothing. Proposals never change what is
+generated (the verifier decides); they only decide how many forwards it takes.
 """
 
 from __future__ import annotations
@@ -35,19 +45,17 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
 
-NGRAM_MAX = 4  # longest suffix of the generated tokens looked up in the draft or the context
-NGRAM1_WINDOW = 4  # a single-token match only counts this close after the last aligned spot
-LOOKUP_MIN = 2  # shortest context suffix that prompt lookup trusts
+NGRAM_MAX = 4  # longest n-gram ending the context that the indexes look up
+MATCH_MAX = 32  # how far back a match is extended to rank candidates
+LOOKUP_MIN = 2  # shortest context match that prompt lookup trusts
+LOOKUP_CANDIDATES = 64  # latest occurrences of the matched n-gram that prompt lookup ranks
 LADDER = (1, 2, 16)  # proposal lengths (see the module docstring for why these)
-RUNG_AFTER_MATCH = {1: 1, 2: 1, 3: 2}  # rung after re-aligning on an n-gram (3 = 3 or more)
-RUNG_AFTER_SUBSTITUTION = 0  # rung after resuming past a substituted token
-RUNG_AFTER_MISS = (0, 1)  # rung after a proposal with none / some tokens accepted
-LOOKUP_RUNG = {2: 0, 3: 1}  # first lookup rung by the matched context suffix (3 = 3 or more)
+RUNG_BY_MATCH = {1: 0, 2: 1, 3: 2}  # first rung by the length of the match (3 = 3 or more)
 RATE_ALPHA = 0.3  # weight of the newest proposal in a source's acceptance rate
-WEAK_RATE_MIN = 0.2  # below this draft acceptance rate, weak alignments propose nothing
+WEAK_RATE_MIN = 0.2  # below this draft acceptance rate, 1-token draft matches propose nothing
 LOOKUP_RATE_MIN = 0.3  # below this lookup acceptance rate, 2-token context matches are ignored
 
-
+GUESS_COST_MAX = 1.05  # see LadderChoice.cheap_guesses
 CHEAPER_BY = 0.98  # a shorter proposal joins the ladder only if its forward costs this much less
 
 
@@ -93,6 +101,16 @@ class LadderChoice(NamedTuple):
     # Timed forward of q = 1.. tokens / a 1-token one: what `ladder` was chosen from when
     # measured, or the timings refused as disturbed.
     costs: tuple[float, ...] = ()
+
+    @property
+    def cheap_guesses(self) -> bool:
+        """Whether a proposal of the lowest rung (g tokens, a forward of g + 1) was timed at
+        most GUESS_COST_MAX of a 1-token decode step. Then a proposal resting on thin evidence
+        (one matching token, a guessed substitution) costs next to nothing when it fails, and
+        drafts make it however often they fail. Unmeasured (configured, fixed): no."""
+        g = self.ladder[0]
+        return self.source == "measured" and len(self.costs) > g \
+            and self.costs[g] <= GUESS_COST_MAX * self.costs[0]
 
 
 class Source(Enum):
@@ -151,15 +169,17 @@ class Draft:
 
     tokens: list[int]
     index: NgramIndex  # over the draft
-    self_lookup: bool = True  # propose from the sequence's own context when not aligned
+    self_lookup: bool = True  # propose from the sequence's own context too
     ladder: tuple[int, ...] = LADDER  # proposal lengths (the top one may be raised, see `of`)
-    pos: int | None = 0  # draft index expected next; None = not aligned
-    hint: int = 0  # the draft index reached so far (re-alignment prefers matches after it)
-    rung: int = len(LADDER) - 1  # LADDER index of the next draft proposal
-    lookup_rung: int = 0  # LADDER index of the next lookup proposal (while it keeps verifying)
+    hint: int = 0  # draft index where the draft was last followed (breaks ties between matches)
+    fresh: bool = True  # nothing proposed yet: the draft's start rides on the prefill forward
+    rung: int = 0  # ladder index of the pending proposal
+    floor: int = 0  # lowest rung of the next proposal: one above a proposal that fully verified
     context: NgramIndex = field(default_factory=lambda: NgramIndex(NGRAM_MAX))
     pending: Proposal = NO_PROPOSAL  # proposed, not yet verified
-    weak: bool = False  # `pos` rests on one matching token or a guessed substitution
+    start: int = 0  # index (in the draft or the context) of the pending proposal's first token
+    replaced: int | None = None  # draft index of the token the model just replaced, if any
+    cheap_guesses: bool = False  # a low-rung verify costs no more than a decode step
     rate: float = 1.0  # recent acceptance rate of draft proposals
     lookup_rate: float = 1.0  # recent acceptance rate of lookup proposals
     proposed: int = 0
@@ -168,16 +188,18 @@ class Draft:
 
     @classmethod
     def of(cls, tokens: list[int], self_lookup: bool = True, top: int = LADDER[-1],
-           ladder: tuple[int, ...] | None = None) -> Draft:
+           ladder: tuple[int, ...] | None = None, cheap_guesses: bool = False) -> Draft:
         """`top`: the longest proposal wanted (a replica's max_draft_tokens); above the ladder's
         top rung it replaces that rung, for hardware whose verify forward pays for longer ones.
-        `ladder`: the rungs to use instead (a replica's measured `choose_ladder`)."""
+        `ladder`: the rungs to use instead (a replica's measured `choose_ladder`).
+        `cheap_guesses`: a proposal of the lowest rung was timed no dearer than a decode step
+        (`LadderChoice.cheap_guesses`), so thin matches propose however often they fail."""
         index = NgramIndex(NGRAM_MAX)
         index.extend(list(tokens))
         if ladder is None:
             ladder = default_ladder(top)
         assert len(ladder) == len(LADDER) and list(ladder) == sorted(ladder) and ladder[0] >= 1
-        return cls(list(tokens), index, self_lookup, tuple(ladder))
+        return cls(list(tokens), index, self_lookup, tuple(ladder), cheap_guesses=cheap_guesses)
 
     # ---- proposing -----------------------------------------------------------------------
 
@@ -187,16 +209,81 @@ class Draft:
         self.pending = NO_PROPOSAL
         if limit <= 0:
             return []
-        aligned = self.pos is not None and self.pos < len(self.tokens)
-        if aligned and self.weak and self.rate < WEAK_RATE_MIN:
-            aligned = False  # a draft that keeps failing only gets to propose on solid matches
-        if aligned:
-            assert self.pos is not None
-            g = min(self.ladder[self.rung], limit, len(self.tokens) - self.pos)
-            self.pending = Proposal(self.tokens[self.pos:self.pos + g], Source.DRAFT)
-        elif self.self_lookup:
-            self.pending = self._lookup(context, limit)
+        if self.fresh:
+            self.rung = len(LADDER) - 1
+            g = min(self.ladder[self.rung], limit)
+            self.start = 0
+            self.pending = Proposal(self.tokens[:g], Source.DRAFT)
+            return self.pending.tokens
+        best = self.match_draft(context)
+        if best is None and self.replaced is not None and self.replaced + 1 < len(self.tokens):
+            best = (0, self.replaced + 1)  # a one-word substitution: the draft goes on after it
+        if best is not None and best[0] <= 1 and not self.cheap_guesses \
+                and self.rate < WEAK_RATE_MIN:
+            best = None  # a draft that keeps failing only gets to propose on solid matches
+        source = Source.DRAFT
+        if self.self_lookup:
+            found = self.match_context(context)
+            # On a tie the draft wins: the cached answer is what this mode is for.
+            if found is not None and (best is None or found[0] > best[0]):
+                best, source = found, Source.LOOKUP
+        if best is None:
+            return []
+        m, j = best
+        self.rung = max(RUNG_BY_MATCH[min(max(m, 1), 3)], self.floor)
+        g = min(self.ladder[self.rung], limit)
+        src = self.tokens if source is Source.DRAFT else context
+        self.start = j
+        self.pending = Proposal(src[j:j + g], source)
         return self.pending.tokens
+
+    def match_draft(self, context: list[int]) -> tuple[int, int] | None:
+        """(m, j): the draft index j whose preceding m tokens equal the end of `context`, m
+        as long as any (at most MATCH_MAX); among equals the nearest to `hint`. None if the
+        context's last token is nowhere in the draft (short of its end)."""
+        ends = self._ends(self.index, context, len(self.tokens))
+        if not ends:
+            return None
+        n, js = ends
+        m, _, j = max((self._extend(self.tokens, j, context, n), -abs(j - self.hint), j)
+                      for j in js)
+        return m, j
+
+    def match_context(self, context: list[int]) -> tuple[int, int] | None:
+        """(m, j) as `match_draft`, over the sequence's own earlier context (prompt lookup): m
+        at least LOOKUP_MIN (3 while lookups keep failing, unless guesses are cheap), the
+        latest among equals."""
+        self.context.sync(context)
+        least = LOOKUP_MIN if self.cheap_guesses or self.lookup_rate >= LOOKUP_RATE_MIN \
+            else LOOKUP_MIN + 1
+        ends = self._ends(self.context, context, len(context), least)
+        if not ends:
+            return None
+        n, js = ends
+        m, j = max((self._extend(context, j, context, n), j) for j in js[-LOOKUP_CANDIDATES:])
+        return m, j
+
+    @staticmethod
+    def _ends(index: NgramIndex, context: list[int], end: int,
+              least: int = 1) -> tuple[int, list[int]] | None:
+        """The longest n-gram (NGRAM_MAX..least) ending `context` that occurs in `index`
+        followed by at least one token (before `end`), and the indices right after its
+        occurrences."""
+        n_ctx = len(context)
+        for n in range(min(NGRAM_MAX, n_ctx), least - 1, -1):
+            js = [e for e in index.after(tuple(context[n_ctx - n:])) if e < end]
+            if js:
+                return n, js
+        return None
+
+    @staticmethod
+    def _extend(src: list[int], j: int, context: list[int], n: int) -> int:
+        """How many tokens before src[j] equal the end of `context` (n of them are known to)."""
+        m, n_ctx = n, len(context)
+        while m < MATCH_MAX and j - 1 - m >= 0 and m < n_ctx and \
+                src[j - 1 - m] == context[n_ctx - 1 - m]:
+            m += 1
+        return m
 
     def withdraw(self) -> None:
         """Forget the pending proposal (it was not verified)."""
@@ -209,20 +296,6 @@ class Draft:
         elif n < len(self.pending.tokens):
             self.pending = Proposal(self.pending.tokens[:n], self.pending.source)
         return self.pending.tokens
-
-    def _lookup(self, context: list[int], limit: int) -> Proposal:
-        self.context.sync(context)
-        n_ctx = len(context)
-        for n in range(min(NGRAM_MAX, n_ctx - 1), LOOKUP_MIN - 1, -1):
-            ends = self.context.after(tuple(context[n_ctx - n:]))
-            # The last entry is the suffix itself; the one before is its latest earlier match.
-            if n == 2 and self.lookup_rate < LOOKUP_RATE_MIN:
-                break
-            if len(ends) >= 2 and ends[-1] == n_ctx:
-                e = ends[-2]
-                g = min(self.ladder[max(self.lookup_rung, LOOKUP_RUNG[min(n, 3)])], limit)
-                return Proposal(context[e:e + g], Source.LOOKUP)
-        return NO_PROPOSAL
 
     # ---- learning from the verifier -------------------------------------------------------
 
@@ -237,68 +310,28 @@ class Draft:
         `used` of them were emitted (fewer when a stop among them ended the answer); the
         accepted counts report those."""
         used = accepted if used is None else used
-        prop, self.pending = self.pending, NO_PROPOSAL
-        full = accepted == len(prop.tokens)
+        prop = self.pending
+        self.fresh = False
         if prop.tokens:
             r = RATE_ALPHA * accepted / len(prop.tokens)
             if prop.source is Source.LOOKUP:
                 self.lookup_rate = (1 - RATE_ALPHA) * self.lookup_rate + r
+                self.accepted_lookup += used
             else:
                 self.rate = (1 - RATE_ALPHA) * self.rate + r
-                self.weak = self.weak and accepted == 0
-        if prop.source is Source.LOOKUP:
-            self.accepted_lookup += used
-            self.lookup_rung = min(self.lookup_rung + 1, len(LADDER) - 1) if full else 0
-        elif prop.source is Source.DRAFT:
-            self.rung = min(self.rung + 1, len(LADDER) - 1) if full \
-                else RUNG_AFTER_MISS[accepted > 0]
-        else:
-            self.lookup_rung = 0
+            full = accepted == len(prop.tokens)
+            self.floor = min(self.rung + 1, len(LADDER) - 1) if full else 0
         self.proposed += len(prop.tokens)
         self.accepted += used
 
     def advance(self, emitted: list[int], generated: list[int]) -> None:
-        """Move past `emitted` (the newest generated tokens); re-align after a mismatch."""
-        p = self.pos
+        """Move past `emitted` (the newest generated tokens): where the draft was followed."""
+        prop, self.pending = self.pending, NO_PROPOSAL
+        p = self.start if prop.source is Source.DRAFT else self.hint
         k = 0
-        if p is not None:
-            while (k < len(emitted) and p + k < len(self.tokens)
-                   and self.tokens[p + k] == emitted[k]):
-                k += 1
-            self.hint = max(self.hint, p + k)
-            if k == len(emitted):
-                self.pos = p + k
-                if (self.weak and k and p + k >= 2 and len(generated) >= 2
-                        and generated[-2] == self.tokens[p + k - 2]):
-                    # Two generated tokens in a row agree with the draft here: as solid as a
-                    # 2-token re-alignment. Left weak, a draft whose rate fell during a replaced
-                    # phrase of 5+ tokens never proposed again, though every later token matched.
-                    self.weak = False
-                return
-        self.pos = self.realign(generated)
-        if self.pos is None and p is not None and k == len(emitted) - 1 \
-                and p + k + 1 < len(self.tokens):
-            # The model replaced draft token p+k by one of its own: try the draft's
-            # continuation right after it (a one-word substitution), with a short proposal.
-            self.pos = p + k + 1
-            self.rung = RUNG_AFTER_SUBSTITUTION
-            self.weak = True
-
-    def realign(self, generated: list[int]) -> int | None:
-        """The draft index after the longest (4..1) suffix of `generated` found in the draft:
-        the nearest match at or after `hint`, else (n >= 2) the last one before it."""
-        for n in range(min(NGRAM_MAX, len(generated)), 0, -1):
-            # A match at the very end of the draft proposes nothing.
-            ends = [e for e in self.index.after(tuple(generated[-n:])) if e < len(self.tokens)]
-            if not ends:
-                continue
-            after = [e for e in ends if e >= self.hint]
-            if n == 1:
-                # One token is weak evidence: only just after where the draft was left.
-                after = [e for e in after if e <= self.hint + NGRAM1_WINDOW]
-                if not after:
-                    continue
-            self.rung = RUNG_AFTER_MATCH[min(n, 3)]
-            self.weak = n == 1
-            return after[0] if after else ends[-1]
-        return None
+        while k < len(emitted) and p + k < len(self.tokens) and self.tokens[p + k] == emitted[k]:
+            k += 1
+        if k:
+            self.hint = p + k
+        self.replaced = (p + k if prop.source is Source.DRAFT and k == len(emitted) - 1
+                         else None)

@@ -17,16 +17,16 @@ A sequence's KV covers `tokens[:num_computed]`; a forward always computes
 `tokens[num_computed:]` (or a chunk of it) and, once all is computed, samples the next token.
 
 Cache-assisted generation: a request may carry draft tokens (a cached near-miss answer). Its
-`Draft` (see drafting.py) proposes the next gamma tokens: from the draft while aligned with what
-has been generated (re-aligned by n-gram lookup after a mismatch), else from the sequence's own
-prompt and output (prompt lookup). A forward also computes them; the sampler accepts the longest
-admissible prefix (`Sampler.verify`) and the model's own next token follows it, so one forward
-emits 1..gamma+1 tokens. KV of rejected positions is dropped by not counting it (`num_computed`)
-and `BlockPool.truncate` releases the blocks allocated for it; only full, verified blocks are
-ever committed. With nothing to propose the sequence decodes normally. In a batch, rows share
-one query length (the longest proposal + 1): plain rows fill the extra positions with filler
-whose K/V lies beyond their `num_computed` and is overwritten before it is ever attended to, and
-whose logits are ignored.
+`Draft` (see drafting.py) proposes the next gamma tokens: from where the end of what has been
+generated matches the draft longest (so it re-aligns after a mismatch), or from the sequence's
+own prompt and output where they match longer (prompt lookup). A forward also computes them;
+the sampler accepts the longest admissible prefix (`Sampler.verify`) and the model's own next
+token follows it, so one forward emits 1..gamma+1 tokens. KV of rejected positions is dropped
+by not counting it (`num_computed`) and `BlockPool.truncate` releases the blocks allocated for
+it; only full, verified blocks are ever committed. With nothing to propose the sequence decodes
+normally. In a batch, rows share one query length (the longest proposal + 1): plain rows fill
+the extra positions with filler whose K/V lies beyond their `num_computed` and is overwritten
+before it is ever attended to, and whose logits are ignored.
 """
 
 from __future__ import annotations
@@ -386,7 +386,8 @@ class Engine:
         # Built before a waiting slot is taken: a failure here must not use one up for good.
         sampler = Sampler(req.sampling)
         draft = (Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens,
-                          ladder=self.draft_ladder.ladder)
+                          ladder=self.draft_ladder.ladder,
+                          cheap_guesses=self.draft_ladder.cheap_guesses)
                  if self.drafts and req.draft_token_ids and not req.prefill_only else None)
         with self._queue_lock:
             if self._closed:

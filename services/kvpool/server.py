@@ -251,7 +251,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             stalled_for_s=_stalled_s(engine.stuck_for()), draft_ladder=engine.ladder(),
             draft_ladder_source=engine.draft_ladder.source if engine.drafts else "",
             draft_forward_costs=engine.draft_ladder.costs if engine.drafts else (),
-            linear_kernels=engine.packing.kernels, linear_kernels_why=engine.packing.why_not)
+            linear_kernels=engine.packing.kernels, linear_kernels_why=engine.packing.why_not,
+            draft_cheap_guesses=engine.drafts and engine.draft_ladder.cheap_guesses)
 
 
 def _stalled_s(seconds: float) -> float:

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from services.kvpool.engine import Draft, EngineRequest, Finished
+from services.kvpool.engine import EngineRequest, Finished
 from services.kvpool.sampling import SamplingSpec
 from tests.kvpool.conftest import TINY_VOCAB, assert_idle, collect, reference_greedy
 from tests.kvpool.test_kvpool_engine import paused
@@ -216,64 +216,6 @@ def test_sampling_distribution_after_a_rejection_is_the_models(make_engine, tiny
     # Power check: the wrong rule (resample from p itself) is rejected by the same test.
     wrong = probs.clone()
     assert _chi2_pvalue(rcounts, wrong, len(rejected_firsts)) < 1e-3
-
-
-def test_draft_realignment_unit() -> None:
-    d = Draft.of([10, 11, 12, 13, 14, 15, 16, 17, 18, 19], self_lookup=False)
-    d.advance([10, 11, 12], [10, 11, 12])
-    assert d.pos == 3
-    d.advance([99], [10, 11, 12, 99])  # substitution of 13: continue after it
-    assert d.pos == 4
-    d.advance([14, 15], [10, 11, 12, 99, 14, 15])
-    assert d.pos == 6
-    d.advance([18], [10, 11, 12, 99, 14, 15, 18])  # skipped 16, 17: 1-gram near the spot
-    assert d.pos == 9
-    d.advance([50, 51], [10, 11, 12, 99, 14, 15, 18, 50, 51])
-    assert d.pos is None
-    assert d.propose([1, 2, 50, 51], 16) == []  # not aligned, no lookup: nothing
-    d.advance([12, 13], [10, 11, 12, 99, 14, 15, 18, 50, 51, 12, 13])  # bigram anywhere
-    assert d.pos == 4
-    assert d.propose([1, 2, 12, 13], 16) == [14, 15]  # after a 2-gram match: a short rung
-
-
-def test_draft_gamma_ladder_and_prompt_lookup_unit() -> None:
-    d = Draft.of(list(range(100, 140)))
-    ctx = [1, 2, 3]
-    # A fresh draft proposes a full rung (it rides on the prefill forward), capped by limit.
-    assert d.propose(ctx, 16) == list(range(100, 116))
-    d.update(16, list(range(100, 117)), list(range(100, 117)))
-    assert d.propose(ctx, 5) == list(range(117, 122))
-    d.update(2, [117, 118, 7], list(range(100, 119)) + [7])  # partial: a short rung next
-    assert d.pos == 120 - 100  # 7 replaced draft token 119: resume after it
-    assert len(d.propose(ctx, 16)) == 1
-    d.withdraw()
-    assert d.pending.tokens == []
-    # Not aligned: the last tokens of the context are looked up in the context itself.
-    d = Draft.of([200, 201])
-    d.pos = None
-    ctx = [5, 6, 7, 8, 9, 5, 6]
-    assert d.propose(ctx, 16) == [7]  # "5 6" was followed by 7 (2-gram: one token first)
-    d.update(1, [7, 8], [7, 8])
-    ctx += [7, 8]
-    assert d.propose(ctx, 16) == [9, 5]  # fully accepted: the next rung
-    assert d.accepted == 1 and d.accepted_lookup == 1 and d.proposed == 1
-    assert Draft.of([200], self_lookup=False).propose([], 16) == [200]
-
-
-def test_a_failing_draft_proposes_only_on_solid_matches_unit() -> None:
-    d = Draft.of([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], self_lookup=False)
-    gen: list[int] = []
-    sizes = []
-    for t in [50, 51, 52, 53, 54, 55, 56]:  # the model never agrees with the draft
-        sizes.append(len(d.propose([0] + gen, 16)))
-        gen.append(t)
-        d.update(0, [t], gen)
-    # Substitution guesses keep it aligned, but once its rate is low they propose nothing.
-    assert sizes[0] == 10 and sizes[1] == 1 and sizes[-1] == 0
-    assert d.pos is not None and d.weak and d.rate < 0.2
-    gen += [6, 7]  # a 2-gram of the draft: solid evidence, proposals resume
-    d.update(0, [6, 7], gen)
-    assert d.propose([0] + gen, 16) == [8, 9]
 
 
 def test_a_seed_samples_the_same_answer_with_or_without_a_draft(make_engine) -> None:

@@ -162,7 +162,7 @@ def test_ladder_replays_rank_the_ladders_by_what_their_forwards_cost():
     from benchmarks.assisted import ladder_replays
 
     draft = list(ANSWER)
-    draft[20] = 7  # one substituted token
+    draft[19] = draft[39] = 7  # two substituted tokens
     runs = [([1, 2], ANSWER, draft)]
     flat = [1.0] * (MAX_DRAFT_TOKENS + 1)
     out = ladder_replays(runs, flat, (1, 2, 16))
