@@ -273,7 +273,7 @@ def replay(prompt: list[int], answer: list[int], draft: list[int],
         gen += emitted
         passes += 1
         d.record(a)
-        d.advance(emitted, gen)
+        d.advance(emitted)
     out = {"passes": passes, "proposed": d.proposed, "accepted": d.accepted,
            "proposed_lookup": proposed_lookup, "accepted_lookup": d.accepted_lookup}
     if costs is not None:

@@ -299,11 +299,11 @@ class Draft:
 
     # ---- learning from the verifier -------------------------------------------------------
 
-    def update(self, accepted: int, emitted: list[int], generated: list[int]) -> None:
+    def update(self, accepted: int, emitted: list[int]) -> None:
         """After a forward: `accepted` tokens of the pending proposal verified, `emitted` (those
-        plus the model's own token) appended; `generated` is every token generated so far."""
+        plus the model's own token) appended."""
         self.record(accepted)
-        self.advance(emitted, generated)
+        self.advance(emitted)
 
     def record(self, accepted: int, used: int | None = None) -> None:
         """`accepted` tokens of the pending proposal (maybe none) verified: adapt gamma.
@@ -324,7 +324,7 @@ class Draft:
         self.proposed += len(prop.tokens)
         self.accepted += used
 
-    def advance(self, emitted: list[int], generated: list[int]) -> None:
+    def advance(self, emitted: list[int]) -> None:
         """Move past `emitted` (the newest generated tokens): where the draft was followed."""
         prop, self.pending = self.pending, NO_PROPOSAL
         p = self.start if prop.source is Source.DRAFT else self.hint

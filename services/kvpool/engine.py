@@ -666,7 +666,7 @@ class Engine:
                     self.store.store_blocks(*late)
             if seq.draft is not None and seq.seq_id in self._by_id:
                 # A draft whose proposal was withdrawn (no room) moves past this token too.
-                seq.draft.update(0, [tok], seq.tokens[seq.prompt_len:])
+                seq.draft.update(0, [tok])
 
     def _decode_step(self) -> None:
         # Every decoding sequence needs room for one more token; preempt the newest if short.
@@ -720,7 +720,7 @@ class Engine:
             self._store_full_blocks(s)
             self._accept(s, tok)
             if s.draft is not None and s.seq_id in self._by_id:
-                s.draft.update(0, [tok], s.tokens[s.prompt_len:])
+                s.draft.update(0, [tok])
         if self.metrics:
             self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
             self.metrics.batch_size.observe(len(seqs))
@@ -821,7 +821,7 @@ class Engine:
             if seq.seq_id not in self._by_id:
                 return  # finished (EOS, stop, length): the pool already released everything
         if seq.draft is not None:
-            seq.draft.advance(emitted, seq.tokens[seq.prompt_len:])
+            seq.draft.advance(emitted)
 
     def _forward(self, ids: torch.Tensor, plan: ForwardPlan, keep: int = 1,
                  need: list[int] | None = None) -> torch.Tensor:

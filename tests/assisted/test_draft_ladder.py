@@ -35,7 +35,7 @@ def test_no_rung_costs_as_much_as_a_longer_proposal(costs):
 def test_a_draft_proposes_the_ladder_it_is_given():
     d = Draft.of(list(range(100, 140)), ladder=(4, 7, 12))
     assert len(d.propose([1, 2, 3], 16)) == 12  # the first proposal is a full rung
-    d.update(0, [999], [999])
+    d.update(0, [999])
     # One token matches the draft: the lowest rung; two: the middle; three: the top.
     assert d.propose([1, 2, 3, 999, 120], 16) == list(range(121, 125))
     d.withdraw()

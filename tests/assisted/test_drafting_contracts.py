@@ -18,7 +18,7 @@ def step(d: Draft, gen: list[int], answer: list[int], limit: int = 16) -> list[i
         a += 1
     emitted = prop[:a] + [answer[len(gen) + a]]
     gen += emitted
-    d.update(a, emitted, gen)
+    d.update(a, emitted)
     return prop
 
 
@@ -35,7 +35,7 @@ def forwards(answer: list[int], draft: list[int], prompt=(1, 2, 3), **kw) -> int
             a += 1
         emitted = prop[:a] + [answer[len(gen) + a]]
         gen += emitted
-        d.update(a, emitted, gen)
+        d.update(a, emitted)
         n += 1
     return n
 
@@ -82,9 +82,9 @@ def test_a_substituted_token_resumes_the_draft_right_after_it_unit() -> None:
 def test_skipped_tokens_re_align_on_one_matching_token_unit() -> None:
     d = Draft.of(DRAFT, self_lookup=False)
     gen = DRAFT[:6]
-    d.update(0, gen, gen)
+    d.update(0, gen)
     gen += [108]  # the model skipped 106, 107
-    d.update(0, [108], gen)
+    d.update(0, [108])
     assert d.propose(PROMPT + gen, 16) == DRAFT[9:9 + d.ladder[0]]
 
 
@@ -92,7 +92,7 @@ def test_the_longest_match_wins_then_the_nearest_to_where_the_draft_was_followed
     draft = [10, 11, 12, 13, 50, 51, 10, 11, 14, 15, 60, 61, 62, 10, 11, 16]
     d = Draft.of(draft, self_lookup=False)
     gen = [60, 61, 62]
-    d.update(0, gen, gen)  # followed the draft up to index 13
+    d.update(0, gen)  # followed the draft up to index 13
     # "10 11" occurs three times: after index 13 the nearest is at 13..14 (then 16).
     assert d.propose(PROMPT + gen + [10, 11], 16)[:1] == [16]
     d.withdraw()
@@ -111,7 +111,7 @@ def test_prompt_lookup_proposes_what_followed_the_latest_match_unit() -> None:
     ctx = [5, 6, 7, 8, 9, 5, 6]
     prop = d.propose(ctx, 16)
     assert prop == [7, 8, 9, 5, 6][:d.ladder[1]] and d.pending.source is Source.LOOKUP
-    d.update(len(prop), prop + [0], prop + [0])
+    d.update(len(prop), prop + [0])
     assert d.accepted == d.accepted_lookup == len(prop)
 
 
@@ -159,7 +159,7 @@ def _unrelated(cheap: bool) -> tuple[list[int], Draft]:
     for t in [50, 5, 51, 3, 52, 8, 53, 2, 54]:
         sizes.append(len(d.propose([0] + gen, 16)))
         gen.append(t)
-        d.update(0, [t], gen)
+        d.update(0, [t])
     return sizes, d
 
 
