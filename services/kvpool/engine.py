@@ -429,8 +429,10 @@ class Engine:
 
     def threads_for(self, tokens: int) -> int:
         """The torch threads a forward of `tokens` new tokens (all rows) runs with, on the
-        engine thread once it started."""
-        return 1 if tokens < self.one_thread_below else self.threads
+        engine thread once it started (before that, `threads` 0 means torch's count now)."""
+        if tokens < self.one_thread_below:
+            return 1
+        return self.threads or torch.get_num_threads()
 
     def ladder(self) -> tuple[int, ...]:
         """The drafts' proposal lengths in use (() with drafts off)."""

@@ -94,6 +94,21 @@ def test_the_engine_thread_runs_with_the_threads_it_was_given(make_engine) -> No
     assert eng.call(torch.get_num_threads).result(timeout=10) == 1
 
 
+def test_an_engine_not_started_names_a_real_thread_count(tiny_model) -> None:
+    """threads=0 (all) is only resolved when the engine thread starts: before that, asking
+    for a large forward's count gave 0, which torch.set_num_threads refuses."""
+    from services.common.hashing import BlockHasher
+    from services.kvpool.block_pool import BlockPool
+    from services.kvpool.engine import Engine, model_info
+    from tests.kvpool.conftest import TINY_ID
+
+    pool = BlockPool(16, 4, BlockHasher(TINY_ID, 4, key=b"k"))
+    eng = Engine(tiny_model, model_info(tiny_model, TINY_ID), pool, threads=0,
+                 one_thread_below=8)
+    assert eng.threads_for(7) == 1
+    assert eng.threads_for(8) == torch.get_num_threads() >= 1
+
+
 def test_small_forwards_run_on_one_thread_and_large_ones_on_all(make_engine) -> None:
     """With OMP_WAIT_POLICY=PASSIVE, waking OpenMP workers for each small matmul of a decode step
     cost more than the second core gave: forwards under `one_thread_below` new tokens run on
