@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.common.errors import FailedPrecondition, InvalidArgument, shown
+from services.common.metrics import counter
 
 ROLES = ("system", "user", "assistant")
 # Stand-ins for message contents while the chat template renders (private-use characters).
@@ -26,6 +27,10 @@ _SLOT_RE = re.compile("\ue000([0-9]+)\ue001")
 # most this many characters of it in all, least recently used out first.
 PIECE_CACHE_MIN_CHARS = 512
 PIECE_CACHE_MAX_CHARS = 4_000_000
+PIECES = counter("tiercache_orchestrator_prompt_pieces_total",
+                 "Prompt texts between control tokens of PIECE_CACHE_MIN_CHARS or more (system "
+                 "prompts, earlier turns): found tokenized in the renderer's cache, or not",
+                 ("result",))
 # Texts tokenized whole and piece by piece when the renderer starts: if any differs, the
 # tokenizer does not treat text between added tokens on its own, and prompts are tokenized
 # whole (see PromptRenderer.encode_prompt).
@@ -177,8 +182,10 @@ class PromptRenderer:
             if ids is not None:
                 self._pieces.move_to_end(piece)
                 self.piece_hits += 1
+                PIECES.labels("hit").inc()
                 return ids
             self.piece_misses += 1
+            PIECES.labels("miss").inc()
         ids = tuple(self.encode(piece))
         if len(piece) <= PIECE_CACHE_MAX_CHARS // 4:
             with self._pieces_lock:

@@ -195,6 +195,13 @@ _LONG_PIECES = [
 def test_a_prompt_tokenized_piece_by_piece_is_the_prompt_tokenized_whole(tok, system):
     """The system prompt and earlier turns are kept tokenized between requests; the ids must be
     what tokenizing the whole rendered text gives, the first time and from the cache."""
+    from prometheus_client import REGISTRY
+
+    def exported(result: str) -> float:
+        return REGISTRY.get_sample_value("tiercache_orchestrator_prompt_pieces_total",
+                                         {"result": result}) or 0.0
+
+    before = exported("hit"), exported("miss")
     renderer = PromptRenderer(tok, max_chars=100_000)
     turns = [Message("system", system), Message("user", "Which rule applies?"),
              Message("assistant", system[::-1]), Message("user", "And now? 3.14 ")]
@@ -206,6 +213,9 @@ def test_a_prompt_tokenized_piece_by_piece_is_the_prompt_tokenized_whole(tok, sy
     for _ in range(2):
         assert renderer.render_raw(raw).token_ids == tok.encode(raw, add_special_tokens=False)
     assert renderer.piece_hits >= 3  # the cache was used, not bypassed
+    # ...and Prometheus sees the same lookups.
+    assert (exported("hit") - before[0], exported("miss") - before[1]) == \
+        (renderer.piece_hits, renderer.piece_misses)
 
 
 def test_the_piece_cache_keeps_at_most_its_budget(tok, monkeypatch):
