@@ -39,7 +39,7 @@ Figures (ratios are measured within one run; the machine is shared and noisy):
                             acceptance_rate_draft / _lookup split them by source
   draft_coverage            tokens proposed from the cached answer and accepted / generated
   lookup_coverage           tokens proposed by prompt lookup (the sequence's own prompt and
-                            output, used while the draft has nothing aligned) and accepted /
+                            output, used where they match longer than the draft) and accepted /
                             generated tokens; the split by source comes from replaying the
                             replica's pure drafting logic (`services/kvpool/drafting.py`)
                             against the greedy answer, which must reproduce the served forward
@@ -327,7 +327,7 @@ def hindsight_passes(answer: list[int], draft: list[int], prompt: list[int] | No
     accepted tokens plus the model's own one; forwards are counted as `replay` and the served
     CacheReport count them: the first proposal rides on the prompt's prefill forward, which is
     not counted (an answer without any draft takes len(answer) - 1). Every proposal the
-    replica's `Draft` can make (a draft slice from its aligned position, or a slice of the
+    replica's `Draft` can make (a draft slice from where it matches, or a slice of the
     context after a lookup match, at most MAX_DRAFT_TOKENS) is one of these slices, so it
     accepts no more tokens than the best slice, hence `replay` never needs fewer forwards.
 
