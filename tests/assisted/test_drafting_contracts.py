@@ -22,20 +22,13 @@ def step(d: Draft, gen: list[int], answer: list[int], limit: int = 16) -> list[i
     return prop
 
 
-def forwards(answer: list[int], draft: list[int], prompt=(1, 2, 3), **kw) -> int:
+def forwards(answer: list[int], draft: list[int], **kw) -> int:
     """Forward passes to generate `answer` with `draft` (the greedy verifier of `step`)."""
     d = Draft.of(draft, **kw)
     gen: list[int] = []
     n = 0
     while len(gen) < len(answer):
-        prop = d.propose([*prompt, *gen], 16)
-        a = 0
-        while (a < len(prop) and len(gen) + a < len(answer) - 1
-               and prop[a] == answer[len(gen) + a]):
-            a += 1
-        emitted = prop[:a] + [answer[len(gen) + a]]
-        gen += emitted
-        d.update(a, emitted)
+        step(d, gen, answer)
         n += 1
     return n
 
