@@ -86,10 +86,12 @@ class KvPoolConfig:
     # verifies, short prefill chunks) run on one thread, longer ones on torch_threads. With
     # OMP_WAIT_POLICY=PASSIVE (the process default) waking the OpenMP workers for each of a
     # SmolLM2 forward's ~200 small matmuls cost more than the second core gave: a lone
-    # replica's decode step took 134-163 ms on two threads, 74-79 ms on one (2-core host).
-    # 0 = every forward on torch_threads (a replica with cores of its own, spinning OpenMP
-    # workers: GOMP_SPINCOUNT; services/kvpool/README.md).
-    one_thread_below: int = 64
+    # replica's decode step took 134-163 ms on two threads, 74-79 ms on one (2-core host),
+    # and two threads only paid from prefills of 256 tokens on (`python -m benchmarks.threads`
+    # measures where they start to pay on a host). 0 = every forward on torch_threads (a
+    # replica with cores of its own, spinning OpenMP workers: GOMP_SPINCOUNT;
+    # services/kvpool/README.md).
+    one_thread_below: int = 256
     # Longest sequence (prompt + generated) served; 0 = the model's max_position_embeddings.
     # The working rows grow to max_batch_size x this many tokens of KV on top of the pool
     # (SmolLM2 fp32: 46 KB per token, so 8 x 8,192 tokens = 3.0 GB; up to 1.5x that while the
