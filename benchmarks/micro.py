@@ -8,6 +8,10 @@
   one 2,000 times.
 - semantic_index_bytes_per_entry: RSS growth of one `NamespaceIndex` (HNSW) after
   `add_many` of 100,000 unit vectors of 384 floats, the input array freed (Linux VmRSS).
+- finite_check_ms: checking float32 logits of a 49,152-token vocabulary for NaN/inf per row,
+  on one torch thread, at 1, 17 (a 16-token verify) and 64 rows: `torch.isfinite(x).all(-1)`
+  (what kvpool's sampling used) against `finite_rows` (services/kvpool/sampling.py), and a
+  whole greedy `verify_batch` of 17 rows with 16 draft tokens, for scale.
 """
 
 from __future__ import annotations
@@ -79,6 +83,38 @@ def index_memory(n: int = 100_000, d: int = 384) -> float:
     return grown / n
 
 
+def finite_check(reps: int = 300) -> dict:
+    import torch
+
+    from services.kvpool.sampling import Sampler, SamplingSpec, finite_rows, verify_batch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+
+    def ms(f) -> float:
+        f()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            f()
+        return round((time.perf_counter() - t0) / reps * 1e3, 3)
+
+    try:
+        out: dict = {}
+        gen = torch.Generator().manual_seed(0)
+        for rows in (1, 17, 64):
+            x = torch.randn(rows, 49_152, generator=gen)
+            out[f"rows_{rows}"] = {
+                "isfinite_all": ms(lambda x=x: torch.isfinite(x).all(-1).tolist()),
+                "finite_rows": ms(lambda x=x: finite_rows(x).tolist())}
+        x = torch.randn(17, 49_152, generator=gen)
+        draft = torch.argmax(x, dim=-1).tolist()[:16]
+        sampler = [Sampler(SamplingSpec(32))]
+        out["verify_batch_17_rows"] = ms(lambda: verify_batch(sampler, x, [draft]))
+        return out
+    finally:
+        torch.set_num_threads(threads)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.micro")
     ap.add_argument("--out", type=Path, default=RESULT)
@@ -86,7 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     res = {"benchmark": "micro", "command": "python -m benchmarks.micro",
            "dispatch_memory_ms_per_request": round(dispatch_memory(), 3),
            "tenant_auth_us_per_call": round(tenant_auth(), 2),
-           "semantic_index_bytes_per_entry": round(index_memory())}
+           "semantic_index_bytes_per_entry": round(index_memory()),
+           "finite_check_ms": finite_check()}
     text = json.dumps(res, indent=2)
     print(text)
     args.out.write_text(text + "\n")

@@ -361,6 +361,33 @@ def test_verify_batch_is_each_rows_verify() -> None:
             at += len(d) + 1
 
 
+def test_finite_rows_is_isfinite_all_for_one_bad_value_anywhere() -> None:
+    """`finite_rows` (two reductions) must flag exactly the rows `isfinite(...).all(-1)` flags:
+    a single NaN, inf or -inf wherever it sits in the row (below the max too), and never a row
+    of large finite values. verify_batch then fails such a greedy row even when the bad value
+    is not where argmax points."""
+    from services.kvpool.sampling import NonFiniteLogits, Sampler, finite_rows, verify_batch
+
+    gen = torch.Generator().manual_seed(11)
+    rng = random.Random(11)
+    for trial in range(60):
+        x = torch.randn(rng.randrange(1, 20), rng.choice([7, 50, 4096]), generator=gen) * 4
+        if trial % 3 == 0:
+            x *= 1e37  # huge but finite: no row may be flagged
+        for _ in range(rng.randrange(0, 4)):
+            x[rng.randrange(x.shape[0]), rng.randrange(x.shape[1])] = rng.choice(
+                [float("nan"), float("inf"), float("-inf")])
+        assert finite_rows(x).tolist() == torch.isfinite(x).all(dim=-1).tolist(), trial
+
+    logits = torch.zeros(3, 10)
+    logits[:, 4] = 5.0  # the argmax of every row
+    logits[1, 8] = float("nan")
+    logits[2, 0] = float("-inf")
+    got = verify_batch([Sampler(SamplingSpec(4)) for _ in range(3)], logits, [[], [], []])
+    assert got[0] == (0, 4)
+    assert isinstance(got[1], NonFiniteLogits) and isinstance(got[2], NonFiniteLogits)
+
+
 def test_sampled_rows_leave_the_device_in_one_copy() -> None:
     """Seeded generators draw on the CPU; each sampled row's logits used to be copied there on
     its own (a device synchronisation per row and per draft position on CUDA). `Device` stands
