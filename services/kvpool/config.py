@@ -61,6 +61,12 @@ class KvPoolConfig:
     # three ascending lengths "a,b,c" in 1..max_draft_tokens (after a miss, after a match,
     # while proposals verify). Only read when drafts are on.
     draft_ladder: str = "auto"
+    # With several sequences decoding, cut draft proposals to the length expected to emit the
+    # most tokens per forward cost (every row of a batch's forward pays for its longest
+    # proposal; services/kvpool/drafting.py `batch_keep`). Needs a measured draft_ladder.
+    # False = every proposal rides the batch's forward (fastest for the drafting requests,
+    # slower for the others).
+    draft_batch_gate: bool = True
     # Kernels of the model's linear layers: "onednn" = float32 CPU models run them on oneDNN
     # with weights packed once at start (1.5x faster decode steps and 1.8x faster 17-token
     # verify forwards than torch's MKL on a 2-core AVX-512 host; services/kvpool/linear.py);

@@ -26,7 +26,9 @@ by not counting it (`num_computed`) and `BlockPool.truncate` releases the blocks
 it; only full, verified blocks are ever committed. With nothing to propose the sequence decodes
 normally. In a batch, rows share one query length (the longest proposal + 1): plain rows fill
 the extra positions with filler whose K/V lies beyond their `num_computed` and is overwritten
-before it is ever attended to, and whose logits are ignored.
+before it is ever attended to, and whose logits are ignored. Since every row pays for the
+longest proposal, a batch cuts its proposals to the length expected to emit the most tokens per
+forward cost (`drafting.batch_keep`).
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch
 from services.common import errors
 from services.kvpool import attention
 from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
-from services.kvpool.drafting import Draft, LadderChoice, default_ladder
+from services.kvpool.drafting import Draft, LadderChoice, batch_keep, default_ladder
 from services.kvpool.linear import PackedLinear, Packing, packed_layers
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
@@ -238,6 +240,7 @@ class EngineStats(NamedTuple):
     preemptions_total: int
     draft_tokens_proposed_total: int = 0
     draft_tokens_accepted_total: int = 0
+    draft_tokens_withheld_total: int = 0
 
 
 class Engine:
@@ -260,6 +263,8 @@ class Engine:
             thread and leaves OpenMP to the engine thread: see `services/kvpool/__main__.py`.
         one_thread_below: forwards of fewer new tokens than this run on one thread (0 = all on
             `threads`); see `KvPoolConfig.one_thread_below`.
+        batch_gate: with several sequences decoding, cut proposals to what pays for the
+            batch's longer forward (`drafting.batch_keep`; needs a measured `draft_ladder`).
         draft_ladder: the drafts' proposal lengths (`drafting.choose_ladder`) and where they
             came from; None = the fixed `drafting.LADDER` (topped at max_draft_tokens).
     """
@@ -269,7 +274,7 @@ class Engine:
                  prefix_caching: bool = True, drafts: bool = True, max_draft_tokens: int = 16,
                  preallocate_rows: bool = False, metrics: KvMetrics | None = None,
                  draft_ladder: LadderChoice | None = None, threads: int = 0,
-                 one_thread_below: int = 0) -> None:
+                 one_thread_below: int = 0, batch_gate: bool = True) -> None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             # SDPA with grouped-query heads kept grouped in multi-token forwards on CPU
             # (services/kvpool/attention.py); set on the model object itself.
@@ -285,6 +290,7 @@ class Engine:
         self.max_draft_tokens = max_draft_tokens
         self.threads = threads
         self.one_thread_below = one_thread_below
+        self.batch_gate = batch_gate
         self._threads_now = 0  # what the engine thread runs with (set when it starts)
         # Proposal lengths, where they came from and the relative forward costs they were
         # chosen from (measured on this device by the replica on the engine thread, right after
@@ -328,6 +334,8 @@ class Engine:
         self.step_failures_total = 0  # engine steps that raised (their sequences failed)
         self.draft_tokens_proposed_total = 0
         self.draft_tokens_accepted_total = 0
+        # Proposed tokens a batch's forward left out: not worth what they made every row pay.
+        self.draft_tokens_withheld_total = 0
         self._stats = self._compute_stats()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -703,6 +711,12 @@ class Engine:
         if not seqs:
             return
         props = [self._proposal(s) for s in seqs]
+        if any(props) and len(seqs) > 1 and self.batch_gate \
+                and self.draft_ladder.source == "measured":
+            keep = batch_keep(self.draft_ladder.costs, [len(p) for p in props],
+                              [s.draft.pending_rate if p else 0.0
+                               for s, p in zip(seqs, props, strict=True)])
+            props = self._cut_proposals(seqs, props, keep, withheld=True)
         if any(props):
             self._decode_with_drafts(seqs, props)
             return
@@ -734,14 +748,7 @@ class Engine:
         # positions, which must stay inside the context (the working rows are sized to it, and
         # position ids past it are outside the model's range): trim proposals that would not.
         room = min(self.info.max_context - s.num_computed for s in seqs) - 1
-        if max(len(p) for p in props) > room:
-            trimmed = []
-            for s, p in zip(seqs, props, strict=True):
-                if len(p) > room and s.draft is not None:
-                    p = s.draft.trim(room)
-                    self.pool.truncate(s.seq_id, len(s.tokens) + len(p))  # the reserved rest
-                trimmed.append(p)
-            props = trimmed
+        props = self._cut_proposals(seqs, props, room)
         q = 1 + max(len(p) for p in props)
         rows = []
         for s, p in zip(seqs, props, strict=True):
@@ -766,6 +773,25 @@ class Engine:
         if self.metrics:
             self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
             self.metrics.batch_size.observe(len(seqs))
+
+    def _cut_proposals(self, seqs: list[Sequence], props: list[list[int]], n: int,
+                       withheld: bool = False) -> list[list[int]]:
+        """`props` with every proposal cut to at most `n` tokens (0 = withdrawn), the pool
+        blocks reserved for the cut tokens given back. `withheld`: the cut is the batch's
+        choice (`batch_keep`), counted as withheld draft tokens."""
+        if max(len(p) for p in props) <= n:
+            return props
+        cut = []
+        for s, p in zip(seqs, props, strict=True):
+            if len(p) > n and s.draft is not None:
+                if withheld:
+                    self.draft_tokens_withheld_total += len(p) - max(n, 0)
+                    if self.metrics:
+                        self.metrics.draft_withheld.inc(len(p) - max(n, 0))
+                p = s.draft.trim(n)
+                self.pool.truncate(s.seq_id, len(s.tokens) + len(p))  # the reserved rest
+            cut.append(p)
+        return cut
 
     def _proposal(self, seq: Sequence) -> list[int]:
         """The draft tokens to verify in this sequence's next forward (often none).
@@ -1025,7 +1051,8 @@ class Engine:
                            len(self._waiting), self.prompt_tokens_total,
                            self.cached_tokens_total, self.requests_total,
                            self.pool.evictions_total, self.preemptions_total,
-                           self.draft_tokens_proposed_total, self.draft_tokens_accepted_total)
+                           self.draft_tokens_proposed_total, self.draft_tokens_accepted_total,
+                           self.draft_tokens_withheld_total)
 
     # ---- test hooks -----------------------------------------------------------------------
 

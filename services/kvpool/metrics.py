@@ -30,6 +30,9 @@ class KvMetrics:
                                       "Draft tokens verified by the model")
         self.draft_accepted = counter("tiercache_kvpool_draft_tokens_accepted_total",
                                       "Draft tokens accepted (each saves a forward pass)")
+        self.draft_withheld = counter("tiercache_kvpool_draft_tokens_withheld_total",
+                                      "Draft tokens proposed but left out of a batch's forward "
+                                      "(they would have cost every row more than they save)")
         self.ttft_seconds = histogram("tiercache_kvpool_ttft_seconds",
                                       "Time from arrival to the first token", buckets=_SECONDS)
         self.step_seconds = histogram("tiercache_kvpool_step_seconds", "Engine forward time",

@@ -252,7 +252,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             draft_ladder_source=engine.draft_ladder.source if engine.drafts else "",
             draft_forward_costs=engine.draft_ladder.costs if engine.drafts else (),
             linear_kernels=engine.packing.kernels, linear_kernels_why=engine.packing.why_not,
-            draft_cheap_guesses=engine.drafts and engine.draft_ladder.cheap_guesses)
+            draft_cheap_guesses=engine.drafts and engine.draft_ladder.cheap_guesses,
+            draft_tokens_withheld_total=s.draft_tokens_withheld_total)
 
 
 def _stalled_s(seconds: float) -> float:

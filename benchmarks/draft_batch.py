@@ -1,0 +1,213 @@
+"""What one drafting request costs the requests batched with it, with and without the gate.
+
+    .venv/bin/python -m benchmarks.draft_batch [--out PATH] [--reps N] [--batches 2,4,8]
+
+Every row of a batch's forward is as long as its longest draft proposal, so one request
+verifying a cached near-miss answer makes every request decoding beside it pay for its
+proposal's tokens. With `TIERCACHE_KVPOOL_DRAFT_BATCH_GATE` (on by default) the engine cuts
+proposals to the length expected to emit the most tokens per forward cost
+(`drafting.batch_keep`). This runs batches of B requests through a real replica engine
+(SmolLM2, the replica's kernels and measured draft ladder, in-process): row 0 asks QQP question
+B of a near-miss pair (`benchmarks.assisted.near_miss_pairs`) with A's greedy answer as its
+draft, the other rows ask other QQP questions without one; greedy, up to 128 tokens, every row
+admitted before the first decode step. Each repeat runs the same batch three ways, in rotating
+order: no draft at all (`plain`), the draft with the gate (`gate_on`) and without it
+(`gate_off`), and checks that every row's tokens are the same all three ways. Reported per B,
+medians over the repeats (a different pair each repeat):
+
+- batch_s: wall time until every row has finished;
+- drafting_row_s: until the drafting row has finished (what drafting is for);
+- batch_over_plain: batch_s over plain's (above 1: the draft slowed the whole batch down);
+- withheld / verified draft tokens, and the forwards of several rows that verified any.
+"""
+
+from __future__ import annotations
+
+import os
+
+# As the replica process: before torch loads OpenMP.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import csv  # noqa: E402
+import json  # noqa: E402
+import platform  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+RESULT = Path(__file__).resolve().parent / "results" / "draft_batch.json"
+BATCHES = (2, 4, 8)
+MAX_TOKENS = 128
+MODES = ("plain", "gate_on", "gate_off")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m benchmarks.draft_batch")
+    ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                    help="batch sizes (rows decoding together), at least 2")
+    args = ap.parse_args(argv)
+    batches = sorted({int(b) for b in args.batches.split(",")})
+    if min(batches) < 2:
+        ap.error("--batches: at least 2 rows (one drafting, others plain)")
+
+    import dataclasses
+
+    from benchmarks.assisted import QQP, near_miss_pairs
+    from services.common.model_store import load_tokenizer, resolve_model
+    from services.kvpool.app import build_replica
+    from services.kvpool.config import KvPoolConfig
+    from services.kvpool.engine import EngineRequest, Failed, Finished, TokenDelta
+    from services.kvpool.sampling import SamplingSpec
+    from services.orchestrator.render import Message, PromptRenderer
+
+    t_start = time.monotonic()
+    renderer = PromptRenderer(load_tokenizer(resolve_model("smollm2").path))
+
+    def prompt_ids(q: str) -> list[int]:  # as the orchestrator renders a one-message chat
+        return renderer.render_chat([Message("user", q)]).token_ids
+
+    pairs, _ = near_miss_pairs(args.reps)
+    others: list[str] = []  # plain rows: QQP questions of non-duplicate pairs, file order
+    with QQP.open(newline="") as f:
+        for row in csv.DictReader(f):
+            if row["is_duplicate"] == "0" and len(others) < max(batches):
+                others.append(row["question1"])
+    cfg = KvPoolConfig(num_blocks=1024, max_batch_size=max(batches))
+    cfg = dataclasses.replace(cfg, torch_threads=cfg.torch_threads or torch.get_num_threads())
+    torch.set_num_threads(1)  # the replica's main thread loads on one (as services.kvpool)
+    print("loading the replica (its draft ladder is timed at start) ...", flush=True)
+    replica = build_replica(cfg, metrics=False)
+    engine = replica.engine
+    ladder = engine.draft_ladder
+    print(f"draft ladder {ladder.ladder} ({ladder.source})", flush=True)
+    shapes: list[tuple[int, int]] = []
+    real_forward = engine._forward
+
+    def forward(ids, plan, keep=1, need=None):  # counts forwards of several rows by length
+        if plan.batch > 1:
+            shapes.append((plan.batch, plan.q_len))
+        return real_forward(ids, plan, keep, **({} if need is None else {"need": need}))
+
+    engine._forward = forward
+    n = 0
+
+    def run(rows: list[tuple[list[int], list[int]]]) -> tuple[list[list[int]], list[float]]:
+        """Submit every (prompt, draft) row while the engine is held, so all are admitted
+        together; each row's tokens and seconds until it finished."""
+        nonlocal n
+        outs = []
+        gate, held = threading.Event(), threading.Event()
+        engine.call(lambda: (held.set(), gate.wait(120)))
+        if not held.wait(60):
+            raise RuntimeError("the engine thread never reached the hold")
+        t0 = time.perf_counter()
+        for p, d in rows:
+            n += 1
+            outs.append(engine.submit(EngineRequest(
+                f"batch-{n}", p, SamplingSpec(max_tokens=MAX_TOKENS), skip_prefix_cache=True,
+                draft_token_ids=tuple(d)))[1])
+        gate.set()
+        toks: list[list[int]] = []
+        done: list[float] = []
+        for out in outs:
+            got: list[int] = []
+            while True:
+                msg = out.get(timeout=900)
+                if isinstance(msg, TokenDelta):
+                    got += msg.token_ids
+                elif isinstance(msg, Failed):
+                    raise RuntimeError(f"a row failed: {msg.error}")
+                elif isinstance(msg, Finished):
+                    break
+            done.append(time.perf_counter() - t0)
+            toks.append(got)
+        return toks, done
+
+    results: dict[int, dict[str, list[dict[str, float]]]] = {b: {m: [] for m in MODES}
+                                                             for b in batches}
+    try:
+        drafts = []
+        for pair in pairs:  # A's greedy answer: the cached near-miss B drafts with
+            engine.batch_gate = True
+            (ans,), _ = run([(prompt_ids(pair.qa), [])])
+            drafts.append(ans)
+        for rep in range(args.reps):
+            pair, draft = pairs[rep % len(pairs)], drafts[rep % len(drafts)]
+            for b in batches:
+                plain_rows = [(prompt_ids(q), []) for q in others[:b - 1]]
+                order = MODES[rep % 3:] + MODES[:rep % 3]
+                toks_by = {}
+                for mode in order:
+                    engine.batch_gate = mode != "gate_off"
+                    w0, v0 = engine.draft_tokens_withheld_total, \
+                        engine.draft_tokens_proposed_total
+                    shapes.clear()
+                    toks, done = run([(prompt_ids(pair.qb), [] if mode == "plain" else draft)]
+                                     + plain_rows)
+                    toks_by[mode] = toks
+                    results[b][mode].append({
+                        "batch_s": max(done), "drafting_row_s": done[0],
+                        "tokens": sum(len(t) for t in toks),
+                        "withheld": engine.draft_tokens_withheld_total - w0,
+                        "verified": engine.draft_tokens_proposed_total - v0,
+                        "batched_forwards": len(shapes),
+                        "batched_forwards_verifying": sum(q > 1 for _, q in shapes)})
+                if not toks_by["plain"] == toks_by["gate_on"] == toks_by["gate_off"]:
+                    raise AssertionError(f"B={b}, pair {rep}: a draft changed an answer")
+                print(f"  repeat {rep + 1}/{args.reps}, B={b}: " + ", ".join(
+                    f"{m} {results[b][m][-1]['batch_s']:.2f} s" for m in MODES), flush=True)
+    finally:
+        engine.stop()
+
+    def med(b: int, mode: str, key: str) -> float:
+        return statistics.median(r[key] for r in results[b][mode])
+
+    table = {}
+    for b in batches:
+        plain = med(b, "plain", "batch_s")
+        table[b] = {m: {"batch_s": round(med(b, m, "batch_s"), 3),
+                        "drafting_row_s": round(med(b, m, "drafting_row_s"), 3),
+                        "batch_over_plain": round(med(b, m, "batch_s") / plain, 3),
+                        "batch_tokens_per_s": round(med(b, m, "tokens") / med(b, m, "batch_s"),
+                                                    2),
+                        "withheld": med(b, m, "withheld"), "verified": med(b, m, "verified"),
+                        "batched_forwards_verifying": med(b, m, "batched_forwards_verifying"),
+                        "batched_forwards": med(b, m, "batched_forwards")}
+                    for m in MODES}
+        print(f"B={b}: batch wall over plain: gate on {table[b]['gate_on']['batch_over_plain']}"
+              f", gate off {table[b]['gate_off']['batch_over_plain']}; drafting row "
+              f"{table[b]['gate_on']['drafting_row_s']} / {table[b]['gate_off']['drafting_row_s']}"
+              f" s (plain {table[b]['plain']['drafting_row_s']} s)", flush=True)
+    result = {
+        "benchmark": "draft_batch",
+        "command": "python -m benchmarks.draft_batch",
+        "model": f"{replica.info.model_id} float32 cpu, {engine.packing.kernels} kernels, "
+                 f"greedy, up to {MAX_TOKENS} tokens",
+        "host": {"python": platform.python_version(), "torch": torch.__version__,
+                 "cpus": os.cpu_count(), "torch_threads": cfg.torch_threads,
+                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                 "load_avg_at_end": list(os.getloadavg())},
+        "draft_ladder": list(ladder.ladder), "draft_ladder_source": ladder.source,
+        "draft_forward_costs": list(ladder.costs),
+        "pairs": [{"qa": p.qa, "qb": p.qb, "cosine": p.cosine} for p in pairs],
+        "reps": args.reps,
+        "by_batch": table,
+        "runs": results,
+        "identical_outputs": True,
+        "elapsed_s": round(time.monotonic() - t_start, 1),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,102 @@
+"""Drafts in a batch: proposals are cut to what pays for every row's longer forward."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.kvpool.drafting import LadderChoice, batch_keep, forward_cost
+from services.kvpool.engine import EngineRequest
+from services.kvpool.sampling import SamplingSpec
+from tests.assisted.test_assisted_engine import N_NEW, prompt
+from tests.kvpool.conftest import assert_idle, collect, reference_greedy
+from tests.kvpool.test_kvpool_engine import paused
+
+# Relative costs of a forward of q = 1..17 tokens: as timed on the 2-core host (oneDNN), where
+# 5 tokens cost less than 1 and 17 cost 1.36x; steep, where each extra token costs half a step;
+# flat, as on a GPU.
+CPU = (1.0, 0.988, 0.829, 0.739, 0.736, 0.723, 0.838, 0.896, 0.978, 1.027, 1.003, 1.102, 1.129,
+       1.21, 1.275, 1.274, 1.357)
+STEEP = tuple(1.0 + 0.5 * i for i in range(17))
+FLAT = (1.0,) * 17
+
+
+def test_forward_cost_is_the_timing_then_its_upper_half_slope() -> None:
+    assert [forward_cost(STEEP, n) for n in (1, 2, 17)] == [1.0, 1.5, 9.0]
+    assert forward_cost(STEEP, 41) == pytest.approx(9.0 + 0.5 * 24)
+    assert forward_cost(FLAT, 1000) == 1.0
+    # Timings that fall in their upper half (noise) never make longer forwards cheaper.
+    falling = (1.0,) * 8 + tuple(1.0 - 0.01 * i for i in range(9))
+    assert forward_cost(falling, 200) == falling[-1]
+    # The slope of the upper half, not its end points: one noisy last timing moves it little.
+    bumped = STEEP[:-1] + (STEEP[-1] + 2.0,)
+    assert forward_cost(bumped, 117) - bumped[-1] < 0.8 * 100
+
+
+def test_batch_keep_weighs_expected_tokens_against_every_rows_cost() -> None:
+    # On a GPU-like device every proposal rides along, however poor.
+    assert batch_keep(FLAT, [16, 0, 0, 0], [0.05, 0, 0, 0]) == 16
+    # One row alone keeps a cheap proposal (5 tokens cost less than 1 there).
+    assert batch_keep(CPU, [4], [0.0]) == 4
+    # A batch of 8: one row's proposal would make all 8 rows pay for 5 or 16 tokens each.
+    assert batch_keep(CPU, [4] + [0] * 7, [1.0] + [0.0] * 7) == 0
+    assert batch_keep(CPU, [15] + [0] * 7, [1.0] + [0.0] * 7) == 0
+    # Two rows that keep verifying: worth it.
+    assert batch_keep(CPU, [15, 15], [0.9, 0.9]) == 15
+    # ... not when they keep failing.
+    assert batch_keep(CPU, [15, 15], [0.02, 0.02]) == 0
+    # Steep costs: of a 15- and a 4-token proposal that verify, only the first 4 tokens pay
+    # for themselves; at a 30% rate for the longer one, not even those.
+    assert batch_keep(STEEP, [15, 4], [1.0, 1.0]) == 4
+    assert batch_keep(STEEP, [15, 4], [0.3, 1.0]) == 0
+    assert batch_keep(FLAT, [15, 4], [1.0, 1.0]) == 15
+
+
+def _batch(eng, tiny_model, ladder: LadderChoice | None):
+    """One row drafting its own reference answer beside two plain rows, in the same forwards;
+    every batched forward's (rows, tokens per row)."""
+    if ladder is not None:
+        eng.draft_ladder = ladder
+    prompts = [prompt(6 + i, 50 + i) for i in range(3)]
+    refs = [reference_greedy(tiny_model, p, N_NEW) for p in prompts]
+    shapes: list[tuple[int, int]] = []
+    real_forward = eng._forward
+
+    def forward(ids, plan, keep=1, need=None):
+        if plan.batch > 1:
+            shapes.append((plan.batch, plan.q_len))
+        return real_forward(ids, plan, keep, **({} if need is None else {"need": need}))
+
+    eng._forward = forward
+    with paused(eng):
+        outs = [eng.submit(EngineRequest(f"g{i}", p, SamplingSpec(N_NEW),
+                                         draft_token_ids=tuple(refs[0]) if i == 0 else ()))[1]
+                for i, p in enumerate(prompts)]
+    res = [collect(o) for o in outs]
+    assert [t for t, _ in res] == refs  # a cut proposal never changes an answer
+    assert_idle(eng)
+    return res[0][1], shapes
+
+
+def test_a_batch_withholds_proposals_that_cost_every_row_more_than_they_save(
+        make_engine, tiny_model) -> None:
+    eng = make_engine(num_blocks=128, block_size=4, max_batch_size=4)
+    fin, shapes = _batch(eng, tiny_model, LadderChoice((1, 2, 16), "measured", STEEP))
+    # Proposals were verified only where the drafting row ran alone (its prefill, and any
+    # step before the others were admitted), never in a forward of several rows.
+    assert shapes and all(q == 1 for _, q in shapes), shapes
+    assert eng.draft_tokens_withheld_total > 0
+    assert eng.stats().draft_tokens_withheld_total == eng.draft_tokens_withheld_total
+
+
+@pytest.mark.parametrize("case", ["flat costs", "gate off", "unmeasured ladder"])
+def test_a_batch_keeps_proposals_that_pay_or_when_told_to(make_engine, tiny_model,
+                                                          case) -> None:
+    eng = make_engine(num_blocks=128, block_size=4, max_batch_size=4,
+                      batch_gate=case != "gate off")
+    ladder = {"flat costs": LadderChoice((1, 2, 16), "measured", FLAT),
+              "gate off": LadderChoice((1, 2, 16), "measured", STEEP),
+              "unmeasured ladder": LadderChoice((1, 2, 16), "configured")}[case]
+    fin, shapes = _batch(eng, tiny_model, ladder)
+    assert any(q > 1 for _, q in shapes), shapes
+    assert fin.draft_tokens_accepted == fin.draft_tokens_proposed >= N_NEW - 5
+    assert eng.draft_tokens_withheld_total == 0
