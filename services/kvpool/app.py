@@ -147,7 +147,8 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     max_draft_tokens=cfg.max_draft_tokens,
                     preallocate_rows=cfg.preallocate_rows,
                     metrics=KvMetrics() if metrics else None, threads=cfg.torch_threads,
-                    one_thread_below=cfg.one_thread_below, batch_gate=cfg.draft_batch_gate)
+                    one_thread_below=cfg.one_thread_below, batch_gate=cfg.draft_batch_gate,
+                    prompt_lookup=cfg.prompt_lookup)
     if packing is not None:
         engine.packing = packing
     engine.start()

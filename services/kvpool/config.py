@@ -67,6 +67,12 @@ class KvPoolConfig:
     # False = every proposal rides the batch's forward (fastest for the drafting requests,
     # slower for the others).
     draft_batch_gate: bool = True
+    # Prompt lookup for requests without a draft too: they propose continuations of where the
+    # end of their context (prompt + output) occurred earlier in it, verified like a draft's
+    # (greedy tokens unchanged; sampled ones distributed as without). Pays where answers copy
+    # their prompt or repeat themselves and forwards of a few tokens cost about one (see
+    # `python -m benchmarks.prompt_lookup`). Only read when drafts are on.
+    prompt_lookup: bool = False
     # Kernels of the model's linear layers: "onednn" = float32 CPU models run them on oneDNN
     # with weights packed once at start (1.5x faster decode steps and 1.8x faster 17-token
     # verify forwards than torch's MKL on a 2-core AVX-512 host; services/kvpool/linear.py);

@@ -265,6 +265,8 @@ class Engine:
             `threads`); see `KvPoolConfig.one_thread_below`.
         batch_gate: with several sequences decoding, cut proposals to what pays for the
             batch's longer forward (`drafting.batch_keep`; needs a measured `draft_ladder`).
+        prompt_lookup: requests without draft tokens propose from their own context too (an
+            empty `Draft`: prompt lookup only); with drafts on.
         draft_ladder: the drafts' proposal lengths (`drafting.choose_ladder`) and where they
             came from; None = the fixed `drafting.LADDER` (topped at max_draft_tokens).
     """
@@ -274,7 +276,8 @@ class Engine:
                  prefix_caching: bool = True, drafts: bool = True, max_draft_tokens: int = 16,
                  preallocate_rows: bool = False, metrics: KvMetrics | None = None,
                  draft_ladder: LadderChoice | None = None, threads: int = 0,
-                 one_thread_below: int = 0, batch_gate: bool = True) -> None:
+                 one_thread_below: int = 0, batch_gate: bool = True,
+                 prompt_lookup: bool = False) -> None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             # SDPA with grouped-query heads kept grouped in multi-token forwards on CPU
             # (services/kvpool/attention.py); set on the model object itself.
@@ -291,6 +294,7 @@ class Engine:
         self.threads = threads
         self.one_thread_below = one_thread_below
         self.batch_gate = batch_gate
+        self.prompt_lookup = prompt_lookup
         self._threads_now = 0  # what the engine thread runs with (set when it starts)
         # Proposal lengths, where they came from and the relative forward costs they were
         # chosen from (measured on this device by the replica on the engine thread, right after
@@ -396,7 +400,8 @@ class Engine:
         draft = (Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens,
                           ladder=self.draft_ladder.ladder,
                           cheap_guesses=self.draft_ladder.cheap_guesses)
-                 if self.drafts and req.draft_token_ids and not req.prefill_only else None)
+                 if self.drafts and (req.draft_token_ids or self.prompt_lookup)
+                 and not req.prefill_only else None)
         with self._queue_lock:
             if self._closed:
                 raise errors.Unavailable("replica is shutting down")
