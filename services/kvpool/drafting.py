@@ -31,6 +31,9 @@ picks the rungs from them (`choose_ladder`, TIERCACHE_KVPOOL_DRAFT_LADDER=auto);
 the default of engines built without that. On a GPU a verify forward should cost about one
 decode step, and the ladder is then the longest proposal throughout (not measured: no GPU).
 
+In a batch, every row's forward is as long as the longest proposal, so the engine cuts the
+batch's proposals to what their expected tokens pay for (`batch_keep`).
+
 Each source keeps its recent acceptance rate. Where the lowest rung's forward was timed at
 about a decode step's cost (`LadderChoice.cheap_guesses`), a failed proposal costs nothing and
 both sources propose on every match. Elsewhere, while the draft's rate is low, matches of one
@@ -121,10 +124,11 @@ def batch_keep(costs: tuple[float, ...], lengths: list[int], rates: list[float])
 
     A batch's forward is as long as its longest row, so one row's proposal makes every row
     pay for its length: on the 2-core host one weak draft in a batch of 8 made the whole
-    batch finish 1.3-1.5x later. Row i's proposal of `lengths[i]` tokens is expected to emit
-    `rates[i]` of them (its source's recent acceptance rate) besides the model's own token;
-    the forward costs `forward_cost(costs, rows x (k + 1))`. With forwards that cost alike at
-    any length (a GPU) every proposal is kept."""
+    batch finish 1.3-1.5x later. Row i's proposal cut to k tokens is expected to emit the share
+    `rates[i]` of its min(lengths[i], k) tokens (its source's recent acceptance rate) besides
+    the model's own token; the forward costs `forward_cost(costs, rows x (k + 1))`. Where
+    forwards were timed alike at every length (as expected on a GPU; not measured there),
+    every proposal is kept."""
     b = len(lengths)
     best_k, best = 0, b / forward_cost(costs, b)
     for k in sorted(set(lengths) - {0}):
