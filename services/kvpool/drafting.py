@@ -130,7 +130,12 @@ def batch_keep(costs: tuple[float, ...], lengths: list[int], rates: list[float])
     forwards were timed alike at every length (as expected on a GPU; not measured there),
     every proposal is kept."""
     b = len(lengths)
-    best_k, best = 0, b / forward_cost(costs, b)
+    # Without proposals every row has one token: the forward runs the 1-token path (its
+    # attention too), which the timing shows dearer than one row of 4-6 tokens on oneDNN. A
+    # batch of such rows costs no less than one of them (SmolLM2 on the 2-core host, in the
+    # engine: 4 rows 70.8 ms, 1 row 67.7 ms; replicas' start-up timings put one row of 4
+    # tokens at 0.74-0.90 of one token).
+    best_k, best = 0, b / max(costs[0], forward_cost(costs, b))
     for k in sorted(set(lengths) - {0}):
         gain = sum(r * min(n, k) for n, r in zip(lengths, rates, strict=True))
         value = (b + gain) / forward_cost(costs, b * (k + 1))

@@ -40,6 +40,11 @@ def test_batch_keep_weighs_expected_tokens_against_every_rows_cost() -> None:
     # A batch of 8: one row's proposal would make all 8 rows pay for 5 or 16 tokens each.
     assert batch_keep(CPU, [4] + [0] * 7, [1.0] + [0.0] * 7) == 0
     assert batch_keep(CPU, [15] + [0] * 7, [1.0] + [0.0] * 7) == 0
+    # A batch of 4 with a draft that keeps verifying: 15 tokens for it are worth 4 rows of 16
+    # (a decode step of 4 single-token rows costs a 1-token forward, not the cheap 4-token one
+    # of the timing), and 4 weak ones are not.
+    assert batch_keep(CPU, [15, 0, 0, 0], [1.0, 0.0, 0.0, 0.0]) == 15
+    assert batch_keep(CPU, [4, 0, 0, 0], [0.1, 0.0, 0.0, 0.0]) == 0
     # Two rows that keep verifying: worth it.
     assert batch_keep(CPU, [15, 15], [0.9, 0.9]) == 15
     # ... not when they keep failing.
