@@ -31,14 +31,10 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import csv  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "draft_batch.json"
 BATCHES = (2, 4, 8)
@@ -57,13 +53,10 @@ def main(argv: list[str] | None = None) -> int:
     if min(batches) < 2:
         ap.error("--batches: at least 2 rows (one drafting, others plain)")
 
-    import dataclasses
-
     from benchmarks.assisted import QQP, near_miss_pairs
+    from benchmarks.inproc import load_replica, result_header, run_together
     from services.common.model_store import load_tokenizer, resolve_model
-    from services.kvpool.app import build_replica
-    from services.kvpool.config import KvPoolConfig
-    from services.kvpool.engine import EngineRequest, Failed, Finished, TokenDelta
+    from services.kvpool.engine import EngineRequest
     from services.kvpool.sampling import SamplingSpec
     from services.orchestrator.render import Message, PromptRenderer
 
@@ -79,14 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         for row in csv.DictReader(f):
             if row["is_duplicate"] == "0" and len(others) < max(batches):
                 others.append(row["question1"])
-    cfg = KvPoolConfig(num_blocks=1024, max_batch_size=max(batches))
-    cfg = dataclasses.replace(cfg, torch_threads=cfg.torch_threads or torch.get_num_threads())
-    torch.set_num_threads(1)  # the replica's main thread loads on one (as services.kvpool)
-    print("loading the replica (its draft ladder is timed at start) ...", flush=True)
-    replica = build_replica(cfg, metrics=False)
+    replica = load_replica(max_batch_size=max(batches))
     engine = replica.engine
-    ladder = engine.draft_ladder
-    print(f"draft ladder {ladder.ladder} ({ladder.source})", flush=True)
     shapes: list[tuple[int, int]] = []
     real_forward = engine._forward
 
@@ -99,36 +86,16 @@ def main(argv: list[str] | None = None) -> int:
     n = 0
 
     def run(rows: list[tuple[list[int], list[int]]]) -> tuple[list[list[int]], list[float]]:
-        """Submit every (prompt, draft) row while the engine is held, so all are admitted
-        together; each row's tokens and seconds until it finished."""
+        """Every (prompt, draft) row admitted together: each row's tokens and seconds until it
+        finished."""
         nonlocal n
-        outs = []
-        gate, held = threading.Event(), threading.Event()
-        engine.call(lambda: (held.set(), gate.wait(120)))
-        if not held.wait(60):
-            raise RuntimeError("the engine thread never reached the hold")
-        t0 = time.perf_counter()
+        reqs = []
         for p, d in rows:
             n += 1
-            outs.append(engine.submit(EngineRequest(
-                f"batch-{n}", p, SamplingSpec(max_tokens=MAX_TOKENS), skip_prefix_cache=True,
-                draft_token_ids=tuple(d)))[1])
-        gate.set()
-        toks: list[list[int]] = []
-        done: list[float] = []
-        for out in outs:
-            got: list[int] = []
-            while True:
-                msg = out.get(timeout=900)
-                if isinstance(msg, TokenDelta):
-                    got += msg.token_ids
-                elif isinstance(msg, Failed):
-                    raise RuntimeError(f"a row failed: {msg.error}")
-                elif isinstance(msg, Finished):
-                    break
-            done.append(time.perf_counter() - t0)
-            toks.append(got)
-        return toks, done
+            reqs.append(EngineRequest(f"batch-{n}", p, SamplingSpec(max_tokens=MAX_TOKENS),
+                                      skip_prefix_cache=True, draft_token_ids=tuple(d)))
+        t0, res = run_together(engine, reqs)
+        return [r.tokens for r in res], [r.end - t0 for r in res]
 
     results: dict[int, dict[str, list[dict[str, float]]]] = {b: {m: [] for m in MODES}
                                                              for b in batches}
@@ -186,16 +153,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{table[b]['gate_on']['drafting_row_s']} / {table[b]['gate_off']['drafting_row_s']}"
               f" s (plain {table[b]['plain']['drafting_row_s']} s)", flush=True)
     result = {
-        "benchmark": "draft_batch",
-        "command": "python -m benchmarks.draft_batch",
-        "model": f"{replica.info.model_id} float32 cpu, {engine.packing.kernels} kernels, "
-                 f"greedy, up to {MAX_TOKENS} tokens",
-        "host": {"python": platform.python_version(), "torch": torch.__version__,
-                 "cpus": os.cpu_count(), "torch_threads": cfg.torch_threads,
-                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                 "load_avg_at_end": list(os.getloadavg())},
-        "draft_ladder": list(ladder.ladder), "draft_ladder_source": ladder.source,
-        "draft_forward_costs": list(ladder.costs),
+        **result_header(replica, "draft_batch", "python -m benchmarks.draft_batch", MAX_TOKENS),
         "pairs": [{"qa": p.qa, "qb": p.qb, "cosine": p.cosine} for p in pairs],
         "reps": args.reps,
         "by_batch": table,

@@ -25,13 +25,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import argparse  # noqa: E402
 import csv  # noqa: E402
 import json  # noqa: E402
-import platform  # noqa: E402
 import sys  # noqa: E402
-import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
-
-import torch  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "prompt_lookup.json"
 MAX_TOKENS = 128
@@ -48,13 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     out_path = args.out or (RESULT if args.batch == 1 else
                             RESULT.with_name(f"prompt_lookup-b{args.batch}.json"))
 
-    import dataclasses
-
     from benchmarks.assisted import QQP
+    from benchmarks.inproc import Streamed, load_replica, result_header, run_together
     from services.common.model_store import load_tokenizer, resolve_model
-    from services.kvpool.app import build_replica
-    from services.kvpool.config import KvPoolConfig
-    from services.kvpool.engine import EngineRequest, Failed, Finished, TokenDelta
+    from services.kvpool.engine import EngineRequest
     from services.kvpool.sampling import SamplingSpec
     from services.orchestrator.render import Message, PromptRenderer
 
@@ -66,58 +59,19 @@ def main(argv: list[str] | None = None) -> int:
             if len(questions) < args.questions and row["question1"] not in questions:
                 questions.append(row["question1"])
     prompts = [renderer.render_chat([Message("user", q)]).token_ids for q in questions]
-    cfg = KvPoolConfig(num_blocks=1024, max_batch_size=max(8, args.batch))
-    cfg = dataclasses.replace(cfg, torch_threads=cfg.torch_threads or torch.get_num_threads())
-    torch.set_num_threads(1)  # the replica's main thread loads on one (as services.kvpool)
-    print("loading the replica (its draft ladder is timed at start) ...", flush=True)
-    replica = build_replica(cfg, metrics=False)
+    replica = load_replica(max_batch_size=max(8, args.batch))
     engine = replica.engine
-    ladder = engine.draft_ladder
-    print(f"draft ladder {ladder.ladder} ({ladder.source})", flush=True)
     n = 0
 
-    def run(group: list[list[int]]) -> list[tuple[list[int], float, Finished]]:
-        """Each prompt's (tokens, first token's time, end time, Finished), all admitted
-        together."""
+    def run(group: list[list[int]]) -> list[Streamed]:
+        """Each prompt's answer, all admitted together."""
         nonlocal n
-        gate, held = threading.Event(), threading.Event()
-        engine.call(lambda: (held.set(), gate.wait(120)))
-        if not held.wait(60):
-            raise RuntimeError("the engine thread never reached the hold")
-        outs = []
+        reqs = []
         for p in group:
             n += 1
-            outs.append(engine.submit(EngineRequest(
-                f"lookup-{n}", p, SamplingSpec(max_tokens=MAX_TOKENS),
-                skip_prefix_cache=True))[1])
-        res: list = [None] * len(outs)
-
-        def read(k: int) -> None:  # one reader per request, so each is timed as it streams
-            got: list[int] = []
-            first = None
-            while True:
-                msg = outs[k].get(timeout=900)
-                if isinstance(msg, TokenDelta):
-                    first = first or time.perf_counter()
-                    got += msg.token_ids
-                elif isinstance(msg, Failed):
-                    res[k] = RuntimeError(f"a request failed: {msg.error}")
-                    return
-                elif isinstance(msg, Finished):
-                    now = time.perf_counter()
-                    res[k] = (got, first or now, now, msg)
-                    return
-
-        readers = [threading.Thread(target=read, args=(k,)) for k in range(len(outs))]
-        for r in readers:
-            r.start()
-        gate.set()
-        for r in readers:
-            r.join()
-        for r in res:
-            if isinstance(r, Exception):
-                raise r
-        return res
+            reqs.append(EngineRequest(f"lookup-{n}", p, SamplingSpec(max_tokens=MAX_TOKENS),
+                                      skip_prefix_cache=True))
+        return run_together(engine, reqs)[1]
 
     rows = []
     group_wall = {False: 0.0, True: 0.0}  # first token of a group to its last row's end
@@ -128,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
             for on in ((False, True) if (i // args.batch) % 2 == 0 else (True, False)):
                 engine.prompt_lookup = on
                 got[on] = run(group)
-                group_wall[on] += max(r[2] for r in got[on]) - min(r[1] for r in got[on])
+                group_wall[on] += max(r.end for r in got[on]) - min(r.first for r in got[on])
             for j, ((t_off, a_off, e_off, f_off), (t_on, a_on, e_on, f_on)) in enumerate(
                     zip(got[False], got[True], strict=True)):
                 s_off, s_on = e_off - a_off, e_on - a_on
@@ -164,17 +118,8 @@ def main(argv: list[str] | None = None) -> int:
         figures["batch_speedup"] = round(group_wall[False] / group_wall[True], 3)
     print(json.dumps(figures), flush=True)
     result = {
-        "benchmark": "prompt_lookup",
-        "command": "python -m benchmarks.prompt_lookup"
-                   + (f" --batch {args.batch}" if args.batch > 1 else ""),
-        "model": f"{replica.info.model_id} float32 cpu, {engine.packing.kernels} kernels, "
-                 f"greedy, up to {MAX_TOKENS} tokens",
-        "host": {"python": platform.python_version(), "torch": torch.__version__,
-                 "cpus": os.cpu_count(), "torch_threads": cfg.torch_threads,
-                 "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-                 "load_avg_at_end": list(os.getloadavg())},
-        "draft_ladder": list(ladder.ladder), "draft_ladder_source": ladder.source,
-        "draft_cheap_guesses": ladder.cheap_guesses,
+        **result_header(replica, "prompt_lookup", "python -m benchmarks.prompt_lookup"
+                        + (f" --batch {args.batch}" if args.batch > 1 else ""), MAX_TOKENS),
         "figures": figures,
         "per_question": rows,
         "elapsed_s": round(time.monotonic() - t_start, 1),
