@@ -790,9 +790,10 @@ class Engine:
         for s, p in zip(seqs, props, strict=True):
             if len(p) > n and s.draft is not None:
                 if withheld:
-                    self.draft_tokens_withheld_total += len(p) - max(n, 0)
+                    gone = len(p) - max(n, 0)
+                    self.draft_tokens_withheld_total += gone
                     if self.metrics:
-                        self.metrics.draft_withheld.inc(len(p) - max(n, 0))
+                        self.metrics.draft_withheld.inc(gone)
                 p = s.draft.trim(n)
                 self.pool.truncate(s.seq_id, len(s.tokens) + len(p))  # the reserved rest
             cut.append(p)
