@@ -154,13 +154,19 @@ class LadderChoice(NamedTuple):
     costs: tuple[float, ...] = ()
 
     @property
+    def measured(self) -> bool:
+        """Whether `costs` are this device's accepted timing (not configured, not refused as
+        disturbed): what decisions by forward cost may rely on."""
+        return self.source == "measured"
+
+    @property
     def cheap_guesses(self) -> bool:
         """Whether a proposal of the lowest rung (g tokens, a forward of g + 1) was timed at
         most GUESS_COST_MAX of a 1-token decode step. Then a proposal resting on thin evidence
         (one matching token, a guessed substitution) costs next to nothing when it fails, and
         drafts make it however often they fail. Unmeasured (configured, fixed): no."""
         g = self.ladder[0]
-        return self.source == "measured" and len(self.costs) > g \
+        return self.measured and len(self.costs) > g \
             and self.costs[g] <= GUESS_COST_MAX * self.costs[0]
 
 

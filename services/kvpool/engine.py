@@ -716,8 +716,7 @@ class Engine:
         if not seqs:
             return
         props = [self._proposal(s) for s in seqs]
-        if any(props) and len(seqs) > 1 and self.batch_gate \
-                and self.draft_ladder.source == "measured":
+        if any(props) and len(seqs) > 1 and self.batch_gate and self.draft_ladder.measured:
             keep = batch_keep(self.draft_ladder.costs, [len(p) for p in props],
                               [s.draft.pending_rate if p else 0.0
                                for s, p in zip(seqs, props, strict=True)])
