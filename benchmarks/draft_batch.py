@@ -102,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
     try:
         drafts = []
         for pair in pairs:  # A's greedy answer: the cached near-miss B drafts with
-            engine.batch_gate = True
             (ans,), _ = run([(prompt_ids(pair.qa), [])])
             drafts.append(ans)
         for rep in range(args.reps):
