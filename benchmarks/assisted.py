@@ -64,11 +64,13 @@ Context figures, computed from the greedy answers, not timed:
                             (`hindsight_passes`)
   forward_passes_per_token_hindsight_bound  the same bound with the sequence's own context
                             (prompt + answer so far, what prompt lookup sees) as a second source
-  replayed_speedup_by_ladder  the decode speed-up of the near pairs' answers replayed with
-                            the replica's ladder, the fixed fallback LADDER, 4,8,16, 16,16,16
-                            and the best ladder in hindsight, costing each forward what the
-                            replica timed at its start (forward cost only, no serving overhead:
-                            how much the start-time choice of lengths gave away)
+  replayed_speedup_by_ladder  the decode speed-up of the near pairs' answers replayed as the
+                            replica drafts (its ladder, lengths chosen by cost), and with
+                            lengths by match length on rungs: the replica's ladder, the fixed
+                            fallback LADDER, 4,8,16, 16,16,16 and the best rungs in hindsight;
+                            each forward costs what the replica timed at its start (forward
+                            cost only, no serving overhead: how much the choice of lengths
+                            gave away)
 Greedy outputs of all six timed runs are compared token by token (`identical_outputs`).
 
 Run: python -m benchmarks.assisted [--quick]
@@ -247,15 +249,19 @@ def share(draft: list[int], answer: list[int]) -> float:
 
 def replay(prompt: list[int], answer: list[int], draft: list[int],
            self_lookup: bool = True, ladder: tuple[int, ...] | None = None,
-           costs: list[float] | None = None, cheap_guesses: bool = False) -> dict[str, float]:
+           costs: list[float] | None = None, cheap_guesses: bool = False,
+           by_cost: bool = False) -> dict[str, float]:
     """The replica's drafting logic run against a known greedy answer (greedy verification
     accepts exactly the proposal's prefix that equals the answer): forward passes, and proposed
     and accepted tokens by source, as the engine counts them for one sequence decoded alone.
     With `costs` (a forward of q tokens costs costs[q - 1]), also "cost": what the counted
-    forwards cost together."""
+    forwards cost together. `by_cost`: lengths chosen by `costs`, as a replica whose ladder
+    was measured does (`Draft.length`); else by match length on the ladder's rungs."""
     from services.kvpool.drafting import Draft, Source
 
-    d = Draft.of(draft, self_lookup, ladder=ladder, cheap_guesses=cheap_guesses)
+    assert costs is not None or not by_cost, "lengths by cost need the costs"
+    d = Draft.of(draft, self_lookup, ladder=ladder, cheap_guesses=cheap_guesses,
+                 costs=tuple(costs) if by_cost and costs is not None else ())
     gen: list[int] = []
     proposed_lookup = 0
     passes = -1  # the first proposal rides on the prefill forward, which is not counted
@@ -285,9 +291,11 @@ def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: li
                    chosen: tuple[int, ...]) -> dict:
     """Decode speed-up each draft ladder would give on `runs` (prompt, greedy answer, draft) if
     forwards cost what the replica timed at its start (`costs`, relative to a 1-token forward):
-    the replica's own ladder, the fixed fallback, two others, and the best of every ascending
-    ladder within MAX_DRAFT_TOKENS (816). Forward cost only (no serving overhead), so above the
-    served decode_speedup; it says how much the start-time choice of lengths gave away."""
+    as the replica drafts (its ladder `chosen`, later lengths by cost), and with lengths by
+    match length on the rungs of its ladder, the fixed fallback, two others, and the best of
+    every ascending ladder within MAX_DRAFT_TOKENS (816). Forward cost only (no serving
+    overhead), so above the served decode_speedup; it says how much the choice of lengths gave
+    away."""
     import functools
     import itertools
 
@@ -297,17 +305,19 @@ def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: li
     plain = sum(len(answer) - 1 for _, answer, _ in runs)  # a 1-token forward costs 1
 
     @functools.cache
-    def speedup(ladder: tuple[int, ...]) -> float:
+    def speedup(ladder: tuple[int, ...], by_cost: bool = False) -> float:
         # Whether its drafts guess on thin evidence follows from the ladder and these costs,
         # as on the replica.
         cheap = LadderChoice(ladder, "measured", tuple(costs)).cheap_guesses
-        used = sum(replay(p, a, d, ladder=ladder, costs=costs, cheap_guesses=cheap)["cost"]
-                   for p, a, d in runs)
+        used = sum(replay(p, a, d, ladder=ladder, costs=costs, cheap_guesses=cheap,
+                          by_cost=by_cost)["cost"] for p, a, d in runs)
         return round(plain / used, 3) if used else 0.0
 
-    named = {"replica": tuple(chosen), "fixed_fallback": LADDER, "4,8,16": (4, 8, 16),
+    named = {"replica_rungs": tuple(chosen), "fixed_fallback": LADDER, "4,8,16": (4, 8, 16),
              "16,16,16": (16, 16, 16)}
-    out = {name: {"ladder": list(lad), "speedup": speedup(lad)} for name, lad in named.items()}
+    out = {"replica": {"ladder": list(chosen), "lengths": "by cost",
+                       "speedup": speedup(tuple(chosen), by_cost=True)}}
+    out |= {name: {"ladder": list(lad), "speedup": speedup(lad)} for name, lad in named.items()}
     best = max(itertools.combinations_with_replacement(range(1, MAX_DRAFT_TOKENS + 1), 3),
                key=lambda lad: (speedup(lad), lad))
     out["best"] = {"ladder": list(best), "speedup": speedup(best)}
@@ -470,9 +480,12 @@ def main(argv: list[str] | None = None) -> int:
                                                     "direct_lookup": never,
                                                     "direct_random": random_draft}.get(kind))
                 plain, with_draft = runs["plain"], runs["draft"]
-                rep = replay(ids, plain.tokens, draft, ladder=ladder, cheap_guesses=cheap_guesses)
-                draft_only = replay(ids, plain.tokens, draft, self_lookup=False, ladder=ladder,
-                                    cheap_guesses=cheap_guesses)
+                # As the replica drafts: lengths by cost where its ladder was measured.
+                as_replica = {"ladder": ladder, "cheap_guesses": cheap_guesses,
+                              "costs": forward_costs or None,
+                              "by_cost": ladder_source == "measured"}
+                rep = replay(ids, plain.tokens, draft, **as_replica)
+                draft_only = replay(ids, plain.tokens, draft, self_lookup=False, **as_replica)
                 rows.append({
                     "pair": i, "cosine": pairs[i].cosine,
                     "similarity_served": round(with_draft.similarity, 4),

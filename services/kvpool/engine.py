@@ -399,7 +399,8 @@ class Engine:
         sampler = Sampler(req.sampling)
         draft = (Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens,
                           ladder=self.draft_ladder.ladder,
-                          cheap_guesses=self.draft_ladder.cheap_guesses)
+                          cheap_guesses=self.draft_ladder.cheap_guesses,
+                          costs=self.draft_ladder.costs if self.draft_ladder.measured else ())
                  if self.drafts and (req.draft_token_ids or self.prompt_lookup)
                  and not req.prefill_only else None)
         with self._queue_lock:

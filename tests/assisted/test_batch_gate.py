@@ -105,3 +105,34 @@ def test_a_batch_keeps_proposals_that_pay_or_when_told_to(make_engine, tiny_mode
     assert any(q > 1 for _, q in shapes), shapes
     assert fin.draft_tokens_accepted == fin.draft_tokens_proposed >= N_NEW - 5
     assert eng.draft_tokens_withheld_total == 0
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_a_measured_ladder_gives_lengths_by_cost(make_engine, tiny_model, measured) -> None:
+    """With the replica's timing, a sequence's later proposals take the lengths that pay for
+    themselves (`Draft.length`): under STEEP costs a draft that keeps verifying grows from a
+    few tokens (5, 6, 7 here), off the ladder's rungs. Configured rungs are kept as given."""
+    eng = make_engine(num_blocks=128, block_size=4, max_batch_size=4)
+    eng.draft_ladder = LadderChoice((1, 2, 16), "measured" if measured else "configured",
+                                    STEEP if measured else ())
+    p = prompt(6, 50)
+    ref = reference_greedy(tiny_model, p, N_NEW)
+    q_lens: list[int] = []
+    real_forward = eng._forward
+
+    def forward(ids, plan, keep=1, need=None):
+        q_lens.append(plan.q_len)
+        return real_forward(ids, plan, keep, **({} if need is None else {"need": need}))
+
+    eng._forward = forward
+    toks, fin = collect(eng.submit(EngineRequest("m", p, SamplingSpec(N_NEW),
+                                                 draft_token_ids=tuple(ref)))[1])
+    assert toks == ref
+    assert_idle(eng)
+    # After the prefill forward (which carries the first proposal), short of the last one
+    # (cut to the tokens left to generate).
+    decode = q_lens[1:-1]
+    if measured:
+        assert any(q - 1 not in (1, 2, 16) for q in decode), q_lens
+    else:
+        assert decode and all(q - 1 in (0, 1, 2, 16) for q in decode), q_lens

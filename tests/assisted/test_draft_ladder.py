@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.kvpool.drafting import LADDER, Draft, choose_ladder, default_ladder
+from services.kvpool.drafting import (
+    LADDER,
+    Draft,
+    choose_ladder,
+    default_ladder,
+    expected_run,
+    frontier,
+)
 
 # Relative forward costs by tokens per row, as measured on three devices: an Intel Xeon host
 # (2-3 tokens nearly free), an AMD EPYC host (2-3 tokens dear, 5-6 cheap), a flat one (GPU).
@@ -43,6 +50,38 @@ def test_a_draft_proposes_the_ladder_it_is_given():
     d.withdraw()
     assert len(d.propose([1, 2, 3, 999, 120, 121, 122], 16)) == 12
     assert Draft.of([1, 2]).ladder == default_ladder(16) == LADDER
+
+
+def _lengths(draft: list[int], answer: list[int], costs: dict[int, float]) -> list[int]:
+    """Proposal lengths of a draft (lengths by cost) verified greedily against `answer`."""
+    d = Draft.of(draft, self_lookup=False, costs=tuple(costs[q] for q in sorted(costs)))
+    assert d.lengths == frontier(costs, 16)
+    gen: list[int] = []
+    out = []
+    while len(gen) < len(answer):
+        prop = d.propose([1, 2, 3] + gen, 16)
+        out.append(len(prop))
+        a = 0
+        while a < len(prop) and len(gen) + a < len(answer) and prop[a] == answer[len(gen) + a]:
+            a += 1
+        d.update(a, answer[len(gen):len(gen) + a + 1])
+        gen += answer[len(gen):len(gen) + a + 1]
+    return out
+
+
+def test_lengths_by_cost_follow_how_long_a_source_keeps_verifying():
+    assert expected_run(0.5, 2) == 0.75 and expected_run(1.0, 7) == 7.0
+    assert frontier(EPYC, 16) == (4, 5, 7, 16) and frontier(FLAT, 16) == (16,)
+    answer = list(range(100, 300))
+    # A draft the model follows: the longest proposals on every device.
+    for costs in (EPYC, XEON, FLAT):
+        assert set(_lengths(answer, answer, costs)[:-1]) == {16}
+    # One that fails every second token: after its first (full-rung) proposal, the length
+    # that pays for about one verified token: EPYC's cheapest (1-3 tokens cost more than 4),
+    # XEON's 2 (1.24x a decode step for 1.75 tokens expected).
+    halves = [t if i % 2 == 0 else 999 for i, t in enumerate(answer)]
+    assert set(_lengths(halves, answer, EPYC)[1:-1]) == {4}
+    assert set(_lengths(halves, answer, XEON)[1:-1]) == {2}
 
 
 def test_a_replica_measures_its_ladder_or_takes_the_configured_one(tiny_model):

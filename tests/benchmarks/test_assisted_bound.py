@@ -166,14 +166,17 @@ def test_ladder_replays_rank_the_ladders_by_what_their_forwards_cost():
     runs = [([1, 2], ANSWER, draft)]
     flat = [1.0] * (MAX_DRAFT_TOKENS + 1)
     out = ladder_replays(runs, flat, (1, 2, 16))
-    # Forwards cost alike: the longest proposals throughout are best.
-    assert out["16,16,16"]["speedup"] > out["replica"]["speedup"]
-    assert out["best"]["speedup"] == out["16,16,16"]["speedup"]
-    assert out["replica"]["ladder"] == [1, 2, 16]
+    # Forwards cost alike: the longest proposals throughout are best. Rungs by match length
+    # fall short of them; lengths by cost (the replica's) are them.
+    assert out["16,16,16"]["speedup"] > out["replica_rungs"]["speedup"]
+    assert out["best"]["speedup"] == out["16,16,16"]["speedup"] == out["replica"]["speedup"]
+    assert out["replica"]["ladder"] == out["replica_rungs"]["ladder"] == [1, 2, 16]
     # A draft agreeing two tokens at a time, and any proposal past 2 tokens costs 5 forwards:
     # the best ladder proposes 2 after a miss, and proposing 16 throughout loses time.
     every_third = [7 if i % 3 == 2 else t for i, t in enumerate(ANSWER)]
     short = [1.0, 1.0, 1.0] + [5.0] * (MAX_DRAFT_TOKENS - 2)
     out = ladder_replays([([1, 2], ANSWER, every_third)], short, (1, 2, 16))
     assert out["best"]["ladder"][0] == 2 and out["best"]["speedup"] > 2.0
-    assert out["16,16,16"]["speedup"] < 1.0 < out["replica"]["speedup"]
+    assert out["16,16,16"]["speedup"] < 1.0 < out["replica_rungs"]["speedup"]
+    # By cost: 2 tokens (as cheap as one) while they verify two at a time, never 16.
+    assert out["replica"]["speedup"] >= out["best"]["speedup"]
