@@ -68,9 +68,12 @@ Context figures, computed from the greedy answers, not timed:
                             replica drafts (its ladder, lengths chosen by cost), and with
                             lengths by match length on rungs: the replica's ladder, the fixed
                             fallback LADDER, 4,8,16, 16,16,16 and the best rungs in hindsight;
-                            each forward costs what the replica timed at its start (forward
-                            cost only, no serving overhead: how much the choice of lengths
-                            gave away)
+                            each forward costs what the replica's served steps of that
+                            length cost by the end of the run (draft_costs_served_at_end; the
+                            start-up timing for lengths served under 8 times): forward cost
+                            only, no serving overhead, so how much the choice of lengths gave
+                            away. The replica's own choices used the costs it had learned
+                            when each B arrived, which the replay of that B uses too.
 Greedy outputs of all six timed runs are compared token by token (`identical_outputs`).
 
 Run: python -m benchmarks.assisted [--quick]
@@ -200,6 +203,12 @@ class Served:
         st = self.replica.Stats(self.kv.KvStatsRequest(), timeout=30)
         return (tuple(st.draft_ladder), st.draft_ladder_source, list(st.draft_forward_costs),
                 st.draft_cheap_guesses)
+
+    def costs_served(self) -> tuple[list[float], list[int]]:
+        """The relative forward costs the replica's choices by cost read now (learned from
+        its served steps over its start-up timing) and the steps timed per length."""
+        st = self.replica.Stats(self.kv.KvStatsRequest(), timeout=30)
+        return list(st.draft_costs_served), list(st.draft_costs_served_steps)
 
 
 @dataclass
@@ -470,10 +479,14 @@ def main(argv: list[str] | None = None) -> int:
                 rng = random.Random(RANDOM_DRAFT_SEED + i)
                 random_draft = [rng.randrange(vocab) for _ in unrelated]
                 runs: dict[str, Run] = {}
+                costs_then = forward_costs  # what B's draft chose its lengths by
                 for kind in kinds[k % len(kinds):] + kinds[:k % len(kinds)]:
                     if kind == "plain":
                         runs[kind] = s.ask(q, draft=False)
                     elif kind == "draft":
+                        # Costs learned from served steps change as the replica serves; B's
+                        # draft takes them as they stand when it arrives (nothing else runs).
+                        costs_then = s.costs_served()[0] or forward_costs
                         runs[kind] = s.ask(q)
                     else:
                         runs[kind] = s.direct(ids, {"direct_unrelated": unrelated,
@@ -482,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
                 plain, with_draft = runs["plain"], runs["draft"]
                 # As the replica drafts: lengths by cost where its ladder was measured.
                 as_replica = {"ladder": ladder, "cheap_guesses": cheap_guesses,
-                              "costs": forward_costs or None,
+                              "costs": costs_then or None,
                               "by_cost": ladder_source == "measured"}
                 rep = replay(ids, plain.tokens, draft, **as_replica)
                 draft_only = replay(ids, plain.tokens, draft, self_lookup=False, **as_replica)
@@ -531,6 +544,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"acc {r['accepted']}/{r['proposed']} (lookup {r['accepted_lookup']}/"
                       f"{r['proposed_lookup']}) same {r['identical']}", flush=True)
             stats = s.stats()
+            s_costs = s.costs_served()
             s.close()
         finally:
             stack.stop()
@@ -617,11 +631,14 @@ def main(argv: list[str] | None = None) -> int:
         "stats_replica_draft_tokens_accepted_total":
             sum(rep.draft_tokens_accepted_total for rep in stats.replicas),
     }
+    costs_served, costs_served_steps = s_costs
     if ladder_source == "measured" and replayed:  # not timings the replica refused as noise
         print("replaying the timed answers with other draft ladders ...", flush=True)
         try:
-            figures["replayed_speedup_by_ladder"] = ladder_replays(replayed, forward_costs,
-                                                                   ladder)
+            # Costed as served steps cost by the end of the run (the start-up timing where
+            # a length was not served often enough).
+            figures["replayed_speedup_by_ladder"] = ladder_replays(
+                replayed, costs_served or forward_costs, ladder)
         except Exception as e:  # noqa: BLE001 - a context figure: keep the run's results
             figures["replayed_speedup_by_ladder"] = {"error": f"{type(e).__name__}: {e}"}
     targets = {}
@@ -651,6 +668,8 @@ def main(argv: list[str] | None = None) -> int:
         "draft_ladder_source": ladder_source,
         "draft_forward_costs": forward_costs,
         "draft_cheap_guesses": cheap_guesses,
+        "draft_costs_served_at_end": costs_served,
+        "draft_costs_served_steps": costs_served_steps,
         "figures": figures,
         "targets": targets,
         "notes": NOTES,

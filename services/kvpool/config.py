@@ -67,6 +67,11 @@ class KvPoolConfig:
     # False = every proposal rides the batch's forward (fastest for the drafting requests,
     # slower for the others).
     draft_batch_gate: bool = True
+    # Learn what steps cost as served: steps of one sequence are timed by their tokens, and
+    # once a length has 8 of them its cost replaces the start-up timing's in the choices by
+    # cost (proposal lengths, the batch rule; services/kvpool/drafting.py `ServedCosts`).
+    # Needs a measured draft_ladder. False = the start-up timing throughout.
+    draft_costs_learned: bool = True
     # Prompt lookup for requests without a draft too: they propose continuations of where the
     # end of their context (prompt + output) occurred earlier in it, verified like a draft's
     # (greedy tokens unchanged; sampled ones distributed as without). Pays where answers copy

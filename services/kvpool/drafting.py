@@ -195,6 +195,49 @@ class LadderChoice(NamedTuple):
             and self.costs[g] <= GUESS_COST_MAX * self.costs[0]
 
 
+class ServedCosts:
+    """Forward costs learned from the replica's own steps, over its start-up timing.
+
+    The start-up timing (`LadderChoice.costs`) times bare forwards over a short cache, once,
+    on a host that may be busy. Served steps of one sequence cost otherwise: on the 2-core
+    host, in-process (SmolLM2, 8 near-pair answers), a step verifying 12 draft tokens cost
+    1.31x a 1-token step against the timing's 1.18x, one verifying 5 cost 0.95x against
+    0.94x. So every step with one sequence decoding is timed whole (forward, verification,
+    bookkeeping) by its tokens per row q, and `now` holds each q's mean step time over the
+    mean 1-token step's, once both have MIN_SAMPLES steps; other lengths keep the start-up
+    figure. Lengths by cost and the batch rule read `now`, so new requests decode by what
+    steps cost as served. A length never proposed keeps its timed figure: one timed too dear
+    stays unproposed (a missed saving), one timed too cheap is proposed, served and corrected.
+    Updated on the engine thread; readers take the `now` tuple as it stands."""
+
+    MIN_SAMPLES = 8  # steps of a length before its served cost replaces the timed one
+    ALPHA = 0.05  # weight of the newest step in a length's mean (after the first 1 / ALPHA)
+    OUTLIER = 3.0  # a step this many times its length's mean was disturbed: not counted
+
+    def __init__(self, start: tuple[float, ...]) -> None:
+        self.start = tuple(start)
+        self.now = self.start
+        self.seconds = [0.0] * len(start)
+        self.samples = [0] * len(start)
+
+    def observe(self, q: int, seconds: float) -> None:
+        """A step of one sequence with q tokens (its last token + q - 1 proposed) took
+        `seconds`. Lengths past the timing are not learned."""
+        if not 1 <= q <= len(self.start) or seconds <= 0.0:
+            return
+        i = q - 1
+        n, mean = self.samples[i], self.seconds[i]
+        if n >= self.MIN_SAMPLES and seconds > self.OUTLIER * mean:
+            return
+        self.seconds[i] = mean + max(1.0 / (n + 1), self.ALPHA) * (seconds - mean)
+        self.samples[i] = n + 1
+        if self.samples[0] >= self.MIN_SAMPLES:
+            base = self.seconds[0]
+            self.now = tuple(round(self.seconds[j] / base, 3)
+                             if self.samples[j] >= self.MIN_SAMPLES else self.start[j]
+                             for j in range(len(self.start)))
+
+
 class Source(Enum):
     """Where proposed tokens come from."""
 

@@ -51,7 +51,13 @@ import torch
 from services.common import errors
 from services.kvpool import attention
 from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
-from services.kvpool.drafting import Draft, LadderChoice, batch_keep, default_ladder
+from services.kvpool.drafting import (
+    Draft,
+    LadderChoice,
+    ServedCosts,
+    batch_keep,
+    default_ladder,
+)
 from services.kvpool.linear import PackedLinear, Packing, packed_layers
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
@@ -269,6 +275,8 @@ class Engine:
             empty `Draft`: prompt lookup only); with drafts on.
         draft_ladder: the drafts' proposal lengths (`drafting.choose_ladder`) and where they
             came from; None = the fixed `drafting.LADDER` (topped at max_draft_tokens).
+        learn_costs: with a measured `draft_ladder`, time steps of one sequence and let what
+            they cost replace the timing's figures (`drafting.ServedCosts`, `costs`).
     """
 
     def __init__(self, model: Any, info: ModelInfo, pool: BlockPool, *, max_batch_size: int = 8,
@@ -277,7 +285,7 @@ class Engine:
                  preallocate_rows: bool = False, metrics: KvMetrics | None = None,
                  draft_ladder: LadderChoice | None = None, threads: int = 0,
                  one_thread_below: int = 0, batch_gate: bool = True,
-                 prompt_lookup: bool = False) -> None:
+                 prompt_lookup: bool = False, learn_costs: bool = True) -> None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             # SDPA with grouped-query heads kept grouped in multi-token forwards on CPU
             # (services/kvpool/attention.py); set on the model object itself.
@@ -295,6 +303,7 @@ class Engine:
         self.one_thread_below = one_thread_below
         self.batch_gate = batch_gate
         self.prompt_lookup = prompt_lookup
+        self.learn_costs = learn_costs
         self._threads_now = 0  # what the engine thread runs with (set when it starts)
         # Proposal lengths, where they came from and the relative forward costs they were
         # chosen from (measured on this device by the replica on the engine thread, right after
@@ -399,8 +408,7 @@ class Engine:
         sampler = Sampler(req.sampling)
         draft = (Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens,
                           ladder=self.draft_ladder.ladder,
-                          cheap_guesses=self.draft_ladder.cheap_guesses,
-                          costs=self.draft_ladder.costs if self.draft_ladder.measured else ())
+                          cheap_guesses=self.draft_ladder.cheap_guesses, costs=self.costs())
                  if self.drafts and (req.draft_token_ids or self.prompt_lookup)
                  and not req.prefill_only else None)
         with self._queue_lock:
@@ -718,7 +726,7 @@ class Engine:
             return
         props = [self._proposal(s) for s in seqs]
         if any(props) and len(seqs) > 1 and self.batch_gate and self.draft_ladder.measured:
-            keep = batch_keep(self.draft_ladder.costs, [len(p) for p in props],
+            keep = batch_keep(self.costs(), [len(p) for p in props],
                               [s.draft.pending_rate if p else 0.0
                                for s, p in zip(seqs, props, strict=True)])
             props = self._cut_proposals(seqs, props, keep, withheld=True)
@@ -742,9 +750,7 @@ class Engine:
             self._accept(s, tok)
             if s.draft is not None and s.seq_id in self._by_id:
                 s.draft.update(0, [tok])
-        if self.metrics:
-            self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
-            self.metrics.batch_size.observe(len(seqs))
+        self._step_done(seqs, 1, t0)
 
     def _decode_with_drafts(self, seqs: list[Sequence], props: list[list[int]]) -> None:
         """One forward for the batch: each row its last token plus its proposal (maybe none)."""
@@ -775,9 +781,38 @@ class Engine:
                 continue
             a, tok = r
             self._apply_verified(s, props[i], a, tok, count_pass=True)
+        self._step_done(seqs, q, t0)
+
+    def _step_done(self, seqs: list[Sequence], q: int, t0: float) -> None:
+        """A decode step of `seqs`, q tokens per row, begun at perf_counter `t0`, is over: its
+        metrics, and what it cost if it had one sequence (`ServedCosts`). Its results reached
+        the host (tokens were sampled), so on a GPU too the time is the step's."""
+        dt = time.perf_counter() - t0
+        if self.served_costs is not None and len(seqs) == 1:
+            self.served_costs.observe(q, dt)
         if self.metrics:
-            self.metrics.step_seconds.labels("decode").observe(time.perf_counter() - t0)
+            self.metrics.step_seconds.labels("decode").observe(dt)
             self.metrics.batch_size.observe(len(seqs))
+
+    @property
+    def draft_ladder(self) -> LadderChoice:
+        """The drafts' proposal lengths and the timing they were chosen from; setting one
+        starts learning served costs afresh over its timing (when measured)."""
+        return self._draft_ladder
+
+    @draft_ladder.setter
+    def draft_ladder(self, ladder: LadderChoice) -> None:
+        self._draft_ladder = ladder
+        self.served_costs = (ServedCosts(ladder.costs) if ladder.measured and self.learn_costs
+                             else None)
+
+    def costs(self) -> tuple[float, ...]:
+        """Relative costs of a forward of 1.. tokens per row, as decisions by cost read them:
+        learned from served steps over the measured timing (`ServedCosts`), or the timing; ()
+        when the ladder was not measured (decisions by cost are off)."""
+        if self.served_costs is not None:
+            return self.served_costs.now
+        return self.draft_ladder.costs if self.draft_ladder.measured else ()
 
     def _cut_proposals(self, seqs: list[Sequence], props: list[list[int]], n: int,
                        withheld: bool = False) -> list[list[int]]:

@@ -234,6 +234,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
               context: grpc.ServicerContext) -> kvpool_pb2.KvStatsResponse:
         engine, info = self._ready()
         s = engine.stats()
+        served = engine.served_costs
         return kvpool_pb2.KvStatsResponse(
             replica_id=self.cfg.replica_id, incarnation=self.incarnation,
             model_id=info.model_id, block_size=engine.pool.block_size,
@@ -253,7 +254,10 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             draft_forward_costs=engine.draft_ladder.costs if engine.drafts else (),
             linear_kernels=engine.packing.kernels, linear_kernels_why=engine.packing.why_not,
             draft_cheap_guesses=engine.drafts and engine.draft_ladder.cheap_guesses,
-            draft_tokens_withheld_total=s.draft_tokens_withheld_total)
+            draft_tokens_withheld_total=s.draft_tokens_withheld_total,
+            draft_costs_served=engine.costs() if engine.drafts else (),
+            draft_costs_served_steps=(list(served.samples) if engine.drafts and served
+                                      else ()))
 
 
 def _stalled_s(seconds: float) -> float:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from services.kvpool.drafting import LadderChoice, batch_keep, forward_cost
+from services.kvpool.drafting import Draft, LadderChoice, ServedCosts, batch_keep, forward_cost
 from services.kvpool.engine import EngineRequest
 from services.kvpool.sampling import SamplingSpec
 from tests.assisted.test_assisted_engine import N_NEW, prompt
@@ -136,3 +136,56 @@ def test_a_measured_ladder_gives_lengths_by_cost(make_engine, tiny_model, measur
         assert any(q - 1 not in (1, 2, 16) for q in decode), q_lens
     else:
         assert decode and all(q - 1 in (0, 1, 2, 16) for q in decode), q_lens
+
+
+def test_served_costs_replace_the_timing_length_by_length() -> None:
+    sc = ServedCosts(STEEP)
+    for _ in range(ServedCosts.MIN_SAMPLES - 1):
+        sc.observe(1, 0.1)
+        sc.observe(6, 0.13)
+    assert sc.now == STEEP  # too few steps yet
+    sc.observe(1, 0.1)
+    sc.observe(6, 0.13)
+    # 6 tokens per row cost 1.3 steps of one as served (3.5 in the timing); the rest as timed.
+    assert sc.now[5] == 1.3 and sc.now[:5] == STEEP[:5] and sc.now[6:] == STEEP[6:]
+    sc.observe(6, 10.0)  # a step the host disturbed (past 3x its mean): not counted
+    sc.observe(40, 0.5)  # a length past the timing: not learned
+    assert sc.now[5] == 1.3 and sc.samples[5] == ServedCosts.MIN_SAMPLES
+    for _ in range(200):  # the host got slower at 6 tokens: the mean follows
+        sc.observe(6, 0.2)
+    assert sc.now[5] == pytest.approx(2.0, abs=0.01)
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_an_engine_learns_its_steps_costs_over_the_timing(make_engine, tiny_model, learn,
+                                                         monkeypatch) -> None:
+    eng = make_engine(num_blocks=128, block_size=4, max_batch_size=4, learn_costs=learn)
+    eng.draft_ladder = LadderChoice((1, 2, 16), "measured", STEEP)
+    p = prompt(6, 50)
+    ref = reference_greedy(tiny_model, p, N_NEW)
+    # 1-token steps, then verify steps: a draft wrong at every other token proposes short.
+    halves = tuple(t if k % 2 == 0 else (t + 1) % 50 for k, t in enumerate(ref))
+    for i, draft in enumerate([(), halves, halves, halves]):
+        toks, _ = collect(eng.submit(EngineRequest(f"c{i}", p, SamplingSpec(N_NEW),
+                                                   draft_token_ids=draft))[1])
+        assert toks == ref
+    if not learn:
+        assert eng.served_costs is None and eng.costs() == STEEP
+        return
+    sc = eng.served_costs
+    assert sc.samples[0] >= sc.MIN_SAMPLES and eng.costs()[0] == 1.0
+    # The tiny model's steps cost nothing like STEEP's: where a length was served often
+    # enough, the choices by cost now read its served cost.
+    learned = [q for q in range(2, len(STEEP) + 1) if sc.samples[q - 1] >= sc.MIN_SAMPLES]
+    assert learned, sc.samples
+    assert all(eng.costs()[q - 1] != STEEP[q - 1] for q in learned)
+    assert all(eng.costs()[q - 1] == STEEP[q - 1] for q in range(2, len(STEEP) + 1)
+               if q not in learned)
+    # New requests' drafts choose their lengths by the learned costs.
+    given: list[tuple[float, ...]] = []
+    real_of = Draft.of
+    monkeypatch.setattr(Draft, "of", staticmethod(
+        lambda *a, **kw: given.append(kw["costs"]) or real_of(*a, **kw)))
+    now = eng.costs()  # (the request's own steps then go on teaching it)
+    collect(eng.submit(EngineRequest("after", p, SamplingSpec(4), draft_token_ids=halves))[1])
+    assert given == [now]

@@ -94,6 +94,12 @@ def test_generate_streams_tokens_and_a_final_report(served, tiny_model) -> None:
     if st.draft_ladder_source == "measured":
         assert len(st.draft_forward_costs) == CFG.max_draft_tokens + 1
         assert st.draft_forward_costs[0] == 1.0
+        # What steps cost as served is learned over that timing: the two answers' 1-token
+        # steps (9 each) were timed.
+        assert len(st.draft_costs_served) == len(st.draft_forward_costs)
+        assert st.draft_costs_served_steps[0] >= 8 and st.draft_costs_served[0] == 1.0
+    else:
+        assert not st.draft_costs_served and not st.draft_costs_served_steps
 
 
 def test_the_last_token_travels_with_the_final_message(served) -> None:
@@ -432,7 +438,8 @@ def test_the_drafts_setting_reaches_the_engine(tiny_model) -> None:
                 servicer.attach(replica.engine, replica.info)
                 st = servicer.Stats(kvpool_pb2.KvStatsRequest(), None)
                 assert (list(st.draft_ladder), st.draft_ladder_source,
-                        list(st.draft_forward_costs)) == ([], "", [])
+                        list(st.draft_forward_costs), list(st.draft_costs_served)
+                        ) == ([], "", [], [])
         finally:
             replica.engine.stop()
 
