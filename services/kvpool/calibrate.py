@@ -6,7 +6,8 @@ and 1.4-1.7x on another, where 5-6 tokens cost 1.2-1.3x; on a GPU all of them co
 step. `forward_costs` times forwards of q = 1..max_q new tokens over a `context`-token cache,
 with the engine's attention and an explicit 4-D mask and positions as the engine passes them,
 and `drafting.choose_ladder` picks the proposal lengths from it. It runs before the engine
-thread starts, so nothing else of this process computes meanwhile.
+thread starts, so nothing else of this process computes meanwhile. It is a starting point:
+the engine then learns what its served steps cost, length by length (`drafting.ServedCosts`).
 """
 
 from __future__ import annotations

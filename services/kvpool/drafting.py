@@ -32,9 +32,10 @@ the default of engines built without that. On a GPU a verify forward should cost
 decode step, and the ladder is then the longest proposal throughout (not measured: no GPU).
 
 Where the replica's timing was accepted, lengths after the first proposal are chosen by cost
-instead of by rung (`Draft.length`): among the lengths on the timing's cost frontier, the one
-with the most tokens expected per cost, given how long the source's recent proposals kept
-verifying. A configured or fixed ladder keeps its rungs.
+instead of by rung (`Draft.length`): among the lengths on the cost frontier, the one with the
+most tokens expected per cost, given how long the source's recent proposals kept verifying.
+The costs are the timing's, replaced length by length by what the replica's served steps cost
+(`ServedCosts`). A configured or fixed ladder keeps its rungs.
 
 In a batch, every row's forward is as long as the longest proposal, so the engine cuts the
 batch's proposals to what their expected tokens pay for (`batch_keep`).
@@ -325,8 +326,9 @@ class Draft:
         `ladder`: the rungs to use instead (a replica's measured `choose_ladder`).
         `cheap_guesses`: a proposal of the lowest rung was timed no dearer than a decode step
         (`LadderChoice.cheap_guesses`), so thin matches propose however often they fail.
-        `costs`: the device's timed forwards of 1.. tokens (`LadderChoice.costs`, when
-        measured): then lengths after the first proposal are chosen by cost (`length`)."""
+        `costs`: relative costs of forwards of 1.. tokens on the device (`Engine.costs`: the
+        measured timing, or what served steps cost): then lengths after the first proposal
+        are chosen by cost (`length`)."""
         index = NgramIndex(NGRAM_MAX)
         index.extend(list(tokens))
         if ladder is None:
