@@ -299,7 +299,8 @@ def replay(prompt: list[int], answer: list[int], draft: list[int],
 def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: list[float],
                    chosen: tuple[int, ...]) -> dict:
     """Decode speed-up each draft ladder would give on `runs` (prompt, greedy answer, draft) if
-    forwards cost what the replica timed at its start (`costs`, relative to a 1-token forward):
+    forwards cost `costs` (relative to a 1-token forward; the run passes what the replica's
+    served steps cost by its end, `draft_costs_served_at_end`):
     as the replica drafts (its ladder `chosen`, later lengths by cost), and with lengths by
     match length on the rungs of its ladder, the fixed fallback, two others, and the best of
     every ascending ladder within MAX_DRAFT_TOKENS (816). Forward cost only (no serving
