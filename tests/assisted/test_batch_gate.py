@@ -56,6 +56,19 @@ def test_batch_keep_weighs_expected_tokens_against_every_rows_cost() -> None:
     assert batch_keep(FLAT, [15, 4], [1.0, 1.0]) == 15
 
 
+def _record_forwards(eng) -> list[tuple[int, int]]:
+    """Every forward's (rows, tokens per row) that `eng` runs from now on."""
+    shapes: list[tuple[int, int]] = []
+    real_forward = eng._forward
+
+    def forward(ids, plan, keep=1, need=None):
+        shapes.append((plan.batch, plan.q_len))
+        return real_forward(ids, plan, keep, need)
+
+    eng._forward = forward
+    return shapes
+
+
 def _batch(eng, tiny_model, ladder: LadderChoice | None):
     """One row drafting its own reference answer beside two plain rows, in the same forwards;
     every batched forward's (rows, tokens per row)."""
@@ -63,15 +76,7 @@ def _batch(eng, tiny_model, ladder: LadderChoice | None):
         eng.draft_ladder = ladder
     prompts = [prompt(6 + i, 50 + i) for i in range(3)]
     refs = [reference_greedy(tiny_model, p, N_NEW) for p in prompts]
-    shapes: list[tuple[int, int]] = []
-    real_forward = eng._forward
-
-    def forward(ids, plan, keep=1, need=None):
-        if plan.batch > 1:
-            shapes.append((plan.batch, plan.q_len))
-        return real_forward(ids, plan, keep, **({} if need is None else {"need": need}))
-
-    eng._forward = forward
+    shapes = _record_forwards(eng)
     with paused(eng):
         outs = [eng.submit(EngineRequest(f"g{i}", p, SamplingSpec(N_NEW),
                                          draft_token_ids=tuple(refs[0]) if i == 0 else ()))[1]
@@ -79,7 +84,7 @@ def _batch(eng, tiny_model, ladder: LadderChoice | None):
     res = [collect(o) for o in outs]
     assert [t for t, _ in res] == refs  # a cut proposal never changes an answer
     assert_idle(eng)
-    return res[0][1], shapes
+    return res[0][1], [(b, q) for b, q in shapes if b > 1]
 
 
 def test_a_batch_withholds_proposals_that_cost_every_row_more_than_they_save(
@@ -117,20 +122,14 @@ def test_a_measured_ladder_gives_lengths_by_cost(make_engine, tiny_model, measur
                                     STEEP if measured else ())
     p = prompt(6, 50)
     ref = reference_greedy(tiny_model, p, N_NEW)
-    q_lens: list[int] = []
-    real_forward = eng._forward
-
-    def forward(ids, plan, keep=1, need=None):
-        q_lens.append(plan.q_len)
-        return real_forward(ids, plan, keep, **({} if need is None else {"need": need}))
-
-    eng._forward = forward
+    shapes = _record_forwards(eng)
     toks, fin = collect(eng.submit(EngineRequest("m", p, SamplingSpec(N_NEW),
                                                  draft_token_ids=tuple(ref)))[1])
     assert toks == ref
     assert_idle(eng)
     # After the prefill forward (which carries the first proposal), short of the last one
     # (cut to the tokens left to generate).
+    q_lens = [q for _, q in shapes]
     decode = q_lens[1:-1]
     if measured:
         assert any(q - 1 not in (1, 2, 16) for q in decode), q_lens
