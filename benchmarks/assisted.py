@@ -57,6 +57,9 @@ Figures (ratios are measured within one run; the machine is shared and noisy):
                             random_draft_cost_vs_lookup_only)
 Context figures, computed from the greedy answers, not timed:
   forward_passes_per_token_draft_only_replayed  the same replay with prompt lookup off
+  forward_passes_per_token_replayed_without_tree  the same replay without trees (each forward
+                            verifying its proposal alone); tree_forwards_replayed: forwards
+                            that verified a tree in the replay as served
   forward_passes_per_token_hindsight_bound_draft  a lower bound (no drafter can need fewer
                             forwards) for drafting from the cached answer alone: with the answer
                             known, each forward proposes the best slice of the draft starting
@@ -204,6 +207,10 @@ class Served:
         return (tuple(st.draft_ladder), st.draft_ladder_source, list(st.draft_forward_costs),
                 st.draft_cheap_guesses)
 
+    def branches(self) -> int:
+        """Most branches of the replica's trees (1 = proposals alone)."""
+        return self.replica.Stats(self.kv.KvStatsRequest(), timeout=30).draft_branches
+
     def costs_served(self) -> tuple[list[float], list[int]]:
         """The relative forward costs the replica's choices by cost read now (learned from
         its served steps over its start-up timing) and the steps timed per length."""
@@ -259,45 +266,71 @@ def share(draft: list[int], answer: list[int]) -> float:
 def replay(prompt: list[int], answer: list[int], draft: list[int],
            self_lookup: bool = True, ladder: tuple[int, ...] | None = None,
            costs: list[float] | None = None, cheap_guesses: bool = False,
-           by_cost: bool = False) -> dict[str, float]:
+           by_cost: bool = False, branches: int = 1) -> dict[str, float]:
     """The replica's drafting logic run against a known greedy answer (greedy verification
     accepts exactly the proposal's prefix that equals the answer): forward passes, and proposed
     and accepted tokens by source, as the engine counts them for one sequence decoded alone.
     With `costs` (a forward of q tokens costs costs[q - 1]), also "cost": what the counted
     forwards cost together. `by_cost`: lengths chosen by `costs`, as a replica whose ladder
-    was measured does (`Draft.length`); else by match length on the ladder's rungs."""
-    from services.kvpool.drafting import Draft, Source
+    was measured does (`Draft.length`); else by match length on the ladder's rungs.
+    `branches`: as a replica with TIERCACHE_KVPOOL_DRAFT_BRANCHES, a proposal's alternatives
+    are verified with it as a tree (`Draft.alternatives`), the deepest agreeing path
+    accepted."""
+    from services.kvpool.drafting import Draft, Source, Tree, forward_cost
 
     assert costs is not None or not by_cost, "lengths by cost need the costs"
     d = Draft.of(draft, self_lookup, ladder=ladder, cheap_guesses=cheap_guesses,
-                 costs=tuple(costs) if by_cost and costs is not None else ())
+                 costs=tuple(costs) if by_cost and costs is not None else (),
+                 branches=branches)
     gen: list[int] = []
     proposed_lookup = 0
     passes = -1  # the first proposal rides on the prefill forward, which is not counted
     cost = 0.0
+    trees = 0
     while len(gen) < len(answer):
-        prop = d.propose(prompt + gen, min(MAX_DRAFT_TOKENS, MAX_TOKENS - len(gen) - 1))
+        t = len(gen)
+        limit = min(MAX_DRAFT_TOKENS, MAX_TOKENS - t - 1)
+        prop = d.propose(prompt + gen, limit)
         if d.pending.source is Source.LOOKUP:
             proposed_lookup += len(prop)
-        a = 0
-        while a < len(prop) and len(gen) + a < len(answer) and prop[a] == answer[len(gen) + a]:
-            a += 1
-        emitted = answer[len(gen):len(gen) + a + 1]
+        alts = d.alternatives(prompt + gen, limit) if prop else []
+        n = len(prop)
+        if alts:
+            tree = Tree.of([d.branch(), *alts])
+            path = _verified_path(tree, answer[t:])
+            a, n = len(path), tree.size
+            d.credit(len(alts), a - tree.along_first(path))
+            d.take(tree.branches[tree.branch_of(path)])
+            trees += 1
+        else:
+            a = 0
+            while a < len(prop) and t + a < len(answer) and prop[a] == answer[t + a]:
+                a += 1
+        emitted = answer[t:t + a + 1]
         if costs is not None and passes >= 0:
-            cost += costs[len(prop)]
+            cost += forward_cost(tuple(costs), n + 1)
         gen += emitted
         passes += 1
-        d.record(a)
+        d.record(a, proposed=n)
         d.advance(emitted)
     out = {"passes": passes, "proposed": d.proposed, "accepted": d.accepted,
-           "proposed_lookup": proposed_lookup, "accepted_lookup": d.accepted_lookup}
+           "proposed_lookup": proposed_lookup, "accepted_lookup": d.accepted_lookup,
+           "trees": trees}
     if costs is not None:
         out["cost"] = cost
     return out
 
 
+def _verified_path(tree, rest: list[int]) -> list[int]:
+    """The nodes of `tree` greedy verification accepts when the answer goes on with `rest`:
+    the model's token after a node of depth k is rest[k]."""
+    path, _ = tree.walk(lambda i: rest[tree.depths[i] if i >= 0 else 0]
+                        if (tree.depths[i] if i >= 0 else 0) < len(rest) else None)
+    return path
+
+
 def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: list[float],
-                   chosen: tuple[int, ...]) -> dict:
+                   chosen: tuple[int, ...], branches: int = 1) -> dict:
     """Decode speed-up each draft ladder would give on `runs` (prompt, greedy answer, draft) if
     forwards cost `costs` (relative to a 1-token forward; the run passes what the replica's
     served steps cost by its end, `draft_costs_served_at_end`):
@@ -305,7 +338,7 @@ def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: li
     match length on the rungs of its ladder, the fixed fallback, two others, and the best of
     every ascending ladder within MAX_DRAFT_TOKENS (816). Forward cost only (no serving
     overhead), so above the served decode_speedup; it says how much the choice of lengths gave
-    away."""
+    away. All with the replica's trees (`branches`); "replica_no_tree" without them."""
     import functools
     import itertools
 
@@ -315,18 +348,20 @@ def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: li
     plain = sum(len(answer) - 1 for _, answer, _ in runs)  # a 1-token forward costs 1
 
     @functools.cache
-    def speedup(ladder: tuple[int, ...], by_cost: bool = False) -> float:
+    def speedup(ladder: tuple[int, ...], by_cost: bool = False, trees: int = branches) -> float:
         # Whether its drafts guess on thin evidence follows from the ladder and these costs,
         # as on the replica.
         cheap = LadderChoice(ladder, "measured", tuple(costs)).cheap_guesses
         used = sum(replay(p, a, d, ladder=ladder, costs=costs, cheap_guesses=cheap,
-                          by_cost=by_cost)["cost"] for p, a, d in runs)
+                          by_cost=by_cost, branches=trees)["cost"] for p, a, d in runs)
         return round(plain / used, 3) if used else 0.0
 
     named = {"replica_rungs": tuple(chosen), "fixed_fallback": LADDER, "4,8,16": (4, 8, 16),
              "16,16,16": (16, 16, 16)}
-    out = {"replica": {"ladder": list(chosen), "lengths": "by cost",
-                       "speedup": speedup(tuple(chosen), by_cost=True)}}
+    out = {"replica": {"ladder": list(chosen), "lengths": "by cost", "branches": branches,
+                       "speedup": speedup(tuple(chosen), by_cost=True)},
+           "replica_no_tree": {"ladder": list(chosen), "lengths": "by cost", "branches": 1,
+                               "speedup": speedup(tuple(chosen), by_cost=True, trees=1)}}
     out |= {name: {"ladder": list(lad), "speedup": speedup(lad)} for name, lad in named.items()}
     best = max(itertools.combinations_with_replacement(range(1, MAX_DRAFT_TOKENS + 1), 3),
                key=lambda lad: (speedup(lad), lad))
@@ -440,6 +475,7 @@ def main(argv: list[str] | None = None) -> int:
             s = Served(stack.procs["orchestrator"].address, stack.procs["kvpool-0"].address)
             s.ask("Warm-up question?", lookup=False)
             ladder, ladder_source, forward_costs, cheap_guesses = s.ladder()
+            branches = s.branches()
             print(f"replica's draft proposal lengths: {ladder} ({ladder_source}; forwards of "
                   f"1.. tokens cost {forward_costs} x one token's; cheap guesses "
                   f"{cheap_guesses})", flush=True)
@@ -497,8 +533,9 @@ def main(argv: list[str] | None = None) -> int:
                 # As the replica drafts: lengths by cost where its ladder was measured.
                 as_replica = {"ladder": ladder, "cheap_guesses": cheap_guesses,
                               "costs": costs_then or None,
-                              "by_cost": ladder_source == "measured"}
+                              "by_cost": ladder_source == "measured", "branches": branches}
                 rep = replay(ids, plain.tokens, draft, **as_replica)
+                no_tree = replay(ids, plain.tokens, draft, **(as_replica | {"branches": 1}))
                 draft_only = replay(ids, plain.tokens, draft, self_lookup=False, **as_replica)
                 rows.append({
                     "pair": i, "cosine": pairs[i].cosine,
@@ -526,7 +563,8 @@ def main(argv: list[str] | None = None) -> int:
                     "passes_hindsight_bound_draft": hindsight_passes(plain.tokens, draft),
                     "passes_hindsight_bound": hindsight_passes(plain.tokens, draft, ids),
                     "passes_replayed": rep["passes"], "proposed_replayed": rep["proposed"],
-                    "accepted_replayed": rep["accepted"],
+                    "accepted_replayed": rep["accepted"], "trees_replayed": rep["trees"],
+                    "passes_replayed_without_tree": no_tree["passes"],
                     "replay_matches": rep["passes"] == with_draft.forward_passes
                     and rep["accepted"] == with_draft.accepted,
                     "unrelated_proposed": runs["direct_unrelated"].proposed,
@@ -575,6 +613,9 @@ def main(argv: list[str] | None = None) -> int:
                                                         total(near, "b_tokens")),
         "forward_passes_per_token_draft_only_replayed": ratio(
             total(near, "passes_draft_only_replayed"), total(near, "b_tokens")),
+        "forward_passes_per_token_replayed_without_tree": ratio(
+            total(near, "passes_replayed_without_tree"), total(near, "b_tokens")),
+        "tree_forwards_replayed": total(near, "trees_replayed"),
         # Lower bounds (hindsight, any draft position; `hindsight_passes`): from the cached
         # answer alone, and with the sequence's own context (what prompt lookup can use) too.
         "forward_passes_per_token_hindsight_bound_draft": ratio(
@@ -631,6 +672,10 @@ def main(argv: list[str] | None = None) -> int:
             sum(rep.draft_tokens_proposed_total for rep in stats.replicas),
         "stats_replica_draft_tokens_accepted_total":
             sum(rep.draft_tokens_accepted_total for rep in stats.replicas),
+        "stats_replica_draft_tree_forwards_total":
+            sum(rep.draft_tree_forwards_total for rep in stats.replicas),
+        "stats_replica_draft_tree_branch_wins_total":
+            sum(rep.draft_tree_branch_wins_total for rep in stats.replicas),
     }
     costs_served, costs_served_steps = s_costs
     if ladder_source == "measured" and replayed:  # not timings the replica refused as noise
@@ -639,7 +684,7 @@ def main(argv: list[str] | None = None) -> int:
             # Costed as served steps cost by the end of the run (the start-up timing where
             # a length was not served often enough).
             figures["replayed_speedup_by_ladder"] = ladder_replays(
-                replayed, costs_served or forward_costs, ladder)
+                replayed, costs_served or forward_costs, ladder, branches)
         except Exception as e:  # noqa: BLE001 - a context figure: keep the run's results
             figures["replayed_speedup_by_ladder"] = {"error": f"{type(e).__name__}: {e}"}
     targets = {}
@@ -669,6 +714,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft_ladder_source": ladder_source,
         "draft_forward_costs": forward_costs,
         "draft_cheap_guesses": cheap_guesses,
+        "draft_branches": branches,
         "draft_costs_served_at_end": costs_served,
         "draft_costs_served_steps": costs_served_steps,
         "figures": figures,

@@ -161,7 +161,9 @@ def test_the_orchestrator_reads_converted_models_from_its_own_cache_dir(monkeypa
 
 @pytest.mark.parametrize("var,value", [("TIERCACHE_KVPOOL_MAX_WAITING", "0"),
                                        ("TIERCACHE_KVPOOL_DEVICE", "cudafoo"),
-                                       ("TIERCACHE_KVPOOL_DEVICE", "cuda:abc")])
+                                       ("TIERCACHE_KVPOOL_DEVICE", "cuda:abc"),
+                                       ("TIERCACHE_KVPOOL_DRAFT_BRANCHES", "0"),
+                                       ("TIERCACHE_KVPOOL_DRAFT_BRANCHES", "17")])
 def test_kvpool_settings_that_would_brick_or_crash_the_replica_are_refused(var, value):
     """max_waiting=0 refused every request on an idle replica; 'cuda:abc' crashed int() at
     start and 'cudafoo' failed inside torch."""

@@ -148,7 +148,7 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     preallocate_rows=cfg.preallocate_rows,
                     metrics=KvMetrics() if metrics else None, threads=cfg.torch_threads,
                     one_thread_below=cfg.one_thread_below, batch_gate=cfg.draft_batch_gate,
-                    learn_costs=cfg.draft_costs_learned,
+                    learn_costs=cfg.draft_costs_learned, draft_branches=cfg.draft_branches,
                     prompt_lookup=cfg.prompt_lookup)
     if packing is not None:
         engine.packing = packing

@@ -72,6 +72,11 @@ class KvPoolConfig:
     # cost (proposal lengths, the batch rule; services/kvpool/drafting.py `ServedCosts`).
     # Needs a measured draft_ladder. False = the start-up timing throughout.
     draft_costs_learned: bool = True
+    # Most branches a greedy sequence decoding alone verifies in one forward: its proposal
+    # and the continuations after other draft positions its context's end matches, as a tree
+    # (services/kvpool/drafting.py `Draft.alternatives`, `Tree`). 1 = the proposal alone.
+    # Only read when drafts are on.
+    draft_branches: int = 4
     # Prompt lookup for requests without a draft too: they propose continuations of where the
     # end of their context (prompt + output) occurred earlier in it, verified like a draft's
     # (greedy tokens unchanged; sampled ones distributed as without). Pays where answers copy
@@ -157,6 +162,7 @@ class KvPoolConfig:
         require(self.eviction_policy in ("hybrid", "lru"), s, "eviction_policy",
                 "must be 'hybrid' or 'lru'")
         require(1 <= self.max_draft_tokens <= 64, s, "max_draft_tokens", "must be in 1..64")
+        require(1 <= self.draft_branches <= 16, s, "draft_branches", "must be in 1..16")
         require(self.linear_kernels in LINEAR_KERNELS, s, "linear_kernels",
                 f"must be one of {', '.join(LINEAR_KERNELS)}, got {self.linear_kernels!r}")
         require(self.draft_ladder == "auto" or self.fixed_ladder() is not None, s,

@@ -40,6 +40,16 @@ The costs are the timing's, replaced length by length by what the replica's serv
 In a batch, every row's forward is as long as the longest proposal, so the engine cuts the
 batch's proposals to what their expected tokens pay for (`batch_keep`).
 
+A sequence decoding alone with greedy verification verifies a tree: besides the proposal, up to
+`branches` - 1 short branches from the other draft positions that the context's end matches
+(`Draft.alternatives`), merged into a trie (`Tree`) and checked in the same forward, each node
+seeing only its own ancestors. The deepest path the model agrees with is accepted. Right after a
+mismatch, the newest token often occurs at several draft positions and the ranking picks one;
+the tree checks the runners-up at once instead of one forward each. Branches are the cheapest
+length on the cost frontier (all of `top` where forwards cost alike, as expected on a GPU), and
+with measured costs only as many join as their recent yield pays for: on the 2-core CPU a tree
+rarely pays, with flat costs it does.
+
 Each source keeps its recent acceptance rate. Where the lowest rung's forward was timed at
 about a decode step's cost (`LadderChoice.cheap_guesses`), a failed proposal costs nothing and
 both sources propose on every match. Elsewhere, while the draft's rate is low, matches of one
@@ -50,6 +60,7 @@ generated (the verifier decides); they only decide how many forwards it takes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import NamedTuple
@@ -69,6 +80,10 @@ LOOKUP_RATE_MIN = 0.3  # below this lookup acceptance rate, 2-token context matc
 # after it, starting from one verified token and one failure.
 PRIOR = (1.0, 1.0)
 DECAY = 0.9
+
+ALT_MATCH_MAX = 2  # a proposal matched on more context tokens than this gets no alternatives
+ALT_PRIOR = (0.5, 2.0)  # before any tree: an alternative is expected to add 0.25 tokens
+BRANCHES = 4  # most branches (the proposal and its alternatives) a tree verifies; 1 = no tree
 
 GUESS_COST_MAX = 1.05  # see LadderChoice.cheap_guesses
 CHEAPER_BY = 0.98  # a shorter proposal joins the ladder only if its forward costs this much less
@@ -257,6 +272,102 @@ class Proposal(NamedTuple):
 NO_PROPOSAL = Proposal([], Source.NONE)
 
 
+class Branch(NamedTuple):
+    """One proposal of a tree: its tokens, their source, and their first token's index there."""
+
+    tokens: list[int]
+    source: Source
+    start: int
+
+
+@dataclass(frozen=True)
+class Tree:
+    """Branches verified in one forward, merged into a trie of nodes. Node i is query position
+    i + 1 of the forward (position 0, the root, is the sequence's last token); its parent is a
+    node or -1 (the root), its depth its distance from the root. Branches share the nodes of a
+    common prefix, and each branch's nodes come after those of the branches before it, so the
+    first branch's nodes are 0..len - 1 in order."""
+
+    branches: tuple[Branch, ...]
+    tokens: tuple[int, ...]  # each node's token
+    parents: tuple[int, ...]
+    depths: tuple[int, ...]
+    ends: tuple[int, ...]  # each branch's last node
+
+    @classmethod
+    def of(cls, branches: list[Branch]) -> Tree:
+        assert branches and all(b.tokens for b in branches)
+        tokens: list[int] = []
+        parents: list[int] = []
+        depths: list[int] = []
+        ends: list[int] = []
+        child: dict[tuple[int, int], int] = {}
+        for b in branches:
+            node = -1
+            for t in b.tokens:
+                nxt = child.get((node, t))
+                if nxt is None:
+                    nxt = child[(node, t)] = len(tokens)
+                    tokens.append(t)
+                    parents.append(node)
+                    depths.append(depths[node] + 1 if node >= 0 else 1)
+                node = nxt
+            ends.append(node)
+        return cls(tuple(branches), tuple(tokens), tuple(parents), tuple(depths), tuple(ends))
+
+    @property
+    def size(self) -> int:
+        """Nodes: the tokens the forward verifies besides the root."""
+        return len(self.tokens)
+
+    def walk(self, next_token: Callable[[int], int | None]) -> tuple[list[int], int | None]:
+        """Greedy verification: `next_token(i)` is the model's token after node i (-1: after
+        the root), or None where unknown. From the root, follow the child holding that token
+        while there is one. Returns the nodes followed (the accepted path) and the model's
+        token after the last of them."""
+        child = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens,
+                                                          strict=True))}
+        path: list[int] = []
+        node = -1
+        tok = next_token(node)
+        while tok is not None and (node, tok) in child:
+            node = child[(node, tok)]
+            path.append(node)
+            tok = next_token(node)
+        return path, tok
+
+    def branch_of(self, path: list[int]) -> int:
+        """The first branch that holds all of `path` (0 for an empty path)."""
+        if not path:
+            return 0
+        for k, end in enumerate(self.ends):
+            node = end
+            while node >= 0 and node != path[-1]:
+                node = self.parents[node]
+            if node == path[-1]:
+                return k
+        raise ValueError("the path is not in the tree")
+
+    def along_first(self, path: list[int]) -> int:
+        """How many of `path`'s nodes the first branch holds: what it alone would have had
+        accepted (its nodes are 0..len - 1)."""
+        k = 0
+        while k < len(path) and path[k] == k:
+            k += 1
+        return k
+
+    def visible(self) -> list[list[bool]]:
+        """[q][q] for the forward's q = size + 1 positions: whether position a sees b (b is a
+        or one of its ancestors; the root is everyone's)."""
+        q = self.size + 1
+        rows = [[b == 0 for b in range(q)] for _ in range(q)]
+        rows[0][0] = True
+        for i, p in enumerate(self.parents):
+            rows[i + 1] = list(rows[p + 1])
+            rows[i + 1][i + 1] = True
+        return rows
+
+
 class NgramIndex:
     """For a growing token list: each n-gram (n = 1..max_n) -> the indices right after it."""
 
@@ -311,6 +422,10 @@ class Draft:
     costs: tuple[float, ...] = ()
     lengths: tuple[int, ...] = ()
     runs: dict[Source, tuple[float, float]] = field(default_factory=dict)
+    branches: int = 1  # most branches of a tree (`alternatives`); 1 = the proposal alone
+    matched: int = 0  # how many context tokens the pending proposal's position matched
+    # Weighed (tokens the alternatives added, alternatives offered): their yield (`credit`).
+    alt_yield: tuple[float, float] = ALT_PRIOR
     rate: float = 1.0  # recent acceptance rate of draft proposals
     lookup_rate: float = 1.0  # recent acceptance rate of lookup proposals
     proposed: int = 0
@@ -320,7 +435,7 @@ class Draft:
     @classmethod
     def of(cls, tokens: list[int], self_lookup: bool = True, top: int = LADDER[-1],
            ladder: tuple[int, ...] | None = None, cheap_guesses: bool = False,
-           costs: tuple[float, ...] = ()) -> Draft:
+           costs: tuple[float, ...] = (), branches: int = 1) -> Draft:
         """`top`: the longest proposal wanted (a replica's max_draft_tokens); above the ladder's
         top rung it replaces that rung, for hardware whose verify forward pays for longer ones.
         `ladder`: the rungs to use instead (a replica's measured `choose_ladder`).
@@ -328,7 +443,8 @@ class Draft:
         (`LadderChoice.cheap_guesses`), so thin matches propose however often they fail.
         `costs`: relative costs of forwards of 1.. tokens on the device (`Engine.costs`: the
         measured timing, or what served steps cost): then lengths after the first proposal
-        are chosen by cost (`length`)."""
+        are chosen by cost (`length`).
+        `branches`: most branches a tree verifies (`alternatives`; 1 = none)."""
         index = NgramIndex(NGRAM_MAX)
         index.extend(list(tokens))
         if ladder is None:
@@ -338,8 +454,9 @@ class Draft:
         if costs:
             assert len(costs) >= 2, "costs of forwards of 1 and more tokens"
             lengths = frontier({q: c for q, c in enumerate(costs, 1)}, min(top, len(costs) - 1))
+        assert branches >= 1
         return cls(list(tokens), index, self_lookup, tuple(ladder), cheap_guesses=cheap_guesses,
-                   costs=tuple(costs), lengths=lengths)
+                   costs=tuple(costs), lengths=lengths, branches=branches)
 
     # ---- proposing -----------------------------------------------------------------------
 
@@ -370,12 +487,81 @@ class Draft:
         if best is None:
             return []
         m, j = best
+        self.matched = m
         self.rung = max(RUNG_BY_MATCH[min(max(m, 1), 3)], self.floor)
         g = min(self.length(source) if self.lengths else self.ladder[self.rung], limit)
         src = self.tokens if source is Source.DRAFT else context
         self.start = j
         self.pending = Proposal(src[j:j + g], source)
         return self.pending.tokens
+
+    def alternatives(self, context: list[int], limit: int) -> list[Branch]:
+        """Up to `branches` - 1 more branches to verify beside the pending proposal, in one
+        tree (`Tree`): the continuations (at most `limit` tokens) after the other draft
+        positions that the end of `context` matches as `match_draft` finds them, best ranked
+        first, each of the cheapest length on the cost frontier (the lowest rung without
+        costs), none already in the tree. Nothing for a draft's first proposal, without a
+        pending one, or for one matched on more than ALT_MATCH_MAX context tokens (aligned,
+        not a guess among several spots); thin matches only where `propose` would take
+        them. With costs, only as many as pay for their forward: the proposal's expected
+        tokens plus what alternatives have added per alternative lately (`credit`), over the
+        tree's forward cost, against the proposal's alone."""
+        prop = self.pending
+        if self.branches <= 1 or not prop.tokens or self.fresh or limit <= 0 \
+                or self.matched > ALT_MATCH_MAX:
+            return []
+        ends = self._ends(self.index, context, len(self.tokens))
+        if ends is None:
+            return []
+        n, js = ends
+        g = min(self.lengths[0] if self.lengths else self.ladder[0], limit)
+        taken = self.start if prop.source is Source.DRAFT else -1
+        thin_ok = self.cheap_guesses or self.rate >= WEAK_RATE_MIN
+        ranked = sorted(((self._extend(self.tokens, j, context, n), -abs(j - self.hint), j)
+                         for j in js if j != taken), reverse=True)
+        have = [prop.tokens]
+        out: list[Branch] = []
+        for m, _, j in ranked:
+            if m <= 1 and not thin_ok:
+                break  # ranked by m: the rest are thin too
+            toks = self.tokens[j:j + g]
+            if any(h[:len(toks)] == toks for h in have):
+                continue  # nothing the tree does not already verify
+            have.append(toks)
+            out.append(Branch(toks, Source.DRAFT, j))
+            if len(out) == self.branches - 1:
+                break
+        if not self.costs or not out:
+            return out
+        # As many as pay for their forward: the proposal is expected to emit
+        # 1 + expected_run(p, len) tokens, each alternative what they have added lately.
+        s, f = self.runs.get(prop.source, PRIOR)
+        base = 1.0 + expected_run(s / (s + f), len(prop.tokens))
+        added, offered = self.alt_yield
+        each = added / offered
+        best_k, best = 0, base / forward_cost(self.costs, 1 + len(prop.tokens))
+        for k in range(1, len(out) + 1):
+            size = Tree.of([Branch(prop.tokens, prop.source, 0), *out[:k]]).size
+            value = (base + k * each) / forward_cost(self.costs, 1 + size)
+            if value > best:
+                best_k, best = k, value
+        return out[:best_k]
+
+    def credit(self, offered: int, added: int) -> None:
+        """A tree forward verified `offered` alternatives beside the proposal, and they
+        accepted `added` tokens more than the proposal alone would have."""
+        a, o = self.alt_yield
+        self.alt_yield = (DECAY * a + added, DECAY * o + offered)
+
+    def branch(self) -> Branch:
+        """The pending proposal as a tree's branch."""
+        return Branch(self.pending.tokens, self.pending.source, self.start)
+
+    def take(self, branch: Branch) -> None:
+        """The tree's `branch` is the one the verifier followed: it becomes the pending
+        proposal that `record` and `advance` learn from."""
+        self.pending = Proposal(branch.tokens, branch.source)
+        self.start = branch.start
 
     def match_draft(self, context: list[int]) -> tuple[int, int] | None:
         """(m, j): the draft index j whose preceding m tokens equal the end of `context`, m
@@ -468,10 +654,12 @@ class Draft:
         self.record(accepted)
         self.advance(emitted)
 
-    def record(self, accepted: int, used: int | None = None) -> None:
+    def record(self, accepted: int, used: int | None = None, proposed: int | None = None
+               ) -> None:
         """`accepted` tokens of the pending proposal (maybe none) verified: adapt gamma.
         `used` of them were emitted (fewer when a stop among them ended the answer); the
-        accepted counts report those."""
+        accepted counts report those. `proposed`: the tokens verified, where a tree verified
+        more than the pending proposal's."""
         used = accepted if used is None else used
         prop = self.pending
         self.fresh = False
@@ -487,7 +675,7 @@ class Draft:
             if self.lengths:
                 ok, failed = self.runs.get(prop.source, PRIOR)
                 self.runs[prop.source] = (DECAY * ok + accepted, DECAY * failed + (not full))
-        self.proposed += len(prop.tokens)
+        self.proposed += len(prop.tokens) if proposed is None else proposed
         self.accepted += used
 
     def advance(self, emitted: list[int]) -> None:

@@ -28,7 +28,10 @@ normally. In a batch, rows share one query length (the longest proposal + 1): pl
 the extra positions with filler whose K/V lies beyond their `num_computed` and is overwritten
 before it is ever attended to, and whose logits are ignored. Since every row pays for the
 longest proposal, a batch cuts its proposals to the length expected to emit the most tokens per
-forward cost (`drafting.batch_keep`).
+forward cost (`drafting.batch_keep`). A greedy sequence decoding alone verifies its proposal
+and up to `draft_branches` - 1 alternatives as one tree (`drafting.Tree`): the tree's tokens go
+to the row's next slots, each at the position of its depth and seeing only its ancestors; the
+accepted path's K/V is then moved to the slots of its positions (`KvStore.move_slots`).
 """
 
 from __future__ import annotations
@@ -52,9 +55,11 @@ from services.common import errors
 from services.kvpool import attention
 from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
 from services.kvpool.drafting import (
+    BRANCHES,
     Draft,
     LadderChoice,
     ServedCosts,
+    Tree,
     batch_keep,
     default_ladder,
 )
@@ -65,6 +70,7 @@ from services.kvpool.sampling import (
     NonFiniteLogits,
     Sampler,
     SamplingSpec,
+    finite_rows,
     sample_batch,
     verify_batch,
 )
@@ -247,6 +253,8 @@ class EngineStats(NamedTuple):
     draft_tokens_proposed_total: int = 0
     draft_tokens_accepted_total: int = 0
     draft_tokens_withheld_total: int = 0
+    draft_tree_forwards_total: int = 0
+    draft_tree_branch_wins_total: int = 0
 
 
 class Engine:
@@ -277,6 +285,8 @@ class Engine:
             came from; None = the fixed `drafting.LADDER` (topped at max_draft_tokens).
         learn_costs: with a measured `draft_ladder`, time steps of one sequence and let what
             they cost replace the timing's figures (`drafting.ServedCosts`, `costs`).
+        draft_branches: most branches of the tree a greedy sequence decoding alone verifies
+            (`drafting.Draft.alternatives`); 1 = its proposal alone.
     """
 
     def __init__(self, model: Any, info: ModelInfo, pool: BlockPool, *, max_batch_size: int = 8,
@@ -285,7 +295,8 @@ class Engine:
                  preallocate_rows: bool = False, metrics: KvMetrics | None = None,
                  draft_ladder: LadderChoice | None = None, threads: int = 0,
                  one_thread_below: int = 0, batch_gate: bool = True,
-                 prompt_lookup: bool = False, learn_costs: bool = True) -> None:
+                 prompt_lookup: bool = False, learn_costs: bool = True,
+                 draft_branches: int = BRANCHES) -> None:
         if getattr(model.config, "_attn_implementation", None) == "sdpa":
             # SDPA with grouped-query heads kept grouped in multi-token forwards on CPU
             # (services/kvpool/attention.py); set on the model object itself.
@@ -299,6 +310,7 @@ class Engine:
         self.prefix_caching = prefix_caching
         self.drafts = drafts
         self.max_draft_tokens = max_draft_tokens
+        self.draft_branches = draft_branches
         self.threads = threads
         self.one_thread_below = one_thread_below
         self.batch_gate = batch_gate
@@ -349,6 +361,8 @@ class Engine:
         self.draft_tokens_accepted_total = 0
         # Proposed tokens a batch's forward left out: not worth what they made every row pay.
         self.draft_tokens_withheld_total = 0
+        self.draft_tree_forwards_total = 0
+        self.draft_tree_branch_wins_total = 0
         self._stats = self._compute_stats()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -408,7 +422,8 @@ class Engine:
         sampler = Sampler(req.sampling)
         draft = (Draft.of(list(req.draft_token_ids), top=self.max_draft_tokens,
                           ladder=self.draft_ladder.ladder,
-                          cheap_guesses=self.draft_ladder.cheap_guesses, costs=self.costs())
+                          cheap_guesses=self.draft_ladder.cheap_guesses, costs=self.costs(),
+                          branches=self.draft_branches)
                  if self.drafts and (req.draft_token_ids or self.prompt_lookup)
                  and not req.prefill_only else None)
         with self._queue_lock:
@@ -730,6 +745,11 @@ class Engine:
                               [s.draft.pending_rate if p else 0.0
                                for s, p in zip(seqs, props, strict=True)])
             props = self._cut_proposals(seqs, props, keep, withheld=True)
+        if len(seqs) == 1 and props[0]:
+            tree = self._tree(seqs[0], props[0])
+            if tree is not None:
+                self._decode_tree(seqs[0], tree)
+                return
         if any(props):
             self._decode_with_drafts(seqs, props)
             return
@@ -782,6 +802,60 @@ class Engine:
             a, tok = r
             self._apply_verified(s, props[i], a, tok, count_pass=True)
         self._step_done(seqs, q, t0)
+
+    def _tree(self, seq: Sequence, prop: list[int]) -> Tree | None:
+        """The tree to verify instead of `prop` alone (the pending proposal of the only
+        decoding sequence), or None: greedy sequences only (a sampled one needs the
+        acceptance rule for several drafts), and only with alternatives to add. Pool blocks
+        are reserved for its deepest branch (what can be accepted); without room, None."""
+        d = seq.draft
+        if self.draft_branches <= 1 or d is None or not seq.sampler.spec.greedy:
+            return None
+        alts = d.alternatives(seq.tokens, self._draft_limit(seq))
+        if not alts:
+            return None
+        tree = Tree.of([d.branch(), *alts])
+        if len(seq.tokens) + tree.size >= self.info.max_context:
+            return None  # its slots would run past the rows' context (its positions do not)
+        try:
+            self.pool.ensure_capacity(seq.seq_id, len(seq.tokens) + max(tree.depths))
+        except PoolExhausted:
+            return None  # the proposal alone fits (reserved by `_proposal`)
+        return tree
+
+    def _decode_tree(self, seq: Sequence, tree: Tree) -> None:
+        """One forward verifying `tree` after the sequence's last token (greedy): the deepest
+        path whose every token is the model's choice is accepted, then the model's token."""
+        t0 = time.perf_counter()
+        n, start = tree.size, seq.num_computed
+        ids = torch.tensor([[seq.tokens[start], *tree.tokens]], device=self.device)
+        plan = ForwardPlan(seq.row, [start], n + 1, depths=(0, *tree.depths),
+                           visible=tree.visible())
+        logits = self._forward(ids, plan, keep=n + 1)[0]
+        top = torch.argmax(logits, dim=-1).tolist()
+        path, tok = tree.walk(lambda i: top[i + 1])
+        seq.num_computed += 1 + n  # until `_apply_verified` keeps what verified
+        used = torch.tensor([0] + [i + 1 for i in path], device=logits.device)
+        if not bool(finite_rows(logits.index_select(0, used)).all()):
+            self._fail_numerics(seq, NonFiniteLogits())
+            return
+        assert tok is not None
+        # The path's K/V to the slots of its positions: node i was written at slot start+1+i.
+        moves = [(start + 1 + i, start + 1 + k) for k, i in enumerate(path) if i != k]
+        self.store.move_slots(seq.row, [a for a, _ in moves], [b for _, b in moves])
+        b = tree.branch_of(path)
+        self.draft_tree_forwards_total += 1
+        self.draft_tree_branch_wins_total += b > 0
+        if self.metrics:
+            self.metrics.draft_tree_forwards.inc()
+            if b:
+                self.metrics.draft_tree_branch_wins.inc()
+        branch = tree.branches[b]
+        assert seq.draft is not None
+        seq.draft.credit(len(tree.branches) - 1, len(path) - tree.along_first(path))
+        seq.draft.take(branch)
+        self._apply_verified(seq, branch.tokens, len(path), tok, count_pass=True, proposed=n)
+        self._step_done([seq], n + 1, t0)
 
     def _step_done(self, seqs: list[Sequence], q: int, t0: float) -> None:
         """A decode step of `seqs`, q tokens per row, begun at perf_counter `t0`, is over: its
@@ -842,9 +916,7 @@ class Engine:
         d = seq.draft
         if d is None or seq.req.prefill_only:
             return []
-        limit = min(self.max_draft_tokens, seq.req.sampling.max_tokens - seq.generated - 1,
-                    self.info.max_context - len(seq.tokens) - 1)
-        prop = d.propose(seq.tokens, limit)
+        prop = d.propose(seq.tokens, self._draft_limit(seq))
         if not prop:
             return []
         try:
@@ -855,15 +927,23 @@ class Engine:
         self.store.ensure_capacity(len(seq.tokens) + len(prop))
         return prop
 
+    def _draft_limit(self, seq: Sequence) -> int:
+        """Most draft tokens the sequence's next forward may verify after its last token."""
+        return min(self.max_draft_tokens, seq.req.sampling.max_tokens - seq.generated - 1,
+                   self.info.max_context - len(seq.tokens) - 1)
+
     def _apply_verified(self, seq: Sequence, prop: list[int], accepted: int, tok: int,
-                        count_pass: bool) -> None:
-        """Emit the accepted draft tokens and the model's token; roll back the rest."""
+                        count_pass: bool, proposed: int | None = None) -> None:
+        """Emit the accepted draft tokens and the model's token; roll back the rest.
+        `proposed`: the draft tokens the forward verified, where a tree verified more than
+        `prop` (the branch followed)."""
         valid = len(seq.tokens) + accepted  # KV computed and verified after this forward
+        proposed = len(prop) if proposed is None else proposed
         if count_pass:
             seq.forward_passes += 1
-            seq.computed_tokens += 1 + len(prop)
+            seq.computed_tokens += 1 + proposed
         else:
-            seq.computed_tokens += len(prop)
+            seq.computed_tokens += proposed
         # Accepted draft tokens the answer really uses: a stop, EOS or the length limit among
         # them ends it there (and the model's own token is not emitted).
         used = accepted
@@ -872,14 +952,14 @@ class Engine:
                 used = i + 1
                 break
         if prop:
-            self.draft_tokens_proposed_total += len(prop)
+            self.draft_tokens_proposed_total += proposed
             self.draft_tokens_accepted_total += used
             if self.metrics:
-                self.metrics.draft_proposed.inc(len(prop))
+                self.metrics.draft_proposed.inc(proposed)
                 self.metrics.draft_accepted.inc(used)
         emitted = prop[:accepted] + [tok]
         if seq.draft is not None:
-            seq.draft.record(accepted, used)
+            seq.draft.record(accepted, used, proposed)
         seq.num_computed = valid
         if prop:
             self.pool.truncate(seq.seq_id, valid)
@@ -1093,7 +1173,8 @@ class Engine:
                            self.cached_tokens_total, self.requests_total,
                            self.pool.evictions_total, self.preemptions_total,
                            self.draft_tokens_proposed_total, self.draft_tokens_accepted_total,
-                           self.draft_tokens_withheld_total)
+                           self.draft_tokens_withheld_total, self.draft_tree_forwards_total,
+                           self.draft_tree_branch_wins_total)
 
     # ---- test hooks -----------------------------------------------------------------------
 

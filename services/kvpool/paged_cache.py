@@ -27,11 +27,17 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 @dataclass
 class ForwardPlan:
-    """Where the tokens of one forward go: rows `row0..row0+B-1`, starting at `starts[b]`."""
+    """Where the tokens of one forward go: rows `row0..row0+B-1`, starting at `starts[b]`.
+
+    A tree (one row; `drafting.Tree`): the row's new tokens still go to the slots
+    starts[0].., but token t sits at position starts[0] + depths[t] and sees the cached
+    positions and the new tokens that `visible[t]` marks (itself and its ancestors)."""
 
     row0: int
-    starts: list[int]  # position of each row's first new token
+    starts: list[int]  # position (and slot) of each row's first new token
     q_len: int  # new tokens per row (same for all rows of a forward)
+    depths: tuple[int, ...] | None = None  # a tree's: each new token's depth (root 0)
+    visible: list[list[bool]] | None = None  # a tree's: [q_len][q_len]
 
     @property
     def batch(self) -> int:
@@ -127,6 +133,14 @@ class KvStore:
     def copy_block(self, src: int, dst: int) -> None:
         self.blocks[dst] = self.blocks[src]
 
+    def move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
+        """Copy the K/V of `row`'s slots `src` to its slots `dst` (all read before any is
+        written): a tree's accepted path, moved to where its positions belong."""
+        if src:
+            r = self.rows[:, :, row]
+            r[:, :, :, torch.tensor(dst, device=self.device)] = \
+                r[:, :, :, torch.tensor(src, device=self.device)]
+
     def move_row(self, src: int, dst: int, num_tokens: int) -> None:
         """Move a sequence's working row (to keep decoding rows contiguous)."""
         if src != dst and num_tokens > 0:
@@ -210,6 +224,8 @@ class PagedCache(Cache):
 
     def begin(self, plan: ForwardPlan) -> None:
         assert plan.row0 + plan.batch <= self.store.max_rows
+        assert plan.depths is None or (plan.batch == 1 and len(plan.depths) == plan.q_len
+                                       and plan.visible is not None)
         self.store.ensure_capacity(plan.kv_len)
         self.plan = plan
         self._idx = None
@@ -230,14 +246,21 @@ class PagedCache(Cache):
         if self._pos is None:
             p = self.plan
             dev = self.store.device
-            self._pos = (torch.tensor(p.starts, device=dev)[:, None]
-                         + torch.arange(p.q_len, device=dev)[None, :])
+            offsets = (torch.tensor(p.depths, device=dev) if p.depths is not None
+                       else torch.arange(p.q_len, device=dev))
+            self._pos = torch.tensor(p.starts, device=dev)[:, None] + offsets[None, :]
         return self._pos
 
     def attention_mask(self) -> torch.Tensor:
-        """[B, 1, T, kv_len] bool: query t of row b sees keys 0..starts[b]+t."""
+        """[B, 1, T, kv_len] bool: query t of row b sees keys 0..starts[b]+t (a tree: the
+        cached keys and its `visible` ones)."""
         p = self.plan
         dev = self.store.device
+        if p.visible is not None:
+            s = p.starts[0]
+            mask = torch.ones(p.q_len, s + p.q_len, dtype=torch.bool, device=dev)
+            mask[:, s:] = torch.tensor(p.visible, dtype=torch.bool, device=dev)
+            return mask[None, None]
         q = self.position_ids()
         k = torch.arange(p.kv_len, device=dev)
         return (k[None, None, :] <= q[:, :, None])[:, None]

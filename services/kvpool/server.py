@@ -257,7 +257,10 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             draft_tokens_withheld_total=s.draft_tokens_withheld_total,
             draft_costs_served=engine.costs() if engine.drafts else (),
             draft_costs_served_steps=(list(served.samples) if engine.drafts and served
-                                      else ()))
+                                      else ()),
+            draft_tree_forwards_total=s.draft_tree_forwards_total,
+            draft_tree_branch_wins_total=s.draft_tree_branch_wins_total,
+            draft_branches=engine.draft_branches if engine.drafts else 0)
 
 
 def _stalled_s(seconds: float) -> float:

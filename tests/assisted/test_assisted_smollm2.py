@@ -41,3 +41,36 @@ def test_smollm2_greedy_with_a_paraphrase_draft_is_identical(smollm2) -> None:
         assert_idle(eng)
     finally:
         eng.stop()
+
+
+def test_smollm2_tree_alternative_that_wins_is_exact(smollm2) -> None:
+    """A draft whose proposal after a mismatch is wrong and whose alternative is right (see
+    `crafted`): the tree verifies both, the alternative's K/V moves to its position, and the
+    greedy tokens stay those without a draft."""
+    from tests.assisted.test_draft_tree import crafted
+
+    model, tok, model_id = smollm2
+    eng = Engine(model, model_info(model, model_id),
+                 BlockPool(128, 16, BlockHasher(model_id, 16)), max_batch_size=2,
+                 max_prefill_chunk=64).start()
+    ids = tok.apply_chat_template([{"role": "user", "content": "Name three primary colours."}],
+                                  add_generation_prompt=True, return_dict=True)["input_ids"]
+
+    def ask(draft: list[int]) -> tuple[list[int], Finished]:
+        toks, fin = collect(eng.submit(EngineRequest(
+            "t", list(ids), SamplingSpec(max_tokens=40, ignore_eos=True),
+            draft_token_ids=tuple(draft)))[1], timeout=120)
+        assert isinstance(fin, Finished)
+        return toks, fin
+
+    try:
+        plain, _ = ask([])
+        draft, _ = crafted(plain, range(1000, 1100))
+        toks, fin = ask(draft)
+        assert toks == plain
+        st = eng.stats()
+        assert st.draft_tree_forwards_total >= 1 and st.draft_tree_branch_wins_total >= 1
+        assert fin.forward_passes == len(plain) - 1 - fin.draft_tokens_accepted
+        assert_idle(eng)
+    finally:
+        eng.stop()

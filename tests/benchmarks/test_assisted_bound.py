@@ -138,6 +138,10 @@ def test_never_above_what_the_replicas_drafting_needs(c):
     # replica as served (draft and prompt lookup).
     assert bound_draft <= replay(prompt, answer, draft, self_lookup=False)["passes"]
     assert bound <= replay(prompt, answer, draft)["passes"]
+    # Trees too: the path a tree accepts lies in one of its branches, a slice of a source.
+    assert bound_draft <= replay(prompt, answer, draft, self_lookup=False,
+                                 branches=4)["passes"]
+    assert bound <= replay(prompt, answer, draft, branches=4)["passes"]
     # A second source can only help.
     assert bound <= bound_draft
     # And no bound is above decoding without a draft.
@@ -180,3 +184,16 @@ def test_ladder_replays_rank_the_ladders_by_what_their_forwards_cost():
     assert out["16,16,16"]["speedup"] < 1.0 < out["replica_rungs"]["speedup"]
     # By cost: 2 tokens (as cheap as one) while they verify two at a time, never 16.
     assert out["replica"]["speedup"] >= out["best"]["speedup"]
+
+
+def test_replayed_trees_verify_the_alternative_the_proposal_missed():
+    # The answer 100..139; after a mismatch at 105 the draft has 105 twice: followed by junk
+    # (nearer where the draft was last followed, so proposed) and by the answer's rest.
+    answer = list(range(100, 140))
+    draft = answer[:5] + [7, 105, 1, 2, 3, 8] + answer[5:]
+    alone = replay([1, 2], answer, draft)
+    tree = replay([1, 2], answer, draft, branches=4)
+    assert alone["trees"] == 0 and tree["trees"] >= 1
+    assert tree["passes"] < alone["passes"]
+    # Every node of a tree counts as proposed; a tree accepts what its best branch verifies.
+    assert tree["proposed"] > tree["accepted"] >= alone["accepted"]

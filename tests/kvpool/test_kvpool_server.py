@@ -88,6 +88,9 @@ def test_generate_streams_tokens_and_a_final_report(served, tiny_model) -> None:
     # The draft proposal lengths the replica measured at its start, as its engine uses them.
     assert len(st.draft_ladder) == 3 and tuple(st.draft_ladder) == served.replica.engine.ladder()
     assert served.replica.engine.draft_ladder.source != "fixed: the engine was given no lengths"
+    # Trees: their most branches as configured; the two answers carried no draft.
+    assert st.draft_branches == CFG.draft_branches == served.replica.engine.draft_branches
+    assert st.draft_tree_forwards_total == st.draft_tree_branch_wins_total == 0
     # Where they came from, and the timing (forwards of 1..max_draft_tokens + 1 tokens).
     assert st.draft_ladder_source == served.replica.engine.draft_ladder.source
     assert st.draft_ladder_source == "measured" or st.draft_ladder_source.startswith("fixed: ")

@@ -1,0 +1,239 @@
+"""Tree verification: a greedy sequence decoding alone checks its proposal and alternative
+continuations of the draft in one forward (drafting.Tree, Draft.alternatives, the engine's
+tree forward). Pure logic first, then the engine over the tiny random Llama."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import services.kvpool.drafting as drafting
+from services.kvpool.drafting import Branch, Draft, Source, Tree
+from services.kvpool.engine import EngineRequest
+from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
+from services.kvpool.sampling import SamplingSpec
+from tests.assisted.test_assisted_engine import N_NEW, prompt, run
+from tests.kvpool.conftest import TINY_VOCAB, assert_idle, collect, reference_greedy
+
+
+def br(tokens: list[int], start: int = 0) -> Branch:
+    return Branch(tokens, Source.DRAFT, start)
+
+
+def follow(tree: Tree, answer: list[int]):
+    """`walk` as greedy verification against a known answer."""
+    def nxt(i: int) -> int | None:
+        d = 0 if i < 0 else tree.depths[i]
+        return answer[d] if d < len(answer) else None
+    return tree.walk(nxt)
+
+
+# ---- Tree -------------------------------------------------------------------------------
+
+def test_tree_shares_common_prefixes_and_keeps_the_first_branch_in_order() -> None:
+    t = Tree.of([br([1, 2, 3]), br([1, 5]), br([7]), br([1, 2])])
+    assert t.tokens == (1, 2, 3, 5, 7)
+    assert t.parents == (-1, 0, 1, 0, -1)
+    assert t.depths == (1, 2, 3, 2, 1)
+    assert t.ends == (2, 3, 4, 1)
+    assert t.size == 5
+    vis = t.visible()
+    # Position 0 is the root (the sequence's last token); node i is position i + 1.
+    assert vis[0] == [True, False, False, False, False, False]
+    assert vis[3] == [True, True, True, True, False, False]  # node 2: 1 -> 2 -> 3
+    assert vis[4] == [True, True, False, False, True, False]  # node 3: 1 -> 5
+    assert vis[5] == [True, False, False, False, False, True]  # node 4: 7
+
+
+def test_walk_follows_the_models_tokens_to_the_deepest_agreeing_node() -> None:
+    t = Tree.of([br([1, 2, 3]), br([1, 5, 6]), br([7])])
+    path, tok = follow(t, [1, 5, 6, 9])
+    assert path == [0, 3, 4] and tok == 9
+    assert t.branch_of(path) == 1 and t.along_first(path) == 1
+    path, tok = follow(t, [1, 2, 8])
+    assert path == [0, 1] and tok == 8
+    assert t.branch_of(path) == 0 and t.along_first(path) == 2
+    path, tok = follow(t, [4])  # no branch starts with the model's token
+    assert path == [] and tok == 4 and t.branch_of(path) == 0
+    path, tok = follow(t, [7, 7])
+    assert path == [5] and tok == 7 and t.branch_of(path) == 2
+    with pytest.raises(ValueError):
+        Tree.of([br([1])]).branch_of([3])
+
+
+def test_a_tree_plan_places_each_node_at_its_depth_and_shows_it_its_ancestors() -> None:
+    t = Tree.of([br([1, 2]), br([3])])
+    store = KvStore(num_layers=1, kv_heads=1, head_dim=2, num_blocks=2, block_size=4,
+                    max_rows=2, max_context=32, dtype=torch.float32, device="cpu")
+    cache = PagedCache(store)
+    cache.begin(ForwardPlan(0, [5], t.size + 1, depths=(0, *t.depths), visible=t.visible()))
+    assert cache.position_ids().tolist() == [[5, 6, 7, 6]]
+    mask = cache.attention_mask()
+    assert mask.shape == (1, 1, 4, 9)
+    assert mask[0, 0, :, :5].all()  # the cached positions: seen by every node
+    assert mask[0, 0, :, 5:].tolist() == [[True, False, False, False],
+                                          [True, True, False, False],
+                                          [True, True, True, False],
+                                          [True, False, False, True]]
+    # The accepted path's K/V moves to the slots of its positions.
+    store.rows[0, 0, 0, 0, 8] = 7.0
+    store.move_slots(0, [8], [6])
+    assert store.rows[0, 0, 0, 0, 6].tolist() == [7.0, 7.0]
+
+
+# ---- Draft.alternatives ------------------------------------------------------------------
+
+# After the context's last token 9 the draft goes on three ways: at 2 (-> 20), at 6 (-> 30)
+# and at 10 (-> 40 41 42).
+DRAFT = [5, 9, 20, 21, 22, 9, 30, 31, 32, 9, 40, 41, 42, 43]
+
+
+def proposing(draft: list[int], context: list[int], **kw) -> Draft:
+    d = Draft.of(draft, self_lookup=False, **kw)
+    d.fresh = False
+    assert d.propose(context, 16)
+    return d
+
+
+def test_alternatives_are_the_other_matches_each_once() -> None:
+    d = proposing(DRAFT, [1, 2, 9], branches=4)
+    assert d.pending.source is Source.DRAFT and d.matched == 1
+    alts = d.alternatives([1, 2, 9], 16)
+    starts = {a.start for a in alts}
+    assert d.start not in starts and starts | {d.start} == {2, 6, 10}
+    g = d.ladder[0]  # without costs: the lowest rung
+    assert all(a.tokens == DRAFT[a.start:a.start + g] for a in alts)
+    assert len(Draft.of(DRAFT, branches=2).ladder) == 3
+    d2 = proposing(DRAFT, [1, 2, 9], branches=2)
+    assert len(d2.alternatives([1, 2, 9], 16)) == 1
+    d1 = proposing(DRAFT, [1, 2, 9], branches=1)
+    assert d1.alternatives([1, 2, 9], 16) == []
+
+
+def test_no_alternatives_for_a_proposal_matched_on_a_long_run() -> None:
+    context = [5, 9, 20, 21, 22, 9]  # matches the draft's first six tokens
+    d = proposing(DRAFT, context, branches=4)
+    assert d.matched > drafting.ALT_MATCH_MAX
+    assert d.alternatives(context, 16) == []
+
+
+def test_alternatives_already_in_the_tree_are_left_out() -> None:
+    draft = [9, 1, 2, 9, 1, 2, 3, 9, 4]
+    d = proposing(draft, [7, 9], branches=4)
+    alts = d.alternatives([7, 9], 16)
+    trees = [d.pending.tokens] + [a.tokens for a in alts]
+    for i, a in enumerate(trees):
+        for j, b in enumerate(trees):
+            assert i == j or b[:len(a)] != a, (a, b)
+
+
+def test_alternatives_only_where_their_expected_tokens_pay_for_the_forward() -> None:
+    top = 8
+    flat = tuple([1.0] * (top + 2))
+    d = proposing(DRAFT, [1, 2, 9], branches=4, costs=flat, top=top)
+    assert len(d.alternatives([1, 2, 9], top)) == 2  # cost nothing more: all of them
+    steep = tuple(1.0 + q for q in range(top + 2))  # every token costs a whole forward
+    d = proposing(DRAFT, [1, 2, 9], branches=4, costs=steep, top=top)
+    assert d.alternatives([1, 2, 9], top) == []
+    # An alternative that keeps adding tokens earns its place at a moderate cost.
+    mild = tuple(1.0 + 0.1 * q for q in range(top + 2))
+    d = proposing(DRAFT, [1, 2, 9], branches=4, costs=mild, top=top)
+    d.alt_yield = (0.0, 10.0)
+    assert d.alternatives([1, 2, 9], top) == []
+    d.alt_yield = (10.0, 10.0)
+    assert d.alternatives([1, 2, 9], top)
+
+
+def test_credit_and_take_steer_what_the_draft_learns() -> None:
+    d = proposing(DRAFT, [1, 2, 9], branches=4)
+    alts = d.alternatives([1, 2, 9], 16)
+    before = d.alt_yield
+    d.credit(len(alts), 2)
+    assert d.alt_yield == (drafting.DECAY * before[0] + 2, drafting.DECAY * before[1] + len(alts))
+    won = next(a for a in alts if a.start == 10)
+    d.take(won)
+    d.record(1, proposed=3)
+    d.advance([40, 41])
+    assert d.hint == 12 and d.proposed == 3 and d.accepted == 1
+
+
+# ---- the engine ---------------------------------------------------------------------------
+
+def crafted(ref: list[int], vocab: range = range(1, TINY_VOCAB - 1)) -> tuple[list[int], int]:
+    """A draft for `ref` whose proposal right after the first mismatch is wrong and whose
+    alternative is right: ref[:k], junk, ref[k] followed by junk (nearer, so ranked first),
+    junk, then ref[k] followed by the rest of ref. Junk: tokens of `vocab` not in `ref`."""
+    junk = [t for t in vocab if t not in ref]
+    for k in range(3, 12):
+        if ref[k] not in ref[:k] and ref[k] not in ref[k + 1:]:
+            z, j1, j2, j3, q = junk[:5]
+            return ref[:k] + [z, ref[k], j1, j2, j3, q] + ref[k:], k
+    raise AssertionError("no position to build the draft around")
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_an_alternative_that_wins_keeps_greedy_output_exact(make_engine, tiny_model,
+                                                            seed) -> None:
+    """The alternative's node sits past the proposal's in the row; after it verifies, its K/V
+    must be moved to its position's slot, or every later token would read a wrong key."""
+    eng = make_engine(num_blocks=64, block_size=4)
+    p = prompt(13, seed)
+    ref = reference_greedy(tiny_model, p, N_NEW)
+    draft, _ = crafted(ref)
+    checks: list[BaseException] = []
+    stop = threading.Event()
+
+    def checker() -> None:
+        while not stop.is_set():
+            try:
+                eng.call(eng.check_integrity).result(10)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                checks.append(exc)
+                return
+
+    th = threading.Thread(target=checker)
+    th.start()
+    try:
+        toks, fin = run(eng, p, draft)
+    finally:
+        stop.set()
+        th.join()
+    assert not checks, checks
+    assert toks == ref
+    st = eng.stats()
+    assert st.draft_tree_forwards_total >= 1 and st.draft_tree_branch_wins_total >= 1
+    assert fin.forward_passes == N_NEW - 1 - fin.draft_tokens_accepted
+    assert fin.draft_tokens_accepted >= N_NEW - 10
+    assert_idle(eng)
+
+
+def test_without_branches_no_tree_and_the_same_tokens(make_engine, tiny_model) -> None:
+    eng = make_engine(num_blocks=64, block_size=4, draft_branches=1)
+    p = prompt(13, 4)
+    ref = reference_greedy(tiny_model, p, N_NEW)
+    toks, fin = run(eng, p, crafted(ref)[0])
+    assert toks == ref
+    assert eng.stats().draft_tree_forwards_total == 0
+    with_tree = make_engine(num_blocks=64, block_size=4)
+    toks2, fin2 = run(with_tree, p, crafted(ref)[0])
+    assert toks2 == ref
+    # The tree verified the right continuation in the forward that proposed the wrong one.
+    assert fin2.forward_passes < fin.forward_passes
+
+
+def test_sampled_sequences_verify_the_proposal_alone_batches_stay_exact(
+        make_engine, tiny_model) -> None:
+    eng = make_engine(num_blocks=96, block_size=4, max_batch_size=3)
+    p = prompt(13, 5)
+    ref = reference_greedy(tiny_model, p, N_NEW)
+    draft = crafted(ref)[0]
+    _, fin = run(eng, p, draft, temperature=0.8, seed=3)
+    assert fin.draft_tokens_proposed > 0 and eng.stats().draft_tree_forwards_total == 0
+    # Several rows: a tree only while one of them decodes alone; the tokens stay exact.
+    outs = [eng.submit(EngineRequest(f"b{i}", p, SamplingSpec(N_NEW, ignore_eos=True),
+                                     draft_token_ids=tuple(draft)))[1] for i in range(3)]
+    res = [collect(o) for o in outs]
+    assert all(toks == ref for toks, _ in res)
+    assert_idle(eng)
