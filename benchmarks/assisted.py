@@ -77,6 +77,9 @@ Context figures, computed from the greedy answers, not timed:
                             only, no serving overhead, so how much the choice of lengths gave
                             away. The replica's own choices used the costs it had learned
                             when each B arrived, which the replay of that B uses too.
+                            All with the replica's trees; also "replica_no_tree", and
+                            "flat_costs": as a replica would draft where every forward costs
+                            one (a GPU, as expected; not measured), with and without trees
 Greedy outputs of all six timed runs are compared token by token (`identical_outputs`).
 
 Run: python -m benchmarks.assisted [--quick]
@@ -338,11 +341,13 @@ def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: li
     match length on the rungs of its ladder, the fixed fallback, two others, and the best of
     every ascending ladder within MAX_DRAFT_TOKENS (816). Forward cost only (no serving
     overhead), so above the served decode_speedup; it says how much the choice of lengths gave
-    away. All with the replica's trees (`branches`); "replica_no_tree" without them."""
+    away. All with the replica's trees (`branches`); "replica_no_tree" without them;
+    "flat_costs": as the replica would draft where every forward costs one (a GPU, as
+    expected), with and without trees, and forwards per token there."""
     import functools
     import itertools
 
-    from services.kvpool.drafting import LADDER, LadderChoice
+    from services.kvpool.drafting import LADDER, LadderChoice, choose_ladder
 
     assert len(costs) == MAX_DRAFT_TOKENS + 1, "costs of forwards of 1..MAX_DRAFT_TOKENS + 1"
     plain = sum(len(answer) - 1 for _, answer, _ in runs)  # a 1-token forward costs 1
@@ -366,6 +371,20 @@ def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: li
     best = max(itertools.combinations_with_replacement(range(1, MAX_DRAFT_TOKENS + 1), 3),
                key=lambda lad: (speedup(lad), lad))
     out["best"] = {"ladder": list(best), "speedup": speedup(best)}
+    # Forwards costing alike at every length, as expected on a GPU (not measured: no GPU):
+    # the replica's choices from such a timing, with and without trees.
+    flat = [1.0] * len(costs)
+    flat_ladder = choose_ladder(dict(enumerate(flat, 1)), MAX_DRAFT_TOKENS)
+    tokens = sum(len(answer) for _, answer, _ in runs)
+
+    def on_flat(trees: int) -> dict[str, float]:
+        rs = [replay(p, a, d, ladder=flat_ladder, costs=flat, cheap_guesses=True, by_cost=True,
+                     branches=trees) for p, a, d in runs]
+        return {"speedup": round(plain / sum(r["cost"] for r in rs), 3),
+                "forward_passes_per_token": round(sum(r["passes"] for r in rs) / tokens, 3)}
+
+    out["flat_costs"] = {"ladder": list(flat_ladder), "branches": branches,
+                         **on_flat(branches), "without_tree": on_flat(1)}
     return out
 
 

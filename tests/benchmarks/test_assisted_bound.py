@@ -175,6 +175,10 @@ def test_ladder_replays_rank_the_ladders_by_what_their_forwards_cost():
     assert out["16,16,16"]["speedup"] > out["replica_rungs"]["speedup"]
     assert out["best"]["speedup"] == out["16,16,16"]["speedup"] == out["replica"]["speedup"]
     assert out["replica"]["ladder"] == out["replica_rungs"]["ladder"] == [1, 2, 16]
+    # Given flat costs, the flat-costs replay is the replica's own (no trees by default).
+    assert out["flat_costs"]["ladder"] == [16, 16, 16]
+    assert (out["flat_costs"]["speedup"] == out["flat_costs"]["without_tree"]["speedup"]
+            == out["replica"]["speedup"])
     # A draft agreeing two tokens at a time, and any proposal past 2 tokens costs 5 forwards:
     # the best ladder proposes 2 after a miss, and proposing 16 throughout loses time.
     every_third = [7 if i % 3 == 2 else t for i, t in enumerate(ANSWER)]
