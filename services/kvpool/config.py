@@ -72,7 +72,7 @@ class KvPoolConfig:
     # cost (proposal lengths, the batch rule; services/kvpool/drafting.py `ServedCosts`).
     # Needs a measured draft_ladder. False = the start-up timing throughout.
     draft_costs_learned: bool = True
-    # Most branches a greedy sequence decoding alone verifies in one forward: its proposal
+    # Most branches a sequence decoding alone verifies in one forward: its proposal
     # and the continuations after other draft positions its context's end matches, as a tree
     # (services/kvpool/drafting.py `Draft.alternatives`, `Tree`). 1 = the proposal alone.
     # Only read when drafts are on.

@@ -40,10 +40,11 @@ The costs are the timing's, replaced length by length by what the replica's serv
 In a batch, every row's forward is as long as the longest proposal, so the engine cuts the
 batch's proposals to what their expected tokens pay for (`batch_keep`).
 
-A sequence decoding alone with greedy verification verifies a tree: besides the proposal, up to
+A sequence decoding alone verifies a tree: besides the proposal, up to
 `branches` - 1 short branches from the other draft positions that the context's end matches
 (`Draft.alternatives`), merged into a trie (`Tree`) and checked in the same forward, each node
-seeing only its own ancestors. The deepest path the model agrees with is accepted. Right after a
+seeing only its own ancestors. The path the model's own choices follow is accepted (greedy: its
+argmax; sampling: one draw per token, so outputs are distributed as without). Right after a
 mismatch, the newest token often occurs at several draft positions and the ranking picks one;
 the tree checks the runners-up at once instead of one forward each. Branches are the cheapest
 length on the cost frontier (all of `top` where forwards cost alike, as expected on a GPU), and

@@ -28,7 +28,7 @@ normally. In a batch, rows share one query length (the longest proposal + 1): pl
 the extra positions with filler whose K/V lies beyond their `num_computed` and is overwritten
 before it is ever attended to, and whose logits are ignored. Since every row pays for the
 longest proposal, a batch cuts its proposals to the length expected to emit the most tokens per
-forward cost (`drafting.batch_keep`). A greedy sequence decoding alone verifies its proposal
+forward cost (`drafting.batch_keep`). A sequence decoding alone verifies its proposal
 and up to `draft_branches` - 1 alternatives as one tree (`drafting.Tree`): the tree's tokens go
 to the row's next slots, each at the position of its depth and seeing only its ancestors; the
 accepted path's K/V is then moved to the slots of its positions (`KvStore.move_slots`).
@@ -70,7 +70,6 @@ from services.kvpool.sampling import (
     NonFiniteLogits,
     Sampler,
     SamplingSpec,
-    finite_rows,
     sample_batch,
     verify_batch,
 )
@@ -285,7 +284,7 @@ class Engine:
             came from; None = the fixed `drafting.LADDER` (topped at max_draft_tokens).
         learn_costs: with a measured `draft_ladder`, time steps of one sequence and let what
             they cost replace the timing's figures (`drafting.ServedCosts`, `costs`).
-        draft_branches: most branches of the tree a greedy sequence decoding alone verifies
+        draft_branches: most branches of the tree a sequence decoding alone verifies
             (`drafting.Draft.alternatives`); 1 = its proposal alone.
     """
 
@@ -805,11 +804,10 @@ class Engine:
 
     def _tree(self, seq: Sequence, prop: list[int]) -> Tree | None:
         """The tree to verify instead of `prop` alone (the pending proposal of the only
-        decoding sequence), or None: greedy sequences only (a sampled one needs the
-        acceptance rule for several drafts), and only with alternatives to add. Pool blocks
-        are reserved for its deepest branch (what can be accepted); without room, None."""
+        decoding sequence), or None: only with alternatives to add. Pool blocks are reserved
+        for its deepest branch (what can be accepted); without room, None."""
         d = seq.draft
-        if self.draft_branches <= 1 or d is None or not seq.sampler.spec.greedy:
+        if self.draft_branches <= 1 or d is None:
             return None
         alts = d.alternatives(seq.tokens, self._draft_limit(seq))
         if not alts:
@@ -824,22 +822,20 @@ class Engine:
         return tree
 
     def _decode_tree(self, seq: Sequence, tree: Tree) -> None:
-        """One forward verifying `tree` after the sequence's last token (greedy): the deepest
-        path whose every token is the model's choice is accepted, then the model's token."""
+        """One forward verifying `tree` after the sequence's last token: the path the model's
+        choices follow is accepted, then the model's own token (`Sampler.verify_tree`)."""
         t0 = time.perf_counter()
         n, start = tree.size, seq.num_computed
         ids = torch.tensor([[seq.tokens[start], *tree.tokens]], device=self.device)
         plan = ForwardPlan(seq.row, [start], n + 1, depths=(0, *tree.depths),
                            visible=tree.visible())
         logits = self._forward(ids, plan, keep=n + 1)[0]
-        top = torch.argmax(logits, dim=-1).tolist()
-        path, tok = tree.walk(lambda i: top[i + 1])
         seq.num_computed += 1 + n  # until `_apply_verified` keeps what verified
-        used = torch.tensor([0] + [i + 1 for i in path], device=logits.device)
-        if not bool(finite_rows(logits.index_select(0, used)).all()):
-            self._fail_numerics(seq, NonFiniteLogits())
+        try:
+            path, tok = seq.sampler.verify_tree(logits, tree)
+        except NonFiniteLogits as exc:
+            self._fail_numerics(seq, exc)
             return
-        assert tok is not None
         # The path's K/V to the slots of its positions: node i was written at slot start+1+i.
         moves = [(start + 1 + i, start + 1 + k) for k, i in enumerate(path) if i != k]
         self.store.move_slots(seq.row, [a for a, _ in moves], [b for _, b in moves])

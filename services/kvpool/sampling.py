@@ -12,8 +12,12 @@ import hashlib
 import itertools
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from services.kvpool.drafting import Tree
 
 
 class NonFiniteLogits(ValueError):
@@ -137,6 +141,35 @@ class Sampler:
             if y != t:
                 return i, y
         return len(draft), self.draw(self.probs(x[len(draft)]))
+
+
+    def verify_tree(self, logits: torch.Tensor, tree: Tree) -> tuple[list[int], int]:
+        """`verify` for a tree of drafts (`drafting.Tree`): returns the accepted path (its
+        nodes) and the next token. `logits` is [tree.size + 1, vocab]: row 0 the prediction
+        after the context, row i + 1 after node i's path.
+
+        From the root, the next token is chosen as `verify` chooses it (greedy: the argmax;
+        sampling: one draw from p) and, while a child of the current node holds it, the walk
+        moves there. So every emitted token is the model's choice at its own context, a
+        sampled one drawn from p exactly; with one draw per emitted token, a seeded request
+        samples the same answer as without a draft. (With several point-mass drafts at a node,
+        drawing y ~ p and following the child equal to y accepts each with probability p(x)
+        and leaves p's rest for the token emitted instead.)
+
+        Raises:
+            NonFiniteLogits: a row the answer uses holds NaN or inf.
+        """
+        if self.spec.greedy:
+            model = torch.argmax(logits, dim=-1).tolist()
+            path, tok = tree.walk(lambda i: model[i + 1])
+            used = torch.tensor([0] + [i + 1 for i in path], device=logits.device)
+            if not bool(finite_rows(logits.index_select(0, used)).all()):
+                raise NonFiniteLogits()
+        else:
+            x = logits.float().cpu()  # one copy off the device
+            path, tok = tree.walk(lambda i: self.draw(self.probs(x[i + 1])))
+        assert tok is not None
+        return path, tok
 
 
 def _greedy_verdict(model: list[int], finite: list[bool], draft: list[int]) -> tuple[int, int]:

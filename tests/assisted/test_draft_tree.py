@@ -13,7 +13,7 @@ import services.kvpool.drafting as drafting
 from services.kvpool.drafting import Branch, Draft, Source, Tree
 from services.kvpool.engine import EngineRequest
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
-from services.kvpool.sampling import SamplingSpec
+from services.kvpool.sampling import NonFiniteLogits, Sampler, SamplingSpec
 from tests.assisted.test_assisted_engine import N_NEW, prompt, run
 from tests.kvpool.conftest import TINY_VOCAB, assert_idle, collect, reference_greedy
 
@@ -81,6 +81,20 @@ def test_a_tree_plan_places_each_node_at_its_depth_and_shows_it_its_ancestors() 
     store.rows[0, 0, 0, 0, 8] = 7.0
     store.move_slots(0, [8], [6])
     assert store.rows[0, 0, 0, 0, 6].tolist() == [7.0, 7.0]
+
+
+def test_verify_tree_walks_the_argmax_and_fails_only_on_rows_it_uses() -> None:
+    t = Tree.of([br([1, 2]), br([3, 4])])  # nodes: 0:1 1:2 2:3 3:4
+    logits = torch.zeros(t.size + 1, 8)
+    logits[0, 3] = logits[3, 4] = logits[4, 6] = 5.0  # root -> 3 -> 4 -> then 6
+    logits[1, 0] = logits[2, 0] = 5.0
+    greedy = Sampler(SamplingSpec(max_tokens=4))
+    assert greedy.verify_tree(logits, t) == ([2, 3], 6)
+    logits[1, 5] = float("nan")  # node 0's row: not on the path
+    assert greedy.verify_tree(logits, t) == ([2, 3], 6)
+    logits[3, 5] = float("nan")  # node 2's row: on it
+    with pytest.raises(NonFiniteLogits):
+        greedy.verify_tree(logits, t)
 
 
 # ---- Draft.alternatives ------------------------------------------------------------------
@@ -223,14 +237,30 @@ def test_without_branches_no_tree_and_the_same_tokens(make_engine, tiny_model) -
     assert fin2.forward_passes < fin.forward_passes
 
 
-def test_sampled_sequences_verify_the_proposal_alone_batches_stay_exact(
-        make_engine, tiny_model) -> None:
+def test_a_seeded_sampled_answer_is_the_same_with_a_tree(make_engine, tiny_model) -> None:
+    """Sampling walks the tree by one draw per emitted token at each node's own context: the
+    seeded answer equals the one without any draft, whichever branch the draws follow."""
+    eng = make_engine(num_blocks=96, block_size=4)
+    p = prompt(13, 5)
+    ref = reference_greedy(tiny_model, p, N_NEW)
+    draft = crafted(ref)[0]
+    for temperature, seed in ((0.05, 3), (0.05, 4), (0.8, 5)):
+        plain, _ = run(eng, p, [], temperature=temperature, seed=seed)
+        trees = eng.stats().draft_tree_forwards_total
+        toks, fin = run(eng, p, draft, temperature=temperature, seed=seed)
+        assert toks == plain, (temperature, seed)
+        assert fin.forward_passes == N_NEW - 1 - fin.draft_tokens_accepted
+        if temperature < 0.1:  # near-greedy: the crafted mismatch happens, and a tree after it
+            assert eng.stats().draft_tree_forwards_total > trees
+    assert eng.stats().draft_tree_branch_wins_total >= 1
+    assert_idle(eng)
+
+
+def test_batched_rows_verify_proposals_alone_and_stay_exact(make_engine, tiny_model) -> None:
     eng = make_engine(num_blocks=96, block_size=4, max_batch_size=3)
     p = prompt(13, 5)
     ref = reference_greedy(tiny_model, p, N_NEW)
     draft = crafted(ref)[0]
-    _, fin = run(eng, p, draft, temperature=0.8, seed=3)
-    assert fin.draft_tokens_proposed > 0 and eng.stats().draft_tree_forwards_total == 0
     # Several rows: a tree only while one of them decodes alone; the tokens stay exact.
     outs = [eng.submit(EngineRequest(f"b{i}", p, SamplingSpec(N_NEW, ignore_eos=True),
                                      draft_token_ids=tuple(draft)))[1] for i in range(3)]
