@@ -322,10 +322,10 @@ class Tree:
         return len(self.tokens)
 
     def walk(self, next_token: Callable[[int], int | None]) -> tuple[list[int], int | None]:
-        """Greedy verification: `next_token(i)` is the model's token after node i (-1: after
-        the root), or None where unknown. From the root, follow the child holding that token
-        while there is one. Returns the nodes followed (the accepted path) and the model's
-        token after the last of them."""
+        """Verification: `next_token(i)` is the model's choice after node i (-1: after the
+        root; its argmax, or a draw), or None where unknown. From the root, follow the child
+        holding that token while there is one. Returns the nodes followed (the accepted path)
+        and the model's token after the last of them."""
         child = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens,
                                                           strict=True))}
         path: list[int] = []
@@ -541,8 +541,9 @@ class Draft:
         added, offered = self.alt_yield
         each = added / offered
         best_k, best = 0, base / forward_cost(self.costs, 1 + len(prop.tokens))
+        ends = Tree.of([self.branch(), *out]).ends  # each branch adds nodes after the last
         for k in range(1, len(out) + 1):
-            size = Tree.of([Branch(prop.tokens, prop.source, 0), *out[:k]]).size
+            size = max(ends[:k + 1]) + 1  # nodes of the proposal and the first k
             value = (base + k * each) / forward_cost(self.costs, 1 + size)
             if value > best:
                 best_k, best = k, value

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import threading
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -29,6 +31,30 @@ def run(eng, tokens: list[int], draft: list[int], max_tokens: int = N_NEW, rid: 
     toks, fin = collect(eng.submit(req)[1])
     assert isinstance(fin, Finished), fin
     return toks, fin
+
+
+@contextlib.contextmanager
+def checking_integrity(eng) -> Iterator[list[BaseException]]:
+    """Checks the engine's integrity (ref counts, free queue, hash table) between its steps,
+    over and over while the block runs; yields the list of failures, filled by the end."""
+    failures: list[BaseException] = []
+    stop = threading.Event()
+
+    def checker() -> None:
+        while not stop.is_set():
+            try:
+                eng.call(eng.check_integrity).result(10)
+            except BaseException as exc:  # noqa: BLE001 - reported to the caller
+                failures.append(exc)
+                return
+
+    th = threading.Thread(target=checker)
+    th.start()
+    try:
+        yield failures
+    finally:
+        stop.set()
+        th.join()
 
 
 def other(t: int) -> int:
@@ -92,28 +118,12 @@ def test_rollback_keeps_the_pool_exact_at_every_step(make_engine, tiny_model) ->
     prompts = [prompt(9, 10 + i) for i in range(3)]
     refs = [reference_greedy(tiny_model, p, N_NEW) for p in prompts]
     bad = [[t if i % 5 else other(t) for i, t in enumerate(r)] for r in refs]  # 1 in 5 wrong
-    stop = threading.Event()
-    failures: list[BaseException] = []
-
-    def checker() -> None:
-        while not stop.is_set():
-            try:
-                eng.call(eng.check_integrity).result(10)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                failures.append(exc)
-                return
-
-    th = threading.Thread(target=checker)
-    th.start()
-    try:
+    with checking_integrity(eng) as failures:
         with paused(eng):
             outs = [eng.submit(EngineRequest(f"b{i}", p, SamplingSpec(N_NEW, ignore_eos=True),
                                              draft_token_ids=tuple(d)))[1]
                     for i, (p, d) in enumerate(zip(prompts, bad, strict=True))]
         res = [collect(o) for o in outs]
-    finally:
-        stop.set()
-        th.join()
     assert not failures, failures
     for (toks, fin), ref in zip(res, refs, strict=True):
         assert toks == ref

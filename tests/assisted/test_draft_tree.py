@@ -4,8 +4,6 @@ tree forward). Pure logic first, then the engine over the tiny random Llama."""
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 
@@ -14,7 +12,7 @@ from services.kvpool.drafting import Branch, Draft, Source, Tree
 from services.kvpool.engine import EngineRequest
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
 from services.kvpool.sampling import NonFiniteLogits, Sampler, SamplingSpec
-from tests.assisted.test_assisted_engine import N_NEW, prompt, run
+from tests.assisted.test_assisted_engine import N_NEW, checking_integrity, prompt, run
 from tests.kvpool.conftest import TINY_VOCAB, assert_idle, collect, reference_greedy
 
 
@@ -196,24 +194,8 @@ def test_an_alternative_that_wins_keeps_greedy_output_exact(make_engine, tiny_mo
     p = prompt(13, seed)
     ref = reference_greedy(tiny_model, p, N_NEW)
     draft, _ = crafted(ref)
-    checks: list[BaseException] = []
-    stop = threading.Event()
-
-    def checker() -> None:
-        while not stop.is_set():
-            try:
-                eng.call(eng.check_integrity).result(10)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                checks.append(exc)
-                return
-
-    th = threading.Thread(target=checker)
-    th.start()
-    try:
+    with checking_integrity(eng) as checks:
         toks, fin = run(eng, p, draft)
-    finally:
-        stop.set()
-        th.join()
     assert not checks, checks
     assert toks == ref
     st = eng.stats()
