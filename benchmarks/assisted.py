@@ -302,8 +302,7 @@ def replay(prompt: list[int], answer: list[int], draft: list[int],
             tree = Tree.of([d.branch(), *alts])
             path = _verified_path(tree, answer[t:])
             a, n = len(path), tree.size
-            d.credit(len(alts), a - tree.along_first(path))
-            d.take(tree.branches[tree.branch_of(path)])
+            d.follow(tree, path)
             trees += 1
         else:
             a = 0

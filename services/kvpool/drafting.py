@@ -294,6 +294,7 @@ class Tree:
     parents: tuple[int, ...]
     depths: tuple[int, ...]
     ends: tuple[int, ...]  # each branch's last node
+    child: dict[tuple[int, int], int] = field(compare=False, repr=False)  # (parent, token)->node
 
     @classmethod
     def of(cls, branches: list[Branch]) -> Tree:
@@ -314,7 +315,8 @@ class Tree:
                     depths.append(depths[node] + 1 if node >= 0 else 1)
                 node = nxt
             ends.append(node)
-        return cls(tuple(branches), tuple(tokens), tuple(parents), tuple(depths), tuple(ends))
+        return cls(tuple(branches), tuple(tokens), tuple(parents), tuple(depths), tuple(ends),
+                   child)
 
     @property
     def size(self) -> int:
@@ -326,13 +328,11 @@ class Tree:
         root; its argmax, or a draw), or None where unknown. From the root, follow the child
         holding that token while there is one. Returns the nodes followed (the accepted path)
         and the model's token after the last of them."""
-        child = {(p, t): i for i, (p, t) in enumerate(zip(self.parents, self.tokens,
-                                                          strict=True))}
         path: list[int] = []
         node = -1
         tok = next_token(node)
-        while tok is not None and (node, tok) in child:
-            node = child[(node, tok)]
+        while tok is not None and (node, tok) in self.child:
+            node = self.child[(node, tok)]
             path.append(node)
             tok = next_token(node)
         return path, tok
@@ -511,15 +511,11 @@ class Draft:
         if self.branches <= 1 or not prop.tokens or self.fresh or limit <= 0 \
                 or self.matched > ALT_MATCH_MAX:
             return []
-        ends = self._ends(self.index, context, len(self.tokens))
-        if ends is None:
-            return []
-        n, js = ends
         g = min(self.lengths[0] if self.lengths else self.ladder[0], limit)
         taken = self.start if prop.source is Source.DRAFT else -1
         thin_ok = self.cheap_guesses or self.rate >= WEAK_RATE_MIN
-        ranked = sorted(((self._extend(self.tokens, j, context, n), -abs(j - self.hint), j)
-                         for j in js if j != taken), reverse=True)
+        ranked = sorted((c for c in self._draft_matches(context) if c[2] != taken),
+                        reverse=True)
         have = [prop.tokens]
         out: list[Branch] = []
         for m, _, j in ranked:
@@ -541,9 +537,9 @@ class Draft:
         added, offered = self.alt_yield
         each = added / offered
         best_k, best = 0, base / forward_cost(self.costs, 1 + len(prop.tokens))
-        ends = Tree.of([self.branch(), *out]).ends  # each branch adds nodes after the last
+        last = Tree.of([self.branch(), *out]).ends  # each branch adds nodes after the last
         for k in range(1, len(out) + 1):
-            size = max(ends[:k + 1]) + 1  # nodes of the proposal and the first k
+            size = max(last[:k + 1]) + 1  # nodes of the proposal and the first k
             value = (base + k * each) / forward_cost(self.costs, 1 + size)
             if value > best:
                 best_k, best = k, value
@@ -554,6 +550,15 @@ class Draft:
         accepted `added` tokens more than the proposal alone would have."""
         a, o = self.alt_yield
         self.alt_yield = (DECAY * a + added, DECAY * o + offered)
+
+    def follow(self, tree: Tree, path: list[int]) -> int:
+        """`tree` (the pending proposal and its alternatives) was verified and `path`
+        accepted: credit the alternatives with what they won, and take the branch holding
+        the path (returned, as its index) as the proposal `record` and `advance` learn from."""
+        self.credit(len(tree.branches) - 1, len(path) - tree.along_first(path))
+        b = tree.branch_of(path)
+        self.take(tree.branches[b])
+        return b
 
     def branch(self) -> Branch:
         """The pending proposal as a tree's branch."""
@@ -569,13 +574,17 @@ class Draft:
         """(m, j): the draft index j whose preceding m tokens equal the end of `context`, m
         as long as any (at most MATCH_MAX); among equals the nearest to `hint`. None if the
         context's last token is nowhere in the draft (short of its end)."""
+        best = max(self._draft_matches(context), default=None)
+        return None if best is None else (best[0], best[2])
+
+    def _draft_matches(self, context: list[int]) -> list[tuple[int, int, int]]:
+        """Every draft position the end of `context` matches, as (m, -distance to `hint`, j):
+        the larger, the better ranked (`match_draft`, `alternatives`)."""
         ends = self._ends(self.index, context, len(self.tokens))
         if not ends:
-            return None
+            return []
         n, js = ends
-        m, _, j = max((self._extend(self.tokens, j, context, n), -abs(j - self.hint), j)
-                      for j in js)
-        return m, j
+        return [(self._extend(self.tokens, j, context, n), -abs(j - self.hint), j) for j in js]
 
     def match_context(self, context: list[int]) -> tuple[int, int] | None:
         """(m, j) as `match_draft`, over the sequence's own earlier context (prompt lookup): m

@@ -839,18 +839,16 @@ class Engine:
         # The path's K/V to the slots of its positions: node i was written at slot start+1+i.
         moves = [(start + 1 + i, start + 1 + k) for k, i in enumerate(path) if i != k]
         self.store.move_slots(seq.row, [a for a, _ in moves], [b for _, b in moves])
-        b = tree.branch_of(path)
+        assert seq.draft is not None
+        b = seq.draft.follow(tree, path)
         self.draft_tree_forwards_total += 1
         self.draft_tree_branch_wins_total += b > 0
         if self.metrics:
             self.metrics.draft_tree_forwards.inc()
             if b:
                 self.metrics.draft_tree_branch_wins.inc()
-        branch = tree.branches[b]
-        assert seq.draft is not None
-        seq.draft.credit(len(tree.branches) - 1, len(path) - tree.along_first(path))
-        seq.draft.take(branch)
-        self._apply_verified(seq, branch.tokens, len(path), tok, count_pass=True, proposed=n)
+        self._apply_verified(seq, tree.branches[b].tokens, len(path), tok, count_pass=True,
+                             proposed=n)
         self._step_done([seq], n + 1, t0)
 
     def _step_done(self, seqs: list[Sequence], q: int, t0: float) -> None:

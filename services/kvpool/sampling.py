@@ -142,7 +142,6 @@ class Sampler:
                 return i, y
         return len(draft), self.draw(self.probs(x[len(draft)]))
 
-
     def verify_tree(self, logits: torch.Tensor, tree: Tree) -> tuple[list[int], int]:
         """`verify` for a tree of drafts (`drafting.Tree`): returns the accepted path (its
         nodes) and the next token. `logits` is [tree.size + 1, vocab]: row 0 the prediction

@@ -169,6 +169,16 @@ def test_credit_and_take_steer_what_the_draft_learns() -> None:
     d.record(1, proposed=3)
     d.advance([40, 41])
     assert d.hint == 12 and d.proposed == 3 and d.accepted == 1
+    # `follow` does both for a verified tree: the branch holding the path is taken.
+    d = proposing(DRAFT, [1, 2, 9], branches=4)
+    alts = d.alternatives([1, 2, 9], 16)
+    tree = Tree.of([d.branch(), *alts])
+    k = next(i for i, b in enumerate(tree.branches) if b.start == 10)
+    path, _ = follow(tree, [40, 41])
+    before = d.alt_yield
+    assert d.follow(tree, path) == k and d.start == 10
+    assert d.alt_yield == (drafting.DECAY * before[0] + len(path),
+                           drafting.DECAY * before[1] + len(alts))
 
 
 # ---- the engine ---------------------------------------------------------------------------
