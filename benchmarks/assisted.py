@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import os
 import platform
 import random
@@ -97,7 +98,7 @@ import tempfile
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks.kvpool import write_result
@@ -125,6 +126,11 @@ NOTES = {
                           "longest, from the cached answer (_bound_draft) or from it and the "
                           "sequence's own prompt and output so far (_bound, what prompt lookup "
                           "can use); no drafter using those sources needs fewer forwards.",
+    "hindsight_ranking": "in replayed_speedup_by_ladder: the replica's drafting, except that "
+                         "each re-alignment takes, of the draft positions after the context's "
+                         "last token, the one that agrees longest with the known answer. Not a "
+                         "bound: what perfect ranking would give a drafter that re-aligns on "
+                         "matched context, at the served costs and at flat ones.",
 }
 
 TARGETS = {
@@ -269,7 +275,8 @@ def share(draft: list[int], answer: list[int]) -> float:
 def replay(prompt: list[int], answer: list[int], draft: list[int],
            self_lookup: bool = True, ladder: tuple[int, ...] | None = None,
            costs: list[float] | None = None, cheap_guesses: bool = False,
-           by_cost: bool = False, branches: int = 1) -> dict[str, float]:
+           by_cost: bool = False, branches: int = 1,
+           hindsight_ranking: bool = False) -> dict[str, float]:
     """The replica's drafting logic run against a known greedy answer (greedy verification
     accepts exactly the proposal's prefix that equals the answer): forward passes, and proposed
     and accepted tokens by source, as the engine counts them for one sequence decoded alone.
@@ -278,13 +285,17 @@ def replay(prompt: list[int], answer: list[int], draft: list[int],
     was measured does (`Draft.length`); else by match length on the ladder's rungs.
     `branches`: as a replica with TIERCACHE_KVPOOL_DRAFT_BRANCHES, a proposal's alternatives
     are verified with it as a tree (`Draft.alternatives`), the deepest agreeing path
-    accepted."""
+    accepted. `hindsight_ranking`: the drafter re-aligns with the answer known
+    (`_hindsight_draft`), not a replica's drafting."""
     from services.kvpool.drafting import Draft, Source, Tree, forward_cost
 
     assert costs is not None or not by_cost, "lengths by cost need the costs"
-    d = Draft.of(draft, self_lookup, ladder=ladder, cheap_guesses=cheap_guesses,
-                 costs=tuple(costs) if by_cost and costs is not None else (),
-                 branches=branches)
+    cls = _hindsight_draft() if hindsight_ranking else Draft
+    d = cls.of(draft, self_lookup, ladder=ladder, cheap_guesses=cheap_guesses,
+               costs=tuple(costs) if by_cost and costs is not None else (),
+               branches=branches)
+    if hindsight_ranking:
+        d.answer, d.prompt_len = list(answer), len(prompt)
     gen: list[int] = []
     proposed_lookup = 0
     passes = -1  # the first proposal rides on the prefill forward, which is not counted
@@ -323,6 +334,43 @@ def replay(prompt: list[int], answer: list[int], draft: list[int],
     return out
 
 
+@functools.cache
+def _hindsight_draft() -> type:
+    """A `Draft` that re-aligns knowing the answer: of the draft positions it can re-align to
+    (those after an occurrence of the context's last token), the one whose continuation
+    agrees longest with the answer, or none where no continuation agrees at all; everything
+    else (lengths, thresholds on how many context tokens the position matches, prompt
+    lookup, guesses) as the replica's. Not a bound (the drafter's other choices stay as
+    they are): what a perfect ranking of where the draft goes on would give, beside
+    `hindsight_passes`, which may also start where no context token matches."""
+    from services.kvpool.drafting import Draft
+
+    @dataclass
+    class HindsightDraft(Draft):
+        answer: list[int] = field(default_factory=list)
+        prompt_len: int = 0
+
+        def _draft_matches(self, context: list[int]) -> list[tuple[int, int, int]]:
+            t = len(context) - self.prompt_len
+            rest = self.answer[t:t + MAX_DRAFT_TOKENS]
+
+            def agree(j: int) -> int:
+                k = 0
+                while k < len(rest) and j + k < len(self.tokens) \
+                        and self.tokens[j + k] == rest[k]:
+                    k += 1
+                return k
+
+            spots = [j for j in range(1, len(self.tokens))
+                     if context and self.tokens[j - 1] == context[-1]]
+            best = max(spots, key=lambda j: (agree(j), -abs(j - self.hint)), default=None)
+            if best is None or agree(best) == 0:
+                return []
+            return [(self._extend(self.tokens, best, context, 1), 0, best)]
+
+    return HindsightDraft
+
+
 def _verified_path(tree, rest: list[int]) -> list[int]:
     """The nodes of `tree` greedy verification accepts when the answer goes on with `rest`:
     the model's token after a node of depth k is rest[k]."""
@@ -342,8 +390,9 @@ def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: li
     overhead), so above the served decode_speedup; it says how much the choice of lengths gave
     away. All with the replica's trees (`branches`); "replica_no_tree" without them;
     "flat_costs": as the replica would draft where every forward costs one (a GPU, as
-    expected), with and without trees, and forwards per token there."""
-    import functools
+    expected), with and without trees, and forwards per token there. "hindsight_ranking":
+    the replica's drafting (no trees: the ranking leaves them nothing to add) re-aligning
+    with the answer known (`_hindsight_draft`), at these costs and at flat ones."""
     import itertools
 
     from services.kvpool.drafting import LADDER, LadderChoice, choose_ladder
@@ -384,6 +433,17 @@ def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: li
 
     out["flat_costs"] = {"ladder": list(flat_ladder), "branches": branches,
                          **on_flat(branches), "without_tree": on_flat(1)}
+    cheap = LadderChoice(tuple(chosen), "measured", tuple(costs)).cheap_guesses
+    hs = [replay(p, a, d, ladder=tuple(chosen), costs=costs, cheap_guesses=cheap, by_cost=True,
+                 hindsight_ranking=True) for p, a, d in runs]
+    hs_flat = [replay(p, a, d, ladder=flat_ladder, costs=flat, cheap_guesses=True, by_cost=True,
+                      hindsight_ranking=True) for p, a, d in runs]
+    out["hindsight_ranking"] = {
+        "speedup": round(plain / sum(r["cost"] for r in hs), 3),
+        "forward_passes_per_token": round(sum(r["passes"] for r in hs) / tokens, 3),
+        "flat_costs": {"speedup": round(plain / sum(r["cost"] for r in hs_flat), 3),
+                       "forward_passes_per_token":
+                           round(sum(r["passes"] for r in hs_flat) / tokens, 3)}}
     return out
 
 

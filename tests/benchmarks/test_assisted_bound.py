@@ -201,3 +201,34 @@ def test_replayed_trees_verify_the_alternative_the_proposal_missed():
     assert tree["passes"] < alone["passes"]
     # Every node of a tree counts as proposed; a tree accepts what its best branch verifies.
     assert tree["proposed"] > tree["accepted"] >= alone["accepted"]
+
+
+def test_hindsight_ranking_re_aligns_where_the_answer_goes_on():
+    # The draft of the tree test: after the mismatch at 105, the replica's ranking proposes
+    # the junk after the nearer 105; knowing the answer, the re-alignment takes the other.
+    answer = list(range(100, 140))
+    draft = answer[:5] + [7, 105, 1, 2, 3, 8] + answer[5:]
+    alone = replay([1, 2], answer, draft)
+    known = replay([1, 2], answer, draft, hindsight_ranking=True)
+    assert known["passes"] < alone["passes"]
+    assert known["accepted"] > alone["accepted"]
+    # It only re-ranks: never under the hindsight bound, and a draft that agrees nowhere
+    # gives it nothing to re-align to (prompt lookup off: every token costs a forward).
+    assert known["passes"] >= hindsight_passes(answer, draft, [1, 2])
+    none = replay([1, 2], answer, [7, 105, 9], self_lookup=False, hindsight_ranking=True)
+    plain = replay([1, 2], answer, [7, 105, 9], self_lookup=False)
+    assert none["passes"] == plain["passes"] == len(answer) - 1 and none["accepted"] == 0
+    assert none["proposed"] < plain["proposed"]  # not the 9 after 105, which disagrees
+
+
+def test_ladder_replays_report_the_hindsight_ranking():
+    from benchmarks.assisted import ladder_replays
+
+    answer = list(range(100, 140))
+    draft = answer[:5] + [7, 105, 1, 2, 3, 8] + answer[5:]
+    flat = [1.0] * (MAX_DRAFT_TOKENS + 1)
+    out = ladder_replays([([1, 2], answer, draft)], flat, (1, 2, 16))
+    known = out["hindsight_ranking"]
+    assert known["speedup"] > out["replica_no_tree"]["speedup"]
+    assert known["flat_costs"]["forward_passes_per_token"] \
+        < out["flat_costs"]["without_tree"]["forward_passes_per_token"]
