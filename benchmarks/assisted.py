@@ -265,6 +265,18 @@ def near_miss_pairs(n: int) -> tuple[list[Pair], int]:
     return out, scanned
 
 
+def cpu_model() -> str:
+    """The host's processor as /proc/cpuinfo names it (the speed-up depends on how much dearer
+    a forward of several tokens is than one of a single token, which differs by processor)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def share(draft: list[int], answer: list[int]) -> float:
     """Share of `answer`'s tokens that also occur in `draft` (multiset overlap)."""
     if not answer:
@@ -425,25 +437,19 @@ def ladder_replays(runs: list[tuple[list[int], list[int], list[int]]], costs: li
     flat_ladder = choose_ladder(dict(enumerate(flat, 1)), MAX_DRAFT_TOKENS)
     tokens = sum(len(answer) for _, answer, _ in runs)
 
-    def on_flat(trees: int) -> dict[str, float]:
-        rs = [replay(p, a, d, ladder=flat_ladder, costs=flat, cheap_guesses=True, by_cost=True,
-                     branches=trees) for p, a, d in runs]
+    def replayed(on_flat: bool, **kw) -> dict[str, float]:
+        lad, cs = (flat_ladder, flat) if on_flat else (tuple(chosen), costs)
+        cheap = LadderChoice(lad, "measured", tuple(cs)).cheap_guesses
+        rs = [replay(p, a, d, ladder=lad, costs=cs, cheap_guesses=cheap, by_cost=True, **kw)
+              for p, a, d in runs]
         return {"speedup": round(plain / sum(r["cost"] for r in rs), 3),
                 "forward_passes_per_token": round(sum(r["passes"] for r in rs) / tokens, 3)}
 
     out["flat_costs"] = {"ladder": list(flat_ladder), "branches": branches,
-                         **on_flat(branches), "without_tree": on_flat(1)}
-    cheap = LadderChoice(tuple(chosen), "measured", tuple(costs)).cheap_guesses
-    hs = [replay(p, a, d, ladder=tuple(chosen), costs=costs, cheap_guesses=cheap, by_cost=True,
-                 hindsight_ranking=True) for p, a, d in runs]
-    hs_flat = [replay(p, a, d, ladder=flat_ladder, costs=flat, cheap_guesses=True, by_cost=True,
-                      hindsight_ranking=True) for p, a, d in runs]
-    out["hindsight_ranking"] = {
-        "speedup": round(plain / sum(r["cost"] for r in hs), 3),
-        "forward_passes_per_token": round(sum(r["passes"] for r in hs) / tokens, 3),
-        "flat_costs": {"speedup": round(plain / sum(r["cost"] for r in hs_flat), 3),
-                       "forward_passes_per_token":
-                           round(sum(r["passes"] for r in hs_flat) / tokens, 3)}}
+                         **replayed(True, branches=branches),
+                         "without_tree": replayed(True, branches=1)}
+    out["hindsight_ranking"] = {**replayed(False, hindsight_ranking=True),
+                                "flat_costs": replayed(True, hindsight_ranking=True)}
     return out
 
 
@@ -787,6 +793,7 @@ def main(argv: list[str] | None = None) -> int:
                       "(no upper cut: a refused match above the hit threshold is a near-miss "
                       "too); hit or near-miss as the served semantic tier decides",
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                    "cpu_model": cpu_model(),
                     "load_avg_at_start": load_avg, "load_avg_at_end": os.getloadavg()},
         "draft_ladder": list(ladder),
         "draft_ladder_source": ladder_source,
