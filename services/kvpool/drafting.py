@@ -40,7 +40,7 @@ The costs are the timing's, replaced length by length by what the replica's serv
 In a batch, every row's forward is as long as the longest proposal, so the engine cuts the
 batch's proposals to what their expected tokens pay for (`batch_keep`).
 
-A sequence decoding alone verifies a tree: besides the proposal, up to
+A sequence can verify a tree: besides the proposal, up to
 `branches` - 1 short branches from the other draft positions that the context's end matches
 (`Draft.alternatives`), merged into a trie (`Tree`) and checked in the same forward, each node
 seeing only its own ancestors. The path the model's own choices follow is accepted (greedy: its
@@ -49,7 +49,8 @@ mismatch, the newest token often occurs at several draft positions and the ranki
 the tree checks the runners-up at once instead of one forward each. Branches are the cheapest
 length on the cost frontier (all of `top` where forwards cost alike, as expected on a GPU), and
 with measured costs only as many join as their recent yield pays for: on the 2-core CPU a tree
-rarely pays, with flat costs it does.
+rarely pays, with flat costs it does. In a batch, every row is padded to the longest proposal
+anyway, so there a row's alternatives join as far as they fit in its padding (`room`).
 
 Each source keeps its recent acceptance rate. Where the lowest rung's forward was timed at
 about a decode step's cost (`LadderChoice.cheap_guesses`), a failed proposal costs nothing and
@@ -496,7 +497,8 @@ class Draft:
         self.pending = Proposal(src[j:j + g], source)
         return self.pending.tokens
 
-    def alternatives(self, context: list[int], limit: int) -> list[Branch]:
+    def alternatives(self, context: list[int], limit: int, room: int | None = None
+                     ) -> list[Branch]:
         """Up to `branches` - 1 more branches to verify beside the pending proposal, in one
         tree (`Tree`): the continuations (at most `limit` tokens) after the other draft
         positions that the end of `context` matches as `match_draft` finds them, best ranked
@@ -506,7 +508,9 @@ class Draft:
         not a guess among several spots); thin matches only where `propose` would take
         them. With costs, only as many as pay for their forward: the proposal's expected
         tokens plus what alternatives have added per alternative lately (`credit`), over the
-        tree's forward cost, against the proposal's alone."""
+        tree's forward cost, against the proposal's alone. `room`: the forward is as long
+        anyway (a batch's row padded to its longest), so as many as add at most `room` tree
+        nodes to the proposal's, whatever they cost."""
         prop = self.pending
         if self.branches <= 1 or not prop.tokens or self.fresh or limit <= 0 \
                 or self.matched > ALT_MATCH_MAX:
@@ -528,6 +532,9 @@ class Draft:
             out.append(Branch(toks, Source.DRAFT, j))
             if len(out) == self.branches - 1:
                 break
+        if room is not None:  # nodes past the proposal's: a prefix of `out` fits
+            ends, n = Tree.of([self.branch(), *out]).ends, len(prop.tokens)
+            return [b for k, b in enumerate(out) if max(ends[:k + 2]) + 1 - n <= room]
         if not self.costs or not out:
             return out
         # As many as pay for their forward: the proposal is expected to emit

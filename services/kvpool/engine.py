@@ -29,9 +29,11 @@ the extra positions with filler whose K/V lies beyond their `num_computed` and i
 before it is ever attended to, and whose logits are ignored. Since every row pays for the
 longest proposal, a batch cuts its proposals to the length expected to emit the most tokens per
 forward cost (`drafting.batch_keep`). A sequence decoding alone verifies its proposal
-and up to `draft_branches` - 1 alternatives as one tree (`drafting.Tree`): the tree's tokens go
-to the row's next slots, each at the position of its depth and seeing only its ancestors; the
-accepted path's K/V is then moved to the slots of its positions (`KvStore.move_slots`).
+and up to `draft_branches` - 1 alternatives as one tree (`drafting.Tree`) where they pay for
+their longer forward; a batch's row does where they fit in the filler it would be padded with
+anyway. The tree's tokens go to the row's next slots, each at the position of its depth and
+seeing only its ancestors; the accepted path's K/V is then moved to the slots of its positions
+(`KvStore.move_slots`).
 """
 
 from __future__ import annotations
@@ -284,7 +286,7 @@ class Engine:
             came from; None = the fixed `drafting.LADDER` (topped at max_draft_tokens).
         learn_costs: with a measured `draft_ladder`, time steps of one sequence and let what
             they cost replace the timing's figures (`drafting.ServedCosts`, `costs`).
-        draft_branches: most branches of the tree a sequence decoding alone verifies
+        draft_branches: most branches of the tree a decoding sequence verifies
             (`drafting.Draft.alternatives`); 1 = its proposal alone.
     """
 
@@ -772,7 +774,8 @@ class Engine:
         self._step_done(seqs, 1, t0)
 
     def _decode_with_drafts(self, seqs: list[Sequence], props: list[list[int]]) -> None:
-        """One forward for the batch: each row its last token plus its proposal (maybe none)."""
+        """One forward for the batch: each row its last token plus its proposal (maybe none),
+        or a tree where the proposal's alternatives fit in what pads it to the longest row."""
         t0 = time.perf_counter()
         # Every row is as long as the longest proposal; shorter ones are padded with filler
         # positions, which must stay inside the context (the working rows are sized to it, and
@@ -780,36 +783,54 @@ class Engine:
         room = min(self.info.max_context - s.num_computed for s in seqs) - 1
         props = self._cut_proposals(seqs, props, room)
         q = 1 + max(len(p) for p in props)
+        # The padding costs the forward as much as draft tokens would: alternatives fill it.
+        trees = [self._tree(s, p, room=q - 1 - len(p)) if p and len(p) < q - 1 else None
+                 for s, p in zip(seqs, props, strict=True)]
+        drafted = [p if t is None else list(t.tokens) for p, t in zip(props, trees, strict=True)]
+        starts = [s.num_computed for s in seqs]
         rows = []
-        for s, p in zip(seqs, props, strict=True):
+        for s, d in zip(seqs, drafted, strict=True):
             last = s.tokens[s.num_computed]
-            rows.append([last] + p + [last] * (q - 1 - len(p)))  # filler, see module docstring
+            rows.append([last] + d + [last] * (q - 1 - len(d)))  # filler, see module docstring
         ids = torch.tensor(rows, device=self.device)
-        plan = ForwardPlan(0, [s.num_computed for s in seqs], q)
+        plan = ForwardPlan(0, starts, q)
+        if any(t is not None for t in trees):
+            layouts = [_row_layout(t, q) for t in trees]
+            plan.depths, plan.visible = [d for d, _ in layouts], [v for _, v in layouts]
         # Logits only where a row has a draft token to check (a row without one: its first).
-        logits = self._forward(ids, plan, keep=q, need=[1 + len(p) for p in props])
-        results = verify_batch([s.sampler for s in seqs], logits, props)
-        for s, p in zip(seqs, props, strict=True):
+        need = [1 + len(d) for d in drafted]
+        logits = self._forward(ids, plan, keep=q, need=need)
+        results = _verify_rows(seqs, props, trees, logits, need)
+        for s, d in zip(seqs, drafted, strict=True):
             # Everything just written counts until verified, so a row moved while an earlier
             # sequence finishes keeps it (`_apply_verified` then drops the rejected part).
-            s.num_computed += 1 + len(p)
+            s.num_computed += 1 + len(d)
         for i, s in enumerate(seqs):
             r = results[i]
             if isinstance(r, NonFiniteLogits):
                 self._fail_numerics(s, r)
                 continue
-            a, tok = r
-            self._apply_verified(s, props[i], a, tok, count_pass=True)
+            tree = trees[i]
+            if tree is None:
+                a, tok = r
+                self._apply_verified(s, props[i], a, tok, count_pass=True)
+            else:
+                path, tok = r
+                self._apply_tree(s, tree, starts[i], path, tok)
         self._step_done(seqs, q, t0)
 
-    def _tree(self, seq: Sequence, prop: list[int]) -> Tree | None:
-        """The tree to verify instead of `prop` alone (the pending proposal of the only
-        decoding sequence), or None: only with alternatives to add. Pool blocks are reserved
-        for its deepest branch (what can be accepted); without room, None."""
+    def _tree(self, seq: Sequence, prop: list[int], room: int | None = None) -> Tree | None:
+        """The tree to verify instead of `prop` alone (the sequence's pending proposal), or
+        None: only with alternatives to add. `room`: a batch's row, padded by `room` tokens
+        anyway (`Draft.alternatives`); else the only decoding sequence. Pool blocks are
+        reserved for its deepest branch (what can be accepted); without room, None."""
         d = seq.draft
         if self.draft_branches <= 1 or d is None:
             return None
-        alts = d.alternatives(seq.tokens, self._draft_limit(seq))
+        limit = self._draft_limit(seq)
+        if room is not None:
+            limit = min(limit, len(prop) + room)
+        alts = d.alternatives(seq.tokens, limit, room)
         if not alts:
             return None
         tree = Tree.of([d.branch(), *alts])
@@ -827,8 +848,8 @@ class Engine:
         t0 = time.perf_counter()
         n, start = tree.size, seq.num_computed
         ids = torch.tensor([[seq.tokens[start], *tree.tokens]], device=self.device)
-        plan = ForwardPlan(seq.row, [start], n + 1, depths=(0, *tree.depths),
-                           visible=tree.visible())
+        depths, visible = _row_layout(tree, n + 1)
+        plan = ForwardPlan(seq.row, [start], n + 1, depths=[depths], visible=[visible])
         logits = self._forward(ids, plan, keep=n + 1)[0]
         seq.num_computed += 1 + n  # until `_apply_verified` keeps what verified
         try:
@@ -836,6 +857,14 @@ class Engine:
         except NonFiniteLogits as exc:
             self._fail_numerics(seq, exc)
             return
+        self._apply_tree(seq, tree, start, path, tok)
+        self._step_done([seq], n + 1, t0)
+
+    def _apply_tree(self, seq: Sequence, tree: Tree, start: int, path: list[int], tok: int
+                    ) -> None:
+        """`tree`, written to the sequence's row from slot `start` (its root there), verified
+        along `path`, the model's token `tok` after it: emit and roll back as
+        `_apply_verified`, the draft following the branch that held the path."""
         # The path's K/V to the slots of its positions: node i was written at slot start+1+i.
         moves = [(start + 1 + i, start + 1 + k) for k, i in enumerate(path) if i != k]
         self.store.move_slots(seq.row, [a for a, _ in moves], [b for _, b in moves])
@@ -848,8 +877,7 @@ class Engine:
             if b:
                 self.metrics.draft_tree_branch_wins.inc()
         self._apply_verified(seq, tree.branches[b].tokens, len(path), tok, count_pass=True,
-                             proposed=n)
-        self._step_done([seq], n + 1, t0)
+                             proposed=tree.size)
 
     def _step_done(self, seqs: list[Sequence], q: int, t0: float) -> None:
         """A decode step of `seqs`, q tokens per row, begun at perf_counter `t0`, is over: its
@@ -1182,3 +1210,44 @@ class Engine:
             assert sid in live, f"pool holds a table for dead sequence {sid}"
         for i, s in enumerate(self._decoding):
             assert s.row == i
+
+
+def _row_layout(tree: Tree | None, q: int) -> tuple[tuple[int, ...], list[list[bool]]]:
+    """A forward row of `q` tokens (`ForwardPlan.depths`, `visible`): its last token (the
+    root) and `tree`'s nodes, each at its depth seeing its ancestors, then filler tokens
+    that see only themselves; without a tree, q tokens in order, each seeing those before."""
+    if tree is None:
+        return tuple(range(q)), [[j <= t for j in range(q)] for t in range(q)]
+    n = tree.size + 1
+    assert n <= q
+    vis = [row + [False] * (q - n) for row in tree.visible()]
+    vis += [[j == t for j in range(q)] for t in range(n, q)]
+    return (0, *tree.depths, *range(n, q)), vis
+
+
+def _verify_rows(seqs: list[Sequence], props: list[list[int]], trees: list[Tree | None],
+                 logits: torch.Tensor, need: list[int]
+                 ) -> list[tuple[int, int] | tuple[list[int], int] | NonFiniteLogits]:
+    """Each row's verdict on a batch's forward (`logits`: need[b] rows of row b, in order):
+    (accepted, next token) for a proposal (`verify_batch`, together), (path, next token) for
+    a tree (`Sampler.verify_tree`), or the NonFiniteLogits that fails the row alone."""
+    out: list[Any] = [None] * len(seqs)
+    plain = [b for b, t in enumerate(trees) if t is None]
+    if plain:
+        sub = logits
+        if len(plain) < len(seqs):
+            offsets = list(itertools.accumulate(need, initial=0))
+            rows = [r for b in plain for r in range(offsets[b], offsets[b + 1])]
+            sub = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        verdicts = verify_batch([seqs[b].sampler for b in plain], sub, [props[b] for b in plain])
+        for b, v in zip(plain, verdicts, strict=True):
+            out[b] = v
+    lo = 0
+    for b, tree in enumerate(trees):
+        if tree is not None:
+            try:
+                out[b] = seqs[b].sampler.verify_tree(logits[lo:lo + need[b]], tree)
+            except NonFiniteLogits as exc:
+                out[b] = exc
+        lo += need[b]
+    return out

@@ -34,10 +34,10 @@ class KvMetrics:
                                       "Draft tokens proposed but left out of a batch's forward "
                                       "(they would have cost every row more than they save)")
         self.draft_tree_forwards = counter("tiercache_kvpool_draft_tree_forwards_total",
-                                           "Forwards that verified a draft proposal and its "
-                                           "alternatives together (a tree)")
+                                           "Trees verified: a sequence's draft proposal and "
+                                           "its alternatives in one forward")
         self.draft_tree_branch_wins = counter("tiercache_kvpool_draft_tree_branch_wins_total",
-                                              "Tree forwards whose accepted tokens came from an "
+                                              "Trees whose accepted tokens came from an "
                                               "alternative, not the proposal")
         self.ttft_seconds = histogram("tiercache_kvpool_ttft_seconds",
                                       "Time from arrival to the first token", buckets=_SECONDS)

@@ -29,15 +29,16 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 class ForwardPlan:
     """Where the tokens of one forward go: rows `row0..row0+B-1`, starting at `starts[b]`.
 
-    A tree (one row; `drafting.Tree`): the row's new tokens still go to the slots
-    starts[0].., but token t sits at position starts[0] + depths[t] and sees the cached
-    positions and the new tokens that `visible[t]` marks (itself and its ancestors)."""
+    With trees (`drafting.Tree`; `depths` and `visible` given, a row each): row b's new tokens
+    still go to the slots starts[b].., but its token t sits at position starts[b] +
+    depths[b][t] and sees the cached positions and the new tokens that `visible[b][t]` marks
+    (a tree node: itself and its ancestors; a row without a tree: the tokens up to it)."""
 
     row0: int
-    starts: list[int]  # position (and slot) of each row's first new token
+    starts: list[int]  # slot of each row's first new token (and its position)
     q_len: int  # new tokens per row (same for all rows of a forward)
-    depths: tuple[int, ...] | None = None  # a tree's: each new token's depth (root 0)
-    visible: list[list[bool]] | None = None  # a tree's: [q_len][q_len]
+    depths: list[tuple[int, ...]] | None = None  # per row, each new token's depth (root 0)
+    visible: list[list[list[bool]]] | None = None  # per row, [q_len][q_len]
 
     @property
     def batch(self) -> int:
@@ -224,20 +225,26 @@ class PagedCache(Cache):
 
     def begin(self, plan: ForwardPlan) -> None:
         assert plan.row0 + plan.batch <= self.store.max_rows
-        assert plan.depths is None or (plan.batch == 1 and len(plan.depths) == plan.q_len
-                                       and plan.visible is not None)
+        assert plan.depths is None or (
+            plan.visible is not None and len(plan.depths) == len(plan.visible) == plan.batch
+            and all(len(d) == len(v) == plan.q_len
+                    for d, v in zip(plan.depths, plan.visible, strict=True)))
         self.store.ensure_capacity(plan.kv_len)
         self.plan = plan
         self._idx = None
         self._pos = None
 
     def index_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, position) index tensors [B, T] of the new tokens (built once per forward)."""
+        """(row, slot) index tensors [B, T] of the new tokens (built once per forward): their
+        positions, except in a tree's row."""
         if self._idx is None:
             p = self.plan
-            rows = torch.arange(p.row0, p.row0 + p.batch,
-                                device=self.store.device)[:, None].expand(-1, p.q_len)
-            self._idx = (rows, self.position_ids())
+            dev = self.store.device
+            rows = torch.arange(p.row0, p.row0 + p.batch, device=dev)[:, None].expand(-1, p.q_len)
+            slots = (self.position_ids() if p.depths is None else
+                     torch.tensor(p.starts, device=dev)[:, None]
+                     + torch.arange(p.q_len, device=dev)[None, :])
+            self._idx = (rows, slots)
         return self._idx
 
     def position_ids(self) -> torch.Tensor:
@@ -247,20 +254,23 @@ class PagedCache(Cache):
             p = self.plan
             dev = self.store.device
             offsets = (torch.tensor(p.depths, device=dev) if p.depths is not None
-                       else torch.arange(p.q_len, device=dev))
-            self._pos = torch.tensor(p.starts, device=dev)[:, None] + offsets[None, :]
+                       else torch.arange(p.q_len, device=dev)[None, :])
+            self._pos = torch.tensor(p.starts, device=dev)[:, None] + offsets
         return self._pos
 
     def attention_mask(self) -> torch.Tensor:
-        """[B, 1, T, kv_len] bool: query t of row b sees keys 0..starts[b]+t (a tree: the
-        cached keys and its `visible` ones)."""
+        """[B, 1, T, kv_len] bool: query t of row b sees keys 0..starts[b]+t (with trees: the
+        row's cached keys and its `visible` new ones)."""
         p = self.plan
         dev = self.store.device
         if p.visible is not None:
-            s = p.starts[0]
-            mask = torch.ones(p.q_len, s + p.q_len, dtype=torch.bool, device=dev)
-            mask[:, s:] = torch.tensor(p.visible, dtype=torch.bool, device=dev)
-            return mask[None, None]
+            starts = torch.tensor(p.starts, device=dev)[:, None, None]
+            k = torch.arange(p.kv_len, device=dev)[None, None, :]
+            mask = (k < starts).expand(p.batch, p.q_len, p.kv_len).clone()
+            slots = (starts + torch.arange(p.q_len, device=dev)[None, None, :]
+                     ).expand(p.batch, p.q_len, p.q_len)
+            mask.scatter_(2, slots, torch.tensor(p.visible, dtype=torch.bool, device=dev))
+            return mask[:, None]
         q = self.position_ids()
         k = torch.arange(p.kv_len, device=dev)
         return (k[None, None, :] <= q[:, :, None])[:, None]

@@ -1,6 +1,6 @@
-"""Tree verification: a greedy sequence decoding alone checks its proposal and alternative
-continuations of the draft in one forward (drafting.Tree, Draft.alternatives, the engine's
-tree forward). Pure logic first, then the engine over the tiny random Llama."""
+"""Tree verification: a sequence checks its proposal and alternative continuations of the
+draft in one forward (drafting.Tree, Draft.alternatives, the engine's tree forwards), decoding
+alone or in a batch's padding. Pure logic first, then the engine over the tiny random Llama."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import pytest
 import torch
 
 import services.kvpool.drafting as drafting
+from benchmarks.inproc import run_together
 from services.kvpool.drafting import Branch, Draft, Source, Tree
-from services.kvpool.engine import EngineRequest
+from services.kvpool.engine import EngineRequest, Finished
 from services.kvpool.paged_cache import ForwardPlan, KvStore, PagedCache
 from services.kvpool.sampling import NonFiniteLogits, Sampler, SamplingSpec
 from tests.assisted.test_assisted_engine import N_NEW, checking_integrity, prompt, run
-from tests.kvpool.conftest import TINY_VOCAB, assert_idle, collect, reference_greedy
+from tests.kvpool.conftest import TINY_VOCAB, assert_idle, reference_greedy
 
 
 def br(tokens: list[int], start: int = 0) -> Branch:
@@ -66,7 +67,8 @@ def test_a_tree_plan_places_each_node_at_its_depth_and_shows_it_its_ancestors() 
     store = KvStore(num_layers=1, kv_heads=1, head_dim=2, num_blocks=2, block_size=4,
                     max_rows=2, max_context=32, dtype=torch.float32, device="cpu")
     cache = PagedCache(store)
-    cache.begin(ForwardPlan(0, [5], t.size + 1, depths=(0, *t.depths), visible=t.visible()))
+    cache.begin(ForwardPlan(0, [5], t.size + 1, depths=[(0, *t.depths)],
+                            visible=[t.visible()]))
     assert cache.position_ids().tolist() == [[5, 6, 7, 6]]
     mask = cache.attention_mask()
     assert mask.shape == (1, 1, 4, 9)
@@ -79,6 +81,35 @@ def test_a_tree_plan_places_each_node_at_its_depth_and_shows_it_its_ancestors() 
     store.rows[0, 0, 0, 0, 8] = 7.0
     store.move_slots(0, [8], [6])
     assert store.rows[0, 0, 0, 0, 6].tolist() == [7.0, 7.0]
+
+
+def test_a_batch_plan_lays_out_a_tree_row_beside_a_plain_one() -> None:
+    from services.kvpool.engine import _row_layout
+
+    t = Tree.of([br([1, 2]), br([3])])  # 3 nodes: a row of 4 with its root; padded to 6
+    store = KvStore(num_layers=1, kv_heads=1, head_dim=2, num_blocks=2, block_size=4,
+                    max_rows=2, max_context=32, dtype=torch.float32, device="cpu")
+    cache = PagedCache(store)
+    layouts = [_row_layout(t, 6), _row_layout(None, 6)]
+    cache.begin(ForwardPlan(0, [5, 2], 6, depths=[d for d, _ in layouts],
+                            visible=[v for _, v in layouts]))
+    # The tree's nodes at their depths, its fillers after; the plain row in order.
+    assert cache.position_ids().tolist() == [[5, 6, 7, 6, 9, 10], [2, 3, 4, 5, 6, 7]]
+    rows, slots = cache.index_tensors()  # K/V goes to the rows' next slots, not positions
+    assert rows.tolist() == [[0] * 6, [1] * 6]
+    assert slots.tolist() == [[5, 6, 7, 8, 9, 10], [2, 3, 4, 5, 6, 7]]
+    mask = cache.attention_mask()
+    assert mask.shape == (2, 1, 6, 11)
+    assert mask[0, 0, :, :5].all() and mask[1, 0, :, :2].all()  # each row's cached keys
+    assert mask[0, 0, :, 5:].tolist() == [[True, False, False, False, False, False],
+                                          [True, True, False, False, False, False],
+                                          [True, True, True, False, False, False],
+                                          [True, False, False, True, False, False],
+                                          [False, False, False, False, True, False],
+                                          [False, False, False, False, False, True]]
+    causal = [[j <= i for j in range(6)] for i in range(6)]
+    assert mask[1, 0, :, 2:8].tolist() == causal
+    assert not mask[1, 0, :, 8:].any()  # past the plain row's last new token
 
 
 def test_verify_tree_walks_the_argmax_and_fails_only_on_rows_it_uses() -> None:
@@ -156,6 +187,20 @@ def test_alternatives_only_where_their_expected_tokens_pay_for_the_forward() -> 
     assert d.alternatives([1, 2, 9], top) == []
     d.alt_yield = (10.0, 10.0)
     assert d.alternatives([1, 2, 9], top)
+
+
+def test_alternatives_in_a_padded_row_fill_its_room_whatever_they_cost() -> None:
+    top = 8
+    steep = tuple(1.0 + q for q in range(top + 2))  # alone, no alternative would pay
+    d = proposing(DRAFT, [1, 2, 9], branches=4, costs=steep, top=top)
+    n = len(d.pending.tokens)
+    assert d.alternatives([1, 2, 9], top) == []
+    both = d.alternatives([1, 2, 9], top, room=16)
+    assert len(both) == 2
+    added = Tree.of([d.branch(), *both]).size - n
+    one = d.alternatives([1, 2, 9], top, room=added - 1)  # the best ranked one fits
+    assert one == both[:1] and Tree.of([d.branch(), *one]).size - n <= added - 1
+    assert d.alternatives([1, 2, 9], top, room=0) == []
 
 
 def test_credit_and_take_steer_what_the_draft_learns() -> None:
@@ -248,14 +293,77 @@ def test_a_seeded_sampled_answer_is_the_same_with_a_tree(make_engine, tiny_model
     assert_idle(eng)
 
 
-def test_batched_rows_verify_proposals_alone_and_stay_exact(make_engine, tiny_model) -> None:
-    eng = make_engine(num_blocks=96, block_size=4, max_batch_size=3)
-    p = prompt(13, 5)
-    ref = reference_greedy(tiny_model, p, N_NEW)
-    draft = crafted(ref)[0]
-    # Several rows: a tree only while one of them decodes alone; the tokens stay exact.
-    outs = [eng.submit(EngineRequest(f"b{i}", p, SamplingSpec(N_NEW, ignore_eos=True),
-                                     draft_token_ids=tuple(draft)))[1] for i in range(3)]
-    res = [collect(o) for o in outs]
-    assert all(toks == ref for toks, _ in res)
+def batched_trees(eng) -> list[Tree]:
+    """The trees the engine builds in batches' padded rows (recorded as they are built)."""
+    made: list[Tree] = []
+    build = eng._tree
+
+    def spy(seq, prop, room=None):
+        tree = build(seq, prop, room)
+        if tree is not None and room is not None:
+            made.append(tree)
+        return tree
+
+    eng._tree = spy
+    return made
+
+
+def batch_of_three(tiny_model, seed: int) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt, draft, greedy answer) of three rows, admitted in this order: one following a
+    perfect draft of a long answer (proposals of 16 tokens while the others decode), one
+    without a draft, and one with the crafted draft (its proposal after the mismatch is one
+    token, padded to the longest: room for its alternatives)."""
+    p, other = prompt(13, seed), prompt(11, seed + 10)
+    ref, long_ref = reference_greedy(tiny_model, p, N_NEW), reference_greedy(tiny_model, other,
+                                                                              3 * N_NEW)
+    return [(other, long_ref, long_ref), (p, [], ref), (p, crafted(ref)[0], ref)]
+
+
+def run_batch(eng, jobs, **sampling) -> list[tuple[list[int], Finished]]:
+    """The jobs' (prompt, draft, answer) requests admitted together (the engine held meanwhile,
+    so the schedule is the same every run), each as long as its answer."""
+    _, streamed = run_together(eng, [
+        EngineRequest(f"b{i}", p, SamplingSpec(len(ref), ignore_eos=True, **sampling),
+                      draft_token_ids=tuple(d)) for i, (p, d, ref) in enumerate(jobs)])
+    return [(s.tokens, s.final) for s in streamed]
+
+
+@pytest.mark.parametrize("seed", [4, 5, 6])
+def test_trees_in_a_batchs_padding_keep_every_row_exact(make_engine, tiny_model,
+                                                          seed) -> None:
+    """Rows of a batch are padded to the longest proposal; a row right after its mismatch
+    proposes little and verifies its alternatives in the padding. Every row's tokens equal
+    its reference, and the alternative saves the crafted row forwards."""
+    jobs = batch_of_three(tiny_model, seed)
+    eng = make_engine(num_blocks=128, block_size=4, max_batch_size=3)
+    made = batched_trees(eng)
+    with checking_integrity(eng) as checks:
+        res = run_batch(eng, jobs)
+    assert not checks, checks
+    assert [toks for toks, _ in res] == [ref for _, _, ref in jobs]
+    assert made, "no tree was built in a batch's padding"
+    assert eng.stats().draft_tree_branch_wins_total >= 1
+    for (_, fin), (_, _, ref) in zip(res, jobs, strict=True):
+        assert fin.forward_passes == len(ref) - 1 - fin.draft_tokens_accepted
+    assert_idle(eng)
+    alone = make_engine(num_blocks=128, block_size=4, max_batch_size=3, draft_branches=1)
+    res1 = run_batch(alone, jobs)
+    assert [toks for toks, _ in res1] == [ref for _, _, ref in jobs]
+    assert res[2][1].forward_passes < res1[2][1].forward_passes
+
+
+def test_a_seeded_sampled_batch_is_the_same_with_trees(make_engine, tiny_model) -> None:
+    jobs = batch_of_three(tiny_model, 5)
+    eng = make_engine(num_blocks=128, block_size=4, max_batch_size=3)
+    made = batched_trees(eng)
+    # The tiny model's logits are flat: even near-greedy draws leave its argmax, so these
+    # seeds are ones whose draws meet the crafted mismatch (a batch tree follows it).
+    for temperature, seed in ((0.01, 5), (0.05, 4), (0.8, 4)):
+        plain = run_batch(eng, [(p, [], ref) for p, _, ref in jobs], temperature=temperature,
+                          seed=seed)
+        before = len(made)
+        drafted = run_batch(eng, jobs, temperature=temperature, seed=seed)
+        assert [t for t, _ in drafted] == [t for t, _ in plain], (temperature, seed)
+        if temperature < 0.1:
+            assert len(made) > before, (temperature, seed)
     assert_idle(eng)
