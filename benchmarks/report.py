@@ -407,6 +407,13 @@ def assisted_notes(figs: dict, notes: dict) -> list[str]:
         out.append("forward_passes_per_token_hindsight_bound(_draft) are lower bounds, not "
                    "estimates: " + str(notes.get("forward_passes_per_token_hindsight_bound",
                                                  "with hindsight, any draft position.")))
+    known = (figs.get("replayed_speedup_by_ladder") or {}).get("hindsight_ranking")
+    if isinstance(known, dict) and "forward_passes_per_token" in known:
+        flat = known.get("flat_costs") or {}
+        out.append(f"Replayed with hindsight ranking: {_f(known['forward_passes_per_token'])} "
+                   f"forwards per token ({_f(known.get('speedup'))}x) at the served costs, "
+                   f"{_f(flat.get('forward_passes_per_token'))} at flat ones; "
+                   + str(notes.get("hindsight_ranking", "")))
     return out
 
 
@@ -559,8 +566,10 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
             if k in f]))
         L.append("")
     if asst:
+        cpu = (asst.data.get("machine") or {}).get("cpu_model")
         L.append(f"Cache-assisted generation, a cached near-miss answer as the draft "
-                 f"({_src(asst)}; {asst.data.get('model', '')}):")
+                 f"({_src(asst)}; {asst.data.get('model', '')}"
+                 + (f"; on {cpu}" if cpu else "") + "):")
         L.append("")
         figs = asst.data.get("figures") or _numeric(asst.data)
         L.append(_table(["figure", "value"], [[k, v] for k, v in figs.items()
