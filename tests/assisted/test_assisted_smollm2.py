@@ -74,3 +74,42 @@ def test_smollm2_tree_alternative_that_wins_is_exact(smollm2) -> None:
         assert_idle(eng)
     finally:
         eng.stop()
+
+
+def test_smollm2_batch_trees_in_padding_are_exact(smollm2) -> None:
+    """Three rows admitted together: one following a perfect draft of a long answer (long
+    proposals), one without a draft, one with the crafted draft; the crafted row's
+    alternatives go into its padding, and every row's greedy tokens equal its own without."""
+    from benchmarks.inproc import run_together
+    from tests.assisted.test_draft_tree import batched_trees, crafted
+
+    model, tok, model_id = smollm2
+    eng = Engine(model, model_info(model, model_id),
+                 BlockPool(192, 16, BlockHasher(model_id, 16)), max_batch_size=3,
+                 max_prefill_chunk=64).start()
+
+    def ids(q: str) -> list[int]:
+        return list(tok.apply_chat_template([{"role": "user", "content": q}],
+                                            add_generation_prompt=True,
+                                            return_dict=True)["input_ids"])
+
+    def request(rid: str, prompt: list[int], n: int, draft: list[int]) -> EngineRequest:
+        return EngineRequest(rid, prompt, SamplingSpec(max_tokens=n, ignore_eos=True),
+                             draft_token_ids=tuple(draft))
+
+    try:
+        long_q, q = ids("Describe how bread is made."), ids("Name three primary colours.")
+        _, (long_ref, ref) = run_together(eng, [request("l", long_q, 100, []),
+                                                request("p", q, 40, [])])
+        made = batched_trees(eng)
+        jobs = [(long_q, long_ref.tokens, long_ref.tokens), (q, [], ref.tokens),
+                (q, crafted(ref.tokens, range(1000, 1100))[0], ref.tokens)]
+        _, res = run_together(eng, [request(f"b{i}", p, len(r), d)
+                                    for i, (p, d, r) in enumerate(jobs)])
+        assert [s.tokens for s in res] == [r for _, _, r in jobs]
+        assert made, "no tree was built in a batch's padding"
+        for s, (_, _, r) in zip(res, jobs, strict=True):
+            assert s.final.forward_passes == len(r) - 1 - s.final.draft_tokens_accepted
+        assert_idle(eng)
+    finally:
+        eng.stop()
