@@ -328,9 +328,7 @@ def replay(prompt: list[int], answer: list[int], draft: list[int],
             d.follow(tree, path)
             trees += 1
         else:
-            a = 0
-            while a < len(prop) and t + a < len(answer) and prop[a] == answer[t + a]:
-                a += 1
+            a = agreement(prop, 0, answer[t:])
         emitted = answer[t:t + a + 1]
         if costs is not None and passes >= 0:
             cost += forward_cost(tuple(costs), n + 1)
@@ -365,22 +363,23 @@ def _hindsight_draft() -> type:
         def _draft_matches(self, context: list[int]) -> list[tuple[int, int, int]]:
             t = len(context) - self.prompt_len
             rest = self.answer[t:t + MAX_DRAFT_TOKENS]
-
-            def agree(j: int) -> int:
-                k = 0
-                while k < len(rest) and j + k < len(self.tokens) \
-                        and self.tokens[j + k] == rest[k]:
-                    k += 1
-                return k
-
             spots = [j for j in range(1, len(self.tokens))
                      if context and self.tokens[j - 1] == context[-1]]
-            best = max(spots, key=lambda j: (agree(j), -abs(j - self.hint)), default=None)
-            if best is None or agree(best) == 0:
+            best = max(spots, key=lambda j: (agreement(self.tokens, j, rest),
+                                             -abs(j - self.hint)), default=None)
+            if best is None or agreement(self.tokens, best, rest) == 0:
                 return []
             return [(self._extend(self.tokens, best, context, 1), 0, best)]
 
     return HindsightDraft
+
+
+def agreement(src: list[int], j: int, rest: list[int]) -> int:
+    """How many tokens of `rest` src[j:] agrees with, from the start."""
+    k = 0
+    while k < len(rest) and j + k < len(src) and src[j + k] == rest[k]:
+        k += 1
+    return k
 
 
 def _verified_path(tree, rest: list[int]) -> list[int]:
@@ -484,11 +483,10 @@ def hindsight_passes(answer: list[int], draft: list[int], prompt: list[int] | No
 
     def best_from(src: list[int], t: int) -> int:
         top = min(cap, n - t)
+        rest = answer[t:t + top]
         best = 0
         for j in range(len(src)):
-            k = 0
-            while k < top and j + k < len(src) and src[j + k] == answer[t + k]:
-                k += 1
+            k = agreement(src, j, rest)
             if k > best:
                 best = k
                 if best == top:
