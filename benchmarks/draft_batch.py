@@ -19,6 +19,12 @@ medians over the repeats (a different pair each repeat):
 - drafting_row_s: until the drafting row has finished (what drafting is for);
 - batch_over_plain: batch_s over plain's (above 1: the draft slowed the whole batch down);
 - withheld / verified draft tokens, and the forwards of several rows that verified any.
+
+With `--all-draft` every row drafts: row i asks B of near pair i (a different pair per row
+and repeat) with A's greedy answer as its draft, and the three ways are no draft (`plain`),
+drafts with trees in the padding of shorter rows (`trees`, the replica's
+TIERCACHE_KVPOOL_DRAFT_BRANCHES) and without (`no_trees`), the gate on in both; also the
+trees built and the ones an alternative won (→ `results/draft_batch_all.json`).
 """
 
 from __future__ import annotations
@@ -37,21 +43,28 @@ import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "draft_batch.json"
+RESULT_ALL = RESULT.with_name("draft_batch_all.json")
 BATCHES = (2, 4, 8)
 MAX_TOKENS = 128
 MODES = ("plain", "gate_on", "gate_off")
+MODES_ALL = ("plain", "trees", "no_trees")
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.draft_batch")
-    ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
                     help="batch sizes (rows decoding together), at least 2")
+    ap.add_argument("--all-draft", action="store_true",
+                    help="every row drafts; compare trees in the padding on and off")
     args = ap.parse_args(argv)
     batches = sorted({int(b) for b in args.batches.split(",")})
     if min(batches) < 2:
         ap.error("--batches: at least 2 rows (one drafting, others plain)")
+    all_draft = args.all_draft
+    modes = MODES_ALL if all_draft else MODES
+    out_path = args.out or (RESULT_ALL if all_draft else RESULT)
 
     from benchmarks.assisted import QQP, near_miss_pairs
     from benchmarks.inproc import load_replica, result_header, run_together
@@ -66,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     def prompt_ids(q: str) -> list[int]:  # as the orchestrator renders a one-message chat
         return renderer.render_chat([Message("user", q)]).token_ids
 
-    pairs, _ = near_miss_pairs(args.reps)
+    pairs, _ = near_miss_pairs(args.reps * max(batches) if all_draft else args.reps)
     others: list[str] = []  # plain rows: QQP questions of non-duplicate pairs, file order
     with QQP.open(newline="") as f:
         for row in csv.DictReader(f):
@@ -97,8 +110,9 @@ def main(argv: list[str] | None = None) -> int:
         t0, res = run_together(engine, reqs)
         return [r.tokens for r in res], [r.end - t0 for r in res]
 
-    results: dict[int, dict[str, list[dict[str, float]]]] = {b: {m: [] for m in MODES}
+    results: dict[int, dict[str, list[dict[str, float]]]] = {b: {m: [] for m in modes}
                                                              for b in batches}
+    branches = engine.draft_branches
     try:
         drafts = []
         for pair in pairs:  # A's greedy answer: the cached near-miss B drafts with
@@ -107,28 +121,39 @@ def main(argv: list[str] | None = None) -> int:
         for rep in range(args.reps):
             pair, draft = pairs[rep % len(pairs)], drafts[rep % len(drafts)]
             for b in batches:
-                plain_rows = [(prompt_ids(q), []) for q in others[:b - 1]]
-                order = MODES[rep % 3:] + MODES[:rep % 3]
+                if all_draft:  # row i: near pair rep * max(batches) + i, its own draft
+                    ks = [(rep * max(batches) + i) % len(pairs) for i in range(b)]
+                    rows = [(prompt_ids(pairs[k].qb), drafts[k]) for k in ks]
+                else:
+                    rows = [(prompt_ids(pair.qb), draft)] + [(prompt_ids(q), [])
+                                                             for q in others[:b - 1]]
+                order = modes[rep % 3:] + modes[:rep % 3]
                 toks_by = {}
                 for mode in order:
                     engine.batch_gate = mode != "gate_off"
+                    engine.draft_branches = 1 if mode == "no_trees" else branches
                     w0, v0 = engine.draft_tokens_withheld_total, \
                         engine.draft_tokens_proposed_total
+                    t0, t1 = engine.draft_tree_forwards_total, \
+                        engine.draft_tree_branch_wins_total
                     shapes.clear()
-                    toks, done = run([(prompt_ids(pair.qb), [] if mode == "plain" else draft)]
-                                     + plain_rows)
+                    # Without a draft every row decodes plainly; else only the ones that have
+                    # one draft (the first, unless --all-draft).
+                    toks, done = run([(p, [] if mode == "plain" else d) for p, d in rows])
                     toks_by[mode] = toks
                     results[b][mode].append({
                         "batch_s": max(done), "drafting_row_s": done[0],
                         "tokens": sum(len(t) for t in toks),
                         "withheld": engine.draft_tokens_withheld_total - w0,
                         "verified": engine.draft_tokens_proposed_total - v0,
+                        "trees": engine.draft_tree_forwards_total - t0,
+                        "tree_wins": engine.draft_tree_branch_wins_total - t1,
                         "batched_forwards": len(shapes),
                         "batched_forwards_verifying": sum(q > 1 for _, q in shapes)})
-                if not toks_by["plain"] == toks_by["gate_on"] == toks_by["gate_off"]:
+                if any(toks_by[m] != toks_by["plain"] for m in modes):
                     raise AssertionError(f"B={b}, pair {rep}: a draft changed an answer")
                 print(f"  repeat {rep + 1}/{args.reps}, B={b}: " + ", ".join(
-                    f"{m} {results[b][m][-1]['batch_s']:.2f} s" for m in MODES), flush=True)
+                    f"{m} {results[b][m][-1]['batch_s']:.2f} s" for m in modes), flush=True)
     finally:
         engine.stop()
 
@@ -144,15 +169,20 @@ def main(argv: list[str] | None = None) -> int:
                         "batch_tokens_per_s": round(med(b, m, "tokens") / med(b, m, "batch_s"),
                                                     2),
                         "withheld": med(b, m, "withheld"), "verified": med(b, m, "verified"),
+                        "trees": med(b, m, "trees"), "tree_wins": med(b, m, "tree_wins"),
                         "batched_forwards_verifying": med(b, m, "batched_forwards_verifying"),
                         "batched_forwards": med(b, m, "batched_forwards")}
-                    for m in MODES}
-        print(f"B={b}: batch wall over plain: gate on {table[b]['gate_on']['batch_over_plain']}"
-              f", gate off {table[b]['gate_off']['batch_over_plain']}; drafting row "
-              f"{table[b]['gate_on']['drafting_row_s']} / {table[b]['gate_off']['drafting_row_s']}"
-              f" s (plain {table[b]['plain']['drafting_row_s']} s)", flush=True)
+                    for m in modes}
+        one, two = modes[1], modes[2]
+        print(f"B={b}: batch wall over plain: {one} {table[b][one]['batch_over_plain']}, "
+              f"{two} {table[b][two]['batch_over_plain']}; first row "
+              f"{table[b][one]['drafting_row_s']} / {table[b][two]['drafting_row_s']} s (plain "
+              f"{table[b]['plain']['drafting_row_s']} s); trees {table[b][one]['trees']}",
+              flush=True)
+    command = "python -m benchmarks.draft_batch" + (" --all-draft" if all_draft else "")
     result = {
-        **result_header(replica, "draft_batch", "python -m benchmarks.draft_batch", MAX_TOKENS),
+        **result_header(replica, "draft_batch", command, MAX_TOKENS),
+        "rows_drafting": "all" if all_draft else "the first",
         "pairs": [{"qa": p.qa, "qb": p.qb, "cosine": p.cosine} for p in pairs],
         "reps": args.reps,
         "by_batch": table,
@@ -160,9 +190,9 @@ def main(argv: list[str] | None = None) -> int:
         "identical_outputs": True,
         "elapsed_s": round(time.monotonic() - t_start, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {out_path}")
     return 0
 
 
