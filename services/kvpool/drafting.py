@@ -38,7 +38,8 @@ The costs are the timing's, replaced length by length by what the replica's serv
 (`ServedCosts`). A configured or fixed ladder keeps its rungs.
 
 In a batch, every row's forward is as long as the longest proposal, so the engine cuts the
-batch's proposals to what their expected tokens pay for (`batch_keep`).
+batch's proposals to what their expected tokens pay for (`batch_keep`), expectations scaled by
+how much of them batches' proposals have lately verified (`BatchTrust`).
 
 A sequence can verify a tree: besides the proposal, up to
 `branches` - 1 short branches from the other draft positions that the context's end matches
@@ -161,7 +162,8 @@ def forward_cost(costs: tuple[float, ...], n: int) -> float:
     return costs[-1] + max(slope, 0.0) * (n - m)
 
 
-def batch_keep(costs: tuple[float, ...], lengths: list[int], rates: list[float]) -> int:
+def batch_keep(costs: tuple[float, ...], lengths: list[int], rates: list[float],
+               trust: float = 1.0) -> int:
     """How many tokens of each row's proposal a batch's forward should verify: the `k` (0 =
     none, decode plainly) with the most tokens expected per cost, proposals cut to `k`.
 
@@ -171,7 +173,8 @@ def batch_keep(costs: tuple[float, ...], lengths: list[int], rates: list[float])
     `rates[i]` of its min(lengths[i], k) tokens (its source's recent acceptance rate) besides
     the model's own token; the forward costs `forward_cost(costs, rows x (k + 1))`. Where
     forwards were timed alike at every length (as expected on a GPU; not measured there),
-    every proposal is kept."""
+    every proposal is kept. `trust`: the share of such expected tokens that batches'
+    proposals have lately verified (`BatchTrust`), scaling every row's expectation."""
     b = len(lengths)
     # Without proposals every row has one token: the forward runs the 1-token path (its
     # attention too), which the timing shows dearer than one row of 4-6 tokens on oneDNN. A
@@ -180,11 +183,39 @@ def batch_keep(costs: tuple[float, ...], lengths: list[int], rates: list[float])
     # tokens at 0.74-0.90 of one token).
     best_k, best = 0, b / max(costs[0], forward_cost(costs, b))
     for k in sorted(set(lengths) - {0}):
-        gain = sum(r * min(n, k) for n, r in zip(lengths, rates, strict=True))
+        gain = trust * sum(r * min(n, k) for n, r in zip(lengths, rates, strict=True))
         value = (b + gain) / forward_cost(costs, b * (k + 1))
         if value > best:
             best_k, best = k, value
     return best_k
+
+
+class BatchTrust:
+    """How much of what `batch_keep` expected of a batch's kept proposals they verified lately:
+    the factor it scales its expectations by (`factor`, within FLOOR..CEILING).
+
+    Its expectation, a row's recent acceptance rate times the tokens it keeps, runs high in
+    batches where every row drafts: on the Intel host, 8 near-pair drafts in one batch
+    (SmolLM2, in-process) verified 364 tokens where it expected 461, and such batches
+    finished 1.05-1.09x later than without drafts (`python -m benchmarks.draft_batch
+    --all-draft`, B = 4 and 8). Each batch forward that kept proposals adds what was expected
+    and what verified (both weighed DECAY_PER_STEP per forward since; PRIOR tokens of each to
+    start)."""
+
+    PRIOR = 8.0
+    DECAY_PER_STEP = 0.97
+    FLOOR, CEILING = 0.1, 2.0
+
+    def __init__(self) -> None:
+        self.expected = self.verified = self.PRIOR
+
+    def observe(self, expected: float, verified: int) -> None:
+        self.expected = self.DECAY_PER_STEP * self.expected + expected
+        self.verified = self.DECAY_PER_STEP * self.verified + verified
+
+    @property
+    def factor(self) -> float:
+        return min(max(self.verified / self.expected, self.FLOOR), self.CEILING)
 
 
 class LadderChoice(NamedTuple):

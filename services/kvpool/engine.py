@@ -58,6 +58,7 @@ from services.kvpool import attention
 from services.kvpool.block_pool import BlockPool, PoolEvent, PoolExhausted
 from services.kvpool.drafting import (
     BRANCHES,
+    BatchTrust,
     Draft,
     LadderChoice,
     ServedCosts,
@@ -364,6 +365,8 @@ class Engine:
         self.draft_tokens_withheld_total = 0
         self.draft_tree_forwards_total = 0
         self.draft_tree_branch_wins_total = 0
+        # What batches' kept proposals verified against what the batch rule expected of them.
+        self.batch_trust = BatchTrust()
         self._stats = self._compute_stats()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -741,18 +744,20 @@ class Engine:
         if not seqs:
             return
         props = [self._proposal(s) for s in seqs]
+        expected = None  # what the batch rule expects the kept proposals to verify
         if any(props) and len(seqs) > 1 and self.batch_gate and self.draft_ladder.measured:
-            keep = batch_keep(self.costs(), [len(p) for p in props],
-                              [s.draft.pending_rate if p else 0.0
-                               for s, p in zip(seqs, props, strict=True)])
+            rates = [s.draft.pending_rate if p else 0.0 for s, p in zip(seqs, props, strict=True)]
+            keep = batch_keep(self.costs(), [len(p) for p in props], rates,
+                              self.batch_trust.factor)
             props = self._cut_proposals(seqs, props, keep, withheld=True)
+            expected = sum(r * len(p) for r, p in zip(rates, props, strict=True))
         if len(seqs) == 1 and props[0]:
             tree = self._tree(seqs[0], props[0])
             if tree is not None:
                 self._decode_tree(seqs[0], tree)
                 return
         if any(props):
-            self._decode_with_drafts(seqs, props)
+            self._decode_with_drafts(seqs, props, expected)
             return
         t0 = time.perf_counter()
         ids = torch.tensor([[s.tokens[s.num_computed]] for s in seqs], device=self.device)
@@ -773,9 +778,12 @@ class Engine:
                 s.draft.update(0, [tok])
         self._step_done(seqs, 1, t0)
 
-    def _decode_with_drafts(self, seqs: list[Sequence], props: list[list[int]]) -> None:
+    def _decode_with_drafts(self, seqs: list[Sequence], props: list[list[int]],
+                            expected: float | None = None) -> None:
         """One forward for the batch: each row its last token plus its proposal (maybe none),
-        or a tree where the proposal's alternatives fit in what pads it to the longest row."""
+        or a tree where the proposal's alternatives fit in what pads it to the longest row.
+        `expected`: the tokens the batch rule expected the proposals to verify; what they
+        verified is weighed against it (`BatchTrust`)."""
         t0 = time.perf_counter()
         # Every row is as long as the longest proposal; shorter ones are padded with filler
         # positions, which must stay inside the context (the working rows are sized to it, and
@@ -805,6 +813,10 @@ class Engine:
             # Everything just written counts until verified, so a row moved while an earlier
             # sequence finishes keeps it (`_apply_verified` then drops the rejected part).
             s.num_computed += 1 + len(d)
+        if expected is not None:
+            self.batch_trust.observe(expected, sum(
+                len(r[0]) if isinstance(r[0], list) else r[0]
+                for r in results if not isinstance(r, NonFiniteLogits)))
         for i, s in enumerate(seqs):
             r = results[i]
             if isinstance(r, NonFiniteLogits):

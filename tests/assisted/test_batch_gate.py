@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from services.kvpool.drafting import Draft, LadderChoice, ServedCosts, batch_keep, forward_cost
+from services.kvpool.drafting import (
+    BatchTrust,
+    Draft,
+    LadderChoice,
+    ServedCosts,
+    batch_keep,
+    forward_cost,
+)
 from services.kvpool.engine import EngineRequest
 from services.kvpool.sampling import SamplingSpec
 from tests.assisted.test_assisted_engine import N_NEW, prompt
@@ -56,6 +63,32 @@ def test_batch_keep_weighs_expected_tokens_against_every_rows_cost() -> None:
     assert batch_keep(FLAT, [15, 4], [1.0, 1.0]) == 15
 
 
+def test_batch_keep_scales_expectations_by_the_trust_batches_earned() -> None:
+    # Two rows that verify 90% of their proposals pay for 15 tokens each; trusted to verify
+    # a twentieth of that, they do not. Under steep costs the 4 tokens that paid no longer do
+    # at half the trust.
+    assert batch_keep(CPU, [15, 15], [0.9, 0.9], trust=1.0) == 15
+    assert batch_keep(CPU, [15, 15], [0.9, 0.9], trust=0.05) == 0
+    assert batch_keep(STEEP, [15, 4], [1.0, 1.0], trust=1.0) == 4
+    assert batch_keep(STEEP, [15, 4], [1.0, 1.0], trust=0.5) == 0
+    # Where forwards cost alike, every proposal rides however little it is trusted.
+    assert batch_keep(FLAT, [16, 0], [0.05, 0.0], trust=0.1) == 16
+
+
+def test_batch_trust_follows_what_kept_proposals_verified() -> None:
+    t = BatchTrust()
+    assert t.factor == 1.0
+    for _ in range(40):
+        t.observe(10.0, 5)  # half of what was expected
+    assert t.factor == pytest.approx(0.5, abs=0.03)
+    for _ in range(200):
+        t.observe(10.0, 0)
+    assert t.factor == BatchTrust.FLOOR  # never zero: proposals can earn it back
+    for _ in range(200):
+        t.observe(1.0, 10)
+    assert t.factor == BatchTrust.CEILING
+
+
 def _record_forwards(eng) -> list[tuple[int, int]]:
     """Every forward's (rows, tokens per row) that `eng` runs from now on."""
     shapes: list[tuple[int, int]] = []
@@ -96,6 +129,27 @@ def test_a_batch_withholds_proposals_that_cost_every_row_more_than_they_save(
     assert shapes and all(q == 1 for _, q in shapes), shapes
     assert eng.draft_tokens_withheld_total > 0
     assert eng.stats().draft_tokens_withheld_total == eng.draft_tokens_withheld_total
+
+
+def test_a_batch_learns_how_far_to_trust_its_proposals(make_engine, tiny_model) -> None:
+    """Flat costs keep every proposal, so a draft of the answer verifies in full: what was
+    kept verified at least what the rule expected, and the trust does not fall."""
+    eng = make_engine(num_blocks=128, block_size=4, max_batch_size=4)
+    before = eng.batch_trust.verified
+    _batch(eng, tiny_model, LadderChoice((1, 2, 16), "measured", FLAT))
+    assert eng.batch_trust.verified > before  # batch forwards with proposals were weighed
+    assert eng.batch_trust.factor >= 1.0
+    # A draft that shares nothing with its answer verifies less than was expected of it.
+    junk = make_engine(num_blocks=128, block_size=4, max_batch_size=4)
+    junk.draft_ladder = LadderChoice((1, 2, 16), "measured", FLAT)
+    prompts = [prompt(6 + i, 50 + i) for i in range(3)]
+    with paused(junk):
+        outs = [junk.submit(EngineRequest(f"j{i}", p, SamplingSpec(N_NEW, ignore_eos=True),
+                                          draft_token_ids=(7, 8) * 20))[1]
+                for i, p in enumerate(prompts)]
+    assert all(len(collect(o)[0]) == N_NEW for o in outs)
+    assert junk.batch_trust.factor < 1.0
+    assert_idle(junk)
 
 
 @pytest.mark.parametrize("case", ["flat costs", "gate off", "unmeasured ladder"])
