@@ -260,7 +260,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                                       else ()),
             draft_tree_forwards_total=s.draft_tree_forwards_total,
             draft_tree_branch_wins_total=s.draft_tree_branch_wins_total,
-            draft_branches=engine.draft_branches if engine.drafts else 0)
+            draft_branches=engine.draft_branches if engine.drafts else 0,
+            draft_batch_trust=engine.batch_trust.factor if engine.drafts else 0.0)
 
 
 def _stalled_s(seconds: float) -> float:

@@ -91,6 +91,7 @@ def test_generate_streams_tokens_and_a_final_report(served, tiny_model) -> None:
     # Trees: their most branches as configured; the two answers carried no draft.
     assert st.draft_branches == CFG.draft_branches == served.replica.engine.draft_branches
     assert st.draft_tree_forwards_total == st.draft_tree_branch_wins_total == 0
+    assert st.draft_batch_trust == 1.0  # no batch has drafted yet
     # Where they came from, and the timing (forwards of 1..max_draft_tokens + 1 tokens).
     assert st.draft_ladder_source == served.replica.engine.draft_ladder.source
     assert st.draft_ladder_source == "measured" or st.draft_ladder_source.startswith("fixed: ")
