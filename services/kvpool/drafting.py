@@ -563,11 +563,14 @@ class Draft:
             out.append(Branch(toks, Source.DRAFT, j))
             if len(out) == self.branches - 1:
                 break
-        if room is not None:  # nodes past the proposal's: a prefix of `out` fits
-            ends, n = Tree.of([self.branch(), *out]).ends, len(prop.tokens)
-            return [b for k, b in enumerate(out) if max(ends[:k + 2]) + 1 - n <= room]
-        if not self.costs or not out:
+        if not out or (room is None and not self.costs):
             return out
+        # Nodes of the proposal and the first k alternatives (each branch adds nodes after
+        # the last): sizes[k].
+        ends = Tree.of([self.branch(), *out]).ends
+        sizes = [max(ends[:k + 1]) + 1 for k in range(len(out) + 1)]
+        if room is not None:  # nodes past the proposal's: a prefix of `out` fits
+            return [b for k, b in enumerate(out, 1) if sizes[k] - len(prop.tokens) <= room]
         # As many as pay for their forward: the proposal is expected to emit
         # 1 + expected_run(p, len) tokens, each alternative what they have added lately.
         s, f = self.runs.get(prop.source, PRIOR)
@@ -575,10 +578,8 @@ class Draft:
         added, offered = self.alt_yield
         each = added / offered
         best_k, best = 0, base / forward_cost(self.costs, 1 + len(prop.tokens))
-        last = Tree.of([self.branch(), *out]).ends  # each branch adds nodes after the last
         for k in range(1, len(out) + 1):
-            size = max(last[:k + 1]) + 1  # nodes of the proposal and the first k
-            value = (base + k * each) / forward_cost(self.costs, 1 + size)
+            value = (base + k * each) / forward_cost(self.costs, 1 + sizes[k])
             if value > best:
                 best_k, best = k, value
         return out[:best_k]
