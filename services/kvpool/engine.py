@@ -744,20 +744,19 @@ class Engine:
         if not seqs:
             return
         props = [self._proposal(s) for s in seqs]
-        expected = None  # what the batch rule expects the kept proposals to verify
+        rates = None  # each row's acceptance rate, where the batch rule cut by it
         if any(props) and len(seqs) > 1 and self.batch_gate and self.draft_ladder.measured:
             rates = [s.draft.pending_rate if p else 0.0 for s, p in zip(seqs, props, strict=True)]
             keep = batch_keep(self.costs(), [len(p) for p in props], rates,
                               self.batch_trust.factor)
             props = self._cut_proposals(seqs, props, keep, withheld=True)
-            expected = sum(r * len(p) for r, p in zip(rates, props, strict=True))
         if len(seqs) == 1 and props[0]:
             tree = self._tree(seqs[0], props[0])
             if tree is not None:
                 self._decode_tree(seqs[0], tree)
                 return
         if any(props):
-            self._decode_with_drafts(seqs, props, expected)
+            self._decode_with_drafts(seqs, props, rates)
             return
         t0 = time.perf_counter()
         ids = torch.tensor([[s.tokens[s.num_computed]] for s in seqs], device=self.device)
@@ -779,11 +778,11 @@ class Engine:
         self._step_done(seqs, 1, t0)
 
     def _decode_with_drafts(self, seqs: list[Sequence], props: list[list[int]],
-                            expected: float | None = None) -> None:
+                            rates: list[float] | None = None) -> None:
         """One forward for the batch: each row its last token plus its proposal (maybe none),
         or a tree where the proposal's alternatives fit in what pads it to the longest row.
-        `expected`: the tokens the batch rule expected the proposals to verify; what they
-        verified is weighed against it (`BatchTrust`)."""
+        `rates`: the rows' acceptance rates the batch rule cut the proposals by; what the
+        proposals it kept verified is weighed against what it expected (`BatchTrust`)."""
         t0 = time.perf_counter()
         # Every row is as long as the longest proposal; shorter ones are padded with filler
         # positions, which must stay inside the context (the working rows are sized to it, and
@@ -791,6 +790,9 @@ class Engine:
         room = min(self.info.max_context - s.num_computed for s in seqs) - 1
         props = self._cut_proposals(seqs, props, room)
         q = 1 + max(len(p) for p in props)
+        # What the rule expects of the proposals as verified (after the cut to the context).
+        expected = (None if rates is None
+                    else sum(r * len(p) for r, p in zip(rates, props, strict=True)))
         # The padding costs the forward as much as draft tokens would: alternatives fill it.
         trees = [self._tree(s, p, room=q - 1 - len(p)) if p and len(p) < q - 1 else None
                  for s, p in zip(seqs, props, strict=True)]
