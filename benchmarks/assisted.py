@@ -363,13 +363,14 @@ def _hindsight_draft() -> type:
         def _draft_matches(self, context: list[int]) -> list[tuple[int, int, int]]:
             t = len(context) - self.prompt_len
             rest = self.answer[t:t + MAX_DRAFT_TOKENS]
-            spots = [j for j in range(1, len(self.tokens))
+            # (agreement, nearness to the hint, then the earliest): the best ranked is max.
+            spots = [(agreement(self.tokens, j, rest), -abs(j - self.hint), -j)
+                     for j in range(1, len(self.tokens))
                      if context and self.tokens[j - 1] == context[-1]]
-            best = max(spots, key=lambda j: (agreement(self.tokens, j, rest),
-                                             -abs(j - self.hint)), default=None)
-            if best is None or agreement(self.tokens, best, rest) == 0:
+            best = max(spots, default=None)
+            if best is None or best[0] == 0:
                 return []
-            return [(self._extend(self.tokens, best, context, 1), 0, best)]
+            return [(self._extend(self.tokens, -best[2], context, 1), 0, -best[2])]
 
     return HindsightDraft
 
