@@ -1,6 +1,6 @@
 """Linear kernels of a CPU replica: torch's (MKL) against oneDNN with packed weights.
 
-    .venv/bin/python -m benchmarks.linear [--out PATH] [--reps N]
+    .venv/bin/python -m benchmarks.linear [--dtype float32|bfloat16] [--out PATH] [--reps N]
 
 - head_ms: SmolLM2's head (49,152 x 576, float32) applied to 1, 2, 3, 4, 8, 16 and 17 rows
   (a decode step, draft verify forwards), median of `--reps` calls, both kernels.
@@ -9,6 +9,11 @@
   each kernel setting (`TIERCACHE_KVPOOL_LINEAR_KERNELS`); and each over its 1-token forward.
 - logits_max_abs_diff / greedy_tokens_equal: the two kernels on one chat prompt (the last
   float32 bits differ; whether 64 greedy tokens still agree is reported, not required).
+
+`--dtype bfloat16` (→ `results/linear_bfloat16.json`): the model loaded in bfloat16, packed
+where oneDNN runs bfloat16 natively on this CPU (its head as a float32 copy, as a replica packs
+it); the head timing is of that float32 head either way. Unpacked, the model's forward runs its
+own bfloat16 head, where a replica computes logits with a float32 copy on torch's kernels.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-RESULT = Path(__file__).resolve().parent / "results" / "linear.json"
+RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = (1, 2, 3, 4, 8, 16, 17)
 
 
@@ -59,9 +64,13 @@ def head_ms(weight: torch.Tensor, reps: int) -> dict[str, dict[int, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.linear")
-    ap.add_argument("--out", type=Path, default=RESULT)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="default: results/linear.json, linear_bfloat16.json for bfloat16")
     ap.add_argument("--reps", type=int, default=30)
     args = ap.parse_args(argv)
+    out = args.out or RESULTS / ("linear.json" if args.dtype == "float32"
+                                 else f"linear_{args.dtype}.json")
 
     from services.common.model_store import load_tokenizer, resolve_model
     from services.kvpool.app import load_model
@@ -70,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     from services.kvpool.linear import pack_linears
 
     t_start = time.monotonic()
-    print("loading SmolLM2 on torch's kernels ...", flush=True)
-    model, model_id, packing = load_model(KvPoolConfig(linear_kernels="torch"))
+    print(f"loading SmolLM2 ({args.dtype}) on torch's kernels ...", flush=True)
+    model, model_id, packing = load_model(KvPoolConfig(linear_kernels="torch", dtype=args.dtype))
     assert packing.kernels == "torch"
     tok = load_tokenizer(resolve_model("smollm2").path)
     prompt = tok.apply_chat_template([{"role": "user", "content": "How do I learn to swim?"}],
@@ -87,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
     print("timing the head ...", flush=True)
     head_shape = list(model.lm_head.weight.shape)
-    head = head_ms(model.lm_head.weight.detach(), args.reps)
+    head = head_ms(model.lm_head.weight.detach().float(), args.reps)
     forward: dict[str, dict[int, float]] = {}
     print("timing forwards of 1..17 tokens on torch's kernels ...", flush=True)
     forward["torch"] = {q: round(s * 1e3, 2) for q, s in forward_costs(model, 17, sweeps=4,
@@ -106,10 +115,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  forward of {q:2d}: torch {forward['torch'][q]:7.1f} ms "
               f"({relative['torch'][q]:.2f}x), oneDNN {forward['onednn'][q]:7.1f} ms "
               f"({relative['onednn'][q]:.2f}x)")
+    command = "python -m benchmarks.linear" + (
+        "" if args.dtype == "float32" else f" --dtype {args.dtype}")
     result = {
         "benchmark": "linear",
-        "command": "python -m benchmarks.linear",
-        "model": f"{model_id} float32 cpu",
+        "command": command,
+        "model": f"{model_id} {args.dtype} cpu",
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
                     "threads": torch.get_num_threads(), "processor": platform.processor()},
         "head_shape": head_shape,
@@ -126,10 +137,10 @@ def main(argv: list[str] | None = None) -> int:
         },
         "elapsed_s": round(time.monotonic() - t_start, 1),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result["figures"], indent=1))
-    print(f"wrote {args.out}")
+    print(f"wrote {out}")
     return 0
 
 

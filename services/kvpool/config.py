@@ -85,8 +85,9 @@ class KvPoolConfig:
     prompt_lookup: bool = False
     # Kernels of the model's linear layers: "onednn" = float32 CPU models run them on oneDNN
     # with weights packed once at start (1.5x faster decode steps and 1.8x faster 17-token
-    # verify forwards than torch's MKL on a 2-core AVX-512 host; services/kvpool/linear.py);
-    # other models keep torch's. "torch" = always torch's.
+    # verify forwards than torch's MKL on a 2-core AVX-512 host; services/kvpool/linear.py),
+    # and bfloat16 ones where this CPU runs bfloat16 natively (AVX-512 BF16, AMX); other models
+    # keep torch's. "torch" = always torch's.
     linear_kernels: str = "onednn"
     # Allocate the working rows for the whole max_context at start instead of growing them by
     # doubling. Growing holds the old and new rows at once while copying (1.5x the full size at

@@ -220,7 +220,8 @@ def fp32_head(model: Any) -> Head | None:
     - a half-precision model's logits are computed in float32. In bfloat16 the top logits often
       tie exactly (8 bits of mantissa), and batches, cached prefixes and draft verification
       (other matmul shapes) then break the tie differently: greedy answers would depend on
-      them. Costs a float32 copy of lm_head's weight (a float32 model's is used as it is);
+      them. Costs a float32 copy of lm_head's weight (a float32 model's is used as it is; a
+      packed bfloat16 model's head is that copy already);
     - a batch whose rows verify drafts of different lengths computes logits only at the
       positions each row uses (`Engine._forward`'s `need`), not at every padded position.
     """
@@ -231,7 +232,7 @@ def fp32_head(model: Any) -> Head | None:
     cfg = getattr(model, "config", None)
     if any(getattr(cfg, a, None) not in (None, 0, 1, 1.0) for a in _LOGIT_POSTPROCESSING):
         return None
-    if isinstance(head, PackedLinear):  # float32 (only float32 models are packed)
+    if isinstance(head, PackedLinear):  # float32: `pack_linears` packs every head so
         return Head(base, head, None)
     weight = head.weight.detach().float()
     bias = head.bias.detach().float() if head.bias is not None else None

@@ -512,18 +512,25 @@ def test_non_finite_logits_fail_only_their_sequence(make_engine, tiny_model, mod
     assert isinstance(fin_b, Finished) and toks_b == ref_b
 
 
-def test_bfloat16_greedy_is_the_same_with_drafts_and_cached_prefixes(make_engine) -> None:
+@pytest.mark.parametrize("kernels", ["torch", "onednn"])
+def test_bfloat16_greedy_is_the_same_with_drafts_and_cached_prefixes(make_engine,
+                                                                     kernels) -> None:
     """bfloat16 (the GPU deployment's dtype) keeps 8 bits of mantissa: the top two logits used
     to tie exactly at many positions, and a draft's verification or a cached prefix (other
     matmul shapes) broke the tie differently from plain decoding. Logits are now computed in
     float32 (no exact ties). The hidden states are still bfloat16 and shape-dependent, so a
     variant may still pick the other token where the top two are within one bfloat16 ulp; it
-    must not differ anywhere else."""
+    must not differ anywhere else. Also on oneDNN's packed bfloat16 layers, where this CPU
+    runs them (`linear.pack_linears`)."""
+    from services.kvpool.linear import pack_linears
     from tests.kvpool.conftest import make_tiny_model
 
     model = make_tiny_model().to(torch.bfloat16)
+    if kernels == "onednn" and pack_linears(model).kernels != "onednn":
+        pytest.skip("oneDNN does not pack bfloat16 layers on this CPU")
     plain = make_engine(model=model, num_blocks=128, prefix_caching=False)
     cached = make_engine(model=model, num_blocks=128)
+    assert plain.packing.kernels == cached.packing.kernels == kernels
     seen: list[torch.Tensor] = []
     real = plain._forward
 

@@ -16,6 +16,7 @@ from services.kvpool.sampling import SamplingSpec
 from tests.kvpool.conftest import assert_idle, collect, make_tiny_model, reference_greedy
 
 ONEDNN = unsupported(make_tiny_model()) == ""
+NATIVE_BF16 = ONEDNN and unsupported(make_tiny_model().to(torch.bfloat16)) == ""
 needs_onednn = pytest.mark.skipif(not ONEDNN, reason="this torch build has no oneDNN linear")
 
 
@@ -51,15 +52,49 @@ def test_packing_swaps_every_linear_and_keeps_the_logits() -> None:
 
 
 def test_models_the_kernels_do_not_serve_keep_torchs_and_say_why() -> None:
-    half = make_tiny_model().to(torch.bfloat16)
+    half = make_tiny_model().to(torch.float16)
     got = pack_linears(half)
     assert got.kernels == "torch" and got.layers == 0
     if ONEDNN:
-        assert "bfloat16" in got.why_not
+        assert "float16" in got.why_not
     assert any(type(m) is torch.nn.Linear for m in half.modules())  # untouched
+    mixed = make_tiny_model()
+    mixed.lm_head.to(torch.bfloat16)
+    if ONEDNN:
+        assert "mix" in pack_linears(mixed).why_not
+    assert not any(isinstance(m, PackedLinear) for m in mixed.modules())
     plain = make_tiny_model()
     assert pack_linears(plain, "torch") == Packing("torch", 0, "configured")
     assert not any(isinstance(m, PackedLinear) for m in plain.modules())
+
+
+@needs_onednn
+def test_a_bfloat16_model_packs_where_the_cpu_runs_bfloat16_and_keeps_a_float32_head() -> None:
+    plain = make_tiny_model().to(torch.bfloat16)
+    model = copy.deepcopy(plain)
+    got = pack_linears(model)
+    if not NATIVE_BF16:
+        assert got.kernels == "torch" and "native bfloat16" in got.why_not
+        assert not any(isinstance(m, PackedLinear) for m in model.modules())
+        return
+    assert got == Packing("onednn", 2 * 7 + 1)
+    layers = [m for m in model.modules() if isinstance(m, PackedLinear)]
+    assert model.lm_head.dtype == torch.float32
+    assert {m.dtype for m in layers if m is not model.lm_head} == {torch.bfloat16}
+    ids = torch.tensor([[5, 9, 17, 33, 2, 8, 44, 61, 70, 3]])
+    with torch.inference_mode():
+        logits = model(ids).logits
+        want = plain(ids).logits.float()
+        assert logits.dtype == torch.float32  # from the float32 head
+        # bfloat16 hidden states summed in another order: within a few bfloat16 ulps.
+        torch.testing.assert_close(logits, want, rtol=3e-2, atol=3e-2)
+        # The engine's float32 head is the packed copy, and computes what the unpacked model's
+        # float32 copy does from the same hidden states.
+        head, ref = fp32_head(model), fp32_head(plain)
+        assert head is not None and head.logits is model.lm_head and head.weight is None
+        hidden = plain.model(ids).last_hidden_state
+        torch.testing.assert_close(head.logits(hidden), ref.logits(hidden.float()),
+                                   rtol=1e-4, atol=1e-4)
 
 
 @needs_onednn
