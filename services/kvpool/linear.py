@@ -19,9 +19,10 @@ unchanged.
 A bfloat16 model is packed too where oneDNN runs bfloat16 natively on this CPU (AVX-512 BF16 or
 AMX): its layers in bfloat16, and its head as the float32 copy the engine computes logits with
 (`engine.fp32_head`; taking bfloat16 hidden states, giving float32 logits). On the 2-core Intel
-Xeon host (AMX), SmolLM2 in bfloat16 decoded 128 tokens at 72 ms per token on torch's kernels
-and 64 ms packed, and a forward of 17 tokens cost 1.16x one token's against 1.18x (engine
-in-process, one thread; the float32 model: 78 ms, 1.45x). Anything else (CUDA, float16, a
+Xeon host (AMX), SmolLM2 in bfloat16 decoded 128 tokens at 71-73 ms per token on torch's
+kernels and 63-67 ms packed, its start-up timing putting a forward of 17 tokens at 1.24x one
+token's against 1.18x (engine in-process, one thread; the float32 model: 75-79 ms, 1.45x; an
+ad-hoc timing, see the commit). Anything else (CUDA, float16, a
 bfloat16 model on a CPU without native bfloat16, a torch without these ops, a probe that does
 not agree with `linear`) keeps torch's kernels; `TIERCACHE_KVPOOL_LINEAR_KERNELS=torch` too.
 """

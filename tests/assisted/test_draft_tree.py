@@ -203,6 +203,41 @@ def test_alternatives_in_a_padded_row_fill_its_room_whatever_they_cost() -> None
     assert d.alternatives([1, 2, 9], top, room=0) == []
 
 
+def after_a_replaced_token(draft: list[int], emitted: list[int], rate: float = 1.0) -> Draft:
+    """A draft whose first proposal (its start) verified all of `emitted` but the last token,
+    which the model put in place of the next draft token; its next proposal is pending."""
+    d = Draft.of(draft, self_lookup=False, branches=4)
+    assert d.propose([7], 16) == draft[:16]
+    d.update(len(emitted) - 1, emitted)
+    assert d.replaced == len(emitted) - 1
+    d.rate = rate
+    assert d.propose([7, *emitted], 16)
+    return d
+
+
+def test_after_a_replaced_token_the_tree_guesses_an_insertion_and_a_substitution() -> None:
+    # The model said 50 where the draft has 3. 50 is nowhere in the draft: the proposal is
+    # the substitution guess (the draft goes on after 3); the tree adds the insertion (at 3).
+    draft = [1, 2, 3, 4, 5, 6, 7, 8]
+    d = after_a_replaced_token(draft, [1, 2, 50])
+    assert d.start == 3 and d.matched == 0
+    g = d.ladder[0]
+    assert d.alternatives([7, 1, 2, 50], 16) == [Branch(draft[2:2 + g], Source.DRAFT, 2)]
+    # Here the model's 9 re-aligns the draft (after "2 9" at 4..5): both guesses join the
+    # tree after the matches, in that order.
+    draft = [1, 2, 3, 4, 2, 9, 5, 6]
+    d = after_a_replaced_token(draft, [1, 2, 9])
+    assert d.start == 6 and d.matched == 2
+    alts = d.alternatives([7, 1, 2, 9], 16)
+    assert [(a.start, a.tokens) for a in alts] == [(2, draft[2:2 + g]), (3, draft[3:3 + g])]
+    # Guesses are thin evidence: a draft that keeps failing verifies none.
+    d = after_a_replaced_token(draft, [1, 2, 9], rate=0.0)
+    assert d.start == 6 and d.alternatives([7, 1, 2, 9], 16) == []
+    # Nothing was replaced: no guesses.
+    d = proposing(draft, [7, 2, 9], branches=4)
+    assert d.replaced is None and d.alternatives([7, 2, 9], 16) == []
+
+
 def test_credit_and_take_steer_what_the_draft_learns() -> None:
     d = proposing(DRAFT, [1, 2, 9], branches=4)
     alts = d.alternatives([1, 2, 9], 16)
