@@ -244,6 +244,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             prompt_tokens_total=s.prompt_tokens_total, cached_tokens_total=s.cached_tokens_total,
             requests_total=s.requests_total, max_context=info.max_context,
             vocab_size=info.vocab_size, device=str(engine.device),
+            dtype=str(engine.store.dtype).removeprefix("torch."),
             events_published_seq=self.publisher.last_seq if self.publisher else 0,
             evictions_total=s.evictions_total, preemptions_total=s.preemptions_total,
             draft_tokens_proposed_total=s.draft_tokens_proposed_total,

@@ -83,6 +83,7 @@ def test_generate_streams_tokens_and_a_final_report(served, tiny_model) -> None:
     assert st.blocks_free + st.blocks_cached + st.blocks_pinned + st.blocks_in_use == 64
     assert st.prompt_tokens_total == 2 * len(PROMPT) and st.cached_tokens_total == 12
     assert st.requests_total == 2 and st.vocab_size == TINY_VOCAB and st.device == "cpu"
+    assert st.dtype == "float32"
     # A model given to the replica keeps its kernels: the shared tiny model is not packed.
     assert (st.linear_kernels, st.linear_kernels_why) == ("torch", "not packed")
     # The draft proposal lengths the replica measured at its start, as its engine uses them.
