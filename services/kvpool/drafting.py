@@ -255,11 +255,20 @@ class ServedCosts:
     host, in-process (SmolLM2, 8 near-pair answers), a step verifying 12 draft tokens cost
     1.31x a 1-token step against the timing's 1.18x, one verifying 5 cost 0.95x against
     0.94x. So every step with one sequence decoding is timed whole (forward, verification,
-    bookkeeping) by its tokens per row q, and `now` holds each q's mean step time over the
-    mean 1-token step's, once both have MIN_SAMPLES steps; other lengths keep the start-up
-    figure. Lengths by cost and the batch rule read `now`, so new requests decode by what
-    steps cost as served. A length never proposed keeps its timed figure: one timed too dear
-    stays unproposed (a missed saving), one timed too cheap is proposed, served and corrected.
+    bookkeeping) by its tokens per row q, and `now` holds each q's mean cost relative to a
+    1-token step, once it and the 1-token steps have MIN_SAMPLES steps; other lengths keep the
+    start-up figure. Lengths by cost and the batch rule read `now`, so new requests decode by
+    what steps cost as served. A length never proposed keeps its timed figure: one timed too
+    dear stays unproposed (a missed saving), one timed too cheap is proposed, served and
+    corrected.
+
+    Each q-token step is divided by the mean 1-token step *as it stands when that step is
+    timed*, and those ratios are averaged. Dividing each length's mean time by the 1-token mean
+    at the end put figures taken minutes apart over each other, on a host whose speed drifts:
+    in-process on the Intel host (SmolLM2, the benchmark's 12 near pairs decoded plainly and
+    with their drafts, 3,691 steps), the learned figures for 2-9 tokens swung with a standard
+    deviation of 0.03-0.06 over the second half of the run; the ratios' swung by 0.002-0.04,
+    at about the same levels (an ad-hoc trace, see the commit).
     Updated on the engine thread; readers take the `now` tuple as it stands."""
 
     MIN_SAMPLES = 8  # steps of a length before its served cost replaces the timed one
@@ -269,23 +278,34 @@ class ServedCosts:
     def __init__(self, start: tuple[float, ...]) -> None:
         self.start = tuple(start)
         self.now = self.start
-        self.seconds = [0.0] * len(start)
+        self.base = 0.0  # mean seconds of a 1-token step
+        # Mean cost of a q-token step over the 1-token mean as it stood then (q = 1: 1.0).
+        self.ratios = [1.0] * len(start)
         self.samples = [0] * len(start)
 
     def observe(self, q: int, seconds: float) -> None:
         """A step of one sequence with q tokens (its last token + q - 1 proposed) took
-        `seconds`. Lengths past the timing are not learned."""
+        `seconds`. Lengths past the timing are not learned, nor longer ones before any 1-token
+        step was."""
         if not 1 <= q <= len(self.start) or seconds <= 0.0:
             return
         i = q - 1
-        n, mean = self.samples[i], self.seconds[i]
-        if n >= self.MIN_SAMPLES and seconds > self.OUTLIER * mean:
-            return
-        self.seconds[i] = mean + max(1.0 / (n + 1), self.ALPHA) * (seconds - mean)
+        n = self.samples[i]
+        weight = max(1.0 / (n + 1), self.ALPHA)
+        if i == 0:
+            if n >= self.MIN_SAMPLES and seconds > self.OUTLIER * self.base:
+                return
+            self.base += weight * (seconds - self.base)
+        else:
+            if self.samples[0] == 0:
+                return
+            r = seconds / self.base
+            if n >= self.MIN_SAMPLES and r > self.OUTLIER * self.ratios[i]:
+                return
+            self.ratios[i] += weight * (r - self.ratios[i])
         self.samples[i] = n + 1
         if self.samples[0] >= self.MIN_SAMPLES:
-            base = self.seconds[0]
-            self.now = tuple(round(self.seconds[j] / base, 3)
+            self.now = tuple(round(self.ratios[j], 3)
                              if self.samples[j] >= self.MIN_SAMPLES else self.start[j]
                              for j in range(len(self.start)))
 

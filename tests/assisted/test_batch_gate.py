@@ -209,6 +209,26 @@ def test_served_costs_replace_the_timing_length_by_length() -> None:
     assert sc.now[5] == pytest.approx(2.0, abs=0.01)
 
 
+def test_served_costs_hold_when_the_host_slows_between_lengths() -> None:
+    """Each step is costed against the 1-token steps of its time: a host that got twice as
+    slow after the 5-token steps were served does not make them look cheap."""
+    sc = ServedCosts(STEEP)
+    for _ in range(50):  # a 5-token step costs 1.2 one-token steps
+        sc.observe(1, 0.010)
+        sc.observe(5, 0.012)
+    assert sc.now[4] == pytest.approx(1.2)
+    for _ in range(50):  # the host got twice as slow; only 1-token steps for a while
+        sc.observe(1, 0.020)
+    assert sc.now[4] == pytest.approx(1.2)  # mean times at the end: 0.012 / 0.020 = 0.6
+    for _ in range(3):
+        sc.observe(5, 0.024)
+    assert sc.now[4] == pytest.approx(1.2, abs=0.01)
+    # A longer step before any 1-token one has nothing to be costed against.
+    fresh = ServedCosts(STEEP)
+    fresh.observe(5, 0.012)
+    assert fresh.samples[4] == 0
+
+
 @pytest.mark.parametrize("learn", [True, False])
 def test_an_engine_learns_its_steps_costs_over_the_timing(make_engine, tiny_model, learn,
                                                          monkeypatch) -> None:
