@@ -1247,22 +1247,20 @@ def _verify_rows(seqs: list[Sequence], props: list[list[int]], trees: list[Tree 
     (accepted, next token) for a proposal (`verify_batch`, together), (path, next token) for
     a tree (`Sampler.verify_tree`), or the NonFiniteLogits that fails the row alone."""
     out: list[Any] = [None] * len(seqs)
+    offsets = list(itertools.accumulate(need, initial=0))  # row b: offsets[b]..offsets[b + 1]
     plain = [b for b, t in enumerate(trees) if t is None]
     if plain:
         sub = logits
         if len(plain) < len(seqs):
-            offsets = list(itertools.accumulate(need, initial=0))
             rows = [r for b in plain for r in range(offsets[b], offsets[b + 1])]
             sub = logits.index_select(0, torch.tensor(rows, device=logits.device))
         verdicts = verify_batch([seqs[b].sampler for b in plain], sub, [props[b] for b in plain])
         for b, v in zip(plain, verdicts, strict=True):
             out[b] = v
-    lo = 0
     for b, tree in enumerate(trees):
         if tree is not None:
             try:
-                out[b] = seqs[b].sampler.verify_tree(logits[lo:lo + need[b]], tree)
+                out[b] = seqs[b].sampler.verify_tree(logits[offsets[b]:offsets[b + 1]], tree)
             except NonFiniteLogits as exc:
                 out[b] = exc
-        lo += need[b]
     return out
