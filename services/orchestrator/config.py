@@ -99,6 +99,12 @@ class OrchestratorConfig:
     # max_workers - STREAM_HEADROOM they are refused (RESOURCE_EXHAUSTED), so health checks,
     # Stats and Feedback always find a thread.
     max_workers: int = 64
+    # Calls of every kind under way or waiting for a worker thread. Past it gRPC refuses a new
+    # call at once (RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!") rather than queue it
+    # without bound behind busy workers: a flood of cheap calls (unauthenticated ones too) is
+    # capped in memory, not only refused one by one. Must exceed max_workers, so that streams
+    # alone never reach it. 0 = 4 x max_workers.
+    max_concurrent_rpcs: int = 0
     grace_s: float = 10.0
     # Client connections are closed (GOAWAY) after this long and clients reconnect: behind a
     # Kubernetes Service (balanced per connection) long-lived connections otherwise stay on
@@ -154,8 +160,16 @@ class OrchestratorConfig:
                 "must be >= 0")
         require(self.max_workers > STREAM_HEADROOM, SVC, "max_workers",
                 f"must be > {STREAM_HEADROOM} (threads kept for health checks and Stats)")
+        require(self.max_concurrent_rpcs == 0 or self.max_concurrent_rpcs > self.max_workers,
+                SVC, "max_concurrent_rpcs",
+                "must be 0 (4 x max_workers) or > max_workers (streams must not fill it)")
 
     @property
     def max_streams(self) -> int:
         """Concurrent Generate streams the server takes before RESOURCE_EXHAUSTED."""
         return self.max_workers - STREAM_HEADROOM
+
+    @property
+    def rpc_cap(self) -> int:
+        """Calls under way or queued for a worker before gRPC refuses more."""
+        return self.max_concurrent_rpcs or 4 * self.max_workers

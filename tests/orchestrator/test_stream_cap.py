@@ -363,3 +363,126 @@ def test_ttft_counts_from_the_requests_arrival_not_from_after_rendering():
     orch.generate = generate
     assert [d.text for d in s.Generate(request(), Context())] == ["hi"]
     assert seen["arrived"] <= seen["rendered"]
+
+
+class HeldStats:
+    """Cluster figures whose lock the test holds: each Stats call keeps its worker thread
+    until `release` is set."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.entered = 0
+        self._count = threading.Lock()
+        self.requests = {"semantic_hit": 0, "prefix_hit": 0, "cold": 0}
+        self.prompt_tokens = self.cached_tokens = self.semantic_tokens_saved = 0
+        self.semantic_hits_too_short = self.semantic_hits_sampled = 0
+        self.degradations: dict[str, int] = {}
+
+    @property
+    def lock(self):
+        return self
+
+    def __enter__(self):
+        with self._count:
+            self.entered += 1
+        assert self.release.wait(30)
+
+    def __exit__(self, *exc):
+        return False
+
+
+@pytest.mark.parametrize("cap", [STREAM_HEADROOM + 4, 0])
+def test_calls_past_the_rpc_cap_are_refused_at_once_not_queued(cap):
+    """Every worker busy (Stats calls held), more calls wait for one; past
+    `max_concurrent_rpcs` gRPC refuses them at once (RESOURCE_EXHAUSTED) instead of queueing
+    without bound; the ones admitted all complete. With the default cap (4 x max_workers)
+    the same 14 calls are all admitted."""
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from tiercache.v1 import orchestrator_pb2_grpc
+
+    from services.common.bootstrap import create_server
+
+    workers = STREAM_HEADROOM + 2
+    cfg = OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=workers,
+                             max_concurrent_rpcs=cap)
+    cfg.validate()
+    assert cfg.rpc_cap == (cap or 4 * workers)
+    s, orch = servicer(workers)
+    held = HeldStats()
+    orch.stats = held
+    orch.replicas = SimpleNamespace(replicas=[])
+    orch.semantic = SimpleNamespace(enabled=False)
+    orch.prefix = None
+    handle = create_server(service="orchestrator", address="127.0.0.1:0",
+                           services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server,
+                                      s, "tiercache.v1.Orchestrator")],
+                           max_workers=workers, max_concurrent_rpcs=cfg.rpc_cap)
+    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    try:
+        stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
+        calls = [stub.Stats.future(orchestrator_pb2.StatsRequest(), timeout=60)
+                 for _ in range(cfg.max_workers + 4)]
+        refused = cfg.max_workers + 4 - min(cfg.rpc_cap, cfg.max_workers + 4)
+        end = time.monotonic() + 20
+        while time.monotonic() < end and (held.entered < workers
+                                          or sum(c.done() for c in calls) < refused):
+            time.sleep(0.02)
+        assert held.entered == workers  # every worker holds a call
+        done = [c for c in calls if c.done()]
+        assert len(done) == refused
+        for c in done:
+            assert c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert "Concurrent RPC limit" in c.details()
+        held.release.set()
+        for c in calls:
+            if c not in done:
+                assert c.result().requests_total == 0  # admitted: it completes
+        assert held.entered == len(calls) - refused
+        health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                           timeout=10)
+        assert health.status in (health_pb2.HealthCheckResponse.SERVING,
+                                 health_pb2.HealthCheckResponse.NOT_SERVING)
+    finally:
+        held.release.set()
+        channel.close()
+        handle.stop(None)
+
+
+def test_an_rpc_cap_streams_could_fill_is_a_config_error():
+    from services.common.config import ConfigError
+
+    with pytest.raises(ConfigError, match="TIERCACHE_ORCHESTRATOR_MAX_CONCURRENT_RPCS"):
+        OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=16,
+                           max_concurrent_rpcs=16).validate()
+    OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=16,
+                       max_concurrent_rpcs=17).validate()
+
+
+def test_the_service_serves_with_its_configured_rpc_cap(monkeypatch):
+    """`python -m services.orchestrator` builds its server with the cap (wiring only: the
+    server is not started)."""
+    import services.orchestrator.__main__ as entry
+
+    seen: dict = {}
+
+    class Stop(Exception):
+        pass
+
+    def fake_create_server(**kw):
+        seen.update(kw)
+        raise Stop
+
+    monkeypatch.setattr(entry, "create_server", fake_create_server)
+    monkeypatch.setenv("TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES", "127.0.0.1:1")
+    monkeypatch.setenv("TIERCACHE_ORCHESTRATOR_MAX_WORKERS", "20")
+    monkeypatch.setenv("TIERCACHE_ORCHESTRATOR_MAX_CONCURRENT_RPCS", "30")
+    with pytest.raises(Stop):
+        entry._main([])
+    assert seen["max_workers"] == 20 and seen["max_concurrent_rpcs"] == 30
+    monkeypatch.delenv("TIERCACHE_ORCHESTRATOR_MAX_CONCURRENT_RPCS")
+    with pytest.raises(Stop):
+        entry._main([])
+    assert seen["max_concurrent_rpcs"] == 80
