@@ -469,6 +469,10 @@ def create_server(
         address: host:port to bind; port 0 picks a free one (see `ServerHandle.port`).
         services: (add_XServicer_to_server, servicer, "tiercache.v1.X") triples.
         internal_token: when set, every non-health RPC must carry `authorization: Bearer <it>`.
+        max_concurrent_rpcs: calls under way or waiting for a worker thread; past it gRPC
+            refuses new ones at once (RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!")
+            instead of queueing them without bound (a flood of cheap calls, unauthenticated
+            ones too, holds bounded memory). None: 4 x max_workers.
         metrics_port: serve Prometheus metrics over HTTP on this port (0 = free port, None = off).
         credentials: TLS credentials; None = from env (server_credentials_from_env) or plaintext.
         max_connection_age_s: > 0: a client connection is closed (GOAWAY) after this long;
@@ -487,7 +491,7 @@ def create_server(
             [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
              ("grpc.max_connection_age_grace_ms", int(connection_age_grace_s * 1000))]
             if max_connection_age_s > 0 else []),
-        maximum_concurrent_rpcs=max_concurrent_rpcs,
+        maximum_concurrent_rpcs=max_concurrent_rpcs or 4 * max_workers,
     )
     names = []
     for add, servicer, full_name in services:

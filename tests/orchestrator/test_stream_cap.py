@@ -391,12 +391,10 @@ class HeldStats:
         return False
 
 
-@pytest.mark.parametrize("cap", [STREAM_HEADROOM + 4, 0])
-def test_calls_past_the_rpc_cap_are_refused_at_once_not_queued(cap):
-    """Every worker busy (Stats calls held), more calls wait for one; past
-    `max_concurrent_rpcs` gRPC refuses them at once (RESOURCE_EXHAUSTED) instead of queueing
-    without bound; the ones admitted all complete. With the default cap (4 x max_workers)
-    the same 14 calls are all admitted."""
+def _flood(workers: int, calls: int, **server_kw) -> tuple[int, int]:
+    """`calls` Stats calls at once at a real server (the servicer, fakes behind it) whose
+    `workers` threads all hold one until released: returns (refused at once, each with
+    RESOURCE_EXHAUSTED from the cap; admitted, each completing once released)."""
     import time
 
     import grpc
@@ -405,11 +403,6 @@ def test_calls_past_the_rpc_cap_are_refused_at_once_not_queued(cap):
 
     from services.common.bootstrap import create_server
 
-    workers = STREAM_HEADROOM + 2
-    cfg = OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=workers,
-                             max_concurrent_rpcs=cap)
-    cfg.validate()
-    assert cfg.rpc_cap == (cap or 4 * workers)
     s, orch = servicer(workers)
     held = HeldStats()
     orch.stats = held
@@ -419,36 +412,58 @@ def test_calls_past_the_rpc_cap_are_refused_at_once_not_queued(cap):
     handle = create_server(service="orchestrator", address="127.0.0.1:0",
                            services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server,
                                       s, "tiercache.v1.Orchestrator")],
-                           max_workers=workers, max_concurrent_rpcs=cfg.rpc_cap)
+                           max_workers=workers, **server_kw)
     channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
     try:
         stub = orchestrator_pb2_grpc.OrchestratorStub(channel)
-        calls = [stub.Stats.future(orchestrator_pb2.StatsRequest(), timeout=60)
-                 for _ in range(cfg.max_workers + 4)]
-        refused = cfg.max_workers + 4 - min(cfg.rpc_cap, cfg.max_workers + 4)
+        futures = [stub.Stats.future(orchestrator_pb2.StatsRequest(), timeout=60)
+                   for _ in range(calls)]
+        # Every worker holds a call; the refusals come back at once, the rest wait.
         end = time.monotonic() + 20
-        while time.monotonic() < end and (held.entered < workers
-                                          or sum(c.done() for c in calls) < refused):
+        while time.monotonic() < end and held.entered < workers:
             time.sleep(0.02)
-        assert held.entered == workers  # every worker holds a call
-        done = [c for c in calls if c.done()]
-        assert len(done) == refused
+        time.sleep(0.5)
+        assert held.entered == workers
+        done = [c for c in futures if c.done()]
         for c in done:
             assert c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
             assert "Concurrent RPC limit" in c.details()
         held.release.set()
-        for c in calls:
-            if c not in done:
-                assert c.result().requests_total == 0  # admitted: it completes
-        assert held.entered == len(calls) - refused
+        admitted = [c for c in futures if c not in done]
+        for c in admitted:
+            assert c.result().requests_total == 0  # it completes
+        assert held.entered == len(admitted)
         health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                            timeout=10)
         assert health.status in (health_pb2.HealthCheckResponse.SERVING,
                                  health_pb2.HealthCheckResponse.NOT_SERVING)
+        return len(done), len(admitted)
     finally:
         held.release.set()
         channel.close()
         handle.stop(None)
+
+
+@pytest.mark.parametrize("cap", [STREAM_HEADROOM + 4, 0])
+def test_calls_past_the_rpc_cap_are_refused_at_once_not_queued(cap):
+    """Every worker busy (Stats calls held), more calls wait for one; past
+    `max_concurrent_rpcs` gRPC refuses them at once (RESOURCE_EXHAUSTED) instead of queueing
+    without bound; the ones admitted all complete. With the default cap (4 x max_workers)
+    the same calls are all admitted."""
+    workers = STREAM_HEADROOM + 2
+    cfg = OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=workers,
+                             max_concurrent_rpcs=cap)
+    cfg.validate()
+    assert cfg.rpc_cap == (cap or 4 * workers)
+    refused, admitted = _flood(workers, workers + 4, max_concurrent_rpcs=cfg.rpc_cap)
+    assert (refused, admitted) == ((2, 12) if cap else (0, 14))
+
+
+def test_every_service_caps_its_calls_at_four_times_its_workers_by_default():
+    """`create_server` without a cap (kvpool, prefix, semantic) caps at 4 x max_workers."""
+    workers = STREAM_HEADROOM + 1
+    refused, admitted = _flood(workers, 4 * workers + 2)
+    assert (refused, admitted) == (2, 4 * workers)
 
 
 def test_an_rpc_cap_streams_could_fill_is_a_config_error():
