@@ -24,16 +24,21 @@ Messages = str | Sequence[dict[str, str]]
 # limit (the tenant's prompt-token or max_tokens limit, the largest pool) and fails the same way
 # every time.
 OVERLOADED_TRAILER = "tiercache-overloaded"
+# gRPC's own answer (no trailer) to a call past a server's cap on concurrent calls.
+RPC_CAP_DETAILS = "Concurrent RPC limit exceeded!"
 
 
 def retry_later(error: grpc.RpcError) -> bool:
     """True when `error` says the same request may succeed later (RESOURCE_EXHAUSTED marked
-    overloaded, or UNAVAILABLE); False for a request that can never succeed as it is."""
+    overloaded or refused by the server's cap on concurrent calls, or UNAVAILABLE); False for
+    a request that can never succeed as it is."""
     code = error.code() if callable(getattr(error, "code", None)) else None
     if code == grpc.StatusCode.UNAVAILABLE:
         return True
     if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return False
+    if error.details() == RPC_CAP_DETAILS:
+        return True
     try:
         trailers = error.trailing_metadata() or ()
     except Exception:  # noqa: BLE001 - an error object without trailers

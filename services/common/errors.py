@@ -6,6 +6,8 @@ turns them into a status with a message that names the offending field.
 
 from __future__ import annotations
 
+import contextlib
+
 # Longest client value a status message repeats (gRPC refuses a status over 16 KiB of
 # metadata, and the client then sees a transport error that names no field).
 SHOWN_CHARS = 64
@@ -52,8 +54,18 @@ class Overloaded(ResourceExhausted):
     replica may. RESOURCE_EXHAUSTED with the OVERLOADED_KEY trailer."""
 
 
+# What gRPC itself answers (RESOURCE_EXHAUSTED, no trailer) to a call past a server's
+# `maximum_concurrent_rpcs` (`bootstrap.create_server`): busy now, like Overloaded.
+RPC_CAP_DETAILS = "Concurrent RPC limit exceeded!"
+
+
 def overloaded(rpc_error: object) -> bool:
-    """True when a gRPC error carries the Overloaded trailer."""
+    """True when a gRPC error carries the Overloaded trailer, or is gRPC's own refusal of a
+    call past the server's cap on concurrent calls."""
+    details = getattr(rpc_error, "details", None)
+    with contextlib.suppress(Exception):  # a call object without details
+        if callable(details) and details() == RPC_CAP_DETAILS:
+            return True
     trailers = getattr(rpc_error, "trailing_metadata", None)
     try:
         md = trailers() if callable(trailers) else None

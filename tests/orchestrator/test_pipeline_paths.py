@@ -255,6 +255,28 @@ def test_a_busy_replica_hands_the_request_to_another_and_stays_in_routing():
     assert sum(len(r.stub.requests) for r in never.replicas.replicas) == 1
 
 
+def test_a_replica_past_its_call_cap_hands_the_request_to_another():
+    """gRPC's own refusal of a call past a replica's cap on concurrent calls
+    (RESOURCE_EXHAUSTED, no trailer) is busy now, not the replica's verdict on the request."""
+    class CapRefused(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return errors.RPC_CAP_DETAILS
+
+    b = Stub("B", [Call([kvpool_pb2.KvGenerateResponse(
+        token_ids=[ord("o"), ord("k")], final=kvpool_pb2.KvGenerateFinal(
+            finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id="B"))])])
+    orch = make({"A": Stub("A", [Call([], CapRefused())]), "B": b})
+    orch.routing = in_order("A", "B")
+    events = generate(orch, [])
+    assert "".join(e.text for e in events if hasattr(e, "text")) == "ok"
+    assert list(b.requests[0].token_ids) == PROMPT
+    assert orch.stats.degradations["busy_replica"] == 1
+    assert all(r.health.healthy for r in orch.replicas.replicas)
+
+
 def test_a_request_too_big_for_one_pool_goes_to_a_replica_with_a_larger_one():
     """Pools sized by kv_cache_bytes differ with the hardware: a request one replica can never
     hold went back to the client as final, though another replica's pool could."""

@@ -401,6 +401,8 @@ def _flood(workers: int, calls: int, **server_kw) -> tuple[int, int]:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
     from tiercache.v1 import orchestrator_pb2_grpc
 
+    from clients.python.client import retry_later
+    from services.common import errors
     from services.common.bootstrap import create_server
 
     s, orch = servicer(workers)
@@ -427,7 +429,9 @@ def _flood(workers: int, calls: int, **server_kw) -> tuple[int, int]:
         done = [c for c in futures if c.done()]
         for c in done:
             assert c.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-            assert "Concurrent RPC limit" in c.details()
+            assert c.details() == errors.RPC_CAP_DETAILS
+            # Busy now: the orchestrator tries another replica, a client retries later.
+            assert errors.overloaded(c) and retry_later(c)
         held.release.set()
         admitted = [c for c in futures if c not in done]
         for c in admitted:
