@@ -37,7 +37,8 @@ def retry_later(error: grpc.RpcError) -> bool:
         return True
     if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return False
-    if error.details() == RPC_CAP_DETAILS:
+    details = error.details() if callable(getattr(error, "details", None)) else None
+    if details == RPC_CAP_DETAILS:
         return True
     try:
         trailers = error.trailing_metadata() or ()

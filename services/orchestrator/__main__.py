@@ -43,7 +43,7 @@ def _main(argv: list[str] | None) -> int:
         services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, servicer,
                    "tiercache.v1.Orchestrator")],
         metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port,
-        max_workers=cfg.max_workers, max_concurrent_rpcs=cfg.rpc_cap,
+        max_workers=cfg.max_workers, max_concurrent_rpcs=cfg.max_concurrent_rpcs or None,
         max_connection_age_s=cfg.max_connection_age_s,
         # A stream (or a Warm, up to 120 s) under way ends as it would have.
         connection_age_grace_s=max(cfg.request_timeout_s, 120.0))

@@ -103,7 +103,7 @@ class OrchestratorConfig:
     # call at once (RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!") rather than queue it
     # without bound behind busy workers: a flood of cheap calls (unauthenticated ones too) is
     # capped in memory, not only refused one by one. Must exceed max_workers, so that streams
-    # alone never reach it. 0 = 4 x max_workers.
+    # alone never reach it. 0 = `create_server`'s default, 4 x max_workers.
     max_concurrent_rpcs: int = 0
     grace_s: float = 10.0
     # Client connections are closed (GOAWAY) after this long and clients reconnect: behind a
@@ -168,8 +168,3 @@ class OrchestratorConfig:
     def max_streams(self) -> int:
         """Concurrent Generate streams the server takes before RESOURCE_EXHAUSTED."""
         return self.max_workers - STREAM_HEADROOM
-
-    @property
-    def rpc_cap(self) -> int:
-        """Calls under way or queued for a worker before gRPC refuses more."""
-        return self.max_concurrent_rpcs or 4 * self.max_workers
