@@ -41,6 +41,12 @@ class SemanticConfig:
     model_name: str = ""
     cache_dir: str = ""  # "" = $TIERCACHE_CACHE_DIR or ~/.cache/tiercache
     onnx_threads: int = 0  # intra-op threads of ONNX Runtime; 0 = its default
+    # Whether ONNX Runtime's threads spin after each embedding, waiting for more work. On the
+    # 2-core host with the benchmark's client beside the service (`python -m benchmarks.semantic
+    # --parts latency`, 100k entries): spinning, lookup p50 1.7 ms / p99 5.8-6.0 ms and embed +
+    # lookup p50 5.5-5.7 ms; not spinning, p50 2.2 / p99 4.4 / 8.2 ms: spinning keeps a core busy
+    # that the gRPC threads of this and the co-located processes then wait for, at the tail.
+    onnx_spinning: bool = True
     max_batch: int = 32  # micro-batch size limit for concurrent embedding requests
     batch_wait_ms: float = 0.0  # extra time a micro-batch waits to fill up
     # SQLite database; "" = <cache_dir>/semantic/semantic.db

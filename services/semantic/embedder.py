@@ -32,7 +32,8 @@ _PLAIN_ASCII = re.compile(r"[\x20-\x7e\t\n\r]*")
 class OnnxEmbedder:
     """An exported sentence-transformers model run by ONNX Runtime. Thread-safe."""
 
-    def __init__(self, model_dir: str, cache_dir: str, name: str, threads: int = 0) -> None:
+    def __init__(self, model_dir: str, cache_dir: str, name: str, threads: int = 0, *,
+                 spinning: bool = True) -> None:
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
@@ -40,6 +41,8 @@ class OnnxEmbedder:
         if threads:
             opts.intra_op_num_threads = threads
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        # `SemanticConfig.onnx_spinning`: what spinning threads gain and cost.
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf
 
         folder = ensure_onnx(model_dir, cache_dir, name)

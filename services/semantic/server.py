@@ -173,7 +173,7 @@ def make_embedder(cfg: SemanticConfig) -> Embedder:
 
     name = cfg.resolved_model_name()
     inner = OnnxEmbedder(cfg.resolved_model_dir(), cfg.resolved_cache_dir(), name,
-                         cfg.onnx_threads)
+                         cfg.onnx_threads, spinning=cfg.onnx_spinning)
     return BatchingEmbedder(inner, cfg.max_batch, cfg.batch_wait_ms)
 
 

@@ -40,6 +40,29 @@ def test_onnx_matches_sentence_transformers(onnx_embedder):
     assert (single * ref).sum(1).min() >= 0.9999
 
 
+def test_onnx_spinning_is_configurable_and_changes_no_vector(onnx_embedder):
+    """TIERCACHE_SEMANTIC_ONNX_SPINNING=false reaches ONNX Runtime's session (its threads
+    sleep between embeddings), and the vectors are the same."""
+    from services.common.config import load_config
+    from services.semantic.server import make_embedder
+
+    def spins(emb) -> str:
+        return emb._sess.get_session_options().get_session_config_entry(
+            "session.intra_op.allow_spinning")
+
+    assert spins(onnx_embedder) == "1"  # the default
+    cfg = load_config(SemanticConfig, "semantic", [],
+                      {"TIERCACHE_SEMANTIC_ONNX_SPINNING": "false"})
+    assert cfg.onnx_spinning is False
+    batching = make_embedder(cfg)
+    try:
+        assert spins(batching.inner) == "0"
+        np.testing.assert_allclose(batching.embed(TEXTS), onnx_embedder.embed(TEXTS),
+                                   rtol=0, atol=1e-6)
+    finally:
+        batching.close()
+
+
 def test_batching_embedder_returns_each_callers_vector(onnx_embedder):
     b = BatchingEmbedder(onnx_embedder, max_batch=8)
     try:
