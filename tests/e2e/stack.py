@@ -117,8 +117,11 @@ def admin_stats(stack: FullStack):
         return c.stats()
 
 
-def wait_index_caught_up(stack: FullStack, timeout: float = 30.0) -> None:
-    """Until the index agrees with every replica's idle pool (`wait_index_matches_pools`)."""
+def wait_index_caught_up(stack: FullStack, timeout: float = 30.0,
+                         metadata: list | None = None) -> None:
+    """Until the index agrees with every replica's idle pool (`wait_index_matches_pools`).
+    `metadata`: the stack's internal credential (default: this module's INTERNAL_MD)."""
+    metadata = metadata or INTERNAL_MD
     import grpc
     from tiercache.v1 import kvpool_pb2, kvpool_pb2_grpc, prefix_pb2, prefix_pb2_grpc
 
@@ -127,12 +130,12 @@ def wait_index_caught_up(stack: FullStack, timeout: float = 30.0) -> None:
         for k in stack.kv:
             with grpc.insecure_channel(k.address) as ch:
                 out.append(kvpool_pb2_grpc.KvPoolStub(ch).Stats(
-                    kvpool_pb2.KvStatsRequest(), timeout=10, metadata=INTERNAL_MD))
+                    kvpool_pb2.KvStatsRequest(), timeout=10, metadata=metadata))
         return out
 
     def index():
         with grpc.insecure_channel(stack.prefix.address) as ch:
             return prefix_pb2_grpc.PrefixIndexStub(ch).Stats(prefix_pb2.PrefixStatsRequest(),
-                                                             timeout=10, metadata=INTERNAL_MD)
+                                                             timeout=10, metadata=metadata)
 
     wait_index_matches_pools(pools, index, timeout)

@@ -28,6 +28,7 @@ from services import launcher
 from services.common.hashing import DEFAULT_KEY, BlockHasher
 from services.launcher import ServiceProcess, free_port, wait_healthy
 from tests.e2e.conftest import LOG_DIR, grpcurl_path
+from tests.e2e.stack import wait_index_caught_up
 from tests.hardening.conftest import (
     ADMIN,
     INTERNAL,
@@ -307,6 +308,11 @@ def test_tenant_isolation_end_to_end(stack):
             TierCacheClient(stack.orch.address, token=TOK_B, timeout=120) as b:
         first = gen(a, msgs)
         assert not first.report.semantic_hit
+        # a2's Match must find a's blocks in the index (published a moment after `first`) to
+        # count as a hit on a's prefix, which makes it one of a's hot prefixes for the top-k
+        # warm-up below; before, a2 could match nothing there and still reuse the blocks on
+        # the replica the ring chose, and the warm-up found nothing of a's to warm.
+        wait_index_caught_up(stack, metadata=INTERNAL_MD)
         assert gen(a, msgs).report.semantic_hit  # a's own answer is cached for a
         a2 = gen(a, msgs, cache_policy=NO_SEMANTIC)
         assert a2.report.cached_tokens > 0  # and so is a's prefix
