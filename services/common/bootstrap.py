@@ -6,8 +6,9 @@
     handle.set_serving()          # health flips from NOT_SERVING to SERVING
     run_until_signal(handle, grace=10)
 
-Every server gets: the stock gRPC health service (NOT_SERVING until `set_serving`), server
-reflection (for grpcurl), an interceptor that binds the caller's `x-request-id` to the logs,
+Every server gets: the stock gRPC health service (NOT_SERVING until `set_serving`; with a
+metrics port, the same status over HTTP at `/healthz` beside `/metrics`), server reflection
+(for grpcurl), an interceptor that binds the caller's `x-request-id` to the logs,
 counts RPCs and latency in Prometheus, enforces the internal credential when one is configured,
 and maps domain errors (`services.common.errors`) to status codes so that no traceback ever
 reaches a client. SIGTERM/SIGINT -> health NOT_SERVING -> stop accepting -> drain -> exit.
@@ -43,6 +44,11 @@ from services.common.wire import find_invalid_utf8
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+# On the metrics port: 200 "SERVING" or 503 "NOT_SERVING", what gRPC health says. Kubernetes'
+# liveness and readiness probes ask here: gRPC's own health service shares the server's call
+# cap and worker threads, so a flood that filled them got the probes refused, and a pod that
+# was only busy was taken out of its Service and then restarted, its streams lost.
+HEALTH_PATH = "/healthz"
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # Open two-way streams (server reflection) one server serves at once: each holds a worker
 # thread while open, and needs no credential.
@@ -377,6 +383,7 @@ class ServerHandle:
     service_names: list[str]
     metrics_port: int | None = None
     _metrics_httpd: Any = None
+    serving: bool = False  # what health says now, under every name (HEALTH_PATH reads it)
     stopped: threading.Event = field(default_factory=threading.Event)
     # Set when a drain begins: health stays NOT_SERVING from then on, whoever asks (a watcher
     # that turns it off and on again, such as kvpool's stalled-engine check).
@@ -394,6 +401,7 @@ class ServerHandle:
                 return
             if serving:
                 _serving_began.set()
+            self.serving = serving
             status = (health_pb2.HealthCheckResponse.SERVING if serving
                       else health_pb2.HealthCheckResponse.NOT_SERVING)
             for name in ["", *self.service_names]:
@@ -473,7 +481,8 @@ def create_server(
             refuses new ones at once (RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!")
             instead of queueing them without bound (a flood of cheap calls, unauthenticated
             ones too, holds bounded memory). None: 4 x max_workers.
-        metrics_port: serve Prometheus metrics over HTTP on this port (0 = free port, None = off).
+        metrics_port: serve Prometheus metrics over HTTP on this port (0 = free port, None = off),
+            and health at HEALTH_PATH.
         credentials: TLS credentials; None = from env (server_credentials_from_env) or plaintext.
         max_connection_age_s: > 0: a client connection is closed (GOAWAY) after this long;
             clients reconnect for their next calls, so behind a Service connections spread
@@ -517,11 +526,9 @@ def create_server(
     handle = ServerHandle(service, server, port, hs, names)
     handle.set_serving(False)
     if metrics_port is not None:
-        from prometheus_client import start_http_server
-
         host = address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
         try:
-            httpd, _ = start_http_server(metrics_port, addr=host)
+            httpd = _serve_metrics_and_health(handle, host, metrics_port)
         except OSError as exc:
             server.stop(None)
             raise BindError(f"TIERCACHE_{service.upper()}_METRICS_PORT: cannot listen on "
@@ -530,6 +537,43 @@ def create_server(
         handle.metrics_port = httpd.server_address[1]
     log.info("%s listening on port %d (metrics %s)", service, port, handle.metrics_port)
     return handle
+
+
+def _serve_metrics_and_health(handle: ServerHandle, host: str, port: int) -> Any:
+    """Start an HTTP server on a daemon thread: HEALTH_PATH answers with `handle`'s health,
+    every other path with Prometheus metrics (as prometheus_client's own server does)."""
+    import socket
+    from socketserver import ThreadingMixIn
+    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+    from prometheus_client import make_wsgi_app
+
+    metrics = make_wsgi_app()
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
+        if environ.get("PATH_INFO") != HEALTH_PATH:
+            return metrics(environ, start_response)
+        ok = handle.serving
+        start_response("200 OK" if ok else "503 Service Unavailable",
+                       [("Content-Type", "text/plain; charset=utf-8")])
+        return [b"SERVING\n" if ok else b"NOT_SERVING\n"]
+
+    # The family of the address asked for (WSGIServer alone binds IPv4 only).
+    family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                   flags=socket.AI_PASSIVE)[0]
+
+    class Server(ThreadingMixIn, WSGIServer):
+        address_family = family
+        daemon_threads = True  # a probe's thread is not joined at close
+
+    class QuietHandler(WSGIRequestHandler):
+        def log_message(self, format: str, *args: Any) -> None:  # a line per scrape and probe
+            pass
+
+    httpd = make_server(sockaddr[0], port, app, Server, handler_class=QuietHandler)
+    threading.Thread(target=httpd.serve_forever, name=f"{handle.service}-http",
+                     daemon=True).start()
+    return httpd
 
 
 def drain_delay_from_env() -> float:

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 
+from services.common.bootstrap import HEALTH_PATH
 from services.common.config import ConfigError, env_name, load_config
 from tests.deploy.k8s_view import (
     ROOT,
@@ -144,11 +145,19 @@ def test_every_container_has_probes_resources_and_runs_locked_down(rendered: Ren
             assert sc["capabilities"]["drop"] == ["ALL"], where
         for c in w.containers:
             where = f"{rendered.overlay}/{w.name}/{c['name']}"
-            port = w.container_ports(c)["grpc"]
+            ports = w.container_ports(c)
             for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
                 assert probe in c, f"{where}: no {probe}"
-                # Native gRPC health checks against the service's own port.
-                assert c[probe].get("grpc", {}).get("port") == port, f"{where}: {probe}"
+            # Startup: native gRPC health on the service's own port (gRPC serves). Readiness and
+            # liveness: the same status over HTTP on the metrics port, which a flood filling
+            # the gRPC server's call cap cannot refuse (a busy pod is neither taken out of its
+            # Service nor restarted).
+            assert c["startupProbe"].get("grpc", {}).get("port") == ports["grpc"], where
+            for probe in ("readinessProbe", "livenessProbe"):
+                get = c[probe].get("httpGet", {})
+                assert get.get("path") == HEALTH_PATH, f"{where}: {probe}"
+                port = get.get("port")  # a container port's name or number
+                assert ports.get(port, port) == ports["metrics"], f"{where}: {probe}"
             start = c["startupProbe"]
             budget = start.get("periodSeconds", 10) * start.get("failureThreshold", 3)
             assert budget >= MIN_STARTUP_S[w.service], (

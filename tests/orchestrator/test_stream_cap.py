@@ -7,7 +7,9 @@ new one is refused with RESOURCE_EXHAUSTED so health checks and Stats always fin
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 from tiercache.v1 import orchestrator_pb2
@@ -391,10 +393,12 @@ class HeldStats:
         return False
 
 
-def _flood(workers: int, calls: int, **server_kw) -> tuple[int, int]:
+def _flood(workers: int, calls: int, during: Callable[[Any, Any], None] | None = None,
+           **server_kw) -> tuple[int, int]:
     """`calls` Stats calls at once at a real server (the servicer, fakes behind it) whose
     `workers` threads all hold one until released: returns (refused at once, each with
-    RESOURCE_EXHAUSTED from the cap; admitted, each completing once released)."""
+    RESOURCE_EXHAUSTED from the cap; admitted, each completing once released). `during`
+    (the server's handle, a channel to it) runs while the workers are held."""
     import time
 
     import grpc
@@ -432,6 +436,8 @@ def _flood(workers: int, calls: int, **server_kw) -> tuple[int, int]:
             assert c.details() == errors.RPC_CAP_DETAILS
             # Busy now: the orchestrator tries another replica, a client retries later.
             assert errors.overloaded(c) and retry_later(c)
+        if during is not None:
+            during(handle, channel)
         held.release.set()
         admitted = [c for c in futures if c not in done]
         for c in admitted:
@@ -468,6 +474,42 @@ def test_every_service_caps_its_calls_at_four_times_its_workers_by_default():
     workers = STREAM_HEADROOM + 1
     refused, admitted = _flood(workers, 4 * workers + 2)
     assert (refused, admitted) == (2, 4 * workers)
+
+
+def test_health_over_http_answers_while_the_rpc_cap_is_full():
+    """A flood that fills the call cap gets gRPC's health check refused with it, so the pods'
+    liveness and readiness probes ask the metrics port's /healthz instead: it still answers,
+    with the same status as gRPC health (SERVING, then NOT_SERVING once a drain begins)."""
+    import urllib.error
+    import urllib.request
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.bootstrap import HEALTH_PATH
+
+    seen = []
+
+    def probe(handle, channel):
+        url = f"http://127.0.0.1:{handle.metrics_port}{HEALTH_PATH}"
+        handle.set_serving(True)
+        with pytest.raises(grpc.RpcError) as refused:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                      timeout=10)
+        assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        with urllib.request.urlopen(url, timeout=5) as r:
+            seen.append((r.status, r.read()))
+        handle.begin_drain()
+        with pytest.raises(urllib.error.HTTPError) as down:
+            urllib.request.urlopen(url, timeout=5)
+        seen.append((down.value.code, down.value.read()))
+        metrics = urllib.request.urlopen(
+            f"http://127.0.0.1:{handle.metrics_port}/metrics", timeout=5).read()
+        seen.append(b"tiercache_rpc_total" in metrics)
+
+    workers = STREAM_HEADROOM + 1
+    assert _flood(workers, 4 * workers + 2, during=probe, metrics_port=0) == (2, 4 * workers)
+    assert seen == [(200, b"SERVING\n"), (503, b"NOT_SERVING\n"), True]
 
 
 def test_an_rpc_cap_streams_could_fill_is_a_config_error():
