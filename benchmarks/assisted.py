@@ -101,6 +101,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from benchmarks import cpu_model
 from benchmarks.kvpool import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -263,18 +264,6 @@ def near_miss_pairs(n: int) -> tuple[list[Pair], int]:
                 if len(out) >= n:
                     return out, scanned
     return out, scanned
-
-
-def cpu_model() -> str:
-    """The host's processor as /proc/cpuinfo names it (the speed-up depends on how much dearer
-    a forward of several tokens is than one of a single token, which differs by processor)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def share(draft: list[int], answer: list[int]) -> float:

@@ -2,6 +2,9 @@
 
     .venv/bin/python -m benchmarks.linear [--dtype float32|bfloat16] [--out PATH] [--reps N]
 
+On torch's threads (`OMP_NUM_THREADS=1`: one, as a replica runs forwards under
+`TIERCACHE_KVPOOL_ONE_THREAD_BELOW` tokens; the command recorded says so).
+
 - head_ms: SmolLM2's head (49,152 x 576, float32) applied to 1, 2, 3, 4, 8, 16 and 17 rows
   (a decode step, draft verify forwards), median of `--reps` calls, both kernels.
 - forward_ms: the whole model's forward of q = 1..17 new tokens over a 96-token cache, as the
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
 import sys
@@ -27,6 +31,8 @@ import time
 from pathlib import Path
 
 import torch
+
+from benchmarks import cpu_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 ROWS = (1, 2, 3, 4, 8, 16, 17)
@@ -115,14 +121,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  forward of {q:2d}: torch {forward['torch'][q]:7.1f} ms "
               f"({relative['torch'][q]:.2f}x), oneDNN {forward['onednn'][q]:7.1f} ms "
               f"({relative['onednn'][q]:.2f}x)")
-    command = "python -m benchmarks.linear" + (
+    threads = os.environ.get("OMP_NUM_THREADS")
+    command = (f"OMP_NUM_THREADS={threads} " if threads else "") + "python -m benchmarks.linear" + (
         "" if args.dtype == "float32" else f" --dtype {args.dtype}")
     result = {
         "benchmark": "linear",
         "command": command,
         "model": f"{model_id} {args.dtype} cpu",
         "machine": {"python": platform.python_version(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "processor": platform.processor()},
+                    "threads": torch.get_num_threads(), "cpu_model": cpu_model()},
         "head_shape": head_shape,
         "head_ms": head,
         "forward_ms": forward,

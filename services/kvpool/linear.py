@@ -7,7 +7,11 @@ EPYC host (AVX-512) SmolLM2's head (49,152 x 576) took 13.9 ms for one row, 29.2
 layout took 5.8, 7.1, 5.9 and 7.5 ms. The whole model's forward (`calibrate.forward_costs`,
 96 tokens cached) went 84.6 -> 56.3 ms for one token and 143.2 -> 77.6 ms for 17, so a verify
 forward of 16 draft tokens costs 1.38x a decode step instead of 1.69x (all from
-`python -m benchmarks.linear`).
+`python -m benchmarks.linear`). Not on every CPU: on the 2-core Intel Xeon host (AMX), on one
+thread, a 17-token forward went 124.4 -> 99.2 ms but a 1-token one 56.2 -> 64.6 ms (MKL is the
+better GEMV there; `OMP_NUM_THREADS=1 python -m benchmarks.linear --out
+benchmarks/results/linear_xeon_1thread.json`); the default stays oneDNN for the drafts' sake
+(services/kvpool/README.md).
 
 `pack_linears` swaps every `nn.Linear` of a float32 CPU model for a `PackedLinear` holding the
 packed copy (the dense weight is released unless something else holds it: a head tied to the
