@@ -7,6 +7,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -15,6 +16,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
+from services.common.bootstrap import HEALTH_PATH
 from services.kvpool.linear import pack_linears
 from tests.kvpool.conftest import make_tiny_model, reference_greedy
 from tests.procs import terminate
@@ -35,9 +37,10 @@ def test_process_serves_a_local_model_folder_and_stops_on_sigterm(tmp_path: Path
     model = make_tiny_model().to(getattr(torch, dtype))
     folder = tmp_path / "tiny-folder"
     model.save_pretrained(folder)
-    port = free_port()
+    port, metrics_port = free_port(), free_port()
     env = dict(os.environ, TIERCACHE_KVPOOL_MODEL=str(folder),
-               TIERCACHE_KVPOOL_ADDRESS=f"127.0.0.1:{port}", TIERCACHE_KVPOOL_METRICS_PORT="0",
+               TIERCACHE_KVPOOL_ADDRESS=f"127.0.0.1:{port}",
+               TIERCACHE_KVPOOL_METRICS_PORT=str(metrics_port),
                TIERCACHE_KVPOOL_NUM_BLOCKS="64", TIERCACHE_KVPOOL_REPLICA_ID="kv-proc",
                TIERCACHE_KVPOOL_DTYPE=dtype)
     proc = subprocess.Popen([sys.executable, "-m", "services.kvpool", "--block-size", "4"],
@@ -57,6 +60,10 @@ def test_process_serves_a_local_model_folder_and_stops_on_sigterm(tmp_path: Path
                 pass
             assert time.monotonic() < end, "kvpool did not become healthy"
             time.sleep(0.2)
+        # The pod's readiness and liveness probes ask the metrics port (docs/deploy.md).
+        with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}{HEALTH_PATH}",
+                                    timeout=5) as r:
+            assert (r.status, r.read()) == (200, b"SERVING\n")
         stub = kvpool_pb2_grpc.KvPoolStub(channel)
         st = stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
         assert (st.model_id, st.block_size, st.blocks_total) == ("tiny-folder", 4, 64)
