@@ -310,8 +310,8 @@ def test_tenant_isolation_end_to_end(stack):
         assert not first.report.semantic_hit
         # a2's Match must find a's blocks in the index (published a moment after `first`) to
         # count as a hit on a's prefix, which makes it one of a's hot prefixes for the top-k
-        # warm-up below; before, a2 could match nothing there and still reuse the blocks on
-        # the replica the ring chose, and the warm-up found nothing of a's to warm.
+        # warm-up below. Without this wait a2 could match nothing there yet still reuse the
+        # blocks on the replica the ring chose, and the warm-up found nothing of a's to warm.
         wait_index_caught_up(stack, metadata=INTERNAL_MD)
         assert gen(a, msgs).report.semantic_hit  # a's own answer is cached for a
         a2 = gen(a, msgs, cache_policy=NO_SEMANTIC)

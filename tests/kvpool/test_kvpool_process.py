@@ -38,6 +38,8 @@ def test_process_serves_a_local_model_folder_and_stops_on_sigterm(tmp_path: Path
     folder = tmp_path / "tiny-folder"
     model.save_pretrained(folder)
     port, metrics_port = free_port(), free_port()
+    while metrics_port == port:
+        metrics_port = free_port()
     env = dict(os.environ, TIERCACHE_KVPOOL_MODEL=str(folder),
                TIERCACHE_KVPOOL_ADDRESS=f"127.0.0.1:{port}",
                TIERCACHE_KVPOOL_METRICS_PORT=str(metrics_port),
