@@ -543,10 +543,10 @@ def _serve_metrics_and_health(handle: ServerHandle, host: str, port: int) -> Any
     """Start an HTTP server on a daemon thread: HEALTH_PATH answers with `handle`'s health,
     every other path with Prometheus metrics (as prometheus_client's own server does)."""
     import socket
-    from socketserver import ThreadingMixIn
-    from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
 
     from prometheus_client import make_wsgi_app
+    from prometheus_client.exposition import ThreadingWSGIServer
 
     metrics = make_wsgi_app()
 
@@ -562,9 +562,8 @@ def _serve_metrics_and_health(handle: ServerHandle, host: str, port: int) -> Any
     family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
                                                    flags=socket.AI_PASSIVE)[0]
 
-    class Server(ThreadingMixIn, WSGIServer):
+    class Server(ThreadingWSGIServer):  # a thread per request, not joined at close
         address_family = family
-        daemon_threads = True  # a probe's thread is not joined at close
 
     class QuietHandler(WSGIRequestHandler):
         def log_message(self, format: str, *args: Any) -> None:  # a line per scrape and probe
