@@ -1,6 +1,7 @@
 """Semantic tier benchmark (issue 5).
 
-    python -m benchmarks.semantic [--quick] [--parts embed,quality,chinese,latency,ef_sweep]
+    python -m benchmarks.semantic [--quick]
+        [--parts embed,quality,chinese,latency,ef_sweep,exporters]
         ->  benchmarks/results/semantic.json (+ semantic_pr.png, semantic_table.md)
 
 `--parts` runs a subset (e.g. `--parts latency` on a quiet machine, `--parts quality` anywhere:
@@ -23,6 +24,10 @@ precision does not depend on load) and keeps the other parts' figures from the e
               on harder ones (an indexed question with a word dropped and two words swapped),
               counted where the exact best similarity reaches the draft floor. It is what the
               configured efSearch is chosen from.
+6. exporters — the model exported by each ONNX exporter (`TIERCACHE_SEMANTIC_ONNX_EXPORTER`:
+              torch's legacy tracer, the default, and the dynamo exporter), run by ONNX Runtime
+              as the service runs it: batch-1 p50 and sentences/s at batch 32 (interleaved),
+              and how far apart their vectors are.
 
 `--quick` runs a reduced version (subsets, 5k entries) in under 3 minutes and writes
 `semantic_quick.json`. Data are read from ../shared/data (never copied into the repository).
@@ -654,7 +659,43 @@ def table(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-PARTS = ("embed", "quality", "chinese", "latency", "ef_sweep")
+PARTS = ("embed", "quality", "chinese", "latency", "ef_sweep", "exporters")
+
+
+def bench_exporters(cfg: SemanticConfig, texts: list[str], reps: int) -> dict:
+    """Both ONNX exporters' graphs, timed alike (exports to the default cache if missing)."""
+    embs = {x: OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(),
+                            cfg.resolved_model_name(), exporter=x)
+            for x in ("torchscript", "dynamo")}
+    b1: dict[str, list[float]] = {x: [] for x in embs}
+    b32: dict[str, list[float]] = {x: [] for x in embs}
+
+    def timed(fn, batch: list[str]) -> float:
+        t0 = time.perf_counter()
+        fn(batch)
+        return time.perf_counter() - t0
+
+    # In blocks, order A B B A: interleaved call by call, each session's threads would still
+    # be spinning (the service's setting) while the other one runs, slowing both.
+    for x in ("torchscript", "dynamo", "dynamo", "torchscript"):
+        e = embs[x]
+        e.embed(texts[:32])  # warm
+        b1[x] += [timed(e.embed, [t]) for t in texts[:reps // 2]]
+        b32[x] += [timed(e.embed, texts[32 * i:32 * (i + 1)])
+                   for i in range(5 if reps > 50 else 2)]
+    sample = texts[:256]
+    a, b = (embed_all(embs[x], sample, 32) for x in ("torchscript", "dynamo"))
+    out: dict = {x: {"batch1_p50_ms": pct(b1[x], 50) * 1000,
+                     "batch1_p99_ms": pct(b1[x], 99) * 1000,
+                     "sentences_per_s_batch32": 32 / pct(b32[x], 50)} for x in embs}
+    out.update({
+        "dynamo_over_torchscript_batch1_p50": out["dynamo"]["batch1_p50_ms"]
+        / out["torchscript"]["batch1_p50_ms"],
+        "max_abs_difference": float(np.abs(a - b).max()),
+        "cosine_min": float((a * b).sum(1).min()), "sentences": len(sample),
+        "batch1_runs": len(b1["dynamo"]),
+    })
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -707,6 +748,10 @@ def main(argv: list[str] | None = None) -> int:
         log("HNSW efSearch sweep")
         res["ef_sweep"] = bench_ef_sweep(emb, qqp, 5_000 if quick else 100_000,
                                          200 if quick else 1000)
+    if "exporters" in parts:
+        log("ONNX exporters: traced vs dynamo")
+        res["exporters"] = bench_exporters(cfg, [a for a, _, _ in qqp], 30 if quick else 300)
+        log(json.dumps(res["exporters"]))
     for p in parts:
         runs[p] = {"at": stamp, "load_average_1m": os.getloadavg()[0]}
     res["targets"] = targets(res)

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from services.common.config import require, require_listen_address
+from services.semantic.onnx_export import EXPORTERS
 
 SERVICE = "semantic"
 
@@ -47,6 +48,11 @@ class SemanticConfig:
     # lookup p50 5.5-5.7 ms; not spinning, p50 2.2 / p99 4.4 / 8.2 ms: spinning keeps a core busy
     # that the gRPC threads of this and the co-located processes then wait for, at the tail.
     onnx_spinning: bool = True
+    # How the model is exported to ONNX, once: "torchscript" (torch's legacy tracer) or
+    # "dynamo" (torch.export, via onnxscript; for a torch release without the tracer). The same
+    # vectors either way; on the 2-core Xeon host ONNX Runtime ran the traced graph 5-16% faster
+    # (`python -m benchmarks.semantic --parts exporters`; see onnx_export.py).
+    onnx_exporter: str = "torchscript"
     max_batch: int = 32  # micro-batch size limit for concurrent embedding requests
     batch_wait_ms: float = 0.0  # extra time a micro-batch waits to fill up
     # SQLite database; "" = <cache_dir>/semantic/semantic.db
@@ -131,6 +137,8 @@ class SemanticConfig:
         require(bool(md) and os.path.isdir(md), s, "model_dir",
                 f"not a sentence-transformers folder: {md!r}")
         require(self.onnx_threads >= 0, s, "onnx_threads", "must be >= 0")
+        require(self.onnx_exporter in EXPORTERS, s, "onnx_exporter",
+                f"must be one of {', '.join(EXPORTERS)}, got {self.onnx_exporter!r}")
         require(1 <= self.max_batch <= 1024, s, "max_batch", "must be in [1, 1024]")
         require(0 <= self.batch_wait_ms <= 100, s, "batch_wait_ms", "must be in [0, 100]")
         require(self.sqlite_synchronous.upper() in ("FULL", "NORMAL", "EXTRA"), s,

@@ -33,7 +33,7 @@ class OnnxEmbedder:
     """An exported sentence-transformers model run by ONNX Runtime. Thread-safe."""
 
     def __init__(self, model_dir: str, cache_dir: str, name: str, threads: int = 0, *,
-                 spinning: bool = True) -> None:
+                 spinning: bool = True, exporter: str = "torchscript") -> None:
         import onnxruntime as ort
         from tokenizers import Tokenizer
 
@@ -45,7 +45,7 @@ class OnnxEmbedder:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf
 
-        folder = ensure_onnx(model_dir, cache_dir, name)
+        folder = ensure_onnx(model_dir, cache_dir, name, exporter=exporter)
         def session(folder: Path) -> ort.InferenceSession:
             return ort.InferenceSession(str(folder / "model.onnx"), opts,
                                         providers=["CPUExecutionProvider"])
@@ -60,8 +60,11 @@ class OnnxEmbedder:
             # that does not parse: out of memory, say, would not be mended by an export.)
             log.warning("%s cannot be loaded (%s: %s): exporting it again",
                         folder / "model.onnx", type(e).__name__, str(e)[:300])
-            folder = ensure_onnx(model_dir, cache_dir, name, broken=loaded)
+            folder = ensure_onnx(model_dir, cache_dir, name, broken=loaded, exporter=exporter)
             self._sess = session(folder)
+        # The graph's only output: "embedding" when traced, another name from the dynamo
+        # exporter (onnx_export._export_dynamo).
+        self._output: str = self._sess.get_outputs()[0].name
         meta = json.loads((folder / "meta.json").read_text())
         self.name = name
         self.fingerprint: str = meta["fingerprint"]
@@ -134,7 +137,7 @@ class OnnxEmbedder:
         }
         if "token_type_ids" in self._inputs:
             feeds["token_type_ids"] = np.array([e.type_ids for e in enc], dtype=np.int64)
-        (out,) = self._sess.run(["embedding"], feeds)
+        (out,) = self._sess.run([self._output], feeds)
         out = np.asarray(out, dtype=np.float32)
         # Unit length whatever the folder: one without a Normalize module gives vectors of
         # norm 5-7, and an inner product over those reads as similarity 1.0 for anything.

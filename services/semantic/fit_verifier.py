@@ -150,7 +150,7 @@ def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, s
     # verifier is fitted for the model the service will run.
     cfg = semantic_config()
     emb = OnnxEmbedder(cfg.resolved_model_dir(), cfg.resolved_cache_dir(),
-                       cfg.resolved_model_name())
+                       cfg.resolved_model_name(), exporter=cfg.onnx_exporter)
     qqp, paws = load_qqp(), load_paws()
     xs, ys, src = [], [], []
     for rows, is_paws in ((qqp, False), (paws, True)):

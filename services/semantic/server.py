@@ -173,7 +173,8 @@ def make_embedder(cfg: SemanticConfig) -> Embedder:
 
     name = cfg.resolved_model_name()
     inner = OnnxEmbedder(cfg.resolved_model_dir(), cfg.resolved_cache_dir(), name,
-                         cfg.onnx_threads, spinning=cfg.onnx_spinning)
+                         cfg.onnx_threads, spinning=cfg.onnx_spinning,
+                         exporter=cfg.onnx_exporter)
     return BatchingEmbedder(inner, cfg.max_batch, cfg.batch_wait_ms)
 
 

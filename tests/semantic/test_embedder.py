@@ -63,6 +63,48 @@ def test_onnx_spinning_is_configurable_and_changes_no_vector(onnx_embedder):
         batching.close()
 
 
+def test_the_dynamo_exporter_gives_the_traced_vectors_in_its_own_folder(tmp_path,
+                                                                       onnx_embedder):
+    """TIERCACHE_SEMANTIC_ONNX_EXPORTER=dynamo exports with torch.export (for a torch without
+    the legacy tracer) into a folder of its own, beside the traced export, and embeds as the
+    traced graph does: stored entries keep their vectors and their model tag."""
+    from services.common.config import load_config
+    from services.semantic.onnx_export import export_folder
+    from services.semantic.server import make_embedder
+
+    env = {"TIERCACHE_SEMANTIC_ONNX_EXPORTER": "dynamo", "TIERCACHE_SEMANTIC_CACHE_DIR":
+           str(tmp_path)}
+    cfg = load_config(SemanticConfig, "semantic", [], env)
+    batching = make_embedder(cfg)
+    try:
+        name = cfg.resolved_model_name()
+        folder = export_folder(tmp_path, name, "dynamo")
+        assert folder.name == f"{name}.dynamo" and (folder / "model.onnx").is_file()
+        assert not (tmp_path / "onnx" / name).exists()
+        meta = json.loads((folder / "meta.json").read_text())
+        assert meta["exporter"] == "dynamo"
+        assert batching.inner._output != "embedding"  # its output has another name
+        assert batching.identity == onnx_embedder.identity
+        dyn, traced = batching.embed(TEXTS), onnx_embedder.embed(TEXTS)  # a padded batch
+        assert (dyn * traced).sum(1).min() >= 0.99999
+        np.testing.assert_allclose(dyn, traced, rtol=0, atol=1e-5)
+        one = batching.embed_one(TEXTS[0])
+        np.testing.assert_allclose(one, traced[0], rtol=0, atol=1e-5)
+    finally:
+        batching.close()
+
+
+def test_an_unknown_exporter_is_refused_before_anything_is_written(tmp_path):
+    from services.semantic.config import default_model_dir
+    from services.semantic.onnx_export import SentenceModelSpec, ensure_onnx
+
+    with pytest.raises(ValueError, match="unknown ONNX exporter 'jit'"):
+        ensure_onnx(default_model_dir(), tmp_path, "mini", exporter="jit")
+    assert list(tmp_path.iterdir()) == []
+    spec = SentenceModelSpec.read(default_model_dir())
+    assert spec.fingerprint("dynamo") != spec.fingerprint("torchscript") == spec.fingerprint()
+
+
 def test_batching_embedder_returns_each_callers_vector(onnx_embedder):
     b = BatchingEmbedder(onnx_embedder, max_batch=8)
     try:
@@ -170,6 +212,8 @@ def test_config_errors_name_the_variable(tmp_path):
         load_config(SemanticConfig, "semantic", [],
                     {"TIERCACHE_SEMANTIC_DEFAULT_TTL_SECONDS": str(2**32),
                      "TIERCACHE_SEMANTIC_MAX_TTL_SECONDS": str(2**32)})
+    with pytest.raises(ConfigError, match="TIERCACHE_SEMANTIC_ONNX_EXPORTER.*'onnx'"):
+        load_config(SemanticConfig, "semantic", [], {"TIERCACHE_SEMANTIC_ONNX_EXPORTER": "onnx"})
 
 
 def test_the_export_fingerprint_follows_the_weights_content(tmp_path):
@@ -256,7 +300,7 @@ def test_folders_of_exports_killed_part_way_are_removed_at_the_next_export(tmp_p
     (root / ".other.abcd1234").mkdir()  # another model's: its own lock guards it
     (root / ".m.notmine").mkdir()  # not a name mkdtemp gives
 
-    def fake_export(spec, out: Path) -> None:
+    def fake_export(spec, out: Path, exporter: str) -> None:
         (out / "model.onnx").write_bytes(b"x")
         (out / "tokenizer.json").write_text("{}")
         (out / "meta.json").write_text(json.dumps({"fingerprint": spec.fingerprint(),
@@ -292,7 +336,7 @@ def test_an_export_damaged_but_of_its_size_is_exported_again_once(tmp_path, monk
     exports: list[bool] = []
     damaged_export = [False]
 
-    def copy_export(spec, out: Path) -> None:  # the real export, without its ~10 s
+    def copy_export(spec, out: Path, exporter: str) -> None:  # the real export, without its ~10 s
         exports.append(True)
         for f in real.iterdir():
             shutil.copy2(f, out / f.name)
