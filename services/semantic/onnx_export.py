@@ -181,10 +181,16 @@ def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript
     else:
         axes = {n: {0: "batch", 1: "seq"} for n in names}
         axes["embedding"] = {0: "batch"}
-        with torch.inference_mode():
-            torch.onnx.export(Pooled().eval(), args, str(out_dir / "model.onnx"),
-                              input_names=names, output_names=["embedding"], dynamic_axes=axes,
-                              opset_version=OPSET, dynamo=False)
+        try:
+            with torch.inference_mode():
+                torch.onnx.export(Pooled().eval(), args, str(out_dir / "model.onnx"),
+                                  input_names=names, output_names=["embedding"],
+                                  dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+        except Exception as e:  # noqa: BLE001 - re-raised, with the way out named
+            raise RuntimeError(
+                f"the TorchScript ONNX exporter failed on {spec.model_dir} "
+                f"({type(e).__name__}: {e}); torch has deprecated it: if this torch release "
+                "no longer has it, set TIERCACHE_SEMANTIC_ONNX_EXPORTER=dynamo") from e
     steps.update(1)
     shutil.copy2(spec.model_dir / "tokenizer.json", out_dir / "tokenizer.json")
     meta = {"fingerprint": spec.fingerprint(exporter), "weights": spec.weights_fingerprint(),

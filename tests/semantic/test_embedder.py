@@ -94,6 +94,24 @@ def test_the_dynamo_exporter_gives_the_traced_vectors_in_its_own_folder(tmp_path
         batching.close()
 
 
+def test_a_failing_torchscript_export_names_the_dynamo_exporter(tmp_path, monkeypatch):
+    """A torch release without the legacy tracer fails the default export at first start: the
+    error says which setting gets past it, and no export folder is left behind."""
+    import torch
+
+    from services.semantic.config import default_model_dir
+    from services.semantic.onnx_export import ensure_onnx
+
+    def gone(*args, **kwargs):
+        assert kwargs["dynamo"] is False
+        raise TypeError("export() got an unexpected keyword argument 'dynamic_axes'")
+
+    monkeypatch.setattr(torch.onnx, "export", gone)
+    with pytest.raises(RuntimeError, match="TIERCACHE_SEMANTIC_ONNX_EXPORTER=dynamo"):
+        ensure_onnx(default_model_dir(), tmp_path, "mini")
+    assert [p.name for p in (tmp_path / "onnx").iterdir()] == [".mini.lock"]
+
+
 def test_an_unknown_exporter_is_refused_before_anything_is_written(tmp_path):
     from services.semantic.config import default_model_dir
     from services.semantic.onnx_export import SentenceModelSpec, ensure_onnx
