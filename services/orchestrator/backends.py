@@ -496,8 +496,10 @@ class SemanticBackend:
                 self.shard_health[address].fail(e)
             raise
 
-    def _each(self, method: str, req, deadline: float | None = None) -> list:
-        """Call every shard; the answers of those that had it.
+    def _each(self, method: str, req, deadline: float | None = None
+              ) -> tuple[list, Exception | None]:
+        """Call every shard: the answers of those that had it, and why some shard did not
+        answer (None if every one did, NOT_FOUND aside).
 
         A shard that is down does not hide the answer of one that acted (the entry lives on
         one shard: a rating applied there must not be reported as failed). With no answer,
@@ -507,16 +509,15 @@ class SemanticBackend:
         """
         out: list = []
         not_found: grpc.RpcError | None = None
-        failed: grpc.RpcError | None = None
+        failed: Exception | None = None
         for a in self.addresses:
             timeout = None
             if deadline is not None:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    if out:
-                        return out
-                    raise errors.DeadlineExceeded(
+                    failed = failed or errors.DeadlineExceeded(
                         f"deadline exceeded before the semantic tier answered {method}")
+                    break
                 timeout = min(self.timeout_s, left)
             try:
                 out.append(self._call(a, method, req, timeout))
@@ -526,7 +527,7 @@ class SemanticBackend:
                 else:
                     failed = failed or e
         if out:
-            return out
+            return out, failed
         raise failed or not_found or RuntimeError("no semantic shard configured")
 
     def lookup(self, req: semantic_pb2.LookupRequest, timeout: float | None = None
@@ -540,17 +541,23 @@ class SemanticBackend:
     def verify(self, entry_id: str, verified: bool, deadline: float | None = None
                ) -> semantic_pb2.SemanticEntry:
         return self._each("Verify", semantic_pb2.VerifyRequest(id=entry_id, verified=verified),
-                          deadline)[0]
+                          deadline)[0][0]
 
     def invalidate(self, entry_id: str, deadline: float | None = None
                    ) -> semantic_pb2.InvalidateResponse:
-        got = self._each("Invalidate", semantic_pb2.InvalidateRequest(id=entry_id), deadline)
-        return semantic_pb2.InvalidateResponse(removed=sum(r.removed for r in got))
+        got, failed = self._each("Invalidate", semantic_pb2.InvalidateRequest(id=entry_id),
+                                 deadline)
+        removed = sum(r.removed for r in got)
+        if removed == 0 and failed is not None:
+            # The shards that answered do not hold it; the one that did not may: "unknown"
+            # would tell the client not to retry while the entry is still served.
+            raise failed
+        return semantic_pb2.InvalidateResponse(removed=removed)
 
     def stats(self, deadline: float | None = None) -> semantic_pb2.SemanticStatsResponse:
         """Every shard's figures summed. `shards_answered` < `shards_total` says some shard's
         are missing (it was down or slow), rather than the sum passing for the whole tier's."""
-        parts = self._each("Stats", semantic_pb2.SemanticStatsRequest(), deadline)
+        parts, _ = self._each("Stats", semantic_pb2.SemanticStatsRequest(), deadline)
         if len(parts) == 1:
             out = semantic_pb2.SemanticStatsResponse()
             out.CopyFrom(parts[0])

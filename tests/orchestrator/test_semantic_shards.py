@@ -96,6 +96,44 @@ def test_a_rating_on_a_live_shard_is_not_reported_failed_when_another_is_down(sh
     with pytest.raises(grpc.RpcError) as e:  # s0's entry: the outage, not NOT_FOUND
         be.verify(on_s0, True)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    # A bad rating of s0's entry too: s1 answers "removed 0", which must not pass for
+    # "unknown" (NOT_FOUND tells the client not to retry while s0 still serves the answer).
+    with pytest.raises(grpc.RpcError) as e:
+        be.invalidate(on_s0)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert on_s0 in svcs[0].entries
+
+
+def test_a_bad_rating_cut_short_by_the_deadline_is_not_reported_unknown(shards, monkeypatch):
+    """The deadline ran out after one shard answered "removed 0": the shard never asked may
+    hold the entry, so the caller gets DEADLINE_EXCEEDED, not NOT_FOUND."""
+    import time
+    import types
+
+    from services.common import errors
+    from services.orchestrator import backends
+
+    svcs, handles = shards
+    be = SemanticBackend(",".join(h.address for h in handles), "", 2.0)
+    asked: list[str] = []
+    real_call = be._call
+
+    def call(address, method, req, timeout):
+        asked.append(address)
+        return real_call(address, method, req, timeout)
+
+    # The round's clock jumps past the deadline once the first shard has answered.
+    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + 60 * len(asked),
+                                  time=time.time)
+    monkeypatch.setattr(be, "_call", call)
+    monkeypatch.setattr(backends, "time", clock)
+    with pytest.raises(errors.DeadlineExceeded):
+        be.invalidate("s1-0", deadline=time.monotonic() + 30)
+    assert len(asked) == 1  # the other shard was never asked
+    asked.clear()
+    monkeypatch.setattr(backends, "time", time)
+    assert be.invalidate("s1-7").removed == 0  # every shard answered: unknown, as before
+    assert len(asked) == 2
 
 
 def test_a_shard_that_is_down_shows_in_the_shard_health_stats_reports(shards):
