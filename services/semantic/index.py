@@ -389,31 +389,42 @@ class NamespaceIndex:
         q = np.asarray(vec, np.float32).reshape(1, -1)
         _apply_search_threads()
         # Tombstoned rows may fill the top of the list; the snapshot may even hold rows whose
-        # tombstones a newer snapshot already purged. Fetch extra, and more until k live.
+        # tombstones a newer snapshot already purged. Fetch extra, and more until the k best
+        # live rows are known: k live rows are not enough when one source's fetched rows were
+        # all tombstones (a popular question invalidated a dozen times) and the other's live
+        # ones score lower than what the first holds beyond them.
         want = k + _EXTRA_K
         while True:
-            live = self._search_snapshot(snap, n, q, want)
-            if len(live) >= k or want >= total:
+            live, floor = self._search_snapshot(snap, n, q, want)
+            if (len(live) >= k and live[k - 1].score >= floor) or want >= total:
                 return live[:k]
             want *= 4
 
     def _search_snapshot(self, snap: _Snapshot, n: int, q: np.ndarray,
-                         want: int) -> list[Neighbor]:
+                         want: int) -> tuple[list[Neighbor], float]:
+        """The live rows among each source's `want` best, best first, and the best score an
+        unfetched row may have (the lowest fetched of a source cut at `want`; -inf if none
+        was cut)."""
         found: dict[int, float] = {}
+        floor = -np.inf
         if snap.main is not None:
             scores, pos = snap.main.search(q, min(want, len(snap.main_labels)))
-            for s, i in zip(scores[0], pos[0], strict=True):
-                if i >= 0:
-                    found[int(snap.main_labels[i])] = float(s)
+            got = pos[0] >= 0
+            if want < len(snap.main_labels):
+                floor = float(scores[0][got].min()) if got.any() else np.inf
+            for s, i in zip(scores[0][got], pos[0][got], strict=True):
+                found[int(snap.main_labels[i])] = float(s)
         if n:
             ds = snap.delta_vecs[:n] @ q[0]
             top = np.argsort(-ds)[:want]
+            if want < n:
+                floor = max(floor, float(ds[top[-1]]))
             for i in top:
                 lab = int(snap.delta_labels[i])
                 found[lab] = max(found.get(lab, -2.0), float(ds[i]))
         live = [Neighbor(lab, s) for lab, s in found.items() if lab in self._live]
         live.sort(key=lambda nb: -nb.score)
-        return live
+        return live, floor
 
     def search_exact(self, vec: np.ndarray, k: int = 1) -> list[Neighbor]:
         """Brute-force reference search over every live vector (benchmarks, tests)."""

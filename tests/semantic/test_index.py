@@ -35,6 +35,41 @@ def test_add_search_remove_and_integrity():
     assert len(idx) == 49 and len(idx.search(vecs[0], 100)) == 49 and idx.kind == "flat"
 
 
+@pytest.mark.parametrize("hnsw_min", [20000, 10])  # a flat main index, an HNSW one
+def test_tombstones_filling_one_sources_top_do_not_hide_its_best_live_row(hnsw_min):
+    """A dozen removed near-duplicates of a question (invalidated, expired) filled the main
+    index's fetched rows, while the delta's few live rows made up k: the search returned
+    those, far worse, and a live entry at cosine 0.98 missed even the relaxed tier."""
+    rng = np.random.default_rng(0)
+    dim = 16
+    q = _unit(rng, 1, dim)[0]
+
+    def near(cos: float) -> np.ndarray:
+        r = _unit(rng, 1, dim)[0]
+        r = r - (r @ q) * q
+        v = cos * q + np.sqrt(1 - cos * cos) * r / np.linalg.norm(r)
+        return (v / np.linalg.norm(v)).astype(np.float32)
+
+    idx = NamespaceIndex(IndexParams(dim, hnsw_min_entries=hnsw_min, delta_capacity=2048),
+                         background=False)
+    for lab in range(1, 13):
+        idx.add(lab, near(0.999 - lab * 1e-4))
+    idx.add(500, near(0.98))
+    for i, v in enumerate(_unit(rng, 60, dim)):
+        idx.add(1000 + i, v)
+    idx.compact()  # all in the main index
+    for lab in range(1, 13):
+        idx.remove(lab)  # tombstones, fewer than a merge purges
+    for i in range(4):  # live rows in the delta, far from q
+        v = -q + 0.1 * _unit(rng, 1, dim)[0]
+        idx.add(2000 + i, (v / np.linalg.norm(v)).astype(np.float32))
+    assert len(idx._dead) == 12 and idx.kind == ("flat" if hnsw_min > 100 else "hnsw")
+    for k in (1, 4):
+        got = [(nb.label, round(nb.score, 5)) for nb in idx.search(q, k)]
+        assert got == [(nb.label, round(nb.score, 5)) for nb in idx.search_exact(q, k)]
+        assert got[0][0] == 500
+
+
 def test_switches_to_hnsw_beyond_the_configured_size_and_keeps_recall():
     rng = np.random.default_rng(1)
     base = _unit(rng, 600)
