@@ -343,7 +343,10 @@ class EntryStore:
         return _row(t) if t else None
 
     def set_verified(self, label: int, verified: bool) -> None:
-        with self._lock:
+        """Raises:
+            ResourceExhausted: the disk (or the database's size limit) is full; not written.
+        """
+        with _full_is_exhausted(), _damaged_is_named(self.path), self._lock:
             self._db.execute("UPDATE entries SET verified = ? WHERE label = ?",
                              (int(verified), label))
 

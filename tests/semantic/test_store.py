@@ -273,6 +273,44 @@ def test_a_full_disk_at_close_still_closes_and_frees_the_database(tmp_path, monk
     EntryStore(path).close()  # and the lock went with it
 
 
+def test_every_write_on_a_full_disk_is_resource_exhausted_naming_it(tmp_path):
+    """Verify's write was the one left out: on a full disk it raised SQLite's own error, which
+    clients got as INTERNAL with a traceback in the log."""
+    from services.common.errors import ResourceExhausted
+
+    st = EntryStore(str(tmp_path / "s.db"))
+    label = insert(st, "a")
+
+    class FullDisk:
+        """The connection, but every write fails as SQLite's do on a full disk."""
+
+        def __init__(self, db: sqlite3.Connection) -> None:
+            self.db = db
+
+        def execute(self, sql: str, *args):
+            if sql.split()[0] in ("INSERT", "UPDATE", "DELETE"):
+                raise sqlite3.OperationalError("database or disk is full")
+            return self.db.execute(sql, *args)
+
+        def executemany(self, sql: str, *args):
+            raise sqlite3.OperationalError("database or disk is full")
+
+        def __getattr__(self, name: str):
+            return getattr(self.db, name)
+
+    real = st._db
+    st._db = FullDisk(real)
+    try:
+        for write in (lambda: st.set_verified(label, True), lambda: insert(st, "b"),
+                      lambda: st.delete([label])):
+            with pytest.raises(ResourceExhausted, match="disk"):
+                write()
+    finally:
+        st._db = real
+    assert st.get("a").verified is False and st.get("b") is None
+    st.close()
+
+
 def test_many_embeddings_are_rewritten_in_one_transaction_per_chunk(tmp_path):
     """Start-up re-embedding wrote one autocommitted row at a time: an fsync per row."""
     from services.semantic.store import WRITE_CHUNK
