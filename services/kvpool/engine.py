@@ -1167,8 +1167,16 @@ class Engine:
             seq.out.put(result)
 
     def _fail_numerics(self, seq: Sequence, exc: NonFiniteLogits) -> None:
-        """NaN/inf logits end this sequence only (INTERNAL); the rest of its batch goes on."""
+        """NaN/inf logits end this sequence only (INTERNAL); the rest of its batch goes on.
+
+        Its KV (inf/NaN) stays in the working rows past where later sequences write: a
+        batched forward reads every row up to the batch's longest, and a masked position
+        still adds NaN to its scores (NaN + -inf) and multiplies 0 by it, so a later, shorter
+        request on that row failed too. Non-finite values are zeroed in every row (finite
+        ones are untouched, and a live row holding any is failing itself); the row the
+        sequence sits on now may not be the one it wrote, after a row move."""
         log.warning("%s: %s", seq.seq_id, exc)
+        self.store.rows.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         self._finish(seq, Failed(errors.TierCacheError(str(exc))))
 
     def _running(self) -> list[Sequence]:

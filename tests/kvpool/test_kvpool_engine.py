@@ -512,6 +512,35 @@ def test_non_finite_logits_fail_only_their_sequence(make_engine, tiny_model, mod
     assert isinstance(fin_b, Finished) and toks_b == ref_b
 
 
+def test_a_sequence_failed_on_non_finite_values_leaves_its_row_usable(make_engine) -> None:
+    """A request whose KV overflowed (inf, as bf16/fp16 can) failed alone, but its inf/NaN
+    stayed in its working row beyond where the next sequences wrote: a shorter request on
+    that row, batched with a longer one, read those masked positions (NaN + -inf = NaN,
+    0 * inf = NaN) and failed with "non-finite logits" too, though it succeeds alone."""
+    from tests.kvpool.conftest import make_tiny_model
+
+    model = make_tiny_model()
+    b, c = prompt(4, 3), prompt(40, 4)
+    ref_b, ref_c = reference_greedy(model, b, 10), reference_greedy(model, c, 10)
+    used = set(b) | set(c) | set(ref_b) | set(ref_c)
+    poison = next(t for t in range(6, TINY_VOCAB) if t not in used)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[poison] = float("inf")  # an overflowed activation
+    eng = make_engine(max_batch_size=2, model=model, drafts=False)
+    a = [t for t in prompt(10, 1) if t != poison] + [poison] + prompt(19, 2)
+    toks_a, fin_a = collect(eng.submit(request(a, 4, rid="a"))[1])
+    assert isinstance(fin_a, Failed) and "non-finite logits" in str(fin_a.error)
+    assert torch.isfinite(eng.store.rows).all()
+    with paused(eng):  # b on the row a used, batched with the longer c
+        _, qb = eng.submit(request(b, 10, rid="b", ignore_eos=True, skip_prefix_cache=True))
+        _, qc = eng.submit(request(c, 10, rid="c", ignore_eos=True))
+    toks_b, fin_b = collect(qb)
+    toks_c, fin_c = collect(qc)
+    assert isinstance(fin_b, Finished) and isinstance(fin_c, Finished), (fin_b, fin_c)
+    # The references stop at EOS; these requests go on past it.
+    assert toks_b[:len(ref_b)] == ref_b and toks_c[:len(ref_c)] == ref_c
+
+
 @pytest.mark.parametrize("kernels", ["torch", "onednn"])
 def test_bfloat16_greedy_is_the_same_with_drafts_and_cached_prefixes(make_engine,
                                                                      kernels) -> None:
