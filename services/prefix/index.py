@@ -618,6 +618,11 @@ class PrefixIndex:
             raise InvalidArgument(
                 f"events[{i}].stored.token_ids",
                 f"{len(ev.token_ids)} tokens for {len(hashes)} blocks of {bs}")
+        if len(set(hashes)) != len(hashes):
+            # Chained hashes never repeat within a chain (each covers its whole prefix). With
+            # verify_hashes off (the default) nothing else caught it: part of the chain was
+            # stored, the repeat dropped, and the batch acknowledged.
+            raise InvalidArgument(f"events[{i}].stored.block_hashes", "a block hash is repeated")
         if ev.parent_hash:
             if len(ev.parent_hash) != DIGEST_SIZE:
                 raise InvalidArgument(f"events[{i}].stored.parent_hash",

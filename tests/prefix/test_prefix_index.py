@@ -268,6 +268,23 @@ def test_bad_input_is_refused_and_changes_nothing(index, hasher):
     small.check_integrity()
 
 
+def test_a_repeated_block_hash_is_refused_with_hash_checks_off(clock, hasher):
+    """With verify_hashes off (the default), a chain repeating a hash was acknowledged with
+    part of it stored and the repeat dropped; chained hashes never repeat in a real chain."""
+    index = make_index(clock, verify_hashes=False)
+    reg(index, "a")
+    before = _state(index)
+    ev = stored(hasher, toks(1, 2))
+    twice = ev._replace(block_hashes=[ev.block_hashes[0]] * 2)
+    with pytest.raises(InvalidArgument,
+                       match=r"events\[1\].stored.block_hashes: a block hash is repeated"):
+        index.publish("a", "i1", 1, [stored(hasher, toks(5)), twice])
+    assert _state(index) == before and index.stats().dropped_blocks_total == 0
+    index.check_integrity()
+    index.publish("a", "i1", 1, [ev])  # the same seq, well formed: taken
+    assert matched(index, toks(1, 2)) == {"a": 2}
+
+
 def test_hash_probe_refuses_a_replica_hashing_differently(index, hasher, clock):
     assert index.register("a", "i", "x:1", MODEL, BS, 0, hasher.probe()).next_seq == 1
     foreign = BlockHasher(MODEL, BS, b"another-key").probe()
