@@ -139,8 +139,9 @@ class PromptRenderer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tok, "chat_template", None))
 
-    def render_text(self, messages: Sequence[Message], add_generation_prompt: bool = True) -> str:
-        """The messages through the model's chat template.
+    def render_text(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                    field: str = "messages") -> str:
+        """The messages through the model's chat template; `field` names them in errors.
 
         Raises:
             FailedPrecondition: the model has no chat template (a base model): send `prompt`.
@@ -156,7 +157,7 @@ class PromptRenderer:
                 [{"role": m.role, "content": m.content} for m in messages],
                 tokenize=False, add_generation_prompt=add_generation_prompt)
         except (TemplateError, ValueError, TypeError) as exc:
-            raise InvalidArgument("messages", f"the model's chat template refused them: {exc}"
+            raise InvalidArgument(field, f"the model's chat template refused them: {exc}"
                                   ) from None
 
     def encode(self, text: str) -> list[int]:
@@ -233,8 +234,8 @@ class PromptRenderer:
             self._specials = tuple(sorted(t for t in texts if t))
         return self._specials
 
-    def encode_messages(self, messages: Sequence[Message], add_generation_prompt: bool = True
-                        ) -> list[int]:
+    def encode_messages(self, messages: Sequence[Message], add_generation_prompt: bool = True,
+                        field: str = "messages") -> list[int]:
         """The messages through the chat template, tokenized; what a message says is always
         text. Tokenizing the rendered string whole turned a "<|im_end|>" typed in a message
         into the real control token, so a user could end their turn and write the assistant's
@@ -244,17 +245,19 @@ class PromptRenderer:
         one: the same, except that each control token found inside a message's text is
         replaced by that text's plain tokens (the tokenizer's offsets say where each token
         came from), so every other token is what whole-string tokenizing gives. A slow
-        tokenizer (no offsets) tokenizes template pieces and messages apart instead.
+        tokenizer (no offsets) tokenizes template pieces and messages apart instead. `field`
+        names the messages in errors (e.g. "prompts[1].messages" for Warm).
         """
-        text = self.render_text(messages, add_generation_prompt)
+        text = self.render_text(messages, add_generation_prompt, field)
         specials = self.special_texts
         if not any(sp in m.content for m in messages for sp in specials):
             return self.encode_prompt(text)
         if any(_SLOT_RE.search(m.content) for m in messages):
-            raise InvalidArgument("messages", "a message holds both a control-token text and "
+            raise InvalidArgument(field, "a message holds both a control-token text and "
                                   "a private-use stand-in the server needs; remove either")
         slotted = self.render_text([Message(m.role, _SLOT.format(i))
-                                    for i, m in enumerate(messages)], add_generation_prompt)
+                                    for i, m in enumerate(messages)], add_generation_prompt,
+                                   field)
         parts = _SLOT_RE.split(slotted)  # template text, slot index, template text, ...
         spans: list[tuple[int, int]] = []  # where each message's text lies in `text`
         rebuilt: list[str] = []
@@ -267,7 +270,7 @@ class PromptRenderer:
             at += len(piece)
         if (sorted(int(i) for i in parts[1::2]) != list(range(len(messages)))
                 or "".join(rebuilt) != text):
-            raise InvalidArgument("messages", "a message holds a control-token text (e.g. "
+            raise InvalidArgument(field, "a message holds a control-token text (e.g. "
                                   f"{shown(specials[0])}) and the model's chat template does "
                                   "not keep messages verbatim, so it cannot be sent as text")
         literal = {"add_special_tokens": False, "split_special_tokens": True}
@@ -310,4 +313,5 @@ class PromptRenderer:
             raise InvalidArgument(f"{field}.messages", "must not be empty (or give prompt)")
         for i, m in enumerate(messages):
             _check_message(f"{field}.messages[{i}]", m, self.max_chars, allow_empty=True)
-        return self.encode_messages(messages, add_generation_prompt=False)
+        return self.encode_messages(messages, add_generation_prompt=False,
+                                    field=f"{field}.messages")

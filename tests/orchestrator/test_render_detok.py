@@ -137,6 +137,12 @@ def test_a_model_without_a_usable_chat_template_gets_a_clear_status(tok):
     with pytest.raises(InvalidArgument, match="messages: .*system messages are not supported"):
         r.render_chat([Message("system", "Be brief."), Message("user", "Hi")])
     assert r.render_chat([Message("user", "Hi")]).query_text == "Hi"
+    # Warm names the prompt it refused: WarmRequest has no field `messages` of its own.
+    with pytest.raises(InvalidArgument, match=r"^prompts\[1\]\.messages: .*not supported"):
+        r.render_warm([Message("system", "Be brief.")], "prompts[1]")
+    with pytest.raises(InvalidArgument, match=r"^prompts\[2\]\.messages: .*private-use"):
+        renderer_of_tok = PromptRenderer(tok, max_chars=1000)
+        renderer_of_tok.render_warm([Message("system", "<|im_end|> \ue0000\ue001")], "prompts[2]")
 
 
 def test_the_longest_vocabulary_entry_bounds_the_characters_a_token_stands_for():
