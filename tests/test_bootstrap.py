@@ -201,6 +201,54 @@ def test_watches_cancelled_at_once_neither_freeze_the_server_nor_stay_behind(sma
     assert sum(map(len, table.values())) == 0
 
 
+def test_a_watch_always_ends_on_the_status_that_is_current():
+    """A Watch read the status, then sent it outside any lock: with the status flipping
+    SERVING then NOT_SERVING around its first message and its re-check, its last message
+    was SERVING while NOT_SERVING was current (the second flip's broadcast had been dropped
+    as a repeat of the Watch's first message). Every send now reads the status as it is."""
+    import threading
+
+    from services.common import bootstrap
+
+    ns, ok = (health_pb2.HealthCheckResponse.NOT_SERVING,
+              health_pb2.HealthCheckResponse.SERVING)
+    hs = bootstrap._HealthServicer(experimental_non_blocking=True)
+    hs.set("", ns)
+    sent: list[int | None] = []
+    real = bootstrap._StatusSender.__call__
+    flips = iter([ok, ns])
+
+    def call(self, response):
+        # Before each of the Watch's own sends (on the Watch's thread), another thread flips
+        # the status and its broadcast goes out first.
+        if threading.current_thread().name == "watch":
+            status = next(flips, None)
+            if status is not None:
+                t = threading.Thread(target=hs.set, args=("", status))
+                t.start()
+                t.join(5)
+        real(self, response)
+
+    class Ctx:
+        def add_callback(self, cb) -> bool:
+            return True
+
+    bootstrap._StatusSender.__call__ = call
+    try:
+        w = threading.Thread(name="watch", target=hs.Watch, args=(
+            health_pb2.HealthCheckRequest(service=""), Ctx(),
+            lambda r: sent.append(None if r is None else r.status)))
+        w.start()
+        w.join(5)
+    finally:
+        bootstrap._StatusSender.__call__ = real
+    assert not w.is_alive() and sent
+    assert sent[-1] == hs._server_status[""]
+    assert all(a != b for a, b in zip(sent, sent[1:], strict=False))  # none sent twice in a row
+    hs.set("", ns if sent[-1] == ok else ok)  # and later changes still reach the stream
+    assert sent[-1] == hs._server_status[""]
+
+
 def test_status_changes_while_watches_come_and_go_keep_the_server_alive(small_server):
     """A Watch's first message and a status broadcast sent to the same stream at once (both
     outside the servicer's lock) crashed gRPC's polling thread (KeyError 'send_message'):

@@ -63,24 +63,32 @@ class _StatusSender:
     both under the servicer's lock deadlocked the server; sending both at once crashed gRPC's
     polling thread). The lock is never taken for the end of the stream (`None`, sent by close
     callbacks on that polling thread, which an ongoing send waits on), which gRPC allows
-    alongside a send. A status equal to the last one sent is not sent again: Watch re-checks
-    the status after its first message, and a `set` in between sent the new one too."""
+    alongside a send.
 
-    __slots__ = ("_send", "_lock", "_last")
+    Each call sends the status as it is *now* (`current()`, read under this sender's lock),
+    not the one its caller read: a Watch starting while the status flipped twice otherwise
+    sent SERVING last although NOT_SERVING was current (the second flip's message had been
+    deduplicated against the Watch's own first one). A status equal to the last one sent
+    is not sent again."""
 
-    def __init__(self, send) -> None:
+    __slots__ = ("_send", "_lock", "_last", "_current")
+
+    def __init__(self, send, current) -> None:
         self._send = send
         self._lock = threading.Lock()
         self._last = None
+        self._current = current
 
     def __call__(self, response) -> None:
+        """`response`: None ends the stream; anything else says "send the status now"."""
         if response is None:
             self._send(None)
             return
         with self._lock:
-            if response.status != self._last:
-                self._send(response)
-                self._last = response.status
+            status = self._current()
+            if status != self._last:
+                self._send(health_pb2.HealthCheckResponse(status=status))
+                self._last = status
 
 
 class _HealthServicer(health.HealthServicer):
@@ -106,17 +114,19 @@ class _HealthServicer(health.HealthServicer):
             blocking_watcher = health._Watcher()
             send_response_callback = health._watcher_to_send_response_callback_adapter(
                 blocking_watcher)
-        send_response_callback = _StatusSender(send_response_callback)
         service = request.service
         unknown = health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+
+        def current() -> int:
+            with self._lock:
+                return self._server_status.get(service, unknown)
+
+        send_response_callback = _StatusSender(send_response_callback, current)
         with self._lock:
-            status = self._server_status.get(service, unknown)
             self._send_response_callbacks.setdefault(service, set()).add(send_response_callback)
-        send_response_callback(health_pb2.HealthCheckResponse(status=status))
-        with self._lock:
-            now = self._server_status.get(service, unknown)
-        if now != status:  # `set` ran between: its message may have gone out before ours
-            send_response_callback(health_pb2.HealthCheckResponse(status=now))
+        # The status now; a `set` from here on sends to this stream too (registered above),
+        # and each send reads the status as it is then.
+        send_response_callback(True)
         close = self._on_close_callback(send_response_callback, service)
         if not context.add_callback(close):
             close()  # the call has ended already: nothing else would remove it
