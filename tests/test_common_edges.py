@@ -46,6 +46,52 @@ def test_a_service_refuses_to_start_on_half_a_tls_client_pair():
     assert r.returncode == 2 and "TIERCACHE_TLS_CLIENT_CERT" in r.stdout + r.stderr
 
 
+@pytest.fixture(scope="module")
+def two_cert_sets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("certs")
+    for name in ("a", "b"):
+        subprocess.run([str(ROOT.parent / "scripts" / "gen-certs.sh"), str(root / name)],
+                       check=True, capture_output=True, timeout=60)
+    return root / "a", root / "b"
+
+
+@pytest.mark.parametrize("case", ["cert without key", "own cert with the shared key",
+                                  "own key without any cert"])
+def test_a_server_pair_that_cannot_work_is_refused_at_start(two_cert_sets, case):
+    """Half the server's pair was a ValueError traceback at bind (exit 1); a service's own
+    certificate beside the shared key of another certificate failed in gRPC's C core and was
+    reported as "cannot listen on <address>". Each is now one line naming the variables, and
+    exit 2, before anything binds."""
+    from services.common.grpc_client import tls_env_problem, tls_files_problem
+
+    a, b = two_cert_sets
+    env = {"cert without key": {"TIERCACHE_TLS_CERT": str(a / "server.pem")},
+           "own cert with the shared key": {
+               "TIERCACHE_TLS_CERT": str(a / "server.pem"),
+               "TIERCACHE_TLS_KEY": str(a / "server.key"),
+               "TIERCACHE_PREFIX_TLS_CERT": str(b / "server.pem")},
+           "own key without any cert": {"TIERCACHE_PREFIX_TLS_KEY": str(b / "server.key")},
+           }[case]
+    want = {"cert without key": "TIERCACHE_TLS_CERT and TIERCACHE_TLS_KEY must be set together",
+            "own cert with the shared key": "TIERCACHE_PREFIX_TLS_CERT (",
+            "own key without any cert":
+                "TIERCACHE_TLS_CERT and TIERCACHE_PREFIX_TLS_KEY must be set together"}[case]
+    assert want in (tls_env_problem(env, service="prefix") or tls_files_problem("prefix", env))
+    r = subprocess.run([sys.executable, "-m", "services.prefix"], cwd=ROOT.parent,
+                       env={**os.environ, **env, "TIERCACHE_PREFIX_ADDRESS": "127.0.0.1:0",
+                            "TIERCACHE_PREFIX_METRICS_PORT": "-1"},
+                       capture_output=True, text=True, timeout=60)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2 and want in out and "Traceback" not in out, out[-2000:]
+    # The shared pair alone, and a service's own whole pair beside it, are fine.
+    good = {"TIERCACHE_TLS_CERT": str(a / "server.pem"),
+            "TIERCACHE_TLS_KEY": str(a / "server.key")}
+    assert tls_env_problem(good, "prefix") == tls_files_problem("prefix", good) == ""
+    good |= {"TIERCACHE_PREFIX_TLS_CERT": str(b / "server.pem"),
+             "TIERCACHE_PREFIX_TLS_KEY": str(b / "server.key")}
+    assert tls_env_problem(good, "prefix") == tls_files_problem("prefix", good) == ""
+
+
 @pytest.mark.parametrize(("raw", "want"), [("s3cret\n", "s3cret"), ("  s3cret ", "s3cret")])
 def test_the_internal_token_is_trimmed(raw, want):
     cfg = load_config(PrefixConfig, "prefix", [], {"TIERCACHE_PREFIX_INTERNAL_TOKEN": raw})

@@ -25,7 +25,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent import futures
 from dataclasses import dataclass, field
 from typing import Any
@@ -434,16 +434,31 @@ class ServerHandle:
         self.stopped.set()
 
 
+def server_tls_files(service: str, env: Mapping[str, str] | None = None
+                     ) -> tuple[tuple[str, str], tuple[str, str]]:
+    """The server's (variable, certificate file) and (variable, key file): the service's own
+    TIERCACHE_<SERVICE>_TLS_CERT / _KEY where set, else the shared TIERCACHE_TLS_CERT / _KEY
+    (each of the two on its own: several certificates may share one key); "" = unset."""
+    env = os.environ if env is None else env
+    picked = []
+    for part in ("CERT", "KEY"):
+        own = f"TIERCACHE_{service.upper()}_TLS_{part}" if service else ""
+        var = own if own and env.get(own) else f"TIERCACHE_TLS_{part}"
+        picked.append((var, env.get(var, "")))
+    return picked[0], picked[1]
+
+
 def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:
-    """TLS from `TIERCACHE_TLS_CERT`/`_KEY` files; mutual TLS when `TIERCACHE_TLS_CA` is set."""
-    cert = os.environ.get(f"TIERCACHE_{service.upper()}_TLS_CERT") or os.environ.get(
-        "TIERCACHE_TLS_CERT")
-    key = os.environ.get(f"TIERCACHE_{service.upper()}_TLS_KEY") or os.environ.get(
-        "TIERCACHE_TLS_KEY")
+    """TLS from `TIERCACHE_TLS_CERT`/`_KEY` files; mutual TLS when `TIERCACHE_TLS_CA` is set.
+
+    Raises:
+        ConfigError: a certificate without its key, or a key without its certificate.
+    """
+    (cert_var, cert), (key_var, key) = server_tls_files(service)
     if not cert and not key:
         return None
     if not (cert and key):
-        raise ValueError("TIERCACHE_TLS_CERT and TIERCACHE_TLS_KEY must be set together")
+        raise ConfigError(f"{cert_var} and {key_var} must be set together")
     ca = os.environ.get("TIERCACHE_TLS_CA")
     with open(cert, "rb") as f:
         cert_b = f.read()

@@ -8,7 +8,7 @@ from collections.abc import Mapping
 
 import grpc
 
-from services.common.bootstrap import channel_options
+from services.common.bootstrap import channel_options, server_tls_files
 from services.common.logs import request_id_var
 
 
@@ -49,15 +49,16 @@ def _half_client_pair(env: Mapping[str, str]) -> bool:
 
 def tls_env_problem(env: Mapping[str, str] | None = None, service: str = "") -> str:
     """What is wrong with the TLS variables ("" = nothing): half a client key pair (gRPC's C
-    core aborts the process on it), or a CA without the server certificate (servers would
-    speak plaintext while every client speaks TLS). `service`'s own pair
-    (TIERCACHE_<SERVICE>_TLS_CERT/_KEY) stands in for the shared one, as the server reads it."""
+    core aborts the process on it), half the server's pair (a traceback at bind), or a CA
+    without the server certificate (servers would speak plaintext while every client speaks
+    TLS). `service`'s own TIERCACHE_<SERVICE>_TLS_CERT/_KEY stand in for the shared ones, as
+    the server reads them (`server_tls_files`)."""
     env = os.environ if env is None else env
     if _half_client_pair(env):
         return _HALF_CLIENT_PAIR
-    own = f"TIERCACHE_{service.upper()}_TLS_" if service else None
-    cert = (own and env.get(own + "CERT")) or env.get("TIERCACHE_TLS_CERT")
-    key = (own and env.get(own + "KEY")) or env.get("TIERCACHE_TLS_KEY")
+    (cert_var, cert), (key_var, key) = server_tls_files(service, env)
+    if bool(cert) != bool(key):
+        return f"{cert_var} and {key_var} must be set together"
     if env.get("TIERCACHE_TLS_CA") and not (cert and key):
         return ("TIERCACHE_TLS_CA needs TIERCACHE_TLS_CERT and TIERCACHE_TLS_KEY (or the "
                 "service's own TIERCACHE_<SERVICE>_TLS_CERT/_KEY): with the CA every client "
@@ -84,6 +85,18 @@ def tls_files_problem(service: str = "", env: Mapping[str, str] | None = None) -
             return f"{var}: cannot read {path}: {exc.strerror or exc}"
         if b"-----BEGIN " not in data:
             return f"{var}: {path} is not a PEM file"
+    (cert_var, cert), (key_var, key) = server_tls_files(service, env)
+    if cert and key:
+        # A key that is not the certificate's (a service's own certificate beside the shared
+        # key, say) failed in gRPC's C core as "cannot listen on <address>".
+        import ssl
+
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
+                cert, key, password=lambda: b"no password")  # an encrypted key: an error
+        except ssl.SSLError as exc:
+            return (f"{cert_var} ({cert}) and {key_var} ({key}) are not a certificate and "
+                    f"its unencrypted private key: {exc.reason or exc}")
     return ""
 
 
