@@ -115,6 +115,18 @@ def test_a_flag_wins_without_the_env_value_it_overrides_being_read():
         load_config(PrefixConfig, "prefix", [], {"TIERCACHE_PREFIX_BLOCK_SIZE": "sixteen"})
 
 
+def test_an_address_with_surrounding_spaces_binds_as_validated():
+    """" 127.0.0.1:0" passed validation (which strips it), then failed to bind."""
+    from services.common.bootstrap import create_server
+
+    cfg = load_config(PrefixConfig, "prefix", [], {"TIERCACHE_PREFIX_ADDRESS": " 127.0.0.1:0 "})
+    h = create_server(service="prefix", address=cfg.address, services=[])
+    try:
+        assert h.port > 0
+    finally:
+        h.stop(0)
+
+
 def test_ports_are_ascii_digits():
     with pytest.raises(ConfigError, match="TIERCACHE_PREFIX_X"):
         require_addresses(["127.0.0.1:\u0665\u0660\u0660\u0665\u0664"], "prefix", "x",

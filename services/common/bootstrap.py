@@ -515,6 +515,9 @@ def create_server(
     Raises:
         RuntimeError: the address could not be bound.
     """
+    # As validated (`require_listen_address`): a value with a leading space (a YAML quirk)
+    # passed the check, then failed gRPC's lookup as "cannot listen".
+    address = address.strip()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{service}-rpc"),
         interceptors=[_ServerInterceptor(service, internal_token)],
