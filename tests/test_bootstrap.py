@@ -144,6 +144,27 @@ def small_server():
     h.stop(0)
 
 
+def test_malformed_health_requests_are_invalid_argument_watch_too(small_server):
+    """Watch's handler was passed through unwrapped (it must stay non-blocking), so gRPC's
+    own deserializer answered malformed bytes with INTERNAL; Check said INVALID_ARGUMENT."""
+    ch = grpc.insecure_channel(small_server.address)
+    try:
+        for method, stream in (("Check", False), ("Watch", True)):
+            call = (ch.unary_stream if stream else ch.unary_unary)(
+                f"/grpc.health.v1.Health/{method}")
+            with pytest.raises(grpc.RpcError) as e:
+                r = call(b"\xff\xff\xff", timeout=3)
+                if stream:
+                    list(r)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (method, e.value)
+            assert "malformed" in e.value.details()
+        w = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=3)
+        assert next(w).status == health_pb2.HealthCheckResponse.SERVING  # still a Watch
+        w.cancel()
+    finally:
+        ch.close()
+
+
 def test_open_watches_hold_no_worker_thread_and_leave_nothing_behind(small_server):
     """Health.Watch needs no credential. Wrapped by the interceptor it ran as a blocking
     generator, one worker thread per open watch (32 watches stalled a 32-thread server), and

@@ -213,6 +213,24 @@ def _status_code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
 
+def _parsed_non_blocking(handler, service: str, short: str):
+    """`handler` (a non-blocking unary-stream method), parsing its request itself: malformed
+    bytes are INVALID_ARGUMENT, as for every other method."""
+    behavior, deserialize = handler.unary_stream, handler.request_deserializer
+
+    def parsed(raw, context, send_response_callback=None):
+        try:
+            request = deserialize(raw)
+        except Exception:  # noqa: BLE001 - any parse failure is the client's input
+            RPC_TOTAL.labels(service, short, "INVALID_ARGUMENT").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed protobuf message")
+        return behavior(request, context, send_response_callback)
+
+    parsed.experimental_non_blocking = True
+    return grpc.unary_stream_rpc_method_handler(
+        parsed, request_deserializer=None, response_serializer=handler.response_serializer)
+
+
 class _ServerInterceptor(grpc.ServerInterceptor):
     """Request id, metrics, internal auth and domain-error mapping around every handler."""
 
@@ -226,10 +244,12 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         if handler is None:
             return None
         if getattr(handler.unary_stream, "experimental_non_blocking", False):
-            # Health.Watch answers through callbacks and holds no thread; wrapped, it would
-            # fall back to a blocking generator that holds one per open watch (32 of them,
-            # with no credential, stalled a 32-thread server).
-            return handler
+            # Health.Watch answers through callbacks and holds no thread; wrapped like the
+            # others, it would fall back to a blocking generator that holds one per open watch
+            # (32 of them, with no credential, stalled a 32-thread server). Only its request
+            # is parsed here: gRPC's own deserializer answered malformed bytes with INTERNAL.
+            return _parsed_non_blocking(handler, self.service,
+                                        handler_call_details.method.rsplit("/", 1)[-1])
         method = handler_call_details.method
         short = method.rsplit("/", 1)[-1]
         metadata = dict(handler_call_details.invocation_metadata or ())
