@@ -167,6 +167,32 @@ def test_dockerfile_commands_build_an_importable_layout(tmp_path: Path) -> None:
             assert (app / "services" / svc).is_dir()
 
 
+def test_the_model_conversion_step_imports_with_only_what_it_copies(tmp_path: Path) -> None:
+    """The builder converts the model with only the model store copied (so that other code
+    changes keep that layer cached). model_store came to import services.common.files,
+    which that step did not copy: every image build failed there, and the test above, which
+    lays out every COPY of every stage together, could not see it."""
+    text = dockerfile()
+    builder = text.split("FROM ", 2)[1]  # the builder stage
+    step = re.search(r"RUN HF_HUB_OFFLINE=1 python -c \"([^\"]*)\"", builder)
+    assert step and "services.common.model_store" in step.group(1)
+    src = tmp_path / "src"  # the stage's WORKDIR, as that step sees it
+    for line in re.findall(r"^COPY (?!--from)(.+)$", builder[:step.start()], re.M):
+        *sources, dest = line.split()
+        for name in sources:
+            to = src / dest / Path(name).name if dest.endswith("/") else src / dest
+            to.parent.mkdir(parents=True, exist_ok=True)
+            (shutil.copytree if (ROOT / name).is_dir() else shutil.copy)(ROOT / name, to)
+    # The step's imports, without running the conversion itself (30-60 s).
+    imports = step.group(1).split(";")[0]
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    probe = f"{imports}; import services; print(services.__file__)"
+    r = subprocess.run([sys.executable, "-c", probe], cwd=src, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip().startswith(str(src)), r.stdout  # not this checkout's services
+
+
 def test_manifests_name_the_model_folder_the_image_bakes(
         all_rendered: dict[str, Rendered]) -> None:
     from services.common import model_store
