@@ -103,7 +103,11 @@ def test_code_set_then_raise_keeps_code_not_exception_text(server, model_id, det
 
 
 def test_internal_credential_required(server):
-    for md in ([], [("authorization", "Bearer wrong")]):
+    # Given twice, the right one included: refused, whichever order (a proxy reading the
+    # first and this server the last would disagree on which counted).
+    for md in ([], [("authorization", "Bearer wrong")],
+               [("authorization", "Bearer wrong"), *AUTH], [*AUTH, ("authorization", "x")],
+               [*AUTH, *AUTH]):
         with pytest.raises(grpc.RpcError) as e:
             _stub(server).Match(prefix_pb2.MatchRequest(token_ids=[1]), timeout=5, metadata=md)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED

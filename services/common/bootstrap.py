@@ -255,12 +255,16 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         metadata = dict(handler_call_details.invocation_metadata or ())
         open_method = method.startswith(_OPEN_METHODS)
         need_auth = bool(self.internal_token) and not open_method
+        # Two credentials: which one counts would depend on who reads them (a proxy the
+        # first, `dict` here the last); none is taken.
+        twice = need_auth and sum(
+            k == "authorization" for k, _ in handler_call_details.invocation_metadata or ()) > 1
         token = self.internal_token or ""
         service = self.service
 
         def prologue(context) -> str | None:
             if need_auth:
-                got = metadata.get("authorization", "")
+                got = "" if twice else metadata.get("authorization", "")
                 if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
                     RPC_TOTAL.labels(service, short, "UNAUTHENTICATED").inc()
                     context.abort(grpc.StatusCode.UNAUTHENTICATED,

@@ -17,7 +17,7 @@ import json
 import math
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -224,10 +224,22 @@ class TenantRegistry:
             "tenant": "default", "admin": True}, defaults)[1])
         return cls(by_token, default, key=key)
 
-    def authenticate(self, metadata: Mapping[str, str]) -> Tenant:
+    def authenticate(self, metadata: Mapping[str, str] | Iterable[tuple[str, str]]) -> Tenant:
+        """The tenant of the call's bearer token; `metadata` as gRPC gives it (key, value
+        pairs) or as a mapping.
+
+        Raises:
+            Unauthenticated: no token, an unknown one, or `authorization` given more than once
+                (which one counted would depend on who reads it: a proxy checking the first,
+                this server the last).
+        """
         if self.default is not None:
             return self.default
-        auth = metadata.get("authorization", "")
+        pairs = metadata.items() if isinstance(metadata, Mapping) else metadata
+        given = [v for k, v in pairs if k == "authorization"]
+        if len(given) > 1:
+            raise Unauthenticated("authorization: given more than once")
+        auth = given[0] if given else ""
         if not auth:
             raise Unauthenticated("authorization: missing bearer token")
         scheme, _, token = auth.partition(" ")

@@ -40,6 +40,18 @@ def test_bad_credentials_are_unauthenticated(md, msg):
         reg(tokens="tok-a=a").authenticate(md)
 
 
+def test_two_bearer_tokens_are_refused_whichever_is_valid():
+    """gRPC metadata may repeat a key: the last token counted here, while a proxy in front
+    may check the first, so a call could pass the proxy as one tenant and be served as
+    another."""
+    r = reg(tokens="tok-a=a,tok-b=b")
+    for pairs in ([("authorization", "Bearer tok-a"), ("authorization", "Bearer tok-b")],
+                  [("authorization", "Bearer nope"), ("authorization", "Bearer tok-a")]):
+        with pytest.raises(Unauthenticated, match="given more than once"):
+            r.authenticate(pairs)
+    assert r.authenticate([("x-request-id", "1"), ("authorization", "Bearer tok-b")]).name == "b"
+
+
 def test_limits():
     r = reg(tokens="t=a")
     a = r.authenticate({"authorization": "Bearer t"})
