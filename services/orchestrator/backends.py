@@ -91,6 +91,9 @@ class Replica:
     # Called when the poller declares the replica unhealthy: in-flight calls on it cancel
     # themselves and fail over (a hung replica would otherwise hold them to their deadline).
     watchers: set[Callable[[], None]] = field(default_factory=set)
+    # Times the poller has declared it down (`_notify_down`): `watch` compares it with the
+    # count seen at routing.
+    downs: int = 0
 
     @property
     def public_id(self) -> str:
@@ -275,6 +278,7 @@ class ReplicaSet:
 
     def _notify_down(self, r: Replica) -> None:
         with self._lock:
+            r.downs += 1
             watchers = list(r.watchers)
         if watchers:
             log.warning("replica %s is down: failing over %d in-flight request(s)",
@@ -285,10 +289,19 @@ class ReplicaSet:
             except Exception:  # a watcher must not stop the poller
                 log.exception("replica-down watcher failed")
 
-    def watch(self, r: Replica, fn: Callable[[], None]) -> None:
-        """Call `fn` if the poller declares `r` down (until `unwatch`)."""
+    def watch(self, r: Replica, fn: Callable[[], None], downs_seen: int | None = None) -> None:
+        """Call `fn` if the poller declares `r` down (until `unwatch`).
+
+        `downs_seen`: `r.downs` when the call was routed there. If the poller declared it down
+        since (between routing and this watch), `fn` is called at once: that call was sent
+        to a replica just found hung, and nothing else would cancel it before its deadline.
+        (One routed to a replica already down, as a last resort when none is healthy, is
+        left to run.)"""
         with self._lock:
             r.watchers.add(fn)
+            missed = downs_seen is not None and r.downs != downs_seen
+        if missed:
+            fn()
 
     def unwatch(self, r: Replica, fn: Callable[[], None]) -> None:
         with self._lock:

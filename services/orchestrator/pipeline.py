@@ -390,6 +390,9 @@ class Orchestrator:
                 # count behind (requests sharing its prefix would follow it there).
                 raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
             with self._route_lock:
+                # How often each replica had been declared down before its health is read for
+                # routing (see ReplicaSet.watch).
+                downs_at = {r.address: r.downs for r in self.replicas.replicas}
                 seen = self._with_dispatched(matches, hashes)
                 decision = self.routing.choose(self.replicas.views(), seen, affinity,
                                                frozenset(exclude), new_blocks,
@@ -446,7 +449,7 @@ class Orchestrator:
                 # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
                 # ends CANCELLED, which fails over below like any lost replica.
                 watcher = call.cancel
-                self.replicas.watch(replica, watcher)
+                self.replicas.watch(replica, watcher, downs_at.get(replica.address))
                 if cancelled.is_set():
                     call.cancel()
                 for msg in call:

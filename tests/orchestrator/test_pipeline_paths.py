@@ -223,6 +223,57 @@ def in_order(*replica_ids: str) -> SimpleNamespace:
          for r in replica_ids if r not in exclude), None))
 
 
+def test_a_call_sent_as_the_poller_declares_its_replica_hung_fails_over_at_once():
+    """The poller found A hung (3 timed-out Stats) after this request was routed there but
+    before its call was watched: the cancel went to the watchers registered so far, none, and
+    the call waited on A to its deadline while B was idle. A replica already down when the
+    request was routed (the last resort, none healthy) is still tried."""
+
+    class HungCall:
+        def __init__(self) -> None:
+            self.cancelled = threading.Event()
+
+        def cancel(self) -> bool:
+            self.cancelled.set()
+            return True
+
+        def __iter__(self):
+            if self.cancelled.wait(10):
+                raise RpcError(grpc.StatusCode.CANCELLED)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+            yield  # pragma: no cover
+
+    hung = HungCall()
+
+    class HangsAsDeclaredDown(Stub):
+        def Generate(self, req, timeout=None, metadata=None):  # noqa: N802
+            self.requests.append(req)
+            a.health.fail("deadline_exceeded", hold=True)  # the poller, right now
+            orch.replicas._notify_down(a)
+            return hung
+
+    b = Stub("B", [Call([final("B", 2)])])
+    orch = make({"A": HangsAsDeclaredDown("A", []), "B": b})
+    a = orch.replicas.by_id("A")
+    orch.routing = in_order("A", "B")
+    t0 = time.monotonic()
+    events = list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(4, 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
+        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 5,
+        on_cancel=lambda fn: None))
+    assert events[-1].report.replica_id == "B" and time.monotonic() - t0 < 3
+    assert hung.cancelled.is_set() and [r.inflight for r in orch.replicas.replicas] == [0, 0]
+
+    # Alone and already declared down when routed: tried, not cancelled at once.
+    solo = Stub("A", [Call([final("A", 2)])])
+    orch = make({"A": solo})
+    a = orch.replicas.by_id("A")
+    a.health.fail("deadline_exceeded", hold=True)
+    orch.replicas._notify_down(a)
+    assert generate(orch, [])[-1].report.replica_id == "A"
+
+
 def test_a_busy_replica_hands_the_request_to_another_and_stays_in_routing():
     """A replica's queue full or memory held by pins (RESOURCE_EXHAUSTED) went to the client
     as final though the other replica was idle; an answer cut short by it resumes exactly."""
