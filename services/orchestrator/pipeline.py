@@ -394,8 +394,12 @@ class Orchestrator:
                 # routing (see ReplicaSet.watch).
                 downs_at = {r.address: r.downs for r in self.replicas.replicas}
                 seen = self._with_dispatched(matches, hashes)
-                decision = self.routing.choose(self.replicas.views(), seen, affinity,
-                                               frozenset(exclude), new_blocks,
+                views = self.replicas.views()
+                # A replica that failed is excluded by its address too: its first Stats
+                # answer may rename it (from its address to its own id) between attempts.
+                excluded = frozenset(exclude | {r.replica_id for r in self.replicas.replicas
+                                                if r.address in exclude})
+                decision = self.routing.choose(views, seen, affinity, excluded, new_blocks,
                                                prompt.continues)
                 replica = (self.replicas.by_id(decision.replica_id) if decision is not None
                            else None)

@@ -274,6 +274,30 @@ def test_a_call_sent_as_the_poller_declares_its_replica_hung_fails_over_at_once(
     assert generate(orch, [])[-1].report.replica_id == "A"
 
 
+def test_a_failed_replica_renamed_by_its_first_stats_answer_is_not_tried_again():
+    """A replica is known by its address until its first Stats answer names it. That answer
+    landing between two attempts renamed the replica that had just failed, its new name was
+    not among those excluded, and the request went back to it (B never tried)."""
+    a = Stub("A", [Call([], RpcError(grpc.StatusCode.INTERNAL))] * 2)
+    b = Stub("B", [Call([final("B", 2)])])
+    orch = make({"A": a, "B": b}, max_attempts=2)
+    ra = orch.replicas.by_id("A")
+    orch.routing = SimpleNamespace(choose=lambda views, seen, aff, exclude, *rest: next(
+        (SimpleNamespace(replica_id=v.replica_id, route="least_loaded", matched_tokens=0)
+         for v in views if v.replica_id not in exclude), None))
+    views, calls = orch.replicas.views, [0]
+
+    def views_renaming_a_at_the_second_attempt():
+        calls[0] += 1
+        if calls[0] == 2:
+            ra.replica_id = "kvpool-a"  # the poller's first answer from A lands now
+        return views()
+
+    orch.replicas.views = views_renaming_a_at_the_second_attempt
+    assert generate(orch, [])[-1].report.replica_id == "B"
+    assert (len(a.requests), len(b.requests)) == (1, 1)
+
+
 def test_a_busy_replica_hands_the_request_to_another_and_stays_in_routing():
     """A replica's queue full or memory held by pins (RESOURCE_EXHAUSTED) went to the client
     as final though the other replica was idle; an answer cut short by it resumes exactly."""
