@@ -213,17 +213,30 @@ def _status_code(name: str) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, name, grpc.StatusCode.INTERNAL)
 
 
+def _parse_request(deserialize, raw, context, service: str, short: str):
+    """The request parsed by us, so that a malformed one is INVALID_ARGUMENT naming the field,
+    not the INTERNAL status gRPC gives a failing deserializer."""
+    if deserialize is None:
+        return raw
+    try:
+        return deserialize(raw)
+    except Exception:  # noqa: BLE001 - any parse failure is the client's input
+        cls = getattr(deserialize, "__self__", None)
+        where = find_invalid_utf8(cls.DESCRIPTOR, raw) if cls is not None else None
+        RPC_TOTAL.labels(service, short, "INVALID_ARGUMENT").inc()
+        if where:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"{where}: invalid UTF-8 in a string field")
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed protobuf message")
+
+
 def _parsed_non_blocking(handler, service: str, short: str):
     """`handler` (a non-blocking unary-stream method), parsing its request itself: malformed
     bytes are INVALID_ARGUMENT, as for every other method."""
     behavior, deserialize = handler.unary_stream, handler.request_deserializer
 
     def parsed(raw, context, send_response_callback=None):
-        try:
-            request = deserialize(raw)
-        except Exception:  # noqa: BLE001 - any parse failure is the client's input
-            RPC_TOTAL.labels(service, short, "INVALID_ARGUMENT").inc()
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed protobuf message")
+        request = _parse_request(deserialize, raw, context, service, short)
         return behavior(request, context, send_response_callback)
 
     parsed.experimental_non_blocking = True
@@ -294,21 +307,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         deserialize = handler.request_deserializer
 
         def parse(raw, context):
-            # We parse requests ourselves so that a malformed one is INVALID_ARGUMENT naming
-            # the field, not the INTERNAL status gRPC gives a failing deserializer.
-            if deserialize is None:
-                return raw
-            try:
-                return deserialize(raw)
-            except Exception:  # noqa: BLE001 - any parse failure is the client's input
-                cls = getattr(deserialize, "__self__", None)
-                where = find_invalid_utf8(cls.DESCRIPTOR, raw) if cls is not None else None
-                RPC_TOTAL.labels(service, short, "INVALID_ARGUMENT").inc()
-                if where:
-                    context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                  f"{where}: invalid UTF-8 in a string field")
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                              "request: malformed protobuf message")
+            return _parse_request(deserialize, raw, context, service, short)
 
         def unary_behavior(inner):
             def wrapped(raw, context):
