@@ -26,8 +26,8 @@ precision does not depend on load) and keeps the other parts' figures from the e
               configured efSearch is chosen from.
 6. exporters — the model exported by each ONNX exporter (`TIERCACHE_SEMANTIC_ONNX_EXPORTER`:
               torch's legacy tracer, the default, and the dynamo exporter), run by ONNX Runtime
-              as the service runs it: batch-1 p50 and sentences/s at batch 32 (interleaved),
-              and how far apart their vectors are.
+              as the service runs it: batch-1 p50 and sentences/s at batch 32 (in alternating
+              blocks), and how far apart their vectors are.
 
 `--quick` runs a reduced version (subsets, 5k entries) in under 3 minutes and writes
 `semantic_quick.json`. Data are read from ../shared/data (never copied into the repository).
@@ -82,6 +82,13 @@ def pct(xs, q: float) -> float:
 
 # ---- 1. embedding speed ---------------------------------------------------------------------
 
+def _seconds(fn, batch: list[str]) -> float:
+    """Wall time of one `fn(batch)`."""
+    t0 = time.perf_counter()
+    fn(batch)
+    return time.perf_counter() - t0
+
+
 def bench_embed(emb: OnnxEmbedder, model_dir: str, texts: list[str], reps: int) -> dict:
     import torch
     from tokenizers import Tokenizer
@@ -105,12 +112,7 @@ def bench_embed(emb: OnnxEmbedder, model_dir: str, texts: list[str], reps: int) 
 
     def timed(fn, batch: list[str], n: int) -> list[float]:
         fn(batch)
-        out = []
-        for _ in range(n):
-            t0 = time.perf_counter()
-            fn(batch)
-            out.append(time.perf_counter() - t0)
-        return out
+        return [_seconds(fn, batch) for _ in range(n)]
 
     # Interleave the two runtimes so that background load hits both alike.
     b1_onnx, b1_torch = [], []
@@ -669,19 +671,13 @@ def bench_exporters(cfg: SemanticConfig, texts: list[str], reps: int) -> dict:
             for x in ("torchscript", "dynamo")}
     b1: dict[str, list[float]] = {x: [] for x in embs}
     b32: dict[str, list[float]] = {x: [] for x in embs}
-
-    def timed(fn, batch: list[str]) -> float:
-        t0 = time.perf_counter()
-        fn(batch)
-        return time.perf_counter() - t0
-
     # In blocks, order A B B A: interleaved call by call, each session's threads would still
     # be spinning (the service's setting) while the other one runs, slowing both.
     for x in ("torchscript", "dynamo", "dynamo", "torchscript"):
         e = embs[x]
         e.embed(texts[:32])  # warm
-        b1[x] += [timed(e.embed, [t]) for t in texts[:reps // 2]]
-        b32[x] += [timed(e.embed, texts[32 * i:32 * (i + 1)])
+        b1[x] += [_seconds(e.embed, [t]) for t in texts[:reps // 2]]
+        b32[x] += [_seconds(e.embed, texts[32 * i:32 * (i + 1)])
                    for i in range(5 if reps > 50 else 2)]
     sample = texts[:256]
     a, b = (embed_all(embs[x], sample, 32) for x in ("torchscript", "dynamo"))
