@@ -23,6 +23,14 @@ from hashlib import blake2b
 DEFAULT_VNODES = 100
 
 
+def load_cap(total: float, nodes: int, epsilon: float) -> int:
+    """ceil((1 + epsilon) x total / nodes): the most load a node may reach under the bounded-
+    load rule, `total` counting the request being placed. The 1e-9 keeps a product that is
+    whole in exact arithmetic from rounding up a whole request (1.1 x 50 / 5 is
+    11.000000000000002 in floating point)."""
+    return math.ceil((1.0 + epsilon) * total / max(1, nodes) - 1e-9)
+
+
 def _point(data: bytes) -> int:
     return int.from_bytes(blake2b(data, digest_size=8).digest(), "big")
 
@@ -138,7 +146,7 @@ class HashRing:
         if not nodes:
             raise LookupError("every node of the ring is skipped")
         total = sum(float(loads.get(n, 0.0)) for n in nodes) + 1.0
-        cap = max(math.ceil((1.0 + epsilon) * total / len(nodes) - 1e-9), floor + 1)
+        cap = max(load_cap(total, len(nodes), epsilon), floor + 1)
         fallback = None
         for n in self._walk(key):
             if skip and n in skip:

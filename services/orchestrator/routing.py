@@ -33,7 +33,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from services.common.ring import HashRing
+from services.common.ring import HashRing, load_cap
 
 log = logging.getLogger(__name__)
 
@@ -77,8 +77,7 @@ class RoutingPolicy(ABC):
 def bounded_cap(loads: Sequence[float], epsilon: float, floor: int = 0) -> float:
     """Max load a replica may have *before* taking one more request: the bounded-load rule,
     but never below `floor` (see PrefixAwarePolicy's load_floor)."""
-    n = max(1, len(loads))
-    return max(math.ceil((1 + epsilon) * (sum(loads) + 1) / n) - 1, floor)
+    return max(load_cap(sum(loads) + 1, len(loads), epsilon) - 1, floor)
 
 
 class PrefixAwarePolicy(RoutingPolicy):

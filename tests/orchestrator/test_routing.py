@@ -200,3 +200,14 @@ def test_a_retry_elsewhere_does_not_rebuild_the_ring():
     points = list(ring._points)
     d = p.choose(v, {}, "s", exclude=frozenset({"r0", "r1"}))
     assert d.replica_id == "r2" and p.ring is ring and list(ring._points) == points
+
+
+def test_the_prefix_cap_and_the_ring_agree_where_floating_point_rounds_up():
+    """(1 + 0.1) x 50 / 5 is 11 exactly but 11.000000000000002 in floating point: the prefix
+    path rounded that up to a cap of 11 requests before one more, letting a holder go one over
+    the bound that the session ring (and the docs) enforce at the same loads."""
+    loads = [11.0, 10.0, 10.0, 9.0, 9.0]
+    assert bounded_cap(loads, 0.1) == 10
+    p = PrefixAwarePolicy(epsilon=0.1, min_prefix_tokens=32, load_floor=0)
+    d = p.choose(views(r0=11, r1=10, r2=10, r3=9, r4=9), {"r0": 512}, "s")
+    assert d.replica_id != "r0"
