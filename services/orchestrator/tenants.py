@@ -37,7 +37,9 @@ REJECTED = counter("tiercache_orchestrator_rejections_total",
 
 
 def parse_token_pairs(tokens: str) -> dict[str, str]:
-    """`TIERCACHE_ORCHESTRATOR_TOKENS` ("token=tenant,...") as token -> tenant.
+    """`TIERCACHE_ORCHESTRATOR_TOKENS` ("token=tenant,...") as token -> tenant. A pair splits
+    at its last '=': a token may end in base64 padding ("c2VjcmV0==" stood for the token
+    "c2VjcmV0" of tenant "=acme"), a tenant name written here has none.
 
     Raises:
         ValueError: a pair lacks its '=' or a side, or a token is given twice (the last one
@@ -45,7 +47,7 @@ def parse_token_pairs(tokens: str) -> dict[str, str]:
     """
     out: dict[str, str] = {}
     for i, pair in enumerate(filter(None, (p.strip() for p in tokens.split(","))), 1):
-        tok, sep, name = pair.partition("=")
+        tok, sep, name = pair.rpartition("=")
         if not sep or not tok or not name:
             raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: expected token=tenant,...")
         if tok in out:

@@ -160,3 +160,14 @@ def test_tenant_names_the_semantic_tier_would_refuse_or_split_fail_at_boot(tmp_p
         reg(tokens_file=str(f))
     assert reg(tokens_file="", tokens="tok=" + "t" * 64).authenticate(
         {"authorization": "Bearer tok"}).name == "t" * 64
+
+
+def test_a_token_ending_in_base64_padding_keeps_its_padding():
+    """The pair split at its first '=': "c2VjcmV0==" + "=acme" became the token "c2VjcmV0"
+    of a tenant named "==acme" (another salt, another namespace), and the real token was
+    unknown."""
+    r = reg(tokens="c2VjcmV0LXRva2Vu===acme,dG9rLWI==b")
+    assert r.authenticate({"authorization": "Bearer c2VjcmV0LXRva2Vu=="}).name == "acme"
+    assert r.authenticate({"authorization": "Bearer dG9rLWI="}).name == "b"
+    with pytest.raises(Unauthenticated, match="unknown token"):
+        r.authenticate({"authorization": "Bearer c2VjcmV0LXRva2Vu"})
