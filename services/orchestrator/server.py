@@ -124,14 +124,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         deadline = time.monotonic() + budget
         # Rendering and tokenizing is the costly part of checking a request: it runs in the
         # server's stream slot and the tenant's, under their limits.
-        with self._stream_slot(tenant.name):
-            self.tenants.acquire(tenant)
-            try:
-                prompt, sampling = self._prepare(request, tenant, sampling)
-                yield from self._generate(context, tenant, prompt, sampling, policy,
-                                          request, request_id, deadline, arrived)
-            finally:
-                self.tenants.release(tenant)
+        with self._admitted(tenant):
+            prompt, sampling = self._prepare(request, tenant, sampling)
+            yield from self._generate(context, tenant, prompt, sampling, policy,
+                                      request, request_id, deadline, arrived)
 
     def _prepare(self, request, tenant, sampling):
         """The rendered prompt and the sampling it runs with, after every limit."""
@@ -192,6 +188,20 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise rpc_ended(context) from None
 
     @contextlib.contextmanager
+    def _admitted(self, tenant) -> Iterator[None]:
+        """A server stream slot and one of the tenant's, held for the call. A call either
+        refuses gives its rate token back: it did no work."""
+        with contextlib.ExitStack() as held:
+            try:
+                held.enter_context(self._stream_slot(tenant.name))
+                self.tenants.acquire(tenant)
+            except errors.Overloaded:
+                self.tenants.refund(tenant)
+                raise
+            held.callback(self.tenants.release, tenant)
+            yield
+
+    @contextlib.contextmanager
     def _stream_slot(self, tenant_name: str) -> Iterator[None]:
         """One of the server's `max_streams` Generate slots, for the stream's lifetime."""
         with self._streams_lock:
@@ -214,16 +224,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # A warm-up holds a tenant slot and a server stream slot like a request does (it holds
         # a worker thread for up to 120 s: uncounted, Warm calls could take the threads kept
         # for health probes and Stats), and ends by the caller's deadline.
-        with self._stream_slot(tenant.name):
-            self.tenants.acquire(tenant)
-            try:
-                gone = threading.Event()  # the caller cancelled or went away
-                _on_rpc_end(context, gone.set)
-                return self.warmer.warm(tenant, request, context.time_remaining(),
-                                        charge=lambda n: self.tenants.charge(tenant, n),
-                                        gone=gone)
-            finally:
-                self.tenants.release(tenant)
+        with self._admitted(tenant):
+            gone = threading.Event()  # the caller cancelled or went away
+            _on_rpc_end(context, gone.set)
+            return self.warmer.warm(tenant, request, context.time_remaining(),
+                                    charge=lambda n: self.tenants.charge(tenant, n), gone=gone)
 
     def Feedback(self, request, context):
         tenant = self._tenant(context)

@@ -292,6 +292,16 @@ class TenantRegistry:
                     f"(burst {tenant.burst}) exceeded; retry in {wait:.2f}s")
             b.tokens -= 1.0
 
+    def refund(self, tenant: Tenant) -> None:
+        """Give back the request `check_rate` took, for a call a later limit refused (the
+        tenant's or the server's concurrency): it did no work, and a client retrying it as told
+        ("retry later") must not find its bucket emptied by the refusals."""
+        if tenant.rate_per_s <= 0:
+            return
+        with self._lock:
+            b = self._refilled(tenant)
+            b.tokens = min(float(tenant.burst), b.tokens + 1.0)
+
     def charge(self, tenant: Tenant, requests: float) -> None:
         """Take `requests` more from the tenant's bucket after `check_rate` let a call in: a
         call that does the work of many requests (Warm: a prefill per prompt and replica)

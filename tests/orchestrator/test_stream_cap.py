@@ -547,3 +547,52 @@ def test_the_service_serves_with_its_configured_rpc_cap(monkeypatch):
     with pytest.raises(Stop):
         entry._main([])
     assert seen["max_concurrent_rpcs"] is None  # create_server's default: 4 x 20
+
+
+def test_a_call_refused_for_concurrency_gives_its_rate_token_back():
+    """The rate token was taken before the concurrency checks: a client retrying a refused
+    call as told ("retry later") emptied its bucket without one request running, and its next
+    real request was refused by the rate limit."""
+    import dataclasses
+
+    from tests.clock import Clock
+
+    s, orch = servicer(STREAM_HEADROOM + 2, max_concurrent=1)
+    s.tenants.default = dataclasses.replace(s.tenants.default, rate_per_s=1.0, burst=2)
+    s.tenants.clock = Clock(100.0)  # no refill during the test
+    g = s.Generate(request(), Context())
+    assert next(g).text == "hi"  # 1 of 2 tokens taken
+    s.warmer = SimpleNamespace(warm=lambda *a, **k: orchestrator_pb2.WarmResponse())
+    for _ in range(3):
+        with pytest.raises(ResourceExhausted, match="concurrent requests"):
+            next(s.Generate(request(), Context()))
+        with pytest.raises(ResourceExhausted, match="concurrent requests"):
+            s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
+    orch.release.set()
+    list(g)
+    orch.release.clear()
+    again = s.Generate(request(), Context())
+    assert next(again).text == "hi"  # the second token was still there
+    orch.release.set()
+    list(again)
+    with pytest.raises(ResourceExhausted, match="rate limit"):  # and now the bucket is empty
+        next(s.Generate(request(), Context()))
+    assert s._streams == 0 and s.tenants._active.get("default", 0) == 0
+
+
+def test_a_server_stream_refusal_gives_the_rate_token_back_too():
+    import dataclasses
+
+    from tests.clock import Clock
+
+    s, orch = servicer(STREAM_HEADROOM + 1)  # room for 1 stream
+    s.tenants.default = dataclasses.replace(s.tenants.default, rate_per_s=1.0, burst=2)
+    s.tenants.clock = Clock(100.0)
+    g = s.Generate(request(), Context())
+    assert next(g).text == "hi"
+    for _ in range(3):
+        with pytest.raises(ResourceExhausted, match="concurrent streams"):
+            next(s.Generate(request(), Context()))
+    orch.release.set()
+    list(g)
+    assert s.tenants._buckets["default"].tokens == 1.0
