@@ -274,6 +274,27 @@ def export_folder(cache_dir: str | os.PathLike, name: str, exporter: str = "torc
     return Path(cache_dir) / "onnx" / (name if exporter == "torchscript" else f"{name}.{exporter}")
 
 
+def _source(d: Path) -> str | None:
+    """The model folder (resolved) that the export in `d` was made from; None if unknown."""
+    try:
+        source = json.loads((d / "meta.json").read_text()).get("source")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return os.path.realpath(source) if isinstance(source, str) and source else None
+
+
+def _own_folder(plain: Path, spec: SentenceModelSpec) -> Path:
+    """`plain`, unless it holds the export of another model folder of the same name (/a/model
+    and /b/model are both "model"): then a folder of its own beside it, named with a digest
+    of its path. Sharing one, each start of either replaced the other's export."""
+    mine = os.path.realpath(spec.model_dir)
+    other = _source(plain)
+    if other is None or other == mine:
+        return plain
+    digest = hashlib.sha256(mine.encode()).hexdigest()[:8]
+    return plain.with_name(f"{plain.name}-{digest}")
+
+
 def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name: str, *,
                 broken: tuple[int, int, int, int] | None = None,
                 exporter: str = "torchscript") -> Path:
@@ -294,8 +315,21 @@ def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name
     if exporter not in EXPORTERS:
         raise ValueError(f"unknown ONNX exporter {exporter!r}: one of {', '.join(EXPORTERS)}")
     spec = SentenceModelSpec.read(model_dir)
+    target = _own_folder(export_folder(cache_dir, name, exporter), spec)
+    done = _ensure_at(target, spec, exporter, broken)
+    if done is None:
+        # Another model folder of this name exported there while we waited for its lock:
+        # not ours to replace (its process may be loading it).
+        done = _ensure_at(_own_folder(target, spec), spec, exporter, broken)
+    assert done is not None  # a folder named after our own path holds no other's export
+    return done
+
+
+def _ensure_at(target: Path, spec: SentenceModelSpec, exporter: str,
+               broken: tuple[int, int, int, int] | None) -> Path | None:
+    """`ensure_onnx` into `target`; None when `target` turned out to hold another model
+    folder's export."""
     fp = spec.fingerprint(exporter)
-    target = export_folder(cache_dir, name, exporter)
     root, key = target.parent, target.name  # key: the folder's name, as its lock's
     if broken is None and _is_current(target, fp):
         return target
@@ -307,6 +341,8 @@ def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name
             remove_aside(target, f".{key}.old.")
         if _is_current(target, fp):  # another process finished while we waited
             return target
+        if _own_folder(target, spec) != target:
+            return None
         _remove_leftovers(root, key)
         log.info("exporting %s to ONNX under %s (once)", spec.model_dir, target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))

@@ -374,3 +374,35 @@ def test_an_export_damaged_but_of_its_size_is_exported_again_once(tmp_path, monk
     with pytest.raises(Exception, match="(?i)protobuf"):
         OnnxEmbedder(cfg.resolved_model_dir(), str(tmp_path), name)
     assert exports == [True, True]  # once, not in a loop
+
+
+def test_two_model_folders_of_one_name_keep_their_own_exports(tmp_path, monkeypatch):
+    """/a/model and /b/model are both named "model": they shared one export folder, and each
+    start of either exported again over the other's (tens of seconds, and a process could
+    load the other model's graph while it was swapped in)."""
+    from services.semantic import onnx_export
+
+    exports: list[str] = []
+
+    def fake_export(spec, out: Path, exporter: str) -> None:
+        exports.append(str(spec.model_dir))
+        (out / "model.onnx").write_bytes(b"x")
+        (out / "tokenizer.json").write_text("{}")
+        (out / "meta.json").write_text(json.dumps({
+            "fingerprint": spec.fingerprint(exporter), "model_bytes": 1,
+            "source": str(spec.model_dir)}))
+
+    monkeypatch.setattr(onnx_export, "_export", fake_export)
+    folders = []
+    for side, hidden in (("a", 8), ("b", 16)):
+        model = tmp_path / side / "model"
+        model.mkdir(parents=True)
+        (model / "config.json").write_text(json.dumps({"hidden_size": hidden}))
+        (model / "tokenizer.json").write_text("{}")
+        folders.append(model)
+    got = [onnx_export.ensure_onnx(m, tmp_path / "cache", "model") for m in folders * 3]
+    assert len(exports) == 2  # once each, not at every start
+    assert got[0] == tmp_path / "cache" / "onnx" / "model"  # the first keeps the plain name
+    assert got[1] != got[0] and set(got) == {got[0], got[1]}
+    for m, d in zip(folders, got[:2], strict=True):
+        assert json.loads((d / "meta.json").read_text())["source"] == str(m)
