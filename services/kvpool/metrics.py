@@ -29,7 +29,9 @@ class KvMetrics:
         self.draft_proposed = counter("tiercache_kvpool_draft_tokens_proposed_total",
                                       "Draft tokens verified by the model")
         self.draft_accepted = counter("tiercache_kvpool_draft_tokens_accepted_total",
-                                      "Draft tokens accepted (each saves a forward pass)")
+                                      "Draft tokens accepted into answers (each saves a "
+                                      "forward pass; an answer's last run, where it ends on a "
+                                      "draft token, saves one fewer)")
         self.draft_withheld = counter("tiercache_kvpool_draft_tokens_withheld_total",
                                       "Draft tokens proposed but left out of a batch's forward "
                                       "(they would have cost every row more than they save)")

@@ -419,3 +419,22 @@ def test_sampled_rows_leave_the_device_in_one_copy() -> None:
     samplers = [Sampler(SamplingSpec(8, temperature=0.9, seed=i + 1)) for i in range(4)]
     assert len(sample_batch(samplers, torch.randn(4, 30).as_subclass(Device))) == 4
     assert Device.copies == 1
+
+
+def test_an_answer_ending_on_a_draft_stop_token_saves_one_pass_fewer(make_engine, tiny_model):
+    """What CacheReport.draft_tokens_accepted documents: accepted tokens are the draft tokens
+    in the answer; each saved a forward pass, but where the answer ends on one (a stop token
+    the draft has too) the forward that accepted the last run emitted no token of its own."""
+    p = prompt(6, 3)
+    eng = make_engine()
+    ans, _ = run(eng, p, [], max_tokens=10)
+    stop = ans[3]
+    if stop in ans[:3]:
+        pytest.skip("the stop token occurs earlier")
+    plain, fp = run(eng, p, [], max_tokens=10, stop_token_ids=frozenset([stop]))
+    toks, fd = run(eng, p, ans, max_tokens=10, stop_token_ids=frozenset([stop]))
+    assert toks == plain == ans[:4]
+    assert fp.forward_passes == len(plain) - 1
+    assert fd.draft_tokens_accepted == 4 and fd.forward_passes == 0
+    assert fd.forward_passes == len(toks) - fd.draft_tokens_accepted  # not len - 1 - accepted
+    assert_idle(eng)
