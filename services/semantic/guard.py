@@ -4,12 +4,19 @@ Sentence embeddings are nearly bag-of-words: "flights from New York to Florida" 
 from Florida to New York" score ~0.98 with all-MiniLM-L6-v2, as do most PAWS non-paraphrases.
 The guard refuses a match when the two texts disagree on something the embedding blurs:
 
-1. numbers — the sets of numbers (digits or number words) differ;
-2. negation — one text is negated and the other is not, or one has a word the other has only
-   with a negating prefix ("legal" / "illegal", "safe" / "unsafe": ~0.99 cosine);
+1. numbers — the numbers (digits, signed, or number words, "twenty-five" one number) or how
+   often each occurs differ;
+2. negation — the texts have a different number of negations ("no sugar and no salt" is
+   not "sugar and salt"), or one has a word the other has only with a negating prefix
+   ("legal" / "illegal", "safe" / "unsafe": ~0.99 cosine);
 3. entities — a capitalised word (not sentence-initial), acronym or alphanumeric code of one
    text is missing from the other;
-4. order — the words the texts share are arranged differently beyond one block move.
+4. order — the entities both texts have come in another order ("from Spanish to English" /
+   "from English into Spanish"), or the words the texts share are arranged differently
+   beyond one block move.
+
+Accents are dropped first ("Pokémon" is the word "Pokemon"; the strict tier's spelling check
+tells them apart), and a number is split from a unit written onto it ("10km" is "10 km").
 
 The order test counts breakpoints: adjacent pairs of shared words (with start/end sentinels)
 in the cached text that are no longer adjacent in the new one. Moving one block of words
@@ -40,7 +47,12 @@ _NUMBER_WORDS = {
     "once": "1x", "twice": "2x", "half": "0.5", "double": "2x", "triple": "3x",
 }
 _NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "nowhere",
-              "without", "cannot", "n't", "t"}  # "t" = the tail of don't/isn't/can't
+              "without", "cannot", "n't"}
+# Cardinal number words that combine into one number ("twenty-five", "two hundred"); the
+# rest of _NUMBER_WORDS stand alone.
+_UNITS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and int(v) < 20}
+_TENS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and 20 <= int(v) < 100}
+_SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
 _STOP_CAPS = {"i", "i'm", "i've", "i'd", "i'll", "what", "how", "why", "when", "where", "who",
               "which", "is", "are", "can", "do", "does", "the", "a", "an", "in", "on", "if"}
 
@@ -58,31 +70,93 @@ _BARE_NOT = re.compile(r"\b(do|does|did|is|are|was|were|ca|could|should|would|wo
                        r"must|need|might|ai)(?:nt|'nt)\b", re.IGNORECASE)
 
 
+def _unaccented(text: str) -> str:
+    if text.isascii():
+        return text
+    return unicodedata.normalize("NFC", "".join(
+        c for c in unicodedata.normalize("NFD", text) if not unicodedata.combining(c)))
+
+
+# A number: a sign only where it starts a word ("-10", not "COVID-19" or "1-2"), then digits
+# with decimal or thousands separators. Letters written onto it are a word of their own, a
+# unit ("10km", "5pm", "5k"), except an ordinal's or a multiple's ("3rd", "2x": "third",
+# "twice").
+_NUMBER = r"(?<![\w.])-?[0-9]+(?:[.,][0-9]+)*"
+_TOKEN = re.compile(rf"n't|{_NUMBER}(?:st|nd|rd|th|x)\b|{_NUMBER}(?![0-9])"
+                    r"|[A-Za-z0-9]+(?:[.,][0-9]+)*|[^\sA-Za-z0-9]", re.IGNORECASE)
+
+
 def _tokens(text: str) -> list[str]:
-    text = text.replace("\u2019", "'")
+    text = _unaccented(text).replace("\u2019", "'").replace("\u2212", "-")
     # "non-stop" and "nonstop" are one word (and "non-smoking" the opposite of "smoking").
     text = re.sub(r"\b([Nn]on)-(?=[A-Za-z])", r"\1", text)
-    text = _BARE_NOT.sub(lambda m: m.group(1) + "n't", text).replace("n't", " n't")
-    return re.findall(r"n't|[A-Za-z0-9]+(?:[.,][0-9]+)*|[^\sA-Za-z0-9]", text)
+    text = _BARE_NOT.sub(lambda m: m.group(1) + "n't", text)
+    text = re.sub(r"n't\b", " n't", text, flags=re.IGNORECASE)
+    return ["n't" if t.lower() == "n't" else t for t in _TOKEN.findall(text)]
+
+
+def _is_word(t: str) -> bool:
+    return t[0].isalnum() or t == "n't" or (t[0] == "-" and len(t) > 1)
 
 
 def _words(tokens: list[str]) -> list[str]:
-    return [t for t in tokens if t[0].isalnum() or t == "n't"]
+    return [t for t in tokens if _is_word(t)]
+
+
+def _number(word: str) -> str | None:
+    """The number `word` writes (digits, signed, or a number word), in one form; else None."""
+    low = word.lower()
+    if low[0].isdigit() or (low[0] == "-" and len(low) > 1):
+        return low.replace(",", "")
+    return _NUMBER_WORDS.get(low)
 
 
 def _numbers(words: list[str]) -> Counter:
+    """How often each number occurs; cardinal number words in a row make one number
+    ("twenty five" and "twenty-five" are 25, "two hundred" 200, "a million" 1000000)."""
     out: Counter = Counter()
+    total = group = 0
+    run = last = ""  # run: in a run of number words; last: "unit" | "ten" | "scale"
+
+    def end() -> None:
+        nonlocal total, group, run, last
+        if run:
+            out[str(total + group)] += 1
+        total = group = 0
+        run = last = ""
+
     for w in words:
         low = w.lower()
-        if low[0].isdigit():
-            out[low.replace(",", "")] += 1
-        elif low in _NUMBER_WORDS:
-            out[_NUMBER_WORDS[low]] += 1
+        if low in _UNITS and last in ("", "ten", "scale"):
+            group += _UNITS[low]
+            last = "unit"
+        elif low in _TENS and last in ("", "scale"):
+            group += _TENS[low]
+            last = "ten"
+        elif low in _SCALES:
+            scale = _SCALES[low]
+            if scale == 100:
+                group = (group or 1) * 100
+            else:
+                total += (group or 1) * scale
+                group = 0
+            last = "scale"
+        else:
+            end()
+            n = _number(w)
+            if n is not None:
+                out[n] += 1
+            continue
+        run = "number"
+    end()
     return out
 
 
-def _negated(words: list[str]) -> bool:
-    return sum(1 for w in words if w.lower() in _NEGATIONS) % 2 == 1
+def _negations(words: list[str]) -> int:
+    """How many negations the words hold ("neither ... nor" is one)."""
+    low = [w.lower() for w in words]
+    n = sum(1 for w in low if w in _NEGATIONS)
+    return n - min(low.count("neither"), low.count("nor"))
 
 
 # Prefixes that turn a word into its opposite, and the shortest stem taken as a word.
@@ -114,22 +188,39 @@ def _opposite(a: set[str], b: set[str]) -> str:
     return ""
 
 
-def _entities(tokens: list[str]) -> set[str]:
-    """Capitalised words not at a sentence start, acronyms and codes with digits, lowercased."""
-    out: set[str] = set()
+def _entities(tokens: list[str]) -> list[str]:
+    """Capitalised words not at a sentence start, acronyms and codes with digits, lowercased,
+    each once, in the order they first occur."""
+    out: dict[str, None] = {}
     start = True
     for t in tokens:
-        if not t[0].isalnum():
+        if not _is_word(t) or t == "n't":
             start = t in (".", "!", "?", ":", ";", '"', "``")
             continue
-        if t.isalpha():
+        if t[0] == "-":
+            special = False  # a signed number
+        elif t.isalpha():
             special = len(t) >= 2 and t.isupper()  # an acronym
         else:  # a code: letters and digits
             special = any(c.isdigit() for c in t) and any(c.isalpha() for c in t)
         if special or (t[0].isupper() and not start and t.lower() not in _STOP_CAPS):
-            out.add(t.lower())
+            out[t.lower()] = None
         start = False
-    return out
+    return list(out)
+
+
+def entities_missing(q: TextFacts, c: TextFacts) -> set[str]:
+    """The entities of either text that the other does not have (as a word, or a number
+    written otherwise: "3rd" / "third")."""
+    return (q.entity_set - c.vocab) | (c.entity_set - q.vocab)
+
+
+def entities_reordered(q: TextFacts, c: TextFacts) -> bool:
+    """The entities both texts have come in another order in one than in the other."""
+    shared = q.entity_set & c.entity_set
+    if len(shared) < 2:
+        return False
+    return [e for e in q.entities if e in shared] != [e for e in c.entities if e in shared]
 
 
 def _shared_sequences(a, b) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
@@ -173,9 +264,11 @@ class TextFacts(NamedTuple):
     words: tuple[str, ...]
     lower: tuple[str, ...]  # the words, lowercased
     lower_set: frozenset[str]
-    numbers: frozenset[str]
-    negated: bool
-    entities: frozenset[str]
+    numbers: frozenset[tuple[str, int]]  # (number, how often)
+    negations: int
+    entities: tuple[str, ...]  # in the order they first occur
+    entity_set: frozenset[str]
+    vocab: frozenset[str]  # lower_set and the numbers its words write ("third": "3rd" too)
 
 
 # A lookup checks one query against a few candidates, and a popular cached prompt is checked
@@ -191,8 +284,11 @@ def _facts(text: str) -> TextFacts:
     tokens = _tokens(text)
     words = _words(tokens)
     lower = tuple(w.lower() for w in words)
+    entities = tuple(_entities(tokens))
+    numbers = {n for n in map(_number, words) if n is not None}
     return TextFacts(tuple(tokens), tuple(words), lower, frozenset(lower),
-                     frozenset(_numbers(words)), _negated(words), frozenset(_entities(tokens)))
+                     frozenset(_numbers(words).items()), _negations(words), entities,
+                     frozenset(entities), frozenset(lower) | numbers)
 
 
 def cached_while_short(analyse: Callable[[str], T]) -> Callable[[str], T]:
@@ -234,20 +330,22 @@ class ParaphraseGuard:
         when the order check got that far (None otherwise)."""
         numbers, negation, entities, order = self.checks
         if numbers and q.numbers != c.numbers:
-            diff = sorted(q.numbers ^ c.numbers)
+            diff = sorted({n for n, _ in q.numbers ^ c.numbers})
             return GuardResult(False, f"numbers differ: {', '.join(diff[:4])}"), None
         lq, lc = q.lower_set, c.lower_set
         if negation:
-            if q.negated != c.negated:
+            if q.negations != c.negations:
                 return GuardResult(False, "negation differs"), None
             opposite = _opposite(lq, lc)
             if opposite:
                 return GuardResult(False, f"opposite words: {opposite}"), None
         if entities:
-            missing = sorted((q.entities - lc) | (c.entities - lq))
+            missing = sorted(entities_missing(q, c))
             if missing:
                 return GuardResult(False, f"entities differ: {', '.join(missing[:4])}"), None
         if order:
+            if entities_reordered(q, c):
+                return GuardResult(False, "entities in another order"), None
             bp = _breakpoints_lower(c.lower, q.lower)
             if bp > self.max_breakpoints:
                 return GuardResult(False, f"word order differs ({bp} breakpoints)"), bp

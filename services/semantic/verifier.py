@@ -33,6 +33,7 @@ from services.semantic.guard import (
     TextFacts,
     _breakpoints_lower,
     cached_while_short,
+    entities_missing,
     text_facts,
 )
 
@@ -134,7 +135,7 @@ def _features(q: _Text, c: _Text, cosine: float, guard_ok: bool,
               bp: int | None) -> list[float]:
     fq, fc = q.facts, c.facts
     lq, lc = fq.lower_set, fc.lower_set
-    missing = (fq.entities - lc) | (fc.entities - lq)
+    missing = entities_missing(fq, fc)
     if bp is None:
         bp = _breakpoints_lower(fc.lower, fq.lower)
     cq, cc = q.content_set, c.content_set
@@ -148,7 +149,7 @@ def _features(q: _Text, c: _Text, cosine: float, guard_ok: bool,
         cosine,
         max(0.0, cosine - 0.9) * 10.0,
         float(fq.numbers != fc.numbers),
-        float(fq.negated != fc.negated),
+        float(fq.negations != fc.negations),
         float(min(3, len(missing))),
         float(min(8, bp)),
         bp / max(1, shared),

@@ -43,6 +43,25 @@ TRAPS = [
      "entities"),
     ("How much does a flight to Tokyo cost?", "How much does a flight to Osaka cost?",
      "entities"),
+    # Found by review, each served as a hit before (strict tier, MiniLM cosine 0.96-0.99):
+    # a minus sign dropped,
+    ("What is the boiling point of water at 10 degrees Celsius under pressure?",
+     "What is the boiling point of water at -10 degrees Celsius under pressure?", "numbers"),
+    ("Is a temperature of 30 C dangerous for a car battery?",
+     "Is a temperature of \u221230 C dangerous for a car battery?", "numbers"),
+    # numbers compared as a set, not how often each occurs,
+    ("What is 10 times 10?", "What is 10 times 10 times 10?", "numbers"),
+    ("Can I split 10 euros into 5 and 5?", "Can I split 10 euros into 5 and 10?", "numbers"),
+    # two negations cancelling out (parity),
+    ("Why is my Python code faster and uses all cores?",
+     "Why is my Python code never faster and never uses all cores?", "negation"),
+    ("Which foods have no sugar and no salt?", "Which foods have sugar and salt?", "negation"),
+    ("I like neither tea nor coffee", "I like tea and coffee", "negation"),
+    # and entities swapped where the word between them changed too.
+    ("How do I translate a document from Spanish to English?",
+     "How do I translate a document from English into Spanish?", "order"),
+    ("Exchange rate USD EUR today", "Exchange rate EUR USD today", "order"),
+    ("cheap flights NYC Miami", "cheap flights Miami NYC", "order"),
 ]
 
 PARAPHRASES = [
@@ -68,6 +87,19 @@ PARAPHRASES = [
     ("Are there non-stop flights to Paris?", "Are there nonstop flights to Paris?"),
     ("How do I start a non-profit?", "How do I start a nonprofit?"),
     ("Does the hotel have non-smoking rooms?", "Does the hotel have smoke-free rooms?"),
+    # Found by review, each refused before: capitals, accents, numbers written otherwise.
+    ("Why don't my plants grow?", "WHY DON'T MY PLANTS GROW?"),
+    ("Is Pok\u00e9mon Go still popular?", "Is Pokemon Go still popular?"),
+    ("What novels did \u00c9mile Zola write?", "What novels did Emile Zola write?"),
+    ("Who came third in the 2018 World Cup?", "Who came 3rd in the 2018 World Cup?"),
+    ("Who came first in the race?", "Who came 1st in the race?"),
+    ("Is twenty-five a good age to marry?", "Is 25 a good age to marry?"),
+    ("What is two hundred plus five?", "What is 200 plus 5?"),
+    ("How long does it take to run 10km?", "How long does it take to run 10 km?"),
+    ("Call me at 5pm", "Call me at 5 pm"),
+    ("Is a million dollars enough to retire?", "Is 1,000,000 dollars enough to retire?"),
+    ("What is COVID-19?", "What is covid-19"),
+    ("What is the 1-2 punch in boxing?", "What is the 1-2 punch in boxing"),
 ]
 
 
