@@ -556,6 +556,15 @@ class Orchestrator:
                 self.stats.degrade("resume" if generated else "retry")
                 log.warning("replica %s failed (%s) after %d tokens; attempt %d",
                             replica.replica_id, why, len(generated), attempts + 1)
+            ended = self._ended(generated, sampling)
+            if ended is not None:
+                # The tokens streamed already make the whole answer (they reached max_tokens,
+                # a stop token or the end of sequence; the final message was lost): a resume
+                # would ask for 0 tokens, or generate on past the answer's end.
+                log.info("replica %s failed after the answer's last token; answer complete",
+                         replica.replica_id)
+                final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
+                break
             if attempts >= self.max_attempts:
                 # The replica's own message (transport errors name internal addresses) is in
                 # the log line above, not in the client's status.
@@ -606,6 +615,18 @@ class Orchestrator:
             if sid:
                 report.semantic_entry_id = sid
         yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
+
+    def _ended(self, generated: list[int], sampling: Sampling) -> int | None:
+        """The finish reason if `generated` is already a whole answer, else None."""
+        if not generated:
+            return None
+        if generated[-1] in sampling.stop_token_ids:
+            return common_pb2.FINISH_REASON_STOP
+        if not sampling.ignore_eos and generated[-1] == getattr(self.tok, "eos_token_id", None):
+            return common_pb2.FINISH_REASON_EOS
+        if len(generated) >= sampling.max_tokens:
+            return common_pb2.FINISH_REASON_LENGTH
+        return None
 
     def _serve_hit(self, look, ids: list[int], sampling: Sampling, report, return_token_ids,
                    request_id, t0):

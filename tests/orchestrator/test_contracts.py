@@ -214,6 +214,39 @@ def test_a_replica_lost_mid_answer_is_resumed_elsewhere_from_the_tokens_already_
     assert sem.stores[0].answer == "hello"
 
 
+@pytest.mark.parametrize(("streamed", "sampling", "reason"), [
+    (b"abcd", dict(max_tokens=4), common_pb2.FINISH_REASON_LENGTH),
+    (b"hi!", dict(max_tokens=16, stop_token_ids=(ord("!"),)), common_pb2.FINISH_REASON_STOP),
+    (b"hi\x00", dict(max_tokens=16), common_pb2.FINISH_REASON_EOS),  # 0: the fake's EOS
+])
+def test_a_replica_lost_after_the_answers_last_token_is_not_resumed(streamed, sampling, reason):
+    """The stream broke after the last token, before the final message: the resume asked for
+    max_tokens 0 (the replica's INVALID_ARGUMENT reached a client whose answer had arrived
+    whole), or, after a stop token or EOS, generated on past the answer's end and stored
+    that."""
+    sem = RecordingSemantic()
+    calls = [Call([kvpool_pb2.KvGenerateResponse(token_ids=list(streamed))],
+                  RpcError(grpc.StatusCode.UNAVAILABLE)),
+             Call([tokens(" more"), kvpool_pb2.KvGenerateResponse(final=kvpool_pb2.KvGenerateFinal(
+                 finish_reason=common_pb2.FINISH_REASON_LENGTH))])]
+    asked: list[Stub] = []
+    stubs = {r: OrderedStub(r, calls, asked) for r in ("A", "B")}
+    orch = make(stubs, semantic=sem)
+    spec = dict(dict(temperature=0.0, top_p=1.0, seed=0, stop_token_ids=(), ignore_eos=False),
+                **sampling)
+    events = list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(**spec), policy=Policy(), session_id="s", return_token_ids=True,
+        request_id="rid", deadline=time.monotonic() + 30, on_cancel=lambda fn: None))
+    assert len(asked) == 1  # no resume
+    fin = finished(events)
+    assert fin.finish_reason == reason and fin.completion_tokens == len(streamed)
+    assert text_of(events) == streamed.decode().rstrip("\x00")
+    assert fin.report.replica_id == orch.replicas.by_id(asked[0].rid).public_id
+    assert [st.answer for st in sem.stores] == [streamed.decode().rstrip("\x00")]
+    assert orch.stats.degradations["resume"] == 1  # the replica did fail
+
+
 # ---- cut-short semantic hits (M21) -------------------------------------------------------
 
 def cut_hit(answer: str, truncated_at: int) -> RecordingSemantic:
@@ -467,3 +500,4 @@ def test_a_sampled_request_gets_the_models_sample_with_the_hit_as_its_draft(serv
     else:
         assert stub.requests == [] and fin.report.semantic_hit and text_of(events) == "abcdefgh"
         assert orch.stats.semantic_hits_sampled == 0
+
