@@ -604,12 +604,18 @@ class Orchestrator:
         # its token count (it serves only requests that want no more tokens than that).
         eos = getattr(self.tok, "eos_token_id", None)
         past_end = sampling.ignore_eos and (eos is None or eos in generated)
+        cut_short = final.finish_reason != common_pb2.FINISH_REASON_EOS
+        # An answer replaces a stored answer of the same prompt: a cut-short one not where the
+        # lookup hit one at least as long (an ignore_eos request with a small max_tokens,
+        # answered by the model despite a whole hit, replaced it, and every later request
+        # missed). A request that skipped the lookup refreshes the entry, as it asked.
+        shorter = cut_short and look is not None and look.hit and (
+            not look.entry.truncated_at or look.entry.truncated_at >= len(generated))
         if (self.semantic.enabled and not policy.skip_semantic_store and answer.strip()
-                and not past_end
+                and not past_end and not shorter
                 and (greedy or policy.store_sampled or self.store_sampled)):
-            sid = self._store(tenant, prompt, answer,
-                              0 if final.finish_reason == common_pb2.FINISH_REASON_EOS
-                              else len(generated), deadline,
+            sid = self._store(tenant, prompt, answer, len(generated) if cut_short else 0,
+                              deadline,
                               answer_ids=answer_ids(self.tok, self._special_ids, generated,
                                                     answer))
             if sid:

@@ -275,8 +275,10 @@ def test_a_hit_cut_at_exactly_max_tokens_is_served_from_the_cache():
 def test_a_hit_cut_shorter_than_max_tokens_goes_to_the_model_as_a_draft():
     max_tokens = 8
     answer = "abcdefg"  # cut after 7 tokens: cannot stand for an 8-token answer
-    stub, stubs = one_replica()
-    orch = make(stubs, semantic=cut_hit(answer, max_tokens - 1))
+    stub = Stub("A", [Call([kvpool_pb2.KvGenerateResponse(
+        token_ids=list(b"ok"), final=kvpool_pb2.KvGenerateFinal(
+            finish_reason=common_pb2.FINISH_REASON_EOS, replica_id="A"))])])
+    orch = make({"A": stub}, semantic=cut_hit(answer, max_tokens - 1))
     events = run(orch, max_tokens=max_tokens)
     assert len(stub.requests) == 1
     assert list(stub.requests[0].draft_token_ids) == list(answer.encode())
@@ -501,3 +503,29 @@ def test_a_sampled_request_gets_the_models_sample_with_the_hit_as_its_draft(serv
         assert stub.requests == [] and fin.report.semantic_hit and text_of(events) == "abcdefgh"
         assert orch.stats.semantic_hits_sampled == 0
 
+
+def test_a_cut_short_answer_does_not_replace_a_whole_hit():
+    """A request that goes on past the end of sequence (ignore_eos) gets the model despite a
+    whole hit; its answer, cut at max_tokens, was stored and replaced the whole one (same
+    prompt), so every later request missed."""
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=True, similarity=1.0, entry=semantic_pb2.SemanticEntry(id="e1", answer="okay")))
+    stub, stubs = one_replica()  # "ok", LENGTH
+    orch = make(stubs, semantic=sem)
+    events = list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(2, 0.0, 1.0, 0, (), True), policy=Policy(), session_id="s",
+        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
+        on_cancel=lambda fn: None))
+    assert len(stub.requests) == 1 and text_of(events) == "ok"
+    assert sem.stores == []
+    # A hit cut shorter than the new answer is still replaced by it.
+    sem.answer = semantic_pb2.LookupResponse(hit=True, similarity=1.0, entry=semantic_pb2.
+                                             SemanticEntry(id="e1", answer="o", truncated_at=1))
+    stub2, stubs2 = one_replica()
+    list(make(stubs2, semantic=sem).generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(2, 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
+        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
+        on_cancel=lambda fn: None))
+    assert [st.answer for st in sem.stores] == ["ok"]
