@@ -219,6 +219,15 @@ def test_a_listen_address_outside_host_port_is_refused(service, address):
      "TIERCACHE_SEMANTIC_INDEX_CLOSE_SECONDS"),
     ("orchestrator", {"TIERCACHE_ORCHESTRATOR_TOKENS": "a=b,a=c"},
      "TIERCACHE_ORCHESTRATOR_TOKENS.*repeats"),
+    # Past what their int32 / uint32 proto fields carry: every request (warm-up) failed.
+    ("orchestrator", {"TIERCACHE_ORCHESTRATOR_MAX_TOKENS_LIMIT": "3000000000"},
+     "TIERCACHE_ORCHESTRATOR_MAX_TOKENS_LIMIT"),
+    ("orchestrator", {"TIERCACHE_ORCHESTRATOR_WARM_PIN_TTL_MAX_S": "5000000000"},
+     "TIERCACHE_ORCHESTRATOR_WARM_PIN_TTL_MAX_S"),
+    # Over the native block hasher's 2^20 (it refused what the Python one hashed).
+    ("orchestrator", {"TIERCACHE_ORCHESTRATOR_BLOCK_SIZE": "2000000"},
+     "TIERCACHE_ORCHESTRATOR_BLOCK_SIZE"),
+    ("prefix", {"TIERCACHE_PREFIX_BLOCK_SIZE": "2000000"}, "TIERCACHE_PREFIX_BLOCK_SIZE"),
 ])
 def test_settings_that_started_a_service_refusing_everything_are_refused(service, env, var):
     """Crossed tiers made strict laxer than relaxed; a tenant/message limit of 0 refused every
@@ -294,3 +303,31 @@ def test_help_shows_each_default_and_a_refused_flag_is_named_as_the_flag(capsys)
         load_config(PrefixConfig, "prefix", ["--prune-to", "1"])
     with pytest.raises(ConfigError, match=r"^TIERCACHE_PREFIX_PRUNE_TO: "):
         load_config(PrefixConfig, "prefix", [], environ={"TIERCACHE_PREFIX_PRUNE_TO": "1"})
+
+
+def test_text_settings_lose_surrounding_whitespace():
+    """Validation stripped addresses but the values went out as given: a replica advertising
+    " 127.0.0.1:50054" was refused by the prefix index at every Register (prefix routing off
+    for it, for good), and a blank prefix address crashed the replica after its model loaded."""
+    from services.kvpool.config import KvPoolConfig
+
+    cfg = load_config(KvPoolConfig, "kvpool", [], environ={
+        "TIERCACHE_KVPOOL_ADDRESS": " 127.0.0.1:50054", "TIERCACHE_KVPOOL_PREFIX_ADDRESS": " ",
+        "TIERCACHE_KVPOOL_ADVERTISE_ADDRESS": "kvpool-0.kvpool:50054\n"})
+    assert cfg.address == "127.0.0.1:50054" and cfg.prefix_address == ""
+    assert cfg.public_address == "kvpool-0.kvpool:50054"
+
+
+def test_a_cache_dir_under_home_is_expanded_by_every_service(monkeypatch, tmp_path):
+    """The model store expanded "~" in TIERCACHE_CACHE_DIR, semantic did not: its database
+    and ONNX export went to a folder named "~" under the working directory."""
+    from services.common.model_store import cache_dir_default
+    from services.semantic.config import SemanticConfig, default_cache_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TIERCACHE_CACHE_DIR", "~/tc")
+    assert default_cache_dir() == str(cache_dir_default()) == str(tmp_path / "tc")
+    assert SemanticConfig().resolved_db_path() == str(tmp_path / "tc" / "semantic" / "semantic.db")
+    assert SemanticConfig(cache_dir="~/x", db_path="~/y.db").resolved_cache_dir() == str(
+        tmp_path / "x")
+    assert SemanticConfig(db_path="~/y.db").resolved_db_path() == str(tmp_path / "y.db")

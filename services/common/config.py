@@ -68,7 +68,10 @@ def _parse(raw: str, typ: Any, where: str) -> Any:
                 raise ValueError(f"expected at most {MAX_FLOAT_SETTING:g} in size, got {raw!r}")
             return v
         if typ is str:
-            return raw
+            # Surrounding whitespace (a YAML quirk, a value pasted with a newline) is never
+            # meant: " 127.0.0.1:50054" passed validation, which strips, then went out as is
+            # and the prefix index refused the replica's Register for good.
+            return raw.strip()
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     raise ConfigError(f"{where}: unsupported config type {typ!r}")

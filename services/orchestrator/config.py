@@ -125,9 +125,14 @@ class OrchestratorConfig:
         require_addresses(self.prefix_addresses, SVC, "prefix_addresses", allow_none=True)
         require_addresses(self.semantic_address.split(",") if self.semantic_address else [],
                           SVC, "semantic_address", allow_none=True)
-        require(self.block_size > 0, SVC, "block_size", "must be > 0")
+        # As kvpool's (the block hasher's native chain takes at most 2^20, and the replicas'
+        # blocks must be the same size anyway).
+        require(1 <= self.block_size <= 1024, SVC, "block_size", "must be in 1..1024")
         require(0 < self.default_max_tokens <= self.max_tokens_limit, SVC, "default_max_tokens",
                 "must be in (0, max_tokens_limit]")
+        # Sent to the replicas in int32 SamplingParams.max_tokens: larger failed every request.
+        require(self.max_tokens_limit <= 2**31 - 1, SVC, "max_tokens_limit",
+                f"must be at most {2**31 - 1}")
         require(self.max_prompt_tokens > 0, SVC, "max_prompt_tokens", "must be > 0")
         require(self.max_message_chars > 0, SVC, "max_message_chars", "must be > 0")
         require(self.max_concurrent_per_tenant >= 0, SVC, "max_concurrent_per_tenant",
@@ -152,6 +157,9 @@ class OrchestratorConfig:
         require(self.warm_pin_ttl_s > 0, SVC, "warm_pin_ttl_s", "must be > 0")
         require(self.warm_pin_ttl_max_s >= self.warm_pin_ttl_s, SVC, "warm_pin_ttl_max_s",
                 "must be >= warm_pin_ttl_s")
+        # Sent in uint32 PrefillRequest.ttl_seconds: larger failed every warm-up.
+        require(self.warm_pin_ttl_max_s <= 2**32 - 1, SVC, "warm_pin_ttl_max_s",
+                f"must be at most {2**32 - 1}")
         require(self.warm_top_k >= 0, SVC, "warm_top_k", "must be >= 0")
         require(1 <= self.warm_max_prefills_per_call <= 4096, SVC,
                 "warm_max_prefills_per_call", "must be in 1..4096 (64 prompts x 64 replicas)")

@@ -33,7 +33,9 @@ class PrefixConfig:
         require_listen_address(self.address, svc)
         require(-1 <= self.metrics_port <= 65535, svc, "metrics_port",
                 "must be -1 (off), 0 or a port")
-        require(self.block_size > 0, svc, "block_size", "must be > 0")
+        # As kvpool's (the block hasher's native chain takes at most 2^20, and the replicas'
+        # blocks are this size).
+        require(1 <= self.block_size <= 1024, svc, "block_size", "must be in 1..1024")
         require(self.lease_seconds > 0, svc, "lease_seconds", "must be > 0")
         require(self.max_nodes > 0, svc, "max_nodes", "must be > 0")
         # At most 0.99: pruning to (nearly) the budget itself frees a node or a few per

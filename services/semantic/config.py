@@ -13,7 +13,9 @@ SERVICE = "semantic"
 
 def default_cache_dir() -> str:
     """`$TIERCACHE_CACHE_DIR`, else `~/.cache/tiercache`."""
-    return os.environ.get("TIERCACHE_CACHE_DIR") or os.path.expanduser("~/.cache/tiercache")
+    # "~" expanded as the model store expands it: "~/tc" put kvpool's cache in $HOME and
+    # semantic's database in a folder named "~" under the working directory.
+    return os.path.expanduser(os.environ.get("TIERCACHE_CACHE_DIR") or "~/.cache/tiercache")
 
 
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
@@ -110,7 +112,7 @@ class SemanticConfig:
     expiry_interval_s: float = 30.0  # how often expired entries are purged
 
     def resolved_cache_dir(self) -> str:
-        return self.cache_dir or default_cache_dir()
+        return os.path.expanduser(self.cache_dir) if self.cache_dir else default_cache_dir()
 
     def resolved_model_dir(self) -> str:
         return self.model_dir or default_model_dir()
@@ -126,7 +128,8 @@ class SemanticConfig:
         return os.path.basename(os.path.normpath(self.model_dir))
 
     def resolved_db_path(self) -> str:
-        return self.db_path or os.path.join(self.resolved_cache_dir(), "semantic", "semantic.db")
+        return (os.path.expanduser(self.db_path) if self.db_path
+                else os.path.join(self.resolved_cache_dir(), "semantic", "semantic.db"))
 
     def validate(self) -> None:
         """Raises ConfigError naming the variable of the first bad field."""
