@@ -472,3 +472,11 @@ def test_once_a_drain_begins_nothing_turns_health_serving_again(server):
     server.begin_drain()
     server.set_serving(True)
     assert hs.Check(req, timeout=5).status == health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+def test_a_connection_age_of_weeks_starts_the_server():
+    """gRPC takes connection ages in int32 milliseconds: 30 days overflowed it, a traceback
+    at start that named no setting. Anything past 24.8 days is as good as never."""
+    h = create_server(service="test", address="127.0.0.1:0", max_connection_age_s=30 * 86400,
+                      connection_age_grace_s=30 * 86400, services=[])
+    h.stop(0)

@@ -548,8 +548,8 @@ def create_server(
         # split connections with the first (and a launcher would take the old one's health
         # for the new one's). A port in use must fail the bind.
         options=server_options(max_message_bytes) + (
-            [("grpc.max_connection_age_ms", int(max_connection_age_s * 1000)),
-             ("grpc.max_connection_age_grace_ms", int(connection_age_grace_s * 1000))]
+            [("grpc.max_connection_age_ms", _int32_ms(max_connection_age_s)),
+             ("grpc.max_connection_age_grace_ms", _int32_ms(connection_age_grace_s))]
             if max_connection_age_s > 0 else []),
         maximum_concurrent_rpcs=max_concurrent_rpcs or 4 * max_workers,
     )
@@ -588,6 +588,12 @@ def create_server(
         handle.metrics_port = httpd.server_address[1]
     log.info("%s listening on port %d (metrics %s)", service, port, handle.metrics_port)
     return handle
+
+
+def _int32_ms(seconds: float) -> int:
+    """`seconds` in milliseconds as gRPC's int options take them: 24.8 days at most (30 days
+    of connection age overflowed the C int, a traceback at start). Longer is never anyway."""
+    return min(int(seconds * 1000), 2**31 - 1)
 
 
 def _serve_metrics_and_health(handle: ServerHandle, host: str, port: int) -> Any:
