@@ -47,6 +47,17 @@ def test_exit_status_follows_health_over_plaintext(monkeypatch) -> None:
     assert run_probe("127.0.0.1:1", "--timeout", "0").returncode == 2
 
 
+def test_half_a_client_key_pair_is_one_line_not_a_traceback(tmp_path) -> None:
+    import os
+
+    env = {**os.environ, "TIERCACHE_TLS_CA": "/etc/hostname",
+           "TIERCACHE_TLS_CLIENT_CERT": "/etc/hostname"}
+    env.pop("TIERCACHE_TLS_CLIENT_KEY", None)
+    r = run_probe("127.0.0.1:1", env=env)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "TIERCACHE_TLS_CLIENT_KEY" in r.stderr
+
+
 def _certs(d: Path) -> None:
     """A CA and a server certificate for the name tiercache.test only (not 127.0.0.1)."""
     def ossl(*a: str) -> None:

@@ -27,6 +27,8 @@ def check(address: str, service: str = "", timeout: float = 2.0, server_name: st
         creds = channel_credentials_from_env(env)
     except OSError as e:
         return False, f"cannot read a TLS file: {e}"
+    except ValueError as e:  # half a client key pair: a one-line answer, not a traceback
+        return False, str(e)
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     channel = (grpc.secure_channel(address, creds, options=options) if creds is not None
                else grpc.insecure_channel(address, options=options))
