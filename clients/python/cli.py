@@ -12,10 +12,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
@@ -97,9 +99,37 @@ def _utf8(text: str) -> bool:
     return True
 
 
+@contextlib.contextmanager
+def _one_turn_at_a_time(path: Path | None) -> Iterator[None]:
+    """Holds the session's lock from loading its history to saving it: two turns of one
+    session at once each saved their own turn over the other's, and one was lost without a
+    word. A second turn waits (its history then holds the first's answer)."""
+    if path is None:
+        yield
+        return
+    try:
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        f = open(path.parent / f".{path.name}.lock", "a")  # noqa: SIM115 - held below
+    except OSError as e:
+        # Before the request: a turn whose answer could not be kept is not asked.
+        raise SystemExit(f"error: cannot save session history {path}: {e}") from None
+    with f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            sys.stderr.write("waiting for another turn of this session to end\n")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        yield
+
+
 def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
-    messages: list[dict[str, str]] = []
     hist = _history_path(a.session) if a.session else None
+    with _one_turn_at_a_time(hist):
+        return _chat_turn(c, a, hist)
+
+
+def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> int:
+    messages: list[dict[str, str]] = []
     if hist is not None:
         messages = _load_history(hist)
     had_history = bool(messages)
@@ -116,17 +146,30 @@ def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
             if ch.final is not None:
                 final = ch.final
     except grpc.RpcError as e:
-        # Only the prompt's own size: "messages: N tokens exceed the limit of M" or "messages:
-        # prompt (N tokens) + sampling.max_tokens (M) exceed the model context (C)".
-        if (hist is not None and had_history and e.code() == grpc.StatusCode.INVALID_ARGUMENT
-                and (e.details() or "").startswith("messages:") and "exceed" in e.details()):
+        # Only the prompt's own size: "messages: N tokens exceed the limit of M", "messages:
+        # prompt (N tokens) + sampling.max_tokens (M) exceed the model context (C)", "messages:
+        # N characters cannot fit in the limit of M prompt tokens", or the tenant's own limit
+        # (RESOURCE_EXHAUSTED "messages: N tokens exceed tenant limit M").
+        details = e.details() or ""
+        if (hist is not None and had_history
+                and e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                                 grpc.StatusCode.RESOURCE_EXHAUSTED)
+                and details.startswith("messages:")
+                and ("exceed" in details or "cannot fit" in details)):
             # The conversation outgrew the prompt limit or the model's context: every later
             # turn would fail the same way.
             sys.stderr.write(f"note: session {a.session!r} has grown too long for the model; "
                              f"start a new one, or delete {hist}\n")
         raise
     sys.stdout.write("\n")
-    if final is not None and not a.quiet:
+    if final is None:
+        # Ended without its final message (a proxy or connection cut reported as OK): the
+        # answer may be cut short, as TierCacheClient.generate says too.
+        sys.stderr.write("error: the stream ended without a final message (the answer may be "
+                         "incomplete)" + (f"; session {a.session!r} left unchanged" if hist
+                                          else "") + "\n")
+        return 1
+    if not a.quiet:
         sys.stderr.write(format_report(final.cache_report) + "\n")
     answer = "".join(out).strip()
     if hist is not None and not answer:
@@ -223,6 +266,13 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
         w = load_trace(a.trace)
     except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
         raise SystemExit(f"error: trace {a.trace}: {type(e).__name__}: {e}") from None
+    for i, r in enumerate(w.requests, 1):
+        # Checked before anything is sent: a worker thread's KeyError, after requests had
+        # gone out, was a traceback.
+        prompts = w.system_prompts.get(r.tenant)
+        if prompts is None or not 0 <= r.system_index < len(prompts):
+            raise SystemExit(f"error: trace {a.trace}: request {i} names tenant {r.tenant!r} "
+                             f"system_index {r.system_index}, which its header does not have")
     tokens = a.tenant_tokens
     clients = {t: TierCacheClient(a.address, token=tokens.get(t, a.token), timeout=a.timeout,
                                   credentials=a.credentials)

@@ -2,7 +2,10 @@
 
 Sessions run as chains (turn k+1 is sent after turn k's answer, with the history), starting
 at their arrival time (scaled by `time_scale`; 0 = as fast as the concurrency allows), and at
-most `concurrency` requests are in flight. Each request's outcome is recorded for reports.
+most `concurrency` requests are in flight. Each request's outcome is recorded for reports. A
+turn that fails ends its session (the later turns are recorded as skipped: sent with a made-up
+answer in their history, their figures would describe a conversation that never happened).
+Ctrl-C sends nothing more and cancels the requests in flight.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import grpc
@@ -56,6 +59,13 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
     gate = threading.Semaphore(concurrency)
     total = len(workload.requests)
     t0 = time.monotonic()
+    stopping = threading.Event()  # Ctrl-C: no new request
+
+    def record(o: Outcome) -> None:
+        with lock:
+            outcomes.append(o)
+            if progress:
+                progress(len(outcomes), total)
 
     def run_session(reqs: list[Request]) -> None:
         history: list[dict[str, str]] = []
@@ -63,12 +73,14 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
         sys_prompt = workload.system_prompts[first.tenant][first.system_index]
         if time_scale > 0:
             delay = first.at * time_scale - (time.monotonic() - t0)
-            if delay > 0:
-                time.sleep(delay)
-        for r in reqs:
+            if delay > 0 and stopping.wait(delay):
+                return
+        for i, r in enumerate(reqs):
             msgs = [{"role": "system", "content": sys_prompt}, *history,
                     {"role": "user", "content": r.question}]
             with gate:
+                if stopping.is_set():
+                    return
                 sent = time.monotonic()
                 first_text = None
                 text: list[str] = []
@@ -85,6 +97,9 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
                             final = ch.final
                 except grpc.RpcError as e:
                     err = f"{e.code().name}: {e.details()}"
+                else:
+                    if final is None:  # as TierCacheClient.generate refuses it
+                        err = "stream ended without a final message"
                 end = time.monotonic()
             rep = final.cache_report if final is not None else common_pb2.CacheReport()
             o = Outcome(
@@ -93,14 +108,28 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
                 rep.prompt_tokens, rep.cached_tokens,
                 final.usage.completion_tokens if final is not None else 0,
                 rep.semantic_hit, rep.semantic_similarity, rep.replica_id, rep.route, err)
-            with lock:
-                outcomes.append(o)
-                if progress:
-                    progress(len(outcomes), total)
+            record(o)
+            if err:
+                for s in reqs[i + 1:]:
+                    record(Outcome(s.session_id, s.tenant, s.turn, s.kind, end - t0, 0.0, 0.0,
+                                   0, 0, 0, False, 0.0, "", "",
+                                   f"skipped: turn {r.turn} of the session failed"))
+                return
             history += [{"role": "user", "content": r.question},
                         {"role": "assistant", "content": "".join(text).strip() or "ok"}]
 
     ordered = sorted(sessions.values(), key=lambda rs: rs[0].at)
-    with ThreadPoolExecutor(max_workers=max(concurrency, 1) * 2) as pool:
-        list(pool.map(run_session, ordered))
+    pool = ThreadPoolExecutor(max_workers=max(concurrency, 1) * 2)
+    futures = [pool.submit(run_session, s) for s in ordered]
+    try:
+        wait(futures)
+    except BaseException:  # Ctrl-C: nothing more is sent; the calls in flight are cancelled
+        stopping.set()
+        for c in clients.values():
+            c.close()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown()
+    for f in futures:
+        f.result()  # a session's own exception, if any
     return outcomes
