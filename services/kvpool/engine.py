@@ -184,8 +184,25 @@ class ModelInfo:
     eos_token_ids: frozenset[int]
 
 
+def sliding_window(cfg: Any) -> int | None:
+    """The attention window of a model with sliding-window layers (Mistral, Gemma 2/3, Qwen 2
+    with use_sliding_window, ...); None when every layer attends to the whole context."""
+    window = getattr(cfg, "sliding_window", None)
+    if not window or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
+
+
 def model_info(model: Any, model_id: str) -> ModelInfo:
-    """Read the facts the engine needs from a HF causal LM."""
+    """Read the facts the engine needs from a HF causal LM.
+
+    The context of a sliding-window model is its window: the paged cache gives every layer
+    one causal mask over the whole context, which transformers takes as it is (it builds no
+    window into a mask it is given), so past the window the answer would not be the model's.
+    Within it the two masks are the same."""
     cfg = model.config
     heads = cfg.num_attention_heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
@@ -193,8 +210,15 @@ def model_info(model: Any, model_id: str) -> ModelInfo:
     if eos is None:
         eos = cfg.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
+    max_context = cfg.max_position_embeddings
+    window = sliding_window(cfg)
+    if window is not None and window < max_context:
+        log.warning("%s attends through a sliding window of %d tokens: serving contexts of "
+                    "at most %d tokens (not %d), where the answer stays the model's", model_id,
+                    window, window, max_context)
+        max_context = window
     return ModelInfo(model_id, cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", heads),
-                     head_dim, cfg.vocab_size, cfg.max_position_embeddings, eos_ids)
+                     head_dim, cfg.vocab_size, max_context, eos_ids)
 
 
 # Config attributes of architectures whose logits are more than lm_head(hidden states).
