@@ -77,3 +77,15 @@ def test_the_client_warms_a_raw_prompt_and_sends_the_callers_request_id():
     assert md["x-request-id"] == "job-7"
     assert chat.prompts[0].messages[0].role == "system" and not chat.prompts[0].prompt
     assert md2["x-request-id"] and md2["x-request-id"] != "job-7"
+
+
+def test_json_output_keeps_zero_values(capsys):
+    """proto3 JSON leaves zero values out: prompt 0's result had no promptIndex, and a fresh
+    server's stats printed {}."""
+    c = FakeWarmClient(orchestrator_pb2.WarmResponse(results=[result("A")]))
+    assert cmd_warm(c, warm_args()) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["results"][0]["promptIndex"] == 0
+    from clients.python.cli import _as_dict
+
+    assert int(_as_dict(orchestrator_pb2.StatsResponse())["requestsTotal"]) == 0

@@ -182,6 +182,13 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
     return 0
 
 
+def _as_dict(message) -> dict:
+    """`message` as JSON, zero values included: proto3 JSON leaves them out, so a fresh
+    server's stats printed {} and prompt 0's Warm result had no promptIndex (scripts reading
+    those keys broke)."""
+    return MessageToDict(message, always_print_fields_with_no_presence=True)
+
+
 def format_report(r) -> str:
     """One line for a stream's CacheReport: which tier answered and what it reused."""
     return (f"[{'semantic hit' if r.semantic_hit else 'model'} | prompt {r.prompt_tokens} tok, "
@@ -197,7 +204,7 @@ def format_report(r) -> str:
 def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
     resp = c.warm([a.system] if a.system else [], top_k=a.top_k, owners_only=a.owners,
                   pin_ttl_seconds=a.ttl, raw=a.raw)
-    print(json.dumps(MessageToDict(resp), indent=2))
+    print(json.dumps(_as_dict(resp), indent=2))
     if not resp.results:
         if a.system:
             sys.stderr.write("nothing was warmed: no healthy replica (or owner) to warm\n")
@@ -210,12 +217,12 @@ def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
 
 
 def cmd_feedback(c: TierCacheClient, a: argparse.Namespace) -> int:
-    print(json.dumps(MessageToDict(c.feedback(a.entry_id, good=not a.bad))))
+    print(json.dumps(_as_dict(c.feedback(a.entry_id, good=not a.bad))))
     return 0
 
 
 def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
-    print(json.dumps(MessageToDict(c.stats()), indent=2))
+    print(json.dumps(_as_dict(c.stats()), indent=2))
     return 0
 
 
