@@ -67,11 +67,14 @@ class GuardResult(NamedTuple):
 # Negated auxiliaries written without the apostrophe ("doesnt", "cant") or with it misplaced
 # ("does'nt"): the same negation as "doesn't".
 _BARE_NOT = re.compile(r"\b(do|does|did|is|are|was|were|ca|could|should|would|wo|has|have|had|"
-                       r"must|need|might|ai)(?:nt|'nt)\b", re.IGNORECASE)
+                       r"must|need|might|ai)(?:nt|'nt|n t)\b", re.IGNORECASE)
+# Apostrophes typed otherwise: right and left quotes, an acute accent ("don´t").
+_APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u00b4": "'"})
 
 
 def _unaccented(text: str) -> str:
-    if text.isascii():
+    """`text` without accents ("Pokémon" -> "Pokemon"), case kept."""
+    if text.isascii():  # no accents to drop (most texts; 10x faster)
         return text
     return unicodedata.normalize("NFC", "".join(
         c for c in unicodedata.normalize("NFD", text) if not unicodedata.combining(c)))
@@ -87,7 +90,7 @@ _TOKEN = re.compile(rf"n't|{_NUMBER}(?:st|nd|rd|th|x)\b|{_NUMBER}(?![0-9])"
 
 
 def _tokens(text: str) -> list[str]:
-    text = _unaccented(text).replace("\u2019", "'").replace("\u2212", "-")
+    text = _unaccented(text.translate(_APOSTROPHES)).replace("\u2212", "-")
     # "non-stop" and "nonstop" are one word (and "non-smoking" the opposite of "smoking").
     text = re.sub(r"\b([Nn]on)-(?=[A-Za-z])", r"\1", text)
     text = _BARE_NOT.sub(lambda m: m.group(1) + "n't", text)
@@ -116,14 +119,15 @@ def _numbers(words: list[str]) -> Counter:
     ("twenty five" and "twenty-five" are 25, "two hundred" 200, "a million" 1000000)."""
     out: Counter = Counter()
     total = group = 0
-    run = last = ""  # run: in a run of number words; last: "unit" | "ten" | "scale"
+    in_run = False  # in a run of number words
+    last = ""  # the run's last word: "unit" | "ten" | "scale"
 
     def end() -> None:
-        nonlocal total, group, run, last
-        if run:
+        nonlocal total, group, in_run, last
+        if in_run:
             out[str(total + group)] += 1
         total = group = 0
-        run = last = ""
+        in_run, last = False, ""
 
     for w in words:
         low = w.lower()
@@ -147,7 +151,7 @@ def _numbers(words: list[str]) -> Counter:
             if n is not None:
                 out[n] += 1
             continue
-        run = "number"
+        in_run = True
     end()
     return out
 
@@ -360,10 +364,7 @@ _UWORD = re.compile(r"\w+")
 
 def _fold(word: str) -> str:
     """`word` as an uncased embedder reads it: lowercased, accents dropped."""
-    if word.isascii():  # no accents to drop (most words; 10x faster)
-        return word.lower()
-    return "".join(c for c in unicodedata.normalize("NFD", word)
-                   if not unicodedata.combining(c)).lower()
+    return _unaccented(word).lower()
 
 
 def _initial_case_only(a: str, b: str) -> bool:
