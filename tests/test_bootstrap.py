@@ -477,6 +477,17 @@ def test_once_a_drain_begins_nothing_turns_health_serving_again(server):
 def test_a_connection_age_of_weeks_starts_the_server():
     """gRPC takes connection ages in int32 milliseconds: 30 days overflowed it, a traceback
     at start that named no setting. Anything past 24.8 days is as good as never."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.bootstrap import _int32_ms
+
+    assert _int32_ms(30 * 86400) == 2**31 - 1 and _int32_ms(0.5) == 500
     h = create_server(service="test", address="127.0.0.1:0", max_connection_age_s=30 * 86400,
                       connection_age_grace_s=30 * 86400, services=[])
-    h.stop(0)
+    try:
+        h.set_serving()
+        with grpc.insecure_channel(h.address) as ch:
+            r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=10)
+        assert r.status == health_pb2.HealthCheckResponse.SERVING
+    finally:
+        h.stop(0)

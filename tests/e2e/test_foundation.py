@@ -14,7 +14,7 @@ import time
 
 import grpc
 import pytest
-from tiercache.v1 import kvpool_pb2, kvpool_pb2_grpc
+from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from clients.python.client import TierCacheClient
 from services.launcher import free_port
@@ -177,14 +177,23 @@ def test_kvpool_down_is_unavailable_within_deadline(stack):
 
 
 def test_concurrent_streams_complete(client):
-    results: list = []
+    """Three streams at once (batched on the replicas): each answer is, token for token, the
+    one its question gets alone."""
+    no_semantic = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True)
+    results: dict = {}
 
     def run(q: str) -> None:
-        results.append(client.generate(q, max_tokens=12))
+        results[q] = client.generate(q, max_tokens=12, return_token_ids=True,
+                                     cache_policy=no_semantic)
 
-    ts = [threading.Thread(target=run, args=(f"Say the number {i}.",)) for i in range(3)]
+    questions = [f"Say the number {i}." for i in range(3)]
+    ts = [threading.Thread(target=run, args=(q,)) for q in questions]
     for t in ts:
         t.start()
     for t in ts:
         t.join(120)
-    assert len(results) == 3 and all(r.completion_tokens > 0 for r in results)
+    assert sorted(results) == questions
+    for q in questions:
+        alone = client.generate(q, max_tokens=12, return_token_ids=True,
+                                cache_policy=no_semantic)
+        assert results[q].token_ids == alone.token_ids and alone.token_ids, q

@@ -41,18 +41,28 @@ def test_verifier_refuses_traps(verifier, onnx_embedder, query, cached, check, t
         assert not verifier.check(cached, query, sim, tier).ok
 
 
-@pytest.mark.parametrize(("query", "cached"), PARAPHRASES + [
-    ("What is the best way to learn guitar?", "What's the best way to learn the guitar?"),
-    ("How do I get rid of acne?", "How can I get rid of acne?"),
-    ("What are the benefits of drinking green tea?", "What are the health benefits of green tea?"),
-])
-def test_verifier_serves_paraphrases_that_reach_the_threshold(verifier, onnx_embedder, query,
-                                                              cached):
-    sim = _cos(onnx_embedder, query, cached)
-    for tier, th in (("strict", 0.97), ("standard", 0.95)):
-        if sim >= th - 0.005:  # paraphrases below the tier's threshold are misses anyway
-            r = verifier.check(query, cached, sim, tier)
-            assert r.ok, (tier, sim, r)
+def test_verifier_serves_paraphrases_that_reach_the_threshold(verifier, onnx_embedder):
+    """Every paraphrase at (or within 0.005 of) a tier's threshold is served in that tier.
+    Pairs below every threshold are misses before the verifier: they are counted, so that the
+    test cannot pass by checking nothing (13 of these pairs score under 0.945)."""
+    pairs = PARAPHRASES + [
+        ("What is the best way to learn guitar?", "What's the best way to learn the guitar?"),
+        ("How do I get rid of acne?", "How can I get rid of acne?"),
+        ("What are the benefits of drinking green tea?",
+         "What are the health benefits of green tea?"),
+    ]
+    checked: dict[str, int] = {"strict": 0, "standard": 0}
+    refused = []
+    for query, cached in pairs:
+        sim = _cos(onnx_embedder, query, cached)
+        for tier, th in (("strict", 0.97), ("standard", 0.95)):
+            if sim >= th - 0.005:
+                checked[tier] += 1
+                r = verifier.check(query, cached, sim, tier)
+                if not r.ok:
+                    refused.append((tier, round(sim, 4), query, r.reason))
+    assert refused == []
+    assert checked["standard"] >= 15 and checked["strict"] >= 10, checked
 
 
 def test_verifier_refuses_an_extra_qualifier_the_guard_lets_through(verifier, onnx_embedder):
