@@ -57,14 +57,9 @@ K8S_VERSION = "1.37.0"
 # ------------------------------------------------------------------------------------ helpers
 
 
-def config_class(svc: str) -> type | None:
-    """The `*Config` dataclass of `services/<svc>/config.py`, or None if that module is absent."""
-    try:
-        mod = importlib.import_module(f"services.{svc}.config")
-    except ModuleNotFoundError as exc:
-        if exc.name in (f"services.{svc}", f"services.{svc}.config"):
-            return None
-        raise
+def config_class(svc: str) -> type:
+    """The `*Config` dataclass of `services/<svc>/config.py`."""
+    mod = importlib.import_module(f"services.{svc}.config")
     found = [obj for name, obj in vars(mod).items()
              if name.endswith("Config") and isinstance(obj, type)
              and dataclasses.is_dataclass(obj) and obj.__module__ == mod.__name__]
@@ -76,11 +71,9 @@ def service_env(r: Rendered, w: Workload) -> dict[str, EnvValue]:
     return r.env(w, tiercache_container(w))
 
 
-def load_service_config(r: Rendered, w: Workload) -> Any | None:
+def load_service_config(r: Rendered, w: Workload) -> Any:
     """The workload's config exactly as `python -m services.<svc>` would build it."""
     cls = config_class(w.service)
-    if cls is None:
-        return None
     environ = {k: v.value for k, v in service_env(r, w).items()}
     try:
         return load_config(cls, w.service, [], environ=environ)
@@ -222,8 +215,7 @@ def test_ports_agree_between_config_pods_probes_and_scrape_annotations(
         assert ann.get("prometheus.io/port") == str(metrics), where
         assert ann.get("prometheus.io/path") == "/metrics", where
         cfg = load_service_config(rendered, w)
-        if cfg is not None:
-            assert cfg.address.endswith(f":{grpc}") and cfg.metrics_port == metrics, where
+        assert cfg.address.endswith(f":{grpc}") and cfg.metrics_port == metrics, where
 
 
 @pytest.mark.parametrize("svc", SERVICES)
@@ -239,8 +231,6 @@ def test_env_names_match_what_the_service_reads(rendered: Rendered, svc: str) ->
     unread = shared - shared_env_names()
     assert not unread, f"{rendered.overlay}/{w.name}: no code under services/ reads {unread}"
     cls = config_class(svc)
-    if cls is None:
-        pytest.skip(f"services/{svc}/config.py does not exist yet: cannot check {sorted(own)}")
     fields = {env_name(svc, f.name) for f in dataclasses.fields(cls)}
     unknown = own - fields
     assert not unknown, (f"{rendered.overlay}/{w.name}: {cls.__name__} has no field for "
@@ -283,9 +273,8 @@ def test_kvpool_identity_comes_from_the_downward_api(rendered: Rendered) -> None
     adv = env[env_name("kvpool", "advertise_address")]
     assert adv.value == f"{SAMPLE_POD_IP}:{grpc_port(w)}"
     cfg = load_service_config(rendered, w)
-    if cfg is not None:
-        assert cfg.replica_id == w.pod_names()[0]
-        assert cfg.public_address == adv.value
+    assert cfg.replica_id == w.pod_names()[0]
+    assert cfg.public_address == adv.value
 
 
 def test_shared_settings_agree_across_services(rendered: Rendered) -> None:
@@ -316,7 +305,7 @@ def test_termination_grace_outlasts_the_drain(rendered: Rendered) -> None:
             else 0.0
         assert delay > 0, f"{rendered.overlay}/{w.name}: no TIERCACHE_DRAIN_DELAY_S"
         # The semantic service then waits this long for a running index merge.
-        close = float(getattr(cfg, "index_close_seconds", 0.0)) if cfg is not None else 0.0
+        close = float(getattr(cfg, "index_close_seconds", 0.0))
         tgps = w.pod_spec["terminationGracePeriodSeconds"]
         assert tgps >= delay + grace + close + 5, (
             f"{rendered.overlay}/{w.name}: {tgps}s grace, {delay}s delay + drain {grace}s + "
@@ -329,8 +318,7 @@ def test_the_orchestrator_drains_as_long_as_the_replicas_it_streams_from(rendere
     answers the replicas would have finished (the public API cannot resume a stream)."""
     cfg = {s: load_service_config(rendered, rendered.workload_for(s))
            for s in ("orchestrator", "kvpool")}
-    if None not in cfg.values():
-        assert cfg["orchestrator"].grace_s >= cfg["kvpool"].grace_seconds
+    assert cfg["orchestrator"].grace_s >= cfg["kvpool"].grace_seconds
 
 
 def _peer_matches(peer: dict[str, Any], src: dict[str, Any], ns: str) -> bool:
@@ -429,8 +417,7 @@ def test_secret_holds_clearly_marked_placeholders_that_parse(rendered: Rendered)
             if v["secret"]["secretName"] == "tiercache-secrets"
             and f"{mounts[n]}/{item['path']}" == path]
     assert hits and hits[0][1]["key"] == "tenant-tokens.json", f"{path} is not the mounted file"
-    if cfg is not None:
-        assert cfg.tokens_file == path
+    assert cfg.tokens_file == path
 
 
 def test_dev_overlay_is_cpu_only_with_one_pod_per_tier(dev: Rendered) -> None:

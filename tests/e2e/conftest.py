@@ -8,8 +8,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import pytest
-
 from services.launcher import ServiceProcess, free_port, service_exists
 
 # One folder per test run (the secrets check reads every log in it; another run on the same
@@ -22,8 +20,7 @@ LOG_DIR.mkdir(parents=True, exist_ok=True)  # before any test opens a log in it
 
 def start(name: str, env: dict[str, str], key: str | None = None, timeout: float = 240.0
           ) -> ServiceProcess:
-    if not service_exists(name):
-        pytest.skip(f"service {name} does not exist yet")
+    assert service_exists(name), f"services/{name} is missing"
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     # Tenants configured: the orchestrator refuses the public default hash key.
     env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1",
