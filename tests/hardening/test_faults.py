@@ -265,12 +265,17 @@ def test_dependency_slower_than_its_deadline_is_skipped(stack, dep):
     """A hung semantic tier (2 s budget) or index (0.5 s budget): requests still complete well
     within their own deadline, degraded."""
     proc = getattr(stack, dep)
+    counter = "semantic_skipped" if dep == "semantic" else "index_down"
+    before = stack.admin_stats().degradations.get(counter, 0)
     os.kill(proc.proc.pid, signal.SIGSTOP)
     try:
         policy = common_pb2.CachePolicy() if dep == "semantic" else NO_SEMANTIC
         futs, pool = load(stack, 2, max_tokens=4, timeout=25, policy=policy)
         results = finish(futs, pool, 25)
         assert all(r.code == "OK" for r in results), results
+        # Degraded, each one (counted once per request), and not held to the deadline.
+        assert stack.admin_stats().degradations[counter] == before + len(results)
+        assert max(r.seconds for r in results) < 20, results
     finally:
         os.kill(proc.proc.pid, signal.SIGCONT)
     after_fault(stack)
