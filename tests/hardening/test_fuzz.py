@@ -91,11 +91,24 @@ def orch_channel(stack):
     ch.close()
 
 
+@pytest.fixture
+def stack_intact(stack):
+    """After a fuzz test the stack it fuzzed still stands (UNAVAILABLE and DEADLINE_EXCEEDED
+    are documented answers, so a crashed or wedged service would pass the calls alone): no
+    process exited, every replica idle with no block lost, every dependency healthy."""
+    yield
+    dead = [p.name for p in stack.all() if p.proc is None or p.proc.poll() is not None]
+    assert not dead, f"exited: {dead}"
+    stack.wait_kv_idle()
+    deps = stack.admin_stats().dependencies
+    assert deps and all(d.healthy for d in deps), deps
+
+
 @pytest.mark.e2e
 @pytest.mark.model
 @settings(FUZZ, max_examples=30 * SCALE)
 @given(req=generate_requests(), tok=token)
-def test_fuzz_generate(orch_channel, req, tok):
+def test_fuzz_generate(orch_channel, stack_intact, req, tok):
     out = call(orch_channel, "/tiercache.v1.Orchestrator/Generate", req.SerializeToString(),
                stream=True, metadata=md(tok) if tok else None, timeout=60)
     documented(out, req)
@@ -108,7 +121,7 @@ def test_fuzz_generate(orch_channel, req, tok):
 @pytest.mark.model
 @settings(FUZZ, max_examples=15 * SCALE)
 @given(req=warm_requests(), tok=token)
-def test_fuzz_warm(orch_channel, req, tok):
+def test_fuzz_warm(orch_channel, stack_intact, req, tok):
     out = call(orch_channel, "/tiercache.v1.Orchestrator/Warm", req.SerializeToString(),
                metadata=md(tok) if tok else None, timeout=60)
     documented(out, req)
@@ -119,7 +132,8 @@ def test_fuzz_warm(orch_channel, req, tok):
 @settings(FUZZ, max_examples=40 * SCALE)
 @given(entry=text, rating=st.integers(-3, 2**31 - 1), tok=token,
        method=st.sampled_from(["Feedback", "Stats"]), garbage=st.binary(max_size=48))
-def test_fuzz_feedback_stats_and_raw_bytes(orch_channel, entry, rating, tok, method, garbage):
+def test_fuzz_feedback_stats_and_raw_bytes(orch_channel, stack_intact, entry, rating, tok,
+                                           method, garbage):
     req = orchestrator_pb2.FeedbackRequest(semantic_entry_id=entry, rating=rating)
     payload = req.SerializeToString() if method == "Feedback" else b""
     meta = md(tok) if tok else None
