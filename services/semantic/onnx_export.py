@@ -196,7 +196,8 @@ def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript
     meta = {"fingerprint": spec.fingerprint(exporter), "weights": spec.weights_fingerprint(),
             "exporter": exporter,
             "max_seq_length": spec.max_seq_length, "dim": spec.dim, "pooling": spec.pooling,
-            "normalize": spec.normalize, "inputs": names, "source": str(spec.model_dir),
+            "normalize": spec.normalize, "inputs": names,
+            "source": os.path.realpath(spec.model_dir),
             "model_bytes": (out_dir / "model.onnx").stat().st_size}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     # On disk before the folder is renamed into place: after a power loss the rename could
@@ -283,13 +284,15 @@ def _source(d: Path) -> str | None:
     return os.path.realpath(source) if isinstance(source, str) and source else None
 
 
-def _own_folder(plain: Path, spec: SentenceModelSpec) -> Path:
+def _own_folder(plain: Path, spec: SentenceModelSpec, fingerprint: str) -> Path:
     """`plain`, unless it holds the export of another model folder of the same name (/a/model
-    and /b/model are both "model"): then a folder of its own beside it, named with a digest
-    of its path. Sharing one, each start of either replaced the other's export."""
+    and /b/model are both "model") with other contents: then a folder of its own beside it,
+    named with a digest of its path. Sharing one, each start of either replaced the other's
+    export. An export of the same contents is used wherever it was made from (a venv or a
+    checkout at a new path)."""
     mine = os.path.realpath(spec.model_dir)
     other = _source(plain)
-    if other is None or other == mine:
+    if other is None or other == mine or _is_current(plain, fingerprint):
         return plain
     digest = hashlib.sha256(mine.encode()).hexdigest()[:8]
     return plain.with_name(f"{plain.name}-{digest}")
@@ -315,12 +318,13 @@ def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name
     if exporter not in EXPORTERS:
         raise ValueError(f"unknown ONNX exporter {exporter!r}: one of {', '.join(EXPORTERS)}")
     spec = SentenceModelSpec.read(model_dir)
-    target = _own_folder(export_folder(cache_dir, name, exporter), spec)
+    fp = spec.fingerprint(exporter)
+    target = _own_folder(export_folder(cache_dir, name, exporter), spec, fp)
     done = _ensure_at(target, spec, exporter, broken)
     if done is None:
         # Another model folder of this name exported there while we waited for its lock:
         # not ours to replace (its process may be loading it).
-        done = _ensure_at(_own_folder(target, spec), spec, exporter, broken)
+        done = _ensure_at(_own_folder(target, spec, fp), spec, exporter, broken)
     assert done is not None  # a folder named after our own path holds no other's export
     return done
 
@@ -341,7 +345,7 @@ def _ensure_at(target: Path, spec: SentenceModelSpec, exporter: str,
             remove_aside(target, f".{key}.old.")
         if _is_current(target, fp):  # another process finished while we waited
             return target
-        if _own_folder(target, spec) != target:
+        if _own_folder(target, spec, fp) != target:
             return None
         _remove_leftovers(root, key)
         log.info("exporting %s to ONNX under %s (once)", spec.model_dir, target)

@@ -390,7 +390,7 @@ def test_two_model_folders_of_one_name_keep_their_own_exports(tmp_path, monkeypa
         (out / "tokenizer.json").write_text("{}")
         (out / "meta.json").write_text(json.dumps({
             "fingerprint": spec.fingerprint(exporter), "model_bytes": 1,
-            "source": str(spec.model_dir)}))
+            "source": os.path.realpath(spec.model_dir)}))
 
     monkeypatch.setattr(onnx_export, "_export", fake_export)
     folders = []
@@ -406,3 +406,14 @@ def test_two_model_folders_of_one_name_keep_their_own_exports(tmp_path, monkeypa
     assert got[1] != got[0] and set(got) == {got[0], got[1]}
     for m, d in zip(folders, got[:2], strict=True):
         assert json.loads((d / "meta.json").read_text())["source"] == str(m)
+    # The same model at a new path (a new venv or checkout) uses the export it has, wherever
+    # that was made from: no export again, no folder more.
+    moved = tmp_path / "c" / "model"
+    moved.parent.mkdir()
+    import shutil
+
+    shutil.copytree(folders[0], moved)
+    assert onnx_export.ensure_onnx(moved, tmp_path / "cache", "model") == got[0]
+    assert len(exports) == 2
+    assert sorted(os.listdir(tmp_path / "cache" / "onnx")) == sorted(
+        [".model.lock", f".{got[1].name}.lock", "model", got[1].name])
