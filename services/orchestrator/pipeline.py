@@ -626,10 +626,12 @@ class Orchestrator:
         """The finish reason if `generated` is already a whole answer, else None."""
         if not generated:
             return None
-        if generated[-1] in sampling.stop_token_ids:
-            return common_pb2.FINISH_REASON_STOP
+        # In the replica's order: the end of sequence before a stop token (a client often
+        # gives the EOS id as a stop token too).
         if not sampling.ignore_eos and generated[-1] == getattr(self.tok, "eos_token_id", None):
             return common_pb2.FINISH_REASON_EOS
+        if generated[-1] in sampling.stop_token_ids:
+            return common_pb2.FINISH_REASON_STOP
         if len(generated) >= sampling.max_tokens:
             return common_pb2.FINISH_REASON_LENGTH
         return None

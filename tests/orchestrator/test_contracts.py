@@ -218,6 +218,8 @@ def test_a_replica_lost_mid_answer_is_resumed_elsewhere_from_the_tokens_already_
     (b"abcd", dict(max_tokens=4), common_pb2.FINISH_REASON_LENGTH),
     (b"hi!", dict(max_tokens=16, stop_token_ids=(ord("!"),)), common_pb2.FINISH_REASON_STOP),
     (b"hi\x00", dict(max_tokens=16), common_pb2.FINISH_REASON_EOS),  # 0: the fake's EOS
+    # The EOS id given as a stop token too: EOS, as the replica says (a whole answer).
+    (b"hi\x00", dict(max_tokens=16, stop_token_ids=(0,)), common_pb2.FINISH_REASON_EOS),
 ])
 def test_a_replica_lost_after_the_answers_last_token_is_not_resumed(streamed, sampling, reason):
     """The stream broke after the last token, before the final message: the resume asked for
