@@ -4,16 +4,18 @@ Sentence embeddings are nearly bag-of-words: "flights from New York to Florida" 
 from Florida to New York" score ~0.98 with all-MiniLM-L6-v2, as do most PAWS non-paraphrases.
 The guard refuses a match when the two texts disagree on something the embedding blurs:
 
-1. numbers — the numbers (digits, signed, or number words, "twenty-five" one number) or how
-   often each occurs differ;
+1. numbers — the numbers (digits, signed, or number words, "twenty-five" one number), the
+   units written after them ("5 pm" / "5 am", "100 mg" / "100 g") or how often each occurs
+   differ;
 2. negation — the texts have a different number of negations ("no sugar and no salt" is
    not "sugar and salt"), or one has a word the other has only with a negating prefix
    ("legal" / "illegal", "safe" / "unsafe": ~0.99 cosine);
 3. entities — a capitalised word (not sentence-initial), acronym or alphanumeric code of one
    text is missing from the other;
-4. order — the entities both texts have come in another order ("from Spanish to English" /
-   "from English into Spanish"), or the words the texts share are arranged differently
-   beyond one block move.
+4. order — two entities both texts have, next to each other, are swapped ("from Spanish to
+   English" / "from English into Spanish"; moved with a phrase, "In Berlin, what did Obama
+   say?", is not a swap), or the words the texts share are arranged differently beyond one
+   block move.
 
 Accents are dropped first ("Pokémon" is the word "Pokemon"; the strict tier's spelling check
 tells them apart), and a number is split from a unit written onto it ("10km" is "10 km").
@@ -27,6 +29,7 @@ breakpoints means the shared words were shuffled, not just one phrase moved.
 
 from __future__ import annotations
 
+import math
 import re
 import unicodedata
 from collections import Counter, defaultdict
@@ -53,6 +56,11 @@ _NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor
 _UNITS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and int(v) < 20}
 _TENS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and 20 <= int(v) < 100}
 _SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
+# Units written after a number, which the number's meaning depends on ("5 pm" / "5 am",
+# "100 mg" / "100 g"); words that are also plain English words ("in", "a") are left out.
+_UNIT_WORDS = frozenset("""am pm mg g kg lb lbs oz km m cm mm mi ft yd k mb gb tb kb ml l mph
+kph kmh ms min mins h hr hrs sec secs hz khz mhz ghz w kw kwh v mah c f usd eur gbp inr
+percent""".split())
 _STOP_CAPS = {"i", "i'm", "i've", "i'd", "i'll", "what", "how", "why", "when", "where", "who",
               "which", "is", "are", "can", "do", "does", "the", "a", "an", "in", "on", "if"}
 
@@ -67,9 +75,9 @@ class GuardResult(NamedTuple):
 # Negated auxiliaries written without the apostrophe ("doesnt", "cant") or with it misplaced
 # ("does'nt"): the same negation as "doesn't".
 _BARE_NOT = re.compile(r"\b(do|does|did|is|are|was|were|ca|could|should|would|wo|has|have|had|"
-                       r"must|need|might|ai)(?:nt|'nt|n t)\b", re.IGNORECASE)
+                       r"must|need|might|ai|sha)(?:nt|'nt|n t)\b", re.IGNORECASE)
 # Apostrophes typed otherwise: right and left quotes, an acute accent ("don´t").
-_APOSTROPHES = str.maketrans({"\u2019": "'", "\u2018": "'", "\u00b4": "'"})
+_APOSTROPHES = str.maketrans({c: "'" for c in "\u2019\u2018\u00b4`\u02bc\u2032\uff07"})
 
 
 def _unaccented(text: str) -> str:
@@ -114,53 +122,73 @@ def _number(word: str) -> str | None:
     return _NUMBER_WORDS.get(low)
 
 
+def _number_value(word: str) -> float | None:
+    """The value of a number written in digits ("1,000", "-2.5"), else None."""
+    try:
+        v = float(word.replace(",", ""))
+    except ValueError:
+        return None
+    return v if math.isfinite(v) else None  # 400 digits: compared as written
+
+
+def _number_key(value: float) -> str:
+    return str(int(value)) if value == int(value) else repr(value)
+
+
 def _numbers(words: list[str]) -> Counter:
-    """How often each number occurs; cardinal number words in a row make one number
-    ("twenty five" and "twenty-five" are 25, "two hundred" 200, "a million" 1000000)."""
+    """How often each number occurs, with the unit written after it ("5pm" and "5 pm" are
+    "5 pm", not "5 am": "10km" is read as "10 km"). Cardinal number words in a row make one
+    number ("twenty five" and "twenty-five" are 25, "two hundred and fifty" 250, "a million"
+    and "1 million" 1000000)."""
     out: Counter = Counter()
-    total = group = 0
-    in_run = False  # in a run of number words
-    last = ""  # the run's last word: "unit" | "ten" | "scale"
-
-    def end() -> None:
-        nonlocal total, group, in_run, last
-        if in_run:
-            out[str(total + group)] += 1
-        total = group = 0
-        in_run, last = False, ""
-
-    for w in words:
-        low = w.lower()
-        if low in _UNITS and last in ("", "ten", "scale"):
-            group += _UNITS[low]
-            last = "unit"
-        elif low in _TENS and last in ("", "scale"):
-            group += _TENS[low]
-            last = "ten"
-        elif low in _SCALES:
-            scale = _SCALES[low]
-            if scale == 100:
-                group = (group or 1) * 100
-            else:
-                total += (group or 1) * scale
-                group = 0
-            last = "scale"
-        else:
-            end()
-            n = _number(w)
-            if n is not None:
-                out[n] += 1
+    low = [w.lower() for w in words]
+    i, n = 0, len(low)
+    while i < n:
+        w = low[i]
+        digits = _number_value(w) if (w[0].isdigit() or (w[0] == "-" and len(w) > 1)) else None
+        if digits is None and w not in _UNITS and w not in _TENS and w not in _SCALES:
+            # Ordinals, multiples, "half" (in words or digits: "third", "3rd", "2x"), and
+            # numbers too long for a float: alone, as written.
+            key = _number(w)
+            if key is not None:
+                out[key] += 1
+            i += 1
             continue
-        in_run = True
-    end()
+        # A run: digits or number words, then scale words ("2 million", "two hundred and
+        # fifty"); a unit after it belongs to it.
+        total = group = 0.0
+        last = ""
+        if digits is not None:
+            group, last, i = digits, "digits", i + 1
+        while i < n:
+            w = low[i]
+            if w in _UNITS and last in ("", "ten", "scale", "and"):
+                group, last = group + _UNITS[w], "unit"
+            elif w in _TENS and last in ("", "scale", "and"):
+                group, last = group + _TENS[w], "ten"
+            elif w in _SCALES and last in ("", "digits", "unit", "ten", "scale"):
+                scale = _SCALES[w]
+                if scale == 100:
+                    group = (group or 1) * 100
+                else:
+                    total, group = total + (group or 1) * scale, 0.0
+                last = "scale"
+            elif (w == "and" and last == "scale" and i + 1 < n
+                  and (low[i + 1] in _UNITS or low[i + 1] in _TENS)):
+                last = "and"
+            else:
+                break
+            i += 1
+        key = _number_key(total + group)
+        if i < n and low[i] in _UNIT_WORDS:
+            key, i = f"{key} {low[i]}", i + 1
+        out[key] += 1
     return out
 
 
 def _negations(words: list[str]) -> int:
-    """How many negations the words hold ("neither ... nor" is one)."""
-    low = [w.lower() for w in words]
-    n = sum(1 for w in low if w in _NEGATIONS)
-    return n - min(low.count("neither"), low.count("nor"))
+    """How many negations the words hold ("neither A nor B" two, as "not A and not B")."""
+    return sum(1 for w in words if w.lower() in _NEGATIONS)
 
 
 # Prefixes that turn a word into its opposite, and the shortest stem taken as a word.
@@ -192,15 +220,39 @@ def _opposite(a: set[str], b: set[str]) -> str:
     return ""
 
 
-def _entities(tokens: list[str]) -> list[str]:
+class Span(NamedTuple):
+    """Entity words in a row ("new york"), and where they stand among the text's words."""
+
+    key: str
+    first: int
+    last: int
+
+
+def _entities(tokens: list[str]) -> tuple[list[str], list[Span]]:
     """Capitalised words not at a sentence start, acronyms and codes with digits, lowercased,
-    each once, in the order they first occur."""
+    each once, in the order they first occur; and the spans they form (each span's first
+    occurrence)."""
     out: dict[str, None] = {}
+    spans: dict[str, Span] = {}
     start = True
+    pos = -1  # index among the words
+    run: list[str] = []
+    run_first = 0
+
+    def close() -> None:
+        if run:
+            key = " ".join(run)
+            spans.setdefault(key, Span(key, run_first, run_first + len(run) - 1))
+            run.clear()
+
     for t in tokens:
         if not _is_word(t) or t == "n't":
             start = t in (".", "!", "?", ":", ";", '"', "``")
+            close()
+            if t == "n't":
+                pos += 1
             continue
+        pos += 1
         if t[0] == "-":
             special = False  # a signed number
         elif t.isalpha():
@@ -209,8 +261,14 @@ def _entities(tokens: list[str]) -> list[str]:
             special = any(c.isdigit() for c in t) and any(c.isalpha() for c in t)
         if special or (t[0].isupper() and not start and t.lower() not in _STOP_CAPS):
             out[t.lower()] = None
+            if not run:
+                run_first = pos
+            run.append(t.lower())
+        else:
+            close()
         start = False
-    return list(out)
+    close()
+    return list(out), list(spans.values())
 
 
 def entities_missing(q: TextFacts, c: TextFacts) -> set[str]:
@@ -219,12 +277,41 @@ def entities_missing(q: TextFacts, c: TextFacts) -> set[str]:
     return (q.entity_set - c.vocab) | (c.entity_set - q.vocab)
 
 
+# Entities swapped within this many words of each other, in both texts, are a swap of roles
+# ("from Spanish to English" / "from English into Spanish", "USD EUR" / "EUR USD"); farther
+# apart, one moved with its phrase ("What did Obama say in Berlin?" / "In Berlin, what did
+# Obama say?").
+SWAP_GAP = 2
+
+
 def entities_reordered(q: TextFacts, c: TextFacts) -> bool:
-    """The entities both texts have come in another order in one than in the other."""
-    shared = q.entity_set & c.entity_set
-    if len(shared) < 2:
-        return False
-    return [e for e in q.entities if e in shared] != [e for e in c.entities if e in shared]
+    """Two entities (or entity spans) both texts have stand close together in both, in the
+    other order in one than in the other."""
+    both = {s.key for s in q.spans} & {s.key for s in c.spans}
+
+    def items(spans: tuple[Span, ...]) -> dict[str, Span]:
+        # A span the other text has too stands as one; the others as their words ("USD EUR"
+        # and "EUR USD" are the two words, swapped).
+        out: dict[str, Span] = {}
+        for sp in spans:
+            if sp.key in both:
+                out.setdefault(sp.key, sp)
+                continue
+            for k, word in enumerate(sp.key.split()):
+                out.setdefault(word, Span(word, sp.first + k, sp.first + k))
+        return out
+
+    qi, ci = items(q.spans), items(c.spans)
+    shared = [(qi[k], ci[k]) for k in qi if k in ci]
+    for i, (qa, ca) in enumerate(shared):
+        for qb, cb in shared[i + 1:]:
+            if (qa.first < qb.first) == (ca.first < cb.first):
+                continue
+            gap_q = max(qa.first, qb.first) - min(qa.last, qb.last)
+            gap_c = max(ca.first, cb.first) - min(ca.last, cb.last)
+            if gap_q <= SWAP_GAP and gap_c <= SWAP_GAP:
+                return True
+    return False
 
 
 def _shared_sequences(a, b) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
@@ -272,6 +359,7 @@ class TextFacts(NamedTuple):
     negations: int
     entities: tuple[str, ...]  # in the order they first occur
     entity_set: frozenset[str]
+    spans: tuple[Span, ...]  # entity words in a row, with their places
     vocab: frozenset[str]  # lower_set and the numbers its words write ("third": "3rd" too)
 
 
@@ -288,11 +376,11 @@ def _facts(text: str) -> TextFacts:
     tokens = _tokens(text)
     words = _words(tokens)
     lower = tuple(w.lower() for w in words)
-    entities = tuple(_entities(tokens))
+    entities, spans = _entities(tokens)
     numbers = {n for n in map(_number, words) if n is not None}
     return TextFacts(tuple(tokens), tuple(words), lower, frozenset(lower),
-                     frozenset(_numbers(words).items()), _negations(words), entities,
-                     frozenset(entities), frozenset(lower) | numbers)
+                     frozenset(_numbers(words).items()), _negations(words), tuple(entities),
+                     frozenset(entities), tuple(spans), frozenset(lower) | numbers)
 
 
 def cached_while_short(analyse: Callable[[str], T]) -> Callable[[str], T]:

@@ -58,6 +58,17 @@ TRAPS = [
     ("Which foods have no sugar and no salt?", "Which foods have sugar and salt?", "negation"),
     ("I like neither tea nor coffee", "I like tea and coffee", "negation"),
     ("Why don t cats like water?", "Why do cats like water?", "negation"),
+    # A unit belongs to its number: "5pm" is not "5am" (served at cosine 0.979 when the
+    # number was split from its unit and the unit compared nowhere).
+    ("Is the store open at 5pm?", "Is the store open at 5am?", "numbers"),
+    ("Is 100mg of caffeine a day safe?", "Is 100g of caffeine a day safe?", "numbers"),
+    ("How many pounds is 5kg?", "How many pounds is 5 lb?", "numbers"),
+    ("Is 10m a lot of money?", "Is 10 a lot of money?", "numbers"),
+    # Apostrophes typed otherwise, and "shan t".
+    ("I don`t like cats", "I like cats", "negation"),
+    ("I don\u02bct like cats", "I like cats", "negation"),
+    ("Why shan t I go?", "Why shall I go?", "negation"),
+    ("flights from New York to Florida", "flights from Florida into New York", "order"),
     # and entities swapped where the word between them changed too.
     ("How do I translate a document from Spanish to English?",
      "How do I translate a document from English into Spanish?", "order"),
@@ -101,6 +112,12 @@ PARAPHRASES = [
     ("Is a million dollars enough to retire?", "Is 1,000,000 dollars enough to retire?"),
     ("Why don t cats like water?", "Why don't cats like water?"),
     ("Why don\u00b4t cats like water?", "Why do cats not like water?"),
+    # Digits and number words with a scale, "and" inside a number.
+    ("Is 1 million a lot?", "Is one million a lot?"),
+    ("Why do 2 million people live there?", "Why do two million people live there?"),
+    ("What is two hundred and fifty plus one?", "What is two hundred fifty plus one?"),
+    ("Is 1.5 million enough to retire?", "Is 1,500,000 enough to retire?"),
+    ("I like neither tea nor coffee", "I like not tea and not coffee"),
 ]
 
 
@@ -118,6 +135,11 @@ def test_guard_refuses_traps(query, cached, check):
     # the learned verifier scores these short pairs below its cut).
     ("What is COVID-19?", "What is covid-19"),
     ("What is the 1-2 punch in boxing?", "What is the 1-2 punch in boxing"),
+    # A phrase moved with its entity is not a swap of roles (the learned verifier, which
+    # weighs how far words moved, refuses the second in the strict and standard tiers).
+    ("What did Obama say in Berlin?", "In Berlin, what did Obama say?"),
+    ("What are good restaurants in Paris for a vegan from India?",
+     "For a vegan from India, what are good restaurants in Paris?"),
 ])
 def test_guard_passes_true_paraphrases(query, cached):
     res = ParaphraseGuard().check(query, cached)
