@@ -106,8 +106,13 @@ def _tokens(text: str) -> list[str]:
     return ["n't" if t.lower() == "n't" else t for t in _TOKEN.findall(text)]
 
 
+def _signed(t: str) -> bool:
+    """`t` is a number with its sign ("-10": the tokenizer keeps a sign only there)."""
+    return t[0] == "-" and len(t) > 1
+
+
 def _is_word(t: str) -> bool:
-    return t[0].isalnum() or t == "n't" or (t[0] == "-" and len(t) > 1)
+    return t[0].isalnum() or t == "n't" or _signed(t)
 
 
 def _words(tokens: list[str]) -> list[str]:
@@ -117,7 +122,7 @@ def _words(tokens: list[str]) -> list[str]:
 def _number(word: str) -> str | None:
     """The number `word` writes (digits, signed, or a number word), in one form; else None."""
     low = word.lower()
-    if low[0].isdigit() or (low[0] == "-" and len(low) > 1):
+    if low[0].isdigit() or _signed(low):
         return low.replace(",", "")
     return _NUMBER_WORDS.get(low)
 
@@ -145,7 +150,7 @@ def _numbers(words: list[str]) -> Counter:
     i, n = 0, len(low)
     while i < n:
         w = low[i]
-        digits = _number_value(w) if (w[0].isdigit() or (w[0] == "-" and len(w) > 1)) else None
+        digits = _number_value(w) if w[0].isdigit() or _signed(w) else None
         if digits is None and w not in _UNITS and w not in _TENS and w not in _SCALES:
             # Ordinals, multiples, "half" (in words or digits: "third", "3rd", "2x"), and
             # numbers too long for a float: alone, as written.
@@ -228,11 +233,10 @@ class Span(NamedTuple):
     last: int
 
 
-def _entities(tokens: list[str]) -> tuple[list[str], list[Span]]:
-    """Capitalised words not at a sentence start, acronyms and codes with digits, lowercased,
-    each once, in the order they first occur; and the spans they form (each span's first
-    occurrence)."""
-    out: dict[str, None] = {}
+def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
+    """Capitalised words not at a sentence start, acronyms and codes with digits, lowercased;
+    and the spans they form (each span's first occurrence)."""
+    out: set[str] = set()
     spans: dict[str, Span] = {}
     start = True
     pos = -1  # index among the words
@@ -253,14 +257,14 @@ def _entities(tokens: list[str]) -> tuple[list[str], list[Span]]:
                 pos += 1
             continue
         pos += 1
-        if t[0] == "-":
-            special = False  # a signed number
+        if _signed(t):
+            special = False
         elif t.isalpha():
             special = len(t) >= 2 and t.isupper()  # an acronym
         else:  # a code: letters and digits
             special = any(c.isdigit() for c in t) and any(c.isalpha() for c in t)
         if special or (t[0].isupper() and not start and t.lower() not in _STOP_CAPS):
-            out[t.lower()] = None
+            out.add(t.lower())
             if not run:
                 run_first = pos
             run.append(t.lower())
@@ -268,13 +272,13 @@ def _entities(tokens: list[str]) -> tuple[list[str], list[Span]]:
             close()
         start = False
     close()
-    return list(out), list(spans.values())
+    return out, list(spans.values())
 
 
 def entities_missing(q: TextFacts, c: TextFacts) -> set[str]:
     """The entities of either text that the other does not have (as a word, or a number
     written otherwise: "3rd" / "third")."""
-    return (q.entity_set - c.vocab) | (c.entity_set - q.vocab)
+    return (q.entities - c.vocab) | (c.entities - q.vocab)
 
 
 # Entities swapped within this many words of each other, in both texts, are a swap of roles
@@ -357,8 +361,7 @@ class TextFacts(NamedTuple):
     lower_set: frozenset[str]
     numbers: frozenset[tuple[str, int]]  # (number, how often)
     negations: int
-    entities: tuple[str, ...]  # in the order they first occur
-    entity_set: frozenset[str]
+    entities: frozenset[str]
     spans: tuple[Span, ...]  # entity words in a row, with their places
     vocab: frozenset[str]  # lower_set and the numbers its words write ("third": "3rd" too)
 
@@ -379,8 +382,8 @@ def _facts(text: str) -> TextFacts:
     entities, spans = _entities(tokens)
     numbers = {n for n in map(_number, words) if n is not None}
     return TextFacts(tuple(tokens), tuple(words), lower, frozenset(lower),
-                     frozenset(_numbers(words).items()), _negations(words), tuple(entities),
-                     frozenset(entities), tuple(spans), frozenset(lower) | numbers)
+                     frozenset(_numbers(words).items()), _negations(words), frozenset(entities),
+                     tuple(spans), frozenset(lower) | numbers)
 
 
 def cached_while_short(analyse: Callable[[str], T]) -> Callable[[str], T]:
