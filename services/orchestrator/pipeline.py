@@ -182,6 +182,7 @@ class Orchestrator:
         self._route_lock = threading.Lock()
         # Tokens a stored answer's text leaves out (skip_special_tokens): the end of sequence.
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
+        self._eos_id = getattr(tokenizer, "eos_token_id", None)
 
     # ---- semantic tier -------------------------------------------------------------------
     def _namespace(self, tenant: Tenant, prompt: RenderedPrompt) -> semantic_pb2.Namespace:
@@ -602,8 +603,7 @@ class Orchestrator:
         # An ignore_eos answer that ran on past the model's end of sequence is not an answer
         # to serve. One that ended at max_tokens or a stop token is stored as cut short after
         # its token count (it serves only requests that want no more tokens than that).
-        eos = getattr(self.tok, "eos_token_id", None)
-        past_end = sampling.ignore_eos and (eos is None or eos in generated)
+        past_end = sampling.ignore_eos and (self._eos_id is None or self._eos_id in generated)
         cut_short = final.finish_reason != common_pb2.FINISH_REASON_EOS
         # An answer replaces a stored answer of the same prompt: a cut-short one not where the
         # lookup hit one at least as long (an ignore_eos request with a small max_tokens,
@@ -628,7 +628,7 @@ class Orchestrator:
             return None
         # In the replica's order: the end of sequence before a stop token (a client often
         # gives the EOS id as a stop token too).
-        if not sampling.ignore_eos and generated[-1] == getattr(self.tok, "eos_token_id", None):
+        if not sampling.ignore_eos and generated[-1] == self._eos_id:
             return common_pb2.FINISH_REASON_EOS
         if generated[-1] in sampling.stop_token_ids:
             return common_pb2.FINISH_REASON_STOP
