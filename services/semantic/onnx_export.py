@@ -320,20 +320,19 @@ def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name
     spec = SentenceModelSpec.read(model_dir)
     fp = spec.fingerprint(exporter)
     target = _own_folder(export_folder(cache_dir, name, exporter), spec, fp)
-    done = _ensure_at(target, spec, exporter, broken)
+    done = _ensure_at(target, spec, exporter, fp, broken)
     if done is None:
         # Another model folder of this name exported there while we waited for its lock:
         # not ours to replace (its process may be loading it).
-        done = _ensure_at(_own_folder(target, spec, fp), spec, exporter, broken)
+        done = _ensure_at(_own_folder(target, spec, fp), spec, exporter, fp, broken)
     assert done is not None  # a folder named after our own path holds no other's export
     return done
 
 
-def _ensure_at(target: Path, spec: SentenceModelSpec, exporter: str,
+def _ensure_at(target: Path, spec: SentenceModelSpec, exporter: str, fp: str,
                broken: tuple[int, int, int, int] | None) -> Path | None:
-    """`ensure_onnx` into `target`; None when `target` turned out to hold another model
-    folder's export."""
-    fp = spec.fingerprint(exporter)
+    """`ensure_onnx` into `target` (`fp`: the spec's fingerprint for `exporter`); None when
+    `target` turned out to hold another model folder's export."""
     root, key = target.parent, target.name  # key: the folder's name, as its lock's
     if broken is None and _is_current(target, fp):
         return target
