@@ -330,7 +330,7 @@ class Orchestrator:
             # The answer's ids as the model generated them; tokenized again only for an entry
             # stored without them (the text alone: a client's Store, an older build's row).
             cached_ids = ((list(look.entry.answer_token_ids)
-                           or self.renderer.encode(look.entry.answer))
+                           or self.renderer.encode_literal(look.entry.answer))
                           if look.HasField("entry") else [])
             cut = look.entry.truncated_at if look.hit else 0
             if cut and cut < sampling.max_tokens:
@@ -641,7 +641,13 @@ class Orchestrator:
         answer = look.entry.answer
         finish = common_pb2.FINISH_REASON_CACHED
         stop = set(sampling.stop_token_ids)
-        first_stop = next((i for i, t in enumerate(ids) if t in stop), None)
+        # In the replica's order: the end of sequence before a stop token. A stored answer that
+        # ends at EOS, served whole to a request that lists EOS as a stop token too (clients
+        # often do), is the whole answer (CACHED), not one cut at a stop token.
+        last = len(ids) - 1
+        first_stop = next((i for i, t in enumerate(ids) if t in stop
+                           and not (i == last and t == self._eos_id
+                                    and not sampling.ignore_eos)), None)
         if first_stop is not None and first_stop < sampling.max_tokens:
             # The request's stop token ends the answer there, as it would end the model's
             # (the stop token is emitted, as the replica emits it).

@@ -107,6 +107,8 @@ class PromptRenderer:
         self.max_chars = max_chars
         self._max_token_chars: int | None = None
         self._specials: tuple[str, ...] | None = None
+        self._bare: Any = False  # False: not built yet (see _bare_tokenizer)
+        self._plain_added: tuple[str, ...] = ()
         self._added: tuple[re.Pattern, dict[str, int]] | None | bool = False  # False: not known
         self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._pieces_chars = 0
@@ -162,6 +164,38 @@ class PromptRenderer:
 
     def encode(self, text: str) -> list[int]:
         return list(self.tok.encode(text, add_special_tokens=False))
+
+    def encode_literal(self, text: str) -> list[int]:
+        """`text` tokenized as plain characters: an added token's text in it ("<|im_end|>",
+        "<tool_call>") gives that text's ordinary tokens, never the added token.
+
+        `split_special_tokens` does that for special added tokens (and, in a slow tokenizer,
+        for every added token); a fast tokenizer still matches added tokens marked
+        `special=False` (Qwen's `<tool_call>`, FIM markers), so text holding one goes through
+        a copy of the tokenizer without its added tokens."""
+        literal = {"add_special_tokens": False, "split_special_tokens": True}
+        bare = self._bare_tokenizer()
+        if bare is not None and any(t in text for t in self._plain_added):
+            return list(bare.encode(text, add_special_tokens=False).ids)
+        return list(self.tok.encode(text, **literal))
+
+    def _bare_tokenizer(self) -> Any:
+        """The fast tokenizer's backend without its added tokens, where some added token is
+        not special (None: none such, or a slow tokenizer, which `split_special_tokens`
+        covers)."""
+        if self._bare is False:
+            self._bare = None
+            added = getattr(self.tok, "added_tokens_decoder", None) or {}
+            self._plain_added = tuple(sorted(
+                t.content for t in added.values() if t.content and not t.special))
+            backend = getattr(self.tok, "backend_tokenizer", None)
+            if self._plain_added and backend is not None:
+                from tokenizers import Tokenizer
+
+                spec = json.loads(backend.to_str())
+                spec["added_tokens"] = []
+                self._bare = Tokenizer.from_str(json.dumps(spec))
+        return self._bare
 
     def encode_prompt(self, text: str) -> list[int]:
         """`encode(text)`, with long pieces between added tokens (a system prompt, earlier
@@ -226,10 +260,11 @@ class PromptRenderer:
 
     @property
     def special_texts(self) -> tuple[str, ...]:
-        """The texts the tokenizer turns into special (control) tokens, e.g. "<|im_end|>"."""
+        """The texts the tokenizer turns into added (control) tokens, e.g. "<|im_end|>", and
+        those not marked special (`<tool_call>`), which a template may use as structure too."""
         if self._specials is None:
             added = getattr(self.tok, "added_tokens_decoder", None) or {}
-            texts = {t.content for t in added.values() if getattr(t, "special", False)}
+            texts = {t.content for t in added.values()}
             texts |= set(getattr(self.tok, "all_special_tokens", None) or ())
             self._specials = tuple(sorted(t for t in texts if t))
         return self._specials
@@ -273,20 +308,19 @@ class PromptRenderer:
             raise InvalidArgument(field, "a message holds a control-token text (e.g. "
                                   f"{shown(specials[0])}) and the model's chat template does "
                                   "not keep messages verbatim, so it cannot be sent as text")
-        literal = {"add_special_tokens": False, "split_special_tokens": True}
         try:
             enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         except (NotImplementedError, TypeError, ValueError):  # a slow tokenizer: no offsets
             ids: list[int] = []
             for k, part in enumerate(parts):
                 ids += (self.encode(part) if k % 2 == 0
-                        else self.tok.encode(messages[int(part)].content, **literal))
+                        else self.encode_literal(messages[int(part)].content))
             return ids
         special_ids = set(self.tok.convert_tokens_to_ids(list(specials)))
         ids = []
         for tid, (a, b) in zip(enc["input_ids"], enc["offset_mapping"], strict=True):
             if tid in special_ids and any(lo <= a and b <= hi for lo, hi in spans):
-                ids += self.tok.encode(text[a:b], **literal)
+                ids += self.encode_literal(text[a:b])
             else:
                 ids.append(tid)
         return ids

@@ -184,7 +184,8 @@ def make(stubs: dict[str, Stub], semantic=None, max_attempts=3, prefix=None,
         r.health.ok()
     tok = tok or Tok()
     return Orchestrator(
-        renderer=SimpleNamespace(encode=tok.encode), tokenizer=tok, model_id="m",
+        renderer=SimpleNamespace(encode=tok.encode, encode_literal=tok.encode), tokenizer=tok,
+        model_id="m",
         hasher=BlockHasher("m", 16, b"k" * 32), replicas=replicas,
         semantic=semantic or Semantic(), prefix=prefix, routing=PrefixAwarePolicy(),
         internal_token="", default_tier="standard", enable_drafts=True, store_sampled=False,

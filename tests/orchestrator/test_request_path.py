@@ -63,6 +63,48 @@ def test_a_hit_ends_at_the_requests_stop_token_as_the_model_would():
     assert fin.report.semantic_hit
 
 
+def test_a_whole_hit_ending_at_eos_stays_whole_when_eos_is_also_a_stop_token():
+    """A stored answer keeps the model's EOS at its end; a request listing the EOS id as a stop
+    token too (clients often do) was served that answer whole as FINISH_REASON_STOP, where the
+    replica (EOS before stop tokens) ends the same ids with EOS and the hit is CACHED."""
+    eos = 0  # the fake tokenizer's EOS
+    said = list(b"Paris.") + [eos]
+    stub, stubs = one_replica()
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=True, similarity=0.99,
+        entry=semantic_pb2.SemanticEntry(id="e1", answer="Paris.", answer_token_ids=said)))
+    events = run(make(stubs, semantic=sem), stop=(eos, ord("!")))
+    assert stub.requests == [] and text_of(events) == "Paris."
+    fin = finished(events)
+    assert fin.finish_reason == common_pb2.FINISH_REASON_CACHED
+    assert fin.completion_tokens == len(said)
+    # A stop token before the end still cuts it, EOS listed or not.
+    events = run(make(stubs, semantic=sem), stop=(eos, ord("s")))
+    assert text_of(events) == "Paris"
+    assert finished(events).finish_reason == common_pb2.FINISH_REASON_STOP
+
+
+def test_an_answer_stored_without_ids_is_tokenized_as_plain_text():
+    """An entry without its token ids (a client's Store, an answer cut inside a character) is
+    tokenized again; a "<|im_end|>" the model wrote as text became the EOS token, so a request
+    with EOS as a stop token got the answer cut there, and a LENGTH cut dropped the text."""
+    from services.common.model_store import load_tokenizer, resolve_model
+    from services.orchestrator.render import PromptRenderer
+
+    tok = load_tokenizer(resolve_model("smollm2").path)
+    said = "End a turn with <|im_end|> then wait."
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=hit(said), tok=tok)
+    orch.renderer = PromptRenderer(tok)
+    events = run(orch, max_tokens=64, stop=(tok.eos_token_id,))
+    assert stub.requests == [] and text_of(events) == said
+    assert finished(events).finish_reason == common_pb2.FINISH_REASON_CACHED
+    plain = tok.encode(said, add_special_tokens=False, split_special_tokens=True)
+    assert finished(events).completion_tokens == len(plain)
+    events = run(orch, max_tokens=len(plain) - 2)
+    assert text_of(events) == tok.decode(plain[:-2]) and "<|im_end|>" in text_of(events)
+
+
 def test_a_stop_token_beyond_max_tokens_leaves_the_length_cut():
     stub, stubs = one_replica()
     events = run(make(stubs, semantic=hit("Paris is big. Yes.")), max_tokens=5,
