@@ -92,9 +92,15 @@ MAX_SALT_CHARS = 256
 
 
 def check_salt(field: str, cache_salt: str) -> str:
-    """`cache_salt`, or InvalidArgument naming `field` when it is too long."""
+    """`cache_salt`, or InvalidArgument naming `field` when it is too long or holds NUL.
+
+    The root hashes model and salt with NUL between them, so a NUL inside either could make
+    model "a" with salt "b\\0" the same root as model "a\\0b" with no salt (one model's
+    blocks taken for another's); the index refuses NUL in a model id too."""
     if len(cache_salt) > MAX_SALT_CHARS:
         raise InvalidArgument(field, f"{len(cache_salt)} characters > limit {MAX_SALT_CHARS}")
+    if "\0" in cache_salt:
+        raise InvalidArgument(field, "must not contain NUL")
     return cache_salt
 
 

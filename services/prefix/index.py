@@ -34,6 +34,9 @@ from services.prefix.tree import BlockTree, PruneRun, bits
 MAX_REPLICAS = 64
 # Measured by benchmarks/prefix_index.py (tracemalloc); used for the Stats estimate only.
 APPROX_BYTES_PER_NODE = 210
+# Tokens one TopPrefixes answer carries at most (5 bytes each at worst: 5 MB, well inside the
+# 16 MiB message limit); the coldest of the k prefixes are left out past it.
+MAX_TOP_TOKENS = 1_000_000
 MAX_SEQ_FLOORS = 4096  # lapsed replicas whose next batch number is remembered
 
 
@@ -288,6 +291,9 @@ class PrefixIndex:
                                        or any(c.isspace() for c in value)):
                 # Ids and the address go into Stats, logs and routing as they are.
                 raise InvalidArgument(name, "printable characters without spaces only")
+            if "\0" in value:
+                # Roots hash model and salt with NUL between them (see check_salt).
+                raise InvalidArgument(name, "must not contain NUL")
         if hash_probe and len(hash_probe) != DIGEST_SIZE:
             raise InvalidArgument("hash_probe", f"must be {DIGEST_SIZE} bytes, got "
                                                 f"{len(hash_probe)}")
@@ -296,7 +302,11 @@ class PrefixIndex:
         if block_size != self.block_size:
             raise FailedPrecondition(
                 f"block_size: replica uses {block_size}, this index {self.block_size}")
-        if hash_probe and hash_probe != self.hasher(model_id).probe():
+        # Probed with a hasher kept only for a model already served: refused registrations
+        # of made-up models filled the cache (1,024), and every real model's went cold.
+        probe_with = self._hashers.get(model_id) or BlockHasher(
+            model_id, self.block_size, self.hash_key, memo_blocks=0)
+        if hash_probe and hash_probe != probe_with.probe():
             raise FailedPrecondition(
                 "hash_probe: the replica's block hashes differ from the index's "
                 "(TIERCACHE_HASH_KEY or model_id mismatch)")
@@ -385,6 +395,10 @@ class PrefixIndex:
                         key=lambda r: (r.load.running + r.load.waiting, r.replica_id)):
             by_model.setdefault(r.model_id, []).append(r)
         self._by_model = by_model
+        # Hashers only for the models served (a lapsed model's memo goes with it).
+        for cache in (self._hashers, self._verifiers):
+            for m in [m for m in cache if m not in by_model]:
+                del cache[m]
 
     def _known(self, replica_id: str, incarnation: str) -> Replica:
         if not replica_id:
@@ -644,10 +658,19 @@ class PrefixIndex:
             parent = self.hasher(rep.model_id).root(
                 check_salt(f"events[{i}].stored.cache_salt", ev.cache_salt))
         if self.verify_hashes:
-            # Known blocks were verified when first stored (and store checks their parent);
-            # only the new tail needs hashing.
+            # Known blocks were verified when first stored; only the new tail needs hashing.
+            # A known block counts only where the event says what the tree holds (its tokens,
+            # its parent): the same batch may drop it first (a resync clears the replica's
+            # holdings, a Removed may come earlier), and store then makes it again from the
+            # event's tokens, which were never checked (any tokens, under any parent).
             j = 0
-            while j < len(hashes) and hashes[j] in self.tree:
+            prev_key = parent
+            while j < len(hashes):
+                known = self.tree.get(hashes[j])
+                if known is None or known.parent_key != prev_key or \
+                        known.token_ids != list(ev.token_ids[j * bs:(j + 1) * bs]):
+                    break
+                prev_key = hashes[j]
                 j += 1
             prev = hashes[j - 1] if j else parent
             want = self._verifier(rep.model_id).hashes(ev.token_ids[j * bs :], parent=prev)
@@ -729,14 +752,16 @@ class PrefixIndex:
     def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0,
                      cache_salt: str | None = None) -> list[HotPrefix]:
         """The `k` (1..1000) prefixes where most matches ended, hottest first (only under
-        `cache_salt` when given)."""
+        `cache_salt` when given), stopping before the first that would bring the answer past
+        MAX_TOP_TOKENS tokens in all: each prefix carries every token from the root, and 1,000
+        long ones made an answer past gRPC's message limit, which failed the call."""
         if not 1 <= k <= 1000:
             raise InvalidArgument("k", "must be in 1..1000")
         now = self.clock()
         if now >= self._next_deadline:
             self._expire(now)  # a lapsed replica's prefixes are not reported, as in match
         out = []
-        for p in self.tree.top(k, model_id, min_hits, cache_salt):
+        for p in self.tree.top(k, model_id, min_hits, cache_salt, MAX_TOP_TOKENS):
             holders = [r.replica_id for b in bits(p.holders) if (r := self._by_bit[b])]
             out.append(HotPrefix(p.token_ids, p.hits, sorted(holders), p.cache_salt,
                                  p.model_id, p.last_block_hash))

@@ -550,9 +550,10 @@ class BlockTree:
         return out
 
     def top(self, k: int, model_id: str = "", min_hits: int = 1,
-            cache_salt: str | None = None) -> list[Prefix]:
+            cache_salt: str | None = None, max_tokens: int | None = None) -> list[Prefix]:
         """The `k` most hit prefixes (where matches ended), hottest first; only `model_id`'s
-        and only under `cache_salt` when given."""
+        and only under `cache_salt` when given; no more than `max_tokens` tokens in all (the
+        list stops before the first prefix past it)."""
         floor = max(1, min_hits)
         use, meta = self._use, self._meta
         # The filter is decided per root (a few per model and tenant), not per node: walking
@@ -568,7 +569,12 @@ class BlockTree:
         best = heapq.nlargest(k, cands, key=lambda s: (use[_USE * s + _HITS],
                                                          use[_USE * s + _LAST]))
         out: list[Prefix] = []
+        left = max_tokens
         for s in best:
+            if left is not None:
+                left -= (self._depth(s) + 1) * self.block_size
+                if left < 0:
+                    break
             model, salt = meta[self._root_slot(s)]
             out.append(Prefix(self._prefix_tokens(s), use[_USE * s + _HITS], self._holders(s),
                               salt, model, self._key[s]))  # type: ignore[arg-type]

@@ -285,6 +285,32 @@ def test_a_repeated_block_hash_is_refused_with_hash_checks_off(clock, hasher):
     assert matched(index, toks(1, 2)) == {"a": 2}
 
 
+def test_verified_hashes_cannot_be_bypassed_by_dropping_a_block_in_the_same_batch(
+        index, hasher):
+    """With verify_hashes on, blocks the tree already held were not hashed again; a batch
+    that drops them first (a resync clears the replica's holdings, or a Removed earlier in
+    the batch) then stored them again from tokens nobody checked: the node held the forged
+    tokens, TopPrefixes handed them out for warm-up, and integrity failed."""
+    reg(index, "a")
+    reg(index, "b")
+    good = toks(1, 2)
+    index.publish("a", "i1", 1, [stored(hasher, good)])
+    forged = stored(hasher, good)._replace(token_ids=toks(9, 9))
+    before = _state(index)
+    with pytest.raises(InvalidArgument, match="do not match the tokens"):
+        index.publish("a", "i1", 2, [forged], resync=True)
+    with pytest.raises(InvalidArgument, match="do not match the tokens"):
+        index.publish("a", "i1", 2, [Removed([forged.block_hashes[0]]), forged])
+    assert _state(index) == before
+    assert index.tree.tokens(forged.block_hashes[-1]) == good
+    index.check_integrity()
+    # The truth, restated, is taken (a resync of what the tree holds; a drop and a re-store).
+    index.publish("a", "i1", 2, [stored(hasher, good)], resync=True)
+    index.publish("a", "i1", 3, [Removed([forged.block_hashes[0]]), stored(hasher, good)])
+    assert matched(index, good) == {"a": 2, "b": 0}
+    index.check_integrity()
+
+
 def test_hash_probe_refuses_a_replica_hashing_differently(index, hasher, clock):
     assert index.register("a", "i", "x:1", MODEL, BS, 0, hasher.probe()).next_seq == 1
     foreign = BlockHasher(MODEL, BS, b"another-key").probe()
@@ -381,6 +407,57 @@ def test_a_match_for_a_model_nobody_serves_keeps_no_hasher(index, hasher):
     assert r.matches == [] and r.request_blocks == 2
     assert "nobody-serves-this" not in index._hashers
     assert matched(index, toks(1, 2)) == {"a": 2}
+
+
+def test_refused_registrations_keep_no_hasher_and_a_lapsed_model_drops_its_own(
+        index, hasher, clock):
+    """Register built and kept a hasher for the model before refusing a wrong hash_probe:
+    1,024 refused made-up models filled the cache for good, and every Match of a real model
+    then built a cold hasher (no memo). Hashers are kept for served models only."""
+    for i in range(1030):
+        with pytest.raises(FailedPrecondition, match="hash_probe"):
+            index.register("r", "i", "x:1", f"bogus-{i}", BS, 0, b"\1" * 16)
+    assert index._hashers == {} and index.replica_count == 0
+    reg(index, "a")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    assert matched(index, toks(1, 2)) == {"a": 2}
+    assert index.hasher(MODEL) is index.hasher(MODEL)  # kept: the model is served
+    clock.t += 11  # the lease lapses: nobody serves the model any more
+    index.expire()
+    assert MODEL not in index._hashers and MODEL not in index._verifiers
+
+
+def test_nul_in_a_model_id_or_salt_is_refused(index, hasher):
+    """Roots hash model and salt with NUL between them: model "a" with salt "b\\0" had the
+    root of model "a\\0b" with no salt, so one model's replica held the other's blocks."""
+    with pytest.raises(InvalidArgument, match="model_id: must not contain NUL"):
+        index.register("r", "i", "x:1", "a\0b", BS)
+    reg(index, "a", model="a")
+    with pytest.raises(InvalidArgument, match="cache_salt: must not contain NUL"):
+        index.publish("a", "i1", 1, [stored(BlockHasher("a", BS, KEY), toks(1), salt="b\0")])
+    with pytest.raises(InvalidArgument, match="cache_salt: must not contain NUL"):
+        index.match("a", "b\0", token_ids=toks(1))
+    index.check_integrity()
+
+
+def test_top_prefixes_stop_at_the_token_budget_hottest_first(index, hasher, monkeypatch):
+    """Each hot prefix carries every token from the root: 1,000 matches ending along one
+    16,000-token conversation made an answer of 24 MB, past gRPC's 16 MiB limit, and the
+    call failed (RESOURCE_EXHAUSTED; the orchestrator then took the index for unhealthy)."""
+    import services.prefix.index as index_mod
+
+    monkeypatch.setattr(index_mod, "MAX_TOP_TOKENS", 10 * BS)
+    reg(index, "a")
+    chain = toks(*range(1, 9))  # 8 blocks
+    index.publish("a", "i1", 1, [stored(hasher, chain)])
+    for n, hits in ((8, 1), (2, 5), (4, 3), (6, 2)):  # hottest: 2 blocks, then 4, 6, 8
+        for _ in range(hits):
+            matched(index, chain[:n * BS])
+    top = index.top_prefixes(10)
+    # 2 + 4 blocks fit in 10; the 6-block one would not, and the list stops there.
+    assert [(len(p.token_ids) // BS, p.hits) for p in top] == [(2, 5), (4, 3)]
+    monkeypatch.setattr(index_mod, "MAX_TOP_TOKENS", 1_000_000)
+    assert [len(p.token_ids) // BS for p in index.top_prefixes(10)] == [2, 4, 6, 8]
 
 
 def test_top_prefixes_leave_out_a_replica_whose_lease_lapsed(index, hasher, clock):
