@@ -475,14 +475,18 @@ class SemanticCache:
                 near, sim = cand, min(1.0, nb.score)
                 break
         reason = ""
-        if near is not None and self.policy.decide(sim, resolved,
-                                                   near.verified).outcome is Outcome.HIT:
-            # Close enough, but not the text; or the text itself (whose spelling cannot
-            # differ), which the verifier or guard refused.
-            reason = (self._window_refusal(text, True, near)
-                      or self._second_opinion(text, near.prompt, sim, resolved.tier))
+        threshold = resolved.threshold
+        if near is not None:
+            d = self.policy.decide(sim, resolved, near.verified)
+            # What applied to the candidate, after the verified bonus, as in a search.
+            threshold = d.threshold
+            if d.outcome is Outcome.HIT:
+                # Close enough, but not the text; or the text itself (whose spelling cannot
+                # differ), which the verifier or guard refused.
+                reason = (self._window_refusal(text, True, near)
+                          or self._second_opinion(text, near.prompt, sim, resolved.tier))
         draft = near if want_draft and sim >= self.policy.draft_floor else None
-        return LookupResult(False, draft, sim, resolved.threshold, resolved.tier,
+        return LookupResult(False, draft, sim, threshold, resolved.tier,
                             bool(reason), reason)
 
     def _second_opinion(self, text: str, prompt: str, sim: float, tier: str) -> str:
@@ -587,6 +591,7 @@ class SemanticCache:
                       over, answer_tokens=answer_tokens)
         dropped: list[int] = []  # labels memory no longer holds: their rows go too
         victims: list[int] = []
+        expired_now = 0
         stands: Entry | None = None
         try:
             with self._lock:
@@ -604,6 +609,18 @@ class SemanticCache:
                         self._drop_locked(old)
                         dropped.append(old)
                     victims = self._victims_locked(ns)
+                    if victims:
+                        # Past capacity: entries already expired (the housekeeper purges
+                        # them every expiry_interval_s) go first. By LRU alone a live answer
+                        # was evicted while a dead one kept its slot.
+                        due = self._due_locked(now)
+                        for lab in due:
+                            self._drop_locked(lab)
+                            dropped.append(lab)
+                        expired_now = len(due)
+                        self._expired += expired_now
+                        if due:
+                            victims = self._victims_locked(ns)
                     for lab in victims:
                         self._drop_locked(lab)
                         dropped.append(lab)
@@ -619,8 +636,20 @@ class SemanticCache:
             self.store.delete([label, *dropped])
             raise
         self._m["evictions"].inc(len(victims))
+        self._m["expirations"].inc(expired_now)
         self.store.delete(dropped)
         return stands or entry
+
+    def _due_locked(self, now: float) -> list[int]:
+        """Pops the expiry heap's due items; the labels of the entries they still stand for."""
+        heap, out = self._expiry_heap, []
+        while heap and heap[0][0] <= now:
+            at, lab = heapq.heappop(heap)
+            self._expiry_examined += 1
+            e = self._entries.get(lab)
+            if e is not None and e.expires_at() == at:
+                out.append(lab)
+        return out
 
     def _add_locked(self, e: Entry, vec: np.ndarray) -> None:
         index = self._indexes.get(e.namespace)

@@ -180,6 +180,9 @@ class SemanticConfig:
         require(self.default_ttl_seconds >= 0, s, "default_ttl_seconds", "must be >= 0")
         require(self.max_ttl_seconds >= self.default_ttl_seconds, s, "max_ttl_seconds",
                 "must be >= default_ttl_seconds")
+        # 0 would cap every stored TTL to 0, which means "never expires": entries stored with
+        # a TTL (expired ones too) came back from a restart to live for good.
+        require(self.max_ttl_seconds >= 1, s, "max_ttl_seconds", "must be >= 1")
         require(self.max_ttl_seconds <= 2**32 - 1, s, "max_ttl_seconds",
                 "must fit the API's uint32 ttl_seconds (<= 4294967295)")
         require(self.max_entries_per_namespace >= 1, s, "max_entries_per_namespace", ">= 1")

@@ -383,6 +383,41 @@ def test_an_exact_repeat_past_the_window_that_a_check_refuses_is_not_served(cach
     c.check_integrity()
 
 
+def test_past_the_window_a_verified_candidate_reports_its_own_threshold(cache_factory, emb):
+    """LookupResponse.threshold is what applied to the candidate, after the verified bonus;
+    past the embedding window it was always the tier's (0.95, where 0.93 applied)."""
+    w = WindowEmbedder()
+    w.fixed = emb.fixed
+    c = cache_factory(w, guard_tiers=(), verifier_tiers=())
+    e = c.store_entry(A, "LONG shared document, question 1", "answer 1")
+    r = c.lookup(A, "LONG shared document, question 2", tier="standard", want_draft=True)
+    assert r.threshold == pytest.approx(0.95)
+    c.verify(e.id, True)
+    r = c.lookup(A, "LONG shared document, question 2", tier="standard", want_draft=True)
+    assert not r.hit and r.entry.id == e.id
+    assert r.threshold == pytest.approx(0.95 - c.cfg.verified_bonus)
+
+
+def test_an_expired_entry_goes_before_a_live_one_at_capacity(make_cache, emb, clock):
+    """Eviction went by LRU alone: a namespace at its limit evicted a live answer and kept one
+    already expired (not yet purged by the housekeeper), which it can never serve."""
+    c = make_cache(max_entries_per_namespace=2)
+    emb.at("live", 0.99, 2)
+    c.store_entry(A, "live", "B")  # least recently used, but live
+    c.store_entry(A, "short-lived", "A", ttl_seconds=10)
+    clock.t += 11
+    c.store_entry(A, "third", "C")
+    assert sorted(e.prompt for e in c._entries.values()) == ["live", "third"]
+    r = c.lookup(A, "query", tier="relaxed")
+    assert r.hit and r.entry.answer == "B"
+    assert c._evicted == 0 and c._expired == 1
+    # Past capacity with nothing expired, LRU still decides (the hit made "live" recent).
+    c.store_entry(A, "fourth", "D")
+    assert sorted(e.prompt for e in c._entries.values()) == ["fourth", "live"]
+    assert c._evicted == 1
+    c.check_integrity()
+
+
 def test_a_row_stored_under_a_larger_ttl_limit_loads_with_todays(make_cfg, emb, clock):
     """Rows written while the TTL limit was higher (past the API's uint32 once) hit after a
     restart and then failed in entry_to_proto: every hit on them was INTERNAL."""

@@ -230,6 +230,11 @@ def test_config_errors_name_the_variable(tmp_path):
         load_config(SemanticConfig, "semantic", [],
                     {"TIERCACHE_SEMANTIC_DEFAULT_TTL_SECONDS": str(2**32),
                      "TIERCACHE_SEMANTIC_MAX_TTL_SECONDS": str(2**32)})
+    # A cap of 0 made every TTL 0 ("never expires") at load: expired entries came back.
+    with pytest.raises(ConfigError, match="TIERCACHE_SEMANTIC_MAX_TTL_SECONDS.*>= 1"):
+        load_config(SemanticConfig, "semantic", [],
+                    {"TIERCACHE_SEMANTIC_DEFAULT_TTL_SECONDS": "0",
+                     "TIERCACHE_SEMANTIC_MAX_TTL_SECONDS": "0"})
     with pytest.raises(ConfigError, match="TIERCACHE_SEMANTIC_ONNX_EXPORTER.*'onnx'"):
         load_config(SemanticConfig, "semantic", [], {"TIERCACHE_SEMANTIC_ONNX_EXPORTER": "onnx"})
 
