@@ -131,6 +131,10 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self.registered = False
         self.last_seq = 0  # the newest batch number any shard accepted (Stats shows it)
+        # The last call to the index went through (a heartbeat, a registration, a batch):
+        # False from a failure until one does again. Stats shows 0 for the batch number
+        # while it is False.
+        self.connected = False
         self.resyncs = 0
         self._backlog: list[PoolEvent] = []
         # The index's batch limits, from its Register answer.
@@ -212,6 +216,7 @@ class Publisher:
                     # Let a burst of steps accumulate into one batch.
                     self._stop.wait(min(wait, self.publish_interval_seconds))
             except grpc.RpcError as e:
+                self.connected = False
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     # The index does not know this incarnation (restart, lapsed lease). A
                     # batch or a lagging shard's resync that went to the forgetful shards
@@ -235,6 +240,7 @@ class Publisher:
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
             except Exception:  # noqa: BLE001 - a dead publisher leaves the index stale for good
+                self.connected = False
                 # E.g. the engine did not take the resync snapshot within 60 s (a long step).
                 log.exception("prefix publisher step failed; retrying in %.1fs", backoff)
                 self._stop.wait(backoff)
@@ -253,7 +259,7 @@ class Publisher:
         blocks = out.max_blocks or MAX_BATCH_BLOCKS
         if only is None:
             self._max_events, self._max_blocks = events, blocks
-            self.registered = True
+            self.registered = self.connected = True
             self._need_resync = True
         else:  # every shard's limits hold for batches that fan out to all of them
             self._max_events = min(self._max_events, events)
@@ -280,6 +286,7 @@ class Publisher:
             prefix_pb2.ReplicaLoad(running=s.running, waiting=s.waiting,
                                    free_blocks=s.blocks_free + s.blocks_cached,
                                    total_blocks=s.blocks_total), only=only)
+        self.connected = True
         forgot = {a for a, r in got.items() if not r.known}
         if forgot:
             self._rejoin(forgot)
@@ -335,6 +342,7 @@ class Publisher:
         accepted = [n for a, n in out.sent.items() if a not in out.resync_shards]
         if accepted:
             self.last_seq = max(accepted)
+            self.connected = True
         forgot = {a for a, e in out.failed.items() if e.code() == grpc.StatusCode.NOT_FOUND}
         if forgot:
             self._rejoin(forgot)

@@ -245,7 +245,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             requests_total=s.requests_total, max_context=info.max_context,
             vocab_size=info.vocab_size, device=str(engine.device),
             dtype=str(engine.store.dtype).removeprefix("torch."),
-            events_published_seq=self.publisher.last_seq if self.publisher else 0,
+            events_published_seq=(self.publisher.last_seq
+                                  if self.publisher and self.publisher.connected else 0),
             evictions_total=s.evictions_total, preemptions_total=s.preemptions_total,
             draft_tokens_proposed_total=s.draft_tokens_proposed_total,
             draft_tokens_accepted_total=s.draft_tokens_accepted_total,

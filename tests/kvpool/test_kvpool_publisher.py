@@ -130,6 +130,37 @@ def test_register_publish_resync_and_reregister(make_engine, monkeypatch) -> Non
         handle.stop(0)
 
 
+def test_the_published_batch_number_reads_0_while_the_index_is_unreachable(make_engine,
+                                                                           tiny_model):
+    """Stats' events_published_seq is documented 0 while not connected; it kept the last
+    number for good after the index went away (registered stayed True, retries logged)."""
+    from services.kvpool.config import KvPoolConfig
+    from services.kvpool.engine import model_info
+    from services.kvpool.server import KvPoolServicer
+
+    index = FakeIndex()
+    handle = create_server(service="prefix-fake", address="127.0.0.1:0",
+                           services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, index,
+                                      "tiercache.v1.PrefixIndex")])
+    eng = make_engine(num_blocks=32)
+    pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
+                    incarnation="inc-1", public_address="x:1", model_id="tiny-llama",
+                    heartbeat_seconds=0.1, publish_interval_seconds=0.02,
+                    channel_factory=grpc.insecure_channel).start()
+    servicer = KvPoolServicer(KvPoolConfig())
+    servicer.attach(eng, model_info(tiny_model, "tiny-llama"), pub)
+    try:
+        generate(eng, list(range(1, 18)), max_tokens=4)
+        wait_for(lambda: pub.last_seq >= 2)
+        assert servicer.Stats(None, None).events_published_seq == pub.last_seq
+        handle.stop(0)
+        wait_for(lambda: servicer.Stats(None, None).events_published_seq == 0)
+        assert pub.last_seq >= 2  # kept, for when the index is back
+    finally:
+        pub.stop(timeout=0.5)
+        handle.stop(0)
+
+
 def test_index_down_does_not_stop_serving(make_engine) -> None:
     eng = make_engine()
     pub = Publisher(eng, address="127.0.0.1:1", replica_id="kv-0", incarnation="i",
