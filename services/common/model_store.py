@@ -26,13 +26,14 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from services.common.files import fsync_path, remove_aside
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 SMOLLM2_SPEC = "smollm2"
 SMOLLM2_MODEL_ID = "SmolLM2-135M-Instruct"
@@ -108,6 +109,38 @@ def resolve_model(spec: str = SMOLLM2_SPEC, cache_dir: str | None = None,
     if not (folder / "config.json").is_file():
         raise ModelStoreError(f"model folder {folder} has no config.json")
     return ResolvedModel(str(folder.resolve()), model_id or folder.resolve().name)
+
+
+def load_resolved(spec: str, cache_dir: str | None, model_id: str | None,
+                  load: Callable[[str], T]) -> tuple[ResolvedModel, T]:
+    """`resolve_model`, then `load(path)`; for the packaged model, a cached conversion that
+    fails to load is converted again, once.
+
+    `is_converted` checks the sizes the marker recorded, not the bytes: a file damaged in
+    place (bit rot, a bad restore) passed, and kvpool crashed on it with a traceback at every
+    start (the orchestrator on a damaged tokenizer.json). A second failure is not the cache's
+    and propagates."""
+    resolved = resolve_model(spec, cache_dir, model_id)
+    if spec.strip().lower() != SMOLLM2_SPEC:
+        return resolved, load(resolved.path)
+    target = Path(resolved.path)
+    marker = _marker_text(target)
+    try:
+        return resolved, load(resolved.path)
+    except Exception as exc:  # SafetensorError, a tokenizer's JSON error, OSError, ...
+        if isinstance(exc, MemoryError):
+            raise
+        log.warning("the cached conversion %s cannot be loaded (%s: %s): converting it again",
+                    target, type(exc).__name__, str(exc)[:300])
+    _ensure_converted(packaged_gguf_path(), target, broken=marker)
+    return resolved, load(resolved.path)
+
+
+def _marker_text(target: Path) -> str | None:
+    try:
+        return (target / _DONE_MARKER).read_text()
+    except OSError:
+        return None
 
 
 def load_tokenizer(path: str) -> Any:
@@ -200,13 +233,16 @@ def _file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def _ensure_converted(gguf: Path, target: Path) -> Path:
+def _ensure_converted(gguf: Path, target: Path, broken: str | None = None) -> Path:
+    """`target` converted from `gguf`. `broken`: the marker text of a conversion that failed
+    to load, converted again unless another process already replaced it."""
     sid = source_id(gguf)
-    if is_converted(target, sid):
+    if broken is None and is_converted(target, sid):
         return target
     with _file_lock(target.parent / f".{target.name}.lock"):
-        # Another process may have finished while we waited for the lock.
-        if is_converted(target, sid):
+        # Another process may have finished while we waited for the lock (a broken
+        # conversion, too: its marker is then another one).
+        if is_converted(target, sid) and (broken is None or _marker_text(target) != broken):
             return target
         # Leftovers of conversions killed mid-way (SIGKILL, or SIGTERM before any handler):
         # the lock is ours, so no conversion is running.
@@ -233,7 +269,15 @@ def _convert(gguf: Path, target: Path, source: str = "") -> None:
             bar.update(1)
             bar.set_postfix_str(steps[1])
             _strip_quantization(model)
-            model.save_pretrained(tmp, safe_serialization=True)
+            try:
+                model.save_pretrained(tmp, safe_serialization=True)
+            except Exception as exc:
+                # safetensors raises its own error for a full disk, not an OSError: the
+                # services' one-line exit for a disk problem missed it (a traceback).
+                if type(exc).__name__ != "SafetensorError":
+                    raise
+                raise OSError(f"cannot write the converted model under {target.parent}: "
+                              f"{exc}") from None
             _drop_quantization_from_saved_config(tmp / "config.json")
             bar.update(1)
             bar.set_postfix_str(steps[2])

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from services.common.hashing import BlockHasher
-from services.common.model_store import resolve_model
+from services.common.model_store import load_resolved
 from services.common.policy import make_policy
 from services.kvpool.block_pool import BlockPool
 from services.kvpool.calibrate import forward_costs
@@ -41,11 +41,13 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
     kernels; returns (model, model_id, what `pack_linears` did)."""
     from transformers import AutoModelForCausalLM
 
-    resolved = resolve_model(cfg.model, cfg.cache_dir or None, cfg.model_id or None)
-    log.info("loading model %s from %s on %s (%s)", resolved.model_id, resolved.path, cfg.device,
-             cfg.dtype)
-    model = AutoModelForCausalLM.from_pretrained(resolved.path, dtype=_DTYPES[cfg.dtype],
-                                                 attn_implementation="sdpa")
+    def load(path: str) -> Any:
+        log.info("loading model from %s on %s (%s)", path, cfg.device, cfg.dtype)
+        return AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype],
+                                                    attn_implementation="sdpa")
+
+    resolved, model = load_resolved(cfg.model, cfg.cache_dir or None, cfg.model_id or None,
+                                    load)
     model.to(cfg.device).eval()
     packing = pack_linears(model, cfg.linear_kernels)
     if packing.kernels == "onednn":

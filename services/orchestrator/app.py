@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from services.common.hashing import BlockHasher, hash_key_from_env
-from services.common.model_store import load_tokenizer, resolve_model
+from services.common.model_store import load_resolved, load_tokenizer
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.dispatched import DispatchMemory
@@ -47,8 +47,7 @@ def tenant_concurrency(cfg: OrchestratorConfig) -> int:
 
 
 def build(cfg: OrchestratorConfig) -> App:
-    resolved = resolve_model(cfg.model, cfg.cache_dir or None)
-    tok = load_tokenizer(resolved.path)
+    resolved, tok = load_resolved(cfg.model, cfg.cache_dir or None, None, load_tokenizer)
     if not getattr(tok, "chat_template", None):
         log.warning("model %s has no chat template: requests must send a raw `prompt`; "
                     "`messages` get FAILED_PRECONDITION", resolved.path)

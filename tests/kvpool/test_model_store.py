@@ -265,6 +265,62 @@ def test_a_conversion_with_files_cut_short_is_converted_again(tmp_path: Path,
     assert not model_store.is_converted(path, sid)
 
 
+def test_a_conversion_damaged_in_place_is_converted_again_once(tmp_path: Path,
+                                                                monkeypatch) -> None:
+    """Bytes damaged at the same size (bit rot, a bad restore) passed the size check: kvpool
+    crashed on a SafetensorError at every start, the orchestrator on a damaged tokenizer.json.
+    A conversion that fails to load is converted again, once; a second failure propagates."""
+    loads = _fake_gguf(tmp_path, monkeypatch)
+    resolve_model("smollm2", cache_dir=str(tmp_path))
+    assert loads == [1]
+    path = Path(resolve_model("smollm2", cache_dir=str(tmp_path)).path)
+    with open(path / "model.safetensors", "r+b") as f:
+        f.write(b"\xff" * 12)  # same size
+
+    def load(p: str) -> bytes:
+        data = (Path(p) / "model.safetensors").read_bytes()
+        if data.startswith(b"\xff"):
+            raise ValueError("invalid UTF-8 in header")
+        return data
+
+    resolved, data = model_store.load_resolved("smollm2", str(tmp_path), None, load)
+    assert loads == [1, 1] and data == b"w" * 4096 and resolved.path == str(path)
+    # Loaded fine: nothing converted again.
+    model_store.load_resolved("smollm2", str(tmp_path), None, load)
+    assert loads == [1, 1]
+
+    def never(p: str) -> bytes:
+        raise ValueError("not the cache's fault")
+
+    with pytest.raises(ValueError, match="not the cache's fault"):
+        model_store.load_resolved("smollm2", str(tmp_path), None, never)
+    assert loads == [1, 1, 1]  # once, not in a loop
+    # A local folder is the operator's: never converted, the error is theirs.
+    folder = tmp_path / "mine"
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ValueError):
+        model_store.load_resolved(str(folder), None, None, never)
+    assert loads == [1, 1, 1]
+
+
+def test_a_full_disk_while_saving_the_weights_is_an_os_error(tmp_path: Path,
+                                                             monkeypatch) -> None:
+    """safetensors raises its own SafetensorError for a full disk, which the services' one-line
+    exit for disk problems (OSError) missed: a traceback, exit 1."""
+    from safetensors import SafetensorError
+
+    _fake_gguf(tmp_path, monkeypatch)
+
+    def full(self, folder, safe_serialization=True):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device")
+
+    monkeypatch.setattr(_FakeModel, "save_pretrained", full)
+    with pytest.raises(OSError, match="cannot write the converted model under .*No space"):
+        resolve_model("smollm2", cache_dir=str(tmp_path))
+    assert not list((tmp_path / "models").glob(".*tmp-*"))
+
+
 def test_a_marker_from_before_sizes_were_recorded_is_trusted_if_its_weights_are_whole(
         tmp_path: Path) -> None:
     """Backward compatible: an older marker (no "files") is accepted (redoing every existing
