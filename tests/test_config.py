@@ -331,3 +331,17 @@ def test_a_cache_dir_under_home_is_expanded_by_every_service(monkeypatch, tmp_pa
     assert SemanticConfig(cache_dir="~/x", db_path="~/y.db").resolved_cache_dir() == str(
         tmp_path / "x")
     assert SemanticConfig(db_path="~/y.db").resolved_db_path() == str(tmp_path / "y.db")
+
+
+def test_the_semantic_model_dir_under_home_is_expanded(monkeypatch, tmp_path):
+    """TIERCACHE_SEMANTIC_MODEL_DIR kept a literal "~" (kvpool and the orchestrator expand
+    their model settings): the config refused the folder as not a sentence-transformers one."""
+    from services.common.config import load_config
+    from services.semantic.config import SemanticConfig, default_model_dir
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "minilm").symlink_to(default_model_dir())
+    cfg = load_config(SemanticConfig, "semantic", [],
+                      {"TIERCACHE_SEMANTIC_MODEL_DIR": "~/minilm"})
+    assert cfg.resolved_model_dir() == str(tmp_path / "minilm")
+    assert cfg.resolved_model_name() == "all-MiniLM-L6-v2"  # the packaged model, by realpath

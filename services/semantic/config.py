@@ -115,17 +115,20 @@ class SemanticConfig:
         return os.path.expanduser(self.cache_dir) if self.cache_dir else default_cache_dir()
 
     def resolved_model_dir(self) -> str:
-        return self.model_dir or default_model_dir()
+        # `~` expanded, as in cache_dir and db_path and the other services' model settings
+        # (it arrives literally from env files and manifests).
+        return os.path.expanduser(self.model_dir) if self.model_dir else default_model_dir()
 
     def resolved_model_name(self) -> str:
         """The embedding model's name: each folder gets its own ONNX export and entry tag."""
         if self.model_name:
             return self.model_name
         packaged = default_model_dir()
-        if not self.model_dir or (packaged and os.path.realpath(self.model_dir)
+        folder = self.resolved_model_dir()
+        if not self.model_dir or (packaged and os.path.realpath(folder)
                                   == os.path.realpath(packaged)):
             return DEFAULT_MODEL_NAME
-        return os.path.basename(os.path.normpath(self.model_dir))
+        return os.path.basename(os.path.normpath(folder))
 
     def resolved_db_path(self) -> str:
         return (os.path.expanduser(self.db_path) if self.db_path
