@@ -24,6 +24,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common import model_store
+from services.common.bootstrap import PARENT_PID_ENV
 from services.common.grpc_client import channel_credentials_from_env, tls_mode
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -115,6 +116,7 @@ class ServiceProcess:
         env["PYTHONPATH"] = os.pathsep.join(
             [str(ROOT), str(ROOT / "gen"), *filter(None, [env.get("PYTHONPATH")])])
         env[f"TIERCACHE_{self.name.upper()}_ADDRESS"] = self.address
+        env[PARENT_PID_ENV] = str(os.getpid())  # the service stops if this process dies
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{self.name}", *self.args], cwd=ROOT, env=env,
@@ -300,6 +302,26 @@ def ports_fit(base_port: int, replicas: int) -> bool:
     return 0 <= base_port <= 65535 - 2 - replicas
 
 
+def model_to_convert(env: Mapping[str, str]) -> bool:
+    """Whether a service will convert the packaged model at start: kvpool or the orchestrator
+    on `smollm2` (their default) without a current conversion in the cache folder each uses.
+    (Said before for a model folder, which converts nothing, and not for a stale conversion,
+    which is converted again.)"""
+    for svc in ("KVPOOL", "ORCHESTRATOR"):
+        spec = env.get(f"TIERCACHE_{svc}_MODEL", "").strip() or model_store.SMOLLM2_SPEC
+        if spec.lower() != model_store.SMOLLM2_SPEC:
+            continue
+        cache = env.get(f"TIERCACHE_{svc}_CACHE_DIR", "").strip()
+        root = Path(cache).expanduser() if cache else model_store.cache_dir_default()
+        try:
+            sid = model_store.source_id(model_store.packaged_gguf_path())
+        except model_store.ModelStoreError:
+            return False  # the service says what is missing
+        if not model_store.is_converted(root / "models" / model_store.SMOLLM2_MODEL_ID, sid):
+            return True
+    return False
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Run the whole TierCache stack locally.")
     raw = os.environ.get("TIERCACHE_REPLICAS", "2")
@@ -321,8 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.base_port != 50051:
         logs = logs / (f"port-{a.base_port}" if a.base_port else f"pid-{os.getpid()}")
     stack = Stack(replicas=a.replicas, base_port=a.base_port, log_dir=logs)
-    converted = model_store.is_converted(
-        model_store.cache_dir_default() / "models" / model_store.SMOLLM2_MODEL_ID)
+    converted = not model_to_convert(os.environ)
     print(f"Starting TierCache ({', '.join(s for s in SERVICES if service_exists(s))}); "
           f"logs in {stack.log_dir}"
           + ("" if converted else " (the first start converts the model: about 30-60 s)"),

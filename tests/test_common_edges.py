@@ -373,3 +373,82 @@ def test_an_unexpected_error_in_a_stream_is_logged_with_its_request_id():
         logging.getLogger().removeHandler(grab)
     assert e.value.code() == grpc.StatusCode.INTERNAL
     assert seen and seen[0][0].startswith("unhandled error") and seen[0][1] == "req-42", seen
+
+
+def test_a_service_started_by_the_launcher_stops_when_the_launcher_is_killed(tmp_path):
+    """Services run in their own sessions (Ctrl-C reaches the launcher alone); a launcher
+    killed with SIGKILL left every one of them running, holding the stack's ports. Each
+    now stops once its parent is gone."""
+    import signal
+    import textwrap
+    import time
+
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import pathlib, time
+        from services.launcher import ServiceProcess, free_port
+        p = ServiceProcess("prefix", free_port(), env={{"TIERCACHE_PREFIX_METRICS_PORT": "-1"}})
+        p.start().wait(60)
+        pathlib.Path({str(pid_file)!r}).write_text(str(p.proc.pid))
+        time.sleep(600)
+        """)], cwd=ROOT.parent,
+        env={**os.environ, "PYTHONPATH": f"{ROOT.parent}:{ROOT.parent / 'gen'}"})
+    child = 0
+    try:
+        end = time.monotonic() + 90
+        while not pid_file.exists() or not pid_file.read_text():
+            assert parent.poll() is None and time.monotonic() < end, "the service did not start"
+            time.sleep(0.2)
+        child = int(pid_file.read_text())
+        parent.kill()
+        parent.wait(10)
+        end = time.monotonic() + 20
+        while _alive(child):
+            assert time.monotonic() < end, "the service outlived its launcher"
+            time.sleep(0.2)
+        child = 0
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+        if child and _alive(child):
+            os.kill(child, signal.SIGKILL)
+
+
+def _alive(pid: int) -> bool:
+    """Running (not a zombie waiting for its reaper, which init is after re-parenting)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def test_the_launcher_says_a_conversion_comes_only_when_one_will(tmp_path):
+    """The launcher looked only at the default cache folder, without the version check: it
+    announced a 30-60 s conversion for a stack on a model folder (nothing converts), and
+    none for a stale conversion (converted again)."""
+    import json
+
+    from services.common import model_store
+    from services.launcher import model_to_convert
+
+    folder = tmp_path / "hf-model"
+    folder.mkdir()
+    both_folders = {"TIERCACHE_KVPOOL_MODEL": str(folder),
+                    "TIERCACHE_ORCHESTRATOR_MODEL": str(folder),
+                    "TIERCACHE_CACHE_DIR": str(tmp_path / "empty")}
+    assert not model_to_convert(both_folders)
+    empty = {"TIERCACHE_KVPOOL_CACHE_DIR": str(tmp_path / "empty"),
+             "TIERCACHE_ORCHESTRATOR_MODEL": str(folder)}
+    assert model_to_convert(empty)
+    # A conversion of another source (an older release): converted again, so said.
+    stale = tmp_path / "stale" / "models" / model_store.SMOLLM2_MODEL_ID
+    stale.mkdir(parents=True)
+    (stale / model_store._DONE_MARKER).write_text('{"source_id": "older", "files": {}}')
+    assert model_to_convert({"TIERCACHE_KVPOOL_CACHE_DIR": str(tmp_path / "stale"),
+                             "TIERCACHE_ORCHESTRATOR_MODEL": str(folder)})
+    # The current one, where the services look: nothing to say.
+    sid = model_store.source_id(model_store.packaged_gguf_path())
+    (stale / model_store._DONE_MARKER).write_text(json.dumps({"source_id": sid, "files": {}}))
+    assert not model_to_convert({"TIERCACHE_KVPOOL_CACHE_DIR": str(tmp_path / "stale"),
+                                 "TIERCACHE_ORCHESTRATOR_MODEL": str(folder)})

@@ -701,6 +701,32 @@ def exit_process(rc: int) -> None:
     os._exit(rc)
 
 
+# Set by the launcher (`make run`): the pid whose death stops this service. Its children run
+# in their own sessions (a Ctrl-C reaches the launcher alone, which stops them in order), so a
+# launcher killed with SIGKILL (a CI job cancelled, `timeout -s KILL`) left every service
+# running, holding the stack's ports until someone found them.
+PARENT_PID_ENV = "TIERCACHE_PARENT_PID"
+
+
+def _stop_with_parent(raw: str, every_s: float = 1.0) -> None:
+    """When `raw` names a pid: a daemon thread that sends this process SIGTERM (a drain)
+    once its parent is no longer that pid (it died; the process was re-parented)."""
+    try:
+        parent = int(raw)
+    except ValueError:
+        return
+    if parent <= 1:
+        return
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        log.warning("parent process %d is gone: stopping", parent)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
 def service_main(service: str, body: Callable[[Sequence[str] | None], int],
                  argv: Sequence[str] | None) -> int:
     """Run a service's `main` body: SIGTERM/SIGINT while it starts exit at once (see
@@ -710,6 +736,7 @@ def service_main(service: str, body: Callable[[Sequence[str] | None], int],
     # A crash in native code (SIGSEGV, SIGABRT from torch, faiss or gRPC) dumps every
     # thread's Python stack to stderr: the pod's log says where, not only "exit 134".
     faulthandler.enable()
+    _stop_with_parent(os.environ.get(PARENT_PID_ENV, ""))
     with exit_on_signal_while_starting():
         try:
             return body(argv)
