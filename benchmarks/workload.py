@@ -148,11 +148,36 @@ def save_trace(w: Workload, path: str | Path) -> None:
             f.write(json.dumps(asdict(r), ensure_ascii=False) + "\n")
 
 
+_REQUEST_TYPES = {"at": (int, float), "tenant": str, "session_id": str, "system_index": int,
+                  "turn": int, "question": str, "repeat_of": str, "kind": str}
+
+
 def load_trace(path: str | Path) -> Workload:
+    """A trace written by `save_trace`. Raises ValueError naming the line and field of a value
+    of the wrong type (a replay found it in a worker thread, after requests had gone out: a
+    traceback, and every outcome lost)."""
     with open(path, encoding="utf-8") as f:
         head = json.loads(f.readline())
-        reqs = [Request(**json.loads(line)) for line in f if line.strip()]
-    return Workload(WorkloadSpec(**head["spec"]), head["system_prompts"], reqs)
+        reqs = [_request(json.loads(line), n)
+                for n, line in enumerate(f, 2) if line.strip()]
+    prompts = head["system_prompts"]
+    if not isinstance(prompts, dict) or not all(
+            isinstance(t, str) and isinstance(ps, list) and all(isinstance(p, str) for p in ps)
+            for t, ps in prompts.items()):
+        raise ValueError("line 1: system_prompts must map each tenant to a list of texts")
+    return Workload(WorkloadSpec(**head["spec"]), prompts, reqs)
+
+
+def _request(fields: object, line: int) -> Request:
+    if not isinstance(fields, dict):
+        raise ValueError(f"line {line}: expected an object")
+    for name, want in _REQUEST_TYPES.items():
+        if name in fields:
+            v = fields[name]
+            if isinstance(v, bool) or not isinstance(v, want) or (
+                    isinstance(v, float) and not math.isfinite(v)):
+                raise ValueError(f"line {line}: {name} has the wrong type or value: {v!r}")
+    return Request(**fields)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -308,3 +308,63 @@ def test_chat_sends_the_seed_and_top_p_it_is_given(fake, monkeypatch):
         with pytest.raises(SystemExit) as e:
             cli.main(["chat", *bad, "Hi?"])
         assert e.value.code == 2
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("system_index", 0.0), ("question", 5), ("tenant", ["t0"]), ("at", None), ("at", "1"),
+    ("turn", True), ("at", float("nan"))])
+def test_replay_refuses_a_trace_field_of_the_wrong_type_before_sending(fake, monkeypatch,
+                                                                       field, value):
+    """Only the tenant and system_index range were checked: a float index, a number for a
+    question, a null time... were tracebacks, some in a worker after requests had gone out."""
+    import json as _json
+
+    base = dict(at=0.0, tenant="t0", session_id="a", system_index=0, turn=0, question="q?")
+    trace = fake / "t.jsonl"
+    lines = [{"spec": {}, "system_prompts": {"t0": ["sys"]}}, base,
+             dict(base, session_id="b", **{field: value})]
+    trace.write_text("\n".join(_json.dumps(x) for x in lines) + "\n")
+    sent: list = []
+    monkeypatch.setattr(FakeClient, "stream", lambda self, *a, **kw: sent.append(a) or iter(()))
+    with pytest.raises(SystemExit, match=f"error: trace .*line 3: {field} has the wrong type"):
+        cli.main(["replay", str(trace)])
+    assert sent == []
+
+
+def test_replay_refuses_system_prompts_that_are_not_lists_of_texts(fake):
+    """"system_prompts": {"t0": "abc"} passed, and "a" went out as the system prompt."""
+    trace = fake / "t.jsonl"
+    trace.write_text('{"spec": {}, "system_prompts": {"t0": "abc"}}\n'
+                     '{"at": 0, "tenant": "t0", "session_id": "a", "system_index": 0, '
+                     '"turn": 0, "question": "q"}\n')
+    with pytest.raises(SystemExit, match="line 1: system_prompts must map"):
+        cli.main(["replay", str(trace)])
+
+
+@pytest.mark.parametrize("home", ["", "~/tc"])
+def test_the_cli_home_setting_empty_is_the_default_and_tilde_is_expanded(
+        fake, monkeypatch, home):
+    """TIERCACHE_CLI_HOME= wrote ./sessions/ wherever the command ran; '~/tc' made a folder
+    named '~' there."""
+    monkeypatch.setenv("HOME", str(fake / "user"))
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", home)
+    monkeypatch.chdir(fake)
+    assert cli.main(["chat", "-q", "--session", "s1", "hi"]) == 0
+    want = fake / "user" / (".cache/tiercache" if not home else "tc") / "sessions" / "s1.json"
+    assert want.is_file()
+    assert not (fake / "sessions").exists() and not (fake / "~").exists()
+
+
+def test_warm_with_one_string_warms_one_system_prompt():
+    """A plain string was walked character by character: 28 one-letter prompts."""
+    from clients.python.client import TierCacheClient
+
+    sent = []
+    c = TierCacheClient("127.0.0.1:1")
+    try:
+        c.stub.Warm = lambda req, **kw: sent.append(req)
+        c.warm("You are a helpful assistant.")
+    finally:
+        c.close()
+    assert len(sent[0].prompts) == 1
+    assert sent[0].prompts[0].messages[0].content == "You are a helpful assistant."

@@ -44,7 +44,9 @@ def session_name(text: str) -> str:
 
 
 def _history_path(session: str) -> Path:
-    base = Path(os.environ.get("TIERCACHE_CLI_HOME", Path.home() / ".cache" / "tiercache"))
+    # Empty means the default (it wrote ./sessions/ wherever the command ran); `~` expanded.
+    raw = os.environ.get("TIERCACHE_CLI_HOME", "").strip()
+    base = Path(raw).expanduser() if raw else Path.home() / ".cache" / "tiercache"
     return base / "sessions" / f"{session}.json"
 
 

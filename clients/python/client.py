@@ -157,11 +157,16 @@ class TierCacheClient:
             completion_tokens=final.usage.completion_tokens, report=final.cache_report,
             request_id=final.request_id, chunks=n)
 
-    def warm(self, prompts: Sequence[Messages] = (), *, top_k: int = 0, owners_only: bool = False,
-             pin_ttl_seconds: int = 0, timeout: float | None = None, raw: bool = False,
+    def warm(self, prompts: Sequence[Messages] | str = (), *, top_k: int = 0,
+             owners_only: bool = False, pin_ttl_seconds: int = 0,
+             timeout: float | None = None, raw: bool = False,
              request_id: str = "") -> orchestrator_pb2.WarmResponse:
         """Prefill and pin prompts: a string is a system prompt, or with `raw` a raw prompt
         (a model without a chat template); a list of messages is rendered as given."""
+        if isinstance(prompts, str):
+            # One system prompt, not one prompt per character (28 single-letter prompts, then
+            # a server error that did not point here).
+            prompts = [prompts]
         req = orchestrator_pb2.WarmRequest(
             top_k=top_k, pin_ttl_seconds=pin_ttl_seconds,
             target=(orchestrator_pb2.WARM_TARGET_OWNERS if owners_only
