@@ -57,6 +57,13 @@ def parse_token_pairs(tokens: str) -> dict[str, str]:
     return out
 
 
+def _sendable(token: str) -> bool:
+    """A bearer token a gRPC client can send as it is: metadata values are printable ASCII
+    (any other was accepted at start, and every call with it failed in the client), and
+    surrounding spaces are stripped by the CLI and by many proxies."""
+    return token == token.strip() and token.isascii() and token.isprintable()
+
+
 def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     """json object_pairs_hook: a key (a token, or a tenant's setting) given twice is an error,
     not the last one silently winning. The key itself is not shown: it may be a token."""
@@ -93,6 +100,10 @@ def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, di
     if name != name.strip():
         # " acme" and "acme" would be two tenants, with two salts and two sets of limits.
         raise ValueError(f"{where}: 'tenant' {name!r} has leading or trailing whitespace")
+    try:
+        name.encode()
+    except UnicodeEncodeError:  # a lone surrogate ("\ud800" in the JSON): salt_for failed
+        raise ValueError(f"{where}: 'tenant' is not valid Unicode text") from None
     if len(name) > MAX_TENANT_CHARS:
         # The semantic tier refuses longer names (max_tenant_chars, at least 64), and the
         # tenant's cache would be off without a word.
@@ -198,6 +209,10 @@ class TenantRegistry:
                 where = f"{tokens_file}: entry {i}"
                 if not isinstance(tok, str) or not tok.strip():
                     raise ValueError(f"{where}: the token must be a non-empty string")
+                if not _sendable(tok):
+                    raise ValueError(f"{where}: the token must be printable ASCII without "
+                                     "surrounding spaces (a gRPC client cannot send another, "
+                                     "and the CLI strips spaces)")
                 name, spec = _spec(where, raw, defaults)
                 if specs.setdefault(name, spec) != spec:
                     raise ValueError(f"{where}: tenant {name!r} has another token with "
@@ -206,6 +221,9 @@ class TenantRegistry:
         if tokens.strip() and not parse_token_pairs(tokens):
             raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: set but names no token=tenant")
         for tok, name in parse_token_pairs(tokens).items():
+            if not _sendable(tok):
+                raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: a token must be printable "
+                                 "ASCII without spaces")
             if names.get(tok, name) != name:
                 raise ValueError(f"TIERCACHE_ORCHESTRATOR_TOKENS: a token of tenant {name!r} "
                                  f"is the file's token of tenant {names[tok]!r}")

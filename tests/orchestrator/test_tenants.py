@@ -171,3 +171,26 @@ def test_a_token_ending_in_base64_padding_keeps_its_padding():
     assert r.authenticate({"authorization": "Bearer dG9rLWI="}).name == "b"
     with pytest.raises(Unauthenticated, match="unknown token"):
         r.authenticate({"authorization": "Bearer c2VjcmV0LXRva2Vu"})
+
+
+@pytest.mark.parametrize("token", ["tök-1", "tok-2 ", " tok-3", "tok\tx4"])
+def test_a_token_no_client_can_send_is_refused_at_start(tmp_path, token):
+    """A non-ASCII token was accepted at start and every call with it failed in the gRPC
+    client ("Invalid metadata"); one with surrounding spaces worked over raw gRPC only (the
+    CLI strips them). Both are refused at start, naming the entry, never the token."""
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"ok": "a", token: "b"}))
+    with pytest.raises(ValueError, match="entry 2: the token must be printable ASCII") as e:
+        reg(tokens_file=str(f))
+    assert token.strip() not in str(e.value)
+    with pytest.raises(ValueError, match="printable ASCII"):
+        reg(tokens=f"{token.strip()}x\u00e9=b")
+
+
+def test_a_tenant_name_that_is_not_text_is_refused_naming_the_entry(tmp_path):
+    """A lone surrogate (JSON "b\\ud800") passed the checks, then failed deriving the salt
+    with a message naming neither the file nor the entry."""
+    f = tmp_path / "tokens.json"
+    f.write_text('{"tok1": {"tenant": "acme"}, "tok2": {"tenant": "b\\ud800"}}')
+    with pytest.raises(ValueError, match=r"tokens.json: entry 2: 'tenant' is not valid Unicode"):
+        reg(tokens_file=str(f))
