@@ -287,23 +287,31 @@ class SemanticCache:
     # ---- lookup -----------------------------------------------------------------------------
 
     def lookup(self, ns: Namespace, text: str, tier: str = "", threshold: float = 0.0,
-               want_draft: bool = False) -> LookupResult:
+               want_draft: bool = False, wanted: Callable[[], bool] | None = None
+               ) -> LookupResult:
         """Finds the nearest entry of `ns` and decides hit / draft / miss.
+
+        `wanted`: whether the caller still waits, asked before the text is embedded (by the
+        batcher, when its batch runs) and before the search: a caller gone costs no
+        embedding, is not counted, and touches no entry.
 
         Raises:
             InvalidArgument: bad namespace, text, tier or threshold (nothing is recorded).
+            DeadlineExceeded: `wanted` said no.
         """
         ns = self._check_namespace(ns)
         self._check_text("text", text, self.cfg.max_text_chars)
         resolved = self.policy.resolve(tier, threshold)
         t0 = time.perf_counter()
+        _still(wanted, "lookup")
         exact = self._exact_repeat(ns, text, resolved)
         if exact is not None:
             t1 = time.perf_counter()
             exact = replace(exact, search_ms=(t1 - t0) * 1000)
             self._record(exact, t1 - t0, None)
             return exact
-        vec, over = self._embed(text)
+        vec, over = self._embed(text, wanted=wanted)
+        _still(wanted, "lookup")
         t1 = time.perf_counter()
         result = self._search(ns, vec, text, resolved, want_draft, over)
         if not result.hit:  # the model answers, and its answer is stored under this text
@@ -333,9 +341,11 @@ class SemanticCache:
         return LookupResult(True, self._touch(e, now), 1.0, decision.threshold, resolved.tier,
                             exact=True)
 
-    def _embed(self, text: str, *, reuse: bool = False) -> tuple[np.ndarray, bool]:
+    def _embed(self, text: str, *, reuse: bool = False,
+               wanted: Callable[[], bool] | None = None) -> tuple[np.ndarray, bool]:
         """The text's vector, and whether the model read only its start (see `over_window`).
-        `reuse`: take the one a Lookup of the text that missed kept (see `_remember`)."""
+        `reuse`: take the one a Lookup of the text that missed kept (see `_remember`).
+        `wanted`: handed to a batching embedder, which drops the text of a caller gone."""
         if reuse:
             with self._recent_lock:
                 kept = self._recent.pop(text, None)
@@ -343,6 +353,8 @@ class SemanticCache:
                 return kept
         checked = getattr(self.embedder, "embed_one_checked", None)
         if checked is not None:
+            if wanted is not None and getattr(self.embedder, "accepts_wanted", False):
+                return checked(text, wanted=wanted)
             return checked(text)
         return self.embedder.embed_one(text), False  # a test double without a window
 

@@ -15,11 +15,13 @@ import queue
 import re
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
 
 import numpy as np
 
+from services.common.errors import DeadlineExceeded
 from services.semantic.onnx_export import ensure_onnx, export_identity
 
 log = logging.getLogger(__name__)
@@ -146,6 +148,14 @@ class OnnxEmbedder:
         return np.ascontiguousarray(out, dtype=np.float32), [bool(e.overflowing) for e in enc]
 
 
+def _asks(wanted: Callable[[], bool]) -> bool:
+    """`wanted()`, taken as True when it fails: a broken predicate must not drop a caller."""
+    try:
+        return bool(wanted())
+    except Exception:  # noqa: BLE001
+        return True
+
+
 class BatchingEmbedder:
     """Micro-batches concurrent `embed_one` calls onto one `OnnxEmbedder`.
 
@@ -165,7 +175,9 @@ class BatchingEmbedder:
         self.wait_s = wait_ms / 1000.0
         self.batches = 0
         self.batched_texts = 0
-        self._q: queue.SimpleQueue[tuple[str, Future] | None] = queue.SimpleQueue()
+        self.dropped_texts = 0  # callers gone before their batch ran
+        self._q: queue.SimpleQueue[tuple[str, Future, Callable[[], bool] | None] | None] = (
+            queue.SimpleQueue())
         self.exceeds_window = inner.exceeds_window
         self.unseen = inner.unseen
         self._thread = threading.Thread(target=self._run, name="embed-batcher", daemon=True)
@@ -175,11 +187,19 @@ class BatchingEmbedder:
         """Embedding of one text (blocks until its batch has run)."""
         return self.embed_one_checked(text, timeout)[0]
 
-    def embed_one_checked(self, text: str, timeout: float | None = None
+    # `embed_one_checked` takes `wanted`: a caller gone by the time its batch runs is dropped.
+    accepts_wanted = True
+
+    def embed_one_checked(self, text: str, timeout: float | None = None,
+                          wanted: Callable[[], bool] | None = None
                           ) -> tuple[np.ndarray, bool]:
-        """`embed_one`, and whether the text was cut to the model's window."""
+        """`embed_one`, and whether the text was cut to the model's window. `wanted`: asked
+        when the text's batch is about to run; False (the caller's deadline passed, or it
+        cancelled) drops the text, and DeadlineExceeded is raised here. Under overload, texts
+        of callers long gone were embedded all the same, and live lookups queued behind them
+        (a 4 ms lookup took a second behind 32 dead long texts)."""
         fut: Future = Future()
-        self._q.put((text, fut))
+        self._q.put((text, fut, wanted))
         return fut.result(timeout)
 
     def embed(self, texts: list[str]) -> np.ndarray:
@@ -207,13 +227,22 @@ class BatchingEmbedder:
                     self._q.put(None)  # finish this batch, then stop
                     break
                 batch.append(nxt)
+            live = []
+            for t, f, wanted in batch:
+                if wanted is not None and not _asks(wanted):
+                    self.dropped_texts += 1
+                    f.set_exception(DeadlineExceeded("the caller is gone; not embedded"))
+                else:
+                    live.append((t, f))
+            if not live:
+                continue
             try:
-                vecs, cut = self.inner.embed_checked([t for t, _ in batch])
+                vecs, cut = self.inner.embed_checked([t for t, _ in live])
             except BaseException as exc:  # noqa: BLE001 - handed to every waiting caller
-                for _, f in batch:
+                for _, f in live:
                     f.set_exception(exc)
                 continue
             self.batches += 1
-            self.batched_texts += len(batch)
-            for i, (_, f) in enumerate(batch):
+            self.batched_texts += len(live)
+            for i, (_, f) in enumerate(live):
                 f.set_result((vecs[i], cut[i]))

@@ -67,7 +67,7 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
     def Lookup(self, request, context):
         t0 = time.perf_counter()
         r = self.cache.lookup(_ns(request), request.text, request.tier, request.threshold,
-                              request.want_draft)
+                              request.want_draft, wanted=lambda: _still_wanted(context))
         resp = semantic_pb2.LookupResponse(
             hit=r.hit, similarity=r.similarity, threshold=r.threshold, tier=r.tier,
             guard_rejected=r.guard_rejected, guard_reason=r.guard_reason,

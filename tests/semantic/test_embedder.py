@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -422,3 +423,91 @@ def test_two_model_folders_of_one_name_keep_their_own_exports(tmp_path, monkeypa
     assert len(exports) == 2
     assert sorted(os.listdir(tmp_path / "cache" / "onnx")) == sorted(
         [".model.lock", f".{got[1].name}.lock", "model", got[1].name])
+
+
+class _SlowInner:
+    """What BatchingEmbedder needs of an OnnxEmbedder; each batch blocks until released."""
+
+    name = identity = "slow@test"
+    dim = 4
+
+    def __init__(self) -> None:
+        import threading
+
+        self.release = threading.Event()
+        self.embedded: list[str] = []
+
+    def exceeds_window(self, text: str) -> bool:
+        return False
+
+    def unseen(self, text: str) -> str:
+        return ""
+
+    def embed_checked(self, texts):
+        self.release.wait(10)
+        self.embedded += texts
+        v = np.ones((len(texts), 4), np.float32) / 2.0
+        return v, [False] * len(texts)
+
+
+def test_the_batcher_drops_texts_of_callers_gone_before_their_batch_runs(make_cfg, clock):
+    """Lookup never asked whether its caller still waited: under overload the batcher embedded
+    texts of callers long past their deadline, counted them, touched the entries they hit,
+    and live lookups queued behind that work (4 ms became 1 s)."""
+    import threading
+
+    from services.common.errors import DeadlineExceeded
+    from services.semantic.cache import Namespace, SemanticCache
+    from services.semantic.store import EntryStore
+
+    inner = _SlowInner()
+    b = BatchingEmbedder(inner, max_batch=8)
+    try:
+        inner.release.clear()
+        first = threading.Thread(target=b.embed_one, args=("occupies the batcher",))
+        first.start()
+        time.sleep(0.2)  # that batch is running: the next ones queue
+        alive = {"x": True}
+        out: dict[str, object] = {}
+
+        def call(text: str, wanted) -> None:
+            try:
+                out[text] = b.embed_one_checked(text, wanted=wanted)
+            except DeadlineExceeded as e:
+                out[text] = e
+
+        threads = [threading.Thread(target=call, args=(f"gone {i}", lambda: False))
+                   for i in range(5)]
+        threads.append(threading.Thread(target=call, args=("live", lambda: alive["x"])))
+        for t in threads:
+            t.start()
+        time.sleep(0.2)
+        inner.release.set()
+        for t in [first, *threads]:
+            t.join(10)
+        assert inner.embedded == ["occupies the batcher", "live"]
+        assert all(isinstance(out[f"gone {i}"], DeadlineExceeded) for i in range(5))
+        assert b.dropped_texts == 5 and b.batched_texts == 2
+    finally:
+        inner.release.set()
+        b.close()
+    # Through the cache: a caller gone is not counted and touches no entry.
+    cfg = make_cfg(guard_tiers=(), verifier_tiers=())
+    b = BatchingEmbedder(inner, max_batch=8)
+    cache = SemanticCache(cfg, b, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        ns = Namespace("t", "m", "")
+        e = cache.store_entry(ns, "a question", "an answer")
+        before = cache.stats()
+        with pytest.raises(DeadlineExceeded):
+            cache.lookup(ns, "another question", wanted=lambda: False)
+        with pytest.raises(DeadlineExceeded):
+            cache.lookup(ns, "a question", wanted=lambda: False)  # the exact repeat too
+        after = cache.stats()
+        assert after.lookups_total == before.lookups_total
+        assert cache._entries[e.label].hit_count == 0
+        assert cache.lookup(ns, "another question", wanted=lambda: True).hit
+    finally:
+        cache.close_indexes()
+        cache.store.close()
+        b.close()
