@@ -511,3 +511,19 @@ def test_the_batcher_drops_texts_of_callers_gone_before_their_batch_runs(make_cf
         cache.close_indexes()
         cache.store.close()
         b.close()
+
+
+def test_a_decomposed_accent_is_read_as_its_letter_wherever_it_sits(onnx_embedder):
+    """MiniLM's normalizer strips accents; a combining accent ending a word ("cafe" + U+0301,
+    as macOS and iOS type it) fell outside its token's offsets and counted as unread, so
+    "café" written decomposed was refused its own entry (at cosine 1.0) while "cafe" hit."""
+    import unicodedata as ud
+
+    nfc = "Where can I find a good café in Zürich?"
+    nfd = ud.normalize("NFD", nfc)
+    assert nfd != nfc
+    assert onnx_embedder.unseen(nfc) == onnx_embedder.unseen(nfd) == ""
+    assert onnx_embedder.unseen("cafe\u0301s") == onnx_embedder.unseen("cafe\u0301") == ""
+    # A mark on nothing the model reads is still unread.
+    assert onnx_embedder.unseen("\U0001f600\u0301") == "\U0001f600\u0301"
+    assert onnx_embedder.unseen("x \u0301 y") == "\u0301"
