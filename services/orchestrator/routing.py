@@ -28,12 +28,11 @@ import logging
 import math
 import threading
 import time
-import zlib
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple
 
-from services.common.ring import HashRing, load_cap
+from services.common.ring import HashRing, _point, load_cap
 
 log = logging.getLogger(__name__)
 
@@ -139,8 +138,10 @@ class PrefixAwarePolicy(RoutingPolicy):
                 continue
             score = m - self.load_penalty_tokens * r.load
             # Equal scores are common (a hot prompt held everywhere, all idle): break the tie
-            # by a per-key hash, not list order, or the first replicas get more traffic.
-            tie = zlib.crc32(f"{key}|{r.replica_id}".encode())
+            # by a per-key hash, not list order, or the first replicas get more traffic. Not
+            # CRC32: it is linear, so for keys of one length crc(k|r1) ^ crc(k|r2) is the same
+            # for every key, and of three replicas one won half the ties.
+            tie = _point(f"{key}|{r.replica_id}".encode())
             if best is None or (score, tie) > best[:2]:
                 best = (score, tie, r.replica_id)
         if best is not None:

@@ -211,3 +211,21 @@ def test_the_prefix_cap_and_the_ring_agree_where_floating_point_rounds_up():
     p = PrefixAwarePolicy(epsilon=0.1, min_prefix_tokens=32, load_floor=0)
     d = p.choose(views(r0=11, r1=10, r2=10, r3=9, r4=9), {"r0": 512}, "s")
     assert d.replica_id != "r0"
+
+
+def test_ties_between_equal_holders_spread_evenly():
+    """A hot prompt held by every idle replica ties on score; the tie-break was CRC32, linear,
+    so for session ids of one length the pairwise comparisons were the same for every key:
+    of kvpool-0..2, kvpool-2 took 50% of such requests (and 41% with the share rule on)."""
+    import collections
+    import uuid
+
+    ids = ["kvpool-0", "kvpool-1", "kvpool-2"]
+    views = [ReplicaView(r, 0, 1000) for r in ids]
+    held = {r: 512 for r in ids}
+    p = PrefixAwarePolicy()
+    got = collections.Counter(
+        p.choose(views, held, f"acme\x1f{uuid.UUID(int=i * 7919)}", record=False).replica_id
+        for i in range(6000))
+    assert set(got) == set(ids)
+    assert max(got.values()) / 6000 < 0.37  # about a third each (was one half)
