@@ -345,10 +345,13 @@ class ReplicaSet:
         return None
 
     def max_context(self) -> int:
-        """The smallest model context the replicas report (0 = none has answered Stats yet):
-        a request longer than it could be refused by the replica it is routed to."""
+        """The smallest model context the replicas routing can use report (0 = none has
+        answered Stats yet): a request longer than it could be refused by the replica it is
+        routed to. Those routing cannot use (down, stalled, gone) do not count: one with a
+        smaller context that had crashed or been scaled away still cut every request short."""
+        live = self.healthy() or self.replicas
         with self._lock:
-            sizes = [r.stats.max_context for r in self.replicas
+            sizes = [r.stats.max_context for r in live
                      if r.stats is not None and r.stats.max_context]
         return min(sizes, default=0)
 

@@ -544,9 +544,11 @@ class Orchestrator:
             only_busy = only_busy and busy
             if lost is not None:
                 replica.health.fail(lost)
-            if (lost is not None or busy) and self.dispatched is not None:
+            if (lost is not None or busy or larger) and self.dispatched is not None:
                 # What was sent there moments ago is not held there (lost), or would steer
-                # the same prefix back to a replica that cannot take it (busy).
+                # the same prefix back to a replica that cannot take it (busy, or its pool
+                # too small: every request routed there renewed the credit, so it never
+                # expired while traffic went on).
                 self.dispatched.forget(replica.replica_id)
             attempts += 1
             if busy or larger:

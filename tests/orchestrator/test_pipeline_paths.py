@@ -375,6 +375,10 @@ def test_a_request_too_big_for_one_pool_goes_to_a_replica_with_a_larger_one():
     assert "".join(e.text for e in generate(orch, []) if hasattr(e, "text")) == "ok"
     assert len(b.requests) == 1 and orch.replicas.by_id("A").health.healthy
     assert orch.stats.degradations["larger_pool"] == 1 and orch.stats.degradations["retry"] == 0
+    # The prompt is not credited to the small pool as "sent there moments ago": renewed by
+    # every request routed there, that credit kept drawing the prompt back to it.
+    hashes = orch.hasher.hashes(PROMPT, TENANT.cache_salt)
+    assert "A" not in orch.dispatched.match(hashes) and orch.dispatched.match(hashes).get("B")
 
     same = sized(make({r: Stub(r, [Call([], TooBig())]) for r in ("A", "B")}),
                  {"A": 200, "B": 200})

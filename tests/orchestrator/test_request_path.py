@@ -422,15 +422,24 @@ def _prefer(rid: str, choose):
 
 # ---- a prompt the replicas' context cannot hold is refused before any tier ---------------
 
-def test_the_context_limit_is_the_smallest_any_replica_reports():
+def test_the_context_limit_is_the_smallest_any_routable_replica_reports():
+    """A replica down (crashed, scaled away, held out) with a smaller context still cut every
+    request to it, though none could be routed there."""
     from services.orchestrator.backends import ReplicaSet
 
-    rs = ReplicaSet(("A",), "")
+    rs = ReplicaSet(("A", "B", "C"), "")
     assert rs.max_context() == 0  # nothing known before the first Stats answer
-    rs.replicas[0].stats = kvpool_pb2.KvStatsResponse(max_context=128)
-    rs.replicas.append(SimpleNamespace(stats=kvpool_pb2.KvStatsResponse(max_context=96)))
-    rs.replicas.append(SimpleNamespace(stats=None))
+    a, b, c = rs.replicas
+    a.stats = kvpool_pb2.KvStatsResponse(max_context=128)
+    b.stats = kvpool_pb2.KvStatsResponse(max_context=96)
+    for r in (a, b, c):
+        r.health.ok()
     assert rs.max_context() == 96  # the smallest a request might be routed to
+    b.health.fail(RuntimeError("gone"))
+    assert rs.max_context() == 128  # B is out of routing: it limits nothing
+    a.health.fail(RuntimeError("gone"))
+    c.health.fail(RuntimeError("gone"))
+    assert rs.max_context() == 96  # none known healthy: every replica may be tried
 
 
 class ContextOrchestrator:
