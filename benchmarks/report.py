@@ -617,6 +617,9 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
                              [[k, v.get("index"), v.get("lookup_p50_ms"), v.get("lookup_p99_ms"),
                                v.get("recall_at_1_vs_exact")] for k, v in lat.items()
                               if isinstance(v, dict)])]
+        zh = sem.data.get("chinese_stsb", {})
+        if zh.get("verdict"):
+            L += ["", f"Chinese (STS-B, {zh.get('pairs')} pairs): {zh['verdict']}"]
     else:
         L.append("semantic: not run.")
 

@@ -124,21 +124,47 @@ def generate(spec: WorkloadSpec, qqp: list[tuple[str, str, int]] | None = None) 
     tail = order[1:]
     rng.shuffle(tail)
     order = order[:1] + tail
+    # Each repeat paraphrases a different earlier session: drawn with replacement, 6 of 12
+    # repeats asked the first session's one paraphrase, so most "paraphrased repeats" were
+    # exact repeats of an earlier repeat (hits by text). A repeat with no unrepeated session
+    # before it swaps places with the next fresh session.
+    order = _repeats_after_their_originals(order) if n_repeat <= n_fresh else order
+    unrepeated: list[tuple[str, int, str, str]] = []
     for k, (kind, at) in enumerate(zip(order, times, strict=True)):
         sid = f"s{spec.seed}-{k}"
         if kind == "repeat" and fresh:
-            tenant, sysi, orig, para = rng.choice(fresh)
+            pool = unrepeated or fresh
+            tenant, sysi, orig, para = pool.pop(rng.randrange(len(pool))) if unrepeated \
+                else rng.choice(pool)
             reqs.append(Request(at, tenant, sid, sysi, 0, para, repeat_of=orig, kind="repeat"))
             continue
         tenant, sysi = rng.choices(pairs, weights)[0]
         q1, q2 = rng.choice(dups)
         fresh.append((tenant, sysi, sid, q2))
+        unrepeated.append((tenant, sysi, sid, q2))
         for turn in range(spec.turns):
             q = q1 if turn == 0 else rng.choice(singles)
             # Later turns arrive after the user read the answer: a few seconds apart.
             reqs.append(Request(at + 5.0 * turn, tenant, sid, sysi, turn, q))
     reqs.sort(key=lambda r: (r.at, r.session_id, r.turn))
     return Workload(spec, prompts, reqs)
+
+
+def _repeats_after_their_originals(order: list[str]) -> list[str]:
+    """`order` with each "repeat" at a point where more fresh sessions than repeats came
+    before it (moved later past the next "fresh" where not), so every repeat can paraphrase
+    a session not repeated yet."""
+    out = list(order)
+    fresh = repeats = 0
+    for i in range(len(out)):
+        if out[i] == "repeat" and repeats >= fresh:
+            j = out.index("fresh", i)
+            out[i], out[j] = out[j], out[i]
+        if out[i] == "fresh":
+            fresh += 1
+        else:
+            repeats += 1
+    return out
 
 
 def save_trace(w: Workload, path: str | Path) -> None:
