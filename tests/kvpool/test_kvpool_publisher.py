@@ -73,10 +73,8 @@ def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
         time.sleep(0.02)
 
 
-def test_register_publish_resync_and_reregister(make_engine, monkeypatch) -> None:
-    from services.kvpool import publisher
-
-    monkeypatch.setattr(publisher, "MAX_BATCH", 2)  # snapshots span several batches
+def fake_index_and_publisher(make_engine):
+    """A FakeIndex behind a real gRPC server, and a started publisher of a 32-block engine."""
     index = FakeIndex()
     handle = create_server(service="prefix-fake", address="127.0.0.1:0",
                            services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, index,
@@ -86,6 +84,14 @@ def test_register_publish_resync_and_reregister(make_engine, monkeypatch) -> Non
                     incarnation="inc-1", public_address="10.0.0.7:50054", model_id="tiny-llama",
                     heartbeat_seconds=0.1, publish_interval_seconds=0.02,
                     channel_factory=grpc.insecure_channel).start()
+    return index, handle, eng, pub
+
+
+def test_register_publish_resync_and_reregister(make_engine, monkeypatch) -> None:
+    from services.kvpool import publisher
+
+    monkeypatch.setattr(publisher, "MAX_BATCH", 2)  # snapshots span several batches
+    index, handle, eng, pub = fake_index_and_publisher(make_engine)
 
     def pool_hashes() -> set[bytes]:
         return eng.call(lambda: {eng.pool.block_hash(b) for b in range(eng.pool.num_blocks)
@@ -138,15 +144,7 @@ def test_the_published_batch_number_reads_0_while_the_index_is_unreachable(make_
     from services.kvpool.engine import model_info
     from services.kvpool.server import KvPoolServicer
 
-    index = FakeIndex()
-    handle = create_server(service="prefix-fake", address="127.0.0.1:0",
-                           services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, index,
-                                      "tiercache.v1.PrefixIndex")])
-    eng = make_engine(num_blocks=32)
-    pub = Publisher(eng, address=f"127.0.0.1:{handle.port}", replica_id="kv-0",
-                    incarnation="inc-1", public_address="x:1", model_id="tiny-llama",
-                    heartbeat_seconds=0.1, publish_interval_seconds=0.02,
-                    channel_factory=grpc.insecure_channel).start()
+    index, handle, eng, pub = fake_index_and_publisher(make_engine)
     servicer = KvPoolServicer(KvPoolConfig())
     servicer.attach(eng, model_info(tiny_model, "tiny-llama"), pub)
     try:
