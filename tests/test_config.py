@@ -147,11 +147,11 @@ def test_the_orchestrator_reads_converted_models_from_its_own_cache_dir(monkeypa
 
     seen = []
 
-    def resolve(spec, cache_dir=None, model_id=None):
+    def resolve(spec, cache_dir=None, model_id=None, load=None):
         seen.append((spec, cache_dir))
         raise ModelStoreError("stop here")  # nothing after resolving matters here
 
-    monkeypatch.setattr(app, "resolve_model", resolve)
+    monkeypatch.setattr(app, "load_resolved", resolve)
     cfg = load_config(OrchestratorConfig, "orchestrator", [],
                       environ={"TIERCACHE_ORCHESTRATOR_CACHE_DIR": str(tmp_path)})
     with pytest.raises(ModelStoreError):
