@@ -625,7 +625,7 @@ class SemanticCache:
                         # Past capacity: entries already expired (the housekeeper purges
                         # them every expiry_interval_s) go first. By LRU alone a live answer
                         # was evicted while a dead one kept its slot.
-                        due = self._due_locked(now)
+                        due = [lab for _, lab in self._due_locked(now)]
                         for lab in due:
                             self._drop_locked(lab)
                             dropped.append(lab)
@@ -652,15 +652,16 @@ class SemanticCache:
         self.store.delete(dropped)
         return stands or entry
 
-    def _due_locked(self, now: float) -> list[int]:
-        """Pops the expiry heap's due items; the labels of the entries they still stand for."""
+    def _due_locked(self, now: float) -> list[tuple[float, int]]:
+        """Pops the expiry heap's due items; those whose entry they still stand for (gone:
+        evicted, replaced, invalidated; or not this item's entry: skipped)."""
         heap, out = self._expiry_heap, []
         while heap and heap[0][0] <= now:
             at, lab = heapq.heappop(heap)
             self._expiry_examined += 1
             e = self._entries.get(lab)
             if e is not None and e.expires_at() == at:
-                out.append(lab)
+                out.append((at, lab))
         return out
 
     def _add_locked(self, e: Entry, vec: np.ndarray) -> None:
@@ -853,16 +854,8 @@ class SemanticCache:
         ran whenever one was due, ran every tick once entries expired under steady traffic.
         """
         now = self.clock()
-        due: list[tuple[float, int]] = []
         with self._lock:
-            heap = self._expiry_heap
-            while heap and heap[0][0] <= now:
-                at, lab = heapq.heappop(heap)
-                self._expiry_examined += 1
-                e = self._entries.get(lab)
-                # Gone (evicted, replaced, invalidated), or not this item's entry: skipped.
-                if e is not None and e.expires_at() == at:
-                    due.append((at, lab))
+            due = self._due_locked(now)
         labels = [lab for _, lab in due]
         try:
             self.store.delete(labels)
