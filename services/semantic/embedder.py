@@ -94,7 +94,6 @@ class OnnxEmbedder:
         # A normalizer that strips accents reads a decomposed accent (NFD "e" + U+0301) as
         # part of its letter; at a word's end the offsets stop before the mark, which then
         # looked unread, and "café" typed decomposed (macOS, iOS) missed its own entry.
-        self._strips_marks = False
         self._strips_marks = (self._plain.encode("cafe\u0301").ids
                               == self._plain.encode("cafe").ids)
         printable = [chr(c) for c in range(0x21, 0x7F)]
