@@ -133,9 +133,10 @@ def generate(spec: WorkloadSpec, qqp: list[tuple[str, str, int]] | None = None) 
     for k, (kind, at) in enumerate(zip(order, times, strict=True)):
         sid = f"s{spec.seed}-{k}"
         if kind == "repeat" and fresh:
-            pool = unrepeated or fresh
-            tenant, sysi, orig, para = pool.pop(rng.randrange(len(pool))) if unrepeated \
-                else rng.choice(pool)
+            if unrepeated:
+                tenant, sysi, orig, para = unrepeated.pop(rng.randrange(len(unrepeated)))
+            else:
+                tenant, sysi, orig, para = rng.choice(fresh)
             reqs.append(Request(at, tenant, sid, sysi, 0, para, repeat_of=orig, kind="repeat"))
             continue
         tenant, sysi = rng.choices(pairs, weights)[0]
