@@ -404,9 +404,10 @@ def assisted_notes(figs: dict, notes: dict) -> list[str]:
                      f"{_f(figs.get('random_draft_cost_vs_lookup_only'))} against lookup alone.")
         out.append(line)
     if "forward_passes_per_token_hindsight_bound" in figs:
-        out.append("forward_passes_per_token_hindsight_bound(_draft) are lower bounds, not "
-                   "estimates: " + str(notes.get("forward_passes_per_token_hindsight_bound",
-                                                 "with hindsight, any draft position.")))
+        # The benchmark's note opens with "lower bounds, not estimates:" itself.
+        out.append("forward_passes_per_token_hindsight_bound(_draft) are " + str(notes.get(
+            "forward_passes_per_token_hindsight_bound",
+            "lower bounds, not estimates: with hindsight, any draft position.")))
     known = (figs.get("replayed_speedup_by_ladder") or {}).get("hindsight_ranking")
     if isinstance(known, dict) and "forward_passes_per_token" in known:
         flat = known.get("flat_costs") or {}
