@@ -66,8 +66,12 @@ def database_in_use(path: str) -> bool:
 
 def _lock_database(path: str) -> int:
     """Holds an exclusive lock on `<path>.lock` for the life of the store (released by the
-    kernel if the process dies); raises DatabaseInUse naming the holder when it is taken."""
-    lock_path = path + ".lock"
+    kernel if the process dies); raises DatabaseInUse naming the holder when it is taken.
+
+    The lock sits beside the file the path resolves to: SQLite follows a symlink, and a
+    second service that reached the same database through a link took a lock of its own,
+    opened the file anyway and trimmed rows the first had acknowledged."""
+    lock_path = os.path.realpath(path) + ".lock"
     fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -150,6 +150,31 @@ def test_one_process_at_a_time_holds_a_database(tmp_path):
     EntryStore(":memory:").close()  # no file, no lock
 
 
+def test_a_database_reached_through_a_symlink_is_the_same_database(tmp_path):
+    """The lock was named after the path as given: a second store opened the database
+    through a link, and its start-up trimming deleted the first one's acknowledged rows."""
+    import os
+
+    from services.semantic.store import DatabaseInUse, database_in_use
+
+    path = str(tmp_path / "s.db")
+    link = str(tmp_path / "link.db")
+    os.symlink(path, link)
+    first = EntryStore(path)
+    try:
+        with pytest.raises(DatabaseInUse):
+            EntryStore(link)
+        assert database_in_use(link) is True
+    finally:
+        first.close()
+    through_link = EntryStore(link)
+    try:
+        with pytest.raises(DatabaseInUse):
+            EntryStore(path)
+    finally:
+        through_link.close()
+
+
 def test_the_service_refuses_to_start_on_a_database_in_use(tmp_path):
     import subprocess
     import sys
