@@ -177,6 +177,16 @@ def _fitted_elsewhere(meta: dict, embedder: Embedder) -> str:
     return "" if not name or name == embedder.name else name
 
 
+def _same_vectors(tag: str, ours: str) -> bool:
+    """Whether vectors tagged `tag` are the ones embedder identity `ours` makes: by the
+    weights part (after "@") where both carry one. By the whole tag, serving the same model
+    under a new name (TIERCACHE_SEMANTIC_MODEL_NAME, a custom folder moved or renamed)
+    re-embedded every entry before the service would serve: minutes at a full shard."""
+    if "@" in tag and "@" in ours:
+        return tag.rpartition("@")[2] == ours.rpartition("@")[2]
+    return tag == ours
+
+
 def _still(wanted: Callable[[], bool] | None, what: str) -> None:
     """Raise DeadlineExceeded unless the caller still waits (`wanted` None: always)."""
     if wanted is not None and not wanted():
@@ -1022,7 +1032,7 @@ class SemanticCache:
         length, in memory and in SQLite. The writes go in batches of `WRITE_CHUNK` rows per
         transaction: one commit (an fsync) per row made a restart after a model change take
         minutes at 100k entries."""
-        old = [r for r in rows if r.embed_model != self._embed_id
+        old = [r for r in rows if not _same_vectors(r.embed_model, self._embed_id)
                or r.embedding.shape != (self.embedder.dim,)]
         if old:
             # Minutes at a full shard (~640 s for 200k entries at ~300 sentences/s on 2 cores):

@@ -258,6 +258,31 @@ def test_entries_embedded_by_another_model_are_re_embedded_at_load(make_cache):
     assert again.store.get(e.id).embed_model == c.embedder.identity
 
 
+def test_the_same_model_under_another_name_keeps_its_vectors(make_cache, caplog):
+    """Rows were tagged name@weights and compared whole: renaming the model (or moving its
+    folder) re-embedded every entry at start, the service not serving meanwhile."""
+    import logging
+
+    import numpy as np
+
+    c = make_cache()
+    e = c.store_entry(A, "How far is the Moon?", "384,400 km")
+    weights = c.embedder.identity.rpartition("@")[2]
+    marker = np.zeros(c.embedder.dim, np.float32)
+    marker[0] = 1.0  # a vector no embedding of the prompt would give: re-embedding loses it
+    c.store.set_embedding(c.get(e.id).label, marker, f"renamed-model@{weights}")
+    with caplog.at_level(logging.INFO, logger="services.semantic.cache"):
+        again = make_cache()
+    assert "re-embedding" not in caplog.text
+    assert np.array_equal(again.store.get(e.id).embedding, marker)
+    other = np.zeros(c.embedder.dim, np.float32)
+    other[1] = 1.0
+    again.store.set_embedding(again.get(e.id).label, other, f"{c.embedder.name}@0123abcd")
+    third = make_cache()  # the same name with other weights is another model
+    assert not np.array_equal(third.store.get(e.id).embedding, other)
+    assert third.store.get(e.id).embed_model == c.embedder.identity
+
+
 def test_verify_invalidate_and_not_found(make_cache):
     c = make_cache()
     e = c.store_entry(A, "How do I boil an egg?", "8 minutes.")
