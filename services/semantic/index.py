@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -181,8 +181,10 @@ class NamespaceIndex:
         return self._snap.kind
 
     def add(self, label: int, vec: np.ndarray) -> None:
-        """Adds one unit vector under `label` (visible to searches on return)."""
+        """Adds one unit vector under `label` (visible to searches on return). Labels are
+        fresh: one still indexed, live or tombstoned, is refused (ValueError)."""
         with self._lock:
+            self._check_fresh_locked((label,))
             snap = self._snap
             n = snap.count[0]
             if (n >= len(snap.delta_labels) and not self.background
@@ -231,6 +233,7 @@ class NamespaceIndex:
         """Bulk load (e.g. at start): builds the main index over everything at once."""
         labels = np.asarray(labels, np.int64)
         with self._lock, _build_threads():
+            self._check_fresh_locked(int(x) for x in labels)
             snap = self._snap
             n = snap.count[0]
             self._live.update(int(x) for x in labels)
@@ -239,6 +242,15 @@ class NamespaceIndex:
             self._swap_locked(self._build(
                 snap, n, set(self._dead), np.concatenate([old_l, labels]),
                 np.concatenate([old_v, np.asarray(vecs, np.float32)])))
+
+    def _check_fresh_locked(self, labels: Iterable[int]) -> None:
+        """A removed label's row stays in the index until a purge: taken back then, the label
+        was indexed twice and searches scored it by its old vector too."""
+        seen: set[int] = set()
+        for label in labels:
+            if label in self._live or label in self._dead or label in seen:
+                raise ValueError(f"label {label} is already indexed (labels are never reused)")
+            seen.add(label)
 
     def remove(self, label: int) -> bool:
         """Tombstones `label`; returns False if it was not present."""

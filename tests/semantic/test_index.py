@@ -36,6 +36,33 @@ def test_add_search_remove_and_integrity():
 
 
 @pytest.mark.parametrize("hnsw_min", [20000, 10])  # a flat main index, an HNSW one
+def test_a_label_still_indexed_is_not_taken_again(hnsw_min):
+    """Re-adding a removed label before a purge left its old row in the index: the label was
+    indexed twice and a query near the old vector found it at the old vector's score."""
+    rng = np.random.default_rng(1)
+    vecs = _unit(rng, 40)
+    idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=hnsw_min, delta_capacity=8),
+                         background=False)
+    idx.add_many(np.arange(30), vecs[:30])
+    with pytest.raises(ValueError, match="label 3 is already indexed"):
+        idx.add(3, vecs[35])  # live
+    assert idx.remove(3)
+    with pytest.raises(ValueError, match="label 3 is already indexed"):
+        idx.add(3, vecs[35])  # tombstoned, its row still there
+    with pytest.raises(ValueError, match="already indexed"):
+        idx.add_many(np.array([31, 3]), vecs[31:33])
+    with pytest.raises(ValueError, match="label 32 is already indexed"):
+        idx.add_many(np.array([32, 32]), vecs[32:34])
+    idx.check_integrity()
+    assert len(idx) == 29 and all(nb.label != 3 for nb in idx.search(vecs[3], 40))
+    idx.compact()  # purged: the label is free again
+    idx.add(3, vecs[35])
+    idx.check_integrity()
+    assert [nb.label for nb in idx.search(vecs[3], 40)].count(3) == 1
+    assert idx.search(vecs[35], 1)[0].label == 3
+
+
+@pytest.mark.parametrize("hnsw_min", [20000, 10])  # a flat main index, an HNSW one
 def test_tombstones_filling_one_sources_top_do_not_hide_its_best_live_row(hnsw_min):
     """A dozen removed near-duplicates of a question (invalidated, expired) filled the main
     index's fetched rows, while the delta's few live rows made up k: the search returned
