@@ -87,6 +87,8 @@ class OrchestratorConfig:
     warm_top_k: int = 8
     warm_max_load: float = 0.25
     warm_max_prompts_per_cycle: int = 4
+    # A Warm call's pin when it gives no pin_ttl_seconds. The background loop pins nothing:
+    # its pins counted against each tenant's pin quota and refused the tenant's own Warm.
     warm_pin_ttl_s: int = 600
     # Longest pin a Warm call may ask for (pin_ttl_seconds); longer is INVALID_ARGUMENT.
     warm_pin_ttl_max_s: int = 3600

@@ -381,10 +381,10 @@ class Warmer:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="warm")
 
     def _prefill(self, replica, token_ids, cache_salt, ttl, index, timeout: float = 120.0,
-                 request_id: str = "", gone: threading.Event | None = None):
-        """One pinned Prefill on `replica`. With `gone` (the Warm caller cancelled or went away),
-        a running prefill is cancelled once it is set: the replica stops computing and pins
-        nothing more for nobody."""
+                 request_id: str = "", gone: threading.Event | None = None, pin: bool = True):
+        """One Prefill on `replica`, pinned for `ttl` seconds unless `pin` is off. With `gone`
+        (the Warm caller cancelled or went away), a running prefill is cancelled once it is
+        set: the replica stops computing and pins nothing more for nobody."""
         if timeout <= 0:
             # Queued behind the call's other prefills (prompts x replicas share the pool)
             # until its deadline: sending it anyway made replicas compute for a caller that
@@ -393,8 +393,9 @@ class Warmer:
                 prompt_index=index, replica_id=replica.public_id,
                 error="DEADLINE_EXCEEDED: the call's deadline passed before this prefill "
                       "could start")
-        req = kvpool_pb2.PrefillRequest(token_ids=token_ids, cache_salt=cache_salt, pin=True,
-                                        ttl_seconds=ttl, model_id=self.orch.model_id)
+        req = kvpool_pb2.PrefillRequest(token_ids=token_ids, cache_salt=cache_salt, pin=pin,
+                                        ttl_seconds=ttl if pin else 0,
+                                        model_id=self.orch.model_id)
         kw = dict(timeout=max(0.1, timeout),
                   metadata=call_metadata(self.orch.internal_token, request_id))
         try:
@@ -485,6 +486,15 @@ class Warmer:
                 raise errors.ResourceExhausted(
                     f"prompts[{i}]: {len(ids)} tokens exceed tenant limit "
                     f"{tenant.max_prompt_tokens}")
+            context = self.orch.replicas.max_context()
+            if context and len(ids) > context:
+                # Every target replica refused it, one call each, naming its own field.
+                raise errors.InvalidArgument(
+                    f"prompts[{i}]", f"{len(ids)} tokens exceed the model context ({context})")
+            # Only whole KV blocks are kept: the tail past the last one was computed and
+            # thrown away, and a refresh of a prompt already warm recomputed it every time
+            # (reported as work, and charged to the tenant as work).
+            ids = ids[:len(ids) // self.cfg.block_size * self.cfg.block_size]
             for r in self._targets(tenant, ids, request.target, owners_until, gone):
                 jobs.append((r, ids, tenant.cache_salt, ttl, i))
         if request.top_k:
@@ -611,8 +621,11 @@ class Warmer:
                 # load itself): warm only idle replicas while the cluster stays quiet.
                 if r.load > 0 or self.cluster_load() > self.cfg.warm_max_load:
                     continue
+                # Not pinned: pins count against the tenant's pin quota on the replica, and
+                # the loop's filled it for warm_pin_ttl_s, refusing the tenant's own Warm
+                # calls. Hot prefixes stay cached while they are used.
                 res = self._prefill(r, list(hp.token_ids), hp.cache_salt,
-                                    self.cfg.warm_pin_ttl_s, -1)
+                                    self.cfg.warm_pin_ttl_s, -1, pin=False)
                 if not res.error:
                     log.info("warmed %d tokens on %s", res.prompt_tokens, r.replica_id)
                 done += 1

@@ -29,7 +29,9 @@ class FakeStub:
 
     def Prefill(self, req, timeout=None, metadata=None):  # noqa: N802
         self.calls.append(list(req.token_ids))
-        assert req.pin and req.ttl_seconds > 0
+        # The loop's prefills are not pinned: pins count against the tenant's pin quota,
+        # and the loop's filled it, refusing the tenant's own Warm calls.
+        assert not req.pin and req.ttl_seconds == 0
         return kvpool_pb2.PrefillResponse(prompt_tokens=len(req.token_ids),
                                           computed_tokens=len(req.token_ids), replica_id=self.rid)
 
