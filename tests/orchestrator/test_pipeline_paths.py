@@ -650,6 +650,33 @@ def test_warm_refuses_a_prompt_shorter_than_a_block_and_says_how_long_one_is():
         warmer.stop()
 
 
+def test_warm_sends_whole_blocks_and_refuses_what_no_replica_can_hold():
+    """The tail past the last whole block was computed and thrown away: a refresh of a warm
+    prompt recomputed it every time and was charged as work. A prompt over the replicas'
+    context went to each of them, and each answered with its own field name."""
+    from services.orchestrator.render import PromptRenderer
+
+    stubs = {r: Stub(r, []) for r in ("A", "B")}
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=5000)
+    for r in orch.replicas.replicas:
+        r.stats = kvpool_pb2.KvStatsResponse(max_context=64)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
+    try:
+        got = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 40)]))
+        assert [len(req.token_ids) for req in stubs["A"].requests + stubs["B"].requests] == [32,
+                                                                                             32]
+        assert [r.prompt_tokens for r in got.results] == [32, 32]
+        with pytest.raises(errors.InvalidArgument,
+                           match=r"^prompts\[0\]: 65 tokens exceed the model context \(64\)"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+                prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 65)]))
+        assert len(stubs["A"].requests) == 1 and len(stubs["B"].requests) == 1
+    finally:
+        warmer.stop()
+
+
 def test_a_warms_replica_failure_is_logged_with_the_warms_request_id():
     """The Warm pool's threads do not inherit the call's context: 'replica X failed' was
     logged with no request id (only the Prefill's metadata carried it)."""
