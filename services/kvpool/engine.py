@@ -282,6 +282,8 @@ class EngineStats(NamedTuple):
     draft_tokens_withheld_total: int = 0
     draft_tree_forwards_total: int = 0
     draft_tree_branch_wins_total: int = 0
+    prefills_total: int = 0
+    prefill_computed_tokens_total: int = 0
 
 
 class Engine:
@@ -382,6 +384,10 @@ class Engine:
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.requests_total = 0
+        # Warm-up prefills, apart: counted with requests, the replica's hit ratio and
+        # request count drifted from what the orchestrator served.
+        self.prefills_total = 0
+        self.prefill_computed_tokens_total = 0
         self.preemptions_total = 0
         self.step_failures_total = 0  # engine steps that raised (their sequences failed)
         self.draft_tokens_proposed_total = 0
@@ -669,9 +675,10 @@ class Engine:
                 seq.admitted_once = True
                 self._dequeue(seq)
                 seq.cached_tokens = adm.cached_tokens
-                self.prompt_tokens_total += seq.prompt_len
-                self.cached_tokens_total += adm.cached_tokens
-                if self.metrics:
+                if not seq.req.prefill_only:  # a prefill counts when done (prefills_total)
+                    self.prompt_tokens_total += seq.prompt_len
+                    self.cached_tokens_total += adm.cached_tokens
+                if self.metrics and not seq.req.prefill_only:
                     self.metrics.prompt_tokens.inc(seq.prompt_len)
                     self.metrics.cached_tokens.inc(adm.cached_tokens)
 
@@ -1185,7 +1192,14 @@ class Engine:
             self.pool.close(seq.seq_id)
             seq.phase = Phase.WAITING
             if isinstance(result, Finished):  # completed: not cancelled, timed out or refused
-                self.requests_total += 1
+                if seq.req.prefill_only:
+                    self.prefills_total += 1
+                    self.prefill_computed_tokens_total += result.computed_tokens
+                    if self.metrics:
+                        self.metrics.prefills.inc()
+                        self.metrics.prefill_computed_tokens.inc(result.computed_tokens)
+                else:
+                    self.requests_total += 1
             # Stats first, so a caller who sees the result also sees its blocks released.
             self._stats = self._compute_stats()
             seq.out.put(result)
@@ -1243,7 +1257,8 @@ class Engine:
                            self.pool.evictions_total, self.preemptions_total,
                            self.draft_tokens_proposed_total, self.draft_tokens_accepted_total,
                            self.draft_tokens_withheld_total, self.draft_tree_forwards_total,
-                           self.draft_tree_branch_wins_total)
+                           self.draft_tree_branch_wins_total, self.prefills_total,
+                           self.prefill_computed_tokens_total)
 
     # ---- test hooks -----------------------------------------------------------------------
 

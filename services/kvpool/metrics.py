@@ -16,9 +16,15 @@ class KvMetrics:
         self.blocks = gauge("tiercache_kvpool_blocks", "KV blocks by state", ("state",))
         self.running = gauge("tiercache_kvpool_running", "Sequences running in the engine")
         self.waiting = gauge("tiercache_kvpool_waiting", "Sequences waiting for admission")
-        self.prompt_tokens = counter("tiercache_kvpool_prompt_tokens_total", "Prompt tokens seen")
+        self.prompt_tokens = counter("tiercache_kvpool_prompt_tokens_total",
+                                     "Prompt tokens of Generate requests seen")
         self.cached_tokens = counter("tiercache_kvpool_cached_tokens_total",
-                                     "Prompt tokens served from cached KV blocks")
+                                     "Prompt tokens of Generate requests served from cached KV "
+                                     "blocks")
+        self.prefills = counter("tiercache_kvpool_prefills_total",
+                                "Prefill calls (warm-up) completed")
+        self.prefill_computed_tokens = counter("tiercache_kvpool_prefill_computed_tokens_total",
+                                               "Prompt tokens computed by Prefill calls")
         self.evictions = TotalCounter(counter("tiercache_kvpool_evictions_total",
                                               "Blocks evicted"))
         self.preemptions = counter("tiercache_kvpool_preemptions_total",

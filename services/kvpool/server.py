@@ -243,6 +243,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             blocks_in_use=s.blocks_in_use, running=s.running, waiting=s.waiting,
             prompt_tokens_total=s.prompt_tokens_total, cached_tokens_total=s.cached_tokens_total,
             requests_total=s.requests_total, max_context=info.max_context,
+            prefills_total=s.prefills_total,
+            prefill_computed_tokens_total=s.prefill_computed_tokens_total,
             vocab_size=info.vocab_size, device=str(engine.device),
             dtype=str(engine.store.dtype).removeprefix("torch."),
             events_published_seq=(self.publisher.last_seq

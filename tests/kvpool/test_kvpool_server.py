@@ -121,6 +121,7 @@ def test_the_last_token_travels_with_the_final_message(served) -> None:
 
 def test_prefill_pins_and_the_next_request_hits(served) -> None:
     ids = list(range(1, 25))
+    before = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
     r = served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=ids, pin=True, ttl_seconds=600),
                             timeout=10)
     assert (r.prompt_tokens, r.cached_tokens, r.computed_tokens, r.pinned_blocks) == (24, 0, 24, 6)
@@ -128,8 +129,19 @@ def test_prefill_pins_and_the_next_request_hits(served) -> None:
     assert st.blocks_pinned == 6
     r2 = served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=ids), timeout=10)
     assert (r2.cached_tokens, r2.computed_tokens, r2.pinned_blocks) == (24, 0, 0)
+    # Warm-up is counted apart: with requests, the replica's request count and hit ratio
+    # drifted from what the orchestrator served.
+    st = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+    assert (st.requests_total, st.prompt_tokens_total, st.cached_tokens_total) == (
+        before.requests_total, before.prompt_tokens_total, before.cached_tokens_total)
+    assert st.prefills_total == before.prefills_total + 2
+    assert st.prefill_computed_tokens_total == before.prefill_computed_tokens_total + 24
     _, final = gen(served.stub, ids + [3], max_tokens=2)
     assert final.cached_tokens == 24
+    st = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+    assert st.requests_total == before.requests_total + 1
+    assert st.prompt_tokens_total == before.prompt_tokens_total + 25
+    assert st.cached_tokens_total == before.cached_tokens_total + 24
 
 
 BAD = [
