@@ -355,6 +355,33 @@ def test_idle_reflection_streams_cannot_take_every_thread(small_server):
     assert got and got[0].list_services_response.service
 
 
+def test_reflection_streams_are_counted_and_timed_however_they_end(small_server):
+    """Only refused reflection streams reached tiercache_rpc_total: the method's only series
+    was the refusal, and an error-ratio alert on it read 100%."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from services.common.metrics import RPC_SECONDS, RPC_TOTAL
+
+    def ok() -> float:
+        return RPC_TOTAL.labels("test", "ServerReflectionInfo", "OK")._value.get()
+
+    def timed() -> float:
+        return sum(s.value for m in RPC_SECONDS.collect() for s in m.samples
+                   if s.name.endswith("_count")
+                   and s.labels.get("method") == "ServerReflectionInfo"
+                   and s.labels.get("service") == "test")
+
+    before_ok, before_timed = ok(), timed()
+    rs = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(small_server.address))
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    got = list(rs.ServerReflectionInfo(iter([ask]), timeout=5))
+    assert got and got[0].list_services_response.service
+    deadline = time.monotonic() + 5
+    while ok() < before_ok + 1 and time.monotonic() < deadline:  # the handler ends after
+        time.sleep(0.05)
+    assert ok() == before_ok + 1 and timed() == before_timed + 1
+
+
 def test_servers_accept_the_keepalive_pings_our_clients_send():
     """Clients ping idle connections every 20 s; servers took such pings at most every 5
     minutes and closed connections with GOAWAY too_many_pings (seen in make run's logs).

@@ -393,10 +393,22 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
                               f"{short}: at most {MAX_OPEN_STREAMS} open streams at once; "
                               "close one")
+            # Counted and timed however they end: only refusals were, so an error-ratio
+            # alert on the method read 100%.
+            t0, code = time.perf_counter(), "OK"
             try:
                 yield from inner(request_iterator, context)
+            except GeneratorExit:
+                code = rpc_ended(context).code
+                raise
+            except BaseException:
+                set_code = context.code() if hasattr(context, "code") else None
+                code = set_code.name if isinstance(set_code, grpc.StatusCode) else "UNKNOWN"
+                raise
             finally:
                 slots.release()
+                RPC_TOTAL.labels(service, short, code).inc()
+                RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 
         return wrapped
 
