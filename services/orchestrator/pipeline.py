@@ -42,8 +42,14 @@ TTFT = histogram("tiercache_orchestrator_ttft_seconds", "Time to first token", (
                  buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
 TOO_SHORT = counter("tiercache_orchestrator_semantic_hits_too_short_total",
                     "Semantic hits not served: the cached answer is cut shorter than asked")
-TOKENS = counter("tiercache_orchestrator_tokens_total", "Prompt/cached/generated tokens",
-                 ("kind",))
+NOT_SERVED = counter("tiercache_orchestrator_semantic_hits_not_served_total",
+                     "Semantic hits the model answered instead (the hit as its draft), by "
+                     "reason: too_short (cut shorter than asked), sampled (temperature > 0, "
+                     "serve_sampled off), ignore_eos (the answer ended at end of sequence)",
+                     ("reason",))
+TOKENS = counter("tiercache_orchestrator_tokens_total",
+                 "Prompt, cached (prefix), generated and saved_semantic (served from the "
+                 "semantic cache, never generated) tokens", ("kind",))
 DRAFT_TOKENS = counter("tiercache_orchestrator_draft_tokens_total",
                        "Draft tokens proposed to replicas, and accepted (each accepted one saved "
                        "a forward pass) by source: the cached near-miss or prompt lookup",
@@ -129,6 +135,7 @@ class OrchestratorStats:
     semantic_tokens_saved: int = 0
     semantic_hits_too_short: int = 0  # hits not served: cut shorter than the request wants
     semantic_hits_sampled: int = 0  # hits not served: a sampled request (serve_sampled off)
+    semantic_hits_ignore_eos: int = 0  # hits not served: ignore_eos past an answer's EOS
     degradations: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -339,15 +346,19 @@ class Orchestrator:
                 with self.stats.lock:
                     self.stats.semantic_hits_too_short += 1
                 TOO_SHORT.inc()
+                NOT_SERVED.labels("too_short").inc()
             elif look.hit and sampling.ignore_eos and not cut:
                 # The stored answer ended at the model's end of sequence (not cut short); a
                 # request told to go on past it gets the model (the answer as its draft).
-                pass
+                with self.stats.lock:
+                    self.stats.semantic_hits_ignore_eos += 1
+                NOT_SERVED.labels("ignore_eos").inc()
             elif look.hit and not greedy and not (policy.serve_sampled or self.serve_sampled):
                 # A sampled request wants the model's sample (a seed: the same one whatever
                 # the cache holds), not the one cached answer every time: the hit is its draft.
                 with self.stats.lock:
                     self.stats.semantic_hits_sampled += 1
+                NOT_SERVED.labels("sampled").inc()
             elif look.hit:
                 yield from self._serve_hit(look, cached_ids, sampling, report,
                                            return_token_ids, request_id, t0)
@@ -673,6 +684,7 @@ class Orchestrator:
         self._count("semantic_hit", 0, 0, 0, report.ttft_ms)
         with self.stats.lock:
             self.stats.semantic_tokens_saved += len(ids)
+        TOKENS.labels("saved_semantic").inc(len(ids))
         yield Finished(finish, 0, len(ids), report, request_id)
 
     def _larger_pool(self, replica, exclude: set) -> bool:

@@ -275,7 +275,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 tokens_saved_semantic=st.semantic_tokens_saved,
                 degradations=dict(st.degradations),
                 semantic_hits_too_short=st.semantic_hits_too_short,
-                semantic_hits_sampled=st.semantic_hits_sampled)
+                semantic_hits_sampled=st.semantic_hits_sampled,
+                semantic_hits_ignore_eos=st.semantic_hits_ignore_eos)
         for r in o.replicas.replicas:
             if r.stats is not None and r.health.healthy:
                 resp.replicas.append(r.stats)

@@ -167,14 +167,45 @@ def test_an_ignore_eos_request_is_served_an_answer_cut_at_max_tokens():
     assert stub.requests == [] and finished(events).report.semantic_hit
 
 
+def _not_served(reason: str) -> float:
+    from services.orchestrator.pipeline import NOT_SERVED
+
+    return NOT_SERVED.labels(reason)._value.get()
+
+
 def test_an_ignore_eos_request_is_not_served_an_answer_that_ended_at_eos():
     stub, stubs = one_replica()
     orch = make(stubs, semantic=hit("Paris."))
+    before = _not_served("ignore_eos")
     events = run(orch, ignore_eos=True)
     assert len(stub.requests) == 1  # the model answers ...
     assert list(stub.requests[0].draft_token_ids) == list(b"Paris.")  # ... from the draft
     fin = finished(events)
     assert not fin.report.semantic_hit and fin.report.draft_entry_id == "e1"
+    # Counted: the semantic service counted a hit that nothing said went unserved.
+    assert orch.stats.semantic_hits_ignore_eos == 1 and _not_served("ignore_eos") == before + 1
+
+
+def test_every_semantic_hit_not_served_is_counted_in_metrics_and_saved_tokens_too():
+    """Sampled hits were in Stats only, and the tokens the semantic tier saved nowhere in
+    Prometheus: the orchestrator's metrics could not be reconciled with the tier's hits."""
+    from services.orchestrator.pipeline import TOKENS
+    from tests.orchestrator.test_contracts import cut_hit
+
+    saved = TOKENS.labels("saved_semantic")._value.get()
+    run(make(one_replica()[1], semantic=hit("Paris.")))
+    assert TOKENS.labels("saved_semantic")._value.get() == saved + len("Paris.")
+    short = _not_served("too_short")
+    run(make(one_replica()[1], semantic=cut_hit("abcdefgh", 8)), max_tokens=16)
+    assert _not_served("too_short") == short + 1
+    sampled = _not_served("sampled")
+    orch = make(one_replica()[1], semantic=hit("Paris."))
+    list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(16, 0.8, 1.0, 7, (), False), policy=Policy(), session_id="s",
+        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
+        on_cancel=lambda fn: None))
+    assert orch.stats.semantic_hits_sampled == 1 and _not_served("sampled") == sampled + 1
 
 
 # ---- every tier call is bounded by the request's deadline --------------------------------

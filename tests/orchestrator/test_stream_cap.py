@@ -378,6 +378,7 @@ class HeldStats:
         self.requests = {"semantic_hit": 0, "prefix_hit": 0, "cold": 0}
         self.prompt_tokens = self.cached_tokens = self.semantic_tokens_saved = 0
         self.semantic_hits_too_short = self.semantic_hits_sampled = 0
+        self.semantic_hits_ignore_eos = 0
         self.degradations: dict[str, int] = {}
 
     @property
