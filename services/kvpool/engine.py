@@ -286,6 +286,21 @@ class EngineStats(NamedTuple):
     prefill_computed_tokens_total: int = 0
 
 
+def out_of_memory(exc: BaseException) -> bool:
+    """Whether `exc` is an allocation that failed: torch's OutOfMemoryError (a GPU), or the
+    CPU allocator's RuntimeError."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    msg = str(exc)
+    return isinstance(exc, RuntimeError) and ("out of memory" in msg
+                                              or "can't allocate memory" in msg)
+
+
+def _release_cached_device_memory() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 class Engine:
     """Continuous-batching engine over a paged, ref-counted KV pool.
 
@@ -669,7 +684,23 @@ class Engine:
                 self.store.copy_block(src, dst)
             seq.num_computed = adm.cached_tokens
             seq.stored_blocks = adm.cached_tokens // self.pool.block_size
-            self.store.ensure_capacity(len(seq.tokens))
+            try:
+                self.store.ensure_capacity(len(seq.tokens))
+            except Exception as exc:
+                if not out_of_memory(exc):
+                    raise
+                # The working rows could not grow to this prompt (device memory, which runs
+                # out far sooner on a GPU): only it fails, as busy, so the orchestrator tries
+                # another replica. Raised from the step, it failed every running answer.
+                log.warning("%s: no memory to grow the working rows to %d tokens (%s); "
+                            "refused as busy", seq.seq_id, len(seq.tokens),
+                            str(exc).splitlines()[0][:200])
+                _release_cached_device_memory()
+                self._finish(seq, Failed(errors.Overloaded(
+                    f"device memory exhausted growing the working rows to {len(seq.tokens)} "
+                    "tokens; another replica may take it (TIERCACHE_KVPOOL_PREALLOCATE_ROWS "
+                    "reserves them at start)")))
+                continue
             self.store.load_row(seq.row, self.pool.blocks_of(seq.seq_id), adm.cached_tokens)
             if not seq.admitted_once:
                 seq.admitted_once = True
@@ -992,7 +1023,17 @@ class Engine:
         except PoolExhausted:
             d.withdraw()
             return []  # no room for speculation now; decode normally
-        self.store.ensure_capacity(len(seq.tokens) + len(prop))
+        try:
+            self.store.ensure_capacity(len(seq.tokens) + len(prop))
+        except Exception as exc:
+            if not out_of_memory(exc):
+                raise
+            # No memory to grow the rows for the proposal: decode normally, as with no
+            # blocks for it (raised, it failed every running answer).
+            self.pool.truncate(seq.seq_id, len(seq.tokens))
+            d.withdraw()
+            _release_cached_device_memory()
+            return []
         return prop
 
     def _draft_limit(self, seq: Sequence) -> int:

@@ -359,6 +359,61 @@ def test_a_request_that_cannot_be_admitted_fails_alone(make_engine, tiny_model,
     assert isinstance(fin_good, Finished) and toks == reference_greedy(tiny_model, a, 6)
 
 
+def test_no_memory_to_grow_the_rows_fails_only_the_request_that_needed_it(
+        make_engine, tiny_model, monkeypatch) -> None:
+    """An allocation that failed while the working rows grew for a new, longer prompt (a GPU
+    runs out far sooner) was raised from the step: every running answer failed with it."""
+    import torch
+
+    from services.common import errors
+    from services.kvpool.engine import Failed
+
+    eng = make_engine(num_blocks=64, drafts=False)
+    real = eng.store.ensure_capacity
+
+    def grow(num_tokens: int) -> None:
+        if num_tokens > 48:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        real(num_tokens)
+
+    monkeypatch.setattr(eng.store, "ensure_capacity", grow)
+    short = prompt(8, 50)
+    _, good = eng.submit(request(short, 12, rid="short", ignore_eos=True))
+    _, long_ = eng.submit(request(prompt(60, 51), 4, rid="long"))
+    toks, fin_good = collect(good)
+    _, fin_long = collect(long_)
+    assert isinstance(fin_good, Finished) and toks == reference_greedy(tiny_model, short, 12)
+    assert isinstance(fin_long, Failed) and isinstance(fin_long.error, errors.Overloaded)
+    assert "device memory exhausted" in str(fin_long.error)
+
+
+def test_no_memory_for_a_draft_proposal_decodes_without_it(make_engine, tiny_model,
+                                                            monkeypatch) -> None:
+    """The rows growing for a draft's proposal failed the step, and with it every answer; now
+    the proposal is withdrawn (its blocks given back) and the answer is decoded as usual."""
+    import sys
+
+    import torch
+
+    eng = make_engine(num_blocks=64)
+    real = eng.store.ensure_capacity
+    refused = []
+
+    def grow(num_tokens: int) -> None:
+        if sys._getframe(1).f_code.co_name == "_proposal":
+            refused.append(num_tokens)
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        real(num_tokens)
+
+    monkeypatch.setattr(eng.store, "ensure_capacity", grow)
+    a = prompt(8, 52)
+    want = reference_greedy(tiny_model, a, 10)
+    toks, fin = collect(eng.submit(request(a, 10, rid="d", ignore_eos=True, draft=want))[1])
+    assert isinstance(fin, Finished) and toks == want
+    assert refused and fin.draft_tokens_proposed == 0
+    eng.call(eng.check_integrity).result(5)
+
+
 def test_the_engine_keeps_serving_after_publishing_its_state_fails(make_engine, tiny_model,
                                                                   monkeypatch) -> None:
     eng = make_engine(num_blocks=32, drafts=False)
