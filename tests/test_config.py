@@ -125,6 +125,75 @@ def test_a_cuda_device_without_cuda_is_refused_before_the_model_loads(monkeypatc
     assert device_problem("cuda:0") == "" and "only 1" in device_problem("cuda:1")
 
 
+def test_library_callers_get_the_device_problem_not_torchs_assertion(monkeypatch):
+    """build_replica/load_model (benchmarks, tests) skipped the check __main__ makes: a CUDA
+    device on a CPU-only torch raised AssertionError from inside torch."""
+    import pytest
+    import torch
+
+    from services.kvpool.app import load_model
+    from services.kvpool.config import KvPoolConfig
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match=r"^TIERCACHE_KVPOOL_DEVICE=cuda:0: this torch .* sees "
+                                         r"no CUDA device"):
+        load_model(KvPoolConfig(device="cuda:0"))
+
+
+def test_float32_matmuls_are_pinned_to_full_precision_on_cuda():
+    """Nothing turned TF32 off: with NVIDIA_TF32_OVERRIDE=1, or any import enabling it, float32
+    products kept ~10 mantissa bits and greedy tokens could change with batching."""
+    import torch
+
+    from services.kvpool.app import exact_matmuls
+
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+             torch.get_float32_matmul_precision(),
+             torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+             torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction)
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("medium")
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = True
+        exact_matmuls()
+        assert not torch.backends.cuda.matmul.allow_tf32 and not torch.backends.cudnn.allow_tf32
+        assert torch.get_float32_matmul_precision() == "highest"
+        assert not torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction
+        assert not torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction
+    finally:
+        (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32) = saved[:2]
+        torch.set_float32_matmul_precision(saved[2])
+        torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = saved[3]
+        torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = saved[4]
+
+
+def test_out_of_device_memory_at_start_is_a_bad_configuration(monkeypatch, capfd):
+    """A pool or rows too big for the GPU gave a traceback and exit 1, naming no setting."""
+    import logging
+
+    import torch
+
+    import services.kvpool.__main__ as kv_main
+
+    def too_big(cfg):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(kv_main, "build_replica", too_big)
+    monkeypatch.setenv("TIERCACHE_KVPOOL_ADDRESS", "127.0.0.1:0")
+    monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "-1")
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        assert kv_main.main([]) == 2
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    err = capfd.readouterr().err
+    assert "out of device memory" in err and "TIERCACHE_KVPOOL_KV_CACHE_BYTES" in err
+    assert "Traceback" not in err
+
+
 def test_another_embedding_folder_gets_its_own_name():
     """The default name used to stand for any folder: another model's ONNX export went to
     all-MiniLM-L6-v2's cache path (replacing it) and its entries carried MiniLM's name."""

@@ -22,27 +22,12 @@ from services.common.bootstrap import (  # noqa: E402
     service_main,
 )
 from services.common.model_store import ModelStoreError  # noqa: E402
-from services.kvpool.app import build_replica  # noqa: E402
+from services.kvpool.app import build_replica, device_problem  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
 from services.kvpool.publisher import Publisher  # noqa: E402
 from services.kvpool.server import KvPoolServicer, watch_engine  # noqa: E402
 
 log = logging.getLogger("services.kvpool")
-
-
-def device_problem(device: str) -> str:
-    """Why this process cannot use `device` ("" = it can). Checked before the model loads."""
-    if not device.startswith("cuda"):
-        return ""
-    import torch
-
-    if not torch.cuda.is_available():
-        return (f"this torch ({torch.__version__}) sees no CUDA device; a GPU needs a CUDA "
-                "build of torch (the `cuda` image) and a visible GPU")
-    _, _, index = device.partition(":")
-    if index and int(index) >= torch.cuda.device_count():
-        return f"only {torch.cuda.device_count()} CUDA device(s) are visible"
-    return ""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +69,15 @@ def _main(argv: list[str] | None) -> int:
         # files while converting, which a restart with the same settings would meet again;
         # ValueError: a config.json transformers does not recognise).
         log.error("bad configuration (the model could not be loaded): %s", exc)
+        handle.stop(None)
+        return 2
+    except torch.OutOfMemoryError as exc:
+        # A traceback and exit 1 named none of the settings that size what did not fit, and a
+        # pod crash-looped on it.
+        log.error("bad configuration: out of device memory loading the model and its KV pool "
+                  "on %s (%s); lower TIERCACHE_KVPOOL_KV_CACHE_BYTES (or NUM_BLOCKS), "
+                  "MAX_BATCH_SIZE or MAX_CONTEXT, or pick a device with more memory",
+                  cfg.device, str(exc).splitlines()[0][:200])
         handle.stop(None)
         return 2
     publisher = None

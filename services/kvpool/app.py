@@ -36,10 +36,46 @@ class Replica:
     info: ModelInfo
 
 
+def device_problem(device: str) -> str:
+    """Why this process cannot use `device` ("" = it can). Checked before the model loads."""
+    if not device.startswith("cuda"):
+        return ""
+    if not torch.cuda.is_available():
+        return (f"this torch ({torch.__version__}) sees no CUDA device; a GPU needs a CUDA "
+                "build of torch (the `cuda` image) and a visible GPU")
+    _, _, index = device.partition(":")
+    if index and int(index) >= torch.cuda.device_count():
+        return f"only {torch.cuda.device_count()} CUDA device(s) are visible"
+    return ""
+
+
+def exact_matmuls() -> None:
+    """float32 matrix products at full precision on CUDA: TF32 (NVIDIA_TF32_OVERRIDE, or any
+    import that turns it on) keeps ~10 mantissa bits, and greedy tokens would then change with
+    batching and caching where float32 promises they do not. Half-precision reductions stay
+    in float32 too."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+
+
 def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
     """Resolve and load the configured model on its device, its linear layers on the configured
-    kernels; returns (model, model_id, what `pack_linears` did)."""
+    kernels; returns (model, model_id, what `pack_linears` did).
+
+    Raises:
+        ValueError: the configured device cannot be used here (before anything loads).
+    """
     from transformers import AutoModelForCausalLM
+
+    problem = device_problem(cfg.device)
+    if problem:  # callers other than __main__ (benchmarks, tests) got torch's AssertionError
+        raise ValueError(f"TIERCACHE_KVPOOL_DEVICE={cfg.device}: {problem}")
+    if cfg.device.startswith("cuda"):
+        exact_matmuls()
+        log.info("CUDA: float32 matrix products at full precision (TF32 off)")
 
     def load(path: str) -> Any:
         log.info("loading model from %s on %s (%s)", path, cfg.device, cfg.dtype)
@@ -54,7 +90,10 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
         log.info("linear layers: %d on oneDNN with packed weights "
                  "(TIERCACHE_KVPOOL_LINEAR_KERNELS)", packing.layers)
     elif packing.why_not != "configured":
-        log.warning("linear layers stay on torch's kernels: %s", packing.why_not)
+        # Expected off the CPU (oneDNN is a CPU library): said, not warned, at every GPU start.
+        on_cpu = next(model.parameters()).device.type == "cpu"
+        log.log(logging.WARNING if on_cpu else logging.INFO,
+                "linear layers stay on torch's kernels: %s", packing.why_not)
     return model, resolved.model_id, packing
 
 
