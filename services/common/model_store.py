@@ -143,6 +143,24 @@ def _marker_text(target: Path) -> str | None:
         return None
 
 
+def eos_token_ids(path: str, tokenizer: Any = None) -> frozenset[int]:
+    """Every id that ends an answer of the model in `path`, as a replica reads them: the
+    generation config's `eos_token_id` (an int or a list), else config.json's, else the
+    tokenizer's one."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            with open(os.path.join(path, name), encoding="utf-8") as f:
+                eos = json.load(f).get("eos_token_id")
+        except (OSError, ValueError, AttributeError):
+            continue
+        ids = [eos] if isinstance(eos, int) else eos if isinstance(eos, list) else []
+        ids = [i for i in ids if isinstance(i, int) and not isinstance(i, bool) and i >= 0]
+        if ids:
+            return frozenset(ids)
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return frozenset([eos]) if isinstance(eos, int) else frozenset()
+
+
 def load_tokenizer(path: str) -> Any:
     """The tokenizer of a resolved model folder (chat template included)."""
     from transformers import AutoTokenizer

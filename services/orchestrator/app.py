@@ -6,7 +6,7 @@ import logging
 from dataclasses import dataclass
 
 from services.common.hashing import BlockHasher, hash_key_from_env
-from services.common.model_store import load_resolved, load_tokenizer
+from services.common.model_store import eos_token_ids, load_resolved, load_tokenizer
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.dispatched import DispatchMemory
@@ -69,7 +69,7 @@ def build(cfg: OrchestratorConfig) -> App:
                                     cfg.routing_load_floor),
         internal_token=cfg.internal_token, default_tier=cfg.semantic_tier,
         enable_drafts=cfg.enable_drafts, store_sampled=cfg.store_sampled,
-        serve_sampled=cfg.serve_sampled,
+        serve_sampled=cfg.serve_sampled, eos_token_ids=eos_token_ids(resolved.path, tok),
         max_attempts=cfg.max_attempts, min_prefix_tokens=cfg.min_prefix_tokens,
         dispatched=(DispatchMemory(cfg.block_size, cfg.dispatch_memory_s)
                     if cfg.dispatch_memory_s > 0 else None))

@@ -167,7 +167,8 @@ class Orchestrator:
                  replicas: ReplicaSet, semantic: SemanticBackend, prefix, routing: RoutingPolicy,
                  internal_token: str, default_tier: str, enable_drafts: bool,
                  store_sampled: bool, max_attempts: int, min_prefix_tokens: int,
-                 dispatched: DispatchMemory | None = None, serve_sampled: bool = False) -> None:
+                 dispatched: DispatchMemory | None = None, serve_sampled: bool = False,
+                 eos_token_ids: frozenset[int] | None = None) -> None:
         self.renderer = renderer
         self.tok = tokenizer
         self.model_id = model_id
@@ -189,7 +190,13 @@ class Orchestrator:
         self._route_lock = threading.Lock()
         # Tokens a stored answer's text leaves out (skip_special_tokens): the end of sequence.
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
-        self._eos_id = getattr(tokenizer, "eos_token_id", None)
+        # Every id that ends the model's answer, as the replicas read them (the generation
+        # config's list: Llama 3 and Qwen 2.5 name several), else the tokenizer's one: with
+        # that one alone, an answer ending on another was not seen as ended.
+        tok_eos = getattr(tokenizer, "eos_token_id", None)
+        self._eos_ids: frozenset[int] = (frozenset(eos_token_ids) if eos_token_ids
+                                         else frozenset([tok_eos]) if tok_eos is not None
+                                         else frozenset())
 
     # ---- semantic tier -------------------------------------------------------------------
     def _namespace(self, tenant: Tenant, prompt: RenderedPrompt) -> semantic_pb2.Namespace:
@@ -616,7 +623,8 @@ class Orchestrator:
         # An ignore_eos answer that ran on past the model's end of sequence is not an answer
         # to serve. One that ended at max_tokens or a stop token is stored as cut short after
         # its token count (it serves only requests that want no more tokens than that).
-        past_end = sampling.ignore_eos and (self._eos_id is None or self._eos_id in generated)
+        past_end = sampling.ignore_eos and (not self._eos_ids
+                                            or not self._eos_ids.isdisjoint(generated))
         cut_short = final.finish_reason != common_pb2.FINISH_REASON_EOS
         # An answer replaces a stored answer of the same prompt: a cut-short one not where the
         # lookup hit one at least as long (an ignore_eos request with a small max_tokens,
@@ -641,7 +649,7 @@ class Orchestrator:
             return None
         # In the replica's order: the end of sequence before a stop token (a client often
         # gives the EOS id as a stop token too).
-        if not sampling.ignore_eos and generated[-1] == self._eos_id:
+        if not sampling.ignore_eos and generated[-1] in self._eos_ids:
             return common_pb2.FINISH_REASON_EOS
         if generated[-1] in sampling.stop_token_ids:
             return common_pb2.FINISH_REASON_STOP
@@ -659,7 +667,7 @@ class Orchestrator:
         # often do), is the whole answer (CACHED), not one cut at a stop token.
         last = len(ids) - 1
         first_stop = next((i for i, t in enumerate(ids) if t in stop
-                           and not (i == last and t == self._eos_id
+                           and not (i == last and t in self._eos_ids
                                     and not sampling.ignore_eos)), None)
         if first_stop is not None and first_stop < sampling.max_tokens:
             # The request's stop token ends the answer there, as it would end the model's

@@ -141,6 +141,40 @@ def test_a_stop_token_inside_a_character_ends_a_hit_before_it():
     assert finished(events).finish_reason == common_pb2.FINISH_REASON_STOP
 
 
+def test_every_end_of_sequence_id_the_model_lists_ends_an_answer():
+    """Only the tokenizer's eos_token_id was read: a model listing several (Llama 3, Qwen 2.5)
+    had an ignore_eos answer that ran past another of them stored as an answer."""
+    said = [ord("a"), 7, ord("b"), ord("c")]  # 7: the model's second end-of-sequence id
+
+    def replica():
+        return Stub("A", [Call([kvpool_pb2.KvGenerateResponse(
+            token_ids=said, final=kvpool_pb2.KvGenerateFinal(
+                finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id="A"))])])
+
+    sem = RecordingSemantic()
+    run(make({"A": replica()}, semantic=sem), max_tokens=4, ignore_eos=True)
+    assert len(sem.stores) == 1  # with the tokenizer's id (0) alone: ran past no end
+    orch = make({"A": replica()}, semantic=(sem := RecordingSemantic()))
+    orch._eos_ids = frozenset({0, 7})
+    run(orch, max_tokens=4, ignore_eos=True)
+    assert sem.stores == []
+
+
+def test_eos_ids_are_read_as_a_replica_reads_them(tmp_path):
+    import json
+
+    from services.common.model_store import eos_token_ids
+
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    assert eos_token_ids(str(tmp_path)) == {2}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [5, 9]}))
+    assert eos_token_ids(str(tmp_path)) == {5, 9}  # the generation config first, as a list
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert eos_token_ids(str(empty), SimpleNamespace(eos_token_id=3)) == {3}
+    assert eos_token_ids(str(empty)) == frozenset()
+
+
 def test_the_stored_answer_keeps_the_models_leading_space():
     """A raw completion's answer usually starts with a space (" Rome."); it was stored
     stripped, so a hit served "Rome." (and "...Italy isRome." once joined to the prompt), with
