@@ -1171,7 +1171,11 @@ class Engine:
             try:
                 pinned = self.pool.pin(table[:full], seq.req.pin_ttl_seconds)
             except PoolExhausted as exc:  # computed and cached, but not pinned
-                self._finish(seq, Failed(errors.ResourceExhausted(f"pin refused: {exc}")))
+                # What was done is said: the error alone read as "nothing computed".
+                self._finish(seq, Failed(errors.ResourceExhausted(
+                    f"pin refused: {exc} (the prompt is computed and cached: "
+                    f"{seq.computed_tokens} of its {seq.prompt_len} tokens computed now, "
+                    f"{full} blocks cached, none pinned)")))
                 return
         self._finish(seq, self._final(seq, FinishReason.PREFILLED, pinned))
 
