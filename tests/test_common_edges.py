@@ -452,3 +452,28 @@ def test_the_launcher_says_a_conversion_comes_only_when_one_will(tmp_path):
     (stale / model_store._DONE_MARKER).write_text(json.dumps({"source_id": sid, "files": {}}))
     assert not model_to_convert({"TIERCACHE_KVPOOL_CACHE_DIR": str(tmp_path / "stale"),
                                  "TIERCACHE_ORCHESTRATOR_MODEL": str(folder)})
+
+
+def test_a_variable_no_setting_reads_is_refused_with_the_closest_name():
+    """TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESS (singular) was ignored: the default replica
+    address stayed in force and the service said it was ready."""
+    from services.orchestrator.config import OrchestratorConfig
+
+    env = {"TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESS": "10.0.0.1:50054",
+           "TIERCACHE_ORCHESTRATOR_TLS_CERT": "c.pem",  # read by the TLS set-up, not a field
+           "TIERCACHE_KVPOOL_NOT_MINE": "1"}  # another service's prefix: not this one's to judge
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESS \(did you "
+                                          r"mean TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES\?\)"):
+        load_config(OrchestratorConfig, "orchestrator", [], env)
+    env.pop("TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESS")
+    assert load_config(OrchestratorConfig, "orchestrator", [], env).kvpool_addresses
+
+
+def test_a_flag_is_never_taken_for_a_longer_one():
+    """--max-tokens 512 silently set max_tokens_limit (argparse's abbreviations)."""
+    from services.orchestrator.config import OrchestratorConfig
+
+    with pytest.raises(SystemExit):
+        load_config(OrchestratorConfig, "orchestrator", ["--max-tokens", "512"], {})
+    cfg = load_config(OrchestratorConfig, "orchestrator", ["--max-tokens-limit", "512"], {})
+    assert cfg.max_tokens_limit == 512

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import math
 import os
 import typing
@@ -91,7 +92,8 @@ def load_config(
     environ = os.environ if environ is None else environ
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    parser = argparse.ArgumentParser(prog=f"python -m services.{service}")
+    # No abbreviations: "--max-tokens" silently set max_tokens_limit, not the default.
+    parser = argparse.ArgumentParser(prog=f"python -m services.{service}", allow_abbrev=False)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
                             metavar=_metavar(hints[f.name]),
@@ -106,6 +108,7 @@ def load_config(
             values[f.name] = _parse(raw, hints[f.name], flags[var])
         elif var in environ:
             values[f.name] = _parse(environ[var], hints[f.name], var)
+    _refuse_unknown_names(cls, service, environ)
     token = values.get("internal_token")
     if isinstance(token, str):
         # A Secret made with --from-file ends in a newline; gRPC refuses such metadata (and
@@ -132,6 +135,27 @@ def load_config(
                 msg = f"{flags[var]} (env {var}){msg[len(var):]}"
             raise ConfigError(msg) from None
     return cfg
+
+
+# Names under a service's prefix that are read outside its config class.
+_READ_ELSEWHERE = ("TLS_CERT", "TLS_KEY")
+
+
+def _refuse_unknown_names(cls: type, service: str, environ: Mapping[str, str]) -> None:
+    """A TIERCACHE_<SERVICE>_ variable no setting reads is a typo: ignored, it left the
+    default in force without a word (TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESS, singular, kept the
+    default replica address)."""
+    prefix = env_name(service, "")
+    known = {env_name(service, f.name) for f in dataclasses.fields(cls)}
+    known.update(prefix + extra for extra in _READ_ELSEWHERE)
+    unknown = sorted(v for v in environ if v.startswith(prefix) and v not in known)
+    if unknown:
+        hints = []
+        for v in unknown:
+            close = difflib.get_close_matches(v, sorted(known), n=1, cutoff=0.75)
+            hints.append(f"{v} (did you mean {close[0]}?)" if close else v)
+        raise ConfigError(f"{'; '.join(hints)}: not a setting of this service (python -m "
+                          f"services.{service} --help lists them)")
 
 
 def _shown_default(f: dataclasses.Field) -> str:
