@@ -209,7 +209,7 @@ class ReplicaSet:
         r = self.replicas[i]
         try:
             s, ours_after = fut.result()
-            wrong = self._mismatch(s)
+            wrong = self._mismatch(s) or self._id_taken(r, s)
             if wrong:
                 if r.health.healthy or r.health.last_error != wrong:
                     log.error("replica %s at %s is out of routing: %s", s.replica_id,
@@ -268,6 +268,23 @@ class ReplicaSet:
         if self.block_size and s.block_size and s.block_size != self.block_size:
             return f"its KV block size is {s.block_size}, this orchestrator's {self.block_size}"
         return ""
+
+    def _id_taken(self, r: Replica, s: kvpool_pb2.KvStatsResponse) -> str:
+        """Why `r` must stay out of routing because another address in routing already answers
+        under its replica id ("" = none does). Two replicas left at the default id
+        (kvpool-0) both looked healthy: one got every request, and the index, which keys
+        holdings by id, swapped one for the other every heartbeat. The first to answer keeps
+        the id; the other comes in once that one leaves routing."""
+        rid = s.replica_id
+        if not rid:
+            return ""
+        with self._lock:
+            other = next((o for o in self.replicas if o is not r and o.replica_id == rid
+                          and o.stats is not None and o.health.healthy), None)
+        if other is None:
+            return ""
+        return (f"replica id {rid!r} is also answered by {other.address}: give each replica "
+                "its own TIERCACHE_KVPOOL_REPLICA_ID")
 
     def _lost(self, r: Replica) -> None:
         for fn in self.on_lost:

@@ -241,6 +241,33 @@ def test_a_replica_serving_another_model_or_block_size_is_kept_out_of_routing():
     assert [r.replica_id for r in rs.healthy()] == ["r0", "r1"]
 
 
+def test_two_addresses_answering_under_one_replica_id_route_to_the_first_only():
+    """Two replicas left at the default id (kvpool-0) both looked healthy: one got every
+    request, and the index swapped their holdings every heartbeat, without a word."""
+    class Named(StatsStub):
+        def __init__(self, name, rid):
+            super().__init__(name, 0)
+            self.rid = rid
+
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802
+            return kvpool_pb2.KvStatsResponse(replica_id=self.rid, model_id="m", block_size=16)
+
+    rs = ReplicaSet(addresses=(), internal_token="", model_id="m", block_size=16)
+    a, b = (Replica(addr, Named(addr, "kvpool-0"), Health("kvpool", addr))
+            for addr in ("10.0.0.1:50054", "10.0.0.2:50054"))
+    rs.replicas.extend([a, b])
+    rs.poll_once()  # polled at once: whichever answer is applied first keeps the id
+    rs.poll_once()  # asked again: it keeps it, and the other stays out
+    (first,) = rs.healthy()
+    other = b if first is a else a
+    assert (f"replica id 'kvpool-0' is also answered by {first.address}"
+            in other.health.last_error)
+    assert "TIERCACHE_KVPOOL_REPLICA_ID" in other.health.last_error
+    other.stub.rid = "kvpool-1"  # given its own id: back in routing
+    rs.poll_once()
+    assert rs.healthy() == [a, b] and other.replica_id == "kvpool-1"
+
+
 def test_replicas_are_polled_at_once_so_a_slow_one_delays_no_other():
     """The poller asked one replica at a time with a 5 s timeout: each hung replica added 5 s
     to every cycle, and every other replica's load and health went stale meanwhile. Here the
