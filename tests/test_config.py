@@ -194,6 +194,41 @@ def test_out_of_device_memory_at_start_is_a_bad_configuration(monkeypatch, capfd
     assert "Traceback" not in err
 
 
+def test_a_pool_too_big_for_memory_is_a_bad_configuration(monkeypatch, capfd):
+    """kv_cache_bytes making billions of blocks built a Python list of them first (2.6 GB in
+    30 s and growing); a CPU allocation that failed was a traceback and exit 1."""
+    import logging
+    from types import SimpleNamespace
+
+    import pytest
+    import torch
+
+    import services.kvpool.__main__ as kv_main
+    from services.kvpool.app import pool_blocks
+    from services.kvpool.config import KvPoolConfig
+
+    info = SimpleNamespace(num_layers=2, kv_heads=2, head_dim=8)
+    with pytest.raises(ValueError, match=r"^TIERCACHE_KVPOOL_KV_CACHE_BYTES: .* over the limit"):
+        pool_blocks(KvPoolConfig(kv_cache_bytes=10**18), info, torch.float32)
+
+    def too_big(cfg):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: "
+                           "can't allocate memory: you tried to allocate 2211840000000 bytes")
+
+    monkeypatch.setattr(kv_main, "build_replica", too_big)
+    monkeypatch.setenv("TIERCACHE_KVPOOL_ADDRESS", "127.0.0.1:0")
+    monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "-1")
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        assert kv_main.main([]) == 2
+    finally:
+        root.handlers[:], _ = saved
+        root.setLevel(saved[1])
+    err = capfd.readouterr().err
+    assert "TIERCACHE_KVPOOL_KV_CACHE_BYTES" in err and "Traceback" not in err
+
+
 def test_another_embedding_folder_gets_its_own_name():
     """The default name used to stand for any folder: another model's ONNX export went to
     all-MiniLM-L6-v2's cache path (replacing it) and its entries carried MiniLM's name."""
@@ -297,6 +332,25 @@ def test_a_listen_address_outside_host_port_is_refused(service, address):
     ("orchestrator", {"TIERCACHE_ORCHESTRATOR_BLOCK_SIZE": "2000000"},
      "TIERCACHE_ORCHESTRATOR_BLOCK_SIZE"),
     ("prefix", {"TIERCACHE_PREFIX_BLOCK_SIZE": "2000000"}, "TIERCACHE_PREFIX_BLOCK_SIZE"),
+    # Refused by the index at Register, forever: the replica served and was never indexed.
+    ("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": "kv pool"}, "TIERCACHE_KVPOOL_REPLICA_ID"),
+    ("kvpool", {"TIERCACHE_KVPOOL_MODEL_ID": "m" * 300}, "TIERCACHE_KVPOOL_MODEL_ID"),
+    # Overflowed inside torch, faiss or ONNX Runtime later (a dead engine thread, a merge
+    # thread's traceback at every start, a hang), or grew a list until the OOM killer.
+    ("kvpool", {"TIERCACHE_KVPOOL_TORCH_THREADS": "99999999999999999999"},
+     "TIERCACHE_KVPOOL_TORCH_THREADS"),
+    ("kvpool", {"TIERCACHE_KVPOOL_NUM_BLOCKS": "99999999999999999999"},
+     "TIERCACHE_KVPOOL_NUM_BLOCKS"),
+    ("semantic", {"TIERCACHE_SEMANTIC_HNSW_EF_SEARCH": "3000000000"},
+     "TIERCACHE_SEMANTIC_HNSW_EF_SEARCH"),
+    ("semantic", {"TIERCACHE_SEMANTIC_HNSW_EF_CONSTRUCTION": "3000000000"},
+     "TIERCACHE_SEMANTIC_HNSW_EF_CONSTRUCTION"),
+    ("semantic", {"TIERCACHE_SEMANTIC_FAISS_THREADS": "5000000000"},
+     "TIERCACHE_SEMANTIC_FAISS_THREADS"),
+    ("semantic", {"TIERCACHE_SEMANTIC_ONNX_THREADS": "100000"}, "TIERCACHE_SEMANTIC_ONNX_THREADS"),
+    # Every replica counted as a prefix holder: routing lost its session ring.
+    ("orchestrator", {"TIERCACHE_ORCHESTRATOR_MIN_PREFIX_TOKENS": "-5"},
+     "TIERCACHE_ORCHESTRATOR_MIN_PREFIX_TOKENS"),
 ])
 def test_settings_that_started_a_service_refusing_everything_are_refused(service, env, var):
     """Crossed tiers made strict laxer than relaxed; a tenant/message limit of 0 refused every

@@ -24,6 +24,7 @@ from services.common.bootstrap import (  # noqa: E402
 from services.common.model_store import ModelStoreError  # noqa: E402
 from services.kvpool.app import build_replica, device_problem  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
+from services.kvpool.engine import out_of_memory  # noqa: E402
 from services.kvpool.publisher import Publisher  # noqa: E402
 from services.kvpool.server import KvPoolServicer, watch_engine  # noqa: E402
 
@@ -71,7 +72,9 @@ def _main(argv: list[str] | None) -> int:
         log.error("bad configuration (the model could not be loaded): %s", exc)
         handle.stop(None)
         return 2
-    except torch.OutOfMemoryError as exc:
+    except (torch.OutOfMemoryError, RuntimeError) as exc:
+        if not out_of_memory(exc):
+            raise
         # A traceback and exit 1 named none of the settings that size what did not fit, and a
         # pod crash-looped on it.
         log.error("bad configuration: out of device memory loading the model and its KV pool "

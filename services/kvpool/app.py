@@ -16,7 +16,7 @@ from services.common.model_store import load_resolved
 from services.common.policy import make_policy
 from services.kvpool.block_pool import BlockPool
 from services.kvpool.calibrate import forward_costs
-from services.kvpool.config import KvPoolConfig
+from services.kvpool.config import MAX_BLOCKS, KvPoolConfig
 from services.kvpool.drafting import LadderChoice, choose_ladder, default_ladder
 from services.kvpool.engine import Engine, ModelInfo, model_info
 from services.kvpool.linear import Packing, pack_linears
@@ -110,7 +110,11 @@ def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
     if cfg.kv_cache_bytes < per:
         raise ValueError(f"TIERCACHE_KVPOOL_KV_CACHE_BYTES: {cfg.kv_cache_bytes} bytes hold no KV "
                          f"block of this model ({per} bytes per {cfg.block_size}-token block)")
-    return cfg.kv_cache_bytes // per
+    blocks = cfg.kv_cache_bytes // per
+    if blocks > MAX_BLOCKS:
+        raise ValueError(f"TIERCACHE_KVPOOL_KV_CACHE_BYTES: {cfg.kv_cache_bytes} bytes make "
+                         f"{blocks:,} KV blocks of this model, over the limit of {MAX_BLOCKS:,}")
+    return blocks
 
 
 # A multi-token forward timed under this share of a 1-token one: noise. On oneDNN kernels a

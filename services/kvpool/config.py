@@ -9,6 +9,10 @@ from services.common.config import require, require_addresses, require_listen_ad
 
 SERVICE = "kvpool"
 LINEAR_KERNELS = ("onednn", "torch")  # see `KvPoolConfig.linear_kernels`
+# Bounds past any real pool or host: beyond them the pool's bookkeeping list alone grew
+# until the OOM killer, and a thread count overflowed inside torch on the engine thread.
+MAX_BLOCKS = 1 << 22
+MAX_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,16 @@ class KvPoolConfig:
         require(bool(self.replica_id.strip()), s, "replica_id", "must not be empty")
         # The prefix index refuses longer ids at Register: the replica would never be indexed.
         require(len(self.replica_id) <= 256, s, "replica_id", "must be at most 256 characters")
+        # The index's own rules at Register: broken, the replica served but was never indexed
+        # (INVALID_ARGUMENT, retried every 5 s for good).
+        require(self.replica_id.isprintable() and not any(c.isspace() for c in self.replica_id),
+                s, "replica_id", "printable characters without spaces only")
+        require(len(self.model_id) <= 256 and "\0" not in self.model_id, s, "model_id",
+                "at most 256 characters, no NUL")
+        require(self.num_blocks <= MAX_BLOCKS, s, "num_blocks",
+                f"must be at most {MAX_BLOCKS:,} (a pool that large fits no memory)")
+        require(self.torch_threads <= MAX_THREADS, s, "torch_threads",
+                f"must be at most {MAX_THREADS}")
         require_listen_address(self.address, s)
         if self.prefix_address.strip():  # "" = no prefix index; anything else must name one
             require_addresses(self.prefix_address.split(","), s, "prefix_address",

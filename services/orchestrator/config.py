@@ -117,6 +117,8 @@ class OrchestratorConfig:
     def validate(self) -> None:
         require(-1 <= self.metrics_port <= 65535, SVC, "metrics_port",
                 "must be -1 (off), 0 or a port")
+        # 0 or less made every replica a prefix holder (routing lost its session ring).
+        require(self.min_prefix_tokens >= 1, SVC, "min_prefix_tokens", "must be >= 1")
         try:
             parse_token_pairs(self.tokens)
         except ValueError as exc:

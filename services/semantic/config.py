@@ -142,7 +142,10 @@ class SemanticConfig:
         md = self.resolved_model_dir()
         require(bool(md) and os.path.isdir(md), s, "model_dir",
                 f"not a sentence-transformers folder: {md!r}")
-        require(self.onnx_threads >= 0, s, "onnx_threads", "must be >= 0")
+        # Upper bounds: past them a thread count overflowed inside OpenMP or ONNX Runtime (a
+        # traceback, or a start that hung and ignored SIGTERM), and an ef value inside faiss
+        # on the merge thread, crash-looping every start on the same database.
+        require(0 <= self.onnx_threads <= 1024, s, "onnx_threads", "must be in [0, 1024]")
         require(self.onnx_exporter in EXPORTERS, s, "onnx_exporter",
                 f"must be one of {', '.join(EXPORTERS)}, got {self.onnx_exporter!r}")
         require(1 <= self.max_batch <= 1024, s, "max_batch", "must be in [1, 1024]")
@@ -151,9 +154,10 @@ class SemanticConfig:
                 "sqlite_synchronous", "must be FULL, NORMAL or EXTRA")
         require(self.hnsw_min_entries >= 1, s, "hnsw_min_entries", "must be >= 1")
         require(4 <= self.hnsw_m <= 128, s, "hnsw_m", "must be in [4, 128]")
-        require(self.hnsw_ef_construction >= 8, s, "hnsw_ef_construction", "must be >= 8")
-        require(self.hnsw_ef_search >= 8, s, "hnsw_ef_search", "must be >= 8")
-        require(self.faiss_threads >= 1, s, "faiss_threads", "must be >= 1")
+        require(8 <= self.hnsw_ef_construction <= 32768, s, "hnsw_ef_construction",
+                "must be in [8, 32768]")
+        require(8 <= self.hnsw_ef_search <= 32768, s, "hnsw_ef_search", "must be in [8, 32768]")
+        require(1 <= self.faiss_threads <= 1024, s, "faiss_threads", "must be in [1, 1024]")
         require(self.delta_capacity >= 1, s, "delta_capacity", "must be >= 1")
         for name in ("tier_strict", "tier_standard", "tier_relaxed"):
             v = getattr(self, name)
