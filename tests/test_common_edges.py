@@ -477,3 +477,24 @@ def test_a_flag_is_never_taken_for_a_longer_one():
         load_config(OrchestratorConfig, "orchestrator", ["--max-tokens", "512"], {})
     cfg = load_config(OrchestratorConfig, "orchestrator", ["--max-tokens-limit", "512"], {})
     assert cfg.max_tokens_limit == 512
+
+
+def test_addresses_gRPC_cannot_reach_are_refused_with_the_fix():
+    """'a:1;b:2' and 'http://a:1' started and reported ready; a bare IPv6 address to dial
+    failed at every call ("Misformatted domain name"), and to listen on was reported as "the
+    port is in use"."""
+    from services.common.config import is_host_port, require_listen_address
+
+    for bad in ("a:1;b:2", "http://a:1", "a/b:1"):
+        with pytest.raises(ConfigError, match="is not host:port"):
+            require_addresses([bad], "orchestrator", "kvpool_addresses", allow_none=False)
+    with pytest.raises(ConfigError, match=r"IPv6 address goes in brackets: \[fd00::1\]:port"):
+        require_addresses(["fd00::1:50054"], "orchestrator", "kvpool_addresses",
+                          allow_none=False)
+    with pytest.raises(ConfigError, match=r"TIERCACHE_PREFIX_ADDRESS: .*in brackets"):
+        require_listen_address("::1:58101", "prefix")
+    require_addresses(["[fd00::1]:50054", "dns:///kvpool-0.kvpool:50054", "kv-0:50054"],
+                      "orchestrator", "kvpool_addresses", allow_none=False)
+    require_listen_address("[::]:50054", "prefix")
+    # An address nobody dials (a replica's advertised pod IP) may stay bare.
+    assert is_host_port("fd00:10:244::5:50054") and not is_host_port("fd00::5:1", dialed=True)

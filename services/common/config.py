@@ -190,23 +190,48 @@ def require(cond: bool, service: str, field: str, why: str) -> None:
         raise ConfigError(f"{env_name(service, field)}: {why}")
 
 
-def is_host_port(a: str, *, listen: bool = False) -> bool:
-    """host:port, the host anything without spaces or commas (a name, an IPv4 address, a bare
-    or [bracketed] IPv6 address, a gRPC target such as dns:///name); the port 1..65535, or
-    0..65535 for an address to listen on (0 = any free port)."""
+# gRPC target schemes an address to dial may start with (name resolution, not host:port).
+_GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "xds:")
+
+
+def is_host_port(a: str, *, listen: bool = False, dialed: bool = False) -> bool:
+    """host:port, the host anything without spaces, commas, semicolons or slashes (a name, an
+    IPv4 address, a [bracketed] IPv6 address), or a gRPC target such as dns:///name:port to
+    dial; the port 1..65535, or 0..65535 for an address to listen on (0 = any free port).
+    A bare IPv6 address (fd00::5:50054) stands only for an address nobody dials (a replica's
+    advertised one, as a pod IP gives it): gRPC fails to dial it ("Misformatted domain name")
+    and to listen on it."""
     host, sep, port = a.rpartition(":")
-    return (bool(sep) and bool(host) and not any(c.isspace() or c == "," for c in host)
-            and port.isascii() and port.isdigit() and (1 - listen) <= int(port) <= 65535)
+    if not (sep and host and port.isascii() and port.isdigit()
+            and (1 - listen) <= int(port) <= 65535):
+        return False
+    if any(c.isspace() or c in ",;" for c in host):
+        return False
+    if host.startswith(_GRPC_SCHEMES):
+        return not listen
+    if "/" in host:  # http://host:1, a path: no target gRPC reaches
+        return False
+    if ":" in host and (listen or dialed):
+        return host.startswith("[") and host.endswith("]")
+    return True
+
+
+def _why_not(a: str) -> str:
+    host = a.rpartition(":")[0]
+    if ":" in host and not host.startswith(("[", *_GRPC_SCHEMES)):
+        return f"{a!r} is not host:port (an IPv6 address goes in brackets: [{host}]:port)"
+    return f"{a!r} is not host:port"
 
 
 def require_listen_address(address: str, service: str) -> None:
     """The address a service binds: host:port with a port in 0..65535. gRPC took a port
     over 65535 modulo 65536 and served on another port without a word."""
     require(is_host_port(address.strip(), listen=True), service, "address",
-            f"{address!r} is not host:port (port 0..65535, 0 = any free one)")
+            f"{_why_not(address.strip())} (port 0..65535, 0 = any free one)")
 
 
-def require_addresses(addresses, service: str, field: str, *, allow_none: bool) -> None:
+def require_addresses(addresses, service: str, field: str, *, allow_none: bool,
+                      dialed: bool = True) -> None:
     """Each address is host:port (see `is_host_port`), none twice; at least one unless
     `allow_none`. Blank entries (a trailing comma) are ignored, as the clients ignore them.
 
@@ -218,6 +243,6 @@ def require_addresses(addresses, service: str, field: str, *, allow_none: bool) 
         require(allow_none, service, field, "must name at least one host:port")
         return
     for a in items:
-        require(is_host_port(a), service, field, f"{a!r} is not host:port")
+        require(is_host_port(a, dialed=dialed), service, field, _why_not(a))
     dup = sorted({a for a in items if items.count(a) > 1})
     require(not dup, service, field, f"{', '.join(dup)} given twice")

@@ -169,7 +169,7 @@ class KvPoolConfig:
                               allow_none=False)
         if self.advertise_address:
             require_addresses([self.advertise_address], s, "advertise_address",
-                              allow_none=False)
+                              allow_none=False, dialed=False)  # a pod IP, bare IPv6 too
         require(-1 <= self.metrics_port <= 65535, s, "metrics_port",
                 "must be -1 (off), 0 or a port")
         require(self.heartbeat_seconds > 0, s, "heartbeat_seconds", "must be > 0")
