@@ -232,6 +232,12 @@ def test_warm_with_nothing_to_warm_names_the_clis_flags(capsys):
     (["replay", "t.jsonl", "--tenant-tokens", "abc"], "--tenant-tokens"),
     (["--cert", "c.pem", "stats"], "--cert"),
     (["--ca", "ca.pem", "--cert", "c.pem", "stats"], "--cert and --key"),
+    # Dialed as port 34463 (99999 modulo 65536), as port 443, and a bare IPv6 never.
+    (["--address", "127.0.0.1:99999", "stats"], "--address"),
+    (["--address", "localhost", "stats"], "--address"),
+    (["--address", "::1:50051", "stats"], "--address"),
+    (["chat", "hi", "--temperature", "nan"], "--temperature"),
+    (["chat", "hi", "--temperature", "-1"], "--temperature"),
 ])
 def test_values_that_failed_later_or_named_nothing_are_usage_errors(fake, capsys, argv, words):
     """A 0, nan or 1e10 s timeout came back as DEADLINE_EXCEEDED from the server; a token with

@@ -25,6 +25,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from clients.python.client import TierCacheClient, retry_later
+from services.common.config import is_host_port
 
 
 def session_name(text: str) -> str:
@@ -382,6 +383,17 @@ def _tenant_tokens(text: str) -> dict[str, str]:
     return out
 
 
+def _temperature(text: str) -> float:
+    """argparse type: a finite temperature >= 0 (0 = greedy)."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= v < float("inf"):  # nan fails both
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return v
+
+
 def _positive(text: str) -> int:
     v = _count(2**31 - 1)(text)
     if v < 1:
@@ -418,7 +430,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="conversation id (keeps history)")
     ch.add_argument("--system", default="", help="system prompt for a new conversation")
     ch.add_argument("--max-tokens", type=int32, default=0, help="0 = the server's default")
-    ch.add_argument("--temperature", type=float, default=0.0)
+    ch.add_argument("--temperature", type=_temperature, default=0.0)
     ch.add_argument("--top-p", type=_top_p, default=0.0, help="nucleus sampling (0 = off)")
     ch.add_argument("--seed", type=uint64, default=0,
                     help="a sampled answer's seed (0 = none): the same seed, the same answer")
@@ -456,6 +468,11 @@ def main(argv: list[str] | None = None) -> int:
             a.token = _token(os.environ.get("TIERCACHE_TOKEN", ""))
         except argparse.ArgumentTypeError as e:
             p.error(f"TIERCACHE_TOKEN: {e}")
+    if not is_host_port(a.address.strip(), dialed=True):
+        # gRPC dialed 127.0.0.1:99999 as port 34463 (modulo 65536), and "localhost" as 443.
+        p.error(f"--address (env TIERCACHE_ADDRESS): {a.address!r} is not host:port (port "
+                "1..65535; an IPv6 address in brackets)")
+    a.address = a.address.strip()
     if a.cmd == "warm" and not a.system and not a.top_k:
         w.error("give --system PROMPT or --top-k K")  # not the wire's "prompts or top_k"
     for name in _WIRE_ARGS:
