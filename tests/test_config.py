@@ -348,6 +348,16 @@ def test_a_listen_address_outside_host_port_is_refused(service, address):
     ("semantic", {"TIERCACHE_SEMANTIC_FAISS_THREADS": "5000000000"},
      "TIERCACHE_SEMANTIC_FAISS_THREADS"),
     ("semantic", {"TIERCACHE_SEMANTIC_ONNX_THREADS": "100000"}, "TIERCACHE_SEMANTIC_ONNX_THREADS"),
+    # The variable the user set is the one named (relaxed raised was blamed on standard).
+    ("semantic", {"TIERCACHE_SEMANTIC_TIER_RELAXED": "0.98"}, "TIERCACHE_SEMANTIC_TIER_RELAXED"),
+    ("semantic", {"TIERCACHE_SEMANTIC_DEFAULT_TTL_SECONDS": "99999999999"},
+     "TIERCACHE_SEMANTIC_DEFAULT_TTL_SECONDS.*MAX_TTL_SECONDS"),
+    ("semantic", {"TIERCACHE_SEMANTIC_EXPIRY_INTERVAL_S": "1e-9"},
+     "TIERCACHE_SEMANTIC_EXPIRY_INTERVAL_S"),
+    # A folder name under the ONNX cache: "../x" put the export outside it.
+    ("semantic", {"TIERCACHE_SEMANTIC_MODEL_NAME": "../elsewhere"},
+     "TIERCACHE_SEMANTIC_MODEL_NAME"),
+    ("semantic", {"TIERCACHE_SEMANTIC_MODEL_NAME": "/abs/path"}, "TIERCACHE_SEMANTIC_MODEL_NAME"),
     # Every replica counted as a prefix holder: routing lost its session ring.
     ("orchestrator", {"TIERCACHE_ORCHESTRATOR_MIN_PREFIX_TOKENS": "-5"},
      "TIERCACHE_ORCHESTRATOR_MIN_PREFIX_TOKENS"),
