@@ -229,6 +229,20 @@ def test_a_pool_too_big_for_memory_is_a_bad_configuration(monkeypatch, capfd):
     assert "TIERCACHE_KVPOOL_KV_CACHE_BYTES" in err and "Traceback" not in err
 
 
+def test_a_file_where_a_semantic_folder_must_be_names_the_variable(tmp_path):
+    from services.semantic.config import SemanticConfig
+
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_SEMANTIC_DB_PATH: .*afile is a file"):
+        load_config(SemanticConfig, "semantic", [],
+                    {"TIERCACHE_SEMANTIC_DB_PATH": str(tmp_path / "afile" / "s.db")})
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_SEMANTIC_CACHE_DIR: .*afile is a file"):
+        load_config(SemanticConfig, "semantic", [],
+                    {"TIERCACHE_SEMANTIC_CACHE_DIR": str(tmp_path / "afile")})
+    load_config(SemanticConfig, "semantic", [],  # folders not made yet are fine
+                {"TIERCACHE_SEMANTIC_DB_PATH": str(tmp_path / "new" / "deeper" / "s.db")})
+
+
 def test_another_embedding_folder_gets_its_own_name():
     """The default name used to stand for any folder: another model's ONNX export went to
     all-MiniLM-L6-v2's cache path (replacing it) and its entries carried MiniLM's name."""

