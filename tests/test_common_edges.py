@@ -271,6 +271,11 @@ def test_tls_files_that_cannot_be_read_or_are_not_pem_are_named(tmp_path):
     got = tls_files_problem("prefix", {"TIERCACHE_TLS_CERT": str(good),
                                        "TIERCACHE_TLS_KEY": str(junk)})
     assert got.startswith("TIERCACHE_TLS_KEY:") and "not a PEM" in got
+    # A key given as the CA was reported as "cannot listen on <address>" (the port in use).
+    key = tmp_path / "key.pem"
+    key.write_text("-----BEGIN PRIVATE KEY-----\nAAAA\n-----END PRIVATE KEY-----\n")
+    got = tls_files_problem("prefix", {"TIERCACHE_TLS_CA": str(key)})
+    assert got.startswith(f"TIERCACHE_TLS_CA: {key} holds no CA certificate")
     got = tls_files_problem("prefix", {"TIERCACHE_PREFIX_TLS_CERT": str(tmp_path / "none")})
     assert got.startswith("TIERCACHE_PREFIX_TLS_CERT: cannot read")
     env = {**os.environ, "TIERCACHE_TLS_CERT": str(junk), "TIERCACHE_TLS_KEY": str(junk),

@@ -85,6 +85,15 @@ def tls_files_problem(service: str = "", env: Mapping[str, str] | None = None) -
             return f"{var}: cannot read {path}: {exc.strerror or exc}"
         if b"-----BEGIN " not in data:
             return f"{var}: {path} is not a PEM file"
+    ca = env.get("TIERCACHE_TLS_CA")
+    if ca:
+        # A key given as the CA failed in gRPC's C core as "cannot listen on <address>".
+        import ssl
+
+        try:
+            ssl.create_default_context().load_verify_locations(ca)
+        except ssl.SSLError as exc:
+            return f"TIERCACHE_TLS_CA: {ca} holds no CA certificate: {exc.reason or exc}"
     (cert_var, cert), (key_var, key) = server_tls_files(service, env)
     if cert and key:
         # A key that is not the certificate's (a service's own certificate beside the shared
