@@ -81,6 +81,10 @@ def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     return True
 
 
+# Replicas one host runs: each loads the model (~0.5 GB); more is a typo, not a stack.
+MAX_REPLICAS = 64
+
+
 def metrics_env(service: str, replica: int = 0) -> dict[str, str]:
     """The metrics port a local service gets: off (-1) unless `TIERCACHE_<SVC>_METRICS_PORT` is
     set, since services on one host would otherwise all want their default port. Replica i
@@ -89,7 +93,8 @@ def metrics_env(service: str, replica: int = 0) -> dict[str, str]:
     raw = os.environ.get(key, "").strip()
     if not raw:
         return {key: "-1"}
-    if replica and raw.isdigit() and int(raw) > 0:
+    if replica and raw.lstrip("+").isdigit() and int(raw) > 0:
+        # "+9104" too (int() reads it; isdigit() did not, and every replica got 9104).
         return {key: str(int(raw) + replica)}
     return {key: raw}
 
@@ -324,18 +329,26 @@ def model_to_convert(env: Mapping[str, str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Run the whole TierCache stack locally.")
-    raw = os.environ.get("TIERCACHE_REPLICAS", "2")
-    try:
-        replicas = int(raw)
-    except ValueError:
-        ap.error(f"TIERCACHE_REPLICAS: expected a whole number, got {raw!r}")
-    ap.add_argument("--replicas", type=int, default=replicas)
+    ap = argparse.ArgumentParser(description="Run the whole TierCache stack locally.",
+                                 allow_abbrev=False)
+    ap.add_argument("--replicas", type=int, default=None,
+                    help="kvpool replicas (env TIERCACHE_REPLICAS; default 2)")
     ap.add_argument("--base-port", type=int, default=50051)
     a = ap.parse_args(argv)
-    if a.replicas < 1:
-        ap.error(f"--replicas (or TIERCACHE_REPLICAS) {a.replicas}: the stack needs at least "
-                 "one kvpool replica")
+    if a.replicas is None:  # the variable is read only when no flag stands in for it
+        raw = os.environ.get("TIERCACHE_REPLICAS", "2")
+        try:
+            a.replicas = int(raw)
+        except ValueError:
+            ap.error(f"TIERCACHE_REPLICAS: expected a whole number, got {raw!r}")
+    if not 1 <= a.replicas <= MAX_REPLICAS:
+        ap.error(f"--replicas (or TIERCACHE_REPLICAS) {a.replicas}: the stack needs 1.."
+                 f"{MAX_REPLICAS} kvpool replicas")
+    last = metrics_env("kvpool", a.replicas - 1)["TIERCACHE_KVPOOL_METRICS_PORT"]
+    if last.lstrip("+-").isdigit() and int(last) > 65535:
+        # Refused by the last replica itself, naming a port the user never typed.
+        ap.error(f"TIERCACHE_KVPOOL_METRICS_PORT: replica i serves metrics on the port + i; "
+                 f"with {a.replicas} replicas the last would be {last}, past 65535")
     if not ports_fit(a.base_port, a.replicas):
         ap.error(f"--base-port {a.base_port}: the stack needs ports N..N+{3 + a.replicas - 1} "
                  "within 1..65535 (0 = any free ports)")

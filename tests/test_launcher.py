@@ -169,7 +169,32 @@ def test_a_stack_without_replicas_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as e:
         launcher.main(["--replicas", "0"])
     assert e.value.code == 2
-    assert "0: the stack needs at least one kvpool replica" in capsys.readouterr().err
+    assert "0: the stack needs 1..64 kvpool replicas" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "env", "words"), [
+    # A bad variable was an error even with the flag given in its place.
+    (["--replicas", "0"], {"TIERCACHE_REPLICAS": "abc"}, "--replicas (or TIERCACHE_REPLICAS) 0"),
+    (["--replicas", "99999"], {}, "--replicas (or TIERCACHE_REPLICAS) 99999"),  # not --base-port
+    (["--replicas", "3"], {"TIERCACHE_KVPOOL_METRICS_PORT": "65535"},
+     "TIERCACHE_KVPOOL_METRICS_PORT: replica i serves metrics on the port + i"),
+])
+def test_launcher_usage_errors_name_what_was_given(capsys, monkeypatch, argv, env, words):
+    from services import launcher
+
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    with pytest.raises(SystemExit) as e:
+        launcher.main(argv)
+    assert e.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_each_replica_gets_its_own_metrics_port_written_with_a_plus_too(monkeypatch):
+    from services.launcher import metrics_env
+
+    monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "+9104")  # int() reads it
+    assert [metrics_env("kvpool", i)["TIERCACHE_KVPOOL_METRICS_PORT"] for i in range(3)] == [
+        "+9104", "9105", "9106"]
 
 
 def test_the_database_probed_is_the_one_the_semantic_service_will_open(tmp_path, monkeypatch):
