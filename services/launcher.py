@@ -93,10 +93,18 @@ def metrics_env(service: str, replica: int = 0) -> dict[str, str]:
     raw = os.environ.get(key, "").strip()
     if not raw:
         return {key: "-1"}
-    if replica and raw.lstrip("+").isdigit() and int(raw) > 0:
+    port = _int_or_none(raw)
+    if replica and port is not None and port > 0:
         # "+9104" too (int() reads it; isdigit() did not, and every replica got 9104).
-        return {key: str(int(raw) + replica)}
-    return {key: raw}
+        return {key: str(port + replica)}
+    return {key: raw}  # anything else is the service's to refuse, naming it
+
+
+def _int_or_none(raw: str) -> int | None:
+    try:
+        return int(raw)
+    except ValueError:
+        return None
 
 
 @dataclass
@@ -345,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--replicas (or TIERCACHE_REPLICAS) {a.replicas}: the stack needs 1.."
                  f"{MAX_REPLICAS} kvpool replicas")
     last = metrics_env("kvpool", a.replicas - 1)["TIERCACHE_KVPOOL_METRICS_PORT"]
-    if last.lstrip("+-").isdigit() and int(last) > 65535:
+    if (_int_or_none(last) or 0) > 65535:
         # Refused by the last replica itself, naming a port the user never typed.
         ap.error(f"TIERCACHE_KVPOOL_METRICS_PORT: replica i serves metrics on the port + i; "
                  f"with {a.replicas} replicas the last would be {last}, past 65535")

@@ -471,7 +471,32 @@ def test_a_variable_no_setting_reads_is_refused_with_the_closest_name():
                                           r"mean TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES\?\)"):
         load_config(OrchestratorConfig, "orchestrator", [], env)
     env.pop("TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESS")
+    # What Kubernetes adds for a Service named tiercache-orchestrator (service links) is no
+    # typo: refused, every pod crash-looped.
+    env.update({"TIERCACHE_ORCHESTRATOR_SERVICE_HOST": "10.0.0.9",
+                "TIERCACHE_ORCHESTRATOR_SERVICE_PORT": "50051",
+                "TIERCACHE_ORCHESTRATOR_SERVICE_PORT_GRPC": "50051",
+                "TIERCACHE_ORCHESTRATOR_PORT": "tcp://10.0.0.9:50051",
+                "TIERCACHE_ORCHESTRATOR_PORT_50051_TCP": "tcp://10.0.0.9:50051",
+                "TIERCACHE_ORCHESTRATOR_PORT_50051_TCP_ADDR": "10.0.0.9"})
     assert load_config(OrchestratorConfig, "orchestrator", [], env).kvpool_addresses
+
+
+@pytest.mark.parametrize(("name", "hint"), [
+    ("TIERCACHE_ORCHESTRATOR_DEBUG", None),  # nothing close: no made-up hint (was "MODEL")
+    ("TIERCACHE_ORCHESTRATOR_TLS_CA", "TIERCACHE_TLS_CA"),
+    ("TIERCACHE_ORCHESTRATOR_TLS_CLIENT_CERT", "TIERCACHE_TLS_CLIENT_CERT"),
+    ("TIERCACHE_ORCHESTRATOR_SEMANTIC_ADRESS", "TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS"),
+])
+def test_the_hint_for_an_unknown_name_is_a_real_neighbour(name, hint):
+    from services.orchestrator.config import OrchestratorConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(OrchestratorConfig, "orchestrator", [], {name: "x"})
+    msg = str(e.value)
+    assert msg.startswith(name)
+    assert (f"did you mean {hint}?" in msg) if hint else "did you mean" not in msg
+    assert "TIERCACHE_ORCHESTRATOR_TLS_CERT/_KEY" in msg
 
 
 def test_a_flag_is_never_taken_for_a_longer_one():

@@ -195,6 +195,9 @@ def test_each_replica_gets_its_own_metrics_port_written_with_a_plus_too(monkeypa
     monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "+9104")  # int() reads it
     assert [metrics_env("kvpool", i)["TIERCACHE_KVPOOL_METRICS_PORT"] for i in range(3)] == [
         "+9104", "9105", "9106"]
+    for odd in ("++9104", "+-5", "abc"):  # left for the service to refuse, naming it
+        monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", odd)
+        assert metrics_env("kvpool", 1) == {"TIERCACHE_KVPOOL_METRICS_PORT": odd}
 
 
 def test_the_database_probed_is_the_one_the_semantic_service_will_open(tmp_path, monkeypatch):

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import os
+import re
 import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
@@ -139,6 +140,15 @@ def load_config(
 
 # Names under a service's prefix that are read outside its config class.
 _READ_ELSEWHERE = ("TLS_CERT", "TLS_KEY")
+# What Kubernetes puts in every pod for each Service of its namespace (service links): a
+# Service named tiercache-orchestrator gives TIERCACHE_ORCHESTRATOR_SERVICE_HOST, _PORT,
+# _PORT_50051_TCP_ADDR... No setting ends this way.
+_SERVICE_LINK = re.compile(r"_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)"
+                           r"(_(PROTO|PORT|ADDR))?)?)$")
+# Shared settings a per-service name is often mistaken for.
+_SHARED = {"TLS_CA": "TIERCACHE_TLS_CA", "TLS_CLIENT_CERT": "TIERCACHE_TLS_CLIENT_CERT",
+           "TLS_CLIENT_KEY": "TIERCACHE_TLS_CLIENT_KEY", "HASH_KEY": "TIERCACHE_HASH_KEY",
+           "LOG_LEVEL": "TIERCACHE_LOG_LEVEL"}
 
 
 def _refuse_unknown_names(cls: type, service: str, environ: Mapping[str, str]) -> None:
@@ -146,16 +156,22 @@ def _refuse_unknown_names(cls: type, service: str, environ: Mapping[str, str]) -
     default in force without a word (TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESS, singular, kept the
     default replica address)."""
     prefix = env_name(service, "")
-    known = {env_name(service, f.name) for f in dataclasses.fields(cls)}
-    known.update(prefix + extra for extra in _READ_ELSEWHERE)
-    unknown = sorted(v for v in environ if v.startswith(prefix) and v not in known)
+    fields = [f.name.upper() for f in dataclasses.fields(cls)]
+    known = set(fields) | set(_READ_ELSEWHERE)
+    unknown = sorted(v for v in environ if v.startswith(prefix) and v[len(prefix):] not in known
+                     and not _SERVICE_LINK.search(v))
     if unknown:
         hints = []
         for v in unknown:
-            close = difflib.get_close_matches(v, sorted(known), n=1, cutoff=0.75)
+            rest = v[len(prefix):]
+            # Compared after the prefix: whole names all look alike (DEBUG "meant" MODEL).
+            close = ([_SHARED[rest]] if rest in _SHARED
+                     else [prefix + c for c in difflib.get_close_matches(rest, fields, n=1,
+                                                                         cutoff=0.75)])
             hints.append(f"{v} (did you mean {close[0]}?)" if close else v)
         raise ConfigError(f"{'; '.join(hints)}: not a setting of this service (python -m "
-                          f"services.{service} --help lists them)")
+                          f"services.{service} --help lists them; TLS files are "
+                          f"{prefix}TLS_CERT/_KEY or the shared TIERCACHE_TLS_*)")
 
 
 def _shown_default(f: dataclasses.Field) -> str:

@@ -52,13 +52,12 @@ def device_problem(device: str) -> str:
 def exact_matmuls() -> None:
     """float32 matrix products at full precision on CUDA: TF32 (NVIDIA_TF32_OVERRIDE, or any
     import that turns it on) keeps ~10 mantissa bits, and greedy tokens would then change with
-    batching and caching where float32 promises they do not. Half-precision reductions stay
-    in float32 too."""
+    batching and caching where float32 promises they do not (the float32 logits of a half-
+    precision model too). Half-precision products are left as torch has them: no exactness is
+    promised there, and their speed is the point of the dtype."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     torch.set_float32_matmul_precision("highest")
-    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
 
 
 def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:

@@ -77,7 +77,9 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
 
     def Register(self, request, context):
         if request.address and not is_host_port(request.address):
-            # What TopPrefixes hands out as where a prefix lives: it must be dialable.
+            # What Match and TopPrefixes hand out as where a prefix lives: host:port (a bare
+            # IPv6 pod IP too, as the manifests build it; the orchestrator routes by replica
+            # id to the addresses it is configured with, and dials none of these).
             raise InvalidArgument("address", f"{shown(request.address)} is not host:port")
         with self.lock:
             r = self.index.register(request.replica_id, request.incarnation, request.address,

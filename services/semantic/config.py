@@ -123,6 +123,12 @@ class SemanticConfig:
     index_close_seconds: float = 10.0
     expiry_interval_s: float = 30.0  # how often expired entries are purged
 
+    def _moved(self, field: str, other: str) -> str:
+        """`field` if it differs from its default, else `other`: of two settings in conflict,
+        the one the user set."""
+        default = type(self).__dataclass_fields__[field].default
+        return field if getattr(self, field) != default else other
+
     def resolved_cache_dir(self) -> str:
         return os.path.expanduser(self.cache_dir) if self.cache_dir else default_cache_dir()
 
@@ -175,13 +181,14 @@ class SemanticConfig:
             v = getattr(self, name)
             require(self.threshold_floor <= v <= 1.0, s, name,
                     f"must be in [threshold_floor={self.threshold_floor}, 1], got {v}")
-        # The tier out of order is named (relaxed set to 0.98 was blamed on standard).
+        # Of two settings that cross, the one moved from its default is named (relaxed
+        # raised to 0.98 was blamed on standard, which the user never set).
         crossing = (f"tiers must not cross: relaxed {self.tier_relaxed} <= standard "
                     f"{self.tier_standard} <= strict {self.tier_strict}")
         require(self.tier_relaxed <= self.tier_standard, s,
-                "tier_relaxed" if self.tier_standard <= self.tier_strict else "tier_standard",
-                crossing)
-        require(self.tier_standard <= self.tier_strict, s, "tier_standard", crossing)
+                self._moved("tier_relaxed", "tier_standard"), crossing)
+        require(self.tier_standard <= self.tier_strict, s,
+                self._moved("tier_strict", "tier_standard"), crossing)
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
         require(self.index_close_seconds >= 0, s, "index_close_seconds", "must be >= 0")
         require(self.max_tenant_chars >= 64, s, "max_tenant_chars",
@@ -201,9 +208,10 @@ class SemanticConfig:
         require(not self.verifier_path or os.path.isfile(self.verifier_path), s,
                 "verifier_path", f"no such file: {self.verifier_path!r}")
         require(self.default_ttl_seconds >= 0, s, "default_ttl_seconds", "must be >= 0")
-        require(self.max_ttl_seconds >= self.default_ttl_seconds, s, "default_ttl_seconds",
-                f"{self.default_ttl_seconds} is over max_ttl_seconds ({self.max_ttl_seconds}): "
-                "lower it, or raise TIERCACHE_SEMANTIC_MAX_TTL_SECONDS")
+        require(self.max_ttl_seconds >= self.default_ttl_seconds, s,
+                self._moved("default_ttl_seconds", "max_ttl_seconds"),
+                f"default_ttl_seconds ({self.default_ttl_seconds}) must not exceed "
+                f"max_ttl_seconds ({self.max_ttl_seconds})")
         # 0 would cap every stored TTL to 0, which means "never expires": entries stored with
         # a TTL (expired ones too) came back from a restart to live for good.
         require(self.max_ttl_seconds >= 1, s, "max_ttl_seconds", "must be >= 1")
