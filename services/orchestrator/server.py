@@ -24,6 +24,8 @@ from services.common import errors
 from services.common.bootstrap import rpc_ended
 from services.common.grpc_client import call_metadata
 from services.common.logs import bound_request_id, request_id_var
+from services.common.metrics import counter
+from services.common.reaper import StreamReaper
 from services.common.tokens import validate_stop_ids
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling
@@ -31,6 +33,13 @@ from services.orchestrator.render import Message
 from services.orchestrator.tenants import REJECTED, TenantRegistry
 
 log = logging.getLogger(__name__)
+
+REAPED = counter("tiercache_orchestrator_streams_ended_at_deadline_total",
+                 "Generate streams ended from outside at their deadline: the client had stopped "
+                 "reading and the handler was stuck sending")
+# How long past a request's deadline the reaper waits: the pipeline ends a call that still
+# runs by itself at the deadline; the reaper is for one stuck in a send.
+REAP_GRACE_S = 1.0
 
 
 def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig,
@@ -85,6 +94,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         self.warmer = None
         self._streams = 0  # Generate streams in progress (see OrchestratorConfig.max_streams)
         self._streams_lock = threading.Lock()
+        self._reaper = StreamReaper(on_reap=lambda details: (REAPED.inc(), log.warning(
+            "ended a Generate stream at its deadline: %s", details)))
 
     def attach(self, orch: Orchestrator, tenants: TenantRegistry, warmer=None) -> None:
         self.orch, self.tenants, self.warmer = orch, tenants, warmer
@@ -122,12 +133,23 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         budget = self.cfg.request_timeout_s if remaining is None else min(
             remaining, self.cfg.request_timeout_s)
         deadline = time.monotonic() + budget
-        # Rendering and tokenizing is the costly part of checking a request: it runs in the
-        # server's stream slot and the tenant's, under their limits.
-        with self._admitted(tenant):
-            prompt, sampling = self._prepare(request, tenant, sampling)
-            yield from self._generate(context, tenant, prompt, sampling, policy,
-                                      request, request_id, deadline, arrived)
+        # A client that stops reading (its connection open, answering keepalives) held this
+        # handler inside a send, past every check of the deadline: the stream, a worker and
+        # the tenant's slot stayed taken until the connection's maximum age, or for good.
+        # Ended from outside at the deadline (request_timeout_s caps a longer client one).
+        reap = self._reaper.arm(
+            deadline + REAP_GRACE_S, context,
+            f"deadline exceeded: the answer was not read within {budget:.0f} s "
+            f"(request {request_id}; request_timeout_s {self.cfg.request_timeout_s:g} s)")
+        try:
+            # Rendering and tokenizing is the costly part of checking a request: it runs in
+            # the server's stream slot and the tenant's, under their limits.
+            with self._admitted(tenant):
+                prompt, sampling = self._prepare(request, tenant, sampling)
+                yield from self._generate(context, tenant, prompt, sampling, policy,
+                                          request, request_id, deadline, arrived)
+        finally:
+            self._reaper.disarm(reap)
 
     def _prepare(self, request, tenant, sampling):
         """The rendered prompt and the sampling it runs with, after every limit."""
