@@ -74,9 +74,12 @@ def test_the_launcher_names_a_bad_replica_count(monkeypatch, capsys):
 
     monkeypatch.setenv("TIERCACHE_REPLICAS", "two")
     with pytest.raises(SystemExit) as ei:
-        launcher.main(["--help"])
+        launcher.main([])
     assert ei.value.code == 2
     assert "TIERCACHE_REPLICAS" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ei:  # the help is there to read all the same
+        launcher.main(["--help"])
+    assert ei.value.code == 0 and "TIERCACHE_REPLICAS" in capsys.readouterr().out
 
 
 def test_orchestrator_stats_while_loading_is_unavailable_not_internal():
