@@ -168,65 +168,48 @@ def test_float32_matmuls_are_pinned_to_full_precision_on_cuda():
         torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = saved[4]
 
 
-def test_out_of_device_memory_at_start_is_a_bad_configuration(monkeypatch, capfd):
-    """A pool or rows too big for the GPU gave a traceback and exit 1, naming no setting."""
+def _kvpool_start_failing_with(monkeypatch, exc: BaseException) -> int:
+    """`python -m services.kvpool`'s exit code when building the replica raises `exc`."""
     import logging
-
-    import torch
 
     import services.kvpool.__main__ as kv_main
 
-    def too_big(cfg):
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    def fail(cfg):
+        raise exc
 
-    monkeypatch.setattr(kv_main, "build_replica", too_big)
+    monkeypatch.setattr(kv_main, "build_replica", fail)
     monkeypatch.setenv("TIERCACHE_KVPOOL_ADDRESS", "127.0.0.1:0")
     monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "-1")
     root = logging.getLogger()
     saved = root.handlers[:], root.level
     try:
-        assert kv_main.main([]) == 2
+        return kv_main.main([])
     finally:
         root.handlers[:], _ = saved
         root.setLevel(saved[1])
-    err = capfd.readouterr().err
-    assert "out of device memory" in err and "TIERCACHE_KVPOOL_KV_CACHE_BYTES" in err
-    assert "Traceback" not in err
 
 
 def test_a_pool_too_big_for_memory_is_a_bad_configuration(monkeypatch, capfd):
-    """kv_cache_bytes making billions of blocks built a Python list of them first (2.6 GB in
-    30 s and growing); a CPU allocation that failed was a traceback and exit 1."""
-    import logging
+    """A pool or rows too big for the GPU, or a CPU allocation that failed, gave a traceback
+    and exit 1 naming no setting; kv_cache_bytes making billions of blocks built a Python list
+    of them first (2.6 GB in 30 s and growing)."""
     from types import SimpleNamespace
 
-    import pytest
     import torch
 
-    import services.kvpool.__main__ as kv_main
     from services.kvpool.app import pool_blocks
     from services.kvpool.config import KvPoolConfig
 
     info = SimpleNamespace(num_layers=2, kv_heads=2, head_dim=8)
     with pytest.raises(ValueError, match=r"^TIERCACHE_KVPOOL_KV_CACHE_BYTES: .* over the limit"):
         pool_blocks(KvPoolConfig(kv_cache_bytes=10**18), info, torch.float32)
-
-    def too_big(cfg):
-        raise RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: "
-                           "can't allocate memory: you tried to allocate 2211840000000 bytes")
-
-    monkeypatch.setattr(kv_main, "build_replica", too_big)
-    monkeypatch.setenv("TIERCACHE_KVPOOL_ADDRESS", "127.0.0.1:0")
-    monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "-1")
-    root = logging.getLogger()
-    saved = root.handlers[:], root.level
-    try:
-        assert kv_main.main([]) == 2
-    finally:
-        root.handlers[:], _ = saved
-        root.setLevel(saved[1])
-    err = capfd.readouterr().err
-    assert "TIERCACHE_KVPOOL_KV_CACHE_BYTES" in err and "Traceback" not in err
+    for exc in (torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB"),
+                RuntimeError("[enforce fail at alloc_cpu.cpp:121] data. DefaultCPUAllocator: "
+                             "can't allocate memory: you tried to allocate 2211840000000 bytes")):
+        assert _kvpool_start_failing_with(monkeypatch, exc) == 2
+        err = capfd.readouterr().err
+        assert "out of memory loading" in err and "TIERCACHE_KVPOOL_KV_CACHE_BYTES" in err
+        assert "Traceback" not in err
 
 
 def test_a_file_where_a_semantic_folder_must_be_names_the_variable(tmp_path):

@@ -77,7 +77,7 @@ def _main(argv: list[str] | None) -> int:
             raise
         # A traceback and exit 1 named none of the settings that size what did not fit, and a
         # pod crash-looped on it.
-        log.error("bad configuration: out of device memory loading the model and its KV pool "
+        log.error("bad configuration: out of memory loading the model and its KV pool "
                   "on %s (%s); lower TIERCACHE_KVPOOL_KV_CACHE_BYTES (or NUM_BLOCKS), "
                   "MAX_BATCH_SIZE or MAX_CONTEXT, or pick a device with more memory",
                   cfg.device, str(exc).splitlines()[0][:200])
