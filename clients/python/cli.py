@@ -24,7 +24,7 @@ from typing import NoReturn
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from clients.python.client import TierCacheClient, retry_later
+from clients.python.client import IncompleteStream, TierCacheClient, retry_later
 from services.common.config import is_host_port
 
 
@@ -148,6 +148,8 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
             out.append(ch.text)
             if ch.final is not None:
                 final = ch.final
+    except IncompleteStream:
+        final = None  # said below
     except grpc.RpcError as e:
         # Only the prompt's own size: "messages: N tokens exceed the limit of M", "messages:
         # prompt (N tokens) + sampling.max_tokens (M) exceed the model context (C)", "messages:
@@ -157,8 +159,11 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         if (hist is not None and had_history
                 and e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
                                  grpc.StatusCode.RESOURCE_EXHAUSTED)
-                and details.startswith("messages:")
-                and ("exceed" in details or "cannot fit" in details)):
+                and (details.startswith("messages:")
+                     and ("exceed" in details or "cannot fit" in details)
+                     # Past the largest KV pool: every later turn needs more blocks still.
+                     or details.startswith("prompt (rendered messages):")
+                     and "KV blocks" in details)):
             # The conversation outgrew the prompt limit or the model's context: every later
             # turn would fail the same way.
             sys.stderr.write(f"note: session {a.session!r} has grown too long for the model; "

@@ -9,6 +9,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+import re
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -28,10 +31,18 @@ OVERLOADED_TRAILER = "tiercache-overloaded"
 RPC_CAP_DETAILS = "Concurrent RPC limit exceeded!"
 
 
+class IncompleteStream(RuntimeError):
+    """A Generate stream ended (status OK: a proxy or a cut connection) without its final
+    message: the answer may be cut short, and there is no CacheReport."""
+
+
 def retry_later(error: grpc.RpcError) -> bool:
     """True when `error` says the same request may succeed later (RESOURCE_EXHAUSTED marked
     overloaded or refused by the server's cap on concurrent calls, or UNAVAILABLE); False for
-    a request that can never succeed as it is."""
+    a request that can never succeed as it is, and for a stream that failed after part of its
+    answer had arrived (`chunks_received` > 0: sent again, that text would come twice)."""
+    if getattr(error, "chunks_received", 0):
+        return False
     code = error.code() if callable(getattr(error, "code", None)) else None
     if code == grpc.StatusCode.UNAVAILABLE:
         return True
@@ -45,6 +56,28 @@ def retry_later(error: grpc.RpcError) -> bool:
     except Exception:  # noqa: BLE001 - an error object without trailers
         return False
     return any(k == OVERLOADED_TRAILER for k, _ in trailers)
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def _checked_token(token: str | None) -> str | None:
+    """The bearer token as gRPC metadata can carry it: surrounding whitespace (a secret file's
+    newline) dropped; anything else but printable ASCII is a ValueError naming it (it was
+    gRPC's INTERNAL "Invalid metadata")."""
+    if token is None:
+        return None
+    token = token.strip()
+    if not all(0x21 <= ord(ch) <= 0x7E for ch in token):
+        raise ValueError("token: printable ASCII without spaces only (it travels as gRPC "
+                         "metadata)")
+    return token
+
+
+def _checked_timeout(timeout: float) -> float:
+    if not 0 < timeout < math.inf:  # nan fails both
+        raise ValueError(f"timeout: must be a finite number of seconds > 0, got {timeout!r}")
+    return float(timeout)
 
 
 @dataclass
@@ -76,12 +109,16 @@ class TierCacheClient:
                  timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None
                  ) -> None:
         self.address = address
-        self.token = token
-        self.timeout = timeout
+        self.token = _checked_token(token)
+        self.timeout = _checked_timeout(timeout)
         opts = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
         self.channel = (grpc.secure_channel(address, credentials, options=opts) if credentials
                         else grpc.insecure_channel(address, options=opts))
         self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    def _timeout(self, timeout: float | None) -> float:
+        # Not `timeout or self.timeout`: 0 became the 300 s default.
+        return self.timeout if timeout is None else _checked_timeout(timeout)
 
     def __enter__(self) -> TierCacheClient:
         return self
@@ -95,6 +132,11 @@ class TierCacheClient:
     def _metadata(self, request_id: str = "") -> list[tuple[str, str]]:
         """Call metadata: the caller's request id (it names the call in every service's logs
         and comes back in GenerateFinal.request_id) or a new one; the bearer token."""
+        if request_id and not _REQUEST_ID.fullmatch(request_id):
+            # gRPC's "Invalid metadata" (INTERNAL) named no field; the server would replace an
+            # id outside this pattern with its own anyway.
+            raise ValueError(f"request_id: {request_id!r} is not 1-128 characters of "
+                             "A-Z a-z 0-9 . _ : -")
         md = [("x-request-id", request_id or uuid.uuid4().hex[:16])]
         if self.token:
             md.append(("authorization", f"Bearer {self.token}"))
@@ -115,6 +157,8 @@ class TierCacheClient:
                                                ignore_eos=ignore_eos))
         if cache_policy is not None:
             req.cache_policy.CopyFrom(cache_policy)
+        if isinstance(messages, dict):  # one message: not its keys as messages
+            messages = [messages]
         if isinstance(messages, str):
             if raw:
                 req.prompt = messages
@@ -128,16 +172,32 @@ class TierCacheClient:
     def stream(self, messages: Messages, *, timeout: float | None = None, request_id: str = "",
                **kw: Any) -> Iterator[Chunk]:
         """Stream chunks as the model produces them; the last chunk carries `final`.
-        `request_id` (plain, at most 128 characters) correlates the call with your own logs."""
+        `request_id` (plain, at most 128 characters) correlates the call with your own logs.
+
+        Raises:
+            grpc.RpcError: the call failed; `chunks_received` on it says how many chunks had
+                arrived (then `retry_later` is False: a resent request repeats their text).
+            IncompleteStream: the stream ended without its final message.
+        Stopping early (break, or `close()` on the iterator) cancels the call."""
         req = self.build_request(messages, **kw)
-        call = self.stub.Generate(req, timeout=timeout or self.timeout,
+        call = self.stub.Generate(req, timeout=self._timeout(timeout),
                                   metadata=self._metadata(request_id))
+        received, final = 0, False
         try:
             for msg in call:
-                yield Chunk(msg.text, list(msg.token_ids),
-                            msg.final if msg.HasField("final") else None)
+                received += 1
+                final = msg.HasField("final")
+                yield Chunk(msg.text, list(msg.token_ids), msg.final if final else None)
+        except grpc.RpcError as e:
+            with contextlib.suppress(AttributeError):
+                e.chunks_received = received
+            raise
         finally:
             call.cancel()  # no-op when finished; stops generation if the caller stops early
+        if not final:
+            # A bare stream() caller got a cut answer with no sign of it.
+            raise IncompleteStream("the stream ended without a final message (the answer may "
+                                   "be cut short)")
 
     def generate(self, messages: Messages, **kw: Any) -> GenerateResult:
         """Run a whole generation and return the text and figures."""
@@ -148,8 +208,7 @@ class TierCacheClient:
             n += 1
             if ch.final is not None:
                 final = ch.final
-        if final is None:
-            raise RuntimeError("stream ended without a final message")
+        assert final is not None  # stream() raises IncompleteStream otherwise
         return GenerateResult(
             text="".join(text), token_ids=ids,
             finish_reason=common_pb2.FinishReason.Name(final.finish_reason),
@@ -181,7 +240,7 @@ class TierCacheClient:
             else:
                 for m in p:
                     wp.messages.add(role=m["role"], content=m["content"])
-        return self.stub.Warm(req, timeout=timeout or self.timeout,
+        return self.stub.Warm(req, timeout=self._timeout(timeout),
                               metadata=self._metadata(request_id))
 
     def feedback(self, semantic_entry_id: str, good: bool, timeout: float | None = None
@@ -189,8 +248,8 @@ class TierCacheClient:
         req = orchestrator_pb2.FeedbackRequest(
             semantic_entry_id=semantic_entry_id,
             rating=orchestrator_pb2.RATING_GOOD if good else orchestrator_pb2.RATING_BAD)
-        return self.stub.Feedback(req, timeout=timeout or self.timeout, metadata=self._metadata())
+        return self.stub.Feedback(req, timeout=self._timeout(timeout), metadata=self._metadata())
 
     def stats(self, timeout: float | None = None) -> orchestrator_pb2.StatsResponse:
-        return self.stub.Stats(orchestrator_pb2.StatsRequest(), timeout=timeout or self.timeout,
+        return self.stub.Stats(orchestrator_pb2.StatsRequest(), timeout=self._timeout(timeout),
                                metadata=self._metadata())

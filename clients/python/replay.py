@@ -20,7 +20,7 @@ import grpc
 from tiercache.v1 import common_pb2
 
 from benchmarks.workload import Request, Workload
-from clients.python.client import TierCacheClient
+from clients.python.client import IncompleteStream, TierCacheClient
 
 
 @dataclass
@@ -71,11 +71,13 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
         history: list[dict[str, str]] = []
         first = reqs[0]
         sys_prompt = workload.system_prompts[first.tenant][first.system_index]
-        if time_scale > 0:
-            delay = first.at * time_scale - (time.monotonic() - t0)
-            if delay > 0 and stopping.wait(delay):
-                return
         for i, r in enumerate(reqs):
+            if time_scale > 0:
+                # Every turn at its own time (later turns arrive after the user has read the
+                # answer): only the first waited, and the gaps that let caches evict were gone.
+                delay = r.at * time_scale - (time.monotonic() - t0)
+                if delay > 0 and stopping.wait(delay):
+                    return
             msgs = [{"role": "system", "content": sys_prompt}, *history,
                     {"role": "user", "content": r.question}]
             with gate:
@@ -97,8 +99,13 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
                             final = ch.final
                 except grpc.RpcError as e:
                     err = f"{e.code().name}: {e.details()}"
+                except IncompleteStream:
+                    err = "stream ended without a final message"
+                except Exception as e:  # noqa: BLE001 - one turn's failure, not the run's
+                    # Raised in a worker, it surfaced only at the end and lost every outcome.
+                    err = f"{type(e).__name__}: {e}"
                 else:
-                    if final is None:  # as TierCacheClient.generate refuses it
+                    if final is None:  # a client whose stream() does not raise it
                         err = "stream ended without a final message"
                 end = time.monotonic()
             rep = final.cache_report if final is not None else common_pb2.CacheReport()

@@ -1,0 +1,113 @@
+"""The Python client library against a scripted orchestrator on loopback (real gRPC)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from tiercache.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+
+from benchmarks.workload import Request, Workload, WorkloadSpec
+from clients.python import replay as replay_mod
+from clients.python.client import Chunk, IncompleteStream, TierCacheClient, retry_later
+
+
+class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
+    """Generate answers by the last message's content: 'cut' ends without the final message,
+    'busy' fails after one chunk (RESOURCE_EXHAUSTED marked overloaded), else a whole answer."""
+
+    def Generate(self, request, context):  # noqa: N802
+        q = request.messages[-1].content if request.messages else request.prompt
+        yield orchestrator_pb2.GenerateResponse(text="Partial ")
+        if q == "cut":
+            return
+        if q == "busy":
+            context.set_trailing_metadata((("tiercache-overloaded", "1"),))
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "every replica is busy")
+        yield orchestrator_pb2.GenerateResponse(final=orchestrator_pb2.GenerateFinal())
+
+
+@pytest.fixture
+def address():
+    server = grpc.server(ThreadPoolExecutor(4))
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Scripted(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(0)
+
+
+def test_a_stream_without_its_final_message_raises_for_every_caller(address):
+    """stream() ended quietly on a cut answer: only generate(), the CLI and replay checked."""
+    with TierCacheClient(address) as c:
+        got: list[Chunk] = []
+        with pytest.raises(IncompleteStream):
+            for ch in c.stream("cut"):
+                got.append(ch)
+        assert [ch.text for ch in got] == ["Partial "]
+        with pytest.raises(IncompleteStream):
+            c.generate("cut")
+        assert c.generate("fine").text == "Partial "
+
+
+def test_retry_later_is_false_once_part_of_the_answer_arrived(address):
+    """A busy error after text had been streamed said 'retry': the text came twice."""
+    with TierCacheClient(address) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in c.stream("busy"):
+                pass
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert e.value.chunks_received == 1 and not retry_later(e.value)
+        e.value.chunks_received = 0  # the same error before any text: retry later
+        assert retry_later(e.value)
+
+
+def test_bad_tokens_request_ids_and_timeouts_are_named_before_any_call(address):
+    """gRPC's INTERNAL "Invalid metadata" named no field; timeout=0 became the 300 s default."""
+    assert TierCacheClient(address, token="s3cret\n").token == "s3cret"  # a secret file's
+    with pytest.raises(ValueError, match="^token:"):
+        TierCacheClient(address, token="tök")
+    for bad in (0, -1, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="^timeout:"):
+            TierCacheClient(address, timeout=bad)
+    with TierCacheClient(address) as c:
+        with pytest.raises(ValueError, match="^request_id:"):
+            c.generate("fine", request_id="a\nb")
+        with pytest.raises(ValueError, match="^timeout:"):
+            c.generate("fine", timeout=0)
+        # One message given as a dict, not a list of them.
+        assert c.generate({"role": "user", "content": "fine"}).text == "Partial "
+
+
+def test_replay_sends_each_turn_at_its_own_time():
+    """Only a session's first turn waited for its time: later turns went out at once."""
+    sent: list[float] = []
+
+    class Client:
+        def stream(self, messages, **kw):
+            sent.append(time.monotonic())
+            yield Chunk("ok", [], orchestrator_pb2.GenerateFinal())
+
+    reqs = [Request(at=at, tenant="t0", session_id="s", system_index=0, turn=t,
+                    question=f"q{t}?") for t, at in enumerate((0.0, 5.0, 10.0))]
+    t0 = time.monotonic()
+    replay_mod.replay(Workload(WorkloadSpec(), {"t0": ["be brief"]}, reqs), {"t0": Client()},
+                      concurrency=1, time_scale=0.05)
+    offsets = [s - t0 for s in sent]
+    assert offsets[1] >= 0.24 and offsets[2] >= 0.49, offsets
+
+
+def test_a_turn_that_raises_anything_is_recorded_not_the_end_of_the_replay():
+    class Client:
+        def stream(self, messages, **kw):
+            if messages[-1]["content"] == "q1?":
+                raise UnicodeEncodeError("utf-8", "\ud800", 0, 1, "surrogates not allowed")
+            yield Chunk("ok", [], orchestrator_pb2.GenerateFinal())
+
+    reqs = [Request(at=0.0, tenant="t0", session_id=f"s{i}", system_index=0, turn=0,
+                    question=f"q{i}?") for i in range(3)]
+    out = replay_mod.replay(Workload(WorkloadSpec(), {"t0": ["be brief"]}, reqs),
+                            {"t0": Client()}, concurrency=1)
+    assert sorted(o.error.split(":")[0] for o in out) == ["", "", "UnicodeEncodeError"]
