@@ -21,7 +21,10 @@ class PrefixConfig:
     prune_step: int = 8000  # work units per call while pruning (~10 ms; see PruneRun)
     eviction_policy: str = "hybrid"  # "hybrid" (LFU shallow, LRU deep) or "lru"
     shallow_tokens: int = 128  # blocks starting before this token are ranked by hits
-    min_deep_hits: int = 1  # deep leaves hit fewer times are pruned first
+    min_deep_hits: int = 1  # deep leaves hit fewer times are pruned first...
+    # ...unless used within this many index ticks (a store batch or a match each): a newest
+    # turn has had no chance of a hit yet (~60 s at 100 requests/s). 0 = no grace.
+    cold_after_ticks: int = 20000
     max_events: int = 65536  # events per PublishEvents batch (a resync sends one per block)
     max_blocks: int = 65536  # blocks per batch, and per Match request
     verify_hashes: bool = False  # recompute every stored block's hash (Register's probe
@@ -47,6 +50,7 @@ class PrefixConfig:
                 "expected 'hybrid' or 'lru'")
         require(self.shallow_tokens >= 0, svc, "shallow_tokens", "must be >= 0")
         require(self.min_deep_hits >= 0, svc, "min_deep_hits", "must be >= 0")
+        require(self.cold_after_ticks >= 0, svc, "cold_after_ticks", "must be >= 0")
         require(self.max_events > 0, svc, "max_events", "must be > 0")
         require(self.max_blocks > 0, svc, "max_blocks", "must be > 0")
         require(self.grace_seconds >= 0, svc, "grace_seconds", "must be >= 0")

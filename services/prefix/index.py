@@ -190,6 +190,7 @@ class PrefixIndex:
         policy: EvictionPolicy | None = None,
         shallow_tokens: int | None = None,
         min_deep_hits: int = 1,
+        cold_after_ticks: int = 0,
         max_events: int = 65536,
         max_blocks: int = 65536,
         verify_hashes: bool = False,
@@ -204,6 +205,10 @@ class PrefixIndex:
             shallow_tokens: blocks starting before this token are never "deep" for the
                 `min_deep_hits` rule (default: the policy's split, else 128).
             min_deep_hits: deep leaves hit fewer times than this are pruned first.
+            cold_after_ticks: ...unless used within this many ticks (stores and matches):
+                a conversation's newest turn, stored a moment ago, has had no chance of a
+                hit; pruned first, its later turns' stores were dropped (unknown parent) and
+                the conversation stayed invisible to the index. 0 = no grace.
             max_events / max_blocks: per PublishEvents batch (blocks also bound a Match).
             verify_hashes: recompute the hashes of every new stored block and refuse chains
                 that do not match their tokens (~0.6 us per block on the one central index;
@@ -220,6 +225,7 @@ class PrefixIndex:
         self.shallow_tokens = (getattr(self.policy, "shallow_tokens", 128)
                                if shallow_tokens is None else shallow_tokens)
         self.min_deep_hits = min_deep_hits
+        self.cold_after_ticks = cold_after_ticks
         self.max_events = max_events
         self.max_blocks = max_blocks
         self.verify_hashes = verify_hashes
@@ -515,7 +521,8 @@ class PrefixIndex:
             if n <= self.max_nodes:
                 return
             run = self._prune_run = self.tree.pruning(
-                self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits)
+                self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits,
+                (self._tick, self.cold_after_ticks))
         hard = n > 2 * self.max_nodes - self.prune_target
         if run.step(None if hard else self.prune_step):
             self._prune_run = None
@@ -524,7 +531,7 @@ class PrefixIndex:
                 # turn of a conversation extends one) left it nothing to evict. A run over
                 # today's leaves, at once: the bound holds.
                 self.tree.prune(self.prune_target, self.policy, self.shallow_tokens,
-                                self.min_deep_hits)
+                                self.min_deep_hits, (self._tick, self.cold_after_ticks))
 
     def _give_back_usage(self, rep: Replica, now: float, stored) -> None:
         """Gives the blocks `stored` by this batch the hits a resync saved for them (the

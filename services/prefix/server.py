@@ -41,6 +41,7 @@ def build_index(cfg: PrefixConfig) -> PrefixIndex:
         prune_to=cfg.prune_to, prune_step=cfg.prune_step,
         policy=make_policy(cfg.eviction_policy, cfg.shallow_tokens),
         shallow_tokens=cfg.shallow_tokens, min_deep_hits=cfg.min_deep_hits,
+        cold_after_ticks=cfg.cold_after_ticks,
         max_events=cfg.max_events, max_blocks=cfg.max_blocks, verify_hashes=cfg.verify_hashes)
 
 

@@ -628,25 +628,27 @@ class BlockTree:
     # -- bounded memory -------------------------------------------------------------------
 
     def prune(self, target: int, policy: EvictionPolicy, shallow_tokens: int,
-              min_deep_hits: int) -> list[bytes]:
+              min_deep_hits: int, idle: tuple[int, int] = (0, 0)) -> list[bytes]:
         """Evict leaves until at most `target` nodes remain; returns evicted hashes in order.
 
         Deep leaves hit fewer than `min_deep_hits` times go first, then the policy's order
         (deep LRU before shallow LFU). An evicted leaf's hits and recency fold into its parent,
-        which becomes a candidate once it is a leaf. All at once: see `pruning` for the same
-        work in bounded steps.
+        which becomes a candidate once it is a leaf. `idle` = (now, ticks): a leaf used (stored
+        or matched) within the last `ticks` before `now` is not counted cold, whatever its
+        hits: a conversation's newest turn has had no chance of a hit yet. All at once: see
+        `pruning` for the same work in bounded steps.
         """
-        run = self.pruning(target, policy, shallow_tokens, min_deep_hits)
+        run = self.pruning(target, policy, shallow_tokens, min_deep_hits, idle)
         while not run.step(None):
             pass
         return run.evicted
 
     def pruning(self, target: int, policy: EvictionPolicy, shallow_tokens: int,
-                min_deep_hits: int) -> PruneRun:
+                min_deep_hits: int, idle: tuple[int, int] = (0, 0)) -> PruneRun:
         """`prune` as a run of bounded steps (`PruneRun.step`), so that the owner can let
         other calls in between: ranking every leaf of a million-node tree takes most of a
         second."""
-        return PruneRun(self, target, policy, shallow_tokens, min_deep_hits)
+        return PruneRun(self, target, policy, shallow_tokens, min_deep_hits, idle)
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -721,12 +723,15 @@ class PruneRun:
     """
 
     def __init__(self, tree: BlockTree, target: int, policy: EvictionPolicy,
-                 shallow_tokens: int, min_deep_hits: int) -> None:
+                 shallow_tokens: int, min_deep_hits: int, idle: tuple[int, int] = (0, 0)
+                 ) -> None:
         self.tree = tree
         self.target = target
         self._policy = policy
         self._shallow = shallow_tokens
         self._min_hits = min_deep_hits
+        # Leaves used after this clock are not cold (see `BlockTree.prune`).
+        self._recent = idle[0] - idle[1] if idle[1] > 0 else None
         self._slots = list(tree._table.values())  # ranked in steps
         self._next = 0
         self._heap: list[tuple] = []
@@ -739,9 +744,10 @@ class PruneRun:
         use = t._use
         start = t._depth(s) * t.block_size
         hits = use[_USE * s + _HITS]
-        cold = start >= self._shallow and hits < self._min_hits
-        return (0 if cold else 1,
-                *self._policy.key(BlockUsage(start, hits, use[_USE * s + _LAST])))
+        last = use[_USE * s + _LAST]
+        cold = (start >= self._shallow and hits < self._min_hits
+                and (self._recent is None or last <= self._recent))
+        return (0 if cold else 1, *self._policy.key(BlockUsage(start, hits, last)))
 
     def step(self, budget: int | None) -> bool:
         """Do up to `budget` units of work (None: no bound); True once the run is done.

@@ -3,6 +3,8 @@ tree prunes leaves (cold deep first, then deep LRU, then shallow LFU) and the le
 
 from __future__ import annotations
 
+import pytest
+
 from services.common.policy import HybridPolicy
 from services.prefix.index import Load
 
@@ -113,3 +115,42 @@ def test_an_explicit_sweep_at_the_deadline_drops_the_replica(clock, hasher):
     assert index.expire(deadline) == ["a"]
     assert [r.replica_id for r in index.stats().replicas] == ["b"]
     index.check_integrity()
+
+
+# ---- a conversation's newest turn is not "rarely used": it has had no chance of a hit --------
+
+@pytest.mark.parametrize("grace", [0, 1000])
+def test_pruning_spares_tails_stored_moments_ago_under_a_grace(clock, hasher, grace):
+    """Near the node budget, tails stored a moment ago (0 hits: hits count where a match
+    ends) were pruned before deep leaves hit once long ago; the replica still held them, so
+    the next turn's store was dropped (unknown parent) and the conversation stayed invisible
+    to the index."""
+    index = make_index(clock, policy=HybridPolicy(8), min_deep_hits=1, max_nodes=59,
+                       prune_to=0.848, prune_step=10**9, cold_after_ticks=grace)
+    reg(index)
+    seq = 0
+
+    def publish(*events):
+        nonlocal seq
+        seq += 1
+        return index.publish("a", "i1", seq, list(events))
+
+    old = [[k * 10 + j for j in range(1, 5)] for k in range(10)]
+    for chain in old:  # ten old conversations, each matched once
+        publish(stored(hasher, toks(*chain)))
+        matched(index, toks(*chain))
+    index._tick += 100_000  # long ago, by the index's clock
+    live = [[500 + k * 10 + j for j in range(1, 5)] for k in range(5)]
+    for chain in live:  # five new ones: turn 1 just stored
+        publish(stored(hasher, toks(*chain)))
+    index.check_integrity()
+    held = [index.match(MODEL, token_ids=toks(*c), probe=True).matches[0].matched_blocks
+            for c in live]
+    if grace:
+        assert held == [4] * 5  # the old, once-hit tails went instead
+        before = index.dropped_blocks_total
+        publish(stored(hasher, toks(*live[0], 700, 701), start=4))  # turn 2
+        assert index.dropped_blocks_total == before
+        assert matched(index, toks(*live[0], 700, 701)) == {"a": 6}
+    else:
+        assert held == [2] * 5  # no grace: the fresh tails were the first to go
