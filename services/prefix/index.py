@@ -782,7 +782,9 @@ class PrefixIndex:
                             r.capacity_blocks)
                 for r in sorted(self._replicas.values(), key=lambda r: r.replica_id)]
         n = len(self.tree)
-        return IndexStats(n, n * APPROX_BYTES_PER_NODE, reps, self.matches_total,
+        # Slots held, not live nodes: freed slots are reused, never returned, and after a
+        # lapse or a prune the live count alone read as near nothing at the peak's memory.
+        return IndexStats(n, self.tree.slots * APPROX_BYTES_PER_NODE, reps, self.matches_total,
                           self.matches_hit, self.match_blocks_total, self.match_blocks_hit,
                           self.tree.pruned_total, self.resyncs_total, self.block_size,
                           self.dropped_blocks_total, self.max_nodes)

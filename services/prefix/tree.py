@@ -120,6 +120,12 @@ class BlockTree:
         self.held = [0] * 64  # blocks held per replica slot
         self.pruned_total = 0
 
+    @property
+    def slots(self) -> int:
+        """Node slots allocated: live nodes, roots and freed slots kept for reuse (the arrays
+        never shrink, so memory stays at its peak)."""
+        return len(self._key)
+
     def __len__(self) -> int:
         return len(self._table)
 

@@ -154,3 +154,16 @@ def test_pruning_spares_tails_stored_moments_ago_under_a_grace(clock, hasher, gr
         assert matched(index, toks(*live[0], 700, 701)) == {"a": 6}
     else:
         assert held == [2] * 5  # no grace: the fresh tails were the first to go
+
+
+def test_stats_bytes_stay_at_the_memory_held_after_the_nodes_go(clock, hasher):
+    """Stats.bytes was live nodes x 210: after a lease lapse it read near 0 while the freed
+    slots (reused, never returned) still held the peak."""
+    index = make_index(clock)
+    reg(index)
+    index.publish("a", "i1", 1, [stored(hasher, toks(*range(1, 41)))])
+    full = index.stats()
+    assert full.nodes == 40 and full.bytes >= 40 * 210
+    clock.t += index.lease_seconds  # the replica's lease lapses: its nodes go
+    gone = index.stats()
+    assert gone.nodes == 0 and gone.bytes == full.bytes
