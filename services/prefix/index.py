@@ -248,6 +248,10 @@ class PrefixIndex:
         # from there, so a batch delayed from before the lapse can never pass for a new one.
         # (Another incarnation's batches are refused by the incarnation check.)
         self._seq_floor: dict[str, tuple[str, int]] = {}
+        # (replica id, incarnation) pairs another incarnation has replaced, bounded, oldest
+        # first: a late Register of a dead incarnation (delayed, or waiting on the lock) took
+        # the id back, cleared the live one's holdings and sent Match to the old address.
+        self._replaced: dict[tuple[str, str], None] = {}
         self.prune_step = prune_step
         self._prune_run: PruneRun | None = None
 
@@ -316,6 +320,10 @@ class PrefixIndex:
             raise FailedPrecondition(
                 "hash_probe: the replica's block hashes differ from the index's "
                 "(TIERCACHE_HASH_KEY or model_id mismatch)")
+        if (replica_id, incarnation) in self._replaced:
+            raise FailedPrecondition(
+                f"incarnation: {shown(incarnation)} of {shown(replica_id)} was replaced by a "
+                "newer one (a restarted replica registers under a new incarnation)")
         now = self.clock()
         self._expire(now)
         rep = self._replicas.get(replica_id)
@@ -335,6 +343,11 @@ class PrefixIndex:
                 bit = free[0]
             floor = self._seq_floor.pop(replica_id, None)
             start = floor[1] if rep is None and floor and floor[0] == incarnation else 1
+            old = rep.incarnation if rep is not None else floor[0] if floor else None
+            if old is not None and old != incarnation:
+                self._replaced[(replica_id, old)] = None
+                while len(self._replaced) > MAX_SEQ_FLOORS:
+                    del self._replaced[next(iter(self._replaced))]
             rep = Replica(replica_id, incarnation, address, model_id, capacity_blocks, bit,
                           now, now, next_seq=start)
             rep.refresh()

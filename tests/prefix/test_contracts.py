@@ -167,3 +167,25 @@ def test_stats_bytes_stay_at_the_memory_held_after_the_nodes_go(clock, hasher):
     clock.t += index.lease_seconds  # the replica's lease lapses: its nodes go
     gone = index.stats()
     assert gone.nodes == 0 and gone.bytes == full.bytes
+
+
+def test_a_late_register_of_a_replaced_incarnation_is_refused(clock, hasher):
+    """A Register of the dead incarnation arriving after the new one's (delayed in the
+    network, or waiting on the lock) took the id back: it cleared the live incarnation's
+    holdings and sent Match to the old address."""
+    from services.common.errors import FailedPrecondition
+
+    index = make_index(clock)
+    index.register("a", "i1", "10.0.0.1:1", MODEL, BS, 100)
+    index.register("a", "i2", "10.0.0.2:1", MODEL, BS, 100)  # restarted
+    index.publish("a", "i2", 1, [stored(hasher, toks(1, 2, 3))])
+    with pytest.raises(FailedPrecondition, match="incarnation: 'i1' of 'a' was replaced"):
+        index.register("a", "i1", "10.0.0.1:1", MODEL, BS, 100)
+    assert matched(index, toks(1, 2, 3)) == {"a": 3}
+    assert index.match(MODEL, token_ids=toks(1)).matches[0].address == "10.0.0.2:1"
+    # Replaced after its lease lapsed too (no record left to replace, only the floor).
+    clock.t += index.lease_seconds
+    index.register("a", "i3", "10.0.0.3:1", MODEL, BS, 100)
+    with pytest.raises(FailedPrecondition):
+        index.register("a", "i2", "10.0.0.2:1", MODEL, BS, 100)
+    index.check_integrity()
