@@ -1035,7 +1035,8 @@ class SemanticCache:
         old = [r for r in rows if not _same_vectors(r.embed_model, self._embed_id)
                or r.embedding.shape != (self.embedder.dim,)]
         if old:
-            # Minutes at a full shard (~640 s for 200k entries at ~300 sentences/s on 2 cores):
+            # Minutes to hours at a full shard (200k entries on 2 cores: 16 min at 208 short
+            # prompts/s, 1.8 h at 31 long ones/s, measured):
             # said up front and as it goes, or a pod not yet serving looks hung.
             log.info("re-embedding %d entries stored by %s with %s (the service starts serving "
                      "once done; progress is kept across restarts)", len(old),

@@ -435,7 +435,9 @@ def test_gpu_overlay_gives_each_kvpool_pod_one_gpu(gpu: Rendered, dev: Rendered)
     w = gpu.workload_for("kvpool")
     c = tiercache_container(w)
     assert str(c["resources"]["limits"]["nvidia.com/gpu"]) == "1"
-    assert w.pod_spec["nodeSelector"]
+    # No nodeSelector on Feature Discovery's gpu.present: the GPU request places the pod,
+    # and only the memory rule (tested below) needs that label.
+    assert "nodeSelector" not in w.pod_spec
     assert any(t["key"] == "nvidia.com/gpu" for t in w.pod_spec["tolerations"])
     env = service_env(gpu, w)
     assert env[env_name("kvpool", "device")].value.startswith("cuda")
