@@ -261,10 +261,12 @@ def test_a_token_from_a_secret_file_loses_its_trailing_newline(fake, monkeypatch
     assert cli.main(["--token", " ", "stats"]) == 0
     monkeypatch.setenv("TIERCACHE_TOKEN", "bad-env")
     assert cli.main(["--token", "", "stats"]) == 0  # an explicit empty --token wins
-    monkeypatch.setenv("TIERCACHE_TOKEN", "tok 3")
+    monkeypatch.setenv("TIERCACHE_TOKEN", "tok 3")  # inner spaces: the tokens file allows them
+    assert cli.main(["stats"]) == 0
+    monkeypatch.setenv("TIERCACHE_TOKEN", "tök")
     with pytest.raises(SystemExit) as e:
         cli.main(["stats"])
-    assert e.value.code == 2 and seen == ["tok-1", "tok-2", None, None, None]
+    assert e.value.code == 2 and seen == ["tok-1", "tok-2", None, None, None, "tok 3"]
 
 
 def test_output_that_cannot_be_written_is_one_line_not_a_traceback(fake, monkeypatch, capsys):

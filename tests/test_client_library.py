@@ -27,6 +27,8 @@ class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
             context.set_trailing_metadata((("tiercache-overloaded", "1"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "every replica is busy")
         yield orchestrator_pb2.GenerateResponse(final=orchestrator_pb2.GenerateFinal())
+        if q == "final then error":
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "ended at the deadline")
 
 
 @pytest.fixture
@@ -52,6 +54,13 @@ def test_a_stream_without_its_final_message_raises_for_every_caller(address):
         assert c.generate("fine").text == "Partial "
 
 
+def test_a_status_after_the_final_message_leaves_the_answer_whole(address):
+    """A server that ends a call at its deadline may cut one that finished that moment: the
+    final message was in, and the client raised all the same."""
+    with TierCacheClient(address) as c:
+        assert c.generate("final then error").text == "Partial "
+
+
 def test_retry_later_is_false_once_part_of_the_answer_arrived(address):
     """A busy error after text had been streamed said 'retry': the text came twice."""
     with TierCacheClient(address) as c:
@@ -67,6 +76,8 @@ def test_retry_later_is_false_once_part_of_the_answer_arrived(address):
 def test_bad_tokens_request_ids_and_timeouts_are_named_before_any_call(address):
     """gRPC's INTERNAL "Invalid metadata" named no field; timeout=0 became the 300 s default."""
     assert TierCacheClient(address, token="s3cret\n").token == "s3cret"  # a secret file's
+    # Inner spaces: the server's tokens file allows them, and gRPC metadata carries them.
+    assert TierCacheClient(address, token="team secret 1").token == "team secret 1"
     with pytest.raises(ValueError, match="^token:"):
         TierCacheClient(address, token="tök")
     for bad in (0, -1, float("nan"), float("inf")):
@@ -97,6 +108,26 @@ def test_replay_sends_each_turn_at_its_own_time():
                       concurrency=1, time_scale=0.05)
     offsets = [s - t0 for s in sent]
     assert offsets[1] >= 0.24 and offsets[2] >= 0.49, offsets
+
+
+def test_a_timed_replay_starts_every_session_on_time_with_more_sessions_than_concurrency():
+    """Sessions waited between turns inside 2 x concurrency workers: later ones started late
+    and sent their overdue turns back to back."""
+    sent: dict[str, list[float]] = {}
+
+    class Client:
+        def stream(self, messages, **kw):
+            sent.setdefault(kw["session_id"], []).append(time.monotonic())
+            yield Chunk("ok", [], orchestrator_pb2.GenerateFinal())
+
+    reqs = [Request(at=at + s * 0.01, tenant="t0", session_id=f"s{s}", system_index=0,
+                    turn=t, question=f"q{s}.{t}?")
+            for s in range(8) for t, at in enumerate((0.0, 10.0))]
+    t0 = time.monotonic()
+    replay_mod.replay(Workload(WorkloadSpec(), {"t0": ["be brief"]}, reqs), {"t0": Client()},
+                      concurrency=1, time_scale=0.05)
+    firsts = sorted(times[0] - t0 for times in sent.values())
+    assert len(firsts) == 8 and firsts[-1] < 0.3, firsts  # all near 0, not after the gaps
 
 
 def test_a_turn_that_raises_anything_is_recorded_not_the_end_of_the_replay():

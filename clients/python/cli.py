@@ -367,8 +367,8 @@ def _token(text: str) -> str | None:
         raise argparse.ArgumentTypeError("not valid UTF-8")
     if not t:
         return None
-    if not all(" " < c <= "~" for c in t):
-        raise argparse.ArgumentTypeError("must be printable ASCII without spaces")
+    if not all(" " <= c <= "~" for c in t):  # inner spaces: the server's tokens allow them
+        raise argparse.ArgumentTypeError("must be printable ASCII")
     return t
 
 

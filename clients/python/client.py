@@ -63,14 +63,14 @@ _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 def _checked_token(token: str | None) -> str | None:
     """The bearer token as gRPC metadata can carry it: surrounding whitespace (a secret file's
-    newline) dropped; anything else but printable ASCII is a ValueError naming it (it was
-    gRPC's INTERNAL "Invalid metadata")."""
+    newline) dropped; anything but printable ASCII (inner spaces allowed, as the server's
+    tokens file allows them) is a ValueError naming it (it was gRPC's INTERNAL "Invalid
+    metadata")."""
     if token is None:
         return None
     token = token.strip()
-    if not all(0x21 <= ord(ch) <= 0x7E for ch in token):
-        raise ValueError("token: printable ASCII without spaces only (it travels as gRPC "
-                         "metadata)")
+    if not all(0x20 <= ord(ch) <= 0x7E for ch in token):
+        raise ValueError("token: printable ASCII only (it travels as gRPC metadata)")
     return token
 
 
@@ -189,6 +189,10 @@ class TierCacheClient:
                 final = msg.HasField("final")
                 yield Chunk(msg.text, list(msg.token_ids), msg.final if final else None)
         except grpc.RpcError as e:
+            if final:
+                # The answer is whole: the call ended only after its final message (a server
+                # ending calls at their deadline may cut one that finished that moment).
+                return
             with contextlib.suppress(AttributeError):
                 e.chunks_received = received
             raise

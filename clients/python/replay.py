@@ -48,6 +48,10 @@ class Outcome:
         return "prefix_hit" if self.cached_tokens >= 32 else "cold"
 
 
+# Sessions a timed replay runs at once (each waits in a thread of its own between turns).
+MAX_TIMED_SESSIONS = 512
+
+
 def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurrency: int = 2,
            time_scale: float = 0.0, max_tokens: int = 16,
            cache_policy: common_pb2.CachePolicy | None = None,
@@ -126,7 +130,12 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
                         {"role": "assistant", "content": "".join(text).strip() or "ok"}]
 
     ordered = sorted(sessions.values(), key=lambda rs: rs[0].at)
-    pool = ThreadPoolExecutor(max_workers=max(concurrency, 1) * 2)
+    # Timed, a session waits between its turns in its worker: with only 2 x concurrency of
+    # them, later sessions started late and sent their overdue turns back to back. A worker
+    # per session (bounded) then; `gate` alone bounds the requests in flight.
+    workers = (max(concurrency, 1) * 2 if time_scale <= 0
+               else max(1, min(len(ordered), MAX_TIMED_SESSIONS)))
+    pool = ThreadPoolExecutor(max_workers=workers)
     futures = [pool.submit(run_session, s) for s in ordered]
     try:
         wait(futures)

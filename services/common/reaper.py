@@ -83,9 +83,15 @@ class StreamReaper:
                         context, details = self._armed.pop(token)
                         break
                     self._cv.wait(wait)
-            try:
-                end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED, details)
-                if self._on_reap is not None:
+                try:
+                    # Under the lock: once `disarm` has returned, the call is never ended
+                    # from here (a whole answer ending at the deadline was cut otherwise).
+                    end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED, details)
+                except Exception:  # noqa: BLE001 - one call's failure must not stop the reaper
+                    log.exception("ending a call past its deadline failed")
+                    continue
+            if self._on_reap is not None:
+                try:
                     self._on_reap(details)
-            except Exception:  # noqa: BLE001 - one call's failure must not stop the reaper
-                log.exception("ending a call past its deadline failed")
+                except Exception:  # noqa: BLE001
+                    log.exception("on_reap failed")

@@ -139,11 +139,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # Ended from outside at the deadline (request_timeout_s caps a longer client one).
         reap = self._reaper.arm(
             deadline + REAP_GRACE_S, context,
-            f"deadline exceeded: the answer was not read within {budget:.0f} s "
+            f"deadline exceeded: the answer was not read within {budget:.3g} s "
             f"(request {request_id}; request_timeout_s {self.cfg.request_timeout_s:g} s)")
         try:
             # Rendering and tokenizing is the costly part of checking a request: it runs in
-            # the server's stream slot and the tenant's, under their limits.
+            # the server's stream slot and the tenant's, under their limits. (A call ended here
+            # just after its final message went out is whole: clients take a status after the
+            # final message as the end of a whole answer.)
             with self._admitted(tenant):
                 prompt, sampling = self._prepare(request, tenant, sampling)
                 yield from self._generate(context, tenant, prompt, sampling, policy,
