@@ -480,6 +480,12 @@ def test_a_variable_no_setting_reads_is_refused_with_the_closest_name():
                 "TIERCACHE_ORCHESTRATOR_PORT_50051_TCP": "tcp://10.0.0.9:50051",
                 "TIERCACHE_ORCHESTRATOR_PORT_50051_TCP_ADDR": "10.0.0.9"})
     assert load_config(OrchestratorConfig, "orchestrator", [], env).kvpool_addresses
+    # ... but only those, by name and value: a name merely ending in _PORT is a typo.
+    for typo, value in (("TIERCACHE_ORCHESTRATOR_METRIC_PORT", "9999"),
+                        ("TIERCACHE_ORCHESTRATOR_PORT", "6000"),
+                        ("TIERCACHE_ORCHESTRATOR_GRPC_PORT", "6000")):
+        with pytest.raises(ConfigError, match=f"^{typo}"):
+            load_config(OrchestratorConfig, "orchestrator", [], {**env, typo: value})
 
 
 @pytest.mark.parametrize(("name", "hint"), [

@@ -141,10 +141,27 @@ def load_config(
 # Names under a service's prefix that are read outside its config class.
 _READ_ELSEWHERE = ("TLS_CERT", "TLS_KEY")
 # What Kubernetes puts in every pod for each Service of its namespace (service links): a
-# Service named tiercache-orchestrator gives TIERCACHE_ORCHESTRATOR_SERVICE_HOST, _PORT,
-# _PORT_50051_TCP_ADDR... No setting ends this way.
-_SERVICE_LINK = re.compile(r"_(SERVICE_HOST|SERVICE_PORT(_\w+)?|PORT(_\d+_(TCP|UDP|SCTP)"
-                           r"(_(PROTO|PORT|ADDR))?)?)$")
+# Service named tiercache-orchestrator gives TIERCACHE_ORCHESTRATOR_SERVICE_HOST=10.0.0.9,
+# _SERVICE_PORT=50051, _PORT=tcp://10.0.0.9:50051, _PORT_50051_TCP_ADDR=10.0.0.9... Matched
+# on the whole rest of the name and on the value's form: a name merely ending in _PORT (a
+# typo of METRICS_PORT) is still a typo.
+_URL = r"(tcp|udp|sctp)://\S+"
+_HOST = r"[0-9A-Fa-f.:]+"
+_SERVICE_LINK = [
+    (re.compile(r"SERVICE_HOST"), re.compile(_HOST)),
+    (re.compile(r"SERVICE_PORT(_[A-Z0-9_]+)?"), re.compile(r"\d+")),
+    (re.compile(r"PORT(_\d+_(TCP|UDP|SCTP))?"), re.compile(_URL)),
+    (re.compile(r"PORT_\d+_(TCP|UDP|SCTP)_PROTO"), re.compile(r"tcp|udp|sctp")),
+    (re.compile(r"PORT_\d+_(TCP|UDP|SCTP)_PORT"), re.compile(r"\d+")),
+    (re.compile(r"PORT_\d+_(TCP|UDP|SCTP)_ADDR"), re.compile(_HOST)),
+]
+
+
+def _service_link(rest: str, value: str) -> bool:
+    """Whether `rest` (a variable name after the service's prefix) = `value` is one of the
+    variables Kubernetes sets for a Service."""
+    return any(name.fullmatch(rest) and form.fullmatch(value)
+               for name, form in _SERVICE_LINK)
 # Shared settings a per-service name is often mistaken for.
 _SHARED = {"TLS_CA": "TIERCACHE_TLS_CA", "TLS_CLIENT_CERT": "TIERCACHE_TLS_CLIENT_CERT",
            "TLS_CLIENT_KEY": "TIERCACHE_TLS_CLIENT_KEY", "HASH_KEY": "TIERCACHE_HASH_KEY",
@@ -159,7 +176,7 @@ def _refuse_unknown_names(cls: type, service: str, environ: Mapping[str, str]) -
     fields = [f.name.upper() for f in dataclasses.fields(cls)]
     known = set(fields) | set(_READ_ELSEWHERE)
     unknown = sorted(v for v in environ if v.startswith(prefix) and v[len(prefix):] not in known
-                     and not _SERVICE_LINK.search(v))
+                     and not _service_link(v[len(prefix):], environ[v]))
     if unknown:
         hints = []
         for v in unknown:
