@@ -41,9 +41,9 @@ PORTS = {"orchestrator": (50051, 9101), "semantic": (50052, 9102), "prefix": (50
 INTERNAL_CALLS = {("orchestrator", "semantic"), ("orchestrator", "prefix"),
                   ("orchestrator", "kvpool"), ("kvpool", "prefix")}
 # Minimum startup budget (periodSeconds x failureThreshold): model loads are slow on a cold node.
-# semantic: re-embedding the 200,000-entry cap after a change of embedding model takes ~640 s
-# on 2 cores (312 sentences/s, benchmarks.semantic) before it serves.
-MIN_STARTUP_S = {"orchestrator": 120, "semantic": 900, "prefix": 60, "kvpool": 600}
+# semantic: re-embedding the 200,000-entry cap after a change of embedding model takes 16 min
+# (short prompts, 208/s) to 1.8 h (150-250 words, 31/s) on 2 cores before it serves.
+MIN_STARTUP_S = {"orchestrator": 120, "semantic": 6480, "prefix": 60, "kvpool": 600}
 # Measured peaks the base requests cover (docs/deploy.md "Memory", docs/capacity.md): kvpool
 # 4.4 GiB with a long prompt at the base's 4,096-token context, semantic ~1.6 GiB while a
 # restart rebuilds 200,000 entries. The dev overlay's smaller settings have smaller peaks.
