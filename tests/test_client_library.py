@@ -29,6 +29,8 @@ class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
         yield orchestrator_pb2.GenerateResponse(final=orchestrator_pb2.GenerateFinal())
         if q == "final then error":
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "ended at the deadline")
+        if q == "final then internal":
+            context.abort(grpc.StatusCode.INTERNAL, "something the server meant")
 
 
 @pytest.fixture
@@ -59,6 +61,9 @@ def test_a_status_after_the_final_message_leaves_the_answer_whole(address):
     final message was in, and the client raised all the same."""
     with TierCacheClient(address) as c:
         assert c.generate("final then error").text == "Partial "
+        with pytest.raises(grpc.RpcError) as e:  # any other status is the server's to say
+            c.generate("final then internal")
+        assert e.value.code() == grpc.StatusCode.INTERNAL
 
 
 def test_retry_later_is_false_once_part_of_the_answer_arrived(address):

@@ -478,7 +478,12 @@ def test_a_variable_no_setting_reads_is_refused_with_the_closest_name():
                 "TIERCACHE_ORCHESTRATOR_SERVICE_PORT_GRPC": "50051",
                 "TIERCACHE_ORCHESTRATOR_PORT": "tcp://10.0.0.9:50051",
                 "TIERCACHE_ORCHESTRATOR_PORT_50051_TCP": "tcp://10.0.0.9:50051",
-                "TIERCACHE_ORCHESTRATOR_PORT_50051_TCP_ADDR": "10.0.0.9"})
+                "TIERCACHE_ORCHESTRATOR_PORT_50051_TCP_ADDR": "10.0.0.9",
+                # A Service tiercache-orchestrator-public (a LoadBalancer), IPv6.
+                "TIERCACHE_ORCHESTRATOR_PUBLIC_SERVICE_HOST": "fd00:10:96::a",
+                "TIERCACHE_ORCHESTRATOR_PUBLIC_PORT": "tcp://[fd00:10:96::a]:50051",
+                "TIERCACHE_ORCHESTRATOR_PUBLIC_PORT_50051_TCP_PROTO": "tcp",
+                "TIERCACHE_ORCHESTRATOR_PUBLIC_PORT_50051_TCP_PORT": "50051"})
     assert load_config(OrchestratorConfig, "orchestrator", [], env).kvpool_addresses
     # ... but only those, by name and value: a name merely ending in _PORT is a typo.
     for typo, value in (("TIERCACHE_ORCHESTRATOR_METRIC_PORT", "9999"),

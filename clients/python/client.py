@@ -189,9 +189,11 @@ class TierCacheClient:
                 final = msg.HasField("final")
                 yield Chunk(msg.text, list(msg.token_ids), msg.final if final else None)
         except grpc.RpcError as e:
-            if final:
-                # The answer is whole: the call ended only after its final message (a server
-                # ending calls at their deadline may cut one that finished that moment).
+            if final and e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
+                                      grpc.StatusCode.CANCELLED):
+                # The answer is whole: the call was ended at its deadline only after its
+                # final message had come (a server ending calls at their deadline may cut one
+                # that finished that moment). Any other status is raised.
                 return
             with contextlib.suppress(AttributeError):
                 e.chunks_received = received

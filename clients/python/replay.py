@@ -133,8 +133,9 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
     # Timed, a session waits between its turns in its worker: with only 2 x concurrency of
     # them, later sessions started late and sent their overdue turns back to back. A worker
     # per session (bounded) then; `gate` alone bounds the requests in flight.
-    workers = (max(concurrency, 1) * 2 if time_scale <= 0
-               else max(1, min(len(ordered), MAX_TIMED_SESSIONS)))
+    workers = max(concurrency, 1) * 2
+    if time_scale > 0:  # sessions past the cap start when a worker is free (late)
+        workers = max(workers, min(len(ordered), MAX_TIMED_SESSIONS))
     pool = ThreadPoolExecutor(max_workers=workers)
     futures = [pool.submit(run_session, s) for s in ordered]
     try:

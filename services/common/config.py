@@ -147,13 +147,16 @@ _READ_ELSEWHERE = ("TLS_CERT", "TLS_KEY")
 # typo of METRICS_PORT) is still a typo.
 _URL = r"(tcp|udp|sctp)://\S+"
 _HOST = r"[0-9A-Fa-f.:]+"
+# A Service named tiercache-orchestrator-public gives TIERCACHE_ORCHESTRATOR_PUBLIC_...: the
+# rest of its name may come first.
+_NAME = r"(?:[A-Z0-9_]+_)?"
 _SERVICE_LINK = [
-    (re.compile(r"SERVICE_HOST"), re.compile(_HOST)),
-    (re.compile(r"SERVICE_PORT(_[A-Z0-9_]+)?"), re.compile(r"\d+")),
-    (re.compile(r"PORT(_\d+_(TCP|UDP|SCTP))?"), re.compile(_URL)),
-    (re.compile(r"PORT_\d+_(TCP|UDP|SCTP)_PROTO"), re.compile(r"tcp|udp|sctp")),
-    (re.compile(r"PORT_\d+_(TCP|UDP|SCTP)_PORT"), re.compile(r"\d+")),
-    (re.compile(r"PORT_\d+_(TCP|UDP|SCTP)_ADDR"), re.compile(_HOST)),
+    (re.compile(_NAME + r"SERVICE_HOST"), re.compile(_HOST)),
+    (re.compile(_NAME + r"SERVICE_PORT(_[A-Z0-9_]+)?"), re.compile(r"\d+")),
+    (re.compile(_NAME + r"PORT(_\d+_(TCP|UDP|SCTP))?"), re.compile(_URL)),
+    (re.compile(_NAME + r"PORT_\d+_(TCP|UDP|SCTP)_PROTO"), re.compile(r"tcp|udp|sctp")),
+    (re.compile(_NAME + r"PORT_\d+_(TCP|UDP|SCTP)_PORT"), re.compile(r"\d+")),
+    (re.compile(_NAME + r"PORT_\d+_(TCP|UDP|SCTP)_ADDR"), re.compile(_HOST)),
 ]
 
 

@@ -83,13 +83,16 @@ class StreamReaper:
                         context, details = self._armed.pop(token)
                         break
                     self._cv.wait(wait)
+                failed: Exception | None = None
                 try:
                     # Under the lock: once `disarm` has returned, the call is never ended
                     # from here (a whole answer ending at the deadline was cut otherwise).
                     end_call(context, grpc.StatusCode.DEADLINE_EXCEEDED, details)
-                except Exception:  # noqa: BLE001 - one call's failure must not stop the reaper
-                    log.exception("ending a call past its deadline failed")
-                    continue
+                except Exception as exc:  # noqa: BLE001 - one call must not stop the reaper
+                    failed = exc
+            if failed is not None:  # logged outside the lock: a stuck log handler stalls none
+                log.error("ending a call past its deadline failed: %r", failed)
+                continue
             if self._on_reap is not None:
                 try:
                     self._on_reap(details)

@@ -139,7 +139,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # Ended from outside at the deadline (request_timeout_s caps a longer client one).
         reap = self._reaper.arm(
             deadline + REAP_GRACE_S, context,
-            f"deadline exceeded: the answer was not read within {budget:.3g} s "
+            f"deadline exceeded: the answer was not read within {budget:.4g} s "
             f"(request {request_id}; request_timeout_s {self.cfg.request_timeout_s:g} s)")
         try:
             # Rendering and tokenizing is the costly part of checking a request: it runs in

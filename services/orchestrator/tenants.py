@@ -223,7 +223,7 @@ class TenantRegistry:
         for tok, name in parse_token_pairs(tokens).items():
             if not _sendable(tok):
                 raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: a token must be printable "
-                                 "ASCII without spaces")
+                                 "ASCII without surrounding spaces")
             if names.get(tok, name) != name:
                 raise ValueError(f"TIERCACHE_ORCHESTRATOR_TOKENS: a token of tenant {name!r} "
                                  f"is the file's token of tenant {names[tok]!r}")
