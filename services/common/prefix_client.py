@@ -262,13 +262,15 @@ class PrefixIndexClient:
 
     def heartbeat_shards(self, replica_id: str, incarnation: str,
                          load: prefix_pb2.ReplicaLoad | None = None, *,
-                         timeout: float | None = None, only: Collection[str] | None = None
+                         timeout: float | None = None, only: Collection[str] | None = None,
+                         partial: bool | None = None
                          ) -> dict[str, prefix_pb2.HeartbeatResponse]:
-        """`heartbeat`, answered per shard address (the shards that answered)."""
+        """`heartbeat`, answered per shard address (the shards that answered). `partial`:
+        some may fail (default: when every shard is asked)."""
         req = prefix_pb2.HeartbeatRequest(replica_id=replica_id, incarnation=incarnation,
                                           load=load or prefix_pb2.ReplicaLoad())
         return self._fan_out({a: req for a in self._shards_in(only)}, "Heartbeat",  # type: ignore[return-value]
-                             timeout, allow_partial=only is None)
+                             timeout, allow_partial=only is None if partial is None else partial)
 
     def _shards_in(self, only: Collection[str] | None) -> list[str]:
         """Every shard address, or those in `only`, in the configured order."""

@@ -151,6 +151,11 @@ class Publisher:
         # only they get a snapshot, once the backlog is out, so one shard's outage neither
         # stalls the others nor has them reloaded again and again.
         self._lagging: set[str] = set()
+        # Lagging shards are checked on a timer of their own: one shard down used to back off
+        # the whole loop (every shard got its events 25x later, and a hung one held each
+        # batch and heartbeat for its timeout, so healthy shards' leases nearly lapsed).
+        self._lag_failures = 0
+        self._lag_retry_at = 0.0
         self._forgot: set[str] = set()  # shards that answered NOT_FOUND: register there again
 
     def start(self) -> Publisher:
@@ -199,14 +204,14 @@ class Publisher:
                     # Set first: a failing heartbeat must not run again on every retry ahead
                     # of publishing.
                     next_beat = now + self._beat_every
-                    self._heartbeat()
+                    healthy = self._healthy()
+                    self._heartbeat(healthy, partial=True)
                 self._collect()
                 if self._backlog:
                     self._publish()
-                if self._lagging and not self._backlog and not self._need_resync:
-                    if retrying and not self._probe(set(self._lagging)):
-                        continue
-                    self._resync(only=set(self._lagging))
+                if (self._lagging and not self._backlog and not self._need_resync
+                        and time.monotonic() >= self._lag_retry_at):
+                    self._catch_up_lagging()
                 backoff = 0.2
                 wait = max(0.0, min(self.publish_interval_seconds, next_beat - time.monotonic()))
                 if not self._backlog:
@@ -279,13 +284,40 @@ class Publisher:
             log.info("prefix index forgot this replica; registering again")
             self.registered = False
 
-    def _heartbeat(self, only: set[str] | None = None) -> None:
+    def _healthy(self) -> set[str] | None:
+        """The shards not lagging, where batches and heartbeats go (None: every shard, when
+        none lags, or all do: then they are all asked, as unsharded)."""
+        if not self._client.sharded or not self._lagging:
+            return None
+        healthy = set(self._client.addresses) - self._lagging
+        return healthy or None
+
+    def _catch_up_lagging(self) -> None:
+        """Resync the lagging shards (checked first with a heartbeat after a failure); a
+        failure only pushes their next try back, doubling up to 5 s."""
+        lagging = set(self._lagging)
+        try:
+            if self._lag_failures and not self._probe(lagging):
+                return
+            self._resync(only=lagging)
+            self._lag_failures = 0
+        except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                raise  # register again there: the loop's handler knows how
+            self._lag_failures += 1
+            wait = min(0.2 * 2 ** self._lag_failures, 5.0)
+            self._lag_retry_at = time.monotonic() + wait
+            log.log(logging.WARNING if self._lag_failures == 1 else logging.DEBUG,
+                    "prefix index shard(s) %s: %s; the others go on, retrying these in %.1fs",
+                    ", ".join(sorted(lagging)), e.code().name, wait)
+
+    def _heartbeat(self, only: set[str] | None = None, partial: bool | None = None) -> None:
         s = self.engine.stats()
         got = self._client.heartbeat_shards(
             self.replica_id, self.incarnation,
             prefix_pb2.ReplicaLoad(running=s.running, waiting=s.waiting,
                                    free_blocks=s.blocks_free + s.blocks_cached,
-                                   total_blocks=s.blocks_total), only=only)
+                                   total_blocks=s.blocks_total), only=only, partial=partial)
         self.connected = True
         forgot = {a for a, r in got.items() if not r.known}
         if forgot:
@@ -361,7 +393,9 @@ class Publisher:
         while self._backlog and not self._need_resync and self.registered:
             batch, rest = next_batch(self._backlog, self._max_events, self._max_blocks,
                                      self.engine.pool.block_size)
-            if not self._send(batch, resync=False):
+            # Not to lagging shards: a snapshot brings them up to date, and a hung one held
+            # every batch for its whole timeout.
+            if not self._send(batch, resync=False, only=self._healthy()):
                 return
             sent = len(self._backlog) - len(rest)  # -1 when an event was split
             self._backlog = rest

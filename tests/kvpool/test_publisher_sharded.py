@@ -20,7 +20,7 @@ from services.common.prefix_client import PrefixIndexClient
 from services.kvpool.publisher import Publisher
 from services.prefix.config import PrefixConfig
 from services.prefix.server import PrefixServicer, build_index
-from tests.kvpool.conftest import TINY_ID, generate
+from tests.kvpool.conftest import TINY_ID, TINY_VOCAB, generate
 
 
 def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
@@ -163,6 +163,37 @@ def test_one_shard_down_holds_back_neither_the_others_nor_itself_once_back(make_
             ib.check_integrity()
         finally:
             ha2.stop(0)
+    finally:
+        stop_all(client, pub, hb)
+
+
+def test_a_shard_down_for_long_does_not_slow_the_others(make_engine) -> None:
+    """Checking the down shard went through the loop's shared backoff (doubling to 5 s): a
+    chain owned by a healthy shard took ~5 s to reach it instead of ~0.2 s, and the replica
+    read as disconnected (events_published_seq 0) while most shards took every batch."""
+    (_, ha), (ib, hb) = start_shard(), start_shard(lease_seconds=5.0)
+    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    eng = make_engine(num_blocks=64, hash_key=None)
+    pub = start_publisher(eng, addrs)
+    client = PrefixIndexClient(addrs, block_size=4, channel_factory=grpc.insecure_channel)
+    hasher = BlockHasher(TINY_ID, 4)
+    on_b = [p for k in range(12, TINY_VOCAB - 1)
+            if client.shard_for(hasher.hashes(p := [k, 5] + list(range(1, 10)), "t")[0])
+            == addrs[1]][:3]
+    assert len(on_b) == 3
+    try:
+        generate(eng, on_b[0], max_tokens=2, salt="t")
+        wait_for(lambda: held(ib, on_b[0]) >= 2)
+        ha.stop(0)  # shard A goes away, for long
+        eng.call(eng.pool.clear).result(5)
+        wait_for(lambda: addrs[0] in pub._lagging)
+        time.sleep(7.0)  # long enough for a shared backoff to have reached its 5 s
+        for p in on_b[1:]:
+            generate(eng, p, max_tokens=2, salt="t")
+            t0 = time.monotonic()
+            wait_for(lambda p=p: held(ib, p) >= 2)
+            assert time.monotonic() - t0 < 2.0  # was ~5 s
+        assert pub.connected  # B takes every batch: the index is reachable
     finally:
         stop_all(client, pub, hb)
 
