@@ -72,7 +72,7 @@ def _main(argv: list[str] | None) -> int:
         log.error("bad configuration (the model could not be loaded): %s", exc)
         handle.stop(None)
         return 2
-    except (torch.OutOfMemoryError, RuntimeError) as exc:
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
         if not out_of_memory(exc):
             raise
         # A traceback and exit 1 named none of the settings that size what did not fit, and a

@@ -90,8 +90,7 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
                  "(TIERCACHE_KVPOOL_LINEAR_KERNELS)", packing.layers)
     elif packing.why_not != "configured":
         # Expected off the CPU (oneDNN is a CPU library): said, not warned, at every GPU start.
-        on_cpu = next(model.parameters()).device.type == "cpu"
-        log.log(logging.WARNING if on_cpu else logging.INFO,
+        log.log(logging.WARNING if cfg.device == "cpu" else logging.INFO,
                 "linear layers stay on torch's kernels: %s", packing.why_not)
     return model, resolved.model_id, packing
 

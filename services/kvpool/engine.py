@@ -686,7 +686,7 @@ class Engine:
             seq.stored_blocks = adm.cached_tokens // self.pool.block_size
             try:
                 self.store.ensure_capacity(len(seq.tokens))
-            except Exception as exc:
+            except RuntimeError as exc:  # OutOfMemoryError is one
                 if not out_of_memory(exc):
                     raise
                 # The working rows could not grow to this prompt (device memory, which runs
@@ -709,9 +709,9 @@ class Engine:
                 if not seq.req.prefill_only:  # a prefill counts when done (prefills_total)
                     self.prompt_tokens_total += seq.prompt_len
                     self.cached_tokens_total += adm.cached_tokens
-                if self.metrics and not seq.req.prefill_only:
-                    self.metrics.prompt_tokens.inc(seq.prompt_len)
-                    self.metrics.cached_tokens.inc(adm.cached_tokens)
+                    if self.metrics:
+                        self.metrics.prompt_tokens.inc(seq.prompt_len)
+                        self.metrics.cached_tokens.inc(adm.cached_tokens)
 
     def _prefill_chunk(self, seq: Sequence) -> None:
         start = seq.num_computed
@@ -1025,7 +1025,7 @@ class Engine:
             return []  # no room for speculation now; decode normally
         try:
             self.store.ensure_capacity(len(seq.tokens) + len(prop))
-        except Exception as exc:
+        except RuntimeError as exc:  # OutOfMemoryError is one
             if not out_of_memory(exc):
                 raise
             # No memory to grow the rows for the proposal: decode normally, as with no
