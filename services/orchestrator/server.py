@@ -406,10 +406,10 @@ class Warmer:
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="warm")
 
     def _prefill(self, replica, token_ids, cache_salt, ttl, index, timeout: float = 120.0,
-                 request_id: str = "", gone: threading.Event | None = None, pin: bool = True):
-        """One Prefill on `replica`, pinned for `ttl` seconds unless `pin` is off. With `gone`
-        (the Warm caller cancelled or went away), a running prefill is cancelled once it is
-        set: the replica stops computing and pins nothing more for nobody."""
+                 request_id: str = "", gone: threading.Event | None = None):
+        """One Prefill on `replica`, pinned for `ttl` seconds (0: not pinned). With `gone` (the
+        Warm caller cancelled or went away), a running prefill is cancelled once it is set:
+        the replica stops computing and pins nothing more for nobody."""
         if timeout <= 0:
             # Queued behind the call's other prefills (prompts x replicas share the pool)
             # until its deadline: sending it anyway made replicas compute for a caller that
@@ -418,8 +418,8 @@ class Warmer:
                 prompt_index=index, replica_id=replica.public_id,
                 error="DEADLINE_EXCEEDED: the call's deadline passed before this prefill "
                       "could start")
-        req = kvpool_pb2.PrefillRequest(token_ids=token_ids, cache_salt=cache_salt, pin=pin,
-                                        ttl_seconds=ttl if pin else 0,
+        req = kvpool_pb2.PrefillRequest(token_ids=token_ids, cache_salt=cache_salt,
+                                        pin=ttl > 0, ttl_seconds=ttl,
                                         model_id=self.orch.model_id)
         kw = dict(timeout=max(0.1, timeout),
                   metadata=call_metadata(self.orch.internal_token, request_id))
@@ -649,8 +649,7 @@ class Warmer:
                 # Not pinned: pins count against the tenant's pin quota on the replica, and
                 # the loop's filled it for warm_pin_ttl_s, refusing the tenant's own Warm
                 # calls. Hot prefixes stay cached while they are used.
-                res = self._prefill(r, list(hp.token_ids), hp.cache_salt,
-                                    self.cfg.warm_pin_ttl_s, -1, pin=False)
+                res = self._prefill(r, list(hp.token_ids), hp.cache_salt, 0, -1)
                 if not res.error:
                     log.info("warmed %d tokens on %s", res.prompt_tokens, r.replica_id)
                 done += 1
