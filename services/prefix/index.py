@@ -40,6 +40,15 @@ MAX_TOP_TOKENS = 1_000_000
 MAX_SEQ_FLOORS = 4096  # lapsed replicas whose next batch number is remembered
 
 
+def _remember(records: dict, key, value) -> None:
+    """`records[key] = value` as its newest entry, the oldest dropped past `MAX_SEQ_FLOORS`:
+    what is remembered of replicas gone is bounded (ids come and go with every restart)."""
+    records.pop(key, None)
+    records[key] = value
+    while len(records) > MAX_SEQ_FLOORS:
+        del records[next(iter(records))]
+
+
 class Load(NamedTuple):
     """A replica's load at its last heartbeat."""
 
@@ -345,9 +354,7 @@ class PrefixIndex:
             start = floor[1] if rep is None and floor and floor[0] == incarnation else 1
             old = rep.incarnation if rep is not None else floor[0] if floor else None
             if old is not None and old != incarnation:
-                self._replaced[(replica_id, old)] = None
-                while len(self._replaced) > MAX_SEQ_FLOORS:
-                    del self._replaced[next(iter(self._replaced))]
+                _remember(self._replaced, (replica_id, old), None)
             rep = Replica(replica_id, incarnation, address, model_id, capacity_blocks, bit,
                           now, now, next_seq=start)
             rep.refresh()
@@ -396,12 +403,8 @@ class PrefixIndex:
 
     def _drop(self, rep: Replica) -> None:
         # Kept for a re-Register of the same incarnation (a batch sent before the lapse may
-        # still arrive); bounded, oldest first: replica ids come and go with every restart.
-        floors = self._seq_floor
-        floors.pop(rep.replica_id, None)
-        floors[rep.replica_id] = (rep.incarnation, rep.next_seq)
-        while len(floors) > MAX_SEQ_FLOORS:
-            del floors[next(iter(floors))]
+        # still arrive).
+        _remember(self._seq_floor, rep.replica_id, (rep.incarnation, rep.next_seq))
         self.tree.clear(rep.bit)
         del self._replicas[rep.replica_id]
         self._by_bit[rep.bit] = None
@@ -535,7 +538,7 @@ class PrefixIndex:
                 return
             run = self._prune_run = self.tree.pruning(
                 self.prune_target, self.policy, self.shallow_tokens, self.min_deep_hits,
-                (self._tick, self.cold_after_ticks))
+                self._recent_since())
         hard = n > 2 * self.max_nodes - self.prune_target
         if run.step(None if hard else self.prune_step):
             self._prune_run = None
@@ -544,7 +547,11 @@ class PrefixIndex:
                 # turn of a conversation extends one) left it nothing to evict. A run over
                 # today's leaves, at once: the bound holds.
                 self.tree.prune(self.prune_target, self.policy, self.shallow_tokens,
-                                self.min_deep_hits, (self._tick, self.cold_after_ticks))
+                                self.min_deep_hits, self._recent_since())
+
+    def _recent_since(self) -> int | None:
+        """The tick after which a use is recent for pruning (None: no grace)."""
+        return self._tick - self.cold_after_ticks if self.cold_after_ticks > 0 else None
 
     def _give_back_usage(self, rep: Replica, now: float, stored) -> None:
         """Gives the blocks `stored` by this batch the hits a resync saved for them (the

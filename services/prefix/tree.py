@@ -634,27 +634,27 @@ class BlockTree:
     # -- bounded memory -------------------------------------------------------------------
 
     def prune(self, target: int, policy: EvictionPolicy, shallow_tokens: int,
-              min_deep_hits: int, idle: tuple[int, int] = (0, 0)) -> list[bytes]:
+              min_deep_hits: int, recent_since: int | None = None) -> list[bytes]:
         """Evict leaves until at most `target` nodes remain; returns evicted hashes in order.
 
         Deep leaves hit fewer than `min_deep_hits` times go first, then the policy's order
         (deep LRU before shallow LFU). An evicted leaf's hits and recency fold into its parent,
-        which becomes a candidate once it is a leaf. `idle` = (now, ticks): a leaf used (stored
-        or matched) within the last `ticks` before `now` is not counted cold, whatever its
-        hits: a conversation's newest turn has had no chance of a hit yet. All at once: see
-        `pruning` for the same work in bounded steps.
+        which becomes a candidate once it is a leaf. A leaf used (stored or matched) after the
+        clock `recent_since` is not counted cold, whatever its hits: a conversation's newest
+        turn has had no chance of a hit yet. All at once: see `pruning` for the same work in
+        bounded steps.
         """
-        run = self.pruning(target, policy, shallow_tokens, min_deep_hits, idle)
+        run = self.pruning(target, policy, shallow_tokens, min_deep_hits, recent_since)
         while not run.step(None):
             pass
         return run.evicted
 
     def pruning(self, target: int, policy: EvictionPolicy, shallow_tokens: int,
-                min_deep_hits: int, idle: tuple[int, int] = (0, 0)) -> PruneRun:
+                min_deep_hits: int, recent_since: int | None = None) -> PruneRun:
         """`prune` as a run of bounded steps (`PruneRun.step`), so that the owner can let
         other calls in between: ranking every leaf of a million-node tree takes most of a
         second."""
-        return PruneRun(self, target, policy, shallow_tokens, min_deep_hits, idle)
+        return PruneRun(self, target, policy, shallow_tokens, min_deep_hits, recent_since)
 
     # -- checks ---------------------------------------------------------------------------
 
@@ -729,15 +729,14 @@ class PruneRun:
     """
 
     def __init__(self, tree: BlockTree, target: int, policy: EvictionPolicy,
-                 shallow_tokens: int, min_deep_hits: int, idle: tuple[int, int] = (0, 0)
+                 shallow_tokens: int, min_deep_hits: int, recent_since: int | None = None
                  ) -> None:
         self.tree = tree
         self.target = target
         self._policy = policy
         self._shallow = shallow_tokens
         self._min_hits = min_deep_hits
-        # Leaves used after this clock are not cold (see `BlockTree.prune`).
-        self._recent = idle[0] - idle[1] if idle[1] > 0 else None
+        self._recent = recent_since  # leaves used after this clock are not cold (`prune`)
         self._slots = list(tree._table.values())  # ranked in steps
         self._next = 0
         self._heap: list[tuple] = []
