@@ -24,7 +24,7 @@ from typing import NoReturn
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from clients.python.client import IncompleteStream, TierCacheClient, retry_later
+from clients.python.client import IncompleteStream, TierCacheClient, checked_token, retry_later
 from services.common.config import is_host_port
 
 
@@ -367,9 +367,10 @@ def _token(text: str) -> str | None:
         raise argparse.ArgumentTypeError("not valid UTF-8")
     if not t:
         return None
-    if not all(" " <= c <= "~" for c in t):  # inner spaces: the server's tokens allow them
-        raise argparse.ArgumentTypeError("must be printable ASCII")
-    return t
+    try:
+        return checked_token(t)  # the library's own rule (inner spaces allowed)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be printable ASCII") from None
 
 
 # --token's default: read TIERCACHE_TOKEN after parsing (argparse would run `_token` on a

@@ -61,7 +61,7 @@ def retry_later(error: grpc.RpcError) -> bool:
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
-def _checked_token(token: str | None) -> str | None:
+def checked_token(token: str | None) -> str | None:
     """The bearer token as gRPC metadata can carry it: surrounding whitespace (a secret file's
     newline) dropped; anything but printable ASCII (inner spaces allowed, as the server's
     tokens file allows them) is a ValueError naming it (it was gRPC's INTERNAL "Invalid
@@ -109,7 +109,7 @@ class TierCacheClient:
                  timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None
                  ) -> None:
         self.address = address
-        self.token = _checked_token(token)
+        self.token = checked_token(token)
         self.timeout = _checked_timeout(timeout)
         opts = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
         self.channel = (grpc.secure_channel(address, credentials, options=opts) if credentials

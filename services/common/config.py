@@ -140,6 +140,10 @@ def load_config(
 
 # Names under a service's prefix that are read outside its config class.
 _READ_ELSEWHERE = ("TLS_CERT", "TLS_KEY")
+# Shared settings a per-service name is often mistaken for.
+_SHARED = {"TLS_CA": "TIERCACHE_TLS_CA", "TLS_CLIENT_CERT": "TIERCACHE_TLS_CLIENT_CERT",
+           "TLS_CLIENT_KEY": "TIERCACHE_TLS_CLIENT_KEY", "HASH_KEY": "TIERCACHE_HASH_KEY",
+           "LOG_LEVEL": "TIERCACHE_LOG_LEVEL"}
 # What Kubernetes puts in every pod for each Service of its namespace (service links): a
 # Service named tiercache-orchestrator gives TIERCACHE_ORCHESTRATOR_SERVICE_HOST=10.0.0.9,
 # _SERVICE_PORT=50051, _PORT=tcp://10.0.0.9:50051, _PORT_50051_TCP_ADDR=10.0.0.9... Matched
@@ -165,10 +169,6 @@ def _service_link(rest: str, value: str) -> bool:
     variables Kubernetes sets for a Service."""
     return any(name.fullmatch(rest) and form.fullmatch(value)
                for name, form in _SERVICE_LINK)
-# Shared settings a per-service name is often mistaken for.
-_SHARED = {"TLS_CA": "TIERCACHE_TLS_CA", "TLS_CLIENT_CERT": "TIERCACHE_TLS_CLIENT_CERT",
-           "TLS_CLIENT_KEY": "TIERCACHE_TLS_CLIENT_KEY", "HASH_KEY": "TIERCACHE_HASH_KEY",
-           "LOG_LEVEL": "TIERCACHE_LOG_LEVEL"}
 
 
 def _refuse_unknown_names(cls: type, service: str, environ: Mapping[str, str]) -> None:
