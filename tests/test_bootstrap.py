@@ -518,3 +518,85 @@ def test_a_connection_age_of_weeks_starts_the_server():
         assert r.status == health_pb2.HealthCheckResponse.SERVING
     finally:
         h.stop(0)
+
+
+def _demo_service(seen: list):
+    """A service with every handler kind, none of them open (health and reflection are)."""
+
+    def unary(req, ctx):
+        seen.append("unary")
+        return b"secret-data"
+
+    def client_stream(it, ctx):
+        seen.append("client_stream")
+        return b"".join(it) + b"secret-data"
+
+    def bidi(it, ctx):
+        seen.append("bidi")
+        for m in it:
+            yield m + b"secret-data"
+
+    handlers = {"Unary": grpc.unary_unary_rpc_method_handler(unary),
+                "ClientStream": grpc.stream_unary_rpc_method_handler(client_stream),
+                "Bidi": grpc.stream_stream_rpc_method_handler(bidi)}
+    return (lambda _servicer, srv: srv.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler("demo.Demo", handlers),)), None, "demo.Demo")
+
+
+def test_every_handler_kind_needs_the_internal_credential():
+    # Only unary and server-streaming methods were checked: a client-streaming or two-way
+    # method added later answered callers without the credential.
+    seen: list = []
+    h = create_server(service="test", address="127.0.0.1:0", internal_token="s3cret",
+                      services=[_demo_service(seen)])
+    try:
+        ch = grpc.insecure_channel(h.address)
+        calls = {"unary": lambda md: ch.unary_unary("/demo.Demo/Unary")(b"x", timeout=5,
+                                                                         metadata=md),
+                 "client_stream": lambda md: ch.stream_unary("/demo.Demo/ClientStream")(
+                     iter([b"x"]), timeout=5, metadata=md),
+                 "bidi": lambda md: list(ch.stream_stream("/demo.Demo/Bidi")(
+                     iter([b"x"]), timeout=5, metadata=md))}
+        for name, call in calls.items():
+            with pytest.raises(grpc.RpcError) as e:
+                call([])
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, name
+            assert name not in seen
+            assert b"secret-data" in (lambda r: r if isinstance(r, bytes) else r[0])(call(AUTH))
+            assert name in seen
+        ch.close()
+    finally:
+        h.stop(0)
+
+
+def test_a_callers_token_is_checked_before_its_request_is_parsed():
+    # The orchestrator's tenant tokens were checked inside its handlers, after the request was
+    # parsed: 16 MiB of empty messages from anyone cost 1.2 s and 420 MB before the refusal.
+    def authenticate(metadata):
+        if ("authorization", "Bearer tok") not in metadata:
+            raise errors.Unauthenticated("authorization: unknown token")
+
+    h = create_server(service="test", address="127.0.0.1:0", authenticate=authenticate,
+                      services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, Index(),
+                                 "tiercache.v1.PrefixIndex")])
+    try:
+        ch = grpc.insecure_channel(h.address)
+        raw = ch.unary_unary("/tiercache.v1.PrefixIndex/Match")
+        # Bytes that are no MatchRequest: parsed, they are INVALID_ARGUMENT.
+        garbage = b"\xff\xff\xff"
+        with pytest.raises(grpc.RpcError) as e:
+            raw(garbage, timeout=5)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert "unknown token" in e.value.details()
+        with pytest.raises(grpc.RpcError) as e:
+            raw(garbage, timeout=5, metadata=[("authorization", "Bearer tok")])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        ok = _stub(h).Match(prefix_pb2.MatchRequest(token_ids=[1] * 16), timeout=5,
+                            metadata=[("authorization", "Bearer tok")])
+        assert ok.request_blocks == 1
+        # Health stays open (probes carry no token).
+        assert health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(),
+                                                    timeout=5).status
+        ch.close()
+    finally:
+        h.stop(0)

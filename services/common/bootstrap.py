@@ -230,12 +230,14 @@ def _parse_request(deserialize, raw, context, service: str, short: str):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed protobuf message")
 
 
-def _parsed_non_blocking(handler, service: str, short: str):
+def _parsed_non_blocking(handler, service: str, short: str, prologue):
     """`handler` (a non-blocking unary-stream method), parsing its request itself: malformed
-    bytes are INVALID_ARGUMENT, as for every other method."""
+    bytes are INVALID_ARGUMENT, as for every other method. `prologue(context)` runs first (the
+    credential check)."""
     behavior, deserialize = handler.unary_stream, handler.request_deserializer
 
     def parsed(raw, context, send_response_callback=None):
+        prologue(context)
         request = _parse_request(deserialize, raw, context, service, short)
         return behavior(request, context, send_response_callback)
 
@@ -247,42 +249,54 @@ def _parsed_non_blocking(handler, service: str, short: str):
 class _ServerInterceptor(grpc.ServerInterceptor):
     """Request id, metrics, internal auth and domain-error mapping around every handler."""
 
-    def __init__(self, service: str, internal_token: str | None) -> None:
+    def __init__(self, service: str, internal_token: str | None,
+                 authenticate: Callable[[Sequence[tuple[str, str]]], object] | None = None
+                 ) -> None:
         self.service = service
         self.internal_token = internal_token
+        self.authenticate = authenticate
         self._open_streams = threading.BoundedSemaphore(MAX_OPEN_STREAMS)
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
         if handler is None:
             return None
-        if getattr(handler.unary_stream, "experimental_non_blocking", False):
-            # Health.Watch answers through callbacks and holds no thread; wrapped like the
-            # others, it would fall back to a blocking generator that holds one per open watch
-            # (32 of them, with no credential, stalled a 32-thread server). Only its request
-            # is parsed here: gRPC's own deserializer answered malformed bytes with INTERNAL.
-            return _parsed_non_blocking(handler, self.service,
-                                        handler_call_details.method.rsplit("/", 1)[-1])
         method = handler_call_details.method
         short = method.rsplit("/", 1)[-1]
-        metadata = dict(handler_call_details.invocation_metadata or ())
+        pairs = tuple(handler_call_details.invocation_metadata or ())
+        metadata = dict(pairs)
         open_method = method.startswith(_OPEN_METHODS)
         need_auth = bool(self.internal_token) and not open_method
+        authenticate = None if open_method else self.authenticate
         # Two credentials: which one counts would depend on who reads them (a proxy the
         # first, `dict` here the last); none is taken.
-        twice = need_auth and sum(
-            k == "authorization" for k, _ in handler_call_details.invocation_metadata or ()) > 1
+        twice = need_auth and sum(k == "authorization" for k, _ in pairs) > 1
         token = self.internal_token or ""
         service = self.service
 
         def prologue(context) -> str | None:
+            """The caller's credential, checked before its request is parsed: a request
+            without one (up to the message size limit) cost nothing but its transfer."""
             if need_auth:
                 got = "" if twice else metadata.get("authorization", "")
                 if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
                     RPC_TOTAL.labels(service, short, "UNAUTHENTICATED").inc()
                     context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                   "authorization: missing or wrong internal credential")
+            if authenticate is not None:
+                try:
+                    authenticate(pairs)
+                except errors.TierCacheError as exc:
+                    RPC_TOTAL.labels(service, short, exc.code).inc()
+                    context.abort(_status_code(exc.code), _capped(str(exc)))
             return plain_request_id(metadata.get("x-request-id", ""))
+
+        if getattr(handler.unary_stream, "experimental_non_blocking", False):
+            # Health.Watch answers through callbacks and holds no thread; wrapped like the
+            # others, it would fall back to a blocking generator that holds one per open watch
+            # (32 of them, with no credential, stalled a 32-thread server). Only its request
+            # is parsed here: gRPC's own deserializer answered malformed bytes with INTERNAL.
+            return _parsed_non_blocking(handler, service, short, prologue)
 
         def fail(context, exc: BaseException) -> None:
             if isinstance(exc, errors.TierCacheError):
@@ -376,18 +390,33 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                self._limited(handler.stream_stream, short),
+                self._limited(handler.stream_stream, short, prologue),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
+        if handler.stream_unary:
+            # None is served today; one added later is not open to callers without the
+            # credential (only the kinds above were checked, and a client-streaming method
+            # answered anyone).
+            inner = handler.stream_unary
+
+            def client_streaming(request_iterator, context):
+                prologue(context)
+                return inner(request_iterator, context)
+
+            return grpc.stream_unary_rpc_method_handler(
+                client_streaming, request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer)
         return handler
 
-    def _limited(self, inner, short: str):
+    def _limited(self, inner, short: str, prologue):
         """Two-way streams (reflection) under a small cap: each holds a worker thread while
-        open, so idle ones, with no credential, could take every thread of the server."""
+        open, so idle ones, with no credential, could take every thread of the server. A
+        two-way method outside the open ones needs the credential like any other."""
         service, slots = self.service, self._open_streams
 
         def wrapped(request_iterator, context) -> Iterator:
+            prologue(context)
             if not slots.acquire(blocking=False):
                 RPC_TOTAL.labels(service, short, "RESOURCE_EXHAUSTED").inc()
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -529,6 +558,7 @@ def create_server(
     credentials: grpc.ServerCredentials | None = None,
     max_connection_age_s: float = 0.0,
     connection_age_grace_s: float = 0.0,
+    authenticate: Callable[[Sequence[tuple[str, str]]], object] | None = None,
 ) -> ServerHandle:
     """Build and start a server; health starts NOT_SERVING.
 
@@ -537,6 +567,10 @@ def create_server(
         address: host:port to bind; port 0 picks a free one (see `ServerHandle.port`).
         services: (add_XServicer_to_server, servicer, "tiercache.v1.X") triples.
         internal_token: when set, every non-health RPC must carry `authorization: Bearer <it>`.
+        authenticate: called with the call's metadata before its request is read, for every
+            RPC but health and reflection; a `TierCacheError` it raises is the call's status
+            (the orchestrator's tenant tokens: a call without one is refused before its
+            request, up to `max_message_bytes`, is parsed).
         max_concurrent_rpcs: calls under way or waiting for a worker thread; past it gRPC
             refuses new ones at once (RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!")
             instead of queueing them without bound (a flood of cheap calls, unauthenticated
@@ -555,7 +589,7 @@ def create_server(
     address = address.strip()
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{service}-rpc"),
-        interceptors=[_ServerInterceptor(service, internal_token)],
+        interceptors=[_ServerInterceptor(service, internal_token, authenticate)],
         # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and
         # split connections with the first (and a launcher would take the old one's health
         # for the new one's). A port in use must fail the bind.

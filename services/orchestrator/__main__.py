@@ -46,7 +46,10 @@ def _main(argv: list[str] | None) -> int:
         max_workers=cfg.max_workers, max_concurrent_rpcs=cfg.max_concurrent_rpcs or None,
         max_connection_age_s=cfg.max_connection_age_s,
         # A stream (or a Warm, up to 120 s) under way ends as it would have.
-        connection_age_grace_s=max(cfg.request_timeout_s, 120.0))
+        connection_age_grace_s=max(cfg.request_timeout_s, 120.0),
+        max_message_bytes=cfg.max_request_bytes,
+        # The bearer token, checked before the request is parsed.
+        authenticate=servicer.authenticate_call)
     try:
         app = build(cfg)
     except (ModelStoreError, OSError, ValueError) as exc:

@@ -61,7 +61,8 @@ def build(cfg: OrchestratorConfig) -> App:
     prefix = (PrefixBackend(cfg.prefix_addresses, cfg.internal_token, cfg.prefix_timeout_s,
                             cfg.block_size) if cfg.prefix_addresses else None)
     orch = Orchestrator(
-        renderer=PromptRenderer(tok, cfg.max_message_chars), tokenizer=tok, model_id=model_id,
+        renderer=PromptRenderer(tok, cfg.max_message_chars, cfg.max_prompt_tokens),
+        tokenizer=tok, model_id=model_id,
         hasher=BlockHasher(model_id, cfg.block_size, key), replicas=replicas, semantic=semantic,
         prefix=prefix,
         routing=make_routing_policy(cfg.routing_policy, cfg.routing_epsilon,

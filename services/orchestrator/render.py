@@ -6,10 +6,13 @@ state behind. Errors name the field as the client sent it (`messages[2].role`).
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import re
+import sys
 import threading
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -24,9 +27,11 @@ _SLOT = "\ue000{}\ue001"
 _SLOT_RE = re.compile("\ue000([0-9]+)\ue001")
 # Text between added tokens at least this long is kept tokenized (a system prompt of ~1,400
 # tokens took 2.5 ms to tokenize on every request, a quarter of a semantic hit's time); at
-# most this many characters of it in all, least recently used out first.
+# most this many bytes of texts and ids in all, least recently used out first. (A budget of
+# 4 M characters, ids kept as tuples of ints, held 138 MB for CJK texts of ~2.7 tokens a
+# character.)
 PIECE_CACHE_MIN_CHARS = 512
-PIECE_CACHE_MAX_CHARS = 4_000_000
+PIECE_CACHE_MAX_BYTES = 32 * 1024 * 1024
 PIECES = counter("tiercache_orchestrator_prompt_pieces_total",
                  "Prompt texts between control tokens of PIECE_CACHE_MIN_CHARS or more (system "
                  "prompts, earlier turns): found tokenized in the renderer's cache, or not",
@@ -35,6 +40,11 @@ PIECES = counter("tiercache_orchestrator_prompt_pieces_total",
 # tokenizer does not treat text between added tokens on its own, and prompts are tokenized
 # whole (see PromptRenderer.encode_prompt).
 _PIECE_PROBES = ("a{0}b c{0} d\n\n2. x{1}\n{0}", " {0}  {1}1{0}\tq", "{1}{0}é 中文 42{1} ")
+
+
+def _piece_bytes(piece: str, n_ids: int) -> int:
+    """What a kept piece holds: its text (the key) and its ids (4 bytes each)."""
+    return sys.getsizeof(piece) + 4 * n_ids
 
 
 def _encode_split(text: str, pattern: re.Pattern, added_ids: dict[str, int],
@@ -102,16 +112,21 @@ def context_hash(parts: Sequence[Message]) -> str:
 class PromptRenderer:
     """Renders chat messages with the model's own chat template and tokenizes them."""
 
-    def __init__(self, tokenizer: Any, max_chars: int = 100_000) -> None:
+    def __init__(self, tokenizer: Any, max_chars: int = 100_000,
+                 max_prompt_tokens: int | None = None) -> None:
         self.tok = tokenizer
         self.max_chars = max_chars
+        # A piece with more tokens than a prompt may have is never kept: its request is refused.
+        self.max_prompt_tokens = max_prompt_tokens
         self._max_token_chars: int | None = None
         self._specials: tuple[str, ...] | None = None
         self._bare: Any = False  # False: not built yet (see _bare_tokenizer)
         self._plain_added: tuple[str, ...] = ()
         self._added: tuple[re.Pattern, dict[str, int]] | None | bool = False  # False: not known
-        self._pieces: OrderedDict[str, tuple[int, ...]] = OrderedDict()
-        self._pieces_chars = 0
+        # (scope, piece) -> ids. Scoped by tenant: shared, a repeated piece's faster tokenizing
+        # (timed through a refusal right after it) told a tenant what another had sent.
+        self._pieces: OrderedDict[tuple[str, str], array] = OrderedDict()
+        self._pieces_bytes = 0
         self._pieces_lock = threading.Lock()
         self.piece_hits = self.piece_misses = 0
 
@@ -197,39 +212,43 @@ class PromptRenderer:
                 self._bare = Tokenizer.from_str(json.dumps(spec))
         return self._bare
 
-    def encode_prompt(self, text: str) -> list[int]:
+    def encode_prompt(self, text: str, scope: str = "") -> list[int]:
         """`encode(text)`, with long pieces between added tokens (a system prompt, earlier
         turns) tokenized once and kept. A fast tokenizer splits its input at added tokens
         before anything else and tokenizes each piece alone, so the ids are the same; where
         that does not hold here (a slow tokenizer, an added token that strips or matches
         whitespace around it, a pre-tokenizer that treats a text's first piece apart: see
-        `_added_split`), the text is tokenized whole."""
+        `_added_split`), the text is tokenized whole. Pieces are kept per `scope` (the
+        tenant): a piece one tenant sent is never found faster for another."""
         added = self._added_split()
         if added is None or len(text) < PIECE_CACHE_MIN_CHARS:
             return self.encode(text)
-        return _encode_split(text, *added, self._piece)
+        return _encode_split(text, *added, functools.partial(self._piece, scope=scope))
 
-    def _piece(self, piece: str) -> tuple[int, ...] | list[int]:
+    def _piece(self, piece: str, scope: str = "") -> array | list[int]:
         if len(piece) < PIECE_CACHE_MIN_CHARS:
             return self.encode(piece) if piece else []
+        key = (scope, piece)
         with self._pieces_lock:
-            ids = self._pieces.get(piece)
+            ids = self._pieces.get(key)
             if ids is not None:
-                self._pieces.move_to_end(piece)
+                self._pieces.move_to_end(key)
                 self.piece_hits += 1
                 PIECES.labels("hit").inc()
                 return ids
             self.piece_misses += 1
             PIECES.labels("miss").inc()
-        ids = tuple(self.encode(piece))
-        if len(piece) <= PIECE_CACHE_MAX_CHARS // 4:
+        ids = self.encode(piece)
+        cost = _piece_bytes(piece, len(ids))
+        if cost <= PIECE_CACHE_MAX_BYTES // 4 and (self.max_prompt_tokens is None
+                                                   or len(ids) <= self.max_prompt_tokens):
             with self._pieces_lock:
-                if piece not in self._pieces:
-                    self._pieces[piece] = ids
-                    self._pieces_chars += len(piece)
-                while self._pieces_chars > PIECE_CACHE_MAX_CHARS:
-                    old, _ = self._pieces.popitem(last=False)
-                    self._pieces_chars -= len(old)
+                if key not in self._pieces:
+                    self._pieces[key] = array("I", ids)
+                    self._pieces_bytes += cost
+                while self._pieces_bytes > PIECE_CACHE_MAX_BYTES:
+                    (_, old), kept = self._pieces.popitem(last=False)
+                    self._pieces_bytes -= _piece_bytes(old, len(kept))
         return ids
 
     def _added_split(self) -> tuple[re.Pattern, dict[str, int]] | None:
@@ -270,7 +289,7 @@ class PromptRenderer:
         return self._specials
 
     def encode_messages(self, messages: Sequence[Message], add_generation_prompt: bool = True,
-                        field: str = "messages") -> list[int]:
+                        field: str = "messages", scope: str = "") -> list[int]:
         """The messages through the chat template, tokenized; what a message says is always
         text. Tokenizing the rendered string whole turned a "<|im_end|>" typed in a message
         into the real control token, so a user could end their turn and write the assistant's
@@ -281,12 +300,13 @@ class PromptRenderer:
         replaced by that text's plain tokens (the tokenizer's offsets say where each token
         came from), so every other token is what whole-string tokenizing gives. A slow
         tokenizer (no offsets) tokenizes template pieces and messages apart instead. `field`
-        names the messages in errors (e.g. "prompts[1].messages" for Warm).
+        names the messages in errors (e.g. "prompts[1].messages" for Warm); `scope` is the
+        tenant whose tokenized pieces may be reused (`encode_prompt`).
         """
         text = self.render_text(messages, add_generation_prompt, field)
         specials = self.special_texts
         if not any(sp in m.content for m in messages for sp in specials):
-            return self.encode_prompt(text)
+            return self.encode_prompt(text, scope)
         if any(_SLOT_RE.search(m.content) for m in messages):
             raise InvalidArgument(field, "a message holds both a control-token text and "
                                   "a private-use stand-in the server needs; remove either")
@@ -325,27 +345,30 @@ class PromptRenderer:
                 ids.append(tid)
         return ids
 
-    def render_chat(self, messages: Sequence[Message]) -> RenderedPrompt:
+    def render_chat(self, messages: Sequence[Message], scope: str = "") -> RenderedPrompt:
+        """`scope`: the tenant (see `encode_prompt`)."""
         validate_messages(messages, self.max_chars)
-        ids = self.encode_messages(messages)
+        ids = self.encode_messages(messages, scope=scope)
         return RenderedPrompt(ids, messages[-1].content, context_hash(messages[:-1]),
                               any(m.role == "assistant" for m in messages[:-1]))
 
-    def render_raw(self, prompt: str, field: str = "prompt") -> RenderedPrompt:
-        """A raw prompt, used as-is; `field` names it in errors (e.g. "prompts[1].prompt")."""
+    def render_raw(self, prompt: str, field: str = "prompt", scope: str = "") -> RenderedPrompt:
+        """A raw prompt, used as-is; `field` names it in errors (e.g. "prompts[1].prompt");
+        `scope`: the tenant (see `encode_prompt`)."""
         if not prompt.strip():
             raise InvalidArgument(field, "must not be empty (or give messages)")
         if len(prompt) > self.max_chars:
             raise InvalidArgument(field, f"longer than the limit of {self.max_chars} characters")
-        return RenderedPrompt(self.encode_prompt(prompt), prompt,
+        return RenderedPrompt(self.encode_prompt(prompt, scope), prompt,
                               context_hash([Message("raw", "")]))
 
-    def render_warm(self, messages: Sequence[Message], field: str = "prompts[]") -> list[int]:
+    def render_warm(self, messages: Sequence[Message], field: str = "prompts[]",
+                    scope: str = "") -> list[int]:
         """A prefix to warm: rendered without the generation prompt (e.g. a system prompt).
-        `field` names the prompt in errors (e.g. "prompts[1]")."""
+        `field` names the prompt in errors (e.g. "prompts[1]"); `scope`: the tenant."""
         if not messages:
             raise InvalidArgument(f"{field}.messages", "must not be empty (or give prompt)")
         for i, m in enumerate(messages):
             _check_message(f"{field}.messages[{i}]", m, self.max_chars, allow_empty=True)
         return self.encode_messages(messages, add_generation_prompt=False,
-                                    field=f"{field}.messages")
+                                    field=f"{field}.messages", scope=scope)

@@ -253,6 +253,24 @@ def test_auth_and_limits(stack):
             with pytest.raises(grpc.RpcError) as e:
                 c.generate("hi", max_tokens=4)
             assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    # The token is checked before the request is parsed (bytes that are no GenerateRequest
+    # are refused as unauthenticated, not as malformed), and the orchestrator reads no request
+    # past its max_request_bytes (4 MiB): 16 MiB of empty messages from anyone took 1.2 s and
+    # 420 MB to parse, only to be refused.
+    with grpc.insecure_channel(stack.orch.address, options=[
+            ("grpc.max_send_message_length", 64 << 20)]) as ch:
+        raw = ch.unary_stream("/tiercache.v1.Orchestrator/Generate")
+        for md in ((), (("authorization", "Bearer nope"),)):
+            with pytest.raises(grpc.RpcError) as e:
+                list(raw(b"\xff\xff\xff", timeout=30, metadata=md))
+            assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            list(raw(b"\xff\xff\xff", timeout=30, metadata=(("authorization", "Bearer tok-a"),)))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        empty_messages = b"\x0a\x00" * (3 << 20)  # 6 MiB
+        with pytest.raises(grpc.RpcError) as e:
+            list(raw(empty_messages, timeout=30, metadata=(("authorization", "Bearer tok-a"),)))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     with TierCacheClient(stack.orch.address, token="tok-small") as c:
         with pytest.raises(grpc.RpcError) as e:
             c.generate("word " * 200, max_tokens=4)

@@ -606,7 +606,8 @@ def test_warm_refuses_what_cannot_fit_before_rendering_it():
     renderer._max_token_chars = 4  # no token stands for more than 4 characters
     rendered: list[str] = []
     plain_render = renderer.render_raw
-    renderer.render_raw = lambda p, field="prompt": rendered.append(p) or plain_render(p, field)
+    renderer.render_raw = lambda p, field="prompt", scope="": (rendered.append(p)
+                                                             or plain_render(p, field, scope))
     orch.renderer = renderer
     warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",), max_prompt_tokens=8))
     try:

@@ -251,15 +251,50 @@ def test_a_prompt_tokenized_piece_by_piece_is_the_prompt_tokenized_whole(tok, sy
 def test_the_piece_cache_keeps_at_most_its_budget(tok, monkeypatch):
     from services.orchestrator import render
 
-    piece = len("system\n0 " + "word " * 240)  # the text between <|im_start|> and <|im_end|>
-    monkeypatch.setattr(render, "PIECE_CACHE_MAX_CHARS", piece * 9 // 2)  # one may take 1/4
+    text = "system\n0 " + "word " * 240  # the text between <|im_start|> and <|im_end|>
+    piece = render._piece_bytes(text, len(tok.encode(text, add_special_tokens=False)))
+    monkeypatch.setattr(render, "PIECE_CACHE_MAX_BYTES", piece * 9 // 2)  # one may take 1/4
     renderer = PromptRenderer(tok, max_chars=100_000)
     for i in range(6):
         renderer.render_chat([Message("system", f"{i} " + "word " * 240), Message("user", "q")])
-    assert renderer._pieces_chars == 4 * piece and len(renderer._pieces) == 4
-    assert next(iter(renderer._pieces)) == "system\n2 " + "word " * 240  # oldest went first
+    assert renderer._pieces_bytes == 4 * piece and len(renderer._pieces) == 4
+    assert next(iter(renderer._pieces)) == ("", "system\n2 " + "word " * 240)  # oldest first
     renderer.render_chat([Message("system", "x " + "word " * 2000), Message("user", "q")])
     assert len(renderer._pieces) == 4  # over a quarter of the budget: not kept
+
+
+def test_a_piece_no_prompt_may_hold_is_not_kept(tok):
+    # Refused requests filled the cache: 50 refused CJK messages of 99k characters (~265k
+    # tokens each, kept as tuples of ints) took the orchestrator from 370 MB to 1.3 GB.
+    renderer = PromptRenderer(tok, max_chars=100_000, max_prompt_tokens=300)
+    for n in (120, 400):  # 120 and 400 tokens
+        renderer.render_chat([Message("system", "word " * n), Message("user", "q")])
+    assert len(renderer._pieces) == 1
+    ((_, kept), ids), = renderer._pieces.items()
+    assert len(ids) <= 300 and kept.count("word") == 120
+    assert renderer._pieces_bytes == render_bytes(kept, len(ids))
+
+
+def render_bytes(text: str, n: int) -> int:
+    from services.orchestrator.render import _piece_bytes
+
+    return _piece_bytes(text, n)
+
+
+def test_a_tenant_never_finds_another_tenants_pieces(tok):
+    # One cache for every tenant: a long text another tenant had sent tokenized faster, and
+    # timing a request refused right after tokenizing told whether anyone had sent it.
+    renderer = PromptRenderer(tok, max_chars=100_000)
+    msgs = [Message("system", "A private policy. " * 60), Message("user", "q")]
+    a = renderer.render_chat(msgs, scope="a").token_ids
+    hits = renderer.piece_hits
+    b = renderer.render_chat(msgs, scope="b").token_ids
+    assert renderer.piece_hits == hits  # b tokenized it itself
+    assert a == b
+    assert renderer.render_chat(msgs, scope="a").token_ids == a
+    assert renderer.piece_hits == hits + 1  # a's own repeat is found
+    renderer.render_raw("<|im_start|>system\n" + "A private policy. " * 60, scope="c")
+    assert renderer.piece_hits == hits + 1
 
 
 class _FirstPieceTok:

@@ -512,7 +512,7 @@ class ContextOrchestrator:
 
     def __init__(self, max_context: int) -> None:
         self.renderer = SimpleNamespace(
-            render_raw=lambda text: RenderedPrompt(list(range(1, 11)), text, ""))
+            render_raw=lambda text, scope="": RenderedPrompt(list(range(1, 11)), text, ""))
         self.tok = range(1000)
         self.replicas = SimpleNamespace(max_context=lambda: max_context)
         self.calls: list[dict] = []

@@ -29,7 +29,7 @@ class Renderer:
     def __init__(self) -> None:
         self.rendered = 0
 
-    def render_chat(self, messages):
+    def render_chat(self, messages, scope=""):
         self.rendered += 1
         return RenderedPrompt([1, 2, 3], messages[-1].content, "")
 
@@ -353,9 +353,9 @@ def test_ttft_counts_from_the_requests_arrival_not_from_after_rendering():
     seen: dict[str, float] = {}
     render = orch.renderer.render_chat
 
-    def slow_render(messages):
+    def slow_render(messages, scope=""):
         seen["rendered"] = time.monotonic()
-        return render(messages)
+        return render(messages, scope=scope)
 
     def generate(**kw):
         seen["arrived"] = kw["arrived"]
