@@ -30,6 +30,11 @@ log = logging.getLogger(__name__)
 # Printable ASCII and the whitespace a question holds: no control character (those a model
 # drops) may pass the fast path of `OnnxEmbedder.unseen`.
 _PLAIN_ASCII = re.compile(r"[\x20-\x7e\t\n\r]*")
+# A long run of letters and digits: WordPiece reads a word past `max_input_chars_per_word`
+# (100 in MiniLM) as one [UNK], so two texts differing only in such a word (a key, a hash, a
+# string to decode) embedded alike while the fast path said every character was read. Any
+# text with one takes the tokenizer's word (the slow path); 64 leaves room for other models.
+_LONG_WORD = re.compile(r"[A-Za-z0-9]{64,}")
 
 
 class OnnxEmbedder:
@@ -119,7 +124,8 @@ class OnnxEmbedder:
         """The characters of `text` the model cannot read, in order: those it maps to its
         unknown token (emoji, scripts outside its vocabulary) or drops (control and format
         characters), whitespace aside. Two texts that differ only there embed identically."""
-        if self._reads_ascii and text.isascii() and _PLAIN_ASCII.fullmatch(text):
+        if (self._reads_ascii and text.isascii() and _PLAIN_ASCII.fullmatch(text)
+                and not _LONG_WORD.search(text)):
             return ""
         return self.unseen_slow(text)
 

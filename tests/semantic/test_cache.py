@@ -529,7 +529,11 @@ def test_texts_that_differ_only_where_the_model_cannot_read_do_not_hit(make_cach
     pairs = [("Is 🐍 a good pet?", "Is 🦈 a good pet?"),
              ("Translate to English: ሰላም", "Translate to English: ደህና"),
              ("\x00", "\u200b"),
-             ("Describe this emoji in one word: 🍕", "Describe this emoji in one word: 🥶")]
+             ("Describe this emoji in one word: 🍕", "Describe this emoji in one word: 🥶"),
+             # A word past WordPiece's 100 characters is one [UNK], and plain ASCII was
+             # taken as read in full.
+             ("Decode this string please: " + "QWERTYUIOP" * 12,
+              "Decode this string please: " + "ZXCVBNMASD" * 12)]
     for stored, asked in pairs:
         e = c.store_entry(A, stored, f"answer to {stored!r}")
         for _ in range(2):  # the second time from what the entry remembered of its prompt

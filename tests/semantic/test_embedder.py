@@ -296,11 +296,16 @@ def test_unseen_skips_tokenising_plain_ascii_and_agrees_with_the_tokenizer(onnx_
     """Every lookup whose candidate would hit asks what the model cannot read: tokenising
     each question cost ~0.4 ms of search time at 100k entries. MiniLM reads every printable
     ASCII character, so a plain ASCII text has nothing unseen."""
+    # A word of 120 letters is one [UNK] to WordPiece (past max_input_chars_per_word): two
+    # questions differing only there embedded alike, and were served each other's answer.
     texts = ["What is 2+2?", "a\tb\nc  d", "ctl\x00here", "del\x7f", "Is 🐍 a pet?",
-             "Zürich café", "hello\u200bworld", "~!@#$%^&*()_+{}|:<>?`-=[]\\;',./"]
+             "Zürich café", "hello\u200bworld", "~!@#$%^&*()_+{}|:<>?`-=[]\\;',./",
+             "Decode this string please: " + "QWERTYUIOP" * 12]
     assert onnx_embedder._reads_ascii
     for t in texts:
         assert onnx_embedder.unseen(t) == onnx_embedder.unseen_slow(t), repr(t)
+    assert onnx_embedder.unseen("Decode it: " + "ab" * 60) != onnx_embedder.unseen(
+        "Decode it: " + "ba" * 60)
     monkeypatch.setattr(onnx_embedder, "unseen_slow", lambda t: (_ for _ in ()).throw(
         AssertionError(f"tokenised {t!r}")))
     assert onnx_embedder.unseen("How do I reset my router?") == ""
