@@ -359,8 +359,14 @@ class PromptRenderer:
             raise InvalidArgument(field, "must not be empty (or give messages)")
         if len(prompt) > self.max_chars:
             raise InvalidArgument(field, f"longer than the limit of {self.max_chars} characters")
+        # The whitespace at its ends is part of the namespace: for a raw completion it is the
+        # model's input ("... Earth is" / "... Earth is " continue differently), and the
+        # semantic tier reads a text's ends as layout (it served " Mount Everest" to both).
+        # None at either end: the namespace raw prompts always had.
+        lead, trail = prompt[:len(prompt) - len(prompt.lstrip())], prompt[len(prompt.rstrip()):]
+        edges = f"{lead}\x1f{trail}" if lead or trail else ""
         return RenderedPrompt(self.encode_prompt(prompt, scope), prompt,
-                              context_hash([Message("raw", "")]))
+                              context_hash([Message("raw", edges)]))
 
     def render_warm(self, messages: Sequence[Message], field: str = "prompts[]",
                     scope: str = "") -> list[int]:

@@ -472,6 +472,53 @@ def _layout(text: str) -> tuple[int, ...]:
     return tuple(i - least for i in indents)
 
 
+# Scripts whose accents users drop as a typo ("Pokemon" / "Pokémon"). Elsewhere a mark
+# the embedder strips (category Mn) makes another letter or word: kana voicing (バス "bus" /
+# ハス "lotus"), Devanagari nukta, Thai tone marks, Arabic and Hebrew vowel points.
+_TYPO_ACCENT_SCRIPTS = ("LATIN", "GREEK", "CYRILLIC")
+
+
+def _letter_marks(word: str) -> str:
+    """`word` lowercased, with marks dropped only from Latin, Greek and Cyrillic letters."""
+    if word.isascii():
+        return word.lower()
+    out: list[str] = []
+    drop = False
+    for c in unicodedata.normalize("NFD", word):
+        if unicodedata.category(c) == "Mn":
+            if not drop:
+                out.append(c)
+        else:
+            drop = unicodedata.name(c, "").startswith(_TYPO_ACCENT_SCRIPTS)
+            out.append(c)
+    return unicodedata.normalize("NFC", "".join(out)).lower()
+
+
+# Quoted or backticked spans: what is between the quotes is a literal, its spacing included.
+_QUOTED = re.compile(r"`[^`]*`|\"[^\"\n]*\"|\u201c[^\u201d]*\u201d|(?<!\w)'[^'\n]*'(?!\w)")
+# Text laid out as code (an assignment, a statement's end, braces, an indented line): its
+# line breaks are part of what it says.
+_CODE_LIKE = re.compile(r"[=;{}]|^[ \t]+\S", re.MULTILINE)
+
+
+def _marked_words(text: str) -> list[str]:
+    """The words of `text`, marks included: a regex word leaves out combining marks (Mn, Mc),
+    so a Devanagari word fell apart at its nukta or vowel sign and the mark went unseen."""
+    if text.isascii():
+        return _UWORD.findall(text)
+    words: list[str] = []
+    cur: list[str] = []
+    for c in text:
+        if c.isalnum() or c == "_" or (cur and unicodedata.category(c)[0] == "M"):
+            cur.append(c)
+        elif cur:
+            words.append("".join(cur))
+            cur = []
+    if cur:
+        words.append("".join(cur))
+    return words
+
+
 def spelling_differs(query: str, cached: str, case_and_accents: bool = True) -> str:
     """Why `cached` must not answer `query` although an uncased embedder (all-MiniLM-L6-v2
     lowercases and strips accents; whitespace is only a separator) sees one text twice ("" =
@@ -479,29 +526,46 @@ def spelling_differs(query: str, cached: str, case_and_accents: bool = True) -> 
     "salé" got "sale"'s, and two code snippets that differ only in indentation shared an
     answer.
 
-    Refused: for texts equal up to whitespace, a different indentation; with
-    `case_and_accents`, also a word spelt in the other text with other case (beyond its first
-    letter) or other accents ("ls -A" / "ls -a" aside: one letter, as a sentence's first word
-    differs). The cache asks for that in its strict tier only: in users' questions such
-    differences are nearly always the same word typed otherwise ("gta" / "GTA", "Pokemon" /
-    "Pokémon": 279 QQP pairs, none of the refused hits a false one), while where a wrong answer
-    is dear "CO" is not "Co" and "mg" is not "Mg".
+    Refused: for texts equal up to whitespace, a different indentation, other spacing inside
+    quotes or backticks ("the string 'a    b'" / "'a b'"), or other line breaks in text laid
+    out as code; in every tier, a mark that makes another letter outside Latin, Greek and
+    Cyrillic script (バス / ハス); with `case_and_accents`, also a word spelt in the other text
+    with other case (beyond its first letter) or other accents ("ls -A" / "ls -a" aside: one
+    letter, as a sentence's first word differs). The cache asks for that in its strict tier
+    only: in users' questions such differences are nearly always the same word typed
+    otherwise ("gta" / "GTA", "Pokemon" / "Pokémon": 279 QQP pairs, none of the refused hits a
+    false one), while where a wrong answer is dear "CO" is not "Co" and "mg" is not "Mg".
     """
     if query == cached:
         return ""
-    qw, cw = _UWORD.findall(query), _UWORD.findall(cached)
-    for words, other in ((qw, cw), (cw, qw)) if case_and_accents else ():
+    if not (query.isascii() and cached.isascii()):
+        # Composed alike: "café" typed decomposed (macOS) is the same word, and a mark alone
+        # is no \w, so it would split the word in two.
+        query, cached = (unicodedata.normalize("NFC", query),
+                         unicodedata.normalize("NFC", cached))
+    qw, cw = _marked_words(query), _marked_words(cached)
+    for words, other in ((qw, cw), (cw, qw)):
         forms: dict[str, set[str]] = defaultdict(set)
         for w in other:
             forms[_fold(w)].add(w)
         for w in words:
             seen = forms.get(_fold(w))
-            if seen and w not in seen and not any(_initial_case_only(w, o) for o in seen):
+            if not seen or w in seen:
+                continue
+            if case_and_accents and not any(_initial_case_only(w, o) for o in seen):
                 return f"spelling differs: {w!r} / {sorted(seen)[0]!r} (case or accents)"
+            marks = _letter_marks(w)
+            if all(_letter_marks(o) != marks for o in seen):
+                return (f"spelling differs: {w!r} / {sorted(seen)[0]!r} (a mark that makes "
+                        "another letter)")
     if qw == cw and " ".join(query.split()) == " ".join(cached.split()):
         # Only lines laid out alike can differ in indentation: the same sentence wrapped
         # otherwise, or with a leading space, is the same text.
         ql, cl = _layout(query), _layout(cached)
         if len(ql) == len(cl) >= 2 and ql != cl:
             return "indentation differs"
+        if _QUOTED.findall(query) != _QUOTED.findall(cached):
+            return "spacing inside quotes differs"
+        if len(ql) != len(cl) and (_CODE_LIKE.search(query) or _CODE_LIKE.search(cached)):
+            return "line breaks differ in code"
     return ""

@@ -322,3 +322,18 @@ def test_a_tokenizer_that_treats_its_first_piece_apart_is_tokenized_whole():
     text = "<s>" + "y" * 600 + "<s>" + "z" * 600
     assert renderer._added_split() is None
     assert renderer.encode_prompt(text) == tok.encode(text) and renderer.piece_misses == 0
+
+
+def test_raw_prompts_differing_in_the_whitespace_at_their_ends_never_share_a_namespace(tok):
+    # A raw completion's trailing space or newline is the model's input: "... Earth is " got
+    # the stored answer of "... Earth is" (" Mount Everest", read as "is  Mount") at
+    # similarity 1.0, while the model itself answers it otherwise.
+    renderer = PromptRenderer(tok, max_chars=100_000)
+    base = "The tallest mountain on Earth is"
+    hashes = {renderer.render_raw(p).context_hash
+              for p in (base, base + " ", base + "\n", " " + base, "\n" + base)}
+    assert len(hashes) == 5
+    # Without whitespace at the ends: the namespace raw prompts always had (entries stored
+    # before stay found).
+    assert renderer.render_raw(base).context_hash == context_hash([Message("raw", "")])
+    assert renderer.render_raw("Other text").context_hash == renderer.render_raw(base).context_hash

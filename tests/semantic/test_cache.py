@@ -628,3 +628,37 @@ def test_spelling_differs_refuses_case_accents_and_indentation_only(a, b, refuse
     assert bool(spelling_differs(b, a)) is refused
     indentation = "\n" in a
     assert bool(spelling_differs(a, b, case_and_accents=False)) is (refused and indentation)
+
+
+@pytest.mark.parametrize(("a", "b", "refused"), [
+    # Served at similarity 1.0 in every tier before: the answer named the other string.
+    ("How long is the string 'a    b'?", "How long is the string 'a b'?", True),
+    ("What does `ls  -l` print?", "What does `ls -l` print?", True),
+    ('Is "x  y" a name?', 'Is "x y" a name?', True),
+    ("Is this valid Python?\nx = 1\ny = 2", "Is this valid Python? x = 1 y = 2", True),
+    ("Translate the Japanese word バス into English.",
+     "Translate the Japanese word ハス into English.", True),  # "bus" / "lotus"
+    ("What does ज़रा mean?", "What does जरा mean?", True),  # Devanagari nukta
+    # Still the same text: spacing outside quotes, prose wrapped otherwise, an apostrophe,
+    # Latin accents below the strict tier, a word typed decomposed.
+    ("Don't  you know 'x'?", "Don't you know 'x'?", False),
+    ("What is the capital\nof France?", "What is the capital of France?", False),
+    ("Is this meat salé?", "Is this meat sale?", False),
+    ("Is it cafe\u0301 au lait?", "Is it café au lait?", False),
+])
+def test_spelling_differs_in_every_tier_on_quoted_spacing_code_lines_and_letter_marks(a, b,
+                                                                                     refused):
+    from services.semantic.guard import spelling_differs
+
+    assert bool(spelling_differs(a, b, case_and_accents=False)) is refused
+    assert bool(spelling_differs(b, a, case_and_accents=False)) is refused
+
+
+def test_a_kana_voicing_mark_is_another_word_in_the_standard_tier(make_cache):
+    c = make_cache()
+    c.store_entry(A, "Translate the Japanese word バス into English.", "Bus.")
+    r = c.lookup(A, "Translate the Japanese word ハス into English.", tier="standard",
+                 want_draft=True)
+    assert r.similarity > 0.999  # MiniLM strips the mark: one vector for both
+    assert not r.hit and "another letter" in r.guard_reason
+    assert c.lookup(A, "Translate the Japanese word バス into English.", tier="standard").hit
