@@ -9,6 +9,7 @@ is logged and counted, and the request still completes when any replica can serv
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections import Counter
@@ -335,6 +336,10 @@ class Orchestrator:
 
         on_cancel(cancel_downstream)
         greedy = sampling.temperature == 0.0
+        # An unseeded sample gets its seed here rather than on the replica: an answer resumed
+        # on another replica then continues the same draw (`seed_offset`), as a seeded one
+        # does, instead of going on from a new random seed.
+        seed = sampling.seed if greedy or sampling.seed else secrets.randbits(63) + 1
         report = common_pb2.CacheReport()
         want_draft = self.enable_drafts and not policy.skip_draft
         look = self._lookup(tenant, prompt, policy, want_draft, deadline)
@@ -458,7 +463,7 @@ class Orchestrator:
                     sampling=common_pb2.SamplingParams(
                         max_tokens=sampling.max_tokens - len(generated),
                         temperature=sampling.temperature, top_p=sampling.top_p,
-                        seed=sampling.seed, stop_token_ids=sampling.stop_token_ids,
+                        seed=seed, stop_token_ids=sampling.stop_token_ids,
                         ignore_eos=sampling.ignore_eos),
                     cache_salt=tenant.cache_salt, skip_prefix_cache=policy.skip_prefix_cache,
                     draft_token_ids=draft_ids[len(generated):] if draft_ids else [],

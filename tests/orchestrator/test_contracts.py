@@ -249,6 +249,26 @@ def test_a_replica_lost_after_the_answers_last_token_is_not_resumed(streamed, sa
     assert orch.stats.degradations["resume"] == 1  # the replica did fail
 
 
+def test_an_unseeded_sample_resumed_elsewhere_continues_the_same_draw():
+    # Seed 0 went to the replica as "unseeded": a resumed answer went on from a new random
+    # seed there. The orchestrator now picks the seed, and the resume carries it on.
+    calls = [Call([tokens("he")], RpcError(grpc.StatusCode.UNAVAILABLE)),
+             Call([tokens("llo"), kvpool_pb2.KvGenerateResponse(final=kvpool_pb2.KvGenerateFinal(
+                 finish_reason=common_pb2.FINISH_REASON_LENGTH))])]
+    asked: list[Stub] = []
+    stubs = {r: OrderedStub(r, calls, asked) for r in ("A", "B")}
+    orch = make(stubs, semantic=RecordingSemantic())
+    list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(max_tokens=16, temperature=0.8, top_p=1.0, seed=0,
+                          stop_token_ids=(), ignore_eos=False),
+        policy=Policy(), session_id="s", return_token_ids=True, request_id="rid",
+        deadline=time.monotonic() + 30, on_cancel=lambda fn: None))
+    first, resumed = asked[0].requests[0], asked[1].requests[0]
+    assert first.sampling.seed != 0
+    assert resumed.sampling.seed == first.sampling.seed and resumed.seed_offset == 2
+
+
 # ---- cut-short semantic hits (M21) -------------------------------------------------------
 
 def cut_hit(answer: str, truncated_at: int) -> RecordingSemantic:
