@@ -238,6 +238,11 @@ def test_warm_with_nothing_to_warm_names_the_clis_flags(capsys):
     (["--address", "::1:50051", "stats"], "--address"),
     (["chat", "hi", "--temperature", "nan"], "--temperature"),
     (["chat", "hi", "--temperature", "-1"], "--temperature"),
+    # float32 on the wire: 1e-50 went out as 0 (top_p unset = full sampling; greedy), 1e39 as
+    # inf, which the server refused as "got inf".
+    (["chat", "hi", "--top-p", "1e-50"], "--top-p"),
+    (["chat", "hi", "--temperature", "1e-50"], "--temperature"),
+    (["chat", "hi", "--temperature", "1e39"], "--temperature"),
 ])
 def test_values_that_failed_later_or_named_nothing_are_usage_errors(fake, capsys, argv, words):
     """A 0, nan or 1e10 s timeout came back as DEADLINE_EXCEEDED from the server; a token with

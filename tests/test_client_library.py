@@ -97,6 +97,26 @@ def test_bad_tokens_request_ids_and_timeouts_are_named_before_any_call(address):
         assert c.generate({"role": "user", "content": "fine"}).text == "Partial "
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("temperature", float("nan")), ("temperature", 1e39), ("temperature", 1e-50),
+    ("temperature", -0.5), ("top_p", 1e-50), ("top_p", float("nan")), ("top_p", -0.1),
+    ("top_p", 1.5)])
+def test_sampling_values_float32_changes_are_refused_naming_the_field(field, value):
+    """The fields are float32 on the wire: top_p=1e-50 went out as 0 (unset = full sampling,
+    not the narrowest nucleus), temperature=1e39 as inf (refused by the server as "got inf"),
+    and nan built without a word."""
+    with pytest.raises(ValueError, match=f"^{field}:"):
+        TierCacheClient.build_request("hi", **{field: value})
+
+
+def test_sampling_values_float32_can_carry_are_sent():
+    req = TierCacheClient.build_request("hi", temperature=0.8, top_p=1e-40)
+    assert req.sampling.temperature == pytest.approx(0.8) and req.sampling.top_p > 0
+    req = TierCacheClient.build_request("hi", temperature=3e38, top_p=1)
+    assert req.sampling.temperature == pytest.approx(3e38) and req.sampling.top_p == 1.0
+    assert TierCacheClient.build_request("hi").sampling.temperature == 0.0  # greedy default
+
+
 def test_replay_sends_each_turn_at_its_own_time():
     """Only a session's first turn waited for its time: later turns went out at once."""
     sent: list[float] = []

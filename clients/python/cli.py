@@ -24,7 +24,13 @@ from typing import NoReturn
 import grpc
 from google.protobuf.json_format import MessageToDict
 
-from clients.python.client import IncompleteStream, TierCacheClient, checked_token, retry_later
+from clients.python.client import (
+    IncompleteStream,
+    TierCacheClient,
+    checked_token,
+    float32_problem,
+    retry_later,
+)
 from services.common.config import is_host_port
 
 
@@ -331,15 +337,22 @@ def _count(top: int):
 uint32, int32, uint64 = _count(2**32 - 1), _count(2**31 - 1), _count(2**64 - 1)
 
 
-def _top_p(text: str) -> float:
-    """argparse type: a top-p in [0, 1] (0 = off), refused here rather than by the server."""
+def _float32(text: str, top: float) -> float:
+    """A sampling value in [0, top] as its float32 field carries it (the library's rule):
+    1e-50 went out as 0 (unset), 1e39 as inf."""
     try:
         v = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= v <= 1.0:  # nan fails both
-        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    problem = float32_problem(v, top)
+    if problem:
+        raise argparse.ArgumentTypeError(problem)
     return v
+
+
+def _top_p(text: str) -> float:
+    """argparse type: a top-p in [0, 1] (0 = off), refused here rather than by the server."""
+    return _float32(text, 1.0)
 
 
 def _up_to_1e6(zero: bool, unit: str = ""):
@@ -391,13 +404,7 @@ def _tenant_tokens(text: str) -> dict[str, str]:
 
 def _temperature(text: str) -> float:
     """argparse type: a finite temperature >= 0 (0 = greedy)."""
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0.0 <= v < float("inf"):  # nan fails both
-        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
-    return v
+    return _float32(text, float("inf"))
 
 
 def _positive(text: str) -> int:

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import contextlib
 import math
+import numbers
 import re
+import struct
 import uuid
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -78,6 +80,38 @@ def _checked_timeout(timeout: float) -> float:
     if not 0 < timeout < math.inf:  # nan fails both
         raise ValueError(f"timeout: must be a finite number of seconds > 0, got {timeout!r}")
     return float(timeout)
+
+
+def float32_problem(value: float, top: float = math.inf) -> str | None:
+    """What is wrong with `value` as a sampling field in [0, top], judged as the wire carries
+    it (a proto float, 32 bits), or None. Checked as float32, not as given: 1e-50 became 0.0,
+    which the server reads as unset (top_p 1.0: full sampling instead of the narrowest
+    nucleus; temperature: greedy), and 1e39 became inf, refused as "got inf", a value
+    nobody sent."""
+    if not 0.0 <= value <= top:  # nan fails both
+        if top == math.inf:
+            return f"must be a finite number >= 0, got {value!r}"
+        return f"must be in [0, {top:g}], got {value!r}"
+    try:
+        wire = struct.unpack("f", struct.pack("f", value))[0]
+    except OverflowError:  # struct refuses exactly what the cast to float32 makes inf
+        wire = math.inf
+    if wire == math.inf:
+        return f"must be a finite float32 (at most ~3.4e38), got {value!r}"
+    if value > 0 and wire == 0.0:
+        return f"{value!r} rounds to 0 as a float32 (0 means unset); give 0 or >= 1.4e-45"
+    return None
+
+
+def checked_float32(name: str, value: float, top: float = math.inf) -> float:
+    """`value` for the float32 sampling field `name`, or a ValueError naming it."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name}: must be a number, got {type(value).__name__}")
+    value = float(value)
+    problem = float32_problem(value, top)
+    if problem:
+        raise ValueError(f"{name}: {problem}")
+    return value
 
 
 @dataclass
@@ -149,6 +183,9 @@ class TierCacheClient:
                       return_token_ids: bool = False, raw: bool = False,
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False
                       ) -> orchestrator_pb2.GenerateRequest:
+        # Checked here: protobuf stores them as float32 without a word (nan built silently).
+        temperature = checked_float32("temperature", temperature)
+        top_p = checked_float32("top_p", top_p, top=1.0)
         req = orchestrator_pb2.GenerateRequest(
             session_id=session_id, return_token_ids=return_token_ids,
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature,
