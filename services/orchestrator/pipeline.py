@@ -342,7 +342,15 @@ class Orchestrator:
         seed = sampling.seed if greedy or sampling.seed else secrets.randbits(63) + 1
         report = common_pb2.CacheReport()
         want_draft = self.enable_drafts and not policy.skip_draft
-        look = self._lookup(tenant, prompt, policy, want_draft, deadline)
+        serves_sampled = policy.serve_sampled or self.serve_sampled
+        may_store = not policy.skip_semantic_store and (greedy or policy.store_sampled
+                                                        or self.store_sampled)
+        # A sampled request that can neither be served a hit nor draft from one has no use
+        # for the lookup: it embedded the text, credited the entry a hit (hit_count, LRU) and
+        # counted a hit not served, all for nothing. Kept where its answer may be stored: the
+        # lookup is what stops a cut-short sample from replacing a longer stored answer.
+        useless = not greedy and not serves_sampled and not want_draft and not may_store
+        look = None if useless else self._lookup(tenant, prompt, policy, want_draft, deadline)
         draft_ids: list[int] = []
         if look is not None:
             report.semantic_similarity = look.similarity
@@ -365,7 +373,7 @@ class Orchestrator:
                 with self.stats.lock:
                     self.stats.semantic_hits_ignore_eos += 1
                 NOT_SERVED.labels("ignore_eos").inc()
-            elif look.hit and not greedy and not (policy.serve_sampled or self.serve_sampled):
+            elif look.hit and not greedy and not serves_sampled:
                 # A sampled request wants the model's sample (a seed: the same one whatever
                 # the cache holds), not the one cached answer every time: the hit is its draft.
                 with self.stats.lock:
@@ -637,9 +645,8 @@ class Orchestrator:
         # missed). A request that skipped the lookup refreshes the entry, as it asked.
         shorter = cut_short and look is not None and look.hit and (
             not look.entry.truncated_at or look.entry.truncated_at >= len(generated))
-        if (self.semantic.enabled and not policy.skip_semantic_store and answer.strip()
-                and not past_end and not shorter
-                and (greedy or policy.store_sampled or self.store_sampled)):
+        if (self.semantic.enabled and may_store and answer.strip() and not past_end
+                and not shorter):
             sid = self._store(tenant, prompt, answer, len(generated) if cut_short else 0,
                               deadline,
                               answer_ids=answer_ids(self.tok, self._special_ids, generated,

@@ -526,6 +526,36 @@ def test_a_sampled_request_gets_the_models_sample_with_the_hit_as_its_draft(serv
         assert orch.stats.semantic_hits_sampled == 0
 
 
+@pytest.mark.parametrize(("temperature", "policy", "drafts", "looks"), [
+    (0.8, Policy(skip_draft=True), True, False),  # sampled, no draft: nothing to look for
+    (0.8, Policy(), False, False),  # drafts off for the server
+    (0.0, Policy(skip_draft=True), True, True),  # greedy: the hit is served
+    (0.8, Policy(), True, True),  # the hit is its draft
+    (0.8, Policy(skip_draft=True, serve_sampled=True), True, True),
+    # Its answer may be stored: the lookup says whether a longer answer is already there.
+    (0.8, Policy(skip_draft=True, store_sampled=True), True, True),
+])
+def test_a_sampled_request_with_no_use_for_a_hit_does_not_look_one_up(temperature, policy,
+                                                                      drafts, looks):
+    """A sampled request that could neither be served a hit nor draft from it still called
+    Lookup: it embedded, spent time, credited the entry a hit (hit_count, LRU) and counted
+    semantic_hits_not_served_total{reason="sampled"}."""
+    sem = cut_hit("abcdefgh", 0)
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=sem)
+    orch.enable_drafts = drafts
+    events = list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(16, temperature, 1.0, 7, (), False), policy=policy, session_id="s",
+        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
+        on_cancel=lambda fn: None))
+    finished(events)
+    assert len(sem.lookups) == int(looks)
+    if not looks:
+        assert len(stub.requests) == 1 and not stub.requests[0].draft_token_ids
+        assert orch.stats.semantic_hits_sampled == 0 and text_of(events) == "ok"
+
+
 def test_a_cut_short_answer_does_not_replace_a_whole_hit():
     """A request that goes on past the end of sequence (ignore_eos) gets the model despite a
     whole hit; its answer, cut at max_tokens, was stored and replaced the whole one (same
