@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from services.common.model_store import load_tokenizer, resolve_model
     from services.launcher import Stack
-    from services.orchestrator.detok import complete_text
+    from services.orchestrator.detok import complete_decode
     from services.orchestrator.pipeline import answer_ids
     from services.orchestrator.render import Message, PromptRenderer
 
@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     def draft_of(answer: list[int]) -> list[int]:
         """A's answer as the orchestrator stores it and drafts with it: its generated ids
         (`pipeline.answer_ids`), or its text tokenized again where the tier keeps none."""
-        text = complete_text(tok.decode(answer, skip_special_tokens=True))
+        text = complete_decode(tok, answer)
         return answer_ids(tok, special, answer, text) or renderer.encode_literal(text)
 
     t0 = time.time()

@@ -25,7 +25,7 @@ from services.common.grpc_client import call_metadata, cut_short
 from services.common.hashing import BlockHasher
 from services.common.metrics import counter, histogram
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
-from services.orchestrator.detok import IncrementalDetokenizer, complete_text
+from services.orchestrator.detok import IncrementalDetokenizer, complete_decode
 from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.render import PromptRenderer, RenderedPrompt
 from services.orchestrator.routing import RoutingPolicy
@@ -632,7 +632,7 @@ class Orchestrator:
         self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
         # Stored as the model said it: leading whitespace included (a raw completion's answer
         # often starts with a space; stripped, a hit's text and tokens were not the model's).
-        answer = complete_text(self.tok.decode(generated, skip_special_tokens=True))
+        answer = complete_decode(self.tok, generated)
         # An ignore_eos answer that ran on past the model's end of sequence is not an answer
         # to serve. One that ended at max_tokens or a stop token is stored as cut short after
         # its token count (it serves only requests that want no more tokens than that).
@@ -686,11 +686,11 @@ class Orchestrator:
             # (the stop token is emitted, as the replica emits it).
             ids = ids[:first_stop + 1]
             # The stop token may be part of a character: never end on a broken one.
-            answer = complete_text(self.tok.decode(ids, skip_special_tokens=True))
+            answer = complete_decode(self.tok, ids)
             finish = common_pb2.FINISH_REASON_STOP
         elif len(ids) > sampling.max_tokens:  # the request wants less than the answer holds
             ids = ids[:sampling.max_tokens]
-            answer = complete_text(self.tok.decode(ids, skip_special_tokens=True))
+            answer = complete_decode(self.tok, ids)
             finish = common_pb2.FINISH_REASON_LENGTH
         elif look.entry.truncated_at:
             # Served whole, but the stored answer was itself cut short (the model would have

@@ -101,7 +101,7 @@ def test_split_character_is_held_back(tok):
 def test_a_stream_cut_inside_a_character_ends_without_a_replacement_character(tok):
     """max_tokens can stop an answer between the byte-level tokens of one character: the text
     ended in U+FFFD, which the model never wrote. The cut character is dropped."""
-    from services.orchestrator.detok import complete_text
+    from services.orchestrator.detok import complete_decode
 
     whole = tok.encode("Hi", add_special_tokens=False)
     char = tok.encode("龘", add_special_tokens=False)
@@ -110,8 +110,115 @@ def test_a_stream_cut_inside_a_character_ends_without_a_replacement_character(to
     assert tok.decode(cut).endswith("\ufffd")
     d = IncrementalDetokenizer(tok)
     streamed = "".join(d.push([i]) for i in cut) + d.flush()
-    assert streamed == tok.decode(whole) == complete_text(tok.decode(cut))
-    assert complete_text("a\ufffd\ufffd") == "a" and complete_text("\ufffdb") == "\ufffdb"
+    assert streamed == tok.decode(whole) == complete_decode(tok, cut)
+    # The end of sequence after the cut is left out of the text, and of the decision.
+    assert complete_decode(tok, cut + [tok.eos_token_id]) == "Hi"
+
+
+@pytest.mark.parametrize("text", ["Echo \ufffd", "Echo \ufffd\ufffd", "\ufffd", "a\ufffd龘"])
+def test_a_replacement_character_the_model_writes_is_kept(tok, text):
+    """Incompleteness was decided from the text: a U+FFFD the model wrote at the end of its
+    answer ("Echo \ufffd ok", max_tokens=4) was taken for a cut character and dropped, so the
+    stream said "Echo " while the ids said "Echo \ufffd"; the stored entry lost its ids (their
+    text differed) and later hits returned 3 tokens instead of 4. It is decided from the
+    tokens' bytes now: a whole U+FFFD (SmolLM2's token 24211) is a character like any."""
+    from services.orchestrator.detok import complete_decode
+    from services.orchestrator.pipeline import answer_ids
+
+    ids = tok.encode(text, add_special_tokens=False)
+    assert 24211 in ids and tok.decode(ids) == text
+    for step in (1, 2, len(ids)):
+        d = IncrementalDetokenizer(tok)
+        pieces = [d.push(ids[i:i + step]) for i in range(0, len(ids), step)]
+        pieces.append(d.flush())
+        assert "".join(pieces) == text
+    # Pushed a token at a time, the U+FFFD is not held back until the end.
+    d = IncrementalDetokenizer(tok)
+    at = ids.index(24211)
+    assert "".join(d.push([i]) for i in ids[:at + 1]) == tok.decode(ids[:at + 1])
+    assert complete_decode(tok, ids) == text
+    # The stored entry keeps the model's ids: their text is the answer's.
+    assert answer_ids(tok, frozenset(tok.all_special_ids), ids, text) == ids
+
+
+def test_a_cut_after_a_written_replacement_character_drops_only_the_cut(tok):
+    """A whole U+FFFD, then a character cut inside its bytes: the cut one is held while the
+    stream runs and dropped at the end; the written one stays."""
+    from services.orchestrator.detok import complete_decode
+
+    head = tok.encode("Echo \ufffd", add_special_tokens=False)
+    char = tok.encode("龘", add_special_tokens=False)
+    d = IncrementalDetokenizer(tok)
+    assert "".join(d.push([i]) for i in head) == "Echo \ufffd"
+    assert d.push(char[:1]) == "" and d.push(char[1:-1]) == ""  # held: the character is cut
+    assert d.flush() == "" and complete_decode(tok, head + char[:-1]) == "Echo \ufffd"
+    d = IncrementalDetokenizer(tok)
+    pieces = [d.push([i]) for i in head + char] + [d.flush()]
+    assert "".join(pieces) == tok.decode(head + char) == "Echo \ufffd龘"
+
+
+@pytest.mark.parametrize(("text", "cut", "kept"), [
+    ("Echo \ufffd", False, "Echo \ufffd"), ("Echo 龘", True, "Echo ")])
+def test_an_answer_streams_and_stores_what_its_ids_say(tok, text, cut, kept):
+    """Through the pipeline, token by token as a replica streams them: an answer ending in a
+    U+FFFD the model wrote streams and is stored whole, with its ids (hits then give back 4
+    tokens, not 3); one whose last character max_tokens cut inside its bytes streams without
+    it and is stored without ids (their text would not be the answer's)."""
+    import time
+
+    from tiercache.v1 import common_pb2, kvpool_pb2
+
+    from services.orchestrator.pipeline import Policy, Sampling, TextDelta
+    from services.orchestrator.render import RenderedPrompt
+    from tests.orchestrator.test_contracts import RecordingSemantic
+    from tests.orchestrator.test_pipeline_paths import PROMPT, TENANT, Call, Stub, make
+
+    ids = tok.encode(text, add_special_tokens=False)
+    ids = ids[:-1] if cut else ids
+    msgs = [kvpool_pb2.KvGenerateResponse(token_ids=[i]) for i in ids]
+    msgs[-1].final.CopyFrom(kvpool_pb2.KvGenerateFinal(
+        finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id="A"))
+    sem = RecordingSemantic()
+    orch = make({"A": Stub("A", [Call(msgs)])}, semantic=sem, tok=tok)
+    events = list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(len(ids), 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
+        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
+        on_cancel=lambda fn: None))
+    assert "".join(e.text for e in events if isinstance(e, TextDelta)) == kept
+    assert [i for e in events if isinstance(e, TextDelta) for i in e.token_ids] == ids
+    assert sem.stores[0].answer == kept and sem.stores[0].truncated_at == len(ids)
+    assert list(sem.stores[0].answer_token_ids) == ([] if cut else ids)
+
+
+def test_a_sentencepiece_tokenizer_is_read_from_its_byte_pieces():
+    """SentencePiece with byte fallback spells a byte it has no piece for as `<0xNN>`: those
+    decide whether a stream ends inside a character; a piece holding U+FFFD is whole."""
+    from tokenizers import decoders
+
+    from services.orchestrator.detok import complete_decode
+
+    class Piece:
+        backend_tokenizer = SimpleNamespace(decoder=decoders.Sequence(
+            [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]))
+        pieces = ["\u2581Hi", "<0xE9>", "<0xBE>", "<0x98>", "\ufffd"]
+
+        def convert_ids_to_tokens(self, ids):
+            return [self.pieces[i] for i in ids]
+
+        def decode(self, ids, skip_special_tokens=True):
+            out = b""
+            for i in ids:
+                p = self.pieces[i]
+                out += (bytes([int(p[3:5], 16)]) if p.startswith("<0x")
+                        else p.replace("\u2581", " ").encode())
+            return out.decode("utf-8", "replace")
+
+    sp = Piece()
+    for ids, streamed in (([0, 4], " Hi\ufffd"), ([0, 1, 2], " Hi"), ([0, 1, 2, 3], " Hi龘")):
+        d = IncrementalDetokenizer(sp)
+        assert "".join(d.push([i]) for i in ids) + d.flush() == streamed
+        assert complete_decode(sp, ids) == streamed
 
 
 def test_a_model_without_a_usable_chat_template_gets_a_clear_status(tok):
