@@ -37,6 +37,15 @@ _PLAIN_ASCII = re.compile(r"[\x20-\x7e\t\n\r]*")
 _LONG_WORD = re.compile(r"[A-Za-z0-9]{64,}")
 
 
+class _Unloadable(Exception):
+    """A file of the ONNX export that does not load: `path`, and why (`why`)."""
+
+    def __init__(self, path: Path, cause: BaseException) -> None:
+        super().__init__(f"{path}: {cause}")
+        self.path = path
+        self.why = f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}"
+
+
 class OnnxEmbedder:
     """An exported sentence-transformers model run by ONNX Runtime. Thread-safe."""
 
@@ -53,23 +62,42 @@ class OnnxEmbedder:
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
         from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf
 
-        folder = ensure_onnx(model_dir, cache_dir, name, exporter=exporter)
-        def session(folder: Path) -> ort.InferenceSession:
-            return ort.InferenceSession(str(folder / "model.onnx"), opts,
-                                        providers=["CPUExecutionProvider"])
+        def load(folder: Path) -> tuple[ort.InferenceSession, Tokenizer]:
+            """The export's graph and tokenizer; `_Unloadable` names the file that failed."""
+            try:
+                sess = ort.InferenceSession(str(folder / "model.onnx"), opts,
+                                            providers=["CPUExecutionProvider"])
+            except (InvalidProtobuf, InvalidGraph) as e:
+                # Only a file that does not parse: out of memory, say, would not be mended
+                # by an export.
+                raise _Unloadable(folder / "model.onnx", e) from e
+            path = folder / "tokenizer.json"
+            try:
+                tok = Tokenizer.from_file(str(path))
+            except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+                raise _Unloadable(path, e) from e
+            return sess, tok
 
+        folder = ensure_onnx(model_dir, cache_dir, name, exporter=exporter)
         loaded = export_identity(folder)
         try:
-            self._sess = session(folder)
-        except (InvalidProtobuf, InvalidGraph) as e:
+            self._sess, self._tok = load(folder)
+        except _Unloadable as e:
             # A cached export damaged but of the size meta.json records (bit rot, a bad
-            # restore) passed ensure_onnx's checks: every start then failed on it. Exported
-            # again, once; a second failure is not the cache's and propagates. (Only a file
-            # that does not parse: out of memory, say, would not be mended by an export.)
-            log.warning("%s cannot be loaded (%s: %s): exporting it again",
-                        folder / "model.onnx", type(e).__name__, str(e)[:300])
+            # restore), or an older export (no digests in meta.json) whose tokenizer.json is
+            # damaged or gone, passed ensure_onnx's checks: every start then failed on it.
+            # Exported again, once.
+            log.warning("%s cannot be loaded (%s): exporting it again", e.path, e.why)
             folder = ensure_onnx(model_dir, cache_dir, name, broken=loaded, exporter=exporter)
-            self._sess = session(folder)
+            try:
+                self._sess, self._tok = load(folder)
+            except _Unloadable as again:
+                # Not the cache's: a fresh export fails as well (the model folder's own file
+                # is damaged). One line naming both files, not a traceback at every start.
+                raise ValueError(
+                    f"{again.path} cannot be loaded even when exported again ({again.why}); "
+                    f"it is made from the model folder {model_dir}: check or replace that "
+                    "folder (TIERCACHE_SEMANTIC_MODEL_DIR)") from again.__cause__
         # The graph's only output: "embedding" when traced, another name from the dynamo
         # exporter (onnx_export._export_dynamo).
         self._output: str = self._sess.get_outputs()[0].name
@@ -82,7 +110,6 @@ class OnnxEmbedder:
         self.dim: int = int(meta["dim"])
         self.max_seq_length: int = int(meta["max_seq_length"])
         self._inputs: list[str] = list(meta["inputs"])
-        self._tok = Tokenizer.from_file(str(Path(folder) / "tokenizer.json"))
         self._tok.enable_truncation(self.max_seq_length)
         self._tok.enable_padding()
         # The same tokenizer, whole texts, for `unseen`.

@@ -51,6 +51,9 @@ EXPORTERS = ("torchscript", "dynamo")
 # The dynamo exporter's opset: the lowest its translation library (onnxscript) emits.
 DYNAMO_OPSET = 18
 EXPORT_FORMAT = 1  # bump when the graph layout changes; old exports are then redone
+# The export's files besides model.onnx that the embedder loads: meta.json records their sizes
+# and digests (`_file_record`), and `_is_current` checks them.
+TOKENIZER_FILES = ("tokenizer.json",)
 
 
 @dataclass(frozen=True)
@@ -198,7 +201,8 @@ def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript
             "max_seq_length": spec.max_seq_length, "dim": spec.dim, "pooling": spec.pooling,
             "normalize": spec.normalize, "inputs": names,
             "source": os.path.realpath(spec.model_dir),
-            "model_bytes": (out_dir / "model.onnx").stat().st_size}
+            "model_bytes": (out_dir / "model.onnx").stat().st_size,
+            "files": {n: _file_record(out_dir / n) for n in TOKENIZER_FILES}}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     # On disk before the folder is renamed into place: after a power loss the rename could
     # survive with an empty model.onnx, which no later start would ever export again.
@@ -236,15 +240,33 @@ def _export_dynamo(module, args: tuple, names: list[str], path: Path) -> None:
                           verbose=False)
 
 
+def _file_record(path: Path) -> dict:
+    """What meta.json records of a small file of the export: its size and blake2b digest
+    (tokenizer.json is ~0.7 MB: read in a few ms at each start)."""
+    data = path.read_bytes()
+    return {"bytes": len(data), "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest()}
+
+
 def _is_current(d: Path, fingerprint: str) -> bool:
     """An export of this fingerprint, whole (a model.onnx of another size than the export
-    wrote was cut short: exported again)."""
+    wrote was cut short: exported again), with its tokenizer as exported.
+
+    A tokenizer.json cut short, zeroed or gone made every start exit on the tokenizer's parse
+    error, and nothing exported it again. An export from before sizes and digests were
+    recorded (no "files" in meta.json) is accepted here: re-exporting every existing cache
+    would cost each a start of tens of seconds; the embedder exports it again only if its
+    tokenizer fails to load (`OnnxEmbedder`)."""
     try:
         meta = json.loads((d / "meta.json").read_text())
         size = (d / "model.onnx").stat().st_size
-    except (OSError, ValueError):
+        if meta.get("fingerprint") != fingerprint or meta.get("model_bytes", size) != size:
+            return False
+        files = meta.get("files")
+        if files is None:  # an older export: see above
+            return True
+        return all(_file_record(d / name) == want for name, want in files.items())
+    except (OSError, ValueError, AttributeError, TypeError):
         return False
-    return meta.get("fingerprint") == fingerprint and meta.get("model_bytes", size) == size
 
 
 def export_identity(d: Path) -> tuple[int, int, int, int] | None:

@@ -387,6 +387,73 @@ def test_an_export_damaged_but_of_its_size_is_exported_again_once(tmp_path, monk
     assert exports == [True, True]  # once, not in a loop
 
 
+def test_a_tokenizer_damaged_or_gone_is_exported_again_and_a_second_failure_is_one_line(
+        tmp_path, monkeypatch):
+    """A tokenizer.json of the export cut short, zeroed or deleted made every start exit with
+    a traceback (the tokenizer's parse error), and nothing exported it again: meta.json
+    checked only model.onnx's size. Its size and digest are now recorded and checked; an
+    export from before that (no digests) is exported again once its tokenizer fails to
+    load; a tokenizer that fails after a fresh export is a ValueError naming the file (the
+    service's one-line "bad configuration", exit 2)."""
+    import shutil
+
+    from services.semantic import onnx_export
+    from services.semantic.config import default_cache_dir
+    from services.semantic.embedder import OnnxEmbedder
+
+    cfg = SemanticConfig()
+    name, model = cfg.resolved_model_name(), cfg.resolved_model_dir()
+    real = onnx_export.ensure_onnx(model, default_cache_dir(), name)
+    cached = tmp_path / "onnx" / name
+    shutil.copytree(real, cached)
+    meta = json.loads((cached / "meta.json").read_text())
+    meta.pop("files", None)  # as exports made before the tokenizer was checked
+    (cached / "meta.json").write_text(json.dumps(meta))
+    tokenizer = (real / "tokenizer.json").read_bytes()
+    exports: list[bool] = []
+    broken_source = [False]
+
+    def copy_export(spec, out: Path, exporter: str) -> None:  # the real export, without its ~10 s
+        exports.append(True)
+        for f in real.iterdir():
+            shutil.copy2(f, out / f.name)
+        if broken_source[0]:
+            (out / "tokenizer.json").write_bytes(tokenizer[:1000])
+        m = json.loads((out / "meta.json").read_text())
+        m["files"] = {"tokenizer.json": onnx_export._file_record(out / "tokenizer.json")}
+        (out / "meta.json").write_text(json.dumps(m))
+
+    monkeypatch.setattr(onnx_export, "_export", copy_export)
+    (cached / "tokenizer.json").write_bytes(tokenizer[:1000])  # an older export, cut short
+    emb = OnnxEmbedder(model, str(tmp_path), name)
+    assert exports == [True] and emb.embed(["hello there"]).shape == (1, emb.dim)
+    assert (cached / "tokenizer.json").read_bytes() == tokenizer
+    OnnxEmbedder(model, str(tmp_path), name)
+    assert exports == [True]  # loaded as it is: no export at every start
+
+    # The export now records the tokenizer: one zeroed at its size is exported again before
+    # anything loads it, one deleted as well.
+    (cached / "tokenizer.json").write_bytes(b"\0" * len(tokenizer))
+    OnnxEmbedder(model, str(tmp_path), name)
+    assert exports == [True, True] and (cached / "tokenizer.json").read_bytes() == tokenizer
+    (cached / "tokenizer.json").unlink()
+    OnnxEmbedder(model, str(tmp_path), name)
+    assert exports == [True, True, True]
+
+    # A fresh export fails as well (the model folder's own tokenizer): one line naming the
+    # file, exported once, not in a loop.
+    broken_source[0] = True
+    (cached / "tokenizer.json").write_bytes(tokenizer[:1000])
+    meta = json.loads((cached / "meta.json").read_text())
+    meta.pop("files")
+    (cached / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(ValueError, match=r"tokenizer\.json cannot be loaded even when exported "
+                                         r"again \(Exception: EOF") as err:
+        OnnxEmbedder(model, str(tmp_path), name)
+    assert str(cached / "tokenizer.json") in str(err.value) and "\n" not in str(err.value)
+    assert exports == [True, True, True, True]
+
+
 def test_two_model_folders_of_one_name_keep_their_own_exports(tmp_path, monkeypatch):
     """/a/model and /b/model are both named "model": they shared one export folder, and each
     start of either exported again over the other's (tens of seconds, and a process could
