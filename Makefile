@@ -12,7 +12,9 @@ PROTOS := $(wildcard protos/tiercache/v1/*.proto)
 setup: $(STAMP) $(GEN_STAMP)
 
 $(STAMP): pyproject.toml setup.py services/common/_blockhash.c
-	test -x $(VPY) || $(PY) -m venv $(VENV)
+	# A venv cut short while ensurepip ran has a python but no pip, and every later setup
+	# failed on "No module named pip" until `make clean`: such a venv is made again.
+	$(VPY) -m pip --version >/dev/null 2>&1 || $(PY) -m venv --clear $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	# torch first and exact: the CPU build lies on local disk.
 	$(VPY) -m pip install -q torch==2.13.0
