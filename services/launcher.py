@@ -8,6 +8,7 @@ SIGTERM) stops them all. The same `ServiceProcess` class starts real processes i
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import signal
@@ -69,6 +70,36 @@ def wait_healthy(address: str, timeout: float, proc: subprocess.Popen | None = N
     raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s")
 
 
+def last_problem(log_path: Path | None, offset: int = 0) -> str | None:
+    """The last "bad configuration" line a service logged past `offset` (where this run's
+    output began: the log is appended to across runs), else its last ERROR line; the message
+    only (the services log JSON lines). None without a log or such a line."""
+    if log_path is None:
+        return None
+    try:
+        with open(log_path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            f.seek(max(offset, size - (256 << 10)))  # the tail is enough: a start's output
+            lines = f.read().decode("utf-8", "replace").splitlines()
+    except OSError:
+        return None
+    errors: list[str] = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict):
+            msg = str(rec.get("msg", ""))
+            if "bad configuration" in msg or rec.get("level") in ("ERROR", "CRITICAL"):
+                errors.append(msg)
+        elif "bad configuration" in line or "ERROR" in line:
+            errors.append(line.strip())
+    config = [m for m in errors if "bad configuration" in m]
+    found = (config or errors or [None])[-1]
+    return found if found is None or len(found) <= 500 else found[:497] + "..."
+
+
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
     """Whether a service could bind `host:port` now. As gRPC does: SO_REUSEADDR (connections
     of a stopped run in TIME_WAIT do not count) and no SO_REUSEPORT (a live listener does)."""
@@ -117,6 +148,8 @@ class ServiceProcess:
     args: list[str] = field(default_factory=list)
     log_path: Path | None = None
     proc: subprocess.Popen | None = None
+    key: str = ""  # its name in the stack ("kvpool-0"); "" = `name`
+    _log_offset: int = 0  # where this run's output begins in `log_path`
 
     @property
     def address(self) -> str:
@@ -131,6 +164,7 @@ class ServiceProcess:
         env[f"TIERCACHE_{self.name.upper()}_ADDRESS"] = self.address
         env[PARENT_PID_ENV] = str(os.getpid())  # the service stops if this process dies
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self._log_offset = out.tell() if self.log_path else 0
         self.proc = subprocess.Popen(
             [sys.executable, "-m", f"services.{self.name}", *self.args], cwd=ROOT, env=env,
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
@@ -138,8 +172,22 @@ class ServiceProcess:
 
     def wait(self, timeout: float = 180.0) -> ServiceProcess:
         assert self.proc is not None
-        wait_healthy(self.address, timeout, self.proc, {**os.environ, **self.env})
+        try:
+            wait_healthy(self.address, timeout, self.proc, {**os.environ, **self.env})
+        except RuntimeError:
+            if self.proc.poll() is None:
+                raise
+            # "process for 127.0.0.1:47102 exited with 2" named neither the service nor why:
+            # the reason is in its log, one file among several.
+            raise RuntimeError(self.exit_note()) from None
         return self
+
+    def exit_note(self) -> str:
+        """"<key> (<address>) exited with <code>", and the last problem its log names."""
+        code = self.proc.returncode if self.proc else None
+        note = f"{self.key or self.name} ({self.address}) exited with {code}"
+        problem = last_problem(self.log_path, self._log_offset)
+        return f"{note}: {problem}" if problem else note
 
     def kill(self) -> None:
         """SIGKILL, no drain (fault tests; and what `Stack.stop` does if its stop is cut short)."""
@@ -265,7 +313,8 @@ class Stack:
             raise RuntimeError(f"port {port} for {key or name} is in use (another TierCache "
                                "stack?); stop it or pass --base-port N "
                                "(make run ARGS='--base-port N')")
-        p = ServiceProcess(name, port, env, log_path=self.log_dir / f"{key or name}.log").start()
+        p = ServiceProcess(name, port, env, log_path=self.log_dir / f"{key or name}.log",
+                           key=key or name).start()
         self.procs[key or name] = p
         return p
 
@@ -283,6 +332,11 @@ class Stack:
             if self._tmp_db:
                 shutil.rmtree(self._tmp_db, ignore_errors=True)
                 self._tmp_db = None
+
+
+def _exit_note(key: str, p: ServiceProcess) -> str:
+    """`ServiceProcess.exit_note`, or the key alone for what is not one (a test's stand-in)."""
+    return p.exit_note() if isinstance(p, ServiceProcess) else key
 
 
 def tls_note() -> str:
@@ -388,8 +442,8 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
         if dead:  # each was waited for in turn: an earlier one may have died meanwhile
-            raise RuntimeError(f"service(s) exited during start: {', '.join(dead)}; see "
-                               f"{stack.log_dir}")
+            notes = "; ".join(_exit_note(k, stack.procs[k]) for k in dead)
+            raise RuntimeError(f"service(s) exited during start: {notes}")
         orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
         grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
         print(f"""
@@ -402,7 +456,8 @@ Ctrl-C stops everything.""", flush=True)
         while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):
             time.sleep(1.0)
         dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
-        print(f"service(s) exited: {', '.join(dead)}; see {stack.log_dir}", file=sys.stderr)
+        notes = "; ".join(_exit_note(k, stack.procs[k]) for k in dead)
+        print(f"service(s) exited: {notes}; see {stack.log_dir}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)

@@ -299,3 +299,41 @@ def test_sigint_stops_the_stack_even_when_it_arrived_ignored(monkeypatch, capsys
         for s, h in saved.items():
             signal.signal(s, h)
     assert stopped and "stopping" in capsys.readouterr().out
+
+
+def test_a_service_that_fails_at_start_is_named_with_the_problem_its_log_gives(tmp_path):
+    """"process for 127.0.0.1:47102 exited with 2; see logs in ..." named neither the service
+    nor why: the reason was in one log file among several."""
+    from services import launcher
+
+    log = tmp_path / "prefix.log"
+    # An earlier run's problem, already fixed: the log is appended to across runs.
+    log.write_text('{"level": "ERROR", "msg": "bad configuration: an old problem"}\n')
+    stack = Stack(replicas=1, base_port=0, log_dir=tmp_path)
+    p = stack._start("prefix", launcher.free_port(),
+                     {"TIERCACHE_PREFIX_METRICS_PORT": "-1",
+                      "TIERCACHE_PREFIX_MAX_NODES": "many"})
+    try:
+        with pytest.raises(RuntimeError) as err:
+            p.wait(60)
+    finally:
+        stack.stop()
+    msg = str(err.value)
+    assert msg.startswith(f"prefix ({p.address}) exited with 2: bad configuration: "), msg
+    assert "TIERCACHE_PREFIX_MAX_NODES" in msg and "old problem" not in msg
+
+
+def test_the_problem_quoted_is_the_last_configuration_line_else_the_last_error(tmp_path):
+    from services.launcher import last_problem
+
+    log = tmp_path / "s.log"
+    log.write_text('{"level": "INFO", "msg": "starting"}\n'
+                   '{"level": "ERROR", "msg": "bad configuration: X: wrong"}\n'
+                   '{"level": "ERROR", "msg": "cannot start: Y"}\n'
+                   "Traceback (most recent call last):\n")
+    assert last_problem(log) == "bad configuration: X: wrong"
+    log.write_text('{"level": "ERROR", "msg": "cannot start: Y"}\n'
+                   '{"level": "WARNING", "msg": "z"}\n')
+    assert last_problem(log) == "cannot start: Y"
+    assert last_problem(log, offset=log.stat().st_size) is None
+    assert last_problem(tmp_path / "none.log") is None and last_problem(None) is None
