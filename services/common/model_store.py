@@ -9,8 +9,9 @@ it (`gguf_file=`), but parsing takes ~30 s and dequantizes to fp32 anyway, so th
 it as a plain safetensors folder under `${TIERCACHE_CACHE_DIR:-~/.cache/tiercache}/models/` and
 every later load reads that (~3 s). Conversion is guarded by a file lock and written to a temp
 folder that is renamed into place, so concurrent processes never see a half-written model. Its
-files are fsynced before the rename, and the completion marker records their sizes: a folder
-whose files were cut short anyway is converted again (`is_converted`).
+files are fsynced before the rename, and the completion marker records their sizes, and the
+digests of all but the weights: a folder whose files were cut short, or whose tokenizer or chat
+template was damaged in place, is converted again (`is_converted`).
 """
 
 from __future__ import annotations
@@ -116,10 +117,10 @@ def load_resolved(spec: str, cache_dir: str | None, model_id: str | None,
     """`resolve_model`, then `load(path)`; for the packaged model, a cached conversion that
     fails to load is converted again, once.
 
-    `is_converted` checks the sizes the marker recorded, not the bytes: a file damaged in
-    place (bit rot, a bad restore) passed, and kvpool crashed on it with a traceback at every
-    start (the orchestrator on a damaged tokenizer.json). A second failure is not the cache's
-    and propagates."""
+    `is_converted` checks the sizes the marker recorded, and the digests of every file but
+    the weights: weights damaged in place (bit rot, a bad restore) passed, and kvpool crashed
+    on them with a traceback at every start (the orchestrator on a damaged tokenizer.json,
+    before digests were recorded). A second failure is not the cache's and propagates."""
     resolved = resolve_model(spec, cache_dir, model_id)
     if spec.strip().lower() != SMOLLM2_SPEC:
         return resolved, load(resolved.path)
@@ -170,7 +171,13 @@ def load_tokenizer(path: str) -> Any:
 
 def is_converted(target: Path, source_id: str | None = None) -> bool:
     """True once a conversion into `target` has completed (of `source_id`, when given), and
-    its files still have the sizes the marker recorded (a stat each, no reading).
+    its files still have the sizes the marker recorded, and the digests it recorded of every
+    file but the weights (`_digested`: a few MB read, ~10 ms).
+
+    A chat_template.jinja or tokenizer file damaged in place at its size was loaded without
+    a word: a zeroed chat template turned every prompt into NULs, which the model answered.
+    A marker with sizes but no digests (written before they were recorded) is accepted on its
+    sizes, as before.
 
     A folder whose files were cut short (a power loss after the rename, before the data
     reached the disk; a copy that stopped) had a whole marker and was trusted: kvpool then
@@ -190,7 +197,10 @@ def is_converted(target: Path, source_id: str | None = None) -> bool:
         files = meta.get("files")
         if files is None:  # an older marker: see above
             return all(_safetensors_whole(f) for f in target.glob("*.safetensors"))
-        return all((target / rel).stat().st_size == size for rel, size in files.items())
+        if not all((target / rel).stat().st_size == size for rel, size in files.items()):
+            return False
+        digests = meta.get("digests", {})  # none in a marker from before they were recorded
+        return all(_digest(target / rel) == want for rel, want in digests.items())
     except (OSError, ValueError, AttributeError, TypeError, LookupError):
         return False
 
@@ -216,6 +226,27 @@ def _file_sizes(folder: Path) -> dict[str, int]:
     checks."""
     return {f.relative_to(folder).as_posix(): f.stat().st_size
             for f in sorted(folder.rglob("*")) if f.is_file() and f.name != _DONE_MARKER}
+
+
+def _digested(rel: str) -> bool:
+    """Whether the marker records the content digest of the file at `rel`: every file but
+    the weights (hundreds of MB: seconds at every start; their size and safetensors header
+    are checked, and a load that fails is converted again by `load_resolved`)."""
+    return not rel.endswith(".safetensors")
+
+
+def _digest(path: Path) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _file_digests(folder: Path) -> dict[str, str]:
+    """The digest of every file `_file_sizes` lists but the weights: what `is_converted`
+    checks of their content."""
+    return {rel: _digest(folder / rel) for rel in _file_sizes(folder) if _digested(rel)}
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -302,10 +333,11 @@ def _convert(gguf: Path, target: Path, source: str = "") -> None:
             tokenizer.save_pretrained(tmp)
             bar.update(1)
             bar.set_postfix_str(steps[3])
-            # Sizes of what was written: `is_converted` then notices files cut short.
+            # Sizes and digests of what was written: `is_converted` then notices files cut
+            # short, and a tokenizer or chat template damaged in place.
             (tmp / _DONE_MARKER).write_text(json.dumps(
                 {"source": gguf.name, "source_id": source, "converted_at": time.time(),
-                 "files": _file_sizes(tmp)}))
+                 "files": _file_sizes(tmp), "digests": _file_digests(tmp)}))
             # mkdtemp made the folder 0700 and save_pretrained wrote 0600 files: a service
             # running as another user (the image converts as root, pods run as uid 10001)
             # could not read them.

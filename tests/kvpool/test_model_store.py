@@ -304,6 +304,41 @@ def test_a_conversion_damaged_in_place_is_converted_again_once(tmp_path: Path,
     assert loads == [1, 1, 1]
 
 
+def test_a_tokenizer_or_chat_template_damaged_in_place_is_converted_again(tmp_path: Path,
+                                                                          monkeypatch) -> None:
+    """The marker recorded sizes only: a chat_template.jinja zeroed at its size (bit rot, a
+    bad restore) loaded without a word, and every prompt rendered as NULs. The marker now
+    records the digest of every file but the weights, and a mismatch is converted again; a
+    marker from before digests were recorded is accepted on its sizes, as before."""
+    monkeypatch.setattr(_FakeTokenizer, "save_pretrained", lambda self, folder: [
+        (folder / "tokenizer.json").write_text('{"tok": 1}'),
+        (folder / "chat_template.jinja").write_text("{{ messages }}")])
+    loads = _fake_gguf(tmp_path, monkeypatch)
+    path = Path(resolve_model("smollm2", cache_dir=str(tmp_path)).path)
+    marker = json.loads((path / model_store._DONE_MARKER).read_text())
+    assert sorted(marker["digests"]) == ["chat_template.jinja", "config.json", "tokenizer.json"]
+    sid = model_store.source_id(model_store.packaged_gguf_path())
+    for name in ("chat_template.jinja", "tokenizer.json", "config.json"):
+        whole = (path / name).read_bytes()
+        (path / name).write_bytes(b"\0" * len(whole))  # same size
+        assert not model_store.is_converted(path, sid), name
+        resolve_model("smollm2", cache_dir=str(tmp_path))
+        assert (path / name).read_bytes() == whole
+    assert len(loads) == 4  # once for each damage, not at every start
+    resolve_model("smollm2", cache_dir=str(tmp_path))
+    assert len(loads) == 4
+    # The weights are not read (hundreds of MB at every start): their size and header are
+    # checked, and a load that fails converts again (load_resolved).
+    with open(path / "model.safetensors", "r+b") as f:
+        f.write(b"\0" * 16)
+    assert model_store.is_converted(path, sid)
+    # An older marker (sizes, no digests) is accepted on its sizes.
+    del marker["digests"]
+    (path / model_store._DONE_MARKER).write_text(json.dumps(marker))
+    (path / "chat_template.jinja").write_bytes(b"\0" * len("{{ messages }}"))
+    assert model_store.is_converted(path, sid)
+
+
 def test_a_full_disk_while_saving_the_weights_is_an_os_error(tmp_path: Path,
                                                              monkeypatch) -> None:
     """safetensors raises its own SafetensorError for a full disk, which the services' one-line
