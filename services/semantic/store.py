@@ -209,6 +209,30 @@ def _damaged_is_named(path: str) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def _unwritable_folder_is_named(path: str) -> Iterator[None]:
+    """A database whose folder the service cannot write, though the file itself it can:
+    SQLite's WAL creates `<db>-wal` and `<db>-shm` beside the file, so the open failed with a
+    bare "attempt to write a readonly database", naming neither the file nor the folder (a
+    volume mounted read-only, or owned by another uid than the pod's)."""
+    try:
+        yield
+    except sqlite3.OperationalError as e:
+        folder = os.path.dirname(os.path.abspath(path))
+        code = getattr(e, "sqlite_errorcode", 0)
+        if path == ":memory:" or not (
+                code == sqlite3.SQLITE_READONLY_DIRECTORY
+                or (code & 0xFF in (sqlite3.SQLITE_READONLY, sqlite3.SQLITE_CANTOPEN)
+                    and not os.access(folder, os.W_OK))):
+            raise
+        name = os.path.basename(path)
+        raise sqlite3.OperationalError(
+            f"{path}: {e}: the folder {folder} must be writable by the service (uid "
+            f"{os.geteuid()}), not only the database file: SQLite's WAL keeps {name}-wal and "
+            f"{name}-shm beside it; make it writable, or point TIERCACHE_SEMANTIC_DB_PATH at a "
+            "writable folder") from None
+
+
+@contextlib.contextmanager
 def _full_is_exhausted() -> Iterator[None]:
     """A full disk (SQLITE_FULL: the disk or the database's size limit) is
     RESOURCE_EXHAUSTED naming it, not an INTERNAL error."""
@@ -236,7 +260,7 @@ class EntryStore:
         try:
             # Not a database, or a malformed one: "file is not a database" named no file
             # and no way out, and the pod crash-looped.
-            with _damaged_is_named(path):
+            with _damaged_is_named(path), _unwritable_folder_is_named(path):
                 if path != ":memory:":
                     _owner_only(path)
                 self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)

@@ -547,3 +547,43 @@ def test_rows_written_by_a_build_that_does_not_know_truncated_are_not_taken_as_w
 def test_token_ids_are_packed_as_narrow_as_they_fit_and_read_back(ids, size):
     blob = pack_tokens(ids)
     assert len(blob) == size and unpack_tokens(blob) == ids
+
+
+def test_a_database_folder_the_service_cannot_write_is_named():
+    """The file writable but not its folder (a read-only volume, one owned by another uid):
+    SQLite's WAL cannot make its -wal and -shm files, and the start failed with a bare
+    "attempt to write a readonly database", naming neither the file nor the folder."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    cmd = [sys.executable]
+    if os.geteuid() == 0:
+        # Root writes any folder: the store runs as root without its capabilities, so that
+        # a folder's mode binds it as any user (another uid could not run this venv's
+        # python, which lies under /root).
+        if shutil.which("setpriv") is None:
+            pytest.skip("as root, needs setpriv to drop the capabilities")
+        cmd = ["setpriv", "--bounding-set=-all", "--inh-caps=-all", "--", sys.executable]
+    folder = Path(tempfile.mkdtemp(prefix="tiercache-ro-"))
+    try:
+        path = folder / "s.db"
+        EntryStore(str(path)).close()
+        folder.chmod(0o555)
+        probe = ("import sys, sqlite3\n"
+                 "from services.semantic.store import EntryStore\n"
+                 "try:\n    EntryStore(sys.argv[1]).close()\n"
+                 "except sqlite3.OperationalError as e:\n    print(e)\n")
+        out = subprocess.run([*cmd, "-c", probe, str(path)], capture_output=True, text=True,
+                             timeout=120, cwd="/", check=True,
+                             env={**os.environ, "PYTHONPATH": f"{root}:{root / 'gen'}"}).stdout
+        assert out.startswith(f"{path}: attempt to write a readonly database"), out
+        assert f"the folder {folder} must be writable" in out and "s.db-wal" in out
+        assert "TIERCACHE_SEMANTIC_DB_PATH" in out
+    finally:
+        folder.chmod(0o755)
+        shutil.rmtree(folder, ignore_errors=True)
