@@ -117,6 +117,17 @@ def test_grpcurl_list_describe_and_generate(stack):
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
     msgs = kwargs.pop("messages")
+    if field.startswith("sampling.t"):
+        # The client library refuses these itself (ValueError): the server's own check is
+        # what is tested here, so the request is built by hand.
+        req = client.build_request(msgs)
+        req.sampling.temperature = kwargs.get("temperature", 0.0)
+        req.sampling.top_p = kwargs.get("top_p", 0.0)
+        with pytest.raises(grpc.RpcError) as e:
+            list(client.stub.Generate(req, timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith(field), e.value.details()
+        return
     with pytest.raises(grpc.RpcError) as e:
         client.generate(msgs, **kwargs)
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
