@@ -52,9 +52,14 @@ TOKENS = counter("tiercache_orchestrator_tokens_total",
                  "Prompt, cached (prefix), generated and saved_semantic (served from the "
                  "semantic cache, never generated) tokens", ("kind",))
 DRAFT_TOKENS = counter("tiercache_orchestrator_draft_tokens_total",
-                       "Draft tokens proposed to replicas, and accepted (each accepted one saved "
-                       "a forward pass) by source: the cached near-miss or prompt lookup",
-                       ("kind",))
+                       "Draft tokens proposed to replicas, and accepted by source: the cached "
+                       "near-miss or prompt lookup (see forward_passes_saved_total for what "
+                       "they saved)", ("kind",))
+PASSES_SAVED = counter("tiercache_orchestrator_forward_passes_saved_total",
+                       "Decoding forward passes drafts saved: tokens a replica generated, less "
+                       "one, less the forward passes it ran (an answer ending on an accepted "
+                       "token saves one fewer than it accepted); the last replica's, after a "
+                       "failover")
 DISPATCH_ROUTES = counter("tiercache_orchestrator_dispatch_memory_routes_total",
                           "Requests routed to a replica for a prefix the index did not know yet "
                           "(sent there moments before)")
@@ -172,6 +177,11 @@ class Orchestrator:
                  eos_token_ids: frozenset[int] | None = None) -> None:
         self.renderer = renderer
         self.tok = tokenizer
+        # Ids a draft may hold: the tokenizer's (a fake without a length: any).
+        try:
+            self._vocab = len(tokenizer)
+        except TypeError:
+            self._vocab = 2**32
         self.model_id = model_id
         self.hasher = hasher
         self.replicas = replicas
@@ -384,8 +394,16 @@ class Orchestrator:
                                            return_token_ids, request_id, t0)
                 return
             if look.HasField("entry") and want_draft:
-                draft_ids = cached_ids
-                report.draft_entry_id = look.entry.id
+                if all(0 <= t < self._vocab for t in cached_ids):
+                    draft_ids = cached_ids
+                    report.draft_entry_id = look.entry.id
+                else:
+                    # Ids this model has no token for (an entry stored by a client, or by
+                    # another model under the same id): the replica refused the whole request
+                    # for them. A draft is advice: the answer goes on without it.
+                    log.warning("request %s: dropped the draft of entry %s (token ids outside "
+                                "the vocabulary of %d)", request_id, look.entry.id, self._vocab)
+                    self.stats.degrade("draft_dropped")
 
         ids = prompt.token_ids
         if cancelled.is_set():
@@ -466,6 +484,7 @@ class Orchestrator:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
+                from_here = len(generated)  # this replica's tokens start here
                 req = kvpool_pb2.KvGenerateRequest(
                     request_id=request_id, token_ids=ids + generated,
                     sampling=common_pb2.SamplingParams(
@@ -627,6 +646,7 @@ class Orchestrator:
         DRAFT_TOKENS.labels("accepted_from_cache").inc(
             max(0, final.draft_tokens_accepted - final.lookup_tokens_accepted))
         DRAFT_TOKENS.labels("accepted_from_lookup").inc(final.lookup_tokens_accepted)
+        PASSES_SAVED.inc(max(0, len(generated) - from_here - 1 - final.forward_passes))
         report.route = route
         cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
         self._count(cache_class, prompt_tokens, cached, len(generated), ttft)

@@ -581,3 +581,53 @@ def test_a_cut_short_answer_does_not_replace_a_whole_hit():
         return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
         on_cancel=lambda fn: None))
     assert [st.answer for st in sem.stores] == ["ok"]
+
+
+class SizedTok:
+    """The fake tokenizer with a vocabulary of 256 ids."""
+
+    eos_token_id = 0
+
+    def __len__(self) -> int:
+        return 256
+
+    def decode(self, ids, skip_special_tokens=True) -> str:
+        return bytes(i for i in ids if i).decode("utf-8", "replace")
+
+    def encode(self, text: str, add_special_tokens=False) -> list[int]:
+        return list(text.encode())
+
+
+@pytest.mark.parametrize(("cached", "drafted"), [([104, 105], True), ([104, 300], False)])
+def test_a_draft_with_ids_outside_the_vocabulary_is_dropped_not_the_request(cached, drafted):
+    # An entry a client stored with ids this model has no token for: the replica refused the
+    # whole request (INVALID_ARGUMENT draft_token_ids, a field the client never sent), and
+    # every near-miss on that entry failed until it expired.
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=False, similarity=0.9,
+        entry=semantic_pb2.SemanticEntry(id="e7", answer="hi", answer_token_ids=cached)))
+    stub = Stub("A", [Call([final("A", 2)])])
+    orch = make({"A": stub}, semantic=sem, tok=SizedTok())
+    events = run(orch)
+    assert finished(events).completion_tokens == 2  # answered either way
+    assert list(stub.requests[0].draft_token_ids) == (cached if drafted else [])
+    assert finished(events).report.draft_entry_id == ("e7" if drafted else "")
+    assert orch.stats.degradations["draft_dropped"] == (0 if drafted else 1)
+
+
+def test_forward_passes_saved_are_counted_from_the_replicas_report():
+    from prometheus_client import REGISTRY
+
+    def saved() -> float:
+        return REGISTRY.get_sample_value(
+            "tiercache_orchestrator_forward_passes_saved_total") or 0.0
+
+    before = saved()
+    done = kvpool_pb2.KvGenerateResponse(token_ids=list(b"hello"), final=kvpool_pb2.
+                                         KvGenerateFinal(finish_reason=common_pb2.
+                                                         FINISH_REASON_LENGTH, replica_id="A",
+                                                         draft_tokens_accepted=3,
+                                                         forward_passes=1))
+    orch = make({"A": Stub("A", [Call([done])])})
+    run(orch, max_tokens=5)
+    assert saved() - before == 3  # 5 tokens: 4 forwards without drafts, 1 with
