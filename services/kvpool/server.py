@@ -8,7 +8,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -275,7 +275,8 @@ def _stalled_s(seconds: float) -> float:
 
 
 def watch_engine(engine: Any, handle: Any, every: float = 1.0,
-                 stall_seconds: float = 0.0) -> threading.Thread:
+                 stall_seconds: float = 0.0,
+                 clock: Callable[[], float] = time.monotonic) -> threading.Thread:
     """Turn health NOT_SERVING once the engine thread has died (every call then answers
     UNAVAILABLE): health stayed SERVING, so the liveness probe never restarted the replica.
     Also while the engine thread is alive but has not begun a turn for `stall_seconds` (> 0):
@@ -285,7 +286,9 @@ def watch_engine(engine: Any, handle: Any, every: float = 1.0,
     (a drain stops the engine on purpose)."""
     def run() -> None:
         stalled = False
+        woke = clock()
         while not handle.stopped.wait(every):
+            last, woke = woke, clock()
             if not engine.running:
                 if not handle.stopped.is_set():
                     log.error("the engine thread has stopped: health NOT_SERVING, so the "
@@ -293,6 +296,11 @@ def watch_engine(engine: Any, handle: Any, every: float = 1.0,
                     handle.set_serving(False)
                 return
             if stall_seconds <= 0:
+                continue
+            if woke - last > every + stall_seconds and not stalled:
+                # This watch itself woke that late: the whole process stood still (SIGSTOP,
+                # a paused VM), and the engine had no chance to turn either. Read now, the
+                # pause looked like a stuck engine (an ERROR and NOT_SERVING for a second).
                 continue
             age = engine.stalled_for()
             if age > stall_seconds and not stalled:

@@ -14,6 +14,7 @@ Lifecycle of a replica, in the index's eyes:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -30,6 +31,8 @@ from services.common.errors import (
 from services.common.hashing import DIGEST_SIZE, BlockHasher, check_salt
 from services.common.policy import EvictionPolicy, HybridPolicy
 from services.prefix.tree import BlockTree, PruneRun, bits
+
+log = logging.getLogger(__name__)
 
 MAX_REPLICAS = 64
 # Measured by benchmarks/prefix_index.py (tracemalloc); used for the Stats estimate only.
@@ -247,6 +250,9 @@ class PrefixIndex:
         self._hashers: dict[str, BlockHasher] = {}
         self._verifiers: dict[str, BlockHasher] = {}
         self._next_deadline = float("inf")
+        # When the lease sweeper last ran (`sweep`); None: no sweeper (leases lapse only as
+        # calls come). A gap far past its period is a pause of this process, not of replicas.
+        self._swept_at: float | None = None
         self._tick = 0
         self.matches_total = self.matches_hit = 0
         self.match_blocks_total = self.match_blocks_hit = 0
@@ -391,7 +397,34 @@ class PrefixIndex:
         rep.deadline = now + self.lease_seconds
         self._next_deadline = min(self._next_deadline, rep.deadline)
 
+    def sweep(self, now: float | None = None) -> list[str]:
+        """The lease sweeper's turn (every quarter lease): `expire`, after forgiving the time
+        this process was not running."""
+        now = self.clock() if now is None else now
+        gone = self._expire(now, force=True)
+        self._swept_at = now
+        return gone
+
+    def _forgive_pause(self, now: float) -> None:
+        """Pushes every lease back by the time this process stood still (SIGSTOP, a VM or
+        container paused, a host swapping), seen as the sweeper's turn late by over half a
+        lease: the index's own pause read as every replica's silence, and it dropped them all
+        at once on waking (each then resynced from a full snapshot, and the hit history of
+        every block was lost)."""
+        if self._swept_at is None:
+            return
+        gap = now - self._swept_at
+        if gap <= self.lease_seconds / 2:
+            return
+        for rep in self._replicas.values():
+            rep.deadline += gap
+        self._next_deadline += gap
+        self._swept_at = now
+        log.warning("the index stood still for %.1f s (paused?): leases pushed back by as "
+                    "much", gap)
+
     def _expire(self, now: float, force: bool = False) -> list[str]:
+        self._forgive_pause(now)
         if now < self._next_deadline and not force:
             return []
         gone = [r for r in self._replicas.values() if r.deadline <= now]

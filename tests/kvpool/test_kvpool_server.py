@@ -553,6 +553,63 @@ def test_a_stalled_engine_turns_health_not_serving_until_it_steps_again() -> Non
     assert not t.is_alive()
 
 
+def test_a_pause_of_the_whole_process_is_not_read_as_a_stalled_engine() -> None:
+    """After SIGSTOP (or a paused VM) the watch woke before the idle engine's next turn and
+    read the pause's length as a stuck step: an ERROR and NOT_SERVING for a second."""
+    from types import SimpleNamespace
+
+    from services.kvpool.server import watch_engine
+
+    calls: list[bool] = []
+    state = {"now": 0.0, "pause": False, "age": 0.0, "after_pause": [], "ticks": 0}
+    lock = threading.Lock()
+
+    def clock() -> float:
+        with lock:
+            state["ticks"] += 1
+            if state["pause"]:  # the process stood still for 30 s before this tick...
+                state["pause"] = False
+                state["now"] += 30.0
+                # ...and the idle engine had not turned yet: it does before the next tick.
+                state["after_pause"] = [30.0, state["ticks"]]
+            return state["now"]
+
+    def stalled_for() -> float:
+        with lock:
+            pending = state["after_pause"]
+            return pending[0] if pending and pending[1] == state["ticks"] else state["age"]
+
+    def wait_ticks(n: int) -> None:
+        with lock:
+            until = state["ticks"] + n
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            with lock:
+                if state["ticks"] >= until:
+                    return
+            time.sleep(0.005)
+        raise AssertionError("the watch stopped ticking")
+
+    engine = SimpleNamespace(running=True, stalled_for=stalled_for)
+    handle = SimpleNamespace(stopped=threading.Event(), set_serving=calls.append)
+    t = watch_engine(engine, handle, every=0.01, stall_seconds=5.0, clock=clock)
+    try:
+        wait_ticks(3)
+        with lock:
+            state["pause"] = True
+        wait_ticks(5)
+        assert calls == []
+        with lock:
+            state["age"] = 6.0  # a real stall, the watch on time: still caught
+        deadline = time.monotonic() + 5
+        while not calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert calls == [False]
+    finally:
+        handle.stopped.set()
+        t.join(5)
+
+
 def test_the_engine_reports_how_long_its_loop_has_been_stuck(make_engine) -> None:
     eng = make_engine()
     assert eng.stalled_for() < 2.0  # idle: the loop turns every ~0.5 s

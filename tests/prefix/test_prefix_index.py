@@ -749,3 +749,25 @@ def test_pruning_keeps_its_bound_when_new_blocks_extend_the_leaves_it_ranked(clo
                                   for b in range(21)])  # every chain one block longer
     assert index.stats().nodes <= 20
     index.check_integrity()
+
+
+def test_a_pause_of_the_index_itself_drops_no_replica_but_silence_while_sweeping_does(index,
+                                                                                     hasher,
+                                                                                     clock):
+    # The index paused past the lease (SIGSTOP, a paused VM) took its own standstill for
+    # every replica's silence: on waking it dropped them all, and each resynced from a full
+    # snapshot with its blocks' hit history lost.
+    reg(index, "a")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    index.sweep()
+    clock.t += 25  # 2.5 leases with no sweep: this process stood still
+    assert index.heartbeat("a", "i1", Load()).known  # a's heartbeat, the first call on waking
+    assert index.sweep() == []
+    assert matched(index, toks(1, 2)) == {"a": 2}
+    # Sweeping on time, a replica silent past its lease is dropped as before.
+    for _ in range(5):
+        clock.t += 2.5
+        gone = index.sweep()
+    assert gone == ["a"] or not index.stats().replicas
+    assert not index.heartbeat("a", "i1", Load()).known
+    index.check_integrity()
