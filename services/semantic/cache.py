@@ -105,6 +105,21 @@ class Entry:
         return now >= self.expires_at()
 
 
+class SteadyWallClock:
+    """Seconds since the epoch that a step of the system clock does not move: the wall clock
+    read once, then advanced by the monotonic clock. TTLs count elapsed time: on the wall
+    clock, an NTP step or a VM resumed an hour ahead had the housekeeper delete every entry
+    the step carried past its TTL from SQLite (for good: stepping back restored nothing), and
+    a step back served expired entries. Timestamps are stored on it, and a restart reads the
+    wall clock again."""
+
+    def __init__(self) -> None:
+        self._wall0, self._mono0 = time.time(), time.monotonic()
+
+    def __call__(self) -> float:
+        return self._wall0 + (time.monotonic() - self._mono0)
+
+
 @dataclass(frozen=True)
 class LookupResult:
     """The outcome of one lookup; `entry` is the hit or the draft candidate (or None)."""
@@ -201,17 +216,18 @@ class SemanticCache:
         cfg: limits, thresholds and index settings.
         embedder: turns text into unit vectors.
         store: the durable entry store.
-        clock: seconds since the epoch (tests pass a fake one).
+        clock: seconds since the epoch (tests pass a fake one); by default a
+            `SteadyWallClock`, which a step of the system clock does not move.
     """
 
     def __init__(self, cfg: SemanticConfig, embedder: Embedder, store: EntryStore,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] | None = None) -> None:
         self.cfg = cfg
         self.embedder = embedder
         # Tags stored vectors: entries embedded by anything else are re-embedded at load.
         self._embed_id: str = getattr(embedder, "identity", embedder.name)
         self.store = store
-        self.clock = clock
+        self.clock = clock or SteadyWallClock()
         self.policy = ThresholdPolicy.from_config(cfg)
         self.guard = ParaphraseGuard()
         self.guard_tiers = frozenset(cfg.guard_tiers)
@@ -1001,13 +1017,16 @@ class SemanticCache:
     def _group_rows(self, rows: list[Row]
                     ) -> dict[Namespace, tuple[list[Entry], list[np.ndarray]]]:
         """Each namespace's entries and their vectors, in `rows`' order."""
+        now = self.clock()
         groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
         for r in rows:
             ns = Namespace(r.tenant, r.model_id, r.context_hash)
             es, vs = groups.setdefault(ns, ([], []))
-            es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
-                            r.last_hit_at, r.hit_count, self._loaded_ttl(r), r.truncated,
-                            answer_tokens=r.answer_tokens))
+            # A row stamped in the future (written while the clock ran ahead) would outlive
+            # its TTL by as much: its time counts from now at most.
+            es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified,
+                            min(r.created_at, now), min(r.last_hit_at, now), r.hit_count,
+                            self._loaded_ttl(r), r.truncated, answer_tokens=r.answer_tokens))
             vs.append(r.embedding)
         return groups
 

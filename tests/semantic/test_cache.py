@@ -662,3 +662,42 @@ def test_a_kana_voicing_mark_is_another_word_in_the_standard_tier(make_cache):
     assert r.similarity > 0.999  # MiniLM strips the mark: one vector for both
     assert not r.hit and "another letter" in r.guard_reason
     assert c.lookup(A, "Translate the Japanese word バス into English.", tier="standard").hit
+
+
+def test_a_step_of_the_system_clock_neither_expires_nor_revives_entries(make_cfg, embedder,
+                                                                         monkeypatch):
+    # On the wall clock an NTP step or a VM resumed an hour ahead had the housekeeper delete
+    # every entry the step carried past its TTL, from SQLite (for good); a step back served
+    # expired ones. The default clock follows elapsed time.
+    import time as time_module
+
+    from services.semantic.cache import SteadyWallClock
+
+    cfg = make_cfg()
+    c = SemanticCache(cfg, embedder, EntryStore(cfg.resolved_db_path(), "NORMAL"))
+    try:
+        c.load()
+        assert isinstance(c.clock, SteadyWallClock)
+        c.store_entry(A, "Who wrote Hamlet?", "Shakespeare.", ttl_seconds=60)
+        real = time_module.time
+        monkeypatch.setattr(time_module, "time", lambda: real() + 3600)
+        assert c.expire() == 0 and c.lookup(A, "Who wrote Hamlet?").hit
+        monkeypatch.setattr(time_module, "time", lambda: real() - 3600)
+        assert abs(c.clock() - real()) < 60  # stepped neither way
+    finally:
+        c.close_indexes()
+        c.store.close()
+
+
+def test_an_entry_stamped_ahead_of_the_clock_keeps_only_its_ttl_after_a_restart(make_cache,
+                                                                                clock):
+    # Written while the clock ran an hour ahead, it outlived its TTL by that hour once the
+    # service restarted on the corrected clock.
+    clock.t += 3600
+    make_cache().store_entry(A, "Who wrote Hamlet?", "Shakespeare.", ttl_seconds=100)
+    clock.t -= 3600
+    c = make_cache()  # the restart, on the corrected clock
+    assert c.lookup(A, "Who wrote Hamlet?").hit
+    clock.t += 101
+    assert not c.lookup(A, "Who wrote Hamlet?").hit
+    assert c.expire() == 1
