@@ -297,12 +297,12 @@ def watch_engine(engine: Any, handle: Any, every: float = 1.0,
                 return
             if stall_seconds <= 0:
                 continue
-            if woke - last > every + stall_seconds and not stalled:
-                # This watch itself woke that late: the whole process stood still (SIGSTOP,
-                # a paused VM), and the engine had no chance to turn either. Read now, the
-                # pause looked like a stuck engine (an ERROR and NOT_SERVING for a second).
-                continue
-            age = engine.stalled_for()
+            # How late this watch itself woke: the whole process stood still that long
+            # (SIGSTOP, a paused VM), and the engine had no chance to turn either. Counted
+            # in, the pause looked like a stuck engine (an ERROR and NOT_SERVING for a
+            # second).
+            late = max(0.0, woke - last - every) if not stalled else 0.0
+            age = max(0.0, engine.stalled_for() - late)
             if age > stall_seconds and not stalled:
                 stalled = True
                 log.error("the engine has not finished a step in %.0f s (engine_stall_seconds="

@@ -364,7 +364,7 @@ class PromptRenderer:
         # semantic tier reads a text's ends as layout (it served " Mount Everest" to both).
         # None at either end: the namespace raw prompts always had.
         lead, trail = prompt[:len(prompt) - len(prompt.lstrip())], prompt[len(prompt.rstrip()):]
-        edges = f"{lead}\x1f{trail}" if lead or trail else ""
+        edges = json.dumps([lead, trail]) if lead or trail else ""
         return RenderedPrompt(self.encode_prompt(prompt, scope), prompt,
                               context_hash([Message("raw", edges)]))
 

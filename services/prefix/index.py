@@ -253,6 +253,7 @@ class PrefixIndex:
         # When the lease sweeper last ran (`sweep`); None: no sweeper (leases lapse only as
         # calls come). A gap far past its period is a pause of this process, not of replicas.
         self._swept_at: float | None = None
+        self._sweep_period = lease_seconds / 4
         self._tick = 0
         self.matches_total = self.matches_hit = 0
         self.match_blocks_total = self.match_blocks_hit = 0
@@ -397,10 +398,11 @@ class PrefixIndex:
         rep.deadline = now + self.lease_seconds
         self._next_deadline = min(self._next_deadline, rep.deadline)
 
-    def sweep(self, now: float | None = None) -> list[str]:
-        """The lease sweeper's turn (every quarter lease): `expire`, after forgiving the time
-        this process was not running."""
+    def sweep(self, now: float | None = None, period: float | None = None) -> list[str]:
+        """The lease sweeper's turn, every `period` (default a quarter lease): `expire`, after
+        forgiving the time this process was not running."""
         now = self.clock() if now is None else now
+        self._sweep_period = self.lease_seconds / 4 if period is None else period
         gone = self._expire(now, force=True)
         self._swept_at = now
         return gone
@@ -416,12 +418,15 @@ class PrefixIndex:
         gap = now - self._swept_at
         if gap <= self.lease_seconds / 2:
             return
+        # The sweeper's own period was time the index ran: only the lateness is forgiven (a
+        # sweeper late at every turn still lets a silent replica's lease run out).
+        stood = gap - self._sweep_period
         for rep in self._replicas.values():
-            rep.deadline += gap
-        self._next_deadline += gap
+            rep.deadline += stood
+        self._next_deadline += stood
         self._swept_at = now
         log.warning("the index stood still for %.1f s (paused?): leases pushed back by as "
-                    "much", gap)
+                    "much", stood)
 
     def _expire(self, now: float, force: bool = False) -> list[str]:
         self._forgive_pause(now)

@@ -204,7 +204,7 @@ def serve(cfg: PrefixConfig, index: PrefixIndex | None = None) -> PrefixService:
         period = max(0.05, index.lease_seconds / 4)
         while not stop.wait(period):
             with servicer.lock:
-                gone = index.sweep()
+                gone = index.sweep(period=period)
                 servicer._gauges()
             if gone:
                 log.info("leases lapsed: dropped replicas %s", ", ".join(gone))

@@ -111,13 +111,22 @@ class SteadyWallClock:
     clock, an NTP step or a VM resumed an hour ahead had the housekeeper delete every entry
     the step carried past its TTL from SQLite (for good: stepping back restored nothing), and
     a step back served expired entries. Timestamps are stored on it, and a restart reads the
-    wall clock again."""
+    wall clock again: a correction of the clock made while the service runs is taken then."""
 
     def __init__(self) -> None:
-        self._wall0, self._mono0 = time.time(), time.monotonic()
+        self._wall0, self._mono0 = time.time(), _elapsed()
 
     def __call__(self) -> float:
-        return self._wall0 + (time.monotonic() - self._mono0)
+        return self._wall0 + (_elapsed() - self._mono0)
+
+
+def _elapsed() -> float:
+    """Seconds that also count a suspend of the host (the monotonic clock stops during one),
+    where the system says so (Linux's boot-time clock)."""
+    try:
+        return time.clock_gettime(time.CLOCK_BOOTTIME)
+    except (AttributeError, OSError):
+        return time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -923,6 +932,10 @@ class SemanticCache:
         capacity limits are applied (least recently used go first).
         """
         now = self.clock()
+        ahead = self.store.clamp_future(now)
+        if ahead:
+            log.warning("%d entries were stamped after now (the clock ran ahead when they were "
+                        "written): their TTL counts from now", ahead)
         newest, replaced = self._newest_rows()
         stale = [r.label for r in newest.values() if self._expired_row(r, now)]
         live = [r for r in newest.values() if not self._expired_row(r, now)]
@@ -1022,8 +1035,8 @@ class SemanticCache:
         for r in rows:
             ns = Namespace(r.tenant, r.model_id, r.context_hash)
             es, vs = groups.setdefault(ns, ([], []))
-            # A row stamped in the future (written while the clock ran ahead) would outlive
-            # its TTL by as much: its time counts from now at most.
+            # A row stamped in the future (written while the clock ran ahead; `load` clamps
+            # them in SQLite too) would outlive its TTL by as much: its time counts from now.
             es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified,
                             min(r.created_at, now), min(r.last_hit_at, now), r.hit_count,
                             self._loaded_ttl(r), r.truncated, answer_tokens=r.answer_tokens))

@@ -496,9 +496,15 @@ def _letter_marks(word: str) -> str:
 
 # Quoted or backticked spans: what is between the quotes is a literal, its spacing included.
 _QUOTED = re.compile(r"`[^`]*`|\"[^\"\n]*\"|\u201c[^\u201d]*\u201d|(?<!\w)'[^'\n]*'(?!\w)")
-# Text laid out as code (an assignment, a statement's end, braces, an indented line): its
-# line breaks are part of what it says.
-_CODE_LIKE = re.compile(r"[=;{}]|^[ \t]+\S", re.MULTILINE)
+# A line of code: an assignment at its start ("x = 1", "a[i] += 2"), or a statement's end or a
+# brace at its end. Text with two such lines is laid out as code: its line breaks are part of
+# what it says. (One "=" or ";" in a sentence, or an indented line, is prose as often.)
+_CODE_LINE = re.compile(r"^[ \t]*(?:[\w.\[\]]+[ \t]*[-+*/%]?=(?!=)|.*[;{}][ \t]*$)",
+                        re.MULTILINE)
+
+
+def _laid_out_as_code(text: str) -> bool:
+    return len(_CODE_LINE.findall(text)) >= 2
 
 
 def _marked_words(text: str) -> list[str]:
@@ -566,6 +572,6 @@ def spelling_differs(query: str, cached: str, case_and_accents: bool = True) -> 
             return "indentation differs"
         if _QUOTED.findall(query) != _QUOTED.findall(cached):
             return "spacing inside quotes differs"
-        if len(ql) != len(cl) and (_CODE_LIKE.search(query) or _CODE_LIKE.search(cached)):
+        if len(ql) != len(cl) and (_laid_out_as_code(query) or _laid_out_as_code(cached)):
             return "line breaks differ in code"
     return ""

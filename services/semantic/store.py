@@ -378,6 +378,17 @@ class EntryStore:
             self._db.execute("UPDATE entries SET verified = ? WHERE label = ?",
                              (int(verified), label))
 
+    def clamp_future(self, now: float) -> int:
+        """Rows stamped after `now` (written while the clock ran ahead) get `now` as their
+        creation and last hit; returns how many. Clamped in memory only, such a row took
+        `now` again at every restart, and restarts kept it alive past its TTL."""
+        with _full_is_exhausted(), _damaged_is_named(self.path), self._lock:
+            cur = self._db.execute(
+                "UPDATE entries SET created_at = MIN(created_at, ?1), "
+                "last_hit_at = MIN(last_hit_at, ?1) WHERE created_at > ?1 OR last_hit_at > ?1",
+                (now,))
+            return cur.rowcount
+
     def set_embedding(self, label: int, embedding: np.ndarray, embed_model: str) -> None:
         self.set_embeddings([(label, embedding, embed_model)])
 

@@ -771,3 +771,16 @@ def test_a_pause_of_the_index_itself_drops_no_replica_but_silence_while_sweeping
     assert gone == ["a"] or not index.stats().replicas
     assert not index.heartbeat("a", "i1", Load()).known
     index.check_integrity()
+
+
+def test_a_sweeper_late_at_every_turn_still_lets_a_silent_replicas_lease_run_out(index,
+                                                                                  clock):
+    # Forgiving the whole gap since the last sweep (its period included) at every late turn
+    # would have kept a dead replica's lease alive for ever.
+    reg(index, "a")
+    index.sweep(period=2.5)
+    gone: list[str] = []
+    for _ in range(40):  # each turn 6 s after the last: 3.5 s late for a 2.5 s period
+        clock.t += 6
+        gone += index.sweep(period=2.5)
+    assert gone == ["a"]
