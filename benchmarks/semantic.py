@@ -51,6 +51,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import cpu_model
 from services.semantic.config import SemanticConfig, default_cache_dir
 from services.semantic.embedder import OnnxEmbedder
 from services.semantic.fit_verifier import PairSet, cross_validate, featurise
@@ -767,7 +768,10 @@ def main(argv: list[str] | None = None) -> int:
         res["exporters"] = bench_exporters(cfg, [a for a, _, _ in qqp], 30 if quick else 300)
         log(json.dumps(res["exporters"]))
     for p in parts:
-        runs[p] = {"at": stamp, "load_average_1m": os.getloadavg()[0]}
+        # The host with the time: parts kept from an earlier run may come from another
+        # machine (search and loopback gRPC took twice as long on a 2-core AMD EPYC as on
+        # the 2-core Intel Xeon before it, the same code).
+        runs[p] = {"at": stamp, "load_average_1m": os.getloadavg()[0], "cpu_model": cpu_model()}
     res["targets"] = targets(res)
     res["wall_s"] = time.perf_counter() - t_all
     RESULTS.mkdir(parents=True, exist_ok=True)
