@@ -406,8 +406,13 @@ def test_a_tokenizer_damaged_or_gone_is_exported_again_and_a_second_failure_is_o
     real = onnx_export.ensure_onnx(model, default_cache_dir(), name)
     cached = tmp_path / "onnx" / name
     shutil.copytree(real, cached)
+    # Made from this very model folder: the shared export may come from another checkout's
+    # venv, and a damaged export of another folder is redone in a folder of its own beside it
+    # (`_own_folder`), not over `cached`.
+    source = os.path.realpath(model)
     meta = json.loads((cached / "meta.json").read_text())
     meta.pop("files", None)  # as exports made before the tokenizer was checked
+    meta["source"] = source
     (cached / "meta.json").write_text(json.dumps(meta))
     tokenizer = (real / "tokenizer.json").read_bytes()
     exports: list[bool] = []
@@ -421,6 +426,7 @@ def test_a_tokenizer_damaged_or_gone_is_exported_again_and_a_second_failure_is_o
             (out / "tokenizer.json").write_bytes(tokenizer[:1000])
         m = json.loads((out / "meta.json").read_text())
         m["files"] = {"tokenizer.json": onnx_export._file_record(out / "tokenizer.json")}
+        m["source"] = source
         (out / "meta.json").write_text(json.dumps(m))
 
     monkeypatch.setattr(onnx_export, "_export", copy_export)
