@@ -31,7 +31,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from services.common.files import fsync_path, remove_aside
+from services.common.files import file_digest, fsync_path, remove_aside
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -200,7 +200,7 @@ def is_converted(target: Path, source_id: str | None = None) -> bool:
         if not all((target / rel).stat().st_size == size for rel, size in files.items()):
             return False
         digests = meta.get("digests", {})  # none in a marker from before they were recorded
-        return all(_digest(target / rel) == want for rel, want in digests.items())
+        return all(file_digest(target / rel) == want for rel, want in digests.items())
     except (OSError, ValueError, AttributeError, TypeError, LookupError):
         return False
 
@@ -235,18 +235,10 @@ def _digested(rel: str) -> bool:
     return not rel.endswith(".safetensors")
 
 
-def _digest(path: Path) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _file_digests(folder: Path) -> dict[str, str]:
     """The digest of every file `_file_sizes` lists but the weights: what `is_converted`
     checks of their content."""
-    return {rel: _digest(folder / rel) for rel in _file_sizes(folder) if _digested(rel)}
+    return {rel: file_digest(folder / rel) for rel in _file_sizes(folder) if _digested(rel)}
 
 
 def _fsync_tree(folder: Path) -> None:

@@ -42,7 +42,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.files import fsync_path, remove_aside
+from services.common.files import file_digest, fsync_path, remove_aside
 
 log = logging.getLogger(__name__)
 
@@ -243,8 +243,7 @@ def _export_dynamo(module, args: tuple, names: list[str], path: Path) -> None:
 def _file_record(path: Path) -> dict:
     """What meta.json records of a small file of the export: its size and blake2b digest
     (tokenizer.json is ~0.7 MB: read in a few ms at each start)."""
-    data = path.read_bytes()
-    return {"bytes": len(data), "blake2b": hashlib.blake2b(data, digest_size=16).hexdigest()}
+    return {"bytes": path.stat().st_size, "blake2b": file_digest(path)}
 
 
 def _is_current(d: Path, fingerprint: str) -> bool:
