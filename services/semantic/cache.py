@@ -1030,16 +1030,14 @@ class SemanticCache:
     def _group_rows(self, rows: list[Row]
                     ) -> dict[Namespace, tuple[list[Entry], list[np.ndarray]]]:
         """Each namespace's entries and their vectors, in `rows`' order."""
-        now = self.clock()
         groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
         for r in rows:
             ns = Namespace(r.tenant, r.model_id, r.context_hash)
             es, vs = groups.setdefault(ns, ([], []))
-            # A row stamped in the future (written while the clock ran ahead; `load` clamps
-            # them in SQLite too) would outlive its TTL by as much: its time counts from now.
-            es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified,
-                            min(r.created_at, now), min(r.last_hit_at, now), r.hit_count,
-                            self._loaded_ttl(r), r.truncated, answer_tokens=r.answer_tokens))
+            # No row is stamped after now: `load` clamped those in SQLite before reading.
+            es.append(Entry(r.id, r.label, ns, r.prompt, r.answer, r.verified, r.created_at,
+                            r.last_hit_at, r.hit_count, self._loaded_ttl(r), r.truncated,
+                            answer_tokens=r.answer_tokens))
             vs.append(r.embedding)
         return groups
 
