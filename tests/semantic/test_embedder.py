@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -340,6 +341,20 @@ def test_folders_of_exports_killed_part_way_are_removed_at_the_next_export(tmp_p
     assert sorted(os.listdir(root)) == [".m.lock", ".m.notmine", ".other.abcd1234", "m"]
 
 
+def _copying_export(real: Path, exports: list[bool], then: Callable[[Path], None]):
+    """A stand-in for `onnx_export._export`: the real export `real` copied (without its ~10 s),
+    the call noted in `exports`, then `then(out)` on the copy."""
+    import shutil
+
+    def copy_export(spec, out: Path, exporter: str) -> None:
+        exports.append(True)
+        for f in real.iterdir():
+            shutil.copy2(f, out / f.name)
+        then(out)
+
+    return copy_export
+
+
 def test_an_export_damaged_but_of_its_size_is_exported_again_once(tmp_path, monkeypatch,
                                                                   onnx_embedder):
     """A cached model.onnx damaged in place (its size kept, so meta.json's check passed) made
@@ -365,14 +380,8 @@ def test_an_export_damaged_but_of_its_size_is_exported_again_once(tmp_path, monk
     exports: list[bool] = []
     damaged_export = [False]
 
-    def copy_export(spec, out: Path, exporter: str) -> None:  # the real export, without its ~10 s
-        exports.append(True)
-        for f in real.iterdir():
-            shutil.copy2(f, out / f.name)
-        if damaged_export[0]:
-            damage(out)
-
-    monkeypatch.setattr(onnx_export, "_export", copy_export)
+    monkeypatch.setattr(onnx_export, "_export", _copying_export(
+        real, exports, lambda out: damage(out) if damaged_export[0] else None))
     emb = OnnxEmbedder(cfg.resolved_model_dir(), str(tmp_path), name)
     assert exports == [True]
     assert (cached / "model.onnx").read_bytes() == (real / "model.onnx").read_bytes()
@@ -418,10 +427,7 @@ def test_a_tokenizer_damaged_or_gone_is_exported_again_and_a_second_failure_is_o
     exports: list[bool] = []
     broken_source = [False]
 
-    def copy_export(spec, out: Path, exporter: str) -> None:  # the real export, without its ~10 s
-        exports.append(True)
-        for f in real.iterdir():
-            shutil.copy2(f, out / f.name)
+    def as_exported_now(out: Path) -> None:
         if broken_source[0]:
             (out / "tokenizer.json").write_bytes(tokenizer[:1000])
         m = json.loads((out / "meta.json").read_text())
@@ -429,7 +435,7 @@ def test_a_tokenizer_damaged_or_gone_is_exported_again_and_a_second_failure_is_o
         m["source"] = source
         (out / "meta.json").write_text(json.dumps(m))
 
-    monkeypatch.setattr(onnx_export, "_export", copy_export)
+    monkeypatch.setattr(onnx_export, "_export", _copying_export(real, exports, as_exported_now))
     (cached / "tokenizer.json").write_bytes(tokenizer[:1000])  # an older export, cut short
     emb = OnnxEmbedder(model, str(tmp_path), name)
     assert exports == [True] and emb.embed(["hello there"]).shape == (1, emb.dim)
