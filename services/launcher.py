@@ -364,6 +364,39 @@ def grpcurl_transport() -> str:
     return flags
 
 
+KEPT_PID_LOGS = 5  # log folders of finished --base-port 0 stacks kept for a look afterwards
+
+
+def prune_pid_logs(logs: Path, keep: int = KEPT_PID_LOGS) -> list[Path]:
+    """Removes `pid-N` log folders (stacks on free ports, one folder per launcher) of
+    launchers no longer running, all but the `keep` newest: each such run left one behind,
+    without end. Returns the folders removed."""
+    done = []
+    for d in logs.glob("pid-*"):
+        if not d.name[4:].isdigit() or _running(int(d.name[4:])):
+            continue
+        try:
+            done.append((d.stat().st_mtime, d))
+        except OSError:
+            continue
+    done.sort(reverse=True)
+    removed = []
+    for _, d in done[keep:]:
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d)
+    return removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # another user's process: running
+        pass
+    return True
+
+
 def ports_fit(base_port: int, replicas: int) -> bool:
     """The stack's ports N..N+3+replicas-1 lie in 1..65535 (base 0 = any free ports)."""
     return 0 <= base_port <= 65535 - 2 - replicas
@@ -416,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                  "within 1..65535 (0 = any free ports)")
     # A stack on other ports (a second one, as the port-in-use message suggests) logs apart.
     logs = ROOT / ".run" / "logs"
+    if a.base_port == 0:
+        prune_pid_logs(logs)
     if a.base_port != 50051:
         logs = logs / (f"port-{a.base_port}" if a.base_port else f"pid-{os.getpid()}")
     stack = Stack(replicas=a.replicas, base_port=a.base_port, log_dir=logs)

@@ -1,5 +1,9 @@
 """The local launcher's stop: no child may outlive it, even when the stop is interrupted."""
 
+import os
+import subprocess
+import sys
+
 import pytest
 
 from services.launcher import Stack
@@ -337,3 +341,26 @@ def test_the_problem_quoted_is_the_last_configuration_line_else_the_last_error(t
     assert last_problem(log) == "cannot start: Y"
     assert last_problem(log, offset=log.stat().st_size) is None
     assert last_problem(tmp_path / "none.log") is None and last_problem(None) is None
+
+
+def test_free_port_stacks_prune_the_log_folders_of_finished_launchers(tmp_path):
+    # Before: every `--base-port 0` run left .run/logs/pid-N behind, without end.
+    from services import launcher
+
+    dead = []
+    for i in range(launcher.KEPT_PID_LOGS + 3):
+        proc = subprocess.Popen([sys.executable, "-c", "pass"])
+        proc.wait()
+        d = tmp_path / f"pid-{proc.pid}"
+        d.mkdir()
+        (d / "orchestrator.log").write_text("x")
+        os.utime(d, (1000 + i, 1000 + i))
+        dead.append(d)
+    live = tmp_path / f"pid-{os.getpid()}"  # this process: still running
+    live.mkdir()
+    os.utime(live, (1, 1))
+    other = tmp_path / "port-50100"
+    other.mkdir()
+    removed = launcher.prune_pid_logs(tmp_path)
+    assert sorted(removed) == sorted(dead[:3])  # the oldest finished ones
+    assert all(d.exists() for d in dead[3:]) and live.exists() and other.exists()
