@@ -334,11 +334,6 @@ class Stack:
                 self._tmp_db = None
 
 
-def _exit_note(key: str, p: ServiceProcess) -> str:
-    """`ServiceProcess.exit_note`, or the key alone for what is not one (a test's stand-in)."""
-    return p.exit_note() if isinstance(p, ServiceProcess) else key
-
-
 def tls_note() -> str:
     return {"ca": " (TLS, mutual when client certificates are set)", "roots": " (TLS)",
             "": ""}[tls_mode()]
@@ -477,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
         stack.start()
         dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
         if dead:  # each was waited for in turn: an earlier one may have died meanwhile
-            notes = "; ".join(_exit_note(k, stack.procs[k]) for k in dead)
+            notes = "; ".join(stack.procs[k].exit_note() for k in dead)
             raise RuntimeError(f"service(s) exited during start: {notes}")
         orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
         grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
@@ -491,7 +486,7 @@ Ctrl-C stops everything.""", flush=True)
         while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):
             time.sleep(1.0)
         dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
-        notes = "; ".join(_exit_note(k, stack.procs[k]) for k in dead)
+        notes = "; ".join(stack.procs[k].exit_note() for k in dead)
         print(f"service(s) exited: {notes}; see {stack.log_dir}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -177,11 +177,7 @@ class Orchestrator:
                  eos_token_ids: frozenset[int] | None = None) -> None:
         self.renderer = renderer
         self.tok = tokenizer
-        # Ids a draft may hold: the tokenizer's (a fake without a length: any).
-        try:
-            self._vocab = len(tokenizer)
-        except TypeError:
-            self._vocab = 2**32
+        self._vocab = len(tokenizer)  # ids a draft may hold: the tokenizer's
         self.model_id = model_id
         self.hasher = hasher
         self.replicas = replicas

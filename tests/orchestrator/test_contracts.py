@@ -583,21 +583,6 @@ def test_a_cut_short_answer_does_not_replace_a_whole_hit():
     assert [st.answer for st in sem.stores] == ["ok"]
 
 
-class SizedTok:
-    """The fake tokenizer with a vocabulary of 256 ids."""
-
-    eos_token_id = 0
-
-    def __len__(self) -> int:
-        return 256
-
-    def decode(self, ids, skip_special_tokens=True) -> str:
-        return bytes(i for i in ids if i).decode("utf-8", "replace")
-
-    def encode(self, text: str, add_special_tokens=False) -> list[int]:
-        return list(text.encode())
-
-
 @pytest.mark.parametrize(("cached", "drafted"), [([104, 105], True), ([104, 300], False)])
 def test_a_draft_with_ids_outside_the_vocabulary_is_dropped_not_the_request(cached, drafted):
     # An entry a client stored with ids this model has no token for: the replica refused the
@@ -607,7 +592,7 @@ def test_a_draft_with_ids_outside_the_vocabulary_is_dropped_not_the_request(cach
         hit=False, similarity=0.9,
         entry=semantic_pb2.SemanticEntry(id="e7", answer="hi", answer_token_ids=cached)))
     stub = Stub("A", [Call([final("A", 2)])])
-    orch = make({"A": stub}, semantic=sem, tok=SizedTok())
+    orch = make({"A": stub}, semantic=sem)  # the byte tokenizer: 256 ids
     events = run(orch)
     assert finished(events).completion_tokens == 2  # answered either way
     assert list(stub.requests[0].draft_token_ids) == (cached if drafted else [])

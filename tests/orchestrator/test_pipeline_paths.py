@@ -147,7 +147,12 @@ class Stub:
 
 
 class Tok:
+    """Byte-level: id i is byte i."""
+
     eos_token_id = 0
+
+    def __len__(self) -> int:
+        return 256
 
     def decode(self, ids, skip_special_tokens=True) -> str:
         return bytes(i for i in ids if i).decode("utf-8", "replace")
