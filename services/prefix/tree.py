@@ -29,7 +29,9 @@ Likewise every node has at least one holder: a node nobody holds is deleted with
 
 Hits are counted where a match *ends* (the deepest matched block). When a leaf is pruned, its
 hits and recency fold into its parent, so a leaf's counters always describe its whole subtree's
-traffic — exactly what leaves-first eviction needs.
+traffic — exactly what leaves-first eviction needs. The owner ages the counts (`decay_hits`:
+every node's halved at once), so old traffic weighs less than recent; folded hits age with
+their new node, the subtree's sum still being its traffic (give or take the rounding down).
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ import sys
 from array import array
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
+
+import numpy as np
 
 from services.common.hashing import pack_tokens
 from services.common.policy import BlockUsage, EvictionPolicy
@@ -402,11 +406,12 @@ class BlockTree:
             stack.extend(k for k in self._kids(s) if use[_USE * k + _HOLD] & mask)
         return out
 
-    def restore_usage(self, usage: dict[bytes, tuple[int, int]]
+    def restore_usage(self, usage: dict[bytes, tuple[int, int]], halvings: int = 0
                       ) -> dict[bytes, tuple[int, int]]:
-        """Gives nodes stored again (no hits yet) the hits they had before a clear; last use
-        only moves forward (a parent is never older than its children). Returns the entries
-        of `usage` whose node is not in the tree (not stored again yet)."""
+        """Gives nodes stored again (no hits yet) the hits they had before a clear, halved
+        `halvings` times (the `decay_hits` since they were saved); last use only moves forward
+        (a parent is never older than its children). Returns the entries of `usage` whose
+        node is not in the tree (not stored again yet), as they were given."""
         use, table = self._use, self._table
         left: dict[bytes, tuple[int, int]] = {}
         for k, (hits, last) in usage.items():
@@ -414,9 +419,25 @@ class BlockTree:
             if s is None:
                 left[k] = (hits, last)
             elif not use[_USE * s + _HITS]:
-                use[_USE * s + _HITS] = hits
+                use[_USE * s + _HITS] = hits >> halvings
                 use[_USE * s + _LAST] = max(use[_USE * s + _LAST], last)
         return left
+
+    def decay_hits(self, halvings: int) -> None:
+        """Halves every node's hit count `halvings` times (64 or more: zero), in one vectorised
+        step over the usage records: ~2.5 ms for a million nodes, against ~0.4 s for a Python
+        loop, under the owner's lock. Recency and holders are left alone. A `PruneRun` begun
+        before was ranked on the old counts (the owner drops it)."""
+        if halvings <= 0 or not self._use:
+            return
+        view = np.frombuffer(self._use, dtype=np.uint64)
+        hits = view[_HITS::_USE]
+        if halvings >= 64:
+            hits[:] = 0
+        else:
+            hits >>= halvings
+        # The array cannot grow while a view of its buffer lives.
+        del hits, view
 
     def _drop_subtree(self, top: int, mask: int, bit: int) -> int:
         use = self._use
@@ -724,8 +745,9 @@ class PruneRun:
     The tree may change between steps (stores, removals, matches). A candidate is checked
     when it comes off the heap: a slot freed or reused since it was ranked is skipped, one
     that gained children is skipped, and one whose rank grew (hits or recency, which only
-    grow) goes back with its new rank. Leaves added after the run began are not candidates
-    of this run; the next run sees them.
+    grow between steps; `decay_hits` lowers every count at once, and the owner drops a run
+    begun before it) goes back with its new rank. Leaves added after the run began are not
+    candidates of this run; the next run sees them.
     """
 
     def __init__(self, tree: BlockTree, target: int, policy: EvictionPolicy,
