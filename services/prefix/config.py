@@ -25,6 +25,9 @@ class PrefixConfig:
     # ...unless used within this many index ticks (a store batch or a match each): a newest
     # turn has had no chance of a hit yet (~60 s at 100 requests/s). 0 = no grace.
     cold_after_ticks: int = 20000
+    # Every hit count is halved once per this many seconds (by the lease sweeper), so that a
+    # burst long ago stops outranking steady use in TopPrefixes and LFU pruning. 0 = never.
+    hit_half_life_seconds: float = 3600.0
     max_events: int = 65536  # events per PublishEvents batch (a resync sends one per block)
     max_blocks: int = 65536  # blocks per batch, and per Match request
     verify_hashes: bool = False  # recompute every stored block's hash (Register's probe
@@ -51,6 +54,8 @@ class PrefixConfig:
         require(self.shallow_tokens >= 0, svc, "shallow_tokens", "must be >= 0")
         require(self.min_deep_hits >= 0, svc, "min_deep_hits", "must be >= 0")
         require(self.cold_after_ticks >= 0, svc, "cold_after_ticks", "must be >= 0")
+        require(self.hit_half_life_seconds >= 0, svc, "hit_half_life_seconds",
+                "must be >= 0 (0 = hit counts never decay)")
         require(self.max_events > 0, svc, "max_events", "must be > 0")
         require(self.max_blocks > 0, svc, "max_blocks", "must be > 0")
         require(self.grace_seconds >= 0, svc, "grace_seconds", "must be >= 0")

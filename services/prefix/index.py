@@ -41,6 +41,8 @@ APPROX_BYTES_PER_NODE = 210
 # 16 MiB message limit); the coldest of the k prefixes are left out past it.
 MAX_TOP_TOKENS = 1_000_000
 MAX_SEQ_FLOORS = 4096  # lapsed replicas whose next batch number is remembered
+# Halvings of the hit counts at most per sweeper turn: a uint64 count is 0 after 64.
+MAX_HALVINGS = 64
 
 
 def _remember(records: dict, key, value) -> None:
@@ -111,6 +113,7 @@ class Replica:
     # store them, until `usage_until` (one lease after the resync).
     usage: dict[bytes, tuple[int, int]] | None = None
     usage_until: float = 0.0
+    usage_halvings: int = 0  # the index's `hit_halvings` when `usage` was saved
 
     def refresh(self) -> None:
         """Rebuild the cached zero-length answer after address or load changed."""
@@ -206,6 +209,7 @@ class PrefixIndex:
         max_events: int = 65536,
         max_blocks: int = 65536,
         verify_hashes: bool = False,
+        hit_half_life_seconds: float = 0.0,
         hash_key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -226,6 +230,9 @@ class PrefixIndex:
                 that do not match their tokens (~0.6 us per block on the one central index;
                 off by default: `hash_probe` at Register catches a key or model mismatch once,
                 and a replica that lies about its blocks only misroutes its own requests).
+            hit_half_life_seconds: every hit count is halved once per this much time (by
+                `sweep`), so that a burst long ago does not outrank steady use today in
+                TopPrefixes and LFU pruning. 0 = counts never age.
         """
         self.block_size = block_size
         self.lease_seconds = lease_seconds
@@ -243,6 +250,9 @@ class PrefixIndex:
         self.verify_hashes = verify_hashes
         self.hash_key = hash_key
         self.clock = clock
+        self.hit_half_life_seconds = hit_half_life_seconds
+        self.hit_halvings = 0  # halvings of every hit count so far (an age for saved hits)
+        self._decayed_at = clock()  # the end of the last half-life counted
         self.tree = BlockTree(block_size)
         self._replicas: dict[str, Replica] = {}
         self._by_bit: list[Replica | None] = [None] * MAX_REPLICAS
@@ -400,12 +410,51 @@ class PrefixIndex:
 
     def sweep(self, now: float | None = None, period: float | None = None) -> list[str]:
         """The lease sweeper's turn, every `period` (default a quarter lease): `expire`, after
-        forgiving the time this process was not running."""
+        forgiving the time this process was not running; then the hit counts' aging."""
         now = self.clock() if now is None else now
         self._sweep_period = self.lease_seconds / 4 if period is None else period
         gone = self._expire(now, force=True)
         self._swept_at = now
+        self.age_hits(now)
         return gone
+
+    def age_hits(self, now: float | None = None) -> int:
+        """Halves every hit count once per `hit_half_life_seconds` passed since the last
+        halving (the sweeper's turn); returns how many times.
+
+        A turn late by several half-lives halves as many times (at most `MAX_HALVINGS`), a
+        pause of this process included: the counts say how recent the traffic they saw is,
+        and what was seen before a pause is that old (the replicas' traffic went on, routed
+        without the index). Halving once would leave pre-pause hits outranking the traffic
+        that comes after, the very bias this aging removes; the order among old counts is
+        kept either way (halving preserves it, give or take ties). Unlike leases, nothing is
+        wrongly dropped for it: a count only weighs less.
+        """
+        life = self.hit_half_life_seconds
+        if life <= 0:
+            return 0
+        now = self.clock() if now is None else now
+        n = int((now - self._decayed_at) // life)
+        if n <= 0:
+            return 0
+        self._decayed_at += n * life
+        n = min(n, MAX_HALVINGS)
+        self.tree.decay_hits(n)
+        self.hit_halvings += n
+        # A pruning run under way ranked the leaves on the old counts; the next call over
+        # the budget starts one on the new (the bound holds: it only restarts).
+        self._prune_run = None
+        return n
+
+    def _pending_usage(self, rep: Replica, now: float) -> dict[bytes, tuple[int, int]]:
+        """The hits `rep` still has to be given back (empty past their time), aged to now."""
+        pending = rep.usage
+        if not pending or now > rep.usage_until:
+            return {}
+        shift = self.hit_halvings - rep.usage_halvings
+        if not shift:
+            return pending
+        return {k: (h >> shift, last) for k, (h, last) in pending.items() if h >> shift}
 
     def _forgive_pause(self, now: float) -> None:
         """Pushes every lease back by the time this process stood still (SIGSTOP, a VM or
@@ -511,10 +560,12 @@ class PrefixIndex:
         usage = None
         if resync:
             # A resync restates the replica's holdings; nodes it alone held are deleted and
-            # stored again, and must keep their hits (TopPrefixes, LFU pruning).
-            usage = tree.usage_held_only_by(rep.bit)
+            # stored again, and must keep their hits (TopPrefixes, LFU pruning); so must those
+            # an earlier resync still had to give back.
+            usage = {**self._pending_usage(rep, now), **tree.usage_held_only_by(rep.bit)}
             tree.clear(rep.bit)
             rep.usage, rep.usage_until = None, now + self.lease_seconds
+            rep.usage_halvings = self.hit_halvings
         # A chain whose parent the replica does not hold (yet) waits for that parent to be
         # stored later in this batch (a snapshot's order must not matter); else it is dropped.
         # A removal later in the batch also reaches the chains still waiting.
@@ -603,7 +654,7 @@ class PrefixIndex:
             return
         mine = {h: pending.pop(h) for h in stored if h in pending}
         if mine:
-            pending.update(self.tree.restore_usage(mine))
+            pending.update(self.tree.restore_usage(mine, self.hit_halvings - rep.usage_halvings))
         rep.usage = pending or None
 
     def _drop_waiting(self, waiting: dict[bytes, list[tuple]]) -> None:

@@ -41,7 +41,7 @@ def build_index(cfg: PrefixConfig) -> PrefixIndex:
         prune_to=cfg.prune_to, prune_step=cfg.prune_step,
         policy=make_policy(cfg.eviction_policy, cfg.shallow_tokens),
         shallow_tokens=cfg.shallow_tokens, min_deep_hits=cfg.min_deep_hits,
-        cold_after_ticks=cfg.cold_after_ticks,
+        cold_after_ticks=cfg.cold_after_ticks, hit_half_life_seconds=cfg.hit_half_life_seconds,
         max_events=cfg.max_events, max_blocks=cfg.max_blocks, verify_hashes=cfg.verify_hashes)
 
 
@@ -200,7 +200,8 @@ def serve(cfg: PrefixConfig, index: PrefixIndex | None = None) -> PrefixService:
     stop = threading.Event()
 
     def sweep() -> None:
-        # Leases also lapse lazily on every call; this catches an index nobody calls.
+        # Leases also lapse lazily on every call; this catches an index nobody calls. It also
+        # ages the hit counts (`PrefixIndex.age_hits`), which only it does.
         period = max(0.05, index.lease_seconds / 4)
         while not stop.wait(period):
             with servicer.lock:
