@@ -110,7 +110,8 @@ class Replica:
     zero: ReplicaMatch | None = None  # this replica's answer when it holds nothing asked for
     # Hits of the nodes a resync deleted that its first batch did not store again: a
     # snapshot spans many batches, and the rest arrive in the next ones. Given back as those
-    # store them, until `usage_until` (one lease after the resync).
+    # store them, until `usage_until` (one lease after the resync). Also the hits of what a
+    # lapse of its lease deleted, when it registers again at once (a late heartbeat).
     usage: dict[bytes, tuple[int, int]] | None = None
     usage_until: float = 0.0
     usage_halvings: int = 0  # the index's `hit_halvings` when `usage` was saved
@@ -278,6 +279,10 @@ class PrefixIndex:
         # first: a late Register of a dead incarnation (delayed, or waiting on the lock) took
         # the id back, cleared the live one's holdings and sent Match to the old address.
         self._replaced: dict[tuple[str, str], None] = {}
+        # The hits of what a lapsed lease deleted (by replica id: incarnation, hits by key,
+        # kept until, `hit_halvings` then), given back if the same incarnation registers again
+        # within a lease and stores those blocks again: a late heartbeat lost them all.
+        self._lapsed: dict[str, tuple[str, dict[bytes, tuple[int, int]], float, int]] = {}
         self.prune_step = prune_step
         self._prune_run: PruneRun | None = None
 
@@ -368,12 +373,18 @@ class PrefixIndex:
                         f"replica_id: the index already tracks {MAX_REPLICAS} replicas")
                 bit = free[0]
             floor = self._seq_floor.pop(replica_id, None)
-            start = floor[1] if rep is None and floor and floor[0] == incarnation else 1
+            back = rep is None and floor is not None and floor[0] == incarnation
+            start = floor[1] if back else 1  # type: ignore[index]
+            lapsed = self._lapsed.pop(replica_id, None)
             old = rep.incarnation if rep is not None else floor[0] if floor else None
             if old is not None and old != incarnation:
                 _remember(self._replaced, (replica_id, old), None)
             rep = Replica(replica_id, incarnation, address, model_id, capacity_blocks, bit,
                           now, now, next_seq=start)
+            if back and lapsed and lapsed[0] == incarnation and now <= lapsed[2]:
+                # Back from a lapse: its resync gives the hits back as it stores the blocks.
+                rep.usage, rep.usage_until, rep.usage_halvings = (
+                    lapsed[1], now + self.lease_seconds, lapsed[3])
             rep.refresh()
             self._replicas[replica_id] = rep
             self._by_bit[bit] = rep
@@ -416,6 +427,8 @@ class PrefixIndex:
         gone = self._expire(now, force=True)
         self._swept_at = now
         self.age_hits(now)
+        for rid in [r for r, v in self._lapsed.items() if v[2] < now]:
+            del self._lapsed[rid]
         return gone
 
     def age_hits(self, now: float | None = None) -> int:
@@ -483,15 +496,24 @@ class PrefixIndex:
             return []
         gone = [r for r in self._replicas.values() if r.deadline <= now]
         for rep in gone:
-            self._drop(rep)
+            self._drop(rep, now)
         self._next_deadline = min((r.deadline for r in self._replicas.values()),
                                   default=float("inf"))
         return [r.replica_id for r in gone]
 
-    def _drop(self, rep: Replica) -> None:
+    def _drop(self, rep: Replica, now: float) -> None:
         # Kept for a re-Register of the same incarnation (a batch sent before the lapse may
         # still arrive).
         _remember(self._seq_floor, rep.replica_id, (rep.incarnation, rep.next_seq))
+        # ...and, for a lease, the hits of what only it held (and of what a resync still had
+        # to give back): a lease lapsed by a late heartbeat lost them.
+        usage = {**self._pending_usage(rep, now), **self.tree.usage_held_only_by(rep.bit)}
+        self._lapsed.pop(rep.replica_id, None)
+        if usage:
+            self._lapsed[rep.replica_id] = (rep.incarnation, usage, now + self.lease_seconds,
+                                            self.hit_halvings)
+            while len(self._lapsed) > MAX_REPLICAS:
+                del self._lapsed[next(iter(self._lapsed))]
         self.tree.clear(rep.bit)
         del self._replicas[rep.replica_id]
         self._by_bit[rep.bit] = None
@@ -561,7 +583,7 @@ class PrefixIndex:
         if resync:
             # A resync restates the replica's holdings; nodes it alone held are deleted and
             # stored again, and must keep their hits (TopPrefixes, LFU pruning); so must those
-            # an earlier resync still had to give back.
+            # an earlier resync or a lapse still had to give back.
             usage = {**self._pending_usage(rep, now), **tree.usage_held_only_by(rep.bit)}
             tree.clear(rep.bit)
             rep.usage, rep.usage_until = None, now + self.lease_seconds

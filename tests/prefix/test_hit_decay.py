@@ -9,6 +9,7 @@ import pytest
 from services.common.config import ConfigError, load_config
 from services.common.policy import HybridPolicy
 from services.prefix.config import PrefixConfig
+from services.prefix.index import Load
 from services.prefix.server import build_index
 from services.prefix.tree import BlockTree
 
@@ -128,6 +129,40 @@ def test_hits_a_resync_saved_age_like_the_rest(clock, hasher):
     index.publish("a", "i1", 3, [stored(hasher, chain, start=2)])
     assert top(index) == [(chain, 4)]
     index.check_integrity()
+
+
+def sweep_for(index, clock, turns: int) -> list[str]:
+    """`turns` turns of the lease sweeper, on time (a quarter lease apart); who it dropped."""
+    gone = []
+    for _ in range(turns):
+        clock.t += index.lease_seconds / 4
+        gone += index.sweep()
+    return gone
+
+
+def test_a_lease_that_lapses_and_comes_straight_back_keeps_its_hits(clock, hasher):
+    index = make_index(clock)
+    reg(index)
+    chain = toks(1, 2, 3)
+    index.publish("a", "i1", 1, [stored(hasher, chain)])
+    for _ in range(5):
+        matched(index, chain)
+    clock.t += 11  # a's heartbeat is late: its lease lapsed
+    assert not index.heartbeat("a", "i1", Load()).known
+    assert top(index) == []
+    seq = reg(index).next_seq  # the publisher registers again, then resyncs
+    index.publish("a", "i1", seq, [stored(hasher, chain, end=1)], resync=True)
+    index.publish("a", "i1", seq + 1, [stored(hasher, chain, start=1)])
+    assert top(index) == [(chain, 5)]
+    index.check_integrity()
+    # Back only after a lease more, or as a new incarnation: a replica that held nothing.
+    for late, inc in ((5, "i1"), (0, "i2")):
+        assert sweep_for(index, clock, 5) == ["a"]  # the sweeper on time drops it
+        sweep_for(index, clock, late)
+        seq = reg(index, inc=inc).next_seq
+        index.publish("a", inc, seq, [stored(hasher, chain)], resync=True)
+        assert top(index) == []
+        matched(index, chain)
 
 
 def test_decay_hits_halves_every_node_in_place_and_the_tree_still_grows():
