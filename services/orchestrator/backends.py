@@ -11,7 +11,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -67,6 +67,20 @@ class Health:
     def proto(self) -> common_pb2.DependencyHealth:
         return common_pb2.DependencyHealth(name=self.name, address=self.address,
                                            healthy=self.healthy, last_error=self.last_error)
+
+
+def tier_health(name: str, address: str, shards: Sequence[common_pb2.DependencyHealth]
+                ) -> common_pb2.DependencyHealth:
+    """A sharded tier's own health line, from its shards' lines: healthy only when every shard
+    is, else which are not ("1 of 2 shards unhealthy: <address>"; their errors are on their own
+    lines). The tier's call-by-call record followed whichever shard answered last, so a tier
+    with a shard down read healthy whenever the other one had just answered."""
+    down = [s.address for s in shards if not s.healthy]
+    if not down:
+        return common_pb2.DependencyHealth(name=name, address=address, healthy=True)
+    return common_pb2.DependencyHealth(
+        name=name, address=address, healthy=False,
+        last_error=f"{len(down)} of {len(shards)} shards unhealthy: {', '.join(down)}")
 
 
 @dataclass
@@ -490,8 +504,10 @@ class SemanticBackend:
                  clock=time.monotonic) -> None:
         self.addresses = [a.strip() for a in address.split(",") if a.strip()]
         self.enabled = bool(self.addresses)
+        # The tier's record of its calls: Stats' line for one shard (with several, see
+        # `dependencies`: it would follow whichever shard answered last).
         self.health = Health("semantic", ",".join(self.addresses))
-        # Each shard's own (the tier's health is whichever shard answered last).
+        # Each shard's own.
         self.shard_health = {a: Health("semantic shard", a) for a in self.addresses}
         self.timeout_s = timeout_s
         self.hung = HungBackoff("semantic shard", self.HUNG_BACKOFF_S, clock)
@@ -500,6 +516,14 @@ class SemanticBackend:
         self.stubs = {a: semantic_pb2_grpc.SemanticCacheStub(make_channel(a))
                       for a in self.addresses}
         self.ring = HashRing(self.addresses)
+
+    def dependencies(self) -> list[common_pb2.DependencyHealth]:
+        """Stats' health entries: the tier's, and with shards each shard's, the tier's then
+        derived from theirs (`tier_health`)."""
+        if len(self.addresses) <= 1:
+            return [self.health.proto()]
+        shards = [h.proto() for h in self.shard_health.values()]
+        return [tier_health(self.health.name, self.health.address, shards), *shards]
 
     def shard_for(self, ns: semantic_pb2.Namespace) -> str:
         if len(self.addresses) == 1:

@@ -12,7 +12,7 @@ from tiercache.v1 import common_pb2
 
 from services.common.grpc_client import cut_short
 from services.common.prefix_client import PrefixIndexClient
-from services.orchestrator.backends import Health, HungBackoff
+from services.orchestrator.backends import Health, HungBackoff, tier_health
 
 
 class PrefixBackend:
@@ -50,15 +50,17 @@ class PrefixBackend:
 
     def dependencies(self) -> list:
         """Stats' health entries: the tier, and with shards each shard's own (a partial answer
-        hides a shard that is down; its last call's outcome does not)."""
-        out = [self.health.proto()]
-        if len(self.client.addresses) > 1:
-            for a in self.client.addresses:
-                err = self.client.shard_errors.get(a)
-                out.append(common_pb2.DependencyHealth(
-                    name="prefix shard", address=a, healthy=err == "",
-                    last_error="no call yet" if err is None else err))
-        return out
+        hides a shard that is down; its last call's outcome does not), the tier's then derived
+        from theirs (`tier_health`: its own record follows whichever shard answered last)."""
+        if len(self.client.addresses) <= 1:
+            return [self.health.proto()]
+        shards = []
+        for a in self.client.addresses:
+            err = self.client.shard_errors.get(a)
+            shards.append(common_pb2.DependencyHealth(
+                name="prefix shard", address=a, healthy=err == "",
+                last_error="no call yet" if err is None else err))
+        return [tier_health(self.health.name, self.health.address, shards), *shards]
 
     def top_prefixes(self, k: int, model_id: str, cache_salt: str | None = None):
         return self._guard(self.client.top_prefixes, k, model_id, cache_salt=cache_salt,

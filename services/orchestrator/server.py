@@ -322,9 +322,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     else time.monotonic() + (deadline - time.monotonic()) / 2))
             except (grpc.RpcError, errors.DeadlineExceeded):
                 pass
-            resp.dependencies.append(o.semantic.health.proto())
-            if len(o.semantic.addresses) > 1:  # which shard: the tier's shows the last call
-                resp.dependencies.extend(h.proto() for h in o.semantic.shard_health.values())
+            resp.dependencies.extend(o.semantic.dependencies())
         if o.prefix is not None:
             left = None if deadline is None else deadline - time.monotonic()
             try:

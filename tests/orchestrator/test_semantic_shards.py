@@ -152,7 +152,9 @@ def test_a_shard_that_is_down_shows_in_the_shard_health_stats_reports(shards):
     st = be.stats()
     assert st.entries == 0  # the live shard answered
     assert (st.shards_total, st.shards_answered) == (2, 1)  # and the sum says it is partial
-    assert be.health.healthy  # the tier as a whole: the last call worked
+    assert be.health.healthy  # the tier's call-by-call record: the last call worked
+    tier = be.dependencies()[0]  # but its line in Stats is every shard's
+    assert (tier.name, tier.healthy) == ("semantic", False) and dead in tier.last_error
     by_addr = {h.address: h for h in be.shard_health.values()}
     assert by_addr[live].healthy and not by_addr[dead].healthy
     assert by_addr[dead].last_error
@@ -213,3 +215,51 @@ def test_ratings_and_stats_keep_the_callers_deadline_over_every_shard(shards):
         release.set()
     st = be.stats(deadline=time.monotonic() + 5)
     assert st.entries == 0 and (st.shards_total, st.shards_answered) == (2, 2)  # all answer
+
+
+def _line(resp, name: str):
+    return next(d for d in resp.dependencies if d.name == name)
+
+
+def test_the_tier_line_names_the_shard_that_is_down_though_another_answered_last(shards):
+    """The tier's health line was its call-by-call record: with shard A down and B asked after
+    it, the last call worked and Stats read the tier healthy (only the shard lines told). It
+    is now every shard's: healthy only when all are, else which are not."""
+    from clients.python.client import TierCacheClient
+    from tests.orchestrator.stats_view import stats_server
+
+    _, handles = shards
+    a, b = (h.address for h in handles)
+    be = SemanticBackend(f"{a},{b}", "", 1.0)  # a round over the shards asks A, then B
+    with stats_server(be) as addr, TierCacheClient(addr, timeout=30) as c:
+        up = c.stats()
+        assert _line(up, "semantic").healthy and not _line(up, "semantic").last_error
+        assert (up.semantic.shards_total, up.semantic.shards_answered) == (2, 2)
+        handles[0].stop(0)  # shard A goes down
+        down = c.stats()
+    assert be.health.healthy  # the call-by-call record: B, asked last, answered
+    tier = _line(down, "semantic")
+    assert not tier.healthy and tier.address == f"{a},{b}"
+    assert tier.last_error == f"1 of 2 shards unhealthy: {a}"
+    assert {d.address: d.healthy for d in down.dependencies
+            if d.name == "semantic shard"} == {a: False, b: True}
+    assert (down.semantic.shards_total, down.semantic.shards_answered) == (2, 1)
+
+
+def test_one_shard_keeps_the_tier_line_alone(shards):
+    """A single-shard deployment's Stats are as before: one "semantic" line, its calls'."""
+    from clients.python.client import TierCacheClient
+    from tests.orchestrator.stats_view import stats_server
+
+    _, handles = shards
+    only = handles[1].address
+    be = SemanticBackend(only, "", 1.0)
+    with stats_server(be) as addr, TierCacheClient(addr, timeout=30) as c:
+        s = c.stats()
+        assert [(d.name, d.address, d.healthy) for d in s.dependencies] == [
+            ("semantic", only, True)]
+        handles[1].stop(0)
+        s = c.stats()
+    assert [(d.name, d.address, d.healthy) for d in s.dependencies] == [
+        ("semantic", only, False)]
+    assert _line(s, "semantic").last_error  # the failed call's own error, as before

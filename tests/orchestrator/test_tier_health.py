@@ -1,0 +1,50 @@
+"""A sharded cache tier's own health line, derived from its shards' lines."""
+
+from tiercache.v1 import common_pb2
+
+
+def shard(address: str, healthy: bool, err: str = "") -> common_pb2.DependencyHealth:
+    return common_pb2.DependencyHealth(name="prefix shard", address=address, healthy=healthy,
+                                       last_error=err)
+
+
+def test_healthy_only_when_every_shard_is():
+    from services.orchestrator.backends import tier_health
+
+    t = tier_health("prefix", "a:1,b:1", [shard("a:1", True), shard("b:1", True)])
+    assert (t.name, t.address, t.healthy, t.last_error) == ("prefix", "a:1,b:1", True, "")
+
+
+def test_names_the_shards_that_are_not_whichever_answered_last():
+    from services.orchestrator.backends import tier_health
+
+    one = tier_health("semantic", "a:1,b:1,c:1", [shard("a:1", False, "UNAVAILABLE: refused"),
+                                                 shard("b:1", True), shard("c:1", True)])
+    assert not one.healthy
+    assert one.last_error == "1 of 3 shards unhealthy: a:1"
+    both = tier_health("semantic", "a:1,b:1,c:1", [shard("a:1", False), shard("b:1", True),
+                                                  shard("c:1", False, "no call yet")])
+    assert not both.healthy and both.last_error == "2 of 3 shards unhealthy: a:1, c:1"
+
+
+def test_prefix_backend_derives_its_tier_line_only_with_shards():
+    """One shard: the tier's own call record, as before. Several: derived from the shards'
+    records, though the tier's record says its last call (to the live shard) worked."""
+    from services.orchestrator.prefix_backend import PrefixBackend
+
+    single = PrefixBackend(("a:1",), "", 1.0, 16)
+    single.health.ok()
+    assert [(d.name, d.healthy) for d in single.dependencies()] == [("prefix", True)]
+
+    pb = PrefixBackend(("a:1", "b:1"), "", 1.0, 16)
+    pb.client.shard_errors.update({"a:1": "UNAVAILABLE: connection refused", "b:1": ""})
+    pb.health.ok()  # b answered last
+    tier, *lines = pb.dependencies()
+    assert (tier.name, tier.healthy) == ("prefix", False)
+    assert tier.last_error == "1 of 2 shards unhealthy: a:1"
+    assert [(d.address, d.healthy) for d in lines] == [("a:1", False), ("b:1", True)]
+    pb.client.shard_errors["a:1"] = ""
+    assert pb.dependencies()[0].healthy
+    single.client.close()
+    pb.client.close()
+
