@@ -1,4 +1,5 @@
-"""The CLI's one-line CacheReport: says which tier answered and what was reused (pure logic)."""
+"""The CLI's one-line CacheReport: says which tier answered and what was reused (pure logic);
+and what `stats` tells beside its JSON."""
 
 import pytest
 from tiercache.v1 import common_pb2
@@ -89,3 +90,30 @@ def test_out_of_range_numbers_are_usage_errors(argv, message, capsys):
         main(["--address", "127.0.0.1:1", *argv])
     assert e.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_the_cli_says_when_a_tiers_figures_leave_out_shards(capsys):
+    """The figures of a sharded tier are those of the shards that answered: the JSON has the
+    count, and a person reading it is told on stderr when some are missing."""
+    from tiercache.v1 import orchestrator_pb2, prefix_pb2, semantic_pb2
+
+    from clients.python import cli
+
+    class Client:
+        def __init__(self, resp):
+            self.resp = resp
+
+        def stats(self):
+            return self.resp
+
+    part = orchestrator_pb2.StatsResponse(
+        prefix=prefix_pb2.PrefixStatsResponse(nodes=3, shards_total=2, shards_answered=1),
+        semantic=semantic_pb2.SemanticStatsResponse(shards_total=2, shards_answered=2))
+    assert cli.cmd_stats(Client(part), None) == 0
+    out = capsys.readouterr()
+    assert '"shardsAnswered": 1' in out.out and '"shardsTotal": 2' in out.out
+    assert out.err == "prefix: 1 of 2 shards answered; its figures leave out the others'\n"
+    whole = orchestrator_pb2.StatsResponse(
+        prefix=prefix_pb2.PrefixStatsResponse(nodes=3, shards_total=2, shards_answered=2))
+    assert cli.cmd_stats(Client(whole), None) == 0
+    assert capsys.readouterr().err == ""

@@ -236,7 +236,13 @@ def cmd_feedback(c: TierCacheClient, a: argparse.Namespace) -> int:
 
 
 def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
-    print(json.dumps(_as_dict(c.stats()), indent=2))
+    resp = c.stats()
+    print(json.dumps(_as_dict(resp), indent=2))
+    for tier, st in (("semantic", resp.semantic), ("prefix", resp.prefix)):
+        # Summed over the shards that answered: said here too, not only in the JSON.
+        if st.shards_answered < st.shards_total:
+            sys.stderr.write(f"{tier}: {st.shards_answered} of {st.shards_total} shards "
+                             "answered; its figures leave out the others'\n")
     return 0
 
 

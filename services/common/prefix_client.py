@@ -396,10 +396,13 @@ class PrefixIndexClient:
 
     def stats(self, *, timeout: float | None = None, allow_partial: bool = False
               ) -> prefix_pb2.PrefixStatsResponse:
-        """Figures summed over shards; a replica's held blocks summed over shards."""
+        """Figures summed over shards; a replica's held blocks summed over shards.
+        `shards_answered` < `shards_total` (with `allow_partial`) says some shard's are
+        missing, rather than the sum passing for the whole index's."""
         got = self._fan_out({a: prefix_pb2.PrefixStatsRequest() for a in self.addresses},
                             "Stats", timeout, allow_partial)
-        out = prefix_pb2.PrefixStatsResponse()
+        out = prefix_pb2.PrefixStatsResponse(shards_total=len(self.addresses),
+                                             shards_answered=len(got))
         reps: dict[str, prefix_pb2.ReplicaInfo] = {}
         for r in got.values():
             for f in ("nodes", "bytes", "matches_total", "matches_hit", "match_blocks_total",

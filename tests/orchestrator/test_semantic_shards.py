@@ -173,7 +173,8 @@ def test_a_shard_that_is_down_shows_in_the_shard_health_stats_reports(shards):
             return prefix_pb2.PrefixStatsResponse(nodes=10, block_size=16)
 
     pb.client._shards[live].stub = type("S", (), {"Stats": Answer()})()
-    assert pb.stats().nodes == 10
+    got = pb.stats()
+    assert got.nodes == 10 and (got.shards_total, got.shards_answered) == (2, 1)
     deps = {d.address: d for d in pb.dependencies() if d.name == "prefix shard"}
     assert deps[live].healthy and not deps[dead].healthy and deps[dead].last_error
 

@@ -38,6 +38,68 @@ def ev(tokens: list[int], start: int = 0, end: int | None = None) -> prefix_pb2.
 
 
 @pytest.mark.e2e
+def test_orchestrator_stats_name_the_index_shard_down_and_count_those_that_answered(
+        shards, capsys, monkeypatch):
+    """With one index shard down, the orchestrator's `prefix` health line followed the shard
+    that answered last (healthy), and its prefix figures summed the shard that answered
+    without saying so. Read through `tiercache stats` (first, while both shards run: it
+    stops shard A and starts it again for the tests after it)."""
+    import json
+    import time
+
+    from clients.python import cli
+    from services.orchestrator.backends import SemanticBackend
+    from services.orchestrator.prefix_backend import PrefixBackend
+    from tests.orchestrator.stats_view import stats_server
+
+    for v in ("TIERCACHE_TOKEN", "TIERCACHE_TLS_CA", "TIERCACHE_TLS_CLIENT_CERT",
+              "TIERCACHE_TLS_CLIENT_KEY"):
+        monkeypatch.delenv(v, raising=False)
+    a, b = (p.address for p in shards)
+    pb = PrefixBackend((a, b), "", 2.0, BS)
+
+    def stats(addr: str) -> tuple[dict, dict, str]:
+        capsys.readouterr()
+        assert cli.main(["--address", addr, "--timeout", "30", "stats"]) == 0
+        out = capsys.readouterr()
+        s = json.loads(out.out)
+        return s, {(d["name"], d["address"]): d for d in s["dependencies"]}, out.err
+
+    try:
+        with stats_server(SemanticBackend("", "", 1.0), pb) as addr:
+            s, deps, err = stats(addr)  # both up
+            assert deps[("prefix", f"{a},{b}")]["healthy"], deps
+            assert (s["prefix"]["shardsTotal"], s["prefix"]["shardsAnswered"]) == (2, 2)
+            assert err == ""
+
+            shards[0].stop(5)  # shard A down; B answers the Stats round
+            s, deps, err = stats(addr)
+            assert pb.health.healthy  # the tier's call-by-call record: the last call worked
+            tier = deps[("prefix", f"{a},{b}")]
+            assert not tier["healthy"]
+            assert tier["lastError"] == f"1 of 2 shards unhealthy: {a}"
+            assert not deps[("prefix shard", a)]["healthy"]
+            assert deps[("prefix shard", b)]["healthy"]
+            assert (s["prefix"]["shardsTotal"], s["prefix"]["shardsAnswered"]) == (2, 1)
+            assert err == "prefix: 1 of 2 shards answered; its figures leave out the others'\n"
+
+            shards[0].start().wait(60)  # A back: the tier line heals once A answers again
+            end = time.monotonic() + 30
+            while True:
+                s, deps, err = stats(addr)
+                if deps[("prefix", f"{a},{b}")]["healthy"] or time.monotonic() > end:
+                    break
+                time.sleep(0.5)
+            assert deps[("prefix", f"{a},{b}")]["healthy"], deps
+            assert (s["prefix"]["shardsTotal"], s["prefix"]["shardsAnswered"]) == (2, 2)
+            assert err == ""
+    finally:
+        pb.client.close()
+        if shards[0].proc is None or shards[0].proc.poll() is not None:
+            shards[0].start().wait(60)
+
+
+@pytest.mark.e2e
 def test_two_shards_route_by_first_block(shards):
     addrs = [p.address for p in shards]
     c = PrefixIndexClient(addrs, timeout=5)
