@@ -22,11 +22,16 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, semantic_pb2, 
 
 from services.common import errors
 from services.common.grpc_client import call_metadata, cut_short, make_channel
+from services.common.metrics import gauge
 from services.common.ring import HashRing
 from services.orchestrator.routing import ReplicaView
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+IN_FLIGHT = gauge("tiercache_orchestrator_replica_requests_in_flight",
+                  "Generate calls this orchestrator has under way on each replica (by its "
+                  "address): routing's own share of the replica's load", ("replica",))
 
 
 @dataclass
@@ -389,10 +394,12 @@ class ReplicaSet:
     def begin(self, r: Replica) -> None:
         with self._lock:
             r.inflight += 1
+            IN_FLIGHT.labels(r.address).set(r.inflight)
 
     def end(self, r: Replica) -> None:
         with self._lock:
             r.inflight -= 1
+            IN_FLIGHT.labels(r.address).set(r.inflight)
 
 
 class _SkippedShard(grpc.RpcError):
