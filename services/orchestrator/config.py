@@ -104,7 +104,9 @@ class OrchestratorConfig:
     max_attempts: int = 3
     # Server. A Generate stream (or a Warm call) holds a worker thread until it ends: past
     # max_workers - STREAM_HEADROOM they are refused (RESOURCE_EXHAUSTED), so health checks,
-    # Stats and Feedback always find a thread.
+    # Stats and Feedback always find a thread. While its replica call runs, a Generate stream
+    # also has a thread of its own outside the pool, reading the replica's answer at the
+    # replica's pace (a slow client must not hold the replica): at most as many as streams.
     max_workers: int = 64
     # Calls of every kind under way or waiting for a worker thread. Past it gRPC refuses a new
     # call at once (RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!") rather than queue it

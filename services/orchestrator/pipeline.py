@@ -12,7 +12,7 @@ import logging
 import secrets
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -75,6 +75,112 @@ _REPLICA_REFUSED_US = (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSI
 
 class _StreamCut(Exception):
     """A replica's stream ended without its final message."""
+
+
+class _ReplicaStream:
+    """A replica's Generate stream, read at the replica's pace by a thread of its own into a
+    buffer that the request drains at its client's pace (iterating this object gives the
+    stream's messages, then raises the stream's error, in the stream's order).
+
+    A client reading slowly (a small flow-control window) held the orchestrator inside a send
+    while the replica's answer waited unread: the replica's engine was done, but the call, and
+    routing's count of our requests in flight there (`on_end`), stayed until the client had
+    read everything. `on_end` now runs as soon as the replica's stream has ended (its status
+    received: the replica's handler has finished), however slowly the client reads.
+
+    Memory: an answer is at most max_tokens tokens, and a replica sends each in a message
+    (a final message ends it), so `limit` messages (max_tokens left + 2) hold all of it; past
+    that (a replica breaking its contract) the reader waits for the client, as before. Threads:
+    one per request while its replica call runs; `close` (in the attempt's `finally`) cancels
+    the call if it still runs and joins the thread, so readers never outnumber the Generate
+    streams in progress (`max_streams`)."""
+
+    JOIN_S = 5.0  # a cancelled call's iteration ends at once; this only bounds a wedged one
+
+    def __init__(self, call, limit: int, on_end: Callable[[], None], name: str) -> None:
+        self._call = call
+        self._limit = max(2, limit)
+        self._on_end = on_end
+        self._buf: deque = deque()
+        self._cond = threading.Condition()
+        self._ended = False  # the stream ended (its error, if any, in _error)
+        self._error: BaseException | None = None
+        self._closed = False  # the request stopped draining: the reader stops too
+        self._thread = threading.Thread(target=self._read, name=name, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        error: BaseException | None = None
+        try:
+            for msg in self._call:
+                with self._cond:
+                    while len(self._buf) >= self._limit and not self._closed:
+                        self._cond.wait()
+                    if self._closed:
+                        return
+                    self._buf.append(msg)
+                    self._cond.notify_all()
+        except BaseException as e:  # noqa: BLE001 - handed to the request, in order
+            error = e
+        finally:
+            try:
+                self._on_end()
+            except Exception:  # noqa: BLE001 - the request must still see the stream's end
+                log.exception("releasing a replica call failed")
+            with self._cond:
+                self._ended, self._error = True, error
+                self._cond.notify_all()
+
+    def __iter__(self) -> _ReplicaStream:
+        return self
+
+    def __next__(self):
+        with self._cond:
+            while not self._buf and not self._ended:
+                self._cond.wait()
+            if self._buf:
+                msg = self._buf.popleft()
+                self._cond.notify_all()
+                return msg
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop reading: the call is cancelled if it still runs (the request ended early:
+        its client is gone, or it failed), and the reader has ended on return."""
+        with self._cond:
+            self._closed = True
+            ended = self._ended
+            self._cond.notify_all()
+        if not ended:
+            self._call.cancel()
+        self._thread.join(self.JOIN_S)
+        if self._thread.is_alive():
+            log.warning("a replica stream's reader did not end %.0f s after its call was "
+                        "cancelled", self.JOIN_S)
+
+
+class _Held:
+    """A replica call's share of routing's load there (`ReplicaSet.begin`, done before) and
+    its hung-replica watcher: both given up once, by whichever ends first, the replica's
+    stream (its reader) or the attempt."""
+
+    def __init__(self, replicas: ReplicaSet, replica) -> None:
+        self.replicas, self.replica = replicas, replica
+        self.watcher: Callable[[], None] | None = None
+        self._lock = threading.Lock()
+        self._released = False
+
+    def release(self) -> None:
+        with self._lock:
+            if self._released:
+                return
+            self._released = True
+        if self.watcher is not None:
+            self.replicas.unwatch(self.replica, self.watcher)
+        self.replicas.end(self.replica)
 
 
 class PrefixView(NamedTuple):
@@ -453,6 +559,7 @@ class Orchestrator:
                     # Counted before the lock is released: a request routed right after this
                     # one sees this replica's load with it.
                     self.replicas.begin(replica)
+                    held = _Held(self.replicas, replica)
                     if hashes and self.dispatched is not None:
                         self.dispatched.record(decision.replica_id, hashes)
             if decision is None or replica is None:
@@ -462,7 +569,7 @@ class Orchestrator:
                     "no kvpool replica is available"
                     + (f" (tried {', '.join(tried)})" if tried else "")
                     + (f"; last: {why_public}" if why_public else "")) from None
-            watcher: Callable[[], None] | None = None
+            stream: _ReplicaStream | None = None
             busy = larger = False
             try:
                 if (decision.route == "prefix"
@@ -499,11 +606,17 @@ class Orchestrator:
                 current["call"] = call
                 # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
                 # ends CANCELLED, which fails over below like any lost replica.
-                watcher = call.cancel
-                self.replicas.watch(replica, watcher, downs_at.get(replica.address))
+                held.watcher = call.cancel
+                self.replicas.watch(replica, held.watcher, downs_at.get(replica.address))
                 if cancelled.is_set():
                     call.cancel()
-                for msg in call:
+                # Read at the replica's pace, drained at the client's: the replica's share of
+                # routing's load and its watcher are released as soon as its stream ends.
+                # The buffered tokens are taken in order below, every one of them into
+                # `generated` before the stream's error is, so a resume sends them all.
+                stream = _ReplicaStream(call, sampling.max_tokens - len(generated) + 2,
+                                        held.release, f"replica-stream-{request_id}")
+                for msg in stream:
                     if msg.token_ids:
                         new = list(msg.token_ids)
                         generated.extend(new)
@@ -579,10 +692,10 @@ class Orchestrator:
             else:
                 continue  # the final message arrived: the loop ends
             finally:
-                if watcher is not None:
-                    self.replicas.unwatch(replica, watcher)
+                if stream is not None:
+                    stream.close()
                 current.pop("call", None)
-                self.replicas.end(replica)
+                held.release()
             # The replica is lost for this request: try the next one (resuming after the
             # tokens already streamed).
             exclude.update((replica.replica_id, replica.address))

@@ -1,0 +1,93 @@
+"""A client slower than the replica, with real processes: the orchestrator reads the replica's
+stream at the replica's pace (its load there released when the stream ends, however slowly the
+client reads)."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, orchestrator_pb2_grpc
+
+from clients.python.client import TierCacheClient
+from services.launcher import free_port
+from tests.e2e.stack import INTERNAL_MD, start_full_stack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.model]
+
+NO_SEMANTIC = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    s = start_full_stack(tmp_path_factory.mktemp("slow-client"), "slow", orch_env={
+        "TIERCACHE_ORCHESTRATOR_METRICS_PORT": str(free_port())})
+    yield s
+    s.stop()
+
+
+def wait_until(pred, timeout: float, what: str, every: float = 0.1):
+    end = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < end, f"not within {timeout} s: {what}"
+        time.sleep(every)
+
+
+def in_flight(stack) -> dict[str, float]:
+    """The orchestrator's own count of requests in flight on each replica (routing's load)."""
+    port = stack.orch.env["TIERCACHE_ORCHESTRATOR_METRICS_PORT"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "tiercache_orchestrator_replica_requests_in_flight" for s in f.samples}
+
+
+def replica_stats(stack) -> list[kvpool_pb2.KvStatsResponse]:
+    out = []
+    for k in stack.kv:
+        with grpc.insecure_channel(k.address) as ch:
+            out.append(kvpool_pb2_grpc.KvPoolStub(ch).Stats(
+                kvpool_pb2.KvStatsRequest(), timeout=10, metadata=INTERNAL_MD))
+    return out
+
+
+def test_a_slow_reader_does_not_hold_the_replica_and_gets_the_whole_answer(stack):
+    q = "Write a short poem about the sea."
+    kw = dict(max_tokens=32, ignore_eos=True, return_token_ids=True)
+    with TierCacheClient(stack.orch.address, token="tok-a", timeout=120) as a:
+        reference = a.generate(q, cache_policy=NO_SEMANTIC, **kw)
+    assert len(reference.token_ids) == 32
+    # A client that reads slowly as the transport sees it: a one-byte receive window (no
+    # window growth), so each message waits for the client to take the one before.
+    ch = grpc.insecure_channel(stack.orch.address, options=[
+        ("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)])
+    try:
+        req = TierCacheClient.build_request(
+            q, cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True), **kw)
+        call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(
+            req, timeout=120, metadata=[("authorization", "Bearer tok-a")])
+        first = next(call)
+        # While the client sleeps: the orchestrator has read the replica's whole answer, the
+        # replica's call is over (our count there is back to 0: its status has come) and its
+        # engine holds nothing of it.
+        wait_until(lambda: in_flight(stack) and not any(in_flight(stack).values()), 60,
+                   f"requests still in flight on a replica: {in_flight(stack)}")
+        assert all(s.running == 0 and s.waiting == 0 and s.blocks_in_use == 0
+                   for s in replica_stats(stack)), replica_stats(stack)
+        rest = list(call)
+    finally:
+        ch.close()
+    ids = list(first.token_ids) + [t for m in rest for t in m.token_ids]
+    text = first.text + "".join(m.text for m in rest)
+    assert ids == reference.token_ids and text == reference.text  # the same answer, whole
+    final = rest[-1].final
+    assert rest[-1].HasField("final")
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert final.usage.completion_tokens == 32
+    assert final.cache_report.semantic_entry_id  # stored after the answer, as before

@@ -1,0 +1,117 @@
+"""A client slower than its replica (pure logic with the fakes of test_pipeline_paths; the same
+with real processes: tests/e2e/test_slow_client.py). The replica's stream is read at the
+replica's pace: its load is released when the stream ends, not when the client has read the
+answer; what was read ahead is still the answer, and a resume after a lost replica sends it
+all."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+from tiercache.v1 import kvpool_pb2
+
+from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
+from services.orchestrator.render import RenderedPrompt
+from tests.orchestrator.test_pipeline_paths import (
+    PROMPT,
+    TENANT,
+    Call,
+    RpcError,
+    Stub,
+    final,
+    in_order,
+    make,
+)
+
+
+def wait_until(pred, what: str, timeout: float = 10.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, what
+        time.sleep(0.005)
+
+
+def start(orch, on_cancel=lambda fn: None, max_tokens: int = 16):
+    return orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(max_tokens, 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
+        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
+        on_cancel=on_cancel)
+
+
+def tokens(text: str) -> kvpool_pb2.KvGenerateResponse:
+    return kvpool_pb2.KvGenerateResponse(token_ids=list(text.encode()))
+
+
+def readers() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("replica-stream-")]
+
+
+def test_the_replica_is_released_when_its_stream_ends_not_when_the_client_has_read_it():
+    stub = Stub("A", [Call([tokens("a"), tokens("b"), tokens("c"), final("A", 2)])])
+    orch = make({"A": stub})
+    a = orch.replicas.replicas[0]
+    events = start(orch)
+    first = next(events)  # the client has read one message and reads no more for now
+    wait_until(lambda: a.inflight == 0, "the replica's load stayed while the client slept")
+    rest = list(events)
+    got = [first, *rest]
+    assert "".join(e.text for e in got if isinstance(e, TextDelta)) == "abcok"
+    fin = got[-1]
+    assert isinstance(fin, Finished) and fin.completion_tokens == 5
+    assert not readers()
+
+
+class LostAfter(Call):
+    """Streams its messages, then is lost (UNAVAILABLE)."""
+
+    def __init__(self, msgs) -> None:
+        super().__init__(msgs, RpcError(grpc.StatusCode.UNAVAILABLE))
+
+
+def test_a_resume_sends_every_token_read_ahead_of_the_client():
+    a_stub = Stub("A", [LostAfter([tokens("ab"), tokens("cd")])])
+    b_stub = Stub("B", [Call([final("B", 2)])])
+    orch = make({"A": a_stub, "B": b_stub})
+    a = next(r for r in orch.replicas.replicas if r.address == "A")
+    orch.routing = in_order("A", "B")
+    events = start(orch, max_tokens=6)
+    assert next(events).text == "ab"
+    # A's stream has ended (lost) with "cd" read ahead of the client: A is released at once.
+    wait_until(lambda: a.inflight == 0, "the lost replica's load stayed")
+    got = list(events)
+    assert "".join(e.text for e in got if isinstance(e, TextDelta)) == "cdok"
+    resumed = b_stub.requests[0]
+    assert list(resumed.token_ids) == PROMPT + list(b"abcd")  # the buffered tokens too
+    assert resumed.sampling.max_tokens == 2 and resumed.seed_offset == 4
+    assert isinstance(got[-1], Finished) and got[-1].report.route == "resume"
+
+
+class Endless(Call):
+    """One message, then nothing until cancelled (a long answer under way)."""
+
+    def __init__(self) -> None:
+        super().__init__([tokens("a")])
+        self._gone = threading.Event()
+
+    def cancel(self) -> bool:
+        self.cancelled = True
+        self._gone.set()
+        return True
+
+    def __iter__(self):
+        yield from self.msgs
+        self._gone.wait(30)
+        raise RpcError(grpc.StatusCode.CANCELLED)
+
+
+def test_a_request_dropped_mid_answer_cancels_its_call_and_ends_its_reader():
+    call = Endless()
+    orch = make({"A": Stub("A", [call])})
+    events = start(orch)
+    assert next(events).text == "a"
+    events.close()  # the gRPC server drops the response iterator of a call that ended
+    assert call.cancelled and not readers()
+    assert orch.replicas.replicas[0].inflight == 0
