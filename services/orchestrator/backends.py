@@ -444,6 +444,13 @@ class HungBackoff:
         except grpc.RpcError as e:
             self.failed(address, e, timeout, not cut_short(e, timeout, full_s), began, hung)
             raise
+        except grpc.FutureCancelledError:
+            # Cancelled by its own request: nothing learnt of the shard. A probe's turn
+            # passes to the next call.
+            if hung is not None:
+                with self.lock:
+                    self.state[address] = (self.clock(), hung[1])
+            raise
         self.answered(address)
         return out
 
@@ -537,12 +544,25 @@ class SemanticBackend:
             return self.addresses[0]
         return self.ring.lookup(f"{ns.tenant}|{ns.model_id}|{ns.context_hash}")
 
-    def _call(self, address: str, method: str, req, timeout: float | None = None):
+    def _call(self, address: str, method: str, req, timeout: float | None = None,
+              on_call: Callable[[grpc.Future], None] | None = None):
+        """One call of `method` on the shard at `address`. With `on_call`, the call is made
+        as a future, handed to `on_call` as it starts: cancelled (the request's client went
+        away), it raises grpc.FutureCancelledError at once, and counts for nothing against
+        the shard."""
         timeout = timeout or self.timeout_s
+        rpc = getattr(self.stubs[address], method)
+        md = call_metadata(self.internal_token)
+
+        def run():
+            if on_call is None:
+                return rpc(req, timeout=timeout, metadata=md)
+            call = rpc.future(req, timeout=timeout, metadata=md)
+            on_call(call)
+            return call.result()
+
         try:
-            resp = self.hung.call(address, timeout, self.timeout_s, lambda: getattr(
-                self.stubs[address], method)(req, timeout=timeout,
-                                             metadata=call_metadata(self.internal_token)))
+            resp = self.hung.call(address, timeout, self.timeout_s, run)
             self.health.ok()
             self.shard_health[address].ok()
             return resp
@@ -594,9 +614,11 @@ class SemanticBackend:
             return out, failed
         raise failed or not_found or RuntimeError("no semantic shard configured")
 
-    def lookup(self, req: semantic_pb2.LookupRequest, timeout: float | None = None
+    def lookup(self, req: semantic_pb2.LookupRequest, timeout: float | None = None,
+               on_call: Callable[[grpc.Future], None] | None = None
                ) -> semantic_pb2.LookupResponse:
-        return self._call(self.shard_for(req.namespace), "Lookup", req, timeout)
+        """`on_call`: see `_call` (the request cancels its lookup when its client goes)."""
+        return self._call(self.shard_for(req.namespace), "Lookup", req, timeout, on_call)
 
     def store(self, req: semantic_pb2.StoreRequest, timeout: float | None = None
               ) -> semantic_pb2.StoreResponse:

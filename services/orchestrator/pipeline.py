@@ -317,7 +317,10 @@ class Orchestrator:
                                       context_hash=prompt.context_hash)
 
     def _lookup(self, tenant: Tenant, prompt: RenderedPrompt, policy: Policy, want_draft: bool,
-                deadline: float) -> semantic_pb2.LookupResponse | None:
+                deadline: float, on_call: Callable[[grpc.Future], None] | None = None
+                ) -> semantic_pb2.LookupResponse | None:
+        """The semantic tier's answer, or None to go without it. `on_call` is handed the
+        lookup's call as it starts (to cancel it when the request's client goes away)."""
         if not self.semantic.enabled or policy.skip_semantic_lookup:
             return None
         timeout = _within(self.semantic.timeout_s, deadline, _CACHE_SHARE)
@@ -327,7 +330,10 @@ class Orchestrator:
             return self.semantic.lookup(semantic_pb2.LookupRequest(
                 namespace=self._namespace(tenant, prompt), text=prompt.query_text,
                 tier=policy.semantic_tier or self.default_tier,
-                threshold=policy.semantic_threshold, want_draft=want_draft), timeout)
+                threshold=policy.semantic_threshold, want_draft=want_draft), timeout,
+                on_call=on_call)
+        except grpc.FutureCancelledError:
+            return None  # cancelled with the request (its client went away): not the tier's
         except grpc.RpcError as e:
             details = e.details() or ""
             if (e.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -442,8 +448,16 @@ class Orchestrator:
 
         def cancel_downstream() -> None:
             cancelled.set()
-            call = current.get("call")
-            if call is not None:
+            for what in ("lookup", "call"):
+                call = current.get(what)
+                if call is not None:
+                    call.cancel()
+
+        def lookup_started(call: grpc.Future) -> None:
+            # The lookup is cancelled with the request: its client gone, the slots it holds
+            # come back at once, not when the tier answers (up to the tier's timeout).
+            current["lookup"] = call
+            if cancelled.is_set():
                 call.cancel()
 
         on_cancel(cancel_downstream)
@@ -462,7 +476,11 @@ class Orchestrator:
         # counted a hit not served, all for nothing. Kept where its answer may be stored: the
         # lookup is what stops a cut-short sample from replacing a longer stored answer.
         useless = not greedy and not serves_sampled and not want_draft and not may_store
-        look = None if useless else self._lookup(tenant, prompt, policy, want_draft, deadline)
+        try:
+            look = None if useless else self._lookup(tenant, prompt, policy, want_draft,
+                                                     deadline, lookup_started)
+        finally:
+            current.pop("lookup", None)
         draft_ids: list[int] = []
         if look is not None:
             report.semantic_similarity = look.similarity

@@ -1,9 +1,12 @@
-"""A client slower than the replica, with real processes: the orchestrator reads the replica's
-stream at the replica's pace (its load there released when the stream ends, however slowly the
-client reads)."""
+"""A client slower than the replica, and a client gone during a slow semantic lookup, with real
+processes: the orchestrator reads the replica's stream at the replica's pace (its load there
+released when the stream ends, however slowly the client reads) and cancels a lookup under way
+when its client goes (the tenant's slot back at once, not when the tier's timeout runs out)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import urllib.request
 
@@ -14,17 +17,21 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, orchestrator_p
 
 from clients.python.client import TierCacheClient
 from services.launcher import free_port
-from tests.e2e.stack import INTERNAL_MD, start_full_stack
+from tests.e2e.stack import INTERNAL_MD, admin_stats, start_full_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 NO_SEMANTIC = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True)
+# A semantic timeout far above what any wait here allows: a lookup that is not cancelled
+# holds its slot that long (the request's deadline, 120 s, gives it a quarter: 30 s).
+SEMANTIC_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     s = start_full_stack(tmp_path_factory.mktemp("slow-client"), "slow", orch_env={
-        "TIERCACHE_ORCHESTRATOR_METRICS_PORT": str(free_port())})
+        "TIERCACHE_ORCHESTRATOR_METRICS_PORT": str(free_port()),
+        "TIERCACHE_ORCHESTRATOR_SEMANTIC_TIMEOUT_S": str(SEMANTIC_TIMEOUT_S)})
     yield s
     s.stop()
 
@@ -91,3 +98,46 @@ def test_a_slow_reader_does_not_hold_the_replica_and_gets_the_whole_answer(stack
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert final.usage.completion_tokens == 32
     assert final.cache_report.semantic_entry_id  # stored after the answer, as before
+
+
+def tenant_slot(address: str) -> str:
+    """Whether tenant "small" (one request at a time) has its slot free ("free") or taken
+    ("taken"), asked with a request it refuses either way, before any tier: max_tokens over
+    its limit is found only once the slot is taken (then given back)."""
+    with TierCacheClient(address, token="tok-small", timeout=30) as c:
+        try:
+            c.generate("hi", max_tokens=7, cache_policy=NO_SEMANTIC)
+        except grpc.RpcError as e:
+            if "concurrent requests" in (e.details() or ""):
+                return "taken"
+            if "exceed tenant limit" in (e.details() or ""):
+                return "free"
+            raise
+    raise AssertionError("a request over the tenant's max_tokens was served")
+
+
+def test_a_client_gone_during_a_hung_lookup_gives_its_slot_back_at_once(stack):
+    before = sum(s.requests_total for s in replica_stats(stack))
+    skipped = admin_stats(stack).degradations.get("semantic_skipped", 0)
+    os.kill(stack.semantic.proc.pid, signal.SIGSTOP)  # connections kept, nothing answered
+    try:
+        with TierCacheClient(stack.orch.address, token="tok-small", timeout=120) as c:
+            call = c.stub.Generate(c.build_request("Name a river.", max_tokens=4),
+                                   timeout=120, metadata=c._metadata())
+            # Under way: its lookup waits on the stopped tier, holding the tenant's one slot.
+            wait_until(lambda: tenant_slot(stack.orch.address) == "taken", 30,
+                       "the request never took the tenant's slot")
+            call.cancel()
+            # Back long before the lookup's own timeout (30 s) would have ended it.
+            wait_until(lambda: tenant_slot(stack.orch.address) == "free", 10,
+                       "the tenant's slot stayed taken after its client cancelled")
+            with pytest.raises(grpc.RpcError) as e:
+                list(call)
+            assert e.value.code() == grpc.StatusCode.CANCELLED
+    finally:
+        os.kill(stack.semantic.proc.pid, signal.SIGCONT)
+    assert sum(s.requests_total for s in replica_stats(stack)) == before  # no model call
+    # The tier is not blamed for the client's cancel: not skipped, not marked down.
+    s = admin_stats(stack)
+    assert s.degradations.get("semantic_skipped", 0) == skipped
+    assert all(d.healthy for d in s.dependencies if d.name == "semantic")

@@ -49,7 +49,7 @@ class RecordingSemantic(Semantic):
         self.lookups: list[semantic_pb2.LookupRequest] = []
         self.stores: list[semantic_pb2.StoreRequest] = []
 
-    def lookup(self, req, timeout=None):
+    def lookup(self, req, timeout=None, on_call=None):
         self.lookups.append(req)
         return self.answer
 

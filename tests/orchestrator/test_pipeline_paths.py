@@ -168,7 +168,7 @@ class Semantic:
     def __init__(self, on_lookup=None) -> None:
         self.on_lookup = on_lookup
 
-    def lookup(self, req, timeout=None):
+    def lookup(self, req, timeout=None, on_call=None):
         if self.on_lookup:
             self.on_lookup()
         return None
@@ -1008,7 +1008,7 @@ class Recorded(Semantic):
         super().__init__()
         self.look, self.stored = look, []
 
-    def lookup(self, req, timeout=None):
+    def lookup(self, req, timeout=None, on_call=None):
         return self.look
 
     def store(self, req, timeout=None):

@@ -251,7 +251,7 @@ class TimedSemantic(RecordingSemantic):
         super().__init__()
         self.timeouts: list[tuple[str, float | None]] = []
 
-    def lookup(self, req, timeout=None):
+    def lookup(self, req, timeout=None, on_call=None):
         self.timeouts.append(("Lookup", timeout))
         return super().lookup(req, timeout)
 
@@ -360,7 +360,7 @@ def test_a_semantic_call_cut_short_by_the_requests_deadline_is_no_degradation(me
     class Slow(TimedSemantic):
         pass
 
-    def slow(self, req, timeout=None):
+    def slow(self, req, timeout=None, on_call=None):
         getattr(TimedSemantic, method)(self, req, timeout)
         raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -649,7 +649,7 @@ def test_a_hung_tier_leaves_the_replica_most_of_a_short_deadline():
         def __init__(self) -> None:
             self.timeouts: list[float] = []
 
-        def lookup(self, req, timeout=None):
+        def lookup(self, req, timeout=None, on_call=None):
             self.timeouts.append(timeout)
             time.sleep(timeout)
             raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)

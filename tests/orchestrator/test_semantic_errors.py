@@ -31,7 +31,7 @@ class RefusingTier:
     def __init__(self, error: Refusal) -> None:
         self.error = error
 
-    def lookup(self, request, timeout=None):
+    def lookup(self, request, timeout=None, on_call=None):
         raise self.error
 
     def store(self, request, timeout=None):

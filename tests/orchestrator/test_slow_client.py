@@ -2,7 +2,7 @@
 with real processes: tests/e2e/test_slow_client.py). The replica's stream is read at the
 replica's pace: its load is released when the stream ends, not when the client has read the
 answer; what was read ahead is still the answer, and a resume after a lost replica sends it
-all."""
+all. A lookup under way is cancelled with the request."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import threading
 import time
 
 import grpc
-from tiercache.v1 import kvpool_pb2
+import pytest
+from tiercache.v1 import kvpool_pb2, semantic_pb2
 
+from services.common import errors
 from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
 from services.orchestrator.render import RenderedPrompt
 from tests.orchestrator.test_pipeline_paths import (
@@ -24,6 +26,7 @@ from tests.orchestrator.test_pipeline_paths import (
     in_order,
     make,
 )
+from tests.orchestrator.test_request_path import backend_with
 
 
 def wait_until(pred, what: str, timeout: float = 10.0) -> None:
@@ -115,3 +118,80 @@ def test_a_request_dropped_mid_answer_cancels_its_call_and_ends_its_reader():
     events.close()  # the gRPC server drops the response iterator of a call that ended
     assert call.cancelled and not readers()
     assert orch.replicas.replicas[0].inflight == 0
+
+
+class HungLookup:
+    """A semantic shard that answers no Lookup (until released); one made as a future ends
+    when cancelled (grpc.FutureCancelledError, as gRPC's own)."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.released = threading.Event()
+        self.futures: list = []
+
+    def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
+        self.started.set()
+        self.released.wait(30)
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    class _Future:
+        def __init__(self) -> None:
+            self._cancelled = threading.Event()
+
+        def cancel(self) -> bool:
+            self._cancelled.set()
+            return True
+
+        def result(self, timeout=None):
+            self._cancelled.wait(30)
+            raise grpc.FutureCancelledError()
+
+    def future(self, req, timeout=None, metadata=None):
+        self.started.set()
+        f = self._Future()
+        self.futures.append(f)
+        return f
+
+
+class _Lookup:
+    def __init__(self, shard: HungLookup) -> None:
+        self.shard = shard
+
+    def __call__(self, req, timeout=None, metadata=None):
+        return self.shard.Lookup(req, timeout, metadata)
+
+    def future(self, req, timeout=None, metadata=None):
+        return self.shard.future(req, timeout, metadata)
+
+
+def test_a_lookup_under_way_is_cancelled_with_its_request():
+    shard = HungLookup()
+    sem = backend_with(type("S", (), {"Lookup": _Lookup(shard)})())
+    stub = Stub("A", [Call([final("A", 2)])])
+    orch = make({"A": stub}, semantic=sem)
+    callbacks: list = []
+    out: list = []
+
+    def run() -> None:
+        try:
+            list(start(orch, callbacks.append))
+        except errors.Cancelled as e:
+            out.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    try:
+        assert shard.started.wait(10)
+        for cb in callbacks:  # the client cancels: gRPC runs the registered callbacks
+            cb()
+        t.join(10)
+        assert not t.is_alive(), "the request waited on its lookup after its client left"
+    finally:
+        shard.released.set()
+    assert out and shard.futures  # cancelled, through the lookup's future
+    assert stub.requests == []  # no model call
+    # The tier is not blamed for a cancel of ours: not degraded, not unhealthy, not hung.
+    assert "semantic_skipped" not in orch.stats.degradations
+    assert "s:1" not in sem.hung.state
+    with pytest.raises(grpc.FutureCancelledError):
+        sem.lookup(semantic_pb2.LookupRequest(), on_call=lambda f: f.cancel())
