@@ -20,18 +20,31 @@ LOG_DIR.mkdir(parents=True, exist_ok=True)  # before any test opens a log in it
 
 def start(name: str, env: dict[str, str], key: str | None = None, timeout: float = 240.0
           ) -> ServiceProcess:
-    assert service_exists(name), f"services/{name} is missing"
+    return start_all([(name, env, key)], timeout)[0]
+
+
+def start_all(specs: list[tuple[str, dict[str, str], str | None]], timeout: float = 240.0
+              ) -> list[ServiceProcess]:
+    """Starts every (service, env, log key) at once, then waits for each to be healthy: two
+    replicas load and time their model side by side (~20 s each on its own). If one fails,
+    all are killed."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
-    # Tenants configured: the orchestrator refuses the public default hash key.
-    env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1",
-           "TIERCACHE_HASH_KEY": "e2e-test-hash-key", **env}
-    p = ServiceProcess(name, free_port(), env, log_path=LOG_DIR / f"{key or name}.log").start()
+    started: list[ServiceProcess] = []
     try:
-        p.wait(timeout)
-    except Exception:
-        p.kill()
+        for name, env, key in specs:
+            assert service_exists(name), f"services/{name} is missing"
+            # Tenants configured: the orchestrator refuses the public default hash key.
+            env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1",
+                   "TIERCACHE_HASH_KEY": "e2e-test-hash-key", **env}
+            started.append(ServiceProcess(name, free_port(), env,
+                                          log_path=LOG_DIR / f"{key or name}.log").start())
+        for p in started:
+            p.wait(timeout)
+    except BaseException:
+        for p in started:
+            p.kill()
         raise
-    return p
+    return started
 
 
 def grpcurl_path() -> str:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.launcher import ServiceProcess
-from tests.e2e.conftest import start
+from tests.e2e.conftest import start, start_all
 from tests.index_sync import wait_index_matches_pools
 
 INTERNAL = "internal-e2e-secret"
@@ -80,14 +80,14 @@ def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict 
         prefix = go("prefix", {"TIERCACHE_PREFIX_LEASE_SECONDS": str(lease_s),
                                "TIERCACHE_PREFIX_INTERNAL_TOKEN": internal},
                     key=f"{name}-prefix")
-        kv = [go("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": f"kv-{i}",
-                            "TIERCACHE_KVPOOL_PREFIX_ADDRESS": prefix.address,
-                            "TIERCACHE_KVPOOL_HEARTBEAT_SECONDS": "0.5",
-                            "TIERCACHE_KVPOOL_NUM_BLOCKS": "512",
-                            "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
-                            "TIERCACHE_KVPOOL_INTERNAL_TOKEN": internal, **(kv_env or {})},
-                 key=f"{name}-kv{i}")
-              for i in range(2)]
+        kv = start_all([("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": f"kv-{i}",
+                                    "TIERCACHE_KVPOOL_PREFIX_ADDRESS": prefix.address,
+                                    "TIERCACHE_KVPOOL_HEARTBEAT_SECONDS": "0.5",
+                                    "TIERCACHE_KVPOOL_NUM_BLOCKS": "512",
+                                    "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
+                                    "TIERCACHE_KVPOOL_INTERNAL_TOKEN": internal, **(kv_env or {})},
+                          f"{name}-kv{i}") for i in range(2)])
+        started.extend(kv)
         orch = go("orchestrator", {
             "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": ",".join(k.address for k in kv),
             "TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS": sem.address,

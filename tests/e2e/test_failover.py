@@ -1,27 +1,43 @@
 """Faults on the request path (issue 6): a replica SIGKILLed mid-stream, the semantic tier or
-the prefix index stopped. Requests keep succeeding; degradations are visible in Stats."""
+the prefix index stopped. Requests keep succeeding; degradations are visible in Stats.
+
+Also a client slower than the replica, and a client gone during a slow semantic lookup: the
+orchestrator reads the replica's stream at the replica's pace (its load there released when
+the stream ends, however slowly the client reads) and cancels a lookup under way when its
+client goes (the tenant's slot back at once, not when the tier's timeout runs out)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
+import urllib.request
 
 import grpc
 import pytest
-from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
+from prometheus_client.parser import text_string_to_metric_families
+from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, orchestrator_pb2_grpc
 
 from clients.python.client import TierCacheClient
 from services.common.prefix_client import PrefixIndexClient
+from services.launcher import free_port
 from tests.e2e.stack import INTERNAL, INTERNAL_MD, admin_stats, start_full_stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
 LEASE_S = 3.0
 NO_SEMANTIC = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True)
+# A semantic timeout far above what any wait here allows: a lookup that is not cancelled
+# holds its slot that long (the request's deadline, 120 s, gives it a quarter: 30 s).
+SEMANTIC_TIMEOUT_S = 30.0
 
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    s = start_full_stack(tmp_path_factory.mktemp("failover"), "failover", lease_s=LEASE_S)
+    s = start_full_stack(tmp_path_factory.mktemp("failover"), "failover", lease_s=LEASE_S,
+                         orch_env={
+                             "TIERCACHE_ORCHESTRATOR_METRICS_PORT": str(free_port()),
+                             "TIERCACHE_ORCHESTRATOR_SEMANTIC_TIMEOUT_S": str(SEMANTIC_TIMEOUT_S)})
     yield s
     s.stop()
 
@@ -113,3 +129,110 @@ def test_prefix_index_down_falls_back_to_the_ring(stack, a):
     s = admin_stats(stack)
     assert s.degradations["index_down"] == before + 1
     assert any(d.name == "prefix" and not d.healthy for d in s.dependencies)
+
+
+def wait_until(pred, timeout: float, what: str, every: float = 0.1):
+    end = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < end, f"not within {timeout} s: {what}"
+        time.sleep(every)
+
+
+def in_flight(stack) -> dict[str, float]:
+    """The orchestrator's own count of requests in flight on each replica (routing's load)."""
+    port = stack.orch.env["TIERCACHE_ORCHESTRATOR_METRICS_PORT"]
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text)
+            if f.name == "tiercache_orchestrator_replica_requests_in_flight" for s in f.samples}
+
+
+def replica_stats(stack) -> list[kvpool_pb2.KvStatsResponse]:
+    out = []
+    for k in stack.kv:
+        with grpc.insecure_channel(k.address) as ch:
+            out.append(kvpool_pb2_grpc.KvPoolStub(ch).Stats(
+                kvpool_pb2.KvStatsRequest(), timeout=10, metadata=INTERNAL_MD))
+    return out
+
+
+def test_a_slow_reader_does_not_hold_the_replica_and_gets_the_whole_answer(stack):
+    q = "Write a short poem about the sea."
+    kw = dict(max_tokens=32, ignore_eos=True, return_token_ids=True)
+    with TierCacheClient(stack.orch.address, token="tok-a", timeout=120) as a:
+        reference = a.generate(q, cache_policy=NO_SEMANTIC, **kw)
+    assert len(reference.token_ids) == 32
+    # A client that reads slowly as the transport sees it: a one-byte receive window (no
+    # window growth), so each message waits for the client to take the one before.
+    ch = grpc.insecure_channel(stack.orch.address, options=[
+        ("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)])
+    try:
+        req = TierCacheClient.build_request(
+            q, cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True), **kw)
+        call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(
+            req, timeout=120, metadata=[("authorization", "Bearer tok-a")])
+        first = next(call)
+        # While the client sleeps: the orchestrator has read the replica's whole answer, the
+        # replica's call is over (our count there is back to 0: its status has come) and its
+        # engine holds nothing of it.
+        wait_until(lambda: in_flight(stack) and not any(in_flight(stack).values()), 60,
+                   f"requests still in flight on a replica: {in_flight(stack)}")
+        assert all(s.running == 0 and s.waiting == 0 and s.blocks_in_use == 0
+                   for s in replica_stats(stack)), replica_stats(stack)
+        rest = list(call)
+    finally:
+        ch.close()
+    ids = list(first.token_ids) + [t for m in rest for t in m.token_ids]
+    text = first.text + "".join(m.text for m in rest)
+    assert ids == reference.token_ids and text == reference.text  # the same answer, whole
+    final = rest[-1].final
+    assert rest[-1].HasField("final")
+    assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert final.usage.completion_tokens == 32
+    assert final.cache_report.semantic_entry_id  # stored after the answer, as before
+
+
+def tenant_slot(address: str) -> str:
+    """Whether tenant "small" (one request at a time) has its slot free ("free") or taken
+    ("taken"), asked with a request it refuses either way, before any tier: max_tokens over
+    its limit is found only once the slot is taken (then given back)."""
+    with TierCacheClient(address, token="tok-small", timeout=30) as c:
+        try:
+            c.generate("hi", max_tokens=7, cache_policy=NO_SEMANTIC)
+        except grpc.RpcError as e:
+            if "concurrent requests" in (e.details() or ""):
+                return "taken"
+            if "exceed tenant limit" in (e.details() or ""):
+                return "free"
+            raise
+    raise AssertionError("a request over the tenant's max_tokens was served")
+
+
+def test_a_client_gone_during_a_hung_lookup_gives_its_slot_back_at_once(stack):
+    before = sum(s.requests_total for s in replica_stats(stack))
+    skipped = admin_stats(stack).degradations.get("semantic_skipped", 0)
+    os.kill(stack.semantic.proc.pid, signal.SIGSTOP)  # connections kept, nothing answered
+    try:
+        with TierCacheClient(stack.orch.address, token="tok-small", timeout=120) as c:
+            call = c.stub.Generate(c.build_request("Name a river.", max_tokens=4),
+                                   timeout=120, metadata=c._metadata())
+            # Under way: its lookup waits on the stopped tier, holding the tenant's one slot.
+            wait_until(lambda: tenant_slot(stack.orch.address) == "taken", 30,
+                       "the request never took the tenant's slot")
+            call.cancel()
+            # Back long before the lookup's own timeout (30 s) would have ended it.
+            wait_until(lambda: tenant_slot(stack.orch.address) == "free", 10,
+                       "the tenant's slot stayed taken after its client cancelled")
+            with pytest.raises(grpc.RpcError) as e:
+                list(call)
+            assert e.value.code() == grpc.StatusCode.CANCELLED
+    finally:
+        os.kill(stack.semantic.proc.pid, signal.SIGCONT)
+    assert sum(s.requests_total for s in replica_stats(stack)) == before  # no model call
+    # The tier is not blamed for the client's cancel: not skipped, not marked down.
+    s = admin_stats(stack)
+    assert s.degradations.get("semantic_skipped", 0) == skipped
+    assert all(d.healthy for d in s.dependencies if d.name == "semantic")
