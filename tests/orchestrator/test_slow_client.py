@@ -1,5 +1,5 @@
 """A client slower than its replica (pure logic with the fakes of test_pipeline_paths; the same
-with real processes: tests/e2e/test_slow_client.py). The replica's stream is read at the
+with real processes: tests/e2e/test_failover.py). The replica's stream is read at the
 replica's pace: its load is released when the stream ends, not when the client has read the
 answer; what was read ahead is still the answer, and a resume after a lost replica sends it
 all. A lookup under way is cancelled with the request."""
