@@ -438,25 +438,28 @@ class HungBackoff:
     def call(self, address: str, timeout: float, full_s: float, fn: Callable[[], T]) -> T:
         """`fn()`, a call of `timeout` seconds to `address` (the tier's own timeout is
         `full_s`: a shorter one may be cut short by the request, see `cut_short`)."""
-        began, hung = self.enter(address, timeout)
+        began, hung, probe = self.enter(address, timeout)
         try:
             out = fn()
         except grpc.RpcError as e:
-            self.failed(address, e, timeout, not cut_short(e, timeout, full_s), began, hung)
+            self.failed(address, e, timeout, not cut_short(e, timeout, full_s), began, hung,
+                        probe)
             raise
         except grpc.FutureCancelledError:
             # Cancelled by its own request: nothing learnt of the shard. A probe's turn
             # passes to the next call.
             if hung is not None:
-                with self.lock:
-                    self.state[address] = (self.clock(), hung[1])
+                self._probe_again(address, probe, hung[1])
             raise
         self.answered(address)
         return out
 
-    def enter(self, address: str, timeout: float) -> tuple[float, tuple[float, float] | None]:
-        """Before a call of `timeout` seconds: (when it began, the hung record it probes)."""
+    def enter(self, address: str, timeout: float
+              ) -> tuple[float, tuple[float, float] | None, tuple[float, float] | None]:
+        """Before a call of `timeout` seconds: (when it began, the hung record it probes, the
+        record it set as the probe)."""
         began = self.clock()
+        probe = None
         with self.lock:
             hung = self.state.get(address)
             if hung is not None:
@@ -465,15 +468,24 @@ class HungBackoff:
                     raise _SkippedShard(self.what, address, hung[0] - now)
                 # The pause is over: this call probes the shard; the others keep skipping it
                 # until the probe answers or times out.
-                self.state[address] = (now + timeout, hung[1])
-        return began, hung
+                probe = self.state[address] = (now + timeout, hung[1])
+        return began, hung, probe
+
+    def _probe_again(self, address: str, probe: tuple[float, float] | None, back: float) -> None:
+        """A probe that learnt nothing: the next call probes, unless the record is no longer
+        this probe's (another call got an answer meanwhile and cleared it, or marked the
+        shard hung again): a stale probe must not bring back a cleared record."""
+        with self.lock:
+            if self.state.get(address) == probe:
+                self.state[address] = (self.clock(), back)
 
     def answered(self, address: str) -> None:
         with self.lock:
             self.state.pop(address, None)
 
     def failed(self, address: str, e: grpc.RpcError, timeout: float, whole: bool,
-               began: float, hung: tuple[float, float] | None) -> None:
+               began: float, hung: tuple[float, float] | None,
+               probe: tuple[float, float] | None = None) -> None:
         """The call failed with `e`; `whole`: not a deadline the request's own shorter
         timeout ran into (see `cut_short`)."""
         code = e.code()
@@ -494,8 +506,10 @@ class HungBackoff:
                                 address, timeout, back)
             elif hung is not None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
                 # The probe ran out of its request's own time: nothing learnt, the next
-                # call probes again (the back-off stays).
-                self.state[address] = (self.clock(), hung[1])
+                # call probes again (the back-off stays), unless another call answered or
+                # marked it meanwhile (the record is no longer this probe's).
+                if probe is None or self.state.get(address) == probe:
+                    self.state[address] = (self.clock(), hung[1])
             elif hung is not None:
                 self.state.pop(address, None)  # the probe got an answer (an error)
 

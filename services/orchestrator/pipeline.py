@@ -97,8 +97,12 @@ class _ReplicaStream:
 
     JOIN_S = 5.0  # a cancelled call's iteration ends at once; this only bounds a wedged one
 
-    def __init__(self, call, limit: int, on_end: Callable[[], None], name: str) -> None:
+    def __init__(self, call, limit: int, on_end: Callable[[], None], name: str,
+                 deadline: float | None = None) -> None:
         self._call = call
+        # The request's: its messages are handed out until then, read ahead or not (a client
+        # too slow for its request's time is ended by it, as when the call itself ran to it).
+        self._deadline = deadline
         self._limit = max(2, limit)
         self._on_end = on_end
         self._buf: deque = deque()
@@ -107,7 +111,11 @@ class _ReplicaStream:
         self._error: BaseException | None = None
         self._closed = False  # the request stopped draining: the reader stops too
         self._thread = threading.Thread(target=self._read, name=name, daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:
+            call.cancel()  # no reader (no thread to be had): the replica must not go on
+            raise
 
     def _read(self) -> None:
         error: BaseException | None = None
@@ -138,6 +146,9 @@ class _ReplicaStream:
         with self._cond:
             while not self._buf and not self._ended:
                 self._cond.wait()
+            if (self._deadline is not None and time.monotonic() >= self._deadline
+                    and self._buf):
+                raise errors.DeadlineExceeded("deadline exceeded while generating")
             if self._buf:
                 msg = self._buf.popleft()
                 self._cond.notify_all()
@@ -633,7 +644,8 @@ class Orchestrator:
                 # The buffered tokens are taken in order below, every one of them into
                 # `generated` before the stream's error is, so a resume sends them all.
                 stream = _ReplicaStream(call, sampling.max_tokens - len(generated) + 2,
-                                        held.release, f"replica-stream-{request_id}")
+                                        held.release, f"replica-stream-{request_id}",
+                                        deadline)
                 for msg in stream:
                     if msg.token_ids:
                         new = list(msg.token_ids)

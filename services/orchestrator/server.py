@@ -37,8 +37,9 @@ log = logging.getLogger(__name__)
 REAPED = counter("tiercache_orchestrator_streams_ended_at_deadline_total",
                  "Generate streams ended from outside at their deadline: the client had stopped "
                  "reading and the handler was stuck sending")
-# How long past a request's deadline the reaper waits: the pipeline ends a call that still
-# runs by itself at the deadline; the reaper is for one stuck in a send.
+# How long past a request's deadline the reaper waits: the pipeline ends a request by itself
+# at its deadline (its replica call runs to it; what was read ahead is handed out until it);
+# the reaper is for one stuck in a send.
 REAP_GRACE_S = 1.0
 
 

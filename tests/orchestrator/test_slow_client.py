@@ -195,3 +195,78 @@ def test_a_lookup_under_way_is_cancelled_with_its_request():
     assert "s:1" not in sem.hung.state
     with pytest.raises(grpc.FutureCancelledError):
         sem.lookup(semantic_pb2.LookupRequest(), on_call=lambda f: f.cancel())
+
+
+class _Timeout(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    def details(self):
+        return "deadline"
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "cut short"])
+def test_a_probe_that_learnt_nothing_does_not_bring_back_a_record_cleared_meanwhile(ending):
+    # A call begun before the shard was marked hung answered while a probe was out: the
+    # record was cleared. The probe then ended learning nothing (cancelled by its client, or
+    # cut short by its request's own deadline) and wrote "probe next" back: every other
+    # call was skipped (semantic_skipped) until that next probe returned.
+    from services.orchestrator.backends import HungBackoff
+
+    t = [100.0]
+    hb = HungBackoff("semantic shard", (0.5, 5.0), clock=lambda: t[0])
+    hb.state["s"] = (99.0, 0.5)  # hung, its pause over: the next call probes
+
+    def probe():
+        hb.answered("s")  # meanwhile: an older call got its answer
+        if ending == "cancelled":
+            raise grpc.FutureCancelledError()
+        raise _Timeout()
+
+    with pytest.raises((grpc.FutureCancelledError, grpc.RpcError)):
+        hb.call("s", 0.2, 2.0, probe)  # 0.2 of the tier's 2.0: a cut-short deadline
+    assert "s" not in hb.state
+    assert hb.call("s", 2.0, 2.0, lambda: "ok") == "ok"  # not skipped
+
+
+class _ListCall:
+    def __init__(self, msgs):
+        self._it = iter(msgs)
+        self.cancelled = False
+
+    def __iter__(self):
+        return self._it
+
+    def cancel(self):
+        self.cancelled = True
+
+
+def test_what_was_read_ahead_is_not_handed_out_past_the_requests_deadline():
+    # A client still reading at its request's deadline was let read on: the reader had
+    # drained the replica, so nothing ended the request until the reaper, a second later,
+    # counted it as a stuck send.
+    from services.orchestrator.pipeline import _ReplicaStream
+
+    ended = threading.Event()
+    msgs = [kvpool_pb2.KvGenerateResponse(token_ids=[i]) for i in (1, 2, 3)]
+    stream = _ReplicaStream(_ListCall(msgs), 8, ended.set, "t",
+                            deadline=time.monotonic() + 0.3)
+    assert ended.wait(5)  # the replica's stream is over, all of it read ahead
+    assert list(next(stream).token_ids) == [1]
+    time.sleep(0.35)
+    with pytest.raises(errors.DeadlineExceeded):
+        next(stream)
+    stream.close()
+
+
+def test_a_reader_that_cannot_start_cancels_the_replica_call(monkeypatch):
+    from services.orchestrator.pipeline import _ReplicaStream
+
+    def no_thread(self):
+        raise RuntimeError("can't start new thread")
+
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    call = _ListCall([])
+    with pytest.raises(RuntimeError):
+        _ReplicaStream(call, 8, lambda: None, "t")
+    assert call.cancelled
