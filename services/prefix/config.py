@@ -56,6 +56,12 @@ class PrefixConfig:
         require(self.cold_after_ticks >= 0, svc, "cold_after_ticks", "must be >= 0")
         require(self.hit_half_life_seconds >= 0, svc, "hit_half_life_seconds",
                 "must be >= 0 (0 = hit counts never decay)")
+        # Each halving drops a pruning run under way (it ranked the old counts): one every
+        # sweep would never let a run finish, and pruning would fall back to full passes.
+        require(self.hit_half_life_seconds == 0
+                or self.hit_half_life_seconds >= self.lease_seconds, svc,
+                "hit_half_life_seconds",
+                f"must be 0 (off) or at least lease_seconds ({self.lease_seconds:g})")
         require(self.max_events > 0, svc, "max_events", "must be > 0")
         require(self.max_blocks > 0, svc, "max_blocks", "must be > 0")
         require(self.grace_seconds >= 0, svc, "grace_seconds", "must be >= 0")

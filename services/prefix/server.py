@@ -204,9 +204,15 @@ def serve(cfg: PrefixConfig, index: PrefixIndex | None = None) -> PrefixService:
         # ages the hit counts (`PrefixIndex.age_hits`), which only it does.
         period = max(0.05, index.lease_seconds / 4)
         while not stop.wait(period):
-            with servicer.lock:
-                gone = index.sweep(period=period)
-                servicer._gauges()
+            try:
+                with servicer.lock:
+                    gone = index.sweep(period=period)
+                    servicer._gauges()
+            except Exception:  # noqa: BLE001 - the only sweeper: it must go on
+                # Leases of replicas nobody calls, the hit counts' aging and the lapse grace
+                # are swept only here: a thread ended by one error stopped them for good.
+                log.exception("prefix index sweep failed; sweeping again in %.2f s", period)
+                continue
             if gone:
                 log.info("leases lapsed: dropped replicas %s", ", ".join(gone))
 

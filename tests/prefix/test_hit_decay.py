@@ -199,3 +199,61 @@ def test_the_half_life_is_configured_and_refused_when_negative():
         with pytest.raises(ConfigError, match="TIERCACHE_PREFIX_HIT_HALF_LIFE_SECONDS"):
             load_config(PrefixConfig, "prefix", [],
                         environ={"TIERCACHE_PREFIX_HIT_HALF_LIFE_SECONDS": bad})
+    # Shorter than a lease: halvings every sweep would drop every pruning run under way.
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_PREFIX_HIT_HALF_LIFE_SECONDS: must be 0 "
+                                          r"\(off\) or at least lease_seconds \(10\)"):
+        load_config(PrefixConfig, "prefix", [],
+                    environ={"TIERCACHE_PREFIX_HIT_HALF_LIFE_SECONDS": "2"})
+    assert load_config(PrefixConfig, "prefix", [], environ={
+        "TIERCACHE_PREFIX_HIT_HALF_LIFE_SECONDS": "2",
+        "TIERCACHE_PREFIX_LEASE_SECONDS": "2"}).hit_half_life_seconds == 2
+
+
+def test_resyncs_again_and_again_keep_no_more_saved_hits_than_the_replica_can_hold(clock, hasher):
+    # Each resync carried forward the hits an earlier one still had to give back, with a
+    # fresh deadline: a replica resyncing again and again (a flapping publisher) piled up
+    # the hits of every block it had ever evicted.
+    index = make_index(clock, hit_half_life_seconds=HOUR)
+    index.register("a", "i1", "addr-a", MODEL, BS, 4)  # holds 4 blocks at most
+    seq = 1
+    for i in range(10):
+        chain = toks(100 + 2 * i, 101 + 2 * i)
+        index.publish("a", "i1", seq, [stored(hasher, chain)])
+        matched(index, chain)
+        seq += 1
+        # The replica evicted it and restates what it holds now: a block never seen again.
+        index.publish("a", "i1", seq, [stored(hasher, toks(200 + i))], resync=True)
+        seq += 1
+        saved = index._replicas["a"].usage or {}
+        assert len(saved) <= 4, (i, len(saved))
+    index.check_integrity()
+
+
+def test_the_sweeper_goes_on_after_a_sweep_fails(caplog):
+    # The one thread that sweeps leases nobody calls about, ages the hits and ends the lapse
+    # grace was ended for good by a single error.
+    import time
+
+    from services.prefix.server import serve
+
+    cfg = PrefixConfig(address="127.0.0.1:0", metrics_port=-1, block_size=BS, lease_seconds=0.4)
+    index = build_index(cfg)
+    turns = []
+    real = index.sweep
+
+    def flaky(*a, **kw):
+        turns.append(1)
+        if len(turns) == 1:
+            raise RuntimeError("a sweep that fails once")
+        return real(*a, **kw)
+
+    index.sweep = flaky
+    svc = serve(cfg, index)
+    try:
+        end = time.monotonic() + 10
+        while len(turns) < 3 and time.monotonic() < end:
+            time.sleep(0.05)
+    finally:
+        svc.stop()
+    assert len(turns) >= 3
+    assert "prefix index sweep failed" in caplog.text
