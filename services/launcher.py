@@ -368,7 +368,10 @@ def prune_pid_logs(logs: Path, keep: int = KEPT_PID_LOGS) -> list[Path]:
     without end. Returns the folders removed."""
     done = []
     for d in logs.glob("pid-*"):
-        if not d.name[4:].isdigit() or _running(int(d.name[4:])):
+        pid = d.name[4:]
+        # ASCII digits only, within a pid's range: `int` takes other scripts' digits too, and
+        # os.kill overflows on a long number (a stray folder must not stop a start).
+        if not (pid.isascii() and pid.isdigit() and len(pid) <= 9) or _running(int(pid)):
             continue
         try:
             done.append((d.stat().st_mtime, d))

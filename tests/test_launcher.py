@@ -361,6 +361,9 @@ def test_free_port_stacks_prune_the_log_folders_of_finished_launchers(tmp_path):
     os.utime(live, (1, 1))
     other = tmp_path / "port-50100"
     other.mkdir()
+    for stray in ("pid-99999999999999999999", "pid-\u0663\u0664", "pid-x"):  # not pids
+        (tmp_path / stray).mkdir()
     removed = launcher.prune_pid_logs(tmp_path)
     assert sorted(removed) == sorted(dead[:3])  # the oldest finished ones
     assert all(d.exists() for d in dead[3:]) and live.exists() and other.exists()
+    assert (tmp_path / "pid-x").exists()

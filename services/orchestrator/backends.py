@@ -551,6 +551,9 @@ class SemanticBackend:
         if len(self.addresses) <= 1:
             return [self.health.proto()]
         shards = [h.proto() for h in self.shard_health.values()]
+        for sh in shards:
+            if not sh.healthy and not sh.last_error:
+                sh.last_error = "no call yet"  # as prefix shards say it
         return [tier_health(self.health.name, self.health.address, shards), *shards]
 
     def shard_for(self, ns: semantic_pb2.Namespace) -> str:

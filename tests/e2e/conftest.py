@@ -30,13 +30,20 @@ def start_all(specs: list[tuple[str, dict[str, str], str | None]], timeout: floa
     all are killed."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     started: list[ServiceProcess] = []
+    ports: set[int] = set()
     try:
         for name, env, key in specs:
+            # Free now, but none of these has bound its port yet: the same one twice must
+            # not be handed out.
+            port = free_port()
+            while port in ports:
+                port = free_port()
+            ports.add(port)
             assert service_exists(name), f"services/{name} is missing"
             # Tenants configured: the orchestrator refuses the public default hash key.
             env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1",
                    "TIERCACHE_HASH_KEY": "e2e-test-hash-key", **env}
-            started.append(ServiceProcess(name, free_port(), env,
+            started.append(ServiceProcess(name, port, env,
                                           log_path=LOG_DIR / f"{key or name}.log").start())
         for p in started:
             p.wait(timeout)

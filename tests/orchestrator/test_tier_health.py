@@ -48,3 +48,15 @@ def test_prefix_backend_derives_its_tier_line_only_with_shards():
     single.client.close()
     pb.client.close()
 
+
+
+def test_a_semantic_shard_never_called_says_so_as_prefix_shards_do():
+    # The tier line said "1 of 2 shards unhealthy: ..., their errors are on their lines",
+    # and the shard's line had no error at all.
+    from services.orchestrator.backends import SemanticBackend
+
+    be = SemanticBackend("127.0.0.1:1,127.0.0.1:2", "", 1.0)
+    lines = be.dependencies()
+    assert [(d.name, d.healthy, d.last_error) for d in lines[1:]] == [
+        ("semantic shard", False, "no call yet")] * 2
+    assert lines[0].last_error == "2 of 2 shards unhealthy: 127.0.0.1:1, 127.0.0.1:2"
