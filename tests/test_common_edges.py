@@ -233,20 +233,19 @@ def test_a_service_that_died_while_others_started_fails_the_start(monkeypatch, s
                                                                    capsys):
     """Each service was waited for in turn and never checked again: one that died meanwhile
     still got "TierCache is up" printed."""
-    from services.launcher import Stack, main
+    from services.launcher import ServiceProcess, Stack, main
 
     class Proc:
         def __init__(self, code):
-            self.code = code
+            self.returncode = code
 
         def poll(self):
-            return self.code
+            return self.returncode
 
-    class Child:
-        address = "127.0.0.1:1"
-
-        def __init__(self, code):
-            self.proc = Proc(code)
+    def Child(code):  # noqa: N802 - a started service, its process a stand-in
+        p = ServiceProcess("semantic" if code else "orchestrator", 1, {})
+        p.proc = Proc(code)
+        return p
 
     def start(self):
         self.procs = {"semantic": Child(1), "orchestrator": Child(None)}
@@ -256,7 +255,8 @@ def test_a_service_that_died_while_others_started_fails_the_start(monkeypatch, s
     monkeypatch.setattr(Stack, "stop", lambda self: None)
     assert main(["--base-port", "0", "--replicas", "1"]) == 1
     out = capsys.readouterr()
-    assert "TierCache is up" not in out.out and "semantic" in out.err
+    assert "TierCache is up" not in out.out
+    assert "semantic (127.0.0.1:1) exited with 1" in out.err
 
 
 def test_tls_files_that_cannot_be_read_or_are_not_pem_are_named(tmp_path):
