@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -117,21 +118,41 @@ def admin_stats(stack: FullStack):
         return c.stats()
 
 
+def replica_stats(stack: FullStack, metadata: list | None = None) -> list:
+    """Every replica's own Stats (`metadata`: the stack's internal credential, default this
+    module's INTERNAL_MD)."""
+    import grpc
+    from tiercache.v1 import kvpool_pb2, kvpool_pb2_grpc
+
+    out = []
+    for k in stack.kv:
+        with grpc.insecure_channel(k.address) as ch:
+            out.append(kvpool_pb2_grpc.KvPoolStub(ch).Stats(
+                kvpool_pb2.KvStatsRequest(), timeout=10, metadata=metadata or INTERNAL_MD))
+    return out
+
+
+def wait_until(pred, timeout: float, what: str, every: float = 0.1):
+    """`pred()`'s first truthy value, asked every `every` s; fails after `timeout` s."""
+    end = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        assert time.monotonic() < end, f"not within {timeout} s: {what}"
+        time.sleep(every)
+
+
 def wait_index_caught_up(stack: FullStack, timeout: float = 30.0,
                          metadata: list | None = None) -> None:
     """Until the index agrees with every replica's idle pool (`wait_index_matches_pools`).
     `metadata`: the stack's internal credential (default: this module's INTERNAL_MD)."""
     metadata = metadata or INTERNAL_MD
     import grpc
-    from tiercache.v1 import kvpool_pb2, kvpool_pb2_grpc, prefix_pb2, prefix_pb2_grpc
+    from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
     def pools() -> list:
-        out = []
-        for k in stack.kv:
-            with grpc.insecure_channel(k.address) as ch:
-                out.append(kvpool_pb2_grpc.KvPoolStub(ch).Stats(
-                    kvpool_pb2.KvStatsRequest(), timeout=10, metadata=metadata))
-        return out
+        return replica_stats(stack, metadata)
 
     def index():
         with grpc.insecure_channel(stack.prefix.address) as ch:

@@ -21,7 +21,14 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, orchestrator_p
 from clients.python.client import TierCacheClient
 from services.common.prefix_client import PrefixIndexClient
 from services.launcher import free_port
-from tests.e2e.stack import INTERNAL, INTERNAL_MD, admin_stats, start_full_stack
+from tests.e2e.stack import (
+    INTERNAL,
+    INTERNAL_MD,
+    admin_stats,
+    replica_stats,
+    start_full_stack,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -131,16 +138,6 @@ def test_prefix_index_down_falls_back_to_the_ring(stack, a):
     assert any(d.name == "prefix" and not d.healthy for d in s.dependencies)
 
 
-def wait_until(pred, timeout: float, what: str, every: float = 0.1):
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < end, f"not within {timeout} s: {what}"
-        time.sleep(every)
-
-
 def in_flight(stack) -> dict[str, float]:
     """The orchestrator's own count of requests in flight on each replica (routing's load)."""
     port = stack.orch.env["TIERCACHE_ORCHESTRATOR_METRICS_PORT"]
@@ -148,15 +145,6 @@ def in_flight(stack) -> dict[str, float]:
         text = r.read().decode()
     return {s.labels["replica"]: s.value for f in text_string_to_metric_families(text)
             if f.name == "tiercache_orchestrator_replica_requests_in_flight" for s in f.samples}
-
-
-def replica_stats(stack) -> list[kvpool_pb2.KvStatsResponse]:
-    out = []
-    for k in stack.kv:
-        with grpc.insecure_channel(k.address) as ch:
-            out.append(kvpool_pb2_grpc.KvPoolStub(ch).Stats(
-                kvpool_pb2.KvStatsRequest(), timeout=10, metadata=INTERNAL_MD))
-    return out
 
 
 def test_a_slow_reader_does_not_hold_the_replica_and_gets_the_whole_answer(stack):

@@ -23,6 +23,7 @@ import pytest
 from tiercache.v1 import common_pb2, semantic_pb2, semantic_pb2_grpc
 
 from clients.python.client import TierCacheClient
+from tests.e2e.stack import wait_until
 from tests.hardening.conftest import INTERNAL, INTERNAL_MD, TOK_A, Stack
 from tests.index_sync import wait_index_matches_pools
 
@@ -72,16 +73,6 @@ def finish(futs, pool, timeout: float) -> list[Result]:
         assert r.code in CLEAN, out
         assert r.seconds <= timeout + SLACK_S, out
     return out
-
-
-def wait_until(pred, timeout: float, what: str, every: float = 0.2):
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < end, f"timed out waiting for {what}"
-        time.sleep(every)
 
 
 def index_converged(stack: Stack, timeout: float = 30.0) -> None:
