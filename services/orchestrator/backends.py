@@ -449,7 +449,8 @@ class HungBackoff:
             # Cancelled by its own request: nothing learnt of the shard. A probe's turn
             # passes to the next call.
             if hung is not None:
-                self._probe_again(address, probe, hung[1])
+                with self.lock:
+                    self._probe_again(address, probe, hung[1])
             raise
         self.answered(address)
         return out
@@ -474,10 +475,10 @@ class HungBackoff:
     def _probe_again(self, address: str, probe: tuple[float, float] | None, back: float) -> None:
         """A probe that learnt nothing: the next call probes, unless the record is no longer
         this probe's (another call got an answer meanwhile and cleared it, or marked the
-        shard hung again): a stale probe must not bring back a cleared record."""
-        with self.lock:
-            if self.state.get(address) == probe:
-                self.state[address] = (self.clock(), back)
+        shard hung again): a stale probe must not bring back a cleared record. Under
+        `self.lock`."""
+        if self.state.get(address) == probe:
+            self.state[address] = (self.clock(), back)
 
     def answered(self, address: str) -> None:
         with self.lock:
@@ -508,8 +509,7 @@ class HungBackoff:
                 # The probe ran out of its request's own time: nothing learnt, the next
                 # call probes again (the back-off stays), unless another call answered or
                 # marked it meanwhile (the record is no longer this probe's).
-                if probe is None or self.state.get(address) == probe:
-                    self.state[address] = (self.clock(), hung[1])
+                self._probe_again(address, probe, hung[1])
             elif hung is not None:
                 self.state.pop(address, None)  # the probe got an answer (an error)
 
