@@ -469,13 +469,14 @@ class PrefixIndex:
             return pending
         return {k: (h >> shift, last) for k, (h, last) in pending.items() if h >> shift}
 
-    def _saved_usage(self, rep: Replica, now: float) -> dict[bytes, tuple[int, int]]:
-        """The hits to keep for `rep` as its holdings are cleared (a resync, a lapse): those of
-        the nodes only it holds, and those still to be given back from before, at most
-        `capacity_blocks` in all (no replica holds more blocks at once), the held ones first,
-        then the most hit: a replica resyncing again and again must not pile up the hits of
-        blocks it evicted long ago."""
-        held = self.tree.usage_held_only_by(rep.bit)
+    def _clear_saving(self, rep: Replica, now: float) -> dict[bytes, tuple[int, int]]:
+        """Clears `rep`'s holdings (a resync, a lapse) and returns the hits to keep for it:
+        those of the nodes only it held (gathered by the clear's own walk, not a walk before
+        it: a big replica's holdings are walked once under the lock, not twice), and those still
+        to be given back from before, at most `capacity_blocks` in all (no replica holds more
+        blocks at once), the held ones first, then the most hit: a replica resyncing again
+        and again must not pile up the hits of blocks it evicted long ago."""
+        held = self.tree.clear_saving(rep.bit)
         pending = {k: v for k, v in self._pending_usage(rep, now).items() if k not in held}
         room = len(pending) if rep.capacity_blocks <= 0 else rep.capacity_blocks - len(held)
         if len(pending) > room:
@@ -521,14 +522,13 @@ class PrefixIndex:
         _remember(self._seq_floor, rep.replica_id, (rep.incarnation, rep.next_seq))
         # ...and, for a lease, the hits of what only it held (and of what a resync still had
         # to give back): a lease lapsed by a late heartbeat lost them.
-        usage = self._saved_usage(rep, now)
+        usage = self._clear_saving(rep, now)
         self._lapsed.pop(rep.replica_id, None)
         if usage:
             self._lapsed[rep.replica_id] = (rep.incarnation, usage, now + self.lease_seconds,
                                             self.hit_halvings)
             while len(self._lapsed) > MAX_REPLICAS:
                 del self._lapsed[next(iter(self._lapsed))]
-        self.tree.clear(rep.bit)
         del self._replicas[rep.replica_id]
         self._by_bit[rep.bit] = None
         self._reindex_models()
@@ -598,8 +598,7 @@ class PrefixIndex:
             # A resync restates the replica's holdings; nodes it alone held are deleted and
             # stored again, and must keep their hits (TopPrefixes, LFU pruning); so must those
             # an earlier resync or a lapse still had to give back.
-            usage = self._saved_usage(rep, now)
-            tree.clear(rep.bit)
+            usage = self._clear_saving(rep, now)
             rep.usage, rep.usage_until = None, now + self.lease_seconds
             rep.usage_halvings = self.hit_halvings
         # A chain whose parent the replica does not hold (yet) waits for that parent to be

@@ -382,29 +382,37 @@ class BlockTree:
 
     def clear(self, bit: int) -> int:
         """Replica slot `bit` holds nothing any more. Returns the blocks it stopped holding."""
+        return self._clear(bit, None)
+
+    def clear_saving(self, bit: int) -> dict[bytes, tuple[int, int]]:
+        """`clear(bit)`, returning the hits and last use, by key, of the used nodes it deleted
+        (those slot `bit` alone held; see `restore_usage`), gathered in the clear's own walk:
+        a walk of their own before it went over a big replica's holdings once more under the
+        owner's lock (~0.7 s at a million blocks). Keys come in the order that walk gave them
+        (the last subtree first), which breaks ties when the owner keeps only the most hit."""
+        parts: list[dict[bytes, tuple[int, int]]] = []
+        self._clear(bit, parts)
+        if len(parts) == 1:
+            return parts[0]
+        out: dict[bytes, tuple[int, int]] = {}
+        for part in reversed(parts):
+            out.update(part)
+        return out
+
+    def _clear(self, bit: int, parts: list[dict[bytes, tuple[int, int]]] | None) -> int:
+        """`clear`; with `parts`, one dict of the deleted nodes' usage per subtree dropped."""
         mask = 1 << bit
         n = 0
         for root in list(self._roots.values()):
             for kid in self._kids(root):
                 # A kid unlinked meanwhile has no holders (no slot is reused during a clear).
                 if self._holders(kid) & mask:
-                    n += self._drop_subtree(kid, mask, bit)
+                    saved = None
+                    if parts is not None:
+                        saved = {}
+                        parts.append(saved)
+                    n += self._drop_subtree(kid, mask, bit, saved)
         return n
-
-    def usage_held_only_by(self, bit: int) -> dict[bytes, tuple[int, int]]:
-        """Hits and last use, by key, of the used nodes that slot `bit` alone holds: the
-        ones `clear(bit)` deletes (see `restore_usage`)."""
-        mask = 1 << bit
-        use, key = self._use, self._key
-        out: dict[bytes, tuple[int, int]] = {}
-        stack = [k for root in self._roots.values() for k in self._kids(root)
-                 if use[_USE * k + _HOLD] & mask]
-        while stack:
-            s = stack.pop()
-            if use[_USE * s + _HOLD] == mask and use[_USE * s + _HITS]:
-                out[key[s]] = (use[_USE * s + _HITS], use[_USE * s + _LAST])  # type: ignore[index]
-            stack.extend(k for k in self._kids(s) if use[_USE * k + _HOLD] & mask)
-        return out
 
     def restore_usage(self, usage: dict[bytes, tuple[int, int]], halvings: int = 0
                       ) -> dict[bytes, tuple[int, int]]:
@@ -439,7 +447,10 @@ class BlockTree:
         # The array cannot grow while a view of its buffer lives.
         del hits, view
 
-    def _drop_subtree(self, top: int, mask: int, bit: int) -> int:
+    def _drop_subtree(self, top: int, mask: int, bit: int,
+                      saved: dict[bytes, tuple[int, int]] | None = None) -> int:
+        """Takes slot `bit` (`mask`) off `top` and its subtree, deleting the nodes nobody
+        holds then; with `saved`, the hits and last use of those that had hits go in it."""
         use = self._use
         n = 0
         stack = [top]
@@ -451,6 +462,9 @@ class BlockTree:
             n += 1
             if not h:
                 dead.append(s)
+                if saved is not None and use[_USE * s + _HITS]:
+                    saved[self._key[s]] = (  # type: ignore[index]
+                        use[_USE * s + _HITS], use[_USE * s + _LAST])
             for k in self._kids(s):
                 if use[_USE * k + _HOLD] & mask:
                     stack.append(k)
