@@ -281,7 +281,8 @@ class PrefixIndex:
         self._replaced: dict[tuple[str, str], None] = {}
         # The hits of what a lapsed lease deleted (by replica id: incarnation, hits by key,
         # kept until, `hit_halvings` then), given back if the same incarnation registers again
-        # within a lease and stores those blocks again: a late heartbeat lost them all.
+        # within a lease (not counting a pause of this process, as for leases) and stores
+        # those blocks again: a late heartbeat lost them all.
         self._lapsed: dict[str, tuple[str, dict[bytes, tuple[int, int]], float, int]] = {}
         self.prune_step = prune_step
         self._prune_run: PruneRun | None = None
@@ -489,7 +490,12 @@ class PrefixIndex:
         container paused, a host swapping), seen as the sweeper's turn late by over half a
         lease: the index's own pause read as every replica's silence, and it dropped them all
         at once on waking (each then resynced from a full snapshot, and the hit history of
-        every block was lost)."""
+        every block was lost).
+
+        The hits kept for one lease (a lapsed replica's, and those a resync or a return from
+        a lapse still has to give back) are kept that much longer too: a replica whose lease
+        lapsed just before the pause sent its Register during it, and lost them all while
+        the Register waited for an index that could not answer."""
         if self._swept_at is None:
             return
         gap = now - self._swept_at
@@ -500,10 +506,13 @@ class PrefixIndex:
         stood = gap - self._sweep_period
         for rep in self._replicas.values():
             rep.deadline += stood
+            rep.usage_until += stood
         self._next_deadline += stood
+        for rid, (inc, usage, until, halvings) in self._lapsed.items():
+            self._lapsed[rid] = (inc, usage, until + stood, halvings)
         self._swept_at = now
-        log.warning("the index stood still for %.1f s (paused?): leases pushed back by as "
-                    "much", stood)
+        log.warning("the index stood still for %.1f s (paused?): leases, and the hits kept "
+                    "for one, pushed back by as much", stood)
 
     def _expire(self, now: float, force: bool = False) -> list[str]:
         self._forgive_pause(now)

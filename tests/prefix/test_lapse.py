@@ -1,5 +1,5 @@
 """A lapsed lease's grace (the hits of what only that replica held, kept for one lease): saved
-in the clear's own walk."""
+in the clear's own walk, and not ended by a pause of the index itself."""
 
 from __future__ import annotations
 
@@ -154,3 +154,64 @@ def test_saving_the_hits_in_the_clears_walk_leaves_what_two_walks_left(hasher, m
         index.check_integrity()
     assert new._lapsed["c"][1] and new._replicas["a"].usage
     assert state(new) == state(old)
+
+
+# -- a pause of the index ------------------------------------------------------------------
+
+
+def top(index) -> list[tuple[list[int], int]]:
+    return [(p.token_ids, p.hits) for p in index.top_prefixes(5)]
+
+
+def sweep_for(index, clock, turns: int) -> list[str]:
+    """`turns` turns of the lease sweeper, on time (a quarter lease apart); who it dropped."""
+    gone = []
+    for _ in range(turns):
+        clock.t += index.lease_seconds / 4
+        gone += index.sweep()
+    return gone
+
+
+def hot(index, hasher, chain: list[int]) -> None:
+    reg(index)
+    index.publish("a", "i1", 1, [stored(hasher, chain)])
+    for _ in range(5):
+        matched(index, chain)
+
+
+def test_a_pause_of_the_index_does_not_end_a_lapsed_leases_grace(clock, hasher):
+    # a's lease lapsed (a late heartbeat) just before the index stood still for 2.5 leases;
+    # a's Register, sent at once, waited through the pause and came past the grace: every
+    # hit of what only a held was lost, as the pause itself no longer costs a lease.
+    chain = toks(1, 2, 3)
+    index = make_index(clock)
+    hot(index, hasher, chain)
+    assert sweep_for(index, clock, 4) == ["a"]
+    clock.t += 25  # the index stood still
+    seq = reg(index).next_seq  # the first call on waking
+    index.publish("a", "i1", seq, [stored(hasher, chain)], resync=True)
+    assert top(index) == [(chain, 5)]
+    index.check_integrity()
+    # The pause is forgiven, not more: back a lease after it (the sweeper on time), none.
+    index = make_index(clock)
+    hot(index, hasher, chain)
+    assert sweep_for(index, clock, 4) == ["a"]
+    clock.t += 25
+    assert sweep_for(index, clock, 5) == []  # the first turn forgives 25 s; then 10 s pass
+    seq = reg(index).next_seq
+    index.publish("a", "i1", seq, [stored(hasher, chain)], resync=True)
+    assert top(index) == []
+
+
+def test_a_pause_of_the_index_does_not_end_a_resyncs_give_back(clock, hasher):
+    # A snapshot spread over batches: its later blocks get their hits back within a lease of
+    # the resync; a pause in between (the lease itself forgiven) let that lease run out.
+    chain = toks(1, 2, 3)
+    index = make_index(clock)
+    hot(index, hasher, chain)
+    index.sweep()
+    index.publish("a", "i1", 2, [stored(hasher, chain, end=1)], resync=True)
+    clock.t += 25  # the index stood still between the snapshot's batches
+    index.publish("a", "i1", 3, [stored(hasher, chain, start=1)])
+    assert top(index) == [(chain, 5)]
+    index.check_integrity()
