@@ -155,11 +155,20 @@ class PrefixIndexClient:
         got = h.hashes(token_ids[: self.block_size], cache_salt)
         return got[0] if got else b""
 
-    def _call(self, address: str, method: str, request, timeout: float | None):
-        stub = self._shards[address].stub
+    def _call(self, address: str, method: str, request, timeout: float | None,
+              on_call: Callable[[grpc.Future], None] | None = None):
+        """One call of `method` on the shard at `address`. With `on_call`, the call is made as
+        a future, handed to `on_call` as it starts: cancelled (its caller went away), it
+        raises grpc.FutureCancelledError at once, and says nothing of the shard."""
+        rpc = getattr(self._shards[address].stub, method)
+        kw = dict(timeout=timeout or self.timeout, metadata=call_metadata(self.internal_token))
         try:
-            resp = getattr(stub, method)(request, timeout=timeout or self.timeout,
-                                         metadata=call_metadata(self.internal_token))
+            if on_call is None:
+                resp = rpc(request, **kw)
+            else:
+                call = rpc.future(request, **kw)
+                on_call(call)
+                resp = call.result()
         except grpc.RpcError as e:
             err = PrefixIndexError.wrap(method, address, e)
             self._outcome(address, err, timeout)
@@ -365,9 +374,11 @@ class PrefixIndexClient:
 
     def match(self, model_id: str, *, token_ids: Sequence[int] = (),
               block_hashes: Sequence[bytes] = (), cache_salt: str = "",
-              timeout: float | None = None, probe: bool = False) -> prefix_pb2.MatchResponse:
+              timeout: float | None = None, probe: bool = False,
+              on_call: Callable[[grpc.Future], None] | None = None) -> prefix_pb2.MatchResponse:
         """Replicas of `model_id` by matched prefix length, longest first (from one shard).
-        `probe`: routing asking, not traffic (no hit credited, nothing counted)."""
+        `probe`: routing asking, not traffic (no hit credited, nothing counted). `on_call`:
+        see `_call` (a request cancels its Match when its client goes)."""
         if len(block_hashes):
             first = block_hashes[0]
         elif self.sharded and len(token_ids) >= self.block_size:
@@ -378,7 +389,7 @@ class PrefixIndexClient:
         req = prefix_pb2.MatchRequest(model_id=model_id, cache_salt=cache_salt,
                                       token_ids=token_ids, block_hashes=block_hashes,
                                       probe=probe)
-        return self._call(address, "Match", req, timeout)
+        return self._call(address, "Match", req, timeout, on_call)
 
     def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0, *,
                      cache_salt: str | None = None, timeout: float | None = None,

@@ -637,9 +637,11 @@ class SemanticBackend:
         """`on_call`: see `_call` (the request cancels its lookup when its client goes)."""
         return self._call(self.shard_for(req.namespace), "Lookup", req, timeout, on_call)
 
-    def store(self, req: semantic_pb2.StoreRequest, timeout: float | None = None
+    def store(self, req: semantic_pb2.StoreRequest, timeout: float | None = None,
+              on_call: Callable[[grpc.Future], None] | None = None
               ) -> semantic_pb2.StoreResponse:
-        return self._call(self.shard_for(req.namespace), "Store", req, timeout)
+        """`on_call`: see `_call` (the request cancels its Store when its client goes)."""
+        return self._call(self.shard_for(req.namespace), "Store", req, timeout, on_call)
 
     def verify(self, entry_id: str, verified: bool, deadline: float | None = None
                ) -> semantic_pb2.SemanticEntry:

@@ -367,7 +367,10 @@ class Orchestrator:
             return None
 
     def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated_at: int,
-               deadline: float, answer_ids: Sequence[int] = ()) -> str:
+               deadline: float, answer_ids: Sequence[int] = (),
+               on_call: Callable[[grpc.Future], None] | None = None) -> str:
+        """The stored entry's id ("" = not stored). `on_call` is handed the Store's call as it
+        starts (to cancel it when the request's client goes away)."""
         # Before the final message, whose report names the stored entry: bounded by half of
         # what is left of the request's deadline (past it, the answer is not stored), so a
         # slow Store cannot turn a finished answer into DEADLINE_EXCEEDED.
@@ -381,7 +384,11 @@ class Orchestrator:
             return self.semantic.store(semantic_pb2.StoreRequest(
                 namespace=self._namespace(tenant, prompt), prompt=prompt.query_text,
                 answer=answer, truncated_at=truncated_at, answer_token_ids=answer_ids),
-                timeout).id
+                timeout, on_call=on_call).id
+        except grpc.FutureCancelledError:
+            # Cancelled with the request (its client went away): not the tier's. The answer
+            # goes unstored (the tier writes nothing for a caller gone, unless it had begun).
+            return ""
         except grpc.RpcError as e:
             if cut_short(e, timeout, self.semantic.timeout_s):
                 return ""  # the request's own deadline, not the tier: no degradation
@@ -396,9 +403,11 @@ class Orchestrator:
 
     # ---- prefix tier ---------------------------------------------------------------------
     def _matches(self, tenant: Tenant, token_ids: list[int],
-                 deadline: float | None = None, probe: bool = False) -> PrefixView:
+                 deadline: float | None = None, probe: bool = False,
+                 on_call: Callable[[grpc.Future], None] | None = None) -> PrefixView:
         """What the prefix index knows of this prompt (see PrefixView); `probe`: asked for
-        routing's sake, not a request (the index credits no hit)."""
+        routing's sake, not a request (the index credits no hit). `on_call` is handed the
+        Match's call as it starts (to cancel it when the request's client goes away)."""
         hashes = self.hasher.hashes(token_ids, tenant.cache_salt)
         key = hashes[0].hex() if hashes else ""
         if self.prefix is None or not hashes:
@@ -410,8 +419,12 @@ class Orchestrator:
                 return PrefixView({}, key, None, hashes)  # no time left: ring routing
         try:
             # Full blocks are hashed; the partial last block and the answer need one more.
-            return PrefixView(self.prefix.match(hashes, self.model_id, timeout, probe=probe),
+            return PrefixView(self.prefix.match(hashes, self.model_id, timeout, probe=probe,
+                                                on_call=on_call),
                               key, len(hashes) + 1, hashes)
+        except grpc.FutureCancelledError:
+            # Cancelled with the request (its client went away): not the index's.
+            return PrefixView({}, key, None, hashes)
         except grpc.RpcError as e:
             if timeout is not None and cut_short(e, timeout, self.prefix.timeout_s):
                 # The request's deadline, not the index: ring routing, no degradation.
@@ -459,15 +472,16 @@ class Orchestrator:
 
         def cancel_downstream() -> None:
             cancelled.set()
-            for what in ("lookup", "call"):
+            for what in ("tier", "call"):
                 call = current.get(what)
                 if call is not None:
                     call.cancel()
 
-        def lookup_started(call: grpc.Future) -> None:
-            # The lookup is cancelled with the request: its client gone, the slots it holds
-            # come back at once, not when the tier answers (up to the tier's timeout).
-            current["lookup"] = call
+        def tier_call_started(call: grpc.Future) -> None:
+            # A cache tier's call (the lookup, the index Match, the Store after the answer:
+            # one at a time) is cancelled with the request: its client gone, the slots it
+            # holds come back at once, not when the tier answers (up to the tier's timeout).
+            current["tier"] = call
             if cancelled.is_set():
                 call.cancel()
 
@@ -489,9 +503,9 @@ class Orchestrator:
         useless = not greedy and not serves_sampled and not want_draft and not may_store
         try:
             look = None if useless else self._lookup(tenant, prompt, policy, want_draft,
-                                                     deadline, lookup_started)
+                                                     deadline, tier_call_started)
         finally:
-            current.pop("lookup", None)
+            current.pop("tier", None)
         draft_ids: list[int] = []
         if look is not None:
             report.semantic_similarity = look.similarity
@@ -541,8 +555,14 @@ class Orchestrator:
             # Gone during the semantic lookup: no Match either (the index would count it as
             # traffic, and its hits steer warm-up).
             raise errors.Cancelled("client cancelled")
-        matches, key, new_blocks, hashes = (PrefixView({}, "", None, []) if policy.skip_prefix_cache
-                                             else self._matches(tenant, ids, deadline))
+        try:
+            # A Match cancelled with the request gives ring routing's empty view: the loop's
+            # first check below ends the request before anything is routed.
+            matches, key, new_blocks, hashes = (
+                PrefixView({}, "", None, []) if policy.skip_prefix_cache
+                else self._matches(tenant, ids, deadline, on_call=tier_call_started))
+        finally:
+            current.pop("tier", None)
         session_key = session_routing_key(tenant, session_id)
         if not key:
             # Keyed by tenant too: two tenants' prompts never share KV (their salts differ).
@@ -806,10 +826,17 @@ class Orchestrator:
             not look.entry.truncated_at or look.entry.truncated_at >= len(generated))
         if (self.semantic.enabled and may_store and answer.strip() and not past_end
                 and not shorter):
-            sid = self._store(tenant, prompt, answer, len(generated) if cut_short else 0,
-                              deadline,
-                              answer_ids=answer_ids(self.tok, self._special_ids, generated,
-                                                    answer))
+            try:
+                sid = self._store(tenant, prompt, answer, len(generated) if cut_short else 0,
+                                  deadline,
+                                  answer_ids=answer_ids(self.tok, self._special_ids, generated,
+                                                        answer),
+                                  on_call=tier_call_started)
+            finally:
+                current.pop("tier", None)
+            if cancelled.is_set():
+                # Gone during the Store (cancelled with it): no final message, for nobody.
+                raise errors.Cancelled("client cancelled")
             if sid:
                 report.semantic_entry_id = sid
         yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)

@@ -7,6 +7,8 @@ replica -> matched tokens map that routing needs.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import grpc
 from tiercache.v1 import common_pb2
 
@@ -40,12 +42,15 @@ class PrefixBackend:
             raise
 
     def match(self, block_hashes: list[bytes], model_id: str,
-              timeout: float | None = None, probe: bool = False) -> dict[str, int]:
+              timeout: float | None = None, probe: bool = False,
+              on_call: Callable[[grpc.Future], None] | None = None) -> dict[str, int]:
+        """`on_call`: see `PrefixIndexClient._call` (the request cancels its Match when its
+        client goes: grpc.FutureCancelledError, not held against the shard)."""
         shard = self.client.shard_for(block_hashes[0]) if block_hashes else ""
         r = self.hung.call(shard, timeout or self.timeout_s, self.timeout_s,
                            lambda: self._guard(self.client.match, model_id,
                                                block_hashes=block_hashes, timeout=timeout,
-                                               probe=probe))
+                                               probe=probe, on_call=on_call))
         return {m.replica_id: m.matched_tokens for m in r.matches if m.matched_blocks}
 
     def dependencies(self) -> list:

@@ -53,7 +53,7 @@ class RecordingSemantic(Semantic):
         self.lookups.append(req)
         return self.answer
 
-    def store(self, req, timeout=None):
+    def store(self, req, timeout=None, on_call=None):
         self.stores.append(req)
         return SimpleNamespace(id=f"stored-{len(self.stores)}")
 

@@ -71,7 +71,8 @@ class Call:
 
 
 class UnaryCall:
-    """A unary call's future, as gRPC's: cancellable until it ends, whatever its handler does."""
+    """A unary call's future, as gRPC's: cancellable until it ends, whatever its handler does
+    (`result` then raises grpc.FutureCancelledError)."""
 
     def __init__(self) -> None:
         self._lock, self._done, self._callbacks = threading.Lock(), threading.Event(), []
@@ -90,8 +91,9 @@ class UnaryCall:
         return True
 
     def cancel(self) -> bool:
-        self.cancelled = self.end(error=RpcError(grpc.StatusCode.CANCELLED))
-        return self.cancelled
+        ended = self.end(error=grpc.FutureCancelledError())
+        self.cancelled = self.cancelled or ended
+        return ended
 
     def add_done_callback(self, cb) -> None:
         with self._lock:
@@ -173,7 +175,7 @@ class Semantic:
             self.on_lookup()
         return None
 
-    def store(self, req, timeout=None):
+    def store(self, req, timeout=None, on_call=None):
         return SimpleNamespace(id="e1")
 
 
@@ -421,7 +423,8 @@ def test_warm_top_k_for_owners_warms_only_the_owner():
     stubs = {r: Stub(r, []) for r in ("A", "B", "C")}
     hot = list(range(100, 164))
     prefix = SimpleNamespace(
-        timeout_s=0.5, match=lambda hashes, model_id, timeout=None, probe=False: {"A": 64},
+        timeout_s=0.5,
+        match=lambda hashes, model_id, timeout=None, probe=False, on_call=None: {"A": 64},
         top_prefixes=lambda k, model_id, cache_salt=None: [prefix_pb2.HotPrefix(
             token_ids=hot, holders=["A"], hits=5, cache_salt=TENANT.cache_salt)])
     orch = make(stubs, prefix=prefix)
@@ -451,8 +454,9 @@ def test_warm_top_k_keeps_k_of_the_tenants_own_prefixes_and_names_an_index_outag
         asked.append((k, cache_salt))
         return [p for p in others + mine if cache_salt in (None, p.cache_salt)][:k]
 
-    prefix = SimpleNamespace(match=lambda hashes, model_id, timeout=None, probe=False: {},
-                             top_prefixes=top)
+    prefix = SimpleNamespace(
+        match=lambda hashes, model_id, timeout=None, probe=False, on_call=None: {},
+        top_prefixes=top)
     orch = make(stubs, prefix=prefix)
     warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
     try:
@@ -893,7 +897,7 @@ def test_a_warm_for_owners_keeps_its_deadline_with_a_hung_index():
         def __init__(self) -> None:
             self.timeouts: list[float | None] = []
 
-        def match(self, hashes, model_id, timeout=None, probe=False):
+        def match(self, hashes, model_id, timeout=None, probe=False, on_call=None):
             self.timeouts.append(timeout)
             time.sleep(self.timeout_s if timeout is None else timeout)
             raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -948,7 +952,7 @@ def test_no_store_is_sent_with_too_little_of_the_deadline_left_to_write_it():
     timeouts: list[float] = []
 
     class Recording(Semantic):
-        def store(self, req, timeout=None):
+        def store(self, req, timeout=None, on_call=None):
             timeouts.append(timeout)
             return SimpleNamespace(id="e1")
 
@@ -1011,7 +1015,7 @@ class Recorded(Semantic):
     def lookup(self, req, timeout=None, on_call=None):
         return self.look
 
-    def store(self, req, timeout=None):
+    def store(self, req, timeout=None, on_call=None):
         self.stored.append(req)
         return SimpleNamespace(id="e1")
 

@@ -255,7 +255,7 @@ class TimedSemantic(RecordingSemantic):
         self.timeouts.append(("Lookup", timeout))
         return super().lookup(req, timeout)
 
-    def store(self, req, timeout=None):
+    def store(self, req, timeout=None, on_call=None):
         self.timeouts.append(("Store", timeout))
         return super().store(req, timeout)
 
@@ -264,8 +264,9 @@ def test_warms_owner_lookup_is_a_probe_and_a_request_is_not():
     """Warm choosing owners asked the index like traffic: each call credited the prefix a hit,
     so warming made the hottest prefixes hotter (see the index's probe test)."""
     probes: list[bool] = []
-    prefix = SimpleNamespace(timeout_s=0.5, match=lambda h, m, timeout=None, probe=False: (
-        probes.append(probe) or {}))
+    prefix = SimpleNamespace(
+        timeout_s=0.5,
+        match=lambda h, m, timeout=None, probe=False, on_call=None: probes.append(probe) or {})
     stub, stubs = one_replica()
     orch = make(stubs, prefix=prefix)
     assert orch.owner(TENANT, PROMPT) is not None
@@ -276,7 +277,7 @@ def test_warms_owner_lookup_is_a_probe_and_a_request_is_not():
 def test_an_index_outage_during_warms_owner_probes_is_not_a_degraded_request():
     """Each Warm prompt's owner probe (up to 64 a call) counted an index_down degradation:
     one warm-up looked like 64 requests served degraded."""
-    def down(h, m, timeout=None, probe=False):
+    def down(h, m, timeout=None, probe=False, on_call=None):
         raise RpcError(grpc.StatusCode.UNAVAILABLE)
 
     stub, stubs = one_replica()
@@ -340,8 +341,9 @@ def test_a_client_gone_during_the_semantic_lookup_asks_the_index_nothing():
 
     callbacks: list = []
     asked: list = []
-    prefix = SimpleNamespace(timeout_s=1.0, match=lambda h, m, timeout=None, probe=False: (
-        asked.append(probe) or {}))
+    prefix = SimpleNamespace(
+        timeout_s=1.0,
+        match=lambda h, m, timeout=None, probe=False, on_call=None: asked.append(probe) or {})
     stub, stubs = one_replica()
     orch = make(stubs, semantic=Semantic(on_lookup=lambda: [cb() for cb in callbacks]),
                 prefix=prefix)
@@ -376,8 +378,9 @@ def test_a_semantic_call_cut_short_by_the_requests_deadline_is_no_degradation(me
 def test_lookup_store_and_match_get_what_is_left_of_the_deadline():
     sem = TimedSemantic()
     matched: list[float | None] = []
-    prefix = SimpleNamespace(timeout_s=0.5, match=lambda h, m, timeout=None, probe=False: (
-        matched.append(timeout) or {}))
+    prefix = SimpleNamespace(
+        timeout_s=0.5,
+        match=lambda h, m, timeout=None, probe=False, on_call=None: matched.append(timeout) or {})
     stub, stubs = one_replica()
     run(make(stubs, semantic=sem, prefix=prefix), deadline_s=0.3)
     assert [name for name, _ in sem.timeouts] == ["Lookup", "Store"]
@@ -654,7 +657,7 @@ def test_a_hung_tier_leaves_the_replica_most_of_a_short_deadline():
             time.sleep(timeout)
             raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
 
-        def store(self, req, timeout=None):
+        def store(self, req, timeout=None, on_call=None):
             self.timeouts.append(timeout)
             time.sleep(timeout)
             raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -721,7 +724,7 @@ def index_over(match, now: list[float] | None = None):
 
 
 def test_a_short_deadline_on_the_index_is_not_an_index_failure():
-    def match(model_id, block_hashes=(), timeout=None, probe=False):
+    def match(model_id, block_hashes=(), timeout=None, probe=False, on_call=None):
         raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
 
     pb = index_over(match)
@@ -740,7 +743,7 @@ def test_a_hung_index_shard_is_skipped_for_a_while_then_tried_again():
     calls: list[float | None] = []
     answer = []
 
-    def match(model_id, block_hashes=(), timeout=None, probe=False):
+    def match(model_id, block_hashes=(), timeout=None, probe=False, on_call=None):
         calls.append(timeout)
         if answer:
             return SimpleNamespace(matches=[])

@@ -34,7 +34,7 @@ class RefusingTier:
     def lookup(self, request, timeout=None, on_call=None):
         raise self.error
 
-    def store(self, request, timeout=None):
+    def store(self, request, timeout=None, on_call=None):
         raise self.error
 
 

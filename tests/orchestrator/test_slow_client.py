@@ -2,16 +2,18 @@
 with real processes: tests/e2e/test_failover.py). The replica's stream is read at the
 replica's pace: its load is released when the stream ends, not when the client has read the
 answer; what was read ahead is still the answer, and a resume after a lost replica sends it
-all. A lookup under way is cancelled with the request."""
+all. A cache tier's call under way (the lookup, the index Match, the Store after the answer)
+is cancelled with the request."""
 
 from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
-from tiercache.v1 import kvpool_pb2, semantic_pb2
+from tiercache.v1 import kvpool_pb2, prefix_pb2, semantic_pb2
 
 from services.common import errors
 from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
@@ -22,6 +24,7 @@ from tests.orchestrator.test_pipeline_paths import (
     Call,
     RpcError,
     Stub,
+    Unary,
     final,
     in_order,
     make,
@@ -120,81 +123,136 @@ def test_a_request_dropped_mid_answer_cancels_its_call_and_ends_its_reader():
     assert orch.replicas.replicas[0].inflight == 0
 
 
-class HungLookup:
-    """A semantic shard that answers no Lookup (until released); one made as a future ends
-    when cancelled (grpc.FutureCancelledError, as gRPC's own)."""
+class Hung:
+    """A tier shard's handler that answers nothing (a hung shard) until `released`, or for
+    10 s; `Unary(hung)` is the stub's method, whose futures are cancellable meanwhile."""
 
     def __init__(self) -> None:
         self.started = threading.Event()
         self.released = threading.Event()
-        self.futures: list = []
-
-    def Lookup(self, req, timeout=None, metadata=None):  # noqa: N802
-        self.started.set()
-        self.released.wait(30)
-        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
-
-    class _Future:
-        def __init__(self) -> None:
-            self._cancelled = threading.Event()
-
-        def cancel(self) -> bool:
-            self._cancelled.set()
-            return True
-
-        def result(self, timeout=None):
-            self._cancelled.wait(30)
-            raise grpc.FutureCancelledError()
-
-    def future(self, req, timeout=None, metadata=None):
-        self.started.set()
-        f = self._Future()
-        self.futures.append(f)
-        return f
-
-
-class _Lookup:
-    def __init__(self, shard: HungLookup) -> None:
-        self.shard = shard
 
     def __call__(self, req, timeout=None, metadata=None):
-        return self.shard.Lookup(req, timeout, metadata)
+        self.started.set()
+        self.released.wait(10)
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
 
-    def future(self, req, timeout=None, metadata=None):
-        return self.shard.future(req, timeout, metadata)
 
-
-def test_a_lookup_under_way_is_cancelled_with_its_request():
-    shard = HungLookup()
-    sem = backend_with(type("S", (), {"Lookup": _Lookup(shard)})())
-    stub = Stub("A", [Call([final("A", 2)])])
-    orch = make({"A": stub}, semantic=sem)
+def cancelled_while(hung: Hung, orch) -> tuple[list, list]:
+    """Runs a request until `hung` has its call, then cancels it as gRPC does (the request's
+    registered callbacks): (the events it gave, its Cancelled) once it has ended, which must
+    be at once (within 1 s), not when the hung call would have ended."""
     callbacks: list = []
+    got: list = []
     out: list = []
 
     def run() -> None:
         try:
-            list(start(orch, callbacks.append))
+            got.extend(start(orch, callbacks.append))
         except errors.Cancelled as e:
             out.append(e)
 
     t = threading.Thread(target=run)
     t.start()
     try:
-        assert shard.started.wait(10)
+        assert hung.started.wait(10)
+        t0 = time.monotonic()
         for cb in callbacks:  # the client cancels: gRPC runs the registered callbacks
             cb()
-        t.join(10)
-        assert not t.is_alive(), "the request waited on its lookup after its client left"
+        t.join(5)
+        took = time.monotonic() - t0
+        assert not t.is_alive() and took < 1.0, (
+            f"the request waited {took:.1f} s on its hung call after its client left")
     finally:
-        shard.released.set()
-    assert out and shard.futures  # cancelled, through the lookup's future
+        hung.released.set()
+        t.join(15)
+    return got, out
+
+
+def test_a_lookup_under_way_is_cancelled_with_its_request():
+    hung = Hung()
+    lookup = Unary(hung)
+    sem = backend_with(SimpleNamespace(Lookup=lookup))
+    stub = Stub("A", [Call([final("A", 2)])])
+    orch = make({"A": stub}, semantic=sem)
+    got, out = cancelled_while(hung, orch)
+    assert out and not got and lookup.calls[0].cancelled  # through the lookup's future
     assert stub.requests == []  # no model call
     # The tier is not blamed for a cancel of ours: not degraded, not unhealthy, not hung.
     assert "semantic_skipped" not in orch.stats.degradations
+    assert "s:1" not in sem.hung.state and not sem.health.last_error
+    lookup.handler = Hung()  # hung again: cancelled as it starts (a client gone already)
+    try:
+        with pytest.raises(grpc.FutureCancelledError):
+            sem.lookup(semantic_pb2.LookupRequest(), on_call=lambda f: f.cancel())
+    finally:
+        lookup.handler.released.set()
+
+
+def test_a_store_under_way_is_cancelled_with_its_request():
+    """The answer was out and its Store hung: a client that cancelled then still held its
+    worker thread, stream and tenant slots until the Store ended (half the time left, up to
+    the tier's 2 s)."""
+    hung = Hung()
+    store = Unary(hung)
+    sem = backend_with(SimpleNamespace(
+        Lookup=Unary(lambda req, timeout=None, metadata=None: semantic_pb2.LookupResponse()),
+        Store=store))
+    stub = Stub("A", [Call([final("A", 2)]), Call([final("A", 2)])])
+    orch = make({"A": stub}, semantic=sem)
+    got, out = cancelled_while(hung, orch)
+    assert out and store.calls[0].cancelled
+    # The answer, then no final message.
+    assert [e.text for e in got if isinstance(e, TextDelta)] == ["ok"] and len(got) == 1
+    assert orch.replicas.replicas[0].inflight == 0
+    # Not the tier's failure: not degraded, still healthy, not hung.
+    assert "semantic_store_failed" not in orch.stats.degradations
+    assert sem.health.healthy and sem.shard_health["s:1"].healthy
     assert "s:1" not in sem.hung.state
-    with pytest.raises(grpc.FutureCancelledError):
-        sem.lookup(semantic_pb2.LookupRequest(), on_call=lambda f: f.cancel())
+    # Nothing left behind: the next answer is stored, the shard asked as before.
+    store.handler = lambda req, timeout=None, metadata=None: semantic_pb2.StoreResponse(id="e2")
+    fin = list(start(orch))[-1]
+    assert isinstance(fin, Finished) and fin.report.semantic_entry_id == "e2"
+
+
+@pytest.mark.parametrize("probing", [False, True])
+def test_an_index_match_under_way_is_cancelled_with_its_request(probing):
+    """A client that cancelled during a hung index Match held its slots until the Match
+    ended (the index's 0.5 s budget). A Match cancelled so says nothing of the shard: not
+    index_down, not unhealthy, not hung; a probe of a hung shard hands the probe on."""
+    from services.orchestrator.prefix_backend import PrefixBackend
+
+    hung = Hung()
+    match = Unary(hung)
+    pb = PrefixBackend(("p:1",), "", 0.5, 16)
+    pb.client._shards["p:1"].stub = SimpleNamespace(Match=match)
+    if probing:  # hung before, its pause over: this request's Match is the probe
+        pb.hung.state["p:1"] = (time.monotonic() - 1.0, 0.5)
+    stub = Stub("A", [Call([final("A", 2)]), Call([final("A", 2)])])
+    orch = make({"A": stub}, prefix=pb)
+    got, out = cancelled_while(hung, orch)
+    assert out and not got and match.calls[0].cancelled
+    assert stub.requests == [] and orch.replicas.replicas[0].inflight == 0  # never routed
+    assert orch.dispatched.match(orch.hasher.hashes(PROMPT, TENANT.cache_salt)) == {}
+    assert "index_down" not in orch.stats.degradations
+    assert not pb.health.last_error and "p:1" not in pb.client.shard_errors
+    if probing:  # the next call probes (not skipped), as after any probe that learnt nothing
+        assert pb.hung.state["p:1"][0] <= time.monotonic()
+    else:
+        assert not pb.hung.state
+    asked: list = []
+
+    def answers(req, timeout=None, metadata=None):
+        asked.append(req.probe)
+        return prefix_pb2.MatchResponse(matches=[prefix_pb2.ReplicaMatch(
+            replica_id="A", matched_blocks=4, matched_tokens=64)])
+
+    match.handler = answers
+    # Routing probes (Warm's owners) ask as before: a plain call, no future to cancel.
+    assert orch.owner(TENANT, PROMPT) == "A" and asked == [True] and len(match.calls) == 1
+    # Nothing left behind: the next request is matched and served.
+    fin = list(start(orch))[-1]
+    assert isinstance(fin, Finished) and asked == [True, False] and len(match.calls) == 2
+    assert not pb.hung.state and pb.health.healthy
 
 
 class _Timeout(grpc.RpcError):
