@@ -18,6 +18,8 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
+from services.common.addresses import canonical_address
+
 T = TypeVar("T")
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -280,5 +282,9 @@ def require_addresses(addresses, service: str, field: str, *, allow_none: bool,
         return
     for a in items:
         require(is_host_port(a, dialed=dialed), service, field, _why_not(a))
-    dup = sorted({a for a in items if items.count(a) > 1})
-    require(not dup, service, field, f"{', '.join(dup)} given twice")
+    # Compared as shards are placed (`canonical_address`): `host:1` and `HOST:1` are one.
+    seen: dict[str, str] = {}
+    for i, a in enumerate(items):
+        first = seen.setdefault(canonical_address(a), a)
+        require(len(seen) == i + 1, service, field,
+                f"{a} given twice" if first == a else f"{first} and {a} name the same address")

@@ -9,7 +9,12 @@ One address = one index. N addresses = N independent shard processes; the client
                    removed, cleared  -> every shard (a shard ignores blocks it does not know)
 
 so all continuations of one system prompt live on one shard. Shards are placed on a
-consistent-hash ring (`services.common.ring`), so adding a shard moves ~1/N of the chains.
+consistent-hash ring (`services.common.ring`), so adding a shard moves ~1/N of the chains, by
+their canonical address (`services.common.addresses`): kvpool and the orchestrator each build
+the ring from their own list, and two spellings of one shard must place alike. A list that
+really differs (a shard missing on one side) still splits chains from their lookups, so
+Register and Match carry the list's size and fingerprint, and a shard whose replicas
+registered with another list than a Match's says so in its Stats.
 
 Batch sequence numbers are per shard and kept here: callers publish events and get back
 whether some shard asked for a resync (then send the full holdings with `resync=True`).
@@ -27,9 +32,9 @@ from typing import NamedTuple
 import grpc
 from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
+from services.common.addresses import ShardRing, shard_fingerprint
 from services.common.grpc_client import call_metadata, cut_short, make_channel
 from services.common.hashing import BlockHasher
-from services.common.ring import HashRing
 
 log = logging.getLogger(__name__)
 
@@ -110,9 +115,18 @@ class PrefixIndexClient:
         addrs = [a.strip() for a in addresses if a.strip()]
         if not addrs:
             raise ValueError("addresses: at least one prefix index address is required")
-        if len(set(addrs)) != len(addrs):
-            raise ValueError("addresses: duplicate shard address")
+        try:
+            # Placed by each address's canonical spelling, so that kvpool and the orchestrator
+            # place alike however each spells a shard; dialed as given.
+            self._ring = ShardRing(addrs)
+        except ValueError as e:
+            raise ValueError(f"addresses: duplicate shard address: {e}") from None
         self.addresses = addrs
+        # Sent with Register and Match: a shard that sees its replicas' list differ from a
+        # Match's says so in its Stats (chains published to one shard are looked up on
+        # another). The count, so that one index named two ways is no mismatch.
+        self.shard_list = prefix_pb2.ShardList(shards=len(addrs),
+                                               fingerprint=shard_fingerprint(addrs))
         self.internal_token = internal_token
         self.timeout = timeout
         self.block_size = block_size
@@ -120,7 +134,9 @@ class PrefixIndexClient:
         self._shards = {a: _Shard(a, channel_factory(a)) for a in addrs}
         # address -> how its last call went ("" = answered; else the transient failure).
         self.shard_errors: dict[str, str] = {}
-        self._ring = HashRing(addrs)
+        # address -> the shard's own word on the shard lists it sees differ (its last Stats;
+        # "" = none).
+        self.shard_list_notes: dict[str, str] = {}
         self._hashers: dict[str, BlockHasher] = {}
         self._lock = threading.Lock()
         self._seq: dict[tuple[str, str, str], int] = {}  # (replica, incarnation, shard) -> next
@@ -237,7 +253,8 @@ class PrefixIndexClient:
                                           memo_blocks=0).probe()
         req = prefix_pb2.RegisterRequest(
             replica_id=replica_id, incarnation=incarnation, address=address, model_id=model_id,
-            block_size=block_size, capacity_blocks=capacity_blocks, hash_probe=probe)
+            block_size=block_size, capacity_blocks=capacity_blocks, hash_probe=probe,
+            shard_list=self.shard_list)
         # Shards that are down are registered with later (they answer NOT_FOUND to the first
         # batch once back, and the publisher registers again); the others start now.
         got = self._fan_out({a: req for a in self._shards_in(only)}, "Register", timeout,
@@ -388,7 +405,7 @@ class PrefixIndexClient:
         address = self.shard_for(first) if first else self.addresses[0]
         req = prefix_pb2.MatchRequest(model_id=model_id, cache_salt=cache_salt,
                                       token_ids=token_ids, block_hashes=block_hashes,
-                                      probe=probe)
+                                      probe=probe, shard_list=self.shard_list)
         return self._call(address, "Match", req, timeout, on_call)
 
     def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0, *,
@@ -418,7 +435,7 @@ class PrefixIndexClient:
         for r in got.values():
             for f in ("nodes", "bytes", "matches_total", "matches_hit", "match_blocks_total",
                       "match_blocks_hit", "pruned_total", "resyncs_total",
-                      "dropped_blocks_total", "max_nodes"):
+                      "dropped_blocks_total", "max_nodes", "shard_list_mismatches_total"):
                 setattr(out, f, getattr(out, f) + getattr(r, f))
             out.block_size = r.block_size  # type: ignore[attr-defined]
             for ri in r.replicas:  # type: ignore[attr-defined]
@@ -430,4 +447,9 @@ class PrefixIndexClient:
                     cur.held_blocks += ri.held_blocks
                     cur.last_seen_s = max(cur.last_seen_s, ri.last_seen_s)
         out.replicas.extend(reps[k] for k in sorted(reps))
+        for a, r in got.items():
+            self.shard_list_notes[a] = r.shard_list_mismatch  # type: ignore[attr-defined]
+        out.shard_list_mismatch = "; ".join(
+            f"{a}: {r.shard_list_mismatch}" if self.sharded else r.shard_list_mismatch
+            for a, r in got.items() if r.shard_list_mismatch)  # type: ignore[attr-defined]
         return out

@@ -56,15 +56,22 @@ class PrefixBackend:
     def dependencies(self) -> list:
         """Stats' health entries: the tier, and with shards each shard's own (a partial answer
         hides a shard that is down; its last call's outcome does not), the tier's then derived
-        from theirs (`tier_health`: its own record follows whichever shard answered last)."""
+        from theirs (`tier_health`: its own record follows whichever shard answered last).
+
+        A shard that said in its last Stats that replicas registered with another shard list
+        than our Matches came with reads unhealthy, saying so: every lookup of the chains it
+        should hold goes elsewhere and misses, though each call succeeds."""
         if len(self.client.addresses) <= 1:
-            return [self.health.proto()]
+            line = self.health.proto()
+            _with_note(line, self.client.shard_list_notes.get(self.client.addresses[0], ""))
+            return [line]
         shards = []
         for a in self.client.addresses:
             err = self.client.shard_errors.get(a)
             shards.append(common_pb2.DependencyHealth(
                 name="prefix shard", address=a, healthy=err == "",
                 last_error="no call yet" if err is None else err))
+            _with_note(shards[-1], self.client.shard_list_notes.get(a, ""))
         return [tier_health(self.health.name, self.health.address, shards), *shards]
 
     def top_prefixes(self, k: int, model_id: str, cache_salt: str | None = None):
@@ -75,3 +82,10 @@ class PrefixBackend:
         """`timeout`: at most this long (the caller's deadline), else the index's own."""
         return self._guard(self.client.stats, allow_partial=True,
                            timeout=None if timeout is None else min(timeout, self.timeout_s))
+
+
+def _with_note(line: common_pb2.DependencyHealth, note: str) -> None:
+    """Mark `line` unhealthy with `note` (a shard-list mismatch) beside any error it has."""
+    if note:
+        line.last_error = f"{line.last_error}; {note}" if line.last_error else note
+        line.healthy = False

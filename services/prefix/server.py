@@ -18,6 +18,7 @@ from services.common.errors import InvalidArgument, shown
 from services.common.policy import make_policy
 from services.prefix.config import PrefixConfig
 from services.prefix.index import Cleared, Event, Load, PrefixIndex, Removed, Stored
+from services.prefix.shard_list import ShardListCheck
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,8 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         self.index = index
         self.lock = threading.Lock()
         self._pruned = metrics.TotalCounter(PRUNED)
+        # Replicas' shard lists against Matches' (services.prefix.shard_list).
+        self.shard_lists = ShardListCheck(index.clock)
 
     def _gauges(self) -> None:
         NODES.set(len(self.index.tree))
@@ -86,6 +89,8 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
             r = self.index.register(request.replica_id, request.incarnation, request.address,
                                     request.model_id, request.block_size,
                                     request.capacity_blocks, request.hash_probe)
+            self.shard_lists.registered(request.replica_id, request.shard_list.shards,
+                                        request.shard_list.fingerprint)
             self._gauges()
         log.info("replica %s/%s registered at %s (model %s)", request.replica_id,
                  request.incarnation, request.address, request.model_id)
@@ -127,6 +132,10 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         with self.lock:
             r = self.index.match(request.model_id, request.cache_salt, request.token_ids,
                                  list(request.block_hashes), probe=request.probe)
+            # Answered either way: a Match routed by another shard list is reported, not
+            # refused (it may have landed right; the index is advisory).
+            self.shard_lists.check(request.shard_list.shards, request.shard_list.fingerprint,
+                                   (m.replica_id for m in r.matches))
         if not request.probe:
             best = r.matches[0].matched_blocks if r.matches else 0
             MATCHES.labels("hit" if best else "miss").inc()
@@ -151,6 +160,7 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         with self.lock:
             s = self.index.stats()
             self._gauges()
+            mismatch, mismatches = self.shard_lists.note(), self.shard_lists.mismatches_total
         return prefix_pb2.PrefixStatsResponse(
             nodes=s.nodes, bytes=s.bytes, replicas=[prefix_pb2.ReplicaInfo(
                 replica_id=r.replica_id, incarnation=r.incarnation, address=r.address,
@@ -161,7 +171,9 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
             match_blocks_total=s.match_blocks_total, match_blocks_hit=s.match_blocks_hit,
             pruned_total=s.pruned_total, resyncs_total=s.resyncs_total,
             block_size=s.block_size, dropped_blocks_total=s.dropped_blocks_total,
-            max_nodes=s.max_nodes)
+            max_nodes=s.max_nodes,
+            shard_list_mismatches_total=mismatches,
+            shard_list_mismatch=mismatch)
 
 
 @dataclass
