@@ -21,9 +21,9 @@ import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, semantic_pb2, semantic_pb2_grpc
 
 from services.common import errors
+from services.common.addresses import ShardRing
 from services.common.grpc_client import call_metadata, cut_short, make_channel
 from services.common.metrics import gauge
-from services.common.ring import HashRing
 from services.orchestrator.routing import ReplicaView
 
 log = logging.getLogger(__name__)
@@ -543,7 +543,9 @@ class SemanticBackend:
         self.internal_token = internal_token
         self.stubs = {a: semantic_pb2_grpc.SemanticCacheStub(make_channel(a))
                       for a in self.addresses}
-        self.ring = HashRing(self.addresses)
+        # Placed by canonical address: orchestrators that spell a shard differently
+        # (dns:///, case, a trailing dot) keep each namespace on the same shard.
+        self.ring = ShardRing(self.addresses)
 
     def dependencies(self) -> list[common_pb2.DependencyHealth]:
         """Stats' health entries: the tier's, and with shards each shard's, the tier's then

@@ -81,6 +81,23 @@ def test_namespaces_are_routed_whole_and_ids_found_on_any_shard(shards):
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
 
 
+def test_an_orchestrator_spelling_the_shards_differently_finds_every_namespace(shards):
+    """Two orchestrators, one listing the shards plainly, the other through gRPC target
+    schemes in another order: the ring was keyed by the text, so the second looked up half the
+    namespaces on the shard the first never stored them on."""
+    svcs, handles = shards
+    a, b = (h.address for h in handles)
+    one = SemanticBackend(f"{a},{b}", "", 5.0)
+    other = SemanticBackend(f" ipv4:{b}, dns:///{a} ", "", 5.0)
+    namespaces = [semantic_pb2.Namespace(tenant=f"t{i}", model_id="m", context_hash="c")
+                  for i in range(16)]
+    for ns in namespaces:
+        one.store(semantic_pb2.StoreRequest(namespace=ns, prompt="q", answer="a"))
+    assert all(s.entries for s in svcs)
+    assert all(other.lookup(semantic_pb2.LookupRequest(namespace=ns, text="q")).hit
+               for ns in namespaces)
+
+
 def test_a_rating_on_a_live_shard_is_not_reported_failed_when_another_is_down(shards):
     svcs, handles = shards
     be = SemanticBackend(",".join(h.address for h in handles), "", 2.0)
