@@ -6,7 +6,9 @@ place alike (`services.common.addresses`), but a real difference (a shard listed
 only, two names that are not the same host) sends chains to one shard and their lookups to
 another: every such Match misses, and nothing failed. Clients send their list's size and
 fingerprint with Register and Match; the shard remembers each replica's and compares it with
-every Match that names the replica. A mismatch never fails the Match (the index is advisory,
+every Match that names the replica, and a Match that names none (the usual case when chains
+went to another shard: nothing here matches) with every list registered here: when none of
+them agrees. A mismatch never fails the Match (the index is advisory,
 and a Match that lands right still answers right): it is counted, logged at most once a
 minute, and said in Stats for a while.
 """
@@ -14,6 +16,7 @@ minute, and said in Stats for a while.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
 
@@ -49,6 +52,7 @@ class ShardListCheck:
     def __init__(self, clock: Callable[[], float]) -> None:
         self.clock = clock
         self._lists: dict[str, ShardList] = {}
+        self._counts: Counter[ShardList] = Counter()  # how many replicas registered each list
         self.mismatches_total = 0
         self._last: tuple[float, str, ShardList, ShardList] | None = None
         self._warned_at: float | None = None
@@ -57,25 +61,47 @@ class ShardListCheck:
     def registered(self, replica_id: str, shards: int, fingerprint: str) -> None:
         """`replica_id` registered with this list (an empty fingerprint: not said, so not
         checked; also what a replica downgraded to an older client registers with)."""
-        self._lists.pop(replica_id, None)
+        self._forget(replica_id)
         if fingerprint:
-            self._lists[replica_id] = ShardList(shards, fingerprint)
+            self._lists[replica_id] = got = ShardList(shards, fingerprint)
+            self._counts[got] += 1
             while len(self._lists) > MAX_REMEMBERED:
-                del self._lists[next(iter(self._lists))]
+                self._forget(next(iter(self._lists)))
+
+    def _forget(self, replica_id: str) -> None:
+        old = self._lists.pop(replica_id, None)
+        if old is not None:
+            self._counts[old] -= 1
+            if not self._counts[old]:
+                del self._counts[old]
 
     def check(self, shards: int, fingerprint: str, replica_ids: Iterable[str]) -> bool:
         """Whether a Match routed by this list (`fingerprint` "" = not said) agrees with the
-        lists the replicas it names registered with; counts and logs when it does not."""
+        lists of the replicas it names (those registered here with one), or, naming none of
+        them, with the list of at least one replica registered here; counts and logs when it
+        does not. Two lists of one shard each always agree (nothing is placed)."""
         if not fingerprint or not self._lists:
             return True
         sent = ShardList(shards, fingerprint)
+
+        def differs(theirs: ShardList) -> bool:
+            return theirs.fingerprint != fingerprint and max(theirs.shards, shards) > 1
+
+        named = False
         for rid in replica_ids:
             theirs = self._lists.get(rid)
-            if (theirs is not None and theirs.fingerprint != fingerprint
-                    and max(theirs.shards, shards) > 1):
+            if theirs is None:
+                continue
+            named = True
+            if differs(theirs):
                 self._mismatch(rid, theirs, sent)
                 return False
-        return True
+        if named or not all(differs(theirs) for theirs in self._counts):
+            return True
+        # No replica here registered with the Match's list: its chains, if any, are elsewhere.
+        rid = next(reversed(self._lists))  # the latest registered, to name one in the report
+        self._mismatch(rid, self._lists[rid], sent)
+        return False
 
     def _mismatch(self, replica_id: str, theirs: ShardList, sent: ShardList) -> None:
         now = self.clock()

@@ -235,16 +235,36 @@ def test_the_check_compares_only_what_both_sides_said():
     clock = Clock()
     c = ShardListCheck(clock)
     c.registered("old", 0, "")  # an older kvpool: says no list
-    c.registered("single", 1, "aaaa")
     assert c.check(2, "bbbb", ["old"])
+    assert c.check(2, "bbbb", [])
+    c.registered("single", 1, "aaaa")
     assert c.check(0, "", ["single"])  # an older orchestrator
     assert c.check(1, "cccc", ["single"])  # one index named differently on each side
-    assert c.check(3, "bbbb", ["gone"])  # a replica not registered here
+    assert c.check(1, "dddd", ["gone"])  # a replica not registered here; one index each
+    assert c.check(1, "dddd", [])  # naming nobody: no registered list differs in placement
     assert c.mismatches_total == 0 and c.note() == ""
     assert not c.check(2, "bbbb", ["old", "single"])  # one side shards: placement differs
     c.registered("single", 0, "")  # registered again without a list: no longer checked
     assert c.check(2, "bbbb", ["single"])
     assert c.mismatches_total == 1
+
+
+def test_a_match_that_names_no_replica_is_checked_against_every_list():
+    # Chains published by a list the Match's does not share are not on this shard: the Match
+    # finds nothing and names no replica, which is when the check matters most.
+    clock = Clock()
+    c = ShardListCheck(clock)
+    c.registered("r0", 2, "aaaa")
+    c.registered("r1", 3, "bbbb")  # mid-rollout: two lists among the replicas
+    assert c.check(3, "bbbb", [])  # one of them agrees
+    assert c.check(2, "aaaa", ["unknown"])
+    assert not c.check(4, "cccc", [])  # none does
+    assert c.note().startswith(f"{DIFFERS}: replica r1 registered with 3 shards (bbbb), a "
+                               "Match came with 4 shards (cccc)")
+    c.registered("r1", 2, "aaaa")  # r1 re-registered with r0's list: bbbb is nobody's now
+    assert not c.check(3, "bbbb", [])
+    assert c.check(2, "aaaa", [])
+    assert c.mismatches_total == 2
 
 
 def test_the_note_lasts_a_while_and_warnings_are_rate_limited(caplog):
