@@ -658,7 +658,7 @@ def test_running_totals_are_exported_as_counters_that_only_add_what_is_new() -> 
         def __len__(self) -> int:
             return 0
 
-    index = SimpleNamespace(tree=Tree(), replica_count=0)
+    index = SimpleNamespace(tree=Tree(), replica_count=0, clock=time.monotonic)
     before = value("tiercache_prefix_pruned_total")
     s = PrefixServicer(index)
     s._gauges()
