@@ -140,7 +140,8 @@ class Hung:
 def cancelled_while(hung: Hung, orch) -> tuple[list, list]:
     """Runs a request until `hung` has its call, then cancels it as gRPC does (the request's
     registered callbacks): (the events it gave, its Cancelled) once it has ended, which must
-    be at once (within 1 s), not when the hung call would have ended."""
+    be at once (within 3 s, loose for a loaded host), not when the hung call would have ended
+    (10 s)."""
     callbacks: list = []
     got: list = []
     out: list = []
@@ -160,7 +161,7 @@ def cancelled_while(hung: Hung, orch) -> tuple[list, list]:
             cb()
         t.join(5)
         took = time.monotonic() - t0
-        assert not t.is_alive() and took < 1.0, (
+        assert not t.is_alive() and took < 3.0, (
             f"the request waited {took:.1f} s on its hung call after its client left")
     finally:
         hung.released.set()
