@@ -61,6 +61,9 @@ class SemanticConfig:
     # --parts latency`, 100k entries): spinning, lookup p50 1.7 ms / p99 5.8-6.0 ms and embed +
     # lookup p50 5.5-5.7 ms; not spinning, p50 2.2 / p99 4.4 / 8.2 ms: spinning keeps a core busy
     # that the gRPC threads of this and the co-located processes then wait for, at the tail.
+    # On the 2-core AMD EPYC host (same command, one run each): spinning 2.61 / 6.90 / 8.66 ms;
+    # spinning with ONNX Runtime's `session.force_spinning_stop` (spin during a run, stop after
+    # it) 2.70 / 7.49 / 8.80; not spinning 3.07 / 6.88 / 10.53. So spinning stays, and no stop.
     onnx_spinning: bool = True
     # How the model is exported to ONNX, once: "torchscript" (torch's legacy tracer) or
     # "dynamo" (torch.export, via onnxscript; for a torch release without the tracer). The same
