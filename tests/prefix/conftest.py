@@ -53,3 +53,12 @@ def stored(hasher: BlockHasher, tokens: Sequence[int], start: int = 0, salt: str
 def matched(index: PrefixIndex, tokens: Sequence[int], salt: str = "") -> dict[str, int]:
     r = index.match(MODEL, salt, token_ids=tokens)
     return {m.replica_id: m.matched_blocks for m in r.matches}
+
+
+def sweep_for(index, clock, turns: int) -> list[str]:
+    """`turns` turns of the lease sweeper, on time (a quarter lease apart); who it dropped."""
+    gone = []
+    for _ in range(turns):
+        clock.t += index.lease_seconds / 4
+        gone += index.sweep()
+    return gone

@@ -13,7 +13,7 @@ from services.prefix.index import Load
 from services.prefix.server import build_index
 from services.prefix.tree import BlockTree
 
-from .conftest import BS, MODEL, make_index, matched, stored, toks
+from .conftest import BS, MODEL, make_index, matched, stored, sweep_for, toks
 
 HOUR = 3600.0
 OLD, NEW = toks(1, 2), toks(3, 4)  # two shallow chains (blocks start before token 8)
@@ -129,15 +129,6 @@ def test_hits_a_resync_saved_age_like_the_rest(clock, hasher):
     index.publish("a", "i1", 3, [stored(hasher, chain, start=2)])
     assert top(index) == [(chain, 4)]
     index.check_integrity()
-
-
-def sweep_for(index, clock, turns: int) -> list[str]:
-    """`turns` turns of the lease sweeper, on time (a quarter lease apart); who it dropped."""
-    gone = []
-    for _ in range(turns):
-        clock.t += index.lease_seconds / 4
-        gone += index.sweep()
-    return gone
 
 
 def test_a_lease_that_lapses_and_comes_straight_back_keeps_its_hits(clock, hasher):

@@ -11,7 +11,7 @@ from services.prefix.index import Load, PrefixIndex, Removed
 from services.prefix.tree import _HITS, _HOLD, _LAST, _USE, BlockTree
 from tests.clock import Clock
 
-from .conftest import BS, MODEL, make_index, matched, stored, toks
+from .conftest import BS, MODEL, make_index, matched, stored, sweep_for, toks
 
 
 def reg(index, rid: str = "a", inc: str = "i1", capacity: int = 100):
@@ -161,15 +161,6 @@ def test_saving_the_hits_in_the_clears_walk_leaves_what_two_walks_left(hasher, m
 
 def top(index) -> list[tuple[list[int], int]]:
     return [(p.token_ids, p.hits) for p in index.top_prefixes(5)]
-
-
-def sweep_for(index, clock, turns: int) -> list[str]:
-    """`turns` turns of the lease sweeper, on time (a quarter lease apart); who it dropped."""
-    gone = []
-    for _ in range(turns):
-        clock.t += index.lease_seconds / 4
-        gone += index.sweep()
-    return gone
 
 
 def hot(index, hasher, chain: list[int]) -> None:
