@@ -7,10 +7,10 @@ only, two names that are not the same host) sends chains to one shard and their 
 another: every such Match misses, and nothing failed. Clients send their list's size and
 fingerprint with Register and Match; the shard remembers each replica's and compares it with
 every Match that names the replica, and a Match that names none (the usual case when chains
-went to another shard: nothing here matches) with every list registered here: when none of
-them agrees. A mismatch never fails the Match (the index is advisory,
-and a Match that lands right still answers right): it is counted, logged at most once a
-minute, and said in Stats for a while.
+went to another shard: nothing here matches) with every list registered here: a mismatch when
+none of them agrees. A mismatch never fails the Match (the index is advisory, and a Match
+that lands right still answers right): it is counted, logged at most once a minute, and said
+in Stats for a while.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ log = logging.getLogger(__name__)
 
 MISMATCHES = metrics.counter(
     "tiercache_prefix_shard_list_mismatches_total",
-    "Match calls routed by another prefix shard list than a replica they name registered with")
+    "Match calls routed by another prefix shard list than the replicas here registered with")
 
 # How long Stats go on saying a mismatch after the last one seen.
 SHOWN_SECONDS = 300.0
