@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import grpc
 
@@ -37,6 +37,18 @@ def cut_short(e: grpc.RpcError, timeout: float | None, full_s: float) -> bool:
     while every request's deadline is shorter than the tier's timeout."""
     return (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and timeout is not None
             and timeout < min(full_s, STALL_EVIDENCE_S))
+
+
+def unary_call(rpc, request, on_call: Callable[[grpc.Future], None] | None = None, **kw):
+    """One call of a stub's unary method `rpc`. With `on_call`, the call is made as a future,
+    handed to `on_call` as it starts (so that a request can cancel it when its client goes):
+    cancelled, it raises grpc.FutureCancelledError (not an RpcError: nothing learnt of the
+    server). `kw`: the call's timeout, metadata."""
+    if on_call is None:
+        return rpc(request, **kw)
+    call = rpc.future(request, **kw)
+    on_call(call)
+    return call.result()
 
 
 _HALF_CLIENT_PAIR = "TIERCACHE_TLS_CLIENT_CERT and TIERCACHE_TLS_CLIENT_KEY must be set together"

@@ -33,7 +33,7 @@ import grpc
 from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
 from services.common.addresses import ShardRing, shard_fingerprint
-from services.common.grpc_client import call_metadata, cut_short, make_channel
+from services.common.grpc_client import call_metadata, cut_short, make_channel, unary_call
 from services.common.hashing import BlockHasher
 
 log = logging.getLogger(__name__)
@@ -176,15 +176,10 @@ class PrefixIndexClient:
         """One call of `method` on the shard at `address`. With `on_call`, the call is made as
         a future, handed to `on_call` as it starts: cancelled (its caller went away), it
         raises grpc.FutureCancelledError at once, and says nothing of the shard."""
-        rpc = getattr(self._shards[address].stub, method)
-        kw = dict(timeout=timeout or self.timeout, metadata=call_metadata(self.internal_token))
         try:
-            if on_call is None:
-                resp = rpc(request, **kw)
-            else:
-                call = rpc.future(request, **kw)
-                on_call(call)
-                resp = call.result()
+            resp = unary_call(getattr(self._shards[address].stub, method), request, on_call,
+                              timeout=timeout or self.timeout,
+                              metadata=call_metadata(self.internal_token))
         except grpc.RpcError as e:
             err = PrefixIndexError.wrap(method, address, e)
             self._outcome(address, err, timeout)

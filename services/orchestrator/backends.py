@@ -22,7 +22,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, semantic_pb2, 
 
 from services.common import errors
 from services.common.addresses import ShardRing
-from services.common.grpc_client import call_metadata, cut_short, make_channel
+from services.common.grpc_client import call_metadata, cut_short, make_channel, unary_call
 from services.common.metrics import gauge
 from services.orchestrator.routing import ReplicaView
 
@@ -572,16 +572,9 @@ class SemanticBackend:
         timeout = timeout or self.timeout_s
         rpc = getattr(self.stubs[address], method)
         md = call_metadata(self.internal_token)
-
-        def run():
-            if on_call is None:
-                return rpc(req, timeout=timeout, metadata=md)
-            call = rpc.future(req, timeout=timeout, metadata=md)
-            on_call(call)
-            return call.result()
-
         try:
-            resp = self.hung.call(address, timeout, self.timeout_s, run)
+            resp = self.hung.call(address, timeout, self.timeout_s, lambda: unary_call(
+                rpc, req, on_call, timeout=timeout, metadata=md))
             self.health.ok()
             self.shard_health[address].ok()
             return resp
