@@ -19,9 +19,10 @@ from services.common.addresses import canonical_address, shard_fingerprint
 from services.common.config import ConfigError, require_addresses
 from services.common.hashing import BlockHasher
 from services.common.prefix_client import PrefixIndexClient
+from services.common.shard_list import SHOWN_SECONDS, WARN_EVERY_SECONDS
 from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
-from services.prefix.shard_list import SHOWN_SECONDS, WARN_EVERY_SECONDS, ShardListCheck
+from services.prefix.shard_list import ShardListCheck
 from tests.clock import Clock
 
 BS = 16
