@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Sequence
 from typing import NamedTuple
 
 import grpc
-from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+from tiercache.v1 import common_pb2, prefix_pb2, prefix_pb2_grpc
 
 from services.common.addresses import ShardRing, shard_fingerprint
 from services.common.grpc_client import call_metadata, cut_short, make_channel, unary_call
@@ -125,7 +125,7 @@ class PrefixIndexClient:
         # Sent with Register and Match: a shard that sees its replicas' list differ from a
         # Match's says so in its Stats (chains published to one shard are looked up on
         # another). The count, so that one index named two ways is no mismatch.
-        self.shard_list = prefix_pb2.ShardList(shards=len(addrs),
+        self.shard_list = common_pb2.ShardList(shards=len(addrs),
                                                fingerprint=shard_fingerprint(addrs))
         self.internal_token = internal_token
         self.timeout = timeout
