@@ -17,6 +17,7 @@ from services.common.errors import InvalidArgument, Unavailable
 from services.semantic.cache import Embedder, Entry, Namespace, SemanticCache
 from services.semantic.config import SemanticConfig
 from services.semantic.index import set_search_threads
+from services.semantic.shard_list import RecentShardLists
 from services.semantic.store import EntryStore
 
 log = logging.getLogger(__name__)
@@ -51,8 +52,11 @@ def _still_wanted(context) -> bool:
 class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
     """Implements tiercache.v1.SemanticCache over a `SemanticCache`."""
 
-    def __init__(self, cache: SemanticCache | None = None) -> None:
+    def __init__(self, cache: SemanticCache | None = None,
+                 shard_lists: RecentShardLists | None = None) -> None:
         self._cache = cache
+        # The orchestrators' shard lists, compared (services.semantic.shard_list).
+        self.shard_lists = shard_lists or RecentShardLists()
 
     def attach(self, cache: SemanticCache) -> None:
         """Starts answering with `cache` (until then every RPC is UNAVAILABLE)."""
@@ -64,8 +68,16 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
             raise Unavailable("semantic cache is still loading")
         return self._cache
 
+    def _placed_by(self, request, method: str, context) -> None:
+        """Compares the shard list the caller placed the namespace by with the other callers';
+        a mismatch is reported, never refused (the call may have landed where it belongs)."""
+        if request.shard_list.fingerprint:
+            self.shard_lists.check(request.shard_list.shards, request.shard_list.fingerprint,
+                                   method, context.peer())
+
     def Lookup(self, request, context):
         t0 = time.perf_counter()
+        self._placed_by(request, "Lookup", context)
         r = self.cache.lookup(_ns(request), request.text, request.tier, request.threshold,
                               request.want_draft, wanted=lambda: _still_wanted(context))
         resp = semantic_pb2.LookupResponse(
@@ -78,6 +90,7 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
         return resp
 
     def Store(self, request, context):
+        self._placed_by(request, "Store", context)
         e = self.cache.store_entry(_ns(request), request.prompt, request.answer,
                                    request.verified, request.ttl_seconds, request.truncated_at,
                                    wanted=lambda: _still_wanted(context),
@@ -105,7 +118,9 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
             hits_by_tier=s.hits_by_tier, near_misses_total=s.near_misses_total,
             guard_rejections_total=s.guard_rejections_total, evictions_total=s.evictions_total,
             expirations_total=s.expirations_total, lookup_p50_ms=s.lookup_p50_ms,
-            lookup_p99_ms=s.lookup_p99_ms, embedding_model=s.embedding_model)
+            lookup_p99_ms=s.lookup_p99_ms, embedding_model=s.embedding_model,
+            shard_list_mismatches_total=self.shard_lists.mismatches_total,
+            shard_list_mismatch=self.shard_lists.note())
 
 
 class Housekeeper:

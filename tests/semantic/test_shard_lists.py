@@ -1,0 +1,162 @@
+"""Orchestrators that place semantic namespaces by different shard lists show in the shards'
+Stats.
+
+Semantic shards are placed by the orchestrators alone, each on its own ring of the shards it
+lists. One that lists a shard the others lack (or names one by another name) stored
+namespaces where the others did not look: their lookups missed, every call succeeded, and
+nothing compared the lists.
+"""
+
+from __future__ import annotations
+
+import logging
+from hashlib import blake2b
+
+import grpc
+import numpy as np
+import pytest
+from prometheus_client import REGISTRY
+from tiercache.v1 import common_pb2
+from tiercache.v1 import semantic_pb2 as pb
+from tiercache.v1 import semantic_pb2_grpc as pbg
+
+from services.common.addresses import shard_fingerprint
+from services.common.shard_list import SHOWN_SECONDS, WARN_EVERY_SECONDS
+from services.semantic.server import serve
+from services.semantic.shard_list import (
+    MAX_FINGERPRINT,
+    MAX_LISTS,
+    WINDOW_SECONDS,
+    RecentShardLists,
+)
+from tests.clock import Clock
+
+DIFFERS = "shard list differs between orchestrators"
+
+
+def _mismatches() -> float:
+    return REGISTRY.get_sample_value("tiercache_semantic_shard_list_mismatches_total") or 0.0
+
+
+# -- the shard's check on its own --------------------------------------------------------------
+
+
+def test_lists_not_said_or_of_one_shard_each_never_differ():
+    c = RecentShardLists(Clock())
+    assert c.check(0, "", "Lookup")  # an older orchestrator: says no list
+    assert c.check(1, "aaaa", "Store")
+    assert c.check(1, "bbbb", "Lookup")  # one shard named differently by each: nothing placed
+    assert c.check(0, "", "Store")
+    assert c.mismatches_total == 0 and c.note() == ""
+    assert not c.check(2, "cccc", "Lookup")  # a second shard on one side: placement differs
+    assert c.mismatches_total == 1
+
+
+def test_a_list_differing_from_one_seen_within_the_window_mismatches():
+    clock = Clock()
+    c = RecentShardLists(clock)
+    before = _mismatches()
+    assert c.check(2, "aaaa", "Store", "ipv4:10.0.0.1:4000")
+    assert c.check(2, "aaaa", "Lookup", "ipv4:10.0.0.1:4000")  # the same list again
+    clock.t += 200
+    assert not c.check(3, "bbbb", "Lookup", "ipv4:10.0.0.2:5000")  # answered all the same
+    assert c.note() == (f"{DIFFERS}: a call came with 2 shards (aaaa) from ipv4:10.0.0.1:4000, "
+                        "a Lookup with 3 shards (bbbb) from ipv4:10.0.0.2:5000 0 s ago "
+                        "(1 such calls in all)")
+    # The first orchestrator's next call mismatches too: the other list is recent.
+    assert not c.check(2, "aaaa", "Store", "ipv4:10.0.0.1:4000")
+    assert c.note().startswith(f"{DIFFERS}: a call came with 3 shards (bbbb) from "
+                               "ipv4:10.0.0.2:5000, a Store with 2 shards (aaaa) from "
+                               "ipv4:10.0.0.1:4000")
+    clock.t += WINDOW_SECONDS - 1
+    assert not c.check(2, "aaaa", "Store")  # bbbb was seen 299 s before
+    clock.t += 2
+    assert c.check(2, "aaaa", "Store")  # not for longer than the window: forgotten
+    assert c.mismatches_total == 3 and _mismatches() == before + 3
+
+
+def test_the_note_lasts_a_while_and_warnings_are_rate_limited(caplog):
+    clock = Clock()
+    c = RecentShardLists(clock)
+    caplog.set_level(logging.WARNING, "services.semantic.shard_list")
+    assert c.check(2, "aaaa", "Store")
+    for _ in range(5):
+        assert not c.check(3, "bbbb", "Lookup")
+    assert len(caplog.records) == 1
+    assert ("semantic shard lists differ: a call came with 2 shards (aaaa), a Lookup with 3 "
+            "shards (bbbb) (1 such calls since the last warning)") in caplog.records[0].getMessage()
+    clock.t += WARN_EVERY_SECONDS
+    assert not c.check(3, "bbbb", "Lookup")
+    assert len(caplog.records) == 2
+    assert "(5 such calls since the last warning)" in caplog.records[1].getMessage()
+    assert c.note().startswith(f"{DIFFERS}: a call came with 2 shards (aaaa)")
+    clock.t += SHOWN_SECONDS + 1
+    assert c.note() == "" and c.mismatches_total == 6
+
+
+def test_the_lists_remembered_are_bounded():
+    c = RecentShardLists(Clock())
+    for i in range(MAX_LISTS + 10):
+        assert c.check(1, f"{i:04x}", "Lookup")  # one shard each: never a mismatch
+    assert len(c._seen) == MAX_LISTS
+    assert "0000" not in c._seen and f"{MAX_LISTS + 9:04x}" in c._seen  # the oldest went
+    assert c.check(1, "f" * 100_000, "Lookup")  # a caller's overlong fingerprint is cut
+    assert "f" * MAX_FINGERPRINT in c._seen and len(c._seen) == MAX_LISTS
+
+
+# -- over gRPC: two semantic shards in-process -------------------------------------------------
+
+
+class HashEmbedder:
+    """A vector per text from its hash (no model: these tests only place namespaces)."""
+
+    name = identity = "hash@test"
+    dim = 8
+
+    def embed_one(self, text: str) -> np.ndarray:
+        seed = int.from_bytes(blake2b(text.encode(), digest_size=4).digest(), "little")
+        v = np.random.default_rng(seed).standard_normal(self.dim).astype(np.float32)
+        return v / np.linalg.norm(v)
+
+    def embed(self, texts: list[str]) -> np.ndarray:
+        return (np.stack([self.embed_one(t) for t in texts]) if texts
+                else np.zeros((0, self.dim), np.float32))
+
+
+@pytest.fixture
+def shards(make_cfg, tmp_path):
+    svcs = [serve(make_cfg(db_path=str(tmp_path / f"s{i}.db")), embedder=HashEmbedder())
+            for i in range(2)]
+    yield svcs
+    for s in svcs:
+        s.stop(0)
+
+
+NS = pb.Namespace(tenant="acme", model_id="m", context_hash="00ff")
+
+
+def test_a_shard_called_with_two_lists_says_so_and_answers_both(shards):
+    a = shards[0].handle.address
+    one = common_pb2.ShardList(shards=1, fingerprint=shard_fingerprint([a]))
+    two = common_pb2.ShardList(shards=2, fingerprint=shard_fingerprint([a, "semantic-1:1"]))
+    before = _mismatches()
+    with grpc.insecure_channel(a) as ch:
+        stub = pbg.SemanticCacheStub(ch)
+        sid = stub.Store(pb.StoreRequest(namespace=NS, prompt="q", answer="x", shard_list=one),
+                         timeout=10).id
+        st = stub.Stats(pb.SemanticStatsRequest(), timeout=10)
+        assert (st.shard_list_mismatches_total, st.shard_list_mismatch) == (0, "")
+        r = stub.Lookup(pb.LookupRequest(namespace=NS, text="q", shard_list=two), timeout=10)
+        assert r.hit and r.entry.id == sid  # answered as ever
+        st = stub.Stats(pb.SemanticStatsRequest(), timeout=10)
+        assert st.shard_list_mismatches_total == 1
+        note = st.shard_list_mismatch
+        assert note.startswith(f"{DIFFERS}: a call came with 1 shard ({one.fingerprint}) from "
+                               "ipv4:127.0.0.1:"), note
+        assert f", a Lookup with 2 shards ({two.fingerprint}) from ipv4:127.0.0.1:" in note
+        assert note.endswith("(1 such calls in all)")
+        # An older orchestrator's call (no list) is not checked.
+        assert stub.Lookup(pb.LookupRequest(namespace=NS, text="q"), timeout=10).hit
+        assert stub.Stats(pb.SemanticStatsRequest(),
+                          timeout=10).shard_list_mismatches_total == 1
+    assert _mismatches() == before + 1
