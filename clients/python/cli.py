@@ -243,9 +243,9 @@ def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
         if st.shards_answered < st.shards_total:
             sys.stderr.write(f"{tier}: {st.shards_answered} of {st.shards_total} shards "
                              "answered; its figures leave out the others'\n")
-    if resp.prefix.shard_list_mismatch:
-        # Every call succeeds while lookups go to the wrong shard: the JSON alone hid it.
-        sys.stderr.write(f"prefix: {resp.prefix.shard_list_mismatch}\n")
+        if st.shard_list_mismatch:
+            # Every call succeeds while lookups go to the wrong shard: the JSON alone hid it.
+            sys.stderr.write(f"{tier}: {st.shard_list_mismatch}\n")
     return 0
 
 

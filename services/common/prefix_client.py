@@ -35,6 +35,7 @@ from tiercache.v1 import common_pb2, prefix_pb2, prefix_pb2_grpc
 from services.common.addresses import ShardRing, shard_fingerprint
 from services.common.grpc_client import call_metadata, cut_short, make_channel, unary_call
 from services.common.hashing import BlockHasher
+from services.common.shard_list import merged_note
 
 log = logging.getLogger(__name__)
 
@@ -442,9 +443,7 @@ class PrefixIndexClient:
                     cur.held_blocks += ri.held_blocks
                     cur.last_seen_s = max(cur.last_seen_s, ri.last_seen_s)
         out.replicas.extend(reps[k] for k in sorted(reps))
-        for a, r in got.items():
-            self.shard_list_notes[a] = r.shard_list_mismatch  # type: ignore[attr-defined]
-        out.shard_list_mismatch = "; ".join(
-            f"{a}: {r.shard_list_mismatch}" if self.sharded else r.shard_list_mismatch
-            for a, r in got.items() if r.shard_list_mismatch)  # type: ignore[attr-defined]
+        notes = {a: r.shard_list_mismatch for a, r in got.items()}  # type: ignore[attr-defined]
+        self.shard_list_notes.update(notes)
+        out.shard_list_mismatch = merged_note(notes, self.sharded)
         return out

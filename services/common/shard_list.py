@@ -16,7 +16,7 @@ minutes after the last one. A mismatch never fails the call.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 from prometheus_client import Counter
@@ -41,6 +41,12 @@ class ShardList(NamedTuple):
         one shard each never do (nothing is placed: one shard may be named differently on
         each side)."""
         return self.fingerprint != other.fingerprint and max(self.shards, other.shards) > 1
+
+
+def merged_note(notes: Mapping[str, str], sharded: bool) -> str:
+    """A client's one note from its shards' (address -> note, "" = none), as its Stats merge
+    them: each prefixed with the shard's address when there are several."""
+    return "; ".join(f"{a}: {n}" if sharded else n for a, n in notes.items() if n)
 
 
 class MismatchReport:

@@ -15,15 +15,16 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, semantic_pb2, semantic_pb2_grpc
 
 from services.common import errors
-from services.common.addresses import ShardRing
+from services.common.addresses import ShardRing, shard_fingerprint
 from services.common.grpc_client import call_metadata, cut_short, make_channel, unary_call
 from services.common.metrics import gauge
+from services.common.shard_list import merged_note
 from services.orchestrator.routing import ReplicaView
 
 log = logging.getLogger(__name__)
@@ -86,6 +87,14 @@ def tier_health(name: str, address: str, shards: Sequence[common_pb2.DependencyH
     return common_pb2.DependencyHealth(
         name=name, address=address, healthy=False,
         last_error=f"{len(down)} of {len(shards)} shards unhealthy: {', '.join(down)}")
+
+
+def with_note(line: common_pb2.DependencyHealth, note: str) -> None:
+    """Mark `line` unhealthy with `note` (a shard's word that the shard lists it is reached by
+    differ: every call succeeds while lookups go to the wrong shard) beside any error it has."""
+    if note:
+        line.last_error = f"{line.last_error}; {note}" if line.last_error else note
+        line.healthy = False
 
 
 @dataclass
@@ -546,16 +555,31 @@ class SemanticBackend:
         # Placed by canonical address: orchestrators that spell a shard differently
         # (dns:///, case, a trailing dot) keep each namespace on the same shard.
         self.ring = ShardRing(self.addresses)
+        # Sent with Lookup and Store: a shard that sees orchestrators place by different lists
+        # (a shard one lists and another lacks: each stores namespaces where the others do not
+        # look) says so in its Stats. The same fingerprint as the prefix tier's lists.
+        self.shard_list = common_pb2.ShardList(shards=len(self.addresses),
+                                               fingerprint=shard_fingerprint(self.addresses))
+        # address -> the shard's own word on the shard lists it sees differ (its last Stats;
+        # "" = none).
+        self.shard_list_notes: dict[str, str] = {}
 
     def dependencies(self) -> list[common_pb2.DependencyHealth]:
         """Stats' health entries: the tier's, and with shards each shard's, the tier's then
-        derived from theirs (`tier_health`)."""
+        derived from theirs (`tier_health`).
+
+        A shard that said in its last Stats that orchestrators call it with different shard
+        lists reads unhealthy, saying so: namespaces one stores there are looked up elsewhere
+        by another (or the reverse), though each call succeeds."""
         if len(self.addresses) <= 1:
-            return [self.health.proto()]
+            line = self.health.proto()
+            with_note(line, self.shard_list_notes.get(self.health.address, ""))
+            return [line]
         shards = [h.proto() for h in self.shard_health.values()]
         for sh in shards:
             if not sh.healthy and not sh.last_error:
                 sh.last_error = "no call yet"  # as prefix shards say it
+            with_note(sh, self.shard_list_notes.get(sh.address, ""))
         return [tier_health(self.health.name, self.health.address, shards), *shards]
 
     def shard_for(self, ns: semantic_pb2.Namespace) -> str:
@@ -593,9 +617,9 @@ class SemanticBackend:
             raise
 
     def _each(self, method: str, req, deadline: float | None = None
-              ) -> tuple[list, Exception | None]:
-        """Call every shard: the answers of those that had it, and why some shard did not
-        answer (None if every one did, NOT_FOUND aside).
+              ) -> tuple[dict[str, Any], Exception | None]:
+        """Call every shard: the answers of those that had it (by address, in the shards'
+        order), and why some shard did not answer (None if every one did, NOT_FOUND aside).
 
         A shard that is down does not hide the answer of one that acted (the entry lives on
         one shard: a rating applied there must not be reported as failed). With no answer,
@@ -603,7 +627,7 @@ class SemanticBackend:
         `deadline` (time.monotonic()) bounds the whole round: each shard gets what is left of
         it, and none is called once it has passed (DeadlineExceeded if none answered).
         """
-        out: list = []
+        out: dict[str, Any] = {}
         not_found: grpc.RpcError | None = None
         failed: Exception | None = None
         for a in self.addresses:
@@ -616,7 +640,7 @@ class SemanticBackend:
                     break
                 timeout = min(self.timeout_s, left)
             try:
-                out.append(self._call(a, method, req, timeout))
+                out[a] = self._call(a, method, req, timeout)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     not_found = e
@@ -629,25 +653,30 @@ class SemanticBackend:
     def lookup(self, req: semantic_pb2.LookupRequest, timeout: float | None = None,
                on_call: Callable[[grpc.Future], None] | None = None
                ) -> semantic_pb2.LookupResponse:
-        """`on_call`: see `_call` (the request cancels its lookup when its client goes)."""
+        """`on_call`: see `_call` (the request cancels its lookup when its client goes).
+        `req` is sent with this orchestrator's shard list (set here)."""
+        req.shard_list.CopyFrom(self.shard_list)
         return self._call(self.shard_for(req.namespace), "Lookup", req, timeout, on_call)
 
     def store(self, req: semantic_pb2.StoreRequest, timeout: float | None = None,
               on_call: Callable[[grpc.Future], None] | None = None
               ) -> semantic_pb2.StoreResponse:
-        """`on_call`: see `_call` (the request cancels its Store when its client goes)."""
+        """`on_call`: see `_call` (the request cancels its Store when its client goes).
+        `req` is sent with this orchestrator's shard list (set here)."""
+        req.shard_list.CopyFrom(self.shard_list)
         return self._call(self.shard_for(req.namespace), "Store", req, timeout, on_call)
 
     def verify(self, entry_id: str, verified: bool, deadline: float | None = None
                ) -> semantic_pb2.SemanticEntry:
-        return self._each("Verify", semantic_pb2.VerifyRequest(id=entry_id, verified=verified),
-                          deadline)[0][0]
+        got, _ = self._each("Verify", semantic_pb2.VerifyRequest(id=entry_id, verified=verified),
+                            deadline)
+        return next(iter(got.values()))
 
     def invalidate(self, entry_id: str, deadline: float | None = None
                    ) -> semantic_pb2.InvalidateResponse:
         got, failed = self._each("Invalidate", semantic_pb2.InvalidateRequest(id=entry_id),
                                  deadline)
-        removed = sum(r.removed for r in got)
+        removed = sum(r.removed for r in got.values())
         if removed == 0 and failed is not None:
             # The shards that answered do not hold it; the one that did not may: "unknown"
             # would tell the client not to retry while the entry is still served.
@@ -656,19 +685,28 @@ class SemanticBackend:
 
     def stats(self, deadline: float | None = None) -> semantic_pb2.SemanticStatsResponse:
         """Every shard's figures summed. `shards_answered` < `shards_total` says some shard's
-        are missing (it was down or slow), rather than the sum passing for the whole tier's."""
-        parts, _ = self._each("Stats", semantic_pb2.SemanticStatsRequest(), deadline)
+        are missing (it was down or slow), rather than the sum passing for the whole tier's.
+        Each shard's word on differing shard lists is kept for `dependencies` and joined,
+        prefixed with its address when there are several shards."""
+        got, _ = self._each("Stats", semantic_pb2.SemanticStatsRequest(), deadline)
+        said = {a: r.shard_list_mismatch for a, r in got.items()}
+        self.shard_list_notes.update(said)
+        notes = merged_note(said, len(self.addresses) > 1)
+        parts = list(got.values())
         if len(parts) == 1:
             out = semantic_pb2.SemanticStatsResponse()
             out.CopyFrom(parts[0])
             out.shards_total, out.shards_answered = len(self.addresses), 1
+            out.shard_list_mismatch = notes
             return out
         out = semantic_pb2.SemanticStatsResponse(embedding_model=parts[0].embedding_model,
                                                  shards_total=len(self.addresses),
-                                                 shards_answered=len(parts))
+                                                 shards_answered=len(parts),
+                                                 shard_list_mismatch=notes)
         for p in parts:
             for f in ("entries", "namespaces", "lookups_total", "near_misses_total",
-                      "guard_rejections_total", "evictions_total", "expirations_total"):
+                      "guard_rejections_total", "evictions_total", "expirations_total",
+                      "shard_list_mismatches_total"):
                 setattr(out, f, getattr(out, f) + getattr(p, f))
             for tier, n in p.hits_by_tier.items():
                 out.hits_by_tier[tier] += n

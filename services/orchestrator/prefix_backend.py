@@ -14,7 +14,7 @@ from tiercache.v1 import common_pb2
 
 from services.common.grpc_client import cut_short
 from services.common.prefix_client import PrefixIndexClient
-from services.orchestrator.backends import Health, HungBackoff, tier_health
+from services.orchestrator.backends import Health, HungBackoff, tier_health, with_note
 
 
 class PrefixBackend:
@@ -63,7 +63,7 @@ class PrefixBackend:
         should hold goes elsewhere and misses, though each call succeeds."""
         if len(self.client.addresses) <= 1:
             line = self.health.proto()
-            _with_note(line, self.client.shard_list_notes.get(self.client.addresses[0], ""))
+            with_note(line, self.client.shard_list_notes.get(self.client.addresses[0], ""))
             return [line]
         shards = []
         for a in self.client.addresses:
@@ -71,7 +71,7 @@ class PrefixBackend:
             shards.append(common_pb2.DependencyHealth(
                 name="prefix shard", address=a, healthy=err == "",
                 last_error="no call yet" if err is None else err))
-            _with_note(shards[-1], self.client.shard_list_notes.get(a, ""))
+            with_note(shards[-1], self.client.shard_list_notes.get(a, ""))
         return [tier_health(self.health.name, self.health.address, shards), *shards]
 
     def top_prefixes(self, k: int, model_id: str, cache_salt: str | None = None):
@@ -82,10 +82,3 @@ class PrefixBackend:
         """`timeout`: at most this long (the caller's deadline), else the index's own."""
         return self._guard(self.client.stats, allow_partial=True,
                            timeout=None if timeout is None else min(timeout, self.timeout_s))
-
-
-def _with_note(line: common_pb2.DependencyHealth, note: str) -> None:
-    """Mark `line` unhealthy with `note` (a shard-list mismatch) beside any error it has."""
-    if note:
-        line.last_error = f"{line.last_error}; {note}" if line.last_error else note
-        line.healthy = False

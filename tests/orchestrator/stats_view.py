@@ -4,6 +4,7 @@ over gRPC on loopback: what `tiercache stats` shows of those tiers."""
 from __future__ import annotations
 
 import contextlib
+import json
 from collections.abc import Iterator
 from types import SimpleNamespace
 
@@ -37,3 +38,19 @@ def stats_server(semantic, prefix=None) -> Iterator[str]:
         yield handle.address
     finally:
         handle.stop(0)
+
+
+def stats_via_cli(capsys, monkeypatch, semantic, prefix=None) -> tuple[dict, str]:
+    """What `tiercache stats` prints of such an orchestrator: its JSON on stdout, and stderr.
+    `capsys` and `monkeypatch` are the test's fixtures (the client's token and TLS variables
+    are cleared: the server wants neither)."""
+    from clients.python import cli
+
+    for v in ("TIERCACHE_TOKEN", "TIERCACHE_TLS_CA", "TIERCACHE_TLS_CLIENT_CERT",
+              "TIERCACHE_TLS_CLIENT_KEY"):
+        monkeypatch.delenv(v, raising=False)
+    capsys.readouterr()
+    with stats_server(semantic, prefix) as addr:
+        assert cli.main(["--address", addr, "--timeout", "30", "stats"]) == 0
+    out = capsys.readouterr()
+    return json.loads(out.out), out.err

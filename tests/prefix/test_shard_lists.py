@@ -8,7 +8,6 @@ were published to one and looked up on another, and nothing said so.
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
@@ -151,14 +150,10 @@ def test_a_shard_missing_on_one_side_is_reported_while_match_answers(shards, cap
     Matches all go there, and half the chains are on the other shard. Every Match still
     answers; the shard counts the Matches, and the orchestrator's Stats (`tiercache stats`)
     mark the tier unhealthy naming both lists."""
-    from clients.python import cli
     from services.orchestrator.backends import SemanticBackend
     from services.orchestrator.prefix_backend import PrefixBackend
-    from tests.orchestrator.stats_view import stats_server
+    from tests.orchestrator.stats_view import stats_via_cli
 
-    for v in ("TIERCACHE_TOKEN", "TIERCACHE_TLS_CA", "TIERCACHE_TLS_CLIENT_CERT",
-              "TIERCACHE_TLS_CLIENT_KEY"):
-        monkeypatch.delenv(v, raising=False)
     a, b = (s.address for s in shards)
     kvpool = PrefixIndexClient([a, b], timeout=5, block_size=BS)
     pb = PrefixBackend((a,), "", 5.0, BS)
@@ -184,15 +179,11 @@ def test_a_shard_missing_on_one_side_is_reported_while_match_answers(shards, cap
         [line] = pb.dependencies()
         assert not line.healthy and line.last_error == s.shard_list_mismatch
 
-        capsys.readouterr()
-        with stats_server(SemanticBackend("", "", 1.0), pb) as addr:
-            assert cli.main(["--address", addr, "--timeout", "30", "stats"]) == 0
-        out = capsys.readouterr()
-        shown = json.loads(out.out)
+        shown, err = stats_via_cli(capsys, monkeypatch, SemanticBackend("", "", 1.0), pb)
         assert shown["prefix"]["shardListMismatch"] == s.shard_list_mismatch
         assert shown["prefix"]["shardListMismatchesTotal"] == str(len(prompts))
         assert [d["lastError"] for d in shown["dependencies"]] == [s.shard_list_mismatch]
-        assert out.err == f"prefix: {s.shard_list_mismatch}\n"
+        assert err == f"prefix: {s.shard_list_mismatch}\n"
     finally:
         kvpool.close()
         pb.client.close()

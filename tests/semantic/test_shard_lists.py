@@ -160,3 +160,73 @@ def test_a_shard_called_with_two_lists_says_so_and_answers_both(shards):
         assert stub.Stats(pb.SemanticStatsRequest(),
                           timeout=10).shard_list_mismatches_total == 1
     assert _mismatches() == before + 1
+
+
+def _namespaces(n: int) -> list[pb.Namespace]:
+    return [pb.Namespace(tenant=f"t{i}", model_id="m", context_hash="c") for i in range(n)]
+
+
+def test_orchestrators_spelling_the_shards_differently_agree(shards):
+    from services.orchestrator.backends import SemanticBackend
+
+    a, b = (s.handle.address for s in shards)
+    one = SemanticBackend(f"{a},{b}", "", 5.0)
+    other = SemanticBackend(f" ipv4:{b}, dns:///{a} ", "", 5.0)
+    # The prefix tier's fingerprint, over the semantic addresses as placement sees them.
+    assert one.shard_list == other.shard_list == common_pb2.ShardList(
+        shards=2, fingerprint=shard_fingerprint([a, b]))
+    for ns in _namespaces(12):
+        one.store(pb.StoreRequest(namespace=ns, prompt="q", answer="a"))
+        assert other.lookup(pb.LookupRequest(namespace=ns, text="q")).hit
+    st = other.stats()
+    assert (st.shard_list_mismatches_total, st.shard_list_mismatch) == (0, "")
+    assert all(d.healthy for d in other.dependencies())
+
+
+def test_an_orchestrator_missing_a_shard_is_reported_while_calls_answer(shards, capsys,
+                                                                      monkeypatch):
+    """Orchestrator X lists shard A only, Y lists A and B: X stores every namespace on A, Y
+    looks those it places on B up there and misses. Every call answers; A, called with both
+    lists, counts Y's calls, and both orchestrators' Stats (`tiercache stats`) mark A's line
+    unhealthy naming both lists."""
+    from services.orchestrator.backends import SemanticBackend
+    from tests.orchestrator.stats_view import stats_via_cli
+
+    a, b = (s.handle.address for s in shards)
+    x = SemanticBackend(a, "", 5.0)
+    y = SemanticBackend(f"{a},{b}", "", 5.0)
+    namespaces = _namespaces(12)
+    for ns in namespaces:
+        x.store(pb.StoreRequest(namespace=ns, prompt="q", answer="a"))
+    on_a = [y.shard_for(ns) == a for ns in namespaces]
+    assert 0 < sum(on_a) < len(namespaces)
+    before = _mismatches()
+    found = [y.lookup(pb.LookupRequest(namespace=ns, text="q")).hit for ns in namespaces]
+    assert found == on_a  # never refused: found on A, missed on B
+    assert _mismatches() == before + sum(on_a)  # B saw only Y's list
+
+    s = y.stats()
+    assert s.shard_list_mismatches_total == sum(on_a)
+    assert s.shard_list_mismatch.startswith(
+        f"{a}: {DIFFERS}: a call came with 1 shard ({x.shard_list.fingerprint}) from "), (
+        s.shard_list_mismatch)
+    assert f", a Lookup with 2 shards ({y.shard_list.fingerprint}) from " in (
+        s.shard_list_mismatch)
+    lines = {(d.name, d.address): d for d in y.dependencies()}
+    assert not lines[("semantic shard", a)].healthy
+    assert lines[("semantic shard", a)].last_error.startswith(DIFFERS)
+    assert lines[("semantic shard", b)].healthy  # it saw one list only
+    tier = lines[("semantic", f"{a},{b}")]
+    assert not tier.healthy and tier.last_error == f"1 of 2 shards unhealthy: {a}"
+
+    s = x.stats()  # X's one shard is A: its line says the same, without an address
+    assert s.shard_list_mismatch.startswith(f"{DIFFERS}: a call came with 1 shard")
+    [line] = x.dependencies()
+    assert not line.healthy and line.last_error == s.shard_list_mismatch
+
+    shown, err = stats_via_cli(capsys, monkeypatch, x)
+    note = shown["semantic"]["shardListMismatch"]
+    assert note.startswith(DIFFERS)
+    assert shown["semantic"]["shardListMismatchesTotal"] == str(sum(on_a))
+    assert [d["lastError"] for d in shown["dependencies"]] == [note]
+    assert err == f"semantic: {note}\n"
