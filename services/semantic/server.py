@@ -77,9 +77,10 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
 
     def Lookup(self, request, context):
         t0 = time.perf_counter()
-        self._placed_by(request, "Lookup", context)
         r = self.cache.lookup(_ns(request), request.text, request.tier, request.threshold,
                               request.want_draft, wanted=lambda: _still_wanted(context))
+        # After the call: a request refused as bad input leaves nothing behind, its list too.
+        self._placed_by(request, "Lookup", context)
         resp = semantic_pb2.LookupResponse(
             hit=r.hit, similarity=r.similarity, threshold=r.threshold, tier=r.tier,
             guard_rejected=r.guard_rejected, guard_reason=r.guard_reason,
@@ -90,11 +91,11 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
         return resp
 
     def Store(self, request, context):
-        self._placed_by(request, "Store", context)
         e = self.cache.store_entry(_ns(request), request.prompt, request.answer,
                                    request.verified, request.ttl_seconds, request.truncated_at,
                                    wanted=lambda: _still_wanted(context),
                                    answer_token_ids=request.answer_token_ids)
+        self._placed_by(request, "Store", context)
         return semantic_pb2.StoreResponse(id=e.id)
 
     def Verify(self, request, context):

@@ -162,6 +162,24 @@ def test_a_shard_called_with_two_lists_says_so_and_answers_both(shards):
     assert _mismatches() == before + 1
 
 
+def test_a_call_refused_as_bad_input_leaves_no_list_behind(shards):
+    a = shards[0].handle.address
+    one = common_pb2.ShardList(shards=1, fingerprint=shard_fingerprint([a]))
+    two = common_pb2.ShardList(shards=2, fingerprint=shard_fingerprint([a, "semantic-1:1"]))
+    with grpc.insecure_channel(a) as ch:
+        stub = pbg.SemanticCacheStub(ch)
+        for bad in (pb.LookupRequest(namespace=NS, text="", shard_list=two),
+                    pb.StoreRequest(namespace=NS, prompt="q", answer="", shard_list=two)):
+            method = stub.Lookup if isinstance(bad, pb.LookupRequest) else stub.Store
+            with pytest.raises(grpc.RpcError) as e:
+                method(bad, timeout=10)
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # Had the refused calls' list been kept, this one would differ from it.
+        stub.Lookup(pb.LookupRequest(namespace=NS, text="q", shard_list=one), timeout=10)
+        st = stub.Stats(pb.SemanticStatsRequest(), timeout=10)
+        assert (st.shard_list_mismatches_total, st.shard_list_mismatch) == (0, "")
+
+
 def _namespaces(n: int) -> list[pb.Namespace]:
     return [pb.Namespace(tenant=f"t{i}", model_id="m", context_hash="c") for i in range(n)]
 
