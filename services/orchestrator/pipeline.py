@@ -445,12 +445,13 @@ class Orchestrator:
             return matches
         return self.dispatched.merged(matches, hashes)
 
-    def owner(self, tenant: Tenant, token_ids: list[int], deadline: float | None = None
-              ) -> str | None:
+    def owner(self, tenant: Tenant, token_ids: list[int], deadline: float | None = None,
+              on_call: Callable[[grpc.Future], None] | None = None) -> str | None:
         """The replica a request with this prompt would be routed to now (Warm's owners), not
         counted as routed traffic; None when no replica is available. Past `deadline` the
-        index is not asked (ring routing)."""
-        view = self._matches(tenant, token_ids, deadline, probe=True)
+        index is not asked (ring routing). `on_call` is handed the index probe's call as it
+        starts (to cancel it when the Warm's caller goes away: ring routing then)."""
+        view = self._matches(tenant, token_ids, deadline, probe=True, on_call=on_call)
         with self._route_lock:  # the policy's ring changes as replicas come and go
             d = self.routing.choose(self.replicas.views(),
                                     self._with_dispatched(view.matches, view.hashes), view.key,

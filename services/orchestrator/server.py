@@ -258,7 +258,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # a worker thread for up to 120 s: uncounted, Warm calls could take the threads kept
         # for health probes and Stats), and ends by the caller's deadline.
         with self._admitted(tenant):
-            gone = threading.Event()  # the caller cancelled or went away
+            gone = _Gone()  # the caller cancelled or went away
             _on_rpc_end(context, gone.set)
             return self.warmer.warm(tenant, request, context.time_remaining(),
                                     charge=lambda n: self.tenants.charge(tenant, n), gone=gone)
@@ -391,6 +391,31 @@ def _fair_share(hot: list, replicas: set[str], k: int) -> list:
 GONE_POLL_S = 0.25  # how often a running Warm prefill checks whether its caller went away
 
 
+class _Gone(threading.Event):
+    """Set when a Warm's caller cancelled or went away; setting it also cancels the index
+    probe under way (`holding`), which would otherwise run to the index's timeout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self._call: grpc.Future | None = None
+
+    def set(self) -> None:
+        super().set()
+        with self._lock:
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def holding(self, call: grpc.Future | None) -> None:
+        """`call` is the one under way now (None: it ended); cancelled at once if already
+        set."""
+        with self._lock:
+            self._call = call
+        if call is not None and self.is_set():
+            call.cancel()
+
+
 def _unless_gone(call, gone: threading.Event):
     """`call`'s response (a unary gRPC future), or None when `gone` is set before it ends: the
     call is then cancelled, and the replica's handler cancels its work."""
@@ -455,9 +480,15 @@ class Warmer:
             # The caller's deadline bounds each owner lookup (and once it has passed, or the
             # caller is gone, the index is not asked): one lookup per prompt at the index's
             # whole timeout held a hung index's Warm far past its deadline.
-            owner = self.orch.owner(tenant, token_ids,
-                                    time.monotonic() if gone is not None and gone.is_set()
-                                    else deadline)
+            # A probe under way when the caller goes is cancelled (`_Gone`), not waited for.
+            holding = gone.holding if isinstance(gone, _Gone) else None
+            try:
+                owner = self.orch.owner(tenant, token_ids,
+                                        time.monotonic() if gone is not None and gone.is_set()
+                                        else deadline, on_call=holding)
+            finally:
+                if holding is not None:
+                    holding(None)
             return [r for r in healthy if r.replica_id == owner]
         return healthy
 

@@ -26,7 +26,7 @@ from services.orchestrator.pipeline import (
 )
 from services.orchestrator.render import RenderedPrompt
 from services.orchestrator.routing import PrefixAwarePolicy
-from services.orchestrator.server import Warmer, _on_rpc_end
+from services.orchestrator.server import Warmer, _Gone, _on_rpc_end
 from services.orchestrator.tenants import Tenant
 
 
@@ -919,6 +919,58 @@ def test_a_warm_for_owners_keeps_its_deadline_with_a_hung_index():
     # The lookups together took at most a quarter of the call: the prefills keep the rest
     # (each taking a quarter of what was left of the whole call used ~97% of it over 12).
     assert sum(index.timeouts) <= 0.25 * 1.0 + 0.01, sum(index.timeouts)
+
+
+def test_a_warm_owner_probe_under_way_is_cancelled_when_its_caller_goes():
+    """A Warm's caller gone during an owner probe of a hung index: the probe ran to the
+    index's timeout (at most 0.5 s each); now it is cancelled at once, and no prefill is sent."""
+    from services.orchestrator.render import PromptRenderer
+
+    class Probe:
+        def __init__(self) -> None:
+            self.cancelled = threading.Event()
+
+        def cancel(self) -> bool:
+            self.cancelled.set()
+            return True
+
+    class HungIndex:
+        timeout_s = 5.0
+
+        def __init__(self) -> None:
+            self.probes: list[Probe] = []
+            self.started = threading.Event()
+
+        def match(self, hashes, model_id, timeout=None, probe=False, on_call=None):
+            call = Probe()
+            self.probes.append(call)
+            if on_call is not None:
+                on_call(call)
+            self.started.set()
+            if call.cancelled.wait(self.timeout_s):
+                raise grpc.FutureCancelledError()
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    stubs = {r: Stub(r, []) for r in ("A", "B")}
+    index = HungIndex()
+    orch = make(stubs, prefix=index)
+    orch.renderer = PromptRenderer(Tok(), max_chars=100)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
+    gone = _Gone()
+    prompts = [orchestrator_pb2.WarmPrompt(prompt=f"p{i:02d}" + "." * 30) for i in range(3)]
+    threading.Thread(target=lambda: index.started.wait(5) and gone.set(), daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=prompts, target=orchestrator_pb2.WARM_TARGET_OWNERS), time_remaining=30.0,
+            gone=gone)
+    finally:
+        warmer.stop()
+    assert time.monotonic() - t0 < 2.0
+    # The first probe was cancelled; none was sent after the caller went, nor any prefill.
+    assert len(index.probes) == 1 and index.probes[0].cancelled.is_set()
+    assert all(not s.requests for s in stubs.values())
+    assert all(r.error.startswith("CANCELLED") for r in out.results)
 
 
 def test_one_session_id_in_two_tenants_is_two_routing_keys():
