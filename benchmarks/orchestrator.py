@@ -74,6 +74,16 @@ def summarize(out: list[Outcome], replica_ids: tuple[str, ...] = ()) -> dict:
         computed[o.replica_id] += o.prompt_tokens - o.cached_tokens
     work = list(computed.values()) or [0]
     work_mean = sum(work) / max(1, len(work))
+    # How routing placed the model-served requests ("prefix": to the longest useful match;
+    # "ring"/"session": by key) and what each way reused: a change in the hit ratio between
+    # runs shows here as a shift between routes or a drop within one.
+    routes: dict[str, dict[str, int]] = {}
+    for o in model:
+        r = routes.setdefault(o.route or "unknown", {"requests": 0, "prompt_tokens": 0,
+                                                     "cached_tokens": 0})
+        r["requests"] += 1
+        r["prompt_tokens"] += o.prompt_tokens
+        r["cached_tokens"] += o.cached_tokens
     return {
         "requests": len(out), "errors": len(out) - len(ok),
         "error_samples": [o.error for o in out if o.error][:3],
@@ -91,6 +101,7 @@ def summarize(out: list[Outcome], replica_ids: tuple[str, ...] = ()) -> dict:
         "computed_tokens_per_replica": dict(computed),
         "replica_computed_tokens_max_over_mean": (round(max(work) / work_mean, 3)
                                                   if work_mean else None),
+        "routes": dict(sorted(routes.items())),
     }
 
 
@@ -226,8 +237,10 @@ def median_run(runs: list[dict]) -> dict:
 
 def repeat_summary(runs: dict[str, list[dict]]) -> dict:
     """Each run's headline figures, and the routing ratio run by run (paired in order)."""
-    keys = ("prefix_hit_token_ratio", "replica_load_max_over_mean", "ttft_p50_ms_all")
-    out: dict = {name: [{k: r[k] for k in keys} for r in rs] for name, rs in runs.items()}
+    keys = ("prefix_hit_token_ratio", "replica_load_max_over_mean", "ttft_p50_ms_all",
+            "routes")
+    out: dict = {name: [{k: r[k] for k in keys if k in r} for r in rs]
+                 for name, rs in runs.items()}
     out["prefix_hit_ratio_vs_round_robin_by_run"] = [
         round(a["prefix_hit_token_ratio"] / max(b["prefix_hit_token_ratio"], 1e-9), 3)
         for a, b in zip(runs["tiercache"], runs["round_robin"], strict=True)]

@@ -23,3 +23,23 @@ def test_repeat_summary_lists_every_run_and_pairs_the_ratio_in_order():
     assert s["tiercache"][1]["replica_load_max_over_mean"] == 1.2
     assert "classes" not in s["round_robin"][0]
     assert s["prefix_hit_ratio_vs_round_robin_by_run"] == [1.25, 1.5]
+
+
+def test_summaries_split_the_model_served_requests_by_route():
+    from benchmarks.orchestrator import summarize
+    from clients.python.replay import Outcome
+
+    def o(route: str, prompt: int, cached: int, semantic: bool = False, error: str = ""):
+        return Outcome("s", "t", 1, "new", 0.0, 10.0, 20.0, prompt, cached, 4, semantic, 0.0,
+                       "kvpool-0", route, error)
+
+    s = summarize([o("prefix", 100, 80), o("prefix", 50, 48), o("ring", 100, 0),
+                   o("", 30, 0), o("prefix", 10, 0, semantic=True), o("ring", 9, 9, error="x")],
+                  ("kvpool-0", "kvpool-1"))
+    assert s["routes"] == {
+        "prefix": {"requests": 2, "prompt_tokens": 150, "cached_tokens": 128},
+        "ring": {"requests": 1, "prompt_tokens": 100, "cached_tokens": 0},
+        "unknown": {"requests": 1, "prompt_tokens": 30, "cached_tokens": 0}}
+    assert s["prefix_hit_token_ratio"] == round(128 / 280, 4)
+    rep = repeat_summary({"tiercache": [s], "round_robin": [s]})
+    assert rep["tiercache"][0]["routes"] == s["routes"]
