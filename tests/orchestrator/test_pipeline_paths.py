@@ -133,6 +133,17 @@ class Unary:
         return call
 
 
+class Cancellable:
+    """A call that hangs until cancelled: `cancelled` is set by `cancel`."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> bool:
+        self.cancelled.set()
+        return True
+
+
 class Stub:
     def __init__(self, rid: str, calls: list[Call]) -> None:
         self.rid, self.calls, self.requests = rid, list(calls), []
@@ -237,14 +248,7 @@ def test_a_call_sent_as_the_poller_declares_its_replica_hung_fails_over_at_once(
     the call waited on A to its deadline while B was idle. A replica already down when the
     request was routed (the last resort, none healthy) is still tried."""
 
-    class HungCall:
-        def __init__(self) -> None:
-            self.cancelled = threading.Event()
-
-        def cancel(self) -> bool:
-            self.cancelled.set()
-            return True
-
+    class HungCall(Cancellable):
         def __iter__(self):
             if self.cancelled.wait(10):
                 raise RpcError(grpc.StatusCode.CANCELLED)
@@ -883,13 +887,25 @@ def test_the_clients_error_names_the_replicas_last_failure_however_many_there_ar
     assert got.value.code == "UNAVAILABLE" and "last: INTERNAL" in str(got.value)
 
 
+def _warmer_over(index, prompts: int):
+    """Two stub replicas under a Warmer whose orchestrator asks `index`, and `prompts` Warm
+    prompts of two blocks or so each."""
+    from services.orchestrator.render import PromptRenderer
+
+    stubs = {r: Stub(r, []) for r in ("A", "B")}
+    orch = make(stubs, prefix=index)
+    orch.renderer = PromptRenderer(Tok(), max_chars=100)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
+    return stubs, warmer, [orchestrator_pb2.WarmPrompt(prompt=f"p{i:02d}" + "." * 30)
+                           for i in range(prompts)]
+
+
 def test_a_warm_for_owners_keeps_its_deadline_with_a_hung_index():
     """Choosing each prompt's owner asks the index; with the index hung each lookup waited
     the index's whole timeout (0.5 s), one prompt after another, whatever the Warm call's
     deadline: 12 prompts held a 1 s call for 6 s."""
     import time
 
-    from services.orchestrator.render import PromptRenderer
 
     class HungIndex:
         timeout_s = 0.5
@@ -902,12 +918,8 @@ def test_a_warm_for_owners_keeps_its_deadline_with_a_hung_index():
             time.sleep(self.timeout_s if timeout is None else timeout)
             raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
 
-    stubs = {r: Stub(r, []) for r in ("A", "B")}
     index = HungIndex()
-    orch = make(stubs, prefix=index)
-    orch.renderer = PromptRenderer(Tok(), max_chars=100)
-    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
-    prompts = [orchestrator_pb2.WarmPrompt(prompt=f"p{i:02d}" + "." * 30) for i in range(12)]
+    _, warmer, prompts = _warmer_over(index, 12)
     t0 = time.monotonic()
     try:
         out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
@@ -924,25 +936,16 @@ def test_a_warm_for_owners_keeps_its_deadline_with_a_hung_index():
 def test_a_warm_owner_probe_under_way_is_cancelled_when_its_caller_goes():
     """A Warm's caller gone during an owner probe of a hung index: the probe ran to the
     index's timeout (at most 0.5 s each); now it is cancelled at once, and no prefill is sent."""
-    from services.orchestrator.render import PromptRenderer
-
-    class Probe:
-        def __init__(self) -> None:
-            self.cancelled = threading.Event()
-
-        def cancel(self) -> bool:
-            self.cancelled.set()
-            return True
 
     class HungIndex:
         timeout_s = 5.0
 
         def __init__(self) -> None:
-            self.probes: list[Probe] = []
+            self.probes: list[Cancellable] = []
             self.started = threading.Event()
 
         def match(self, hashes, model_id, timeout=None, probe=False, on_call=None):
-            call = Probe()
+            call = Cancellable()
             self.probes.append(call)
             if on_call is not None:
                 on_call(call)
@@ -951,13 +954,9 @@ def test_a_warm_owner_probe_under_way_is_cancelled_when_its_caller_goes():
                 raise grpc.FutureCancelledError()
             raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
 
-    stubs = {r: Stub(r, []) for r in ("A", "B")}
     index = HungIndex()
-    orch = make(stubs, prefix=index)
-    orch.renderer = PromptRenderer(Tok(), max_chars=100)
-    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
+    stubs, warmer, prompts = _warmer_over(index, 3)
     gone = _Gone()
-    prompts = [orchestrator_pb2.WarmPrompt(prompt=f"p{i:02d}" + "." * 30) for i in range(3)]
     threading.Thread(target=lambda: index.started.wait(5) and gone.set(), daemon=True).start()
     t0 = time.monotonic()
     try:
