@@ -239,8 +239,7 @@ def repeat_summary(runs: dict[str, list[dict]]) -> dict:
     """Each run's headline figures, and the routing ratio run by run (paired in order)."""
     keys = ("prefix_hit_token_ratio", "replica_load_max_over_mean", "ttft_p50_ms_all",
             "routes")
-    out: dict = {name: [{k: r[k] for k in keys if k in r} for r in rs]
-                 for name, rs in runs.items()}
+    out: dict = {name: [{k: r[k] for k in keys} for r in rs] for name, rs in runs.items()}
     out["prefix_hit_ratio_vs_round_robin_by_run"] = [
         round(a["prefix_hit_token_ratio"] / max(b["prefix_hit_token_ratio"], 1e-9), 3)
         for a, b in zip(runs["tiercache"], runs["round_robin"], strict=True)]

@@ -5,7 +5,7 @@ from benchmarks.orchestrator import median_run, repeat_summary
 
 def run(hit: float, load: float = 1.0, ttft: float = 300.0) -> dict:
     return {"prefix_hit_token_ratio": hit, "replica_load_max_over_mean": load,
-            "ttft_p50_ms_all": ttft, "classes": {}}
+            "ttft_p50_ms_all": ttft, "routes": {}, "classes": {}}
 
 
 def test_median_run_is_the_middle_by_hit_ratio():
