@@ -168,9 +168,10 @@ def test_a_call_refused_as_bad_input_leaves_no_list_behind(shards):
     two = common_pb2.ShardList(shards=2, fingerprint=shard_fingerprint([a, "semantic-1:1"]))
     with grpc.insecure_channel(a) as ch:
         stub = pbg.SemanticCacheStub(ch)
-        for bad in (pb.LookupRequest(namespace=NS, text="", shard_list=two),
-                    pb.StoreRequest(namespace=NS, prompt="q", answer="", shard_list=two)):
-            method = stub.Lookup if isinstance(bad, pb.LookupRequest) else stub.Store
+        for method, bad in (
+                (stub.Lookup, pb.LookupRequest(namespace=NS, text="", shard_list=two)),
+                (stub.Store, pb.StoreRequest(namespace=NS, prompt="q", answer="",
+                                             shard_list=two))):
             with pytest.raises(grpc.RpcError) as e:
                 method(bad, timeout=10)
             assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
