@@ -66,11 +66,18 @@ class FakeIndex(prefix_pb2_grpc.PrefixIndexServicer):
                                                     next_seq=request.seq + 1)
 
 
-def wait_for(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+def wait_for(cond: Callable[[], bool], timeout: float = 10.0,
+             state: Callable[[], object] = lambda: "") -> None:
+    """Poll `cond`; on timeout, fail with `state()` (what the thing waited on was doing)."""
     end = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < end, "condition not reached in time"
+        assert time.monotonic() < end, f"condition not reached in {timeout:.0f} s {state()}"
         time.sleep(0.02)
+
+
+def publisher_state(pub: Publisher) -> str:
+    return (f"(registered={pub.registered}, connected={pub.connected}, "
+            f"last_seq={pub.last_seq}, thread alive={pub._thread.is_alive()})")
 
 
 def fake_index_and_publisher(make_engine):
@@ -149,10 +156,11 @@ def test_the_published_batch_number_reads_0_while_the_index_is_unreachable(make_
     servicer.attach(eng, model_info(tiny_model, "tiny-llama"), pub)
     try:
         generate(eng, list(range(1, 18)), max_tokens=4)
-        wait_for(lambda: pub.last_seq >= 2)
+        wait_for(lambda: pub.last_seq >= 2, state=lambda: publisher_state(pub))
         assert servicer.Stats(None, None).events_published_seq == pub.last_seq
         handle.stop(0)
-        wait_for(lambda: servicer.Stats(None, None).events_published_seq == 0)
+        wait_for(lambda: servicer.Stats(None, None).events_published_seq == 0,
+                 state=lambda: publisher_state(pub))
         assert pub.last_seq >= 2  # kept, for when the index is back
     finally:
         pub.stop(timeout=0.5)
