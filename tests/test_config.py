@@ -57,6 +57,12 @@ def test_orchestrator_config_validates():
     assert cfg.kvpool_addresses == ("h:1", "h:2")
     with pytest.raises(ConfigError, match="TIERCACHE_ORCHESTRATOR_REPLICA_POLL_S"):
         load_config(OrchestratorConfig, "orchestrator", ["--replica-poll-s", "0"], environ={})
+    with pytest.raises(ConfigError, match="TIERCACHE_ORCHESTRATOR_REPLICA_STATS_TIMEOUT_S"):
+        load_config(OrchestratorConfig, "orchestrator", [],
+                    environ={"TIERCACHE_ORCHESTRATOR_REPLICA_STATS_TIMEOUT_S": "0"})
+    with pytest.raises(ConfigError, match="TIERCACHE_ORCHESTRATOR_REPLICA_HUNG_POLLS"):
+        load_config(OrchestratorConfig, "orchestrator", ["--replica-hung-polls", "0"],
+                    environ={})
 
 
 def test_an_unknown_log_level_is_a_config_error_not_a_traceback(monkeypatch, caplog):

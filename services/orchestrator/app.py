@@ -55,7 +55,9 @@ def build(cfg: OrchestratorConfig) -> App:
     key = hash_key_from_env()
     replicas = ReplicaSet(cfg.kvpool_addresses, cfg.internal_token, cfg.replica_poll_s,
                           model_id=model_id, block_size=cfg.block_size,
-                          stall_s=cfg.replica_stall_s)
+                          stall_s=cfg.replica_stall_s,
+                          stats_timeout_s=cfg.replica_stats_timeout_s,
+                          hung_polls=cfg.replica_hung_polls)
     replicas.start()
     semantic = SemanticBackend(cfg.semantic_address, cfg.internal_token, cfg.semantic_timeout_s)
     prefix = (PrefixBackend(cfg.prefix_addresses, cfg.internal_token, cfg.prefix_timeout_s,

@@ -159,6 +159,10 @@ class ReplicaSet:
     # A replica whose engine reports no finished turn for this long is held out of routing
     # and its in-flight calls fail over (see OrchestratorConfig.replica_stall_s); 0 = off.
     stall_s: float = 60.0
+    # A Stats poll unanswered for stats_timeout_s is missed; hung_polls missed in a row mark
+    # the replica hung (see OrchestratorConfig.replica_stats_timeout_s).
+    stats_timeout_s: float = 2.0
+    hung_polls: int = 3
     replicas: list[Replica] = field(default_factory=list)
     # Called with a replica's id when the poller finds it failed or restarted (its cache may be
     # gone): routing forgets what it sent there.
@@ -183,9 +187,10 @@ class ReplicaSet:
 
     def _ask(self, r: Replica) -> tuple[kvpool_pb2.KvStatsResponse, int]:
         """The replica's Stats, and our in-flight count there when it answered."""
-        # A replica busy with a long prefill answers Stats late; that is load, not death, so
-        # the timeout is generous and only repeated slowness counts.
-        s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=max(5.0, self.poll_s),
+        # Stats reads the last step's figures off the engine thread, so a long prefill does
+        # not hold it up (tens of ms at worst on a busy CPU); still, only repeated silence
+        # counts, as one slow answer may be a pause of the host.
+        s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=self.stats_timeout_s,
                          metadata=call_metadata(self.internal_token))
         with self._lock:
             return s, r.inflight
@@ -193,8 +198,8 @@ class ReplicaSet:
     def poll_once(self) -> None:
         """Ask every replica for its Stats and apply each answer as it arrives. The cycle waits
         at most max(1 s, poll_s): an answer later than that (a hung replica's, which takes its
-        5 s timeout) is applied when it comes, so one hung replica no longer stretched every
-        cycle, and every other replica's load and health, to 5 s."""
+        whole `stats_timeout_s`) is applied when it comes, so one hung replica no longer
+        stretches every cycle, and every other replica's load and health, to its timeout."""
         with self._lock:
             before = [r.inflight for r in self.replicas]
         if self._stop.is_set():  # the asker is shut down: a poll racing `stop` asks nothing
@@ -276,10 +281,10 @@ class ReplicaSet:
             hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             # Consecutive timed-out polls: a refusal in between (draining) is not one.
             r.slow_polls = r.slow_polls + 1 if hung else 0
-            if not hung or r.slow_polls >= 3:
+            if not hung or r.slow_polls >= self.hung_polls:
                 r.health.fail(e, hold=True)  # no new requests go there
                 self._lost(r)
-            if hung and r.slow_polls >= 3:
+            if hung and r.slow_polls >= self.hung_polls:
                 # Only a hung replica has its in-flight calls cancelled: one that refuses
                 # Stats because it is draining (SIGTERM) still finishes its streams, and
                 # one that died fails them itself (UNAVAILABLE), which fails them over.

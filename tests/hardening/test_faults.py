@@ -232,7 +232,7 @@ def test_hung_replica_requests_end_within_their_deadline(stack):
 
 def test_hung_replica_is_failed_over_before_the_deadline(stack):
     """A replica that stops answering (SIGSTOP: connections accepted, nothing served) is
-    declared down by the orchestrator's poller after three unanswered Stats (~15-20 s); the
+    declared down by the orchestrator's poller after three unanswered Stats (~7-9 s); the
     requests stuck on it are cancelled there and finish on the other replica, long before
     their 90 s deadline, with the same greedy tokens as anywhere else."""
     victim = stack.kv[0]
@@ -246,7 +246,9 @@ def test_hung_replica_is_failed_over_before_the_deadline(stack):
     assert all(r.code == "OK" and r.tokens == 8 for r in results), results
     moved = [r for r in results if r.route in ("retry", "resume")]
     assert moved, results  # someone was on the hung replica and got moved
-    assert max(r.seconds for r in moved) < 60, results  # detection, not the 90 s deadline
+    # Detection, not the 90 s deadline: three missed 2 s polls moved them in 7.9 s on a 2-core
+    # host, where the 5 s polls before took 16.2 s.
+    assert max(r.seconds for r in moved) < 13, results
     after_fault(stack)
     assert one_request(stack.orch.address, 9, timeout=60, max_tokens=4).code == "OK"
 

@@ -122,6 +122,34 @@ def test_a_hung_replica_has_its_streams_failed_over_after_three_slow_polls():
     assert not r.health.healthy and cancelled == [1]
 
 
+def test_stats_polls_wait_the_configured_timeout_and_hung_polls_sets_the_count():
+    """A hung replica was found only after three polls of 5 s each (15-20 s), though Stats
+    answers in milliseconds on a busy replica: the timeout and the count are now settings
+    (2 s and 3 by default)."""
+    import grpc
+
+    asked: list[float] = []
+
+    class Hung(FailingStats):
+        def Stats(self, req, timeout=None, metadata=None):  # noqa: N802 (gRPC method name)
+            asked.append(timeout)
+            raise self.err
+
+    assert ReplicaSet(addresses=(), internal_token="").stats_timeout_s == 2.0
+    r = Replica("r0", Hung(grpc.StatusCode.DEADLINE_EXCEEDED), Health("kvpool", "r0"),
+                replica_id="r0")
+    rs = ReplicaSet(addresses=(), internal_token="", stats_timeout_s=0.75, hung_polls=2)
+    rs.replicas.append(r)
+    r.health.ok()
+    cancelled = []
+    rs.watch(r, lambda: cancelled.append(1))
+    rs.poll_once()
+    assert r.health.healthy and cancelled == []
+    rs.poll_once()
+    assert not r.health.healthy and cancelled == [1]
+    assert asked == [0.75, 0.75]
+
+
 def test_refusals_between_timeouts_do_not_count_as_slow_polls():
     import grpc
 
