@@ -76,14 +76,21 @@ def summarize(out: list[Outcome], replica_ids: tuple[str, ...] = ()) -> dict:
     work_mean = sum(work) / max(1, len(work))
     # How routing placed the model-served requests ("prefix": to the longest useful match;
     # "ring"/"session": by key) and what each way reused: a change in the hit ratio between
-    # runs shows here as a shift between routes or a drop within one.
+    # runs shows here as a shift between routes or a drop within one. `expected_tokens`: what
+    # the index (or routing's memory of prompts just sent) said the chosen replica held;
+    # `shortfall_tokens`: of those, what it computed anyway (evicted before the request came).
     routes: dict[str, dict[str, int]] = {}
     for o in model:
         r = routes.setdefault(o.route or "unknown", {"requests": 0, "prompt_tokens": 0,
-                                                     "cached_tokens": 0})
+                                                     "cached_tokens": 0, "expected_tokens": 0,
+                                                     "shortfall_tokens": 0})
         r["requests"] += 1
         r["prompt_tokens"] += o.prompt_tokens
         r["cached_tokens"] += o.cached_tokens
+        r["expected_tokens"] += o.expected_tokens
+        # A replica computes at least the prompt's last token, held or not.
+        r["shortfall_tokens"] += max(0, min(o.expected_tokens, o.prompt_tokens - 1)
+                                     - o.cached_tokens)
     return {
         "requests": len(out), "errors": len(out) - len(ok),
         "error_samples": [o.error for o in out if o.error][:3],

@@ -15,6 +15,16 @@ def test_model_answer_with_draft_names_replica_cache_and_draft():
                                 " draft 10/56 accepted, entry ns.e1]")
 
 
+def test_a_prefix_the_replica_had_partly_evicted_shows_what_the_index_expected():
+    r = common_pb2.CacheReport(prompt_tokens=1040, cached_tokens=512, index_matched_tokens=1024,
+                               replica_id="kvpool-1", ttft_ms=900)
+    assert format_report(r) == ("[model | prompt 1040 tok, cached 512 (index expected 1024), "
+                                "replica kvpool-1, ttft 900 ms]")
+    # The whole prompt held: the replica still computes its last token; nothing to say.
+    r.prompt_tokens, r.cached_tokens, r.index_matched_tokens = 64, 63, 64
+    assert format_report(r) == "[model | prompt 64 tok, cached 63, replica kvpool-1, ttft 900 ms]"
+
+
 def test_accepted_tokens_from_prompt_lookup_are_told_apart():
     r = common_pb2.CacheReport(prompt_tokens=61, replica_id="kvpool-1", ttft_ms=10,
                                draft_tokens_proposed=56, draft_tokens_accepted=10,

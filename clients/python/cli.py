@@ -206,7 +206,11 @@ def _as_dict(message) -> dict:
 def format_report(r) -> str:
     """One line for a stream's CacheReport: which tier answered and what it reused."""
     return (f"[{'semantic hit' if r.semantic_hit else 'model'} | prompt {r.prompt_tokens} tok, "
-            f"cached {r.cached_tokens}, replica {r.replica_id or '-'}, ttft {r.ttft_ms:.0f} ms"
+            f"cached {r.cached_tokens}"
+            # The replica had evicted part of what the index said it held.
+            + (f" (index expected {r.index_matched_tokens})"
+               if r.index_matched_tokens > r.cached_tokens + 1 else "")
+            + f", replica {r.replica_id or '-'}, ttft {r.ttft_ms:.0f} ms"
             + (f", draft {r.draft_tokens_accepted}/{r.draft_tokens_proposed} accepted"
                + (f" ({r.lookup_tokens_accepted} by prompt lookup)"
                   if r.lookup_tokens_accepted else "")

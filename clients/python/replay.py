@@ -40,6 +40,8 @@ class Outcome:
     replica_id: str
     route: str
     error: str = ""
+    # CacheReport.index_matched_tokens: what the chosen replica was expected to hold.
+    expected_tokens: int = 0
 
     @property
     def cache_class(self) -> str:
@@ -118,7 +120,8 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
                 ((first_text or end) - sent) * 1000.0, (end - sent) * 1000.0,
                 rep.prompt_tokens, rep.cached_tokens,
                 final.usage.completion_tokens if final is not None else 0,
-                rep.semantic_hit, rep.semantic_similarity, rep.replica_id, rep.route, err)
+                rep.semantic_hit, rep.semantic_similarity, rep.replica_id, rep.route, err,
+                rep.index_matched_tokens)
             record(o)
             if err:
                 for s in reqs[i + 1:]:

@@ -60,6 +60,13 @@ PASSES_SAVED = counter("tiercache_orchestrator_forward_passes_saved_total",
                        "one, less the forward passes it ran (an answer ending on an accepted "
                        "token saves one fewer than it accepted); the last replica's, after a "
                        "failover")
+MATCH_SHORTFALL = counter("tiercache_orchestrator_prefix_match_shortfall_tokens_total",
+                          "Prompt tokens the prefix index (or routing's memory of prompts just "
+                          "sent) said the chosen replica held but that it computed anyway: "
+                          "evicted between the match and the request's arrival")
+MATCHED_TOKENS = counter("tiercache_orchestrator_prefix_matched_tokens_total",
+                         "Prompt tokens the prefix index (or routing's memory of prompts just "
+                         "sent) said the chosen replica held, over the requests it served")
 DISPATCH_ROUTES = counter("tiercache_orchestrator_dispatch_memory_routes_total",
                           "Requests routed to a replica for a prefix the index did not know yet "
                           "(sent there moments before)")
@@ -808,6 +815,12 @@ class Orchestrator:
         DRAFT_TOKENS.labels("accepted_from_lookup").inc(final.lookup_tokens_accepted)
         PASSES_SAVED.inc(max(0, len(generated) - from_here - 1 - final.forward_passes))
         report.route = route
+        # What the last replica chosen was expected to hold, against what it reused.
+        expected = min(seen.get(decision.replica_id, 0), prompt_tokens)
+        report.index_matched_tokens = expected
+        MATCHED_TOKENS.inc(expected)
+        # A replica computes at least the prompt's last token, held or not.
+        MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
         cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
         self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
         # Stored as the model said it: leading whitespace included (a raw completion's answer

@@ -29,17 +29,24 @@ def test_summaries_split_the_model_served_requests_by_route():
     from benchmarks.orchestrator import summarize
     from clients.python.replay import Outcome
 
-    def o(route: str, prompt: int, cached: int, semantic: bool = False, error: str = ""):
+    def o(route: str, prompt: int, cached: int, semantic: bool = False, error: str = "",
+          expected: int = 0):
         return Outcome("s", "t", 1, "new", 0.0, 10.0, 20.0, prompt, cached, 4, semantic, 0.0,
-                       "kvpool-0", route, error)
+                       "kvpool-0", route, error, expected)
 
-    s = summarize([o("prefix", 100, 80), o("prefix", 50, 48), o("ring", 100, 0),
-                   o("", 30, 0), o("prefix", 10, 0, semantic=True), o("ring", 9, 9, error="x")],
+    # The index promised 96 of the first prompt's tokens and 48 were there; the second's whole
+    # prompt (50) was held, of which the replica recomputes the last token anyway.
+    s = summarize([o("prefix", 100, 48, expected=96), o("prefix", 50, 49, expected=50),
+                   o("ring", 100, 0), o("", 30, 0), o("prefix", 10, 0, semantic=True),
+                   o("ring", 9, 9, error="x")],
                   ("kvpool-0", "kvpool-1"))
     assert s["routes"] == {
-        "prefix": {"requests": 2, "prompt_tokens": 150, "cached_tokens": 128},
-        "ring": {"requests": 1, "prompt_tokens": 100, "cached_tokens": 0},
-        "unknown": {"requests": 1, "prompt_tokens": 30, "cached_tokens": 0}}
-    assert s["prefix_hit_token_ratio"] == round(128 / 280, 4)
+        "prefix": {"requests": 2, "prompt_tokens": 150, "cached_tokens": 97,
+                   "expected_tokens": 146, "shortfall_tokens": 48},
+        "ring": {"requests": 1, "prompt_tokens": 100, "cached_tokens": 0, "expected_tokens": 0,
+                 "shortfall_tokens": 0},
+        "unknown": {"requests": 1, "prompt_tokens": 30, "cached_tokens": 0,
+                    "expected_tokens": 0, "shortfall_tokens": 0}}
+    assert s["prefix_hit_token_ratio"] == round(97 / 280, 4)
     rep = repeat_summary({"tiercache": [s], "round_robin": [s]})
     assert rep["tiercache"][0]["routes"] == s["routes"]

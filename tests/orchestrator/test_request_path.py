@@ -289,6 +289,31 @@ def test_an_index_outage_during_warms_owner_probes_is_not_a_degraded_request():
     assert orch.stats.degradations["index_down"] == 1
 
 
+def test_the_report_and_metrics_say_what_the_index_promised_against_what_was_reused():
+    """A prefix-routed request that found less cached than the index said (the replica had
+    evicted part of it meanwhile) looked like any partial hit: the report now carries the
+    index's figure and a counter sums the shortfall."""
+    from prometheus_client import REGISTRY
+
+    def metric(name: str) -> float:
+        return REGISTRY.get_sample_value(f"tiercache_orchestrator_prefix_{name}_total") or 0.0
+
+    def answered(cached: int) -> Stub:
+        msg = final("A", 2)
+        msg.final.cached_tokens = cached
+        return Stub("A", [Call([msg])])
+
+    prefix = SimpleNamespace(
+        timeout_s=0.5, match=lambda h, m, timeout=None, probe=False, on_call=None: {"A": 96})
+    for cached, shortfall in ((48, 48), (96, 0)):
+        before = {k: metric(k) for k in ("matched_tokens", "match_shortfall_tokens")}
+        report = finished(run(make({"A": answered(cached)}, prefix=prefix))).report
+        assert (report.route, report.cached_tokens, report.index_matched_tokens) == (
+            "prefix", cached, 96)
+        assert metric("matched_tokens") - before["matched_tokens"] == 96
+        assert metric("match_shortfall_tokens") - before["match_shortfall_tokens"] == shortfall
+
+
 def test_a_replica_call_carries_one_x_request_id_the_requests_own():
     seen: list = []
     stub, stubs = one_replica()
