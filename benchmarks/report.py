@@ -383,6 +383,29 @@ def ceiling_text(ceil: dict) -> str:
     return text
 
 
+def routes_table(orch: dict) -> list[str]:
+    """Per variant and route: tokens the replica reused against what the router's index said it
+    held when it chose (`expected`), and what had been evicted by arrival (`shortfall`). Older
+    results without `expected_tokens` say so instead of showing zeros."""
+    rows = []
+    for v in ("tiercache", "round_robin"):
+        for name, r in sorted((orch.get(v) or {}).get("routes", {}).items()):
+            if not isinstance(r, dict):
+                continue
+            prompt = r.get("prompt_tokens") or 0
+            rows.append([v, name, r.get("requests"), prompt, r.get("cached_tokens"),
+                         round(r["cached_tokens"] / prompt, 3) if prompt else None,
+                         r.get("expected_tokens"), r.get("shortfall_tokens")])
+    if not rows:
+        return []
+    return ["Reuse by route (`routes` in the same file): `expected` is what the router's index "
+            "said the chosen replica held when it chose, `shortfall` what that replica had "
+            "evicted of it by the time the request arrived (– = a result written before these "
+            "were recorded):", "",
+            _table(["variant", "route", "requests", "prompt tokens", "cached tokens",
+                    "cached share", "expected", "shortfall"], rows), ""]
+
+
 # Figures of older `assisted` results that are no longer reported: the n-gram "oracle" was no
 # bound (the engine beat it on some pairs); the hindsight bounds replace it.
 ASSISTED_RETIRED = {"forward_passes_per_token_ngram_oracle"}
@@ -526,6 +549,7 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
         if ceil:
             L.append(ceiling_text(ceil))
             L.append("")
+        L.extend(routes_table(orch.data))
     else:
         L.append("orchestrator (full stack): not run.")
         L.append("")

@@ -85,6 +85,20 @@ def test_new_results_render_the_matched_ceiling_and_bounds(results, monkeypatch)
     assert text.count("lower bounds, not estimates") == 1  # said once, not twice
 
 
+def test_the_route_table_shows_expected_and_shortfall_and_dashes_for_older_results():
+    orch = {"tiercache": {"routes": {
+                "prefix": {"requests": 50, "prompt_tokens": 1000, "cached_tokens": 900,
+                           "expected_tokens": 950, "shortfall_tokens": 50},
+                "ring": {"requests": 8, "prompt_tokens": 0, "cached_tokens": 0}}},
+            "round_robin": {"routes": {"round_robin": {"requests": 60, "prompt_tokens": 400,
+                                                       "cached_tokens": 100}}}}
+    text = "\n".join(report.routes_table(orch))
+    assert "| tiercache | prefix | 50 | 1,000 | 900 | 0.9 | 950 | 50 |" in text
+    assert "| tiercache | ring | 8 | 0 | 0 | – | – | – |" in text
+    assert "| round_robin | round_robin | 60 | 400 | 100 | 0.25 | – | – |" in text
+    assert report.routes_table({"tiercache": {"routes": {}}}) == []
+
+
 def test_missing_ceiling_parts_do_not_crash():
     assert "–" in report.ceiling_text({})
     assert report.assisted_notes({}, {}) == []
