@@ -383,6 +383,23 @@ def ceiling_text(ceil: dict) -> str:
     return text
 
 
+def lapse_text(path: Path) -> list[str]:
+    """The lapse benchmark (`python -m benchmarks.prefix_lapse`, not part of `--run`) in one
+    paragraph, or nothing when it was not run."""
+    if not path.exists():
+        return []
+    d = json.loads(path.read_text())
+    w = d.get("workload", {})
+    return ["", f"A lapsed lease (`{path.relative_to(ROOT)}`): dropping a replica that held "
+            f"{_f(w.get('blocks_held_by_lapsing_replica'))} blocks held the index lock "
+            f"{_f(d.get('lapse_lock_ms'))} ms (the walk it replaced: "
+            f"{_f(d.get('walk_clear_lock_ms'))} ms); the {_f(w.get('nodes_left_unheld'))} "
+            f"nodes it left unheld were deleted in {_f(d.get('reap_steps'))} steps of at most "
+            f"{_f(d.get('reap_step_ms_max'))} ms (median {_f(d.get('reap_step_ms_p50'))} ms), "
+            "the lock free between them. Same blocks and saved hits as the walk: "
+            f"{_f(d.get('same_blocks_and_saved_hits_as_the_walk'))}."]
+
+
 def routes_table(orch: dict) -> list[str]:
     """Per variant and route: tokens the replica reused against what the router's index said it
     held when it chose (`expected`), and what had been evicted by arrival (`shortfall`). Older
@@ -671,6 +688,7 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
         L += ["", f"![index]({plot_index(pi, made)})"]
     else:
         L.append("prefix_index: not run.")
+    L += lapse_text(RESULTS / "prefix_lapse.json")
     if simp:
         ref = str(simp.data["targets_at_replicas"])
         s = simp.data["results"].get(ref, {}).get("tiercache")

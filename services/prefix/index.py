@@ -472,8 +472,8 @@ class PrefixIndex:
 
     def _clear_saving(self, rep: Replica, now: float) -> dict[bytes, tuple[int, int]]:
         """Clears `rep`'s holdings (a resync, a lapse) and returns the hits to keep for it:
-        those of the nodes only it held (gathered by the clear's own walk, not a walk before
-        it: a big replica's holdings are walked once under the lock, not twice), and those still
+        those of the nodes only it held (gathered by the clear itself, one vectorised step:
+        nothing walks a big replica's holdings under the lock; see `reap`), and those still
         to be given back from before, at most `capacity_blocks` in all (no replica holds more
         blocks at once), the held ones first, then the most hit: a replica resyncing again
         and again must not pile up the hits of blocks it evicted long ago."""
@@ -658,12 +658,26 @@ class PrefixIndex:
         self._prune_some()
         return _new(PublishResult, (False, rep.next_seq, True))
 
+    def reap(self, budget: int | None = None) -> int:
+        """Deletes up to `budget` (None: all) of the nodes a lapse or a resync left unheld
+        (`BlockTree.reap`); returns how many remain. The server's sweeper calls it in short
+        steps, letting other calls in between."""
+        return self.tree.reap(budget)
+
     def _prune_some(self) -> None:
         """Over `max_nodes`, one step of a pruning run (`prune_step` units: a node looked at
         costs 1, an eviction 20), so that a big tree's pruning is spread over the calls that
         follow instead of holding the index for half a second. Past `max_nodes` plus the gap
         down to the prune target (arrivals outran the steps), the run finishes at once:
-        memory stays bounded by that."""
+        memory stays bounded by that. Unheld nodes waiting for the sweeper's `reap` count
+        for memory: over `max_nodes` in all, they are reaped first (a step, or all of them
+        past the hard bound), before any block a replica holds is pruned."""
+        tree = self.tree
+        if tree.unheld:
+            total = len(tree) + tree.unheld
+            if total > self.max_nodes:
+                tree.reap(None if total > 2 * self.max_nodes - self.prune_target
+                          else self.prune_step)
         run = self._prune_run
         n = len(self.tree)
         if run is None:

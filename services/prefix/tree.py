@@ -26,6 +26,13 @@ take the replica off the whole subtree. Two consequences carry the speed of `mat
   * holder masks shrink monotonically along the chain, so each replica's matched length is found
     by bisecting only where the mask changes.
 Likewise every node has at least one holder: a node nobody holds is deleted with its subtree.
+The one exception is a replica's whole holdings dropped at once (`clear`: a lapsed lease, a
+resync): its slot comes off every node in one vectorised step, and the nodes nobody holds then
+stay as *unheld* nodes, invisible to every query (matches, `get`, `top`, `blocks`, `len`), until
+`reap` deletes them in bounded steps, deepest first. A store of such a block revives it as a
+new node would be made (no hits). Walking a million-block replica's holdings to delete them
+took ~2-3.5 s under the owner's lock, every call waiting; taking the slot off takes tens of
+milliseconds (`python -m benchmarks.prefix_lapse`).
 
 Hits are counted where a match *ends* (the deepest matched block). When a leaf is pruned, its
 hits and recency fold into its parent, so a leaf's counters always describe its whole subtree's
@@ -39,6 +46,7 @@ from __future__ import annotations
 import heapq
 import sys
 from array import array
+from collections import deque
 from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
@@ -54,6 +62,7 @@ _HOLD, _HITS, _LAST, _USE = 0, 1, 2, 3
 _CHAIN = array("i", [1, 1, NIL, NIL, 0])  # an inner block of a new chain (depth patched)
 _IOTA = array("i", range(1 << 16))  # depths of a new chain are a slice of this
 _BIG = sys.byteorder != "little"
+_ALL = (1 << 64) - 1
 _new = tuple.__new__  # builds a NamedTuple without its Python-level __new__
 
 
@@ -123,6 +132,11 @@ class BlockTree:
         self._free: list[int] = []
         self.held = [0] * 64  # blocks held per replica slot
         self.pruned_total = 0
+        # Nodes in the table that nobody holds (left by `clear`), and the slots `reap` will
+        # look at, one array per clear, deepest first; `_reap_at` is the place in the first.
+        self.unheld = 0
+        self._reap: deque[np.ndarray] = deque()
+        self._reap_at = 0
 
     @property
     def slots(self) -> int:
@@ -131,19 +145,21 @@ class BlockTree:
         return len(self._key)
 
     def __len__(self) -> int:
-        return len(self._table)
+        """Nodes held by some replica (unheld ones waiting for `reap` not counted)."""
+        return len(self._table) - self.unheld
 
     def __contains__(self, key: bytes) -> bool:
-        return key in self._table
+        s = self._table.get(key)
+        return s is not None and self._use[_USE * s + _HOLD] != 0
 
     def get(self, key: bytes) -> BlockInfo | None:
-        """A snapshot of block `key`, or None."""
+        """A snapshot of block `key`, or None (an unheld node is not there)."""
         s = self._table.get(key)
-        return None if s is None else self._info(s)
+        return None if s is None or not self._use[_USE * s + _HOLD] else self._info(s)
 
     def is_known(self, key: bytes) -> bool:
-        """True if `key` is a node or a root."""
-        return key in self._table or key in self._roots
+        """True if `key` is a (held) node or a root."""
+        return key in self or key in self._roots
 
     def ensure_root(self, key: bytes, model_id: str, cache_salt: str) -> None:
         if key not in self._roots:
@@ -295,6 +311,11 @@ class BlockTree:
                 return StoreResult(0, held, n - j)
             h = use[_USE * s + _HOLD]
             if not h & mask:
+                if not h:
+                    # A node a clear left unheld, held again: as a new node would be (no
+                    # hits, used now; the owner may give saved hits back).
+                    self.unheld -= 1
+                    use[_USE * s + _LAST] = clock
                 use[_USE * s + _HOLD] = h | mask
                 held += 1
             par = s
@@ -385,34 +406,73 @@ class BlockTree:
         return self._clear(bit, None)
 
     def clear_saving(self, bit: int) -> dict[bytes, tuple[int, int]]:
-        """`clear(bit)`, returning the hits and last use, by key, of the used nodes it deleted
-        (those slot `bit` alone held; see `restore_usage`), gathered in the clear's own walk:
-        a walk of their own before it went over a big replica's holdings once more under the
-        owner's lock (~0.7 s at a million blocks). Keys come in the order that walk gave them
-        (the last subtree first), which breaks ties when the owner keeps only the most hit."""
-        parts: list[dict[bytes, tuple[int, int]]] = []
-        self._clear(bit, parts)
-        if len(parts) == 1:
-            return parts[0]
-        out: dict[bytes, tuple[int, int]] = {}
-        for part in reversed(parts):
-            out.update(part)
-        return out
+        """`clear(bit)`, returning the hits and last use, by key, of the used nodes only slot
+        `bit` held (those it leaves unheld; see `restore_usage`), in slot order."""
+        saved: dict[bytes, tuple[int, int]] = {}
+        self._clear(bit, saved)
+        return saved
 
-    def _clear(self, bit: int, parts: list[dict[bytes, tuple[int, int]]] | None) -> int:
-        """`clear`; with `parts`, one dict of the deleted nodes' usage per subtree dropped."""
-        mask = 1 << bit
-        n = 0
-        for root in list(self._roots.values()):
-            for kid in self._kids(root):
-                # A kid unlinked meanwhile has no holders (no slot is reused during a clear).
-                if self._holders(kid) & mask:
-                    saved = None
-                    if parts is not None:
-                        saved = {}
-                        parts.append(saved)
-                    n += self._drop_subtree(kid, mask, bit, saved)
+    def _clear(self, bit: int, saved: dict[bytes, tuple[int, int]] | None) -> int:
+        """`clear`: the slot comes off every node in one vectorised step over the usage
+        records (~40 ms at a million nodes, noisy; walking the replica's holdings to delete them
+        took 2-3.5 s under the owner's lock). The nodes nobody holds then are left unheld,
+        queued deepest first for `reap`; with `saved`, the hits of those used go in it."""
+        if not self._use:
+            return 0
+        n = self.held[bit]  # counted as they come and go (`check_integrity` recounts)
+        if not n:
+            return 0
+        mask = np.uint64(1 << bit)
+        view = np.frombuffer(self._use, dtype=np.uint64)
+        hold = view[_HOLD::_USE]
+        dead = np.flatnonzero(hold == mask)  # held by this slot alone
+        np.bitwise_and(hold, np.uint64(_ALL ^ (1 << bit)), out=hold)
+        self.held[bit] = 0
+        if dead.size:
+            all_hits = view[_HITS::_USE]
+            if saved is not None:
+                hits = all_hits[dead]
+                used = np.flatnonzero(hits)
+                key = self._key
+                for s, ht, ls in zip(dead[used].tolist(), hits[used].tolist(),
+                                     view[_LAST::_USE][dead[used]].tolist(), strict=True):
+                    saved[key[s]] = (ht, ls)  # type: ignore[index]
+            # Gone with the holder, as when the node was deleted: stored again, it starts
+            # from none (unless the owner gives saved hits back).
+            all_hits[dead] = 0
+            del all_hits
+            # Deepest first: a radix sort of 16-bit keys (~5 ms for a million; a comparison
+            # sort of the depths took 30-75 ms). Depths past 65,535 blocks (a million tokens)
+            # share the deepest key.
+            depth = np.frombuffer(self._nav, dtype=np.intc)[_DEPTH::_NAV][dead]
+            up = (0xFFFF - np.minimum(depth, 0xFFFF)).astype(np.uint16)
+            self._reap.append(dead[np.argsort(up, kind="stable")])
+            del depth
+            self.unheld += int(dead.size)
+        # The arrays cannot grow while a view of their buffers lives.
+        del hold, view
         return n
+
+    def reap(self, budget: int | None = None) -> int:
+        """Deletes the unheld nodes `clear` left, looking at up to `budget` queued slots (None:
+        all); returns how many unheld nodes remain. Deepest first, so each deletion is one
+        leaf (~5 us), whatever the size of the subtree above it. A slot deleted meanwhile
+        (with an ancestor, by pruning), reused, or holding a block stored again is passed."""
+        left = sys.maxsize if budget is None else budget
+        q, key, use, nav = self._reap, self._key, self._use, self._nav
+        while q and left > 0:
+            arr, at = q[0], self._reap_at
+            chunk = arr[at : at + left].tolist()
+            for s in chunk:
+                if (key[s] is not None and nav[_NAV * s + _DEPTH] >= 0
+                        and not use[_USE * s + _HOLD]):
+                    self._unlink_subtree(s)
+            left -= len(chunk)
+            self._reap_at = at + len(chunk)
+            if self._reap_at >= len(arr):
+                q.popleft()
+                self._reap_at = 0
+        return self.unheld
 
     def restore_usage(self, usage: dict[bytes, tuple[int, int]], halvings: int = 0
                       ) -> dict[bytes, tuple[int, int]]:
@@ -424,7 +484,7 @@ class BlockTree:
         left: dict[bytes, tuple[int, int]] = {}
         for k, (hits, last) in usage.items():
             s = table.get(k)
-            if s is None:
+            if s is None or not use[_USE * s + _HOLD]:
                 left[k] = (hits, last)
             elif not use[_USE * s + _HITS]:
                 use[_USE * s + _HITS] = hits >> halvings
@@ -447,10 +507,9 @@ class BlockTree:
         # The array cannot grow while a view of its buffer lives.
         del hits, view
 
-    def _drop_subtree(self, top: int, mask: int, bit: int,
-                      saved: dict[bytes, tuple[int, int]] | None = None) -> int:
+    def _drop_subtree(self, top: int, mask: int, bit: int) -> int:
         """Takes slot `bit` (`mask`) off `top` and its subtree, deleting the nodes nobody
-        holds then; with `saved`, the hits and last use of those that had hits go in it."""
+        holds then (with any unheld ones below them)."""
         use = self._use
         n = 0
         stack = [top]
@@ -462,13 +521,11 @@ class BlockTree:
             n += 1
             if not h:
                 dead.append(s)
-                if saved is not None and use[_USE * s + _HITS]:
-                    saved[self._key[s]] = (  # type: ignore[index]
-                        use[_USE * s + _HITS], use[_USE * s + _LAST])
             for k in self._kids(s):
                 if use[_USE * k + _HOLD] & mask:
                     stack.append(k)
         self.held[bit] -= n
+        self.unheld += len(dead)  # for the moment: `_unlink_subtree` counts them off
         # By closure, a node nobody holds has only such descendants: unlink top-down.
         for s in dead:
             if self._key[s] is not None:
@@ -483,7 +540,10 @@ class BlockTree:
         while stack:
             s = stack.pop()
             del self._table[key[s]]  # type: ignore[arg-type]
-            for b in bits(self._holders(s)):
+            h = self._holders(s)
+            if not h:
+                self.unheld -= 1
+            for b in bits(h):
                 held[b] -= 1
             stack.extend(self._kids(s))
             self._free_slot(s)
@@ -512,9 +572,9 @@ class BlockTree:
         n = len(hashes)
         if not n:
             return []
-        get, nav = self._table.get, self._nav
+        get, nav, use = self._table.get, self._nav, self._use
         first = get(hashes[0])
-        if first is None or nav[_NAV * first + _DEPTH] != 0:
+        if first is None or nav[_NAV * first + _DEPTH] != 0 or not use[_USE * first + _HOLD]:
             return []
         if model_id is not None and self._meta.get(self._parent(first), ("",))[0] != model_id:
             return []  # another model's hashes, asked for under this one
@@ -522,8 +582,8 @@ class BlockTree:
             """The node of hashes[i] if it sits at depth i under the node of hashes[i-1] (a
             node elsewhere is not part of this chain: a publisher's skip, another model)."""
             s = get(hashes[i])
-            if s is None or nav[_NAV * s + _DEPTH] != i:
-                return None
+            if s is None or nav[_NAV * s + _DEPTH] != i or not use[_USE * s + _HOLD]:
+                return None  # (an unheld node is not there: holders shrink along a chain)
             up = nav[_NAV * s + _UP]
             return s if up and s - up == get(hashes[i - 1]) else None
 
@@ -541,7 +601,6 @@ class BlockTree:
                     hi = mid
                 else:
                     lo, lo_s = mid, s
-        use = self._use
         first_h, lo_h = use[_USE * first + _HOLD], use[_USE * lo_s + _HOLD]
         out = [MatchSegment(lo_h, lo)]
         if first_h != lo_h:
@@ -575,7 +634,7 @@ class BlockTree:
         path = [first]
         for h in hashes[1:]:
             s = get(h)
-            if s is None or self._parent(s) != path[-1]:
+            if s is None or self._parent(s) != path[-1] or not use[_USE * s + _HOLD]:
                 break
             path.append(s)
         out: list[MatchSegment] = []
@@ -605,7 +664,7 @@ class BlockTree:
                  and (cache_salt is None or salt == cache_salt)]
         slots = (self._table.values() if len(roots) == len(meta)
                  else self._slots_under(roots))
-        cands = (s for s in slots if use[_USE * s + _HITS] >= floor)
+        cands = (s for s in slots if use[_USE * s + _HITS] >= floor and use[_USE * s + _HOLD])
         # A bounded heap, not a sort of every hit node: the caller holds the index's lock.
         best = heapq.nlargest(k, cands, key=lambda s: (use[_USE * s + _HITS],
                                                          use[_USE * s + _LAST]))
@@ -662,9 +721,11 @@ class BlockTree:
                          self._block_tokens(s), model, salt)
 
     def blocks(self) -> Iterator[BlockInfo]:
-        """A snapshot of every block, in table order."""
+        """A snapshot of every (held) block, in table order."""
+        use = self._use
         for s in self._table.values():
-            yield self._info(s)
+            if use[_USE * s + _HOLD]:
+                yield self._info(s)
 
     # -- bounded memory -------------------------------------------------------------------
 
@@ -708,7 +769,7 @@ class BlockTree:
             raise AssertionError("live slots != nodes + roots")
         if set(self._meta) != set(self._roots.values()):
             raise AssertionError("root metadata and roots disagree")
-        reach = 0
+        reach = unheld = 0
         held = [0] * 64
         for rkey, r in self._roots.items():
             if (self._key[r] != rkey or self._depth(r) != -1 or self._kid(r) == NIL
@@ -722,8 +783,7 @@ class BlockTree:
                 if key is None or self._table.get(key) != s:
                     raise AssertionError(f"slot {s} reachable but not in the table")
                 h = self._holders(s)
-                if not h:
-                    raise AssertionError(f"node {key.hex()} has no holder")
+                unheld += not h  # left by a clear for `reap` (closure: so is its subtree)
                 p = self._parent(s)
                 if self._depth(s) != self._depth(p) + 1:
                     raise AssertionError(f"node {key.hex()}: depth")
@@ -736,6 +796,10 @@ class BlockTree:
             raise AssertionError(f"{len(self._table) - reach} table entries unreachable")
         if held != self.held:
             raise AssertionError(f"held counts {self.held} != recount {held}")
+        if unheld != self.unheld:
+            raise AssertionError(f"unheld count {self.unheld} != recount {unheld}")
+        if unheld and not self._reap:
+            raise AssertionError(f"{unheld} unheld nodes that no reap will delete")
 
     def _checked_kids(self, s: int, size: int) -> list[int]:
         out = []
@@ -806,15 +870,17 @@ class PruneRun:
             left -= len(chunk)
             for i, s in enumerate(chunk, self._next - len(chunk)):
                 k = key[s]
-                if k is not None and t._depth(s) >= 0 and t._kid(s) == NIL:
+                if (k is not None and t._depth(s) >= 0 and t._kid(s) == NIL
+                        and t._use[_USE * s + _HOLD]):  # an unheld one is for `reap`
                     heapq.heappush(heap, (self._rank(s), i, s, k, step))
         if self._next < len(slots):
             return False
         self._slots = []  # ranked: let the snapshot go
         use = t._use
-        while len(t._table) > self.target and heap and left > 0:
+        while len(t) > self.target and heap and left > 0:
             r, _, s, k, ranked = heapq.heappop(heap)
-            if key[s] != k or t._depth(s) < 0 or t._kid(s) != NIL:
+            if (key[s] != k or t._depth(s) < 0 or t._kid(s) != NIL
+                    or not use[_USE * s + _HOLD]):
                 left -= 1
                 continue
             if ranked != step:  # other calls ran since: it may have been used
@@ -837,4 +903,4 @@ class PruneRun:
                 if t._kid(p) == NIL:
                     self._tie += 1
                     heapq.heappush(heap, (self._rank(p), self._tie, p, key[p], step))
-        return len(t._table) <= self.target or not heap
+        return len(t) <= self.target or not heap

@@ -99,6 +99,22 @@ def test_the_route_table_shows_expected_and_shortfall_and_dashes_for_older_resul
     assert report.routes_table({"tiercache": {"routes": {}}}) == []
 
 
+def test_the_lapse_paragraph_reads_the_lapse_benchmark_or_says_nothing(tmp_path, monkeypatch):
+    monkeypatch.setattr(report, "ROOT", tmp_path)
+    path = tmp_path / "prefix_lapse.json"
+    assert report.lapse_text(path) == []
+    path.write_text(json.dumps({
+        "workload": {"blocks_held_by_lapsing_replica": 1000024, "nodes_left_unheld": 855416},
+        "lapse_lock_ms": 36.8, "walk_clear_lock_ms": 3221.5, "reap_steps": 172,
+        "reap_step_ms_max": 33.4, "reap_step_ms_p50": 19.3,
+        "same_blocks_and_saved_hits_as_the_walk": True}))
+    text = " ".join(report.lapse_text(path))
+    assert "held 1,000,024 blocks held the index lock 36.8 ms (the walk it replaced: 3,222 ms)" \
+        in text
+    assert "855,416 nodes it left unheld were deleted in 172 steps of at most 33.4 ms" in text
+    assert text.endswith("as the walk: yes.")
+
+
 def test_missing_ceiling_parts_do_not_crash():
     assert "–" in report.ceiling_text({})
     assert report.assisted_notes({}, {}) == []

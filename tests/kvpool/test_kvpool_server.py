@@ -654,6 +654,7 @@ def test_running_totals_are_exported_as_counters_that_only_add_what_is_new() -> 
 
     class Tree:
         pruned_total = 2
+        unheld = 3
 
         def __len__(self) -> int:
             return 0
@@ -666,6 +667,7 @@ def test_running_totals_are_exported_as_counters_that_only_add_what_is_new() -> 
     s._gauges()
     s._gauges()
     assert value("tiercache_prefix_pruned_total") - before == 5
+    assert value("tiercache_prefix_unheld_nodes") == 3  # what the sweeper has still to reap
     kinds = {m.name: m.type for m in REGISTRY.collect()}
     assert kinds["tiercache_kvpool_evictions"] == kinds["tiercache_prefix_pruned"] == "counter"
 

@@ -83,53 +83,70 @@ def kids_calls(monkeypatch, tree: BlockTree) -> list[int]:
     return calls
 
 
-def test_a_lapse_or_a_resync_walks_the_holdings_no_more_than_a_plain_clear(hasher,
-                                                                          monkeypatch):
-    # The hits to keep were gathered by a walk of their own before the clear walked the same
-    # nodes again, holding the index lock twice as long for a big replica (every Match,
-    # Publish and Heartbeat waiting on it).
+def test_a_lapse_or_a_resync_walks_nothing_under_the_lock_and_reaping_ends_where_a_walk_did(
+        hasher, monkeypatch):
+    # Walking a big replica's holdings to delete them held the index lock for seconds (every
+    # Match, Publish and Heartbeat waiting on it): the slot now comes off every node at once,
+    # and the nodes nobody holds are deleted later, in bounded steps, by `reap`.
     for event in ("lapse", "resync"):
-        index, plain = build(hasher, 1), build(hasher, 1)
+        index, walked_ref = build(hasher, 1), build(hasher, 1)
         lapse(index, "a")
-        lapse(plain, "a")
-        walked, cleared = kids_calls(monkeypatch, index.tree), kids_calls(monkeypatch,
-                                                                           plain.tree)
-        seq = index._replicas["a"].next_seq
-        if event == "lapse":
-            assert index.expire() == ["a"]
-            assert index._lapsed["a"][1]  # hits were saved
-        else:
-            index._replicas["a"].deadline = plain._replicas["a"].deadline = float("inf")
-            index.publish("a", "i1", seq, [], resync=True)
-            assert index._replicas["a"].usage
-        plain.tree.clear(plain._replicas["a"].bit)
-        assert cleared and len(walked) == len(cleared), event
+        lapse(walked_ref, "a")
+        monkeypatch.setattr(walked_ref.tree, "clear_saving",
+                            lambda bit, t=walked_ref.tree: walk_clear(t, bit))
+        walked = kids_calls(monkeypatch, index.tree)
+        for idx in (index, walked_ref):
+            seq = idx._replicas["a"].next_seq
+            if event == "lapse":
+                assert idx.expire() == ["a"]
+                assert idx._lapsed["a"][1]  # hits were saved
+            else:
+                idx._replicas["a"].deadline = float("inf")
+                idx.publish("a", "i1", seq, [], resync=True)
+                assert idx._replicas["a"].usage
+        assert walked == [], event
+        assert index.tree.unheld > 0
+        index.check_integrity()  # unheld nodes are allowed while queued for reaping
+        assert len(index.tree) == len(walked_ref.tree)
+        assert index.tree.reap(3) == index.tree.unheld  # a bounded step
+        index.tree.reap()
+        assert index.tree.unheld == 0 and not index.tree._reap
         index.check_integrity()
+        assert state(index) == state(walked_ref)
+        assert len(index.tree._table) == len(walked_ref.tree._table)
 
 
-def two_walks(tree: BlockTree, bit: int) -> dict[bytes, tuple[int, int]]:
-    """What `clear_saving` replaces, as it was: the hits of the used nodes only `bit` holds,
-    gathered by a walk of their own (`BlockTree.usage_held_only_by`), then `clear(bit)`."""
+def walk_clear(tree: BlockTree, bit: int) -> dict[bytes, tuple[int, int]]:
+    """What `clear_saving` replaces, as it was: a walk saving the hits of the used nodes only
+    `bit` holds, then a walk deleting what nobody holds then (`_drop_subtree` per top-level
+    subtree). The saved hits come in slot order, as `clear_saving` gives them (the owner
+    breaks ties by that order when it keeps only the most hit)."""
     mask = 1 << bit
     use, key = tree._use, tree._key
-    out: dict[bytes, tuple[int, int]] = {}
+    out: dict[int, tuple[int, int]] = {}
     stack = [k for root in tree._roots.values() for k in tree._kids(root)
              if use[_USE * k + _HOLD] & mask]
     while stack:
         s = stack.pop()
         if use[_USE * s + _HOLD] == mask and use[_USE * s + _HITS]:
-            out[key[s]] = (use[_USE * s + _HITS], use[_USE * s + _LAST])  # type: ignore[index]
+            out[s] = (use[_USE * s + _HITS], use[_USE * s + _LAST])
         stack.extend(k for k in tree._kids(s) if use[_USE * k + _HOLD] & mask)
-    tree.clear(bit)
-    return out
+    saved = {key[s]: out[s] for s in sorted(out)}
+    for root in list(tree._roots.values()):
+        for kid in tree._kids(root):
+            if use[_USE * kid + _HOLD] & mask:
+                tree._drop_subtree(kid, mask, bit)
+    return saved  # type: ignore[return-value]
 
 
 def state(index: PrefixIndex) -> tuple:
-    """Everything a drop or a resync changes, in order where order is kept (slots, dicts)."""
+    """Everything a drop or a resync changes that anyone can see, once the unheld nodes are
+    reaped (slot numbers and the free list differ: a walk deleted top-down, reaping deletes
+    deepest first)."""
     t = index.tree
-    return (list(t._table.items()), list(t._roots.items()), list(t._meta.items()),
-            list(t._key), t._nav.tobytes(), t._use.tobytes(), [bytes(p) for p in t._planes],
-            list(t._free), list(t.held),
+    t.reap()
+    return (sorted(t.blocks()), sorted(t._roots), sorted(t._meta.values()), list(t.held),
+            len(t), [(p.token_ids, p.hits, p.holders) for p in t.top(50)],
             [(rid, inc, list(usage.items()), until, halvings)
              for rid, (inc, usage, until, halvings) in index._lapsed.items()],
             list(index._seq_floor.items()), index._next_deadline,
@@ -138,21 +155,36 @@ def state(index: PrefixIndex) -> tuple:
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_saving_the_hits_in_the_clears_walk_leaves_what_two_walks_left(hasher, monkeypatch,
-                                                                       seed):
+def test_a_clear_that_leaves_nodes_unheld_ends_where_a_walk_that_deleted_them_did(
+        hasher, monkeypatch, seed):
     new, old = build(hasher, seed), build(hasher, seed)
-    monkeypatch.setattr(old.tree, "clear_saving", lambda bit: two_walks(old.tree, bit))
+    monkeypatch.setattr(old.tree, "clear_saving", lambda bit: walk_clear(old.tree, bit))
+    monkeypatch.setattr(old.tree, "clear", lambda bit: walk_clear(old.tree, bit) and None)
     assert state(new) == state(old)
     for index in (new, old):
         # A resync of "a" (hits of its last one still pending, more than it can hold)...
         index.publish("a", "i1", index._replicas["a"].next_seq,
                       [stored(hasher, toks(*range(1, k + 1))) for k in (1, 3, 5)],
                       resync=True)
-        # ...and a lapse of "c".
+        # ...and a lapse of "c", then traffic before any reaping: "b" stores again some of
+        # what only "c" held (revived, without c's hits), matches go over unheld nodes.
         lapse(index, "c")
         assert index.expire() == ["c"]
         index.check_integrity()
+    assert new.tree.unheld
     assert new._lapsed["c"][1] and new._replicas["a"].usage
+    rng = random.Random(seed)
+    unheld = new.tree.unheld
+    for _ in range(20):
+        tokens = toks(*[rng.randint(1, 3)] + [rng.randint(1, 5) for _ in range(4)])
+        results = []
+        for index in (new, old):
+            results.append(sorted(matched(index, tokens).items()))
+            seq = index._replicas["b"].next_seq
+            index.publish("b", "i1", seq, [stored(hasher, tokens)])
+            index.check_integrity()
+        assert results[0] == results[1]
+    assert new.tree.unheld < unheld  # some were stored again (revived), none reaped yet
     assert state(new) == state(old)
 
 
