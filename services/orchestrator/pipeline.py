@@ -105,8 +105,14 @@ class _ReplicaStream:
     JOIN_S = 5.0  # a cancelled call's iteration ends at once; this only bounds a wedged one
 
     def __init__(self, call, limit: int, on_end: Callable[[], None], name: str,
-                 deadline: float | None = None) -> None:
+                 deadline: float | None = None,
+                 on_whole: Callable[[list[int], kvpool_pb2.KvGenerateFinal], None] | None = None
+                 ) -> None:
+        """`on_whole(token_ids, final)` runs on the reader once the stream has ended well
+        with its final message (after `on_end`, before the request sees the end), unless
+        the request stopped draining: the answer's Store, not waiting for a slow client."""
         self._call = call
+        self._on_whole = on_whole
         # The request's: its messages are handed out until then, read ahead or not (a client
         # too slow for its request's time is ended by it, as when the call itself ran to it).
         self._deadline = deadline
@@ -126,8 +132,13 @@ class _ReplicaStream:
 
     def _read(self) -> None:
         error: BaseException | None = None
+        tokens: list[int] = []
+        final = None
         try:
             for msg in self._call:
+                tokens.extend(msg.token_ids)
+                if msg.HasField("final"):
+                    final = msg.final
                 with self._cond:
                     while len(self._buf) >= self._limit and not self._closed:
                         self._cond.wait()
@@ -142,6 +153,12 @@ class _ReplicaStream:
                 self._on_end()
             except Exception:  # noqa: BLE001 - the request must still see the stream's end
                 log.exception("releasing a replica call failed")
+            if (self._on_whole is not None and error is None and final is not None
+                    and not self._closed):
+                try:
+                    self._on_whole(tokens, final)
+                except Exception:  # noqa: BLE001 - as above
+                    log.exception("handling a replica's whole answer failed")
             with self._cond:
                 self._ended, self._error = True, error
                 self._cond.notify_all()
@@ -591,6 +608,24 @@ class Orchestrator:
         too_big: grpc.RpcError | None = None
         why_public = ""  # the last replica failure, as the client may see it
         route = ""
+        # The Store of an answer whose replica stream ended well, made on that stream's
+        # reader as it ends: a client reading slowly (its answer read ahead into the buffer)
+        # no longer holds the Store back until it has read every token, nor, too slow for
+        # its deadline, leaves its whole answer unstored. "sid" is set once the Store was
+        # decided (made, or not to be made); the request takes it after the last token.
+        stored_early: dict[str, str] = {}
+
+        def store_early(before: list[int], tokens: list[int],
+                        fin: kvpool_pb2.KvGenerateFinal) -> None:
+            if cancelled.is_set():
+                return  # gone: nothing to store for (the request ends without a Store)
+            try:
+                stored_early["sid"] = self._store_answer(
+                    tenant, prompt, sampling, look, may_store, before + tokens,
+                    fin.finish_reason, deadline, tier_call_started)
+            finally:
+                current.pop("tier", None)
+
         while final is None:
             if cancelled.is_set():
                 raise errors.Cancelled("client cancelled")
@@ -671,9 +706,12 @@ class Orchestrator:
                 # routing's load and its watcher are released as soon as its stream ends.
                 # The buffered tokens are taken in order below, every one of them into
                 # `generated` before the stream's error is, so a resume sends them all.
+                stored_early.clear()
+                before = list(generated)  # the tokens of the replicas before this one
                 stream = _ReplicaStream(call, sampling.max_tokens - len(generated) + 2,
                                         held.release, f"replica-stream-{request_id}",
-                                        deadline)
+                                        deadline,
+                                        lambda tokens, fin, b=before: store_early(b, tokens, fin))
                 for msg in stream:
                     if msg.token_ids:
                         new = list(msg.token_ids)
@@ -823,6 +861,26 @@ class Orchestrator:
         MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
         cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
         self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
+        if "sid" in stored_early:
+            sid = stored_early["sid"]  # stored as the replica finished (see `store_early`)
+        else:
+            try:
+                sid = self._store_answer(tenant, prompt, sampling, look, may_store, generated,
+                                         final.finish_reason, deadline, tier_call_started)
+            finally:
+                current.pop("tier", None)
+        if cancelled.is_set():
+            # Gone during the Store (cancelled with it): no final message, for nobody.
+            raise errors.Cancelled("client cancelled")
+        if sid:
+            report.semantic_entry_id = sid
+        yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
+
+    def _store_answer(self, tenant: Tenant, prompt: RenderedPrompt, sampling: Sampling, look,
+                      may_store: bool, generated: Sequence[int], finish_reason: int,
+                      deadline: float, on_call: Callable[[grpc.Future], None]) -> str:
+        """Stores the model's whole answer `generated` in the semantic tier where it may be
+        served again; the entry's id, or "" (not stored, or not to be)."""
         # Stored as the model said it: leading whitespace included (a raw completion's answer
         # often starts with a space; stripped, a hit's text and tokens were not the model's).
         answer = complete_decode(self.tok, generated)
@@ -831,29 +889,20 @@ class Orchestrator:
         # its token count (it serves only requests that want no more tokens than that).
         past_end = sampling.ignore_eos and (not self._eos_ids
                                             or not self._eos_ids.isdisjoint(generated))
-        cut_short = final.finish_reason != common_pb2.FINISH_REASON_EOS
+        cut_short = finish_reason != common_pb2.FINISH_REASON_EOS
         # An answer replaces a stored answer of the same prompt: a cut-short one not where the
         # lookup hit one at least as long (an ignore_eos request with a small max_tokens,
         # answered by the model despite a whole hit, replaced it, and every later request
         # missed). A request that skipped the lookup refreshes the entry, as it asked.
         shorter = cut_short and look is not None and look.hit and (
             not look.entry.truncated_at or look.entry.truncated_at >= len(generated))
-        if (self.semantic.enabled and may_store and answer.strip() and not past_end
+        if not (self.semantic.enabled and may_store and answer.strip() and not past_end
                 and not shorter):
-            try:
-                sid = self._store(tenant, prompt, answer, len(generated) if cut_short else 0,
-                                  deadline,
-                                  answer_ids=answer_ids(self.tok, self._special_ids, generated,
-                                                        answer),
-                                  on_call=tier_call_started)
-            finally:
-                current.pop("tier", None)
-            if cancelled.is_set():
-                # Gone during the Store (cancelled with it): no final message, for nobody.
-                raise errors.Cancelled("client cancelled")
-            if sid:
-                report.semantic_entry_id = sid
-        yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
+            return ""
+        return self._store(tenant, prompt, answer, len(generated) if cut_short else 0, deadline,
+                           answer_ids=answer_ids(self.tok, self._special_ids, list(generated),
+                                                 answer),
+                           on_call=on_call)
 
     def _ended(self, generated: list[int], sampling: Sampling) -> int | None:
         """The finish reason if `generated` is already a whole answer, else None."""

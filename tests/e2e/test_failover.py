@@ -170,6 +170,11 @@ def test_a_slow_reader_does_not_hold_the_replica_and_gets_the_whole_answer(stack
                    f"requests still in flight on a replica: {in_flight(stack)}")
         assert all(s.running == 0 and s.waiting == 0 and s.blocks_in_use == 0
                    for s in replica_stats(stack)), replica_stats(stack)
+        # ...and its answer is stored already, not once the client has read it: another
+        # client asking the same is served it from the semantic tier meanwhile.
+        with TierCacheClient(stack.orch.address, token="tok-a", timeout=120) as b:
+            again = b.generate(q, **kw)
+        assert again.report.semantic_hit and again.token_ids == reference.token_ids
         rest = list(call)
     finally:
         ch.close()
@@ -180,7 +185,8 @@ def test_a_slow_reader_does_not_hold_the_replica_and_gets_the_whole_answer(stack
     assert rest[-1].HasField("final")
     assert final.finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert final.usage.completion_tokens == 32
-    assert final.cache_report.semantic_entry_id  # stored after the answer, as before
+    # The entry the other client was served, named in this one's report.
+    assert final.cache_report.semantic_entry_id == again.report.semantic_entry_id
 
 
 def tenant_slot(address: str) -> str:

@@ -95,6 +95,63 @@ def test_a_resume_sends_every_token_read_ahead_of_the_client():
     assert isinstance(got[-1], Finished) and got[-1].report.route == "resume"
 
 
+def storing_tier(ids: list[str]):
+    """A semantic tier whose Store records each request and answers the next id of `ids`."""
+    stored: list[semantic_pb2.StoreRequest] = []
+
+    def store(req, timeout=None, metadata=None):
+        stored.append(req)
+        return semantic_pb2.StoreResponse(id=ids[len(stored) - 1])
+
+    sem = backend_with(SimpleNamespace(
+        Lookup=Unary(lambda req, timeout=None, metadata=None: semantic_pb2.LookupResponse()),
+        Store=Unary(store)))
+    return sem, stored
+
+
+def test_the_answer_is_stored_as_the_replica_finishes_not_when_the_client_has_read_it():
+    # A slow client held the Store back until it had read every token (and, too slow for its
+    # deadline, left a whole answer unstored): the reader stores it as the stream ends.
+    stub = Stub("A", [Call([tokens("a"), tokens("b"), final("A", 2)])])
+    sem, stored = storing_tier(["e1"])
+    orch = make({"A": stub}, semantic=sem)
+    events = start(orch)
+    assert next(events).text == "a"  # ...and the client reads no more for now
+    wait_until(lambda: stored, "the answer was not stored while the client slept")
+    req = stored[0]
+    assert req.answer == "abok" and list(req.answer_token_ids) == list(b"abok")
+    got = list(events)
+    assert isinstance(got[-1], Finished) and got[-1].report.semantic_entry_id == "e1"
+    assert len(stored) == 1  # once: the request does not store it again
+    assert not readers()
+
+
+def test_a_resumed_answer_is_stored_once_whole_by_the_replica_that_finished_it():
+    a_stub = Stub("A", [LostAfter([tokens("ab"), tokens("cd")])])
+    b_stub = Stub("B", [Call([final("B", 2)])])
+    sem, stored = storing_tier(["e1"])
+    orch = make({"A": a_stub, "B": b_stub}, semantic=sem)
+    orch.routing = in_order("A", "B")
+    got = list(start(orch, max_tokens=6))
+    assert [r.answer for r in stored] == ["abcdok"]
+    assert isinstance(got[-1], Finished) and got[-1].report.semantic_entry_id == "e1"
+
+
+def test_an_answer_whose_stream_broke_after_its_final_message_is_stored_by_the_request():
+    # The reader stores only a stream that ended well; this one's status was lost after the
+    # final message (the answer whole): the request stores it, as before.
+    stub = Stub("A", [Call([tokens("a"), final("A", 2)], RpcError(grpc.StatusCode.UNAVAILABLE))])
+    sem, stored = storing_tier(["e1"])
+    orch = make({"A": stub}, semantic=sem)
+    events = start(orch)
+    assert next(events).text == "a"
+    wait_until(lambda: not readers(), "the replica's stream did not end")
+    assert stored == []  # the reader did not store it...
+    got = list(events)
+    assert [r.answer for r in stored] == ["aok"]  # ...the request did, after the last token
+    assert isinstance(got[-1], Finished) and got[-1].report.semantic_entry_id == "e1"
+
+
 class Endless(Call):
     """One message, then nothing until cancelled (a long answer under way)."""
 
