@@ -29,6 +29,8 @@ ops = st.one_of(
     st.tuples(st.just("clear"), st.sampled_from(REPLICAS)),
     st.tuples(st.just("restart"), st.sampled_from(REPLICAS)),
     st.tuples(st.just("match"), chains, salts),
+    # The sweeper's reaping of what a clear or a restart left unheld, a few slots at a time.
+    st.tuples(st.just("reap"), st.integers(0, 5)),
 )
 
 
@@ -100,6 +102,9 @@ def _run(steps, max_nodes: int) -> None:
             inc[r] += 1
             seq[r] = index.register(r, str(inc[r]), f"addr-{r}", MODEL, BS).next_seq
             ref.held[r] = set()
+        elif kind == "reap":
+            left = index.tree.unheld
+            assert index.reap(op[1]) <= left
         else:
             _, chain, salt = op
             tokens = toks(*chain) + [99]
