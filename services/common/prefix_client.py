@@ -431,7 +431,8 @@ class PrefixIndexClient:
         for r in got.values():
             for f in ("nodes", "bytes", "matches_total", "matches_hit", "match_blocks_total",
                       "match_blocks_hit", "pruned_total", "resyncs_total",
-                      "dropped_blocks_total", "max_nodes", "shard_list_mismatches_total"):
+                      "dropped_blocks_total", "max_nodes", "shard_list_mismatches_total",
+                      "unheld_nodes"):
                 setattr(out, f, getattr(out, f) + getattr(r, f))
             out.block_size = r.block_size  # type: ignore[attr-defined]
             for ri in r.replicas:  # type: ignore[attr-defined]

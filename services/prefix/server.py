@@ -181,7 +181,7 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
             match_blocks_total=s.match_blocks_total, match_blocks_hit=s.match_blocks_hit,
             pruned_total=s.pruned_total, resyncs_total=s.resyncs_total,
             block_size=s.block_size, dropped_blocks_total=s.dropped_blocks_total,
-            max_nodes=s.max_nodes,
+            max_nodes=s.max_nodes, unheld_nodes=s.unheld_nodes,
             shard_list_mismatches_total=mismatches,
             shard_list_mismatch=mismatch)
 

@@ -153,3 +153,33 @@ def test_the_servers_sweeper_reaps_in_steps_and_calls_go_on_meanwhile(hasher, mo
         channel.close()
         svc.stop()
     assert len(steps) >= 40 // 7 and set(steps) == {7}
+
+
+def test_stats_say_how_many_unheld_nodes_are_left_summed_over_shards(hasher, monkeypatch):
+    from services.common.prefix_client import PrefixIndexClient
+
+    monkeypatch.setattr(prefix_server, "REAP_STEP", 0)  # the sweepers reap nothing here
+    cfg = PrefixConfig(address="127.0.0.1:0", metrics_port=-1, block_size=BS,
+                       lease_seconds=0.3)
+    svcs = [serve(cfg), serve(cfg)]
+    client = PrefixIndexClient([s.address for s in svcs], timeout=5)
+    try:
+        for svc, n in zip(svcs, (12, 5), strict=True):
+            with svc.servicer.lock:
+                svc.servicer.index.register("a", "i1", "a:1", MODEL, BS, 100)
+                svc.servicer.index.publish("a", "i1", 1, [stored(hasher, toks(*range(1, n + 1)))])
+        assert client.stats().nodes == 17 and client.stats().unheld_nodes == 0
+        wait = time.monotonic() + 10
+        while any(s.servicer.index.replica_count for s in svcs) and time.monotonic() < wait:
+            time.sleep(0.05)  # the leases lapse (the sweepers drop "a")
+        for svc, n in zip(svcs, (12, 5), strict=True):
+            with grpc.insecure_channel(svc.address) as ch:
+                s = prefix_pb2_grpc.PrefixIndexStub(ch).Stats(prefix_pb2.PrefixStatsRequest(),
+                                                            timeout=5)
+            assert (s.nodes, s.unheld_nodes) == (0, n)
+        s = client.stats()
+        assert (s.nodes, s.unheld_nodes, s.shards_answered) == (0, 17, 2)
+    finally:
+        client.close()
+        for svc in svcs:
+            svc.stop()
