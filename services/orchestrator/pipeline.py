@@ -618,7 +618,8 @@ class Orchestrator:
         def store_early(before: list[int], tokens: list[int],
                         fin: kvpool_pb2.KvGenerateFinal) -> None:
             if cancelled.is_set():
-                return  # gone: nothing to store for (the request ends without a Store)
+                stored_early["sid"] = ""  # gone: no Store, here or by the request
+                return
             try:
                 stored_early["sid"] = self._store_answer(
                     tenant, prompt, sampling, look, may_store, before + tokens,
