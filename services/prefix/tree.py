@@ -315,6 +315,9 @@ class BlockTree:
                     # A node a clear left unheld, held again: as a new node would be (no
                     # hits, used now; the owner may give saved hits back).
                     self.unheld -= 1
+                    if not self.unheld:
+                        self._reap.clear()  # all revived: what is queued is stale
+                        self._reap_at = 0
                     use[_USE * s + _LAST] = clock
                 use[_USE * s + _HOLD] = h | mask
                 held += 1
@@ -422,6 +425,9 @@ class BlockTree:
         n = self.held[bit]  # counted as they come and go (`check_integrity` recounts)
         if not n:
             return 0
+        if not self.unheld:
+            self._reap.clear()  # stale: see `reap`
+            self._reap_at = 0
         mask = np.uint64(1 << bit)
         view = np.frombuffer(self._use, dtype=np.uint64)
         hold = view[_HOLD::_USE]
@@ -455,23 +461,35 @@ class BlockTree:
 
     def reap(self, budget: int | None = None) -> int:
         """Deletes the unheld nodes `clear` left, looking at up to `budget` queued slots (None:
-        all); returns how many unheld nodes remain. Deepest first, so each deletion is one
-        leaf (~5 us), whatever the size of the subtree above it. A slot deleted meanwhile
-        (with an ancestor, by pruning), reused, or holding a block stored again is passed."""
+        all); returns how many unheld nodes remain. Only leaves are deleted (~5 us each), so a
+        step's work stays bounded: an unheld node that still has children (its slot reused
+        since it was queued, out of depth order) goes to the back of the queue, behind them.
+        A slot deleted meanwhile, reused by a held node, or holding a block stored again is
+        passed. Once nothing is unheld, what is still queued is dropped (every slot of it is
+        stale: a resync restating its holdings revives them all before any reaping)."""
         left = sys.maxsize if budget is None else budget
         q, key, use, nav = self._reap, self._key, self._use, self._nav
-        while q and left > 0:
+        later: list[int] = []
+        while q and left > 0 and self.unheld:
             arr, at = q[0], self._reap_at
             chunk = arr[at : at + left].tolist()
             for s in chunk:
                 if (key[s] is not None and nav[_NAV * s + _DEPTH] >= 0
                         and not use[_USE * s + _HOLD]):
-                    self._unlink_subtree(s)
+                    if nav[_NAV * s + _DOWN]:
+                        later.append(s)  # its (unheld) children are queued ahead of it
+                    else:
+                        self._unlink_subtree(s)
             left -= len(chunk)
             self._reap_at = at + len(chunk)
             if self._reap_at >= len(arr):
                 q.popleft()
                 self._reap_at = 0
+        if later:
+            q.append(np.array(later, dtype=np.int64))
+        if not self.unheld:
+            q.clear()
+            self._reap_at = 0
         return self.unheld
 
     def restore_usage(self, usage: dict[bytes, tuple[int, int]], halvings: int = 0
@@ -800,6 +818,13 @@ class BlockTree:
             raise AssertionError(f"unheld count {self.unheld} != recount {unheld}")
         if unheld and not self._reap:
             raise AssertionError(f"{unheld} unheld nodes that no reap will delete")
+        if unheld:
+            ahead = set(self._reap[0][self._reap_at:].tolist())
+            for arr in list(self._reap)[1:]:
+                ahead.update(arr.tolist())
+            for s in self._table.values():
+                if not self._use[_USE * s + _HOLD] and s not in ahead:
+                    raise AssertionError(f"unheld slot {s} is not queued ahead for reaping")
 
     def _checked_kids(self, s: int, size: int) -> list[int]:
         out = []

@@ -52,6 +52,35 @@ def test_a_cleared_chain_is_invisible_and_reaped_deepest_first_in_bounded_steps(
     tree.check_integrity()
 
 
+def test_a_reaping_step_deletes_only_leaves_whatever_order_its_slots_come_in():
+    # A slot queued by one clear can hold, by the time it comes up, a node that a later clear
+    # left unheld with its whole subtree below it (the slot freed and reused meanwhile):
+    # deleting that subtree at once was a step of unbounded length under the lock.
+    tree, root, hs = tree_with_chain(60)
+    tree.clear(0)
+    tree._reap[0] = tree._reap[0][::-1].copy()  # shallowest first: the worst order
+    while tree.unheld:
+        before = len(tree._table)
+        tree.reap(10)
+        assert before - len(tree._table) <= 10
+        tree.check_integrity()
+    assert not tree._table and not tree._reap
+
+
+def test_nothing_stays_queued_once_every_unheld_node_is_gone():
+    # A resync restating its holdings revives every node its clear left unheld: the queued
+    # slots are all stale then and must not pile up, one array per resync.
+    tree, root, hs = tree_with_chain(30)
+    for clock in range(2, 12):
+        tree.clear(0)
+        tree.store(root, hs, list(range(30 * BS)), 0, clock)
+        assert tree.unheld == 0 and not tree._reap
+    tree.clear(0)
+    assert tree.reap(5) == 25 and tree._reap  # still under way
+    tree.reap()
+    assert not tree._reap and tree._reap_at == 0
+
+
 def test_a_block_stored_again_before_reaping_is_revived_as_a_new_one_and_kept():
     tree, root, hs = tree_with_chain(20)
     for _ in range(3):
@@ -183,3 +212,26 @@ def test_stats_say_how_many_unheld_nodes_are_left_summed_over_shards(hasher, mon
         client.close()
         for svc in svcs:
             svc.stop()
+
+
+def test_a_clear_made_by_a_call_is_reaped_soon_not_a_quarter_lease_later(hasher):
+    # The sweeper's turn comes every quarter lease (10 s here); what a Publish's `cleared`
+    # event (or a resync) left unheld is looked for every REAP_IDLE_S meanwhile.
+    from services.prefix.index import Cleared
+
+    cfg = PrefixConfig(address="127.0.0.1:0", metrics_port=-1, block_size=BS,
+                       lease_seconds=40)
+    svc = serve(cfg)
+    index = svc.servicer.index
+    try:
+        with svc.servicer.lock:
+            index.register("a", "i1", "a:1", MODEL, BS, 100)
+            index.publish("a", "i1", 1, [stored(hasher, toks(*range(1, 21)))])
+            index.publish("a", "i1", 2, [Cleared()])
+            assert index.tree.unheld == 20
+        end = time.monotonic() + 5
+        while index.tree.unheld and time.monotonic() < end:
+            time.sleep(0.02)
+        assert index.tree.unheld == 0 and index.replica_count == 1  # reaped; "a" still there
+    finally:
+        svc.stop()
