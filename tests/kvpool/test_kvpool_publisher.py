@@ -155,6 +155,10 @@ def test_the_published_batch_number_reads_0_while_the_index_is_unreachable(make_
     servicer = KvPoolServicer(KvPoolConfig())
     servicer.attach(eng, model_info(tiny_model, "tiny-llama"), pub)
     try:
+        # Registered and its first batch (the snapshot) sent before the request: on a loaded
+        # host the publisher once registered after the request had run, its snapshot held
+        # every block and no batch 2 ever came (CI: connected, last_seq=1 for 10 s).
+        wait_for(lambda: index.registers and index.batches, state=lambda: publisher_state(pub))
         generate(eng, list(range(1, 18)), max_tokens=4)
         wait_for(lambda: pub.last_seq >= 2, state=lambda: publisher_state(pub))
         assert servicer.Stats(None, None).events_published_seq == pub.last_seq
