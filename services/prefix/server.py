@@ -232,12 +232,13 @@ def serve(cfg: PrefixConfig, index: PrefixIndex | None = None) -> PrefixService:
         # unheld, rather than a quarter lease later.
         while not stop.wait(REAP_PAUSE_S if index.tree.unheld
                             else min(REAP_IDLE_S, max(0.0, due - time.monotonic()))):
-            if time.monotonic() < due and not index.tree.unheld:
+            sweep_due = time.monotonic() >= due
+            if not sweep_due and not index.tree.unheld:
                 continue  # nothing to do: the lock is not taken for nothing
             gone: list[str] = []
             try:
                 with servicer.lock:
-                    if time.monotonic() >= due:
+                    if sweep_due:
                         due = time.monotonic() + period
                         gone = index.sweep(period=period)
                     if index.tree.unheld:

@@ -315,9 +315,7 @@ class BlockTree:
                     # A node a clear left unheld, held again: as a new node would be (no
                     # hits, used now; the owner may give saved hits back).
                     self.unheld -= 1
-                    if not self.unheld:
-                        self._reap.clear()  # all revived: what is queued is stale
-                        self._reap_at = 0
+                    self._drop_stale_queue()
                     use[_USE * s + _LAST] = clock
                 use[_USE * s + _HOLD] = h | mask
                 held += 1
@@ -420,14 +418,10 @@ class BlockTree:
         records (~40 ms at a million nodes, noisy; walking the replica's holdings to delete them
         took 2-3.5 s under the owner's lock). The nodes nobody holds then are left unheld,
         queued deepest first for `reap`; with `saved`, the hits of those used go in it."""
-        if not self._use:
-            return 0
         n = self.held[bit]  # counted as they come and go (`check_integrity` recounts)
         if not n:
             return 0
-        if not self.unheld:
-            self._reap.clear()  # stale: see `reap`
-            self._reap_at = 0
+        self._drop_stale_queue()
         mask = np.uint64(1 << bit)
         view = np.frombuffer(self._use, dtype=np.uint64)
         hold = view[_HOLD::_USE]
@@ -465,8 +459,8 @@ class BlockTree:
         step's work stays bounded: an unheld node that still has children (its slot reused
         since it was queued, out of depth order) goes to the back of the queue, behind them.
         A slot deleted meanwhile, reused by a held node, or holding a block stored again is
-        passed. Once nothing is unheld, what is still queued is dropped (every slot of it is
-        stale: a resync restating its holdings revives them all before any reaping)."""
+        passed. Once nothing is unheld, what is still queued is dropped (`_drop_stale_queue`:
+        a resync restating its holdings revives them all before any reaping)."""
         left = sys.maxsize if budget is None else budget
         q, key, use, nav = self._reap, self._key, self._use, self._nav
         later: list[int] = []
@@ -487,10 +481,16 @@ class BlockTree:
                 self._reap_at = 0
         if later:
             q.append(np.array(later, dtype=np.int64))
-        if not self.unheld:
-            q.clear()
-            self._reap_at = 0
+        self._drop_stale_queue()
         return self.unheld
+
+    def _drop_stale_queue(self) -> None:
+        """Once nothing is unheld, every slot still queued for `reap` is stale (deleted,
+        revived, or reused since): the queue is dropped rather than kept, one array per
+        clear, for good."""
+        if not self.unheld:
+            self._reap.clear()
+            self._reap_at = 0
 
     def restore_usage(self, usage: dict[bytes, tuple[int, int]], halvings: int = 0
                       ) -> dict[bytes, tuple[int, int]]:
@@ -816,12 +816,10 @@ class BlockTree:
             raise AssertionError(f"held counts {self.held} != recount {held}")
         if unheld != self.unheld:
             raise AssertionError(f"unheld count {self.unheld} != recount {unheld}")
-        if unheld and not self._reap:
-            raise AssertionError(f"{unheld} unheld nodes that no reap will delete")
         if unheld:
-            ahead = set(self._reap[0][self._reap_at:].tolist())
-            for arr in list(self._reap)[1:]:
-                ahead.update(arr.tolist())
+            ahead: set[int] = set()
+            for i, arr in enumerate(self._reap):
+                ahead.update(arr[self._reap_at if i == 0 else 0 :].tolist())
             for s in self._table.values():
                 if not self._use[_USE * s + _HOLD] and s not in ahead:
                     raise AssertionError(f"unheld slot {s} is not queued ahead for reaping")
