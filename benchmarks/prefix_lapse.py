@@ -38,7 +38,7 @@ from pathlib import Path
 from services.common.hashing import BlockHasher
 from services.prefix.index import Load, PrefixIndex, Stored
 from services.prefix.server import REAP_STEP
-from services.prefix.tree import _HOLD, _USE, BlockTree
+from services.prefix.tree import _HITS, _HOLD, _LAST, _USE, BlockTree
 
 BS = 16
 MODEL = "bench-model"
@@ -99,24 +99,28 @@ def lapse_big(index: PrefixIndex, clock: Clock) -> None:
     clock.t += 5
 
 
-def walk_clear(tree: BlockTree, bit: int) -> dict:
-    """The clear as it was before unheld nodes: every top-level subtree the slot holds walked
-    and its nodes nobody else holds deleted, under the lock, in one go (hits saved on the way,
-    as `clear_saving` did)."""
+def walk_clear(tree: BlockTree, bit: int) -> dict[bytes, tuple[int, int]]:
+    """The clear as it was before unheld nodes (also the reference of tests/prefix/
+    test_lapse.py): a walk saving the hits of the used nodes only `bit` holds, then a walk
+    deleting what nobody holds then (`_drop_subtree` per top-level subtree), under the lock,
+    in one go. The saved hits come in slot order, as `clear_saving` gives them (the owner
+    breaks ties by that order when it keeps only the most hit)."""
     mask = 1 << bit
-    use = tree._use
-    saved: dict = {}
+    use, key = tree._use, tree._key
+    out: dict[int, tuple[int, int]] = {}
+    stack = [k for root in tree._roots.values() for k in tree._kids(root)
+             if use[_USE * k + _HOLD] & mask]
+    while stack:
+        s = stack.pop()
+        if use[_USE * s + _HOLD] == mask and use[_USE * s + _HITS]:
+            out[s] = (use[_USE * s + _HITS], use[_USE * s + _LAST])
+        stack.extend(k for k in tree._kids(s) if use[_USE * k + _HOLD] & mask)
+    saved = {key[s]: out[s] for s in sorted(out)}
     for root in list(tree._roots.values()):
         for kid in tree._kids(root):
             if use[_USE * kid + _HOLD] & mask:
-                stack = [kid]
-                while stack:
-                    s = stack.pop()
-                    if use[_USE * s + _HOLD] == mask and use[_USE * s + 1]:
-                        saved[tree._key[s]] = (use[_USE * s + 1], use[_USE * s + 2])
-                    stack.extend(k for k in tree._kids(s) if use[_USE * k + _HOLD] & mask)
                 tree._drop_subtree(kid, mask, bit)
-    return saved
+    return saved  # type: ignore[return-value]
 
 
 def timed_match(index: PrefixIndex, toks: list[int]) -> float:

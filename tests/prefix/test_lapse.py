@@ -7,8 +7,9 @@ import random
 
 import pytest
 
+from benchmarks.prefix_lapse import walk_clear
 from services.prefix.index import Load, PrefixIndex, Removed
-from services.prefix.tree import _HITS, _HOLD, _LAST, _USE, BlockTree
+from services.prefix.tree import BlockTree
 from tests.clock import Clock
 
 from .conftest import BS, MODEL, make_index, matched, stored, sweep_for, toks
@@ -114,29 +115,6 @@ def test_a_lapse_or_a_resync_walks_nothing_under_the_lock_and_reaping_ends_where
         index.check_integrity()
         assert state(index) == state(walked_ref)
         assert len(index.tree._table) == len(walked_ref.tree._table)
-
-
-def walk_clear(tree: BlockTree, bit: int) -> dict[bytes, tuple[int, int]]:
-    """What `clear_saving` replaces, as it was: a walk saving the hits of the used nodes only
-    `bit` holds, then a walk deleting what nobody holds then (`_drop_subtree` per top-level
-    subtree). The saved hits come in slot order, as `clear_saving` gives them (the owner
-    breaks ties by that order when it keeps only the most hit)."""
-    mask = 1 << bit
-    use, key = tree._use, tree._key
-    out: dict[int, tuple[int, int]] = {}
-    stack = [k for root in tree._roots.values() for k in tree._kids(root)
-             if use[_USE * k + _HOLD] & mask]
-    while stack:
-        s = stack.pop()
-        if use[_USE * s + _HOLD] == mask and use[_USE * s + _HITS]:
-            out[s] = (use[_USE * s + _HITS], use[_USE * s + _LAST])
-        stack.extend(k for k in tree._kids(s) if use[_USE * k + _HOLD] & mask)
-    saved = {key[s]: out[s] for s in sorted(out)}
-    for root in list(tree._roots.values()):
-        for kid in tree._kids(root):
-            if use[_USE * kid + _HOLD] & mask:
-                tree._drop_subtree(kid, mask, bit)
-    return saved  # type: ignore[return-value]
 
 
 def state(index: PrefixIndex) -> tuple:
