@@ -8,6 +8,7 @@ is logged and counted, and the request still completes when any replica can serv
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import secrets
 import threading
@@ -84,86 +85,75 @@ class _StreamCut(Exception):
     """A replica's stream ended without its final message."""
 
 
-class _ReplicaStream:
-    """A replica's Generate stream, read at the replica's pace by a thread of its own into a
-    buffer that the request drains at its client's pace (iterating this object gives the
-    stream's messages, then raises the stream's error, in the stream's order).
+class _ReadAhead:
+    """The replica side of a request (routing, each replica's stream, failover, the Store of
+    the answer), run by a thread of its own at the replicas' pace into a buffer that the
+    request drains at its client's pace. Iterating this object gives what `source` yields,
+    then raises what it raised, in that order.
 
     A client reading slowly (a small flow-control window) held the orchestrator inside a send
-    while the replica's answer waited unread: the replica's engine was done, but the call, and
-    routing's count of our requests in flight there (`on_end`), stayed until the client had
-    read everything. `on_end` now runs as soon as the replica's stream has ended (its status
-    received: the replica's handler has finished), however slowly the client reads.
+    while the replica's answer waited unread: the replica's call, and routing's count of our
+    requests in flight there, stayed until the client had read everything. A replica's stream
+    was then read ahead on a thread of its own (stop 50), but what came after it still waited
+    for the client: the answer's Store (until stop 51), and a failover: a replica lost
+    mid-answer was resumed only once the client had read the tokens read before the loss.
+    Now the whole replica side runs ahead: a lost replica is resumed at once (with every
+    token read, however far behind the client is), and the Store is made as the answer ends.
 
-    Memory: an answer is at most max_tokens tokens, and a replica sends each in a message
-    (a final message ends it), so `limit` messages (max_tokens left + 2) hold all of it; past
-    that (a replica breaking its contract) the reader waits for the client, as before. Threads:
-    one per request while its replica call runs; `close` (in the attempt's `finally`) cancels
-    the call if it still runs and joins the thread, so readers never outnumber the Generate
-    streams in progress (`max_streams`)."""
+    Memory: an answer is at most max_tokens tokens and each item carries at least one (but the
+    detokenizer's tail and the final item), so `limit` (max_tokens + a few) holds all of it;
+    past that (a replica breaking its contract) the thread waits for the client. Threads: one
+    per request while its replica side runs; `close` (in the request's `finally`) stops it
+    (`on_close`: the request is over, its calls are cancelled) and joins it, so these threads
+    never outnumber the Generate streams in progress (`max_streams`). The thread runs in a copy
+    of the request's context: its log lines carry the request id."""
 
     JOIN_S = 5.0  # a cancelled call's iteration ends at once; this only bounds a wedged one
 
-    def __init__(self, call, limit: int, on_end: Callable[[], None], name: str,
-                 deadline: float | None = None,
-                 on_whole: Callable[[list[int], kvpool_pb2.KvGenerateFinal], None] | None = None
-                 ) -> None:
-        """`on_whole(token_ids, final)` runs on the reader once the stream has ended well
-        with its final message (after `on_end`, before the request sees the end), unless
-        the request stopped draining: the answer's Store, not waiting for a slow client."""
-        self._call = call
-        self._on_whole = on_whole
-        # The request's: its messages are handed out until then, read ahead or not (a client
-        # too slow for its request's time is ended by it, as when the call itself ran to it).
+    def __init__(self, source: Iterator, limit: int, name: str, deadline: float | None,
+                 on_close: Callable[[], None]) -> None:
+        """`deadline`: the request's: items are handed out until then, read ahead or not (a
+        client too slow for its request's time is ended by it, as when a call ran to it)."""
+        self._source = source
         self._deadline = deadline
         self._limit = max(2, limit)
-        self._on_end = on_end
+        self._on_close = on_close
         self._buf: deque = deque()
         self._cond = threading.Condition()
-        self._ended = False  # the stream ended (its error, if any, in _error)
+        self._ended = False  # the source ended (its error, if any, in _error)
         self._error: BaseException | None = None
-        self._closed = False  # the request stopped draining: the reader stops too
-        self._thread = threading.Thread(target=self._read, name=name, daemon=True)
-        try:
-            self._thread.start()
-        except BaseException:
-            call.cancel()  # no reader (no thread to be had): the replica must not go on
-            raise
+        self._closed = False  # the request stopped draining: the thread stops too
+        ctx = contextvars.copy_context()
+        self._thread = threading.Thread(target=ctx.run, args=(self._run,), name=name,
+                                        daemon=True)
+        self._thread.start()
 
-    def _read(self) -> None:
+    def _run(self) -> None:
         error: BaseException | None = None
-        tokens: list[int] = []
-        final = None
         try:
-            for msg in self._call:
-                tokens.extend(msg.token_ids)
-                if msg.HasField("final"):
-                    final = msg.final
+            for item in self._source:
                 with self._cond:
                     while len(self._buf) >= self._limit and not self._closed:
                         self._cond.wait()
                     if self._closed:
-                        return
-                    self._buf.append(msg)
+                        break
+                    self._buf.append(item)
                     self._cond.notify_all()
         except BaseException as e:  # noqa: BLE001 - handed to the request, in order
             error = e
         finally:
-            try:
-                self._on_end()
-            except Exception:  # noqa: BLE001 - the request must still see the stream's end
-                log.exception("releasing a replica call failed")
-            if (self._on_whole is not None and error is None and final is not None
-                    and not self._closed):
+            if self._closed:
                 try:
-                    self._on_whole(tokens, final)
-                except Exception:  # noqa: BLE001 - as above
-                    log.exception("handling a replica's whole answer failed")
+                    # Left at a yield: its `finally` blocks (the replica's call cancelled,
+                    # its load released) run here, on the thread that ran it.
+                    self._source.close()
+                except Exception:  # noqa: BLE001 - the request is over; nobody to tell
+                    log.exception("stopping a request's replica side failed")
             with self._cond:
                 self._ended, self._error = True, error
                 self._cond.notify_all()
 
-    def __iter__(self) -> _ReplicaStream:
+    def __iter__(self) -> _ReadAhead:
         return self
 
     def __next__(self):
@@ -174,33 +164,33 @@ class _ReplicaStream:
                     and self._buf):
                 raise errors.DeadlineExceeded("deadline exceeded while generating")
             if self._buf:
-                msg = self._buf.popleft()
+                item = self._buf.popleft()
                 self._cond.notify_all()
-                return msg
+                return item
             error, self._error = self._error, None
         if error is not None:
             raise error
         raise StopIteration
 
     def close(self) -> None:
-        """Stop reading: the call is cancelled if it still runs (the request ended early:
-        its client is gone, or it failed), and the reader has ended on return."""
+        """Stop: if the replica side still runs (the request ended early: its client is gone,
+        or it failed), `on_close` cancels its calls; the thread has ended on return."""
         with self._cond:
             self._closed = True
             ended = self._ended
             self._cond.notify_all()
         if not ended:
-            self._call.cancel()
+            self._on_close()
         self._thread.join(self.JOIN_S)
         if self._thread.is_alive():
-            log.warning("a replica stream's reader did not end %.0f s after its call was "
+            log.warning("a request's replica side did not end %.0f s after its calls were "
                         "cancelled", self.JOIN_S)
 
 
 class _Held:
     """A replica call's share of routing's load there (`ReplicaSet.begin`, done before) and
-    its hung-replica watcher: both given up once, by whichever ends first, the replica's
-    stream (its reader) or the attempt."""
+    its hung-replica watcher: both given up once, as the attempt ends (on the request's
+    read-ahead thread, at the replica's pace), however often `release` is called."""
 
     def __init__(self, replicas: ReplicaSet, replica) -> None:
         self.replicas, self.replica = replicas, replica
@@ -595,287 +585,276 @@ class Orchestrator:
             # put a prompt on the same replica (a tuple of ints hashes alike everywhere).
             key = session_key or f"{tenant.name}\x1f{hash(tuple(ids[:64]))}"
         affinity = session_key or key
-        detok = IncrementalDetokenizer(self.tok)
-        generated: list[int] = []
-        exclude: set[str] = set()
-        tried: list[str] = []  # replica ids, for the client's error (addresses stay internal)
-        final: kvpool_pb2.KvGenerateFinal | None = None
-        first_token_at: float | None = None
-        attempts = 0
-        only_busy = True  # every replica tried so far said it was busy (Overloaded)
-        # The first "needs more KV blocks than the pool has": the client's answer if no
-        # replica with a larger pool takes the request either.
-        too_big: grpc.RpcError | None = None
-        why_public = ""  # the last replica failure, as the client may see it
-        route = ""
-        # The Store of an answer whose replica stream ended well, made on that stream's
-        # reader as it ends: a client reading slowly (its answer read ahead into the buffer)
-        # no longer holds the Store back until it has read every token, nor, too slow for
-        # its deadline, leaves its whole answer unstored. "sid" is set once the Store was
-        # decided (made, or not to be made); the request takes it after the last token.
-        stored_early: dict[str, str] = {}
-
-        def store_early(before: list[int], tokens: list[int],
-                        fin: kvpool_pb2.KvGenerateFinal) -> None:
-            if cancelled.is_set():
-                stored_early["sid"] = ""  # gone: no Store, here or by the request
-                return
-            try:
-                stored_early["sid"] = self._store_answer(
-                    tenant, prompt, sampling, look, may_store, before + tokens,
-                    fin.finish_reason, deadline, tier_call_started)
-            finally:
-                current.pop("tier", None)
-
-        while final is None:
-            if cancelled.is_set():
-                raise errors.Cancelled("client cancelled")
-            if deadline - time.monotonic() <= 0:
-                # Before routing: a request never sent must leave no prompt credit or routed
-                # count behind (requests sharing its prefix would follow it there).
-                raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
-            with self._route_lock:
-                # How often each replica had been declared down before its health is read for
-                # routing (see ReplicaSet.watch).
-                downs_at = {r.address: r.downs for r in self.replicas.replicas}
-                seen = self._with_dispatched(matches, hashes)
-                views = self.replicas.views()
-                # A replica that failed is excluded by its address too: its first Stats
-                # answer may rename it (from its address to its own id) between attempts.
-                excluded = frozenset(exclude | {r.replica_id for r in self.replicas.replicas
-                                                if r.address in exclude})
-                decision = self.routing.choose(views, seen, affinity, excluded, new_blocks,
-                                               prompt.continues)
-                replica = (self.replicas.by_id(decision.replica_id) if decision is not None
-                           else None)
-                if replica is not None:
-                    # Counted before the lock is released: a request routed right after this
-                    # one sees this replica's load with it.
-                    self.replicas.begin(replica)
-                    held = _Held(self.replicas, replica)
-                    if hashes and self.dispatched is not None:
-                        self.dispatched.record(decision.replica_id, hashes)
-            if decision is None or replica is None:
-                raise _give_up(
-                    too_big, bool(tried) and only_busy,
-                    f"every kvpool replica is busy (tried {', '.join(tried)}); retry later",
-                    "no kvpool replica is available"
-                    + (f" (tried {', '.join(tried)})" if tried else "")
-                    + (f"; last: {why_public}" if why_public else "")) from None
-            stream: _ReplicaStream | None = None
-            busy = larger = False
-            try:
-                if (decision.route == "prefix"
-                        and seen.get(decision.replica_id, 0) > matches.get(decision.replica_id,
-                                                                           0)):
-                    DISPATCH_ROUTES.inc()
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("route %s: %s -> %s (matched %d; index %s; sent moments ago %s; "
-                              "loads %s)", request_id, decision.route, decision.replica_id,
-                              decision.matched_tokens, dict(matches),
-                              {r: t for r, t in seen.items() if t > matches.get(r, 0)},
-                              {v.replica_id: v.load for v in self.replicas.views()})
-                route = (decision.route if attempts == 0
-                         else ("resume" if generated else "retry"))
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
+        def replica_side() -> Iterator[TextDelta | Finished]:
+            # Runs on the request's read-ahead thread (see `_ReadAhead`).
+            detok = IncrementalDetokenizer(self.tok)
+            generated: list[int] = []
+            exclude: set[str] = set()
+            tried: list[str] = []  # replica ids, for the client's error (addresses stay internal)
+            final: kvpool_pb2.KvGenerateFinal | None = None
+            first_token_at: float | None = None
+            attempts = 0
+            only_busy = True  # every replica tried so far said it was busy (Overloaded)
+            # The first "needs more KV blocks than the pool has": the client's answer if no
+            # replica with a larger pool takes the request either.
+            too_big: grpc.RpcError | None = None
+            why_public = ""  # the last replica failure, as the client may see it
+            route = ""
+            while final is None:
+                if cancelled.is_set():
+                    raise errors.Cancelled("client cancelled")
+                if deadline - time.monotonic() <= 0:
+                    # Before routing: a request never sent must leave no prompt credit or routed
+                    # count behind (requests sharing its prefix would follow it there).
                     raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
-                from_here = len(generated)  # this replica's tokens start here
-                req = kvpool_pb2.KvGenerateRequest(
-                    request_id=request_id, token_ids=ids + generated,
-                    sampling=common_pb2.SamplingParams(
-                        max_tokens=sampling.max_tokens - len(generated),
-                        temperature=sampling.temperature, top_p=sampling.top_p,
-                        seed=seed, stop_token_ids=sampling.stop_token_ids,
-                        ignore_eos=sampling.ignore_eos),
-                    cache_salt=tenant.cache_salt, skip_prefix_cache=policy.skip_prefix_cache,
-                    draft_token_ids=draft_ids[len(generated):] if draft_ids else [],
-                    model_id=self.model_id,
-                    # A resumed answer continues the seeded randomness where it stopped.
-                    seed_offset=len(generated))
-                call = replica.stub.Generate(req, timeout=remaining,
-                                             metadata=call_metadata(self.internal_token,
-                                                                    request_id))
-                current["call"] = call
-                # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
-                # ends CANCELLED, which fails over below like any lost replica.
-                held.watcher = call.cancel
-                self.replicas.watch(replica, held.watcher, downs_at.get(replica.address))
-                if cancelled.is_set():
-                    call.cancel()
-                # Read at the replica's pace, drained at the client's: the replica's share of
-                # routing's load and its watcher are released as soon as its stream ends.
-                # The buffered tokens are taken in order below, every one of them into
-                # `generated` before the stream's error is, so a resume sends them all.
-                stored_early.clear()
-                before = list(generated)  # the tokens of the replicas before this one
-                stream = _ReplicaStream(call, sampling.max_tokens - len(generated) + 2,
-                                        held.release, f"replica-stream-{request_id}",
-                                        deadline,
-                                        lambda tokens, fin, b=before: store_early(b, tokens, fin))
-                for msg in stream:
-                    if msg.token_ids:
-                        new = list(msg.token_ids)
-                        generated.extend(new)
-                        text = detok.push(new)
-                        if first_token_at is None:
-                            first_token_at = time.monotonic()
-                        if text or return_token_ids:
-                            yield TextDelta(text, new if return_token_ids else [])
-                    if msg.HasField("final"):
-                        final = msg.final
-                if final is None:
-                    # Ended cleanly but without its final message: the replica broke off (a
-                    # proxy or a replica going away); fail over as for a lost replica.
-                    raise _StreamCut(f"replica {replica.public_id} ended the stream without "
-                                     "a final message")
-                # Not ok(): a draining replica (down by the poller) finishing its streams must
-                # not come back into routing with each one.
-                replica.health.traffic_ok()
-            except grpc.RpcError as e:
-                code = e.code()
-                if final is not None:
-                    # The answer is whole: the stream broke only after the final message
-                    # (its trailing status lost, or the hung-replica watcher firing just then).
-                    log.info("replica %s: %s after the final message; answer complete",
-                             replica.replica_id, code.name)
+                with self._route_lock:
+                    # How often each replica had been declared down before its health is read for
+                    # routing (see ReplicaSet.watch).
+                    downs_at = {r.address: r.downs for r in self.replicas.replicas}
+                    seen = self._with_dispatched(matches, hashes)
+                    views = self.replicas.views()
+                    # A replica that failed is excluded by its address too: its first Stats
+                    # answer may rename it (from its address to its own id) between attempts.
+                    excluded = frozenset(exclude | {r.replica_id for r in self.replicas.replicas
+                                                    if r.address in exclude})
+                    decision = self.routing.choose(views, seen, affinity, excluded, new_blocks,
+                                                   prompt.continues)
+                    replica = (self.replicas.by_id(decision.replica_id) if decision is not None
+                               else None)
+                    if replica is not None:
+                        # Counted before the lock is released: a request routed right after this
+                        # one sees this replica's load with it.
+                        self.replicas.begin(replica)
+                        held = _Held(self.replicas, replica)
+                        if hashes and self.dispatched is not None:
+                            self.dispatched.record(decision.replica_id, hashes)
+                if decision is None or replica is None:
+                    raise _give_up(
+                        too_big, bool(tried) and only_busy,
+                        f"every kvpool replica is busy (tried {', '.join(tried)}); retry later",
+                        "no kvpool replica is available"
+                        + (f" (tried {', '.join(tried)})" if tried else "")
+                        + (f"; last: {why_public}" if why_public else "")) from None
+                stream = None
+                stream_ended = False
+                busy = larger = False
+                try:
+                    if (decision.route == "prefix"
+                            and seen.get(decision.replica_id, 0) > matches.get(decision.replica_id,
+                                                                               0)):
+                        DISPATCH_ROUTES.inc()
+                    if log.isEnabledFor(logging.DEBUG):
+                        log.debug("route %s: %s -> %s (matched %d; index %s; sent moments ago %s; "
+                                  "loads %s)", request_id, decision.route, decision.replica_id,
+                                  decision.matched_tokens, dict(matches),
+                                  {r: t for r, t in seen.items() if t > matches.get(r, 0)},
+                                  {v.replica_id: v.load for v in self.replicas.views()})
+                    route = (decision.route if attempts == 0
+                             else ("resume" if generated else "retry"))
+                    remaining = deadline - time.monotonic()
+                    if remaining <= 0:
+                        raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
+                    from_here = len(generated)  # this replica's tokens start here
+                    req = kvpool_pb2.KvGenerateRequest(
+                        request_id=request_id, token_ids=ids + generated,
+                        sampling=common_pb2.SamplingParams(
+                            max_tokens=sampling.max_tokens - len(generated),
+                            temperature=sampling.temperature, top_p=sampling.top_p,
+                            seed=seed, stop_token_ids=sampling.stop_token_ids,
+                            ignore_eos=sampling.ignore_eos),
+                        cache_salt=tenant.cache_salt, skip_prefix_cache=policy.skip_prefix_cache,
+                        draft_token_ids=draft_ids[len(generated):] if draft_ids else [],
+                        model_id=self.model_id,
+                        # A resumed answer continues the seeded randomness where it stopped.
+                        seed_offset=len(generated))
+                    call = replica.stub.Generate(req, timeout=remaining,
+                                                 metadata=call_metadata(self.internal_token,
+                                                                        request_id))
+                    current["call"] = call
+                    # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
+                    # ends CANCELLED, which fails over below like any lost replica.
+                    held.watcher = call.cancel
+                    self.replicas.watch(replica, held.watcher, downs_at.get(replica.address))
+                    if cancelled.is_set():
+                        call.cancel()
+                    # Read at the replica's pace (this runs on the request's read-ahead thread),
+                    # drained at the client's: the replica's share of routing's load and its
+                    # watcher are released as soon as its stream ends, and a lost replica is
+                    # resumed at once with every token read, however far behind the client is.
+                    stream = call
+                    for msg in stream:
+                        if msg.token_ids:
+                            new = list(msg.token_ids)
+                            generated.extend(new)
+                            text = detok.push(new)
+                            if first_token_at is None:
+                                first_token_at = time.monotonic()
+                            if text or return_token_ids:
+                                yield TextDelta(text, new if return_token_ids else [])
+                        if msg.HasField("final"):
+                            final = msg.final
+                    stream_ended = True
+                    if final is None:
+                        # Ended cleanly but without its final message: the replica broke off (a
+                        # proxy or a replica going away); fail over as for a lost replica.
+                        raise _StreamCut(f"replica {replica.public_id} ended the stream without "
+                                         "a final message")
+                    # Not ok(): a draining replica (down by the poller) finishing its streams must
+                    # not come back into routing with each one.
+                    replica.health.traffic_ok()
+                except grpc.RpcError as e:
+                    stream_ended = True  # its status: the call is over
+                    code = e.code()
+                    if final is not None:
+                        # The answer is whole: the stream broke only after the final message
+                        # (its trailing status lost, or the hung-replica watcher firing just then).
+                        log.info("replica %s: %s after the final message; answer complete",
+                                 replica.replica_id, code.name)
+                        break
+                    if cancelled.is_set():
+                        raise errors.Cancelled("client cancelled") from None
+                    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                        raise errors.DeadlineExceeded(
+                            "deadline exceeded while generating") from None
+                    busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.overloaded(e)
+                    if busy:
+                        # Full queue or memory held on this replica only: another may serve it
+                        # (an answer under way resumes there, exactly). Not marked down.
+                        log.info("replica %s is busy (%s); trying another", replica.replica_id,
+                                 e.details())
+                    elif code in _REPLICA_REFUSED_US:
+                        # Our internal credential, not the client's: a misconfigured replica.
+                        # Never the client's UNAUTHENTICATED; try another replica.
+                        log.error("replica %s refused the orchestrator's internal credential (%s: "
+                                  "%s): check TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN and "
+                                  "TIERCACHE_KVPOOL_INTERNAL_TOKEN", replica.replica_id,
+                                  code.name, e.details())
+                    elif (code == grpc.StatusCode.FAILED_PRECONDITION
+                          and (e.details() or "").startswith("model_id:")):
+                        # The orchestrator sends its own model id: a replica serving another
+                        # model is a deployment fault, not the client's; try another replica.
+                        log.error("replica %s serves another model (%s)", replica.replica_id,
+                                  e.details())
+                    elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                          and (e.details() or "").startswith("token_ids:")
+                          and self._larger_pool(replica, exclude)):
+                        # Too big for this replica's pool, not for every one: pools sized by
+                        # kv_cache_bytes differ with each replica's hardware.
+                        larger = True
+                        too_big = too_big or e
+                        log.info("replica %s cannot hold the request (%s); trying a larger pool",
+                                 replica.replica_id, e.details())
+                    elif code not in _REPLICA_LOST:
+                        # The replica judged the request itself: pass its verdict on unchanged.
+                        raise _as_domain(e) from None
+                    # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
+                    # another, but it is not marked down for everyone (Stats polls judge that):
+                    # one request that breaks replicas must not take every replica out of routing.
+                    lost: BaseException | None = (
+                        None if busy or larger
+                        or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
+                    why = f"{code.name}: {e.details()}"
+                    why_public = f"{code.name}: {e.details()}" if busy else code.name
+                except _StreamCut as e:
+                    lost, why = e, str(e)
+                    why_public = why
+                else:
+                    continue  # the final message arrived: the loop ends
+                finally:
+                    if stream is not None and not stream_ended:
+                        stream.cancel()  # left mid-stream (the request closed): stop the replica
+                    current.pop("call", None)
+                    held.release()
+                # The replica is lost for this request: try the next one (resuming after the
+                # tokens already streamed).
+                exclude.update((replica.replica_id, replica.address))
+                tried.append(replica.public_id)
+                only_busy = only_busy and busy
+                if lost is not None:
+                    replica.health.fail(lost)
+                if (lost is not None or busy or larger) and self.dispatched is not None:
+                    # What was sent there moments ago is not held there (lost), or would steer
+                    # the same prefix back to a replica that cannot take it (busy, or its pool
+                    # too small: every request routed there renewed the credit, so it never
+                    # expired while traffic went on).
+                    self.dispatched.forget(replica.replica_id)
+                attempts += 1
+                if busy or larger:
+                    # Saturation or a small pool, already logged at INFO above: counted apart
+                    # from replica failures, so alerts on "retry"/"resume" mean broken replicas.
+                    self.stats.degrade("busy_replica" if busy else "larger_pool")
+                else:
+                    self.stats.degrade("resume" if generated else "retry")
+                    log.warning("replica %s failed (%s) after %d tokens; attempt %d",
+                                replica.replica_id, why, len(generated), attempts + 1)
+                ended = self._ended(generated, sampling)
+                if ended is not None:
+                    # The tokens streamed already make the whole answer (they reached max_tokens,
+                    # a stop token or the end of sequence; the final message was lost): a resume
+                    # would ask for 0 tokens, or generate on past the answer's end.
+                    log.info("replica %s failed after the answer's last token; answer complete",
+                             replica.replica_id)
+                    final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
                     break
-                if cancelled.is_set():
-                    raise errors.Cancelled("client cancelled") from None
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise errors.DeadlineExceeded("deadline exceeded while generating") from None
-                busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.overloaded(e)
-                if busy:
-                    # Full queue or memory held on this replica only: another may serve it
-                    # (an answer under way resumes there, exactly). Not marked down.
-                    log.info("replica %s is busy (%s); trying another", replica.replica_id,
-                             e.details())
-                elif code in _REPLICA_REFUSED_US:
-                    # Our internal credential, not the client's: a misconfigured replica.
-                    # Never the client's UNAUTHENTICATED; try another replica.
-                    log.error("replica %s refused the orchestrator's internal credential (%s: "
-                              "%s): check TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN and "
-                              "TIERCACHE_KVPOOL_INTERNAL_TOKEN", replica.replica_id,
-                              code.name, e.details())
-                elif (code == grpc.StatusCode.FAILED_PRECONDITION
-                      and (e.details() or "").startswith("model_id:")):
-                    # The orchestrator sends its own model id: a replica serving another
-                    # model is a deployment fault, not the client's; try another replica.
-                    log.error("replica %s serves another model (%s)", replica.replica_id,
-                              e.details())
-                elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                      and (e.details() or "").startswith("token_ids:")
-                      and self._larger_pool(replica, exclude)):
-                    # Too big for this replica's pool, not for every one: pools sized by
-                    # kv_cache_bytes differ with each replica's hardware.
-                    larger = True
-                    too_big = too_big or e
-                    log.info("replica %s cannot hold the request (%s); trying a larger pool",
-                             replica.replica_id, e.details())
-                elif code not in _REPLICA_LOST:
-                    # The replica judged the request itself: pass its verdict on unchanged.
-                    raise _as_domain(e) from None
-                # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
-                # another, but it is not marked down for everyone (Stats polls judge that):
-                # one request that breaks replicas must not take every replica out of routing.
-                lost: BaseException | None = (
-                    None if busy or larger
-                    or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
-                why = f"{code.name}: {e.details()}"
-                why_public = f"{code.name}: {e.details()}" if busy else code.name
-            except _StreamCut as e:
-                lost, why = e, str(e)
-                why_public = why
-            else:
-                continue  # the final message arrived: the loop ends
-            finally:
-                if stream is not None:
-                    stream.close()
-                current.pop("call", None)
-                held.release()
-            # The replica is lost for this request: try the next one (resuming after the
-            # tokens already streamed).
-            exclude.update((replica.replica_id, replica.address))
-            tried.append(replica.public_id)
-            only_busy = only_busy and busy
-            if lost is not None:
-                replica.health.fail(lost)
-            if (lost is not None or busy or larger) and self.dispatched is not None:
-                # What was sent there moments ago is not held there (lost), or would steer
-                # the same prefix back to a replica that cannot take it (busy, or its pool
-                # too small: every request routed there renewed the credit, so it never
-                # expired while traffic went on).
-                self.dispatched.forget(replica.replica_id)
-            attempts += 1
-            if busy or larger:
-                # Saturation or a small pool, already logged at INFO above: counted apart
-                # from replica failures, so alerts on "retry"/"resume" mean broken replicas.
-                self.stats.degrade("busy_replica" if busy else "larger_pool")
-            else:
-                self.stats.degrade("resume" if generated else "retry")
-                log.warning("replica %s failed (%s) after %d tokens; attempt %d",
-                            replica.replica_id, why, len(generated), attempts + 1)
-            ended = self._ended(generated, sampling)
-            if ended is not None:
-                # The tokens streamed already make the whole answer (they reached max_tokens,
-                # a stop token or the end of sequence; the final message was lost): a resume
-                # would ask for 0 tokens, or generate on past the answer's end.
-                log.info("replica %s failed after the answer's last token; answer complete",
-                         replica.replica_id)
-                final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
-                break
-            if attempts >= self.max_attempts:
-                # The replica's own message (transport errors name internal addresses) is in
-                # the log line above, not in the client's status.
-                raise _give_up(
-                    too_big, only_busy,
-                    f"every kvpool replica tried is busy (tried {', '.join(tried)}); "
-                    f"last: {why_public}; retry later",
-                    f"kvpool replicas failed {attempts} times (tried {', '.join(tried)}); "
-                    f"last: {why_public}") from None
+                if attempts >= self.max_attempts:
+                    # The replica's own message (transport errors name internal addresses) is in
+                    # the log line above, not in the client's status.
+                    raise _give_up(
+                        too_big, only_busy,
+                        f"every kvpool replica tried is busy (tried {', '.join(tried)}); "
+                        f"last: {why_public}; retry later",
+                        f"kvpool replicas failed {attempts} times (tried {', '.join(tried)}); "
+                        f"last: {why_public}") from None
 
-        tail = detok.flush()
-        if tail:
-            yield TextDelta(tail, [])
-        prompt_tokens = len(ids)
-        cached = min(final.cached_tokens, prompt_tokens)
-        ttft = ((first_token_at or time.monotonic()) - t0) * 1000.0
-        report.prompt_tokens = prompt_tokens
-        report.cached_tokens = cached
-        report.replica_id = final.replica_id or replica.public_id
-        report.ttft_ms = ttft
-        report.draft_tokens_proposed = final.draft_tokens_proposed
-        report.draft_tokens_accepted = final.draft_tokens_accepted
-        report.lookup_tokens_accepted = final.lookup_tokens_accepted
-        report.forward_passes = final.forward_passes
-        DRAFT_TOKENS.labels("proposed").inc(final.draft_tokens_proposed)
-        DRAFT_TOKENS.labels("accepted_from_cache").inc(
-            max(0, final.draft_tokens_accepted - final.lookup_tokens_accepted))
-        DRAFT_TOKENS.labels("accepted_from_lookup").inc(final.lookup_tokens_accepted)
-        PASSES_SAVED.inc(max(0, len(generated) - from_here - 1 - final.forward_passes))
-        report.route = route
-        # What the last replica chosen was expected to hold, against what it reused.
-        expected = min(seen.get(decision.replica_id, 0), prompt_tokens)
-        report.index_matched_tokens = expected
-        MATCHED_TOKENS.inc(expected)
-        # A replica computes at least the prompt's last token, held or not.
-        MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
-        cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
-        self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
-        if "sid" in stored_early:
-            sid = stored_early["sid"]  # stored as the replica finished (see `store_early`)
-        else:
+            tail = detok.flush()
+            if tail:
+                yield TextDelta(tail, [])
+            prompt_tokens = len(ids)
+            cached = min(final.cached_tokens, prompt_tokens)
+            ttft = ((first_token_at or time.monotonic()) - t0) * 1000.0
+            report.prompt_tokens = prompt_tokens
+            report.cached_tokens = cached
+            report.replica_id = final.replica_id or replica.public_id
+            report.ttft_ms = ttft
+            report.draft_tokens_proposed = final.draft_tokens_proposed
+            report.draft_tokens_accepted = final.draft_tokens_accepted
+            report.lookup_tokens_accepted = final.lookup_tokens_accepted
+            report.forward_passes = final.forward_passes
+            DRAFT_TOKENS.labels("proposed").inc(final.draft_tokens_proposed)
+            DRAFT_TOKENS.labels("accepted_from_cache").inc(
+                max(0, final.draft_tokens_accepted - final.lookup_tokens_accepted))
+            DRAFT_TOKENS.labels("accepted_from_lookup").inc(final.lookup_tokens_accepted)
+            PASSES_SAVED.inc(max(0, len(generated) - from_here - 1 - final.forward_passes))
+            report.route = route
+            # What the last replica chosen was expected to hold, against what it reused.
+            expected = min(seen.get(decision.replica_id, 0), prompt_tokens)
+            report.index_matched_tokens = expected
+            MATCHED_TOKENS.inc(expected)
+            # A replica computes at least the prompt's last token, held or not.
+            MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
+            cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
+            self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
+            # Stored as the replica finishes, not once the client has read the answer: a client
+            # reading slowly no longer holds the Store back, nor, too slow for its deadline,
+            # leaves its whole answer unstored.
             try:
                 sid = self._store_answer(tenant, prompt, sampling, look, may_store, generated,
                                          final.finish_reason, deadline, tier_call_started)
             finally:
                 current.pop("tier", None)
-        if cancelled.is_set():
-            # Gone during the Store (cancelled with it): no final message, for nobody.
-            raise errors.Cancelled("client cancelled")
-        if sid:
-            report.semantic_entry_id = sid
-        yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
+            if cancelled.is_set():
+                # Gone during the Store (cancelled with it): no final message, for nobody.
+                raise errors.Cancelled("client cancelled")
+            if sid:
+                report.semantic_entry_id = sid
+            yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
+
+        ahead = _ReadAhead(replica_side(), sampling.max_tokens + 4,
+                           f"replica-stream-{request_id}", deadline, cancel_downstream)
+        try:
+            yield from ahead
+        finally:
+            ahead.close()
 
     def _store_answer(self, tenant: Tenant, prompt: RenderedPrompt, sampling: Sampling, look,
                       may_store: bool, generated: Sequence[int], finish_reason: int,

@@ -189,6 +189,54 @@ def test_a_slow_reader_does_not_hold_the_replica_and_gets_the_whole_answer(stack
     assert final.cache_report.semantic_entry_id == again.report.semantic_entry_id
 
 
+def one_stats(k):
+    with grpc.insecure_channel(k.address) as ch:
+        return kvpool_pb2_grpc.KvPoolStub(ch).Stats(kvpool_pb2.KvStatsRequest(), timeout=10,
+                                                    metadata=INTERNAL_MD)
+
+
+def test_a_replica_lost_while_a_slow_reader_sleeps_is_resumed_at_once(stack):
+    # The resume waited for the client to read every token read before the loss; now the
+    # orchestrator resumes at once, and the client, reading on, sees one stream.
+    q = "Write a long story about a lighthouse keeper and a storm."
+    kw = dict(max_tokens=96, ignore_eos=True, return_token_ids=True)
+    with TierCacheClient(stack.orch.address, token="tok-a", timeout=180) as a:
+        reference = a.generate(q, cache_policy=NO_SEMANTIC, **kw)
+    assert len(reference.token_ids) == 96
+    ch = grpc.insecure_channel(stack.orch.address, options=[
+        ("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)])
+    try:
+        req = TierCacheClient.build_request(q, cache_policy=NO_SEMANTIC, **kw)
+        call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(
+            req, timeout=180, metadata=[("authorization", "Bearer tok-a")])
+        head = [next(call)]
+        while not head[-1].token_ids:  # the stream's first message may carry no token
+            head.append(next(call))
+        # ...and the client reads no more for now. (A replica's Stats may count the answer
+        # running only a step after its first token.)
+        wait_until(lambda: 1 in running_on(stack), 5, "the answer was not under way")
+        busy = running_on(stack)
+        assert busy.count(1) == 1, f"the answer was not under way on one replica: {busy}"
+        killed = stack.kv[busy.index(1)]
+        survivor = next(k for k in stack.kv if k is not killed)
+        done_before = one_stats(survivor).requests_total
+        killed.kill()  # SIGKILL, mid-answer
+        # While the client sleeps: the rest of the answer is computed on the survivor.
+        wait_until(lambda: (one_stats(survivor).requests_total > done_before
+                            and one_stats(survivor).running == 0
+                            and not any(in_flight(stack).values())), 120,
+                   "the answer was not resumed while its client slept")
+        rest = list(call)
+    finally:
+        ch.close()
+    ids = [t for m in head + rest for t in m.token_ids]
+    assert ids == reference.token_ids  # one uninterrupted stream, the same greedy tokens
+    assert rest[-1].HasField("final")
+    report = rest[-1].final.cache_report
+    assert report.route == "resume"
+    assert report.replica_id == survivor.env["TIERCACHE_KVPOOL_REPLICA_ID"]
+
+
 def tenant_slot(address: str) -> str:
     """Whether tenant "small" (one request at a time) has its slot free ("free") or taken
     ("taken"), asked with a request it refuses either way, before any tier: max_tokens over

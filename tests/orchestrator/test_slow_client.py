@@ -137,19 +137,42 @@ def test_a_resumed_answer_is_stored_once_whole_by_the_replica_that_finished_it()
     assert isinstance(got[-1], Finished) and got[-1].report.semantic_entry_id == "e1"
 
 
-def test_an_answer_whose_stream_broke_after_its_final_message_is_stored_by_the_request():
-    # The reader stores only a stream that ended well; this one's status was lost after the
-    # final message (the answer whole): the request stores it, as before.
+def test_an_answer_whose_stream_broke_after_its_final_message_is_stored_as_it_ends():
+    # Its status was lost after the final message (the answer whole): stored as the answer
+    # ends too, not once the client has read it.
     stub = Stub("A", [Call([tokens("a"), final("A", 2)], RpcError(grpc.StatusCode.UNAVAILABLE))])
     sem, stored = storing_tier(["e1"])
     orch = make({"A": stub}, semantic=sem)
     events = start(orch)
     assert next(events).text == "a"
-    wait_until(lambda: not readers(), "the replica's stream did not end")
-    assert stored == []  # the reader did not store it...
+    wait_until(lambda: stored, "the answer was not stored while the client slept")
     got = list(events)
-    assert [r.answer for r in stored] == ["aok"]  # ...the request did, after the last token
+    assert [r.answer for r in stored] == ["aok"]
     assert isinstance(got[-1], Finished) and got[-1].report.semantic_entry_id == "e1"
+
+
+def test_a_replica_lost_mid_answer_is_resumed_while_the_client_is_still_reading():
+    # The resume waited until the client had read every token read before the loss: a slow
+    # client then saw the answer stop for the resume's prefill once it had caught up. Now it
+    # is resumed at once, and the rest of the answer waits for the client, read ahead.
+    a_stub = Stub("A", [LostAfter([tokens("ab"), tokens("cd")])])
+    b_stub = Stub("B", [Call([tokens("ef"), final("B", 2)])])
+    sem, stored = storing_tier(["e1"])
+    orch = make({"A": a_stub, "B": b_stub}, semantic=sem)
+    orch.routing = in_order("A", "B")
+    events = start(orch, max_tokens=8)
+    assert next(events).text == "ab"  # ...and the client reads no more for now
+    wait_until(lambda: stored, "the answer was not resumed and finished while the client slept")
+    resumed = b_stub.requests[0]
+    assert list(resumed.token_ids) == PROMPT + list(b"abcd")
+    assert resumed.sampling.max_tokens == 4 and resumed.seed_offset == 4
+    assert all(r.inflight == 0 for r in orch.replicas.replicas)
+    assert stored[0].answer == "abcdefok"
+    got = list(events)
+    assert "".join(e.text for e in got if isinstance(e, TextDelta)) == "cdefok"
+    assert isinstance(got[-1], Finished) and got[-1].report.route == "resume"
+    assert got[-1].completion_tokens == 8 and got[-1].report.semantic_entry_id == "e1"
+    assert not readers()
 
 
 class Endless(Call):
@@ -345,44 +368,55 @@ def test_a_probe_that_learnt_nothing_does_not_bring_back_a_record_cleared_meanwh
     assert hb.call("s", 2.0, 2.0, lambda: "ok") == "ok"  # not skipped
 
 
-class _ListCall:
-    def __init__(self, msgs):
-        self._it = iter(msgs)
-        self.cancelled = False
-
-    def __iter__(self):
-        return self._it
-
-    def cancel(self):
-        self.cancelled = True
-
-
 def test_what_was_read_ahead_is_not_handed_out_past_the_requests_deadline():
     # A client still reading at its request's deadline was let read on: the reader had
     # drained the replica, so nothing ended the request until the reaper, a second later,
     # counted it as a stuck send.
-    from services.orchestrator.pipeline import _ReplicaStream
+    from services.orchestrator.pipeline import _ReadAhead
 
-    ended = threading.Event()
-    msgs = [kvpool_pb2.KvGenerateResponse(token_ids=[i]) for i in (1, 2, 3)]
-    stream = _ReplicaStream(_ListCall(msgs), 8, ended.set, "t",
-                            deadline=time.monotonic() + 0.3)
-    assert ended.wait(5)  # the replica's stream is over, all of it read ahead
-    assert list(next(stream).token_ids) == [1]
+    closed = []
+    ahead = _ReadAhead(iter([1, 2, 3]), 8, "t", time.monotonic() + 0.3,
+                       lambda: closed.append(1))
+    wait_until(lambda: ahead._ended, "the source was not read ahead")
+    assert next(ahead) == 1
     time.sleep(0.35)
     with pytest.raises(errors.DeadlineExceeded):
-        next(stream)
-    stream.close()
+        next(ahead)
+    ahead.close()
+    assert closed == []  # the source had ended: nothing to stop
 
 
-def test_a_reader_that_cannot_start_cancels_the_replica_call(monkeypatch):
-    from services.orchestrator.pipeline import _ReplicaStream
+def test_a_read_ahead_closed_early_stops_its_source_on_its_own_thread():
+    from services.orchestrator.pipeline import _ReadAhead
+
+    stopped = threading.Event()
+    gave = []
+
+    def source():
+        try:
+            for i in range(100):
+                gave.append(i)
+                yield i
+        finally:
+            stopped.set()
+
+    ahead = _ReadAhead(source(), 4, "t", None, lambda: None)
+    assert next(ahead) == 0
+    wait_until(lambda: len(gave) >= 5, "the source was not read ahead")
+    time.sleep(0.05)
+    assert len(gave) <= 6  # the buffer's limit holds it back (4 buffered, 1 waiting)
+    ahead.close()
+    assert stopped.is_set() and not ahead._thread.is_alive()
+
+
+def test_a_request_whose_read_ahead_cannot_start_calls_no_replica(monkeypatch):
+    stub = Stub("A", [Call([tokens("a"), final("A", 2)])])
+    orch = make({"A": stub})
 
     def no_thread(self):
         raise RuntimeError("can't start new thread")
 
     monkeypatch.setattr(threading.Thread, "start", no_thread)
-    call = _ListCall([])
     with pytest.raises(RuntimeError):
-        _ReplicaStream(call, 8, lambda: None, "t")
-    assert call.cancelled
+        list(start(orch))
+    assert stub.requests == [] and orch.replicas.replicas[0].inflight == 0
