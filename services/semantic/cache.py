@@ -36,6 +36,8 @@ from services.semantic.config import SemanticConfig
 from services.semantic.guard import ParaphraseGuard, spelling_differs
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.policy import Outcome, ThresholdPolicy
+from services.semantic.snapshot import Saved
+from services.semantic.snapshot import save as save_snapshot
 from services.semantic.store import WRITE_CHUNK, EntryStore, Row, pack_tokens, unpack_tokens
 from services.semantic.verifier import StaleVerifier, Verifier, VerifierModel
 
@@ -271,6 +273,7 @@ class SemanticCache:
         self._recent_lock = threading.Lock()
         self._lock = threading.RLock()  # guards the maps below, never held during I/O waits
         self._indexes: dict[Namespace, NamespaceIndex] = {}
+        self.graphs_adopted = 0  # HNSW graphs the last load took from a snapshot
         self._entries: dict[int, Entry] = {}  # label -> entry
         self._by_id: dict[str, int] = {}
         # (namespace, exact prompt) -> label: a second Store of the same prompt replaces the
@@ -925,11 +928,14 @@ class SemanticCache:
                 heapq.heappush(kept, item)
             self._expiry_heap = kept
 
-    def load(self) -> int:
+    def load(self, snapshot_path: str = "") -> int:
         """Rebuilds every namespace from SQLite (at start); returns the entries loaded.
 
         Expired entries are deleted; entries embedded by another model are re-embedded; the
-        capacity limits are applied (least recently used go first).
+        capacity limits are applied (least recently used go first). `snapshot_path`: a folder
+        of saved HNSW graphs (`save_snapshot`), each taken instead of building its namespace's
+        graph when it matches the namespace's entries (services/semantic/snapshot.py);
+        `graphs_adopted` says how many were.
         """
         now = self.clock()
         ahead = self.store.clamp_future(now)
@@ -944,6 +950,10 @@ class SemanticCache:
         groups = self._group_rows(live)
         del live  # the rows: only each namespace's entries and per-row vectors are left
         self._delete_at_load(stale + replaced, "expired or replaced")
+        saved = None
+        if snapshot_path:
+            saved = Saved(snapshot_path, self._params, self._embed_id)
+        adopted = 0
         with self._lock:
             # One namespace at a time, its per-row vectors let go as soon as they are stacked:
             # kept until the end, every row's array stayed alive beside the stacked copy, the
@@ -953,8 +963,17 @@ class SemanticCache:
                 vecs = np.stack(vs)
                 vs.clear()
                 index = self._indexes[ns] = NamespaceIndex(self._params)
-                index.add_many(np.array([e.label for e in es], np.int64), vecs)
-                del vecs
+                labels = np.array([e.label for e in es], np.int64)
+                got = saved.take(tuple(ns)) if saved is not None else None
+                if got is not None and index.adopt(got[0], got[1], labels, vecs):
+                    adopted += 1
+                else:
+                    if got is not None:
+                        log.warning("the saved HNSW graph of a namespace of tenant %r does not "
+                                    "match its entries in SQLite (another database, or "
+                                    "vectors re-embedded): built again", ns.tenant)
+                    index.add_many(labels, vecs)
+                del vecs, got
                 self._ns_lru[ns] = OrderedDict()
                 for e in sorted(es, key=lambda e: max(e.last_hit_at, e.created_at)):
                     self._entries[e.label] = e
@@ -982,10 +1001,21 @@ class SemanticCache:
         self._m["evictions"].inc(len(victims))
         self._m["expirations"].inc(len(stale))
         self._delete_at_load(victims, "over capacity")
+        self.graphs_adopted = adopted
         log.info("loaded %d entries in %d namespaces (%d expired, %d over capacity, %d replaced "
-                 "by a newer answer to the same prompt)", len(self._entries), len(self._indexes),
-                 len(stale), len(victims), len(replaced))
+                 "by a newer answer to the same prompt; %d HNSW graphs taken from the "
+                 "snapshot, not built)", len(self._entries), len(self._indexes),
+                 len(stale), len(victims), len(replaced), adopted)
         return len(self._entries)
+
+    def save_snapshot(self, folder: str) -> int:
+        """Writes every HNSW namespace's published graph to `folder` (on a clean stop), for
+        the next `load` to take instead of building it; returns the namespaces written.
+        Raises OSError (the previous snapshot then stays in force)."""
+        with self._lock:
+            items = [(tuple(ns), *m) for ns, index in self._indexes.items()
+                     if (m := index.saved_main()) is not None]
+        return save_snapshot(folder, self._params, self._embed_id, items)
 
     def _delete_at_load(self, labels: list[int], what: str) -> None:
         """Deletes rows memory does not load. On a full disk they stay on disk (the next start

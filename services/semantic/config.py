@@ -75,6 +75,11 @@ class SemanticConfig:
     # SQLite database; "" = <cache_dir>/semantic/semantic.db
     db_path: str = ""
     sqlite_synchronous: str = "FULL"  # FULL: survives power loss; NORMAL: survives kill -9
+    # Saved HNSW graphs (services/semantic/snapshot.py), written on a clean stop and taken at
+    # start instead of building each graph again (checked against SQLite first); "" =
+    # <db_path>.hnsw. `snapshot_on_stop` off: every start builds every graph, as before.
+    snapshot_path: str = ""
+    snapshot_on_stop: bool = True
     # Index: exact (flat) search up to this many entries per namespace, HNSW beyond.
     hnsw_min_entries: int = 20000
     hnsw_m: int = 32
@@ -150,6 +155,10 @@ class SemanticConfig:
                                   == os.path.realpath(packaged)):
             return DEFAULT_MODEL_NAME
         return os.path.basename(os.path.normpath(folder))
+
+    def resolved_snapshot_path(self) -> str:
+        return (os.path.expanduser(self.snapshot_path) if self.snapshot_path
+                else self.resolved_db_path() + ".hnsw")
 
     def resolved_db_path(self) -> str:
         return (os.path.expanduser(self.db_path) if self.db_path
@@ -230,7 +239,8 @@ class SemanticConfig:
         # line naming neither the variable nor the fix.
         for field, folder in (("cache_dir", self.resolved_cache_dir()),
                               ("db_path", os.path.dirname(os.path.abspath(
-                                  self.resolved_db_path())))):
+                                  self.resolved_db_path()))),
+                              ("snapshot_path", self.resolved_snapshot_path())):
             blocker = file_in_the_way(folder)
             require(not blocker, s, field, f"{blocker} is a file, where a folder must be")
         # A floor: 1e-9 spun a core purging nothing (362 CPU ticks per 10 s idle, against 2).

@@ -243,6 +243,56 @@ class NamespaceIndex:
                 snap, n, set(self._dead), np.concatenate([old_l, labels]),
                 np.concatenate([old_v, np.asarray(vecs, np.float32)])))
 
+    def saved_main(self) -> tuple[faiss.Index, np.ndarray] | None:
+        """The published HNSW main index and its labels, for a snapshot file (None while the
+        main index is flat or empty: those rebuild in moments). Immutable once published, so
+        it may be written out while searches and merges go on; the delta and tombstones are
+        left out (the entries' store has them: `adopt` catches up)."""
+        snap = self._snap
+        return (snap.main, snap.main_labels) if snap.kind == "hnsw" else None
+
+    def adopt(self, main: faiss.Index, main_labels: np.ndarray, labels: np.ndarray,
+              vecs: np.ndarray) -> bool:
+        """Bulk load from a saved HNSW main index instead of building one (at start): the
+        build is nearly all of a restart's time (~14 s of 15 at 30k entries, 2 cores).
+
+        `labels`, `vecs`: the namespace's live entries, as the entries' store holds them (the
+        truth). The saved index is taken only if it is HNSW over `params.dim` with unique
+        labels and every saved row whose label is live holds exactly that entry's vector;
+        saved rows no longer live are tombstoned (purged by the usual rule), live entries it
+        lacks are added to its graph. Returns False, changing nothing, if it does not fit (or
+        this index is not new): the caller builds as before."""
+        p = self.params
+        main_labels = np.ascontiguousarray(main_labels, np.int64)
+        labels = np.asarray(labels, np.int64)
+        vecs = np.asarray(vecs, np.float32)
+        if (not isinstance(main, faiss.IndexHNSWFlat) or main.d != p.dim
+                or main.metric_type != faiss.METRIC_INNER_PRODUCT
+                or main.ntotal != len(main_labels) or len(labels) != len(vecs)
+                or len(np.unique(main_labels)) != len(main_labels)):
+            return False
+        order = np.argsort(main_labels, kind="stable")
+        pos = np.searchsorted(main_labels[order], labels)
+        pos = np.minimum(pos, max(0, len(order) - 1))
+        found = (main_labels[order][pos] == labels) if len(order) else np.zeros(len(labels), bool)
+        rows = order[pos[found]]
+        if not np.array_equal(_stored(main, p.dim)[rows], vecs[found]):
+            return False  # another database's index, or vectors re-embedded since
+        with self._lock, _build_threads():
+            if self._live or self._dead or self._snap.main is not None or self._snap.count[0]:
+                return False
+            dead = set(main_labels.tolist()) - set(labels[found].tolist())
+            new_l, new_v = labels[~found], vecs[~found]
+            if len(new_l):
+                main.add(np.ascontiguousarray(new_v))  # not yet published: ours to extend
+                main_labels = np.concatenate([main_labels, new_l])
+            main.hnsw.efSearch = p.hnsw_ef_search
+            self._snap = self._new_snapshot(main, main_labels, "hnsw")
+            self._live = set(labels.tolist())
+            self._dead = dead
+            self._after_removal_locked()
+        return True
+
     def _check_fresh_locked(self, labels: Iterable[int]) -> None:
         """A removed label's row stays in the index until a purge: taken back then, the label
         was indexed twice and searches scored it by its old vector too."""

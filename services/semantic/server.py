@@ -170,12 +170,22 @@ class RunningService:
     embedder: Embedder
     housekeeper: Housekeeper
 
+    snapshot_path: str = ""  # where to save the HNSW graphs on stop ("" = not saved)
+
     def stop(self, grace: float = 2.0, index_close: float = 20.0) -> bool:
         """Drain, then close. True unless an index merge outlived `index_close` seconds (the
-        entries are in SQLite either way; indexes are rebuilt at start)."""
+        entries are in SQLite either way; indexes are rebuilt at start). The HNSW graphs are
+        saved (`snapshot_path`) once no write can come, so the next start need not build
+        them; a failed save is logged, and the next start builds them."""
         self.handle.stop(grace)
         self.housekeeper.stop()
         merged = self.cache.close_indexes(index_close)
+        if self.snapshot_path:
+            try:
+                self.cache.save_snapshot(self.snapshot_path)
+            except Exception:  # noqa: BLE001 - a speed-up lost, nothing else: SQLite holds all
+                log.exception("saving the HNSW graphs to %s failed; the next start builds them",
+                              self.snapshot_path)
         self.cache.store.close()
         close = getattr(self.embedder, "close", None)
         if close is not None:
@@ -208,7 +218,7 @@ def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningServi
         embedder = embedder or make_embedder(cfg)
         store = EntryStore(cfg.resolved_db_path(), cfg.sqlite_synchronous)
         cache = SemanticCache(cfg, embedder, store)
-        cache.load()
+        cache.load(cfg.resolved_snapshot_path())
     except BaseException:
         handle.stop(0)
         if store is not None:
@@ -219,4 +229,5 @@ def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningServi
     servicer.attach(cache)
     keeper = Housekeeper(cache, cfg.expiry_interval_s).start()
     handle.set_serving()
-    return RunningService(handle, cache, embedder, keeper)
+    return RunningService(handle, cache, embedder, keeper,
+                          cfg.resolved_snapshot_path() if cfg.snapshot_on_stop else "")

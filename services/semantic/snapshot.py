@@ -1,0 +1,134 @@
+"""Saved HNSW graphs, so that a restart does not rebuild them from SQLite.
+
+Building a namespace's HNSW graph is nearly all of a semantic shard's start (~14 of 15 s at
+30k entries on 2 cores; minutes at the hundreds of thousands a pod holds), and the shard
+serves nothing meanwhile. On a clean stop the shard writes each HNSW namespace's published
+main index here; the next start takes a saved graph for a namespace instead of building one
+(`NamespaceIndex.adopt`), after checking it against SQLite, which stays the truth: every
+saved row whose entry is still live must hold exactly that entry's vector, rows of entries
+gone since are tombstoned, entries it lacks are added. A file that does not fit (another
+database, another embedder or index settings, damaged, cut short) is ignored, with a warning,
+and that namespace is built as before; so is every namespace when the folder is missing.
+
+Layout of the folder (`snapshot_path`, default `<db_path>.hnsw`): one `<n>.faiss` per saved
+namespace (faiss's own format) and `<n>.labels.npy`, and `manifest.json`, written last and
+renamed into place: it names the embedder and index settings the graphs were built with and,
+per namespace, its key and files. A save writes a new generation of files beside the old
+ones, then the manifest, then removes files no manifest names. A crash mid-save leaves the old
+manifest (and its files) in force, or none; a kill -9 saves nothing, and the start after it
+builds every namespace (or takes an older save, checked as above).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Iterable
+from pathlib import Path
+
+import faiss
+import numpy as np
+
+from services.common.files import fsync_path
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+FORMAT = 1
+
+
+def _settings(params, embed_id: str) -> dict:
+    return {"format": FORMAT, "embedder": embed_id, "dim": params.dim, "hnsw_m": params.hnsw_m,
+            "hnsw_ef_construction": params.hnsw_ef_construction}
+
+
+def save(folder: str | os.PathLike, params, embed_id: str,
+         items: Iterable[tuple[tuple[str, str, str], faiss.Index, np.ndarray]]) -> int:
+    """Writes `items` ((namespace key, HNSW main index, its labels)) as the folder's new
+    snapshot; returns the namespaces written. Raises OSError (disk full, no permission): the
+    previous snapshot, if any, stays in force."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    gen = f"{time.time_ns():x}"
+    entries = []
+    t0 = time.monotonic()
+    rows = 0
+    for i, (key, main, labels) in enumerate(items):
+        stem = f"{gen}-{i}"
+        faiss.write_index(main, str(folder / f"{stem}.faiss"))
+        with open(folder / f"{stem}.labels.npy", "wb") as f:
+            np.save(f, np.ascontiguousarray(labels, np.int64))
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(folder / f"{stem}.faiss")
+        entries.append({"namespace": list(key), "stem": stem, "rows": int(len(labels))})
+        rows += len(labels)
+    manifest = dict(_settings(params, embed_id), namespaces=entries)
+    tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST)
+    fsync_path(str(folder))
+    keep = {e["stem"] for e in entries}
+    for p in folder.iterdir():
+        stem = p.name.split(".", 1)[0]
+        if p.name != MANIFEST and stem not in keep and not p.name.startswith("."):
+            try:
+                p.unlink()
+            except OSError as e:
+                log.warning("could not remove an old snapshot file %s: %s", p, e)
+    log.info("saved %d HNSW namespaces (%d rows) to %s in %.1f s", len(entries), rows, folder,
+             time.monotonic() - t0)
+    return len(entries)
+
+
+class Saved:
+    """A folder's snapshot, read lazily: `take(key)` reads one namespace's graph (or None)."""
+
+    def __init__(self, folder: str | os.PathLike, params, embed_id: str) -> None:
+        self.folder = Path(folder)
+        self._entries: dict[tuple[str, str, str], dict] = {}
+        path = self.folder / MANIFEST
+        if not path.exists():
+            return
+        try:
+            manifest = json.loads(path.read_text())
+            settings = {k: manifest[k] for k in _settings(params, embed_id)}
+            entries = {tuple(e["namespace"]): e for e in manifest["namespaces"]}
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            log.warning("ignoring the HNSW snapshot in %s (%s: %s); every namespace is built",
+                        self.folder, type(e).__name__, e)
+            return
+        if settings != _settings(params, embed_id):
+            log.warning("ignoring the HNSW snapshot in %s: built with other settings (%s, now "
+                        "%s); every namespace is built", self.folder, settings,
+                        _settings(params, embed_id))
+            return
+        self._entries = entries
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def take(self, key: tuple[str, str, str]) -> tuple[faiss.Index, np.ndarray] | None:
+        """The saved graph and labels of namespace `key`, or None (not saved, or unreadable:
+        warned)."""
+        e = self._entries.pop(tuple(key), None)
+        if e is None:
+            return None
+        stem = self.folder / e["stem"]
+        try:
+            main = faiss.read_index(f"{stem}.faiss")
+            labels = np.load(f"{stem}.labels.npy", allow_pickle=False)
+        except (OSError, RuntimeError, ValueError) as err:
+            log.warning("ignoring the saved HNSW graph of a namespace of tenant %r (%s: %s); it "
+                        "is built", key[0], type(err).__name__, err)
+            return None
+        if labels.dtype != np.int64 or labels.ndim != 1 or len(labels) != e["rows"]:
+            log.warning("ignoring the saved HNSW graph of a namespace of tenant %r: its labels "
+                        "do not match the manifest; it is built", key[0])
+            return None
+        return main, labels

@@ -1,0 +1,244 @@
+"""Saved HNSW graphs (services/semantic/snapshot.py): a restart takes a namespace's saved graph
+instead of building it, only where it matches the entries in SQLite, and catches up with what
+changed since the save."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import faiss
+import numpy as np
+import pytest
+
+from services.semantic.cache import Namespace, SemanticCache
+from services.semantic.index import IndexParams, NamespaceIndex
+from services.semantic.server import serve
+from services.semantic.store import EntryStore
+from tests.semantic.test_cache_edges import FixedEmbedder
+
+A = Namespace("tenant-a", "smollm2", "")
+B = Namespace("tenant-b", "smollm2", "ab12")
+DIM = 16
+PARAMS = IndexParams(DIM, hnsw_min_entries=40, hnsw_m=8, hnsw_ef_construction=40,
+                     hnsw_ef_search=64, delta_capacity=16)
+
+
+def unit_rows(n: int, seed: int) -> np.ndarray:
+    v = np.random.default_rng(seed).standard_normal((n, DIM)).astype(np.float32)
+    return v / np.linalg.norm(v, axis=1, keepdims=True)
+
+
+def hnsw_of(labels: np.ndarray, vecs: np.ndarray) -> tuple[faiss.Index, np.ndarray]:
+    index = NamespaceIndex(PARAMS, background=False)
+    index.add_many(labels, vecs)
+    main, saved_labels = index.saved_main()
+    return faiss.deserialize_index(faiss.serialize_index(main)), saved_labels.copy()
+
+
+# ---- NamespaceIndex.adopt ------------------------------------------------------------------
+
+def test_an_adopted_graph_finds_what_a_built_one_finds():
+    labels, vecs = np.arange(1, 201, dtype=np.int64), unit_rows(200, 0)
+    main, saved = hnsw_of(labels, vecs)
+    index = NamespaceIndex(PARAMS, background=False)
+    assert index.adopt(main, saved, labels, vecs)
+    assert index.kind == "hnsw" and len(index) == 200
+    for i in range(0, 200, 7):
+        assert index.search(vecs[i])[0].label == labels[i]
+    index.check_integrity()
+
+
+def test_an_adopted_graph_drops_entries_gone_since_and_adds_the_new_ones():
+    labels, vecs = np.arange(1, 201, dtype=np.int64), unit_rows(200, 1)
+    main, saved = hnsw_of(labels, vecs)
+    gone = {3, 50, 120}
+    keep = np.array([lab not in gone for lab in labels])
+    new_l, new_v = np.arange(201, 231, dtype=np.int64), unit_rows(30, 2)
+    live_l = np.concatenate([labels[keep], new_l])
+    live_v = np.concatenate([vecs[keep], new_v])
+    index = NamespaceIndex(PARAMS, background=False)
+    assert index.adopt(main, saved, live_l, live_v)
+    assert len(index) == 227
+    for lab in gone:
+        assert all(nb.label != lab for nb in index.search(vecs[lab - 1], k=5))
+    for lab, v in zip(new_l, new_v, strict=True):
+        assert index.search(v)[0].label == lab
+    index.check_integrity()
+
+
+def test_a_graph_whose_vectors_differ_from_the_entries_is_not_adopted():
+    labels, vecs = np.arange(1, 101, dtype=np.int64), unit_rows(100, 3)
+    main, saved = hnsw_of(labels, vecs)
+    other = vecs.copy()
+    other[17] = unit_rows(1, 4)[0]  # one entry re-embedded (or another database's row 18)
+    index = NamespaceIndex(PARAMS, background=False)
+    assert not index.adopt(main, saved, labels, other)
+    assert index.kind == "empty" and len(index) == 0  # unchanged: the caller builds
+    flat = faiss.IndexFlatIP(DIM)
+    flat.add(vecs)
+    assert not index.adopt(flat, labels, labels, vecs)  # not a graph
+    assert not index.adopt(main, saved[:-1], labels, vecs)  # labels that do not fit it
+
+
+# ---- through the cache, with SQLite --------------------------------------------------------
+
+@pytest.fixture
+def emb() -> FixedEmbedder:
+    return FixedEmbedder()
+
+
+def opened(cfg, emb, clock, snapshot: str, made: list) -> SemanticCache:
+    for old in made:  # one process at a time holds a database: the earlier one has stopped
+        if old.store.path == cfg.resolved_db_path() and not old.store._closed:
+            old.close_indexes()
+            old.store.close()
+    c = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    c.load(snapshot)
+    made.append(c)
+    return c
+
+
+@pytest.fixture
+def caches():
+    made: list[SemanticCache] = []
+    yield made
+    for c in made:
+        if not c.store._closed:
+            c.close_indexes()
+            c.store.close()
+
+
+def probe(emb: FixedEmbedder, prompt: str) -> str:
+    """Another text with `prompt`'s vector: found through the index, not by its text."""
+    emb.fixed[f"probe {prompt}"] = emb.embed_one(prompt)
+    return f"probe {prompt}"
+
+
+def settings(make_cfg, **kw):
+    return make_cfg(hnsw_min_entries=40, hnsw_m=8, hnsw_ef_construction=40, hnsw_ef_search=64,
+                    delta_capacity=16, guard_tiers=(), verifier_tiers=(), **kw)
+
+
+def filled(cfg, emb, clock, snap, caches, n=120) -> SemanticCache:
+    c = opened(cfg, emb, clock, snap, caches)
+    for i in range(n):
+        c.store_entry(A, f"q{i}", f"answer {i}")
+    for i in range(10):
+        c.store_entry(B, f"b{i}", f"b answer {i}")  # small: flat, not saved
+    c.index_of(A).compact()
+    c.index_of(B).compact()
+    assert c.index_of(A).kind == "hnsw" and c.index_of(B).kind == "flat"
+    return c
+
+
+def test_a_restart_takes_the_saved_graph_and_serves_the_same(make_cfg, emb, clock, caches,
+                                                             tmp_path):
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    c = filled(cfg, emb, clock, snap, caches)
+    assert c.save_snapshot(snap) == 1
+    c2 = opened(cfg, emb, clock, snap, caches)
+    assert c2.graphs_adopted == 1 and c2.index_of(A).kind == "hnsw"
+    for i in range(0, 120, 11):
+        r = c2.lookup(A, probe(emb, f"q{i}"))
+        assert r.hit and r.entry.prompt == f"q{i}" and not r.exact
+    assert c2.lookup(B, probe(emb, "b3")).entry.prompt == "b3"
+    c2.check_integrity()
+
+
+def test_a_restart_catches_up_with_what_changed_after_the_save(make_cfg, emb, clock, caches,
+                                                               tmp_path):
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    c = filled(cfg, emb, clock, snap, caches)
+    c.save_snapshot(snap)
+    # Then, before a kill -9 (no save): entries removed, others stored.
+    gone = [c.lookup(A, f"q{i}").entry.id for i in range(10)]
+    for entry_id in gone:
+        c.invalidate_id(entry_id)
+    for i in range(20):
+        c.store_entry(A, f"r{i}", f"r answer {i}")
+    c2 = opened(cfg, emb, clock, snap, caches)
+    assert c2.graphs_adopted == 1
+    assert len(c2.index_of(A)) == 130
+    for i in range(10):
+        r = c2.lookup(A, probe(emb, f"q{i}"))
+        assert not r.hit and (r.entry is None or r.entry.prompt != f"q{i}")
+    for i in range(20):
+        r = c2.lookup(A, probe(emb, f"r{i}"))
+        assert r.hit and r.entry.prompt == f"r{i}"
+    c2.check_integrity()
+
+
+def test_another_databases_snapshot_is_not_taken(make_cfg, emb, clock, caches, tmp_path):
+    snap = str(tmp_path / "snap")
+    first = filled(settings(make_cfg, db_path=str(tmp_path / "one.db")), emb, clock, snap,
+                   caches)
+    first.save_snapshot(snap)
+    # The same labels and namespace in another database, with other texts (other vectors).
+    cfg2 = settings(make_cfg, db_path=str(tmp_path / "two.db"))
+    c = opened(cfg2, emb, clock, "", caches)
+    for i in range(120):
+        c.store_entry(A, f"other {i}", f"other answer {i}")
+    c.close_indexes()
+    c.store.close()
+    c2 = opened(cfg2, emb, clock, snap, caches)
+    assert c2.graphs_adopted == 0
+    for i in range(0, 120, 13):
+        assert c2.lookup(A, probe(emb, f"other {i}")).entry.prompt == f"other {i}"
+    c2.check_integrity()
+
+
+def test_a_damaged_or_mismatched_snapshot_is_ignored_with_a_warning(make_cfg, emb, clock, caches,
+                                                                    tmp_path, caplog):
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    c = filled(cfg, emb, clock, snap, caches)
+    c.save_snapshot(snap)
+    (graph,) = [p for p in os.listdir(snap) if p.endswith(".faiss")]
+    with open(os.path.join(snap, graph), "r+b") as f:
+        f.truncate(100)  # cut short
+    with caplog.at_level(logging.WARNING, logger="services.semantic.snapshot"):
+        c2 = opened(cfg, emb, clock, snap, caches)
+    assert c2.graphs_adopted == 0 and "ignoring the saved HNSW graph" in caplog.text
+    assert c2.lookup(A, probe(emb, "q5")).entry.prompt == "q5"
+    # Saved again, then read with other index settings: the manifest is not taken at all.
+    c2.index_of(A).compact()
+    c2.save_snapshot(snap)
+    assert len([p for p in os.listdir(snap) if p.endswith(".faiss")]) == 1  # the old one gone
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="services.semantic.snapshot"):
+        other = make_cfg(hnsw_min_entries=40, hnsw_m=16, hnsw_ef_construction=40,
+                         delta_capacity=16, guard_tiers=(), verifier_tiers=())
+        c3 = opened(other, emb, clock, snap, caches)
+    assert c3.graphs_adopted == 0 and "built with other settings" in caplog.text
+    assert c3.lookup(A, probe(emb, "q7")).entry.prompt == "q7"
+    with open(os.path.join(snap, "manifest.json"), "w") as f:
+        f.write('{"format": 1, "embed')  # cut short
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="services.semantic.snapshot"):
+        c4 = opened(cfg, emb, clock, snap, caches)
+    assert c4.graphs_adopted == 0 and "ignoring the HNSW snapshot" in caplog.text
+
+
+def test_a_clean_stop_saves_the_graphs_and_the_next_start_takes_them(make_cfg, emb, tmp_path):
+    cfg = settings(make_cfg)
+    s = serve(cfg, embedder=emb)
+    try:
+        for i in range(60):
+            s.cache.store_entry(A, f"q{i}", f"answer {i}")
+        s.cache.index_of(A).compact()
+    finally:
+        s.stop(grace=0)
+    manifest = json.loads(open(os.path.join(cfg.resolved_snapshot_path(),
+                                            "manifest.json")).read())
+    assert [e["rows"] for e in manifest["namespaces"]] == [60]
+    s2 = serve(cfg, embedder=emb)
+    try:
+        assert s2.cache.graphs_adopted == 1
+        assert s2.cache.lookup(A, probe(emb, "q9")).entry.prompt == "q9"
+    finally:
+        s2.stop(grace=0)
+    off = settings(make_cfg, snapshot_on_stop=False, snapshot_path=str(tmp_path / "never"))
+    s3 = serve(off, embedder=emb)
+    s3.stop(grace=0)
+    assert not os.path.exists(tmp_path / "never")
