@@ -400,6 +400,24 @@ def lapse_text(path: Path) -> list[str]:
             f"{_f(d.get('same_blocks_and_saved_hits_as_the_walk'))}."]
 
 
+def restart_text(path: Path) -> list[str]:
+    """The semantic restart benchmark (`python -m benchmarks.semantic_restart`, not part of
+    `--run`) in one paragraph, or nothing when it was not run."""
+    if not path.exists():
+        return []
+    d = json.loads(path.read_text())
+    w = d.get("workload", {})
+    return ["", f"A semantic shard's start (`{path.relative_to(ROOT)}`, "
+            f"{_f(w.get('entries'))} entries in one namespace): building the HNSW graph "
+            f"{_f(d.get('load_build_s'))} s, taking the one saved by the last clean stop "
+            f"{_f(d.get('load_snapshot_s'))} s ({_f(d.get('start_speedup'))}x; "
+            f"{_f(d.get('load_snapshot_catch_up_s'))} s with "
+            f"{_f(d.get('catch_up_removed'))} entries removed and {_f(d.get('catch_up_added'))} "
+            f"added since the save); the save {_f(d.get('save_s'))} s, "
+            f"{_f(d.get('snapshot_mb'))} MB. Same 10 nearest entries from both: "
+            f"{_f(d.get('same_top10'))}."]
+
+
 def routes_table(orch: dict) -> list[str]:
     """Per variant and route: tokens the replica reused against what the router's index said it
     held when it chose (`expected`), and what had been evicted by arrival (`shortfall`). Older
@@ -664,6 +682,7 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
             L += ["", f"Chinese (STS-B, {zh.get('pairs')} pairs): {zh['verdict']}"]
     else:
         L.append("semantic: not run.")
+    L += restart_text(RESULTS / "semantic_restart.json")
 
     # Index throughput and memory.
     L += ["", "## Prefix index throughput and memory", ""]

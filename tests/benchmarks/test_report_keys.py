@@ -115,6 +115,16 @@ def test_the_lapse_paragraph_reads_the_lapse_benchmark_or_says_nothing(tmp_path,
     assert text.endswith("as the walk: yes.")
 
 
+def test_the_restart_paragraph_reads_the_committed_restart_benchmark(tmp_path):
+    assert report.restart_text(tmp_path / "semantic_restart.json") == []
+    path = report.RESULTS / "semantic_restart.json"
+    d = json.loads(path.read_text())
+    text = " ".join(report.restart_text(path))
+    assert "–" not in text  # every figure it names is in the file
+    assert f"{d['workload']['entries']:,} entries in one namespace" in text
+    assert text.endswith(f"from both: {'yes' if d['same_top10'] else 'no'}.")
+
+
 def test_missing_ceiling_parts_do_not_crash():
     assert "–" in report.ceiling_text({})
     assert report.assisted_notes({}, {}) == []
