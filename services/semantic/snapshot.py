@@ -14,13 +14,17 @@ Layout of the folder (`snapshot_path`, default `<db_path>.hnsw`): one `<n>.faiss
 namespace (faiss's own format) and `<n>.labels.npy`, and `manifest.json`, written last and
 renamed into place: it names the embedder and index settings the graphs were built with and,
 per namespace, its key and files. A save writes a new generation of files beside the old
-ones, then the manifest, then removes files no manifest names. A crash mid-save leaves the old
+ones, then the manifest (with each file's blake2b, checked before faiss reads it: a damaged
+file can make faiss allocate what a garbled size says rather than raise), then removes files
+no manifest names. A crash mid-save leaves the old
 manifest (and its files) in force, or none; a kill -9 saves nothing, and the start after it
 builds every namespace (or takes an older save, checked as above).
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
 import logging
 import os
@@ -55,24 +59,34 @@ def save(folder: str | os.PathLike, params, embed_id: str,
     entries = []
     t0 = time.monotonic()
     rows = 0
-    for i, (key, main, labels) in enumerate(items):
-        stem = f"{gen}-{i}"
-        faiss.write_index(main, str(folder / f"{stem}.faiss"))
-        with open(folder / f"{stem}.labels.npy", "wb") as f:
-            np.save(f, np.ascontiguousarray(labels, np.int64))
+    try:
+        for i, (key, main, labels) in enumerate(items):
+            stem = f"{gen}-{i}"
+            faiss.write_index(main, str(folder / f"{stem}.faiss"))
+            fsync_path(folder / f"{stem}.faiss")
+            with open(folder / f"{stem}.labels.npy", "wb") as f:
+                np.save(f, np.ascontiguousarray(labels, np.int64))
+                f.flush()
+                os.fsync(f.fileno())
+            entries.append({"namespace": list(key), "stem": stem, "rows": int(len(labels)),
+                            "faiss_digest": _digest(folder / f"{stem}.faiss"),
+                            "labels_digest": _digest(folder / f"{stem}.labels.npy")})
+            rows += len(labels)
+        manifest = dict(_settings(params, embed_id), namespaces=entries)
+        tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
             f.flush()
             os.fsync(f.fileno())
-        fsync_path(folder / f"{stem}.faiss")
-        entries.append({"namespace": list(key), "stem": stem, "rows": int(len(labels))})
-        rows += len(labels)
-    manifest = dict(_settings(params, embed_id), namespaces=entries)
-    tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(manifest, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / MANIFEST)
-    fsync_path(str(folder))
+        os.replace(tmp, folder / MANIFEST)
+        fsync_path(str(folder))
+    except BaseException:
+        # Disk full, say: the files of this save would stay until the next one.
+        for p in folder.iterdir():
+            if p.name.startswith(gen) or p.name.startswith(f".{MANIFEST}."):
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        raise
     keep = {e["stem"] for e in entries}
     for p in folder.iterdir():
         stem = p.name.split(".", 1)[0]
@@ -84,6 +98,16 @@ def save(folder: str | os.PathLike, params, embed_id: str,
     log.info("saved %d HNSW namespaces (%d rows) to %s in %.1f s", len(entries), rows, folder,
              time.monotonic() - t0)
     return len(entries)
+
+
+def _digest(path: Path) -> str:
+    """blake2b of a file: checked before faiss reads it, since a damaged file can make faiss
+    allocate what a size field says (or crash) rather than raise."""
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
 
 
 class Saved:
@@ -119,8 +143,12 @@ class Saved:
         e = self._entries.pop(tuple(key), None)
         if e is None:
             return None
-        stem = self.folder / e["stem"]
+        stem = self.folder / str(e.get("stem", ""))
         try:
+            for suffix, key_ in ((".faiss", "faiss_digest"), (".labels.npy", "labels_digest")):
+                if _digest(Path(f"{stem}{suffix}")) != e.get(key_):
+                    raise ValueError(f"{stem.name}{suffix} is not the file the snapshot saved "
+                                     "(damaged or replaced)")
             main = faiss.read_index(f"{stem}.faiss")
             labels = np.load(f"{stem}.labels.npy", allow_pickle=False)
         except (OSError, RuntimeError, ValueError) as err:

@@ -242,3 +242,52 @@ def test_a_clean_stop_saves_the_graphs_and_the_next_start_takes_them(make_cfg, e
     s3 = serve(off, embedder=emb)
     s3.stop(grace=0)
     assert not os.path.exists(tmp_path / "never")
+
+
+def test_a_graph_file_changed_in_place_is_not_read(make_cfg, emb, clock, caches, tmp_path,
+                                                    caplog):
+    # One flipped byte keeps the size: faiss could read a garbled size field and allocate it
+    # (or crash) instead of raising, so the file's digest is checked first.
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    c = filled(cfg, emb, clock, snap, caches)
+    c.save_snapshot(snap)
+    (graph,) = [p for p in os.listdir(snap) if p.endswith(".faiss")]
+    path = os.path.join(snap, graph)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with caplog.at_level(logging.WARNING, logger="services.semantic.snapshot"):
+        c2 = opened(cfg, emb, clock, snap, caches)
+    assert c2.graphs_adopted == 0 and "not the file the snapshot saved" in caplog.text
+    assert c2.lookup(A, probe(emb, "q4")).entry.prompt == "q4"
+
+
+def test_a_save_that_fails_leaves_the_previous_snapshot_and_no_files_of_its_own(
+        make_cfg, emb, clock, caches, tmp_path, monkeypatch):
+    from services.semantic import snapshot
+
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    c = filled(cfg, emb, clock, snap, caches)
+    c.save_snapshot(snap)
+    before = sorted(os.listdir(snap))
+    for i in range(120, 200):  # a second HNSW namespace, so the save fails half way
+        c.store_entry(B, f"b{i}", "x")
+    c.index_of(B).compact()
+    real = snapshot.faiss.write_index
+    calls = []
+
+    def full_disk(index, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise OSError(28, "No space left on device")
+        real(index, path)
+
+    monkeypatch.setattr(snapshot.faiss, "write_index", full_disk)
+    with pytest.raises(OSError):
+        c.save_snapshot(snap)
+    assert len(calls) == 2 and sorted(os.listdir(snap)) == before
+    monkeypatch.undo()
+    c2 = opened(cfg, emb, clock, snap, caches)
+    assert c2.graphs_adopted == 1  # A's, from the save before (B's graph is built)
