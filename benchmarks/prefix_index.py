@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import platform
 import random
 import statistics
 import sys
@@ -35,6 +34,7 @@ import time
 import tracemalloc
 from pathlib import Path
 
+from benchmarks.emit import machine
 from services.common.hashing import BlockHasher
 from services.prefix.index import PrefixIndex, Stored
 
@@ -283,8 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     res["workload"] = {"requests": n, "vocab": VOCAB, "system_prompts": PROMPTS,
                        "prompt_tokens": PROMPT_TOKENS, "replicas": REPLICAS, "block_size": BS,
                        "next_turn_fraction": 0.3, "seed": 1234}
-    res["machine"] = {"python": sys.version.split()[0], "platform": platform.platform(),
-                      "processor": platform.processor() or platform.machine()}
+    res["machine"] = machine()
     res["notes"] = (
         "hash_us_mean uses the shared BlockHasher with its (parent, block) memo, as the "
         "orchestrator does; hash_cold_us_mean is the same chain without the memo. "

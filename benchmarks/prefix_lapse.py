@@ -27,14 +27,13 @@ Both indexes end with the same blocks (checked), which is the point of the compa
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.emit import emit, machine
 from services.common.hashing import BlockHasher
 from services.prefix.index import Load, PrefixIndex, Stored
 from services.prefix.server import REAP_STEP
@@ -210,20 +209,14 @@ def main(argv: list[str] | None = None) -> int:
                                  "value": round(max(steps, default=0.0), 1),
                                  "met": max(steps, default=0.0) <= TARGET_REAP_STEP_MS},
         },
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "notes": ("Times are of the index calls themselves, in this process (the gRPC server "
                   "holds its lock for exactly these calls). The targets are this benchmark's "
                   "own: a lapse should cost a Match no more than a slow call, and each reaping "
                   "step no more than that either; the walk is the behaviour replaced."),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    text = json.dumps(res, indent=2)
-    print(text)
-    out = args.out or (None if args.quick else RESULT)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    emit(res, args.out or (None if args.quick else RESULT))
     return 0 if same else 1
 
 

@@ -23,9 +23,7 @@ tagged with the embedder's identity) and 450-character answers, the service's in
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import sys
 import tempfile
@@ -34,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.emit import emit, machine
 from services.semantic.cache import Namespace, SemanticCache
 from services.semantic.config import SemanticConfig
 from services.semantic.store import EntryStore
@@ -188,19 +187,13 @@ def main(argv: list[str] | None = None) -> int:
         "targets": {"start_speedup": {"target": f">= {TARGET_SPEEDUP:g}",
                                       "value": round(speedup, 1),
                                       "met": speedup >= TARGET_SPEEDUP}},
-        "machine": {"python": sys.version.split()[0], "platform": platform.platform(),
-                    "processor": platform.processor() or platform.machine()},
+        "machine": machine(),
         "notes": ("The target is this benchmark's own: taking a saved graph should make a start "
                   "several times faster than building it. Both starts read every row from "
                   "SQLite (the truth); only the graph build differs."),
         "wall_s": round(time.perf_counter() - t0, 1),
     }
-    text = json.dumps(res, indent=2)
-    print(text)
-    out = args.out or (None if args.quick else RESULT)
-    if out is not None:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(text + "\n")
+    emit(res, args.out or (None if args.quick else RESULT))
     return 0 if same and adopted == 1 and caught_ok else 1
 
 

@@ -147,21 +147,27 @@ def in_flight(stack) -> dict[str, float]:
             if f.name == "tiercache_orchestrator_replica_requests_in_flight" for s in f.samples}
 
 
+def reference_and_slow_call(stack, q: str, kw: dict, policy: common_pb2.CachePolicy):
+    """The answer to `q` read at once (no semantic tier), then a channel and a Generate call
+    of `q` whose client reads slowly as the transport sees it: a one-byte receive window (no
+    window growth), so each message waits for the client to take the one before."""
+    with TierCacheClient(stack.orch.address, token="tok-a", timeout=180) as a:
+        reference = a.generate(q, cache_policy=NO_SEMANTIC, **kw)
+    assert len(reference.token_ids) == kw["max_tokens"]
+    ch = grpc.insecure_channel(stack.orch.address, options=[
+        ("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)])
+    call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(
+        TierCacheClient.build_request(q, cache_policy=policy, **kw), timeout=180,
+        metadata=[("authorization", "Bearer tok-a")])
+    return reference, ch, call
+
+
 def test_a_slow_reader_does_not_hold_the_replica_and_gets_the_whole_answer(stack):
     q = "Write a short poem about the sea."
     kw = dict(max_tokens=32, ignore_eos=True, return_token_ids=True)
-    with TierCacheClient(stack.orch.address, token="tok-a", timeout=120) as a:
-        reference = a.generate(q, cache_policy=NO_SEMANTIC, **kw)
-    assert len(reference.token_ids) == 32
-    # A client that reads slowly as the transport sees it: a one-byte receive window (no
-    # window growth), so each message waits for the client to take the one before.
-    ch = grpc.insecure_channel(stack.orch.address, options=[
-        ("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)])
+    reference, ch, call = reference_and_slow_call(
+        stack, q, kw, common_pb2.CachePolicy(skip_semantic_lookup=True))
     try:
-        req = TierCacheClient.build_request(
-            q, cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True), **kw)
-        call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(
-            req, timeout=120, metadata=[("authorization", "Bearer tok-a")])
         first = next(call)
         # While the client sleeps: the orchestrator has read the replica's whole answer, the
         # replica's call is over (our count there is back to 0: its status has come) and its
@@ -200,15 +206,8 @@ def test_a_replica_lost_while_a_slow_reader_sleeps_is_resumed_at_once(stack):
     # orchestrator resumes at once, and the client, reading on, sees one stream.
     q = "Write a long story about a lighthouse keeper and a storm."
     kw = dict(max_tokens=96, ignore_eos=True, return_token_ids=True)
-    with TierCacheClient(stack.orch.address, token="tok-a", timeout=180) as a:
-        reference = a.generate(q, cache_policy=NO_SEMANTIC, **kw)
-    assert len(reference.token_ids) == 96
-    ch = grpc.insecure_channel(stack.orch.address, options=[
-        ("grpc.http2.lookahead_bytes", 1), ("grpc.http2.bdp_probe", 0)])
+    reference, ch, call = reference_and_slow_call(stack, q, kw, NO_SEMANTIC)
     try:
-        req = TierCacheClient.build_request(q, cache_policy=NO_SEMANTIC, **kw)
-        call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(
-            req, timeout=180, metadata=[("authorization", "Bearer tok-a")])
         head = [next(call)]
         while not head[-1].token_ids:  # the stream's first message may carry no token
             head.append(next(call))
