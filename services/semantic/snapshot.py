@@ -54,7 +54,11 @@ def save(folder: str | os.PathLike, params, embed_id: str,
     snapshot; returns the namespaces written. Raises OSError (disk full, no permission): the
     previous snapshot, if any, stays in force."""
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    items = list(items)
+    if not items and not (folder / MANIFEST).exists():
+        return 0  # nothing to save, nothing saved before to supersede
+    # Owner only, as the database is: the vectors say much of the questions they embed.
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     gen = f"{time.time_ns():x}"
     entries = []
     t0 = time.monotonic()
@@ -63,8 +67,10 @@ def save(folder: str | os.PathLike, params, embed_id: str,
         for i, (key, main, labels) in enumerate(items):
             stem = f"{gen}-{i}"
             faiss.write_index(main, str(folder / f"{stem}.faiss"))
+            os.chmod(folder / f"{stem}.faiss", 0o600)
             fsync_path(folder / f"{stem}.faiss")
-            with open(folder / f"{stem}.labels.npy", "wb") as f:
+            with open(os.open(folder / f"{stem}.labels.npy",
+                              os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
                 np.save(f, np.ascontiguousarray(labels, np.int64))
                 f.flush()
                 os.fsync(f.fileno())
@@ -74,7 +80,7 @@ def save(folder: str | os.PathLike, params, embed_id: str,
             rows += len(labels)
         manifest = dict(_settings(params, embed_id), namespaces=entries)
         tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
-        with open(tmp, "w") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(manifest, f)
             f.flush()
             os.fsync(f.fileno())

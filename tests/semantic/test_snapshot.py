@@ -291,3 +291,20 @@ def test_a_save_that_fails_leaves_the_previous_snapshot_and_no_files_of_its_own(
     monkeypatch.undo()
     c2 = opened(cfg, emb, clock, snap, caches)
     assert c2.graphs_adopted == 1  # A's, from the save before (B's graph is built)
+
+
+def test_the_snapshot_is_the_owners_alone_and_not_made_for_nothing(make_cfg, emb, clock, caches,
+                                                                   tmp_path):
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    c = opened(cfg, emb, clock, snap, caches)
+    c.store_entry(A, "q", "a")  # flat: no graph to save
+    assert c.save_snapshot(snap) == 0 and not os.path.exists(snap)
+    for i in range(60):
+        c.store_entry(A, f"q{i}", "a")
+    c.index_of(A).compact()
+    assert c.save_snapshot(snap) == 1
+    assert os.stat(snap).st_mode & 0o777 == 0o700
+    assert {os.stat(os.path.join(snap, p)).st_mode & 0o777 for p in os.listdir(snap)} == {0o600}
+    c.invalidate_namespace(A)  # the graph gone: the empty manifest supersedes the saved one
+    assert c.save_snapshot(snap) == 0
+    assert os.listdir(snap) == ["manifest.json"]
