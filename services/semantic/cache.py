@@ -950,9 +950,10 @@ class SemanticCache:
         groups = self._group_rows(live)
         del live  # the rows: only each namespace's entries and per-row vectors are left
         self._delete_at_load(stale + replaced, "expired or replaced")
-        saved = None
+        saved = issued = None
         if snapshot_path:
             saved = Saved(snapshot_path, self._params, self._embed_id)
+            issued = self.store.labels_issued()
         adopted = 0
         with self._lock:
             # One namespace at a time, its per-row vectors let go as soon as they are stacked:
@@ -965,13 +966,14 @@ class SemanticCache:
                 index = self._indexes[ns] = NamespaceIndex(self._params)
                 labels = np.array([e.label for e in es], np.int64)
                 got = saved.take(tuple(ns)) if saved is not None else None
-                if got is not None and index.adopt(got[0], got[1], labels, vecs):
+                if got is not None and index.adopt(got[0], got[1], labels, vecs, issued):
                     adopted += 1
                 else:
                     if got is not None:
                         log.warning("the saved HNSW graph of a namespace of tenant %r does not "
-                                    "match its entries in SQLite (another database, or "
-                                    "vectors re-embedded): built again", ns.tenant)
+                                    "match its entries in SQLite (another database, a backup "
+                                    "restored since, or vectors re-embedded): built again",
+                                    ns.tenant)
                     index.add_many(labels, vecs)
                 del vecs, got
                 self._ns_lru[ns] = OrderedDict()

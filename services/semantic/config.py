@@ -77,7 +77,8 @@ class SemanticConfig:
     sqlite_synchronous: str = "FULL"  # FULL: survives power loss; NORMAL: survives kill -9
     # Saved HNSW graphs (services/semantic/snapshot.py), written on a clean stop and taken at
     # start instead of building each graph again (checked against SQLite first); "" =
-    # <db_path>.hnsw. `snapshot_on_stop` off: every start builds every graph, as before.
+    # <db_path>.hnsw. `snapshot_on_stop` off: no graph is saved or taken; every start builds
+    # every graph, as before.
     snapshot_path: str = ""
     snapshot_on_stop: bool = True
     # Index: exact (flat) search up to this many entries per namespace, HNSW beyond.

@@ -252,7 +252,7 @@ class NamespaceIndex:
         return (snap.main, snap.main_labels) if snap.kind == "hnsw" else None
 
     def adopt(self, main: faiss.Index, main_labels: np.ndarray, labels: np.ndarray,
-              vecs: np.ndarray) -> bool:
+              vecs: np.ndarray, labels_issued: int) -> bool:
         """Bulk load from a saved HNSW main index instead of building one (at start): the
         build is nearly all of a restart's time (~14 s of 15 at 30k entries, 2 cores).
 
@@ -260,8 +260,13 @@ class NamespaceIndex:
         truth). The saved index is taken only if it is HNSW over `params.dim` with unique
         labels and every saved row whose label is live holds exactly that entry's vector;
         saved rows no longer live are tombstoned (purged by the usual rule), live entries it
-        lacks are added to its graph. Returns False, changing nothing, if it does not fit (or
-        this index is not new): the caller builds as before."""
+        lacks are added to its graph. `labels_issued`: the highest label the store has ever
+        given; a graph holding a higher one is from a later state of the database (a backup
+        restored since) and is refused: its rows of those labels would stay as tombstones
+        while the store gives the labels again, and every such Store would fail. So is a graph
+        that holds none of the live entries (another database's: nothing to check it by).
+        Returns False, changing nothing, if it does not fit (or this index is not new): the
+        caller builds as before."""
         p = self.params
         main_labels = np.ascontiguousarray(main_labels, np.int64)
         labels = np.asarray(labels, np.int64)
@@ -269,15 +274,20 @@ class NamespaceIndex:
         if (not isinstance(main, faiss.IndexHNSWFlat) or main.d != p.dim
                 or main.metric_type != faiss.METRIC_INNER_PRODUCT
                 or main.ntotal != len(main_labels) or len(labels) != len(vecs)
+                or len(main_labels) == 0 or int(main_labels.max()) > labels_issued
                 or len(np.unique(main_labels)) != len(main_labels)):
             return False
         order = np.argsort(main_labels, kind="stable")
-        pos = np.searchsorted(main_labels[order], labels)
-        pos = np.minimum(pos, max(0, len(order) - 1))
-        found = (main_labels[order][pos] == labels) if len(order) else np.zeros(len(labels), bool)
+        pos = np.minimum(np.searchsorted(main_labels[order], labels), len(order) - 1)
+        found = main_labels[order][pos] == labels
+        if not found.any():
+            return False
         rows = order[pos[found]]
-        if not np.array_equal(_stored(main, p.dim)[rows], vecs[found]):
-            return False  # another database's index, or vectors re-embedded since
+        stored, live = _stored(main, p.dim), vecs[found]
+        for s in range(0, len(rows), 8192):  # in chunks: not a third copy of every vector
+            if not np.array_equal(stored[rows[s:s + 8192]], live[s:s + 8192]):
+                return False  # another database's index, or vectors re-embedded since
+        del live
         with self._lock, _build_threads():
             if self._live or self._dead or self._snap.main is not None or self._snap.count[0]:
                 return False

@@ -218,7 +218,7 @@ def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningServi
         embedder = embedder or make_embedder(cfg)
         store = EntryStore(cfg.resolved_db_path(), cfg.sqlite_synchronous)
         cache = SemanticCache(cfg, embedder, store)
-        cache.load(cfg.resolved_snapshot_path())
+        cache.load(cfg.resolved_snapshot_path() if cfg.snapshot_on_stop else "")
     except BaseException:
         handle.stop(0)
         if store is not None:

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -41,6 +42,8 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 FORMAT = 1
+# The files a save writes, named by generation and position: the only ones it ever removes.
+_OURS = re.compile(r"([0-9a-f]+-[0-9]+)\.(?:faiss|labels\.npy)")
 
 
 def _settings(params, embed_id: str) -> dict:
@@ -85,18 +88,25 @@ def save(folder: str | os.PathLike, params, embed_id: str,
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, folder / MANIFEST)
-        fsync_path(str(folder))
     except BaseException:
-        # Disk full, say: the files of this save would stay until the next one.
+        # Disk full, say: the files of this save would stay until the next one. Only before
+        # the rename: after it, they are the snapshot in force.
         for p in folder.iterdir():
-            if p.name.startswith(gen) or p.name.startswith(f".{MANIFEST}."):
+            if (_OURS.fullmatch(p.name) and p.name.startswith(f"{gen}-")) or \
+                    p.name.startswith(f".{MANIFEST}."):
                 with contextlib.suppress(OSError):
                     p.unlink()
         raise
+    try:
+        fsync_path(str(folder))  # the rename, durable
+    except OSError as e:
+        log.warning("could not fsync %s after saving the HNSW graphs (%s): a power cut now may "
+                    "leave the previous snapshot in force", folder, e)
     keep = {e["stem"] for e in entries}
     for p in folder.iterdir():
-        stem = p.name.split(".", 1)[0]
-        if p.name != MANIFEST and stem not in keep and not p.name.startswith("."):
+        # Only files a save writes: the folder may be shared (the database's own, say).
+        m = _OURS.fullmatch(p.name)
+        if m and m.group(1) not in keep:
             try:
                 p.unlink()
             except OSError as e:
@@ -128,7 +138,15 @@ class Saved:
         try:
             manifest = json.loads(path.read_text())
             settings = {k: manifest[k] for k in _settings(params, embed_id)}
-            entries = {tuple(e["namespace"]): e for e in manifest["namespaces"]}
+            entries = {}
+            for e in manifest["namespaces"]:
+                key = tuple(e["namespace"])
+                if not (len(key) == 3 and all(isinstance(x, str) for x in key)
+                        and isinstance(e["rows"], int) and _OURS.fullmatch(f"{e['stem']}.faiss")
+                        and isinstance(e["faiss_digest"], str)
+                        and isinstance(e["labels_digest"], str)):
+                    raise ValueError(f"malformed namespace entry {e!r:.200}")
+                entries[key] = e
         except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("ignoring the HNSW snapshot in %s (%s: %s); every namespace is built",
                         self.folder, type(e).__name__, e)
@@ -149,10 +167,10 @@ class Saved:
         e = self._entries.pop(tuple(key), None)
         if e is None:
             return None
-        stem = self.folder / str(e.get("stem", ""))
+        stem = self.folder / e["stem"]
         try:
             for suffix, key_ in ((".faiss", "faiss_digest"), (".labels.npy", "labels_digest")):
-                if _digest(Path(f"{stem}{suffix}")) != e.get(key_):
+                if _digest(Path(f"{stem}{suffix}")) != e[key_]:
                     raise ValueError(f"{stem.name}{suffix} is not the file the snapshot saved "
                                      "(damaged or replaced)")
             main = faiss.read_index(f"{stem}.faiss")

@@ -480,3 +480,13 @@ class EntryStore:
     def count(self) -> int:
         with self._lock, _damaged_is_named(self.path):
             return int(self._db.execute("SELECT COUNT(*) FROM entries").fetchone()[0])
+
+    def labels_issued(self) -> int:
+        """The highest label this database has ever given (AUTOINCREMENT's counter; 0 for
+        none): every label it gives from now on is higher. A saved HNSW graph holding a higher
+        one was saved from a later state of the database (a backup restored since, or commits
+        lost to a power cut) and must not be taken: those labels will be given again."""
+        with self._lock, _damaged_is_named(self.path):
+            row = self._db.execute(
+                "SELECT seq FROM sqlite_sequence WHERE name = 'entries'").fetchone()
+        return int(row[0]) if row else 0

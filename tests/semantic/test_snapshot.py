@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 
 import faiss
 import numpy as np
@@ -43,7 +44,7 @@ def test_an_adopted_graph_finds_what_a_built_one_finds():
     labels, vecs = np.arange(1, 201, dtype=np.int64), unit_rows(200, 0)
     main, saved = hnsw_of(labels, vecs)
     index = NamespaceIndex(PARAMS, background=False)
-    assert index.adopt(main, saved, labels, vecs)
+    assert index.adopt(main, saved, labels, vecs, 200)
     assert index.kind == "hnsw" and len(index) == 200
     for i in range(0, 200, 7):
         assert index.search(vecs[i])[0].label == labels[i]
@@ -59,7 +60,7 @@ def test_an_adopted_graph_drops_entries_gone_since_and_adds_the_new_ones():
     live_l = np.concatenate([labels[keep], new_l])
     live_v = np.concatenate([vecs[keep], new_v])
     index = NamespaceIndex(PARAMS, background=False)
-    assert index.adopt(main, saved, live_l, live_v)
+    assert index.adopt(main, saved, live_l, live_v, 230)
     assert len(index) == 227
     for lab in gone:
         assert all(nb.label != lab for nb in index.search(vecs[lab - 1], k=5))
@@ -74,12 +75,17 @@ def test_a_graph_whose_vectors_differ_from_the_entries_is_not_adopted():
     other = vecs.copy()
     other[17] = unit_rows(1, 4)[0]  # one entry re-embedded (or another database's row 18)
     index = NamespaceIndex(PARAMS, background=False)
-    assert not index.adopt(main, saved, labels, other)
+    assert not index.adopt(main, saved, labels, other, 100)
     assert index.kind == "empty" and len(index) == 0  # unchanged: the caller builds
     flat = faiss.IndexFlatIP(DIM)
     flat.add(vecs)
-    assert not index.adopt(flat, labels, labels, vecs)  # not a graph
-    assert not index.adopt(main, saved[:-1], labels, vecs)  # labels that do not fit it
+    assert not index.adopt(flat, labels, labels, vecs, 100)  # not a graph
+    assert not index.adopt(main, saved[:-1], labels, vecs, 100)  # labels that do not fit it
+    # Labels past what the store has ever given: a graph from a later state of the database.
+    assert not index.adopt(main, saved, labels[:90], vecs[:90], 90)
+    # None of the live entries in it: nothing to check it by (another database's).
+    assert not index.adopt(main, saved, labels[:0], vecs[:0], 1000)
+    assert index.adopt(main, saved, labels, vecs, 100)
 
 
 # ---- through the cache, with SQLite --------------------------------------------------------
@@ -308,3 +314,84 @@ def test_the_snapshot_is_the_owners_alone_and_not_made_for_nothing(make_cfg, emb
     c.invalidate_namespace(A)  # the graph gone: the empty manifest supersedes the saved one
     assert c.save_snapshot(snap) == 0
     assert os.listdir(snap) == ["manifest.json"]
+
+
+def test_a_graph_saved_after_the_backup_the_database_was_restored_from_is_not_taken(
+        make_cfg, emb, clock, caches, tmp_path):
+    # Taken, its rows of the labels the backup never gave stayed as tombstones while the
+    # database gave those labels again: 20 of 30 Stores failed ("label ... already indexed").
+    db, snap = tmp_path / "s.db", str(tmp_path / "snap")
+    cfg = settings(make_cfg, db_path=str(db))
+    c = filled(cfg, emb, clock, "", caches, n=100)
+    c.close_indexes()
+    c.store.close()
+    shutil.copy(db, tmp_path / "backup.db")
+    c = opened(cfg, emb, clock, "", caches)
+    for i in range(20):
+        c.store_entry(A, f"late{i}", f"late answer {i}")
+    c.index_of(A).compact()
+    c.save_snapshot(snap)
+    c.close_indexes()
+    c.store.close()
+    for p in tmp_path.glob("s.db*"):
+        p.unlink()
+    shutil.copy(tmp_path / "backup.db", db)
+    c2 = opened(cfg, emb, clock, snap, caches)
+    assert c2.graphs_adopted == 0
+    for i in range(30):
+        c2.store_entry(A, f"new{i}", f"new answer {i}")
+    assert c2.lookup(A, probe(emb, "new7")).entry.prompt == "new7"
+    c2.check_integrity()
+
+
+def test_a_save_into_the_databases_own_folder_removes_only_its_own_files(make_cfg, emb, clock,
+                                                                        caches, tmp_path):
+    cfg = settings(make_cfg, db_path=str(tmp_path / "s.db"), snapshot_path=str(tmp_path))
+    c = filled(cfg, emb, clock, "", caches)
+    (tmp_path / "notes.txt").write_text("an operator's")
+    before = set(os.listdir(tmp_path))
+    c.save_snapshot(cfg.resolved_snapshot_path())
+    c.index_of(A).compact()
+    c.save_snapshot(cfg.resolved_snapshot_path())  # the first save's files are removed...
+    after = set(os.listdir(tmp_path))
+    assert before <= after  # ...and nothing else: the database, its WAL and lock, the notes
+    assert len([p for p in after if p.endswith(".faiss")]) == 1
+
+
+def test_a_failed_fsync_after_the_manifest_is_renamed_keeps_the_new_snapshot(
+        make_cfg, emb, clock, caches, tmp_path, monkeypatch, caplog):
+    from services.semantic import snapshot
+
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    c = filled(cfg, emb, clock, "", caches)
+    c.save_snapshot(snap)
+    real = snapshot.fsync_path
+
+    def eio_on_folders(p):
+        if os.path.isdir(p):
+            raise OSError(5, "Input/output error")
+        real(p)
+
+    monkeypatch.setattr(snapshot, "fsync_path", eio_on_folders)
+    with caplog.at_level(logging.WARNING, logger="services.semantic.snapshot"):
+        assert c.save_snapshot(snap) == 1
+    assert "could not fsync" in caplog.text
+    monkeypatch.undo()
+    assert opened(cfg, emb, clock, snap, caches).graphs_adopted == 1
+
+
+def test_with_snapshots_off_a_start_takes_none_saved_before(make_cfg, emb):
+    cfg = settings(make_cfg)
+    s = serve(cfg, embedder=emb)
+    try:
+        for i in range(60):
+            s.cache.store_entry(A, f"q{i}", f"answer {i}")
+        s.cache.index_of(A).compact()
+    finally:
+        s.stop(grace=0)
+    s2 = serve(settings(make_cfg, snapshot_on_stop=False), embedder=emb)
+    try:
+        assert s2.cache.graphs_adopted == 0
+        assert s2.cache.lookup(A, probe(emb, "q3")).entry.prompt == "q3"
+    finally:
+        s2.stop(grace=0)
