@@ -176,6 +176,8 @@ class _ReadAhead:
         """Stop: if the replica side still runs (the request ended early: its client is gone,
         or it failed), `on_close` cancels its calls; the thread has ended on return."""
         with self._cond:
+            if self._closed:
+                return  # once: `yield from` closes it, then the request's `finally` again
             self._closed = True
             ended = self._ended
             self._cond.notify_all()
@@ -185,6 +187,13 @@ class _ReadAhead:
         if self._thread.is_alive():
             log.warning("a request's replica side did not end %.0f s after its calls were "
                         "cancelled", self.JOIN_S)
+
+
+class _Deferred(NamedTuple):
+    """Work the replica side hands to the request, to run when the request takes it from the
+    buffer (in the stream's order), not when the replica side reaches it."""
+
+    run: Callable[[], None]
 
 
 class _Held:
@@ -688,6 +697,8 @@ class Orchestrator:
                             generated.extend(new)
                             text = detok.push(new)
                             if first_token_at is None:
+                                # When the orchestrator has it from a replica (handed on at
+                                # once to a client keeping up; a slow one takes it later).
                                 first_token_at = time.monotonic()
                             if text or return_token_ids:
                                 yield TextDelta(text, new if return_token_ids else [])
@@ -820,20 +831,28 @@ class Orchestrator:
             report.draft_tokens_accepted = final.draft_tokens_accepted
             report.lookup_tokens_accepted = final.lookup_tokens_accepted
             report.forward_passes = final.forward_passes
-            DRAFT_TOKENS.labels("proposed").inc(final.draft_tokens_proposed)
-            DRAFT_TOKENS.labels("accepted_from_cache").inc(
-                max(0, final.draft_tokens_accepted - final.lookup_tokens_accepted))
-            DRAFT_TOKENS.labels("accepted_from_lookup").inc(final.lookup_tokens_accepted)
-            PASSES_SAVED.inc(max(0, len(generated) - from_here - 1 - final.forward_passes))
             report.route = route
             # What the last replica chosen was expected to hold, against what it reused.
             expected = min(seen.get(decision.replica_id, 0), prompt_tokens)
             report.index_matched_tokens = expected
-            MATCHED_TOKENS.inc(expected)
-            # A replica computes at least the prompt's last token, held or not.
-            MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
-            cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
-            self._count(cache_class, prompt_tokens, cached, len(generated), ttft)
+            fin, completion = final, len(generated)
+            passes_saved = max(0, completion - from_here - 1 - fin.forward_passes)
+
+            def account() -> None:
+                # The request's counts and metrics, made as before once its client has taken
+                # the last token (a client gone before is not a request served).
+                DRAFT_TOKENS.labels("proposed").inc(fin.draft_tokens_proposed)
+                DRAFT_TOKENS.labels("accepted_from_cache").inc(
+                    max(0, fin.draft_tokens_accepted - fin.lookup_tokens_accepted))
+                DRAFT_TOKENS.labels("accepted_from_lookup").inc(fin.lookup_tokens_accepted)
+                PASSES_SAVED.inc(passes_saved)
+                MATCHED_TOKENS.inc(expected)
+                # A replica computes at least the prompt's last token, held or not.
+                MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
+                cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
+                self._count(cache_class, prompt_tokens, cached, completion, ttft)
+
+            yield _Deferred(account)
             # Stored as the replica finishes, not once the client has read the answer: a client
             # reading slowly no longer holds the Store back, nor, too slow for its deadline,
             # leaves its whole answer unstored.
@@ -852,7 +871,11 @@ class Orchestrator:
         ahead = _ReadAhead(replica_side(), sampling.max_tokens + 4,
                            f"replica-stream-{request_id}", deadline, cancel_downstream)
         try:
-            yield from ahead
+            for item in ahead:
+                if isinstance(item, _Deferred):
+                    item.run()  # on the request's thread, once the client has come this far
+                else:
+                    yield item
         finally:
             ahead.close()
 

@@ -420,3 +420,45 @@ def test_a_request_whose_read_ahead_cannot_start_calls_no_replica(monkeypatch):
     with pytest.raises(RuntimeError):
         list(start(orch))
     assert stub.requests == [] and orch.replicas.replicas[0].inflight == 0
+
+
+def test_a_read_ahead_is_closed_once(monkeypatch):
+    # The request's loop and its `finally` may both close it: a replica side that did not end
+    # at once was cancelled twice and joined twice (2 x JOIN_S in the gRPC handler).
+    from services.orchestrator.pipeline import _ReadAhead
+
+    monkeypatch.setattr(_ReadAhead, "JOIN_S", 0.3)
+    release = threading.Event()
+    closes = []
+
+    def source():
+        yield 1
+        release.wait(5)  # wedged: the cancel does not end it
+        yield 2
+
+    ahead = _ReadAhead(source(), 8, "replica-stream-x", None, lambda: closes.append(1))
+    try:
+        assert next(ahead) == 1
+        t0 = time.monotonic()
+        ahead.close()
+        ahead.close()
+        assert closes == [1] and time.monotonic() - t0 < 0.6
+    finally:
+        release.set()
+
+
+def test_a_client_gone_before_the_end_of_its_answer_is_not_counted_as_served():
+    # The replica side finishes ahead of a slow client; the request's counts and metrics are
+    # still made only once the client has taken the last token, as before the read-ahead.
+    stub = Stub("A", [Call([tokens("a"), tokens("b"), final("A", 2)])])
+    sem, stored = storing_tier(["e1"])
+    orch = make({"A": stub}, semantic=sem)
+    events = start(orch)
+    assert next(events).text == "a"
+    wait_until(lambda: stored and not readers(), "the replica side did not finish")
+    assert sum(orch.stats.requests.values()) == 0
+    events.close()  # the client went away without reading the rest
+    assert sum(orch.stats.requests.values()) == 0
+    read_to_the_end = make({"A": Stub("A", [Call([tokens("a"), final("A", 2)])])})
+    got = list(start(read_to_the_end))
+    assert isinstance(got[-1], Finished) and sum(read_to_the_end.stats.requests.values()) == 1
