@@ -54,7 +54,8 @@ def _main(argv: list[str] | None) -> int:
         # with a merge still inside faiss aborts the interpreter (a core, exit 134). Nothing is
         # lost: every acknowledged entry is in SQLite, and the store is closed.
         log.warning("an index merge is still running after index_close_seconds=%g: exiting "
-                    "without waiting for it (indexes are rebuilt from SQLite at start)",
+                    "without waiting for it (the next start catches the saved graphs up "
+                    "from SQLite, or builds them)",
                     cfg.index_close_seconds)
         exit_process(0)
     return 0

@@ -5,7 +5,8 @@
     store(ns, ...)   : validate -> embed -> SQLite commit (durable) -> index -> evict (LRU)
 
 The SQLite store is the truth; the in-memory maps and faiss indexes are rebuilt from it at start
-(`load`). Everything here is plain Python: the gRPC adapter is `server.py`.
+(`load`; an HNSW graph saved by the last clean stop is taken instead of built when it matches
+SQLite: snapshot.py). Everything here is plain Python: the gRPC adapter is `server.py`.
 """
 
 from __future__ import annotations
