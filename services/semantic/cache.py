@@ -275,6 +275,8 @@ class SemanticCache:
         self._lock = threading.RLock()  # guards the maps below, never held during I/O waits
         self._indexes: dict[Namespace, NamespaceIndex] = {}
         self.graphs_adopted = 0  # HNSW graphs the last load took from a snapshot
+        self._save_lock = threading.Lock()  # one save at a time (periodic, and at stop)
+        self._saved: tuple[str, dict] = ("", {})  # the last save's folder and what it holds
         self._entries: dict[int, Entry] = {}  # label -> entry
         self._by_id: dict[str, int] = {}
         # (namespace, exact prompt) -> label: a second Store of the same prompt replaces the
@@ -1012,13 +1014,21 @@ class SemanticCache:
         return len(self._entries)
 
     def save_snapshot(self, folder: str) -> int:
-        """Writes every HNSW namespace's published graph to `folder` (on a clean stop), for
-        the next `load` to take instead of building it; returns the namespaces written.
-        Raises OSError (the previous snapshot then stays in force)."""
-        with self._lock:
-            items = [(tuple(ns), *m) for ns, index in self._indexes.items()
-                     if (m := index.saved_main()) is not None]
-        return save_snapshot(folder, self._params, self._embed_id, items)
+        """Writes every HNSW namespace's published graph to `folder` (on a clean stop, and
+        every `snapshot_interval_s`), for the next `load` to take instead of building it;
+        returns the namespaces the snapshot holds. Graphs unchanged since this process's last
+        save into `folder` keep their files. Raises OSError (the previous snapshot then stays
+        in force)."""
+        with self._save_lock:
+            with self._lock:
+                # A graph's token: a merge publishes a new main (another object, other rows).
+                items = [(tuple(ns), main, labels, (id(main), main.ntotal, len(labels)))
+                         for ns, index in self._indexes.items()
+                         if (m := index.saved_main()) is not None for main, labels in (m,)]
+            previous = self._saved[1] if self._saved[0] == folder else None
+            state = save_snapshot(folder, self._params, self._embed_id, items, previous)
+            self._saved = (folder, state)
+            return len(state)
 
     def _delete_at_load(self, labels: list[int], what: str) -> None:
         """Deletes rows memory does not load. On a full disk they stay on disk (the next start

@@ -81,6 +81,10 @@ class SemanticConfig:
     # every graph, as before.
     snapshot_path: str = ""
     snapshot_on_stop: bool = True
+    # Also saved this often while running (0 = only on stop), rewriting only the graphs merged
+    # since the last save, so a start after a crash (kill -9, OOM, a lost node) takes graphs
+    # at most this old, caught up from SQLite, instead of building every one.
+    snapshot_interval_s: float = 600.0
     # Index: exact (flat) search up to this many entries per namespace, HNSW beyond.
     hnsw_min_entries: int = 20000
     hnsw_m: int = 32
@@ -204,6 +208,8 @@ class SemanticConfig:
                 self._moved("tier_strict", "tier_standard"), crossing)
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
         require(self.index_close_seconds >= 0, s, "index_close_seconds", "must be >= 0")
+        require(self.snapshot_interval_s >= 0, s, "snapshot_interval_s",
+                "must be >= 0 (0 = saved only on stop)")
         require(self.max_tenant_chars >= 64, s, "max_tenant_chars",
                 "must be >= 64 (it also bounds model ids; below that every request is refused)")
         require(self.default_tier in ("strict", "standard", "relaxed"), s, "default_tier",

@@ -125,11 +125,15 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
 
 
 class Housekeeper:
-    """Background thread: flushes buffered hit counters and purges expired entries."""
+    """Background thread: flushes buffered hit counters, purges expired entries, and saves
+    the HNSW graphs every `snapshot_interval_s` into `snapshot_path` (if both are set)."""
 
-    def __init__(self, cache: SemanticCache, interval_s: float) -> None:
+    def __init__(self, cache: SemanticCache, interval_s: float, snapshot_path: str = "",
+                 snapshot_interval_s: float = 0.0) -> None:
         self.cache = cache
         self.interval_s = interval_s
+        self.snapshot_path = snapshot_path
+        self.snapshot_interval_s = snapshot_interval_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="semantic-housekeeper",
                                         daemon=True)
@@ -148,7 +152,10 @@ class Housekeeper:
 
     def _run(self) -> None:
         flush_every = min(1.0, self.interval_s)
+        if self.snapshot_path and self.snapshot_interval_s > 0:
+            flush_every = min(flush_every, self.snapshot_interval_s)
         next_expiry = 0.0
+        next_save = time.monotonic() + self.snapshot_interval_s
         while not self._stop.wait(flush_every):
             try:
                 self.cache.store.flush_hits()
@@ -159,6 +166,14 @@ class Housekeeper:
                     next_expiry = time.monotonic() + self.interval_s
             except Exception:  # noqa: BLE001 - keep housekeeping alive; it retries next tick
                 log.exception("housekeeping failed")
+            if (self.snapshot_path and self.snapshot_interval_s > 0
+                    and time.monotonic() >= next_save and not self._stop.is_set()):
+                next_save = time.monotonic() + self.snapshot_interval_s
+                try:
+                    self.cache.save_snapshot(self.snapshot_path)
+                except Exception:  # noqa: BLE001 - a speed-up lost; retried next interval
+                    log.exception("saving the HNSW graphs to %s failed; retried in %.0f s",
+                                  self.snapshot_path, self.snapshot_interval_s)
 
 
 @dataclass
@@ -227,7 +242,8 @@ def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningServi
                 store.close()
         raise
     servicer.attach(cache)
-    keeper = Housekeeper(cache, cfg.expiry_interval_s).start()
+    snapshot_path = cfg.resolved_snapshot_path() if cfg.snapshot_on_stop else ""
+    keeper = Housekeeper(cache, cfg.expiry_interval_s, snapshot_path,
+                         cfg.snapshot_interval_s).start()
     handle.set_serving()
-    return RunningService(handle, cache, embedder, keeper,
-                          cfg.resolved_snapshot_path() if cfg.snapshot_on_stop else "")
+    return RunningService(handle, cache, embedder, keeper, snapshot_path)

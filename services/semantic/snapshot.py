@@ -14,11 +14,13 @@ Layout of the folder (`snapshot_path`, default `<db_path>.hnsw`): one `<n>.faiss
 namespace (faiss's own format) and `<n>.labels.npy`, and `manifest.json`, written last and
 renamed into place: it names the embedder and index settings the graphs were built with and,
 per namespace, its key and files. A save writes a new generation of files beside the old
-ones, then the manifest (with each file's blake2b, checked before faiss reads it: a damaged
-file can make faiss allocate what a garbled size says rather than raise), then removes files
-no manifest names. A crash mid-save leaves the old
-manifest (and its files) in force, or none; a kill -9 saves nothing, and the start after it
-builds every namespace (or takes an older save, checked as above).
+ones for the graphs merged since the last save (the others keep theirs), then the manifest
+(with each file's blake2b, checked before faiss reads it: a damaged file can make faiss
+allocate what a garbled size says rather than raise), then removes the files saves wrote
+that no manifest names (nothing else: the folder may be shared). A crash mid-save leaves the
+old manifest (and its files) in force, or none. Saves also run every `snapshot_interval_s`
+(600 s) while the shard serves, so a start after a kill -9 takes graphs at most that old,
+caught up as above.
 """
 
 from __future__ import annotations
@@ -51,23 +53,50 @@ def _settings(params, embed_id: str) -> dict:
             "hnsw_ef_construction": params.hnsw_ef_construction}
 
 
+Key = tuple[str, str, str]
+Saved_ = dict[Key, tuple[object, dict]]  # namespace -> (its graph's token, manifest entry)
+
+
 def save(folder: str | os.PathLike, params, embed_id: str,
-         items: Iterable[tuple[tuple[str, str, str], faiss.Index, np.ndarray]]) -> int:
-    """Writes `items` ((namespace key, HNSW main index, its labels)) as the folder's new
-    snapshot; returns the namespaces written. Raises OSError (disk full, no permission): the
+         items: Iterable[tuple[Key, faiss.Index, np.ndarray, object]],
+         previous: Saved_ | None = None) -> Saved_:
+    """Writes `items` ((namespace key, HNSW main index, its labels, a token that changes when
+    the graph does)) as the folder's new snapshot and returns what it holds, to pass back as
+    `previous` to the next save into the same folder: a graph whose token is unchanged since
+    then keeps its files (a periodic save rewrites only the graphs merged since), and a save
+    with nothing changed writes nothing. Raises OSError (disk full, no permission): the
     previous snapshot, if any, stays in force."""
     folder = Path(folder)
     items = list(items)
+    previous = previous or {}
     if not items and not (folder / MANIFEST).exists():
-        return 0  # nothing to save, nothing saved before to supersede
+        return {}  # nothing to save, nothing saved before to supersede
+
+    def kept(key: Key, token: object) -> dict | None:
+        was = previous.get(key)
+        if was is None or was[0] != token or not (folder / MANIFEST).exists():
+            return None
+        stem = was[1]["stem"]
+        ok = all((folder / f"{stem}{s}").exists() for s in (".faiss", ".labels.npy"))
+        return was[1] if ok else None
+
+    if (len(items) == len(previous) and (folder / MANIFEST).exists()
+            and all(kept(key, token) is not None for key, _, _, token in items)):
+        return previous  # nothing merged since the last save
     # Owner only, as the database is: the vectors say much of the questions they embed.
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     gen = f"{time.time_ns():x}"
     entries = []
+    state: Saved_ = {}
     t0 = time.monotonic()
-    rows = 0
+    rows = written = 0
     try:
-        for i, (key, main, labels) in enumerate(items):
+        for i, (key, main, labels, token) in enumerate(items):
+            entry = kept(key, token)
+            if entry is not None:
+                entries.append(entry)
+                state[key] = (token, entry)
+                continue
             stem = f"{gen}-{i}"
             faiss.write_index(main, str(folder / f"{stem}.faiss"))
             os.chmod(folder / f"{stem}.faiss", 0o600)
@@ -77,10 +106,13 @@ def save(folder: str | os.PathLike, params, embed_id: str,
                 np.save(f, np.ascontiguousarray(labels, np.int64))
                 f.flush()
                 os.fsync(f.fileno())
-            entries.append({"namespace": list(key), "stem": stem, "rows": int(len(labels)),
-                            "faiss_digest": _digest(folder / f"{stem}.faiss"),
-                            "labels_digest": _digest(folder / f"{stem}.labels.npy")})
+            entry = {"namespace": list(key), "stem": stem, "rows": int(len(labels)),
+                     "faiss_digest": _digest(folder / f"{stem}.faiss"),
+                     "labels_digest": _digest(folder / f"{stem}.labels.npy")}
+            entries.append(entry)
+            state[key] = (token, entry)
             rows += len(labels)
+            written += 1
         manifest = dict(_settings(params, embed_id), namespaces=entries)
         tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
@@ -111,9 +143,10 @@ def save(folder: str | os.PathLike, params, embed_id: str,
                 p.unlink()
             except OSError as e:
                 log.warning("could not remove an old snapshot file %s: %s", p, e)
-    log.info("saved %d HNSW namespaces (%d rows) to %s in %.1f s", len(entries), rows, folder,
-             time.monotonic() - t0)
-    return len(entries)
+    log.info("saved %d HNSW namespaces to %s in %.1f s (%d written, %d rows; %d unchanged)",
+             len(entries), folder, time.monotonic() - t0, written, rows,
+             len(entries) - written)
+    return state
 
 
 def _digest(path: Path) -> str:

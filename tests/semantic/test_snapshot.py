@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import shutil
+import time
 
 import faiss
 import numpy as np
@@ -286,14 +287,13 @@ def test_a_save_that_fails_leaves_the_previous_snapshot_and_no_files_of_its_own(
 
     def full_disk(index, path):
         calls.append(path)
-        if len(calls) == 2:
-            raise OSError(28, "No space left on device")
-        real(index, path)
+        real(index, path)  # the file half written, say
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(snapshot.faiss, "write_index", full_disk)
     with pytest.raises(OSError):
-        c.save_snapshot(snap)
-    assert len(calls) == 2 and sorted(os.listdir(snap)) == before
+        c.save_snapshot(snap)  # A's graph is unchanged (kept), B's is new: written, and fails
+    assert len(calls) == 1 and sorted(os.listdir(snap)) == before
     monkeypatch.undo()
     c2 = opened(cfg, emb, clock, snap, caches)
     assert c2.graphs_adopted == 1  # A's, from the save before (B's graph is built)
@@ -373,6 +373,8 @@ def test_a_failed_fsync_after_the_manifest_is_renamed_keeps_the_new_snapshot(
         real(p)
 
     monkeypatch.setattr(snapshot, "fsync_path", eio_on_folders)
+    c.store_entry(A, "one more", "x")
+    c.index_of(A).compact()  # a new graph, so this save writes
     with caplog.at_level(logging.WARNING, logger="services.semantic.snapshot"):
         assert c.save_snapshot(snap) == 1
     assert "could not fsync" in caplog.text
@@ -393,5 +395,66 @@ def test_with_snapshots_off_a_start_takes_none_saved_before(make_cfg, emb):
     try:
         assert s2.cache.graphs_adopted == 0
         assert s2.cache.lookup(A, probe(emb, "q3")).entry.prompt == "q3"
+    finally:
+        s2.stop(grace=0)
+
+
+
+def test_a_save_rewrites_only_the_graphs_merged_since_the_last_one(make_cfg, emb, clock, caches,
+                                                                   tmp_path):
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    c = filled(cfg, emb, clock, "", caches)
+    for i in range(60):
+        c.store_entry(B, f"bb{i}", "x")
+    c.index_of(B).compact()
+    assert c.save_snapshot(snap) == 2
+    files = {p: os.stat(os.path.join(snap, p)).st_ino for p in os.listdir(snap)}
+    manifest_at = os.stat(os.path.join(snap, "manifest.json")).st_mtime_ns
+    assert c.save_snapshot(snap) == 2  # nothing merged since: nothing written
+    assert {p: os.stat(os.path.join(snap, p)).st_ino for p in os.listdir(snap)} == files
+    assert os.stat(os.path.join(snap, "manifest.json")).st_mtime_ns == manifest_at
+    c.store_entry(A, "one more", "x")
+    c.index_of(A).compact()  # A's graph merged: only its files are written again
+    assert c.save_snapshot(snap) == 2
+    now = set(os.listdir(snap))
+    b_files = {p for p in files if p.endswith((".faiss", ".npy"))
+               and p.split("-")[1].startswith("1")}
+    assert b_files and b_files <= now  # B's (the second namespace saved) kept as they were
+    assert len([p for p in now if p.endswith(".faiss")]) == 2
+    c2 = opened(cfg, emb, clock, snap, caches)
+    assert c2.graphs_adopted == 2
+    assert c2.lookup(A, probe(emb, "one more")).entry.prompt == "one more"
+
+
+def test_the_graphs_are_saved_while_running_so_a_crash_restart_takes_them(make_cfg, emb,
+                                                                          tmp_path):
+    cfg = settings(make_cfg, snapshot_interval_s=0.2)
+    manifest = os.path.join(cfg.resolved_snapshot_path(), "manifest.json")
+    s = serve(cfg, embedder=emb)
+    crashed = False
+    try:
+        for i in range(60):
+            s.cache.store_entry(A, f"q{i}", f"answer {i}")
+        s.cache.index_of(A).compact()
+        end = time.monotonic() + 10
+        while not (os.path.exists(manifest) and json.loads(open(manifest).read())["namespaces"]):
+            assert time.monotonic() < end, "no periodic save"
+            time.sleep(0.05)
+        for i in range(5):  # stored after the save: caught up from SQLite at the next start
+            s.cache.store_entry(A, f"late{i}", f"late answer {i}")
+        # A crash: nothing saved at the end (the process is gone; its lock goes with it).
+        s.handle.stop(0)
+        s.housekeeper.stop()
+        s.cache.close_indexes()
+        s.cache.store.close()
+        crashed = True
+    finally:
+        if not crashed:
+            s.stop(grace=0)
+    s2 = serve(cfg, embedder=emb)
+    try:
+        assert s2.cache.graphs_adopted == 1
+        assert s2.cache.lookup(A, probe(emb, "late3")).entry.prompt == "late3"
+        assert s2.cache.lookup(A, probe(emb, "q8")).entry.prompt == "q8"
     finally:
         s2.stop(grace=0)
