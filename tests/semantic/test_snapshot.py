@@ -227,8 +227,9 @@ def test_a_damaged_or_mismatched_snapshot_is_ignored_with_a_warning(make_cfg, em
     assert c4.graphs_adopted == 0 and "ignoring the HNSW snapshot" in caplog.text
 
 
-def test_a_clean_stop_saves_the_graphs_and_the_next_start_takes_them(make_cfg, emb, tmp_path):
-    cfg = settings(make_cfg)
+def served_then_stopped(cfg, emb) -> None:
+    """The service run over `cfg`'s database with 60 entries in A's HNSW graph, then stopped
+    cleanly (which saves the graph)."""
     s = serve(cfg, embedder=emb)
     try:
         for i in range(60):
@@ -236,6 +237,11 @@ def test_a_clean_stop_saves_the_graphs_and_the_next_start_takes_them(make_cfg, e
         s.cache.index_of(A).compact()
     finally:
         s.stop(grace=0)
+
+
+def test_a_clean_stop_saves_the_graphs_and_the_next_start_takes_them(make_cfg, emb, tmp_path):
+    cfg = settings(make_cfg)
+    served_then_stopped(cfg, emb)
     manifest = json.loads(open(os.path.join(cfg.resolved_snapshot_path(),
                                             "manifest.json")).read())
     assert [e["rows"] for e in manifest["namespaces"]] == [60]
@@ -384,13 +390,7 @@ def test_a_failed_fsync_after_the_manifest_is_renamed_keeps_the_new_snapshot(
 
 def test_with_snapshots_off_a_start_takes_none_saved_before(make_cfg, emb):
     cfg = settings(make_cfg)
-    s = serve(cfg, embedder=emb)
-    try:
-        for i in range(60):
-            s.cache.store_entry(A, f"q{i}", f"answer {i}")
-        s.cache.index_of(A).compact()
-    finally:
-        s.stop(grace=0)
+    served_then_stopped(cfg, emb)
     s2 = serve(settings(make_cfg, snapshot_on_stop=False), embedder=emb)
     try:
         assert s2.cache.graphs_adopted == 0
