@@ -187,6 +187,14 @@ def _metrics():
         "exact": m.counter("tiercache_semantic_exact_hits_total",
                            "Hits on an exact repeat of a cached prompt, served without "
                            "embedding (also counted in tiercache_semantic_lookups_total)"),
+        "graphs_taken": m.gauge("tiercache_semantic_hnsw_graphs_from_snapshot",
+                                "HNSW graphs the last start took from the saved snapshot "
+                                "instead of building them"),
+        "saves": m.counter("tiercache_semantic_snapshot_saves_total",
+                           "Saves of the HNSW graphs (on stop and every snapshot_interval_s)",
+                           ("result",)),
+        "saved_at": m.gauge("tiercache_semantic_snapshot_last_save_timestamp_seconds",
+                            "Unix time of the last successful save of the HNSW graphs"),
     }
 
 
@@ -1007,6 +1015,7 @@ class SemanticCache:
         self._m["expirations"].inc(len(stale))
         self._delete_at_load(victims, "over capacity")
         self.graphs_adopted = adopted
+        self._m["graphs_taken"].set(adopted)
         log.info("loaded %d entries in %d namespaces (%d expired, %d over capacity, %d replaced "
                  "by a newer answer to the same prompt; %d HNSW graphs taken from the "
                  "snapshot, not built)", len(self._entries), len(self._indexes),
@@ -1026,7 +1035,13 @@ class SemanticCache:
                          for ns, index in self._indexes.items()
                          if (m := index.saved_main()) is not None for main, labels in (m,)]
             previous = self._saved[1] if self._saved[0] == folder else None
-            state = save_snapshot(folder, self._params, self._embed_id, items, previous)
+            try:
+                state = save_snapshot(folder, self._params, self._embed_id, items, previous)
+            except BaseException:
+                self._m["saves"].labels("failed").inc()
+                raise
+            self._m["saves"].labels("ok").inc()
+            self._m["saved_at"].set(time.time())
             self._saved = (folder, state)
             return len(state)
 

@@ -140,13 +140,23 @@ def filled(cfg, emb, clock, snap, caches, n=120) -> SemanticCache:
     return c
 
 
+def metric(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
 def test_a_restart_takes_the_saved_graph_and_serves_the_same(make_cfg, emb, clock, caches,
                                                              tmp_path):
     cfg, snap = settings(make_cfg), str(tmp_path / "snap")
     c = filled(cfg, emb, clock, snap, caches)
+    saves = metric("tiercache_semantic_snapshot_saves_total", result="ok")
     assert c.save_snapshot(snap) == 1
+    assert metric("tiercache_semantic_snapshot_saves_total", result="ok") == saves + 1
+    assert metric("tiercache_semantic_snapshot_last_save_timestamp_seconds") > 0
     c2 = opened(cfg, emb, clock, snap, caches)
     assert c2.graphs_adopted == 1 and c2.index_of(A).kind == "hnsw"
+    assert metric("tiercache_semantic_hnsw_graphs_from_snapshot") == 1
     for i in range(0, 120, 11):
         r = c2.lookup(A, probe(emb, f"q{i}"))
         assert r.hit and r.entry.prompt == f"q{i}" and not r.exact
@@ -297,8 +307,10 @@ def test_a_save_that_fails_leaves_the_previous_snapshot_and_no_files_of_its_own(
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(snapshot.faiss, "write_index", full_disk)
+    failed = metric("tiercache_semantic_snapshot_saves_total", result="failed")
     with pytest.raises(OSError):
         c.save_snapshot(snap)  # A's graph is unchanged (kept), B's is new: written, and fails
+    assert metric("tiercache_semantic_snapshot_saves_total", result="failed") == failed + 1
     assert len(calls) == 1 and sorted(os.listdir(snap)) == before
     monkeypatch.undo()
     c2 = opened(cfg, emb, clock, snap, caches)
