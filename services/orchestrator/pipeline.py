@@ -177,7 +177,7 @@ class _ReadAhead:
         or it failed), `on_close` cancels its calls; the thread has ended on return."""
         with self._cond:
             if self._closed:
-                return  # once: `yield from` closes it, then the request's `finally` again
+                return  # once: a second close (the request's `finally` after one) is a no-op
             self._closed = True
             ended = self._ended
             self._cond.notify_all()
@@ -644,7 +644,7 @@ class Orchestrator:
                         "no kvpool replica is available"
                         + (f" (tried {', '.join(tried)})" if tried else "")
                         + (f"; last: {why_public}" if why_public else "")) from None
-                stream = None
+                call = None
                 stream_ended = False
                 busy = larger = False
                 try:
@@ -690,8 +690,7 @@ class Orchestrator:
                     # drained at the client's: the replica's share of routing's load and its
                     # watcher are released as soon as its stream ends, and a lost replica is
                     # resumed at once with every token read, however far behind the client is.
-                    stream = call
-                    for msg in stream:
+                    for msg in call:
                         if msg.token_ids:
                             new = list(msg.token_ids)
                             generated.extend(new)
@@ -772,8 +771,8 @@ class Orchestrator:
                 else:
                     continue  # the final message arrived: the loop ends
                 finally:
-                    if stream is not None and not stream_ended:
-                        stream.cancel()  # left mid-stream (the request closed): stop the replica
+                    if call is not None and not stream_ended:
+                        call.cancel()  # left mid-stream (the request closed): stop the replica
                     current.pop("call", None)
                     held.release()
                 # The replica is lost for this request: try the next one (resuming after the

@@ -1029,11 +1029,15 @@ class SemanticCache:
         save into `folder` keep their files. Raises OSError (the previous snapshot then stays
         in force)."""
         with self._save_lock:
+            items = []
             with self._lock:
-                # A graph's token: a merge publishes a new main (another object, other rows).
-                items = [(tuple(ns), main, labels, (id(main), main.ntotal, len(labels)))
-                         for ns, index in self._indexes.items()
-                         if (m := index.saved_main()) is not None for main, labels in (m,)]
+                for ns, index in self._indexes.items():
+                    saved = index.saved_main()
+                    if saved is not None:
+                        main, labels = saved
+                        # Its token: a merge publishes a new main (another object, other rows).
+                        items.append((tuple(ns), main, labels,
+                                      (id(main), main.ntotal, len(labels))))
             previous = self._saved[1] if self._saved[0] == folder else None
             try:
                 state = save_snapshot(folder, self._params, self._embed_id, items, previous)

@@ -228,12 +228,14 @@ def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningServi
         internal_token=cfg.internal_token or None,
         metrics_port=None if cfg.metrics_port < 0 else cfg.metrics_port)
     set_search_threads(cfg.faiss_threads)
+    # Where the HNSW graphs are taken from at start and saved to ("" = neither).
+    snapshot_path = cfg.resolved_snapshot_path() if cfg.snapshot_on_stop else ""
     store = None
     try:
         embedder = embedder or make_embedder(cfg)
         store = EntryStore(cfg.resolved_db_path(), cfg.sqlite_synchronous)
         cache = SemanticCache(cfg, embedder, store)
-        cache.load(cfg.resolved_snapshot_path() if cfg.snapshot_on_stop else "")
+        cache.load(snapshot_path)
     except BaseException:
         handle.stop(0)
         if store is not None:
@@ -242,7 +244,6 @@ def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningServi
                 store.close()
         raise
     servicer.attach(cache)
-    snapshot_path = cfg.resolved_snapshot_path() if cfg.snapshot_on_stop else ""
     keeper = Housekeeper(cache, cfg.expiry_interval_s, snapshot_path,
                          cfg.snapshot_interval_s).start()
     handle.set_serving()

@@ -26,7 +26,6 @@ caught up as above.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -38,7 +37,7 @@ from pathlib import Path
 import faiss
 import numpy as np
 
-from services.common.files import fsync_path
+from services.common.files import file_digest, fsync_path
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +53,12 @@ def _settings(params, embed_id: str) -> dict:
 
 
 Key = tuple[str, str, str]
-Saved_ = dict[Key, tuple[object, dict]]  # namespace -> (its graph's token, manifest entry)
+SaveState = dict[Key, tuple[object, dict]]  # namespace -> (its graph's token, manifest entry)
 
 
 def save(folder: str | os.PathLike, params, embed_id: str,
          items: Iterable[tuple[Key, faiss.Index, np.ndarray, object]],
-         previous: Saved_ | None = None) -> Saved_:
+         previous: SaveState | None = None) -> SaveState:
     """Writes `items` ((namespace key, HNSW main index, its labels, a token that changes when
     the graph does)) as the folder's new snapshot and returns what it holds, to pass back as
     `previous` to the next save into the same folder: a graph whose token is unchanged since
@@ -68,26 +67,28 @@ def save(folder: str | os.PathLike, params, embed_id: str,
     previous snapshot, if any, stays in force."""
     folder = Path(folder)
     items = list(items)
-    previous = previous or {}
-    if not items and not (folder / MANIFEST).exists():
+    had_manifest = (folder / MANIFEST).exists()
+    if not items and not had_manifest:
         return {}  # nothing to save, nothing saved before to supersede
+    # The files of the last save are kept only while its manifest is there to name them.
+    previous = (previous or {}) if had_manifest else {}
 
     def kept(key: Key, token: object) -> dict | None:
         was = previous.get(key)
-        if was is None or was[0] != token or not (folder / MANIFEST).exists():
+        if was is None or was[0] != token:
             return None
         stem = was[1]["stem"]
         ok = all((folder / f"{stem}{s}").exists() for s in (".faiss", ".labels.npy"))
         return was[1] if ok else None
 
-    if (len(items) == len(previous) and (folder / MANIFEST).exists()
+    if (had_manifest and len(items) == len(previous)
             and all(kept(key, token) is not None for key, _, _, token in items)):
         return previous  # nothing merged since the last save
     # Owner only, as the database is: the vectors say much of the questions they embed.
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     gen = f"{time.time_ns():x}"
     entries = []
-    state: Saved_ = {}
+    state: SaveState = {}
     t0 = time.monotonic()
     rows = written = 0
     try:
@@ -107,8 +108,8 @@ def save(folder: str | os.PathLike, params, embed_id: str,
                 f.flush()
                 os.fsync(f.fileno())
             entry = {"namespace": list(key), "stem": stem, "rows": int(len(labels)),
-                     "faiss_digest": _digest(folder / f"{stem}.faiss"),
-                     "labels_digest": _digest(folder / f"{stem}.labels.npy")}
+                     "faiss_digest": file_digest(folder / f"{stem}.faiss"),
+                     "labels_digest": file_digest(folder / f"{stem}.labels.npy")}
             entries.append(entry)
             state[key] = (token, entry)
             rows += len(labels)
@@ -149,16 +150,6 @@ def save(folder: str | os.PathLike, params, embed_id: str,
     return state
 
 
-def _digest(path: Path) -> str:
-    """blake2b of a file: checked before faiss reads it, since a damaged file can make faiss
-    allocate what a size field says (or crash) rather than raise."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 class Saved:
     """A folder's snapshot, read lazily: `take(key)` reads one namespace's graph (or None)."""
 
@@ -191,9 +182,6 @@ class Saved:
             return
         self._entries = entries
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def take(self, key: tuple[str, str, str]) -> tuple[faiss.Index, np.ndarray] | None:
         """The saved graph and labels of namespace `key`, or None (not saved, or unreadable:
         warned)."""
@@ -203,7 +191,7 @@ class Saved:
         stem = self.folder / e["stem"]
         try:
             for suffix, key_ in ((".faiss", "faiss_digest"), (".labels.npy", "labels_digest")):
-                if _digest(Path(f"{stem}{suffix}")) != e[key_]:
+                if file_digest(Path(f"{stem}{suffix}")) != e[key_]:
                     raise ValueError(f"{stem.name}{suffix} is not the file the snapshot saved "
                                      "(damaged or replaced)")
             main = faiss.read_index(f"{stem}.faiss")
