@@ -25,13 +25,13 @@ class Streamed(NamedTuple):
     final: Finished
 
 
-def load_replica(max_batch_size: int, num_blocks: int = 1024) -> Any:
+def load_replica(max_batch_size: int, num_blocks: int = 1024, device: str = "cpu") -> Any:
     """A replica built as `python -m services.kvpool` builds it (the model loaded on one
-    thread, the engine on torch's threads, its draft ladder timed at start)."""
+    thread, the engine on torch's threads, its draft ladder timed at start) on `device`."""
     from services.kvpool.app import build_replica
     from services.kvpool.config import KvPoolConfig
 
-    cfg = KvPoolConfig(num_blocks=num_blocks, max_batch_size=max_batch_size)
+    cfg = KvPoolConfig(num_blocks=num_blocks, max_batch_size=max_batch_size, device=device)
     cfg = dataclasses.replace(cfg, torch_threads=cfg.torch_threads or torch.get_num_threads())
     torch.set_num_threads(1)
     print("loading the replica (its draft ladder is timed at start) ...", flush=True)

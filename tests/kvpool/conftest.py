@@ -119,7 +119,7 @@ def request(tokens: list[int], max_tokens: int = 8, salt: str = "", rid: str = "
 
 def reference_greedy(model, tokens: list[int], max_tokens: int) -> list[int]:
     """Plain transformers greedy generation (its own cache), stopping on EOS like the engine."""
-    ids = torch.tensor([tokens])
+    ids = torch.tensor([tokens], device=model.device)
     with torch.no_grad():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
                              do_sample=False)
