@@ -418,6 +418,40 @@ def restart_text(path: Path) -> list[str]:
             f"{_f(d.get('same_top10'))}."]
 
 
+def device_text(results: Path) -> list[str]:
+    """The replica on a GPU (`python -m benchmarks.device`, `python -m benchmarks.step_profile`;
+    neither part of `--run`, since CI has no GPU): a paragraph each, or nothing."""
+    out = []
+    dev = results / "device_cuda.json"
+    if dev.exists():
+        d = json.loads(dev.read_text())
+        f = d.get("figures", {})
+        out += ["", f"On a GPU (`{dev.relative_to(ROOT)}`, {d.get('device_name')}, "
+                f"torch {d.get('host', {}).get('torch')}; `{d.get('command')}`, "
+                f"{_f(f.get('pairs'))} of the near pairs above, in-process): greedy tokens "
+                "identical from scratch, from the pool's cache, with the near-miss draft, with "
+                f"an unrelated one and batched: {_f(f.get('identical_outputs'))}; seeded "
+                f"sampling the same with a draft: {_f(f.get('identical_sampled'))}. "
+                f"decode_speedup {_f(f.get('decode_speedup'))}, forward_passes_per_token "
+                f"{_f(f.get('forward_passes_per_token'))}, unrelated_slowdown "
+                f"{_f(f.get('unrelated_slowdown'))}, {_f(f.get('ms_per_token_plain'))} ms per "
+                f"token without a draft; a forward of 17 tokens cost "
+                f"{_f((d.get('draft_forward_costs') or [None])[-1])}x one of 1 (ladder "
+                f"{d.get('draft_ladder')})."]
+    for name in ("step_profile_cuda.json", "step_profile_cpu.json"):
+        sp = results / name
+        if not sp.exists():
+            continue
+        d = json.loads(sp.read_text())
+        rows = [[k, v.get("engine_ms_per_step"), v.get("model_ms_per_step"),
+                 v.get("kernels_per_step"), v.get("gpu_busy_ms_per_step")]
+                for k, v in d.get("figures", {}).items()]
+        out += ["", f"A decode step on {d.get('device_name')} (`{d.get('command')}`):", "",
+                _table(["batch", "engine ms", "transformers loop ms", "kernels",
+                        "GPU busy ms"], rows)]
+    return out
+
+
 def routes_table(orch: dict) -> list[str]:
     """Per variant and route: tokens the replica reused against what the router's index said it
     held when it chose (`expected`), and what had been evicted by arrival (`shortfall`). Older
@@ -644,6 +678,7 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
     png = plot_decode(kv, asst, made)
     if png:
         L += ["", f"![decode speed]({png})"]
+    L += device_text(RESULTS)
 
     # Semantic precision-recall.
     L += ["", "## Semantic tier precision–recall", ""]
