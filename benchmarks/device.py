@@ -9,21 +9,24 @@ its draft ladder timed on that device at start):
 
 1. Exactness there. A cache must never change the answer: for each near pair (below) B's
    greedy tokens are computed from scratch, then again with its prompt's KV taken from the
-   pool (a second run, `cached_tokens` > 0), with the near-miss draft, with an unrelated
-   draft, and all of the pairs' B's decoding together in batches of 8, each with its draft;
+   pool (a second run, which must report `cached_tokens` > 0: `cached_path_taken`), with the
+   near-miss draft, with an unrelated draft, and all of the pairs' B's decoding together in
+   batches of 8, each with its draft;
    every one of them must equal the first, token for token (`identical_outputs`). A seeded
    sampled answer must be the same with a draft and without (`identical_sampled`).
-2. Cache-assisted generation there, as `python -m benchmarks.assisted` measures it on the
-   replica directly (that benchmark's workload needs the whole stack: semantic tier, faiss,
-   ONNX Runtime): the near pairs are the ones its last run timed (`qa`, `qb` in
-   `benchmarks/results/assisted.json`), A is answered greedily (128 tokens) and its answer's
-   text re-tokenized as the orchestrator does, B is timed at batch 1 without a draft, with
-   it and with an unrelated draft (the next pair's A answer), the order rotated per pair.
-   Figures as that benchmark names them: `decode_speedup` (wall without / with the draft,
-   request start to its end, over pairs whose draft shares >= 50% of B's tokens),
-   `forward_passes_per_token` (counting the prefill forward, same pairs),
-   `unrelated_slowdown` (all pairs), plus `ms_per_token_plain` and the device's forward costs
-   by length (`draft_forward_costs`: a forward of n tokens against one of 1).
+2. Cache-assisted generation there, on the replica in-process (`python -m benchmarks.assisted`
+   needs the whole stack: semantic tier, faiss, ONNX Runtime, gRPC): the near pairs are the
+   ones that benchmark's last run timed (`qa`, `qb` in `benchmarks/results/assisted.json`), A
+   is answered greedily (128 tokens) and its answer's text re-tokenized as the orchestrator
+   does, B is timed at batch 1 without a draft, with it and with an unrelated draft (the next
+   pair's A answer), the order rotated per pair. Figures: `decode_speedup_in_process` (wall
+   without / with the draft, request start to its end, over pairs whose draft shares >= 50%
+   of B's tokens; `benchmarks.assisted`'s `decode_speedup` times the same through the
+   orchestrator, gRPC and streaming included), and as that benchmark defines them
+   `forward_passes_per_token` (counting the prefill forward, same pairs), `acceptance_rate`
+   and `unrelated_slowdown` (all pairs; there too timed on the replica directly), plus
+   `ms_per_token_plain` and the device's forward costs by length (`draft_forward_costs`: a
+   forward of n tokens against one of 1).
 
 Exits 1 when any output differs. Writes `benchmarks/results/device_<type>.json`.
 """
@@ -162,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
 
     figures = {
         "pairs": len(rows), "near_pairs": len(near),
-        "decode_speedup": ratio(sum(r["wall_plain_s"] for r in near),
+        "decode_speedup_in_process": ratio(sum(r["wall_plain_s"] for r in near),
                                 sum(r["wall_draft_s"] for r in near)),
         "forward_passes_per_token": ratio(sum(r["passes_draft"] + 1 for r in near),
                                           sum(r["b_tokens"] for r in near)),
@@ -176,17 +179,22 @@ def main(argv: list[str] | None = None) -> int:
                                                      batch_wall),
         "identical_outputs": all(r["identical"] and r["identical_batched"] for r in rows),
         "identical_sampled": all(r["identical_sampled"] for r in rows),
+        "cached_path_taken": all(r["cached_tokens_second_run"] > 0 for r in rows),
         "pool_blocks_in_use_at_end": in_use,
     }
     print(json.dumps(figures), flush=True)
+    import transformers
+
     result = {**header, "device_name": device_name(args.device),
+              "transformers": transformers.__version__,
               "pairs_from": f"{PAIRS_FROM.relative_to(ROOT)} (the pairs its run timed)",
               "figures": figures, "per_pair": rows,
               "elapsed_s": round(time.monotonic() - t_start, 1)}
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out_path}")
-    ok = figures["identical_outputs"] and figures["identical_sampled"] and in_use == 0
+    ok = (figures["identical_outputs"] and figures["identical_sampled"]
+          and figures["cached_path_taken"] and in_use == 0)
     return 0 if ok else 1
 
 

@@ -419,36 +419,39 @@ def restart_text(path: Path) -> list[str]:
 
 
 def device_text(results: Path) -> list[str]:
-    """The replica on a GPU (`python -m benchmarks.device`, `python -m benchmarks.step_profile`;
-    neither part of `--run`, since CI has no GPU): a paragraph each, or nothing."""
+    """The replica on a GPU, beside the same commands on a CPU (`python -m benchmarks.device`,
+    `python -m benchmarks.step_profile`; neither part of `--run`, since CI has no GPU): a
+    paragraph or table each, or nothing."""
     out = []
-    dev = results / "device_cuda.json"
-    if dev.exists():
+    for name in ("device_cuda.json", "device_cpu.json"):
+        dev = results / name
+        if not dev.exists():
+            continue
         d = json.loads(dev.read_text())
         f = d.get("figures", {})
-        out += ["", f"On a GPU (`{dev.relative_to(ROOT)}`, {d.get('device_name')}, "
+        out += ["", f"The replica in-process on {d.get('device_name')} (`{dev.relative_to(ROOT)}`, "
                 f"torch {d.get('host', {}).get('torch')}; `{d.get('command')}`, "
-                f"{_f(f.get('pairs'))} of the near pairs above, in-process): greedy tokens "
-                "identical from scratch, from the pool's cache, with the near-miss draft, with "
-                f"an unrelated one and batched: {_f(f.get('identical_outputs'))}; seeded "
-                f"sampling the same with a draft: {_f(f.get('identical_sampled'))}. "
-                f"decode_speedup {_f(f.get('decode_speedup'))}, forward_passes_per_token "
-                f"{_f(f.get('forward_passes_per_token'))}, unrelated_slowdown "
-                f"{_f(f.get('unrelated_slowdown'))}, {_f(f.get('ms_per_token_plain'))} ms per "
-                f"token without a draft; a forward of 17 tokens cost "
-                f"{_f((d.get('draft_forward_costs') or [None])[-1])}x one of 1 (ladder "
-                f"{d.get('draft_ladder')})."]
+                f"{_f(f.get('pairs'))} of the near pairs above): greedy tokens identical from "
+                "scratch, from the pool's cache, with the near-miss draft, with an unrelated one "
+                f"and batched: {_f(f.get('identical_outputs'))}; seeded sampling the same with a "
+                f"draft: {_f(f.get('identical_sampled'))}. decode_speedup_in_process "
+                f"{_f(f.get('decode_speedup_in_process'))} (no gRPC, unlike decode_speedup "
+                f"above), forward_passes_per_token {_f(f.get('forward_passes_per_token'))}, "
+                f"unrelated_slowdown {_f(f.get('unrelated_slowdown'))}, "
+                f"{_f(f.get('ms_per_token_plain'))} ms per token without a draft; a forward of "
+                f"17 tokens cost {_f((d.get('draft_forward_costs') or [None])[-1])}x one of 1 "
+                f"(ladder {d.get('draft_ladder')})."]
     for name in ("step_profile_cuda.json", "step_profile_cpu.json"):
         sp = results / name
         if not sp.exists():
             continue
         d = json.loads(sp.read_text())
         rows = [[k, v.get("engine_ms_per_step"), v.get("model_ms_per_step"),
-                 v.get("kernels_per_step"), v.get("gpu_busy_ms_per_step")]
+                 v.get("kernels_per_step", v.get("ops_per_step")), v.get("gpu_busy_ms_per_step")]
                 for k, v in d.get("figures", {}).items()]
         out += ["", f"A decode step on {d.get('device_name')} (`{d.get('command')}`):", "",
-                _table(["batch", "engine ms", "transformers loop ms", "kernels",
-                        "GPU busy ms"], rows)]
+                _table(["batch", "engine ms", "transformers loop ms",
+                        "kernels (GPU) / operators (CPU)", "GPU busy ms"], rows)]
     return out
 
 

@@ -10,9 +10,12 @@ For batch sizes 1 and 8 (greedy, prompts of 64 random token ids), times:
   model_ms_per_step    the same model's forward alone on transformers' own cache
                        (`DynamicCache`), the same batch, one token per row per step: what
                        transformers' own decoding loop costs, for comparison;
-and, where the device is CUDA, the same two engine runs profiled: kernels launched per decode
-step and the GPU's busy time per step (`torch.profiler`; the sum of kernel durations). A step whose
-GPU time is far below its wall time is bound by launches and host work, not by the GPU.
+Each the median of `--repeats` (3) timings, engine and transformers interleaved. Where the
+device is CUDA, the same two engine runs profiled: kernels launched per decode step and the
+GPU's busy time per step (`torch.profiler`; the sum of kernel durations, copies and memsets
+counted apart as `copies_per_step`). A step whose GPU time is far below its wall time is
+bound by launches and host work, not by the GPU. On a CPU instead, the operators a decode
+step runs, by name (`ops_by_name`; each would be a kernel launch on a GPU).
 
 `--weights random` builds SmolLM2-135M's architecture with random weights: a forward costs what
 the real model's does (same shapes, same kernels), and nothing has to be loaded. `real` loads
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -101,14 +105,17 @@ def model_step_ms(model, batch: int, steps: int, device: str) -> float:
 
     ids = torch.tensor(prompts(batch, model.config.vocab_size), device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    # As `generate` calls it: an attention mask (all ones here) one column longer each step.
+    mask = torch.ones(batch, PROMPT + steps, dtype=torch.long, device=device)
     with torch.no_grad():
         cache = DynamicCache()
-        out = model(ids, past_key_values=cache, use_cache=True)
+        out = model(ids, attention_mask=mask[:, :PROMPT], past_key_values=cache, use_cache=True)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         sync()
         t0 = time.perf_counter()
-        for _ in range(steps - 1):
-            out = model(nxt, past_key_values=cache, use_cache=True)
+        for k in range(steps - 1):
+            out = model(nxt, attention_mask=mask[:, :PROMPT + k + 1], past_key_values=cache,
+                        use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             nxt.tolist()  # the engine takes each step's tokens to the host too
         sync()
@@ -119,15 +126,49 @@ def profiled(engine, batch: int, steps: int, vocab: int) -> dict:
     """Kernels launched and GPU busy time per decode step, differenced as `engine_step_ms`."""
     from torch.profiler import ProfilerActivity, profile
 
-    def run(n: int) -> tuple[int, float]:
+    def run(n: int) -> tuple[int, float, int]:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine_wall_s(engine, batch, n, vocab)
-        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
-        return len(kernels), sum(e.device_time for e in kernels)
+        on_gpu = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        kernels = [e for e in on_gpu if not e.name.startswith(("Memcpy", "Memset"))]
+        return len(kernels), sum(e.device_time for e in kernels), len(on_gpu) - len(kernels)
 
-    (k0, us0), (k1, us1) = run(SHORT), run(SHORT + steps)
+    (k0, us0, c0), (k1, us1, c1) = run(SHORT), run(SHORT + steps)
     return {"kernels_per_step": round((k1 - k0) / steps, 1),
-            "gpu_busy_ms_per_step": round((us1 - us0) / 1000 / steps, 3)}
+            "gpu_busy_ms_per_step": round((us1 - us0) / 1000 / steps, 3),
+            "copies_per_step": round((c1 - c0) / steps, 1)}
+
+
+VIEWS = {"aten::reshape", "aten::view", "aten::slice", "aten::select", "aten::transpose",
+         "aten::unsqueeze", "aten::as_strided", "aten::expand", "aten::t", "aten::permute",
+         "aten::detach", "aten::detach_", "aten::lift_fresh", "aten::alias", "aten::empty",
+         "aten::to", "aten::resolve_conj", "aten::resolve_neg"}
+
+
+def ops_per_step(engine, batch: int, steps: int, vocab: int) -> dict[str, float]:
+    """The operators one decode step runs, by name (torch's top-level ones on the engine
+    thread, views and allocations left out), differenced as `engine_step_ms`: what each
+    layer of the model and the engine's own bookkeeping cost in calls (each one a kernel
+    launch on a GPU)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    def run(n: int) -> Counter:
+        prof = profile(activities=[ProfilerActivity.CPU])
+        engine.call(prof.__enter__).result(30)  # the engine thread's operators, not ours
+        try:
+            engine_wall_s(engine, batch, n, vocab)
+        finally:
+            engine.call(lambda: prof.__exit__(None, None, None)).result(120)
+        ops = ("aten::", "mkldnn::")  # the latter: the packed linear layers (linear.py)
+        return Counter(e.name for e in prof.events()
+                       if e.name.startswith(ops) and e.name not in VIEWS
+                       and (e.cpu_parent is None or not e.cpu_parent.name.startswith(ops)))
+
+    c0, c1 = run(SHORT), run(SHORT + steps)
+    per = {k: round((c1[k] - c0[k]) / steps, 1) for k in c1}
+    return dict(sorted(((k, v) for k, v in per.items() if v >= 0.5), key=lambda kv: -kv[1]))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     ap.add_argument("--weights", choices=("random", "real"), default="random")
     ap.add_argument("--steps", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3, help="timings per figure (median)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
-    if args.steps < 4:
-        ap.error("--steps >= 4")
+    if args.steps < 4 or args.repeats < 1:
+        ap.error("--steps >= 4 and --repeats >= 1")
     out_path = args.out or RESULTS / f"step_profile_{args.device.split(':')[0]}.json"
 
     from benchmarks import cpu_model
@@ -156,18 +198,26 @@ def main(argv: list[str] | None = None) -> int:
         for b in BATCHES:
             engine_wall_s(engine, b, SHORT, vocab)  # warm the shapes up
             model_step_ms(model, b, 8, args.device)
-            row = {"engine_ms_per_step": round(engine_step_ms(engine, b, args.steps, vocab), 2),
-                   "model_ms_per_step": round(model_step_ms(model, b, args.steps, args.device),
-                                              2)}
+            eng_ms, mod_ms = [], []
+            for _ in range(args.repeats):  # interleaved, so a slow spell lands on both
+                eng_ms.append(engine_step_ms(engine, b, args.steps, vocab))
+                mod_ms.append(model_step_ms(model, b, args.steps, args.device))
+            row = {"engine_ms_per_step": round(statistics.median(eng_ms), 2),
+                   "model_ms_per_step": round(statistics.median(mod_ms), 2),
+                   "engine_ms_runs": [round(x, 2) for x in eng_ms],
+                   "model_ms_runs": [round(x, 2) for x in mod_ms]}
             if args.device.startswith("cuda"):
                 row |= profiled(engine, b, args.steps, vocab)
+            else:
+                ops = ops_per_step(engine, b, args.steps, vocab)
+                row |= {"ops_per_step": round(sum(ops.values()), 1), "ops_by_name": ops}
             rows[f"batch_{b}"] = row
             print(f"batch {b}: {row}", flush=True)
     finally:
         engine.stop()
     result = {"benchmark": "step_profile",
               "command": f"python -m benchmarks.step_profile --device {args.device} "
-                         f"--weights {args.weights} --steps {args.steps}",
+                         f"--weights {args.weights} --steps {args.steps} --repeats {args.repeats}",
               "model": f"{model_id} float32 {args.device}, prompt {PROMPT} tokens, greedy",
               "device_name": (torch.cuda.get_device_name(torch.device(args.device))
                               if args.device.startswith("cuda") else cpu_model()),

@@ -143,7 +143,7 @@ def test_smollm2_cached_batched_and_drafted_answers_equal_generate(smollm2_on_de
                 assert cached == ref and fin.cached_tokens >= 16, qb
                 drafted, fin = run(eng, pb, draft, max_tokens=64, ignore_eos=False)
                 assert drafted == ref, qb
-                assert fin.draft_tokens_proposed > 0
+                assert fin.draft_tokens_proposed > 0 and fin.draft_tokens_accepted > 0
                 outs = [eng.submit(EngineRequest(
                     f"b{i}", list(pb), SamplingSpec(max_tokens=64), draft_token_ids=tuple(d)))[1]
                     for i, d in enumerate([[], draft, ref, ref[:5] + draft])]
@@ -163,13 +163,21 @@ def test_a_replica_is_built_on_the_device_as_configured() -> None:
     from services.kvpool.app import build_replica
     from services.kvpool.config import KvPoolConfig
 
-    replica = build_replica(KvPoolConfig(device=DEVICE, num_blocks=256, max_batch_size=2),
-                            metrics=False)
-    eng = replica.engine
+    cuda = DEVICE.startswith("cuda")
+    before = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+              torch.get_float32_matmul_precision())
+    if cuda:  # as another import or NVIDIA_TF32_OVERRIDE may leave them: the replica undoes it
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.set_float32_matmul_precision("high")
+    eng = None
     try:
+        eng = build_replica(KvPoolConfig(device=DEVICE, num_blocks=256, max_batch_size=2),
+                            metrics=False).engine
         assert eng.device.type == torch.device(DEVICE).type
-        if DEVICE.startswith("cuda"):
+        if cuda:
             assert not torch.backends.cuda.matmul.allow_tf32
+            assert not torch.backends.cudnn.allow_tf32
+            assert torch.get_float32_matmul_precision() == "highest"
             assert eng.packing.kernels == "torch"
         ladder = eng.draft_ladder
         assert ladder.source == "measured" and len(ladder.costs) == 17
@@ -178,4 +186,7 @@ def test_a_replica_is_built_on_the_device_as_configured() -> None:
         assert isinstance(fin, Finished) and len(toks) == fin.completion_tokens > 0
         assert_idle(eng)
     finally:
-        eng.stop()
+        if eng is not None:
+            eng.stop()
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before[:2]
+        torch.set_float32_matmul_precision(before[2])
