@@ -33,13 +33,20 @@ Exits 1 when any output differs. Writes `benchmarks/results/device_<type>.json`.
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
-from pathlib import Path
+import os
 
-import torch
+# As the replica process: before torch loads OpenMP (which reads it once, at load).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks.emit import write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -190,9 +197,7 @@ def main(argv: list[str] | None = None) -> int:
               "pairs_from": f"{PAIRS_FROM.relative_to(ROOT)} (the pairs its run timed)",
               "figures": figures, "per_pair": rows,
               "elapsed_s": round(time.monotonic() - t_start, 1)}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out_path}")
+    write(out_path, result)
     ok = (figures["identical_outputs"] and figures["identical_sampled"]
           and figures["cached_path_taken"] and in_use == 0)
     return 0 if ok else 1

@@ -36,11 +36,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
 import csv  # noqa: E402
-import json  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
+
+from benchmarks.emit import write  # noqa: E402
 
 RESULT = Path(__file__).resolve().parent / "results" / "draft_batch.json"
 RESULT_ALL = RESULT.with_name("draft_batch_all.json")
@@ -190,9 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         "identical_outputs": True,
         "elapsed_s": round(time.monotonic() - t_start, 1),
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out_path}")
+    write(out_path, result)
     return 0
 
 

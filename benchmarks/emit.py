@@ -1,5 +1,6 @@
-"""What the one-file benchmarks (prefix_lapse, semantic_restart, prefix_index) share: the
-machine line of a result, and printing it then writing it where it goes."""
+"""What the one-file benchmarks share: the machine line of a result, and printing it then
+writing it where it goes (prefix_lapse, semantic_restart, prefix_index), or writing it and
+saying where (the in-process studies: device, step_profile, draft_batch, prompt_lookup)."""
 
 from __future__ import annotations
 
@@ -21,3 +22,10 @@ def emit(res: dict, out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+
+
+def write(out: Path, res: dict) -> None:
+    """Writes `res` as JSON to `out` (its folder made if needed) and says where."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(res, indent=1) + "\n")
+    print(f"wrote {out}")

@@ -29,6 +29,8 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from benchmarks.emit import write  # noqa: E402
+
 RESULT = Path(__file__).resolve().parent / "results" / "prompt_lookup.json"
 MAX_TOKENS = 128
 
@@ -124,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         "per_question": rows,
         "elapsed_s": round(time.monotonic() - t_start, 1),
     }
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out_path}")
+    write(out_path, result)
     return 0 if figures["identical_outputs"] else 1
 
 

@@ -8,8 +8,9 @@ For batch sizes 1 and 8 (greedy, prompts of 64 random token ids), times:
                        the prefill, which in a batch interleaves with the first rows' decoding,
                        drops out);
   model_ms_per_step    the same model's forward alone on transformers' own cache
-                       (`DynamicCache`), the same batch, one token per row per step: what
-                       transformers' own decoding loop costs, for comparison;
+                       (`DynamicCache`), the same batch, one token per row per step, on the
+                       torch threads the engine runs such a step on (`one_thread_below`):
+                       what transformers' own decoding loop costs, for comparison;
 Each the median of `--repeats` (3) timings, engine and transformers interleaved. Where the
 device is CUDA, the same two engine runs profiled: kernels launched per decode step and the
 GPU's busy time per step (`torch.profiler`; the sum of kernel durations, copies and memsets
@@ -24,15 +25,21 @@ the packaged SmolLM2. Writes `benchmarks/results/step_profile_<device type>.json
 
 from __future__ import annotations
 
-import argparse
-import json
-import random
-import statistics
-import sys
-import time
-from pathlib import Path
+import os
 
-import torch
+# As the replica process: before torch loads OpenMP (which reads it once, at load).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import argparse  # noqa: E402
+import random  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks.emit import write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -100,7 +107,18 @@ def engine_step_ms(engine, batch: int, steps: int, vocab: int) -> float:
     return 1000 * (engine_wall_s(engine, batch, SHORT + steps, vocab) - short) / steps
 
 
-def model_step_ms(model, batch: int, steps: int, device: str) -> float:
+def model_step_ms(model, batch: int, steps: int, device: str, threads: int) -> float:
+    """transformers' loop on `threads` torch threads (what the engine runs such a step on)."""
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _model_step_ms(model, batch, steps, device)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _model_step_ms(model, batch: int, steps: int, device: str) -> float:
     from transformers import DynamicCache
 
     ids = torch.tensor(prompts(batch, model.config.vocab_size), device=device)
@@ -197,11 +215,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for b in BATCHES:
             engine_wall_s(engine, b, SHORT, vocab)  # warm the shapes up
-            model_step_ms(model, b, 8, args.device)
+            threads = engine.threads_for(b)  # a decode step's: one row per sequence
+            model_step_ms(model, b, 8, args.device, threads)
             eng_ms, mod_ms = [], []
             for _ in range(args.repeats):  # interleaved, so a slow spell lands on both
                 eng_ms.append(engine_step_ms(engine, b, args.steps, vocab))
-                mod_ms.append(model_step_ms(model, b, args.steps, args.device))
+                mod_ms.append(model_step_ms(model, b, args.steps, args.device, threads))
             row = {"engine_ms_per_step": round(statistics.median(eng_ms), 2),
                    "model_ms_per_step": round(statistics.median(mod_ms), 2),
                    "engine_ms_runs": [round(x, 2) for x in eng_ms],
@@ -222,9 +241,7 @@ def main(argv: list[str] | None = None) -> int:
               "device_name": (torch.cuda.get_device_name(torch.device(args.device))
                               if args.device.startswith("cuda") else cpu_model()),
               "torch": torch.__version__, "figures": rows}
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1) + "\n")
-    print(f"wrote {out_path}")
+    write(out_path, result)
     return 0
 
 
