@@ -130,3 +130,21 @@ def test_missing_ceiling_parts_do_not_crash():
     assert report.assisted_notes({}, {}) == []
     line, = report.assisted_notes({"unrelated_slowdown": 0.9}, {})
     assert "unrelated_draft_cost_vs_lookup_only –" in line
+
+
+def test_device_results_render_beside_the_cpu_ones_and_vanish_without_them(results, monkeypatch):
+    """The GPU check's results (`benchmarks.device`, `benchmarks.step_profile`; not part of
+    `--run`) get a paragraph and a table each, with their own figures; without the files the
+    report says nothing of them (no invented GPU line)."""
+    text = _render(results, monkeypatch)
+    for name in ("device_cuda.json", "device_cpu.json"):
+        f = json.loads((results / name).read_text())["figures"]
+        assert f"decode_speedup_in_process {report._f(f['decode_speedup_in_process'])}" in text
+    cuda = json.loads((results / "step_profile_cuda.json").read_text())
+    assert f"A decode step on {cuda['device_name']}" in text
+    assert report._f(cuda["figures"]["batch_1"]["gpu_busy_ms_per_step"]) in text
+    for name in ("device_cuda.json", "device_cpu.json", "step_profile_cuda.json",
+                 "step_profile_cpu.json"):
+        (results / name).unlink()
+    text = _render(results, monkeypatch)
+    assert "decode_speedup_in_process" not in text and "A decode step on" not in text
