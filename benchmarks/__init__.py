@@ -17,3 +17,12 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def device_name(device: str) -> str:
+    """What a study ran on: the GPU's name for `cuda[:N]`, else the host's processor."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.get_device_name(torch.device(device))
+    return cpu_model()

@@ -271,6 +271,11 @@ def near_miss_pairs(n: int) -> tuple[list[Pair], int]:
     return out, scanned
 
 
+def ratio(a: float, b: float) -> float | None:
+    """a / b to 3 places, or None where b is 0."""
+    return round(a / b, 3) if b else None
+
+
 def share(draft: list[int], answer: list[int]) -> float:
     """Share of `answer`'s tokens that also occur in `draft` (multiset overlap)."""
     if not answer:
@@ -668,9 +673,6 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
 
     near = [r for r in rows if r["share"] >= SHARE_MIN]
-
-    def ratio(a: float, b: float) -> float | None:
-        return round(a / b, 3) if b else None
 
     def total(rs: list[dict], key: str) -> float:
         return sum(r[key] for r in rs)

@@ -11,22 +11,24 @@ its draft ladder timed on that device at start):
    greedy tokens are computed from scratch, then again with its prompt's KV taken from the
    pool (a second run, which must report `cached_tokens` > 0: `cached_path_taken`), with the
    near-miss draft, with an unrelated draft, and all of the pairs' B's decoding together in
-   batches of 8, each with its draft;
-   every one of them must equal the first, token for token (`identical_outputs`). A seeded
-   sampled answer must be the same with a draft and without (`identical_sampled`).
+   batches of 8, each with its draft; every one of them must equal the first, token for token
+   (`identical_outputs`). A seeded sampled answer must be the same with a draft and without
+   (`identical_sampled`).
 2. Cache-assisted generation there, on the replica in-process (`python -m benchmarks.assisted`
    needs the whole stack: semantic tier, faiss, ONNX Runtime, gRPC): the near pairs are the
    ones that benchmark's last run timed (`qa`, `qb` in `benchmarks/results/assisted.json`), A
-   is answered greedily (128 tokens) and its answer's text re-tokenized as the orchestrator
-   does, B is timed at batch 1 without a draft, with it and with an unrelated draft (the next
-   pair's A answer), the order rotated per pair. Figures: `decode_speedup_in_process` (wall
-   without / with the draft, request start to its end, over pairs whose draft shares >= 50%
-   of B's tokens; `benchmarks.assisted`'s `decode_speedup` times the same through the
-   orchestrator, gRPC and streaming included), and as that benchmark defines them
-   `forward_passes_per_token` (counting the prefill forward, same pairs), `acceptance_rate`
-   and `unrelated_slowdown` (all pairs; there too timed on the replica directly), plus
-   `ms_per_token_plain` and the device's forward costs by length (`draft_forward_costs`: a
-   forward of n tokens against one of 1).
+   is answered greedily (128 tokens) and its answer's text tokenized again as the draft (the
+   orchestrator drafts with the model's own ids where they decode to the text,
+   `pipeline.answer_ids`, so a word the model wrote in pieces its tokenizer would not choose
+   agrees here a little less often than served), B is timed at batch 1 without a draft, with
+   it and with an unrelated draft (the next pair's A answer), the order rotated per pair.
+   Figures: `decode_speedup_in_process` (wall without / with the draft, request start to its
+   end, over pairs whose draft shares >= 50% of B's tokens; `benchmarks.assisted`'s
+   `decode_speedup` times the same through the orchestrator, gRPC and streaming included),
+   and as that benchmark defines them `forward_passes_per_token` (counting the prefill
+   forward, same pairs), `acceptance_rate` and `unrelated_slowdown` (all pairs; there too
+   timed on the replica directly), plus `ms_per_token_plain` and the device's forward costs
+   by length (`draft_forward_costs`: a forward of n tokens against one of 1).
 
 Exits 1 when any output differs. Writes `benchmarks/results/device_<type>.json`.
 """
@@ -44,8 +46,6 @@ import sys  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import torch  # noqa: E402
-
 from benchmarks.emit import write  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -57,14 +57,6 @@ BATCH = 8
 SAMPLE_SEED = 1234
 
 
-def device_name(device: str) -> str:
-    from benchmarks import cpu_model
-
-    if device.startswith("cuda"):
-        return torch.cuda.get_device_name(torch.device(device))
-    return cpu_model()
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.device")
     ap.add_argument("--device", default="cuda", help="cpu, cuda or cuda:N")
@@ -73,7 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out_path = args.out or RESULTS / f"device_{args.device.split(':')[0]}.json"
 
-    from benchmarks.assisted import share
+    from benchmarks import device_name
+    from benchmarks.assisted import ratio, share
     from benchmarks.inproc import load_replica, result_header, run_together
     from services.common.model_store import load_tokenizer, resolve_model
     from services.kvpool.engine import EngineRequest
@@ -167,13 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     near = [r for r in rows if r["share"] >= SHARE_MIN]
     tokens = sum(r["b_tokens"] for r in rows)
 
-    def ratio(a: float, b: float) -> float | None:
-        return round(a / b, 3) if b else None
-
     figures = {
         "pairs": len(rows), "near_pairs": len(near),
         "decode_speedup_in_process": ratio(sum(r["wall_plain_s"] for r in near),
-                                sum(r["wall_draft_s"] for r in near)),
+                                           sum(r["wall_draft_s"] for r in near)),
         "forward_passes_per_token": ratio(sum(r["passes_draft"] + 1 for r in near),
                                           sum(r["b_tokens"] for r in near)),
         "acceptance_rate": ratio(sum(r["accepted"] for r in near),

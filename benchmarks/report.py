@@ -383,12 +383,17 @@ def ceiling_text(ceil: dict) -> str:
     return text
 
 
+def _optional(path: Path) -> dict | None:
+    """A result file's JSON, or None where that benchmark was not run."""
+    return json.loads(path.read_text()) if path.exists() else None
+
+
 def lapse_text(path: Path) -> list[str]:
     """The lapse benchmark (`python -m benchmarks.prefix_lapse`, not part of `--run`) in one
     paragraph, or nothing when it was not run."""
-    if not path.exists():
+    d = _optional(path)
+    if d is None:
         return []
-    d = json.loads(path.read_text())
     w = d.get("workload", {})
     return ["", f"A lapsed lease (`{path.relative_to(ROOT)}`): dropping a replica that held "
             f"{_f(w.get('blocks_held_by_lapsing_replica'))} blocks held the index lock "
@@ -403,9 +408,9 @@ def lapse_text(path: Path) -> list[str]:
 def restart_text(path: Path) -> list[str]:
     """The semantic restart benchmark (`python -m benchmarks.semantic_restart`, not part of
     `--run`) in one paragraph, or nothing when it was not run."""
-    if not path.exists():
+    d = _optional(path)
+    if d is None:
         return []
-    d = json.loads(path.read_text())
     w = d.get("workload", {})
     return ["", f"A semantic shard's start (`{path.relative_to(ROOT)}`, "
             f"{_f(w.get('entries'))} entries in one namespace): building the HNSW graph "
@@ -425,9 +430,9 @@ def device_text(results: Path) -> list[str]:
     out = []
     for name in ("device_cuda.json", "device_cpu.json"):
         dev = results / name
-        if not dev.exists():
+        d = _optional(dev)
+        if d is None:
             continue
-        d = json.loads(dev.read_text())
         f = d.get("figures", {})
         out += ["", f"The replica in-process on {d.get('device_name')} (`{dev.relative_to(ROOT)}`, "
                 f"torch {d.get('host', {}).get('torch')}; `{d.get('command')}`, "
@@ -442,10 +447,9 @@ def device_text(results: Path) -> list[str]:
                 f"17 tokens cost {_f((d.get('draft_forward_costs') or [None])[-1])}x one of 1 "
                 f"(ladder {d.get('draft_ladder')})."]
     for name in ("step_profile_cuda.json", "step_profile_cpu.json"):
-        sp = results / name
-        if not sp.exists():
+        d = _optional(results / name)
+        if d is None:
             continue
-        d = json.loads(sp.read_text())
         rows = [[k, v.get("engine_ms_per_step"), v.get("model_ms_per_step"),
                  v.get("kernels_per_step", v.get("ops_per_step")), v.get("gpu_busy_ms_per_step")]
                 for k, v in d.get("figures", {}).items()]

@@ -109,34 +109,30 @@ def engine_step_ms(engine, batch: int, steps: int, vocab: int) -> float:
 
 def model_step_ms(model, batch: int, steps: int, device: str, threads: int) -> float:
     """transformers' loop on `threads` torch threads (what the engine runs such a step on)."""
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        return _model_step_ms(model, batch, steps, device)
-    finally:
-        torch.set_num_threads(before)
-
-
-def _model_step_ms(model, batch: int, steps: int, device: str) -> float:
     from transformers import DynamicCache
 
     ids = torch.tensor(prompts(batch, model.config.vocab_size), device=device)
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
     # As `generate` calls it: an attention mask (all ones here) one column longer each step.
     mask = torch.ones(batch, PROMPT + steps, dtype=torch.long, device=device)
-    with torch.no_grad():
-        cache = DynamicCache()
-        out = model(ids, attention_mask=mask[:, :PROMPT], past_key_values=cache, use_cache=True)
-        nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-        sync()
-        t0 = time.perf_counter()
-        for k in range(steps - 1):
-            out = model(nxt, attention_mask=mask[:, :PROMPT + k + 1], past_key_values=cache,
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            cache = DynamicCache()
+            out = model(ids, attention_mask=mask[:, :PROMPT], past_key_values=cache,
                         use_cache=True)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
-            nxt.tolist()  # the engine takes each step's tokens to the host too
-        sync()
+            sync()
+            t0 = time.perf_counter()
+            for k in range(steps - 1):
+                out = model(nxt, attention_mask=mask[:, :PROMPT + k + 1], past_key_values=cache,
+                            use_cache=True)
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                nxt.tolist()  # the engine takes each step's tokens to the host too
+            sync()
+    finally:
+        torch.set_num_threads(before)
     return 1000 * (time.perf_counter() - t0) / (steps - 1)
 
 
@@ -201,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--steps >= 4 and --repeats >= 1")
     out_path = args.out or RESULTS / f"step_profile_{args.device.split(':')[0]}.json"
 
-    from benchmarks import cpu_model
+    from benchmarks import device_name
     from services.common.hashing import BlockHasher
     from services.kvpool.block_pool import BlockPool
     from services.kvpool.engine import Engine, model_info
@@ -238,8 +234,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": f"python -m benchmarks.step_profile --device {args.device} "
                          f"--weights {args.weights} --steps {args.steps} --repeats {args.repeats}",
               "model": f"{model_id} float32 {args.device}, prompt {PROMPT} tokens, greedy",
-              "device_name": (torch.cuda.get_device_name(torch.device(args.device))
-                              if args.device.startswith("cuda") else cpu_model()),
+              "device_name": device_name(args.device),
               "torch": torch.__version__, "figures": rows}
     write(out_path, result)
     return 0

@@ -30,14 +30,17 @@ if dev != 'cpu' and not torch.cuda.is_available():
     sys.exit(\"this Python's torch sees no CUDA device (set PYTHON=...)\")
 " || exit 3
 rc=0
-TIERCACHE_TEST_DEVICE=$DEVICE "$PY" -m pytest -q -p no:cacheprovider -rA tests/device \
-    2>&1 | tee "$OUT/pytest.log" | tail -15
-[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-"$PY" -m benchmarks.device --device "$DEVICE" --pairs "$PAIRS" \
-    --out "$OUT/device_${DEVICE%%:*}.json" 2>&1 | tee "$OUT/device.log" | tail -20
-[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
-"$PY" -m benchmarks.step_profile --device "$DEVICE" \
-    --out "$OUT/step_profile_${DEVICE%%:*}.json" 2>&1 | tee "$OUT/step_profile.log" | tail -5
-[ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+step() {  # step LOG LINES COMMAND...: runs it, its output kept in $OUT/LOG, the last LINES shown
+    local log=$1 lines=$2
+    shift 2
+    "$@" 2>&1 | tee "$OUT/$log" | tail -"$lines"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+}
+step pytest.log 15 env TIERCACHE_TEST_DEVICE="$DEVICE" "$PY" -m pytest -q -p no:cacheprovider \
+    -rA tests/device
+step device.log 20 "$PY" -m benchmarks.device --device "$DEVICE" --pairs "$PAIRS" \
+    --out "$OUT/device_${DEVICE%%:*}.json"
+step step_profile.log 5 "$PY" -m benchmarks.step_profile --device "$DEVICE" \
+    --out "$OUT/step_profile_${DEVICE%%:*}.json"
 echo "gpu-check: $( [ $rc -eq 0 ] && echo passed || echo FAILED ); logs and results in $OUT"
 exit $rc
