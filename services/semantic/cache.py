@@ -976,7 +976,10 @@ class SemanticCache:
                 vs.clear()
                 index = self._indexes[ns] = NamespaceIndex(self._params)
                 labels = np.array([e.label for e in es], np.int64)
-                got = saved.take(tuple(ns)) if saved is not None else None
+                # A namespace shrunk below `hnsw_min_entries` since the save is built flat
+                # (moments), as a merge would build it: its saved graph is not even read.
+                got = (saved.take(tuple(ns)) if saved is not None
+                       and len(labels) >= self._params.hnsw_min_entries else None)
                 if got is not None and index.adopt(got[0], got[1], labels, vecs, issued):
                     adopted += 1
                 else:

@@ -187,6 +187,25 @@ def test_a_restart_catches_up_with_what_changed_after_the_save(make_cfg, emb, cl
     c2.check_integrity()
 
 
+def test_a_namespace_shrunk_below_the_hnsw_size_since_the_save_is_built_flat(
+        make_cfg, emb, clock, caches, tmp_path, caplog):
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    c = filled(cfg, emb, clock, snap, caches)
+    c.save_snapshot(snap)
+    gone = [c.lookup(A, f"q{i}").entry.id for i in range(90)]
+    for entry_id in gone:  # 30 left, under hnsw_min_entries (40)
+        c.invalidate_id(entry_id)
+    with caplog.at_level(logging.WARNING):
+        c2 = opened(cfg, emb, clock, snap, caches)
+    assert c2.graphs_adopted == 0 and "does not match" not in caplog.text
+    assert c2.index_of(A).kind == "flat" and len(c2.index_of(A)) == 30
+    for i in range(90, 120):
+        r = c2.lookup(A, probe(emb, f"q{i}"))
+        assert r.hit and r.entry.prompt == f"q{i}"
+    assert not c2.lookup(A, probe(emb, "q5")).hit
+    c2.check_integrity()
+
+
 def test_another_databases_snapshot_is_not_taken(make_cfg, emb, clock, caches, tmp_path):
     snap = str(tmp_path / "snap")
     first = filled(settings(make_cfg, db_path=str(tmp_path / "one.db")), emb, clock, snap,
