@@ -218,6 +218,7 @@ class PrefixIndex:
         hit_half_life_seconds: float = 0.0,
         hash_key: bytes | None = None,
         clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] | None = None,
     ) -> None:
         """
         Args:
@@ -239,6 +240,12 @@ class PrefixIndex:
             hit_half_life_seconds: every hit count is halved once per this much time (by
                 `sweep`), so that a burst long ago does not outrank steady use today in
                 TopPrefixes and LFU pruning. 0 = counts never age.
+            wall_clock: with it (the service passes `time.time`), the halvings fall on the
+                multiples of the half-life since the Unix epoch, as on every other shard
+                (within the hosts' clock skew), not on this process's start: a sharded
+                TopPrefixes merges counts of the same age. The first half-life is then
+                shorter. Read once, here: halvings then follow `clock`, so a wall clock
+                stepped later moves nothing.
         """
         self.block_size = block_size
         self.lease_seconds = lease_seconds
@@ -259,6 +266,8 @@ class PrefixIndex:
         self.hit_half_life_seconds = hit_half_life_seconds
         self.hit_halvings = 0  # halvings of every hit count so far (an age for saved hits)
         self._decayed_at = clock()  # the end of the last half-life counted
+        if wall_clock is not None and hit_half_life_seconds > 0:
+            self._decayed_at -= wall_clock() % hit_half_life_seconds
         self.tree = BlockTree(block_size)
         self._replicas: dict[str, Replica] = {}
         self._by_bit: list[Replica | None] = [None] * MAX_REPLICAS

@@ -53,7 +53,8 @@ def build_index(cfg: PrefixConfig) -> PrefixIndex:
         policy=make_policy(cfg.eviction_policy, cfg.shallow_tokens),
         shallow_tokens=cfg.shallow_tokens, min_deep_hits=cfg.min_deep_hits,
         cold_after_ticks=cfg.cold_after_ticks, hit_half_life_seconds=cfg.hit_half_life_seconds,
-        max_events=cfg.max_events, max_blocks=cfg.max_blocks, verify_hashes=cfg.verify_hashes)
+        max_events=cfg.max_events, max_blocks=cfg.max_blocks, verify_hashes=cfg.verify_hashes,
+        wall_clock=time.time)
 
 
 def _load_pb(load: Load) -> prefix_pb2.ReplicaLoad:

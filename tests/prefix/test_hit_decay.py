@@ -248,3 +248,42 @@ def test_the_sweeper_goes_on_after_a_sweep_fails(caplog):
         svc.stop()
     assert len(turns) >= 3
     assert "prefix index sweep failed" in caplog.text
+
+
+def test_shards_started_apart_halve_together_on_the_wall_clocks_half_lives(clock, hasher):
+    # Each shard halved on its own start's clock: two shards of one sharded TopPrefixes were
+    # up to one halving (2x) apart for the same traffic.
+    wall = [7 * HOUR + 0.25 * HOUR]  # a quarter into a half-life of the Unix epoch's count
+    first = make_index(clock, lease_seconds=1e6, hit_half_life_seconds=HOUR,
+                       wall_clock=lambda: wall[0])
+    clock.t += 0.5 * HOUR
+    wall[0] += 0.5 * HOUR
+    second = make_index(clock, lease_seconds=1e6, hit_half_life_seconds=HOUR,
+                        wall_clock=lambda: wall[0])
+    for index in (first, second):
+        reg(index)
+        index.publish("a", "i1", 1, [stored(hasher, OLD)])
+        for _ in range(8):
+            matched(index, OLD)
+    clock.t += 0.2 * HOUR  # 0.95 into the half-life: neither halves
+    assert first.age_hits() == 0 and second.age_hits() == 0
+    clock.t += 0.1 * HOUR  # past the boundary: both halve, 0.75 h and 0.25 h after starting
+    assert first.age_hits() == 1 and second.age_hits() == 1
+    assert top(first) == top(second) == [(OLD, 4)]
+    clock.t += HOUR
+    assert first.age_hits() == 1 and second.age_hits() == 1
+    # Without a wall clock (the library's default) a half-life counts from the start.
+    alone = make_index(clock, hit_half_life_seconds=HOUR)
+    clock.t += 0.99 * HOUR
+    assert alone.age_hits() == 0
+    clock.t += 0.02 * HOUR
+    assert alone.age_hits() == 1
+
+
+def test_the_service_aligns_its_halvings_with_the_wall_clock():
+    import time
+
+    index = build_index(PrefixConfig(hit_half_life_seconds=HOUR))
+    started = time.monotonic() - index._decayed_at  # how far into the half-life it started
+    off = (started - time.time()) % HOUR  # ~0, or ~HOUR read across a boundary
+    assert min(off, HOUR - off) < 5.0
