@@ -20,6 +20,7 @@ replay one against a running stack.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import json
 import math
 import random
@@ -184,15 +185,30 @@ def load_trace(path: str | Path) -> Workload:
     of the wrong type (a replay found it in a worker thread, after requests had gone out: a
     traceback, and every outcome lost)."""
     with open(path, encoding="utf-8") as f:
-        head = json.loads(f.readline())
-        reqs = [_request(json.loads(line), n)
+        head = _json_line(f.readline(), 1)
+        reqs = [_request(_json_line(line, n), n)
                 for n, line in enumerate(f, 2) if line.strip()]
+    if not isinstance(head, dict) or "system_prompts" not in head or "spec" not in head:
+        raise ValueError("line 1: expected the trace's header (system_prompts, spec)")
     prompts = head["system_prompts"]
     if not isinstance(prompts, dict) or not all(
             isinstance(t, str) and isinstance(ps, list) and all(isinstance(p, str) for p in ps)
             for t, ps in prompts.items()):
         raise ValueError("line 1: system_prompts must map each tenant to a list of texts")
-    return Workload(WorkloadSpec(**head["spec"]), prompts, reqs)
+    try:
+        spec = WorkloadSpec(**head["spec"])
+    except TypeError as e:  # a field unknown or missing, or not an object
+        raise ValueError(f"line 1: spec: {e}") from None
+    return Workload(spec, prompts, reqs)
+
+
+def _json_line(text: str, line: int) -> object:
+    """One line's JSON; an error names the trace's line (json.loads, given a line alone,
+    called every error "line 1")."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"line {line}: not JSON ({e.msg}, column {e.colno})") from None
 
 
 def _request(fields: object, line: int) -> Request:
@@ -204,6 +220,14 @@ def _request(fields: object, line: int) -> Request:
             if isinstance(v, bool) or not isinstance(v, want) or (
                     isinstance(v, float) and not math.isfinite(v)):
                 raise ValueError(f"line {line}: {name} has the wrong type or value: {v!r}")
+    unknown = sorted(set(fields) - set(_REQUEST_TYPES))
+    missing = sorted(f.name for f in dataclasses.fields(Request)
+                     if f.name not in fields and f.default is dataclasses.MISSING
+                     and f.default_factory is dataclasses.MISSING)
+    if unknown or missing:
+        raise ValueError(f"line {line}: " + "; ".join(
+            ([f"unknown fields {unknown}"] if unknown else [])
+            + ([f"missing fields {missing}"] if missing else [])))
     return Request(**fields)
 
 

@@ -381,3 +381,100 @@ def test_warm_with_one_string_warms_one_system_prompt():
         c.close()
     assert len(sent[0].prompts) == 1
     assert sent[0].prompts[0].messages[0].content == "You are a helpful assistant."
+
+
+def _run_cli(script: str, stdout) -> subprocess.CompletedProcess:
+    """`script` in a fresh interpreter whose stdout is buffered as a user's shell has it
+    (no PYTHONUNBUFFERED) and goes to `stdout`."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{ROOT / 'gen'}"
+    return subprocess.run([sys.executable, "-c", script], env=env, cwd=ROOT, stdout=stdout,
+                          stderr=subprocess.PIPE, timeout=60)
+
+
+_STATS_SCRIPT = (
+    "import sys\n"
+    "from clients.python import cli\n"
+    "from tests.test_cli_input import FakeClient\n"
+    "from tiercache.v1 import orchestrator_pb2\n"
+    "FakeClient.stats = lambda self, **kw: orchestrator_pb2.StatsResponse()\n"
+    "cli.TierCacheClient = FakeClient\n"
+    "sys.exit(cli.main(['stats']))\n")
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_full_disk_under_buffered_output_is_one_line_and_status_1():
+    # The JSON sat in stdout's buffer until Python flushed it at exit, past main's handlers:
+    # "Exception ignored ... OSError: [Errno 28]" and status 120.
+    with open("/dev/full", "wb") as full:
+        r = _run_cli(_STATS_SCRIPT, full)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert b"No space left on device" in r.stderr and b"Exception ignored" not in r.stderr
+
+
+def test_a_reader_gone_under_buffered_output_is_a_quiet_141():
+    read, write = os.pipe()
+    os.close(read)  # `| head -0`: nobody reads
+    with os.fdopen(write, "wb") as pipe:
+        r = _run_cli(_STATS_SCRIPT, pipe)
+    assert r.returncode == 141 and r.stderr == b"", r.stderr[-2000:]
+
+
+class FailingClient(FakeClient):
+    def stream(self, messages, **kw):
+        import grpc
+
+        yield Chunk("partial", [])
+
+        class Lost(grpc.RpcError):
+            def code(self):
+                return grpc.StatusCode.UNAVAILABLE
+
+            def details(self):
+                return "replica died"
+
+        raise Lost()
+
+
+def test_an_answer_cut_short_by_an_error_ends_its_line(fake, monkeypatch, capsys):
+    monkeypatch.setattr(cli, "TierCacheClient", FailingClient)
+    assert cli.main(["chat", "hi"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "partial\n" and out.err == "error: UNAVAILABLE: replica died\n"
+
+
+def test_warm_takes_one_message_or_one_conversation_as_one_prompt():
+    from clients.python.client import TierCacheClient
+
+    sent = []
+    c = TierCacheClient.__new__(TierCacheClient)
+    c.stub = type("Stub", (), {"Warm": lambda self, req, **kw: sent.append(req)})()
+    c._timeout = lambda t: t
+    c._metadata = lambda rid="": ()
+    msg = {"role": "system", "content": "x"}
+    for shape in (msg, [msg], [[msg]], "x", ["x"]):
+        c.warm(shape)
+        (p,) = sent.pop().prompts  # one prompt, not one per key or per message
+        assert [(m.role, m.content) for m in p.messages] == [("system", "x")], shape
+    with pytest.raises(TypeError, match="list of messages"):
+        c.warm([["not a message"]])
+
+
+@pytest.mark.parametrize("bad, said", [
+    ('{"at": 1, "tenant": "t1",}', "line 3: not JSON"),
+    ('{"at": 1, "tenant": "t1", "session_id": "s", "system_index": 0, "turn": 0}',
+     "line 3: missing fields ['question']"),
+    ('{"at": 1, "tenant": "t1", "session_id": "s", "system_index": 0, "turn": 0, '
+     '"question": "q", "colour": "red"}', "line 3: unknown fields ['colour']"),
+])
+def test_a_bad_trace_line_is_named_by_its_line(tmp_path, bad, said):
+    from benchmarks.workload import WorkloadSpec, generate, load_trace, save_trace
+
+    w = generate(WorkloadSpec(sessions=2, turns=1))
+    path = tmp_path / "t.jsonl"
+    save_trace(w, path)
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([lines[0], lines[1], bad, *lines[2:]]) + "\n")
+    with pytest.raises(ValueError) as e:
+        load_trace(path)
+    assert str(e.value).startswith(said), str(e.value)

@@ -156,7 +156,11 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
                 final = ch.final
     except IncompleteStream:
         final = None  # said below
+    except KeyboardInterrupt:
+        _end_line(out)
+        raise
     except grpc.RpcError as e:
+        _end_line(out)  # the error is not glued to the partial answer
         # Only the prompt's own size: "messages: N tokens exceed the limit of M", "messages:
         # prompt (N tokens) + sampling.max_tokens (M) exceed the model context (C)", "messages:
         # N characters cannot fit in the limit of M prompt tokens", or the tenant's own limit
@@ -253,6 +257,22 @@ def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
     return 0
 
 
+def _isatty(f) -> bool:
+    try:
+        return f.isatty()
+    except (AttributeError, ValueError):  # replaced, or closed
+        return False
+
+
+def _end_line(out: list[str]) -> None:
+    """Ends the line of an answer cut short (an error, Ctrl-C), if any of it was printed: the
+    error, or the shell's prompt, went on the same line."""
+    if any(out):
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
 def _drop_buffered_output() -> None:
     """Point stdout at /dev/null: the output still buffered must not raise again when Python
     flushes it at exit."""
@@ -312,8 +332,15 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
                                   credentials=a.credentials)
                for t in w.system_prompts}
 
+    tty = _isatty(sys.stderr)
+    shown = [-1]  # the last tenth of the run reported (not a terminal: a line per tenth)
+
     def progress(done: int, total: int) -> None:
-        sys.stderr.write(f"\r{done}/{total} requests")
+        if tty:
+            sys.stderr.write(f"\r{done}/{total} requests")
+        elif done * 10 // max(total, 1) > shown[0]:
+            shown[0] = done * 10 // max(total, 1)
+            sys.stderr.write(f"{done}/{total} requests\n")  # a log holds no \r rewrites
         sys.stderr.flush()
 
     try:
@@ -322,7 +349,8 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
     finally:
         for cl in clients.values():
             cl.close()
-    sys.stderr.write("\n")
+        if tty:  # also on Ctrl-C: the next line does not start after the counter
+            sys.stderr.write("\n")
     classes = Counter(o.cache_class for o in out if not o.error)
     errors = [o for o in out if o.error]
     for text, n in Counter(o.error for o in errors).most_common(5):
@@ -511,7 +539,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with TierCacheClient(a.address, token=a.token, timeout=a.timeout,
                              credentials=a.credentials) as c:
-            return cmds[a.cmd](c, a)
+            rc = cmds[a.cmd](c, a)
+            # Here, not at exit: a pipe closed or a disk full while Python flushed stdout at
+            # exit was "Exception ignored ..." and status 120, past the handlers below.
+            sys.stdout.flush()
+            return rc
     except grpc.RpcError as e:
         later = " (retry later)" if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED \
             and retry_later(e) else ""

@@ -15,7 +15,7 @@ import numbers
 import re
 import struct
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -264,11 +264,18 @@ class TierCacheClient:
              timeout: float | None = None, raw: bool = False,
              request_id: str = "") -> orchestrator_pb2.WarmResponse:
         """Prefill and pin prompts: a string is a system prompt, or with `raw` a raw prompt
-        (a model without a chat template); a list of messages is rendered as given."""
+        (a model without a chat template); a list of messages is rendered as given. `prompts`
+        is a list of those, or one of them (a string, a message dict, a list of messages)."""
         if isinstance(prompts, str):
             # One system prompt, not one prompt per character (28 single-letter prompts, then
             # a server error that did not point here).
             prompts = [prompts]
+        elif isinstance(prompts, Mapping):
+            prompts = [[prompts]]  # one message (its keys were taken for two system prompts)
+        else:
+            prompts = list(prompts)
+            if prompts and isinstance(prompts[0], Mapping):
+                prompts = [prompts]  # one conversation's messages, not a list of them
         req = orchestrator_pb2.WarmRequest(
             top_k=top_k, pin_ttl_seconds=pin_ttl_seconds,
             target=(orchestrator_pb2.WARM_TARGET_OWNERS if owners_only
@@ -281,7 +288,10 @@ class TierCacheClient:
                 else:
                     wp.messages.add(role="system", content=p)
             else:
-                for m in p:
+                for m in ([p] if isinstance(p, Mapping) else p):
+                    if not isinstance(m, Mapping):
+                        raise TypeError("warm: each prompt is a system prompt (str) or a list "
+                                        f"of messages ({{'role', 'content'}} dicts), not {m!r:.80}")
                     wp.messages.add(role=m["role"], content=m["content"])
         return self.stub.Warm(req, timeout=self._timeout(timeout),
                               metadata=self._metadata(request_id))
