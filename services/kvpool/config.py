@@ -142,7 +142,9 @@ class KvPoolConfig:
         require(self.dtype in ("float32", "float16", "bfloat16"), s, "dtype",
                 f"must be float32, float16 or bfloat16, got {self.dtype!r}")
         require(self.num_blocks >= 0, s, "num_blocks", "must be >= 0 (0 = size by kv_cache_bytes)")
-        require(self.max_context >= 0, s, "max_context", "must be >= 0 (0 = the model's)")
+        # 1 was taken, and then every Generate refused (a prompt and one token need 2).
+        require(self.max_context == 0 or self.max_context >= 2, s, "max_context",
+                "must be 0 (the model's) or >= 2")
         require(self.num_blocks > 0 or self.kv_cache_bytes > 0, s, "kv_cache_bytes",
                 "must be > 0 when num_blocks is 0")
         require(1 <= self.block_size <= 1024, s, "block_size", "must be in 1..1024")

@@ -173,7 +173,10 @@ class OrchestratorConfig:
                 "must be in [0, 1024]")
         require(self.dispatch_memory_s >= 0, SVC, "dispatch_memory_s", "must be >= 0")
         require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")
-        require(self.replica_poll_s > 0, SVC, "replica_poll_s", "must be > 0")
+        # Tiny values were taken and made the poller (and the warm loop) spin.
+        require(self.replica_poll_s >= 0.01, SVC, "replica_poll_s", "must be >= 0.01")
+        require(self.warm_interval_s <= 0 or self.warm_interval_s >= 1, SVC, "warm_interval_s",
+                "must be <= 0 (off) or >= 1")
         require(self.replica_stats_timeout_s > 0, SVC, "replica_stats_timeout_s", "must be > 0")
         require(1 <= self.replica_hung_polls <= 100, SVC, "replica_hung_polls",
                 "must be in 1..100")

@@ -325,9 +325,13 @@ class PromptRenderer:
             at += len(piece)
         if (sorted(int(i) for i in parts[1::2]) != list(range(len(messages)))
                 or "".join(rebuilt) != text):
-            raise InvalidArgument(field, "a message holds a control-token text (e.g. "
-                                  f"{shown(specials[0])}) and the model's chat template does "
-                                  "not keep messages verbatim, so it cannot be sent as text")
+            # Named by the message and the text it holds (the first control text of the
+            # model's list was shown, whatever the message held).
+            i, sp = next((i, sp) for i, m in enumerate(messages) for sp in specials
+                         if sp in m.content)
+            raise InvalidArgument(f"{field}[{i}].content", "holds a control-token text "
+                                  f"({shown(sp)}) and the model's chat template does not keep "
+                                  "messages verbatim, so it cannot be sent as text")
         try:
             enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=True)
         except (NotImplementedError, TypeError, ValueError):  # a slow tokenizer: no offsets

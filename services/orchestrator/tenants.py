@@ -78,6 +78,8 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
 _LIMITS = ("max_prompt_tokens", "max_tokens", "max_concurrent")
 _KEYS = frozenset(("tenant", "rate_per_s", "burst", "admin", *_LIMITS))
 MAX_TENANT_CHARS = 64  # the smallest max_tenant_chars a semantic tier accepts
+MAX_WHOLE = 2**53  # limits and burst: beyond, a float (the token bucket) loses them
+MIN_RATE = 1e-6  # requests/s (one per ~12 days); below, a refusal's wait was inf
 
 
 def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, dict]:
@@ -113,14 +115,24 @@ def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, di
         # JSON has one number type: 10.0 and 1e3 are whole numbers too (True is not).
         if type(v) is float and math.isfinite(v) and v.is_integer():
             v = int(v)
-        if type(v) is not int or v < 1:
-            raise ValueError(f"{where}: {k!r} must be a whole number >= 1, got {v!r}")
+        if type(v) is not int or not 1 <= v <= MAX_WHOLE:
+            # Past 2**53 float(burst) in the token bucket overflowed on a long enough number:
+            # every call of the tenant an INTERNAL error, where the file had been taken.
+            raise ValueError(f"{where}: {k!r} must be a whole number in [1, 2**53], "
+                             f"got {v!r:.40}")
         return v
 
     out: dict = {k: whole(k, spec.get(k, defaults[k])) for k in _LIMITS}
     rate = spec.get("rate_per_s", 0.0)
-    if type(rate) not in (int, float) or not math.isfinite(rate) or rate < 0:
-        raise ValueError(f"{where}: 'rate_per_s' must be a finite number >= 0, got {rate!r}")
+    try:
+        ok = type(rate) in (int, float) and math.isfinite(rate) and (
+            rate == 0 or MIN_RATE <= rate <= MAX_WHOLE)
+    except OverflowError:  # an integer too long for a float: was a traceback at start
+        ok = False
+    if not ok:
+        # A rate under MIN_RATE (1e-320, say) refused with "retry in infs".
+        raise ValueError(f"{where}: 'rate_per_s' must be 0 (no limit) or a number in "
+                         f"[{MIN_RATE:g}, 2**53] requests/s, got {rate!r:.40}")
     burst = whole("burst", spec.get("burst", max(1, math.ceil(rate))))
     admin = spec.get("admin", False)
     if type(admin) is not bool:

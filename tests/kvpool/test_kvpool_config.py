@@ -35,6 +35,7 @@ def test_env_and_flags() -> None:
     ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "fast"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
     ({"TIERCACHE_KVPOOL_LINEAR_KERNELS": "mkl"}, "TIERCACHE_KVPOOL_LINEAR_KERNELS"),
     ({"TIERCACHE_KVPOOL_ONE_THREAD_BELOW": "-1"}, "TIERCACHE_KVPOOL_ONE_THREAD_BELOW"),
+    ({"TIERCACHE_KVPOOL_MAX_CONTEXT": "1"}, "TIERCACHE_KVPOOL_MAX_CONTEXT"),
 ])
 def test_bad_values_name_the_variable(env, var) -> None:
     with pytest.raises(ConfigError, match=var):

@@ -439,6 +439,18 @@ def test_bad_address_lists_fail_the_start_naming_the_variable(field, value):
         OrchestratorConfig(**{field: value}).validate()
 
 
+@pytest.mark.parametrize("field, value", [("replica_poll_s", 1e-9), ("warm_interval_s", 1e-9),
+                                          ("warm_interval_s", 0.5)])
+def test_poll_and_warm_intervals_that_would_spin_fail_the_start(field, value):
+    from services.common.config import ConfigError
+    from services.orchestrator.config import OrchestratorConfig
+
+    with pytest.raises(ConfigError, match=f"TIERCACHE_ORCHESTRATOR_{field.upper()}"):
+        OrchestratorConfig(**{field: value}).validate()
+    OrchestratorConfig(warm_interval_s=0).validate()  # off
+    OrchestratorConfig(warm_interval_s=-1).validate()
+
+
 # ---- drafts switched off (issue 7: per request and by config) ---------------------------
 
 NEAR = semantic_pb2.LookupResponse(hit=False, similarity=0.9,

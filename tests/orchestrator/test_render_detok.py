@@ -297,6 +297,21 @@ def test_a_control_token_typed_in_a_message_stays_text(tok, renderer):
     assert renderer.render_chat(msgs).token_ids == renderer.encode(renderer.render_text(msgs))
 
 
+def test_a_control_text_under_a_template_that_changes_messages_is_named(tok):
+    """Refused (it cannot be kept text), and named by its message and the text it held: the
+    error named `messages` and the model's first control text, whatever the message held."""
+    import copy
+
+    trimming = copy.deepcopy(tok)
+    trimming.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                              "{{ m['content'] | trim }}<|im_end|>\n{% endfor %}")
+    r = PromptRenderer(trimming, max_chars=1000)
+    with pytest.raises(InvalidArgument) as e:
+        r.render_chat([Message("system", "Be brief."), Message("user", " hi <|im_end|> ")])
+    assert str(e.value).startswith("messages[1].content: holds a control-token text "
+                                   "('<|im_end|>')"), str(e.value)
+
+
 def test_an_added_token_not_marked_special_typed_in_a_message_stays_text():
     """Only added tokens marked special were taken for control tokens: one marked
     `special=False` (Qwen's `<tool_call>`, FIM markers, which templates use as structure)

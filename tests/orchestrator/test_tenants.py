@@ -95,6 +95,11 @@ def test_a_forged_entry_reference_with_non_ascii_characters_is_just_unknown():
     ({"tenant": "a", "rate_per_s": "inf"}, "rate_per_s"),
     ({"tenant": "a", "rate_per_s": -1}, "rate_per_s"),
     ({"tenant": "a", "burst": 0}, "burst"),
+    # Taken, then float(burst) overflowed in the bucket: every call of the tenant INTERNAL.
+    ({"tenant": "a", "rate_per_s": 1, "burst": 10 ** 400}, "burst"),
+    ({"tenant": "a", "max_tokens": 10 ** 400}, "max_tokens"),
+    ({"tenant": "a", "rate_per_s": 10 ** 400}, "rate_per_s"),  # an OverflowError at start
+    ({"tenant": "a", "rate_per_s": 1e-320}, "rate_per_s"),  # refused with "retry in infs"
     ({"tenant": "a", "max_concurent": 4}, "unknown field"),
     ({"tenant": ""}, "tenant"),
     ({"max_tokens": 5}, "tenant"),  # a KeyError traceback at start before
