@@ -85,6 +85,22 @@ def _on_rpc_end(context: grpc.ServicerContext, fn: Callable[[], None]) -> None:
         fn()
 
 
+def check_size(renderer, cfg: OrchestratorConfig, tenant, field: str, texts: list[str]) -> None:
+    """Before any rendering: what cannot fit in the server's prompt limit (INVALID_ARGUMENT)
+    or in the tenant's (RESOURCE_EXHAUSTED, as the tenant's check after tokenizing says). A
+    tenant limited to 100 tokens had the server render and tokenize up to the server limit's
+    worth of text (660k characters at 8,192 tokens) only to be refused."""
+    chars = sum(map(len, texts))
+    renderer.check_size(field, len(texts), chars, cfg.max_prompt_tokens)
+    if tenant.max_prompt_tokens < cfg.max_prompt_tokens:
+        try:
+            renderer.check_size(field, len(texts), chars, tenant.max_prompt_tokens)
+        except errors.InvalidArgument as e:
+            REJECTED.labels(tenant.name, "prompt_tokens").inc()
+            raise errors.ResourceExhausted(
+                str(e).replace("the limit of", "tenant limit", 1)) from None
+
+
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
     """Bound before the tokenizer loads (health NOT_SERVING); `attach` makes it ready."""
 
@@ -131,9 +147,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             raise errors.InvalidArgument("session_id", f"{len(request.session_id)} characters "
                                          f"exceed the limit of {MAX_SESSION_ID_CHARS}")
         if request.messages:
-            self.orch.renderer.check_size("messages", len(request.messages),
-                                          sum(len(m.content) for m in request.messages),
-                                          self.cfg.max_prompt_tokens)
+            check_size(self.orch.renderer, self.cfg, tenant, "messages",
+                       [m.content for m in request.messages])
         # The id the interceptor bound to this call's logs (the client's x-request-id if short
         # and plain, else one it made up): one id in every log line, every downstream call and
         # GenerateFinal.
@@ -515,9 +530,8 @@ class Warmer:
                 f"{self.cfg.warm_pin_ttl_max_s} s")
         ttl = request.pin_ttl_seconds or self.cfg.warm_pin_ttl_s
         for i, p in enumerate(request.prompts):  # before any rendering, as Generate does
-            texts = [m.content for m in p.messages] if p.messages else [p.prompt]
-            self.orch.renderer.check_size(f"prompts[{i}]", len(texts), sum(map(len, texts)),
-                                          self.cfg.max_prompt_tokens)
+            check_size(self.orch.renderer, self.cfg, tenant, f"prompts[{i}]",
+                       [m.content for m in p.messages] if p.messages else [p.prompt])
         if request.top_k and self.orch.prefix is None:
             raise errors.FailedPrecondition(
                 "top_k: no prefix index is configured to name the hot prefixes")

@@ -3,6 +3,7 @@ fakes for the replicas, the semantic tier and the index; the real pipeline and W
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from types import SimpleNamespace
@@ -633,6 +634,12 @@ def test_warm_refuses_what_cannot_fit_before_rendering_it():
              r"^prompts\[0\]: 9 messages exceed")):
             with pytest.raises(errors.InvalidArgument, match=msg):
                 warmer.warm(TENANT, req)
+        # The tenant's own, lower limit too (RESOURCE_EXHAUSTED, as after tokenizing).
+        small = dataclasses.replace(TENANT, max_prompt_tokens=4)
+        with pytest.raises(errors.ResourceExhausted,
+                           match=r"^prompts\[0\]: 17 characters cannot fit in tenant limit 4 "):
+            warmer.warm(small, orchestrator_pb2.WarmRequest(
+                prompts=[orchestrator_pb2.WarmPrompt(prompt="z" * 17)]))
         assert rendered == []  # refused before any rendering
     finally:
         warmer.stop()

@@ -224,6 +224,22 @@ def test_a_request_that_cannot_fit_is_refused_before_rendering():
     list(g)
 
 
+def test_a_request_past_the_tenants_own_limit_is_refused_before_rendering():
+    """Only the server's limit was checked first: a tenant limited to 100 prompt tokens had
+    the server render and tokenize up to 8,192 tokens' worth of text, only to refuse it."""
+    s, orch = servicer(STREAM_HEADROOM + 2)  # the server's 8,192 tokens, the tenant's 100
+    long = orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "w" * 801}])
+    with pytest.raises(ResourceExhausted,
+                       match="^messages: 801 characters cannot fit in tenant limit 100 "):
+        next(s.Generate(long, Context()))
+    assert orch.renderer.rendered == 0 and s._streams == 0
+    fits = orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "w" * 800}])
+    g = s.Generate(fits, Context())
+    assert next(g).text == "hi" and orch.renderer.rendered == 1
+    orch.release.set()
+    list(g)
+
+
 def test_rendering_waits_for_the_tenants_slot():
     """Four parallel 4 MB requests of a tenant limited to one request at a time were all
     rendered at once (25-34 s each): the render ran before the tenant's limit applied."""
