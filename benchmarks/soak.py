@@ -2,7 +2,7 @@
 loopback stack; checks that nothing leaks and memory does not grow.
 
     python -m benchmarks.soak [--rounds 12] [--requests 48] [--concurrency 6]
-        ->  benchmarks/results/soak.json        (`make soak`; about 5 minutes on 2 CPUs)
+        ->  benchmarks/results/soak.json        (`make soak`; 1-4 minutes on 2 CPUs)
 
 The same `run_soak` drives the short form in `make test` (tests/hardening/test_soak.py).
 
