@@ -839,6 +839,10 @@ class SemanticCache:
         if not entry_id:
             raise InvalidArgument("id", "required")
         e = self.get(entry_id)
+        if e.expired(self.clock()):
+            # Gone to every lookup; only the housekeeper's purge had not come yet, and Verify
+            # wrote to a row about to be deleted, saying OK.
+            raise NotFound(f"id: entry {shown(entry_id)} has expired")
         # Verify calls run one at a time, SQLite then memory: interleaved, memory could say one
         # thing and the row (after a restart) the other. Not under the cache lock, which every
         # lookup takes: it is never held across a SQLite write.

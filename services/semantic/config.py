@@ -5,10 +5,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from services.common.bootstrap import DEFAULT_MAX_MESSAGE_BYTES
 from services.common.config import require, require_listen_address
 from services.semantic.onnx_export import EXPORTERS
 
 SERVICE = "semantic"
+ENTRY_OVERHEAD = 64 * 1024  # an entry's other fields (ids, namespace, times), generously
 
 
 def default_cache_dir() -> str:
@@ -208,8 +210,10 @@ class SemanticConfig:
                 self._moved("tier_strict", "tier_standard"), crossing)
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
         require(self.index_close_seconds >= 0, s, "index_close_seconds", "must be >= 0")
-        require(self.snapshot_interval_s >= 0, s, "snapshot_interval_s",
-                "must be >= 0 (0 = saved only on stop)")
+        # A floor: 1e-9 was taken, and the housekeeper then saved ~8,000 times a second, each
+        # save under the lock every lookup takes.
+        require(self.snapshot_interval_s == 0 or self.snapshot_interval_s >= 1, s,
+                "snapshot_interval_s", "must be 0 (saved only on stop) or >= 1")
         require(self.max_tenant_chars >= 64, s, "max_tenant_chars",
                 "must be >= 64 (it also bounds model ids; below that every request is refused)")
         require(self.default_tier in ("strict", "standard", "relaxed"), s, "default_tier",
@@ -242,6 +246,15 @@ class SemanticConfig:
                 "must be >= 0 (0 = no quota)")
         require(self.max_text_chars >= 1, s, "max_text_chars", "must be >= 1")
         require(self.max_answer_chars >= 1, s, "max_answer_chars", "must be >= 1")
+        # The largest entry must fit in one gRPC message (16 MiB): 4 bytes a character at
+        # most, and up to one token id (<= 5 bytes) per answer byte + 1. A larger one was
+        # stored, then every hit on it and its Verify failed past the message limit with a
+        # status naming no field (Verify's change and the hit's count written all the same).
+        worst = 4 * self.max_text_chars + 24 * self.max_answer_chars + ENTRY_OVERHEAD
+        require(worst <= DEFAULT_MAX_MESSAGE_BYTES, s, "max_answer_chars",
+                f"with max_text_chars, an entry could take {worst} bytes, past the "
+                f"{DEFAULT_MAX_MESSAGE_BYTES}-byte gRPC message limit (4 x max_text_chars + "
+                "24 x max_answer_chars + 64 KiB must fit)")
         # Named at start: a file where a folder must be was a FileExistsError / NotADirectory
         # line naming neither the variable nor the fix.
         for field, folder in (("cache_dir", self.resolved_cache_dir()),

@@ -163,6 +163,7 @@ def _numbers(words: list[str]) -> Counter:
         # fifty"); a unit after it belongs to it.
         total = group = 0.0
         last = ""
+        start = i
         if digits is not None:
             group, last, i = digits, "digits", i + 1
         while i < n:
@@ -184,7 +185,10 @@ def _numbers(words: list[str]) -> Counter:
             else:
                 break
             i += 1
-        key = _number_key(total + group)
+        value = total + group
+        # Past a float ("9" x 300 "billion"): as written, as a long number alone is (int() of
+        # the inf was an OverflowError, every Lookup meeting the entry INTERNAL).
+        key = _number_key(value) if math.isfinite(value) else " ".join(low[start:i])
         if i < n and low[i] in _UNIT_WORDS:
             key, i = f"{key} {low[i]}", i + 1
         out[key] += 1

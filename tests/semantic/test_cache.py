@@ -283,6 +283,17 @@ def test_the_same_model_under_another_name_keeps_its_vectors(make_cache, caplog)
     assert third.store.get(e.id).embed_model == c.embedder.identity
 
 
+def test_an_expired_entry_cannot_be_verified_before_its_purge(make_cache, clock):
+    # Gone to every lookup, it was still verified (OK, and written) until the housekeeper came.
+    c = make_cache()
+    e = c.store_entry(A, "Who wrote Hamlet?", "Shakespeare.", ttl_seconds=10)
+    clock.t += 11
+    with pytest.raises(NotFound, match="has expired"):
+        c.verify(e.id, True)
+    assert not c.store.get(e.id).verified
+    assert c.expire() == 1 and c.store.count() == 0
+
+
 def test_verify_invalidate_and_not_found(make_cache):
     c = make_cache()
     e = c.store_entry(A, "How do I boil an egg?", "8 minutes.")

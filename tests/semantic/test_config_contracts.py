@@ -32,3 +32,22 @@ def test_a_draft_floor_up_to_the_threshold_floor_is_accepted():
 def test_a_draft_floor_of_zero_or_less_is_refused_by_name(bad):
     with pytest.raises(ConfigError, match="TIERCACHE_SEMANTIC_DRAFT_FLOOR"):
         load(draft_floor=bad)
+
+
+@pytest.mark.parametrize("env, var", [
+    # The housekeeper saved ~8,000 times a second under the lock every lookup takes.
+    ({"snapshot_interval_s": "1e-9"}, "SNAPSHOT_INTERVAL_S"),
+    ({"snapshot_interval_s": "0.5"}, "SNAPSHOT_INTERVAL_S"),
+    # Entries past the 16 MiB gRPC message were stored, then every hit on them failed.
+    ({"max_answer_chars": "20000000"}, "MAX_ANSWER_CHARS"),
+    ({"max_text_chars": "4000000"}, "MAX_ANSWER_CHARS"),
+])
+def test_values_that_would_fail_at_run_time_are_refused_at_start(env, var):
+    with pytest.raises(ConfigError, match=f"TIERCACHE_SEMANTIC_{var}"):
+        load(**env)
+
+
+def test_the_largest_entry_allowed_fits_in_one_message():
+    assert load(snapshot_interval_s="0").snapshot_interval_s == 0
+    assert load(snapshot_interval_s="1").snapshot_interval_s == 1
+    assert load(max_answer_chars="600000").max_answer_chars == 600000

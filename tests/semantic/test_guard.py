@@ -156,3 +156,19 @@ def test_breakpoints_count_block_moves_and_swaps():
 def test_checks_can_be_switched_off():
     g = ParaphraseGuard(check_order=False)
     assert g.check("Flights from New York to Florida", "Flights from Florida to New York").ok
+
+
+def test_numbers_past_a_float_are_compared_as_written():
+    """"9" x 300 "billion" overflowed to inf, and int(inf) raised: every Lookup whose
+    candidates held such a text failed with INTERNAL (Store, which runs no guard, took it)."""
+    from services.semantic.verifier import Verifier
+
+    big = "Is " + "9" * 300 + " billion a big number?"
+    other = "Is " + "8" * 300 + " billion a big number?"
+    g = ParaphraseGuard()
+    assert g.check(big, big).ok
+    res = g.check(big, other)
+    assert not res.ok and "number" in res.reason
+    assert not g.check("Buy 1e308 hundred apples", "Buy 1e307 hundred apples").ok  # both inf
+    assert g.check("1e308 hundred apples", "1e308 hundred apples").ok
+    assert Verifier().check(big, big, 1.0, "standard").ok

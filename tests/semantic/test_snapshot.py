@@ -459,7 +459,7 @@ def test_a_save_rewrites_only_the_graphs_merged_since_the_last_one(make_cfg, emb
 
 def test_the_graphs_are_saved_while_running_so_a_crash_restart_takes_them(make_cfg, emb,
                                                                           tmp_path):
-    cfg = settings(make_cfg, snapshot_interval_s=0.2)
+    cfg = settings(make_cfg, snapshot_interval_s=1)
     manifest = os.path.join(cfg.resolved_snapshot_path(), "manifest.json")
     s = serve(cfg, embedder=emb)
     crashed = False
