@@ -33,6 +33,7 @@ import grpc
 from tiercache.v1 import common_pb2, prefix_pb2, prefix_pb2_grpc
 
 from services.common.addresses import ShardRing, shard_fingerprint
+from services.common.bootstrap import DEFAULT_MAX_MESSAGE_BYTES
 from services.common.grpc_client import call_metadata, cut_short, make_channel, unary_call
 from services.common.hashing import BlockHasher
 from services.common.shard_list import merged_note
@@ -40,6 +41,22 @@ from services.common.shard_list import merged_note
 log = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT_S = 2.0
+# A stored block's bytes in a PublishEvents message besides its token ids, at most: its 16-byte
+# hash, and an event of its own (a parent hash, a short salt), tags and lengths; and what is
+# kept of a message for everything else in it (up to 512 events' salts of 256 characters).
+BLOCK_FRAMING = 48
+BATCH_HEADROOM = 1 << 20
+
+
+def batch_blocks(block_size: int, max_blocks: int) -> int:
+    """`max_blocks`, lowered to what one PublishEvents message can carry, a block being its
+    token ids (5 bytes each at most) and `BLOCK_FRAMING`. At the default 65,536 blocks of 16
+    tokens a full batch is at most ~10 MB; of 1,024 tokens it was ~340 MB, and the replicas,
+    filling batches to the limit Register gave them, sent batches no server takes
+    (RESOURCE_EXHAUSTED naming no field, retried for ever). The index lowers what it
+    advertises with it, and a replica what it sends (an older index advertises the default)."""
+    per_block = 5 * block_size + BLOCK_FRAMING
+    return max(1, min(max_blocks, (DEFAULT_MAX_MESSAGE_BYTES - BATCH_HEADROOM) // per_block))
 
 
 class PrefixIndexError(grpc.RpcError):

@@ -27,7 +27,7 @@ import grpc
 from tiercache.v1 import prefix_pb2
 
 from services.common.grpc_client import make_channel
-from services.common.prefix_client import PrefixIndexClient
+from services.common.prefix_client import PrefixIndexClient, batch_blocks
 from services.kvpool.block_pool import AllCleared, BlocksRemoved, BlocksStored, PoolEvent
 
 log = logging.getLogger(__name__)
@@ -261,7 +261,7 @@ class Publisher:
                                     hash_probe=self.engine.pool.hasher.probe(), only=only)
         self._pace(out.lease_seconds)
         events = min(MAX_BATCH, out.max_events or MAX_BATCH)
-        blocks = out.max_blocks or MAX_BATCH_BLOCKS
+        blocks = batch_blocks(self.engine.pool.block_size, out.max_blocks or MAX_BATCH_BLOCKS)
         if only is None:
             self._max_events, self._max_blocks = events, blocks
             self.registered = self.connected = True

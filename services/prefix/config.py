@@ -42,8 +42,11 @@ class PrefixConfig:
         # As kvpool's (the block hasher's native chain takes at most 2^20, and the replicas'
         # blocks are this size).
         require(1 <= self.block_size <= 1024, svc, "block_size", "must be in 1..1024")
-        require(self.lease_seconds > 0, svc, "lease_seconds", "must be > 0")
-        require(self.max_nodes > 0, svc, "max_nodes", "must be > 0")
+        # Under 0.1 s the sweeper's period (at least 0.05 s) passed half a lease, and every
+        # call between sweeps was taken for a pause of the process: leases were cut short.
+        require(self.lease_seconds >= 0.1, svc, "lease_seconds", "must be >= 0.1")
+        # Sent in uint64 / uint32 fields (Stats, Register): larger failed those calls INTERNAL.
+        require(0 < self.max_nodes < 2**64, svc, "max_nodes", "must be in 1..2^64-1")
         # At most 0.99: pruning to (nearly) the budget itself frees a node or a few per
         # publish and rescans every leaf each time, under the index lock (13.6 ms a publish at
         # 60k nodes with 1.0, 0.35 ms with 0.9).
@@ -62,6 +65,6 @@ class PrefixConfig:
                 or self.hit_half_life_seconds >= self.lease_seconds, svc,
                 "hit_half_life_seconds",
                 f"must be 0 (off) or at least lease_seconds ({self.lease_seconds:g})")
-        require(self.max_events > 0, svc, "max_events", "must be > 0")
-        require(self.max_blocks > 0, svc, "max_blocks", "must be > 0")
+        require(0 < self.max_events < 2**32, svc, "max_events", "must be in 1..2^32-1")
+        require(0 < self.max_blocks < 2**32, svc, "max_blocks", "must be in 1..2^32-1")
         require(self.grace_seconds >= 0, svc, "grace_seconds", "must be >= 0")

@@ -594,25 +594,31 @@ class PrefixIndex:
         if now >= self._next_deadline:
             self._expire(now)
         rep = self._known(replica_id, incarnation)
-        # A publish shows the replica alive as much as a heartbeat does: a resync of many
-        # batches queued behind other replicas' let the lease lapse midway (NOT_FOUND, a new
-        # registration, a new snapshot, again).
-        self._renew(rep, now)
         if not 1 <= seq < 2**64 - 1:  # the next batch number must fit the uint64 answer
             raise InvalidArgument("seq", "must be in 1..2^64-2")
         if len(events) > self.max_events:
             raise ResourceExhausted(f"events: {len(events)} events > limit {self.max_events}")
+        # A publish taken (applied, acknowledged again, or answered with a resync) shows the
+        # replica alive as much as a heartbeat does: a resync of many batches queued behind
+        # other replicas' let the lease lapse midway (NOT_FOUND, a new registration, a new
+        # snapshot, again). A refused one does not: a replica sending only malformed batches
+        # stayed live, and offered in Match answers.
         if seq < rep.next_seq:
             # A retry of an applied batch, or a resync overtaken by a newer one (a timed-out
             # call still queued here): applying it would bring back an older view.
+            self._renew(rep, now)
             return PublishResult(False, rep.next_seq, applied=False)
         if not resync and seq > rep.next_seq:
+            self._renew(rep, now)
             self.resyncs_total += 1
             return PublishResult(True, rep.next_seq, applied=False)
         if len(events) == 1 and not resync and type(events[0]) is Stored \
                 and events[0].parent_hash:
-            return self._publish_one(rep, seq, events[0])
+            done = self._publish_one(rep, seq, events[0])
+            self._renew(rep, now)
+            return done
         plan = self._validate(rep, events)
+        self._renew(rep, now)
         self._tick += 1
         tick = self._tick
         tree = self.tree
@@ -827,6 +833,12 @@ class PrefixIndex:
             # verify_hashes off (the default) nothing else caught it: part of the chain was
             # stored, the repeat dropped, and the batch acknowledged.
             raise InvalidArgument(f"events[{i}].stored.block_hashes", "a block hash is repeated")
+        roots = self.tree.root_model
+        if any(roots(h) is not None for h in hashes):
+            # A block keyed as a prompt's root (h_0, which any replica can compute): every
+            # other replica's chains under that root were then dropped.
+            raise InvalidArgument(f"events[{i}].stored.block_hashes",
+                                  "a block hash is a root's key (h_0)")
         if ev.parent_hash:
             if len(ev.parent_hash) != DIGEST_SIZE:
                 raise InvalidArgument(f"events[{i}].stored.parent_hash",
@@ -847,6 +859,9 @@ class PrefixIndex:
                                       "must equal block_hashes[0] at the root")
             parent = self.hasher(rep.model_id).root(
                 check_salt(f"events[{i}].stored.cache_salt", ev.cache_salt))
+            if parent in hashes:  # the root not made yet: the same, once it is
+                raise InvalidArgument(f"events[{i}].stored.block_hashes",
+                                      "a block hash is a root's key (h_0)")
         if self.verify_hashes:
             # Known blocks were verified when first stored; only the new tail needs hashing.
             # A known block counts only where the event says what the tree holds (its tokens,

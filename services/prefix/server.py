@@ -17,6 +17,7 @@ from services.common.bootstrap import ServerHandle, create_server
 from services.common.config import is_host_port
 from services.common.errors import InvalidArgument, shown
 from services.common.policy import make_policy
+from services.common.prefix_client import batch_blocks
 from services.prefix.config import PrefixConfig
 from services.prefix.index import Cleared, Event, Load, PrefixIndex, Removed, Stored
 from services.prefix.shard_list import ShardListCheck
@@ -46,14 +47,18 @@ REAP_IDLE_S = 0.25
 
 
 def build_index(cfg: PrefixConfig) -> PrefixIndex:
-    """The index as configured."""
+    """The index as configured (`max_blocks` within one message: `batch_blocks`)."""
+    max_blocks = batch_blocks(cfg.block_size, cfg.max_blocks)
+    if max_blocks < cfg.max_blocks:
+        log.info("max_blocks %d lowered to %d: a batch of blocks of %d tokens must fit one "
+                 "gRPC message", cfg.max_blocks, max_blocks, cfg.block_size)
     return PrefixIndex(
         cfg.block_size, lease_seconds=cfg.lease_seconds, max_nodes=cfg.max_nodes,
         prune_to=cfg.prune_to, prune_step=cfg.prune_step,
         policy=make_policy(cfg.eviction_policy, cfg.shallow_tokens),
         shallow_tokens=cfg.shallow_tokens, min_deep_hits=cfg.min_deep_hits,
         cold_after_ticks=cfg.cold_after_ticks, hit_half_life_seconds=cfg.hit_half_life_seconds,
-        max_events=cfg.max_events, max_blocks=cfg.max_blocks, verify_hashes=cfg.verify_hashes,
+        max_events=cfg.max_events, max_blocks=max_blocks, verify_hashes=cfg.verify_hashes,
         wall_clock=time.time)
 
 

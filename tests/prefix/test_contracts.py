@@ -189,3 +189,90 @@ def test_a_late_register_of_a_replaced_incarnation_is_refused(clock, hasher):
     with pytest.raises(FailedPrecondition):
         index.register("a", "i2", "10.0.0.2:1", MODEL, BS, 100)
     index.check_integrity()
+
+
+# ---- found by a review (stop 54) -----------------------------------------------------------
+
+def test_a_refused_publish_does_not_renew_the_lease(clock, hasher):
+    from services.common.errors import InvalidArgument, ResourceExhausted
+    from services.prefix.index import Stored
+
+    index = make_index(clock, lease_seconds=10.0, max_events=4)
+    index.register("a", "i1", "addr-a", MODEL, BS, 100)
+    clock.t += 9.5
+    with pytest.raises(ResourceExhausted):
+        index.publish("a", "i1", 1, [stored(hasher, toks(1))] * 5)
+    with pytest.raises(InvalidArgument):
+        index.publish("a", "i1", 1, [Stored(b"", [], [], "", b"", 0)])
+    clock.t += 1.0  # 10.5 s after the last call taken
+    assert not index.heartbeat("a", "i1", Load()).known
+    # A batch taken renews it: the replica is alive, talking sense.
+    index.register("a", "i2", "addr-a", MODEL, BS, 100)
+    clock.t += 9.5
+    assert index.publish("a", "i2", 1, [stored(hasher, toks(1))]).applied
+    clock.t += 1.0
+    assert index.heartbeat("a", "i2", Load()).known
+    index.check_integrity()
+
+
+def test_a_block_keyed_as_a_root_is_refused(clock, hasher):
+    """With verify_hashes off (the default), a block whose hash was a root's key (h_0, which
+    any replica can compute) was taken, and every other replica's chains under that root were
+    then dropped."""
+    from services.common.errors import InvalidArgument
+    from services.prefix.index import Stored
+
+    index = make_index(clock, verify_hashes=False)
+    for rid in ("a", "b"):
+        index.register(rid, "i1", f"addr-{rid}", MODEL, BS, 100)
+    root = hasher.root("")
+    with pytest.raises(InvalidArgument, match="root's key"):
+        index.publish("a", "i1", 1, [Stored(b"", [root], toks(1), "", root, 0)])
+    assert index.publish("a", "i1", 1, [stored(hasher, toks(1))]).applied
+    first = hasher.hashes(toks(1))[0]
+    with pytest.raises(InvalidArgument, match="root's key"):  # below a known block too
+        index.publish("a", "i1", 2, [Stored(first, [root], toks(2), "", b"", 1)])
+    assert index.publish("b", "i1", 1, [stored(hasher, toks(1, 2))]).applied
+    assert matched(index, toks(1, 2)) == {"a": 1, "b": 2}
+    index.check_integrity()
+
+
+@pytest.mark.parametrize("field, value", [
+    ("lease_seconds", 0.05), ("max_events", 2**32), ("max_blocks", 2**32),
+    ("max_nodes", 2**64)])
+def test_config_values_that_fail_later_are_refused_at_start(field, value):
+    from services.common.config import ConfigError
+    from services.prefix.config import PrefixConfig
+
+    with pytest.raises(ConfigError, match=f"TIERCACHE_PREFIX_{field.upper()}"):
+        PrefixConfig(**{field: value}).validate()
+
+
+def test_a_full_batch_fits_one_grpc_message_at_any_block_size():
+    """The index advertised 65,536 blocks a batch whatever their size: of 1,024 tokens a full
+    batch was ~340 MB, and replicas filling batches to it sent what no server takes."""
+    from tiercache.v1 import prefix_pb2
+
+    from services.common.bootstrap import DEFAULT_MAX_MESSAGE_BYTES
+    from services.common.hashing import MAX_SALT_CHARS
+    from services.common.prefix_client import batch_blocks
+    from services.prefix.config import PrefixConfig
+    from services.prefix.server import build_index
+
+    assert build_index(PrefixConfig()).max_blocks == PrefixConfig().max_blocks  # 16 tokens
+    for bs in (16, 1024):
+        n = build_index(PrefixConfig(block_size=bs)).max_blocks
+        assert n == batch_blocks(bs, 65536) and (bs == 16 or n < 4000)
+        # The worst batch: every block an event of its own, every token id 5 bytes, and
+        # 512 events (the most a replica sends) at the root with the longest salt.
+        req = prefix_pb2.PublishEventsRequest(replica_id="r" * 256, incarnation="i" * 64,
+                                              seq=2**64 - 2)
+        for i in range(n):
+            st = req.events.add().stored
+            st.parent_hash, st.first_block_hash = b"\xff" * 16, b"\xfd" * 16
+            st.block_hashes.append(b"\xfe" * 16)
+            st.token_ids.extend([2**32 - 1] * bs)
+            st.start_block = 2**32 - 1
+            if i < 512:
+                st.cache_salt = "\U0001f600" * MAX_SALT_CHARS
+        assert req.ByteSize() < DEFAULT_MAX_MESSAGE_BYTES, (bs, n, req.ByteSize())
