@@ -161,6 +161,20 @@ def test_a_stream_without_its_final_message_is_a_replay_error():
                                       "skipped: turn 0 of the session failed"]
 
 
+def test_an_empty_answer_ends_its_session_without_a_made_up_turn():
+    """An empty answer was sent back as the assistant's "ok" in the next turns' history."""
+    class Silent(ReplayClient):
+        def stream(self, messages, **kw):
+            self.sent.append(messages)
+            yield _final()
+
+    client = Silent()
+    out = replay_mod.replay(_workload(1, 3), {"t0": client}, concurrency=1)
+    assert len(client.sent) == 1  # nothing sent after the empty answer
+    assert [o.error for o in out] == ["", "skipped: turn 0 of the session answered nothing",
+                                      "skipped: turn 0 of the session answered nothing"]
+
+
 def test_ctrl_c_sends_nothing_more_and_cancels_the_calls_in_flight(monkeypatch):
     """Ctrl-C cancelled only the sessions not yet started; the running ones went on through
     all their turns, sending new requests after it."""

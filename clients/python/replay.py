@@ -3,8 +3,9 @@
 Sessions run as chains (turn k+1 is sent after turn k's answer, with the history), starting
 at their arrival time (scaled by `time_scale`; 0 = as fast as the concurrency allows), and at
 most `concurrency` requests are in flight. Each request's outcome is recorded for reports. A
-turn that fails ends its session (the later turns are recorded as skipped: sent with a made-up
-answer in their history, their figures would describe a conversation that never happened).
+turn that fails, or answers nothing, ends its session (the later turns are recorded as skipped:
+sent with a made-up answer in their history, their figures would describe a conversation that
+never happened).
 Ctrl-C sends nothing more and cancels the requests in flight.
 """
 
@@ -123,14 +124,18 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
                 rep.semantic_hit, rep.semantic_similarity, rep.replica_id, rep.route, err,
                 rep.index_matched_tokens)
             record(o)
-            if err:
+            answer = "".join(text).strip()
+            if err or not answer:
+                # An empty answer cannot be sent back as an assistant turn (refused), and a
+                # made-up one ("ok" was) would describe a conversation that never happened.
+                why = "failed" if err else "answered nothing"
                 for s in reqs[i + 1:]:
                     record(Outcome(s.session_id, s.tenant, s.turn, s.kind, end - t0, 0.0, 0.0,
                                    0, 0, 0, False, 0.0, "", "",
-                                   f"skipped: turn {r.turn} of the session failed"))
+                                   f"skipped: turn {r.turn} of the session {why}"))
                 return
             history += [{"role": "user", "content": r.question},
-                        {"role": "assistant", "content": "".join(text).strip() or "ok"}]
+                        {"role": "assistant", "content": answer}]
 
     ordered = sorted(sessions.values(), key=lambda rs: rs[0].at)
     # Timed, a session waits between its turns in its worker: with only 2 x concurrency of

@@ -31,6 +31,8 @@ MISMATCHES = metrics.counter(
 # Replicas whose list is remembered: ids come and go with restarts (a live replica dropped
 # from here past it is only left unchecked).
 MAX_REMEMBERED = 4096
+# Characters of a fingerprint kept (ours are 16): a caller's longer one is cut, not stored whole.
+MAX_FINGERPRINT = 64
 
 
 class ShardListCheck:
@@ -56,6 +58,9 @@ class ShardListCheck:
         checked; also what a replica downgraded to an older client registers with)."""
         self._forget(replica_id)
         if fingerprint:
+            # Cut as the semantic shards cut theirs: a 1 MB one was kept for each of up to
+            # 4,096 replicas, and copied whole into Stats' note and the log.
+            fingerprint = fingerprint[:MAX_FINGERPRINT]
             self._lists[replica_id] = got = ShardList(shards, fingerprint)
             self._counts[got] += 1
             while len(self._lists) > MAX_REMEMBERED:
@@ -75,7 +80,7 @@ class ShardListCheck:
         does not. Two lists of one shard each always agree (nothing is placed)."""
         if not fingerprint or not self._lists:
             return True
-        sent = ShardList(shards, fingerprint)
+        sent = ShardList(shards, fingerprint[:MAX_FINGERPRINT])
         named = False
         for rid in replica_ids:
             theirs = self._lists.get(rid)

@@ -259,6 +259,15 @@ def test_a_match_that_names_no_replica_is_checked_against_every_list():
     assert c.mismatches_total == 2
 
 
+def test_a_long_fingerprint_is_cut_not_kept_whole():
+    # A 1 MB fingerprint was kept for each replica and copied whole into Stats and the log.
+    c = ShardListCheck(Clock())
+    c.registered("r0", 2, "a" * 1_000_000)
+    assert not c.check(3, "b" * 1_000_000, [])
+    assert len(c.note()) < 1000
+    assert c.check(2, "a" * 64 + "different tail", ["r0"])  # compared as cut
+
+
 def test_the_note_lasts_a_while_and_warnings_are_rate_limited(caplog):
     clock = Clock()
     c = ShardListCheck(clock)
