@@ -206,6 +206,13 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
         if request.pin:
             if request.ttl_seconds <= 0:
                 raise errors.InvalidArgument("ttl_seconds", "must be > 0 when pin is set")
+            block = engine.pool.block_size
+            if len(ids) < block:
+                # Only whole blocks are cached and pinned: "OK, pinned 0" hid that such a
+                # warm-up keeps nothing (the orchestrator's Warm refuses it the same way).
+                raise errors.InvalidArgument(
+                    "token_ids", f"{len(ids)} tokens, shorter than one KV block ({block}): "
+                    "nothing could be pinned")
             ttl = float(min(request.ttl_seconds, self.cfg.pin_ttl_max_seconds))
         # The caller's id (bound by the interceptor from x-request-id): the engine's log lines
         # for this warm-up (admission failures, preemption) can be matched to the Warm.

@@ -229,6 +229,14 @@ def test_prefill_bad_input_and_model_mismatch(served) -> None:
     with pytest.raises(grpc.RpcError) as ei:
         served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=[]), timeout=5)
     assert ei.value.details().startswith("token_ids:")
+    # Pinned, a prompt shorter than a block kept nothing, and the answer said OK.
+    short = list(range(1, served.replica.engine.pool.block_size))
+    with pytest.raises(grpc.RpcError) as ei:
+        served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=short, pin=True, ttl_seconds=60),
+                            timeout=5)
+    assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "shorter than one KV block" in ei.value.details()
+    assert served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=short), timeout=10)
     with pytest.raises(grpc.RpcError) as ei:
         list(served.stub.Generate(kvpool_pb2.KvGenerateRequest(
             token_ids=[1], sampling=common_pb2.SamplingParams(max_tokens=1), model_id="other"),
