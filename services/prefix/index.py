@@ -263,6 +263,9 @@ class PrefixIndex:
         self.verify_hashes = verify_hashes
         self.hash_key = hash_key
         self.clock = clock
+        # Told the id of each replica whose lease lapsed (under the caller's lock, as every
+        # call is): the server forgets its shard list.
+        self.on_drop: Callable[[str], None] | None = None
         self.hit_half_life_seconds = hit_half_life_seconds
         self.hit_halvings = 0  # halvings of every hit count so far (an age for saved hits)
         self._decayed_at = clock()  # the end of the last half-life counted
@@ -555,6 +558,8 @@ class PrefixIndex:
         del self._replicas[rep.replica_id]
         self._by_bit[rep.bit] = None
         self._reindex_models()
+        if self.on_drop is not None:
+            self.on_drop(rep.replica_id)
 
     def _reindex_models(self) -> None:
         # Least busy first, so that equally long matches come out in load order.

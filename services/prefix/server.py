@@ -89,6 +89,9 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         self._pruned = metrics.TotalCounter(PRUNED)
         # Replicas' shard lists against Matches' (services.prefix.shard_list).
         self.shard_lists = ShardListCheck(index.clock)
+        # A lapsed replica's list was kept, and a Match naming no live replica was still
+        # compared with it (and agreed: a mismatch missed).
+        index.on_drop = self.shard_lists.forget
 
     def _gauges(self) -> None:
         NODES.set(len(self.index.tree))

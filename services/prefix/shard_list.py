@@ -66,6 +66,10 @@ class ShardListCheck:
             while len(self._lists) > MAX_REMEMBERED:
                 self._forget(next(iter(self._lists)))
 
+    def forget(self, replica_id: str) -> None:
+        """`replica_id` is gone (its lease lapsed): its list no longer counts."""
+        self._forget(replica_id)
+
     def _forget(self, replica_id: str) -> None:
         old = self._lists.pop(replica_id, None)
         if old is not None:

@@ -12,7 +12,7 @@ import logging
 
 import pytest
 from prometheus_client import REGISTRY
-from tiercache.v1 import prefix_pb2
+from tiercache.v1 import common_pb2, prefix_pb2
 
 from services.common.addresses import canonical_address, shard_fingerprint
 from services.common.config import ConfigError, require_addresses
@@ -266,6 +266,26 @@ def test_a_long_fingerprint_is_cut_not_kept_whole():
     assert not c.check(3, "b" * 1_000_000, [])
     assert len(c.note()) < 1000
     assert c.check(2, "a" * 64 + "different tail", ["r0"])  # compared as cut
+
+
+def test_a_lapsed_replicas_list_is_forgotten():
+    """A lapsed replica's list was kept: a Match naming no live replica was compared with it,
+    and agreed with a list no live replica had (a mismatch missed)."""
+    from services.prefix.server import PrefixServicer
+    from tests.prefix.conftest import BS, MODEL, make_index
+
+    clock = Clock()
+    index = make_index(clock, lease_seconds=10.0)
+    s = PrefixServicer(index)
+    for rid, fp in (("old", "aaaa"), ("new", "bbbb")):
+        s.Register(prefix_pb2.RegisterRequest(
+            replica_id=rid, incarnation="i1", address=f"{rid}:1", model_id=MODEL, block_size=BS,
+            capacity_blocks=10, shard_list=common_pb2.ShardList(shards=2, fingerprint=fp)),
+            None)
+        clock.t += 6  # "old"'s lease lapses at 10, "new"'s at 16
+    assert index.sweep() == ["old"]
+    assert not s.shard_lists.check(2, "aaaa", [])  # only "new"'s list is left: it differs
+    assert s.shard_lists.check(2, "bbbb", [])
 
 
 def test_the_note_lasts_a_while_and_warnings_are_rate_limited(caplog):
