@@ -601,6 +601,9 @@ class Orchestrator:
             exclude: set[str] = set()
             tried: list[str] = []  # replica ids, for the client's error (addresses stay internal)
             final: kvpool_pb2.KvGenerateFinal | None = None
+            # The final made here for a replica lost after the answer's last token: its figures
+            # (cached tokens, forward passes, drafts) were never said, and read as zeros.
+            made_up = False
             first_token_at: float | None = None
             attempts = 0
             only_busy = True  # every replica tried so far said it was busy (Overloaded)
@@ -617,6 +620,12 @@ class Orchestrator:
                     # count behind (requests sharing its prefix would follow it there).
                     raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
                 with self._route_lock:
+                    if deadline - time.monotonic() <= 0:
+                        # Again once the lock is held: the time may have run out waiting for it,
+                        # and a choice recorded now (routing's count, the dispatch credit) would
+                        # send requests sharing the prefix to a replica never given it.
+                        raise errors.DeadlineExceeded(
+                            "deadline exceeded before a replica answered")
                     # How often each replica had been declared down before its health is read for
                     # routing (see ReplicaSet.watch).
                     downs_at = {r.address: r.downs for r in self.replicas.replicas}
@@ -805,6 +814,7 @@ class Orchestrator:
                     log.info("replica %s failed after the answer's last token; answer complete",
                              replica.replica_id)
                     final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
+                    made_up = True
                     break
                 if attempts >= self.max_attempts:
                     # The replica's own message (transport errors name internal addresses) is in
@@ -835,7 +845,8 @@ class Orchestrator:
             expected = min(seen.get(decision.replica_id, 0), prompt_tokens)
             report.index_matched_tokens = expected
             fin, completion = final, len(generated)
-            passes_saved = max(0, completion - from_here - 1 - fin.forward_passes)
+            passes_saved = (0 if made_up
+                            else max(0, completion - from_here - 1 - fin.forward_passes))
 
             def account() -> None:
                 # The request's counts and metrics, made as before once its client has taken
@@ -846,8 +857,11 @@ class Orchestrator:
                 DRAFT_TOKENS.labels("accepted_from_lookup").inc(fin.lookup_tokens_accepted)
                 PASSES_SAVED.inc(passes_saved)
                 MATCHED_TOKENS.inc(expected)
-                # A replica computes at least the prompt's last token, held or not.
-                MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
+                # A replica computes at least the prompt's last token, held or not. Not known
+                # of a replica lost before its final message: counted as nothing reused, its
+                # whole match read as evicted.
+                if not made_up:
+                    MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
                 cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
                 self._count(cache_class, prompt_tokens, cached, completion, ttft)
 

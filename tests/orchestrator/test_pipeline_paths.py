@@ -1131,3 +1131,47 @@ def test_a_word_the_model_wrote_in_unusual_pieces_is_stored_as_it_wrote_it():
         written + [tok.eos_token_id]
     # A control token inside the answer: its text leaves it out, so the ids are not the text's.
     assert answer_ids(tok, special, written[:2] + [tok.eos_token_id] + written[2:], answer) == []
+
+
+# ---- found by a review (stop 54) -----------------------------------------------------------
+
+def _metric(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+def test_a_replica_lost_after_the_last_token_adds_no_made_up_figures():
+    """The final made for a replica lost after the answer's last token read as that replica's
+    own: 0 forward passes counted as tokens - 1 saved by drafts, 0 cached tokens as the whole
+    index match evicted."""
+    prefix = SimpleNamespace(
+        timeout_s=0.5,
+        match=lambda hashes, model_id, timeout=None, probe=False, on_call=None: {"A": 96})
+    msgs = [kvpool_pb2.KvGenerateResponse(token_ids=[c]) for c in b"abcd"]
+    a = Stub("A", [Call(msgs, RpcError(grpc.StatusCode.UNAVAILABLE))])
+    orch = make({"A": a, "B": Stub("B", [])}, prefix=prefix)
+    saved = _metric("tiercache_orchestrator_forward_passes_saved_total")
+    short = _metric("tiercache_orchestrator_prefix_match_shortfall_tokens_total")
+    events = generate(orch, [])
+    assert events[-1].completion_tokens == 4  # the answer as streamed, complete
+    assert _metric("tiercache_orchestrator_forward_passes_saved_total") == saved
+    assert _metric("tiercache_orchestrator_prefix_match_shortfall_tokens_total") == short
+
+
+def test_a_request_out_of_time_while_waiting_to_route_leaves_no_routing_state():
+    """Its time ran out waiting for the route lock; the choice was still recorded (a routed
+    count, a dispatch credit), and requests sharing its prefix followed it to a replica never
+    sent it."""
+    a = Stub("A", [Call([final("A", 2)])])
+    orch = make({"A": a})
+    orch._route_lock.acquire()
+    threading.Timer(0.4, orch._route_lock.release).start()  # another request routing
+    with pytest.raises(errors.DeadlineExceeded):
+        list(orch.generate(tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+                           sampling=Sampling(4, 0.0, 1.0, 0, (), False), policy=Policy(),
+                           session_id="s", return_token_ids=True, request_id="rid",
+                           deadline=time.monotonic() + 0.2, on_cancel=lambda fn: None))
+    assert a.requests == []
+    assert not orch.dispatched.match(orch.hasher.hashes(PROMPT, TENANT.cache_salt))
+    assert not orch.routing._recent
