@@ -111,11 +111,23 @@ def unfinished_bytes(data: bytes) -> int:
     return len(dec.getstate()[0])
 
 
+def decode(tok: Any, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+    """`tok.decode`, without the clean-up of spaces a tokenizer may be set to do
+    (`clean_up_tokenization_spaces`: " ," -> ",", " ' s" -> "'s"): it rewrites text across token
+    boundaries, so the windows an answer streams in decoded other than the whole (tokens were
+    lost: "isn ' t it?" streamed as "isn ' it?"), and the streamed text was not the stored one.
+    Every decode of an answer goes through here, streamed or whole."""
+    if getattr(tok, "clean_up_tokenization_spaces", False):
+        return tok.decode(ids, skip_special_tokens=skip_special_tokens,
+                          clean_up_tokenization_spaces=False)
+    return tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+
 def complete_decode(tok: Any, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
     """`ids` decoded, without a character their last tokens begin but do not finish (a
     byte-level answer stopped by max_tokens inside it): its bytes decode to one U+FFFD the
     model never wrote. A U+FFFD the model did write (its three bytes whole) stays."""
-    text = tok.decode(ids, skip_special_tokens=skip_special_tokens)
+    text = decode(tok, ids, skip_special_tokens)
     data = token_bytes(tok).of(ids, skip_special_tokens)
     if data is None:  # no tokens to read: the text is all there is to go by
         return text.rstrip("\ufffd")
@@ -134,7 +146,7 @@ class IncrementalDetokenizer:
         self.read = 0
 
     def _decode(self, ids: Sequence[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=self.skip)
+        return decode(self.tok, ids, self.skip)
 
     def _cut(self, text: str) -> bool:
         """Whether the window (decoded as `text`) ends inside a character."""

@@ -26,7 +26,7 @@ from services.common.grpc_client import call_metadata, cut_short
 from services.common.hashing import BlockHasher
 from services.common.metrics import counter, histogram
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
-from services.orchestrator.detok import IncrementalDetokenizer, complete_decode
+from services.orchestrator.detok import IncrementalDetokenizer, complete_decode, decode
 from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.render import PromptRenderer, RenderedPrompt
 from services.orchestrator.routing import RoutingPolicy
@@ -301,7 +301,7 @@ def answer_ids(tok, special_ids: frozenset[int], generated: list[int], answer: s
     its tokenizer would not choose (" Mar" "ath" "i"), and a draft made that way disagrees
     with the model there."""
     body = generated[:-1] if generated and generated[-1] in special_ids else generated
-    if any(t in special_ids for t in body) or tok.decode(body) != answer:
+    if any(t in special_ids for t in body) or decode(tok, body, False) != answer:
         return []
     return list(generated)
 

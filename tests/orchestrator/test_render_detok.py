@@ -221,6 +221,34 @@ def test_a_sentencepiece_tokenizer_is_read_from_its_byte_pieces():
         assert complete_decode(sp, ids) == streamed
 
 
+def test_a_tokenizer_that_cleans_up_spaces_streams_what_it_stores():
+    """With clean_up_tokenization_spaces (a WordPiece tokenizer's setting; transformers
+    ignores it for BPE ones), decoding each window rewrote text across its boundaries
+    (" ' s" -> "'s"): the streamed answer lost or changed text ("isn ' t it ?" came out as
+    "isn ' it?") and differed from the one stored."""
+    import random
+
+    from transformers import AutoTokenizer
+
+    from services.orchestrator.detok import complete_decode
+    from services.semantic.config import default_model_dir
+
+    cleaning = AutoTokenizer.from_pretrained(default_model_dir())  # MiniLM's WordPiece
+    cleaning.clean_up_tokenization_spaces = True
+    text = "it ' s fine , isn ' t it ? i do n ' t know . they ' re here !"
+    ids = cleaning.encode(text, add_special_tokens=False)
+    assert cleaning.decode(ids) != complete_decode(cleaning, ids)  # the clean-up is on
+    rng = random.Random(0)
+    for _ in range(100):
+        d, out, i = IncrementalDetokenizer(cleaning), [], 0
+        while i < len(ids):
+            k = rng.randint(1, 3)
+            out.append(d.push(ids[i:i + k]))
+            i += k
+        out.append(d.flush())
+        assert "".join(out) == complete_decode(cleaning, ids)
+
+
 def test_a_model_without_a_usable_chat_template_gets_a_clear_status(tok):
     """A base model folder (no chat template) used to fail every `messages` request with
     INTERNAL; a template that raises (e.g. no system role) too."""
