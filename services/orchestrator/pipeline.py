@@ -788,7 +788,14 @@ class Orchestrator:
                 # tokens already streamed).
                 exclude.update((replica.replica_id, replica.address))
                 tried.append(replica.public_id)
-                only_busy = only_busy and busy
+                # A pool too small is no reason to retry later; busy ones are: every replica
+                # tried busy or too small is still "busy, retry later".
+                only_busy = only_busy and (busy or larger)
+                if not larger:
+                    # A replica with a larger pool was tried and failed otherwise (lost, busy):
+                    # the request may fit there once it is back, so "too big" is not the
+                    # answer (it was, though that replica never said so).
+                    too_big = None
                 if lost is not None:
                     replica.health.fail(lost)
                 if (lost is not None or busy or larger) and self.dispatched is not None:

@@ -399,6 +399,15 @@ def test_a_request_too_big_for_one_pool_goes_to_a_replica_with_a_larger_one():
     assert e.value.code == "RESOURCE_EXHAUSTED"
     assert sum(len(r.stub.requests) for r in same.replicas.replicas) == 1
 
+    # The larger pool lost: "too big" was the answer, though the request may fit there once it
+    # is back, and it never said so.
+    lost = sized(make({"A": Stub("A", [Call([], TooBig())]),
+                       "B": Stub("B", [Call([], RpcError(grpc.StatusCode.UNAVAILABLE))])},
+                      max_attempts=2), {"A": 200, "B": 400})
+    with pytest.raises(errors.TierCacheError) as e:
+        generate(lost, [])
+    assert e.value.code == "UNAVAILABLE" and "need 300 KV blocks" not in str(e.value)
+
 
 def test_a_callback_refused_because_the_rpc_already_ended_runs_at_once():
     ran = []
