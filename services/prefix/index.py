@@ -833,13 +833,13 @@ class PrefixIndex:
             raise InvalidArgument(
                 f"events[{i}].stored.token_ids",
                 f"{len(ev.token_ids)} tokens for {len(hashes)} blocks of {bs}")
-        if len(set(hashes)) != len(hashes):
+        uniq = set(hashes)
+        if len(uniq) != len(hashes):
             # Chained hashes never repeat within a chain (each covers its whole prefix). With
             # verify_hashes off (the default) nothing else caught it: part of the chain was
             # stored, the repeat dropped, and the batch acknowledged.
             raise InvalidArgument(f"events[{i}].stored.block_hashes", "a block hash is repeated")
-        roots = self.tree.root_model
-        if any(roots(h) is not None for h in hashes):
+        if self.tree.holds_root_among(uniq):
             # A block keyed as a prompt's root (h_0, which any replica can compute): every
             # other replica's chains under that root were then dropped.
             raise InvalidArgument(f"events[{i}].stored.block_hashes",

@@ -172,6 +172,14 @@ class BlockTree:
         s = self._roots.get(key)
         return None if s is None else self._meta[s][0]
 
+    def holds_root_among(self, keys: set[bytes]) -> bool:
+        """Whether any of `keys` is a root's (h_0): a pass over the fewer of the two (the roots
+        are one per model and tenant salt; a chain is its blocks)."""
+        roots = self._roots
+        if len(roots) < len(keys):
+            return not keys.isdisjoint(roots)
+        return any(k in roots for k in keys)
+
     def gc_root(self, key: bytes) -> None:
         """Forget root `key` if no block hangs under it."""
         s = self._roots.get(key)
