@@ -65,7 +65,8 @@ def chat_args(text: str):
     import argparse
 
     return argparse.Namespace(text=text, session="s1", system="", max_tokens=8, temperature=0.0,
-                              top_p=0.0, seed=0, quiet=True)
+                              top_p=0.0, seed=0, quiet=True, tier="", threshold=0.0,
+                              no_semantic=False, no_prefix_cache=False, new=False)
 
 
 def test_an_empty_answer_leaves_the_session_usable(tmp_path, monkeypatch, capsys):
@@ -84,6 +85,65 @@ def test_an_empty_answer_leaves_the_session_usable(tmp_path, monkeypatch, capsys
     saved = json.loads(_history_path("s1").read_text())
     assert [m["role"] for m in saved] == ["user", "assistant", "user", "assistant"]
     assert all(m["content"] for m in saved)
+
+
+def test_a_session_says_it_continues_and_new_starts_it_over(tmp_path, monkeypatch, capsys):
+    """An earlier user's session of the same name went out silently as the question's history,
+    and --system on it was dropped without a word."""
+    import argparse
+
+    from clients.python.cli import cmd_chat
+
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path))
+    c = FakeClient("Paris.", "Seine.", "Hi.")
+    assert cmd_chat(c, chat_args("Capital of France?")) == 0
+    assert capsys.readouterr().err == ""  # a new session: nothing to say
+    again = argparse.Namespace(**{**vars(chat_args("Its river?")), "quiet": False,
+                                  "system": "Be terse."})
+    assert cmd_chat(c, again) == 0
+    err = capsys.readouterr().err
+    assert "continuing session 's1' (1 earlier turn; --new starts it over)" in err
+    assert "--system ignored" in err
+    assert [m["role"] for m in c.sent[1]] == ["user", "assistant", "user"]
+    fresh = argparse.Namespace(**{**vars(chat_args("Hello")), "new": True, "system": "Be terse."})
+    assert cmd_chat(c, fresh) == 0
+    assert c.sent[2] == [{"role": "system", "content": "Be terse."},
+                         {"role": "user", "content": "Hello"}]
+
+
+def test_chat_flags_set_the_cache_policy(tmp_path, monkeypatch):
+    """The CLI could not pick a semantic tier nor skip a cache: `--tier relaxed "hi"` read
+    "relaxed" as the question."""
+    from clients.python import cli
+
+    seen = []
+
+    class Client(FakeClient):
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def stream(self, messages, **kw):
+            seen.append(kw.get("cache_policy"))
+            yield from super().stream(messages, **kw)
+
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path))
+    monkeypatch.setattr(cli, "TierCacheClient", lambda *a, **kw: Client("a", "b"))
+    assert cli.main(["chat", "-q", "--tier", "relaxed", "--no-prefix-cache", "hi"]) == 0
+    assert cli.main(["chat", "-q", "hi"]) == 0
+    p = seen[0]
+    assert (p.semantic_tier, p.skip_prefix_cache, p.skip_semantic_lookup) == ("relaxed", True,
+                                                                              False)
+    assert seen[1] is None  # the server's defaults
+
+
+def test_the_report_names_the_route_and_the_similarity():
+    hit = common_pb2.CacheReport(semantic_hit=True, semantic_similarity=0.9712, route="semantic")
+    assert format_report(hit).startswith("[semantic hit 0.971 | route semantic, prompt 0 tok")
+    near = common_pb2.CacheReport(semantic_similarity=0.91, route="prefix", prompt_tokens=9)
+    assert format_report(near).startswith("[model (nearest entry 0.910) | route prefix, ")
 
 
 @pytest.mark.parametrize("argv,message", [

@@ -23,6 +23,7 @@ from typing import NoReturn
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from tiercache.v1 import common_pb2
 
 from clients.python.client import (
     IncompleteStream,
@@ -139,16 +140,26 @@ def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
 
 def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> int:
     messages: list[dict[str, str]] = []
-    if hist is not None:
+    if hist is not None and not a.new:
         messages = _load_history(hist)
     had_history = bool(messages)
+    if had_history and not a.quiet:
+        # An earlier user's session of the same name went out silently as this question's
+        # history (a 125-token prompt for a 10-word question).
+        turns = sum(m["role"] == "user" for m in messages)
+        sys.stderr.write(f"continuing session {a.session!r} ({turns} earlier turn"
+                         f"{'s' if turns != 1 else ''}; --new starts it over)\n")
+    if a.system and had_history:
+        sys.stderr.write(f"note: --system ignored: session {a.session!r} keeps the system "
+                         "prompt it began with (--new starts it over)\n")
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
     messages.append({"role": "user", "content": a.text})
     out, final = [], None
     try:
         for ch in c.stream(messages, max_tokens=a.max_tokens, temperature=a.temperature,
-                           top_p=a.top_p, seed=a.seed, session_id=a.session or ""):
+                           top_p=a.top_p, seed=a.seed, session_id=a.session or "",
+                           cache_policy=_policy(a)):
             sys.stdout.write(ch.text)
             sys.stdout.flush()
             out.append(ch.text)
@@ -207,10 +218,26 @@ def _as_dict(message) -> dict:
     return MessageToDict(message, always_print_fields_with_no_presence=True)
 
 
+def _policy(a: argparse.Namespace):
+    """The request's cache policy from chat's flags (None: the server's defaults)."""
+    if not (a.tier or a.threshold or a.no_semantic or a.no_prefix_cache):
+        return None
+    return common_pb2.CachePolicy(semantic_tier=a.tier, semantic_threshold=a.threshold,
+                                  skip_semantic_lookup=a.no_semantic,
+                                  skip_semantic_store=a.no_semantic,
+                                  skip_prefix_cache=a.no_prefix_cache)
+
+
 def format_report(r) -> str:
     """One line for a stream's CacheReport: which tier answered and what it reused."""
-    return (f"[{'semantic hit' if r.semantic_hit else 'model'} | prompt {r.prompt_tokens} tok, "
-            f"cached {r.cached_tokens}"
+    sim = r.semantic_similarity
+    if r.semantic_hit:
+        tier = f"semantic hit {sim:.3f}" if sim else "semantic hit"
+    else:
+        tier = "model" + (f" (nearest entry {sim:.3f})" if sim else "")
+    return (f"[{tier} | "
+            + (f"route {r.route}, " if r.route else "")
+            + f"prompt {r.prompt_tokens} tok, cached {r.cached_tokens}"
             # The replica had evicted part of what the index said it held.
             + (f" (index expected {r.index_matched_tokens})"
                if r.index_matched_tokens > r.cached_tokens + 1 else "")
@@ -239,7 +266,11 @@ def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
 
 
 def cmd_feedback(c: TierCacheClient, a: argparse.Namespace) -> int:
-    print(json.dumps(_as_dict(c.feedback(a.entry_id, good=not a.bad))))
+    resp = c.feedback(a.entry_id, good=not a.bad)
+    print(json.dumps(_as_dict(resp)))
+    if a.bad and not resp.invalidated:
+        sys.stderr.write("the entry was already gone (expired, evicted or invalidated): it is "
+                         "not served\n")
     return 0
 
 
@@ -391,6 +422,11 @@ def _float32(text: str, top: float) -> float:
     return v
 
 
+def _threshold(text: str) -> float:
+    """argparse type: a semantic threshold in (0, 1] (0 = the tier's)."""
+    return _float32(text, 1.0)
+
+
 def _top_p(text: str) -> float:
     """argparse type: a top-p in [0, 1] (0 = off), refused here rather than by the server."""
     return _float32(text, 1.0)
@@ -489,6 +525,16 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--seed", type=uint64, default=0,
                     help="a sampled answer's seed (0 = none): the same seed, the same answer")
     ch.add_argument("-q", "--quiet", action="store_true", help="no cache report on stderr")
+    ch.add_argument("--tier", choices=("strict", "standard", "relaxed"), default="",
+                    help="semantic tier's threshold (default: the server's)")
+    ch.add_argument("--threshold", type=_threshold, default=0.0,
+                    help="explicit semantic threshold in (0, 1] (the server's floor applies)")
+    ch.add_argument("--no-semantic", action="store_true",
+                    help="skip the semantic tier (no lookup, no store)")
+    ch.add_argument("--no-prefix-cache", action="store_true",
+                    help="compute the whole prompt (no KV reuse)")
+    ch.add_argument("--new", action="store_true",
+                    help="with --session: start the session over (its saved turns dropped)")
     w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
     w.add_argument("--system", default="")
     w.add_argument("--top-k", type=uint32, default=0, help="also warm the k hottest prefixes")

@@ -303,6 +303,16 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             sem.verify(entry_id, True, deadline)
             return orchestrator_pb2.FeedbackResponse(verified=True)
         except grpc.RpcError as e:
+            if e.code() == grpc.StatusCode.NOT_FOUND:
+                # An entry this tenant was given, gone since (expired, evicted, invalidated): a
+                # second "bad" is answered as done (the answer is not served either way); a
+                # "good" cannot be kept. Named by the client's reference, as an unknown one is
+                # (the tier's message named its own internal id).
+                if request.rating == orchestrator_pb2.RATING_BAD:
+                    return orchestrator_pb2.FeedbackResponse(invalidated=False)
+                raise errors.NotFound(
+                    f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown "
+                    "(expired, evicted or invalidated)") from None
             why = _public_details(e, "the semantic tier")
             exc = errors.TierCacheError(f"semantic_entry_id: {why}")
             exc.code = e.code().name

@@ -305,6 +305,36 @@ def test_feedback_with_the_semantic_tier_down_names_no_internal_address():
         assert "10.0.3.9" not in str(e.value) and "semantic tier" in str(e.value)
 
 
+def test_feedback_on_an_entry_gone_since_is_done_when_bad_and_named_when_good():
+    """A second "bad" on the same answer was NOT_FOUND in the tier's words ("semantic_entry_id:
+    id: no entry 'fa0d...'", the bare id, not the reference), unlike an unknown reference's."""
+    import grpc
+
+    from services.common.errors import NotFound
+
+    class Gone(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.NOT_FOUND
+
+        def details(self):
+            return "id: no entry 'internal-e1'"
+
+    def gone(*a, **kw):
+        raise Gone()
+
+    s, orch = servicer(STREAM_HEADROOM + 2)
+    orch.semantic = SimpleNamespace(enabled=True, invalidate=gone, verify=gone)
+    tenant = s.tenants.authenticate({})
+    ref = s.tenants.entry_ref(tenant, "internal-e1")
+    bad = s.Feedback(orchestrator_pb2.FeedbackRequest(
+        semantic_entry_id=ref, rating=orchestrator_pb2.RATING_BAD), Context())
+    assert not bad.invalidated and not bad.verified
+    with pytest.raises(NotFound, match="unknown \\(expired, evicted or invalidated\\)") as e:
+        s.Feedback(orchestrator_pb2.FeedbackRequest(
+            semantic_entry_id=ref, rating=orchestrator_pb2.RATING_GOOD), Context())
+    assert ref in str(e.value)  # the reference the client was given
+
+
 def test_a_tokens_file_alone_counts_as_tenants_configured(tmp_path):
     from services.orchestrator.app import tenant_concurrency
 
