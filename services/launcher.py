@@ -277,6 +277,11 @@ class Stack:
 
     def start(self, timeout: float = 600.0) -> Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        if self.base_port:
+            # Every port first: a second `make run` said the semantic database was in use
+            # (and chose another) before it found the first stack's ports taken and stopped.
+            for offset in range(3 + self.replicas):
+                self._check_port(self.base_port + offset)
         env = dict(self.extra_env)
         sem = prefix = None
         if service_exists("semantic"):
@@ -307,16 +312,19 @@ class Stack:
 
     def _start(self, name: str, port: int, env: dict[str, str], key: str | None = None
                ) -> ServiceProcess:
-        if not port_is_free(port):
-            # Its health check would reach whatever holds the port (an earlier `make run`),
-            # report it up, and the new service would then die failing to bind.
-            raise RuntimeError(f"port {port} for {key or name} is in use (another TierCache "
-                               "stack?); stop it or pass --base-port N "
-                               "(make run ARGS='--base-port N')")
+        self._check_port(port, key or name)
         p = ServiceProcess(name, port, env, log_path=self.log_dir / f"{key or name}.log",
                            key=key or name).start()
         self.procs[key or name] = p
         return p
+
+    def _check_port(self, port: int, what: str = "") -> None:
+        if not port_is_free(port):
+            # Its health check would reach whatever holds the port (an earlier `make run`),
+            # report it up, and the new service would then die failing to bind.
+            raise RuntimeError(f"port {port}{' for ' + what if what else ''} is in use "
+                               "(another TierCache stack?); stop it or pass --base-port N "
+                               "(make run ARGS='--base-port N')")
 
     def stop(self) -> None:
         # Reverse order: the orchestrator drains first, the index last. Whatever interrupts
@@ -502,7 +510,10 @@ Ctrl-C stops everything.""", flush=True)
         # A second Ctrl-C (or a SIGTERM, SIGHUP) must not cut the orderly stop short.
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
             signal.signal(sig, signal.SIG_IGN)
+        started = bool(stack.procs)
         stack.stop()
+        if started:
+            print("stopped", flush=True)  # every service it started has exited
 
 
 if __name__ == "__main__":

@@ -123,6 +123,12 @@ def test_a_stack_refuses_to_start_on_a_port_something_already_listens_on(tmp_pat
         with pytest.raises(RuntimeError, match=f"port {port} for orchestrator is in use"):
             stack._start("orchestrator", port, {})
         assert stack.procs == {}
+        # start() looks at every port first: before, a second stack said it would use a
+        # database of its own (the first's being in use) and only then found the port taken.
+        second = Stack(replicas=1, base_port=port - 3, log_dir=tmp_path)  # kvpool-0's port
+        with pytest.raises(RuntimeError, match=r"port \d+ is in use"):  # {port}, or one below
+            second.start()
+        assert second.procs == {}
     assert launcher.port_is_free(port)
 
 
