@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from services.common.hashing import BlockHasher
-from services.common.model_store import load_resolved
+from services.common.model_store import ModelStoreError, load_resolved
 from services.common.policy import make_policy
 from services.kvpool.block_pool import BlockPool
 from services.kvpool.calibrate import forward_costs
@@ -60,6 +60,20 @@ def exact_matmuls() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
+def check_finite(model: Any, path: str) -> None:
+    """One forward of a few tokens, where the model was loaded (its CPU copy): logits that are
+    not finite mean weights damaged in place (bit rot, a bad restore; safetensors checks no
+    content), which loaded without a word and answered every request with garbage. Raises
+    ModelStoreError (the packaged model is then converted again: `load_resolved`)."""
+    vocab = int(getattr(model.config, "vocab_size", 0) or 0)
+    ids = torch.arange(1, 5).remainder(max(vocab, 1)).unsqueeze(0)
+    with torch.inference_mode():
+        logits = model(input_ids=ids).logits
+    if not bool(torch.isfinite(logits).all()):
+        raise ModelStoreError(f"the weights in {path} give non-finite logits: damaged in place? "
+                              "check or replace the model folder (TIERCACHE_KVPOOL_MODEL)")
+
+
 def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
     """Resolve and load the configured model on its device, its linear layers on the configured
     kernels; returns (model, model_id, what `pack_linears` did).
@@ -78,8 +92,19 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
 
     def load(path: str) -> Any:
         log.info("loading model from %s on %s (%s)", path, cfg.device, cfg.dtype)
-        return AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype],
-                                                    attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype],
+                                                         attn_implementation="sdpa")
+        except Exception as e:
+            if type(e).__name__ != "SafetensorError":  # safetensors' own, not an OSError
+                raise
+            # A weights file cut short (a copy or download that stopped): a traceback at
+            # every start, where the packaged model is converted again (load_resolved).
+            raise ModelStoreError(f"the weights in {path} cannot be read ({e}): the file is "
+                                  "damaged or incomplete; check or replace the model folder "
+                                  "(TIERCACHE_KVPOOL_MODEL)") from e
+        check_finite(model, path)
+        return model
 
     resolved, model = load_resolved(cfg.model, cfg.cache_dir or None, cfg.model_id or None,
                                     load)

@@ -78,11 +78,21 @@ class OnnxEmbedder:
                 raise _Unloadable(path, e) from e
             return sess, tok
 
+        from services.semantic import onnx_export
+
+        before = onnx_export.exports_done
         folder = ensure_onnx(model_dir, cache_dir, name, exporter=exporter)
         loaded = export_identity(folder)
         try:
             self._sess, self._tok = load(folder)
         except _Unloadable as e:
+            if onnx_export.exports_done != before:
+                # Exported by this very call (its digest did not match, say): exporting it
+                # again would make the same file.
+                raise ValueError(
+                    f"{e.path} cannot be loaded though just exported ({e.why}); it is made "
+                    f"from the model folder {model_dir}: check or replace that folder "
+                    "(TIERCACHE_SEMANTIC_MODEL_DIR)") from e.__cause__
             # A cached export damaged but of the size meta.json records (bit rot, a bad
             # restore), or an older export (no digests in meta.json) whose tokenizer.json is
             # damaged or gone, passed ensure_onnx's checks: every start then failed on it.

@@ -148,7 +148,16 @@ def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript
     steps = tqdm(total=4, desc=f"ONNX export of {spec.model_dir.name}", unit="step")
     # Eager attention: the SDPA path drops an all-ones mask at trace time, which would bake
     # "no padding" into the graph.
-    model = AutoModel.from_pretrained(str(spec.model_dir), attn_implementation="eager").eval()
+    try:
+        model = AutoModel.from_pretrained(str(spec.model_dir),
+                                          attn_implementation="eager").eval()
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":  # safetensors' own, not an OSError
+            raise
+        # A weights file cut short (a copy that stopped): a traceback at every start.
+        raise ValueError(f"the weights in {spec.model_dir} cannot be read ({e}): the file is "
+                         "damaged or incomplete; check or replace the model folder "
+                         "(TIERCACHE_SEMANTIC_MODEL_DIR)") from e
     steps.update(1)
     pooling, normalize = spec.pooling, spec.normalize
     has_types = getattr(model.config, "type_vocab_size", 0) > 1
@@ -189,6 +198,12 @@ def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript
                 torch.onnx.export(Pooled().eval(), args, str(out_dir / "model.onnx"),
                                   input_names=names, output_names=["embedding"],
                                   dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+        except OSError as e:
+            # The cache's disk (full, read-only), not the exporter: said as such, not as a
+            # reason to switch exporters (and as an OSError, one line at start).
+            raise OSError(e.errno, f"writing the ONNX export of {spec.model_dir} into "
+                          f"{out_dir.parent}: {e.strerror or e} (TIERCACHE_SEMANTIC_CACHE_DIR)"
+                          ) from e
         except Exception as e:  # noqa: BLE001 - re-raised, with the way out named
             raise RuntimeError(
                 f"the TorchScript ONNX exporter failed on {spec.model_dir} "
@@ -202,6 +217,9 @@ def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript
             "normalize": spec.normalize, "inputs": names,
             "source": os.path.realpath(spec.model_dir),
             "model_bytes": (out_dir / "model.onnx").stat().st_size,
+            # Its content too (~0.2 s at a start for MiniLM's 90 MB): a graph damaged inside
+            # its weights loaded, and every vector was NaN, every lookup a silent miss.
+            "model_blake2b": file_digest(out_dir / "model.onnx"),
             "files": {n: _file_record(out_dir / n) for n in TOKENIZER_FILES}}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
     # On disk before the folder is renamed into place: after a power loss the rename could
@@ -259,6 +277,9 @@ def _is_current(d: Path, fingerprint: str) -> bool:
         meta = json.loads((d / "meta.json").read_text())
         size = (d / "model.onnx").stat().st_size
         if meta.get("fingerprint") != fingerprint or meta.get("model_bytes", size) != size:
+            return False
+        want = meta.get("model_blake2b")  # none in an export from before it was recorded
+        if want is not None and file_digest(d / "model.onnx") != want:
             return False
         files = meta.get("files")
         if files is None:  # an older export: see above
@@ -319,6 +340,11 @@ def _own_folder(plain: Path, spec: SentenceModelSpec, fingerprint: str) -> Path:
     return plain.with_name(f"{plain.name}-{digest}")
 
 
+# Exports this process has started: an export made by the very call that then fails to load
+# it is not made again (`OnnxEmbedder`).
+exports_done = 0
+
+
 def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name: str, *,
                 broken: tuple[int, int, int, int] | None = None,
                 exporter: str = "torchscript") -> Path:
@@ -371,6 +397,8 @@ def _ensure_at(target: Path, spec: SentenceModelSpec, exporter: str, fp: str,
         log.info("exporting %s to ONNX under %s (once)", spec.model_dir, target)
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
         try:
+            global exports_done
+            exports_done += 1
             _export(spec, tmp, exporter)
             if target.exists():
                 # Stale export (other fingerprint): move it aside, then swap in the new one.

@@ -400,3 +400,47 @@ def test_a_conversion_is_on_disk_before_and_after_its_rename(tmp_path: Path,
     assert names == {"config.json", "model.safetensors", "tokenizer.json",
                      model_store._DONE_MARKER}
     assert synced[-1] == str(path.parent)  # after the rename: the rename itself
+
+
+# ---- a configured model folder whose weights are damaged (stop 54) -------------------------
+
+def _tiny_folder(tmp_path: Path) -> Path:
+    from tests.kvpool.conftest import make_tiny_model
+
+    folder = tmp_path / "tiny"
+    make_tiny_model().save_pretrained(folder)
+    return folder
+
+
+def test_weights_cut_short_are_a_clear_error_naming_the_setting(tmp_path):
+    """A SafetensorError is neither an OSError nor a ValueError: kvpool crash-looped with a
+    traceback on a model folder whose copy had stopped halfway."""
+    import os
+
+    from services.kvpool.app import load_model
+    from services.kvpool.config import KvPoolConfig
+
+    folder = _tiny_folder(tmp_path)
+    weights = folder / "model.safetensors"
+    os.truncate(weights, weights.stat().st_size // 2)
+    with pytest.raises(ModelStoreError, match="TIERCACHE_KVPOOL_MODEL"):
+        load_model(KvPoolConfig(model=str(folder)))
+
+
+def test_weights_damaged_in_place_are_found_by_one_forward(tmp_path):
+    """Bytes overwritten inside the weights (bit rot, a bad restore) loaded without a word,
+    and every answer was garbage (NaN logits)."""
+    from services.kvpool.app import load_model
+    from services.kvpool.config import KvPoolConfig
+
+    folder = _tiny_folder(tmp_path)
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    with open(weights, "r+b") as f:
+        f.seek(size - size // 4)
+        f.write(b"\xff" * (size // 8))  # NaN, as float32
+    with pytest.raises(ModelStoreError, match="non-finite logits"):
+        load_model(KvPoolConfig(model=str(folder)))
+    whole = _tiny_folder(tmp_path / "again")
+    model, model_id, _ = load_model(KvPoolConfig(model=str(whole)))
+    assert model_id == "tiny"

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from services.common.files import file_digest
 from services.semantic.config import SemanticConfig
 from services.semantic.embedder import BatchingEmbedder
 from tests.procs import communicate_all
@@ -351,6 +352,10 @@ def _copying_export(real: Path, exports: list[bool], then: Callable[[Path], None
         for f in real.iterdir():
             shutil.copy2(f, out / f.name)
         then(out)
+        meta = json.loads((out / "meta.json").read_text())
+        if "model_blake2b" in meta:  # as the export records it: of what it wrote
+            meta["model_blake2b"] = file_digest(out / "model.onnx")
+            (out / "meta.json").write_text(json.dumps(meta))
 
     return copy_export
 
@@ -394,6 +399,57 @@ def test_an_export_damaged_but_of_its_size_is_exported_again_once(tmp_path, monk
     with pytest.raises(Exception, match="(?i)protobuf"):
         OnnxEmbedder(cfg.resolved_model_dir(), str(tmp_path), name)
     assert exports == [True, True]  # once, not in a loop
+
+
+def test_an_export_damaged_inside_its_weights_is_exported_again(tmp_path, monkeypatch,
+                                                                onnx_embedder):
+    """Bytes overwritten deep in model.onnx (its weights) loaded without a word, and every
+    vector was NaN: every lookup a silent miss. meta.json now records the graph's digest."""
+    import shutil
+
+    from services.semantic import onnx_export
+    from services.semantic.embedder import OnnxEmbedder
+
+    cfg = SemanticConfig()
+    name = cfg.resolved_model_name()
+    real = tmp_path / "real"
+    real.mkdir()
+    onnx_export._export(onnx_export.SentenceModelSpec.read(cfg.resolved_model_dir()), real)
+    assert json.loads((real / "meta.json").read_text())["model_blake2b"]
+    cached = tmp_path / "cache" / "onnx" / name
+    shutil.copytree(real, cached)
+    size = (cached / "model.onnx").stat().st_size
+    with open(cached / "model.onnx", "r+b") as f:
+        f.seek(int(size * 0.9))
+        f.write(np.random.default_rng(0).bytes(4096))
+    exports: list[bool] = []
+    monkeypatch.setattr(onnx_export, "_export", _copying_export(real, exports, lambda out: None))
+    emb = OnnxEmbedder(cfg.resolved_model_dir(), str(tmp_path / "cache"), name)
+    assert exports == [True]
+    v = emb.embed(["hello there"])
+    assert np.isfinite(v).all()
+    np.testing.assert_allclose(v, onnx_embedder.embed(["hello there"]), atol=1e-6)
+
+
+def test_a_full_cache_disk_during_the_export_is_an_oserror_naming_the_setting(tmp_path,
+                                                                              monkeypatch):
+    """The exporter's OSError (no space left) came out as a RuntimeError telling the user to
+    switch exporters, and the service died with a traceback."""
+    import errno
+
+    import torch
+
+    from services.semantic.config import default_model_dir
+    from services.semantic.onnx_export import ensure_onnx
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(torch.onnx, "export", full)
+    with pytest.raises(OSError, match="TIERCACHE_SEMANTIC_CACHE_DIR") as e:
+        ensure_onnx(default_model_dir(), tmp_path, "mini")
+    assert e.value.errno == errno.ENOSPC and "dynamo" not in str(e.value)
+    assert [p.name for p in (tmp_path / "onnx").iterdir()] == [".mini.lock"]
 
 
 def test_a_tokenizer_damaged_or_gone_is_exported_again_and_a_second_failure_is_one_line(
