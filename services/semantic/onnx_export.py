@@ -76,6 +76,18 @@ class SentenceModelSpec:
         d = Path(model_dir)
         if not (d / "config.json").is_file() or not (d / "tokenizer.json").is_file():
             raise ValueError(f"{d}: needs config.json and tokenizer.json (a fast tokenizer)")
+        try:
+            return cls._read(d)
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            # A file that is not the JSON it should be said only "JSONDecodeError: Expecting
+            # value: line 1 column 1" (or raised a KeyError), naming neither it nor the setting.
+            if isinstance(e, ValueError) and str(e).startswith(f"{d}:"):
+                raise
+            raise ValueError(f"{d}: a model file is malformed ({type(e).__name__}: {e}); check "
+                             "or replace the folder (TIERCACHE_SEMANTIC_MODEL_DIR)") from e
+
+    @classmethod
+    def _read(cls, d: Path) -> SentenceModelSpec:
         max_len = 256
         sbc = d / "sentence_bert_config.json"
         if sbc.is_file():

@@ -242,6 +242,26 @@ def test_config_errors_name_the_variable(tmp_path):
         load_config(SemanticConfig, "semantic", [], {"TIERCACHE_SEMANTIC_ONNX_EXPORTER": "onnx"})
 
 
+@pytest.mark.parametrize("name, content", [("sentence_bert_config.json", "not json"),
+                                           ("modules.json", '[{"type": "x.Pooling"}]'),
+                                           ("config.json", "[1, 2]")])
+def test_a_malformed_model_file_is_named_with_its_folder_and_setting(tmp_path, name, content):
+    """"bad configuration: JSONDecodeError: Expecting value: line 1 column 1 (char 0)" named
+    neither the file's folder nor the setting; a pooling module without a path was a KeyError
+    traceback."""
+    import shutil
+
+    from services.semantic.config import default_model_dir
+    from services.semantic.onnx_export import SentenceModelSpec
+
+    folder = tmp_path / "model"
+    shutil.copytree(default_model_dir(), folder)
+    (folder / name).write_text(content)
+    with pytest.raises(ValueError, match="TIERCACHE_SEMANTIC_MODEL_DIR") as e:
+        SentenceModelSpec.read(folder)
+    assert str(folder) in str(e.value)
+
+
 def test_the_export_fingerprint_follows_the_weights_content(tmp_path):
     """A fine-tuned checkpoint has the same size as the original: the fingerprint must still
     change, or the old export (and old stored vectors) would keep being used."""
