@@ -60,6 +60,18 @@ def exact_matmuls() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
+def check_causal(model: Any, path: str) -> None:
+    """Refuses a folder that is not a decoder-only language model: a sentence-transformers
+    folder (BertModel) loaded as BertLMHeadModel, and the replica said it was ready."""
+    cfg = model.config
+    archs = [a for a in (getattr(cfg, "architectures", None) or []) if isinstance(a, str)]
+    if getattr(cfg, "is_encoder_decoder", False) or (
+            archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)):
+        raise ModelStoreError(f"{path} holds {', '.join(archs) or 'an encoder-decoder model'}, "
+                              "not a decoder-only language model (a ...ForCausalLM); check "
+                              "TIERCACHE_KVPOOL_MODEL")
+
+
 def check_finite(model: Any, path: str) -> None:
     """One forward of a few tokens, where the model was loaded (its CPU copy): logits that are
     not finite mean weights damaged in place (bit rot, a bad restore; safetensors checks no
@@ -103,6 +115,7 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
             raise ModelStoreError(f"the weights in {path} cannot be read ({e}): the file is "
                                   "damaged or incomplete; check or replace the model folder "
                                   "(TIERCACHE_KVPOOL_MODEL)") from e
+        check_causal(model, path)
         check_finite(model, path)
         return model
 

@@ -444,3 +444,14 @@ def test_weights_damaged_in_place_are_found_by_one_forward(tmp_path):
     whole = _tiny_folder(tmp_path / "again")
     model, model_id, _ = load_model(KvPoolConfig(model=str(whole)))
     assert model_id == "tiny"
+
+
+def test_a_folder_that_is_no_causal_language_model_is_refused(tmp_path):
+    """A sentence-transformers folder (BertModel) as TIERCACHE_KVPOOL_MODEL loaded as
+    BertLMHeadModel, and the replica said it was ready."""
+    from services.kvpool.app import load_model
+    from services.kvpool.config import KvPoolConfig
+    from services.semantic.config import default_model_dir
+
+    with pytest.raises(ModelStoreError, match="BertModel, not a decoder-only"):
+        load_model(KvPoolConfig(model=default_model_dir()))
