@@ -55,6 +55,21 @@ class ModelStoreError(RuntimeError):
     """A model spec could not be resolved (missing package, folder, or files)."""
 
 
+@contextlib.contextmanager
+def readable_weights(path: str | os.PathLike, setting: str,
+                     error: type[Exception] = ModelStoreError) -> Iterator[None]:
+    """Loading a model folder's weights under it: safetensors' own error for a file cut short
+    (a copy or download that stopped; neither an OSError nor a ValueError, so a traceback at
+    every start) becomes `error`, naming the folder and the `setting` that chose it."""
+    try:
+        yield
+    except Exception as e:
+        if type(e).__name__ != "SafetensorError":
+            raise
+        raise error(f"the weights in {path} cannot be read ({e}): the file is damaged or "
+                    f"incomplete; check or replace the model folder ({setting})") from e
+
+
 class ResolvedModel(NamedTuple):
     """A model ready for `from_pretrained`: a local HF folder and the id it is served under."""
 

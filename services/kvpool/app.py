@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from services.common.hashing import BlockHasher
-from services.common.model_store import ModelStoreError, load_resolved
+from services.common.model_store import ModelStoreError, load_resolved, readable_weights
 from services.common.policy import make_policy
 from services.kvpool.block_pool import BlockPool
 from services.kvpool.calibrate import forward_costs
@@ -104,17 +104,10 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
 
     def load(path: str) -> Any:
         log.info("loading model from %s on %s (%s)", path, cfg.device, cfg.dtype)
-        try:
+        # (The packaged model is converted again instead: load_resolved.)
+        with readable_weights(path, "TIERCACHE_KVPOOL_MODEL"):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype],
                                                          attn_implementation="sdpa")
-        except Exception as e:
-            if type(e).__name__ != "SafetensorError":  # safetensors' own, not an OSError
-                raise
-            # A weights file cut short (a copy or download that stopped): a traceback at
-            # every start, where the packaged model is converted again (load_resolved).
-            raise ModelStoreError(f"the weights in {path} cannot be read ({e}): the file is "
-                                  "damaged or incomplete; check or replace the model folder "
-                                  "(TIERCACHE_KVPOOL_MODEL)") from e
         check_causal(model, path)
         check_finite(model, path)
         return model

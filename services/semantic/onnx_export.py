@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.files import file_digest, fsync_path, remove_aside
+from services.common.model_store import readable_weights
 
 log = logging.getLogger(__name__)
 
@@ -160,16 +161,9 @@ def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript
     steps = tqdm(total=4, desc=f"ONNX export of {spec.model_dir.name}", unit="step")
     # Eager attention: the SDPA path drops an all-ones mask at trace time, which would bake
     # "no padding" into the graph.
-    try:
+    with readable_weights(spec.model_dir, "TIERCACHE_SEMANTIC_MODEL_DIR", ValueError):
         model = AutoModel.from_pretrained(str(spec.model_dir),
                                           attn_implementation="eager").eval()
-    except Exception as e:
-        if type(e).__name__ != "SafetensorError":  # safetensors' own, not an OSError
-            raise
-        # A weights file cut short (a copy that stopped): a traceback at every start.
-        raise ValueError(f"the weights in {spec.model_dir} cannot be read ({e}): the file is "
-                         "damaged or incomplete; check or replace the model folder "
-                         "(TIERCACHE_SEMANTIC_MODEL_DIR)") from e
     steps.update(1)
     pooling, normalize = spec.pooling, spec.normalize
     has_types = getattr(model.config, "type_vocab_size", 0) > 1
