@@ -26,7 +26,7 @@ def test_a_broken_session_file_is_a_clear_error_naming_it(tmp_path, monkeypatch,
     path.parent.mkdir(parents=True)
     path.write_text(content)
     a = SimpleNamespace(session="s1", system="", text="hi", max_tokens=0, temperature=0.0,
-                        quiet=True)
+                        quiet=True, new=False)
     with pytest.raises(SystemExit, match="s1.json"):
         cli.cmd_chat(SimpleNamespace(), a)
 
