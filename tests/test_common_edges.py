@@ -193,6 +193,53 @@ def test_a_client_request_id_is_kept_only_when_short_and_plain():
     assert len(seen) == 4 and all(len(r) == 16 for r in seen[1:]), seen
 
 
+def test_a_refused_call_leaves_one_line_with_its_request_id_and_a_flood_is_thinned():
+    """Refused and failed calls (INVALID_ARGUMENT, NOT_FOUND, CANCELLED) left no log line: a
+    support ticket quoting a request id could not be traced."""
+    import logging
+
+    import grpc
+
+    from services.common import bootstrap, errors
+    from services.common.bootstrap import create_server
+    from services.common.logs import request_id_var
+
+    def call(request: bytes, context) -> bytes:
+        raise errors.InvalidArgument("text", "must not be empty")
+
+    def add(_servicer, server) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "x.Refuse", {"Call": grpc.unary_unary_rpc_method_handler(call)}),))
+
+    seen: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append((record.getMessage(), request_id_var.get()))
+
+    keep = Keep(logging.INFO)
+    bootstrap.log.addHandler(keep)
+    level = bootstrap.log.level
+    bootstrap.log.setLevel(logging.INFO)  # the services' default (TIERCACHE_LOG_LEVEL)
+    bootstrap._ERROR_LINES = bootstrap._Thinned(per_window=3, window_s=60.0)
+    handle = create_server(service="refuse-test", address="127.0.0.1:0",
+                           services=[(add, None, "x.Refuse")])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+            refuse = ch.unary_unary("/x.Refuse/Call")
+            for i in range(5):
+                with pytest.raises(grpc.RpcError):
+                    refuse(b"", timeout=5, metadata=[("x-request-id", f"ticket-{i}")])
+    finally:
+        handle.stop(0)
+        bootstrap.log.removeHandler(keep)
+        bootstrap.log.setLevel(level)
+        bootstrap._ERROR_LINES = bootstrap._Thinned()
+    lines = [(m, rid) for m, rid in seen if "ended INVALID_ARGUMENT" in m]
+    assert lines == [("Call ended INVALID_ARGUMENT: text: must not be empty", f"ticket-{i}")
+                     for i in range(3)]  # then thinned
+
+
 @pytest.mark.parametrize("port", ["65535", "-1", "70000"])
 def test_the_launcher_refuses_a_base_port_its_stack_cannot_fit(port):
     from services.launcher import main
@@ -539,3 +586,21 @@ def test_addresses_gRPC_cannot_reach_are_refused_with_the_fix():
     require_listen_address("[::]:50054", "prefix")
     # An address nobody dials (a replica's advertised pod IP) may stay bare.
     assert is_host_port("fd00:10:244::5:50054") and not is_host_port("fd00::5:1", dialed=True)
+
+
+def test_library_progress_bars_are_off_when_logs_go_to_a_file():
+    """transformers' "Loading weights: 0%|...\\r" bar went into kvpool's JSON-lines log (a file,
+    a pod's stderr) and broke its parsing."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    probe = ("import transformers.utils.logging as l; from services.common.logs import "
+             "setup_logging; assert l.is_progress_bar_enabled(); setup_logging('x'); "
+             "print(l.is_progress_bar_enabled())")
+    env = {k: v for k, v in os.environ.items() if k != "HF_HUB_DISABLE_PROGRESS_BARS"}
+    env["PYTHONPATH"] = f"{root}{os.pathsep}{root / 'gen'}"
+    r = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr[-2000:]

@@ -43,6 +43,36 @@ from services.common.wire import find_invalid_utf8
 
 log = logging.getLogger(__name__)
 
+
+class _Thinned:
+    """At most `per_window` log lines per key (service, method, status) every `window_s`;
+    the first line of the next window says how many were left out."""
+
+    def __init__(self, per_window: int = 10, window_s: float = 10.0) -> None:
+        self.per_window, self.window_s = per_window, window_s
+        self._seen: dict[tuple, list] = {}  # key -> [window start, lines, left out]
+        self._lock = threading.Lock()
+
+    def allow(self, key: tuple) -> bool:
+        now = time.monotonic()
+        with self._lock:
+            w = self._seen.get(key)
+            if w is None or now - w[0] >= self.window_s:
+                if w is not None and w[2]:
+                    log.info("%s: %d more lines like the next one left out in %.0f s",
+                             "/".join(map(str, key)), w[2], self.window_s)
+                if len(self._seen) > 4096:  # keys are few; a bound all the same
+                    self._seen.clear()
+                self._seen[key] = w = [now, 0, 0]
+            if w[1] < self.per_window:
+                w[1] += 1
+                return True
+            w[2] += 1
+            return False
+
+
+_ERROR_LINES = _Thinned()
+
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # On the metrics port: 200 "SERVING" or 503 "NOT_SERVING", what gRPC health says. Kubernetes'
 # liveness and readiness probes ask here: gRPC's own health service shares the server's call
@@ -301,6 +331,10 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         def fail(context, exc: BaseException) -> None:
             if isinstance(exc, errors.TierCacheError):
                 RPC_TOTAL.labels(service, short, exc.code).inc()
+                # A refused or failed call left no line: a ticket quoting its request id could
+                # not be traced. One line, with the id bound; a flood of them is thinned.
+                if _ERROR_LINES.allow((service, short, exc.code)):
+                    log.info("%s ended %s: %s", short, exc.code, _capped(str(exc))[:300])
                 if isinstance(exc, errors.Overloaded):
                     context.set_trailing_metadata(((errors.OVERLOADED_KEY, "1"),))
                 context.abort(_status_code(exc.code), _capped(str(exc)))

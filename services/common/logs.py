@@ -80,3 +80,28 @@ def setup_logging(service: str, level: str | None = None) -> None:
         raise ValueError(f"TIERCACHE_LOG_LEVEL: unknown level {level!r}; expected one of "
                          "DEBUG, INFO, WARNING, ERROR, CRITICAL")
     root.setLevel(level.upper())
+    if not _isatty(sys.stderr):
+        quiet_library_progress_bars()
+
+
+def _isatty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False
+
+
+def quiet_library_progress_bars() -> None:
+    """Turns off transformers' and the hub's own progress bars ("Loading weights: 0%|...\\r"):
+    written to a log file or a pod's stderr, each was a line of carriage returns amid the
+    JSON lines, which broke their parsing. Our own long work (a conversion, an export) still
+    says how far it is."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read where imported later
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.common.metrics import TotalCounter, counter, gauge, histogram
+from services.common.metrics import SECONDS_BUCKETS, TotalCounter, counter, gauge, histogram
 
-_SECONDS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+_SECONDS = SECONDS_BUCKETS
 
 
 class KvMetrics:

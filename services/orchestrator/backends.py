@@ -30,6 +30,11 @@ from services.orchestrator.routing import ReplicaView
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
+DEPENDENCY_HEALTHY = gauge(
+    "tiercache_orchestrator_dependency_healthy",
+    "1 while a dependency (kvpool replica, semantic or prefix tier or shard) is healthy as "
+    "the orchestrator last found it, 0 once it failed a call or a health poll; absent until "
+    "its first call", ("dependency", "address"))
 IN_FLIGHT = gauge("tiercache_orchestrator_replica_requests_in_flight",
                   "Generate calls this orchestrator has under way on each replica (by its "
                   "address): routing's own share of the replica's load", ("replica",))
@@ -53,8 +58,18 @@ class Health:
             self._ok()
 
     def _ok(self) -> None:
+        if not self.healthy and self.last_error:
+            # Said as its going down was: recovery was only visible in Stats.
+            log.info("%s at %s is healthy again", self.name, self.address)
         self.healthy, self.last_error, self.last_ok = True, "", time.time()
         self.held_down = False
+        self._export()
+
+    def _export(self) -> None:
+        # Labelled by the dependency's kind ("kvpool/kvpool-0" is "kvpool") and address: a
+        # replica's name changes once its first Stats names it.
+        DEPENDENCY_HEALTHY.labels(self.name.split("/")[0], self.address).set(
+            1.0 if self.healthy else 0.0)
 
     def traffic_ok(self) -> None:
         """A call succeeded: healthy again, unless the poller holds it down."""
@@ -69,6 +84,7 @@ class Health:
                 log.warning("%s at %s is unhealthy: %s", self.name, self.address, msg)
             self.healthy, self.last_error = False, str(msg)
             self.held_down = self.held_down or hold
+            self._export()
 
     def proto(self) -> common_pb2.DependencyHealth:
         return common_pb2.DependencyHealth(name=self.name, address=self.address,

@@ -24,7 +24,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
 from services.common import errors
 from services.common.grpc_client import call_metadata, cut_short
 from services.common.hashing import BlockHasher
-from services.common.metrics import counter, histogram
+from services.common.metrics import SECONDS_BUCKETS, counter, histogram
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
 from services.orchestrator.detok import IncrementalDetokenizer, complete_decode, decode
 from services.orchestrator.dispatched import DispatchMemory
@@ -41,7 +41,7 @@ DEGRADED = counter("tiercache_orchestrator_degradations_total",
                    "skipped, index down, replica failed over (retry/resume), replica busy, "
                    "larger pool sought", ("kind",))
 TTFT = histogram("tiercache_orchestrator_ttft_seconds", "Time to first token", ("cache_class",),
-                 buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))
+                 buckets=SECONDS_BUCKETS)
 TOO_SHORT = counter("tiercache_orchestrator_semantic_hits_too_short_total",
                     "Semantic hits not served: the cached answer is cut shorter than asked")
 NOT_SERVED = counter("tiercache_orchestrator_semantic_hits_not_served_total",

@@ -194,7 +194,9 @@ def _metrics():
                            "Saves of the HNSW graphs (on stop and every snapshot_interval_s)",
                            ("result",)),
         "saved_at": m.gauge("tiercache_semantic_snapshot_last_save_timestamp_seconds",
-                            "Unix time of the last successful save of the HNSW graphs"),
+                            "Unix time of the last successful save of the HNSW graphs (the "
+                            "start's, before the first save; alert on its age past a few "
+                            "snapshot intervals)"),
     }
 
 
@@ -1023,6 +1025,10 @@ class SemanticCache:
         self._delete_at_load(victims, "over capacity")
         self.graphs_adopted = adopted
         self._m["graphs_taken"].set(adopted)
+        if snapshot_path:
+            # The clock of the staleness alert starts here: it read 0 (1970) until the first
+            # periodic save, 10 minutes in, and an alert on its age fired at every start.
+            self._m["saved_at"].set(time.time())
         log.info("loaded %d entries in %d namespaces (%d expired, %d over capacity, %d replaced "
                  "by a newer answer to the same prompt; %d HNSW graphs taken from the "
                  "snapshot, not built)", len(self._entries), len(self._indexes),

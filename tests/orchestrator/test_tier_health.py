@@ -60,3 +60,29 @@ def test_a_semantic_shard_never_called_says_so_as_prefix_shards_do():
     assert [(d.name, d.healthy, d.last_error) for d in lines[1:]] == [
         ("semantic shard", False, "no call yet")] * 2
     assert lines[0].last_error == "2 of 2 shards unhealthy: 127.0.0.1:1, 127.0.0.1:2"
+
+
+def test_a_dependencys_health_is_a_metric_and_its_recovery_is_logged(caplog):
+    """An operator saw a replica and the semantic tier go unhealthy in Stats and a WARNING,
+    and nothing in /metrics; recovery was in Stats alone."""
+    import logging
+
+    from prometheus_client import REGISTRY
+
+    from services.orchestrator.backends import Health
+
+    def value():
+        return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+                                         {"dependency": "kvpool", "address": "h:9"})
+
+    h = Health("kvpool", "h:9")
+    assert value() is None  # no call yet: no series to alert on
+    h.ok()
+    assert value() == 1.0
+    h.name = "kvpool/kvpool-0"  # renamed by its first Stats: the same series
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.backends"):
+        h.fail("Deadline Exceeded")
+        assert value() == 0.0
+        h.ok()
+    assert value() == 1.0
+    assert "kvpool/kvpool-0 at h:9 is healthy again" in caplog.text

@@ -164,6 +164,15 @@ def test_a_restart_takes_the_saved_graph_and_serves_the_same(make_cfg, emb, cloc
     c2.check_integrity()
 
 
+def test_the_save_age_clock_starts_at_the_start(make_cfg, emb, clock, caches, tmp_path):
+    """The gauge read 0 (1970) until the first periodic save, ten minutes in: an alert on its
+    age fired at every start."""
+    gauge = "tiercache_semantic_snapshot_last_save_timestamp_seconds"
+    before = time.time()
+    opened(settings(make_cfg), emb, clock, str(tmp_path / "snap"), caches)
+    assert metric(gauge) >= before
+
+
 def test_a_restart_catches_up_with_what_changed_after_the_save(make_cfg, emb, clock, caches,
                                                                tmp_path):
     cfg, snap = settings(make_cfg), str(tmp_path / "snap")
