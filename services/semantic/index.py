@@ -508,12 +508,17 @@ class NamespaceIndex:
     def check_integrity(self) -> None:
         """Raises AssertionError unless labels, tombstones and vectors agree."""
         with self._lock:
+            # The sets with the snapshot, under one hold of the lock: read after it, a merge
+            # finishing between could have purged tombstones the snapshot still held, and a
+            # sound index failed the check ("an unknown label is indexed"; found by a stress
+            # run, 8 in 20,000 checks with a 1 us switch interval).
             snap = self._snap
             labels, _ = snap.rows()
+            live, dead = set(self._live), set(self._dead)
         present = set(int(x) for x in labels)
         assert len(present) == len(labels), "a label is indexed twice"
-        assert self._live <= present, "a live label is missing from the index"
-        assert not (self._live & self._dead), "a label is both live and dead"
-        assert present - self._live <= self._dead, "an unknown label is indexed"
+        assert live <= present, "a live label is missing from the index"
+        assert not (live & dead), "a label is both live and dead"
+        assert present - live <= dead, "an unknown label is indexed"
         if snap.main is not None:
             assert snap.main.ntotal == len(snap.main_labels)
