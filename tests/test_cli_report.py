@@ -144,6 +144,8 @@ def test_the_report_names_the_route_and_the_similarity():
     assert format_report(hit).startswith("[semantic hit 0.971 | route semantic, prompt 0 tok")
     near = common_pb2.CacheReport(semantic_similarity=0.91, route="prefix", prompt_tokens=9)
     assert format_report(near).startswith("[model (nearest entry 0.910) | route prefix, ")
+    down = common_pb2.CacheReport(route="ring", degradations=["semantic_skipped", "index_down"])
+    assert format_report(down).endswith(", degraded: semantic_skipped index_down]")
 
 
 @pytest.mark.parametrize("argv,message", [

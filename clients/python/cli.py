@@ -247,7 +247,8 @@ def format_report(r) -> str:
                   if r.lookup_tokens_accepted else "")
                if r.draft_tokens_proposed else "")
             + (f", draft from {r.draft_entry_id}" if r.draft_entry_id else "")
-            + (f", entry {r.semantic_entry_id}" if r.semantic_entry_id else "") + "]")
+            + (f", entry {r.semantic_entry_id}" if r.semantic_entry_id else "")
+            + (f", degraded: {' '.join(r.degradations)}" if r.degradations else "") + "]")
 
 
 def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:

@@ -8,6 +8,7 @@ is logged and counted, and the request still completes when any replica can serv
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import logging
 import secrets
@@ -289,6 +290,24 @@ class OrchestratorStats:
         with self.lock:
             self.degradations[kind] += 1
         DEGRADED.labels(kind).inc()
+        notes = _REQUEST_NOTES.get()
+        if notes is not None and kind not in notes:
+            notes.append(kind)  # the request's CacheReport.degradations
+
+
+# The degradations of the request whose tier call runs in this context (set around each call,
+# see `_noting`): a client saw a 2 s TTFT with nothing to say the semantic tier was skipped.
+_REQUEST_NOTES: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar(
+    "request_notes", default=None)
+
+
+@contextlib.contextmanager
+def _noting(notes: list[str]) -> Iterator[None]:
+    tok = _REQUEST_NOTES.set(notes)
+    try:
+        yield
+    finally:
+        _REQUEST_NOTES.reset(tok)
 
 
 def answer_ids(tok, special_ids: frozenset[int], generated: list[int], answer: str
@@ -525,9 +544,11 @@ class Orchestrator:
         # counted a hit not served, all for nothing. Kept where its answer may be stored: the
         # lookup is what stops a cut-short sample from replacing a longer stored answer.
         useless = not greedy and not serves_sampled and not want_draft and not may_store
+        notes: list[str] = []  # this request's degradations, for its report
         try:
-            look = None if useless else self._lookup(tenant, prompt, policy, want_draft,
-                                                     deadline, tier_call_started)
+            with _noting(notes):
+                look = None if useless else self._lookup(tenant, prompt, policy, want_draft,
+                                                         deadline, tier_call_started)
         finally:
             current.pop("tier", None)
         draft_ids: list[int] = []
@@ -572,7 +593,8 @@ class Orchestrator:
                     # for them. A draft is advice: the answer goes on without it.
                     log.warning("request %s: dropped the draft of entry %s (token ids outside "
                                 "the vocabulary of %d)", request_id, look.entry.id, self._vocab)
-                    self.stats.degrade("draft_dropped")
+                    with _noting(notes):
+                        self.stats.degrade("draft_dropped")
 
         ids = prompt.token_ids
         if cancelled.is_set():
@@ -582,9 +604,10 @@ class Orchestrator:
         try:
             # A Match cancelled with the request gives ring routing's empty view: the loop's
             # first check below ends the request before anything is routed.
-            matches, key, new_blocks, hashes = (
-                PrefixView({}, "", None, []) if policy.skip_prefix_cache
-                else self._matches(tenant, ids, deadline, on_call=tier_call_started))
+            with _noting(notes):
+                matches, key, new_blocks, hashes = (
+                    PrefixView({}, "", None, []) if policy.skip_prefix_cache
+                    else self._matches(tenant, ids, deadline, on_call=tier_call_started))
         finally:
             current.pop("tier", None)
         session_key = session_routing_key(tenant, session_id)
@@ -805,12 +828,14 @@ class Orchestrator:
                     # expired while traffic went on).
                     self.dispatched.forget(replica.replica_id)
                 attempts += 1
-                if busy or larger:
-                    # Saturation or a small pool, already logged at INFO above: counted apart
-                    # from replica failures, so alerts on "retry"/"resume" mean broken replicas.
-                    self.stats.degrade("busy_replica" if busy else "larger_pool")
-                else:
-                    self.stats.degrade("resume" if generated else "retry")
+                with _noting(notes):
+                    if busy or larger:
+                        # Saturation or a small pool, already logged at INFO above: counted
+                        # apart from replica failures, so alerts on "retry"/"resume" mean broken
+                        # replicas.
+                        self.stats.degrade("busy_replica" if busy else "larger_pool")
+                    else:
+                        self.stats.degrade("resume" if generated else "retry")
                     log.warning("replica %s failed (%s) after %d tokens; attempt %d",
                                 replica.replica_id, why, len(generated), attempts + 1)
                 ended = self._ended(generated, sampling)
@@ -877,10 +902,13 @@ class Orchestrator:
             # reading slowly no longer holds the Store back, nor, too slow for its deadline,
             # leaves its whole answer unstored.
             try:
-                sid = self._store_answer(tenant, prompt, sampling, look, may_store, generated,
-                                         final.finish_reason, deadline, tier_call_started)
+                with _noting(notes):
+                    sid = self._store_answer(tenant, prompt, sampling, look, may_store,
+                                             generated, final.finish_reason, deadline,
+                                             tier_call_started)
             finally:
                 current.pop("tier", None)
+            report.degradations.extend(notes)
             if cancelled.is_set():
                 # Gone during the Store (cancelled with it): no final message, for nobody.
                 raise errors.Cancelled("client cancelled")

@@ -1184,3 +1184,25 @@ def test_a_request_out_of_time_while_waiting_to_route_leaves_no_routing_state():
     assert a.requests == []
     assert not orch.dispatched.match(orch.hasher.hashes(PROMPT, TENANT.cache_salt))
     assert not orch.routing._recent
+
+
+def test_a_request_served_degraded_says_so_in_its_report():
+    """A client saw a 2 s TTFT and "[model | route ring ...]" with nothing to say the semantic
+    tier had been skipped (the tier was down): its report lists the request's degradations,
+    the same kinds as the orchestrator's degradations metric, each once."""
+    class Down(Semantic):
+        def lookup(self, req, timeout=None, on_call=None):
+            raise RpcError(grpc.StatusCode.UNAVAILABLE)
+
+        def store(self, req, timeout=None, on_call=None):
+            raise RpcError(grpc.StatusCode.UNAVAILABLE)
+
+    a = Stub("A", [Call([kvpool_pb2.KvGenerateResponse(token_ids=[ord("o")])],
+                        RpcError(grpc.StatusCode.UNAVAILABLE))])
+    b = Stub("B", [Call([final("B", 2)])])
+    orch = make({"A": a, "B": b}, semantic=Down())
+    orch.routing = in_order("A", "B")
+    report = generate(orch, [])[-1].report
+    assert list(report.degradations) == ["semantic_skipped", "resume", "semantic_store_failed"]
+    healthy = make({"A": Stub("A", [Call([final("A", 2)])])})
+    assert list(generate(healthy, [])[-1].report.degradations) == []
