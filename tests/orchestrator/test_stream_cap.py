@@ -204,6 +204,15 @@ def test_the_request_id_is_the_one_the_interceptor_bound_to_the_logs():
     assert seen == ["bound-by-interceptor"]
 
 
+def _served(s, orch, content: str) -> None:
+    """`content` as one message is rendered once and answered."""
+    g = s.Generate(orchestrator_pb2.GenerateRequest(
+        messages=[{"role": "user", "content": content}]), Context())
+    assert next(g).text == "hi" and orch.renderer.rendered == 1
+    orch.release.set()
+    list(g)
+
+
 def test_a_request_that_cannot_fit_is_refused_before_rendering():
     """Rendering and tokenizing 12 MB of messages took 20 s only to refuse them: more messages
     than prompt tokens, or more characters than the tokens can stand for, are refused first."""
@@ -217,11 +226,7 @@ def test_a_request_that_cannot_fit_is_refused_before_rendering():
     with pytest.raises(InvalidArgument, match="^messages: 513 characters cannot fit"):
         next(s.Generate(long, Context()))
     assert orch.renderer.rendered == 0 and s._streams == 0
-    fits = orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "w" * 512}])
-    g = s.Generate(fits, Context())
-    assert next(g).text == "hi" and orch.renderer.rendered == 1
-    orch.release.set()
-    list(g)
+    _served(s, orch, "w" * 512)  # the largest that can fit
 
 
 def test_a_request_past_the_tenants_own_limit_is_refused_before_rendering():
@@ -233,11 +238,7 @@ def test_a_request_past_the_tenants_own_limit_is_refused_before_rendering():
                        match="^messages: 801 characters cannot fit in tenant limit 100 "):
         next(s.Generate(long, Context()))
     assert orch.renderer.rendered == 0 and s._streams == 0
-    fits = orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "w" * 800}])
-    g = s.Generate(fits, Context())
-    assert next(g).text == "hi" and orch.renderer.rendered == 1
-    orch.release.set()
-    list(g)
+    _served(s, orch, "w" * 800)
 
 
 def test_rendering_waits_for_the_tenants_slot():
@@ -278,25 +279,34 @@ def test_without_tokens_the_one_tenant_may_use_every_stream_slot():
                                                      max_concurrent_per_tenant=4)) == 4
 
 
+def _feedback_with_semantic(code, details: str, entry_id: str):
+    """A servicer whose semantic tier fails Verify and Invalidate with `code`/`details`, and a
+    reference to `entry_id` the default tenant was given."""
+    import grpc
+
+    class Failed(grpc.RpcError):
+        def code(self):
+            return code
+
+        def details(self):
+            return details
+
+    def fail(*a, **kw):
+        raise Failed()
+
+    s, orch = servicer(STREAM_HEADROOM + 2)
+    orch.semantic = SimpleNamespace(enabled=True, invalidate=fail, verify=fail)
+    return s, s.tenants.entry_ref(s.tenants.authenticate({}), entry_id)
+
+
 def test_feedback_with_the_semantic_tier_down_names_no_internal_address():
     """Feedback wrapped the semantic service's transport error text, which names its
     address, into the tenant's status."""
     import grpc
 
-    class Down(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNAVAILABLE
-
-        def details(self):
-            return "failed to connect to all addresses; ipv4:10.0.3.9:50052: Connection refused"
-
-    def down(*a, **kw):
-        raise Down()
-
-    s, orch = servicer(STREAM_HEADROOM + 2)
-    orch.semantic = SimpleNamespace(enabled=True, invalidate=down, verify=down)
-    tenant = s.tenants.authenticate({})
-    ref = s.tenants.entry_ref(tenant, "e1")
+    s, ref = _feedback_with_semantic(
+        grpc.StatusCode.UNAVAILABLE,
+        "failed to connect to all addresses; ipv4:10.0.3.9:50052: Connection refused", "e1")
     for rating in (orchestrator_pb2.RATING_BAD, orchestrator_pb2.RATING_GOOD):
         with pytest.raises(Exception) as e:
             s.Feedback(orchestrator_pb2.FeedbackRequest(semantic_entry_id=ref, rating=rating),
@@ -312,20 +322,8 @@ def test_feedback_on_an_entry_gone_since_is_done_when_bad_and_named_when_good():
 
     from services.common.errors import NotFound
 
-    class Gone(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.NOT_FOUND
-
-        def details(self):
-            return "id: no entry 'internal-e1'"
-
-    def gone(*a, **kw):
-        raise Gone()
-
-    s, orch = servicer(STREAM_HEADROOM + 2)
-    orch.semantic = SimpleNamespace(enabled=True, invalidate=gone, verify=gone)
-    tenant = s.tenants.authenticate({})
-    ref = s.tenants.entry_ref(tenant, "internal-e1")
+    s, ref = _feedback_with_semantic(grpc.StatusCode.NOT_FOUND, "id: no entry 'internal-e1'",
+                                     "internal-e1")
     bad = s.Feedback(orchestrator_pb2.FeedbackRequest(
         semantic_entry_id=ref, rating=orchestrator_pb2.RATING_BAD), Context())
     assert not bad.invalidated and not bad.verified
