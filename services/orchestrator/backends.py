@@ -52,13 +52,17 @@ class Health:
     held_down: bool = False
     # traffic_ok's check and set, against the poller's fail(hold=True) in between.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+    # Whether its state is a metric and its recovery a log line. Off for a sharded tier's own
+    # record, which every shard's call sets in turn: with one shard down it flapped 0/1 with
+    # the traffic mix (each shard's record says it; the tier's line in Stats is derived).
+    exported: bool = True
 
     def ok(self) -> None:
         with self._lock:
             self._ok()
 
     def _ok(self) -> None:
-        if not self.healthy and self.last_error:
+        if not self.healthy and self.last_error and self.exported:
             # Said as its going down was: recovery was only visible in Stats.
             log.info("%s at %s is healthy again", self.name, self.address)
         self.healthy, self.last_error, self.last_ok = True, "", time.time()
@@ -66,6 +70,8 @@ class Health:
         self._export()
 
     def _export(self) -> None:
+        if not self.exported:
+            return
         # Labelled by the dependency's kind ("kvpool/kvpool-0" is "kvpool") and address: a
         # replica's name changes once its first Stats names it.
         DEPENDENCY_HEALTHY.labels(self.name.split("/")[0], self.address).set(
@@ -80,7 +86,7 @@ class Health:
     def fail(self, err: BaseException | str, hold: bool = False) -> None:
         msg = err.details() if isinstance(err, grpc.RpcError) else str(err)
         with self._lock:
-            if self.healthy:
+            if self.healthy and self.exported:
                 log.warning("%s at %s is unhealthy: %s", self.name, self.address, msg)
             self.healthy, self.last_error = False, str(msg)
             self.held_down = self.held_down or hold
@@ -564,9 +570,11 @@ class SemanticBackend:
         self.enabled = bool(self.addresses)
         # The tier's record of its calls: Stats' line for one shard (with several, see
         # `dependencies`: it would follow whichever shard answered last).
-        self.health = Health("semantic", ",".join(self.addresses))
+        self.health = Health("semantic", ",".join(self.addresses),
+                             exported=len(self.addresses) == 1)
         # Each shard's own.
-        self.shard_health = {a: Health("semantic shard", a) for a in self.addresses}
+        self.shard_health = {a: Health("semantic shard", a, exported=len(self.addresses) > 1)
+                             for a in self.addresses}
         self.timeout_s = timeout_s
         self.hung = HungBackoff("semantic shard", self.HUNG_BACKOFF_S, clock)
         self._hung = self.hung.state  # address -> (skip until, backoff)

@@ -836,8 +836,8 @@ class Orchestrator:
                         self.stats.degrade("busy_replica" if busy else "larger_pool")
                     else:
                         self.stats.degrade("resume" if generated else "retry")
-                    log.warning("replica %s failed (%s) after %d tokens; attempt %d",
-                                replica.replica_id, why, len(generated), attempts + 1)
+                        log.warning("replica %s failed (%s) after %d tokens; attempt %d",
+                                    replica.replica_id, why, len(generated), attempts + 1)
                 ended = self._ended(generated, sampling)
                 if ended is not None:
                     # The tokens streamed already make the whole answer (they reached max_tokens,

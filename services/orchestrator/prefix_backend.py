@@ -26,7 +26,9 @@ class PrefixBackend:
                  block_size: int, clock=None) -> None:
         self.client = PrefixIndexClient(addresses, internal_token, timeout=timeout_s,
                                         block_size=block_size)
-        self.health = Health("prefix", ",".join(addresses))
+        # Sharded, the tier's record is set by each shard's call in turn: its state is no
+        # metric then (each shard's is in Stats).
+        self.health = Health("prefix", ",".join(addresses), exported=len(addresses) == 1)
         self.timeout_s = timeout_s
         self.hung = HungBackoff("prefix index shard", self.HUNG_BACKOFF_S,
                                 *([clock] if clock else []))

@@ -296,10 +296,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             deadline = _call_deadline(context)
             if request.rating == orchestrator_pb2.RATING_BAD:
                 n = sem.invalidate(entry_id, deadline).removed
-                if n == 0:
-                    raise errors.NotFound(
-                        f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown")
-                return orchestrator_pb2.FeedbackResponse(invalidated=True)
+                # 0: removed meanwhile by another call (a race with a second "bad"): done, as
+                # for an entry already gone (below).
+                return orchestrator_pb2.FeedbackResponse(invalidated=n > 0)
             sem.verify(entry_id, True, deadline)
             return orchestrator_pb2.FeedbackResponse(verified=True)
         except grpc.RpcError as e:

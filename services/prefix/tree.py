@@ -298,9 +298,11 @@ class BlockTree:
         """
         table = self._table
         n = len(hashes)
-        par = table.get(parent_key)
+        # A root first: a block keyed as a root (h_0, which any replica can compute) stored
+        # before that root was made shadowed it, and every chain under it went nowhere.
+        par = self._roots.get(parent_key)
         if par is None:
-            par = self._roots.get(parent_key)
+            par = table.get(parent_key)
             if par is None:
                 return StoreResult(0, 0, n)
         mask = 1 << bit

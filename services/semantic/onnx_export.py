@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import tempfile
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -349,6 +350,7 @@ def _own_folder(plain: Path, spec: SentenceModelSpec, fingerprint: str) -> Path:
 # Exports this process has started: an export made by the very call that then fails to load
 # it is not made again (`OnnxEmbedder`).
 exports_done = 0
+_exports_lock = threading.Lock()
 
 
 def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name: str, *,
@@ -404,7 +406,8 @@ def _ensure_at(target: Path, spec: SentenceModelSpec, exporter: str, fp: str,
         tmp = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
         try:
             global exports_done
-            exports_done += 1
+            with _exports_lock:  # two embedders built at once in one process
+                exports_done += 1
             _export(spec, tmp, exporter)
             if target.exists():
                 # Stale export (other fingerprint): move it aside, then swap in the new one.

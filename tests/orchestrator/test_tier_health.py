@@ -86,3 +86,49 @@ def test_a_dependencys_health_is_a_metric_and_its_recovery_is_logged(caplog):
         h.ok()
     assert value() == 1.0
     assert "kvpool/kvpool-0 at h:9 is healthy again" in caplog.text
+
+
+def test_a_sharded_tier_exports_each_shard_not_a_flapping_tier_record(caplog):
+    """Every shard's call set the one tier-wide record: with one of two shards down, the tier's
+    gauge went 1, 0, 1, 0 with the traffic mix, and "healthy again" and "unhealthy" alternated
+    in the log."""
+    import logging
+
+    import grpc
+    from prometheus_client import REGISTRY
+    from tiercache.v1 import semantic_pb2
+
+    from services.orchestrator.backends import SemanticBackend
+
+    class Down(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+        def details(self):
+            return "connection refused"
+
+    class Stub:
+        def __init__(self, ok):
+            self.ok = ok
+
+        def Lookup(self, req, **kw):  # noqa: N802 - the gRPC method's name
+            if self.ok:
+                return semantic_pb2.LookupResponse()
+            raise Down()
+
+    def value(dependency, address):
+        return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+                                         {"dependency": dependency, "address": address})
+
+    up, down = "127.0.0.7:1", "127.0.0.7:2"
+    b = SemanticBackend(f"{up},{down}", "", 1.0)
+    b.stubs[up], b.stubs[down] = Stub(True), Stub(False)
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.backends"):
+        for i in range(6):
+            try:
+                b._call(b.addresses[i % 2], "Lookup", semantic_pb2.LookupRequest())
+            except grpc.RpcError:
+                pass
+    assert value("semantic", f"{up},{down}") is None  # no tier-wide series
+    assert (value("semantic shard", up), value("semantic shard", down)) == (1.0, 0.0)
+    assert caplog.text.count("unhealthy") <= 1 and "healthy again" not in caplog.text
