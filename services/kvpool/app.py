@@ -60,16 +60,19 @@ def exact_matmuls() -> None:
     torch.set_float32_matmul_precision("highest")
 
 
-def check_causal(model: Any, path: str) -> None:
-    """Refuses a folder that is not a decoder-only language model: a sentence-transformers
-    folder (BertModel) loaded as BertLMHeadModel, and the replica said it was ready."""
+def check_causal(model: Any, path: str, missing: Any = ()) -> None:
+    """Refuses a folder that is not a decoder-only language model's: a sentence-transformers
+    folder (BertModel) loaded as BertLMHeadModel, its head made up (`missing`: the weights
+    the load initialised at random), and the replica said it was ready. Judged by the weights,
+    not by the config's architecture name: a folder naming only its base model (LlamaModel)
+    with the head tied to the embeddings loads whole."""
     cfg = model.config
-    archs = [a for a in (getattr(cfg, "architectures", None) or []) if isinstance(a, str)]
-    if getattr(cfg, "is_encoder_decoder", False) or (
-            archs and not any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)):
-        raise ModelStoreError(f"{path} holds {', '.join(archs) or 'an encoder-decoder model'}, "
-                              "not a decoder-only language model (a ...ForCausalLM); check "
-                              "TIERCACHE_KVPOOL_MODEL")
+    missing = sorted(missing)
+    if getattr(cfg, "is_encoder_decoder", False) or missing:
+        what = (f"{len(missing)} weights the model needs are not in it (e.g. {missing[0]})"
+                if missing else "it is an encoder-decoder model")
+        raise ModelStoreError(f"{path} is not a decoder-only language model's folder: {what}; "
+                              "check TIERCACHE_KVPOOL_MODEL")
 
 
 def check_finite(model: Any, path: str) -> None:
@@ -106,9 +109,10 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
         log.info("loading model from %s on %s (%s)", path, cfg.device, cfg.dtype)
         # (The packaged model is converted again instead: load_resolved.)
         with readable_weights(path, "TIERCACHE_KVPOOL_MODEL"):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=_DTYPES[cfg.dtype],
-                                                         attn_implementation="sdpa")
-        check_causal(model, path)
+            model, info = AutoModelForCausalLM.from_pretrained(
+                path, dtype=_DTYPES[cfg.dtype], attn_implementation="sdpa",
+                output_loading_info=True)
+        check_causal(model, path, info.get("missing_keys") or ())
         check_finite(model, path)
         return model
 

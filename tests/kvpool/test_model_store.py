@@ -453,5 +453,27 @@ def test_a_folder_that_is_no_causal_language_model_is_refused(tmp_path):
     from services.kvpool.config import KvPoolConfig
     from services.semantic.config import default_model_dir
 
-    with pytest.raises(ModelStoreError, match="BertModel, not a decoder-only"):
+    with pytest.raises(ModelStoreError, match="not a decoder-only language model's folder: "
+                       r"\d+ weights the model needs are not in it \(e.g. cls\."):
         load_model(KvPoolConfig(model=default_model_dir()))
+
+
+def test_a_base_model_folder_is_judged_by_its_weights_not_its_name(tmp_path):
+    """A folder naming only its base model (LlamaModel) loads whole when its head is tied to
+    the embeddings, and is refused when the head would be made up."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from services.kvpool.app import load_model
+    from services.kvpool.config import KvPoolConfig
+
+    for tied in (True, False):
+        cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                          tie_word_embeddings=tied)
+        folder = tmp_path / f"base-{tied}"
+        LlamaForCausalLM(cfg).model.save_pretrained(folder)  # the base model alone
+        if tied:
+            assert load_model(KvPoolConfig(model=str(folder)))[1] == folder.name
+        else:
+            with pytest.raises(ModelStoreError, match="lm_head"):
+                load_model(KvPoolConfig(model=str(folder)))
