@@ -331,13 +331,14 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         def fail(context, exc: BaseException) -> None:
             if isinstance(exc, errors.TierCacheError):
                 RPC_TOTAL.labels(service, short, exc.code).inc()
+                details = _capped(str(exc))
                 # A refused or failed call left no line: a ticket quoting its request id could
                 # not be traced. One line, with the id bound; a flood of them is thinned.
                 if _ERROR_LINES.allow((service, short, exc.code)):
-                    log.info("%s ended %s: %s", short, exc.code, _capped(str(exc))[:300])
+                    log.info("%s ended %s: %s", short, exc.code, details[:300])
                 if isinstance(exc, errors.Overloaded):
                     context.set_trailing_metadata(((errors.OVERLOADED_KEY, "1"),))
-                context.abort(_status_code(exc.code), _capped(str(exc)))
+                context.abort(_status_code(exc.code), details)
             code = context.code() if hasattr(context, "code") else None
             if code not in (None, grpc.StatusCode.OK):
                 # The handler already aborted, or set a code and then raised. Abort again

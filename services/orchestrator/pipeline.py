@@ -638,15 +638,11 @@ class Orchestrator:
             while final is None:
                 if cancelled.is_set():
                     raise errors.Cancelled("client cancelled")
-                if deadline - time.monotonic() <= 0:
-                    # Before routing: a request never sent must leave no prompt credit or routed
-                    # count behind (requests sharing its prefix would follow it there).
-                    raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
                 with self._route_lock:
                     if deadline - time.monotonic() <= 0:
-                        # Again once the lock is held: the time may have run out waiting for it,
-                        # and a choice recorded now (routing's count, the dispatch credit) would
-                        # send requests sharing the prefix to a replica never given it.
+                        # Before routing, with the lock held (the time may run out waiting for
+                        # it): a request never sent must leave no prompt credit or routed count
+                        # behind (requests sharing its prefix would follow it there).
                         raise errors.DeadlineExceeded(
                             "deadline exceeded before a replica answered")
                     # How often each replica had been declared down before its health is read for
