@@ -141,16 +141,24 @@ class PromptRenderer:
         return self._max_token_chars
 
     def check_size(self, field: str, n_messages: int, chars: int, max_tokens: int) -> None:
-        """Refuses, before any rendering, what cannot fit in `max_tokens`: each message
-        takes at least one token, and no token stands for more than `max_token_chars`
-        characters. (Rendering and tokenizing 12 MB of messages took 20 s, only to refuse.)"""
+        """Refuses, before any rendering, what cannot fit in `max_tokens` (`size_problem`).
+        (Rendering and tokenizing 12 MB of messages took 20 s, only to refuse.)"""
+        why = self.size_problem(n_messages, chars, max_tokens)
+        if why:
+            raise InvalidArgument(field, why)
+
+    def size_problem(self, n_messages: int, chars: int, max_tokens: int,
+                     limit: str = "the limit of") -> str:
+        """Why `n_messages` messages of `chars` characters in all cannot fit in `max_tokens`
+        prompt tokens ("" = they may): each message takes at least one token, and no token
+        stands for more than `max_token_chars` characters. `limit` names the limit."""
         if n_messages > max_tokens:
-            raise InvalidArgument(field, f"{n_messages} messages exceed the limit of "
-                                         f"{max_tokens} prompt tokens (one at least each)")
+            return (f"{n_messages} messages exceed {limit} {max_tokens} prompt tokens (one at "
+                    "least each)")
         per_token = self.max_token_chars
         if per_token and chars > max_tokens * per_token:
-            raise InvalidArgument(field, f"{chars} characters cannot fit in the limit of "
-                                         f"{max_tokens} prompt tokens")
+            return f"{chars} characters cannot fit in {limit} {max_tokens} prompt tokens"
+        return ""
 
     @property
     def has_chat_template(self) -> bool:

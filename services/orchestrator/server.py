@@ -93,12 +93,10 @@ def check_size(renderer, cfg: OrchestratorConfig, tenant, field: str, texts: lis
     chars = sum(map(len, texts))
     renderer.check_size(field, len(texts), chars, cfg.max_prompt_tokens)
     if tenant.max_prompt_tokens < cfg.max_prompt_tokens:
-        try:
-            renderer.check_size(field, len(texts), chars, tenant.max_prompt_tokens)
-        except errors.InvalidArgument as e:
+        why = renderer.size_problem(len(texts), chars, tenant.max_prompt_tokens, "tenant limit")
+        if why:
             REJECTED.labels(tenant.name, "prompt_tokens").inc()
-            raise errors.ResourceExhausted(
-                str(e).replace("the limit of", "tenant limit", 1)) from None
+            raise errors.ResourceExhausted(f"{field}: {why}")
 
 
 class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):

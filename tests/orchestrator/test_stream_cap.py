@@ -25,6 +25,7 @@ from services.orchestrator.tenants import TenantRegistry
 class Renderer:
     max_token_chars = 8  # no token stands for more than 8 characters
     check_size = PromptRenderer.check_size
+    size_problem = PromptRenderer.size_problem
 
     def __init__(self) -> None:
         self.rendered = 0
