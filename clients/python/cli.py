@@ -33,6 +33,7 @@ from clients.python.client import (
     retry_later,
 )
 from services.common.config import is_host_port
+from services.common.logs import isatty
 
 
 def session_name(text: str) -> str:
@@ -289,13 +290,6 @@ def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
     return 0
 
 
-def _isatty(f) -> bool:
-    try:
-        return f.isatty()
-    except (AttributeError, ValueError):  # replaced, or closed
-        return False
-
-
 def _end_line(out: list[str]) -> None:
     """Ends the line of an answer cut short (an error, Ctrl-C), if any of it was printed: the
     error, or the shell's prompt, went on the same line."""
@@ -364,7 +358,7 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
                                   credentials=a.credentials)
                for t in w.system_prompts}
 
-    tty = _isatty(sys.stderr)
+    tty = isatty(sys.stderr)
     shown = [-1]  # the last tenth of the run reported (not a terminal: a line per tenth)
 
     def progress(done: int, total: int) -> None:

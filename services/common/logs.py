@@ -80,11 +80,12 @@ def setup_logging(service: str, level: str | None = None) -> None:
         raise ValueError(f"TIERCACHE_LOG_LEVEL: unknown level {level!r}; expected one of "
                          "DEBUG, INFO, WARNING, ERROR, CRITICAL")
     root.setLevel(level.upper())
-    if not _isatty(sys.stderr):
+    if not isatty(sys.stderr):
         quiet_library_progress_bars()
 
 
-def _isatty(stream) -> bool:
+def isatty(stream) -> bool:
+    """Whether `stream` is a terminal (False for one replaced or closed)."""
     try:
         return stream.isatty()
     except (AttributeError, ValueError):
