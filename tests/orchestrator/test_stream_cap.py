@@ -283,17 +283,10 @@ def test_without_tokens_the_one_tenant_may_use_every_stream_slot():
 def _feedback_with_semantic(code, details: str, entry_id: str):
     """A servicer whose semantic tier fails Verify and Invalidate with `code`/`details`, and a
     reference to `entry_id` the default tenant was given."""
-    import grpc
-
-    class Failed(grpc.RpcError):
-        def code(self):
-            return code
-
-        def details(self):
-            return details
+    from tests.orchestrator.test_semantic_errors import Refusal
 
     def fail(*a, **kw):
-        raise Failed()
+        raise Refusal(code, details)
 
     s, orch = servicer(STREAM_HEADROOM + 2)
     orch.semantic = SimpleNamespace(enabled=True, invalidate=fail, verify=fail)

@@ -99,13 +99,7 @@ def test_a_sharded_tier_exports_each_shard_not_a_flapping_tier_record(caplog):
     from tiercache.v1 import semantic_pb2
 
     from services.orchestrator.backends import SemanticBackend
-
-    class Down(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.UNAVAILABLE
-
-        def details(self):
-            return "connection refused"
+    from tests.orchestrator.test_semantic_errors import Refusal
 
     class Stub:
         def __init__(self, ok):
@@ -114,7 +108,7 @@ def test_a_sharded_tier_exports_each_shard_not_a_flapping_tier_record(caplog):
         def Lookup(self, req, **kw):  # noqa: N802 - the gRPC method's name
             if self.ok:
                 return semantic_pb2.LookupResponse()
-            raise Down()
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
     def value(dependency, address):
         return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
