@@ -152,6 +152,9 @@ class PrefixIndexClient:
         self._shards = {a: _Shard(a, channel_factory(a)) for a in addrs}
         # address -> how its last call went ("" = answered; else the transient failure).
         self.shard_errors: dict[str, str] = {}
+        # Told (address, the shard's new `shard_errors` entry) after each outcome recorded
+        # there: the orchestrator exports a sharded index's shards as health gauges.
+        self.on_outcome: Callable[[str, str], None] | None = None
         # address -> the shard's own word on the shard lists it sees differ (its last Stats;
         # "" = none).
         self.shard_list_notes: dict[str, str] = {}
@@ -211,14 +214,17 @@ class PrefixIndexClient:
         by a partial answer must still show in Stats. Not a caller's bad request, nor a
         deadline its own shorter timeout ran into (as for the tier's health)."""
         if err is None:
-            self.shard_errors[address] = ""
-            return
-        code = err.code()
-        if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
-            return
-        if cut_short(err, timeout, self.timeout):
-            return
-        self.shard_errors[address] = f"{code.name}: {err.details()}"
+            said = ""
+        else:
+            code = err.code()
+            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+                return
+            if cut_short(err, timeout, self.timeout):
+                return
+            said = f"{code.name}: {err.details()}"
+        self.shard_errors[address] = said
+        if self.on_outcome is not None:
+            self.on_outcome(address, said)
 
     def _fan_out(self, requests: dict[str, object], method: str, timeout: float | None,
                  allow_partial: bool = False) -> dict[str, object]:

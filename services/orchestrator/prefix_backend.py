@@ -29,9 +29,20 @@ class PrefixBackend:
         # Sharded, the tier's record is set by each shard's call in turn: its state is no
         # metric then (each shard's is in Stats).
         self.health = Health("prefix", ",".join(addresses), exported=len(addresses) == 1)
+        # Sharded, each shard's state is a metric instead (dependency "prefix shard"), as a
+        # semantic shard's is; Stats' lines still come from the client's `shard_errors`.
+        self.shard_health = {a: Health("prefix shard", a)
+                             for a in (addresses if len(addresses) > 1 else ())}
+        if self.shard_health:
+            self.client.on_outcome = self._shard_outcome
         self.timeout_s = timeout_s
         self.hung = HungBackoff("prefix index shard", self.HUNG_BACKOFF_S,
                                 *([clock] if clock else []))
+
+    def _shard_outcome(self, address: str, error: str) -> None:
+        h = self.shard_health.get(address)
+        if h is not None:
+            h.fail(error) if error else h.ok()
 
     def _guard(self, fn, *args, **kw):
         try:

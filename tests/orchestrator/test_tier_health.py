@@ -126,3 +126,51 @@ def test_a_sharded_tier_exports_each_shard_not_a_flapping_tier_record(caplog):
     assert value("semantic", f"{up},{down}") is None  # no tier-wide series
     assert (value("semantic shard", up), value("semantic shard", down)) == (1.0, 0.0)
     assert caplog.text.count("unhealthy") <= 1 and "healthy again" not in caplog.text
+
+
+def test_a_sharded_prefix_index_exports_each_shard_as_a_gauge(caplog):
+    """The semantic tier's shards were gauges and a sharded prefix index's were not: a prefix
+    shard down showed in Stats alone (a known gap until then)."""
+    import logging
+
+    import grpc
+    from prometheus_client import REGISTRY
+    from tiercache.v1 import prefix_pb2
+
+    from services.orchestrator.prefix_backend import PrefixBackend
+    from tests.orchestrator.test_semantic_errors import Refusal
+
+    class Done:
+        def __init__(self, ok):
+            self.ok = ok
+
+        def result(self):
+            if self.ok:
+                return prefix_pb2.PrefixStatsResponse(nodes=3, block_size=16)
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    class Stats:
+        def __init__(self, ok):
+            self.ok = ok
+
+        def future(self, req, timeout=None, metadata=None):
+            return Done(self.ok)
+
+    def value(address):
+        return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+                                         {"dependency": "prefix shard", "address": address})
+
+    up, down = "127.0.0.8:1", "127.0.0.8:2"
+    pb = PrefixBackend((up, down), "", 1.0, 16)
+    assert (value(up), value(down)) == (None, None)  # no call yet
+    pb.client._shards[up].stub = type("S", (), {"Stats": Stats(True)})()
+    pb.client._shards[down].stub = type("S", (), {"Stats": Stats(False)})()
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.backends"):
+        assert pb.stats().nodes == 3  # partial: the live shard's
+        assert (value(up), value(down)) == (1.0, 0.0)
+        pb.client._shards[down].stub = type("S", (), {"Stats": Stats(True)})()
+        pb.stats()
+    assert value(down) == 1.0
+    assert f"prefix shard at {down} is healthy again" in caplog.text
+    assert REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+                                     {"dependency": "prefix", "address": f"{up},{down}"}) is None
