@@ -604,3 +604,27 @@ def test_library_progress_bars_are_off_when_logs_go_to_a_file():
     r = subprocess.run([sys.executable, "-c", probe], cwd=root, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr[-2000:]
+
+
+def test_thinned_error_lines_are_counted_even_when_their_flood_stops(caplog):
+    """The count of lines left out was said only by the same key's next line: a flood that
+    stopped was never counted. Any key's line after the window says it, and so does a stop."""
+    import logging
+    import time
+
+    from services.common import bootstrap
+
+    t = bootstrap._Thinned(per_window=1, window_s=0.05)
+    t.SWEEP_S = 0.0
+    with caplog.at_level(logging.INFO, logger=bootstrap.log.name):
+        assert t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
+        assert not t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
+        assert not t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
+        assert "left out" not in caplog.text  # the window is not over
+        time.sleep(0.06)
+        assert t.allow(("svc", "Store", "NOT_FOUND"))  # another key
+        assert "svc/Lookup/INVALID_ARGUMENT: 2 more lines left out" in caplog.text
+        assert not t.allow(("svc", "Store", "NOT_FOUND"))
+        t.flush()
+    assert "svc/Store/NOT_FOUND: 1 more lines left out" in caplog.text
+    assert caplog.text.count("left out") == 2

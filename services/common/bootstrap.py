@@ -46,21 +46,37 @@ log = logging.getLogger(__name__)
 
 class _Thinned:
     """At most `per_window` log lines per key (service, method, status) every `window_s`;
-    the first line of the next window says how many were left out."""
+    how many were left out is said once the window is over: by the key's next line, by any
+    key's line a second or more later (a flood that stopped was otherwise never counted), or
+    by `flush` as the server stops."""
+
+    SWEEP_S = 1.0
 
     def __init__(self, per_window: int = 10, window_s: float = 10.0) -> None:
         self.per_window, self.window_s = per_window, window_s
         self._seen: dict[tuple, list] = {}  # key -> [window start, lines, left out]
         self._lock = threading.Lock()
+        self._swept = time.monotonic()
+
+    @staticmethod
+    def _say(key: tuple, left_out: int, seconds: float) -> None:
+        log.info("%s: %d more lines left out in a %.1f s window",
+                 "/".join(map(str, key)), left_out, seconds)
 
     def allow(self, key: tuple) -> bool:
         now = time.monotonic()
         with self._lock:
+            if now - self._swept >= self.SWEEP_S:
+                self._swept = now
+                for k, v in list(self._seen.items()):
+                    if now - v[0] >= self.window_s:
+                        if v[2]:
+                            self._say(k, v[2], self.window_s)
+                        del self._seen[k]
             w = self._seen.get(key)
             if w is None or now - w[0] >= self.window_s:
                 if w is not None and w[2]:
-                    log.info("%s: %d more lines like the next one left out in %.0f s",
-                             "/".join(map(str, key)), w[2], self.window_s)
+                    self._say(key, w[2], self.window_s)
                 if len(self._seen) > 4096:  # keys are few; a bound all the same
                     self._seen.clear()
                 self._seen[key] = w = [now, 0, 0]
@@ -69,6 +85,15 @@ class _Thinned:
                 return True
             w[2] += 1
             return False
+
+    def flush(self) -> None:
+        """Say what every key left out so far (the server is stopping)."""
+        now = time.monotonic()
+        with self._lock:
+            for k, v in self._seen.items():
+                if v[2]:
+                    self._say(k, v[2], now - v[0])
+            self._seen.clear()
 
 
 _ERROR_LINES = _Thinned()
@@ -527,6 +552,7 @@ class ServerHandle:
         stopping = self.server.stop(grace)  # new RPCs (a Watch opened again) refused from here
         self.health.close_watches()
         stopping.wait()
+        _ERROR_LINES.flush()
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
