@@ -12,10 +12,17 @@ The guard refuses a match when the two texts disagree on something the embedding
    ("legal" / "illegal", "safe" / "unsafe": ~0.99 cosine);
 3. entities — a capitalised word (not sentence-initial), acronym or alphanumeric code of one
    text is missing from the other;
-4. order — two entities both texts have, next to each other, are swapped ("from Spanish to
-   English" / "from English into Spanish"; moved with a phrase, "In Berlin, what did Obama
-   say?", is not a swap), or the words the texts share are arranged differently beyond one
-   block move.
+4. contrast — one text has a word of a contrasting group where the other has another of
+   that group: quantifiers ("all" / "some"), comparisons ("over 18" / "under 18", "more" /
+   "less"), times ("before" / "after", "this week" / "next week", "minutes" / "hours"),
+   directions, opposite actions ("buy" / "sell") and roles ("husband" / "wife"). MiniLM
+   scores such pairs 0.95-0.99;
+5. order — two entities (or two numbers in digits) both texts have, next to each other, are
+   swapped ("from Spanish to English" / "from English into Spanish", "5/6/2020" /
+   "6/5/2020"; moved with a phrase, "In Berlin, what did Obama say?", is not a swap), or the
+   words the texts share are arranged differently beyond one block move. Either is let
+   through when the texts are the same words with the two phrases around one "and", "or" or
+   "vs" exchanged ("the difference between X and Y" / "... between Y and X").
 
 Accents are dropped first ("Pokémon" is the word "Pokemon"; the strict tier's spelling check
 tells them apart), and a number is split from a unit written onto it ("10km" is "10 km").
@@ -48,9 +55,12 @@ _NUMBER_WORDS = {
     "hundred": "100", "thousand": "1000", "million": "1e6", "billion": "1e9",
     "first": "1st", "second": "2nd", "third": "3rd", "fourth": "4th", "fifth": "5th",
     "once": "1x", "twice": "2x", "half": "0.5", "double": "2x", "triple": "3x",
+    # Orders of magnitude ("hundreds of people" / "thousands of people": 0.986 cosine).
+    "dozens": "12s", "hundreds": "100s", "thousands": "1000s", "millions": "1e6s",
+    "billions": "1e9s",
 }
 _NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor", "nowhere",
-              "without", "cannot", "n't"}
+              "without", "cannot", "n't", "unless", "hardly", "barely", "scarcely"}
 # Cardinal number words that combine into one number ("twenty-five", "two hundred"); the
 # rest of _NUMBER_WORDS stand alone.
 _UNITS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and int(v) < 20}
@@ -229,6 +239,120 @@ def _opposite(a: set[str], b: set[str]) -> str:
     return ""
 
 
+# Groups of words that contrast with each other: "canon:form,form ..." per group, one group a
+# line. A text with more of one word of a group, where the other has more of another word of
+# the same group, says something else ("all users" / "some users", "over 18" / "under 18",
+# "once a day" / "once a week"). Only words alone: "the most", "how many", "all time" and
+# "every other" are read apart below. Left out: words with a common other sense, such as
+# "second" (an ordinal), "may" and "march" (verbs), "min" (minimum or minutes). A word may be
+# in several groups ("most": "all" / "most" and "at most" / "at least"); "some" / "many" and
+# "several" are near enough in questions to stand together.
+_CONTRAST_SPEC = """
+all:every,each most some few
+many few
+most least
+both either
+always:usually,often,frequently,generally,normally sometimes:occasionally,rarely,seldom
+more less:fewer
+over under
+above below
+higher lower
+highest lowest
+bigger:larger smaller
+biggest:largest smallest
+longer shorter
+faster:quicker slower
+fastest:quickest slowest
+older younger
+oldest youngest
+best worst
+better worse
+maximum minimum
+before after during
+early late
+earlier later
+yesterday today tomorrow
+next last this
+increase:increases,increased,increasing decrease:decreases,decreased,decreasing,reduce
+buy:buying,bought,buys sell:selling,sold,sells
+import:imports,importing export:exports,exporting
+win:wins,winning,won lose:loses,losing,lost
+upload:uploads,uploading download:downloads,downloading
+encrypt:encrypting,encryption decrypt:decrypting,decryption
+hot cold
+left right
+north south east west
+morning afternoon evening night:nights noon midnight
+seconds:secs,sec minute:minutes,mins hour:hours,hrs,hr day:days week:weeks month:months \
+year:years,yrs decade:decades century:centuries
+man:men woman:women
+male:males female:females
+boy:boys girl:girls
+boyfriend girlfriend
+husband wife
+son:sons daughter:daughters
+father:dad mother:mom,mum
+brother:brothers sister:sisters
+on off
+mandatory:compulsory optional
+monday tuesday wednesday thursday friday saturday sunday
+january february april june july september october november december
+"""
+_CONTRAST_CANON: dict[str, str] = {}
+_CONTRAST_GROUPS: dict[str, tuple[int, ...]] = {}  # canonical word -> its groups
+for _g, _line in enumerate(filter(None, _CONTRAST_SPEC.strip().splitlines())):
+    for _item in _line.split():
+        _canon, _, _forms = _item.partition(":")
+        for _f in (_canon, *filter(None, _forms.split(","))):
+            _CONTRAST_CANON.setdefault(_f, _canon)
+        _CONTRAST_GROUPS[_canon] = (*_CONTRAST_GROUPS.get(_canon, ()), _g)
+# Two-word phrases whose second word contrasts nothing: a superlative ("the most popular"), a
+# question or an intensifier ("how many", "so many"), "of all time", "not at all".
+_VACUOUS_AFTER = {"most": {"the"}, "many": {"how", "so", "too", "as"},
+                  "all": {"at"}, "time": {"all"}}
+
+
+def _contrast_words(lower: tuple[str, ...]) -> frozenset[tuple[str, int]]:
+    """(canonical contrast word, how often) for the words of `lower` in a contrast group."""
+    out: Counter = Counter()
+    prev = ""
+    for w in lower:
+        if prev in _VACUOUS_AFTER.get(w, ()):
+            if w == "time":  # "all time": the "all" counted before was no quantifier
+                out["all"] -= 1
+        elif prev == "every" and w == "other":  # "every other day" is not "every day"
+            out["all"] -= 1
+            out["every other"] += 1
+        else:
+            canon = _CONTRAST_CANON.get(w)
+            if canon is not None:
+                out[canon] += 1
+        prev = w
+    return frozenset((w, k) for w, k in out.items() if k > 0)
+
+
+def contrast(q: TextFacts, c: TextFacts) -> str:
+    """A word of one text and another of the same contrast group that the other text has
+    instead, as "word/word"; "" when there is none."""
+    if q.contrasts == c.contrasts:
+        return ""
+    cq, cc = dict(q.contrasts), dict(c.contrasts)
+    more: dict[int, str] = {}
+    fewer: dict[int, str] = {}
+    for w in sorted(set(cq) | set(cc)):
+        a, b = cq.get(w, 0), cc.get(w, 0)
+        for g in _CONTRAST_GROUPS.get(w, ()):
+            if a > b:
+                more.setdefault(g, w)
+            elif a < b:
+                fewer.setdefault(g, w)
+    for g in sorted(set(more) & set(fewer)):
+        return f"{more[g]}/{fewer[g]}"
+    if ("every other" in cq) != ("every other" in cc) and cq.get("all", 0) != cc.get("all", 0):
+        return "every other/every"
+    return ""
+
+
 class Span(NamedTuple):
     """Entity words in a row ("new york"), and where they stand among the text's words."""
 
@@ -292,6 +416,62 @@ def entities_missing(q: TextFacts, c: TextFacts) -> set[str]:
 SWAP_GAP = 2
 
 
+def _swapped(shared: list[tuple[Span, Span]]) -> bool:
+    """Two of the items both texts have (each as (its span in q, its span in c)) stand within
+    SWAP_GAP words of each other in both, in the other order in one than in the other."""
+    for i, (qa, ca) in enumerate(shared):
+        for qb, cb in shared[i + 1:]:
+            if (qa.first < qb.first) == (ca.first < cb.first):
+                continue
+            gap_q = max(qa.first, qb.first) - min(qa.last, qb.last)
+            gap_c = max(ca.first, cb.first) - min(ca.last, cb.last)
+            if gap_q <= SWAP_GAP and gap_c <= SWAP_GAP:
+                return True
+    return False
+
+
+def _digit_places(lower: tuple[str, ...]) -> dict[str, Span]:
+    """Each number written in digits, at its first place among the words."""
+    out: dict[str, Span] = {}
+    for k, w in enumerate(lower):
+        if w[0].isdigit():
+            out.setdefault(w, Span(w, k, k))
+    return out
+
+
+def numbers_reordered(q: TextFacts, c: TextFacts) -> bool:
+    """Two numbers both texts write in digits stand close together in both, in the other
+    order in one ("on 5/6/2020" / "on 6/5/2020": the same numbers, 0.99 cosine)."""
+    qn, cn = _digit_places(q.lower), _digit_places(c.lower)
+    return _swapped([(qn[k], cn[k]) for k in qn if k in cn])
+
+
+# Words joining two phrases that may stand in either order ("the difference between X and
+# Y", "X or Y?", "X vs Y"): exchanging them is no change of roles, as "from X to Y" is.
+_COORDINATORS = frozenset({"and", "or", "vs", "versus"})
+_SWAP_MAX_WORDS = 64
+
+
+def coordination_swapped(q: tuple[str, ...], c: tuple[str, ...]) -> bool:
+    """`q`'s words become `c`'s by exchanging the two phrases on either side of one
+    coordinator ("between a virus and bacteria" / "between bacteria and a virus")."""
+    n = len(q)
+    if n != len(c) or n > _SWAP_MAX_WORDS or q == c or Counter(q) != Counter(c):
+        return False
+    i = next(k for k in range(n) if q[k] != c[k])
+    j = next(k for k in range(n, 0, -1) if q[k - 1] != c[k - 1])
+    for k in range(i, j):  # the coordinator stands where the texts differ
+        if q[k] not in _COORDINATORS:
+            continue
+        for a in range(i, -1, -1):
+            if a >= k:
+                continue
+            for b in range(max(j, k + 2), n + 1):
+                if c[a:b] == (*q[k + 1:b], q[k], *q[a:k]):
+                    return True
+    return False
+
+
 def entities_reordered(q: TextFacts, c: TextFacts) -> bool:
     """Two entities (or entity spans) both texts have stand close together in both, in the
     other order in one than in the other."""
@@ -310,16 +490,7 @@ def entities_reordered(q: TextFacts, c: TextFacts) -> bool:
         return out
 
     qi, ci = items(q.spans), items(c.spans)
-    shared = [(qi[k], ci[k]) for k in qi if k in ci]
-    for i, (qa, ca) in enumerate(shared):
-        for qb, cb in shared[i + 1:]:
-            if (qa.first < qb.first) == (ca.first < cb.first):
-                continue
-            gap_q = max(qa.first, qb.first) - min(qa.last, qb.last)
-            gap_c = max(ca.first, cb.first) - min(ca.last, cb.last)
-            if gap_q <= SWAP_GAP and gap_c <= SWAP_GAP:
-                return True
-    return False
+    return _swapped([(qi[k], ci[k]) for k in qi if k in ci])
 
 
 def _shared_sequences(a, b) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
@@ -368,6 +539,7 @@ class TextFacts(NamedTuple):
     entities: frozenset[str]
     spans: tuple[Span, ...]  # entity words in a row, with their places
     vocab: frozenset[str]  # lower_set and the numbers its words write ("third": "3rd" too)
+    contrasts: frozenset[tuple[str, int]] = frozenset()  # (contrast word, how often)
 
 
 # A lookup checks one query against a few candidates, and a popular cached prompt is checked
@@ -387,7 +559,7 @@ def _facts(text: str) -> TextFacts:
     numbers = {n for n in map(_number, words) if n is not None}
     return TextFacts(tuple(tokens), tuple(words), lower, frozenset(lower),
                      frozenset(_numbers(words).items()), _negations(words), frozenset(entities),
-                     tuple(spans), frozenset(lower) | numbers)
+                     tuple(spans), frozenset(lower) | numbers, _contrast_words(lower))
 
 
 def cached_while_short(analyse: Callable[[str], T]) -> Callable[[str], T]:
@@ -411,14 +583,16 @@ class ParaphraseGuard:
 
     Args:
         max_breakpoints: allowed breakpoints in the order of shared words (3 = one block move).
-        check_numbers, check_negation, check_entities, check_order: switch single checks.
+        check_numbers, check_negation, check_entities, check_order, check_contrast: switch
+            single checks.
     """
 
     def __init__(self, max_breakpoints: int = 3, *, check_numbers: bool = True,
                  check_negation: bool = True, check_entities: bool = True,
-                 check_order: bool = True) -> None:
+                 check_order: bool = True, check_contrast: bool = True) -> None:
         self.max_breakpoints = max_breakpoints
         self.checks = (check_numbers, check_negation, check_entities, check_order)
+        self.check_contrast = check_contrast
 
     def check(self, query: str, cached: str) -> GuardResult:
         """GuardResult(True, "") if `cached` may answer `query`."""
@@ -438,16 +612,26 @@ class ParaphraseGuard:
             opposite = _opposite(lq, lc)
             if opposite:
                 return GuardResult(False, f"opposite words: {opposite}"), None
+        if self.check_contrast:
+            words = contrast(q, c)
+            if words:
+                return GuardResult(False, f"contrasting words: {words}"), None
         if entities:
             missing = sorted(entities_missing(q, c))
             if missing:
                 return GuardResult(False, f"entities differ: {', '.join(missing[:4])}"), None
         if order:
-            if entities_reordered(q, c):
-                return GuardResult(False, "entities in another order"), None
-            bp = _breakpoints_lower(c.lower, q.lower)
-            if bp > self.max_breakpoints:
-                return GuardResult(False, f"word order differs ({bp} breakpoints)"), bp
+            why = ("entities in another order" if entities_reordered(q, c)
+                   else "numbers in another order" if numbers_reordered(q, c) else "")
+            bp = None if why else _breakpoints_lower(c.lower, q.lower)
+            if bp is not None and bp > self.max_breakpoints:
+                why = f"word order differs ({bp} breakpoints)"
+            if why:
+                if coordination_swapped(q.lower, c.lower):
+                    # The same words, two phrases around "and" / "or" exchanged: in the order
+                    # the other text has them, nothing is out of place.
+                    return GuardResult(True, ""), 0
+                return GuardResult(False, why), bp
             return GuardResult(True, ""), bp
         return GuardResult(True, ""), None
 

@@ -74,6 +74,35 @@ TRAPS = [
      "How do I translate a document from English into Spanish?", "order"),
     ("Exchange rate USD EUR today", "Exchange rate EUR USD today", "order"),
     ("cheap flights NYC Miami", "cheap flights Miami NYC", "order"),
+    # Words of a contrasting group (stop 55's review: MiniLM 0.95-0.99, served as strict
+    # hits before): quantifiers, comparisons, times, opposite actions, roles.
+    ("Do all employees get a bonus?", "Do some employees get a bonus?", "contrast"),
+    ("Will every student pass the exam?", "Will most students pass the exam?", "contrast"),
+    ("Can children under 12 fly alone?", "Can children over 12 fly alone?", "contrast"),
+    ("Which cars use more fuel on highways?", "Which cars use less fuel on highways?",
+     "contrast"),
+    ("Should I stretch before running?", "Should I stretch after running?", "contrast"),
+    ("Is it bad to drink coffee in the morning?", "Is it bad to drink coffee at night?",
+     "contrast"),
+    ("What movies come out this month?", "What movies come out next month?", "contrast"),
+    ("How many calories do I burn walking for 30 minutes?",
+     "How many calories do I burn walking for 30 hours?", "contrast"),
+    ("Should I buy Tesla stock now?", "Should I sell Tesla stock now?", "contrast"),
+    ("How do I turn on dark mode in Chrome?", "How do I turn off dark mode in Chrome?",
+     "contrast"),
+    ("What should a husband do when his wife cheats?",
+     "What should a wife do when her husband cheats?", "order"),  # both words in both
+    ("Do I need at least 8 hours of sleep?", "Do I need at most 8 hours of sleep?",
+     "contrast"),
+    ("Should I water my cactus every day?", "Should I water my cactus every other day?",
+     "contrast"),
+    ("Why do I always feel cold?", "Why do I sometimes feel cold?", "contrast"),
+    # More negations, orders of magnitude, and numbers swapped around a separator.
+    ("Can I get a visa unless I have a job offer?", "Can I get a visa if I have a job offer?",
+     "negation"),
+    ("Why do hundreds of birds migrate south?", "Why do thousands of birds migrate south?",
+     "numbers"),
+    ("Which bank holidays fall on 3/4/2025?", "Which bank holidays fall on 4/3/2025?", "order"),
 ]
 
 PARAPHRASES = [
@@ -118,6 +147,21 @@ PARAPHRASES = [
     ("What is two hundred and fifty plus one?", "What is two hundred fifty plus one?"),
     ("Is 1.5 million enough to retire?", "Is 1,500,000 enough to retire?"),
     ("I like neither tea nor coffee", "I like not tea and not coffee"),
+    # Two phrases around "and", "or" or "vs" exchanged, nothing else (refused as a word-order
+    # change before): the same question.
+    ("What is the difference between a crocodile and an alligator?",
+     "What is the difference between an alligator and a crocodile?"),
+    ("Is it healthier to eat rice or pasta?", "Is it healthier to eat pasta or rice?"),
+    ("React vs Angular: which should I learn?", "Angular vs React: which should I learn?"),
+    ("What are the advantages and disadvantages of solar power?",
+     "What are the disadvantages and advantages of solar power?"),
+    ("Which is older, Rome or Athens?", "Which is older, Athens or Rome?"),
+    # Contrast words in both texts alike, or used in no contrasting sense.
+    ("What is the most popular sport in India?", "Which sport is the most popular in India?"),
+    ("How many hours a day should I practise guitar?",
+     "How many hours should I practise guitar a day?"),
+    ("Who is the best football player of all time?",
+     "Who is the greatest football player of all time?"),
 ]
 
 
@@ -126,7 +170,8 @@ def test_guard_refuses_traps(query, cached, check):
     g = ParaphraseGuard()
     res = g.check(query, cached)
     assert not res.ok, (query, cached)
-    assert check.rstrip("s") in res.reason.replace("word order", "order")
+    assert check.rstrip("s") in res.reason.replace("word order", "order").replace(
+        "numbers in another order", "order")
     assert not g.check(cached, query).ok, "the guard must be symmetric"
 
 
