@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiercache.v1 import orchestrator_pb2_grpc
 
 from services.common.bootstrap import create_server
+from services.common.metrics import RPC_TOTAL
 from services.common.reaper import StreamReaper
 from services.orchestrator.config import STREAM_HEADROOM, OrchestratorConfig
 from services.orchestrator.pipeline import TextDelta
@@ -108,6 +109,11 @@ def test_a_client_that_stops_reading_gives_back_its_slots_at_request_timeout():
     handle.set_serving()
     stuck = grpc.insecure_channel(handle.address, options=SMALL_WINDOW)
     other = grpc.insecure_channel(handle.address)
+
+    def count(code: str) -> float:
+        return RPC_TOTAL.labels("orchestrator", "Generate", code)._value.get()
+
+    before = {c: count(c) for c in ("CANCELLED", "DEADLINE_EXCEEDED")}
     try:
         held = orchestrator_pb2_grpc.OrchestratorStub(stuck).Generate(request())  # no deadline
         assert next(held).text  # started; then never read again
@@ -120,7 +126,33 @@ def test_a_client_that_stops_reading_gives_back_its_slots_at_request_timeout():
                 pass
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "was not read within 1 s" in e.value.details()
+        # Counted as the client was told: the reaped stream was counted CANCELLED (its
+        # handler saw the call closed, with no gRPC deadline of the client's to compare).
+        _wait_for(lambda: count("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"] + 1)
+        assert count("CANCELLED") == before["CANCELLED"] + 1  # the probe
     finally:
         stuck.close()
         other.close()
         handle.stop(0)
+
+
+@pytest.mark.parametrize(("left", "marked", "code"), [
+    (None, False, "CANCELLED"), (30.0, False, "CANCELLED"), (0.1, False, "DEADLINE_EXCEEDED"),
+    (-1.0, False, "DEADLINE_EXCEEDED"), (None, True, "DEADLINE_EXCEEDED")])
+def test_why_a_call_ended_under_its_handler(left, marked, code):
+    """A client whose deadline passed while the server was stuck sending to it ends the
+    stream a little before the server's copy of the deadline: it was counted CANCELLED."""
+    from services.common.bootstrap import rpc_ended
+    from services.common.reaper import end_call
+
+    class Ctx:
+        def time_remaining(self):
+            return left
+
+        def cancel(self):
+            pass
+
+    ctx = Ctx()
+    if marked:
+        end_call(ctx, grpc.StatusCode.DEADLINE_EXCEEDED, "reaped")
+    assert rpc_ended(ctx).code == code

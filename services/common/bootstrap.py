@@ -597,11 +597,20 @@ def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:
                                        require_client_auth=ca_b is not None)
 
 
+# A client whose deadline passes while the server is stuck sending to it ends the stream a
+# little before the server's copy of that deadline passes (it was taken on arrival).
+DEADLINE_SLACK_S = 0.25
+
+
 def rpc_ended(context: grpc.ServicerContext) -> errors.TierCacheError:
-    """Why an RPC ended under a handler that was still working: its deadline passed
-    (DeadlineExceeded), else the client cancelled or went away (Cancelled)."""
+    """Why an RPC ended under a handler that was still working: its deadline passed, or the
+    server ended it at a deadline of its own (`reaper.end_call`: DeadlineExceeded), else the
+    client cancelled or went away (Cancelled). Reaped streams and streams whose client gave up
+    at its deadline were counted CANCELLED, while their client saw DEADLINE_EXCEEDED."""
+    if getattr(context, "tiercache_ended_with", None) == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return errors.DeadlineExceeded("deadline exceeded")
     left = context.time_remaining() if hasattr(context, "time_remaining") else None
-    if left is not None and left <= 0:
+    if left is not None and left <= DEADLINE_SLACK_S:
         return errors.DeadlineExceeded("deadline exceeded")
     return errors.Cancelled("client cancelled")
 

@@ -26,6 +26,12 @@ def end_call(context: Any, code: grpc.StatusCode, details: str) -> None:
     """End the server call of `context` now with `code` and `details` (the client sees them;
     the handler's pending send returns and its generator is closed). Falls back to the public
     `cancel()` (status CANCELLED) where this grpc keeps its call elsewhere."""
+    try:
+        # What the interceptor's count of the call reads (`bootstrap.rpc_ended`): its handler
+        # only sees the call closed, as if the client had gone.
+        context.tiercache_ended_with = code
+    except AttributeError:
+        pass
     call = getattr(getattr(context, "_rpc_event", None), "call", None)
     if call is not None:
         try:

@@ -131,6 +131,12 @@ class KvPoolConfig:
     # step (a 512-token prefill chunk of SmolLM2 takes ~0.5 s on 2 CPU cores); raise it for
     # large models on CPU. 0 = off.
     engine_stall_seconds: float = 300.0
+    # A Generate stream whose client has taken no message for this long (its send held by
+    # flow control: a direct caller that stopped reading) is ended with DEADLINE_EXCEEDED.
+    # Such a stream held a worker thread for good (the engine had long finished), and as many
+    # as the server has (max_batch_size + max_waiting + 16) took the replica down. The
+    # orchestrator reads ahead of its own clients and never stalls here. 0 = off.
+    send_stall_seconds: float = 60.0
 
     def validate(self) -> None:
         """Fail fast with the name of the offending variable."""
@@ -190,6 +196,8 @@ class KvPoolConfig:
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
         require(self.engine_stall_seconds >= 0, s, "engine_stall_seconds",
                 "must be >= 0 (0 = off)")
+        require(self.send_stall_seconds == 0 or self.send_stall_seconds >= 1, s,
+                "send_stall_seconds", "must be 0 (off) or >= 1")
         require(0 < self.max_pinned_fraction <= 1, s, "max_pinned_fraction", "must be in (0, 1]")
         require(0 < self.max_pinned_per_tenant_fraction <= self.max_pinned_fraction, s,
                 "max_pinned_per_tenant_fraction", "must be in (0, max_pinned_fraction]")

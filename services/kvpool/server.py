@@ -18,6 +18,7 @@ from services.common import errors
 from services.common.bootstrap import rpc_ended
 from services.common.hashing import check_salt
 from services.common.logs import plain_request_id, request_id_var
+from services.common.reaper import StreamReaper
 from services.common.tokens import validate_stop_ids, validate_tokens
 from services.kvpool.config import KvPoolConfig
 from services.kvpool.engine import (
@@ -31,6 +32,8 @@ from services.kvpool.engine import (
 from services.kvpool.sampling import SamplingSpec
 
 log = logging.getLogger(__name__)
+_REAPER = StreamReaper(on_reap=lambda details: log.warning(
+    "ended a Generate stream whose client stopped reading: %s", details))
 
 _FINISH = {
     FinishReason.EOS: common_pb2.FINISH_REASON_EOS,
@@ -98,6 +101,28 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
 
     def Generate(self, request: kvpool_pb2.KvGenerateRequest,
                  context: grpc.ServicerContext) -> Iterator[kvpool_pb2.KvGenerateResponse]:
+        stall = self.cfg.send_stall_seconds
+        stream = self._generate(request, context)
+        try:
+            for msg in stream:
+                if not stall:
+                    yield msg
+                    continue
+                # A send blocks while the client's flow-control window is full: a client that
+                # stopped reading held this worker thread for good. Ended from outside.
+                token = _REAPER.arm(
+                    time.monotonic() + stall, context,
+                    f"the client took no message for {stall:g} s (send_stall_seconds); "
+                    f"request {errors.shown(request.request_id)}")
+                try:
+                    yield msg
+                finally:
+                    _REAPER.disarm(token)
+        finally:
+            stream.close()  # closed from outside (the client went), its clean-up runs now
+
+    def _generate(self, request: kvpool_pb2.KvGenerateRequest,
+                  context: grpc.ServicerContext) -> Iterator[kvpool_pb2.KvGenerateResponse]:
         engine, info = self._ready()
         self._check_model(request.model_id, info)
         ids = validate_tokens("token_ids", request.token_ids, info.vocab_size)

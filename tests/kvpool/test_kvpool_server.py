@@ -699,3 +699,69 @@ def test_stats_say_how_long_the_engine_has_not_turned(served) -> None:
     while served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5).stalled_for_s >= 1.0:
         assert time.monotonic() < deadline
         time.sleep(0.05)
+
+
+def test_a_direct_client_that_stops_reading_is_ended_after_send_stall_seconds(tiny_model):
+    """A caller of kvpool itself that stopped reading (no deadline, a small receive window)
+    held the handler inside a send, and its worker thread, for good: the replica ran no
+    reaper. Enough such streams took the replica down."""
+    import queue
+
+    from services.common.metrics import RPC_TOTAL
+    from services.kvpool.engine import TokenDelta, model_info
+
+    class Endless:  # an answer far longer than the client's window
+        running = True
+        prefix_caching = True
+
+        def __init__(self) -> None:
+            self.cancelled = threading.Event()
+
+        def submit(self, req):
+            out: queue.Queue = queue.Queue()
+
+            def feed() -> None:
+                while not self.cancelled.is_set():
+                    out.put(TokenDelta(list(range(2000))))
+                    time.sleep(0.01)
+
+            threading.Thread(target=feed, daemon=True).start()
+            return "s1", out
+
+        def cancel(self, seq_id) -> None:
+            self.cancelled.set()
+
+    s = Served(replace(CFG, send_stall_seconds=1.0), None)
+    eng = Endless()
+    s.servicer.attach(eng, model_info(tiny_model, TINY_ID))
+    s.handle.set_serving()
+    window = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+    stuck = grpc.insecure_channel(f"127.0.0.1:{s.handle.port}", options=window)
+    before = RPC_TOTAL.labels("kvpool", "Generate", "DEADLINE_EXCEEDED")._value.get()
+    try:
+        req = kvpool_pb2.KvGenerateRequest(token_ids=PROMPT,
+                                           sampling=common_pb2.SamplingParams(max_tokens=64))
+        call = kvpool_pb2_grpc.KvPoolStub(stuck).Generate(req)  # no deadline
+        assert next(call).token_ids  # started; then never read again
+        assert eng.cancelled.wait(15), "the stream was never ended"
+        with pytest.raises(grpc.RpcError) as e:
+            for _ in call:
+                pass
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "send_stall_seconds" in e.value.details()
+        end = time.monotonic() + 5
+        while (RPC_TOTAL.labels("kvpool", "Generate", "DEADLINE_EXCEEDED")._value.get() == before
+               and time.monotonic() < end):
+            time.sleep(0.05)
+        # Counted as the client was told, not CANCELLED.
+        assert RPC_TOTAL.labels("kvpool", "Generate", "DEADLINE_EXCEEDED")._value.get() == (
+            before + 1)
+    finally:
+        stuck.close()
+        s.close()
+
+
+def test_send_stall_seconds_is_checked():
+    with pytest.raises(ValueError, match="SEND_STALL_SECONDS"):
+        replace(CFG, send_stall_seconds=0.5).validate()
+    replace(CFG, send_stall_seconds=0).validate()
