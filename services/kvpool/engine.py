@@ -1317,6 +1317,15 @@ class Engine:
             assert sid in live, f"pool holds a table for dead sequence {sid}"
         for i, s in enumerate(self._decoding):
             assert s.row == i
+            # Between steps a sequence holds blocks for its computed tokens only: the blocks
+            # of rejected draft tokens were given back (`truncate`) in the step that
+            # rejected them, not at its next step or its end.
+            t = self.pool._seqs.get(s.seq_id)  # noqa: SLF001 - as above
+            if t is not None:
+                keep = max(self.pool.blocks_needed(s.num_computed), t.committed)
+                assert len(t.blocks) <= keep, (
+                    f"sequence {s.seq_id} holds {len(t.blocks)} blocks for {s.num_computed} "
+                    f"computed tokens ({keep} needed)")
 
 
 def _row_layout(tree: Tree | None, q: int) -> tuple[tuple[int, ...], list[list[bool]]]:

@@ -38,8 +38,13 @@ def test_overloaded_holder_is_skipped():
 
 def test_load_penalty_spreads_a_hot_prompt_between_holders():
     p = PrefixAwarePolicy(epsilon=0.25, min_prefix_tokens=32, load_penalty_tokens=16)
-    d = p.choose(views(r0=2, r1=0), {"r0": 1024, "r1": 1024}, "s")
-    assert d.replica_id == "r1"
+    # Every key: with one key the tie-break hash alone could pick r1 (a review removed the
+    # penalty and this test still passed; 14 of 20 other keys then went to the loaded r0).
+    for key in ["s", *(f"k{i}" for i in range(40))]:
+        d = p.choose(views(r0=2, r1=0), {"r0": 1024, "r1": 1024}, key)
+        assert d.replica_id == "r1", key
+        d = p.choose(views(r0=0, r1=2), {"r0": 1024, "r1": 1024}, key)
+        assert d.replica_id == "r0", key
 
 
 def test_session_affinity_is_stable_and_moves_only_when_its_replica_leaves():

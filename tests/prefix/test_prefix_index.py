@@ -784,3 +784,17 @@ def test_a_sweeper_late_at_every_turn_still_lets_a_silent_replicas_lease_run_out
         clock.t += 6
         gone += index.sweep(period=2.5)
     assert gone == ["a"]
+
+
+def test_an_old_incarnations_heartbeat_neither_counts_nor_renews_the_new_one(index, clock):
+    """A replica restarted under the same id: the old process's heartbeats (still in flight,
+    or a process that did not die) must not keep the new incarnation's lease alive. A review
+    dropped the incarnation check and no test failed."""
+    index.register("a", "old", "addr-a", MODEL, BS, 100)
+    index.register("a", "new", "addr-a", MODEL, BS, 100)
+    for _ in range(4):
+        clock.t += 4
+        assert not index.heartbeat("a", "old", Load()).known  # told to register again
+    # 16 s on a 10 s lease with only the old process's heartbeats: the new one lapsed.
+    assert not index.heartbeat("a", "new", Load()).known
+    assert all(r.replica_id != "a" for r in index.stats().replicas)

@@ -183,6 +183,10 @@ def test_guard_refuses_traps(query, cached, check):
     # A phrase moved with its entity is not a swap of roles (the learned verifier, which
     # weighs how far words moved, refuses the second in the strict and standard tiers).
     ("What did Obama say in Berlin?", "In Berlin, what did Obama say?"),
+    # Entities in the other order but far apart in one text: no swap of roles (a review made
+    # the "close in both texts" rule "close in either", and no test failed).
+    ("What did you think of the speech by Obama in Berlin?",
+     "What did you think of the Berlin speech by Obama?"),
     ("What are good restaurants in Paris for a vegan from India?",
      "For a vegan from India, what are good restaurants in Paris?"),
 ])
