@@ -427,7 +427,7 @@ def test_a_read_ahead_is_closed_once(monkeypatch):
     # at once was cancelled twice and joined twice (2 x JOIN_S in the gRPC handler).
     from services.orchestrator.pipeline import _ReadAhead
 
-    monkeypatch.setattr(_ReadAhead, "JOIN_S", 0.3)
+    monkeypatch.setattr(_ReadAhead, "JOIN_S", 1.0)
     release = threading.Event()
     closes = []
 
@@ -442,7 +442,8 @@ def test_a_read_ahead_is_closed_once(monkeypatch):
         t0 = time.monotonic()
         ahead.close()
         ahead.close()
-        assert closes == [1] and time.monotonic() - t0 < 0.6
+        # One join (1 s), not two: 0.9 s of slack for a loaded host.
+        assert closes == [1] and time.monotonic() - t0 < 1.9
     finally:
         release.set()
 
