@@ -538,6 +538,13 @@ class PrefixIndex:
         gone = [r for r in self._replicas.values() if r.deadline <= now]
         for rep in gone:
             self._drop(rep, now)
+        if gone:
+            # Here, not by the sweeper alone: whichever call comes first drops a lapsed lease
+            # (a Match, another replica's heartbeat), so the sweeper's line was nearly never
+            # written (1 of 8 lapses in an operator's run).
+            log.info("leases lapsed: dropped replicas %s (lease %g s; last seen %s s ago)",
+                     ", ".join(r.replica_id for r in gone), self.lease_seconds,
+                     ", ".join(f"{now - r.last_seen:.1f}" for r in gone))
         self._next_deadline = min((r.deadline for r in self._replicas.values()),
                                   default=float("inf"))
         return [r.replica_id for r in gone]

@@ -244,12 +244,11 @@ def serve(cfg: PrefixConfig, index: PrefixIndex | None = None) -> PrefixService:
             sweep_due = time.monotonic() >= due
             if not sweep_due and not index.tree.unheld:
                 continue  # nothing to do: the lock is not taken for nothing
-            gone: list[str] = []
             try:
                 with servicer.lock:
                     if sweep_due:
                         due = time.monotonic() + period
-                        gone = index.sweep(period=period)
+                        index.sweep(period=period)  # a lapse logs itself
                     if index.tree.unheld:
                         index.reap(REAP_STEP)
                     servicer._gauges()
@@ -259,8 +258,6 @@ def serve(cfg: PrefixConfig, index: PrefixIndex | None = None) -> PrefixService:
                 log.exception("prefix index sweep failed; sweeping again in %.2f s", period)
                 stop.wait(period)  # not a tight loop of the same error while reaping
                 continue
-            if gone:
-                log.info("leases lapsed: dropped replicas %s", ", ".join(gone))
 
     sweeper = threading.Thread(target=sweep, name="prefix-lease-sweeper", daemon=True)
     sweeper.start()
