@@ -608,23 +608,100 @@ def test_library_progress_bars_are_off_when_logs_go_to_a_file():
 
 def test_thinned_error_lines_are_counted_even_when_their_flood_stops(caplog):
     """The count of lines left out was said only by the same key's next line: a flood that
-    stopped was never counted. Any key's line after the window says it, and so does a stop."""
+    stopped was never counted. Any key's line after the window says it, and so does a stop;
+    the line says when they were left out, under no request's id (an operator saw one carry
+    an unrelated request's id, minutes after the lines it counted)."""
     import logging
+    import re
     import time
 
     from services.common import bootstrap
+    from services.common.logs import bound_request_id, request_id_var
 
+    ids: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            if "left out" in record.getMessage():
+                ids.append(request_id_var.get())
+
+    keep = Keep(logging.INFO)
+    bootstrap.log.addHandler(keep)
     t = bootstrap._Thinned(per_window=1, window_s=0.05)
     t.SWEEP_S = 0.0
-    with caplog.at_level(logging.INFO, logger=bootstrap.log.name):
-        assert t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
-        assert not t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
-        assert not t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
-        assert "left out" not in caplog.text  # the window is not over
-        time.sleep(0.06)
-        assert t.allow(("svc", "Store", "NOT_FOUND"))  # another key
-        assert "svc/Lookup/INVALID_ARGUMENT: 2 more lines left out" in caplog.text
-        assert not t.allow(("svc", "Store", "NOT_FOUND"))
-        t.flush()
+    try:
+        with caplog.at_level(logging.INFO, logger=bootstrap.log.name):
+            assert t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
+            assert not t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
+            assert not t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
+            assert "left out" not in caplog.text  # the window is not over
+            time.sleep(0.06)
+            with bound_request_id("unrelated-request"):
+                assert t.allow(("svc", "Store", "NOT_FOUND"))  # another key
+            assert re.search(r"svc/Lookup/INVALID_ARGUMENT: 2 more lines left out between "
+                             r"\d\d:\d\d:\d\d and \d\d:\d\d:\d\dZ", caplog.text)
+            assert not t.allow(("svc", "Store", "NOT_FOUND"))
+            t.flush()
+    finally:
+        bootstrap.log.removeHandler(keep)
     assert "svc/Store/NOT_FOUND: 1 more lines left out" in caplog.text
     assert caplog.text.count("left out") == 2
+    assert ids == ["", ""]
+
+
+def test_a_stream_cut_at_the_end_of_the_servers_drain_is_counted_unavailable():
+    """An operator's SIGTERM of the orchestrator cut a 256-token stream at the end of its
+    grace: the log said "Generate ended CANCELLED: client cancelled", and the metric agreed,
+    while the client got UNAVAILABLE."""
+    import threading
+    import time
+
+    import grpc
+
+    from services.common.bootstrap import create_server
+    from services.common.metrics import RPC_TOTAL
+
+    started = threading.Event()
+
+    def slow(request: bytes, context):
+        started.set()
+        for _ in range(200):
+            yield b"x"
+            time.sleep(0.05)
+
+    def add(_servicer, server) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "x.Slow", {"Stream": grpc.unary_stream_rpc_method_handler(slow)}),))
+
+    def count(code: str) -> float:
+        return RPC_TOTAL.labels("cut-test", "Stream", code)._value.get()
+
+    before = {c: count(c) for c in ("CANCELLED", "UNAVAILABLE")}
+    handle = create_server(service="cut-test", address="127.0.0.1:0",
+                           services=[(add, None, "x.Slow")])
+    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    try:
+        call = channel.unary_stream("/x.Slow/Stream")(b"", timeout=30)
+        got = []
+
+        def read() -> None:
+            try:
+                for m in call:
+                    got.append(m)
+            except grpc.RpcError as e:
+                got.append(e.code())
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        assert started.wait(10)
+        handle.stop(0.3)
+        reader.join(10)
+        assert got[-1] == grpc.StatusCode.UNAVAILABLE
+        end = time.monotonic() + 5
+        while count("UNAVAILABLE") == before["UNAVAILABLE"] and time.monotonic() < end:
+            time.sleep(0.05)
+        assert count("UNAVAILABLE") == before["UNAVAILABLE"] + 1
+        assert count("CANCELLED") == before["CANCELLED"]
+    finally:
+        channel.close()
+        handle.stop(0)

@@ -46,22 +46,31 @@ log = logging.getLogger(__name__)
 
 class _Thinned:
     """At most `per_window` log lines per key (service, method, status) every `window_s`;
-    how many were left out is said once the window is over: by the key's next line, by any
-    key's line a second or more later (a flood that stopped was otherwise never counted), or
-    by `flush` as the server stops."""
+    how many were left out, and when, is said once the window is over: by the key's next
+    line, by any key's line a second or more later (a flood that stopped was otherwise never
+    counted), or by `flush` as the server stops. That line carries no request id (it was
+    written under whichever request's id was bound, unrelated to the lines it counts)."""
 
     SWEEP_S = 1.0
 
     def __init__(self, per_window: int = 10, window_s: float = 10.0) -> None:
         self.per_window, self.window_s = per_window, window_s
-        self._seen: dict[tuple, list] = {}  # key -> [window start, lines, left out]
+        # key -> [window start, lines, left out, first and last left out (Unix time)]
+        self._seen: dict[tuple, list] = {}
         self._lock = threading.Lock()
         self._swept = time.monotonic()
 
     @staticmethod
-    def _say(key: tuple, left_out: int, seconds: float) -> None:
-        log.info("%s: %d more lines left out in a %.1f s window",
-                 "/".join(map(str, key)), left_out, seconds)
+    def _say(key: tuple, w: list) -> None:
+        if not w[2]:
+            return
+
+        def at(t: float) -> str:
+            return time.strftime("%H:%M:%S", time.gmtime(t))
+
+        with bound_request_id(""):
+            log.info("%s: %d more lines left out between %s and %sZ",
+                     "/".join(map(str, key)), w[2], at(w[3]), at(w[4]))
 
     def allow(self, key: tuple) -> bool:
         now = time.monotonic()
@@ -70,29 +79,29 @@ class _Thinned:
                 self._swept = now
                 for k, v in list(self._seen.items()):
                     if now - v[0] >= self.window_s:
-                        if v[2]:
-                            self._say(k, v[2], self.window_s)
+                        self._say(k, v)
                         del self._seen[k]
             w = self._seen.get(key)
             if w is None or now - w[0] >= self.window_s:
-                if w is not None and w[2]:
-                    self._say(key, w[2], self.window_s)
+                if w is not None:
+                    self._say(key, w)
                 if len(self._seen) > 4096:  # keys are few; a bound all the same
                     self._seen.clear()
-                self._seen[key] = w = [now, 0, 0]
+                self._seen[key] = w = [now, 0, 0, 0.0, 0.0]
             if w[1] < self.per_window:
                 w[1] += 1
                 return True
-            w[2] += 1
+            wall = time.time()
+            if not w[2]:
+                w[3] = wall
+            w[2], w[4] = w[2] + 1, wall
             return False
 
     def flush(self) -> None:
         """Say what every key left out so far (the server is stopping)."""
-        now = time.monotonic()
         with self._lock:
             for k, v in self._seen.items():
-                if v[2]:
-                    self._say(k, v[2], now - v[0])
+                self._say(k, v)
             self._seen.clear()
 
 
@@ -311,6 +320,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         self.internal_token = internal_token
         self.authenticate = authenticate
         self._open_streams = threading.BoundedSemaphore(MAX_OPEN_STREAMS)
+        # When this server's stop cuts the calls still running (monotonic; None = running).
+        self.cut_at: float | None = None
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -329,9 +340,13 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         token = self.internal_token or ""
         service = self.service
 
+        interceptor = self
+
         def prologue(context) -> str | None:
             """The caller's credential, checked before its request is parsed: a request
             without one (up to the message size limit) cost nothing but its transfer."""
+            with contextlib.suppress(AttributeError):
+                context.tiercache_server = interceptor  # for `rpc_ended`
             if need_auth:
                 got = "" if twice else metadata.get("authorization", "")
                 if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
@@ -517,6 +532,7 @@ class ServerHandle:
     service_names: list[str]
     metrics_port: int | None = None
     _metrics_httpd: Any = None
+    _interceptor: Any = None
     serving: bool = False  # what health says now, under every name (HEALTH_PATH reads it)
     stopped: threading.Event = field(default_factory=threading.Event)
     # Set when a drain begins: health stays NOT_SERVING from then on, whoever asks (a watcher
@@ -549,6 +565,10 @@ class ServerHandle:
     def stop(self, grace: float | None = 5.0) -> None:
         """Health NOT_SERVING, refuse new RPCs, let in-flight ones finish within `grace`."""
         self.begin_drain()
+        if self._interceptor is not None:
+            # Calls still running when the grace ends are cut by gRPC: their handlers see the
+            # call closed, as if their client had gone (`rpc_ended` tells them apart).
+            self._interceptor.cut_at = time.monotonic() + (grace or 0.0)
         stopping = self.server.stop(grace)  # new RPCs (a Watch opened again) refused from here
         self.health.close_watches()
         stopping.wait()
@@ -600,6 +620,8 @@ def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:
 # A client whose deadline passes while the server is stuck sending to it ends the stream a
 # little before the server's copy of that deadline passes (it was taken on arrival).
 DEADLINE_SLACK_S = 0.25
+# gRPC cuts the calls left at its stop's grace end; their handlers see it a moment later.
+STOP_CUT_SLACK_S = 0.05
 
 
 def rpc_ended(context: grpc.ServicerContext) -> errors.TierCacheError:
@@ -609,6 +631,10 @@ def rpc_ended(context: grpc.ServicerContext) -> errors.TierCacheError:
     at its deadline were counted CANCELLED, while their client saw DEADLINE_EXCEEDED."""
     if getattr(context, "tiercache_ended_with", None) == grpc.StatusCode.DEADLINE_EXCEEDED:
         return errors.DeadlineExceeded("deadline exceeded")
+    cut_at = getattr(getattr(context, "tiercache_server", None), "cut_at", None)
+    if cut_at is not None and time.monotonic() >= cut_at - STOP_CUT_SLACK_S:
+        # The server's stop cut it at the end of its drain: the client sees UNAVAILABLE.
+        return errors.Unavailable("the server stopped: its drain ended before this call did")
     left = context.time_remaining() if hasattr(context, "time_remaining") else None
     if left is not None and left <= DEADLINE_SLACK_S:
         return errors.DeadlineExceeded("deadline exceeded")
@@ -657,9 +683,10 @@ def create_server(
     # As validated (`require_listen_address`): a value with a leading space (a YAML quirk)
     # passed the check, then failed gRPC's lookup as "cannot listen".
     address = address.strip()
+    interceptor = _ServerInterceptor(service, internal_token, authenticate)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{service}-rpc"),
-        interceptors=[_ServerInterceptor(service, internal_token, authenticate)],
+        interceptors=[interceptor],
         # gRPC sets SO_REUSEPORT by default: a second server on a busy port would bind and
         # split connections with the first (and a launcher would take the old one's health
         # for the new one's). A port in use must fail the bind.
@@ -691,6 +718,7 @@ def create_server(
                         "(the port is in use, or the host is not an address of this machine)")
     server.start()
     handle = ServerHandle(service, server, port, hs, names)
+    handle._interceptor = interceptor
     handle.set_serving(False)
     if metrics_port is not None:
         host = address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
