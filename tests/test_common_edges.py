@@ -221,7 +221,7 @@ def test_a_refused_call_leaves_one_line_with_its_request_id_and_a_flood_is_thinn
     bootstrap.log.addHandler(keep)
     level = bootstrap.log.level
     bootstrap.log.setLevel(logging.INFO)  # the services' default (TIERCACHE_LOG_LEVEL)
-    bootstrap._ERROR_LINES = bootstrap._Thinned(per_window=3, window_s=60.0)
+    bootstrap._ERROR_LINES = bootstrap.Thinned(bootstrap.log, per_window=3, window_s=60.0)
     handle = create_server(service="refuse-test", address="127.0.0.1:0",
                            services=[(add, None, "x.Refuse")])
     try:
@@ -234,7 +234,7 @@ def test_a_refused_call_leaves_one_line_with_its_request_id_and_a_flood_is_thinn
         handle.stop(0)
         bootstrap.log.removeHandler(keep)
         bootstrap.log.setLevel(level)
-        bootstrap._ERROR_LINES = bootstrap._Thinned()
+        bootstrap._ERROR_LINES = bootstrap.Thinned(bootstrap.log)
     lines = [(m, rid) for m, rid in seen if "ended INVALID_ARGUMENT" in m]
     assert lines == [("Call ended INVALID_ARGUMENT: text: must not be empty", f"ticket-{i}")
                      for i in range(3)]  # then thinned
@@ -627,7 +627,7 @@ def test_thinned_error_lines_are_counted_even_when_their_flood_stops(caplog):
 
     keep = Keep(logging.INFO)
     bootstrap.log.addHandler(keep)
-    t = bootstrap._Thinned(per_window=1, window_s=0.05)
+    t = bootstrap.Thinned(bootstrap.log, per_window=1, window_s=0.05)
     t.SWEEP_S = 0.0
     try:
         with caplog.at_level(logging.INFO, logger=bootstrap.log.name):

@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import errors
 from services.common.config import ConfigError
-from services.common.logs import bound_request_id, plain_request_id
+from services.common.logs import Thinned, bound_request_id, plain_request_id
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.common.reflection import source_info_pool
 from services.common.wire import find_invalid_utf8
@@ -44,68 +44,7 @@ from services.common.wire import find_invalid_utf8
 log = logging.getLogger(__name__)
 
 
-class _Thinned:
-    """At most `per_window` log lines per key (service, method, status) every `window_s`;
-    how many were left out, and when, is said once the window is over: by the key's next
-    line, by any key's line a second or more later (a flood that stopped was otherwise never
-    counted), or by `flush` as the server stops. That line carries no request id (it was
-    written under whichever request's id was bound, unrelated to the lines it counts)."""
-
-    SWEEP_S = 1.0
-
-    def __init__(self, per_window: int = 10, window_s: float = 10.0) -> None:
-        self.per_window, self.window_s = per_window, window_s
-        # key -> [window start, lines, left out, first and last left out (Unix time)]
-        self._seen: dict[tuple, list] = {}
-        self._lock = threading.Lock()
-        self._swept = time.monotonic()
-
-    @staticmethod
-    def _say(key: tuple, w: list) -> None:
-        if not w[2]:
-            return
-
-        def at(t: float) -> str:
-            return time.strftime("%H:%M:%S", time.gmtime(t))
-
-        with bound_request_id(""):
-            log.info("%s: %d more lines left out between %s and %sZ",
-                     "/".join(map(str, key)), w[2], at(w[3]), at(w[4]))
-
-    def allow(self, key: tuple) -> bool:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._swept >= self.SWEEP_S:
-                self._swept = now
-                for k, v in list(self._seen.items()):
-                    if now - v[0] >= self.window_s:
-                        self._say(k, v)
-                        del self._seen[k]
-            w = self._seen.get(key)
-            if w is None or now - w[0] >= self.window_s:
-                if w is not None:
-                    self._say(key, w)
-                if len(self._seen) > 4096:  # keys are few; a bound all the same
-                    self._seen.clear()
-                self._seen[key] = w = [now, 0, 0, 0.0, 0.0]
-            if w[1] < self.per_window:
-                w[1] += 1
-                return True
-            wall = time.time()
-            if not w[2]:
-                w[3] = wall
-            w[2], w[4] = w[2] + 1, wall
-            return False
-
-    def flush(self) -> None:
-        """Say what every key left out so far (the server is stopping)."""
-        with self._lock:
-            for k, v in self._seen.items():
-                self._say(k, v)
-            self._seen.clear()
-
-
-_ERROR_LINES = _Thinned()
+_ERROR_LINES = Thinned(log)
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # On the metrics port: 200 "SERVING" or 503 "NOT_SERVING", what gRPC health says. Kubernetes'

@@ -25,6 +25,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
 from services.common import errors
 from services.common.grpc_client import call_metadata, cut_short
 from services.common.hashing import BlockHasher
+from services.common.logs import Thinned
 from services.common.metrics import SECONDS_BUCKETS, counter, histogram
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
 from services.orchestrator.detok import IncrementalDetokenizer, complete_decode, decode
@@ -72,6 +73,11 @@ MATCHED_TOKENS = counter("tiercache_orchestrator_prefix_matched_tokens_total",
 DISPATCH_ROUTES = counter("tiercache_orchestrator_dispatch_memory_routes_total",
                           "Requests routed to a replica for a prefix the index did not know yet "
                           "(sent there moments before)")
+
+# Per-request WARNINGs of a dependency down (a tier skipped, a replica failed over): one per
+# request flooded the log while it lasted (76 lines in 16 s at 2 requests in flight with no
+# replica up); at most 10 per dependency and status every 10 s, then a count.
+_DEGRADED_LINES = Thinned(log)
 
 # Semantic-tier INVALID_ARGUMENT details that blame the request's cache policy.
 _POLICY_FIELDS = ("tier", "threshold")
@@ -404,7 +410,8 @@ class Orchestrator:
                 log.info("semantic tier skipped for this request: %s", details)
                 return None
             # Anything else (the tier down) only means this request goes without the tier.
-            log.warning("semantic lookup failed, skipping the tier: %s", details)
+            if _DEGRADED_LINES.allow(("semantic lookup", e.code().name)):
+                log.warning("semantic lookup failed, skipping the tier: %s", details)
             self.stats.degrade("semantic_skipped")
             return None
 
@@ -439,7 +446,8 @@ class Orchestrator:
                 # and not a degradation of a healthy tier.
                 log.info("answer not stored in the semantic tier: %s", e.details())
                 return ""
-            log.warning("semantic store failed: %s", e.details())
+            if _DEGRADED_LINES.allow(("semantic store", e.code().name)):
+                log.warning("semantic store failed: %s", e.details())
             self.stats.degrade("semantic_store_failed")
             return ""
 
@@ -476,7 +484,8 @@ class Orchestrator:
                 # degraded: counting each probe swamped the per-request figure.
                 log.info("prefix index unreachable for a routing probe: %s", e.details())
                 return PrefixView({}, key, None, hashes)
-            log.warning("prefix index unreachable, ring routing: %s", e.details())
+            if _DEGRADED_LINES.allow(("prefix match", e.code().name)):
+                log.warning("prefix index unreachable, ring routing: %s", e.details())
             self.stats.degrade("index_down")
             return PrefixView({}, key, None, hashes)
 
@@ -832,8 +841,10 @@ class Orchestrator:
                         self.stats.degrade("busy_replica" if busy else "larger_pool")
                     else:
                         self.stats.degrade("resume" if generated else "retry")
-                        log.warning("replica %s failed (%s) after %d tokens; attempt %d",
-                                    replica.replica_id, why, len(generated), attempts + 1)
+                        if _DEGRADED_LINES.allow((f"replica {replica.replica_id}",
+                                                  why.partition(":")[0])):
+                            log.warning("replica %s failed (%s) after %d tokens; attempt %d",
+                                        replica.replica_id, why, len(generated), attempts + 1)
                 ended = self._ended(generated, sampling)
                 if ended is not None:
                     # The tokens streamed already make the whole answer (they reached max_tokens,

@@ -89,3 +89,22 @@ def test_an_unavailable_tier_is_skipped():
     o = orchestrator(Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused"))
     assert o._lookup(TENANT, PROMPT, Policy(), want_draft=False, deadline=_soon()) is None
     assert o.stats.degradations["semantic_skipped"] == 1
+
+
+def test_a_tier_down_is_logged_a_few_times_then_counted_not_once_per_request(caplog,
+                                                                          monkeypatch):
+    """Every request logged its own WARNING while a dependency was down (an operator's run:
+    76 lines in 16 s with 2 requests in flight); each is still counted as a degradation."""
+    import logging
+
+    from services.common.logs import Thinned
+    from services.orchestrator import pipeline
+
+    monkeypatch.setattr(pipeline, "_DEGRADED_LINES", Thinned(pipeline.log, per_window=3))
+    o = orchestrator(Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused"))
+    with caplog.at_level(logging.WARNING, logger=pipeline.log.name):
+        for _ in range(20):
+            assert o._lookup(TENANT, PROMPT, Policy(), want_draft=False,
+                             deadline=_soon()) is None
+    assert caplog.text.count("semantic lookup failed") == 3
+    assert o.stats.degradations["semantic_skipped"] == 20
