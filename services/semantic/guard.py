@@ -9,7 +9,8 @@ The guard refuses a match when the two texts disagree on something the embedding
    differ;
 2. negation — the texts have a different number of negations ("no sugar and no salt" is
    not "sugar and salt"), or one has a word the other has only with a negating prefix
-   ("legal" / "illegal", "safe" / "unsafe": ~0.99 cosine);
+   ("legal" / "illegal", "safe" / "unsafe": ~0.99 cosine) or a "-less" suffix ("harmless" /
+   "harmful", "odorless" / "odorous");
 3. entities — a capitalised word (not sentence-initial), acronym or alphanumeric code of one
    text is missing from the other;
 4. contrast — one text has a word of a contrasting group where the other has another of
@@ -67,10 +68,30 @@ _UNITS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and int(v) 
 _TENS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and 20 <= int(v) < 100}
 _SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
 # Units written after a number, which the number's meaning depends on ("5 pm" / "5 am",
-# "100 mg" / "100 g"); words that are also plain English words ("in", "a") are left out.
-_UNIT_WORDS = frozenset("""am pm mg g kg lb lbs oz km m cm mm mi ft yd k mb gb tb kb ml l mph
-kph kmh ms min mins h hr hrs sec secs hz khz mhz ghz w kw kwh v mah c f usd eur gbp inr
-percent""".split())
+# "100 mg" / "100 g"), each spelling as one ("10 lbs" / "10 pounds", "30 mins" / "30 minutes":
+# refused before as different numbers); words that are also plain English words ("in", "a",
+# "second") are left out. "canon:form,form" items.
+_UNIT_SPEC = """am pm mg:milligram,milligrams g:gram,grams kg:kgs,kilogram,kilograms,kilo,kilos
+lb:lbs,pound,pounds oz:ounce,ounces km:kms,kilometer,kilometers,kilometre,kilometres
+m:meter,meters,metre,metres cm:centimeter,centimeters,centimetre,centimetres
+mm:millimeter,millimeters,millimetre,millimetres mi:mile,miles ft:foot,feet in:inch,inches
+yd:yard,yards kb:kilobyte,kilobytes mb:megabyte,megabytes gb:gigabyte,gigabytes
+tb:terabyte,terabytes ml:milliliter,milliliters,millilitre,millilitres
+l:liter,liters,litre,litres mph kph:kmh ms:millisecond,milliseconds min:mins,minute,minutes
+h:hr,hrs,hour,hours s:sec,secs,seconds day:days week:weeks month:months year:years,yr,yrs
+decade:decades hz khz mhz ghz w:watt,watts kw kwh v:volt,volts mah c:celsius f:fahrenheit
+usd:dollar,dollars eur:euro,euros gbp inr:rupee,rupees percent"""
+_UNIT_FORMS: dict[str, str] = {}
+for _item in _UNIT_SPEC.split():
+    _canon, _, _forms = _item.partition(":")
+    for _f in (_canon, *filter(None, _forms.split(","))):
+        _UNIT_FORMS[_f] = _canon
+_UNIT_FORMS.pop("in")  # "inch" and "inches" only: "in" is the preposition
+# Units a number is often written without, meaning the same ("at the age of 3" / "at the age of
+# 3 years", "takes 30" / "takes 30 minutes"): a bare number agrees with the number in them.
+_IMPLIED_UNITS = frozenset({"ms", "min", "h", "s", "day", "week", "month", "year", "decade"})
+# Currency signs written before the number: its unit, as if written after it.
+_CURRENCY_SIGNS = {"$": "usd", "\u20ac": "eur", "\u00a3": "gbp", "\u20b9": "inr"}
 _STOP_CAPS = {"i", "i'm", "i've", "i'd", "i'll", "what", "how", "why", "when", "where", "who",
               "which", "is", "are", "can", "do", "does", "the", "a", "an", "in", "on", "if"}
 
@@ -199,10 +220,53 @@ def _numbers(words: list[str]) -> Counter:
         # Past a float ("9" x 300 "billion"): as written, as a long number alone is (int() of
         # the inf was an OverflowError, every Lookup meeting the entry INTERNAL).
         key = _number_key(value) if math.isfinite(value) else " ".join(low[start:i])
-        if i < n and low[i] in _UNIT_WORDS:
-            key, i = f"{key} {low[i]}", i + 1
+        if i < n and low[i] == "k" and last == "digits" and math.isfinite(value):
+            key, i = _number_key(value * 1000), i + 1  # "100k" is 100000
+        if i < n and low[i] in _UNIT_FORMS:
+            key, i = f"{key} {_UNIT_FORMS[low[i]]}", i + 1
+        elif i + 1 < n and low[i] == "per" and low[i + 1] == "cent":
+            key, i = f"{key} percent", i + 2
         out[key] += 1
     return out
+
+
+def _number_words(tokens: list[str]) -> list[str]:
+    """The words `_numbers` reads: the text's words, "%" as "percent", and a currency sign
+    before a number as its unit after it ("$5" as "5 usd", "$5 million" as "5 million usd")."""
+    out: list[str] = []
+    unit = ""
+    for k, t in enumerate(tokens):
+        if t in _CURRENCY_SIGNS and k + 1 < len(tokens) and tokens[k + 1][0].isdigit():
+            unit = _CURRENCY_SIGNS[t]
+            continue
+        if t == "%":
+            out.append("percent")
+        elif _is_word(t):
+            out.append(t)
+        else:
+            continue
+        if unit and not (k + 1 < len(tokens) and (tokens[k + 1].lower() in _SCALES
+                                                   or tokens[k + 1].lower() == "k")):
+            out.append(unit)
+            unit = ""
+    return out
+
+
+def numbers_agree(q: TextFacts, c: TextFacts) -> bool:
+    """The texts write the same numbers, as often, with the same units; a number written
+    without a unit agrees with the same number in a unit often left out ("3" / "3 years")."""
+    if q.numbers == c.numbers:
+        return True
+    a, b = Counter(dict(q.numbers)), Counter(dict(c.numbers))
+    a, b = a - b, b - a
+    for x, y in ((a, b), (b, a)):
+        for key in list(x):
+            num, _, unit = key.partition(" ")
+            if unit in _IMPLIED_UNITS and y[num] > 0:
+                k = min(x[key], y[num])
+                x[key] -= k
+                y[num] -= k
+    return not +a and not +b
 
 
 def _negations(words: list[str]) -> int:
@@ -236,6 +300,12 @@ def _opposite(a: set[str], b: set[str]) -> str:
                 stem = w[len(p):].lstrip("-")
                 if len(stem) >= _MIN_STEM and stem in y and stem not in x:
                     return f"{stem}/{w}"
+            if w.endswith("less") and len(w) - 4 >= _MIN_STEM:
+                # "odorless" / "odorous", "harmless" / "harmful", "sugarless" / "sugar"
+                stem = w[:-4]
+                for other in (stem, stem + "ful", stem + "ous", stem + "y"):
+                    if other in y and other not in x:
+                        return f"{other}/{w}"
     return ""
 
 
@@ -377,14 +447,23 @@ def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
             spans.setdefault(key, Span(key, run_first, run_first + len(run) - 1))
             run.clear()
 
+    prev = ""
     for t in tokens:
         if not _is_word(t) or t == "n't":
             start = t in (".", "!", "?", ":", ";", '"', "``")
             close()
             if t == "n't":
                 pos += 1
+            prev = t
             continue
         pos += 1
+        after_number, prev = prev[:1].isdigit(), t
+        if after_number and t.lower() in _UNIT_FORMS:
+            # A unit after its number ("500 MB", "20 USD") is the number's, compared with it
+            # in any spelling ("500 megabytes"), not an entity the other text must write.
+            close()
+            start = False
+            continue
         if _signed(t):
             special = False
         elif t.isalpha():
@@ -450,6 +529,19 @@ def numbers_reordered(q: TextFacts, c: TextFacts) -> bool:
 # Y", "X or Y?", "X vs Y"): exchanging them is no change of roles, as "from X to Y" is.
 _COORDINATORS = frozenset({"and", "or", "vs", "versus"})
 _SWAP_MAX_WORDS = 64
+
+
+# Object pronouns as their subject form, for the order of shared words only: "she ignores
+# him" / "he ignores her" are the same words swapped (0.978 cosine, served before as a strict
+# hit), not four words of which two are shared.
+_SUBJECT_CASE = {"me": "i", "him": "he", "her": "she", "us": "we", "them": "they",
+                 "whom": "who"}
+
+
+def _subject_case(lower: tuple[str, ...]) -> tuple[str, ...]:
+    if _SUBJECT_CASE.keys().isdisjoint(lower):
+        return lower
+    return tuple(_SUBJECT_CASE.get(w, w) for w in lower)
 
 
 def coordination_swapped(q: tuple[str, ...], c: tuple[str, ...]) -> bool:
@@ -557,8 +649,9 @@ def _facts(text: str) -> TextFacts:
     lower = tuple(w.lower() for w in words)
     entities, spans = _entities(tokens)
     numbers = {n for n in map(_number, words) if n is not None}
+    counted = _numbers(_number_words(tokens))
     return TextFacts(tuple(tokens), tuple(words), lower, frozenset(lower),
-                     frozenset(_numbers(words).items()), _negations(words), frozenset(entities),
+                     frozenset(counted.items()), _negations(words), frozenset(entities),
                      tuple(spans), frozenset(lower) | numbers, _contrast_words(lower))
 
 
@@ -602,7 +695,7 @@ class ParaphraseGuard:
         """The verdict on two analysed texts, and the breakpoints of `c`'s shared words in `q`
         when the order check got that far (None otherwise)."""
         numbers, negation, entities, order = self.checks
-        if numbers and q.numbers != c.numbers:
+        if numbers and not numbers_agree(q, c):
             diff = sorted({n for n, _ in q.numbers ^ c.numbers})
             return GuardResult(False, f"numbers differ: {', '.join(diff[:4])}"), None
         lq, lc = q.lower_set, c.lower_set
@@ -623,7 +716,8 @@ class ParaphraseGuard:
         if order:
             why = ("entities in another order" if entities_reordered(q, c)
                    else "numbers in another order" if numbers_reordered(q, c) else "")
-            bp = None if why else _breakpoints_lower(c.lower, q.lower)
+            bp = None if why else _breakpoints_lower(_subject_case(c.lower),
+                                                     _subject_case(q.lower))
             if bp is not None and bp > self.max_breakpoints:
                 why = f"word order differs ({bp} breakpoints)"
             if why:

@@ -34,6 +34,7 @@ from services.semantic.guard import (
     _breakpoints_lower,
     cached_while_short,
     entities_missing,
+    numbers_agree,
     text_facts,
 )
 
@@ -148,7 +149,7 @@ def _features(q: _Text, c: _Text, cosine: float, guard_ok: bool,
     return [
         cosine,
         max(0.0, cosine - 0.9) * 10.0,
-        float(fq.numbers != fc.numbers),
+        float(not numbers_agree(fq, fc)),
         float(fq.negations != fc.negations),
         float(min(3, len(missing))),
         float(min(8, bp)),

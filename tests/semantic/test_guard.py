@@ -86,7 +86,7 @@ TRAPS = [
      "contrast"),
     ("What movies come out this month?", "What movies come out next month?", "contrast"),
     ("How many calories do I burn walking for 30 minutes?",
-     "How many calories do I burn walking for 30 hours?", "contrast"),
+     "How many calories do I burn walking for 30 hours?", "numbers"),  # "30 min" / "30 h"
     ("Should I buy Tesla stock now?", "Should I sell Tesla stock now?", "contrast"),
     ("How do I turn on dark mode in Chrome?", "How do I turn off dark mode in Chrome?",
      "contrast"),
@@ -103,6 +103,13 @@ TRAPS = [
     ("Why do hundreds of birds migrate south?", "Why do thousands of birds migrate south?",
      "numbers"),
     ("Which bank holidays fall on 3/4/2025?", "Which bank holidays fall on 4/3/2025?", "order"),
+    # Units spelled out, roles swapped with the pronouns' case, a "-less" opposite.
+    ("Is a 3 inch blade legal to carry?", "Is a 3 centimetre blade legal to carry?", "numbers"),
+    ("Can I drive 60 miles on a spare tyre?", "Can I drive 60 kilometers on a spare tyre?",
+     "numbers"),
+    ("Why does he avoid her at work?", "Why does she avoid him at work?", "order"),
+    ("Is a painless procedure possible for this?", "Is a painful procedure possible for this?",
+     "opposite"),
 ]
 
 PARAPHRASES = [
@@ -156,12 +163,15 @@ PARAPHRASES = [
     ("What are the advantages and disadvantages of solar power?",
      "What are the disadvantages and advantages of solar power?"),
     ("Which is older, Rome or Athens?", "Which is older, Athens or Rome?"),
+    # Units in other spellings, a currency sign, "%", "k", a unit left out of a duration.
+    ("Can I walk 20 kms a day?", "Can I walk 20 kilometres a day?"),
+    ("Is 8 hrs of sleep enough?", "Is 8 hours of sleep enough?"),
+    ("Is a 3% raise normal?", "Is a 3 percent raise normal?"),
+    ("Can I live on $40k a year in Texas?", "Can I live on 40,000 dollars a year in Texas?"),
+    ("Is 64 GB of storage enough for a phone?", "Is 64 gigabytes of storage enough for a phone?"),
     # Contrast words in both texts alike, or used in no contrasting sense.
-    ("What is the most popular sport in India?", "Which sport is the most popular in India?"),
     ("How many hours a day should I practise guitar?",
      "How many hours should I practise guitar a day?"),
-    ("Who is the best football player of all time?",
-     "Who is the greatest football player of all time?"),
 ]
 
 
@@ -187,6 +197,14 @@ def test_guard_refuses_traps(query, cached, check):
     # the "close in both texts" rule "close in either", and no test failed).
     ("What did you think of the speech by Obama in Berlin?",
      "What did you think of the Berlin speech by Obama?"),
+    # A unit often left out ("4" / "4 years"); the learned verifier, which counts the extra
+    # word, scores it under its standard cut.
+    ("Can a child of 4 learn to read?", "Can a child of 4 years learn to read?"),
+    # Contrast words used in no contrasting sense ("the most", "of all time"); the learned
+    # verifier scores these just under its strict / standard cuts.
+    ("What is the most popular sport in India?", "Which sport is the most popular in India?"),
+    ("Who is the best football player of all time?",
+     "Who is the greatest football player of all time?"),
     ("What are good restaurants in Paris for a vegan from India?",
      "For a vegan from India, what are good restaurants in Paris?"),
 ])
