@@ -67,6 +67,19 @@ _NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor
 _UNITS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and int(v) < 20}
 _TENS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and 20 <= int(v) < 100}
 _SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
+_ONE_AS_PRONOUN = frozenset({"no", "any", "some", "every", "each", "which", "someone's"})
+# Roman numerals after a name ("World War II", "Henry VIII", "Chapter IV"): that number.
+_ROMAN = re.compile(r"(?=[IVX]{2,})X{0,3}(?:IX|IV|V?I{0,3})")
+_ROMAN_DIGITS = {"I": 1, "V": 5, "X": 10}
+
+
+def _roman(tokens: list[str], k: int) -> int | None:
+    """The value of tokens[k] as a Roman numeral after a capitalised word, else None."""
+    t = tokens[k]
+    if not (k and t.isupper() and _ROMAN.fullmatch(t) and tokens[k - 1][:1].isupper()):
+        return None
+    vals = [_ROMAN_DIGITS[ch] for ch in t]
+    return sum(-v if v < nxt else v for v, nxt in zip(vals, [*vals[1:], 0], strict=True))
 # Units written after a number, which the number's meaning depends on ("5 pm" / "5 am",
 # "100 mg" / "100 g"), each spelling as one ("10 lbs" / "10 pounds", "30 mins" / "30 minutes":
 # refused before as different numbers); words that are also plain English words ("in", "a",
@@ -181,6 +194,10 @@ def _numbers(words: list[str]) -> Counter:
     i, n = 0, len(low)
     while i < n:
         w = low[i]
+        if w == "one" and i and low[i - 1] in _ONE_AS_PRONOUN and not (
+                i + 1 < n and low[i + 1] in _SCALES):
+            i += 1  # "no one", "which one": no number ("nobody" / "no one" were refused)
+            continue
         digits = _number_value(w) if w[0].isdigit() or _signed(w) else None
         if digits is None and w not in _UNITS and w not in _TENS and w not in _SCALES:
             # Ordinals, multiples, "half" (in words or digits: "third", "3rd", "2x"), and
@@ -239,7 +256,10 @@ def _number_words(tokens: list[str]) -> list[str]:
         if t in _CURRENCY_SIGNS and k + 1 < len(tokens) and tokens[k + 1][0].isdigit():
             unit = _CURRENCY_SIGNS[t]
             continue
-        if t == "%":
+        roman = _roman(tokens, k)
+        if roman is not None:
+            out.append(str(roman))
+        elif t == "%":
             out.append("percent")
         elif _is_word(t):
             out.append(t)
@@ -448,7 +468,7 @@ def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
             run.clear()
 
     prev = ""
-    for t in tokens:
+    for k, t in enumerate(tokens):
         if not _is_word(t) or t == "n't":
             start = t in (".", "!", "?", ":", ";", '"', "``")
             close()
@@ -458,7 +478,7 @@ def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
             continue
         pos += 1
         after_number, prev = prev[:1].isdigit(), t
-        if after_number and t.lower() in _UNIT_FORMS:
+        if (after_number and t.lower() in _UNIT_FORMS) or _roman(tokens, k) is not None:
             # A unit after its number ("500 MB", "20 USD") is the number's, compared with it
             # in any spelling ("500 megabytes"), not an entity the other text must write.
             close()
@@ -484,8 +504,13 @@ def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
 
 def entities_missing(q: TextFacts, c: TextFacts) -> set[str]:
     """The entities of either text that the other does not have (as a word, or a number
-    written otherwise: "3rd" / "third")."""
-    return (q.entities - c.vocab) | (c.entities - q.vocab)
+    written otherwise: "3rd" / "third", "Three" / "3")."""
+    def absent(e: str, other: TextFacts) -> bool:
+        # "Chapter Three" / "Chapter 3": a capitalised number word is the other's digits
+        return e not in other.vocab and _number(e) not in other.vocab
+
+    return ({e for e in q.entities if absent(e, c)}
+            | {e for e in c.entities if absent(e, q)})
 
 
 # Entities swapped within this many words of each other, in both texts, are a swap of roles

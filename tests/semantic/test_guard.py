@@ -110,6 +110,7 @@ TRAPS = [
     ("Why does he avoid her at work?", "Why does she avoid him at work?", "order"),
     ("Is a painless procedure possible for this?", "Is a painful procedure possible for this?",
      "opposite"),
+    ("Was Louis XIV a popular king?", "Was Louis XVI a popular king?", "numbers"),
 ]
 
 PARAPHRASES = [
@@ -169,6 +170,10 @@ PARAPHRASES = [
     ("Is a 3% raise normal?", "Is a 3 percent raise normal?"),
     ("Can I live on $40k a year in Texas?", "Can I live on 40,000 dollars a year in Texas?"),
     ("Is 64 GB of storage enough for a phone?", "Is 64 gigabytes of storage enough for a phone?"),
+    # Numbers as Roman numerals or capitalised words after a name, "one" as a pronoun.
+    ("Who was the king during World War 2?", "Who was the king during World War II?"),
+    ("Is Chapter Four the longest one?", "Is Chapter 4 the longest one?"),
+    ("Why does no one answer my emails?", "Why does nobody answer my emails?"),
     # Contrast words in both texts alike, or used in no contrasting sense.
     ("How many hours a day should I practise guitar?",
      "How many hours should I practise guitar a day?"),
