@@ -100,6 +100,10 @@ class OrchestratorConfig:
     warm_top_k: int = 8
     warm_max_load: float = 0.25
     warm_max_prompts_per_cycle: int = 4
+    # Hits (in the index's half-life) a prefix needs before the loop copies it to replicas
+    # that lack it. At 1 a conversation's own history (hit once, by its next turn) was copied
+    # to every replica, where session affinity never sends it.
+    warm_min_hits: int = 2
     # A Warm call's pin when it gives no pin_ttl_seconds. The background loop pins nothing:
     # its pins counted against each tenant's pin quota and refused the tenant's own Warm.
     warm_pin_ttl_s: int = 600
@@ -188,6 +192,7 @@ class OrchestratorConfig:
         require(self.warm_pin_ttl_max_s <= 2**32 - 1, SVC, "warm_pin_ttl_max_s",
                 f"must be at most {2**32 - 1}")
         require(self.warm_top_k >= 0, SVC, "warm_top_k", "must be >= 0")
+        require(1 <= self.warm_min_hits <= 2**63, SVC, "warm_min_hits", "must be >= 1")
         require(1 <= self.warm_max_prefills_per_call <= 4096, SVC,
                 "warm_max_prefills_per_call", "must be in 1..4096 (64 prompts x 64 replicas)")
         require(self.warm_max_load >= 0, SVC, "warm_max_load", "must be >= 0")

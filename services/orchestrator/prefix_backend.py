@@ -87,9 +87,10 @@ class PrefixBackend:
             with_note(shards[-1], self.client.shard_list_notes.get(a, ""))
         return [tier_health(self.health.name, self.health.address, shards), *shards]
 
-    def top_prefixes(self, k: int, model_id: str, cache_salt: str | None = None):
-        return self._guard(self.client.top_prefixes, k, model_id, cache_salt=cache_salt,
-                           allow_partial=True).prefixes
+    def top_prefixes(self, k: int, model_id: str, cache_salt: str | None = None,
+                     min_hits: int = 0):
+        return self._guard(self.client.top_prefixes, k, model_id, min_hits,
+                           cache_salt=cache_salt, allow_partial=True).prefixes
 
     def stats(self, timeout: float | None = None):
         """`timeout`: at most this long (the caller's deadline), else the index's own."""

@@ -23,7 +23,7 @@ from tiercache.v1 import (
 from services.common import errors
 from services.common.bootstrap import rpc_ended
 from services.common.grpc_client import call_metadata
-from services.common.logs import bound_request_id, request_id_var
+from services.common.logs import Thinned, bound_request_id, request_id_var
 from services.common.metrics import counter
 from services.common.reaper import StreamReaper
 from services.common.tokens import validate_stop_ids
@@ -34,6 +34,18 @@ from services.orchestrator.tenants import REJECTED, TenantRegistry
 
 log = logging.getLogger(__name__)
 
+WARM_CYCLES = counter("tiercache_orchestrator_warmup_cycles_total",
+                      "Background warm-up cycles by outcome: ran (some prefill sent), "
+                      "nothing_to_warm (every hot prefix held where it could be), held_load "
+                      "(traffic above warm_max_load), index_unavailable", ("outcome",))
+WARM_PREFILLS = counter("tiercache_orchestrator_warmup_prefills_total",
+                        "Prefills the background warm-up sent, by result (ok, failed)",
+                        ("result",))
+WARM_TOKENS = counter("tiercache_orchestrator_warmup_tokens_total",
+                      "Prompt tokens of the background warm-up's prefills that succeeded: "
+                      "computed (new on the replica) and cached (held there already)",
+                      ("kind",))
+_WARM_FAILED_LINES = Thinned(log)
 REAPED = counter("tiercache_orchestrator_streams_ended_at_deadline_total",
                  "Generate streams ended from outside at their deadline: the client had stopped "
                  "reading and the handler was stuck sending")
@@ -596,7 +608,10 @@ class Warmer:
             for hp in mine:
                 ids = list(hp.token_ids)
                 for r in self._targets(tenant, ids, request.target, owners_until, gone):
-                    if r.replica_id not in hp.holders:
+                    # A holder too when a pin is asked for: it computes nothing and pins.
+                    # Skipped, a top_k Warm pinned nothing once the background loop had
+                    # cached the hot prefixes everywhere.
+                    if ttl > 0 or r.replica_id not in hp.holders:
                         jobs.append((r, ids, hp.cache_salt, ttl, -1))
         limit = self.cfg.warm_max_prefills_per_call
         if len(jobs) > limit:
@@ -685,22 +700,29 @@ class Warmer:
 
     def cycle(self) -> int:
         """One warm-up pass; returns the number of prefills issued."""
-        if self.cfg.warm_top_k <= 0 or self.cluster_load() > self.cfg.warm_max_load:
+        if self.cfg.warm_top_k <= 0:
+            return 0
+        if self.cluster_load() > self.cfg.warm_max_load:
+            WARM_CYCLES.labels("held_load").inc()
             return 0
         k = self.cfg.warm_top_k
         try:
             # More than k: the k hottest are often one tenant's, and already held everywhere.
-            hot = self.orch.prefix.top_prefixes(min(1000, 4 * k), self.orch.model_id)
+            hot = self.orch.prefix.top_prefixes(min(1000, 4 * k), self.orch.model_id,
+                                                min_hits=self.cfg.warm_min_hits)
         except grpc.RpcError:
+            WARM_CYCLES.labels("index_unavailable").inc()
             return 0
         done = 0
         # Replicas this cycle could warm: one with prefix caching off never holds a prefix,
         # and kept every prefix "lacking somewhere" while the cycle skipped it anyway.
         warmable = {r.replica_id for r in self.orch.replicas.healthy() if not _caching_off(r)}
         for hp in _fair_share(hot, warmable, k):
+            if done >= self.cfg.warm_max_prompts_per_cycle or self._stop.is_set():
+                break
             for r in self.orch.replicas.healthy():
                 if done >= self.cfg.warm_max_prompts_per_cycle or self._stop.is_set():
-                    return done
+                    break
                 if r.replica_id in hp.holders or _caching_off(r):
                     continue
                 # Traffic may have come back since the cycle began (or a prefill of ours is
@@ -712,8 +734,18 @@ class Warmer:
                 # calls. Hot prefixes stay cached while they are used.
                 res = self._prefill(r, list(hp.token_ids), hp.cache_salt, 0, -1)
                 if not res.error:
-                    log.info("warmed %d tokens on %s", res.prompt_tokens, r.replica_id)
+                    WARM_PREFILLS.labels("ok").inc()
+                    WARM_TOKENS.labels("computed").inc(res.computed_tokens)
+                    WARM_TOKENS.labels("cached").inc(res.cached_tokens)
+                    log.info("warmed a %d-token prefix (%d hits) on %s: %d tokens computed",
+                             res.prompt_tokens, hp.hits, r.replica_id, res.computed_tokens)
+                else:
+                    WARM_PREFILLS.labels("failed").inc()
+                    if _WARM_FAILED_LINES.allow((r.replica_id, res.error.partition(":")[0])):
+                        log.warning("warm-up prefill on %s failed: %s", r.replica_id,
+                                    res.error)
                 done += 1
+        WARM_CYCLES.labels("ran" if done else "nothing_to_warm").inc()
         return done
 
     def _loop(self) -> None:

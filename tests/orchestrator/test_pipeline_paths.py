@@ -452,9 +452,12 @@ def test_warm_top_k_for_owners_warms_only_the_owner():
         assert orch.owner(TENANT, hot) == "A"
         owners = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
             top_k=1, target=orchestrator_pb2.WARM_TARGET_OWNERS))
-        assert list(owners.results) == []  # the owner holds it already
+        # The owner holds it already: asked again only to pin it (a holder computes nothing;
+        # skipped, a top_k Warm pinned nothing once the loop had cached it everywhere).
+        assert [r.replica_id for r in owners.results] == ["A"]
+        assert all(req.pin for req in stubs["A"].requests)
         everyone = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(top_k=1))
-        assert sorted(r.replica_id for r in everyone.results) == ["B", "C"]
+        assert sorted(r.replica_id for r in everyone.results) == ["A", "B", "C"]
     finally:
         warmer.stop()
 
@@ -480,10 +483,12 @@ def test_warm_top_k_keeps_k_of_the_tenants_own_prefixes_and_names_an_index_outag
     warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
     try:
         got = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(top_k=2))
-        assert [(r.replica_id, r.prompt_index) for r in got.results] == [("B", -1), ("B", -1)]
+        assert sorted((r.replica_id, r.prompt_index) for r in got.results) == [
+            ("A", -1), ("A", -1), ("B", -1), ("B", -1)]  # the holder A: to pin them
         # The prefills run on the warmer's thread pool: in any order.
-        assert sorted(list(req.token_ids) for req in stubs["B"].requests) == [
-            list(p.token_ids) for p in mine[:2]]
+        for r in ("A", "B"):
+            assert sorted(list(req.token_ids) for req in stubs[r].requests) == [
+                list(p.token_ids) for p in mine[:2]]
         assert asked == [(2, TENANT.cache_salt)]  # the index filters: k of the tenant's own
 
         def down(k, model_id, cache_salt=None):

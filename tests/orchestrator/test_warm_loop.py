@@ -40,7 +40,8 @@ def make(loads, hot):
     reps = [SimpleNamespace(replica_id=f"r{i}", public_id=f"r{i}", load=load,
                             stub=FakeStub(f"r{i}")) for i, load in enumerate(loads)]
     replicas = SimpleNamespace(healthy=lambda: reps)
-    prefix = SimpleNamespace(top_prefixes=lambda k, model_id: hot[:k])
+    prefix = SimpleNamespace(top_prefixes=lambda k, model_id, min_hits=0: [
+        h for h in hot if h.hits >= min_hits][:k])
     orch = SimpleNamespace(replicas=replicas, prefix=prefix, model_id="m", internal_token="")
     cfg = OrchestratorConfig(warm_interval_s=1.0, warm_top_k=8, warm_max_load=1.0,
                              warm_max_prompts_per_cycle=3, warm_pin_ttl_s=60)
@@ -116,7 +117,8 @@ def test_bad_warm_settings_fail_at_boot():
 
     for field, value in (("warm_pin_ttl_s", 0), ("warm_max_load", -1),
                          ("warm_max_prompts_per_cycle", -1), ("warm_max_prefills_per_call", 0),
-                         ("warm_max_prefills_per_call", 4097), ("max_connection_age_s", -1)):
+                         ("warm_max_prefills_per_call", 4097), ("max_connection_age_s", -1),
+                         ("warm_min_hits", 0)):
         with pytest.raises(ConfigError, match=f"TIERCACHE_ORCHESTRATOR_{field.upper()}"):
             OrchestratorConfig(kvpool_addresses=("h:1",), **{field: value}).validate()
 
@@ -198,3 +200,52 @@ def test_a_replica_with_caching_off_does_not_keep_held_prefixes_in_the_warm_up()
     w.cfg = OrchestratorConfig(warm_interval_s=1.0, warm_top_k=1, warm_max_load=1.0,
                                warm_max_prompts_per_cycle=10, warm_pin_ttl_s=60)
     assert w.cycle() == 1 and reps[1].stub.calls == [[9] * 32] and not reps[2].stub.calls
+
+
+def test_a_prefix_hit_once_is_not_copied_everywhere():
+    """A conversation's own history (hit once, by its next turn) was copied to every replica,
+    where session affinity never sends that conversation."""
+    w, reps = make([0, 0], [hp([1] * 32, ["r0"], hits=1), hp([2] * 32, ["r0"], hits=2)])
+    assert w.cycle() == 1
+    assert reps[1].stub.calls == [[2] * 32]
+
+
+def test_what_the_loop_did_is_counted_and_logged(caplog):
+    """An operator could not tell what the loop did: no metric, and a log line that named no
+    computed-versus-held split; held-off cycles and failures left nothing."""
+    import logging
+
+    from prometheus_client import REGISTRY
+
+    def value(name, **labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    cycles = "tiercache_orchestrator_warmup_cycles_total"
+    before = {o: value(cycles, outcome=o) for o in ("ran", "held_load", "nothing_to_warm")}
+    ok = value("tiercache_orchestrator_warmup_prefills_total", result="ok")
+    failed = value("tiercache_orchestrator_warmup_prefills_total", result="failed")
+    computed = value("tiercache_orchestrator_warmup_tokens_total", kind="computed")
+
+    w, reps = make([0, 0], [hp([1] * 32, ["r0"]), hp([2] * 32, ["r0"])])
+
+    def refuse(req, timeout=None, metadata=None):
+        raise Err(grpc.StatusCode.RESOURCE_EXHAUSTED, "pool full")
+
+    real = reps[1].stub.Prefill
+    calls = iter([real, refuse])
+    reps[1].stub.Prefill = lambda *a, **kw: next(calls)(*a, **kw)
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.server"):
+        assert w.cycle() == 2
+    assert value("tiercache_orchestrator_warmup_prefills_total", result="ok") == ok + 1
+    assert value("tiercache_orchestrator_warmup_prefills_total", result="failed") == failed + 1
+    assert value("tiercache_orchestrator_warmup_tokens_total", kind="computed") == computed + 32
+    assert "warmed a 32-token prefix (10 hits) on r1: 32 tokens computed" in caplog.text
+    assert "warm-up prefill on r1 failed: RESOURCE_EXHAUSTED" in caplog.text
+    for r in reps:
+        r.load = 5
+    assert w.cycle() == 0
+    w2, _ = make([0, 0], [hp([1] * 32, ["r0", "r1"])])
+    assert w2.cycle() == 0
+    assert value(cycles, outcome="ran") == before["ran"] + 1
+    assert value(cycles, outcome="held_load") == before["held_load"] + 1
+    assert value(cycles, outcome="nothing_to_warm") == before["nothing_to_warm"] + 1
