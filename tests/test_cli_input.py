@@ -427,6 +427,8 @@ class FailingClient(FakeClient):
         yield Chunk("partial", [])
 
         class Lost(grpc.RpcError):
+            chunks_received = 1  # as the client marks an error after part of an answer
+
             def code(self):
                 return grpc.StatusCode.UNAVAILABLE
 
@@ -434,6 +436,32 @@ class FailingClient(FakeClient):
                 return "replica died"
 
         raise Lost()
+
+
+class RestartingClient(FakeClient):
+    def stream(self, messages, **kw):
+        import grpc
+
+        class Down(grpc.RpcError):
+            chunks_received = 0
+
+            def code(self):
+                return grpc.StatusCode.UNAVAILABLE
+
+            def details(self):
+                return "no kvpool replica is available"
+
+        raise Down()
+        yield  # a generator, as the client's stream is
+
+
+def test_an_unavailable_stack_says_retry_later(fake, monkeypatch, capsys):
+    """An operator's rolling restart: the CLI said UNAVAILABLE with no hint, though the same
+    request would succeed later (the hint was given for RESOURCE_EXHAUSTED only)."""
+    monkeypatch.setattr(cli, "TierCacheClient", RestartingClient)
+    assert cli.main(["chat", "hi"]) == 1
+    assert capsys.readouterr().err == (
+        "error: UNAVAILABLE (retry later): no kvpool replica is available\n")
 
 
 def test_an_answer_cut_short_by_an_error_ends_its_line(fake, monkeypatch, capsys):

@@ -586,8 +586,9 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             return rc
     except grpc.RpcError as e:
-        later = " (retry later)" if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED \
-            and retry_later(e) else ""
+        # Any call the same request may succeed later: UNAVAILABLE too (a replica or the
+        # orchestrator restarting), not after part of an answer was printed.
+        later = " (retry later)" if retry_later(e) else ""
         sys.stderr.write(f"error: {e.code().name}{later}: {e.details()}\n")
         return 1
     except KeyboardInterrupt:
