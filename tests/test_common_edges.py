@@ -705,3 +705,29 @@ def test_a_stream_cut_at_the_end_of_the_servers_drain_is_counted_unavailable():
     finally:
         channel.close()
         handle.stop(0)
+
+
+def test_a_thinned_count_is_said_when_its_outage_ends_with_no_later_line(caplog):
+    """The orchestrator's per-dependency WARNINGs stop with the outage: no later line of the
+    same instance came to say how many were left out, and only the error lines were flushed
+    at stop (a review of the change that thinned them)."""
+    import logging
+    import time
+
+    from services.common.logs import Thinned
+
+    log = logging.getLogger("tests.thinned-outage")
+    t = Thinned(log, per_window=1, window_s=0.05)
+    with caplog.at_level(logging.INFO, logger=log.name):
+        assert t.allow(("replica r1", "UNAVAILABLE"))
+        assert not t.allow(("replica r1", "UNAVAILABLE"))
+        end = time.monotonic() + 3 * Thinned.SWEEP_S + 1
+        while "left out" not in caplog.text and time.monotonic() < end:
+            time.sleep(0.05)  # no call of `t` at all: the background sweep says it
+    assert "replica r1/UNAVAILABLE: 1 more lines left out" in caplog.text
+    t2 = Thinned(log, per_window=1, window_s=60.0)
+    with caplog.at_level(logging.INFO, logger=log.name):
+        t2.allow(("semantic lookup", "UNAVAILABLE"))
+        t2.allow(("semantic lookup", "UNAVAILABLE"))
+        Thinned.flush_all()  # what a server's stop calls
+    assert "semantic lookup/UNAVAILABLE: 1 more lines left out" in caplog.text

@@ -511,7 +511,7 @@ class ServerHandle:
         stopping = self.server.stop(grace)  # new RPCs (a Watch opened again) refused from here
         self.health.close_watches()
         stopping.wait()
-        _ERROR_LINES.flush()
+        Thinned.flush_all()  # every instance: the orchestrator's WARNINGs too
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()

@@ -16,6 +16,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from collections.abc import Iterator
 
 request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("request_id", default="")
@@ -35,11 +36,15 @@ class Thinned:
     """At most `per_window` log lines per key (e.g. service, method, status) every `window_s`
     (the caller asks `allow(key)` before each line, written to `logger`);
     how many were left out, and when, is said once the window is over: by the key's next
-    line, by any key's line a second or more later (a flood that stopped was otherwise never
-    counted), or by `flush` as the server stops. That line carries no request id (it was
-    written under whichever request's id was bound, unrelated to the lines it counts)."""
+    line, by any key's line a second or more later, by a background sweep of every instance
+    (a flood that stopped was otherwise never counted: an outage's WARNINGs end with it), or
+    by `flush_all` as the server stops. That line carries no request id (it was written under
+    whichever request's id was bound, unrelated to the lines it counts)."""
 
     SWEEP_S = 1.0
+    _all: weakref.WeakSet[Thinned] = weakref.WeakSet()
+    _sweeper: threading.Thread | None = None
+    _class_lock = threading.Lock()
 
     def __init__(self, logger: logging.Logger, per_window: int = 10,
                  window_s: float = 10.0) -> None:
@@ -48,6 +53,35 @@ class Thinned:
         self._seen: dict[tuple, list] = {}
         self._lock = threading.Lock()
         self._swept = time.monotonic()
+        with Thinned._class_lock:
+            Thinned._all.add(self)
+            if Thinned._sweeper is None:
+                Thinned._sweeper = threading.Thread(target=Thinned._sweep_forever,
+                                                    name="thinned-log-sweep", daemon=True)
+                Thinned._sweeper.start()
+
+    @classmethod
+    def _sweep_forever(cls) -> None:
+        while True:
+            time.sleep(cls.SWEEP_S)
+            for t in list(cls._all):
+                t.sweep()
+
+    @classmethod
+    def flush_all(cls) -> None:
+        """Say what every instance left out so far (the server is stopping)."""
+        for t in list(cls._all):
+            t.flush()
+
+    def sweep(self) -> None:
+        """Say (and forget) what keys whose window is over left out."""
+        now = time.monotonic()
+        with self._lock:
+            self._swept = now
+            for k, v in list(self._seen.items()):
+                if now - v[0] >= self.window_s:
+                    self._say(k, v)
+                    del self._seen[k]
 
     def _say(self, key: tuple, w: list) -> None:
         if not w[2]:
@@ -62,13 +96,9 @@ class Thinned:
 
     def allow(self, key: tuple) -> bool:
         now = time.monotonic()
+        if now - self._swept >= self.SWEEP_S:
+            self.sweep()
         with self._lock:
-            if now - self._swept >= self.SWEEP_S:
-                self._swept = now
-                for k, v in list(self._seen.items()):
-                    if now - v[0] >= self.window_s:
-                        self._say(k, v)
-                        del self._seen[k]
             w = self._seen.get(key)
             if w is None or now - w[0] >= self.window_s:
                 if w is not None:

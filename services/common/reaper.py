@@ -72,6 +72,11 @@ class StreamReaper:
     def disarm(self, token: int) -> None:
         with self._cv:
             self._armed.pop(token, None)  # its heap entry is skipped when it comes up
+            # Entries are popped from the top only: behind one armed far in the future (a
+            # stalled stream), every later disarmed one stayed, one per message sent.
+            if len(self._heap) > 2 * len(self._armed) + 64:
+                self._heap = [e for e in self._heap if e[1] in self._armed]
+                heapq.heapify(self._heap)
 
     def armed(self) -> int:
         with self._cv:

@@ -36,8 +36,10 @@ log = logging.getLogger(__name__)
 
 WARM_CYCLES = counter("tiercache_orchestrator_warmup_cycles_total",
                       "Background warm-up cycles by outcome: ran (some prefill sent), "
-                      "nothing_to_warm (every hot prefix held where it could be), held_load "
-                      "(traffic above warm_max_load), index_unavailable", ("outcome",))
+                      "nothing_to_warm (every hot prefix held where it could be), "
+                      "replicas_busy (the replicas lacking one had requests), held_load "
+                      "(cluster load above warm_max_load), no_replica (none healthy), "
+                      "index_unavailable", ("outcome",))
 WARM_PREFILLS = counter("tiercache_orchestrator_warmup_prefills_total",
                         "Prefills the background warm-up sent, by result (ok, failed)",
                         ("result",))
@@ -608,11 +610,10 @@ class Warmer:
             for hp in mine:
                 ids = list(hp.token_ids)
                 for r in self._targets(tenant, ids, request.target, owners_until, gone):
-                    # A holder too when a pin is asked for: it computes nothing and pins.
-                    # Skipped, a top_k Warm pinned nothing once the background loop had
-                    # cached the hot prefixes everywhere.
-                    if ttl > 0 or r.replica_id not in hp.holders:
-                        jobs.append((r, ids, hp.cache_salt, ttl, -1))
+                    # Holders too: a Warm always pins (ttl > 0), and on a holder the
+                    # prefill computes nothing and pins. Skipped, a top_k Warm pinned nothing
+                    # once the background loop had cached the hot prefixes everywhere.
+                    jobs.append((r, ids, hp.cache_salt, ttl, -1))
         limit = self.cfg.warm_max_prefills_per_call
         if len(jobs) > limit:
             raise errors.InvalidArgument(
@@ -702,6 +703,9 @@ class Warmer:
         """One warm-up pass; returns the number of prefills issued."""
         if self.cfg.warm_top_k <= 0:
             return 0
+        if not self.orch.replicas.healthy():
+            WARM_CYCLES.labels("no_replica").inc()
+            return 0
         if self.cluster_load() > self.cfg.warm_max_load:
             WARM_CYCLES.labels("held_load").inc()
             return 0
@@ -713,7 +717,7 @@ class Warmer:
         except grpc.RpcError:
             WARM_CYCLES.labels("index_unavailable").inc()
             return 0
-        done = 0
+        done = busy = 0
         # Replicas this cycle could warm: one with prefix caching off never holds a prefix,
         # and kept every prefix "lacking somewhere" while the cycle skipped it anyway.
         warmable = {r.replica_id for r in self.orch.replicas.healthy() if not _caching_off(r)}
@@ -728,6 +732,7 @@ class Warmer:
                 # Traffic may have come back since the cycle began (or a prefill of ours is
                 # load itself): warm only idle replicas while the cluster stays quiet.
                 if r.load > 0 or self.cluster_load() > self.cfg.warm_max_load:
+                    busy += 1
                     continue
                 # Not pinned: pins count against the tenant's pin quota on the replica, and
                 # the loop's filled it for warm_pin_ttl_s, refusing the tenant's own Warm
@@ -745,7 +750,8 @@ class Warmer:
                         log.warning("warm-up prefill on %s failed: %s", r.replica_id,
                                     res.error)
                 done += 1
-        WARM_CYCLES.labels("ran" if done else "nothing_to_warm").inc()
+        WARM_CYCLES.labels("ran" if done else "replicas_busy" if busy
+                           else "nothing_to_warm").inc()
         return done
 
     def _loop(self) -> None:

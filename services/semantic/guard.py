@@ -91,7 +91,7 @@ mm:millimeter,millimeters,millimetre,millimetres mi:mile,miles ft:foot,feet in:i
 yd:yard,yards kb:kilobyte,kilobytes mb:megabyte,megabytes gb:gigabyte,gigabytes
 tb:terabyte,terabytes ml:milliliter,milliliters,millilitre,millilitres
 l:liter,liters,litre,litres mph kph:kmh ms:millisecond,milliseconds min:mins,minute,minutes
-h:hr,hrs,hour,hours s:sec,secs,seconds day:days week:weeks month:months year:years,yr,yrs
+h:hr,hrs,hour,hours sec:secs,seconds day:days week:weeks month:months year:years,yr,yrs
 decade:decades hz khz mhz ghz w:watt,watts kw kwh v:volt,volts mah c:celsius f:fahrenheit
 usd:dollar,dollars eur:euro,euros gbp inr:rupee,rupees percent"""
 _UNIT_FORMS: dict[str, str] = {}
@@ -102,7 +102,10 @@ for _item in _UNIT_SPEC.split():
 _UNIT_FORMS.pop("in")  # "inch" and "inches" only: "in" is the preposition
 # Units a number is often written without, meaning the same ("at the age of 3" / "at the age of
 # 3 years", "takes 30" / "takes 30 minutes"): a bare number agrees with the number in them.
-_IMPLIED_UNITS = frozenset({"ms", "min", "h", "s", "day", "week", "month", "year", "decade"})
+_IMPLIED_UNITS = frozenset({"ms", "min", "h", "sec", "day", "week", "month", "year",
+                            "decade"})
+# Scale letters after a currency amount ("$5m", "$2bn"): the scale words.
+_MONEY_SCALES = {"m": "million", "mn": "million", "bn": "billion", "b": "billion"}
 # Currency signs written before the number: its unit, as if written after it.
 _CURRENCY_SIGNS = {"$": "usd", "\u20ac": "eur", "\u00a3": "gbp", "\u20b9": "inr"}
 _STOP_CAPS = {"i", "i'm", "i've", "i'd", "i'll", "what", "how", "why", "when", "where", "who",
@@ -256,6 +259,8 @@ def _number_words(tokens: list[str]) -> list[str]:
         if t in _CURRENCY_SIGNS and k + 1 < len(tokens) and tokens[k + 1][0].isdigit():
             unit = _CURRENCY_SIGNS[t]
             continue
+        if unit and t.lower() in _MONEY_SCALES and k and tokens[k - 1][0].isdigit():
+            t = _MONEY_SCALES[t.lower()]  # "$5m": 5 million usd, not 5 usd and a word
         roman = _roman(tokens, k)
         if roman is not None:
             out.append(str(roman))
@@ -265,8 +270,8 @@ def _number_words(tokens: list[str]) -> list[str]:
             out.append(t)
         else:
             continue
-        if unit and not (k + 1 < len(tokens) and (tokens[k + 1].lower() in _SCALES
-                                                   or tokens[k + 1].lower() == "k")):
+        nxt = tokens[k + 1].lower() if k + 1 < len(tokens) else ""
+        if unit and not (nxt in _SCALES or nxt == "k" or nxt in _MONEY_SCALES):
             out.append(unit)
             unit = ""
     return out
@@ -413,6 +418,11 @@ def _contrast_words(lower: tuple[str, ...]) -> frozenset[tuple[str, int]]:
         elif prev == "every" and w == "other":  # "every other day" is not "every day"
             out["all"] -= 1
             out["every other"] += 1
+        elif prev == "a" and w == "few":  # "a few" is "some"; "few" alone is "not many"
+            out["some"] += 1
+        elif prev == "this" and w == "past":  # "this past weekend" is "last weekend"
+            out["this"] -= 1
+            out["last"] += 1
         else:
             canon = _CONTRAST_CANON.get(w)
             if canon is not None:
@@ -569,9 +579,20 @@ def _subject_case(lower: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(_SUBJECT_CASE.get(w, w) for w in lower)
 
 
+# The phrases exchanged must be short noun phrases: one holding a word that gives a role
+# ("dogs smarter than cats and birds" / "birds and dogs smarter than cats", "USD to EUR and
+# GBP" / "GBP and USD to EUR", "add 5 and multiply by 3" / "multiply by 3 and add 5"), or
+# another coordinator, changes who does what to whom when moved (a review's traps, each served
+# as a strict hit by the first version of this rule).
+_SWAP_MAX_PHRASE = 4
+_ROLE_WORDS = frozenset("""than to from into onto by of for with without at on in over under
+before after then per via as vs versus and or but""".split())
+
+
 def coordination_swapped(q: tuple[str, ...], c: tuple[str, ...]) -> bool:
-    """`q`'s words become `c`'s by exchanging the two phrases on either side of one
-    coordinator ("between a virus and bacteria" / "between bacteria and a virus")."""
+    """`q`'s words become `c`'s by exchanging the two short phrases (at most
+    `_SWAP_MAX_PHRASE` words, none of `_ROLE_WORDS`) on either side of one coordinator
+    ("between a virus and bacteria" / "between bacteria and a virus")."""
     n = len(q)
     if n != len(c) or n > _SWAP_MAX_WORDS or q == c or Counter(q) != Counter(c):
         return False
@@ -580,10 +601,12 @@ def coordination_swapped(q: tuple[str, ...], c: tuple[str, ...]) -> bool:
     for k in range(i, j):  # the coordinator stands where the texts differ
         if q[k] not in _COORDINATORS:
             continue
-        for a in range(i, -1, -1):
-            if a >= k:
-                continue
-            for b in range(max(j, k + 2), n + 1):
+        for a in range(min(i, k - 1), max(-1, k - 1 - _SWAP_MAX_PHRASE), -1):
+            if not _ROLE_WORDS.isdisjoint(q[a:k]):
+                break  # longer phrases to the left hold it too
+            for b in range(max(j, k + 2), min(n, k + 1 + _SWAP_MAX_PHRASE) + 1):
+                if not _ROLE_WORDS.isdisjoint(q[k + 1:b]):
+                    break
                 if c[a:b] == (*q[k + 1:b], q[k], *q[a:k]):
                     return True
     return False

@@ -249,3 +249,8 @@ def test_what_the_loop_did_is_counted_and_logged(caplog):
     assert value(cycles, outcome="ran") == before["ran"] + 1
     assert value(cycles, outcome="held_load") == before["held_load"] + 1
     assert value(cycles, outcome="nothing_to_warm") == before["nothing_to_warm"] + 1
+    # The replica lacking it is busy (the cluster as a whole quiet): not "nothing to warm".
+    busy = value(cycles, outcome="replicas_busy")
+    w3, reps3 = make([0, 1], [hp([1] * 32, ["r0"])])
+    assert w3.cycle() == 0 and reps3[1].stub.calls == []
+    assert value(cycles, outcome="replicas_busy") == busy + 1

@@ -111,6 +111,15 @@ TRAPS = [
     ("Is a painless procedure possible for this?", "Is a painful procedure possible for this?",
      "opposite"),
     ("Was Louis XIV a popular king?", "Was Louis XVI a popular king?", "numbers"),
+    # Phrases around "and" exchanged where one holds a role ("than", "to", "by"): a review
+    # found each served as a strict hit by the first version of the exchange rule.
+    ("Is tea healthier than coffee and juice?", "Is juice and tea healthier than coffee?",
+     "order"),
+    ("train tickets from Leeds and York to London", "train tickets from York to London and Leeds",
+     "order"),
+    ("divide by 4 and subtract 2", "subtract 2 and divide by 4", "order"),
+    # A scale letter after a currency amount.
+    ("Is a $3m house expensive in Ohio?", "Is a $3 house expensive in Ohio?", "numbers"),
 ]
 
 PARAPHRASES = [
@@ -174,9 +183,15 @@ PARAPHRASES = [
     ("Who was the king during World War 2?", "Who was the king during World War II?"),
     ("Is Chapter Four the longest one?", "Is Chapter 4 the longest one?"),
     ("Why does no one answer my emails?", "Why does nobody answer my emails?"),
-    # Contrast words in both texts alike, or used in no contrasting sense.
+    # Contrast words in both texts alike, or used in no contrasting sense: "a few" is "some",
+    # "this past" is "last", "of all time" and "the most" hold no quantifier.
     ("How many hours a day should I practise guitar?",
      "How many hours should I practise guitar a day?"),
+    ("Can you suggest some easy dinner recipes?", "Can you suggest a few easy dinner recipes?"),
+    ("Where did you travel last summer?", "Where did you travel this past summer?"),
+    ("What is the greatest album of all time?", "What are some of the greatest albums ever?"),
+    ("What are the most common side effects of aspirin?",
+     "What are some common side effects of aspirin?"),
 ]
 
 
