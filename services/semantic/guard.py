@@ -67,7 +67,9 @@ _NEGATIONS = {"not", "no", "never", "none", "nobody", "nothing", "neither", "nor
 _UNITS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and int(v) < 20}
 _TENS = {w: int(v) for w, v in _NUMBER_WORDS.items() if v.isdigit() and 20 <= int(v) < 100}
 _SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
-_ONE_AS_PRONOUN = frozenset({"no", "any", "some", "every", "each", "which", "someone's"})
+_ONE_AS_PRONOUN = frozenset({"no", "any", "some", "every", "each", "which", "someone's", "does",
+                             "do", "can", "should", "would", "could", "must", "might", "may",
+                             "will", "if"})
 # Roman numerals after a name ("World War II", "Henry VIII", "Chapter IV"): that number.
 _ROMAN = re.compile(r"(?=[IVX]{2,})X{0,3}(?:IX|IV|V?I{0,3})")
 _ROMAN_DIGITS = {"I": 1, "V": 5, "X": 10}
@@ -76,7 +78,8 @@ _ROMAN_DIGITS = {"I": 1, "V": 5, "X": 10}
 def _roman(tokens: list[str], k: int) -> int | None:
     """The value of tokens[k] as a Roman numeral after a capitalised word, else None."""
     t = tokens[k]
-    if not (k and t.isupper() and _ROMAN.fullmatch(t) and tokens[k - 1][:1].isupper()):
+    if not (k and t.isupper() and t != "IV" and _ROMAN.fullmatch(t)
+            and tokens[k - 1][:1].isupper()):  # "IV": intravenous as often
         return None
     vals = [_ROMAN_DIGITS[ch] for ch in t]
     return sum(-v if v < nxt else v for v, nxt in zip(vals, [*vals[1:], 0], strict=True))
@@ -110,6 +113,11 @@ _MONEY_SCALES = {"m": "million", "mn": "million", "bn": "billion", "b": "billion
 _CURRENCY_SIGNS = {"$": "usd", "\u20ac": "eur", "\u00a3": "gbp", "\u20b9": "inr"}
 _STOP_CAPS = {"i", "i'm", "i've", "i'd", "i'll", "what", "how", "why", "when", "where", "who",
               "which", "is", "are", "can", "do", "does", "the", "a", "an", "in", "on", "if"}
+# Words in capitals that are no name, and another spelling of them ("OK" / "okay").
+_PLAIN_CAPS = {"ok": "okay"}
+# Words an acronym's letters do not stand for ("an instance" is no "AI").
+_NOT_IN_ACRONYMS = frozenset("""a an the of and or to in on for at by is are was with my your
+his her its our their this that what how why""".split())
 
 
 class GuardResult(NamedTuple):
@@ -144,10 +152,16 @@ _TOKEN = re.compile(rf"n't|{_NUMBER}(?:st|nd|rd|th|x)\b|{_NUMBER}(?![0-9])"
                     r"|[A-Za-z0-9]+(?:[.,][0-9]+)*|[^\sA-Za-z0-9]", re.IGNORECASE)
 
 
+_DOTTED = re.compile(r"\b(?:[A-Z]\.){2,}")
+
+
 def _tokens(text: str) -> list[str]:
     text = _unaccented(text.translate(_APOSTROPHES)).replace("\u2212", "-")
     # "non-stop" and "nonstop" are one word (and "non-smoking" the opposite of "smoking").
     text = re.sub(r"\b([Nn]on)-(?=[A-Za-z])", r"\1", text)
+    # "U.S." and "U.S.A." are the acronyms "US" and "USA" (their letters fell apart, and the
+    # "S" after a full stop read as a sentence start).
+    text = _DOTTED.sub(lambda m: m.group(0).replace(".", "") + " ", text)
     text = _BARE_NOT.sub(lambda m: m.group(1) + "n't", text)
     text = re.sub(r"n't\b", " n't", text, flags=re.IGNORECASE)
     return ["n't" if t.lower() == "n't" else t for t in _TOKEN.findall(text)]
@@ -259,6 +273,9 @@ def _number_words(tokens: list[str]) -> list[str]:
         if t in _CURRENCY_SIGNS and k + 1 < len(tokens) and tokens[k + 1][0].isdigit():
             unit = _CURRENCY_SIGNS[t]
             continue
+        if t in _CURRENCY_SIGNS and k and tokens[k - 1][0].isdigit() and not unit:
+            out.append(_CURRENCY_SIGNS[t])  # "1000$": written after, as "1000 dollars"
+            continue
         if unit and t.lower() in _MONEY_SCALES and k and tokens[k - 1][0].isdigit():
             t = _MONEY_SCALES[t.lower()]  # "$5m": 5 million usd, not 5 usd and a word
         roman = _roman(tokens, k)
@@ -344,6 +361,7 @@ def _opposite(a: set[str], b: set[str]) -> str:
 # "several" are near enough in questions to stand together.
 _CONTRAST_SPEC = """
 all:every,each most some few
+all any
 many few
 most least
 both either
@@ -389,7 +407,7 @@ son:sons daughter:daughters
 father:dad mother:mom,mum
 brother:brothers sister:sisters
 on off
-mandatory:compulsory optional
+must:required,mandatory,compulsory,obligatory may:optional,allowed,permitted,recommended,should
 monday tuesday wednesday thursday friday saturday sunday
 january february april june july september october november december
 """
@@ -517,10 +535,33 @@ def entities_missing(q: TextFacts, c: TextFacts) -> set[str]:
     written otherwise: "3rd" / "third", "Three" / "3")."""
     def absent(e: str, other: TextFacts) -> bool:
         # "Chapter Three" / "Chapter 3": a capitalised number word is the other's digits
-        return e not in other.vocab and _number(e) not in other.vocab
+        return (e not in other.vocab and _number(e) not in other.vocab
+                and _PLAIN_CAPS.get(e) not in other.vocab)
 
-    return ({e for e in q.entities if absent(e, c)}
-            | {e for e in c.entities if absent(e, q)})
+    missing = ({e for e in q.entities if absent(e, c)}
+               | {e for e in c.entities if absent(e, q)})
+    for a, b in ((q, c), (c, q)):
+        for e in sorted(missing & a.entities):
+            spelled = _spelled_out(e, a, b)
+            if spelled:  # "US" / "United States", "OS" / "operating system"
+                missing.discard(e)
+                missing.difference_update(spelled)
+    return missing
+
+
+def _spelled_out(acronym: str, a: TextFacts, b: TextFacts) -> tuple[str, ...]:
+    """Words of `b`, in a row, whose initials spell `acronym` (2-5 letters, an entity of
+    `a`), none of them in `a` nor a word acronyms skip; () when there are none."""
+    n = len(acronym)
+    if not (2 <= n <= 5 and acronym.isalpha()):
+        return ()
+    words = b.lower
+    for k in range(len(words) - n + 1):
+        run = words[k:k + n]
+        if ("".join(w[0] for w in run) == acronym and a.lower_set.isdisjoint(run)
+                and _NOT_IN_ACRONYMS.isdisjoint(run) and all(w.isalpha() for w in run)):
+            return run
+    return ()
 
 
 # Entities swapped within this many words of each other, in both texts, are a swap of roles
@@ -574,9 +615,16 @@ _SUBJECT_CASE = {"me": "i", "him": "he", "her": "she", "us": "we", "them": "they
 
 
 def _subject_case(lower: tuple[str, ...]) -> tuple[str, ...]:
-    if _SUBJECT_CASE.keys().isdisjoint(lower):
-        return lower
-    return tuple(_SUBJECT_CASE.get(w, w) for w in lower)
+    """The words as the order check compares them: object pronouns as subjects, and plurals
+    as their singular ("Can cats eat dog food?" / "Can dogs eat cat food?": the same words
+    swapped, 0.985 cosine, a strict hit when "cats" and "cat" were two words)."""
+    return tuple(_SUBJECT_CASE.get(w) or _singular(w) for w in lower)
+
+
+def _singular(w: str) -> str:
+    if len(w) > 3 and w.endswith("s") and not w.endswith(("ss", "us", "is", "'s")):
+        return w[:-1]
+    return w
 
 
 # The phrases exchanged must be short noun phrases: one holding a word that gives a role

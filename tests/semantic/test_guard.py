@@ -118,6 +118,12 @@ TRAPS = [
     ("train tickets from Leeds and York to London", "train tickets from York to London and Leeds",
      "order"),
     ("divide by 4 and subtract 2", "subtract 2 and divide by 4", "order"),
+    # An independent tester's strict hits (stop 55), in new words: roles swapped with the
+    # plural moved ("cats" / "cat"), "all" / "any", obligation.
+    ("Can horses eat cow feed?", "Can cows eat horse feed?", "order"),
+    ("Are all mushrooms poisonous?", "Are any mushrooms poisonous?", "contrast"),
+    ("Is it mandatory to vaccinate my dog?", "Is it recommended to vaccinate my dog?",
+     "contrast"),
     # A scale letter after a currency amount.
     ("Is a $3m house expensive in Ohio?", "Is a $3 house expensive in Ohio?", "numbers"),
 ]
@@ -183,6 +189,14 @@ PARAPHRASES = [
     ("Who was the king during World War 2?", "Who was the king during World War II?"),
     ("Is Chapter Four the longest one?", "Is Chapter 4 the longest one?"),
     ("Why does no one answer my emails?", "Why does nobody answer my emails?"),
+    # Acronyms and their words, "OK" / "okay", "one" as a pronoun, a currency sign after the
+    # amount, plurals.
+    ("How do I renew a passport in the UK?", "How do I renew a passport in the United Kingdom?"),
+    ("Which OS is best for gaming?", "Which operating system is best for gaming?"),
+    ("Is it OK to run in the rain?", "Is it okay to run in the rain?"),
+    ("How should one prepare for a job interview?", "How should I prepare for a job interview?"),
+    ("Where can I exchange 500$ in Paris?", "Where can I exchange $500 in Paris?"),
+    ("What are good gifts for teachers?", "What is a good gift for a teacher?"),
     # Contrast words in both texts alike, or used in no contrasting sense: "a few" is "some",
     # "this past" is "last", "of all time" and "the most" hold no quantifier.
     ("How many hours a day should I practise guitar?",
