@@ -153,6 +153,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         policy = parse_policy(request.cache_policy)
         if not request.messages and not request.prompt:
             raise errors.InvalidArgument("messages", "must not be empty (or give prompt)")
+        if request.messages and request.prompt:
+            # The prompt was dropped without a word: a client that set both meant one of them.
+            raise errors.InvalidArgument("prompt", "give messages or prompt, not both")
         if len(request.session_id) > MAX_SESSION_ID_CHARS:
             # Routing hashes it once per replica under the route lock: a 15 MiB id held that
             # lock for every tenant's requests for 40-200 ms a decision.

@@ -371,6 +371,8 @@ A = tuple(md(TOK_A))
 
 ORCH_CASES = [
     case("no messages", "Generate", Gen(), INV, "messages", stream=True, metadata=A),
+    case("messages and prompt", "Generate", Gen(messages=HI, prompt="hello"), INV, "prompt",
+         stream=True, metadata=A),
     case("negative max_tokens", "Generate", Gen(messages=HI, sampling=SP(max_tokens=-1)), INV,
          "sampling.max_tokens", stream=True, metadata=A),
     case("max_tokens over limit", "Generate", Gen(messages=HI, sampling=SP(max_tokens=10**6)),
