@@ -329,6 +329,30 @@ _NOT_OPPOSITES = {
 }
 
 
+def _prefixed(x: set[str], y: set[str]) -> list[str]:
+    """The words of `x` that are a word of `y` with a negating prefix ("illegal" for
+    "legal"), that word absent from `x`."""
+    out = []
+    for w in x - y:
+        if w in _NOT_OPPOSITES:
+            continue
+        for p in _NEG_PREFIXES:
+            stem = w[len(p):].lstrip("-") if w.startswith(p) else ""
+            if len(stem) >= _MIN_STEM and stem in y and stem not in x:
+                out.append(w)
+                break
+    return out
+
+
+def negated_alike(q: TextFacts, c: TextFacts) -> bool:
+    """The texts negate the same thing, one with "not", the other with a prefix ("not
+    possible" / "impossible", "not legal" / "illegal": refused before as negation differing):
+    the text with fewer negations has just as many more prefixed opposites, the other none."""
+    pq, pc = _prefixed(q.lower_set, c.lower_set), _prefixed(c.lower_set, q.lower_set)
+    more = q.negations - c.negations
+    return bool(more) and ((not pq and len(pc) == more) or (not pc and len(pq) == -more))
+
+
 def _opposite(a: set[str], b: set[str]) -> str:
     """A word of `a` that `b` has only with a negating prefix (or the reverse), as
     "word/prefixword"; "" when there is none."""
@@ -795,7 +819,7 @@ class ParaphraseGuard:
             diff = sorted({n for n, _ in q.numbers ^ c.numbers})
             return GuardResult(False, f"numbers differ: {', '.join(diff[:4])}"), None
         lq, lc = q.lower_set, c.lower_set
-        if negation:
+        if negation and not negated_alike(q, c):
             if q.negations != c.negations:
                 return GuardResult(False, "negation differs"), None
             opposite = _opposite(lq, lc)

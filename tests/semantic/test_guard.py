@@ -111,6 +111,10 @@ TRAPS = [
     ("Is a painless procedure possible for this?", "Is a painful procedure possible for this?",
      "opposite"),
     ("Was Louis XIV a popular king?", "Was Louis XVI a popular king?", "numbers"),
+    # A double negative is no plain statement; one negation on the wrong word is not alike.
+    ("Is it not impossible to get a visa?", "Is it possible to get a visa?", "negation"),
+    ("Is it not safe and legal to camp here?", "Is it unsafe and illegal to camp here?",
+     "negation"),
     # Phrases around "and" exchanged where one holds a role ("than", "to", "by"): a review
     # found each served as a strict hit by the first version of the exchange rule.
     ("Is tea healthier than coffee and juice?", "Is juice and tea healthier than coffee?",
@@ -189,6 +193,9 @@ PARAPHRASES = [
     ("Who was the king during World War 2?", "Who was the king during World War II?"),
     ("Is Chapter Four the longest one?", "Is Chapter 4 the longest one?"),
     ("Why does no one answer my emails?", "Why does nobody answer my emails?"),
+    # "not" against a negating prefix on the same word.
+    ("Is it not possible to freeze cooked rice?", "Is it impossible to freeze cooked rice?"),
+    ("Is it not legal to fly a drone over a city?", "Is it illegal to fly a drone over a city?"),
     # Acronyms and their words, "OK" / "okay", "one" as a pronoun, a currency sign after the
     # amount, plurals.
     ("How do I renew a passport in the UK?", "How do I renew a passport in the United Kingdom?"),
