@@ -752,6 +752,7 @@ class TextFacts(NamedTuple):
     spans: tuple[Span, ...]  # entity words in a row, with their places
     vocab: frozenset[str]  # lower_set and the numbers its words write ("third": "3rd" too)
     contrasts: frozenset[tuple[str, int]] = frozenset()  # (contrast word, how often)
+    order: tuple[str, ...] = ()  # the words as the order check compares them (_subject_case)
 
 
 # A lookup checks one query against a few candidates, and a popular cached prompt is checked
@@ -772,7 +773,8 @@ def _facts(text: str) -> TextFacts:
     counted = _numbers(_number_words(tokens))
     return TextFacts(tuple(tokens), tuple(words), lower, frozenset(lower),
                      frozenset(counted.items()), _negations(words), frozenset(entities),
-                     tuple(spans), frozenset(lower) | numbers, _contrast_words(lower))
+                     tuple(spans), frozenset(lower) | numbers, _contrast_words(lower),
+                     _subject_case(lower))
 
 
 def cached_while_short(analyse: Callable[[str], T]) -> Callable[[str], T]:
@@ -819,7 +821,7 @@ class ParaphraseGuard:
             diff = sorted({n for n, _ in q.numbers ^ c.numbers})
             return GuardResult(False, f"numbers differ: {', '.join(diff[:4])}"), None
         lq, lc = q.lower_set, c.lower_set
-        if negation and not negated_alike(q, c):
+        if negation and not (q.negations != c.negations and negated_alike(q, c)):
             if q.negations != c.negations:
                 return GuardResult(False, "negation differs"), None
             opposite = _opposite(lq, lc)
@@ -836,8 +838,7 @@ class ParaphraseGuard:
         if order:
             why = ("entities in another order" if entities_reordered(q, c)
                    else "numbers in another order" if numbers_reordered(q, c) else "")
-            bp = None if why else _breakpoints_lower(_subject_case(c.lower),
-                                                     _subject_case(q.lower))
+            bp = None if why else _breakpoints_lower(c.order, q.order)
             if bp is not None and bp > self.max_breakpoints:
                 why = f"word order differs ({bp} breakpoints)"
             if why:
