@@ -329,9 +329,9 @@ _NOT_OPPOSITES = {
 }
 
 
-def _prefixed(x: set[str], y: set[str]) -> list[str]:
-    """The words of `x` that are a word of `y` with a negating prefix ("illegal" for
-    "legal"), that word absent from `x`."""
+def _prefixed(x: set[str], y: set[str]) -> list[tuple[str, str]]:
+    """(word, prefixed word) for the words of `x` that are a word of `y` with a negating
+    prefix ("illegal" for "legal"), that word absent from `x`."""
     out = []
     for w in x - y:
         if w in _NOT_OPPOSITES:
@@ -339,7 +339,7 @@ def _prefixed(x: set[str], y: set[str]) -> list[str]:
         for p in _NEG_PREFIXES:
             stem = w[len(p):].lstrip("-") if w.startswith(p) else ""
             if len(stem) >= _MIN_STEM and stem in y and stem not in x:
-                out.append(w)
+                out.append((stem, w))
                 break
     return out
 
@@ -357,15 +357,11 @@ def _opposite(a: set[str], b: set[str]) -> str:
     """A word of `a` that `b` has only with a negating prefix (or the reverse), as
     "word/prefixword"; "" when there is none."""
     for x, y in ((a, b), (b, a)):
+        for stem, w in _prefixed(x, y):
+            return f"{stem}/{w}"
         for w in x - y:
             if w in _NOT_OPPOSITES:
                 continue
-            for p in _NEG_PREFIXES:
-                if not w.startswith(p):
-                    continue
-                stem = w[len(p):].lstrip("-")
-                if len(stem) >= _MIN_STEM and stem in y and stem not in x:
-                    return f"{stem}/{w}"
             if w.endswith("less") and len(w) - 4 >= _MIN_STEM:
                 # "odorless" / "odorous", "harmless" / "harmful", "sugarless" / "sugar"
                 stem = w[:-4]
@@ -638,7 +634,7 @@ _SUBJECT_CASE = {"me": "i", "him": "he", "her": "she", "us": "we", "them": "they
                  "whom": "who"}
 
 
-def _subject_case(lower: tuple[str, ...]) -> tuple[str, ...]:
+def _order_words(lower: tuple[str, ...]) -> tuple[str, ...]:
     """The words as the order check compares them: object pronouns as subjects, and plurals
     as their singular ("Can cats eat dog food?" / "Can dogs eat cat food?": the same words
     swapped, 0.985 cosine, a strict hit when "cats" and "cat" were two words)."""
@@ -752,7 +748,7 @@ class TextFacts(NamedTuple):
     spans: tuple[Span, ...]  # entity words in a row, with their places
     vocab: frozenset[str]  # lower_set and the numbers its words write ("third": "3rd" too)
     contrasts: frozenset[tuple[str, int]] = frozenset()  # (contrast word, how often)
-    order: tuple[str, ...] = ()  # the words as the order check compares them (_subject_case)
+    order: tuple[str, ...] = ()  # the words as the order check compares them (_order_words)
 
 
 # A lookup checks one query against a few candidates, and a popular cached prompt is checked
@@ -774,7 +770,7 @@ def _facts(text: str) -> TextFacts:
     return TextFacts(tuple(tokens), tuple(words), lower, frozenset(lower),
                      frozenset(counted.items()), _negations(words), frozenset(entities),
                      tuple(spans), frozenset(lower) | numbers, _contrast_words(lower),
-                     _subject_case(lower))
+                     _order_words(lower))
 
 
 def cached_while_short(analyse: Callable[[str], T]) -> Callable[[str], T]:
