@@ -103,11 +103,11 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                  context: grpc.ServicerContext) -> Iterator[kvpool_pb2.KvGenerateResponse]:
         stall = self.cfg.send_stall_seconds
         stream = self._generate(request, context)
+        if not stall:
+            yield from stream  # closes it when closed itself
+            return
         try:
             for msg in stream:
-                if not stall:
-                    yield msg
-                    continue
                 # A send blocks while the client's flow-control window is full: a client that
                 # stopped reading held this worker thread for good. Ended from outside.
                 token = _REAPER.arm(
