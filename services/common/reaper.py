@@ -66,7 +66,10 @@ class StreamReaper:
                 self._thread = threading.Thread(target=self._run, name="stream-reaper",
                                                  daemon=True)
                 self._thread.start()
-            self._cv.notify()
+            if self._heap[0][1] == token:
+                # Only a new earliest deadline changes the reaper's wait: kvpool arms once per
+                # message sent, and woke the reaper thread for each.
+                self._cv.notify()
         return token
 
     def disarm(self, token: int) -> None:
