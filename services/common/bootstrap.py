@@ -315,8 +315,10 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 # not be traced. One line, with the id bound; a flood of them is thinned.
                 if _ERROR_LINES.allow((service, short, exc.code)):
                     log.info("%s ended %s: %s", short, exc.code, details[:300])
-                if isinstance(exc, errors.Overloaded):
-                    context.set_trailing_metadata(((errors.OVERLOADED_KEY, "1"),))
+                trailers = exc.trailers + (((errors.OVERLOADED_KEY, "1"),)
+                                           if isinstance(exc, errors.Overloaded) else ())
+                if trailers:
+                    context.set_trailing_metadata(trailers)
                 context.abort(_status_code(exc.code), details)
             code = context.code() if hasattr(context, "code") else None
             if code not in (None, grpc.StatusCode.OK):

@@ -21,9 +21,11 @@ def shown(value: object) -> str:
 
 
 class TierCacheError(Exception):
-    """Base class; `code` is the grpc.StatusCode name the adapter uses."""
+    """Base class; `code` is the grpc.StatusCode name the adapter uses, and `trailers` the
+    trailing metadata it sends with the status (key, value pairs)."""
 
     code = "INTERNAL"
+    trailers: tuple[tuple[str, str], ...] = ()
 
 
 class InvalidArgument(TierCacheError):
@@ -72,6 +74,37 @@ def overloaded(rpc_error: object) -> bool:
     except Exception:  # noqa: BLE001 - a call object without trailers
         return False
     return any(k == OVERLOADED_KEY for k, _ in (md or ()))
+
+
+# Trailing metadata of a Prefill that did its work but could not pin it (PinRefused): how many
+# prompt tokens it had, found cached and computed, so a Warm result says what was done.
+PREFILL_WORK_KEYS = ("tiercache-prompt-tokens", "tiercache-cached-tokens",
+                     "tiercache-computed-tokens")
+
+
+class PinRefused(ResourceExhausted):
+    """A prefill computed and cached its prompt, but the pool refused to pin it."""
+
+    def __init__(self, message: str, prompt_tokens: int, cached_tokens: int,
+                 computed_tokens: int) -> None:
+        super().__init__(message)
+        self.work = (prompt_tokens, cached_tokens, computed_tokens)
+        self.trailers = tuple(zip(PREFILL_WORK_KEYS, map(str, self.work), strict=True))
+
+
+def prefill_work(rpc_error: object) -> tuple[int, int, int]:
+    """(prompt, cached, computed) tokens a failed Prefill says it did (PinRefused's trailers),
+    else zeros."""
+    trailers = getattr(rpc_error, "trailing_metadata", None)
+    try:
+        md = dict(trailers() or ()) if callable(trailers) else {}
+    except Exception:  # noqa: BLE001 - a call object without trailers
+        return (0, 0, 0)
+    try:
+        work = tuple(int(md.get(k, 0)) for k in PREFILL_WORK_KEYS)
+    except (TypeError, ValueError):  # not ours: no figures rather than a wrong one
+        return (0, 0, 0)
+    return work if all(0 <= n < 2**32 for n in work) else (0, 0, 0)
 
 
 class FailedPrecondition(TierCacheError):

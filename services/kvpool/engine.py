@@ -1172,10 +1172,12 @@ class Engine:
                 pinned = self.pool.pin(table[:full], seq.req.pin_ttl_seconds)
             except PoolExhausted as exc:  # computed and cached, but not pinned
                 # What was done is said: the error alone read as "nothing computed".
-                self._finish(seq, Failed(errors.ResourceExhausted(
+                # The figures also go out as trailers, for the Warm result's fields.
+                self._finish(seq, Failed(errors.PinRefused(
                     f"pin refused: {exc} (the prompt is computed and cached: "
                     f"{seq.computed_tokens} of its {seq.prompt_len} tokens computed now, "
-                    f"{full} blocks cached, none pinned)")))
+                    f"{full} blocks cached, none pinned)",
+                    seq.prompt_len, seq.cached_tokens, seq.computed_tokens)))
                 return
         self._finish(seq, self._final(seq, FinishReason.PREFILLED, pinned))
 
@@ -1187,6 +1189,11 @@ class Engine:
                         seq.forward_passes, seq.computed_tokens, pinned,
                         (now - seq.arrival) * 1000.0, d.proposed if d else 0,
                         d.accepted if d else 0, d.accepted_lookup if d else 0)
+
+    def _count_prefilled(self, computed: int) -> None:
+        self.prefill_computed_tokens_total += computed
+        if self.metrics:
+            self.metrics.prefill_computed_tokens.inc(computed)
 
     def _preempt(self, seq: Sequence) -> None:
         """Release a decoding sequence's blocks; it is recomputed (mostly from cache) later."""
@@ -1239,12 +1246,12 @@ class Engine:
             if isinstance(result, Finished):  # completed: not cancelled, timed out or refused
                 if seq.req.prefill_only:
                     self.prefills_total += 1
-                    self.prefill_computed_tokens_total += result.computed_tokens
-                    if self.metrics:
-                        self.metrics.prefills.inc()
-                        self.metrics.prefill_computed_tokens.inc(result.computed_tokens)
+                    self._count_prefilled(result.computed_tokens)
                 else:
                     self.requests_total += 1
+            elif isinstance(result, Failed) and isinstance(result.error, errors.PinRefused):
+                # Computed and cached all the same, only not pinned: its tokens count.
+                self._count_prefilled(result.error.work[2])
             # Stats first, so a caller who sees the result also sees its blocks released.
             self._stats = self._compute_stats()
             seq.out.put(result)

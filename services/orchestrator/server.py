@@ -509,8 +509,12 @@ class Warmer:
                 prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
                 computed_tokens=r.computed_tokens, pinned_blocks=r.pinned_blocks)
         except grpc.RpcError as e:
+            # A refused pin still computed and cached the prompt: its figures come as
+            # trailers (zeros from any other failure), so the result says what was done.
+            prompt, cached, computed = errors.prefill_work(e)
             return orchestrator_pb2.WarmResult(
-                prompt_index=index, replica_id=replica.public_id,
+                prompt_index=index, replica_id=replica.public_id, prompt_tokens=prompt,
+                cached_tokens=cached, computed_tokens=computed,
                 error=f"{e.code().name}: {_public_details(e, f'replica {replica.public_id}')}")
 
     def _targets(self, tenant, token_ids, target, deadline: float, gone=None):
@@ -642,7 +646,8 @@ class Warmer:
 
         results = self._run_windowed(prefill, jobs, deadline, gone)
         if charge is not None:
-            worked = sum(1 for r in results if not r.error and r.computed_tokens > 0)
+            # A prefill whose pin was refused computed its prompt too.
+            worked = sum(1 for r in results if r.computed_tokens > 0)
             if worked > 1:
                 charge(worked - 1)
         return orchestrator_pb2.WarmResponse(results=results)

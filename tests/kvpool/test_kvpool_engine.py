@@ -195,6 +195,7 @@ def test_a_prefill_longer_than_the_pin_share_pins_its_leading_blocks(make_engine
     assert "max_pinned_per_tenant_fraction" in str(fin.error)
     # The work was done all the same (a Warm result read as "nothing computed"): said.
     assert "12 of its 12 tokens computed now, 3 blocks cached, none pinned" in str(fin.error)
+    assert isinstance(fin.error, errors.PinRefused) and fin.error.work == (12, 0, 12)
     assert eng.stats().blocks_pinned == 3
     eng.call(eng.pool.release_pins).result()
 

@@ -11,6 +11,7 @@ import grpc
 import pytest
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
+from services.common import errors
 from services.common.bootstrap import create_server
 from services.kvpool.app import build_replica
 from services.kvpool.config import KvPoolConfig
@@ -142,6 +143,32 @@ def test_prefill_pins_and_the_next_request_hits(served) -> None:
     assert st.requests_total == before.requests_total + 1
     assert st.prompt_tokens_total == before.prompt_tokens_total + 25
     assert st.cached_tokens_total == before.cached_tokens_total + 24
+
+
+def test_a_refused_pin_says_in_trailers_what_the_prefill_computed(served) -> None:
+    """A prefill whose pin the pool refused had computed and cached its prompt, but the Warm
+    result said 0 tokens (only the status text told), and the replica's prefill counters
+    left that work out."""
+    pool = served.replica.engine.pool
+    before = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+    saved = pool.max_pinned_per_salt
+    pool.max_pinned_per_salt = 0  # this tenant's share of the pins is used up
+    try:
+        with pytest.raises(grpc.RpcError) as ei:
+            served.stub.Prefill(kvpool_pb2.PrefillRequest(
+                token_ids=list(range(30, 50)), pin=True, ttl_seconds=60), timeout=10)
+    finally:
+        pool.max_pinned_per_salt = saved
+    assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert ei.value.details().startswith("pin refused:")
+    assert errors.prefill_work(ei.value) == (20, 0, 20)
+    st = served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+    assert (st.blocks_pinned, st.prefills_total) == (before.blocks_pinned, before.prefills_total)
+    assert st.prefill_computed_tokens_total == before.prefill_computed_tokens_total + 20
+    # Computed and cached all the same: the same prompt now finds all 5 blocks cached.
+    r = served.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=list(range(30, 50))),
+                            timeout=10)
+    assert (r.cached_tokens, r.computed_tokens) == (20, 0)
 
 
 BAD = [

@@ -10,10 +10,13 @@ from services.orchestrator.server import Warmer
 
 
 class Err(grpc.RpcError):
-    """A dependency's failure: a status code and its text."""
+    """A dependency's failure: a status code, its text and trailers."""
 
-    def __init__(self, code: grpc.StatusCode, details: str = "") -> None:
-        self._c, self._d = code, details
+    def __init__(self, code: grpc.StatusCode, details: str = "", trailers=()) -> None:
+        self._c, self._d, self._t = code, details, tuple(trailers)
+
+    def trailing_metadata(self):
+        return self._t
 
     def code(self) -> grpc.StatusCode:
         return self._c
@@ -140,6 +143,29 @@ def test_warm_results_and_feedback_errors_keep_internal_addresses_out():
     assert _public_details(refused, "replica r0") == "pin refused: pins would hold 134 blocks"
     hung = Err(grpc.StatusCode.UNAVAILABLE, "semantic shard 10.0.3.9:50052 hung: skipped")
     assert "10.0.3.9" not in _public_details(hung, "the semantic tier")
+
+
+def test_a_refused_pin_keeps_what_the_replica_computed_in_the_warm_result():
+    """The replica computed and cached the prompt, then could not pin it: the WarmResult
+    said 0 tokens computed (its error alone told). Trailers that are not ours give zeros."""
+    from services.common import errors
+
+    w, reps = make([0], [])
+    trailers = [(errors.PREFILL_WORK_KEYS[0], "32"), (errors.PREFILL_WORK_KEYS[1], "16"),
+                (errors.PREFILL_WORK_KEYS[2], "16")]
+
+    def refuse(req, timeout=None, metadata=None):
+        raise Err(grpc.StatusCode.RESOURCE_EXHAUSTED, "pin refused: share used", trailers)
+
+    reps[0].stub.Prefill = refuse
+    res = w._prefill(reps[0], [1] * 32, "s", 60, 0)
+    assert res.error.startswith("RESOURCE_EXHAUSTED: pin refused")
+    assert (res.prompt_tokens, res.cached_tokens, res.computed_tokens) == (32, 16, 16)
+    for bad in ([(errors.PREFILL_WORK_KEYS[2], "x")], [(errors.PREFILL_WORK_KEYS[2], "-4")],
+                [(errors.PREFILL_WORK_KEYS[2], str(2**40))], []):
+        trailers = bad
+        res = w._prefill(reps[0], [1] * 32, "s", 60, 0)
+        assert res.error and res.computed_tokens == 0, bad
 
 
 def test_internal_and_unknown_failures_are_transport_failures_to_tenants():
