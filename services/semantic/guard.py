@@ -96,7 +96,7 @@ tb:terabyte,terabytes ml:milliliter,milliliters,millilitre,millilitres
 l:liter,liters,litre,litres mph kph:kmh ms:millisecond,milliseconds min:mins,minute,minutes
 h:hr,hrs,hour,hours sec:secs,seconds day:days week:weeks month:months year:years,yr,yrs
 decade:decades hz khz mhz ghz w:watt,watts kw kwh v:volt,volts mah c:celsius f:fahrenheit
-usd:dollar,dollars eur:euro,euros gbp inr:rupee,rupees percent"""
+usd:dollar,dollars eur:euro,euros gbp inr:rupee,rupees percent deg:degree,degrees"""
 _UNIT_FORMS: dict[str, str] = {}
 for _item in _UNIT_SPEC.split():
     _canon, _, _forms = _item.partition(":")
@@ -106,7 +106,10 @@ _UNIT_FORMS.pop("in")  # "inch" and "inches" only: "in" is the preposition
 # Units a number is often written without, meaning the same ("at the age of 3" / "at the age of
 # 3 years", "takes 30" / "takes 30 minutes"): a bare number agrees with the number in them.
 _IMPLIED_UNITS = frozenset({"ms", "min", "h", "sec", "day", "week", "month", "year",
-                            "decade"})
+                            "decade", "deg"})
+# Degrees agree with the same number in a named scale ("400 degrees" / "400°F"), but the
+# scales differ from each other ("20°C" / "20°F").
+_DEGREE_SCALES = ("c", "f")
 # Scale letters after a currency amount ("$5m", "$2bn"): the scale words.
 _MONEY_SCALES = {"m": "million", "mn": "million", "bn": "billion", "b": "billion"}
 # Currency signs written before the number: its unit, as if written after it.
@@ -153,6 +156,8 @@ _TOKEN = re.compile(rf"n't|{_NUMBER}(?:st|nd|rd|th|x)\b|{_NUMBER}(?![0-9])"
 
 
 _DOTTED = re.compile(r"\b(?:[A-Z]\.){2,}")
+_DEGREES = re.compile(r"\s*\u00b0\s*([CF](?![A-Za-z]))?|(?<![A-Za-z])degrees?\s+([CF])\b")
+_DEGREE_NAMES = {"C": " Celsius", "F": " Fahrenheit"}
 
 
 def _tokens(text: str) -> list[str]:
@@ -162,6 +167,10 @@ def _tokens(text: str) -> list[str]:
     # "U.S." and "U.S.A." are the acronyms "US" and "USA" (their letters fell apart, and the
     # "S" after a full stop read as a sentence start).
     text = _DOTTED.sub(lambda m: m.group(0).replace(".", "") + " ", text)
+    # "400°F", "400 ° F" and "400 degrees F" are "400 degrees Fahrenheit" ("°C" and "C"
+    # were an entity the other text lacked), a "°" alone is "degrees".
+    text = _DEGREES.sub(
+        lambda m: " degrees" + _DEGREE_NAMES.get(m.group(1) or m.group(2) or "", ""), text)
     text = _BARE_NOT.sub(lambda m: m.group(1) + "n't", text)
     text = re.sub(r"n't\b", " n't", text, flags=re.IGNORECASE)
     return ["n't" if t.lower() == "n't" else t for t in _TOKEN.findall(text)]
@@ -257,7 +266,10 @@ def _numbers(words: list[str]) -> Counter:
         if i < n and low[i] == "k" and last == "digits" and math.isfinite(value):
             key, i = _number_key(value * 1000), i + 1  # "100k" is 100000
         if i < n and low[i] in _UNIT_FORMS:
-            key, i = f"{key} {_UNIT_FORMS[low[i]]}", i + 1
+            unit, i = _UNIT_FORMS[low[i]], i + 1
+            if unit == "deg" and i < n and _UNIT_FORMS.get(low[i]) in _DEGREE_SCALES:
+                unit, i = _UNIT_FORMS[low[i]], i + 1  # "400 degrees Fahrenheit": 400 f
+            key = f"{key} {unit}"
         elif i + 1 < n and low[i] == "per" and low[i + 1] == "cent":
             key, i = f"{key} percent", i + 2
         out[key] += 1
@@ -308,6 +320,10 @@ def numbers_agree(q: TextFacts, c: TextFacts) -> bool:
                 k = min(x[key], y[num])
                 x[key] -= k
                 y[num] -= k
+            for scale in _DEGREE_SCALES if unit == "deg" else ():
+                k = min(x[key], y[f"{num} {scale}"])  # "400 degrees" / "400 f"
+                x[key] -= k
+                y[f"{num} {scale}"] -= k
     return not +a and not +b
 
 
@@ -427,6 +443,8 @@ son:sons daughter:daughters
 father:dad mother:mom,mum
 brother:brothers sister:sisters
 on off
+glass:glasses bottle:bottles pint:pints jar:jars
+cup:cups tablespoon:tablespoons,tbsp teaspoon:teaspoons,tsp
 must:required,mandatory,compulsory,obligatory may:optional,allowed,permitted,recommended,should
 monday tuesday wednesday thursday friday saturday sunday
 january february april june july september october november december
@@ -525,7 +543,9 @@ def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
             prev = t
             continue
         pos += 1
-        after_number, prev = prev[:1].isdigit(), t
+        after_number = prev[:1].isdigit() or (
+            prev.lower() in ("degree", "degrees") and _UNIT_FORMS.get(t.lower()) in _DEGREE_SCALES)
+        prev = t
         if (after_number and t.lower() in _UNIT_FORMS) or _roman(tokens, k) is not None:
             # A unit after its number ("500 MB", "20 USD") is the number's, compared with it
             # in any spelling ("500 megabytes"), not an entity the other text must write.
@@ -571,10 +591,15 @@ def entities_missing(q: TextFacts, c: TextFacts) -> set[str]:
 
 def _spelled_out(acronym: str, a: TextFacts, b: TextFacts) -> tuple[str, ...]:
     """Words of `b`, in a row, whose initials spell `acronym` (2-5 letters, an entity of
-    `a`), none of them in `a` nor a word acronyms skip; () when there are none."""
+    `a`), none of them in `a` nor a word acronyms skip, or one word of `b` whose capitals
+    spell it ("JavaScript"); () when there are none."""
     n = len(acronym)
     if not (2 <= n <= 5 and acronym.isalpha()):
         return ()
+    for w in b.words:  # one word, its capitals the acronym: "JS" / "JavaScript"
+        if (len(w) > n and w[0].isupper() and w.isalpha() and w.lower() not in a.lower_set
+                and "".join(ch for ch in w if ch.isupper()).lower() == acronym):
+            return (w.lower(),)
     words = b.lower
     for k in range(len(words) - n + 1):
         run = words[k:k + n]
@@ -582,6 +607,31 @@ def _spelled_out(acronym: str, a: TextFacts, b: TextFacts) -> tuple[str, ...]:
                 and _NOT_IN_ACRONYMS.isdisjoint(run) and all(w.isalpha() for w in run)):
             return run
     return ()
+
+
+def acronyms_folded(q: TextFacts, c: TextFacts) -> tuple[TextFacts, TextFacts]:
+    """`q` and `c`, with the words of one that spell out an acronym of the other written as
+    that acronym (the pair unchanged when there are none)."""
+    if q.entities <= c.vocab and c.entities <= q.vocab:
+        return q, c
+    out = [q, c]
+    for i, (a, b) in enumerate(((q, c), (c, q))):
+        for e in sorted(a.entities - b.vocab):
+            run = _spelled_out(e, a, b)
+            if run:
+                out[1 - i] = _with_acronym(out[1 - i], run, e)
+    return out[0], out[1]
+
+
+def _with_acronym(f: TextFacts, run: tuple[str, ...], acronym: str) -> TextFacts:
+    """`f` analysed again with the first place of the words `run` written as `acronym`."""
+    at = [k for k, t in enumerate(f.tokens) if _is_word(t)]  # each word's token
+    n = len(run)
+    for i in range(len(f.lower) - n + 1):
+        if f.lower[i:i + n] == run:
+            tokens = (*f.tokens[:at[i]], acronym.upper(), *f.tokens[at[i + n - 1] + 1:])
+            return _facts(" ".join(tokens))
+    return f
 
 
 # Entities swapped within this many words of each other, in both texts, are a swap of roles
@@ -832,6 +882,9 @@ class ParaphraseGuard:
             if missing:
                 return GuardResult(False, f"entities differ: {', '.join(missing[:4])}"), None
         if order:
+            # An acronym and its spelled-out words are one item where they stand ("from US
+            # to UK" / "from United Kingdom to United States" was served: no shared entity).
+            q, c = acronyms_folded(q, c)
             why = ("entities in another order" if entities_reordered(q, c)
                    else "numbers in another order" if numbers_reordered(q, c) else "")
             bp = None if why else _breakpoints_lower(c.order, q.order)

@@ -130,6 +130,17 @@ TRAPS = [
      "contrast"),
     # A scale letter after a currency amount.
     ("Is a $3m house expensive in Ohio?", "Is a $3 house expensive in Ohio?", "numbers"),
+    # Stop 56: containers and measures, temperature scales, acronyms against their words in
+    # the other order (served before: the acronym matched its words, and no shared word
+    # stood out of place).
+    ("How many calories are in a glass of beer?", "How many calories are in a bottle of beer?",
+     "contrast"),
+    ("How much salt is in a teaspoon of soy sauce?",
+     "How much salt is in a tablespoon of soy sauce?", "contrast"),
+    ("Is 25\u00b0C hot for a bedroom?", "Is 25\u00b0F hot for a bedroom?", "numbers"),
+    ("Is the UK richer than the US?", "Is the United States richer than the United Kingdom?",
+     "order"),
+    ("Is Python slower than JS?", "Is JavaScript slower than Python?", "order"),
 ]
 
 PARAPHRASES = [
@@ -213,6 +224,13 @@ PARAPHRASES = [
     ("What is the greatest album of all time?", "What are some of the greatest albums ever?"),
     ("What are the most common side effects of aspirin?",
      "What are some common side effects of aspirin?"),
+    # Stop 56: degrees in any spelling ("°" alone: either scale), and an acronym written
+    # with the capitals of one word.
+    ("Should I roast potatoes at 200\u00b0C?", "Should I roast potatoes at 200 degrees Celsius?"),
+    ("Can I bake bread at 450 degrees?", "Can I bake bread at 450\u00b0F?"),
+    ("What is the freezing point of salt water in \u00b0F?",
+     "What is the freezing point of salt water in Fahrenheit?"),
+    ("How do I debug JS in Chrome?", "How do I debug JavaScript in Chrome?"),
 ]
 
 
