@@ -731,3 +731,94 @@ def test_a_thinned_count_is_said_when_its_outage_ends_with_no_later_line(caplog)
         t2.allow(("semantic lookup", "UNAVAILABLE"))
         Thinned.flush_all()  # what a server's stop calls
     assert "semantic lookup/UNAVAILABLE: 1 more lines left out" in caplog.text
+
+
+@pytest.mark.parametrize(("name", "hint"), [
+    # A config review: each was ignored, mutual TLS left off or the public development hash
+    # key in force, without a word.
+    ("TIERCACHE_TLS_CA_FILE", "TIERCACHE_TLS_CA"),
+    ("TIERCACHE_HASHKEY", "TIERCACHE_HASH_KEY"),
+    ("TIERCACHE_ORCHESTRATR_TOKENS", None),
+])
+def test_an_unknown_shared_name_is_refused(name, hint):
+    from services.prefix.config import PrefixConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(PrefixConfig, "prefix", [], {name: "x"})
+    msg = str(e.value)
+    assert msg.startswith(name) and "no such setting" in msg
+    assert (f"did you mean {hint}?" in msg) if hint else "did you mean" not in msg
+
+
+def test_shared_names_other_services_and_service_links_pass():
+    from services.prefix.config import PrefixConfig
+
+    env = {"TIERCACHE_TLS_CA": "/x", "TIERCACHE_HASH_KEY": "k", "TIERCACHE_ADDRESS": "h:1",
+           "TIERCACHE_KVPOOL_NUM_BLOCKS": "8",  # another service's, in a shared environment
+           "TIERCACHE_SERVICE_HOST": "10.0.0.9", "TIERCACHE_PORT": "tcp://10.0.0.9:50051",
+           "TIERCACHE_WEB_SERVICE_PORT": "80"}
+    load_config(PrefixConfig, "prefix", [], env)
+
+
+@pytest.mark.parametrize("name", ["TOKENS", "TOKENS_FILE", "INTERNAL_TOKEN"])
+def test_an_emptied_security_setting_is_refused_not_taken_as_unset(name):
+    """Empty tenant tokens made every caller the admin default tenant, without a word."""
+    from services.orchestrator.config import OrchestratorConfig
+
+    var = f"TIERCACHE_ORCHESTRATOR_{name}"
+    with pytest.raises(ConfigError, match=f"{var}: set but empty"):
+        load_config(OrchestratorConfig, "orchestrator", [], {var: " "})
+    flag = "--" + name.lower().replace("_", "-")
+    with pytest.raises(ConfigError, match=f"{flag}: set but empty"):
+        load_config(OrchestratorConfig, "orchestrator", [flag, ""], {})
+
+
+def test_an_empty_hash_key_is_refused(monkeypatch):
+    from services.common.hashing import DEFAULT_KEY, hash_key_from_env
+
+    monkeypatch.setenv("TIERCACHE_HASH_KEY", "")
+    with pytest.raises(ConfigError, match="TIERCACHE_HASH_KEY: set but empty"):
+        hash_key_from_env()
+    monkeypatch.delenv("TIERCACHE_HASH_KEY")
+    assert hash_key_from_env() == DEFAULT_KEY
+
+
+@pytest.mark.parametrize(("service", "env", "named"), [
+    # A config review: each was blamed on the other setting, one the user never set.
+    ("semantic", {"THRESHOLD_FLOOR": "0.75"}, "THRESHOLD_FLOOR"),
+    ("semantic", {"THRESHOLD_FLOOR": "0.99"}, "THRESHOLD_FLOOR"),
+    ("semantic", {"DRAFT_FLOOR": "0.9"}, "DRAFT_FLOOR"),
+    ("semantic", {"MAX_TEXT_CHARS": "4000000"}, "MAX_TEXT_CHARS"),
+    ("orchestrator", {"MAX_TOKENS_LIMIT": "100"}, "MAX_TOKENS_LIMIT"),
+    ("orchestrator", {"DEFAULT_MAX_TOKENS": "5000"}, "DEFAULT_MAX_TOKENS"),
+    ("orchestrator", {"WARM_PIN_TTL_S": "7200"}, "WARM_PIN_TTL_S"),
+    ("kvpool", {"MAX_PINNED_FRACTION": "0.1"}, "MAX_PINNED_FRACTION"),
+    ("kvpool", {"MAX_PINNED_PER_TENANT_FRACTION": "0.9"}, "MAX_PINNED_PER_TENANT_FRACTION"),
+])
+def test_of_two_settings_in_conflict_the_one_set_is_named(service, env, named):
+    import importlib
+
+    cls = {"semantic": "SemanticConfig", "orchestrator": "OrchestratorConfig",
+           "kvpool": "KvPoolConfig"}[service]
+    config = getattr(importlib.import_module(f"services.{service}.config"), cls)
+    prefix = f"TIERCACHE_{service.upper()}_"
+    with pytest.raises(ConfigError) as e:
+        load_config(config, service, [], {prefix + k: v for k, v in env.items()})
+    assert str(e.value).startswith(prefix + named + ":"), str(e.value)
+
+
+def test_a_url_given_as_an_address_is_told_so():
+    with pytest.raises(ConfigError, match="no http:// URL"):
+        require_addresses(["http://x:1"], "orchestrator", "semantic_address", allow_none=False)
+
+
+def test_orchestrator_paths_are_checked_at_start_naming_the_setting(tmp_path):
+    from services.orchestrator.config import OrchestratorConfig
+
+    afile = tmp_path / "f"
+    afile.write_text("x")
+    for flag, value, var in (("--model", " ", "MODEL"),
+                             ("--tokens-file", str(tmp_path / "nope.json"), "TOKENS_FILE"),
+                             ("--cache-dir", str(afile), "CACHE_DIR")):
+        with pytest.raises(ConfigError, match=f"^{flag} \\(env TIERCACHE_ORCHESTRATOR_{var}\\)"):
+            load_config(OrchestratorConfig, "orchestrator", [flag, value], {})

@@ -112,16 +112,17 @@ def load_config(
         elif var in environ:
             values[f.name] = _parse(environ[var], hints[f.name], var)
     _refuse_unknown_names(cls, service, environ)
+    for name, what in _EMPTY_TURNS_OFF.items():
+        if isinstance(values.get(name), str) and not values[name].strip():
+            # A Secret made from an unset variable or an empty file: taken as "not set", it
+            # turned a security feature off without a word.
+            where = flags.get(env_name(service, name)) or env_name(service, name)
+            raise ConfigError(f"{where}: set but empty; unset it to run without {what}")
     token = values.get("internal_token")
     if isinstance(token, str):
         # A Secret made with --from-file ends in a newline; gRPC refuses such metadata (and
         # anything non-ASCII) on every call, long after the service said it was serving.
         token = values["internal_token"] = token.strip()
-        if not token:
-            # A Secret made from an unset variable or an empty file: taken as "no credential",
-            # it silently opened semantic, prefix and kvpool to anyone who can connect.
-            raise ConfigError(f"{env_name(service, 'internal_token')}: set but empty; unset it "
-                              "to run without an internal credential")
         if not all(0x21 <= ord(c) <= 0x7E for c in token):
             raise ConfigError(f"{env_name(service, 'internal_token')}: printable ASCII "
                               "without spaces only (it travels as gRPC metadata)")
@@ -140,6 +141,19 @@ def load_config(
     return cfg
 
 
+# Settings whose empty value would turn a security feature off (as if unset): refused. Empty,
+# the internal credential opened semantic, prefix and kvpool to anyone who can connect, and
+# the tenant tokens made every caller the admin tenant.
+_EMPTY_TURNS_OFF = {"internal_token": "an internal credential",
+                    "tokens": "authentication (every caller the default tenant)",
+                    "tokens_file": "authentication (every caller the default tenant)"}
+# The services' prefixes (TIERCACHE_<SERVICE>_), and the shared TIERCACHE_ names anything in
+# this project reads: another TIERCACHE_ name is a typo (TIERCACHE_TLS_CA_FILE left mutual
+# TLS off, TIERCACHE_HASHKEY the public development key in force, without a word).
+SERVICES = ("SEMANTIC", "PREFIX", "KVPOOL", "ORCHESTRATOR")
+SHARED_NAMES = frozenset("""TLS_CERT TLS_KEY TLS_CA TLS_CLIENT_CERT TLS_CLIENT_KEY HASH_KEY
+LOG_LEVEL DRAIN_DELAY_S CACHE_DIR PURE_PYTHON_HASH PARENT_PID DATA_DIR REPLICAS ADDRESS TOKEN
+CLI_HOME TEST_DEVICE TEST_LOGS""".split())
 # Names under a service's prefix that are read outside its config class.
 _READ_ELSEWHERE = ("TLS_CERT", "TLS_KEY")
 # Shared settings a per-service name is often mistaken for.
@@ -177,6 +191,7 @@ def _refuse_unknown_names(cls: type, service: str, environ: Mapping[str, str]) -
     """A TIERCACHE_<SERVICE>_ variable no setting reads is a typo: ignored, it left the
     default in force without a word (TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESS, singular, kept the
     default replica address)."""
+    _refuse_unknown_shared(service, environ)
     prefix = env_name(service, "")
     fields = [f.name.upper() for f in dataclasses.fields(cls)]
     known = set(fields) | set(_READ_ELSEWHERE)
@@ -194,6 +209,23 @@ def _refuse_unknown_names(cls: type, service: str, environ: Mapping[str, str]) -
         raise ConfigError(f"{'; '.join(hints)}: not a setting of this service (python -m "
                           f"services.{service} --help lists them; TLS files are "
                           f"{prefix}TLS_CERT/_KEY or the shared TIERCACHE_TLS_*)")
+
+
+def _refuse_unknown_shared(service: str, environ: Mapping[str, str]) -> None:
+    """A TIERCACHE_ variable under no service's prefix that nothing reads is a typo of a
+    shared setting (or of a service's prefix)."""
+    prefixes = tuple(f"TIERCACHE_{s}_" for s in (*SERVICES, service.upper()))
+    unknown = sorted(v for v in environ if v.startswith("TIERCACHE_")
+                     and not v.startswith(prefixes) and v[10:] not in SHARED_NAMES
+                     and not _service_link(v[10:], environ[v]))
+    if unknown:
+        hints = []
+        for v in unknown:
+            close = difflib.get_close_matches(v[10:], sorted(SHARED_NAMES), n=1, cutoff=0.6)
+            hints.append(f"{v} (did you mean TIERCACHE_{close[0]}?)" if close else v)
+        raise ConfigError(f"{'; '.join(hints)}: no such setting (the shared ones are "
+                          f"{', '.join('TIERCACHE_' + n for n in sorted(SHARED_NAMES))}; a "
+                          f"service's own start TIERCACHE_<SERVICE>_)")
 
 
 def _shown_default(f: dataclasses.Field) -> str:
@@ -220,6 +252,14 @@ def _metavar(typ: Any) -> str:
     if typing.get_origin(typ) in (tuple, list):
         return "A,B,..."
     return {int: "N", float: "X"}.get(typ, "VALUE")
+
+
+def moved(cfg: Any, field: str, other: str) -> str:
+    """`field` if `cfg` has it changed from its default, else `other`: of two settings in
+    conflict, the one to name is the one the user set (threshold_floor lowered to 0.75 was
+    blamed on draft_floor, which the user never set)."""
+    default = type(cfg).__dataclass_fields__[field].default
+    return field if getattr(cfg, field) != default else other
 
 
 def require(cond: bool, service: str, field: str, why: str) -> None:
@@ -255,6 +295,11 @@ def is_host_port(a: str, *, listen: bool = False, dialed: bool = False) -> bool:
 
 
 def _why_not(a: str) -> str:
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", a)
+    if scheme and not a.startswith(_GRPC_SCHEMES):
+        # "http://x:1" read as an IPv6 host ("[http://x]:port" was the hint).
+        return (f"{a!r} is not host:port (no {scheme.group(1)}:// URL: host:port, or a gRPC "
+                "target such as dns:///host:port)")
     host = a.rpartition(":")[0]
     if ":" in host and not host.startswith(("[", *_GRPC_SCHEMES)):
         return f"{a!r} is not host:port (an IPv6 address goes in brackets: [{host}]:port)"

@@ -56,10 +56,14 @@ def hash_key_from_env() -> bytes:
     """The cluster hash key (`TIERCACHE_HASH_KEY`, at most 64 bytes), or the dev default.
 
     Raises:
-        ConfigError (a ValueError): the key is longer than 64 bytes.
+        ConfigError (a ValueError): the key is longer than 64 bytes, or set but empty.
     """
     raw = os.environb.get(b"TIERCACHE_HASH_KEY", b"") if os.supports_bytes_environ else (
         os.environ.get("TIERCACHE_HASH_KEY", "").encode())
+    if "TIERCACHE_HASH_KEY" in os.environ and not raw.strip():
+        # A Secret made from an unset variable: the public development key, without a word.
+        raise ConfigError("TIERCACHE_HASH_KEY: set but empty; unset it to use the "
+                          "development key")
     key = raw or DEFAULT_KEY
     if len(key) > 64:
         raise ConfigError("TIERCACHE_HASH_KEY: at most 64 bytes")

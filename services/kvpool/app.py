@@ -203,6 +203,13 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
         info = dataclasses.replace(info, max_context=min(info.max_context, cfg.max_context))
     dtype = next(model.parameters()).dtype
     n = pool_blocks(cfg, info, dtype)
+    if n * cfg.block_size < info.max_context:
+        # Served all the same (a small pool is a choice), but a request past the pool's tokens
+        # is refused every time: said at start, not first by a tenant's RESOURCE_EXHAUSTED.
+        log.warning("the kv pool holds %d tokens (%d blocks of %d), less than the %d-token "
+                    "context: a prompt and answer longer than that are refused "
+                    "(TIERCACHE_KVPOOL_NUM_BLOCKS / _KV_CACHE_BYTES, or _MAX_CONTEXT)",
+                    n * cfg.block_size, n, cfg.block_size, info.max_context)
     hasher = BlockHasher(info.model_id, cfg.block_size)
     # Events exist for the publisher; without a prefix index nobody would ever take them.
     pool = BlockPool(n, cfg.block_size, hasher,

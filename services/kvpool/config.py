@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from services.common.config import require, require_addresses, require_listen_address
+from services.common.config import moved, require, require_addresses, require_listen_address
 
 SERVICE = "kvpool"
 LINEAR_KERNELS = ("onednn", "torch")  # see `KvPoolConfig.linear_kernels`
@@ -180,8 +180,12 @@ class KvPoolConfig:
                               allow_none=False, dialed=False)  # a pod IP, bare IPv6 too
         require(-1 <= self.metrics_port <= 65535, s, "metrics_port",
                 "must be -1 (off), 0 or a port")
-        require(self.heartbeat_seconds > 0, s, "heartbeat_seconds", "must be > 0")
-        require(self.publish_interval_seconds > 0, s, "publish_interval_seconds", "must be > 0")
+        # Floors: at 1e-9 an idle replica sent the index ~1,500 heartbeats a second (half a
+        # core on each side), and its publisher woke as often.
+        require(self.heartbeat_seconds >= 0.1, s, "heartbeat_seconds",
+                f"must be >= 0.1, got {self.heartbeat_seconds}")
+        require(self.publish_interval_seconds >= 0.01, s, "publish_interval_seconds",
+                f"must be >= 0.01, got {self.publish_interval_seconds}")
         require(self.eviction_policy in ("hybrid", "lru"), s, "eviction_policy",
                 "must be 'hybrid' or 'lru'")
         require(1 <= self.max_draft_tokens <= 64, s, "max_draft_tokens", "must be in 1..64")
@@ -194,13 +198,19 @@ class KvPoolConfig:
         require(self.shallow_tokens >= 0, s, "shallow_tokens", "must be >= 0")
         require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
-        require(self.engine_stall_seconds >= 0, s, "engine_stall_seconds",
-                "must be >= 0 (0 = off)")
+        # Under a few seconds an idle engine's own wait between turns read as a stall: health
+        # stayed NOT_SERVING, and a liveness probe would restart the replica for good.
+        require(self.engine_stall_seconds == 0 or self.engine_stall_seconds >= 5, s,
+                "engine_stall_seconds",
+                f"must be 0 (off) or >= 5, got {self.engine_stall_seconds}")
         require(self.send_stall_seconds == 0 or self.send_stall_seconds >= 1, s,
                 "send_stall_seconds", "must be 0 (off) or >= 1")
         require(0 < self.max_pinned_fraction <= 1, s, "max_pinned_fraction", "must be in (0, 1]")
         require(0 < self.max_pinned_per_tenant_fraction <= self.max_pinned_fraction, s,
-                "max_pinned_per_tenant_fraction", "must be in (0, max_pinned_fraction]")
+                moved(self, "max_pinned_per_tenant_fraction", "max_pinned_fraction")
+                if self.max_pinned_per_tenant_fraction > 0 else "max_pinned_per_tenant_fraction",
+                f"max_pinned_per_tenant_fraction ({self.max_pinned_per_tenant_fraction:g}) must "
+                f"be in (0, max_pinned_fraction ({self.max_pinned_fraction:g})]")
         require(self.torch_threads >= 0, s, "torch_threads", "must be >= 0")
         require(self.one_thread_below >= 0, s, "one_thread_below", "must be >= 0")
 

@@ -36,6 +36,11 @@ def _main(argv: list[str] | None) -> int:
         log.error("bad configuration: TIERCACHE_HASH_KEY must be set (the same secret on every "
                   "service) when tenant tokens are configured; the default is public")
         return 2
+    if not (cfg.tokens or cfg.tokens_file):
+        # Said at every start: a deployment that lost its tokens setting serves everyone as
+        # the admin tenant.
+        log.warning("no tenant tokens configured (TIERCACHE_ORCHESTRATOR_TOKENS / _TOKENS_FILE):"
+                    " no authentication, every caller is the default (admin) tenant")
     # Bind first (health NOT_SERVING) so probes see the process while the tokenizer loads.
     servicer = OrchestratorServicer(cfg)
     handle = create_server(  # a port that cannot be bound: ConfigError, exit 2 (service_main)

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
-from services.common.config import require, require_addresses, require_listen_address
+from services.common.config import moved, require, require_addresses, require_listen_address
 from services.orchestrator.tenants import parse_token_pairs
 
 SVC = "orchestrator"
@@ -136,6 +137,18 @@ class OrchestratorConfig:
     def validate(self) -> None:
         require(-1 <= self.metrics_port <= 65535, SVC, "metrics_port",
                 "must be -1 (off), 0 or a port")
+        # Paths checked here, naming the setting (as kvpool and semantic do): found only by
+        # the build, an empty model read the working directory as a model folder, and a
+        # missing tokens file or a cache_dir that is a file failed with a bare OSError.
+        require(bool(self.model.strip()), SVC, "model", "must name 'smollm2' or a model folder")
+        if self.tokens_file:
+            path = os.path.expanduser(self.tokens_file)
+            require(os.path.isfile(path) and os.access(path, os.R_OK), SVC, "tokens_file",
+                    f"{self.tokens_file!r} is no readable file")
+        if self.cache_dir:
+            path = os.path.expanduser(self.cache_dir)
+            require(not os.path.exists(path) or os.path.isdir(path), SVC, "cache_dir",
+                    f"{self.cache_dir!r} is not a directory")
         # 0 or less made every replica a prefix holder (routing lost its session ring).
         require(self.min_prefix_tokens >= 1, SVC, "min_prefix_tokens", "must be >= 1")
         try:
@@ -151,8 +164,11 @@ class OrchestratorConfig:
         # As kvpool's (the block hasher's native chain takes at most 2^20, and the replicas'
         # blocks must be the same size anyway).
         require(1 <= self.block_size <= 1024, SVC, "block_size", "must be in 1..1024")
-        require(0 < self.default_max_tokens <= self.max_tokens_limit, SVC, "default_max_tokens",
-                "must be in (0, max_tokens_limit]")
+        require(0 < self.default_max_tokens <= self.max_tokens_limit, SVC,
+                moved(self, "default_max_tokens", "max_tokens_limit")
+                if self.default_max_tokens > 0 else "default_max_tokens",
+                f"default_max_tokens ({self.default_max_tokens}) must be in (0, "
+                f"max_tokens_limit ({self.max_tokens_limit})]")
         # Sent to the replicas in int32 SamplingParams.max_tokens: larger failed every request.
         require(self.max_tokens_limit <= 2**31 - 1, SVC, "max_tokens_limit",
                 f"must be at most {2**31 - 1}")
@@ -186,8 +202,10 @@ class OrchestratorConfig:
                 "must be in 1..100")
         require(self.replica_stall_s >= 0, SVC, "replica_stall_s", "must be >= 0 (0 = off)")
         require(self.warm_pin_ttl_s > 0, SVC, "warm_pin_ttl_s", "must be > 0")
-        require(self.warm_pin_ttl_max_s >= self.warm_pin_ttl_s, SVC, "warm_pin_ttl_max_s",
-                "must be >= warm_pin_ttl_s")
+        require(self.warm_pin_ttl_max_s >= self.warm_pin_ttl_s, SVC,
+                moved(self, "warm_pin_ttl_max_s", "warm_pin_ttl_s"),
+                f"warm_pin_ttl_max_s ({self.warm_pin_ttl_max_s:g}) must be >= warm_pin_ttl_s "
+                f"({self.warm_pin_ttl_s:g})")
         # Sent in uint32 PrefillRequest.ttl_seconds: larger failed every warm-up.
         require(self.warm_pin_ttl_max_s <= 2**32 - 1, SVC, "warm_pin_ttl_max_s",
                 f"must be at most {2**32 - 1}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.common.config import require, require_listen_address
+from services.common.config import moved, require, require_listen_address
 
 
 @dataclass(frozen=True)
@@ -63,8 +63,9 @@ class PrefixConfig:
         # sweep would never let a run finish, and pruning would fall back to full passes.
         require(self.hit_half_life_seconds == 0
                 or self.hit_half_life_seconds >= self.lease_seconds, svc,
-                "hit_half_life_seconds",
-                f"must be 0 (off) or at least lease_seconds ({self.lease_seconds:g})")
+                moved(self, "hit_half_life_seconds", "lease_seconds"),
+                f"hit_half_life_seconds ({self.hit_half_life_seconds:g}) must be 0 (off) or at "
+                f"least lease_seconds ({self.lease_seconds:g})")
         require(0 < self.max_events < 2**32, svc, "max_events", "must be in 1..2^32-1")
         require(0 < self.max_blocks < 2**32, svc, "max_blocks", "must be in 1..2^32-1")
         require(self.grace_seconds >= 0, svc, "grace_seconds", "must be >= 0")

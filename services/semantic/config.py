@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from services.common.bootstrap import DEFAULT_MAX_MESSAGE_BYTES
-from services.common.config import require, require_listen_address
+from services.common.config import moved, require, require_listen_address
 from services.semantic.onnx_export import EXPORTERS
 
 SERVICE = "semantic"
@@ -138,12 +138,6 @@ class SemanticConfig:
     index_close_seconds: float = 10.0
     expiry_interval_s: float = 30.0  # how often expired entries are purged
 
-    def _moved(self, field: str, other: str) -> str:
-        """`field` if it differs from its default, else `other`: of two settings in conflict,
-        the one the user set."""
-        default = type(self).__dataclass_fields__[field].default
-        return field if getattr(self, field) != default else other
-
     def resolved_cache_dir(self) -> str:
         return os.path.expanduser(self.cache_dir) if self.cache_dir else default_cache_dir()
 
@@ -198,16 +192,17 @@ class SemanticConfig:
         require(self.delta_capacity >= 1, s, "delta_capacity", "must be >= 1")
         for name in ("tier_strict", "tier_standard", "tier_relaxed"):
             v = getattr(self, name)
-            require(self.threshold_floor <= v <= 1.0, s, name,
-                    f"must be in [threshold_floor={self.threshold_floor}, 1], got {v}")
+            require(self.threshold_floor <= v <= 1.0, s,
+                    moved(self, "threshold_floor", name) if v <= 1.0 else name,
+                    f"{name} must be in [threshold_floor={self.threshold_floor}, 1], got {v}")
         # Of two settings that cross, the one moved from its default is named (relaxed
         # raised to 0.98 was blamed on standard, which the user never set).
         crossing = (f"tiers must not cross: relaxed {self.tier_relaxed} <= standard "
                     f"{self.tier_standard} <= strict {self.tier_strict}")
         require(self.tier_relaxed <= self.tier_standard, s,
-                self._moved("tier_relaxed", "tier_standard"), crossing)
+                moved(self, "tier_relaxed", "tier_standard"), crossing)
         require(self.tier_standard <= self.tier_strict, s,
-                self._moved("tier_strict", "tier_standard"), crossing)
+                moved(self, "tier_strict", "tier_standard"), crossing)
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
         require(self.index_close_seconds >= 0, s, "index_close_seconds", "must be >= 0")
         # A floor: 1e-9 was taken, and the housekeeper then saved ~8,000 times a second, each
@@ -220,8 +215,11 @@ class SemanticConfig:
                 "must be strict, standard or relaxed")
         require(0.0 < self.threshold_floor <= 1.0, s, "threshold_floor", "must be in (0, 1]")
         require(0.0 <= self.verified_bonus < 0.2, s, "verified_bonus", "must be in [0, 0.2)")
-        require(0.0 < self.draft_floor <= self.threshold_floor, s, "draft_floor",
-                "must be in (0, threshold_floor]")
+        require(0.0 < self.draft_floor <= self.threshold_floor, s,
+                moved(self, "draft_floor", "threshold_floor") if self.draft_floor > 0
+                else "draft_floor",
+                f"draft_floor must be in (0, threshold_floor]: draft_floor {self.draft_floor}, "
+                f"threshold_floor {self.threshold_floor}")
         for t in self.guard_tiers:
             require(t in ("strict", "standard", "relaxed"), s, "guard_tiers",
                     f"unknown tier {t!r}")
@@ -232,7 +230,7 @@ class SemanticConfig:
                 "verifier_path", f"no such file: {self.verifier_path!r}")
         require(self.default_ttl_seconds >= 0, s, "default_ttl_seconds", "must be >= 0")
         require(self.max_ttl_seconds >= self.default_ttl_seconds, s,
-                self._moved("default_ttl_seconds", "max_ttl_seconds"),
+                moved(self, "default_ttl_seconds", "max_ttl_seconds"),
                 f"default_ttl_seconds ({self.default_ttl_seconds}) must not exceed "
                 f"max_ttl_seconds ({self.max_ttl_seconds})")
         # 0 would cap every stored TTL to 0, which means "never expires": entries stored with
@@ -251,8 +249,10 @@ class SemanticConfig:
         # stored, then every hit on it and its Verify failed past the message limit with a
         # status naming no field (Verify's change and the hit's count written all the same).
         worst = 4 * self.max_text_chars + 24 * self.max_answer_chars + ENTRY_OVERHEAD
-        require(worst <= DEFAULT_MAX_MESSAGE_BYTES, s, "max_answer_chars",
-                f"with max_text_chars, an entry could take {worst} bytes, past the "
+        require(worst <= DEFAULT_MAX_MESSAGE_BYTES, s,
+                moved(self, "max_answer_chars", "max_text_chars"),
+                f"with max_text_chars {self.max_text_chars} and max_answer_chars "
+                f"{self.max_answer_chars}, an entry could take {worst} bytes, past the "
                 f"{DEFAULT_MAX_MESSAGE_BYTES}-byte gRPC message limit (4 x max_text_chars + "
                 "24 x max_answer_chars + 64 KiB must fit)")
         # Named at start: a file where a folder must be was a FileExistsError / NotADirectory

@@ -36,6 +36,12 @@ def test_env_and_flags() -> None:
     ({"TIERCACHE_KVPOOL_LINEAR_KERNELS": "mkl"}, "TIERCACHE_KVPOOL_LINEAR_KERNELS"),
     ({"TIERCACHE_KVPOOL_ONE_THREAD_BELOW": "-1"}, "TIERCACHE_KVPOOL_ONE_THREAD_BELOW"),
     ({"TIERCACHE_KVPOOL_MAX_CONTEXT": "1"}, "TIERCACHE_KVPOOL_MAX_CONTEXT"),
+    # Floors (a config review): an idle replica read its own waits as a stall, or heartbeat
+    # the index ~1,500 times a second.
+    ({"TIERCACHE_KVPOOL_ENGINE_STALL_SECONDS": "0.001"}, "TIERCACHE_KVPOOL_ENGINE_STALL_SECONDS"),
+    ({"TIERCACHE_KVPOOL_HEARTBEAT_SECONDS": "1e-9"}, "TIERCACHE_KVPOOL_HEARTBEAT_SECONDS"),
+    ({"TIERCACHE_KVPOOL_PUBLISH_INTERVAL_SECONDS": "0.001"},
+     "TIERCACHE_KVPOOL_PUBLISH_INTERVAL_SECONDS"),
 ])
 def test_bad_values_name_the_variable(env, var) -> None:
     with pytest.raises(ConfigError, match=var):

@@ -191,10 +191,16 @@ def test_the_half_life_is_configured_and_refused_when_negative():
             load_config(PrefixConfig, "prefix", [],
                         environ={"TIERCACHE_PREFIX_HIT_HALF_LIFE_SECONDS": bad})
     # Shorter than a lease: halvings every sweep would drop every pruning run under way.
-    with pytest.raises(ConfigError, match=r"^TIERCACHE_PREFIX_HIT_HALF_LIFE_SECONDS: must be 0 "
-                                          r"\(off\) or at least lease_seconds \(10\)"):
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_PREFIX_HIT_HALF_LIFE_SECONDS: "
+                                          r"hit_half_life_seconds \(2\) must be 0 \(off\) or "
+                                          r"at least lease_seconds \(10\)"):
         load_config(PrefixConfig, "prefix", [],
                     environ={"TIERCACHE_PREFIX_HIT_HALF_LIFE_SECONDS": "2"})
+    # A lease raised past the default half-life: the lease is what the user set, and named.
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_PREFIX_LEASE_SECONDS: "
+                                          r"hit_half_life_seconds \(3600\)"):
+        load_config(PrefixConfig, "prefix", [],
+                    environ={"TIERCACHE_PREFIX_LEASE_SECONDS": "7200"})
     assert load_config(PrefixConfig, "prefix", [], environ={
         "TIERCACHE_PREFIX_HIT_HALF_LIFE_SECONDS": "2",
         "TIERCACHE_PREFIX_LEASE_SECONDS": "2"}).hit_half_life_seconds == 2

@@ -40,7 +40,8 @@ def test_a_draft_floor_of_zero_or_less_is_refused_by_name(bad):
     ({"snapshot_interval_s": "0.5"}, "SNAPSHOT_INTERVAL_S"),
     # Entries past the 16 MiB gRPC message were stored, then every hit on them failed.
     ({"max_answer_chars": "20000000"}, "MAX_ANSWER_CHARS"),
-    ({"max_text_chars": "4000000"}, "MAX_ANSWER_CHARS"),
+    # The setting moved is named (max_answer_chars, left at its default, was blamed).
+    ({"max_text_chars": "4000000"}, "MAX_TEXT_CHARS"),
 ])
 def test_values_that_would_fail_at_run_time_are_refused_at_start(env, var):
     with pytest.raises(ConfigError, match=f"TIERCACHE_SEMANTIC_{var}"):
