@@ -434,7 +434,9 @@ def main(argv: list[str] | None = None) -> int:
                                  allow_abbrev=False)
     ap.add_argument("--replicas", type=int, default=None,
                     help="kvpool replicas (env TIERCACHE_REPLICAS; default 2)")
-    ap.add_argument("--base-port", type=int, default=50051)
+    ap.add_argument("--base-port", type=int, default=50051,
+                    help="orchestrator port N; semantic N+1, prefix N+2, kvpool replica i "
+                         "N+3+i (default 50051; 0 = any free ports)")
     a = ap.parse_args(argv)
     if a.replicas is None:  # the variable is read only when no flag stands in for it
         raw = os.environ.get("TIERCACHE_REPLICAS", "2")

@@ -2,7 +2,7 @@
 
     tiercache chat "What is a KV cache?"            # streams the answer
     tiercache chat --session s1 "And a radix tree?"  # multi-turn (history kept in ~/.cache)
-    tiercache warm --system "You are a helpful assistant."
+    tiercache warm --system "You are a helpful assistant. Answer briefly and clearly."
     tiercache feedback <entry-id> --bad
     tiercache stats
 """
