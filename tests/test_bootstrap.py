@@ -115,6 +115,22 @@ def test_internal_credential_required(server):
                                metadata=AUTH).request_blocks == 2
 
 
+def test_a_caller_refused_for_its_credential_is_logged_with_its_peer(server, caplog):
+    """A security review: only a counter said so; guessing could not be traced to a peer. One
+    line per peer and code, 3 a minute (the count of the rest said later), never the
+    credential."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="services.common.bootstrap"):
+        for _ in range(5):
+            with pytest.raises(grpc.RpcError):
+                _stub(server).Match(prefix_pb2.MatchRequest(token_ids=[1]), timeout=5,
+                                    metadata=[("authorization", "Bearer guess-123")])
+    lines = [r.getMessage() for r in caplog.records if "refused UNAUTHENTICATED" in r.getMessage()]
+    assert len(lines) == 3 and "from ipv4:127.0.0.1:" in lines[0], lines
+    assert "guess-123" not in caplog.text
+
+
 def test_invalid_utf8_names_the_field(server):
     bad = b"\x0a\x03\xff\xfe\xfd"  # field 1 (model_id) = invalid UTF-8
     ch = grpc.insecure_channel(server.address)

@@ -45,6 +45,18 @@ log = logging.getLogger(__name__)
 
 
 _ERROR_LINES = Thinned(log)
+# Callers refused for their credential, one line per peer and code (thinned): only a counter
+# said so, and token guessing could not be traced to a peer. The credential is never logged.
+_AUTH_LINES = Thinned(log, per_window=3, window_s=60.0)
+
+
+def _refused_caller(context, method: str, code: str, why: str) -> None:
+    try:
+        peer = context.peer() or "?"
+    except Exception:  # noqa: BLE001 - a context without a peer
+        peer = "?"
+    if _AUTH_LINES.allow((peer.rpartition(":")[0], code)):
+        log.warning("%s refused %s from %s: %s", method, code, peer[:128], why[:200])
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # On the metrics port: 200 "SERVING" or 503 "NOT_SERVING", what gRPC health says. Kubernetes'
@@ -290,6 +302,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 got = "" if twice else metadata.get("authorization", "")
                 if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
                     RPC_TOTAL.labels(service, short, "UNAUTHENTICATED").inc()
+                    _refused_caller(context, short, "UNAUTHENTICATED",
+                                    "missing or wrong internal credential")
                     context.abort(grpc.StatusCode.UNAUTHENTICATED,
                                   "authorization: missing or wrong internal credential")
             if authenticate is not None:
@@ -297,6 +311,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     authenticate(pairs)
                 except errors.TierCacheError as exc:
                     RPC_TOTAL.labels(service, short, exc.code).inc()
+                    if exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+                        _refused_caller(context, short, exc.code, str(exc))
                     context.abort(_status_code(exc.code), _capped(str(exc)))
             return plain_request_id(metadata.get("x-request-id", ""))
 

@@ -13,7 +13,12 @@ class KvMetrics:
     """Block states, hit tokens vs prompt tokens, TTFT and step-time histograms, batch size."""
 
     def __init__(self) -> None:
-        self.blocks = gauge("tiercache_kvpool_blocks", "KV blocks by state", ("state",))
+        # The states partition the pool (free + cached + pinned + in_use = capacity): its size
+        # is a gauge of its own, else a sum over states counted every block twice.
+        self.blocks = gauge("tiercache_kvpool_blocks",
+                            "KV blocks by state (free, cached, pinned, in_use: they add up to "
+                            "tiercache_kvpool_capacity_blocks)", ("state",))
+        self.capacity = gauge("tiercache_kvpool_capacity_blocks", "KV blocks in the pool")
         self.running = gauge("tiercache_kvpool_running", "Sequences running in the engine")
         self.waiting = gauge("tiercache_kvpool_waiting", "Sequences waiting for admission")
         self.prompt_tokens = counter("tiercache_kvpool_prompt_tokens_total",
@@ -56,7 +61,7 @@ class KvMetrics:
 
     def observe(self, stats: Any) -> None:
         """Set the gauges from an EngineStats snapshot."""
-        self.blocks.labels("total").set(stats.blocks_total)
+        self.capacity.set(stats.blocks_total)
         self.blocks.labels("free").set(stats.blocks_free)
         self.blocks.labels("cached").set(stats.blocks_cached)
         self.blocks.labels("pinned").set(stats.blocks_pinned)

@@ -29,6 +29,7 @@ class App:
     def close(self) -> None:
         self.warmer.stop()
         self.orch.replicas.stop()
+        self.orch.semantic.stop()
 
 
 # A tenant's concurrent requests when tokens are configured and nothing else is said.
@@ -60,6 +61,7 @@ def build(cfg: OrchestratorConfig) -> App:
                           hung_polls=cfg.replica_hung_polls)
     replicas.start()
     semantic = SemanticBackend(cfg.semantic_address, cfg.internal_token, cfg.semantic_timeout_s)
+    semantic.start()
     prefix = (PrefixBackend(cfg.prefix_addresses, cfg.internal_token, cfg.prefix_timeout_s,
                             cfg.block_size) if cfg.prefix_addresses else None)
     orch = Orchestrator(

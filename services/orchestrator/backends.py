@@ -593,6 +593,49 @@ class SemanticBackend:
         # "" = none).
         self.shard_list_notes: dict[str, str] = {}
 
+    # How often an idle shard is asked for its Stats (`start`): its health gauge, set only by
+    # calls, stayed 0 for as long as no request came after a recovery (a "dependency down"
+    # alert firing on a healthy tier), and was absent until the first request.
+    POLL_S = 5.0
+
+    def start(self, every: float = POLL_S) -> threading.Event:
+        """Poll every shard that no call has found healthy for `every` seconds; the returned
+        event stops it (`stop`)."""
+        self._stop_poll = stop = threading.Event()
+        if self.enabled:
+            threading.Thread(target=self._poll_loop, args=(every, stop), name="semantic-poll",
+                             daemon=True).start()
+        return stop
+
+    def stop(self) -> None:
+        stop = getattr(self, "_stop_poll", None)
+        if stop is not None:
+            stop.set()
+
+    def poll_once(self, every: float = POLL_S) -> None:
+        """Stats on each shard whose last success is older than `every` (a shard in use
+        answers calls often enough to say its health itself)."""
+        now = time.time()
+        for a in self.addresses:
+            h = self.shard_health[a]
+            if h.healthy and now - h.last_ok < every:
+                continue
+            try:
+                reply = self._call(a, "Stats", semantic_pb2.SemanticStatsRequest(),
+                                   min(self.timeout_s, every))
+            except grpc.RpcError:
+                continue  # marked down by _call (a hung shard: skipped while it backs off)
+            self.shard_list_notes[a] = reply.shard_list_mismatch
+
+    def _poll_loop(self, every: float, stop: threading.Event) -> None:
+        while True:
+            try:
+                self.poll_once(every)
+            except Exception:  # noqa: BLE001 - a dead poller would freeze the gauges again
+                log.exception("semantic poll failed")
+            if stop.wait(every):
+                return
+
     def dependencies(self) -> list[common_pb2.DependencyHealth]:
         """Stats' health entries: the tier's, and with shards each shard's, the tier's then
         derived from theirs (`tier_health`).

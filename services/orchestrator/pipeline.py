@@ -44,8 +44,6 @@ DEGRADED = counter("tiercache_orchestrator_degradations_total",
                    "larger pool sought", ("kind",))
 TTFT = histogram("tiercache_orchestrator_ttft_seconds", "Time to first token", ("cache_class",),
                  buckets=SECONDS_BUCKETS)
-TOO_SHORT = counter("tiercache_orchestrator_semantic_hits_too_short_total",
-                    "Semantic hits not served: the cached answer is cut shorter than asked")
 NOT_SERVED = counter("tiercache_orchestrator_semantic_hits_not_served_total",
                      "Semantic hits the model answered instead (the hit as its draft), by "
                      "reason: too_short (cut shorter than asked), sampled (temperature > 0, "
@@ -574,7 +572,6 @@ class Orchestrator:
                 # the cached part as its draft.
                 with self.stats.lock:
                     self.stats.semantic_hits_too_short += 1
-                TOO_SHORT.inc()
                 NOT_SERVED.labels("too_short").inc()
             elif look.hit and sampling.ignore_eos and not cut:
                 # The stored answer ended at the model's end of sequence (not cut short); a

@@ -170,7 +170,9 @@ def _metrics():
     from services.common import metrics as m
 
     return {
-        "lookups": m.counter("tiercache_semantic_lookups_total", "Semantic lookups",
+        "lookups": m.counter("tiercache_semantic_lookups_total",
+                             "Semantic lookups by tier (strict, standard, relaxed, or explicit: "
+                             "the request's own threshold) and outcome (hit, draft, miss)",
                              ("tier", "outcome")),
         "guard": m.counter("tiercache_semantic_guard_rejections_total",
                            "Hits refused by the guard, the verifier, or the embedding-window "
@@ -185,8 +187,10 @@ def _metrics():
         "embed": m.histogram("tiercache_semantic_embed_seconds", "Embedding time",
                              buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.1, 0.5)),
         "exact": m.counter("tiercache_semantic_exact_hits_total",
-                           "Hits on an exact repeat of a cached prompt, served without "
-                           "embedding (also counted in tiercache_semantic_lookups_total)"),
+                           "Hits on an exact repeat of a cached prompt, found without "
+                           "embedding (also counted in tiercache_semantic_lookups_total; the "
+                           "orchestrator may still decline a hit: its "
+                           "semantic_hits_not_served_total)"),
         "graphs_taken": m.gauge("tiercache_semantic_hnsw_graphs_from_snapshot",
                                 "HNSW graphs the last start took from the saved snapshot "
                                 "instead of building them"),
@@ -359,7 +363,7 @@ class SemanticCache:
         if exact is not None:
             t1 = time.perf_counter()
             exact = replace(exact, search_ms=(t1 - t0) * 1000)
-            self._record(exact, t1 - t0, None)
+            self._record(exact, t1 - t0, None, resolved.explicit)
             return exact
         vec, over = self._embed(text, wanted=wanted)
         _still(wanted, "lookup")
@@ -369,7 +373,7 @@ class SemanticCache:
             self._remember(text, vec, over)
         t2 = time.perf_counter()
         result = replace(result, search_ms=(t2 - t1) * 1000, embed_ms=(t1 - t0) * 1000)
-        self._record(result, t2 - t1, t1 - t0)
+        self._record(result, t2 - t1, t1 - t0, resolved.explicit)
         return result
 
     def _exact_repeat(self, ns: Namespace, text: str, resolved) -> LookupResult | None:
@@ -577,20 +581,24 @@ class SemanticCache:
             self.store.record_hit(cur.label, now, cur.hit_count)
         return cur
 
-    def _record(self, r: LookupResult, search_s: float, embed_s: float | None) -> None:
-        """Count one lookup (`embed_s` None: it embedded nothing)."""
+    def _record(self, r: LookupResult, search_s: float, embed_s: float | None,
+                explicit: bool = False) -> None:
+        """Count one lookup (`embed_s` None: it embedded nothing). A lookup with its own
+        threshold counts under "explicit", not under its tier (that mixed other thresholds
+        into the tier's hit rate)."""
         outcome = "hit" if r.hit else ("draft" if r.similarity >= self.policy.draft_floor
                                        else "miss")
+        tier = "explicit" if explicit else r.tier
         with self._lock:
             self._lookups += 1
             if r.hit:
-                self._hits[r.tier] = self._hits.get(r.tier, 0) + 1
+                self._hits[tier] = self._hits.get(tier, 0) + 1
             elif outcome == "draft":
                 self._near += 1
             if r.guard_rejected:
                 self._guarded += 1
             self._latency.append(search_s * 1000)
-        self._m["lookups"].labels(r.tier, outcome).inc()
+        self._m["lookups"].labels(tier, outcome).inc()
         if r.guard_rejected:
             self._m["guard"].inc()
         self._m["search"].observe(search_s)

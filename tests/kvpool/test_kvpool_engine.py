@@ -406,8 +406,12 @@ def test_metrics_follow_the_engine(make_engine) -> None:
     assert value("tiercache_kvpool_cached_tokens_total") == before_cached + 16
     assert value("tiercache_kvpool_step_seconds_count", kind="decode") > 0
     eng.call(lambda: None).result(5)  # one more engine step publishes the gauges
-    total = value("tiercache_kvpool_blocks", state="total")
-    assert total == 64 and value("tiercache_kvpool_blocks", state="in_use") == 0
+    assert value("tiercache_kvpool_capacity_blocks") == 64
+    assert value("tiercache_kvpool_blocks", state="in_use") == 0
+    # The states partition the pool ("total" was a state too: a sum counted it twice).
+    assert REGISTRY.get_sample_value("tiercache_kvpool_blocks", {"state": "total"}) is None
+    assert sum(value("tiercache_kvpool_blocks", state=s)
+               for s in ("free", "cached", "pinned", "in_use")) == 64
 
 
 def test_stopping_the_engine_answers_every_request(make_engine) -> None:

@@ -174,3 +174,49 @@ def test_a_sharded_prefix_index_exports_each_shard_as_a_gauge(caplog):
     assert f"prefix shard at {down} is healthy again" in caplog.text
     assert REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
                                      {"dependency": "prefix", "address": f"{up},{down}"}) is None
+
+
+def test_an_idle_semantic_tier_is_polled_so_its_gauge_follows_it():
+    """A metrics review: the gauge was set only by requests' calls, so after a recovery it
+    stayed 0 for as long as no request came (an alert firing on a healthy tier), and it was
+    absent until the first request (a tier down from the start never read 0)."""
+    import time
+
+    import grpc
+    from prometheus_client import REGISTRY
+    from tiercache.v1 import semantic_pb2
+
+    from services.orchestrator.backends import SemanticBackend
+    from tests.orchestrator.test_semantic_errors import Refusal
+
+    class Stub:
+        ok, calls = False, 0
+
+        def Stats(self, req, **kw):  # noqa: N802 - the gRPC method's name
+            self.calls += 1
+            if self.ok:
+                return semantic_pb2.SemanticStatsResponse(shard_list_mismatch="")
+            raise Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused")
+
+    def value():
+        return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+                                         {"dependency": "semantic", "address": "127.0.0.9:5"})
+
+    b = SemanticBackend("127.0.0.9:5", "", 1.0)
+    b.stubs["127.0.0.9:5"] = stub = Stub()
+    assert value() is None
+    b.poll_once(every=60)  # down from the start: 0, not absent
+    assert value() == 0.0
+    stub.ok = True
+    b.poll_once(every=60)  # back, with no request: 1
+    assert value() == 1.0 and stub.calls == 2
+    b.poll_once(every=60)  # healthy and lately called: not asked again
+    assert stub.calls == 2
+    stop = b.start(every=0.05)  # the background loop does the same
+    stub.ok = False
+    b.shard_health["127.0.0.9:5"].last_ok = 0.0
+    t0 = time.monotonic()
+    while value() != 0.0 and time.monotonic() - t0 < 5:
+        time.sleep(0.02)
+    b.stop()
+    assert value() == 0.0 and stop.is_set()

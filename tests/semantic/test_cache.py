@@ -54,6 +54,10 @@ def test_explicit_threshold_and_verified_bonus(make_cache):
     assert r.hit and r.threshold == pytest.approx(sim + 0.015 - 0.02, abs=1e-6)
     with pytest.raises(InvalidArgument, match="threshold"):
         c.lookup(A, "x", threshold=0.5)
+    # Hits at a request's own threshold count apart from the tiers' (a metrics review: they
+    # were counted under the default tier, mixing other thresholds into its hit rate).
+    s = c.stats()
+    assert s.hits_by_tier["explicit"] == 2 and s.hits_by_tier["relaxed"] == 0
 
 
 def test_a_verified_entry_below_an_unverified_near_miss_still_hits(make_cache, embedder):
