@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from services.common.hashing import BlockHasher, hash_key_from_env
 from services.common.model_store import eos_token_ids, load_resolved, load_tokenizer
@@ -15,7 +16,7 @@ from services.orchestrator.prefix_backend import PrefixBackend
 from services.orchestrator.render import PromptRenderer
 from services.orchestrator.routing import make_routing_policy
 from services.orchestrator.server import Warmer
-from services.orchestrator.tenants import TenantRegistry
+from services.orchestrator.tenants import TenantRegistry, watch_tokens_file
 
 log = logging.getLogger("services.orchestrator")
 
@@ -25,8 +26,10 @@ class App:
     orch: Orchestrator
     tenants: TenantRegistry
     warmer: Warmer
+    stop: threading.Event = field(default_factory=threading.Event)  # background watchers
 
     def close(self) -> None:
+        self.stop.set()
         self.warmer.stop()
         self.orch.replicas.stop()
         self.orch.semantic.stop()
@@ -80,10 +83,16 @@ def build(cfg: OrchestratorConfig) -> App:
                     if cfg.dispatch_memory_s > 0 else None))
     if orch.dispatched is not None:
         replicas.on_lost.append(orch.dispatched.forget)
-    tenants = TenantRegistry.build(
-        tokens_file=cfg.tokens_file, tokens=cfg.tokens, key=key,
-        max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens_limit,
-        max_concurrent=tenant_concurrency(cfg))
+    def read_tokens() -> TenantRegistry:
+        return TenantRegistry.build(
+            tokens_file=cfg.tokens_file, tokens=cfg.tokens, key=key,
+            max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens_limit,
+            max_concurrent=tenant_concurrency(cfg))
+
+    tenants = read_tokens()
+    stop = threading.Event()
+    if cfg.tokens_file and cfg.tokens_reload_s > 0:
+        watch_tokens_file(tenants, read_tokens, cfg.tokens_file, cfg.tokens_reload_s, stop)
     warmer = Warmer(orch, cfg)
     warmer.start()
-    return App(orch, tenants, warmer)
+    return App(orch, tenants, warmer, stop)

@@ -40,6 +40,9 @@ class OrchestratorConfig:
     # Bearer tokens: a file (JSON {"token": {"tenant": ..., limits...}}) and/or "tok=tenant,..."
     tokens_file: str = ""
     tokens: str = ""
+    # How often the tokens file is checked for changes and read again (0 = once, at start): a
+    # token removed from it stopped working only when every orchestrator was restarted.
+    tokens_reload_s: float = 5.0
     # Defaults and limits per request.
     default_max_tokens: int = 256
     max_tokens_limit: int = 2048
@@ -182,6 +185,8 @@ class OrchestratorConfig:
         for name in ("semantic_timeout_s", "prefix_timeout_s"):
             require(getattr(self, name) > 0, SVC, name, "must be > 0")
         require(self.grace_s >= 0, SVC, "grace_s", "must be >= 0")
+        require(self.tokens_reload_s == 0 or self.tokens_reload_s >= 0.5, SVC, "tokens_reload_s",
+                f"must be 0 (read once) or >= 0.5, got {self.tokens_reload_s}")
         require(self.max_connection_age_s >= 0, SVC, "max_connection_age_s", "must be >= 0")
         require(self.semantic_tier in ("strict", "standard", "relaxed"), SVC, "semantic_tier",
                 "must be strict, standard or relaxed")

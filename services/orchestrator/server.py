@@ -291,7 +291,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             gone = _Gone()  # the caller cancelled or went away
             _on_rpc_end(context, gone.set)
             return self.warmer.warm(tenant, request, context.time_remaining(),
-                                    charge=lambda n: self.tenants.charge(tenant, n), gone=gone)
+                                    charge=lambda n: self.tenants.charge(tenant, n), gone=gone,
+                                    afford=lambda n: self.tenants.afford(tenant, n))
 
     def Feedback(self, request, context):
         tenant = self._tenant(context)
@@ -537,11 +538,14 @@ class Warmer:
 
     def warm(self, tenant, request, time_remaining: float | None = None,
              charge: Callable[[int], None] | None = None,
-             gone: threading.Event | None = None) -> orchestrator_pb2.WarmResponse:
+             gone: threading.Event | None = None,
+             afford: Callable[[int], None] | None = None) -> orchestrator_pb2.WarmResponse:
         """Prefill and pin the request's prompts (and/or the tenant's top_k hot prefixes) on
-        their target replicas. `charge(n)` is told afterwards how many prefills beyond the first
-        computed something (the call itself paid for one): the tenant's rate limit counts
-        each. Once `gone` is set (the caller cancelled), no further prefill is sent."""
+        their target replicas. `afford(n)` is asked first whether the tenant's rate limit
+        allows the n prefills beyond the first (it raises if not), and `charge(n)` told
+        afterwards how many of them computed something (the call itself paid for one): the
+        tenant's rate limit counts each. Once `gone` is set (the caller cancelled), no further
+        prefill is sent."""
         if not request.prompts and not request.top_k:
             raise errors.InvalidArgument("prompts", "give prompts or top_k")
         if len(request.prompts) > MAX_WARM_PROMPTS:
@@ -629,6 +633,8 @@ class Warmer:
                 f"per call: warm fewer prompts, or target the owners")
         if not self.orch.replicas.healthy():  # after the checks of the request itself
             raise errors.Unavailable("no healthy replica to warm")
+        if afford is not None and jobs:
+            afford(len(jobs) - 1)
         # The pool's threads do not inherit the call's request id: bound there for the logs,
         # and handed to each Prefill.
         rid = request_id_var.get()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import logging
 import math
 import threading
 import time
@@ -28,6 +29,8 @@ from services.common.errors import (
     Unauthenticated,
 )
 from services.common.metrics import counter
+
+log = logging.getLogger(__name__)
 
 # Every refusal was only one more RESOURCE_EXHAUSTED in tiercache_rpc_total, mixed with
 # "every replica busy" and fixed limits: an operator could not tell which tenant was throttled
@@ -282,6 +285,15 @@ class TenantRegistry:
             raise Unauthenticated("authorization: unknown token")
         return tenant
 
+    def adopt(self, other: TenantRegistry) -> None:
+        """Take `other`'s tokens and tenants (the tokens file read again): a token removed is
+        refused from the next call on, a new one accepted. Requests under way and the rate
+        buckets stay, by tenant name (a limit changed applies to the next acquire)."""
+        if other.default is not None or self.default is not None:
+            raise ValueError("a registry without tokens cannot be swapped")
+        with self._lock:
+            self.by_token, self._by_digest = other.by_token, other._by_digest
+
     def check_limits(self, tenant: Tenant, prompt_tokens: int, max_tokens: int,
                      field: str = "prompt") -> None:
         """`field` names the prompt as the request gave it ("messages" or "prompt")."""
@@ -344,6 +356,30 @@ class TenantRegistry:
             b = self._refilled(tenant)
             b.tokens = max(-float(tenant.burst), b.tokens - requests)
 
+    def afford(self, tenant: Tenant, requests: int) -> None:
+        """Refuse up front a call that would take `requests` more than the one `check_rate`
+        took and put the bucket below -burst (`charge`'s floor): with only the floor, one Warm
+        of 32 prefills cost a tenant limited to 1 request/s a ~4 s wait, ~8 prefills a second.
+        Refused, the call's own request is given back (it did no work). RESOURCE_EXHAUSTED:
+        retry later when the bucket will refill enough, else never (more than 2 x burst)."""
+        if tenant.rate_per_s <= 0 or requests <= 0:
+            return
+        with self._lock:
+            b = self._refilled(tenant)
+            if b.tokens - requests >= -float(tenant.burst):
+                return
+            b.tokens = min(float(tenant.burst), b.tokens + 1.0)
+            need = requests + 1.0  # this call's prefills, its own request included
+            now = max(0, math.floor(b.tokens + tenant.burst))
+            REJECTED.labels(tenant.name, "rate_limit").inc()
+            limit = (f"tenant {tenant.name}: this call needs {need:.0f} prefills, past the rate "
+                     f"limit of {tenant.rate_per_s:g} requests/s (burst {tenant.burst})")
+            if need > 2 * tenant.burst:
+                raise ResourceExhausted(f"{limit}: at most {2 * tenant.burst} per call; warm "
+                                        "fewer prompts or target the owners")
+            wait = (need - tenant.burst - b.tokens) / tenant.rate_per_s
+            raise Overloaded(f"{limit}: {now} now; retry in {wait:.2f}s")
+
     def _refilled(self, tenant: Tenant) -> _Bucket:
         """The tenant's bucket, refilled for the time since its last use (lock held)."""
         now = self.clock()
@@ -378,3 +414,45 @@ class TenantRegistry:
                                                    self._entry_tag(tenant, entry_id).encode()):
             return None
         return entry_id
+
+
+def _file_version(path: str) -> bytes | None:
+    """The file's content digest (None: unreadable). The content, not its mtime: a rewrite
+    within one timestamp tick, of the same size, went unseen."""
+    try:
+        with open(path, "rb") as f:  # follows a mounted Secret's ..data link to the current file
+            return hashlib.sha256(f.read()).digest()
+    except OSError:
+        return None
+
+
+def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegistry],
+                      path: str, every: float, stop: threading.Event) -> threading.Thread:
+    """Read the tokens file again whenever it changes (checked every `every` seconds), and
+    have `registry` adopt it. A file that cannot be read or is malformed is said once per
+    version and the tokens in force stay (never none: an emptied file is refused as at
+    start)."""
+    def loop() -> None:
+        seen = _file_version(path)
+        while not stop.wait(every):
+            now = _file_version(path)
+            if now == seen:
+                continue
+            seen = now
+            if now is None:
+                log.error("tokens file %s is gone: keeping the tokens read before", path)
+                continue
+            try:
+                fresh = build()
+                registry.adopt(fresh)
+            except (OSError, ValueError) as exc:
+                log.error("tokens file %s changed but was not taken (%s): keeping the tokens "
+                          "read before", path, exc)
+                continue
+            log.info("tokens file %s read again: %d tokens of %d tenants", path,
+                     len(fresh.by_token), len({t.name for t in fresh.by_token.values()}))
+
+    t = threading.Thread(target=loop, name="tokens-reload", daemon=True)
+    t.start()
+    return t
+

@@ -113,8 +113,8 @@ def test_warm_takes_a_stream_slot_so_the_headroom_stays_for_probes():
     take the threads kept for health checks and Stats."""
     s, orch = servicer(STREAM_HEADROOM + 1)  # room for 1 stream
     calls: list[int] = []
-    s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge, gone: calls.append(s._streams)
-                               or orchestrator_pb2.WarmResponse())
+    s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge, gone, afford:
+                               calls.append(s._streams) or orchestrator_pb2.WarmResponse())
     s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
     assert calls == [1] and s._streams == 0  # held during the call, released after
     g = s.Generate(request(), Context())
@@ -136,7 +136,7 @@ def test_a_warm_pays_the_tenants_rate_limit_for_each_prefill_it_runs():
     s, orch = servicer(STREAM_HEADROOM + 1)
     s.tenants.default = dataclasses.replace(s.tenants.default, rate_per_s=1.0, burst=2)
     s.tenants.clock = clock = Clock(100.0)
-    s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge, gone: charge(5)
+    s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge, gone, afford: charge(5)
                                or orchestrator_pb2.WarmResponse())
     s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())  # 6 prefills: 2 - 6 -> -2 (floor)
     from prometheus_client import REGISTRY
@@ -152,6 +152,26 @@ def test_a_warm_pays_the_tenants_rate_limit_for_each_prefill_it_runs():
     assert next(g).text == "hi"
     orch.release.set()
     list(g)
+
+
+def test_a_warm_past_what_the_rate_limit_allows_is_refused_before_any_prefill():
+    import dataclasses
+
+    from services.common.errors import Overloaded
+    from tests.clock import Clock
+
+    s, orch = servicer(STREAM_HEADROOM + 1)
+    s.tenants.default = dataclasses.replace(s.tenants.default, rate_per_s=1.0, burst=2)
+    s.tenants.clock = Clock(100.0)
+    ran = []
+    s.warmer = SimpleNamespace(
+        warm=lambda tenant, req, left, charge, gone, afford: afford(10)
+        or ran.append(1) or orchestrator_pb2.WarmResponse())
+    with pytest.raises(ResourceExhausted, match="at most 4 per call") as e:
+        s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
+    assert not isinstance(e.value, Overloaded) and ran == []
+    assert s.tenants._buckets["default"].tokens == 2.0  # nothing taken
+    assert s._streams == 0 and s.tenants._active.get("default", 0) == 0
 
 
 @pytest.mark.parametrize(("left", "want"), [(0.0, "DeadlineExceeded"), (-0.2, "DeadlineExceeded"),

@@ -199,3 +199,83 @@ def test_a_tenant_name_that_is_not_text_is_refused_naming_the_entry(tmp_path):
     f.write_text('{"tok1": {"tenant": "acme"}, "tok2": {"tenant": "b\\ud800"}}')
     with pytest.raises(ValueError, match=r"tokens.json: entry 2: 'tenant' is not valid Unicode"):
         reg(tokens_file=str(f))
+
+
+def test_a_call_worth_more_prefills_than_the_bucket_allows_is_refused_up_front():
+    """A security review: the debt's floor (-burst) bounded the wait after a Warm, not the
+    Warm: 32 prefills cost a tenant limited to 1 request/s a ~4 s wait (~8 prefills a
+    second). Now a call that would go past the floor is refused before any prefill, its own
+    request given back; one past 2 x burst can never run, and is told so."""
+    import dataclasses
+
+    from services.common.errors import Overloaded
+    from tests.clock import Clock
+
+    r = reg(tokens="t=a")
+    t = dataclasses.replace(r.by_token[next(iter(r.by_token))], rate_per_s=1.0, burst=3)
+    r.clock = clock = Clock(100.0)
+    r.check_rate(t)  # the Warm itself: 2 left
+    r.afford(t, 5)  # 2 - 5 = -3: at the floor, allowed
+    r.charge(t, 5)
+    clock.t += 4.0  # -3 + 4 = 1
+    r.check_rate(t)  # 0 left
+    with pytest.raises(Overloaded, match=r"needs 5 prefills.*: 4 now; retry in 1\.00s"):
+        r.afford(t, 4)
+    assert r._buckets["a"].tokens == 1.0  # its own request given back
+    clock.t += 2.0
+    with pytest.raises(ResourceExhausted, match="at most 6 per call") as e:
+        r.check_rate(t)
+        r.afford(t, 31)
+    assert not isinstance(e.value, Overloaded)  # retrying cannot help
+    assert r._buckets["a"].tokens == 3.0
+    unlimited = dataclasses.replace(t, rate_per_s=0.0)
+    r.afford(unlimited, 10_000)  # no rate limit: nothing to afford
+
+
+def test_a_changed_tokens_file_is_read_again_and_a_bad_one_leaves_the_old_tokens(tmp_path,
+                                                                                  caplog):
+    """A security review: a token removed from the file was accepted until every orchestrator
+    restarted. Requests under way and rate buckets stay (by tenant)."""
+    import logging
+    import threading
+    import time
+
+    from services.orchestrator.tenants import watch_tokens_file
+
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"tok-a": {"tenant": "a"}, "tok-b": {"tenant": "b"}}))
+    r = reg(tokens_file=str(f))
+    a = r.authenticate({"authorization": "Bearer tok-a"})
+    r.acquire(a)  # a request under way across the reload
+    stop = threading.Event()
+
+    def until(cond):
+        t0 = time.monotonic()
+        while not cond() and time.monotonic() - t0 < 5:
+            time.sleep(0.02)
+        return cond()
+
+    def refused(token):
+        try:
+            r.authenticate({"authorization": f"Bearer {token}"})
+        except Unauthenticated:
+            return True
+        return False
+
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.tenants"):
+        watch_tokens_file(r, lambda: reg(tokens_file=str(f)), str(f), 0.02, stop)
+        time.sleep(0.1)  # the watcher has read the first version
+        f.write_text(json.dumps({"tok-a": {"tenant": "a"}, "tok-c": {"tenant": "c"}}))
+        assert until(lambda: refused("tok-b"))  # removed: refused
+        assert r.authenticate({"authorization": "Bearer tok-c"}).name == "c"  # added
+        assert r._active["a"] == 1  # the request under way is still counted
+        f.write_text("{not json")  # a bad version: said, the tokens in force stay
+        assert until(lambda: "was not taken" in caplog.text)
+        f.write_text("{}")  # emptied: never "no tokens, no authentication"
+        assert until(lambda: caplog.text.count("was not taken") >= 2)
+        assert not refused("tok-a") and not refused("tok-c") and refused("tok-b")
+        f.unlink()
+        assert until(lambda: "is gone" in caplog.text)
+        assert not refused("tok-a")
+    stop.set()
+    r.release(a)
