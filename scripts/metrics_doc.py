@@ -1,0 +1,105 @@
+"""Write docs/metrics.md: every Prometheus metric the four services export, from their code.
+
+    python scripts/metrics_doc.py            # rewrite docs/metrics.md
+    python scripts/metrics_doc.py --check    # exit 1 if docs/metrics.md is out of date
+
+Metrics are defined through `services.common.metrics` (one cache of them per process); this
+imports every module that defines some, builds the ones made per instance (kvpool's
+`KvMetrics`, the semantic cache's), and lists each with its type, labels and help text.
+`tests/test_metrics_doc.py` keeps the file current.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "metrics.md"
+MODULES = ("services.common.bootstrap", "services.kvpool.engine", "services.kvpool.server",
+           "services.prefix.server", "services.prefix.shard_list", "services.semantic.cache",
+           "services.semantic.server", "services.semantic.shard_list",
+           "services.orchestrator.backends", "services.orchestrator.pipeline",
+           "services.orchestrator.render", "services.orchestrator.server",
+           "services.orchestrator.tenants")
+SECTIONS = (("rpc", "Every service"), ("kvpool", "kvpool"), ("prefix", "prefix"),
+            ("semantic", "semantic"), ("orchestrator", "orchestrator"))
+
+HEADER = """# Metrics
+
+Every Prometheus metric the services export, generated from their code by
+`python scripts/metrics_doc.py` (`tests/test_metrics_doc.py` fails when this file is out of
+date). Each service serves them on its metrics port (`TIERCACHE_<SERVICE>_METRICS_PORT`; the
+Kubernetes manifests use 9101-9104, `make run` none unless set) at `/metrics`, with the
+process's own (`process_*`, `python_*`). Counters are exported with a `_total` suffix and a
+`_created` series; histograms as `_bucket`, `_sum` and `_count`. Alerts worth having are in
+[deploy.md](deploy.md); what each figure means for capacity in [capacity.md](capacity.md).
+"""
+
+
+def collect() -> list[tuple[str, str, str, tuple[str, ...], tuple[float, ...]]]:
+    """(name, type, help, labels, buckets) of every metric defined, by name."""
+    for m in MODULES:
+        importlib.import_module(m)
+    from services.common import metrics
+    from services.kvpool.metrics import KvMetrics
+    from services.semantic.cache import _metrics
+
+    KvMetrics()
+    _metrics()
+    out = []
+    for (kind, _), m in sorted(metrics._cache.items(), key=lambda kv: kv[0][1]):
+        bounds = tuple(b for b in getattr(m, "_upper_bounds", ()) if b != float("inf"))
+        out.append((m._name, kind.lower(), m._documentation, tuple(m._labelnames), bounds))
+    return sorted(out)
+
+
+def _section(name: str) -> str | None:
+    for key, _ in SECTIONS:
+        if name == f"tiercache_{key}" or name.startswith(f"tiercache_{key}_"):
+            return key
+    return None
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def render() -> str:
+    rows = collect()
+    parts = [HEADER]
+    for key, title in SECTIONS:
+        mine = [r for r in rows if _section(r[0]) == key]
+        parts.append(f"\n## {title}\n\n| metric | type | labels | meaning |\n|---|---|---|---|\n")
+        for name, kind, doc, labels, bounds in mine:
+            shown = name + ("_total" if kind == "counter" and not name.endswith("_total")
+                            else "")
+            meaning = _cell(doc)
+            if bounds:
+                meaning += f" (buckets {', '.join(f'{b:g}' for b in bounds)})"
+            parts.append(f"| `{shown}` | {kind} | {', '.join(labels) or '-'} | {meaning} |\n")
+    missing = [r[0] for r in rows if _section(r[0]) is None]
+    if missing:
+        raise SystemExit(f"metrics outside every section: {', '.join(missing)}")
+    return "".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
+    a = ap.parse_args(argv)
+    text = render()
+    if a.check:
+        if OUT.read_text(encoding="utf-8") != text:
+            print(f"{OUT} is out of date: run python scripts/metrics_doc.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text, encoding="utf-8")
+    print(f"wrote {OUT} ({text.count(chr(10) + '| `')} metrics)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
