@@ -29,26 +29,37 @@ class KvPoolConfig:
     model_id: str = ""
     # Where converted models are cached; empty = $TIERCACHE_CACHE_DIR or ~/.cache/tiercache.
     cache_dir: str = ""
+    # "cpu" or "cuda[:N]".
     device: str = "cpu"
+    # float32, float16 or bfloat16 (weights and KV).
     dtype: str = "float32"
+    # KV blocks in the pool; 0 = as many as kv_cache_bytes holds.
     num_blocks: int = 0
+    # Pool size in bytes when num_blocks is 0.
     kv_cache_bytes: int = 512 * 1024 * 1024
+    # Tokens per KV block (the same on every replica, the index and orchestrators).
     block_size: int = 16
     # Sequences decoded together in one forward (running = prefilling + decoding).
     max_batch_size: int = 8
     # Prompt tokens computed per forward of one sequence (bounds decode stalls).
     max_prefill_chunk: int = 512
+    # Largest max_tokens a request may ask for (INVALID_ARGUMENT past it).
     max_new_tokens_limit: int = 2048
     # Requests allowed to wait for admission before new ones are refused.
     max_waiting: int = 256
+    # This replica's name in the index, Stats and CacheReport.
     replica_id: str = "kvpool-0"
+    # host:port the replica listens on (0 = any free port).
     address: str = "127.0.0.1:50054"
     # Address other services dial for this replica; empty = `address`.
     advertise_address: str = ""
+    # Prometheus /metrics and /healthz port; -1 = off, 0 = any free port.
     metrics_port: int = 9104
+    # Credential callers must send, and sent to the index; "" = none.
     internal_token: str = ""
     # host:port of the prefix index, or its shards comma-separated; empty = do not publish.
     prefix_address: str = ""
+    # How often the replica renews its lease at the index (>= 0.1).
     heartbeat_seconds: float = 2.0
     # Events are published at least this often (seconds) while there are any.
     publish_interval_seconds: float = 0.2
@@ -97,8 +108,11 @@ class KvPoolConfig:
     # doubling. Growing holds the old and new rows at once while copying (1.5x the full size at
     # the last step); allocated up front the peak is the full size, known at start (GPUs).
     preallocate_rows: bool = False
+    # "hybrid" (LFU under shallow_tokens, LRU deeper) or "lru".
     eviction_policy: str = "hybrid"
+    # Depth (tokens) under which hybrid eviction ranks blocks by use count (LFU).
     shallow_tokens: int = 128
+    # Longest pin a Prefill may ask for (a longer one is cut to it).
     pin_ttl_max_seconds: int = 3600
     # Share of the pool that pins (warm-up) may hold at once; a pin past it is refused
     # (RESOURCE_EXHAUSTED) so that one tenant's Warm cannot starve every request.
@@ -124,6 +138,7 @@ class KvPoolConfig:
     # (SmolLM2 fp32: 46 KB per token, so 8 x 8,192 tokens = 3.0 GB; up to 1.5x that while the
     # last growth step copies, unless preallocate_rows): bound it to fit.
     max_context: int = 0
+    # Drain time on SIGTERM: streams under way finish, new calls are refused.
     grace_seconds: float = 10.0
     # Health turns NOT_SERVING (the liveness probe then restarts the replica) when one engine
     # step has not finished in this long, or every step has failed for this long: a hung step

@@ -18,7 +18,9 @@ STREAM_HEADROOM = 8
 class OrchestratorConfig:
     """Settings of the public service. Addresses are host:port."""
 
+    # host:port the public gRPC service listens on (0 = any free port).
     address: str = "127.0.0.1:50051"
+    # Prometheus /metrics and /healthz port; -1 = off, 0 = any free port.
     metrics_port: int = 9101
     # Credential sent to internal services (semantic, prefix, kvpool); "" = none.
     internal_token: str = ""
@@ -39,14 +41,18 @@ class OrchestratorConfig:
     block_size: int = 16
     # Bearer tokens: a file (JSON {"token": {"tenant": ..., limits...}}) and/or "tok=tenant,..."
     tokens_file: str = ""
+    # "token=tenant,..." pairs, beside or instead of tokens_file; "" = none.
     tokens: str = ""
     # How often the tokens file is checked for changes and read again (0 = once, at start): a
     # token removed from it stopped working only when every orchestrator was restarted.
     tokens_reload_s: float = 5.0
     # Defaults and limits per request.
     default_max_tokens: int = 256
+    # Largest max_tokens a request may ask for (INVALID_ARGUMENT past it); tenants may have less.
     max_tokens_limit: int = 2048
+    # Longest rendered prompt, in tokens (RESOURCE_EXHAUSTED past it); tenants may have less.
     max_prompt_tokens: int = 8192
+    # Longest message content or raw prompt, in characters (INVALID_ARGUMENT past it).
     max_message_chars: int = 100_000
     # Largest request message the server reads (a Generate's messages, a Warm's prompts). Past
     # it gRPC refuses the call (RESOURCE_EXHAUSTED) before anything is parsed: at gRPC's 16 MiB
@@ -61,17 +67,24 @@ class OrchestratorConfig:
     # deadline gets (a longer one is cut to this; the client then sees DEADLINE_EXCEEDED).
     # Then the per-hop budgets.
     request_timeout_s: float = 300.0
+    # Most one semantic call may take (a lookup gets at most a quarter of the time the request
+    # has left, the Store after the answer half).
     semantic_timeout_s: float = 2.0
+    # Most a prefix index Match may take (and at most a quarter of the time the request has
+    # left).
     prefix_timeout_s: float = 0.5
     # Semantic tier defaults.
     semantic_tier: str = "standard"
+    # Send semantic near-misses to replicas as drafts (cache-assisted generation).
     enable_drafts: bool = True
+    # Store answers of sampled (temperature > 0) requests in the semantic tier too.
     store_sampled: bool = False
     # Serve semantic hits to sampled (temperature > 0) requests too (CachePolicy.serve_sampled
     # per request). Off: they get the model's own sample, the hit as its draft.
     serve_sampled: bool = False
     # Routing: bounded-load factor and the minimum matched tokens that count as a useful prefix.
     routing_policy: str = "prefix"  # "prefix" or "round_robin" (a baseline for benchmarks)
+    # Bounded-load slack: a replica past (1 + epsilon) x the mean load is skipped.
     routing_epsilon: float = 0.25
     # Time constant of the decaying count of requests routed to each replica; routing keeps
     # every replica's share within (1 + routing_epsilon) / n (see routing.PrefixAwarePolicy).
@@ -80,6 +93,7 @@ class OrchestratorConfig:
     # many replicas and little traffic the cap alone is 0, and prefix holders lost their
     # requests to cold replicas for running one).
     routing_load_floor: int = 2
+    # Matched prompt tokens that make a replica a prefix holder worth routing to.
     min_prefix_tokens: int = 32
     # How long routing remembers the prompts it sent to each replica, for requests that share
     # one before the prefix index has learnt it (a long prefill takes seconds); 0 = off.
@@ -93,6 +107,7 @@ class OrchestratorConfig:
     # replica that stops answering (SIGSTOP, a wedged server) is found in about
     # replica_hung_polls x (replica_stats_timeout_s + replica_poll_s), ~9 s by default.
     replica_stats_timeout_s: float = 2.0
+    # Missed Stats polls in a row that mark a replica hung (see above).
     replica_hung_polls: int = 3
     # A replica whose engine has not finished a turn for this long (Stats' stalled_for_s: a
     # stuck step or device) is taken out of routing and its requests in flight fail over; it
@@ -101,8 +116,11 @@ class OrchestratorConfig:
     replica_stall_s: float = 60.0
     # Background warm-up: off when warm_interval_s <= 0 or warm_top_k == 0.
     warm_interval_s: float = 30.0
+    # Hot prefixes the loop asks the index for each cycle (0 = loop off).
     warm_top_k: int = 8
+    # Mean load (active sequences) per healthy replica under which the loop warms.
     warm_max_load: float = 0.25
+    # Most prefills the loop sends per cycle.
     warm_max_prompts_per_cycle: int = 4
     # Hits (in the index's half-life) a prefix needs before the loop copies it to replicas
     # that lack it. At 1 a conversation's own history (hit once, by its next turn) was copied
@@ -130,6 +148,7 @@ class OrchestratorConfig:
     # capped in memory, not only refused one by one. Must exceed max_workers, so that streams
     # alone never reach it. 0 = `create_server`'s default, 4 x max_workers.
     max_concurrent_rpcs: int = 0
+    # Drain time on SIGTERM: streams under way finish, new calls are refused.
     grace_s: float = 10.0
     # Client connections are closed (GOAWAY) after this long and clients reconnect: behind a
     # Kubernetes Service (balanced per connection) long-lived connections otherwise stay on

@@ -11,6 +11,7 @@ from services.common.config import moved, require, require_listen_address
 class PrefixConfig:
     """Settings of one prefix-index process (one shard when sharded)."""
 
+    # host:port the index listens on (0 = any free port).
     address: str = "127.0.0.1:50053"
     metrics_port: int = -1  # -1 = off, 0 = any free port
     internal_token: str = ""  # "" = no internal credential required

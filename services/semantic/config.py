@@ -48,8 +48,10 @@ def default_model_dir() -> str:
 class SemanticConfig:
     """Every knob of the semantic tier. Defaults are the embedded `make run` setup."""
 
+    # host:port the service listens on (0 = any free port).
     address: str = "127.0.0.1:50052"
     metrics_port: int = 9102  # -1 = off
+    # Credential callers must send (authorization: Bearer ...); "" = none required.
     internal_token: str = ""
     # Embedding model: any sentence-transformers folder; "" = the packaged all-MiniLM-L6-v2.
     model_dir: str = ""
@@ -82,6 +84,7 @@ class SemanticConfig:
     # <db_path>.hnsw. `snapshot_on_stop` off: no graph is saved or taken; every start builds
     # every graph, as before.
     snapshot_path: str = ""
+    # Save the HNSW graphs on a clean stop and take them at start.
     snapshot_on_stop: bool = True
     # Also saved this often while running (0 = only on stop), rewriting only the graphs merged
     # since the last save, so a start after a crash (kill -9, OOM, a lost node) takes graphs
@@ -89,7 +92,9 @@ class SemanticConfig:
     snapshot_interval_s: float = 600.0
     # Index: exact (flat) search up to this many entries per namespace, HNSW beyond.
     hnsw_min_entries: int = 20000
+    # HNSW links per node (memory ~2 x M x 4 bytes per entry at level 0).
     hnsw_m: int = 32
+    # HNSW build-time search width (build time against graph quality).
     hnsw_ef_construction: int = 80
     # 32: at 100k entries recall@1 against exact search is 1.000 on the benchmark's 1,000
     # near-duplicate queries (0.999 at 16) and 0.999 on harder ones (a word dropped, two
@@ -101,8 +106,11 @@ class SemanticConfig:
     delta_capacity: int = 2048  # entries searched exactly before being merged into the index
     # Thresholds.
     tier_strict: float = 0.97
+    # Cosine similarity a hit needs in the standard tier.
     tier_standard: float = 0.95
+    # Cosine similarity a hit needs in the relaxed tier (chit-chat).
     tier_relaxed: float = 0.90
+    # Tier of a lookup that names none: strict, standard or relaxed.
     default_tier: str = "standard"
     threshold_floor: float = 0.85  # explicit thresholds below it are refused
     verified_bonus: float = 0.02  # verified entries need `threshold - bonus`
@@ -120,14 +128,20 @@ class SemanticConfig:
     verifier_path: str = ""
     # Lifecycle and limits.
     default_ttl_seconds: int = 7 * 24 * 3600  # 0 = never expire
+    # Longest TTL an entry may have (a longer one is cut to it).
     max_ttl_seconds: int = 365 * 24 * 3600
+    # Entries one namespace may hold; past it its least recently used go.
     max_entries_per_namespace: int = 200_000
+    # Entries this shard may hold; past it the least recently used go (RAM: capacity.md).
     max_entries_total: int = 2_000_000
     # A tenant's own cap (0 = none): past it, its least recently used entries go. Without
     # one, the global cap is still taken back from whichever tenant holds the most.
     max_entries_per_tenant: int = 0
+    # Longest prompt text looked up or stored (INVALID_ARGUMENT past it).
     max_text_chars: int = 8192
+    # Longest answer stored (INVALID_ARGUMENT past it).
     max_answer_chars: int = 65536
+    # Longest tenant name or model id in a namespace.
     max_tenant_chars: int = 256
     # Drain time on SIGTERM (in-flight lookups and stores finish; stored entries are durable
     # already).

@@ -1,0 +1,117 @@
+"""Write docs/settings.md: every setting of the four services, from their config classes.
+
+    python scripts/settings_doc.py            # rewrite docs/settings.md
+    python scripts/settings_doc.py --check    # exit 1 if docs/settings.md is out of date
+
+Each field of a service's config dataclass is a setting: `TIERCACHE_<SERVICE>_<FIELD>` or the
+flag `--field-name` (`services/common/config.py`). Its default comes from the class, and its
+description from the comment written with it in the source (the lines just above the field,
+or the comment after it). `tests/test_settings_doc.py` keeps the file current.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import importlib
+import inspect
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUT = ROOT / "docs" / "settings.md"
+CLASSES = (("orchestrator", "services.orchestrator.config", "OrchestratorConfig"),
+           ("semantic", "services.semantic.config", "SemanticConfig"),
+           ("prefix", "services.prefix.config", "PrefixConfig"),
+           ("kvpool", "services.kvpool.config", "KvPoolConfig"))
+
+HEADER = """# Settings
+
+Every setting of the four services, generated from their config classes by
+`python scripts/settings_doc.py` (`tests/test_settings_doc.py` fails when this file is out of
+date). A setting `foo_bar` of service `svc` is read from `TIERCACHE_SVC_FOO_BAR`, and a flag
+`--foo-bar` given to `python -m services.svc` wins over it (`--help` lists them). Values are
+checked at start: a bad one stops the service with exit 2 and a line naming the variable
+(or flag), as does a `TIERCACHE_` variable that is no setting. Shared settings, read by
+every service that needs them: `TIERCACHE_TLS_CERT` / `_KEY` / `_CA` / `_CLIENT_CERT` /
+`_CLIENT_KEY` (TLS, [reliability.md](reliability.md)), `TIERCACHE_HASH_KEY` (the cluster's
+block-hash and entry-signing key, [deploy.md](deploy.md)), `TIERCACHE_CACHE_DIR` (models and
+the semantic database, default `~/.cache/tiercache`), `TIERCACHE_LOG_LEVEL`,
+`TIERCACHE_DRAIN_DELAY_S`. The launcher (`make run`) reads `TIERCACHE_REPLICAS`; the CLI
+`TIERCACHE_ADDRESS`, `TIERCACHE_TOKEN` and `TIERCACHE_CLI_HOME`.
+"""
+
+
+def _comments(cls: type) -> dict[str, str]:
+    """Field -> the comment written with it in the class's source."""
+    lines, _ = inspect.getsourcelines(cls)
+    source = "".join(lines)
+    out: dict[str, str] = {}
+    tree = ast.parse(inspect.cleandoc("\n" + source) if source.startswith(" ") else source)
+    body = tree.body[0].body  # the class
+    text = source.splitlines()
+    for node in body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        row = node.lineno - 1
+        above: list[str] = []
+        k = row - 1
+        while k >= 0 and text[k].strip().startswith("#"):
+            above.insert(0, text[k].strip().lstrip("#").strip())
+            k -= 1
+        line = text[row]
+        after = line.split("#", 1)[1].strip() if "#" in line and '"#' not in line else ""
+        out[node.target.id] = " ".join(p for p in (" ".join(above), after) if p)
+    return out
+
+
+def _default(f: dataclasses.Field) -> str:
+    if f.default is not dataclasses.MISSING:
+        d = f.default
+    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        d = f.default_factory()  # type: ignore[misc]
+    else:
+        return "(required)"
+    if d == "" or d == ():
+        return '""'
+    if isinstance(d, bool):
+        return "true" if d else "false"
+    if isinstance(d, tuple):
+        return ",".join(map(str, d))
+    return str(d)
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("`", "'")
+
+
+def render() -> str:
+    parts = [HEADER]
+    for service, module, name in CLASSES:
+        cls = getattr(importlib.import_module(module), name)
+        notes = _comments(cls)
+        parts.append(f"\n## {service}\n\n| variable | default | meaning |\n|---|---|---|\n")
+        for f in dataclasses.fields(cls):
+            var = f"TIERCACHE_{service.upper()}_{f.name.upper()}"
+            parts.append(f"| `{var}` | `{_cell(_default(f))}` | {_cell(notes.get(f.name, ''))} |\n")
+    return "".join(parts)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
+    a = ap.parse_args(argv)
+    text = render()
+    if a.check:
+        if OUT.read_text(encoding="utf-8") != text:
+            print(f"{OUT} is out of date: run python scripts/settings_doc.py", file=sys.stderr)
+            return 1
+        return 0
+    OUT.write_text(text, encoding="utf-8")
+    print(f"wrote {OUT} ({text.count(chr(10) + '| `TIERCACHE_')} settings)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
