@@ -506,3 +506,20 @@ def test_a_bad_trace_line_is_named_by_its_line(tmp_path, bad, said):
     with pytest.raises(ValueError) as e:
         load_trace(path)
     assert str(e.value).startswith(said), str(e.value)
+
+
+@pytest.mark.parametrize(("address", "warned"), [
+    ("api.example.com:443", True), ("10.0.3.7:50051", True), ("dns:///tiercache:50051", True),
+    ("localhost:50051", False), ("127.0.0.1:50051", False), ("[::1]:50051", False),
+])
+def test_a_token_sent_in_plaintext_to_another_host_is_warned_of(fake, capsys, monkeypatch,
+                                                                address, warned):
+    """A security review: the bearer token went out in clear text to any host without a
+    word unless --tls or --ca was given."""
+    monkeypatch.delenv("TIERCACHE_TLS_CA", raising=False)
+    assert cli.main(["--address", address, "--token", "tok-1", "chat", "-q", "hi"]) == 0
+    err = capsys.readouterr().err
+    assert ("sending the token in plaintext" in err) == warned, err
+    assert "tok-1" not in err
+    assert cli.main(["--address", address, "chat", "-q", "hi"]) == 0  # no token: nothing said
+    assert "plaintext" not in capsys.readouterr().err

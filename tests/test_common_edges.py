@@ -822,3 +822,43 @@ def test_orchestrator_paths_are_checked_at_start_naming_the_setting(tmp_path):
                              ("--cache-dir", str(afile), "CACHE_DIR")):
         with pytest.raises(ConfigError, match=f"^{flag} \\(env TIERCACHE_ORCHESTRATOR_{var}\\)"):
             load_config(OrchestratorConfig, "orchestrator", [flag, value], {})
+
+
+@pytest.mark.parametrize(("value", "weak"), [
+    ("PLACEHOLDER-change-me-internal-token", True), ("short", True), (b"k", True),
+    ("x" * 15, True), ("Zr8q3k0JH2mVx7TcLw9a", False), (b"0123456789abcdef", False),
+])
+def test_weak_secrets_are_told(value, weak):
+    from services.common.config import weak_secret
+
+    assert bool(weak_secret(value)) == weak
+
+
+def test_a_start_with_placeholder_secrets_warns_without_naming_them(tmp_path):
+    """A security review: the dev overlay's PLACEHOLDER secrets (public in this repository)
+    were taken without a word. In a process of its own: the start sets up logging."""
+    code = ("import sys; from services.common.bootstrap import load_service_config; "
+            "from services.prefix.config import PrefixConfig; "
+            "sys.exit(load_service_config(PrefixConfig, 'prefix', []) is None)")
+    env = {**os.environ, "TIERCACHE_HASH_KEY": "PLACEHOLDER-change-me-hash-key",
+           "TIERCACHE_PREFIX_INTERNAL_TOKEN": "PLACEHOLDER-change-me-internal"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       timeout=60, cwd=str(Path(__file__).resolve().parent.parent))
+    assert r.returncode == 0, r.stderr
+    text = r.stderr
+    assert "TIERCACHE_PREFIX_INTERNAL_TOKEN is a placeholder" in text
+    assert "TIERCACHE_HASH_KEY is a placeholder" in text
+    assert "change-me-internal" not in text and "change-me-hash" not in text
+
+
+def test_weak_tenant_tokens_are_told_by_tenant_never_by_token(caplog):
+    import logging
+
+    from services.orchestrator.tenants import TenantRegistry
+
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.tenants"):
+        TenantRegistry.build(tokens_file="", tokens="tok-a=alpha,Zr8q3k0JH2mVx7TcLw9a=beta",
+                             key=b"k" * 32, max_prompt_tokens=10, max_tokens=10,
+                             max_concurrent=1)
+    assert "tenants alpha" in caplog.text and "beta" not in caplog.text
+    assert "tok-a" not in caplog.text

@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import errno
 import fcntl
+import ipaddress
 import json
 import os
 import sys
@@ -314,6 +315,19 @@ def _usage(why: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def _loopback(address: str) -> bool:
+    """Whether host:port names this machine (a local stack), where plaintext is fine."""
+    host = address.rpartition(":")[0].strip("[]").lower()
+    if host.startswith(("dns:", "ipv4:", "ipv6:")):
+        host = host.split(":", 1)[1].lstrip("/")
+    if host == "localhost" or host.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
     """TLS when --ca is given, or --tls (verified against the system's trusted roots); mutual
     TLS with --cert and --key. None = plaintext.
@@ -577,6 +591,11 @@ def main(argv: list[str] | None = None) -> int:
     cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats,
             "replay": cmd_replay}
     a.credentials = credentials(a)  # files read once; replay's per-tenant clients share it
+    if a.token and a.credentials is None and not _loopback(a.address):
+        # Said, not refused (a trusted network, a sidecar proxy): the bearer token goes out in
+        # clear text to another host.
+        sys.stderr.write(f"tiercache: warning: sending the token in plaintext to {a.address} "
+                         "(no --ca/--tls)\n")
     try:
         with TierCacheClient(a.address, token=a.token, timeout=a.timeout,
                              credentials=a.credentials) as c:

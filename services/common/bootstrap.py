@@ -898,11 +898,30 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
         # Process-wide settings read later (at shutdown, or after the model has loaded):
         # checked here so that a bad value fails the start at once, before anything binds.
         drain_delay_from_env()
-        hash_key_from_env()
+        key = hash_key_from_env()
         problem = tls_env_problem(service=service) or tls_files_problem(service)
         if problem:
             raise ConfigError(problem)
     except ConfigError as exc:
         logging.getLogger(f"services.{service}").error("bad configuration: %s", exc)
         return None
+    _warn_weak_secrets(service, cfg, key)
     return cfg
+
+
+def _warn_weak_secrets(service: str, cfg: Any, key: bytes) -> None:
+    """A placeholder or a short secret, said at every start (a security review: the dev
+    overlay's PLACEHOLDER values, public in this repository, were taken without a word)."""
+    from services.common.config import env_name, weak_secret
+    from services.common.hashing import DEFAULT_KEY
+
+    log_ = logging.getLogger(f"services.{service}")
+    token = getattr(cfg, "internal_token", "")
+    why = weak_secret(token) if token else ""
+    if why:
+        log_.warning("%s is %s: anyone who can guess it calls the internal services",
+                     env_name(service, "internal_token"), why)
+    why = weak_secret(key) if key != DEFAULT_KEY else ""
+    if why:
+        log_.warning("TIERCACHE_HASH_KEY is %s: a tenant who guesses it can derive cache salts "
+                     "and sign another tenant's entry references", why)

@@ -254,6 +254,24 @@ def _metavar(typ: Any) -> str:
     return {int: "N", float: "X"}.get(typ, "VALUE")
 
 
+# Shortest secret (hash key, internal credential, tenant token) taken without a warning: 16
+# characters of a random alphabet are ~96 bits and more.
+MIN_SECRET_CHARS = 16
+
+
+def weak_secret(value: str | bytes) -> str:
+    """Why `value` is no secret to run a cluster on ("" when it looks like one): a template's
+    placeholder, or too short to resist guessing. Said at start, not refused: a laptop's
+    cluster may run the dev overlay's placeholders."""
+    text = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    low = text.lower()
+    if "placeholder" in low or "change-me" in low or "changeme" in low:
+        return "a placeholder"
+    if len(text) < MIN_SECRET_CHARS:
+        return f"shorter than {MIN_SECRET_CHARS} characters"
+    return ""
+
+
 def moved(cfg: Any, field: str, other: str) -> str:
     """`field` if `cfg` has it changed from its default, else `other`: of two settings in
     conflict, the one to name is the one the user set (threshold_floor lowered to 0.75 was

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from services.common.config import MIN_SECRET_CHARS, weak_secret
 from services.common.errors import (
     Overloaded,
     PermissionDenied,
@@ -254,6 +255,14 @@ class TenantRegistry:
 
         tenants = {name: make(name, spec) for name, spec in specs.items()}
         by_token = {tok: tenants[name] for tok, name in names.items()}
+        weak = sorted({names[tok] for tok in names if weak_secret(tok)})
+        if weak:
+            # Named by tenant, never by token. Said, not refused: a laptop's cluster runs the
+            # dev overlay's placeholders.
+            log.warning("tenant tokens that are placeholders or shorter than %d characters "
+                        "(anyone may guess them): tenants %s", MIN_SECRET_CHARS,
+                        ", ".join(weak[:8]) + (f" and {len(weak) - 8} more" if len(weak) > 8
+                                               else ""))
         # No tokens = a local, unauthenticated stack: its one caller is also its operator.
         default = None if by_token else make("default", _spec("default", {
             "tenant": "default", "admin": True}, defaults)[1])
