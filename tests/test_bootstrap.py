@@ -334,10 +334,14 @@ def test_status_changes_while_watches_come_and_go_keep_the_server_alive(small_se
         health_pb2.HealthCheckResponse.SERVING
 
 
-def test_idle_reflection_streams_cannot_take_every_thread(small_server):
+def test_idle_reflection_streams_cannot_take_every_thread(small_server, monkeypatch):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+    from services.common import bootstrap
     from services.common.bootstrap import MAX_OPEN_STREAMS
+
+    # Every stream here comes from one peer: the server-wide cap, not the peer's, is tested.
+    monkeypatch.setattr(bootstrap, "MAX_OPEN_STREAMS_PER_PEER", MAX_OPEN_STREAMS)
 
     ch = grpc.insecure_channel(small_server.address)
     rs = reflection_pb2_grpc.ServerReflectionStub(ch)
@@ -368,6 +372,38 @@ def test_idle_reflection_streams_cannot_take_every_thread(small_server):
         except grpc.RpcError:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+    assert got and got[0].list_services_response.service
+
+
+def test_one_client_holds_few_reflection_streams_and_none_for_long(small_server, monkeypatch):
+    """A security review: one client with no credential held every reflection slot, idle,
+    for good on the internal services, and the operator's `grpcurl list` was refused."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from services.common import bootstrap
+
+    monkeypatch.setattr(bootstrap, "OPEN_STREAM_MAX_S", 1.0)
+    rs = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(small_server.address))
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    held = []
+    for _ in range(bootstrap.MAX_OPEN_STREAMS_PER_PEER):
+        q = queue.Queue()
+        q.put(ask)
+        it = rs.ServerReflectionInfo(iter(q.get, None), timeout=20)
+        assert next(it).list_services_response.service
+        held.append((q, it))
+    with pytest.raises(grpc.RpcError) as e:
+        next(rs.ServerReflectionInfo(iter([ask]), timeout=5))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "per client" in e.value.details()
+    t0 = time.monotonic()
+    for q, it in held:  # ended by the server at their time limit, idle as they are
+        with pytest.raises(grpc.RpcError) as e:
+            next(it)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "the most a stream may be" in e.value.details()
+    assert time.monotonic() - t0 < 10
+    got = list(rs.ServerReflectionInfo(iter([ask]), timeout=5))  # the slots are back
     assert got and got[0].list_services_response.service
 
 

@@ -38,6 +38,7 @@ from services.common import errors
 from services.common.config import ConfigError
 from services.common.logs import Thinned, bound_request_id, plain_request_id
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
+from services.common.reaper import StreamReaper
 from services.common.reflection import source_info_pool
 from services.common.wire import find_invalid_utf8
 
@@ -68,6 +69,13 @@ _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # Open two-way streams (server reflection) one server serves at once: each holds a worker
 # thread while open, and needs no credential.
 MAX_OPEN_STREAMS = 4
+# Of them, one peer host may hold at most this many, each for at most OPEN_STREAM_MAX_S: one
+# client with no credential held all 4 idle (for good on the internal services, which close
+# no connection), and the operator's `grpcurl list` was refused. A tool's session lasts
+# well under a second.
+MAX_OPEN_STREAMS_PER_PEER = 2
+OPEN_STREAM_MAX_S = 60.0
+_OPEN_REAPER = StreamReaper()
 # Longest service name Health.Watch accepts (the names served are a few dozen characters).
 MAX_HEALTH_NAME = 256
 
@@ -271,6 +279,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         self.internal_token = internal_token
         self.authenticate = authenticate
         self._open_streams = threading.BoundedSemaphore(MAX_OPEN_STREAMS)
+        self._open_by_peer: dict[str, int] = {}
+        self._open_lock = threading.Lock()
         # When this server's stop cuts the calls still running (monotonic; None = running).
         self.cut_at: float | None = None
 
@@ -446,14 +456,30 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         open, so idle ones, with no credential, could take every thread of the server. A
         two-way method outside the open ones needs the credential like any other."""
         service, slots = self.service, self._open_streams
+        by_peer, lock = self._open_by_peer, self._open_lock
 
         def wrapped(request_iterator, context) -> Iterator:
             prologue(context)
-            if not slots.acquire(blocking=False):
+            try:
+                peer = context.peer().rpartition(":")[0] or "?"
+            except Exception:  # noqa: BLE001 - a context without a peer
+                peer = "?"
+            with lock:
+                mine = by_peer.get(peer, 0)
+                if mine < MAX_OPEN_STREAMS_PER_PEER and slots.acquire(blocking=False):
+                    by_peer[peer] = mine + 1
+                    refused = ""
+                elif mine >= MAX_OPEN_STREAMS_PER_PEER:
+                    refused = f"at most {MAX_OPEN_STREAMS_PER_PEER} open streams per client"
+                else:
+                    refused = f"at most {MAX_OPEN_STREAMS} open streams at once"
+            if refused:
                 RPC_TOTAL.labels(service, short, "RESOURCE_EXHAUSTED").inc()
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{short}: at most {MAX_OPEN_STREAMS} open streams at once; "
-                              "close one")
+                              f"{short}: {refused}; close one")
+            reaped = _OPEN_REAPER.arm(time.monotonic() + OPEN_STREAM_MAX_S, context,
+                                      f"{short}: open for {OPEN_STREAM_MAX_S:g} s, the most a "
+                                      "stream may be; open another")
             # Counted and timed however they end: only refusals were, so an error-ratio
             # alert on the method read 100%.
             t0, code = time.perf_counter(), "OK"
@@ -467,7 +493,14 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 code = set_code.name if isinstance(set_code, grpc.StatusCode) else "UNKNOWN"
                 raise
             finally:
-                slots.release()
+                _OPEN_REAPER.disarm(reaped)
+                with lock:
+                    left = by_peer.get(peer, 1) - 1
+                    if left > 0:
+                        by_peer[peer] = left
+                    else:
+                        by_peer.pop(peer, None)
+                    slots.release()
                 RPC_TOTAL.labels(service, short, code).inc()
                 RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 
