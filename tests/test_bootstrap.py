@@ -397,7 +397,7 @@ def test_one_client_holds_few_reflection_streams_and_none_for_long(small_server,
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "per client" in e.value.details()
     t0 = time.monotonic()
-    for q, it in held:  # ended by the server at their time limit, idle as they are
+    for _q, it in held:  # ended by the server at their time limit, idle as they are
         with pytest.raises(grpc.RpcError) as e:
             next(it)
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED

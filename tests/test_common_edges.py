@@ -817,11 +817,17 @@ def test_orchestrator_paths_are_checked_at_start_naming_the_setting(tmp_path):
 
     afile = tmp_path / "f"
     afile.write_text("x")
-    for flag, value, var in (("--model", " ", "MODEL"),
-                             ("--tokens-file", str(tmp_path / "nope.json"), "TOKENS_FILE"),
+    with pytest.raises(ConfigError, match="^--model \\(env TIERCACHE_ORCHESTRATOR_MODEL\\)"):
+        load_config(OrchestratorConfig, "orchestrator", ["--model", " "], {})
+    # The files this host must have: checked at start (check_paths), apart from the values
+    # (a manifest's settings are validated where its paths do not exist).
+    for flag, value, var in (("--tokens-file", str(tmp_path / "nope.json"), "TOKENS_FILE"),
                              ("--cache-dir", str(afile), "CACHE_DIR")):
-        with pytest.raises(ConfigError, match=f"^{flag} \\(env TIERCACHE_ORCHESTRATOR_{var}\\)"):
-            load_config(OrchestratorConfig, "orchestrator", [flag, value], {})
+        cfg = load_config(OrchestratorConfig, "orchestrator", [flag, value],
+                          {"TIERCACHE_HASH_KEY": "k" * 32})
+        with pytest.raises(ConfigError, match=f"^TIERCACHE_ORCHESTRATOR_{var}: "):
+            cfg.check_paths()
+    OrchestratorConfig(tokens_file=str(afile), cache_dir=str(tmp_path)).check_paths()
 
 
 @pytest.mark.parametrize(("value", "weak"), [

@@ -13,6 +13,7 @@ from services.common.bootstrap import (
     run_until_signal,
     service_main,
 )
+from services.common.config import ConfigError
 from services.common.hashing import DEFAULT_KEY, hash_key_from_env
 from services.common.model_store import ModelStoreError
 from services.orchestrator.app import build
@@ -29,6 +30,11 @@ def main(argv: list[str] | None = None) -> int:
 def _main(argv: list[str] | None) -> int:
     cfg = load_service_config(OrchestratorConfig, "orchestrator", argv)
     if cfg is None:
+        return 2
+    try:
+        cfg.check_paths()
+    except ConfigError as exc:
+        log.error("bad configuration: %s", exc)
         return 2
     if (cfg.tokens or cfg.tokens_file) and hash_key_from_env() == DEFAULT_KEY:
         # The key signs the entry references tenants get and derives their cache salts: with

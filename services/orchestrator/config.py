@@ -156,13 +156,11 @@ class OrchestratorConfig:
     # under way finish (grace: request_timeout_s). 0 = never.
     max_connection_age_s: float = 300.0
 
-    def validate(self) -> None:
-        require(-1 <= self.metrics_port <= 65535, SVC, "metrics_port",
-                "must be -1 (off), 0 or a port")
-        # Paths checked here, naming the setting (as kvpool and semantic do): found only by
-        # the build, an empty model read the working directory as a model folder, and a
-        # missing tokens file or a cache_dir that is a file failed with a bare OSError.
-        require(bool(self.model.strip()), SVC, "model", "must name 'smollm2' or a model folder")
+    def check_paths(self) -> None:
+        """The files this host must have, checked at start before anything binds, naming the
+        setting: found only by the build, a missing tokens file or a cache_dir that is a file
+        failed with a bare OSError. Apart from `validate`, which judges values alone (a
+        manifest's settings are checked where its paths do not exist)."""
         if self.tokens_file:
             path = os.path.expanduser(self.tokens_file)
             require(os.path.isfile(path) and os.access(path, os.R_OK), SVC, "tokens_file",
@@ -171,6 +169,12 @@ class OrchestratorConfig:
             path = os.path.expanduser(self.cache_dir)
             require(not os.path.exists(path) or os.path.isdir(path), SVC, "cache_dir",
                     f"{self.cache_dir!r} is not a directory")
+
+    def validate(self) -> None:
+        require(-1 <= self.metrics_port <= 65535, SVC, "metrics_port",
+                "must be -1 (off), 0 or a port")
+        # An empty model read the working directory as a model folder (as kvpool, refused).
+        require(bool(self.model.strip()), SVC, "model", "must name 'smollm2' or a model folder")
         # 0 or less made every replica a prefix holder (routing lost its session ring).
         require(self.min_prefix_tokens >= 1, SVC, "min_prefix_tokens", "must be >= 1")
         try:

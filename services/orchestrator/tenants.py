@@ -447,7 +447,7 @@ def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegist
             now = _file_version(path)
             if now == seen:
                 continue
-            seen = now
+            before, seen = seen, now
             if now is None:
                 log.error("tokens file %s is gone: keeping the tokens read before", path)
                 continue
@@ -455,6 +455,11 @@ def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegist
                 fresh = build()
                 registry.adopt(fresh)
             except (OSError, ValueError) as exc:
+                if isinstance(exc, OSError):
+                    # Tried again at the next check (too many open files, an I/O error): a
+                    # version marked seen after a passing failure was never taken, a removed
+                    # token accepted until the file changed again.
+                    seen = before
                 log.error("tokens file %s changed but was not taken (%s): keeping the tokens "
                           "read before", path, exc)
                 continue

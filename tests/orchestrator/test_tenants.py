@@ -279,3 +279,39 @@ def test_a_changed_tokens_file_is_read_again_and_a_bad_one_leaves_the_old_tokens
         assert not refused("tok-a")
     stop.set()
     r.release(a)
+
+
+def test_a_passing_read_error_is_retried_not_taken_as_the_version_seen(tmp_path):
+    """A deploy review: a version whose read failed once (EMFILE) was marked seen and never
+    taken: the removed token kept working until the file changed again."""
+    import threading
+    import time
+
+    from services.orchestrator.tenants import watch_tokens_file
+
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"tok-a": {"tenant": "a"}}))
+    r = reg(tokens_file=str(f))
+    failures = [OSError(24, "Too many open files")]
+
+    def build():
+        if failures:
+            raise failures.pop()
+        return reg(tokens_file=str(f))
+
+    stop = threading.Event()
+    watch_tokens_file(r, build, str(f), 0.02, stop)
+    time.sleep(0.1)
+    f.write_text(json.dumps({"tok-b": {"tenant": "b"}}))
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 5:
+        try:
+            r.authenticate({"authorization": "Bearer tok-b"})
+            break
+        except Unauthenticated:
+            time.sleep(0.02)
+    stop.set()
+    assert not failures
+    assert r.authenticate({"authorization": "Bearer tok-b"}).name == "b"
+    with pytest.raises(Unauthenticated):
+        r.authenticate({"authorization": "Bearer tok-a"})
