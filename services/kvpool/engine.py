@@ -1246,6 +1246,8 @@ class Engine:
             if isinstance(result, Finished):  # completed: not cancelled, timed out or refused
                 if seq.req.prefill_only:
                     self.prefills_total += 1
+                    if self.metrics:
+                        self.metrics.prefills.inc()
                     self._count_prefilled(result.computed_tokens)
                 else:
                     self.requests_total += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import threading
 from dataclasses import dataclass, field
 
@@ -16,7 +17,7 @@ from services.orchestrator.prefix_backend import PrefixBackend
 from services.orchestrator.render import PromptRenderer
 from services.orchestrator.routing import make_routing_policy
 from services.orchestrator.server import Warmer
-from services.orchestrator.tenants import TenantRegistry, watch_tokens_file
+from services.orchestrator.tenants import TenantRegistry, file_version, watch_tokens_file
 
 log = logging.getLogger("services.orchestrator")
 
@@ -89,10 +90,13 @@ def build(cfg: OrchestratorConfig) -> App:
             max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens_limit,
             max_concurrent=tenant_concurrency(cfg))
 
+    # The version read, taken before the read: a change in between is read again, not missed.
+    version = file_version(os.path.expanduser(cfg.tokens_file)) if cfg.tokens_file else None
     tenants = read_tokens()
     stop = threading.Event()
     if cfg.tokens_file and cfg.tokens_reload_s > 0:
-        watch_tokens_file(tenants, read_tokens, cfg.tokens_file, cfg.tokens_reload_s, stop)
+        watch_tokens_file(tenants, read_tokens, cfg.tokens_file, cfg.tokens_reload_s, stop,
+                          seen=version)
     warmer = Warmer(orch, cfg)
     warmer.start()
     return App(orch, tenants, warmer, stop)

@@ -539,13 +539,14 @@ class Warmer:
     def warm(self, tenant, request, time_remaining: float | None = None,
              charge: Callable[[int], None] | None = None,
              gone: threading.Event | None = None,
-             afford: Callable[[int], None] | None = None) -> orchestrator_pb2.WarmResponse:
+             afford: Callable[[int], int] | None = None) -> orchestrator_pb2.WarmResponse:
         """Prefill and pin the request's prompts (and/or the tenant's top_k hot prefixes) on
-        their target replicas. `afford(n)` is asked first whether the tenant's rate limit
-        allows the n prefills beyond the first (it raises if not), and `charge(n)` told
-        afterwards how many of them computed something (the call itself paid for one): the
-        tenant's rate limit counts each. Once `gone` is set (the caller cancelled), no further
-        prefill is sent."""
+        their target replicas. `afford(n)` reserves the n prefills beyond the first from the
+        tenant's rate limit first (raising if it cannot) and returns what it took, and
+        `charge(k)` settles afterwards: k is the prefills beyond the first that computed
+        something, less what was reserved (negative: given back). The call itself paid for
+        one; the tenant's rate limit counts each prefill that computed something. Once `gone`
+        is set (the caller cancelled), no further prefill is sent."""
         if not request.prompts and not request.top_k:
             raise errors.InvalidArgument("prompts", "give prompts or top_k")
         if len(request.prompts) > MAX_WARM_PROMPTS:
@@ -633,8 +634,7 @@ class Warmer:
                 f"per call: warm fewer prompts, or target the owners")
         if not self.orch.replicas.healthy():  # after the checks of the request itself
             raise errors.Unavailable("no healthy replica to warm")
-        if afford is not None and jobs:
-            afford(len(jobs) - 1)
+        reserved = afford(len(jobs) - 1) if afford is not None and jobs else 0
         # The pool's threads do not inherit the call's request id: bound there for the logs,
         # and handed to each Prefill.
         rid = request_id_var.get()
@@ -650,12 +650,16 @@ class Warmer:
                 return self._prefill(*job, timeout=deadline - time.monotonic(), request_id=rid,
                                      gone=gone)
 
-        results = self._run_windowed(prefill, jobs, deadline, gone)
-        if charge is not None:
-            # A prefill whose pin was refused computed its prompt too.
-            worked = sum(1 for r in results if r.computed_tokens > 0)
-            if worked > 1:
-                charge(worked - 1)
+        results: list = []
+        try:
+            results = self._run_windowed(prefill, jobs, deadline, gone)
+        finally:
+            if charge is not None:
+                # A prefill whose pin was refused computed its prompt too. What `afford`
+                # reserved and no prefill used (refreshes that computed nothing, failures, a
+                # call that raised) is given back.
+                worked = sum(1 for r in results if r.computed_tokens > 0)
+                charge(max(0, worked - 1) - reserved)
         return orchestrator_pb2.WarmResponse(results=results)
 
     def _run_windowed(self, fn, jobs: list, deadline: float,

@@ -16,6 +16,7 @@ import hmac
 import json
 import logging
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -212,7 +213,7 @@ class TenantRegistry:
         specs: dict[str, dict] = {}  # tenant -> its limits (one spec per tenant)
         names: dict[str, str] = {}  # token -> tenant
         if tokens_file:
-            with open(tokens_file, encoding="utf-8") as f:
+            with open(os.path.expanduser(tokens_file), encoding="utf-8") as f:
                 try:
                     data = json.load(f, object_pairs_hook=_unique_keys)
                 except json.JSONDecodeError as exc:
@@ -358,25 +359,33 @@ class TenantRegistry:
         call that does the work of many requests (Warm: a prefill per prompt and replica)
         pays for them. The bucket may go below zero, down to -burst: the tenant's next calls
         then wait until it has refilled (at most (burst + 1) / rate_per_s seconds; a debt
-        without a floor locked a tenant out of every RPC for minutes after one large Warm)."""
-        if tenant.rate_per_s <= 0 or requests <= 0:
+        without a floor locked a tenant out of every RPC for minutes after one large Warm).
+        Negative `requests` give back what `afford` reserved and the call did not use."""
+        if tenant.rate_per_s <= 0 or requests == 0:
             return
         with self._lock:
             b = self._refilled(tenant)
-            b.tokens = max(-float(tenant.burst), b.tokens - requests)
+            if requests < 0:
+                b.tokens = min(float(tenant.burst), b.tokens - requests)
+            else:
+                b.tokens = max(-float(tenant.burst), b.tokens - requests)
 
-    def afford(self, tenant: Tenant, requests: int) -> None:
-        """Refuse up front a call that would take `requests` more than the one `check_rate`
-        took and put the bucket below -burst (`charge`'s floor): with only the floor, one Warm
-        of 32 prefills cost a tenant limited to 1 request/s a ~4 s wait, ~8 prefills a second.
-        Refused, the call's own request is given back (it did no work). RESOURCE_EXHAUSTED:
-        retry later when the bucket will refill enough, else never (more than 2 x burst)."""
+    def afford(self, tenant: Tenant, requests: int) -> int:
+        """Reserve `requests` more than the one `check_rate` took, for a call that may do that
+        many requests' work (a Warm's prefills), down to -burst (`charge`'s floor); returns
+        what it took, for `charge(-unused)` to give back once the call knows what it used.
+        Taken up front, so calls admitted together cannot each pass on the same tokens. With
+        only the floor, after the fact, one Warm of 32 prefills cost a tenant limited to 1
+        request/s a ~4 s wait: ~8 prefills a second. Refused, the call's own request is given
+        back (it did no work). RESOURCE_EXHAUSTED: retry later when the bucket will refill
+        enough, else never (more than 2 x burst: raise the tenant's burst, or target owners)."""
         if tenant.rate_per_s <= 0 or requests <= 0:
-            return
+            return 0
         with self._lock:
             b = self._refilled(tenant)
             if b.tokens - requests >= -float(tenant.burst):
-                return
+                b.tokens -= requests
+                return requests
             b.tokens = min(float(tenant.burst), b.tokens + 1.0)
             need = requests + 1.0  # this call's prefills, its own request included
             now = max(0, math.floor(b.tokens + tenant.burst))
@@ -385,7 +394,8 @@ class TenantRegistry:
                      f"limit of {tenant.rate_per_s:g} requests/s (burst {tenant.burst})")
             if need > 2 * tenant.burst:
                 raise ResourceExhausted(f"{limit}: at most {2 * tenant.burst} per call; warm "
-                                        "fewer prompts or target the owners")
+                                        "fewer prompts, target the owners, or raise the "
+                                        "tenant's burst")
             wait = (need - tenant.burst - b.tokens) / tenant.rate_per_s
             raise Overloaded(f"{limit}: {now} now; retry in {wait:.2f}s")
 
@@ -425,7 +435,7 @@ class TenantRegistry:
         return entry_id
 
 
-def _file_version(path: str) -> bytes | None:
+def file_version(path: str) -> bytes | None:
     """The file's content digest (None: unreadable). The content, not its mtime: a rewrite
     within one timestamp tick, of the same size, went unseen."""
     try:
@@ -436,15 +446,20 @@ def _file_version(path: str) -> bytes | None:
 
 
 def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegistry],
-                      path: str, every: float, stop: threading.Event) -> threading.Thread:
+                      path: str, every: float, stop: threading.Event,
+                      seen: bytes | None = None) -> threading.Thread:
     """Read the tokens file again whenever it changes (checked every `every` seconds), and
-    have `registry` adopt it. A file that cannot be read or is malformed is said once per
-    version and the tokens in force stay (never none: an emptied file is refused as at
-    start)."""
+    have `registry` adopt it. `seen`: the version `registry` was built from (`file_version`
+    taken before that build; None: read now), so a change in between is not missed. A
+    malformed file is said once per version, an unreadable one retried, and the tokens in
+    force stay (never none: an emptied file is refused as at start)."""
+    path = os.path.expanduser(path)
+    first = file_version(path) if seen is None else seen
+
     def loop() -> None:
-        seen = _file_version(path)
+        seen = first
         while not stop.wait(every):
-            now = _file_version(path)
+            now = file_version(path)
             if now == seen:
                 continue
             before, seen = seen, now
@@ -454,7 +469,7 @@ def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegist
             try:
                 fresh = build()
                 registry.adopt(fresh)
-            except (OSError, ValueError) as exc:
+            except Exception as exc:  # noqa: BLE001 - a dead watcher kept revoked tokens
                 if isinstance(exc, OSError):
                     # Tried again at the next check (too many open files, an I/O error): a
                     # version marked seen after a passing failure was never taken, a removed

@@ -106,9 +106,10 @@ _UNIT_FORMS.pop("in")  # "inch" and "inches" only: "in" is the preposition
 # Units a number is often written without, meaning the same ("at the age of 3" / "at the age of
 # 3 years", "takes 30" / "takes 30 minutes"): a bare number agrees with the number in them.
 _IMPLIED_UNITS = frozenset({"ms", "min", "h", "sec", "day", "week", "month", "year",
-                            "decade", "deg"})
-# Degrees agree with the same number in a named scale ("400 degrees" / "400°F"), but the
-# scales differ from each other ("20°C" / "20°F").
+                            "decade"})
+# The temperature scales, written after "degrees" ("400 degrees F" is "400°F"). Degrees without
+# one agree with neither ("Is 40 degrees cold outside?" / "Is 40°C ...": a review's strict
+# hits), nor with a bare number.
 _DEGREE_SCALES = ("c", "f")
 # Scale letters after a currency amount ("$5m", "$2bn"): the scale words.
 _MONEY_SCALES = {"m": "million", "mn": "million", "bn": "billion", "b": "billion"}
@@ -320,10 +321,6 @@ def numbers_agree(q: TextFacts, c: TextFacts) -> bool:
                 k = min(x[key], y[num])
                 x[key] -= k
                 y[num] -= k
-            for scale in _DEGREE_SCALES if unit == "deg" else ():
-                k = min(x[key], y[f"{num} {scale}"])  # "400 degrees" / "400 f"
-                x[key] -= k
-                y[f"{num} {scale}"] -= k
     return not +a and not +b
 
 

@@ -412,6 +412,16 @@ def test_metrics_follow_the_engine(make_engine) -> None:
     assert REGISTRY.get_sample_value("tiercache_kvpool_blocks", {"state": "total"}) is None
     assert sum(value("tiercache_kvpool_blocks", state=s)
                for s in ("free", "cached", "pinned", "in_use")) == 64
+    # Prefills counted (a refactor dropped the counter while Stats kept counting them).
+    from services.kvpool.engine import EngineRequest
+    from services.kvpool.sampling import SamplingSpec
+
+    before = (value("tiercache_kvpool_prefills_total"),
+              value("tiercache_kvpool_prefill_computed_tokens_total"))
+    collect(eng.submit(EngineRequest("w", prompt(16, 81), SamplingSpec(max_tokens=0),
+                                     prefill_only=True))[1])
+    assert value("tiercache_kvpool_prefills_total") == before[0] + 1
+    assert value("tiercache_kvpool_prefill_computed_tokens_total") == before[1] + 16
 
 
 def test_stopping_the_engine_answers_every_request(make_engine) -> None:

@@ -315,3 +315,49 @@ def test_a_passing_read_error_is_retried_not_taken_as_the_version_seen(tmp_path)
     assert r.authenticate({"authorization": "Bearer tok-b"}).name == "b"
     with pytest.raises(Unauthenticated):
         r.authenticate({"authorization": "Bearer tok-a"})
+
+
+def test_the_watcher_survives_any_bad_version_and_misses_no_change_after_its_read(tmp_path):
+    """A diff review: a file of 200,000 "[" raised RecursionError, which killed the watcher
+    (a token removed later kept working); and a change between the start's read and the
+    watcher's first look was never read."""
+    import threading
+    import time
+
+    from services.orchestrator.tenants import file_version, watch_tokens_file
+
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"tok-a": {"tenant": "a"}}))
+    version = file_version(str(f))  # taken before the start's read, as the app does
+    r = reg(tokens_file=str(f))
+    f.write_text(json.dumps({"tok-b": {"tenant": "b"}}))  # changed before the watcher starts
+    stop = threading.Event()
+    t = watch_tokens_file(r, lambda: reg(tokens_file=str(f)), str(f), 0.02, stop, seen=version)
+
+    def until(token):
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            try:
+                return r.authenticate({"authorization": f"Bearer {token}"}).name
+            except Unauthenticated:
+                time.sleep(0.02)
+        return None
+
+    assert until("tok-b") == "b"
+    f.write_text("[" * 200_000)
+    time.sleep(0.2)
+    assert t.is_alive()
+    f.write_text(json.dumps({"tok-c": {"tenant": "c"}}))
+    assert until("tok-c") == "c"
+    with pytest.raises(Unauthenticated):
+        r.authenticate({"authorization": "Bearer tok-b"})
+    stop.set()
+
+
+def test_a_tokens_file_under_the_home_folder_is_read_as_checked(tmp_path, monkeypatch):
+    """The start's check expanded "~", the read did not: the start failed with a bare
+    OSError naming "~/t.json"."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "t.json").write_text(json.dumps({"tok-a": {"tenant": "a"}}))
+    assert reg(tokens_file="~/t.json").authenticate(
+        {"authorization": "Bearer tok-a"}).name == "a"

@@ -280,3 +280,79 @@ def test_what_the_loop_did_is_counted_and_logged(caplog):
     w3, reps3 = make([0, 1], [hp([1] * 32, ["r0"])])
     assert w3.cycle() == 0 and reps3[1].stub.calls == []
     assert value(cycles, outcome="replicas_busy") == busy + 1
+
+
+def test_a_warm_reserves_its_prefills_from_the_rate_limit_and_gives_back_unused_ones():
+    """A diff review: the check before a Warm reserved nothing (Warms admitted together each
+    passed on the same tokens: 26 prefills where 8 could run), counted refreshes that compute
+    nothing, and its wiring was tested with fakes only. A real registry, the real Warmer."""
+    import dataclasses
+    from concurrent.futures import Future
+
+    import pytest
+    from tiercache.v1 import orchestrator_pb2
+
+    from services.common.errors import Overloaded
+    from services.orchestrator.tenants import TenantRegistry
+    from tests.clock import Clock
+
+    class PinStub:
+        """A replica's Prefill, called as the Warm calls it (a future it can cancel)."""
+
+        def __init__(self, computed):
+            self.computed, self.calls = computed, 0
+            self.Prefill = SimpleNamespace(future=self._future)
+
+        def _future(self, req, timeout=None, metadata=None):
+            self.calls += 1
+            f = Future()
+            f.set_result(kvpool_pb2.PrefillResponse(prompt_tokens=len(req.token_ids),
+                                                    computed_tokens=self.computed,
+                                                    replica_id="r"))
+            return f
+
+    reg = TenantRegistry.build(tokens_file="", tokens="tok-aaaaaaaaaaaaaaaa=a", key=b"k" * 32,
+                               max_prompt_tokens=4096, max_tokens=64, max_concurrent=4)
+    tenant = dataclasses.replace(next(iter(reg.by_token.values())), rate_per_s=1.0, burst=3)
+    reg.clock = clock = Clock(100.0)
+    # Replica r0 already holds the prefixes (a refresh computes nothing), r1 computes them.
+    reps = [SimpleNamespace(replica_id=f"r{i}", public_id=f"r{i}", load=0, stats=None,
+                            stub=PinStub(0 if i == 0 else 32)) for i in range(2)]
+    hot = [prefix_pb2.HotPrefix(token_ids=[7 + j] * 32, holders=["r0"], hits=5,
+                                cache_salt=tenant.cache_salt) for j in range(2)]
+    orch = SimpleNamespace(
+        replicas=SimpleNamespace(healthy=lambda: reps), model_id="m", internal_token="",
+        prefix=SimpleNamespace(top_prefixes=lambda k, model_id, cache_salt=None: hot[:k]))
+    w = Warmer(orch, OrchestratorConfig(warm_interval_s=0))
+
+    def warm(top_k):
+        reg.check_rate(tenant)
+        return w.warm(tenant, orchestrator_pb2.WarmRequest(top_k=top_k), 30.0,
+                      charge=lambda n: reg.charge(tenant, n),
+                      afford=lambda n: reg.afford(tenant, n))
+
+    def tokens():
+        with reg._lock:
+            return reg._refilled(tenant).tokens
+
+    # 4 prefills: the call pays 1 and reserves 3; 2 computed, so 2 reserved are given back.
+    res = warm(2)
+    assert sorted(r.computed_tokens for r in res.results) == [0, 0, 32, 32]
+    assert tokens() == pytest.approx(3 - 2)
+    # While one Warm holds its reservation, another finds the bucket taken: it cannot run on
+    # the same tokens (checked the old way, both ran their prefills).
+    reg.check_rate(tenant)
+    assert reg.afford(tenant, 3) == 3 and tokens() == pytest.approx(-3)
+    with pytest.raises(Overloaded, match="rate limit"):
+        warm(2)
+    reg.charge(tenant, -3)  # the first gives its reservation back (computed nothing)
+    clock.t += 2.0
+    assert tokens() == pytest.approx(2)
+    # Past 2 x burst it can never run: refused, its own request given back, nothing sent.
+    calls = sum(r.stub.calls for r in reps)
+    hot.extend(prefix_pb2.HotPrefix(token_ids=[20 + j] * 32, holders=[], hits=5,
+                                    cache_salt=tenant.cache_salt) for j in range(2))
+    with pytest.raises(Exception, match="at most 6 per call"):
+        warm(4)  # 8 prefills
+    assert sum(r.stub.calls for r in reps) == calls and tokens() == pytest.approx(2)
+    w.stop()

@@ -141,6 +141,10 @@ TRAPS = [
     ("Is the UK richer than the US?", "Is the United States richer than the United Kingdom?",
      "order"),
     ("Is Python slower than JS?", "Is JavaScript slower than Python?", "order"),
+    # Degrees without a scale are neither (a diff review's strict hits, cosine 0.97-0.98).
+    ("Is 40 degrees cold outside?", "Is 40\u00b0C cold outside?", "numbers"),
+    ("Is 25 degrees a good temperature for a room?",
+     "Is 25\u00b0F a good temperature for a room?", "numbers"),
 ]
 
 PARAPHRASES = [
@@ -227,7 +231,7 @@ PARAPHRASES = [
     # Stop 56: degrees in any spelling ("°" alone: either scale), and an acronym written
     # with the capitals of one word.
     ("Should I roast potatoes at 200\u00b0C?", "Should I roast potatoes at 200 degrees Celsius?"),
-    ("Can I bake bread at 450 degrees?", "Can I bake bread at 450\u00b0F?"),
+    ("Can I bake bread at 450 degrees F?", "Can I bake bread at 450\u00b0F?"),
     ("What is the freezing point of salt water in \u00b0F?",
      "What is the freezing point of salt water in Fahrenheit?"),
     ("How do I debug JS in Chrome?", "How do I debug JavaScript in Chrome?"),
