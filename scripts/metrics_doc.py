@@ -11,12 +11,14 @@ imports every module that defines some, builds the ones made per instance (kvpoo
 
 from __future__ import annotations
 
-import argparse
 import importlib
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import docgen  # noqa: E402 - beside this script
+
 OUT = ROOT / "docs" / "metrics.md"
 MODULES = ("services.common.bootstrap", "services.kvpool.engine", "services.kvpool.server",
            "services.prefix.server", "services.prefix.shard_list", "services.semantic.cache",
@@ -87,18 +89,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
-    a = ap.parse_args(argv)
-    text = render()
-    if a.check:
-        if OUT.read_text(encoding="utf-8") != text:
-            print(f"{OUT} is out of date: run python scripts/metrics_doc.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text, encoding="utf-8")
-    print(f"wrote {OUT} ({text.count(chr(10) + '| `')} metrics)")
-    return 0
+    return docgen.main(argv, OUT, render, "metrics", __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

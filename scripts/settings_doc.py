@@ -11,7 +11,6 @@ or the comment after it). `tests/test_settings_doc.py` keeps the file current.
 
 from __future__ import annotations
 
-import argparse
 import ast
 import dataclasses
 import importlib
@@ -19,7 +18,12 @@ import inspect
 import sys
 from pathlib import Path
 
+from services.common.config import _shown_default
+
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import docgen  # noqa: E402 - beside this script
+
 OUT = ROOT / "docs" / "settings.md"
 CLASSES = (("orchestrator", "services.orchestrator.config", "OrchestratorConfig"),
            ("semantic", "services.semantic.config", "SemanticConfig"),
@@ -67,19 +71,8 @@ def _comments(cls: type) -> dict[str, str]:
 
 
 def _default(f: dataclasses.Field) -> str:
-    if f.default is not dataclasses.MISSING:
-        d = f.default
-    elif f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        d = f.default_factory()  # type: ignore[misc]
-    else:
-        return "(required)"
-    if d == "" or d == ():
-        return '""'
-    if isinstance(d, bool):
-        return "true" if d else "false"
-    if isinstance(d, tuple):
-        return ",".join(map(str, d))
-    return str(d)
+    shown = _shown_default(f)  # as --help shows it, but an empty string as ""
+    return '""' if shown == "none" else shown
 
 
 def _cell(text: str) -> str:
@@ -99,18 +92,7 @@ def render() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
-    a = ap.parse_args(argv)
-    text = render()
-    if a.check:
-        if OUT.read_text(encoding="utf-8") != text:
-            print(f"{OUT} is out of date: run python scripts/settings_doc.py", file=sys.stderr)
-            return 1
-        return 0
-    OUT.write_text(text, encoding="utf-8")
-    print(f"wrote {OUT} ({text.count(chr(10) + '| `TIERCACHE_')} settings)")
-    return 0
+    return docgen.main(argv, OUT, render, "settings", __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -1,17 +1,15 @@
 """docs/metrics.md lists every metric the services define (a metrics review: most were
 documented nowhere), and is regenerated when one is added or changed."""
 
-import importlib.util
 from pathlib import Path
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("metrics_doc", ROOT / "scripts/metrics_doc.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("metrics_doc")
 
 
 def test_docs_metrics_md_is_current():

@@ -4,17 +4,15 @@ regenerated when one is added or changed."""
 
 import dataclasses
 import importlib
-import importlib.util
 from pathlib import Path
+
+from tests.scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("settings_doc", ROOT / "scripts/settings_doc.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("settings_doc")
 
 
 def test_docs_settings_md_is_current():

@@ -1,0 +1,26 @@
+"""What the generated docs share: write a file, or check that it is current."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+
+def main(argv: list[str] | None, out: Path, render: Callable[[], str], what: str,
+         description: str) -> int:
+    """`--check`: exit 1 if `out` differs from `render()`; else write it."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
+    a = ap.parse_args(argv)
+    text = render()
+    script = f"scripts/{Path(sys.argv[0]).name}" if sys.argv and sys.argv[0] else "the script"
+    if a.check:
+        if not out.exists() or out.read_text(encoding="utf-8") != text:
+            print(f"{out} is out of date: run python {script}", file=sys.stderr)
+            return 1
+        return 0
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {out} ({text.count(chr(10) + '| `')} {what})")
+    return 0
