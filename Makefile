@@ -47,7 +47,7 @@ test-fast: setup
 	$(VPY) -m pytest -q -ra -m "not e2e and not model"
 
 lint: setup
-	$(VENV)/bin/ruff check services clients tests benchmarks
+	$(VENV)/bin/ruff check services clients tests benchmarks scripts
 
 # Every benchmark in benchmarks/, then benchmarks/results/REPORT.md with plots (hours: the
 # simulation alone runs 100k sessions per cluster size).
