@@ -73,13 +73,14 @@ class Thinned:
         for t in list(cls._all):
             t.flush()
 
-    def sweep(self) -> None:
-        """Say (and forget) what keys whose window is over left out."""
+    def sweep(self, every: bool = False) -> None:
+        """Say (and forget) what keys whose window is over left out; `every`: every key's,
+        over or not (the server is stopping)."""
         now = time.monotonic()
         with self._lock:
             self._swept = now
             for k, v in list(self._seen.items()):
-                if now - v[0] >= self.window_s:
+                if every or now - v[0] >= self.window_s:
                     self._say(k, v)
                     del self._seen[k]
 
@@ -117,10 +118,7 @@ class Thinned:
 
     def flush(self) -> None:
         """Say what every key left out so far (the server is stopping)."""
-        with self._lock:
-            for k, v in self._seen.items():
-                self._say(k, v)
-            self._seen.clear()
+        self.sweep(every=True)
 
 
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
