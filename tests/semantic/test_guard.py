@@ -145,6 +145,12 @@ TRAPS = [
     ("Is 40 degrees cold outside?", "Is 40\u00b0C cold outside?", "numbers"),
     ("Is 25 degrees a good temperature for a room?",
      "Is 25\u00b0F a good temperature for a room?", "numbers"),
+    # A comparative against "less" + its adjective (an independent tester's standard-tier
+    # hit, in other words), and "newer" / "older".
+    ("Is walking healthier than running?", "Is walking less healthy than running?",
+     "contrast"),
+    ("Is the Colosseum newer than the Parthenon?", "Is the Colosseum older than the Parthenon?",
+     "contrast"),
 ]
 
 PARAPHRASES = [
@@ -235,6 +241,12 @@ PARAPHRASES = [
     ("What is the freezing point of salt water in \u00b0F?",
      "What is the freezing point of salt water in Fahrenheit?"),
     ("How do I debug JS in Chrome?", "How do I debug JavaScript in Chrome?"),
+    # The same tester's refused paraphrases, in other words: "p.m.", feet and inches, "OK"
+    # read as a name, "US dollars".
+    ("Should I leave at 6 p.m.?", "Should I leave at 6 pm?"),
+    ("Is a man of 6 ft 2 in tall?", "Is a man of 6 feet 2 inches tall?"),
+    ("Is it OK to drink coffee at night?", "Is it fine to drink coffee at night?"),
+    ("Can I send 50 US dollars abroad?", "Can I send 50 dollars abroad?"),
 ]
 
 
