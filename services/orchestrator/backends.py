@@ -592,6 +592,14 @@ class SemanticBackend:
         # address -> the shard's own word on the shard lists it sees differ (its last Stats;
         # "" = none).
         self.shard_list_notes: dict[str, str] = {}
+        # address -> the shard's threshold_floor (its Stats; 0 = not said yet, or an older
+        # shard): requests' explicit thresholds are checked against the highest even while the
+        # tier is skipped, so such a request is refused alike whether the tier is up or not.
+        self.floors: dict[str, float] = {}
+
+    def threshold_floor(self) -> float:
+        """The highest threshold_floor the shards have said (0.0 before any has)."""
+        return max(self.floors.values(), default=0.0)
 
     # How often an idle shard is asked for its Stats (`start`): its health gauge, set only by
     # calls, stayed 0 for as long as no request came after a recovery (a "dependency down"
@@ -626,6 +634,7 @@ class SemanticBackend:
             except grpc.RpcError:
                 continue  # marked down by _call (a hung shard: skipped while it backs off)
             self.shard_list_notes[a] = reply.shard_list_mismatch
+            self.floors[a] = reply.threshold_floor
 
     def _poll_loop(self, every: float, stop: threading.Event) -> None:
         while True:
@@ -763,6 +772,7 @@ class SemanticBackend:
         got, _ = self._each("Stats", semantic_pb2.SemanticStatsRequest(), deadline)
         said = {a: r.shard_list_mismatch for a, r in got.items()}
         self.shard_list_notes.update(said)
+        self.floors.update({a: r.threshold_floor for a, r in got.items()})
         notes = merged_note(said, len(self.addresses) > 1)
         parts = list(got.values())
         if len(parts) == 1:
@@ -785,4 +795,5 @@ class SemanticBackend:
             # Percentiles do not add up; the slowest shard's is the honest cluster figure.
             out.lookup_p50_ms = max(out.lookup_p50_ms, p.lookup_p50_ms)
             out.lookup_p99_ms = max(out.lookup_p99_ms, p.lookup_p99_ms)
+            out.threshold_floor = max(out.threshold_floor, p.threshold_floor)
         return out

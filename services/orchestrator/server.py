@@ -151,6 +151,15 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         tenant = self._tenant(context)
         sampling = parse_sampling(request.sampling, self.cfg, len(self.orch.tok))
         policy = parse_policy(request.cache_policy)
+        floor = self.orch.semantic.threshold_floor() if self.orch.semantic.enabled else 0.0
+        if (policy.semantic_threshold and not policy.skip_semantic_lookup
+                and policy.semantic_threshold < floor - 1e-6):
+            # Checked here too, against the floor the tier said: only its Lookup refused it,
+            # so the same request was refused while the tier was up and served while it was
+            # skipped. The tier's own words (it checks again).
+            raise errors.InvalidArgument(
+                "cache_policy.semantic_threshold", f"must be 0 (tier default) or in "
+                f"[{floor}, 1], got {policy.semantic_threshold}")
         if not request.messages and not request.prompt:
             raise errors.InvalidArgument("messages", "must not be empty (or give prompt)")
         if request.messages and request.prompt:
@@ -659,7 +668,9 @@ class Warmer:
                 # reserved and no prefill used (refreshes that computed nothing, failures, a
                 # call that raised) is given back.
                 worked = sum(1 for r in results if r.computed_tokens > 0)
-                charge(max(0, worked - 1) - reserved)
+                owed = max(0, worked - 1) - reserved
+                if owed:
+                    charge(owed)
         return orchestrator_pb2.WarmResponse(results=results)
 
     def _run_windowed(self, fn, jobs: list, deadline: float,

@@ -121,7 +121,8 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
             expirations_total=s.expirations_total, lookup_p50_ms=s.lookup_p50_ms,
             lookup_p99_ms=s.lookup_p99_ms, embedding_model=s.embedding_model,
             shard_list_mismatches_total=self.shard_lists.mismatches_total,
-            shard_list_mismatch=self.shard_lists.note())
+            shard_list_mismatch=self.shard_lists.note(),
+            threshold_floor=self.cache.policy.floor)
 
 
 class Housekeeper:

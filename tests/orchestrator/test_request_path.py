@@ -543,6 +543,7 @@ class ContextOrchestrator:
             render_raw=lambda text, scope="": RenderedPrompt(list(range(1, 11)), text, ""))
         self.tok = range(1000)
         self.replicas = SimpleNamespace(max_context=lambda: max_context)
+        self.semantic = SimpleNamespace(enabled=True, threshold_floor=lambda: 0.85)
         self.calls: list[dict] = []
 
     def generate(self, **kw):
@@ -579,6 +580,39 @@ def test_a_request_over_the_replicas_context_never_reaches_the_pipeline():
     assert generate_call(64, 0).calls[0]["sampling"].max_tokens == 64 - n
     # No replica has reported a context yet: the replica checks it.
     assert generate_call(0, 900).calls[0]["sampling"].max_tokens == 900
+
+
+def test_a_threshold_under_the_tiers_floor_is_refused_even_while_the_tier_is_skipped():
+    """Only the tier's Lookup refused it: the same request was refused while the semantic
+    tier was up and served while it was down (skipped). The floor is the one the tier's
+    Stats said; before any has, the tier's own check is all there is."""
+    from tiercache.v1 import orchestrator_pb2
+
+    from services.orchestrator.config import OrchestratorConfig
+    from services.orchestrator.tenants import TenantRegistry
+
+    s = OrchestratorServicer(OrchestratorConfig(kvpool_addresses=("h:1",)))
+    orch = ContextOrchestrator(0)
+    s.attach(orch, TenantRegistry.build(tokens_file="", tokens="", key=b"k",
+                                        max_prompt_tokens=1000, max_tokens=1000,
+                                        max_concurrent=10))
+
+    def call(threshold, skip=False):
+        req = orchestrator_pb2.GenerateRequest(prompt="x" * 40)
+        req.cache_policy.semantic_threshold = threshold
+        req.cache_policy.skip_semantic_lookup = skip
+        list(s.Generate(req, Context()))
+
+    with pytest.raises(errors.InvalidArgument,
+                       match=r"^cache_policy\.semantic_threshold: must be 0 \(tier default\) "
+                             r"or in \[0\.85, 1\], got 0\.5"):
+        call(0.5)
+    assert orch.calls == []
+    call(0.85)  # the floor itself, and a request that skips the lookup, pass
+    call(0.5, skip=True)
+    orch.semantic.threshold_floor = lambda: 0.0  # no shard has said its floor yet
+    call(0.5)
+    assert len(orch.calls) == 3
 
 
 # ---- a hung semantic tier is skipped, not waited for on every request ---------------------

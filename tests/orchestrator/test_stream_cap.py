@@ -40,6 +40,7 @@ class SlowOrchestrator:
 
     tok = range(1000)  # only its length (the vocabulary size) is read
     replicas = SimpleNamespace(max_context=lambda: 0)  # no replica has reported its context
+    semantic = SimpleNamespace(enabled=False)
 
     def __init__(self) -> None:
         self.release = threading.Event()

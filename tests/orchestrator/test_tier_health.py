@@ -195,7 +195,8 @@ def test_an_idle_semantic_tier_is_polled_so_its_gauge_follows_it():
         def Stats(self, req, **kw):  # noqa: N802 - the gRPC method's name
             self.calls += 1
             if self.ok:
-                return semantic_pb2.SemanticStatsResponse(shard_list_mismatch="")
+                return semantic_pb2.SemanticStatsResponse(shard_list_mismatch="",
+                                                          threshold_floor=0.85)
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
     def value():
@@ -210,6 +211,7 @@ def test_an_idle_semantic_tier_is_polled_so_its_gauge_follows_it():
     stub.ok = True
     b.poll_once(every=60)  # back, with no request: 1
     assert value() == 1.0 and stub.calls == 2
+    assert b.threshold_floor() == 0.85  # said by its Stats: requests are checked against it
     b.poll_once(every=60)  # healthy and lately called: not asked again
     assert stub.calls == 2
     stop = b.start(every=0.05)  # the background loop does the same

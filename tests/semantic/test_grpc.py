@@ -56,6 +56,7 @@ def test_store_lookup_verify_invalidate_stats(stub):
     st = stub.Stats(pb.SemanticStatsRequest(), timeout=10)
     assert (st.entries, st.namespaces, st.lookups_total) == (1, 1, 3)
     assert st.hits_by_tier["strict"] == 1 and st.near_misses_total == 1
+    assert st.threshold_floor == pytest.approx(0.85)  # orchestrators check requests against it
     assert st.embedding_model == "all-MiniLM-L6-v2"
     assert stub.Invalidate(pb.InvalidateRequest(id=sid), timeout=10).removed == 1
     assert stub.Stats(pb.SemanticStatsRequest(), timeout=10).entries == 0
