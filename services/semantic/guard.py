@@ -112,6 +112,8 @@ _IMPLIED_UNITS = frozenset({"ms", "min", "h", "sec", "day", "week", "month", "ye
 # one agree with neither ("Is 40 degrees cold outside?" / "Is 40°C ...": a review's strict
 # hits), nor with a bare number.
 _DEGREE_SCALES = ("c", "f")
+# Words a version number follows ("version 1.10"), compared as written.
+_VERSION_WORDS = frozenset({"version", "v", "ver", "release", "build"})
 # Scale letters after a currency amount ("$5m", "$2bn"): the scale words.
 _MONEY_SCALES = {"m": "million", "mn": "million", "bn": "billion", "b": "billion"}
 # Currency signs written before the number: its unit, as if written after it.
@@ -234,6 +236,12 @@ def _numbers(words: list[str]) -> Counter:
             i += 1  # "no one", "which one": no number ("nobody" / "no one" were refused)
             continue
         digits = _number_value(w) if w[0].isdigit() or _signed(w) else None
+        if digits is not None and "." in w and i and (
+                low[i - 1] in _VERSION_WORDS
+                or (words[i - 1][:1].isupper() and low[i - 1] not in _STOP_CAPS)):
+            # A version after a name is no quantity: "Python 3.10" is not "Python 3.1" (equal
+            # as numbers; a review's standard-tier hit), though "2.50 mg" is "2.5 mg".
+            digits = None
         if digits is None and w not in _UNITS and w not in _TENS and w not in _SCALES:
             # Ordinals, multiples, "half" (in words or digits: "third", "3rd", "2x"), and
             # numbers too long for a float: alone, as written.
@@ -454,6 +462,9 @@ son:sons daughter:daughters
 father:dad mother:mom,mum
 brother:brothers sister:sisters
 on off
+keep:keeps,keeping stop:stops,stopping,stopped
+will should
+start:starts,starting,started stop:stops,stopping,stopped
 glass:glasses bottle:bottles pint:pints jar:jars
 cup:cups tablespoon:tablespoons,tbsp teaspoon:teaspoons,tsp
 must:required,mandatory,compulsory,obligatory may:optional,allowed,permitted,recommended,should

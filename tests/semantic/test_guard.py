@@ -151,6 +151,15 @@ TRAPS = [
      "contrast"),
     ("Is the Colosseum newer than the Parthenon?", "Is the Colosseum older than the Parthenon?",
      "contrast"),
+    # The first review's standard-tier hits still served: versions equal as numbers, and
+    # stop / keep (start / stop).
+    ("What changed in Node 18.10?", "What changed in Node 18.1?", "numbers"),
+    ("How do I stop procrastinating?", "How do I keep procrastinating?", "contrast"),
+    ("When should I start taking vitamin D?", "When should I stop taking vitamin D?",
+     "contrast"),
+    # What will happen against what should (the second tester's last standard-tier hit).
+    ("Will my landlord pay for the new boiler?", "Should my landlord pay for the new boiler?",
+     "contrast"),
 ]
 
 PARAPHRASES = [
