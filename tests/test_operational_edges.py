@@ -178,9 +178,9 @@ def test_a_bad_drain_delay_fails_the_start_not_the_shutdown(monkeypatch):
     ("kvpool", {"TIERCACHE_KVPOOL_MODEL": "/nonexistent/model-folder"},
      "/nonexistent/model-folder")])
 def test_a_missing_model_folder_or_tokens_file_is_a_config_error(service, env, words):
-    """These paths exist only where the service runs (the orchestrator's tokens file is now
-    checked with its config, a model folder only when loaded); the start ends with exit 2 and
-    one line naming the path, not a traceback."""
+    """These paths exist only where the service runs (the orchestrator's tokens file is
+    checked at start, before it binds; a model folder only when loaded); the start ends with
+    exit 2 and one line naming the path, not a traceback."""
     import os
     import subprocess
     import sys

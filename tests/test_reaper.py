@@ -88,6 +88,7 @@ def test_a_client_that_stops_reading_gives_back_its_slots_at_request_timeout():
     class Flood:
         tok = range(1000)
         replicas = type("R", (), {"max_context": staticmethod(lambda: 0)})()
+        semantic = type("S", (), {"enabled": False})()
 
         def __init__(self) -> None:
             self.renderer = Renderer()

@@ -621,13 +621,10 @@ class SemanticBackend:
             stop.set()
 
     def poll_once(self, every: float = POLL_S) -> None:
-        """Stats on each shard whose last success is older than `every` (a shard in use
-        answers calls often enough to say its health itself)."""
-        now = time.time()
+        """Stats on each shard: its health, and its threshold_floor (asked of busy shards
+        too: a shard restarted with another floor said it only to an idle poll, and requests
+        were checked against the old one)."""
         for a in self.addresses:
-            h = self.shard_health[a]
-            if h.healthy and now - h.last_ok < every:
-                continue
             try:
                 reply = self._call(a, "Stats", semantic_pb2.SemanticStatsRequest(),
                                    min(self.timeout_s, every))

@@ -111,7 +111,7 @@ _IMPLIED_UNITS = frozenset({"ms", "min", "h", "sec", "day", "week", "month", "ye
 # The temperature scales, written after "degrees" ("400 degrees F" is "400°F"). Degrees without
 # one agree with neither ("Is 40 degrees cold outside?" / "Is 40°C ...": a review's strict
 # hits), nor with a bare number.
-_DEGREE_SCALES = ("c", "f")
+_DEGREE_SCALES = ("c", "f", "kelvin")
 # Words a version number follows ("version 1.10"), compared as written.
 _VERSION_WORDS = frozenset({"version", "v", "ver", "release", "build"})
 # Scale letters after a currency amount ("$5m", "$2bn"): the scale words.
@@ -161,7 +161,7 @@ _TOKEN = re.compile(rf"n't|{_NUMBER}(?:st|nd|rd|th|x)\b|{_NUMBER}(?![0-9])"
 
 _DOTTED = re.compile(r"\b(?:[A-Z]\.){2,}")
 _DOTTED_TIME = re.compile(r"(?<=\d)\s*([AaPp])\.\s?([Mm])\.?")
-_US_DOLLARS = re.compile(r"\bUS (dollars?)\b")
+_US_DOLLARS = re.compile(r"\bU\.?S\.?\s+([Dd]ollars?)\b")
 _DEGREES = re.compile(r"\s*\u00b0\s*([CF](?![A-Za-z]))?|(?<![A-Za-z])degrees?\s+([CF])\b")
 _DEGREE_NAMES = {"C": " Celsius", "F": " Fahrenheit"}
 
@@ -174,9 +174,9 @@ def _tokens(text: str) -> list[str]:
     # "S" after a full stop read as a sentence start).
     # "8 p.m." is "8 pm" (its letters fell apart: "8" / "8 pm" read as other numbers).
     text = _DOTTED_TIME.sub(lambda m: f"{m.group(1)}{m.group(2)} ", text)
-    text = _DOTTED.sub(lambda m: m.group(0).replace(".", "") + " ", text)
     # "100 US dollars" is "100 dollars" ("US" read as an entity the other lacked).
     text = _US_DOLLARS.sub(r"\1", text)
+    text = _DOTTED.sub(lambda m: m.group(0).replace(".", "") + " ", text)
     # "400°F", "400 ° F" and "400 degrees F" are "400 degrees Fahrenheit" ("°C" and "C"
     # were an entity the other text lacked), a "°" alone is "degrees".
     text = _DEGREES.sub(
@@ -238,9 +238,12 @@ def _numbers(words: list[str]) -> Counter:
         digits = _number_value(w) if w[0].isdigit() or _signed(w) else None
         if digits is not None and "." in w and i and (
                 low[i - 1] in _VERSION_WORDS
-                or (words[i - 1][:1].isupper() and low[i - 1] not in _STOP_CAPS)):
+                or (words[i - 1][:1].isupper() and low[i - 1] not in _STOP_CAPS)) and not (
+                i + 1 < n and (low[i + 1] in _UNIT_FORMS or low[i + 1] in _SCALES
+                               or low[i + 1] == "per")):
             # A version after a name is no quantity: "Python 3.10" is not "Python 3.1" (equal
-            # as numbers; a review's standard-tier hit), though "2.50 mg" is "2.5 mg".
+            # as numbers; a review's standard-tier hit), though "2.50 mg" is "2.5 mg", and
+            # "Xanax 0.5 mg" a dose with its unit (a first version dropped the unit).
             digits = None
         if digits is None and w not in _UNITS and w not in _TENS and w not in _SCALES:
             # Ordinals, multiples, "half" (in words or digits: "third", "3rd", "2x"), and
@@ -289,8 +292,11 @@ def _numbers(words: list[str]) -> Counter:
             key = f"{key} {unit}"
             if unit == "ft":
                 feet_end = i
-        elif i < n and low[i] == "in" and start == feet_end:
-            key, i = f"{key} in", i + 1  # "5 ft 10 in": "in" is inches right after feet
+        elif start == feet_end:
+            # "5 ft 10 in", "5 ft 10", "5 foot 10": the number right after feet is inches.
+            key = f"{key} in"
+            if i < n and low[i] == "in":
+                i += 1
         elif i + 1 < n and low[i] == "per" and low[i + 1] == "cent":
             key, i = f"{key} percent", i + 2
         out[key] += 1
@@ -463,8 +469,8 @@ father:dad mother:mom,mum
 brother:brothers sister:sisters
 on off
 keep:keeps,keeping stop:stops,stopping,stopped
-will should
 start:starts,starting,started stop:stops,stopping,stopped
+good:ok,okay,fine,safe bad:harmful,dangerous,wrong,toxic
 glass:glasses bottle:bottles pint:pints jar:jars
 cup:cups tablespoon:tablespoons,tbsp teaspoon:teaspoons,tsp
 must:required,mandatory,compulsory,obligatory may:optional,allowed,permitted,recommended,should
@@ -490,11 +496,10 @@ def _contrast_words(lower: tuple[str, ...]) -> frozenset[tuple[str, int]]:
     out: Counter = Counter()
     prev = ""
     for k, w in enumerate(lower):
-        if (w not in _CONTRAST_CANON and len(w) > 4 and w.endswith("er")
-                and k + 1 < len(lower) and lower[k + 1] == "than"):
-            # "healthier than" is "more healthy than": against "less healthy than" the
-            # comparison is reversed (a tester's standard-tier hit, 0.964 cosine).
-            out["more"] += 1
+        if w == "keep" and "from" in lower[k + 1:k + 5]:
+            out["stop"] += 1  # "keep my dog from barking" is "stop my dog from barking"
+            prev = w
+            continue
         if prev in _VACUOUS_AFTER.get(w, ()):
             if w == "time":  # "all time": the "all" counted before was no quantifier
                 out["all"] -= 1
@@ -514,9 +519,46 @@ def _contrast_words(lower: tuple[str, ...]) -> frozenset[tuple[str, int]]:
     return frozenset((w, k) for w, k in out.items() if k > 0)
 
 
+def _comparatives(lower: tuple[str, ...]) -> frozenset[tuple[str, int]]:
+    """(adjective, +1 / -1) for each comparison before "than": "healthier than" and "more
+    healthy than" +1, "less healthy than" -1 (the adjective as written after "more" / "less",
+    or the "-er" / "-ier" word's stem)."""
+    out = set()
+    for k in range(1, len(lower)):
+        if lower[k] != "than":
+            continue
+        w, before = lower[k - 1], lower[k - 2] if k > 1 else ""
+        if before in ("less", "more"):
+            out.add((w, 1 if before == "more" else -1))
+        elif len(w) > 4 and w.endswith("ier"):
+            out.add((w[:-3] + "y", 1))
+        elif len(w) > 4 and w.endswith("er") and w not in _CONTRAST_CANON:
+            out.add((w[:-2], 1))
+    return frozenset(out)
+
+
+def _same_stem(a: str, b: str) -> bool:
+    return a.startswith(b) or b.startswith(a) or (len(a) >= 5 and a[:5] == b[:5])
+
+
+def _comparison_reversed(q: TextFacts, c: TextFacts) -> str:
+    """An adjective compared one way in one text and the other way in the other ("healthier
+    than" / "less healthy than": a tester's standard-tier hit, 0.964 cosine); "cheaper than" /
+    "less expensive than" say the same."""
+    for a, da in q.comparatives:
+        for b, db in c.comparatives:
+            if da != db and _same_stem(a, b):
+                return f"{a}/{b}"
+    return ""
+
+
 def contrast(q: TextFacts, c: TextFacts) -> str:
     """A word of one text and another of the same contrast group that the other text has
     instead, as "word/word"; "" when there is none."""
+    if q.comparatives != c.comparatives:
+        reversed_ = _comparison_reversed(q, c)
+        if reversed_:
+            return reversed_
     if q.contrasts == c.contrasts:
         return ""
     cq, cc = dict(q.contrasts), dict(c.contrasts)
@@ -830,6 +872,7 @@ class TextFacts(NamedTuple):
     vocab: frozenset[str]  # lower_set and the numbers its words write ("third": "3rd" too)
     contrasts: frozenset[tuple[str, int]] = frozenset()  # (contrast word, how often)
     order: tuple[str, ...] = ()  # the words as the order check compares them (_order_words)
+    comparatives: frozenset[tuple[str, int]] = frozenset()  # (adjective, +1 / -1) before "than"
 
 
 # A lookup checks one query against a few candidates, and a popular cached prompt is checked
@@ -851,7 +894,7 @@ def _facts(text: str) -> TextFacts:
     return TextFacts(tuple(tokens), tuple(words), lower, frozenset(lower),
                      frozenset(counted.items()), _negations(words), frozenset(entities),
                      tuple(spans), frozenset(lower) | numbers, _contrast_words(lower),
-                     _order_words(lower))
+                     _order_words(lower), _comparatives(lower))
 
 
 def cached_while_short(analyse: Callable[[str], T]) -> Callable[[str], T]:

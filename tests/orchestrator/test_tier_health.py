@@ -183,6 +183,7 @@ def test_an_idle_semantic_tier_is_polled_so_its_gauge_follows_it():
     import time
 
     import grpc
+    import pytest
     from prometheus_client import REGISTRY
     from tiercache.v1 import semantic_pb2
 
@@ -190,13 +191,13 @@ def test_an_idle_semantic_tier_is_polled_so_its_gauge_follows_it():
     from tests.orchestrator.test_semantic_errors import Refusal
 
     class Stub:
-        ok, calls = False, 0
+        ok, calls, floor = False, 0, 0.85
 
         def Stats(self, req, **kw):  # noqa: N802 - the gRPC method's name
             self.calls += 1
             if self.ok:
                 return semantic_pb2.SemanticStatsResponse(shard_list_mismatch="",
-                                                          threshold_floor=0.85)
+                                                          threshold_floor=self.floor)
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
     def value():
@@ -212,8 +213,9 @@ def test_an_idle_semantic_tier_is_polled_so_its_gauge_follows_it():
     b.poll_once(every=60)  # back, with no request: 1
     assert value() == 1.0 and stub.calls == 2
     assert b.threshold_floor() == 0.85  # said by its Stats: requests are checked against it
-    b.poll_once(every=60)  # healthy and lately called: not asked again
-    assert stub.calls == 2
+    stub.floor = 0.80  # restarted with another floor, busy: asked all the same
+    b.poll_once(every=60)
+    assert stub.calls == 3 and b.threshold_floor() == pytest.approx(0.80)
     stop = b.start(every=0.05)  # the background loop does the same
     stub.ok = False
     b.shard_health["127.0.0.9:5"].last_ok = 0.0

@@ -157,9 +157,13 @@ TRAPS = [
     ("How do I stop procrastinating?", "How do I keep procrastinating?", "contrast"),
     ("When should I start taking vitamin D?", "When should I stop taking vitamin D?",
      "contrast"),
-    # What will happen against what should (the second tester's last standard-tier hit).
-    ("Will my landlord pay for the new boiler?", "Should my landlord pay for the new boiler?",
+    # A second review of this stop's diff: a dose after a name kept its unit, "should" is
+    # obligation's weak side again, good / bad, a comparison one way against the other.
+    ("Is Valium 2.5 mg a lot?", "Is Valium 2.5 g a lot?", "numbers"),
+    ("Must I declare gifts to the tax office?", "Should I declare gifts to the tax office?",
      "contrast"),
+    ("Is it OK to feed a cat milk?", "Is it harmful to feed a cat milk?", "contrast"),
+    ("Is cycling safer than running?", "Is cycling less safe than running?", "contrast"),
 ]
 
 PARAPHRASES = [
@@ -256,6 +260,14 @@ PARAPHRASES = [
     ("Is a man of 6 ft 2 in tall?", "Is a man of 6 feet 2 inches tall?"),
     ("Is it OK to drink coffee at night?", "Is it fine to drink coffee at night?"),
     ("Can I send 50 US dollars abroad?", "Can I send 50 dollars abroad?"),
+    # ... and its paraphrases refused by the first versions of those rules.
+    ("How do I keep my cat from scratching the sofa?",
+     "How do I stop my cat from scratching the sofa?"),
+    ("Is taking the train cheaper than driving?",
+     "Is taking the train less expensive than driving?"),
+    ("Is Zyrtec 2.5 mg enough for a child?", "Is 2.5 mg of Zyrtec enough for a child?"),
+    ("Is 6 ft 1 tall for a woman?", "Is 6 feet 1 inch tall for a woman?"),
+    ("What should I expect at a job interview?", "What will happen at a job interview?"),
 ]
 
 
