@@ -868,3 +868,14 @@ def test_weak_tenant_tokens_are_told_by_tenant_never_by_token(caplog):
                              max_concurrent=1)
     assert "tenants alpha" in caplog.text and "beta" not in caplog.text
     assert "tok-a" not in caplog.text
+
+
+def test_a_path_checked_at_start_is_named_by_the_flag_that_set_it():
+    """A second diff review: check_paths named the variable even when a flag set it."""
+    from services.common.config import named_as_given
+
+    msg = "TIERCACHE_ORCHESTRATOR_TOKENS_FILE: '/x' is no readable file"
+    assert named_as_given(msg, "orchestrator", ["--tokens-file", "/x"]).startswith(
+        "--tokens-file (env TIERCACHE_ORCHESTRATOR_TOKENS_FILE): '/x'")
+    assert named_as_given(msg, "orchestrator", ["--tokens-file=/x"]).startswith("--tokens-file")
+    assert named_as_given(msg, "orchestrator", []) == msg

@@ -132,13 +132,26 @@ def load_config(
         try:
             validate()
         except ValueError as exc:
-            # Name what the user typed: a value given as a flag is refused under the flag.
-            msg = str(exc)
-            var = msg.split(":", 1)[0]
-            if var in flags:
-                msg = f"{flags[var]} (env {var}){msg[len(var):]}"
-            raise ConfigError(msg) from None
+            raise ConfigError(_as_given(str(exc), flags)) from None
     return cfg
+
+
+def _as_given(msg: str, flags: Mapping[str, str]) -> str:
+    """`msg` ("VAR: why") naming the flag that set VAR, if one did: name what the user typed."""
+    var = msg.split(":", 1)[0]
+    return f"{flags[var]} (env {var}){msg[len(var):]}" if var in flags else msg
+
+
+def named_as_given(msg: str, service: str, argv: Sequence[str]) -> str:
+    """`msg` of a check made after `load_config` (a path this host must have), naming the
+    flag in `argv` that set its variable, as `load_config`'s own refusals do."""
+    var = msg.split(":", 1)[0]
+    prefix = env_name(service, "")
+    if not var.startswith(prefix):
+        return msg
+    flag = "--" + var[len(prefix):].lower().replace("_", "-")
+    given = any(a == flag or a.startswith(flag + "=") for a in argv)
+    return _as_given(msg, {var: flag} if given else {})
 
 
 # Settings whose empty value would turn a security feature off (as if unset): refused. Empty,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 
 from tiercache.v1 import orchestrator_pb2_grpc
 
@@ -13,7 +14,7 @@ from services.common.bootstrap import (
     run_until_signal,
     service_main,
 )
-from services.common.config import ConfigError
+from services.common.config import ConfigError, named_as_given
 from services.common.hashing import DEFAULT_KEY, hash_key_from_env
 from services.common.model_store import ModelStoreError
 from services.orchestrator.app import build
@@ -34,7 +35,8 @@ def _main(argv: list[str] | None) -> int:
     try:
         cfg.check_paths()
     except ConfigError as exc:
-        log.error("bad configuration: %s", exc)
+        args = sys.argv[1:] if argv is None else argv
+        log.error("bad configuration: %s", named_as_given(str(exc), "orchestrator", args))
         return 2
     if (cfg.tokens or cfg.tokens_file) and hash_key_from_env() == DEFAULT_KEY:
         # The key signs the entry references tenants get and derives their cache salts: with
