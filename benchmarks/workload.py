@@ -176,6 +176,8 @@ def save_trace(w: Workload, path: str | Path) -> None:
             f.write(json.dumps(asdict(r), ensure_ascii=False) + "\n")
 
 
+# Latest arrival a trace may give a request (about 11.6 days from the replay's start).
+MAX_AT_S = 1e6
 _REQUEST_TYPES = {"at": (int, float), "tenant": str, "session_id": str, "system_index": int,
                   "turn": int, "question": str, "repeat_of": str, "kind": str}
 
@@ -220,6 +222,10 @@ def _request(fields: object, line: int) -> Request:
             if isinstance(v, bool) or not isinstance(v, want) or (
                     isinstance(v, float) and not math.isfinite(v)):
                 raise ValueError(f"line {line}: {name} has the wrong type or value: {v!r}")
+    at = fields.get("at", 0)
+    if isinstance(at, (int, float)) and not 0 <= at <= MAX_AT_S:
+        # 1e300 passed, and a timed replay's wait for it was an OverflowError in a worker.
+        raise ValueError(f"line {line}: at must be in [0, {MAX_AT_S:g}] seconds, got {at!r}")
     unknown = sorted(set(fields) - set(_REQUEST_TYPES))
     missing = sorted(f.name for f in dataclasses.fields(Request)
                      if f.name not in fields and f.default is dataclasses.MISSING

@@ -3,6 +3,7 @@ status, never a traceback (a fake client stands in for the server: pure client l
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -494,6 +495,9 @@ def test_warm_takes_one_message_or_one_conversation_as_one_prompt():
      "line 3: missing fields ['question']"),
     ('{"at": 1, "tenant": "t1", "session_id": "s", "system_index": 0, "turn": 0, '
      '"question": "q", "colour": "red"}', "line 3: unknown fields ['colour']"),
+    # A time a timed replay cannot wait for (an OverflowError in a worker, every outcome lost).
+    ('{"at": 1e300, "tenant": "t1", "session_id": "s", "system_index": 0, "turn": 0, '
+     '"question": "q"}', "line 3: at must be in [0, 1e+06] seconds"),
 ])
 def test_a_bad_trace_line_is_named_by_its_line(tmp_path, bad, said):
     from benchmarks.workload import WorkloadSpec, generate, load_trace, save_trace
@@ -523,3 +527,53 @@ def test_a_token_sent_in_plaintext_to_another_host_is_warned_of(fake, capsys, mo
     assert "tok-1" not in err
     assert cli.main(["--address", address, "chat", "-q", "hi"]) == 0  # no token: nothing said
     assert "plaintext" not in capsys.readouterr().err
+
+
+def test_an_answered_turn_is_saved_even_when_stderr_cannot_take_the_report(fake, monkeypatch):
+    """A client review: the report line was written before the history was saved, so with
+    stderr closed or full the answered turn was lost without a word."""
+    import io
+
+    class Full(io.StringIO):
+        def write(self, s):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(sys, "stderr", Full())
+    with pytest.raises(OSError):
+        cli.main(["chat", "--session", "full", "hi"])
+    saved = json.loads((fake / "home" / "sessions" / "full.json").read_text())
+    assert [m["role"] for m in saved] == ["user", "assistant"]
+
+
+def test_a_closed_stdout_is_one_line_before_anything_is_sent(fake, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdout", None)
+    assert cli.main(["chat", "hi"]) == 1
+    assert "stdout is closed" in capsys.readouterr().err
+
+
+def test_model_text_reaches_a_terminal_without_its_control_characters(monkeypatch):
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    monkeypatch.setattr(sys, "stdout", Tty())
+    assert cli.shown("a\x1b[2Jb\x07\nc\td") == "a\ufffd[2Jb\ufffd\nc\td"
+    monkeypatch.setattr(sys, "stdout", io.StringIO())  # a pipe or file: as the model wrote it
+    assert cli.shown("a\x1b[2J") == "a\x1b[2J"
+
+
+def test_a_session_too_deep_to_parse_is_one_line(fake, capsys):
+    path = fake / "home" / "sessions" / "deep.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("[" * 100_000)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["chat", "--session", "deep", "hi"])
+    assert "unreadable" in str(e.value) and "--new" in str(e.value)
+
+
+def test_the_note_says_how_many_tokens_fit_when_only_the_answer_overflows():
+    d = ("messages: prompt (8185 tokens) + sampling.max_tokens (16) exceed the model "
+         "context (8192)")
+    assert cli._room_left(d) == 7 and cli._room_left("messages: 9000 tokens exceed") == 0

@@ -97,6 +97,23 @@ def test_bad_tokens_request_ids_and_timeouts_are_named_before_any_call(address):
         assert c.generate({"role": "user", "content": "fine"}).text == "Partial "
 
 
+def test_an_address_gRPC_would_misread_and_a_closed_client_are_named(address):
+    """A client review: "localhost:99999" was dialed as port 34463 and "localhost" as 443,
+    each UNAVAILABLE, which retry_later calls worth retrying, for good; a call after close()
+    raised gRPC's "ValueError: Cannot invoke RPC: Channel closed!"."""
+    for bad in ("localhost:99999", "localhost", "http://h:1", ""):
+        with pytest.raises(ValueError, match="^address:"):
+            TierCacheClient(bad)
+    c = TierCacheClient(f" {address} ")
+    assert c.generate("fine").text == "Partial "
+    c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.generate("fine")
+    with pytest.raises(RuntimeError, match="closed"):
+        with c:
+            pass
+
+
 @pytest.mark.parametrize(("field", "value"), [
     ("temperature", float("nan")), ("temperature", 1e39), ("temperature", 1e-50),
     ("temperature", -0.5), ("top_p", 1e-50), ("top_p", float("nan")), ("top_p", -0.1),
@@ -167,3 +184,29 @@ def test_a_turn_that_raises_anything_is_recorded_not_the_end_of_the_replay():
     out = replay_mod.replay(Workload(WorkloadSpec(), {"t0": ["be brief"]}, reqs),
                             {"t0": Client()}, concurrency=1)
     assert sorted(o.error.split(":")[0] for o in out) == ["", "", "UnicodeEncodeError"]
+
+
+def test_a_replay_whose_progress_reader_is_gone_stops_sending():
+    """A client review: `replay ... | head -1`: the worker whose progress line met the broken
+    pipe died alone, and the others went on sending (12 requests after head had exited)."""
+    sent: list[str] = []
+
+    class Client:
+        def stream(self, messages, **kw):
+            sent.append(messages[-1]["content"])
+            time.sleep(0.02)
+            yield Chunk("ok", [], orchestrator_pb2.GenerateFinal())
+
+        def close(self):
+            pass
+
+    def progress(done, total):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    reqs = [Request(at=0.0, tenant="t0", session_id=f"s{i}", system_index=0, turn=0,
+                    question=f"q{i}?") for i in range(16)]
+    with pytest.raises(BrokenPipeError):
+        replay_mod.replay(Workload(WorkloadSpec(), {"t0": ["be brief"]}, reqs),
+                          {"t0": Client()}, concurrency=1, progress=progress)
+    time.sleep(0.3)
+    assert len(sent) <= 4, sent  # the workers in flight at most, not all 16

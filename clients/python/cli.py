@@ -16,6 +16,7 @@ import fcntl
 import ipaddress
 import json
 import os
+import re
 import sys
 import tempfile
 from collections.abc import Iterator
@@ -60,14 +61,26 @@ def _history_path(session: str) -> Path:
     return base / "sessions" / f"{session}.json"
 
 
+# Control characters a terminal acts on (ESC sequences clear the screen, set its title):
+# model text, and cached answers shared between requests, are shown with them replaced.
+_CONTROL = {c: "\ufffd" for c in range(32) if chr(c) not in "\n\t"} | {0x7F: "\ufffd"}
+
+
+def shown(text: str) -> str:
+    """`text` as the terminal gets it: control characters replaced when stdout is one."""
+    isatty = getattr(sys.stdout, "isatty", None)
+    return text.translate(_CONTROL) if isatty is not None and isatty() else text
+
+
 def _load_history(path: Path) -> list[dict[str, str]]:
     """A session's messages; SystemExit naming the file when it is not a list of messages."""
     try:
         if not path.exists():
             return []
         messages = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise SystemExit(f"error: session history {path} is unreadable: {e}") from None
+    except (OSError, ValueError, RecursionError) as e:  # nesting too deep: RecursionError
+        raise SystemExit(f"error: session history {path} is unreadable: {e} (--new starts "
+                         "the session over)") from None
     if not isinstance(messages, list) or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str) and _utf8(m["role"]) and _utf8(m["content"])
@@ -162,7 +175,7 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         for ch in c.stream(messages, max_tokens=a.max_tokens, temperature=a.temperature,
                            top_p=a.top_p, seed=a.seed, session_id=a.session or "",
                            cache_policy=_policy(a)):
-            sys.stdout.write(ch.text)
+            sys.stdout.write(shown(ch.text))
             sys.stdout.flush()
             out.append(ch.text)
             if ch.final is not None:
@@ -188,9 +201,12 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
                      or details.startswith("prompt (rendered messages):")
                      and "KV blocks" in details)):
             # The conversation outgrew the prompt limit or the model's context: every later
-            # turn would fail the same way.
-            sys.stderr.write(f"note: session {a.session!r} has grown too long for the model; "
-                             f"start a new one, or delete {hist}\n")
+            # turn would fail the same way, unless only the answer's room is short.
+            room = _room_left(details)
+            sys.stderr.write(
+                f"note: session {a.session!r} has grown too long for the model; "
+                + (f"--max-tokens {room} or less fits this turn; " if room else "")
+                + f"start a new one, or delete {hist}\n")
         raise
     sys.stdout.write("\n")
     if final is None:
@@ -200,17 +216,32 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
                          "incomplete)" + (f"; session {a.session!r} left unchanged" if hist
                                           else "") + "\n")
         return 1
+    answer = "".join(out).strip()
+    # Saved before the report line: with stderr closed or full, writing it failed and the
+    # answered turn was lost without a word.
+    if hist is not None and answer:
+        messages.append({"role": "assistant", "content": answer})
+        _save_history(hist, messages)
     if not a.quiet:
         sys.stderr.write(format_report(final.cache_report) + "\n")
-    answer = "".join(out).strip()
     if hist is not None and not answer:
         # An empty assistant turn is invalid input for every later request of the session:
         # keep the history as it was (the question can be asked again).
         sys.stderr.write(f"empty answer: session {a.session!r} left unchanged\n")
-    elif hist is not None:
-        messages.append({"role": "assistant", "content": answer})
-        _save_history(hist, messages)
     return 0
+
+
+_CONTEXT = re.compile(r"prompt \((\d+) tokens\) \+ sampling\.max_tokens \((\d+)\) exceed the "
+                      r"model context \((\d+)\)")
+
+
+def _room_left(details: str) -> int:
+    """The answer's room in the context when only max_tokens overflowed it (0: none)."""
+    m = _CONTEXT.search(details)
+    if not m:
+        return 0
+    prompt, _, context = map(int, m.groups())
+    return max(0, context - prompt)
 
 
 def _as_dict(message) -> dict:
@@ -590,6 +621,11 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{name.replace('_', '-')}: not valid UTF-8")
     cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats,
             "replay": cmd_replay}
+    if sys.stdout is None or sys.stderr is None:
+        # Closed (`>&-`): a traceback after the request had been sent and answered.
+        if sys.stderr is not None:
+            sys.stderr.write("tiercache: error: stdout is closed\n")
+        return 1
     a.credentials = credentials(a)  # files read once; replay's per-tenant clients share it
     if a.token and a.credentials is None and not _loopback(a.address):
         # Said, not refused (a trusted network, a sidecar proxy): the bearer token goes out in

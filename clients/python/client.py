@@ -22,6 +22,8 @@ from typing import Any
 import grpc
 from tiercache.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
+from services.common.config import is_host_port
+
 Messages = str | Sequence[dict[str, str]]
 
 # The trailer the server sets on a RESOURCE_EXHAUSTED that means "busy now, retry later"
@@ -142,7 +144,14 @@ class TierCacheClient:
     def __init__(self, address: str = "localhost:50051", token: str | None = None,
                  timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None
                  ) -> None:
+        if not isinstance(address, str) or not is_host_port(address.strip(), dialed=True):
+            # gRPC dialed "localhost:99999" as port 34463 and "localhost" as 443: UNAVAILABLE,
+            # which retry_later calls worth retrying, for good.
+            raise ValueError(f"address: {address!r} is not host:port (port 1..65535; an IPv6 "
+                             "address in brackets)")
+        address = address.strip()
         self.address = address
+        self._closed = False
         self.token = checked_token(token)
         self.timeout = _checked_timeout(timeout)
         opts = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
@@ -155,17 +164,25 @@ class TierCacheClient:
         return self.timeout if timeout is None else _checked_timeout(timeout)
 
     def __enter__(self) -> TierCacheClient:
+        self._check_open()
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
     def close(self) -> None:
+        self._closed = True
         self.channel.close()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            # gRPC's own "ValueError: Cannot invoke RPC: Channel closed!" read as a bad value.
+            raise RuntimeError("TierCacheClient is closed: make a new one")
 
     def _metadata(self, request_id: str = "") -> list[tuple[str, str]]:
         """Call metadata: the caller's request id (it names the call in every service's logs
         and comes back in GenerateFinal.request_id) or a new one; the bearer token."""
+        self._check_open()
         if request_id and not _REQUEST_ID.fullmatch(request_id):
             # gRPC's "Invalid metadata" (INTERNAL) named no field; the server would replace an
             # id outside this pattern with its own anyway.

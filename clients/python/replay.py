@@ -14,7 +14,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import grpc
@@ -147,7 +147,12 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
     pool = ThreadPoolExecutor(max_workers=workers)
     futures = [pool.submit(run_session, s) for s in ordered]
     try:
-        wait(futures)
+        # A session's own exception (its progress line's reader gone: a BrokenPipeError) ends
+        # the run as Ctrl-C does: the others went on sending after `| head -1` had exited.
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = next((f for f in done if f.exception() is not None), None)
+        if failed is not None:
+            raise failed.exception()
     except BaseException:  # Ctrl-C: nothing more is sent; the calls in flight are cancelled
         stopping.set()
         for c in clients.values():
@@ -155,6 +160,4 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
         pool.shutdown(wait=False, cancel_futures=True)
         raise
     pool.shutdown()
-    for f in futures:
-        f.result()  # a session's own exception, if any
     return outcomes
