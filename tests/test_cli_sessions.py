@@ -190,7 +190,7 @@ def test_ctrl_c_sends_nothing_more_and_cancels_the_calls_in_flight(monkeypatch):
 
     client = Slow()
 
-    def interrupted(futures):
+    def interrupted(futures, return_when=None):
         assert started.wait(10)
         raise KeyboardInterrupt
 
