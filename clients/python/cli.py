@@ -68,8 +68,7 @@ _CONTROL = {c: "\ufffd" for c in range(32) if chr(c) not in "\n\t"} | {0x7F: "\u
 
 def shown(text: str) -> str:
     """`text` as the terminal gets it: control characters replaced when stdout is one."""
-    isatty = getattr(sys.stdout, "isatty", None)
-    return text.translate(_CONTROL) if isatty is not None and isatty() else text
+    return text.translate(_CONTROL) if isatty(sys.stdout) else text
 
 
 def _load_history(path: Path) -> list[dict[str, str]]:

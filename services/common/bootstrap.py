@@ -51,11 +51,16 @@ _ERROR_LINES = Thinned(log)
 _AUTH_LINES = Thinned(log, per_window=3, window_s=60.0)
 
 
-def _refused_caller(context, method: str, code: str, why: str) -> None:
+def _peer(context) -> str:
+    """The caller's address as gRPC gives it ("ipv4:10.0.3.7:50412"), "?" when unknown."""
     try:
-        peer = context.peer() or "?"
+        return context.peer() or "?"
     except Exception:  # noqa: BLE001 - a context without a peer
-        peer = "?"
+        return "?"
+
+
+def _refused_caller(context, method: str, code: str, why: str) -> None:
+    peer = _peer(context)
     if _AUTH_LINES.allow((peer.rpartition(":")[0], code)):
         log.warning("%s refused %s from %s: %s", method, code, peer[:128], why[:200])
 
@@ -460,10 +465,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
 
         def wrapped(request_iterator, context) -> Iterator:
             prologue(context)
-            try:
-                peer = context.peer().rpartition(":")[0] or "?"
-            except Exception:  # noqa: BLE001 - a context without a peer
-                peer = "?"
+            peer = _peer(context).rpartition(":")[0] or "?"  # its host: one client, any port
             with lock:
                 mine = by_peer.get(peer, 0)
                 if mine < MAX_OPEN_STREAMS_PER_PEER and slots.acquire(blocking=False):

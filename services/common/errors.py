@@ -68,12 +68,16 @@ def overloaded(rpc_error: object) -> bool:
     with contextlib.suppress(Exception):  # a call object without details
         if callable(details) and details() == RPC_CAP_DETAILS:
             return True
+    return any(k == OVERLOADED_KEY for k, _ in _trailers(rpc_error))
+
+
+def _trailers(rpc_error: object) -> tuple:
+    """The trailing metadata of a gRPC error as (key, value) pairs; () when it has none."""
     trailers = getattr(rpc_error, "trailing_metadata", None)
     try:
-        md = trailers() if callable(trailers) else None
+        return tuple(trailers() or ()) if callable(trailers) else ()
     except Exception:  # noqa: BLE001 - a call object without trailers
-        return False
-    return any(k == OVERLOADED_KEY for k, _ in (md or ()))
+        return ()
 
 
 # Trailing metadata of a Prefill that did its work but could not pin it (PinRefused): how many
@@ -95,11 +99,7 @@ class PinRefused(ResourceExhausted):
 def prefill_work(rpc_error: object) -> tuple[int, int, int]:
     """(prompt, cached, computed) tokens a failed Prefill says it did (PinRefused's trailers),
     else zeros."""
-    trailers = getattr(rpc_error, "trailing_metadata", None)
-    try:
-        md = dict(trailers() or ()) if callable(trailers) else {}
-    except Exception:  # noqa: BLE001 - a call object without trailers
-        return (0, 0, 0)
+    md = dict(_trailers(rpc_error))
     try:
         work = tuple(int(md.get(k, 0)) for k in PREFILL_WORK_KEYS)
     except (TypeError, ValueError):  # not ours: no figures rather than a wrong one

@@ -601,14 +601,14 @@ class SemanticBackend:
         """The highest threshold_floor the shards have said (0.0 before any has)."""
         return max(self.floors.values(), default=0.0)
 
-    # How often an idle shard is asked for its Stats (`start`): its health gauge, set only by
+    # How often every shard is asked for its Stats (`start`): its health gauge, set only by
     # calls, stayed 0 for as long as no request came after a recovery (a "dependency down"
     # alert firing on a healthy tier), and was absent until the first request.
     POLL_S = 5.0
 
     def start(self, every: float = POLL_S) -> threading.Event:
-        """Poll every shard that no call has found healthy for `every` seconds; the returned
-        event stops it (`stop`)."""
+        """Poll every shard every `every` seconds (`poll_once`); the returned event stops it
+        (`stop`)."""
         self._stop_poll = stop = threading.Event()
         if self.enabled:
             threading.Thread(target=self._poll_loop, args=(every, stop), name="semantic-poll",
@@ -630,8 +630,13 @@ class SemanticBackend:
                                    min(self.timeout_s, every))
             except grpc.RpcError:
                 continue  # marked down by _call (a hung shard: skipped while it backs off)
-            self.shard_list_notes[a] = reply.shard_list_mismatch
-            self.floors[a] = reply.threshold_floor
+            self._took_stats({a: reply})
+
+    def _took_stats(self, replies: dict[str, Any]) -> None:
+        """Keep what shards' Stats (by address) say beyond their figures: their word on shard
+        lists (`dependencies`) and their threshold_floor (`threshold_floor`)."""
+        self.shard_list_notes.update({a: r.shard_list_mismatch for a, r in replies.items()})
+        self.floors.update({a: r.threshold_floor for a, r in replies.items()})
 
     def _poll_loop(self, every: float, stop: threading.Event) -> None:
         while True:
@@ -767,10 +772,9 @@ class SemanticBackend:
         Each shard's word on differing shard lists is kept for `dependencies` and joined,
         prefixed with its address when there are several shards."""
         got, _ = self._each("Stats", semantic_pb2.SemanticStatsRequest(), deadline)
-        said = {a: r.shard_list_mismatch for a, r in got.items()}
-        self.shard_list_notes.update(said)
-        self.floors.update({a: r.threshold_floor for a, r in got.items()})
-        notes = merged_note(said, len(self.addresses) > 1)
+        self._took_stats(got)
+        notes = merged_note({a: r.shard_list_mismatch for a, r in got.items()},
+                            len(self.addresses) > 1)
         parts = list(got.values())
         if len(parts) == 1:
             out = semantic_pb2.SemanticStatsResponse()

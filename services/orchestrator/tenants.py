@@ -165,6 +165,10 @@ class _Bucket:
     tokens: float
     at: float
 
+    def give_back(self, requests: float, burst: int) -> None:
+        """Return `requests` taken for work not done, never past a full bucket."""
+        self.tokens = min(float(burst), self.tokens + requests)
+
 
 def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
@@ -348,11 +352,7 @@ class TenantRegistry:
         """Give back the request `check_rate` took, for a call a later limit refused (the
         tenant's or the server's concurrency): it did no work, and a client retrying it as told
         ("retry later") must not find its bucket emptied by the refusals."""
-        if tenant.rate_per_s <= 0:
-            return
-        with self._lock:
-            b = self._refilled(tenant)
-            b.tokens = min(float(tenant.burst), b.tokens + 1.0)
+        self.charge(tenant, -1)
 
     def charge(self, tenant: Tenant, requests: float) -> None:
         """Take `requests` more from the tenant's bucket after `check_rate` let a call in: a
@@ -366,7 +366,7 @@ class TenantRegistry:
         with self._lock:
             b = self._refilled(tenant)
             if requests < 0:
-                b.tokens = min(float(tenant.burst), b.tokens - requests)
+                b.give_back(-requests, tenant.burst)
             else:
                 b.tokens = max(-float(tenant.burst), b.tokens - requests)
 
@@ -386,7 +386,7 @@ class TenantRegistry:
             if b.tokens - requests >= -float(tenant.burst):
                 b.tokens -= requests
                 return requests
-            b.tokens = min(float(tenant.burst), b.tokens + 1.0)
+            b.give_back(1.0, tenant.burst)
             need = requests + 1.0  # this call's prefills, its own request included
             now = max(0, math.floor(b.tokens + tenant.burst))
             REJECTED.labels(tenant.name, "rate_limit").inc()
