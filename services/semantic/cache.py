@@ -890,7 +890,15 @@ class SemanticCache:
         with self._lock:
             labels = list(self._ns_lru.get(ns, ()))
             index = self._indexes.get(ns)
-        self.store.delete(labels)
+        gone: list[int] = []
+        try:
+            self.store.delete(labels, gone)
+        except BaseException:
+            # A failure past the first chunk (a full disk) had left the rows already deleted
+            # from SQLite served from memory until the next restart: they leave it now, and a
+            # retry of the Invalidate removes the rest.
+            self._drop_in_chunks(gone)
+            raise
         if index is None:
             return self._drop_in_chunks(labels)
         # Its tombstones pass a quarter of the entries long before the end, and would start a
@@ -920,12 +928,19 @@ class SemanticCache:
         with self._lock:
             due = self._due_locked(now)
         labels = [lab for _, lab in due]
+        gone: list[int] = []
         try:
-            self.store.delete(labels)
+            self.store.delete(labels, gone)
         except BaseException:
-            with self._lock:  # nothing is dropped from memory: retried next tick
+            # Rows deleted before the failure leave memory too; the rest are retried next tick.
+            n = self._drop_in_chunks(gone)
+            done = set(gone)
+            with self._lock:
+                self._expired += n
                 for item in due:
-                    heapq.heappush(self._expiry_heap, item)
+                    if item[1] not in done:
+                        heapq.heappush(self._expiry_heap, item)
+            self._m["expirations"].inc(n)
             raise
         n = self._drop_in_chunks(labels)
         with self._lock:

@@ -405,11 +405,12 @@ class EntryStore:
                 self._db.executemany(
                     "UPDATE entries SET embedding = ?, embed_model = ? WHERE label = ?", params)
 
-    def delete(self, labels: list[int]) -> None:
+    def delete(self, labels: list[int], committed: list[int] | None = None) -> None:
         """Deletes entries by label, `WRITE_CHUNK` per transaction with the lock let go between
         them: an Invalidate of 200k entries in one transaction held every Store for seconds.
         Not atomic: a failure leaves the earlier chunks deleted, and deleting them again is
-        harmless (callers drop entries from memory only once this has returned).
+        harmless. `committed`, when given, is extended with each chunk once it is deleted, so
+        a caller whose delete failed part-way can drop from memory the rows already gone.
 
         Raises:
             ResourceExhausted: the disk is full (a delete writes to the WAL first).
@@ -420,6 +421,8 @@ class EntryStore:
                   self._transaction()):
                 self._db.executemany("DELETE FROM entries WHERE label = ?",
                                      [(x,) for x in chunk])
+            if committed is not None:
+                committed.extend(chunk)
             with self._hits_lock:
                 for x in chunk:
                     self._pending_hits.pop(x, None)

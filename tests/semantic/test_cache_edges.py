@@ -6,6 +6,7 @@ so these tests place entries at exact cosines instead of hunting for sentences t
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 
@@ -123,11 +124,11 @@ def test_a_failed_expiry_delete_is_retried_on_the_next_tick(make_cache, emb, clo
     real = c.store.delete
     calls = {"n": 0}
 
-    def failing_once(labels):
+    def failing_once(labels, committed=None):
         calls["n"] += 1
         if calls["n"] == 1:
             raise OSError("disk full")
-        return real(labels)
+        return real(labels, committed)
 
     monkeypatch.setattr(c.store, "delete", failing_once)
     with pytest.raises(OSError):
@@ -135,6 +136,84 @@ def test_a_failed_expiry_delete_is_retried_on_the_next_tick(make_cache, emb, clo
     assert c.stats().entries == 4
     assert c.expire() == 3
     assert c.stats().entries == 1 and c.store.count() == 1
+    c.check_integrity()
+
+
+class _FullWhenDeleting:
+    """The store's connection, but deleting `label`'s row fails as SQLite does on a full
+    disk (the transaction holding it rolls back)."""
+
+    def __init__(self, db, label: int) -> None:
+        self.db, self.label = db, label
+
+    def executemany(self, sql: str, params):
+        params = list(params)
+        if sql.startswith("DELETE") and (self.label,) in params:
+            raise sqlite3.OperationalError("database or disk is full")
+        return self.db.executemany(sql, params)
+
+    def __getattr__(self, name: str):
+        return getattr(self.db, name)
+
+
+def _fail_deleting(c: SemanticCache, label: int) -> None:
+    c.store._db = _FullWhenDeleting(c.store._db, label)
+
+
+def _disk_freed(c: SemanticCache) -> None:
+    c.store._db = c.store._db.db
+
+
+def test_a_namespace_invalidation_failing_part_way_serves_no_row_already_deleted(
+        make_cache, monkeypatch):
+    """A full disk after the first chunk (a namespace over 5,000 entries) left the rows it had
+    deleted from SQLite served from memory until the next restart, though they were gone
+    from disk: the index and SQLite disagreed, and a restart changed the answers."""
+    from services.common.errors import ResourceExhausted
+    from services.semantic import store as store_mod
+
+    monkeypatch.setattr(store_mod, "WRITE_CHUNK", 2)
+    c = make_cache()
+    for i in range(5):
+        c.store_entry(A, f"question {i}", f"answer {i}")
+    order = list(c._ns_lru[A])  # the order the invalidation deletes in
+    _fail_deleting(c, order[2])  # the second chunk fails
+    with pytest.raises(ResourceExhausted, match="full"):
+        c.invalidate_namespace(A)
+    left = {r.label for rows in c.store.iter_all() for r in rows}
+    assert left == set(order[2:])  # the first chunk is gone from SQLite...
+    assert c.stats().entries == 3  # ...and from memory
+    for lab in order[:2]:
+        gone = c._entries.get(lab)
+        assert gone is None
+    c.check_integrity()
+    _disk_freed(c)
+    assert c.invalidate_namespace(A) == 3  # a retry removes the rest
+    assert c.stats().entries == 0 and c.store.count() == 0
+    c.check_integrity()
+
+
+def test_an_expiry_failing_part_way_drops_what_it_deleted_and_retries_the_rest(
+        make_cache, clock, monkeypatch):
+    from services.common.errors import ResourceExhausted
+    from services.semantic import store as store_mod
+
+    monkeypatch.setattr(store_mod, "WRITE_CHUNK", 2)
+    c = make_cache()
+    for i in range(4):
+        c.store_entry(A, f"question {i}", f"answer {i}", ttl_seconds=60)
+    c.store_entry(A, "kept", "kept answer", ttl_seconds=86_400)
+    clock.t += 61
+    due = sorted(c._expiry_heap)[:4]
+    _fail_deleting(c, due[2][1])
+    with pytest.raises(ResourceExhausted):
+        c.expire()
+    assert c.stats().entries == 3 and c.store.count() == 3
+    c.check_integrity()
+    _disk_freed(c)
+    assert c.expire() == 2
+    assert c.stats().entries == 1 and c.store.count() == 1
+    assert c.stats().expirations_total == 4
     c.check_integrity()
 
 
