@@ -82,12 +82,13 @@ class OrchestratorConfig:
     # Serve semantic hits to sampled (temperature > 0) requests too (CachePolicy.serve_sampled
     # per request). Off: they get the model's own sample, the hit as its draft.
     serve_sampled: bool = False
-    # Routing: bounded-load factor and the minimum matched tokens that count as a useful prefix.
+    # How requests choose a replica: by matched prefix against load, or round robin.
     routing_policy: str = "prefix"  # "prefix" or "round_robin" (a baseline for benchmarks)
     # Bounded-load slack: a replica past (1 + epsilon) x the mean load is skipped.
     routing_epsilon: float = 0.25
     # Time constant of the decaying count of requests routed to each replica; routing keeps
-    # every replica's share within (1 + routing_epsilon) / n (see routing.PrefixAwarePolicy).
+    # each replica's share of new conversations within (1 + routing_epsilon) / n (later
+    # turns stay with their replica; see routing.PrefixAwarePolicy).
     routing_load_window_s: float = 30.0
     # A replica running at most this many requests is never over the bounded-load cap (with
     # many replicas and little traffic the cap alone is 0, and prefix holders lost their
