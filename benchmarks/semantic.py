@@ -658,6 +658,11 @@ def targets(res: dict) -> dict:
         std = q["standard"][q["standard"].get("default", "guard_on")]
         t("strict_paws_false_hit_rate", strict["paws_false_hit_rate"], "<=", 0.05)
         t("strict_qqp_precision", strict["qqp_precision"], ">=", 0.97)
+        # The issue sets one strict-tier target: the false-hit rate *with* that precision. A
+        # low false-hit rate at a precision short of 0.97 is not it met (it counted as met).
+        paws = out["strict_paws_false_hit_rate"]
+        paws["target"] += " with strict_qqp_precision >= 0.97"
+        paws["met"] = paws["met"] and out["strict_qqp_precision"]["met"]
         t("standard_qqp_precision", std["qqp_precision"], ">=", 0.92)
     return out
 
