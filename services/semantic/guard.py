@@ -180,7 +180,7 @@ def _tokens(text: str) -> list[str]:
     # "400°F", "400 ° F" and "400 degrees F" are "400 degrees Fahrenheit" ("°C" and "C"
     # were an entity the other text lacked), a "°" alone is "degrees".
     text = _DEGREES.sub(
-        lambda m: " degrees" + _DEGREE_NAMES.get(m.group(1) or m.group(2) or "", ""), text)
+        lambda m: " degrees" + _DEGREE_NAMES.get(m.group(1) or m.group(2) or "", "") + " ", text)
     text = _BARE_NOT.sub(lambda m: m.group(1) + "n't", text)
     text = re.sub(r"n't\b", " n't", text, flags=re.IGNORECASE)
     return ["n't" if t.lower() == "n't" else t for t in _TOKEN.findall(text)]
@@ -532,7 +532,7 @@ def _comparatives(lower: tuple[str, ...]) -> frozenset[tuple[str, int]]:
             out.add((w, 1 if before == "more" else -1))
         elif len(w) > 4 and w.endswith("ier"):
             out.add((w[:-3] + "y", 1))
-        elif len(w) > 4 and w.endswith("er") and w not in _CONTRAST_CANON:
+        elif len(w) > 4 and w.endswith("er"):
             out.add((w[:-2], 1))
     return frozenset(out)
 

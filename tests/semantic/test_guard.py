@@ -164,6 +164,20 @@ TRAPS = [
      "contrast"),
     ("Is it OK to feed a cat milk?", "Is it harmful to feed a cat milk?", "contrast"),
     ("Is cycling safer than running?", "Is cycling less safe than running?", "contrast"),
+    # A mutation audit of those rules: "40° Fahrenheit" read as the word "degreesFahrenheit"
+    # and a bare 40 (served), a comparison in a contrast group ("faster", "older") was never
+    # read as reversed (served); and inputs no test had tried.
+    ("Is 40° Fahrenheit cold?", "Is 40° Celsius cold?", "numbers"),
+    ("Is a train faster than a car?", "Is a train less fast than a car?", "contrast"),
+    ("Is Rome older than Athens?", "Is Rome less old than Athens?", "contrast"),
+    ("Is 300 degrees kelvin hot?", "Is 300 degrees hot?", "numbers"),
+    ("What changed in version 3.10?", "What changed in version 3.1?", "numbers"),
+    ("Is Python easier than Java?", "Is Python less easy than Java?", "contrast"),
+    ("Is walking healthier than running?", "Is walking less healthful than running?",
+     "contrast"),
+    ("Is it safe to eat raw eggs?", "Is it dangerous to eat raw eggs?", "contrast"),
+    ("Is the OS up to date?", "Is the macOS up to date?", "entities"),
+    ("Is the UK richer than the united states?", "Is the US richer than the UK?", "order"),
 ]
 
 PARAPHRASES = [
@@ -268,6 +282,18 @@ PARAPHRASES = [
     ("Is Zyrtec 2.5 mg enough for a child?", "Is 2.5 mg of Zyrtec enough for a child?"),
     ("Is 6 ft 1 tall for a woman?", "Is 6 feet 1 inch tall for a woman?"),
     ("What should I expect at a job interview?", "What will happen at a job interview?"),
+    # The mutation audit's: "1° rise" was "1 degreesrise" (refused), and inputs no test had
+    # tried (a trailing zero, a scale after a number, "p. m.", "100k", a degree's scale).
+    ("Is a 1° rise dangerous?", "Is a 1 degree rise dangerous?"),
+    ("Is 300 degrees kelvin hot?", "Is 300 kelvin hot?"),
+    ("Is 0.5 a lot of sugar?", "Is 0.50 a lot of sugar?"),
+    ("Was Tesla 1.5 million short?", "Was Tesla 1.50 million short?"),
+    ("Is Spotify 9.9 per month worth it?", "Is Spotify 9.90 per month worth it?"),
+    ("Is a Google 100k salary good?", "Is a Google 100000 salary good?"),
+    ("Is the shop open at 8 p. m.?", "Is the shop open at 8 pm?"),
+    ("Is 1 degree Celsius a big change?", "Is 1°C a big change?"),
+    ("Is 40 degrees Celsius hot for a bedroom?", "Is 40 C hot for a bedroom?"),
+    ("Trade between the US and China", "Trade between China and the United States"),
 ]
 
 
@@ -296,6 +322,9 @@ def test_guard_refuses_traps(query, cached, check):
     # A unit often left out ("4" / "4 years"); the learned verifier, which counts the extra
     # word, scores it under its standard cut.
     ("Can a child of 4 learn to read?", "Can a child of 4 years learn to read?"),
+    # The mutation audit's "40° Fahrenheit" (read as "degreesFahrenheit" and refused); the
+    # learned verifier scores it at 0.871, under its standard cut (0.88).
+    ("Is 40° Fahrenheit cold?", "Is 40°F cold?"),
     # Contrast words used in no contrasting sense ("the most", "of all time"); the learned
     # verifier scores these just under its strict / standard cuts.
     ("What is the most popular sport in India?", "Which sport is the most popular in India?"),
