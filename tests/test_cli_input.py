@@ -515,6 +515,7 @@ def test_a_bad_trace_line_is_named_by_its_line(tmp_path, bad, said):
 @pytest.mark.parametrize(("address", "warned"), [
     ("api.example.com:443", True), ("10.0.3.7:50051", True), ("dns:///tiercache:50051", True),
     ("localhost:50051", False), ("127.0.0.1:50051", False), ("[::1]:50051", False),
+    ("app.localhost:50051", False), ("dns:///127.0.0.1:50051", False),
 ])
 def test_a_token_sent_in_plaintext_to_another_host_is_warned_of(fake, capsys, monkeypatch,
                                                                 address, warned):
@@ -527,6 +528,22 @@ def test_a_token_sent_in_plaintext_to_another_host_is_warned_of(fake, capsys, mo
     assert "tok-1" not in err
     assert cli.main(["--address", address, "chat", "-q", "hi"]) == 0  # no token: nothing said
     assert "plaintext" not in capsys.readouterr().err
+
+
+def test_a_token_sent_over_tls_is_not_warned_of(fake, capsys, monkeypatch):
+    monkeypatch.delenv("TIERCACHE_TLS_CA", raising=False)
+    argv = ["--tls", "--address", "api.example.com:443", "--token", "tok-1", "chat", "-q", "hi"]
+    assert cli.main(argv) == 0
+    assert "plaintext" not in capsys.readouterr().err
+
+
+def test_a_closed_stderr_is_exit_1_without_a_traceback(fake, monkeypatch):
+    """With stderr closed (`2>&-`) there is no one to tell: exit 1, nothing sent."""
+    sent = []
+    monkeypatch.setattr(FakeClient, "stream", lambda self, m, **kw: sent.append(m) or iter(()))
+    monkeypatch.setattr(sys, "stderr", None)
+    assert cli.main(["--address", "127.0.0.1:1", "chat", "hi"]) == 1
+    assert sent == []
 
 
 def test_an_answered_turn_is_saved_even_when_stderr_cannot_take_the_report(fake, monkeypatch):
@@ -560,8 +577,23 @@ def test_model_text_reaches_a_terminal_without_its_control_characters(monkeypatc
 
     monkeypatch.setattr(sys, "stdout", Tty())
     assert cli.shown("a\x1b[2Jb\x07\nc\td") == "a\ufffd[2Jb\ufffd\nc\td"
+    assert cli.shown("a\x7fb\rc") == "a\ufffdb\ufffdc"  # DEL, and a carriage return
     monkeypatch.setattr(sys, "stdout", io.StringIO())  # a pipe or file: as the model wrote it
     assert cli.shown("a\x1b[2J") == "a\x1b[2J"
+
+
+def test_a_chat_answer_reaches_a_terminal_without_its_control_characters(fake, monkeypatch):
+    import io
+
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    out = Tty()
+    monkeypatch.setattr(sys, "stdout", out)
+    monkeypatch.setattr(FakeClient, "pieces", ["clear \x1b[2J", "screen"])
+    assert cli.main(["chat", "-q", "hi"]) == 0
+    assert "\x1b" not in out.getvalue() and "clear \ufffd[2Jscreen" in out.getvalue()
 
 
 def test_a_session_too_deep_to_parse_is_one_line(fake, capsys):

@@ -58,6 +58,11 @@ def test_explicit_threshold_and_verified_bonus(make_cache):
     # were counted under the default tier, mixing other thresholds into its hit rate).
     s = c.stats()
     assert s.hits_by_tier["explicit"] == 2 and s.hits_by_tier["relaxed"] == 0
+    # The exact-repeat path (the same text again) counts it the same way.
+    assert c.lookup(A, "How can I learn Python fast?", threshold=0.9).hit
+    after = c.stats()
+    assert after.hits_by_tier["explicit"] == 3
+    assert after.hits_by_tier["standard"] == s.hits_by_tier["standard"]
 
 
 def test_a_verified_entry_below_an_unverified_near_miss_still_hits(make_cache, embedder):
