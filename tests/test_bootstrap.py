@@ -434,6 +434,77 @@ def test_reflection_streams_are_counted_and_timed_however_they_end(small_server)
     assert ok() == before_ok + 1 and timed() == before_timed + 1
 
 
+def test_the_per_client_reflection_cap_counts_every_connection_of_one_host(small_server):
+    """A mutation audit: the cap is kept per host, the port left out. Keyed by host:port,
+    each new connection of one client (a new port) would get its own two streams, and one
+    client opening channel after channel held every reflection slot again."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from services.common import bootstrap
+
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    channels = [grpc.insecure_channel(small_server.address,  # a connection each: own port
+                                      options=[("grpc.use_local_subchannel_pool", 1)])
+                for _ in range(bootstrap.MAX_OPEN_STREAMS_PER_PEER + 1)]
+    held = []
+    try:
+        for ch in channels[:-1]:
+            q = queue.Queue()
+            q.put(ask)
+            it = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter(q.get, None), timeout=20)
+            assert next(it).list_services_response.service  # open, answered, now idle
+            held.append((q, it))
+        with pytest.raises(grpc.RpcError) as e:
+            next(reflection_pb2_grpc.ServerReflectionStub(channels[-1]).ServerReflectionInfo(
+                iter([ask]), timeout=5))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "at most 2 open streams per client" in e.value.details()
+    finally:
+        for q, it in held:
+            q.put(None)
+            it.cancel()
+        for ch in channels:
+            ch.close()
+
+
+def test_a_closed_reflection_stream_leaves_no_timer_and_no_per_client_count(small_server):
+    """A mutation audit: a stream that ended must disarm its time limit (else the reaper kept
+    its context for OPEN_STREAM_MAX_S, one entry a stream) and drop its client's count at
+    zero (else one entry per client address ever seen, for the server's life)."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from services.common import bootstrap
+
+    reaper, interceptor = bootstrap._OPEN_REAPER, small_server._interceptor
+
+    def timers() -> set:  # the reaper's armed entries, read under its lock
+        with reaper._cv:
+            return set(reaper._armed)
+
+    def counts() -> dict:  # the per-client counts, read under the interceptor's lock
+        with interceptor._open_lock:
+            return dict(interceptor._open_by_peer)
+
+    before = timers()
+    ch = grpc.insecure_channel(small_server.address)
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    q = queue.Queue()
+    q.put(ask)
+    it = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(iter(q.get, None),
+                                                                           timeout=20)
+    assert next(it).list_services_response.service
+    assert timers() - before and sum(counts().values()) == 1  # open: timed and counted
+    q.put(None)  # the client ends its side; the stream ends normally
+    assert list(it) == []
+    deadline = time.monotonic() + 5
+    while (timers() - before or counts()) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the handler's cleanup runs after the client has seen the end
+    assert timers() - before == set()
+    assert counts() == {}
+    ch.close()
+
+
 def test_servers_accept_the_keepalive_pings_our_clients_send():
     """Clients ping idle connections every 20 s; servers took such pings at most every 5
     minutes and closed connections with GOAWAY too_many_pings (seen in make run's logs).

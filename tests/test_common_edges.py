@@ -760,6 +760,48 @@ def test_shared_names_other_services_and_service_links_pass():
     load_config(PrefixConfig, "prefix", [], env)
 
 
+def _shared_names_read_by_the_code() -> set[str]:
+    """Every whole-string TIERCACHE_<NAME> literal in the project's own code (not the tests,
+    whose literals include typos on purpose) that is not under a service's prefix."""
+    import ast
+    import re
+
+    whole = re.compile(r"TIERCACHE_([A-Z][A-Z0-9_]*[A-Z0-9])")
+    own = re.compile(r"TIERCACHE_(SEMANTIC|PREFIX|KVPOOL|ORCHESTRATOR)_")
+    found = set()
+    for top in ("services", "clients", "scripts", "benchmarks"):
+        for f in sorted((ROOT.parent / top).rglob("*.py")):
+            for n in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+                if (isinstance(n, ast.Constant) and isinstance(n.value, str)
+                        and (m := whole.fullmatch(n.value)) and not own.match(n.value)):
+                    found.add(m.group(1))
+    return found
+
+
+@pytest.mark.parametrize("service", ["semantic", "prefix", "kvpool", "orchestrator"])
+def test_every_shared_name_is_accepted_by_every_service(service):
+    """A mutation audit: TIERCACHE_DATA_DIR dropped from SHARED_NAMES and no test noticed:
+    every service would then refuse to start ("no such setting") where the variable is set
+    for the benchmarks. Each name in SHARED_NAMES, and each shared name the code reads, is
+    accepted on its own by each service's config."""
+    import importlib
+
+    from services.common.config import SHARED_NAMES
+
+    read = _shared_names_read_by_the_code()
+    assert {"DATA_DIR", "HASH_KEY", "PARENT_PID", "TLS_CA"} <= read  # the scan finds them
+    cls = {"semantic": "SemanticConfig", "prefix": "PrefixConfig", "kvpool": "KvPoolConfig",
+           "orchestrator": "OrchestratorConfig"}[service]
+    config = getattr(importlib.import_module(f"services.{service}.config"), cls)
+    refused = {}
+    for name in sorted(SHARED_NAMES | read):
+        try:
+            load_config(config, service, [], {f"TIERCACHE_{name}": "1"})
+        except ConfigError as exc:
+            refused[name] = str(exc)
+    assert refused == {}
+
+
 @pytest.mark.parametrize("name", ["TOKENS", "TOKENS_FILE", "INTERNAL_TOKEN"])
 def test_an_emptied_security_setting_is_refused_not_taken_as_unset(name):
     """Empty tenant tokens made every caller the admin default tenant, without a word."""
@@ -812,6 +854,18 @@ def test_a_url_given_as_an_address_is_told_so():
         require_addresses(["http://x:1"], "orchestrator", "semantic_address", allow_none=False)
 
 
+def test_a_grpc_target_without_a_port_gets_no_url_hint():
+    """A mutation audit: a gRPC target scheme (dns:///semantic, no port) is no URL mistake;
+    told "no dns:// URL", the user would drop the scheme gRPC accepts. The plain message."""
+    from services.orchestrator.config import OrchestratorConfig
+
+    with pytest.raises(ConfigError) as e:
+        load_config(OrchestratorConfig, "orchestrator", [],
+                    {"TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS": "dns:///semantic"})
+    assert str(e.value) == ("TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS: 'dns:///semantic' is "
+                            "not host:port")
+
+
 def test_orchestrator_paths_are_checked_at_start_naming_the_setting(tmp_path):
     from services.orchestrator.config import OrchestratorConfig
 
@@ -838,6 +892,15 @@ def test_weak_secrets_are_told(value, weak):
     from services.common.config import weak_secret
 
     assert bool(weak_secret(value)) == weak
+
+
+def test_a_changeme_secret_is_told_as_a_placeholder():
+    """A mutation audit: every placeholder tried also said "placeholder", so "changeme" (24
+    characters, long enough to pass as a secret otherwise) could leave the list unnoticed."""
+    from services.common.config import weak_secret
+
+    assert weak_secret("changemechangemechangeme") == "a placeholder"
+    assert weak_secret(b"ChangeMeChangeMeChangeMe") == "a placeholder"
 
 
 def test_a_start_with_placeholder_secrets_warns_without_naming_them(tmp_path):

@@ -65,6 +65,23 @@ def test_orchestrator_config_validates():
                     environ={})
 
 
+@pytest.mark.parametrize(("value", "ok"), [("0.1", False), ("0.49", False), ("0", True),
+                                           ("0.5", True)])
+def test_the_tokens_file_is_read_once_or_rechecked_at_most_twice_a_second(value, ok):
+    """A mutation audit: no test set tokens_reload_s, so its floor (0 = read once, else
+    >= 0.5 s; below, the watcher hashed the tokens file many times a second) could go."""
+    from services.orchestrator.config import OrchestratorConfig
+
+    env = {"TIERCACHE_ORCHESTRATOR_TOKENS_RELOAD_S": value}
+    if ok:
+        assert load_config(OrchestratorConfig, "orchestrator", [],
+                           environ=env).tokens_reload_s == float(value)
+    else:
+        with pytest.raises(ConfigError, match=r"TIERCACHE_ORCHESTRATOR_TOKENS_RELOAD_S: must "
+                                              r"be 0 \(read once\) or >= 0\.5"):
+            load_config(OrchestratorConfig, "orchestrator", [], environ=env)
+
+
 def test_an_unknown_log_level_is_a_config_error_not_a_traceback(monkeypatch, caplog):
     """A service's main gets None (and exits 2) with a message naming the variable."""
     import logging

@@ -99,3 +99,19 @@ def test_a_tenants_pin_share_cannot_exceed_what_pins_may_hold() -> None:
         load_config(KvPoolConfig, "kvpool", [],
                     environ={"TIERCACHE_KVPOOL_MAX_PINNED_FRACTION": "0.5",
                              "TIERCACHE_KVPOOL_MAX_PINNED_PER_TENANT_FRACTION": "0.6"})
+
+
+@pytest.mark.parametrize(("value", "ok"), [("2", False), ("4.9", False), ("5", True),
+                                           ("0", True)])
+def test_the_engine_stall_check_is_off_or_at_least_five_seconds(value, ok) -> None:
+    """A mutation audit: only 0.001 s and -1 were tried, so the floor itself (5 s, under
+    which an idle engine's own wait between turns read as a stall and health stayed
+    NOT_SERVING) could move without a test noticing; 0 (off) and 5 stay accepted."""
+    env = {"TIERCACHE_KVPOOL_ENGINE_STALL_SECONDS": value}
+    if ok:
+        assert load_config(KvPoolConfig, "kvpool", [], environ=env).engine_stall_seconds == \
+            float(value)
+    else:
+        with pytest.raises(ConfigError, match=r"TIERCACHE_KVPOOL_ENGINE_STALL_SECONDS: must be "
+                                              r"0 \(off\) or >= 5"):
+            load_config(KvPoolConfig, "kvpool", [], environ=env)

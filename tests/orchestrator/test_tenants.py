@@ -361,3 +361,86 @@ def test_a_tokens_file_under_the_home_folder_is_read_as_checked(tmp_path, monkey
     (tmp_path / "t.json").write_text(json.dumps({"tok-a": {"tenant": "a"}}))
     assert reg(tokens_file="~/t.json").authenticate(
         {"authorization": "Bearer tok-a"}).name == "a"
+
+
+def test_a_refund_never_lifts_the_bucket_past_its_burst():
+    """A mutation audit: a refund added its request back without the burst's cap, so a call
+    refused after the bucket had refilled left the tenant more than `burst` requests to
+    spend at once."""
+    import dataclasses
+
+    from tests.clock import Clock
+
+    r = reg(tokens="t=a")
+    t = dataclasses.replace(r.by_token["t"], rate_per_s=1.0, burst=3)
+    r.clock = clock = Clock(100.0)
+    r.check_rate(t)  # 2 left
+    clock.t += 5.0  # refilled to the burst: 3
+    r.refund(t)  # the request given back finds the bucket already full
+    assert r._buckets["a"].tokens == 3.0
+
+
+def test_a_call_needing_exactly_twice_the_burst_is_told_to_retry_not_refused_for_good():
+    """A mutation audit: `need > 2 * burst` is the line between "retry later" and "never":
+    a call needing exactly 2 x burst prefills fits once the bucket is full (burst now, down to
+    -burst after), so it must be Overloaded (retryable), not a final RESOURCE_EXHAUSTED."""
+    import dataclasses
+
+    from services.common.errors import Overloaded
+    from tests.clock import Clock
+
+    r = reg(tokens="t=a")
+    t = dataclasses.replace(r.by_token["t"], rate_per_s=1.0, burst=3)
+    r.clock = Clock(100.0)
+    r.check_rate(t)
+    r.check_rate(t)  # 1 left
+    with pytest.raises(Overloaded, match=r"needs 6 prefills.*retry in "):
+        r.afford(t, 5)  # 1 - 5 = -4, past the floor -3; 6 prefills = 2 x burst
+    assert r._buckets["a"].tokens == 2.0  # its own request given back
+
+
+def test_the_watcher_follows_a_tokens_file_under_the_home_folder(tmp_path, monkeypatch):
+    """A mutation audit: the watcher must expand "~" as the start's read does; unexpanded,
+    "~/t.json" was never readable to it, so every later version went unseen and a token
+    removed from the file kept working until a restart."""
+    import threading
+    import time
+
+    from services.orchestrator.tenants import watch_tokens_file
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    f = tmp_path / "t.json"
+    f.write_text(json.dumps({"tok-a": {"tenant": "a"}}))
+    r = reg(tokens_file="~/t.json")
+    stop = threading.Event()
+    watch_tokens_file(r, lambda: reg(tokens_file="~/t.json"), "~/t.json", 0.02, stop)
+    try:
+        time.sleep(0.1)  # the watcher has read the first version
+        f.write_text(json.dumps({"tok-b": {"tenant": "b"}}))  # tok-a removed
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 5:
+            try:
+                r.authenticate({"authorization": "Bearer tok-a"})
+            except Unauthenticated:
+                break
+            time.sleep(0.02)
+        with pytest.raises(Unauthenticated):
+            r.authenticate({"authorization": "Bearer tok-a"})
+        assert r.authenticate({"authorization": "Bearer tok-b"}).name == "b"
+    finally:
+        stop.set()
+
+
+def test_a_short_tenant_token_is_warned_about_naming_only_its_tenant(caplog):
+    """A mutation audit: with no weak token ever collected the start said nothing about a
+    5-character token anyone may guess. Named by tenant (a), the long token's tenant (b) not
+    named, and never the token itself."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.tenants"):
+        reg(tokens="short=a," + "a" * 28 + "=b")
+    warned = [rec.getMessage() for rec in caplog.records if rec.levelno == logging.WARNING]
+    assert len(warned) == 1, warned
+    assert "shorter than 16 characters" in warned[0]
+    assert warned[0].endswith("tenants a")
+    assert "short" not in warned[0].replace("shorter", "")
