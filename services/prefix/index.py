@@ -862,6 +862,13 @@ class PrefixIndex:
                 # hang its blocks under another model's prompts.
                 raise InvalidArgument(f"events[{i}].stored.parent_hash",
                                       f"is the root of model {model!r}, not {rep.model_id!r}")
+            if model is not None or parent == self.hasher(rep.model_id).root(
+                    check_salt(f"events[{i}].stored.cache_salt", ev.cache_salt)):
+                # Named as a parent, a root's key was taken while another replica's chain had
+                # made the root, and its blocks silently dropped while none had.
+                raise InvalidArgument(f"events[{i}].stored.parent_hash",
+                                      "is a root's key (h_0): a chain from the root is sent "
+                                      "with an empty parent_hash")
         else:
             if ev.start_block:
                 raise InvalidArgument(f"events[{i}].stored.start_block",

@@ -323,12 +323,15 @@ class BlockTree:
             if not h & mask:
                 if not h:
                     # A node a clear left unheld, held again: as a new node would be (no
-                    # hits, used now; the owner may give saved hits back).
+                    # hits; the owner may give saved hits back).
                     self.unheld -= 1
                     self._drop_stale_queue()
-                    use[_USE * s + _LAST] = clock
                 use[_USE * s + _HOLD] = h | mask
                 held += 1
+            # Stored is used: a block another replica held, stored as this one's newest turn,
+            # kept its old recency and was pruned first as cold, and the turn after it was
+            # dropped for want of its parent.
+            use[_USE * s + _LAST] = clock
             par = s
             j += 1
         if j == n:

@@ -156,6 +156,26 @@ def test_pruning_spares_tails_stored_moments_ago_under_a_grace(clock, hasher, gr
         assert held == [2] * 5  # no grace: the fresh tails were the first to go
 
 
+def test_a_block_another_replica_stores_again_counts_as_used_now(clock, hasher):
+    """A prefix review: a block replica b stored as its newest turn, which replica a had
+    stored long before, kept a's old recency: pruned first as cold (b's next turn then
+    dropped for want of its parent) while a's untouched leaves stayed."""
+    index = make_index(clock, policy=HybridPolicy(4), min_deep_hits=1, max_nodes=4,
+                       prune_to=0.75, cold_after_ticks=5)
+    reg(index)
+    reg(index, "b")
+    z, x, y = toks(1, 4), toks(1, 2), toks(1, 3)  # three deep leaves under one root block
+    for seq, chain in enumerate((z, x, y), 1):
+        index.publish("a", "i1", seq, [stored(hasher, chain)])
+    for _ in range(10):  # time passes: ten matches that hit nothing
+        index.match(MODEL, token_ids=toks(9), probe=True)
+    index.publish("b", "i1", 1, [stored(hasher, x)])  # b's newest turn: x
+    index.publish("a", "i1", 4, [stored(hasher, toks(5))])  # over the budget: a prune
+    index.check_integrity()
+    assert matched(index, x) == {"a": 2, "b": 2}
+    assert matched(index, z) == matched(index, y) == {"a": 1, "b": 1}  # the root block only
+
+
 def test_stats_bytes_stay_at_the_memory_held_after_the_nodes_go(clock, hasher):
     """Stats.bytes was live nodes x 210: after a lease lapse it read near 0 while the freed
     slots (reused, never returned) still held the peak."""
@@ -240,6 +260,28 @@ def test_a_block_keyed_as_a_root_is_refused(clock, hasher):
     assert index.publish("a", "i1", 2, [Stored(first, [later], toks(2), "", b"", 1)]).applied
     assert index.publish("b", "i1", 2, [stored(hasher, toks(1, 2), salt="t")]).applied
     assert matched(index, toks(1, 2), salt="t")["b"] == 2
+    index.check_integrity()
+
+
+@pytest.mark.parametrize("made", [False, True])
+def test_a_roots_key_named_as_a_parent_is_refused(clock, hasher, made):
+    """A prefix review: a chain sent with its root's key (h_0) as parent_hash was accepted and
+    its blocks dropped without a word while no chain had made that root, stored once another
+    replica's had. kvpool sends such a chain with an empty parent_hash."""
+    from services.common.errors import InvalidArgument
+    from services.prefix.index import Stored
+
+    index = make_index(clock)
+    reg(index)
+    reg(index, "b")
+    if made:
+        index.publish("b", "i1", 1, [stored(hasher, toks(1))])
+    hs = hasher.hashes(toks(1, 2))
+    with pytest.raises(InvalidArgument, match=r"parent_hash: is a root's key"):
+        index.publish("a", "i1", 1, [Stored(hasher.root(""), hs, toks(1, 2))])
+    assert index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))]).applied  # nothing kept
+    got = matched(index, toks(1, 2))
+    assert got["a"] == 2 and got.get("b", 0) == (1 if made else 0)
     index.check_integrity()
 
 
