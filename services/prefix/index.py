@@ -650,7 +650,9 @@ class PrefixIndex:
             if kind == "stored":
                 if salt is not None:
                     tree.ensure_root(a, rep.model_id, salt)
-                self._store(rep.bit, (a, b, c), tick, waiting)
+                # A resync's stores restate holdings: no use (shared blocks kept their
+                # recency, and pruning its order).
+                self._store(rep.bit, (a, b, c), tick, waiting, touch=not resync)
                 tree.gc_root(a)
             elif kind == "removed":
                 for h in a:
@@ -782,10 +784,10 @@ class PrefixIndex:
                 self.dropped_blocks_total += len(b)
                 stack.extend(h for h in b if h in waiting)
 
-    def _store(self, bit: int, step: tuple, tick: int, waiting: dict[bytes, list[tuple]]
-               ) -> None:
+    def _store(self, bit: int, step: tuple, tick: int, waiting: dict[bytes, list[tuple]],
+               touch: bool = True) -> None:
         a, b, c = step
-        res = self.tree.store(a, b, c, bit, tick)
+        res = self.tree.store(a, b, c, bit, tick, touch)
         if res.dropped == len(b):
             waiting.setdefault(a, []).append(step)
             return
@@ -795,7 +797,7 @@ class PrefixIndex:
         todo = [st for h in b[: len(b) - res.dropped] for st in waiting.pop(h, ())]
         while todo:
             a, b, c = todo.pop()
-            res = self.tree.store(a, b, c, bit, tick)
+            res = self.tree.store(a, b, c, bit, tick, touch)
             if res.dropped == len(b):
                 waiting.setdefault(a, []).append((a, b, c))
                 continue
@@ -825,6 +827,14 @@ class PrefixIndex:
             if blocks > self.max_blocks:
                 raise ResourceExhausted(f"events: more than {self.max_blocks} blocks in a batch")
         return plan
+
+    def _root_of(self, rep: Replica, salt: str) -> bytes | None:
+        """h_0 of `rep`'s model for `salt`; None for a salt no root can have (below the root a
+        salt is not needed, and one no chain could start with is not refused there)."""
+        try:
+            return self.hasher(rep.model_id).root(check_salt("cache_salt", salt))
+        except InvalidArgument:
+            return None
 
     def _check_stored(self, rep: Replica, i: int, ev: Stored) -> tuple[bytes, list[bytes]]:
         """Validate stored event `i`; returns its parent key (h_0 at the root) and hashes."""
@@ -862,8 +872,7 @@ class PrefixIndex:
                 # hang its blocks under another model's prompts.
                 raise InvalidArgument(f"events[{i}].stored.parent_hash",
                                       f"is the root of model {model!r}, not {rep.model_id!r}")
-            if model is not None or parent == self.hasher(rep.model_id).root(
-                    check_salt(f"events[{i}].stored.cache_salt", ev.cache_salt)):
+            if model is not None or parent == self._root_of(rep, ev.cache_salt):
                 # Named as a parent, a root's key was taken while another replica's chain had
                 # made the root, and its blocks silently dropped while none had.
                 raise InvalidArgument(f"events[{i}].stored.parent_hash",

@@ -289,12 +289,14 @@ class BlockTree:
     # -- stores and removals ---------------------------------------------------------------
 
     def store(self, parent_key: bytes, hashes: Sequence[bytes], token_ids: Sequence[int],
-              bit: int, clock: int) -> StoreResult:
+              bit: int, clock: int, touch: bool = True) -> StoreResult:
         """Record that replica slot `bit` holds the chain `hashes` continuing `parent_key`.
 
         Args:
             parent_key: a root key (h_0) or the hash of a known block.
             hashes: block hashes in chain order; `token_ids` holds their tokens, concatenated.
+            touch: the store is a use (known blocks are used at `clock`); off for a resync,
+                which restates holdings without using them.
         """
         table = self._table
         n = len(hashes)
@@ -326,12 +328,14 @@ class BlockTree:
                     # hits; the owner may give saved hits back).
                     self.unheld -= 1
                     self._drop_stale_queue()
+                    use[_USE * s + _LAST] = clock
                 use[_USE * s + _HOLD] = h | mask
                 held += 1
-            # Stored is used: a block another replica held, stored as this one's newest turn,
-            # kept its old recency and was pruned first as cold, and the turn after it was
-            # dropped for want of its parent.
-            use[_USE * s + _LAST] = clock
+            if touch:
+                # Stored is used: a block another replica held, stored as this one's newest
+                # turn, kept its old recency and was pruned first as cold, and the turn after
+                # it was dropped for want of its parent.
+                use[_USE * s + _LAST] = clock
             par = s
             j += 1
         if j == n:

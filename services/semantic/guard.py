@@ -166,6 +166,15 @@ _DEGREES = re.compile(r"\s*\u00b0\s*([CF](?![A-Za-z]))?|(?<![A-Za-z])degrees?\s+
 _DEGREE_NAMES = {"C": " Celsius", "F": " Fahrenheit"}
 
 
+def _degrees(m: re.Match) -> str:
+    """A degree sign or "degrees C" written out, as words. A space after them only before a
+    word ("40° Fahrenheit" was the one word "degreesFahrenheit"); none before a hyphen, which
+    stays a range's ("30°C-40°C": with a space, "-40" read as a negative number)."""
+    words = " degrees" + _DEGREE_NAMES.get(m.group(1) or m.group(2) or "", "")
+    after = m.string[m.end():m.end() + 1]
+    return words + " " if after.isalnum() else words
+
+
 def _tokens(text: str) -> list[str]:
     text = _unaccented(text.translate(_APOSTROPHES)).replace("\u2212", "-")
     # "non-stop" and "nonstop" are one word (and "non-smoking" the opposite of "smoking").
@@ -179,8 +188,7 @@ def _tokens(text: str) -> list[str]:
     text = _DOTTED.sub(lambda m: m.group(0).replace(".", "") + " ", text)
     # "400°F", "400 ° F" and "400 degrees F" are "400 degrees Fahrenheit" ("°C" and "C"
     # were an entity the other text lacked), a "°" alone is "degrees".
-    text = _DEGREES.sub(
-        lambda m: " degrees" + _DEGREE_NAMES.get(m.group(1) or m.group(2) or "", "") + " ", text)
+    text = _DEGREES.sub(_degrees, text)
     text = _BARE_NOT.sub(lambda m: m.group(1) + "n't", text)
     text = re.sub(r"n't\b", " n't", text, flags=re.IGNORECASE)
     return ["n't" if t.lower() == "n't" else t for t in _TOKEN.findall(text)]

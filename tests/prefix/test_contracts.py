@@ -263,6 +263,30 @@ def test_a_block_keyed_as_a_root_is_refused(clock, hasher):
     index.check_integrity()
 
 
+def test_a_resync_restates_shared_blocks_without_using_them(clock, hasher):
+    """The diff review of the fix above: a resync re-sends a replica's whole holdings, and
+    every block another replica also held became used just now: a leaf never matched was
+    kept and one matched three times pruned."""
+    shallow = 2 * BS
+    index = make_index(clock, policy=HybridPolicy(shallow), min_deep_hits=1,
+                       cold_after_ticks=5)
+    reg(index)
+    reg(index, "b")
+    base = toks(1, 2)
+    x, y = base + toks(3), base + toks(4)  # deep leaves: x never matched, y matched
+    for rid in ("a", "b"):
+        index.publish(rid, "i1", 1, [stored(hasher, y), stored(hasher, x, start=2)])
+    for _ in range(3):
+        matched(index, y)
+    for _ in range(10):
+        index.match(MODEL, token_ids=toks(9), probe=True)
+    index.publish("b", "i1", 2, [stored(hasher, y), stored(hasher, x, start=2)], resync=True)
+    tree = index.tree
+    gone = tree.prune(len(tree) - 1, HybridPolicy(shallow), shallow, 1, index._recent_since())
+    assert gone == [hasher.hashes(x)[-1]]
+    index.check_integrity()
+
+
 @pytest.mark.parametrize("made", [False, True])
 def test_a_roots_key_named_as_a_parent_is_refused(clock, hasher, made):
     """A prefix review: a chain sent with its root's key (h_0) as parent_hash was accepted and

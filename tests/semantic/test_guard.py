@@ -178,6 +178,9 @@ TRAPS = [
     ("Is it safe to eat raw eggs?", "Is it dangerous to eat raw eggs?", "contrast"),
     ("Is the OS up to date?", "Is the macOS up to date?", "entities"),
     ("Is the UK richer than the united states?", "Is the US richer than the UK?", "order"),
+    # The diff review of that fix: a space after "°C" made a range's "-30" a negative number.
+    ("Can a car battery work between 20°C-30°C?", "Can a car battery work between 20°C and "
+     "-30°C?", "numbers"),
 ]
 
 PARAPHRASES = [
@@ -325,6 +328,10 @@ def test_guard_refuses_traps(query, cached, check):
     # The mutation audit's "40° Fahrenheit" (read as "degreesFahrenheit" and refused); the
     # learned verifier scores it at 0.871, under its standard cut (0.88).
     ("Is 40° Fahrenheit cold?", "Is 40°F cold?"),
+    # ... and a range written with a hyphen after a degree sign, refused with that space.
+    ("Is it safe to store vaccines at 2°C-8°C?", "Is it safe to store vaccines at 2°C to 8°C?"),
+    ("Is 20 degrees C-25 degrees C ideal for sleep?",
+     "Is 20 degrees C to 25 degrees C ideal for sleep?"),
     # Contrast words used in no contrasting sense ("the most", "of all time"); the learned
     # verifier scores these just under its strict / standard cuts.
     ("What is the most popular sport in India?", "Which sport is the most popular in India?"),
