@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from services.common.hashing import MAX_SALT_CHARS
 from services.common.policy import HybridPolicy
 from services.prefix.index import Load
 
@@ -307,6 +308,18 @@ def test_a_roots_key_named_as_a_parent_is_refused(clock, hasher, made):
     got = matched(index, toks(1, 2))
     assert got["a"] == 2 and got.get("b", 0) == (1 if made else 0)
     index.check_integrity()
+
+
+@pytest.mark.parametrize("salt", ["x" * (MAX_SALT_CHARS + 1), "a\0b"])
+def test_a_salt_below_the_root_is_not_checked(clock, hasher, salt):
+    """Only a chain from the root needs its salt (the proto says so): the check for a root's
+    key named as parent refused a batch for a salt below the root that nothing reads."""
+    index = make_index(clock)
+    reg(index)
+    index.publish("a", "i1", 1, [stored(hasher, toks(1))])
+    below = stored(hasher, toks(1, 2), start=1)._replace(cache_salt=salt)
+    assert index.publish("a", "i1", 2, [below]).applied
+    assert matched(index, toks(1, 2)) == {"a": 2}
 
 
 @pytest.mark.parametrize("field, value", [
