@@ -172,7 +172,8 @@ def _degrees(m: re.Match) -> str:
     stays a range's ("30°C-40°C": with a space, "-40" read as a negative number)."""
     words = " degrees" + _DEGREE_NAMES.get(m.group(1) or m.group(2) or "", "")
     after = m.string[m.end():m.end() + 1]
-    return words + " " if after.isalnum() else words
+    # A space the match took ("40.7° -74.0°") is given back: "-74.0" keeps its sign.
+    return words + " " if after.isalnum() or m.group(0)[-1:].isspace() else words
 
 
 def _tokens(text: str) -> list[str]:

@@ -181,6 +181,10 @@ TRAPS = [
     # The diff review of that fix: a space after "°C" made a range's "-30" a negative number.
     ("Can a car battery work between 20°C-30°C?", "Can a car battery work between 20°C and "
      "-30°C?", "numbers"),
+    # ... and a second review: the space a bare "°" took was not given back ("-74.0" lost
+    # its sign).
+    ("What is at 40.7° -74.0°?", "What is at 40.7° 74.0°?", "numbers"),
+    ("Is 0° -5° a big drop?", "Is 0° 5° a big drop?", "numbers"),
 ]
 
 PARAPHRASES = [
