@@ -14,7 +14,7 @@ between steps throughout, and nothing may be held at the end.
 A review ran ~8,000 such schedules (about 47,000 requests) with no divergence; bugs injected
 into the engine (a rollback of rejected draft blocks skipped, a tree path's K/V not moved, a
 copy-on-write skipped, a row move one token short) each failed some of them. The seeds here
-are a bounded slice of that (64; each of those four bugs fails 5-25 of them):
+are a bounded slice of that (64; each of those four bugs fails 5-29 of them):
 `KVPOOL_DIFFERENTIAL_SEEDS=N` runs more.
 """
 
@@ -34,7 +34,8 @@ from services.kvpool.block_pool import BlockPool
 from services.kvpool.drafting import LadderChoice, choose_ladder
 from services.kvpool.engine import Engine, EngineRequest, Failed, Finished, TokenDelta, model_info
 from services.kvpool.sampling import SamplingSpec
-from tests.kvpool.conftest import TINY_ID, TINY_VOCAB, collect, make_tiny_model
+from tests.assisted.test_assisted_engine import checking_integrity
+from tests.kvpool.conftest import TINY_ID, TINY_VOCAB, assert_idle, collect, make_tiny_model
 
 pytestmark = pytest.mark.timeout(600)
 EOS = TINY_VOCAB - 1
@@ -212,17 +213,6 @@ def run(s: dict, refs: References) -> list[str]:
                                                       s["engine"]["max_draft_tokens"]),
                                         "measured", costs)
     problems: list[str] = []
-    done = threading.Event()
-
-    def check_between_steps() -> None:
-        while not done.is_set():
-            try:
-                eng.call(eng.check_integrity).result(30)
-            except BaseException as e:  # noqa: BLE001 - reported below
-                problems.append(f"integrity during the run: {e!r}")
-                return
-            time.sleep(0.002)
-
     state = {x["id"]: {"toks": [], "end": None, "sid": None, "out": None, "sent": False,
                        "cancelled": False} for x in s["reqs"] + s["pins"]}
 
@@ -241,10 +231,8 @@ def run(s: dict, refs: References) -> list[str]:
             eng.cancel(st["sid"])
             st["cancelled"] = True
 
-    checker = threading.Thread(target=check_between_steps, daemon=True)
-    checker.start()
     t0 = time.monotonic()
-    try:
+    with checking_integrity(eng) as failures:
         # The first batch is sent while the engine is held, so that it is admitted together.
         gate, held = threading.Event(), threading.Event()
         eng.call(lambda: (held.set(), gate.wait(60)))
@@ -288,19 +276,11 @@ def run(s: dict, refs: References) -> list[str]:
                 break
             assert time.monotonic() - t0 < 240, "the schedule did not finish"
             time.sleep(0.002)
-    finally:
-        done.set()
-        checker.join(30)
-    end = time.monotonic() + 10
-    while True:
-        pool = eng.call(lambda: (eng.check_integrity(), eng.pool.stats())[1]).result(30)
-        es = eng.stats()
-        if pool.in_use == 0 and es.running == 0 and es.waiting == 0:
-            break
-        if time.monotonic() > end:
-            problems.append(f"not idle at the end: {pool} {es}")
-            break
-        time.sleep(0.02)
+    problems += [f"integrity during the run: {e!r}" for e in failures]
+    try:
+        assert_idle(eng)
+    except AssertionError as e:
+        problems.append(str(e))
     eng.stop()
     for x in s["pins"]:
         end_ = state[x["id"]]["end"]
