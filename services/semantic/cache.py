@@ -11,6 +11,7 @@ SQLite: snapshot.py). Everything here is plain Python: the gRPC adapter is `serv
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import itertools
 import logging
@@ -890,21 +891,19 @@ class SemanticCache:
         with self._lock:
             labels = list(self._ns_lru.get(ns, ()))
             index = self._indexes.get(ns)
+        # Its tombstones pass a quarter of the entries long before the end, and would start a
+        # rebuild of an index about to be emptied and thrown away.
+        held = index.merges_held() if index is not None else contextlib.nullcontext()
         gone: list[int] = []
         try:
             self.store.delete(labels, gone)
-        except BaseException:
-            # A failure past the first chunk (a full disk) had left the rows already deleted
-            # from SQLite served from memory until the next restart: they leave it now, and a
-            # retry of the Invalidate removes the rest.
-            self._drop_in_chunks(gone)
-            raise
-        if index is None:
-            return self._drop_in_chunks(labels)
-        # Its tombstones pass a quarter of the entries long before the end, and would start a
-        # rebuild of an index about to be emptied and thrown away.
-        with index.merges_held():
-            return self._drop_in_chunks(labels)
+        finally:
+            # What left SQLite leaves memory: all of it, or after a failure past the first
+            # chunk (a full disk) the rows already deleted, which were served until the next
+            # restart; a retry of the Invalidate removes the rest.
+            with held:
+                n = self._drop_in_chunks(gone)
+        return n
 
     def _drop_in_chunks(self, labels: list[int]) -> int:
         """Drops `labels` from memory (already deleted from SQLite), a chunk per lock hold:
@@ -931,21 +930,18 @@ class SemanticCache:
         gone: list[int] = []
         try:
             self.store.delete(labels, gone)
-        except BaseException:
-            # Rows deleted before the failure leave memory too; the rest are retried next tick.
+        finally:
+            # What left SQLite leaves memory (after a failure, the rows deleted before it);
+            # the rest are due again at the next tick.
             n = self._drop_in_chunks(gone)
-            done = set(gone)
             with self._lock:
                 self._expired += n
-                for item in due:
-                    if item[1] not in done:
-                        heapq.heappush(self._expiry_heap, item)
+                if len(gone) < len(labels):
+                    done = set(gone)
+                    for item in due:
+                        if item[1] not in done:
+                            heapq.heappush(self._expiry_heap, item)
             self._m["expirations"].inc(n)
-            raise
-        n = self._drop_in_chunks(labels)
-        with self._lock:
-            self._expired += n
-        self._m["expirations"].inc(n)
         self._compact_expiry_heap()
         return n
 
