@@ -1,4 +1,6 @@
+import dataclasses
 import json
+import time
 
 import pytest
 
@@ -13,6 +15,32 @@ def reg(**kw):
                 max_concurrent=2)
     base.update(kw)
     return TenantRegistry.build(**base)
+
+
+def limited(r: TenantRegistry):
+    """`r`'s first tenant limited to 1 request/s with a burst of 3, and the test clock `r`
+    now reads (at 100 s)."""
+    from tests.clock import Clock
+
+    r.clock = clock = Clock(100.0)
+    return dataclasses.replace(r.by_token[next(iter(r.by_token))], rate_per_s=1.0,
+                               burst=3), clock
+
+
+def until(cond, timeout: float = 5.0) -> bool:
+    """Waits up to `timeout` for `cond()` (a watcher's reload); its last value."""
+    t0 = time.monotonic()
+    while not cond() and time.monotonic() - t0 < timeout:
+        time.sleep(0.02)
+    return cond()
+
+
+def tenant_of(r: TenantRegistry, token: str) -> str | None:
+    """The tenant `token` authenticates as in `r`; None when it is refused."""
+    try:
+        return r.authenticate({"authorization": f"Bearer {token}"}).name
+    except Unauthenticated:
+        return None
 
 
 def test_no_tokens_means_default_tenant_without_auth():
@@ -206,14 +234,10 @@ def test_a_call_worth_more_prefills_than_the_bucket_allows_is_refused_up_front()
     Warm: 32 prefills cost a tenant limited to 1 request/s a ~4 s wait (~8 prefills a
     second). Now a call that would go past the floor is refused before any prefill, its own
     request given back; one past 2 x burst can never run, and is told so."""
-    import dataclasses
-
     from services.common.errors import Overloaded
-    from tests.clock import Clock
 
     r = reg(tokens="t=a")
-    t = dataclasses.replace(r.by_token[next(iter(r.by_token))], rate_per_s=1.0, burst=3)
-    r.clock = clock = Clock(100.0)
+    t, clock = limited(r)
     r.check_rate(t)  # the Warm itself: 2 left
     r.afford(t, 5)  # 2 - 5 = -3: at the floor, allowed
     r.charge(t, 5)
@@ -238,7 +262,6 @@ def test_a_changed_tokens_file_is_read_again_and_a_bad_one_leaves_the_old_tokens
     restarted. Requests under way and rate buckets stay (by tenant)."""
     import logging
     import threading
-    import time
 
     from services.orchestrator.tenants import watch_tokens_file
 
@@ -249,18 +272,8 @@ def test_a_changed_tokens_file_is_read_again_and_a_bad_one_leaves_the_old_tokens
     r.acquire(a)  # a request under way across the reload
     stop = threading.Event()
 
-    def until(cond):
-        t0 = time.monotonic()
-        while not cond() and time.monotonic() - t0 < 5:
-            time.sleep(0.02)
-        return cond()
-
     def refused(token):
-        try:
-            r.authenticate({"authorization": f"Bearer {token}"})
-        except Unauthenticated:
-            return True
-        return False
+        return tenant_of(r, token) is None
 
     with caplog.at_level(logging.INFO, logger="services.orchestrator.tenants"):
         watch_tokens_file(r, lambda: reg(tokens_file=str(f)), str(f), 0.02, stop)
@@ -285,7 +298,6 @@ def test_a_passing_read_error_is_retried_not_taken_as_the_version_seen(tmp_path)
     """A deploy review: a version whose read failed once (EMFILE) was marked seen and never
     taken: the removed token kept working until the file changed again."""
     import threading
-    import time
 
     from services.orchestrator.tenants import watch_tokens_file
 
@@ -303,13 +315,7 @@ def test_a_passing_read_error_is_retried_not_taken_as_the_version_seen(tmp_path)
     watch_tokens_file(r, build, str(f), 0.02, stop)
     time.sleep(0.1)
     f.write_text(json.dumps({"tok-b": {"tenant": "b"}}))
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 5:
-        try:
-            r.authenticate({"authorization": "Bearer tok-b"})
-            break
-        except Unauthenticated:
-            time.sleep(0.02)
+    until(lambda: tenant_of(r, "tok-b") is not None)
     stop.set()
     assert not failures
     assert r.authenticate({"authorization": "Bearer tok-b"}).name == "b"
@@ -322,7 +328,6 @@ def test_the_watcher_survives_any_bad_version_and_misses_no_change_after_its_rea
     (a token removed later kept working); and a change between the start's read and the
     watcher's first look was never read."""
     import threading
-    import time
 
     from services.orchestrator.tenants import file_version, watch_tokens_file
 
@@ -334,21 +339,12 @@ def test_the_watcher_survives_any_bad_version_and_misses_no_change_after_its_rea
     stop = threading.Event()
     t = watch_tokens_file(r, lambda: reg(tokens_file=str(f)), str(f), 0.02, stop, seen=version)
 
-    def until(token):
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 5:
-            try:
-                return r.authenticate({"authorization": f"Bearer {token}"}).name
-            except Unauthenticated:
-                time.sleep(0.02)
-        return None
-
-    assert until("tok-b") == "b"
+    assert until(lambda: tenant_of(r, "tok-b") == "b")
     f.write_text("[" * 200_000)
     time.sleep(0.2)
     assert t.is_alive()
     f.write_text(json.dumps({"tok-c": {"tenant": "c"}}))
-    assert until("tok-c") == "c"
+    assert until(lambda: tenant_of(r, "tok-c") == "c")
     with pytest.raises(Unauthenticated):
         r.authenticate({"authorization": "Bearer tok-b"})
     stop.set()
@@ -367,13 +363,8 @@ def test_a_refund_never_lifts_the_bucket_past_its_burst():
     """A mutation audit: a refund added its request back without the burst's cap, so a call
     refused after the bucket had refilled left the tenant more than `burst` requests to
     spend at once."""
-    import dataclasses
-
-    from tests.clock import Clock
-
     r = reg(tokens="t=a")
-    t = dataclasses.replace(r.by_token["t"], rate_per_s=1.0, burst=3)
-    r.clock = clock = Clock(100.0)
+    t, clock = limited(r)
     r.check_rate(t)  # 2 left
     clock.t += 5.0  # refilled to the burst: 3
     r.refund(t)  # the request given back finds the bucket already full
@@ -384,14 +375,10 @@ def test_a_call_needing_exactly_twice_the_burst_is_told_to_retry_not_refused_for
     """A mutation audit: `need > 2 * burst` is the line between "retry later" and "never":
     a call needing exactly 2 x burst prefills fits once the bucket is full (burst now, down to
     -burst after), so it must be Overloaded (retryable), not a final RESOURCE_EXHAUSTED."""
-    import dataclasses
-
     from services.common.errors import Overloaded
-    from tests.clock import Clock
 
     r = reg(tokens="t=a")
-    t = dataclasses.replace(r.by_token["t"], rate_per_s=1.0, burst=3)
-    r.clock = Clock(100.0)
+    t, _ = limited(r)
     r.check_rate(t)
     r.check_rate(t)  # 1 left
     with pytest.raises(Overloaded, match=r"needs 6 prefills.*retry in "):
@@ -404,7 +391,6 @@ def test_the_watcher_follows_a_tokens_file_under_the_home_folder(tmp_path, monke
     "~/t.json" was never readable to it, so every later version went unseen and a token
     removed from the file kept working until a restart."""
     import threading
-    import time
 
     from services.orchestrator.tenants import watch_tokens_file
 
@@ -417,13 +403,7 @@ def test_the_watcher_follows_a_tokens_file_under_the_home_folder(tmp_path, monke
     try:
         time.sleep(0.1)  # the watcher has read the first version
         f.write_text(json.dumps({"tok-b": {"tenant": "b"}}))  # tok-a removed
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 5:
-            try:
-                r.authenticate({"authorization": "Bearer tok-a"})
-            except Unauthenticated:
-                break
-            time.sleep(0.02)
+        until(lambda: tenant_of(r, "tok-a") is None)
         with pytest.raises(Unauthenticated):
             r.authenticate({"authorization": "Bearer tok-a"})
         assert r.authenticate({"authorization": "Bearer tok-b"}).name == "b"
