@@ -20,8 +20,8 @@ import re
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
-from collections.abc import Callable, Sequence
+from collections import Counter, OrderedDict, deque
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
 
@@ -299,6 +299,10 @@ class SemanticCache:
         # variants identically, and they can fill every near slot.
         self._by_prompt: dict[tuple[Namespace, str], int] = {}
         self._verify_lock = threading.Lock()  # Verify calls, one at a time (see verify)
+        # Namespaces an Invalidate is removing entries of (how many Invalidates): a Store into
+        # one waits for the end (see `_removal`).
+        self._removing: Counter[Namespace] = Counter()
+        self._removed = threading.Condition(self._lock)
         # Indexes of namespaces emptied while a merge of theirs ran: shutdown still waits on it.
         self._retired: list[NamespaceIndex] = []
         self._ns_lru: dict[Namespace, OrderedDict[int, None]] = {}
@@ -667,6 +671,10 @@ class SemanticCache:
         stands: Entry | None = None
         try:
             with self._lock:
+                while self._removing[ns]:
+                    # An Invalidate is removing the entries it read of this namespace (see
+                    # `_removal`); about a second per 100k entries.
+                    self._removed.wait()
                 # Same prompt again: the new answer replaces the old one.
                 old = self._by_prompt.get((ns, prompt))
                 if old is not None and old > label:
@@ -879,30 +887,56 @@ class SemanticCache:
             raise InvalidArgument("id", "required")
         e = self.get(entry_id)
         _still(wanted, "removal")
-        self.store.delete([e.label])
-        with self._lock:
-            n = 1 if self._drop_locked(e.label) is not None else 0
-            self._m["entries"].set(len(self._entries))
+        def held() -> list[int]:
+            return [e.label] if e.label in self._entries else []
+
+        with self._removal(e.namespace, held) as labels:
+            if not labels:  # gone since `get` (replaced, evicted, expired, invalidated)
+                raise NotFound(f"id: no entry {shown(entry_id)}")
+            self.store.delete(labels)
+            with self._lock:
+                n = 1 if self._drop_locked(e.label) is not None else 0
+                self._m["entries"].set(len(self._entries))
         return n
+
+    @contextlib.contextmanager
+    def _removal(self, ns: Namespace, read: Callable[[], list[int]]) -> Iterator[list[int]]:
+        """An Invalidate of `ns`'s entries `read()` (read under the lock): from SQLite, then
+        memory. Meanwhile a Store into `ns` waits. One that replaced (or evicted) an entry read
+        between the read and the removal dropped it first, and the Invalidate counted it as not
+        there (removed=0 while the namespace held an answer to that prompt throughout: a count
+        no order of the two calls gives). Expiry and evictions by Stores into other namespaces
+        of the tenant may still take one meanwhile; they count it."""
+        with self._lock:
+            labels = read()
+            self._removing[ns] += 1
+        try:
+            yield labels
+        finally:
+            with self._lock:
+                self._removing[ns] -= 1
+                if not self._removing[ns]:
+                    del self._removing[ns]
+                    self._removed.notify_all()
 
     def invalidate_namespace(self, ns: Namespace) -> int:
         """Removes every entry of a namespace; returns how many."""
         ns = self._check_namespace(ns)
-        with self._lock:
-            labels = list(self._ns_lru.get(ns, ()))
-            index = self._indexes.get(ns)
-        # Its tombstones pass a quarter of the entries long before the end, and would start a
-        # rebuild of an index about to be emptied and thrown away.
-        held = index.merges_held() if index is not None else contextlib.nullcontext()
-        gone: list[int] = []
-        try:
-            self.store.delete(labels, gone)
-        finally:
-            # What left SQLite leaves memory: all of it, or after a failure past the first
-            # chunk (a full disk) the rows already deleted, which were served until the next
-            # restart; a retry of the Invalidate removes the rest.
-            with held:
-                n = self._drop_in_chunks(gone)
+        with self._removal(ns, lambda: list(self._ns_lru.get(ns, ()))) as labels:
+            with self._lock:
+                index = self._indexes.get(ns)
+            # Its tombstones pass a quarter of the entries long before the end, and would start
+            # a rebuild of an index about to be emptied and thrown away.
+            held = index.merges_held() if index is not None else contextlib.nullcontext()
+            gone: list[int] = []
+            try:
+                self.store.delete(labels, gone)
+            finally:
+                # What left SQLite leaves memory: all of it, or after a failure past the first
+                # chunk (a full disk) the rows already deleted, which were served until the
+                # next restart; a retry of the Invalidate removes the rest.
+                with held:
+                    n = self._drop_in_chunks(gone)
         return n
 
     def _drop_in_chunks(self, labels: list[int]) -> int:

@@ -404,6 +404,57 @@ def test_invalidating_a_large_namespace_starts_no_index_rebuild(make_cache, monk
     c.check_integrity()
 
 
+@pytest.mark.parametrize("by", ["id", "namespace"])
+def test_a_store_into_a_namespace_being_invalidated_waits_for_the_invalidation(
+        make_cache, monkeypatch, by):
+    """An Invalidate read the namespace's entries; a Store of the same prompt then replaced
+    the entry before the Invalidate removed it, and the Invalidate said removed=0 while the
+    namespace held an answer to that prompt throughout (a count no order of the two calls
+    gives: 9 of 300 races through gRPC). The Store now waits for the Invalidate's end."""
+    c = make_cache()
+    old = c.store_entry(A, "query", "old answer")
+    deleting, proceed, waiting = threading.Event(), threading.Event(), threading.Event()
+    real_delete = c.store.delete
+
+    def gated(labels, committed=None):
+        if not deleting.is_set():  # the Invalidate's delete: held until the Store has run
+            deleting.set()
+            assert proceed.wait(30)
+        return real_delete(labels, committed)
+
+    class Watched(threading.Condition):
+        def wait(self, timeout=None):
+            waiting.set()
+            return super().wait(timeout)
+
+    monkeypatch.setattr(c.store, "delete", gated)
+    monkeypatch.setattr(c, "_removed", Watched(c._lock), raising=False)
+    out: dict[str, object] = {}
+
+    def invalidate() -> None:
+        out["removed"] = (c.invalidate_id(old.id) if by == "id"
+                          else c.invalidate_namespace(A))
+
+    inv = threading.Thread(target=invalidate, daemon=True)
+    inv.start()
+    assert deleting.wait(30)
+    st = threading.Thread(target=lambda: out.setdefault("new", c.store_entry(
+        A, "query", "new answer")), daemon=True)
+    st.start()
+    deadline = time.monotonic() + 30
+    while st.is_alive() and not waiting.is_set() and time.monotonic() < deadline:
+        time.sleep(0.005)  # until the Store has replaced the entry, or waits
+    proceed.set()
+    inv.join(30)
+    st.join(30)
+    assert not inv.is_alive() and not st.is_alive()
+    assert out["removed"] == 1
+    r = c.lookup(A, "query", tier="strict")
+    assert r.hit and r.entry.answer == "new answer"
+    assert c.stats().entries == 1 and c.store.count() == 1
+    c.check_integrity()
+
+
 def test_a_delta_capacity_of_one_merges_and_then_rests():
     """3/4 of a capacity of 1 rounds to 0: the merge loop must not take "0 rows >= 0" as work
     left and rebuild forever."""
