@@ -15,6 +15,7 @@ Lifecycle of a replica, in the index's eyes:
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -282,6 +283,8 @@ class PrefixIndex:
         # calls come). A gap far past its period is a pause of this process, not of replicas.
         self._swept_at: float | None = None
         self._sweep_period = lease_seconds / 4
+        # When a call last entered the index (`_expire`): a call served proves the process ran.
+        self._active_at = -math.inf
         self._tick = 0
         self.matches_total = self.matches_hit = 0
         self.match_blocks_total = self.match_blocks_hit = 0
@@ -505,9 +508,9 @@ class PrefixIndex:
     def _forgive_pause(self, now: float) -> None:
         """Pushes every lease back by the time this process stood still (SIGSTOP, a VM or
         container paused, a host swapping), seen as the sweeper's turn late by over half a
-        lease: the index's own pause read as every replica's silence, and it dropped them all
-        at once on waking (each then resynced from a full snapshot, and the hit history of
-        every block was lost).
+        lease with no call served meanwhile: the index's own pause read as every replica's
+        silence, and it dropped them all at once on waking (each then resynced from a full
+        snapshot, and the hit history of every block was lost).
 
         The hits kept for one lease (a lapsed replica's, and those a resync or a return from
         a lapse still has to give back) are kept that much longer too: a replica whose lease
@@ -515,12 +518,15 @@ class PrefixIndex:
         the Register waited for an index that could not answer."""
         if self._swept_at is None:
             return
-        gap = now - self._swept_at
+        # The last sign that the process ran: the sweeper's turn, or a call served since. A
+        # sweeper starved while calls came (a busy lock, the GIL) is not a pause: read as one,
+        # it pushed a silent replica's lease past its end while the index answered every 50 ms.
+        gap = now - max(self._swept_at, self._active_at)
         if gap <= self.lease_seconds / 2:
             return
         # The sweeper's own period was time the index ran: only the lateness is forgiven (a
         # sweeper late at every turn still lets a silent replica's lease run out).
-        stood = gap - self._sweep_period
+        stood = now - max(self._swept_at + self._sweep_period, self._active_at)
         for rep in self._replicas.values():
             rep.deadline += stood
             rep.usage_until += stood
@@ -533,6 +539,7 @@ class PrefixIndex:
 
     def _expire(self, now: float, force: bool = False) -> list[str]:
         self._forgive_pause(now)
+        self._active_at = max(self._active_at, now)
         if now < self._next_deadline and not force:
             return []
         gone = [r for r in self._replicas.values() if r.deadline <= now]

@@ -773,6 +773,24 @@ def test_a_pause_of_the_index_itself_drops_no_replica_but_silence_while_sweeping
     index.check_integrity()
 
 
+def test_a_sweeper_starved_while_calls_are_served_is_no_pause_of_the_index(index, hasher,
+                                                                           clock):
+    """The sweeper's turn late by over half a lease was read as a pause of the whole index
+    even while other calls were served (a busy lock, the GIL): every lease was pushed back by
+    its lateness, and a silent replica was matched past its lease's end (seen over gRPC by a
+    concurrency review: 0.09 s past a 0.5 s lease)."""
+    reg(index, "a")
+    reg(index, "b")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    index.sweep()  # and then no turn of the sweeper
+    for _ in range(21):  # b's heartbeat every 0.5 s, 10.5 s on a 10 s lease: the index ran
+        clock.t += 0.5
+        assert index.heartbeat("b", "i1", Load()).known
+    assert "a" not in matched(index, toks(1, 2))
+    assert [r.replica_id for r in index.stats().replicas] == ["b"]
+    index.check_integrity()
+
+
 def test_a_sweeper_late_at_every_turn_still_lets_a_silent_replicas_lease_run_out(index,
                                                                                   clock):
     # Forgiving the whole gap since the last sweep (its period included) at every late turn
