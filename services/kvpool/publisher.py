@@ -32,7 +32,8 @@ from services.kvpool.block_pool import AllCleared, BlocksRemoved, BlocksStored, 
 
 log = logging.getLogger(__name__)
 
-# Beyond this many unsent events while the index is unreachable, drop them and resync instead.
+# Beyond this many unsent events (the index unreachable, or slower than the pool changes), drop
+# them and resync instead.
 # Only incremental events count: the rest of a snapshot waiting to go out is not a backlog (a
 # replica may hold more blocks than this).
 MAX_BACKLOG = 50_000
@@ -353,8 +354,11 @@ class Publisher:
         cap_blocks = MAX_BACKLOG_POOLS * max(1, self.engine.pool.num_blocks)
         if (len(self._backlog) - self._snapshot_left > MAX_BACKLOG
                 or self._taken_blocks > cap_blocks):
-            log.warning("prefix index unreachable: dropping %d events (%d blocks), will resync",
-                        len(self._backlog), self._taken_blocks)
+            # Unreachable, or slower than this pool changes (a small pool evicting hundreds of
+            # blocks a second outruns one slow call): the index cannot be told of each change.
+            log.warning("prefix index behind (unreachable or slow): %d events (%d blocks; the "
+                        "limit is %d events or %d blocks) dropped, will resync",
+                        len(self._backlog), self._taken_blocks, MAX_BACKLOG, cap_blocks)
             self._backlog.clear()
             self._snapshot_left = 0
             self._taken_blocks = 0
