@@ -166,3 +166,25 @@ def test_forward_costs_times_every_length_from_undisturbed_sweeps(tiny_model):
 
     costs = forward_costs(tiny_model, 5, sweeps=3)
     assert sorted(costs) == [1, 2, 3, 4, 5] and all(c > 0 for c in costs.values())
+
+
+def test_the_top_rung_counts_the_models_own_token():
+    """The top rung maximises (g + 1) / costs[g + 1] (every forward also emits the model's own
+    token), not g / costs[g + 1]: here 2 tokens (3 per 1.45) beat 4 (5 per 2.6)."""
+    costs = {1: 1.0, 2: 1.0, 3: 1.45, 4: 2.2, 5: 2.6}
+    assert frontier(costs, 4) == (1, 2, 3, 4)
+    assert choose_ladder(costs, 4) == (1, 2, 2)
+
+
+def test_a_shorter_length_joins_the_frontier_only_when_two_percent_cheaper():
+    """Timing noise: a length 1.5% cheaper than a longer one is not on the frontier, 2.1% is."""
+    assert frontier({1: 1.0, 2: 0.985, 3: 1.0}, 2) == (2,)
+    assert frontier({1: 1.0, 2: 0.979, 3: 1.0}, 2) == (1, 2)
+
+
+def test_guesses_are_cheap_at_exactly_guess_cost_max_unit() -> None:
+    """'at most GUESS_COST_MAX of a 1-token decode step': the bound itself counts."""
+    from services.kvpool.drafting import GUESS_COST_MAX, LadderChoice
+
+    assert LadderChoice((1, 2, 16), "measured", (1.0, GUESS_COST_MAX)).cheap_guesses
+    assert not LadderChoice((1, 2, 16), "measured", (1.0, GUESS_COST_MAX + 0.01)).cheap_guesses

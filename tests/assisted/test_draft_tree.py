@@ -402,3 +402,37 @@ def test_a_seeded_sampled_batch_is_the_same_with_trees(make_engine, tiny_model) 
         if temperature < 0.1:
             assert len(made) > before, (temperature, seed)
     assert_idle(eng)
+
+
+def test_alternatives_are_the_cheapest_frontier_length() -> None:
+    top = 8
+    mild = tuple(1.0 + 0.1 * q for q in range(top + 2))  # every length on the frontier
+    d = proposing(DRAFT, [1, 2, 9], branches=4, costs=mild, top=top)
+    assert d.lengths[0] == 1 and d.lengths[-1] == top
+    d.alt_yield = (10.0, 10.0)
+    alts = d.alternatives([1, 2, 9], top)
+    assert alts and all(a.tokens == DRAFT[a.start:a.start + 1] for a in alts)
+
+
+def test_a_path_along_the_proposal_credits_the_alternatives_nothing() -> None:
+    d = proposing(DRAFT, [1, 2, 9], branches=4)
+    alts = d.alternatives([1, 2, 9], 16)
+    tree = Tree.of([d.branch(), *alts])
+    before = d.alt_yield
+    path, _ = tree.walk(lambda i: DRAFT[d.start + (0 if i < 0 else tree.depths[i])]
+                        if (0 if i < 0 else tree.depths[i]) < len(d.pending.tokens) else None)
+    assert path == list(range(len(d.pending.tokens)))  # the proposal verified in full
+    assert d.follow(tree, path) == 0
+    assert d.alt_yield == (drafting.DECAY * before[0], drafting.DECAY * before[1] + len(alts))
+
+
+def test_alternatives_never_restart_at_the_proposals_own_position() -> None:
+    """A batch cut the proposal to one token; its alternatives are the *other* positions (2
+    of them with branches=4), not the proposal's own continuation."""
+    top = 8
+    flat = tuple([1.0] * (top + 2))
+    d = proposing(DRAFT, [1, 2, 9], branches=4, costs=flat, top=top)
+    assert d.start == 2 and len(d.pending.tokens) == top
+    d.trim(1)
+    alts = d.alternatives([1, 2, 9], top, room=16)
+    assert sorted(a.start for a in alts) == [6, 10]

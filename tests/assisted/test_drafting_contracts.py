@@ -198,3 +198,52 @@ def test_the_proposal_grows_while_proposals_verify_unit() -> None:
     # has 122. Another guess, one rung up (4), verifies too: the next is the top rung.
     assert sizes == [8, 8, 8, 1, 4, 8]
     assert gen[:30] == answer[:30]
+
+
+TAIL = list(range(300, 312))  # 12 distinct tokens that end the context
+
+
+def test_a_match_is_ranked_by_up_to_32_tokens_not_fewer() -> None:
+    """The draft holds the context's last 9 tokens (then 500) near its start and its last 12
+    (then 600) further on: the 12-token match wins although the 9-token one is nearer the
+    hint (a cap of 8 would tie them and pick the nearer)."""
+    draft = [1] + TAIL[-9:] + [500] + [2, 3, 4] + TAIL + [600, 5, 6]
+    d = Draft.of(draft, self_lookup=False)
+    d.record(0)  # past the first proposal
+    assert d.propose(PROMPT + TAIL, 16)[:1] == [600]
+    assert d.matched == 12
+
+
+def test_prompt_lookup_takes_the_latest_of_many_equal_matches() -> None:
+    """'5 6' occurs 100 times in the context, each time followed by a new token: lookup
+    proposes what followed the latest (199), not one of the first 64."""
+    d = Draft.of([900, 901])
+    d.record(0)
+    ctx = [t for i in range(100) for t in (5, 6, 100 + i)] + [5, 6]
+    prop = d.propose(ctx, 16)
+    assert d.pending.source is Source.LOOKUP
+    assert prop == [199, 5, 6][:d.ladder[1]]
+
+
+def test_lookup_accepted_counts_only_the_tokens_used() -> None:
+    """A stop token among the accepted ends the answer: the accepted counts (and the lookup
+    share of them) report the tokens used."""
+    d = Draft.of([200, 201, 202])
+    d.record(0)
+    prop = d.propose([5, 6, 7, 8, 9, 5, 6], 16)
+    assert d.pending.source is Source.LOOKUP and len(prop) >= 2
+    d.record(len(prop), used=1)
+    assert d.accepted == d.accepted_lookup == 1
+
+
+def test_a_proposal_that_failed_at_once_does_not_move_the_hint() -> None:
+    """'among equal matches the one nearest where the draft was last followed': a proposal
+    whose first token the model replaced was not followed, so ties keep ranking by the old
+    place (index 0 here), not by where that proposal started (11)."""
+    draft = [50, 51, 77, 52, 53, 54, 55, 56, 57, 58, 60, 61, 62, 77, 63, 64]
+    d = Draft.of(draft, self_lookup=False)
+    d.record(0)
+    assert d.propose(PROMPT + [60], 16) == [61]  # a 1-token match at 10: the lowest rung
+    d.update(0, [77])  # the model said 77, not 61
+    # 77 is at 2 and at 13, each a 1-token match: the one nearer index 0 wins.
+    assert d.propose(PROMPT + [60, 77], 16)[:1] == [52]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from services.common.errors import InvalidArgument
@@ -71,3 +72,54 @@ def test_a_threshold_equal_to_the_floor_survives_the_float32_wire(floor):
     assert p.resolve("", float(np.float32(1.0))).threshold == 1.0
     with pytest.raises(InvalidArgument):
         p.resolve("", float(np.float32(floor - 0.001)))
+
+
+def test_the_configured_default_tier_applies_to_a_request_naming_none():
+    """A deployment whose default tier is strict holds tier-less requests to 0.97, not 0.95."""
+    p = ThresholdPolicy.from_config(SemanticConfig(default_tier="strict"))
+    r = p.resolve("")
+    assert (r.tier, r.threshold, r.explicit) == ("strict", pytest.approx(0.97), False)
+    assert p.decide(0.96, r, verified=False).outcome is Outcome.DRAFT
+
+
+def test_the_configured_draft_floor_bounds_the_draft_band():
+    p = ThresholdPolicy.from_config(SemanticConfig(draft_floor=0.70))
+    r = p.resolve("standard")
+    assert p.draft_floor == pytest.approx(0.70)
+    assert p.decide(0.75, r, verified=False).outcome is Outcome.DRAFT
+    assert p.decide(0.6999, r, verified=False).outcome is Outcome.MISS
+
+
+def test_a_draft_or_miss_reports_the_threshold_the_entry_was_held_to(policy):
+    """Decision.threshold is the entry's own threshold (verified bonus applied) whatever the
+    outcome: the cache reports it for a miss whose nearest entry is verified."""
+    r = policy.resolve("strict")
+    assert policy.decide(0.90, r, verified=True) == (Outcome.DRAFT, pytest.approx(0.95))
+    assert policy.decide(0.50, r, verified=True) == (Outcome.MISS, pytest.approx(0.95))
+    assert policy.decide(0.90, r, verified=False) == (Outcome.DRAFT, pytest.approx(0.97))
+
+
+def test_float32_similarities_at_the_threshold_are_hits(policy):
+    """Similarities come as float32: an exact repeat is 0.99999994 and 0.95 is 0.949999988.
+    Both are at the threshold, so both hit (the boundary is inclusive)."""
+    one = float(np.float32(0.99999994))
+    assert one < 1.0
+    assert policy.decide(one, policy.resolve("", 1.0), verified=False).outcome is Outcome.HIT
+    at = float(np.float32(0.95))
+    assert at < 0.95
+    assert policy.decide(at, policy.resolve("standard"), verified=False).outcome is Outcome.HIT
+
+
+@pytest.mark.parametrize("floor", [0.9, 0.95])  # float32 rounds these below the floor
+def test_a_float32_floor_resolves_to_the_floor_itself(floor):
+    """0.89999998 off the wire is the floor the caller wrote: exactly it, not 2e-8 below."""
+    p = ThresholdPolicy.from_config(SemanticConfig(threshold_floor=floor))
+    assert float(np.float32(floor)) < floor
+    assert p.resolve("", float(np.float32(floor))).threshold == floor
+
+
+def test_a_threshold_above_one_beyond_float32_rounding_is_refused(policy):
+    for bad in (float(np.float32(1.0005)), 1.0001):
+        with pytest.raises(InvalidArgument) as exc:
+            policy.resolve("", bad)
+        assert exc.value.field == "threshold"

@@ -1,0 +1,73 @@
+"""The sampler's rules (pure logic): top-p's kept set, unseeded randomness, and which rows of
+a verify forward must be finite."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.kvpool.drafting import Branch, Source, Tree
+from services.kvpool.sampling import NonFiniteLogits, Sampler, SamplingSpec, verify_batch
+
+
+def test_top_p_keeps_the_smallest_set_whose_mass_reaches_it() -> None:
+    """Four equal tokens (0.25 each, exact in binary): top_p 0.5 keeps exactly two (their mass
+    reaches 0.5; a third is not needed), top_p 0.51 three, top_p 0.25 the top one alone."""
+    for top_p, kept in ((0.5, 2), (0.51, 3), (0.25, 1), (1.0, 4)):
+        s = Sampler(SamplingSpec(max_tokens=1, temperature=1.0, top_p=top_p, seed=1))
+        p = s.probs(torch.zeros(4))
+        want = [1.0 / kept] * kept + [0.0] * (4 - kept)
+        assert sorted(p.tolist(), reverse=True) == pytest.approx(want), top_p
+
+
+def test_unseeded_requests_draw_their_own_randomness() -> None:
+    """seed 0 means 'no seed': each request draws a random one, so two unseeded requests do
+    not sample the same answer (20 tokens from a uniform 1000: equal by chance with
+    probability 1000^-20)."""
+    answers = []
+    for _ in range(2):
+        s = Sampler(SamplingSpec(max_tokens=20, temperature=1.0, seed=0))
+        answers.append([s.sample(torch.zeros(1000)) for _ in range(20)])
+    assert answers[0] != answers[1]
+    # ...while a seeded request is reproducible.
+    seeded = []
+    for _ in range(2):
+        s = Sampler(SamplingSpec(max_tokens=20, temperature=1.0, seed=5))
+        seeded.append([s.sample(torch.zeros(1000)) for _ in range(20)])
+    assert seeded[0] == seeded[1]
+
+
+def _rows(*argmax_or_nan: int | None, vocab: int = 16) -> torch.Tensor:
+    """Logits rows: row i peaks at argmax_or_nan[i], or is NaN at token 0 where None."""
+    x = torch.zeros(len(argmax_or_nan), vocab)
+    for i, t in enumerate(argmax_or_nan):
+        if t is None:
+            x[i, 0] = float("nan")
+        else:
+            x[i, t] = 5.0
+    return x
+
+
+def test_greedy_verify_fails_only_on_rows_the_answer_uses() -> None:
+    """Draft [3, 4]: the model takes 3, then says 9 (4 rejected); the row after 4 is never used,
+    so a NaN there must not fail the sequence (verify and verify_batch alike)."""
+    s = Sampler(SamplingSpec(max_tokens=8))
+    logits = _rows(3, 9, None)
+    assert s.verify(logits, [3, 4]) == (1, 9)
+    assert verify_batch([s], logits, [[3, 4]]) == [(1, 9)]
+    # ...but a NaN in a row it uses does.
+    bad = _rows(3, None, 7)
+    assert isinstance(verify_batch([s], bad, [[3, 4]])[0], NonFiniteLogits)
+
+
+def test_greedy_verify_tree_checks_the_root_row_too() -> None:
+    """A NaN in the root row (the prediction after the context) fails the sequence even when
+    argmax lands on a draft token and the walk goes on: the first emitted token came from it."""
+    tree = Tree.of([Branch([5, 6], Source.DRAFT, 0)])
+    logits = _rows(5, 6, 2)
+    s = Sampler(SamplingSpec(max_tokens=8))
+    assert s.verify_tree(logits, tree) == ([0, 1], 2)
+    logits[0, 5] = float("nan")  # argmax still picks 5 (NaN counts as the max)
+    assert int(torch.argmax(logits[0])) == 5
+    with pytest.raises(NonFiniteLogits):
+        s.verify_tree(logits, tree)
