@@ -189,9 +189,13 @@ class TenantRegistry:
     # token with every known one (in constant time each) grew with the tenant count. A
     # lookup by digest tells a caller nothing about how close a guess came.
     _by_digest: dict[bytes, Tenant] = field(default_factory=dict)
+    # Each tenant's limits now, by name: a call authenticated before a reload holds the
+    # Tenant read then, and its acquire, rate and charges go by these (see `_now`).
+    _current: dict[str, Tenant] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._by_digest = {_digest(tok): t for tok, t in self.by_token.items()}
+        self._current = {t.name: t for t in self.by_token.values()}
 
     @staticmethod
     def salt_for(tenant: str, key: bytes) -> str:
@@ -302,15 +306,24 @@ class TenantRegistry:
     def adopt(self, other: TenantRegistry) -> None:
         """Take `other`'s tokens and tenants (the tokens file read again): a token removed is
         refused from the next call on, a new one accepted. Requests under way and the rate
-        buckets stay, by tenant name (a limit changed applies to the next acquire)."""
+        buckets stay, by tenant name (a limit changed applies to the next acquire, rate check
+        and charge, a call's authenticated before the reload included: see `_now`)."""
         if other.default is not None or self.default is not None:
             raise ValueError("a registry without tokens cannot be swapped")
         with self._lock:
             self.by_token, self._by_digest = other.by_token, other._by_digest
+            self._current = other._current
+
+    def _now(self, tenant: Tenant) -> Tenant:
+        """`tenant` with its limits as the tenants file has them now: a call authenticated
+        just before a reload was admitted under the old concurrency limit (and metered at the
+        old rate). One removed since keeps the limits it was authenticated with."""
+        return self._current.get(tenant.name, tenant)
 
     def check_limits(self, tenant: Tenant, prompt_tokens: int, max_tokens: int,
                      field: str = "prompt") -> None:
         """`field` names the prompt as the request gave it ("messages" or "prompt")."""
+        tenant = self._now(tenant)
         if prompt_tokens > tenant.max_prompt_tokens:
             REJECTED.labels(tenant.name, "prompt_tokens").inc()
             raise ResourceExhausted(
@@ -322,6 +335,7 @@ class TenantRegistry:
 
     def acquire(self, tenant: Tenant) -> None:
         with self._lock:
+            tenant = self._now(tenant)
             n = self._active.get(tenant.name, 0)
             if n >= tenant.max_concurrent:
                 REJECTED.labels(tenant.name, "concurrent").inc()
@@ -336,9 +350,10 @@ class TenantRegistry:
 
     def check_rate(self, tenant: Tenant) -> None:
         """Take one request from the tenant's token bucket; RESOURCE_EXHAUSTED when empty."""
-        if tenant.rate_per_s <= 0:
-            return
         with self._lock:
+            tenant = self._now(tenant)
+            if tenant.rate_per_s <= 0:
+                return
             b = self._refilled(tenant)
             if b.tokens < 1.0:
                 wait = (1.0 - b.tokens) / tenant.rate_per_s
@@ -361,9 +376,10 @@ class TenantRegistry:
         then wait until it has refilled (at most (burst + 1) / rate_per_s seconds; a debt
         without a floor locked a tenant out of every RPC for minutes after one large Warm).
         Negative `requests` give back what `afford` reserved and the call did not use."""
-        if tenant.rate_per_s <= 0 or requests == 0:
-            return
         with self._lock:
+            tenant = self._now(tenant)
+            if tenant.rate_per_s <= 0 or requests == 0:
+                return
             b = self._refilled(tenant)
             if requests < 0:
                 b.give_back(-requests, tenant.burst)
@@ -379,9 +395,10 @@ class TenantRegistry:
         request/s a ~4 s wait: ~8 prefills a second. Refused, the call's own request is given
         back (it did no work). RESOURCE_EXHAUSTED: retry later when the bucket will refill
         enough, else never (more than 2 x burst: raise the tenant's burst, or target owners)."""
-        if tenant.rate_per_s <= 0 or requests <= 0:
-            return 0
         with self._lock:
+            tenant = self._now(tenant)
+            if tenant.rate_per_s <= 0 or requests <= 0:
+                return 0
             b = self._refilled(tenant)
             if b.tokens - requests >= -float(tenant.burst):
                 b.tokens -= requests

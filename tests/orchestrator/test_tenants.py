@@ -23,8 +23,9 @@ def limited(r: TenantRegistry):
     from tests.clock import Clock
 
     r.clock = clock = Clock(100.0)
-    return dataclasses.replace(r.by_token[next(iter(r.by_token))], rate_per_s=1.0,
-                               burst=3), clock
+    t = dataclasses.replace(r.by_token[next(iter(r.by_token))], rate_per_s=1.0, burst=3)
+    r._current[t.name] = t  # the limits in force, as a reload of the tokens file sets them
+    return t, clock
 
 
 def until(cond, timeout: float = 5.0) -> bool:
@@ -252,8 +253,8 @@ def test_a_call_worth_more_prefills_than_the_bucket_allows_is_refused_up_front()
         r.afford(t, 31)
     assert not isinstance(e.value, Overloaded)  # retrying cannot help
     assert r._buckets["a"].tokens == 3.0
-    unlimited = dataclasses.replace(t, rate_per_s=0.0)
-    r.afford(unlimited, 10_000)  # no rate limit: nothing to afford
+    unlimited = reg(tokens="t=a")
+    assert unlimited.afford(unlimited.by_token["t"], 10_000) == 0  # no rate limit: no cost
 
 
 def test_a_changed_tokens_file_is_read_again_and_a_bad_one_leaves_the_old_tokens(tmp_path,
@@ -424,3 +425,35 @@ def test_a_short_tenant_token_is_warned_about_naming_only_its_tenant(caplog):
     assert "shorter than 16 characters" in warned[0]
     assert warned[0].endswith("tenants a")
     assert "short" not in warned[0].replace("shorter", "")
+
+
+def test_a_call_authenticated_before_a_reload_is_held_to_the_limits_read_since(tmp_path):
+    """A concurrency review: a call authenticated just before the tokens file was read again
+    kept the Tenant it was given, and its acquire compared the tenant's requests under way
+    with the old limit: 2 under way with the limit lowered to 1. Its rate went by the old
+    one too."""
+    from services.common.errors import Overloaded
+    from tests.clock import Clock
+
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"tok-c-0123456789abcdef": {"tenant": "c", "max_concurrent": 2}}))
+    r = reg(tokens_file=str(f))
+    md = {"authorization": "Bearer tok-c-0123456789abcdef"}
+    held = r.authenticate(md)
+    r.acquire(held)  # one request under way
+    late = r.authenticate(md)  # the next call, authenticated before the reload
+    f.write_text(json.dumps({"tok-c-0123456789abcdef": {
+        "tenant": "c", "max_concurrent": 1, "max_tokens": 8, "rate_per_s": 1, "burst": 1}}))
+    r.adopt(reg(tokens_file=str(f)))
+    with pytest.raises(Overloaded, match=r"limit 1\)"):
+        r.acquire(late)
+    assert r._active["c"] == 1
+    with pytest.raises(ResourceExhausted, match="limit 8"):
+        r.check_limits(late, 10, 9)
+    r.clock = Clock(100.0)
+    r.check_rate(late)  # the bucket of the rate read since: one request, then empty
+    with pytest.raises(Overloaded, match="rate limit of 1 requests/s"):
+        r.check_rate(late)
+    r.release(held)
+    r.acquire(late)  # a slot free again: the same call is admitted
+    assert r._active["c"] == 1

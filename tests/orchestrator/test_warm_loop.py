@@ -314,6 +314,7 @@ def test_a_warm_reserves_its_prefills_from_the_rate_limit_and_gives_back_unused_
     reg = TenantRegistry.build(tokens_file="", tokens="tok-aaaaaaaaaaaaaaaa=a", key=b"k" * 32,
                                max_prompt_tokens=4096, max_tokens=64, max_concurrent=4)
     tenant = dataclasses.replace(next(iter(reg.by_token.values())), rate_per_s=1.0, burst=3)
+    reg._current[tenant.name] = tenant  # the limits in force, as a tokens file sets them
     reg.clock = clock = Clock(100.0)
     # Replica r0 already holds the prefixes (a refresh computes nothing), r1 computes them.
     reps = [SimpleNamespace(replica_id=f"r{i}", public_id=f"r{i}", load=0, stats=None,
