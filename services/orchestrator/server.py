@@ -22,7 +22,7 @@ from tiercache.v1 import (
 
 from services.common import errors
 from services.common.bootstrap import rpc_ended
-from services.common.grpc_client import call_metadata
+from services.common.grpc_client import call_metadata, cut_short
 from services.common.logs import Thinned, bound_request_id, request_id_var
 from services.common.metrics import counter
 from services.common.reaper import StreamReaper
@@ -408,6 +408,7 @@ def _public_details(e: grpc.RpcError, what: str) -> str:
 
 # Prompts (or top_k prefixes) one Warm call may ask for.
 MAX_WARM_PROMPTS = 64
+PREFILL_TIMEOUT_S = 120.0  # one prefill of the warm-up loop (a Warm call's: its deadline)
 MAX_SESSION_ID_CHARS = 256
 WARM_WINDOW = 4  # one Warm call's prefills queued or running at once (the pool has 8 threads)
 
@@ -486,7 +487,8 @@ class Warmer:
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="warm")
 
-    def _prefill(self, replica, token_ids, cache_salt, ttl, index, timeout: float = 120.0,
+    def _prefill(self, replica, token_ids, cache_salt, ttl, index,
+                 timeout: float = PREFILL_TIMEOUT_S,
                  request_id: str = "", gone: threading.Event | None = None):
         """One Prefill on `replica`, pinned for `ttl` seconds (0: not pinned). With `gone` (the
         Warm caller cancelled or went away), a running prefill is cancelled once it is set:
@@ -522,10 +524,15 @@ class Warmer:
             # A refused pin still computed and cached the prompt: its figures come as
             # trailers (zeros from any other failure), so the result says what was done.
             prompt, cached, computed = errors.prefill_work(e)
+            if cut_short(e, timeout, PREFILL_TIMEOUT_S):
+                # The Warm's own short deadline ran out: nothing said of the replica (a
+                # WARNING per prefill named a healthy replica as failed).
+                why = "the call's deadline passed during this prefill"
+            else:
+                why = _public_details(e, f"replica {replica.public_id}")
             return orchestrator_pb2.WarmResult(
                 prompt_index=index, replica_id=replica.public_id, prompt_tokens=prompt,
-                cached_tokens=cached, computed_tokens=computed,
-                error=f"{e.code().name}: {_public_details(e, f'replica {replica.public_id}')}")
+                cached_tokens=cached, computed_tokens=computed, error=f"{e.code().name}: {why}")
 
     def _targets(self, tenant, token_ids, target, deadline: float, gone=None):
         healthy = self.orch.replicas.healthy()

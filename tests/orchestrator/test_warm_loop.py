@@ -145,6 +145,27 @@ def test_warm_results_and_feedback_errors_keep_internal_addresses_out():
     assert "10.0.3.9" not in _public_details(hung, "the semantic tier")
 
 
+def test_a_warm_whose_own_short_deadline_ran_out_does_not_call_the_replica_failed(caplog):
+    """A concurrency review: Warms with 50 ms deadlines logged a WARNING "replica kv-N failed:
+    DEADLINE_EXCEEDED" per prefill while the replicas were healthy. A deadline the call's
+    own short timeout ran into says nothing of the replica; a long one still does."""
+    import logging
+
+    w, reps = make([0], [])
+
+    def slow(req, timeout=None, metadata=None):
+        raise Err(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+
+    reps[0].stub.Prefill = slow
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.server"):
+        res = w._prefill(reps[0], [1] * 32, "s", 60, 0, timeout=0.05)
+        assert res.error == "DEADLINE_EXCEEDED: the call's deadline passed during this prefill"
+        assert "failed" not in caplog.text
+        res = w._prefill(reps[0], [1] * 32, "s", 60, 0, timeout=30.0)
+    assert res.error == "DEADLINE_EXCEEDED: replica r0 is unavailable (deadline_exceeded)"
+    assert "replica r0 failed: DEADLINE_EXCEEDED" in caplog.text
+
+
 def test_a_refused_pin_keeps_what_the_replica_computed_in_the_warm_result():
     """The replica computed and cached the prompt, then could not pin it: the WarmResult
     said 0 tokens computed (its error alone told). Trailers that are not ours give zeros."""
