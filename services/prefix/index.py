@@ -610,8 +610,7 @@ class PrefixIndex:
             ResourceExhausted: the batch exceeds the event or block limit.
         """
         now = self.clock()
-        if now >= self._next_deadline:
-            self._expire(now)
+        self._expire(now)  # at once unless a lease is due; marks the index active (see pause)
         rep = self._known(replica_id, incarnation)
         if not 1 <= seq < 2**64 - 1:  # the next batch number must fit the uint64 answer
             raise InvalidArgument("seq", "must be in 1..2^64-2")
@@ -960,8 +959,7 @@ class PrefixIndex:
         else:
             raise InvalidArgument("token_ids", "empty: give token_ids or block_hashes")
         now = self.clock()
-        if now >= self._next_deadline:
-            self._expire(now)
+        self._expire(now)  # at once unless a lease is due; marks the index active (see pause)
         self._tick += 1
         segments = self.tree.match(hashes, self._tick, model_id, credit=not probe)
         bs = self.block_size
@@ -998,8 +996,7 @@ class PrefixIndex:
         if not 1 <= k <= 1000:
             raise InvalidArgument("k", "must be in 1..1000")
         now = self.clock()
-        if now >= self._next_deadline:
-            self._expire(now)  # a lapsed replica's prefixes are not reported, as in match
+        self._expire(now)  # a lapsed replica's prefixes are not reported, as in match
         out = []
         for p in self.tree.top(k, model_id, min_hits, cache_salt, MAX_TOP_TOKENS):
             holders = [r.replica_id for b in bits(p.holders) if (r := self._by_bit[b])]

@@ -791,6 +791,20 @@ def test_a_sweeper_starved_while_calls_are_served_is_no_pause_of_the_index(index
     index.check_integrity()
 
 
+def test_matches_alone_while_the_sweeper_is_starved_are_no_pause_either(index, hasher, clock):
+    """The same with only Matches served: a Match called the lease check only once a lease
+    was due, so the Match at a's deadline was read as the first call after a pause (a
+    review of the fix above)."""
+    reg(index, "a")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    index.sweep()
+    for _ in range(210):  # a Match every 0.05 s for 10.5 s
+        clock.t += 0.05
+        seen = matched(index, toks(1, 2))
+    assert "a" not in seen
+    assert not index.stats().replicas
+
+
 def test_a_sweeper_late_at_every_turn_still_lets_a_silent_replicas_lease_run_out(index,
                                                                                   clock):
     # Forgiving the whole gap since the last sweep (its period included) at every late turn
