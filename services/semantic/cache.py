@@ -20,7 +20,7 @@ import re
 import threading
 import time
 import uuid
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
@@ -299,9 +299,9 @@ class SemanticCache:
         # variants identically, and they can fill every near slot.
         self._by_prompt: dict[tuple[Namespace, str], int] = {}
         self._verify_lock = threading.Lock()  # Verify calls, one at a time (see verify)
-        # Namespaces an Invalidate is removing entries of (how many Invalidates): a Store into
-        # one waits for the end (see `_removal`).
-        self._removing: Counter[Namespace] = Counter()
+        # The labels each Invalidate under way read, by namespace: a Store replacing one of
+        # them waits for that Invalidate's end (see `_removal`).
+        self._removing: dict[Namespace, list[set[int]]] = {}
         self._removed = threading.Condition(self._lock)
         # Indexes of namespaces emptied while a merge of theirs ran: shutdown still waits on it.
         self._retired: list[NamespaceIndex] = []
@@ -671,12 +671,13 @@ class SemanticCache:
         stands: Entry | None = None
         try:
             with self._lock:
-                while self._removing[ns]:
-                    # An Invalidate is removing the entries it read of this namespace (see
-                    # `_removal`); about a second per 100k entries.
-                    self._removed.wait()
                 # Same prompt again: the new answer replaces the old one.
                 old = self._by_prompt.get((ns, prompt))
+                while old is not None and any(old in r for r in self._removing.get(ns, ())):
+                    # An Invalidate under way read it (see `_removal`): it is gone once that
+                    # one ends (about a second per 100k entries).
+                    self._removed.wait()
+                    old = self._by_prompt.get((ns, prompt))
                 if old is not None and old > label:
                     # A Store of the same prompt committed after this one (a higher label)
                     # took the lock first: the later answer stands, as a restart would have
@@ -902,21 +903,27 @@ class SemanticCache:
     @contextlib.contextmanager
     def _removal(self, ns: Namespace, read: Callable[[], list[int]]) -> Iterator[list[int]]:
         """An Invalidate of `ns`'s entries `read()` (read under the lock): from SQLite, then
-        memory. Meanwhile a Store into `ns` waits. One that replaced (or evicted) an entry read
-        between the read and the removal dropped it first, and the Invalidate counted it as not
-        there (removed=0 while the namespace held an answer to that prompt throughout: a count
-        no order of the two calls gives). Expiry and evictions by Stores into other namespaces
-        of the tenant may still take one meanwhile; they count it."""
+        memory. Meanwhile a Store that would replace one of them waits. It dropped the entry
+        between the read and the removal, and the Invalidate counted it as not there
+        (removed=0 while the namespace held an answer to that prompt throughout: a count no
+        order of the two calls gives). Only such a Store waits, and only for the Invalidates
+        that read its entry: Stores of other prompts, or a stream of Invalidates, held every
+        Store into the namespace. Expiry and evictions may still take an entry read meanwhile;
+        they count it."""
         with self._lock:
             labels = read()
-            self._removing[ns] += 1
+            reading = set(labels)
+            if reading:
+                self._removing.setdefault(ns, []).append(reading)
         try:
             yield labels
         finally:
-            with self._lock:
-                self._removing[ns] -= 1
-                if not self._removing[ns]:
-                    del self._removing[ns]
+            if reading:
+                with self._lock:
+                    under_way = self._removing[ns]
+                    under_way.remove(reading)
+                    if not under_way:
+                        del self._removing[ns]
                     self._removed.notify_all()
 
     def invalidate_namespace(self, ns: Namespace) -> int:

@@ -455,6 +455,44 @@ def test_a_store_into_a_namespace_being_invalidated_waits_for_the_invalidation(
     c.check_integrity()
 
 
+@pytest.mark.parametrize("by", ["id", "namespace"])
+def test_a_store_of_another_prompt_does_not_wait_for_an_invalidation(make_cache, monkeypatch,
+                                                                        by):
+    """Only a Store that would replace an entry an Invalidate read waits for it: the first
+    version held every Store into the namespace, and a stream of Invalidates (Feedback on
+    6,000 entries) held one for all of them (found by the review of that fix)."""
+    c = make_cache()
+    old = c.store_entry(A, "query", "old answer")
+    deleting, proceed = threading.Event(), threading.Event()
+    real_delete = c.store.delete
+
+    def gated(labels, committed=None):
+        if not deleting.is_set():  # the Invalidate's delete: held until the Store is done
+            deleting.set()
+            assert proceed.wait(30)
+        return real_delete(labels, committed)
+
+    monkeypatch.setattr(c.store, "delete", gated)
+    out: dict[str, object] = {}
+
+    def invalidate() -> None:
+        out["removed"] = (c.invalidate_id(old.id) if by == "id"
+                          else c.invalidate_namespace(A))
+
+    inv = threading.Thread(target=invalidate, daemon=True)
+    inv.start()
+    try:
+        assert deleting.wait(30)
+        stored = c.store_entry(A, "another question", "another answer")  # does not wait
+        assert c.get(stored.id).answer == "another answer"
+    finally:
+        proceed.set()
+        inv.join(30)
+    assert out["removed"] == 1
+    assert c.stats().entries == 1 and c.store.count() == 1
+    c.check_integrity()
+
+
 def test_a_delta_capacity_of_one_merges_and_then_rests():
     """3/4 of a capacity of 1 rounds to 0: the merge loop must not take "0 rows >= 0" as work
     left and rebuild forever."""
