@@ -306,8 +306,9 @@ class TenantRegistry:
     def adopt(self, other: TenantRegistry) -> None:
         """Take `other`'s tokens and tenants (the tokens file read again): a token removed is
         refused from the next call on, a new one accepted. Requests under way and the rate
-        buckets stay, by tenant name (a limit changed applies to the next acquire, rate check
-        and charge, a call's authenticated before the reload included: see `_now`)."""
+        buckets stay, by tenant name (a concurrency or rate limit changed applies to the next
+        acquire, rate check and charge, a call's authenticated before the reload included:
+        see `_now`; a call's size limits stay those it was authenticated under)."""
         if other.default is not None or self.default is not None:
             raise ValueError("a registry without tokens cannot be swapped")
         with self._lock:
@@ -322,8 +323,9 @@ class TenantRegistry:
 
     def check_limits(self, tenant: Tenant, prompt_tokens: int, max_tokens: int,
                      field: str = "prompt") -> None:
-        """`field` names the prompt as the request gave it ("messages" or "prompt")."""
-        tenant = self._now(tenant)
+        """`field` names the prompt as the request gave it ("messages" or "prompt"). The
+        limits the call was authenticated under: the server has already fitted an unset
+        max_tokens to them (a reload since must not refuse what the client never set)."""
         if prompt_tokens > tenant.max_prompt_tokens:
             REJECTED.labels(tenant.name, "prompt_tokens").inc()
             raise ResourceExhausted(
