@@ -73,6 +73,19 @@ class Namespace(NamedTuple):
     context_hash: str = ""
 
 
+class _Reading:
+    """What an Invalidate under way read (`SemanticCache._removal`): the entries of its
+    namespace up to label `label`, or (`only`) that one label. Compared by identity."""
+
+    __slots__ = ("label", "only")
+
+    def __init__(self, label: int, only: bool = False) -> None:
+        self.label, self.only = label, only
+
+    def holds(self, label: int) -> bool:
+        return label == self.label if self.only else label <= self.label
+
+
 @dataclass(frozen=True)
 class Entry:
     """One cached answer (the in-memory copy of a SQLite row)."""
@@ -299,10 +312,11 @@ class SemanticCache:
         # variants identically, and they can fill every near slot.
         self._by_prompt: dict[tuple[Namespace, str], int] = {}
         self._verify_lock = threading.Lock()  # Verify calls, one at a time (see verify)
-        # The labels each Invalidate under way read, by namespace: a Store replacing one of
-        # them waits for that Invalidate's end (see `_removal`).
-        self._removing: dict[Namespace, list[set[int]]] = {}
+        # What each Invalidate under way read, by namespace: a Store replacing one of those
+        # entries waits for that Invalidate's end (see `_removal`).
+        self._removing: dict[Namespace, list[_Reading]] = {}
         self._removed = threading.Condition(self._lock)
+        self._top_label = -1  # the highest label memory has held
         # Indexes of namespaces emptied while a merge of theirs ran: shutdown still waits on it.
         self._retired: list[NamespaceIndex] = []
         self._ns_lru: dict[Namespace, OrderedDict[int, None]] = {}
@@ -673,7 +687,7 @@ class SemanticCache:
             with self._lock:
                 # Same prompt again: the new answer replaces the old one.
                 old = self._by_prompt.get((ns, prompt))
-                while old is not None and any(old in r for r in self._removing.get(ns, ())):
+                while old is not None and any(r.holds(old) for r in self._removing.get(ns, ())):
                     # An Invalidate under way read it (see `_removal`): it is gone once that
                     # one ends (about a second per 100k entries).
                     self._removed.wait()
@@ -746,6 +760,7 @@ class SemanticCache:
         self._by_id[e.id] = e.label
         self._by_prompt[(e.namespace, e.prompt)] = e.label
         self._ns_lru[e.namespace][e.label] = None
+        self._top_label = max(self._top_label, e.label)
         self._tenant_lru.setdefault(e.namespace.tenant, OrderedDict())[e.label] = None
 
     def _drop_locked(self, label: int) -> Entry | None:
@@ -891,7 +906,7 @@ class SemanticCache:
         def held() -> list[int]:
             return [e.label] if e.label in self._entries else []
 
-        with self._removal(e.namespace, held) as labels:
+        with self._removal(e.namespace, held, whole=False) as labels:
             if not labels:  # gone since `get` (replaced, evicted, expired, invalidated)
                 raise NotFound(f"id: no entry {shown(entry_id)}")
             self.store.delete(labels)
@@ -901,7 +916,8 @@ class SemanticCache:
         return n
 
     @contextlib.contextmanager
-    def _removal(self, ns: Namespace, read: Callable[[], list[int]]) -> Iterator[list[int]]:
+    def _removal(self, ns: Namespace, read: Callable[[], list[int]],
+                 whole: bool) -> Iterator[list[int]]:
         """An Invalidate of `ns`'s entries `read()` (read under the lock): from SQLite, then
         memory. Meanwhile a Store that would replace one of them waits. It dropped the entry
         between the read and the removal, and the Invalidate counted it as not there
@@ -909,19 +925,25 @@ class SemanticCache:
         order of the two calls gives). Only such a Store waits, and only for the Invalidates
         that read its entry: Stores of other prompts, or a stream of Invalidates, held every
         Store into the namespace. Expiry and evictions may still take an entry read meanwhile;
-        they count it."""
+        they count it.
+
+        `whole`: `read()` is every entry of `ns` in memory, told apart by label (at most the
+        highest memory held: O(1) under the lock, where a set of a 200k-entry namespace's
+        labels took ~10 ms of it). An entry of a lower label that a slower Store added after
+        the read reads as read too: its replacement waits for this Invalidate for nothing."""
         with self._lock:
             labels = read()
-            reading = set(labels)
-            if reading:
+            reading = (None if not labels else _Reading(self._top_label) if whole
+                       else _Reading(labels[0], only=True))
+            if reading is not None:
                 self._removing.setdefault(ns, []).append(reading)
         try:
             yield labels
         finally:
-            if reading:
+            if reading is not None:
                 with self._lock:
                     under_way = self._removing[ns]
-                    under_way.remove(reading)
+                    under_way.remove(reading)  # by identity
                     if not under_way:
                         del self._removing[ns]
                     self._removed.notify_all()
@@ -929,7 +951,7 @@ class SemanticCache:
     def invalidate_namespace(self, ns: Namespace) -> int:
         """Removes every entry of a namespace; returns how many."""
         ns = self._check_namespace(ns)
-        with self._removal(ns, lambda: list(self._ns_lru.get(ns, ()))) as labels:
+        with self._removal(ns, lambda: list(self._ns_lru.get(ns, ())), whole=True) as labels:
             with self._lock:
                 index = self._indexes.get(ns)
             # Its tombstones pass a quarter of the entries long before the end, and would start
@@ -1062,6 +1084,7 @@ class SemanticCache:
                     self._by_id[e.id] = e.label
                     self._by_prompt[(ns, e.prompt)] = e.label
                     self._ns_lru[ns][e.label] = None
+            self._top_label = max(self._top_label, max(self._entries, default=-1))
             for e in sorted(self._entries.values(),
                             key=lambda e: max(e.last_hit_at, e.created_at)):
                 self._tenant_lru.setdefault(e.namespace.tenant, OrderedDict())[e.label] = None
