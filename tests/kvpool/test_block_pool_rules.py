@@ -12,23 +12,7 @@ from services.common.hashing import BlockHasher
 from services.common.policy import HybridPolicy
 from services.kvpool.block_pool import BlockPool, BlocksRemoved, PoolExhausted
 from tests.clock import Clock
-
-BS = 4
-X = list(range(100, 112))  # 3 full blocks
-Y = list(range(200, 208))  # 2 full blocks
-
-
-def make_pool(n: int = 8, shallow: int = 8) -> tuple[BlockPool, Clock, BlockHasher]:
-    clock = Clock(1.0)
-    hasher = BlockHasher("m", BS, key=b"k")
-    return BlockPool(n, BS, hasher, HybridPolicy(shallow), clock=clock), clock, hasher
-
-
-def run_seq(pool: BlockPool, sid: str, toks: list[int], salt: str = "") -> None:
-    pool.open(sid, toks, salt)
-    pool.commit(sid, toks, len(toks))
-    pool.close(sid)
-    pool.check_integrity()
+from tests.kvpool.test_kvpool_block_pool import BS, X, Y, make_pool, run_seq
 
 
 def test_cow_fallback_reports_only_the_shared_blocks_as_cached() -> None:

@@ -7,20 +7,7 @@ mutant of the rule it checks."""
 from __future__ import annotations
 
 from services.common.policy import HybridPolicy
-from services.prefix.tree import BlockTree
-
-BS = 4
-ROOT = b"r" * 16
-
-
-def h(i: int) -> bytes:
-    return i.to_bytes(16, "little")
-
-
-def new_tree() -> BlockTree:
-    tree = BlockTree(BS)
-    tree.ensure_root(ROOT, "m", "")
-    return tree
+from tests.prefix.test_prefix_tree import BS, ROOT, h, new_tree
 
 
 def test_a_token_whose_only_high_byte_is_the_top_one_widens_the_planes() -> None:

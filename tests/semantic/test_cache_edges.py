@@ -404,6 +404,38 @@ def test_invalidating_a_large_namespace_starts_no_index_rebuild(make_cache, monk
     c.check_integrity()
 
 
+class HeldInvalidate:
+    """An Invalidate of entry `old` (by id or namespace) on a thread, held inside its SQLite
+    delete (after it read what it removes) until `proceed` is set; `out["removed"]` its
+    count once it has ended."""
+
+    def __init__(self, c: SemanticCache, monkeypatch, by: str, old) -> None:
+        self.deleting, self.proceed = threading.Event(), threading.Event()
+        self.out: dict[str, object] = {}
+        real_delete = c.store.delete
+
+        def gated(labels, committed=None):
+            if not self.deleting.is_set():  # the Invalidate's delete, held
+                self.deleting.set()
+                assert self.proceed.wait(30)
+            return real_delete(labels, committed)
+
+        def invalidate() -> None:
+            self.out["removed"] = (c.invalidate_id(old.id) if by == "id"
+                                   else c.invalidate_namespace(A))
+
+        monkeypatch.setattr(c.store, "delete", gated)
+        self.thread = threading.Thread(target=invalidate, daemon=True)
+        self.thread.start()
+        assert self.deleting.wait(30)
+
+    def end(self) -> object:
+        self.proceed.set()
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        return self.out["removed"]
+
+
 @pytest.mark.parametrize("restarted", [False, True])
 @pytest.mark.parametrize("by", ["id", "namespace"])
 def test_a_store_into_a_namespace_being_invalidated_waits_for_the_invalidation(
@@ -417,42 +449,23 @@ def test_a_store_into_a_namespace_being_invalidated_waits_for_the_invalidation(
     old = c.store_entry(A, "query", "old answer")
     if restarted:
         c = make_cache()
-    deleting, proceed, waiting = threading.Event(), threading.Event(), threading.Event()
-    real_delete = c.store.delete
-
-    def gated(labels, committed=None):
-        if not deleting.is_set():  # the Invalidate's delete: held until the Store has run
-            deleting.set()
-            assert proceed.wait(30)
-        return real_delete(labels, committed)
+    waiting = threading.Event()
 
     class Watched(threading.Condition):
         def wait(self, timeout=None):
             waiting.set()
             return super().wait(timeout)
 
-    monkeypatch.setattr(c.store, "delete", gated)
     monkeypatch.setattr(c, "_removed", Watched(c._lock), raising=False)
-    out: dict[str, object] = {}
-
-    def invalidate() -> None:
-        out["removed"] = (c.invalidate_id(old.id) if by == "id"
-                          else c.invalidate_namespace(A))
-
-    inv = threading.Thread(target=invalidate, daemon=True)
-    inv.start()
-    assert deleting.wait(30)
-    st = threading.Thread(target=lambda: out.setdefault("new", c.store_entry(
-        A, "query", "new answer")), daemon=True)
+    held = HeldInvalidate(c, monkeypatch, by, old)
+    st = threading.Thread(target=lambda: c.store_entry(A, "query", "new answer"), daemon=True)
     st.start()
     deadline = time.monotonic() + 30
     while st.is_alive() and not waiting.is_set() and time.monotonic() < deadline:
         time.sleep(0.005)  # until the Store has replaced the entry, or waits
-    proceed.set()
-    inv.join(30)
+    assert held.end() == 1
     st.join(30)
-    assert not inv.is_alive() and not st.is_alive()
-    assert out["removed"] == 1
+    assert not st.is_alive()
     r = c.lookup(A, "query", tier="strict")
     assert r.hit and r.entry.answer == "new answer"
     assert c.stats().entries == 1 and c.store.count() == 1
@@ -467,32 +480,13 @@ def test_a_store_of_another_prompt_does_not_wait_for_an_invalidation(make_cache,
     6,000 entries) held one for all of them (found by the review of that fix)."""
     c = make_cache()
     old = c.store_entry(A, "query", "old answer")
-    deleting, proceed = threading.Event(), threading.Event()
-    real_delete = c.store.delete
-
-    def gated(labels, committed=None):
-        if not deleting.is_set():  # the Invalidate's delete: held until the Store is done
-            deleting.set()
-            assert proceed.wait(30)
-        return real_delete(labels, committed)
-
-    monkeypatch.setattr(c.store, "delete", gated)
-    out: dict[str, object] = {}
-
-    def invalidate() -> None:
-        out["removed"] = (c.invalidate_id(old.id) if by == "id"
-                          else c.invalidate_namespace(A))
-
-    inv = threading.Thread(target=invalidate, daemon=True)
-    inv.start()
+    held = HeldInvalidate(c, monkeypatch, by, old)
     try:
-        assert deleting.wait(30)
         stored = c.store_entry(A, "another question", "another answer")  # does not wait
         assert c.get(stored.id).answer == "another answer"
     finally:
-        proceed.set()
-        inv.join(30)
-    assert out["removed"] == 1
+        removed = held.end()
+    assert removed == 1
     assert c.stats().entries == 1 and c.store.count() == 1
     c.check_integrity()
 
