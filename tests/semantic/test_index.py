@@ -62,8 +62,12 @@ def test_a_label_still_indexed_is_not_taken_again(hnsw_min):
     assert idx.search(vecs[35], 1)[0].label == 3
 
 
+# Delta rows: fewer than a pass fetches, or more (the delta is cut, and the floor must be the
+# higher of the two sources' cuts: a mutation audit found nothing checking it).
+@pytest.mark.parametrize("delta_rows", [4, 30])
 @pytest.mark.parametrize("hnsw_min", [20000, 10])  # a flat main index, an HNSW one
-def test_tombstones_filling_one_sources_top_do_not_hide_its_best_live_row(hnsw_min):
+def test_tombstones_filling_one_sources_top_do_not_hide_its_best_live_row(hnsw_min,
+                                                                          delta_rows):
     """A dozen removed near-duplicates of a question (invalidated, expired) filled the main
     index's fetched rows, while the delta's few live rows made up k: the search returned
     those, far worse, and a live entry at cosine 0.98 missed even the relaxed tier."""
@@ -87,10 +91,11 @@ def test_tombstones_filling_one_sources_top_do_not_hide_its_best_live_row(hnsw_m
     idx.compact()  # all in the main index
     for lab in range(1, 13):
         idx.remove(lab)  # tombstones, fewer than a merge purges
-    for i in range(4):  # live rows in the delta, far from q
+    for i in range(delta_rows):  # live rows in the delta, far from q
         v = -q + 0.1 * _unit(rng, 1, dim)[0]
         idx.add(2000 + i, (v / np.linalg.norm(v)).astype(np.float32))
     assert len(idx._dead) == 12 and idx.kind == ("flat" if hnsw_min > 100 else "hnsw")
+    assert idx._snap.count[0] == delta_rows
     for k in (1, 4):
         got = [(nb.label, round(nb.score, 5)) for nb in idx.search(q, k)]
         assert got == [(nb.label, round(nb.score, 5)) for nb in idx.search_exact(q, k)]
@@ -193,6 +198,19 @@ def test_writers_never_wait_for_an_index_build():
     assert len(idx) == 150 and idx.search(vecs[9], 1)[0].label == 9
 
 
+def counting_builds(idx: NamespaceIndex) -> list[bool]:
+    """The `purge` flag of each build `idx` runs from now on."""
+    builds: list[bool] = []
+    real = idx._build
+
+    def counting_build(*a, **kw):
+        builds.append(kw.get("purge", False))
+        return real(*a, **kw)
+
+    idx._build = counting_build
+    return builds
+
+
 def test_many_removals_are_purged_by_one_background_merge_not_a_loop():
     """Tombstones past a quarter of the live entries ask for a merge; that merge must purge
     them (a graph only extended would keep them, and the merge would start over forever)."""
@@ -203,14 +221,7 @@ def test_many_removals_are_purged_by_one_background_merge_not_a_loop():
     idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=200, delta_capacity=64))
     idx.add_many(np.arange(1200), vecs)
     assert idx.kind == "hnsw"
-    builds = []
-    real = idx._build
-
-    def counting_build(*a, **kw):
-        builds.append(kw.get("purge", False))
-        return real(*a, **kw)
-
-    idx._build = counting_build
+    builds = counting_builds(idx)
     for lab in range(0, 1200, 3):  # 400 removed: a third of the entries
         idx.remove(lab)
     end = time.monotonic() + 30

@@ -1,0 +1,94 @@
+"""Snapshot saves at their edges: every file is durable before the manifest naming it is renamed
+into place, a failed save leaves no temporary manifest, and a manifest naming files outside the
+save's own names is not read.
+
+Written for what a mutation audit found no test checking; each was seen failing on a hand-made
+mutant of the rule it checks."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from services.semantic import snapshot
+from services.semantic.index import IndexParams, NamespaceIndex
+
+DIM = 16
+PARAMS = IndexParams(DIM, hnsw_min_entries=40, hnsw_m=8, hnsw_ef_construction=40,
+                     hnsw_ef_search=64, delta_capacity=16)
+KEY = ("tenant-a", "smollm2", "")
+
+
+def graph(n: int = 60):
+    v = np.random.default_rng(0).standard_normal((n, DIM)).astype(np.float32)
+    v /= np.linalg.norm(v, axis=1, keepdims=True)
+    index = NamespaceIndex(PARAMS, background=False)
+    index.add_many(np.arange(1, n + 1), v)
+    return index.saved_main()
+
+
+def test_every_file_is_fsynced_before_the_manifest_is_renamed_into_place(tmp_path,
+                                                                           monkeypatch):
+    events = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        events.append(("fsync", os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        events.append(("replace", os.path.basename(str(src)), os.path.basename(str(dst))))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    main, labels = graph()
+    folder = tmp_path / "snap"
+    snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 1)])
+    (rename,) = [i for i, e in enumerate(events) if e[0] == "replace"]
+    synced_before = {e[1] for e in events[:rename] if e[0] == "fsync"}
+    tmp_manifest = events[rename][1]
+    written = {p.name for p in folder.iterdir() if p.name != snapshot.MANIFEST}
+    assert written and written <= synced_before, (written, synced_before)
+    assert tmp_manifest in synced_before
+    assert ("fsync", "snap") in events[rename:]  # the rename itself, durable
+
+
+def test_a_save_failing_while_writing_the_manifest_leaves_no_temporary_file(tmp_path,
+                                                                            monkeypatch):
+    main, labels = graph()
+    folder = tmp_path / "snap"
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshot.json, "dump", full)
+    with pytest.raises(OSError):
+        snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 1)])
+    assert sorted(p.name for p in folder.iterdir()) == []
+
+
+def test_a_manifest_naming_files_outside_the_saves_own_names_is_not_read(tmp_path):
+    main, labels = graph()
+    folder = tmp_path / "snap"
+    snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 1)])
+    path = folder / snapshot.MANIFEST
+    manifest = json.loads(path.read_text())
+    (sub := folder / "sub").mkdir()
+    stem = manifest["namespaces"][0]["stem"]
+    manifest["namespaces"][0]["stem"] = f"sub/../{stem}"  # the same files, another name
+    path.write_text(json.dumps(manifest))
+    assert snapshot.Saved(folder, PARAMS, "emb").take(KEY) is None
+    assert sub.exists()
+
+
+def test_a_save_removes_no_file_whose_name_only_starts_like_its_own(tmp_path):
+    main, labels = graph()
+    folder = tmp_path / "snap"
+    folder.mkdir()
+    (folder / "1234-0.faiss.bak").write_text("an operator's copy")
+    snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 1)])
+    assert (folder / "1234-0.faiss.bak").exists()

@@ -1,0 +1,92 @@
+"""The SQLite entry store at its edges: hit counters kept across a failed flush and flushed at
+close, future times clamped, the configured synchronous level, the buffer cleared, and the
+database's permissions tightened.
+
+Written for what a mutation audit found no test checking; each was seen failing on a hand-made
+mutant of the rule it checks."""
+
+from __future__ import annotations
+
+import sqlite3
+
+import pytest
+
+from services.semantic.store import EntryStore
+from tests.semantic.test_store import insert
+
+
+def test_a_hit_recorded_while_a_flush_fails_is_not_overwritten_by_the_older_one(tmp_path):
+    st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    lab = insert(st, "one")
+    # A lookup records a newer hit while the flush is inside SQLite; then the flush fails.
+    st._db.create_function("newer_hit", 0, lambda: st.record_hit(lab, 9.0, 2) or 0)
+    st._db.execute("CREATE TRIGGER no_update BEFORE UPDATE ON entries "
+                   "BEGIN SELECT newer_hit(); SELECT RAISE(ABORT, 'simulated I/O error'); END")
+    st.record_hit(lab, 5.0, 1)
+    with pytest.raises(sqlite3.DatabaseError, match="simulated"):
+        st.flush_hits()
+    st._db.execute("DROP TRIGGER no_update")
+    assert st.flush_hits() == 1
+    row = st.get("one")
+    assert (row.hit_count, row.last_hit_at) == (2, 9.0)
+    st.close()
+
+
+def test_the_latest_of_two_buffered_hits_is_the_one_written(tmp_path):
+    st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    lab = insert(st, "one")
+    st.record_hit(lab, 5.0, 1)
+    st.record_hit(lab, 6.0, 2)
+    assert st.flush_hits() == 1
+    assert (st.get("one").hit_count, st.get("one").last_hit_at) == (2, 6.0)
+    st.close()
+
+
+def test_a_flush_writes_each_buffered_hit_once(tmp_path):
+    st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    lab = insert(st, "one")
+    st.record_hit(lab, 5.0, 1)
+    assert st.flush_hits() == 1
+    assert st.flush_hits() == 0  # nothing new: the buffer was emptied
+    st.close()
+
+
+def test_close_writes_the_buffered_hits(tmp_path):
+    path = str(tmp_path / "s.db")
+    st = EntryStore(path, "NORMAL")
+    lab = insert(st, "one")
+    st.record_hit(lab, 5.0, 3)
+    st.close()
+    st = EntryStore(path, "NORMAL")
+    assert (st.get("one").hit_count, st.get("one").last_hit_at) == (3, 5.0)
+    st.close()
+
+
+def test_a_last_hit_stamped_ahead_of_the_clock_is_clamped_too(tmp_path):
+    st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    lab = insert(st, "one", created_at=1.0)
+    st.record_hit(lab, 500.0, 1)
+    st.flush_hits()
+    assert st.clamp_future(100.0) == 1
+    row = st.get("one")
+    assert (row.created_at, row.last_hit_at) == (1.0, 100.0)
+    st.close()
+
+
+@pytest.mark.parametrize("level, value", [("NORMAL", 1), ("FULL", 2), ("OFF", 0)])
+def test_the_configured_synchronous_level_is_applied(tmp_path, level, value):
+    st = EntryStore(str(tmp_path / "s.db"), level)
+    assert st._db.execute("PRAGMA synchronous").fetchone()[0] == value
+    st.close()
+
+
+def test_a_group_readable_database_of_ours_is_tightened(tmp_path):
+    import os
+    import stat
+
+    path = tmp_path / "s.db"
+    path.touch()
+    os.chmod(path, 0o640)
+    st = EntryStore(str(path), "NORMAL")
+    st.close()
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
