@@ -487,3 +487,81 @@ def test_raw_prompts_differing_in_the_whitespace_at_their_ends_never_share_a_nam
     # before stay found).
     assert renderer.render_raw(base).context_hash == context_hash([Message("raw", "")])
     assert renderer.render_raw("Other text").context_hash == renderer.render_raw(base).context_hash
+
+
+# Edges a mutation audit found no test checking (each seen failing on a hand-made mutant).
+
+def test_the_context_hash_names_who_said_each_earlier_turn(renderer):
+    """The same words said by the system or by the user are different contexts (the model
+    reads them differently), so they never share a semantic namespace."""
+    as_system = renderer.render_chat([Message("system", "Answer in French."),
+                                      Message("user", "q")])
+    as_user = renderer.render_chat([Message("user", "Answer in French."), Message("user", "q")])
+    assert as_system.context_hash != as_user.context_hash
+    assert context_hash([Message("system", "x")]) != context_hash([Message("user", "x")])
+
+
+def test_only_an_earlier_assistant_turn_makes_a_prompt_continue(renderer):
+    assert renderer.render_chat([Message("system", "S"), Message("assistant", "Hello!"),
+                                 Message("user", "q")]).continues
+    assert not renderer.render_chat([Message("user", "q1"), Message("user", "q2")]).continues
+
+
+def test_a_message_of_exactly_max_chars_is_accepted(renderer):
+    assert renderer.render_chat([Message("user", "x" * 1000)]).token_ids
+    assert renderer.render_raw("y" * 1000).token_ids
+    with pytest.raises(InvalidArgument):
+        renderer.render_raw("y" * 1001)
+
+
+def test_as_many_messages_as_prompt_tokens_may_fit(renderer):
+    assert renderer.size_problem(4, 4, 4) == ""
+    assert renderer.size_problem(5, 5, 4)
+
+
+def test_a_whitespace_only_raw_prompt_is_refused(renderer):
+    with pytest.raises(InvalidArgument, match="prompt"):
+        renderer.render_raw(" \n\t ")
+
+
+def test_a_control_text_at_the_very_start_of_a_message_stays_text(tok, renderer):
+    """The control token's offsets begin exactly where the message does."""
+    end = tok.convert_tokens_to_ids("<|im_end|>")
+    plain = renderer.encode_messages([Message("user", "hi")])
+    typed = renderer.encode_messages([Message("user", "<|im_end|>hi")])
+    assert typed.count(end) == plain.count(end)
+    assert typed[:len(typed) - len(plain)] != []  # the text's own tokens are there
+
+
+def test_the_detokenizer_decodes_a_short_window_not_the_whole_answer(tok):
+    """'Keep the window short': each push decodes the last few tokens, never the whole
+    answer so far (quadratic in its length)."""
+    from services.orchestrator.detok import IncrementalDetokenizer
+
+    class Spy:
+        def __init__(self, inner) -> None:
+            self.inner, self.sizes = inner, []
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        def decode(self, ids, **kw):
+            self.sizes.append(len(ids))
+            return self.inner.decode(ids, **kw)
+
+    text = "The quick brown fox jumps over the lazy dog. " * 10
+    ids = tok.encode(text, add_special_tokens=False)
+    spy = Spy(tok)
+    d = IncrementalDetokenizer(spy)
+    out = "".join(d.push([i]) for i in ids) + d.flush()
+    assert out == tok.decode(ids)
+    assert len(ids) > 50 and max(spy.sizes) <= 4
+
+
+def test_the_byte_alphabet_reads_a_soft_hyphen_byte(tok):
+    """0xAD is one of the bytes GPT-2's alphabet spells with a moved character ("Ń")."""
+    from services.orchestrator.detok import TokenBytes
+
+    for text in ("í", "\u00ad", "Xí y"):
+        ids = tok.encode(text, add_special_tokens=False)
+        assert TokenBytes(tok).of(ids) == text.encode()

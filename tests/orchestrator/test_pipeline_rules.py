@@ -1,0 +1,201 @@
+"""The request path's rules at their edges: near misses, draft ids, ignore_eos and stop tokens
+in served hits and resumes, what is stored as whole or cut short, and the report's and
+metrics' counts (pure logic with the fakes of test_pipeline_paths and test_contracts).
+
+Written for what a mutation audit found no test checking; each was seen failing on a hand-made
+mutant of the rule it checks."""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
+
+from services.orchestrator.pipeline import NOT_SERVED, Policy, Sampling
+from services.orchestrator.render import RenderedPrompt
+from tests.orchestrator.test_contracts import (
+    OrderedStub,
+    RecordingSemantic,
+    finished,
+    one_replica,
+    run,
+    text_of,
+    tokens,
+)
+from tests.orchestrator.test_pipeline_paths import PROMPT, TENANT, Call, RpcError, Stub, final, make
+from tests.orchestrator.test_request_path import hit
+from tests.orchestrator.test_request_path import run as run_stop
+
+
+def test_a_near_miss_with_a_cut_short_entry_is_no_hit_not_served():
+    """A near miss (hit=False) is a draft, never a hit: its entry's truncated_at must not
+    count a "too_short" hit not served (NOT_SERVED counts hits the model answered instead)."""
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=False, similarity=0.9,
+        entry=semantic_pb2.SemanticEntry(id="e3", answer="abc", truncated_at=3)))
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=sem)
+    before = NOT_SERVED.labels("too_short")._value.get()
+    events = run(orch, max_tokens=8)
+    assert list(stub.requests[0].draft_token_ids) == list(b"abc")  # still the draft
+    assert finished(events).report.draft_entry_id == "e3"
+    assert orch.stats.semantic_hits_too_short == 0
+    assert NOT_SERVED.labels("too_short")._value.get() == before
+
+
+def test_a_draft_id_equal_to_the_vocabulary_size_is_dropped():
+    """Ids run 0..len(tok)-1: the id len(tok) (256 for the byte fake) has no token and the
+    replica refuses the whole request for it."""
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=False, similarity=0.9,
+        entry=semantic_pb2.SemanticEntry(id="e7", answer="hi", answer_token_ids=[104, 256])))
+    stub = Stub("A", [Call([final("A", 2)])])
+    orch = make({"A": stub}, semantic=sem)
+    events = run(orch)
+    assert list(stub.requests[0].draft_token_ids) == []
+    assert finished(events).report.draft_entry_id == ""
+    assert orch.stats.degradations["draft_dropped"] == 1
+
+
+def test_an_ignore_eos_answer_lost_right_after_an_eos_token_is_resumed():
+    """With ignore_eos the end of sequence is an ordinary token: a replica lost just after
+    streaming it has not finished the answer, which resumes on another replica."""
+    sem = RecordingSemantic()
+    calls = [Call([tokens("hi\x00")], RpcError(grpc.StatusCode.UNAVAILABLE)),
+             Call([tokens("yo"), kvpool_pb2.KvGenerateResponse(final=kvpool_pb2.KvGenerateFinal(
+                 finish_reason=common_pb2.FINISH_REASON_LENGTH))])]
+    asked: list[Stub] = []
+    stubs = {r: OrderedStub(r, calls, asked) for r in ("A", "B")}
+    orch = make(stubs, semantic=sem)
+    events = list(orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(16, 0.0, 1.0, 0, (), True), policy=Policy(), session_id="s",
+        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
+        on_cancel=lambda fn: None))
+    assert len(asked) == 2
+    resumed = asked[1].requests[0]
+    assert list(resumed.token_ids) == PROMPT + list(b"hi\x00")
+    assert resumed.sampling.max_tokens == 13 and resumed.seed_offset == 3
+    fin = finished(events)
+    assert fin.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert fin.completion_tokens == 5 and fin.report.route == "resume"
+
+
+def test_a_stop_token_just_past_max_tokens_leaves_the_length_cut():
+    """The stop token is the (max_tokens+1)-th token: the model stops at max_tokens first."""
+    stub, stubs = one_replica()
+    events = run_stop(make(stubs, semantic=hit("abcd.ef")), max_tokens=4, stop=(ord("."),))
+    assert stub.requests == []
+    assert text_of(events) == "abcd"
+    fin = finished(events)
+    assert fin.finish_reason == common_pb2.FINISH_REASON_LENGTH and fin.completion_tokens == 4
+
+
+def _gen(orch, *, prompt=None, sampling=None, policy=Policy()) -> list:
+    return list(orch.generate(
+        tenant=TENANT, prompt=prompt or RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=sampling or Sampling(16, 0.0, 1.0, 0, (), False), policy=policy,
+        session_id="s", return_token_ids=True, request_id="rid",
+        deadline=time.monotonic() + 30, on_cancel=lambda fn: None))
+
+
+def _answer(ids: bytes, reason: int, cached: int = 0) -> kvpool_pb2.KvGenerateResponse:
+    return kvpool_pb2.KvGenerateResponse(token_ids=list(ids), final=kvpool_pb2.KvGenerateFinal(
+        finish_reason=reason, replica_id="A", cached_tokens=cached))
+
+
+def test_an_answer_ended_by_a_stop_token_is_stored_as_cut_short():
+    """The model would have gone on past the request's stop token: stored whole
+    (truncated_at 0), it is served CACHED to later requests that never asked to stop there."""
+    sem = RecordingSemantic()
+    stub = Stub("A", [Call([_answer(b"hi!", common_pb2.FINISH_REASON_STOP)])])
+    _gen(make({"A": stub}, semantic=sem), sampling=Sampling(16, 0.0, 1.0, 0, (ord("!"),), False))
+    assert [(st.answer, st.truncated_at) for st in sem.stores] == [("hi!", 3)]
+
+
+def test_a_cut_short_sample_does_not_replace_a_hit_cut_at_the_same_length():
+    """'a cut-short one not where the lookup hit one at least as long': equal counts."""
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=True, similarity=1.0,
+        entry=semantic_pb2.SemanticEntry(id="e1", answer="ab", truncated_at=2)))
+    stub, stubs = one_replica()  # "ok", LENGTH
+    events = _gen(make(stubs, semantic=sem), sampling=Sampling(2, 0.8, 1.0, 7, (), False),
+                  policy=Policy(store_sampled=True))
+    assert len(stub.requests) == 1 and text_of(events) == "ok"  # the sample, not the hit
+    assert sem.stores == []
+
+
+def test_a_whitespace_only_answer_is_not_stored():
+    sem = RecordingSemantic()
+    stub = Stub("A", [Call([_answer(b" \n ", common_pb2.FINISH_REASON_EOS)])])
+    events = _gen(make({"A": stub}, semantic=sem))
+    assert text_of(events) == " \n "
+    assert sem.stores == [] and finished(events).report.semantic_entry_id == ""
+
+
+def test_a_resumed_replicas_cached_tokens_never_exceed_the_prompt():
+    """A resume sends the prompt plus the tokens already streamed: the replica may report
+    more cached tokens than the client's prompt has; the report counts the prompt's."""
+    calls = [Call([tokens("he")], RpcError(grpc.StatusCode.UNAVAILABLE)),
+             Call([_answer(b"llo", common_pb2.FINISH_REASON_LENGTH,
+                           cached=len(PROMPT) + 1)])]
+    asked: list[Stub] = []
+    stubs = {r: OrderedStub(r, calls, asked) for r in ("A", "B")}
+    orch = make(stubs, semantic=RecordingSemantic())
+    fin = finished(_gen(orch))
+    assert len(asked) == 2 and fin.report.route == "resume"
+    assert fin.report.cached_tokens == len(PROMPT) == fin.prompt_tokens
+    assert orch.stats.cached_tokens == len(PROMPT)
+
+
+def test_a_whole_prompt_matched_and_all_but_its_last_token_reused_is_no_shortfall():
+    """A replica computes at least the prompt's last token: a 96-token prompt the index
+    holds whole, answered with 95 cached, evicted nothing."""
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    def short() -> float:
+        return REGISTRY.get_sample_value(
+            "tiercache_orchestrator_prefix_match_shortfall_tokens_total") or 0.0
+
+    prompt = list(range(1, 97))
+    prefix = SimpleNamespace(
+        timeout_s=0.5, match=lambda h, m, timeout=None, probe=False, on_call=None: {"A": 96})
+    stub = Stub("A", [Call([_answer(b"ok", common_pb2.FINISH_REASON_LENGTH, cached=95)])])
+    before = short()
+    fin = finished(_gen(make({"A": stub}, prefix=prefix),
+                        prompt=RenderedPrompt(prompt, "q", "ctx")))
+    assert (fin.report.index_matched_tokens, fin.report.cached_tokens) == (96, 95)
+    assert short() == before
+
+
+def test_a_request_reusing_exactly_min_prefix_tokens_counts_as_a_prefix_hit():
+    """min_prefix_tokens (32 in `make`) is the least a useful prefix hit reuses."""
+    stub = Stub("A", [Call([_answer(b"ok", common_pb2.FINISH_REASON_LENGTH, cached=32)])])
+    orch = make({"A": stub})
+    _gen(orch)
+    assert orch.stats.requests["prefix_hit"] == 1 and orch.stats.requests["cold"] == 0
+
+
+def test_an_answer_ended_at_eos_is_stored_whole():
+    """truncated_at 0 means whole: an answer that ended at the end of sequence stored as cut
+    would be served LENGTH, and never to a request wanting more tokens than it has."""
+    sem = RecordingSemantic()
+    stub = Stub("A", [Call([_answer(b"ok\x00", common_pb2.FINISH_REASON_EOS)])])
+    _gen(make({"A": stub}, semantic=sem))
+    assert [(st.answer, st.truncated_at) for st in sem.stores] == [("ok", 0)]
+
+
+def test_an_ignore_eos_answer_is_not_stored_when_no_end_of_sequence_id_is_known():
+    """Without an EOS id the answer may have run past the model's end unseen: not stored."""
+    from tests.orchestrator.test_pipeline_paths import Tok
+
+    class NoEos(Tok):
+        eos_token_id = None
+
+    sem = RecordingSemantic()
+    stub, stubs = one_replica()  # "ok", LENGTH
+    _gen(make(stubs, semantic=sem, tok=NoEos()), sampling=Sampling(2, 0.0, 1.0, 0, (), True))
+    assert len(stub.requests) == 1 and sem.stores == []
