@@ -92,3 +92,20 @@ def test_a_save_removes_no_file_whose_name_only_starts_like_its_own(tmp_path):
     (folder / "1234-0.faiss.bak").write_text("an operator's copy")
     snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 1)])
     assert (folder / "1234-0.faiss.bak").exists()
+
+
+@pytest.mark.parametrize("suffix", [".faiss", ".labels.npy"])
+def test_a_graph_whose_files_went_missing_is_written_again_at_the_next_save(tmp_path, suffix):
+    """A graph unchanged since the last save keeps its files, but only while they are there:
+    one deleted since (a cleanup of the folder, a lost file) is written again, so that the
+    next start still takes every graph rather than building one (a mutation audit found
+    nothing checking it)."""
+    main, labels = graph()
+    folder = tmp_path / "snap"
+    state = snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 1)])
+    (gone,) = [p for p in folder.iterdir() if p.name.endswith(suffix)]
+    gone.unlink()
+    snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 1)], previous=state)
+    got = snapshot.Saved(folder, PARAMS, "emb").take(KEY)
+    assert got is not None
+    assert got[0].ntotal == main.ntotal and got[1].tolist() == labels.tolist()
