@@ -266,11 +266,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         with contextlib.ExitStack() as held:
             try:
                 held.enter_context(self._stream_slot(tenant.name))
-                self.tenants.acquire(tenant)
+                counted = self.tenants.acquire(tenant)
             except errors.Overloaded:
                 self.tenants.refund(tenant)
                 raise
-            held.callback(self.tenants.release, tenant)
+            held.callback(self.tenants.release, counted)
             yield
 
     @contextlib.contextmanager

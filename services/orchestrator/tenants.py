@@ -192,6 +192,8 @@ class TenantRegistry:
     # Each tenant's limits now, by name: a call authenticated before a reload holds the
     # Tenant read then, and its acquire, rate and charges go by these (see `_now`).
     _current: dict[str, Tenant] = field(default_factory=dict)
+    # A tenant's old name -> its name now, for tokens a reload moved to another name.
+    _renamed: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._by_digest = {_digest(tok): t for tok, t in self.by_token.items()}
@@ -312,14 +314,23 @@ class TenantRegistry:
         if other.default is not None or self.default is not None:
             raise ValueError("a registry without tokens cannot be swapped")
         with self._lock:
+            moved = {t.name: new.name for tok, t in self.by_token.items()
+                     if (new := other.by_token.get(tok)) is not None and new.name != t.name}
+            renamed = {old: moved.get(mid, mid) for old, mid in self._renamed.items()}
+            renamed.update(moved)
+            self._renamed = {old: new for old, new in renamed.items() if old != new}
             self.by_token, self._by_digest = other.by_token, other._by_digest
             self._current = other._current
 
     def _now(self, tenant: Tenant) -> Tenant:
         """`tenant` with its limits as the tenants file has them now: a call authenticated
         just before a reload was admitted under the old concurrency limit (and metered at the
-        old rate). One removed since keeps the limits it was authenticated with."""
-        return self._current.get(tenant.name, tenant)
+        old rate). A tenant renamed since (its token moved to another name) is the renamed
+        one; one removed keeps the limits it was authenticated with."""
+        now = self._current.get(tenant.name)
+        if now is None and tenant.name in self._renamed:
+            now = self._current.get(self._renamed[tenant.name])
+        return now or tenant
 
     def check_limits(self, tenant: Tenant, prompt_tokens: int, max_tokens: int,
                      field: str = "prompt") -> None:
@@ -335,7 +346,9 @@ class TenantRegistry:
             raise ResourceExhausted(
                 f"sampling.max_tokens: {max_tokens} exceed tenant limit {tenant.max_tokens}")
 
-    def acquire(self, tenant: Tenant) -> None:
+    def acquire(self, tenant: Tenant) -> Tenant:
+        """One of the tenant's concurrent slots; returns the tenant it is counted under (as
+        the tokens file has it now), which `release` must be given."""
         with self._lock:
             tenant = self._now(tenant)
             n = self._active.get(tenant.name, 0)
@@ -345,6 +358,7 @@ class TenantRegistry:
                     f"tenant {tenant.name}: {n} concurrent requests "
                     f"(limit {tenant.max_concurrent})")
             self._active[tenant.name] = n + 1
+            return tenant
 
     def release(self, tenant: Tenant) -> None:
         with self._lock:

@@ -460,3 +460,34 @@ def test_a_call_authenticated_before_a_reload_is_held_to_the_limits_read_since(t
     r.release(held)
     r.acquire(late)  # a slot free again: the same call is admitted
     assert r._active["c"] == 1
+
+
+def test_a_call_authenticated_before_its_tenant_was_renamed_is_held_to_the_new_name(tmp_path):
+    """A review of the fix above: a reload that moved the token to another tenant name left a
+    call authenticated just before under the old name's limit and count, past the new cap
+    (acme-eu 1 and acme 1 under way, limit 1). Its slot is released under the name it was
+    counted under."""
+    from services.common.errors import Overloaded
+
+    tok = "tok-acme-0123456789ab"
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({tok: {"tenant": "acme", "max_concurrent": 4}}))
+    r = reg(tokens_file=str(f))
+    md = {"authorization": f"Bearer {tok}"}
+    late = r.authenticate(md)  # authenticated before the reload
+    early = r.acquire(r.authenticate(md))
+    assert early.name == "acme"
+    f.write_text(json.dumps({tok: {"tenant": "acme-eu", "max_concurrent": 1}}))
+    r.adopt(reg(tokens_file=str(f)))
+    fresh = r.acquire(r.authenticate(md))
+    assert fresh.name == "acme-eu"
+    with pytest.raises(Overloaded, match=r"tenant acme-eu: 1 concurrent requests \(limit 1\)"):
+        r.acquire(late)
+    r.release(fresh)
+    assert r.acquire(late).name == "acme-eu"  # counted under the name it has now
+    r.release(early)
+    assert r._active == {"acme": 0, "acme-eu": 1}
+    # Renamed again: the first name follows to the last.
+    f.write_text(json.dumps({tok: {"tenant": "acme-us", "max_concurrent": 2}}))
+    r.adopt(reg(tokens_file=str(f)))
+    assert r.acquire(late).name == "acme-us"
