@@ -59,10 +59,11 @@ class RecordingSemantic(Semantic):
 
 
 def run(orch, *, prompt: RenderedPrompt | None = None, policy: Policy = Policy(),
-        session_id: str = "s", max_tokens: int = 4) -> list:
+        session_id: str = "s", max_tokens: int = 4, sampling: Sampling | None = None) -> list:
+    """The request's events; greedy `max_tokens` unless `sampling` is given."""
     return list(orch.generate(
         tenant=TENANT, prompt=prompt or RenderedPrompt(PROMPT, "q", "ctx"),
-        sampling=Sampling(max_tokens, 0.0, 1.0, 0, (), False), policy=policy,
+        sampling=sampling or Sampling(max_tokens, 0.0, 1.0, 0, (), False), policy=policy,
         session_id=session_id, return_token_ids=True, request_id="rid",
         deadline=time.monotonic() + 30, on_cancel=lambda fn: None))
 
@@ -177,6 +178,12 @@ class OrderedStub(Stub):
         return super().Generate(req, timeout, metadata)
 
 
+def two_replicas(calls: list[Call]) -> tuple[dict[str, OrderedStub], list[Stub]]:
+    """Replicas A and B taking their streams from `calls` in order, and who was asked when."""
+    asked: list[Stub] = []
+    return {r: OrderedStub(r, calls, asked) for r in ("A", "B")}, asked
+
+
 def test_a_replica_lost_mid_answer_is_resumed_elsewhere_from_the_tokens_already_sent():
     draft = "hello world"
     sem = RecordingSemantic(semantic_pb2.LookupResponse(
@@ -185,8 +192,7 @@ def test_a_replica_lost_mid_answer_is_resumed_elsewhere_from_the_tokens_already_
     calls = [Call([tokens("he")], RpcError(grpc.StatusCode.UNAVAILABLE)),
              Call([tokens("llo"), kvpool_pb2.KvGenerateResponse(final=kvpool_pb2.KvGenerateFinal(
                  finish_reason=common_pb2.FINISH_REASON_LENGTH))])]
-    asked: list[Stub] = []
-    stubs = {r: OrderedStub(r, calls, asked) for r in ("A", "B")}
+    stubs, asked = two_replicas(calls)
     orch = make(stubs, semantic=sem)
     events = run(orch, max_tokens=16)
 
@@ -231,15 +237,11 @@ def test_a_replica_lost_after_the_answers_last_token_is_not_resumed(streamed, sa
                   RpcError(grpc.StatusCode.UNAVAILABLE)),
              Call([tokens(" more"), kvpool_pb2.KvGenerateResponse(final=kvpool_pb2.KvGenerateFinal(
                  finish_reason=common_pb2.FINISH_REASON_LENGTH))])]
-    asked: list[Stub] = []
-    stubs = {r: OrderedStub(r, calls, asked) for r in ("A", "B")}
+    stubs, asked = two_replicas(calls)
     orch = make(stubs, semantic=sem)
     spec = dict(dict(temperature=0.0, top_p=1.0, seed=0, stop_token_ids=(), ignore_eos=False),
                 **sampling)
-    events = list(orch.generate(
-        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
-        sampling=Sampling(**spec), policy=Policy(), session_id="s", return_token_ids=True,
-        request_id="rid", deadline=time.monotonic() + 30, on_cancel=lambda fn: None))
+    events = run(orch, sampling=Sampling(**spec))
     assert len(asked) == 1  # no resume
     fin = finished(events)
     assert fin.finish_reason == reason and fin.completion_tokens == len(streamed)
@@ -255,15 +257,10 @@ def test_an_unseeded_sample_resumed_elsewhere_continues_the_same_draw():
     calls = [Call([tokens("he")], RpcError(grpc.StatusCode.UNAVAILABLE)),
              Call([tokens("llo"), kvpool_pb2.KvGenerateResponse(final=kvpool_pb2.KvGenerateFinal(
                  finish_reason=common_pb2.FINISH_REASON_LENGTH))])]
-    asked: list[Stub] = []
-    stubs = {r: OrderedStub(r, calls, asked) for r in ("A", "B")}
+    stubs, asked = two_replicas(calls)
     orch = make(stubs, semantic=RecordingSemantic())
-    list(orch.generate(
-        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
-        sampling=Sampling(max_tokens=16, temperature=0.8, top_p=1.0, seed=0,
-                          stop_token_ids=(), ignore_eos=False),
-        policy=Policy(), session_id="s", return_token_ids=True, request_id="rid",
-        deadline=time.monotonic() + 30, on_cancel=lambda fn: None))
+    run(orch, sampling=Sampling(max_tokens=16, temperature=0.8, top_p=1.0, seed=0,
+                                stop_token_ids=(), ignore_eos=False))
     first, resumed = asked[0].requests[0], asked[1].requests[0]
     assert first.sampling.seed != 0
     assert resumed.sampling.seed == first.sampling.seed and resumed.seed_offset == 2

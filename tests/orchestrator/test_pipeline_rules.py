@@ -7,23 +7,21 @@ mutant of the rule it checks."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
 
 from services.orchestrator.pipeline import NOT_SERVED, Policy, Sampling
 from services.orchestrator.render import RenderedPrompt
 from tests.orchestrator.test_contracts import (
-    OrderedStub,
     RecordingSemantic,
     finished,
     one_replica,
     run,
     text_of,
     tokens,
+    two_replicas,
 )
-from tests.orchestrator.test_pipeline_paths import PROMPT, TENANT, Call, RpcError, Stub, final, make
+from tests.orchestrator.test_pipeline_paths import PROMPT, Call, RpcError, Stub, final, make
 from tests.orchestrator.test_request_path import hit
 from tests.orchestrator.test_request_path import run as run_stop
 
@@ -65,14 +63,9 @@ def test_an_ignore_eos_answer_lost_right_after_an_eos_token_is_resumed():
     calls = [Call([tokens("hi\x00")], RpcError(grpc.StatusCode.UNAVAILABLE)),
              Call([tokens("yo"), kvpool_pb2.KvGenerateResponse(final=kvpool_pb2.KvGenerateFinal(
                  finish_reason=common_pb2.FINISH_REASON_LENGTH))])]
-    asked: list[Stub] = []
-    stubs = {r: OrderedStub(r, calls, asked) for r in ("A", "B")}
+    stubs, asked = two_replicas(calls)
     orch = make(stubs, semantic=sem)
-    events = list(orch.generate(
-        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
-        sampling=Sampling(16, 0.0, 1.0, 0, (), True), policy=Policy(), session_id="s",
-        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
-        on_cancel=lambda fn: None))
+    events = run(orch, sampling=Sampling(16, 0.0, 1.0, 0, (), True))
     assert len(asked) == 2
     resumed = asked[1].requests[0]
     assert list(resumed.token_ids) == PROMPT + list(b"hi\x00")
@@ -92,14 +85,6 @@ def test_a_stop_token_just_past_max_tokens_leaves_the_length_cut():
     assert fin.finish_reason == common_pb2.FINISH_REASON_LENGTH and fin.completion_tokens == 4
 
 
-def _gen(orch, *, prompt=None, sampling=None, policy=Policy()) -> list:
-    return list(orch.generate(
-        tenant=TENANT, prompt=prompt or RenderedPrompt(PROMPT, "q", "ctx"),
-        sampling=sampling or Sampling(16, 0.0, 1.0, 0, (), False), policy=policy,
-        session_id="s", return_token_ids=True, request_id="rid",
-        deadline=time.monotonic() + 30, on_cancel=lambda fn: None))
-
-
 def _answer(ids: bytes, reason: int, cached: int = 0) -> kvpool_pb2.KvGenerateResponse:
     return kvpool_pb2.KvGenerateResponse(token_ids=list(ids), final=kvpool_pb2.KvGenerateFinal(
         finish_reason=reason, replica_id="A", cached_tokens=cached))
@@ -110,7 +95,7 @@ def test_an_answer_ended_by_a_stop_token_is_stored_as_cut_short():
     (truncated_at 0), it is served CACHED to later requests that never asked to stop there."""
     sem = RecordingSemantic()
     stub = Stub("A", [Call([_answer(b"hi!", common_pb2.FINISH_REASON_STOP)])])
-    _gen(make({"A": stub}, semantic=sem), sampling=Sampling(16, 0.0, 1.0, 0, (ord("!"),), False))
+    run(make({"A": stub}, semantic=sem), sampling=Sampling(16, 0.0, 1.0, 0, (ord("!"),), False))
     assert [(st.answer, st.truncated_at) for st in sem.stores] == [("hi!", 3)]
 
 
@@ -120,7 +105,7 @@ def test_a_cut_short_sample_does_not_replace_a_hit_cut_at_the_same_length():
         hit=True, similarity=1.0,
         entry=semantic_pb2.SemanticEntry(id="e1", answer="ab", truncated_at=2)))
     stub, stubs = one_replica()  # "ok", LENGTH
-    events = _gen(make(stubs, semantic=sem), sampling=Sampling(2, 0.8, 1.0, 7, (), False),
+    events = run(make(stubs, semantic=sem), sampling=Sampling(2, 0.8, 1.0, 7, (), False),
                   policy=Policy(store_sampled=True))
     assert len(stub.requests) == 1 and text_of(events) == "ok"  # the sample, not the hit
     assert sem.stores == []
@@ -129,7 +114,7 @@ def test_a_cut_short_sample_does_not_replace_a_hit_cut_at_the_same_length():
 def test_a_whitespace_only_answer_is_not_stored():
     sem = RecordingSemantic()
     stub = Stub("A", [Call([_answer(b" \n ", common_pb2.FINISH_REASON_EOS)])])
-    events = _gen(make({"A": stub}, semantic=sem))
+    events = run(make({"A": stub}, semantic=sem), max_tokens=16)
     assert text_of(events) == " \n "
     assert sem.stores == [] and finished(events).report.semantic_entry_id == ""
 
@@ -140,10 +125,9 @@ def test_a_resumed_replicas_cached_tokens_never_exceed_the_prompt():
     calls = [Call([tokens("he")], RpcError(grpc.StatusCode.UNAVAILABLE)),
              Call([_answer(b"llo", common_pb2.FINISH_REASON_LENGTH,
                            cached=len(PROMPT) + 1)])]
-    asked: list[Stub] = []
-    stubs = {r: OrderedStub(r, calls, asked) for r in ("A", "B")}
+    stubs, asked = two_replicas(calls)
     orch = make(stubs, semantic=RecordingSemantic())
-    fin = finished(_gen(orch))
+    fin = finished(run(orch, max_tokens=16))
     assert len(asked) == 2 and fin.report.route == "resume"
     assert fin.report.cached_tokens == len(PROMPT) == fin.prompt_tokens
     assert orch.stats.cached_tokens == len(PROMPT)
@@ -165,7 +149,7 @@ def test_a_whole_prompt_matched_and_all_but_its_last_token_reused_is_no_shortfal
         timeout_s=0.5, match=lambda h, m, timeout=None, probe=False, on_call=None: {"A": 96})
     stub = Stub("A", [Call([_answer(b"ok", common_pb2.FINISH_REASON_LENGTH, cached=95)])])
     before = short()
-    fin = finished(_gen(make({"A": stub}, prefix=prefix),
+    fin = finished(run(make({"A": stub}, prefix=prefix),
                         prompt=RenderedPrompt(prompt, "q", "ctx")))
     assert (fin.report.index_matched_tokens, fin.report.cached_tokens) == (96, 95)
     assert short() == before
@@ -175,7 +159,7 @@ def test_a_request_reusing_exactly_min_prefix_tokens_counts_as_a_prefix_hit():
     """min_prefix_tokens (32 in `make`) is the least a useful prefix hit reuses."""
     stub = Stub("A", [Call([_answer(b"ok", common_pb2.FINISH_REASON_LENGTH, cached=32)])])
     orch = make({"A": stub})
-    _gen(orch)
+    run(orch, max_tokens=16)
     assert orch.stats.requests["prefix_hit"] == 1 and orch.stats.requests["cold"] == 0
 
 
@@ -184,7 +168,7 @@ def test_an_answer_ended_at_eos_is_stored_whole():
     would be served LENGTH, and never to a request wanting more tokens than it has."""
     sem = RecordingSemantic()
     stub = Stub("A", [Call([_answer(b"ok\x00", common_pb2.FINISH_REASON_EOS)])])
-    _gen(make({"A": stub}, semantic=sem))
+    run(make({"A": stub}, semantic=sem), max_tokens=16)
     assert [(st.answer, st.truncated_at) for st in sem.stores] == [("ok", 0)]
 
 
@@ -197,5 +181,5 @@ def test_an_ignore_eos_answer_is_not_stored_when_no_end_of_sequence_id_is_known(
 
     sem = RecordingSemantic()
     stub, stubs = one_replica()  # "ok", LENGTH
-    _gen(make(stubs, semantic=sem, tok=NoEos()), sampling=Sampling(2, 0.0, 1.0, 0, (), True))
+    run(make(stubs, semantic=sem, tok=NoEos()), sampling=Sampling(2, 0.0, 1.0, 0, (), True))
     assert len(stub.requests) == 1 and sem.stores == []
