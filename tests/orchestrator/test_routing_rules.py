@@ -8,10 +8,7 @@ import math
 
 from services.orchestrator.routing import PrefixAwarePolicy, ReplicaView, bounded_cap
 from tests.clock import Clock
-
-
-def views(**loads):
-    return [ReplicaView(k, float(v)) for k, v in loads.items()]
+from tests.orchestrator.test_routing import views
 
 
 def test_a_holder_exactly_at_the_cap_keeps_its_prefix():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -198,6 +199,14 @@ def test_writers_never_wait_for_an_index_build():
     assert len(idx) == 150 and idx.search(vecs[9], 1)[0].label == 9
 
 
+def settled(idx: NamespaceIndex) -> None:
+    """Waits up to 30 s for `idx`'s background merge to end, and checks that it did."""
+    end = time.monotonic() + 30
+    while idx._merging is not None and time.monotonic() < end:
+        time.sleep(0.02)
+    assert idx._merging is None, "the background merge did not settle"
+
+
 def counting_builds(idx: NamespaceIndex) -> list[bool]:
     """The `purge` flag of each build `idx` runs from now on."""
     builds: list[bool] = []
@@ -214,8 +223,6 @@ def counting_builds(idx: NamespaceIndex) -> list[bool]:
 def test_many_removals_are_purged_by_one_background_merge_not_a_loop():
     """Tombstones past a quarter of the live entries ask for a merge; that merge must purge
     them (a graph only extended would keep them, and the merge would start over forever)."""
-    import time
-
     rng = np.random.default_rng(5)
     vecs = _unit(rng, 1200)
     idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=200, delta_capacity=64))
@@ -224,10 +231,7 @@ def test_many_removals_are_purged_by_one_background_merge_not_a_loop():
     builds = counting_builds(idx)
     for lab in range(0, 1200, 3):  # 400 removed: a third of the entries
         idx.remove(lab)
-    end = time.monotonic() + 30
-    while idx._merging is not None and time.monotonic() < end:
-        time.sleep(0.02)
-    assert idx._merging is None, "the background merge did not settle"
+    settled(idx)
     assert True in builds and len(builds) <= 3, builds
     # Purged down to below the rule that asks for a merge (removals made while the merge ran
     # may stay as tombstones: too few to ask for another).
@@ -324,8 +328,6 @@ def test_after_a_merge_the_delta_starts_small_again():
 def test_removals_while_merges_are_held_start_none_until_released():
     """A namespace being emptied must not purge its tombstones on the way; one that still
     holds entries afterwards purges them once, when the hold ends."""
-    import time
-
     rng = np.random.default_rng(7)
     vecs = _unit(rng, 400)
     for background in (False, True):
@@ -386,8 +388,6 @@ def test_background_merges_wait_for_a_process_wide_slot(monkeypatch):
     built many indexes at once (HNSW on every core, a copy of the vectors each). A merge now
     waits for one of a few process-wide slots; its namespace keeps taking adds meanwhile,
     and one shut down while waiting builds nothing."""
-    import time
-
     from services.semantic import index as index_mod
 
     slots = threading.BoundedSemaphore(1)
@@ -412,10 +412,8 @@ def test_background_merges_wait_for_a_process_wide_slot(monkeypatch):
         idx.add(i, vecs[i])  # the namespace still takes adds...
     assert [n.label for n in idx.search(vecs[33])][:1] == [33]  # ...and serves them
     slots.release()
-    end = time.monotonic() + 30
-    while idx._merging is not None and time.monotonic() < end:
-        time.sleep(0.02)
-    assert idx._merging is None and builds, "the merge did not run once a slot was free"
+    settled(idx)
+    assert builds, "the merge did not run once a slot was free"
 
     assert slots.acquire(timeout=5)
     closing, builds = waiting_index()

@@ -8,29 +8,11 @@ from __future__ import annotations
 
 import time
 
-import faiss
 import numpy as np
 
 from services.semantic.index import IndexParams, NamespaceIndex
-from tests.semantic.test_index import _unit, counting_builds
-
-
-def _settled(idx: NamespaceIndex) -> None:
-    end = time.monotonic() + 30
-    while idx._merging is not None and time.monotonic() < end:
-        time.sleep(0.02)
-    assert idx._merging is None, "the background merge did not settle"
-
-
-def _graph(params, labels, vecs):
-    idx = NamespaceIndex(params, background=False)
-    idx.add_many(labels, vecs)
-    main, saved = idx.saved_main()
-    return faiss.deserialize_index(faiss.serialize_index(main)), saved.copy()
-
-
-GRAPH = IndexParams(16, hnsw_min_entries=40, hnsw_m=8, hnsw_ef_construction=40,
-                    hnsw_ef_search=64, delta_capacity=16)
+from tests.semantic.test_index import _unit, counting_builds, settled
+from tests.semantic.test_snapshot import PARAMS, hnsw_of
 
 
 def test_a_search_past_a_few_tombstones_takes_one_pass():
@@ -72,7 +54,7 @@ def test_a_delta_three_quarters_full_is_merged_in_the_background():
     vecs = _unit(rng, 12)
     for i, v in enumerate(vecs):  # 12 of 16
         idx.add(i, v)
-    _settled(idx)
+    settled(idx)
     assert idx.kind == "flat" and idx._snap.count[0] == 0 and len(idx._snap.main_labels) == 12
     idx.close(5)
 
@@ -86,7 +68,7 @@ def test_adds_while_merges_are_held_start_no_merge_until_released():
         for i, v in enumerate(vecs):  # reaches 3/4 of the delta
             idx.add(i, v)
         assert idx._merging is None and builds == []
-    _settled(idx)
+    settled(idx)
     assert builds and idx.kind == "flat"
     idx.close(5)
 
@@ -120,8 +102,8 @@ def test_a_graph_whose_live_entries_fell_below_hnsw_min_is_rebuilt_flat_at_a_mer
 
 def test_a_graph_holding_one_label_past_those_issued_is_not_adopted():
     labels, vecs = np.arange(1, 101, dtype=np.int64), _unit(np.random.default_rng(17), 100, 16)
-    main, saved = _graph(GRAPH, labels, vecs)
-    index = NamespaceIndex(GRAPH, background=False)
+    main, saved = hnsw_of(labels, vecs)
+    index = NamespaceIndex(PARAMS, background=False)
     assert not index.adopt(main, saved, labels[:99], vecs[:99], 99)
     assert index.kind == "empty"
     assert index.adopt(main, saved, labels[:99], vecs[:99], 100)
@@ -129,11 +111,11 @@ def test_a_graph_holding_one_label_past_those_issued_is_not_adopted():
 
 def test_a_graph_holding_a_label_twice_is_not_adopted():
     labels, vecs = np.arange(1, 101, dtype=np.int64), _unit(np.random.default_rng(18), 100, 16)
-    main, saved = _graph(GRAPH, labels, vecs)
+    main, saved = hnsw_of(labels, vecs)
     twice = saved.copy()
     twice[6] = twice[5]  # row 6 claims row 5's label
     live = np.array([lab != saved[6] for lab in labels])
-    index = NamespaceIndex(GRAPH, background=False)
+    index = NamespaceIndex(PARAMS, background=False)
     assert not index.adopt(main, twice, labels[live], vecs[live], 100)
     assert index.kind == "empty" and len(index) == 0
 
@@ -141,8 +123,8 @@ def test_a_graph_holding_a_label_twice_is_not_adopted():
 def test_an_adopted_graph_searches_with_the_configured_ef_search():
     """efSearch is not among the snapshot's settings: a changed one must apply on adopt."""
     labels, vecs = np.arange(1, 101, dtype=np.int64), _unit(np.random.default_rng(19), 100, 16)
-    main, saved = _graph(GRAPH, labels, vecs)
-    params = GRAPH._replace(hnsw_ef_search=128)
+    main, saved = hnsw_of(labels, vecs)
+    params = PARAMS._replace(hnsw_ef_search=128)
     index = NamespaceIndex(params, background=False)
     assert index.adopt(main, saved, labels, vecs, 100)
     assert index._snap.main.hnsw.efSearch == 128
@@ -150,8 +132,8 @@ def test_an_adopted_graph_searches_with_the_configured_ef_search():
 
 def test_an_adopted_graph_with_many_entries_gone_is_purged_by_the_usual_rule():
     labels, vecs = np.arange(1, 201, dtype=np.int64), _unit(np.random.default_rng(20), 200, 16)
-    main, saved = _graph(GRAPH, labels, vecs)
-    index = NamespaceIndex(GRAPH, background=False)
+    main, saved = hnsw_of(labels, vecs)
+    index = NamespaceIndex(PARAMS, background=False)
     assert index.adopt(main, saved, labels[:100], vecs[:100], 200)  # 100 gone: > 64, > 1/4
     assert len(index._dead) == 0 and len(index._snap.main_labels) == 100
     assert index.search(vecs[7], 1)[0].label == 8
@@ -186,9 +168,9 @@ def test_a_running_merge_stops_after_its_build_once_merges_are_held():
         for i in range(12, 40):  # the delta fills again behind the build
             idx.add(i, vecs[i])
         go.set()
-        _settled(idx)
+        settled(idx)
         assert builds == [False]  # stopped after the one build
         assert all(idx.search(vecs[i], 1)[0].label == i for i in (0, 20, 39))
-    _settled(idx)
+    settled(idx)
     idx.check_integrity()
     idx.close(5)

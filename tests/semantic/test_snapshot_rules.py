@@ -14,20 +14,14 @@ import numpy as np
 import pytest
 
 from services.semantic import snapshot
-from services.semantic.index import IndexParams, NamespaceIndex
+from tests.semantic.test_snapshot import PARAMS, hnsw_of, unit_rows
 
-DIM = 16
-PARAMS = IndexParams(DIM, hnsw_min_entries=40, hnsw_m=8, hnsw_ef_construction=40,
-                     hnsw_ef_search=64, delta_capacity=16)
 KEY = ("tenant-a", "smollm2", "")
 
 
-def graph(n: int = 60):
-    v = np.random.default_rng(0).standard_normal((n, DIM)).astype(np.float32)
-    v /= np.linalg.norm(v, axis=1, keepdims=True)
-    index = NamespaceIndex(PARAMS, background=False)
-    index.add_many(np.arange(1, n + 1), v)
-    return index.saved_main()
+def graph():
+    """A 60-row HNSW graph and its labels."""
+    return hnsw_of(np.arange(1, 61, dtype=np.int64), unit_rows(60, 0))
 
 
 def test_every_file_is_fsynced_before_the_manifest_is_renamed_into_place(tmp_path,
