@@ -242,6 +242,10 @@ def _same_vectors(tag: str, ours: str) -> bool:
     return tag == ours
 
 
+# How often a Store waiting for an Invalidate (`store_entry`) asks whether its caller still waits.
+_WAIT_CHECK_S = 0.05
+
+
 def _still(wanted: Callable[[], bool] | None, what: str) -> None:
     """Raise DeadlineExceeded unless the caller still waits (`wanted` None: always)."""
     if wanted is not None and not wanted():
@@ -642,7 +646,8 @@ class SemanticCache:
         `wanted`, asked once the prompt is embedded, right before the write: False (the
         caller's deadline passed, or it went away) writes nothing, so a caller whose deadline
         passed before the write does not leave an entry behind it cannot name (one passing
-        during the write still can: best effort).
+        during the write still can: best effort). Asked again, every `_WAIT_CHECK_S`, while
+        the Store waits for an Invalidate that read the entry it replaces.
 
         `answer_token_ids`: the answer as the namespace's model generated it (optional; served
         back with the entry, see SemanticEntry.answer_token_ids).
@@ -689,8 +694,12 @@ class SemanticCache:
                 old = self._by_prompt.get((ns, prompt))
                 while old is not None and any(r.holds(old) for r in self._removing.get(ns, ())):
                     # An Invalidate under way read it (see `_removal`): it is gone once that
-                    # one ends (about a second per 100k entries).
-                    self._removed.wait()
+                    # one ends (about a second per 100k entries). A caller whose deadline
+                    # passes meanwhile is refused and its row deleted (below): the Store
+                    # went on, and its answer stood although the caller had been told
+                    # DEADLINE_EXCEEDED.
+                    self._removed.wait(_WAIT_CHECK_S)
+                    _still(wanted, "answer")
                     old = self._by_prompt.get((ns, prompt))
                 if old is not None and old > label:
                     # A Store of the same prompt committed after this one (a higher label)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
+from services.common.errors import DeadlineExceeded
 from services.semantic import cache as cache_mod
 from services.semantic.cache import Namespace, SemanticCache
 from services.semantic.index import IndexParams, NamespaceIndex
@@ -469,6 +470,40 @@ def test_a_store_into_a_namespace_being_invalidated_waits_for_the_invalidation(
     r = c.lookup(A, "query", tier="strict")
     assert r.hit and r.entry.answer == "new answer"
     assert c.stats().entries == 1 and c.store.count() == 1
+    c.check_integrity()
+
+
+def test_a_store_waiting_for_an_invalidation_gives_up_when_its_caller_stops_waiting(
+        make_cache, monkeypatch):
+    """A Store held by an Invalidate (above) asks whether its caller still waits: once not,
+    it is refused with DEADLINE_EXCEEDED and its row deleted. It waited on past the caller's
+    deadline, and its answer then stood though the caller had been told it failed."""
+    c = make_cache()
+    old = c.store_entry(A, "query", "old answer")
+    held = HeldInvalidate(c, monkeypatch, "id", old)
+    still = threading.Event()
+    still.set()
+    out: dict[str, object] = {}
+
+    def store() -> None:
+        try:
+            c.store_entry(A, "query", "new answer", wanted=still.is_set)
+        except DeadlineExceeded as e:
+            out["error"] = e
+
+    st = threading.Thread(target=store, daemon=True)
+    try:
+        st.start()
+        time.sleep(0.2)
+        assert st.is_alive()  # waits for the Invalidate
+        still.clear()  # the caller's deadline passes
+        st.join(10)
+        assert not st.is_alive() and "error" in out
+    finally:
+        removed = held.end()
+    assert removed == 1
+    assert c.stats().entries == 0 and c.store.count() == 0
+    assert not c.lookup(A, "query", tier="strict").hit
     c.check_integrity()
 
 
