@@ -437,16 +437,21 @@ class HeldInvalidate:
         return self.out["removed"]
 
 
+@pytest.mark.parametrize("behind", [False, True])
 @pytest.mark.parametrize("restarted", [False, True])
 @pytest.mark.parametrize("by", ["id", "namespace"])
 def test_a_store_into_a_namespace_being_invalidated_waits_for_the_invalidation(
-        make_cache, monkeypatch, by, restarted):
+        make_cache, monkeypatch, by, restarted, behind):
     """An Invalidate read the namespace's entries; a Store of the same prompt then replaced
     the entry before the Invalidate removed it, and the Invalidate said removed=0 while the
     namespace held an answer to that prompt throughout (a count no order of the two calls
     gives: 9 of 300 races through gRPC). The Store now waits for the Invalidate's end; also
-    for an entry loaded at start (the label the namespace read goes up to is set there too)."""
+    for an entry loaded at start (the label the namespace read goes up to is set there too),
+    and (`behind`) for one stored after another entry of the namespace: a namespace's
+    Invalidate reads up to its highest label, not to its least recently used one's."""
     c = make_cache()
+    if behind:
+        c.store_entry(A, "stored before", "another answer")
     old = c.store_entry(A, "query", "old answer")
     if restarted:
         c = make_cache()
@@ -464,12 +469,13 @@ def test_a_store_into_a_namespace_being_invalidated_waits_for_the_invalidation(
     deadline = time.monotonic() + 30
     while st.is_alive() and not waiting.is_set() and time.monotonic() < deadline:
         time.sleep(0.005)  # until the Store has replaced the entry, or waits
-    assert held.end() == 1
+    assert held.end() == (2 if behind and by == "namespace" else 1)
     st.join(30)
     assert not st.is_alive()
     r = c.lookup(A, "query", tier="strict")
     assert r.hit and r.entry.answer == "new answer"
-    assert c.stats().entries == 1 and c.store.count() == 1
+    left = 2 if behind and by == "id" else 1
+    assert c.stats().entries == left and c.store.count() == left
     c.check_integrity()
 
 
@@ -617,6 +623,7 @@ def test_an_expired_entry_goes_before_a_live_one_at_capacity(make_cache, emb, cl
     r = c.lookup(A, "query", tier="relaxed")
     assert r.hit and r.entry.answer == "B"
     assert c._evicted == 0 and c._expired == 1
+    assert c.store.count() == 2  # its row went with it
     # Past capacity with nothing expired, LRU still decides (the hit made "live" recent).
     c.store_entry(A, "fourth", "D")
     assert sorted(e.prompt for e in c._entries.values()) == ["fourth", "live"]

@@ -1,0 +1,206 @@
+"""SemanticCache rules a mutation audit found unguarded: the bounds of each input (the largest
+value accepted, the next refused), context hashes in either case, no TTL under a default of
+0, the draft floor's own value, similarities above 1 from float32 rounding, which refusal a
+lookup reports (and that the metric counts it), the embedding-window rule seen past the
+window, the vectors kept for the Store after a missed Lookup, a namespace's evictions counted
+toward its tenant's quota, and an entry at its expiry time at a restart. Fake vectors
+(test_cache_edges.FixedEmbedder): pure logic."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.semantic.cache import RECENT_VECTORS, Namespace
+from services.semantic.store import unpack_tokens
+from tests.semantic import test_cache_edges as edges
+from tests.semantic.test_cache_edges import DIM, A, CountingEmbedder, WindowEmbedder
+from tests.semantic.test_snapshot import metric
+
+emb, make_cache = edges.emb, edges.make_cache  # the fixtures of test_cache_edges
+
+LIMITS = dict(max_text_chars=40, max_answer_chars=60, max_tenant_chars=64,
+              max_ttl_seconds=1000, default_ttl_seconds=100)
+
+
+def _store(c, **kw):
+    args = dict(ns=A, prompt="A fine question?", answer="A fine answer.")
+    args.update(kw)
+    return c.store_entry(args.pop("ns"), **args)
+
+
+@pytest.mark.parametrize(("field", "at_limit", "past_limit"), [
+    ("namespace.tenant", dict(ns=Namespace("t" * 64, "m")), dict(ns=Namespace("t" * 65, "m"))),
+    ("namespace.model_id", dict(ns=Namespace("t", "m" * 64)), dict(ns=Namespace("t", "m" * 65))),
+    ("namespace.context_hash", dict(ns=Namespace("t", "m", "a" * 128)),
+     dict(ns=Namespace("t", "m", "a" * 129))),
+    ("prompt", dict(prompt="q" * 40), dict(prompt="q" * 41)),
+    ("answer", dict(answer="a" * 60), dict(answer="a" * 61)),
+    ("ttl_seconds", dict(ttl_seconds=1000), dict(ttl_seconds=1001)),
+    # One id per UTF-8 byte plus an end of sequence: "ab" takes 3, not 4.
+    ("answer_token_ids", dict(answer="ab", answer_token_ids=[1, 2, 3]),
+     dict(answer="ab", answer_token_ids=[1, 2, 3, 4])),
+    ("answer_token_ids", dict(answer_token_ids=[2**32 - 1]), dict(answer_token_ids=[2**32])),
+])
+def test_each_store_limit_accepts_its_bound_and_refuses_one_past_it(make_cache, field,
+                                                                    at_limit, past_limit):
+    """The limits are inclusive, as their messages say ("longer than N", "in [0, N]", "at
+    most one per byte, and an end of sequence", "[0, 2^32)"): the bound itself is stored, one
+    past it is INVALID_ARGUMENT naming the field and writes nothing."""
+    c = make_cache(**LIMITS)
+    with pytest.raises(InvalidArgument) as exc:
+        _store(c, **past_limit)
+    assert exc.value.field == field
+    assert c.store.count() == 0
+    e = _store(c, **at_limit)
+    assert c.get(e.id) == e and c.store.count() == 1
+    if "answer_token_ids" in at_limit:
+        assert unpack_tokens(c.store.get(e.id).answer_tokens) == at_limit["answer_token_ids"]
+
+
+def test_a_lookup_text_at_the_limit_is_looked_up_and_one_past_it_refused(make_cache):
+    """Lookup's text limit is inclusive too, and a refused lookup is not counted."""
+    c = make_cache(**LIMITS)
+    with pytest.raises(InvalidArgument) as exc:
+        c.lookup(A, "q" * 41)
+    assert exc.value.field == "text" and c.stats().lookups_total == 0
+    assert not c.lookup(A, "q" * 40).hit
+    assert c.stats().lookups_total == 1
+
+
+def test_a_context_hash_names_the_same_namespace_in_either_case(make_cache):
+    """A hex context hash is a number: "AB12" and "ab12" are one conversation context, so an
+    answer stored under one is found, and invalidated, under the other."""
+    c = make_cache()
+    upper, lower = Namespace("t", "m", "AB12"), Namespace("t", "m", "ab12")
+    e = c.store_entry(upper, "query", "an answer")
+    assert e.namespace == lower
+    r = c.lookup(lower, "query")
+    assert r.hit and r.entry.id == e.id
+    assert c.invalidate_namespace(upper) == 1 and c.store.count() == 0
+    c.check_integrity()
+
+
+def test_an_entry_without_ttl_never_expires_under_a_default_of_zero(make_cache, clock):
+    """default_ttl_seconds 0 means never expire: an entry stored without a TTL is served
+    however long after, and the housekeeper's expiry leaves it."""
+    c = make_cache(default_ttl_seconds=0)
+    e = c.store_entry(A, "query", "an answer")
+    assert e.ttl_seconds == 0
+    clock.t += 10 * 365 * 24 * 3600
+    assert c.lookup(A, "query").hit
+    assert c.expire() == 0 and c.store.count() == 1
+    c.verify(e.id, True)  # not refused as expired either
+
+
+def test_a_candidate_exactly_at_the_draft_floor_is_a_draft(make_cache, emb):
+    """draft_floor: near-misses "at or above it" are drafts, and counted as near misses.
+    0.75 is exact in float32, so the similarity is the floor itself."""
+    c = make_cache(draft_floor=0.75)
+    emb.at("at the floor", 0.75, 2)
+    e = c.store_entry(A, "at the floor", "a draft")
+    r = c.lookup(A, "query", want_draft=True)
+    assert r.similarity == 0.75 and not r.hit
+    assert r.entry is not None and r.entry.id == e.id
+    assert c.stats().near_misses_total == 1
+
+
+def test_a_similarity_rounded_past_one_is_reported_as_one(make_cache, emb):
+    """float32 inner products of unit vectors can come out a hair above 1 (1.0000001): a
+    cosine is at most 1, and that is what a lookup reports."""
+    c = make_cache()
+    over = np.zeros(DIM, np.float32)
+    over[0] = np.nextafter(np.float32(1.0), np.float32(2.0))
+    emb.fixed["twin"] = over
+    e = c.store_entry(A, "twin", "an answer")
+    r = c.lookup(A, "query", tier="strict")
+    assert r.hit and r.entry.id == e.id and not r.exact
+    assert r.similarity == 1.0
+
+
+def test_a_lookup_reports_the_refusal_of_its_nearest_refused_candidate(make_cache, emb):
+    """guard_reason says why the best candidate was refused: with two refused candidates, the
+    nearer one's reason, not the last one looked at."""
+    c = make_cache()
+    emb.at("nearer", 0.99, 2)
+    emb.at("farther", 0.98, 3)
+    c.store_entry(A, "nearer", "one")
+    c.store_entry(A, "farther", "two")
+    c._second_opinion = lambda text, prompt, sim, tier: f"refused {prompt}"
+    r = c.lookup(A, "query", tier="relaxed", want_draft=True)
+    assert not r.hit and r.guard_rejected and r.guard_reason == "refused nearer"
+    assert r.entry.prompt == "nearer"
+
+
+def test_a_text_past_the_window_close_to_a_short_prompt_is_refused_by_the_window_rule(
+        cache_factory, emb):
+    """Past the embedding window only an exact repeat is served, also when the stored prompt
+    near it is short: the lookup says the window rule refused the candidate."""
+    w = WindowEmbedder()
+    w.fixed = emb.fixed
+    w.fixed["short prompt"] = w.fixed["query"]  # where every "LONG..." text lands
+    c = cache_factory(w, guard_tiers=(), verifier_tiers=())
+    e = c.store_entry(A, "short prompt", "an answer")
+    r = c.lookup(A, "LONG document, then a question", want_draft=True)
+    assert not r.hit and r.entry.id == e.id
+    assert r.guard_rejected and "embedding window" in r.guard_reason
+    assert c.stats().guard_rejections_total == 1
+
+
+def test_the_vectors_kept_for_stores_drop_the_oldest_lookup_first(cache_factory):
+    """The kept vectors are bounded, newest last: past the bound the oldest lookup's goes, so
+    the Store that follows the latest missed Lookup still takes its vector."""
+    counting = CountingEmbedder()
+    c = cache_factory(counting, guard_tiers=(), verifier_tiers=())
+    for i in range(RECENT_VECTORS + 5):
+        assert not c.lookup(A, f"question {i}").hit
+    last = f"question {RECENT_VECTORS + 4}"
+    counting.calls.clear()
+    c.store_entry(A, last, "an answer")
+    assert counting.calls == []
+    c.store_entry(A, "question 0", "an answer")  # its vector was the first to go
+    assert counting.calls == ["question 0"]
+
+
+def test_a_namespace_eviction_counts_toward_the_tenant_quota(make_cache, clock):
+    """An entry evicted for its namespace's limit leaves the tenant's count too: a Store that
+    takes the namespace over its limit, with the tenant then at its quota, evicts one entry,
+    not one more for a quota already met."""
+    c = make_cache(max_entries_per_namespace=2, max_entries_per_tenant=3)
+    other = Namespace(A.tenant, A.model_id, "0f")
+    kept = c.store_entry(other, "in another namespace", "x")
+    first = []
+    for i in range(3):
+        clock.t += 1
+        first.append(c.store_entry(A, f"question {i}", "x"))
+    assert [e.id in c._by_id for e in first] == [False, True, True] and kept.id in c._by_id
+    assert c.stats().evictions_total == 1 and c.store.count() == 3
+    c.check_integrity()
+
+
+def test_a_refused_lookup_is_counted_in_the_guard_rejections_metric(make_cache, emb):
+    """tiercache_semantic_guard_rejections_total counts lookups whose best candidate a check
+    refused, as Stats' guard_rejections_total does; a lookup that hits adds nothing."""
+    c = make_cache()
+    emb.at("near", 0.99, 2)
+    c.store_entry(A, "near", "an answer")
+    before = metric("tiercache_semantic_guard_rejections_total")
+    assert c.lookup(A, "query", tier="relaxed").hit
+    c._second_opinion = lambda text, prompt, sim, tier: "refused"
+    assert c.lookup(A, "query", tier="relaxed").guard_rejected
+    assert metric("tiercache_semantic_guard_rejections_total") == before + 1
+    assert c.stats().guard_rejections_total == 1
+
+
+def test_an_entry_at_its_expiry_time_is_not_loaded(make_cache, clock):
+    """An entry is expired from the instant its TTL runs out (created_at + ttl): no lookup
+    serves it then, and a restart at that instant does not load it either (it deletes it and
+    counts it expired)."""
+    c = make_cache()
+    e = c.store_entry(A, "query", "an answer", ttl_seconds=60)
+    clock.t = e.created_at + 60
+    assert not c.lookup(A, "query").hit
+    again = make_cache()
+    s = again.stats()
+    assert (s.entries, s.expirations_total) == (0, 1) and again.store.count() == 0
