@@ -1,0 +1,128 @@
+"""The gRPC adapter's rules a mutation audit found unguarded, called on the servicer in process
+(a fake call context, fake vectors): a caller counts as gone once it cancelled or its deadline
+passed, a Lookup whose caller has gone is not counted, a refused candidate's verdict reaches
+the LookupResponse, and a servicer not yet given its cache answers UNAVAILABLE; and the
+housekeeper purges expired entries and writes the hit counters at its stop, and a stop says
+when an index merge outlived the time it was given."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from tiercache.v1 import semantic_pb2 as pb
+
+from services.common.errors import DeadlineExceeded, Unavailable
+from services.semantic.server import Housekeeper, SemanticServicer, _still_wanted, serve
+from tests.semantic import test_cache_edges as edges
+from tests.semantic.test_cache_edges import A
+
+emb, make_cache = edges.emb, edges.make_cache  # the fixtures of test_cache_edges
+NS = pb.Namespace(tenant=A.tenant, model_id=A.model_id, context_hash=A.context_hash)
+
+
+class Call:
+    """A call context: `active` False once the caller cancelled; `left` its deadline's
+    seconds left (None: no deadline)."""
+
+    def __init__(self, active: bool = True, left: float | None = None) -> None:
+        self.active, self.left = active, left
+
+    def is_active(self) -> bool:
+        return self.active
+
+    def time_remaining(self) -> float | None:
+        return self.left
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:1"
+
+
+@pytest.mark.parametrize(("call", "wanted"), [
+    (Call(), True), (Call(left=5.0), True),
+    (Call(active=False, left=5.0), False),  # cancelled, its deadline still ahead
+    (Call(left=0.0), False), (Call(active=False), False),
+])
+def test_a_caller_is_gone_once_it_cancelled_or_its_deadline_passed(call, wanted):
+    """Not cancelled, and deadline not passed: either alone means nobody waits."""
+    assert _still_wanted(call) is wanted
+
+
+def test_a_lookup_whose_caller_has_gone_is_not_counted(make_cache, emb):
+    """A Lookup's caller gone before the search: DEADLINE_EXCEEDED, no lookup counted, no hit
+    recorded on the entry; the same request from a caller still waiting hits."""
+    c = make_cache()
+    e = c.store_entry(A, "query", "an answer")
+    emb.fixed["query again"] = emb.fixed["query"]  # not an exact repeat: it is embedded
+    servicer = SemanticServicer(c)
+    req = pb.LookupRequest(namespace=NS, text="query again")
+    with pytest.raises(DeadlineExceeded):
+        servicer.Lookup(req, Call(active=False, left=5.0))
+    assert c.stats().lookups_total == 0 and c.get(e.id).hit_count == 0
+    r = servicer.Lookup(req, Call(left=5.0))
+    assert r.hit and r.entry.id == e.id and c.stats().lookups_total == 1
+
+
+def test_a_refused_candidate_is_reported_in_the_lookup_response(make_cache, emb):
+    """LookupResponse.guard_rejected and guard_reason say a check refused the candidate."""
+    c = make_cache()
+    c.store_entry(A, "query", "an answer")
+    emb.fixed["query again"] = emb.fixed["query"]
+    c._second_opinion = lambda text, prompt, sim, tier: "refused by the test's check"
+    r = SemanticServicer(c).Lookup(pb.LookupRequest(namespace=NS, text="query again",
+                                                    want_draft=True), Call())
+    assert not r.hit and r.guard_rejected
+    assert r.guard_reason == "refused by the test's check" and r.entry.prompt == "query"
+
+
+@pytest.mark.parametrize("method", ["Lookup", "Store", "Verify", "Invalidate", "Stats"])
+def test_every_call_before_the_cache_is_attached_is_unavailable(method):
+    """While the entries load (serve() attaches the cache after), each RPC is UNAVAILABLE,
+    not an INTERNAL error from a cache that is not there."""
+    with pytest.raises(Unavailable, match="still loading"):
+        getattr(SemanticServicer(), method)(pb.InvalidateRequest(id="x"), Call())
+
+
+def test_the_housekeeper_purges_expired_entries(make_cache, clock):
+    """Every expiry_interval_s the housekeeper removes what expired, from memory and SQLite."""
+    c = make_cache()
+    c.store_entry(A, "query", "an answer", ttl_seconds=10)
+    kept = c.store_entry(A, "kept", "another answer", ttl_seconds=100)
+    clock.t += 11
+    keeper = Housekeeper(c, interval_s=0.01).start()
+    try:
+        deadline = time.monotonic() + 10
+        while c.store.count() > 1 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        keeper.stop()
+    assert c.store.count() == 1 and c.stats().expirations_total == 1
+    assert c.get(kept.id).answer == "another answer"
+
+
+def test_the_housekeepers_stop_writes_the_hit_counters(make_cache):
+    """Hits are buffered in memory; a clean stop writes them, so a restart keeps the counts
+    (and the LRU order they give)."""
+    c = make_cache()
+    e = c.store_entry(A, "query", "an answer")
+    keeper = Housekeeper(c, interval_s=3600).start()
+    assert c.lookup(A, "query").hit
+    keeper.stop()
+    assert c.store.get(e.id).hit_count == 1
+
+
+def test_a_stop_says_when_an_index_merge_outlived_its_time(make_cfg, emb):
+    """RunningService.stop waits up to `index_close` for index merges and returns False when
+    one still runs (the process must then exit without finalizing), True otherwise."""
+    svc = serve(make_cfg(guard_tiers=(), verifier_tiers=()), embedder=emb)
+    svc.cache.store_entry(A, "query", "an answer")
+    release = threading.Event()
+    merge = threading.Thread(target=release.wait, daemon=True)  # stands in for a slow merge
+    merge.start()
+    svc.cache.index_of(A)._merging = merge
+    try:
+        assert svc.stop(grace=0, index_close=0.2) is False
+        assert merge.is_alive()
+    finally:
+        release.set()
