@@ -1,0 +1,158 @@
+"""Rules of the orchestrator's backends (replica health and load, the semantic tier's shards)
+that no other test pinned down; each over fakes of the replicas or shards."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from tiercache.v1 import kvpool_pb2, semantic_pb2
+
+from services.orchestrator.backends import Health, Replica, ReplicaSet, SemanticBackend
+from tests.orchestrator.test_pipeline_paths import RpcError
+from tests.orchestrator.test_replica_load import FailingStats, replica, replica_set
+from tests.orchestrator.test_request_path import TimesOut, backend_with
+from tests.orchestrator.test_semantic_errors import Refusal
+
+
+class Answering:
+    """A replica whose Stats answer is `answer` (replaced by the test as it goes)."""
+
+    def __init__(self, **answer) -> None:
+        self.answer = kvpool_pb2.KvStatsResponse(**answer)
+
+    def Stats(self, req, timeout=None, metadata=None):  # noqa: N802 (gRPC method name)
+        return self.answer
+
+
+def test_a_call_failing_on_a_replica_the_poller_holds_down_does_not_lift_the_hold():
+    """Only the poller brings back a replica it holds down (draining): a request failing
+    there and another finishing there after it leave it out of routing."""
+    h = Health("kvpool", "r0")
+    h.ok()
+    h.fail("refused Stats: draining", hold=True)
+    h.fail("stream lost")  # a request's failure there: no hold of its own
+    h.traffic_ok()  # a stream still finishing there
+    assert not h.healthy and h.held_down
+    h.ok()  # the poller's next answer
+    assert h.healthy and not h.held_down
+
+
+def test_our_calls_the_replica_has_not_counted_yet_still_count_in_full():
+    """The replica's figure below our own in-flight count (our calls not there yet when it
+    answered) takes nothing off ours: the other callers' share is never below zero."""
+    r = replica("r0", running=1, inflight=3)
+    replica_set(r).poll_once()
+    assert r.load == 3
+
+
+def test_replica_stall_s_zero_turns_the_stall_check_off():
+    """replica_stall_s 0 = off: a replica however long its engine has been idle stays in
+    routing."""
+    r = Replica("r0", Answering(replica_id="r0", stalled_for_s=500.0), Health("kvpool", "r0"),
+                replica_id="r0")
+    rs = replica_set(r)
+    rs.stall_s = 0.0
+    rs.poll_once()
+    assert r.health.healthy and rs.healthy() == [r]
+
+
+def test_an_address_sharing_a_replica_id_comes_in_once_the_holder_leaves_routing():
+    """The first address to answer under a replica id keeps it; the other comes into routing
+    once that one is down, not only once it is gone."""
+    a, b = (Replica(addr, Answering(replica_id="kvpool-0"), Health("kvpool", addr))
+            for addr in ("10.0.0.1:50054", "10.0.0.2:50054"))
+    rs = replica_set(a, b)
+    rs.poll_once()
+    (first,) = rs.healthy()
+    other = b if first is a else a
+    first.stub = FailingStats(grpc.StatusCode.UNAVAILABLE)
+    rs.poll_once()
+    rs.poll_once()  # whichever order the two answers were applied in
+    assert rs.healthy() == [other] and other.replica_id == "kvpool-0"
+
+
+def test_a_replica_restarted_with_another_model_is_reported_lost():
+    """A replica that comes back from a restart serving another model is out of routing and
+    reported lost: routing forgets what it sent there (its cache is gone)."""
+    stub = Answering(replica_id="r0", incarnation="a", model_id="m")
+    rs = ReplicaSet(addresses=(), internal_token="", model_id="m")
+    rs.replicas.append(Replica("r0", stub, Health("kvpool", "r0"), replica_id="r0"))
+    lost: list[str] = []
+    rs.on_lost.append(lost.append)
+    rs.poll_once()
+    assert lost == [] and rs.replicas[0].health.healthy
+    stub.answer = kvpool_pb2.KvStatsResponse(replica_id="r0", incarnation="b", model_id="m2")
+    rs.poll_once()
+    assert lost == ["r0"] and not rs.replicas[0].health.healthy
+
+
+def test_a_probe_the_hung_shard_answers_with_an_error_ends_the_skipping():
+    """A shard that answers the probe, even with an error, is not hung: the calls after it
+    reach the shard again instead of being skipped."""
+    now = [100.0]
+    stub = TimesOut()
+    sb = backend_with(stub, now)
+    req = semantic_pb2.LookupRequest()
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(req)  # its whole timeout: hung
+    now[0] += 0.6  # past the back-off: the next call probes
+
+    def refuses(req, timeout=None, metadata=None):
+        stub.calls.append(timeout)
+        raise RpcError(grpc.StatusCode.INVALID_ARGUMENT)
+
+    stub.Lookup = refuses
+    with pytest.raises(grpc.RpcError) as probe:
+        sb.lookup(req)
+    assert probe.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    with pytest.raises(grpc.RpcError) as after:
+        sb.lookup(req)
+    assert after.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # asked, not skipped
+    assert len(stub.calls) == 3
+
+
+def test_an_unknown_entry_id_does_not_mark_the_semantic_tier_unhealthy():
+    """NOT_FOUND for an id (a rating of an entry gone) is the request's answer, not a fault
+    of the tier: its health line stays healthy."""
+    class Unknown:
+        def Verify(self, req, **kw):  # noqa: N802 - the gRPC method's name
+            raise Refusal(grpc.StatusCode.NOT_FOUND, f"id: {req.id} unknown")
+
+    sb = backend_with(Unknown())
+    sb.health.ok()
+    sb.shard_health["s:1"].ok()
+    with pytest.raises(grpc.RpcError) as e:
+        sb.verify("e-1", True)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    assert sb.health.healthy and sb.shard_health["s:1"].healthy
+
+
+def test_sharded_stats_add_counts_and_take_the_highest_percentile_and_floor():
+    """Across shards the counts add up; a percentile, and the threshold floor requests are
+    checked against, are the highest any shard says (not a sum, nor the last shard's)."""
+    class Figures:
+        def __init__(self, **f) -> None:
+            self.f = f
+
+        def Stats(self, req, **kw):  # noqa: N802 - the gRPC method's name
+            return semantic_pb2.SemanticStatsResponse(**self.f)
+
+    sb = SemanticBackend("127.0.0.1:1,127.0.0.1:2", "", 1.0)
+    high, low = sb.addresses
+    sb.stubs[high] = Figures(entries=2, lookup_p99_ms=30.0, threshold_floor=0.9)
+    sb.stubs[low] = Figures(entries=3, lookup_p99_ms=10.0, threshold_floor=0.8)
+    out = sb.stats()
+    assert (out.entries, out.shards_answered) == (5, 2)
+    assert out.lookup_p99_ms == pytest.approx(30.0)
+    assert out.threshold_floor == pytest.approx(0.9)
+    assert sb.threshold_floor() == pytest.approx(0.9)
+
+
+def test_one_tenants_namespaces_spread_over_the_shards():
+    """A namespace is tenant, model and context: one tenant's contexts are placed each on
+    its own, so a busy tenant's traffic is not all on one shard."""
+    sb = SemanticBackend("127.0.0.1:1,127.0.0.1:2", "", 1.0)
+    placed = {sb.shard_for(semantic_pb2.Namespace(tenant="t", model_id="m",
+                                                  context_hash=f"ctx-{i}"))
+              for i in range(32)}
+    assert placed == set(sb.addresses)
