@@ -63,7 +63,8 @@ def test_tokens_map_to_tenants_with_distinct_salts(tmp_path):
 
 
 @pytest.mark.parametrize("md,msg", [({}, "missing"), ({"authorization": "Basic x"}, "Bearer"),
-                                    ({"authorization": "Bearer nope"}, "unknown token")])
+                                    ({"authorization": "Bearer nope"}, "unknown token"),
+                                    ({"authorization": "Bearer "}, "expected 'Bearer <token>'")])
 def test_bad_credentials_are_unauthenticated(md, msg):
     with pytest.raises(Unauthenticated, match=msg):
         reg(tokens="tok-a=a").authenticate(md)
