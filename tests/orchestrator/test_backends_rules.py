@@ -156,3 +156,63 @@ def test_one_tenants_namespaces_spread_over_the_shards():
                                                   context_hash=f"ctx-{i}"))
               for i in range(32)}
     assert placed == set(sb.addresses)
+
+
+def test_an_entry_removed_by_a_later_shard_is_reported_removed():
+    """Invalidate asks every shard and adds up what they removed: the entry lives on one of
+    them, whichever it is, and the shards before it answering 0 do not make it "unknown"."""
+    class Holds:
+        def __init__(self, removed: int) -> None:
+            self.removed = removed
+
+        def Invalidate(self, req, **kw):  # noqa: N802 - the gRPC method's name
+            return semantic_pb2.InvalidateResponse(removed=self.removed)
+
+    sb = SemanticBackend("127.0.0.1:1,127.0.0.1:2", "", 1.0)
+    first, second = sb.addresses
+    sb.stubs[first], sb.stubs[second] = Holds(0), Holds(1)
+    assert sb.invalidate("e-1").removed == 1
+
+
+def test_the_in_flight_gauge_follows_each_call_begun_and_ended():
+    """tiercache_orchestrator_replica_requests_in_flight counts our calls under way on each
+    replica as they begin, not only once one ends."""
+    from prometheus_client import REGISTRY
+
+    def value():
+        return REGISTRY.get_sample_value("tiercache_orchestrator_replica_requests_in_flight",
+                                         {"replica": "gauge-r0:1"})
+
+    r = replica("gauge-r0:1", running=0, inflight=0)
+    rs = replica_set(r)
+    rs.begin(r)
+    rs.begin(r)
+    assert value() == 2.0
+    rs.end(r)
+    assert value() == 1.0
+
+
+def test_a_replicas_health_line_is_named_by_the_id_its_stats_give():
+    """Stats' dependency line for a replica says which one it is ("kvpool/<replica id>")
+    once it has answered, not only its kind."""
+    r = Replica("10.0.0.9:50054", Answering(replica_id="kvpool-3"),
+                Health("kvpool", "10.0.0.9:50054"), replica_id="10.0.0.9:50054")
+    replica_set(r).poll_once()
+    line = r.health.proto()
+    assert (line.name, line.address, line.healthy) == ("kvpool/kvpool-3", "10.0.0.9:50054",
+                                                      True)
+
+
+def test_only_timed_out_polls_in_a_row_mark_a_replica_hung():
+    """An answered poll between timed-out ones starts the count again: two slow polls, an
+    answer, then one more slow poll is not three in a row."""
+    stub = Answering(replica_id="r0")
+    slow = FailingStats(grpc.StatusCode.DEADLINE_EXCEEDED)
+    r = Replica("r0", slow, Health("kvpool", "r0"), replica_id="r0")
+    rs = replica_set(r)
+    cancelled: list[int] = []
+    rs.watch(r, lambda: cancelled.append(1))
+    for s in (slow, slow, stub, slow):
+        r.stub = s
+        rs.poll_once()
+    assert r.health.healthy and cancelled == []
