@@ -128,8 +128,9 @@ def test_an_unknown_entry_id_does_not_mark_the_semantic_tier_unhealthy():
 
 
 def test_sharded_stats_add_counts_and_take_the_highest_percentile_and_floor():
-    """Across shards the counts add up; a percentile, and the threshold floor requests are
-    checked against, are the highest any shard says (not a sum, nor the last shard's)."""
+    """Across shards the counts (hits by tier too) add up; a percentile, and the threshold
+    floor requests are checked against, are the highest any shard says (not a sum, nor the
+    last shard's)."""
     class Figures:
         def __init__(self, **f) -> None:
             self.f = f
@@ -139,11 +140,13 @@ def test_sharded_stats_add_counts_and_take_the_highest_percentile_and_floor():
 
     sb = SemanticBackend("127.0.0.1:1,127.0.0.1:2", "", 1.0)
     high, low = sb.addresses
-    sb.stubs[high] = Figures(entries=2, lookup_p99_ms=30.0, threshold_floor=0.9)
-    sb.stubs[low] = Figures(entries=3, lookup_p99_ms=10.0, threshold_floor=0.8)
+    sb.stubs[high] = Figures(entries=2, hits_by_tier={"standard": 1}, lookup_p50_ms=5.0,
+                             lookup_p99_ms=30.0, threshold_floor=0.9)
+    sb.stubs[low] = Figures(entries=3, hits_by_tier={"standard": 4}, lookup_p50_ms=2.0,
+                            lookup_p99_ms=10.0, threshold_floor=0.8)
     out = sb.stats()
-    assert (out.entries, out.shards_answered) == (5, 2)
-    assert out.lookup_p99_ms == pytest.approx(30.0)
+    assert (out.entries, out.shards_answered, dict(out.hits_by_tier)) == (5, 2, {"standard": 5})
+    assert (out.lookup_p50_ms, out.lookup_p99_ms) == pytest.approx((5.0, 30.0))
     assert out.threshold_floor == pytest.approx(0.9)
     assert sb.threshold_floor() == pytest.approx(0.9)
 
