@@ -274,6 +274,10 @@ class ReplicaSet:
                 return
             restarted = (r.stats is not None and s.incarnation
                          and s.incarnation != r.stats.incarnation)
+            # What routing sent to it was recorded under the id it had; a restart may bring
+            # another (TIERCACHE_KVPOOL_REPLICA_ID changed), and the old one's records are
+            # the ones to forget.
+            known_as = r.replica_id
             with self._lock:
                 r.stats = s
                 # The replica counted at some moment during the call; attribute to us the
@@ -284,7 +288,7 @@ class ReplicaSet:
                 r.health.name = f"kvpool/{r.replica_id}"
                 r.slow_polls = 0
             if restarted:
-                self._lost(r)
+                self._lost(r, known_as)
             if self.stall_s > 0 and s.stalled_for_s >= self.stall_s:
                 # Its gRPC server answers, its engine does not: requests sent there would
                 # wait to their deadline. Out of routing, and in-flight calls fail over.
@@ -341,10 +345,12 @@ class ReplicaSet:
         return (f"replica id {rid!r} is also answered by {other.address}: give each replica "
                 "its own TIERCACHE_KVPOOL_REPLICA_ID")
 
-    def _lost(self, r: Replica) -> None:
+    def _lost(self, r: Replica, replica_id: str | None = None) -> None:
+        """Tell the listeners that `r`'s cache is gone, under `replica_id` (by default the
+        id it has now)."""
         for fn in self.on_lost:
             try:
-                fn(r.replica_id)
+                fn(replica_id or r.replica_id)
             except Exception:  # a listener must not stop the poller
                 log.exception("on_lost listener failed")
 

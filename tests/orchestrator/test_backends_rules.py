@@ -86,6 +86,22 @@ def test_a_replica_restarted_with_another_model_is_reported_lost():
     assert lost == ["r0"] and not rs.replicas[0].health.healthy
 
 
+def test_a_replica_restarted_under_another_id_is_reported_lost_by_the_id_it_had():
+    """Routing recorded what it sent to a replica under its id; a restart that brings another
+    id must forget the old one's records. The report named the new id, which had none, and
+    the old id's records stayed until they aged out."""
+    stub = Answering(replica_id="r0", incarnation="a", model_id="m")
+    rs = ReplicaSet(addresses=(), internal_token="", model_id="m")
+    rs.replicas.append(Replica("r0", stub, Health("kvpool", "r0"), replica_id="r0"))
+    lost: list[str] = []
+    rs.on_lost.append(lost.append)
+    rs.poll_once()
+    stub.answer = kvpool_pb2.KvStatsResponse(replica_id="r1", incarnation="b", model_id="m")
+    rs.poll_once()
+    assert lost == ["r0"]
+    assert rs.replicas[0].replica_id == "r1" and rs.replicas[0].health.healthy
+
+
 def test_a_probe_the_hung_shard_answers_with_an_error_ends_the_skipping():
     """A shard that answers the probe, even with an error, is not hung: the calls after it
     reach the shard again instead of being skipped."""
