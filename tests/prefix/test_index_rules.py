@@ -1,0 +1,293 @@
+"""Rules of the prefix index that its mutation audit found unguarded: the limits and statuses
+of Register, Publish and TopPrefixes, the load order of Match answers, lease renewal by
+batches, the pause rule's boundary, the hits kept over a lapse or a resync (boundaries, bound,
+aging), reaping steps, and the counters in Stats."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.errors import FailedPrecondition, InvalidArgument, ResourceExhausted
+from services.prefix.index import MAX_REPLICAS, Load
+
+from .conftest import BS, MODEL, make_index, matched, stored, sweep_for, toks
+from .test_lapse import hot, reg, top
+
+
+def test_register_takes_ids_of_256_characters_and_refuses_longer_ones(index):
+    """Every Register field is at most 256 characters, named when refused."""
+    for field in ("replica_id", "incarnation", "address", "model_id"):
+        args = {"replica_id": "r", "incarnation": "i1", "address": "addr", "model_id": MODEL}
+        args[field] = "x" * 256
+        index.register(args["replica_id"], args["incarnation"], args["address"],
+                       args["model_id"], BS)
+        args[field] = "x" * 257
+        with pytest.raises(InvalidArgument, match=field):
+            index.register(args["replica_id"], args["incarnation"], args["address"],
+                           args["model_id"], BS)
+
+
+def test_a_hash_probe_of_the_wrong_length_is_a_bad_argument_not_a_key_mismatch(index, hasher):
+    """A malformed hash_probe is INVALID_ARGUMENT naming it; only a well-formed probe that
+    differs is FAILED_PRECONDITION (a key or model mismatch)."""
+    with pytest.raises(InvalidArgument, match="hash_probe"):
+        index.register("a", "i1", "addr-a", MODEL, BS, hash_probe=hasher.probe()[:8])
+    assert index.replica_count == 0
+    with pytest.raises(FailedPrecondition, match="hash_probe"):
+        index.register("a", "i1", "addr-a", MODEL, BS, hash_probe=bytes(16))
+    index.register("a", "i1", "addr-a", MODEL, BS, hash_probe=hasher.probe())
+    assert index.replica_count == 1
+
+
+def test_a_replica_past_the_last_free_slot_is_resource_exhausted_until_one_lapses(index, clock):
+    """MAX_REPLICAS slots: one more is RESOURCE_EXHAUSTED (retry later), and a slot freed by a
+    lapsed lease takes the next replica."""
+    for i in range(MAX_REPLICAS - 1):
+        reg(index, f"r{i}")
+    clock.t += 5
+    reg(index, "late")
+    with pytest.raises(ResourceExhausted, match="replica_id"):
+        reg(index, "one-more")
+    assert index.replica_count == MAX_REPLICAS
+    clock.t += 5  # every lease but late's lapsed
+    reg(index, "one-more")
+    assert sorted(r.replica_id for r in index.stats().replicas) == ["late", "one-more"]
+
+
+def test_a_lapsed_replica_back_at_once_gets_its_hits_back_for_a_lease_after_registering(
+        clock, hasher):
+    """A replica back from a lapse has one lease from its Register to restate its blocks and
+    get their hits back (its snapshot may come seconds later), and no more."""
+    chain = toks(1, 2, 3)
+    for waits, want in (((5,), [(chain, 5)]), ((6, 5), [])):
+        index = make_index(clock)
+        hot(index, hasher, chain)
+        clock.t += index.lease_seconds
+        assert not index.heartbeat("a", "i1", Load()).known
+        seq = reg(index).next_seq
+        for wait in waits:  # heartbeats keep the new lease meanwhile
+            clock.t += wait
+            assert index.heartbeat("a", "i1", Load()).known
+        index.publish("a", "i1", seq, [stored(hasher, chain)], resync=True)
+        assert top(index) == want, waits
+        index.check_integrity()
+
+
+def test_the_lapse_grace_includes_its_last_instant_for_the_sweeper_and_register(clock, hasher):
+    """The hits of a lapsed lease are kept until one lease after the lapse, that instant
+    included: the sweeper does not forget them then, and a Register then gets them back."""
+    chain = toks(1, 2, 3)
+    index = make_index(clock)
+    hot(index, hasher, chain)
+    assert sweep_for(index, clock, 4) == ["a"]  # dropped exactly at its deadline
+    sweep_for(index, clock, 4)  # on time, to exactly one lease after the lapse
+    seq = reg(index).next_seq
+    index.publish("a", "i1", seq, [stored(hasher, chain)], resync=True)
+    assert top(index) == [(chain, 5)]
+
+
+def test_a_heartbeat_that_changes_the_load_reorders_equal_matches(index, hasher):
+    """Replicas that match equally long (or not at all) are answered least loaded first, by
+    the load of their last heartbeat."""
+    chain = toks(1, 2)
+    for rid in ("a", "b"):
+        reg(index, rid)
+        index.publish(rid, "i1", 1, [stored(hasher, chain)])
+    for busy, idle in (("a", "b"), ("b", "a")):
+        index.heartbeat(busy, "i1", Load(running=5))
+        index.heartbeat(idle, "i1", Load(running=1))
+        for tokens in (chain, toks(7)):
+            got = index.match(MODEL, token_ids=tokens).matches
+            assert [m.replica_id for m in got] == [idle, busy]
+            assert got[0].load == Load(running=1)
+
+
+@pytest.mark.parametrize("resync_again", [False, True])
+def test_a_resyncs_hits_are_given_back_up_to_one_lease_after_it_that_instant_included(
+        clock, hasher, resync_again):
+    """The hits a resync saved for blocks its first batch did not restate are given back by a
+    batch (or by another resync) that stores them until one lease after the resync, that
+    instant included, as for a lapse's grace."""
+    chain = toks(1, 2, 3)
+    index = make_index(clock)
+    hot(index, hasher, chain)
+    index.publish("a", "i1", 2, [stored(hasher, chain, end=1)], resync=True)
+    for _ in range(2):  # heartbeats keep the lease; one lease after the resync exactly
+        clock.t += index.lease_seconds / 2
+        assert index.heartbeat("a", "i1", Load()).known
+    rest = stored(hasher, chain) if resync_again else stored(hasher, chain, start=1)
+    index.publish("a", "i1", 3, [rest], resync=resync_again)
+    assert top(index) == [(chain, 5)]
+    index.check_integrity()
+
+
+@pytest.mark.parametrize("late, dropped", [(5.0, ["a"]), (6.0, [])])
+def test_a_sweeper_turn_late_by_over_half_a_lease_is_a_pause(clock, late, dropped):
+    """A turn of the sweeper with no call served for over half a lease (`late` after the
+    last) is a pause of the index, forgiven; exactly half a lease is not: a's 10 s lease,
+    from t=0, ends at t=10, and the turn at t=5+late drops it only if nothing is forgiven."""
+    index = make_index(clock)
+    reg(index)
+    sweep_for(index, clock, 2)  # on time, to t=5
+    clock.t += late
+    assert index.sweep() == dropped
+
+
+def test_a_batch_of_exactly_the_event_and_block_limits_is_taken(clock, hasher):
+    """max_events and max_blocks are the most a batch may hold, not one past it."""
+    index = make_index(clock, max_events=2, max_blocks=3)
+    reg(index)
+    first, second = stored(hasher, toks(1, 2, 3), end=2), stored(hasher, toks(1, 2, 3), start=2)
+    assert index.publish("a", "i1", 1, [first, second]).next_seq == 2
+    assert matched(index, toks(1, 2, 3)) == {"a": 3}
+
+
+@pytest.mark.parametrize("seq, resync", [(1, False), (3, True)])
+def test_a_retried_batch_or_one_answered_with_resync_renews_the_lease(clock, hasher, seq,
+                                                                      resync):
+    """A batch taken, even if only acknowledged again (a retry) or answered RESYNC (a gap),
+    shows the replica alive and renews its lease as a heartbeat does."""
+    index = make_index(clock)
+    reg(index)
+    index.publish("a", "i1", 1, [stored(hasher, toks(1))])
+    clock.t += 6
+    assert index.publish("a", "i1", seq, [stored(hasher, toks(2))]).resync == resync
+    clock.t += 6  # 12 s after the Register, 6 s after that batch, on a 10 s lease
+    assert index.heartbeat("a", "i1", Load()).known
+
+
+def test_a_single_continuation_is_held_to_the_block_limit_too(clock, hasher):
+    """A batch of one continuation (the common case, taken on a shorter path) may hold
+    max_blocks blocks and no more."""
+    index = make_index(clock, max_blocks=3)
+    reg(index)
+    chain = toks(1, 2, 3, 4, 5)
+    index.publish("a", "i1", 1, [stored(hasher, chain, end=1)])
+    with pytest.raises(ResourceExhausted, match="3 blocks"):
+        index.publish("a", "i1", 2, [stored(hasher, chain, start=1)])
+    head = chain[: 3 * BS]  # a Match is bounded by max_blocks as well
+    assert matched(index, head) == {"a": 1}
+    index.publish("a", "i1", 2, [stored(hasher, chain, start=1, end=4)])
+    assert matched(index, head) == {"a": 3}
+
+
+def test_the_hits_kept_for_lapsed_replicas_are_bounded_oldest_forgotten_first(clock, hasher):
+    """The hits of at most MAX_REPLICAS lapsed replicas are kept (ids come and go with every
+    restart): past that, the earliest lapse's are forgotten, even within its grace."""
+    chain = toks(1, 2, 3)
+    index = make_index(clock, verify_hashes=False)
+    hot(index, hasher, chain)
+    index.expire(clock.t + index.lease_seconds)  # a lapses first
+    for i in range(MAX_REPLICAS):  # then as many others, each holding a hit block of its own
+        reg(index, f"r{i}")
+        index.publish(f"r{i}", "i1", 1, [stored(hasher, toks(100 + i))])
+        matched(index, toks(100 + i))
+    index.expire(clock.t + index.lease_seconds)
+    seq = reg(index).next_seq
+    index.publish("a", "i1", seq, [stored(hasher, chain)], resync=True)
+    assert top(index) == []
+
+
+def test_hits_a_resync_saves_after_a_halving_are_not_halved_again(clock, hasher):
+    """The hits a resync saves are already aged by the halvings before it: given back after
+    it, they are halved only by those that came since."""
+    index = make_index(clock, hit_half_life_seconds=4)
+    chain = toks(1, 2, 3)
+    hot(index, hasher, chain)  # 5 hits
+    for _ in range(3):
+        matched(index, chain)
+    clock.t += 4
+    index.sweep()
+    assert top(index) == [(chain, 4)] and index.hit_halvings == 1
+    index.publish("a", "i1", 2, [stored(hasher, chain, end=1)], resync=True)
+    index.publish("a", "i1", 3, [stored(hasher, chain, start=1)])
+    assert top(index) == [(chain, 4)]
+    index.check_integrity()
+
+
+def test_match_counters_count_blocks_asked_and_blocks_found(index, hasher):
+    """Stats count every Match's blocks (a model nobody serves included) and, for a hit, the
+    blocks of its longest match only."""
+    reg(index)
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    assert matched(index, toks(1, 2, 3)) == {"a": 2}
+    index.match("nobody-serves-it", token_ids=toks(1, 2, 3, 4))
+    s = index.stats()
+    assert (s.matches_total, s.matches_hit) == (2, 1)
+    assert (s.match_blocks_total, s.match_blocks_hit) == (3 + 4, 2)
+
+
+def test_top_prefixes_takes_k_from_1_to_1000(index, hasher):
+    """TopPrefixes' k is 1..1000: 1000 answers, 1001 is refused naming k."""
+    hot(index, hasher, toks(1))
+    assert len(index.top_prefixes(1000)) == len(index.top_prefixes(1)) == 1
+    with pytest.raises(InvalidArgument, match="k"):
+        index.top_prefixes(1001)
+
+
+def test_unheld_nodes_over_the_budget_are_reaped_a_step_at_a_time_below_the_hard_bound(
+        clock, hasher):
+    """Unheld nodes that bring the tree just over max_nodes are reaped a step per call
+    (prune_step / REAP_UNITS slots), not all at once under the lock: only past the hard bound
+    (max_nodes plus the gap down to the prune target) are they all reaped at once."""
+    index = make_index(clock, max_nodes=34, prune_to=0.9, prune_step=14, verify_hashes=False)
+    for rid in ("a", "b"):
+        reg(index, rid)
+    index.publish("a", "i1", 1, [stored(hasher, toks(*range(1, 31)))])
+    index.publish("b", "i1", 1, [stored(hasher, toks(*range(40, 45)))])
+    clock.t += 6
+    index.heartbeat("b", "i1", Load())
+    clock.t += 5
+    assert index.expire() == ["a"] and index.tree.unheld == 30
+    index.publish("b", "i1", 2, [stored(hasher, toks(*range(40, 46)), start=5)])  # 36 in all
+    assert 0 < index.tree.unheld < 30 and len(index.tree) == 6
+    assert index.tree.pruned_total == 0
+    index.check_integrity()
+
+
+def test_chains_of_a_batch_whose_parent_never_came_count_as_dropped(index, hasher):
+    """Chains of a many-event batch (or a resync) that wait for a parent the batch never
+    stores are dropped at its end, and counted in dropped_blocks_total."""
+    reg(index)
+    chain, other = toks(1, 2, 3), toks(4, 5)
+    index.publish("a", "i1", 1, [stored(hasher, chain, start=1), stored(hasher, other, start=1)])
+    assert index.stats().dropped_blocks_total == 2 + 1
+    index.publish("a", "i1", 2, [stored(hasher, chain, start=2)], resync=True)
+    assert index.stats().dropped_blocks_total == 3 + 1
+    assert index.stats().nodes == 0
+
+
+def test_the_same_incarnation_registering_for_another_model_starts_afresh(index, hasher):
+    """A Register naming another model than the replica's record is a new replica: its
+    holdings under the old model are dropped and it is matched for the new model only."""
+    reg(index)
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2))])
+    index.register("a", "i1", "addr-a", "m2", BS, 100)
+    assert [(r.replica_id, r.model_id, r.held_blocks) for r in index.stats().replicas] == [
+        ("a", "m2", 0)]
+    assert matched(index, toks(1, 2)) == {}
+    assert [m.replica_id for m in index.match("m2", token_ids=toks(1)).matches] == ["a"]
+    index.check_integrity()
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_a_chain_cut_short_by_a_known_hash_counts_its_rest_as_dropped(clock, hasher, batch):
+    """A chain whose tail names a block already in the tree elsewhere (hash checks off) is
+    stored up to it; the rest is counted dropped, whether the batch holds one event or more."""
+    index = make_index(clock, verify_hashes=False)
+    reg(index)
+    x = stored(hasher, toks(1, 2))
+    index.publish("a", "i1", 1, [x])
+    y = stored(hasher, toks(3, 4, 5))
+    y = y._replace(block_hashes=[*y.block_hashes[:2], x.block_hashes[0]])
+    head = stored(hasher, toks(3))
+    tail = y._replace(parent_hash=y.block_hashes[0], block_hashes=y.block_hashes[1:],
+                      token_ids=y.token_ids[BS:], start_block=1)
+    if batch == 1:  # the continuation alone: the one-event path
+        index.publish("a", "i1", 2, [head])
+        index.publish("a", "i1", 3, [tail])
+    else:
+        index.publish("a", "i1", 2, [head, tail])
+    assert index.stats().dropped_blocks_total == 1
+    assert matched(index, toks(3, 4, 5)) == {"a": 2}
+    index.check_integrity()
