@@ -726,10 +726,10 @@ def test_pruning_a_big_tree_is_spread_over_later_calls_and_bounded(clock, hasher
         index.publish("a", "i1", seq, [stored(hasher, toks(100 + b))])
     assert 10 < index.stats().nodes <= 21  # a step ranked 4 leaves; nothing evicted yet
     beats = 0
-    while index.stats().nodes > 10:
+    while index.stats().nodes > 10 and beats < 100:  # bounded: no pruning fails, not hangs
         assert index.heartbeat("a", "i1", Load()).known
         beats += 1
-    assert beats > 2 and index.stats().pruned_total == 11
+    assert 2 < beats < 100 and index.stats().pruned_total == 11
     index.check_integrity()
     # A flood: arrivals past 2 * 20 - 10 = 30 nodes finish the run within that publish.
     seq += 1
