@@ -146,7 +146,8 @@ def test_pure_python_hash_reads_booleans_like_the_config():
     if not hashing.native():
         pytest.skip("no C block hasher here")
     probe = "from services.common import hashing; print(hashing.native())"
-    for value, native in (("false", "True"), ("off", "True"), ("true", "False")):
+    for value, native in (("false", "True"), ("off", "True"), ("true", "False"),
+                          ("on", "False"), ("1", "False"), ("yes", "False")):
         out = subprocess.run([sys.executable, "-c", probe], cwd=ROOT.parent, timeout=60,
                              env={**os.environ, "TIERCACHE_PURE_PYTHON_HASH": value},
                              capture_output=True, text=True, check=True).stdout.strip()

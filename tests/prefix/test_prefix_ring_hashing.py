@@ -100,3 +100,84 @@ def test_bounded_lookup_prefers_qualifying_nodes_in_prefer():
         # A preferred node over the cap is passed over for the first qualifying node.
         loads = {order[2]: 10.0}
         assert ring.lookup_bounded(key, loads, 0.25, prefer={order[2]}) == order[0]
+
+
+def test_a_key_past_the_last_point_but_one_belongs_to_the_last_point():
+    """A key belongs to the first point clockwise from its own: past the last point it wraps
+    to the first, and between the last two it is the last point's."""
+    from services.common.ring import _point
+
+    for vnodes in range(4, 40):  # a ring whose first and last points have other owners
+        ring = HashRing(["a", "b", "c"], vnodes=vnodes)
+        points = sorted((_point(f"{n}#{i}".encode()), n) for n in ring.nodes
+                        for i in range(vnodes))
+        if points[0][1] != points[-1][1] != points[-2][1]:
+            break
+    seen = set()
+    for i in range(20000):
+        key = f"k{i}".encode()
+        p = _point(key)
+        if points[-2][0] < p < points[-1][0]:
+            assert ring.lookup(key) == points[-1][1]
+            seen.add("last")
+        elif p > points[-1][0]:
+            assert ring.lookup(key) == points[0][1]
+            seen.add("wrap")
+    assert seen == {"last", "wrap"}
+
+
+def test_a_node_running_no_more_than_floor_requests_always_qualifies():
+    """With many nodes and little traffic the bounded-load ceiling is 1; a node running at
+    most `floor` requests still takes the key."""
+    ring = HashRing([f"n{i}" for i in range(10)], vnodes=16)
+    for i in range(20):
+        key = f"s{i}"
+        owner = ring.lookup(key)
+        assert ring.lookup_bounded(key, {owner: 2}, 0.25, floor=2) == owner
+        assert ring.lookup_bounded(key, {owner: 3}, 0.25, floor=2) == ring.preference(key)[1]
+
+
+def test_when_no_node_qualifies_the_least_loaded_one_not_skipped_is_taken():
+    """Should no node qualify (epsilon 0, fractional loads: 2.5 > ceil(4 / 2)), the least
+    loaded node is taken, the first in preference order, never one in `skip` (a request's
+    failed replicas)."""
+    ring = HashRing(["a", "b", "c"], vnodes=16)
+    for i in range(20):
+        key = f"k{i}"
+        first = next(n for n in ring.preference(key) if n != "c")
+        assert ring.lookup_bounded(key, {"a": 1.5, "b": 1.5, "c": 0.0}, 0.0,
+                                   skip={"c"}) == first
+
+
+def test_skipped_nodes_do_not_count_toward_the_load_cap():
+    """Nodes in `skip` are passed over and not counted: a heavily loaded failed replica
+    does not raise the ceiling that keeps the others balanced."""
+    ring = HashRing(["a", "b", "c"], vnodes=16)
+    for i in range(20):
+        key = f"k{i}"
+        owner, other = [n for n in ring.preference(key) if n != "c"]
+        loads = {owner: 2, other: 0, "c": 30}  # cap ceil(1.25 * 3 / 2) = 2 without c
+        assert ring.lookup_bounded(key, loads, 0.25, skip={"c"}) == other
+
+
+def test_a_salt_of_the_longest_allowed_length_is_taken():
+    """check_salt takes salts of up to MAX_SALT_CHARS characters and refuses one more."""
+    from services.common.errors import InvalidArgument
+    from services.common.hashing import MAX_SALT_CHARS, check_salt
+
+    assert check_salt("cache_salt", "s" * MAX_SALT_CHARS) == "s" * MAX_SALT_CHARS
+    with pytest.raises(InvalidArgument, match="cache_salt"):
+        check_salt("cache_salt", "s" * (MAX_SALT_CHARS + 1))
+
+
+def test_a_hasher_refuses_an_empty_block_size_and_next_hash_a_block_not_full():
+    """Blocks have at least one token, and next_hash hashes one full block only."""
+    with pytest.raises(ValueError, match="block_size"):
+        BlockHasher("m", 0, b"k")
+    h = BlockHasher("m", 4, b"k")
+    parent = h.root()
+    assert h.next_hash(parent, [1, 2, 3, 4]) == h.hashes([1, 2, 3, 4])[0]
+    for short in ([1, 2, 3], [1, 2, 3, 4, 5]):
+        with pytest.raises(ValueError, match="full"):
+            h.next_hash(parent, short)
+
