@@ -291,3 +291,22 @@ def test_a_chain_cut_short_by_a_known_hash_counts_its_rest_as_dropped(clock, has
     assert index.stats().dropped_blocks_total == 1
     assert matched(index, toks(3, 4, 5)) == {"a": 2}
     index.check_integrity()
+
+
+@pytest.mark.parametrize("by", ["token_ids", "block_hashes"])
+def test_matches_for_a_model_nobody_serves_while_the_sweeper_is_starved_are_no_pause(
+        index, hasher, clock, caplog, by):
+    """Every call served proves the index ran, a Match for a model no replica serves
+    included: with the sweeper starved meanwhile, its next turn is no pause, and a replica
+    silent past its lease is dropped (not kept alive, with a warning of a standstill)."""
+    import logging
+
+    reg(index)
+    index.sweep()
+    ask = {"token_ids": toks(1)} if by == "token_ids" else {"block_hashes": hasher.hashes(toks(1))}
+    for _ in range(210):  # a Match every 0.05 s for 10.5 s
+        clock.t += 0.05
+        index.match("nobody-serves-it", **ask)
+    with caplog.at_level(logging.WARNING, logger="services.prefix.index"):
+        index.sweep()
+    assert not index.stats().replicas and "stood still" not in caplog.text
