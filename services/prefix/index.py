@@ -950,7 +950,9 @@ class PrefixIndex:
                                       f"more than {self.max_blocks * self.block_size} tokens")
             salt = check_salt("cache_salt", cache_salt)
             if model_id not in self._by_model:
-                # No replica serves it: nothing to hash, and no hasher to keep for it.
+                # No replica serves it: nothing to hash, and no hasher to keep for it. Still a
+                # call served: it marks the index active (see pause), as every other call does.
+                self._expire(self.clock())
                 if not probe:
                     self.matches_total += 1
                     self.match_blocks_total += len(token_ids) // self.block_size
