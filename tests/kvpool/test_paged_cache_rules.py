@@ -1,0 +1,37 @@
+"""Rules of the paged cache's working rows that a mutation audit found unguarded: they grow
+to the smallest rung that holds what is asked, and never when they hold it already."""
+
+from __future__ import annotations
+
+import torch
+
+from services.kvpool.paged_cache import KvStore
+from tests.kvpool.test_kvpool_store import BS, D, H, L
+
+
+def rows_of(capacity: int, max_context: int = 64) -> KvStore:
+    """A store whose working rows start at `capacity` tokens."""
+    return KvStore(num_layers=L, kv_heads=H, head_dim=D, num_blocks=4, block_size=BS,
+                   max_rows=2, max_context=max_context, dtype=torch.float32, device="cpu",
+                   initial_capacity=capacity)
+
+
+def test_rows_grow_to_the_smallest_rung_that_holds_the_tokens() -> None:
+    """A length that is a rung itself (64 / 4 = 16) gets that rung, not the next one up
+    (twice the memory)."""
+    s = rows_of(4)
+    assert s.capacity == 4
+    s.ensure_capacity(16)
+    assert s.capacity == 16
+    s.ensure_capacity(17)
+    assert s.capacity == 32
+
+
+def test_rows_that_hold_the_tokens_already_are_not_reallocated() -> None:
+    """Rows at their full size (preallocated) asked for exactly what they hold keep their
+    tensor: a reallocation there is the full-size copy peak preallocation exists to avoid."""
+    s = rows_of(64)
+    rows = s.rows
+    for n in (1, 63, 64):
+        s.ensure_capacity(n)
+        assert s.rows is rows and s.capacity == 64
