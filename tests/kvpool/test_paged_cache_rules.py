@@ -35,3 +35,14 @@ def test_rows_that_hold_the_tokens_already_are_not_reallocated() -> None:
     for n in (1, 63, 64):
         s.ensure_capacity(n)
         assert s.rows is rows and s.capacity == 64
+
+
+def test_growing_rows_keep_what_every_row_holds() -> None:
+    """Rows grow while other sequences decode in them (a longer prompt is admitted): every
+    row's K/V so far is kept, and the new positions are zeros (never uninitialised memory)."""
+    s = rows_of(4)
+    s.rows.normal_()
+    before = s.rows.clone()
+    s.ensure_capacity(16)
+    assert torch.equal(s.rows[..., :4, :], before)
+    assert not s.rows[..., 4:, :].any()
