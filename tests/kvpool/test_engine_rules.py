@@ -4,8 +4,10 @@ test_contracts) where the moment matters."""
 
 from __future__ import annotations
 
-from services.kvpool.engine import Finished
-from tests.kvpool.conftest import request
+from services.common import errors
+from services.kvpool.block_pool import PoolExhausted
+from services.kvpool.engine import Failed, Finished
+from tests.kvpool.conftest import collect, request
 from tests.kvpool.test_contracts import by_hand, drive, prompt
 
 
@@ -27,3 +29,30 @@ def test_a_finished_requests_stats_are_out_before_its_result(make_engine) -> Non
     assert (st.running, st.waiting, st.requests_total) == (0, 1, 1)
     assert st.blocks_in_use == 0
     drive(eng, [], lambda e: None)  # "b" too
+
+
+def test_a_pool_that_cannot_take_a_request_refuses_new_ones_for_good_streamed_ones_as_busy(
+        make_engine, monkeypatch) -> None:
+    """With nothing running to free blocks, a new request is RESOURCE_EXHAUSTED ("never fits
+    a replica of this size", not Overloaded), while a preempted answer that cannot get back
+    in is Overloaded: it may still finish on another replica."""
+    eng = make_engine(num_blocks=32)
+    by_hand(eng)
+    _, streamed = eng.submit(request(prompt(6, 3), 8, rid="s", ignore_eos=True))
+    eng._drain_inbox(block=False)
+    eng._step()  # prefilled and decoding: tokens went out
+    (seq,) = eng._decoding
+    eng._preempt(seq)
+    _, new = eng.submit(request(prompt(6, 4), 8, rid="n"))
+
+    def exhausted(*a, **kw):
+        raise PoolExhausted("no blocks")
+
+    monkeypatch.setattr(eng.pool, "open", exhausted)
+    eng._drain_inbox(block=False)
+    eng._step()
+    toks, fin = collect(streamed, timeout=1)
+    assert toks and isinstance(fin, Failed) and isinstance(fin.error, errors.Overloaded)
+    _, fin = collect(new, timeout=1)
+    assert isinstance(fin, Failed) and isinstance(fin.error, errors.ResourceExhausted)
+    assert not isinstance(fin.error, errors.Overloaded)
