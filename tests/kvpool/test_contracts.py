@@ -219,6 +219,9 @@ def test_pool_pressure_preempts_the_newest_decoding_sequence(make_engine, tiny_m
     # The first one was computed once: its prompt, then one forward per token but the last.
     assert fin_a.computed_tokens == fin_a.prompt_tokens + fin_a.completion_tokens - 1
     assert fin_b.computed_tokens >= fin_b.prompt_tokens + fin_b.completion_tokens - 1
+    # Its cached tokens are those its prompt found when first admitted (none): the blocks it
+    # computed itself before the preemption are no cache hit of the request.
+    assert fin_b.cached_tokens == fin_a.cached_tokens == 0
     assert toks_a == reference_greedy(tiny_model, a, 24)
     assert toks_b == reference_greedy(tiny_model, b, 24)
 

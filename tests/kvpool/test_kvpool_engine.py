@@ -397,11 +397,14 @@ def test_metrics_follow_the_engine(make_engine) -> None:
 
     before_ttft = value("tiercache_kvpool_ttft_seconds_count")
     before_cached = value("tiercache_kvpool_cached_tokens_total")
+    before_prefill = value("tiercache_kvpool_step_seconds_count", kind="prefill")
     eng = make_engine(metrics=KvMetrics())
     p = prompt(17, 80)
     generate(eng, p, max_tokens=3)
     generate(eng, p, max_tokens=3)
     assert_idle(eng)
+    # Prefill forwards are timed as such: 17 tokens in chunks of 16 are 2, the hit's 1 is 1.
+    assert value("tiercache_kvpool_step_seconds_count", kind="prefill") == before_prefill + 3
     assert value("tiercache_kvpool_ttft_seconds_count") == before_ttft + 2
     assert value("tiercache_kvpool_cached_tokens_total") == before_cached + 16
     assert value("tiercache_kvpool_step_seconds_count", kind="decode") > 0
