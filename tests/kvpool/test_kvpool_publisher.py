@@ -695,13 +695,72 @@ def test_a_backlog_is_bounded_by_the_blocks_it_describes_not_only_by_events() ->
     pub = Publisher(FakeEngine(), address="127.0.0.1:1", replica_id="r", incarnation="i",
                     public_address="x", model_id="m", channel_factory=grpc.insecure_channel)
     try:
-        pub._need_resync = False  # registered and in step, then the index goes away
+        pub._need_resync = False
+        # Blocks counted since the backlog was last empty: sent batches start the count over.
+        for _ in range(3):
+            incoming.extend(stored(i, 32) for i in range(5))  # 160 blocks each time
+            pub._collect()
+            assert len(pub._backlog) == 5 and not pub._need_resync
+            pub._backlog.clear()  # published
+        # Registered and in step, then the index goes away.
         incoming.extend(stored(i, 32) for i in range(6))  # 192 blocks: under 2 x 100
         pub._collect()
         assert len(pub._backlog) == 6 and not pub._need_resync
-        incoming.append(stored(6, 32))  # 224 blocks in 7 events: far under MAX_BACKLOG
+        incoming.append(stored(9, 8))  # 200: twice the pool, not beyond it
         pub._collect()
-        assert 7 < publisher.MAX_BACKLOG
+        assert len(pub._backlog) == 7 and not pub._need_resync
+        incoming.append(stored(6, 32))  # 232 blocks in 8 events: far under MAX_BACKLOG
+        pub._collect()
+        assert 8 < publisher.MAX_BACKLOG
         assert pub._backlog == [] and pub._need_resync
     finally:
         pub._client.close()
+
+
+def test_a_heartbeat_carries_the_replicas_load_and_paces_to_a_third_of_the_lease() -> None:
+    """The load the index routes by: running and waiting as the engine counts them, free
+    blocks counting cached ones (evictable), the pool's size; and a lease shorter than three
+    heartbeat intervals sets the interval to a third of it (two beats may be lost)."""
+    from types import SimpleNamespace
+
+    class FakeEngine:
+        pool = SimpleNamespace(block_size=4, num_blocks=50,
+                               hasher=SimpleNamespace(key=b"k", probe=lambda: b""))
+
+        def stats(self):
+            return SimpleNamespace(running=2, waiting=5, blocks_free=7, blocks_cached=11,
+                                   blocks_total=50)
+
+    loads = []
+
+    def heartbeat_shards(rid, inc, load, only=None, partial=None):
+        loads.append(load)
+        return {"a": prefix_pb2.HeartbeatResponse(known=True, lease_seconds=9.0)}
+
+    pub = Publisher(FakeEngine(), address="127.0.0.1:1", replica_id="r", incarnation="i",
+                    public_address="x", model_id="m", heartbeat_seconds=30.0,
+                    channel_factory=grpc.insecure_channel)
+    try:
+        pub._client.heartbeat_shards = heartbeat_shards
+        pub._heartbeat()
+        assert loads == [prefix_pb2.ReplicaLoad(running=2, waiting=5, free_blocks=18,
+                                                total_blocks=50)]
+        assert pub.connected and pub._beat_every == 3.0
+    finally:
+        pub._client.close()
+
+
+def test_a_batch_filled_to_its_block_limit_leaves_the_next_event_whole() -> None:
+    """A batch whose events reach max_blocks exactly ends there: the next event goes whole
+    into the next batch (split at 0 blocks, it became an empty event in this one and a chain
+    continuing after its own last block in the next)."""
+    from services.kvpool.block_pool import BlocksRemoved, BlocksStored
+    from services.kvpool.publisher import next_batch
+
+    h = [bytes([i]) * 16 for i in range(6)]
+    full = BlocksStored(None, h[:3], list(range(12)), "s", h[0], 0)
+    chain = BlocksStored(None, h[3:5], list(range(8)), "s", h[3], 0)
+    gone = BlocksRemoved(h[5:6])
+    for nxt in (chain, gone):
+        batch, rest = next_batch([full, nxt], max_events=8, max_blocks=3, block_size=4)
+        assert (batch, rest) == ([full], [nxt])
