@@ -241,3 +241,52 @@ def test_a_restarted_shard_is_resynced_alone(make_engine, monkeypatch, told_by) 
             ha2.stop(0)
     finally:
         stop_all(client, pub, hb)
+
+
+def test_a_lagging_shard_failing_again_is_retried_later_each_time_until_it_is_back(
+        make_engine, monkeypatch) -> None:
+    """A lagging shard's resync goes straight out the first time; each failure pushes the next
+    try back (0.4 s, doubling, up to 5 s) and has it probed with a heartbeat first. Once a
+    resync goes through, the count starts over: the next failure waits 0.4 s again, and the
+    next try needs no probe."""
+    class Down(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.UNAVAILABLE
+
+    eng = make_engine(num_blocks=8)
+    pub = Publisher(eng, address="127.0.0.1:1,127.0.0.1:2", replica_id="kv-0",
+                    incarnation="inc-1", public_address="x:1", model_id=TINY_ID,
+                    channel_factory=grpc.insecure_channel)
+    calls: list[str] = []
+    down = [True]
+
+    def resync(only=None):
+        calls.append(f"resync {sorted(only)}")
+        if down[0]:
+            raise Down()
+
+    def probe(only):
+        calls.append(f"probe {sorted(only)}")
+        return True
+
+    monkeypatch.setattr(pub, "_resync", resync)
+    monkeypatch.setattr(pub, "_probe", probe)
+    pub._lagging = {"b"}
+    try:
+        waits = []
+        for _ in range(6):
+            t = time.monotonic()
+            pub._catch_up_lagging()
+            waits.append(round(pub._lag_retry_at - t, 1))
+        assert waits == [0.4, 0.8, 1.6, 3.2, 5.0, 5.0]
+        assert calls[:3] == ["resync ['b']", "probe ['b']", "resync ['b']"]
+        down[0] = False
+        pub._catch_up_lagging()
+        assert pub._lag_failures == 0
+        down[0] = True
+        calls.clear()
+        t = time.monotonic()
+        pub._catch_up_lagging()
+        assert calls == ["resync ['b']"] and round(pub._lag_retry_at - t, 1) == 0.4
+    finally:
+        pub._client.close()
