@@ -56,3 +56,50 @@ def test_a_pool_that_cannot_take_a_request_refuses_new_ones_for_good_streamed_on
     _, fin = collect(new, timeout=1)
     assert isinstance(fin, Failed) and isinstance(fin.error, errors.ResourceExhausted)
     assert not isinstance(fin.error, errors.Overloaded)
+
+
+def test_the_engine_reads_as_stalled_from_the_third_failed_model_step_in_a_row(
+        make_engine) -> None:
+    """STALL_AFTER_FAILURES (3) model steps failed in a row make the engine read as stalled;
+    two do not (idle turns after them still count as progress)."""
+    import time
+
+    from services.kvpool.engine import STALL_AFTER_FAILURES
+
+    eng = make_engine(num_blocks=64)
+
+    def broken() -> None:
+        raise RuntimeError("device lost")
+
+    eng._decode_step = broken
+    for i in range(STALL_AFTER_FAILURES):
+        if i == STALL_AFTER_FAILURES - 1:  # not stalled yet: an idle turn counts
+            deadline = time.monotonic() + 10
+            while eng.stalled_for() >= 0.3:
+                assert time.monotonic() < deadline, "two failed steps read as a stall"
+                time.sleep(0.05)
+        _, fin = collect(eng.submit(request(prompt(8, 5), 4))[1])
+        assert isinstance(fin, Failed)
+    assert eng.step_failures_total == STALL_AFTER_FAILURES
+    time.sleep(1.2)  # idle turns (every ~0.5 s) no longer count
+    assert eng.stalled_for() >= 1.0
+
+
+def test_an_answer_decoding_alone_that_runs_out_of_blocks_ends_as_busy(make_engine,
+                                                                      monkeypatch) -> None:
+    """The only decoding answer cannot get a block for its next token and nothing else can
+    give one back: it ends Overloaded (another replica may finish it), its blocks freed."""
+    eng = make_engine(num_blocks=32)
+    by_hand(eng)
+    _, out = eng.submit(request(prompt(6, 6), 8, rid="a", ignore_eos=True))
+    eng._drain_inbox(block=False)
+    eng._step()
+
+    def exhausted(*a, **kw):
+        raise PoolExhausted("no blocks")
+
+    monkeypatch.setattr(eng.pool, "ensure_capacity", exhausted)
+    eng._step()
+    toks, fin = collect(out, timeout=1)
+    assert toks and isinstance(fin, Failed) and isinstance(fin.error, errors.Overloaded)
+    assert "while decoding" in str(fin.error) and eng.pool.stats().in_use == 0
