@@ -103,3 +103,28 @@ def test_an_answer_decoding_alone_that_runs_out_of_blocks_ends_as_busy(make_engi
     toks, fin = collect(out, timeout=1)
     assert toks and isinstance(fin, Failed) and isinstance(fin.error, errors.Overloaded)
     assert "while decoding" in str(fin.error) and eng.pool.stats().in_use == 0
+
+
+def test_a_request_queued_during_the_engines_last_turn_is_answered(make_engine) -> None:
+    """A request submitted after the loop's last drain of its inbox, but before the engine
+    closed, is drained once more at the end and answered Unavailable (not left queued for
+    nobody, its caller waiting for good)."""
+    import threading
+
+    eng = make_engine()
+    entered, gate = threading.Event(), threading.Event()
+    real = eng._publish_state
+
+    def publish_state() -> None:  # the end of a turn: its inbox drained already
+        entered.set()
+        gate.wait(10)
+        real()
+
+    eng._publish_state = publish_state
+    assert entered.wait(10)
+    eng._stop.set()  # as stop() does; this turn is the last
+    _, out = eng.submit(request(prompt(6, 7), 2))
+    gate.set()
+    eng._thread.join(10)
+    _, fin = collect(out, timeout=5)
+    assert isinstance(fin, Failed) and isinstance(fin.error, errors.Unavailable)
