@@ -768,3 +768,17 @@ def test_a_batch_filled_to_its_block_limit_leaves_the_next_event_whole() -> None
     for nxt in (chain, gone):
         batch, rest = next_batch([full, nxt], max_events=8, max_blocks=3, block_size=4)
         assert (batch, rest) == ([full], [nxt])
+
+
+def test_a_full_resync_drops_the_backlog_its_snapshot_reflects(make_engine) -> None:
+    """Events waiting when a full resync's snapshot is taken are in the snapshot already:
+    replayed after it, a stale 'stored' told the index of a block the pool no longer held."""
+    from services.kvpool.block_pool import BlocksStored
+
+    eng = make_engine(num_blocks=32)
+    pub, sent = _recording_publisher(eng)
+    generate(eng, list(range(1, 18)), max_tokens=1)
+    stale = BlocksStored(None, [b"\x01" * 16], [0] * 4, "", b"\x01" * 16, 0)
+    pub._backlog = [stale]
+    pub._resync()
+    assert sent == [(True, 4)] and pub._backlog == [] and not pub._need_resync
