@@ -782,3 +782,18 @@ def test_a_full_resync_drops_the_backlog_its_snapshot_reflects(make_engine) -> N
     pub._backlog = [stale]
     pub._resync()
     assert sent == [(True, 4)] and pub._backlog == [] and not pub._need_resync
+
+
+def test_a_lagging_shards_snapshot_rest_is_queued_ahead_of_the_events_it_replays(
+        make_engine) -> None:
+    """The rest of a lagging shard's snapshot goes at the head of the backlog, where
+    _snapshot_left counts it (exempt from MAX_BACKLOG), the events taken with it after."""
+    eng = make_engine(num_blocks=32)
+    pub, sent = _recording_publisher(eng)
+    generate(eng, list(range(1, 18)), max_tokens=1)  # one chain of 4 blocks, not yet taken
+    snapshot = eng.call(lambda: list(eng.pool.holdings())).result(5)
+    pub._max_blocks = 1  # the snapshot's first batch carries 1 block, its rest the other 3
+    pub._resync(only={"a"})
+    assert sent == [(True, 1)] and pub._snapshot_left == len(snapshot) - 1
+    assert pub._backlog[:pub._snapshot_left] == snapshot[1:]
+    assert _stored(pub._backlog[pub._snapshot_left:]) == _stored(snapshot)  # replayed
