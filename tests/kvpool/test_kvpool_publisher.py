@@ -797,3 +797,31 @@ def test_a_lagging_shards_snapshot_rest_is_queued_ahead_of_the_events_it_replays
     assert sent == [(True, 1)] and pub._snapshot_left == len(snapshot) - 1
     assert pub._backlog[:pub._snapshot_left] == snapshot[1:]
     assert _stored(pub._backlog[pub._snapshot_left:]) == _stored(snapshot)  # replayed
+
+
+def test_a_batch_answered_not_found_makes_the_replica_register_again(make_engine) -> None:
+    """An index that forgot this replica (restarted, lease lapsed) answers its next batch
+    NOT_FOUND: the replica registers again and resends its view, even while heartbeats (here
+    an index that keeps saying known) would not tell it."""
+    class Forgetful(FakeIndex):
+        def Heartbeat(self, request, context):
+            with self.lock:
+                self.heartbeats.append(request)
+            return prefix_pb2.HeartbeatResponse(known=True, lease_seconds=5)
+
+    index = Forgetful()
+    handle = create_server(service="prefix-fake", address="127.0.0.1:0",
+                           services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, index,
+                                      "tiercache.v1.PrefixIndex")])
+    eng = make_engine(num_blocks=32)
+    pub = _publisher_to(eng, handle)
+    try:
+        wait_for(lambda: index.registers and index.batches, state=lambda: publisher_state(pub))
+        with index.lock:
+            index.known.clear()
+        generate(eng, list(range(1, 18)), max_tokens=4)
+        wait_for(lambda: len(index.registers) >= 2 and len(index.holdings) == 5,
+                 state=lambda: publisher_state(pub))
+    finally:
+        pub.stop()
+        handle.stop(0)
