@@ -272,6 +272,8 @@ def test_filler_positions_stay_inside_the_context(make_engine) -> None:
     assert b == ref_b and len(a) == 12
     assert fb.draft_tokens_accepted > 0
     assert eng.store.capacity == capacity
+    # Proposals cut to the context are not withheld by the batch rule (off: no timing).
+    assert eng.stats().draft_tokens_withheld_total == 0
 
 
 def test_a_withdrawn_prefill_proposal_still_advances_the_draft(make_engine, tiny_model) -> None:
