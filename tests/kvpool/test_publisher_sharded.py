@@ -290,3 +290,29 @@ def test_a_lagging_shard_failing_again_is_retried_later_each_time_until_it_is_ba
         assert calls == ["resync ['b']"] and round(pub._lag_retry_at - t, 1) == 0.4
     finally:
         pub._client.close()
+
+
+def test_batch_limits_are_the_smallest_any_registration_gave(make_engine) -> None:
+    """Register's limits bound every batch, events at most MAX_BATCH whatever an index
+    allows; a shard registered again alone (it forgot the replica) can only lower them, since
+    batches fan out to every shard."""
+    from services.common.prefix_client import RegisterOutcome
+    from services.kvpool import publisher
+
+    eng = make_engine(num_blocks=8)
+    pub = Publisher(eng, address="127.0.0.1:1,127.0.0.1:2", replica_id="kv-0",
+                    incarnation="inc-1", public_address="x:1", model_id=TINY_ID,
+                    channel_factory=grpc.insecure_channel)
+    answers = [RegisterOutcome(5.0, {"a": 1, "b": 1}, max_events=10_000, max_blocks=40),
+               RegisterOutcome(5.0, {"b": 1}, max_events=7, max_blocks=100),
+               RegisterOutcome(5.0, {"b": 1}, max_events=300, max_blocks=20)]
+    pub._client.register = lambda *a, **kw: answers.pop(0)
+    try:
+        pub._register()
+        assert (pub._max_events, pub._max_blocks) == (publisher.MAX_BATCH, 40)
+        pub._register(only={"b"})
+        assert (pub._max_events, pub._max_blocks) == (7, 40)
+        pub._register(only={"b"})
+        assert (pub._max_events, pub._max_blocks) == (7, 20)
+    finally:
+        pub._client.close()
