@@ -825,3 +825,19 @@ def test_a_batch_answered_not_found_makes_the_replica_register_again(make_engine
     finally:
         pub.stop()
         handle.stop(0)
+
+
+def test_events_are_taken_from_the_engine_while_the_index_is_unreachable(make_engine) -> None:
+    """With the index down the publisher never gets past registering, yet it keeps taking the
+    engine's events into its own backlog (bounded, dropped for a resync past its limits):
+    left in the engine, they piled up there without any bound."""
+    eng = make_engine(num_blocks=32)
+    pub = Publisher(eng, address="127.0.0.1:1", replica_id="kv-0", incarnation="i",
+                    public_address="x:1", model_id="tiny-llama", heartbeat_seconds=0.1,
+                    channel_factory=grpc.insecure_channel).start()
+    try:
+        generate(eng, list(range(1, 18)), max_tokens=2)
+        wait_for(lambda: not eng._events and pub._backlog, state=lambda: publisher_state(pub))
+        assert not pub.registered
+    finally:
+        pub.stop(timeout=0.5)

@@ -316,3 +316,20 @@ def test_batch_limits_are_the_smallest_any_registration_gave(make_engine) -> Non
         assert (pub._max_events, pub._max_blocks) == (7, 20)
     finally:
         pub._client.close()
+
+
+def test_with_every_shard_lagging_batches_and_heartbeats_go_to_all(make_engine) -> None:
+    """The shards not lagging get batches and heartbeats; when every shard lags, all are
+    asked (None), as unsharded: asking none let every lease lapse."""
+    eng = make_engine(num_blocks=8)
+    pub = Publisher(eng, address="127.0.0.1:1,127.0.0.1:2", replica_id="kv-0",
+                    incarnation="inc-1", public_address="x:1", model_id=TINY_ID,
+                    channel_factory=grpc.insecure_channel)
+    try:
+        assert pub._healthy() is None
+        pub._lagging = {"127.0.0.1:2"}
+        assert pub._healthy() == {"127.0.0.1:1"}
+        pub._lagging = {"127.0.0.1:1", "127.0.0.1:2"}
+        assert pub._healthy() is None
+    finally:
+        pub._client.close()
