@@ -324,7 +324,9 @@ def test_a_seeded_sampled_answer_is_the_same_with_a_tree(make_engine, tiny_model
         assert fin.forward_passes == N_NEW - 1 - fin.draft_tokens_accepted
         if temperature < 0.1:  # near-greedy: the crafted mismatch happens, and a tree after it
             assert eng.stats().draft_tree_forwards_total > trees
-    assert eng.stats().draft_tree_branch_wins_total >= 1
+    st = eng.stats()
+    # A win is a tree forward whose path left the proposal's branch: not every one here.
+    assert 1 <= st.draft_tree_branch_wins_total < st.draft_tree_forwards_total
     assert_idle(eng)
 
 
