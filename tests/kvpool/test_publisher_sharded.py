@@ -333,3 +333,23 @@ def test_with_every_shard_lagging_batches_and_heartbeats_go_to_all(make_engine) 
         assert pub._healthy() is None
     finally:
         pub._client.close()
+
+
+def test_shards_that_forgot_the_replica_are_registered_again_alone_unless_all_did(
+        make_engine, monkeypatch) -> None:
+    """Some shards forgot the replica: it registers again on those alone; all of them did:
+    it registers again everywhere (and resends its whole view), as unsharded."""
+    eng = make_engine(num_blocks=8)
+    addrs = ["127.0.0.1:1", "127.0.0.1:2"]
+    pub = Publisher(eng, address=",".join(addrs), replica_id="kv-0", incarnation="inc-1",
+                    public_address="x:1", model_id=TINY_ID, channel_factory=grpc.insecure_channel)
+    calls: list = []
+    monkeypatch.setattr(pub, "_register", lambda only=None: calls.append(only))
+    pub.registered = True
+    try:
+        pub._rejoin({addrs[1]})
+        assert calls == [{addrs[1]}] and pub.registered
+        pub._rejoin(set(addrs))
+        assert calls == [{addrs[1]}] and not pub.registered  # the loop registers everywhere
+    finally:
+        pub._client.close()
