@@ -128,3 +128,16 @@ def test_a_request_queued_during_the_engines_last_turn_is_answered(make_engine) 
     eng._thread.join(10)
     _, fin = collect(out, timeout=5)
     assert isinstance(fin, Failed) and isinstance(fin.error, errors.Unavailable)
+
+
+def test_an_answer_ends_when_it_fills_the_context(make_engine) -> None:
+    """An answer ends LENGTH when prompt and answer fill the model's context, whatever
+    max_tokens still allows: a token past it has no position."""
+    from services.kvpool.engine import FinishReason
+    from tests.kvpool.conftest import make_tiny_model
+
+    model = make_tiny_model(0, max_pos=64)
+    eng = make_engine(num_blocks=64, model=model, drafts=False)
+    toks, fin = collect(eng.submit(request(prompt(60, 8), 10, ignore_eos=True))[1])
+    assert isinstance(fin, Finished) and fin.finish_reason is FinishReason.LENGTH
+    assert len(toks) == fin.completion_tokens == 4
