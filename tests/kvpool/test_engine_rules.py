@@ -7,7 +7,7 @@ from __future__ import annotations
 from services.common import errors
 from services.kvpool.block_pool import PoolExhausted
 from services.kvpool.engine import Failed, Finished
-from tests.kvpool.conftest import collect, request
+from tests.kvpool.conftest import collect, reference_greedy, request
 from tests.kvpool.test_contracts import by_hand, drive, prompt
 
 
@@ -141,3 +141,26 @@ def test_an_answer_ends_when_it_fills_the_context(make_engine) -> None:
     toks, fin = collect(eng.submit(request(prompt(60, 8), 10, ignore_eos=True))[1])
     assert isinstance(fin, Finished) and fin.finish_reason is FinishReason.LENGTH
     assert len(toks) == fin.completion_tokens == 4
+
+
+def test_a_preempted_answer_goes_back_ahead_of_requests_that_never_ran(make_engine,
+                                                                      tiny_model) -> None:
+    """A preempted sequence returns to the head of the queue: it has streamed part of its
+    answer, and behind requests that never ran it would wait for them all (its caller's
+    stream stalled mid-answer). Every answer stays exact."""
+    # As test_contracts' preemption test: two answers of 20 + 24 tokens do not both fit 14
+    # blocks of 4; a third request waits for a row throughout.
+    eng = make_engine(num_blocks=14, max_batch_size=2, max_prefill_chunk=32)
+    by_hand(eng)
+    reqs = [request(prompt(20, 20), 24, rid="a"), request(prompt(20, 21), 24, rid="b"),
+            request(prompt(8, 22), 4, rid="c")]
+    queues: list[list[str]] = []
+
+    def record(e) -> None:
+        if any(s.admitted_once for s in e._waiting) and not queues:
+            queues.append([s.req.request_id for s in e._waiting])
+
+    res = drive(eng, reqs, record)
+    assert queues == [["b", "c"]]  # "b" preempted, ahead of "c"
+    for r, (toks, _) in zip(reqs, res, strict=True):
+        assert toks == reference_greedy(tiny_model, list(r.token_ids), r.sampling.max_tokens)
