@@ -1,0 +1,64 @@
+"""errors' rules a mutation audit found unguarded: where `shown` starts cutting and what the
+cut keeps, that only the overloaded trailer marks a call as busy, that unreadable trailers
+read as none, and the status each domain error is (a gRPC error faked by test_warm_loop's
+Err)."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common import errors
+from services.common.errors import (
+    OVERLOADED_KEY,
+    SHOWN_CHARS,
+    PinRefused,
+    overloaded,
+    prefill_work,
+    shown,
+)
+from tests.orchestrator.test_warm_loop import Err
+
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_a_value_of_the_shown_length_is_repeated_whole_and_one_more_is_cut():
+    """shown() repeats a value of SHOWN_CHARS characters as it is; one character more is cut
+    to its first SHOWN_CHARS characters, the full length said."""
+    at = "a" * (SHOWN_CHARS - 1) + "z"
+    assert shown(at) == repr(at)
+    past = at + "!"
+    assert shown(past) == f"{at!r}... ({SHOWN_CHARS + 1} characters)"
+
+
+def test_only_the_overloaded_trailer_marks_a_call_overloaded():
+    """A refusal carrying other tiercache trailers (a PinRefused's work figures) is not "busy
+    now": another replica would refuse it too."""
+    pin = PinRefused("pin refused", 10, 4, 6)
+    assert not overloaded(Err(BUSY, "pin refused", pin.trailers))
+    assert overloaded(Err(BUSY, "queue full", [(OVERLOADED_KEY, "1")]))
+
+
+def test_an_error_whose_trailers_cannot_be_read_is_not_overloaded_and_did_no_work():
+    """A call object whose trailing_metadata() raises reads as no trailers at all."""
+
+    class Broken(Err):
+        def trailing_metadata(self):
+            raise RuntimeError("call not finished")
+
+    e = Broken(BUSY, "x")
+    assert overloaded(e) is False
+    assert prefill_work(e) == (0, 0, 0)
+
+
+def test_each_domain_error_is_its_own_status():
+    """The code each error class maps to (the adapter aborts with it)."""
+    want = {errors.InvalidArgument: "INVALID_ARGUMENT", errors.NotFound: "NOT_FOUND",
+            errors.ResourceExhausted: "RESOURCE_EXHAUSTED",
+            errors.Overloaded: "RESOURCE_EXHAUSTED",
+            errors.FailedPrecondition: "FAILED_PRECONDITION",
+            errors.Unavailable: "UNAVAILABLE", errors.DeadlineExceeded: "DEADLINE_EXCEEDED",
+            errors.Unauthenticated: "UNAUTHENTICATED",
+            errors.PermissionDenied: "PERMISSION_DENIED", errors.Cancelled: "CANCELLED",
+            errors.TierCacheError: "INTERNAL"}
+    assert {cls: cls.code for cls in want} == want
+    assert all(hasattr(grpc.StatusCode, code) for code in want.values())
