@@ -1,0 +1,76 @@
+"""grpc_client's rules a mutation audit found unguarded: which variable turns TLS to the
+system's roots on, the request id and credential an outgoing call carries, and channels to our
+services taking the shared options (16 MiB messages), over TLS too."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from services.common.bootstrap import create_server
+from services.common.grpc_client import (
+    call_metadata,
+    make_channel,
+    tls_mode,
+)
+from services.common.logs import bound_request_id
+from tests import test_common_edges as edges
+
+two_cert_sets = edges.two_cert_sets  # the fixture of test_common_edges
+
+
+def test_clients_speak_tls_to_the_systems_roots_on_the_servers_certificate_alone():
+    """tls_mode: the shared server certificate without a CA is "roots"; its key alone (half a
+    pair, refused elsewhere) turns nothing on."""
+    assert tls_mode({"TIERCACHE_TLS_CERT": "s.pem"}) == "roots"
+    assert tls_mode({"TIERCACHE_TLS_KEY": "s.key"}) == ""
+    assert tls_mode({"TIERCACHE_TLS_CA": "ca.pem", "TIERCACHE_TLS_CERT": "s.pem"}) == "ca"
+
+
+def test_an_outgoing_call_carries_the_given_request_id_else_the_bound_one_else_a_new_one():
+    """call_metadata: the request id given wins over the one bound to this request; with
+    neither, each call gets a fresh non-empty id."""
+    with bound_request_id("bound-1"):
+        assert call_metadata(request_id="given-2") == [("x-request-id", "given-2")]
+        assert call_metadata() == [("x-request-id", "bound-1")]
+    a, b = dict(call_metadata()), dict(call_metadata())
+    assert a["x-request-id"] and b["x-request-id"] and a != b
+    assert dict(call_metadata("tok"))["authorization"] == "Bearer tok"
+
+
+def _big_server():
+    """A server whose one method answers 5 MiB (past gRPC's default 4 MiB a channel takes)."""
+
+    def big(_request, _context):
+        return b"x" * (5 << 20)
+
+    def add(_servicer, server) -> None:
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "x.Big", {"Get": grpc.unary_unary_rpc_method_handler(big)}),))
+
+    return create_server(service="big", address="127.0.0.1:0", services=[(add, None, "x.Big")])
+
+
+@pytest.mark.parametrize("tls", [False, True])
+def test_a_channel_to_a_service_takes_messages_up_to_the_shared_limit(tls, two_cert_sets,
+                                                                      monkeypatch):
+    """make_channel: plaintext and TLS channels both take the shared options; without them a
+    5 MiB answer (the limit is 16 MiB) was RESOURCE_EXHAUSTED at the client."""
+    for var in ("TIERCACHE_TLS_CA", "TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY",
+                "TIERCACHE_TLS_CLIENT_CERT", "TIERCACHE_TLS_CLIENT_KEY",
+                "TIERCACHE_BIG_TLS_CERT", "TIERCACHE_BIG_TLS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    if tls:
+        certs = two_cert_sets[0]
+        monkeypatch.setenv("TIERCACHE_TLS_CERT", str(certs / "server.pem"))
+        monkeypatch.setenv("TIERCACHE_TLS_KEY", str(certs / "server.key"))
+        monkeypatch.setenv("TIERCACHE_TLS_CA", str(certs / "ca.pem"))
+        monkeypatch.setenv("TIERCACHE_TLS_CLIENT_CERT", str(certs / "client.pem"))
+        monkeypatch.setenv("TIERCACHE_TLS_CLIENT_KEY", str(certs / "client.key"))
+    h = _big_server()
+    try:
+        with make_channel(f"127.0.0.1:{h.port}") as ch:
+            got = ch.unary_unary("/x.Big/Get")(b"", timeout=10)
+        assert len(got) == 5 << 20
+    finally:
+        h.stop(0)
