@@ -1,0 +1,321 @@
+"""The shared server start-up's rules a mutation audit found unguarded: the longest service
+name Health.Watch takes; every unary outcome, a finished server stream and a failed two-way
+stream counted under their codes and timed; an `authenticate` refusal capped and logged; a
+cut status message saying what it lost; a cancelled stream closed under its request id; a
+real ServerHandle turning SERVING keeping a later signal for the drain; `on_stop` after the
+stop; no parent watch for pid 0 or 1; an address with spaces binding; a metrics port that
+cannot be bound freeing the gRPC port (helpers and fixtures from test_bootstrap)."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+
+from services.common import bootstrap, errors
+from services.common.bootstrap import MAX_DETAILS_CHARS, MAX_HEALTH_NAME, _capped, create_server
+from services.common.metrics import RPC_SECONDS, RPC_TOTAL
+from tests import test_bootstrap as tb
+
+server, small_server = tb.server, tb.small_server  # the fixtures of test_bootstrap
+
+
+def test_a_health_name_of_the_longest_length_is_watched_and_one_more_refused(small_server):
+    """Health.Watch takes a service name of MAX_HEALTH_NAME characters; one more is
+    INVALID_ARGUMENT."""
+    with grpc.insecure_channel(small_server.address) as ch:
+        hs = health_pb2_grpc.HealthStub(ch)
+        w = hs.Watch(health_pb2.HealthCheckRequest(service="n" * MAX_HEALTH_NAME), timeout=5)
+        assert next(w).status == health_pb2.HealthCheckResponse.SERVICE_UNKNOWN
+        w.cancel()
+        with pytest.raises(grpc.RpcError) as e:
+            next(hs.Watch(health_pb2.HealthCheckRequest(service="n" * (MAX_HEALTH_NAME + 1)),
+                          timeout=5))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_a_two_way_stream_that_failed_is_counted_with_the_code_it_set():
+    """A two-way stream ending in an error is counted under the status its handler set
+    (UNKNOWN only when it set none), not all as UNKNOWN."""
+
+    def bidi(it, context):
+        for m in it:
+            if m == b"coded":
+                context.set_code(grpc.StatusCode.FAILED_PRECONDITION)
+            raise RuntimeError("failed")
+        yield b""  # a generator
+
+    def add(_servicer, srv) -> None:
+        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "x.Bidi", {"Talk": grpc.stream_stream_rpc_method_handler(bidi)}),))
+
+    def count(code: str) -> float:
+        return RPC_TOTAL.labels("bidi-count", "Talk", code)._value.get()
+
+    before = {c: count(c) for c in ("FAILED_PRECONDITION", "UNKNOWN")}
+    h = create_server(service="bidi-count", address="127.0.0.1:0",
+                      services=[(add, None, "x.Bidi")])
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            talk = ch.stream_stream("/x.Bidi/Talk")
+            for msg in (b"coded", b"plain"):
+                with pytest.raises(grpc.RpcError):
+                    list(talk(iter([msg]), timeout=5))
+    finally:
+        h.stop(5)  # the handlers' counting is done once they have ended
+    assert {c: count(c) - before[c] for c in before} == {"FAILED_PRECONDITION": 1, "UNKNOWN": 1}
+
+
+def test_a_signal_once_a_real_server_turned_serving_is_kept_for_the_drain(monkeypatch):
+    """ServerHandle.set_serving marks serving as begun: a SIGTERM after it, before
+    run_until_signal took over, starts the drain instead of exiting the process."""
+    exits: list[int] = []
+    monkeypatch.setattr(bootstrap.os, "_exit", exits.append)
+    h = create_server(service="test", address="127.0.0.1:0", services=[])
+    try:
+        with bootstrap.exit_on_signal_while_starting():
+            h.set_serving()
+            bootstrap._exit_while_starting(signal.SIGTERM, None)
+            assert exits == [] and bootstrap._early_stop.is_set()
+    finally:
+        h.stop(0)
+        bootstrap._early_stop.clear()
+
+
+def _rpc_count(service: str, method: str, code: str) -> float:
+    return RPC_TOTAL.labels(service, method, code)._value.get()
+
+
+def _timed(service: str, method: str) -> float:
+    return sum(s.value for m in RPC_SECONDS.collect() for s in m.samples
+               if s.name.endswith("_count") and s.labels.get("service") == service
+               and s.labels.get("method") == method)
+
+
+def test_every_unary_outcome_is_counted_once_under_its_code_and_each_handler_run_timed(server):
+    """tiercache_rpc_total counts each call under the code its client got (OK, a missing
+    credential, a malformed request, a domain error, a code the handler set, an unexpected
+    error); tiercache_rpc_seconds times each call that reached its handler."""
+    codes = ("OK", "UNAUTHENTICATED", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "INTERNAL")
+    before = {c: _rpc_count("test", "Match", c) for c in codes}
+    timed = _timed("test", "Match")
+    stub = tb._stub(server)
+    raw = grpc.insecure_channel(server.address).unary_unary("/tiercache.v1.PrefixIndex/Match")
+    stub.Match(prefix_pb2.MatchRequest(token_ids=[1]), timeout=5, metadata=tb.AUTH)
+    calls = [lambda: stub.Match(prefix_pb2.MatchRequest(token_ids=[1]), timeout=5),
+             lambda: raw(b"\xff\xff\xff", timeout=5, metadata=tb.AUTH),
+             lambda: stub.Match(prefix_pb2.MatchRequest(), timeout=5, metadata=tb.AUTH)]
+    calls += [lambda m=m: stub.Match(prefix_pb2.MatchRequest(model_id=m, token_ids=[1]),
+                                     timeout=5, metadata=tb.AUTH) for m in ("coded", "boom")]
+    for call in calls:
+        with pytest.raises(grpc.RpcError):
+            call()
+    got = {c: _rpc_count("test", "Match", c) - before[c] for c in codes}
+    assert got == {"OK": 1, "UNAUTHENTICATED": 1, "INVALID_ARGUMENT": 2,
+                   "FAILED_PRECONDITION": 1, "INTERNAL": 1}
+    assert _timed("test", "Match") - timed == 4  # not the refused credential nor the bytes
+
+
+def test_a_refusal_by_authenticate_is_capped_and_logged_with_its_peer(caplog):
+    """A TierCacheError from `authenticate` is the call's status with its details capped
+    (MAX_DETAILS_CHARS), and a PERMISSION_DENIED, like UNAUTHENTICATED, leaves a line naming
+    the peer."""
+    import logging
+
+    def authenticate(metadata):
+        raise errors.PermissionDenied("tenant: " + "t" * 10_000)
+
+    h = create_server(service="test", address="127.0.0.1:0", authenticate=authenticate,
+                      services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, tb.Index(),
+                                 "tiercache.v1.PrefixIndex")])
+    try:
+        with caplog.at_level(logging.WARNING, logger="services.common.bootstrap"):
+            with pytest.raises(grpc.RpcError) as e:
+                tb._stub(h).Match(prefix_pb2.MatchRequest(token_ids=[1]), timeout=5)
+    finally:
+        h.stop(0)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert e.value.details().startswith("tenant: ttt")
+    assert len(e.value.details()) < MAX_DETAILS_CHARS + 40
+    assert any("refused PERMISSION_DENIED from ipv4:127.0.0.1:" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_cut_status_message_says_how_many_characters_it_lost():
+    """_capped leaves a message of MAX_DETAILS_CHARS characters whole; a longer one keeps that
+    many and says how many more there were."""
+    assert _capped("y" * MAX_DETAILS_CHARS) == "y" * MAX_DETAILS_CHARS
+    for extra in (1, 7_952):
+        cut = _capped("y" * (MAX_DETAILS_CHARS + extra))
+        assert cut == f"{'y' * MAX_DETAILS_CHARS}... ({extra} characters cut)"
+
+
+def test_a_parent_pid_of_none_or_init_is_not_watched(monkeypatch):
+    """TIERCACHE_PARENT_PID names the launcher; "1" (init: already re-parented), "0" or
+    junk start no watch (one would find its parent "gone" and stop the service at once)."""
+    kills: list = []
+    monkeypatch.setattr(bootstrap.os, "kill", lambda *a: kills.append(a))
+    for raw in ("1", "0", "-5", "launcher"):
+        bootstrap._stop_with_parent(raw, every_s=0.01)
+    time.sleep(0.2)
+    assert kills == []
+
+
+def test_the_stop_callback_runs_after_the_server_stopped(monkeypatch):
+    """run_until_signal: the drain's `on_stop` runs once the server has stopped."""
+    from types import SimpleNamespace
+
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    monkeypatch.delenv("TIERCACHE_DRAIN_DELAY_S", raising=False)
+    done: list[str] = []
+    handle = SimpleNamespace(stop=lambda grace: done.append(f"stop {grace}"), service="test")
+    bootstrap._early_stop.set()  # a signal came as serving began: the drain starts at once
+    try:
+        bootstrap.run_until_signal(handle, grace=2.0, on_stop=lambda: done.append("on_stop"))
+    finally:
+        bootstrap._early_stop.clear()
+        signal.signal(signal.SIGTERM, before[0])
+        signal.signal(signal.SIGINT, before[1])
+    assert done == ["stop 2.0", "on_stop"]
+
+
+def test_an_address_given_with_spaces_binds_without_them():
+    """create_server strips the address itself (" 127.0.0.1:0 ", a YAML quirk), whoever
+    calls it: config loading strips too, so the test of the config path never reached it."""
+    h = create_server(service="test", address=" 127.0.0.1:0 ", services=[], metrics_port=0)
+    try:
+        assert h.port > 0 and h.metrics_port > 0
+    finally:
+        h.stop(0)
+
+
+def test_a_metrics_port_that_cannot_be_bound_leaves_the_grpc_port_free():
+    """A BindError for the metrics port stops the gRPC server already bound: its port is free
+    again for the next try (so_reuseport is off, so a leftover server would hold it)."""
+    import socket
+
+    with socket.socket() as busy, socket.socket() as probe:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+        probe.close()
+        with pytest.raises(bootstrap.BindError, match="METRICS_PORT"):
+            create_server(service="test", address=f"127.0.0.1:{port}", services=[],
+                          metrics_port=busy.getsockname()[1])
+    h = create_server(service="test", address=f"127.0.0.1:{port}", services=[])
+    h.stop(0)
+    assert h.port == port
+
+
+def _stream_server(method: str, handler):
+    def add(_servicer, srv) -> None:
+        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "x.Stream", {method: grpc.unary_stream_rpc_method_handler(handler)}),))
+
+    return create_server(service="streams", address="127.0.0.1:0",
+                         services=[(add, None, "x.Stream")])
+
+
+def test_a_server_stream_that_ends_is_counted_ok_and_timed():
+    """A server-streaming call that ran to its end is counted OK in tiercache_rpc_total and
+    timed, as unary calls are."""
+
+    def count(_request, _context):
+        yield b"one"
+        yield b"two"
+
+    before, timed = _rpc_count("streams", "Count", "OK"), _timed("streams", "Count")
+    h = _stream_server("Count", count)
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            assert list(ch.unary_stream("/x.Stream/Count")(b"", timeout=5)) == [b"one", b"two"]
+    finally:
+        h.stop(5)
+    assert _rpc_count("streams", "Count", "OK") - before == 1
+    assert _timed("streams", "Count") - timed == 1
+
+
+def test_a_stream_whose_client_left_is_closed_under_its_request_id():
+    """A server stream whose client cancelled is closed by the interceptor with the request
+    id bound, so its handler's cleanup logs as that request (left to the garbage collector it
+    ran with no id)."""
+    import threading
+
+    from services.common.logs import request_id_var
+
+    ids: list[str] = []
+    closed = threading.Event()
+
+    def talk(_request, _context):
+        try:
+            while True:
+                yield b"x"
+                time.sleep(0.01)
+        finally:
+            ids.append(request_id_var.get())
+            closed.set()
+
+    h = _stream_server("Talk", talk)
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            stream = ch.unary_stream("/x.Stream/Talk")(b"", timeout=10,
+                                                       metadata=[("x-request-id", "gone-7")])
+            assert next(stream) == b"x"
+            stream.cancel()
+            assert closed.wait(5)
+    finally:
+        h.stop(0)
+    assert ids == ["gone-7"]
+
+
+def test_the_internal_credential_must_match_exactly(server):
+    """`authorization: Bearer <token>` as it is: padded with a space it is refused."""
+    for value in ("Bearer s3cret ", " Bearer s3cret"):
+        with pytest.raises(grpc.RpcError) as e:
+            tb._stub(server).Match(prefix_pb2.MatchRequest(token_ids=[1]), timeout=5,
+                                   metadata=[("authorization", value)])
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, value
+
+
+def test_a_configuration_problem_found_while_starting_is_one_line_and_exit_2(monkeypatch,
+                                                                            caplog):
+    """service_main: a BindError (an address or metrics port that cannot be bound) raised by
+    the service's body is logged as a bad configuration and the exit status is 2."""
+    import logging
+
+    monkeypatch.setattr(bootstrap.faulthandler, "enable", lambda: None)  # pytest's own stays
+    monkeypatch.delenv(bootstrap.PARENT_PID_ENV, raising=False)
+
+    def body(_argv):
+        raise bootstrap.BindError("TIERCACHE_TEST_ADDRESS: cannot listen on 10.9.9.9:1")
+
+    with caplog.at_level(logging.ERROR, logger="services.test"):
+        assert bootstrap.service_main("test", body, []) == 2
+    assert "bad configuration: TIERCACHE_TEST_ADDRESS: cannot listen" in caplog.text
+
+
+def test_only_the_health_path_answers_health_on_the_metrics_port():
+    """On the metrics port HEALTH_PATH alone is health (503 until SERVING); every other path,
+    a longer one starting like it included, is the Prometheus metrics."""
+    import urllib.error
+    import urllib.request
+
+    h = create_server(service="test", address="127.0.0.1:0", services=[], metrics_port=0)
+    try:
+        base = f"http://127.0.0.1:{h.metrics_port}"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + bootstrap.HEALTH_PATH, timeout=5)
+        assert e.value.code == 503 and e.value.read() == b"NOT_SERVING\n"
+        h.set_serving()
+        with urllib.request.urlopen(base + bootstrap.HEALTH_PATH, timeout=5) as r:
+            assert r.status == 200 and r.read() == b"SERVING\n"
+        for path in ("/metrics", "/health", bootstrap.HEALTH_PATH + "z"):
+            with urllib.request.urlopen(base + path, timeout=5) as r:
+                assert b"tiercache_rpc_total" in r.read(), path
+    finally:
+        h.stop(0)
