@@ -11,18 +11,45 @@ from tiercache.v1 import orchestrator_pb2, orchestrator_pb2_grpc
 
 from benchmarks.workload import Request, Workload, WorkloadSpec
 from clients.python import replay as replay_mod
-from clients.python.client import Chunk, IncompleteStream, TierCacheClient, retry_later
+from clients.python.client import (
+    RPC_CAP_DETAILS,
+    Chunk,
+    IncompleteStream,
+    TierCacheClient,
+    retry_later,
+)
+from tests.orchestrator.test_warm_loop import Err
 
 
 class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
     """Generate answers by the last message's content: 'cut' ends without the final message,
-    'busy' fails after one chunk (RESOURCE_EXHAUSTED marked overloaded), else a whole answer."""
+    'busy' fails after one chunk (RESOURCE_EXHAUSTED marked overloaded), 'late' fails after
+    one chunk at its deadline, 'big' answers 5 MiB of text, else a whole answer. Every call's
+    method, request and metadata are kept in `calls`."""
+
+    calls: list[tuple[str, object, dict[str, str]]] = []
+
+    def _seen(self, method, request, context) -> None:
+        self.calls.append((method, request, dict(context.invocation_metadata())))
+
+    def Warm(self, request, context):  # noqa: N802
+        self._seen("Warm", request, context)
+        return orchestrator_pb2.WarmResponse()
+
+    def Feedback(self, request, context):  # noqa: N802
+        self._seen("Feedback", request, context)
+        return orchestrator_pb2.FeedbackResponse()
 
     def Generate(self, request, context):  # noqa: N802
+        self._seen("Generate", request, context)
         q = request.messages[-1].content if request.messages else request.prompt
+        if q == "big":
+            yield orchestrator_pb2.GenerateResponse(text="x" * (5 << 20))
         yield orchestrator_pb2.GenerateResponse(text="Partial ")
         if q == "cut":
             return
+        if q == "late":
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline before the end")
         if q == "busy":
             context.set_trailing_metadata((("tiercache-overloaded", "1"),))
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "every replica is busy")
@@ -36,6 +63,7 @@ class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
 @pytest.fixture
 def address():
     server = grpc.server(ThreadPoolExecutor(4))
+    Scripted.calls = []
     orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Scripted(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
@@ -210,3 +238,124 @@ def test_a_replay_whose_progress_reader_is_gone_stops_sending():
                           {"t0": Client()}, concurrency=1, progress=progress)
     time.sleep(0.3)
     assert len(sent) <= 4, sent  # the workers in flight at most, not all 16
+
+
+def test_a_status_before_the_final_message_is_raised_even_at_the_deadline(address):
+    """Only a call ended at its deadline after its final message is whole: one cut at its
+    deadline mid-answer raises, with the chunks that had arrived."""
+    with TierCacheClient(address) as c:
+        with pytest.raises(grpc.RpcError) as e:
+            c.generate("late")
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert e.value.chunks_received == 1
+
+
+def test_an_answer_larger_than_grpcs_4_mib_default_is_received(address):
+    """The client's channel takes answers up to 16 MiB, as the services' channels do."""
+    with TierCacheClient(address) as c:
+        r = c.generate("big")
+    assert len(r.text) == (5 << 20) + len("Partial ") and r.chunks == 3
+
+
+def test_every_call_carries_the_bearer_token_and_a_request_id(address):
+    """Generate, Warm and Feedback each send `authorization: Bearer <token>` and an
+    x-request-id (the caller's when given); Feedback sends the rating asked for."""
+    with TierCacheClient(address, token=" tok-1 ") as c:
+        c.generate("fine", request_id="r" * 128)
+        c.warm("be brief", owners_only=True)
+        c.feedback("entry-1", good=False)
+        c.feedback("entry-2", good=True)
+    methods = [m for m, _, _ in Scripted.calls]
+    assert methods == ["Generate", "Warm", "Feedback", "Feedback"]
+    assert all(md["authorization"] == "Bearer tok-1" and md["x-request-id"]
+               for _, _, md in Scripted.calls)
+    assert Scripted.calls[0][2]["x-request-id"] == "r" * 128
+    assert Scripted.calls[1][1].target == orchestrator_pb2.WARM_TARGET_OWNERS
+    assert [req.rating for m, req, _ in Scripted.calls if m == "Feedback"] == [
+        orchestrator_pb2.RATING_BAD, orchestrator_pb2.RATING_GOOD]
+
+
+def test_a_request_id_past_128_characters_is_refused_before_the_call(address):
+    with TierCacheClient(address) as c:
+        with pytest.raises(ValueError, match="^request_id:"):
+            c.generate("fine", request_id="r" * 129)
+    assert Scripted.calls == []
+
+
+def test_a_closed_client_has_released_its_channel(address):
+    """close() closes the gRPC channel, not only the client's own flag."""
+    c = TierCacheClient(address)
+    c.close()
+    with pytest.raises(ValueError, match="closed channel"):
+        c.stub.Stats(orchestrator_pb2.StatsRequest(), timeout=5)
+
+
+def test_a_bare_ipv6_address_is_refused_as_grpc_cannot_dial_it():
+    """gRPC fails to dial fd00::5:50051 ("Misformatted domain name"); in brackets it is fine."""
+    with pytest.raises(ValueError, match="^address:"):
+        TierCacheClient("::1:50051")
+    TierCacheClient("[::1]:50051").close()
+
+
+@pytest.mark.parametrize("token", ["\ttok", " tok", "tok\n"])
+def test_a_tokens_surrounding_whitespace_is_dropped_on_both_sides(token):
+    c = TierCacheClient("127.0.0.1:1", token=token)
+    c.close()
+    assert c.token == "tok"
+
+
+def test_a_token_with_del_is_refused_as_not_printable():
+    """DEL (0x7f) is not printable ASCII: gRPC metadata cannot carry it."""
+    with pytest.raises(ValueError, match="^token:"):
+        TierCacheClient("127.0.0.1:1", token="tok\x7f")
+
+
+def test_the_smallest_double_is_refused_as_it_rounds_to_0_in_float32():
+    """5e-324 > 0 goes out as 0.0 (unset) like 1e-50."""
+    with pytest.raises(ValueError, match="^top_p:"):
+        TierCacheClient.build_request("hi", top_p=5e-324)
+
+
+def test_a_bool_is_not_taken_as_a_sampling_number():
+    with pytest.raises(TypeError, match="^temperature: must be a number"):
+        TierCacheClient.build_request("hi", temperature=True)
+
+
+def test_a_raw_string_is_sent_as_the_prompt_not_as_a_user_message():
+    req = TierCacheClient.build_request("<|im_start|>user\nhi", raw=True)
+    assert req.prompt == "<|im_start|>user\nhi" and not req.messages
+    chat = TierCacheClient.build_request("hi")
+    assert [(m.role, m.content) for m in chat.messages] == [("user", "hi")] and not chat.prompt
+
+
+def test_warm_takes_a_list_of_messages_as_one_conversation():
+    """[system, user] is one prompt of two messages, not two prompts."""
+    sent = []
+    c = TierCacheClient("127.0.0.1:1")
+    try:
+        c.stub.Warm = lambda req, **kw: sent.append(req)
+        c.warm([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}])
+    finally:
+        c.close()
+    (p,) = sent[0].prompts
+    assert [(m.role, m.content) for m in p.messages] == [("system", "s"), ("user", "u")]
+
+
+BUSY = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_retry_later_only_for_busy_or_unavailable_refusals():
+    """Busy = RESOURCE_EXHAUSTED with the overloaded trailer or gRPC's concurrent-call cap;
+    another trailer, another code, or trailers that cannot be read are not worth retrying."""
+
+    class Unreadable(Err):
+        def trailing_metadata(self):
+            raise RuntimeError("call not finished")
+
+    assert retry_later(Err(BUSY, "queue full", [("tiercache-overloaded", "1")]))
+    assert retry_later(Err(BUSY, RPC_CAP_DETAILS))
+    assert not retry_later(Err(BUSY, "max_tokens: 900 exceeds the limit", [("other", "1")]))
+    assert not retry_later(Err(grpc.StatusCode.PERMISSION_DENIED, "x",
+                               [("tiercache-overloaded", "1")]))
+    assert not retry_later(Unreadable(BUSY, "x"))
+
