@@ -1,0 +1,234 @@
+"""CLI and replay rules a mutation audit found unguarded: Ctrl-C's status and line end, which
+chat flags make a cache policy, feedback and stats notes, the TLS and tenant-token flags,
+warm with --top-k alone, replay's progress lines, exit status and tenant tokens (fake clients
+stand in for the server: pure client logic)."""
+
+from __future__ import annotations
+
+import io
+import json
+import sys
+
+import grpc
+import pytest
+from tiercache.v1 import orchestrator_pb2, prefix_pb2
+
+from benchmarks.workload import Request, Workload, WorkloadSpec, save_trace
+from clients.python import cli
+from clients.python import replay as replay_mod
+from clients.python.client import Chunk
+from tests import test_cli_input
+from tests.test_cli_input import FakeClient
+from tests.test_cli_sessions import Refusal, ReplayClient, _final, _workload
+
+fake = test_cli_input.fake
+
+
+def _streaming(monkeypatch, *pieces: str, then: BaseException) -> None:
+    def stream(self, messages, **kw):
+        for p in pieces:
+            yield Chunk(p, [])
+        raise then
+
+    monkeypatch.setattr(FakeClient, "stream", stream)
+
+
+def test_ctrl_c_mid_answer_ends_its_line_and_exits_130(fake, monkeypatch, capsys):
+    """Ctrl-C: status 130 (as a shell reports SIGINT), and the partial answer's line ended."""
+    _streaming(monkeypatch, "partial", then=KeyboardInterrupt())
+    assert cli.main(["chat", "-q", "hi"]) == 130
+    assert capsys.readouterr().out == "partial\n"
+
+
+def test_an_error_before_any_text_prints_no_empty_line(fake, monkeypatch, capsys):
+    """Only an answer of which something was printed gets its line ended."""
+    _streaming(monkeypatch, "", then=Refusal(grpc.StatusCode.INTERNAL, "boom"))
+    assert cli.main(["chat", "-q", "hi"]) == 1
+    out = capsys.readouterr()
+    assert out.out == "" and out.err == "error: INTERNAL: boom\n"
+
+
+@pytest.mark.parametrize(("flags", "want"), [
+    (["--no-prefix-cache"], (False, False, True)),
+    (["--no-semantic"], (True, True, False))])
+def test_each_skip_flag_alone_sets_the_cache_policy(fake, monkeypatch, flags, want):
+    """--no-prefix-cache alone is a policy; --no-semantic skips both lookup and store."""
+    seen = []
+    plain = FakeClient.stream
+
+    def stream(self, messages, **kw):
+        seen.append(kw["cache_policy"])
+        yield from plain(self, messages, **kw)
+
+    monkeypatch.setattr(FakeClient, "stream", stream)
+    assert cli.main(["chat", "-q", *flags, "hi"]) == 0
+    p = seen[0]
+    assert (p.skip_semantic_lookup, p.skip_semantic_store, p.skip_prefix_cache) == want
+
+
+def test_a_session_that_cannot_be_renamed_into_place_leaves_no_temporary_file(fake,
+                                                                              monkeypatch):
+    path = fake / "home" / "sessions" / "s1.json"
+
+    def fail(src, dst):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(cli.os, "replace", fail)
+    with pytest.raises(SystemExit, match="cannot save session history"):
+        cli._save_history(path, [{"role": "user", "content": "hi"}])
+    assert list(path.parent.iterdir()) == []
+
+
+class _Feedback:
+    def __init__(self, invalidated: bool) -> None:
+        self.invalidated = invalidated
+
+    def feedback(self, entry_id, good):
+        return orchestrator_pb2.FeedbackResponse(invalidated=self.invalidated)
+
+
+def test_only_bad_feedback_on_a_gone_entry_says_it_is_gone(capsys):
+    """Good feedback invalidates nothing: no "already gone" note for it."""
+    import argparse
+
+    assert cli.cmd_feedback(_Feedback(False), argparse.Namespace(entry_id="e", bad=False)) == 0
+    assert capsys.readouterr().err == ""
+    assert cli.cmd_feedback(_Feedback(False), argparse.Namespace(entry_id="e", bad=True)) == 0
+    assert "already gone" in capsys.readouterr().err
+    assert cli.cmd_feedback(_Feedback(True), argparse.Namespace(entry_id="e", bad=True)) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_stats_says_when_a_tiers_shard_lists_disagree(capsys):
+    """Every call succeeds while lookups go to the wrong shard: said on stderr too."""
+
+    class Client:
+        def stats(self):
+            return orchestrator_pb2.StatsResponse(prefix=prefix_pb2.PrefixStatsResponse(
+                shards_total=2, shards_answered=2, shard_list_mismatch="shard 1 lists 3"))
+
+    assert cli.cmd_stats(Client(), None) == 0
+    assert capsys.readouterr().err == "prefix: shard 1 lists 3\n"
+
+
+@pytest.mark.parametrize("argv", [["--ca", "ca.pem", "--key", "k.pem", "stats"],
+                                  ["replay", "t.jsonl", "--tenant-tokens", "=tok"]])
+def test_a_key_without_its_certificate_or_a_token_without_its_tenant_is_a_usage_error(
+        fake, capsys, argv):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and "Traceback" not in capsys.readouterr().err
+
+
+def test_warm_with_top_k_alone_is_sent(fake, monkeypatch):
+    """--top-k without --system warms the hottest prefixes: not a usage error."""
+    sent = []
+
+    def warm(self, prompts, **kw):
+        sent.append((prompts, kw["top_k"]))
+        return orchestrator_pb2.WarmResponse(results=[orchestrator_pb2.WarmResult()])
+
+    monkeypatch.setattr(FakeClient, "warm", warm, raising=False)
+    assert cli.main(["warm", "--top-k", "3"]) == 0
+    assert sent == [([], 3)]
+
+
+def _trace(path, requests: int, tenants=("t0",)):
+    reqs = [Request(at=0.0, tenant=tenants[i % len(tenants)], session_id=f"s{i}",
+                    system_index=0, turn=0, question=f"q{i}?") for i in range(requests)]
+    save_trace(Workload(WorkloadSpec(), {t: ["be brief"] for t in tenants}, reqs), path)
+    return str(path)
+
+
+def test_replay_to_a_log_writes_a_progress_line_per_tenth(fake, monkeypatch, capsys):
+    """Not a terminal: one line per tenth of the run (and the first), not one per request."""
+    assert cli.main(["replay", _trace(fake / "t.jsonl", 40)]) == 0
+    out = capsys.readouterr()
+    lines = [ln for ln in out.err.splitlines() if ln.endswith(" requests")]
+    assert lines == [f"{n}/40 requests" for n in (1, 4, 8, 12, 16, 20, 24, 28, 32, 36, 40)]
+    assert json.loads(out.out)["errors"] == 0
+
+
+def test_replay_on_a_terminal_ends_its_counter_line(fake, monkeypatch):
+    class Tty(io.StringIO):
+        def isatty(self):
+            return True
+
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    assert cli.main(["replay", _trace(fake / "t.jsonl", 3)]) == 0
+    assert err.getvalue().endswith("\r3/3 requests\n")
+
+
+def test_replay_exits_1_when_a_request_failed_and_uses_each_tenants_token(fake, monkeypatch,
+                                                                          capsys):
+    tokens: dict[str, str | None] = {}
+
+    class Client(FakeClient):
+        def __init__(self, *a, token=None, **kw):
+            self.token = token
+
+        def stream(self, messages, **kw):
+            tokens[kw["session_id"]] = self.token
+            if kw["session_id"] == "s1":
+                raise Refusal(grpc.StatusCode.UNAVAILABLE, "down")
+            yield from super().stream(messages, **kw)
+
+    monkeypatch.setattr(cli, "TierCacheClient", Client)
+    trace = _trace(fake / "t.jsonl", 2, tenants=("t0", "t1"))
+    assert cli.main(["--token", "tok-all", "replay", trace, "--tenant-tokens", "t1=tok-1"]) == 1
+    assert tokens == {"s0": "tok-all", "s1": "tok-1"}
+    assert "error (1x): UNAVAILABLE: down" in capsys.readouterr().err
+
+
+def test_a_request_naming_a_system_index_one_past_its_tenants_prompts_is_refused(fake):
+    trace = fake / "t.jsonl"
+    trace.write_text(json.dumps({"spec": {}, "system_prompts": {"t0": ["x"]}}) + "\n"
+                     + json.dumps(dict(at=0.0, tenant="t0", session_id="a", system_index=1,
+                                       turn=0, question="q?")) + "\n")
+    with pytest.raises(SystemExit, match="request 1 names tenant 't0' system_index 1"):
+        cli.main(["replay", str(trace)])
+
+
+def test_an_address_with_spaces_around_a_loopback_host_is_not_warned_of(fake, capsys):
+    """The address is stripped before it is judged loopback (as before it is dialed)."""
+    assert cli.main(["--address", " 127.0.0.1:50051 ", "--token", "t", "chat", "-q", "hi"]) == 0
+    assert "plaintext" not in capsys.readouterr().err
+
+
+def test_a_later_turn_carries_the_earlier_question_and_answer():
+    """History is [system, q0, a0, q1]: the user's own earlier turns included."""
+    client = ReplayClient()
+    replay_mod.replay(_workload(1, 2), {"t0": client}, concurrency=1)
+    assert [(m["role"], m["content"]) for m in client.sent[1]] == [
+        ("system", "be brief"), ("user", "q0.0?"), ("assistant", "Partial answer"),
+        ("user", "q0.1?")]
+
+
+def test_ttft_is_measured_to_the_first_text_not_the_first_chunk():
+    """An empty first chunk is not the first text; the figure is not the total either."""
+    import time
+
+    class Slow(ReplayClient):
+        def stream(self, messages, **kw):
+            yield Chunk("", [])
+            time.sleep(0.1)
+            yield Chunk("text", [])
+            time.sleep(0.2)
+            yield _final()
+
+    (o,) = replay_mod.replay(_workload(1, 1), {"t0": Slow()}, concurrency=1)
+    assert o.ttft_ms >= 95 and o.total_ms - o.ttft_ms >= 150, (o.ttft_ms, o.total_ms)
+
+
+def test_an_outcome_keeps_what_the_index_expected_the_replica_to_hold():
+    from tiercache.v1 import common_pb2
+
+    class Evicted(ReplayClient):
+        def stream(self, messages, **kw):
+            yield Chunk("a", [])
+            yield Chunk("", [], orchestrator_pb2.GenerateFinal(cache_report=common_pb2.CacheReport(
+                prompt_tokens=64, cached_tokens=16, index_matched_tokens=48)))
+
+    (o,) = replay_mod.replay(_workload(1, 1), {"t0": Evicted()}, concurrency=1)
+    assert (o.prompt_tokens, o.cached_tokens, o.expected_tokens) == (64, 16, 48)
