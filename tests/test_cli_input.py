@@ -516,6 +516,7 @@ def test_a_bad_trace_line_is_named_by_its_line(tmp_path, bad, said):
     ("api.example.com:443", True), ("10.0.3.7:50051", True), ("dns:///tiercache:50051", True),
     ("localhost:50051", False), ("127.0.0.1:50051", False), ("[::1]:50051", False),
     ("app.localhost:50051", False), ("dns:///127.0.0.1:50051", False),
+    ("ipv6:[::1]:50051", False), ("dns:///[::1]:50051", False),
 ])
 def test_a_token_sent_in_plaintext_to_another_host_is_warned_of(fake, capsys, monkeypatch,
                                                                 address, warned):

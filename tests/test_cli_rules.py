@@ -232,3 +232,18 @@ def test_an_outcome_keeps_what_the_index_expected_the_replica_to_hold():
 
     (o,) = replay_mod.replay(_workload(1, 1), {"t0": Evicted()}, concurrency=1)
     assert (o.prompt_tokens, o.cached_tokens, o.expected_tokens) == (64, 16, 48)
+
+
+def test_replays_cache_classes_match_the_orchestrators_default_prefix_hit_rule():
+    """A prefix hit reuses at least the orchestrator's default min_prefix_tokens (exactly that
+    many counts), as its own request counts say."""
+    from services.orchestrator.config import OrchestratorConfig
+
+    n = OrchestratorConfig().min_prefix_tokens
+
+    def outcome(cached: int, semantic: bool = False) -> replay_mod.Outcome:
+        return replay_mod.Outcome("s", "t0", 0, "turn", 0.0, 1.0, 1.0, 64, cached, 1, semantic,
+                                  0.0, "A", "prefix")
+
+    assert [outcome(n - 1).cache_class, outcome(n).cache_class,
+            outcome(0, semantic=True).cache_class] == ["cold", "prefix_hit", "semantic_hit"]
