@@ -347,9 +347,10 @@ def _usage(why: str) -> NoReturn:
 
 def _loopback(address: str) -> bool:
     """Whether host:port names this machine (a local stack), where plaintext is fine."""
-    host = address.rpartition(":")[0].strip("[]").lower()
+    host = address.rpartition(":")[0].lower()
     if host.startswith(("dns:", "ipv4:", "ipv6:")):
         host = host.split(":", 1)[1].lstrip("/")
+    host = host.strip("[]")  # after the scheme: "ipv6:[::1]" kept its "[" and was warned of
     if host == "localhost" or host.endswith(".localhost"):
         return True
     try:
