@@ -1,0 +1,197 @@
+"""Rules of `services/semantic/embedder.py` a mutation audit found unchecked: the window's
+exact size and what says a text passed it, `unseen` over whole texts, and the batcher's
+limits, waiting, closing and failures."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from services.common.errors import DeadlineExceeded
+from services.semantic.embedder import BatchingEmbedder
+from tests.semantic.test_embedder import _SlowInner
+
+
+def test_the_window_is_max_seq_length_tokens_and_a_text_past_it_says_so(onnx_embedder):
+    """'!' is one token each: a text of exactly `max_seq_length` tokens (with [CLS] [SEP]) is
+    whole, one more is cut, and embed_checked, exceeds_window and the batcher's flag agree."""
+    fits = onnx_embedder.max_seq_length - onnx_embedder._specials
+    for n in range(fits - 3, fits + 3):
+        text = "!" * n
+        assert len(onnx_embedder._plain.encode(text).ids) == n + onnx_embedder._specials
+        assert onnx_embedder.exceeds_window(text) is (n > fits), n
+    assert onnx_embedder.embed_checked(["!" * fits, "!" * (fits + 1)])[1] == [False, True]
+    b = BatchingEmbedder(onnx_embedder)
+    try:
+        assert b.embed_one_checked("!" * (fits + 1))[1] is True
+        assert b.embed_one_checked("!" * fits)[1] is False
+    finally:
+        b.close()
+
+
+def test_a_text_of_few_characters_but_many_tokens_is_not_taken_as_short(onnx_embedder):
+    """A Hangul syllable is three tokens (its jamo) in three bytes: 252 characters of them
+    overflow, so no count of characters alone may call a text short."""
+    text = "각 " * 126
+    assert bool(onnx_embedder._tok.encode(text).overflowing)
+    assert onnx_embedder.exceeds_window(text)
+
+
+def test_unseen_reads_the_whole_text_not_only_the_window(onnx_embedder):
+    """What the model cannot read is asked of the whole text: a text past the window has its
+    unread characters found after the cut too, and the read ones there are not unread."""
+    text = "Où est le café? " * 100 + "\U0001f40d"
+    assert onnx_embedder.exceeds_window(text)
+    assert onnx_embedder.unseen(text) == "\U0001f40d"
+
+
+def test_a_long_word_takes_the_slow_path_at_every_length(onnx_embedder):
+    """A word past WordPiece's 100 characters is one [UNK]: at every length the fast path
+    must answer as the tokenizer does (101 letters included, not only far longer words)."""
+    for n in (63, 64, 100, 101, 110, 119, 150):
+        text = "the key is " + ("a1b2c3" * 30)[:n]
+        assert onnx_embedder.unseen(text) == onnx_embedder.unseen_slow(text), n
+    assert onnx_embedder.unseen("k " + "x" * 101) == "x" * 101
+
+
+def test_a_combining_mark_opening_the_text_is_unread(onnx_embedder):
+    """A mark joins the letter before it; at the very start there is none (no wrap-around to
+    the text's last character)."""
+    assert onnx_embedder.unseen("\u0301x") == "\u0301"
+
+
+def test_no_texts_embed_to_no_rows(onnx_embedder):
+    """`[len(texts), dim]` float32, for an empty list too (no forward pass)."""
+    vecs, cut = onnx_embedder.embed_checked([])
+    assert vecs.shape == (0, onnx_embedder.dim) and vecs.dtype == np.float32 and cut == []
+
+
+class _Recording(_SlowInner):
+    """`_SlowInner` noting each batch's size; a text "boom" makes its batch raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def embed_checked(self, texts):
+        self.sizes.append(len(texts))
+        if "boom" in texts:
+            raise ValueError("the forward pass failed")
+        return super().embed_checked(texts)
+
+
+def _queue_behind_a_running_batch(b: BatchingEmbedder, inner: _Recording, texts: list[str]):
+    """Starts a batch that blocks in `inner`, then one caller per text (queued behind it)."""
+    out: dict[str, object] = {}
+
+    def call(text: str) -> None:
+        try:
+            out[text] = b.embed_one(text)
+        except Exception as e:  # noqa: BLE001 - what the caller got
+            out[text] = e
+
+    inner.release.clear()
+    threads = [threading.Thread(target=call, args=("first",))]
+    threads[0].start()
+    time.sleep(0.2)  # that batch is running: the next ones queue
+    for t in texts:
+        threads.append(threading.Thread(target=call, args=(t,)))
+        threads[-1].start()
+    time.sleep(0.2)
+    return out, threads
+
+
+def test_a_batch_never_holds_more_than_max_batch_texts():
+    inner = _Recording()
+    b = BatchingEmbedder(inner, max_batch=2)
+    try:
+        out, threads = _queue_behind_a_running_batch(b, inner, [f"t{i}" for i in range(5)])
+        inner.release.set()
+        for t in threads:
+            t.join(10)
+        assert len(out) == 6 and sum(inner.sizes) == 6
+        assert max(inner.sizes) == 2 and b.batches == len(inner.sizes)
+    finally:
+        inner.release.set()
+        b.close()
+
+
+def test_wait_ms_holds_a_batch_open_for_later_callers():
+    """With wait_ms=400 a text arriving 100 ms after the first joins its batch."""
+    inner = _Recording()
+    inner.release.set()
+    b = BatchingEmbedder(inner, max_batch=8, wait_ms=400)
+    try:
+        threads = [threading.Thread(target=b.embed_one, args=(t,)) for t in ("a", "b")]
+        threads[0].start()
+        time.sleep(0.1)
+        threads[1].start()
+        for t in threads:
+            t.join(10)
+        assert inner.sizes == [2]
+    finally:
+        b.close()
+
+
+def test_close_embeds_what_was_queued_then_stops_the_worker():
+    inner = _Recording()
+    b = BatchingEmbedder(inner, max_batch=8)
+    out, threads = _queue_behind_a_running_batch(b, inner, ["q1", "q2", "q3"])
+    closer = threading.Thread(target=b.close)
+    closer.start()
+    time.sleep(0.1)
+    inner.release.set()
+    for t in [*threads, closer]:
+        t.join(10)
+    assert sorted(out) == ["first", "q1", "q2", "q3"]
+    assert all(isinstance(v, np.ndarray) for v in out.values())
+    assert not b._thread.is_alive()
+
+
+def test_a_failing_forward_pass_fails_its_callers_and_not_the_batcher():
+    """Each caller of the failed batch gets its error; later batches run, and only batches
+    that ran are counted (one whose callers were all gone runs none)."""
+    inner = _Recording()
+    b = BatchingEmbedder(inner, max_batch=8)
+    try:
+        out, threads = _queue_behind_a_running_batch(b, inner, ["boom", "with it"])
+        inner.release.set()
+        for t in threads:
+            t.join(10)
+        assert isinstance(out["boom"], ValueError) and isinstance(out["with it"], ValueError)
+        assert b.batches == 1 and b.batched_texts == 1
+        with pytest.raises(DeadlineExceeded):
+            b.embed_one_checked("gone", timeout=10, wanted=lambda: False)
+        assert b.batches == 1 and b.dropped_texts == 1
+        assert b.embed_one("later", timeout=10).shape == (4,)
+        assert b.batches == 2
+    finally:
+        inner.release.set()
+        b.close()
+
+
+def test_a_wanted_predicate_that_raises_keeps_its_caller():
+    """A broken predicate must not drop a caller: its text is embedded."""
+    inner = _Recording()
+    inner.release.set()
+    b = BatchingEmbedder(inner)
+    try:
+        vec, cut = b.embed_one_checked("asked", timeout=10, wanted=lambda: 1 / 0)
+        assert vec.shape == (4,) and cut is False and inner.embedded == ["asked"]
+    finally:
+        b.close()
+
+
+def test_onnx_threads_reaches_the_session():
+    """TIERCACHE_SEMANTIC_ONNX_THREADS (`threads`): a count given is ONNX Runtime's intra-op
+    thread count; 0 leaves its default."""
+    from services.semantic.config import SemanticConfig, default_cache_dir
+    from services.semantic.embedder import OnnxEmbedder
+
+    cfg = SemanticConfig()
+    emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.resolved_model_name(),
+                       threads=1)
+    assert emb._sess.get_session_options().intra_op_num_threads == 1
