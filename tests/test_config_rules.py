@@ -1,0 +1,125 @@
+"""Rules of the shared settings parser that no other test pinned: each spelling of a boolean,
+the float bounds, blank list entries, the internal credential's alphabet, the flag named by a
+later check, --help's defaults, service-link values, unknown-name hints, and the address checks
+at their boundaries."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common import config
+from services.common.config import ConfigError, load_config, require_addresses
+from tests.test_config import DemoConfig
+
+
+@pytest.mark.parametrize(("raw", "want"), [
+    ("1", True), ("true", True), ("yes", True), ("on", True), (" ON\n", True), ("True", True),
+    ("0", False), ("false", False), ("no", False), ("off", False), (" Off ", False),
+])
+def test_every_documented_spelling_of_a_boolean_reads_as_it_says(raw, want):
+    """true/false, yes/no, on/off and 1/0, in any case and with surrounding whitespace (a YAML
+    value, a pasted newline)."""
+    cfg = load_config(DemoConfig, "demo", [], environ={"TIERCACHE_DEMO_ENABLED": raw})
+    assert cfg.enabled is want
+
+
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan", "1e9000", "1000000001", "-1000000001"])
+def test_a_float_setting_must_be_finite_and_at_most_1e9_in_size(raw):
+    """nan/inf, and durations past MAX_FLOAT_SETTING either way, are refused naming the
+    variable (they overflow Event.wait and gRPC deadlines)."""
+    with pytest.raises(ConfigError, match="^TIERCACHE_DEMO_RATIO: "):
+        load_config(DemoConfig, "demo", [], environ={"TIERCACHE_DEMO_RATIO": raw})
+
+
+@pytest.mark.parametrize("raw", ["1e9", "-1e9", "0"])
+def test_a_float_setting_of_exactly_1e9_in_size_is_taken(raw):
+    """MAX_FLOAT_SETTING itself is allowed (the bound is "at most")."""
+    cfg = load_config(DemoConfig, "demo", [], environ={"TIERCACHE_DEMO_RATIO": raw})
+    assert cfg.ratio == float(raw)
+
+
+def test_blank_list_entries_are_dropped():
+    """A trailing or doubled comma is no entry (the clients ignore blanks too)."""
+    cfg = load_config(DemoConfig, "demo", [], environ={"TIERCACHE_DEMO_PEERS": "a:1,, b:2 ,"})
+    assert cfg.peers == ("a:1", "b:2")
+
+
+def test_an_internal_token_may_use_every_printable_ascii_character():
+    """0x21..0x7E travel as gRPC metadata: '!' and '~' (the range's ends) are taken."""
+    from services.prefix.config import PrefixConfig
+
+    token = "!" + "A" * 20 + "~"
+    cfg = load_config(PrefixConfig, "prefix", [], {"TIERCACHE_PREFIX_INTERNAL_TOKEN": token})
+    assert cfg.internal_token == token
+
+
+def test_a_later_check_names_the_flag_only_when_the_flag_itself_was_given():
+    """named_as_given: `--num-blocks=0` and `--num-blocks 0` are the flag; a longer flag that
+    merely starts alike is not, and a message about another prefix is left alone."""
+    msg = "TIERCACHE_DEMO_NUM_BLOCKS: no such file"
+    want = "--num-blocks (env TIERCACHE_DEMO_NUM_BLOCKS): no such file"
+    assert config.named_as_given(msg, "demo", ["--num-blocks=0"]) == want
+    assert config.named_as_given(msg, "demo", ["--num-blocks", "0"]) == want
+    assert config.named_as_given(msg, "demo", ["--num-blocks-max", "0"]) == msg
+    # kvpool's variable in prefix's message (two prefixes of one length): not prefix's flag.
+    other = "TIERCACHE_KVPOOL_NUM_BLOCKS: no such file"
+    assert config.named_as_given(other, "prefix", ["--num-blocks", "0"]) == other
+
+
+def test_help_shows_an_empty_list_default_as_none():
+    """An empty tuple default is "none" in --help, as an empty string is."""
+    import dataclasses
+
+    peers = {f.name: f for f in dataclasses.fields(DemoConfig)}["peers"]
+    assert config._shown_default(peers) == "none"
+
+
+def test_port_bounds_differ_for_listening_and_dialing():
+    """0 (any free port) only for an address to listen on; 65535 is a port; a gRPC target is
+    dialed, never listened on; a bracketed IPv6 host is dialed, a bare one is not."""
+    assert config.is_host_port("h:0", listen=True) and not config.is_host_port("h:0")
+    assert config.is_host_port("h:65535") and config.is_host_port("h:65535", listen=True)
+    assert not config.is_host_port("h:65536", listen=True)
+    assert config.is_host_port("dns:///h:1") and not config.is_host_port("dns:///h:1",
+                                                                         listen=True)
+    assert config.is_host_port("[fd00::1]:1", dialed=True)
+    assert not config.is_host_port("fd00::1:1", dialed=True)
+
+
+def test_one_address_twice_in_other_case_is_refused_naming_both():
+    """Shards are placed by the canonical address: `kv:1` and `KV:1` are one replica."""
+    with pytest.raises(ConfigError, match="kv:1 and KV:1 name the same address"):
+        require_addresses(["kv:1", "KV:1"], "demo", "peers", allow_none=False)
+
+
+@pytest.mark.parametrize(("name", "value"), [
+    ("TIERCACHE_DEMO_SEMANTIC_SERVICE_HOST", "semantic.local"),  # a host name: no link's
+    ("TIERCACHE_DEMO_PORT_50051_TCP_ADDR", "kvpool-0"),
+    ("TIERCACHE_DEMO_SERVICE_PORT", "grpc"),  # Kubernetes writes the number
+])
+def test_a_service_link_name_with_a_value_of_another_form_is_a_typo(name, value):
+    """Kubernetes' service-link variables pass by name and by the form of their value (an IP
+    address, a port number): the same name holding anything else is refused."""
+    with pytest.raises(ConfigError, match=f"^{name}: not a setting"):
+        load_config(DemoConfig, "demo", [], environ={name: value})
+
+
+def test_a_bad_grpc_target_gets_no_ipv6_hint():
+    """The bracket hint is for a bare IPv6 host, not for a dns:/// target's colon."""
+    with pytest.raises(ConfigError) as e:
+        require_addresses(["dns:///a b:1"], "demo", "peers", allow_none=False)
+    assert str(e.value) == "TIERCACHE_DEMO_PEERS: 'dns:///a b:1' is not host:port"
+
+
+@pytest.mark.parametrize(("name", "hint"), [
+    ("TIERCACHE_DEMO_ENABLE_TLS", None),  # another feature, not a misspelt ENABLED
+    ("TIERCACHE_DEMO_ENABLD", "TIERCACHE_DEMO_ENABLED"),
+])
+def test_an_unknown_name_is_hinted_only_at_a_close_setting(name, hint):
+    """The hint names a setting only when it is a near spelling of the name given; a merely
+    similar name (ENABLE_TLS, about 0.7 alike) gets none rather than a wrong one."""
+    with pytest.raises(ConfigError) as e:
+        load_config(DemoConfig, "demo", [], environ={name: "1"})
+    msg = str(e.value)
+    assert msg.startswith(name)
+    assert (f"did you mean {hint}?" in msg) if hint else "did you mean" not in msg
