@@ -1,0 +1,113 @@
+"""Rules of the model store that no other test pinned: how the packaged model is named, what
+a failed load of a cached conversion does, which end-of-answer ids count, when a cached
+folder is whole, who may read a conversion, and the tokenizer and config fix-ups. Every
+conversion here is the small fake one of `test_model_store` (no GGUF parsed)."""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from services.common import model_store
+from services.common.model_store import resolve_model
+from tests.kvpool.test_model_store import _fake_gguf
+
+
+def test_the_packaged_spec_is_read_in_any_case_and_keeps_a_given_model_id(tmp_path: Path,
+                                                                            monkeypatch):
+    """" SmolLM2 " is the packaged model (as the launcher and the configs compare it), and a
+    model_id given for it is the id it is served under."""
+    loads = _fake_gguf(tmp_path, monkeypatch)
+    got = resolve_model(" SmolLM2 ", cache_dir=str(tmp_path), model_id="served-as")
+    assert got.path == str(tmp_path / "models" / model_store.SMOLLM2_MODEL_ID)
+    assert got.model_id == "served-as" and loads == [1]
+
+
+def test_a_memory_error_while_loading_a_conversion_is_not_converted_again(tmp_path: Path,
+                                                                          monkeypatch):
+    """Running out of memory is not the cache's fault: it propagates and nothing is redone."""
+    loads = _fake_gguf(tmp_path, monkeypatch)
+
+    def oom(path: str):
+        raise MemoryError
+
+    with pytest.raises(MemoryError):
+        model_store.load_resolved("smollm2", str(tmp_path), None, oom)
+    assert loads == [1]
+
+
+def test_end_of_answer_ids_take_token_zero_but_no_booleans(tmp_path: Path):
+    """An eos id of 0 is a token id like any other; JSON true/false are no ids (bool is an
+    int in Python)."""
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, True]}))
+    assert model_store.eos_token_ids(str(tmp_path)) == {0}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": False}))
+    (tmp_path / "config.json").write_text(json.dumps({"eos_token_id": 7}))
+    assert model_store.eos_token_ids(str(tmp_path)) == {7}
+
+
+def test_a_file_grown_past_its_recorded_size_is_not_converted(tmp_path: Path, monkeypatch):
+    """The marker's sizes are exact: weights longer than written (a bad restore appending,
+    another file copied over) are converted again, as shorter ones are."""
+    _fake_gguf(tmp_path, monkeypatch)
+    path = Path(resolve_model("smollm2", cache_dir=str(tmp_path)).path)
+    sid = model_store.source_id(model_store.packaged_gguf_path())
+    with open(path / "model.safetensors", "ab") as f:
+        f.write(b"w")
+    assert not model_store.is_converted(path, sid)
+
+
+def test_an_old_marker_over_weights_longer_than_their_header_says_is_not_converted(
+        tmp_path: Path):
+    """`_safetensors_whole` wants the file exactly as long as its header says: trailing bytes
+    mean another file was written over it."""
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 8)
+    (tmp_path / model_store._DONE_MARKER).write_text(json.dumps({"source_id": "s"}))
+    assert model_store.is_converted(tmp_path, "s")
+    with open(weights, "ab") as f:
+        f.write(b"\0")
+    assert not model_store.is_converted(tmp_path, "s")
+
+
+def test_a_conversion_is_readable_by_every_user(tmp_path: Path, monkeypatch):
+    """The image converts as root and the pods run as uid 10001: the folder is 0755 and each
+    file 0644 (mkdtemp made 0700, save_pretrained 0600)."""
+    _fake_gguf(tmp_path, monkeypatch)
+    path = Path(resolve_model("smollm2", cache_dir=str(tmp_path)).path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in path.iterdir()}
+    assert modes and set(modes.values()) == {0o644}, modes
+
+
+def test_only_a_digits_first_gguf_gets_the_digit_split():
+    """SmolLM2's pre-tokenizer type ("smollm") splits each digit off before the byte-level
+    regex; another type (or none) keeps what transformers gave it."""
+    from tokenizers import pre_tokenizers
+
+    before = object()
+    tok = SimpleNamespace(backend_tokenizer=SimpleNamespace(pre_tokenizer=before))
+    for other in (None, "gpt2", "llama-bpe"):
+        model_store._fix_pre_tokenizer(tok, other)
+        assert tok.backend_tokenizer.pre_tokenizer is before
+    model_store._fix_pre_tokenizer(tok, "smollm")
+    split = tok.backend_tokenizer.pre_tokenizer
+    assert isinstance(split, pre_tokenizers.Sequence)
+    assert [w for w, _ in split.pre_tokenize_str("a12")] == ["a", "1", "2"]
+
+
+def test_the_saved_config_loses_its_quantization_and_nothing_else(tmp_path: Path):
+    """save_pretrained keeps the GGUF's quantization_config, which makes from_pretrained
+    expect quantized weights: it is dropped; a config without one is left as written."""
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"b": 1, "quantization_config": {"q": 4}, "a": 2}))
+    model_store._drop_quantization_from_saved_config(cfg)
+    assert json.loads(cfg.read_text()) == {"a": 2, "b": 1}
+    cfg.write_text('{"b": 1,   "a": 2}')
+    model_store._drop_quantization_from_saved_config(cfg)
+    assert cfg.read_text() == '{"b": 1,   "a": 2}'
