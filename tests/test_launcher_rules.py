@@ -1,0 +1,251 @@
+"""Rules of `make run`'s launcher that no other test pinned: what counts as ready, how much of
+a problem is quoted, ports a stopped run leaves behind, metrics ports per replica, child
+sessions and reaping, the stop's time bound, the exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from services import launcher
+from services.launcher import ServiceProcess, Stack
+from tests.test_launcher import _Proc
+
+
+def test_a_server_reporting_not_serving_is_not_ready():
+    """Only SERVING ends the wait: a server that answers NOT_SERVING (still loading its model,
+    or draining) times out."""
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    servicer = health.HealthServicer()
+    servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with pytest.raises(TimeoutError, match="not SERVING"):
+            launcher.wait_healthy(f"127.0.0.1:{port}", 0.6, env={})
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        launcher.wait_healthy(f"127.0.0.1:{port}", 5.0, env={})
+    finally:
+        server.stop(0)
+
+
+def test_a_problem_is_quoted_whole_up_to_500_characters(tmp_path: Path):
+    log = tmp_path / "s.log"
+    for n in (500, 501):
+        msg = "bad configuration: " + "x" * (n - len("bad configuration: "))
+        log.write_text(json.dumps({"level": "ERROR", "msg": msg}) + "\n")
+        got = launcher.last_problem(log)
+        assert got == (msg if n == 500 else msg[:497] + "..."), n
+
+
+def test_a_port_a_stopped_run_left_in_time_wait_is_free():
+    """gRPC binds with SO_REUSEADDR: connections of a stopped `make run` still in TIME_WAIT
+    must not make the launcher refuse the port."""
+    with socket.socket() as listener:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        port = listener.getsockname()[1]
+        client = socket.create_connection(("127.0.0.1", port))
+        conn, _ = listener.accept()
+        conn.close()  # the server side closes first: its end goes to TIME_WAIT
+        client.close()
+        assert not launcher.port_is_free(port)  # still listening
+    assert launcher.port_is_free(port)
+
+
+def test_a_metrics_port_of_zero_stays_zero_for_every_replica(monkeypatch):
+    """0 asks each service for any free port: replica i must not be sent port i."""
+    monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "0")
+    assert [launcher.metrics_env("kvpool", i) for i in range(3)] == [
+        {"TIERCACHE_KVPOOL_METRICS_PORT": "0"}] * 3
+
+
+def test_a_service_runs_in_its_own_session_and_watches_the_launcher(monkeypatch, tmp_path):
+    """A terminal's Ctrl-C reaches the launcher alone (it then stops the children in order),
+    and each child is told the launcher's pid, so that it stops if the launcher dies."""
+    seen = {}
+
+    def popen(cmd, **kw):
+        seen.update(kw, cmd=cmd)
+        return _Proc()
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    ServiceProcess("prefix", 1234, log_path=tmp_path / "p.log").start()
+    assert seen["start_new_session"] is True
+    assert seen["env"][launcher.PARENT_PID_ENV] == str(os.getpid())
+    assert seen["env"]["TIERCACHE_PREFIX_ADDRESS"] == "127.0.0.1:1234"
+
+
+def test_a_killed_service_is_reaped_before_kill_returns():
+    """After kill() the child has exited and been waited for (no zombie, its exit code set)."""
+    p = ServiceProcess("prefix", 1)
+    p.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    p.kill()
+    assert p.proc.returncode == -signal.SIGKILL
+
+
+def test_the_wait_before_sigkill_is_bounded(monkeypatch):
+    """A drain setting is read as the service reads it, at most 600 s: stop() never waits
+    longer than 15 + 600 s for a drain (+ the drain delay)."""
+    monkeypatch.delenv("TIERCACHE_DRAIN_DELAY_S", raising=False)
+    p = ServiceProcess("kvpool", 1, env={"TIERCACHE_KVPOOL_GRACE_SECONDS": "100000"})
+    p.proc = proc = _Proc()
+    p.stop()
+    assert proc.waits[0] == 615.0
+
+
+def _main(monkeypatch, start, argv=("--base-port", "0")) -> int:
+    """`launcher.main` with `start` for Stack.start, nothing pruned, converted or signalled."""
+    monkeypatch.setattr(Stack, "start", start)
+    monkeypatch.setattr(launcher, "model_to_convert", lambda env: False)
+    monkeypatch.setattr(launcher, "prune_pid_logs", lambda logs: [])
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP,
+                                               signal.SIGQUIT)}
+    try:
+        return launcher.main(list(argv))
+    finally:
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def test_the_last_replicas_metrics_port_may_be_65535(monkeypatch, capsys):
+    """Replica i serves metrics on the port + i: 65534 with two replicas ends at 65535, which
+    is a port; 65535 with two is refused."""
+    monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "65534")
+
+    def start(self):
+        raise KeyboardInterrupt
+
+    assert _main(monkeypatch, start, ("--base-port", "0", "--replicas", "2")) == 0
+    monkeypatch.setenv("TIERCACHE_KVPOOL_METRICS_PORT", "65535")
+    with pytest.raises(SystemExit):
+        _main(monkeypatch, start, ("--base-port", "0", "--replicas", "2"))
+    assert "past 65535" in capsys.readouterr().err
+
+
+def test_a_stack_that_fails_to_start_exits_1(monkeypatch, capsys):
+    def start(self):
+        raise RuntimeError("prefix (127.0.0.1:1) exited with 2")
+
+    assert _main(monkeypatch, start) == 1
+    assert "failed to start: prefix (127.0.0.1:1) exited with 2" in capsys.readouterr().err
+
+
+class _DiesLater:
+    """A child that is running at first and then has exited with 3."""
+
+    def __init__(self) -> None:
+        self.polls, self.returncode = 0, None
+
+    def poll(self):
+        self.polls += 1
+        if self.polls > 1:
+            self.returncode = 3
+        return self.returncode
+
+
+def test_a_service_that_dies_after_the_start_exits_1_naming_it(monkeypatch, capsys):
+    def start(self):
+        p = ServiceProcess("kvpool", 1, key="kvpool-0")
+        p.proc = _DiesLater()
+        self.procs = {"kvpool-0": p, "orchestrator": ServiceProcess("orchestrator", 2)}
+        self.procs["orchestrator"].proc = _Running()
+        return self
+
+    monkeypatch.setattr(Stack, "stop", lambda self: None)
+    assert _main(monkeypatch, start) == 1
+    assert "service(s) exited: kvpool-0 (127.0.0.1:1) exited with 3" in capsys.readouterr().err
+
+
+class _Running:
+    returncode = None
+
+    def poll(self):
+        return None
+
+
+def test_a_second_signal_while_stopping_does_not_interrupt_again(monkeypatch):
+    """The first SIGINT/SIGTERM stops the stack; another one arriving before the orderly stop
+    has begun must not raise a second KeyboardInterrupt in the middle of the handling."""
+    second = []
+
+    def start(self):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+        except KeyboardInterrupt:
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                second.append("ignored")
+            except KeyboardInterrupt:
+                second.append("raised")
+            raise
+        return self
+
+    monkeypatch.setattr(Stack, "stop", lambda self: None)
+    assert _main(monkeypatch, start) == 0
+    assert second == ["ignored"]
+
+
+def test_a_launcher_of_another_user_counts_as_running(monkeypatch):
+    """os.kill(pid, 0) refused (EPERM): the process exists, so its log folder is kept."""
+    def refused(pid, sig):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(launcher.os, "kill", refused)
+    assert launcher._running(12345)
+
+
+def test_a_conversion_is_announced_when_either_model_service_has_none(tmp_path, monkeypatch):
+    """kvpool and the orchestrator each read their own cache folder: one of them without a
+    current conversion converts at start, whatever the other has."""
+    import json
+
+    from services.common import model_store
+
+    monkeypatch.setattr(model_store, "source_id", lambda gguf: "sid")
+    done = tmp_path / "done" / "models" / model_store.SMOLLM2_MODEL_ID
+    done.mkdir(parents=True)
+    (done / model_store._DONE_MARKER).write_text(json.dumps({"source_id": "sid", "files": {}}))
+    both = {"TIERCACHE_KVPOOL_CACHE_DIR": str(tmp_path / "done"),
+            "TIERCACHE_ORCHESTRATOR_CACHE_DIR": str(tmp_path / "done")}
+    assert not launcher.model_to_convert(both)
+    assert launcher.model_to_convert({**both, "TIERCACHE_ORCHESTRATOR_CACHE_DIR":
+                                      str(tmp_path / "none")})
+
+
+def test_grpcurl_gets_a_client_certificate_only_with_its_key(monkeypatch):
+    for k in ("TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY", "TIERCACHE_TLS_CLIENT_KEY"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("TIERCACHE_TLS_CA", "ca.pem")
+    monkeypatch.setenv("TIERCACHE_TLS_CLIENT_CERT", "c.pem")
+    assert launcher.grpcurl_transport() == "-cacert ca.pem"
+
+
+def test_signals_are_ignored_while_the_stack_stops(monkeypatch):
+    """A second Ctrl-C (or a SIGTERM, SIGHUP) during the orderly stop must not cut it short."""
+    seen = {}
+
+    def start(self):
+        raise KeyboardInterrupt
+
+    def stop(self):
+        seen.update({s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM,
+                                                       signal.SIGHUP, signal.SIGQUIT)})
+
+    monkeypatch.setattr(Stack, "stop", stop)
+    assert _main(monkeypatch, start) == 0
+    assert set(seen.values()) == {signal.SIG_IGN}
