@@ -3,6 +3,7 @@ status, never a traceback (a fake client stands in for the server: pure client l
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -550,8 +551,6 @@ def test_a_closed_stderr_is_exit_1_without_a_traceback(fake, monkeypatch):
 def test_an_answered_turn_is_saved_even_when_stderr_cannot_take_the_report(fake, monkeypatch):
     """A client review: the report line was written before the history was saved, so with
     stderr closed or full the answered turn was lost without a word."""
-    import io
-
     class Full(io.StringIO):
         def write(self, s):
             raise OSError(28, "No space left on device")
@@ -569,13 +568,14 @@ def test_a_closed_stdout_is_one_line_before_anything_is_sent(fake, monkeypatch, 
     assert "stdout is closed" in capsys.readouterr().err
 
 
+class Tty(io.StringIO):
+    """A stream that says it is a terminal."""
+
+    def isatty(self):
+        return True
+
+
 def test_model_text_reaches_a_terminal_without_its_control_characters(monkeypatch):
-    import io
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
     monkeypatch.setattr(sys, "stdout", Tty())
     assert cli.shown("a\x1b[2Jb\x07\nc\td") == "a\ufffd[2Jb\ufffd\nc\td"
     assert cli.shown("a\x7fb\rc") == "a\ufffdb\ufffdc"  # DEL, and a carriage return
@@ -584,12 +584,6 @@ def test_model_text_reaches_a_terminal_without_its_control_characters(monkeypatc
 
 
 def test_a_chat_answer_reaches_a_terminal_without_its_control_characters(fake, monkeypatch):
-    import io
-
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
     out = Tty()
     monkeypatch.setattr(sys, "stdout", out)
     monkeypatch.setattr(FakeClient, "pieces", ["clear \x1b[2J", "screen"])

@@ -5,7 +5,6 @@ stand in for the server: pure client logic)."""
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 
@@ -18,7 +17,7 @@ from clients.python import cli
 from clients.python import replay as replay_mod
 from clients.python.client import Chunk
 from tests import test_cli_input
-from tests.test_cli_input import FakeClient
+from tests.test_cli_input import FakeClient, Tty
 from tests.test_cli_sessions import Refusal, ReplayClient, _final, _workload
 
 fake = test_cli_input.fake
@@ -150,10 +149,6 @@ def test_replay_to_a_log_writes_a_progress_line_per_tenth(fake, monkeypatch, cap
 
 
 def test_replay_on_a_terminal_ends_its_counter_line(fake, monkeypatch):
-    class Tty(io.StringIO):
-        def isatty(self):
-            return True
-
     err = Tty()
     monkeypatch.setattr(sys, "stderr", err)
     assert cli.main(["replay", _trace(fake / "t.jsonl", 3)]) == 0

@@ -71,15 +71,22 @@ def test_an_address_sharing_a_replica_id_comes_in_once_the_holder_leaves_routing
     assert rs.healthy() == [other] and other.replica_id == "kvpool-0"
 
 
-def test_a_replica_restarted_with_another_model_is_reported_lost():
-    """A replica that comes back from a restart serving another model is out of routing and
-    reported lost: routing forgets what it sent there (its cache is gone)."""
+def _polled_replica_r0() -> tuple[Answering, ReplicaSet, list[str]]:
+    """A set of one replica "r0" serving model "m", polled once; `lost` collects the ids
+    the set reports lost."""
     stub = Answering(replica_id="r0", incarnation="a", model_id="m")
     rs = ReplicaSet(addresses=(), internal_token="", model_id="m")
     rs.replicas.append(Replica("r0", stub, Health("kvpool", "r0"), replica_id="r0"))
     lost: list[str] = []
     rs.on_lost.append(lost.append)
     rs.poll_once()
+    return stub, rs, lost
+
+
+def test_a_replica_restarted_with_another_model_is_reported_lost():
+    """A replica that comes back from a restart serving another model is out of routing and
+    reported lost: routing forgets what it sent there (its cache is gone)."""
+    stub, rs, lost = _polled_replica_r0()
     assert lost == [] and rs.replicas[0].health.healthy
     stub.answer = kvpool_pb2.KvStatsResponse(replica_id="r0", incarnation="b", model_id="m2")
     rs.poll_once()
@@ -90,12 +97,7 @@ def test_a_replica_restarted_under_another_id_is_reported_lost_by_the_id_it_had(
     """Routing recorded what it sent to a replica under its id; a restart that brings another
     id must forget the old one's records. The report named the new id, which had none, and
     the old id's records stayed until they aged out."""
-    stub = Answering(replica_id="r0", incarnation="a", model_id="m")
-    rs = ReplicaSet(addresses=(), internal_token="", model_id="m")
-    rs.replicas.append(Replica("r0", stub, Health("kvpool", "r0"), replica_id="r0"))
-    lost: list[str] = []
-    rs.on_lost.append(lost.append)
-    rs.poll_once()
+    stub, rs, lost = _polled_replica_r0()
     stub.answer = kvpool_pb2.KvStatsResponse(replica_id="r1", incarnation="b", model_id="m")
     rs.poll_once()
     assert lost == ["r0"]
