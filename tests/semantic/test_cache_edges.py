@@ -437,6 +437,19 @@ class HeldInvalidate:
         return self.out["removed"]
 
 
+def _watch_waits(c: SemanticCache, monkeypatch) -> threading.Event:
+    """An event set once a Store waits for an Invalidate under way (`_removal`)."""
+    waiting = threading.Event()
+
+    class Watched(threading.Condition):
+        def wait(self, timeout=None):
+            waiting.set()
+            return super().wait(timeout)
+
+    monkeypatch.setattr(c, "_removed", Watched(c._lock), raising=False)
+    return waiting
+
+
 @pytest.mark.parametrize("behind", [False, True])
 @pytest.mark.parametrize("restarted", [False, True])
 @pytest.mark.parametrize("by", ["id", "namespace"])
@@ -455,14 +468,7 @@ def test_a_store_into_a_namespace_being_invalidated_waits_for_the_invalidation(
     old = c.store_entry(A, "query", "old answer")
     if restarted:
         c = make_cache()
-    waiting = threading.Event()
-
-    class Watched(threading.Condition):
-        def wait(self, timeout=None):
-            waiting.set()
-            return super().wait(timeout)
-
-    monkeypatch.setattr(c, "_removed", Watched(c._lock), raising=False)
+    waiting = _watch_waits(c, monkeypatch)
     held = HeldInvalidate(c, monkeypatch, by, old)
     st = threading.Thread(target=lambda: c.store_entry(A, "query", "new answer"), daemon=True)
     st.start()
@@ -486,6 +492,7 @@ def test_a_store_waiting_for_an_invalidation_gives_up_when_its_caller_stops_wait
     deadline, and its answer then stood though the caller had been told it failed."""
     c = make_cache()
     old = c.store_entry(A, "query", "old answer")
+    waiting = _watch_waits(c, monkeypatch)
     held = HeldInvalidate(c, monkeypatch, "id", old)
     still = threading.Event()
     still.set()
@@ -500,8 +507,7 @@ def test_a_store_waiting_for_an_invalidation_gives_up_when_its_caller_stops_wait
     st = threading.Thread(target=store, daemon=True)
     try:
         st.start()
-        time.sleep(0.2)
-        assert st.is_alive()  # waits for the Invalidate
+        assert waiting.wait(10) and st.is_alive()  # waits for the Invalidate
         still.clear()  # the caller's deadline passes
         st.join(10)
         assert not st.is_alive() and "error" in out

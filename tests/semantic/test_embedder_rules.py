@@ -96,12 +96,21 @@ def _queue_behind_a_running_batch(b: BatchingEmbedder, inner: _Recording, texts:
     inner.release.clear()
     threads = [threading.Thread(target=call, args=("first",))]
     threads[0].start()
-    time.sleep(0.2)  # that batch is running: the next ones queue
+    _until(lambda: inner.sizes == [1])  # that batch is running: the next ones queue
     for t in texts:
         threads.append(threading.Thread(target=call, args=(t,)))
         threads[-1].start()
-    time.sleep(0.2)
+    _until(lambda: b._q.qsize() == len(texts))
     return out, threads
+
+
+def _until(cond, timeout: float = 30.0) -> None:
+    """Waits until `cond()` (polled): sleeps of a fixed length let a late thread of a busy
+    host join the wrong batch."""
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.005)
 
 
 def test_a_batch_never_holds_more_than_max_batch_texts():
@@ -120,10 +129,12 @@ def test_a_batch_never_holds_more_than_max_batch_texts():
 
 
 def test_wait_ms_holds_a_batch_open_for_later_callers():
-    """With wait_ms=400 a text arriving 100 ms after the first joins its batch."""
+    """With wait_ms a text arriving after the first, within the wait, joins its batch
+    (the wait is long, 5 s, so that a busy host cannot make the second late; the batch
+    holds 2, so it closes as soon as the second has joined)."""
     inner = _Recording()
     inner.release.set()
-    b = BatchingEmbedder(inner, max_batch=8, wait_ms=400)
+    b = BatchingEmbedder(inner, max_batch=2, wait_ms=5000)
     try:
         threads = [threading.Thread(target=b.embed_one, args=(t,)) for t in ("a", "b")]
         threads[0].start()
