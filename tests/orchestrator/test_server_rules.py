@@ -289,10 +289,10 @@ def test_a_warm_may_ask_for_max_warm_prompts_and_not_one_more(field):
 def test_a_request_refused_as_bad_input_takes_its_rate_token_and_a_limit_refusal_none(
         tmp_path):
     """As docs/reliability.md says: the bucket is taken before the request is read, so a
-    malformed call takes its token (a flood of them is limited too), while a call refused by
-    the tenant's concurrency limit gives its token back."""
+    malformed call, or one past the tenant's size limits, takes its token (a flood of them is
+    limited too), while a call refused by the tenant's concurrency limit gives it back."""
     f = tmp_path / "tokens.json"
-    f.write_text('{"tok": {"tenant": "a", "rate_per_s": 0.001, "burst": 3, '
+    f.write_text('{"tok": {"tenant": "a", "rate_per_s": 0.001, "burst": 4, '
                  '"max_concurrent": 1}}')
     s, orch = servicer(STREAM_HEADROOM + 4)
     s.attach(orch, TenantRegistry.build(tokens_file=str(f), tokens="", key=b"k",
@@ -307,6 +307,10 @@ def test_a_request_refused_as_bad_input_takes_its_rate_token_and_a_limit_refusal
     bad.prompt = "hello"  # with messages: INVALID_ARGUMENT
     with pytest.raises(errors.InvalidArgument):
         next(s.Generate(bad, Authed()))
+    too_long = request()
+    too_long.sampling.max_tokens = 101  # past the tenant's max_tokens (100)
+    with pytest.raises(errors.ResourceExhausted, match="tenant limit"):
+        next(s.Generate(too_long, Authed()))
     held = s.Generate(request(), Authed())
     assert next(held).text == "hi"  # the tenant's one slot, under way
     with pytest.raises(errors.ResourceExhausted, match="concurrent"):
@@ -315,4 +319,4 @@ def test_a_request_refused_as_bad_input_takes_its_rate_token_and_a_limit_refusal
     list(held)
     assert [m.text for m in s.Generate(request(), Authed())][0] == "hi"  # the third token
     with pytest.raises(errors.Overloaded, match="rate limit"):
-        next(s.Generate(request(), Authed()))  # 3 taken: the bad call and the two served
+        next(s.Generate(request(), Authed()))  # 4 taken: the two refused, the two served
