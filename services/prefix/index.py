@@ -949,19 +949,19 @@ class PrefixIndex:
                 raise InvalidArgument("token_ids",
                                       f"more than {self.max_blocks * self.block_size} tokens")
             salt = check_salt("cache_salt", cache_salt)
+            hashes = None  # below, once the model is known to be served
+        else:
+            raise InvalidArgument("token_ids", "empty: give token_ids or block_hashes")
+        now = self.clock()
+        self._expire(now)  # at once unless a lease is due; marks the index active (see pause)
+        if hashes is None:
             if model_id not in self._by_model:
-                # No replica serves it: nothing to hash, and no hasher to keep for it. Still a
-                # call served: it marks the index active (see pause), as every other call does.
-                self._expire(self.clock())
+                # No replica serves it: nothing to hash, and no hasher to keep for it.
                 if not probe:
                     self.matches_total += 1
                     self.match_blocks_total += len(token_ids) // self.block_size
                 return MatchResult([], len(token_ids) // self.block_size, self.block_size)
             hashes = self.hasher(model_id).hashes(token_ids, salt)
-        else:
-            raise InvalidArgument("token_ids", "empty: give token_ids or block_hashes")
-        now = self.clock()
-        self._expire(now)  # at once unless a lease is due; marks the index active (see pause)
         self._tick += 1
         segments = self.tree.match(hashes, self._tick, model_id, credit=not probe)
         bs = self.block_size
