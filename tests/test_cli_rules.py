@@ -6,6 +6,7 @@ stand in for the server: pure client logic)."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import grpc
@@ -242,3 +243,33 @@ def test_replays_cache_classes_match_the_orchestrators_default_prefix_hit_rule()
 
     assert [outcome(n - 1).cache_class, outcome(n).cache_class,
             outcome(0, semantic=True).cache_class] == ["cold", "prefix_hit", "semantic_hit"]
+
+
+_FAILING_DEVICE_SCRIPT = (
+    "import errno, io, os, sys\n"
+    "class Device(io.RawIOBase):\n"
+    "    # fd 1 as a device that fails every write with ERRNO, until fd 1 is /dev/null\n"
+    "    def writable(self): return True\n"
+    "    def fileno(self): return 1\n"
+    "    def write(self, b):\n"
+    "        if os.path.samestat(os.fstat(1), os.stat(os.devnull)):\n"
+    "            return os.write(1, bytes(b))\n"
+    "        raise OSError(ERRNO, os.strerror(ERRNO))\n"
+    "sys.stdout = io.TextIOWrapper(io.BufferedWriter(Device()), encoding='utf-8')\n"
+    + test_cli_input._STATS_SCRIPT)
+
+
+@pytest.mark.parametrize("name", ["EIO", "EFBIG", "EDQUOT"])
+def test_every_output_error_is_one_line_and_status_1(name, tmp_path):
+    """Output that cannot be written for a device error (EIO), a file over its size limit
+    (EFBIG) or a quota (EDQUOT) is one line and status 1, as a full disk is: the buffer that
+    could not be written is dropped, not flushed again at exit ("Exception ignored ...")."""
+    import errno
+
+    script = _FAILING_DEVICE_SCRIPT.replace("ERRNO", f"errno.{name}")
+    with open(tmp_path / "out", "wb") as out:
+        r = test_cli_input._run_cli(script, out)
+    assert r.returncode == 1, r.stderr[-2000:]
+    err = r.stderr.decode()
+    assert err.count("\n") == 1 and os.strerror(getattr(errno, name)) in err, err
+    assert "Exception ignored" not in err
