@@ -1,15 +1,22 @@
 """Rules of the orchestrator's gRPC servicer that its other tests leave unchecked: the bounds
 of the sampling and cache-policy fields (each refusal names its field), and what a refused
-request leaves behind (nothing)."""
+request leaves behind (nothing). Then Warm and the background warm-up (the Warmer), as a
+mutation audit found them unguarded: the pin a Warm asks for, each prefill's deadline, salt
+and model, which replicas WARM_TARGET_OWNERS picks, limits at their boundaries, what a
+WarmResult reports, a gone caller's prefills queued behind others', and the loop's start,
+stop, turns over tenants and outcomes (fakes for replicas and index: pure logic)."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
 import time
 from types import SimpleNamespace
 
+import grpc
 import pytest
-from tiercache.v1 import common_pb2, kvpool_pb2, orchestrator_pb2
+from tiercache.v1 import common_pb2, kvpool_pb2, orchestrator_pb2, prefix_pb2
 
 from services.common import errors
 from services.common.logs import bound_request_id
@@ -320,3 +327,530 @@ def test_a_request_refused_as_bad_input_takes_its_rate_token_and_a_limit_refusal
     assert [m.text for m in s.Generate(request(), Authed())][0] == "hi"  # the third token
     with pytest.raises(errors.Overloaded, match="rate limit"):
         next(s.Generate(request(), Authed()))  # 4 taken: the two refused, the two served
+
+
+# ---- Warm and the warm-up loop (Warmer): rules the mutation audit found unguarded -------------
+
+def _warm_stubs(replicas=("A", "B"), prefix=None, **cfg):
+    """A real Warmer over fake replicas (`Stub`s recording each PrefillRequest) and a
+    byte-level renderer: (stubs, warmer). Stop the warmer after use."""
+    from services.orchestrator.render import PromptRenderer
+    from services.orchestrator.server import Warmer
+    from tests.orchestrator.test_pipeline_paths import Stub, Tok, make
+
+    stubs = {r: Stub(r, []) for r in replicas}
+    orch = make(stubs, prefix=prefix)
+    orch.renderer = PromptRenderer(Tok(), max_chars=5000)
+    return stubs, Warmer(orch, OrchestratorConfig(kvpool_addresses=replicas, **cfg))
+
+
+def _prompt(text: str) -> orchestrator_pb2.WarmPrompt:
+    return orchestrator_pb2.WarmPrompt(prompt=text)
+
+
+def _sent(stubs) -> list:
+    """Every PrefillRequest the fake replicas received."""
+    return [req for s in stubs.values() for req in s.requests]
+
+
+def test_a_warm_pins_for_the_ttl_it_asks_up_to_the_limit_or_else_the_server_default():
+    """pin_ttl_seconds 0 is warm_pin_ttl_s; a TTL given is the one each replica pins for, and
+    warm_pin_ttl_max_s itself is allowed (only a longer one is INVALID_ARGUMENT)."""
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    stubs, warmer = _warm_stubs(warm_pin_ttl_s=600, warm_pin_ttl_max_s=3600)
+    try:
+        for asked, pinned in ((0, 600), (120, 120), (3600, 3600)):
+            for s in stubs.values():
+                s.requests.clear()
+            out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+                prompts=[_prompt("x" * 16)], pin_ttl_seconds=asked))
+            assert [r.error for r in out.results] == ["", ""]
+            assert [(req.pin, req.ttl_seconds) for req in _sent(stubs)] == [(True, pinned)] * 2
+    finally:
+        warmer.stop()
+
+
+def test_a_warms_prefills_carry_the_tenants_cache_salt_and_the_served_model():
+    """A prompt is cached under its tenant's salt (under another it is another tenant's, or
+    nobody's), and names the model, which the replica checks against its own."""
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    stubs, warmer = _warm_stubs()
+    try:
+        warmer.warm(TENANT, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 16)]))
+    finally:
+        warmer.stop()
+    assert [(req.cache_salt, req.model_id) for req in _sent(stubs)] == [
+        (TENANT.cache_salt, "m")] * 2
+
+
+def test_a_warm_result_carries_the_replicas_figures():
+    """WarmResult says what the replica did: tokens prefilled, found cached, computed, and the
+    blocks it pinned, as its PrefillResponse said them."""
+    from tests.orchestrator.test_pipeline_paths import TENANT, Unary
+
+    stubs, warmer = _warm_stubs(replicas=("A",))
+    stubs["A"].Prefill = Unary(lambda req, timeout=None, metadata=None: kvpool_pb2.
+                               PrefillResponse(prompt_tokens=48, cached_tokens=32,
+                                               computed_tokens=16, pinned_blocks=2,
+                                               replica_id="A"))
+    try:
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 48)]))
+    finally:
+        warmer.stop()
+    r = out.results[0]
+    assert (r.replica_id, r.prompt_index, r.prompt_tokens, r.cached_tokens, r.computed_tokens,
+            r.pinned_blocks, r.error) == ("A", 0, 48, 32, 16, 2, "")
+
+
+@pytest.mark.parametrize(("left", "lo", "hi"), [(5.0, 2.0, 5.0), (None, 100.0, 120.0),
+                                                (1000.0, 100.0, 120.0)])
+def test_each_prefill_is_given_what_is_left_of_the_warms_deadline_at_most_120_s(left, lo, hi):
+    """A Warm ends by its caller's deadline, and holds its worker thread and slots for at most
+    120 s whatever that deadline (none, or an hour): each prefill's timeout is what is left."""
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    stubs, warmer = _warm_stubs(replicas=("A",))
+    timeouts: list = []
+    plain = stubs["A"].Prefill.handler
+    stubs["A"].Prefill.handler = lambda req, timeout=None, metadata=None: (
+        timeouts.append(timeout) or plain(req, timeout, metadata))
+    try:
+        warmer.warm(TENANT, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 16)]),
+                    time_remaining=left)
+    finally:
+        warmer.stop()
+    assert len(timeouts) == 1 and lo < timeouts[0] <= hi, timeouts
+
+
+def test_a_prefill_whose_deadline_is_reached_as_it_starts_is_not_sent():
+    """Nothing is left of the call's time (0 s): answered DEADLINE_EXCEEDED at once, as past
+    the deadline, not sent with a token timeout."""
+    from tests.orchestrator.test_pipeline_paths import Stub
+    from tests.orchestrator.test_warm_loop import make as make_loop
+
+    w, reps = make_loop([0], [])
+    stub = Stub("r0", [])
+    reps[0].stub = stub
+    try:
+        res = w._prefill(reps[0], [1] * 32, "s", 60, 0, timeout=0.0)
+    finally:
+        w.stop()
+    assert res.error.startswith("DEADLINE_EXCEEDED") and stub.requests == []
+
+
+def test_warm_for_owners_warms_the_owner_whichever_replica_that_is():
+    """WARM_TARGET_OWNERS: only the replica routing would pick for the prompt (here the last
+    of three, the one the index says holds it), not merely one replica."""
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    prefix = SimpleNamespace(timeout_s=0.5, top_prefixes=None,
+                             match=lambda hashes, model_id, timeout=None, probe=False,
+                             on_call=None: {"C": 64})
+    stubs, warmer = _warm_stubs(replicas=("A", "B", "C"), prefix=prefix)
+    try:
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[_prompt("x" * 64)], target=orchestrator_pb2.WARM_TARGET_OWNERS))
+    finally:
+        warmer.stop()
+    assert [r.replica_id for r in out.results] == ["C"]
+    assert [len(s.requests) for s in stubs.values()] == [0, 0, 1]
+
+
+def test_an_unknown_warm_target_is_refused_naming_target_before_any_prefill():
+    """A WarmTarget this server does not know is INVALID_ARGUMENT naming target (it once warmed
+    every replica)."""
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    stubs, warmer = _warm_stubs()
+    try:
+        with pytest.raises(errors.InvalidArgument, match="^target: unknown WarmTarget 7"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 16)],
+                                                             target=7))
+    finally:
+        warmer.stop()
+    assert _sent(stubs) == []
+
+
+def test_a_warm_prompt_at_the_server_limit_or_the_model_context_is_warmed():
+    """Prompts over max_prompt_tokens or the replicas' model context are refused; one of
+    exactly that many tokens fits (a replica's Prefill takes a prompt of its whole context)."""
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    stubs, warmer = _warm_stubs(replicas=("A",), max_prompt_tokens=64)
+    try:
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 64)]))
+        assert [(r.prompt_tokens, r.error) for r in out.results] == [(64, "")]
+        for r in warmer.orch.replicas.replicas:
+            r.stats = kvpool_pb2.KvStatsResponse(max_context=48)
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 48)]))
+        assert [(r.prompt_tokens, r.error) for r in out.results] == [(48, "")]
+    finally:
+        warmer.stop()
+
+
+def test_a_warm_prompt_at_the_tenants_limit_is_warmed_one_past_it_refused_and_counted():
+    """The tenant's max_prompt_tokens holds for Warm as for its requests: that many tokens are
+    warmed; one more is RESOURCE_EXHAUSTED, counted as a prompt_tokens rejection."""
+    from prometheus_client import REGISTRY
+
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    small = dataclasses.replace(TENANT, max_prompt_tokens=48)
+    labels = {"tenant": small.name, "reason": "prompt_tokens"}
+    before = REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total", labels) or 0
+    stubs, warmer = _warm_stubs(replicas=("A",))
+    try:
+        out = warmer.warm(small, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 48)]))
+        assert [(r.prompt_tokens, r.error) for r in out.results] == [(48, "")]
+        with pytest.raises(errors.ResourceExhausted, match=r"^prompts\[0\]: 49 tokens exceed"):
+            warmer.warm(small, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 49)]))
+    finally:
+        warmer.stop()
+    assert len(_sent(stubs)) == 1
+    assert REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total",
+                                     labels) == before + 1
+
+
+def test_a_top_k_warm_prefills_k_of_the_callers_own_prefixes_whatever_the_index_returns():
+    """Warm(top_k) warms only the caller's own hot prefixes, k of them: an index that hands
+    back other tenants' prefixes, or more than k (an older one that ignores the filter), does
+    not make the orchestrator prefill them."""
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    others = [prefix_pb2.HotPrefix(token_ids=[200 + i] * 32, holders=["A"], hits=50,
+                                   cache_salt="someone-else") for i in range(2)]
+    mine = [prefix_pb2.HotPrefix(token_ids=[100 + i] * 32, holders=["A"], hits=5 - i,
+                                 cache_salt=TENANT.cache_salt) for i in range(3)]
+    prefix = SimpleNamespace(top_prefixes=lambda k, model_id, cache_salt=None: others + mine)
+    stubs, warmer = _warm_stubs(prefix=prefix)
+    try:
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(top_k=2))
+    finally:
+        warmer.stop()
+    assert len(out.results) == 4 and all(not r.error for r in out.results)
+    for s in stubs.values():
+        assert sorted(list(req.token_ids) for req in s.requests) == [[100] * 32, [101] * 32]
+        assert {req.cache_salt for req in s.requests} == {TENANT.cache_salt}
+
+
+def test_a_warm_past_the_per_call_limit_names_the_field_it_asked_with():
+    """More prefills than warm_max_prefills_per_call is INVALID_ARGUMENT naming what asked for
+    them: prompts, or top_k for a Warm of hot prefixes alone."""
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    hot = [prefix_pb2.HotPrefix(token_ids=[100 + i] * 32, holders=[], hits=5,
+                                cache_salt=TENANT.cache_salt) for i in range(2)]
+    prefix = SimpleNamespace(top_prefixes=lambda k, model_id, cache_salt=None: hot[:k])
+    stubs, warmer = _warm_stubs(prefix=prefix, warm_max_prefills_per_call=3)
+    try:
+        with pytest.raises(errors.InvalidArgument, match="^top_k: 4 prefills"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(top_k=2))
+        with pytest.raises(errors.InvalidArgument, match="^prompts: 4 prefills"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+                prompts=[_prompt("x" * 16), _prompt("y" * 16)]))
+    finally:
+        warmer.stop()
+    assert _sent(stubs) == []
+
+
+def test_a_warm_reserves_the_prefills_beyond_the_one_its_call_paid_for():
+    """afford(n) is asked for the prefills beyond the first (the call's own request paid for
+    that one), before any runs; charge settles what computed against what was reserved."""
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    stubs, warmer = _warm_stubs()
+    asked: list = []
+    charged: list = []
+
+    def afford(n):
+        asked.append((n, len(_sent(stubs))))
+        return n
+
+    try:
+        warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[_prompt("x" * 16), _prompt("y" * 16)]), charge=charged.append,
+            afford=afford)
+    finally:
+        warmer.stop()
+    assert asked == [(3, 0)]  # 2 prompts x 2 replicas, less the first; none sent yet
+    assert charged == []  # all 4 computed: 3 beyond the first, as reserved
+
+
+def test_a_warm_whose_caller_goes_does_not_wait_for_a_pool_thread():
+    """Once the caller is gone, a Warm whose prefills still queue behind other calls' (the
+    shared pool busy) answers them at once, CANCELLED, and ends: none waits for a thread."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.orchestrator.test_pipeline_paths import TENANT
+
+    stubs, warmer = _warm_stubs()
+    warmer._pool.shutdown()
+    warmer._pool = ThreadPoolExecutor(max_workers=1)
+    busy, release = threading.Event(), threading.Event()
+    warmer._pool.submit(lambda: busy.set() or release.wait(30))  # another call's prefill
+    gone = threading.Event()
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(warmer.warm(
+        TENANT, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 16)]), gone=gone)))
+    try:
+        assert busy.wait(10)
+        t.start()
+        deadline = time.monotonic() + 10
+        while warmer._pool._work_queue.qsize() < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)  # both of its prefills queue behind the busy thread
+        assert warmer._pool._work_queue.qsize() == 2
+        gone.set()
+        t.join(5)
+        assert not t.is_alive() and not release.is_set()
+        assert [r.error.split(":")[0] for r in out[0].results] == ["CANCELLED"] * 2
+    finally:
+        release.set()
+        t.join(10)
+        warmer.stop()
+    assert _sent(stubs) == []
+
+
+def test_an_owner_probe_starting_after_the_caller_went_is_cancelled_at_once():
+    """_Gone.holding: a probe handed over once the caller is gone is cancelled as it starts
+    (the caller's cancel came between the check and the call), not left to the index's
+    timeout; one handed over before is cancelled when the caller goes."""
+    from services.orchestrator.server import _Gone
+    from tests.orchestrator.test_pipeline_paths import Cancellable
+
+    gone = _Gone()
+    before = Cancellable()
+    gone.holding(before)
+    assert not before.cancelled.is_set()
+    gone.set()
+    assert before.cancelled.is_set()
+    late = Cancellable()
+    gone.holding(late)
+    assert late.cancelled.is_set()
+
+
+# The background loop.
+
+def test_the_loop_starts_only_with_an_interval_a_top_k_and_a_prefix_index():
+    """warm_interval_s <= 0 or warm_top_k == 0 turn the loop off, and without a prefix index
+    there is nothing to name hot prefixes: no loop thread is started."""
+    from services.orchestrator.server import Warmer
+
+    def loops() -> int:
+        return sum(t.name == "warm-loop" and t.is_alive() for t in threading.enumerate())
+
+    index = SimpleNamespace(top_prefixes=lambda *a, **kw: [])
+    cases = ((0, 8, index, 0), (30.0, 0, index, 0), (30.0, 8, None, 0), (30.0, 8, index, 1))
+    for interval, top_k, prefix, started in cases:
+        before = loops()
+        orch = SimpleNamespace(prefix=prefix, replicas=SimpleNamespace(healthy=lambda: []))
+        w = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",),
+                                            warm_interval_s=interval, warm_top_k=top_k))
+        w.start()
+        try:
+            assert loops() == before + started, (interval, top_k, prefix)
+        finally:
+            w.stop()
+
+
+def test_the_loop_runs_a_cycle_each_interval_outlives_a_failing_one_and_ends_on_stop():
+    """Each interval runs a cycle; a cycle that raises is logged and the next one runs; stop
+    ends the loop."""
+    from tests.orchestrator.test_warm_loop import make as make_loop
+
+    w, _ = make_loop([0], [])
+    w.cfg = OrchestratorConfig(warm_interval_s=0.01, warm_top_k=8)  # not validated: fast
+    asked: list = []
+
+    def top(k, model_id, min_hits=0):
+        asked.append(k)
+        if len(asked) == 1:
+            raise RuntimeError("a bad cycle")
+        return []
+
+    w.orch.prefix.top_prefixes = top
+    w.start()
+    loop = next(t for t in threading.enumerate() if t.name == "warm-loop" and t.is_alive())
+    try:
+        deadline = time.monotonic() + 10
+        while len(asked) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(asked) >= 3
+    finally:
+        w.stop()
+    loop.join(5)
+    assert not loop.is_alive()
+
+
+def test_stop_during_a_cycle_sends_no_further_prefill():
+    """A cycle under way when the warmer stops (the server shutting down) sends nothing more."""
+    from tests.orchestrator.test_warm_loop import hp
+    from tests.orchestrator.test_warm_loop import make as make_loop
+
+    w, reps = make_loop([0, 0, 0], [hp([1] * 32, []), hp([2] * 32, [])])
+    real = reps[0].stub.Prefill
+
+    def prefill_then_stop(req, timeout=None, metadata=None):
+        w.stop()
+        return real(req, timeout, metadata)
+
+    reps[0].stub.Prefill = prefill_then_stop
+    assert w.cycle() == 1
+    assert sum(len(r.stub.calls) for r in reps) == 1
+
+
+def _loop_metric(name: str, **labels) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(f"tiercache_orchestrator_warmup_{name}_total", labels) or 0.0
+
+
+def test_a_cycle_with_no_healthy_replica_or_no_index_warms_nothing_and_says_which():
+    """No healthy replica: outcome no_replica (not held_load); the index unreachable: the
+    cycle ends, outcome index_unavailable, instead of raising."""
+    from tests.orchestrator.test_warm_loop import Err
+    from tests.orchestrator.test_warm_loop import make as make_loop
+
+    outcomes = ("no_replica", "held_load", "index_unavailable")
+    before = {o: _loop_metric("cycles", outcome=o) for o in outcomes}
+    w, _ = make_loop([], [])
+    assert w.cycle() == 0
+    w2, _ = make_loop([0], [])
+
+    def down(k, model_id, min_hits=0):
+        raise Err(grpc.StatusCode.UNAVAILABLE, "index down")
+
+    w2.orch.prefix.top_prefixes = down
+    assert w2.cycle() == 0
+    assert {o: _loop_metric("cycles", outcome=o) - before[o] for o in outcomes} == {
+        "no_replica": 1, "held_load": 0, "index_unavailable": 1}
+
+
+def test_the_loop_stops_warming_once_the_cluster_gets_busy_even_on_an_idle_replica():
+    """Traffic back during a cycle (the cluster's mean load over warm_max_load) holds the rest
+    of it, though the next replica lacking a prefix is itself idle."""
+    from tests.orchestrator.test_warm_loop import hp
+    from tests.orchestrator.test_warm_loop import make as make_loop
+
+    w, reps = make_loop([0, 0, 0, 0], [hp([1] * 32, []), hp([2] * 32, [])])
+    w.cfg = OrchestratorConfig(warm_interval_s=1.0, warm_top_k=8, warm_max_load=0.5,
+                               warm_max_prompts_per_cycle=10)
+    real = reps[0].stub.Prefill
+
+    def prefill_then_traffic(req, timeout=None, metadata=None):
+        reps[0].load = reps[1].load = 5  # the others stay idle; the mean is 2.5
+        return real(req, timeout, metadata)
+
+    reps[0].stub.Prefill = prefill_then_traffic
+    assert w.cycle() == 1
+    assert [len(r.stub.calls) for r in reps] == [1, 0, 0, 0]
+
+
+def test_the_loop_warms_each_prefix_under_its_own_salt_and_counts_the_tokens_held():
+    """A hot prefix is copied under the cache salt it was hot under (its tenant's); the tokens
+    a replica already held count as cached in the loop's token metric."""
+    from tests.orchestrator.test_warm_loop import make as make_loop
+
+    hot = prefix_pb2.HotPrefix(token_ids=[1] * 32, holders=["r0"], hits=10, cache_salt="t-1")
+    w, reps = make_loop([0, 0], [hot])
+    salts: list = []
+
+    def prefill(req, timeout=None, metadata=None):
+        salts.append(req.cache_salt)
+        return kvpool_pb2.PrefillResponse(prompt_tokens=32, cached_tokens=16, computed_tokens=16,
+                                          replica_id="r1")
+
+    reps[1].stub.Prefill = prefill
+    cached = _loop_metric("tokens", kind="cached")
+    assert w.cycle() == 1
+    assert salts == ["t-1"]
+    assert _loop_metric("tokens", kind="cached") == cached + 16
+
+
+def test_the_loops_share_of_hot_prefixes_is_k_in_turns_over_every_tenant():
+    """_fair_share: up to k prefixes some replica lacks, one from each tenant in turn (hottest
+    first within each) for as many turns as it takes, never more than k."""
+    from services.orchestrator.server import _fair_share
+
+    def hot(salt, n):
+        return [prefix_pb2.HotPrefix(token_ids=[i], holders=[], hits=9 - i, cache_salt=salt)
+                for i in range(n)]
+
+    x, y, z = hot("x", 3), hot("y", 2), hot("z", 1)
+    got = _fair_share(x + y + z, {"r0"}, 2)
+    assert [(p.cache_salt, p.token_ids[0]) for p in got] == [("x", 0), ("y", 0)]
+    got = _fair_share(x + y + z, {"r0"}, 5)
+    assert [(p.cache_salt, p.token_ids[0]) for p in got] == [
+        ("x", 0), ("y", 0), ("z", 0), ("x", 1), ("y", 1)]
+
+
+# The Warm RPC.
+
+def test_the_warm_rpc_hands_its_warmer_the_callers_deadline_and_cancel():
+    """The servicer's Warm passes on the time its caller left, and its cancel: once the RPC
+    ends, an owner probe of a hung index under way is cancelled and nothing is prefilled."""
+    from services.orchestrator.render import PromptRenderer
+    from services.orchestrator.server import Warmer
+    from tests.orchestrator.test_pipeline_paths import Cancellable, Stub, Tok, make
+
+    class HungIndex:
+        timeout_s = 5.0
+
+        def __init__(self) -> None:
+            self.probes: list = []
+            self.started = threading.Event()
+
+        def match(self, hashes, model_id, timeout=None, probe=False, on_call=None):
+            call = Cancellable()
+            self.probes.append(call)
+            if on_call is not None:
+                on_call(call)
+            self.started.set()
+            if call.cancelled.wait(self.timeout_s):
+                raise grpc.FutureCancelledError()
+            raise grpc.RpcError()
+
+    s, _ = servicer(STREAM_HEADROOM + 1)
+    index = HungIndex()
+    stubs = {r: Stub(r, []) for r in ("A", "B")}
+    orch = make(stubs, prefix=index)
+    orch.renderer = PromptRenderer(Tok(), max_chars=100)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
+    s.attach(orch, s.tenants, warmer)
+    ended: list = []
+
+    class Ctx(Context):
+        def time_remaining(self):
+            return 20.0
+
+        def add_callback(self, fn):
+            ended.append(fn)
+            return True
+
+    threading.Thread(target=lambda: index.started.wait(5) and [fn() for fn in ended],
+                     daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        out = s.Warm(orchestrator_pb2.WarmRequest(
+            prompts=[_prompt("x" * 32)], target=orchestrator_pb2.WARM_TARGET_OWNERS), Ctx())
+    finally:
+        warmer.stop()
+    assert time.monotonic() - t0 < 3.0
+    assert len(index.probes) == 1 and index.probes[0].cancelled.is_set()
+    assert [r.error.split(":")[0] for r in out.results] == ["CANCELLED"] and _sent(stubs) == []
+    assert s._streams == 0
+
+    # The caller's deadline bounds the prefills (each one's timeout is what is left of it).
+    timeouts: list = []
+    for stub in stubs.values():
+        plain = stub.Prefill.handler
+        stub.Prefill.handler = lambda req, timeout=None, metadata=None, plain=plain: (
+            timeouts.append(timeout) or plain(req, timeout, metadata))
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A", "B")))
+    s.attach(orch, s.tenants, warmer)
+    try:
+        s.Warm(orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 32)]), Ctx())
+    finally:
+        warmer.stop()
+    assert len(timeouts) == 2 and all(10.0 < t <= 20.0 for t in timeouts), timeouts
