@@ -94,6 +94,20 @@ def test_no_warm_up_while_busy():
     assert all(r.stub.calls == [] for r in reps)
 
 
+def test_warm_max_load_itself_lets_a_cycle_warm():
+    """The loop warms at or under warm_max_load (docs/settings.md): a mean load equal to it
+    warms, and 0 warms only a cluster with nothing running."""
+    import dataclasses
+
+    for max_load, loads, prefills in ((0.4, [1, 0], 0), (0.5, [1, 0], 1), (0.0, [0, 0], 2),
+                                      (0.0, [1, 0, 0, 0], 0)):
+        w, reps = make(loads, [hp([1] * 32, [])])
+        w.cfg = dataclasses.replace(w.cfg, warm_max_load=max_load)
+        got = w.cycle()
+        assert got == prefills, (max_load, loads, got)
+        assert all(r.stub.calls == [] for r in reps if r.load)
+
+
 def test_a_busy_replica_is_skipped_and_traffic_mid_cycle_stops_the_warm_up():
     """The cluster is quiet on average (one request on one of five replicas): that replica is
     not warmed; once traffic comes back during the cycle, no further prefill goes out."""
