@@ -1,0 +1,274 @@
+"""Guard rules a mutation audit of services/semantic/guard.py found unguarded: concrete sentence
+pairs the guard must refuse or pass, each tied to the rule (module docstring, a function's
+docstring or the comment at the code) that says so; the switches of single checks; what
+`check_facts` and `breakpoints` report to the verifier; the facts cache's length limit; and
+`spelling_differs` on decomposed accents, a first letter's case and one line that looks like
+code."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.semantic.guard import (
+    ParaphraseGuard,
+    breakpoints,
+    cached_while_short,
+    spelling_differs,
+    text_facts,
+)
+
+
+def _refused(query: str, cached: str, check: str) -> None:
+    g = ParaphraseGuard()
+    for q, c in ((query, cached), (cached, query)):  # the guard is symmetric
+        res = g.check(q, c)
+        assert not res.ok, (q, c)
+        assert check in res.reason, res.reason
+
+
+def _passed(query: str, cached: str) -> None:
+    g = ParaphraseGuard()
+    for q, c in ((query, cached), (cached, query)):
+        res = g.check(q, c)
+        assert res.ok, (q, c, res.reason)
+
+
+# ---- 1. numbers ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("query", "cached"), [
+    # "IV" is never read as 4: it is "intravenous" as often.
+    ("Can I take Tylenol IV at home?", "Can I take Tylenol 4 at home?"),
+    # Only after a capitalised word: "XX chromosomes" is no 20 ...
+    ("Does a woman have XX chromosomes?", "Does a woman have 20 chromosomes?"),
+    # ... and a text's first word has no word before it (not the text's last one).
+    ("XX chromosomes in Women", "20 chromosomes in Women"),
+])
+def test_roman_numerals_are_numbers_only_after_a_capitalised_word(query, cached):
+    """_roman: a Roman numeral after a capitalised word ("Henry VIII") is that number, not
+    "IV"; elsewhere the letters are no number (here they leave the other text's 20 unmatched)."""
+    _refused(query, cached, "numbers differ")
+
+
+@pytest.mark.parametrize(("query", "cached"), [
+    ("Is a hundred dollars enough for a week in Rome?",
+     "Is 100 dollars enough for a week in Rome?"),
+    ("Is two thousand calories a day enough?", "Is 2000 calories a day enough?"),
+    ("Is two hundred thousand dollars a good salary?", "Is 200,000 dollars a good salary?"),
+    # "and" joins a number's words only after a scale ("two hundred and fifty"): five and six
+    # are two numbers, not 11.
+    ("Should kids aged five and six share a room?", "Should kids aged 5 and 6 share a room?"),
+])
+def test_cardinal_number_words_make_one_number(query, cached):
+    """_numbers: cardinal number words in a row make one number ("a million" and "1 million"
+    are 1000000, "two hundred and fifty" 250)."""
+    _passed(query, cached)
+
+
+@pytest.mark.parametrize(("query", "cached"), [
+    ("Who was the 1,000th visitor?", "Who was the 1000th visitor?"),  # _number: one form
+    ("Is a 3 per cent raise normal?", "Is a 3% raise normal?"),
+    ("Is $5m a lot for a house?", "Is 5 million dollars a lot for a house?"),  # not "5 m"
+])
+def test_a_number_and_its_unit_in_another_spelling_agree(query, cached):
+    """Rule 1: units "each spelling as one"; a number in one form ("1,000th" is "1000th");
+    a scale letter after a currency amount is the scale word ("$5m": 5 million usd)."""
+    _passed(query, cached)
+
+
+# ---- 2. negation -----------------------------------------------------------------------------
+
+def test_a_capitalised_negation_counts():
+    """Rule 2: the texts have a different number of negations; "Never" is "never"."""
+    _refused("Never store bread in the fridge?", "Store bread in the fridge?", "negation")
+
+
+@pytest.mark.parametrize(("query", "cached"), [
+    # Rule 2: a word the other text has "only with a negating prefix"; the first text has
+    # the word itself as well.
+    ("Is it legal or illegal to record a phone call?", "Is it legal to record a phone call?"),
+    ("Are bats harmful or harmless?", "Are bats harmful?"),
+])
+def test_an_opposite_that_the_text_also_has_plain_is_no_opposite(query, cached):
+    """_prefixed / _opposite: a prefixed (or "-less") word counts only where its plain word is
+    absent from its own text."""
+    _passed(query, cached)
+
+
+def test_not_and_a_prefix_agree_only_when_the_other_text_has_no_prefixed_opposite():
+    """negated_alike: "not possible" is "impossible" when the text with fewer negations has
+    as many more prefixed opposites "and the other none": here "unsafe" / "safe" differ too."""
+    _refused("Is it not possible to swim when the sea is unsafe?",
+             "Is it impossible to swim when the sea is safe?", "negation")
+
+
+def test_a_less_word_against_its_bare_stem_is_an_opposite():
+    """_opposite: "-less" against the stem itself ("sugarless" / "sugar"), not only "-ful",
+    "-ous" or "-y"."""
+    _refused("Is sugarless gum bad for your teeth?", "Is sugar gum bad for your teeth?",
+             "opposite")
+
+
+@pytest.mark.parametrize(("query", "refused"), [
+    ("Why don\u2019t cats like water?", True),  # a right quote as the apostrophe
+    ("Why don\u2019t cats like water?", False),
+])
+def test_a_right_quote_is_an_apostrophe(query, refused):
+    """_APOSTROPHES: "right and left quotes" are apostrophes, so "don’t" is a negation (the
+    most common way phones type it)."""
+    if refused:
+        _refused(query, "Why do cats like water?", "negation")
+    else:
+        _passed(query, "Why don't cats like water?")
+
+
+# ---- 4. contrast -----------------------------------------------------------------------------
+
+def test_this_past_is_last_and_contrasts_with_this():
+    """_contrast_words: "this past weekend" is "last weekend" (the "this" no longer counts), so
+    it contrasts with "this" as "last month" / "this month" do."""
+    _refused("What movies came out this past month?", "What movies came out this month?",
+             "contrasting")
+
+
+def test_a_comparison_the_same_way_with_another_form_is_not_reversed():
+    """_comparison_reversed: an adjective compared "one way in one text and the other way in
+    the other"; "healthier than" / "more healthful than" are both one way."""
+    _passed("Is tea healthier than coffee?", "Is tea more healthful than coffee?")
+
+
+def test_a_comparison_at_the_texts_start_is_read():
+    """_comparatives: each comparison before "than", also one whose adjective is the first
+    word."""
+    _refused("Healthier than butter: is margarine?", "Less healthy than butter: is margarine?",
+             "contrasting")
+
+
+def test_a_contrast_word_only_one_text_adds_is_no_contrast():
+    """contrast: refused where one text has more of one word of a group and the other more of
+    another; both have "day" as often, only one adds "week"."""
+    _passed("Is it OK to eat eggs every day?", "Is it OK to eat eggs every day of the week?")
+
+
+# ---- 3. entities -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("query", "cached"), [
+    ("Is the U.S.A. bigger than China?", "Is the USA bigger than China?"),  # dotted acronym
+    # A capital after a colon starts a sentence: "Should" is no name.
+    ("Quick question: Should dogs eat grapes?", "Is it OK for dogs to eat grapes?"),
+    # An acronym of 5 letters and its words.
+    ("How hard is the IELTS exam?",
+     "How hard is the International English Language Testing System exam?"),
+])
+def test_entities_written_otherwise_agree(query, cached):
+    """Rule 3 (a capitalised word that is not sentence-initial, an acronym): "U.S.A." is the
+    acronym "USA"; an acronym of 2-5 letters agrees with the words that spell it."""
+    _passed(query, cached)
+
+
+@pytest.mark.parametrize(("query", "cached"), [
+    ("How do I create an instance on AWS?", "How do I create AI on AWS?"),  # "an" skipped
+    # Words the acronym's own text has do not spell it.
+    ("Is AI the same as artificial intelligence?",
+     "Is artificial intelligence the same as artificial intelligence?"),
+])
+def test_words_that_do_not_spell_an_acronym(query, cached):
+    """_spelled_out: the words spelling an acronym are none of the acronym's text nor a word
+    acronyms skip ("an instance" is no "AI")."""
+    _refused(query, cached, "entities differ")
+
+
+# ---- 5. order --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("query", "cached"), [
+    # A phrase of five words, holding the verb: roles change ("brother called Anna and Bob" /
+    # "Bob and brother called Anna").
+    ("Did my older brother call Anna and Bob?", "Did Bob and my older brother call Anna?"),
+    # Words exchanged across "and", not the two phrases.
+    ("Is red wine and white meat healthy?", "Is white wine and red meat healthy?"),
+])
+def test_only_two_short_phrases_exchanged_around_and_are_let_through(query, cached):
+    """coordination_swapped: the two phrases (at most `_SWAP_MAX_PHRASE` = 4 words each) on
+    either side of one coordinator exchanged, nothing else."""
+    _refused(query, cached, "order")
+
+
+def test_a_phrase_of_four_words_may_be_exchanged():
+    """coordination_swapped: phrases of up to `_SWAP_MAX_PHRASE` (4) words."""
+    _passed("Which is better, a used Toyota Corolla or a Honda?",
+            "Which is better, a Honda or a used Toyota Corolla?")
+
+
+def test_breakpoints_of_two_words_and_of_repeats():
+    """breakpoints: adjacencies of shared words in `a`, with the sentinels, that `b` breaks
+    (two words exchanged break all 3); the k-th repeat pairs with the k-th in the other text,
+    a repeat the other lacks is no shared word."""
+    assert breakpoints(["a", "b"], ["b", "a"]) == 3
+    assert breakpoints(["a", "b", "a"], ["a", "b"]) == 0
+    assert breakpoints(["a", "b"], ["a", "b", "a"]) == 0
+
+
+def test_check_facts_reports_the_breakpoints_the_order_check_saw():
+    """check_facts: the breakpoints of `c`'s shared words in `q` when the order check got that
+    far; two phrases exchanged around "and" are in the other text's order: 0."""
+    g = ParaphraseGuard()
+    swap = ("What is the difference between a crocodile and an alligator?",
+            "What is the difference between an alligator and a crocodile?")
+    assert g.check_facts(text_facts(swap[0]), text_facts(swap[1])) == ((True, ""), 0)
+    q, c = "Does the dog chase the cat?", "Does the cat chase the dog?"
+    verdict, bp = g.check_facts(text_facts(q), text_facts(c))
+    assert not verdict.ok and "word order" in verdict.reason
+    assert bp == breakpoints(list(text_facts(c).words), list(text_facts(q).words)) == 4
+
+
+# ---- the switches --------------------------------------------------------------------------
+
+def test_each_switch_turns_off_its_own_check_only():
+    """ParaphraseGuard's check_numbers, check_negation, check_contrast switch single checks."""
+    numbers = ("How do I lose 10 kg in a month?", "How do I lose 15 kg in a month?")
+    negation = ("Why can't I sleep at night?", "Why can I sleep at night?")
+    contrast = ("Do all employees get a bonus?", "Do some employees get a bonus?")
+    no_numbers = ParaphraseGuard(check_numbers=False)
+    assert no_numbers.check(*numbers).ok
+    assert not no_numbers.check(*negation).ok
+    no_negation = ParaphraseGuard(check_negation=False)
+    assert no_negation.check(*negation).ok
+    assert not no_negation.check(*numbers).ok
+    no_contrast = ParaphraseGuard(check_contrast=False)
+    assert no_contrast.check(*contrast).ok
+    assert not no_contrast.check(*numbers).ok
+
+
+# ---- the facts cache -------------------------------------------------------------------------
+
+def test_only_short_texts_are_cached():
+    """cached_while_short: texts of up to 256 characters are analysed once, longer ones every
+    time."""
+    calls: list[str] = []
+
+    def analyse(text: str) -> int:
+        calls.append(text)
+        return len(text)
+
+    get = cached_while_short(analyse)
+    short, long_ = "x" * 256, "y" * 257
+    assert [get(short), get(short), get(long_), get(long_)] == [256, 256, 257, 257]
+    assert calls == [short, long_, long_]
+
+
+# ---- spelling_differs ------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("a", "b"), [
+    # "café" typed decomposed (macOS) is the same word, in the strict tier too.
+    ("Is it cafe\u0301 au lait?", "Is it caf\u00e9 au lait?"),
+    # A first letter's case is no difference, though the other text also has the word in
+    # capitals elsewhere.
+    ("What does WHAT stand for?", "what does WHAT stand for?"),
+    # One line that looks like code is prose: its line break is no difference.
+    ("If I write\nx = 5, what is x squared?", "If I write x = 5, what is x squared?"),
+])
+def test_spelling_differs_not(a, b):
+    """spelling_differs: refused for other case beyond the first letter, other accents, or
+    (text laid out as code: two such lines) other line breaks; none of those here."""
+    for x, y in ((a, b), (b, a)):
+        assert spelling_differs(x, y) == ""
+        assert spelling_differs(x, y, case_and_accents=False) == ""
