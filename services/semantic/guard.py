@@ -595,6 +595,17 @@ class Span(NamedTuple):
     last: int
 
 
+def _ends_number(word: str, before: str) -> bool:
+    """`word` (after `before`) can end a number that `_numbers` reads a unit after: digits,
+    signed or not, a cardinal or scale word ("twenty USD", "5 million USD"), the "k" of "40k".
+    """
+    low = word.lower()
+    if low == "one" and before.lower() in _ONE_AS_PRONOUN:
+        return False  # "which one": no number
+    return (low[0].isdigit() or _signed(low) or low in _UNITS or low in _TENS or low in _SCALES
+            or (low == "k" and before[:1].isdigit()))
+
+
 def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
     """Capitalised words not at a sentence start, acronyms and codes with digits, lowercased;
     and the spans they form (each span's first occurrence)."""
@@ -612,21 +623,23 @@ def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
             run.clear()
 
     prev = ""
+    number_before = False  # the word before can end a number (`_ends_number`)
     for k, t in enumerate(tokens):
         if not _is_word(t) or t == "n't":
             start = t in (".", "!", "?", ":", ";", '"', "``")
             close()
             if t == "n't":
                 pos += 1
-            prev = t
+            prev, number_before = t, False
             continue
         pos += 1
-        after_number = prev[:1].isdigit() or (
+        after_number = number_before or (
             prev.lower() in ("degree", "degrees") and _UNIT_FORMS.get(t.lower()) in _DEGREE_SCALES)
-        prev = t
+        prev, number_before = t, _ends_number(t, prev)
         if (after_number and t.lower() in _UNIT_FORMS) or _roman(tokens, k) is not None:
-            # A unit after its number ("500 MB", "20 USD") is the number's, compared with it
-            # in any spelling ("500 megabytes"), not an entity the other text must write.
+            # A unit after its number ("500 MB", "20 USD", "5 million USD", "-10 C") is the
+            # number's, compared with it in any spelling ("500 megabytes"), not an entity the
+            # other text must write.
             close()
             start = False
             continue

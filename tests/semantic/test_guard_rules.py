@@ -272,3 +272,35 @@ def test_spelling_differs_not(a, b):
     for x, y in ((a, b), (b, a)):
         assert spelling_differs(x, y) == ""
         assert spelling_differs(x, y, case_and_accents=False) == ""
+
+
+# ---- the defect the audit found ------------------------------------------------------------
+
+@pytest.mark.parametrize(("query", "cached"), [
+    ("Is 5 million USD a lot for a house?", "Is $5 million a lot for a house?"),
+    ("Is 40k USD a good salary?", "Is $40k a good salary?"),
+    ("Is twenty USD enough for lunch?", "Is $20 enough for lunch?"),
+    ("Is two GB of RAM enough?", "Is 2 gigabytes of RAM enough?"),
+    ("Is -10 C cold for a dog?", "Is -10 degrees Celsius cold for a dog?"),
+])
+def test_a_unit_after_any_number_is_the_numbers_not_an_entity(query, cached):
+    """_entities: "A unit after its number ("500 MB", "20 USD") is the number's, compared with it
+    in any spelling", and a number is digits, signed, or number words (rule 1), a scale word
+    included. Only a number starting with a digit was read so: "5 million USD" / "$5 million"
+    was refused, "USD" an entity the other text lacked (as was "-10 C" / "-10 degrees
+    Celsius")."""
+    _passed(query, cached)
+
+
+@pytest.mark.parametrize(("query", "cached", "check"), [
+    ("Is 5 million USD a lot for a house?", "Is 5 million EUR a lot for a house?", "numbers"),
+    ("Is twenty USD enough for lunch?", "Is twenty GBP enough for lunch?", "numbers"),
+    ("Is -10 C cold for a dog?", "Is -10 F cold for a dog?", "numbers"),
+    # "one" after "which" is no number (_numbers skips it): what follows stays an entity.
+    ("Which one GB card should I buy?", "Which one TB card should I buy?", "entities"),
+])
+def test_that_unit_is_compared_with_its_number(query, cached, check):
+    """Rule 1: the units written after the numbers differ; the unit the entity check leaves out
+    is compared by the number check, so only a unit `_numbers` reads with its number is left
+    out."""
+    _refused(query, cached, f"{check} differ")
