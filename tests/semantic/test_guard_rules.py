@@ -298,6 +298,8 @@ def test_a_unit_after_any_number_is_the_numbers_not_an_entity(query, cached):
     ("Is -10 C cold for a dog?", "Is -10 F cold for a dog?", "numbers"),
     # "one" after "which" is no number (_numbers skips it): what follows stays an entity.
     ("Which one GB card should I buy?", "Which one TB card should I buy?", "entities"),
+    # "k" is a thousand only after digits ("40k"): after "fifty" it holds no unit.
+    ("Is fifty k USD a good salary?", "Is fifty k EUR a good salary?", "entities"),
 ])
 def test_that_unit_is_compared_with_its_number(query, cached, check):
     """Rule 1: the units written after the numbers differ; the unit the entity check leaves out
