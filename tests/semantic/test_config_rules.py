@@ -1,0 +1,97 @@
+"""Rules of `services/semantic/config.py` a mutation audit found unchecked: each range its
+message states holds at both edges (the edge accepted, the next value refused by the
+variable's name), the largest entry's formula, a file where the snapshot folder must be, the
+ONNX cache folder name, and the snapshot path's default."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.config import ConfigError, load_config
+from services.semantic.config import SemanticConfig
+
+
+def load(**env: str) -> SemanticConfig:
+    return load_config(SemanticConfig, "semantic", [],
+                       {f"TIERCACHE_SEMANTIC_{k.upper()}": v for k, v in env.items()})
+
+
+@pytest.mark.parametrize("env", [
+    {"onnx_threads": "1024"},  # "must be in [0, 1024]"
+    {"max_batch": "1"},  # [1, 1024]
+    {"batch_wait_ms": "100"},  # [0, 100]
+    {"sqlite_synchronous": "EXTRA"},  # FULL, NORMAL or EXTRA
+    {"hnsw_m": "4"},  # [4, 128]
+    {"hnsw_ef_search": "8"},  # [8, 32768]
+    {"hnsw_ef_construction": "8"},
+    {"faiss_threads": "1"},  # [1, 1024]
+    {"delta_capacity": "1"},  # >= 1
+    # Each tier in [threshold_floor, 1]; relaxed <= standard <= strict, equal allowed.
+    {"tier_relaxed": "0.85"},
+    {"tier_relaxed": "0.95"},
+    {"tier_standard": "0.97"},
+    {"grace_seconds": "0"},  # >= 0
+    {"index_close_seconds": "0"},
+    {"max_tenant_chars": "64"},  # >= 64
+    {"verified_bonus": "0.19"},  # [0, 0.2)
+    {"default_ttl_seconds": "0"},  # 0 = never expire
+    {"max_ttl_seconds": str(2**32 - 1), "default_ttl_seconds": "3600"},  # a uint32
+    {"expiry_interval_s": "0.1"},  # >= 0.1
+    # 4 x 8192 + 24 x 694954 + 64 KiB: the largest that fits 16 MiB.
+    {"max_answer_chars": "694954"},
+])
+def test_a_value_at_the_edge_of_its_range_is_accepted(env):
+    cfg = load(**env)
+    for k, v in env.items():
+        assert str(getattr(cfg, k)) in (v, str(float(v)) if v[0].isdigit() else v)
+
+
+@pytest.mark.parametrize(("env", "var"), [
+    ({"onnx_threads": "1025"}, "ONNX_THREADS"),
+    ({"max_batch": "0"}, "MAX_BATCH"),
+    ({"batch_wait_ms": "100.5"}, "BATCH_WAIT_MS"),
+    ({"hnsw_m": "3"}, "HNSW_M"),
+    ({"hnsw_ef_search": "7"}, "HNSW_EF_SEARCH"),
+    ({"faiss_threads": "0"}, "FAISS_THREADS"),
+    ({"delta_capacity": "0"}, "DELTA_CAPACITY"),
+    ({"max_tenant_chars": "63"}, "MAX_TENANT_CHARS"),
+    ({"threshold_floor": "0"}, r"THRESHOLD_FLOOR: must be in \(0, 1\]"),
+    ({"verified_bonus": "0.2"}, "VERIFIED_BONUS"),
+    ({"max_ttl_seconds": str(2**32)}, "MAX_TTL_SECONDS.*uint32"),
+    ({"expiry_interval_s": "0.09"}, "EXPIRY_INTERVAL_S"),
+    ({"max_answer_chars": "694955"}, "MAX_ANSWER_CHARS.*16777216-byte"),
+    # A verifier tier must be guarded: the default guard tiers leave relaxed out.
+    ({"verifier_tiers": "relaxed"}, "VERIFIER_TIERS"),
+])
+def test_a_value_past_the_edge_of_its_range_is_refused_by_name(env, var):
+    with pytest.raises(ConfigError, match=f"^TIERCACHE_SEMANTIC_{var}"):
+        load(**env)
+
+
+def test_a_verifier_path_that_is_a_folder_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="^TIERCACHE_SEMANTIC_VERIFIER_PATH: no such file"):
+        load(verifier_path=str(tmp_path))
+
+
+def test_a_file_where_the_snapshot_folder_must_be_is_named_at_start(tmp_path):
+    """The snapshot path is a folder of graph files: a file in its way is named with its
+    variable at start."""
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_SEMANTIC_SNAPSHOT_PATH: .*afile is a file"):
+        load(snapshot_path=str(tmp_path / "afile" / "graphs"), db_path=str(tmp_path / "s.db"))
+
+
+@pytest.mark.parametrize("name", [".", "..", "a\\b", "a/b", "tab\there", "line\nbreak"])
+def test_a_model_name_must_be_a_plain_folder_name(name):
+    """The model name is a folder under <cache_dir>/onnx: "." (the folder itself), a slash of
+    either kind, or a control character is refused."""
+    with pytest.raises(ConfigError, match="^TIERCACHE_SEMANTIC_MODEL_NAME"):
+        load(model_name=name)
+
+
+def test_the_snapshot_path_defaults_to_the_database_path_with_hnsw(tmp_path):
+    """"" = <db_path>.hnsw (docs/settings.md)."""
+    db = str(tmp_path / "x" / "s.db")
+    assert SemanticConfig(db_path=db).resolved_snapshot_path() == db + ".hnsw"
+    assert SemanticConfig(db_path=db, snapshot_path=str(tmp_path / "g")
+                          ).resolved_snapshot_path() == str(tmp_path / "g")
