@@ -1,6 +1,7 @@
 """Rules of `services/semantic/shard_list.py` a mutation audit found unchecked: a call is
-compared with the lists seen within the window counted from each list's *last* call, and the
-mismatch it reports names the latest list that differs."""
+compared with the lists seen within the window counted from each list's *last* call, the
+mismatch it reports names the latest list that differs, and a call without a list is not
+checked whatever lists were seen."""
 
 from __future__ import annotations
 
@@ -34,3 +35,13 @@ def test_the_mismatch_names_the_latest_list_that_differs():
     assert not c.check(4, "cccc", "Lookup", "ipv4:10.0.0.3:3")
     assert "a call came with 3 shards (bbbb) from ipv4:10.0.0.2:2, a Lookup with 4 shards " \
            "(cccc) from ipv4:10.0.0.3:3" in c.note()
+
+
+def test_a_call_without_a_list_is_not_checked_beside_a_list_of_several_shards():
+    """An older orchestrator says no list (fingerprint ""): not a mismatch, not counted, and
+    not remembered as a list the next call could differ from."""
+    c = RecentShardLists(Clock())
+    assert c.check(2, "aaaa", "Store")
+    assert c.check(0, "", "Lookup") and c.check(3, "", "Store")
+    assert c.check(2, "aaaa", "Lookup")
+    assert c.mismatches_total == 0 and c.note() == ""
