@@ -1,0 +1,154 @@
+"""Rules of the JSON logs and of `Thinned` (services/common/logs.py) that the mutation audit
+found unguarded: what a thinned key's count line says and when, credentials masked by the
+name of any field that holds one, tracebacks kept, and an unknown log level named."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+import types
+
+import pytest
+
+from services.common import logs
+from services.common.logs import JsonFormatter, Thinned
+
+
+class FakeTime:
+    """`time` as the logs module reads it, with a monotonic and a wall clock the test moves."""
+
+    def __init__(self) -> None:
+        self.mono, self.wall = 1000.0, 1_700_000_000.0
+        self.strftime, self.gmtime, self.sleep = time.strftime, time.gmtime, time.sleep
+
+    def monotonic(self) -> float:
+        return self.mono
+
+    def time(self) -> float:
+        return self.wall
+
+    def advance(self, s: float) -> None:
+        self.mono += s
+        self.wall += s
+
+
+@pytest.fixture
+def fake_time(monkeypatch):
+    t = FakeTime()
+    monkeypatch.setattr(logs, "time", types.SimpleNamespace(
+        monotonic=t.monotonic, time=t.time, strftime=t.strftime, gmtime=t.gmtime,
+        sleep=t.sleep))
+    return t
+
+
+def thinned(name: str, **kw) -> Thinned:
+    """A Thinned that only the test's own calls sweep (not the background sweeper)."""
+    t = Thinned(logging.getLogger(name), **kw)
+    Thinned._all.discard(t)
+    t.SWEEP_S = 3600.0
+    return t
+
+
+def left_out_lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
+
+
+def test_a_window_with_nothing_left_out_says_nothing(caplog, fake_time):
+    """The count line says how many lines were left out: a window that left none out (the
+    usual case) writes no "0 more lines" line, at its end or at a stop."""
+    t = thinned("tests.logs.none-left", per_window=2, window_s=10.0)
+    with caplog.at_level(logging.INFO, logger="tests.logs.none-left"):
+        assert t.allow(("svc", "Lookup", "NOT_FOUND"))
+        fake_time.advance(11)
+        assert t.allow(("svc", "Lookup", "NOT_FOUND"))  # a new window: the old one is over
+        t.sweep()
+        t.flush()
+    assert left_out_lines(caplog) == []
+
+
+def test_the_count_line_says_when_the_first_and_the_last_were_left_out(caplog, fake_time):
+    """"between <first> and <last>": the time of the first line left out is kept, not moved
+    to each later one."""
+    t = thinned("tests.logs.between", per_window=1, window_s=60.0)
+    key = ("svc", "Store", "UNAVAILABLE")
+    first = time.strftime("%H:%M:%S", time.gmtime(fake_time.wall + 2))
+    last = time.strftime("%H:%M:%S", time.gmtime(fake_time.wall + 32))
+    with caplog.at_level(logging.INFO, logger="tests.logs.between"):
+        assert t.allow(key)
+        fake_time.advance(2)
+        assert not t.allow(key)
+        for _ in range(3):
+            fake_time.advance(10)
+            assert not t.allow(key)
+        t.flush()
+    assert left_out_lines(caplog) == [
+        f"svc/Store/UNAVAILABLE: 4 more lines left out between {first} and {last}Z"]
+
+
+def test_a_keys_next_line_after_its_window_says_the_count_first(caplog, fake_time):
+    """The key's next line, once its window is over, says how many were left out before it
+    is written (no sweep needed)."""
+    t = thinned("tests.logs.next-line", per_window=1, window_s=0.5)
+    key = ("replica r1", "UNAVAILABLE")
+    with caplog.at_level(logging.INFO, logger="tests.logs.next-line"):
+        assert t.allow(key)
+        assert not t.allow(key)
+        assert not t.allow(key)
+        fake_time.advance(0.6)
+        assert t.allow(key)
+    assert [m.split(" between")[0] for m in left_out_lines(caplog)] == [
+        "replica r1/UNAVAILABLE: 2 more lines left out"]
+
+
+def _format(fields: dict | None = None, exc_info=None) -> dict:
+    record = logging.LogRecord("tests.logs", logging.ERROR, __file__, 1, "boom %s", ("x",),
+                               exc_info)
+    if fields is not None:
+        record.fields = fields
+    return json.loads(JsonFormatter("svc").format(record))
+
+
+def test_a_field_whose_name_says_credential_is_masked():
+    """"Never log credentials": any field whose name contains authorization, token, secret
+    or password (internal_token, api_password...), not only a field named exactly so."""
+    out = _format({"internal_token": "t0k", "db_password": "pw", "Authorization": "Bearer x",
+                   "client_secret": "s", "model": "smollm2"})
+    assert out["internal_token"] == out["db_password"] == "***"
+    assert out["Authorization"] == out["client_secret"] == "***"
+    assert out["model"] == "smollm2" and out["msg"] == "boom x" and out["service"] == "svc"
+
+
+def test_a_logged_exception_keeps_its_traceback():
+    """`log.exception(...)` in a JSON line carries the traceback (field `exc`)."""
+    try:
+        raise ZeroDivisionError("boom")
+    except ZeroDivisionError:
+        out = _format(exc_info=sys.exc_info())
+    assert "ZeroDivisionError" in out["exc"] and "Traceback" in out["exc"]
+
+
+def test_an_unknown_log_level_is_refused_naming_the_variable():
+    """An unknown TIERCACHE_LOG_LEVEL fails the start with a message that names the variable
+    and the levels it takes (the boot logs it and exits 2), not logging's bare ValueError."""
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    try:
+        with pytest.raises(ValueError, match=r"TIERCACHE_LOG_LEVEL: unknown level 'verbose'; "
+                                             r"expected one of DEBUG, INFO"):
+            logs.setup_logging("demo", "verbose")
+    finally:
+        root.handlers[:], level = saved
+        root.setLevel(level)
+
+
+def test_a_closed_or_replaced_stream_is_no_terminal():
+    """`isatty` is False for a closed stream (its isatty raises ValueError) and for an object
+    that is no stream at all, rather than an error at start."""
+    import io
+
+    closed = io.StringIO()
+    closed.close()
+    assert logs.isatty(closed) is False
+    assert logs.isatty(object()) is False
