@@ -1,0 +1,114 @@
+"""Rules of the prefix index's gRPC adapter (services/prefix/server.py) that the mutation
+audit found unguarded: what its metrics count (docs/metrics.md; a probe Match counts nowhere,
+as prefix.proto says), an AllCleared event applied, and `metrics_port = 0` served."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client import REGISTRY
+from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+
+from services.common.grpc_client import call_metadata, make_channel
+from services.common.hashing import BlockHasher
+from services.prefix.config import PrefixConfig
+from services.prefix.server import serve
+
+BS = 16
+MODEL = "tiny"
+MD = call_metadata("")
+
+
+@pytest.fixture
+def stub():
+    svc = serve(PrefixConfig(address="127.0.0.1:0", block_size=BS, metrics_port=-1))
+    ch = make_channel(svc.address)
+    try:
+        yield prefix_pb2_grpc.PrefixIndexStub(ch)
+    finally:
+        ch.close()
+        svc.stop(0)
+
+
+def _value(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+def _register_and_store(stub, tokens: list[int], rid: str = "r0") -> None:
+    stub.Register(prefix_pb2.RegisterRequest(
+        replica_id=rid, incarnation="i", address="127.0.0.1:7000", model_id=MODEL,
+        block_size=BS, capacity_blocks=64), metadata=MD, timeout=5)
+    hs = BlockHasher(MODEL, BS).hashes(tokens)
+    r = stub.PublishEvents(prefix_pb2.PublishEventsRequest(
+        replica_id=rid, incarnation="i", seq=1, events=[prefix_pb2.KvEvent(
+            stored=prefix_pb2.BlocksStored(block_hashes=hs, token_ids=tokens,
+                                           first_block_hash=hs[0]))]), metadata=MD, timeout=5)
+    assert r.status == prefix_pb2.PUBLISH_STATUS_OK
+
+
+def _counts() -> tuple[float, ...]:
+    return (_value("tiercache_prefix_matches_total", result="hit"),
+            _value("tiercache_prefix_matches_total", result="miss"),
+            _value("tiercache_prefix_match_blocks_total", result="asked"),
+            _value("tiercache_prefix_match_blocks_total", result="hit"))
+
+
+def test_match_metrics_count_hits_misses_and_blocks_but_no_probe(stub):
+    """A hit is counted under result=hit with its matched blocks, a miss under result=miss,
+    the blocks asked about under asked; a probe Match (routing, not traffic) counts nowhere."""
+    toks = list(range(3 * BS))
+    _register_and_store(stub, toks)
+    before = _counts()
+    stub.Match(prefix_pb2.MatchRequest(model_id=MODEL, token_ids=toks[: 2 * BS]),
+               metadata=MD, timeout=5)
+    stub.Match(prefix_pb2.MatchRequest(model_id=MODEL, token_ids=[9999] * (4 * BS)),
+               metadata=MD, timeout=5)
+    after = _counts()
+    assert [a - b for a, b in zip(after, before, strict=True)] == [1, 1, 6, 2]
+    r = stub.Match(prefix_pb2.MatchRequest(model_id=MODEL, token_ids=toks, probe=True),
+                   metadata=MD, timeout=5)
+    assert r.matches[0].matched_blocks == 3  # answered as any Match
+    assert _counts() == after
+
+
+def test_a_batch_after_a_gap_counts_a_resync(stub):
+    """tiercache_prefix_resyncs_total: each resync asked of a replica after a gap."""
+    _register_and_store(stub, list(range(BS)))
+    before = _value("tiercache_prefix_resyncs_total")
+    r = stub.PublishEvents(prefix_pb2.PublishEventsRequest(
+        replica_id="r0", incarnation="i", seq=5, events=[]), metadata=MD, timeout=5)
+    assert r.status == prefix_pb2.PUBLISH_STATUS_RESYNC
+    assert _value("tiercache_prefix_resyncs_total") == before + 1
+
+
+def test_an_all_cleared_event_drops_the_replicas_blocks(stub):
+    """KvEvent.cleared (the replica's pool was emptied) is applied: its blocks match no more
+    (the replica is still listed, with 0 blocks, as every live replica of the model is)."""
+    toks = list(range(2 * BS))
+    _register_and_store(stub, toks)
+    r = stub.PublishEvents(prefix_pb2.PublishEventsRequest(
+        replica_id="r0", incarnation="i", seq=2,
+        events=[prefix_pb2.KvEvent(cleared=prefix_pb2.AllCleared())]), metadata=MD, timeout=5)
+    assert r.status == prefix_pb2.PUBLISH_STATUS_OK and r.next_seq == 3
+    m = stub.Match(prefix_pb2.MatchRequest(model_id=MODEL, token_ids=toks), metadata=MD,
+                   timeout=5)
+    assert [(x.replica_id, x.matched_blocks) for x in m.matches] == [("r0", 0)]
+
+
+def test_metrics_port_0_serves_metrics_on_a_free_port():
+    """`metrics_port = 0` is any free port (-1 is off): /metrics answers there."""
+    svc = serve(PrefixConfig(address="127.0.0.1:0", block_size=BS, metrics_port=0))
+    try:
+        port = svc.handle.metrics_port
+        assert port
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            assert b"tiercache_prefix_nodes" in r.read()
+    finally:
+        svc.stop(0)
+    off = serve(PrefixConfig(address="127.0.0.1:0", block_size=BS, metrics_port=-1))
+    try:
+        assert off.handle.metrics_port is None
+    finally:
+        off.stop(0)
+
