@@ -1,0 +1,71 @@
+"""Rules of building a replica (services/kvpool/app.py) that the mutation audit found
+unguarded: one non-finite logit refuses the weights, and the pool sized in bytes takes one
+block, and MAX_BLOCKS blocks, at their edges."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from services.common.model_store import ModelStoreError
+from services.kvpool.app import check_finite, pool_blocks
+from services.kvpool.config import MAX_BLOCKS, KvPoolConfig
+from services.kvpool.engine import ModelInfo
+
+
+class _Logits:
+    """A stand-in model whose one forward gives fixed logits."""
+
+    def __init__(self, logits: list[float]) -> None:
+        self.config = types.SimpleNamespace(vocab_size=8)
+        self.logits = torch.tensor([logits])
+
+    def __call__(self, input_ids):
+        return types.SimpleNamespace(logits=self.logits)
+
+
+def test_a_single_non_finite_logit_refuses_the_weights():
+    """Weights damaged in one place give one NaN or inf among finite logits: refused all the
+    same (the check is that every logit is finite)."""
+    check_finite(_Logits([0.0, 1.5, -2.0]), "/models/m")
+    for bad in (float("nan"), float("inf")):
+        with pytest.raises(ModelStoreError, match="/models/m give non-finite logits"):
+            check_finite(_Logits([0.0, bad, -2.0]), "/models/m")
+
+
+INFO = ModelInfo("m", num_layers=2, kv_heads=1, head_dim=2, vocab_size=10, max_context=64,
+                 eos_token_ids=frozenset())
+PER = 2 * 2 * 1 * 16 * 2 * 4  # layers x (K, V) x heads x block tokens x head_dim x fp32
+
+
+def test_kv_cache_bytes_of_exactly_one_block_make_a_pool_of_one():
+    """Refused only when the bytes hold no block: exactly one block's bytes is a pool of 1."""
+    assert pool_blocks(KvPoolConfig(kv_cache_bytes=PER), INFO, torch.float32) == 1
+    with pytest.raises(ValueError, match="hold no KV block"):
+        pool_blocks(KvPoolConfig(kv_cache_bytes=PER - 1), INFO, torch.float32)
+
+
+def test_kv_cache_bytes_may_make_max_blocks_and_no_more():
+    """MAX_BLOCKS blocks are taken; one more is "over the limit"."""
+    cfg = KvPoolConfig(kv_cache_bytes=PER * MAX_BLOCKS)
+    assert pool_blocks(cfg, INFO, torch.float32) == MAX_BLOCKS
+    with pytest.raises(ValueError, match="over the limit"):
+        pool_blocks(KvPoolConfig(kv_cache_bytes=PER * (MAX_BLOCKS + 1)), INFO, torch.float32)
+
+
+def test_max_context_is_the_smaller_of_the_setting_and_the_models(tiny_model):
+    """max_context bounds what is served below the model's own positions; a larger setting
+    does not serve past max_position_embeddings (1024 for the tiny model)."""
+    from services.kvpool.app import build_replica
+    from tests.kvpool.conftest import TINY_ID
+
+    for setting, want in ((64, 64), (1_000_000, 1024)):
+        cfg = KvPoolConfig(num_blocks=64, block_size=4, drafts=False, max_context=setting,
+                           metrics_port=-1)
+        replica = build_replica(cfg, model=tiny_model, model_id=TINY_ID, metrics=False)
+        try:
+            assert replica.info.max_context == want
+        finally:
+            replica.engine.stop()

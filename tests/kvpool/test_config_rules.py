@@ -1,0 +1,26 @@
+"""Bounds of a kvpool replica's settings (services/kvpool/config.py) that the mutation audit
+found unguarded: each edge its message says is taken is taken, and the value past it is
+refused naming the variable."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.config import ConfigError, load_config
+from services.kvpool.config import MAX_BLOCKS, KvPoolConfig
+
+K = "TIERCACHE_KVPOOL_"
+
+
+@pytest.mark.parametrize(("name", "taken", "refused"), [
+    ("MAX_BATCH_SIZE", "256", "257"),  # "must be in 1..256"
+    ("HEARTBEAT_SECONDS", "0.1", "0.09"),  # "must be >= 0.1"
+    ("NUM_BLOCKS", str(MAX_BLOCKS), str(MAX_BLOCKS + 1)),  # "must be at most 4,194,304"
+    ("SEND_STALL_SECONDS", "1", "0.5"),  # "must be 0 (off) or >= 1"
+    ("SEND_STALL_SECONDS", "0", "-1"),
+])
+def test_each_bound_is_taken_at_its_edge_and_refused_past_it(name, taken, refused):
+    cfg = load_config(KvPoolConfig, "kvpool", [], environ={K + name: taken})
+    assert getattr(cfg, name.lower()) == type(getattr(cfg, name.lower()))(taken)
+    with pytest.raises(ConfigError, match=K + name):
+        load_config(KvPoolConfig, "kvpool", [], environ={K + name: refused})
