@@ -1,0 +1,54 @@
+"""Rules of the orchestrator's settings (services/orchestrator/config.py) that the mutation
+audit found unguarded: the edges of their bounds, and the paths checked at start."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.common.config import ConfigError, load_config
+from services.orchestrator.config import OrchestratorConfig
+
+ORCH = "TIERCACHE_ORCHESTRATOR_"
+
+
+@pytest.mark.parametrize(("name", "taken", "refused"), [
+    ("MIN_PREFIX_TOKENS", "1", "0"),  # 0 made every replica a prefix holder
+    ("MAX_REQUEST_BYTES", "65536", "65535"),  # "must be in [65536, 2^31-1]"
+    ("MAX_REQUEST_BYTES", str(2**31 - 1), str(2**31)),
+    ("REPLICA_HUNG_POLLS", "100", "101"),  # "must be in 1..100"
+    ("WARM_INTERVAL_S", "1", "0.5"),  # "must be <= 0 (off) or >= 1"
+])
+def test_each_bound_is_taken_at_its_edge_and_refused_past_it(name, taken, refused):
+    cfg = load_config(OrchestratorConfig, "orchestrator", [], environ={ORCH + name: taken})
+    assert getattr(cfg, name.lower()) == float(taken)
+    with pytest.raises(ConfigError, match=ORCH + name):
+        load_config(OrchestratorConfig, "orchestrator", [], environ={ORCH + name: refused})
+
+
+def test_the_longest_pin_may_equal_the_default_pin():
+    """warm_pin_ttl_max_s must be >= warm_pin_ttl_s: equal is taken, less is refused."""
+    env = {ORCH + "WARM_PIN_TTL_S": "600"}
+    cfg = load_config(OrchestratorConfig, "orchestrator", [],
+                      environ={**env, ORCH + "WARM_PIN_TTL_MAX_S": "600"})
+    assert cfg.warm_pin_ttl_max_s == cfg.warm_pin_ttl_s == 600
+    with pytest.raises(ConfigError, match=ORCH + "WARM_PIN_TTL_MAX_S"):
+        load_config(OrchestratorConfig, "orchestrator", [],
+                    environ={**env, ORCH + "WARM_PIN_TTL_MAX_S": "599"})
+
+
+def test_a_cache_dir_not_made_yet_passes_the_start_check(tmp_path):
+    """cache_dir is created when a model is first converted: one that does not exist yet is
+    fine at start; only one that exists and is no directory is refused."""
+    OrchestratorConfig(cache_dir=str(tmp_path / "not-yet" / "cache")).check_paths()
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ConfigError, match=ORCH + "CACHE_DIR"):
+        OrchestratorConfig(cache_dir=str(tmp_path / "file")).check_paths()
+
+
+def test_a_tokens_file_that_is_a_folder_is_refused_at_start(tmp_path):
+    """tokens_file must be a readable file: a folder (a volume mounted at the file's path) is
+    refused at start naming the setting, not found only when the tokens are read."""
+    with pytest.raises(ConfigError, match=ORCH + "TOKENS_FILE.*is no readable file"):
+        OrchestratorConfig(tokens_file=str(tmp_path)).check_paths()
+    (tmp_path / "tokens.json").write_text("{}")
+    OrchestratorConfig(tokens_file=str(tmp_path / "tokens.json")).check_paths()

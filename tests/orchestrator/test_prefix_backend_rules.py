@@ -1,0 +1,89 @@
+"""Rules of the orchestrator's prefix index wrapper (services/orchestrator/prefix_backend.py)
+that the mutation audit found unguarded: the match map holds only replicas that matched, one
+index is one health record (no per-shard series), a shard never called is not healthy, and
+Stats waits at most the index's own timeout."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from prometheus_client import REGISTRY
+from tiercache.v1 import prefix_pb2
+
+from services.common.hashing import BlockHasher
+from services.common.prefix_client import PrefixIndexClient
+from services.orchestrator.prefix_backend import PrefixBackend
+from services.prefix.config import PrefixConfig
+from services.prefix.server import serve
+
+BS = 16
+MODEL = "tiny"
+
+
+@pytest.fixture
+def index():
+    svc = serve(PrefixConfig(address="127.0.0.1:0", block_size=BS, metrics_port=-1))
+    yield svc
+    svc.stop(0)
+
+
+def _healthy(dependency: str, address: str) -> float | None:
+    return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+                                     {"dependency": dependency, "address": address})
+
+
+def test_a_match_maps_only_replicas_that_matched_and_one_index_is_one_record(index):
+    """The index lists every live replica of the model, those with 0 blocks too: routing gets
+    only those that matched (an empty map = the prompt is new to every replica, placed by
+    free blocks). A single index's health is the tier's record, not a "prefix shard" one."""
+    kv = PrefixIndexClient([index.address], block_size=BS, timeout=5)
+    try:
+        for rid in ("r0", "r1"):
+            kv.register(rid, "i", f"127.0.0.1:{7000 + int(rid[1])}", MODEL, BS, 64)
+        toks = list(range(3 * BS))
+        hs = BlockHasher(MODEL, BS).hashes(toks)
+        kv.publish_events("r0", "i", [prefix_pb2.KvEvent(stored=prefix_pb2.BlocksStored(
+            block_hashes=hs, token_ids=toks, first_block_hash=hs[0]))])
+    finally:
+        kv.close()
+    pb = PrefixBackend((index.address,), "", 5.0, BS)
+    try:
+        assert pb.match(hs[:2], MODEL) == {"r0": 2 * BS}
+        assert pb.match(BlockHasher(MODEL, BS).hashes([7] * (2 * BS)), MODEL) == {}
+        assert _healthy("prefix", index.address) == 1.0
+        assert _healthy("prefix shard", index.address) is None
+    finally:
+        pb.client.close()
+
+
+def test_a_shard_never_called_is_not_healthy():
+    """Before its first call a shard's line says "no call yet", unhealthy (as the tier's)."""
+    pb = PrefixBackend(("127.0.0.9:1", "127.0.0.9:2"), "", 1.0, BS)
+    try:
+        tier, *shards = pb.dependencies()
+        assert [(d.address, d.healthy, d.last_error) for d in shards] == [
+            ("127.0.0.9:1", False, "no call yet"), ("127.0.0.9:2", False, "no call yet")]
+        assert not tier.healthy
+    finally:
+        pb.client.close()
+
+
+def test_stats_waits_at_most_the_index_timeout():
+    """`stats(timeout)`: the caller's deadline when shorter, else the index's own timeout;
+    no timeout given: the client's default (its own timeout)."""
+    pb = PrefixBackend(("127.0.0.9:1",), "", 0.5, BS)
+    seen: list[float | None] = []
+
+    def stats(**kw):
+        seen.append(kw.get("timeout"))
+        return types.SimpleNamespace(nodes=0)
+
+    pb.client.stats = stats
+    try:
+        pb.stats(timeout=10.0)
+        pb.stats(timeout=0.2)
+        pb.stats()
+        assert seen == [0.5, 0.2, None]
+    finally:
+        pb.client.close()
