@@ -1050,6 +1050,7 @@ class SemanticCache:
         if ahead:
             log.warning("%d entries were stamped after now (the clock ran ahead when they were "
                         "written): their TTL counts from now", ahead)
+        self._cap_ttls_at_load()
         newest, replaced = self._newest_rows()
         stale = [r.label for r in newest.values() if self._expired_row(r, now)]
         live = [r for r in newest.values() if not self._expired_row(r, now)]
@@ -1153,6 +1154,16 @@ class SemanticCache:
             self._m["saved_at"].set(time.time())
             self._saved = (folder, state)
             return len(state)
+
+    def _cap_ttls_at_load(self) -> None:
+        """Writes today's TTL limit (`_loaded_ttl`) into the rows over it, so that a cut TTL
+        stays cut: kept in memory only, a later start under a higher limit gave it back,
+        serving answers that had expired under the cut. On a full disk the rows keep theirs
+        (memory still cuts them, and the next start writes them again)."""
+        try:
+            self.store.cap_ttls(self.cfg.max_ttl_seconds, self.cfg.default_ttl_seconds > 0)
+        except ResourceExhausted as e:
+            log.warning("TTLs over today's limit not cut in the database: %s", e)
 
     def _delete_at_load(self, labels: list[int], what: str) -> None:
         """Deletes rows memory does not load. On a full disk they stay on disk (the next start

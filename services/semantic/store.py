@@ -389,6 +389,16 @@ class EntryStore:
                 (now,))
             return cur.rowcount
 
+    def cap_ttls(self, cap: int, never: bool) -> int:
+        """TTLs over `cap` become `cap` (with `never`, so do TTLs of 0, "never expires");
+        returns how many rows. Cut in memory only (at load), a TTL came back whole at the next
+        start under a higher limit, and an answer that had expired under the cut, not yet
+        purged, was served again (or, stored to never expire, for good)."""
+        where = "ttl_seconds > ?1" + (" OR ttl_seconds = 0" if never else "")
+        with _full_is_exhausted(), _damaged_is_named(self.path), self._lock:
+            cur = self._db.execute(f"UPDATE entries SET ttl_seconds = ?1 WHERE {where}", (cap,))
+            return cur.rowcount
+
     def set_embedding(self, label: int, embedding: np.ndarray, embed_model: str) -> None:
         self.set_embeddings([(label, embedding, embed_model)])
 

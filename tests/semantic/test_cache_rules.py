@@ -204,3 +204,47 @@ def test_an_entry_at_its_expiry_time_is_not_loaded(make_cache, clock):
     again = make_cache()
     s = again.stats()
     assert (s.entries, s.expirations_total) == (0, 1) and again.store.count() == 0
+
+
+@pytest.mark.parametrize(("stored_ttl", "first", "lowered"), [
+    (600, dict(default_ttl_seconds=0, max_ttl_seconds=1000),
+     dict(default_ttl_seconds=0, max_ttl_seconds=100)),
+    # Stored to never expire (TTL 0 under a default of 0), then a default set: the cap.
+    (0, dict(default_ttl_seconds=0, max_ttl_seconds=1000),
+     dict(default_ttl_seconds=50, max_ttl_seconds=100)),
+])
+def test_a_ttl_cut_at_a_restart_stays_cut_at_the_next(make_cache, clock, stored_ttl, first,
+                                                      lowered):
+    """A restart under a lower TTL limit cuts an entry's TTL to it ("a longer one is cut to
+    it"); once the entry has expired under the cut TTL, a restart under the old limit again
+    must not serve it: the cut was made in memory only, and an expired answer (not yet purged
+    by the housekeeper) came back for its old TTL, or for good."""
+    c = make_cache(**first)
+    e = c.store_entry(A, "query", "an answer", ttl_seconds=stored_ttl)
+    clock.t += 1
+    c = make_cache(**lowered)
+    assert c.get(e.id).ttl_seconds == 100
+    clock.t = e.created_at + 150
+    assert not c.lookup(A, "query").hit  # expired under the cut TTL
+    c = make_cache(**first)
+    assert not c.lookup(A, "query").hit
+    s = c.stats()
+    assert (s.entries, s.expirations_total, c.store.count()) == (0, 1, 0)
+
+
+def test_a_ttl_cut_not_written_on_a_full_disk_still_applies_in_memory(make_cache,
+                                                                    monkeypatch):
+    """Writing the cut TTLs is best effort: on a full disk the start goes on (as its other
+    writes at load do), memory cuts the TTLs as before and the next start writes them."""
+    from services.common.errors import ResourceExhausted
+    from services.semantic.store import EntryStore
+
+    c = make_cache(default_ttl_seconds=0, max_ttl_seconds=1000)
+    e = c.store_entry(A, "query", "an answer", ttl_seconds=600)
+
+    def full(self, cap, never):
+        raise ResourceExhausted("disk: the entry store is full")
+
+    monkeypatch.setattr(EntryStore, "cap_ttls", full)
+    c = make_cache(default_ttl_seconds=0, max_ttl_seconds=100)
+    assert c.get(e.id).ttl_seconds == 100 and c.store.get(e.id).ttl_seconds == 600
