@@ -128,7 +128,9 @@ class SemanticConfig:
     verifier_path: str = ""
     # Lifecycle and limits.
     default_ttl_seconds: int = 7 * 24 * 3600  # 0 = never expire
-    # Longest TTL an entry may have (a longer one is cut to it).
+    # Longest TTL an entry may have (a longer one is cut to it). Lowered, it cuts the stored
+    # entries' TTLs at the next start for good: raising it again does not lengthen them (an
+    # answer expired under the cut was served again).
     max_ttl_seconds: int = 365 * 24 * 3600
     # Entries one namespace may hold; past it its least recently used go.
     max_entries_per_namespace: int = 200_000
