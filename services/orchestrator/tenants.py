@@ -421,7 +421,11 @@ class TenantRegistry:
                 return requests
             b.give_back(1.0, tenant.burst)
             need = requests + 1.0  # this call's prefills, its own request included
-            now = max(0, math.floor(b.tokens + tenant.burst))
+            # A retry takes its own request first (`check_rate`: a whole one), then its
+            # prefills down to -burst: it passes once the bucket holds max(1, need - burst).
+            # With need - burst alone, a bucket another call had left in debt meanwhile was
+            # "retry in 1.00s", and the retry then refused by its rate check.
+            now = math.floor(b.tokens + tenant.burst) if b.tokens >= 1.0 else 0
             REJECTED.labels(tenant.name, "rate_limit").inc()
             limit = (f"tenant {tenant.name}: this call needs {need:.0f} prefills, past the rate "
                      f"limit of {tenant.rate_per_s:g} requests/s (burst {tenant.burst})")
@@ -429,7 +433,7 @@ class TenantRegistry:
                 raise ResourceExhausted(f"{limit}: at most {2 * tenant.burst} per call; warm "
                                         "fewer prompts, target the owners, or raise the "
                                         "tenant's burst")
-            wait = (need - tenant.burst - b.tokens) / tenant.rate_per_s
+            wait = (max(1.0, need - tenant.burst) - b.tokens) / tenant.rate_per_s
             raise Overloaded(f"{limit}: {now} now; retry in {wait:.2f}s")
 
     def _refilled(self, tenant: Tenant) -> _Bucket:

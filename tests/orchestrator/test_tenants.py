@@ -492,3 +492,22 @@ def test_a_call_authenticated_before_its_tenant_was_renamed_is_held_to_the_new_n
     f.write_text(json.dumps({tok: {"tenant": "acme-us", "max_concurrent": 2}}))
     r.adopt(reg(tokens_file=str(f)))
     assert r.acquire(late).name == "acme-us"
+
+
+def test_a_retry_after_the_wait_an_afford_refusal_names_passes():
+    """A differential review: a refused `afford` said "retry in (need - burst - tokens) /
+    rate s", but a retry takes its own request (a whole token) before its prefills. With the
+    bucket left in debt by another call meanwhile, the retry at that time was refused by its
+    rate check (told "retry in 1.00s", then "retry in 2.00s"), and "1 now" counted a prefill
+    no call could have. Retried after the wait named, it passes."""
+    from services.common.errors import Overloaded
+
+    r = reg(tokens="t=a")
+    t, clock = limited(r)
+    r.check_rate(t)  # this Warm's request: 2 left
+    r.charge(t, 5)  # another Warm of the tenant, charged meanwhile: -3, the floor
+    with pytest.raises(Overloaded, match=r"needs 2 prefills.*: 0 now; retry in 3\.00s"):
+        r.afford(t, 1)  # -4 is past the floor: refused, its request given back (-2)
+    clock.t += 3.0
+    r.check_rate(t)
+    assert r.afford(t, 1) == 1
