@@ -437,12 +437,17 @@ class TenantRegistry:
             raise Overloaded(f"{limit}: {now} now; retry in {wait:.2f}s")
 
     def _refilled(self, tenant: Tenant) -> _Bucket:
-        """The tenant's bucket, refilled for the time since its last use (lock held)."""
+        """The tenant's bucket, refilled for the time since its last use (lock held), within
+        [-burst, burst] of the limits now: a debt run up under a larger burst (the tokens file
+        read again since) kept its depth, and a tenant whose rate and burst were lowered from
+        100/s and 100 to 0.01/s and 1 after a large Warm waited 10,000 s, not `charge`'s
+        (burst + 1) / rate_per_s."""
         now = self.clock()
         b = self._buckets.get(tenant.name)
         if b is None:
             b = self._buckets[tenant.name] = _Bucket(float(tenant.burst), now)
-        b.tokens = min(float(tenant.burst), b.tokens + (now - b.at) * tenant.rate_per_s)
+        b.tokens = max(-float(tenant.burst), min(
+            float(tenant.burst), b.tokens + (now - b.at) * tenant.rate_per_s))
         b.at = now
         return b
 

@@ -511,3 +511,27 @@ def test_a_retry_after_the_wait_an_afford_refusal_names_passes():
     clock.t += 3.0
     r.check_rate(t)
     assert r.afford(t, 1) == 1
+
+
+def test_a_debt_run_up_before_a_reload_is_waited_out_under_the_limits_read_since(tmp_path):
+    """A differential review: the bucket kept a debt run up under a burst a reload then
+    lowered, refilled at the new rate: a tenant cut from 4/s and a burst of 8 to 0.25/s and 1
+    after a Warm of 15 prefills waited 36 s, past `charge`'s bound of (burst + 1) / rate_per_s
+    (8 s). The debt's floor is the burst now."""
+    from services.common.errors import Overloaded
+    from tests.clock import Clock
+
+    tok = "tok-a-0123456789abcdef"
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({tok: {"tenant": "a", "rate_per_s": 4, "burst": 8}}))
+    r = reg(tokens_file=str(f))
+    r.clock = clock = Clock(100.0)
+    t = r.authenticate({"authorization": f"Bearer {tok}"})
+    r.check_rate(t)  # 7 left
+    assert r.afford(t, 15) == 15  # -8: the floor of a burst of 8
+    f.write_text(json.dumps({tok: {"tenant": "a", "rate_per_s": 0.25, "burst": 1}}))
+    r.adopt(reg(tokens_file=str(f)))
+    with pytest.raises(Overloaded, match=r"retry in 8\.00s"):
+        r.check_rate(t)  # -1 now, the new floor: 2 requests' worth at 0.25/s
+    clock.t += 8.0
+    r.check_rate(t)
