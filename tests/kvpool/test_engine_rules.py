@@ -1,12 +1,19 @@
 """Rules of the engine that a mutation audit found unguarded: what its stats say and when,
-the codes its refusals carry, and what it counts. The engine is stepped by hand (as in
-test_contracts) where the moment matters."""
+the codes its refusals carry, and what it counts. A second round (draft verification, trees,
+costs, scheduling) added: a prefill preempted before warm-up pins yield, the batch rule
+leaving a lone sequence alone, every tree node counted as proposed and every forward's tokens
+as computed, served costs learnt from one-row steps only, blocks of a proposal refused for
+memory given back at once, a withheld proposal not learnt as rejected, max_draft_tokens
+bounding every forward, accepted draft tokens committed, a cached pure prefill computing
+nothing, and skip_prefix_cache. The engine is stepped by hand (as in test_contracts) where
+the moment matters."""
 
 from __future__ import annotations
 
 from services.common import errors
 from services.kvpool.block_pool import PoolExhausted
-from services.kvpool.engine import Failed, Finished
+from services.kvpool.engine import EngineRequest, Failed, Finished
+from services.kvpool.sampling import SamplingSpec
 from tests.kvpool.conftest import collect, reference_greedy, request
 from tests.kvpool.test_contracts import by_hand, drive, prompt
 
@@ -164,3 +171,249 @@ def test_a_preempted_answer_goes_back_ahead_of_requests_that_never_ran(make_engi
     assert queues == [["b", "c"]]  # "b" preempted, ahead of "c"
     for r, (toks, _) in zip(reqs, res, strict=True):
         assert toks == reference_greedy(tiny_model, list(r.token_ids), r.sampling.max_tokens)
+
+
+# ---- a second round: draft verification, trees, costs, scheduling ---------------------------
+
+def test_a_prefill_is_preempted_before_warm_up_pins_yield_to_a_decoding_answer(
+        make_engine, tiny_model) -> None:
+    """Short of a block for a decoding answer, a newer sequence still prefilling (it holds its
+    whole prompt's blocks, and has streamed nothing) is preempted at once: warm-up pins yield
+    only for decoding answers. Both answers stay exact."""
+    eng = make_engine(num_blocks=8, max_batch_size=2, max_prefill_chunk=2, drafts=False)
+    by_hand(eng)
+    warm = EngineRequest("warm", prompt(8, 60), SamplingSpec(max_tokens=0), prefill_only=True,
+                         pin_ttl_seconds=600)
+    ((_, wfin),) = drive(eng, [warm], lambda e: None)
+    assert wfin.pinned_blocks == 2
+    a, b = prompt(4, 61), prompt(16, 62)
+    _, out_a = eng.submit(request(a, 12, rid="a", ignore_eos=True))
+    eng._drain_inbox(block=False)
+    eng._step()
+    eng._step()  # "a" prefilled (2 chunks) and decoding: 2 blocks
+    assert [s.req.request_id for s in eng._decoding] == ["a"]
+    _, out_b = eng.submit(request(b, 4, rid="b", ignore_eos=True))
+    eng._drain_inbox(block=False)
+    seen = []
+    for _ in range(6):
+        eng._step()
+        eng.check_integrity()
+        pre = eng._prefilling.req.request_id if eng._prefilling else None
+        seen.append((pre, eng.preemptions_total, eng.pool.stats().pinned))
+        if eng.preemptions_total or eng.pool.stats().pinned < 2:
+            break
+    # "a" needed its third block while "b" (4 blocks, 2 tokens a step) was still prefilling.
+    assert seen[-1] == (None, 1, 2), seen
+    drive(eng, [], lambda e: None)
+    toks_a, fin_a = collect(out_a, timeout=1)
+    toks_b, fin_b = collect(out_b, timeout=1)
+    assert isinstance(fin_a, Finished) and toks_a == reference_greedy(tiny_model, a, 12)
+    assert isinstance(fin_b, Finished) and toks_b == reference_greedy(tiny_model, b, 4)
+    eng.pool.release_pins()
+
+
+def test_a_sequence_decoding_alone_is_not_cut_by_the_batch_rule(make_engine, tiny_model) -> None:
+    """The batch rule (`batch_keep`) cuts proposals only with several sequences decoding: one
+    decoding alone verifies what its draft proposes (its lengths are chosen by cost already),
+    even where steep costs would have a batch withhold them."""
+    from services.kvpool.drafting import LadderChoice
+    from tests.assisted.test_batch_gate import STEEP
+
+    eng = make_engine(num_blocks=64, max_batch_size=4, batch_gate=True)
+    eng.draft_ladder = LadderChoice((1, 2, 16), "measured", STEEP)
+    p = prompt(9, 63)
+    ref = reference_greedy(tiny_model, p, 30)
+    draft = [t if i % 3 else (t + 7) % 127 for i, t in enumerate(ref)]  # 1 in 3 wrong
+    toks, fin = collect(eng.submit(request(p, 30, ignore_eos=True, draft=draft))[1])
+    assert isinstance(fin, Finished) and toks == ref
+    assert fin.draft_tokens_proposed > fin.draft_tokens_accepted > 0
+    assert eng.stats().draft_tokens_withheld_total == 0
+
+
+def test_every_node_of_a_verified_tree_counts_as_a_proposed_draft_token(make_engine,
+                                                                        tiny_model) -> None:
+    """A tree forward's proposed draft tokens are all its nodes (the README: "every node
+    counts as a proposed draft token"), not only the branch it followed: with the prompt in
+    one forward, what the forwards computed beyond the prompt and each decode step's own token
+    is what the answer reports proposed."""
+    from tests.assisted.test_draft_tree import crafted
+
+    eng = make_engine(num_blocks=64, block_size=4, max_prefill_chunk=32)
+    widths: list[int] = []
+    forward = eng._forward
+
+    def counting(ids, plan, *a, **kw):
+        widths.append(ids.shape[0] * ids.shape[1])
+        return forward(ids, plan, *a, **kw)
+
+    eng._forward = counting
+    p = prompt(13, 4)
+    ref = reference_greedy(tiny_model, p, 40)
+    toks, fin = collect(eng.submit(request(p, 40, ignore_eos=True, draft=crafted(ref)[0]))[1])
+    assert isinstance(fin, Finished) and toks == ref
+    st = eng.stats()
+    assert st.draft_tree_forwards_total >= 1 and st.draft_tree_branch_wins_total >= 1
+    assert len(widths) == 1 + fin.forward_passes
+    assert fin.draft_tokens_proposed == sum(widths) - len(p) - fin.forward_passes
+    # ... and everything those forwards computed is the answer's computed tokens.
+    assert fin.computed_tokens == sum(widths)
+
+
+def test_served_costs_learn_from_steps_of_one_sequence_only(make_engine, tiny_model) -> None:
+    """`learn_costs` times the steps of a sequence decoding alone (what the timing measured:
+    one row); a step of several rows costs what their rows together do, and taught as a
+    one-row cost it would skew every later choice by cost."""
+    from services.kvpool.drafting import LadderChoice
+    from tests.assisted.test_batch_gate import STEEP
+    from tests.kvpool.test_kvpool_engine import paused
+
+    eng = make_engine(num_blocks=128, max_batch_size=4, drafts=False)
+    eng.draft_ladder = LadderChoice((1, 2, 16), "measured", STEEP)
+    rows_when_taught: list[int] = []
+    observe = eng.served_costs.observe
+
+    def watched(q: int, seconds: float) -> None:
+        rows_when_taught.append(len(eng._decoding))
+        observe(q, seconds)
+
+    eng.served_costs.observe = watched
+    prompts = [prompt(6, 64), prompt(6, 65)]
+    with paused(eng):
+        outs = [eng.submit(request(p, 20, rid=f"b{i}", ignore_eos=True))[1]
+                for i, p in enumerate(prompts)]
+    for p, out in zip(prompts, outs, strict=True):
+        toks, fin = collect(out)
+        assert isinstance(fin, Finished) and toks == reference_greedy(tiny_model, p, 20)
+    assert rows_when_taught and max(rows_when_taught) <= 1, rows_when_taught
+
+
+def test_a_proposal_refused_for_memory_gives_its_blocks_back_in_the_same_step(
+        make_engine, tiny_model, monkeypatch) -> None:
+    """No memory to grow the rows for a draft's proposal: the answer decodes without it, and
+    the pool blocks reserved for the proposal are given back at once (between two steps a
+    sequence holds blocks for its computed tokens only), not when the answer ends."""
+    import sys
+
+    import torch
+
+    eng = make_engine(num_blocks=64, block_size=2)
+    by_hand(eng)
+    real = eng.store.ensure_capacity
+    refused = []
+
+    def grow(num_tokens: int) -> None:
+        if sys._getframe(1).f_code.co_name == "_proposal":
+            refused.append(num_tokens)
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        real(num_tokens)
+
+    monkeypatch.setattr(eng.store, "ensure_capacity", grow)
+    a = prompt(7, 66)
+    want = reference_greedy(tiny_model, a, 12)
+    # drive checks integrity (blocks held against tokens computed) after every step.
+    ((toks, fin),) = drive(eng, [request(a, 12, ignore_eos=True, draft=want)], lambda e: None)
+    assert toks == want and len(refused) > 1 and fin.draft_tokens_proposed == 0
+
+
+def test_a_proposal_the_batch_withheld_is_not_learned_as_rejected(make_engine,
+                                                                  tiny_model) -> None:
+    """A proposal the batch rule cut to nothing was never verified: the draft forgets it
+    (`Draft.trim`), not counts it as a proposal that failed. A draft of the answer withheld
+    while two plain rows decode beside it still proposes long once it decodes alone."""
+    from services.kvpool.drafting import LadderChoice
+    from tests.assisted.test_batch_gate import STEEP
+    from tests.kvpool.test_kvpool_engine import paused
+
+    # Costs as timed (not as served, which vary from run to run).
+    eng = make_engine(num_blocks=128, max_batch_size=4, learn_costs=False)
+    eng.draft_ladder = LadderChoice((1, 2, 16), "measured", STEEP)
+    prompts = [prompt(6 + i, 67 + i) for i in range(3)]
+    ref = reference_greedy(tiny_model, prompts[0], 48)
+    with paused(eng):
+        outs = [eng.submit(request(p, 48 if i == 0 else 12, rid=f"w{i}", ignore_eos=True,
+                                   draft=ref if i == 0 else ()))[1]
+                for i, p in enumerate(prompts)]
+    (toks, fin), *rest = [collect(o) for o in outs]
+    assert toks == ref and all(isinstance(f, Finished) for _, f in rest)
+    assert eng.stats().draft_tokens_withheld_total > 0
+    assert fin.forward_passes <= 17, fin  # 15; 20 when each withheld step counted as a miss
+
+
+def test_max_draft_tokens_bounds_every_forward_whatever_the_ladder(make_engine,
+                                                                   tiny_model) -> None:
+    """max_draft_tokens is the most draft tokens one forward verifies (gamma's bound), also
+    where the ladder the engine is given has a longer rung: a perfect draft of 30 tokens is
+    verified at most 3 at a time, in the prefill's forward and every decode step."""
+    from services.kvpool.drafting import LadderChoice
+
+    eng = make_engine(num_blocks=64, max_prefill_chunk=32, max_draft_tokens=3,
+                      draft_ladder=LadderChoice((1, 2, 16), "configured"))
+    widths: list[int] = []
+    forward = eng._forward
+
+    def counting(ids, plan, *a, **kw):
+        widths.append(ids.shape[1])
+        return forward(ids, plan, *a, **kw)
+
+    eng._forward = counting
+    p = prompt(9, 70)
+    ref = reference_greedy(tiny_model, p, 30)
+    toks, fin = collect(eng.submit(request(p, 30, ignore_eos=True, draft=ref))[1])
+    assert isinstance(fin, Finished) and toks == ref
+    assert fin.draft_tokens_accepted == fin.draft_tokens_proposed > 0
+    assert widths[0] <= len(p) + 3 and max(widths[1:]) <= 1 + 3, widths
+
+
+def test_an_answer_verified_from_a_draft_leaves_all_its_full_blocks_cached(make_engine,
+                                                                           tiny_model) -> None:
+    """Accepted draft tokens are committed with the answer: a next turn that repeats prompt
+    and answer reuses every full block of them (all but the last token have their KV), as it
+    does after an answer decoded token by token."""
+    eng = make_engine(num_blocks=64, max_prefill_chunk=64)
+    for n, seed in ((21, 71), (26, 72), (30, 73)):
+        p = prompt(9, seed)
+        ref = reference_greedy(tiny_model, p, n)
+        toks, fin = collect(eng.submit(request(p, n, ignore_eos=True, draft=ref))[1])
+        assert isinstance(fin, Finished) and toks == ref
+        assert fin.draft_tokens_accepted == fin.draft_tokens_proposed >= n - 5
+        nxt = p + ref + [5, 6]
+        toks, fin = collect(eng.submit(request(nxt, 2, ignore_eos=True))[1])
+        assert toks == reference_greedy(tiny_model, nxt, 2)
+        assert fin.cached_tokens == (len(p) + n - 1) // 4 * 4, (n, fin.cached_tokens)
+
+
+def test_a_prefill_of_a_prefix_cached_whole_computes_nothing(make_engine) -> None:
+    """A pure prefill (warm-up) whose every block is cached already recomputes no token (a
+    generating request recomputes its last one, for its first token's logits): it reports
+    0 computed, the whole prefix cached, and adds nothing to prefill_computed_tokens_total."""
+    eng = make_engine(num_blocks=32)
+    p = prompt(16, 74)
+    warm = [EngineRequest(f"w{i}", p, SamplingSpec(max_tokens=0), prefill_only=True)
+            for i in range(2)]
+    fins = [collect(eng.submit(w)[1])[1] for w in warm]
+    assert all(isinstance(f, Finished) for f in fins)
+    assert [(f.cached_tokens, f.computed_tokens) for f in fins] == [(0, 16), (16, 0)]
+    assert eng.stats().prefill_computed_tokens_total == 16
+
+
+def test_a_request_skipping_the_prefix_cache_reuses_nothing_and_still_caches(
+        make_engine, tiny_model) -> None:
+    """skip_prefix_cache (the proto: "do not reuse cached prefix blocks for this request (its
+    own blocks are still cached)"): a prompt cached already is computed again from scratch,
+    the same answer; with the pool emptied, a later request reuses what such a one cached."""
+    eng = make_engine(num_blocks=64, drafts=False)
+    p = prompt(16, 75)
+    want = reference_greedy(tiny_model, p, 4)
+
+    def run(skip: bool) -> Finished:
+        toks, fin = collect(eng.submit(request(p, 4, ignore_eos=True, skip_prefix_cache=skip))[1])
+        assert toks == want
+        return fin
+
+    assert run(False).cached_tokens == 0
+    fin = run(True)  # the prompt is cached: not reused
+    assert fin.cached_tokens == 0 and fin.computed_tokens == 16 + 3
+    eng.call(eng.pool.clear).result(5)
+    assert run(True).cached_tokens == 0
+    assert run(False).cached_tokens == 15  # what it cached; all but the token recomputed
+
