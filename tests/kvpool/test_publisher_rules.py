@@ -1,0 +1,208 @@
+"""Rules of the publisher that a second mutation audit found unguarded: a lagging shard's
+catch-up waits for its own retry time; sent incremental events never count against the
+backlog limit; a full resync leaves no shard lagging; a lease of 0 is no lease; shards that
+forgot the replica are registered again once; heartbeats keep their interval under a longer
+publish interval; an accepted batch marks the publisher connected."""
+
+from __future__ import annotations
+
+import time
+
+from tests.kvpool.test_publisher_sharded import start_publisher, start_shard, wait_for
+
+
+def test_a_lagging_shard_is_caught_up_only_once_its_retry_time_has_come(make_engine) -> None:
+    """The loop resyncs a lagging shard on the shard's own timer (`_lag_retry_at`, pushed back
+    by each failure): turn after turn passes without a try before that time, and the try
+    comes once it is reached."""
+    (_, ha), (_, hb) = start_shard(), start_shard()
+    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    eng = make_engine(num_blocks=16, hash_key=None)
+    pub = start_publisher(eng, addrs)
+    tries: list[set[str]] = []
+    turns = [0]
+    collect = pub._collect
+
+    def counted() -> None:
+        turns[0] += 1
+        collect()
+
+    def catch_up() -> None:
+        tries.append(set(pub._lagging))
+        pub._lagging = set()
+
+    try:
+        wait_for(lambda: pub.registered and not pub._need_resync and pub.resyncs >= 1)
+        pub._collect, pub._catch_up_lagging = counted, catch_up
+        pub._lag_retry_at = time.monotonic() + 600.0  # as a failed try leaves it
+        pub._lagging = {addrs[1]}
+        wait_for(lambda: turns[0] >= 20)
+        assert tries == []
+        pub._lag_retry_at = time.monotonic()
+        wait_for(lambda: tries == [{addrs[1]}])
+    finally:
+        pub.stop()
+        ha.stop(0)
+        hb.stop(0)
+
+
+def test_sent_incremental_events_leave_the_backlog_limit_where_it_was(make_engine,
+                                                                      monkeypatch) -> None:
+    """Only the rest of a snapshot is exempt from MAX_BACKLOG, counted down as it goes out:
+    incremental events sent never count against it (as a negative count they made a later,
+    small backlog read as an overflow and drop it for a needless resync)."""
+    from services.kvpool import publisher
+    from services.kvpool.block_pool import BlocksStored
+    from tests.kvpool.test_kvpool_publisher import _recording_publisher
+
+    monkeypatch.setattr(publisher, "MAX_BACKLOG", 3)
+    eng = make_engine(num_blocks=32)
+    pub, sent = _recording_publisher(eng)
+    pub.registered, pub._need_resync = True, False
+
+    def events(k: int) -> list[BlocksStored]:
+        hs = [bytes([k, i]) * 8 for i in range(3)]
+        return [BlocksStored(None, [h], [0] * 4, "", h, 0) for h in hs]
+
+    try:
+        for k in range(3):
+            pub._backlog = events(k)  # as _collect takes them: at the limit, not past it
+            pub._publish()
+            assert pub._backlog == [] and pub._snapshot_left == 0
+        eng._events.extend(events(9))
+        pub._collect()
+        assert not pub._need_resync and len(pub._backlog) == 3
+        assert sent == [(False, 3)] * 3
+    finally:
+        pub._client.close()
+
+
+def test_a_full_resync_brings_lagging_shards_up_to_date_too(make_engine) -> None:
+    """A full resync sends the snapshot to every shard, lagging ones included: none is left
+    lagging after it (else each got a second snapshot of its own, and batches skipped it
+    until then)."""
+    from tests.kvpool.test_kvpool_publisher import _recording_publisher
+
+    eng = make_engine(num_blocks=32)
+    pub, sent = _recording_publisher(eng)
+    try:
+        pub.registered = True
+        pub._lagging = {"a"}
+        pub._resync()
+        assert sent == [(True, 0)] and pub._lagging == set() and not pub._need_resync
+    finally:
+        pub._client.close()
+
+
+def test_an_index_that_names_no_lease_leaves_the_heartbeat_interval_as_configured() -> None:
+    """A lease of 0 in an index's answer is the field unset (proto3's default): the heartbeats
+    keep their configured interval (taken as a lease of 0 s, a third of it had the loop beat
+    at every turn, without a pause)."""
+    from types import SimpleNamespace
+
+    from tiercache.v1 import prefix_pb2
+
+    from services.kvpool.publisher import Publisher
+
+    class FakeEngine:
+        pool = SimpleNamespace(block_size=4, num_blocks=50,
+                               hasher=SimpleNamespace(key=b"k", probe=lambda: b""))
+
+        def stats(self):
+            return SimpleNamespace(running=0, waiting=0, blocks_free=50, blocks_cached=0,
+                                   blocks_total=50)
+
+    pub = Publisher(FakeEngine(), address="127.0.0.1:1", replica_id="r", incarnation="i",
+                    public_address="x", model_id="m", heartbeat_seconds=2.0)
+    try:
+        pub._client.heartbeat_shards = lambda *a, **kw: {
+            "a": prefix_pb2.HeartbeatResponse(known=True, lease_seconds=0.0)}
+        pub._heartbeat()
+        assert pub.connected and pub._beat_every == 2.0
+    finally:
+        pub._client.close()
+
+
+def test_shards_that_forgot_the_replica_are_registered_again_once(make_engine) -> None:
+    """Shards a failed call found to have forgotten the replica are registered again on the
+    loop's next turn, once: not again on every later turn (each registration there brings
+    the shard a fresh snapshot)."""
+    (_, ha), (_, hb) = start_shard(), start_shard()
+    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    eng = make_engine(num_blocks=16, hash_key=None)
+    pub = start_publisher(eng, addrs)
+    rejoined: list[set[str]] = []
+    turns = [0]
+    collect, rejoin = pub._collect, pub._rejoin
+
+    def counted() -> None:
+        turns[0] += 1
+        collect()
+
+    def rejoining(forgot: set[str]) -> None:
+        rejoined.append(set(forgot))
+        rejoin(forgot)
+
+    try:
+        wait_for(lambda: pub.registered and not pub._need_resync and pub.resyncs >= 1)
+        pub._collect, pub._rejoin = counted, rejoining
+        pub._forgot = {addrs[1]}  # as the loop's NOT_FOUND handler leaves it
+        wait_for(lambda: rejoined and turns[0] >= 20)
+        assert rejoined == [{addrs[1]}] and pub.registered
+    finally:
+        pub.stop()
+        ha.stop(0)
+        hb.stop(0)
+
+
+def test_heartbeats_keep_their_interval_when_publishing_waits_longer(make_engine) -> None:
+    """An idle loop waits for events at most until the next heartbeat is due: with a publish
+    interval (3 s) longer than the heartbeat's (0.2 s), beats still go out every 0.2 s (they
+    waited the publish interval twice, and the index's lease lapsed in between)."""
+    import grpc
+
+    from services.kvpool.publisher import Publisher
+    from tests.kvpool.conftest import TINY_ID
+
+    (_, h) = start_shard(lease_seconds=10.0)
+    eng = make_engine(num_blocks=16, hash_key=None)
+    pub = Publisher(eng, address=f"127.0.0.1:{h.port}", replica_id="kv-0", incarnation="i",
+                    public_address="x:1", model_id=TINY_ID, heartbeat_seconds=0.2,
+                    publish_interval_seconds=3.0, channel_factory=grpc.insecure_channel)
+    beats: list[float] = []
+    heartbeat = pub._heartbeat
+
+    def counted(*a, **kw) -> None:
+        beats.append(time.monotonic())
+        heartbeat(*a, **kw)
+
+    pub._heartbeat = counted
+    pub.start()
+    try:
+        wait_for(lambda: pub.registered and len(beats) >= 1, timeout=15.0)
+        first = len(beats)
+        # 5 more beats take 1 s; 5 s allows for a loaded host, and is far from the 30 s they
+        # took when the loop waited the publish interval.
+        wait_for(lambda: len(beats) >= first + 5, timeout=5.0)
+    finally:
+        pub.stop()
+        h.stop(0)
+
+
+def test_a_batch_the_index_accepts_marks_the_publisher_connected(make_engine) -> None:
+    """`connected` reads whether the last call to the index went through, a batch as much as
+    a heartbeat or a registration: after an outage the first accepted batch sets it (Stats
+    shows the batch number again), not the next heartbeat."""
+    from services.kvpool.block_pool import BlocksStored
+    from tests.kvpool.test_kvpool_publisher import _recording_publisher
+
+    eng = make_engine(num_blocks=32)
+    pub, sent = _recording_publisher(eng)
+    try:
+        pub.registered, pub._need_resync, pub.connected = True, False, False
+        h = b"\x02" * 16
+        pub._backlog = [BlocksStored(None, [h], [0] * 4, "", h, 0)]
+        pub._publish()
+        assert sent == [(False, 1)] and pub.connected and pub.last_seq == 1
+    finally:
+        pub._client.close()
