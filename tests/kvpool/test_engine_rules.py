@@ -5,8 +5,9 @@ leaving a lone sequence alone, every tree node counted as proposed and every for
 as computed, served costs learnt from one-row steps only, blocks of a proposal refused for
 memory given back at once, a withheld proposal not learnt as rejected, max_draft_tokens
 bounding every forward, accepted draft tokens committed, a cached pure prefill computing
-nothing, and skip_prefix_cache. The engine is stepped by hand (as in test_contracts) where
-the moment matters."""
+nothing, skip_prefix_cache, waiting slots freed by requests that end unadmitted, and the
+draft's guesses after a replaced token verified as a tree. The engine is stepped by hand
+(as in test_contracts) where the moment matters."""
 
 from __future__ import annotations
 
@@ -417,3 +418,44 @@ def test_a_request_skipping_the_prefix_cache_reuses_nothing_and_still_caches(
     assert run(True).cached_tokens == 0
     assert run(False).cached_tokens == 15  # what it cached; all but the token recomputed
 
+
+
+def test_requests_that_end_while_waiting_free_their_waiting_slots(make_engine) -> None:
+    """A request cancelled or timed out before it was admitted no longer counts against
+    max_waiting: else each one held a slot for good, and the replica ended up refusing every
+    request as busy."""
+    import time
+
+    eng = make_engine(max_waiting=2)
+    by_hand(eng)  # nothing is admitted meanwhile
+    for _ in range(3):  # past max_waiting in all
+        _, late = eng.submit(request(prompt(4, 77), 2, rid="late", deadline=time.monotonic() - 1))
+        sid, gone = eng.submit(request(prompt(4, 78), 2, rid="gone"))
+        eng.cancel(sid)
+        eng._drain_inbox(block=False)
+        eng._expire()
+        for out in (late, gone):
+            _, fin = collect(out, timeout=1)
+            assert isinstance(fin, Failed)
+    drive(eng, [request(prompt(4, 79), 2)], lambda e: None)  # and one is served
+
+
+def test_after_the_model_replaces_a_draft_token_its_guesses_are_verified_as_a_tree(
+        make_engine, tiny_model) -> None:
+    """Right after the model replaced draft token r, the next forward verifies the draft's
+    guesses (it goes on at r, an inserted word, or at r + 1, a substituted one) beside the
+    proposal, as one tree (`Draft.alternatives`): the engine moves the draft past every
+    forward's tokens (`Draft.advance`), which is where it learns r. Answers stay exact."""
+    trees = 0
+    for seed in (1, 2):
+        eng = make_engine(num_blocks=64, max_prefill_chunk=16)
+        p = prompt(13, seed)
+        ref = reference_greedy(tiny_model, p, 40)
+        junk = next(t for t in range(1, 127) if t not in ref and t not in p)
+        # A token of the answer found nowhere else, replaced in the draft by one never said.
+        r = next(i for i in range(12, 30) if ref[i] not in ref[:i] + ref[i + 1:] + p)
+        toks, fin = collect(eng.submit(request(p, 40, ignore_eos=True,
+                                               draft=ref[:r] + [junk] + ref[r + 1:]))[1])
+        assert isinstance(fin, Finished) and toks == ref
+        trees += eng.stats().draft_tree_forwards_total
+    assert trees >= 1
