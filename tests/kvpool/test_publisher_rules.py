@@ -2,7 +2,9 @@
 catch-up waits for its own retry time; sent incremental events never count against the
 backlog limit; a full resync leaves no shard lagging; a lease of 0 is no lease; shards that
 forgot the replica are registered again once; heartbeats keep their interval under a longer
-publish interval; an accepted batch marks the publisher connected."""
+publish interval and pace to the shortest lease of the shards; an accepted batch marks the
+publisher connected; a probe answered by an index that forgot the replica fails; batches
+skip lagging shards."""
 
 from __future__ import annotations
 
@@ -204,5 +206,85 @@ def test_a_batch_the_index_accepts_marks_the_publisher_connected(make_engine) ->
         pub._backlog = [BlocksStored(None, [h], [0] * 4, "", h, 0)]
         pub._publish()
         assert sent == [(False, 1)] and pub.connected and pub.last_seq == 1
+    finally:
+        pub._client.close()
+
+
+def _heartbeating_publisher(answers: dict[str, tuple[bool, float]]):
+    """A publisher over a fake engine whose index answers heartbeats per shard with (known,
+    lease seconds); heartbeats every 30 s unless a lease says otherwise."""
+    from types import SimpleNamespace
+
+    from tiercache.v1 import prefix_pb2
+
+    from services.kvpool.publisher import Publisher
+
+    class FakeEngine:
+        pool = SimpleNamespace(block_size=4, num_blocks=50,
+                               hasher=SimpleNamespace(key=b"k", probe=lambda: b""))
+
+        def stats(self):
+            return SimpleNamespace(running=0, waiting=0, blocks_free=50, blocks_cached=0,
+                                   blocks_total=50)
+
+    pub = Publisher(FakeEngine(), address=",".join(answers), replica_id="r", incarnation="i",
+                    public_address="x", model_id="m", heartbeat_seconds=30.0)
+    pub._client.heartbeat_shards = lambda *a, **kw: {
+        a: prefix_pb2.HeartbeatResponse(known=k, lease_seconds=lease)
+        for a, (k, lease) in answers.items()}
+    return pub
+
+
+def test_heartbeats_pace_to_the_shortest_lease_of_the_shards() -> None:
+    """Shards that give different leases: heartbeats go every third of the shortest, else the
+    shard with the shortest lease dropped a healthy replica between two beats."""
+    pub = _heartbeating_publisher({"127.0.0.1:1": (True, 9.0), "127.0.0.1:2": (True, 30.0)})
+    try:
+        pub._heartbeat()
+        assert pub._beat_every == 3.0
+    finally:
+        pub._client.close()
+
+
+def test_a_probe_answered_by_an_index_that_forgot_the_replica_fails() -> None:
+    """The heartbeat before a snapshot after an outage (`_probe`) counts only if the index
+    knows the replica: one that forgot it (restarted) fails the probe, so the loop registers
+    again before it takes a snapshot (a pass over the pool on the engine thread), not after
+    sending one to an index that refuses it."""
+    pub = _heartbeating_publisher({"127.0.0.1:1": (False, 9.0)})
+    try:
+        pub.registered = True
+        assert pub._probe(None) is False and not pub.registered
+    finally:
+        pub._client.close()
+
+
+def test_batches_skip_lagging_shards(make_engine) -> None:
+    """A batch goes to the shards in step only: a lagging one gets a snapshot later (the
+    events would change nothing there), and a hung one held every batch for its timeout."""
+    import grpc
+
+    from services.common.prefix_client import PublishOutcome
+    from services.kvpool.block_pool import BlocksStored
+    from services.kvpool.publisher import Publisher
+    from tests.kvpool.conftest import TINY_ID
+
+    eng = make_engine(num_blocks=32)
+    a, b = "127.0.0.1:1", "127.0.0.1:2"
+    pub = Publisher(eng, address=f"{a},{b}", replica_id="kv-0", incarnation="i",
+                    public_address="x:1", model_id=TINY_ID, channel_factory=grpc.insecure_channel)
+    to: list = []
+
+    def publish_events(rid, inc, events, resync=False, only=None):
+        to.append(only)
+        return PublishOutcome(False, [], {s: 1 for s in (only or (a, b))}, {})
+
+    pub._client.publish_events = publish_events
+    try:
+        pub.registered, pub._need_resync, pub._lagging = True, False, {b}
+        h = b"\x03" * 16
+        pub._backlog = [BlocksStored(None, [h], [0] * 4, "", h, 0)]
+        pub._publish()
+        assert to == [{a}] and pub._backlog == [] and pub._lagging == {b}
     finally:
         pub._client.close()
