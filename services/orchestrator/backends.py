@@ -270,6 +270,7 @@ class ReplicaSet:
                     log.error("replica %s at %s is out of routing: %s", s.replica_id,
                               r.address, wrong)
                 r.health.fail(wrong, hold=True)
+                r.slow_polls = 0  # it answered: the row of timed-out polls is broken
                 self._lost(r)
                 return
             restarted = (r.stats is not None and s.incarnation

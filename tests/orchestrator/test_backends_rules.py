@@ -237,3 +237,20 @@ def test_only_timed_out_polls_in_a_row_mark_a_replica_hung():
         r.stub = s
         rs.poll_once()
     assert r.health.healthy and cancelled == []
+
+
+def test_an_answer_refused_for_its_model_breaks_the_row_of_timed_out_polls():
+    """`replica_hung_polls` counts missed polls in a row: a replica that answers between two
+    timed-out polls, even with another model (held out of routing for that), missed none
+    then; one more timed-out poll does not mark it hung and cancel its calls in flight."""
+    slow = FailingStats(grpc.StatusCode.DEADLINE_EXCEEDED)
+    r = Replica("r0", slow, Health("kvpool", "r0"), replica_id="r0")
+    rs = ReplicaSet(addresses=(), internal_token="", model_id="m", hung_polls=2)
+    rs.replicas.append(r)
+    cancelled: list[int] = []
+    rs.watch(r, lambda: cancelled.append(1))
+    for stub in (slow, Answering(replica_id="r0", model_id="m2"), slow):
+        r.stub = stub
+        rs.poll_once()
+    assert not r.health.healthy  # out of routing for its model
+    assert cancelled == [] and r.downs == 0  # but not found hung
