@@ -587,3 +587,53 @@ def test_a_database_folder_the_service_cannot_write_is_named():
     finally:
         folder.chmod(0o755)
         shutil.rmtree(folder, ignore_errors=True)
+
+
+def test_ttls_are_capped_a_chunk_per_transaction_and_a_failure_keeps_the_chunks_written(
+        tmp_path, monkeypatch):
+    """cap_ttls rewrites rows WRITE_CHUNK at a time, each chunk committed: a lowered limit
+    matches every row, and one transaction needed a WAL about the database's size (a fuller
+    disk failed it at every start). TTLs of 0 or less ("never") are capped with `never`."""
+    import contextlib
+
+    import services.semantic.store as store_mod
+    from services.common.errors import ResourceExhausted
+
+    monkeypatch.setattr(store_mod, "WRITE_CHUNK", 2)
+    path = str(tmp_path / "s.db")
+    st = EntryStore(path)
+    try:
+        ttls = {"a": 10, "b": 500, "c": 600, "d": 0, "e": -5, "f": 50, "g": 800}
+        for eid, ttl in ttls.items():
+            insert(st, eid, ttl_seconds=ttl)
+        commits = []
+        st._db.set_trace_callback(lambda sql: commits.append(sql) if sql == "COMMIT" else None)
+        assert st.cap_ttls(100, never=False) == 3  # b, c, g: two chunks
+        assert len(commits) == 2
+        with sqlite3.connect(path) as other:
+            got = dict(other.execute("SELECT id, ttl_seconds FROM entries"))
+        assert got == {**ttls, "b": 100, "c": 100, "g": 100}
+
+        real, calls = st._transaction, []
+
+        @contextlib.contextmanager
+        def second_is_full():
+            calls.append(1)
+            if len(calls) == 2:
+                raise sqlite3.OperationalError("database or disk is full")
+            with real():
+                yield
+
+        monkeypatch.setattr(st, "_transaction", second_is_full)
+        with pytest.raises(ResourceExhausted):
+            st.cap_ttls(40, never=True)  # all but a (10) match: 6 rows, 3 chunks
+        with sqlite3.connect(path) as other:
+            got = dict(other.execute("SELECT id, ttl_seconds FROM entries"))
+        assert sorted(got.values()).count(40) == 2  # the first chunk stayed written
+        monkeypatch.setattr(st, "_transaction", real)
+        assert st.cap_ttls(40, never=True) == 4
+        with sqlite3.connect(path) as other:
+            got = dict(other.execute("SELECT id, ttl_seconds FROM entries"))
+        assert got == {**{k: 40 for k in ttls}, "a": 10}
+    finally:
+        st.close()
