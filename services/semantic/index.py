@@ -455,22 +455,29 @@ class NamespaceIndex:
 
     def search(self, vec: np.ndarray, k: int = 1) -> list[Neighbor]:
         """The `k` most similar live entries, best first. Never blocks on writers."""
-        snap = self._snap
-        n = snap.count[0]
-        total = len(snap.main_labels) + n
         q = np.asarray(vec, np.float32).reshape(1, -1)
         _apply_search_threads()
-        # Tombstoned rows may fill the top of the list; the snapshot may even hold rows whose
-        # tombstones a newer snapshot already purged. Fetch extra, and more until the k best
-        # live rows are known: k live rows are not enough when one source's fetched rows were
-        # all tombstones (a popular question invalidated a dozen times) and the other's live
-        # ones score lower than what the first holds beyond them.
-        want = k + _EXTRA_K
         while True:
-            live, floor = self._search_snapshot(snap, n, q, want)
-            if (len(live) >= k and live[k - 1].score >= floor) or want >= total:
+            snap = self._snap
+            n = snap.count[0]
+            total = len(snap.main_labels) + n
+            # Tombstoned rows may fill the top of the list; the snapshot may even hold rows
+            # whose tombstones a newer snapshot already purged. Fetch extra, and more until the
+            # k best live rows are known: k live rows are not enough when one source's fetched
+            # rows were all tombstones (a popular question invalidated a dozen times) and the
+            # other's live ones score lower than what the first holds beyond them.
+            want = k + _EXTRA_K
+            while True:
+                live, floor = self._search_snapshot(snap, n, q, want)
+                if (len(live) >= k and live[k - 1].score >= floor) or want >= total:
+                    break
+                want *= 4
+            # A label purged by a merge published meanwhile may have been added again (a
+            # purged label is free): `snap` still holds its old row, which passed as live and
+            # scored the label by a vector it no longer has (at 1.0 for a query equal to the
+            # old one). Every merge publishes new main labels: search the new snapshot then.
+            if self._snap.main_labels is snap.main_labels:
                 return live[:k]
-            want *= 4
 
     def _search_snapshot(self, snap: _Snapshot, n: int, q: np.ndarray,
                          want: int) -> tuple[list[Neighbor], float]:

@@ -63,6 +63,30 @@ def test_a_label_still_indexed_is_not_taken_again(hnsw_min):
     assert idx.search(vecs[35], 1)[0].label == 3
 
 
+def test_a_label_purged_and_added_again_during_a_search_is_not_scored_by_its_old_vector():
+    """A search holds the snapshot it read; a merge purging a removed label, then an add of
+    that label (free again) meanwhile, left the old row there and the label live: the search
+    returned it scored by the vector it no longer has (1.0 for a query equal to it)."""
+    rng = np.random.default_rng(7)
+    vecs = _unit(rng, 41, 16)
+    idx = NamespaceIndex(IndexParams(16, hnsw_min_entries=1000), background=False)
+    idx.add_many(np.arange(40), vecs[:40])
+    real = idx._search_snapshot
+
+    def racing(*a, **kw):
+        idx._search_snapshot = real  # once: the search has read its snapshot, then a writer
+        assert idx.remove(3)
+        idx.compact()
+        idx.add(3, vecs[40])
+        return real(*a, **kw)
+
+    idx._search_snapshot = racing
+    got = idx.search(vecs[3], 5)
+    assert [(nb.label, round(nb.score, 5)) for nb in got] == \
+        [(nb.label, round(nb.score, 5)) for nb in idx.search_exact(vecs[3], 5)]
+    assert got[0].label != 3
+
+
 # Delta rows: fewer than a pass fetches, or more (the delta is cut, and the floor must be the
 # higher of the two sources' cuts: a mutation audit found nothing checking it).
 @pytest.mark.parametrize("delta_rows", [4, 30])
