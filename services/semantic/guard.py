@@ -622,7 +622,7 @@ def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
             spans.setdefault(key, Span(key, run_first, run_first + len(run) - 1))
             run.clear()
 
-    prev = ""
+    prev = prev_word = ""
     number_before = False  # the word before can end a number (`_ends_number`)
     for k, t in enumerate(tokens):
         if not _is_word(t) or t == "n't":
@@ -635,11 +635,16 @@ def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
         pos += 1
         after_number = number_before or (
             prev.lower() in ("degree", "degrees") and _UNIT_FORMS.get(t.lower()) in _DEGREE_SCALES)
-        prev, number_before = t, _ends_number(t, prev)
-        if (after_number and t.lower() in _UNIT_FORMS) or _roman(tokens, k) is not None:
+        # The word before, as `_numbers` reads it: "no, one GB" is no number ("no one").
+        prev, prev_word, number_before = t, t, _ends_number(t, prev_word)
+        unit = _UNIT_FORMS.get(t.lower()) if after_number else None
+        if ((unit is not None and not (t[0].isupper() and unit in _IMPLIED_UNITS))
+                or _roman(tokens, k) is not None):
             # A unit after its number ("500 MB", "20 USD", "5 million USD", "-10 C") is the
             # number's, compared with it in any spelling ("500 megabytes"), not an entity the
-            # other text must write.
+            # other text must write. Not a capitalised unit that a bare number matches
+            # (`numbers_agree`): "five MS patients" / "five patients" agree as numbers, and
+            # MS (or SEC, H, Year) there is a name the other text lacks.
             close()
             start = False
             continue
