@@ -190,6 +190,10 @@ class ReplicaSet:
     # gone): routing forgets what it sent there.
     on_lost: list[Callable[[str], None]] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Answers are applied one at a time: a late one is applied on the asker's thread, and two
+    # replicas left at one replica id, answering together, each passed the duplicate-id check
+    # before the other took the id, and both entered routing.
+    _applying: threading.RLock = field(default_factory=threading.RLock)
     _stop: threading.Event = field(default_factory=threading.Event)
     _asker: ThreadPoolExecutor = field(init=False)
     # Each replica's Stats call still under way or not yet applied (index -> future): a hung
@@ -256,7 +260,8 @@ class ReplicaSet:
         """Apply replica i's Stats answer (or failure); then it may be asked again."""
         try:
             if not self._stop.is_set():
-                self._apply_answer(i, ours_before, fut)
+                with self._applying:
+                    self._apply_answer(i, ours_before, fut)
         finally:
             self._pending.pop(i, None)
 

@@ -3,6 +3,8 @@ that no other test pinned down; each over fakes of the replicas or shards."""
 
 from __future__ import annotations
 
+import threading
+
 import grpc
 import pytest
 from tiercache.v1 import kvpool_pb2, semantic_pb2
@@ -254,3 +256,41 @@ def test_an_answer_refused_for_its_model_breaks_the_row_of_timed_out_polls():
         rs.poll_once()
     assert not r.health.healthy  # out of routing for its model
     assert cancelled == [] and r.downs == 0  # but not found hung
+
+
+def test_two_answers_under_one_replica_id_applied_at_once_let_only_one_in(monkeypatch):
+    """Answers are applied as they come, a late one on the asker's thread: two replicas left
+    at one replica id, answering at the same moment, each passed the duplicate-id check
+    before the other took the id, and both entered routing. Answers are applied one at a
+    time."""
+    from concurrent.futures import Future
+
+    rs = ReplicaSet(addresses=(), internal_token="", model_id="m")
+    reps = [Replica(f"a{i}", Answering(replica_id="kvpool-0", model_id="m"),
+                    Health("kvpool", f"a{i}"), replica_id=f"a{i}") for i in range(2)]
+    rs.replicas.extend(reps)
+    both = threading.Barrier(2)
+    real = rs._id_taken
+
+    def checked_together(r, s):
+        taken = real(r, s)
+        try:
+            both.wait(timeout=1.0)  # met only where two answers are applied at once
+        except threading.BrokenBarrierError:
+            pass
+        return taken
+
+    monkeypatch.setattr(rs, "_id_taken", checked_together)
+
+    def answered(i: int) -> Future:
+        f: Future = Future()
+        f.set_result((reps[i].stub.answer, 0))
+        return f
+
+    threads = [threading.Thread(target=rs._apply, args=(i, 0, answered(i))) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert [r.health.healthy for r in reps].count(True) == 1
+    assert len(rs.healthy()) == 1
