@@ -120,7 +120,7 @@ class OrchestratorConfig:
     # Hot prefixes the loop asks the index for each cycle (0 = loop off).
     warm_top_k: int = 8
     # Mean load (active sequences) per healthy replica at or under which the loop warms (0 =
-    # only while no replica has a sequence running).
+    # only while no healthy replica has a sequence running).
     warm_max_load: float = 0.25
     # Most prefills the loop sends per cycle.
     warm_max_prompts_per_cycle: int = 4

@@ -127,7 +127,10 @@ class SemanticConfig:
     # Weights of the verifier; "" = the committed services/semantic/verifier.json.
     verifier_path: str = ""
     # Lifecycle and limits.
-    default_ttl_seconds: int = 7 * 24 * 3600  # 0 = never expire
+    # TTL of an entry stored without one; 0 = never expire. Set above 0, the next start gives
+    # entries stored to never expire max_ttl_seconds, for good (setting it back to 0 does not
+    # make them never expire again).
+    default_ttl_seconds: int = 7 * 24 * 3600
     # Longest TTL an entry may have (a longer one is cut to it). Lowered, it cuts the stored
     # entries' TTLs at the next start for good: raising it again does not lengthen them (an
     # answer expired under the cut was served again).
