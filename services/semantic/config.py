@@ -126,7 +126,6 @@ class SemanticConfig:
     verifier_tiers: tuple[str, ...] = ("strict", "standard")
     # Weights of the verifier; "" = the committed services/semantic/verifier.json.
     verifier_path: str = ""
-    # Lifecycle and limits.
     # TTL of an entry stored without one; 0 = never expire. Set above 0, the next start gives
     # entries stored to never expire max_ttl_seconds, for good (setting it back to 0 does not
     # make them never expire again).
