@@ -391,17 +391,15 @@ def test_no_memory_to_grow_the_rows_fails_only_the_request_that_needed_it(
     assert "device memory exhausted" in str(fin_long.error)
 
 
-def test_no_memory_for_a_draft_proposal_decodes_without_it(make_engine, tiny_model,
-                                                            monkeypatch) -> None:
-    """The rows growing for a draft's proposal failed the step, and with it every answer; now
-    the proposal is withdrawn (its blocks given back) and the answer is decoded as usual."""
+def no_memory_for_proposals(eng, monkeypatch) -> list[int]:
+    """Makes the pool refuse (as a device out of memory) every growth a draft proposal asks
+    for, other growth allowed; returns the list of refused sizes, filled as it goes."""
     import sys
 
     import torch
 
-    eng = make_engine(num_blocks=64)
     real = eng.store.ensure_capacity
-    refused = []
+    refused: list[int] = []
 
     def grow(num_tokens: int) -> None:
         if sys._getframe(1).f_code.co_name == "_proposal":
@@ -410,6 +408,15 @@ def test_no_memory_for_a_draft_proposal_decodes_without_it(make_engine, tiny_mod
         real(num_tokens)
 
     monkeypatch.setattr(eng.store, "ensure_capacity", grow)
+    return refused
+
+
+def test_no_memory_for_a_draft_proposal_decodes_without_it(make_engine, tiny_model,
+                                                            monkeypatch) -> None:
+    """The rows growing for a draft's proposal failed the step, and with it every answer; now
+    the proposal is withdrawn (its blocks given back) and the answer is decoded as usual."""
+    eng = make_engine(num_blocks=64)
+    refused = no_memory_for_proposals(eng, monkeypatch)
     a = prompt(8, 52)
     want = reference_greedy(tiny_model, a, 10)
     toks, fin = collect(eng.submit(request(a, 10, rid="d", ignore_eos=True, draft=want))[1])

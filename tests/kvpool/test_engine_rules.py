@@ -16,7 +16,7 @@ from services.kvpool.block_pool import PoolExhausted
 from services.kvpool.engine import EngineRequest, Failed, Finished
 from services.kvpool.sampling import SamplingSpec
 from tests.kvpool.conftest import collect, reference_greedy, request
-from tests.kvpool.test_contracts import by_hand, drive, prompt
+from tests.kvpool.test_contracts import by_hand, drive, no_memory_for_proposals, prompt
 
 
 def test_a_finished_requests_stats_are_out_before_its_result(make_engine) -> None:
@@ -293,22 +293,9 @@ def test_a_proposal_refused_for_memory_gives_its_blocks_back_in_the_same_step(
     """No memory to grow the rows for a draft's proposal: the answer decodes without it, and
     the pool blocks reserved for the proposal are given back at once (between two steps a
     sequence holds blocks for its computed tokens only), not when the answer ends."""
-    import sys
-
-    import torch
-
     eng = make_engine(num_blocks=64, block_size=2)
     by_hand(eng)
-    real = eng.store.ensure_capacity
-    refused = []
-
-    def grow(num_tokens: int) -> None:
-        if sys._getframe(1).f_code.co_name == "_proposal":
-            refused.append(num_tokens)
-            raise torch.OutOfMemoryError("CUDA out of memory")
-        real(num_tokens)
-
-    monkeypatch.setattr(eng.store, "ensure_capacity", grow)
+    refused = no_memory_for_proposals(eng, monkeypatch)
     a = prompt(7, 66)
     want = reference_greedy(tiny_model, a, 12)
     # drive checks integrity (blocks held against tokens computed) after every step.

@@ -9,8 +9,20 @@ skip lagging shards."""
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 from tests.kvpool.test_publisher_sharded import start_publisher, start_shard, wait_for
+
+
+class IdleEngine:
+    """An engine with nothing running and every block free (what a publisher reads of it)."""
+
+    pool = SimpleNamespace(block_size=4, num_blocks=50,
+                           hasher=SimpleNamespace(key=b"k", probe=lambda: b""))
+
+    def stats(self):
+        return SimpleNamespace(running=0, waiting=0, blocks_free=50, blocks_cached=0,
+                               blocks_total=50)
 
 
 def test_a_lagging_shard_is_caught_up_only_once_its_retry_time_has_come(make_engine) -> None:
@@ -100,21 +112,11 @@ def test_an_index_that_names_no_lease_leaves_the_heartbeat_interval_as_configure
     """A lease of 0 in an index's answer is the field unset (proto3's default): the heartbeats
     keep their configured interval (taken as a lease of 0 s, a third of it had the loop beat
     at every turn, without a pause)."""
-    from types import SimpleNamespace
-
     from tiercache.v1 import prefix_pb2
 
     from services.kvpool.publisher import Publisher
 
-    class FakeEngine:
-        pool = SimpleNamespace(block_size=4, num_blocks=50,
-                               hasher=SimpleNamespace(key=b"k", probe=lambda: b""))
-
-        def stats(self):
-            return SimpleNamespace(running=0, waiting=0, blocks_free=50, blocks_cached=0,
-                                   blocks_total=50)
-
-    pub = Publisher(FakeEngine(), address="127.0.0.1:1", replica_id="r", incarnation="i",
+    pub = Publisher(IdleEngine(), address="127.0.0.1:1", replica_id="r", incarnation="i",
                     public_address="x", model_id="m", heartbeat_seconds=2.0)
     try:
         pub._client.heartbeat_shards = lambda *a, **kw: {
@@ -213,21 +215,12 @@ def test_a_batch_the_index_accepts_marks_the_publisher_connected(make_engine) ->
 def _heartbeating_publisher(answers: dict[str, tuple[bool, float]]):
     """A publisher over a fake engine whose index answers heartbeats per shard with (known,
     lease seconds); heartbeats every 30 s unless a lease says otherwise."""
-    from types import SimpleNamespace
 
     from tiercache.v1 import prefix_pb2
 
     from services.kvpool.publisher import Publisher
 
-    class FakeEngine:
-        pool = SimpleNamespace(block_size=4, num_blocks=50,
-                               hasher=SimpleNamespace(key=b"k", probe=lambda: b""))
-
-        def stats(self):
-            return SimpleNamespace(running=0, waiting=0, blocks_free=50, blocks_cached=0,
-                                   blocks_total=50)
-
-    pub = Publisher(FakeEngine(), address=",".join(answers), replica_id="r", incarnation="i",
+    pub = Publisher(IdleEngine(), address=",".join(answers), replica_id="r", incarnation="i",
                     public_address="x", model_id="m", heartbeat_seconds=30.0)
     pub._client.heartbeat_shards = lambda *a, **kw: {
         a: prefix_pb2.HeartbeatResponse(known=k, lease_seconds=lease)

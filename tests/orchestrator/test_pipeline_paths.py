@@ -146,6 +146,27 @@ class Cancellable:
         return True
 
 
+class HungIndex:
+    """A prefix index whose Match hangs (up to `timeout_s`) until the caller cancels it; each
+    call is kept in `probes`, `started` set once one is under way."""
+
+    timeout_s = 5.0
+
+    def __init__(self) -> None:
+        self.probes: list[Cancellable] = []
+        self.started = threading.Event()
+
+    def match(self, hashes, model_id, timeout=None, probe=False, on_call=None):
+        call = Cancellable()
+        self.probes.append(call)
+        if on_call is not None:
+            on_call(call)
+        self.started.set()
+        if call.cancelled.wait(self.timeout_s):
+            raise grpc.FutureCancelledError()
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 class Stub:
     def __init__(self, rid: str, calls: list[Call]) -> None:
         self.rid, self.calls, self.requests = rid, list(calls), []
@@ -962,23 +983,6 @@ def test_a_warm_for_owners_keeps_its_deadline_with_a_hung_index():
 def test_a_warm_owner_probe_under_way_is_cancelled_when_its_caller_goes():
     """A Warm's caller gone during an owner probe of a hung index: the probe ran to the
     index's timeout (at most 0.5 s each); now it is cancelled at once, and no prefill is sent."""
-
-    class HungIndex:
-        timeout_s = 5.0
-
-        def __init__(self) -> None:
-            self.probes: list[Cancellable] = []
-            self.started = threading.Event()
-
-        def match(self, hashes, model_id, timeout=None, probe=False, on_call=None):
-            call = Cancellable()
-            self.probes.append(call)
-            if on_call is not None:
-                on_call(call)
-            self.started.set()
-            if call.cancelled.wait(self.timeout_s):
-                raise grpc.FutureCancelledError()
-            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
 
     index = HungIndex()
     stubs, warmer, prompts = _warmer_over(index, 3)

@@ -792,24 +792,7 @@ def test_the_warm_rpc_hands_its_warmer_the_callers_deadline_and_cancel():
     ends, an owner probe of a hung index under way is cancelled and nothing is prefilled."""
     from services.orchestrator.render import PromptRenderer
     from services.orchestrator.server import Warmer
-    from tests.orchestrator.test_pipeline_paths import Cancellable, Stub, Tok, make
-
-    class HungIndex:
-        timeout_s = 5.0
-
-        def __init__(self) -> None:
-            self.probes: list = []
-            self.started = threading.Event()
-
-        def match(self, hashes, model_id, timeout=None, probe=False, on_call=None):
-            call = Cancellable()
-            self.probes.append(call)
-            if on_call is not None:
-                on_call(call)
-            self.started.set()
-            if call.cancelled.wait(self.timeout_s):
-                raise grpc.FutureCancelledError()
-            raise grpc.RpcError()
+    from tests.orchestrator.test_pipeline_paths import HungIndex, Stub, Tok, make
 
     s, _ = servicer(STREAM_HEADROOM + 1)
     index = HungIndex()
