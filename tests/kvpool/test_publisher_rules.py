@@ -215,7 +215,6 @@ def test_a_batch_the_index_accepts_marks_the_publisher_connected(make_engine) ->
 def _heartbeating_publisher(answers: dict[str, tuple[bool, float]]):
     """A publisher over a fake engine whose index answers heartbeats per shard with (known,
     lease seconds); heartbeats every 30 s unless a lease says otherwise."""
-
     from tiercache.v1 import prefix_pb2
 
     from services.kvpool.publisher import Publisher
