@@ -396,6 +396,11 @@ def test_an_export_damaged_but_of_its_size_is_exported_again_once(tmp_path, monk
     real = onnx_export.ensure_onnx(cfg.resolved_model_dir(), default_cache_dir(), name)
     cached = tmp_path / "onnx" / name
     shutil.copytree(real, cached)
+    # Made from this checkout's model folder: the shared cache's export may come from another
+    # checkout (another path), and a damaged export of another folder is not ours to replace.
+    meta = json.loads((cached / "meta.json").read_text())
+    meta["source"] = os.path.realpath(cfg.resolved_model_dir())
+    (cached / "meta.json").write_text(json.dumps(meta))
 
     def damage(folder: Path) -> None:
         with open(folder / "model.onnx", "r+b") as f:
