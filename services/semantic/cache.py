@@ -337,6 +337,9 @@ class SemanticCache:
         # compacted away (`_compact_expiry_heap`).
         self._expiry_heap: list[tuple[float, int]] = []
         self._expiry_examined = 0  # heap items popped by `expire` (tests count the work)
+        # Labels an `expire` under way popped as due and has not yet dropped from memory
+        # (SQLite first): a Store past capacity purges them too (see `store_entry`).
+        self._expiring: set[int] = set()
         self._latency: deque[float] = deque(maxlen=10_000)
         self._m = _metrics()
 
@@ -717,7 +720,10 @@ class SemanticCache:
                         # Past capacity: entries already expired (the housekeeper purges
                         # them every expiry_interval_s) go first. By LRU alone a live answer
                         # was evicted while a dead one kept its slot.
+                        # Also those an expire under way took off the heap: by LRU alone a
+                        # live entry was evicted beside them while their delete ran.
                         due = [lab for _, lab in self._due_locked(now)]
+                        due += [lab for lab in self._expiring if lab in self._entries]
                         for lab in due:
                             self._drop_locked(lab)
                             dropped.append(lab)
@@ -998,7 +1004,8 @@ class SemanticCache:
         now = self.clock()
         with self._lock:
             due = self._due_locked(now)
-        labels = [lab for _, lab in due]
+            labels = [lab for _, lab in due]
+            self._expiring.update(labels)
         gone: list[int] = []
         try:
             self.store.delete(labels, gone)
@@ -1007,6 +1014,7 @@ class SemanticCache:
             # the rest are due again at the next tick.
             n = self._drop_in_chunks(gone)
             with self._lock:
+                self._expiring.difference_update(labels)
                 self._expired += n
                 if len(gone) < len(labels):
                     done = set(gone)

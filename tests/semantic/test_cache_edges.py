@@ -942,3 +942,42 @@ def test_an_exact_repeat_refused_by_a_check_is_searched_as_before(cache_factory)
     assert not r.hit and not r.exact and r.guard_rejected
     assert emb.calls == ["Is it safe?"] and refused == ["Is it safe?", "Is it safe?"]
     assert cache.get(e.id).hit_count == 0
+
+
+def test_a_store_past_capacity_purges_what_an_expiry_under_way_took_not_a_live_entry(
+        make_cache, clock, monkeypatch):
+    """Past capacity a Store purges expired entries before it evicts a live one. With the
+    housekeeper's expiry under way (it had taken the due entries off its heap and was deleting
+    their rows), the Store found nothing due and evicted the live entry beside the expired
+    one: a live answer lost while a dead one kept its slot, and Stats counting an eviction
+    where no order of the two calls gives one (found by the concurrency differential test)."""
+    c = make_cache(max_entries_per_namespace=2)
+    c.store_entry(A, "live", "live answer")  # least recently used, never expires
+    c.store_entry(A, "dying", "dying answer", ttl_seconds=5)
+    clock.t += 6
+    real = c.store.delete
+    deleting, release = threading.Event(), threading.Event()
+
+    def held_delete(labels, committed=None):
+        if labels and not deleting.is_set():  # the expiry's delete: held
+            deleting.set()
+            assert release.wait(10)
+        return real(labels, committed)
+
+    monkeypatch.setattr(c.store, "delete", held_delete)
+    out: dict[str, int] = {}
+    ex = threading.Thread(target=lambda: out.setdefault("expired", c.expire()), daemon=True)
+    ex.start()
+    try:
+        assert deleting.wait(10)
+        c.store_entry(A, "new", "new answer")
+    finally:
+        release.set()
+        ex.join(10)
+    assert not ex.is_alive()
+    assert c.lookup(A, "live", tier="strict").hit
+    s = c.stats()
+    assert (s.entries, s.evictions_total, s.expirations_total) == (2, 0, 1)
+    assert out["expired"] == 0  # the Store purged it; the expiry found it gone
+    assert c.store.count() == 2
+    c.check_integrity()
