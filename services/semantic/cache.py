@@ -49,6 +49,7 @@ RECENT_VECTORS = 256  # looked-up texts whose vectors a following Store may take
 _HEX = re.compile(r"[0-9a-fA-F]*")
 _CANDIDATES = 4  # neighbours fetched first; more (x4 each round) while they could still hit
 _MAX_CANDIDATES = 256  # at most this many neighbours per lookup (each refusal costs a check)
+_SEARCHES = 3  # a lookup searches again while candidates vanish under it, at most this often
 _DROP_CHUNK = 1000  # entries removed from memory per hold of the cache lock
 # The expiry heap is compacted once it holds this many items more than twice the entries.
 _EXPIRY_HEAP_SLACK = 4096
@@ -502,12 +503,27 @@ class SemanticCache:
         return getattr(inner, "max_seq_length", "?")
 
     def _search(self, ns, vec, text, resolved, want_draft, text_over=False) -> LookupResult:
+        """The search (`_search_once`), again when it missed while a candidate it found left
+        memory before it was read: the search reads the index without the lock, and a Store
+        replacing that entry (the new one in, the old one out, in one hold of the lock) made a
+        lookup miss although the namespace held an answer throughout."""
+        for _ in range(_SEARCHES):
+            result, vanished = self._search_once(ns, vec, text, resolved, want_draft, text_over)
+            if result.hit or not vanished:
+                break
+        return result
+
+    def _search_once(self, ns, vec, text, resolved, want_draft, text_over=False
+                     ) -> tuple[LookupResult, bool]:
+        """One search, and whether a candidate it found was gone from memory when read."""
         index = self._indexes.get(ns)
         if index is None:
-            return LookupResult(False, None, 0.0, resolved.threshold, resolved.tier)
+            return LookupResult(False, None, 0.0, resolved.threshold, resolved.tier), False
         now = self.clock()
         if text_over:
-            return self._search_over_window(ns, index, vec, text, resolved, want_draft, now)
+            return (self._search_over_window(ns, index, vec, text, resolved, want_draft, now),
+                    False)
+        vanished = False
         best: Entry | None = None
         best_sim, best_th = 0.0, resolved.threshold
         rejected, reason = False, ""
@@ -525,7 +541,10 @@ class SemanticCache:
                     continue
                 seen.add(nb.label)
                 e = self._entries.get(nb.label)
-                if e is None or e.expired(now):
+                if e is None:
+                    vanished = True  # a Store or a removal under way (the lock is held)
+                    continue
+                if e.expired(now):
                     continue
                 sim = min(1.0, nb.score)
                 decision = self.policy.decide(sim, resolved, e.verified)
@@ -545,13 +564,14 @@ class SemanticCache:
                         rejected, reason = True, refusal
                     continue
                 return LookupResult(True, self._touch(e, now), sim, decision.threshold,
-                                    resolved.tier, rejected, reason)
+                                    resolved.tier, rejected, reason), vanished
             done = done or len(found) < k or k >= _MAX_CANDIDATES
             k *= 4
         draft = None
         if want_draft and best is not None and best_sim >= self.policy.draft_floor:
             draft = best
-        return LookupResult(False, draft, best_sim, best_th, resolved.tier, rejected, reason)
+        return (LookupResult(False, draft, best_sim, best_th, resolved.tier, rejected, reason),
+                vanished)
 
     def _search_over_window(self, ns, index, vec, text, resolved, want_draft, now
                             ) -> LookupResult:

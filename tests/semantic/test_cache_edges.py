@@ -981,3 +981,30 @@ def test_a_store_past_capacity_purges_what_an_expiry_under_way_took_not_a_live_e
     assert out["expired"] == 0  # the Store purged it; the expiry found it gone
     assert c.store.count() == 2
     c.check_integrity()
+
+
+def test_a_lookup_racing_a_store_that_replaces_its_hit_still_hits(make_cache, emb,
+                                                                  monkeypatch):
+    """A Store of the same prompt replaces an entry in one hold of the lock (the new entry in,
+    the old one out), so the namespace holds an answer to that prompt throughout. A Lookup of
+    a paraphrase whose search (lock-free) had found the old entry, and which read it after the
+    replacement, missed: a miss no order of the two calls gives (found by the concurrency
+    differential test). It searches again when a candidate vanished meanwhile."""
+    emb.at("question", 0.96, 2)
+    c = make_cache()
+    c.store_entry(A, "question", "old answer")
+    index = c.index_of(A)
+    real = index.search
+    replaced: list[object] = []
+
+    def search_then_replace(vec, k=1):
+        found = real(vec, k)
+        if not replaced:  # the Store lands between the search and the read of its result
+            replaced.append(c.store_entry(A, "question", "new answer"))
+        return found
+
+    monkeypatch.setattr(index, "search", search_then_replace)
+    r = c.lookup(A, "query", tier="relaxed")
+    assert replaced
+    assert r.hit and r.entry.answer == "new answer" and r.entry.prompt == "question"
+    c.check_integrity()
