@@ -503,13 +503,19 @@ class SemanticCache:
         return getattr(inner, "max_seq_length", "?")
 
     def _search(self, ns, vec, text, resolved, want_draft, text_over=False) -> LookupResult:
-        """The search (`_search_once`), again when it missed while a candidate it found left
-        memory before it was read: the search reads the index without the lock, and a Store
-        replacing that entry (the new one in, the old one out, in one hold of the lock) made a
-        lookup miss although the namespace held an answer throughout."""
+        """The search (`_search_once`), again when it missed while the namespace changed
+        under it: the search reads the index without the lock, and a Store replacing the entry
+        it would find (the new one in, the old one out, in one hold of the lock) made a lookup
+        miss although the namespace held an answer throughout: the search saw the old row but
+        read its entry after the replacement, or (the index's row count read before the add,
+        its tombstones after the removal) saw neither row."""
         for _ in range(_SEARCHES):
+            index = self._indexes.get(ns)
+            changes = index.changes if index is not None else -1
             result, vanished = self._search_once(ns, vec, text, resolved, want_draft, text_over)
-            if result.hit or not vanished:
+            now = self._indexes.get(ns)
+            if result.hit or not (vanished or now is not index
+                                  or (now is not None and now.changes != changes)):
                 break
         return result
 
