@@ -508,14 +508,15 @@ class SemanticCache:
         it would find (the new one in, the old one out, in one hold of the lock) made a lookup
         miss although the namespace held an answer throughout: the search saw the old row but
         read its entry after the replacement, or (the index's row count read before the add,
-        its tombstones after the removal) saw neither row."""
+        its tombstones after the removal) saw neither row. Only a removal can hide a row that
+        was there: a miss while Stores merely add is not searched again."""
         for _ in range(_SEARCHES):
             index = self._indexes.get(ns)
-            changes = index.changes if index is not None else -1
+            removals = index.removals if index is not None else -1
             result, vanished = self._search_once(ns, vec, text, resolved, want_draft, text_over)
             now = self._indexes.get(ns)
             if result.hit or not (vanished or now is not index
-                                  or (now is not None and now.changes != changes)):
+                                  or (now is not None and now.removals != removals)):
                 break
         return result
 

@@ -155,9 +155,11 @@ class NamespaceIndex:
         self._merging: threading.Thread | None = None
         self._closing = False
         self._held = 0  # callers inside `merges_held`
-        # Adds and removals so far: a search (lock-free) that ran while one landed may have
-        # seen neither the row added nor the one removed (`SemanticCache._search` asks).
-        self.changes = 0
+        # Removals so far: a search (lock-free) that ran while a Store replaced an entry (its
+        # row added, the old one removed) may have seen neither row (`SemanticCache._search`
+        # asks). An add alone never hides a row that was there: it is not counted, so a miss
+        # in a namespace taking Stores is not searched again for them.
+        self.removals = 0
 
     def _new_snapshot(self, main, labels, kind, cap: int | None = None) -> _Snapshot:
         # The delta starts at 2 rows and doubles as it fills (up to `delta_capacity`): chat
@@ -201,7 +203,6 @@ class NamespaceIndex:
             self._live.add(label)
             self._dead.discard(label)
             snap.count[0] = n + 1  # publish the row only after it is written
-            self.changes += 1
             self._maybe_merge_locked()
 
     def _grow_delta_locked(self, snap: _Snapshot, n: int) -> _Snapshot:
@@ -323,7 +324,7 @@ class NamespaceIndex:
                 return False
             self._live.discard(label)
             self._dead.add(label)
-            self.changes += 1
+            self.removals += 1
             self._after_removal_locked()
             return True
 

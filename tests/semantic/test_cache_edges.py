@@ -1013,3 +1013,27 @@ def test_a_lookup_racing_a_store_that_replaces_its_hit_still_hits(make_cache, em
     assert replaced
     assert r.hit and r.entry.answer == "new answer" and r.entry.prompt == "question"
     c.check_integrity()
+
+
+def test_a_miss_while_stores_only_add_is_searched_once(make_cache, emb, monkeypatch):
+    """Only a removal can hide a row a search would have found: a lookup that missed while a
+    Store merely added an entry to its namespace is not searched again (a namespace taking
+    Stores would otherwise pay a second and third search on its misses)."""
+    emb.at("question", 0.5, 2)  # far below every threshold: a miss
+    c = make_cache()
+    c.store_entry(A, "question", "answer")
+    index = c.index_of(A)
+    real = index.search
+    searches: list[int] = []
+
+    def search_while_storing(vec, k=1):
+        searches.append(k)
+        found = real(vec, k)
+        if len(searches) == 1:
+            c.store_entry(A, f"another question {len(searches)}", "another answer")
+        return found
+
+    monkeypatch.setattr(index, "search", search_while_storing)
+    r = c.lookup(A, "query", tier="relaxed")
+    assert not r.hit and c.stats().entries == 2
+    assert len(searches) == 1, searches
