@@ -508,8 +508,10 @@ class SemanticCache:
         it would find (the new one in, the old one out, in one hold of the lock) made a lookup
         miss although the namespace held an answer throughout: the search saw the old row but
         read its entry after the replacement, or (the index's row count read before the add,
-        its tombstones after the removal) saw neither row. Only a removal can hide a row that
-        was there: a miss while Stores merely add is not searched again."""
+        its tombstones after the removal) saw neither row. Only a removal (an eviction too) can
+        hide a row that was there, so an add alone does not count; a miss is also searched
+        again when it met a row whose entry was not yet in memory, or the namespace's index
+        was created or replaced under it."""
         for _ in range(_SEARCHES):
             index = self._indexes.get(ns)
             removals = index.removals if index is not None else -1
@@ -1193,8 +1195,8 @@ class SemanticCache:
     def _cap_ttls_at_load(self) -> None:
         """Writes today's TTL limit (`_loaded_ttl`) into the rows over it, so that a cut TTL
         stays cut: kept in memory only, a later start under a higher limit gave it back,
-        serving answers that had expired under the cut. On a full disk the rows keep theirs
-        (memory still cuts them, and the next start writes them again)."""
+        serving answers that had expired under the cut. On a full disk the rows not yet written
+        keep theirs (memory still cuts them, and the next start writes the rest)."""
         try:
             self.store.cap_ttls(self.cfg.max_ttl_seconds, self.cfg.default_ttl_seconds > 0)
         except ResourceExhausted as e:

@@ -155,10 +155,10 @@ class NamespaceIndex:
         self._merging: threading.Thread | None = None
         self._closing = False
         self._held = 0  # callers inside `merges_held`
-        # Removals so far: a search (lock-free) that ran while a Store replaced an entry (its
-        # row added, the old one removed) may have seen neither row (`SemanticCache._search`
-        # asks). An add alone never hides a row that was there: it is not counted, so a miss
-        # in a namespace taking Stores is not searched again for them.
+        # Removals so far (evictions too): a search (lock-free) that ran while a Store replaced
+        # an entry (its row added, the old one removed) may have seen neither row
+        # (`SemanticCache._search` asks). An add alone never hides a row that was there, so it
+        # is not counted.
         self.removals = 0
 
     def _new_snapshot(self, main, labels, kind, cap: int | None = None) -> _Snapshot:

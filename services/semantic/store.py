@@ -390,30 +390,33 @@ class EntryStore:
             return cur.rowcount
 
     def cap_ttls(self, cap: int, never: bool) -> int:
-        """TTLs over `cap` become `cap` (with `never`, so do TTLs of 0 or less, "never
+        """TTLs over `cap` (>= 1) become `cap` (with `never`, so do TTLs of 0 or less, "never
         expires"); returns how many rows. Cut in memory only (at load), a TTL came back whole
         at the next start under a higher limit, and an answer that had expired under the cut,
         not yet purged, was served again (or, stored to never expire, for good). `WRITE_CHUNK`
-        rows per transaction: SQLite rewrites each row whole (its embedding too), and a
-        lowered limit matches every row, so one transaction needed free disk about the size
-        of the database for its WAL, and on a fuller disk failed at every start. A failure
-        keeps the chunks already written.
+        rows per transaction, walking the table by label once: SQLite rewrites each row whole
+        (its embedding too), and a lowered limit matches every row, so one transaction needed
+        free disk about the size of the database for its WAL, and on a fuller disk failed at
+        every start. A failure keeps the chunks already written.
 
         Raises:
             ResourceExhausted: the disk is full.
         """
-        where = "ttl_seconds > ?1" + (" OR ttl_seconds <= 0" if never else "")
-        done = 0
+        where = "ttl_seconds > ?" + (" OR ttl_seconds <= 0" if never else "")
+        done, last = 0, -1
         while True:
             with (_full_is_exhausted(), _damaged_is_named(self.path), self._lock,
                   self._transaction()):
-                cur = self._db.execute(
-                    f"UPDATE entries SET ttl_seconds = ?1 WHERE label IN "
-                    f"(SELECT label FROM entries WHERE {where} LIMIT ?2)", (cap, WRITE_CHUNK))
-                n = cur.rowcount
-            done += n
-            if n < WRITE_CHUNK:
+                labels = [r[0] for r in self._db.execute(
+                    f"SELECT label FROM entries WHERE label > ? AND ({where}) "
+                    "ORDER BY label LIMIT ?", (last, cap, WRITE_CHUNK))]
+                if labels:
+                    self._db.executemany("UPDATE entries SET ttl_seconds = ? WHERE label = ?",
+                                         [(cap, x) for x in labels])
+            done += len(labels)
+            if len(labels) < WRITE_CHUNK:
                 return done
+            last = labels[-1]
 
     def set_embedding(self, label: int, embedding: np.ndarray, embed_model: str) -> None:
         self.set_embeddings([(label, embedding, embed_model)])
