@@ -515,17 +515,18 @@ class SemanticCache:
         for _ in range(_SEARCHES):
             index = self._indexes.get(ns)
             removals = index.removals if index is not None else -1
-            result, vanished = self._search_once(ns, vec, text, resolved, want_draft, text_over)
-            now = self._indexes.get(ns)
-            if result.hit or not (vanished or now is not index
-                                  or (now is not None and now.removals != removals)):
+            result, vanished = self._search_once(ns, index, vec, text, resolved, want_draft,
+                                                 text_over)
+            after = self._indexes.get(ns)
+            if result.hit or not (vanished or after is not index
+                                  or (after is not None and after.removals != removals)):
                 break
         return result
 
-    def _search_once(self, ns, vec, text, resolved, want_draft, text_over=False
+    def _search_once(self, ns, index, vec, text, resolved, want_draft, text_over=False
                      ) -> tuple[LookupResult, bool]:
-        """One search, and whether a candidate it found was gone from memory when read."""
-        index = self._indexes.get(ns)
+        """One search of `index` (ns's, None if it has none), and whether a candidate it found
+        was gone from memory when read."""
         if index is None:
             return LookupResult(False, None, 0.0, resolved.threshold, resolved.tier), False
         now = self.clock()

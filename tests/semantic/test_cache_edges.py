@@ -983,6 +983,28 @@ def test_a_store_past_capacity_purges_what_an_expiry_under_way_took_not_a_live_e
     c.check_integrity()
 
 
+def _store_after_first_search(c, monkeypatch, prompt: str, answer: str, hide: bool = False
+                              ) -> list[int]:
+    """Makes namespace A's first index search be followed, before the lookup reads its result,
+    by a Store of (`prompt`, `answer`), its result dropped when `hide`; returns the k of every
+    search, filled as they run."""
+    index = c.index_of(A)
+    real = index.search
+    searches: list[int] = []
+
+    def search(vec, k=1):
+        searches.append(k)
+        found = real(vec, k)
+        if len(searches) == 1:
+            c.store_entry(A, prompt, answer)
+            if hide:
+                return []
+        return found
+
+    monkeypatch.setattr(index, "search", search)
+    return searches
+
+
 @pytest.mark.parametrize("saw", ["the old row", "neither row"])
 def test_a_lookup_racing_a_store_that_replaces_its_hit_still_hits(make_cache, emb,
                                                                   monkeypatch, saw):
@@ -996,21 +1018,10 @@ def test_a_lookup_racing_a_store_that_replaces_its_hit_still_hits(make_cache, em
     emb.at("question", 0.96, 2)
     c = make_cache()
     c.store_entry(A, "question", "old answer")
-    index = c.index_of(A)
-    real = index.search
-    replaced: list[object] = []
-
-    def search_then_replace(vec, k=1):
-        found = real(vec, k)
-        if not replaced:  # the Store lands between the search and the read of its result
-            replaced.append(c.store_entry(A, "question", "new answer"))
-            if saw == "neither row":
-                return []
-        return found
-
-    monkeypatch.setattr(index, "search", search_then_replace)
+    searches = _store_after_first_search(c, monkeypatch, "question", "new answer",
+                                         hide=saw == "neither row")
     r = c.lookup(A, "query", tier="relaxed")
-    assert replaced
+    assert searches  # the replacing Store ran
     assert r.hit and r.entry.answer == "new answer" and r.entry.prompt == "question"
     c.check_integrity()
 
@@ -1022,18 +1033,7 @@ def test_a_miss_while_stores_only_add_is_searched_once(make_cache, emb, monkeypa
     emb.at("question", 0.5, 2)  # far below every threshold: a miss
     c = make_cache()
     c.store_entry(A, "question", "answer")
-    index = c.index_of(A)
-    real = index.search
-    searches: list[int] = []
-
-    def search_while_storing(vec, k=1):
-        searches.append(k)
-        found = real(vec, k)
-        if len(searches) == 1:
-            c.store_entry(A, f"another question {len(searches)}", "another answer")
-        return found
-
-    monkeypatch.setattr(index, "search", search_while_storing)
+    searches = _store_after_first_search(c, monkeypatch, "another question", "another answer")
     r = c.lookup(A, "query", tier="relaxed")
     assert not r.hit and c.stats().entries == 2
     assert len(searches) == 1, searches
