@@ -20,7 +20,7 @@ import re
 import threading
 import time
 import uuid
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Protocol
@@ -339,8 +339,12 @@ class SemanticCache:
         self._expiry_heap: list[tuple[float, int]] = []
         self._expiry_examined = 0  # heap items popped by `expire` (tests count the work)
         # Labels an `expire` under way popped as due and has not yet dropped from memory
-        # (SQLite first): a Store past capacity purges them too (see `store_entry`).
+        # (SQLite first), always held entries (`_drop_locked` unmarks them), with their count
+        # per namespace and per tenant: a Store past capacity counts them as gone
+        # (`_victims_locked`).
         self._expiring: set[int] = set()
+        self._expiring_ns: Counter[Namespace] = Counter()
+        self._expiring_tenant: Counter[str] = Counter()
         self._latency: deque[float] = deque(maxlen=10_000)
         self._m = _metrics()
 
@@ -750,10 +754,9 @@ class SemanticCache:
                         # Past capacity: entries already expired (the housekeeper purges
                         # them every expiry_interval_s) go first. By LRU alone a live answer
                         # was evicted while a dead one kept its slot.
-                        # Also those an expire under way took off the heap: by LRU alone a
-                        # live entry was evicted beside them while their delete ran.
+                        # (Those an expire under way took off the heap count as gone in
+                        # `_victims_locked`: that expire drops them.)
                         due = [lab for _, lab in self._due_locked(now)]
-                        due += [lab for lab in self._expiring if lab in self._entries]
                         for lab in due:
                             self._drop_locked(lab)
                             dropped.append(lab)
@@ -808,7 +811,26 @@ class SemanticCache:
         self._top_label = max(self._top_label, e.label)
         self._tenant_lru.setdefault(e.namespace.tenant, OrderedDict())[e.label] = None
 
+    def _mark_expiring_locked(self, label: int, way: int) -> None:
+        """Marks a held entry as taken by an expire under way (`way` 1), or unmarks it (-1;
+        nothing when it is not marked)."""
+        if (way > 0) == (label in self._expiring):
+            return
+        e = self._entries[label]
+        if way > 0:
+            self._expiring.add(label)
+        else:
+            self._expiring.remove(label)
+        self._expiring_ns[e.namespace] += way
+        self._expiring_tenant[e.namespace.tenant] += way
+        if not self._expiring_ns[e.namespace]:
+            del self._expiring_ns[e.namespace]
+        if not self._expiring_tenant[e.namespace.tenant]:
+            del self._expiring_tenant[e.namespace.tenant]
+
     def _drop_locked(self, label: int) -> Entry | None:
+        if label in self._expiring:
+            self._mark_expiring_locked(label, -1)
         e = self._entries.pop(label, None)
         if e is None:
             return None
@@ -836,7 +858,11 @@ class SemanticCache:
 
     def _victims_locked(self, ns: Namespace) -> list[int]:
         """Least recently used labels beyond the namespace's, the tenant's and the global
-        capacity."""
+        capacity. Entries an expire under way took off the heap (`_expiring`) count as gone
+        and are never chosen: that expire drops them. (Chosen by LRU alone, a live entry was
+        evicted beside them while their delete ran; purged here instead, a Store past
+        capacity dropped the expire's whole batch in one hold of the lock, every lookup
+        waiting, and deleted their rows a second time.)"""
         out = self._ns_excess_locked(ns)
         out += self._tenant_excess_locked(ns.tenant, out)
         return out + self._global_excess_locked(out)
@@ -849,29 +875,37 @@ class SemanticCache:
             return []
         skip = set(chosen)
         # Counted over `chosen` (few), not over the tenant's LRU (up to millions).
-        over = len(lru) - sum(1 for x in skip if x in lru) - quota
+        over = (len(lru) - sum(1 for x in skip if x in lru) - self._expiring_tenant[tenant]
+                - quota)
         if over <= 0:
             return []
-        return list(itertools.islice((x for x in lru if x not in skip), over))
+        going = self._expiring
+        return list(itertools.islice((x for x in lru if x not in skip and x not in going),
+                                     over))
 
     def _ns_excess_locked(self, ns: Namespace) -> list[int]:
         """The namespace's least recently used labels beyond its capacity."""
         lru = self._ns_lru.get(ns, OrderedDict())
-        over = len(lru) - self.cfg.max_entries_per_namespace
-        return list(itertools.islice(lru, over)) if over > 0 else []
+        over = len(lru) - self._expiring_ns[ns] - self.cfg.max_entries_per_namespace
+        if over <= 0:
+            return []
+        going = self._expiring
+        return list(itertools.islice((x for x in lru if x not in going), over))
 
     def _global_excess_locked(self, chosen: list[int]) -> list[int]:
         """Labels beyond the global capacity, besides `chosen` (already going): each the least
         recently used of the tenant that holds the most entries at that point. (A global LRU
         let one tenant storing distinct prompts without end evict every other tenant's
         answers; now it evicts its own once it holds the most.)"""
-        over = len(self._entries) - len(chosen) - self.cfg.max_entries_total
+        over = (len(self._entries) - len(chosen) - len(self._expiring)
+                - self.cfg.max_entries_total)
         if over <= 0:
             return []
         skip = set(chosen)
-        held = {t: len(lru) for t, lru in self._tenant_lru.items()}
+        held = {t: len(lru) - self._expiring_tenant[t] for t, lru in self._tenant_lru.items()}
         for lab in skip:
             held[self._entries[lab].namespace.tenant] -= 1
+        skip |= self._expiring
         order = {t: iter(lru) for t, lru in self._tenant_lru.items()}
 
         def head(t: str) -> tuple | None:
@@ -1035,7 +1069,8 @@ class SemanticCache:
         with self._lock:
             due = self._due_locked(now)
             labels = [lab for _, lab in due]
-            self._expiring.update(labels)
+            for lab in labels:
+                self._mark_expiring_locked(lab, 1)
         gone: list[int] = []
         try:
             self.store.delete(labels, gone)
@@ -1044,7 +1079,8 @@ class SemanticCache:
             # the rest are due again at the next tick.
             n = self._drop_in_chunks(gone)
             with self._lock:
-                self._expiring.difference_update(labels)
+                for lab in labels:  # those still held: their delete failed
+                    self._mark_expiring_locked(lab, -1)
                 self._expired += n
                 if len(gone) < len(labels):
                     done = set(gone)
@@ -1367,4 +1403,9 @@ class SemanticCache:
                 assert len(index) == len(labels), f"{ns}: index size != entries"
                 total += len(labels)
             assert total == len(self._entries)
-            assert len(self._entries) <= self.cfg.max_entries_total
+            assert self._expiring <= self._entries.keys(), "expiring entries not held"
+            going = [self._entries[lab].namespace for lab in self._expiring]
+            assert self._expiring_ns == Counter(going), "expiring per namespace"
+            assert self._expiring_tenant == Counter(ns.tenant for ns in going), "per tenant"
+            # Entries an expire under way is dropping count as gone (`_victims_locked`).
+            assert len(self._entries) - len(self._expiring) <= self.cfg.max_entries_total

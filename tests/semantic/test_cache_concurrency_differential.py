@@ -16,7 +16,8 @@ What that order may hold, by the cache's documented rules (`SemanticCache._remov
   of them cannot fall (it waits for the Invalidate), while expiry and evictions may take one
   and count it (the Invalidate then counts only what it removed);
 - an expiry takes the due entries off its heap, then removes them: between the two a Store
-  past capacity or an Invalidate may take one (and count it);
+  past capacity counts them as gone (it evicts none of them and no live entry in their
+  place), an Invalidate or a replacing Store may take one (and count it);
 - a Store of a prompt another Store wrote at the same time, committed before it but reaching
   memory later, leaves the later answer standing and returns that entry: it changes nothing.
 
@@ -58,16 +59,20 @@ class CModel(Model):
         self.seq += 1
         return (now, 0, self.seq)
 
-    def store(self, eid, ns, prompt, answer, verified, ttl, now) -> None:
+    def store(self, eid, ns, prompt, answer, verified, ttl, now, going=frozenset()) -> None:
+        """`going`: the entries expiries under way took; they count as gone (those expiries
+        drop them)."""
         old = self.by_prompt(ns, prompt)
         if old is not None:
             del self.entries[old.id]
         ttl = ttl or self.limits.default_ttl
         self.entries[eid] = MEntry(eid, ns, prompt, answer, verified, now, ttl, ttl,
                                    used=self._use(now))
+        aside = {k: self.entries.pop(k) for k in going if k in self.entries}
         if self._over(ns):
             self.expired += self.purge(now)
         self._evict(ns)
+        self.entries.update(aside)
 
     def _hit(self, e: MEntry, now: float, key: str) -> None:
         """Counted at once; the entry is marked used by `touch`, a step of its own."""
@@ -216,7 +221,8 @@ class Checker:
             if old is not None and any(isinstance(r, set) and old.id in r
                                        for r in reading.values()):
                 return None  # waits for the Invalidate that read what it replaces
-            m.store(e.id, ns, prompt, answer, verified, ttl, now)
+            going = set().union(*(r for r in reading.values() if isinstance(r, frozenset)))
+            m.store(e.id, ns, prompt, answer, verified, ttl, now, going)
         elif c.kind == "verify":
             eid, flag = c.args
             if m.verify(eid, flag, now) != c.result:

@@ -944,21 +944,25 @@ def test_an_exact_repeat_refused_by_a_check_is_searched_as_before(cache_factory)
     assert cache.get(e.id).hit_count == 0
 
 
-def test_a_store_past_capacity_purges_what_an_expiry_under_way_took_not_a_live_entry(
+def test_a_store_past_capacity_counts_what_an_expiry_under_way_took_as_gone(
         make_cache, clock, monkeypatch):
     """Past capacity a Store purges expired entries before it evicts a live one. With the
     housekeeper's expiry under way (it had taken the due entries off its heap and was deleting
     their rows), the Store found nothing due and evicted the live entry beside the expired
     one: a live answer lost while a dead one kept its slot, and Stats counting an eviction
-    where no order of the two calls gives one (found by the concurrency differential test)."""
+    where no order of the two calls gives one (found by the concurrency differential test).
+    The entries that expiry took count as gone: the Store evicts nothing, leaves them to the
+    expiry (it purged the whole batch under the lock once, and deleted their rows twice)."""
     c = make_cache(max_entries_per_namespace=2)
     c.store_entry(A, "live", "live answer")  # least recently used, never expires
-    c.store_entry(A, "dying", "dying answer", ttl_seconds=5)
+    dying = c.store_entry(A, "dying", "dying answer", ttl_seconds=5)
     clock.t += 6
     real = c.store.delete
     deleting, release = threading.Event(), threading.Event()
+    deletes: list[list[int]] = []
 
     def held_delete(labels, committed=None):
+        deletes.append(list(labels))
         if labels and not deleting.is_set():  # the expiry's delete: held
             deleting.set()
             assert release.wait(10)
@@ -971,6 +975,8 @@ def test_a_store_past_capacity_purges_what_an_expiry_under_way_took_not_a_live_e
     try:
         assert deleting.wait(10)
         c.store_entry(A, "new", "new answer")
+        c.check_integrity()  # over capacity by the entry the expiry is dropping only
+        assert not c.lookup(A, "dying", tier="strict").hit  # expired: never served
     finally:
         release.set()
         ex.join(10)
@@ -978,7 +984,8 @@ def test_a_store_past_capacity_purges_what_an_expiry_under_way_took_not_a_live_e
     assert c.lookup(A, "live", tier="strict").hit
     s = c.stats()
     assert (s.entries, s.evictions_total, s.expirations_total) == (2, 0, 1)
-    assert out["expired"] == 0  # the Store purged it; the expiry found it gone
+    assert out["expired"] == 1  # the expiry dropped what it took
+    assert [d for d in deletes if dying.label in d] == [[dying.label]]  # its row, once
     assert c.store.count() == 2
     c.check_integrity()
 
