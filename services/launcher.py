@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -34,10 +35,42 @@ EXAMPLE_JSON = ('{"messages":[{"role":"user","content":"What is a KV cache?"}],'
                 '"sampling":{"max_tokens":64}}')
 
 
+# Ports this process handed out: none twice (each is free only until its server binds it).
+_HANDED: set[int] = set()
+_BELOW_EPHEMERAL = 10_000  # lowest port picked under the kernel's ephemeral range
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections and binds to port 0 (Linux's
+    default when unreadable)."""
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port free now, for a server this process starts later.
+
+    Picked at random under the kernel's ephemeral range where there is room: a port the
+    kernel chose for a bind to 0 is one it hands out again, to an outgoing connection or
+    another bind to 0 (other tests, other processes), and one of those could take it before
+    the server binds it. Never the same port twice in one process."""
+    lo, _ = _ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(64 if lo - _BELOW_EPHEMERAL >= 1000 else 0):
+        port = rng.randrange(_BELOW_EPHEMERAL, lo)
+        if port not in _HANDED and port_is_free(port):
+            _HANDED.add(port)
+            return port
+    while True:  # no room below the range, or nothing free found there
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED:
+            _HANDED.add(port)
+            return port
 
 
 def service_exists(name: str) -> bool:

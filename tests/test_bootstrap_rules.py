@@ -19,6 +19,7 @@ from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 from services.common import bootstrap, errors
 from services.common.bootstrap import MAX_DETAILS_CHARS, MAX_HEALTH_NAME, _capped, create_server
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
+from services.launcher import free_port
 from tests import test_bootstrap as tb
 
 server, small_server = tb.server, tb.small_server  # the fixtures of test_bootstrap
@@ -198,12 +199,10 @@ def test_a_metrics_port_that_cannot_be_bound_leaves_the_grpc_port_free():
     again for the next try (so_reuseport is off, so a leftover server would hold it)."""
     import socket
 
-    with socket.socket() as busy, socket.socket() as probe:
+    port = free_port()  # under the ephemeral range: no bind to 0 elsewhere takes it meanwhile
+    with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
         busy.listen()
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-        probe.close()
         with pytest.raises(bootstrap.BindError, match="METRICS_PORT"):
             create_server(service="test", address=f"127.0.0.1:{port}", services=[],
                           metrics_port=busy.getsockname()[1])

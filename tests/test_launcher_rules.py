@@ -56,9 +56,9 @@ def test_a_port_a_stopped_run_left_in_time_wait_is_free():
     must not make the launcher refuse the port."""
     with socket.socket() as listener:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as gRPC's listener
-        listener.bind(("127.0.0.1", 0))
+        port = launcher.free_port()  # no bind to 0 elsewhere takes it once closed
+        listener.bind(("127.0.0.1", port))
         listener.listen()
-        port = listener.getsockname()[1]
         client = socket.create_connection(("127.0.0.1", port))
         conn, _ = listener.accept()
         conn.close()  # the server side closes first: its end goes to TIME_WAIT

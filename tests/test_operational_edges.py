@@ -10,6 +10,7 @@ import pytest
 from clients.python import cli
 from services.common.config import ConfigError, load_config
 from services.kvpool.config import KvPoolConfig
+from services.launcher import free_port
 
 
 def test_an_empty_boolean_is_an_error_not_false():
@@ -231,7 +232,6 @@ def test_a_native_crash_leaves_every_threads_stack_in_the_log(tmp_path):
     services now enable faulthandler, which writes each thread's Python stack to stderr."""
     import os
     import signal
-    import socket
     import subprocess
     import sys
     import time
@@ -240,9 +240,7 @@ def test_a_native_crash_leaves_every_threads_stack_in_the_log(tmp_path):
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     root = Path(__file__).resolve().parents[1]
     env = dict(os.environ, TIERCACHE_PREFIX_ADDRESS=f"127.0.0.1:{port}",
                TIERCACHE_PREFIX_METRICS_PORT="-1")

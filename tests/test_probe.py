@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +11,9 @@ import pytest
 
 from services.common import probe
 from services.common.bootstrap import create_server
+from services.launcher import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_probe(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -18,17 +17,12 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from services.common.bootstrap import HEALTH_PATH
 from services.kvpool.linear import pack_linears
+from services.launcher import free_port
 from tests.kvpool.conftest import make_tiny_model, reference_greedy
 from tests.procs import terminate
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

@@ -5,6 +5,7 @@ import pytest
 from tiercache.v1 import semantic_pb2, semantic_pb2_grpc
 
 from services.common.bootstrap import create_server
+from services.launcher import free_port
 from services.orchestrator.backends import SemanticBackend
 
 
@@ -156,14 +157,10 @@ def test_a_bad_rating_cut_short_by_the_deadline_is_not_reported_unknown(shards, 
 def test_a_shard_that_is_down_shows_in_the_shard_health_stats_reports(shards):
     """Partial answers summed the live shards, and the tier's one health record said healthy
     (the last call that worked), so Stats hid a shard that was down: each shard's own shows."""
-    import socket
-
     from services.orchestrator.prefix_backend import PrefixBackend
 
     _, handles = shards
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    dead = f"127.0.0.1:{free_port()}"
     live = handles[0].address
     be = SemanticBackend(f"{dead},{live}", "", 1.0)
     st = be.stats()

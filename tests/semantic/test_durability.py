@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -18,6 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiercache.v1 import semantic_pb2 as pb
 from tiercache.v1 import semantic_pb2_grpc as pbg
 
+from services.launcher import free_port
 from tests.procs import terminate
 
 pytestmark = pytest.mark.e2e
@@ -26,12 +26,6 @@ NS = pb.Namespace(tenant="durable", model_id="smollm2")
 
 
 ROOT = Path(__file__).resolve().parents[2]  # not the working directory pytest started in
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _start(db: str, port: int) -> subprocess.Popen:
@@ -60,7 +54,7 @@ def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 120) -> gr
 
 
 def test_acknowledged_stores_survive_kill_9(tmp_path):
-    db, port = str(tmp_path / "semantic.db"), _free_port()
+    db, port = str(tmp_path / "semantic.db"), free_port()
     proc = _start(db, port)
     acked: dict[str, str] = {}
     lock = threading.Lock()
