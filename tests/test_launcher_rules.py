@@ -249,3 +249,18 @@ def test_signals_are_ignored_while_the_stack_stops(monkeypatch):
     monkeypatch.setattr(Stack, "stop", stop)
     assert _main(monkeypatch, start) == 0
     assert set(seen.values()) == {signal.SIG_IGN}
+
+
+def test_free_ports_are_free_distinct_and_under_the_ephemeral_range(monkeypatch):
+    """A port the kernel picked for a bind to 0 it hands out again (outgoing connections,
+    other binds to 0) before the server binds it: free_port picks under that range, each port
+    free when handed out and none twice; with no room under the range it falls back to one the
+    kernel picks, still never twice."""
+    lo, _ = launcher._ephemeral_range()
+    ports = [launcher.free_port() for _ in range(40)]
+    assert len(set(ports)) == 40
+    assert all(launcher._BELOW_EPHEMERAL <= p < lo for p in ports)
+    assert all(launcher.port_is_free(p) for p in ports)
+    monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (launcher._BELOW_EPHEMERAL, 60999))
+    fallback = [launcher.free_port() for _ in range(5)]
+    assert len(set(fallback) | set(ports)) == 45 and all(p > 0 for p in fallback)
