@@ -152,11 +152,20 @@ class PrefixAwarePolicy(RoutingPolicy):
         ok = {r.replica_id for r in live} - busy
         room = ({r.replica_id for r in live if r.free_blocks >= new_blocks}
                 if new_blocks is not None else set())
-        prefer = (room & ok) or ok
-        rid = self.ring.lookup_bounded(key, loads, self.epsilon,
-                                       prefer=prefer if len(prefer) < len(live) else None,
-                                       floor=self.load_floor if self.use_cap else 0,
-                                       skip=exclude)
+        # Preferences in rank: room and under its share, then under its share. Room never
+        # outranks the share rule: when every replica with room is over the load cap, one
+        # under its share is taken before one over it (a single walk handed only the room set
+        # fell back to the first replica under the cap, over its share or not).
+        tiers = [t for t in (room & ok, ok) if t and len(t) < len(live)]
+        if len(tiers) == 2 and tiers[0] == tiers[1]:
+            del tiers[1]
+        rid = ""
+        for prefer in tiers or [None]:
+            rid = self.ring.lookup_bounded(key, loads, self.epsilon, prefer=prefer,
+                                           floor=self.load_floor if self.use_cap else 0,
+                                           skip=exclude)
+            if prefer is None or rid in prefer:
+                break
         if record:
             self.record(rid)
         return RouteDecision(rid, "ring", matches.get(rid, 0))

@@ -95,3 +95,22 @@ def test_make_routing_policy_passes_the_configured_load_floor_and_window():
     ids = ["r0"] + [f"r{i}" for i in range(1, 64)]
     v = [ReplicaView(r, 1.0 if i < 20 else 0.0) for i, r in enumerate(ids)]
     assert p.choose(v, {"r0": 2000}, "s").replica_id != "r0"
+
+
+def test_room_never_outranks_the_share_rule_on_the_ring():
+    """A new prompt (the index answered: 64 blocks needed). r0 has room but is over its recent
+    share, r1 is under its share with no room, and r2, the one with both, is over the load cap.
+    The share rule still holds: every key goes to r1 (the ring walk was handed the room set
+    alone, and past r2 it took the first replica under the cap, r0 for about half the keys)."""
+    clock = Clock(100.0)
+    p = PrefixAwarePolicy(epsilon=0.25, window_s=30.0, min_recent=4.0, clock=clock)
+    for r in ["r0"] * 10 + ["r1"] * 2 + ["r2"]:  # r0: 10 of 13, over 1.25 x 13 / 3
+        p.record(r)
+    v = [ReplicaView("r0", 0.0, 200), ReplicaView("r1", 0.0, 5), ReplicaView("r2", 6.0, 200)]
+    assert bounded_cap([0.0, 0.0, 6.0], 0.25, floor=2) < 6
+    plain = PrefixAwarePolicy(min_recent=math.inf)
+    owners = {plain.choose(v, {}, f"s{i}", record=False).replica_id for i in range(40)}
+    assert owners == {"r0", "r1"}  # the ring alone puts some keys on r0
+    for i in range(40):
+        d = p.choose(v, {}, f"s{i}", new_blocks=64, record=False)
+        assert (d.replica_id, d.route) == ("r1", "ring"), i
