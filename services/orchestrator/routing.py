@@ -19,7 +19,9 @@ replica overloads it. The policy:
    index answered (so the prompt is new to every replica, not unknown) and some replicas have
    room for it in free blocks while others would have to evict, the ring walk tries the ones
    with room first: the hash alone would pile new system prompts onto a pool that is already
-   full while the other has space, and that pool then evicts the prompts it serves.
+   full while the other has space, and that pool then evicts the prompts it serves. Room
+   never outranks rule 1's share: the walk takes one with room under its share, then one
+   under its share, then any under the cap.
 """
 
 from __future__ import annotations
