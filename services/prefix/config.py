@@ -31,8 +31,9 @@ class PrefixConfig:
     hit_half_life_seconds: float = 3600.0
     max_events: int = 65536  # events per PublishEvents batch (a resync sends one per block)
     max_blocks: int = 65536  # blocks per batch, and per Match request
-    verify_hashes: bool = False  # recompute every stored block's hash (Register's probe
-    # already refuses a replica hashing with another key or model)
+    # Recompute every stored block's hash (Register's probe already refuses a replica hashing
+    # with another key or model).
+    verify_hashes: bool = False
     grace_seconds: float = 5.0  # drain time on SIGTERM
 
     def validate(self) -> None:
