@@ -50,7 +50,8 @@ class OrchestratorConfig:
     default_max_tokens: int = 256
     # Largest max_tokens a request may ask for (INVALID_ARGUMENT past it); tenants may have less.
     max_tokens_limit: int = 2048
-    # Longest rendered prompt, in tokens (RESOURCE_EXHAUSTED past it); tenants may have less.
+    # Longest rendered prompt, in tokens (INVALID_ARGUMENT past it); tenants may have less
+    # (RESOURCE_EXHAUSTED past theirs).
     max_prompt_tokens: int = 8192
     # Longest message content or raw prompt, in characters (INVALID_ARGUMENT past it).
     max_message_chars: int = 100_000
