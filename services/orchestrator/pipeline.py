@@ -41,7 +41,7 @@ REQUESTS = counter("tiercache_orchestrator_requests_total", "Generate requests b
 DEGRADED = counter("tiercache_orchestrator_degradations_total",
                    "Degraded events, one per event (a request may count several): tier "
                    "skipped, index down, replica failed over (retry/resume), replica busy, "
-                   "larger pool sought", ("kind",))
+                   "larger pool sought, draft dropped, store failed", ("kind",))
 TTFT = histogram("tiercache_orchestrator_ttft_seconds", "Time to first token", ("cache_class",),
                  buckets=SECONDS_BUCKETS)
 NOT_SERVED = counter("tiercache_orchestrator_semantic_hits_not_served_total",
