@@ -46,7 +46,8 @@ class OrchestratorConfig:
     # How often the tokens file is checked for changes and read again (0 = once, at start): a
     # token removed from it stopped working only when every orchestrator was restarted.
     tokens_reload_s: float = 5.0
-    # Defaults and limits per request.
+    # Defaults and limits per request. max_tokens of a request that sets none (0), capped by
+    # its tenant's limit and by what the model's context leaves.
     default_max_tokens: int = 256
     # Largest max_tokens a request may ask for (INVALID_ARGUMENT past it); tenants may have less.
     max_tokens_limit: int = 2048
@@ -74,7 +75,8 @@ class OrchestratorConfig:
     # Most a prefix index Match may take (and at most a quarter of the time the request has
     # left).
     prefix_timeout_s: float = 0.5
-    # Semantic tier defaults.
+    # Semantic tier defaults. The tier of a request whose cache_policy names none (strict,
+    # standard or relaxed).
     semantic_tier: str = "standard"
     # Send semantic near-misses to replicas as drafts (cache-assisted generation).
     enable_drafts: bool = True

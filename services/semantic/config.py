@@ -104,7 +104,7 @@ class SemanticConfig:
     hnsw_ef_search: int = 32
     faiss_threads: int = 1  # OpenMP threads for searches (bulk builds at start use all cores)
     delta_capacity: int = 2048  # entries searched exactly before being merged into the index
-    # Thresholds.
+    # Thresholds. Cosine similarity a hit needs in the strict tier.
     tier_strict: float = 0.97
     # Cosine similarity a hit needs in the standard tier.
     tier_standard: float = 0.95
