@@ -116,7 +116,7 @@ class SemanticConfig:
     verified_bonus: float = 0.02  # verified entries need `threshold - bonus`
     draft_floor: float = 0.80  # near-misses at or above it are draft candidates
     # Tiers whose hits must pass the paraphrase guard (on QQP it lifts standard-tier precision
-    # from 0.85 to 0.91 for 12% of its recall; see benchmarks/results/semantic.json).
+    # from 0.85 to 0.91 for 10% of its recall; see benchmarks/results/semantic.json).
     guard_tiers: tuple[str, ...] = ("strict", "standard")
     # Tiers (among guard_tiers) whose hits must also pass the learned verifier (verifier.py):
     # out-of-sample on QQP + PAWS it cuts the PAWS false-hit rate (strict 3.6% -> 2.5%, standard
