@@ -406,9 +406,11 @@ class Tree:
 
     def along_first(self, path: list[int]) -> int:
         """How many of `path`'s nodes the first branch holds: what it alone would have had
-        accepted (its nodes are 0..len - 1)."""
+        accepted (its nodes are 0..len - 1; a later branch that goes on from its last node
+        numbers its own nodes on from there too, and those are not the first branch's)."""
+        n = min(len(path), len(self.branches[0].tokens))
         k = 0
-        while k < len(path) and path[k] == k:
+        while k < n and path[k] == k:
             k += 1
         return k
 

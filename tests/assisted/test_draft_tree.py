@@ -438,3 +438,24 @@ def test_alternatives_never_restart_at_the_proposals_own_position() -> None:
     d.trim(1)
     alts = d.alternatives([1, 2, 9], top, room=16)
     assert sorted(a.start for a in alts) == [6, 10]
+
+
+def test_a_branch_that_goes_on_from_the_proposal_is_credited_with_its_own_nodes() -> None:
+    """A batch cut the proposal to one token ([1]); an alternative ([1, 2], at 4) goes on from
+    it, so its second node (1) comes right after the proposal's only one (0). The path 0, 1
+    holds one node of the proposal: the alternative added the other. (`along_first` counted
+    both as the first branch's, and the tree credited its alternatives with nothing.)"""
+    draft = [9, 1, 5, 9, 1, 2, 3]
+    d = proposing(draft, [7, 9], ladder=(2, 3, 4), branches=2)
+    assert d.start == 1 and d.pending.tokens == [1, 5]
+    d.trim(1)
+    alts = d.alternatives([7, 9], 4, room=4)
+    assert alts == [br([1, 2], 4)]
+    tree = Tree.of([d.branch(), *alts])
+    assert tree.parents == (-1, 0)
+    path, tok = follow(tree, [1, 2, 3])
+    assert path == [0, 1] and tok == 3
+    assert tree.along_first(path) == 1 and tree.along_first([0]) == 1
+    before = d.alt_yield
+    assert d.follow(tree, path) == 1 and d.start == 4
+    assert d.alt_yield == (drafting.DECAY * before[0] + 1, drafting.DECAY * before[1] + 1)
