@@ -131,7 +131,7 @@ def frontier(costs: dict[int, float], top: int) -> tuple[int, ...]:
     kept = [top]
     best = costs[top + 1]
     for g in range(top - 1, 0, -1):
-        if costs[g + 1] < best * CHEAPER_BY:
+        if costs[g + 1] <= best * CHEAPER_BY:
             kept.append(g)
             best = costs[g + 1]
     return tuple(reversed(kept))

@@ -184,6 +184,13 @@ def test_a_shorter_length_joins_the_frontier_only_when_two_percent_cheaper():
     assert frontier({1: 1.0, 2: 0.979, 3: 1.0}, 2) == (1, 2)
 
 
+def test_a_length_exactly_two_percent_cheaper_joins_the_frontier() -> None:
+    """'at least 2% cheaper': the bound itself counts (it was left out: the differential
+    review's frontier by brute force kept 1 here, the code did not)."""
+    assert frontier({1: 1.0, 2: 0.98, 3: 1.0}, 2) == (1, 2)
+    assert frontier({1: 1.0, 2: 0.5, 3: 0.98, 4: 1.0}, 3) == (1, 2, 3)
+
+
 def test_guesses_are_cheap_at_exactly_guess_cost_max_unit() -> None:
     """'at most GUESS_COST_MAX of a 1-token decode step': the bound itself counts."""
     from services.kvpool.drafting import GUESS_COST_MAX, LadderChoice
