@@ -168,7 +168,11 @@ def forward_cost(costs: tuple[float, ...], n: int) -> float:
 def batch_keep(costs: tuple[float, ...], lengths: list[int], rates: list[float],
                trust: float = 1.0) -> int:
     """How many tokens of each row's proposal a batch's forward should verify: the `k` (0 =
-    none, decode plainly) with the most tokens expected per cost, proposals cut to `k`.
+    none, decode plainly) with the most tokens expected per cost, proposals cut to `k`, among
+    0 and the proposals' own lengths. Lengths in between are not tried: where a forward of a
+    few tokens costs less than one of a single token (the oneDNN timing), one of them can be
+    worth more (rows [16, 0] at rate 0.1 keep 0, 2.0 tokens per cost, where 2 gives 3.04;
+    found by tests/assisted/test_drafting_differential.py, left as tuned and benchmarked).
 
     A batch's forward is as long as its longest row, so one row's proposal makes every row
     pay for its length: on the 2-core host one weak draft in a batch of 8 made the whole
