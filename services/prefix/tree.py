@@ -459,11 +459,15 @@ class BlockTree:
             all_hits[dead] = 0
             del all_hits
             # Deepest first: a radix sort of 16-bit keys (~5 ms for a million; a comparison
-            # sort of the depths took 30-75 ms). Depths past 65,535 blocks (a million tokens)
-            # share the deepest key.
+            # sort of the depths took 30-75 ms), or that comparison sort for a chain past
+            # 65,535 blocks (a million tokens): sharing the deepest key, its blocks came in
+            # slot order, shallowest first, and `reap` deleted one of them per pass.
             depth = np.frombuffer(self._nav, dtype=np.intc)[_DEPTH::_NAV][dead]
-            up = (0xFFFF - np.minimum(depth, 0xFFFF)).astype(np.uint16)
-            self._reap.append(dead[np.argsort(up, kind="stable")])
+            if depth.max() <= 0xFFFF:
+                order = np.argsort((0xFFFF - depth).astype(np.uint16), kind="stable")
+            else:
+                order = np.argsort(-depth, kind="stable")
+            self._reap.append(dead[order])
             del depth
             self.unheld += int(dead.size)
         # The arrays cannot grow while a view of their buffers lives.

@@ -235,3 +235,24 @@ def test_a_clear_made_by_a_call_is_reaped_soon_not_a_quarter_lease_later(hasher)
         assert index.tree.unheld == 0 and index.replica_count == 1  # reaped; "a" still there
     finally:
         svc.stop()
+
+
+def test_a_chain_deeper_than_65535_blocks_is_reaped_deepest_first_and_all_by_reap():
+    """A clear queues its unheld nodes deepest first. Depths past 65,535 blocks (a million
+    tokens at 16 a block) shared one sort key, so a long chain's deepest blocks were queued
+    shallowest first: every pass of `reap` deleted one of them, `reap()` (all) left all but one
+    unheld, and steps of bounded work took a pass over the queue per block deleted."""
+    n = 65_540
+    tree = BlockTree(1)
+    root = b"root" * 4
+    hs = [i.to_bytes(16, "little") for i in range(1, n + 1)]
+    for clock in (1, 2):
+        tree.ensure_root(root, MODEL, "")  # (the last block reaped took the root with it)
+        assert tree.store(root, hs, list(range(n)), 0, clock).added == n
+        tree.clear(0)
+        if clock == 1:
+            assert tree.reap() == 0 and not tree._table
+        else:
+            assert tree.reap(10) == n - 10  # a bounded step: the ten deepest blocks
+            assert all(h not in tree._table for h in hs[-10:]) and hs[-11] in tree._table
+    tree.check_integrity()
