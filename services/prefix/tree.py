@@ -869,7 +869,11 @@ class PruneRun:
     that gained children is skipped, and one whose rank grew (hits or recency, which only
     grow between steps; `decay_hits` lowers every count at once, and the owner drops a run
     begun before it) goes back with its new rank. Leaves added after the run began are not
-    candidates of this run; the next run sees them.
+    candidates of this run; the next run sees them. Two exceptions, both ranked on their use
+    now like any candidate (so the order stays the policy's): a slot of the run's snapshot
+    freed and reused by a new leaf before the run ranked it (ranking is spread over steps too),
+    and one reused by the same block stored again (same key, same slot: the free list gives
+    the last slot freed first), which the key check cannot tell from the old one.
     """
 
     def __init__(self, tree: BlockTree, target: int, policy: EvictionPolicy,
