@@ -621,13 +621,14 @@ class Run:
             node.hits = 0 if n >= 64 else node.hits >> n
 
 
-def run_seed(seed: int, steps: int = STEPS) -> Run:
-    r = Run(seed)
+def run_seed(seed: int, steps: int = STEPS, kind: type = Run, what: str = "seed"):
+    """Runs one seed of `kind` (Run: the tree; IndexRun: the index), naming the failing step."""
+    r = kind(seed)
     for _ in range(steps):
         try:
             r.step()
         except AssertionError as e:
-            raise AssertionError(f"seed {seed} step {r.step_no}: {e}") from e
+            raise AssertionError(f"{what} {seed} step {r.step_no}: {e}") from e
     return r
 
 
@@ -938,20 +939,10 @@ class IndexRun:
         self.seen["top"] += len(got)
 
 
-def run_index_seed(seed: int, steps: int = STEPS) -> IndexRun:
-    r = IndexRun(seed)
-    for _ in range(steps):
-        try:
-            r.step()
-        except AssertionError as e:
-            raise AssertionError(f"index seed {seed} step {r.step_no}: {e}") from e
-    return r
-
-
 @pytest.mark.parametrize("first", range(0, SEEDS // 2, 8))
 def test_index_match_top_and_pruning_agree_with_the_model(first: int) -> None:
     seen: Counter[str] = Counter()
     for seed in range(first, min(first + 8, SEEDS // 2)):
-        seen.update(run_index_seed(seed).seen)
+        seen.update(run_seed(seed, kind=IndexRun, what="index seed").seen)
     for what in ("matched", "top", "evicted", "lapsed", "full"):
         assert seen[what], what
