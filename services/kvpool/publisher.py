@@ -256,6 +256,12 @@ class Publisher:
         """Register on every shard (then resync all), or on the shards in `only` that forgot
         this replica (then resync only those: the others still hold the right view)."""
         s = self.engine.stats()
+        if only is not None:
+            # Lagging (due a snapshot) before the call, not once it answers: a Register applied
+            # whose answer was lost (a timeout) left the shard knowing this replica with nothing
+            # held, later heartbeats found it known, and nothing resynced it. If it was not
+            # applied, the snapshot's NOT_FOUND (or a heartbeat) has it registered again.
+            self._lagging |= only
         # The client keeps each shard's batch numbers from here on.
         out = self._client.register(self.replica_id, self.incarnation, self.public_address,
                                     self.model_id, self.engine.pool.block_size, s.blocks_total,
@@ -270,7 +276,6 @@ class Publisher:
         else:  # every shard's limits hold for batches that fan out to all of them
             self._max_events = min(self._max_events, events)
             self._max_blocks = min(self._max_blocks, blocks)
-            self._lagging |= set(out.next_seq)
         log.info("registered with prefix index %s as %s/%s", ", ".join(sorted(only))
                  if only else self.address, self.replica_id, self.incarnation)
 

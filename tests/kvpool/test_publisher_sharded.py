@@ -16,7 +16,7 @@ from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
 from services.common.bootstrap import create_server
 from services.common.hashing import BlockHasher
-from services.common.prefix_client import PrefixIndexClient
+from services.common.prefix_client import PrefixIndexClient, PrefixIndexError
 from services.kvpool.publisher import Publisher
 from services.prefix.config import PrefixConfig
 from services.prefix.server import PrefixServicer, build_index
@@ -237,6 +237,47 @@ def test_a_restarted_shard_is_resynced_alone(make_engine, monkeypatch, told_by) 
             assert held(ib, pb) >= 2
             for index in (ia2, ib):
                 index.check_integrity()
+        finally:
+            ha2.stop(0)
+    finally:
+        stop_all(client, pub, hb)
+
+
+def test_a_shard_whose_register_answer_was_lost_still_gets_the_snapshot(make_engine,
+                                                                        monkeypatch) -> None:
+    """A restarted shard that forgot the replica is registered with again; that Register is
+    applied but its answer lost (a timeout). The next heartbeat finds the shard knowing the
+    replica, with nothing held: it must still get the snapshot. It did not (the shards to
+    register with were forgotten when the call failed): an idle replica's blocks were missing
+    from that shard for good (only a later batch to it, finding a gap, brought a resync) while
+    the publisher counted itself up to date. Found by test_publisher_differential.py."""
+    (ia, ha), (ib, hb) = start_shard(lease_seconds=5.0), start_shard(lease_seconds=5.0)
+    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    eng = make_engine(num_blocks=64, hash_key=None)
+    client = PrefixIndexClient(addrs, block_size=4, channel_factory=grpc.insecure_channel)
+    pa, pb = prompts_owned_by(client, addrs)
+    pub = start_publisher(eng, addrs)
+    register, lost = pub._client.register, []
+
+    def losing_the_answer(*a, **kw):
+        out = register(*a, **kw)
+        if kw.get("only") and not lost:
+            lost.append(set(kw["only"]))
+            raise PrefixIndexError("Register", addrs[0], grpc.StatusCode.DEADLINE_EXCEEDED,
+                                   "Deadline Exceeded")
+        return out
+
+    try:
+        generate(eng, pa, max_tokens=2, salt="t")
+        generate(eng, pb, max_tokens=2, salt="t")
+        wait_for(lambda: held(ia, pa) >= 2 and held(ib, pb) >= 2)
+        monkeypatch.setattr(pub._client, "register", losing_the_answer)
+        ha.stop(0)
+        ia2, ha2 = start_shard(ha.port, lease_seconds=5.0)  # A restarts, empty, same address
+        try:
+            wait_for(lambda: lost == [{addrs[0]}], timeout=10.0)
+            wait_for(lambda: held(ia2, pa) >= 2, timeout=10.0)  # A learns the holdings again
+            assert held(ib, pb) >= 2
         finally:
             ha2.stop(0)
     finally:
