@@ -462,7 +462,8 @@ class EntryStore:
             self._pending_hits[label] = (at, hit_count)
 
     def flush_hits(self) -> int:
-        """Writes buffered hit counters; returns how many rows were updated."""
+        """Writes buffered hit counters; returns how many rows were updated (a counter of an
+        entry deleted since it was recorded updates none)."""
         with self._hits_lock:
             pending, self._pending_hits = self._pending_hits, {}
         if not pending:
@@ -470,7 +471,7 @@ class EntryStore:
         # A counter of an entry deleted meanwhile updates no row: harmless.
         try:
             with self._lock, self._transaction():
-                self._db.executemany(
+                cur = self._db.executemany(
                     # Never lower: a counter restored after a failed flush may be older.
                     "UPDATE entries SET last_hit_at = MAX(last_hit_at, ?), "
                     "hit_count = MAX(hit_count, ?) WHERE label = ?",
@@ -480,7 +481,7 @@ class EntryStore:
                 for lab, v in pending.items():
                     self._pending_hits.setdefault(lab, v)
             raise
-        return len(pending)
+        return cur.rowcount
 
     @contextlib.contextmanager
     def _transaction(self) -> Iterator[None]:

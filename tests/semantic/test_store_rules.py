@@ -90,3 +90,17 @@ def test_a_group_readable_database_of_ours_is_tightened(tmp_path):
     st = EntryStore(str(path), "NORMAL")
     st.close()
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+
+
+def test_a_flush_counts_the_rows_it_updated_not_the_counters_it_held(tmp_path):
+    """flush_hits returned how many counters it held, as its docstring's "rows updated": a hit
+    recorded for an entry deleted meanwhile (an Invalidate racing a lookup) counted though it
+    updated no row. Found by the store's differential review."""
+    st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    one, two = insert(st, "one"), insert(st, "two")
+    st.delete([two])
+    st.record_hit(one, 5.0, 1)
+    st.record_hit(two, 6.0, 1)  # after the delete: the delete could not drop it
+    assert st.flush_hits() == 1
+    assert st.flush_hits() == 0
+    st.close()
