@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.errors import DeadlineExceeded
+from services.common.errors import DeadlineExceeded, InvalidArgument
 from services.semantic.onnx_export import ensure_onnx, export_identity
 
 log = logging.getLogger(__name__)
@@ -201,6 +201,21 @@ class OnnxEmbedder:
         return np.ascontiguousarray(out, dtype=np.float32), [bool(e.overflowing) for e in enc]
 
 
+def _check_embeddable(text: object) -> None:
+    """Refuses, in its caller's own thread, a text the tokenizer cannot take: a non-str, or a
+    str with a lone surrogate (not UTF-8). Queued, it failed its whole batch, so every other
+    caller that happened to share it got the tokenizer's TypeError for a text of its own that
+    embeds alone."""
+    if not isinstance(text, str):
+        raise TypeError(f"the text to embed must be a str, not {type(text).__name__}")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise InvalidArgument("text", f"not valid Unicode: a lone surrogate at character "
+                                          f"{e.start}") from None
+
+
 def _asks(wanted: Callable[[], bool]) -> bool:
     """`wanted()`, taken as True when it fails: a broken predicate must not drop a caller."""
     try:
@@ -250,7 +265,10 @@ class BatchingEmbedder:
         when the text's batch is about to run; False (the caller's deadline passed, or it
         cancelled) drops the text, and DeadlineExceeded is raised here. Under overload, texts
         of callers long gone were embedded all the same, and live lookups queued behind them
-        (a 4 ms lookup took a second behind 32 dead long texts)."""
+        (a 4 ms lookup took a second behind 32 dead long texts).
+
+        Raises, without queuing: TypeError (not a str), InvalidArgument (not valid Unicode)."""
+        _check_embeddable(text)
         fut: Future = Future()
         self._q.put((text, fut, wanted))
         return fut.result(timeout)

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from services.common.errors import DeadlineExceeded
+from services.common.errors import DeadlineExceeded, InvalidArgument
 from services.semantic.embedder import BatchingEmbedder
 from tests.semantic.test_embedder import _SlowInner
 
@@ -206,3 +206,58 @@ def test_onnx_threads_reaches_the_session():
     emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.resolved_model_name(),
                        threads=1)
     assert emb._sess.get_session_options().intra_op_num_threads == 1
+
+
+class _Gated:
+    """The real embedder; each batch first waits for `release` (so callers queue behind the
+    one running), and its size is noted."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.dim, self.name, self.identity = inner.dim, inner.name, inner.identity
+        self.exceeds_window, self.unseen = inner.exceeds_window, inner.unseen
+        self.release = threading.Event()
+        self.sizes: list[int] = []
+
+    def embed_checked(self, texts):
+        self.sizes.append(len(texts))
+        self.release.wait(10)
+        return self.inner.embed_checked(texts)
+
+
+def test_a_text_the_tokenizer_cannot_take_fails_only_its_own_caller(onnx_embedder):
+    """A str with a lone surrogate (or not a str) made the tokenizer raise for its whole
+    batch: a caller that shared the batch got a TypeError for a text that embeds alone. Such
+    a text is refused in its own caller's thread, before it is queued."""
+    gated = _Gated(onnx_embedder)
+    b = BatchingEmbedder(gated, max_batch=8)
+    out: dict[str, object] = {}
+
+    def call(key: str, text) -> None:
+        try:
+            out[key] = b.embed_one_checked(text, timeout=20)
+        except Exception as e:  # noqa: BLE001 - what the caller got
+            out[key] = e
+
+    calls = {"first": "first", "good": "a question", "surrogate": "a \udcff b", "bytes": b"x"}
+    threads = {k: threading.Thread(target=call, args=(k, t)) for k, t in calls.items()}
+    try:
+        threads["first"].start()
+        _until(lambda: gated.sizes == [1])  # that batch is running: the next ones queue
+        for k in ("good", "surrogate", "bytes"):
+            threads[k].start()
+        # Queued, or (the fix) refused at once.
+        _until(lambda: b._q.qsize() + ("surrogate" in out) + ("bytes" in out) == 3)
+        gated.release.set()
+        for t in threads.values():
+            t.join(20)
+        vec, cut = out["good"]
+        want, want_cut = onnx_embedder.embed_checked(["a question"])
+        np.testing.assert_allclose(vec, want[0], rtol=0, atol=1e-5)
+        assert cut is want_cut[0] is False
+        assert isinstance(out["surrogate"], InvalidArgument)
+        assert isinstance(out["bytes"], TypeError)
+        assert gated.sizes == [1, 1]
+    finally:
+        gated.release.set()
+        b.close()
