@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.errors import DeadlineExceeded, InvalidArgument
+from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.semantic.onnx_export import ensure_onnx, export_identity
 
 log = logging.getLogger(__name__)
@@ -248,6 +248,10 @@ class BatchingEmbedder:
             queue.SimpleQueue())
         self.exceeds_window = inner.exceeds_window
         self.unseen = inner.unseen
+        # Set by `close` with its stop mark queued, under `_put_lock`: no text is queued after
+        # that mark (the worker has stopped by the time one would be taken).
+        self._closed = False
+        self._put_lock = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="embed-batcher", daemon=True)
         self._thread.start()
 
@@ -267,10 +271,17 @@ class BatchingEmbedder:
         of callers long gone were embedded all the same, and live lookups queued behind them
         (a 4 ms lookup took a second behind 32 dead long texts).
 
-        Raises, without queuing: TypeError (not a str), InvalidArgument (not valid Unicode)."""
+        Raises, without queuing: TypeError (not a str), InvalidArgument (not valid Unicode),
+        Unavailable (`close` was called)."""
         _check_embeddable(text)
         fut: Future = Future()
-        self._q.put((text, fut, wanted))
+        with self._put_lock:
+            if self._closed:
+                # Queued now, the text would wait for a worker that has stopped: a caller
+                # without a timeout (every Lookup and Store, a gRPC handler still running
+                # when `RunningService.stop` closes the embedder) blocked for good.
+                raise Unavailable("the embedder is closed (the service is stopping)")
+            self._q.put((text, fut, wanted))
         return fut.result(timeout)
 
     def embed(self, texts: list[str]) -> np.ndarray:
@@ -278,7 +289,11 @@ class BatchingEmbedder:
         return self.inner.embed(texts)
 
     def close(self) -> None:
-        self._q.put(None)
+        """Embeds what was queued, then stops the worker; later calls raise Unavailable."""
+        with self._put_lock:
+            if not self._closed:
+                self._closed = True
+                self._q.put(None)
         self._thread.join(timeout=5)
 
     def _run(self) -> None:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from services.common.errors import DeadlineExceeded, InvalidArgument
+from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.semantic.embedder import BatchingEmbedder
 from tests.semantic.test_embedder import _SlowInner
 
@@ -261,3 +261,19 @@ def test_a_text_the_tokenizer_cannot_take_fails_only_its_own_caller(onnx_embedde
     finally:
         gated.release.set()
         b.close()
+
+
+def test_a_call_after_close_is_refused_not_left_waiting():
+    """Once `close` has queued its stop mark, a text queued behind it waited for a worker that
+    had stopped: a caller without a timeout (every Lookup and Store) blocked for good. It is
+    refused (Unavailable); a second close is harmless."""
+    inner = _Recording()
+    inner.release.set()
+    b = BatchingEmbedder(inner)
+    assert b.embed_one("before", timeout=10).shape == (4,)
+    b.close()
+    assert not b._thread.is_alive()
+    with pytest.raises(Unavailable):
+        b.embed_one_checked("after", timeout=2)
+    b.close()
+    assert inner.embedded == ["before"] and b._q.qsize() == 0
