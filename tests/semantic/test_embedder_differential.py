@@ -20,20 +20,26 @@ accents, zero-width spaces, duplicates, lone surrogates and a non-str; random ar
 slow forward passes (so batches form), wait_ms 0-5, `close` mid-traffic.
 
 Through the cache (a static namespace nothing writes during the round, and a busy one taking
-Lookups and Stores, a Store often right after the Lookup of its text so it reuses the kept
-vector): each stored row's vector is its prompt's lone vector and its `over_window` the lone
-flag (a prompt two Stores wrote: the entry standing); a Lookup of the static namespace answers
-as the same Lookup alone afterwards; empty and oversized texts (> max_text_chars) are refused
-(InvalidArgument) and never reach a batch.
+Lookups and Stores, some as the orchestrator makes them, a Lookup then the Store of its text,
+which reuses the vector the Lookup kept): each stored row's vector is its prompt's lone vector
+and its `over_window` the lone flag (a prompt two Stores wrote: the entry standing); a Lookup
+of the static namespace answers as the same Lookup alone afterwards; empty and oversized texts
+(> max_text_chars) are refused (InvalidArgument) and never reach a batch.
 
 Run in the review: 440 batcher rounds (140 before the fixes; 300 after, half with one ONNX
-thread, half with the default) and 310 cache rounds. Found and fixed (test_embedder_rules.py
+thread, half with the default) and 390 cache rounds. Found and fixed (test_embedder_rules.py
 guards each deterministically):
 - a text the tokenizer cannot take (a lone surrogate, a non-str) failed its whole batch: every
   caller sharing it got a TypeError for a text that embeds alone (84 callers in 40 rounds);
   it is now refused in its own caller's thread;
 - a call after `close` was queued behind the stop mark and waited forever (16 callers in 100
   rounds); it is now refused (Unavailable).
+
+Bugs injected to check the harness has teeth (failing rounds of 40): each caller given the
+truncation flag of its batch's first text 21; a batch of max_batch + 1 26; a raising `wanted`
+taken as "gone" 21; close returning without embedding the batch it was collecting 6; the
+attention mask ignored (padding pooled into the mean) 29; a Store reusing a Lookup's vector
+without its window flag 10 (cache rounds).
 
 More rounds: TIERCACHE_EMBEDDER_DIFF_SEEDS=400 (default 8 here; half as many cache rounds).
 """
@@ -293,7 +299,9 @@ def run_cache_round(seed: int, inner, lone: _Lone, tmp: str, seen: dict) -> list
         ops.append(("lookup", static, t) if r < 0.4 else ("lookup", busy, t) if r < 0.6
                    else ("store", busy, t))
         if r < 0.6 and rng.random() < 0.3:
-            ops.append(("store", busy, t))  # its Store: the Lookup's vector is reused
+            ops.append(("store", busy, t))  # a Store of it at the same time
+        if rng.random() < 0.2:  # as the orchestrator: a Lookup, then its Store (reusing)
+            ops.append(("lookup+store", busy, pick()))
     results: list = [None] * len(ops)
     barrier = threading.Barrier(len(ops))
     delays = [rng.random() * 0.003 for _ in ops]
@@ -303,7 +311,9 @@ def run_cache_round(seed: int, inner, lone: _Lone, tmp: str, seen: dict) -> list
         barrier.wait()
         time.sleep(delays[i])
         try:
-            results[i] = ("ok", cache.lookup(ns, t) if kind == "lookup"
+            if kind != "store":
+                looked = cache.lookup(ns, t)
+            results[i] = ("ok", looked if kind == "lookup"
                           else cache.store_entry(ns, t, f"a{i}"))
         except Exception as e:  # noqa: BLE001 - what the caller got
             results[i] = ("err", e)
@@ -330,11 +340,11 @@ def run_cache_round(seed: int, inner, lone: _Lone, tmp: str, seen: dict) -> list
                 p(f"{tag}: {res}")
                 continue
             want = lone(t)
-            if kind == "store":
+            if kind != "lookup":
                 e = res[1]
                 row = store.get(e.id)
                 if row is None:  # a later Store of the prompt replaced it: the one standing
-                    twice = sum(o == ("store", ns, t) for o in ops) > 1
+                    twice = sum(o[0] != "lookup" and o[1:] == (ns, t) for o in ops) > 1
                     label = cache._by_prompt.get((ns, t))
                     e = cache._entries.get(label) if label is not None else None
                     row = store.get(e.id) if e is not None else None
