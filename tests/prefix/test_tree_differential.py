@@ -100,6 +100,20 @@ def chain_keys(root: bytes, tokens: list[int], bs: int) -> list[bytes]:
     return out
 
 
+def expected_top(m, k: int, model: str, salt: str | None, min_hits: int):
+    """The model's TopPrefixes candidates (held, hit at least max(1, min_hits), of the model
+    and salt asked), the k best by (hits, last use), and the (hits, last use) of the k-th
+    (ties at the cut may be taken in any order)."""
+    cands = {key: n for key, n in m.held_nodes().items()
+             if n.hits >= max(1, min_hits)
+             and (not model or m.roots[n.root][0] == model)
+             and (salt is None or m.roots[n.root][1] == salt)}
+    order = sorted(cands, key=lambda key: (cands[key].hits, cands[key].last), reverse=True)
+    best = order[:k]
+    cut = (cands[best[-1]].hits, cands[best[-1]].last) if best else None
+    return cands, best, cut
+
+
 @dataclass(eq=False)
 class Node:
     parent: bytes
@@ -525,13 +539,7 @@ class Run:
         max_tokens = rng.choice((None, None, 0, self.bs, 5 * self.bs))
         got = t.top(k, model, min_hits, salt, max_tokens)
         self.seen["top"] += len(got)
-        cands = {key: n for key, n in m.held_nodes().items()
-                 if n.hits >= max(1, min_hits)
-                 and (not model or m.roots[n.root][0] == model)
-                 and (salt is None or m.roots[n.root][1] == salt)}
-        order = sorted(cands, key=lambda key: (cands[key].hits, cands[key].last), reverse=True)
-        best = order[:k]
-        cut = (cands[best[-1]].hits, cands[best[-1]].last) if best else None
+        cands, best, cut = expected_top(m, k, model, salt, min_hits)
         keys = [p.last_block_hash for p in got]
         assert len(set(keys)) == len(keys)
         left = max_tokens
@@ -919,13 +927,7 @@ class IndexRun:
         self.expire()
         got = self.index.top_prefixes(k, model, min_hits, salt)
         names = {v["bit"]: rid for rid, v in self.reps.items()}
-        cands = {key: n for key, n in m.held_nodes().items()
-                 if n.hits >= max(1, min_hits)
-                 and (not model or m.roots[n.root][0] == model)
-                 and (salt is None or m.roots[n.root][1] == salt)}
-        order = sorted(cands, key=lambda key: (cands[key].hits, cands[key].last), reverse=True)
-        best = order[:k]
-        cut = (cands[best[-1]].hits, cands[best[-1]].last) if best else None
+        cands, best, cut = expected_top(m, k, model, salt, min_hits)
         assert len(got) == len(best)
         for i, p in enumerate(got):
             n = cands[p.last_block_hash]
