@@ -1079,13 +1079,16 @@ class SemanticCache:
             # the rest are due again at the next tick.
             n = self._drop_in_chunks(gone)
             with self._lock:
-                for lab in labels:  # those still held: their delete failed
-                    self._mark_expiring_locked(lab, -1)
                 self._expired += n
                 if len(gone) < len(labels):
+                    # Their delete failed: held again, not expiring (what was dropped unmarked
+                    # itself). A Store past capacity meanwhile counted them as gone, so the
+                    # cache may hold more than its limits until they go: they are expired
+                    # (never served), and the next Store past capacity or tick purges them.
                     done = set(gone)
                     for item in due:
                         if item[1] not in done:
+                            self._mark_expiring_locked(item[1], -1)
                             heapq.heappush(self._expiry_heap, item)
             self._m["expirations"].inc(n)
         self._compact_expiry_heap()
@@ -1407,5 +1410,10 @@ class SemanticCache:
             going = [self._entries[lab].namespace for lab in self._expiring]
             assert self._expiring_ns == Counter(going), "expiring per namespace"
             assert self._expiring_tenant == Counter(ns.tenant for ns in going), "per tenant"
-            # Entries an expire under way is dropping count as gone (`_victims_locked`).
-            assert len(self._entries) - len(self._expiring) <= self.cfg.max_entries_total
+            # Entries an expire under way is dropping count as gone (`_victims_locked`), and
+            # expired ones too: one whose delete failed stays (never served) until purged.
+            now = self.clock()
+            dead = sum(1 for lab, e in self._entries.items()
+                       if lab not in self._expiring and e.expired(now))
+            assert (len(self._entries) - len(self._expiring) - dead
+                    <= self.cfg.max_entries_total), "entries past the global capacity"

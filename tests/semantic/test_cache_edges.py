@@ -994,6 +994,58 @@ def test_a_store_past_capacity_counts_what_an_expiry_under_way_took_as_gone(
     c.check_integrity()
 
 
+def test_an_expiry_whose_delete_failed_leaves_its_entries_expired_until_the_next_tick(
+        make_cache, clock, monkeypatch):
+    """A Store past capacity counted the entries an expiry under way took as gone; when that
+    expiry's delete then fails, they are held again (not expiring) and the cache holds more
+    than its limit until the next tick purges them: never served meanwhile, and integrity
+    holds (expired entries count as gone there too). The review's repro."""
+    import sqlite3
+
+    c = make_cache(max_entries_total=2)
+    c.store_entry(A, "live", "live answer")
+    c.store_entry(A, "dying", "dying answer", ttl_seconds=5)
+    clock.t += 6
+    real = c.store.delete
+    deleting, release = threading.Event(), threading.Event()
+
+    def failing_delete(labels, committed=None):
+        if labels and not deleting.is_set():  # the expiry's delete: held, then it fails
+            deleting.set()
+            assert release.wait(10)
+            raise sqlite3.OperationalError("disk I/O error")
+        return real(labels, committed)
+
+    monkeypatch.setattr(c.store, "delete", failing_delete)
+    failed: list[BaseException] = []
+
+    def expire() -> None:
+        try:
+            c.expire()
+        except sqlite3.OperationalError as e:
+            failed.append(e)
+
+    ex = threading.Thread(target=expire, daemon=True)
+    ex.start()
+    try:
+        assert deleting.wait(10)
+        c.store_entry(A, "new", "new answer")
+    finally:
+        release.set()
+        ex.join(10)
+    assert not ex.is_alive() and len(failed) == 1
+    s = c.stats()
+    assert (s.entries, s.evictions_total, s.expirations_total) == (3, 0, 0)
+    assert not c.lookup(A, "dying", tier="strict").hit  # expired: never served
+    c.check_integrity()  # no entry left marked as expiring; the dead one counts as gone
+    assert c.expire() == 1  # the next tick takes it
+    s = c.stats()
+    assert (s.entries, s.evictions_total, s.expirations_total) == (2, 0, 1)
+    assert c.lookup(A, "live", tier="strict").hit and c.lookup(A, "new", tier="strict").hit
+    assert c.store.count() == 2
+    c.check_integrity()
+
+
 def _store_after_first_search(c, monkeypatch, prompt: str, answer: str, hide: bool = False
                               ) -> list[int]:
     """Makes namespace A's first index search be followed, before the lookup reads its result,
