@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from prometheus_client import REGISTRY
 
-from services.common.errors import DeadlineExceeded
+from services.common.errors import DeadlineExceeded, NotFound
 from services.semantic import cache as cache_mod
 from services.semantic.cache import Namespace, SemanticCache
 from services.semantic.index import IndexParams, NamespaceIndex
@@ -991,6 +991,48 @@ def test_a_store_past_capacity_counts_what_an_expiry_under_way_took_as_gone(
     assert out["expired"] == 1  # the expiry dropped what it took
     assert [d for d in deletes if dying.label in d] == [[dying.label]]  # its row, once
     assert c.store.count() == 2
+    c.check_integrity()
+
+
+@pytest.mark.parametrize("limit", ["max_entries_per_namespace", "max_entries_per_tenant",
+                                   "max_entries_total"])
+def test_a_store_past_capacity_beside_an_expiry_under_way_evicts_the_oldest_live_entry(
+        make_cache, clock, monkeypatch, limit):
+    """Past capacity even without the entries an expiry under way took, a Store evicts the
+    least recently used live entry, never one of those (the least recently used of all here):
+    that expiry drops it, and evicting it too would count it twice and keep one entry too
+    many."""
+    c = make_cache(**{limit: 2})
+    dying = c.store_entry(A, "dying", "dying answer", ttl_seconds=5)  # least recently used
+    old = c.store_entry(A, "old", "old answer")
+    clock.t += 6
+    real = c.store.delete
+    deleting, release = threading.Event(), threading.Event()
+
+    def held_delete(labels, committed=None):
+        if labels and not deleting.is_set():  # the expiry's delete: held
+            deleting.set()
+            assert release.wait(10)
+        return real(labels, committed)
+
+    monkeypatch.setattr(c.store, "delete", held_delete)
+    ex = threading.Thread(target=c.expire, daemon=True)
+    ex.start()
+    try:
+        assert deleting.wait(10)
+        c.store_entry(A, "newer", "newer answer")  # at the limit without the dying one
+        c.store_entry(A, "newest", "newest answer")  # past it: "old" goes
+        c.check_integrity()
+    finally:
+        release.set()
+        ex.join(10)
+    assert not ex.is_alive()
+    s = c.stats()
+    assert (s.entries, s.evictions_total, s.expirations_total) == (2, 1, 1)
+    for gone in (old, dying):
+        with pytest.raises(NotFound):
+            c.get(gone.id)
+    assert c.lookup(A, "newer", tier="strict").hit and c.lookup(A, "newest", tier="strict").hit
     c.check_integrity()
 
 
