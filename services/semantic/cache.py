@@ -905,13 +905,13 @@ class SemanticCache:
         held = {t: len(lru) - self._expiring_tenant[t] for t, lru in self._tenant_lru.items()}
         for lab in skip:
             held[self._entries[lab].namespace.tenant] -= 1
-        skip |= self._expiring
+        going = self._expiring
         order = {t: iter(lru) for t, lru in self._tenant_lru.items()}
 
         def head(t: str) -> tuple | None:
             """The tenant's next victim, keyed: most entries first, then least recently used
             (between tenants holding as many, the global LRU order as before)."""
-            lab = next((x for x in order[t] if x not in skip), None)
+            lab = next((x for x in order[t] if x not in skip and x not in going), None)
             if lab is None:
                 return None
             e = self._entries[lab]
