@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import queue
 from collections.abc import Callable, Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -22,6 +23,23 @@ from services.kvpool.sampling import SamplingSpec
 
 TINY_VOCAB = 128
 TINY_ID = "tiny-llama"
+
+
+class StatsEngine:
+    """An engine a publisher reads only the pool's shape and the stats of: by default nothing
+    running and every block free."""
+
+    pool = SimpleNamespace(block_size=4, num_blocks=50,
+                           hasher=SimpleNamespace(key=b"k", probe=lambda: b""))
+
+    def __init__(self, running: int = 0, waiting: int = 0, blocks_free: int = 50,
+                 blocks_cached: int = 0) -> None:
+        self._stats = SimpleNamespace(running=running, waiting=waiting,
+                                      blocks_free=blocks_free, blocks_cached=blocks_cached,
+                                      blocks_total=50)
+
+    def stats(self):
+        return self._stats
 
 
 def make_tiny_model(seed: int = 0, max_pos: int = 1024):

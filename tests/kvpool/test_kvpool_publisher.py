@@ -11,7 +11,7 @@ from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
 from services.common.bootstrap import create_server
 from services.kvpool.publisher import Publisher
-from tests.kvpool.conftest import generate
+from tests.kvpool.conftest import StatsEngine, generate
 
 
 class FakeIndex(prefix_pb2_grpc.PrefixIndexServicer):
@@ -725,23 +725,14 @@ def test_a_heartbeat_carries_the_replicas_load_and_paces_to_a_third_of_the_lease
     """The load the index routes by: running and waiting as the engine counts them, free
     blocks counting cached ones (evictable), the pool's size; and a lease shorter than three
     heartbeat intervals sets the interval to a third of it (two beats may be lost)."""
-    from types import SimpleNamespace
-
-    class FakeEngine:
-        pool = SimpleNamespace(block_size=4, num_blocks=50,
-                               hasher=SimpleNamespace(key=b"k", probe=lambda: b""))
-
-        def stats(self):
-            return SimpleNamespace(running=2, waiting=5, blocks_free=7, blocks_cached=11,
-                                   blocks_total=50)
-
     loads = []
 
     def heartbeat_shards(rid, inc, load, only=None, partial=None):
         loads.append(load)
         return {"a": prefix_pb2.HeartbeatResponse(known=True, lease_seconds=9.0)}
 
-    pub = Publisher(FakeEngine(), address="127.0.0.1:1", replica_id="r", incarnation="i",
+    engine = StatsEngine(running=2, waiting=5, blocks_free=7, blocks_cached=11)
+    pub = Publisher(engine, address="127.0.0.1:1", replica_id="r", incarnation="i",
                     public_address="x", model_id="m", heartbeat_seconds=30.0,
                     channel_factory=grpc.insecure_channel)
     try:

@@ -9,20 +9,9 @@ skip lagging shards."""
 from __future__ import annotations
 
 import time
-from types import SimpleNamespace
 
+from tests.kvpool.conftest import StatsEngine
 from tests.kvpool.test_publisher_sharded import start_publisher, start_shard, wait_for
-
-
-class IdleEngine:
-    """An engine with nothing running and every block free (what a publisher reads of it)."""
-
-    pool = SimpleNamespace(block_size=4, num_blocks=50,
-                           hasher=SimpleNamespace(key=b"k", probe=lambda: b""))
-
-    def stats(self):
-        return SimpleNamespace(running=0, waiting=0, blocks_free=50, blocks_cached=0,
-                               blocks_total=50)
 
 
 def test_a_lagging_shard_is_caught_up_only_once_its_retry_time_has_come(make_engine) -> None:
@@ -116,7 +105,7 @@ def test_an_index_that_names_no_lease_leaves_the_heartbeat_interval_as_configure
 
     from services.kvpool.publisher import Publisher
 
-    pub = Publisher(IdleEngine(), address="127.0.0.1:1", replica_id="r", incarnation="i",
+    pub = Publisher(StatsEngine(), address="127.0.0.1:1", replica_id="r", incarnation="i",
                     public_address="x", model_id="m", heartbeat_seconds=2.0)
     try:
         pub._client.heartbeat_shards = lambda *a, **kw: {
@@ -219,7 +208,7 @@ def _heartbeating_publisher(answers: dict[str, tuple[bool, float]]):
 
     from services.kvpool.publisher import Publisher
 
-    pub = Publisher(IdleEngine(), address=",".join(answers), replica_id="r", incarnation="i",
+    pub = Publisher(StatsEngine(), address=",".join(answers), replica_id="r", incarnation="i",
                     public_address="x", model_id="m", heartbeat_seconds=30.0)
     pub._client.heartbeat_shards = lambda *a, **kw: {
         a: prefix_pb2.HeartbeatResponse(known=k, lease_seconds=lease)
