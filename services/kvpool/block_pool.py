@@ -154,12 +154,17 @@ class BlockPool:
     # ---- queries ---------------------------------------------------------------------------
 
     def match(self, token_ids: Sequence[int], cache_salt: str = "") -> list[int]:
-        """Block ids of the longest cached prefix of full blocks (tokens verified on each hit)."""
+        """Block ids of the longest cached prefix of full blocks (tokens verified on each hit).
+
+        A hit must also continue the block matched before it (its parent): a block's KV
+        depends on every token before it, so under a hash collision the same tokens after
+        another prefix are not a hit."""
         out: list[int] = []
         bs = self.block_size
         for i, h in enumerate(self.hasher.hashes(token_ids, cache_salt)):
             bid = self._table.get(h)
-            if bid is None or self._blocks[bid].tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
+            if (bid is None or self._blocks[bid].parent != (out[-1] if out else None)
+                    or self._blocks[bid].tokens != tuple(token_ids[i * bs:(i + 1) * bs])):
                 break
             out.append(bid)
         return out
@@ -310,8 +315,11 @@ class BlockPool:
             bid = t.blocks[idx]
             toks = tuple(token_ids[idx * bs:(idx + 1) * bs])
             existing = self._table.get(h)
-            if existing is not None and existing != bid and self._blocks[existing].tokens == toks:
+            parent = t.blocks[idx - 1] if idx else None
+            if (existing is not None and existing != bid and self._blocks[existing].tokens == toks
+                    and self._blocks[existing].parent == parent):
                 # Someone committed the same block first: share theirs, drop our duplicate.
+                # (Same tokens after the same parent: a colliding hash is never shared.)
                 self._ref(existing)
                 self._blocks[existing].last_access = now
                 t.blocks[idx] = existing
@@ -324,7 +332,6 @@ class BlockPool:
                 continue
             b = self._blocks[bid]
             assert b.hash is None and b.ref >= 1
-            parent = t.blocks[idx - 1] if idx else None
             b.hash, b.tokens, b.parent = h, toks, parent
             b.start_token, b.cache_salt, b.first_hash = idx * bs, t.cache_salt, first_hash
             b.last_access = now
@@ -563,8 +570,10 @@ class BlockPool:
             in_free = bid in free_set
             assert in_free == (b.ref == 0 and b.hash is None), f"block {bid}: free queue wrong"
             if b.hash is not None and self._table.get(b.hash) not in (bid, None):
-                # A duplicate (hash collision with other tokens) must not be shadowed silently.
-                assert self._blocks[self._table[b.hash]].tokens != b.tokens
+                # A duplicate must not be shadowed silently: only a hash collision (other
+                # tokens, or the same ones after another parent) keeps a block out of the table.
+                other = self._blocks[self._table[b.hash]]
+                assert other.tokens != b.tokens or other.parent != b.parent
         for h, bid in self._table.items():
             assert self._blocks[bid].hash == h, f"table entry for block {bid} is stale"
 

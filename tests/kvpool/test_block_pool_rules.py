@@ -254,3 +254,43 @@ def test_a_deep_leaf_goes_before_a_shallow_one_whatever_its_hits() -> None:
     run_seq(pool, "y", Y[:4])  # shallow, never reused
     x2, (y0,) = pool.match(X)[2], pool.match(Y[:4])
     assert pool.eviction_order() == [x2, y0]
+
+
+def test_a_colliding_block_with_the_same_tokens_after_another_prefix_is_not_shared() -> None:
+    """Tokens are verified on every hash hit so that a collision cannot hand a prompt another
+    prompt's KV; a block's KV depends on every token before it, so a block that holds the same
+    tokens after another prefix is not the same block. commit() shared it (its own tokens
+    matched) and the sequence would have attended to KV computed after the other prefix."""
+    from tests.kvpool.test_contracts import CollidingHasher
+
+    pool = BlockPool(8, BS, CollidingHasher(), HybridPolicy(0), clock=Clock(1.0))
+    a, b, c = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]
+    run_seq(pool, "x", a + b)
+    xs = pool.match(a + b)
+    pool.open("y", c + b + [0])
+    own = pool.blocks_of("y")
+    assert pool.commit("y", c + b + [0], 2 * BS) == []
+    assert pool.blocks_of("y") == own  # b after c is y's own block, not x's b after a
+    assert pool.ref_count(xs[1]) == 0
+    pool.check_integrity()
+    pool.close("y")
+
+
+def test_match_follows_one_chain_under_a_hash_collision() -> None:
+    """match() verified each hit's tokens but not that it continues the block matched before
+    it: with a's successor evicted and e committed after c (colliding with a, so c's block
+    stays out of the table), a prompt a + e matched a's block and then e's block computed
+    after c."""
+    from tests.kvpool.test_contracts import CollidingHasher
+
+    pool = BlockPool(8, BS, CollidingHasher(), HybridPolicy(0), clock=Clock(1.0))
+    a, b, c, e = [1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]
+    run_seq(pool, "p", a + b)
+    (pa, pb) = pool.match(a + b)
+    assert pool.evict(1) == [pb]
+    run_seq(pool, "r", c + e)  # c collides with a: stays out of the table; e enters it
+    assert pool.match(a + e) == [pa]
+    adm = pool.open("q", a + e + [0])
+    assert adm.cached_tokens == BS and pool.blocks_of("q")[0] == pa
+    pool.check_integrity()
+    pool.close("q")
