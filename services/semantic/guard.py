@@ -755,20 +755,42 @@ def _swapped(shared: list[tuple[Span, Span]]) -> bool:
     return False
 
 
-def _digit_places(lower: tuple[str, ...]) -> dict[str, Span]:
-    """Each number written in digits, at its first place among the words."""
-    out: dict[str, Span] = {}
+def _paired(qi: dict[str, list[Span]], ci: dict[str, list[Span]]) -> list[tuple[Span, Span]]:
+    """The places of each item both texts have, the k-th in one with the k-th in the other
+    (as `_shared_sequences` pairs repeated words). An item's first place alone hid a swap
+    after an earlier mention: "Was it 5 or 6? The date is 5/6/2020" / "... 6/5/2020" was
+    served."""
+    return [pair for k, qs in qi.items() if k in ci
+            for pair in zip(qs, ci[k], strict=False)]
+
+
+def _number_places(lower: tuple[str, ...]) -> tuple[dict[str, list[Span]], set[str]]:
+    """Each number written in digits or as a cardinal word ("three" as "3"), at each of its
+    places among the words; and the numbers written in digits."""
+    out: dict[str, list[Span]] = defaultdict(list)
+    digits = set()
     for k, w in enumerate(lower):
         if w[0].isdigit():
-            out.setdefault(w, Span(w, k, k))
-    return out
+            key = w
+            digits.add(w)
+        elif w in _UNITS or w in _TENS:
+            if w == "one" and k and lower[k - 1] in _ONE_AS_PRONOUN:
+                continue  # "which one": no number
+            key = str(_UNITS.get(w, _TENS.get(w)))
+        else:
+            continue
+        out[key].append(Span(key, k, k))
+    return out, digits
 
 
 def numbers_reordered(q: TextFacts, c: TextFacts) -> bool:
     """Two numbers both texts write in digits stand close together in both, in the other
-    order in one ("on 5/6/2020" / "on 6/5/2020": the same numbers, 0.99 cosine)."""
-    qn, cn = _digit_places(q.lower), _digit_places(c.lower)
-    return _swapped([(qn[k], cn[k]) for k in qn if k in cn])
+    order in one ("on 5/6/2020" / "on 6/5/2020": the same numbers, 0.99 cosine). A number
+    stands wherever it is written, in digits or in words: "three rooms (2-3 beds)" / "3 rooms
+    (2-3 beds)" was refused, one text's first "3" paired with the other's second."""
+    (qn, qd), (cn, cd) = _number_places(q.lower), _number_places(c.lower)
+    both = qd & cd
+    return _swapped(_paired({k: v for k, v in qn.items() if k in both}, cn))
 
 
 # Words joining two phrases that may stand in either order ("the difference between X and

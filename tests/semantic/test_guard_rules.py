@@ -198,6 +198,21 @@ def test_a_phrase_of_four_words_may_be_exchanged():
             "Which is better, a Honda or a used Toyota Corolla?")
 
 
+def test_a_number_stands_where_it_is_written_in_digits_or_in_words():
+    """numbers_reordered: "three" is the number 3 where it stands, so the other text's "3"
+    there is not paired with this text's later "3" (a metamorphic test's find: writing a
+    number in digits, which rule 1 says changes nothing, made a swap out of "2-3")."""
+    _passed("Do I need three rooms (2-3 beds each)?", "Do I need 3 rooms (2-3 beds each)?")
+
+
+def test_numbers_swapped_after_an_earlier_mention_are_refused():
+    """numbers_reordered: the k-th place of a number pairs with the k-th in the other text;
+    the first alone left "5/6" / "6/5" after an earlier "5 or 6" unseen (3 breakpoints: one
+    block move)."""
+    _refused("Was it 5 or 6? The date is 5/6/2020", "Was it 5 or 6? The date is 6/5/2020",
+             "numbers in another order")
+
+
 def test_breakpoints_of_two_words_and_of_repeats():
     """breakpoints: adjacencies of shared words in `a`, with the sentinels, that `b` breaks
     (two words exchanged break all 3); the k-th repeat pairs with the k-th in the other text,
