@@ -608,9 +608,9 @@ def _ends_number(word: str, before: str) -> bool:
 
 def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
     """Capitalised words not at a sentence start, acronyms and codes with digits, lowercased;
-    and the spans they form (each span's first occurrence)."""
+    and the spans they form (every occurrence, in order)."""
     out: set[str] = set()
-    spans: dict[str, Span] = {}
+    spans: list[Span] = []
     start = True
     pos = -1  # index among the words
     run: list[str] = []
@@ -619,7 +619,7 @@ def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
     def close() -> None:
         if run:
             key = " ".join(run)
-            spans.setdefault(key, Span(key, run_first, run_first + len(run) - 1))
+            spans.append(Span(key, run_first, run_first + len(run) - 1))
             run.clear()
 
     prev = prev_word = ""
@@ -667,7 +667,7 @@ def _entities(tokens: list[str]) -> tuple[set[str], list[Span]]:
             close()
         start = False
     close()
-    return out, list(spans.values())
+    return out, spans
 
 
 def entities_missing(q: TextFacts, c: TextFacts) -> set[str]:
@@ -854,23 +854,25 @@ def coordination_swapped(q: tuple[str, ...], c: tuple[str, ...]) -> bool:
 
 def entities_reordered(q: TextFacts, c: TextFacts) -> bool:
     """Two entities (or entity spans) both texts have stand close together in both, in the
-    other order in one than in the other."""
-    both = {s.key for s in q.spans} & {s.key for s in c.spans}
-
-    def items(spans: tuple[Span, ...]) -> dict[str, Span]:
-        # A span the other text has too stands as one; the others as their words ("USD EUR"
-        # and "EUR USD" are the two words, swapped).
-        out: dict[str, Span] = {}
+    other order in one than in the other; each at every place it stands, the k-th paired with
+    the k-th (the first place alone left "Why is USD strong? Will the USD EUR rate rise?" /
+    "... the EUR USD rate rise?" served)."""
+    def items(spans: tuple[Span, ...], other: tuple[Span, ...]) -> dict[str, list[Span]]:
+        # A span the other text has too stands as one (as often as both have it); the others
+        # as their words ("USD EUR" and "EUR USD" are the two words, swapped; so are "Stella
+        # Gemmell" and "Gemmell Stella" after an earlier "Stella Gemmell" in both).
+        shared = Counter(sp.key for sp in other)
+        out: dict[str, list[Span]] = defaultdict(list)
         for sp in spans:
-            if sp.key in both:
-                out.setdefault(sp.key, sp)
+            if shared[sp.key] > 0:
+                shared[sp.key] -= 1
+                out[sp.key].append(sp)
                 continue
             for k, word in enumerate(sp.key.split()):
-                out.setdefault(word, Span(word, sp.first + k, sp.first + k))
+                out[word].append(Span(word, sp.first + k, sp.first + k))
         return out
 
-    qi, ci = items(q.spans), items(c.spans)
-    return _swapped([(qi[k], ci[k]) for k in qi if k in ci])
+    return _swapped(_paired(items(q.spans, c.spans), items(c.spans, q.spans)))
 
 
 def _shared_sequences(a, b) -> tuple[list[tuple[str, int]], list[tuple[str, int]]]:
@@ -917,7 +919,7 @@ class TextFacts(NamedTuple):
     numbers: frozenset[tuple[str, int]]  # (number, how often)
     negations: int
     entities: frozenset[str]
-    spans: tuple[Span, ...]  # entity words in a row, with their places
+    spans: tuple[Span, ...]  # entity words in a row, with their places (each occurrence)
     vocab: frozenset[str]  # lower_set and the numbers its words write ("third": "3rd" too)
     contrasts: frozenset[tuple[str, int]] = frozenset()  # (contrast word, how often)
     order: tuple[str, ...] = ()  # the words as the order check compares them (_order_words)

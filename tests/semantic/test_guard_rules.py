@@ -213,6 +213,22 @@ def test_numbers_swapped_after_an_earlier_mention_are_refused():
              "numbers in another order")
 
 
+def test_entities_swapped_after_an_earlier_mention_are_refused():
+    """entities_reordered: an entity's k-th place pairs with the k-th in the other text; its
+    first place alone left the adjacent swap unseen ("USD EUR" / "EUR USD": 3 breakpoints,
+    one block move)."""
+    _refused("Why is USD strong? Will the USD EUR rate rise?",
+             "Why is USD strong? Will the EUR USD rate rise?", "entities in another order")
+
+
+def test_a_span_both_texts_have_stands_as_one_only_as_often_as_both_have_it():
+    """entities_reordered: "USD EUR" twice in one text and once in the other stands as one
+    item once; the other "USD EUR" is its two words, swapped in "EUR USD" (every occurrence
+    of a span both have stood as one, and the swap went unseen)."""
+    _refused("Is the USD EUR pair up? Will the USD EUR rate fall?",
+             "Is the USD EUR pair up? Will the EUR USD rate fall?", "entities in another order")
+
+
 def test_breakpoints_of_two_words_and_of_repeats():
     """breakpoints: adjacencies of shared words in `a`, with the sentinels, that `b` breaks
     (two words exchanged break all 3); the k-th repeat pairs with the k-th in the other text,
