@@ -277,10 +277,13 @@ def _numbers(words: list[str]) -> Counter:
                 group, last = group + _TENS[w], "ten"
             elif w in _SCALES and last in ("", "digits", "unit", "ten", "scale"):
                 scale = _SCALES[w]
+                # A scale alone ("a million", "hundred thousand") counts one of it; a number
+                # written before it, even 0, counts that many ("0 billion" was 1 billion).
+                base = group if last in ("digits", "unit", "ten") else (group or 1)
                 if scale == 100:
-                    group = (group or 1) * 100
+                    group = base * 100
                 else:
-                    total, group = total + (group or 1) * scale, 0.0
+                    total, group = total + base * scale, 0.0
                 last = "scale"
             elif (w == "and" and last == "scale" and i + 1 < n
                   and (low[i + 1] in _UNITS or low[i + 1] in _TENS)):

@@ -49,6 +49,14 @@ def test_roman_numerals_are_numbers_only_after_a_capitalised_word(query, cached)
     _refused(query, cached, "numbers differ")
 
 
+def test_zero_before_a_scale_is_zero():
+    """_numbers: "0 billion" is 0, not the 1 billion a scale alone ("a billion") counts."""
+    _refused("Did the fund lose 0 billion dollars?", "Did the fund lose 1 billion dollars?",
+             "numbers differ")
+    _refused("Is zero hundred hours midnight?", "Is one hundred hours midnight?",
+             "numbers differ")
+
+
 @pytest.mark.parametrize(("query", "cached"), [
     ("Is a hundred dollars enough for a week in Rome?",
      "Is 100 dollars enough for a week in Rome?"),
