@@ -63,13 +63,17 @@ def save(folder: str | os.PathLike, params, embed_id: str,
     the graph does)) as the folder's new snapshot and returns what it holds, to pass back as
     `previous` to the next save into the same folder: a graph whose token is unchanged since
     then keeps its files (a periodic save rewrites only the graphs merged since), and a save
-    with nothing changed writes nothing. Raises OSError (disk full, no permission): the
+    with nothing changed since `previous` writes nothing (without `previous`, the manifest
+    found is superseded even by an empty one). Raises OSError (disk full, no permission): the
     previous snapshot, if any, stays in force."""
     folder = Path(folder)
     items = list(items)
     had_manifest = (folder / MANIFEST).exists()
     if not items and not had_manifest:
         return {}  # nothing to save, nothing saved before to supersede
+    # Without `previous` (a new process's first save), the manifest there is not known to
+    # hold what `items` hold, even when both hold nothing: it is written.
+    known = previous is not None and had_manifest
     # The files of the last save are kept only while its manifest is there to name them.
     previous = (previous or {}) if had_manifest else {}
 
@@ -81,7 +85,7 @@ def save(folder: str | os.PathLike, params, embed_id: str,
         ok = all((folder / f"{stem}{s}").exists() for s in (".faiss", ".labels.npy"))
         return was[1] if ok else None
 
-    if (had_manifest and len(items) == len(previous)
+    if (known and len(items) == len(previous)
             and all(kept(key, token) is not None for key, _, _, token in items)):
         return previous  # nothing merged since the last save
     # Owner only, as the database is: the vectors say much of the questions they embed.

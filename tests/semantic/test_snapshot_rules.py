@@ -103,3 +103,19 @@ def test_a_graph_whose_files_went_missing_is_written_again_at_the_next_save(tmp_
     got = snapshot.Saved(folder, PARAMS, "emb").take(KEY)
     assert got is not None
     assert got[0].ntotal == main.ntotal and got[1].tolist() == labels.tolist()
+
+
+def test_a_new_processs_save_with_no_graph_supersedes_the_snapshot_it_found(tmp_path):
+    """A save handed no graph and no `previous` (the first save of a new process) still
+    replaces the manifest a past process left: it returned at once ("nothing merged since"),
+    and the past graphs' files stayed in the folder for good while every namespace was flat,
+    and were read again (and refused as another database's) once one grew back. Found by
+    tests/semantic/test_snapshot_differential.py."""
+    main, labels = graph()
+    folder = tmp_path / "snap"
+    snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 1)])
+    assert snapshot.save(folder, PARAMS, "emb", []) == {}
+    assert sorted(p.name for p in folder.iterdir()) == [snapshot.MANIFEST]
+    assert json.loads((folder / snapshot.MANIFEST).read_text())["namespaces"] == []
+    assert snapshot.Saved(folder, PARAMS, "emb").take(KEY) is None
+
