@@ -45,6 +45,7 @@ MANIFEST = "manifest.json"
 FORMAT = 1
 # The files a save writes, named by generation and position: the only ones it ever removes.
 _OURS = re.compile(r"([0-9a-f]+-[0-9]+)\.(?:faiss|labels\.npy)")
+_TMP = re.compile(rf"\.{re.escape(MANIFEST)}\.[0-9]+\.tmp")  # a manifest being written
 
 
 def _settings(params, embed_id: str) -> dict:
@@ -91,6 +92,7 @@ def save(folder: str | os.PathLike, params, embed_id: str,
     # Owner only, as the database is: the vectors say much of the questions they embed.
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)
     gen = f"{time.time_ns():x}"
+    tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
     entries = []
     state: SaveState = {}
     t0 = time.monotonic()
@@ -119,7 +121,6 @@ def save(folder: str | os.PathLike, params, embed_id: str,
             rows += len(labels)
             written += 1
         manifest = dict(_settings(params, embed_id), namespaces=entries)
-        tmp = folder / f".{MANIFEST}.{os.getpid()}.tmp"
         with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(manifest, f)
             f.flush()
@@ -129,8 +130,7 @@ def save(folder: str | os.PathLike, params, embed_id: str,
         # Disk full, say: the files of this save would stay until the next one. Only before
         # the rename: after it, they are the snapshot in force.
         for p in folder.iterdir():
-            if (_OURS.fullmatch(p.name) and p.name.startswith(f"{gen}-")) or \
-                    p.name.startswith(f".{MANIFEST}."):
+            if (_OURS.fullmatch(p.name) and p.name.startswith(f"{gen}-")) or p == tmp:
                 with contextlib.suppress(OSError):
                     p.unlink()
         raise
@@ -142,8 +142,9 @@ def save(folder: str | os.PathLike, params, embed_id: str,
     keep = {e["stem"] for e in entries}
     for p in folder.iterdir():
         # Only files a save writes: the folder may be shared (the database's own, say).
+        # A temporary manifest left is a save's killed before its rename.
         m = _OURS.fullmatch(p.name)
-        if m and m.group(1) not in keep:
+        if (m and m.group(1) not in keep) or _TMP.fullmatch(p.name):
             try:
                 p.unlink()
             except OSError as e:

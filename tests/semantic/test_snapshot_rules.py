@@ -119,3 +119,28 @@ def test_a_new_processs_save_with_no_graph_supersedes_the_snapshot_it_found(tmp_
     assert json.loads((folder / snapshot.MANIFEST).read_text())["namespaces"] == []
     assert snapshot.Saved(folder, PARAMS, "emb").take(KEY) is None
 
+
+def test_a_save_removes_temporary_manifests_of_saves_killed_and_nothing_like_them(
+        tmp_path, monkeypatch):
+    """A save killed between writing its temporary manifest and renaming it leaves that file;
+    the next save removes it (saves remove the files saves wrote that no manifest names). A
+    save that fails removes its own temporary manifest only: it removed every file whose name
+    began `.manifest.json.` (an editor's swap file of the manifest, say). Found by
+    tests/semantic/test_snapshot_differential.py."""
+    main, labels = graph()
+    folder = tmp_path / "snap"
+    folder.mkdir()
+    (folder / ".manifest.json.4242.tmp").write_text("{}")  # a save killed before its rename
+    (folder / ".manifest.json.swp").write_text("an editor's")
+    snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 1)])
+    assert not (folder / ".manifest.json.4242.tmp").exists()
+    assert (folder / ".manifest.json.swp").exists()
+
+    def full(*a, **kw):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(snapshot.json, "dump", full)
+    with pytest.raises(OSError):
+        snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 2)])
+    assert (folder / ".manifest.json.swp").exists()
+    assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
