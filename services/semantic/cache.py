@@ -1215,12 +1215,11 @@ class SemanticCache:
             items = []
             with self._lock:
                 for ns, index in self._indexes.items():
-                    saved = index.saved_main()
+                    saved = index.saved_graph()
                     if saved is not None:
-                        main, labels = saved
-                        # Its token: a merge publishes a new main (another object, other rows).
-                        items.append((tuple(ns), main, labels,
-                                      (id(main), main.ntotal, len(labels))))
+                        main, labels, version = saved
+                        # Its token: a merge publishes a new main, of a new version.
+                        items.append((tuple(ns), main, labels, version))
             previous = self._saved[1] if self._saved[0] == folder else None
             try:
                 state = save_snapshot(folder, self._params, self._embed_id, items, previous)

@@ -21,6 +21,7 @@ of the index (also on a background thread).
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import threading
 from collections.abc import Iterable, Iterator
@@ -104,6 +105,8 @@ class Neighbor(NamedTuple):
 
 # Rows a new delta starts with (it doubles as it fills).
 _INITIAL_DELTA_ROWS = 2
+# Numbers the main indexes published, process-wide (`NamespaceIndex.saved_graph`).
+_MAIN_VERSIONS = itertools.count(1)
 
 
 def _stored(main: faiss.Index | None, dim: int) -> np.ndarray:
@@ -127,6 +130,7 @@ class _Snapshot:
     delta_labels: np.ndarray  # int64 [capacity]
     kind: str  # "flat", "hnsw" or "empty"
     count: list[int]  # [visible delta rows]; the only mutable part, written under the lock
+    version: int = 0  # which main index: each one published gets a new number
 
     def rows(self) -> tuple[np.ndarray, np.ndarray]:
         """(labels, vectors) of main + visible delta (copies)."""
@@ -170,7 +174,7 @@ class NamespaceIndex:
         if cap is None:
             cap = self._first_delta_rows
         return _Snapshot(main, labels, np.zeros((cap, self.params.dim), np.float32),
-                         np.zeros(cap, np.int64), kind, [0])
+                         np.zeros(cap, np.int64), kind, [0], next(_MAIN_VERSIONS))
 
     @property
     def _first_delta_rows(self) -> int:
@@ -213,7 +217,7 @@ class NamespaceIndex:
             cap = min(cap, self.params.delta_capacity)  # still growing to its planned size
         new = _Snapshot(snap.main, snap.main_labels,
                         np.zeros((cap, self.params.dim), np.float32), np.zeros(cap, np.int64),
-                        snap.kind, [n])
+                        snap.kind, [n], snap.version)
         new.delta_vecs[:n] = snap.delta_vecs[:n]
         new.delta_labels[:n] = snap.delta_labels[:n]
         self._snap = new
@@ -253,8 +257,15 @@ class NamespaceIndex:
         main index is flat or empty: those rebuild in moments). Immutable once published, so
         it may be written out while searches and merges go on; the delta and tombstones are
         left out (the entries' store has them: `adopt` catches up)."""
+        saved = self.saved_graph()
+        return saved[:2] if saved is not None else None
+
+    def saved_graph(self) -> tuple[faiss.Index, np.ndarray, int] | None:
+        """`saved_main` and the main index's version: a number no other main index published
+        in this process has (an object's id() does not do: a freed graph's address is given to
+        a later one)."""
         snap = self._snap
-        return (snap.main, snap.main_labels) if snap.kind == "hnsw" else None
+        return (snap.main, snap.main_labels, snap.version) if snap.kind == "hnsw" else None
 
     def adopt(self, main: faiss.Index, main_labels: np.ndarray, labels: np.ndarray,
               vecs: np.ndarray, labels_issued: int) -> bool:
