@@ -1160,8 +1160,9 @@ class SemanticCache:
                 else:
                     if got is not None:
                         log.warning("the saved HNSW graph of a namespace of tenant %r does not "
-                                    "match its entries in SQLite (another database, a backup "
-                                    "restored since, or vectors re-embedded): built again",
+                                    "match its entries in SQLite (none of its entries is live "
+                                    "any more, another database, a backup restored since, or "
+                                    "vectors re-embedded): built again",
                                     ns.tenant)
                     index.add_many(labels, vecs)
                 del vecs, got
