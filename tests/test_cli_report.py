@@ -167,7 +167,7 @@ def test_out_of_range_numbers_are_usage_errors(argv, message, capsys):
 def test_the_cli_says_when_a_tiers_figures_leave_out_shards(capsys):
     """The figures of a sharded tier are those of the shards that answered: the JSON has the
     count, and a person reading it is told on stderr when some are missing."""
-    from tiercache.v1 import orchestrator_pb2, prefix_pb2, semantic_pb2
+    from tiercache.v1 import common_pb2, orchestrator_pb2, prefix_pb2, semantic_pb2
 
     from clients.python import cli
 
@@ -189,3 +189,14 @@ def test_the_cli_says_when_a_tiers_figures_leave_out_shards(capsys):
         prefix=prefix_pb2.PrefixStatsResponse(nodes=3, shards_total=2, shards_answered=2))
     assert cli.cmd_stats(Client(whole), None) == 0
     assert capsys.readouterr().err == ""
+    # No shard answered (one semantic service stopped, or both of two): the orchestrator
+    # leaves the tier's figures unset, and the JSON simply lacks the key. Said on stderr too;
+    # a tier that is not configured (no dependency line) is not.
+    none = orchestrator_pb2.StatsResponse(
+        prefix=prefix_pb2.PrefixStatsResponse(nodes=3, shards_total=1, shards_answered=1),
+        dependencies=[common_pb2.DependencyHealth(name="semantic", address="a:1",
+                                                  healthy=False, last_error="Deadline")])
+    assert cli.cmd_stats(Client(none), None) == 0
+    out = capsys.readouterr()
+    assert '"semantic"' not in out.out.replace('"name": "semantic"', "")
+    assert out.err == "semantic: no figures (it did not answer; see its line in dependencies)\n"

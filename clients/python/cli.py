@@ -310,7 +310,16 @@ def cmd_feedback(c: TierCacheClient, a: argparse.Namespace) -> int:
 def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
     resp = c.stats()
     print(json.dumps(_as_dict(resp), indent=2))
+    tiers = {d.name for d in resp.dependencies}
     for tier, st in (("semantic", resp.semantic), ("prefix", resp.prefix)):
+        if not resp.HasField(tier):
+            # No shard answered: the tier's figures are left out of the JSON altogether (its
+            # key is missing), which said nothing here, while "1 of 2 answered" did. A tier
+            # that is not configured has no dependency line either: nothing to say.
+            if tier in tiers:
+                sys.stderr.write(f"{tier}: no figures (it did not answer; see its line in "
+                                 "dependencies)\n")
+            continue
         # Summed over the shards that answered: said here too, not only in the JSON.
         if st.shards_answered < st.shards_total:
             sys.stderr.write(f"{tier}: {st.shards_answered} of {st.shards_total} shards "
