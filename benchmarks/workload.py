@@ -23,12 +23,16 @@ import csv
 import dataclasses
 import json
 import math
+import os
 import random
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+# The labelled pairs beside the repository (never copied into it), or TIERCACHE_DATA_DIR: the
+# same rule as services.semantic.labelled_data.
+DATA = Path(os.environ.get("TIERCACHE_DATA_DIR")
+            or Path(__file__).resolve().parent.parent.parent / "shared" / "data")
 
 
 @dataclass(frozen=True)
@@ -246,7 +250,14 @@ def main(argv: list[str] | None = None) -> int:
         ap.add_argument("--" + f.replace("_", "-"), type=type(v), default=v)
     a = ap.parse_args(argv)
     spec = WorkloadSpec(**{f: getattr(a, f) for f in asdict(WorkloadSpec())})
-    w = generate(spec)
+    try:
+        w = generate(spec)
+    except FileNotFoundError as e:
+        # The README's `python -m benchmarks.workload` from a checkout without ../shared was a
+        # traceback.
+        raise SystemExit(f"error: {e.filename}: not found: the workload's questions are the QQP "
+                         "pairs of ../shared/data beside the repository (or set "
+                         "TIERCACHE_DATA_DIR to the folder holding qqp_val.csv)") from None
     save_trace(w, a.out)
     print(f"wrote {len(w.requests)} requests in {len(w.sessions())} sessions to {a.out}")
     return 0
