@@ -463,7 +463,9 @@ def model_to_convert(env: Mapping[str, str]) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="Run the whole TierCache stack locally.",
+    # prog: as the services name themselves (run with -m, argparse said "launcher.py").
+    ap = argparse.ArgumentParser(prog="python -m services.launcher",
+                                 description="Run the whole TierCache stack locally.",
                                  allow_abbrev=False)
     ap.add_argument("--replicas", type=int, default=None,
                     help="kvpool replicas (env TIERCACHE_REPLICAS; default 2)")

@@ -77,10 +77,14 @@ def test_the_launcher_names_a_bad_replica_count(monkeypatch, capsys):
     with pytest.raises(SystemExit) as ei:
         launcher.main([])
     assert ei.value.code == 2
-    assert "TIERCACHE_REPLICAS" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    # Named as it is started (README, `make run`), as the services are: not "launcher.py".
+    assert "TIERCACHE_REPLICAS" in err and "python -m services.launcher: error:" in err
     with pytest.raises(SystemExit) as ei:  # the help is there to read all the same
         launcher.main(["--help"])
-    assert ei.value.code == 0 and "TIERCACHE_REPLICAS" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert ei.value.code == 0 and "TIERCACHE_REPLICAS" in out
+    assert out.startswith("usage: python -m services.launcher ")
 
 
 def test_orchestrator_stats_while_loading_is_unavailable_not_internal():
