@@ -569,7 +569,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="conversation id (keeps history)")
     ch.add_argument("--system", default="", help="system prompt for a new conversation")
     ch.add_argument("--max-tokens", type=int32, default=0, help="0 = the server's default")
-    ch.add_argument("--temperature", type=_temperature, default=0.0)
+    ch.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
     ch.add_argument("--top-p", type=_top_p, default=0.0, help="nucleus sampling (0 = off)")
     ch.add_argument("--seed", type=uint64, default=0,
                     help="a sampled answer's seed (0 = none): the same seed, the same answer")
@@ -598,10 +598,12 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("stats", help="figures of every tier")
     rp = sub.add_parser("replay", help="replay a workload trace (python -m benchmarks.workload)")
     rp.add_argument("trace")
-    rp.add_argument("--concurrency", type=_positive, default=2)
+    rp.add_argument("--concurrency", type=_positive, default=2,
+                    help="requests in flight at once (default %(default)s)")
     rp.add_argument("--time-scale", type=_up_to_1e6(True), default=0.0,
                     help="seconds of replay per second of trace (0 = as fast as possible)")
-    rp.add_argument("--max-tokens", type=int32, default=32)
+    rp.add_argument("--max-tokens", type=int32, default=32,
+                    help="of each answer (default %(default)s; 0 = the server's default)")
     rp.add_argument("--tenant-tokens", type=_tenant_tokens, default={},
                     help="tenant=token,... for auth (tenants not named use --token)")
     a = p.parse_args(argv)
