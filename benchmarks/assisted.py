@@ -106,7 +106,6 @@ from benchmarks.kvpool import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
-QQP = ROOT.parent / "shared" / "data" / "qqp_val.csv"
 MAX_TOKENS = 128
 MAX_DRAFT_TOKENS = 16  # the replica's default max_draft_tokens (the replay must use the same)
 SHARE_MIN = 0.5
@@ -251,8 +250,10 @@ def near_miss_pairs(n: int) -> tuple[list[Pair], int]:
     cfg = SemanticConfig()
     floor = cfg.draft_floor
     emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.resolved_model_name())
+    from services.semantic.labelled_data import DATA  # ../shared/data or TIERCACHE_DATA_DIR
+
     dups = []
-    with QQP.open(newline="") as f:
+    with (DATA / "qqp_val.csv").open(newline="") as f:
         for row in csv.DictReader(f):
             if row["is_duplicate"] == "1" and row["question1"] != row["question2"]:
                 dups.append((row["question1"], row["question2"]))
