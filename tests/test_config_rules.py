@@ -5,6 +5,8 @@ at their boundaries."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 
 from services.common import config
@@ -123,3 +125,22 @@ def test_an_unknown_name_is_hinted_only_at_a_close_setting(name, hint):
     msg = str(e.value)
     assert msg.startswith(name)
     assert (f"did you mean {hint}?" in msg) if hint else "did you mean" not in msg
+
+
+@dataclass(frozen=True)
+class TokenConfig:
+    internal_token: str = ""
+
+
+@pytest.mark.parametrize(("argv", "env", "named"), [
+    (["--internal-token", "a b"], {}, "--internal-token:"),
+    (["--internal-token=tok\u00e9n"], {"TIERCACHE_DEMO2_INTERNAL_TOKEN": "ok"},
+     "--internal-token:"),
+    ([], {"TIERCACHE_DEMO2_INTERNAL_TOKEN": "a b"}, "TIERCACHE_DEMO2_INTERNAL_TOKEN:"),
+])
+def test_a_token_that_is_no_metadata_is_named_as_given(argv, env, named):
+    """A credential with a space or an accent is refused naming what the user typed: the flag
+    was blamed on TIERCACHE_<SVC>_INTERNAL_TOKEN, which was not set."""
+    with pytest.raises(ConfigError) as e:
+        load_config(TokenConfig, "demo2", argv, environ=env)
+    assert str(e.value).startswith(named)

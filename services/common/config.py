@@ -124,8 +124,11 @@ def load_config(
         # anything non-ASCII) on every call, long after the service said it was serving.
         token = values["internal_token"] = token.strip()
         if not all(0x21 <= ord(c) <= 0x7E for c in token):
-            raise ConfigError(f"{env_name(service, 'internal_token')}: printable ASCII "
-                              "without spaces only (it travels as gRPC metadata)")
+            # Named as given: `--internal-token "a b"` was blamed on the variable, unset.
+            where = (flags.get(env_name(service, "internal_token"))
+                     or env_name(service, "internal_token"))
+            raise ConfigError(f"{where}: printable ASCII without spaces only (it travels as "
+                              "gRPC metadata)")
     cfg = cls(**values)
     validate = getattr(cfg, "validate", None)
     if validate is not None:
