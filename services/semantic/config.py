@@ -242,8 +242,11 @@ class SemanticConfig:
             require(t in ("strict", "standard", "relaxed"), s, "guard_tiers",
                     f"unknown tier {t!r}")
         for t in self.verifier_tiers:
-            require(t in self.guard_tiers, s, "verifier_tiers",
-                    f"tier {t!r} must also be in guard_tiers (the guard is the verifier's veto)")
+            # Named as the tiers are: guard_tiers narrowed alone was blamed on verifier_tiers,
+            # which the user never set.
+            require(t in self.guard_tiers, s, moved(self, "verifier_tiers", "guard_tiers"),
+                    f"tier {t!r} of verifier_tiers must also be in guard_tiers "
+                    f"({','.join(self.guard_tiers) or 'none'}): the guard is the verifier's veto")
         require(not self.verifier_path or os.path.isfile(self.verifier_path), s,
                 "verifier_path", f"no such file: {self.verifier_path!r}")
         require(self.default_ttl_seconds >= 0, s, "default_ttl_seconds", "must be >= 0")

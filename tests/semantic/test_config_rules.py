@@ -95,3 +95,20 @@ def test_the_snapshot_path_defaults_to_the_database_path_with_hnsw(tmp_path):
     assert SemanticConfig(db_path=db).resolved_snapshot_path() == db + ".hnsw"
     assert SemanticConfig(db_path=db, snapshot_path=str(tmp_path / "g")
                           ).resolved_snapshot_path() == str(tmp_path / "g")
+
+
+@pytest.mark.parametrize(("argv", "env", "named"), [
+    ([], {"guard_tiers": "strict"}, "TIERCACHE_SEMANTIC_GUARD_TIERS:"),
+    (["--guard-tiers", "standard"], {}, "--guard-tiers (env TIERCACHE_SEMANTIC_GUARD_TIERS):"),
+    ([], {"guard_tiers": ""}, "TIERCACHE_SEMANTIC_GUARD_TIERS:"),
+    ([], {"verifier_tiers": "relaxed"}, "TIERCACHE_SEMANTIC_VERIFIER_TIERS:"),
+])
+def test_a_verifier_tier_left_unguarded_is_blamed_on_the_setting_moved(argv, env, named):
+    """Guard tiers narrowed alone leave a default verifier tier unguarded: the refusal names
+    guard_tiers, which the user set (it named verifier_tiers, which the user never set), and
+    both settings in its line."""
+    with pytest.raises(ConfigError) as e:
+        load_config(SemanticConfig, "semantic", argv,
+                    {f"TIERCACHE_SEMANTIC_{k.upper()}": v for k, v in env.items()})
+    msg = str(e.value)
+    assert msg.startswith(named) and "verifier_tiers" in msg and "guard_tiers" in msg
