@@ -243,7 +243,8 @@ class OrchestratorConfig:
         require(self.warm_pin_ttl_max_s <= 2**32 - 1, SVC, "warm_pin_ttl_max_s",
                 f"must be at most {2**32 - 1}")
         require(self.warm_top_k >= 0, SVC, "warm_top_k", "must be >= 0")
-        require(1 <= self.warm_min_hits <= 2**63, SVC, "warm_min_hits", "must be >= 1")
+        # Its bound stated: past 2^63 the refusal said "must be >= 1" (of 2^64, say).
+        require(1 <= self.warm_min_hits <= 2**63, SVC, "warm_min_hits", "must be in 1..2^63")
         require(1 <= self.warm_max_prefills_per_call <= 4096, SVC,
                 "warm_max_prefills_per_call", "must be in 1..4096 (64 prompts x 64 replicas)")
         require(self.warm_max_load >= 0, SVC, "warm_max_load", "must be >= 0")

@@ -52,3 +52,13 @@ def test_a_tokens_file_that_is_a_folder_is_refused_at_start(tmp_path):
         OrchestratorConfig(tokens_file=str(tmp_path)).check_paths()
     (tmp_path / "tokens.json").write_text("{}")
     OrchestratorConfig(tokens_file=str(tmp_path / "tokens.json")).check_paths()
+
+
+def test_warm_min_hits_past_its_bound_is_refused_stating_the_bound():
+    """"must be >= 1" was the refusal of 2^64 too: the line states the range."""
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_ORCHESTRATOR_WARM_MIN_HITS: .*2\^63"):
+        load_config(OrchestratorConfig, "orchestrator", [],
+                    {"TIERCACHE_ORCHESTRATOR_WARM_MIN_HITS": str(2**64)})
+    cfg = load_config(OrchestratorConfig, "orchestrator", [],
+                      {"TIERCACHE_ORCHESTRATOR_WARM_MIN_HITS": str(2**63)})
+    assert cfg.warm_min_hits == 2**63
