@@ -144,3 +144,14 @@ def test_a_token_that_is_no_metadata_is_named_as_given(argv, env, named):
     with pytest.raises(ConfigError) as e:
         load_config(TokenConfig, "demo2", argv, environ=env)
     assert str(e.value).startswith(named)
+
+
+@pytest.mark.parametrize("name", ["TIERCACHE_DEMO_num_blocks", "TIERCACHE_DEMO_Num_Blocks",
+                                  "TIERCACHE_DEMO_num_block"])
+def test_a_setting_spelt_in_small_letters_is_hinted_at(name):
+    """Variable names are case-sensitive: `TIERCACHE_DEMO_num_blocks` is no setting and is
+    refused, naming the setting it spells (it got no hint: compared in its own case it was
+    not alike enough)."""
+    with pytest.raises(ConfigError) as e:
+        load_config(DemoConfig, "demo", [], environ={name: "1"})
+    assert str(e.value).startswith(f"{name} (did you mean TIERCACHE_DEMO_NUM_BLOCKS?)")

@@ -217,10 +217,11 @@ def _refuse_unknown_names(cls: type, service: str, environ: Mapping[str, str]) -
         hints = []
         for v in unknown:
             rest = v[len(prefix):]
-            # Compared after the prefix: whole names all look alike (DEBUG "meant" MODEL).
+            # Compared after the prefix: whole names all look alike (DEBUG "meant" MODEL); and
+            # in capitals, as the names are (..._num_blocks got no hint, for all its likeness).
             close = ([_SHARED[rest]] if rest in _SHARED
-                     else [prefix + c for c in difflib.get_close_matches(rest, fields, n=1,
-                                                                         cutoff=0.75)])
+                     else [prefix + c for c in difflib.get_close_matches(
+                         rest.upper(), fields, n=1, cutoff=0.75)])
             hints.append(f"{v} (did you mean {close[0]}?)" if close else v)
         raise ConfigError(f"{'; '.join(hints)}: not a setting of this service (python -m "
                           f"services.{service} --help lists them; TLS files are "
