@@ -155,3 +155,12 @@ def test_a_setting_spelt_in_small_letters_is_hinted_at(name):
     with pytest.raises(ConfigError) as e:
         load_config(DemoConfig, "demo", [], environ={name: "1"})
     assert str(e.value).startswith(f"{name} (did you mean TIERCACHE_DEMO_NUM_BLOCKS?)")
+
+
+@pytest.mark.parametrize("address", ["a:1;b:2", "a:1;b:2;c:3", "[::1]:1;[::2]:2"])
+def test_a_list_in_the_wrong_separator_gets_no_ipv6_hint(address):
+    """`a:1;b:2` is two addresses in the wrong separator, not an IPv6 host to bracket."""
+    with pytest.raises(ConfigError) as e:
+        require_addresses([address], "demo", "peers", allow_none=False)
+    msg = str(e.value)
+    assert "brackets" not in msg and "separated by commas" in msg

@@ -336,6 +336,9 @@ def _why_not(a: str) -> str:
         return (f"{a!r} is not host:port (no {scheme.group(1)}:// URL: host:port, or a gRPC "
                 "target such as dns:///host:port)")
     host = a.rpartition(":")[0]
+    if any(c in ",;" for c in host):
+        # "a:1;b:2" got the IPv6 hint ("[a:1;b]:port"): a list in the wrong separator.
+        return f"{a!r} is not host:port (one address per entry, entries separated by commas)"
     if ":" in host and not host.startswith(("[", *_GRPC_SCHEMES)):
         return f"{a!r} is not host:port (an IPv6 address goes in brackets: [{host}]:port)"
     return f"{a!r} is not host:port"
