@@ -160,13 +160,17 @@ class BlockPool:
         depends on every token before it, so under a hash collision the same tokens after
         another prefix are not a hit."""
         out: list[int] = []
-        bs = self.block_size
+        bs, table, blocks = self.block_size, self._table, self._blocks
+        parent = None
         for i, h in enumerate(self.hasher.hashes(token_ids, cache_salt)):
-            bid = self._table.get(h)
-            if (bid is None or self._blocks[bid].parent != (out[-1] if out else None)
-                    or self._blocks[bid].tokens != tuple(token_ids[i * bs:(i + 1) * bs])):
+            bid = table.get(h)
+            if bid is None:
+                break
+            b = blocks[bid]
+            if b.parent != parent or b.tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
                 break
             out.append(bid)
+            parent = bid
         return out
 
     def blocks_of(self, seq_id: str) -> list[int]:
