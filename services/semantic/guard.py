@@ -746,9 +746,19 @@ SWAP_GAP = 2
 
 def _swapped(shared: list[tuple[Span, Span]]) -> bool:
     """Two of the items both texts have (each as (its span in q, its span in c)) stand within
-    SWAP_GAP words of each other in both, in the other order in one than in the other."""
-    for i, (qa, ca) in enumerate(shared):
-        for qb, cb in shared[i + 1:]:
+    SWAP_GAP words of each other in both, in the other order in one than in the other.
+
+    Only pairs that close in q are compared (walking the items in q's order), so a long text
+    costs O(items), not O(items^2): every place of a number or entity is an item, and 4,000
+    numbers in an 8 KB text took 0.6 s a check compared pair by pair."""
+    order = sorted(range(len(shared)), key=lambda i: shared[i][0].first)
+    for x, i in enumerate(order):
+        reach = shared[i][0].last + SWAP_GAP  # no item starting past it is close in q
+        for y in range(x + 1, len(order)):
+            j = order[y]
+            if shared[j][0].first > reach:
+                break
+            (qa, ca), (qb, cb) = shared[min(i, j)], shared[max(i, j)]
             if (qa.first < qb.first) == (ca.first < cb.first):
                 continue
             gap_q = max(qa.first, qb.first) - min(qa.last, qb.last)
