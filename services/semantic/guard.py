@@ -19,11 +19,12 @@ The guard refuses a match when the two texts disagree on something the embedding
    directions, opposite actions ("buy" / "sell") and roles ("husband" / "wife"). MiniLM
    scores such pairs 0.95-0.99;
 5. order — two entities (or two numbers in digits) both texts have, next to each other, are
-   swapped ("from Spanish to English" / "from English into Spanish", "5/6/2020" /
-   "6/5/2020"; moved with a phrase, "In Berlin, what did Obama say?", is not a swap), or the
-   words the texts share are arranged differently beyond one block move. Either is let
-   through when the texts are the same words with the two phrases around one "and", "or" or
-   "vs" exchanged ("the difference between X and Y" / "... between Y and X").
+   swapped ("from Spanish to English" / "from English into Spanish", "5/6/2020" / "6/5/2020";
+   each item at every place it stands, the k-th paired with the k-th, a number also where it
+   is written as a word; moved with a phrase, "In Berlin, what did Obama say?", is not a
+   swap), or the words the texts share are arranged differently beyond one block move.
+   Either is let through when the texts are the same words with the two phrases around one
+   "and", "or" or "vs" exchanged ("the difference between X and Y" / "... between Y and X").
 
 Accents are dropped first ("Pokémon" is the word "Pokemon"; the strict tier's spelling check
 tells them apart), and a number is split from a unit written onto it ("10km" is "10 km").

@@ -17,7 +17,8 @@ per namespace, its key and files. A save writes a new generation of files beside
 ones for the graphs merged since the last save (the others keep theirs), then the manifest
 (with each file's blake2b, checked before faiss reads it: a damaged file can make faiss
 allocate what a garbled size says rather than raise), then removes the files saves wrote
-that no manifest names (nothing else: the folder may be shared). A crash mid-save leaves the
+that no manifest names and the temporary manifests of saves killed before their rename
+(nothing else: the folder may be shared). A crash mid-save leaves the
 old manifest (and its files) in force, or none. Saves also run every `snapshot_interval_s`
 (600 s) while the shard serves, so a start after a kill -9 takes graphs at most that old,
 caught up as above.
