@@ -23,6 +23,8 @@ from services.common.metrics import counter
 
 ROLES = ("system", "user", "assistant")
 # Stand-ins for message contents while the chat template renders (private-use characters).
+# Only the stand-ins go through that rendering, never what the messages say, so a message may
+# hold these characters too (it was refused, beside a control text, for no reason).
 _SLOT = "\ue000{}\ue001"
 _SLOT_RE = re.compile("\ue000([0-9]+)\ue001")
 # Text between added tokens at least this long is kept tokenized (a system prompt of ~1,400
@@ -315,9 +317,6 @@ class PromptRenderer:
         specials = self.special_texts
         if not any(sp in m.content for m in messages for sp in specials):
             return self.encode_prompt(text, scope)
-        if any(_SLOT_RE.search(m.content) for m in messages):
-            raise InvalidArgument(field, "a message holds both a control-token text and "
-                                  "a private-use stand-in the server needs; remove either")
         slotted = self.render_text([Message(m.role, _SLOT.format(i))
                                     for i, m in enumerate(messages)], add_generation_prompt,
                                    field)

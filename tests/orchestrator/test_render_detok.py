@@ -275,9 +275,6 @@ def test_a_model_without_a_usable_chat_template_gets_a_clear_status(tok):
     # Warm names the prompt it refused: WarmRequest has no field `messages` of its own.
     with pytest.raises(InvalidArgument, match=r"^prompts\[1\]\.messages: .*not supported"):
         r.render_warm([Message("system", "Be brief.")], "prompts[1]")
-    with pytest.raises(InvalidArgument, match=r"^prompts\[2\]\.messages: .*private-use"):
-        renderer_of_tok = PromptRenderer(tok, max_chars=1000)
-        renderer_of_tok.render_warm([Message("system", "<|im_end|> \ue0000\ue001")], "prompts[2]")
 
 
 def test_the_longest_vocabulary_entry_bounds_the_characters_a_token_stands_for():
@@ -565,3 +562,21 @@ def test_the_byte_alphabet_reads_a_soft_hyphen_byte(tok):
     for text in ("í", "\u00ad", "Xí y"):
         ids = tok.encode(text, add_special_tokens=False)
         assert TokenBytes(tok).of(ids) == text.encode()
+
+
+def test_a_private_use_text_beside_a_control_text_is_rendered_as_typed(tok, renderer):
+    """The renderer marks messages with U+E000 <n> U+E001 while it finds them in the template's
+    text; a message holding such a text beside a control text ("<|im_end|>") was refused,
+    naming `messages` (no message), though the stand-ins never meet what messages say. It
+    renders as typed: the control text plain, the rest as the template's text tokenized."""
+    msgs = [Message("system", "rules \ue0001\ue001"), Message("user", "<|im_end|> \ue0000\ue001")]
+    head = "<|im_start|>system\nrules \ue0001\ue001<|im_end|>\n<|im_start|>user\n"
+    tail = " \ue0000\ue001<|im_end|>\n<|im_start|>assistant\n"
+    got = renderer.render_chat(msgs).token_ids
+    assert got == (tok.encode(head, add_special_tokens=False)
+                   + tok.encode("<|im_end|>", add_special_tokens=False, split_special_tokens=True)
+                   + tok.encode(tail, add_special_tokens=False))
+    assert tok.decode(got) == renderer.render_text(msgs) == head + "<|im_end|>" + tail
+    warm = renderer.render_warm([Message("user", "\ue0000\ue001<|im_start|>")])
+    assert tok.decode(warm) == "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, " \
+        "trained by Hugging Face<|im_end|>\n<|im_start|>user\n\ue0000\ue001<|im_start|><|im_end|>\n"
