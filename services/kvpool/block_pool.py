@@ -158,7 +158,9 @@ class BlockPool:
 
         A hit must also continue the block matched before it (its parent): a block's KV
         depends on every token before it, so under a hash collision the same tokens after
-        another prefix are not a hit."""
+        another prefix are not a hit. The first block must also be the same tenant's (its
+        salt): a collision must not share one tenant's KV with another (the parents carry it
+        on from there)."""
         out: list[int] = []
         bs, table, blocks = self.block_size, self._table, self._blocks
         parent = None
@@ -167,7 +169,8 @@ class BlockPool:
             if bid is None:
                 break
             b = blocks[bid]
-            if b.parent != parent or b.tokens != tuple(token_ids[i * bs:(i + 1) * bs]):
+            if (b.parent != parent or b.tokens != tuple(token_ids[i * bs:(i + 1) * bs])
+                    or (parent is None and b.cache_salt != cache_salt)):
                 break
             out.append(bid)
             parent = bid
@@ -321,9 +324,11 @@ class BlockPool:
             existing = self._table.get(h)
             parent = t.blocks[idx - 1] if idx else None
             if (existing is not None and existing != bid and self._blocks[existing].tokens == toks
-                    and self._blocks[existing].parent == parent):
+                    and self._blocks[existing].parent == parent
+                    and (idx or self._blocks[existing].cache_salt == t.cache_salt)):
                 # Someone committed the same block first: share theirs, drop our duplicate.
-                # (Same tokens after the same parent: a colliding hash is never shared.)
+                # (Same tokens after the same parent, a first block of the same tenant: a
+                # colliding hash is never shared.)
                 self._ref(existing)
                 self._blocks[existing].last_access = now
                 t.blocks[idx] = existing
@@ -575,9 +580,11 @@ class BlockPool:
             assert in_free == (b.ref == 0 and b.hash is None), f"block {bid}: free queue wrong"
             if b.hash is not None and self._table.get(b.hash) not in (bid, None):
                 # A duplicate must not be shadowed silently: only a hash collision (other
-                # tokens, or the same ones after another parent) keeps a block out of the table.
+                # tokens, the same ones after another parent or as another tenant's first
+                # block) keeps a block out of the table.
                 other = self._blocks[self._table[b.hash]]
-                assert other.tokens != b.tokens or other.parent != b.parent
+                assert (other.tokens != b.tokens or other.parent != b.parent
+                        or (b.parent is None and other.cache_salt != b.cache_salt))
         for h, bid in self._table.items():
             assert self._blocks[bid].hash == h, f"table entry for block {bid} is stale"
 

@@ -44,7 +44,8 @@ pins it), a wrong first_block_hash 142, no AllCleared 98, pinned leaves dropped 
 112. Beyond the model (whose hashes never collide): with a hasher under which every chain
 collides, match() returned, and commit() shared, a block holding the prompt's tokens after
 another prefix (fixed: a hit must continue the chain; test_block_pool_rules.py pins both; the
-second test here checks every sequence's blocks and every match along their chains; still
+second test here checks every sequence's blocks and every match along their chains, and,
+since a later fix, that their first block is the sequence's own tenant's (salt); still
 open there: check_integrity's no-shadowed-duplicate rule fails under collisions, when a
 block kept out of the table by a collision outlives the entry that kept it out and the same
 chain is committed again). The bounded tests run KVPOOL_POOL_DIFFERENTIAL_SEEDS seeds
@@ -785,12 +786,13 @@ def test_a_hash_collision_never_hands_a_prompt_another_prompts_blocks(seed: int)
         for k in range(300):
             op = rng.choice(["open"] * 3 + ["commit"] * 3 + ["close"] * 2 + ["evict", "pin"])
             if op == "open" or not live:
-                toks = ((rng.choice(hist) if hist and rng.random() < 0.5 else [])
+                toks = ((rng.choice(hist)[0] if hist and rng.random() < 0.5 else [])
                         + [rng.randint(0, 2) for _ in range(rng.randint(1, 3 * bs))])
+                salt = rng.choice(["", "t"])
                 try:
-                    pool.open(f"s{k}", toks, use_cache=rng.random() < 0.9,
+                    pool.open(f"s{k}", toks, salt, use_cache=rng.random() < 0.9,
                               keep_uncached=rng.choice([0, 1]))
-                    live[f"s{k}"] = [toks, 0]
+                    live[f"s{k}"] = [toks, 0, salt]
                 except PoolExhausted:
                     pass
             elif op == "commit":
@@ -801,7 +803,8 @@ def test_a_hash_collision_never_hands_a_prompt_another_prompts_blocks(seed: int)
             elif op == "close":
                 sid = rng.choice(sorted(live))
                 pool.close(sid)
-                hist = (hist + [live.pop(sid)[0]])[-6:]
+                d = live.pop(sid)
+                hist = (hist + [(d[0], d[2])])[-6:]
             elif op == "evict":
                 pool.evict(rng.randint(0, 2))
             else:
@@ -811,10 +814,12 @@ def test_a_hash_collision_never_hands_a_prompt_another_prompts_blocks(seed: int)
                     pool.pin(pool.blocks_of(sid)[:pool._seqs[sid].committed], 3)
                 except PoolExhausted:
                     pass
-            for sid, (toks, _) in live.items():
+            for sid, (toks, _, salt) in live.items():
                 t = pool._seqs[sid]
                 for i in range(t.committed):
                     assert _chain_tokens(pool, t.blocks[i]) == toks[:(i + 1) * bs], (s, k)
-            for toks in hist + [d[0] for d in live.values()]:
-                m = pool.match(toks)
+                assert not t.committed or pool._blocks[t.blocks[0]].cache_salt == salt, (s, k)
+            for toks, salt in hist + [(d[0], d[2]) for d in live.values()]:
+                m = pool.match(toks, salt)
                 assert not m or _chain_tokens(pool, m[-1]) == toks[:len(m) * bs], (s, k)
+                assert not m or pool._blocks[m[0]].cache_salt == salt, (s, k)

@@ -294,3 +294,27 @@ def test_match_follows_one_chain_under_a_hash_collision() -> None:
     assert adm.cached_tokens == BS and pool.blocks_of("q")[0] == pa
     pool.check_integrity()
     pool.close("q")
+
+
+def test_a_colliding_first_block_of_another_tenant_is_neither_matched_nor_shared() -> None:
+    """Tenants never share KV (their salts seed the hash chain): under a hash collision, the
+    same tokens as another tenant's first block are not a hit, and a commit does not swap that
+    block in for the sequence's own."""
+    from tests.kvpool.test_contracts import CollidingHasher
+
+    clock = Clock(1.0)
+    pool = BlockPool(8, BS, CollidingHasher(), HybridPolicy(8), clock=clock)
+    x = [1, 2, 3, 4, 5, 6, 7, 8]
+    run_seq(pool, "a", x, salt="a")
+    xs = pool.match(x, "a")
+    assert len(xs) == 2
+    assert pool.match(x, "b") == []
+    adm = pool.open("b", x + [0], "b")
+    assert adm.cached_tokens == 0
+    own = pool.blocks_of("b")
+    assert pool.commit("b", x + [0], len(x)) == []
+    assert pool.blocks_of("b") == own and not set(own) & set(xs)
+    pool.check_integrity()
+    pool.close("b")
+    pool.check_integrity()
+    assert pool.match(x, "a") == xs and pool.match(x, "b") == []
