@@ -29,8 +29,8 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# The labelled pairs beside the repository (never copied into it), or TIERCACHE_DATA_DIR: the
-# same rule as services.semantic.labelled_data.
+# The labelled pairs beside the repository (never copied into it), or TIERCACHE_DATA_DIR, as
+# services.semantic.labelled_data reads them (here an empty value counts as unset).
 DATA = Path(os.environ.get("TIERCACHE_DATA_DIR")
             or Path(__file__).resolve().parent.parent.parent / "shared" / "data")
 
