@@ -280,6 +280,14 @@ class Gen:
         return self.short() + self.long() * r.randrange(0, 2) + self.short()
 
 
+
+def _refused_alike(render, given, scope: str, e: Refused, where: str, what) -> None:
+    """The renderer (`render(given, scope=scope)`) refuses what the reference refuses, naming
+    the same field."""
+    with pytest.raises(InvalidArgument) as got:
+        render(given, scope=scope)
+    assert got.value.field == e.field, (where, what, str(got.value))
+
 def run_seed(tok, seed: int, steps: int = STEPS, books: bool = True) -> int:
     """Runs one seed; AssertionError at the first divergence. Returns the requests compared.
     `books`: compare the cache's books too (False: only what the renderer answers)."""
@@ -305,9 +313,7 @@ def run_seed(tok, seed: int, steps: int = STEPS, books: bool = True) -> int:
                 try:
                     want, key = ref.chat(msgs, scope)
                 except Refused as e:
-                    with pytest.raises(InvalidArgument) as got:
-                        r.render_chat(msgs, scope=scope)
-                    assert got.value.field == e.field, (where, what, str(got.value))
+                    _refused_alike(r.render_chat, msgs, scope, e, where, what)
                     continue
                 try:
                     out = r.render_chat(msgs, scope=scope)
@@ -324,9 +330,7 @@ def run_seed(tok, seed: int, steps: int = STEPS, books: bool = True) -> int:
                 try:
                     want = ref.warm(msgs, scope)
                 except Refused as e:
-                    with pytest.raises(InvalidArgument) as got:
-                        r.render_warm(msgs, scope=scope)
-                    assert got.value.field == e.field, (where, what, str(got.value))
+                    _refused_alike(r.render_warm, msgs, scope, e, where, what)
                     continue
                 assert r.render_warm(msgs, scope=scope) == want, (where, what)
                 key = None
@@ -336,9 +340,7 @@ def run_seed(tok, seed: int, steps: int = STEPS, books: bool = True) -> int:
                 try:
                     want, key = ref.raw(prompt, scope)
                 except Refused as e:
-                    with pytest.raises(InvalidArgument) as got:
-                        r.render_raw(prompt, scope=scope)
-                    assert got.value.field == e.field, (where, what, str(got.value))
+                    _refused_alike(r.render_raw, prompt, scope, e, where, what)
                     continue
                 out = r.render_raw(prompt, scope=scope)
                 assert out.token_ids == want, (where, what)
