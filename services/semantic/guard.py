@@ -71,6 +71,14 @@ _SCALES = {"hundred": 100, "thousand": 1000, "million": 10**6, "billion": 10**9}
 _ONE_AS_PRONOUN = frozenset({"no", "any", "some", "every", "each", "which", "someone's", "does",
                              "do", "can", "should", "would", "could", "must", "might", "may",
                              "will", "if"})
+
+
+def _pronoun_one(low: str, before: str) -> bool:
+    """`low` (lowercased) is "one" as a pronoun after `before` ("no one", "which one"): no
+    number."""
+    return low == "one" and before.lower() in _ONE_AS_PRONOUN
+
+
 # Roman numerals after a name ("World War II", "Henry VIII", "Chapter IV"): that number.
 _ROMAN = re.compile(r"(?=[IVX]{2,})X{0,3}(?:IX|IV|V?I{0,3})")
 _ROMAN_DIGITS = {"I": 1, "V": 5, "X": 10}
@@ -241,8 +249,7 @@ def _numbers(words: list[str]) -> Counter:
     feet_end = -1  # where the last "<number> ft" ended
     while i < n:
         w = low[i]
-        if w == "one" and i and low[i - 1] in _ONE_AS_PRONOUN and not (
-                i + 1 < n and low[i + 1] in _SCALES):
+        if i and _pronoun_one(w, low[i - 1]) and not (i + 1 < n and low[i + 1] in _SCALES):
             i += 1  # "no one", "which one": no number ("nobody" / "no one" were refused)
             continue
         digits = _number_value(w) if w[0].isdigit() or _signed(w) else None
@@ -604,8 +611,8 @@ def _ends_number(word: str, before: str) -> bool:
     signed or not, a cardinal or scale word ("twenty USD", "5 million USD"), the "k" of "40k".
     """
     low = word.lower()
-    if low == "one" and before.lower() in _ONE_AS_PRONOUN:
-        return False  # "which one": no number
+    if _pronoun_one(low, before):
+        return False
     return (low[0].isdigit() or _signed(low) or low in _UNITS or low in _TENS or low in _SCALES
             or (low == "k" and before[:1].isdigit()))
 
@@ -788,8 +795,8 @@ def _number_places(lower: tuple[str, ...]) -> tuple[dict[str, list[Span]], set[s
             key = w
             digits.add(w)
         elif w in _UNITS or w in _TENS:
-            if w == "one" and k and lower[k - 1] in _ONE_AS_PRONOUN:
-                continue  # "which one": no number
+            if k and _pronoun_one(w, lower[k - 1]):
+                continue
             key = str(_UNITS.get(w, _TENS.get(w)))
         else:
             continue
