@@ -246,12 +246,11 @@ def near_miss_pairs(n: int) -> tuple[list[Pair], int]:
     whether B is a hit or a near-miss is left to the served tier."""
     from services.semantic.config import SemanticConfig, default_cache_dir
     from services.semantic.embedder import OnnxEmbedder
+    from services.semantic.labelled_data import DATA  # ../shared/data or TIERCACHE_DATA_DIR
 
     cfg = SemanticConfig()
     floor = cfg.draft_floor
     emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.resolved_model_name())
-    from services.semantic.labelled_data import DATA  # ../shared/data or TIERCACHE_DATA_DIR
-
     dups = []
     with (DATA / "qqp_val.csv").open(newline="") as f:
         for row in csv.DictReader(f):
