@@ -9,7 +9,9 @@ Lifecycle of a replica, in the index's eyes:
      and its holdings.
   3. PublishEvents batches are numbered 1, 2, 3...: the expected one is applied, an old one is
      acknowledged and ignored (a retry), a later one means a batch was lost -> RESYNC, and the
-     replica answers with its full holdings in a batch marked `resync`.
+     replica answers with its full holdings in a batch marked `resync`. So does the first
+     batch after a registration back from a lapse that carries the numbers on (the view here
+     is empty then, whatever the replica believes).
 """
 
 from __future__ import annotations
@@ -120,6 +122,11 @@ class Replica:
     usage: dict[bytes, tuple[int, int]] | None = None
     usage_until: float = 0.0
     usage_halvings: int = 0  # the index's `hit_halvings` when `usage` was saved
+    # Registered again after a lapse with its batch numbers carried on: its view here is
+    # empty, so only a resync may come next (a Register that landed late, after the lapse,
+    # would else have later batches applied onto nothing while the replica's heartbeats
+    # find it known and it never resends what it holds).
+    awaiting_resync: bool = False
 
     def refresh(self) -> None:
         """Rebuild the cached zero-length answer after address or load changed."""
@@ -401,7 +408,7 @@ class PrefixIndex:
             if old is not None and old != incarnation:
                 _remember(self._replaced, (replica_id, old), None)
             rep = Replica(replica_id, incarnation, address, model_id, capacity_blocks, bit,
-                          now, now, next_seq=start)
+                          now, now, next_seq=start, awaiting_resync=back)
             if back and lapsed and lapsed[0] == incarnation and now <= lapsed[2]:
                 # Back from a lapse: its resync gives the hits back as it stores the blocks.
                 rep.usage, rep.usage_until, rep.usage_halvings = (
@@ -626,7 +633,9 @@ class PrefixIndex:
             # call still queued here): applying it would bring back an older view.
             self._renew(rep, now)
             return PublishResult(False, rep.next_seq, applied=False)
-        if not resync and seq > rep.next_seq:
+        if not resync and (seq > rep.next_seq or rep.awaiting_resync):
+            # A gap in the batches, or the first batch after a registration that carried the
+            # numbers on past a lapse (see `Replica.awaiting_resync`): ask for the snapshot.
             self._renew(rep, now)
             self.resyncs_total += 1
             return PublishResult(True, rep.next_seq, applied=False)
@@ -646,6 +655,7 @@ class PrefixIndex:
             # stored again, and must keep their hits (TopPrefixes, LFU pruning); so must those
             # an earlier resync or a lapse still had to give back.
             usage = self._clear_saving(rep, now)
+            rep.awaiting_resync = False
             rep.usage, rep.usage_until = None, now + self.lease_seconds
             rep.usage_halvings = self.hit_halvings
         # A chain whose parent the replica does not hold (yet) waits for that parent to be

@@ -216,3 +216,31 @@ def test_a_pause_of_the_index_does_not_end_a_resyncs_give_back(clock, hasher):
     index.publish("a", "i1", 3, [stored(hasher, chain, start=1)])
     assert top(index) == [(chain, 5)]
     index.check_integrity()
+
+
+# -- a Register that lands after the lapse ---------------------------------------------------
+
+def test_a_register_landing_after_a_lapse_makes_the_next_batch_a_resync(clock, hasher):
+    """A Register delayed past a whole lease reaches the index after the lease lapsed: the
+    replica is known again with its batch numbers carried on and nothing held, and its
+    heartbeats find it known, so it never learns. Its next ordinary batch must be answered
+    with a resync request, not applied onto the empty view; the resync restores the view."""
+    index = make_index(clock, verify_hashes=False)
+    held, later = toks(1, 2), toks(3, 4)
+    reg(index)
+    assert index.publish("a", "i1", 1, [stored(hasher, held)], resync=True).applied
+    assert matched(index, held) == {"a": 2}
+    clock.t += 11  # the lease (10 s) lapses: the heartbeats and a re-Register were delayed
+    assert index.expire() == ["a"]
+    assert reg(index).next_seq == 2  # the late Register: numbers carried on
+    assert index.heartbeat("a", "i1", Load()).known
+    ordinary = index.publish("a", "i1", 2, [stored(hasher, later)])
+    assert (ordinary.resync, ordinary.applied) == (True, False)
+    assert matched(index, later) == {"a": 0}  # nothing applied
+    redo = index.publish("a", "i1", 2, [stored(hasher, held), stored(hasher, later)],
+                         resync=True)
+    assert redo.applied and not redo.resync
+    assert matched(index, held) == {"a": 2}
+    after = index.publish("a", "i1", 3, [Removed([hasher.hashes(later)[-1]])])
+    assert after.applied and not after.resync  # ordinary batches apply again
+    index.check_integrity()
