@@ -359,3 +359,18 @@ def test_retry_later_only_for_busy_or_unavailable_refusals():
                                [("tiercache-overloaded", "1")]))
     assert not retry_later(Unreadable(BUSY, "x"))
 
+
+
+@pytest.mark.parametrize("timeout", [1e10, 1e300])
+def test_a_timeout_past_what_grpc_can_carry_is_refused_not_expired_at_once(address, timeout):
+    """A client differential (tests/test_client_differential.py): timeout=1e10, finite, was
+    taken, and every call then failed at once with DEADLINE_EXCEEDED (gRPC's deadline past
+    about 1e9 s), read as a slow server. The CLI's --timeout stops at 1e6 for this; so does
+    the library now, naming it before any call."""
+    with pytest.raises(ValueError, match=r"^timeout: .*1e6"):
+        TierCacheClient(address, timeout=timeout)
+    with TierCacheClient(address, timeout=1e6) as c:
+        assert c.generate("fine").text == "Partial "
+        with pytest.raises(ValueError, match=r"^timeout: .*1e6"):
+            c.generate("fine", timeout=timeout)
+    assert [m for m, _, _ in Scripted.calls] == ["Generate"]

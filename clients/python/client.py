@@ -78,9 +78,14 @@ def checked_token(token: str | None) -> str | None:
     return token
 
 
+# The longest timeout a call may have, as the CLI's --timeout: gRPC turned one past about
+# 1e9 s into a deadline already passed, and every call failed at once with DEADLINE_EXCEEDED.
+MAX_TIMEOUT = 1e6
+
+
 def _checked_timeout(timeout: float) -> float:
-    if not 0 < timeout < math.inf:  # nan fails both
-        raise ValueError(f"timeout: must be a finite number of seconds > 0, got {timeout!r}")
+    if not 0 < timeout <= MAX_TIMEOUT:  # nan fails both
+        raise ValueError(f"timeout: must be a number of seconds in (0, 1e6], got {timeout!r}")
     return float(timeout)
 
 
