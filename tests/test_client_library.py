@@ -374,3 +374,24 @@ def test_a_timeout_past_what_grpc_can_carry_is_refused_not_expired_at_once(addre
         with pytest.raises(ValueError, match=r"^timeout: .*1e6"):
             c.generate("fine", timeout=timeout)
     assert [m for m, _, _ in Scripted.calls] == ["Generate"]
+
+
+@pytest.mark.parametrize("field,kw", [
+    ("max_tokens", {"max_tokens": 2**31}), ("max_tokens", {"max_tokens": -1}),
+    ("seed", {"seed": -1}), ("seed", {"seed": 2**64}),
+    ("stop_token_ids", {"stop_token_ids": [5, -1]}),
+    ("stop_token_ids", {"stop_token_ids": [2**32]})])
+def test_an_integer_out_of_its_fields_range_is_refused_naming_the_field(address, field, kw):
+    """protobuf refused these with "Value out of range: -1", naming no field (and took
+    max_tokens=-1, for the server to refuse after a round trip); the library names the field
+    before any call. The largest values each field carries still go out."""
+    with TierCacheClient(address) as c:
+        with pytest.raises(ValueError, match=rf"^{field}: must be in 0\.\."):
+            c.generate("fine", **kw)
+        assert not Scripted.calls
+        req = c.build_request("x", max_tokens=2**31 - 1, seed=2**64 - 1,
+                              stop_token_ids=[0, 2**32 - 1])
+        assert (req.sampling.max_tokens, req.sampling.seed, list(req.sampling.stop_token_ids)
+                ) == (2**31 - 1, 2**64 - 1, [0, 2**32 - 1])
+        with pytest.raises(TypeError, match="^seed: must be an integer"):
+            c.build_request("x", seed=1.5)

@@ -121,6 +121,16 @@ def checked_float32(name: str, value: float, top: float = math.inf) -> float:
     return value
 
 
+def checked_int(name: str, value: int, top: int) -> int:
+    """`value` for the integer request field `name` (0..`top`), or an error naming it:
+    protobuf's own says only "Value out of range: -1", whichever field it was."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name}: must be an integer, got {type(value).__name__}")
+    if not 0 <= value <= top:
+        raise ValueError(f"{name}: must be in 0..{top}, got {value}")
+    return int(value)
+
+
 @dataclass
 class Chunk:
     """One streamed piece: text, and on the last one `final` is set."""
@@ -208,6 +218,9 @@ class TierCacheClient:
         # Checked here: protobuf stores them as float32 without a word (nan built silently).
         temperature = checked_float32("temperature", temperature)
         top_p = checked_float32("top_p", top_p, top=1.0)
+        max_tokens = checked_int("max_tokens", max_tokens, 2**31 - 1)
+        seed = checked_int("seed", seed, 2**64 - 1)
+        stop_token_ids = [checked_int("stop_token_ids", t, 2**32 - 1) for t in stop_token_ids]
         req = orchestrator_pb2.GenerateRequest(
             session_id=session_id, return_token_ids=return_token_ids,
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature,
