@@ -117,12 +117,13 @@ def test_grpcurl_list_describe_and_generate(stack):
 ])
 def test_bad_input_is_invalid_argument_naming_the_field(client, kwargs, field):
     msgs = kwargs.pop("messages")
-    if field.startswith("sampling.t"):
+    if field.startswith("sampling.t") or kwargs.get("max_tokens", 0) < 0:
         # The client library refuses these itself (ValueError): the server's own check is
         # what is tested here, so the request is built by hand.
         req = client.build_request(msgs)
         req.sampling.temperature = kwargs.get("temperature", 0.0)
         req.sampling.top_p = kwargs.get("top_p", 0.0)
+        req.sampling.max_tokens = kwargs.get("max_tokens", 0)
         with pytest.raises(grpc.RpcError) as e:
             list(client.stub.Generate(req, timeout=60))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
