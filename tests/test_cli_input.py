@@ -604,3 +604,31 @@ def test_the_note_says_how_many_tokens_fit_when_only_the_answer_overflows():
     d = ("messages: prompt (8185 tokens) + sampling.max_tokens (16) exceed the model "
          "context (8192)")
     assert cli._room_left(d) == 7 and cli._room_left("messages: 9000 tokens exceed") == 0
+
+
+def test_replays_token_figures_are_of_the_answered_requests_as_its_classes_are(fake, monkeypatch,
+                                                                             capsys):
+    """A turn failing after its final message (a status after it) is an error, left out of
+    the classes, and its final's figures were still summed into cached_tokens and
+    prompt_tokens (the client differential): the summary's figures and classes now count the
+    same requests."""
+    base = dict(at=0.0, tenant="t0", session_id="a", system_index=0, turn=0, question="ok?")
+    trace = fake / "t.jsonl"
+    lines = [{"spec": {}, "system_prompts": {"t0": ["sys"]}}, base,
+             dict(base, session_id="b", question="fails?")]
+    trace.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+
+    def stream(self, messages, **kw):
+        q = messages[-1]["content"]
+        yield Chunk("Hi.", [], orchestrator_pb2.GenerateFinal(
+            finish_reason=common_pb2.FINISH_REASON_EOS,
+            cache_report=common_pb2.CacheReport(prompt_tokens=100 if q == "ok?" else 7000,
+                                                cached_tokens=64 if q == "ok?" else 5000)))
+        if q == "fails?":
+            raise RuntimeError("status after the final message")
+
+    monkeypatch.setattr(FakeClient, "stream", stream)
+    assert cli.main(["replay", str(trace)]) == 1
+    summary = json.loads(capsys.readouterr().out)
+    assert summary == {"requests": 2, "errors": 1, "classes": {"prefix_hit": 1},
+                       "cached_tokens": 64, "prompt_tokens": 100}

@@ -431,13 +431,16 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
             cl.close()
         if tty:  # also on Ctrl-C: the next line does not start after the counter
             sys.stderr.write("\n")
-    classes = Counter(o.cache_class for o in out if not o.error)
+    # The figures are of the answered requests, as the classes: a status after the final
+    # message (an error) kept that message's figures, and the sums counted them.
+    ok = [o for o in out if not o.error]
+    classes = Counter(o.cache_class for o in ok)
     errors = [o for o in out if o.error]
     for text, n in Counter(o.error for o in errors).most_common(5):
         sys.stderr.write(f"error ({n}x): {text}\n")
     print(json.dumps({"requests": len(out), "errors": len(errors), "classes": dict(classes),
-                      "cached_tokens": sum(o.cached_tokens for o in out),
-                      "prompt_tokens": sum(o.prompt_tokens for o in out)}, indent=2))
+                      "cached_tokens": sum(o.cached_tokens for o in ok),
+                      "prompt_tokens": sum(o.prompt_tokens for o in ok)}, indent=2))
     return 1 if errors else 0
 
 
