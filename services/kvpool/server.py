@@ -153,7 +153,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                     raise rpc_ended(context)
                 if isinstance(item, Failed):
                     done = True
-                    raise item.error
+                    raise self._failure(item, context)
                 if isinstance(item, Finished):
                     done = True
                     yield kvpool_pb2.KvGenerateResponse(final=self._final(item))
@@ -173,7 +173,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                     toks = []
                     if isinstance(nxt, Failed):
                         done = True
-                        raise nxt.error
+                        raise self._failure(nxt, context)
                     done = True
                     yield kvpool_pb2.KvGenerateResponse(final=self._final(nxt))
                     return
@@ -184,7 +184,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                     done = True
                     if isinstance(end, Failed):
                         yield kvpool_pb2.KvGenerateResponse(token_ids=toks)
-                        raise end.error
+                        raise self._failure(end, context)
                     yield kvpool_pb2.KvGenerateResponse(token_ids=toks, final=self._final(end))
                     return
                 yield kvpool_pb2.KvGenerateResponse(token_ids=toks)
@@ -200,6 +200,16 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             except queue.Empty:
                 if not context.is_active():
                     return None
+
+    @staticmethod
+    def _failure(item: Failed, context: grpc.ServicerContext) -> Exception:
+        """What a failed sequence ends its RPC with. The engine's Cancelled answers this
+        server's own cancel, which the RPC's end callback sends when the call ends: `rpc_ended`
+        says why it ended. Raised as it came, a client's deadline (and a drain's cut) was
+        counted CANCELLED whenever the engine answered the cancel before the handler looked."""
+        if isinstance(item.error, errors.Cancelled):
+            return rpc_ended(context)
+        return item.error
 
     def _final(self, f: Finished) -> kvpool_pb2.KvGenerateFinal:
         return kvpool_pb2.KvGenerateFinal(
@@ -253,7 +263,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             engine.cancel(seq_id)
             raise rpc_ended(context)
         if isinstance(item, Failed):
-            raise item.error
+            raise self._failure(item, context)
         assert isinstance(item, Finished)
         return kvpool_pb2.PrefillResponse(
             prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens,

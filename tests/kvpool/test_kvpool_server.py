@@ -466,6 +466,61 @@ def test_a_stream_ended_by_cancel_or_deadline_is_not_counted_ok(tiny_model) -> N
         s.close()
 
 
+def test_a_deadline_is_counted_as_one_though_the_engine_answers_the_cancel_first(
+        tiny_model) -> None:
+    """At a client's deadline the RPC's end callback cancels the sequence, and the engine
+    answers that cancel (Failed: Cancelled) at once: the handler raised it, so Generate and
+    Prefill streams ended by their deadline were counted CANCELLED while the client saw
+    DEADLINE_EXCEEDED (the differential in test_kvpool_server_differential.py found it)."""
+    import queue
+
+    from services.common.metrics import RPC_TOTAL
+    from services.kvpool.engine import Failed, model_info
+
+    class Answering:  # never finishes; answers a cancel as the real engine does
+        running = True
+        prefix_caching = True
+
+        def __init__(self) -> None:
+            self.outs: dict[str, queue.Queue] = {}
+
+        def submit(self, req):
+            seq = f"s{len(self.outs)}"
+            self.outs[seq] = queue.Queue()
+            return seq, self.outs[seq]
+
+        def cancel(self, seq_id) -> None:
+            self.outs[seq_id].put(Failed(errors.Cancelled("request cancelled")))
+
+    s = Served(CFG, None)
+    s.servicer.attach(Answering(), model_info(tiny_model, TINY_ID))
+    s.handle.set_serving()
+
+    def count(method: str, code: str) -> float:
+        return RPC_TOTAL.labels("kvpool", method, code)._value.get()
+
+    try:
+        codes = ("OK", "CANCELLED", "DEADLINE_EXCEEDED")
+        before = {(m, c): count(m, c) for m in ("Generate", "Prefill") for c in codes}
+        req = kvpool_pb2.KvGenerateRequest(token_ids=PROMPT,
+                                           sampling=common_pb2.SamplingParams(max_tokens=4))
+        with pytest.raises(grpc.RpcError) as ei:
+            list(s.stub.Generate(req, timeout=0.3))
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        with pytest.raises(grpc.RpcError) as ei:
+            s.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=PROMPT), timeout=0.3)
+        assert ei.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        want = dict(before)
+        want["Generate", "DEADLINE_EXCEEDED"] += 1
+        want["Prefill", "DEADLINE_EXCEEDED"] += 1
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and {k: count(*k) for k in before} != want:
+            time.sleep(0.05)
+        assert {k: count(*k) for k in before} == want
+    finally:
+        s.close()
+
+
 def test_seed_offset_continues_a_seeded_answer(served) -> None:
     """KvGenerateRequest.seed_offset (set by the orchestrator when it resumes an answer on
     another replica) reaches the sampler: the resumed tokens are the uninterrupted ones."""
