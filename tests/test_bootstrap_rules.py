@@ -318,3 +318,71 @@ def test_only_the_health_path_answers_health_on_the_metrics_port():
                 assert b"tiercache_rpc_total" in r.read(), path
     finally:
         h.stop(0)
+
+
+def _poll(until, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not until() and time.monotonic() < deadline:
+        time.sleep(0.02)
+
+
+def test_a_call_that_ended_under_its_handler_is_counted_as_its_client_saw_it():
+    """A handler that returns (or raises a domain error) after its client's deadline passed,
+    or after the server's stop cut its call, was counted OK (or under the error's code) while
+    the client got DEADLINE_EXCEEDED or UNAVAILABLE: an error-ratio alert missed every slow
+    call. They are counted under what the client got."""
+    import threading
+
+    def slow(request, _context):
+        time.sleep(float(request[1:]))
+        if request.startswith(b"e"):
+            raise errors.NotFound("id: gone")
+        return b"late"
+
+    def slow_stream(request, _context):
+        time.sleep(float(request))
+        return iter(())  # ends without a message, after the deadline
+
+    def add(_servicer, srv) -> None:
+        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("x.Slow", {
+            "Unary": grpc.unary_unary_rpc_method_handler(slow),
+            "Stream": grpc.unary_stream_rpc_method_handler(slow_stream)}),))
+
+    codes = ("OK", "NOT_FOUND", "DEADLINE_EXCEEDED", "UNAVAILABLE")
+    before = {(m, c): _rpc_count("slow-count", m, c) for m in ("Unary", "Stream") for c in codes}
+
+    def got() -> dict:
+        return {k: n for k in before if (n := _rpc_count("slow-count", *k) - before[k])}
+
+    h = create_server(service="slow-count", address="127.0.0.1:0",
+                      services=[(add, None, "x.Slow")])
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            for method, request in (("Unary", b"o0.6"), ("Unary", b"e0.6"), ("Stream", b"0.6")):
+                call = (ch.unary_unary if method == "Unary" else ch.unary_stream)(
+                    f"/x.Slow/{method}")
+                with pytest.raises(grpc.RpcError) as e:
+                    list(call(request, timeout=0.2)) if method == "Stream" else \
+                        call(request, timeout=0.2)
+                assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            _poll(lambda: sum(got().values()) == 3)
+            assert got() == {("Unary", "DEADLINE_EXCEEDED"): 2, ("Stream", "DEADLINE_EXCEEDED"): 1}
+            seen: list = []
+
+            def cut() -> None:
+                try:
+                    ch.unary_unary("/x.Slow/Unary")(b"o1.0", timeout=10)
+                except grpc.RpcError as exc:
+                    seen.append(exc.code())
+
+            t = threading.Thread(target=cut)
+            t.start()
+            time.sleep(0.3)
+            h.stop(0.2)
+            t.join(10)
+            assert seen == [grpc.StatusCode.UNAVAILABLE]
+            _poll(lambda: sum(got().values()) == 4)
+    finally:
+        h.stop(0)
+    assert got() == {("Unary", "DEADLINE_EXCEEDED"): 2, ("Stream", "DEADLINE_EXCEEDED"): 1,
+                     ("Unary", "UNAVAILABLE"): 1}

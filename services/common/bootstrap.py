@@ -258,6 +258,17 @@ def _parse_request(deserialize, raw, context, service: str, short: str):
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed protobuf message")
 
 
+def _counted_code(context, code: str) -> str:
+    """`code` while the call is still open; once it ended under its handler (its deadline
+    passed, its client cancelled, the server's stop cut it), the status its client got
+    instead (`rpc_ended`): a unary call whose handler returned after the client's deadline
+    was counted OK while the client saw DEADLINE_EXCEEDED."""
+    is_active = getattr(context, "is_active", None)
+    if is_active is None or is_active():
+        return code
+    return rpc_ended(context).code
+
+
 def _parsed_non_blocking(handler, service: str, short: str, prologue):
     """`handler` (a non-blocking unary-stream method), parsing its request itself: malformed
     bytes are INVALID_ARGUMENT, as for every other method. `prologue(context)` runs first (the
@@ -340,7 +351,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
 
         def fail(context, exc: BaseException) -> None:
             if isinstance(exc, errors.TierCacheError):
-                RPC_TOTAL.labels(service, short, exc.code).inc()
+                RPC_TOTAL.labels(service, short, _counted_code(context, exc.code)).inc()
                 details = _capped(str(exc))
                 # A refused or failed call left no line: a ticket quoting its request id could
                 # not be traced. One line, with the id bound; a flood of them is thinned.
@@ -356,13 +367,13 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 # The handler already aborted, or set a code and then raised. Abort again
                 # with that code and the handler's own details: left to gRPC, a code set
                 # without details would go out with the exception's text as its message.
-                RPC_TOTAL.labels(service, short, code.name).inc()
+                RPC_TOTAL.labels(service, short, _counted_code(context, code.name)).inc()
                 details = context.details() if hasattr(context, "details") else None
                 if isinstance(details, bytes):
                     details = details.decode("utf-8", "replace")
                 context.abort(code, _capped(details or f"{short} failed: {code.name}"))
             log.exception("unhandled error in %s", method)
-            RPC_TOTAL.labels(service, short, "INTERNAL").inc()
+            RPC_TOTAL.labels(service, short, _counted_code(context, "INTERNAL")).inc()
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {short}; see server logs")
 
         deserialize = handler.request_deserializer
@@ -378,7 +389,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 with bound_request_id(rid):
                     try:
                         resp = inner(request, context)
-                        RPC_TOTAL.labels(service, short, "OK").inc()
+                        RPC_TOTAL.labels(service, short, _counted_code(context, "OK")).inc()
                         return resp
                     except BaseException as exc:  # noqa: BLE001 - mapped to a status
                         fail(context, exc)
@@ -403,7 +414,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                         except StopIteration:
                             break
                         yield item
-                    RPC_TOTAL.labels(service, short, "OK").inc()
+                    RPC_TOTAL.labels(service, short, _counted_code(context, "OK")).inc()
                 except GeneratorExit:
                     # Client went away (or its deadline passed); closing the inner generator
                     # runs its cleanup.
@@ -487,6 +498,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             t0, code = time.perf_counter(), "OK"
             try:
                 yield from inner(request_iterator, context)
+                code = _counted_code(context, code)
             except GeneratorExit:
                 code = rpc_ended(context).code
                 raise
