@@ -41,7 +41,7 @@ def test_a_health_name_of_the_longest_length_is_watched_and_one_more_refused(sma
 
 def test_a_two_way_stream_that_failed_is_counted_with_the_code_it_set():
     """A two-way stream ending in an error is counted under the status its handler set
-    (UNKNOWN only when it set none), not all as UNKNOWN."""
+    (INTERNAL, what its client gets, when it set none), not all as UNKNOWN."""
 
     def bidi(it, context):
         for m in it:
@@ -57,18 +57,19 @@ def test_a_two_way_stream_that_failed_is_counted_with_the_code_it_set():
     def count(code: str) -> float:
         return RPC_TOTAL.labels("bidi-count", "Talk", code)._value.get()
 
-    before = {c: count(c) for c in ("FAILED_PRECONDITION", "UNKNOWN")}
+    before = {c: count(c) for c in ("FAILED_PRECONDITION", "INTERNAL")}
     h = create_server(service="bidi-count", address="127.0.0.1:0",
                       services=[(add, None, "x.Bidi")])
     try:
         with grpc.insecure_channel(h.address) as ch:
             talk = ch.stream_stream("/x.Bidi/Talk")
-            for msg in (b"coded", b"plain"):
-                with pytest.raises(grpc.RpcError):
+            for msg, code in ((b"coded", "FAILED_PRECONDITION"), (b"plain", "INTERNAL")):
+                with pytest.raises(grpc.RpcError) as e:
                     list(talk(iter([msg]), timeout=5))
+                assert e.value.code().name == code
     finally:
         h.stop(5)  # the handlers' counting is done once they have ended
-    assert {c: count(c) - before[c] for c in before} == {"FAILED_PRECONDITION": 1, "UNKNOWN": 1}
+    assert {c: count(c) - before[c] for c in before} == {"FAILED_PRECONDITION": 1, "INTERNAL": 1}
 
 
 def test_a_signal_once_a_real_server_turned_serving_is_kept_for_the_drain(monkeypatch):
@@ -386,3 +387,65 @@ def test_a_call_that_ended_under_its_handler_is_counted_as_its_client_saw_it():
         h.stop(0)
     assert got() == {("Unary", "DEADLINE_EXCEEDED"): 2, ("Stream", "DEADLINE_EXCEEDED"): 1,
                      ("Unary", "UNAVAILABLE"): 1}
+
+
+def test_client_and_two_way_streams_map_errors_count_and_bind_ids_as_the_others():
+    """A client-streaming method was neither counted, timed nor mapped, and a two-way one not
+    mapped: a domain error reached the client as UNKNOWN "Exception calling application:
+    <its text>" (two-way: "Exception iterating responses: ..."), any other exception's text
+    too. Both now end as unary and server streams do, under the caller's request id."""
+    from services.common.logs import request_id_var
+
+    ids: list[str] = []
+
+    def outcome(data: bytes):
+        ids.append(request_id_var.get())
+        if data == b"missing":
+            raise errors.NotFound("id: 'missing' is not here")
+        if data == b"boom":
+            raise RuntimeError("secret internal detail")
+        return data
+
+    def gather(it, _context):
+        return outcome(b"".join(it))
+
+    def echo(it, _context):
+        for m in it:
+            yield outcome(m)
+
+    def add(_servicer, srv) -> None:
+        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("x.Streams", {
+            "Gather": grpc.stream_unary_rpc_method_handler(gather),
+            "Echo": grpc.stream_stream_rpc_method_handler(echo)}),))
+
+    codes = ("OK", "NOT_FOUND", "INTERNAL", "UNKNOWN")
+    before = {(m, c): _rpc_count("client-streams", m, c) for m in ("Gather", "Echo")
+              for c in codes}
+    timed = {m: _timed("client-streams", m) for m in ("Gather", "Echo")}
+    h = create_server(service="client-streams", address="127.0.0.1:0",
+                      services=[(add, None, "x.Streams")])
+    got = []
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            calls = {"Gather": lambda m, md: ch.stream_unary("/x.Streams/Gather")(
+                         iter([m]), timeout=5, metadata=md),
+                     "Echo": lambda m, md: list(ch.stream_stream("/x.Streams/Echo")(
+                         iter([m]), timeout=5, metadata=md))}
+            for method, call in calls.items():
+                for msg in (b"fine", b"missing", b"boom"):
+                    try:
+                        call(msg, [("x-request-id", f"{method}-{msg.decode()}")])
+                        got.append((method, "OK", ""))
+                    except grpc.RpcError as e:
+                        got.append((method, e.code().name, e.details()))
+    finally:
+        h.stop(5)
+    internal = [(m, "INTERNAL", f"internal error in {m}; see server logs") for m in calls]
+    assert got == [("Gather", "OK", ""), ("Gather", "NOT_FOUND", "id: 'missing' is not here"),
+                   internal[0], ("Echo", "OK", ""),
+                   ("Echo", "NOT_FOUND", "id: 'missing' is not here"), internal[1]]
+    assert ids == [f"{m}-{x}" for m in calls for x in ("fine", "missing", "boom")]
+    assert {k: n - before[k] for k in before if _rpc_count("client-streams", *k) - before[k]
+            for n in [_rpc_count("client-streams", *k)]} == {
+        (m, c): 1 for m in calls for c in ("OK", "NOT_FOUND", "INTERNAL")}
+    assert {m: _timed("client-streams", m) - timed[m] for m in timed} == {"Gather": 3, "Echo": 3}

@@ -269,6 +269,29 @@ def _counted_code(context, code: str) -> str:
     return rpc_ended(context).code
 
 
+def _bound_items(start: Callable[[], Any], rid: str) -> Iterator:
+    """The messages of `start()` (a streaming handler's), with the request id bound around
+    each step of the handler's own code; when the client went away, the handler's generator
+    is closed under the id too (its cleanup logs as that request, not under none)."""
+    it = None
+    try:
+        with bound_request_id(rid):
+            it = iter(start())
+        while True:
+            try:
+                with bound_request_id(rid):
+                    item = next(it)
+            except StopIteration:
+                return
+            yield item
+    except GeneratorExit:
+        close = getattr(it, "close", None)
+        if close:
+            with bound_request_id(rid):
+                close()
+        raise
+
+
 def _parsed_non_blocking(handler, service: str, short: str, prologue):
     """`handler` (a non-blocking unary-stream method), parsing its request itself: malformed
     bytes are INVALID_ARGUMENT, as for every other method. `prologue(context)` runs first (the
@@ -381,10 +404,11 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         def parse(raw, context):
             return _parse_request(deserialize, raw, context, service, short)
 
-        def unary_behavior(inner):
+        def unary_behavior(inner, parsed: bool = False):
+            """`parsed`: gRPC parses the requests (a client stream's, read by the handler)."""
             def wrapped(raw, context):
                 rid = prologue(context)
-                request = parse(raw, context)
+                request = raw if parsed else parse(raw, context)
                 t0 = time.perf_counter()
                 with bound_request_id(rid):
                     try:
@@ -403,26 +427,13 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 rid = prologue(context)
                 request = parse(raw, context)
                 t0 = time.perf_counter()
-                it = None
                 try:
-                    with bound_request_id(rid):
-                        it = iter(inner(request, context))
-                    while True:
-                        try:
-                            with bound_request_id(rid):
-                                item = next(it)
-                        except StopIteration:
-                            break
-                        yield item
+                    yield from _bound_items(lambda: inner(request, context), rid)
                     RPC_TOTAL.labels(service, short, _counted_code(context, "OK")).inc()
                 except GeneratorExit:
-                    # Client went away (or its deadline passed); closing the inner generator
-                    # runs its cleanup.
+                    # Client went away (or its deadline passed); `_bound_items` closed the
+                    # inner generator, running its cleanup.
                     RPC_TOTAL.labels(service, short, rpc_ended(context).code).inc()
-                    close = getattr(it, "close", None)
-                    if close:
-                        with bound_request_id(rid):  # its cleanup logs as this request
-                            close()
                     raise
                 except BaseException as exc:  # noqa: BLE001
                     # Bound again: the id was reset when next() raised, and an unexpected
@@ -448,34 +459,33 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             )
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                self._limited(handler.stream_stream, short, prologue),
+                self._limited(handler.stream_stream, short, prologue, fail),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )
         if handler.stream_unary:
             # None is served today; one added later is not open to callers without the
             # credential (only the kinds above were checked, and a client-streaming method
-            # answered anyone).
-            inner = handler.stream_unary
-
-            def client_streaming(request_iterator, context):
-                prologue(context)
-                return inner(request_iterator, context)
-
+            # answered anyone), and is counted, timed and mapped like a unary one (it was
+            # none of them: a domain error reached its client as UNKNOWN "Exception calling
+            # application: <its text>", any other exception's text too).
             return grpc.stream_unary_rpc_method_handler(
-                client_streaming, request_deserializer=handler.request_deserializer,
+                unary_behavior(handler.stream_unary, parsed=True),
+                request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer)
         return handler
 
-    def _limited(self, inner, short: str, prologue):
+    def _limited(self, inner, short: str, prologue, fail):
         """Two-way streams (reflection) under a small cap: each holds a worker thread while
         open, so idle ones, with no credential, could take every thread of the server. A
-        two-way method outside the open ones needs the credential like any other."""
+        two-way method outside the open ones needs the credential like any other, and its
+        errors are mapped by `fail` as every other kind's (a domain error reached the client
+        as UNKNOWN "Exception iterating responses: <its text>")."""
         service, slots = self.service, self._open_streams
         by_peer, lock = self._open_by_peer, self._open_lock
 
         def wrapped(request_iterator, context) -> Iterator:
-            prologue(context)
+            rid = prologue(context)
             peer = _peer(context).rpartition(":")[0] or "?"  # its host: one client, any port
             with lock:
                 mine = by_peer.get(peer, 0)
@@ -497,15 +507,15 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             # alert on the method read 100%.
             t0, code = time.perf_counter(), "OK"
             try:
-                yield from inner(request_iterator, context)
+                yield from _bound_items(lambda: inner(request_iterator, context), rid)
                 code = _counted_code(context, code)
             except GeneratorExit:
                 code = rpc_ended(context).code
                 raise
-            except BaseException:
-                set_code = context.code() if hasattr(context, "code") else None
-                code = set_code.name if isinstance(set_code, grpc.StatusCode) else "UNKNOWN"
-                raise
+            except BaseException as exc:  # noqa: BLE001 - mapped to a status
+                code = None  # `fail` counts it under the status it ends the call with
+                with bound_request_id(rid):
+                    fail(context, exc)
             finally:
                 _OPEN_REAPER.disarm(reaped)
                 with lock:
@@ -515,7 +525,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     else:
                         by_peer.pop(peer, None)
                     slots.release()
-                RPC_TOTAL.labels(service, short, code).inc()
+                if code is not None:
+                    RPC_TOTAL.labels(service, short, code).inc()
                 RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 
         return wrapped
