@@ -449,3 +449,34 @@ def test_client_and_two_way_streams_map_errors_count_and_bind_ids_as_the_others(
             for n in [_rpc_count("client-streams", *k)]} == {
         (m, c): 1 for m in calls for c in ("OK", "NOT_FOUND", "INTERNAL")}
     assert {m: _timed("client-streams", m) - timed[m] for m in timed} == {"Gather": 3, "Echo": 3}
+
+
+def test_a_handler_that_sets_a_code_and_returns_is_counted_under_that_code():
+    """gRPC sends the code a handler set even when it returns normally (health's Check of an
+    unknown service name sets NOT_FOUND): such calls were counted OK."""
+    def lookup(_request, context):
+        context.set_code(grpc.StatusCode.NOT_FOUND)
+        context.set_details("id: none")
+        return b""
+
+    def add(_servicer, srv) -> None:
+        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("x.Set", {
+            "Lookup": grpc.unary_unary_rpc_method_handler(lookup)}),))
+
+    keys = [(m, c) for m in ("Lookup", "Check") for c in ("OK", "NOT_FOUND")]
+    before = {k: _rpc_count("set-code", *k) for k in keys}
+    h = create_server(service="set-code", address="127.0.0.1:0",
+                      services=[(add, None, "x.Set")])
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            for call in (lambda: ch.unary_unary("/x.Set/Lookup")(b"", timeout=5),
+                         lambda: health_pb2_grpc.HealthStub(ch).Check(
+                             health_pb2.HealthCheckRequest(service="nothing.Here"), timeout=5)):
+                with pytest.raises(grpc.RpcError) as e:
+                    call()
+                assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    finally:
+        h.stop(0)
+    assert {k: _rpc_count("set-code", *k) - before[k] for k in keys} == {
+        ("Lookup", "OK"): 0, ("Lookup", "NOT_FOUND"): 1, ("Check", "OK"): 0,
+        ("Check", "NOT_FOUND"): 1}

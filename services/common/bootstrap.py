@@ -269,6 +269,15 @@ def _counted_code(context, code: str) -> str:
     return rpc_ended(context).code
 
 
+def _finished_code(context) -> str:
+    """The status of a call whose handler returned: OK, or the code the handler set on the
+    way, which gRPC sends (health's Check of an unknown name sets NOT_FOUND and returns: it
+    was counted OK), or what ended the call under the handler (`_counted_code`)."""
+    set_code = context.code() if hasattr(context, "code") else None
+    code = set_code.name if isinstance(set_code, grpc.StatusCode) else "OK"
+    return _counted_code(context, code)
+
+
 def _bound_items(start: Callable[[], Any], rid: str) -> Iterator:
     """The messages of `start()` (a streaming handler's), with the request id bound around
     each step of the handler's own code; when the client went away, the handler's generator
@@ -413,7 +422,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 with bound_request_id(rid):
                     try:
                         resp = inner(request, context)
-                        RPC_TOTAL.labels(service, short, _counted_code(context, "OK")).inc()
+                        RPC_TOTAL.labels(service, short, _finished_code(context)).inc()
                         return resp
                     except BaseException as exc:  # noqa: BLE001 - mapped to a status
                         fail(context, exc)
@@ -429,7 +438,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 t0 = time.perf_counter()
                 try:
                     yield from _bound_items(lambda: inner(request, context), rid)
-                    RPC_TOTAL.labels(service, short, _counted_code(context, "OK")).inc()
+                    RPC_TOTAL.labels(service, short, _finished_code(context)).inc()
                 except GeneratorExit:
                     # Client went away (or its deadline passed); `_bound_items` closed the
                     # inner generator, running its cleanup.
@@ -508,7 +517,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             t0, code = time.perf_counter(), "OK"
             try:
                 yield from _bound_items(lambda: inner(request_iterator, context), rid)
-                code = _counted_code(context, code)
+                code = _finished_code(context)
             except GeneratorExit:
                 code = rpc_ended(context).code
                 raise
