@@ -480,3 +480,43 @@ def test_a_handler_that_sets_a_code_and_returns_is_counted_under_that_code():
     assert {k: _rpc_count("set-code", *k) - before[k] for k in keys} == {
         ("Lookup", "OK"): 0, ("Lookup", "NOT_FOUND"): 1, ("Check", "OK"): 0,
         ("Check", "NOT_FOUND"): 1}
+
+
+def test_a_reaped_reflection_stream_is_counted_as_its_client_saw_it(monkeypatch):
+    """An idle reflection stream ended at OPEN_STREAM_MAX_S sees its requests end and returns;
+    the call still read as active for a moment, and about a third of them were counted OK
+    while their clients got DEADLINE_EXCEEDED."""
+    import threading
+
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    monkeypatch.setattr(bootstrap, "OPEN_STREAM_MAX_S", 0.1)
+    codes = ("OK", "DEADLINE_EXCEEDED")
+    method = "ServerReflectionInfo"
+    before = {c: _rpc_count("reaped", method, c) for c in codes}
+    h = create_server(service="reaped", address="127.0.0.1:0", services=[])
+    got = []
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            stub = reflection_pb2_grpc.ServerReflectionStub(ch)
+            for _ in range(12):
+                release = threading.Event()
+
+                def requests(release=release):
+                    yield reflection_pb2.ServerReflectionRequest(list_services="")
+                    release.wait(5)  # idle: open, nothing more asked
+
+                try:
+                    for _answer in stub.ServerReflectionInfo(requests(), timeout=5):
+                        pass
+                except grpc.RpcError as e:
+                    got.append(e.code())
+                finally:
+                    release.set()
+    finally:
+        h.stop(5)
+    assert got == [grpc.StatusCode.DEADLINE_EXCEEDED] * 12
+    _poll(lambda: _rpc_count("reaped", method, "DEADLINE_EXCEEDED") - before[
+        "DEADLINE_EXCEEDED"] >= 12)
+    assert {c: _rpc_count("reaped", method, c) - before[c] for c in codes} == {
+        "OK": 0, "DEADLINE_EXCEEDED": 12}

@@ -262,7 +262,11 @@ def _counted_code(context, code: str) -> str:
     """`code` while the call is still open; once it ended under its handler (its deadline
     passed, its client cancelled, the server's stop cut it), the status its client got
     instead (`rpc_ended`): a unary call whose handler returned after the client's deadline
-    was counted OK while the client saw DEADLINE_EXCEEDED."""
+    was counted OK while the client saw DEADLINE_EXCEEDED. A call the server ended itself
+    (`reaper.end_call`) may still read as active for a moment: an idle reflection stream,
+    reaped, saw its requests end and returned, and was counted OK."""
+    if getattr(context, "tiercache_ended_with", None) is not None:
+        return rpc_ended(context).code
     is_active = getattr(context, "is_active", None)
     if is_active is None or is_active():
         return code
