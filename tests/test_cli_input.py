@@ -591,6 +591,44 @@ def test_a_chat_answer_reaches_a_terminal_without_its_control_characters(fake, m
     assert "\x1b" not in out.getvalue() and "clear \ufffd[2Jscreen" in out.getvalue()
 
 
+def test_the_servers_words_reach_a_terminal_on_stderr_without_control_characters(
+        fake, monkeypatch):
+    """Status details and a report's replica id and route come from the server: on a
+    terminal their control characters were written as they came (the client differential)."""
+    import grpc
+
+    class Refused(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.INVALID_ARGUMENT
+
+        def details(self):
+            return "messages: bad \x1b[2J text"
+
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+
+    def stream(self, messages, **kw):
+        yield Chunk("Hi", [], orchestrator_pb2.GenerateFinal(
+            finish_reason=common_pb2.FINISH_REASON_EOS,
+            cache_report=common_pb2.CacheReport(replica_id="kv\x1b]0;title\x07", route="ring")))
+
+    monkeypatch.setattr(FakeClient, "stream", stream)
+    assert cli.main(["chat", "hi"]) == 0
+    assert "\x1b" not in err.getvalue() and "kv\ufffd]0;title\ufffd" in err.getvalue()
+
+    def refused(self, messages, **kw):
+        raise Refused()
+        yield  # a generator, as stream is
+
+    monkeypatch.setattr(FakeClient, "stream", refused)
+    assert cli.main(["chat", "hi"]) == 1
+    assert "\x1b" not in err.getvalue() and "bad \ufffd[2J text" in err.getvalue()
+    piped = io.StringIO()  # a log file gets the words as they came
+    monkeypatch.setattr(sys, "stderr", piped)
+    assert cli.main(["chat", "hi"]) == 1
+    assert "bad \x1b[2J text" in piped.getvalue()
+
+
 def test_a_session_too_deep_to_parse_is_one_line(fake, capsys):
     path = fake / "home" / "sessions" / "deep.json"
     path.parent.mkdir(parents=True, exist_ok=True)

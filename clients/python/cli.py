@@ -71,6 +71,12 @@ def shown(text: str) -> str:
     return text.translate(_CONTROL) if isatty(sys.stdout) else text
 
 
+def shown_err(text: str) -> str:
+    """`shown` for stderr: the server's words there (status details, a report's replica id
+    and route) reached a terminal with their control characters acting on it."""
+    return text.translate(_CONTROL) if isatty(sys.stderr) else text
+
+
 def _load_history(path: Path) -> list[dict[str, str]]:
     """A session's messages; SystemExit naming the file when it is not a list of messages."""
     try:
@@ -222,7 +228,7 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         messages.append({"role": "assistant", "content": answer})
         _save_history(hist, messages)
     if not a.quiet:
-        sys.stderr.write(format_report(final.cache_report) + "\n")
+        sys.stderr.write(shown_err(format_report(final.cache_report)) + "\n")
     if hist is not None and not answer:
         # An empty assistant turn is invalid input for every later request of the session:
         # keep the history as it was (the question can be asked again).
@@ -658,7 +664,7 @@ def main(argv: list[str] | None = None) -> int:
         # Any call the same request may succeed later: UNAVAILABLE too (a replica or the
         # orchestrator restarting), not after part of an answer was printed.
         later = " (retry later)" if retry_later(e) else ""
-        sys.stderr.write(f"error: {e.code().name}{later}: {e.details()}\n")
+        sys.stderr.write(f"error: {e.code().name}{later}: {shown_err(e.details() or '')}\n")
         return 1
     except KeyboardInterrupt:
         return 130
