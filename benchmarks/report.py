@@ -698,7 +698,7 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
             # guard off / guard on / the learned verifier (guard + P(same) cut, out-of-fold):
             # the last is what the default config serves.
             for g, label in (("guard_off", "guard off"), ("guard_on", "guard on"),
-                             ("verifier", "guard + verifier (5-fold CV)")):
+                             ("verifier", "guard + verifier (5-fold grouped CV)")):
                 x = t.get(g)
                 if not x:
                     continue

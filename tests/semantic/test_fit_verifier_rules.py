@@ -3,7 +3,8 @@ cut is chosen (the procedure in the module's docstring: the tier's guarded pairs
 `MIN_KEEP` floor, goal + `GOAL_MARGIN`, the PAWS false-hit rate over every PAWS
 non-paraphrase, the best precision when no cut reaches the goal, a cut of 0 allowed), which
 pairs train the weights and how PAWS pairs weigh, each tier's cut in cross-validation, and what
-`main` writes where, with what mode."""
+`main` writes where, with what mode; and the grouping that keeps a sentence's pairs in one
+cross-validation fold."""
 
 from __future__ import annotations
 
@@ -25,6 +26,8 @@ from services.semantic.fit_verifier import (
     _choose_cut,
     cross_validate,
     fit,
+    fold_of_each_pair,
+    sentence_groups,
     write_weights,
 )
 from services.semantic.verifier import FEATURES, VerifierModel, fit_logistic
@@ -200,3 +203,38 @@ def test_a_new_weights_file_gets_the_umasks_mode(tmp_path, umask):
     finally:
         os.umask(old)
     assert stat.S_IMODE(out.stat().st_mode) == 0o666 & ~umask
+
+
+def test_pairs_sharing_a_sentence_are_grouped_through_chains_and_word_order():
+    """A group is a connected component of the sentence graph: pairs sharing a sentence (up to
+    case, punctuation and word order, so a PAWS swap is the same node) join, transitively."""
+    pairs = [("How do I learn Python?", "What is the best way to learn Python?"),
+             ("what is the best way to learn python", "Best way to study Python?"),
+             ("Best way to study Python?", "Is Python hard?"),
+             ("Flights from New York to Florida", "Flights to Florida from New York"),
+             ("flights from florida to new york", "Cheap flights from Florida"),
+             ("Why is the sky blue?", "Why is the sea blue?")]
+    g = sentence_groups(pairs)
+    assert g[0] == g[1] == g[2]
+    assert g[3] == g[4]
+    assert len({g[0], g[3], g[5]}) == 3
+    assert sorted(set(g.tolist())) == [0, 1, 2]
+
+
+def test_grouped_cross_validation_keeps_each_group_in_one_fold():
+    """With groups, every pair of a group is scored by the same held-out model, fitted without
+    the group: no test pair shares a sentence with a training pair."""
+    data = _training_data()
+    groups = np.arange(len(data.y)) // 7  # groups of 7 pairs
+    fold = fold_of_each_pair(len(data.y), 3, 2, groups)
+    for g in np.unique(groups):
+        assert len(set(fold[groups == g].tolist())) == 1
+    assert set(fold.tolist()) == {0, 1, 2}
+    p, cuts = cross_validate(data, folds=3, seed=2, groups=groups)
+    for k in range(3):
+        held_out = fit(data.subset(fold != k))
+        np.testing.assert_allclose(p[fold == k], held_out.probabilities(data.x[fold == k]))
+        assert np.all(cuts["standard"][fold == k] == held_out.cuts["standard"])
+    # without groups: one fold per pair, as before (drawn alike)
+    np.testing.assert_array_equal(fold_of_each_pair(len(data.y), 3, 1),
+                                  np.random.default_rng(1).integers(0, 3, len(data.y)))
