@@ -976,11 +976,18 @@ class SemanticCache:
         `store_entry`, asked right before the delete.
 
         Raises:
-            InvalidArgument: empty id. NotFound: unknown id. DeadlineExceeded: not wanted.
+            InvalidArgument: empty id. NotFound: unknown id, or an entry expired (gone to
+                every lookup; the housekeeper's purge removes it and counts it expired, as
+                `verify` says). DeadlineExceeded: not wanted.
         """
         if not entry_id:
             raise InvalidArgument("id", "required")
         e = self.get(entry_id)
+        if e.expired(self.clock()):
+            # Removed here, it read "removed 1": Feedback answered a bad rating of an answer
+            # already expired "invalidated" (its docs: false for an entry expired), and
+            # expirations_total never counted it.
+            raise NotFound(f"id: entry {shown(entry_id)} has expired")
         _still(wanted, "removal")
         def held() -> list[int]:
             return [e.label] if e.label in self._entries else []

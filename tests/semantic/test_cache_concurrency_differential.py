@@ -12,6 +12,7 @@ must serve exactly what memory held.
 
 What that order may hold, by the cache's documented rules (`SemanticCache._removal`,
 `store_entry`):
+- an Invalidate by id of an entry unknown or expired (not yet purged) is NOT_FOUND;
 - an Invalidate reads its entries, then removes them: between the two a Store replacing one
   of them cannot fall (it waits for the Invalidate), while expiry and evictions may take one
   and count it (the Invalidate then counts only what it removed);
@@ -157,7 +158,7 @@ class Checker:
         m = s.model
         if c.kind == "invalidate_id":
             e = m.entries.get(c.args[0])
-            if e is None:  # NOT_FOUND: no second half
+            if e is None or e.expired(self.now):  # NOT_FOUND (expired: left to the purge)
                 if c.result is not None:
                     return None
                 return Search(copy.deepcopy(m), s.done | {i}, s.reading)

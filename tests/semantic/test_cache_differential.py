@@ -20,8 +20,9 @@ The rules the model holds:
 - capacity: past the namespace's cap its least recently used entry goes, past the tenant's
   quota the tenant's, past the global cap the least recently used of the tenant holding the
   most; before evicting, every expired entry is purged; a use is a Store or a hit;
-- Verify of an unknown or expired entry is NOT_FOUND; Invalidate of an unknown id NOT_FOUND
-  (one expired but not yet purged is removed, and counted);
+- Verify of an unknown or expired entry is NOT_FOUND; Invalidate of an unknown or expired
+  entry NOT_FOUND too (one expired but not yet purged is left to the purge, which counts it
+  expired: Feedback's docs answer a bad rating of an expired entry "invalidated" false);
 - a restart serves exactly the acknowledged, unexpired, non-invalidated entries, with their
   verified flags and the hit counts flushed before it, in the LRU order those give; lowered
   limits and TTL caps apply at load, and a TTL cut so stays cut at later starts; times
@@ -235,8 +236,12 @@ class Model:
         e.verified = verified
         return True
 
-    def invalidate_id(self, eid) -> int | None:
-        return None if self.entries.pop(eid, None) is None else 1
+    def invalidate_id(self, eid, now) -> int | None:
+        e = self.entries.get(eid)
+        if e is None or e.expired(now):
+            return None
+        del self.entries[eid]
+        return 1
 
     def invalidate_ns(self, ns) -> int:
         gone = self.held(ns)
@@ -429,7 +434,7 @@ class Run:
         except NotFound:
             got = None
         self.log.append(f"t={self.clock.t} invalidate {eid[:6]} -> {got}")
-        want = self.model.invalidate_id(eid)
+        want = self.model.invalidate_id(eid, self.clock.t)
         self.check(got == want, f"invalidate: cache {got}, model {want}")
 
     def op_invalidate_ns(self) -> None:

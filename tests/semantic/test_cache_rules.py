@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from services.common.errors import InvalidArgument
+from services.common.errors import InvalidArgument, NotFound
 from services.semantic.cache import RECENT_VECTORS, Namespace
 from services.semantic.store import unpack_tokens
 from tests.semantic import test_cache_edges as edges
@@ -92,6 +92,24 @@ def test_an_entry_without_ttl_never_expires_under_a_default_of_zero(make_cache, 
     assert c.lookup(A, "query").hit
     assert c.expire() == 0 and c.store.count() == 1
     c.verify(e.id, True)  # not refused as expired either
+
+
+def test_an_expired_entry_is_not_found_by_invalidate_and_left_to_the_purge(make_cache, clock):
+    """An entry past its TTL (not purged yet) is gone to Invalidate as to Verify and lookups:
+    NOT_FOUND, so Feedback's bad rating says invalidated false (the orchestrator's docs), and
+    the housekeeper's purge removes it, counted as expired. It was removed and counted 1."""
+    c = make_cache()
+    e = c.store_entry(A, "query", "an answer", ttl_seconds=60)
+    clock.t = e.created_at + 60
+    with pytest.raises(NotFound, match="expired"):
+        c.invalidate_id(e.id)
+    assert c.stats().entries == 1
+    assert c.expire() == 1
+    s = c.stats()
+    assert (s.entries, s.expirations_total) == (0, 1) and c.store.count() == 0
+    live = c.store_entry(A, "query", "an answer", ttl_seconds=60)
+    clock.t = live.created_at + 59
+    assert c.invalidate_id(live.id) == 1
 
 
 def test_a_candidate_exactly_at_the_draft_floor_is_a_draft(make_cache, emb):

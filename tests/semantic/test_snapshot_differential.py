@@ -276,7 +276,13 @@ class Run:
         lab = self._label()
         if lab is None:
             return
-        got = self._both(lambda c: c.invalidate_id(c._entries[lab].id), "invalidate")
+
+        def invalidate(c):
+            try:
+                return c.invalidate_id(c._entries[lab].id)
+            except NotFound:  # expired, not yet purged
+                return None
+        got = self._both(invalidate, "invalidate")
         self.log.append(f"t={self.clock.t} invalidate {lab} -> {got}")
 
     def op_invalidate_ns(self) -> None:
