@@ -227,12 +227,14 @@ class PrefixIndexClient:
             self.on_outcome(address, said)
 
     def _fan_out(self, requests: dict[str, object], method: str, timeout: float | None,
-                 allow_partial: bool = False) -> dict[str, object]:
+                 allow_partial: bool = False, refusals_partial: bool = False
+                 ) -> dict[str, object]:
         """Call `method` on several shards at once; raise the first failure unless partial.
 
         Partial success covers shards that are down or slow only: a shard that refuses the
         call (FAILED_PRECONDITION, INVALID_ARGUMENT, ...) always raises, since retrying the
-        others would only repeat the refusal.
+        others would only repeat the refusal; with `refusals_partial` (a read whose parts
+        stand alone: Stats) it is one more shard that did not answer.
         """
         md = call_metadata(self.internal_token)
         futs = {a: getattr(self._shards[a].stub, method).future(
@@ -247,7 +249,7 @@ class PrefixIndexClient:
                 errors.append(PrefixIndexError.wrap(method, a, e))
                 self._outcome(a, errors[-1], timeout)
         refused = [e for e in errors if e.code() not in _TRANSIENT]
-        if refused:
+        if refused and not (allow_partial and refusals_partial and out):
             raise refused[0]
         if errors and (not allow_partial or not out):
             raise errors[0]
@@ -445,9 +447,11 @@ class PrefixIndexClient:
               ) -> prefix_pb2.PrefixStatsResponse:
         """Figures summed over shards; a replica's held blocks summed over shards.
         `shards_answered` < `shards_total` (with `allow_partial`) says some shard's are
-        missing, rather than the sum passing for the whole index's."""
+        missing, rather than the sum passing for the whole index's: a shard down, slow or
+        refusing (one refusal hid every other shard's figures: the orchestrator's Stats left
+        the index's unset, documented as summed over the shards that answered)."""
         got = self._fan_out({a: prefix_pb2.PrefixStatsRequest() for a in self.addresses},
-                            "Stats", timeout, allow_partial)
+                            "Stats", timeout, allow_partial, refusals_partial=True)
         out = prefix_pb2.PrefixStatsResponse(shards_total=len(self.addresses),
                                              shards_answered=len(got))
         reps: dict[str, prefix_pb2.ReplicaInfo] = {}

@@ -77,7 +77,8 @@ def _stats(**kw) -> prefix_pb2.PrefixStatsResponse:
 def test_a_partial_answer_covers_shards_down_or_overloaded_only(code):
     """With allow_partial, a shard that is down or overloaded (a failure another try can cure)
     leaves the others' answer standing, said to be partial; one that refuses the call fails
-    it; and so does every shard failing, or any failure without allow_partial."""
+    it (TopPrefixes; Stats, below, takes the others'); and so does every shard failing, or any
+    failure without allow_partial."""
     c, fake = client_of({A: {"Stats": _stats(nodes=3)}, B: {"Stats": code}})
     got = c.stats(allow_partial=True)
     assert (got.nodes, got.shards_answered, got.shards_total) == (3, 1, 2)
@@ -87,11 +88,33 @@ def test_a_partial_answer_covers_shards_down_or_overloaded_only(code):
     fake.answers[A]["Stats"] = grpc.StatusCode.UNAVAILABLE
     with pytest.raises(PrefixIndexError):
         c.stats(allow_partial=True)
-    fake.answers[A]["Stats"] = grpc.StatusCode.PERMISSION_DENIED
-    fake.answers[B]["Stats"] = _stats(nodes=3)
+    fake.answers[A]["TopPrefixes"] = grpc.StatusCode.PERMISSION_DENIED
+    fake.answers[B]["TopPrefixes"] = prefix_pb2.TopPrefixesResponse()
+    with pytest.raises(PrefixIndexError) as e:
+        c.top_prefixes(3, allow_partial=True)
+    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+
+
+@pytest.mark.parametrize("code", [grpc.StatusCode.PERMISSION_DENIED,
+                                  grpc.StatusCode.FAILED_PRECONDITION,
+                                  grpc.StatusCode.UNIMPLEMENTED])
+def test_a_shard_refusing_stats_leaves_the_others_figures_said_to_be_partial(code):
+    """Stats is a read whose shards' parts stand alone: with allow_partial a shard refusing it
+    is one more that did not answer (its failure recorded), not the end of the others'
+    figures. One refusal left the orchestrator's Stats without the index's figures (documented
+    as summed over the shards that answered). Without allow_partial, or with no answer, it
+    still raises."""
+    c, fake = client_of({A: {"Stats": code}, B: {"Stats": _stats(nodes=3)}})
+    got = c.stats(allow_partial=True)
+    assert (got.nodes, got.shards_answered, got.shards_total) == (3, 1, 2)
+    assert c.shard_errors[A].startswith(code.name) and c.shard_errors[B] == ""
+    with pytest.raises(PrefixIndexError) as e:
+        c.stats()
+    assert e.value.code() == code
+    fake.answers[B]["Stats"] = grpc.StatusCode.UNAVAILABLE
     with pytest.raises(PrefixIndexError) as e:
         c.stats(allow_partial=True)
-    assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert e.value.code() == code  # the refusal, rather than the passing failure
 
 
 def test_shard_health_records_failures_not_a_callers_bad_request_and_tells_on_outcome():
