@@ -837,3 +837,33 @@ def test_the_warm_rpc_hands_its_warmer_the_callers_deadline_and_cancel():
     finally:
         warmer.stop()
     assert len(timeouts) == 2 and all(10.0 < t <= 20.0 for t in timeouts), timeouts
+
+
+def test_stats_answers_in_the_callers_time_when_a_prefix_shard_never_does():
+    """A prefix index call that runs out all the time it is given leaves the index's figures
+    out, not the answer: the tiers were given all of the caller's time, so the answer came as
+    its deadline passed and the caller got DEADLINE_EXCEEDED instead of the figures it had."""
+    from clients.python.client import TierCacheClient
+    from tests.orchestrator.stats_view import stats_server
+
+    class Hung(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+    given: list[float] = []
+
+    def never(timeout):
+        given.append(timeout)
+        if len(given) == 1:  # the first call, to connect: answered
+            return prefix_pb2.PrefixStatsResponse()
+        time.sleep(timeout)
+        raise Hung()
+
+    prefix = SimpleNamespace(stats=never, dependencies=lambda: [
+        common_pb2.DependencyHealth(name="prefix", address="px:1")])
+    with stats_server(SimpleNamespace(enabled=False), prefix) as addr, \
+            TierCacheClient(addr, timeout=30) as c:
+        assert c.stats().HasField("prefix")  # connected: the call below is all the handler's
+        resp = c.stats(timeout=0.6)
+    assert not resp.HasField("prefix") and resp.dependencies[-1].name == "prefix"
+    assert len(given) == 2 and given[1] < 0.5  # a fifth of 0.6 s kept to answer in
