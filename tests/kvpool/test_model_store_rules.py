@@ -111,3 +111,25 @@ def test_the_saved_config_loses_its_quantization_and_nothing_else(tmp_path: Path
     cfg.write_text('{"b": 1,   "a": 2}')
     model_store._drop_quantization_from_saved_config(cfg)
     assert cfg.read_text() == '{"b": 1,   "a": 2}'
+
+
+def test_an_old_marker_over_a_folder_without_weights_is_not_converted(tmp_path: Path,
+                                                                     monkeypatch):
+    """An older marker (no sizes) is trusted once each safetensors file is as long as its
+    header says: with the weights deleted there is no file to check, and the folder passed
+    (vacuously) and was reused without its weights. Found by test_model_store_differential."""
+    loads = _fake_gguf(tmp_path, monkeypatch)
+    path = Path(resolve_model("smollm2", cache_dir=str(tmp_path)).path)
+    marker = path / model_store._DONE_MARKER
+    meta = json.loads(marker.read_text())
+    del meta["files"], meta["digests"]  # as written before sizes were recorded
+    marker.write_text(json.dumps(meta))
+    sid = model_store.source_id(model_store.packaged_gguf_path())
+    header = json.dumps({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}).encode()
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header
+                                             + b"\0" * 8)  # whole, by its header
+    assert model_store.is_converted(path, sid)
+    (path / "model.safetensors").unlink()
+    assert not model_store.is_converted(path, sid)
+    resolve_model("smollm2", cache_dir=str(tmp_path))
+    assert loads == [1, 1] and (path / "model.safetensors").is_file()
