@@ -339,11 +339,16 @@ def _own_folder(plain: Path, spec: SentenceModelSpec, fingerprint: str) -> Path:
     named with a digest of its path. Sharing one, each start of either replaced the other's
     export. An export of the same contents is used wherever it was made from (a venv or a
     checkout at a new path)."""
-    mine = os.path.realpath(spec.model_dir)
     other = _source(plain)
-    if other is None or other == mine or _is_current(plain, fingerprint):
+    if other is None or other == os.path.realpath(spec.model_dir) or _is_current(plain,
+                                                                                 fingerprint):
         return plain
-    digest = hashlib.sha256(mine.encode()).hexdigest()[:8]
+    return _folder_of_its_own(plain, spec)
+
+
+def _folder_of_its_own(plain: Path, spec: SentenceModelSpec) -> Path:
+    """The folder beside `plain` named after the model folder's path (`_own_folder`)."""
+    digest = hashlib.sha256(os.path.realpath(spec.model_dir).encode()).hexdigest()[:8]
     return plain.with_name(f"{plain.name}-{digest}")
 
 
@@ -374,12 +379,21 @@ def ensure_onnx(model_dir: str | os.PathLike, cache_dir: str | os.PathLike, name
         raise ValueError(f"unknown ONNX exporter {exporter!r}: one of {', '.join(EXPORTERS)}")
     spec = SentenceModelSpec.read(model_dir)
     fp = spec.fingerprint(exporter)
-    target = _own_folder(export_folder(cache_dir, name, exporter), spec, fp)
+    plain = export_folder(cache_dir, name, exporter)
+    target = _own_folder(plain, spec, fp)
+    if target != plain:
+        if broken is None and _is_current(target, fp):
+            return target
+        # Chosen without the lock of `plain`, which may have been between two exports then:
+        # another process repairing an export of the same contents (made from another path)
+        # had renamed it aside, and a start meanwhile exported a second copy into a folder
+        # of its own (tens of seconds, and a folder kept for good). Decided under that lock.
+        target = plain
     done = _ensure_at(target, spec, exporter, fp, broken)
     if done is None:
-        # Another model folder of this name exported there while we waited for its lock:
-        # not ours to replace (its process may be loading it).
-        done = _ensure_at(_own_folder(target, spec, fp), spec, exporter, fp, broken)
+        # Another model folder of this name exported there: not ours to replace (its
+        # process may be loading it).
+        done = _ensure_at(_folder_of_its_own(plain, spec), spec, exporter, fp, broken)
     assert done is not None  # a folder named after our own path holds no other's export
     return done
 

@@ -256,3 +256,54 @@ def test_the_window_is_read_from_the_folders_sentence_bert_config(tmp_path):
     folder = _small_model(tmp_path / "model", 8)
     (folder / "sentence_bert_config.json").write_text('{"max_seq_length": 128}')
     assert SentenceModelSpec.read(folder).max_seq_length == 128
+
+
+def test_a_start_while_another_path_repairs_an_export_of_its_contents_waits_for_it(
+        tmp_path, monkeypatch):
+    """/a/model and /b/model hold the same files; the export at "model" was made from /a. A
+    process repairing it (`broken=`) holds its lock and has renamed it aside when a start for
+    /b looks: it read the folder's source (/a) and then found no current export, so it
+    exported a second copy into a folder of its own (tens of seconds, a folder kept for good)
+    instead of waiting for the repair. Found by test_onnx_export_differential."""
+    import fcntl
+    import shutil
+    import tempfile
+    import threading
+
+    from services.common.files import remove_aside
+
+    exports: list[str] = []
+    fake = _fake_exporter(exports)
+    monkeypatch.setattr(onnx_export, "_export", fake)
+    a = _small_model(tmp_path / "a" / "model")
+    b = tmp_path / "b" / "model"
+    shutil.copytree(a, b)
+    plain = ensure_onnx(a, tmp_path / "cache", "model")
+    read_source, renamed = threading.Event(), threading.Event()
+
+    def repair() -> None:  # another process, as its lock and files show it
+        with open(plain.parent / ".model.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            read_source.wait(30)
+            remove_aside(plain, ".model.old.")
+            renamed.set()
+            tmp = Path(tempfile.mkdtemp(prefix=".model.", dir=plain.parent))
+            fake(SentenceModelSpec.read(a), tmp, "torchscript")
+            os.rename(tmp, plain)
+
+    real_source = onnx_export._source
+
+    def source(d: Path):
+        got = real_source(d)
+        if d == plain and not read_source.is_set():
+            read_source.set()
+            assert renamed.wait(30)
+        return got
+
+    monkeypatch.setattr(onnx_export, "_source", source)
+    other = threading.Thread(target=repair)
+    other.start()
+    got = ensure_onnx(b, tmp_path / "cache", "model")
+    other.join(30)
+    assert got == plain and exports == [str(a), str(a)]  # the first export and the repair
+    assert sorted(os.listdir(plain.parent)) == [".model.lock", "model"]
