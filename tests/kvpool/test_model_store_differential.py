@@ -217,6 +217,11 @@ except Exception as e:
 """
 
 
+# Root writes anywhere: a read-only cache is made so for a root child by dropping the
+# capabilities that let it (setpriv, util-linux); without setpriv that step is not drawn.
+CAN_READONLY = os.geteuid() != 0 or shutil.which("setpriv") is not None
+
+
 def _child(op: str, cache: Path, gguf: Path, log: Path, tv: str, kill: str | None = None,
            hold: float = 0.0, started: Path | None = None, readonly: bool = False):
     arg = json.dumps({"op": op, "cache": str(cache), "gguf": str(gguf), "log": str(log),
@@ -592,7 +597,7 @@ class Run:
                ("drop", self.drop_folder, 1)]
         if self.children:
             ops += [("concurrent", self.concurrent, 1), ("kill", self.killed, 2),
-                    ("readonly", self.readonly, 1)]
+                    ("readonly", self.readonly, 1 if CAN_READONLY else 0)]
         name, fn, _ = self.rng.choices(ops, weights=[w for *_, w in ops])[0]
         self.trail.append(name)
         self.counts[name] = self.counts.get(name, 0) + 1
