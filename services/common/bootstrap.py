@@ -265,12 +265,15 @@ def _counted_code(context, code: str) -> str:
     was counted OK while the client saw DEADLINE_EXCEEDED. A call the server ended itself
     (`reaper.end_call`) may still read as active for a moment: an idle reflection stream,
     reaped, saw its requests end and returned, and was counted OK."""
+    return rpc_ended(context).code if _call_ended(context) else code
+
+
+def _call_ended(context) -> bool:
+    """Whether the call ended under its handler (see `_counted_code`)."""
     if getattr(context, "tiercache_ended_with", None) is not None:
-        return rpc_ended(context).code
+        return True
     is_active = getattr(context, "is_active", None)
-    if is_active is None or is_active():
-        return code
-    return rpc_ended(context).code
+    return is_active is not None and not is_active()
 
 
 def _finished_code(context) -> str:
@@ -386,6 +389,12 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             return _parsed_non_blocking(handler, service, short, prologue)
 
         def fail(context, exc: BaseException) -> None:
+            if isinstance(exc, grpc.RpcError) and _call_ended(context):
+                # gRPC's request iterator saying the call ended under the handler (its client
+                # cancelled, its deadline passed): no failure of the handler. Logged as one,
+                # every reflection stream its client cancelled left an ERROR and a traceback.
+                RPC_TOTAL.labels(service, short, rpc_ended(context).code).inc()
+                raise exc
             if isinstance(exc, errors.TierCacheError):
                 RPC_TOTAL.labels(service, short, _counted_code(context, exc.code)).inc()
                 details = _capped(str(exc))
