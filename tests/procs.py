@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
 import signal
 import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Root writes anywhere: a read-only folder is made so for a root child by dropping the
+# capabilities that let it (setpriv, util-linux); without setpriv a test cannot make one.
+CAN_READONLY = os.geteuid() != 0 or shutil.which("setpriv") is not None
 
 
 def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
@@ -27,3 +38,39 @@ def terminate(proc: subprocess.Popen, timeout: float = 30.0) -> int | None:
         proc.kill()
         proc.wait()
         return None
+
+
+def python_child(code: str, arg: dict, readonly: bool = False) -> subprocess.Popen:
+    """`python -c code <arg as JSON>` run from the checkout (its code and gen/ first on the
+    path), its output piped; `readonly`: as root, without the capabilities that let root
+    write into a read-only folder (see `CAN_READONLY`)."""
+    cmd = [sys.executable, "-c", code, json.dumps(arg)]
+    if readonly and os.geteuid() == 0:
+        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", *cmd]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "gen")]),
+           "PYTHONDONTWRITEBYTECODE": "1", "TQDM_DISABLE": "1"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def json_answers(procs: list[subprocess.Popen], what: str,
+                 timeout: float) -> list[dict | None]:
+    """Each child's last stdout line as JSON (None: the child was SIGKILLed); a child still
+    running after `timeout` is a hang. Every child still running is killed on the way out."""
+    out: list[dict | None] = []
+    try:
+        for p in procs:
+            so, se = p.communicate(timeout=timeout)
+            if p.returncode == -signal.SIGKILL:
+                out.append(None)
+                continue
+            assert p.returncode == 0, (what, p.returncode, se[-2000:])
+            out.append(json.loads(so.strip().splitlines()[-1]))
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{what}: a process hung (lock never acquired?)") from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return out

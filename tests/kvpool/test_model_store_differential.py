@@ -52,14 +52,13 @@ import random
 import shutil
 import signal
 import stat
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from services.common import files as files_mod
 from services.common import model_store
+from tests.procs import CAN_READONLY, json_answers, python_child
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = int(os.environ.get("TIERCACHE_MODEL_STORE_DIFF_SEEDS", "5"))
@@ -217,44 +216,17 @@ except Exception as e:
 """
 
 
-# Root writes anywhere: a read-only cache is made so for a root child by dropping the
-# capabilities that let it (setpriv, util-linux); without setpriv that step is not drawn.
-CAN_READONLY = os.geteuid() != 0 or shutil.which("setpriv") is not None
-
-
 def _child(op: str, cache: Path, gguf: Path, log: Path, tv: str, kill: str | None = None,
            hold: float = 0.0, started: Path | None = None, readonly: bool = False):
-    arg = json.dumps({"op": op, "cache": str(cache), "gguf": str(gguf), "log": str(log),
-                      "tv": tv, "kill": kill, "hold": hold,
-                      "started": str(started) if started else ""})
-    cmd = [sys.executable, "-c", CHILD, arg]
-    if readonly and os.geteuid() == 0:  # root writes anywhere: drop the capability that lets it
-        cmd = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search,-fowner", *cmd]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "gen")]),
-           "PYTHONDONTWRITEBYTECODE": "1", "TQDM_DISABLE": "1"}
-    return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    arg = {"op": op, "cache": str(cache), "gguf": str(gguf), "log": str(log),
+           "tv": tv, "kill": kill, "hold": hold,
+           "started": str(started) if started else ""}
+    return python_child(CHILD, arg, readonly)
 
 
 def _wait(procs, what) -> list[dict | None]:
     """Each child's answer (None: killed); a child still running after the timeout is a hang."""
-    out = []
-    try:
-        for p in procs:
-            so, se = p.communicate(timeout=CHILD_TIMEOUT)
-            if p.returncode == -signal.SIGKILL:
-                out.append(None)
-                continue
-            assert p.returncode == 0, (what, p.returncode, se[-2000:])
-            out.append(json.loads(so.strip().splitlines()[-1]))
-    except subprocess.TimeoutExpired:
-        raise AssertionError(f"{what}: a process hung (lock never acquired?)") from None
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return out
+    return json_answers(procs, what, CHILD_TIMEOUT)
 
 
 # ---- the reference model -----------------------------------------------------------------
