@@ -534,7 +534,12 @@ def test_a_reflection_stream_its_client_cancelled_is_counted_so_and_logs_no_erro
     def count(code: str) -> float:
         return RPC_TOTAL.labels("refl-cancel", "ServerReflectionInfo", code)._value.get()
 
-    before = count("CANCELLED")
+    codes = ("CANCELLED", "OK", "INTERNAL", "UNKNOWN")
+    before = {c: count(c) for c in codes}
+
+    def counted() -> dict[str, float]:
+        return {c: count(c) - before[c] for c in codes if count(c) != before[c]}
+
     h = create_server(service="refl-cancel", address="127.0.0.1:0", services=[])
     pending: queue.Queue = queue.Queue()
 
@@ -554,10 +559,13 @@ def test_a_reflection_stream_its_client_cancelled_is_counted_so_and_logs_no_erro
             time.sleep(0.3)
             call.cancel()
             deadline = time.monotonic() + 20
-            while count("CANCELLED") == before and time.monotonic() < deadline:
+            while not counted() and time.monotonic() < deadline:
                 time.sleep(0.02)
             pending.put(None)
-            assert count("CANCELLED") - before == 1
+            # CANCELLED; or OK when gRPC's server took the end of the requests before the
+            # cancel (1 run in ~40 on a loaded host: the handler's loop ended, the call still
+            # read active; docs/reliability.md's known gaps). Never an error, never logged.
+            assert counted() in ({"CANCELLED": 1}, {"OK": 1})
             assert not [r for r in caplog.records if "unhandled error" in r.getMessage()]
     finally:
         h.stop(5)
