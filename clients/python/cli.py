@@ -66,15 +66,12 @@ def _history_path(session: str) -> Path:
 _CONTROL = {c: "\ufffd" for c in range(32) if chr(c) not in "\n\t"} | {0x7F: "\ufffd"}
 
 
-def shown(text: str) -> str:
-    """`text` as the terminal gets it: control characters replaced when stdout is one."""
-    return text.translate(_CONTROL) if isatty(sys.stdout) else text
-
-
-def shown_err(text: str) -> str:
-    """`shown` for stderr: the server's words there (status details, a report's replica id
-    and route) reached a terminal with their control characters acting on it."""
-    return text.translate(_CONTROL) if isatty(sys.stderr) else text
+def shown(text: str, stream=None) -> str:
+    """`text` as the terminal gets it: control characters replaced when `stream` (stdout by
+    default) is one. On stderr too: the server's words there (status details, a report's
+    replica id and route) reached a terminal with their control characters acting on it."""
+    tty = isatty(sys.stdout if stream is None else stream)
+    return text.translate(_CONTROL) if tty else text
 
 
 def _load_history(path: Path) -> list[dict[str, str]]:
@@ -228,7 +225,7 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         messages.append({"role": "assistant", "content": answer})
         _save_history(hist, messages)
     if not a.quiet:
-        sys.stderr.write(shown_err(format_report(final.cache_report)) + "\n")
+        sys.stderr.write(shown(format_report(final.cache_report), sys.stderr) + "\n")
     if hist is not None and not answer:
         # An empty assistant turn is invalid input for every later request of the session:
         # keep the history as it was (the question can be asked again).
@@ -664,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         # Any call the same request may succeed later: UNAVAILABLE too (a replica or the
         # orchestrator restarting), not after part of an answer was printed.
         later = " (retry later)" if retry_later(e) else ""
-        sys.stderr.write(f"error: {e.code().name}{later}: {shown_err(e.details() or '')}\n")
+        sys.stderr.write(f"error: {e.code().name}{later}: {shown(e.details() or '', sys.stderr)}\n")
         return 1
     except KeyboardInterrupt:
         return 130
