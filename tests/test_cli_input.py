@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
 import pytest
 from tiercache.v1 import common_pb2, orchestrator_pb2
 
@@ -41,6 +42,27 @@ class FakeClient:
             yield Chunk(p, [])
         yield Chunk("", [], orchestrator_pb2.GenerateFinal(
             finish_reason=common_pb2.FINISH_REASON_EOS, cache_report=common_pb2.CacheReport()))
+
+
+class Refusal(grpc.RpcError):
+    """The server refusing a request (INVALID_ARGUMENT) with `details`."""
+
+    def __init__(self, details):
+        self._d = details
+
+    def code(self):
+        return grpc.StatusCode.INVALID_ARGUMENT
+
+    def details(self):
+        return self._d
+
+
+def refuse_with(details):
+    """A FakeClient.stream that the server refuses with `details`."""
+    def refuse(self, messages, **kw):
+        raise Refusal(details)
+        yield  # a generator, as the client's stream is
+    return refuse
 
 
 @pytest.fixture
@@ -183,24 +205,6 @@ def test_a_session_too_long_for_the_model_says_how_to_go_on(fake, monkeypatch, c
 
 def test_the_long_session_note_is_only_for_the_prompts_size_in_a_session_with_history(
         fake, monkeypatch, capsys):
-    import grpc
-
-    class Refusal(grpc.RpcError):
-        def __init__(self, details):
-            self._d = details
-
-        def code(self):
-            return grpc.StatusCode.INVALID_ARGUMENT
-
-        def details(self):
-            return self._d
-
-    def refuse_with(details):
-        def refuse(self, messages, **kw):
-            raise Refusal(details)
-            yield
-        return refuse
-
     # A new session (only --system + the question): no history to blame.
     monkeypatch.setattr(FakeClient, "stream", refuse_with(
         "messages: prompt (9 tokens) + sampling.max_tokens (99999) exceed the model context"))
@@ -595,15 +599,6 @@ def test_the_servers_words_reach_a_terminal_on_stderr_without_control_characters
         fake, monkeypatch):
     """Status details and a report's replica id and route come from the server: on a
     terminal their control characters were written as they came (the client differential)."""
-    import grpc
-
-    class Refused(grpc.RpcError):
-        def code(self):
-            return grpc.StatusCode.INVALID_ARGUMENT
-
-        def details(self):
-            return "messages: bad \x1b[2J text"
-
     err = Tty()
     monkeypatch.setattr(sys, "stderr", err)
 
@@ -616,11 +611,7 @@ def test_the_servers_words_reach_a_terminal_on_stderr_without_control_characters
     assert cli.main(["chat", "hi"]) == 0
     assert "\x1b" not in err.getvalue() and "kv\ufffd]0;title\ufffd" in err.getvalue()
 
-    def refused(self, messages, **kw):
-        raise Refused()
-        yield  # a generator, as stream is
-
-    monkeypatch.setattr(FakeClient, "stream", refused)
+    monkeypatch.setattr(FakeClient, "stream", refuse_with("messages: bad \x1b[2J text"))
     assert cli.main(["chat", "hi"]) == 1
     assert "\x1b" not in err.getvalue() and "bad \ufffd[2J text" in err.getvalue()
     piped = io.StringIO()  # a log file gets the words as they came
