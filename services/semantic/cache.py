@@ -1035,7 +1035,10 @@ class SemanticCache:
                     self._removed.notify_all()
 
     def invalidate_namespace(self, ns: Namespace) -> int:
-        """Removes every entry of a namespace; returns how many."""
+        """Removes every entry of a namespace; returns how many were live. An entry already
+        past its TTL (never served; the housekeeper had not purged it yet) is removed too but
+        counted expired, as the purge would have, not invalidated: Invalidate by id calls such
+        an entry NOT_FOUND, and the two must agree on what was invalidated."""
         ns = self._check_namespace(ns)
         with self._removal(ns, lambda: list(self._ns_lru.get(ns, ())), whole=True) as labels:
             with self._lock:
@@ -1051,18 +1054,29 @@ class SemanticCache:
                 # chunk (a full disk) the rows already deleted, which were served until the
                 # next restart; a retry of the Invalidate removes the rest.
                 with held:
-                    n = self._drop_in_chunks(gone)
+                    n = self._drop_in_chunks(gone, expired_at=self.clock())
         return n
 
-    def _drop_in_chunks(self, labels: list[int]) -> int:
+    def _drop_in_chunks(self, labels: list[int], expired_at: float | None = None) -> int:
         """Drops `labels` from memory (already deleted from SQLite), a chunk per lock hold:
-        every lookup takes this lock to record itself, and 100k removals take about a second."""
-        n = 0
+        every lookup takes this lock to record itself, and 100k removals take about a second.
+        Returns how many were dropped; with `expired_at`, those expired at that time are
+        counted as expirations instead and left out of the figure returned."""
+        n = expired = 0
         for i in range(0, len(labels), _DROP_CHUNK):
             with self._lock:
-                n += sum(1 for lab in labels[i:i + _DROP_CHUNK]
-                         if self._drop_locked(lab) is not None)
+                for lab in labels[i:i + _DROP_CHUNK]:
+                    e = self._drop_locked(lab)
+                    if e is None:
+                        continue
+                    if expired_at is not None and e.expired(expired_at):
+                        expired += 1
+                    else:
+                        n += 1
+                self._expired += expired
                 self._m["entries"].set(len(self._entries))
+            self._m["expirations"].inc(expired)
+            expired = 0
         return n
 
     def expire(self) -> int:

@@ -207,7 +207,12 @@ class Checker:
         elif c.kind.startswith("invalidate"):
             read = reading[i]
             reading = {k: v for k, v in reading.items() if k != i}
-            n = sum(1 for eid in read if m.entries.pop(eid, None) is not None)
+            gone = [e for e in (m.entries.pop(eid, None) for eid in read) if e is not None]
+            n = len(gone)
+            if c.kind == "invalidate_ns":  # those past their TTL are counted expired
+                expired = sum(1 for e in gone if e.expired(now))
+                m.expired += expired
+                n -= expired
             if c.result != n:
                 return None
         elif c.kind == "store":

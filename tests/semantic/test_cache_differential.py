@@ -243,11 +243,15 @@ class Model:
         del self.entries[eid]
         return 1
 
-    def invalidate_ns(self, ns) -> int:
+    def invalidate_ns(self, ns, now) -> int:
+        """Removes the namespace's entries; those past their TTL count as expired, the live
+        ones as removed (the figure returned)."""
         gone = self.held(ns)
         for e in gone:
             del self.entries[e.id]
-        return len(gone)
+        expired = sum(1 for e in gone if e.expired(now))
+        self.expired += expired
+        return len(gone) - expired
 
     def flush(self) -> None:
         for e in self.entries.values():
@@ -441,7 +445,7 @@ class Run:
         ns = self._ns()
         got = self.cache.invalidate_namespace(ns)
         self.log.append(f"t={self.clock.t} invalidate_ns {ns} -> {got}")
-        want = self.model.invalidate_ns(_norm(ns))
+        want = self.model.invalidate_ns(_norm(ns), self.clock.t)
         self.check(got == want, f"invalidate_namespace: cache {got}, model {want}")
 
     def op_expire(self) -> None:

@@ -112,6 +112,22 @@ def test_an_expired_entry_is_not_found_by_invalidate_and_left_to_the_purge(make_
     assert c.invalidate_id(live.id) == 1
 
 
+def test_invalidating_a_namespace_counts_its_expired_entries_as_expired(make_cache, clock):
+    """Invalidate of a namespace removes an entry past its TTL too, but counts it as the purge
+    would (expired), not in `removed`: by id the same entry is NOT_FOUND, so Feedback and an
+    operator's Invalidate of the namespace would otherwise disagree on what was invalidated.
+    It was counted in `removed` and never as expired."""
+    c = make_cache()
+    old = c.store_entry(A, "query", "an answer", ttl_seconds=60)
+    c.store_entry(A, "another query", "another answer", ttl_seconds=600)
+    clock.t = old.created_at + 60
+    assert c.invalidate_namespace(A) == 1
+    s = c.stats()
+    assert (s.entries, s.expirations_total) == (0, 1) and c.store.count() == 0
+    assert c.expire() == 0
+    c.check_integrity()
+
+
 def test_a_candidate_exactly_at_the_draft_floor_is_a_draft(make_cache, emb):
     """draft_floor: near-misses "at or above it" are drafts, and counted as near misses.
     0.75 is exact in float32, so the similarity is the floor itself."""
