@@ -57,6 +57,33 @@ def test_a_stream_without_its_final_message_is_an_error_and_not_saved(fake, monk
     assert [m["content"] for m in saved] == ["hi", "Hello."]
 
 
+def test_a_failed_new_turn_says_the_old_session_is_kept(fake, monkeypatch, capsys):
+    """`--new` whose turn fails leaves the saved turns (nothing replaced them), so a next turn
+    without --new continues the old session: chat now says so. It said only the error."""
+    assert cli.main(["chat", "-q", "--session", "s", "hi"]) == 0
+
+    def refused(self, messages, **kw):
+        raise Refusal(grpc.StatusCode.UNAVAILABLE, "no replica")
+        yield  # a generator, as the real stream
+
+    monkeypatch.setattr(FakeClient, "stream", refused)
+    capsys.readouterr()
+    assert cli.main(["chat", "-q", "--session", "s", "--new", "again"]) == 1
+    err = capsys.readouterr().err
+    assert "'s' was not started over" in err and "no replica" in err
+    saved = json.loads((fake / "home" / "sessions" / "s.json").read_text())
+    assert [m["content"] for m in saved] == ["hi", "Hello."]
+    cli.main(["chat", "-q", "--session", "t", "--new", "first"])  # no session yet: no note
+    assert "started over" not in capsys.readouterr().err
+
+    def cut(self, messages, **kw):
+        yield Chunk("Partial ans", [])
+
+    monkeypatch.setattr(FakeClient, "stream", cut)
+    assert cli.main(["chat", "-q", "--session", "s", "--new", "again"]) == 1
+    assert "'s' was not started over" in capsys.readouterr().err
+
+
 def test_two_turns_of_one_session_at_once_both_stay_in_its_history(fake, monkeypatch):
     """Each turn loaded the history, streamed, and saved its own version over the other's:
     one turn was lost, both exited 0. The second now waits for the first."""

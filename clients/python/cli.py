@@ -189,6 +189,7 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         raise
     except grpc.RpcError as e:
         _end_line(out)  # the error is not glued to the partial answer
+        _not_started_over(a, hist)
         # Only the prompt's own size: "messages: N tokens exceed the limit of M", "messages:
         # prompt (N tokens) + sampling.max_tokens (M) exceed the model context (C)", "messages:
         # N characters cannot fit in the limit of M prompt tokens", or the tenant's own limit
@@ -217,6 +218,7 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         sys.stderr.write("error: the stream ended without a final message (the answer may be "
                          "incomplete)" + (f"; session {a.session!r} left unchanged" if hist
                                           else "") + "\n")
+        _not_started_over(a, hist)
         return 1
     answer = "".join(out).strip()
     # Saved before the report line: with stderr closed or full, writing it failed and the
@@ -231,6 +233,14 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         # keep the history as it was (the question can be asked again).
         sys.stderr.write(f"empty answer: session {a.session!r} left unchanged\n")
     return 0
+
+
+def _not_started_over(a: argparse.Namespace, hist: Path | None) -> None:
+    """After a failed `--new` turn: the session's saved turns are still there (nothing was
+    answered to replace them), and a next turn without --new would continue them."""
+    if hist is not None and a.new and hist.exists():
+        sys.stderr.write(f"note: session {a.session!r} was not started over: its saved turns "
+                         "stay until a --new turn is answered\n")
 
 
 _CONTEXT = re.compile(r"prompt \((\d+) tokens\) \+ sampling\.max_tokens \((\d+)\) exceed the "
