@@ -455,6 +455,7 @@ class PrefixIndexClient:
         out = prefix_pb2.PrefixStatsResponse(shards_total=len(self.addresses),
                                              shards_answered=len(got))
         reps: dict[str, prefix_pb2.ReplicaInfo] = {}
+        freshest: dict[str, float] = {}  # per replica, the shortest silence any shard saw
         for r in got.values():
             for f in ("nodes", "bytes", "matches_total", "matches_hit", "match_blocks_total",
                       "match_blocks_hit", "pruned_total", "resyncs_total",
@@ -467,9 +468,14 @@ class PrefixIndexClient:
                 if cur is None:
                     reps[ri.replica_id] = prefix_pb2.ReplicaInfo()
                     reps[ri.replica_id].CopyFrom(ri)
+                    freshest[ri.replica_id] = ri.last_seen_s
                 else:
                     cur.held_blocks += ri.held_blocks
                     cur.last_seen_s = max(cur.last_seen_s, ri.last_seen_s)
+                    if ri.last_seen_s < freshest[ri.replica_id]:
+                        # The load of the latest heartbeat, not of whichever shard came first.
+                        freshest[ri.replica_id] = ri.last_seen_s
+                        cur.load.CopyFrom(ri.load)
         out.replicas.extend(reps[k] for k in sorted(reps))
         notes = {a: r.shard_list_mismatch for a, r in got.items()}  # type: ignore[attr-defined]
         self.shard_list_notes.update(notes)

@@ -269,12 +269,16 @@ def test_top_prefixes_merge_hottest_then_longest_first_cut_to_k_and_pass_an_empt
 
 def test_stats_sum_a_replicas_blocks_over_shards_and_keep_its_longest_silence():
     """A replica's held blocks are summed over the shards, and its last_seen_s is the
-    longest any shard reports (the most stale)."""
-    def info(held, seen):
-        return prefix_pb2.ReplicaInfo(replica_id="r", held_blocks=held, last_seen_s=seen)
+    longest any shard reports (the most stale); its load is the one the shard that heard it
+    last reports (it was the first answering shard's, however old)."""
+    def info(held, seen, running):
+        return prefix_pb2.ReplicaInfo(replica_id="r", held_blocks=held, last_seen_s=seen,
+                                      load=prefix_pb2.ReplicaLoad(running=running))
 
-    c, _ = client_of({A: {"Stats": _stats(replicas=[info(3, 1.5)])},
-                      B: {"Stats": _stats(replicas=[info(4, 7.0)])}})
-    got = c.stats()
-    assert [(r.held_blocks, r.last_seen_s) for r in got.replicas] == [(7, 7.0)]
-    assert (got.shards_answered, got.shards_total) == (2, 2)
+    for first, second in ((info(3, 7.0, 1), info(4, 1.5, 5)), (info(4, 1.5, 5), info(3, 7.0, 1))):
+        c, _ = client_of({A: {"Stats": _stats(replicas=[first])},
+                          B: {"Stats": _stats(replicas=[second])}})
+        got = c.stats()
+        assert [(r.held_blocks, r.last_seen_s, r.load.running)
+                for r in got.replicas] == [(7, 7.0, 5)]
+        assert (got.shards_answered, got.shards_total) == (2, 2)
