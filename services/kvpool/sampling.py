@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import math
 import secrets
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -18,6 +19,9 @@ import torch
 
 if TYPE_CHECKING:
     from services.kvpool.drafting import Tree
+
+
+_F32 = torch.finfo(torch.float32)
 
 
 class NonFiniteLogits(ValueError):
@@ -91,10 +95,18 @@ class Sampler:
     def probs(self, logits: torch.Tensor) -> torch.Tensor:
         """The distribution sampling draws from: softmax(logits / T), cut to the top-p set."""
         x = logits.float().cpu()
-        _check_finite(x)
+        hi, lo = float(x.amax()), float(x.amin())  # NaN propagates, as in `finite_rows`
+        if not (math.isfinite(hi) and math.isfinite(lo)):
+            raise NonFiniteLogits()
+        t = self.spec.temperature
         # Shift before scaling: at a tiny temperature logits / T overflows to inf and softmax
         # turns inf - inf into NaN; (x - max) / T is <= 0 and tends to a point mass instead.
-        probs = torch.softmax((x - x.max()) / self.spec.temperature, dim=-1)
+        # Where float32 cannot hold that, it is done in float64: a temperature below float32's
+        # normal range (T itself would round to 0: 0 / 0), or logits spanning more than
+        # float32's max (x - max would be -inf: no probability where a huge T gives some).
+        if t < _F32.tiny or hi - lo > _F32.max:
+            x = x.double()
+        probs = torch.softmax((x - hi) / t, dim=-1).float()
         _check_finite(probs)
         if self.spec.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)

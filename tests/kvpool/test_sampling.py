@@ -3,6 +3,8 @@ a verify forward must be finite."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -71,3 +73,17 @@ def test_greedy_verify_tree_checks_the_root_row_too() -> None:
     assert int(torch.argmax(logits[0])) == 5
     with pytest.raises(NonFiniteLogits):
         s.verify_tree(logits, tree)
+
+
+def test_scaling_float32_cannot_hold_is_done_in_float64() -> None:
+    """softmax((x - max) / T) was computed in float32: a temperature below float32's range (a
+    SamplingSpec built in-process; the wire's are float32) rounded to 0 and raised
+    NonFiniteLogits on finite logits, and logits spanning more than float32's max made
+    x - max -inf, no probability where a huge temperature gives some (test_sampling_
+    differential found both)."""
+    s = Sampler(SamplingSpec(max_tokens=1, temperature=1e-46, seed=1))
+    assert s.probs(torch.tensor([1.0, 2.0, 2.0, 0.0])).tolist() == [0.0, 0.5, 0.5, 0.0]
+    assert s.sample(torch.tensor([1.0, 2.0, 0.0])) == 1
+    s = Sampler(SamplingSpec(max_tokens=1, temperature=3e38, seed=1))
+    low = 1.0 / (1.0 + math.exp(4e38 / 3e38))  # softmax([0, -4e38 / 3e38])[1]
+    assert s.probs(torch.tensor([2e38, -2e38])).tolist() == pytest.approx([1 - low, low])
