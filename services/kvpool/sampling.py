@@ -111,8 +111,10 @@ class Sampler:
         if self.spec.top_p < 1.0:
             sorted_p, order = torch.sort(probs, descending=True)
             cum = torch.cumsum(sorted_p, dim=-1)
-            # Keep the smallest set whose mass reaches top_p (always at least the top token).
+            # Keep the smallest set whose mass reaches top_p (always at least the top token:
+            # a top_p below float32's range compares as 0, which the top token's 0 reaches).
             drop = cum - sorted_p >= self.spec.top_p
+            drop[0] = False
             sorted_p[drop] = 0.0
             probs = torch.zeros_like(probs).scatter_(0, order, sorted_p)
             probs /= probs.sum()

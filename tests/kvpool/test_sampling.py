@@ -87,3 +87,12 @@ def test_scaling_float32_cannot_hold_is_done_in_float64() -> None:
     s = Sampler(SamplingSpec(max_tokens=1, temperature=3e38, seed=1))
     low = 1.0 / (1.0 + math.exp(4e38 / 3e38))  # softmax([0, -4e38 / 3e38])[1]
     assert s.probs(torch.tensor([2e38, -2e38])).tolist() == pytest.approx([1 - low, low])
+
+
+def test_a_top_p_below_float32s_range_keeps_the_top_token() -> None:
+    """The cut compares float32 masses with top_p, and a top_p below float32's range (in-process
+    only: the wire's are float32) compares as 0, which the top token's preceding mass (0)
+    reaches: every token was dropped, NaN probabilities, and `sample` failed in multinomial."""
+    s = Sampler(SamplingSpec(max_tokens=1, temperature=1.0, top_p=1e-46, seed=1))
+    assert s.probs(torch.tensor([1.0, 3.0, 2.0, 0.0])).tolist() == [0.0, 1.0, 0.0, 0.0]
+    assert s.sample(torch.tensor([1.0, 3.0, 2.0, 0.0])) == 1
