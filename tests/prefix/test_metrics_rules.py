@@ -1,0 +1,67 @@
+"""tiercache_prefix_replicas ("Live replicas known to the prefix index", docs/metrics.md), which
+no test read: driven through the servicer's own methods (in process, a test clock) and read
+from the Prometheus registry after each call, it must equal the replicas Stats lists (the
+index's live replicas): a new one counts, a re-Register or a new incarnation of a known id does
+not add one, a refused Register or an unknown replica's heartbeat changes nothing, and a
+lapsed lease takes it off once a call (or the sweeper) has noticed it."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import REGISTRY
+from tiercache.v1 import prefix_pb2
+
+from services.common.errors import TierCacheError
+from services.prefix.index import PrefixIndex
+from services.prefix.server import PrefixServicer
+from tests.clock import Clock
+
+BS = 16
+LEASE = 10.0
+
+
+def gauge() -> float | None:
+    return REGISTRY.get_sample_value("tiercache_prefix_replicas")
+
+
+def register(s: PrefixServicer, rid: str, inc: str = "i", **kw) -> None:
+    req = dict(replica_id=rid, incarnation=inc, address="127.0.0.1:7000", model_id="m",
+               block_size=BS, capacity_blocks=64)
+    req.update(kw)
+    s.Register(prefix_pb2.RegisterRequest(**req), None)
+
+
+def listed(s: PrefixServicer) -> int:
+    return len(s.Stats(prefix_pb2.PrefixStatsRequest(), None).replicas)
+
+
+def test_the_replicas_gauge_is_the_live_replicas_stats_lists():
+    clock = Clock(100.0)
+    s = PrefixServicer(PrefixIndex(BS, lease_seconds=LEASE, clock=clock))
+    register(s, "r0")
+    assert gauge() == 1
+    register(s, "r1")
+    assert gauge() == 2 == listed(s)
+    register(s, "r0")  # a refresh of the same incarnation
+    register(s, "r1", inc="j")  # r1 restarted: the same replica, its memory gone
+    assert gauge() == 2 == listed(s)
+    for bad in (dict(address="not an address"), dict(block_size=BS * 2), dict(model_id="")):
+        with pytest.raises(TierCacheError):
+            register(s, "r2", **bad)
+    with pytest.raises(TierCacheError):  # a replaced incarnation may not come back
+        register(s, "r1", inc="i")
+    assert gauge() == 2
+    r = s.Heartbeat(prefix_pb2.HeartbeatRequest(replica_id="r9", incarnation="i"), None)
+    assert not r.known and gauge() == 2
+    # r1's lease lapses while r0 keeps heartbeating: a Match drops r1 (the index no longer
+    # lists it); the gauge follows at the next call that sets it (here r0's heartbeat; in a
+    # server, the sweeper's turn too, within a quarter lease).
+    clock.t += LEASE * 0.6
+    s.Heartbeat(prefix_pb2.HeartbeatRequest(replica_id="r0", incarnation="i"), None)
+    clock.t += LEASE * 0.6
+    s.Match(prefix_pb2.MatchRequest(model_id="m", token_ids=list(range(BS))), None)
+    assert len(s.index._replicas) == 1
+    s.Heartbeat(prefix_pb2.HeartbeatRequest(replica_id="r0", incarnation="i"), None)
+    assert gauge() == 1 == listed(s)
+    clock.t += LEASE * 1.1  # r0 lapses too: Stats drops it and says so
+    assert listed(s) == 0 and gauge() == 0
