@@ -1,0 +1,165 @@
+"""Two orchestrator metrics no test read, checked against what docs/metrics.md says they count
+(pure logic with the fakes of test_pipeline_paths and test_stream_cap; the series read from
+the Prometheus registry as deltas):
+
+- tiercache_orchestrator_dispatch_memory_routes_total: requests routed to a replica for a
+  prefix the index did not know yet, sent there moments before (routing's DispatchMemory),
+  and not those routed by the ring, by what the index itself knew, or without the memory;
+- tiercache_orchestrator_streams_ended_at_deadline_total: Generate streams ended from
+  outside (the reaper) a second past their deadline, and not streams read through, nor
+  requests refused before they started."""
+
+from __future__ import annotations
+
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+from prometheus_client import REGISTRY
+from tiercache.v1 import orchestrator_pb2
+
+from services.common import errors
+from services.orchestrator.config import OrchestratorConfig
+from services.orchestrator.pipeline import Finished
+from services.orchestrator.server import REAP_GRACE_S, OrchestratorServicer
+from services.orchestrator.tenants import TenantRegistry
+from tests.orchestrator.test_pipeline_paths import Call, Stub, final, generate, make
+from tests.orchestrator.test_stream_cap import Context, SlowOrchestrator
+
+ROUTES = "tiercache_orchestrator_dispatch_memory_routes_total"
+REAPED = "tiercache_orchestrator_streams_ended_at_deadline_total"
+
+
+def metric(name: str) -> float:
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+def stubs() -> dict[str, Stub]:
+    return {r: Stub(r, [Call([final(r, 2)]) for _ in range(4)]) for r in ("A", "B")}
+
+
+def report(events):
+    (fin,) = [e for e in events if isinstance(e, Finished)]
+    return fin.report
+
+
+def test_a_route_counts_only_where_the_memory_of_a_prompt_just_sent_chose_it():
+    """The first request of a new prompt is routed by the ring (the index knows nothing, nor
+    the memory): not counted. The next one with the same prompt follows it on the memory's
+    word alone: counted once. Where the index itself knows the prefix there (as long a match
+    as the memory's), where the memory's credit is too short for a prefix route, or without a
+    memory, nothing is counted."""
+    orch = make(stubs())
+    before = metric(ROUTES)
+    first = report(generate(orch, []))
+    assert first.route == "ring" and metric(ROUTES) == before
+    second = report(generate(orch, []))
+    assert second.route == "prefix" and second.replica_id == first.replica_id
+    assert metric(ROUTES) == before + 1
+
+    held = first.replica_id
+    index = SimpleNamespace(timeout_s=0.5, match=lambda hashes, model_id, timeout=None,
+                            probe=False, on_call=None: {held: 16 * len(hashes)})
+    knows = make(stubs(), prefix=index)
+    knows.dispatched.record(held, knows.hasher.hashes(list(range(1, 100)), "salt-a"))
+    before = metric(ROUTES)
+    r = report(generate(knows, []))
+    assert r.route == "prefix" and r.replica_id == held and metric(ROUTES) == before
+
+    # A credit shorter than a prefix route needs (min_prefix_tokens, 32) decides nothing.
+    short = make(stubs())
+    for rid in ("A", "B"):
+        short.dispatched.record(rid, short.hasher.hashes(list(range(1, 17)), "salt-a"))
+    before = metric(ROUTES)
+    assert report(generate(short, [])).route == "ring" and metric(ROUTES) == before
+
+    plain = make(stubs())
+    plain.dispatched = None
+    before = metric(ROUTES)
+    assert [report(generate(plain, [])).route for _ in range(2)] == ["ring", "ring"]
+    assert metric(ROUTES) == before
+
+
+class Unending(Context):
+    """A call the reaper fails to end (its cancel raises)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.tried = threading.Event()
+
+    def time_remaining(self):
+        return self.seconds
+
+    def cancel(self) -> None:
+        self.tried.set()
+        raise RuntimeError("cannot cancel")
+
+
+class Reaped(Context):
+    """A call with `seconds` left of its deadline; `cancel` is how the reaper ends it here
+    (a real call is cancelled with DEADLINE_EXCEEDED)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.ended = threading.Event()
+
+    def time_remaining(self):
+        return self.seconds
+
+    def cancel(self) -> None:
+        self.ended.set()
+
+
+def servicer() -> tuple[OrchestratorServicer, SlowOrchestrator]:
+    cfg = OrchestratorConfig(kvpool_addresses=("h:1",))
+    cfg.validate()
+    s = OrchestratorServicer(cfg)
+    orch = SlowOrchestrator()
+    s.attach(orch, TenantRegistry.build(tokens_file="", tokens="", key=b"k",
+                                        max_prompt_tokens=100, max_tokens=100,
+                                        max_concurrent=10))
+    return s, orch
+
+
+def request() -> orchestrator_pb2.GenerateRequest:
+    return orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "hi"}])
+
+
+def test_a_stream_whose_client_stopped_reading_is_ended_and_counted_once():
+    """A client takes the first message and reads no more: a grace second past its deadline
+    the stream is ended from outside and counted, once. A stream read through to its end and
+    a request refused before it started count nothing."""
+    s, orch = servicer()
+    orch.release.set()  # the answer ends at once
+    before = metric(REAPED)
+    assert [m.text for m in s.Generate(request(), Reaped(0.2))] == ["hi"]
+    bad = request()
+    bad.prompt = "both"
+    with pytest.raises(errors.InvalidArgument):
+        next(s.Generate(bad, Reaped(0.2)))
+    s2, orch2 = servicer()  # its answer waits (10 s) after the first message
+    ctx = Reaped(0.2)
+    stream = s2.Generate(request(), ctx)
+    assert next(stream).text == "hi"  # then the client reads no more
+    assert ctx.ended.wait(0.2 + REAP_GRACE_S + 5)
+    time.sleep(0.05)  # the count follows the end
+    assert metric(REAPED) == before + 1
+    assert s._reaper.armed() == s2._reaper.armed() == 0
+    orch2.release.set()
+    stream.close()
+    assert metric(REAPED) == before + 1
+
+
+def test_a_stream_the_reaper_failed_to_end_is_not_counted():
+    """Ending the call raised (logged): the stream was not ended, so it is not counted."""
+    s, orch = servicer()
+    before = metric(REAPED)
+    ctx = Unending(0.1)
+    stream = s.Generate(request(), ctx)
+    assert next(stream).text == "hi"
+    assert ctx.tried.wait(0.1 + REAP_GRACE_S + 5)
+    time.sleep(0.05)
+    assert metric(REAPED) == before
+    orch.release.set()
+    stream.close()
