@@ -21,8 +21,12 @@ class KvMetrics:
         self.capacity = gauge("tiercache_kvpool_capacity_blocks", "KV blocks in the pool")
         self.running = gauge("tiercache_kvpool_running", "Sequences running in the engine")
         self.waiting = gauge("tiercache_kvpool_waiting", "Sequences waiting for admission")
+        # Counted at admission, as cached_tokens: a request refused, cancelled or past its
+        # deadline before it was admitted adds to neither (the hit ratio's two sides agree).
         self.prompt_tokens = counter("tiercache_kvpool_prompt_tokens_total",
-                                     "Prompt tokens of Generate requests seen")
+                                     "Prompt tokens of Generate requests admitted (once each, "
+                                     "however often preempted; not those refused, cancelled or "
+                                     "past their deadline while waiting)")
         self.cached_tokens = counter("tiercache_kvpool_cached_tokens_total",
                                      "Prompt tokens of Generate requests served from cached KV "
                                      "blocks")
