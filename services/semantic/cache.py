@@ -199,7 +199,9 @@ def _metrics():
                               "Index search and the candidates' checks (guard, verifier), "
                               "excluding embedding",
                               buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.05, 0.1)),
-        "embed": m.histogram("tiercache_semantic_embed_seconds", "Embedding time",
+        "embed": m.histogram("tiercache_semantic_embed_seconds",
+                             "Embedding time of a Lookup's text (not observed for a lookup "
+                             "served as an exact repeat, which embeds nothing, nor for Store)",
                              buckets=(0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.1, 0.5)),
         "exact": m.counter("tiercache_semantic_exact_hits_total",
                            "Hits on an exact repeat of a cached prompt, found without "

@@ -126,6 +126,19 @@ def test_an_exact_repeat_is_an_exact_hit_counted_as_a_lookup_that_embedded_nothi
                                           "search_seconds_count": 1}
 
 
+def test_the_embedding_time_is_a_lookups_and_not_a_stores(make_cache, emb):
+    """Store embeds its prompt too (unless a missed Lookup of it kept the vector), but the
+    embedding histogram observes Lookups' embeddings only, as its help text says."""
+    c = make_cache()
+    a = Namespace("a", "m", "")
+    before = snapshot(c)
+    c.store_entry(a, "never looked up", "answer")  # embedded here
+    assert not c.lookup(a, "query").hit  # embedded, missed: its vector kept for the Store
+    c.store_entry(a, "query", "answer")  # the kept vector: nothing embedded
+    assert moved(before, snapshot(c)) == {("standard", "miss"): 1, "embed_seconds_count": 1,
+                                          "search_seconds_count": 1}
+
+
 def test_lookups_refused_or_abandoned_count_nowhere(make_cache, emb):
     """INVALID_ARGUMENT (empty text, unknown tier, a threshold under the floor, no tenant) and
     a caller gone before the search (DEADLINE_EXCEEDED): no series moves, nor Stats."""
