@@ -69,8 +69,9 @@ MATCHED_TOKENS = counter("tiercache_orchestrator_prefix_matched_tokens_total",
                          "Prompt tokens the prefix index (or routing's memory of prompts just "
                          "sent) said the chosen replica held, over the requests it served")
 DISPATCH_ROUTES = counter("tiercache_orchestrator_dispatch_memory_routes_total",
-                          "Requests routed to a replica for a prefix the index did not know yet "
-                          "(sent there moments before)")
+                          "Routes to a replica for a prefix the index did not know yet (sent "
+                          "there moments before): one per routing decision, so a request "
+                          "failed over to another such replica counts again")
 
 # Per-request WARNINGs of a dependency down (a tier skipped, a replica failed over): one per
 # request flooded the log while it lasted (76 lines in 16 s at 2 requests in flight with no

@@ -15,6 +15,7 @@ import threading
 import time
 from types import SimpleNamespace
 
+import grpc
 import pytest
 from prometheus_client import REGISTRY
 from tiercache.v1 import orchestrator_pb2
@@ -24,7 +25,7 @@ from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished
 from services.orchestrator.server import REAP_GRACE_S, OrchestratorServicer
 from services.orchestrator.tenants import TenantRegistry
-from tests.orchestrator.test_pipeline_paths import Call, Stub, final, generate, make
+from tests.orchestrator.test_pipeline_paths import Call, RpcError, Stub, final, generate, make
 from tests.orchestrator.test_stream_cap import Context, SlowOrchestrator
 
 ROUTES = "tiercache_orchestrator_dispatch_memory_routes_total"
@@ -79,6 +80,21 @@ def test_a_route_counts_only_where_the_memory_of_a_prompt_just_sent_chose_it():
     before = metric(ROUTES)
     assert [report(generate(plain, [])).route for _ in range(2)] == ["ring", "ring"]
     assert metric(ROUTES) == before
+
+
+def test_each_route_the_memory_decides_counts_a_failover_again():
+    """The count is of routing decisions (docs/architecture.md: "the routes it decided"): a
+    request sent on the memory's word to A, lost there, and sent on its word again to B
+    counts twice; its third route, by the ring to C, not at all."""
+    lost = {r: Stub(r, [Call([], RpcError(grpc.StatusCode.UNAVAILABLE))]) for r in ("A", "B")}
+    orch = make({**lost, "C": Stub("C", [Call([final("C", 2)])])})
+    hashes = orch.hasher.hashes(list(range(1, 100)), "salt-a")
+    for rid in ("A", "B"):
+        orch.dispatched.record(rid, hashes)
+    before = metric(ROUTES)
+    r = report(generate(orch, []))
+    assert r.replica_id == "C" and [len(s.requests) for s in lost.values()] == [1, 1]
+    assert metric(ROUTES) == before + 2
 
 
 class Unending(Context):
