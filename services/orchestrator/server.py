@@ -49,8 +49,9 @@ WARM_TOKENS = counter("tiercache_orchestrator_warmup_tokens_total",
                       ("kind",))
 _WARM_FAILED_LINES = Thinned(log)
 REAPED = counter("tiercache_orchestrator_streams_ended_at_deadline_total",
-                 "Generate streams ended from outside at their deadline: the client had stopped "
-                 "reading and the handler was stuck sending")
+                 "Generate streams still under way a second past their deadline, ended from "
+                 "outside: a client that stopped reading (its handler stuck sending), or a "
+                 "handler stuck anywhere else (the pipeline ends a request at its deadline)")
 # How long past a request's deadline the reaper waits: the pipeline ends a request by itself
 # at its deadline (its replica call runs to it; what was read ahead is handed out until it);
 # the reaper is for one stuck in a send.

@@ -167,6 +167,26 @@ def test_a_stream_whose_client_stopped_reading_is_ended_and_counted_once():
     assert metric(REAPED) == before + 1
 
 
+def test_a_handler_stuck_past_its_deadline_is_counted_though_its_client_reads():
+    """The reaper cannot tell why a stream is still under way past its deadline: one stuck
+    before its first message (a pipeline not ending at its deadline) while its client waits
+    to read is ended and counted as one whose client stopped reading is."""
+    from services.orchestrator.pipeline import TextDelta
+
+    s, orch = servicer()
+
+    def stuck(**kw):
+        time.sleep(0.1 + REAP_GRACE_S + 0.3)
+        yield TextDelta("late", [])
+
+    orch.generate = stuck
+    before = metric(REAPED)
+    ctx = Reaped(0.1)
+    got = list(s.Generate(request(), ctx))  # the client reads all along
+    assert ctx.ended.is_set() and [m.text for m in got] == ["late"]
+    assert metric(REAPED) == before + 1
+
+
 def test_a_stream_the_reaper_failed_to_end_is_not_counted():
     """Ending the call raised (logged): the stream was not ended, so it is not counted."""
     s, orch = servicer()
