@@ -186,3 +186,16 @@ def test_evictions_count_the_least_recently_used_entries_dropped_for_room(make_c
     after = snapshot(c)
     assert moved(before, after) == {"expirations_total": 3}
     assert after["stats"][3] == before["stats"][3]
+
+
+def test_a_restart_under_a_lower_capacity_counts_what_it_evicts(make_cache):
+    """Limits lowered since the entries were written: the start evicts the least recently
+    used past them, each counted, as its Stats say."""
+    c = make_cache()
+    a = Namespace("a", "m", "")
+    for i in range(5):
+        c.store_entry(a, f"p{i}", f"a{i}")
+    before = metric("tiercache_semantic_evictions_total")
+    again = make_cache(max_entries_per_namespace=2)  # the same database, restarted
+    assert metric("tiercache_semantic_evictions_total") - before == 3
+    assert again.stats().evictions_total == 3 and again.stats().entries == 2
