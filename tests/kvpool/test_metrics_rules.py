@@ -172,11 +172,9 @@ def test_trees_verified_and_branch_wins_are_counted_as_the_forwards_had_them(mak
                                                                            tiny_model) -> None:
     """Every tree the engine verified counts once (one per sequence and forward), and a win
     is a tree whose accepted path left the proposal (its first branch: nodes 0..len - 1 in
-    order), told here from the path itself; every node counts as proposed. A crafted draft
-    (an alternative wins) and one wrong every third token (trees won and lost)."""
+    order), told here from the path itself; every node counts as proposed. A draft wrong
+    every third token has trees won and lost."""
     eng = make_engine(num_blocks=64, block_size=4, max_prefill_chunk=32, metrics=KvMetrics())
-    from tests.assisted.test_draft_tree import crafted
-
     made: list = []
     verdicts: list[tuple[int, bool]] = []
     tree_of, apply_tree = eng._tree, eng._apply_tree
@@ -199,7 +197,7 @@ def test_trees_verified_and_branch_wins_are_counted_as_the_forwards_had_them(mak
     p = prompt(13, 1)
     ref = reference_greedy(tiny_model, p, 40)
     verified = reported = 0
-    for draft in (crafted(ref)[0], [t if i % 3 else (t + 7) % 127 for i, t in enumerate(ref)]):
+    for draft in ([t if i % 3 else (t + 7) % 127 for i, t in enumerate(ref)],):
         widths.clear()
         toks, fin = collect(eng.submit(request(p, 40, ignore_eos=True, draft=draft))[1])
         assert isinstance(fin, Finished) and toks == ref
@@ -241,9 +239,9 @@ def test_every_proposed_token_is_verified_or_withheld_by_the_batch(make_engine,
         eng._proposal = proposed
         d = Deltas(eng)
         prompts = [prompt(6 + i, 67 + i) for i in range(2)]
-        refs = [reference_greedy(tiny_model, q, 40) for q in prompts]
+        refs = [reference_greedy(tiny_model, q, 24) for q in prompts]
         with paused(eng):
-            outs = [eng.submit(request(q, 40, rid=f"w{i}", ignore_eos=True, draft=[
+            outs = [eng.submit(request(q, 24, rid=f"w{i}", ignore_eos=True, draft=[
                 t if j % 3 else (t + 7) % 127 for j, t in enumerate(ref)]))[1]
                 for i, (q, ref) in enumerate(zip(prompts, refs, strict=True))]
         fins = []
