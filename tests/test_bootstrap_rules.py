@@ -569,3 +569,75 @@ def test_a_reflection_stream_its_client_cancelled_is_counted_so_and_logs_no_erro
             assert not [r for r in caplog.records if "unhandled error" in r.getMessage()]
     finally:
         h.stop(5)
+
+
+def _kinds_server(service: str, limit: int, handlers: dict):
+    """A server of `limit` max_message_bytes serving `handlers` ({"Unary": fn, ...}, each
+    kind by its name) as x.Kinds."""
+    make = {"Unary": grpc.unary_unary_rpc_method_handler,
+            "Stream": grpc.unary_stream_rpc_method_handler,
+            "Gather": grpc.stream_unary_rpc_method_handler,
+            "Talk": grpc.stream_stream_rpc_method_handler}
+
+    def add(_servicer, srv) -> None:
+        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("x.Kinds", {
+            name: make[name](fn) for name, fn in handlers.items()}),))
+
+    return create_server(service=service, address="127.0.0.1:0", max_message_bytes=limit,
+                         services=[(add, None, "x.Kinds")])
+
+
+def test_a_response_over_the_send_limit_is_refused_and_counted_as_its_client_saw_it():
+    """A response larger than the server's max_message_bytes is refused by gRPC after the
+    handler returned: the client got RESOURCE_EXHAUSTED while a unary (and client-streaming)
+    call was counted OK, a server or two-way stream's CANCELLED. The interceptor serializes
+    the response and refuses it itself, with gRPC's words; one at the limit goes out."""
+    limit = 4096
+
+    def unary(request, _context):
+        return b"r" * int(request)
+
+    def stream(request, _context):
+        yield b"first"
+        yield b"r" * int(request)
+
+    def gather(requests, _context):
+        return b"r" * int(b"".join(requests))
+
+    def talk(requests, _context):
+        for m in requests:
+            yield b"echo"
+            yield b"r" * int(m)
+
+    kinds = {"Unary": unary, "Stream": stream, "Gather": gather, "Talk": talk}
+    codes = ("OK", "RESOURCE_EXHAUSTED", "CANCELLED", "UNKNOWN", "INTERNAL")
+    before = {(m, c): _rpc_count("too-large", m, c) for m in kinds for c in codes}
+    h = _kinds_server("too-large", limit, kinds)
+    got = {}
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            calls = {"Unary": lambda r: [ch.unary_unary("/x.Kinds/Unary")(r, timeout=5)],
+                     "Stream": lambda r: list(ch.unary_stream("/x.Kinds/Stream")(r, timeout=5)),
+                     "Gather": lambda r: [ch.stream_unary("/x.Kinds/Gather")(iter([r]),
+                                                                             timeout=5)],
+                     "Talk": lambda r: list(ch.stream_stream("/x.Kinds/Talk")(iter([r]),
+                                                                              timeout=5))}
+            for method, call in calls.items():
+                for size in (limit, limit + 1):
+                    try:
+                        got[method, size] = ("OK", [len(m) for m in call(b"%d" % size)])
+                    except grpc.RpcError as e:
+                        got[method, size] = (e.code().name, e.details())
+            _poll(lambda: all(sum(_rpc_count("too-large", m, c) - before[m, c] for c in codes)
+                              == 2 for m in kinds))
+    finally:
+        h.stop(5)
+    refused = ("RESOURCE_EXHAUSTED", f"SERVER: Sent message larger than max ({limit + 1} vs. "
+                                     f"{limit})")
+    assert got == {("Unary", limit): ("OK", [limit]), ("Unary", limit + 1): refused,
+                   ("Stream", limit): ("OK", [5, limit]), ("Stream", limit + 1): refused,
+                   ("Gather", limit): ("OK", [limit]), ("Gather", limit + 1): refused,
+                   ("Talk", limit): ("OK", [4, limit]), ("Talk", limit + 1): refused}
+    assert {k: n for k in before if (n := _rpc_count("too-large", *k) - before[k])} == {
+        (m, c): 1 for m in kinds for c in ("OK", "RESOURCE_EXHAUSTED")}
+    assert all(_timed("too-large", m) == 2 for m in kinds)

@@ -285,10 +285,11 @@ def _finished_code(context) -> str:
     return _counted_code(context, code)
 
 
-def _bound_items(start: Callable[[], Any], rid: str) -> Iterator:
-    """The messages of `start()` (a streaming handler's), with the request id bound around
-    each step of the handler's own code; when the client went away, the handler's generator
-    is closed under the id too (its cleanup logs as that request, not under none)."""
+def _bound_items(start: Callable[[], Any], rid: str, encode: Callable[[Any], Any]) -> Iterator:
+    """The messages of `start()` (a streaming handler's) as `encode` gives them, with the
+    request id bound around each step of the handler's own code; when the client went away
+    (or `encode` refused a message), the handler's generator is closed under the id too (its
+    cleanup logs as that request, not under none)."""
     it = None
     try:
         with bound_request_id(rid):
@@ -299,13 +300,39 @@ def _bound_items(start: Callable[[], Any], rid: str) -> Iterator:
                     item = next(it)
             except StopIteration:
                 return
-            yield item
-    except GeneratorExit:
+            yield encode(item)
+    except BaseException:
         close = getattr(it, "close", None)
         if close:
             with bound_request_id(rid):
                 close()
         raise
+
+
+# What gRPC says (and its client sees) when a message is over the server's send limit.
+_SENT_TOO_LARGE = "SERVER: Sent message larger than max ({} vs. {})"
+
+
+def _too_large(context, service: str, short: str, size: int, limit: int) -> None:
+    """Refuse a response over the server's send limit (`max_message_bytes`) as gRPC does,
+    RESOURCE_EXHAUSTED with its words, but before gRPC sees it: gRPC refused it after the
+    handler had returned, and the call was counted OK (a stream's: CANCELLED)."""
+    if _ERROR_LINES.allow((service, short, "too large")):
+        log.warning("%s: a response of %d bytes is over the server's limit of %d (refused "
+                    "RESOURCE_EXHAUSTED)", short, size, limit)
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _SENT_TOO_LARGE.format(size, limit))
+
+
+def _encoder(serialize, limit: int, context, service: str, short: str) -> Callable[[Any], Any]:
+    """A stream's messages serialized here (gRPC is given bytes), each checked against the
+    send limit (`_too_large`)."""
+    def encode(message):
+        data = message if serialize is None else serialize(message)
+        if len(data) > limit >= 0:
+            _too_large(context, service, short, len(data), limit)
+        return data
+
+    return encode
 
 
 def _parsed_non_blocking(handler, service: str, short: str, prologue):
@@ -328,9 +355,10 @@ class _ServerInterceptor(grpc.ServerInterceptor):
     """Request id, metrics, internal auth and domain-error mapping around every handler."""
 
     def __init__(self, service: str, internal_token: str | None,
-                 authenticate: Callable[[Sequence[tuple[str, str]]], object] | None = None
-                 ) -> None:
+                 authenticate: Callable[[Sequence[tuple[str, str]]], object] | None = None,
+                 max_send: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
         self.service = service
+        self.max_send = max_send  # the server's gRPC send limit (max_message_bytes)
         self.internal_token = internal_token
         self.authenticate = authenticate
         self._open_streams = threading.BoundedSemaphore(MAX_OPEN_STREAMS)
@@ -421,13 +449,15 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             RPC_TOTAL.labels(service, short, _counted_code(context, "INTERNAL")).inc()
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {short}; see server logs")
 
-        deserialize = handler.request_deserializer
+        deserialize, serialize = handler.request_deserializer, handler.response_serializer
+        limit = self.max_send
 
         def parse(raw, context):
             return _parse_request(deserialize, raw, context, service, short)
 
         def unary_behavior(inner, parsed: bool = False):
-            """`parsed`: gRPC parses the requests (a client stream's, read by the handler)."""
+            """`parsed`: gRPC parses the requests (a client stream's, read by the handler).
+            The response is serialized here, to check it against the send limit."""
             def wrapped(raw, context):
                 rid = prologue(context)
                 request = raw if parsed else parse(raw, context)
@@ -435,8 +465,11 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 with bound_request_id(rid):
                     try:
                         resp = inner(request, context)
+                        data = resp if serialize is None else serialize(resp)
+                        if len(data) > limit >= 0:
+                            _too_large(context, service, short, len(data), limit)
                         RPC_TOTAL.labels(service, short, _finished_code(context)).inc()
-                        return resp
+                        return data
                     except BaseException as exc:  # noqa: BLE001 - mapped to a status
                         fail(context, exc)
                     finally:
@@ -450,7 +483,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 request = parse(raw, context)
                 t0 = time.perf_counter()
                 try:
-                    yield from _bound_items(lambda: inner(request, context), rid)
+                    yield from _bound_items(lambda: inner(request, context), rid,
+                                            _encoder(serialize, limit, context, service, short))
                     RPC_TOTAL.labels(service, short, _finished_code(context)).inc()
                 except GeneratorExit:
                     # Client went away (or its deadline passed); `_bound_items` closed the
@@ -470,21 +504,15 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 unary_behavior(handler.unary_unary),
-                request_deserializer=None,
-                response_serializer=handler.response_serializer,
-            )
+                request_deserializer=None, response_serializer=None)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 stream_behavior(handler.unary_stream),
-                request_deserializer=None,
-                response_serializer=handler.response_serializer,
-            )
+                request_deserializer=None, response_serializer=None)
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                self._limited(handler.stream_stream, short, prologue, fail),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+                self._limited(handler.stream_stream, short, prologue, fail, serialize),
+                request_deserializer=handler.request_deserializer, response_serializer=None)
         if handler.stream_unary:
             # None is served today; one added later is not open to callers without the
             # credential (only the kinds above were checked, and a client-streaming method
@@ -493,17 +521,16 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             # application: <its text>", any other exception's text too).
             return grpc.stream_unary_rpc_method_handler(
                 unary_behavior(handler.stream_unary, parsed=True),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer)
+                request_deserializer=handler.request_deserializer, response_serializer=None)
         return handler
 
-    def _limited(self, inner, short: str, prologue, fail):
+    def _limited(self, inner, short: str, prologue, fail, serialize):
         """Two-way streams (reflection) under a small cap: each holds a worker thread while
         open, so idle ones, with no credential, could take every thread of the server. A
         two-way method outside the open ones needs the credential like any other, and its
         errors are mapped by `fail` as every other kind's (a domain error reached the client
         as UNKNOWN "Exception iterating responses: <its text>")."""
-        service, slots = self.service, self._open_streams
+        service, slots, limit = self.service, self._open_streams, self.max_send
         by_peer, lock = self._open_by_peer, self._open_lock
 
         def wrapped(request_iterator, context) -> Iterator:
@@ -529,7 +556,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             # alert on the method read 100%.
             t0, code = time.perf_counter(), "OK"
             try:
-                yield from _bound_items(lambda: inner(request_iterator, context), rid)
+                yield from _bound_items(lambda: inner(request_iterator, context), rid,
+                                        _encoder(serialize, limit, context, service, short))
                 code = _finished_code(context)
             except GeneratorExit:
                 code = rpc_ended(context).code
@@ -720,7 +748,7 @@ def create_server(
     # As validated (`require_listen_address`): a value with a leading space (a YAML quirk)
     # passed the check, then failed gRPC's lookup as "cannot listen".
     address = address.strip()
-    interceptor = _ServerInterceptor(service, internal_token, authenticate)
+    interceptor = _ServerInterceptor(service, internal_token, authenticate, max_message_bytes)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{service}-rpc"),
         interceptors=[interceptor],
