@@ -215,7 +215,6 @@ class Model:
         self.timed: dict = {}
         self.loose: dict = {}  # method -> calls counted at most once, under a code not OK
         self.timed_loose: dict = {}  # method -> calls timed at most once
-        self.loose_ok: dict = {}  # of `loose`, how many may be counted OK
         self.serving = False
         self.draining = False
 
@@ -339,8 +338,8 @@ class Run:
             if key[1] == "OK":
                 extra[(key[0], "OK")] = d
         return all(extra.get(m, 0) <= self.model.loose.get(m, 0)
-                   and extra.get((m, "OK"), 0) <= self.model.loose_ok.get(m, 0)
-                   for m in METHODS)
+                   and not extra.get((m, "OK"), 0)
+                   for m in {k[0] for k in set(got) | set(want)})
 
     def call(self) -> None:
         self.n += 1
@@ -436,13 +435,14 @@ class Run:
         if over:
             assert code == "RESOURCE_EXHAUSTED" and "larger than max" in details, \
                 self.where(f"{method} over the limit: {code} {details!r}")
-            model.loose[method] = model.loose.get(method, 0) + 1
-            if method == "Gather":  # its handler may have begun reading the stream
-                model.timed_loose[method] = model.timed_loose.get(method, 0) + 1
-                # ... and found it ended where the too-large message was (gRPC): it answers,
-                # counted OK, while the client gets RESOURCE_EXHAUSTED (reported, not fixed).
-                model.loose_ok[method] = model.loose_ok.get(method, 0) + 1
-            else:
+            if method == "Gather":
+                # Its handler reads the stream and finds it cut where the too-large message
+                # was: counted CANCELLED, once the call has ended, while the client gets
+                # RESOURCE_EXHAUSTED (gRPC tells the server no more than "cancelled";
+                # docs/reliability.md, known gaps).
+                model.count(method, "CANCELLED")
+            else:  # refused before its handler: the docs do not say how it is counted
+                model.loose[method] = model.loose.get(method, 0) + 1
                 assert call_id not in self.servicer.ids, self.where("handler ran over limit")
             return
         if s["act"] == "hold":

@@ -562,10 +562,11 @@ def test_a_reflection_stream_its_client_cancelled_is_counted_so_and_logs_no_erro
             while not counted() and time.monotonic() < deadline:
                 time.sleep(0.02)
             pending.put(None)
-            # CANCELLED; or OK when gRPC's server took the end of the requests before the
-            # cancel (1 run in ~40 on a loaded host: the handler's loop ended, the call still
-            # read active; docs/reliability.md's known gaps). Never an error, never logged.
-            assert counted() in ({"CANCELLED": 1}, {"OK": 1})
+            # CANCELLED, also when gRPC's server took the end of the requests before the
+            # cancel (the handler's loop ended, the call still read active: counted OK in 1
+            # run in ~40 on a loaded host, before calls were counted at their end). Never an
+            # error, never logged.
+            assert counted() == {"CANCELLED": 1}
             assert not [r for r in caplog.records if "unhandled error" in r.getMessage()]
     finally:
         h.stop(5)
@@ -641,3 +642,95 @@ def test_a_response_over_the_send_limit_is_refused_and_counted_as_its_client_saw
     assert {k: n for k in before if (n := _rpc_count("too-large", *k) - before[k])} == {
         (m, c): 1 for m in kinds for c in ("OK", "RESOURCE_EXHAUSTED")}
     assert all(_timed("too-large", m) == 2 for m in kinds)
+
+
+def test_a_stream_of_requests_cut_after_its_handler_finished_is_not_counted_ok(monkeypatch):
+    """gRPC's server hands a client-streaming or two-way handler "no more requests" also when
+    the call was cut while it waited for one (a request over max_message_bytes, its client's
+    cancel), and learns of the cut a moment later. A handler that then returned was counted
+    OK while its client got RESOURCE_EXHAUSTED or CANCELLED (a reflection stream its client
+    cancelled: 1 run in ~40 on a loaded host). Such calls are counted once the call has ended.
+    The cut is put, every time, where the race puts it: after the handler returned, before
+    gRPC sends its status (gRPC's `_status` waits until the server has seen the cancel)."""
+    import threading
+
+    from grpc import _server
+
+    cut_seen, entered = threading.Event(), threading.Event()
+
+    def gather(requests, context):
+        context.add_callback(cut_seen.set)
+        return b"got %d" % len(list(requests))
+
+    def talk(requests, context):
+        context.add_callback(cut_seen.set)
+        for _ in requests:
+            yield b"echo"
+
+    status = _server._status
+
+    def late_status(rpc_event, state, serialized_response):
+        if rpc_event.call_details.method.startswith(b"/x.Kinds/"):
+            entered.set()
+            cut_seen.wait(5)
+        return status(rpc_event, state, serialized_response)
+
+    monkeypatch.setattr(_server, "_status", late_status)
+    codes = ("OK", "CANCELLED")
+    before = {(m, c): _rpc_count("cut-late", m, c) for m in ("Gather", "Talk") for c in codes}
+    h = _kinds_server("cut-late", 4096, {"Gather": gather, "Talk": talk})
+    seen = []
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            for method in ("Gather", "Talk"):
+                cut_seen.clear()
+                entered.clear()
+                if method == "Gather":
+                    call = ch.stream_unary("/x.Kinds/Gather").future(iter([b"a"]), timeout=10)
+                else:
+                    call = ch.stream_stream("/x.Kinds/Talk")(iter([b"a"]), timeout=10)
+                    assert next(call) == b"echo"
+                assert entered.wait(5)  # the handler returned; its status not sent yet
+                call.cancel()
+                assert cut_seen.wait(5)
+                seen.append(call.code())
+            _poll(lambda: sum(_rpc_count("cut-late", *k) - before[k] for k in before) == 2)
+    finally:
+        h.stop(5)
+    assert seen == [grpc.StatusCode.CANCELLED] * 2
+    assert {k: _rpc_count("cut-late", *k) - before[k] for k in before} == {
+        ("Gather", "OK"): 0, ("Gather", "CANCELLED"): 1,
+        ("Talk", "OK"): 0, ("Talk", "CANCELLED"): 1}
+
+
+def test_a_client_stream_cut_by_a_request_over_the_limit_is_never_counted_ok():
+    """The cut for real: a request over max_message_bytes ends the client stream with
+    RESOURCE_EXHAUSTED; its handler sees its requests raise or end (gRPC's race: ~1 call in
+    10 ended, and was counted OK; the test above places the cut for certain). Counted
+    CANCELLED either way, not RESOURCE_EXHAUSTED: gRPC tells the server only that the call
+    was cancelled (docs/reliability.md, known gaps)."""
+    limit, calls = 2048, 6  # each refusal takes gRPC ~0.1 s
+
+    def gather(requests, _context):
+        return b"got %d" % len(list(requests))
+
+    codes = ("OK", "CANCELLED", "RESOURCE_EXHAUSTED")
+    before = {c: _rpc_count("cut-big", "Gather", c) for c in codes}
+    h = _kinds_server("cut-big", limit, {"Gather": gather})
+    seen = []
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            for _ in range(calls):
+                with pytest.raises(grpc.RpcError) as e:
+                    ch.stream_unary("/x.Kinds/Gather")(iter([b"a", b"g" * (limit + 1)]),
+                                                       timeout=5)
+                seen.append((e.value.code(), e.value.details()))
+            _poll(lambda: sum(_rpc_count("cut-big", "Gather", c) - before[c]
+                              for c in codes) == calls)
+    finally:
+        h.stop(5)
+    assert seen == [(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                     f"SERVER: Received message larger than max ({limit + 1} vs. {limit})")
+                    ] * calls
+    assert {c: _rpc_count("cut-big", "Gather", c) - before[c] for c in codes} == {
+        "OK": 0, "CANCELLED": calls, "RESOURCE_EXHAUSTED": 0}

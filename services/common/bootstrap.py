@@ -335,6 +335,36 @@ def _encoder(serialize, limit: int, context, service: str, short: str) -> Callab
     return encode
 
 
+def _cut_under(requests) -> bool:
+    """Whether a call that has ended (see `_count_at_end`) was cut by gRPC rather than ended
+    by the status its handler gave: gRPC's request iterator raises RpcError for a call whose
+    end was a cancel (its client's, a request over the size limit, the deadline, the stop),
+    and ends (StopIteration) for one that ended with the server's status."""
+    try:
+        next(requests)
+    except grpc.RpcError:
+        return True
+    except Exception:  # noqa: BLE001 - StopIteration: ended by the server's status
+        return False
+    return False
+
+
+def _count_at_end(context, requests, service: str, short: str, code: str) -> None:
+    """Count a client-streaming or two-way call, whose handler finished while the call was
+    still open, under `code` once the call has ended, unless gRPC cut it meanwhile: gRPC's
+    server hands a handler "no more requests" also when the call was cut while it waited for
+    one (a request over `max_message_bytes`, its client's cancel), and learns of the cut a
+    moment later. Such calls were counted OK while the client got RESOURCE_EXHAUSTED or
+    CANCELLED. The count comes when the call has ended (gRPC's `add_callback`)."""
+    def count() -> None:
+        RPC_TOTAL.labels(service, short,
+                         rpc_ended(context).code if _cut_under(requests) else code).inc()
+
+    add = getattr(context, "add_callback", None)
+    if add is None or not add(count):  # ended already: its state is final
+        count()
+
+
 def _parsed_non_blocking(handler, service: str, short: str, prologue):
     """`handler` (a non-blocking unary-stream method), parsing its request itself: malformed
     bytes are INVALID_ARGUMENT, as for every other method. `prologue(context)` runs first (the
@@ -416,7 +446,17 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             # is parsed here: gRPC's own deserializer answered malformed bytes with INTERNAL.
             return _parsed_non_blocking(handler, service, short, prologue)
 
-        def fail(context, exc: BaseException) -> None:
+        def count(context, code: str, requests) -> None:
+            """`code` counted now; for a call whose handler read a request stream
+            (`requests`) and that is still open, once the call has ended (`_count_at_end`)."""
+            if requests is not None and not _call_ended(context):
+                _count_at_end(context, requests, service, short, code)
+            else:
+                RPC_TOTAL.labels(service, short, code).inc()
+
+        def fail(context, exc: BaseException, requests=None) -> None:
+            """`exc` (what the handler raised) mapped to a status and counted under it;
+            `requests`: the call's request stream, when its handler read one."""
             if isinstance(exc, grpc.RpcError) and _call_ended(context):
                 # gRPC's request iterator saying the call ended under the handler (its client
                 # cancelled, its deadline passed): no failure of the handler. Logged as one,
@@ -424,7 +464,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 RPC_TOTAL.labels(service, short, rpc_ended(context).code).inc()
                 raise exc
             if isinstance(exc, errors.TierCacheError):
-                RPC_TOTAL.labels(service, short, _counted_code(context, exc.code)).inc()
+                count(context, _counted_code(context, exc.code), requests)
                 details = _capped(str(exc))
                 # A refused or failed call left no line: a ticket quoting its request id could
                 # not be traced. One line, with the id bound; a flood of them is thinned.
@@ -440,13 +480,13 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 # The handler already aborted, or set a code and then raised. Abort again
                 # with that code and the handler's own details: left to gRPC, a code set
                 # without details would go out with the exception's text as its message.
-                RPC_TOTAL.labels(service, short, _counted_code(context, code.name)).inc()
+                count(context, _counted_code(context, code.name), requests)
                 details = context.details() if hasattr(context, "details") else None
                 if isinstance(details, bytes):
                     details = details.decode("utf-8", "replace")
                 context.abort(code, _capped(details or f"{short} failed: {code.name}"))
             log.exception("unhandled error in %s", method)
-            RPC_TOTAL.labels(service, short, _counted_code(context, "INTERNAL")).inc()
+            count(context, _counted_code(context, "INTERNAL"), requests)
             context.abort(grpc.StatusCode.INTERNAL, f"internal error in {short}; see server logs")
 
         deserialize, serialize = handler.request_deserializer, handler.response_serializer
@@ -468,10 +508,13 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                         data = resp if serialize is None else serialize(resp)
                         if len(data) > limit >= 0:
                             _too_large(context, service, short, len(data), limit)
-                        RPC_TOTAL.labels(service, short, _finished_code(context)).inc()
+                        if parsed:
+                            count(context, _finished_code(context), raw)
+                        else:
+                            RPC_TOTAL.labels(service, short, _finished_code(context)).inc()
                         return data
                     except BaseException as exc:  # noqa: BLE001 - mapped to a status
-                        fail(context, exc)
+                        fail(context, exc, raw if parsed else None)
                     finally:
                         RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 
@@ -511,7 +554,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 request_deserializer=None, response_serializer=None)
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                self._limited(handler.stream_stream, short, prologue, fail, serialize),
+                self._limited(handler.stream_stream, short, prologue, fail, count, serialize),
                 request_deserializer=handler.request_deserializer, response_serializer=None)
         if handler.stream_unary:
             # None is served today; one added later is not open to callers without the
@@ -524,7 +567,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 request_deserializer=handler.request_deserializer, response_serializer=None)
         return handler
 
-    def _limited(self, inner, short: str, prologue, fail, serialize):
+    def _limited(self, inner, short: str, prologue, fail, count, serialize):
         """Two-way streams (reflection) under a small cap: each holds a worker thread while
         open, so idle ones, with no credential, could take every thread of the server. A
         two-way method outside the open ones needs the credential like any other, and its
@@ -558,14 +601,15 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             try:
                 yield from _bound_items(lambda: inner(request_iterator, context), rid,
                                         _encoder(serialize, limit, context, service, short))
-                code = _finished_code(context)
+                code = None  # counted here, or once the call has ended
+                count(context, _finished_code(context), request_iterator)
             except GeneratorExit:
                 code = rpc_ended(context).code
                 raise
             except BaseException as exc:  # noqa: BLE001 - mapped to a status
                 code = None  # `fail` counts it under the status it ends the call with
                 with bound_request_id(rid):
-                    fail(context, exc)
+                    fail(context, exc, request_iterator)
             finally:
                 _OPEN_REAPER.disarm(reaped)
                 with lock:
