@@ -501,7 +501,7 @@ class Run:
     def health(self) -> None:
         self.n += 1
         rng, model = self.rng, self.model
-        op = rng.choice(["serve", "serve", "check", "check", "http"])
+        op = rng.choice(["serve", "serve", "check", "check", "http", "watch"])
         if op == "serve":
             on = rng.random() < 0.6
             self.h.set_serving(on)
@@ -519,6 +519,16 @@ class Run:
             else:
                 assert got == (OK if model.serving else NS), self.where(f"Check {name!r} {got}")
             model.count("Check", code)
+        elif op == "watch":  # the status now, then its client cancels it
+            stream, t, seen = _watch(self.ch)
+            end = time.monotonic() + 5
+            while not seen and time.monotonic() < end:
+                time.sleep(0.005)
+            assert seen[:1] == [OK if model.serving else NS], self.where(f"Watch {seen}")
+            stream.cancel()
+            t.join(5)
+            assert seen[-1] == "CANCELLED", self.where(f"Watch cancelled: {seen}")
+            model.count("Watch", "CANCELLED")
         else:
             status, body = self.healthz()
             assert (status, body) == ((200, b"SERVING\n") if model.serving else
@@ -545,7 +555,7 @@ class Run:
             self.where("/metrics and the counters disagree")
 
 
-def _watch(ch) -> tuple[threading.Thread, list]:
+def _watch(ch) -> tuple[grpc.Future, threading.Thread, list]:
     seen: list = []
     stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=30)
 
@@ -559,13 +569,13 @@ def _watch(ch) -> tuple[threading.Thread, list]:
 
     t = threading.Thread(target=read, daemon=True)
     t.start()
-    return t, seen
+    return stream, t, seen
 
 
 def run_seed(seed: int) -> None:
     run = Run(seed)
     rng, model = run.rng, run.model
-    watcher, watched = _watch(run.ch)
+    _, watcher, watched = _watch(run.ch)
     try:
         for _ in range(rng.randint(15, 30)):
             if rng.random() < 0.7:
@@ -610,11 +620,10 @@ def run_seed(seed: int) -> None:
             grace = rng.choice([0, 0.5])
             run.h.stop(grace)
         watcher.join(10)
-        # Stopped with a grace, a Watch gets NOT_SERVING and ends; with none (stop(0)), gRPC
-        # may cut it first (UNAVAILABLE): the docs do not say.
-        assert watched and (watched[-2:] == [NS, "ended"] or watched[-1] == "UNAVAILABLE"
-                            and grace == 0), run.where(f"watch {watched}")
+        # Stopped, with a grace or none, a Watch gets NOT_SERVING and ends (OK), counted so.
+        assert watched[-2:] == [NS, "ended"], run.where(f"watch {watched} (grace {grace})")
         assert all(a != b for a, b in zip(watched, watched[1:], strict=False)), watched
+        model.count("Watch", "OK")
         with pytest.raises(grpc.RpcError) as e:
             run.ch.unary_unary(f"/{SERVICE_NAME}/Unary")(b"{}", timeout=2)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE

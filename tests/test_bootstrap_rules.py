@@ -734,3 +734,65 @@ def test_a_client_stream_cut_by_a_request_over_the_limit_is_never_counted_ok():
                     ] * calls
     assert {c: _rpc_count("cut-big", "Gather", c) - before[c] for c in codes} == {
         "OK": 0, "CANCELLED": calls, "RESOURCE_EXHAUSTED": 0}
+
+
+def test_health_watches_are_counted_and_timed_as_their_clients_saw_them():
+    """Health.Watch (non-blocking: no handler returns when it ends) was neither counted nor
+    timed. It is counted when it ends: OK when the server ended it (its stop, with a grace or
+    none), CANCELLED, DEADLINE_EXCEEDED, INVALID_ARGUMENT for a name too long. With stop(0)
+    gRPC cut open Watches (UNAVAILABLE, 1 run in ~8) before their end was sent: they are
+    ended first, each on NOT_SERVING, as with a grace."""
+    import threading
+
+    def watch(ch, name: str = "", timeout: float = 10):
+        seen: list = []
+        call = health_pb2_grpc.HealthStub(ch).Watch(
+            health_pb2.HealthCheckRequest(service=name), timeout=timeout)
+
+        def read() -> None:
+            try:
+                for m in call:
+                    seen.append(m.status)
+                seen.append("ended")
+            except grpc.RpcError as exc:
+                seen.append(exc.code().name)
+
+        t = threading.Thread(target=read, daemon=True)
+        t.start()
+        return call, t, seen
+
+    ns, serving = (health_pb2.HealthCheckResponse.NOT_SERVING,
+                   health_pb2.HealthCheckResponse.SERVING)
+    codes = ("OK", "CANCELLED", "DEADLINE_EXCEEDED", "INVALID_ARGUMENT", "UNAVAILABLE")
+    before = {c: _rpc_count("watched", "Watch", c) for c in codes}
+    timed = _timed("watched", "Watch")
+
+    def counted() -> dict:
+        return {c: n for c in codes if (n := _rpc_count("watched", "Watch", c) - before[c])}
+
+    ends = []
+    for grace in (0, 0, 0, 0, 0.5):
+        h = create_server(service="watched", address="127.0.0.1:0", services=[])
+        h.set_serving()
+        with grpc.insecure_channel(h.address) as ch:
+            open_ = [watch(ch) for _ in range(2)]
+            if grace:  # a cancelled one, one past its deadline, one refused
+                cancelled = watch(ch)
+                _poll(lambda c=cancelled: c[2] == [serving])
+                cancelled[0].cancel()
+                late = watch(ch, timeout=0.3)
+                refused = watch(ch, name="n" * (MAX_HEALTH_NAME + 1))
+                for _call, t, _seen in (cancelled, late, refused):
+                    t.join(5)
+                assert [cancelled[2][-1], late[2][-1], refused[2]] == [
+                    "CANCELLED", "DEADLINE_EXCEEDED", ["INVALID_ARGUMENT"]]
+            _poll(lambda o=open_: all(seen for _c, _t, seen in o))
+            h.stop(grace)
+            for _call, t, seen in open_:
+                t.join(5)
+                ends.append(seen)
+    assert ends == [[serving, ns, "ended"]] * 10
+    _poll(lambda: sum(counted().values()) == 13)
+    assert counted() == {"OK": 10, "CANCELLED": 1, "DEADLINE_EXCEEDED": 1,
+                         "INVALID_ARGUMENT": 1}
+    assert _timed("watched", "Watch") - timed == 13

@@ -368,13 +368,36 @@ def _count_at_end(context, requests, service: str, short: str, code: str) -> Non
 def _parsed_non_blocking(handler, service: str, short: str, prologue):
     """`handler` (a non-blocking unary-stream method), parsing its request itself: malformed
     bytes are INVALID_ARGUMENT, as for every other method. `prologue(context)` runs first (the
-    credential check)."""
+    credential check). Counted and timed when the call ends (Health.Watch was neither): OK when
+    the server ended it (`None` sent while the call was open), else as `rpc_ended` says."""
     behavior, deserialize = handler.unary_stream, handler.request_deserializer
 
     def parsed(raw, context, send_response_callback=None):
         prologue(context)
         request = _parse_request(deserialize, raw, context, service, short)
-        return behavior(request, context, send_response_callback)
+        t0, ended_here = time.perf_counter(), []
+        send = send_response_callback
+        if send_response_callback is not None:
+            def send(response) -> None:
+                if response is None and not ended_here and context.is_active():
+                    ended_here.append(True)
+                send_response_callback(response)
+
+        def count(code: str | None = None) -> None:
+            if code is None:
+                code = "OK" if ended_here else rpc_ended(context).code
+            RPC_TOTAL.labels(service, short, code).inc()
+            RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
+
+        try:
+            result = behavior(request, context, send)
+        except BaseException:
+            set_code = context.code()  # an abort's (a name too long); else gRPC's UNKNOWN
+            count(set_code.name if isinstance(set_code, grpc.StatusCode) else "UNKNOWN")
+            raise
+        if not context.add_callback(count):
+            count()
+        return result
 
     parsed.experimental_non_blocking = True
     return grpc.unary_stream_rpc_method_handler(
@@ -678,8 +701,14 @@ class ServerHandle:
             # Calls still running when the grace ends are cut by gRPC: their handlers see the
             # call closed, as if their client had gone (`rpc_ended` tells them apart).
             self._interceptor.cut_at = time.monotonic() + (grace or 0.0)
+        if not grace:
+            # gRPC cuts every call at once (UNAVAILABLE): the open Watches are ended first,
+            # each on NOT_SERVING and OK, as with a grace (they were cut, or not, by chance,
+            # and counted OK either way). One opened from here on is cut, and counted so.
+            self.health.close_watches()
         stopping = self.server.stop(grace)  # new RPCs (a Watch opened again) refused from here
-        self.health.close_watches()
+        if grace:
+            self.health.close_watches()
         stopping.wait()
         Thinned.flush_all()  # every instance: the orchestrator's WARNINGs too
         if self._metrics_httpd is not None:
