@@ -91,7 +91,14 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         self.shard_lists = ShardListCheck(index.clock)
         # A lapsed replica's list was kept, and a Match naming no live replica was still
         # compared with it (and agreed: a mismatch missed).
-        index.on_drop = self.shard_lists.forget
+        index.on_drop = self._dropped
+
+    def _dropped(self, replica_id: str) -> None:
+        """A replica's lease lapsed (in whichever call found it): its shard list is forgotten,
+        and the replicas gauge follows at once (a Match that found the lapse left it one high
+        until the next Register, Heartbeat, Publish, Stats or sweep)."""
+        self.shard_lists.forget(replica_id)
+        REPLICAS.set(self.index.replica_count)
 
     def _gauges(self) -> None:
         NODES.set(len(self.index.tree))

@@ -54,13 +54,12 @@ def test_the_replicas_gauge_is_the_live_replicas_stats_lists():
     r = s.Heartbeat(prefix_pb2.HeartbeatRequest(replica_id="r9", incarnation="i"), None)
     assert not r.known and gauge() == 2
     # r1's lease lapses while r0 keeps heartbeating: a Match drops r1 (the index no longer
-    # lists it); the gauge follows at the next call that sets it (here r0's heartbeat; in a
-    # server, the sweeper's turn too, within a quarter lease).
+    # lists it), and the gauge follows at once (it lagged until the next call that set it).
     clock.t += LEASE * 0.6
     s.Heartbeat(prefix_pb2.HeartbeatRequest(replica_id="r0", incarnation="i"), None)
     clock.t += LEASE * 0.6
     s.Match(prefix_pb2.MatchRequest(model_id="m", token_ids=list(range(BS))), None)
-    assert len(s.index._replicas) == 1
+    assert len(s.index._replicas) == 1 and gauge() == 1
     s.Heartbeat(prefix_pb2.HeartbeatRequest(replica_id="r0", incarnation="i"), None)
     assert gauge() == 1 == listed(s)
     clock.t += LEASE * 1.1  # r0 lapses too: Stats drops it and says so
