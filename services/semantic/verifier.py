@@ -123,12 +123,15 @@ def pair_features(query: str, cached: str, cosine: float,
                   guard_ok: bool | None = None) -> np.ndarray:
     """The feature vector (order of `FEATURES`) of one (query, cached prompt) pair.
 
-    `guard_ok`: the guard's verdict when the caller already has it (else it is computed).
+    `guard_ok`: the guard's verdict when the caller already has it (else it is computed). The
+    guard runs either way: the breakpoints are the ones its order check counted (as `check`
+    and the fit read them). Given a verdict, they were counted over the words as written
+    instead, and differed for 1.5% of the guarded QQP and PAWS pairs ("What are good startup
+    ideas?" / "What are the best ideas for startups?": 0, the guard's 3).
     """
     q, c = _text(query), _text(cached)
-    bp = None
+    verdict, bp = (guard or _GUARD).check_facts(q.facts, c.facts)
     if guard_ok is None:
-        verdict, bp = (guard or _GUARD).check_facts(q.facts, c.facts)
         guard_ok = verdict.ok
     return np.array(_features(q, c, cosine, guard_ok, bp), dtype=np.float64)
 
