@@ -14,7 +14,11 @@ from prometheus_client import REGISTRY
 
 from services.common.errors import DeadlineExceeded, InvalidArgument
 from services.semantic.cache import Namespace, SemanticCache
-from tests.semantic.test_cache_edges import FixedEmbedder
+from tests.semantic import test_cache_edges
+
+# The edge tests' embedder and cache (guard and verifier off): their fixtures, shared.
+emb = test_cache_edges.emb
+make_cache = test_cache_edges.make_cache
 
 TIERS = ("strict", "standard", "relaxed", "explicit")
 OUTCOMES = ("hit", "draft", "miss")
@@ -39,23 +43,6 @@ def snapshot(c: SemanticCache) -> dict:
 def moved(before: dict, after: dict) -> dict:
     """The series that moved, by how much (Stats apart)."""
     return {k: after[k] - before[k] for k in before if k != "stats" and after[k] != before[k]}
-
-
-@pytest.fixture
-def emb() -> FixedEmbedder:
-    e = FixedEmbedder()
-    e.at("query", 1.0, 1)
-    return e
-
-
-@pytest.fixture
-def make_cache(cache_factory, emb):
-    def make(**kw) -> SemanticCache:
-        kw.setdefault("guard_tiers", ())
-        kw.setdefault("verifier_tiers", ())
-        return cache_factory(emb, **kw)
-
-    return make
 
 
 def test_lookups_count_by_tier_and_outcome_as_the_thresholds_decide(make_cache, emb):
