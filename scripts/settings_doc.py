@@ -42,8 +42,14 @@ every service that needs them: `TIERCACHE_TLS_CERT` / `_KEY` / `_CA` / `_CLIENT_
 `_CLIENT_KEY` (TLS, [reliability.md](reliability.md)), `TIERCACHE_HASH_KEY` (the cluster's
 block-hash and entry-signing key, [deploy.md](deploy.md)), `TIERCACHE_CACHE_DIR` (models and
 the semantic database, default `~/.cache/tiercache`), `TIERCACHE_LOG_LEVEL`,
-`TIERCACHE_DRAIN_DELAY_S`. The launcher (`make run`) reads `TIERCACHE_REPLICAS`; the CLI
-`TIERCACHE_ADDRESS`, `TIERCACHE_TOKEN` and `TIERCACHE_CLI_HOME`.
+`TIERCACHE_DRAIN_DELAY_S`, `TIERCACHE_PURE_PYTHON_HASH` (`1`: hashlib in place of the C block
+hasher, the same digests). The launcher (`make run`) reads `TIERCACHE_REPLICAS` and sets
+`TIERCACHE_PARENT_PID` on its services (each stops when that process is gone); the CLI
+`TIERCACHE_ADDRESS`, `TIERCACHE_TOKEN`, `TIERCACHE_CLI_HOME` and the TLS client variables
+(`TIERCACHE_TLS_CA`, `_CLIENT_CERT`, `_CLIENT_KEY`); the benchmarks and
+`python -m services.semantic.fit_verifier` read their labelled data from `TIERCACHE_DATA_DIR`
+(default `../shared/data` beside the repository); the tests read `TIERCACHE_TEST_DEVICE`
+(`cuda` for `tests/device`) and `TIERCACHE_TEST_LOGS` (the e2e log folder, then kept).
 """
 
 

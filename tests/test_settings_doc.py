@@ -30,3 +30,16 @@ def test_every_setting_is_listed_with_its_default_and_a_description():
             assert row is not None, var
             assert row.split("|")[3].strip(), f"{var}: no comment with the field in {module}"
     assert "| `TIERCACHE_KVPOOL_KV_CACHE_BYTES` | `536870912` |" in text
+
+
+def test_every_shared_name_the_services_accept_is_named():
+    """A `TIERCACHE_` name outside every service's prefix is accepted at start only when it is
+    in SHARED_NAMES; each of those is named in the page's opening paragraph, so a reader finds
+    what it does (TIERCACHE_DATA_DIR and TIERCACHE_PURE_PYTHON_HASH were accepted and named
+    nowhere in it)."""
+    from services.common.config import SHARED_NAMES
+
+    head = (ROOT / "docs/settings.md").read_text(encoding="utf-8").split("\n## ")[0]
+    missing = sorted(n for n in SHARED_NAMES if f"TIERCACHE_{n}`" not in head
+                     and not (n.startswith("TLS_") and f"`_{n[4:]}`" in head))
+    assert not missing, f"not in docs/settings.md's opening paragraph: {missing}"
