@@ -593,7 +593,8 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--tier", choices=("strict", "standard", "relaxed"), default="",
                     help="semantic tier's threshold (default: the server's)")
     ch.add_argument("--threshold", type=_threshold, default=0.0,
-                    help="explicit semantic threshold in (0, 1] (the server's floor applies)")
+                    help="explicit semantic threshold, from the server's floor to 1 (below "
+                         "the floor, 0.85 by default, the call is refused)")
     ch.add_argument("--no-semantic", action="store_true",
                     help="skip the semantic tier (no lookup, no store)")
     ch.add_argument("--no-prefix-cache", action="store_true",
