@@ -83,6 +83,15 @@ def test_a_failed_new_turn_says_the_old_session_is_kept(fake, monkeypatch, capsy
     assert cli.main(["chat", "-q", "--session", "s", "--new", "again"]) == 1
     assert "'s' was not started over" in capsys.readouterr().err
 
+    def silent(self, messages, **kw):
+        yield _final()  # answered, with no text: nothing saved
+
+    monkeypatch.setattr(FakeClient, "stream", silent)
+    assert cli.main(["chat", "-q", "--session", "s", "--new", "again"]) == 0
+    assert "'s' was not started over" in capsys.readouterr().err
+    saved = json.loads((fake / "home" / "sessions" / "s.json").read_text())
+    assert [m["content"] for m in saved] == ["hi", "Hello."]
+
 
 def test_two_turns_of_one_session_at_once_both_stay_in_its_history(fake, monkeypatch):
     """Each turn loaded the history, streamed, and saved its own version over the other's:

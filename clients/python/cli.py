@@ -232,12 +232,13 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         # An empty assistant turn is invalid input for every later request of the session:
         # keep the history as it was (the question can be asked again).
         sys.stderr.write(f"empty answer: session {a.session!r} left unchanged\n")
+        _not_started_over(a, hist)
     return 0
 
 
 def _not_started_over(a: argparse.Namespace, hist: Path | None) -> None:
-    """After a failed `--new` turn: the session's saved turns are still there (nothing was
-    answered to replace them), and a next turn without --new would continue them."""
+    """After a `--new` turn that failed or answered nothing: the session's saved turns are
+    still there (no answer replaced them), and a next turn without --new would continue them."""
     if hist is not None and a.new and hist.exists():
         sys.stderr.write(f"note: session {a.session!r} was not started over: its saved turns "
                          "stay until a --new turn is answered\n")
