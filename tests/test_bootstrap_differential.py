@@ -530,7 +530,7 @@ class Run:
                 assert got == (OK if model.serving else NS), self.where(f"Check {name!r} {got}")
             model.count("Check", code)
         elif op == "watch":  # the status now, then its client cancels it
-            stream, t, seen = _watch(self.ch)
+            stream, t, seen = watch_health(self.ch)
             end = time.monotonic() + 5
             while not seen and time.monotonic() < end:
                 time.sleep(0.005)
@@ -565,9 +565,13 @@ class Run:
             self.where("/metrics and the counters disagree")
 
 
-def _watch(ch) -> tuple[grpc.Future, threading.Thread, list]:
+def watch_health(ch, name: str = "", timeout: float = 30.0
+                 ) -> tuple[grpc.Future, threading.Thread, list]:
+    """A Health.Watch of `name` read on a thread: (the call, the thread, what it saw: each
+    status, then "ended" or the error's code name). Also used by test_bootstrap_rules."""
     seen: list = []
-    stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=30)
+    stream = health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(service=name),
+                                                  timeout=timeout)
 
     def read() -> None:
         try:
@@ -585,7 +589,7 @@ def _watch(ch) -> tuple[grpc.Future, threading.Thread, list]:
 def run_seed(seed: int) -> None:
     run = Run(seed)
     rng, model = run.rng, run.model
-    _, watcher, watched = _watch(run.ch)
+    _, watcher, watched = watch_health(run.ch)
     try:
         for _ in range(rng.randint(15, 30)):
             if rng.random() < 0.7:

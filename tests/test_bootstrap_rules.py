@@ -22,6 +22,7 @@ from services.common.bootstrap import MAX_DETAILS_CHARS, MAX_HEALTH_NAME, _cappe
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.launcher import free_port
 from tests import test_bootstrap as tb
+from tests.test_bootstrap_differential import watch_health
 
 server, small_server = tb.server, tb.small_server  # the fixtures of test_bootstrap
 
@@ -742,24 +743,9 @@ def test_health_watches_are_counted_and_timed_as_their_clients_saw_them():
     none), CANCELLED, DEADLINE_EXCEEDED, INVALID_ARGUMENT for a name too long. With stop(0)
     gRPC cut open Watches (UNAVAILABLE, 1 run in ~8) before their end was sent: they are
     ended first, each on NOT_SERVING, as with a grace."""
-    import threading
 
     def watch(ch, name: str = "", timeout: float = 10):
-        seen: list = []
-        call = health_pb2_grpc.HealthStub(ch).Watch(
-            health_pb2.HealthCheckRequest(service=name), timeout=timeout)
-
-        def read() -> None:
-            try:
-                for m in call:
-                    seen.append(m.status)
-                seen.append("ended")
-            except grpc.RpcError as exc:
-                seen.append(exc.code().name)
-
-        t = threading.Thread(target=read, daemon=True)
-        t.start()
-        return call, t, seen
+        return watch_health(ch, name, timeout)
 
     ns, serving = (health_pb2.HealthCheckResponse.NOT_SERVING,
                    health_pb2.HealthCheckResponse.SERVING)
