@@ -224,20 +224,36 @@ def test_a_rating_whose_caller_gave_up_changes_nothing(svc, stub):
     import threading
     import time
 
+    from services.common.errors import DeadlineExceeded
+
     eid = stub.Store(pb.StoreRequest(namespace=NS, prompt="What is a KV cache?", answer="a"),
                      timeout=10).id
     release: list[threading.Event] = []
-    returned = threading.Semaphore(0)
+    ended = threading.Semaphore(0)
+    outcomes: list[BaseException | None] = []
     real_get = svc.cache.get
+    real = {"invalidate_id": svc.cache.invalidate_id, "verify": svc.cache.verify}
 
     def held_get(entry_id):
-        try:
-            release[-1].wait(10)
-            return real_get(entry_id)
-        finally:
-            returned.release()
+        release[-1].wait(10)
+        return real_get(entry_id)
+
+    def watched(name):
+        def call(*a, **kw):
+            try:
+                out = real[name](*a, **kw)
+                outcomes.append(None)
+                return out
+            except BaseException as exc:
+                outcomes.append(exc)
+                raise
+            finally:
+                ended.release()
+        return call
 
     svc.cache.get = held_get
+    for name in real:
+        setattr(svc.cache, name, watched(name))
     try:
         for call, req in ((stub.Invalidate, pb.InvalidateRequest(id=eid)),
                           (stub.Verify, pb.VerifyRequest(id=eid, verified=True))):
@@ -251,15 +267,18 @@ def test_a_rating_whose_caller_gave_up_changes_nothing(svc, stub):
             # wanted and the entry removed).
             time.sleep(0.6)
             release[-1].set()
-            # The handler goes on past the lookup (if gRPC ran it at all: a call whose
-            # deadline passed while queued may never reach it), to where it would write.
-            returned.acquire(timeout=5)
-            time.sleep(0.3)
+            # The handler goes on past the lookup to where it would write, and must refuse
+            # there (if gRPC ran it at all: a call whose deadline passed while queued may
+            # never reach it, and then nothing ends here).
+            if ended.acquire(timeout=5):
+                assert isinstance(outcomes[-1], DeadlineExceeded), outcomes[-1]
             e = real_get(eid)
             assert not e.verified and svc.cache.store.count() == 1
     finally:
         for r in release:
             r.set()
         svc.cache.get = real_get
+        for name, fn in real.items():
+            setattr(svc.cache, name, fn)
     assert stub.Verify(pb.VerifyRequest(id=eid, verified=True), timeout=10).verified
     assert stub.Invalidate(pb.InvalidateRequest(id=eid), timeout=10).removed == 1
