@@ -8,6 +8,8 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,3 +76,57 @@ def json_answers(procs: list[subprocess.Popen], what: str,
                 p.kill()
                 p.wait()
     return out
+
+
+# ---- kill points of the cache differentials' children (model_store, onnx_export) ----------
+
+def die() -> None:
+    """SIGKILL this process: a kill point of a child."""
+    os.kill(os.getpid(), signal.SIGKILL)
+    time.sleep(30)
+
+
+def saving(attrs: list[tuple[object, str]]) -> Callable[[], None]:
+    """Records each (module, attribute)'s value now; returns the undo that puts them back."""
+    saved = [(m, a, getattr(m, a)) for m, a in attrs]
+
+    def undo() -> None:
+        for m, a, v in saved:
+            setattr(m, a, v)
+
+    return undo
+
+
+def killable_remove_aside(kill: str | None) -> Callable[[Path, str], None]:
+    """`services.common.files.remove_aside` with its kill points: "aside-before", "aside-mid"
+    (inside its rmtree, after its rename: installed into `files` here) and "aside-after".
+    Returns the function to patch in where the module under test calls it; the caller's
+    `saving` covers `files.shutil`."""
+    from services.common import files as files_mod
+
+    real_aside = files_mod.remove_aside
+
+    class Shutil:  # remove_aside's rmtree, killed after its rename
+        def __getattr__(self, a):
+            return getattr(shutil, a)
+
+        @staticmethod
+        def rmtree(p, *a, **kw):
+            if kill == "aside-mid":
+                die()
+            return shutil.rmtree(p, *a, **kw)
+
+    def remove_aside(target, prefix) -> None:
+        if kill == "aside-before":
+            die()
+        real_aside(target, prefix)
+        if kill == "aside-after":
+            die()
+
+    files_mod.shutil = Shutil()
+    return remove_aside
+
+
+def lines_in(log: Path) -> int:
+    """How many lines a child log holds (each starter writes its pid): 0 before any."""
+    return len(log.read_text().split()) if log.exists() else 0

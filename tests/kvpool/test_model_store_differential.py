@@ -50,7 +50,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import stat
 import tempfile
 import time
@@ -58,7 +57,15 @@ from pathlib import Path
 
 from services.common import files as files_mod
 from services.common import model_store
-from tests.procs import CAN_READONLY, json_answers, python_child
+from tests.procs import (
+    CAN_READONLY,
+    die,
+    json_answers,
+    killable_remove_aside,
+    lines_in,
+    python_child,
+    saving,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = int(os.environ.get("TIERCACHE_MODEL_STORE_DIFF_SEEDS", "5"))
@@ -86,17 +93,12 @@ def fake_files(gguf: bytes, tv: str) -> dict[str, bytes]:
             "generation_config.json": b'{"eos_token_id": 2}'}
 
 
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(30)
-
-
 def install_fakes(gguf: Path, log: Path, kill: str | None = None, hold: float = 0.0,
                   started: Path | None = None):
     """Patches model_store for the stand-in conversion; returns the undo."""
-    saved = [(model_store, "_load_gguf"), (model_store, "packaged_gguf_path"),
-             (model_store, "fsync_path"), (model_store, "remove_aside"), (files_mod, "shutil")]
-    saved = [(m, a, getattr(m, a)) for m, a in saved]
+    undo = saving([(model_store, "_load_gguf"), (model_store, "packaged_gguf_path"),
+                  (model_store, "fsync_path"), (model_store, "remove_aside"),
+                  (files_mod, "shutil")])
     fsyncs = [0]
 
     class Model:
@@ -107,7 +109,7 @@ def install_fakes(gguf: Path, log: Path, kill: str | None = None, hold: float = 
             (Path(folder) / "config.json").write_bytes(out["config.json"])
             if kill == "weights-half":
                 (Path(folder) / WEIGHTS).write_bytes(out[WEIGHTS][: len(out[WEIGHTS]) // 2])
-                _die()
+                die()
             (Path(folder) / WEIGHTS).write_bytes(out[WEIGHTS])
 
     class Tokenizer:
@@ -115,7 +117,7 @@ def install_fakes(gguf: Path, log: Path, kill: str | None = None, hold: float = 
             out = fake_files(self.src, self.tv)
             (Path(folder) / "tokenizer.json").write_bytes(out["tokenizer.json"])
             if kill == "tokenizer":
-                _die()
+                die()
             for name in ("chat_template.jinja", "generation_config.json"):
                 (Path(folder) / name).write_bytes(out[name])
 
@@ -127,7 +129,7 @@ def install_fakes(gguf: Path, log: Path, kill: str | None = None, hold: float = 
         if hold:
             time.sleep(hold)  # holding the lock while others come to it
         if kill == "load":
-            _die()
+            die()
         import transformers
 
         m, t = Model(), Tokenizer()
@@ -135,40 +137,18 @@ def install_fakes(gguf: Path, log: Path, kill: str | None = None, hold: float = 
         m.tv = t.tv = transformers.__version__.split(".")[0]
         return m, t
 
-    real_fsync, real_aside = files_mod.fsync_path, files_mod.remove_aside
+    real_fsync = files_mod.fsync_path
 
     def fsync_path(p) -> None:
         fsyncs[0] += 1
         if kill == f"fsync-{fsyncs[0]}":
-            _die()
+            die()
         real_fsync(p)
-
-    class Shutil:  # remove_aside's rmtree, killed after its rename
-        def __getattr__(self, a):
-            return getattr(shutil, a)
-
-        @staticmethod
-        def rmtree(p, *a, **kw):
-            if kill == "aside-mid":
-                _die()
-            return shutil.rmtree(p, *a, **kw)
-
-    def remove_aside(target, prefix) -> None:
-        if kill == "aside-before":
-            _die()
-        real_aside(target, prefix)
-        if kill == "aside-after":
-            _die()
 
     model_store._load_gguf = load
     model_store.packaged_gguf_path = lambda: gguf
     model_store.fsync_path = fsync_path
-    model_store.remove_aside = remove_aside
-    files_mod.shutil = Shutil()
-
-    def undo() -> None:
-        for m, a, v in saved:
-            setattr(m, a, v)
+    model_store.remove_aside = killable_remove_aside(kill)
 
     return undo
 
@@ -289,9 +269,6 @@ def _leftovers(models: Path) -> list[str]:
                   if p.name.startswith((f".{NAME}.tmp-", f".{NAME}.old-")))
 
 
-def _conversions(log: Path) -> int:
-    return len(log.read_text().split()) if log.exists() else 0
-
 
 class Run:
     def __init__(self, seed: int, base: Path, children: bool = True) -> None:
@@ -356,19 +333,19 @@ class Run:
     # -- operations --
     def resolve_here(self) -> None:
         d, pre = self.m.decision(self.target), self.pre()
-        before = _conversions(self.log)
+        before = lines_in(self.log)
         got = model_store.resolve_model("smollm2", cache_dir=str(self.cache))
         assert got.path == str(self.target) and got.model_id == NAME, self.ctx()
-        self.check_after(d, _conversions(self.log) - before, pre)
+        self.check_after(d, lines_in(self.log) - before, pre)
 
     def load_here(self) -> None:
         d, pre = self.m.decision(self.target), self.pre()
-        before = _conversions(self.log)
+        before = lines_in(self.log)
         whole_if_reused = d == "reuse" and self.m.whole(self.target)
         failed: list[str] = []
         got, what = model_store.load_resolved("smollm2", str(self.cache), None,
                                               strict_loader(self.m.src, self.m.tv, failed))
-        n = _conversions(self.log) - before
+        n = lines_in(self.log) - before
         assert what == "loaded" and got.path == str(self.target), self.ctx()
         if d == "reuse":  # converted again once iff the folder did not load
             assert n == (0 if whole_if_reused else 1), (self.ctx(), n)
@@ -393,11 +370,11 @@ class Run:
         ops = [self.rng.choice(["resolve", "load"]) for _ in range(k)]
         self.trail[-1] += f"{ops}"
         needs_load = "load" in ops and not self.m.whole(self.target)
-        before = _conversions(self.log)
+        before = lines_in(self.log)
         procs = [_child(op, self.cache, self.gguf, self.log, self.tvs(), hold=0.2)
                  for op in ops]
         outs = _wait(procs, self.ctx())
-        n = _conversions(self.log) - before
+        n = lines_in(self.log) - before
         for o in outs:
             assert o == {"path": str(self.target)}, (self.ctx(), o)
         if d == "convert" or needs_load:
@@ -421,7 +398,7 @@ class Run:
         waiter = d == "convert" and self.rng.random() < 0.5
         self.trail[-1] += f"({op} killed at {kill}{', a waiter' if waiter else ''})"
         started = self.base / f"started-{len(self.trail)}"
-        before = _conversions(self.log)
+        before = lines_in(self.log)
         procs = [_child(op, self.cache, self.gguf, self.log, self.tvs(), kill=kill,
                         hold=0.3 if waiter else 0.0, started=started)]
         if waiter:
@@ -444,7 +421,7 @@ class Run:
                 self.m.pub = None
         else:
             assert waiter or self.pre() == pre, c
-        n = _conversions(self.log) - before
+        n = lines_in(self.log) - before
         if waiter:
             assert outs[1] == {"path": str(self.target)}, (c, outs[1])
             # the waiter took the lock once the killed one died, and converted iff needed
@@ -463,14 +440,14 @@ class Run:
         for p in modes:
             p.chmod(0o555)
         try:
-            before = _conversions(self.log)
+            before = lines_in(self.log)
             [out] = _wait([_child("resolve", self.cache, self.gguf, self.log, self.tvs(),
                                   readonly=True)], self.ctx())
         finally:
             for p, mode in modes.items():
                 p.chmod(mode)
         c = self.ctx()
-        assert _conversions(self.log) == before, c
+        assert lines_in(self.log) == before, c
         if out.get("path"):
             assert d in ("reuse", "either") and out["path"] == str(self.target), (c, out)
         else:

@@ -52,7 +52,6 @@ import json
 import os
 import random
 import shutil
-import signal
 import stat
 import tempfile
 import time
@@ -60,7 +59,15 @@ from pathlib import Path
 
 from services.common import files as files_mod
 from services.semantic import onnx_export
-from tests.procs import CAN_READONLY, json_answers, python_child
+from tests.procs import (
+    CAN_READONLY,
+    die,
+    json_answers,
+    killable_remove_aside,
+    lines_in,
+    python_child,
+    saving,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 SEEDS = int(os.environ.get("TIERCACHE_ONNX_EXPORT_DIFF_SEEDS", "8"))
@@ -82,17 +89,11 @@ def graph_bytes(weights: bytes, tokenizer: bytes, exporter: str) -> bytes:
     return (h.hexdigest().encode() * n)[:n]
 
 
-def _die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
-    time.sleep(30)
-
-
 def install_fakes(log: Path, kill: str | None = None, hold: float = 0.0,
                   started: Path | None = None):
     """Patches onnx_export for the stand-in export; returns the undo."""
-    saved = [(onnx_export, "_export"), (onnx_export, "fsync_path"),
-             (onnx_export, "remove_aside"), (files_mod, "shutil")]
-    saved = [(m, a, getattr(m, a)) for m, a in saved]
+    undo = saving([(onnx_export, "_export"), (onnx_export, "fsync_path"),
+                  (onnx_export, "remove_aside"), (files_mod, "shutil")])
 
     def export(spec, out: Path, exporter: str = "torchscript") -> None:
         with open(log, "a") as f:
@@ -102,17 +103,17 @@ def install_fakes(log: Path, kill: str | None = None, hold: float = 0.0,
         if hold:
             time.sleep(hold)
         if kill == "start":
-            _die()
+            die()
         d = Path(spec.model_dir)
         data = graph_bytes((d / "model.safetensors").read_bytes(),
                            (d / "tokenizer.json").read_bytes(), exporter)
         if kill == "onnx-half":
             (out / "model.onnx").write_bytes(data[: len(data) // 2])
-            _die()
+            die()
         (out / "model.onnx").write_bytes(data)
         shutil.copy2(d / "tokenizer.json", out / "tokenizer.json")
         if kill == "before-meta":
-            _die()
+            die()
         meta = {"fingerprint": spec.fingerprint(exporter), "weights": spec.weights_fingerprint(),
                 "exporter": exporter, "max_seq_length": spec.max_seq_length, "dim": spec.dim,
                 "pooling": spec.pooling, "normalize": spec.normalize,
@@ -123,38 +124,16 @@ def install_fakes(log: Path, kill: str | None = None, hold: float = 0.0,
                           for n in onnx_export.TOKENIZER_FILES}}
         (out / "meta.json").write_text(json.dumps(meta, indent=1))
 
-    real_fsync, real_aside = files_mod.fsync_path, files_mod.remove_aside
+    real_fsync = files_mod.fsync_path
 
     def fsync_path(p) -> None:  # after the rename: the cache folder
         if kill == "after-rename":
-            _die()
+            die()
         real_fsync(p)
-
-    class Shutil:  # remove_aside's rmtree, killed after its rename
-        def __getattr__(self, a):
-            return getattr(shutil, a)
-
-        @staticmethod
-        def rmtree(p, *a, **kw):
-            if kill == "aside-mid":
-                _die()
-            return shutil.rmtree(p, *a, **kw)
-
-    def remove_aside(target, prefix) -> None:
-        if kill == "aside-before":
-            _die()
-        real_aside(target, prefix)
-        if kill == "aside-after":
-            _die()
 
     onnx_export._export = export
     onnx_export.fsync_path = fsync_path
-    onnx_export.remove_aside = remove_aside
-    files_mod.shutil = Shutil()
-
-    def undo() -> None:
-        for m, a, v in saved:
-            setattr(m, a, v)
+    onnx_export.remove_aside = killable_remove_aside(kill)
 
     return undo
 
@@ -291,9 +270,6 @@ def _leftovers(root: Path, key: str) -> list[str]:
         if root.is_dir() else []
 
 
-def _exports(log: Path) -> int:
-    return len(log.read_text().split()) if log.exists() else 0
-
 
 class Run:
     def __init__(self, seed: int, base: Path, children: bool = True) -> None:
@@ -376,12 +352,12 @@ class Run:
         cur = self.m.current(want, side, exporter)
         pre = _snapshot(want)
         whole = self.m.whole(want, side, exporter)
-        before = _exports(self.log)
+        before = lines_in(self.log)
         if embed:
             got = embed_like(self.m.dirs[side], self.cache, exporter)
         else:
             got = onnx_export.ensure_onnx(self.m.dirs[side], self.cache, NAME, exporter=exporter)
-        n = _exports(self.log) - before
+        n = lines_in(self.log) - before
         c = self.ctx()
         if sure:
             assert got == want, (c, got, want)
@@ -417,10 +393,10 @@ class Run:
         self.trail[-1] += f"{ops}"
         pre = _snapshot(want)
         needs = cur == "no" or ("embed" in ops and not self.m.whole(want, side, exporter))
-        before = _exports(self.log)
+        before = lines_in(self.log)
         outs = _wait([_child(op, self.m.dirs[side], self.cache, exporter, self.log, hold=0.2)
                       for op in ops], self.ctx())
-        n = _exports(self.log) - before
+        n = lines_in(self.log) - before
         for o in outs:
             assert o == {"path": str(want)}, (self.ctx(), o)
         assert n == (1 if needs else 0), (self.ctx(), n)
@@ -446,7 +422,7 @@ class Run:
         self.trail[-1] += f"({op} killed at {kill}{', a waiter' if waiter else ''})"
         started = self.base / f"started-{len(self.trail)}"
         pre = _snapshot(want)
-        before = _exports(self.log)
+        before = lines_in(self.log)
         procs = [_child(op, self.m.dirs[side], self.cache, exporter, self.log, kill=kill,
                         hold=0.3 if waiter else 0.0, started=started)]
         if waiter:
@@ -459,7 +435,7 @@ class Run:
         c = self.ctx()
         assert outs[0] is None, (c, "not killed", outs[0])
         self.m.killed_left[want.name] = 2
-        n = _exports(self.log) - before
+        n = lines_in(self.log) - before
         if kill == "after-rename":
             assert self.m.whole(want, side, exporter), c
         elif kill in ("aside-mid", "aside-after") or (broken and kill != "aside-before"):
@@ -489,14 +465,14 @@ class Run:
         for p in modes:
             p.chmod(0o555)
         try:
-            before = _exports(self.log)
+            before = lines_in(self.log)
             [out] = _wait([_child("ensure", self.m.dirs[side], self.cache, exporter, self.log,
                                   readonly=True)], self.ctx())
         finally:
             for p, mode in modes.items():
                 p.chmod(mode)
         c = self.ctx()
-        assert _exports(self.log) == before, c
+        assert lines_in(self.log) == before, c
         if out.get("path"):
             assert cur in ("yes", "either") and (out["path"] == str(want) or not sure), (c, out)
         else:
