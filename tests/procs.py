@@ -130,3 +130,12 @@ def killable_remove_aside(kill: str | None) -> Callable[[Path, str], None]:
 def lines_in(log: Path) -> int:
     """How many lines a child log holds (each starter writes its pid): 0 before any."""
     return len(log.read_text().split()) if log.exists() else 0
+
+
+def wait_started(started: Path, proc: subprocess.Popen, timeout: float, what) -> None:
+    """Until a child has written `started` (it holds the cache's lock) or ended; past
+    `timeout` it hangs, and the assertion says `what`."""
+    t0 = time.monotonic()
+    while not started.exists() and proc.poll() is None:
+        assert time.monotonic() - t0 < timeout, what
+        time.sleep(0.01)

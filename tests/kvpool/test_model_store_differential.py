@@ -65,6 +65,7 @@ from tests.procs import (
     lines_in,
     python_child,
     saving,
+    wait_started,
 )
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -402,10 +403,7 @@ class Run:
         procs = [_child(op, self.cache, self.gguf, self.log, self.tvs(), kill=kill,
                         hold=0.3 if waiter else 0.0, started=started)]
         if waiter:
-            t0 = time.monotonic()
-            while not started.exists() and procs[0].poll() is None:
-                assert time.monotonic() - t0 < CHILD_TIMEOUT, self.ctx()
-                time.sleep(0.01)
+            wait_started(started, procs[0], CHILD_TIMEOUT, self.ctx())
             procs.append(_child("resolve", self.cache, self.gguf, self.log, self.tvs()))
         outs = _wait(procs, self.ctx())
         c = self.ctx()
