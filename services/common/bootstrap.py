@@ -323,16 +323,18 @@ def _too_large(context, service: str, short: str, size: int, limit: int) -> None
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _SENT_TOO_LARGE.format(size, limit))
 
 
-def _encoder(serialize, limit: int, context, service: str, short: str) -> Callable[[Any], Any]:
-    """A stream's messages serialized here (gRPC is given bytes), each checked against the
-    send limit (`_too_large`)."""
-    def encode(message):
-        data = message if serialize is None else serialize(message)
-        if len(data) > limit >= 0:
-            _too_large(context, service, short, len(data), limit)
-        return data
+def _encoded(message, serialize, limit: int, context, service: str, short: str):
+    """A response serialized here (gRPC is given bytes), checked against the send limit
+    (`_too_large`): every kind of method's, a stream's for each message."""
+    data = message if serialize is None else serialize(message)
+    if len(data) > limit >= 0:
+        _too_large(context, service, short, len(data), limit)
+    return data
 
-    return encode
+
+def _encoder(serialize, limit: int, context, service: str, short: str) -> Callable[[Any], Any]:
+    """`_encoded` for each message of one call's stream."""
+    return lambda message: _encoded(message, serialize, limit, context, service, short)
 
 
 def _cut_under(requests) -> bool:
@@ -528,9 +530,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 with bound_request_id(rid):
                     try:
                         resp = inner(request, context)
-                        data = resp if serialize is None else serialize(resp)
-                        if len(data) > limit >= 0:
-                            _too_large(context, service, short, len(data), limit)
+                        data = _encoded(resp, serialize, limit, context, service, short)
                         if parsed:
                             count(context, _finished_code(context), raw)
                         else:
