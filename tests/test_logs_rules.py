@@ -152,3 +152,31 @@ def test_a_closed_or_replaced_stream_is_no_terminal():
     closed.close()
     assert logs.isatty(closed) is False
     assert logs.isatty(object()) is False
+
+
+def test_past_the_key_bound_no_count_is_lost(caplog, fake_time):
+    """Keys are few, and a bound keeps them so: past 4,096 keys in one window the table was
+    cleared, and with it every key's count of lines left out, never said (a differential
+    review, tests/test_logs_differential.py)."""
+    t = thinned("tests.logs.bound", per_window=1, window_s=10.0)
+    with caplog.at_level(logging.INFO, logger="tests.logs.bound"):
+        assert t.allow(("svc", "Lookup", "NOT_FOUND"))
+        assert not t.allow(("svc", "Lookup", "NOT_FOUND"))
+        for i in range(4100):  # within the same second: no sweep meanwhile
+            assert t.allow(("peer", i))
+        t.flush()
+    assert [m.split(" between")[0] for m in left_out_lines(caplog)] == [
+        "svc/Lookup/NOT_FOUND: 1 more lines left out"]
+    caplog.clear()
+    # A key whose window is over, its count said by its next line as the table fills: once.
+    t = thinned("tests.logs.bound-over", per_window=1, window_s=0.5)
+    with caplog.at_level(logging.INFO, logger="tests.logs.bound-over"):
+        assert t.allow(("svc", "Store", "NOT_FOUND"))
+        assert not t.allow(("svc", "Store", "NOT_FOUND"))
+        for i in range(4096):
+            assert t.allow(("peer", i))
+        fake_time.advance(0.625)
+        assert t.allow(("svc", "Store", "NOT_FOUND"))
+        t.flush()
+    assert [m.split(" between")[0] for m in left_out_lines(caplog)] == [
+        "svc/Store/NOT_FOUND: 1 more lines left out"]

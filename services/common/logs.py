@@ -104,7 +104,10 @@ class Thinned:
             if w is None or now - w[0] >= self.window_s:
                 if w is not None:
                     self._say(key, w)
+                    del self._seen[key]
                 if len(self._seen) > 4096:  # keys are few; a bound all the same
+                    for k, v in self._seen.items():  # said first, not lost with the table
+                        self._say(k, v)
                     self._seen.clear()
                 self._seen[key] = w = [now, 0, 0, 0.0, 0.0]
             if w[1] < self.per_window:
