@@ -180,3 +180,23 @@ def test_past_the_key_bound_no_count_is_lost(caplog, fake_time):
         t.flush()
     assert [m.split(" between")[0] for m in left_out_lines(caplog)] == [
         "svc/Store/NOT_FOUND: 1 more lines left out"]
+
+
+def test_a_count_of_warnings_is_a_warning(caplog, fake_time):
+    """The orchestrator's degradations and the refused callers are thinned WARNINGs: their
+    count was an INFO line, unseen where TIERCACHE_LOG_LEVEL=WARNING showed the WARNINGs (an
+    outage's lines stopped at 10 with no word of the rest). Each says it at its lines' level."""
+    from services.common import bootstrap
+    from services.orchestrator import pipeline, server
+
+    for t in (pipeline._DEGRADED_LINES, server._WARM_FAILED_LINES, bootstrap._AUTH_LINES):
+        assert t.level == logging.WARNING
+    assert bootstrap._ERROR_LINES.level == logging.INFO  # "<method> ended <CODE>" lines
+    t = thinned("tests.logs.warning", per_window=1, window_s=10.0)
+    t.level = logging.WARNING
+    with caplog.at_level(logging.WARNING, logger="tests.logs.warning"):
+        assert t.allow(("replica r1", "UNAVAILABLE"))
+        assert not t.allow(("replica r1", "UNAVAILABLE"))
+        t.flush()
+    assert [(r.levelno, r.getMessage().split(" between")[0]) for r in caplog.records] == [
+        (logging.WARNING, "replica r1/UNAVAILABLE: 1 more lines left out")]

@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 _ERROR_LINES = Thinned(log)
 # Callers refused for their credential, one line per peer and code (thinned): only a counter
 # said so, and token guessing could not be traced to a peer. The credential is never logged.
-_AUTH_LINES = Thinned(log, per_window=3, window_s=60.0)
+_AUTH_LINES = Thinned(log, per_window=3, window_s=60.0, level=logging.WARNING)
 
 
 def _peer(context) -> str:

@@ -39,7 +39,9 @@ class Thinned:
     line, by any key's line a second or more later, by a background sweep of every instance
     (a flood that stopped was otherwise never counted: an outage's WARNINGs end with it), or
     by `flush_all` as the server stops. That line carries no request id (it was written under
-    whichever request's id was bound, unrelated to the lines it counts)."""
+    whichever request's id was bound, unrelated to the lines it counts), and is written at
+    `level`, that of the lines it counts (a count of WARNINGs at INFO went unseen where
+    TIERCACHE_LOG_LEVEL=WARNING showed the WARNINGs)."""
 
     SWEEP_S = 1.0
     _all: weakref.WeakSet[Thinned] = weakref.WeakSet()
@@ -47,8 +49,9 @@ class Thinned:
     _class_lock = threading.Lock()
 
     def __init__(self, logger: logging.Logger, per_window: int = 10,
-                 window_s: float = 10.0) -> None:
+                 window_s: float = 10.0, level: int = logging.INFO) -> None:
         self.log, self.per_window, self.window_s = logger, per_window, window_s
+        self.level = level
         # key -> [window start, lines, left out, first and last left out (Unix time)]
         self._seen: dict[tuple, list] = {}
         self._lock = threading.Lock()
@@ -92,8 +95,8 @@ class Thinned:
             return time.strftime("%H:%M:%S", time.gmtime(t))
 
         with bound_request_id(""):
-            self.log.info("%s: %d more lines left out between %s and %sZ",
-                     "/".join(map(str, key)), w[2], at(w[3]), at(w[4]))
+            self.log.log(self.level, "%s: %d more lines left out between %s and %sZ",
+                         "/".join(map(str, key)), w[2], at(w[3]), at(w[4]))
 
     def allow(self, key: tuple) -> bool:
         now = time.monotonic()

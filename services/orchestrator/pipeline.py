@@ -76,7 +76,7 @@ DISPATCH_ROUTES = counter("tiercache_orchestrator_dispatch_memory_routes_total",
 # Per-request WARNINGs of a dependency down (a tier skipped, a replica failed over): one per
 # request flooded the log while it lasted (76 lines in 16 s at 2 requests in flight with no
 # replica up); at most 10 per dependency and status every 10 s, then a count.
-_DEGRADED_LINES = Thinned(log)
+_DEGRADED_LINES = Thinned(log, level=logging.WARNING)
 
 # Semantic-tier INVALID_ARGUMENT details that blame the request's cache policy.
 _POLICY_FIELDS = ("tier", "threshold")

@@ -47,7 +47,7 @@ WARM_TOKENS = counter("tiercache_orchestrator_warmup_tokens_total",
                       "Prompt tokens of the background warm-up's prefills that succeeded: "
                       "computed (new on the replica) and cached (held there already)",
                       ("kind",))
-_WARM_FAILED_LINES = Thinned(log)
+_WARM_FAILED_LINES = Thinned(log, level=logging.WARNING)
 REAPED = counter("tiercache_orchestrator_streams_ended_at_deadline_total",
                  "Generate streams still under way a second past their deadline, ended from "
                  "outside: a client that stopped reading (its handler stuck sending), or a "
