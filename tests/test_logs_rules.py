@@ -200,3 +200,27 @@ def test_a_count_of_warnings_is_a_warning(caplog, fake_time):
         t.flush()
     assert [(r.levelno, r.getMessage().split(" between")[0]) for r in caplog.records] == [
         (logging.WARNING, "replica r1/UNAVAILABLE: 1 more lines left out")]
+
+
+def test_responses_refused_for_size_are_counted_as_warnings(caplog, fake_time):
+    """A response over the send limit is a thinned WARNING: it shared the "<method> ended
+    <CODE>" lines' INFO instance, so past 10 of them their count was an INFO line, unseen at
+    TIERCACHE_LOG_LEVEL=WARNING."""
+    import grpc
+
+    from services.common import bootstrap
+
+    class Context:
+        def abort(self, code, details):
+            raise grpc.RpcError(code, details)
+
+    key = ("svc-size-test", "Get")
+    bootstrap._TOO_LARGE_LINES._seen.pop(key, None)
+    with caplog.at_level(logging.WARNING, logger=bootstrap.log.name):
+        for _ in range(12):
+            with pytest.raises(grpc.RpcError):
+                bootstrap._too_large(Context(), *key, 5000, 2048)
+        bootstrap._TOO_LARGE_LINES.flush()
+    mine = [r for r in caplog.records if "Get" in r.getMessage()]
+    assert [r.levelno for r in mine] == [logging.WARNING] * 11
+    assert mine[-1].getMessage().startswith("svc-size-test/Get: 2 more lines left out")

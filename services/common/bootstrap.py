@@ -49,6 +49,8 @@ _ERROR_LINES = Thinned(log)
 # Callers refused for their credential, one line per peer and code (thinned): only a counter
 # said so, and token guessing could not be traced to a peer. The credential is never logged.
 _AUTH_LINES = Thinned(log, per_window=3, window_s=60.0, level=logging.WARNING)
+# Responses refused for size: WARNINGs, so their count is one too (_ERROR_LINES counts INFO).
+_TOO_LARGE_LINES = Thinned(log, level=logging.WARNING)
 
 
 def _peer(context) -> str:
@@ -317,7 +319,7 @@ def _too_large(context, service: str, short: str, size: int, limit: int) -> None
     """Refuse a response over the server's send limit (`max_message_bytes`) as gRPC does,
     RESOURCE_EXHAUSTED with its words, but before gRPC sees it: gRPC refused it after the
     handler had returned, and the call was counted OK (a stream's: CANCELLED)."""
-    if _ERROR_LINES.allow((service, short, "too large")):
+    if _TOO_LARGE_LINES.allow((service, short)):
         log.warning("%s: a response of %d bytes is over the server's limit of %d (refused "
                     "RESOURCE_EXHAUSTED)", short, size, limit)
     context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, _SENT_TOO_LARGE.format(size, limit))
