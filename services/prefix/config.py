@@ -30,7 +30,9 @@ class PrefixConfig:
     # burst long ago stops outranking steady use in TopPrefixes and LFU pruning. 0 = never.
     hit_half_life_seconds: float = 3600.0
     max_events: int = 65536  # events per PublishEvents batch (a resync sends one per block)
-    max_blocks: int = 65536  # blocks per batch, and per Match request
+    # Blocks per batch, and per Match request; lowered (said at start) to what one gRPC
+    # message carries at large block sizes (3,043 at 1,024 tokens a block).
+    max_blocks: int = 65536
     # Recompute every stored block's hash (Register's probe already refuses a replica hashing
     # with another key or model).
     verify_hashes: bool = False

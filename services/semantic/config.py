@@ -130,9 +130,10 @@ class SemanticConfig:
     # entries stored to never expire max_ttl_seconds, for good (setting it back to 0 does not
     # make them never expire again).
     default_ttl_seconds: int = 7 * 24 * 3600
-    # Longest TTL an entry may have (a longer one is cut to it). Lowered, it cuts the stored
-    # entries' TTLs at the next start for good: raising it again does not lengthen them (an
-    # answer expired under the cut was served again).
+    # Longest TTL an entry may have: a Store asking for longer is refused (INVALID_ARGUMENT
+    # on ttl_seconds). Lowered, it cuts the stored entries' TTLs at the next start for good:
+    # raising it again does not lengthen them (an answer expired under the cut was served
+    # again).
     max_ttl_seconds: int = 365 * 24 * 3600
     # Entries one namespace may hold; past it its least recently used go.
     max_entries_per_namespace: int = 200_000
