@@ -158,7 +158,8 @@ class OrchestratorConfig:
     # Client connections are closed (GOAWAY) after this long and clients reconnect: behind a
     # Kubernetes Service (balanced per connection) long-lived connections otherwise stay on
     # the pods that existed when they opened, and pods the HPA adds get no traffic. Streams
-    # under way finish (grace: request_timeout_s). 0 = never.
+    # under way finish (grace: request_timeout_s, at least 120 s: a Warm call's longest).
+    # 0 = never.
     max_connection_age_s: float = 300.0
 
     def check_paths(self) -> None:
