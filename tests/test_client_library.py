@@ -240,6 +240,44 @@ def test_a_replay_whose_progress_reader_is_gone_stops_sending():
     assert len(sent) <= 4, sent  # the workers in flight at most, not all 16
 
 
+def test_a_ctrl_c_while_the_sessions_are_submitted_stops_those_already_submitted(monkeypatch):
+    """A review (tests/test_replay_differential.py): the submits came before the handler, so
+    a Ctrl-C among them left the sessions already submitted sending at their times, and
+    their clients were never closed."""
+    sent: list[str] = []
+
+    class Client:
+        closed = False
+
+        def stream(self, messages, **kw):
+            if self.closed:
+                raise RuntimeError("TierCacheClient is closed: make a new one")
+            sent.append(messages[-1]["content"])
+            yield Chunk("ok", [], orchestrator_pb2.GenerateFinal())
+
+        def close(self):
+            self.closed = True
+
+    class Pool(ThreadPoolExecutor):
+        submitted = 0
+
+        def submit(self, *a, **kw):
+            if self.submitted == 2:  # the third session's submit: Ctrl-C
+                raise KeyboardInterrupt
+            self.submitted += 1
+            return super().submit(*a, **kw)
+
+    monkeypatch.setattr(replay_mod, "ThreadPoolExecutor", Pool)
+    reqs = [Request(at=2.0 + i, tenant="t0", session_id=f"s{i}", system_index=0, turn=0,
+                    question=f"q{i}?") for i in range(4)]
+    client = Client()
+    with pytest.raises(KeyboardInterrupt):
+        replay_mod.replay(Workload(WorkloadSpec(), {"t0": ["be brief"]}, reqs),
+                          {"t0": client}, concurrency=1, time_scale=0.05)
+    time.sleep(0.3)  # past the first two sessions' times (0.1 s, 0.15 s)
+    assert sent == [] and client.closed
+
+
 def test_a_status_before_the_final_message_is_raised_even_at_the_deadline(address):
     """Only a call ended at its deadline after its final message is whole: one cut at its
     deadline mid-answer raises, with the chunks that had arrived."""

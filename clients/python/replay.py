@@ -145,8 +145,10 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
     if time_scale > 0:  # sessions past the cap start when a worker is free (late)
         workers = max(workers, min(len(ordered), MAX_TIMED_SESSIONS))
     pool = ThreadPoolExecutor(max_workers=workers)
-    futures = [pool.submit(run_session, s) for s in ordered]
     try:
+        # Submitted under the handler: a Ctrl-C between two submits left the sessions already
+        # submitted sending at their times, with their clients never closed.
+        futures = [pool.submit(run_session, s) for s in ordered]
         # A session's own exception (its progress line's reader gone: a BrokenPipeError) ends
         # the run as Ctrl-C does: the others went on sending after `| head -1` had exited.
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
