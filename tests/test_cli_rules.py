@@ -156,6 +156,45 @@ def test_replay_on_a_terminal_ends_its_counter_line(fake, monkeypatch):
     assert err.getvalue().endswith("\r3/3 requests\n")
 
 
+def test_a_replay_stopped_by_ctrl_c_counts_no_more_on_its_ended_line(fake, monkeypatch):
+    """A review (tests/test_replay_differential.py): the calls Ctrl-C cancelled were still
+    counted after the CLI had ended the counter's line: "\r1/2 requests" came after it, and
+    the shell's prompt after that."""
+    import threading
+    import time
+
+    sent = threading.Event()
+    ended = threading.Event()
+
+    class Client(FakeClient):
+        closed = threading.Event()
+
+        def stream(self, messages, **kw):
+            sent.set()
+            try:
+                Client.closed.wait(5)  # in flight until Ctrl-C closes the clients
+                raise Refusal(grpc.StatusCode.CANCELLED, "Channel closed!")
+                yield
+            finally:
+                ended.set()
+
+        def close(self):
+            Client.closed.set()
+
+    def wait(fs, return_when):
+        sent.wait(5)
+        raise KeyboardInterrupt  # Ctrl-C once the request is in flight
+
+    err = Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+    monkeypatch.setattr(cli, "TierCacheClient", Client)
+    monkeypatch.setattr(replay_mod, "wait", wait)
+    assert cli.main(["replay", _trace(fake / "t.jsonl", 2)]) == 130
+    assert ended.wait(5)
+    time.sleep(0.2)  # the cancelled call's outcome recorded meanwhile
+    assert err.getvalue() == "\n", repr(err.getvalue())
+
+
 def test_replay_exits_1_when_a_request_failed_and_uses_each_tenants_token(fake, monkeypatch,
                                                                           capsys):
     tokens: dict[str, str | None] = {}

@@ -71,7 +71,9 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
     def record(o: Outcome) -> None:
         with lock:
             outcomes.append(o)
-            if progress:
+            # Not once stopped: the calls Ctrl-C cancelled were counted after the CLI had
+            # ended its counter's line.
+            if progress and not stopping.is_set():
                 progress(len(outcomes), total)
 
     def run_session(reqs: list[Request]) -> None:
@@ -160,6 +162,8 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
         for c in clients.values():
             c.close()
         pool.shutdown(wait=False, cancel_futures=True)
+        with lock:  # a progress line being written is done before the caller goes on
+            pass
         raise
     pool.shutdown()
     return outcomes
