@@ -119,10 +119,11 @@ class SemanticConfig:
     # from 0.85 to 0.91 for 10% of its recall; see benchmarks/results/semantic.json).
     guard_tiers: tuple[str, ...] = ("strict", "standard")
     # Tiers (among guard_tiers) whose hits must also pass the learned verifier (verifier.py):
-    # out-of-sample on QQP + PAWS it cuts the PAWS false-hit rate (strict 3.6% -> 2.5%, standard
-    # 4.7% -> 2.4%) and lifts standard-tier QQP precision 0.907 -> 0.914 (strict: 0.935 -> 0.933,
-    # within the fold-split spread), for 4% (strict, recall 0.102 -> 0.098) / 16% (standard) of
-    # the tiers' recall; see benchmarks/results/semantic.json and services/semantic/README.md.
+    # out-of-sample on QQP + PAWS (5-fold, folds grouped by shared sentences) it cuts the PAWS
+    # false-hit rate (strict 3.4% -> 2.0%, standard 4.3% -> 2.2%) and lifts standard-tier QQP
+    # precision 0.906 -> 0.918 (strict: 0.932 -> 0.931, within the fold-split spread), for 4%
+    # (strict, recall 0.102 -> 0.098) / 16% (standard, 0.180 -> 0.152) of the tiers' recall;
+    # see benchmarks/results/semantic.json and services/semantic/README.md.
     verifier_tiers: tuple[str, ...] = ("strict", "standard")
     # Weights of the verifier; "" = the committed services/semantic/verifier.json.
     verifier_path: str = ""
