@@ -714,11 +714,20 @@ def write_report(quick: bool, status: dict[str, dict] | None = None) -> Path:
             L += ["", f"![semantic precision-recall]({png})"]
         lat = sem.data.get("latency", {})
         if lat:
-            L += ["", _table(["entries", "index", "lookup p50 ms", "lookup p99 ms",
+            # lookup_p50/p99_ms exclude the server's embedding (the targets);
+            # lookup_embed_p50_ms is the whole round trip.
+            L += ["", _table(["entries", "index", "lookup p50 ms (excl. embedding)",
+                              "lookup p99 ms (excl. embedding)", "lookup p50 ms (with embedding)",
                               "recall@1 vs exact"],
                              [[k, v.get("index"), v.get("lookup_p50_ms"), v.get("lookup_p99_ms"),
-                               v.get("recall_at_1_vs_exact")] for k, v in lat.items()
-                              if isinstance(v, dict)])]
+                               v.get("lookup_embed_p50_ms"), v.get("recall_at_1_vs_exact")]
+                              for k, v in lat.items() if isinstance(v, dict)])]
+        runs = sem.data.get("part_runs") or {}
+        if runs:
+            # Parts kept from earlier runs may come from another host (`--parts`).
+            L += ["", "Parts of this file by run (`part_runs`): " + "; ".join(
+                f"{p} {r.get('at', '?')[:10]} on {r.get('cpu_model', '?')}"
+                for p, r in runs.items() if isinstance(r, dict)) + "."]
         zh = sem.data.get("chinese_stsb", {})
         if zh.get("verdict"):
             L += ["", f"Chinese (STS-B, {zh.get('pairs')} pairs): {zh['verdict']}"]

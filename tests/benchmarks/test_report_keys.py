@@ -148,3 +148,21 @@ def test_device_results_render_beside_the_cpu_ones_and_vanish_without_them(resul
         (results / name).unlink()
     text = _render(results, monkeypatch)
     assert "decode_speedup_in_process" not in text and "A decode step on" not in text
+
+
+def test_semantic_latency_table_says_what_the_figures_exclude(results, monkeypatch):
+    """lookup_p50/p99_ms exclude the server's embedding (the issue's targets); the table said
+    only "lookup p50 ms", and the parts' hosts (kept from runs on different machines) were
+    not shown."""
+    sem = json.loads((results / "semantic.json").read_text())
+    sem["latency"] = {"100000": {"index": "hnsw", "lookup_p50_ms": 1.25, "lookup_p99_ms": 2.5,
+                                 "lookup_embed_p50_ms": 4.5, "recall_at_1_vs_exact": 0.99}}
+    sem["part_runs"] = {"embed": {"at": "2026-12-03T14:03:12Z", "cpu_model": "AMD EPYC"},
+                        "latency": {"at": "2026-12-05T23:07:03Z", "cpu_model": "Intel Xeon"}}
+    (results / "semantic.json").write_text(json.dumps(sem))
+    text = _render(results, monkeypatch)
+    assert ("| entries | index | lookup p50 ms (excl. embedding) | lookup p99 ms (excl. "
+            "embedding) | lookup p50 ms (with embedding) | recall@1 vs exact |") in text
+    assert "| 100000 | hnsw | 1.25 | 2.5 | 4.5 | 0.99 |" in text
+    assert ("Parts of this file by run (`part_runs`): embed 2026-12-03 on AMD EPYC; latency "
+            "2026-12-05 on Intel Xeon.") in text
