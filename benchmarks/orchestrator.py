@@ -41,6 +41,7 @@ from services.launcher import Stack
 OUT = Path(__file__).resolve().parent / "results" / "orchestrator.json"
 MAX_TOKENS = 16  # answer tokens per request
 CONCURRENCY = 2  # requests in flight during the replay
+TIME_SCALE = 0.0  # the replay's pacing: 0 = back to back, arrival times not waited for
 FULL_SESSIONS = 16  # fresh sessions in the full workload (--sessions)
 TARGETS = {"prefix_hit_ratio_vs_round_robin": (">=", 1.5),
            "ttft_p50_speedup_vs_caches_off": (">=", 3.0),
@@ -236,6 +237,21 @@ def reuse_ceiling(spec: WorkloadSpec, max_tokens: int,
     return ceiling_ratio(reuse_rows(spec, max_tokens), served)
 
 
+def replay_settings(spec: WorkloadSpec, concurrency: int, max_tokens: int) -> dict:
+    """How the workload is replayed, recorded beside the figures: what the issue leaves open
+    (answer length, pacing) and where the replay departs from the generated trace."""
+    return {
+        "concurrency": concurrency, "max_tokens": max_tokens, "time_scale": TIME_SCALE,
+        "note": (f"Sessions are replayed back to back, at most {concurrency} requests in "
+                 "flight (time_scale 0): the workload's arrival times (base_rate, amplitude, "
+                 "period_s) and the 5 s between a session's turns are not waited for. Answers "
+                 f"are capped at {max_tokens} tokens. A paraphrased repeat is a one-turn "
+                 f"session; fresh sessions run {spec.turns} turns. Sessions draw their "
+                 f"system prompt by Zipf weights (s={spec.zipf_s}), so working_set's "
+                 "distinct_system_prompts may be fewer than tenants x prompts_per_tenant."),
+    }
+
+
 def median_run(runs: list[dict]) -> dict:
     """The run whose token hit ratio is the median (the lower middle one for an even count)."""
     ranked = sorted(runs, key=lambda r: r["prefix_hit_token_ratio"])
@@ -283,6 +299,7 @@ def run_variant(name: str, spec: WorkloadSpec, *, routing: str, caches: bool, nu
             sys.stdout.flush()
 
         out = replay(w, clients, concurrency=concurrency, max_tokens=max_tokens,
+                     time_scale=TIME_SCALE,
                      cache_policy=policy, progress=progress)
         print(flush=True)
         res = summarize(out, tuple(f"kvpool-{i}" for i in range(2)))
@@ -356,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         met = got is not None and (got >= v if op == ">=" else got <= v)
         targets[k] = {"target": f"{op} {v}", "value": got, "met": bool(met)}
     result = {"benchmark": "orchestrator", "quick": a.quick, "workload": spec.__dict__,
-              "working_set": ws, "num_blocks_per_replica": num_blocks, **ratios, **extra,
+              "replay": replay_settings(spec, concurrency, max_tokens), "working_set": ws,
+              "num_blocks_per_replica": num_blocks, **ratios, **extra,
               "targets": targets,
               "unbounded_cache_ceiling": ceiling, "tiercache": ours, "round_robin": rr,
               "caches_off": off, "repeats": repeat_summary(runs)}

@@ -50,3 +50,21 @@ def test_summaries_split_the_model_served_requests_by_route():
     assert s["prefix_hit_token_ratio"] == round(97 / 280, 4)
     rep = repeat_summary({"tiercache": [s], "round_robin": [s]})
     assert rep["tiercache"][0]["routes"] == s["routes"]
+
+
+def test_the_result_records_how_the_workload_was_replayed():
+    """orchestrator.json gave the workload's arrival-rate fields but not that the replay
+    ignores them, nor the answer length or concurrency the figures were measured at."""
+    from benchmarks.orchestrator import (
+        CONCURRENCY,
+        MAX_TOKENS,
+        TIME_SCALE,
+        full_spec,
+        replay_settings,
+    )
+
+    r = replay_settings(full_spec(), CONCURRENCY, MAX_TOKENS)
+    assert (r["concurrency"], r["max_tokens"], r["time_scale"]) == (2, 16, TIME_SCALE) == (
+        2, 16, 0.0)
+    assert "arrival times" in r["note"] and "not waited for" in r["note"]
+    assert "capped at 16 tokens" in r["note"] and "s=0.6" in r["note"]
