@@ -131,6 +131,12 @@ NOTES = {
                           "longest, from the cached answer (_bound_draft) or from it and the "
                           "sequence's own prompt and output so far (_bound, what prompt lookup "
                           "can use); no drafter using those sources needs fewer forwards.",
+    "near_pairs": "the target figures are over the near pairs: timed pairs whose served draft "
+                  "(the stored answer the tier chose for B) shares >= 50% of B's greedy "
+                  "no-draft tokens (multiset overlap). The issue names A's answer; the two "
+                  "differ where the tier drafted from another question's stored answer "
+                  "(near_pairs - near_pairs_draft_from_own_question pairs). Decided on B's "
+                  "answer and the draft, never on a timing.",
     "hindsight_ranking": "in replayed_speedup_by_ladder: the replica's drafting, except that "
                          "each re-alignment takes, of the draft positions after the context's "
                          "last token, the one that agrees longest with the known answer. Not a "

@@ -488,8 +488,12 @@ ASSISTED_RETIRED = {"forward_passes_per_token_ngram_oracle"}
 
 
 def assisted_notes(figs: dict, notes: dict) -> list[str]:
-    """What the unrelated-draft and bound figures mean, beside the table."""
+    """What the near pairs, the unrelated-draft and bound figures mean, beside the table."""
     out = []
+    if "near_pairs" in notes and "near_pairs" in figs:
+        out.append(f"near_pairs ({_f(figs.get('near_pairs'))}, "
+                   f"{_f(figs.get('near_pairs_draft_from_own_question'))} drafted from their own "
+                   f"A): {notes['near_pairs']}")
     if "unrelated_slowdown" in figs:
         line = (f"unrelated_slowdown {_f(figs.get('unrelated_slowdown'))} is wall time with an "
                 "unrelated draft over without any draft, as the issue defines it. Any draft "

@@ -166,3 +166,20 @@ def test_semantic_latency_table_says_what_the_figures_exclude(results, monkeypat
     assert "| 100000 | hnsw | 1.25 | 2.5 | 4.5 | 0.99 |" in text
     assert ("Parts of this file by run (`part_runs`): embed 2026-12-03 on AMD EPYC; latency "
             "2026-12-05 on Intel Xeon.") in text
+
+
+def test_assisted_near_pair_rule_is_said_beside_the_table(results, monkeypatch):
+    """The target subset is chosen by the served draft's share of B's tokens, which the issue
+    words as A's answer's share: the report says which, and how many drafts were A's own."""
+    from benchmarks.assisted import NOTES
+
+    asst = json.loads((results / "assisted.json").read_text())
+    asst["figures"].update(near_pairs=5, near_pairs_draft_from_own_question=4)
+    asst["notes"] = dict(NOTES)
+    (results / "assisted.json").write_text(json.dumps(asst))
+    text = _render(results, monkeypatch)
+    assert "near_pairs (5, 4 drafted from their own A): the target figures" in text
+    assert "The issue names A's answer" in text
+    asst.pop("notes")  # results written before the note: nothing claimed
+    (results / "assisted.json").write_text(json.dumps(asst))
+    assert "drafted from their own A" not in _render(results, monkeypatch)
