@@ -304,10 +304,13 @@ def plot_semantic(sem: Result, made: list[str]) -> str | None:
         ax.plot([c["recall_guard"] for c in curve], [c["precision_guard"] for c in curve],
                 label="cosine + guard")
     for name, t in sem.data["quality"].get("tiers", {}).items():
-        g = t.get("guard_on") or {}
+        # Each tier where it serves by default (its `default` row: the verifier's in the
+        # default config), not at its guard-only row.
+        g = t.get(t.get("default", "guard_on")) or {}
         if "qqp_recall" in g:
             ax.scatter([g["qqp_recall"]], [g["qqp_precision"]], zorder=3)
-            ax.annotate(f"{name} ({t.get('threshold')})", (g["qqp_recall"], g["qqp_precision"]),
+            ax.annotate(f"{name} ({t.get('threshold')}, served)",
+                        (g["qqp_recall"], g["qqp_precision"]),
                         fontsize=8, xytext=(4, 4), textcoords="offset points")
     ax.set_xlabel("recall (QQP duplicates)")
     ax.set_ylabel("precision")

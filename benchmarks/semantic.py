@@ -165,6 +165,26 @@ def _pr(sim: np.ndarray, guard_ok: np.ndarray, labels: np.ndarray, th: float,
     return prec, tp / max(1, int((labels == 1).sum())), tp, fp
 
 
+def _curve(qs: np.ndarray, qg: np.ndarray, ql: np.ndarray, ps: np.ndarray, pg: np.ndarray,
+           pl: np.ndarray, q_spell: np.ndarray, p_spell: np.ndarray) -> list[dict]:
+    """QQP precision/recall and the PAWS false-hit rate at thresholds 0.80-1.00, similarity
+    only and with the guard. Each point with the spelling check every tier applies before a
+    hit (`q_spell`/`p_spell`: True where it passes; the strict tier's stricter one is in its
+    row only): without it the curve sat above the tier rows plotted on it (0.9331 against
+    0.9316 at 0.97 with the guard)."""
+    curve = []
+    for th in np.round(np.arange(0.80, 1.0001, 0.005), 3):
+        pt = {"threshold": float(th)}
+        for g in (False, True):
+            prec, rec, _, _ = _pr(qs, qg & q_spell if g else q_spell, ql, th, True)
+            p0 = (ps >= th) & p_spell & (pg if g else True)
+            sfx = "_guard" if g else ""
+            pt["precision" + sfx], pt["recall" + sfx] = prec, rec
+            pt["paws_fhr" + sfx] = float(p0[pl == 0].mean())
+        curve.append(pt)
+    return curve
+
+
 def _norm(t: str) -> str:
     return re.sub(r"[^a-z0-9]+", " ", t.lower()).strip()
 
@@ -293,16 +313,7 @@ def bench_quality(emb: OnnxEmbedder, qqp, paws, cfg: SemanticConfig, png: Path |
     # QQP labels are noisy: non-duplicates that are the same text up to case and punctuation.
     same_text_nondup = sum(1 for a, b, y in qqp if y == 0 and _norm(a) == _norm(b))
     same_content_nondup = sum(1 for a, b, y in qqp if y == 0 and _content(a) == _content(b))
-    curve = []
-    for th in np.round(np.arange(0.80, 1.0001, 0.005), 3):
-        pt = {"threshold": float(th)}
-        for g in (False, True):
-            prec, rec, _, _ = _pr(qs, qg, ql, th, g)
-            p0 = (ps >= th) & (pg if g else True)
-            sfx = "_guard" if g else ""
-            pt["precision" + sfx], pt["recall" + sfx] = prec, rec
-            pt["paws_fhr" + sfx] = float(p0[pl == 0].mean())
-        curve.append(pt)
+    curve = _curve(qs, qg, ql, ps, pg, pl, *spelling[False])
     if png is not None:
         _plot(curve, tiers, png)
     return {

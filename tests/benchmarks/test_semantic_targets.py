@@ -38,3 +38,30 @@ def test_the_chinese_verdict_says_which_hits_its_wrong_share_counts():
             "(<= 2) are wrong (served precision 0.76; 0.56 with the pairs scored between "
             "counted wrong)") in v
     assert "26% of tokens as unknown" in v and "Spearman 0.46" in v
+
+
+def test_the_curve_counts_no_hit_the_spelling_check_refuses():
+    """The curve's points apply the spelling check every tier applies before a hit: without
+    it a pair the served cache refuses counted as a hit, and the curve sat above the tier
+    rows plotted on it."""
+    import numpy as np
+
+    from benchmarks.semantic import _curve
+
+    # Three QQP pairs at 0.99: a duplicate, a non-duplicate, and a non-duplicate whose
+    # spelling check fails; the guard passes all. Two PAWS non-paraphrases at 0.99, one
+    # refused by spelling.
+    qs, ql = np.array([0.99, 0.99, 0.99]), np.array([1, 0, 0])
+    ps, pl = np.array([0.99, 0.99]), np.array([0, 0])
+    ok3, ok2 = np.ones(3, bool), np.ones(2, bool)
+    curve = _curve(qs, ok3, ql, ps, ok2, pl, np.array([True, True, False]),
+                   np.array([True, False]))
+    at = {p["threshold"]: p for p in curve}
+    for sfx in ("", "_guard"):
+        assert at[0.99]["precision" + sfx] == 0.5
+        assert at[0.99]["recall" + sfx] == 1.0
+        assert at[0.99]["paws_fhr" + sfx] == 0.5
+    # the guard's refusals still count in the guard curve only
+    curve = _curve(qs, np.array([True, False, True]), ql, ps, ok2, pl, ok3, ok2)
+    at = {p["threshold"]: p for p in curve}
+    assert at[0.99]["precision_guard"] == 0.5 and at[0.99]["precision"] == 1 / 3
