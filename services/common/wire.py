@@ -26,44 +26,100 @@ def _varint(data: bytes, i: int) -> tuple[int, int]:
             raise ValueError("varint too long")
 
 
+# protobuf's own limit on nesting (messages and groups): it refuses a deeper message as
+# malformed, so the walk need not (and, on a recursive type, must not) go further.
+_MAX_DEPTH = 100
+
+
 def find_invalid_utf8(desc: Descriptor, data: bytes, prefix: str = "") -> str | None:
-    """Path of the first string field holding invalid UTF-8, or None if there is none."""
-    counts: dict[int, int] = {}
-    i = 0
+    """Path of the first string field holding invalid UTF-8, or None if there is none.
+
+    "First" in the order protobuf reads the bytes: None when something else it refuses comes
+    first (a length, varint or value cut by the end, field number 0, wire type 6 or 7, a
+    group without its end, nesting past its limit): that request is malformed, not one with a
+    bad string. Unknown fields (groups too) are skipped as protobuf skips them, and a
+    repeated field is indexed as in the parsed message (a singular submessage sent twice is
+    one message)."""
     try:
-        while i < len(data):
-            key, i = _varint(data, i)
-            num, wt = key >> 3, key & 7
-            if wt == 0:
-                _, i = _varint(data, i)
-            elif wt == 1:
-                i += 8
-            elif wt == 5:
-                i += 4
-            elif wt == 2:
-                n, i = _varint(data, i)
-                chunk, i = data[i : i + n], i + n
-                fd = desc.fields_by_number.get(num)
-                if fd is None:
-                    continue
-                name = prefix + fd.name
-                if fd.is_repeated:
-                    idx = counts.get(num, 0)
-                    counts[num] = idx + 1
-                    name += f"[{idx}]"
-                if fd.type == FieldDescriptor.TYPE_STRING:
-                    try:
-                        chunk.decode("utf-8")
-                    except UnicodeDecodeError:
-                        return name
-                elif fd.type == FieldDescriptor.TYPE_MESSAGE:
-                    if fd.message_type.GetOptions().map_entry:
-                        name = prefix + fd.name
-                    found = find_invalid_utf8(fd.message_type, chunk, name + ".")
-                    if found:
-                        return found
-            else:
-                return None
+        return _walk(desc, data, prefix, {}, 0)
     except ValueError:
         return None
+
+
+def _walk(desc: Descriptor, data: bytes, prefix: str, seen: dict, depth: int) -> str | None:
+    """`seen`: per field number, the elements of a repeated field counted so far, or the
+    `seen` of a singular submessage (shared by its copies, which protobuf merges)."""
+    if depth > _MAX_DEPTH:
+        raise ValueError("nested too deep")
+    i = 0
+    while i < len(data):
+        key, i = _tag(data, i, bool(desc.fields))
+        num, wt = key >> 3, key & 7
+        if wt != 2:
+            i = _skip(data, i, num, wt, depth)
+            continue
+        n, i = _varint(data, i)
+        if n > len(data) - i:
+            raise ValueError("length past the end")  # cut short: malformed, not a bad string
+        chunk, i = data[i : i + n], i + n
+        fd = desc.fields_by_number.get(num)
+        if fd is None or fd.type not in (FieldDescriptor.TYPE_STRING,
+                                         FieldDescriptor.TYPE_MESSAGE):
+            continue
+        if fd.containing_oneof is not None:  # setting a member clears the others
+            for other in fd.containing_oneof.fields:
+                if other.number != num:
+                    seen.pop(other.number, None)
+        name = prefix + fd.name
+        is_map = fd.type == FieldDescriptor.TYPE_MESSAGE and fd.message_type.GetOptions().map_entry
+        if fd.is_repeated and not is_map:
+            idx = seen.get(num, 0)
+            seen[num] = idx + 1
+            name += f"[{idx}]"
+        if fd.type == FieldDescriptor.TYPE_STRING:
+            try:
+                chunk.decode("utf-8")
+            except UnicodeDecodeError:
+                return name
+        else:
+            sub = {} if fd.is_repeated else seen.setdefault(num, {})
+            found = _walk(fd.message_type, chunk, name + ".", sub, depth + 1)
+            if found:
+                return found
     return None
+
+
+def _tag(data: bytes, i: int, has_fields: bool) -> tuple[int, int]:
+    key, i = _varint(data, i)
+    # protobuf accepts field number 0 in a message without fields (and only there)
+    if key >> 3 >= 2**29 or key > 0xFFFFFFFF or (key >> 3 == 0 and has_fields):
+        raise ValueError("bad field number")
+    return key, i
+
+
+def _skip(data: bytes, i: int, num: int, wt: int, depth: int) -> int:
+    """Index after the value of field `num` of wire type `wt` (not 2) starting at `i`."""
+    if wt == 0:
+        return _varint(data, i)[1]
+    if wt in (1, 5):
+        i += 8 if wt == 1 else 4
+        if i > len(data):
+            raise ValueError("truncated value")
+        return i
+    if wt == 3:  # a group (unknown to proto3, or a known field sent so): skipped whole
+        if depth + 1 > _MAX_DEPTH:
+            raise ValueError("nested too deep")
+        while True:
+            key, i = _tag(data, i, True)
+            if key & 7 == 4:
+                if key >> 3 != num:
+                    raise ValueError("end of another group")
+                return i
+            if key & 7 == 2:
+                n, i = _varint(data, i)
+                if n > len(data) - i:
+                    raise ValueError("length past the end")
+                i += n
+            else:
+                i = _skip(data, i, key >> 3, key & 7, depth + 1)
+    raise ValueError(f"wire type {wt}")  # 4: an end without its group; 6, 7: none
