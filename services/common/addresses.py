@@ -15,6 +15,7 @@ configuration can say, and `shard_fingerprint` lets a shard see when two sides d
 from __future__ import annotations
 
 import ipaddress
+import string
 from collections.abc import Iterable
 from hashlib import blake2b
 
@@ -27,30 +28,40 @@ def canonical_address(address: str) -> str:
 
     `dns:[//authority/]host:port`, `ipv4:` and `ipv6:` name the host:port after them (the
     authority is the DNS server asked, not the shard); other schemes (`xds:`) are kept.
+    Only ASCII letters are folded: DNS compares no others without regard to case (RFC 4343),
+    and `\u212a` (the Kelvin sign) folds to an ASCII `k`.
     """
-    a = address.strip()
+    stripped = a = address.strip()
     scheme, _, rest = a.partition(":")
     scheme = scheme.lower()
     if ":" in rest:  # else `dns:53` is the host "dns", port 53
         if scheme == "dns":
-            a = rest[2:].partition("/")[2] if rest.startswith("//") else rest
+            if rest.startswith("//"):
+                a = rest[2:].partition("/")[2]
+                if not a:  # dns://host:port: an authority and no host (gRPC refuses it)
+                    return stripped
+            else:
+                a = rest
         elif scheme in ("ipv4", "ipv6"):
             a = rest
         elif scheme == "xds":
             return a
     host, sep, port = a.rpartition(":")
     if not (sep and host and port.isascii() and port.isdigit()):
-        return a
+        return stripped
     if host.startswith("[") and host.endswith("]"):
         try:
             host = f"[{ipaddress.IPv6Address(host[1:-1]).compressed}]"
         except ValueError:
-            host = host.lower()
+            host = host.translate(_ASCII_LOWER)
     else:
-        host = host.lower()
+        host = host.translate(_ASCII_LOWER)
         if len(host) > 1 and host.endswith("."):
             host = host[:-1]  # the DNS root: "name." and "name" are the same fully qualified name
     return f"{host}:{int(port)}"
+
+
+_ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
 
 
 def shard_fingerprint(addresses: Iterable[str]) -> str:

@@ -321,7 +321,8 @@ def is_host_port(a: str, *, listen: bool = False, dialed: bool = False) -> bool:
     if any(c.isspace() or c in ",;" for c in host):
         return False
     if host.startswith(_GRPC_SCHEMES):
-        return not listen
+        # dns://x:1 reads x:1 as the DNS server and leaves no host ("no server name supplied")
+        return not listen and not (host.startswith("dns://") and "/" not in host[6:])
     if "/" in host:  # http://host:1, a path: no target gRPC reaches
         return False
     if ":" in host and (listen or dialed):
@@ -336,6 +337,9 @@ def _why_not(a: str) -> str:
         return (f"{a!r} is not host:port (no {scheme.group(1)}:// URL: host:port, or a gRPC "
                 "target such as dns:///host:port)")
     host = a.rpartition(":")[0]
+    if host.startswith("dns://") and "/" not in host[6:]:
+        return (f"{a!r} is not host:port (dns:///host:port, three slashes: dns://X/ names "
+                "X as the DNS server to ask)")
     if any(c in ",;" for c in host):
         # "a:1;b:2" got the IPv6 hint ("[a:1;b]:port"): a list in the wrong separator.
         return f"{a!r} is not host:port (one address per entry, entries separated by commas)"
