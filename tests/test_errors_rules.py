@@ -6,6 +6,7 @@ Err)."""
 from __future__ import annotations
 
 import grpc
+import pytest
 
 from services.common import errors
 from services.common.errors import (
@@ -62,3 +63,35 @@ def test_each_domain_error_is_its_own_status():
             errors.TierCacheError: "INTERNAL"}
     assert {cls: cls.code for cls in want} == want
     assert all(hasattr(grpc.StatusCode, code) for code in want.values())
+
+
+def test_a_non_ascii_status_message_is_capped_by_its_size_on_the_wire():
+    """gRPC percent-encodes a status message (3 bytes per UTF-8 byte outside printable
+    ASCII) and refuses trailers past 16 KiB: 2,048 emoji (24 KiB) reached the client as
+    RESOURCE_EXHAUSTED "Stream removed", naming no field. Cut, it arrives as sent."""
+    from concurrent import futures
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.common.bootstrap import _capped
+
+    class Refuse(health_pb2_grpc.HealthServicer):
+        def Check(self, request, context):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, _capped(request.service))
+
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    health_pb2_grpc.add_HealthServicer_to_server(Refuse(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            for text in ("\U0001f642" * 2048, "\u00e9" * 2048, "\u00e9" * 5000):
+                with pytest.raises(grpc.RpcError) as e:
+                    stub.Check(health_pb2.HealthCheckRequest(service=text), timeout=10)
+                assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+                kept = e.value.details().partition("...")[0]
+                assert kept and text.startswith(kept)
+                assert e.value.details().endswith(f"({len(text) - len(kept)} characters cut)")
+    finally:
+        server.stop(0)

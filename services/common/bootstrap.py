@@ -231,12 +231,28 @@ def channel_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[
 # then gets RESOURCE_EXHAUSTED naming no field. Messages repeat client values cut short
 # (errors.shown); this is the backstop for any that does not.
 MAX_DETAILS_CHARS = 2048
+# ... and at most this many bytes as gRPC sends it (percent-encoded: 3 bytes for each UTF-8
+# byte outside printable ASCII, and for "%"): 2,048 emoji were 24 KiB of trailers, past gRPC's
+# hard limit (16 KiB; between 8 and 16 it refuses some at random), and the client got
+# RESOURCE_EXHAUSTED "Stream removed" instead. 6 KiB leaves room for the other trailers.
+MAX_DETAILS_WIRE_BYTES = 6144
+
+
+def _wire_bytes(c: str) -> int:
+    return 1 if " " <= c <= "~" and c != "%" else 3 * len(c.encode("utf-8", "replace"))
 
 
 def _capped(details: str) -> str:
-    if len(details) <= MAX_DETAILS_CHARS:
+    if len(details) <= MAX_DETAILS_CHARS and \
+            sum(map(_wire_bytes, details)) <= MAX_DETAILS_WIRE_BYTES:
         return details
-    return f"{details[:MAX_DETAILS_CHARS]}... ({len(details) - MAX_DETAILS_CHARS} characters cut)"
+    keep = size = 0
+    for c in details[:MAX_DETAILS_CHARS]:
+        size += _wire_bytes(c)
+        if size > MAX_DETAILS_WIRE_BYTES - 64:  # room for what says how much was cut
+            break
+        keep += 1
+    return f"{details[:keep]}... ({len(details) - keep} characters cut)"
 
 
 def _status_code(name: str) -> grpc.StatusCode:
