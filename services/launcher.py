@@ -18,7 +18,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -294,6 +295,55 @@ def _temporary_db(path: str | None) -> str | None:
     return None
 
 
+class StopSignals:
+    """The launcher's stop signals (SIGINT, SIGTERM, SIGHUP, SIGQUIT): the first one asks for
+    the stop (`asked`), later ones change nothing. It is raised as KeyboardInterrupt only
+    inside `interrupting` (where the launcher waits), and there not while `held` (a child
+    between its fork and its place in `Stack.procs`): then as the hold ends. A signal raised
+    wherever it came left a child just forked out of the stop, skipped the stop when it came
+    as the stop began, and escaped `main` (no exit code) or turned exit 1 into 0 when it came
+    while a failure was reported."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT)
+
+    def __init__(self) -> None:
+        self.asked = False
+        self._raising = False
+        self._held = 0
+
+    def install(self) -> None:
+        for sig in self.SIGNALS:
+            signal.signal(sig, self._handle)
+
+    def _handle(self, *_: object) -> None:
+        if not self.asked:
+            self.asked = True
+            if self._raising and not self._held:
+                raise KeyboardInterrupt
+
+    @contextmanager
+    def interrupting(self) -> Iterator[None]:
+        """A stop asked for before or inside the block is raised in it."""
+        self._raising = True
+        try:
+            if self.asked:
+                raise KeyboardInterrupt
+            yield
+        finally:
+            self._raising = False
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        """A stop asked for inside the block is raised only as it ends."""
+        self._held += 1
+        try:
+            yield
+        finally:
+            self._held -= 1
+        if self.asked and self._raising and not self._held:
+            raise KeyboardInterrupt
+
+
 @dataclass
 class Stack:
     """The whole local stack."""
@@ -304,6 +354,7 @@ class Stack:
     extra_env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
     _tmp_db: str | None = None  # a temporary semantic database's folder, deleted at stop
+    signals: StopSignals | None = None  # the launcher's: a stop waits for a child's start
 
     def port(self, offset: int) -> int:
         return free_port() if self.base_port == 0 else self.base_port + offset
@@ -346,9 +397,10 @@ class Stack:
     def _start(self, name: str, port: int, env: dict[str, str], key: str | None = None
                ) -> ServiceProcess:
         self._check_port(port, key or name)
-        p = ServiceProcess(name, port, env, log_path=self.log_dir / f"{key or name}.log",
-                           key=key or name).start()
-        self.procs[key or name] = p
+        with self.signals.held() if self.signals else nullcontext():
+            p = ServiceProcess(name, port, env, log_path=self.log_dir / f"{key or name}.log",
+                               key=key or name).start()
+            self.procs[key or name] = p  # before a stop signal may be raised: it stops p
         return p
 
     def _check_port(self, port: int, what: str = "") -> None:
@@ -496,43 +548,36 @@ def main(argv: list[str] | None = None) -> int:
         prune_pid_logs(logs)
     if a.base_port != 50051:
         logs = logs / (f"port-{a.base_port}" if a.base_port else f"pid-{os.getpid()}")
-    stack = Stack(replicas=a.replicas, base_port=a.base_port, log_dir=logs)
+    stop = StopSignals()
+    stack = Stack(replicas=a.replicas, base_port=a.base_port, log_dir=logs, signals=stop)
     converted = not model_to_convert(os.environ)
     print(f"Starting TierCache ({', '.join(s for s in SERVICES if service_exists(s))}); "
           f"logs in {stack.log_dir}"
           + ("" if converted else " (the first start converts the model: about 30-60 s)"),
           flush=True)
-    stopping = False
-
-    def _stop(*_: object) -> None:
-        nonlocal stopping
-        if not stopping:
-            stopping = True
-            raise KeyboardInterrupt
-
     # A closed terminal (SIGHUP) or SIGQUIT too: the children run in their own sessions and
     # would outlive the launcher (and hold the ports of the next `make run`). SIGINT as well:
     # started in the background by a script, it arrives ignored (the shell's rule for `&`),
     # and a supervisor's `kill -INT` stopped nothing.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
-        signal.signal(sig, _stop)
+    stop.install()
     try:
-        stack.start()
-        dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
-        if dead:  # each was waited for in turn: an earlier one may have died meanwhile
-            notes = "; ".join(stack.procs[k].exit_note() for k in dead)
-            raise RuntimeError(f"service(s) exited during start: {notes}")
-        orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
-        grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
-        print(f"""
+        with stop.interrupting():  # a stop signal raises KeyboardInterrupt only in here
+            stack.start()
+            dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
+            if dead:  # each was waited for in turn: an earlier one may have died meanwhile
+                notes = "; ".join(stack.procs[k].exit_note() for k in dead)
+                raise RuntimeError(f"service(s) exited during start: {notes}")
+            orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
+            grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+            print(f"""
 TierCache is up{tls_note()}. Orchestrator: {orch}
   CLI:      .venv/bin/tiercache{cli_transport()} --address {orch} chat "What is a KV cache?"
             .venv/bin/tiercache{cli_transport()} --address {orch} stats
   grpcurl:  {grpcurl} {grpcurl_transport()} -d '{EXAMPLE_JSON}' \\
               {orch} tiercache.v1.Orchestrator/Generate
 Ctrl-C stops everything.""", flush=True)
-        while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):
-            time.sleep(1.0)
+            while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):
+                time.sleep(1.0)
         dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
         notes = "; ".join(stack.procs[k].exit_note() for k in dead)
         print(f"service(s) exited: {notes}; see {stack.log_dir}", file=sys.stderr)
@@ -545,7 +590,7 @@ Ctrl-C stops everything.""", flush=True)
         return 1
     finally:
         # A second Ctrl-C (or a SIGTERM, SIGHUP) must not cut the orderly stop short.
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        for sig in StopSignals.SIGNALS:
             signal.signal(sig, signal.SIG_IGN)
         started = bool(stack.procs)
         stack.stop()

@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,9 @@ def test_the_wait_before_sigkill_is_bounded(monkeypatch):
     assert proc.waits[0] == 615.0
 
 
-def _main(monkeypatch, start, argv=("--base-port", "0")) -> int:
-    """`launcher.main` with `start` for Stack.start, nothing pruned, converted or signalled."""
+def _main(monkeypatch, start, argv=("--base-port", "0")) -> int | str:
+    """`launcher.main` with `start` for Stack.start, nothing pruned, converted or signalled
+    (a KeyboardInterrupt leaving it is a failed assertion, not the end of the session)."""
     monkeypatch.setattr(Stack, "start", start)
     monkeypatch.setattr(launcher, "model_to_convert", lambda env: False)
     monkeypatch.setattr(launcher, "prune_pid_logs", lambda logs: [])
@@ -117,6 +119,8 @@ def _main(monkeypatch, start, argv=("--base-port", "0")) -> int:
                                                signal.SIGQUIT)}
     try:
         return launcher.main(list(argv))
+    except KeyboardInterrupt:
+        return "KeyboardInterrupt left main"
     finally:
         for s, h in saved.items():
             signal.signal(s, h)
@@ -264,3 +268,98 @@ def test_free_ports_are_free_distinct_and_under_the_ephemeral_range(monkeypatch)
     monkeypatch.setattr(launcher, "_ephemeral_range", lambda: (launcher._BELOW_EPHEMERAL, 60999))
     fallback = [launcher.free_port() for _ in range(5)]
     assert len(set(fallback) | set(ports)) == 45 and all(p > 0 for p in fallback)
+
+
+def test_a_stop_signal_right_after_a_childs_fork_stops_that_child_too(monkeypatch, tmp_path):
+    """A SIGTERM handled between a child's fork and its place in `Stack.procs` was raised
+    there: that child was left out of the stop, running after `main` returned."""
+    real_popen, children = subprocess.Popen, []
+
+    def popen(cmd, **kw):
+        child = real_popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                           stdout=kw["stdout"], stderr=kw["stderr"], start_new_session=True)
+        children.append(child)
+        if len(children) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)  # handled before Popen has returned
+        return child
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    monkeypatch.setattr(launcher, "ROOT", tmp_path)
+    monkeypatch.setattr(launcher, "semantic_db_env", lambda port, env: {})
+    try:
+        assert _main(monkeypatch, Stack.start, ("--base-port", "0", "--replicas", "1")) == 0
+        assert len(children) == 2 and [c.poll() for c in children] == [-signal.SIGTERM] * 2
+    finally:
+        for c in children:
+            c.kill()
+            c.wait()
+
+
+class _SignalsSending:
+    """The `signal` module, sending `sig` to this process once `when(signum, handler)` holds
+    for a handler being installed."""
+
+    def __init__(self, sig, when) -> None:
+        self.sig, self.when, self.sent = sig, when, False
+
+    def __getattr__(self, name):
+        return getattr(signal, name)
+
+    def signal(self, signum, handler):
+        old = signal.signal(signum, handler)
+        if not self.sent and self.when(signum, handler):
+            self.sent = True
+            os.kill(os.getpid(), self.sig)
+        return old
+
+
+@pytest.mark.parametrize(("moment", "code"), [
+    # as the stop begins (SIGINT ignored, SIGTERM not yet): the stop was skipped entirely
+    ("stop", 1),
+    # once the handlers are in place, before the start: KeyboardInterrupt left `main`
+    ("installed", 0),
+])
+def test_a_stop_signal_as_the_handlers_change_neither_skips_the_stop_nor_escapes(
+        monkeypatch, moment, code):
+    stopped = []
+
+    def start(self):
+        raise RuntimeError("prefix (127.0.0.1:1) exited with 2")
+
+    def when(signum, handler) -> bool:
+        if moment == "stop":
+            return signum == signal.SIGINT and handler == signal.SIG_IGN
+        return signum == signal.SIGQUIT and callable(handler)
+
+    monkeypatch.setattr(launcher, "signal", _SignalsSending(signal.SIGTERM, when))
+    monkeypatch.setattr(Stack, "stop", lambda self: stopped.append(True))
+    assert _main(monkeypatch, start) == code
+    assert stopped == [True]
+
+
+@pytest.mark.parametrize("failure", ["failed to start", "service(s) exited"])
+def test_a_stop_signal_while_a_failure_is_reported_keeps_exit_1(monkeypatch, failure):
+    """A SIGINT handled just after the failure was printed left `main` as KeyboardInterrupt
+    (no exit code; after "failed to start") or turned its exit 1 into 0 ("stopping ...",
+    after "service(s) exited")."""
+    stopped = []
+
+    def start(self):
+        if failure == "failed to start":
+            raise RuntimeError("prefix (127.0.0.1:1) exited with 2")
+        p = ServiceProcess("kvpool", 1, key="kvpool-0")
+        p.proc = _DiesLater()
+        self.procs = {"kvpool-0": p, "orchestrator": ServiceProcess("orchestrator", 2)}
+        self.procs["orchestrator"].proc = _Running()
+        return self
+
+    def say(*args, **kw):
+        print(*args, **kw)
+        if failure in " ".join(map(str, args)):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(launcher, "print", say, raising=False)
+    monkeypatch.setattr(launcher, "time", types.SimpleNamespace(sleep=lambda s: None))
+    monkeypatch.setattr(Stack, "stop", lambda self: stopped.append(True))
+    assert _main(monkeypatch, start) == 1
+    assert stopped == [True]
