@@ -199,9 +199,14 @@ class ServiceProcess:
         env[PARENT_PID_ENV] = str(os.getpid())  # the service stops if this process dies
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self._log_offset = out.tell() if self.log_path else 0
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", f"services.{self.name}", *self.args], cwd=ROOT, env=env,
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", f"services.{self.name}", *self.args], cwd=ROOT, env=env,
+                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        finally:
+            # The child has its own descriptor: the launcher's copy stayed open, one per child.
+            if self.log_path:
+                out.close()
         return self
 
     def wait(self, timeout: float = 180.0) -> ServiceProcess:

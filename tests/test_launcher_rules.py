@@ -4,6 +4,7 @@ sessions and reaping, the stop's time bound, the exit codes."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -11,6 +12,7 @@ import socket
 import subprocess
 import sys
 import types
+import warnings
 from pathlib import Path
 
 import pytest
@@ -89,6 +91,37 @@ def test_a_service_runs_in_its_own_session_and_watches_the_launcher(monkeypatch,
     assert seen["start_new_session"] is True
     assert seen["env"][launcher.PARENT_PID_ENV] == str(os.getpid())
     assert seen["env"]["TIERCACHE_PREFIX_ADDRESS"] == "127.0.0.1:1234"
+
+
+def test_the_launcher_keeps_no_copy_of_a_childs_log_file(monkeypatch, tmp_path):
+    """The child writes its log through its own descriptor; the launcher's copy was left to
+    the garbage collector to close."""
+    fds = Path("/proc/self/fd")
+
+    def open_logs() -> list[str]:
+        out = []
+        for fd in fds.iterdir():
+            try:
+                target = os.readlink(fd)
+            except OSError:
+                continue
+            if target.startswith(str(tmp_path)):
+                out.append(target)
+        return out
+
+    real_popen = subprocess.Popen
+    # a small child in place of the service: only the launcher's descriptors are looked at
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, **kw: real_popen(
+        [sys.executable, "-c", "print('child', flush=True)"], **kw))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", ResourceWarning)
+        p = ServiceProcess("prefix", 1, log_path=tmp_path / "p.log").start()
+        gc.collect()
+    # left to the garbage collector, the copy was closed with a warning ("unclosed file")
+    assert not [w for w in caught if issubclass(w.category, ResourceWarning)]
+    p.proc.wait(10)
+    assert open_logs() == []
+    assert (tmp_path / "p.log").read_text() == "child\n"
 
 
 def test_a_killed_service_is_reaped_before_kill_returns():
