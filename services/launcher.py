@@ -213,9 +213,13 @@ class ServiceProcess:
         assert self.proc is not None
         try:
             wait_healthy(self.address, timeout, self.proc, {**os.environ, **self.env})
-        except RuntimeError:
+        except (RuntimeError, TimeoutError) as e:
             if self.proc.poll() is None:
-                raise
+                if not isinstance(e, TimeoutError):
+                    raise
+                # "127.0.0.1:47102 not SERVING after 600s" named no service either
+                raise TimeoutError(f"{self.key or self.name} ({self.address}) not SERVING "
+                                   f"after {timeout:.0f}s") from None
             # "process for 127.0.0.1:47102 exited with 2" named neither the service nor why:
             # the reason is in its log, one file among several.
             raise RuntimeError(self.exit_note()) from None

@@ -440,7 +440,7 @@ def expected_failure(sc: Scenario, world: World) -> tuple[str, list[str]]:
             return "start", words + ([f"exited with {c.code}: {c.problem}"] if c.problem
                                      else [])
         if c.kind == "never":
-            return "start", [f"failed to start: {child.address} not SERVING after "]
+            return "start", [f"failed to start: {k} ({child.address}) not SERVING after "]
     dying = [ch for ch in world.children if sc.children[ch.key].kind == "dies"]
     if not dying:
         return "none", ["(no failure in this scenario)"]
@@ -491,7 +491,7 @@ def check(sc: Scenario, world: World, got: object) -> list[str]:
         if fails:
             failing = [ch for ch in world.children if sc.children[ch.key].kind != "ok"]
             if not any(f"{ch.key} ({ch.address}) exited with " in fails[0][3]
-                       or f"{ch.address} not SERVING" in fails[0][3] for ch in failing) \
+                       or f"{ch.key} ({ch.address}) not SERVING" in fails[0][3] for ch in failing) \
                     and not sc.taken:
                 bad.append(f"failure line {fails[0][3]!r} names no failing child")
             for w in expected_failure(sc, world)[1]:

@@ -396,3 +396,26 @@ def test_a_stop_signal_while_a_failure_is_reported_keeps_exit_1(monkeypatch, fai
     monkeypatch.setattr(Stack, "stop", lambda self: stopped.append(True))
     assert _main(monkeypatch, start) == 1
     assert stopped == [True]
+
+
+def test_a_service_never_ready_is_named_and_one_that_died_at_the_end_gives_its_exit(
+        monkeypatch, tmp_path):
+    """A child still running at the end of the wait is named with its address ("127.0.0.1:P
+    not SERVING after 600s" named no service, unlike an exit); one that exited in the wait's
+    last moments is reported by its exit, not as not ready."""
+    def timed_out(address, timeout, proc, env):
+        raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s")
+
+    monkeypatch.setattr(launcher, "wait_healthy", timed_out)
+    p = ServiceProcess("kvpool", 1234, key="kvpool-1")
+    p.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with pytest.raises(TimeoutError,
+                           match=r"^kvpool-1 \(127\.0\.0\.1:1234\) not SERVING after 7s$"):
+            p.wait(7.0)
+    finally:
+        p.kill()
+    p.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    p.proc.wait(10)
+    with pytest.raises(RuntimeError, match=r"^kvpool-1 \(127\.0\.0\.1:1234\) exited with 3"):
+        p.wait(7.0)
