@@ -93,7 +93,10 @@ class KvStore:
         kept)."""
         if num_tokens <= self.capacity:
             return
-        cap = self._rung(max(num_tokens, min(self.capacity * 2, self.max_context)))
+        # The smallest rung that holds them, not the one that holds twice the rows: the rung
+        # above the rows' own is at most twice it anyway, and where rounding to blocks makes a
+        # rung more than half the next, doubling first skipped one (3,000 / 16: 384 -> 1,504).
+        cap = self._rung(num_tokens)
         # Zeros, not empty(): masked-out positions are still multiplied by 0 in attention, and
         # uninitialised memory may hold NaN (0 * NaN = NaN).
         rows = torch.zeros(self.num_layers, 2, self.max_rows, self.kv_heads, cap, self.head_dim,

@@ -46,3 +46,16 @@ def test_growing_rows_keep_what_every_row_holds() -> None:
     s.ensure_capacity(16)
     assert torch.equal(s.rows[..., :4, :], before)
     assert not s.rows[..., 4:, :].any()
+
+
+def test_rows_grow_to_the_next_rung_where_the_ladder_is_not_powers_of_two() -> None:
+    """Rows asked for one token more than a rung grew to the smallest rung holding twice
+    that rung, past the one holding what was asked, wherever rounding to blocks makes a
+    rung more than half the next (max_context 3,000, block 16: 384 -> 1,504, not 752).
+    Here the ladder of 36 is 36, 20, 12, 8, 4: from 12, 13 tokens take 20, not 36."""
+    s = rows_of(12, max_context=36)
+    assert s.capacity == 12
+    s.ensure_capacity(13)
+    assert s.capacity == 20
+    s.ensure_capacity(21)
+    assert s.capacity == 36
