@@ -7,7 +7,7 @@ nesting past protobuf's limit."""
 from __future__ import annotations
 
 from google.protobuf import struct_pb2
-from tiercache.v1 import orchestrator_pb2, semantic_pb2
+from tiercache.v1 import kvpool_pb2, orchestrator_pb2, prefix_pb2, semantic_pb2
 
 from services.common.wire import find_invalid_utf8
 
@@ -92,3 +92,22 @@ def _varint_bytes(n: int) -> bytes:
         out.append(n & 0x7F | 0x80)
         n >>= 7
     return bytes(out + bytes([n]))
+
+
+def test_a_packed_field_cut_mid_value_before_the_bad_string_is_malformed():
+    """protobuf reads a packed repeated scalar's values and refuses one cut short ("Wire
+    format was corrupt") before the bad string after it: token_ids cut mid-varint, a packed
+    double of 3 bytes. An empty or whole packed payload is walked past."""
+    match = prefix_pb2.MatchRequest.DESCRIPTOR
+    for packed in (_ld(3, b"\x80"), _ld(3, b"\x01\xff")):
+        assert find_invalid_utf8(match, packed + _ld(1, b"\xff")) is None
+    for packed in (_ld(3, b""), _ld(3, b"\x01\xff\x01")):
+        assert find_invalid_utf8(match, packed + _ld(1, b"\xff")) == "model_id"
+    stats = kvpool_pb2.KvStatsResponse.DESCRIPTOR
+    costs = stats.fields_by_name["draft_forward_costs"].number
+    name = next(f for f in stats.fields if f.type == f.TYPE_STRING)
+    def doubles(n: int) -> bytes:  # field 27: a two-byte tag
+        return _varint_bytes(costs << 3 | 2) + bytes([n]) + b"\x00" * n
+
+    assert find_invalid_utf8(stats, doubles(3) + _ld(name.number, b"\xff")) is None
+    assert find_invalid_utf8(stats, doubles(8) + _ld(name.number, b"\xff")) == name.name

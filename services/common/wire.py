@@ -35,11 +35,11 @@ def find_invalid_utf8(desc: Descriptor, data: bytes, prefix: str = "") -> str | 
     """Path of the first string field holding invalid UTF-8, or None if there is none.
 
     "First" in the order protobuf reads the bytes: None when something else it refuses comes
-    first (a length, varint or value cut by the end, field number 0, wire type 6 or 7, a
-    group without its end, nesting past its limit): that request is malformed, not one with a
-    bad string. Unknown fields (groups too) are skipped as protobuf skips them, and a
-    repeated field is indexed as in the parsed message (a singular submessage sent twice is
-    one message)."""
+    first (a length, varint or value cut by the end, a packed field's payload that is not
+    whole values, field number 0, wire type 6 or 7, a group without its end, nesting past its
+    limit): that request is malformed, not one with a bad string. Unknown fields (groups too)
+    are skipped as protobuf skips them, and a repeated field is indexed as in the parsed
+    message (a singular submessage sent twice is one message)."""
     try:
         return _walk(desc, data, prefix, {}, 0)
     except ValueError:
@@ -63,8 +63,12 @@ def _walk(desc: Descriptor, data: bytes, prefix: str, seen: dict, depth: int) ->
             raise ValueError("length past the end")  # cut short: malformed, not a bad string
         chunk, i = data[i : i + n], i + n
         fd = desc.fields_by_number.get(num)
-        if fd is None or fd.type not in (FieldDescriptor.TYPE_STRING,
-                                         FieldDescriptor.TYPE_MESSAGE):
+        if fd is None:
+            continue
+        if fd.type not in (FieldDescriptor.TYPE_STRING, FieldDescriptor.TYPE_MESSAGE):
+            if fd.is_repeated and fd.type not in (FieldDescriptor.TYPE_BYTES,
+                                                  FieldDescriptor.TYPE_GROUP):
+                _check_packed(fd, chunk)  # protobuf reads the values: refuses a cut one
             continue
         if fd.containing_oneof is not None:  # setting a member clears the others
             for other in fd.containing_oneof.fields:
@@ -87,6 +91,26 @@ def _walk(desc: Descriptor, data: bytes, prefix: str, seen: dict, depth: int) ->
             if found:
                 return found
     return None
+
+
+_FIXED_WIDTH = {
+    FieldDescriptor.TYPE_FIXED32: 4, FieldDescriptor.TYPE_SFIXED32: 4,
+    FieldDescriptor.TYPE_FLOAT: 4, FieldDescriptor.TYPE_FIXED64: 8,
+    FieldDescriptor.TYPE_SFIXED64: 8, FieldDescriptor.TYPE_DOUBLE: 8,
+}
+
+
+def _check_packed(fd: FieldDescriptor, chunk: bytes) -> None:
+    """A packed repeated scalar's payload is whole values (else protobuf refuses the
+    request, before any string after it: `repeated uint32 token_ids` cut mid-varint)."""
+    width = _FIXED_WIDTH.get(fd.type)
+    if width is not None:
+        if len(chunk) % width:
+            raise ValueError("packed value cut")
+        return
+    i = 0
+    while i < len(chunk):
+        i = _varint(chunk, i)[1]
 
 
 def _tag(data: bytes, i: int, has_fields: bool) -> tuple[int, int]:
