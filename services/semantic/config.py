@@ -71,8 +71,8 @@ class SemanticConfig:
     onnx_spinning: bool = True
     # How the model is exported to ONNX, once: "torchscript" (torch's legacy tracer) or
     # "dynamo" (torch.export, via onnxscript; for a torch release without the tracer). The same
-    # vectors either way; on the 2-core Xeon host ONNX Runtime ran the traced graph 5-16% faster
-    # (`python -m benchmarks.semantic --parts exporters`; see onnx_export.py).
+    # vectors either way; on the 2-core Xeon host ONNX Runtime ran the dynamo graph 4-20% slower
+    # (`python -m benchmarks.semantic --parts exporters`, three runs; see onnx_export.py).
     onnx_exporter: str = "torchscript"
     max_batch: int = 32  # micro-batch size limit for concurrent embedding requests
     batch_wait_ms: float = 0.0  # extra time a micro-batch waits to fill up
@@ -98,8 +98,9 @@ class SemanticConfig:
     hnsw_ef_construction: int = 80
     # 32: at 100k entries recall@1 against exact search is 1.000 on the benchmark's 1,000
     # near-duplicate queries (0.999 at 16) and 0.999 on harder ones (a word dropped, two
-    # swapped; 1.000 from 48), for 0.20 ms a search vs 0.36-0.41 ms at 64 and 0.64-0.74 ms at
-    # 128 (`python -m benchmarks.semantic --parts ef_sweep`, one thread). A miss of the best
+    # swapped; 1.000 from 48), for 0.15-0.17 ms a search vs 0.25-0.29 ms at 64 and 0.44-0.46 ms
+    # at 128 (`python -m benchmarks.semantic --parts ef_sweep`, one thread, the Xeon host's run
+    # in benchmarks/results/semantic.json). A miss of the best
     # neighbour costs a cache hit, never a wrong answer: the one served passes the same checks.
     hnsw_ef_search: int = 32
     faiss_threads: int = 1  # OpenMP threads for searches (bulk builds at start use all cores)

@@ -19,9 +19,10 @@ never sees a half-written model.
 Two exporters (`SemanticConfig.onnx_exporter`): "torchscript", torch's legacy tracer (the
 default), and "dynamo", the `torch.export`-based exporter that torch recommends since 2.9 and
 that needs `onnxscript`. Both give the same vectors (largest difference 1.4e-7 over 256 QQP
-questions), but on the 2-core Xeon host ONNX Runtime ran the dynamo graph 5-16% slower (batch-1
-p50 2.51-2.55 vs 2.36-2.39 ms; batch 32, 304-305 vs 343-363 sentences/s; two runs of
-`python -m benchmarks.semantic --parts exporters`): its fusions of attention and layer norms
+questions), but on the 2-core Xeon host ONNX Runtime ran the dynamo graph 4-20% slower (batch-1
+p50 2.51-2.55 vs 2.36-2.39 ms, and 2.20 vs 2.12 ms; batch 32, 304-305 vs 343-363 and 319 vs 401
+sentences/s; three runs of `python -m benchmarks.semantic --parts exporters`, the last the one
+in benchmarks/results/semantic.json): its fusions of attention and layer norms
 match the traced graph's patterns (an ad hoc run of its transformer optimiser fused 6 attention
 blocks in the traced graph, none in the dynamo one). Hence the default; "dynamo" is the way
 on once a torch release drops the tracer. Each exporter has its own folder, so processes that
