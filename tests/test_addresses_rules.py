@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from services.common.addresses import canonical_address, shard_fingerprint
-from services.common.config import ConfigError, require_addresses
+from services.common.config import ConfigError, is_host_port, require_addresses
 
 
 def test_an_xds_target_is_kept_as_written():
@@ -49,3 +49,15 @@ def test_what_is_not_host_port_comes_back_only_stripped():
     """A scheme is not taken off something that is not host:port after it."""
     for a in ("dns:///kv:", "ipv4:kv:x", "dns:///kv:1 2"):
         assert canonical_address(f"  {a}\t") == a
+
+
+@pytest.mark.parametrize(("target", "with_host"), [
+    ("dns:///:1", "dns:///h:1"), ("dns://10.0.0.10:53/:1", "dns://10.0.0.10:53/h:1"),
+    ("dns::1", "dns:h:1"), ("ipv4::1", "ipv4:10.0.0.1:1")])
+def test_a_target_naming_no_host_is_refused_at_start(target, with_host):
+    """A gRPC target with nothing between its scheme (and DNS server) and its port passed the
+    start-up check, and failed only when dialed, once the model had loaded."""
+    assert not is_host_port(target)
+    with pytest.raises(ConfigError, match="names no host before its port"):
+        require_addresses([target], "demo", "peers", allow_none=False)
+    assert is_host_port(with_host)
