@@ -273,8 +273,10 @@ def test_a_ctrl_c_while_the_sessions_are_submitted_stops_those_already_submitted
     client = Client()
     with pytest.raises(KeyboardInterrupt):
         replay_mod.replay(Workload(WorkloadSpec(), {"t0": ["be brief"]}, reqs),
-                          {"t0": client}, concurrency=1, time_scale=0.05)
-    time.sleep(0.3)  # past the first two sessions' times (0.1 s, 0.15 s)
+                          {"t0": client}, concurrency=1, time_scale=0.25)
+    # past the first two sessions' times (0.5 s, 0.75 s); they are 0.5 s away from the start,
+    # room for a stalled main thread before the third submit
+    time.sleep(1.0)
     assert sent == [] and client.closed
 
 
