@@ -299,10 +299,12 @@ def plot_semantic(sem: Result, made: list[str]) -> str | None:
         return None
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
-    ax.plot([c["recall"] for c in curve], [c["precision"] for c in curve], label="cosine only")
+    # Each curve point with the spelling check every tier applies (benchmarks.semantic._curve)
+    ax.plot([c["recall"] for c in curve], [c["precision"] for c in curve],
+            label="cosine (+ spelling check)")
     if "recall_guard" in curve[0]:
         ax.plot([c["recall_guard"] for c in curve], [c["precision_guard"] for c in curve],
-                label="cosine + guard")
+                label="cosine + guard (+ spelling check)")
     for name, t in sem.data["quality"].get("tiers", {}).items():
         # Each tier where it serves by default (its `default` row: the verifier's in the
         # default config), not at its guard-only row.

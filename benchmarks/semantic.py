@@ -370,7 +370,9 @@ def _plot(curve: list[dict], tiers: dict, png: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
-    for sfx, label, style in (("", "similarity only", "--"), ("_guard", "with guard", "-")):
+    # every curve point with the spelling check every tier applies (`_curve`)
+    for sfx, label, style in (("", "similarity (+ spelling check)", "--"),
+                              ("_guard", "with guard (+ spelling check)", "-")):
         ax1.plot([p["recall" + sfx] for p in curve], [p["precision" + sfx] for p in curve],
                  style, label=label)
         ax2.plot([p["threshold"] for p in curve], [p["paws_fhr" + sfx] for p in curve],
