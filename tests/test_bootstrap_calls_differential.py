@@ -35,8 +35,19 @@ and docs/metrics.md:
 - "<method> ended <CODE>" INFO lines, one per domain error raised (thinned per method and
   code, the count at INFO); "unhandled error" ERROR lines, one per plain exception only.
 
-Run here: see the end of this docstring (filled in as run). More:
-BOOTSTRAP_CALLS_DIFFERENTIAL_SEEDS=200 (BOOTSTRAP_CALLS_DIFFERENTIAL_FIRST_SEED to shift).
+Run here: seeds 3-82 (13 failed: model error 1), 0-59 and 100-159 (2 failed: model error 2),
+then 116, 139 and 200-259, all equal to the model (~1.7 s a seed, 2 shared cores). No defect
+found. Divergences, all model errors: a stream refused for an over-limit
+message before its late end or hold ends before its deadline (RESOURCE_EXHAUSTED); a
+refusal for size settles the call's outcome on the server, so a cancel crossing it is the
+same race as a handler's end crossing it (counted either way). The race itself (a cancel in
+flight while the server settles its status: client CANCELLED, counted as the server's
+outcome) is inherent, allowed, not a rule of the docs. Injected bugs, 12 seeds each: the cap
+by characters only (7 failed), size refusals thinned at INFO (4, with the windows made 1 and
+2 here), `>=` at the send limit (5), stop(0) not ending Watches first (8), client-streaming
+and two-way calls counted at once (4), a Watch counted OK however it ended (12).
+More: BOOTSTRAP_CALLS_DIFFERENTIAL_SEEDS=200 (BOOTSTRAP_CALLS_DIFFERENTIAL_FIRST_SEED to
+shift them).
 """
 
 from __future__ import annotations
@@ -60,7 +71,7 @@ SEEDS = int(os.environ.get("BOOTSTRAP_CALLS_DIFFERENTIAL_SEEDS", "3"))
 FIRST = int(os.environ.get("BOOTSTRAP_CALLS_DIFFERENTIAL_FIRST_SEED", "0"))
 LIMIT = 2048
 CHARS, WIRE = 2048, 6144  # the documented caps of a status message
-TOO_LARGE_PER_WINDOW, ENDED_PER_WINDOW = 2, 3  # the thinned instances' windows, made small
+TOO_LARGE_PER_WINDOW, ENDED_PER_WINDOW = 1, 2  # the thinned instances' windows, made small
 SERVICE_NAME = "x.Calls"
 METHODS = ("Unary", "Stream", "Gather", "Talk")
 NS = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -437,7 +448,7 @@ class Run:
                 self.expect(method, {"CANCELLED", want}, ran=False, timed=None)
                 return
             finished = self.servicer.finished.get(s["id"])
-            if s["end"] == "hold" or finished is None:
+            if finished is None:  # held, or at work when cancelled
                 self.expect(method, {"CANCELLED"}, ran=True)
             else:  # the handler's end and the cancel raced: either is what happened
                 self.expect(method, {"CANCELLED", want}, ran=True)
