@@ -475,7 +475,9 @@ class Run:
         t.join(5)
         want = "DEADLINE_EXCEEDED" if late else "CANCELLED"
         assert seen and seen[-1] == want, self.where(f"Watch {seen}")
-        self.expect("Watch", {want}, ran=True)
+        # A late Watch that got no first status may have reached its deadline before its
+        # handler ran (a loaded host): gRPC ends such a call itself, uncounted (at most once).
+        self.expect("Watch", {want}, ran=not late or len(seen) > 1)
 
     def stop(self) -> None:
         """Held calls, calls that finish within the grace, and open Watches; then a stop."""
