@@ -448,7 +448,12 @@ class Run:
                 self.expect(method, {"CANCELLED", want}, ran=False, timed=None)
                 return
             finished = self.servicer.finished.get(s["id"])
-            if finished is None:  # held, or at work when cancelled
+            # Held, or at work when cancelled: CANCELLED. But a unary or server-stream handler
+            # at work when its client saw CANCELLED may end before the cancel reaches the
+            # server (a loaded host: 1 run in 40), and is counted as it ended. (A client
+            # stream's is counted when the call has ended, after the cancel.)
+            sure = s["end"] == "hold" or method in ("Gather", "Talk")
+            if finished is None and sure:
                 self.expect(method, {"CANCELLED"}, ran=True)
             else:  # the handler's end and the cancel raced: either is what happened
                 self.expect(method, {"CANCELLED", want}, ran=True)
