@@ -32,13 +32,14 @@ bytes that are not UTF-8, nesting too deep, a folder in the file's place, a fore
 
 Run: 3,000 seeds of 10-24 steps (chats with random outcomes, damage, overlapping turns, a
 second CLI home spelled with spaces and a trailing slash), clean: no divergence from the code
-(two harness errors fixed on the way). Also run by hand, not here: two real CLI processes on
-one session, SIGINT to the one waiting for the lock (exit 130, nothing sent, history as it
-was) and to the one blocked in its call (130, its partial text and a newline, not saved; the
-waiting turn then sends the old history). Undocumented, reported, taken as the code has it:
-Ctrl-C of a --new turn does not say the session was not started over; sessions are keyed by
-name per CLI home, not by token or address; `.NAME.json.lock` files stay in the folder; a
-folder in the file's place with --new prints the answer, then "cannot save", exit 1.
+(two harness errors fixed on the way). The second test: two real CLI processes on one
+session, SIGINT to the one waiting for the lock (exit 130, nothing sent, history as it was)
+and to the one blocked in its call (130, its partial text and a newline, not saved; the next
+turn sends the old history). The CLI has no command that lists or removes sessions.
+Undocumented, reported, taken as the code has it: Ctrl-C of a --new turn does not say the
+session was not started over; sessions are keyed by name per CLI home, not by token or
+address; `.NAME.json.lock` files stay in the folder; a folder in the file's place with --new
+prints the answer, then "cannot save", exit 1.
 Teeth (seeds failing of 300): an empty answer saved 238; --new loading the history 162; a
 failed turn's partial answer saved 252; a cut --new turn not saying it was not started over
 27; the file saved 0644 300; no lock between turns 59 of 100.
