@@ -83,6 +83,14 @@ def test_a_failed_new_turn_says_the_old_session_is_kept(fake, monkeypatch, capsy
     assert cli.main(["chat", "-q", "--session", "s", "--new", "again"]) == 1
     assert "'s' was not started over" in capsys.readouterr().err
 
+    def interrupted(self, messages, **kw):
+        yield Chunk("Partial ans", [])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(FakeClient, "stream", interrupted)
+    assert cli.main(["chat", "-q", "--session", "s", "--new", "again"]) == 130
+    assert "'s' was not started over" in capsys.readouterr().err  # Ctrl-C said nothing
+
     def silent(self, messages, **kw):
         yield _final()  # answered, with no text: nothing saved
 

@@ -186,6 +186,7 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         final = None  # said below
     except KeyboardInterrupt:
         _end_line(out)
+        _not_started_over(a, hist)  # as for a failed turn: a next turn would continue them
         raise
     except grpc.RpcError as e:
         _end_line(out)  # the error is not glued to the partial answer
