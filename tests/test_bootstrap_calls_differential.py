@@ -64,8 +64,7 @@ from grpc_health.v1 import health_pb2
 
 from services.common import bootstrap, errors
 from services.common.bootstrap import create_server
-from services.common.metrics import RPC_SECONDS, RPC_TOTAL
-from tests.test_bootstrap_differential import watch_health
+from tests.test_bootstrap_differential import _add, _counts, _timed, watch_health
 
 SEEDS = int(os.environ.get("BOOTSTRAP_CALLS_DIFFERENTIAL_SEEDS", "3"))
 FIRST = int(os.environ.get("BOOTSTRAP_CALLS_DIFFERENTIAL_FIRST_SEED", "0"))
@@ -204,16 +203,6 @@ class Servicer:
         self._end("Talk", s, context)
 
 
-def _add(servicer: Servicer):
-    def add(_unused, srv) -> None:
-        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
-            "Unary": grpc.unary_unary_rpc_method_handler(servicer.unary),
-            "Stream": grpc.unary_stream_rpc_method_handler(servicer.stream),
-            "Gather": grpc.stream_unary_rpc_method_handler(servicer.gather),
-            "Talk": grpc.stream_stream_rpc_method_handler(servicer.talk)}),))
-    return add
-
-
 def outcome(method: str, s: dict) -> tuple[str, str, int]:
     """(code, details, messages received) of a call that ran its handler to its end, no
     cancel, no cut, no deadline."""
@@ -238,16 +227,6 @@ def outcome(method: str, s: dict) -> tuple[str, str, int]:
     return "OK", "", sent + (1 if method in ("Unary", "Gather") else 0)
 
 
-def _counts(service: str) -> dict:
-    return {(s.labels["method"], s.labels["code"]): s.value for m in RPC_TOTAL.collect()
-            for s in m.samples if s.name.endswith("_total") and s.labels["service"] == service}
-
-
-def _timed(service: str) -> dict:
-    return {s.labels["method"]: s.value for m in RPC_SECONDS.collect() for s in m.samples
-            if s.name.endswith("_count") and s.labels["service"] == service}
-
-
 class Lines(logging.Handler):
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
@@ -269,7 +248,7 @@ class Run:
         self.timed_loose: dict = {}
         self.h = create_server(service=self.service, address="127.0.0.1:0",
                                max_message_bytes=LIMIT, max_workers=12,
-                               services=[(_add(self.servicer), None, SERVICE_NAME)])
+                               services=[(_add(self.servicer, SERVICE_NAME), None, SERVICE_NAME)])
         self.h.set_serving()
         self.ch = grpc.insecure_channel(self.h.address)
         self.n = 0

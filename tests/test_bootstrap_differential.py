@@ -192,9 +192,10 @@ class Servicer:
             yield last
 
 
-def _add(servicer: Servicer):
+def _add(servicer, name: str = SERVICE_NAME):
+    """`servicer`'s four methods (unary, stream, gather, talk) as the service `name`."""
     def add(_unused, srv) -> None:
-        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, {
+        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, {
             "Unary": grpc.unary_unary_rpc_method_handler(servicer.unary),
             "Stream": grpc.unary_stream_rpc_method_handler(servicer.stream),
             "Gather": grpc.stream_unary_rpc_method_handler(servicer.gather),

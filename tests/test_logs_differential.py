@@ -48,23 +48,14 @@ import pytest
 from services.common import logs
 from services.common.logs import JsonFormatter, Thinned, bound_request_id, request_id_var
 
+# `time` as the logs module reads it, with clocks the test moves (the wall clock may also
+# jump on its own, as an NTP step does)
+from tests.test_logs_rules import FakeTime
+
 SEEDS = int(os.environ.get("LOGS_DIFFERENTIAL_SEEDS", "300"))
 FIRST = int(os.environ.get("LOGS_DIFFERENTIAL_FIRST_SEED", "0"))
 
 
-class FakeTime:
-    """`time` as the logs module reads it: a monotonic and a wall clock the test moves (the
-    wall clock may also jump on its own, as an NTP step does)."""
-
-    def __init__(self) -> None:
-        self.mono, self.wall = 1000.0, 1_700_000_000.0
-        self.strftime, self.gmtime, self.sleep = time.strftime, time.gmtime, time.sleep
-
-    def monotonic(self) -> float:
-        return self.mono
-
-    def time(self) -> float:
-        return self.wall
 
 
 @pytest.fixture

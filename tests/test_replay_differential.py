@@ -73,20 +73,12 @@ from benchmarks.workload import Request, Workload, WorkloadSpec, save_trace
 from clients.python import cli
 from clients.python import replay as replay_mod
 from clients.python.client import Chunk, IncompleteStream
+from tests.test_cli_sessions import Refusal as Status  # a gRPC status as a client raises it
 
 SEEDS = int(os.environ.get("REPLAY_DIFFERENTIAL_SEEDS", "100"))
 CLOSED = "TierCacheClient is closed: make a new one"
 
 
-class Status(grpc.RpcError):
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        self._c, self._d = code, details
-
-    def code(self):
-        return self._c
-
-    def details(self):
-        return self._d
 
 
 # ---------------------------------------------------------------- scripts and the fake side
