@@ -56,8 +56,6 @@ SEEDS = int(os.environ.get("LOGS_DIFFERENTIAL_SEEDS", "300"))
 FIRST = int(os.environ.get("LOGS_DIFFERENTIAL_FIRST_SEED", "0"))
 
 
-
-
 @pytest.fixture
 def fake_time(monkeypatch):
     t = FakeTime()
@@ -262,7 +260,6 @@ def run_thinned(seed: int, clock: FakeTime, steps: int = 80) -> None:
 @pytest.mark.parametrize("seed", range(FIRST, FIRST + SEEDS))
 def test_thinned_against_the_model(seed, fake_time) -> None:
     run_thinned(seed, fake_time)
-
 
 
 # The formatter, the request ids and the levels.

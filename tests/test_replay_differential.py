@@ -79,8 +79,6 @@ SEEDS = int(os.environ.get("REPLAY_DIFFERENTIAL_SEEDS", "100"))
 CLOSED = "TierCacheClient is closed: make a new one"
 
 
-
-
 # ---------------------------------------------------------------- scripts and the fake side
 
 @dataclass
