@@ -584,7 +584,7 @@ class SemanticCache:
             done = done or len(found) < k or k >= _MAX_CANDIDATES
             k *= 4
         draft = None
-        if want_draft and best is not None and best_sim >= self.policy.draft_floor:
+        if want_draft and best is not None and self.policy.in_draft_band(best_sim):
             draft = best
         return (LookupResult(False, draft, best_sim, best_th, resolved.tier, rejected, reason),
                 vanished)
@@ -614,7 +614,7 @@ class SemanticCache:
                 # differ), which the verifier or guard refused.
                 reason = (self._window_refusal(text, True, near)
                           or self._second_opinion(text, near.prompt, sim, resolved.tier))
-        draft = near if want_draft and sim >= self.policy.draft_floor else None
+        draft = near if want_draft and self.policy.in_draft_band(sim) else None
         return LookupResult(False, draft, sim, threshold, resolved.tier,
                             bool(reason), reason)
 
@@ -648,7 +648,7 @@ class SemanticCache:
         """Count one lookup (`embed_s` None: it embedded nothing). A lookup with its own
         threshold counts under "explicit", not under its tier (that mixed other thresholds
         into the tier's hit rate)."""
-        outcome = "hit" if r.hit else ("draft" if r.similarity >= self.policy.draft_floor
+        outcome = "hit" if r.hit else ("draft" if self.policy.in_draft_band(r.similarity)
                                        else "miss")
         tier = "explicit" if explicit else r.tier
         with self._lock:

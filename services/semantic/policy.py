@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -89,6 +90,13 @@ class ThresholdPolicy:
             return resolved.threshold
         return max(self.floor, resolved.threshold - self.verified_bonus)
 
+    def in_draft_band(self, similarity: float) -> bool:
+        """At or above the draft floor. Similarities are float32: the float32 nearest the floor
+        from below (0.9 is 0.89999998) is the floor, as at a threshold; without it a floor
+        float32 rounds down (0.7, 0.9, 0.95) left a candidate at exactly it a miss."""
+        f32 = struct.unpack("f", struct.pack("f", self.draft_floor))[0]
+        return similarity >= min(self.draft_floor, f32)
+
     def decide(self, similarity: float, resolved: Resolved, verified: bool) -> Decision:
         """HIT at or above the entry's threshold, DRAFT in the draft band, MISS below."""
         th = self.threshold_for(resolved, verified)
@@ -96,6 +104,6 @@ class ThresholdPolicy:
         # at threshold 1.0 and makes the boundary inclusive as documented.
         if similarity >= th - 1e-6:
             return Decision(Outcome.HIT, th)
-        if similarity >= self.draft_floor:
+        if self.in_draft_band(similarity):
             return Decision(Outcome.DRAFT, th)
         return Decision(Outcome.MISS, th)

@@ -140,6 +140,18 @@ def test_a_candidate_exactly_at_the_draft_floor_is_a_draft(make_cache, emb):
     assert c.stats().near_misses_total == 1
 
 
+def test_a_float32_similarity_at_a_draft_floor_float32_rounds_down_is_a_draft(make_cache, emb):
+    """draft_floor 0.9 is 0.89999998 in float32, the similarity an entry at cosine 0.9 gets:
+    that is at the floor (a draft, counted as a near miss), as it is at a threshold."""
+    c = make_cache(draft_floor=0.9, threshold_floor=0.9, tier_relaxed=0.9)
+    emb.at("at the floor", 0.9, 2)
+    e = c.store_entry(A, "at the floor", "a draft")
+    r = c.lookup(A, "query", tier="strict", want_draft=True)
+    assert r.similarity < 0.9 and not r.hit
+    assert r.entry is not None and r.entry.id == e.id
+    assert c.stats().near_misses_total == 1
+
+
 def test_a_similarity_rounded_past_one_is_reported_as_one(make_cache, emb):
     """float32 inner products of unit vectors can come out a hair above 1 (1.0000001): a
     cosine is at most 1, and that is what a lookup reports."""

@@ -123,3 +123,17 @@ def test_a_threshold_above_one_beyond_float32_rounding_is_refused(policy):
         with pytest.raises(InvalidArgument) as exc:
             policy.resolve("", bad)
         assert exc.value.field == "threshold"
+
+
+@pytest.mark.parametrize("draft_floor", [0.7, 0.9, 0.95])  # float32 rounds these down
+def test_a_float32_similarity_at_the_draft_floor_is_a_draft(draft_floor):
+    """"Near-misses at or above it are draft candidates": a similarity of 0.9 arrives as the
+    float32 0.89999998, at the draft floor as at a threshold (it was a miss); one float32
+    step further down is below it."""
+    p = ThresholdPolicy.from_config(SemanticConfig(draft_floor=draft_floor, threshold_floor=0.95))
+    r = p.resolve("strict")
+    at = np.float32(draft_floor)
+    assert float(at) < draft_floor
+    assert p.decide(float(at), r, verified=False).outcome is Outcome.DRAFT
+    below = float(np.nextafter(at, np.float32(0)))
+    assert p.decide(below, r, verified=False).outcome is Outcome.MISS
