@@ -495,8 +495,11 @@ def test_ctrl_c_of_real_processes_leaves_the_session_as_it_was(server, tmp_path,
 
     def cli_process(question: str) -> subprocess.Popen:
         procs.append(subprocess.Popen(
-            [sys.executable, "-c", "import sys; from clients.python.cli import main; "
-             "sys.exit(main())", "--address", address, "chat", question, "--session", "s",
+            # SIGINT as a terminal delivers it: a CI job started in the background inherits
+            # it ignored, and Python then installs no KeyboardInterrupt handler
+            [sys.executable, "-c", "import signal, sys; from clients.python.cli import main; "
+             "signal.signal(signal.SIGINT, signal.default_int_handler); sys.exit(main())",
+             "--address", address, "chat", question, "--session", "s",
              "-q"], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         return procs[-1]
 
