@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import struct
 from dataclasses import dataclass
@@ -94,8 +95,13 @@ class ThresholdPolicy:
         """At or above the draft floor. Similarities are float32: the float32 nearest the floor
         from below (0.9 is 0.89999998) is the floor, as at a threshold; without it a floor
         float32 rounds down (0.7, 0.9, 0.95) left a candidate at exactly it a miss."""
+        return similarity >= self._draft_bound
+
+    @functools.cached_property
+    def _draft_bound(self) -> float:
+        """`in_draft_band`'s bound, computed once (it is asked for every lookup's candidate)."""
         f32 = struct.unpack("f", struct.pack("f", self.draft_floor))[0]
-        return similarity >= min(self.draft_floor, f32)
+        return min(self.draft_floor, f32)
 
     def decide(self, similarity: float, resolved: Resolved, verified: bool) -> Decision:
         """HIT at or above the entry's threshold, DRAFT in the draft band, MISS below."""
