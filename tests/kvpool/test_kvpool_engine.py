@@ -24,6 +24,7 @@ from tests.kvpool.conftest import (
     reference_greedy,
     request,
 )
+from tests.metric_sample import sample_value
 
 
 @contextlib.contextmanager
@@ -388,12 +389,11 @@ def test_random_mix_of_requests_keeps_integrity(make_engine, tiny_model) -> None
 
 
 def test_metrics_follow_the_engine(make_engine) -> None:
-    from prometheus_client import REGISTRY
 
     from services.kvpool.metrics import KvMetrics
 
     def value(name: str, **labels) -> float:
-        return REGISTRY.get_sample_value(name, labels) or 0.0
+        return sample_value(name, labels) or 0.0
 
     before_ttft = value("tiercache_kvpool_ttft_seconds_count")
     before_cached = value("tiercache_kvpool_cached_tokens_total")
@@ -412,7 +412,7 @@ def test_metrics_follow_the_engine(make_engine) -> None:
     assert value("tiercache_kvpool_capacity_blocks") == 64
     assert value("tiercache_kvpool_blocks", state="in_use") == 0
     # The states partition the pool ("total" was a state too: a sum counted it twice).
-    assert REGISTRY.get_sample_value("tiercache_kvpool_blocks", {"state": "total"}) is None
+    assert sample_value("tiercache_kvpool_blocks", {"state": "total"}) is None
     assert sum(value("tiercache_kvpool_blocks", state=s)
                for s in ("free", "cached", "pinned", "in_use")) == 64
     # Prefills counted (a refactor dropped the counter while Stats kept counting them).

@@ -17,6 +17,7 @@ from services.kvpool.app import build_replica
 from services.kvpool.config import KvPoolConfig
 from services.kvpool.server import KvPoolServicer
 from tests.kvpool.conftest import TINY_ID, TINY_VOCAB, assert_idle, reference_greedy
+from tests.metric_sample import sample_value
 
 CFG = KvPoolConfig(address="127.0.0.1:0", metrics_port=-1, num_blocks=64, block_size=4,
                    max_batch_size=4, max_prefill_chunk=16, max_new_tokens_limit=64,
@@ -729,7 +730,7 @@ def test_running_totals_are_exported_as_counters_that_only_add_what_is_new() -> 
     from services.prefix.server import PrefixServicer
 
     def value(name: str) -> float:
-        return REGISTRY.get_sample_value(name) or 0.0
+        return sample_value(name) or 0.0
 
     m = KvMetrics()
     stats = SimpleNamespace(blocks_total=8, blocks_free=1, blocks_cached=2, blocks_pinned=0,

@@ -54,7 +54,6 @@ from dataclasses import dataclass, field
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from services.common import errors
@@ -67,6 +66,7 @@ from services.kvpool.engine import Engine, EngineRequest, Finished, FinishReason
 from services.kvpool.sampling import SamplingSpec
 from services.kvpool.server import KvPoolServicer
 from tests.kvpool.conftest import TINY_ID, TINY_VOCAB, collect
+from tests.metric_sample import sample_value
 
 pytestmark = pytest.mark.timeout(600)
 EOS = TINY_VOCAB - 1
@@ -99,7 +99,7 @@ class Refs:
 
 
 def metric(name: str, labels: dict | None = None) -> float:
-    return REGISTRY.get_sample_value(name, labels or {}) or 0.0
+    return sample_value(name, labels or {}) or 0.0
 
 
 COUNTERS = ("prompt_tokens", "cached_tokens", "prefills", "prefill_computed_tokens",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 
 import pytest
-from prometheus_client import REGISTRY
 
 from services.common import errors
 from services.kvpool.engine import EngineRequest, Failed, Finished
@@ -21,6 +20,7 @@ from services.kvpool.sampling import SamplingSpec
 from tests.kvpool.conftest import collect, reference_greedy, request
 from tests.kvpool.test_contracts import by_hand, drive, prompt
 from tests.kvpool.test_kvpool_engine import paused
+from tests.metric_sample import sample_value
 
 COUNTERS = ("prompt_tokens", "preemptions", "engine_step_failures", "draft_tokens_proposed",
             "draft_tokens_accepted", "draft_tokens_withheld", "draft_tree_forwards",
@@ -36,7 +36,7 @@ BATCH = "tiercache_kvpool_batch_size"
 
 
 def metric(name: str, **labels) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    return sample_value(name, labels) or 0.0
 
 
 class Deltas:

@@ -63,6 +63,7 @@ from tiercache.v1 import kvpool_pb2, semantic_pb2
 from services.orchestrator import backends
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
 from tests.clock import Clock
+from tests.metric_sample import sample_value
 
 WAIT_S = 10.0  # a bound on waiting for a call's thread: it never decides an outcome
 FIRST, MOST = SemanticBackend.HUNG_BACKOFF_S
@@ -657,7 +658,6 @@ class ReplicaHarness:
     # -- the comparison
 
     def check(self) -> None:
-        from prometheus_client import REGISTRY
 
         rs = self.rs
         for m, r in zip(self.reps, rs.replicas, strict=True):
@@ -668,7 +668,7 @@ class ReplicaHarness:
             want = (m.name, m.healthy, m.error, m.held, m.replica_id, m.inflight, self.load(m),
                     m.slow, m.downs, pub)
             assert got == want, (m.address, got, want)
-            gauge = REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+            gauge = sample_value("tiercache_orchestrator_dependency_healthy",
                                               {"dependency": "kvpool", "address": m.address})
             assert gauge == ((1.0 if m.healthy else 0.0) if m.touched else None), \
                 (m.address, gauge)

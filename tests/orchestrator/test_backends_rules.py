@@ -10,6 +10,7 @@ import pytest
 from tiercache.v1 import kvpool_pb2, semantic_pb2
 
 from services.orchestrator.backends import Health, Replica, ReplicaSet, SemanticBackend
+from tests.metric_sample import sample_value
 from tests.orchestrator.test_pipeline_paths import RpcError
 from tests.orchestrator.test_replica_load import FailingStats, replica, replica_set
 from tests.orchestrator.test_request_path import TimesOut, backend_with
@@ -200,10 +201,9 @@ def test_an_entry_removed_by_a_later_shard_is_reported_removed():
 def test_the_in_flight_gauge_follows_each_call_begun_and_ended():
     """tiercache_orchestrator_replica_requests_in_flight counts our calls under way on each
     replica as they begin, not only once one ends."""
-    from prometheus_client import REGISTRY
 
     def value():
-        return REGISTRY.get_sample_value("tiercache_orchestrator_replica_requests_in_flight",
+        return sample_value("tiercache_orchestrator_replica_requests_in_flight",
                                          {"replica": "gauge-r0:1"})
 
     r = replica("gauge-r0:1", running=0, inflight=0)

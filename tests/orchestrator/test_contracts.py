@@ -28,6 +28,7 @@ from services.orchestrator.render import Message, PromptRenderer, RenderedPrompt
 from services.orchestrator.routing import PrefixAwarePolicy, ReplicaView, bounded_cap
 from services.orchestrator.server import parse_policy
 from services.orchestrator.tenants import TenantRegistry
+from tests.metric_sample import sample_value
 from tests.orchestrator.test_pipeline_paths import (
     PROMPT,
     TENANT,
@@ -490,10 +491,9 @@ def test_the_drafts_settings_are_read_from_the_environment():
 def test_the_report_and_metrics_split_accepted_draft_tokens_by_source():
     """The cached near-miss's own contribution is draft - lookup; prompt-lookup guesses are
     not cache-assisted generation."""
-    from prometheus_client import REGISTRY
 
     def metric(kind: str) -> float:
-        return REGISTRY.get_sample_value("tiercache_orchestrator_draft_tokens_total",
+        return sample_value("tiercache_orchestrator_draft_tokens_total",
                                          {"kind": kind}) or 0.0
 
     msg = final("A", 2)
@@ -610,10 +610,9 @@ def test_a_draft_with_ids_outside_the_vocabulary_is_dropped_not_the_request(cach
 
 
 def test_forward_passes_saved_are_counted_from_the_replicas_report():
-    from prometheus_client import REGISTRY
 
     def saved() -> float:
-        return REGISTRY.get_sample_value(
+        return sample_value(
             "tiercache_orchestrator_forward_passes_saved_total") or 0.0
 
     before = saved()

@@ -17,7 +17,6 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
 from tiercache.v1 import orchestrator_pb2
 
 from services.common import errors
@@ -25,6 +24,7 @@ from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished
 from services.orchestrator.server import REAP_GRACE_S, OrchestratorServicer
 from services.orchestrator.tenants import TenantRegistry
+from tests.metric_sample import sample_value
 from tests.orchestrator.test_pipeline_paths import Call, RpcError, Stub, final, generate, make
 from tests.orchestrator.test_stream_cap import Context, SlowOrchestrator
 
@@ -33,7 +33,7 @@ REAPED = "tiercache_orchestrator_streams_ended_at_deadline_total"
 
 
 def metric(name: str) -> float:
-    return REGISTRY.get_sample_value(name) or 0.0
+    return sample_value(name) or 0.0
 
 
 def reaped_reaches(want: float) -> float:

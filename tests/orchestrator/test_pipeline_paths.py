@@ -30,6 +30,7 @@ from services.orchestrator.render import RenderedPrompt
 from services.orchestrator.routing import PrefixAwarePolicy
 from services.orchestrator.server import Warmer, _Gone, _on_rpc_end
 from services.orchestrator.tenants import Tenant
+from tests.metric_sample import sample_value
 
 
 class RpcError(grpc.RpcError):
@@ -1159,9 +1160,8 @@ def test_a_word_the_model_wrote_in_unusual_pieces_is_stored_as_it_wrote_it():
 # ---- found by a review (stop 54) -----------------------------------------------------------
 
 def _metric(name: str) -> float:
-    from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value(name) or 0.0
+    return sample_value(name) or 0.0
 
 
 def test_a_replica_lost_after_the_last_token_adds_no_made_up_figures():

@@ -12,6 +12,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
 
 from services.orchestrator.pipeline import NOT_SERVED, Policy, Sampling
 from services.orchestrator.render import RenderedPrompt
+from tests.metric_sample import sample_value
 from tests.orchestrator.test_contracts import (
     RecordingSemantic,
     finished,
@@ -138,10 +139,9 @@ def test_a_whole_prompt_matched_and_all_but_its_last_token_reused_is_no_shortfal
     holds whole, answered with 95 cached, evicted nothing."""
     from types import SimpleNamespace
 
-    from prometheus_client import REGISTRY
 
     def short() -> float:
-        return REGISTRY.get_sample_value(
+        return sample_value(
             "tiercache_orchestrator_prefix_match_shortfall_tokens_total") or 0.0
 
     prompt = list(range(1, 97))

@@ -8,7 +8,6 @@ from __future__ import annotations
 import types
 
 import pytest
-from prometheus_client import REGISTRY
 from tiercache.v1 import prefix_pb2
 
 from services.common.hashing import BlockHasher
@@ -16,6 +15,7 @@ from services.common.prefix_client import PrefixIndexClient
 from services.orchestrator.prefix_backend import PrefixBackend
 from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
+from tests.metric_sample import sample_value
 
 BS = 16
 MODEL = "tiny"
@@ -29,7 +29,7 @@ def index():
 
 
 def _healthy(dependency: str, address: str) -> float | None:
-    return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+    return sample_value("tiercache_orchestrator_dependency_healthy",
                                      {"dependency": dependency, "address": address})
 
 

@@ -7,6 +7,7 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.orchestrator.detok import IncrementalDetokenizer
 from services.orchestrator.render import Message, PromptRenderer, context_hash
+from tests.metric_sample import sample_value
 
 pytestmark = pytest.mark.model  # the real SmolLM2 tokenizer (converted on first use)
 
@@ -372,10 +373,9 @@ _LONG_PIECES = [
 def test_a_prompt_tokenized_piece_by_piece_is_the_prompt_tokenized_whole(tok, system):
     """The system prompt and earlier turns are kept tokenized between requests; the ids must be
     what tokenizing the whole rendered text gives, the first time and from the cache."""
-    from prometheus_client import REGISTRY
 
     def exported(result: str) -> float:
-        return REGISTRY.get_sample_value("tiercache_orchestrator_prompt_pieces_total",
+        return sample_value("tiercache_orchestrator_prompt_pieces_total",
                                          {"result": result}) or 0.0
 
     before = exported("hit"), exported("miss")

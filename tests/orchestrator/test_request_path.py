@@ -18,6 +18,7 @@ from services.common import errors
 from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
 from services.orchestrator.render import RenderedPrompt
 from services.orchestrator.server import OrchestratorServicer
+from tests.metric_sample import sample_value
 from tests.orchestrator.test_contracts import (
     RecordingSemantic,
     finished,
@@ -293,10 +294,9 @@ def test_the_report_and_metrics_say_what_the_index_promised_against_what_was_reu
     """A prefix-routed request that found less cached than the index said (the replica had
     evicted part of it meanwhile) looked like any partial hit: the report now carries the
     index's figure and a counter sums the shortfall."""
-    from prometheus_client import REGISTRY
 
     def metric(name: str) -> float:
-        return REGISTRY.get_sample_value(f"tiercache_orchestrator_prefix_{name}_total") or 0.0
+        return sample_value(f"tiercache_orchestrator_prefix_{name}_total") or 0.0
 
     def answered(cached: int) -> Stub:
         msg = final("A", 2)

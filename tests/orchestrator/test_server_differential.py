@@ -84,7 +84,6 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
 from tiercache.v1 import (
     kvpool_pb2,
     orchestrator_pb2_grpc,
@@ -108,6 +107,7 @@ from services.semantic.config import SemanticConfig
 from services.semantic.server import SemanticServicer
 from services.semantic.store import EntryStore
 from tests.clock import Clock
+from tests.metric_sample import sample_value
 from tests.semantic.test_cache_edges import FixedEmbedder
 
 SEEDS = int(os.environ.get("ORCH_SERVER_DIFFERENTIAL_SEEDS", "80"))
@@ -261,7 +261,7 @@ class FeedbackRig:
 
 
 def _rpc_counts() -> dict[str, float]:
-    return {c: REGISTRY.get_sample_value("tiercache_rpc_total", {
+    return {c: sample_value("tiercache_rpc_total", {
         "service": "orchestrator", "method": "Feedback", "code": c}) or 0.0 for c in CODES}
 
 

@@ -29,6 +29,7 @@ from services.orchestrator.server import (
     parse_sampling,
 )
 from services.orchestrator.tenants import TenantRegistry
+from tests.metric_sample import sample_value
 from tests.orchestrator.test_request_path import ContextOrchestrator
 from tests.orchestrator.test_stream_cap import Context, request, servicer
 
@@ -227,16 +228,15 @@ def test_a_prompt_of_exactly_max_prompt_tokens_is_served_and_one_token_more_refu
 def test_a_prompt_too_long_for_the_tenant_is_counted_as_a_prompt_tokens_rejection():
     """The size check before rendering refuses for the tenant's limit as the check after
     tokenizing would, and counts it the same (rejections_total, reason prompt_tokens)."""
-    from prometheus_client import REGISTRY
 
     s, orch = servicer(STREAM_HEADROOM + 2)  # the tenant's limit: 100 prompt tokens
     labels = {"tenant": "default", "reason": "prompt_tokens"}
-    before = REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total", labels) or 0
+    before = sample_value("tiercache_orchestrator_rejections_total", labels) or 0
     long = orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "w" * 801}])
     with pytest.raises(errors.ResourceExhausted, match="tenant limit"):
         next(s.Generate(long, Context()))
     assert orch.renderer.rendered == 0
-    assert REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total",
+    assert sample_value("tiercache_orchestrator_rejections_total",
                                      labels) == before + 1
 
 
@@ -493,13 +493,12 @@ def test_a_warm_prompt_at_the_server_limit_or_the_model_context_is_warmed():
 def test_a_warm_prompt_at_the_tenants_limit_is_warmed_one_past_it_refused_and_counted():
     """The tenant's max_prompt_tokens holds for Warm as for its requests: that many tokens are
     warmed; one more is RESOURCE_EXHAUSTED, counted as a prompt_tokens rejection."""
-    from prometheus_client import REGISTRY
 
     from tests.orchestrator.test_pipeline_paths import TENANT
 
     small = dataclasses.replace(TENANT, max_prompt_tokens=48)
     labels = {"tenant": small.name, "reason": "prompt_tokens"}
-    before = REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total", labels) or 0
+    before = sample_value("tiercache_orchestrator_rejections_total", labels) or 0
     stubs, warmer = _warm_stubs(replicas=("A",))
     try:
         out = warmer.warm(small, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 48)]))
@@ -509,7 +508,7 @@ def test_a_warm_prompt_at_the_tenants_limit_is_warmed_one_past_it_refused_and_co
     finally:
         warmer.stop()
     assert len(_sent(stubs)) == 1
-    assert REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total",
+    assert sample_value("tiercache_orchestrator_rejections_total",
                                      labels) == before + 1
 
 
@@ -701,9 +700,8 @@ def test_stop_during_a_cycle_sends_no_further_prefill():
 
 
 def _loop_metric(name: str, **labels) -> float:
-    from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value(f"tiercache_orchestrator_warmup_{name}_total", labels) or 0.0
+    return sample_value(f"tiercache_orchestrator_warmup_{name}_total", labels) or 0.0
 
 
 def test_a_cycle_with_no_healthy_replica_or_no_index_warms_nothing_and_says_which():

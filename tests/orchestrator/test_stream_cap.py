@@ -20,6 +20,7 @@ from services.orchestrator.pipeline import TextDelta
 from services.orchestrator.render import PromptRenderer, RenderedPrompt
 from services.orchestrator.server import OrchestratorServicer
 from services.orchestrator.tenants import TenantRegistry
+from tests.metric_sample import sample_value
 
 
 class Renderer:
@@ -84,12 +85,11 @@ def test_streams_past_the_cap_are_refused_and_slots_come_back():
     open_streams = [s.Generate(request(), Context()) for _ in range(2)]
     for g in open_streams:
         assert next(g).text == "hi"  # both in progress
-    from prometheus_client import REGISTRY
     labels = {"tenant": "default", "reason": "server_streams"}
-    before = REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total", labels) or 0
+    before = sample_value("tiercache_orchestrator_rejections_total", labels) or 0
     with pytest.raises(ResourceExhausted, match="concurrent streams"):
         next(s.Generate(request(), Context()))
-    assert REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total",
+    assert sample_value("tiercache_orchestrator_rejections_total",
                                      labels) == before + 1
     orch.release.set()
     for g in open_streams:
@@ -140,13 +140,12 @@ def test_a_warm_pays_the_tenants_rate_limit_for_each_prefill_it_runs():
     s.warmer = SimpleNamespace(warm=lambda tenant, req, left, charge, gone, afford: charge(5)
                                or orchestrator_pb2.WarmResponse())
     s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())  # 6 prefills: 2 - 6 -> -2 (floor)
-    from prometheus_client import REGISTRY
     labels = {"tenant": "default", "reason": "rate_limit"}
-    before = REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total", labels) or 0
+    before = sample_value("tiercache_orchestrator_rejections_total", labels) or 0
     clock.t += 2.0  # refilled to 0: still short of one request
     with pytest.raises(ResourceExhausted, match="rate limit"):
         s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
-    assert REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total",
+    assert sample_value("tiercache_orchestrator_rejections_total",
                                      labels) == before + 1
     clock.t += 1.0  # the debt never exceeds one burst: back after (burst + 1) / rate
     g = s.Generate(request(), Context())
@@ -361,14 +360,13 @@ def test_retry_later_is_told_apart_from_a_fixed_limit_on_the_wire():
     a client could not tell whether retrying the same request made sense. The first kind now
     carries the tiercache-overloaded trailer."""
     import grpc
-    from prometheus_client import REGISTRY
     from tiercache.v1 import orchestrator_pb2_grpc
 
     from clients.python.client import retry_later
     from services.common.bootstrap import create_server
 
     def rejected(reason: str) -> float:
-        return REGISTRY.get_sample_value("tiercache_orchestrator_rejections_total",
+        return sample_value("tiercache_orchestrator_rejections_total",
                                          {"tenant": "default", "reason": reason}) or 0.0
 
     before = {r: rejected(r) for r in ("concurrent", "max_tokens")}

@@ -2,6 +2,8 @@
 
 from tiercache.v1 import common_pb2
 
+from tests.metric_sample import sample_value
+
 
 def shard(address: str, healthy: bool, err: str = "") -> common_pb2.DependencyHealth:
     return common_pb2.DependencyHealth(name="prefix shard", address=address, healthy=healthy,
@@ -67,12 +69,10 @@ def test_a_dependencys_health_is_a_metric_and_its_recovery_is_logged(caplog):
     and nothing in /metrics; recovery was in Stats alone."""
     import logging
 
-    from prometheus_client import REGISTRY
-
     from services.orchestrator.backends import Health
 
     def value():
-        return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+        return sample_value("tiercache_orchestrator_dependency_healthy",
                                          {"dependency": "kvpool", "address": "h:9"})
 
     h = Health("kvpool", "h:9")
@@ -95,7 +95,6 @@ def test_a_sharded_tier_exports_each_shard_not_a_flapping_tier_record(caplog):
     import logging
 
     import grpc
-    from prometheus_client import REGISTRY
     from tiercache.v1 import semantic_pb2
 
     from services.orchestrator.backends import SemanticBackend
@@ -111,7 +110,7 @@ def test_a_sharded_tier_exports_each_shard_not_a_flapping_tier_record(caplog):
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
     def value(dependency, address):
-        return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+        return sample_value("tiercache_orchestrator_dependency_healthy",
                                          {"dependency": dependency, "address": address})
 
     up, down = "127.0.0.7:1", "127.0.0.7:2"
@@ -134,7 +133,6 @@ def test_a_sharded_prefix_index_exports_each_shard_as_a_gauge(caplog):
     import logging
 
     import grpc
-    from prometheus_client import REGISTRY
     from tiercache.v1 import prefix_pb2
 
     from services.orchestrator.prefix_backend import PrefixBackend
@@ -157,7 +155,7 @@ def test_a_sharded_prefix_index_exports_each_shard_as_a_gauge(caplog):
             return Done(self.ok)
 
     def value(address):
-        return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+        return sample_value("tiercache_orchestrator_dependency_healthy",
                                          {"dependency": "prefix shard", "address": address})
 
     up, down = "127.0.0.8:1", "127.0.0.8:2"
@@ -172,7 +170,7 @@ def test_a_sharded_prefix_index_exports_each_shard_as_a_gauge(caplog):
         pb.stats()
     assert value(down) == 1.0
     assert f"prefix shard at {down} is healthy again" in caplog.text
-    assert REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+    assert sample_value("tiercache_orchestrator_dependency_healthy",
                                      {"dependency": "prefix", "address": f"{up},{down}"}) is None
 
 
@@ -184,7 +182,6 @@ def test_an_idle_semantic_tier_is_polled_so_its_gauge_follows_it():
 
     import grpc
     import pytest
-    from prometheus_client import REGISTRY
     from tiercache.v1 import semantic_pb2
 
     from services.orchestrator.backends import SemanticBackend
@@ -201,7 +198,7 @@ def test_an_idle_semantic_tier_is_polled_so_its_gauge_follows_it():
             raise Refusal(grpc.StatusCode.UNAVAILABLE, "connection refused")
 
     def value():
-        return REGISTRY.get_sample_value("tiercache_orchestrator_dependency_healthy",
+        return sample_value("tiercache_orchestrator_dependency_healthy",
                                          {"dependency": "semantic", "address": "127.0.0.9:5"})
 
     b = SemanticBackend("127.0.0.9:5", "", 1.0)

@@ -60,7 +60,6 @@ from concurrent.futures import Future
 
 import grpc
 import pytest
-from prometheus_client import REGISTRY
 from tiercache.v1 import kvpool_pb2, orchestrator_pb2, prefix_pb2
 
 from services.common import errors
@@ -68,6 +67,7 @@ from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.render import PromptRenderer
 from services.orchestrator.server import Warmer
 from services.orchestrator.tenants import Tenant
+from tests.metric_sample import sample_value
 
 STATS: Counter = Counter()
 SEEDS = int(os.environ.get("ORCH_WARM_DIFFERENTIAL_SEEDS", "120"))
@@ -437,7 +437,7 @@ def model_cycle(world: World, script: dict):
 # ---- the driver ---------------------------------------------------------------------------
 
 def _metric(name: str, **labels) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    return sample_value(name, labels) or 0.0
 
 
 def _metrics() -> dict:

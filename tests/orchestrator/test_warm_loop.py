@@ -7,6 +7,7 @@ from tiercache.v1 import kvpool_pb2, prefix_pb2
 
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.server import Warmer
+from tests.metric_sample import sample_value
 
 
 class Err(grpc.RpcError):
@@ -276,10 +277,9 @@ def test_what_the_loop_did_is_counted_and_logged(caplog):
     computed-versus-held split; held-off cycles and failures left nothing."""
     import logging
 
-    from prometheus_client import REGISTRY
 
     def value(name, **labels):
-        return REGISTRY.get_sample_value(name, labels) or 0.0
+        return sample_value(name, labels) or 0.0
 
     cycles = "tiercache_orchestrator_warmup_cycles_total"
     before = {o: value(cycles, outcome=o) for o in ("ran", "held_load", "nothing_to_warm")}

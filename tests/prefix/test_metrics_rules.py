@@ -8,20 +8,20 @@ lapsed lease takes it off once a call (or the sweeper) has noticed it."""
 from __future__ import annotations
 
 import pytest
-from prometheus_client import REGISTRY
 from tiercache.v1 import prefix_pb2
 
 from services.common.errors import TierCacheError
 from services.prefix.index import PrefixIndex
 from services.prefix.server import PrefixServicer
 from tests.clock import Clock
+from tests.metric_sample import sample_value
 
 BS = 16
 LEASE = 10.0
 
 
 def gauge() -> float | None:
-    return REGISTRY.get_sample_value("tiercache_prefix_replicas")
+    return sample_value("tiercache_prefix_replicas")
 
 
 def register(s: PrefixServicer, rid: str, inc: str = "i", **kw) -> None:

@@ -11,6 +11,7 @@ from services.common.hashing import BlockHasher
 from services.common.prefix_client import PrefixIndexClient, PrefixIndexError
 from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
+from tests.metric_sample import sample_value
 
 BS = 16
 MODEL = "tiny"
@@ -180,10 +181,9 @@ def test_client_errors_name_the_shard_and_have_deadlines():
 def test_events_metric_counts_applied_batches_only(server):
     """A retried batch (a timed-out call sent again) changes nothing, but was counted as
     applied events."""
-    from prometheus_client import REGISTRY
 
     def applied() -> float:
-        return REGISTRY.get_sample_value("tiercache_prefix_events_total",
+        return sample_value("tiercache_prefix_events_total",
                                          {"kind": "stored"}) or 0.0
 
     ch = make_channel(server.address)

@@ -7,13 +7,13 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
-from prometheus_client import REGISTRY
 from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
 from services.common.grpc_client import call_metadata, make_channel
 from services.common.hashing import BlockHasher
 from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
+from tests.metric_sample import sample_value
 
 BS = 16
 MODEL = "tiny"
@@ -32,7 +32,7 @@ def stub():
 
 
 def _value(name: str, **labels: str) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    return sample_value(name, labels) or 0.0
 
 
 def _register_and_store(stub, tokens: list[int], rid: str = "r0") -> None:

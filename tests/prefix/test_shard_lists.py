@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-from prometheus_client import REGISTRY
 from tiercache.v1 import common_pb2, prefix_pb2
 
 from services.common.addresses import canonical_address, shard_fingerprint
@@ -23,6 +22,7 @@ from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
 from services.prefix.shard_list import ShardListCheck
 from tests.clock import Clock
+from tests.metric_sample import sample_value
 
 BS = 16
 MODEL = "tiny"
@@ -120,7 +120,7 @@ def _publish(kvpool: PrefixIndexClient, prompts: list[list[int]]) -> None:
 
 
 def _mismatches() -> float:
-    return REGISTRY.get_sample_value("tiercache_prefix_shard_list_mismatches_total") or 0.0
+    return sample_value("tiercache_prefix_shard_list_mismatches_total") or 0.0
 
 
 def test_chains_published_by_one_spelling_are_found_by_another(shards):

@@ -7,6 +7,7 @@ import pytest
 from services.common.errors import InvalidArgument, NotFound
 from services.semantic.cache import Namespace, SemanticCache
 from services.semantic.store import EntryStore
+from tests.metric_sample import sample_value
 
 A = Namespace("tenant-a", "smollm2", "")
 B = Namespace("tenant-b", "smollm2", "")
@@ -371,9 +372,8 @@ def test_reload_from_sqlite(make_cache, make_cfg, embedder, clock):
 
 
 def entries_gauge() -> float:
-    from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value("tiercache_semantic_entries")
+    return sample_value("tiercache_semantic_entries")
 
 
 def test_a_second_store_of_a_prompt_replaces_it_whatever_its_near_twins(make_cache):

@@ -12,13 +12,13 @@ import time
 
 import numpy as np
 import pytest
-from prometheus_client import REGISTRY
 
 from services.common.errors import DeadlineExceeded, NotFound
 from services.semantic import cache as cache_mod
 from services.semantic.cache import Namespace, SemanticCache
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.store import EntryStore
+from tests.metric_sample import sample_value
 
 DIM = 16
 A = Namespace("tenant-a", "smollm2", "")
@@ -208,12 +208,12 @@ def test_an_expiry_failing_part_way_drops_what_it_deleted_and_retries_the_rest(
     clock.t += 61
     due = sorted(c._expiry_heap)[:4]
     _fail_deleting(c, due[2][1])
-    counted = REGISTRY.get_sample_value("tiercache_semantic_expirations_total") or 0.0
+    counted = sample_value("tiercache_semantic_expirations_total") or 0.0
     with pytest.raises(ResourceExhausted):
         c.expire()
     assert c.stats().entries == 3 and c.store.count() == 3
     # The two deleted are counted as expired, and only the two left are due again.
-    assert REGISTRY.get_sample_value("tiercache_semantic_expirations_total") == counted + 2
+    assert sample_value("tiercache_semantic_expirations_total") == counted + 2
     assert sorted(c._expiry_heap)[:2] == due[2:] and len(c._expiry_heap) == 3
     c.check_integrity()
     _disk_freed(c)

@@ -60,12 +60,12 @@ import os
 import sqlite3
 
 import pytest
-from prometheus_client import REGISTRY
 
 from services.common.errors import NotFound, ResourceExhausted
 from services.semantic import store as store_mod
 from services.semantic.cache import SemanticCache
 from services.semantic.store import EntryStore
+from tests.metric_sample import sample_value
 from tests.semantic.test_cache_differential import (
     DRAFT_FLOOR,
     Limits,
@@ -83,7 +83,7 @@ PLAIN = ("exact_hits_total", "embed_seconds_count", "search_seconds_count", "evi
 
 def metrics() -> dict:
     def get(name: str, **labels) -> float:
-        return REGISTRY.get_sample_value(f"tiercache_semantic_{name}", labels) or 0.0
+        return sample_value(f"tiercache_semantic_{name}", labels) or 0.0
 
     out = {(t, o): get("lookups_total", tier=t, outcome=o) for t in TIERS for o in OUTCOMES}
     for name in PLAIN:
@@ -407,7 +407,7 @@ class MRun(Run):
                     expirations_total=self.carried[1] + m.expired)
         diff = {k: (got[k], want[k]) for k in got if got[k] != want[k]}
         self.check(not diff, f"metrics (cache, model): {diff}")
-        gauge = REGISTRY.get_sample_value("tiercache_semantic_entries")
+        gauge = sample_value("tiercache_semantic_entries")
         self.check(gauge == len(m.entries), f"entries gauge {gauge} != {len(m.entries)}")
         rows = {r.id: r.ttl_seconds for rows in self.cache.store.iter_all() for r in rows}
         ttls = {eid: e.stored_ttl for eid, e in m.entries.items()}

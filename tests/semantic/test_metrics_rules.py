@@ -10,10 +10,10 @@ caller went away, count nowhere; a replaced prompt or an expired entry is no evi
 from __future__ import annotations
 
 import pytest
-from prometheus_client import REGISTRY
 
 from services.common.errors import DeadlineExceeded, InvalidArgument
 from services.semantic.cache import Namespace, SemanticCache
+from tests.metric_sample import sample_value
 from tests.semantic import test_cache_edges
 
 # The edge tests' embedder and cache (guard and verifier off): their fixtures, shared.
@@ -25,7 +25,7 @@ OUTCOMES = ("hit", "draft", "miss")
 
 
 def metric(name: str, **labels) -> float:
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    return sample_value(name, labels) or 0.0
 
 
 def snapshot(c: SemanticCache) -> dict:

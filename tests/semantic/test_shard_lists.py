@@ -15,7 +15,6 @@ from hashlib import blake2b
 import grpc
 import numpy as np
 import pytest
-from prometheus_client import REGISTRY
 from tiercache.v1 import common_pb2
 from tiercache.v1 import semantic_pb2 as pb
 from tiercache.v1 import semantic_pb2_grpc as pbg
@@ -30,12 +29,13 @@ from services.semantic.shard_list import (
     RecentShardLists,
 )
 from tests.clock import Clock
+from tests.metric_sample import sample_value
 
 DIFFERS = "shard list differs between orchestrators"
 
 
 def _mismatches() -> float:
-    return REGISTRY.get_sample_value("tiercache_semantic_shard_list_mismatches_total") or 0.0
+    return sample_value("tiercache_semantic_shard_list_mismatches_total") or 0.0
 
 
 # -- the shard's check on its own --------------------------------------------------------------

@@ -18,6 +18,7 @@ from services.semantic.cache import Namespace, SemanticCache
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.server import serve
 from services.semantic.store import EntryStore
+from tests.metric_sample import sample_value
 from tests.semantic.test_cache_edges import FixedEmbedder
 
 A = Namespace("tenant-a", "smollm2", "")
@@ -141,9 +142,8 @@ def filled(cfg, emb, clock, snap, caches, n=120) -> SemanticCache:
 
 
 def metric(name: str, **labels) -> float:
-    from prometheus_client import REGISTRY
 
-    return REGISTRY.get_sample_value(name, labels) or 0.0
+    return sample_value(name, labels) or 0.0
 
 
 def test_a_restart_takes_the_saved_graph_and_serves_the_same(make_cfg, emb, clock, caches,
