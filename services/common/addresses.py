@@ -35,17 +35,13 @@ def canonical_address(address: str) -> str:
     scheme, _, rest = a.partition(":")
     scheme = scheme.lower()
     if ":" in rest:  # else `dns:53` is the host "dns", port 53
-        if scheme == "dns":
-            if rest.startswith("//"):
-                a = rest[2:].partition("/")[2]
-                if not a:  # dns://host:port: an authority and no host (gRPC refuses it)
-                    return stripped
-            else:
-                a = rest
-        elif scheme in ("ipv4", "ipv6"):
-            a = rest
-        elif scheme == "xds":
+        if scheme == "xds":
             return a
+        named = target_host(a)
+        if named == "":  # dns://host:port: an authority and no host (gRPC refuses it)
+            return stripped
+        if named is not None:
+            a = named
     host, sep, port = a.rpartition(":")
     if not (sep and host and port.isascii() and port.isdigit()):
         return stripped
@@ -62,6 +58,19 @@ def canonical_address(address: str) -> str:
 
 
 _ASCII_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def target_host(target: str) -> str | None:
+    """What a gRPC target names after its scheme (`dns:///name`, `dns://dns-server/name`,
+    `dns:name`, `ipv4:` and `ipv6:` addresses; the scheme in any case): "" when it names
+    nothing (`dns:///`, or `dns://x` whose x is the DNS server to ask); None for another
+    scheme, or for none. Given a whole address, the host:port after the scheme; given the part
+    before the port, the host."""
+    scheme, _, rest = target.partition(":")
+    scheme = scheme.lower()
+    if scheme == "dns":
+        return rest[2:].partition("/")[2] if rest.startswith("//") else rest
+    return rest if scheme in ("ipv4", "ipv6") else None
 
 
 def shard_fingerprint(addresses: Iterable[str]) -> str:

@@ -18,7 +18,7 @@ import typing
 from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
-from services.common.addresses import canonical_address
+from services.common.addresses import canonical_address, target_host
 
 T = TypeVar("T")
 
@@ -323,22 +323,12 @@ def is_host_port(a: str, *, listen: bool = False, dialed: bool = False) -> bool:
     if host.startswith(_GRPC_SCHEMES):
         # dns://x:1 reads x:1 as the DNS server and leaves no host ("no server name supplied")
         return not listen and not (host.startswith("dns://") and "/" not in host[6:]) \
-            and _target_host(host) != ""
+            and target_host(host) != ""
     if "/" in host:  # http://host:1, a path: no target gRPC reaches
         return False
     if ":" in host and (listen or dialed):
         return host.startswith("[") and host.endswith("]")
     return True
-
-
-def _target_host(host: str) -> str | None:
-    """The host a gRPC target's part before its port names (`dns:///name`, `dns://dns-server/
-    name`, `dns:name`, `ipv4:` and `ipv6:` addresses): "" when there is none (`dns:///:1`,
-    which gRPC refuses when it dials); None for a scheme whose rest is not a host (`xds:`)."""
-    scheme, _, rest = host.partition(":")
-    if scheme == "dns":
-        return rest[2:].partition("/")[2] if rest.startswith("//") else rest
-    return rest if scheme in ("ipv4", "ipv6") else None
 
 
 def _why_not(a: str) -> str:
@@ -351,7 +341,7 @@ def _why_not(a: str) -> str:
     if host.startswith("dns://") and "/" not in host[6:]:
         return (f"{a!r} is not host:port (dns:///host:port, three slashes: dns://X/ names "
                 "X as the DNS server to ask)")
-    if host.startswith(_GRPC_SCHEMES) and _target_host(host) == "":
+    if host.startswith(_GRPC_SCHEMES) and target_host(host) == "":
         return f"{a!r} is not host:port (the target names no host before its port)"
     if any(c in ",;" for c in host):
         # "a:1;b:2" got the IPv6 hint ("[a:1;b]:port"): a list in the wrong separator.
