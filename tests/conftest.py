@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import sys
+import types
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 for p in (ROOT, ROOT / "gen"):
@@ -17,6 +20,19 @@ try:  # one reproducible run: the same examples every time, nothing written to t
     settings.load_profile("ci")
 except ImportError:  # pragma: no cover - hypothesis is a test dependency
     pass
+
+
+@pytest.fixture
+def logs_clock(monkeypatch):
+    """services/common/logs.py's `time`, moved only by the test (tests/clock.py LogsTime)."""
+    from services.common import logs
+    from tests.clock import LogsTime
+
+    t = LogsTime()
+    monkeypatch.setattr(logs, "time", types.SimpleNamespace(
+        monotonic=t.monotonic, time=t.time, strftime=t.strftime, gmtime=t.gmtime,
+        sleep=t.sleep))
+    return t
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:

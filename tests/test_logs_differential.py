@@ -40,7 +40,6 @@ import os
 import random
 import sys
 import time
-import types
 import weakref
 
 import pytest
@@ -49,20 +48,12 @@ from services.common import logs
 from services.common.logs import JsonFormatter, Thinned, bound_request_id, request_id_var
 
 # `time` as the logs module reads it, with clocks the test moves (the wall clock may also
-# jump on its own, as an NTP step does)
-from tests.test_logs_rules import FakeTime
+# jump on its own, as an NTP step does); the `logs_clock` fixture (tests/conftest.py) puts
+# one in place
+from tests.clock import LogsTime
 
 SEEDS = int(os.environ.get("LOGS_DIFFERENTIAL_SEEDS", "300"))
 FIRST = int(os.environ.get("LOGS_DIFFERENTIAL_FIRST_SEED", "0"))
-
-
-@pytest.fixture
-def fake_time(monkeypatch):
-    t = FakeTime()
-    monkeypatch.setattr(logs, "time", types.SimpleNamespace(
-        monotonic=t.monotonic, time=t.time, strftime=t.strftime, gmtime=t.gmtime,
-        sleep=t.sleep))
-    return t
 
 
 def hms(wall: float) -> str:
@@ -178,7 +169,7 @@ def new_thinned(name: str, per_window: int, window_s: float) -> tuple[Thinned, C
     return t, cap
 
 
-def run_thinned(seed: int, clock: FakeTime, steps: int = 80) -> None:
+def run_thinned(seed: int, clock: LogsTime, steps: int = 80) -> None:
     rng = random.Random(seed)
     pairs = []
     for i in range(2):
@@ -258,8 +249,8 @@ def run_thinned(seed: int, clock: FakeTime, steps: int = 80) -> None:
 
 
 @pytest.mark.parametrize("seed", range(FIRST, FIRST + SEEDS))
-def test_thinned_against_the_model(seed, fake_time) -> None:
-    run_thinned(seed, fake_time)
+def test_thinned_against_the_model(seed, logs_clock) -> None:
+    run_thinned(seed, logs_clock)
 
 
 # The formatter, the request ids and the levels.

@@ -8,39 +8,11 @@ import json
 import logging
 import sys
 import time
-import types
 
 import pytest
 
 from services.common import logs
 from services.common.logs import JsonFormatter, Thinned
-
-
-class FakeTime:
-    """`time` as the logs module reads it, with a monotonic and a wall clock the test moves."""
-
-    def __init__(self) -> None:
-        self.mono, self.wall = 1000.0, 1_700_000_000.0
-        self.strftime, self.gmtime, self.sleep = time.strftime, time.gmtime, time.sleep
-
-    def monotonic(self) -> float:
-        return self.mono
-
-    def time(self) -> float:
-        return self.wall
-
-    def advance(self, s: float) -> None:
-        self.mono += s
-        self.wall += s
-
-
-@pytest.fixture
-def fake_time(monkeypatch):
-    t = FakeTime()
-    monkeypatch.setattr(logs, "time", types.SimpleNamespace(
-        monotonic=t.monotonic, time=t.time, strftime=t.strftime, gmtime=t.gmtime,
-        sleep=t.sleep))
-    return t
 
 
 def thinned(name: str, **kw) -> Thinned:
@@ -55,39 +27,39 @@ def left_out_lines(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
 
 
-def test_a_window_with_nothing_left_out_says_nothing(caplog, fake_time):
+def test_a_window_with_nothing_left_out_says_nothing(caplog, logs_clock):
     """The count line says how many lines were left out: a window that left none out (the
     usual case) writes no "0 more lines" line, at its end or at a stop."""
     t = thinned("tests.logs.none-left", per_window=2, window_s=10.0)
     with caplog.at_level(logging.INFO, logger="tests.logs.none-left"):
         assert t.allow(("svc", "Lookup", "NOT_FOUND"))
-        fake_time.advance(11)
+        logs_clock.advance(11)
         assert t.allow(("svc", "Lookup", "NOT_FOUND"))  # a new window: the old one is over
         t.sweep()
         t.flush()
     assert left_out_lines(caplog) == []
 
 
-def test_the_count_line_says_when_the_first_and_the_last_were_left_out(caplog, fake_time):
+def test_the_count_line_says_when_the_first_and_the_last_were_left_out(caplog, logs_clock):
     """"between <first> and <last>": the time of the first line left out is kept, not moved
     to each later one."""
     t = thinned("tests.logs.between", per_window=1, window_s=60.0)
     key = ("svc", "Store", "UNAVAILABLE")
-    first = time.strftime("%H:%M:%S", time.gmtime(fake_time.wall + 2))
-    last = time.strftime("%H:%M:%S", time.gmtime(fake_time.wall + 32))
+    first = time.strftime("%H:%M:%S", time.gmtime(logs_clock.wall + 2))
+    last = time.strftime("%H:%M:%S", time.gmtime(logs_clock.wall + 32))
     with caplog.at_level(logging.INFO, logger="tests.logs.between"):
         assert t.allow(key)
-        fake_time.advance(2)
+        logs_clock.advance(2)
         assert not t.allow(key)
         for _ in range(3):
-            fake_time.advance(10)
+            logs_clock.advance(10)
             assert not t.allow(key)
         t.flush()
     assert left_out_lines(caplog) == [
         f"svc/Store/UNAVAILABLE: 4 more lines left out between {first} and {last}Z"]
 
 
-def test_a_keys_next_line_after_its_window_says_the_count_first(caplog, fake_time):
+def test_a_keys_next_line_after_its_window_says_the_count_first(caplog, logs_clock):
     """The key's next line, once its window is over, says how many were left out before it
     is written (no sweep needed)."""
     t = thinned("tests.logs.next-line", per_window=1, window_s=0.5)
@@ -96,7 +68,7 @@ def test_a_keys_next_line_after_its_window_says_the_count_first(caplog, fake_tim
         assert t.allow(key)
         assert not t.allow(key)
         assert not t.allow(key)
-        fake_time.advance(0.6)
+        logs_clock.advance(0.6)
         assert t.allow(key)
     assert [m.split(" between")[0] for m in left_out_lines(caplog)] == [
         "replica r1/UNAVAILABLE: 2 more lines left out"]
@@ -154,7 +126,7 @@ def test_a_closed_or_replaced_stream_is_no_terminal():
     assert logs.isatty(object()) is False
 
 
-def test_past_the_key_bound_no_count_is_lost(caplog, fake_time):
+def test_past_the_key_bound_no_count_is_lost(caplog, logs_clock):
     """Keys are few, and a bound keeps them so: past 4,096 keys in one window the table was
     cleared, and with it every key's count of lines left out, never said (a differential
     review, tests/test_logs_differential.py)."""
@@ -175,14 +147,14 @@ def test_past_the_key_bound_no_count_is_lost(caplog, fake_time):
         assert not t.allow(("svc", "Store", "NOT_FOUND"))
         for i in range(4096):
             assert t.allow(("peer", i))
-        fake_time.advance(0.625)
+        logs_clock.advance(0.625)
         assert t.allow(("svc", "Store", "NOT_FOUND"))
         t.flush()
     assert [m.split(" between")[0] for m in left_out_lines(caplog)] == [
         "svc/Store/NOT_FOUND: 1 more lines left out"]
 
 
-def test_a_count_of_warnings_is_a_warning(caplog, fake_time):
+def test_a_count_of_warnings_is_a_warning(caplog, logs_clock):
     """The orchestrator's degradations and the refused callers are thinned WARNINGs: their
     count was an INFO line, unseen where TIERCACHE_LOG_LEVEL=WARNING showed the WARNINGs (an
     outage's lines stopped at 10 with no word of the rest). Each says it at its lines' level."""
@@ -202,7 +174,7 @@ def test_a_count_of_warnings_is_a_warning(caplog, fake_time):
         (logging.WARNING, "replica r1/UNAVAILABLE: 1 more lines left out")]
 
 
-def test_responses_refused_for_size_are_counted_as_warnings(caplog, fake_time):
+def test_responses_refused_for_size_are_counted_as_warnings(caplog, logs_clock):
     """A response over the send limit is a thinned WARNING: it shared the "<method> ended
     <CODE>" lines' INFO instance, so past 10 of them their count was an INFO line, unseen at
     TIERCACHE_LOG_LEVEL=WARNING."""
