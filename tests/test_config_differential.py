@@ -139,6 +139,17 @@ def _ladder_ok(ladder: str, top: int) -> bool:
     return 1 <= a <= b <= c <= top
 
 
+def _costs_ok(costs: str, top: int) -> bool:
+    """Empty, or top + 1 plain ASCII decimals, the first 1, none under 0.7."""
+    if not costs.strip():
+        return True
+    parts = [p.strip() for p in costs.split(",")]
+    if not all(re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", p, re.ASCII) for p in parts):
+        return False
+    values = [float(p) for p in parts]
+    return len(values) == top + 1 and values[0] == 1 and min(values) >= 0.7
+
+
 def _at_most_one(name: str):
     return lambda v: v[name] <= 1
 
@@ -200,6 +211,10 @@ RULES: dict[str, list[tuple[tuple[str, ...], object]]] = {
         (("linear_kernels",), lambda v: v["linear_kernels"] in ("onednn", "torch")),
         (("draft_ladder", "max_draft_tokens"),
          lambda v: _ladder_ok(v["draft_ladder"], v["max_draft_tokens"])),
+        (("draft_costs", "max_draft_tokens"),
+         lambda v: _costs_ok(v["draft_costs"], v["max_draft_tokens"])),
+        (("draft_costs", "draft_ladder"),
+         lambda v: not v["draft_costs"].strip() or v["draft_ladder"] == "auto"),
         (("shallow_tokens",), lambda v: v["shallow_tokens"] >= 0),
         (("pin_ttl_max_seconds",), lambda v: v["pin_ttl_max_seconds"] >= 1),
         (("grace_seconds",), lambda v: v["grace_seconds"] >= 0),
@@ -334,6 +349,11 @@ CHOICES = {
     "advertise_address": ["", "10.0.0.5:50054", "a:0", "a"],
     "draft_ladder": ["auto", "1,2,3", "1,4,16", "3,2,1", "1,2", "1, 2, 20", "a,b,c", "0,1,2",
                      "2,4,8"],
+    "draft_costs": ["", " ", "1" + ",1.2" * 16, " 1.0 ," + "0.7," * 15 + "9", "1" + ",.8" * 16,
+                    "1" + ",0.69" + ",1" * 15, "1" + ",1.2" * 15, "1" + ",1.2" * 17,
+                    "1.1" + ",1.2" * 16, "1" + ",nan" * 16, "1" + ",1_0" * 16,
+                    "1" + ",\u0661" * 16, "1" + ",1e0" * 16, "1,,1.2" + ",1.2" * 14, "x",
+                    "1" + ",1." * 16, "1"],
     "kvpool_addresses": ["a:1", "a:1,b:2", "", ",", "a:1, a:1", "a:1,B:2,b:2", "x", "a:1,,b:2"],
     "prefix_addresses": ["", "p:1", "p:1,q:2", "p", "p:1,p:1"],
     "semantic_address": ["", "s:1", "s:1,t:2", "s", "s:1,S:1", "s:1,"],

@@ -75,6 +75,7 @@ import torch
 
 from services.common.config import MAX_FLOAT_SETTING, ConfigError, env_name, load_config
 from services.kvpool.config import MAX_BLOCKS, KvPoolConfig
+from services.kvpool.drafting import choose_ladder
 from services.orchestrator.config import STREAM_HEADROOM, OrchestratorConfig
 from services.prefix.config import PrefixConfig
 from services.semantic.config import SemanticConfig
@@ -305,6 +306,8 @@ def kv_values(rng: random.Random, folder: str | None) -> dict:
         a = rng.randint(1, m)
         b = rng.randint(a, m)
         v["draft_ladder"] = f"{a},{b},{rng.randint(b, m)}"
+    elif rng.random() < 0.5:  # a timing taken elsewhere: 1, then m plausible costs
+        v["draft_costs"] = ",".join(["1"] + [f"{rng.uniform(0.7, 3):.3f}" for _ in range(m)])
     v["eviction_policy"] = rng.choice(("hybrid", "lru"))
     v["replica_id"] = rng.choice(("kvpool-7", "r" * 256, "é-1"))
     v["address"] = rng.choice(("127.0.0.1:0", "0.0.0.0:65535", "[::1]:50054"))
@@ -387,6 +390,10 @@ def check_replica(v: dict, cfg: KvPoolConfig, replica, model) -> None:
     elif "draft_ladder" in v:
         assert eng.ladder() == tuple(int(x) for x in v["draft_ladder"].split(","))
         assert eng.draft_ladder.source == "configured"
+    elif "draft_costs" in v:  # chosen from the costs given, untimed
+        given = tuple(float(x) for x in v["draft_costs"].split(","))
+        assert eng.draft_ladder.source == "given" and eng.costs() == given
+        assert eng.ladder() == choose_ladder(dict(enumerate(given, start=1)), m)
     else:  # measured on this device (here: the cost table), within 1..max_draft_tokens
         lad = eng.ladder()
         assert eng.draft_ladder.source == "measured" and len(lad) == 3
@@ -1014,7 +1021,8 @@ def test_kvpool_main_wires_the_server_publisher_and_watchdog(tiny):
     def one(seed: int) -> None:
         rng = random.Random(40_000 + seed)
         v = kv_values(rng, None)
-        v.setdefault("draft_ladder", "1,1,1")
+        if "draft_costs" not in v:  # nothing timed: lengths given, or chosen from costs given
+            v.setdefault("draft_ladder", "1,1,1")
         handle = FakeHandle()
         server, pub, watch, run = Calls(lambda **kw: handle), Calls(), Calls(), Calls()
         built: list = []

@@ -16,7 +16,7 @@ from services.common.model_store import ModelStoreError, load_resolved, readable
 from services.common.policy import make_policy
 from services.kvpool.block_pool import BlockPool
 from services.kvpool.calibrate import forward_costs
-from services.kvpool.config import MAX_BLOCKS, KvPoolConfig
+from services.kvpool.config import IMPLAUSIBLE, MAX_BLOCKS, KvPoolConfig
 from services.kvpool.drafting import LadderChoice, choose_ladder, default_ladder
 from services.kvpool.engine import Engine, ModelInfo, model_info
 from services.kvpool.linear import Packing, pack_linears
@@ -150,19 +150,20 @@ def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
     return blocks
 
 
-# A multi-token forward timed under this share of a 1-token one: noise. On oneDNN kernels a
-# forward of 2-6 tokens costs about what one token's does: 0.94x on a quiet host
-# (`python -m benchmarks.linear`) and 0.84x at one replica's start beside the other services,
-# where the former bar, 0.85, refused a plausible timing and left the worst fixed ladder.
-IMPLAUSIBLE = 0.7
-
-
 def draft_ladder(cfg: KvPoolConfig, model: Any,
                  threads_for: Callable[[int], int] | None = None) -> LadderChoice:
     """The drafts' proposal lengths: `cfg.draft_ladder`, or measured on this device."""
     fixed = cfg.fixed_ladder()
     if fixed is not None:
         return LadderChoice(fixed, "configured")
+    given = cfg.given_costs()
+    if given is not None:  # a timing taken elsewhere, on the same model and hardware
+        ladder = choose_ladder(dict(enumerate(given, start=1)), cfg.max_draft_tokens)
+        log.info("draft proposal lengths %s, from forwards of 1..%d tokens costing %s x one "
+                 "token's (given by TIERCACHE_KVPOOL_DRAFT_COSTS, not timed here)",
+                 ",".join(map(str, ladder)), cfg.max_draft_tokens + 1,
+                 " ".join(f"{c:.2f}" for c in given))
+        return LadderChoice(ladder, "given", given)
     t0 = time.monotonic()
 
     def fall_back(why: str, costs: tuple[float, ...] = ()) -> LadderChoice:

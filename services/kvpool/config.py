@@ -13,6 +13,12 @@ LINEAR_KERNELS = ("onednn", "torch")  # see `KvPoolConfig.linear_kernels`
 # until the OOM killer, and a thread count overflowed inside torch on the engine thread.
 MAX_BLOCKS = 1 << 22
 MAX_THREADS = 1024
+# A multi-token forward timed under this share of a 1-token one: noise. On oneDNN kernels a
+# forward of 2-6 tokens costs about what one token's does: 0.94x on a quiet host
+# (`python -m benchmarks.linear`) and 0.84x at one replica's start beside the other services,
+# where the former bar, 0.85, refused a plausible timing and left the worst fixed ladder.
+IMPLAUSIBLE = 0.7
+_DECIMAL = re.compile(r"[0-9]+(?:\.[0-9]*)?|\.[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -72,20 +78,29 @@ class KvPoolConfig:
     max_draft_tokens: int = 16
     # Draft proposal lengths: "auto" = chosen at start from forwards of 1..max_draft_tokens+1
     # tokens timed on this device (15-20 s on a quiet 2-core CPU, longer while other processes
-    # keep it busy: disturbed timings are dropped; services/kvpool/calibrate.py), or
-    # three ascending lengths "a,b,c" in 1..max_draft_tokens (after a miss, after a match,
-    # while proposals verify). Only read when drafts are on.
+    # keep it busy: disturbed timings are dropped; services/kvpool/calibrate.py), or from
+    # draft_costs untimed; or three ascending lengths "a,b,c" in 1..max_draft_tokens (after a
+    # miss, after a match, while proposals verify). Only read when drafts are on.
     draft_ladder: str = "auto"
+    # The forward costs "auto" chooses from, given instead of timed at start (which takes
+    # 15-20 s of each replica's start on a 2-core CPU): max_draft_tokens + 1 numbers, what a
+    # forward of q = 1, 2, ... new tokens costs over a 1-token one, as a replica of the same
+    # model on the same hardware measured them (its Stats draft_forward_costs, or its start
+    # log's "costing ... x one token's"). Used as that timing would be (the lengths, the
+    # batch rule, the start of the costs learned as served). Empty = time them at start.
+    # Only read when drafts are on and draft_ladder is auto.
+    draft_costs: str = ""
     # With several sequences decoding, cut draft proposals to the length expected to emit the
     # most tokens per forward cost (every row of a batch's forward pays for its longest
-    # proposal; services/kvpool/drafting.py `batch_keep`). Needs a measured draft_ladder.
-    # False = every proposal rides the batch's forward (fastest for the drafting requests,
-    # slower for the others).
+    # proposal; services/kvpool/drafting.py `batch_keep`). Needs "auto" lengths from costs
+    # timed or given (draft_costs). False = every proposal rides the batch's forward
+    # (fastest for the drafting requests, slower for the others).
     draft_batch_gate: bool = True
     # Learn what steps cost as served: steps of one sequence are timed by their tokens, and
     # once a length has 8 of them its cost replaces the start-up timing's in the choices by
     # cost (proposal lengths, the batch rule; services/kvpool/drafting.py `ServedCosts`).
-    # Needs a measured draft_ladder. False = the start-up timing throughout.
+    # Needs "auto" lengths from costs timed or given (draft_costs). False = the start-up
+    # timing (or the costs given) throughout.
     draft_costs_learned: bool = True
     # Most branches a sequence decoding alone verifies in one forward: its proposal
     # and the continuations after other draft positions its context's end matches, as a tree
@@ -211,6 +226,15 @@ class KvPoolConfig:
         require(self.draft_ladder == "auto" or self.fixed_ladder() is not None, s,
                 "draft_ladder", "must be 'auto' or three ascending integers 'a,b,c' in "
                 f"1..max_draft_tokens ({self.max_draft_tokens})")
+        require(self.draft_costs.strip() == "" or self.given_costs() is not None, s,
+                "draft_costs", f"must be empty (timed at start) or max_draft_tokens + 1 "
+                f"({self.max_draft_tokens + 1}) comma-separated costs, the first 1 (a "
+                f"1-token forward's), every one finite and at least {IMPLAUSIBLE:g} (a forward "
+                f"of more tokens timed under that share of one token's is noise), got "
+                f"{self.draft_costs!r}")
+        require(self.draft_costs.strip() == "" or self.draft_ladder == "auto", s,
+                "draft_costs", "given with a fixed draft_ladder: the costs choose the lengths "
+                "'auto' would time them for (give one or the other)")
         require(self.shallow_tokens >= 0, s, "shallow_tokens", "must be >= 0")
         require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
         require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
@@ -234,6 +258,19 @@ class KvPoolConfig:
     def public_address(self) -> str:
         """Address announced to the prefix index."""
         return self.advertise_address or self.address
+
+    def given_costs(self) -> tuple[float, ...] | None:
+        """`draft_costs` as numbers (index q - 1: a forward of q tokens over a 1-token one);
+        None when empty or malformed."""
+        parts = [p.strip() for p in self.draft_costs.split(",")]
+        # Plain decimals, as a replica prints them (float() also takes "1_0", "nan" and other
+        # scripts' digits)
+        if not all(_DECIMAL.fullmatch(p) for p in parts):
+            return None
+        costs = tuple(float(p) for p in parts)
+        ok = (len(costs) == self.max_draft_tokens + 1 and costs[0] == 1.0
+              and all(c >= IMPLAUSIBLE for c in costs))
+        return costs if ok else None
 
     def fixed_ladder(self) -> tuple[int, int, int] | None:
         """`draft_ladder` as three lengths; None for "auto" or a malformed value."""

@@ -229,16 +229,19 @@ class LadderChoice(NamedTuple):
     """The drafts' proposal lengths, where they came from, and what they were chosen from."""
 
     ladder: tuple[int, ...]
-    source: str  # "configured", "measured", or "fixed: <why the measurement was not used>"
-    # Timed forward of q = 1.. tokens / a 1-token one: what `ladder` was chosen from when
-    # measured, or the timings refused as disturbed.
+    # "configured" (fixed lengths), "measured" (timed at start), "given" (chosen from costs
+    # configured: a timing taken elsewhere), or "fixed: <why the measurement was not used>"
+    source: str
+    # Forward of q = 1.. tokens / a 1-token one: what `ladder` was chosen from when measured
+    # or given, or the timings refused as disturbed.
     costs: tuple[float, ...] = ()
 
     @property
     def measured(self) -> bool:
-        """Whether `costs` are this device's accepted timing (not configured, not refused as
-        disturbed): what decisions by forward cost may rely on."""
-        return self.source == "measured"
+        """Whether `costs` are this device's accepted timing, taken at start or given by
+        configuration (not fixed lengths, not refused as disturbed): what decisions by forward
+        cost may rely on."""
+        return self.source in ("measured", "given")
 
     @property
     def cheap_guesses(self) -> bool:

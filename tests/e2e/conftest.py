@@ -17,6 +17,15 @@ LOG_DIR = Path(os.environ.get("TIERCACHE_TEST_LOGS")
                or Path(tempfile.gettempdir()) / f"tiercache-test-logs-{os.getpid()}")
 LOG_DIR.mkdir(parents=True, exist_ok=True)  # before any test opens a log in it
 
+# What a replica's forwards of 1..17 tokens cost over a 1-token one, timed for SmolLM2 on a
+# 2-core CPU (benchmarks/results/assisted.json's draft_forward_costs). Replicas started here
+# take them (TIERCACHE_KVPOOL_DRAFT_COSTS) instead of timing their own at start, 15-20 s of
+# each start; what they are timed as changes the proposal lengths, never an answer. A test
+# that gives TIERCACHE_KVPOOL_DRAFT_COSTS or _DRAFT_LADDER itself keeps its own; the
+# rendered-stack deploy test and `make run` time theirs.
+DRAFT_COSTS = (1.0, 1.017, 1.064, 0.998, 1.041, 1.053, 1.156, 1.165, 1.217, 1.232, 1.277,
+               1.301, 1.353, 1.36, 1.386, 1.404, 1.454)
+
 
 def start(name: str, env: dict[str, str], key: str | None = None, timeout: float = 240.0
           ) -> ServiceProcess:
@@ -43,6 +52,9 @@ def start_all(specs: list[tuple[str, dict[str, str], str | None]], timeout: floa
             # Tenants configured: the orchestrator refuses the public default hash key.
             env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1",
                    "TIERCACHE_HASH_KEY": "e2e-test-hash-key", **env}
+            if name == "kvpool" and not {"TIERCACHE_KVPOOL_DRAFT_COSTS",
+                                         "TIERCACHE_KVPOOL_DRAFT_LADDER"} & env.keys():
+                env["TIERCACHE_KVPOOL_DRAFT_COSTS"] = ",".join(map(str, DRAFT_COSTS))
             started.append(ServiceProcess(name, port, env,
                                           log_path=LOG_DIR / f"{key or name}.log").start())
         for p in started:

@@ -13,6 +13,7 @@ from services.common.model_store import ModelStoreError
 from services.kvpool.app import check_finite, pool_blocks
 from services.kvpool.config import MAX_BLOCKS, KvPoolConfig
 from services.kvpool.engine import ModelInfo
+from tests.e2e.conftest import DRAFT_COSTS
 
 
 class _Logits:
@@ -69,3 +70,38 @@ def test_max_context_is_the_smaller_of_the_setting_and_the_models(tiny_model):
             assert replica.info.max_context == want
         finally:
             replica.engine.stop()
+
+
+# A timing of the real model on a 2-core CPU: forwards of 1..17 tokens over a 1-token one.
+COSTS = DRAFT_COSTS
+
+
+def test_draft_costs_given_choose_the_lengths_untimed(monkeypatch, tiny_model):
+    """With TIERCACHE_KVPOOL_DRAFT_COSTS, nothing is timed at start: the lengths are what
+    the rule chooses from the costs given, the source says "given", and the engine uses them
+    as a timing (the batch rule and the costs learned as served start from them)."""
+    from services.kvpool import app
+    from services.kvpool.drafting import choose_ladder
+    from tests.kvpool.conftest import TINY_ID
+
+    def timed(*a, **kw):
+        raise AssertionError("forward costs timed although given")
+
+    monkeypatch.setattr(app, "forward_costs", timed)
+    cfg = KvPoolConfig(num_blocks=64, block_size=4, metrics_port=-1,
+                       draft_costs=",".join(map(str, COSTS)))
+    choice = app.draft_ladder(cfg, tiny_model)
+    assert choice.ladder == choose_ladder(dict(enumerate(COSTS, start=1)), 16) == (3, 5, 16)
+    assert (choice.source, choice.costs, choice.measured) == ("given", COSTS, True)
+    replica = app.build_replica(cfg, model=tiny_model, model_id=TINY_ID, metrics=False)
+    try:
+        engine = replica.engine
+        assert engine.draft_ladder == choice and engine.costs() == COSTS
+        assert engine.served_costs is not None
+    finally:
+        replica.engine.stop()
+    # Without the costs, "auto" times them (the stand-in above is what gets called).
+    with pytest.raises(AssertionError, match="timed although given"):
+        app.forward_costs(tiny_model, 17)
+    fell_back = app.draft_ladder(KvPoolConfig(num_blocks=64, block_size=4), tiny_model)
+    assert fell_back.source.startswith("fixed: could not time draft forwards")

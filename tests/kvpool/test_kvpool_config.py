@@ -33,6 +33,18 @@ def test_env_and_flags() -> None:
     ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "1,2,17"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
     ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "1,2"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
     ({"TIERCACHE_KVPOOL_DRAFT_LADDER": "fast"}, "TIERCACHE_KVPOOL_DRAFT_LADDER"),
+    ({"TIERCACHE_KVPOOL_DRAFT_COSTS": "1,1.1"}, "TIERCACHE_KVPOOL_DRAFT_COSTS"),  # 17 wanted
+    ({"TIERCACHE_KVPOOL_DRAFT_COSTS": ",".join(["1"] * 18)}, "TIERCACHE_KVPOOL_DRAFT_COSTS"),
+    ({"TIERCACHE_KVPOOL_DRAFT_COSTS": ",".join(["1.1"] * 17)}, "TIERCACHE_KVPOOL_DRAFT_COSTS"),
+    ({"TIERCACHE_KVPOOL_DRAFT_COSTS": "1," + ",".join(["nan"] * 16)},
+     "TIERCACHE_KVPOOL_DRAFT_COSTS"),
+    ({"TIERCACHE_KVPOOL_DRAFT_COSTS": "1," + ",".join(["inf"] * 16)},
+     "TIERCACHE_KVPOOL_DRAFT_COSTS"),
+    ({"TIERCACHE_KVPOOL_DRAFT_COSTS": "1,0.69" + ",1.2" * 15}, "TIERCACHE_KVPOOL_DRAFT_COSTS"),
+    ({"TIERCACHE_KVPOOL_DRAFT_COSTS": "1,,1.2" + ",1.2" * 14}, "TIERCACHE_KVPOOL_DRAFT_COSTS"),
+    ({"TIERCACHE_KVPOOL_DRAFT_COSTS": "1;1.2" + ",1.2" * 15}, "TIERCACHE_KVPOOL_DRAFT_COSTS"),
+    ({"TIERCACHE_KVPOOL_DRAFT_COSTS": "1" + ",1.2" * 16, "TIERCACHE_KVPOOL_DRAFT_LADDER": "1,2,16"},
+     "TIERCACHE_KVPOOL_DRAFT_COSTS"),
     ({"TIERCACHE_KVPOOL_LINEAR_KERNELS": "mkl"}, "TIERCACHE_KVPOOL_LINEAR_KERNELS"),
     ({"TIERCACHE_KVPOOL_ONE_THREAD_BELOW": "-1"}, "TIERCACHE_KVPOOL_ONE_THREAD_BELOW"),
     ({"TIERCACHE_KVPOOL_MAX_CONTEXT": "1"}, "TIERCACHE_KVPOOL_MAX_CONTEXT"),
@@ -53,6 +65,23 @@ def test_draft_ladder_is_auto_or_three_ascending_lengths() -> None:
     cfg = load_config(KvPoolConfig, "kvpool", [],
                       environ={"TIERCACHE_KVPOOL_DRAFT_LADDER": "4, 8,16"})
     assert cfg.fixed_ladder() == (4, 8, 16)
+
+
+def test_draft_costs_are_empty_or_max_draft_tokens_plus_one_plausible_costs() -> None:
+    """As a replica's Stats give them (3 decimals) or its start log (2), spaces allowed; the
+    count follows max_draft_tokens; 0.7 of one token's is the lowest taken (the bar that
+    refuses a timing at start as disturbed)."""
+    assert KvPoolConfig().draft_costs == "" and KvPoolConfig().given_costs() is None
+    costs = "1.0, 0.998,1.041 ,1.053"
+    cfg = load_config(KvPoolConfig, "kvpool", [], environ={
+        "TIERCACHE_KVPOOL_DRAFT_COSTS": costs, "TIERCACHE_KVPOOL_MAX_DRAFT_TOKENS": "3"})
+    assert cfg.given_costs() == (1.0, 0.998, 1.041, 1.053)
+    cfg = load_config(KvPoolConfig, "kvpool", [], environ={
+        "TIERCACHE_KVPOOL_DRAFT_COSTS": "1,0.7", "TIERCACHE_KVPOOL_MAX_DRAFT_TOKENS": "1"})
+    assert cfg.given_costs() == (1.0, 0.7)
+    with pytest.raises(ConfigError, match="TIERCACHE_KVPOOL_DRAFT_COSTS.*got '1,0.7'"):
+        load_config(KvPoolConfig, "kvpool", [], environ={  # 17 wanted at the default 16
+            "TIERCACHE_KVPOOL_DRAFT_COSTS": "1,0.7"})
 
 
 def test_pool_sized_in_bytes_or_blocks() -> None:
