@@ -62,7 +62,21 @@ class SourceInfoPool:
         return _FileWithSource(self._pool.FindFileByName(name), self._raw)
 
     def FindFileContainingSymbol(self, symbol: str):  # noqa: N802
-        return _FileWithSource(self._pool.FindFileContainingSymbol(symbol), self._raw)
+        """The file declaring `symbol`, a method's (`pkg.Service.Method`) too: the reflection
+        protocol names methods as symbols (`grpcurl describe pkg.Service.Method` asks for
+        one), and protobuf's upb pool finds none ("Symbol not found")."""
+        try:
+            fd = self._pool.FindFileContainingSymbol(symbol)
+        except KeyError:
+            service, _, method = symbol.rpartition(".")
+            try:
+                found = self._pool.FindServiceByName(service)
+            except KeyError:
+                found = None
+            if found is None or method not in found.methods_by_name:
+                raise
+            fd = found.file
+        return _FileWithSource(fd, self._raw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._pool, name)

@@ -1,0 +1,42 @@
+"""Rules of server reflection (services/common/reflection.py) a differential review found
+unguarded (tests/test_grpc_client_differential.py)."""
+
+from __future__ import annotations
+
+import grpc
+from google.protobuf import descriptor_pb2
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from tiercache.v1 import prefix_pb2_grpc
+
+from services.common.bootstrap import create_server
+
+
+def test_a_methods_name_resolves_to_the_file_declaring_its_service(monkeypatch):
+    """The reflection protocol names methods as symbols (`grpcurl describe
+    tiercache.v1.PrefixIndex.Match` asks for one); protobuf's upb pool finds none, and every
+    method was NOT_FOUND ("Symbol not found"), health's included. An unknown method of a
+    known service is still NOT_FOUND."""
+    for var in ("TIERCACHE_TLS_CA", "TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    h = create_server(service="refl-rules", address="127.0.0.1:0", services=[(
+        prefix_pb2_grpc.add_PrefixIndexServicer_to_server, prefix_pb2_grpc.PrefixIndexServicer(),
+        "tiercache.v1.PrefixIndex")])
+    asks = ["tiercache.v1.PrefixIndex.Match", "grpc.health.v1.Health.Check",
+            "tiercache.v1.PrefixIndex.Nope", "tiercache.v1.MatchRequest.Nope"]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{h.port}") as ch:
+            got = list(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=s)
+                      for s in asks]), timeout=10))
+    finally:
+        h.stop(0)
+    first = [descriptor_pb2.FileDescriptorProto.FromString(
+        r.file_descriptor_response.file_descriptor_proto[0])
+        if r.WhichOneof("message_response") == "file_descriptor_response" else None
+        for r in got]
+    assert first[0] is not None and first[0].name == "tiercache/v1/prefix.proto"
+    assert first[0].source_code_info.location  # with the .proto comments
+    assert first[1] is not None and first[1].name == "grpc_health/v1/health.proto"
+    assert first[2:] == [None, None]
+    not_found = grpc.StatusCode.NOT_FOUND.value[0]
+    assert [r.error_response.error_code for r in got[2:]] == [not_found, not_found]
