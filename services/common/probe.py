@@ -4,7 +4,8 @@ Kubelet's native gRPC probes speak plaintext only. With TLS on, the manifests ca
 `exec` probe instead: it connects the way the services' own clients do (`TIERCACHE_TLS_CA` and
 the client certificate for mutual TLS, the system's roots with only `TIERCACHE_TLS_CERT`,
 plaintext with neither), calls `grpc.health.v1.Health/Check` and exits 0 when the answer is
-SERVING, 1 when it is anything else or the call fails, 2 on a usage error. Health is open to
+SERVING, 1 when it is anything else or the call fails, 2 on a usage error (a timeout outside
+(0, 3600] s, an address that is not HOST:PORT with a port 1..65535). Health is open to
 calls without the internal credential, so none is sent.
 """
 
@@ -17,6 +18,7 @@ from collections.abc import Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.config import is_host_port
 from services.common.grpc_client import channel_credentials_from_env
 
 
@@ -39,7 +41,10 @@ def check(address: str, service: str = "", timeout: float = 2.0, server_name: st
         return False, f"{e.code().name}: {e.details()}"
     finally:
         channel.close()
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    try:
+        status = health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)
+    except ValueError:  # a value this enum does not name (open enums): a line, no traceback
+        status = f"unknown status {r.status}"
     return r.status == health_pb2.HealthCheckResponse.SERVING, status
 
 
@@ -58,7 +63,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if not 0 < a.timeout <= 3600:  # gRPC turns larger (or infinite) deadlines into none at all
         ap.error("--timeout must be in (0, 3600] seconds")
-    ok, seen = check(a.address, a.service, a.timeout, a.server_name)
+    address = a.address.strip()
+    if not is_host_port(address, dialed=True):
+        # gRPC dials 127.0.0.1:99999 as port 34463 (modulo 65536), a missing port as 443:
+        # another server's health, which could pass the probe.
+        ap.error(f"{a.address!r} is not HOST:PORT (port 1..65535)")
+    ok, seen = check(address, a.service, a.timeout, a.server_name)
     print(f"{a.address}: {seen}", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 
