@@ -154,7 +154,8 @@ class HashRing:
             if float(loads.get(n, 0.0)) + 1.0 <= cap + 1e-9:
                 if prefer is None or n in prefer:
                     return n
-                fallback = fallback or n
+                if fallback is None:  # not `or`: a node may be named ""
+                    fallback = n
         if fallback is not None:
             return fallback
         return min((n for n in self.preference(key) if not skip or n not in skip),
