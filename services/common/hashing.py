@@ -1,11 +1,12 @@
 """Chained, keyed block hashes: the one definition shared by kvpool and the prefix index.
 
-    h_0 = H(model_id ‖ cache_salt)                 (root seed; never a block)
-    h_i = H(h_{i-1} ‖ tokens of block i)           (i = 1..n, full blocks only)
+    h_0 = H("tiercache/v1" ‖ NUL ‖ model_id ‖ NUL ‖ cache_salt)   (root seed; never a block)
+    h_i = H(h_{i-1} ‖ tokens of block i)                            (i = 1..n, full blocks only)
 
 H is BLAKE2b with a 128-bit digest, keyed with the cluster's hash key so that nobody without
-the key can craft colliding blocks. Tokens are packed as little-endian uint32. Because the seed
-includes the tenant's cache salt, two tenants' identical prompts share no hash and no block.
+the key can craft colliding blocks; strings are UTF-8 and NUL is one zero byte. Tokens are packed
+as little-endian uint32. Because the seed includes the tenant's cache salt, two tenants'
+identical prompts share no hash and no block.
 
 Speed: one keyed BLAKE2b call per block costs ~0.6 µs in CPython, and most of a request's
 blocks are a shared system prompt or an earlier turn whose hashes were computed moments ago.
