@@ -1,7 +1,8 @@
 """Consistent-hash ring with virtual nodes and bounded-load lookup.
 
-Each node is placed on a 64-bit ring at `vnodes` points (BLAKE2b of "name#i"). A key belongs to
-the first point clockwise from the key's own hash:
+Each node is placed on a 64-bit ring at `vnodes` points (BLAKE2b-64 of "name#i", i < vnodes, read
+big-endian; equal points are ordered by node name). A key belongs to the first point strictly
+clockwise from the key's own hash (a point equal to the key's hash is a full turn away):
 
     0 ──●a──────●b────k──●a──────●c───── 2^64   (k -> a)
 
@@ -125,16 +126,18 @@ class HashRing:
         """The first node clockwise from `key` that can take one more request.
 
         A node qualifies when `loads[node] + 1 <= ceil((1 + epsilon) * (sum(loads) + 1) / N)`, N
-        the number of nodes on the ring (nodes missing from `loads` count as 0), or when
+        the number of nodes on the ring and the sum over those nodes (nodes missing from `loads`
+        count as 0, names in `loads` that are not on the ring are ignored), or when
         `loads[node] <= floor` (a node running that few requests is never full: with many
         nodes and little traffic the ceiling is 1, and one request in flight pushed a session
         off its node). Nodes in `skip` are passed over and not counted (a request's failed
         replicas: removing them from the ring and adding them back rebuilt it). The ceiling is
         the usual bounded-load rule: without it, at low load one request in flight on a node
-        (or a stale load figure) would push its sessions elsewhere. With epsilon > 0
-        some node always qualifies; should none (epsilon == 0 and rounding), the least loaded
-        node in preference order is returned. With `prefer`, qualifying nodes in it come first
-        (still in clockwise order), then any qualifying node.
+        (or a stale load figure) would push its sessions elsewhere. With whole-number loads
+        some node always qualifies, whatever epsilon (the least loaded one is at most the
+        mean); should none (fractional loads, e.g. 100 nodes at 0.9 and epsilon 0.01), the
+        least loaded node, the first of those in preference order, is returned. With `prefer`,
+        qualifying nodes in it come first (still in clockwise order), then any qualifying node.
 
         Raises:
             LookupError: the ring is empty.
