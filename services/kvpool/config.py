@@ -173,7 +173,10 @@ class KvPoolConfig:
         """Fail fast with the name of the offending variable."""
         s = SERVICE
         require(bool(self.model.strip()), s, "model", "must name 'smollm2' or a model folder")
-        require(self.device == "cpu" or re.fullmatch(r"cuda(:\d+)?", self.device) is not None,
+        # N as torch reads it: "cuda:00" and non-ASCII digits passed, and torch refused them
+        # only after the model had loaded (a traceback, exit 1).
+        require(self.device == "cpu"
+                or re.fullmatch(r"cuda(:(0|[1-9][0-9]*))?", self.device) is not None,
                 s, "device",
                 f"must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         require(self.dtype in ("float32", "float16", "bfloat16"), s, "dtype",

@@ -24,3 +24,16 @@ def test_each_bound_is_taken_at_its_edge_and_refused_past_it(name, taken, refuse
     assert getattr(cfg, name.lower()) == type(getattr(cfg, name.lower()))(taken)
     with pytest.raises(ConfigError, match=K + name):
         load_config(KvPoolConfig, "kvpool", [], environ={K + name: refused})
+
+
+@pytest.mark.parametrize("device", ["cuda:00", "cuda:01", "cuda:\u0661", "cuda:\u00b2"])
+def test_a_device_index_torch_cannot_read_is_refused_at_start(device):
+    """A differential review: these passed validation, torch refuses the string ("Invalid
+    device string"), and on a GPU host the replica failed with a traceback (exit 1) at
+    `model.to` only after the model had loaded."""
+    with pytest.raises(ConfigError, match=K + "DEVICE"):
+        load_config(KvPoolConfig, "kvpool", [], environ={K + "DEVICE": device})
+    for taken in ("cuda", "cuda:0", "cuda:10"):
+        assert load_config(KvPoolConfig, "kvpool", [], environ={K + "DEVICE": taken}).device \
+            == taken
+
