@@ -5,7 +5,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from services.common.config import moved, require, require_addresses, require_listen_address
+from services.common.config import (
+    is_host_port,
+    moved,
+    require,
+    require_addresses,
+    require_listen_address,
+)
 
 SERVICE = "kvpool"
 LINEAR_KERNELS = ("onednn", "torch")  # see `KvPoolConfig.linear_kernels`
@@ -212,6 +218,18 @@ class KvPoolConfig:
         if self.advertise_address:
             require_addresses([self.advertise_address], s, "advertise_address",
                               allow_none=False, dialed=False)  # a pod IP, bare IPv6 too
+        if self.prefix_address.strip():
+            # The index's rules at Register for the address announced (its server's host:port,
+            # 256 printable characters): broken, the replica served but was never indexed
+            # (INVALID_ARGUMENT, retried for good). Port 0 is the listen address's "any free
+            # port", not where the replica is: it needs an advertise_address.
+            a = self.public_address
+            require(is_host_port(a) and len(a) <= 256 and a.isprintable(), s,
+                    "advertise_address" if self.advertise_address else "address",
+                    f"{a[:60]!r} cannot be announced to the prefix index (host:port with a port "
+                    "1..65535, at most 256 printable characters"
+                    + ("" if self.advertise_address else
+                       "; with port 0 set TIERCACHE_KVPOOL_ADVERTISE_ADDRESS") + ")")
         require(-1 <= self.metrics_port <= 65535, s, "metrics_port",
                 "must be -1 (off), 0 or a port")
         # Floors: at 1e-9 an idle replica sent the index ~1,500 heartbeats a second (half a

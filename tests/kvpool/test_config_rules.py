@@ -37,3 +37,27 @@ def test_a_device_index_torch_cannot_read_is_refused_at_start(device):
         assert load_config(KvPoolConfig, "kvpool", [], environ={K + "DEVICE": taken}).device \
             == taken
 
+
+@pytest.mark.parametrize(("env", "named"), [
+    ({"ADDRESS": "127.0.0.1:0"}, "ADDRESS"),  # port 0 is not host:port to the index
+    ({"ADVERTISE_ADDRESS": "a" * 251 + ":50054"}, "ADVERTISE_ADDRESS"),  # 257 characters
+    ({"ADVERTISE_ADDRESS": "kv\u200bpool-0:50054"}, "ADVERTISE_ADDRESS"),  # not printable
+    ({"ADDRESS": "kv\u200bpool-0:50054"}, "ADDRESS"),
+])
+def test_an_address_the_index_refuses_at_register_is_refused_with_a_prefix_index(env, named):
+    """A differential review: with a prefix index configured, an announced address the index
+    refuses at Register (its host:port check, 256 characters, printable) passed validation,
+    and the replica served but was never indexed (INVALID_ARGUMENT, retried for good). Without
+    a prefix index nothing is announced, and an advertised address fixes the listen one's."""
+    env = {K + k: v for k, v in env.items()}
+    with pytest.raises(ConfigError, match=K + named + ":"):
+        load_config(KvPoolConfig, "kvpool", [],
+                    environ={**env, K + "PREFIX_ADDRESS": "127.0.0.1:50053"})
+    load_config(KvPoolConfig, "kvpool", [], environ=env)
+    if named == "ADDRESS":
+        load_config(KvPoolConfig, "kvpool", [],
+                    environ={**env, K + "PREFIX_ADDRESS": "127.0.0.1:50053",
+                             K + "ADVERTISE_ADDRESS": "kvpool-0.kvpool:50054"})
+    load_config(KvPoolConfig, "kvpool", [],
+                environ={K + "PREFIX_ADDRESS": "127.0.0.1:50053",
+                         K + "ADVERTISE_ADDRESS": "a" * 250 + ":50054"})  # 256: taken
