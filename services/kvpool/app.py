@@ -7,6 +7,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
@@ -150,6 +151,13 @@ def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
     return blocks
 
 
+def share(n: int, fraction: float) -> int:
+    """Blocks of a pool of `n` that a share of it holds (at least one): `fraction` as the
+    decimal it was written as. In binary floating point 100 x 0.29 is 28.999999999999996, and
+    int() of it refused the share's last block."""
+    return max(1, int(n * Fraction(repr(fraction))))
+
+
 def draft_ladder(cfg: KvPoolConfig, model: Any,
                  threads_for: Callable[[int], int] | None = None) -> LadderChoice:
     """The drafts' proposal lengths: `cfg.draft_ladder`, or measured on this device."""
@@ -216,8 +224,8 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
     pool = BlockPool(n, cfg.block_size, hasher,
                      make_policy(cfg.eviction_policy, cfg.shallow_tokens),
                      record_events=bool(cfg.prefix_address),
-                     max_pinned=max(1, int(n * cfg.max_pinned_fraction)),
-                     max_pinned_per_salt=max(1, int(n * cfg.max_pinned_per_tenant_fraction)))
+                     max_pinned=share(n, cfg.max_pinned_fraction),
+                     max_pinned_per_salt=share(n, cfg.max_pinned_per_tenant_fraction))
     # The working rows at their full size: max_batch_size rows of the whole context.
     rows_max = (KvStore.block_bytes(info.num_layers, info.kv_heads, info.head_dim,
                                     cfg.block_size, dtype) // cfg.block_size

@@ -105,3 +105,23 @@ def test_draft_costs_given_choose_the_lengths_untimed(monkeypatch, tiny_model):
         app.forward_costs(tiny_model, 17)
     fell_back = app.draft_ladder(KvPoolConfig(num_blocks=64, block_size=4), tiny_model)
     assert fell_back.source.startswith("fixed: could not time draft forwards")
+
+
+@pytest.mark.parametrize(("blocks", "pinned", "tenant", "want"), [
+    (100, 0.58, 0.29, (58, 29)), (100, 0.57, 0.07, (57, 7)), (50, 0.58, 0.14, (29, 7)),
+    (10, 0.5, 0.25, (5, 2)), (1, 0.5, 0.25, (1, 1)),
+])
+def test_the_pin_limits_are_the_configured_shares_of_the_pool(tiny_model, blocks, pinned,
+                                                              tenant, want):
+    """A differential review: `int(n * fraction)` in binary floating point made 100 x 0.29 =
+    28.999999999999996 blocks 28, not 29: a share's last block was refused. At least one."""
+    from services.kvpool.app import build_replica
+    from tests.kvpool.conftest import TINY_ID
+
+    cfg = KvPoolConfig(num_blocks=blocks, block_size=4, drafts=False, metrics_port=-1,
+                       max_pinned_fraction=pinned, max_pinned_per_tenant_fraction=tenant)
+    replica = build_replica(cfg, model=tiny_model, model_id=TINY_ID, metrics=False)
+    try:
+        assert (replica.engine.pool.max_pinned, replica.engine.pool.max_pinned_per_salt) == want
+    finally:
+        replica.engine.stop()
