@@ -63,7 +63,8 @@ class KvPoolConfig:
     replica_id: str = "kvpool-0"
     # host:port the replica listens on (0 = any free port).
     address: str = "127.0.0.1:50054"
-    # Address other services dial for this replica; empty = `address`.
+    # Address other services dial for this replica; empty = `address` (with a prefix index,
+    # needed when `address` has port 0: the index refuses to be told port 0).
     advertise_address: str = ""
     # Prometheus /metrics and /healthz port; -1 = off, 0 = any free port.
     metrics_port: int = 9104
