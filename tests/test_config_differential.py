@@ -106,6 +106,10 @@ def _hostport(a: str, *, listen: bool = False) -> bool:
             and (0 if listen else 1) <= int(port) <= 65535)
 
 
+def _announced(a: str) -> bool:
+    return _hostport(a) and len(a) <= 256 and a.isprintable()
+
+
 def _addr_list(items) -> bool:
     items = [a.strip() for a in items if a.strip()]
     return (all(_hostport(a) for a in items)
@@ -181,7 +185,8 @@ RULES: dict[str, list[tuple[tuple[str, ...], object]]] = {
     ],
     "kvpool": [
         (("model",), lambda v: v["model"] != ""),
-        (("device",), lambda v: re.fullmatch(r"cpu|cuda(:[0-9]+)?", v["device"]) is not None),
+        (("device",), lambda v: re.fullmatch(r"cpu|cuda(:(0|[1-9][0-9]*))?", v["device"])
+         is not None),
         (("dtype",), lambda v: v["dtype"] in ("float32", "float16", "bfloat16")),
         (("num_blocks",), lambda v: 0 <= v["num_blocks"] <= 1 << 22),
         (("max_context",), lambda v: v["max_context"] == 0 or v["max_context"] >= 2),
@@ -202,6 +207,12 @@ RULES: dict[str, list[tuple[tuple[str, ...], object]]] = {
              and any(a.strip() for a in v["prefix_address"].split(",")))),
         (("advertise_address",), lambda v: not v["advertise_address"]
          or _hostport(v["advertise_address"])),
+        # With a prefix index, the address announced (advertise_address, else address) is one
+        # the index takes at Register: host:port with a port 1..65535, 256 printable characters.
+        (("address",), lambda v: not v["prefix_address"].strip() or v["advertise_address"]
+         or _announced(v["address"])),
+        (("advertise_address",), lambda v: not v["prefix_address"].strip()
+         or not v["advertise_address"] or _announced(v["advertise_address"])),
         (("metrics_port",), lambda v: PORT(v["metrics_port"])),
         (("heartbeat_seconds",), lambda v: v["heartbeat_seconds"] >= 0.1),
         (("publish_interval_seconds",), lambda v: v["publish_interval_seconds"] >= 0.01),
