@@ -217,18 +217,32 @@ def _words(tokens: list[str]) -> list[str]:
     return [t for t in tokens if _is_word(t)]
 
 
+# Commas that separate thousands: each before a group of three digits that ends the whole
+# number ("1,000", "1,234.5", "1,000th"), groups of two allowed before it ("12,34,567").
+_THOUSANDS = re.compile(r"-?[0-9]+(?:,[0-9]{2,3})*,[0-9]{3}(?:\.[0-9]+)?(?:st|nd|rd|th|x)?",
+                        re.IGNORECASE)
+
+
+def _without_separators(word: str) -> str:
+    """`word` (digits) without its thousands separators. Another comma separates no thousands
+    ("1,5" is 1.5 in much of Europe, "2,3" a list; both were read as 15 and 23): the number is
+    kept as written."""
+    return word.replace(",", "") if "," not in word or _THOUSANDS.fullmatch(word) else word
+
+
 def _number(word: str) -> str | None:
     """The number `word` writes (digits, signed, or a number word), in one form; else None."""
     low = word.lower()
     if low[0].isdigit() or _signed(low):
-        return low.replace(",", "")
+        return _without_separators(low)
     return _NUMBER_WORDS.get(low)
 
 
 def _number_value(word: str) -> float | None:
-    """The value of a number written in digits ("1,000", "-2.5"), else None."""
+    """The value of a number written in digits ("1,000", "-2.5"), else None ("1,5": a comma
+    that separates no thousands)."""
     try:
-        v = float(word.replace(",", ""))
+        v = float(_without_separators(word))
     except ValueError:
         return None
     return v if math.isfinite(v) else None  # 400 digits: compared as written
@@ -253,6 +267,10 @@ def _numbers(words: list[str]) -> Counter:
             i += 1  # "no one", "which one": no number ("nobody" / "no one" were refused)
             continue
         digits = _number_value(w) if w[0].isdigit() or _signed(w) else None
+        if digits is None and "," in w and w[-1].isdigit() and (w[0].isdigit() or _signed(w)):
+            # "1,5 liters": no thousands separator, compared as written with its unit (as a
+            # number past a float is, below), not as 15 nor without "liters".
+            digits = math.inf
         if digits is not None and "." in w and i and (
                 low[i - 1] in _VERSION_WORDS
                 or (words[i - 1][:1].isupper() and low[i - 1] not in _STOP_CAPS)) and not (

@@ -83,6 +83,27 @@ def test_a_number_and_its_unit_in_another_spelling_agree(query, cached):
     _passed(query, cached)
 
 
+@pytest.mark.parametrize(("query", "cached"), [
+    # "1,5" is 1.5 in much of Europe, "2,3" a list: neither is 15 or 23 (both were served).
+    ("Is 1,5 liters of water a day enough?", "Is 15 liters of water a day enough?"),
+    ("Should I pick rows 2,3 of the table?", "Should I pick rows 23 of the table?"),
+    ("Is 1,50 euros a fair tip?", "Is 150 euros a fair tip?"),
+    # ... and such a number keeps its unit ("1,5 kg" is no "1,5 liters").
+    ("Is 1,5 liters a lot?", "Is 1,5 kg a lot?"),
+])
+def test_a_comma_that_separates_no_thousands_makes_no_other_number(query, cached):
+    """_numbers: a number's digits "with decimal or thousands separators"; a comma separates
+    thousands only before a group of three digits ("1,000", "12,34,567"), elsewhere the number
+    is compared as written."""
+    _refused(query, cached, "numbers differ")
+
+
+def test_a_number_written_with_commas_or_as_written_agrees_with_itself():
+    _passed("Is 1,5 liters of water a day enough?", "Is 1,5 liters of water a day enough")
+    _passed("Is 12,34,567 rupees a lot?", "Is 1234567 rupees a lot?")
+    _passed("Is 1,234.50 dollars a lot?", "Is 1234.5 dollars a lot?")
+
+
 # ---- 2. negation -----------------------------------------------------------------------------
 
 def test_a_capitalised_negation_counts():
