@@ -805,13 +805,16 @@ def _paired(qi: dict[str, list[Span]], ci: dict[str, list[Span]]) -> list[tuple[
 
 def _number_places(lower: tuple[str, ...]) -> tuple[dict[str, list[Span]], set[str]]:
     """Each number written in digits or as a cardinal word ("three" as "3"), at each of its
-    places among the words; and the numbers written in digits."""
+    places among the words; and the numbers written in digits. Digits stand as their value
+    ("1,000" as "1000", "5.0" as "5", as rule 1 compares them; as written, "from 1,000 to 5" /
+    "from 5 to 1000" was no swap)."""
     out: dict[str, list[Span]] = defaultdict(list)
     digits = set()
     for k, w in enumerate(lower):
         if w[0].isdigit():
-            key = w
-            digits.add(w)
+            value = _number_value(w)
+            key = w if value is None else _number_key(value)
+            digits.add(key)
         elif w in _UNITS or w in _TENS:
             if k and _pronoun_one(w, lower[k - 1]):
                 continue

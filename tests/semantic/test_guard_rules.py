@@ -242,6 +242,18 @@ def test_numbers_swapped_after_an_earlier_mention_are_refused():
              "numbers in another order")
 
 
+@pytest.mark.parametrize(("query", "cached"), [
+    ("Convert from 1,000 to 5 units", "Convert from 5 to 1000 units"),
+    ("Is the range 5.0 to 10 or wider?", "Is the range 10 to 5 or wider?"),
+    ("Please sort 300 12 now", "Please sort 12.00 300 now"),
+])
+def test_numbers_swapped_in_another_digit_form_are_refused(query, cached):
+    """numbers_reordered: a number stands where it is written whatever its digits' form (rule 1
+    compares values: "1,000" is 1000, "5.0" is 5); its places were keyed as written, so the
+    swap went unseen and one block move's 3 breakpoints let it through."""
+    _refused(query, cached, "order")
+
+
 def test_entities_swapped_after_an_earlier_mention_are_refused():
     """entities_reordered: an entity's k-th place pairs with the k-th in the other text; its
     first place alone left the adjacent swap unseen ("USD EUR" / "EUR USD": 3 breakpoints,
