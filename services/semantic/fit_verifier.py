@@ -112,8 +112,22 @@ def _choose_cut(p: np.ndarray, data: PairSet, threshold: float, goal: float) -> 
 def fit(data: PairSet) -> VerifierModel:
     """Weights and per-tier cuts from `data` (the procedure in the module docstring)."""
     train = data.subset((data.x[:, 0] >= TRAIN_FLOOR) & (data.x[:, _GUARD_COL] > 0))
+    same, other = int((train.y == 1).sum()), int((train.y == 0).sum())
+    if not same or not other:
+        # One class has no logistic fit: all "same" raised a bare LinAlgError (singular
+        # Hessian), all "different" scored every pair ~1e-22 with cuts 0 (serve every hit).
+        raise ValueError(f"cannot fit the verifier: {len(train.y)} training pairs (cosine >= "
+                         f"{TRAIN_FLOOR}, the guard passes), {same} same and {other} "
+                         "different; the fit needs both")
     w = np.where(train.paws, PAWS_WEIGHT, 1.0)
-    mean, scale, coef, b = fit_logistic(train.x, train.y.astype(np.float64), L2, w)
+    with np.errstate(over="ignore", invalid="ignore"):
+        mean, scale, coef, b = fit_logistic(train.x, train.y.astype(np.float64), L2, w)
+    if not (np.isfinite(mean).all() and np.isfinite(scale).all() and np.isfinite(coef).all()
+            and np.isfinite(b)):
+        # A file of NaN weights would serve every guarded pair (NaN is below no cut); the
+        # verifier refuses to load one.
+        raise ValueError("cannot fit the verifier: the weights are not finite (features too "
+                         "large to standardise)")
     model = VerifierModel(tuple(mean), tuple(scale), tuple(coef), b, {}, True)
     p = model.probabilities(data.x)
     cuts = {t: _choose_cut(p, data, th, goal) for t, (th, goal) in TIER_GOALS.items()}
@@ -256,7 +270,11 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     t0 = time.perf_counter()
     data, _, _, identity = load_pairs()
-    model = fit(data)
+    try:
+        model = fit(data)
+    except ValueError as e:
+        print(f"{e}; {args.out} left as it was", file=sys.stderr)
+        return 2
     # The cache turns the verifier off under another embedding model (its cosines differ):
     # recognised by its weights, whatever name it is served under.
     model.meta["embedder"] = semantic_config().resolved_model_name()

@@ -238,3 +238,43 @@ def test_grouped_cross_validation_keeps_each_group_in_one_fold():
     # without groups: one fold per pair, as before (drawn alike)
     np.testing.assert_array_equal(fold_of_each_pair(len(data.y), 3, 1),
                                   np.random.default_rng(1).integers(0, 3, len(data.y)))
+
+
+def _one_class(label: int, n: int = 30) -> PairSet:
+    rng = np.random.default_rng(5)
+    x = rng.random((n, len(FEATURES)))
+    x[:, 0], x[:, GUARD] = 0.95, 1.0
+    return PairSet(x, np.full(n, label), np.zeros(n, bool))
+
+
+@pytest.mark.parametrize("data", [_one_class(1), _one_class(0), _one_class(1, 0),
+                                  dataclasses.replace(_one_class(0), y=np.arange(30) % 2,
+                                                      x=np.zeros((30, len(FEATURES))))],
+                         ids=["same only", "different only", "empty", "all vetoed"])
+def test_a_fit_without_both_labels_among_its_training_pairs_is_refused(data):
+    """Weights need both labels among the training pairs: refused, naming the counts. One class
+    raised a bare LinAlgError "Singular matrix" (all "same", none, all vetoed) or, all
+    "different", gave P ~ 1e-22 to every pair and cuts 0, which serve every guarded hit."""
+    with pytest.raises(ValueError, match=r"needs both"):
+        fit(data)
+
+
+def test_weights_that_are_not_finite_are_refused():
+    """Features too large to standardise (their spread overflows): no model, as a file of NaN
+    or Infinity weights would serve every guarded pair (NaN is below no cut)."""
+    data = _training_data()
+    data.x[:, FEATURES.index("len_log_ratio")] = np.linspace(0.0, 1e300, len(data.y))
+    with pytest.raises(ValueError, match="not finite"):
+        fit(data)
+
+
+def test_main_refuses_in_one_line_and_leaves_the_file(monkeypatch, tmp_path, capsys):
+    """A refused fit: exit 2 with one line, the weights file as it was, nothing beside it."""
+    monkeypatch.setattr(fit_verifier, "load_pairs",
+                        lambda: (_one_class(0), None, None, "m@w"))
+    out = tmp_path / "v.json"
+    out.write_text("old")
+    assert fit_verifier.main(["--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "needs both" in err and "\n" not in err
+    assert out.read_text() == "old" and os.listdir(tmp_path) == ["v.json"]
