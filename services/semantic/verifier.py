@@ -224,7 +224,8 @@ class VerifierModel:
     @classmethod
     def from_json(cls, text: str) -> VerifierModel:
         """Raises StaleVerifier (weights of other features: another version's file), or
-        ValueError naming what is missing or malformed."""
+        ValueError naming what is missing or malformed (a vector of the wrong length, a
+        number that is NaN or infinite, a scale <= 0)."""
         d = json.loads(text)
         missing = [k for k in ("features", "mean", "scale", "coef", "intercept", "cuts")
                    if k not in d]
@@ -240,8 +241,18 @@ class VerifierModel:
             if len(v) != len(FEATURES):
                 raise ValueError(f"verifier weights: {k} has {len(v)} values, not "
                                  f"{len(FEATURES)} (one per feature)")
-        return cls(vectors["mean"], vectors["scale"], vectors["coef"],
-                   float(d["intercept"]), {k: float(v) for k, v in d["cuts"].items()},
+        intercept = float(d["intercept"])
+        cuts = {k: float(v) for k, v in d["cuts"].items()}
+        # NaN or infinite weights score every pair NaN, below no cut (every pair the guard
+        # passes was served), as a NaN cut serves them all; a scale of 0 raised
+        # ZeroDivisionError at every verified lookup, not at the start.
+        for k, v in (*vectors.items(), ("intercept", (intercept,)), ("cuts", cuts.values())):
+            if not all(math.isfinite(x) for x in v):
+                raise ValueError(f"verifier weights: {k} has a value that is not a finite "
+                                 "number (NaN or infinity)")
+        if not all(s > 0 for s in vectors["scale"]):
+            raise ValueError("verifier weights: scale has a value <= 0")
+        return cls(vectors["mean"], vectors["scale"], vectors["coef"], intercept, cuts,
                    bool(d.get("guard_veto", True)), d.get("meta"))
 
     @classmethod
@@ -250,8 +261,9 @@ class VerifierModel:
 
         Raises:
             StaleVerifier: fitted on another version's features.
-            ValueError: not JSON (cut short), or fields missing or of the wrong shape, naming
-                the file and the way out (a bare JSONDecodeError named neither).
+            ValueError: not JSON (cut short), or fields missing, of the wrong shape or not
+                finite numbers (or a scale <= 0), naming the file and the way out (a bare
+                JSONDecodeError named neither).
             OSError: the file cannot be read.
         """
         text = Path(path).read_text()

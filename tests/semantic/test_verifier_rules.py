@@ -107,3 +107,25 @@ def test_a_given_verdict_changes_no_feature_but_guard_ok(verdict):
     given = dict(zip(FEATURES, pair_features(q, c, 0.97, guard_ok=verdict), strict=True))
     assert computed["guard_ok"] == 1.0 and computed["breakpoints"] == 3.0
     assert given == {**computed, "guard_ok": float(verdict)}
+
+
+@pytest.mark.parametrize("field,value", [("coef", math.nan), ("mean", math.inf),
+                                         ("intercept", math.nan), ("cuts", math.nan),
+                                         ("cuts", -math.inf), ("scale", 0.0),
+                                         ("scale", -1.0), ("scale", math.inf)])
+def test_weights_with_a_number_that_cannot_score_are_refused_at_load(tmp_path, field, value):
+    """A NaN or infinite weight made every score NaN, never below a cut: every pair the guard
+    passes was served; a NaN cut served them all too; a scale of 0 raised ZeroDivisionError at
+    every verified lookup, not at the start. Refused when loaded, naming the file."""
+    d = json.loads(VerifierModel(ZEROS, (1.0,) * len(FEATURES), ZEROS, 0.0,
+                                 {"strict": 0.5}).to_json())
+    if field == "intercept":
+        d[field] = value
+    elif field == "cuts":
+        d[field]["strict"] = value
+    else:
+        d[field][2] = value
+    path = tmp_path / "v.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match=rf"{path}: not usable verifier weights.*{field}"):
+        VerifierModel.load(path)
