@@ -22,7 +22,9 @@ The procedure, fixed before the evaluation folds are scored:
 3. per tier, among the cuts on P(same) that keep at least `MIN_KEEP` of the tier's guarded
    training QQP hits (the extreme cuts keep too few pairs for their precision to mean much),
    the smallest whose *training* QQP precision reaches the tier's goal + `GOAL_MARGIN` with a
-   training PAWS false-hit rate <= 5%; if none does, the one with the best training precision.
+   training PAWS false-hit rate <= 5%; if none does, the one with the best training precision
+   (the smallest of equals), and 0 (the guard alone) where the tier has no guarded training
+   QQP pair labelled the same to keep.
 The hyper-parameters (`TRAIN_FLOOR`, `PAWS_WEIGHT`, `L2`, `MIN_KEEP`, `GOAL_MARGIN`) were
 chosen by looking at cross-validated figures of a few settings on these same data — a mild form
 of tuning on the evaluation set, said here plainly; the weights and cuts themselves never see
@@ -237,7 +239,9 @@ def write_weights(path: str | os.PathLike, text: str) -> None:
     """Replaces `path` with `text` in one step: written to a temporary file beside it, fsynced,
     then renamed over it. Written in place, an interrupted fit (or a power loss) left a file
     cut short, and every semantic shard then refused to start. Keeps the mode of the file it
-    replaces (a new one gets the umask's), as writing in place did."""
+    replaces (a new one gets the umask's), as writing in place did. A symbolic link at `path`
+    is replaced by the file (its target is left as it was; whoever reads `path` reads the new
+    weights), where writing in place wrote through it."""
     path = os.path.abspath(path)
     folder, name = os.path.split(path)
     try:

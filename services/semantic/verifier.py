@@ -185,7 +185,8 @@ class VerifierModel:
     Args:
         mean, scale: standardisation of each feature.
         coef, intercept: the fitted weights.
-        cuts: tier name -> minimum P(same meaning) to serve a hit.
+        cuts: tier name -> minimum P(same meaning) to serve a hit (0.5 for a tier without
+            one).
         guard_veto: a failed hand-made guard check refuses the match whatever the score.
     """
 
