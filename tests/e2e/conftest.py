@@ -27,6 +27,22 @@ DRAFT_COSTS = (1.0, 1.017, 1.064, 0.998, 1.041, 1.053, 1.156, 1.165, 1.217, 1.23
                1.301, 1.353, 1.36, 1.386, 1.404, 1.454)
 
 
+# Settings under which DRAFT_COSTS are not given: the test's own costs or lengths, or another
+# max_draft_tokens (DRAFT_COSTS are 16 + 1 numbers; other lengths refuse to start).
+_OWN_DRAFTS = ("TIERCACHE_KVPOOL_DRAFT_COSTS", "TIERCACHE_KVPOOL_DRAFT_LADDER",
+               "TIERCACHE_KVPOOL_MAX_DRAFT_TOKENS")
+
+
+def with_draft_costs(env: dict[str, str]) -> dict[str, str]:
+    """A kvpool's `env` with TIERCACHE_KVPOOL_DRAFT_COSTS = DRAFT_COSTS, unless the test or the
+    environment the services inherit (ServiceProcess starts them with os.environ under env)
+    sets its own drafts: a DRAFT_LADDER exported in the shell beside the costs given, or a
+    MAX_DRAFT_TOKENS other than 16, made every e2e replica refuse its settings."""
+    if any(k in env or k in os.environ for k in _OWN_DRAFTS):
+        return env
+    return {**env, "TIERCACHE_KVPOOL_DRAFT_COSTS": ",".join(map(str, DRAFT_COSTS))}
+
+
 def start(name: str, env: dict[str, str], key: str | None = None, timeout: float = 240.0
           ) -> ServiceProcess:
     return start_all([(name, env, key)], timeout)[0]
@@ -52,9 +68,8 @@ def start_all(specs: list[tuple[str, dict[str, str], str | None]], timeout: floa
             # Tenants configured: the orchestrator refuses the public default hash key.
             env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1",
                    "TIERCACHE_HASH_KEY": "e2e-test-hash-key", **env}
-            if name == "kvpool" and not {"TIERCACHE_KVPOOL_DRAFT_COSTS",
-                                         "TIERCACHE_KVPOOL_DRAFT_LADDER"} & env.keys():
-                env["TIERCACHE_KVPOOL_DRAFT_COSTS"] = ",".join(map(str, DRAFT_COSTS))
+            if name == "kvpool":
+                env = with_draft_costs(env)
             started.append(ServiceProcess(name, port, env,
                                           log_path=LOG_DIR / f"{key or name}.log").start())
         for p in started:

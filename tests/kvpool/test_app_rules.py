@@ -4,6 +4,7 @@ block, and MAX_BLOCKS blocks, at their edges."""
 
 from __future__ import annotations
 
+import os
 import types
 
 import pytest
@@ -125,3 +126,19 @@ def test_the_pin_limits_are_the_configured_shares_of_the_pool(tiny_model, blocks
         assert (replica.engine.pool.max_pinned, replica.engine.pool.max_pinned_per_salt) == want
     finally:
         replica.engine.stop()
+
+
+@pytest.mark.parametrize("inherited", [
+    {"TIERCACHE_KVPOOL_DRAFT_LADDER": "2,4,8"}, {"TIERCACHE_KVPOOL_MAX_DRAFT_TOKENS": "8"},
+    {"TIERCACHE_KVPOOL_DRAFT_COSTS": "1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1"}])
+def test_e2e_replicas_take_the_costs_only_where_nothing_sets_drafts(monkeypatch, inherited):
+    """The e2e replicas inherit os.environ under their env: costs given beside a ladder or
+    another max_draft_tokens exported in the shell are settings every replica refuses."""
+    from services.common.config import load_config
+    from tests.e2e.conftest import with_draft_costs
+
+    assert with_draft_costs({})["TIERCACHE_KVPOOL_DRAFT_COSTS"] == ",".join(map(str, COSTS))
+    for k, v in inherited.items():
+        monkeypatch.setenv(k, v)
+    env = {**os.environ, **with_draft_costs({})}
+    load_config(KvPoolConfig, "kvpool", [], env)  # the replica's own settings check passes
