@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
@@ -290,8 +291,9 @@ class KvPoolConfig:
         if not all(_DECIMAL.fullmatch(p) for p in parts):
             return None
         costs = tuple(float(p) for p in parts)
+        # 400 digits are a float's inf, which the rule's "finite" excludes
         ok = (len(costs) == self.max_draft_tokens + 1 and costs[0] == 1.0
-              and all(c >= IMPLAUSIBLE for c in costs))
+              and all(IMPLAUSIBLE <= c and math.isfinite(c) for c in costs))
         return costs if ok else None
 
     def fixed_ladder(self) -> tuple[int, int, int] | None:

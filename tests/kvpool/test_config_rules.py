@@ -61,3 +61,12 @@ def test_an_address_the_index_refuses_at_register_is_refused_with_a_prefix_index
     load_config(KvPoolConfig, "kvpool", [],
                 environ={K + "PREFIX_ADDRESS": "127.0.0.1:50053",
                          K + "ADVERTISE_ADDRESS": "a" * 250 + ":50054"})  # 256: taken
+
+
+def test_draft_costs_past_a_float_are_refused_as_not_finite():
+    """The message says every cost is finite: a decimal of 400 digits parses as inf."""
+    huge = "9" * 400
+    cfg = KvPoolConfig(draft_costs=",".join(["1"] + [huge] * 16))
+    assert cfg.given_costs() is None
+    with pytest.raises(ConfigError, match="DRAFT_COSTS"):
+        cfg.validate()
