@@ -195,9 +195,12 @@ def draft_ladder(cfg: KvPoolConfig, model: Any,
                          f"measured under {IMPLAUSIBLE:.0%} of one token's)", relative)
     ladder = choose_ladder(costs, cfg.max_draft_tokens)
     log.info("draft proposal lengths %s, from forwards of 1..%d tokens costing %s x one "
-             "token's %.1f ms (measured in %.1f s; TIERCACHE_KVPOOL_DRAFT_LADDER)",
+             "token's %.1f ms (measured in %.1f s; TIERCACHE_KVPOOL_DRAFT_LADDER; replicas of "
+             "this model on this kind of host may skip the timing with "
+             "TIERCACHE_KVPOOL_DRAFT_COSTS=%s)",
              ",".join(map(str, ladder)), cfg.max_draft_tokens + 1,
-             " ".join(f"{c:.2f}" for c in relative), base * 1000, time.monotonic() - t0)
+             " ".join(f"{c:.2f}" for c in relative), base * 1000, time.monotonic() - t0,
+             ",".join(map(str, relative)))
     return LadderChoice(ladder, "measured", relative)
 
 

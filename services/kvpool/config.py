@@ -93,10 +93,10 @@ class KvPoolConfig:
     # The forward costs "auto" chooses from, given instead of timed at start (which takes
     # 15-20 s of each replica's start on a 2-core CPU): max_draft_tokens + 1 numbers, what a
     # forward of q = 1, 2, ... new tokens costs over a 1-token one, as a replica of the same
-    # model on the same hardware measured them (its Stats draft_forward_costs, or its start
-    # log's "costing ... x one token's"). Used as that timing would be (the lengths, the
-    # batch rule, the start of the costs learned as served). Empty = time them at start.
-    # Only read when drafts are on and draft_ladder is auto.
+    # model on the same hardware measured them (its start log prints the value to give; or
+    # its Stats draft_forward_costs, comma-separated). Used as that timing would be (the
+    # lengths, the batch rule, the start of the costs learned as served). Empty = time them
+    # at start. Only read when drafts are on and draft_ladder is auto (validated always).
     draft_costs: str = ""
     # With several sequences decoding, cut draft proposals to the length expected to emit the
     # most tokens per forward cost (every row of a batch's forward pays for its longest

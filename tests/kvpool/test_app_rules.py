@@ -142,3 +142,26 @@ def test_e2e_replicas_take_the_costs_only_where_nothing_sets_drafts(monkeypatch,
         monkeypatch.setenv(k, v)
     env = {**os.environ, **with_draft_costs({})}
     load_config(KvPoolConfig, "kvpool", [], env)  # the replica's own settings check passes
+
+
+def test_the_costs_a_start_log_prints_start_another_replica_alike(monkeypatch, caplog,
+                                                                   tiny_model):
+    """The value a replica that timed its forwards logs for TIERCACHE_KVPOOL_DRAFT_COSTS is
+    taken as it is and gives the same lengths, untimed."""
+    import logging
+    import re
+
+    from services.common.config import load_config
+    from services.kvpool import app
+
+    seconds = {q: 0.01 * c for q, c in enumerate(DRAFT_COSTS, start=1)}  # a timing, in s
+    monkeypatch.setattr(app, "forward_costs", lambda *a, **kw: seconds)
+    with caplog.at_level(logging.INFO, logger="services.kvpool.app"):
+        timed = app.draft_ladder(KvPoolConfig(), tiny_model)
+    assert timed.source == "measured"
+    value = re.search(r"TIERCACHE_KVPOOL_DRAFT_COSTS=(\S+)\)", caplog.text).group(1)
+    cfg = load_config(KvPoolConfig, "kvpool", [],
+                      environ={"TIERCACHE_KVPOOL_DRAFT_COSTS": value})
+    monkeypatch.setattr(app, "forward_costs", None)  # not called again
+    given = app.draft_ladder(cfg, tiny_model)
+    assert (given.ladder, given.costs, given.source) == (timed.ladder, timed.costs, "given")
