@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from services.common.addresses import canonical_address, target_host
+from services.common.errors import shown
 
 T = TypeVar("T")
 
@@ -329,6 +330,25 @@ def is_host_port(a: str, *, listen: bool = False, dialed: bool = False) -> bool:
     if ":" in host and (listen or dialed):
         return host.startswith("[") and host.endswith("]")
     return True
+
+
+def announce_problem(a: str) -> str:
+    """Why the prefix index refuses `a` as the address a replica announces at Register, or ""
+    when it takes it. The one rule for both sides: the index applies it at Register, and a
+    kvpool replica with a prefix index set applies it at start, where a refused address left
+    it serving but never indexed (INVALID_ARGUMENT, retried for good). The address is what
+    Match and TopPrefixes hand out as where a prefix lives: host:port with a port 1..65535 (a
+    bare IPv6 pod IP too, as the manifests build it; nobody dials it), at most 256 printable
+    characters without spaces, as it goes into Stats, logs and routing as it is."""
+    if not a:
+        return "required"
+    if len(a) > 256:
+        return "longer than 256 characters"
+    if not is_host_port(a):
+        return f"{shown(a)} is not host:port"
+    if not a.isprintable() or any(c.isspace() for c in a):
+        return "printable characters without spaces only"
+    return ""
 
 
 def _why_not(a: str) -> str:

@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass
 
 from services.common.config import (
-    is_host_port,
+    announce_problem,
     moved,
     require,
     require_addresses,
@@ -221,15 +221,15 @@ class KvPoolConfig:
             require_addresses([self.advertise_address], s, "advertise_address",
                               allow_none=False, dialed=False)  # a pod IP, bare IPv6 too
         if self.prefix_address.strip():
-            # The index's rules at Register for the address announced (its server's host:port,
-            # 256 printable characters): broken, the replica served but was never indexed
-            # (INVALID_ARGUMENT, retried for good). Port 0 is the listen address's "any free
-            # port", not where the replica is: it needs an advertise_address.
+            # The index's rule at Register for the address announced (`announce_problem`):
+            # broken, the replica served but was never indexed. Port 0 is the listen
+            # address's "any free port", not where the replica is: it needs an
+            # advertise_address.
             a = self.public_address
-            require(is_host_port(a) and len(a) <= 256 and a.isprintable(), s,
-                    "advertise_address" if self.advertise_address else "address",
-                    f"{a[:60]!r} cannot be announced to the prefix index (host:port with a port "
-                    "1..65535, at most 256 printable characters"
+            why = announce_problem(a)
+            require(not why, s, "advertise_address" if self.advertise_address else "address",
+                    f"{a[:60]!r} cannot be announced to the prefix index: {why} (host:port with "
+                    "a port 1..65535, at most 256 printable characters without spaces"
                     + ("" if self.advertise_address else
                        "; with port 0 set TIERCACHE_KVPOOL_ADVERTISE_ADDRESS") + ")")
         require(-1 <= self.metrics_port <= 65535, s, "metrics_port",

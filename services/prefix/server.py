@@ -14,8 +14,8 @@ from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
 from services.common import metrics
 from services.common.bootstrap import ServerHandle, create_server
-from services.common.config import is_host_port
-from services.common.errors import InvalidArgument, shown
+from services.common.config import announce_problem
+from services.common.errors import InvalidArgument
 from services.common.policy import make_policy
 from services.common.prefix_client import batch_blocks
 from services.prefix.config import PrefixConfig
@@ -107,11 +107,10 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         self._pruned.update(self.index.tree.pruned_total)
 
     def Register(self, request, context):
-        if request.address and not is_host_port(request.address):
-            # What Match and TopPrefixes hand out as where a prefix lives: host:port (a bare
-            # IPv6 pod IP too, as the manifests build it; the orchestrator routes by replica
-            # id to the addresses it is configured with, and dials none of these).
-            raise InvalidArgument("address", f"{shown(request.address)} is not host:port")
+        # The rule a replica's start applies too (an empty one is "required" in field order).
+        why = request.address and announce_problem(request.address)
+        if why:
+            raise InvalidArgument("address", why)
         with self.lock:
             r = self.index.register(request.replica_id, request.incarnation, request.address,
                                     request.model_id, request.block_size,

@@ -112,3 +112,37 @@ def test_metrics_port_0_serves_metrics_on_a_free_port():
     finally:
         off.stop(0)
 
+
+
+ANNOUNCED = ["kvpool-0.kvpool:50054", "10.0.0.5:50054", "fd00::5:50054", "[fd00::5]:50054",
+             "a" * 250 + ":50054", "a" * 251 + ":50054", "kv\u200bpool-0:50054",
+             "kvpool 0:50054", "kvpool-0:0", "kvpool-0:65536", "kvpool-0", "http://k:1",
+             "dns:///kvpool-0:50054", "a,b:1", "k\u00e9:1", "k:\u0661"]
+
+
+@pytest.mark.parametrize("address", ANNOUNCED)
+def test_register_refuses_exactly_the_addresses_a_replica_refuses_to_announce(stub, address):
+    """One rule (`announce_problem`) on both sides: an address a kvpool replica with a prefix
+    index takes at start is taken at Register, and one the index would refuse (INVALID_ARGUMENT,
+    retried for good while the replica served unindexed) is refused at start instead."""
+    import grpc
+
+    from services.common.config import ConfigError, load_config
+    from services.kvpool.config import KvPoolConfig
+    try:
+        load_config(KvPoolConfig, "kvpool", [], environ={
+            "TIERCACHE_KVPOOL_PREFIX_ADDRESS": "127.0.0.1:50053",
+            "TIERCACHE_KVPOOL_ADVERTISE_ADDRESS": address})
+        started = True
+    except ConfigError as e:
+        assert "TIERCACHE_KVPOOL_ADVERTISE_ADDRESS" in str(e)
+        started = False
+    try:
+        stub.Register(prefix_pb2.RegisterRequest(
+            replica_id="r0", incarnation="i", address=address, model_id=MODEL, block_size=BS),
+            metadata=MD, timeout=5)
+        registered = True
+    except grpc.RpcError as e:
+        assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "address" in e.details()
+        registered = False
+    assert started == registered
