@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
@@ -158,6 +158,14 @@ def share(n: int, fraction: float) -> int:
     return max(1, int(n * Fraction(repr(fraction))))
 
 
+def _log_lengths(ladder: list[int], costs: Sequence[float], how: str, *args: object) -> None:
+    """The start's line on the lengths chosen from forward costs (of 1..len(costs) tokens, in
+    one token's); `how`, a %-format of `args`, says where the costs came from."""
+    log.info("draft proposal lengths %s, from forwards of 1..%d tokens costing %s x one token's"
+             + how, ",".join(map(str, ladder)), len(costs), " ".join(f"{c:.2f}" for c in costs),
+             *args)
+
+
 def draft_ladder(cfg: KvPoolConfig, model: Any,
                  threads_for: Callable[[int], int] | None = None) -> LadderChoice:
     """The drafts' proposal lengths: `cfg.draft_ladder`, or measured on this device."""
@@ -167,10 +175,7 @@ def draft_ladder(cfg: KvPoolConfig, model: Any,
     given = cfg.given_costs()
     if given is not None:  # a timing taken elsewhere, on the same model and hardware
         ladder = choose_ladder(dict(enumerate(given, start=1)), cfg.max_draft_tokens)
-        log.info("draft proposal lengths %s, from forwards of 1..%d tokens costing %s x one "
-                 "token's (given by TIERCACHE_KVPOOL_DRAFT_COSTS, not timed here)",
-                 ",".join(map(str, ladder)), cfg.max_draft_tokens + 1,
-                 " ".join(f"{c:.2f}" for c in given))
+        _log_lengths(ladder, given, " (given by TIERCACHE_KVPOOL_DRAFT_COSTS, not timed here)")
         return LadderChoice(ladder, "given", given)
     t0 = time.monotonic()
 
@@ -194,13 +199,10 @@ def draft_ladder(cfg: KvPoolConfig, model: Any,
         return fall_back(f"draft forward timings look disturbed (a forward of several tokens "
                          f"measured under {IMPLAUSIBLE:.0%} of one token's)", relative)
     ladder = choose_ladder(costs, cfg.max_draft_tokens)
-    log.info("draft proposal lengths %s, from forwards of 1..%d tokens costing %s x one "
-             "token's %.1f ms (measured in %.1f s; TIERCACHE_KVPOOL_DRAFT_LADDER; replicas of "
-             "this model on this kind of host may skip the timing with "
-             "TIERCACHE_KVPOOL_DRAFT_COSTS=%s)",
-             ",".join(map(str, ladder)), cfg.max_draft_tokens + 1,
-             " ".join(f"{c:.2f}" for c in relative), base * 1000, time.monotonic() - t0,
-             ",".join(map(str, relative)))
+    _log_lengths(ladder, relative, " %.1f ms (measured in %.1f s; TIERCACHE_KVPOOL_DRAFT_LADDER; "
+                 "replicas of this model on this kind of host may skip the timing with "
+                 "TIERCACHE_KVPOOL_DRAFT_COSTS=%s)", base * 1000, time.monotonic() - t0,
+                 ",".join(map(str, relative)))
     return LadderChoice(ladder, "measured", relative)
 
 
