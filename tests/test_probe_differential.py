@@ -212,6 +212,7 @@ def test_usage_errors_and_tls_files_are_one_line(seed, tmp_path, plaintext):
             continue
         assert code == 1, (address, timeout, code, out, err)  # nothing listens there
         assert out == "" and len(err.strip().splitlines()) == 1
+        assert err.startswith(address.strip() + ": "), err  # the address dialed, stripped
     # TLS variables that cannot work: (False, one line), before any call
     ca = tmp_path / "ca.pem"
     for env, want in [

@@ -69,7 +69,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # another server's health, which could pass the probe.
         ap.error(f"{a.address!r} is not HOST:PORT (port 1..65535)")
     ok, seen = check(address, a.service, a.timeout, a.server_name)
-    print(f"{a.address}: {seen}", file=sys.stdout if ok else sys.stderr)
+    print(f"{address}: {seen}", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 
 
