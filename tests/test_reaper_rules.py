@@ -84,3 +84,27 @@ def test_disarming_a_call_already_ended_is_harmless():
     _wait_for(lambda: ended == ["x"], timeout=3)
     reaper.disarm(token)
     assert reaper.armed() == 0
+
+
+def test_the_thread_ends_when_idle_and_the_next_arm_starts_another(monkeypatch):
+    """Nothing armed for IDLE_EXIT_S: the thread ends (each servicer's reaper kept one for
+    the life of the process); a call armed after that is still ended at its deadline, and
+    one armed while the thread waits out its idle time keeps it."""
+    from services.common import reaper as reaper_mod
+    monkeypatch.setattr(reaper_mod, "IDLE_EXIT_S", 0.3)
+    ended: list[str] = []
+    reaper = StreamReaper()
+    reaper.disarm(reaper.arm(time.monotonic() + 30, _Ctx(ended, "done"), "done"))
+    first = reaper._thread
+    assert first is not None
+    time.sleep(0.15)  # idle, not yet past IDLE_EXIT_S: an arm now keeps this thread
+    reaper.arm(time.monotonic() + 0.4, _Ctx(ended, "kept"), "kept")
+    assert reaper._thread is first
+    _wait_for(lambda: ended == ["kept"], timeout=3)
+    _wait_for(lambda: not first.is_alive(), timeout=3)
+    assert reaper._thread is None
+    reaper.arm(time.monotonic() + 0.1, _Ctx(ended, "later"), "later")
+    second = reaper._thread
+    assert second is not None and second is not first
+    _wait_for(lambda: ended == ["kept", "later"], timeout=3)
+    _wait_for(lambda: not second.is_alive(), timeout=3)

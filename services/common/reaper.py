@@ -21,6 +21,9 @@ import grpc
 
 log = logging.getLogger(__name__)
 
+# Seconds with nothing armed after which the reaper's thread ends (see `StreamReaper._run`).
+IDLE_EXIT_S = 60.0
+
 
 def end_call(context: Any, code: grpc.StatusCode, details: str) -> None:
     """End the server call of `context` now with `code` and `details` (the client sees them;
@@ -46,7 +49,8 @@ def end_call(context: Any, code: grpc.StatusCode, details: str) -> None:
 
 class StreamReaper:
     """Ends calls whose deadline passed: `arm(when, context, details)` and, when the call ends
-    first, `disarm(token)`. `on_reap(details)` is told of each call it ends."""
+    first, `disarm(token)`. `on_reap(details)` is told of each call it ends. Its one thread
+    starts at the first `arm` and ends after IDLE_EXIT_S seconds with nothing armed."""
 
     def __init__(self, on_reap=None) -> None:
         self._heap: list[tuple[float, int]] = []
@@ -86,13 +90,27 @@ class StreamReaper:
             return len(self._armed)
 
     def _run(self) -> None:
+        idle_until: float | None = None
         while True:
             with self._cv:
                 while True:
                     while self._heap and self._heap[0][1] not in self._armed:
                         heapq.heappop(self._heap)  # disarmed: the call ended by itself
-                    wait = self._heap[0][0] - time.monotonic() if self._heap else None
-                    if wait is not None and wait <= 0:
+                    now = time.monotonic()
+                    if not self._heap:
+                        # Nothing armed for IDLE_EXIT_S: the thread ends (each server's reaper
+                        # kept one for the life of the process, stopped servers' too); the
+                        # next `arm` starts another under this lock.
+                        if idle_until is None:
+                            idle_until = now + IDLE_EXIT_S
+                        elif now >= idle_until:
+                            self._thread = None
+                            return
+                        self._cv.wait(idle_until - now)
+                        continue
+                    idle_until = None
+                    wait = self._heap[0][0] - now
+                    if wait <= 0:
                         _, token = heapq.heappop(self._heap)
                         context, details = self._armed.pop(token)
                         break
