@@ -5,8 +5,10 @@ stand in for the server: pure client logic)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import subprocess
 import sys
 
 import grpc
@@ -312,3 +314,35 @@ def test_every_output_error_is_one_line_and_status_1(name, tmp_path):
     err = r.stderr.decode()
     assert err.count("\n") == 1 and os.strerror(getattr(errno, name)) in err, err
     assert "Exception ignored" not in err
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("certs")
+    subprocess.run([str(test_cli_input.ROOT / "scripts" / "gen-certs.sh"), str(root)],
+                   check=True, capture_output=True, timeout=60)
+    (root / "garbage.pem").write_text("not a certificate\n")
+    return root
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    ({"--ca": "garbage.pem"}, "--ca {}/garbage.pem: not a PEM file"),
+    ({"--ca": "ca.key"}, "--ca {}/ca.key: holds no CA certificate"),
+    ({"--ca": "ca.pem", "--cert": "garbage.pem", "--key": "client.key"},
+     "--cert {}/garbage.pem: not a PEM file"),
+    ({"--ca": "ca.pem", "--cert": "client.pem", "--key": "server.key"},
+     "--cert {0}/client.pem and --key {0}/server.key are not a certificate and its"),
+])
+def test_a_tls_file_that_is_no_certificate_is_named_before_any_call(fake, certs, flags, named):
+    """gRPC took them and failed every call as "UNAVAILABLE (retry later): ... Failed to
+    create security handshaker": retry what never succeeds, no file named."""
+    argv = [x for flag, name in flags.items() for x in (flag, str(certs / name))]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv + ["stats"])  # FakeClient has no stats: a call would be a traceback
+    assert str(e.value.code).startswith("error: " + named.format(certs))
+
+
+def test_sound_tls_files_make_credentials(certs):
+    a = argparse.Namespace(ca=str(certs / "ca.pem"), cert=str(certs / "client.pem"),
+                           key=str(certs / "client.key"), tls=False)
+    assert isinstance(cli.credentials(a), grpc.ChannelCredentials)

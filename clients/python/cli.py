@@ -401,8 +401,38 @@ def credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
         read = [Path(x).read_bytes() if x else None for x in (a.ca, a.key, a.cert)]
     except OSError as e:
         raise SystemExit(f"error: cannot read TLS file: {e}") from None
+    problem = _tls_files_problem(a, *read)
+    if problem:
+        raise SystemExit(f"error: {problem}")
     return grpc.ssl_channel_credentials(root_certificates=read[0], private_key=read[1],
                                         certificate_chain=read[2])
+
+
+def _tls_files_problem(a: argparse.Namespace, ca: bytes | None, key: bytes | None,
+                       cert: bytes | None) -> str:
+    """What is wrong with the TLS files read ("" = nothing), as the services check theirs at
+    start: gRPC took a file that is no PEM, a key given as the CA, or a key that is not the
+    certificate's, and failed every call as "UNAVAILABLE (retry later): ... Failed to create
+    security handshaker", which named no file and said to retry what never succeeds."""
+    import ssl
+
+    for flag, path, data in (("--ca", a.ca, ca), ("--cert", a.cert, cert), ("--key", a.key, key)):
+        if data is not None and b"-----BEGIN " not in data:
+            return f"{flag} {path}: not a PEM file"
+    try:
+        if ca is not None:
+            ssl.create_default_context(cadata=ca.decode("latin-1"))
+    except ssl.SSLError as e:
+        return f"--ca {a.ca}: holds no CA certificate: {e.reason or e}"
+    try:
+        if cert is not None:
+            # An encrypted key fails too (gRPC cannot ask for its password).
+            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(
+                a.cert, a.key, password=lambda: b"no password")
+    except (ssl.SSLError, OSError) as e:
+        return (f"--cert {a.cert} and --key {a.key} are not a certificate and its unencrypted "
+                f"private key: {getattr(e, 'reason', None) or e}")
+    return ""
 
 
 def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
