@@ -316,6 +316,22 @@ def test_every_output_error_is_one_line_and_status_1(name, tmp_path):
     assert "Exception ignored" not in err
 
 
+def test_stats_shows_a_shard_list_mismatch_on_a_terminal_without_control_characters(
+        monkeypatch):
+    """The mismatch is the server's words: on a terminal its control characters acted on it
+    (the other server words on stderr are shown replaced; the CLI differential)."""
+    err = test_cli_input.Tty()
+    monkeypatch.setattr(sys, "stderr", err)
+
+    class Client:
+        def stats(self):
+            return orchestrator_pb2.StatsResponse(prefix=prefix_pb2.PrefixStatsResponse(
+                shards_total=1, shards_answered=1, shard_list_mismatch="lists 3\x1b[2J"))
+
+    assert cli.cmd_stats(Client(), None) == 0
+    assert err.getvalue() == "prefix: lists 3\ufffd[2J\n"
+
+
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory):
     root = tmp_path_factory.mktemp("certs")

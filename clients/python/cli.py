@@ -341,7 +341,8 @@ def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
                              "answered; its figures leave out the others'\n")
         if st.shard_list_mismatch:
             # Every call succeeds while lookups go to the wrong shard: the JSON alone hid it.
-            sys.stderr.write(f"{tier}: {st.shard_list_mismatch}\n")
+            # The server's words, shown as the others on stderr are.
+            sys.stderr.write(f"{tier}: {shown(st.shard_list_mismatch, sys.stderr)}\n")
     return 0
 
 
