@@ -35,6 +35,7 @@ from clients.python.client import (
     retry_later,
 )
 from services.common.config import is_host_port
+from services.common.grpc_client import ca_problem, key_pair_problem
 from services.common.logs import isatty
 
 
@@ -415,24 +416,15 @@ def _tls_files_problem(a: argparse.Namespace, ca: bytes | None, key: bytes | Non
     start: gRPC took a file that is no PEM, a key given as the CA, or a key that is not the
     certificate's, and failed every call as "UNAVAILABLE (retry later): ... Failed to create
     security handshaker", which named no file and said to retry what never succeeds."""
-    import ssl
-
     for flag, path, data in (("--ca", a.ca, ca), ("--cert", a.cert, cert), ("--key", a.key, key)):
         if data is not None and b"-----BEGIN " not in data:
             return f"{flag} {path}: not a PEM file"
-    try:
-        if ca is not None:
-            ssl.create_default_context(cadata=ca.decode("latin-1"))
-    except ssl.SSLError as e:
-        return f"--ca {a.ca}: holds no CA certificate: {e.reason or e}"
-    try:
-        if cert is not None:
-            # An encrypted key fails too (gRPC cannot ask for its password).
-            ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(
-                a.cert, a.key, password=lambda: b"no password")
-    except (ssl.SSLError, OSError) as e:
-        return (f"--cert {a.cert} and --key {a.key} are not a certificate and its unencrypted "
-                f"private key: {getattr(e, 'reason', None) or e}")
+    why = ca_problem(a.ca) if ca is not None else ""
+    if why:
+        return f"--ca {a.ca}: {why}"
+    why = key_pair_problem(a.cert, a.key, server=False) if cert is not None else ""
+    if why:
+        return f"--cert {a.cert} and --key {a.key} {why}"
     return ""
 
 

@@ -98,26 +98,42 @@ def tls_files_problem(service: str = "", env: Mapping[str, str] | None = None) -
         if b"-----BEGIN " not in data:
             return f"{var}: {path} is not a PEM file"
     ca = env.get("TIERCACHE_TLS_CA")
-    if ca:
-        # A key given as the CA failed in gRPC's C core as "cannot listen on <address>".
-        import ssl
-
-        try:
-            ssl.create_default_context().load_verify_locations(ca)
-        except ssl.SSLError as exc:
-            return f"TIERCACHE_TLS_CA: {ca} holds no CA certificate: {exc.reason or exc}"
+    # A key given as the CA failed in gRPC's C core as "cannot listen on <address>".
+    why = ca_problem(ca) if ca else ""
+    if why:
+        return f"TIERCACHE_TLS_CA: {ca} {why}"
     (cert_var, cert), (key_var, key) = server_tls_files(service, env)
-    if cert and key:
-        # A key that is not the certificate's (a service's own certificate beside the shared
-        # key, say) failed in gRPC's C core as "cannot listen on <address>".
-        import ssl
+    # A key that is not the certificate's (a service's own certificate beside the shared
+    # key, say) failed in gRPC's C core as "cannot listen on <address>".
+    why = key_pair_problem(cert, key, server=True) if cert and key else ""
+    if why:
+        return f"{cert_var} ({cert}) and {key_var} ({key}) {why}"
+    return ""
 
-        try:
-            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(
-                cert, key, password=lambda: b"no password")  # an encrypted key: an error
-        except ssl.SSLError as exc:
-            return (f"{cert_var} ({cert}) and {key_var} ({key}) are not a certificate and "
-                    f"its unencrypted private key: {exc.reason or exc}")
+
+def ca_problem(path: str) -> str:
+    """Why the PEM file at `path` is no CA to verify against ("" = it is one)."""
+    import ssl
+
+    try:
+        ssl.create_default_context().load_verify_locations(path)
+    except ssl.SSLError as exc:
+        return f"holds no CA certificate: {exc.reason or exc}"
+    return ""
+
+
+def key_pair_problem(cert: str, key: str, *, server: bool) -> str:
+    """Why the PEM files at `cert` and `key` are not a certificate and its private key as gRPC
+    takes them ("" = they are): a key that is not the certificate's, or an encrypted one
+    (gRPC cannot ask for its password)."""
+    import ssl
+
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT
+                       ).load_cert_chain(cert, key, password=lambda: b"no password")
+    except (ssl.SSLError, OSError) as exc:
+        return (f"are not a certificate and its unencrypted private key: "
+                f"{getattr(exc, 'reason', None) or exc}")
     return ""
 
 
