@@ -190,8 +190,9 @@ def _metrics():
                              "the request's own threshold) and outcome (hit, draft, miss)",
                              ("tier", "outcome")),
         "guard": m.counter("tiercache_semantic_guard_rejections_total",
-                           "Hits refused by the guard, the verifier, or the embedding-window "
-                           "or unread-characters rule"),
+                           "Lookups in which a candidate close enough to hit was refused (by "
+                           "the guard, the verifier, or the spelling, embedding-window or "
+                           "unread-characters rule), whether or not one further down hit"),
         "evictions": m.counter("tiercache_semantic_evictions_total", "Entries evicted (LRU)"),
         "expirations": m.counter("tiercache_semantic_expirations_total", "Entries expired"),
         "entries": m.gauge("tiercache_semantic_entries", "Entries held"),
@@ -357,8 +358,8 @@ class SemanticCache:
             raise InvalidArgument("namespace", "required")
         for field, value in (("namespace.tenant", ns.tenant),
                              ("namespace.model_id", ns.model_id)):
-            if not value:
-                raise InvalidArgument(field, "required")
+            if not value.strip():  # " " named nobody's tenant or model, as "" does
+                raise InvalidArgument(field, "required (not empty or whitespace only)")
             if len(value) > self.cfg.max_tenant_chars:
                 raise InvalidArgument(field, f"longer than {self.cfg.max_tenant_chars} chars")
         if len(ns.context_hash) > 128 or not _HEX.fullmatch(ns.context_hash):

@@ -294,3 +294,17 @@ def test_a_ttl_cut_not_written_on_a_full_disk_still_applies_in_memory(make_cache
     monkeypatch.setattr(EntryStore, "cap_ttls", full)
     c = make_cache(default_ttl_seconds=0, max_ttl_seconds=100)
     assert c.get(e.id).ttl_seconds == 100 and c.store.get(e.id).ttl_seconds == 600
+
+
+
+@pytest.mark.parametrize("field", ["tenant", "model_id"])
+def test_a_whitespace_only_tenant_or_model_is_refused_and_nothing_is_written(make_cache, field):
+    """A differential review: " " passed as a tenant or model id, though it names nobody's
+    (text fields refuse whitespace only); refused now, naming the field, nothing stored."""
+    c = make_cache()
+    ns = Namespace(**{"tenant": "t", "model_id": "m", field: " \t"})
+    with pytest.raises(InvalidArgument, match=f"namespace.{field}: required"):
+        _store(c, ns=ns)
+    with pytest.raises(InvalidArgument, match=f"namespace.{field}: required"):
+        c.lookup(ns, "A fine question?")
+    assert c.stats().entries == 0 and c.stats().lookups_total == 0
