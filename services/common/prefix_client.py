@@ -68,7 +68,8 @@ class PrefixIndexError(grpc.RpcError):
         self.address = address
         self._code = code
         self._details = details
-        # When a call to several shards failed on all of them: each shard's error.
+        # When a call to several shards raised: each failed shard's error (every shard's
+        # when all of them failed).
         self.shards_failed: dict[str, PrefixIndexError] = {address: self}
 
     def code(self) -> grpc.StatusCode:
@@ -249,10 +250,16 @@ class PrefixIndexClient:
                 errors.append(PrefixIndexError.wrap(method, a, e))
                 self._outcome(a, errors[-1], timeout)
         refused = [e for e in errors if e.code() not in _TRANSIENT]
+        raised = None
         if refused and not (allow_partial and refusals_partial and out):
-            raise refused[0]
-        if errors and (not allow_partial or not out):
-            raise errors[0]
+            raised = refused[0]
+        elif errors and (not allow_partial or not out):
+            raised = errors[0]
+        if raised is not None:
+            # Every failed shard's error, as PublishEvents gives: a Register or Heartbeat that
+            # failed on all shards named the first one's only.
+            raised.shards_failed = {e.address: e for e in errors}
+            raise raised
         for e in errors:
             log.warning("%s", e)
         return out

@@ -282,3 +282,19 @@ def test_stats_sum_a_replicas_blocks_over_shards_and_keep_its_longest_silence():
         assert [(r.held_blocks, r.last_seen_s, r.load.running)
                 for r in got.replicas] == [(7, 7.0, 5)]
         assert (got.shards_answered, got.shards_total) == (2, 2)
+
+
+def test_a_call_failing_on_every_shard_names_each_shards_error():
+    """Register, Heartbeat, TopPrefixes and Stats failing on every shard raise the first
+    error with each shard's in `shards_failed`, as PublishEvents does (they named only the
+    first shard's, so a caller could not tell a forgetful shard from one that is down)."""
+    codes = {A: grpc.StatusCode.UNAVAILABLE, B: grpc.StatusCode.DEADLINE_EXCEEDED}
+    c, _ = client_of({a: {m: code for m in ("Register", "Heartbeat", "TopPrefixes", "Stats")}
+                      for a, code in codes.items()})
+    for call in (lambda: c.register("r", "i1", "addr", "m", 4), lambda: c.heartbeat("r", "i1"),
+                 lambda: c.top_prefixes(3, allow_partial=True),
+                 lambda: c.stats(allow_partial=True)):
+        with pytest.raises(PrefixIndexError) as e:
+            call()
+        assert {a: f.code() for a, f in e.value.shards_failed.items()} == codes
+
