@@ -327,9 +327,22 @@ class PrefixIndexClient:
                              timeout, allow_partial=only is None if partial is None else partial)
 
     def _shards_in(self, only: Collection[str] | None) -> list[str]:
-        """Every shard address, or those in `only`, in the configured order."""
-        return list(self.addresses) if only is None else [a for a in self.addresses
-                                                           if a in only]
+        """Every shard address, or those in `only`, in the configured order.
+
+        Raises:
+            ValueError: `only` names no shard, or an address that is none of this client's
+                (an empty `only` crashed Register and Heartbeat on `min()` of nothing, and an
+                unknown address was passed over: a resync sent to no shard, said to be done).
+        """
+        if only is None:
+            return list(self.addresses)
+        unknown = sorted(set(only) - set(self.addresses))
+        if unknown:
+            raise ValueError(f"only: {unknown[0]!r} is not one of this client's shard "
+                             f"addresses {self.addresses}")
+        if not only:
+            raise ValueError("only: names no shard (None means every shard)")
+        return [a for a in self.addresses if a in only]
 
     # -- events ---------------------------------------------------------------------------
 
@@ -368,13 +381,15 @@ class PrefixIndexClient:
 
         Raises:
             PrefixIndexError: every shard that got a batch failed.
-            ValueError: a stored continuation lacks first_block_hash on a sharded index.
+            ValueError: a stored continuation lacks first_block_hash on a sharded index; or
+                `only` names no shard of this client (see `_shards_in`). No number is used.
         """
         per = self.route_events(events)
+        asked = self._shards_in(only)
         reqs: dict[str, prefix_pb2.PublishEventsRequest] = {}
         with self._lock:
             for a, evs in per.items():
-                if only is not None and a not in only:
+                if a not in asked:
                     continue
                 if not evs and not resync:
                     continue

@@ -298,3 +298,18 @@ def test_a_call_failing_on_every_shard_names_each_shards_error():
             call()
         assert {a: f.code() for a, f in e.value.shards_failed.items()} == codes
 
+
+@pytest.mark.parametrize("only", [[], ["shard-c:1"], [A, "shard-c:1"]])
+def test_only_naming_no_shard_of_the_client_is_refused_before_any_call(only):
+    """`only` that is empty or names an address that is none of the client's shards is a
+    ValueError naming it, before any call and with no batch number used: an empty one crashed
+    Register and Heartbeat on `min()` of nothing, and an unknown address was passed over (a
+    resync to it went nowhere and was reported as done)."""
+    c, fake = client_of({A: {"PublishEvents": _published()}, B: {"PublishEvents": _published()}})
+    for call in (lambda: c.register("r", "i1", "addr", "m", 4, only=only),
+                 lambda: c.heartbeat("r", "i1", only=only),
+                 lambda: c.publish_events("r", "i1", [], resync=True, only=only)):
+        with pytest.raises(ValueError, match="^only: "):
+            call()
+    assert fake.calls == []
+    assert c.publish_events("r", "i1", [], resync=True).sent == {A: 1, B: 1}
