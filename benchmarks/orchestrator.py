@@ -356,11 +356,14 @@ def main(argv: list[str] | None = None) -> int:
     ceiling = ceiling_figures(rows, ours, rr)
     for v in (*runs["tiercache"], *runs["round_robin"], off):
         v.pop("model_served", None)
+    # A run none of whose requests was answered has no median TTFT (None): then there is no
+    # speedup (None, not met); dividing by it was a TypeError after every run, nothing written.
+    slow, fast = off["ttft_p50_ms_all"], ours["ttft_p50_ms_all"]
     ratios = {
         "prefix_hit_ratio_vs_round_robin": round(
             ours["prefix_hit_token_ratio"] / max(rr["prefix_hit_token_ratio"], 1e-9), 3),
-        "ttft_p50_speedup_vs_caches_off": round(
-            off["ttft_p50_ms_all"] / max(ours["ttft_p50_ms_all"], 1e-9), 3),
+        "ttft_p50_speedup_vs_caches_off": (round(slow / max(fast, 1e-9), 3)
+                                           if slow is not None and fast is not None else None),
         "replica_load_max_over_mean": ours["replica_load_max_over_mean"],
     }
     # Beside the target (requests, as the routing cap counts them): the same by work done.
