@@ -32,7 +32,9 @@ MATCHES = metrics.counter("tiercache_prefix_matches_total", "Match calls", ("res
 MATCH_BLOCKS = metrics.counter("tiercache_prefix_match_blocks_total",
                                "Blocks asked about in Match calls", ("result",))
 EVENTS = metrics.counter("tiercache_prefix_events_total", "Replica events applied", ("kind",))
-RESYNCS = metrics.counter("tiercache_prefix_resyncs_total", "Resyncs requested after a gap")
+RESYNCS = metrics.counter("tiercache_prefix_resyncs_total",
+                          "Resyncs requested: after a gap in a replica's batches, or at its first "
+                          "batch back from a lapsed lease (Stats' resyncs_total)")
 # A counter (rate() and increase() work on it), fed from the tree's running total.
 PRUNED = metrics.counter("tiercache_prefix_pruned_total", "Nodes pruned by the memory budget")
 UNHELD = metrics.gauge("tiercache_prefix_unheld_nodes",
@@ -145,8 +147,13 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
             self._gauges()
         if resynced:
             RESYNCS.inc(resynced)
-            log.info("replica %s: batch %d after a gap; asking for a resync (expects %d)",
-                     request.replica_id, request.seq, r.next_seq)
+            # The batch expected, yet a resync: the replica registered back from a lapsed
+            # lease and the index holds nothing of it ("after a gap" named a lost batch that
+            # never was).
+            why = ("after a gap" if request.seq > r.next_seq
+                   else "is its first since its lease lapsed")
+            log.info("replica %s: batch %d %s; asking for a resync (expects %d)",
+                     request.replica_id, request.seq, why, r.next_seq)
         elif r.applied:  # not a retry of an applied batch, nor an overtaken resync
             for e in request.events:
                 EVENTS.labels(e.WhichOneof("event")).inc()

@@ -146,3 +146,49 @@ def test_register_refuses_exactly_the_addresses_a_replica_refuses_to_announce(st
         assert e.code() == grpc.StatusCode.INVALID_ARGUMENT and "address" in e.details()
         registered = False
     assert started == registered
+
+
+def test_a_resync_at_the_first_batch_back_from_a_lapse_is_counted_and_said_so(caplog):
+    """A replica registered back from a lapsed lease (the same incarnation, its batch numbers
+    carried on) is asked for a resync at the batch the index expects: counted in
+    tiercache_prefix_resyncs_total as Stats' resyncs_total is, and logged as what it is, not
+    as a gap (the log said "batch 2 after a gap ... (expects 2)")."""
+    import logging
+
+    from services.prefix.server import build_index
+    from tests.clock import Clock
+
+    cfg = PrefixConfig(address="127.0.0.1:0", block_size=BS, lease_seconds=1.0, metrics_port=-1)
+    index = build_index(cfg)
+    index.clock = clock = Clock()
+    svc = serve(cfg, index)
+    ch = make_channel(svc.address)
+    try:
+        stub = prefix_pb2_grpc.PrefixIndexStub(ch)
+        _register_and_store(stub, list(range(BS)))
+        for _ in range(4):  # the lease lapses within 1 s
+            # Under half a lease a step, a call each: a longer silence is the index's pause.
+            clock.t += 0.375
+            stub.Stats(prefix_pb2.PrefixStatsRequest(), metadata=MD, timeout=5)
+        assert not stub.Stats(prefix_pb2.PrefixStatsRequest(), metadata=MD,
+                              timeout=5).replicas
+        r = stub.Register(prefix_pb2.RegisterRequest(
+            replica_id="r0", incarnation="i", address="127.0.0.1:7000", model_id=MODEL,
+            block_size=BS), metadata=MD, timeout=5)
+        assert r.next_seq == 2
+        before = _value("tiercache_prefix_resyncs_total")
+        caplog.set_level(logging.INFO, logger="services.prefix.server")
+        for seq in (2, 5):
+            r = stub.PublishEvents(prefix_pb2.PublishEventsRequest(
+                replica_id="r0", incarnation="i", seq=seq), metadata=MD, timeout=5)
+            assert (r.status, r.next_seq) == (prefix_pb2.PUBLISH_STATUS_RESYNC, 2)
+        assert _value("tiercache_prefix_resyncs_total") == before + 2
+        assert stub.Stats(prefix_pb2.PrefixStatsRequest(), metadata=MD,
+                          timeout=5).resyncs_total == 2
+        said = [rec.getMessage() for rec in caplog.records if "asking for a resync" in rec.message]
+        assert said == ["replica r0: batch 2 is its first since its lease lapsed; asking for a "
+                        "resync (expects 2)",
+                        "replica r0: batch 5 after a gap; asking for a resync (expects 2)"]
+    finally:
+        ch.close()
+        svc.stop(0)
