@@ -198,7 +198,9 @@ def draft_ladder(cfg: KvPoolConfig, model: Any,
         # starting beside this one), and the figures are noise.
         return fall_back(f"draft forward timings look disturbed (a forward of several tokens "
                          f"measured under {IMPLAUSIBLE:.0%} of one token's)", relative)
-    ladder = choose_ladder(costs, cfg.max_draft_tokens)
+    # From the costs reported and logged (rounded), not the raw seconds: where the rounding
+    # crossed the frontier's 2% bar, a replica given the value logged here chose other lengths.
+    ladder = choose_ladder(dict(enumerate(relative, start=1)), cfg.max_draft_tokens)
     _log_lengths(ladder, relative, " %.1f ms (measured in %.1f s; TIERCACHE_KVPOOL_DRAFT_LADDER; "
                  "replicas of this model on this kind of host may skip the timing with "
                  "TIERCACHE_KVPOOL_DRAFT_COSTS=%s)", base * 1000, time.monotonic() - t0,

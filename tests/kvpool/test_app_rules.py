@@ -165,3 +165,29 @@ def test_the_costs_a_start_log_prints_start_another_replica_alike(monkeypatch, c
     monkeypatch.setattr(app, "forward_costs", None)  # not called again
     given = app.draft_ladder(cfg, tiny_model)
     assert (given.ladder, given.costs, given.source) == (timed.ladder, timed.costs, "given")
+
+
+def test_a_timed_ladder_is_chosen_from_the_costs_it_reports(monkeypatch, caplog, tiny_model):
+    """A differential review: the ladder was chosen from the raw seconds while the costs
+    reported and logged are rounded to three decimals. Here 3 tokens at 0.9804 and 4 at
+    1.0004 of one token's (1 is not 2% cheaper than 2: lengths 2,2,2) print as 0.98 and 1.0
+    (it is: 1,2,2), and a replica given the printed value chose other lengths than the one
+    that printed it ("used as that timing would be")."""
+    import logging
+    import re
+
+    from services.common.config import load_config
+    from services.kvpool import app
+
+    seconds = {1: 0.01, 2: 0.009804, 3: 0.010004}
+    monkeypatch.setattr(app, "forward_costs", lambda *a, **kw: seconds)
+    cfg = load_config(KvPoolConfig, "kvpool", [],
+                      environ={"TIERCACHE_KVPOOL_MAX_DRAFT_TOKENS": "2"})
+    with caplog.at_level(logging.INFO, logger="services.kvpool.app"):
+        timed = app.draft_ladder(cfg, tiny_model)
+    assert timed.costs == (1.0, 0.98, 1.0)
+    value = re.search(r"TIERCACHE_KVPOOL_DRAFT_COSTS=(\S+)\)", caplog.text).group(1)
+    given = app.draft_ladder(load_config(KvPoolConfig, "kvpool", [], environ={
+        "TIERCACHE_KVPOOL_MAX_DRAFT_TOKENS": "2", "TIERCACHE_KVPOOL_DRAFT_COSTS": value}),
+        tiny_model)
+    assert timed.ladder == given.ladder == (1, 2, 2)
