@@ -75,7 +75,12 @@ def forward_costs(model: Any, max_q: int, *, context: int = 96, sweeps: int = 6,
 
     Raises:
         TooSlow: past `budget_s` seconds without enough undisturbed sweeps.
+        ValueError: `max_q` or `sweeps` under 1 (before anything runs).
     """
+    # max_q 0 failed with ZeroDivisionError after the prefill; sweeps 0 returned one sweep's.
+    for name, value in (("max_q", max_q), ("sweeps", sweeps)):
+        if value < 1:
+            raise ValueError(f"forward_costs: {name} must be >= 1, got {value}")
     threads = torch.get_num_threads()
     try:
         return _forward_costs(model, max_q, context, sweeps, budget_s, threads_for)

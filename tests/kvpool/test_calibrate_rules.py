@@ -77,3 +77,22 @@ def test_with_three_sweeps_the_reference_is_the_second_fastest():
     ordinary = [Sweep({1: 0.07}, wall, 1.9 * wall) for wall in (2.28, 2.25)]
     lucky = Sweep({1: 0.05}, 1.4, 1.9 * 1.4)
     assert undisturbed(ordinary + [lucky]) == ordinary + [lucky]
+
+
+def test_no_lengths_or_no_sweeps_are_refused_before_anything_runs():
+    """A differential review: max_q 0 failed with ZeroDivisionError after the prefill, and
+    sweeps 0 returned costs from a single sweep; each is a ValueError naming the argument,
+    and the model is not touched."""
+    import pytest
+
+    class Untouchable:
+        def __getattr__(self, name):
+            raise AssertionError(f"the model was used ({name})")
+
+        def __call__(self, *a, **kw):
+            raise AssertionError("the model was called")
+
+    for kw, name in (({"max_q": 0}, "max_q"), ({"max_q": 2, "sweeps": 0}, "sweeps"),
+                     ({"max_q": -1}, "max_q")):
+        with pytest.raises(ValueError, match=f"^forward_costs: {name} must be >= 1, got"):
+            forward_costs(Untouchable(), **kw)
