@@ -67,12 +67,13 @@ def main(argv: list[str] | None = None) -> int:
     modes = MODES_ALL if all_draft else MODES
     out_path = args.out or (RESULT_ALL if all_draft else RESULT)
 
-    from benchmarks.assisted import QQP, near_miss_pairs
+    from benchmarks.assisted import near_miss_pairs
     from benchmarks.inproc import load_replica, result_header, run_together
     from services.common.model_store import load_tokenizer, resolve_model
     from services.kvpool.engine import EngineRequest
     from services.kvpool.sampling import SamplingSpec
     from services.orchestrator.render import Message, PromptRenderer
+    from services.semantic.labelled_data import DATA  # ../shared/data or TIERCACHE_DATA_DIR
 
     t_start = time.monotonic()
     renderer = PromptRenderer(load_tokenizer(resolve_model("smollm2").path))
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs, _ = near_miss_pairs(args.reps * max(batches) if all_draft else args.reps)
     others: list[str] = []  # plain rows: QQP questions of non-duplicate pairs, file order
-    with QQP.open(newline="") as f:
+    with (DATA / "qqp_val.csv").open(newline="") as f:
         for row in csv.DictReader(f):
             if row["is_duplicate"] == "0" and len(others) < max(batches):
                 others.append(row["question1"])

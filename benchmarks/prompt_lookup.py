@@ -46,17 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     out_path = args.out or (RESULT if args.batch == 1 else
                             RESULT.with_name(f"prompt_lookup-b{args.batch}.json"))
 
-    from benchmarks.assisted import QQP
     from benchmarks.inproc import Streamed, load_replica, result_header, run_together
     from services.common.model_store import load_tokenizer, resolve_model
     from services.kvpool.engine import EngineRequest
     from services.kvpool.sampling import SamplingSpec
     from services.orchestrator.render import Message, PromptRenderer
+    from services.semantic.labelled_data import DATA  # ../shared/data or TIERCACHE_DATA_DIR
 
     t_start = time.monotonic()
     renderer = PromptRenderer(load_tokenizer(resolve_model("smollm2").path))
     questions: list[str] = []
-    with QQP.open(newline="") as f:
+    with (DATA / "qqp_val.csv").open(newline="") as f:
         for row in csv.DictReader(f):
             if len(questions) < args.questions and row["question1"] not in questions:
                 questions.append(row["question1"])
