@@ -518,6 +518,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="near-miss pairs to time at least (default 3 quick / 10)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    if args.candidates and args.candidates < 3:
+        # Each timed pair's unrelated draft is another pair's answer, neither its own A's nor
+        # the one it drafts from: two pairs may leave none.
+        ap.error("--candidates must be at least 3 (the unrelated drafts are other pairs' answers)")
     # 128: about 24 near pairs timed (Intel host, ~21 minutes). 64 gave 12, too few for a
     # figure whose pairs range from 1.3x to 3.2x.
     n = args.candidates or (16 if args.quick else 128)
@@ -601,8 +605,11 @@ def main(argv: list[str] | None = None) -> int:
                 ids = prompt_ids(q)
                 entry = screen[i].entry_id
                 draft = drafts[entry][:MAX_TOKENS]  # the replica keeps at most max_tokens
-                others = [a_runs[(i + len(pairs) // 2 + j) % len(pairs)] for j in range(len(pairs))]
-                unrelated = next(draft_of(r.tokens) for r in others if r.entry_id != entry)
+                # Another pair's answer: not the one B drafts from, nor its own question's (A's
+                # answer to B's paraphrase, drafted from another entry, is no unrelated draft).
+                others = [(i + len(pairs) // 2 + j) % len(pairs) for j in range(len(pairs))]
+                unrelated = next(draft_of(a_runs[o].tokens) for o in others
+                                 if o != i and a_runs[o].entry_id != entry)
                 rng = random.Random(RANDOM_DRAFT_SEED + i)
                 random_draft = [rng.randrange(vocab) for _ in unrelated]
                 runs: dict[str, Run] = {}
