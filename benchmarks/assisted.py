@@ -33,8 +33,10 @@ Figures (ratios are measured within one run; the machine is shared and noisy):
   decode_speedup            sum of B's wall time through the orchestrator without draft /
                             with draft (request start to final message), over timed pairs whose
                             draft shares >= 50% of B's tokens (multiset overlap)
-  forward_passes_per_token  decode forwards / generated tokens of B with the draft (same
-                            pairs; CacheReport.forward_passes)
+  forward_passes_per_token  forwards / generated tokens of B with the draft (same pairs):
+                            its decode forwards (CacheReport.forward_passes) plus its prefill
+                            forward, which verifies the first proposal too (NOTES;
+                            forward_passes_per_token_decode_only leaves it out)
   acceptance_rate           accepted / proposed tokens as served (CacheReport), both sources;
                             acceptance_rate_draft / _lookup split them by source
   draft_coverage            tokens proposed from the cached answer and accepted / generated
