@@ -72,6 +72,7 @@ from services.semantic.labelled_data import (  # noqa: F401 (re-exported for old
     load_qqp,
     load_stsb_zh,
 )
+from services.semantic.policy import HIT_TOLERANCE
 from services.semantic.verifier import FEATURES, Verifier, _text
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -169,9 +170,19 @@ def bench_embed(emb: OnnxEmbedder, model_dir: str, texts: list[str], reps: int) 
 
 # ---- 2. quality -----------------------------------------------------------------------------
 
+def _reaches(sim: np.ndarray, th: float) -> np.ndarray:
+    """Where a similarity reaches threshold `th` as the served policy decides a hit
+    (`ThresholdPolicy.decide`: inclusive, within `HIT_TOLERANCE` below, in float64). `sim >=
+    th` on the float32 similarities compared in float32 (numpy's rule for a Python float),
+    and in float64 against the curve's thresholds: a similarity at or just under a threshold
+    the service serves was a miss, and the curve and the tier rows at one threshold disagreed
+    (0.95 and 0.90 round down in float32, 0.97 up)."""
+    return np.asarray(sim, np.float64) >= float(th) - HIT_TOLERANCE
+
+
 def _pr(sim: np.ndarray, guard_ok: np.ndarray, labels: np.ndarray, th: float,
         guard: bool) -> tuple[float, float, int, int]:
-    hit = (sim >= th) & (guard_ok if guard else True)
+    hit = _reaches(sim, th) & (guard_ok if guard else True)
     tp = int((hit & (labels == 1)).sum())
     fp = int((hit & (labels == 0)).sum())
     prec = tp / (tp + fp) if tp + fp else float("nan")
@@ -190,7 +201,7 @@ def _curve(qs: np.ndarray, qg: np.ndarray, ql: np.ndarray, ps: np.ndarray, pg: n
         pt = {"threshold": float(th)}
         for g in (False, True):
             prec, rec, _, _ = _pr(qs, qg & q_spell if g else q_spell, ql, th, True)
-            p0 = (ps >= th) & p_spell & (pg if g else True)
+            p0 = _reaches(ps, th) & p_spell & (pg if g else True)
             sfx = "_guard" if g else ""
             pt["precision" + sfx], pt["recall" + sfx] = prec, rec
             pt["paws_fhr" + sfx] = float(p0[pl == 0].mean())
@@ -275,8 +286,8 @@ def bench_quality(emb: OnnxEmbedder, qqp, paws, cfg: SemanticConfig, png: Path |
     qsp = psp = None  # the current tier's spelling check (set in the loop below)
 
     def variant(th: float, qok: np.ndarray | None, pok: np.ndarray | None) -> dict:
-        qhit = (qs >= th) & qsp & (True if qok is None else qok)
-        phit = (ps >= th) & psp & (True if pok is None else pok)
+        qhit = _reaches(qs, th) & qsp & (True if qok is None else qok)
+        phit = _reaches(ps, th) & psp & (True if pok is None else pok)
         tp = int((qhit & (ql == 1)).sum())
         fp = int((qhit & (ql == 0)).sum())
         return {"qqp_precision": tp / (tp + fp) if tp + fp else float("nan"),
@@ -308,7 +319,7 @@ def bench_quality(emb: OnnxEmbedder, qqp, paws, cfg: SemanticConfig, png: Path |
         # case/punctuation, or the same content words in the same order (they differ only in
         # function words: "How can I ..." / "How do I ...").
         for key, qok in (("guard_on", qg), ("verifier", qg & qv[name])):
-            fp = np.where((qs >= th) & qsp & qok & (ql == 0))[0]
+            fp = np.where(_reaches(qs, th) & qsp & qok & (ql == 0))[0]
             same_text = sum(1 for i in fp if _norm(qqp[i][0]) == _norm(qqp[i][1]))
             same_content = sum(1 for i in fp if _content(qqp[i][0]) == _content(qqp[i][1]))
             r = row[key]
@@ -446,7 +457,7 @@ def bench_chinese(emb: OnnxEmbedder, rows) -> dict:
     cfg = SemanticConfig()
     verifier = Verifier()
     for name, th in TIERS.items():
-        hit = sim >= th
+        hit = _reaches(sim, th)
         # As served in the default config: the verifier (guard included) in its tiers, the
         # guard alone in the other guarded ones, similarity alone elsewhere.
         if name in cfg.verifier_tiers:

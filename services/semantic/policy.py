@@ -15,6 +15,10 @@ from typing import NamedTuple
 
 from services.common.errors import InvalidArgument, shown
 
+# How far below its threshold a similarity still counts as at it (`ThresholdPolicy.decide`):
+# similarities are float32, and the boundary is inclusive.
+HIT_TOLERANCE = 1e-6
+
 
 class Outcome(enum.Enum):
     """What a lookup's best candidate is."""
@@ -108,7 +112,7 @@ class ThresholdPolicy:
         th = self.threshold_for(resolved, verified)
         # float32 similarities: a tiny tolerance keeps an exact repeat (cos = 0.99999994) a hit
         # at threshold 1.0 and makes the boundary inclusive as documented.
-        if similarity >= th - 1e-6:
+        if similarity >= th - HIT_TOLERANCE:
             return Decision(Outcome.HIT, th)
         if self.in_draft_band(similarity):
             return Decision(Outcome.DRAFT, th)

@@ -1,0 +1,37 @@
+"""Rules of the semantic benchmark's figures (benchmarks/semantic.py) that a differential
+review found computed otherwise than defined (tests/test_bench_semantic_differential.py)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+
+from benchmarks.semantic import TIERS, _curve, _pr
+from services.semantic.policy import Outcome, ThresholdPolicy
+
+
+def _f32(x: float) -> float:
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def test_a_hit_reaches_the_threshold_as_the_served_policy_decides():
+    """The issue's precision counts a pair as a hit where the cache serves one: the policy's
+    threshold is inclusive, with a float32 tolerance. `sim >= th` on float32 similarities
+    compared in float32 for the tier rows and in float64 for the curve: a similarity at the
+    float32 nearest 0.95 (0.94999999) was a hit in the standard row and a miss on the curve,
+    and one a few float32 steps under 0.97 a miss in the strict row, both served as hits."""
+    policy = ThresholdPolicy(dict(TIERS))
+    for tier, th in TIERS.items():
+        resolved = policy.resolve(tier)
+        for sim in (_f32(th), _f32(th) - 2 ** -24, _f32(th - 9e-7), _f32(th - 2e-6)):
+            served = policy.decide(sim, resolved, False).outcome is Outcome.HIT
+            qs = np.array([sim], np.float32)
+            prec, rec, tp, fp = _pr(qs, np.ones(1, bool), np.array([1]), th, False)
+            assert (tp == 1) is served, (tier, sim)
+    at = {p["threshold"]: p for p in _curve(
+        np.array([_f32(0.95)], np.float32), np.ones(1, bool), np.array([1]),
+        np.array([_f32(0.95)], np.float32), np.ones(1, bool), np.array([0]),
+        np.ones(1, bool), np.ones(1, bool))}
+    assert at[0.95]["recall"] == 1.0 and at[0.95]["paws_fhr"] == 1.0  # served: a hit
+
