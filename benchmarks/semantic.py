@@ -609,6 +609,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _exact_top(scores: np.ndarray, pos: int | None) -> bool:
+    """Whether entry `pos` (None: Lookup returned none) is a top entry of exact search over
+    `scores` (the query's similarity to every entry): within 1e-5 of the best, as `ef_sweep`
+    counts. Compared by position with `argmax`, an entry tied with the first top one (the
+    uncased embedder gives texts that differ only in case one vector) counted as a miss of
+    the index."""
+    return pos is not None and bool(scores[pos] >= scores.max() - 1e-5)
+
+
 def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> dict:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -627,8 +636,8 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
         embed_s = time.perf_counter() - t0
         log(f"{size}: embedded {size} entries in {embed_s:.0f}s")
         qv = embed_all(emb, queries)
-        exact_top = np.argmax(qv @ vecs.T, axis=1)  # brute force reference
-        exact_sim = (qv @ vecs.T).max(1)
+        exact = qv @ vecs.T  # brute force reference
+        exact_sim = exact.max(1)
         tmp = tempfile.mkdtemp(prefix="semantic-bench-")
         db = os.path.join(tmp, "semantic.db")
         store = EntryStore(db, "NORMAL")
@@ -677,7 +686,8 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
                 handler.append(r.handler_ms - r.embed_ms)
                 if exact_sim[qi] >= cfg.draft_floor + 0.01:
                     counted += 1
-                    agree += int(r.HasField("entry") and id_pos.get(r.entry.id) == exact_top[qi])
+                    pos = id_pos.get(r.entry.id) if r.HasField("entry") else None
+                    agree += int(_exact_top(exact[qi], pos))
             stats = stub.Stats(pb.SemanticStatsRequest(), timeout=10)
         finally:
             proc.send_signal(signal.SIGTERM)
@@ -716,8 +726,9 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
                        "transport_* = lookup_*_ms minus that (per query). "
                        f"hnsw: M={cfg.hnsw_m} efConstruction={cfg.hnsw_ef_construction} "
                        f"efSearch={cfg.hnsw_ef_search}; flat below {cfg.hnsw_min_entries}. "
-                       "recall_at_1_vs_exact: the entry Lookup returns (hit or draft) is the "
-                       "exact search's top entry, over the recall_queries whose exact best "
+                       "recall_at_1_vs_exact: the entry Lookup returns (hit or draft) is a "
+                       "top entry of exact search (one tied with it within 1e-5 counts), over "
+                       "the recall_queries whose exact best "
                        "similarity is at least the draft floor + 0.01 "
                        f"({cfg.draft_floor + 0.01:.2f}; below the floor Lookup returns no "
                        "entry); a hit on an entry further "

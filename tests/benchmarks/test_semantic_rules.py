@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 
-from benchmarks.semantic import TIERS, _curve, _pr
+from benchmarks.semantic import TIERS, _curve, _exact_top, _pr
 from services.semantic.policy import Outcome, ThresholdPolicy
 
 
@@ -35,3 +35,11 @@ def test_a_hit_reaches_the_threshold_as_the_served_policy_decides():
         np.ones(1, bool), np.ones(1, bool))}
     assert at[0.95]["recall"] == 1.0 and at[0.95]["paws_fhr"] == 1.0  # served: a hit
 
+
+def test_recall_at_1_counts_an_entry_tied_with_the_exact_top():
+    """An entry with the exact search's best similarity is an exact nearest entry: compared
+    by position with argmax, a tie (case variants share a vector under the uncased embedder)
+    read as a miss of the index."""
+    scores = np.array([0.91, 0.97, 0.97, 0.5], np.float32)
+    assert _exact_top(scores, 1) and _exact_top(scores, 2)
+    assert not _exact_top(scores, 0) and not _exact_top(scores, None)
