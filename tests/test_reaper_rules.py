@@ -91,13 +91,17 @@ def test_the_thread_ends_when_idle_and_the_next_arm_starts_another(monkeypatch):
     the life of the process); a call armed after that is still ended at its deadline, and
     one armed while the thread waits out its idle time keeps it."""
     from services.common import reaper as reaper_mod
-    monkeypatch.setattr(reaper_mod, "IDLE_EXIT_S", 0.3)
+    monkeypatch.setattr(reaper_mod, "IDLE_EXIT_S", 60.0)
     ended: list[str] = []
     reaper = StreamReaper()
-    reaper.disarm(reaper.arm(time.monotonic() + 30, _Ctx(ended, "done"), "done"))
+    with reaper._cv:  # the thread's first look finds the call disarmed: it goes idle
+        reaper.disarm(reaper.arm(time.monotonic() + 30, _Ctx(ended, "done"), "done"))
     first = reaper._thread
     assert first is not None
-    time.sleep(0.15)  # idle, not yet past IDLE_EXIT_S: an arm now keeps this thread
+    # Waiting out its idle time, fixed at 60 s as it began (no sleep racing a short one on a
+    # loaded host): an arm now keeps this thread; the idle times after it are 0.3 s.
+    _wait_for(lambda: len(reaper._cv._waiters) == 1, timeout=3)
+    monkeypatch.setattr(reaper_mod, "IDLE_EXIT_S", 0.3)
     reaper.arm(time.monotonic() + 0.4, _Ctx(ended, "kept"), "kept")
     assert reaper._thread is first
     _wait_for(lambda: ended == ["kept"], timeout=3)
