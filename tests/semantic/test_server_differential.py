@@ -56,10 +56,10 @@ lowered so that the boundaries are cheap to reach (texts of 1,500 characters, an
 
 Run offline: 1,000 seeds (SEMANTIC_SERVER_DIFFERENTIAL_SEEDS=1000, ~8 min), 4 by default (~2 s
 after the embedder's load). Found: nothing in server.py; the model's own first version read a
-tie between two entries as one answer. Left as is: a tenant or model id of whitespace only is
-accepted (the proto says "required", which the service reads as "not empty"; texts say "not
-empty or whitespace only"); an Invalidate of a namespace whose caller gave up still removes it
-(Invalidate by id, Store and Verify check first; the proto promises it for none).
+tie between two entries as one answer; a tenant or model id of whitespace only was accepted
+(refused now, as blank texts are: tests/semantic/test_cache_rules.py). Left as is: an
+Invalidate of a namespace whose caller gave up still removes it (Invalidate by id, Store and
+Verify check first; the proto promises it for none).
 Injected bugs (one at a time in server.py, then reverted) caught 18 of 18 at the default 4
 seeds: the explicit threshold or want_draft dropped, truncated_at, hit_count, the draft entry or
 `exact` not sent, a refused Lookup's shard list compared, a Store's not compared, Store dropping
