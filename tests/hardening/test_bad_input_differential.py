@@ -426,7 +426,7 @@ class SemanticWorld:
         def context_long(rng, r):
             r.namespace.context_hash = "a" * pick(rng, (129, 1000))
 
-        def tenant_space(rng, r):  # not refused by the docs: any tenant string
+        def tenant_space(rng, r):  # refused whitespace only, not with a space inside
             r.namespace.tenant = pick(rng, (" ", "a b", "\t"))
 
         ns_fix = [no_namespace, oneof(tenant_empty, tenant_long, tenant_space),
@@ -484,7 +484,8 @@ class SemanticWorld:
             return
         ns = r.namespace
         for name, value in (("tenant", ns.tenant), ("model_id", ns.model_id)):
-            if not value or len(value) > self.cfg.max_tenant_chars:
+            # "Required (not whitespace only)", the proto says.
+            if not value.strip() or len(value) > self.cfg.max_tenant_chars:
                 v.bad(INVALID, f"namespace.{name}")
         h = ns.context_hash
         if len(h) > 128 or any(c not in "0123456789abcdefABCDEF" for c in h):

@@ -99,8 +99,8 @@ def toks(path: tuple[int, ...]) -> list[int]:
 class Universe:
     """Block hashes of (model, salt, path) chains; path = small ints, one per block."""
 
-    def __init__(self) -> None:
-        self.hashers = {m: BlockHasher(m, BS, KEY) for m in MODELS}
+    def __init__(self, key: bytes | None = KEY) -> None:
+        self.hashers = {m: BlockHasher(m, BS, key) for m in MODELS}
         self.info: dict[bytes, tuple[str, str, tuple[int, ...]]] = {}
         self._memo: dict[tuple, list[bytes]] = {}
 

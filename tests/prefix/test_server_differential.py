@@ -103,6 +103,8 @@ from services.common.hashing import BlockHasher
 from services.prefix.config import PrefixConfig
 from services.prefix.server import build_index, serve
 from tests.clock import Clock
+from tests.prefix.test_index_differential import Universe as Chains
+from tests.prefix.test_index_differential import toks
 
 SEEDS = int(os.environ.get("PREFIX_SERVER_DIFFERENTIAL_SEEDS", "15"))
 STEPS = int(os.environ.get("PREFIX_SERVER_DIFFERENTIAL_STEPS", "70"))
@@ -120,33 +122,16 @@ FINGERPRINTS = ("", "fp-a", "fp-b", "x" * 70, "x" * 64 + "y")
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
-def toks(path: tuple[int, ...]) -> list[int]:
-    return [b * 10 + i for b in path for i in range(BS)]
-
-
-class Universe:
-    """Block hashes of (model, salt, path) chains; a path is small ints, one per block."""
+class Universe(Chains):
+    """The index differential's chains (`toks` of small-int paths) under the index's default
+    hash key, the one `serve` builds it with."""
 
     def __init__(self) -> None:
-        self.hashers = {m: BlockHasher(m, BS) for m in MODELS}
-        self.info: dict[bytes, tuple[str, str, tuple[int, ...]]] = {}
-        self._memo: dict[tuple, list[bytes]] = {}
-
-    def chain(self, model: str, salt: str, path: tuple[int, ...]) -> list[bytes]:
-        k = (model, salt, path)
-        hs = self._memo.get(k)
-        if hs is None:
-            hs = self.hashers[model].hashes(toks(path), salt)
-            self._memo[k] = hs
-            for i, h in enumerate(hs):
-                self.info.setdefault(h, (model, salt, path[: i + 1]))
-        return hs
+        super().__init__(key=None)
 
     def below(self, k: bytes, other: bytes) -> bool:
         """`other` is `k` or lies below it."""
-        m, s, p = self.info[k]
-        m2, s2, p2 = self.info[other]
-        return (m, s) == (m2, s2) and p2[: len(p)] == p
+        return other == k or super().below(k, other)
 
 
 @dataclass
