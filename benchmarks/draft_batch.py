@@ -35,7 +35,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -73,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from services.kvpool.engine import EngineRequest
     from services.kvpool.sampling import SamplingSpec
     from services.orchestrator.render import Message, PromptRenderer
-    from services.semantic.labelled_data import DATA  # ../shared/data or TIERCACHE_DATA_DIR
+    from services.semantic.labelled_data import load_qqp  # ../shared/data or TIERCACHE_DATA_DIR
 
     t_start = time.monotonic()
     renderer = PromptRenderer(load_tokenizer(resolve_model("smollm2").path))
@@ -83,10 +82,9 @@ def main(argv: list[str] | None = None) -> int:
 
     pairs, _ = near_miss_pairs(args.reps * max(batches) if all_draft else args.reps)
     others: list[str] = []  # plain rows: QQP questions of non-duplicate pairs, file order
-    with (DATA / "qqp_val.csv").open(newline="") as f:
-        for row in csv.DictReader(f):
-            if row["is_duplicate"] == "0" and len(others) < max(batches):
-                others.append(row["question1"])
+    for q, _, duplicate in load_qqp():
+        if duplicate == 0 and len(others) < max(batches):
+            others.append(q)
     replica = load_replica(max_batch_size=max(batches))
     engine = replica.engine
     shapes: list[tuple[int, int]] = []

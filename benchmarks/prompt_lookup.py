@@ -23,7 +23,6 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse  # noqa: E402
-import csv  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -51,15 +50,14 @@ def main(argv: list[str] | None = None) -> int:
     from services.kvpool.engine import EngineRequest
     from services.kvpool.sampling import SamplingSpec
     from services.orchestrator.render import Message, PromptRenderer
-    from services.semantic.labelled_data import DATA  # ../shared/data or TIERCACHE_DATA_DIR
+    from services.semantic.labelled_data import load_qqp  # ../shared/data or TIERCACHE_DATA_DIR
 
     t_start = time.monotonic()
     renderer = PromptRenderer(load_tokenizer(resolve_model("smollm2").path))
     questions: list[str] = []
-    with (DATA / "qqp_val.csv").open(newline="") as f:
-        for row in csv.DictReader(f):
-            if len(questions) < args.questions and row["question1"] not in questions:
-                questions.append(row["question1"])
+    for q, _, _ in load_qqp():
+        if len(questions) < args.questions and q not in questions:
+            questions.append(q)
     prompts = [renderer.render_chat([Message("user", q)]).token_ids for q in questions]
     replica = load_replica(max_batch_size=max(8, args.batch))
     engine = replica.engine
