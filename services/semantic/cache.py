@@ -37,7 +37,7 @@ from services.common.errors import (
 from services.semantic.config import SemanticConfig
 from services.semantic.guard import ParaphraseGuard, spelling_differs
 from services.semantic.index import IndexParams, NamespaceIndex
-from services.semantic.policy import Outcome, ThresholdPolicy
+from services.semantic.policy import HIT_TOLERANCE, Outcome, ThresholdPolicy
 from services.semantic.snapshot import Saved
 from services.semantic.snapshot import save as save_snapshot
 from services.semantic.store import WRITE_CHUNK, EntryStore, Row, pack_tokens, unpack_tokens
@@ -568,7 +568,7 @@ class SemanticCache:
                 if best is None:
                     best, best_sim, best_th = e, sim, decision.threshold
                 if decision.outcome is not Outcome.HIT:
-                    if sim < lowest - 1e-6:
+                    if sim < lowest - HIT_TOLERANCE:  # as `decide` reads a hit
                         done = True  # results are sorted: nothing further can be a hit
                         break
                     continue  # a verified entry further down may still be one
