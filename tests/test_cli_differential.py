@@ -590,6 +590,15 @@ class Step:
         assert self.timeout - 2 < left <= self.timeout * 1.01 + 0.2, where
         getattr(self, "_check_" + self.cmd)(request, method, rc, out, lines, where)
 
+    def _unary_aborted(self, rc, out, lines, where) -> bool:
+        """Whether the unary call was scripted to abort; if so, its exit 1, nothing on
+        stdout, and the error said are checked."""
+        if self.answer[0] != "abort":
+            return False
+        assert rc == 1 and out == "", where
+        self._said_error(self.answer, 0, lines, where)
+        return True
+
     def _said_error(self, act, received, lines, where) -> None:
         later = " (retry later)" if retry_later(act, received) else ""
         details = act[2].translate(CONTROL) if self.tty_err else act[2]
@@ -655,9 +664,7 @@ class Step:
             else:
                 want.prompts.add().messages.add(role="system", content=self.system)
         assert request == want, where
-        if self.answer[0] == "abort":
-            assert rc == 1 and out == "", where
-            self._said_error(self.answer, 0, lines, where)
+        if self._unary_aborted(rc, out, lines, where):
             return
         reply = self.answer[1]
         printed = json.loads(out)
@@ -678,9 +685,7 @@ class Step:
             semantic_entry_id=self.entry,
             rating=orchestrator_pb2.RATING_BAD if self.bad_rating
             else orchestrator_pb2.RATING_GOOD), where
-        if self.answer[0] == "abort":
-            assert rc == 1 and out == "", where
-            self._said_error(self.answer, 0, lines, where)
+        if self._unary_aborted(rc, out, lines, where):
             return
         reply = self.answer[1]
         assert out.count("\n") == 1, where
@@ -692,9 +697,7 @@ class Step:
 
     def _check_stats(self, request, method, rc, out, lines, where) -> None:
         assert method == "Stats" and request == orchestrator_pb2.StatsRequest(), where
-        if self.answer[0] == "abort":
-            assert rc == 1 and out == "", where
-            self._said_error(self.answer, 0, lines, where)
+        if self._unary_aborted(rc, out, lines, where):
             return
         reply = self.answer[1]
         printed = json.loads(out)
