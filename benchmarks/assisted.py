@@ -104,6 +104,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import cpu_model
+from benchmarks.emit import verdicts
 from benchmarks.kvpool import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -279,9 +280,11 @@ def near_miss_pairs(n: int) -> tuple[list[Pair], int]:
     return out, scanned
 
 
-def ratio(a: float, b: float) -> float | None:
-    """a / b to 3 places, or None where b is 0."""
-    return round(a / b, 3) if b else None
+def ratio(a: float, b: float, places: int | None = 3) -> float | None:
+    """a / b to `places` places (unrounded for None), or None where b is 0."""
+    if not b:
+        return None
+    return a / b if places is None else round(a / b, places)
 
 
 def share(draft: list[int], answer: list[int]) -> float:
@@ -692,6 +695,19 @@ def main(argv: list[str] | None = None) -> int:
     def total(rs: list[dict], key: str) -> float:
         return sum(r[key] for r in rs)
 
+    # The issue's three figures, unrounded: the targets are judged on these (a 1.9996 shown
+    # as 2.0 does not meet ">= 2.0"); the figures show them to 3 places.
+    exact = {
+        "decode_speedup": ratio(total(near, "wall_plain_s"), total(near, "wall_draft_s"), None),
+        # Each request's prefill forward counts too.
+        "forward_passes_per_token": ratio(total(near, "passes_draft") + len(near),
+                                          total(near, "b_tokens"), None),
+        # As the issue defines it: wall with the unrelated draft / without any draft. Any
+        # draft also turns on prompt lookup, so this mixes lookup's gain with the draft's cost;
+        # the draft's own cost is unrelated_draft_cost_vs_lookup_only (against lookup alone).
+        "unrelated_slowdown": ratio(total(rows, "wall_unrelated_s"),
+                                    total(rows, "wall_direct_plain_s"), None),
+    }
     figures = {
         "candidate_pairs": len(pairs),
         "duplicates_scanned": scanned,
@@ -703,9 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         "timed_pairs": len(rows),
         "near_pairs": len(near),
         "near_pairs_draft_from_own_question": sum(r["draft_from_own_question"] for r in near),
-        "decode_speedup": ratio(total(near, "wall_plain_s"), total(near, "wall_draft_s")),
-        "forward_passes_per_token": ratio(total(near, "passes_draft") + len(near),
-                                          total(near, "b_tokens")),
+        **{name: None if v is None else round(v, 3) for name, v in exact.items()},
         "forward_passes_per_token_decode_only": ratio(total(near, "passes_draft"),
                                                       total(near, "b_tokens")),
         "forward_passes_per_token_without_draft": ratio(total(near, "passes_plain"),
@@ -733,11 +747,6 @@ def main(argv: list[str] | None = None) -> int:
                                             total(rows, "wall_draft_s")),
         "draft_coverage_timed_pairs": ratio(
             total(rows, "accepted") - total(rows, "accepted_lookup"), total(rows, "b_tokens")),
-        # As the issue defines it: wall with the unrelated draft / without any draft. Any
-        # draft also turns on prompt lookup, so this mixes lookup's gain with the draft's cost;
-        # the draft's own cost is the next figure (against prompt lookup alone).
-        "unrelated_slowdown": ratio(total(rows, "wall_unrelated_s"),
-                                    total(rows, "wall_direct_plain_s")),
         "unrelated_draft_cost_vs_lookup_only": ratio(total(rows, "wall_unrelated_s"),
                                                      total(rows, "wall_lookup_only_s")),
         "lookup_only_speedup_vs_plain": ratio(total(rows, "wall_direct_plain_s"),
@@ -792,11 +801,7 @@ def main(argv: list[str] | None = None) -> int:
                 replayed, costs_served or forward_costs, ladder, branches)
         except Exception as e:  # noqa: BLE001 - a context figure: keep the run's results
             figures["replayed_speedup_by_ladder"] = {"error": f"{type(e).__name__}: {e}"}
-    targets = {}
-    for name, (op, target) in TARGETS.items():
-        v = figures.get(name)
-        met = v is not None and (v <= target if op == "<=" else v >= target)
-        targets[name] = {"value": v, "target": f"{op} {target}", "met": bool(met)}
+    targets = verdicts(TARGETS, exact, figures)
     # Beside the target, the unrelated draft's own cost (any draft turns on prompt lookup).
     targets["unrelated_slowdown"].update(
         note=NOTES["unrelated_slowdown"],

@@ -1,6 +1,7 @@
 """What the one-file benchmarks share: the machine line of a result, and printing it then
 writing it where it goes (prefix_lapse, semantic_restart, prefix_index), or writing it and
-saying where (the in-process studies: device, step_profile, draft_batch, prompt_lookup)."""
+saying where (the in-process studies: device, step_profile, draft_batch, prompt_lookup);
+and judging targets (kvpool, assisted, orchestrator)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,21 @@ def emit(res: dict, out: Path | None) -> None:
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+
+
+def verdicts(targets: dict[str, tuple[str, float]], exact: dict,
+             shown: dict | None = None) -> dict:
+    """Each target's {"value", "target", "met"}. `met` is judged on `exact`, the unrounded
+    figures: a 1.9996 shown as 2.0 does not meet ">= 2.0". `value` is the figure as the result
+    shows it (`shown`, rounded for reading; `exact` where not given). A figure that is None
+    (it could not be computed) is not met."""
+    shown = exact if shown is None else shown
+    res = {}
+    for name, (op, bound) in targets.items():
+        v = exact.get(name)
+        met = v is not None and (v <= bound if op == "<=" else v >= bound)
+        res[name] = {"value": shown.get(name), "target": f"{op} {bound}", "met": bool(met)}
+    return res
 
 
 def write(out: Path, res: dict) -> None:

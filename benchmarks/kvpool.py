@@ -46,6 +46,8 @@ from typing import Any
 
 import grpc
 
+from benchmarks.emit import verdicts
+
 # Same OpenMP waiting policy as the kvpool process, so the in-process baselines are not
 # handicapped (torch is imported lazily, after this).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -463,15 +465,6 @@ def bench_library(shape: Shape, ids: Ids, out: dict, model: Any) -> None:
         mgr.stop(block=True)
 
 
-def verdicts(out: dict) -> dict:
-    res = {}
-    for name, (op, target) in TARGETS.items():
-        v = out.get(name)
-        met = v is not None and (v <= target if op == "<=" else v >= target)
-        res[name] = {"value": v, "target": f"{op} {target}", "met": bool(met)}
-    return res
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m benchmarks.kvpool")
     ap.add_argument("--quick", action="store_true", help="reduced run (< ~3 minutes)")
@@ -495,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
                     "load_avg_at_start": load_avg},
         "model": "SmolLM2-135M-Instruct fp32 cpu",
         "figures": figures,
-        "targets": verdicts(figures),
+        "targets": verdicts(TARGETS, figures),  # figures unrounded
         "elapsed_s": time.time() - t0,
     }
     write_result(out_path, result)

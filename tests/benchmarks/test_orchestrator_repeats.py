@@ -4,8 +4,9 @@ from benchmarks.orchestrator import median_run, repeat_summary
 
 
 def run(hit: float, load: float = 1.0, ttft: float = 300.0) -> dict:
-    return {"prefix_hit_token_ratio": hit, "replica_load_max_over_mean": load,
-            "ttft_p50_ms_all": ttft, "routes": {}, "classes": {}}
+    return {"prefix_hit_token_ratio": round(hit, 4), "replica_load_max_over_mean": load,
+            "ttft_p50_ms_all": ttft, "routes": {}, "classes": {},
+            "unrounded": {"prefix_hit_token_ratio": hit}}
 
 
 def test_median_run_is_the_middle_by_hit_ratio():
@@ -23,6 +24,11 @@ def test_repeat_summary_lists_every_run_and_pairs_the_ratio_in_order():
     assert s["tiercache"][1]["replica_load_max_over_mean"] == 1.2
     assert "classes" not in s["round_robin"][0]
     assert s["prefix_hit_ratio_vs_round_robin_by_run"] == [1.25, 1.5]
+    # Each run's ratio from the unrounded hit ratios: 0.66664 / 0.5 is 1.333, where the
+    # 4-place figures (0.6666 / 0.5) would give 1.332.
+    s = repeat_summary({"tiercache": [run(0.66664)], "round_robin": [run(0.5)]})
+    assert s["tiercache"][0]["prefix_hit_token_ratio"] == 0.6666
+    assert s["prefix_hit_ratio_vs_round_robin_by_run"] == [1.333]
 
 
 def test_summaries_split_the_model_served_requests_by_route():
