@@ -338,13 +338,15 @@ class PrefixIndex:
     # -- membership -----------------------------------------------------------------------
 
     def register(self, replica_id: str, incarnation: str, address: str, model_id: str,
-                 block_size: int, capacity_blocks: int = 0, hash_probe: bytes = b""
-                 ) -> RegisterResult:
+                 block_size: int, capacity_blocks: int = 0, hash_probe: bytes = b"",
+                 check_address: Callable[[str], str] | None = None) -> RegisterResult:
         """Start (or refresh) a replica's lease.
 
         Args:
             hash_probe: the replica's `BlockHasher.probe()`; checked against the index's own
                 when given, so that a replica hashing with another key is refused up front.
+            check_address: why `address` is refused, or "" (the gRPC server passes the rule
+                a kvpool replica applies at start); applied in field order, after the ids.
         Raises:
             InvalidArgument: a required field is empty.
             FailedPrecondition: block_size or the hash probe differs from the index's.
@@ -352,6 +354,9 @@ class PrefixIndex:
         """
         for name, value in (("replica_id", replica_id), ("incarnation", incarnation),
                             ("address", address), ("model_id", model_id)):
+            why = check_address(value) if name == "address" and check_address else ""
+            if why:
+                raise InvalidArgument(name, why)
             if not value:
                 raise InvalidArgument(name, "required")
             if len(value) > 256:

@@ -109,14 +109,13 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         self._pruned.update(self.index.tree.pruned_total)
 
     def Register(self, request, context):
-        # The rule a replica's start applies too (an empty one is "required" in field order).
-        why = request.address and announce_problem(request.address)
-        if why:
-            raise InvalidArgument("address", why)
         with self.lock:
+            # The address by the rule a replica's start applies too, in field order (an empty
+            # replica_id is named before a malformed address).
             r = self.index.register(request.replica_id, request.incarnation, request.address,
                                     request.model_id, request.block_size,
-                                    request.capacity_blocks, request.hash_probe)
+                                    request.capacity_blocks, request.hash_probe,
+                                    check_address=announce_problem)
             self.shard_lists.registered(request.replica_id, request.shard_list.shards,
                                         request.shard_list.fingerprint)
             self._gauges()

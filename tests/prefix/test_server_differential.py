@@ -68,8 +68,9 @@ the help text and the log now say which (test_server_rules.py).
 Nothing else in server.py; the harness's own first versions had a refusal case name the wrong
 field (at the root first_block_hash is checked before a root's key) and took a Match of a
 chain past max_blocks for accepted.
-Left as is: Register checks a non-empty address before the other fields (a request with an
-empty replica_id and a malformed address names the address); Match and TopPrefixes take any
+Stop 68: Register checked a non-empty address before the other fields (a request with an empty
+replica_id and a malformed address named the address); it now checks in field order.
+Left as is: Match and TopPrefixes take any
 model id or salt as a filter (no replica has a NUL or whitespace one), and Match's limit of
 max_blocks blocks is not in the proto; the nodes and unheld gauges follow a lapse that a
 Match or TopPrefixes found at the sweeper's next turn (it wakes within 5 ms while anything is
@@ -341,13 +342,11 @@ def expected_register(m: Model, req: pb.RegisterRequest) -> pb.RegisterResponse:
         if "\0" in value:
             raise Refused(INVALID, name)
 
-    if req.address:
-        from services.common.config import announce_problem
-        if announce_problem(req.address):
-            raise Refused(INVALID, "address")
     check_id("replica_id", req.replica_id)
     check_id("incarnation", req.incarnation)
-    check_id("address", req.address)
+    from services.common.config import announce_problem
+    if announce_problem(req.address):  # the rule a replica's start applies too
+        raise Refused(INVALID, "address")
     check_id("model_id", req.model_id, printable=False)
     if req.hash_probe and len(req.hash_probe) != 16:
         raise Refused(INVALID, "hash_probe")

@@ -148,6 +148,23 @@ def test_register_refuses_exactly_the_addresses_a_replica_refuses_to_announce(st
     assert started == registered
 
 
+def test_register_names_the_first_bad_field_in_field_order(stub):
+    """An empty replica_id is named before a malformed address (the address was checked first,
+    before any other field), and a refused Register registers nothing."""
+    import grpc
+
+    for rid, address, field in (("", "no-port", "replica_id"), ("r0", "no-port", "address"),
+                                ("r0", "127.0.0.1:1", "model_id")):
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Register(prefix_pb2.RegisterRequest(
+                replica_id=rid, incarnation="i", address=address,
+                model_id="" if field == "model_id" else MODEL, block_size=BS),
+                metadata=MD, timeout=5)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert e.value.details().startswith(field + ":"), e.value.details()
+    assert list(stub.Stats(prefix_pb2.PrefixStatsRequest(), metadata=MD, timeout=5).replicas) == []
+
+
 def test_a_resync_at_the_first_batch_back_from_a_lapse_is_counted_and_said_so(caplog):
     """A replica registered back from a lapsed lease (the same incarnation, its batch numbers
     carried on) is asked for a resync at the batch the index expects: counted in
