@@ -342,10 +342,11 @@ def certs(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("flags", "named"), [
-    ({"--ca": "garbage.pem"}, "--ca {}/garbage.pem: not a PEM file"),
+    ({"--ca": "garbage.pem"}, "--ca: {}/garbage.pem is not a PEM file"),
+    ({"--ca": "missing.pem"}, "--ca: cannot read {}/missing.pem: No such file"),
     ({"--ca": "ca.key"}, "--ca {}/ca.key: holds no CA certificate"),
     ({"--ca": "ca.pem", "--cert": "garbage.pem", "--key": "client.key"},
-     "--cert {}/garbage.pem: not a PEM file"),
+     "--cert: {}/garbage.pem is not a PEM file"),
     ({"--ca": "ca.pem", "--cert": "client.pem", "--key": "server.key"},
      "--cert {0}/client.pem and --key {0}/server.key are not a certificate and its"),
 ])

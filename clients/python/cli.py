@@ -35,7 +35,7 @@ from clients.python.client import (
     retry_later,
 )
 from services.common.config import is_host_port
-from services.common.grpc_client import ca_problem, key_pair_problem
+from services.common.grpc_client import ca_problem, key_pair_problem, pem_problem
 from services.common.logs import isatty
 
 
@@ -399,30 +399,30 @@ def credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
         return None
     if bool(a.cert) != bool(a.key):
         _usage("give --cert and --key together")
-    try:
-        read = [Path(x).read_bytes() if x else None for x in (a.ca, a.key, a.cert)]
-    except OSError as e:
-        raise SystemExit(f"error: cannot read TLS file: {e}") from None
-    problem = _tls_files_problem(a, *read)
+    problem = _tls_files_problem(a)
     if problem:
         raise SystemExit(f"error: {problem}")
+    try:
+        read = [Path(x).read_bytes() if x else None for x in (a.ca, a.key, a.cert)]
+    except OSError as e:  # changed since checked
+        raise SystemExit(f"error: cannot read TLS file: {e}") from None
     return grpc.ssl_channel_credentials(root_certificates=read[0], private_key=read[1],
                                         certificate_chain=read[2])
 
 
-def _tls_files_problem(a: argparse.Namespace, ca: bytes | None, key: bytes | None,
-                       cert: bytes | None) -> str:
-    """What is wrong with the TLS files read ("" = nothing), as the services check theirs at
-    start: gRPC took a file that is no PEM, a key given as the CA, or a key that is not the
-    certificate's, and failed every call as "UNAVAILABLE (retry later): ... Failed to create
-    security handshaker", which named no file and said to retry what never succeeds."""
-    for flag, path, data in (("--ca", a.ca, ca), ("--cert", a.cert, cert), ("--key", a.key, key)):
-        if data is not None and b"-----BEGIN " not in data:
-            return f"{flag} {path}: not a PEM file"
-    why = ca_problem(a.ca) if ca is not None else ""
+def _tls_files_problem(a: argparse.Namespace) -> str:
+    """What is wrong with the TLS files given ("" = nothing), checked as the services check
+    theirs at start: gRPC took a file that is no PEM, a key given as the CA, or a key that is
+    not the certificate's, and failed every call as "UNAVAILABLE (retry later): ... Failed to
+    create security handshaker", which named no file and said to retry what never succeeds."""
+    for flag, path in (("--ca", a.ca), ("--cert", a.cert), ("--key", a.key)):
+        why = pem_problem(path) if path else ""
+        if why:
+            return f"{flag}: {why}"
+    why = ca_problem(a.ca) if a.ca else ""
     if why:
         return f"--ca {a.ca}: {why}"
-    why = key_pair_problem(a.cert, a.key, server=False) if cert is not None else ""
+    why = key_pair_problem(a.cert, a.key, server=False) if a.cert else ""
     if why:
         return f"--cert {a.cert} and --key {a.key} {why}"
     return ""

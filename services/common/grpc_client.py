@@ -88,15 +88,9 @@ def tls_files_problem(service: str = "", env: Mapping[str, str] | None = None) -
         names += [f"TIERCACHE_{service.upper()}_TLS_CERT", f"TIERCACHE_{service.upper()}_TLS_KEY"]
     for var in names:
         path = env.get(var)
-        if not path:
-            continue
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except OSError as exc:
-            return f"{var}: cannot read {path}: {exc.strerror or exc}"
-        if b"-----BEGIN " not in data:
-            return f"{var}: {path} is not a PEM file"
+        why = pem_problem(path) if path else ""
+        if why:
+            return f"{var}: {why}"
     ca = env.get("TIERCACHE_TLS_CA")
     # A key given as the CA failed in gRPC's C core as "cannot listen on <address>".
     why = ca_problem(ca) if ca else ""
@@ -108,6 +102,19 @@ def tls_files_problem(service: str = "", env: Mapping[str, str] | None = None) -
     why = key_pair_problem(cert, key, server=True) if cert and key else ""
     if why:
         return f"{cert_var} ({cert}) and {key_var} ({key}) {why}"
+    return ""
+
+
+def pem_problem(path: str) -> str:
+    """Why the file at `path` is no PEM file ("" = it is one): it cannot be read, or holds no
+    PEM block. The services check their TLS files with it at start, the CLI its flags."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as exc:
+        return f"cannot read {path}: {exc.strerror or exc}"
+    if b"-----BEGIN " not in data:
+        return f"{path} is not a PEM file"
     return ""
 
 
