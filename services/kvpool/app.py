@@ -192,6 +192,9 @@ def draft_ladder(cfg: KvPoolConfig, model: Any,
         # shorter than its context, a cache without crop): drafts keep the fixed lengths.
         return fall_back(f"could not time draft forwards ({type(e).__name__}: {e})")
     base = costs[1]
+    if not base > 0:  # a clock too coarse for one forward: no cost is relative to it
+        return fall_back(f"draft forward timings unusable (one token's forward timed "
+                         f"{base:g} s)")
     relative = tuple(round(costs[q] / base, 3) for q in sorted(costs))
     if min(costs[q] for q in costs if q > 1) < IMPLAUSIBLE * base:
         # More tokens for much less than one: the host was busy while timing (other replicas

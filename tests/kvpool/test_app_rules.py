@@ -191,3 +191,22 @@ def test_a_timed_ladder_is_chosen_from_the_costs_it_reports(monkeypatch, caplog,
         "TIERCACHE_KVPOOL_MAX_DRAFT_TOKENS": "2", "TIERCACHE_KVPOOL_DRAFT_COSTS": value}),
         tiny_model)
     assert timed.ladder == given.ladder == (1, 2, 2)
+
+
+def test_a_one_token_forward_timed_zero_keeps_the_fixed_lengths(monkeypatch, caplog, tiny_model):
+    """A clock too coarse to time one token's forward (0 s) divided every cost by zero: the
+    replica failed to start. It keeps the fixed lengths instead and says why."""
+    import logging
+
+    from services.common.config import load_config
+    from services.kvpool import app
+    from services.kvpool.drafting import default_ladder
+
+    monkeypatch.setattr(app, "forward_costs", lambda *a, **kw: {1: 0.0, 2: 0.0, 3: 0.015})
+    cfg = load_config(KvPoolConfig, "kvpool", [],
+                      environ={"TIERCACHE_KVPOOL_MAX_DRAFT_TOKENS": "2"})
+    with caplog.at_level(logging.WARNING, logger="services.kvpool.app"):
+        got = app.draft_ladder(cfg, tiny_model)
+    assert got.ladder == default_ladder(2) and got.costs == ()
+    assert got.source == "fixed: draft forward timings unusable (one token's forward timed 0 s)"
+    assert "timed 0 s" in caplog.text
