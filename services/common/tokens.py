@@ -12,13 +12,17 @@ MAX_STOP_TOKEN_IDS = 256
 
 def validate_tokens(field: str, ids: Iterable[int], vocab: float, *,
                     allow_empty: bool = False) -> list[int]:
-    """Token ids as a list; raise InvalidArgument naming `field` if empty or out of the vocab."""
+    """Token ids as a list; raise InvalidArgument naming `field` if empty or out of the vocab
+    (the ids 0 <= id < `vocab`; math.inf: any id >= 0)."""
     out = list(ids)
     if not out and not allow_empty:
         raise errors.InvalidArgument(field, "must not be empty")
-    bad = next((t for t in out if t >= vocab), None)
+    # Negative too: the proto fields are uint32, but a Python caller's -1 would index the
+    # embedding table from its end.
+    bad = next((t for t in out if not 0 <= t < vocab), None)
     if bad is not None:
-        raise errors.InvalidArgument(field, f"token id {bad} is outside the vocabulary (< {vocab})")
+        raise errors.InvalidArgument(field,
+                                     f"token id {bad} is outside the vocabulary [0, {vocab})")
     return out
 
 
