@@ -32,7 +32,12 @@ def remove_aside(target: Path, prefix: str) -> None:
     """Deletes the folder `target` after renaming it into a fresh folder beside it named
     `prefix` + 8 random characters: a process still reading it never sees it half deleted,
     and `target` is gone in one step. A crash while deleting leaves that folder behind, for
-    its owner's clean-up to recognise by `prefix`."""
+    its owner's clean-up to recognise by `prefix`. A rename that fails (no `target`) raises
+    and leaves nothing behind."""
     old = Path(tempfile.mkdtemp(prefix=prefix, dir=target.parent))
-    os.rename(target, old / "x")
+    try:
+        os.rename(target, old / "x")
+    except OSError:
+        os.rmdir(old)  # still empty: a failed call leaves no folder for a clean-up to find
+        raise
     shutil.rmtree(old, ignore_errors=True)
