@@ -40,3 +40,34 @@ def test_a_methods_name_resolves_to_the_file_declaring_its_service(monkeypatch):
     assert first[2:] == [None, None]
     not_found = grpc.StatusCode.NOT_FOUND.value[0]
     assert [r.error_response.error_code for r in got[2:]] == [not_found, not_found]
+
+
+def test_without_the_descriptor_set_a_methods_name_still_resolves(monkeypatch, tmp_path):
+    """With no descriptor set (not generated: source_info_pool() is None) the server handed
+    the stock pool to the reflection servicer, and every method's name was NOT_FOUND again,
+    though the compiled descriptors hold them; now only the comments are missing."""
+    import importlib.util
+
+    from services.common import reflection
+
+    for var in ("TIERCACHE_TLS_CA", "TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setattr(reflection, "DESCRIPTOR_SET", tmp_path / "none.pb")
+    monkeypatch.setattr(importlib.util, "find_spec", lambda *a, **k: None)
+    assert reflection.source_info_pool() is None
+    h = create_server(service="refl-rules", address="127.0.0.1:0", services=[(
+        prefix_pb2_grpc.add_PrefixIndexServicer_to_server, prefix_pb2_grpc.PrefixIndexServicer(),
+        "tiercache.v1.PrefixIndex")])
+    asks = ["tiercache.v1.PrefixIndex.Match", "tiercache.v1.PrefixIndex.Nope"]
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{h.port}") as ch:
+            got = list(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=s)
+                      for s in asks]), timeout=10))
+    finally:
+        h.stop(0)
+    assert got[0].WhichOneof("message_response") == "file_descriptor_response"
+    first = descriptor_pb2.FileDescriptorProto.FromString(
+        got[0].file_descriptor_response.file_descriptor_proto[0])
+    assert first.name == "tiercache/v1/prefix.proto" and not first.source_code_info.location
+    assert got[1].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]

@@ -39,7 +39,7 @@ from services.common.config import ConfigError
 from services.common.logs import Thinned, bound_request_id, plain_request_id
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.common.reaper import StreamReaper
-from services.common.reflection import source_info_pool
+from services.common.reflection import SourceInfoPool, source_info_pool
 from services.common.wire import find_invalid_utf8
 
 log = logging.getLogger(__name__)
@@ -858,9 +858,11 @@ def create_server(
         names.append(full_name)
     hs = _HealthServicer(experimental_non_blocking=True)
     health_pb2_grpc.add_HealthServicer_to_server(hs, server)
+    # Without the descriptor set (not generated) the compiled descriptors are served, still
+    # through SourceInfoPool: the stock pool finds no method names (`grpcurl describe` of one).
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-         reflection.SERVICE_NAME], server, pool=source_info_pool())
+         reflection.SERVICE_NAME], server, pool=source_info_pool() or SourceInfoPool({}))
     credentials = credentials or server_credentials_from_env(service)
     try:
         if credentials is not None:

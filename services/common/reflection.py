@@ -52,7 +52,8 @@ class _FileWithSource:
 
 
 class SourceInfoPool:
-    """Duck-typed DescriptorPool for the reflection servicer (only what it calls)."""
+    """Duck-typed DescriptorPool for the reflection servicer (only what it calls). With an
+    empty `raw` (no descriptor set) it serves the compiled descriptors, method names too."""
 
     def __init__(self, raw: dict[str, bytes], pool: Any = None) -> None:
         self._raw = raw
