@@ -82,6 +82,11 @@ MAX_OPEN_STREAMS = 4
 # well under a second.
 MAX_OPEN_STREAMS_PER_PEER = 2
 OPEN_STREAM_MAX_S = 60.0
+# How long a stream over either cap waits for a slot before it is refused. A client sees its
+# last stream's answer before the server's handler has given that stream's slot back, and the
+# stock reflection client (a stream a request) was refused now and then for a slot that came
+# back a moment later; a stream held open still gets its refusal within this.
+OPEN_SLOT_GRACE_S = 0.5
 _OPEN_REAPER = StreamReaper()
 # Longest service name Health.Watch accepts (the names served are a few dozen characters).
 MAX_HEALTH_NAME = 256
@@ -436,7 +441,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         self.authenticate = authenticate
         self._open_streams = threading.BoundedSemaphore(MAX_OPEN_STREAMS)
         self._open_by_peer: dict[str, int] = {}
-        self._open_lock = threading.Lock()
+        self._open_freed = threading.Condition()  # guards _open_by_peer; notified as one frees
         # When this server's stop cuts the calls still running (monotonic; None = running).
         self.cut_at: float | None = None
 
@@ -615,20 +620,26 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         errors are mapped by `fail` as every other kind's (a domain error reached the client
         as UNKNOWN "Exception iterating responses: <its text>")."""
         service, slots, limit = self.service, self._open_streams, self.max_send
-        by_peer, lock = self._open_by_peer, self._open_lock
+        by_peer, freed = self._open_by_peer, self._open_freed
 
         def wrapped(request_iterator, context) -> Iterator:
             rid = prologue(context)
             peer = _peer(context).rpartition(":")[0] or "?"  # its host: one client, any port
-            with lock:
-                mine = by_peer.get(peer, 0)
-                if mine < MAX_OPEN_STREAMS_PER_PEER and slots.acquire(blocking=False):
-                    by_peer[peer] = mine + 1
-                    refused = ""
-                elif mine >= MAX_OPEN_STREAMS_PER_PEER:
-                    refused = f"at most {MAX_OPEN_STREAMS_PER_PEER} open streams per client"
-                else:
-                    refused = f"at most {MAX_OPEN_STREAMS} open streams at once"
+            give_up = time.monotonic() + OPEN_SLOT_GRACE_S
+            with freed:
+                while True:
+                    mine = by_peer.get(peer, 0)
+                    if mine < MAX_OPEN_STREAMS_PER_PEER and slots.acquire(blocking=False):
+                        by_peer[peer] = mine + 1
+                        refused = ""
+                        break
+                    refused = (f"at most {MAX_OPEN_STREAMS_PER_PEER} open streams per client"
+                               if mine >= MAX_OPEN_STREAMS_PER_PEER
+                               else f"at most {MAX_OPEN_STREAMS} open streams at once")
+                    left = give_up - time.monotonic()
+                    if left <= 0 or not context.is_active():
+                        break
+                    freed.wait(left)
             if refused:
                 RPC_TOTAL.labels(service, short, "RESOURCE_EXHAUSTED").inc()
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -653,13 +664,14 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     fail(context, exc, request_iterator)
             finally:
                 _OPEN_REAPER.disarm(reaped)
-                with lock:
+                with freed:
                     left = by_peer.get(peer, 1) - 1
                     if left > 0:
                         by_peer[peer] = left
                     else:
                         by_peer.pop(peer, None)
                     slots.release()
+                    freed.notify_all()
                 if code is not None:
                     RPC_TOTAL.labels(service, short, code).inc()
                 RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
