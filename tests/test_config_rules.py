@@ -164,3 +164,16 @@ def test_a_list_in_the_wrong_separator_gets_no_ipv6_hint(address):
         require_addresses([address], "demo", "peers", allow_none=False)
     msg = str(e.value)
     assert "brackets" not in msg and "separated by commas" in msg
+
+
+@pytest.mark.parametrize(("var", "raw", "want"), [
+    ("TIERCACHE_DEMO_NUM_BLOCKS", "abc", "expected a whole number, got 'abc'"),
+    ("TIERCACHE_DEMO_NUM_BLOCKS", "1.5", "expected a whole number, got '1.5'"),
+    ("TIERCACHE_DEMO_RATIO", "half", "expected a number, got 'half'"),
+])
+def test_a_number_setting_that_is_no_number_is_named_in_plain_words(var, raw, want):
+    """Python's own words ("invalid literal for int() with base 10: 'abc'") were the
+    message a service stopped with at boot."""
+    with pytest.raises(ConfigError) as e:
+        load_config(DemoConfig, "demo", [], environ={var: raw})
+    assert str(e.value) == f"{var}: {want}"

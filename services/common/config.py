@@ -62,9 +62,15 @@ def _parse(raw: str, typ: Any, where: str) -> Any:
                 return False
             raise ValueError(f"expected true/false, got {raw!r}")
         if typ is int:
-            return int(raw)
+            try:
+                return int(raw)
+            except ValueError:  # Python's "invalid literal for int() with base 10: 'abc'"
+                raise ValueError(f"expected a whole number, got {raw!r}") from None
         if typ is float:
-            v = float(raw)
+            try:
+                v = float(raw)
+            except ValueError:  # "could not convert string to float: 'abc'"
+                raise ValueError(f"expected a number, got {raw!r}") from None
             if not math.isfinite(v):  # nan/inf pass float() and break timers and sleeps later
                 raise ValueError(f"expected a finite number, got {raw!r}")
             if abs(v) > MAX_FLOAT_SETTING:
