@@ -226,9 +226,17 @@ class ServiceProcess:
         return self
 
     def exit_note(self) -> str:
-        """"<key> (<address>) exited with <code>", and the last problem its log names."""
+        """"<key> (<address>) exited with <code>" (or "was killed by SIGKILL"), and the last
+        problem its log names."""
         code = self.proc.returncode if self.proc else None
-        note = f"{self.key or self.name} ({self.address}) exited with {code}"
+        how = f"exited with {code}"
+        if code is not None and code < 0:
+            # Popen's -9 for a signal read as an exit status nobody chose.
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                how = f"was killed by signal {-code}"
+        note = f"{self.key or self.name} ({self.address}) {how}"
         problem = last_problem(self.log_path, self._log_offset)
         return f"{note}: {problem}" if problem else note
 

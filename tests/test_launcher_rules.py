@@ -419,3 +419,15 @@ def test_a_service_never_ready_is_named_and_one_that_died_at_the_end_gives_its_e
     p.proc.wait(10)
     with pytest.raises(RuntimeError, match=r"^kvpool-1 \(127\.0\.0\.1:1234\) exited with 3"):
         p.wait(7.0)
+
+
+def test_a_service_killed_by_a_signal_is_said_to_be_killed_by_it():
+    """`make run` said "kvpool-1 (...) exited with -9" for a replica the OOM killer (or a
+    kill -9) ended: Popen's negative code read as an exit status."""
+    p = ServiceProcess("kvpool", 1234, key="kvpool-1")
+    p.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    p.kill()
+    assert p.exit_note() == "kvpool-1 (127.0.0.1:1234) was killed by SIGKILL"
+    p.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    p.proc.wait(10)
+    assert p.exit_note() == "kvpool-1 (127.0.0.1:1234) exited with 3"
