@@ -449,6 +449,17 @@ def tls_note() -> str:
             "": ""}[tls_mode()]
 
 
+def auth_note(env: Mapping[str, str] | None = None) -> str:
+    """A line for the printed examples when the orchestrator has tenant tokens: as printed,
+    each was refused (UNAUTHENTICATED "missing bearer token")."""
+    env = os.environ if env is None else env
+    if not (env.get("TIERCACHE_ORCHESTRATOR_TOKENS", "").strip()
+            or env.get("TIERCACHE_ORCHESTRATOR_TOKENS_FILE", "").strip()):
+        return ""
+    return ("  Tenant tokens are set: give the CLI --token TOKEN (or export TIERCACHE_TOKEN) "
+            "and grpcurl -H 'authorization: Bearer TOKEN'.\n")
+
+
 def cli_transport() -> str:
     """The CLI's transport flag for this stack: with a CA it reads TIERCACHE_TLS_CA itself;
     servers with only a certificate need --tls (verified against the system's roots)."""
@@ -592,7 +603,7 @@ TierCache is up{tls_note()}. Orchestrator: {orch}
             .venv/bin/tiercache{cli_transport()} --address {orch} stats
   grpcurl:  {grpcurl} {grpcurl_transport()} -d '{EXAMPLE_JSON}' \\
               {orch} tiercache.v1.Orchestrator/Generate
-Ctrl-C stops everything.""", flush=True)
+{auth_note()}Ctrl-C stops everything.""", flush=True)
             while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):
                 time.sleep(1.0)
         dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]

@@ -431,3 +431,17 @@ def test_a_service_killed_by_a_signal_is_said_to_be_killed_by_it():
     p.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
     p.proc.wait(10)
     assert p.exit_note() == "kvpool-1 (127.0.0.1:1234) exited with 3"
+
+
+@pytest.mark.parametrize(("env", "said"), [
+    ({}, False), ({"TIERCACHE_ORCHESTRATOR_TOKENS": " "}, False),
+    ({"TIERCACHE_ORCHESTRATOR_TOKENS": "t=alice"}, True),
+    ({"TIERCACHE_ORCHESTRATOR_TOKENS_FILE": "/etc/tokens.json"}, True),
+])
+def test_the_printed_examples_say_a_token_is_needed_when_tenant_tokens_are_set(env, said):
+    """With tenant tokens the CLI and grpcurl lines `make run` prints were refused as printed
+    (UNAUTHENTICATED "missing bearer token") without a word why."""
+    note = launcher.auth_note(env)
+    assert bool(note) is said
+    if said:
+        assert "--token" in note and "authorization: Bearer" in note and note.endswith("\n")
