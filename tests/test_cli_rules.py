@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -363,3 +364,19 @@ def test_sound_tls_files_make_credentials(certs):
     a = argparse.Namespace(ca=str(certs / "ca.pem"), cert=str(certs / "client.pem"),
                            key=str(certs / "client.key"), tls=False)
     assert isinstance(cli.credentials(a), grpc.ChannelCredentials)
+
+
+@pytest.mark.parametrize("cmd", ["chat", "warm", "feedback", "stats", "replay"])
+def test_every_argument_of_every_command_says_what_it_is_in_help(cmd, capsys):
+    """`warm --help` listed a bare --system, `feedback --help` a bare entry_id and --bad:
+    nothing said which id, or what --bad does to the entry."""
+    with pytest.raises(SystemExit):
+        cli.main([cmd, "--help"])
+    body = capsys.readouterr().out.split("\n\n", 1)[1]  # past the usage lines
+    lines = body.splitlines()
+    for i, ln in enumerate(lines):
+        if not ln.startswith("  ") or ln.startswith("   "):
+            continue  # not an argument's first line
+        inline = re.search(r"\S {2,}\S", ln.strip())
+        wrapped = i + 1 < len(lines) and lines[i + 1].startswith(" " * 8)
+        assert inline or wrapped, f"{cmd}: {ln.strip()!r} has no help"

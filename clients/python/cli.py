@@ -605,7 +605,7 @@ def main(argv: list[str] | None = None) -> int:
                         "(servers with a public certificate; no --ca needed)")
     sub = p.add_subparsers(dest="cmd", required=True)
     ch = sub.add_parser("chat", help="ask a question, stream the answer")
-    ch.add_argument("text")
+    ch.add_argument("text", help="the question (a user message)")
     ch.add_argument("--session", default="", type=session_name,
                     help="conversation id (keeps history)")
     ch.add_argument("--system", default="", help="system prompt for a new conversation")
@@ -627,7 +627,8 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--new", action="store_true",
                     help="with --session: start the session over (its saved turns dropped)")
     w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
-    w.add_argument("--system", default="")
+    w.add_argument("--system", default="",
+                   help="system prompt to prefill and pin (whole 16-token KV blocks only)")
     w.add_argument("--top-k", type=uint32, default=0, help="also warm the k hottest prefixes")
     w.add_argument("--owners", action="store_true", help="only the owning replica")
     w.add_argument("--raw", action="store_true",
@@ -635,11 +636,12 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--ttl", type=uint32, default=0,
                    help="pin lifetime in seconds (0 = the server's default)")
     f = sub.add_parser("feedback", help="mark a semantic entry good (verified) or bad")
-    f.add_argument("entry_id")
-    f.add_argument("--bad", action="store_true")
+    f.add_argument("entry_id", help="the entry id a chat's report line names (entry ...)")
+    f.add_argument("--bad", action="store_true",
+                   help="a wrong answer: invalidate the entry (default: mark it verified)")
     sub.add_parser("stats", help="figures of every tier")
     rp = sub.add_parser("replay", help="replay a workload trace (python -m benchmarks.workload)")
-    rp.add_argument("trace")
+    rp.add_argument("trace", help="trace file (JSON lines) that benchmarks.workload wrote")
     rp.add_argument("--concurrency", type=_positive, default=2,
                     help="requests in flight at once (default %(default)s)")
     rp.add_argument("--time-scale", type=_up_to_1e6(True), default=0.0,
