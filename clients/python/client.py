@@ -62,6 +62,30 @@ def retry_later(error: grpc.RpcError) -> bool:
     return any(k == OVERLOADED_TRAILER for k, _ in trailers)
 
 
+def _message_list(messages: object) -> list:
+    """`messages` as a list, or a TypeError saying what a request takes (None was "'NoneType'
+    object is not iterable")."""
+    try:
+        return list(messages)  # type: ignore[call-overload]
+    except TypeError:
+        raise TypeError("messages: a string (the question) or a list of {'role', 'content'} "
+                        f"dicts, not {messages!r:.80}") from None
+
+
+def _message(where: str, m: object) -> dict[str, str]:
+    """One chat message's fields, or a TypeError naming it: a missing "content" was a bare
+    KeyError 'content', a number there protobuf's "bad argument type for built-in operation",
+    and a string in place of the dict "string indices must be integers"."""
+    if not isinstance(m, Mapping):
+        raise TypeError(f"{where}: a {{'role', 'content'}} dict, not {m!r:.80}")
+    for key in ("role", "content"):
+        if key not in m:
+            raise TypeError(f"{where}: no {key!r} (a message is {{'role', 'content'}})")
+        if not isinstance(m[key], str):
+            raise TypeError(f"{where}.{key}: a string, not {type(m[key]).__name__}")
+    return {"role": m["role"], "content": m["content"]}
+
+
 _REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 
 
@@ -237,8 +261,8 @@ class TierCacheClient:
             else:
                 req.messages.add(role="user", content=messages)
         else:
-            for m in messages:
-                req.messages.add(role=m["role"], content=m["content"])
+            for i, m in enumerate(_message_list(messages)):
+                req.messages.add(**_message(f"messages[{i}]", m))
         return req
 
     def stream(self, messages: Messages, *, timeout: float | None = None, request_id: str = "",
@@ -315,7 +339,7 @@ class TierCacheClient:
             top_k=top_k, pin_ttl_seconds=pin_ttl_seconds,
             target=(orchestrator_pb2.WARM_TARGET_OWNERS if owners_only
                     else orchestrator_pb2.WARM_TARGET_ALL))
-        for p in prompts:
+        for i, p in enumerate(prompts):
             wp = req.prompts.add()
             if isinstance(p, str):
                 if raw:
@@ -323,11 +347,11 @@ class TierCacheClient:
                 else:
                     wp.messages.add(role="system", content=p)
             else:
-                for m in ([p] if isinstance(p, Mapping) else p):
+                for j, m in enumerate([p] if isinstance(p, Mapping) else p):
                     if not isinstance(m, Mapping):
                         raise TypeError("warm: each prompt is a system prompt (str) or a list "
                                         f"of messages ({{'role', 'content'}} dicts), not {m!r:.80}")
-                    wp.messages.add(role=m["role"], content=m["content"])
+                    wp.messages.add(**_message(f"prompts[{i}].messages[{j}]", m))
         return self.stub.Warm(req, timeout=self._timeout(timeout),
                               metadata=self._metadata(request_id))
 

@@ -1,0 +1,42 @@
+"""Rules of the Python client library's request building: a message of the wrong shape is a
+TypeError naming it, before anything is sent."""
+
+from __future__ import annotations
+
+import pytest
+
+from clients.python.client import TierCacheClient
+
+
+@pytest.mark.parametrize(("messages", "said"), [
+    ([{"role": "user"}], "messages[0]: no 'content'"),
+    ([{"content": "hi"}], "messages[0]: no 'role'"),
+    ([{"role": "user", "content": 5}], "messages[0].content: a string, not int"),
+    (["hi"], "messages[0]: a {'role', 'content'} dict, not 'hi'"),
+    ([{"role": "user", "content": "a"}, ("user", "b")], "messages[1]: a {'role', 'content'}"),
+    (None, "messages: a string (the question) or a list of"),
+])
+def test_a_message_of_the_wrong_shape_is_a_type_error_naming_it(messages, said):
+    """A missing content was a bare KeyError 'content', a number there protobuf's "bad
+    argument type for built-in operation", a string for the dict "string indices must be
+    integers": none named the message."""
+    with pytest.raises(TypeError) as e:
+        TierCacheClient.build_request(messages)
+    assert str(e.value).startswith(said)
+
+
+def test_well_formed_messages_still_build_as_before():
+    req = TierCacheClient.build_request(
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "q", "name": "x"}])
+    assert [(m.role, m.content) for m in req.messages] == [("system", "s"), ("user", "q")]
+    assert [(m.role, m.content) for m in TierCacheClient.build_request("q").messages] == [
+        ("user", "q")]
+
+
+def test_a_warm_prompt_message_of_the_wrong_shape_names_its_prompt_and_message():
+    c = TierCacheClient("localhost:1")
+    try:
+        with pytest.raises(TypeError, match=r"^prompts\[1\]\.messages\[0\]: no 'content'"):
+            c.warm(["system prompt", [{"role": "system"}]])
+    finally:
+        c.close()
