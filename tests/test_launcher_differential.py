@@ -312,7 +312,7 @@ class World:
             "signal": types.SimpleNamespace(
                 SIGINT=_signal.SIGINT, SIGTERM=_signal.SIGTERM, SIGHUP=_signal.SIGHUP,
                 SIGQUIT=_signal.SIGQUIT, SIGKILL=_signal.SIGKILL, SIG_IGN=_signal.SIG_IGN,
-                signal=self.set_signal),
+                Signals=_signal.Signals, signal=self.set_signal),
             "grpc": types.SimpleNamespace(insecure_channel=Channel, RpcError=_grpc.RpcError,
                                           secure_channel=None),
             "health_pb2_grpc": types.SimpleNamespace(HealthStub=Stub),
@@ -436,9 +436,8 @@ def expected_failure(sc: Scenario, world: World) -> tuple[str, list[str]]:
         if child is None:
             return "none", [f"({k} never started)"]
         if c.kind == "exit":
-            words = [f"failed to start: {k} ({child.address}) exited with {c.code}"]
-            return "start", words + ([f"exited with {c.code}: {c.problem}"] if c.problem
-                                     else [])
+            words = [f"failed to start: {k} ({child.address}) {ended(c.code)}"]
+            return "start", words + ([f"{ended(c.code)}: {c.problem}"] if c.problem else [])
         if c.kind == "never":
             return "start", [f"failed to start: {k} ({child.address}) not SERVING after "]
     dying = [ch for ch in world.children if sc.children[ch.key].kind == "dies"]
@@ -446,8 +445,14 @@ def expected_failure(sc: Scenario, world: World) -> tuple[str, list[str]]:
         return "none", ["(no failure in this scenario)"]
     first = min(dying, key=lambda ch: ch.end()[0])
     c = sc.children[first.key]
-    note = f"{first.key} ({first.address}) exited with {c.code}"
+    note = f"{first.key} ({first.address}) {ended(c.code)}"
     return "exited", [f"service(s) exited: {note}" if first is world.children[0] else note]
+
+
+def ended(code: int) -> str:
+    """How a child's end is told: its exit status, or the signal that killed it (Popen's
+    negative code)."""
+    return f"was killed by {_signal.Signals(-code).name}" if code < 0 else f"exited with {code}"
 
 
 def check(sc: Scenario, world: World, got: object) -> list[str]:
@@ -490,7 +495,8 @@ def check(sc: Scenario, world: World, got: object) -> list[str]:
             bad.append(f"exit {got!r} after a failure (no stop signal before it)")
         if fails:
             failing = [ch for ch in world.children if sc.children[ch.key].kind != "ok"]
-            if not any(f"{ch.key} ({ch.address}) exited with " in fails[0][3]
+            if not any(f"{ch.key} ({ch.address}) {ended(sc.children[ch.key].code)}"
+                       in fails[0][3]
                        or f"{ch.key} ({ch.address}) not SERVING" in fails[0][3] for ch in failing) \
                     and not sc.taken:
                 bad.append(f"failure line {fails[0][3]!r} names no failing child")
@@ -652,7 +658,8 @@ def run_real(seed: int, tmp: Path, monkeypatch) -> list[str]:
         m.setattr(launcher, "service_exists", lambda name: True)
         m.setattr(launcher, "signal", types.SimpleNamespace(
             **{n: getattr(_signal, n) for n in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT",
-                                                "SIGKILL", "SIG_IGN")}, signal=set_signal))
+                                                "SIGKILL", "SIG_IGN", "Signals")},
+            signal=set_signal))
         m.setattr(launcher, "semantic_db_env", lambda port, env: {})
         m.setattr(launcher, "model_to_convert", lambda env: False)
         m.setattr(launcher, "prune_pid_logs", lambda logs: [])
