@@ -344,7 +344,7 @@ class TenantRegistry:
         if max_tokens > tenant.max_tokens:
             REJECTED.labels(tenant.name, "max_tokens").inc()
             raise ResourceExhausted(
-                f"sampling.max_tokens: {max_tokens} exceed tenant limit {tenant.max_tokens}")
+                f"sampling.max_tokens: {max_tokens} exceeds tenant limit {tenant.max_tokens}")
 
     def acquire(self, tenant: Tenant) -> Tenant:
         """One of the tenant's concurrent slots; returns the tenant it is counted under (as

@@ -246,7 +246,7 @@ def tenant_slot(address: str) -> str:
         except grpc.RpcError as e:
             if "concurrent requests" in (e.details() or ""):
                 return "taken"
-            if "exceed tenant limit" in (e.details() or ""):
+            if "exceeds tenant limit" in (e.details() or ""):
                 return "free"
             raise
     raise AssertionError("a request over the tenant's max_tokens was served")

@@ -124,7 +124,7 @@ class Model:
             raise ResourceExhausted(f"prompt: {prompt} tokens exceed tenant limit "
                                     f"{held.max_prompt_tokens}")
         if max_tokens > held.max_tokens:
-            raise ResourceExhausted(f"sampling.max_tokens: {max_tokens} exceed tenant limit "
+            raise ResourceExhausted(f"sampling.max_tokens: {max_tokens} exceeds tenant limit "
                                     f"{held.max_tokens}")
 
     def acquire(self, held: Limits) -> str:
