@@ -601,7 +601,10 @@ class Step:
 
     def _said_error(self, act, received, lines, where) -> None:
         later = " (retry later)" if retry_later(act, received) else ""
-        details = act[2].translate(CONTROL) if self.tty_err else act[2]
+        details = act[2]
+        if act[1] == SC.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+            details += f" (no answer within --timeout {self.timeout:g} s)"
+        details = details.translate(CONTROL) if self.tty_err else details
         assert "\n".join(lines) == f"error: {act[1].name}{later}: {details}", where
 
     def _check_chat(self, request, method, rc, out, lines, where) -> None:

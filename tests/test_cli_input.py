@@ -661,3 +661,31 @@ def test_replays_token_figures_are_of_the_answered_requests_as_its_classes_are(f
     summary = json.loads(capsys.readouterr().out)
     assert summary == {"requests": 2, "errors": 1, "classes": {"prefix_hit": 1},
                        "cached_tokens": 64, "prompt_tokens": 100}
+
+
+@pytest.mark.parametrize(("details", "said"), [
+    ("Deadline Exceeded", "Deadline Exceeded (no answer within --timeout 0.25 s)"),
+    ("replica kvpool-0: no answer in 5 s", "replica kvpool-0: no answer in 5 s"),
+])
+def test_the_calls_own_deadline_names_the_timeout_that_set_it(fake, monkeypatch, capsys,
+                                                                details, said):
+    """gRPC's own "Deadline Exceeded" (this call's --timeout passed) named no setting; a
+    deadline a server reports in its own words is shown as it is."""
+    import grpc
+
+    class Expired(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.DEADLINE_EXCEEDED
+
+        def details(self):
+            return details
+
+        def trailing_metadata(self):
+            return ()
+
+    def expire(c, a):
+        raise Expired()
+
+    monkeypatch.setattr(cli, "cmd_stats", expire)
+    assert cli.main(["--timeout", "0.25", "stats"]) == 1
+    assert capsys.readouterr().err == f"error: DEADLINE_EXCEEDED: {said}\n"

@@ -699,7 +699,11 @@ def main(argv: list[str] | None = None) -> int:
         # Any call the same request may succeed later: UNAVAILABLE too (a replica or the
         # orchestrator restarting), not after part of an answer was printed.
         later = " (retry later)" if retry_later(e) else ""
-        sys.stderr.write(f"error: {e.code().name}{later}: {shown(e.details() or '', sys.stderr)}\n")
+        details = e.details() or ""
+        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+            # gRPC's own words for this call's deadline: say which setting set it.
+            details += f" (no answer within --timeout {a.timeout:g} s)"
+        sys.stderr.write(f"error: {e.code().name}{later}: {shown(details, sys.stderr)}\n")
         return 1
     except KeyboardInterrupt:
         return 130
