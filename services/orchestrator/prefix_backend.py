@@ -50,7 +50,12 @@ class PrefixBackend:
             self.health.ok()
             return r
         except grpc.RpcError as e:
-            if not cut_short(e, kw.get("timeout"), self.timeout_s):
+            # Nor a caller's bad request (a malformed hash, k = 0): as a shard's record
+            # (`PrefixIndexClient._outcome`) and the semantic tier's, not the index's fault. One
+            # index read unhealthy after it, its gauge 0, while the same index sharded did not.
+            if (not cut_short(e, kw.get("timeout"), self.timeout_s)
+                    and e.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
+                                         grpc.StatusCode.NOT_FOUND)):
                 self.health.fail(e)
             raise
 

@@ -1,7 +1,9 @@
 """Rules of the orchestrator's prefix index wrapper (services/orchestrator/prefix_backend.py)
 that the mutation audit found unguarded: the match map holds only replicas that matched, one
 index is one health record (no per-shard series), a shard never called is not healthy, and
-Stats waits at most the index's own timeout."""
+Stats waits at most the index's own timeout; and those its differential review
+(test_prefix_backend_differential.py) found broken: a caller's bad request leaves one index
+healthy."""
 
 from __future__ import annotations
 
@@ -87,3 +89,27 @@ def test_stats_waits_at_most_the_index_timeout():
         assert seen == [0.5, 0.2, None]
     finally:
         pb.client.close()
+
+
+def test_a_callers_bad_request_leaves_one_index_healthy(index):
+    """A Match with a malformed block hash or a TopPrefixes with k = 0 is the caller's fault,
+    INVALID_ARGUMENT, not the index's: one index's record (its Stats line and gauge) stays as
+    it was, as a shard's does in a sharded tier (`PrefixIndexClient._outcome`). It read
+    unhealthy, its gauge 0 (a "dependency down" alert), on a healthy index."""
+    import grpc
+
+    pb = PrefixBackend((index.address,), "", 5.0, BS)
+    good = BlockHasher(MODEL, BS).hashes(list(range(2 * BS)))
+    try:
+        assert pb.match(good, MODEL) == {}
+        for bad in (lambda: pb.match([good[0], b"y" * 15], MODEL),
+                    lambda: pb.top_prefixes(0, MODEL)):
+            with pytest.raises(grpc.RpcError) as e:
+                bad()
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            [line] = pb.dependencies()
+            assert (line.healthy, line.last_error) == (True, "")
+            assert _healthy("prefix", index.address) == 1.0
+    finally:
+        pb.client.close()
+
