@@ -26,6 +26,11 @@ class PrefixBackend:
                  block_size: int, clock=None) -> None:
         self.client = PrefixIndexClient(addresses, internal_token, timeout=timeout_s,
                                         block_size=block_size)
+        # The shards as the client dials them and names them to `on_outcome`: stripped, blank
+        # entries (a trailing comma, which the settings' check lets through) left out. As
+        # given, " a:1" was a shard whose gauge was never set, and "a:1," one index exported
+        # as a shard, its own gauge never set.
+        addresses = tuple(self.client.addresses)
         # Sharded, the tier's record is set by each shard's call in turn: its state is no
         # metric then (each shard's is in Stats).
         self.health = Health("prefix", ",".join(addresses), exported=len(addresses) == 1)

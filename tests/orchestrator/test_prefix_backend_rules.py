@@ -3,7 +3,7 @@ that the mutation audit found unguarded: the match map holds only replicas that 
 index is one health record (no per-shard series), a shard never called is not healthy, and
 Stats waits at most the index's own timeout; and those its differential review
 (test_prefix_backend_differential.py) found broken: a caller's bad request leaves one index
-healthy."""
+healthy, and the health names the shards as the client dials them (padding, blank entries)."""
 
 from __future__ import annotations
 
@@ -113,3 +113,38 @@ def test_a_callers_bad_request_leaves_one_index_healthy(index):
     finally:
         pb.client.close()
 
+
+def test_padded_and_blank_addresses_are_the_shards_the_client_dials(index):
+    """The settings' check lets a blank entry (a trailing comma) and padding through, and the
+    client strips and skips them: so does the health. One index listed as "a, " is one
+    index (its "prefix" gauge, no "prefix shard" one; it was exported as a shard and its own
+    gauge never set), and a padded shard's gauge is set under the address the client names
+    (" a:1"'s never was: no alert could fire on it)."""
+    from services.orchestrator.backends import DEPENDENCY_HEALTHY
+
+    dead = "127.0.0.7:1"
+    for dep, a in (("prefix", index.address), ("prefix shard", index.address),
+                   ("prefix shard", dead)):
+        try:
+            DEPENDENCY_HEALTHY.remove(dep, a)
+        except KeyError:
+            pass
+    one = PrefixBackend((f" {index.address} ", ""), "", 5.0, BS)
+    try:
+        one.stats()
+        [line] = one.dependencies()
+        assert (line.address, line.healthy) == (index.address, True)
+        assert _healthy("prefix", index.address) == 1.0
+        assert _healthy("prefix shard", index.address) is None
+    finally:
+        one.client.close()
+    two = PrefixBackend((f" {dead}", index.address, " "), "", 5.0, BS)
+    try:
+        assert two.stats().shards_answered == 1
+        tier, *shards = two.dependencies()
+        assert tier.address == f"{dead},{index.address}"
+        assert [(d.address, d.healthy) for d in shards] == [(dead, False), (index.address, True)]
+        assert (_healthy("prefix shard", dead), _healthy("prefix shard", index.address)) == (
+            0.0, 1.0)
+    finally:
+        two.client.close()
