@@ -467,7 +467,9 @@ class PrefixIndexClient:
 
     def stats(self, *, timeout: float | None = None, allow_partial: bool = False
               ) -> prefix_pb2.PrefixStatsResponse:
-        """Figures summed over shards; a replica's held blocks summed over shards.
+        """Figures summed over shards; a replica's held blocks summed over shards, the rest
+        of its record (load, incarnation, address, capacity) from the shard that heard from
+        it last.
         `shards_answered` < `shards_total` (with `allow_partial`) says some shard's are
         missing, rather than the sum passing for the whole index's: a shard down, slow or
         refusing (one refusal hid every other shard's figures: the orchestrator's Stats left
@@ -492,12 +494,15 @@ class PrefixIndexClient:
                     reps[ri.replica_id].CopyFrom(ri)
                     freshest[ri.replica_id] = ri.last_seen_s
                 else:
-                    cur.held_blocks += ri.held_blocks
-                    cur.last_seen_s = max(cur.last_seen_s, ri.last_seen_s)
+                    held = cur.held_blocks + ri.held_blocks
+                    oldest = max(cur.last_seen_s, ri.last_seen_s)
                     if ri.last_seen_s < freshest[ri.replica_id]:
-                        # The load of the latest heartbeat, not of whichever shard came first.
+                        # The shard that heard from it last: its load, and its incarnation,
+                        # address and capacity (mid-restart a shard not yet reached holds the
+                        # old incarnation), not whichever shard answered first.
                         freshest[ri.replica_id] = ri.last_seen_s
-                        cur.load.CopyFrom(ri.load)
+                        cur.CopyFrom(ri)
+                    cur.held_blocks, cur.last_seen_s = held, oldest
         out.replicas.extend(reps[k] for k in sorted(reps))
         notes = {a: r.shard_list_mismatch for a, r in got.items()}  # type: ignore[attr-defined]
         self.shard_list_notes.update(notes)

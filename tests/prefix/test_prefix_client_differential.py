@@ -70,11 +70,13 @@ whether a tie comes up), the shard list fingerprinted as spelled, a refusal pass
 shard down, an empty resync sent nowhere, a continuation without first_block_hash routed by its
 own block, `shards_answered` counting every shard, a shard's answer to Stats not recorded as
 its health, a Match routed by its last block).
+Stop 68: a merged Stats replica's incarnation, address and capacity were the first answering
+shard's in the configured order (mid-restart it could show the old incarnation beside the new
+one's load); they are now the record of the shard that heard from it last, as its load was.
 Left as is: PublishEvents failures are not recorded in `shard_errors` / `on_outcome` (the
 publisher does not read them; the orchestrator, which does, never publishes); merged
 TopPrefixes are cut to k but not to the index's 1,000,000-token bound (used in-process only);
-a merged Stats replica's incarnation, address and capacity are the first answering shard's in
-the configured order (mid-restart it can show the old incarnation); and which shard heard from
+and which shard heard from
 a replica last is read from each shard's last_seen_s at its own Stats, so calls a few ms apart
 can be told apart wrongly (the model allows 20 ms and the time Stats took).
 """
@@ -648,7 +650,7 @@ class Run:
                 for rid, rep in s.reps.items():
                     w = want_reps.setdefault(rid, [0, {}])
                     w[0] += len(rep.held)
-                    w[1].setdefault(rep.heard, set()).add(rep.load)
+                    w[1].setdefault(rep.heard, set()).add((rep.load, rep.inc, rep.address))
             assert [r.replica_id for r in out.replicas] == sorted(want_reps)
             for r in out.replicas:
                 held, loads = want_reps[r.replica_id]
@@ -658,8 +660,8 @@ class Run:
                 # shards answer a little apart: calls closer than that are told apart by
                 # chance).
                 last = max(loads)
-                assert load_t(r.load) in set().union(*(
-                    v for t, v in loads.items() if t >= last - 0.02 - took)), (r.load, loads)
+                assert (load_t(r.load), r.incarnation, r.address) in set().union(*(
+                    v for t, v in loads.items() if t >= last - 0.02 - took)), (r, loads)
         for a in self.addrs:
             self.outcome(a, status[a])
 

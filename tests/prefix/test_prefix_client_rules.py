@@ -271,16 +271,23 @@ def test_stats_sum_a_replicas_blocks_over_shards_and_keep_its_longest_silence():
     """A replica's held blocks are summed over the shards, and its last_seen_s is the
     longest any shard reports (the most stale); its load is the one the shard that heard it
     last reports (it was the first answering shard's, however old)."""
-    def info(held, seen, running):
+    def info(held, seen, running, inc="i-1", address="10.0.0.1:1", capacity=0):
         return prefix_pb2.ReplicaInfo(replica_id="r", held_blocks=held, last_seen_s=seen,
-                                      load=prefix_pb2.ReplicaLoad(running=running))
+                                      load=prefix_pb2.ReplicaLoad(running=running),
+                                      incarnation=inc, address=address,
+                                      capacity_blocks=capacity)
 
-    for first, second in ((info(3, 7.0, 1), info(4, 1.5, 5)), (info(4, 1.5, 5), info(3, 7.0, 1))):
+    # Mid-restart: the shard that heard it last holds the new incarnation (at a new address,
+    # with a bigger pool); its record is the replica's, whichever shard answers first (the
+    # first's incarnation was shown beside the other's load).
+    old, new = info(3, 7.0, 1), info(4, 1.5, 5, "i-2", "10.0.0.2:1", 64)
+    for first, second in ((old, new), (new, old)):
         c, _ = client_of({A: {"Stats": _stats(replicas=[first])},
                           B: {"Stats": _stats(replicas=[second])}})
         got = c.stats()
-        assert [(r.held_blocks, r.last_seen_s, r.load.running)
-                for r in got.replicas] == [(7, 7.0, 5)]
+        assert [(r.held_blocks, r.last_seen_s, r.load.running, r.incarnation, r.address,
+                 r.capacity_blocks) for r in got.replicas] == [
+            (7, 7.0, 5, "i-2", "10.0.0.2:1", 64)]
         assert (got.shards_answered, got.shards_total) == (2, 2)
 
 
