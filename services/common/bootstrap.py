@@ -1055,7 +1055,13 @@ def service_main(service: str, body: Callable[[Sequence[str] | None], int],
         try:
             return body(argv)
         except ConfigError as exc:
-            logging.getLogger(f"services.{service}").error("bad configuration: %s", exc)
+            from services.common.config import named_as_given
+
+            # Named as given, as the config's own refusals are: `--address` of a busy port
+            # was blamed on TIERCACHE_<SVC>_ADDRESS, which the user never set.
+            args = sys.argv[1:] if argv is None else argv
+            logging.getLogger(f"services.{service}").error(
+                "bad configuration: %s", named_as_given(str(exc), service, args))
             return 2
 
 

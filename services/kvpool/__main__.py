@@ -10,6 +10,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import dataclasses  # noqa: E402
 import logging  # noqa: E402
+import sys  # noqa: E402
 
 import torch  # noqa: E402
 from tiercache.v1 import kvpool_pb2_grpc  # noqa: E402
@@ -21,6 +22,7 @@ from services.common.bootstrap import (  # noqa: E402
     run_until_signal,
     service_main,
 )
+from services.common.config import named_as_given  # noqa: E402
 from services.common.model_store import ModelStoreError  # noqa: E402
 from services.kvpool.app import build_replica, device_problem  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
@@ -41,7 +43,11 @@ def _main(argv: list[str] | None) -> int:
         return 2
     problem = device_problem(cfg.device)
     if problem:
-        log.error("bad configuration: TIERCACHE_KVPOOL_DEVICE=%s: %s", cfg.device, problem)
+        # Named as given (`--device cuda` was blamed on the variable, unset), as load_config's
+        # refusals are.
+        args = sys.argv[1:] if argv is None else argv
+        log.error("bad configuration: %s", named_as_given(
+            f"TIERCACHE_KVPOOL_DEVICE: {cfg.device!r}: {problem}", "kvpool", args))
         return 2
     servicer = KvPoolServicer(cfg)
     # Bind first (health NOT_SERVING) so probes see the process while the model loads.

@@ -12,6 +12,7 @@ from services.common.bootstrap import (
     run_until_signal,
     service_main,
 )
+from services.common.config import ConfigError
 from services.semantic.config import SemanticConfig
 from services.semantic.server import serve
 from services.semantic.store import DatabaseInUse
@@ -32,6 +33,10 @@ def _main(argv: list[str] | None) -> int:
     except DatabaseInUse as exc:
         log.error("cannot start: %s", exc)
         return 2
+    except ConfigError:
+        # An address or metrics port that cannot be bound (BindError): one line from
+        # service_main, naming the flag where one set it, as every service's does.
+        raise
     except (OSError, ValueError, sqlite3.Error) as exc:
         # A port in use (BindError, a ValueError); a model folder without its tokenizer, a
         # database path that is a folder or not a database, a cache folder that cannot be
