@@ -52,12 +52,25 @@ def tenant_concurrency(cfg: OrchestratorConfig) -> int:
 
 
 def build(cfg: OrchestratorConfig) -> App:
+    key = hash_key_from_env()
+
+    def read_tokens() -> TenantRegistry:
+        return TenantRegistry.build(
+            tokens_file=cfg.tokens_file, tokens=cfg.tokens, key=key,
+            max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens_limit,
+            max_concurrent=tenant_concurrency(cfg))
+
+    # Read first: a tokens file that is not JSON was refused only after the model had been
+    # converted (20 s, and its files left in the cache by a start that failed) and the
+    # replica and semantic pollers started.
+    # The version read, taken before the read: a change in between is read again, not missed.
+    version = file_version(os.path.expanduser(cfg.tokens_file)) if cfg.tokens_file else None
+    tenants = read_tokens()
     resolved, tok = load_resolved(cfg.model, cfg.cache_dir or None, None, load_tokenizer)
     if not getattr(tok, "chat_template", None):
         log.warning("model %s has no chat template: requests must send a raw `prompt`; "
                     "`messages` get FAILED_PRECONDITION", resolved.path)
     model_id = cfg.model_id or resolved.model_id
-    key = hash_key_from_env()
     replicas = ReplicaSet(cfg.kvpool_addresses, cfg.internal_token, cfg.replica_poll_s,
                           model_id=model_id, block_size=cfg.block_size,
                           stall_s=cfg.replica_stall_s,
@@ -84,15 +97,6 @@ def build(cfg: OrchestratorConfig) -> App:
                     if cfg.dispatch_memory_s > 0 else None))
     if orch.dispatched is not None:
         replicas.on_lost.append(orch.dispatched.forget)
-    def read_tokens() -> TenantRegistry:
-        return TenantRegistry.build(
-            tokens_file=cfg.tokens_file, tokens=cfg.tokens, key=key,
-            max_prompt_tokens=cfg.max_prompt_tokens, max_tokens=cfg.max_tokens_limit,
-            max_concurrent=tenant_concurrency(cfg))
-
-    # The version read, taken before the read: a change in between is read again, not missed.
-    version = file_version(os.path.expanduser(cfg.tokens_file)) if cfg.tokens_file else None
-    tenants = read_tokens()
     stop = threading.Event()
     if cfg.tokens_file and cfg.tokens_reload_s > 0:
         watch_tokens_file(tenants, read_tokens, cfg.tokens_file, cfg.tokens_reload_s, stop,

@@ -34,3 +34,24 @@ def test_a_lost_replica_is_forgotten_by_routings_dispatch_memory():
         assert memory.match(block) == {}
     finally:
         app.close()
+
+
+def test_a_tokens_file_that_is_not_json_is_refused_before_the_model_loads(tmp_path,
+                                                                         monkeypatch):
+    """Read first: a malformed tokens file was refused only after the model had been
+    converted into the cache (20 s on a cold cache, its files left behind by a start that
+    failed) and the replica and semantic pollers had started."""
+    import pytest
+
+    from services.orchestrator import app as app_mod
+
+    bad = tmp_path / "tokens.json"
+    bad.write_text("{not json")
+    loads: list = []
+    monkeypatch.setattr(app_mod, "load_resolved", lambda *a, **k: loads.append(a))
+    monkeypatch.setenv("TIERCACHE_HASH_KEY", "k" * 32)
+    cfg = OrchestratorConfig(address="127.0.0.1:0", metrics_port=-1, tokens_file=str(bad),
+                             kvpool_addresses=("127.0.0.1:1",), cache_dir=str(tmp_path / "c"))
+    with pytest.raises(ValueError, match="not JSON"):
+        build(cfg)
+    assert loads == [] and not (tmp_path / "c").exists()
