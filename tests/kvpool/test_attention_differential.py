@@ -23,11 +23,11 @@ slots, stale blocks) change no bit of the output, a row's output is the same bit
 a batch, `repeat_kv` is never called on the grouped path, and `register` installs `_sdpa` and
 SDPA's mask builder under `NAME`.
 
-Run offline: 3,000 seeds (ATTENTION_DIFFERENTIAL_SEEDS=3000), clean; 300 by default (~1 s
-of the file's ~2.5 s). Found: nothing to fix. Left as is: a query row that sees no key gives
-zeros (torch's CPU SDPA, on both paths; the engine's queries always see themselves), and a NaN
-in a hidden key or value would poison its row (0 x NaN; the paged cache allocates zeros for
-that reason), so the hidden-key check uses finite values.
+Run offline: 3,000 seeds (ATTENTION_DIFFERENTIAL_SEEDS=3000), clean; 300 by default (~1.5 s
+of the file's ~4.5 s on a busy host). Found: nothing to fix. Left as is: a query row that
+sees no key gives zeros (torch's CPU SDPA, on both paths; the engine's queries always see
+themselves), and a NaN in a hidden key or value would poison its row (0 x NaN; the paged
+cache allocates zeros for that reason), so the hidden-key check uses finite values.
 Injected bugs caught 13 of 13 (one at a time): enable_gqa dropped, the scale dropped, the mask
 dropped, the mask inverted, the output not transposed, `.contiguous()` dropped, decode steps
 (T = 1) taken on the grouped path, groups of 1 taken on it, the CPU check dropped (meta
@@ -171,6 +171,16 @@ def hidden_keys(mask) -> list[list[int]]:
         return []
     seen = (mask if mask.dtype == torch.bool else mask == 0).any(dim=(1, 2))
     return [torch.nonzero(~seen[b]).flatten().tolist() for b in range(seen.shape[0])]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Small tensors: one thread is fastest, and on a shared 2-core host OpenMP's barriers
+    under contention took 300 seeds from 1 s to a minute."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture()
