@@ -96,6 +96,9 @@ def test_an_unknown_log_level_is_a_config_error_not_a_traceback(monkeypatch, cap
         monkeypatch.setenv("TIERCACHE_LOG_LEVEL", "warning")
         assert load_service_config(DemoConfig, "demo", []) == DemoConfig()
         assert root.level == logging.WARNING
+        monkeypatch.setenv("TIERCACHE_LOG_LEVEL", " error\n")  # stripped, as every setting
+        assert load_service_config(DemoConfig, "demo", []) == DemoConfig()
+        assert root.level == logging.ERROR
     finally:
         root.handlers[:], _ = saved
         root.setLevel(saved[1])

@@ -167,7 +167,8 @@ class JsonFormatter(logging.Formatter):
 
 def setup_logging(service: str, level: str | None = None) -> None:
     """Configure the root logger once, in a service's main()."""
-    level = level or os.environ.get("TIERCACHE_LOG_LEVEL", "INFO")
+    # Stripped, as every setting's value is (" info" from a manifest's quoting was refused).
+    level = (level or os.environ.get("TIERCACHE_LOG_LEVEL", "INFO")).strip()
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter(service))
     root = logging.getLogger()
