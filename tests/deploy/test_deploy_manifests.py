@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
+import re
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -493,3 +495,90 @@ def test_gpu_overlay_schedules_kvpool_only_on_gpus_its_pool_fits(gpu: Rendered) 
     cuda_context = 0.5 * 2**30
     assert min(floors) * 2**20 >= pool + rows + weights + cuda_context, (
         f"GPUs of {min(floors)} MiB admitted for {(pool + rows + weights) / 2**20:.0f} MiB")
+
+
+def _doc_kubectl_commands() -> list[list[str]]:
+    """Every `kubectl` command of docs/deploy.md: its shell blocks' lines (continuations
+    joined; a pipeline split at each `|`) and its inline code, as one line each."""
+    doc = (ROOT / "docs" / "deploy.md").read_text(encoding="utf-8")
+    pieces: list[str] = []
+    for block in re.findall(r"```sh\n(.*?)```", doc, re.S):
+        pieces += block.replace("\\\n", " ").splitlines()
+    prose = re.sub(r"```.*?```", "", doc, flags=re.S)
+    pieces += [" ".join(m.split()) for m in re.findall(r"`([^`]+)`", prose)]
+    found: list[list[str]] = []
+    for piece in pieces:
+        lex = shlex.shlex(piece, posix=True, punctuation_chars="|&;()")
+        lex.whitespace_split = True
+        words: list[str] = []
+        for tok in [*lex, "|"]:
+            if tok and set(tok) <= set("|&;()"):
+                if words[:1] == ["kubectl"] and not any("<" in w for w in words):
+                    found.append(words)
+                words = []
+            else:
+                words.append(tok)
+    return found
+
+
+def test_deploy_doc_commands_name_what_the_overlays_make(
+        all_rendered: dict[str, Rendered]) -> None:
+    """An operator pastes these: each namespace, object, pod, label, port and overlay they
+    name must exist. `kubectl logs statefulset/kvpool | grep <request id>` read one replica's
+    pod of four (the gpu overlay's), and a selector alone reads 10 lines of each pod."""
+    commands = _doc_kubectl_commands()
+    assert len(commands) >= 15, commands
+    kinds = {"deployment": "Deployment", "statefulset": "StatefulSet", "svc": "Service",
+             "hpa": "HorizontalPodAutoscaler", "secret": "Secret", "pod": "Pod"}
+    for words in commands:
+        cmd = " ".join(words)
+        for r in all_rendered.values():
+            ns = {o["metadata"]["namespace"] for o in r.objects if o["kind"] != "Namespace"}
+            if "-n" in words:
+                assert {words[words.index("-n") + 1]} == ns, cmd
+            pods = {p: w for w in r.workloads for p in w.pod_names()}
+            for i, word in enumerate(words):
+                m = re.fullmatch(r"([a-z]+)/([a-z0-9-]+)", word)
+                if m and m.group(1) in kinds:
+                    assert _exists(r, kinds[m.group(1)], m.group(2)), f"{r.overlay}: {cmd}"
+                elif word in kinds and i + 1 < len(words) and i >= 2 and \
+                        words[i - 1] in ("patch", "get", "generic"):
+                    assert _exists(r, kinds[word], words[i + 1]), f"{r.overlay}: {cmd}"
+                elif word in ("-k", "-l") and i + 1 < len(words):
+                    arg = words[i + 1]
+                    if word == "-k":
+                        assert (ROOT / arg / "kustomization.yaml").exists(), cmd
+                    else:
+                        key, _, value = arg.partition("=")
+                        assert any(o["metadata"].get("labels", {}).get(key) == value
+                                   for o in r.objects), f"{r.overlay}: {cmd}"
+            args = words[words.index("port-forward") + 1:] if "port-forward" in words else []
+            if len(args) >= 2:  # the prose's bare `kubectl port-forward` names nothing
+                target, ports = args[:2]
+                kind, name = target.split("/")
+                remote = int(ports.split(":")[1])
+                if kind == "svc":
+                    svc = r.get("Service", name)
+                    assert remote in [p["port"] for p in svc["spec"]["ports"]], cmd
+                else:
+                    w = pods[name]
+                    assert remote in w.container_ports(tiercache_container(w)).values(), cmd
+            if "logs" in words:
+                # Every pod of the workload, whole: a selector, and --tail=-1 (its default
+                # with a selector is 10 lines per pod).
+                assert "-l" in words and "--tail=-1" in words, cmd
+                sel = dict([words[words.index("-l") + 1].split("=", 1)])
+                assert rendered_pods(r, sel), cmd
+
+
+def rendered_pods(r: Rendered, labels: dict[str, str]) -> list[str]:
+    return [p for w in r.selected(labels) for p in w.pod_names()]
+
+
+def _exists(r: Rendered, kind: str, name: str) -> bool:
+    """Whether the overlay makes `kind`/`name` (a Pod: a workload's pod name)."""
+    if kind == "Pod":
+        return any(name in w.pod_names() for w in r.workloads)
+    if kind == "Secret":  # the operator's (only dev ships one): the name the pods read
+        return name == "tiercache-secrets"
+    return any(o["metadata"]["name"] == name for o in r.of_kind(kind))
