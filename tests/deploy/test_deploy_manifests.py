@@ -582,3 +582,19 @@ def _exists(r: Rendered, kind: str, name: str) -> bool:
     if kind == "Secret":  # the operator's (only dev ships one): the name the pods read
         return name == "tiercache-secrets"
     return any(o["metadata"]["name"] == name for o in r.of_kind(kind))
+
+
+def test_deploy_doc_names_every_tier_a_node_drain_may_take_whole(
+        all_rendered: dict[str, Rendered]) -> None:
+    """Every PDB allows one pod down, so a tier running one pod is out for a whole reschedule
+    during a drain. The doc named semantic, prefix and dev's kvpool, not dev's orchestrator
+    (its HPA at 1)."""
+    doc = (ROOT / "docs" / "deploy.md").read_text(encoding="utf-8")
+    start = doc.index("Every PodDisruptionBudget is")
+    para = " ".join(doc[start:doc.index("\n\n", start)].split())
+    for r in all_rendered.values():
+        for pdb in r.of_kind("PodDisruptionBudget"):
+            assert pdb["spec"].get("maxUnavailable") == 1, pdb["metadata"]["name"]
+        for w in r.workloads:
+            if w.replicas == 1:
+                assert w.service in para, f"{r.overlay}: one {w.service} pod, not in: {para}"
