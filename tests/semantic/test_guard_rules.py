@@ -442,3 +442,23 @@ def test_the_swap_check_of_a_long_text_compares_only_close_places() -> None:
     body = " ".join("1 2" for _ in range(2000))
     q, c = text_facts("values " + body + " a"), text_facts("values " + body + " b")
     assert ParaphraseGuard().check_facts(q, c)[0].ok
+
+
+def test_the_guard_runs_in_strict_and_standard_by_default_and_not_in_relaxed(cache_factory):
+    """docs/architecture.md step 3: a hit needs the guard only in the guarded tiers (strict and
+    standard by default); the relaxed tier serves a negated question at the same similarity.
+    (The doc once said every hit needed the guard's agreement.)"""
+    from services.semantic.config import SemanticConfig
+    from tests.semantic.test_cache_edges import A, FixedEmbedder
+
+    emb = FixedEmbedder()
+    emb.at("Is it safe to take aspirin while pregnant?", 1.0, 1)
+    emb.at("Is it not safe to take aspirin while pregnant?", 1.0, 1)
+    assert SemanticConfig().guard_tiers == ("strict", "standard")
+    c = cache_factory(emb, verifier_tiers=())
+    c.store_entry(A, "Is it safe to take aspirin while pregnant?", "Ask your doctor.")
+    negated = "Is it not safe to take aspirin while pregnant?"
+    for tier in ("strict", "standard"):
+        r = c.lookup(A, negated, tier=tier)
+        assert not r.hit and r.guard_rejected and "negation" in r.guard_reason
+    assert c.lookup(A, negated, tier="relaxed").hit
