@@ -57,7 +57,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from google.protobuf import descriptor_pb2, descriptor_pool
+from google.protobuf import descriptor_pb2
 
 from services.common import grpc_client
 from services.common.bootstrap import DEFAULT_MAX_MESSAGE_BYTES, channel_options, create_server
@@ -73,6 +73,7 @@ from services.common.grpc_client import (
 )
 from services.common.logs import bound_request_id
 from services.launcher import free_port
+from tests import descriptors
 
 SEEDS = int(os.environ.get("GRPC_CLIENT_DIFFERENTIAL_SEEDS", "4"))
 LONG = os.environ.get("GRPC_CLIENT_DIFFERENTIAL_LONG") == "1"
@@ -457,33 +458,6 @@ def _all_services():
     ]
 
 
-def _symbols(f: descriptor_pb2.FileDescriptorProto):
-    """Every fully-qualified symbol the file declares (the reflection protocol's symbols)."""
-    def enum(scope, e):
-        yield f"{scope}.{e.name}"
-        for v in e.value:
-            yield f"{scope}.{v.name}"  # enum values are the enum's siblings
-
-    def message(scope, m):
-        name = f"{scope}.{m.name}"
-        yield name
-        for x in [*m.field, *m.oneof_decl]:
-            yield f"{name}.{x.name}"
-        for n in m.nested_type:
-            yield from message(name, n)
-        for e in m.enum_type:
-            yield from enum(name, e)
-
-    for m in f.message_type:
-        yield from message(f.package, m)
-    for e in f.enum_type:
-        yield from enum(f.package, e)
-    for s in f.service:
-        yield f"{f.package}.{s.name}"
-        for m in s.method:
-            yield f"{f.package}.{s.name}.{m.name}"
-
-
 def _bare(proto_bytes: bytes) -> descriptor_pb2.FileDescriptorProto:
     p = descriptor_pb2.FileDescriptorProto.FromString(proto_bytes)
     p.ClearField("source_code_info")
@@ -499,22 +473,6 @@ def _walk_messages(ms):
         yield from _walk_messages(m.nested_type)
 
 
-def _compiled(name: str) -> descriptor_pb2.FileDescriptorProto:
-    p = descriptor_pb2.FileDescriptorProto()
-    descriptor_pool.Default().FindFileByName(name).CopyToProto(p)
-    return _bare(p.SerializeToString())
-
-
-def _closure(name: str) -> set[str]:
-    seen, todo = set(), [name]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(d.name for d in descriptor_pool.Default().FindFileByName(n).dependencies)
-    return seen
-
-
 @pytest.mark.parametrize("seed", range(max(1, SEEDS // 2)))
 def test_reflection_lists_and_resolves_every_registered_symbol(seed, plaintext):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -528,7 +486,7 @@ def test_reflection_lists_and_resolves_every_registered_symbol(seed, plaintext):
     chosen = rng.sample(services, rng.randint(1, len(services)))
     h = create_server(service="refl-diff", address="127.0.0.1:0", services=chosen)
     declared = {s: name for name, f in raw.items() if name.startswith("tiercache/")
-                for s in _symbols(f)}
+                for s in descriptors.symbols(f)}
     symbols = sorted(declared)
     rng.shuffle(symbols)
     unknown = ["", "tiercache", "tiercache.v1", "tiercache.v1.Nope", "tiercache.v1.KvPool.Nope",
@@ -580,14 +538,15 @@ def test_reflection_lists_and_resolves_every_registered_symbol(seed, plaintext):
             continue
         got = list(r.file_descriptor_response.file_descriptor_proto)
         names = [descriptor_pb2.FileDescriptorProto.FromString(b).name for b in got]
-        if names[0] != file or set(names) != _closure(file) or len(names) != len(set(names)):
+        if (names[0] != file or set(names) != descriptors.closure(file)
+                or len(names) != len(set(names))):
             wrong.append((kind, arg, names))
             continue
         for b, n in zip(got, names, strict=True):
             p = descriptor_pb2.FileDescriptorProto.FromString(b)
             if n in raw:  # served with its comments, and the schema the code was built from
                 assert p == raw[n], n
-            assert _bare(b) == _compiled(n), n
+            assert _bare(b) == _bare(descriptors.compiled(n).SerializeToString()), n
     assert not wrong, wrong[:10]
 
 

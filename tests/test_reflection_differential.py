@@ -78,6 +78,7 @@ from tiercache.v1 import (
 
 from services.common import reflection
 from services.common.bootstrap import create_server
+from tests import descriptors
 
 SEEDS = int(os.environ.get("REFLECTION_DIFFERENTIAL_SEEDS", "6"))
 TLS_VARS = ("TIERCACHE_TLS_CA", "TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY")
@@ -107,53 +108,6 @@ def _client(ch: grpc.Channel) -> ProtoReflectionDescriptorDatabase:
 def plaintext(monkeypatch):
     for var in TLS_VARS:
         monkeypatch.delenv(var, raising=False)
-
-
-def _compiled(name: str) -> descriptor_pb2.FileDescriptorProto:
-    p = descriptor_pb2.FileDescriptorProto()
-    descriptor_pool.Default().FindFileByName(name).CopyToProto(p)
-    return p
-
-
-def _imports(name: str) -> list[str]:
-    return list(_compiled(name).dependency)
-
-
-def _closure(name: str) -> set[str]:
-    seen, todo = set(), [name]
-    while todo:
-        n = todo.pop()
-        if n not in seen:
-            seen.add(n)
-            todo.extend(_imports(n))
-    return seen
-
-
-def _symbols(f: descriptor_pb2.FileDescriptorProto):
-    """Every fully-qualified symbol the file declares (the reflection protocol's symbols)."""
-    def enum(scope, e):
-        yield f"{scope}.{e.name}"
-        for v in e.value:
-            yield f"{scope}.{v.name}"  # enum values are the enum's siblings
-
-    def message(scope, m):
-        name = f"{scope}.{m.name}"
-        yield name
-        for x in [*m.field, *m.oneof_decl]:
-            yield f"{name}.{x.name}"
-        for n in m.nested_type:
-            yield from message(name, n)
-        for e in m.enum_type:
-            yield from enum(name, e)
-
-    for m in f.message_type:
-        yield from message(f.package, m)
-    for e in f.enum_type:
-        yield from enum(f.package, e)
-    for s in f.service:
-        yield f"{f.package}.{s.name}"
-        for m in s.method:
-            yield f"{f.package}.{s.name}.{m.name}"
 
 
 def _gen_set() -> dict[str, descriptor_pb2.FileDescriptorProto]:
@@ -229,10 +183,11 @@ def test_a_reflection_client_sees_what_the_model_serves(seed, tmp_path, plaintex
     served, path, bootstrap = _world(seed, tmp_path, monkeypatch)
 
     def want(name: str) -> descriptor_pb2.FileDescriptorProto:
-        return served[name] if name in served else _compiled(name)
+        return served[name] if name in served else descriptors.compiled(name)
 
-    declared = {s: n for n, f in gen.items() for s in _symbols(f)}
-    declared.update({s: n for n in OTHER_FILES for s in _symbols(_compiled(n))})
+    declared = {s: n for n, f in gen.items() for s in descriptors.symbols(f)}
+    declared.update({s: n for n in OTHER_FILES
+                     for s in descriptors.symbols(descriptors.compiled(n))})
     files = sorted(set(gen) | set(OTHER_FILES))
     some = rng.choice(sorted(declared))
     unknown = ["", ".", "tiercache", "tiercache.v1", "tiercache.v1.Nope", "\u00fc.\u6f22",
@@ -263,7 +218,7 @@ def test_a_reflection_client_sees_what_the_model_serves(seed, tmp_path, plaintex
                        else db.FindFileContainingSymbol(arg))
                 assert got == want(name), (op, arg, name)
                 if fresh:  # its imports came in the same answer: the client holds them all
-                    for dep in _closure(name):
+                    for dep in descriptors.closure(name):
                         assert DescriptorDatabase.FindFileByName(db, dep) == want(dep), dep
             elif op == "ext":
                 assert list(db.FindAllExtensionNumbers(arg)) == []
