@@ -87,37 +87,31 @@ import pytest
 from tiercache.v1 import prefix_pb2
 
 from services.common.addresses import ShardRing
-from services.common.bootstrap import channel_options
-from services.common.hashing import BlockHasher
 from services.common.prefix_client import PrefixIndexClient, _Shard
 from services.orchestrator.backends import DEPENDENCY_HEALTHY
 from services.orchestrator.prefix_backend import PrefixBackend
 from services.prefix.config import PrefixConfig
 from services.prefix.server import serve
 from tests.metric_sample import sample_value
+from tests.prefix.test_prefix_client_differential import (  # the client's model, shared
+    BS,
+    MODELS,
+    SALTS,
+    fan_out_expect,
+    fast_channel,
+    random_prompts,
+)
 
 SEEDS = int(os.environ.get("PREFIXBACKEND_DIFFERENTIAL_SEEDS", "4"))
 STEPS = int(os.environ.get("PREFIXBACKEND_DIFFERENTIAL_STEPS", "80"))
-BS = 4
-MODELS = ("m", "n")
-SALTS = ("", "t")
 TIMEOUT = 0.3  # the tier's timeout (prefix_timeout_s); under STALL_EVIDENCE_S it is the bar
 SHORT = 0.15  # a request's own shorter timeout: its deadline says nothing of the shard
 FIRST, MOST = PrefixBackend.HUNG_BACKOFF_S
 UNAVAILABLE, INVALID = grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INVALID_ARGUMENT
 DEADLINE = grpc.StatusCode.DEADLINE_EXCEEDED
-TRANSIENT = {UNAVAILABLE, DEADLINE, grpc.StatusCode.RESOURCE_EXHAUSTED,
-             grpc.StatusCode.CANCELLED, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL,
-             grpc.StatusCode.ABORTED}
 BAD_REQUEST = {INVALID, grpc.StatusCode.NOT_FOUND}
 OK = "ok"
 NOTE = "shard list differs between replicas and orchestrator"
-
-
-class Prompt:
-    def __init__(self, model: str, salt: str, tokens: list[int]) -> None:
-        self.model, self.salt, self.tokens = model, salt, tokens
-        self.hashes = BlockHasher(model, BS).hashes(tokens, salt)
 
 
 class Hang:
@@ -189,26 +183,6 @@ class ShardModel:
             self.noted = True if certain else (self.noted or None)
 
 
-def fast_channel(address: str) -> grpc.Channel:
-    fast = {"grpc.initial_reconnect_backoff_ms": 50, "grpc.min_reconnect_backoff_ms": 50,
-            "grpc.max_reconnect_backoff_ms": 100}
-    return grpc.insecure_channel(address, options=[
-        *((k, v) for k, v in channel_options() if k not in fast), *fast.items()])
-
-
-def fan_out_expect(order, got, refusals_partial=False):
-    """The client's documented rule for a call to every shard with allow_partial: the
-    (address, code) raised, or None."""
-    errs = [(a, got[a]) for a in order if got[a] is not OK]
-    answered = [a for a in order if got[a] is OK]
-    refused = [e for e in errs if e[1] not in TRANSIENT]
-    if refused and not (refusals_partial and answered):
-        return refused[0]
-    if errs and not answered:
-        return errs[0]
-    return None
-
-
 class Run:
     def __init__(self, seed: int) -> None:
         self.rng = rng = random.Random(seed)
@@ -254,15 +228,7 @@ class Run:
         self.up = {a: True for a in addrs}
         self.reps = {f"r{i}": rng.choice(MODELS) for i in range(rng.randint(1, 3))}
         self.pool: dict[str, set[bytes]] = {r: set() for r in self.reps}
-        self.prompts: list[Prompt] = []
-        for model in MODELS:
-            for salt in SALTS:
-                base = [rng.randrange(1, 50_000) for _ in range(4 * BS)]
-                for _ in range(3):
-                    cut = rng.randint(0, 3) * BS
-                    tail = [rng.randrange(1, 50_000) for _ in range(4 * BS)]
-                    tokens = (base[:cut] + tail)[:rng.randint(1, 4) * BS]
-                    self.prompts.append(Prompt(model, salt, tokens))
+        self.prompts = random_prompts(rng)
         self.children: dict[bytes, set[bytes]] = {}
         for p in self.prompts:
             for j, h in enumerate(p.hashes):
@@ -478,7 +444,7 @@ class Run:
         hung = rng.choice([a for a in self.addrs if self.up[a]] or [None]) if hang else None
         status = {a: (UNAVAILABLE if not self.up[a] else INVALID if bad
                       else DEADLINE if a == hung else OK) for a in self.addrs}
-        want = fan_out_expect(self.addrs, status)
+        want = fan_out_expect(self.addrs, status, True)
         # Every prefix of the shards that answer (as many as one call gives), then the
         # documented filters: the model, the salt, at least min_hits hits.
         union = []
@@ -522,7 +488,7 @@ class Run:
         hung = rng.choice([a for a in self.addrs if self.up[a]] or [None]) if hang else None
         status = {a: (UNAVAILABLE if not self.up[a] else DEADLINE if a == hung else OK)
                   for a in self.addrs}
-        want = fan_out_expect(self.addrs, status, refusals_partial=True)
+        want = fan_out_expect(self.addrs, status, True, refusals_partial=True)
         self.trace.append(("stats", timeout, hung))
         if hung is not None:
             self.hangs[hung].arm("stats")

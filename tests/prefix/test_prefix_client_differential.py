@@ -121,6 +121,20 @@ class Prompt:
         self.hashes = BlockHasher(model, BS).hashes(tokens, salt)
 
 
+def random_prompts(rng: random.Random) -> list[Prompt]:
+    """Per model and salt, 3 prompts of 1-4 whole blocks, each sharing 0-3 leading blocks of
+    one base (so that prefixes are shared, stored under one root, and split)."""
+    out = []
+    for model in MODELS:
+        for salt in SALTS:
+            base = [rng.randrange(1, 50_000) for _ in range(4 * BS)]
+            for _ in range(3):
+                cut = rng.randint(0, 3) * BS
+                tail = [rng.randrange(1, 50_000) for _ in range(4 * BS)]
+                out.append(Prompt(model, salt, (base[:cut] + tail)[:rng.randint(1, 4) * BS]))
+    return out
+
+
 class Rep:
     """A replica as one shard knows it."""
 
@@ -281,15 +295,7 @@ class Run:
         # Replicas: id -> [incarnation, model, pool (block hashes held), old incarnations].
         self.reps = {f"r{i}": [f"i{seed}-{i}-0", rng.choice(MODELS), set(), []]
                      for i in range(rng.randint(1, 3))}
-        self.prompts: list[Prompt] = []
-        for model in MODELS:
-            for salt in SALTS:
-                base = [rng.randrange(1, 50_000) for _ in range(4 * BS)]
-                for _ in range(3):
-                    cut = rng.randint(0, 3) * BS
-                    tail = [rng.randrange(1, 50_000) for _ in range(4 * BS)]
-                    tokens = (base[:cut] + tail)[:rng.randint(1, 4) * BS]
-                    self.prompts.append(Prompt(model, salt, tokens))
+        self.prompts = random_prompts(rng)
         self.where: dict[bytes, tuple[Prompt, int]] = {}
         self.children: dict[bytes, set[bytes]] = {}
         for p in self.prompts:
