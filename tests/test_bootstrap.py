@@ -335,6 +335,19 @@ def test_status_changes_while_watches_come_and_go_keep_the_server_alive(small_se
         health_pb2.HealthCheckResponse.SERVING
 
 
+def _held_streams(rs, ask, n: int) -> list:
+    """`n` reflection streams opened, each answered once and left open, idle: (the queue that
+    feeds its requests, its responses)."""
+    held = []
+    for _ in range(n):
+        q = queue.Queue()
+        q.put(ask)
+        it = rs.ServerReflectionInfo(iter(q.get, None), timeout=20)
+        assert next(it).list_services_response.service  # open, answered, now idle
+        held.append((q, it))
+    return held
+
+
 def test_idle_reflection_streams_cannot_take_every_thread(small_server, monkeypatch):
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -347,13 +360,7 @@ def test_idle_reflection_streams_cannot_take_every_thread(small_server, monkeypa
     ch = grpc.insecure_channel(small_server.address)
     rs = reflection_pb2_grpc.ServerReflectionStub(ch)
     ask = reflection_pb2.ServerReflectionRequest(list_services="")
-    held = []
-    for _ in range(MAX_OPEN_STREAMS):
-        q = queue.Queue()
-        q.put(ask)
-        it = rs.ServerReflectionInfo(iter(q.get, None), timeout=20)
-        assert next(it).list_services_response.service  # open, answered, now idle
-        held.append((q, it))
+    held = _held_streams(rs, ask, MAX_OPEN_STREAMS)
     try:
         with pytest.raises(grpc.RpcError) as e:
             next(rs.ServerReflectionInfo(iter([ask]), timeout=5))
@@ -386,13 +393,7 @@ def test_one_client_holds_few_reflection_streams_and_none_for_long(small_server,
     monkeypatch.setattr(bootstrap, "OPEN_STREAM_MAX_S", 1.0)
     rs = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(small_server.address))
     ask = reflection_pb2.ServerReflectionRequest(list_services="")
-    held = []
-    for _ in range(bootstrap.MAX_OPEN_STREAMS_PER_PEER):
-        q = queue.Queue()
-        q.put(ask)
-        it = rs.ServerReflectionInfo(iter(q.get, None), timeout=20)
-        assert next(it).list_services_response.service
-        held.append((q, it))
+    held = _held_streams(rs, ask, bootstrap.MAX_OPEN_STREAMS_PER_PEER)
     with pytest.raises(grpc.RpcError) as e:
         next(rs.ServerReflectionInfo(iter([ask]), timeout=5))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -429,13 +430,7 @@ def test_a_reflection_stream_over_the_cap_waits_a_moment_for_a_slot(small_server
 
     rs = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(small_server.address))
     ask = reflection_pb2.ServerReflectionRequest(list_services="")
-    held = []
-    for _ in range(bootstrap.MAX_OPEN_STREAMS_PER_PEER):
-        q = queue.Queue()
-        q.put(ask)
-        it = rs.ServerReflectionInfo(iter(q.get, None), timeout=20)
-        assert next(it).list_services_response.service  # open, answered, now idle
-        held.append((q, it))
+    held = _held_streams(rs, ask, bootstrap.MAX_OPEN_STREAMS_PER_PEER)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:  # nothing frees: refused after the grace
         next(rs.ServerReflectionInfo(iter([ask]), timeout=5))

@@ -11,6 +11,21 @@ from tiercache.v1 import prefix_pb2_grpc
 from services.common.bootstrap import create_server
 
 
+def _ask_file_containing(symbols: list[str]) -> list:
+    """One reflection stream to a fresh PrefixIndex server: file_containing_symbol for each
+    of `symbols`, the answers in order."""
+    h = create_server(service="refl-rules", address="127.0.0.1:0", services=[(
+        prefix_pb2_grpc.add_PrefixIndexServicer_to_server, prefix_pb2_grpc.PrefixIndexServicer(),
+        "tiercache.v1.PrefixIndex")])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{h.port}") as ch:
+            return list(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+                iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=s)
+                      for s in symbols]), timeout=10))
+    finally:
+        h.stop(0)
+
+
 def test_a_methods_name_resolves_to_the_file_declaring_its_service(monkeypatch):
     """The reflection protocol names methods as symbols (`grpcurl describe
     tiercache.v1.PrefixIndex.Match` asks for one); protobuf's upb pool finds none, and every
@@ -18,18 +33,9 @@ def test_a_methods_name_resolves_to_the_file_declaring_its_service(monkeypatch):
     known service is still NOT_FOUND."""
     for var in ("TIERCACHE_TLS_CA", "TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY"):
         monkeypatch.delenv(var, raising=False)
-    h = create_server(service="refl-rules", address="127.0.0.1:0", services=[(
-        prefix_pb2_grpc.add_PrefixIndexServicer_to_server, prefix_pb2_grpc.PrefixIndexServicer(),
-        "tiercache.v1.PrefixIndex")])
     asks = ["tiercache.v1.PrefixIndex.Match", "grpc.health.v1.Health.Check",
             "tiercache.v1.PrefixIndex.Nope", "tiercache.v1.MatchRequest.Nope"]
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{h.port}") as ch:
-            got = list(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=s)
-                      for s in asks]), timeout=10))
-    finally:
-        h.stop(0)
+    got = _ask_file_containing(asks)
     first = [descriptor_pb2.FileDescriptorProto.FromString(
         r.file_descriptor_response.file_descriptor_proto[0])
         if r.WhichOneof("message_response") == "file_descriptor_response" else None
@@ -55,17 +61,8 @@ def test_without_the_descriptor_set_a_methods_name_still_resolves(monkeypatch, t
     monkeypatch.setattr(reflection, "DESCRIPTOR_SET", tmp_path / "none.pb")
     monkeypatch.setattr(importlib.util, "find_spec", lambda *a, **k: None)
     assert reflection.source_info_pool() is None
-    h = create_server(service="refl-rules", address="127.0.0.1:0", services=[(
-        prefix_pb2_grpc.add_PrefixIndexServicer_to_server, prefix_pb2_grpc.PrefixIndexServicer(),
-        "tiercache.v1.PrefixIndex")])
     asks = ["tiercache.v1.PrefixIndex.Match", "tiercache.v1.PrefixIndex.Nope"]
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{h.port}") as ch:
-            got = list(reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
-                iter([reflection_pb2.ServerReflectionRequest(file_containing_symbol=s)
-                      for s in asks]), timeout=10))
-    finally:
-        h.stop(0)
+    got = _ask_file_containing(asks)
     assert got[0].WhichOneof("message_response") == "file_descriptor_response"
     first = descriptor_pb2.FileDescriptorProto.FromString(
         got[0].file_descriptor_response.file_descriptor_proto[0])
