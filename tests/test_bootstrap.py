@@ -419,11 +419,15 @@ def test_one_client_holds_few_reflection_streams_and_none_for_long(small_server,
     assert got and got[0].list_services_response.service
 
 
-def test_a_reflection_stream_over_the_cap_waits_a_moment_for_a_slot(small_server):
+def test_a_reflection_stream_over_the_cap_waits_a_moment_for_a_slot(small_server,
+                                                                   monkeypatch):
     """A differential review: the stock reflection client (a stream a request) opens its next
     stream as soon as it has the last one's answer, before the server has given that slot
     back, and was refused now and then ("at most 2 open streams per client"). A stream over
-    the cap now waits up to OPEN_SLOT_GRACE_S for a slot to free, and is refused after it."""
+    the cap now waits up to OPEN_SLOT_GRACE_S for a slot to free, and is refused after it.
+    A review of that: a waiting stream holds a worker thread, so one peer waits with one
+    stream at a time; any other is refused at once (unbounded, a client opening streams
+    faster than the grace ran out held every worker thread in waits)."""
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     from services.common import bootstrap
@@ -436,16 +440,28 @@ def test_a_reflection_stream_over_the_cap_waits_a_moment_for_a_slot(small_server
         next(rs.ServerReflectionInfo(iter([ask]), timeout=5))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert time.monotonic() - t0 >= bootstrap.OPEN_SLOT_GRACE_S * 0.9
+    # A grace no loaded host outlasts: the late stream surely waits until a slot frees.
+    monkeypatch.setattr(bootstrap, "OPEN_SLOT_GRACE_S", 30.0)
+    waiting = small_server._interceptor._open_waiting
     got: list = []
     late = threading.Thread(target=lambda: got.extend(
-        rs.ServerReflectionInfo(iter([ask]), timeout=5)))
+        rs.ServerReflectionInfo(iter([ask]), timeout=60)))
     late.start()
-    time.sleep(0.1)  # the late stream at the server, waiting (or not yet: it passes alike)
+    deadline = time.monotonic() + 20
+    while not waiting and time.monotonic() < deadline:  # until the server has it waiting
+        time.sleep(0.01)
+    assert waiting, "the late stream never waited"
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:  # the peer waits already: refused at once
+        next(rs.ServerReflectionInfo(iter([ask]), timeout=60))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert time.monotonic() - t0 < 15, "a second waiter from one peer held its thread"
     q, it = held.pop()
     q.put(None)  # one held stream ends: its slot goes to the late one
     assert [r.list_services_response.service for r in it] == []
-    late.join(10)
+    late.join(30)
     assert got and got[0].list_services_response.service
+    assert not waiting
     for q, it in held:
         q.put(None)
         it.cancel()

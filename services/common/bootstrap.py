@@ -87,6 +87,11 @@ OPEN_STREAM_MAX_S = 60.0
 # stock reflection client (a stream a request) was refused now and then for a slot that came
 # back a moment later; a stream held open still gets its refusal within this.
 OPEN_SLOT_GRACE_S = 0.5
+# A waiting stream holds a worker thread too: one peer host waits with one stream at a time,
+# the server with at most this many (the stock client asks one at a time); any other over the
+# caps is refused at once. Unbounded, a client with no credential opening streams faster than
+# the grace ran out held every worker thread of the server, in waits.
+MAX_WAITING_STREAMS = MAX_OPEN_STREAMS
 _OPEN_REAPER = StreamReaper()
 # Longest service name Health.Watch accepts (the names served are a few dozen characters).
 MAX_HEALTH_NAME = 256
@@ -441,7 +446,8 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         self.authenticate = authenticate
         self._open_streams = threading.BoundedSemaphore(MAX_OPEN_STREAMS)
         self._open_by_peer: dict[str, int] = {}
-        self._open_freed = threading.Condition()  # guards _open_by_peer; notified as one frees
+        self._open_freed = threading.Condition()  # guards both; notified as one frees
+        self._open_waiting: set[str] = set()  # the peers with a stream waiting for a slot
         # When this server's stop cuts the calls still running (monotonic; None = running).
         self.cut_at: float | None = None
 
@@ -620,12 +626,13 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         errors are mapped by `fail` as every other kind's (a domain error reached the client
         as UNKNOWN "Exception iterating responses: <its text>")."""
         service, slots, limit = self.service, self._open_streams, self.max_send
-        by_peer, freed = self._open_by_peer, self._open_freed
+        by_peer, freed, waiting = self._open_by_peer, self._open_freed, self._open_waiting
 
         def wrapped(request_iterator, context) -> Iterator:
             rid = prologue(context)
             peer = _peer(context).rpartition(":")[0] or "?"  # its host: one client, any port
             give_up = time.monotonic() + OPEN_SLOT_GRACE_S
+            mine_waits = False
             with freed:
                 while True:
                     mine = by_peer.get(peer, 0)
@@ -639,7 +646,14 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     left = give_up - time.monotonic()
                     if left <= 0 or not context.is_active():
                         break
+                    if not mine_waits:
+                        if peer in waiting or len(waiting) >= MAX_WAITING_STREAMS:
+                            break  # refused at once: no more threads held in waits
+                        waiting.add(peer)
+                        mine_waits = True
                     freed.wait(left)
+                if mine_waits:
+                    waiting.discard(peer)
             if refused:
                 RPC_TOTAL.labels(service, short, "RESOURCE_EXHAUSTED").inc()
                 context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
