@@ -10,7 +10,6 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import dataclasses  # noqa: E402
 import logging  # noqa: E402
-import sys  # noqa: E402
 
 import torch  # noqa: E402
 from tiercache.v1 import kvpool_pb2_grpc  # noqa: E402
@@ -22,7 +21,7 @@ from services.common.bootstrap import (  # noqa: E402
     run_until_signal,
     service_main,
 )
-from services.common.config import named_as_given  # noqa: E402
+from services.common.config import ConfigError  # noqa: E402
 from services.common.model_store import ModelStoreError  # noqa: E402
 from services.kvpool.app import build_replica, device_problem  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
@@ -43,12 +42,9 @@ def _main(argv: list[str] | None) -> int:
         return 2
     problem = device_problem(cfg.device)
     if problem:
-        # Named as given (`--device cuda` was blamed on the variable, unset), as load_config's
-        # refusals are.
-        args = sys.argv[1:] if argv is None else argv
-        log.error("bad configuration: %s", named_as_given(
-            f"TIERCACHE_KVPOOL_DEVICE: {cfg.device!r}: {problem}", "kvpool", args))
-        return 2
+        # service_main names it as given (`--device cuda` was blamed on the variable, unset),
+        # as load_config's refusals are: one line, exit 2.
+        raise ConfigError(f"TIERCACHE_KVPOOL_DEVICE: {cfg.device!r}: {problem}")
     servicer = KvPoolServicer(cfg)
     # Bind first (health NOT_SERVING) so probes see the process while the model loads.
     handle = create_server(  # a port that cannot be bound: ConfigError, exit 2 (service_main)

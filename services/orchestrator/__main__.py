@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import sys
 
 from tiercache.v1 import orchestrator_pb2_grpc
 
@@ -14,7 +13,6 @@ from services.common.bootstrap import (
     run_until_signal,
     service_main,
 )
-from services.common.config import ConfigError, named_as_given
 from services.common.hashing import DEFAULT_KEY, hash_key_from_env
 from services.common.model_store import ModelStoreError
 from services.orchestrator.app import build
@@ -32,12 +30,7 @@ def _main(argv: list[str] | None) -> int:
     cfg = load_service_config(OrchestratorConfig, "orchestrator", argv)
     if cfg is None:
         return 2
-    try:
-        cfg.check_paths()
-    except ConfigError as exc:
-        args = sys.argv[1:] if argv is None else argv
-        log.error("bad configuration: %s", named_as_given(str(exc), "orchestrator", args))
-        return 2
+    cfg.check_paths()  # a ConfigError: named as given by service_main, exit 2
     if (cfg.tokens or cfg.tokens_file) and hash_key_from_env() == DEFAULT_KEY:
         # The key signs the entry references tenants get and derives their cache salts: with
         # the public development key a tenant could sign another's entry id and invalidate it.
