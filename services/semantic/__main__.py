@@ -38,10 +38,9 @@ def _main(argv: list[str] | None) -> int:
         # service_main, naming the flag where one set it, as every service's does.
         raise
     except (OSError, ValueError, sqlite3.Error) as exc:
-        # A port in use (BindError, a ValueError); a model folder without its tokenizer, a
-        # database path that is a folder or not a database, a cache folder that cannot be
-        # made, a verifier file that is not JSON: found only now, where the paths exist. One
-        # line, exit 2.
+        # A model folder without its tokenizer, a database path that is a folder or not a
+        # database, a cache folder that cannot be made, a verifier file that is not JSON:
+        # found only now, where the paths exist. One line, exit 2.
         log.error("bad configuration: %s: %s", type(exc).__name__, exc)
         return 2
     # Move what loading built (entries, maps, index arrays) out of the cyclic collector's reach:
