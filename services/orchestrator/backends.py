@@ -88,7 +88,12 @@ class Health:
         with self._lock:
             if self.healthy and self.exported:
                 log.warning("%s at %s is unhealthy: %s", self.name, self.address, msg)
-            self.healthy, self.last_error = False, str(msg)
+            if hold or not self.held_down:
+                # The poller's verdict stands in Stats while it holds the replica down: a
+                # hung replica's calls, cancelled by the poller, said "Locally cancelled by
+                # application!" there in place of why it was taken out.
+                self.last_error = str(msg)
+            self.healthy = False
             self.held_down = self.held_down or hold
             self._export()
 
@@ -314,7 +319,11 @@ class ReplicaSet:
             # Consecutive timed-out polls: a refusal in between (draining) is not one.
             r.slow_polls = r.slow_polls + 1 if hung else 0
             if not hung or r.slow_polls >= self.hung_polls:
-                r.health.fail(e, hold=True)  # no new requests go there
+                # No new requests go there. A hung one is said so: "Deadline Exceeded" alone
+                # did not say whose deadline, nor that the replica was taken out for it.
+                r.health.fail(f"hung: {r.slow_polls} Stats polls in a row unanswered within "
+                              f"{self.stats_timeout_s:g}s (replica_hung_polls "
+                              f"{self.hung_polls})" if hung else e, hold=True)
                 self._lost(r)
             if hung and r.slow_polls >= self.hung_polls:
                 # Only a hung replica has its in-flight calls cancelled: one that refuses

@@ -294,3 +294,20 @@ def test_two_answers_under_one_replica_id_applied_at_once_let_only_one_in(monkey
         t.join(10)
     assert [r.health.healthy for r in reps].count(True) == 1
     assert len(rs.healthy()) == 1
+
+
+def test_a_hung_replica_says_so_in_stats_not_how_its_cancelled_calls_ended():
+    """A replica found hung keeps the poller's reason as its Stats line: the request the
+    poller failed over (its call cancelled here) no longer replaced it with "Locally
+    cancelled by application!", nor was the reason a bare "Deadline Exceeded"."""
+    slow = FailingStats(grpc.StatusCode.DEADLINE_EXCEEDED)
+    r = Replica("r0", slow, Health("kvpool", "r0"), replica_id="r0")
+    rs = ReplicaSet(addresses=(), internal_token="", model_id="m", hung_polls=2)
+    rs.replicas.append(r)
+    r.health.ok()
+    for _ in range(2):
+        rs.poll_once()
+    why = r.health.last_error
+    assert why.startswith("hung: 2 Stats polls in a row unanswered within 2s"), why
+    r.health.fail(RpcError(grpc.StatusCode.CANCELLED))  # the failed-over call
+    assert r.health.proto().last_error == why and not r.health.healthy
