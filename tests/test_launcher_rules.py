@@ -445,3 +445,14 @@ def test_the_printed_examples_say_a_token_is_needed_when_tenant_tokens_are_set(e
     assert bool(note) is said
     if said:
         assert "--token" in note and "authorization: Bearer" in note and note.endswith("\n")
+
+
+def test_the_readme_says_a_dead_replica_stops_the_local_stack():
+    """The launcher stops the stack when any service exits (above): a user killing one
+    replica to watch failover found the whole stack gone with no word of it in the README."""
+    from pathlib import Path
+
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert ("so does any service exiting (a kvpool replica killed included: the launcher "
+            "names it and exits 1)") in readme
+    assert "kill -STOP <pid>" in readme
