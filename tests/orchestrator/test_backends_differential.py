@@ -38,10 +38,12 @@ order), our in-flight calls beginning and ending, requests' outcomes on a replic
   stalled_for_s at or past replica_stall_s (not 0) holds it down, reports it lost if it was
   healthy and cancels its in-flight calls (its watchers); else it is healthy again;
 - `replica_hung_polls` timed-out polls in a row (an answer or a refusal between breaks the
-  row) hold it down, report it lost and cancel its in-flight calls; any other failed poll
-  holds it down and reports it lost, its calls left to finish;
+  row) hold it down ("hung: N Stats polls in a row unanswered ..."), report it lost and cancel
+  its in-flight calls; any other failed poll holds it down and reports it lost, its calls left
+  to finish;
 - a request finishing there brings it back unless the poller holds it down; a request failing
-  there takes it out of routing until the next answered poll;
+  there takes it out of routing until the next answered poll, its error the health line's
+  unless the poller holds it down (the poller's reason stands);
 - load = our calls in flight + max(0, running + waiting - ours at the poll); routing sees the
   healthy replicas, or every one when none is; max_context is the smallest of theirs.
 
@@ -508,7 +510,9 @@ class ReplicaHarness:
             if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                 m.slow += 1
                 if m.slow >= self.hung_polls:
-                    self.down(m, e.details())
+                    # Said as hung: "Deadline Exceeded" alone named no deadline.
+                    self.down(m, f"hung: {m.slow} Stats polls in a row unanswered within "
+                                 f"0.75s (replica_hung_polls {self.hung_polls})")
                     self.notify_down(m)
             else:
                 m.slow = 0
@@ -633,7 +637,9 @@ class ReplicaHarness:
         elif r < 0.77:
             self.log.append(f"request failed on {k}")
             real.health.fail("stream lost")
-            m.healthy, m.error, m.touched = False, "stream lost", True
+            m.healthy, m.touched = False, True
+            if not m.held:  # the poller's reason stands while it holds the replica down
+                m.error = "stream lost"
         elif r < 0.85:
             seen = rng.choice((None, m.downs, m.downs, max(0, m.downs - 1)))
             calls: list[int] = []
