@@ -17,7 +17,8 @@ class KvMetrics:
         # is a gauge of its own, else a sum over states counted every block twice.
         self.blocks = gauge("tiercache_kvpool_blocks",
                             "KV blocks by state (free, cached, pinned, in_use: they add up to "
-                            "tiercache_kvpool_capacity_blocks)", ("state",))
+                            "tiercache_kvpool_capacity_blocks; a pinned block a request reads "
+                            "is in_use until it ends, its pin kept)", ("state",))
         self.capacity = gauge("tiercache_kvpool_capacity_blocks", "KV blocks in the pool")
         self.running = gauge("tiercache_kvpool_running", "Sequences running in the engine")
         self.waiting = gauge("tiercache_kvpool_waiting", "Sequences waiting for admission")
