@@ -775,8 +775,25 @@ def server_tls_files(service: str, env: Mapping[str, str] | None = None
     return picked[0], picked[1]
 
 
+CLIENT_AUTH_VALUES = ("require", "none")
+
+
+def client_auth_var(service: str) -> str:
+    """The variable that says whether `service`'s server requires client certificates."""
+    return f"TIERCACHE_{service.upper()}_TLS_CLIENT_AUTH"
+
+
+def requires_client_certs(service: str, env: Mapping[str, str] | None = None) -> bool:
+    """Whether `service`'s server demands a client certificate: with `TIERCACHE_TLS_CA` set,
+    unless its own TIERCACHE_<SERVICE>_TLS_CLIENT_AUTH is `none` (the public orchestrator:
+    tenants bring bearer tokens, not certificates, while its own calls stay mutual TLS)."""
+    env = os.environ if env is None else env
+    return bool(env.get("TIERCACHE_TLS_CA")) and env.get(client_auth_var(service)) != "none"
+
+
 def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:
-    """TLS from `TIERCACHE_TLS_CERT`/`_KEY` files; mutual TLS when `TIERCACHE_TLS_CA` is set.
+    """TLS from `TIERCACHE_TLS_CERT`/`_KEY` files; mutual TLS when `TIERCACHE_TLS_CA` is set
+    (and the service's TIERCACHE_<SERVICE>_TLS_CLIENT_AUTH is not `none`).
 
     Raises:
         ConfigError: a certificate without its key, or a key without its certificate.
@@ -786,7 +803,7 @@ def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:
         return None
     if not (cert and key):
         raise ConfigError(f"{cert_var} and {key_var} must be set together")
-    ca = os.environ.get("TIERCACHE_TLS_CA")
+    ca = os.environ.get("TIERCACHE_TLS_CA") if requires_client_certs(service) else None
     with open(cert, "rb") as f:
         cert_b = f.read()
     with open(key, "rb") as f:

@@ -8,7 +8,12 @@ from collections.abc import Callable, Mapping
 
 import grpc
 
-from services.common.bootstrap import channel_options, server_tls_files
+from services.common.bootstrap import (
+    CLIENT_AUTH_VALUES,
+    channel_options,
+    client_auth_var,
+    server_tls_files,
+)
 from services.common.logs import request_id_var
 
 
@@ -63,8 +68,9 @@ def tls_env_problem(env: Mapping[str, str] | None = None, service: str = "") -> 
     """What is wrong with the TLS variables ("" = nothing): half a client key pair (gRPC's C
     core aborts the process on it), half the server's pair (a traceback at bind), or a CA
     without the server certificate (servers would speak plaintext while every client speaks
-    TLS). `service`'s own TIERCACHE_<SERVICE>_TLS_CERT/_KEY stand in for the shared ones, as
-    the server reads them (`server_tls_files`)."""
+    TLS), or a TIERCACHE_<SERVICE>_TLS_CLIENT_AUTH that is not `require`/`none` (or is
+    `require` without the CA). `service`'s own TIERCACHE_<SERVICE>_TLS_CERT/_KEY stand in for
+    the shared ones, as the server reads them (`server_tls_files`)."""
     env = os.environ if env is None else env
     if _half_client_pair(env):
         return _HALF_CLIENT_PAIR
@@ -75,6 +81,13 @@ def tls_env_problem(env: Mapping[str, str] | None = None, service: str = "") -> 
         return ("TIERCACHE_TLS_CA needs TIERCACHE_TLS_CERT and TIERCACHE_TLS_KEY (or the "
                 "service's own TIERCACHE_<SERVICE>_TLS_CERT/_KEY): with the CA every client "
                 "speaks TLS, so the servers must too")
+    auth_var = client_auth_var(service) if service else ""
+    auth = env.get(auth_var) if auth_var else None
+    if auth is not None and auth not in CLIENT_AUTH_VALUES:
+        return f"{auth_var}={auth!r}: must be one of {', '.join(CLIENT_AUTH_VALUES)}"
+    if auth == "require" and not env.get("TIERCACHE_TLS_CA"):
+        return (f"{auth_var}=require needs TIERCACHE_TLS_CA (the CA client certificates "
+                "are checked against)")
     return ""
 
 

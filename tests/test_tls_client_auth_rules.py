@@ -1,0 +1,84 @@
+"""TIERCACHE_<SERVICE>_TLS_CLIENT_AUTH's rules: `none` lets one service (the public
+orchestrator, whose tenants bring bearer tokens) take TLS clients without a certificate while
+every other service under the same shared TIERCACHE_TLS_CA still requires one; a value that is
+neither `require` nor `none`, or `require` without the CA, is named at start; the variable is a
+setting of every service, not a typo (helpers and fixtures from test_common_edges)."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.bootstrap import create_server
+from services.common.config import load_config
+from services.common.grpc_client import channel_credentials_from_env, tls_env_problem
+from services.orchestrator.config import OrchestratorConfig
+from tests import test_common_edges as edges
+
+two_cert_sets = edges.two_cert_sets  # the fixture of test_common_edges
+
+TLS_VARS = ("TIERCACHE_TLS_CA", "TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY",
+            "TIERCACHE_TLS_CLIENT_CERT", "TIERCACHE_TLS_CLIENT_KEY")
+
+
+def _check(port: int, creds: grpc.ChannelCredentials) -> bool:
+    """Whether a TLS Health/Check on `port` with `creds` is answered."""
+    with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
+        try:
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.UNAVAILABLE
+            return False
+    return True
+
+
+def test_none_lets_only_its_service_take_clients_without_a_certificate(two_cert_sets,
+                                                                      monkeypatch):
+    """Shared CA set, TIERCACHE_ORCHESTRATOR_TLS_CLIENT_AUTH=none: the orchestrator answers a
+    TLS client that trusts the CA but has no certificate; prefix, same variables, refuses it and
+    answers the one with the client certificate. The shared CA alone made every server, the
+    public one too, demand client certificates from tenants."""
+    certs = two_cert_sets[0]
+    for var, name in zip(TLS_VARS, ("ca.pem", "server.pem", "server.key", "client.pem",
+                                    "client.key"), strict=True):
+        monkeypatch.setenv(var, str(certs / name))
+    monkeypatch.setenv("TIERCACHE_ORCHESTRATOR_TLS_CLIENT_AUTH", "none")
+    ca = (certs / "ca.pem").read_bytes()
+    bare = grpc.ssl_channel_credentials(root_certificates=ca)
+    mutual = channel_credentials_from_env()
+    orch = create_server(service="orchestrator", address="127.0.0.1:0", services=[])
+    pre = create_server(service="prefix", address="127.0.0.1:0", services=[])
+    try:
+        assert _check(orch.port, bare)
+        assert _check(orch.port, mutual)
+        assert not _check(pre.port, bare)
+        assert _check(pre.port, mutual)
+    finally:
+        orch.stop(0)
+        pre.stop(0)
+
+
+@pytest.mark.parametrize(("value", "with_ca", "problem"), [
+    ("none", True, ""),
+    ("require", True, ""),
+    ("none", False, ""),
+    ("require", False, "needs TIERCACHE_TLS_CA"),
+    ("off", True, "must be one of require, none"),
+    ("", True, "must be one of require, none"),
+])
+def test_client_auth_values_are_checked_at_start(value, with_ca, problem):
+    env = {"TIERCACHE_TLS_CERT": "s.pem", "TIERCACHE_TLS_KEY": "s.key",
+           "TIERCACHE_ORCHESTRATOR_TLS_CLIENT_AUTH": value}
+    if with_ca:
+        env["TIERCACHE_TLS_CA"] = "ca.pem"
+    got = tls_env_problem(env, service="orchestrator")
+    assert (problem in got and "TIERCACHE_ORCHESTRATOR_TLS_CLIENT_AUTH" in got) if problem \
+        else got == ""
+    # Another service's own variable is not this one's concern.
+    assert tls_env_problem(env, service="prefix") == ""
+
+
+def test_client_auth_is_a_setting_not_a_typo():
+    load_config(OrchestratorConfig, "orchestrator", [],
+                {"TIERCACHE_ORCHESTRATOR_TLS_CLIENT_AUTH": "none"})
