@@ -39,7 +39,10 @@ date). A setting `foo_bar` of service `svc` is read from `TIERCACHE_SVC_FOO_BAR`
 checked at start: a bad one stops the service with exit 2 and a line naming the variable
 (or flag), as does a `TIERCACHE_` variable that is no setting. Shared settings, read by
 every service that needs them: `TIERCACHE_TLS_CERT` / `_KEY` / `_CA` / `_CLIENT_CERT` /
-`_CLIENT_KEY` (TLS, [reliability.md](reliability.md)), `TIERCACHE_HASH_KEY` (the cluster's
+`_CLIENT_KEY` (TLS, [reliability.md](reliability.md); per service
+`TIERCACHE_<SERVICE>_TLS_CERT` / `_KEY` replace the server's pair and
+`TIERCACHE_<SERVICE>_TLS_CLIENT_AUTH=none` stops that server requiring client certificates
+under the CA, [deploy.md](deploy.md)), `TIERCACHE_HASH_KEY` (the cluster's
 block-hash and entry-signing key, [deploy.md](deploy.md)), `TIERCACHE_CACHE_DIR` (models and
 the semantic database, default `~/.cache/tiercache`), `TIERCACHE_LOG_LEVEL`,
 `TIERCACHE_DRAIN_DELAY_S`, `TIERCACHE_PURE_PYTHON_HASH` (`1`: hashlib in place of the C block
