@@ -65,7 +65,9 @@ def test_none_lets_only_its_service_take_clients_without_a_certificate(two_cert_
     ("none", False, ""),
     ("require", False, "needs TIERCACHE_TLS_CA"),
     ("off", True, "must be one of require, none"),
-    ("", True, "must be one of require, none"),
+    ("", True, ""),  # empty: unset, the default (require with the CA)
+    (" None\n", True, ""),  # stripped and any case, as every setting's value
+    ("REQUIRE", False, "needs TIERCACHE_TLS_CA"),
 ])
 def test_client_auth_values_are_checked_at_start(value, with_ca, problem):
     env = {"TIERCACHE_TLS_CERT": "s.pem", "TIERCACHE_TLS_KEY": "s.key",
@@ -82,3 +84,16 @@ def test_client_auth_values_are_checked_at_start(value, with_ca, problem):
 def test_client_auth_is_a_setting_not_a_typo():
     load_config(OrchestratorConfig, "orchestrator", [],
                 {"TIERCACHE_ORCHESTRATOR_TLS_CLIENT_AUTH": "none"})
+
+
+def test_the_server_reads_the_value_as_the_start_check_does():
+    """Stripped and any case: " None " lets clients in without a certificate (the start check
+    takes it), an empty value is the default (certificates required with the CA)."""
+    from services.common.bootstrap import requires_client_certs
+
+    var = "TIERCACHE_ORCHESTRATOR_TLS_CLIENT_AUTH"
+    assert not requires_client_certs("orchestrator", {"TIERCACHE_TLS_CA": "ca", var: " None "})
+    assert requires_client_certs("orchestrator", {"TIERCACHE_TLS_CA": "ca", var: ""})
+    assert requires_client_certs("orchestrator", {"TIERCACHE_TLS_CA": "ca", var: "require"})
+    assert not requires_client_certs("orchestrator", {var: "require"})  # no CA: no mutual TLS
+    assert requires_client_certs("prefix", {"TIERCACHE_TLS_CA": "ca", var: "none"})

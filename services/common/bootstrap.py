@@ -783,12 +783,19 @@ def client_auth_var(service: str) -> str:
     return f"TIERCACHE_{service.upper()}_TLS_CLIENT_AUTH"
 
 
+def client_auth(service: str, env: Mapping[str, str] | None = None) -> str:
+    """`service`'s TIERCACHE_<SERVICE>_TLS_CLIENT_AUTH as read: stripped and lower-cased, as
+    every setting's value is; "" when unset or empty (the default: require)."""
+    env = os.environ if env is None else env
+    return (env.get(client_auth_var(service)) or "").strip().lower()
+
+
 def requires_client_certs(service: str, env: Mapping[str, str] | None = None) -> bool:
     """Whether `service`'s server demands a client certificate: with `TIERCACHE_TLS_CA` set,
     unless its own TIERCACHE_<SERVICE>_TLS_CLIENT_AUTH is `none` (the public orchestrator:
     tenants bring bearer tokens, not certificates, while its own calls stay mutual TLS)."""
     env = os.environ if env is None else env
-    return bool(env.get("TIERCACHE_TLS_CA")) and env.get(client_auth_var(service)) != "none"
+    return bool(env.get("TIERCACHE_TLS_CA")) and client_auth(service, env) != "none"
 
 
 def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:

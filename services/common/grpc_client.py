@@ -11,6 +11,7 @@ import grpc
 from services.common.bootstrap import (
     CLIENT_AUTH_VALUES,
     channel_options,
+    client_auth,
     client_auth_var,
     server_tls_files,
 )
@@ -82,9 +83,9 @@ def tls_env_problem(env: Mapping[str, str] | None = None, service: str = "") -> 
                 "service's own TIERCACHE_<SERVICE>_TLS_CERT/_KEY): with the CA every client "
                 "speaks TLS, so the servers must too")
     auth_var = client_auth_var(service) if service else ""
-    auth = env.get(auth_var) if auth_var else None
-    if auth is not None and auth not in CLIENT_AUTH_VALUES:
-        return f"{auth_var}={auth!r}: must be one of {', '.join(CLIENT_AUTH_VALUES)}"
+    auth = client_auth(service, env) if service else ""
+    if auth and auth not in CLIENT_AUTH_VALUES:
+        return f"{auth_var}={env[auth_var]!r}: must be one of {', '.join(CLIENT_AUTH_VALUES)}"
     if auth == "require" and not env.get("TIERCACHE_TLS_CA"):
         return (f"{auth_var}=require needs TIERCACHE_TLS_CA (the CA client certificates "
                 "are checked against)")
