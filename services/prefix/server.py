@@ -32,9 +32,14 @@ MATCHES = metrics.counter("tiercache_prefix_matches_total", "Match calls", ("res
 MATCH_BLOCKS = metrics.counter("tiercache_prefix_match_blocks_total",
                                "Blocks asked about in Match calls", ("result",))
 EVENTS = metrics.counter("tiercache_prefix_events_total", "Replica events applied", ("kind",))
+# Only those the index asks for: a replica whose heartbeat finds it forgotten (a lapse) registers
+# and resyncs unasked, and a SIGSTOPped replica's return left this at 0, read as "no lapse".
 RESYNCS = metrics.counter("tiercache_prefix_resyncs_total",
-                          "Resyncs requested: after a gap in a replica's batches, or at its first "
-                          "batch back from a lapsed lease (Stats' resyncs_total)")
+                          "Resyncs the index asked for: a batch after a gap in a replica's "
+                          "numbers, or its first after a Register that carried them on past a "
+                          "lapsed lease (Stats' resyncs_total); not the resync a replica sends "
+                          "unasked when its heartbeat finds it forgotten (see "
+                          "tiercache_prefix_replicas for lapses)")
 # A counter (rate() and increase() work on it), fed from the tree's running total.
 PRUNED = metrics.counter("tiercache_prefix_pruned_total", "Nodes pruned by the memory budget")
 UNHELD = metrics.gauge("tiercache_prefix_unheld_nodes",

@@ -64,3 +64,26 @@ def test_the_replicas_gauge_is_the_live_replicas_stats_lists():
     assert gauge() == 1 == listed(s)
     clock.t += LEASE * 1.1  # r0 lapses too: Stats drops it and says so
     assert listed(s) == 0 and gauge() == 0
+
+
+def test_a_replica_back_from_a_lapse_that_resyncs_unasked_counts_no_resync():
+    """tiercache_prefix_resyncs_total counts the resyncs the index asks for, as its help says:
+    a replica stopped past its lease (SIGSTOP on the live stack) finds itself forgotten at its
+    next heartbeat, registers and resyncs unasked, and the counter stays where it was (the
+    help said "at its first batch back from a lapsed lease", read as every lapse counting);
+    the lapse shows in tiercache_prefix_replicas instead."""
+    from services.prefix import server
+
+    assert "asked for" in server.RESYNCS._documentation  # noqa: SLF001
+    clock = Clock(100.0)
+    s = PrefixServicer(PrefixIndex(BS, lease_seconds=LEASE, clock=clock))
+    register(s, "r0")
+    before = sample_value("tiercache_prefix_resyncs_total")
+    clock.t += LEASE * 1.5
+    r = s.Heartbeat(prefix_pb2.HeartbeatRequest(replica_id="r0", incarnation="i"), None)
+    assert not r.known and gauge() == 0
+    register(s, "r0")
+    out = s.PublishEvents(prefix_pb2.PublishEventsRequest(
+        replica_id="r0", incarnation="i", seq=1, resync=True), None)
+    assert out.status == prefix_pb2.PUBLISH_STATUS_OK and gauge() == 1
+    assert sample_value("tiercache_prefix_resyncs_total") == before
