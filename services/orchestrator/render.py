@@ -34,9 +34,12 @@ _SLOT_RE = re.compile("\ue000([0-9]+)\ue001")
 # character.)
 PIECE_CACHE_MIN_CHARS = 512
 PIECE_CACHE_MAX_BYTES = 32 * 1024 * 1024
+# The help says the length: docs/metrics.md named the constant, and a live check's system
+# prompts of ~200 characters left the counter absent, read as the cache not working.
 PIECES = counter("tiercache_orchestrator_prompt_pieces_total",
-                 "Prompt texts between control tokens of PIECE_CACHE_MIN_CHARS or more (system "
-                 "prompts, earlier turns): found tokenized in the renderer's cache, or not",
+                 f"Prompt texts between control tokens of {PIECE_CACHE_MIN_CHARS} characters or "
+                 "more (system prompts, earlier turns): found tokenized in the renderer's cache "
+                 "(kept per tenant), or not; shorter ones are tokenized each time, uncounted",
                  ("result",))
 # Texts tokenized whole and piece by piece when the renderer starts: if any differs, the
 # tokenizer does not treat text between added tokens on its own, and prompts are tokenized
