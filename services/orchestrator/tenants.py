@@ -37,8 +37,13 @@ log = logging.getLogger(__name__)
 # Every refusal was only one more RESOURCE_EXHAUSTED in tiercache_rpc_total, mixed with
 # "every replica busy" and fixed limits: an operator could not tell which tenant was throttled
 # or why. Tenants come from configuration, so the label set is bounded.
+# "a tenant or server limit" read as every limit: a max_tokens past the server's own limit (the
+# live check's `--max-tokens 5000`) is INVALID_ARGUMENT and counted only in tiercache_rpc_total.
 REJECTED = counter("tiercache_orchestrator_rejections_total",
-                   "Requests refused by a tenant or server limit", ("tenant", "reason"))
+                   "Requests refused RESOURCE_EXHAUSTED by a tenant's limit (reason "
+                   "prompt_tokens, max_tokens, concurrent, rate_limit) or the server's stream "
+                   "cap (server_streams); not those past the server's own max_tokens or prompt "
+                   "limits (INVALID_ARGUMENT, in tiercache_rpc_total)", ("tenant", "reason"))
 
 
 def parse_token_pairs(tokens: str) -> dict[str, str]:

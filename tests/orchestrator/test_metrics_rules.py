@@ -246,3 +246,37 @@ def test_prompt_pieces_counts_pieces_of_the_length_its_help_names():
             now = counts()
             seen.append((now[0] - before[0], now[1] - before[1]))
         assert seen == want, size
+
+
+def rejections() -> float:
+    from services.orchestrator.tenants import REJECTED
+
+    return sum(s.value for m in REJECTED.collect() for s in m.samples
+               if s.name == "tiercache_orchestrator_rejections_total")
+
+
+def test_rejections_count_a_tenants_limits_not_the_servers_invalid_arguments():
+    """tiercache_orchestrator_rejections_total, as its help now says: a tenant's limit counts
+    (RESOURCE_EXHAUSTED, by tenant name); a max_tokens past the server's own limit is
+    INVALID_ARGUMENT and counts nothing here (the help said "a tenant or server limit", and a
+    live stack's `--max-tokens 5000` moved only tiercache_rpc_total)."""
+    from tiercache.v1 import common_pb2
+
+    from services.orchestrator.server import parse_sampling
+    from services.orchestrator.tenants import REJECTED
+
+    help_text = REJECTED._documentation  # noqa: SLF001
+    assert "tenant's limit" in help_text and "not those past the server's own" in help_text
+    cfg = OrchestratorConfig(max_tokens_limit=64)
+    reg = TenantRegistry.build(tokens_file="", tokens="acme-token=acme", key=b"k",
+                               max_prompt_tokens=100, max_tokens=16, max_concurrent=10)
+    acme = reg.authenticate({"authorization": "Bearer acme-token"})
+    before = rejections()
+    with pytest.raises(errors.InvalidArgument):
+        parse_sampling(common_pb2.SamplingParams(max_tokens=65), cfg)
+    assert rejections() == before
+    with pytest.raises(errors.ResourceExhausted):
+        reg.check_limits(acme, 10, 17)
+    assert rejections() == before + 1
+    assert sample_value("tiercache_orchestrator_rejections_total",
+                        {"tenant": "acme", "reason": "max_tokens"}) is not None
