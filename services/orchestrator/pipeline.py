@@ -36,7 +36,12 @@ from services.orchestrator.tenants import Tenant
 
 log = logging.getLogger(__name__)
 
-REQUESTS = counter("tiercache_orchestrator_requests_total", "Generate requests by cache class",
+# Served only (`_count`, once the client has the last token): a live check's cancelled and
+# timed-out Generates were in tiercache_rpc_total only, which the help did not say.
+REQUESTS = counter("tiercache_orchestrator_requests_total",
+                   "Generate requests served, by cache class (cold, prefix_hit, semantic_hit): "
+                   "counted once the client has taken the last token, so not those refused, "
+                   "failed, cancelled or past their deadline (see tiercache_rpc_total)",
                    ("cache_class",))
 DEGRADED = counter("tiercache_orchestrator_degradations_total",
                    "Degraded events, one per event (a request may count several): tier "

@@ -280,3 +280,33 @@ def test_rejections_count_a_tenants_limits_not_the_servers_invalid_arguments():
     assert rejections() == before + 1
     assert sample_value("tiercache_orchestrator_rejections_total",
                         {"tenant": "acme", "reason": "max_tokens"}) is not None
+
+
+def test_requests_count_a_request_once_its_client_has_the_last_token():
+    """tiercache_orchestrator_requests_total counts requests served, as its help now says: a
+    client gone after the first text (a cancel, a deadline on the live stack) counts nothing;
+    one read through counts once, by its cache class."""
+    from services.orchestrator.pipeline import REQUESTS, Policy, Sampling
+    from services.orchestrator.render import RenderedPrompt
+    from tests.orchestrator.test_pipeline_paths import PROMPT, TENANT
+
+    help_text = REQUESTS._documentation  # noqa: SLF001
+    assert "counted once the client has taken the last token" in help_text
+
+    def cold() -> float:
+        return sample_value("tiercache_orchestrator_requests_total",
+                            {"cache_class": "cold"}) or 0.0
+
+    orch = make(stubs())
+    before = cold()
+    events = orch.generate(
+        tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+        sampling=Sampling(4, 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
+        return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
+        on_cancel=[].append)
+    first = next(events)  # the first text, then the client is gone
+    assert not isinstance(first, Finished)
+    events.close()
+    assert cold() == before
+    report(generate(orch, []))
+    assert cold() == before + 1
