@@ -196,9 +196,12 @@ def _metrics():
         "evictions": m.counter("tiercache_semantic_evictions_total", "Entries evicted (LRU)"),
         "expirations": m.counter("tiercache_semantic_expirations_total", "Entries expired"),
         "entries": m.gauge("tiercache_semantic_entries", "Entries held"),
+        # Exact repeats are observed too (sub-millisecond, no search): on a live stack most of
+        # the lowest buckets were theirs, read as searches that fast.
         "search": m.histogram("tiercache_semantic_search_seconds",
                               "Index search and the candidates' checks (guard, verifier), "
-                              "excluding embedding",
+                              "excluding embedding; for a lookup served as an exact repeat, "
+                              "its lookup by text instead (no search: see exact_hits_total)",
                               buckets=(0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.05, 0.1)),
         "embed": m.histogram("tiercache_semantic_embed_seconds",
                              "Embedding time of a Lookup's text (not observed for a lookup "

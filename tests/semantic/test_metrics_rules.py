@@ -186,3 +186,19 @@ def test_a_restart_under_a_lower_capacity_counts_what_it_evicts(make_cache):
     again = make_cache(max_entries_per_namespace=2)  # the same database, restarted
     assert metric("tiercache_semantic_evictions_total") - before == 3
     assert again.stats().evictions_total == 3 and again.stats().entries == 2
+
+
+def test_search_seconds_help_says_an_exact_repeat_is_observed_without_a_search(make_cache, emb):
+    """An exact repeat is observed in tiercache_semantic_search_seconds (its lookup by text),
+    as the help now says; it said "index search and the candidates' checks", and a live
+    stack's exact hits filled the lowest buckets as if searches took that little."""
+    c = make_cache()
+    help_text = c._m["search"]._documentation  # noqa: SLF001
+    assert "exact repeat, its lookup by text instead" in help_text
+    a = Namespace("a", "m", "")
+    emb.at("the prompt", 0.9, 3)
+    c.store_entry(a, "the prompt", "its answer")
+    before = snapshot(c)
+    assert c.lookup(a, "the prompt").exact
+    assert moved(before, snapshot(c)) == {("standard", "hit"): 1, "exact_hits_total": 1,
+                                          "search_seconds_count": 1}
