@@ -24,7 +24,8 @@ Run: 5,000 seeds of 200 Thinned steps, 20,000 of the formatter and ids, 3,000 of
 (LOGS_DIFFERENTIAL_SEEDS sets how many here; 300 by default). Found: a Thinned past its
 4,096-key bound cleared its table and with it every key's count, never said, and the count of
 WARNINGs was an INFO line, unseen at TIERCACHE_LOG_LEVEL=WARNING (both fixed, guarded in
-test_logs_rules.py). Left as they are, the docs silent: a TIERCACHE_LOG_LEVEL set but empty
+test_logs_rules.py); stop 68: the level is stripped, as every setting's value is
+(tests/test_config.py). Left as they are, the docs silent: a TIERCACHE_LOG_LEVEL set but empty
 is refused as unknown; WARN, FATAL and NOTSET are taken; a flush forgets the windows (the
 next line opens a new one); a field named msg, level or request_id replaces that key; a
 credential nested inside a field's value, a NaN (not JSON) or a dict keyed by tuples (a
@@ -423,7 +424,8 @@ def run_setup_logging(seed: int, monkeypatch) -> None:
     # An empty argument is no argument; a variable set but empty is refused as unknown (the
     # docs are silent; the config's own settings refuse "set but empty" where it would
     # turn something off).
-    chosen = arg or (env if env is not None else "INFO")
+    # Stripped, as every setting's value (stop 68: " info" was refused).
+    chosen = (arg or (env if env is not None else "INFO")).strip()
     root = logging.getLogger()
     if chosen.upper() in LEVELS:
         logs.setup_logging("svc", arg)
