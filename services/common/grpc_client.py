@@ -45,6 +45,17 @@ def cut_short(e: grpc.RpcError, timeout: float | None, full_s: float) -> bool:
             and timeout < min(full_s, STALL_EVIDENCE_S))
 
 
+# A caller's own bad request or an id the dependency does not know: it answered as it should.
+CALLERS_FAULT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
+
+
+def tells_of_health(e: grpc.RpcError, timeout: float | None, full_s: float) -> bool:
+    """Whether the failure `e` of a call to a dependency says anything of its health: not the
+    caller's fault (`CALLERS_FAULT`), nor a deadline its own shorter timeout ran into
+    (`cut_short`). What the tiers' health records and a prefix shard's record go by."""
+    return e.code() not in CALLERS_FAULT and not cut_short(e, timeout, full_s)
+
+
 def unary_call(rpc, request, on_call: Callable[[grpc.Future], None] | None = None, **kw):
     """One call of a stub's unary method `rpc`. With `on_call`, the call is made as a future,
     handed to `on_call` as it starts (so that a request can cancel it when its client goes):

@@ -34,7 +34,7 @@ from tiercache.v1 import common_pb2, prefix_pb2, prefix_pb2_grpc
 
 from services.common.addresses import ShardRing, shard_fingerprint
 from services.common.bootstrap import DEFAULT_MAX_MESSAGE_BYTES
-from services.common.grpc_client import call_metadata, cut_short, make_channel, unary_call
+from services.common.grpc_client import call_metadata, make_channel, tells_of_health, unary_call
 from services.common.hashing import BlockHasher
 from services.common.shard_list import merged_note
 
@@ -217,12 +217,9 @@ class PrefixIndexClient:
         if err is None:
             said = ""
         else:
-            code = err.code()
-            if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND):
+            if not tells_of_health(err, timeout, self.timeout):
                 return
-            if cut_short(err, timeout, self.timeout):
-                return
-            said = f"{code.name}: {err.details()}"
+            said = f"{err.code().name}: {err.details()}"
         self.shard_errors[address] = said
         if self.on_outcome is not None:
             self.on_outcome(address, said)

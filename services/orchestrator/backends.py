@@ -22,7 +22,13 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc, semantic_pb2, 
 
 from services.common import errors
 from services.common.addresses import ShardRing, shard_fingerprint
-from services.common.grpc_client import call_metadata, cut_short, make_channel, unary_call
+from services.common.grpc_client import (
+    call_metadata,
+    cut_short,
+    make_channel,
+    tells_of_health,
+    unary_call,
+)
 from services.common.metrics import gauge
 from services.common.shard_list import merged_note
 from services.orchestrator.routing import ReplicaView
@@ -709,9 +715,7 @@ class SemanticBackend:
         except grpc.RpcError as e:
             if isinstance(e, _SkippedShard):
                 raise
-            if (not cut_short(e, timeout, self.timeout_s)
-                    and e.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
-                                         grpc.StatusCode.NOT_FOUND)):
+            if tells_of_health(e, timeout, self.timeout_s):
                 # Not only down or hung: a tier refusing our credential (UNAUTHENTICATED) or
                 # every Store (RESOURCE_EXHAUSTED: a full disk) does no work either, and
                 # Stats must say so. A request's own bad input or an unknown id is not the

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 from tiercache.v1 import common_pb2
 
-from services.common.grpc_client import cut_short
+from services.common.grpc_client import tells_of_health
 from services.common.prefix_client import PrefixIndexClient
 from services.orchestrator.backends import Health, HungBackoff, tier_health, with_note
 
@@ -58,9 +58,7 @@ class PrefixBackend:
             # Nor a caller's bad request (a malformed hash, k = 0): as a shard's record
             # (`PrefixIndexClient._outcome`) and the semantic tier's, not the index's fault. One
             # index read unhealthy after it, its gauge 0, while the same index sharded did not.
-            if (not cut_short(e, kw.get("timeout"), self.timeout_s)
-                    and e.code() not in (grpc.StatusCode.INVALID_ARGUMENT,
-                                         grpc.StatusCode.NOT_FOUND)):
+            if tells_of_health(e, kw.get("timeout"), self.timeout_s):
                 self.health.fail(e)
             raise
 
