@@ -104,7 +104,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from benchmarks import cpu_model
-from benchmarks.emit import verdicts
+from benchmarks.emit import rounded, verdicts
 from benchmarks.kvpool import write_result
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -719,7 +719,7 @@ def main(argv: list[str] | None = None) -> int:
         "timed_pairs": len(rows),
         "near_pairs": len(near),
         "near_pairs_draft_from_own_question": sum(r["draft_from_own_question"] for r in near),
-        **{name: None if v is None else round(v, 3) for name, v in exact.items()},
+        **rounded(exact),
         "forward_passes_per_token_decode_only": ratio(total(near, "passes_draft"),
                                                       total(near, "b_tokens")),
         "forward_passes_per_token_without_draft": ratio(total(near, "passes_plain"),

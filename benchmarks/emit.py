@@ -25,6 +25,11 @@ def emit(res: dict, out: Path | None) -> None:
         out.write_text(text + "\n")
 
 
+def rounded(figures: dict, places: int = 3) -> dict:
+    """`figures` to `places` places for reading (None stays None)."""
+    return {k: None if v is None else round(v, places) for k, v in figures.items()}
+
+
 def verdicts(targets: dict[str, tuple[str, float]], exact: dict,
              shown: dict | None = None) -> dict:
     """Each target's {"value", "target", "met"}. `met` is judged on `exact`, the unrounded
