@@ -46,6 +46,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
+from benchmarks.emit import verdicts
 from benchmarks.workload import WorkloadSpec, generate
 from services.common.hashing import BlockHasher
 from services.common.policy import BlockUsage, HybridPolicy
@@ -848,14 +849,11 @@ def build_output(results: list[RunResult], sizes: list[int], sessions: int, rate
 
     h_unc, h_rr = ratio(tc, unc), ratio(tc, rr)
     lmm = tc.summary["load_max_over_mean"] if tc else None
-    targets = {
-        "hit_ratio_vs_uncapped_prefix_aware": {"value": h_unc, "target": ">= 0.90",
-                                               "met": h_unc is not None and h_unc >= 0.90},
-        "load_max_over_mean": {"value": lmm, "target": "<= 1.25",
-                               "met": lmm is not None and lmm <= 1.25},
-        "hit_ratio_vs_round_robin": {"value": h_rr, "target": ">= 2.0",
-                                     "met": h_rr is not None and h_rr >= 2.0},
-    }
+    targets = verdicts({"hit_ratio_vs_uncapped_prefix_aware": (">=", 0.90),
+                        "load_max_over_mean": ("<=", 1.25),
+                        "hit_ratio_vs_round_robin": (">=", 2.0)},
+                       {"hit_ratio_vs_uncapped_prefix_aware": h_unc,
+                        "load_max_over_mean": lmm, "hit_ratio_vs_round_robin": h_rr})
     cmd = "python -m benchmarks.simulate" + (" --quick" if a.quick else "")
     if a.replicas:
         cmd += " --replicas " + " ".join(map(str, a.replicas))

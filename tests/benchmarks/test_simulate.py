@@ -79,3 +79,27 @@ def test_pool_evicts_unreferenced_leaves_deep_lru_first() -> None:
     with pytest.raises(IndexError):  # nothing left to evict: the caller must check first
         pool.admit([], 0, 1, now=4.0)
     assert not pool.can_admit([], 0, 1)
+
+
+def test_targets_judged_by_the_shared_verdicts():
+    """The simulation judges its targets with `benchmarks.emit.verdicts` as the other
+    benchmarks do: a ratio exactly at its bound is met, a missing one (no round-robin run) is
+    not, and the target text is the shared form."""
+    import argparse
+
+    from benchmarks.simulate import Rates, RunResult, build_output
+
+    def run(policy: str, hits: float, lmm: float) -> RunResult:
+        return RunResult(policy, 64, {"token_hit_ratio": hits, "load_max_over_mean": lmm},
+                         {}, {})
+
+    a = argparse.Namespace(pool_blocks=64, tenants=4, req_per_replica_s=1.0, quick=True,
+                           replicas=[64], sessions=10, merge=False)
+    rates = Rates(1000.0, 0.01, {1: 50.0}, "test")
+    out = build_output([run("tiercache", 0.9, 1.25), run("prefix_uncapped", 1.0, 1.0)],
+                       [64], 10, rates, (100.0, "test"), a, 1.0)
+    t = out["targets"]
+    assert t["hit_ratio_vs_uncapped_prefix_aware"] == {"value": 0.9, "target": ">= 0.9",
+                                                       "met": True}
+    assert t["load_max_over_mean"] == {"value": 1.25, "target": "<= 1.25", "met": True}
+    assert t["hit_ratio_vs_round_robin"] == {"value": None, "target": ">= 2.0", "met": False}
