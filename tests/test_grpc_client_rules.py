@@ -11,6 +11,7 @@ from services.common.bootstrap import create_server
 from services.common.grpc_client import (
     call_metadata,
     make_channel,
+    timeout_or,
     tls_mode,
 )
 from services.common.logs import bound_request_id
@@ -74,3 +75,11 @@ def test_a_channel_to_a_service_takes_messages_up_to_the_shared_limit(tls, two_c
         assert len(got) == 5 << 20
     finally:
         h.stop(0)
+
+
+def test_timeout_or_keeps_a_zero_timeout_and_fills_in_only_none():
+    """0 is a deadline already passed (gRPC fails the call at once), not "use the default"."""
+    assert timeout_or(0, 30.0) == 0
+    assert timeout_or(0.0, 30.0) == 0.0
+    assert timeout_or(None, 30.0) == 30.0
+    assert timeout_or(1.5, 30.0) == 1.5

@@ -45,6 +45,12 @@ def cut_short(e: grpc.RpcError, timeout: float | None, full_s: float) -> bool:
             and timeout < min(full_s, STALL_EVIDENCE_S))
 
 
+def timeout_or(timeout: float | None, default: float) -> float:
+    """The caller's `timeout`, or `default` when it gave none. Not `timeout or default`: a
+    timeout of 0 (no time left) is a deadline already passed, not a request for the full one."""
+    return default if timeout is None else timeout
+
+
 # A caller's own bad request or an id the dependency does not know: it answered as it should.
 CALLERS_FAULT = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND)
 

@@ -34,7 +34,13 @@ from tiercache.v1 import common_pb2, prefix_pb2, prefix_pb2_grpc
 
 from services.common.addresses import ShardRing, shard_fingerprint
 from services.common.bootstrap import DEFAULT_MAX_MESSAGE_BYTES
-from services.common.grpc_client import call_metadata, make_channel, tells_of_health, unary_call
+from services.common.grpc_client import (
+    call_metadata,
+    make_channel,
+    tells_of_health,
+    timeout_or,
+    unary_call,
+)
 from services.common.hashing import BlockHasher
 from services.common.shard_list import merged_note
 
@@ -200,7 +206,7 @@ class PrefixIndexClient:
         raises grpc.FutureCancelledError at once, and says nothing of the shard."""
         try:
             resp = unary_call(getattr(self._shards[address].stub, method), request, on_call,
-                              timeout=timeout or self.timeout,
+                              timeout=timeout_or(timeout, self.timeout),
                               metadata=call_metadata(self.internal_token))
         except grpc.RpcError as e:
             err = PrefixIndexError.wrap(method, address, e)
@@ -236,7 +242,7 @@ class PrefixIndexClient:
         """
         md = call_metadata(self.internal_token)
         futs = {a: getattr(self._shards[a].stub, method).future(
-            r, timeout=timeout or self.timeout, metadata=md) for a, r in requests.items()}
+            r, timeout=timeout_or(timeout, self.timeout), metadata=md) for a, r in requests.items()}
         out: dict[str, object] = {}
         errors: list[PrefixIndexError] = []
         for a, f in futs.items():
@@ -400,7 +406,7 @@ class PrefixIndexClient:
             return PublishOutcome(False, [], {})
         md = call_metadata(self.internal_token)
         futs = {a: self._shards[a].stub.PublishEvents.future(
-            r, timeout=timeout or self.timeout, metadata=md) for a, r in reqs.items()}
+            r, timeout=timeout_or(timeout, self.timeout), metadata=md) for a, r in reqs.items()}
         need: list[str] = []
         failed: dict[str, PrefixIndexError] = {}
         for a, f in futs.items():

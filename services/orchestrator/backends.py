@@ -27,6 +27,7 @@ from services.common.grpc_client import (
     cut_short,
     make_channel,
     tells_of_health,
+    timeout_or,
     unary_call,
 )
 from services.common.metrics import gauge
@@ -703,7 +704,7 @@ class SemanticBackend:
         as a future, handed to `on_call` as it starts: cancelled (the request's client went
         away), it raises grpc.FutureCancelledError at once, and counts for nothing against
         the shard."""
-        timeout = timeout or self.timeout_s
+        timeout = timeout_or(timeout, self.timeout_s)
         rpc = getattr(self.stubs[address], method)
         md = call_metadata(self.internal_token)
         try:

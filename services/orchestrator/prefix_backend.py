@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 from tiercache.v1 import common_pb2
 
-from services.common.grpc_client import tells_of_health
+from services.common.grpc_client import tells_of_health, timeout_or
 from services.common.prefix_client import PrefixIndexClient
 from services.orchestrator.backends import Health, HungBackoff, tier_health, with_note
 
@@ -68,7 +68,7 @@ class PrefixBackend:
         """`on_call`: see `PrefixIndexClient._call` (the request cancels its Match when its
         client goes: grpc.FutureCancelledError, not held against the shard)."""
         shard = self.client.shard_for(block_hashes[0]) if block_hashes else ""
-        r = self.hung.call(shard, timeout or self.timeout_s, self.timeout_s,
+        r = self.hung.call(shard, timeout_or(timeout, self.timeout_s), self.timeout_s,
                            lambda: self._guard(self.client.match, model_id,
                                                block_hashes=block_hashes, timeout=timeout,
                                                probe=probe, on_call=on_call))

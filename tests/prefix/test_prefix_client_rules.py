@@ -27,9 +27,11 @@ class _Method:
         self.shard, self.address, self.name = shard, address, name
 
     def __call__(self, req, timeout=None, metadata=None):
+        self.shard.timeouts.append(timeout)
         return self._answer(req)
 
     def future(self, req, timeout=None, metadata=None):
+        self.shard.timeouts.append(timeout)
         return _Done(self._answer, req)
 
     def _answer(self, req):
@@ -43,11 +45,12 @@ class _Method:
 class FakeShards:
     """`channel_factory` for a client: each shard answers each method as `answers` says (a
     response, a function of the request, or a status code to fail with); `calls` records
-    (address, method, request)."""
+    (address, method, request), `timeouts` each call's timeout."""
 
     def __init__(self, answers: dict[str, dict[str, object]]) -> None:
         self.answers = answers
         self.calls: list[tuple[str, str, object]] = []
+        self.timeouts: list[float | None] = []
 
     def __call__(self, address: str):
         shards = self
@@ -320,3 +323,18 @@ def test_only_naming_no_shard_of_the_client_is_refused_before_any_call(only):
             call()
     assert fake.calls == []
     assert c.publish_events("r", "i1", [], resync=True).sent == {A: 1, B: 1}
+
+
+def test_a_timeout_of_zero_is_passed_on_not_taken_for_the_default():
+    """`timeout=0` (no time left) reaches the call as 0, which gRPC fails at once with
+    DEADLINE_EXCEEDED; `timeout or self.timeout` made it the client's full default."""
+    ok = {"Match": prefix_pb2.MatchResponse(), "TopPrefixes": prefix_pb2.TopPrefixesResponse(),
+          "PublishEvents": _published()}
+    client, fake = client_of({A: dict(ok), B: dict(ok)})
+    ev = prefix_pb2.KvEvent(cleared=prefix_pb2.AllCleared())
+    for timeout, want in ((0, 0), (None, client.timeout), (2.5, 2.5)):
+        fake.timeouts.clear()
+        client.match("m", block_hashes=[b"h" * 16], timeout=timeout)
+        client.top_prefixes(3, timeout=timeout)
+        client.publish_events("r", "i1", [ev], timeout=timeout)
+        assert fake.timeouts == [want] * 5, timeout  # 1 Match, 2 TopPrefixes, 2 PublishEvents
