@@ -105,6 +105,22 @@ def test_overlays_render_every_service(rendered: Rendered) -> None:
         assert rendered.of_kind(kind), f"{rendered.overlay}: no {kind}"
 
 
+def test_every_object_and_volume_claim_is_labelled_part_of_tiercache(rendered: Rendered
+                                                                      ) -> None:
+    """Every object carries `app.kubernetes.io/part-of=tiercache` (the docs select by it); the dev
+    overlay's volume patch replaced the semantic claim template's labels and left it out."""
+    for o in rendered.objects:
+        if o["kind"] == "Namespace":
+            continue
+        name = f"{rendered.overlay}: {o['kind']}/{o['metadata']['name']}"
+        assert o["metadata"].get("labels", {}).get("app.kubernetes.io/part-of") == "tiercache", \
+            name
+        for t in o.get("spec", {}).get("volumeClaimTemplates", []):
+            labels = t["metadata"].get("labels", {})
+            assert labels.get("app.kubernetes.io/part-of") == "tiercache", \
+                f"{name} claim {t['metadata']['name']}"
+
+
 def test_manifests_validate_strictly_against_current_kubernetes(rendered: Rendered) -> None:
     kv = pytest.importorskip("kubernetes_validate.utils")
     errors = []
