@@ -26,8 +26,10 @@ def counter(name: str, doc: str, labels: tuple[str, ...] = ()) -> Counter:
 # Fine between 10 ms and 1 s, where decode steps (CPU 50-90 ms, GPU ~25 ms) and TTFTs (cold
 # 0.2 s, a prefix hit 0.15 s on 2 cores) fall: with 0.1-0.25 s one bucket, a histogram's p50
 # could not tell a prefix hit from a cold request.
+# Up to the orchestrator's default request timeout (300 s): a first token or a stream slower
+# than the last finite bucket shows only as +Inf, and a quantile over it reads as that bucket.
 SECONDS_BUCKETS = (0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1,
-                   2.5, 5, 10, 30)
+                   2.5, 5, 10, 30, 60, 120, 300)
 
 
 def gauge(name: str, doc: str, labels: tuple[str, ...] = ()) -> Gauge:
@@ -57,5 +59,6 @@ RPC_TOTAL = counter("tiercache_rpc_total", "RPCs handled", ("service", "method",
 RPC_SECONDS = histogram(
     "tiercache_rpc_seconds", "RPC handling time (until the last message for streams)",
     ("service", "method"),
-    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
+             120, 300),  # streams last up to the request timeout (300 s by default)
 )
