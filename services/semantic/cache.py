@@ -216,7 +216,9 @@ def _metrics():
                                 "HNSW graphs the last start took from the saved snapshot "
                                 "instead of building them"),
         "saves": m.counter("tiercache_semantic_snapshot_saves_total",
-                           "Saves of the HNSW graphs (on stop and every snapshot_interval_s)",
+                           "Saves of the HNSW graphs (on stop and every snapshot_interval_s; a "
+                           "save with no graph changed since the last, or none to save, writes "
+                           "nothing and counts ok: the snapshot is current)",
                            ("result",)),
         "saved_at": m.gauge("tiercache_semantic_snapshot_last_save_timestamp_seconds",
                             "Unix time of the last successful save of the HNSW graphs (the "
