@@ -467,6 +467,37 @@ def test_a_reflection_stream_over_the_cap_waits_a_moment_for_a_slot(small_server
         it.cancel()
 
 
+def test_a_stream_waiting_for_a_slot_lets_go_when_its_client_cancels(small_server,
+                                                                     monkeypatch):
+    """A stream waiting for a slot whose client cancelled it went on waiting out the grace,
+    holding a worker thread and its peer's one wait (a new stream from that client was
+    refused at once meanwhile): the cancellation now wakes it."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    from services.common import bootstrap
+
+    monkeypatch.setattr(bootstrap, "OPEN_SLOT_GRACE_S", 30.0)  # no host outlasts it
+    rs = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(small_server.address))
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    held = _held_streams(rs, ask, bootstrap.MAX_OPEN_STREAMS_PER_PEER)
+    waiting = small_server._interceptor._open_waiting
+    try:
+        late = rs.ServerReflectionInfo(iter(queue.Queue().get, None), timeout=60)
+        deadline = time.monotonic() + 20
+        while not waiting and time.monotonic() < deadline:  # until the server has it waiting
+            time.sleep(0.01)
+        assert waiting, "the late stream never waited"
+        late.cancel()
+        deadline = time.monotonic() + 10
+        while waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not waiting, "a cancelled stream kept waiting for a slot"
+    finally:
+        for q, it in held:
+            q.put(None)
+            it.cancel()
+
+
 def test_reflection_streams_are_counted_and_timed_however_they_end(small_server):
     """Only refused reflection streams reached tiercache_rpc_total: the method's only series
     was the refusal, and an error-ratio alert on it read 100%."""

@@ -651,6 +651,9 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                             break  # refused at once: no more threads held in waits
                         waiting.add(peer)
                         mine_waits = True
+                        # Its client going away wakes it: it held its thread (and the
+                        # peer's one wait) for the rest of the grace.
+                        context.add_callback(lambda: _notify_all(freed))
                     freed.wait(left)
                 if mine_waits:
                     waiting.discard(peer)
@@ -691,6 +694,11 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 
         return wrapped
+
+
+def _notify_all(cond: threading.Condition) -> None:
+    with cond:
+        cond.notify_all()
 
 
 class BindError(ConfigError):
