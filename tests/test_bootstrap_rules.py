@@ -301,9 +301,9 @@ def test_a_configuration_problem_found_while_starting_is_one_line_and_exit_2(mon
     assert "bad configuration: TIERCACHE_TEST_ADDRESS: cannot listen" in caplog.text
 
 
-def test_only_the_health_path_answers_health_on_the_metrics_port():
-    """On the metrics port HEALTH_PATH alone is health (503 until SERVING); every other path,
-    a longer one starting like it included, is the Prometheus metrics."""
+def test_the_metrics_port_answers_its_two_paths_and_refuses_others():
+    """On the metrics port HEALTH_PATH alone is health (503 until SERVING), METRICS_PATH alone
+    the Prometheus metrics; any other path, a longer one starting like them included, 404."""
     import urllib.error
     import urllib.request
 
@@ -316,9 +316,17 @@ def test_only_the_health_path_answers_health_on_the_metrics_port():
         h.set_serving()
         with urllib.request.urlopen(base + bootstrap.HEALTH_PATH, timeout=5) as r:
             assert r.status == 200 and r.read() == b"SERVING\n"
-        for path in ("/metrics", "/health", bootstrap.HEALTH_PATH + "z"):
-            with urllib.request.urlopen(base + path, timeout=5) as r:
-                assert b"tiercache_rpc_total" in r.read(), path
+        with urllib.request.urlopen(base + bootstrap.METRICS_PATH, timeout=5) as r:
+            assert b"tiercache_rpc_total" in r.read()
+        with urllib.request.urlopen(base + bootstrap.METRICS_PATH + "?name[]=x", timeout=5) as r:
+            assert r.status == 200  # a query string is not part of the path
+        # A wrong path (a probe or scrape misconfigured) is refused, not answered with
+        # metrics: a liveness probe on "/health" passed whatever the health.
+        for path in ("/", "/health", bootstrap.HEALTH_PATH + "z", "/metricsx", "/metrics/"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(base + path, timeout=5)
+            assert e.value.code == 404, path
+            assert b"/metrics" in e.value.read(), path
     finally:
         h.stop(0)
 

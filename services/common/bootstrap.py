@@ -72,6 +72,7 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # cap and worker threads, so a flood that filled them got the probes refused, and a pod that
 # was only busy was taken out of its Service and then restarted, its streams lost.
 HEALTH_PATH = "/healthz"
+METRICS_PATH = "/metrics"
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # Open two-way streams (server reflection) one server serves at once: each holds a worker
 # thread while open, and needs no credential.
@@ -958,7 +959,9 @@ def _int32_ms(seconds: float) -> int:
 
 def _serve_metrics_and_health(handle: ServerHandle, host: str, port: int) -> Any:
     """Start an HTTP server on a daemon thread: HEALTH_PATH answers with `handle`'s health,
-    every other path with Prometheus metrics (as prometheus_client's own server does)."""
+    METRICS_PATH with Prometheus metrics, any other path 404 naming the two. Every path was
+    metrics (as prometheus_client's own server does), so a probe set to a wrong path
+    ("/health") passed whatever the service's health: a NOT_SERVING pod kept its traffic."""
     import socket
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -968,8 +971,13 @@ def _serve_metrics_and_health(handle: ServerHandle, host: str, port: int) -> Any
     metrics = make_wsgi_app()
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        if environ.get("PATH_INFO") != HEALTH_PATH:
+        path = environ.get("PATH_INFO")
+        if path == METRICS_PATH:
             return metrics(environ, start_response)
+        if path != HEALTH_PATH:
+            start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
+            return [f"not found: {METRICS_PATH} (metrics) or {HEALTH_PATH} (health)\n"
+                    .encode()]
         ok = handle.serving
         start_response("200 OK" if ok else "503 Service Unavailable",
                        [("Content-Type", "text/plain; charset=utf-8")])
