@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -84,5 +85,38 @@ def test_tls_probe_verifies_the_certificate_under_its_server_name(tmp_path, monk
         # A plaintext probe does not pass against a TLS server.
         ok, _ = probe.check(addr, server_name="tiercache.test", env={})
         assert not ok
+    finally:
+        handle.stop(0)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_ca_flag_verifies_a_server_the_stacks_own_ca_did_not_sign(tmp_path, monkeypatch) -> None:
+    """A public orchestrator's certificate is not signed by TIERCACHE_TLS_CA (the stack's own
+    CA), and the probe verified every server against that CA only: its startup probe never
+    passed. `--ca FILE` (or `--ca system`, the system's roots) verifies against another."""
+    _certs(tmp_path)
+    other = tmp_path / "other"
+    other.mkdir()
+    _certs(other)  # the stack's own CA: did not sign the server's certificate
+    monkeypatch.setenv("TIERCACHE_TLS_CERT", str(tmp_path / "srv.crt"))
+    monkeypatch.setenv("TIERCACHE_TLS_KEY", str(tmp_path / "srv.key"))
+    monkeypatch.delenv("TIERCACHE_TLS_CA", raising=False)
+    handle = create_server(service="probe-public", address="127.0.0.1:0", services=[])
+    try:
+        handle.set_serving()
+        addr = f"127.0.0.1:{handle.port}"
+        env = {"TIERCACHE_TLS_CA": str(other / "ca.crt")}
+        ok, seen = probe.check(addr, server_name="tiercache.test", env=env)
+        assert not ok and seen.startswith("UNAVAILABLE"), seen
+        ok, seen = probe.check(addr, server_name="tiercache.test", env=env,
+                               ca=str(tmp_path / "ca.crt"))
+        assert ok and seen == "SERVING"
+        # Over TLS even where the environment is plaintext, and verified: the system's
+        # roots do not trust this test CA.
+        ok, seen = probe.check(addr, server_name="tiercache.test", env={}, ca=probe.SYSTEM_ROOTS)
+        assert not ok and seen.startswith("UNAVAILABLE"), seen
+        r = run_probe(addr, "--server-name", "tiercache.test", "--ca", str(tmp_path / "ca.crt"),
+                      env={**os.environ, **env})
+        assert r.returncode == 0 and "SERVING" in r.stdout, r.stderr
     finally:
         handle.stop(0)

@@ -175,23 +175,24 @@ def key_pair_problem(cert: str, key: str, *, server: bool) -> str:
     return ""
 
 
-def channel_credentials_from_env(env: Mapping[str, str] | None = None
-                                 ) -> grpc.ChannelCredentials | None:
+def channel_credentials_from_env(env: Mapping[str, str] | None = None,
+                                 roots: str | None = None) -> grpc.ChannelCredentials | None:
     """TLS for outgoing calls when the services speak TLS (None = plaintext).
 
     `TIERCACHE_TLS_CA` set: servers are verified against that CA and the client certificate
     (`TIERCACHE_TLS_CLIENT_CERT/_KEY`) is presented, for mutual TLS. Only
     `TIERCACHE_TLS_CERT` set (TLS without client certificates): servers are verified against
     the system's trusted roots. `env`: where to read the variables (default: this process's
-    environment).
+    environment). `roots` given: TLS whatever the variables say, verified against that CA
+    file instead ("" = the system's trusted roots), the client certificate presented if set.
     """
     env = os.environ if env is None else env
     mode = tls_mode(env)
-    if not mode:
+    if not mode and roots is None:
         return None
     if _half_client_pair(env):  # refused here instead of aborting the process
         raise ValueError(_HALF_CLIENT_PAIR)
-    ca = env.get("TIERCACHE_TLS_CA") if mode == "ca" else None
+    ca = roots if roots is not None else env.get("TIERCACHE_TLS_CA") if mode == "ca" else None
 
     def read(p: str | None) -> bytes | None:
         if not p:

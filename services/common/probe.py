@@ -6,7 +6,9 @@ the client certificate for mutual TLS, the system's roots with only `TIERCACHE_T
 plaintext with neither), calls `grpc.health.v1.Health/Check` and exits 0 when the answer is
 SERVING, 1 when it is anything else or the call fails, 2 on a usage error (a timeout outside
 (0, 3600] s, an address that is not HOST:PORT with a port 1..65535). Health is open to
-calls without the internal credential, so none is sent.
+calls without the internal credential, so none is sent. `--ca` verifies the server against
+another CA file, or with `--ca system` the system's trusted roots: a public orchestrator's
+publicly trusted certificate, which `TIERCACHE_TLS_CA` (the stack's own CA) does not sign.
 """
 
 from __future__ import annotations
@@ -21,12 +23,17 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.common.config import is_host_port
 from services.common.grpc_client import channel_credentials_from_env
 
+SYSTEM_ROOTS = "system"
+
 
 def check(address: str, service: str = "", timeout: float = 2.0, server_name: str = "",
-          env: Mapping[str, str] | None = None) -> tuple[bool, str]:
-    """(serving, what the probe saw) for one Health/Check call."""
+          env: Mapping[str, str] | None = None, ca: str = "") -> tuple[bool, str]:
+    """(serving, what the probe saw) for one Health/Check call. `ca`: "" verifies the server
+    as the services' clients do (from `env`); a CA file's path, or SYSTEM_ROOTS, verifies it
+    over TLS against that instead."""
+    roots = None if not ca else "" if ca == SYSTEM_ROOTS else ca
     try:
-        creds = channel_credentials_from_env(env)
+        creds = channel_credentials_from_env(env, roots)
     except OSError as e:
         return False, f"cannot read a TLS file: {e}"
     except ValueError as e:  # half a client key pair: a one-line answer, not a traceback
@@ -60,6 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--server-name", default="",
                     help="the name the server's certificate is checked against, when it differs "
                          "from ADDRESS's host (e.g. probing 127.0.0.1 inside the pod)")
+    ap.add_argument("--ca", default="",
+                    help="verify the server against this CA file instead of TIERCACHE_TLS_CA, "
+                         f"or '{SYSTEM_ROOTS}' for the system's trusted roots (a publicly "
+                         "trusted orchestrator certificate)")
     a = ap.parse_args(argv)
     if not 0 < a.timeout <= 3600:  # gRPC turns larger (or infinite) deadlines into none at all
         ap.error("--timeout must be in (0, 3600] seconds")
@@ -68,7 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # gRPC dials 127.0.0.1:99999 as port 34463 (modulo 65536), a missing port as 443:
         # another server's health, which could pass the probe.
         ap.error(f"{a.address!r} is not HOST:PORT (port 1..65535)")
-    ok, seen = check(address, a.service, a.timeout, a.server_name)
+    ok, seen = check(address, a.service, a.timeout, a.server_name, ca=a.ca.strip())
     print(f"{address}: {seen}", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 
