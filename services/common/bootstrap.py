@@ -451,6 +451,17 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         self._open_waiting: set[str] = set()  # the peers with a stream waiting for a slot
         # When this server's stop cuts the calls still running (monotonic; None = running).
         self.cut_at: float | None = None
+        # The server's own state (grpcio's private `_state`, pinned version), for `_past_cap`.
+        self.server_state: Any = None
+
+    def _past_cap(self) -> bool:
+        """Whether gRPC refuses the call being intercepted for its concurrent-call cap right
+        after this (RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!", before any handler
+        runs). gRPC asks the interceptor under its state lock, between reading the count and
+        refusing, so the same test here is its verdict."""
+        st = self.server_state
+        cap = getattr(st, "maximum_concurrent_rpcs", None)
+        return cap is not None and getattr(st, "active_rpc_count", 0) >= cap
 
     def intercept_service(self, continuation, handler_call_details):
         handler = continuation(handler_call_details)
@@ -458,6 +469,11 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             return None
         method = handler_call_details.method
         short = method.rsplit("/", 1)[-1]
+        if self._past_cap():
+            # Refused by gRPC before any handler: counted here or nowhere (a flood refused
+            # at the cap left tiercache_rpc_total flat, and an error-ratio alert silent).
+            RPC_TOTAL.labels(self.service, short, "RESOURCE_EXHAUSTED").inc()
+            return handler
         pairs = tuple(handler_call_details.invocation_metadata or ())
         metadata = dict(pairs)
         open_method = method.startswith(_OPEN_METHODS)
@@ -911,6 +927,7 @@ def create_server(
             if max_connection_age_s > 0 else []),
         maximum_concurrent_rpcs=max_concurrent_rpcs or 4 * max_workers,
     )
+    interceptor.server_state = getattr(server, "_state", None)
     names = []
     for add, servicer, full_name in services:
         add(servicer, server)

@@ -517,14 +517,20 @@ def test_calls_past_the_rpc_cap_are_refused_at_once_not_queued(cap):
     """Every worker busy (Stats calls held), more calls wait for one; past
     `max_concurrent_rpcs` gRPC refuses them at once (RESOURCE_EXHAUSTED) instead of queueing
     without bound; the ones admitted all complete. With the default cap (4 x max_workers)
-    the same calls are all admitted."""
+    the same calls are all admitted. The refusals are counted in tiercache_rpc_total (gRPC
+    refuses them before any handler, and they were not)."""
+    from services.common.metrics import RPC_TOTAL
+
     workers = STREAM_HEADROOM + 2
     cfg = OrchestratorConfig(kvpool_addresses=("h:1",), max_workers=workers,
                              max_concurrent_rpcs=cap)
     cfg.validate()
+    counted = RPC_TOTAL.labels("orchestrator", "Stats", "RESOURCE_EXHAUSTED")
+    before = counted._value.get()
     refused, admitted = _flood(workers, workers + 4,
                                max_concurrent_rpcs=cfg.max_concurrent_rpcs or None)
     assert (refused, admitted) == ((2, 12) if cap else (0, 14))
+    assert counted._value.get() - before == refused
 
 
 def test_every_service_caps_its_calls_at_four_times_its_workers_by_default():
