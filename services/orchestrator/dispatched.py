@@ -12,7 +12,8 @@ the last `ttl_s` seconds, and routing takes, for each replica, the longer of the
 match and this one. A request credited this way waits behind the earlier one on the same
 replica, and kvpool prefills one sequence at a time, so it is admitted after the shared
 blocks are committed and reuses them. A stale credit (the replica evicted the blocks, or the
-request failed) lasts at most `ttl_s`; a replica that fails is forgotten at once.
+request failed) lasts at most `ttl_s`; a replica that fails is forgotten at once, and a
+request a replica refuses outright (nothing computed there) takes its own credit back.
 """
 
 from __future__ import annotations
@@ -21,6 +22,15 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+
+class Recorded(NamedTuple):
+    """What one `DispatchMemory.record` added: the blocks new to the replica, and when."""
+
+    replica_id: str
+    at: float
+    added: tuple[bytes, ...]
 
 
 class DispatchMemory:
@@ -52,10 +62,12 @@ class DispatchMemory:
             self._expire(self.clock())
             return len(self._order)
 
-    def record(self, replica_id: str, hashes: Sequence[bytes]) -> None:
-        """`replica_id` was sent a prompt whose full blocks hash to `hashes`."""
+    def record(self, replica_id: str, hashes: Sequence[bytes]) -> Recorded | None:
+        """`replica_id` was sent a prompt whose full blocks hash to `hashes`. Returns what
+        this added (for `withdraw`; None when nothing was recorded)."""
         if not self.enabled or not hashes:
-            return
+            return None
+        added: list[bytes] = []
         with self._lock:
             now = self.clock()
             blocks = self._by_replica.setdefault(replica_id, set())
@@ -66,10 +78,32 @@ class DispatchMemory:
                     order.move_to_end(key)
                 else:
                     blocks.add(h)
+                    added.append(h)
                 order[key] = now
             self._expire(now)
             while len(order) > self.max_blocks:  # the oldest go, whichever replica's
                 self._pop_oldest()
+        return Recorded(replica_id, now, tuple(added))
+
+    def withdraw(self, rec: Recorded | None) -> None:
+        """Take back what `record` added for a request its replica refused without computing
+        anything (its own verdict: too big for every pool, a bad field): that replica holds
+        nothing of the prompt, and requests sharing it would follow the credit there. Only
+        blocks no other request has sent there since (their time is still the record's): a
+        request sharing them keeps its credit. Blocks that were credited before stay."""
+        if rec is None or not rec.added:
+            return
+        with self._lock:
+            blocks = self._by_replica.get(rec.replica_id)
+            if blocks is None:
+                return
+            for h in rec.added:
+                key = (rec.replica_id, h)
+                if self._order.get(key) == rec.at:
+                    del self._order[key]
+                    blocks.discard(h)
+            if not blocks:
+                del self._by_replica[rec.replica_id]
 
     def match(self, hashes: Sequence[bytes]) -> dict[str, int]:
         """Replica id -> prompt tokens in leading blocks of `hashes` sent there recently.

@@ -670,13 +670,14 @@ class Orchestrator:
                                                    prompt.continues)
                     replica = (self.replicas.by_id(decision.replica_id) if decision is not None
                                else None)
+                    recorded = None  # this attempt's dispatch credit (DispatchMemory.record)
                     if replica is not None:
                         # Counted before the lock is released: a request routed right after this
                         # one sees this replica's load with it.
                         self.replicas.begin(replica)
                         held = _Held(self.replicas, replica)
                         if hashes and self.dispatched is not None:
-                            self.dispatched.record(decision.replica_id, hashes)
+                            recorded = self.dispatched.record(decision.replica_id, hashes)
                 if decision is None or replica is None:
                     raise _give_up(
                         too_big, bool(tried) and only_busy,
@@ -796,6 +797,12 @@ class Orchestrator:
                                  replica.replica_id, e.details())
                     elif code not in _REPLICA_LOST:
                         # The replica judged the request itself: pass its verdict on unchanged.
+                        if len(generated) == from_here and self.dispatched is not None:
+                            # Refused before computing anything (too big for every pool, say):
+                            # the prompt is not held there, and a request sharing it must not
+                            # follow this one's credit to that replica (and count the miss as
+                            # an eviction).
+                            self.dispatched.withdraw(recorded)
                         raise _as_domain(e) from None
                     # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
                     # another, but it is not marked down for everyone (Stats polls judge that):

@@ -114,3 +114,20 @@ def test_routing_sends_a_second_request_for_a_new_prompt_where_the_first_went():
     assert policy.choose(busy, {}, second, new_blocks=12).replica_id == "r1"  # blind
     d2 = policy.choose(busy, mem.merged({}, hashes(SYSTEM + [9, 9])), second, new_blocks=12)
     assert (d2.replica_id, d2.route, d2.matched_tokens) == ("r0", "prefix", 160)
+
+
+def test_withdraw_takes_back_only_what_that_record_added_and_no_one_sent_since():
+    clock = Clock(100.0)
+    mem = DispatchMemory(16, ttl_s=10, clock=clock)
+    h = hashes(SYSTEM)
+    mem.record("r0", h[:2])
+    clock.t += 1
+    rec = mem.record("r0", h)  # adds blocks 3..10
+    assert rec is not None and rec.added == tuple(h[2:])
+    clock.t += 1
+    mem.record("r0", h[:4])  # another request sent blocks 1..4 since
+    mem.withdraw(rec)
+    assert mem.match(h) == {"r0": 64}
+    assert len(mem) == 4
+    mem.withdraw(None)  # nothing recorded (memory off, no full block): nothing to do
+    assert DispatchMemory(16, ttl_s=0).record("r0", h) is None

@@ -40,10 +40,12 @@ invariants only, as listed in `run_client_stop`.
 Where the docs do not settle it the model follows the code and says so: a replica that failed
 INTERNAL or UNKNOWN keeps its credit in routing's memory of prompts sent (architecture.md
 step 5 says a replica that fails is forgotten; pipeline.py keeps it for those two codes, which
-do not mark a replica down); a hit not served for several reasons counts the first of
-too_short, ignore_eos, sampled; a prompt under one block asks the index nothing; a client gone
-during the Store gets no final message but may or may not count as a request served (either
-is accepted: the pipeline counts it, its client having taken every token).
+do not mark a replica down), and one that refuses a request outright (a verdict before any
+token, not its deadline) takes back only the credit that request added there; a hit not
+served for several reasons counts the first of too_short, ignore_eos, sampled; a prompt
+under one block asks the index nothing; a client gone during the Store gets no final message
+but may or may not count as a request served (either is accepted: the pipeline counts it, its
+client having taken every token).
 
 Run: 3,000 seeds x 12 requests (36,000 requests) and 2,000 client-gone runs: no divergence.
 Each of 6 hand-made mutants fails seeds (of 300): the sampled draw restarted on a resume
@@ -704,7 +706,9 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
             route = "prefix" if seen.get(rid, 0) >= w.min_prefix else "ring"
         else:
             route = "resume" if gen else "retry"
+        added = set()
         if w.dispatch_on and hashed:
+            added = set(hashed) - st.sent.get(rid, set())
             st.sent.setdefault(rid, set()).update(hashed)
         att = p.attempts[attempts]
         from_here = len(gen)
@@ -720,6 +724,12 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
             return E
         err = att.error
         if err in VERDICTS:
+            if added and len(gen) == from_here and err != "deadline_exceeded":
+                # Refused before computing anything: this request's own credit goes back (not
+                # at its deadline: the replica may have computed part of it).
+                st.sent[rid] -= added
+                if not st.sent[rid]:
+                    del st.sent[rid]
             E.ids = list(gen)
             E.error = {"too_big": "RESOURCE_EXHAUSTED"}.get(err, err.upper())
             return E

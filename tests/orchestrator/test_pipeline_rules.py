@@ -8,8 +8,10 @@ mutant of the rule it checks."""
 from __future__ import annotations
 
 import grpc
+import pytest
 from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
 
+from services.common import errors
 from services.orchestrator.pipeline import NOT_SERVED, Policy, Sampling
 from services.orchestrator.render import RenderedPrompt
 from tests.metric_sample import sample_value
@@ -22,7 +24,16 @@ from tests.orchestrator.test_contracts import (
     tokens,
     two_replicas,
 )
-from tests.orchestrator.test_pipeline_paths import PROMPT, Call, RpcError, Stub, final, make
+from tests.orchestrator.test_pipeline_paths import (
+    PROMPT,
+    TENANT,
+    Call,
+    RpcError,
+    Stub,
+    final,
+    generate,
+    make,
+)
 from tests.orchestrator.test_request_path import hit
 from tests.orchestrator.test_request_path import run as run_stop
 
@@ -183,3 +194,28 @@ def test_an_ignore_eos_answer_is_not_stored_when_no_end_of_sequence_id_is_known(
     stub, stubs = one_replica()  # "ok", LENGTH
     run(make(stubs, semantic=sem, tok=NoEos()), sampling=Sampling(2, 0.0, 1.0, 0, (), True))
     assert len(stub.requests) == 1 and sem.stores == []
+
+
+def test_a_request_every_pool_refuses_takes_back_its_dispatch_credit():
+    """A replica that refuses a request outright (too big for every pool) computed nothing of
+    its prompt: its credit "sent there moments ago" drew the next request sharing the prompt
+    there (counted as a match the replica then fell short of), for up to dispatch_memory_s.
+    A credit the prompt had there before (an earlier request's) stays."""
+    class TooBig(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return "token_ids: prompt + max_tokens need 300 KV blocks, the pool has 200"
+
+    orch = make({"A": Stub("A", [Call([], TooBig())])})
+    hashes = orch.hasher.hashes(PROMPT, TENANT.cache_salt)
+    with pytest.raises(errors.TierCacheError, match="need 300 KV blocks"):
+        generate(orch, [])
+    assert orch.dispatched.match(hashes) == {}
+
+    held = make({"A": Stub("A", [Call([], TooBig())])})
+    held.dispatched.record("A", hashes[:2])  # an earlier request's prompt, sent there
+    with pytest.raises(errors.TierCacheError, match="need 300 KV blocks"):
+        generate(held, [])
+    assert held.dispatched.match(hashes) == {"A": 32}
