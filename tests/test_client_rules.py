@@ -40,3 +40,27 @@ def test_a_warm_prompt_message_of_the_wrong_shape_names_its_prompt_and_message()
             c.warm(["system prompt", [{"role": "system"}]])
     finally:
         c.close()
+
+
+def test_stream_refuses_a_bad_argument_and_a_closed_client_at_the_call():
+    """stream() is a generator: a bad value, or a closed client, was raised only at the first
+    next(), past an application's try around the stream() call itself."""
+    c = TierCacheClient("localhost:1")
+    with pytest.raises(ValueError, match="^temperature:"):
+        c.stream("q", temperature=-1)
+    c.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        c.stream("q")
+
+
+def test_stream_sends_nothing_until_read():
+    """The call starts at the first next(): one never read would have generated to its
+    deadline (a generator never started runs no finally, so nothing would cancel it)."""
+    c = TierCacheClient("localhost:1")
+    try:
+        calls = []
+        c.stub = type("Stub", (), {"Generate": lambda self, *a, **k: calls.append(a)})()
+        c.stream("q")
+        assert calls == []
+    finally:
+        c.close()

@@ -275,9 +275,17 @@ class TierCacheClient:
                 arrived (then `retry_later` is False: a resent request repeats their text).
             IncompleteStream: the stream ended without its final message.
         Stopping early (break, or `close()` on the iterator) cancels the call."""
+        # Checked now, at the call: in the generator below a bad argument or a closed client
+        # was raised only at the first next(), past a caller's try around stream().
         req = self.build_request(messages, **kw)
-        call = self.stub.Generate(req, timeout=self._timeout(timeout),
-                                  metadata=self._metadata(request_id))
+        return self._stream(req, self._timeout(timeout), self._metadata(request_id))
+
+    def _stream(self, req: orchestrator_pb2.GenerateRequest, timeout: float,
+                metadata: list[tuple[str, str]]) -> Iterator[Chunk]:
+        # The call starts at the first next(), not before: an iterator never read (never
+        # closed either) would otherwise leave a generation running to its deadline.
+        self._check_open()  # closed between stream() and the first next()
+        call = self.stub.Generate(req, timeout=timeout, metadata=metadata)
         received, final = 0, False
         try:
             for msg in call:
