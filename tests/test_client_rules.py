@@ -64,3 +64,29 @@ def test_stream_sends_nothing_until_read():
         assert calls == []
     finally:
         c.close()
+
+
+@pytest.mark.parametrize(("kw", "said"), [
+    ({"top_k": -1}, "^top_k: must be in 0..4294967295, got -1"),
+    ({"pin_ttl_seconds": -1}, "^pin_ttl_seconds: must be in 0..4294967295, got -1"),
+    ({"top_k": "8"}, "^top_k: must be an integer, got str"),
+])
+def test_warm_names_a_count_out_of_its_range(kw, said):
+    """protobuf's own refusal said "Value out of range: -1", naming no field."""
+    c = TierCacheClient("localhost:1")
+    try:
+        with pytest.raises((ValueError, TypeError), match=said):
+            c.warm("a system prompt", **kw)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize("good", ["bad", "no", 0, None])
+def test_feedback_takes_only_a_bool_as_the_rating(good):
+    """feedback(entry, "bad") was truth-tested: it marked a wrong answer verified."""
+    c = TierCacheClient("localhost:1")
+    try:
+        with pytest.raises(TypeError, match="^good: True"):
+            c.feedback("entry", good)
+    finally:
+        c.close()

@@ -343,6 +343,9 @@ class TierCacheClient:
             prompts = list(prompts)
             if prompts and isinstance(prompts[0], Mapping):
                 prompts = [prompts]  # one conversation's messages, not a list of them
+        # Named here: protobuf's own refusal of -1 was "Value out of range: -1", no field.
+        top_k = checked_int("top_k", top_k, 2**32 - 1)
+        pin_ttl_seconds = checked_int("pin_ttl_seconds", pin_ttl_seconds, 2**32 - 1)
         req = orchestrator_pb2.WarmRequest(
             top_k=top_k, pin_ttl_seconds=pin_ttl_seconds,
             target=(orchestrator_pb2.WARM_TARGET_OWNERS if owners_only
@@ -365,6 +368,9 @@ class TierCacheClient:
 
     def feedback(self, semantic_entry_id: str, good: bool, timeout: float | None = None
                  ) -> orchestrator_pb2.FeedbackResponse:
+        if not isinstance(good, bool):
+            # Truth-tested, feedback(entry, "bad") marked a wrong answer verified.
+            raise TypeError(f"good: True (verified) or False (wrong: invalidate), not {good!r:.40}")
         req = orchestrator_pb2.FeedbackRequest(
             semantic_entry_id=semantic_entry_id,
             rating=orchestrator_pb2.RATING_GOOD if good else orchestrator_pb2.RATING_BAD)
