@@ -5,6 +5,12 @@
             print(chunk.text, end="", flush=True)
         result = c.generate("What is a KV cache?")
         print(result.text, result.report.cached_tokens)
+
+The server keeps no conversation: each turn sends the whole history (system prompt first, the
+user's new message last), with one `session_id` per conversation so its turns reuse one
+replica's cached prefix. Errors are grpc.RpcError (its code() and details() name the problem;
+`retry_later` says whether to send it again); a bad argument is refused here, before anything
+is sent (ValueError or TypeError naming it), and a call on a closed client is a RuntimeError.
 """
 
 from __future__ import annotations
@@ -44,7 +50,11 @@ def retry_later(error: grpc.RpcError) -> bool:
     """True when `error` says the same request may succeed later (RESOURCE_EXHAUSTED marked
     overloaded or refused by the server's cap on concurrent calls, or UNAVAILABLE); False for
     a request that can never succeed as it is, and for a stream that failed after part of its
-    answer had arrived (`chunks_received` > 0: sent again, that text would come twice)."""
+    answer had arrived (`chunks_received` > 0: sent again, that text would come twice).
+    False too for DEADLINE_EXCEEDED (the same deadline runs out again: give a longer
+    `timeout`) and CANCELLED (the caller's own cancel or close()). The server says no delay:
+    back off (exponentially, with jitter) and give up after a few tries; the client itself
+    never retries."""
     if getattr(error, "chunks_received", 0):
         return False
     code = error.code() if callable(getattr(error, "code", None)) else None
@@ -157,7 +167,9 @@ def checked_int(name: str, value: int, top: int) -> int:
 
 @dataclass
 class Chunk:
-    """One streamed piece: text, and on the last one `final` is set."""
+    """One streamed piece: text (never a broken UTF-8 character; may be empty), its token ids
+    (only with return_token_ids), and on the last one `final` (the GenerateFinal message:
+    finish_reason, usage, cache_report, request_id)."""
 
     text: str
     token_ids: list[int]
@@ -166,6 +178,15 @@ class Chunk:
 
 @dataclass
 class GenerateResult:
+    """A whole answer. `token_ids` is empty unless the request set return_token_ids; it holds
+    every generated id, a stop token or EOS that ended the answer included (counted in
+    `completion_tokens`; EOS and other control tokens have no text). `finish_reason` is the
+    FinishReason enum's name: "FINISH_REASON_EOS", "_LENGTH" (max_tokens), "_STOP" (a stop
+    token id) or "_CACHED" (a whole semantic hit). On a semantic hit `prompt_tokens` is 0
+    (no model ran) and `report.semantic_hit` is True. `request_id` is the call's
+    x-request-id (the caller's, or one made up). `chunks` counts the stream's messages;
+    `extra` is left empty, for the caller's own use."""
+
     text: str
     token_ids: list[int]
     finish_reason: str
@@ -178,7 +199,17 @@ class GenerateResult:
 
 
 class TierCacheClient:
-    """A channel to the orchestrator. Every call has a timeout; errors surface as grpc.RpcError."""
+    """A channel to the orchestrator. Every call has a timeout; errors surface as grpc.RpcError.
+
+    `token` is the tenant's bearer token (sent as `authorization: Bearer <token>`; None when
+    the server has no tokens). `timeout` (seconds, default 300) is each call's default
+    deadline, for a stream the whole stream's, not a gap between chunks; the server cuts it to
+    its request_timeout_s (300 s by default). `credentials` (grpc.ssl_channel_credentials)
+    speaks TLS. One client may be shared by any number of threads (a gRPC channel is
+    thread-safe; the client holds no per-call state). `close()`, or leaving its `with` block,
+    ends every call still running on it, in any thread (their iterators raise grpc.RpcError
+    CANCELLED, "Channel closed!"); closing again is a no-op, and any later call is a
+    RuntimeError."""
 
     def __init__(self, address: str = "localhost:50051", token: str | None = None,
                  timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None
@@ -239,6 +270,27 @@ class TierCacheClient:
                       return_token_ids: bool = False, raw: bool = False,
                       stop_token_ids: Sequence[int] = (), ignore_eos: bool = False
                       ) -> orchestrator_pb2.GenerateRequest:
+        """The GenerateRequest that stream() and generate() send; their keyword arguments
+        are these.
+
+        messages: a string (one user message; with `raw`, the raw prompt itself, no chat
+            template), one {"role", "content"} dict, or a list of them (roles "system",
+            "user", "assistant"; the last one the user's). `raw` is ignored for a list.
+        max_tokens: new tokens at most; 0 = the server's default (capped by the tenant's
+            limit; more than that limit is RESOURCE_EXHAUSTED, not retryable).
+        temperature: 0 = greedy; top_p: nucleus mass in (0, 1], 0 = 1.0; seed: 0 = none (a
+            seed makes a sampled answer reproducible).
+        session_id: one id per conversation (at most 256 characters): routing only, the
+            server keeps no history.
+        cache_policy: a tiercache.v1.common_pb2.CachePolicy, e.g.
+            CachePolicy(semantic_tier="strict"), CachePolicy(semantic_threshold=0.95) (0.85
+            is the default floor; below it INVALID_ARGUMENT), or everything off:
+            CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True,
+            skip_prefix_cache=True, skip_draft=True). None = every tier on.
+        return_token_ids: send the generated ids too (Chunk.token_ids).
+        stop_token_ids: ids that end the answer besides EOS; the one that ended it is part of
+            the answer (its id and its text). There are no stop strings.
+        ignore_eos: generate past EOS, up to max_tokens."""
         # Checked here: protobuf stores them as float32 without a word (nan built silently).
         temperature = checked_float32("temperature", temperature)
         top_p = checked_float32("top_p", top_p, top=1.0)
@@ -274,7 +326,12 @@ class TierCacheClient:
             grpc.RpcError: the call failed; `chunks_received` on it says how many chunks had
                 arrived (then `retry_later` is False: a resent request repeats their text).
             IncompleteStream: the stream ended without its final message.
-        Stopping early (break, or `close()` on the iterator) cancels the call."""
+        A bad argument or a closed client raises at this call; the request is sent at the
+        first next(). Stopping early cancels the call (the server stops generating): call
+        `close()` on the iterator, or `break` out of a for loop that holds the only reference
+        to it (`for ch in c.stream(...)`); an iterator kept in a variable goes on generating
+        after a `break` until it is closed or garbage-collected. Keyword arguments: those of
+        build_request."""
         # Checked now, at the call: in the generator below a bad argument or a closed client
         # was raised only at the first next(), past a caller's try around stream().
         req = self.build_request(messages, **kw)
@@ -310,7 +367,9 @@ class TierCacheClient:
                                    "be cut short)")
 
     def generate(self, messages: Messages, **kw: Any) -> GenerateResult:
-        """Run a whole generation and return the text and figures."""
+        """Run a whole generation and return the text and figures (a GenerateResult).
+        Keyword arguments: stream()'s (timeout, request_id) and build_request's; it raises as
+        stream() does."""
         text, ids, final, n = [], [], None, 0
         for ch in self.stream(messages, **kw):
             text.append(ch.text)
@@ -332,7 +391,13 @@ class TierCacheClient:
              request_id: str = "") -> orchestrator_pb2.WarmResponse:
         """Prefill and pin prompts: a string is a system prompt, or with `raw` a raw prompt
         (a model without a chat template); a list of messages is rendered as given. `prompts`
-        is a list of those, or one of them (a string, a message dict, a list of messages)."""
+        is a list of those, or one of them (a string, a message dict, a list of messages).
+        Each prompt must be at least one 16-token KV block (INVALID_ARGUMENT otherwise), and
+        only whole blocks are kept. `top_k` (at most 64) also warms this tenant's k hottest
+        prefixes; `owners_only` warms only the replica(s) routing would pick;
+        `pin_ttl_seconds` (0 = the server's default; past its limit INVALID_ARGUMENT) how long
+        the blocks stay pinned. A replica that failed is a WarmResult.error, not an
+        exception; no results at all means nothing was warmed."""
         if isinstance(prompts, str):
             # One system prompt, not one prompt per character (28 single-letter prompts, then
             # a server error that did not point here).
@@ -368,6 +433,12 @@ class TierCacheClient:
 
     def feedback(self, semantic_entry_id: str, good: bool, timeout: float | None = None
                  ) -> orchestrator_pb2.FeedbackResponse:
+        """Rate a cached answer: `semantic_entry_id` is CacheReport.semantic_entry_id (of the
+        hit that answered, or the entry an answer was just stored as); `good` True marks it
+        verified (served at a slightly lower threshold), False invalidates it (a wrong
+        answer: no longer served). The reply's `invalidated` / `verified` say what changed;
+        a bad rating of an entry already gone is `invalidated` False, a good one NOT_FOUND,
+        and so is an id this tenant was not given."""
         if not isinstance(good, bool):
             # Truth-tested, feedback(entry, "bad") marked a wrong answer verified.
             raise TypeError(f"good: True (verified) or False (wrong: invalidate), not {good!r:.40}")
@@ -377,5 +448,7 @@ class TierCacheClient:
         return self.stub.Feedback(req, timeout=self._timeout(timeout), metadata=self._metadata())
 
     def stats(self, timeout: float | None = None) -> orchestrator_pb2.StatsResponse:
+        """Figures of every tier, over every tenant: PERMISSION_DENIED unless the token is an
+        admin one (or the server has no tokens)."""
         return self.stub.Stats(orchestrator_pb2.StatsRequest(), timeout=self._timeout(timeout),
                                metadata=self._metadata())
