@@ -84,10 +84,16 @@ def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig,
 
 def parse_policy(p: common_pb2.CachePolicy) -> Policy:
     if p.semantic_tier and p.semantic_tier not in ("strict", "standard", "relaxed"):
+        # The accepted names said, as the semantic tier's own refusal says them.
         raise errors.InvalidArgument("cache_policy.semantic_tier",
-                                     f"unknown tier {errors.shown(p.semantic_tier)}")
+                                     f"unknown tier {errors.shown(p.semantic_tier)}; expected "
+                                     "one of strict, standard, relaxed")
     if p.semantic_threshold and not 0.0 < p.semantic_threshold <= 1.0:
-        raise errors.InvalidArgument("cache_policy.semantic_threshold", "must be in (0, 1]")
+        # The value said: "must be in (0, 1]" alone sent a caller who gave 1.5 to 0.5, which
+        # the floor check refuses next.
+        raise errors.InvalidArgument("cache_policy.semantic_threshold",
+                                     "must be 0 (tier default) or in [the semantic floor, 1], "
+                                     f"got {p.semantic_threshold:g}")
     return Policy(p.skip_semantic_lookup, p.skip_semantic_store, p.skip_prefix_cache,
                   p.skip_draft, p.semantic_tier, p.semantic_threshold, p.store_sampled,
                   p.serve_sampled)

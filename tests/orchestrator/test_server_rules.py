@@ -76,6 +76,18 @@ def test_top_p_and_the_semantic_threshold_of_exactly_1_are_allowed():
         assert str(ei.value).startswith("cache_policy.semantic_threshold")
 
 
+def test_a_bad_tier_or_threshold_says_what_is_accepted_and_what_came():
+    """An app review: "unknown tier 'loose'" listed no tier, and a threshold of 1.5 was "must
+    be in (0, 1]", which sent the caller to 0.5, below the floor, refused next."""
+    with pytest.raises(errors.InvalidArgument) as ei:
+        parse_policy(common_pb2.CachePolicy(semantic_tier="loose"))
+    assert str(ei.value).endswith("expected one of strict, standard, relaxed")
+    with pytest.raises(errors.InvalidArgument) as ei:
+        parse_policy(common_pb2.CachePolicy(semantic_threshold=1.5))
+    assert str(ei.value) == ("cache_policy.semantic_threshold: must be 0 (tier default) or in "
+                             "[the semantic floor, 1], got 1.5")
+
+
 # ---- Generate: bad input leaves nothing behind, limits at their boundary ----------------------
 
 def _held(s) -> tuple[int, int]:
