@@ -90,3 +90,34 @@ def test_feedback_takes_only_a_bool_as_the_rating(good):
             c.feedback("entry", good)
     finally:
         c.close()
+
+
+@pytest.mark.parametrize(("kw", "said"), [
+    ({"timeout": "5"}, "^timeout: a number of seconds, not str"),
+    ({"request_id": 5}, "^request_id: a string, not int"),
+    ({"session_id": 5}, "^session_id: a string, not int"),
+    ({"stop_token_ids": 5}, "^stop_token_ids: a list of token ids, not int"),
+    ({"cache_policy": {"skip_prefix_cache": True}}, "^cache_policy: a tiercache.v1.common_pb2"),
+])
+def test_an_argument_of_the_wrong_type_is_named(kw, said):
+    """protobuf's "bad argument type for built-in operation", "'<' not supported between
+    instances of 'int' and 'str'" or "'int' object is not iterable" named no argument."""
+    c = TierCacheClient("localhost:1")
+    try:
+        with pytest.raises(TypeError, match=said):
+            c.stream("q", **kw)
+    finally:
+        c.close()
+
+
+def test_a_client_given_a_token_or_timeout_of_the_wrong_type_says_which():
+    with pytest.raises(TypeError, match="^token: a string, not int"):
+        TierCacheClient("localhost:1", token=123)
+    for bad in ("5", None, True):
+        with pytest.raises(TypeError, match="^timeout: a number of seconds"):
+            TierCacheClient("localhost:1", timeout=bad)
+
+
+def test_stop_token_ids_may_be_any_iterable_of_ids():
+    req = TierCacheClient.build_request("q", stop_token_ids=iter([7, 9]))
+    assert list(req.sampling.stop_token_ids) == [7, 9]

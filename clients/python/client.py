@@ -21,7 +21,7 @@ import numbers
 import re
 import struct
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -106,6 +106,8 @@ def checked_token(token: str | None) -> str | None:
     metadata")."""
     if token is None:
         return None
+    if not isinstance(token, str):  # was "'int' object has no attribute 'strip'"
+        raise TypeError(f"token: a string, not {type(token).__name__}")
     token = token.strip()
     if not all(0x20 <= ord(ch) <= 0x7E for ch in token):
         raise ValueError("token: printable ASCII only (it travels as gRPC metadata)")
@@ -118,6 +120,9 @@ MAX_TIMEOUT = 1e6
 
 
 def _checked_timeout(timeout: float) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, numbers.Real):
+        # Was "'<' not supported between instances of 'int' and 'str'", naming nothing.
+        raise TypeError(f"timeout: a number of seconds, not {type(timeout).__name__}")
     if not 0 < timeout <= MAX_TIMEOUT:  # nan fails both
         raise ValueError(f"timeout: must be a number of seconds in (0, 1e6], got {timeout!r}")
     return float(timeout)
@@ -253,6 +258,8 @@ class TierCacheClient:
         """Call metadata: the caller's request id (it names the call in every service's logs
         and comes back in GenerateFinal.request_id) or a new one; the bearer token."""
         self._check_open()
+        if not isinstance(request_id, str):  # re's "expected string or bytes-like object"
+            raise TypeError(f"request_id: a string, not {type(request_id).__name__}")
         if request_id and not _REQUEST_ID.fullmatch(request_id):
             # gRPC's "Invalid metadata" (INTERNAL) named no field; the server would replace an
             # id outside this pattern with its own anyway.
@@ -296,7 +303,17 @@ class TierCacheClient:
         top_p = checked_float32("top_p", top_p, top=1.0)
         max_tokens = checked_int("max_tokens", max_tokens, 2**31 - 1)
         seed = checked_int("seed", seed, 2**64 - 1)
+        # The wrong type named (protobuf's "bad argument type for built-in operation", or
+        # "'int' object is not iterable", said which argument of a dozen was wrong).
+        if not isinstance(stop_token_ids, Iterable) or isinstance(stop_token_ids, (str, bytes)):
+            raise TypeError("stop_token_ids: a list of token ids, not "
+                            f"{type(stop_token_ids).__name__}")
         stop_token_ids = [checked_int("stop_token_ids", t, 2**32 - 1) for t in stop_token_ids]
+        if not isinstance(session_id, str):
+            raise TypeError(f"session_id: a string, not {type(session_id).__name__}")
+        if cache_policy is not None and not isinstance(cache_policy, common_pb2.CachePolicy):
+            raise TypeError("cache_policy: a tiercache.v1.common_pb2.CachePolicy, not "
+                            f"{type(cache_policy).__name__}")
         req = orchestrator_pb2.GenerateRequest(
             session_id=session_id, return_token_ids=return_token_ids,
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature,
