@@ -23,7 +23,7 @@ from services.common.bootstrap import (  # noqa: E402
 )
 from services.common.config import ConfigError  # noqa: E402
 from services.common.model_store import ModelStoreError  # noqa: E402
-from services.kvpool.app import build_replica, device_problem  # noqa: E402
+from services.kvpool.app import build_replica, device_problem, pool_problem  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
 from services.kvpool.engine import out_of_memory  # noqa: E402
 from services.kvpool.publisher import Publisher  # noqa: E402
@@ -45,6 +45,11 @@ def _main(argv: list[str] | None) -> int:
         # service_main names it as given (`--device cuda` was blamed on the variable, unset),
         # as load_config's refusals are: one line, exit 2.
         raise ConfigError(f"TIERCACHE_KVPOOL_DEVICE: {cfg.device!r}: {problem}")
+    # A kv_cache_bytes that holds no block of the model, judged from its config.json before
+    # anything binds or loads (the same refusal once loaded was the first word after it).
+    problem = pool_problem(cfg)
+    if problem:
+        raise ConfigError(problem)
     servicer = KvPoolServicer(cfg)
     # Bind first (health NOT_SERVING) so probes see the process while the model loads.
     handle = create_server(  # a port that cannot be bound: ConfigError, exit 2 (service_main)

@@ -8,18 +8,27 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from services.common.hashing import BlockHasher
-from services.common.model_store import ModelStoreError, load_resolved, readable_weights
+from services.common.model_store import (
+    SMOLLM2_MODEL_ID,
+    SMOLLM2_SPEC,
+    ModelStoreError,
+    cache_dir_default,
+    is_converted,
+    load_resolved,
+    readable_weights,
+)
 from services.common.policy import make_policy
 from services.kvpool.block_pool import BlockPool
 from services.kvpool.calibrate import forward_costs
 from services.kvpool.config import IMPLAUSIBLE, MAX_BLOCKS, KvPoolConfig
 from services.kvpool.drafting import LadderChoice, choose_ladder, default_ladder
-from services.kvpool.engine import Engine, ModelInfo, model_info
+from services.kvpool.engine import Engine, ModelInfo, kv_shape, model_info
 from services.kvpool.linear import Packing, pack_linears
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.paged_cache import KvStore
@@ -140,7 +149,12 @@ def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
     """
     if cfg.num_blocks > 0:
         return cfg.num_blocks
-    per = KvStore.block_bytes(info.num_layers, info.kv_heads, info.head_dim, cfg.block_size, dtype)
+    return _blocks_in_bytes(cfg, KvStore.block_bytes(info.num_layers, info.kv_heads,
+                                                     info.head_dim, cfg.block_size, dtype))
+
+
+def _blocks_in_bytes(cfg: KvPoolConfig, per: int) -> int:
+    """Blocks of `per` bytes that `kv_cache_bytes` holds (ValueError: none, or too many)."""
     if cfg.kv_cache_bytes < per:
         raise ValueError(f"TIERCACHE_KVPOOL_KV_CACHE_BYTES: {cfg.kv_cache_bytes} bytes hold no KV "
                          f"block of this model ({per} bytes per {cfg.block_size}-token block)")
@@ -149,6 +163,42 @@ def pool_blocks(cfg: KvPoolConfig, info: ModelInfo, dtype: torch.dtype) -> int:
         raise ValueError(f"TIERCACHE_KVPOOL_KV_CACHE_BYTES: {cfg.kv_cache_bytes} bytes make "
                          f"{blocks:,} KV blocks of this model, over the limit of {MAX_BLOCKS:,}")
     return blocks
+
+
+def config_folder(cfg: KvPoolConfig) -> str | None:
+    """The folder whose config.json the replica will load, where it can be read now, before
+    anything is converted or loaded; None otherwise (the packaged model not converted yet:
+    converting it is the load's work)."""
+    if cfg.model.strip().lower() == SMOLLM2_SPEC:
+        root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_dir_default()
+        target = root / "models" / SMOLLM2_MODEL_ID
+        return str(target) if is_converted(target) else None
+    folder = Path(cfg.model).expanduser()
+    return str(folder) if (folder / "config.json").is_file() else None
+
+
+def pool_problem(cfg: KvPoolConfig) -> str:
+    """Why `kv_cache_bytes` sizes no pool of the configured model ("" = it does, or that cannot
+    be told yet), from the model's config.json alone: `pool_blocks` refused it only after the
+    weights had loaded (minutes for a large model from a network volume), as "the model could
+    not be loaded", and named the variable where the flag was given."""
+    if cfg.num_blocks > 0:
+        return ""
+    folder = config_folder(cfg)
+    if folder is None:
+        return ""
+    try:
+        from transformers import AutoConfig
+
+        layers, kv_heads, head_dim = kv_shape(AutoConfig.from_pretrained(folder))
+        per = KvStore.block_bytes(layers, kv_heads, head_dim, cfg.block_size, _DTYPES[cfg.dtype])
+    except Exception:  # noqa: BLE001 - a config not read here is the load's to judge
+        return ""
+    try:
+        _blocks_in_bytes(cfg, per)
+    except ValueError as exc:
+        return str(exc)
+    return ""
 
 
 def share(n: int, fraction: float) -> int:

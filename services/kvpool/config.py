@@ -48,7 +48,8 @@ class KvPoolConfig:
     dtype: str = "float32"
     # KV blocks in the pool; 0 = as many as kv_cache_bytes holds.
     num_blocks: int = 0
-    # Pool size in bytes when num_blocks is 0.
+    # Pool size in bytes when num_blocks is 0 (docs/capacity.md: bytes per block). One that
+    # holds no block of the model is refused at start, from its config.json, before it loads.
     kv_cache_bytes: int = 512 * 1024 * 1024
     # Tokens per KV block (the same on every replica, the index and orchestrators).
     block_size: int = 16

@@ -196,6 +196,14 @@ def sliding_window(cfg: Any) -> int | None:
     return int(window)
 
 
+def kv_shape(cfg: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a model's config: what its KV blocks hold per token.
+    The config alone, so a pool's size can be judged before the weights load."""
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", heads), head_dim
+
+
 def model_info(model: Any, model_id: str) -> ModelInfo:
     """Read the facts the engine needs from a HF causal LM.
 
@@ -204,8 +212,7 @@ def model_info(model: Any, model_id: str) -> ModelInfo:
     window into a mask it is given), so past the window the answer would not be the model's.
     Within it the two masks are the same."""
     cfg = model.config
-    heads = cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    num_layers, kv_heads, head_dim = kv_shape(cfg)
     eos: Any = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if eos is None:
         eos = cfg.eos_token_id
@@ -217,8 +224,8 @@ def model_info(model: Any, model_id: str) -> ModelInfo:
                     "at most %d tokens (not %d), where the answer stays the model's", model_id,
                     window, window, max_context)
         max_context = window
-    return ModelInfo(model_id, cfg.num_hidden_layers, getattr(cfg, "num_key_value_heads", heads),
-                     head_dim, cfg.vocab_size, max_context, eos_ids)
+    return ModelInfo(model_id, num_layers, kv_heads, head_dim, cfg.vocab_size, max_context,
+                     eos_ids)
 
 
 # Config attributes of architectures whose logits are more than lm_head(hidden states).

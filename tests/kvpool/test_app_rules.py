@@ -210,3 +210,57 @@ def test_a_one_token_forward_timed_zero_keeps_the_fixed_lengths(monkeypatch, cap
     assert got.ladder == default_ladder(2) and got.costs == ()
     assert got.source == "fixed: draft forward timings unusable (one token's forward timed 0 s)"
     assert "timed 0 s" in caplog.text
+
+
+def _config_only_folder(path) -> str:
+    """A model folder with a config.json and no weights: INFO's shape (2 layers, 1 KV head,
+    head dim 2), so a 16-token fp32 block is PER bytes."""
+    import json
+
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "num_hidden_layers": 2, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "hidden_size": 4, "intermediate_size": 8, "vocab_size": 10,
+        "max_position_embeddings": 64}))
+    return str(path)
+
+
+def test_kv_cache_bytes_holding_no_block_is_judged_from_the_config_alone(tmp_path):
+    """The block's bytes come from config.json, before any weight loads (the folder has
+    none); the same edges as `pool_blocks`, in the configured dtype."""
+    from services.kvpool.app import pool_problem
+
+    model = _config_only_folder(tmp_path / "m")
+    assert pool_problem(KvPoolConfig(model=model, kv_cache_bytes=PER)) == ""
+    assert f"hold no KV block of this model ({PER} bytes per 16-token block)" in pool_problem(
+        KvPoolConfig(model=model, kv_cache_bytes=PER - 1))
+    assert pool_problem(KvPoolConfig(model=model, kv_cache_bytes=PER // 2,
+                                     dtype="bfloat16")) == ""
+    assert "over the limit" in pool_problem(
+        KvPoolConfig(model=model, kv_cache_bytes=PER * (MAX_BLOCKS + 1)))
+    # Sized in blocks, the bytes are not read.
+    assert pool_problem(KvPoolConfig(model=model, num_blocks=4, kv_cache_bytes=1)) == ""
+
+
+def test_the_packaged_model_not_yet_converted_is_left_to_the_load(tmp_path):
+    """Nothing to read before converting: not judged here (and nothing is converted)."""
+    from services.kvpool.app import pool_problem
+
+    assert pool_problem(KvPoolConfig(cache_dir=str(tmp_path), kv_cache_bytes=1)) == ""
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_replica_refuses_a_pool_of_no_block_before_binding_or_loading(tmp_path, monkeypatch):
+    """Live: `--kv-cache-bytes 1000` was refused only after the model had loaded, as "the
+    model could not be loaded" and named as the variable. Now a ConfigError (service_main:
+    one line naming the flag as given, exit 2) before the server binds."""
+    import services.kvpool.__main__ as entry
+    from services.common.config import ConfigError
+
+    def bound(**kw):
+        raise AssertionError("bound and went on to load the model")
+
+    monkeypatch.setattr(entry, "create_server", bound)
+    model = _config_only_folder(tmp_path / "m")
+    with pytest.raises(ConfigError, match=f"{PER - 1} bytes hold no KV block"):
+        entry._main(["--model", model, "--kv-cache-bytes", str(PER - 1), "--metrics-port", "-1"])
