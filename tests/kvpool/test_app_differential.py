@@ -2,22 +2,23 @@
 (services/kvpool/config.py `KvPoolConfig.validate`, services/kvpool/app.py `build_replica`,
 `pool_blocks`, `load_model`, `device_problem`).
 
-The reference model below is written from the documentation alone: docs/settings.md (the
-kvpool table), docs/capacity.md §1 (bytes per block), the settings' comments and the rules
-their messages state ("must be in 1..256", ...), and the index's Register rules that the
-config's comments say a replica must meet. For seeded random settings (defaults, boundary
-values on each side, invalid values, unicode) and random model shapes (Llama-shaped, with or
-without explicit head_dim and GQA, Mistral-shaped with a sliding window shorter or longer than
-the positions) it predicts either which variable start-up names (load_config's ConfigError,
-`device_problem`, `pool_blocks`' ValueError) or the pool and engine the replica runs with:
+The reference model below is written from the documentation alone: docs/settings.md (the kvpool
+table), docs/capacity.md §1 (bytes per block), the settings' comments and the rules their
+messages state ("must be in 1..256", ...), and the index's Register rules that the config's
+comments say a replica must meet. For seeded random settings (defaults, boundary values on each
+side, invalid values, unicode) and random model shapes (Llama-shaped, with or without explicit
+head_dim and GQA, Mistral-shaped with a sliding window shorter or longer than the positions) it
+predicts either which variable start-up names (load_config's ConfigError, `device_problem`,
+`pool_problem` from the config.json before the load, which must refuse what `pool_blocks`'
+ValueError refuses after it, in its words) or the pool and engine the replica runs with:
 blocks, block size, served context, pin limits, eviction policy, batch and prefill limits,
 threads, drafts, the KV tensor's shape, dtype and bytes, working rows when preallocated, and
 the start-up warning of a pool holding less than one context. The real side is the code path
-`__main__` takes (load_config, device_problem, build_replica) over a real transformers model
-built on the meta device (shapes only: no weights, no memory, so a 4 GB pool costs nothing);
-a tiny real model saved to a folder takes the whole `load_model` path (dtype of weights and
-KV, model id from the folder). docs/capacity.md's per-block table and its 512 MiB = 728
-blocks example, and docs/settings.md's 8 x 8,192-token working rows, are checked against
+`__main__` takes (load_config, device_problem, pool_problem, build_replica) over a real
+transformers model built on the meta device (shapes only: no weights, no memory, so a 4 GB pool
+costs nothing); a tiny real model saved to a folder takes the whole `load_model` path (dtype of
+weights and KV, model id from the folder). docs/capacity.md's per-block table and its 512 MiB =
+728 blocks example, and docs/settings.md's 8 x 8,192-token working rows, are checked against
 what the code computes.
 
 Seeds: KVAPP_DIFFERENTIAL_SEEDS (default 300, ~3 s here); 20,000 were run offline. Bugs
@@ -49,10 +50,12 @@ could not be loaded" wording, naming the variable.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import random
 import re
+import tempfile
 from dataclasses import dataclass
 from fractions import Fraction
 from pathlib import Path
@@ -61,7 +64,7 @@ import pytest
 import torch
 
 from services.common.config import ConfigError, is_host_port, load_config
-from services.kvpool.app import build_replica, device_problem, pool_blocks
+from services.kvpool.app import build_replica, device_problem, pool_blocks, pool_problem
 from services.kvpool.config import KvPoolConfig
 from services.kvpool.engine import model_info
 
@@ -359,6 +362,16 @@ def start(env: dict[str, str], arch: Arch, warnings: Warnings):
     if device_problem(cfg.device):
         return K + "DEVICE", None
     model = meta_model(arch, TORCH_DTYPES[cfg.dtype])
+    # `__main__` judges kv_cache_bytes from the model's config.json before it loads: it must
+    # refuse exactly what the pool's sizing after the load refuses, in the same words.
+    with tempfile.TemporaryDirectory() as folder:
+        model.config.save_pretrained(folder)
+        early = pool_problem(dataclasses.replace(cfg, model=folder))
+    if early:
+        with pytest.raises(ValueError) as late:
+            pool_blocks(cfg, model_info(model, "m"), TORCH_DTYPES[cfg.dtype])
+        assert str(late.value) == early
+        return early.split(":", 1)[0], None
     warnings.messages.clear()
     try:
         if cfg.num_blocks > 20_000 or (cfg.num_blocks == 0 and cfg.kv_cache_bytes
@@ -368,6 +381,7 @@ def start(env: dict[str, str], arch: Arch, warnings: Warnings):
             return None, pool_blocks(cfg, model_info(model, "m"), TORCH_DTYPES[cfg.dtype])
         return None, build_replica(cfg, model=model, metrics=False)
     except ValueError as e:
+        assert not str(e).startswith(K + "KV_CACHE_BYTES"), f"passed before the load: {e}"
         return str(e).split(":", 1)[0], None
 
 
