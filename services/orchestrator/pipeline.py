@@ -215,8 +215,18 @@ class _Held:
     def __init__(self, replicas: ReplicaSet, replica) -> None:
         self.replicas, self.replica = replicas, replica
         self.watcher: Callable[[], None] | None = None
+        # Set by `cut_as_hung`: this orchestrator cancelled the call because the poller declared
+        # the replica hung (its CANCELLED is ours, not the replica's nor the client's).
+        self.hung = False
         self._lock = threading.Lock()
         self._released = False
+
+    def cut_as_hung(self, call) -> Callable[[], None]:
+        """The watcher for `call`: notes why, then cancels it."""
+        def cut() -> None:
+            self.hung = True
+            call.cancel()
+        return cut
 
     def release(self) -> None:
         with self._lock:
@@ -723,7 +733,7 @@ class Orchestrator:
                     current["call"] = call
                     # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
                     # ends CANCELLED, which fails over below like any lost replica.
-                    held.watcher = call.cancel
+                    held.watcher = held.cut_as_hung(call)
                     self.replicas.watch(replica, held.watcher, downs_at.get(replica.address))
                     if cancelled.is_set():
                         call.cancel()
@@ -812,6 +822,12 @@ class Orchestrator:
                         or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
                     why = f"{code.name}: {e.details()}"
                     why_public = f"{code.name}: {e.details()}" if busy else code.name
+                    if held.hung and code == grpc.StatusCode.CANCELLED:
+                        # Cancelled by us, the replica found hung: gRPC's own "Locally
+                        # cancelled by application!" read as if someone had asked for it.
+                        why = ("cancelled by this orchestrator: "
+                               f"{replica.health.last_error or 'hung (Stats polls unanswered)'}")
+                        why_public = "hung (Stats polls unanswered)"
                 except _StreamCut as e:
                     lost, why = e, str(e)
                     why_public = why

@@ -219,3 +219,46 @@ def test_a_request_every_pool_refuses_takes_back_its_dispatch_credit():
     with pytest.raises(errors.TierCacheError, match="need 300 KV blocks"):
         generate(held, [])
     assert held.dispatched.match(hashes) == {"A": 32}
+
+
+def test_a_call_cancelled_because_its_replica_was_found_hung_is_logged_as_hung(caplog):
+    """The poller declares A hung and cancels its call: the failover line said gRPC's own
+    "CANCELLED: Locally cancelled by application!", as if someone had asked for the cancel,
+    and not that the replica was hung."""
+    import logging
+    import time
+    from types import SimpleNamespace
+
+    from tests.orchestrator.test_pipeline_paths import TENANT, Cancellable
+
+    class HungCall(Cancellable):
+        def __iter__(self):
+            if self.cancelled.wait(10):
+                raise RpcError(grpc.StatusCode.CANCELLED)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+            yield  # pragma: no cover
+
+    why = "hung: 3 Stats polls in a row unanswered within 2s (replica_hung_polls 3)"
+
+    class HangsAsDeclaredDown(Stub):
+        def Generate(self, req, timeout=None, metadata=None):  # noqa: N802
+            self.requests.append(req)
+            a.health.fail(why, hold=True)  # the poller, right now
+            orch.replicas._notify_down(a)
+            return HungCall()
+
+    orch = make({"A": HangsAsDeclaredDown("A", []), "B": Stub("B", [Call([final("B", 2)])])})
+    a = orch.replicas.by_id("A")
+    orch.routing = SimpleNamespace(choose=lambda views, seen, aff, exclude, *rest: next(
+        (SimpleNamespace(replica_id=r, route="least_loaded", matched_tokens=0)
+         for r in ("A", "B") if r not in exclude), None))
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.pipeline"):
+        events = list(orch.generate(
+            tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+            sampling=Sampling(4, 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
+            return_token_ids=True, request_id="rid", deadline=time.monotonic() + 5,
+            on_cancel=lambda fn: None))
+    assert events[-1].report.replica_id == "B"
+    lines = [r.getMessage() for r in caplog.records if "replica A failed" in r.getMessage()]
+    assert lines == [f"replica A failed (cancelled by this orchestrator: {why}) after 0 "
+                     "tokens; attempt 2"]
