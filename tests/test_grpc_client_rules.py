@@ -10,6 +10,7 @@ import pytest
 from services.common.bootstrap import create_server
 from services.common.grpc_client import (
     call_metadata,
+    health_error,
     make_channel,
     timeout_or,
     tls_mode,
@@ -83,3 +84,15 @@ def test_timeout_or_keeps_a_zero_timeout_and_fills_in_only_none():
     assert timeout_or(0.0, 30.0) == 0.0
     assert timeout_or(None, 30.0) == 30.0
     assert timeout_or(1.5, 30.0) == 1.5
+
+
+def test_a_tiers_timeout_is_said_as_how_long_nobody_answered():
+    """health_error: a deadline reads "no answer within <the call's timeout, else the tier's>s"
+    (gRPC's bare "Deadline Exceeded" named no deadline); any other failure is kept as it came."""
+    from tests.orchestrator.test_pipeline_paths import RpcError
+
+    late = RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+    assert health_error(late, 0.25, 2.0) == "no answer within 0.25s (timed out)"
+    assert health_error(late, None, 2.0) == "no answer within 2s (timed out)"
+    down = RpcError(grpc.StatusCode.UNAVAILABLE)
+    assert health_error(down, 0.25, 2.0) is down

@@ -62,6 +62,17 @@ def tells_of_health(e: grpc.RpcError, timeout: float | None, full_s: float) -> b
     return e.code() not in CALLERS_FAULT and not cut_short(e, timeout, full_s)
 
 
+def health_error(e: grpc.RpcError, timeout: float | None, full_s: float) -> grpc.RpcError | str:
+    """What a cache tier's health record says of the failure `e` of a call given `timeout`
+    seconds (`full_s`: the tier's own timeout, when the call was given none): a timeout says
+    how long nobody answered; gRPC's bare "Deadline Exceeded" said neither whose deadline
+    nor that the tier had not answered (a SIGSTOPped semantic tier read so in Stats and in
+    the "is unhealthy" line). Anything else as it came."""
+    if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+        return e
+    return f"no answer within {timeout or full_s:g}s (timed out)"
+
+
 def unary_call(rpc, request, on_call: Callable[[grpc.Future], None] | None = None, **kw):
     """One call of a stub's unary method `rpc`. With `on_call`, the call is made as a future,
     handed to `on_call` as it starts (so that a request can cancel it when its client goes):

@@ -25,6 +25,7 @@ from services.common.addresses import ShardRing, shard_fingerprint
 from services.common.grpc_client import (
     call_metadata,
     cut_short,
+    health_error,
     make_channel,
     tells_of_health,
     timeout_or,
@@ -721,8 +722,9 @@ class SemanticBackend:
                 # every Store (RESOURCE_EXHAUSTED: a full disk) does no work either, and
                 # Stats must say so. A request's own bad input or an unknown id is not the
                 # tier's fault.
-                self.health.fail(e)
-                self.shard_health[address].fail(e)
+                why = health_error(e, timeout, self.timeout_s)
+                self.health.fail(why)
+                self.shard_health[address].fail(why)
             raise
 
     def _each(self, method: str, req, deadline: float | None = None

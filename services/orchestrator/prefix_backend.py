@@ -12,7 +12,7 @@ from collections.abc import Callable
 import grpc
 from tiercache.v1 import common_pb2
 
-from services.common.grpc_client import tells_of_health, timeout_or
+from services.common.grpc_client import health_error, tells_of_health, timeout_or
 from services.common.prefix_client import PrefixIndexClient
 from services.orchestrator.backends import Health, HungBackoff, tier_health, with_note
 
@@ -59,7 +59,7 @@ class PrefixBackend:
             # (`PrefixIndexClient._outcome`) and the semantic tier's, not the index's fault. One
             # index read unhealthy after it, its gauge 0, while the same index sharded did not.
             if tells_of_health(e, kw.get("timeout"), self.timeout_s):
-                self.health.fail(e)
+                self.health.fail(health_error(e, kw.get("timeout"), self.timeout_s))
             raise
 
     def match(self, block_hashes: list[bytes], model_id: str,

@@ -309,7 +309,7 @@ class SemanticHarness:
                 if call.probe_rec is not None and m.rec is call.probe_rec:
                     m.rec = Rec(now, m.rec.back)
                 return
-            m.healthy, m.error = False, "Deadline Exceeded"
+            m.healthy, m.error = False, f"no answer within {call.timeout:g}s (timed out)"
             if m.rec is None:
                 m.rec = Rec(now + FIRST, FIRST)
                 m.mark_seq = self.seq

@@ -311,3 +311,14 @@ def test_a_hung_replica_says_so_in_stats_not_how_its_cancelled_calls_ended():
     assert why.startswith("hung: 2 Stats polls in a row unanswered within 2s"), why
     r.health.fail(RpcError(grpc.StatusCode.CANCELLED))  # the failed-over call
     assert r.health.proto().last_error == why and not r.health.healthy
+
+
+def test_a_timed_out_semantic_tier_says_how_long_nobody_answered():
+    """A SIGSTOPped semantic tier read "Deadline Exceeded" in Stats (and in the "is unhealthy"
+    line): gRPC's words, naming neither whose deadline nor that the tier had not answered."""
+    sb = backend_with(TimesOut(), [100.0])
+    with pytest.raises(grpc.RpcError):
+        sb.lookup(semantic_pb2.LookupRequest())  # the tier's whole 2 s
+    lines = {d.name: d for d in sb.dependencies()}
+    assert not lines["semantic"].healthy
+    assert lines["semantic"].last_error == "no answer within 2s (timed out)"

@@ -148,3 +148,25 @@ def test_padded_and_blank_addresses_are_the_shards_the_client_dials(index):
             0.0, 1.0)
     finally:
         two.client.close()
+
+
+def test_a_timed_out_index_says_how_long_nobody_answered():
+    """A SIGSTOPped index read "Deadline Exceeded" in Stats (and in the "is unhealthy" line):
+    gRPC's words, naming neither whose deadline nor that the index had not answered."""
+    import grpc
+
+    from tests.orchestrator.test_pipeline_paths import RpcError
+
+    pb = PrefixBackend(("127.0.0.9:1",), "", 0.5, BS)
+
+    def match(*args, **kw):
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    pb.client.match = match
+    try:
+        with pytest.raises(grpc.RpcError):
+            pb.match([b"\0" * 16], MODEL)  # the index's whole 0.5 s
+        [line] = pb.dependencies()
+        assert (line.healthy, line.last_error) == (False, "no answer within 0.5s (timed out)")
+    finally:
+        pb.client.close()
