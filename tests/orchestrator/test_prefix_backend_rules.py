@@ -7,8 +7,6 @@ healthy, and the health names the shards as the client dials them (padding, blan
 
 from __future__ import annotations
 
-import types
-
 import pytest
 from tiercache.v1 import prefix_pb2
 
@@ -79,7 +77,7 @@ def test_stats_waits_at_most_the_index_timeout():
 
     def stats(**kw):
         seen.append(kw.get("timeout"))
-        return types.SimpleNamespace(nodes=0)
+        return prefix_pb2.PrefixStatsResponse()
 
     pb.client.stats = stats
     try:
@@ -168,5 +166,38 @@ def test_a_timed_out_index_says_how_long_nobody_answered():
             pb.match([b"\0" * 16], MODEL)  # the index's whole 0.5 s
         [line] = pb.dependencies()
         assert (line.healthy, line.last_error) == (False, "no answer within 0.5s (timed out)")
+    finally:
+        pb.client.close()
+
+
+def test_an_index_that_answers_stats_is_no_longer_skipped_as_hung():
+    """After a SIGSTOPped index was continued, the orchestrator's Stats found it answering
+    (logged "healthy again", gauge 1) while every Match still skipped it as hung for the rest
+    of the back-off: ring routing, and "prefix index unreachable" lines, under a healthy
+    index."""
+    import grpc
+
+    from tests.orchestrator.test_pipeline_paths import RpcError
+
+    pb = PrefixBackend(("127.0.0.9:1",), "", 0.5, BS)
+    calls: list[str] = []
+
+    def hangs(*args, **kw):
+        calls.append("match")
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    pb.client.match = hangs
+    pb.client.stats = lambda **kw: prefix_pb2.PrefixStatsResponse(shards_total=1,
+                                                                   shards_answered=1)
+    try:
+        with pytest.raises(grpc.RpcError):
+            pb.match([b"\0" * 16], MODEL)  # its whole timeout: hung, skipped a while
+        with pytest.raises(grpc.RpcError) as skipped:
+            pb.match([b"\0" * 16], MODEL)
+        assert "skipped" in skipped.value.details() and calls == ["match"]
+        pb.stats()
+        assert pb.dependencies()[0].healthy
+        pb.client.match = lambda *a, **kw: prefix_pb2.MatchResponse()
+        assert pb.match([b"\0" * 16], MODEL) == {}  # asked, not skipped
     finally:
         pb.client.close()
