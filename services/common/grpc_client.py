@@ -70,7 +70,7 @@ def health_error(e: grpc.RpcError, timeout: float | None, full_s: float) -> grpc
     the "is unhealthy" line). Anything else as it came."""
     if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
         return e
-    return f"no answer within {timeout or full_s:g}s (timed out)"
+    return f"no answer within {timeout_or(timeout, full_s):g}s (timed out)"
 
 
 def unary_call(rpc, request, on_call: Callable[[grpc.Future], None] | None = None, **kw):

@@ -20,6 +20,7 @@ The model, written from those docs:
   of those that answered; a refusal (k = 0) raises, and so does no shard answering;
 - `stats(timeout)`: every shard, waiting at most min(timeout, the tier's timeout); the shards
   that answered are summed (`shards_answered` of `shards_total`); raises only when none did;
+  when every shard answered, none is skipped as hung any more (its back-off ends);
 - health (`dependencies`, the gauge tiercache_orchestrator_dependency_healthy): one shard:
   the tier's line ("prefix") is its last counted call's outcome; several: a "prefix shard"
   line each ("no call yet" before its first), the tier's line healthy only when every
@@ -65,9 +66,10 @@ cache_salt not passed, a shard never called healthy, a shard's or the one index'
 note dropped, the tier's line from its last call, a shard's outcome inverted, `probe` or
 `on_call` not passed, "prefix shard" gauges for one index, the back-off probe's timeout the
 tier's instead of the request's.
-Left as is: `stats(timeout=0)` and `match(timeout=0)` wait the tier's whole timeout (the
-client reads 0 as "not given"; server.py asks only with time left, and pipeline's `_within`
-gives None past the deadline); one index never called reads unhealthy with no error (a
+Left as is then: `stats(timeout=0)` and `match(timeout=0)` waited the tier's whole timeout
+(the client read 0 as "not given"; server.py asks only with time left, and pipeline's
+`_within` gives None past the deadline): stop 69 made 0 a deadline already passed
+(`grpc_client.timeout_or`), not run here; one index never called reads unhealthy with no error (a
 shard's line says "no call yet"; the semantic tier's one line is the same); TopPrefixes and
 Stats are not skipped while a shard is hung (each waits the tier's timeout; Stats is held to
 its caller's deadline); which of equally hot prefixes a shard gives is its own choice, so the
@@ -514,6 +516,8 @@ class Run:
                         assert real == s.noted, (a, real)
                     self.notes[a] = real
                 assert bool(out.shard_list_mismatch) == any(self.notes[a] for a in up)
+                if len(up) == self.n:
+                    self.hung.clear()  # every shard answered: none is skipped as hung
         finally:
             took = time.monotonic() - began
             if hung is not None:
