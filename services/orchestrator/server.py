@@ -345,7 +345,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                     f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown "
                     "(expired, evicted or invalidated)") from None
             why = _public_details(e, "the semantic tier")
-            exc = errors.TierCacheError(f"semantic_entry_id: {why}")
+            # The field named only for the tier's verdict on it: "semantic_entry_id: the
+            # semantic tier is unavailable" blamed a reference that was fine.
+            exc = errors.TierCacheError(why if e.code() in _TRANSPORT_CODES
+                                        else f"semantic_entry_id: {why}")
             exc.code = e.code().name
             raise exc from None
 
@@ -421,8 +424,16 @@ def _public_details(e: grpc.RpcError, what: str) -> str:
     code (the full text is logged)."""
     if e.code() in _TRANSPORT_CODES:
         log.warning("%s failed: %s: %s", what, e.code().name, e.details())
-        return f"{what} is unavailable ({e.code().name.lower()})"
+        return f"{what} {_TRANSPORT_WORDS[e.code()]}"
     return e.details() or e.code().name
+
+
+# How `_public_details` says each transport failure ("is unavailable (unavailable)" said the
+# code twice; a deadline is not a dependency gone).
+_TRANSPORT_WORDS = {grpc.StatusCode.UNAVAILABLE: "is unavailable",
+                    grpc.StatusCode.DEADLINE_EXCEEDED: "did not answer in time",
+                    grpc.StatusCode.INTERNAL: "failed (an internal error)",
+                    grpc.StatusCode.UNKNOWN: "failed (an unknown error)"}
 
 
 # Prompts (or top_k prefixes) one Warm call may ask for.

@@ -186,6 +186,32 @@ def test_feedback_without_a_rating_is_refused_naming_rating():
     assert called == []
 
 
+@pytest.mark.parametrize("code,said", [
+    (grpc.StatusCode.UNAVAILABLE, "the semantic tier is unavailable"),
+    (grpc.StatusCode.DEADLINE_EXCEEDED, "the semantic tier did not answer in time")])
+def test_feedback_while_the_semantic_tier_is_down_blames_the_tier_not_the_reference(code, said):
+    """A chaos walkthrough: with the semantic service down, Feedback said "semantic_entry_id:
+    the semantic tier is unavailable (unavailable)", a field that was fine blamed and the
+    code said twice. The tier's status is passed on, its address (in gRPC's text) kept out."""
+    from tests.orchestrator.test_pipeline_paths import RpcError
+
+    class Down(RpcError):
+        def details(self) -> str:
+            return "failed to connect to all addresses; last error: 10.0.3.9:50052"
+
+    def fail(*a):
+        raise Down(code)
+
+    s, orch = servicer(STREAM_HEADROOM + 1)
+    orch.semantic = SimpleNamespace(enabled=True, invalidate=fail, verify=fail)
+    ref = s.tenants.entry_ref(s.tenants.authenticate({}), "e1")
+    for rating in (orchestrator_pb2.RATING_GOOD, orchestrator_pb2.RATING_BAD):
+        with pytest.raises(errors.TierCacheError) as ei:
+            s.Feedback(orchestrator_pb2.FeedbackRequest(semantic_entry_id=ref, rating=rating),
+                       Context())
+        assert (ei.value.code, str(ei.value)) == (code.name, said)
+
+
 def _stats_servicer(tokens: str = ""):
     s = OrchestratorServicer(OrchestratorConfig(kvpool_addresses=("h:1",)))
     health = [SimpleNamespace(healthy=h, proto=lambda h=h: common_pb2.DependencyHealth(
