@@ -23,7 +23,7 @@ import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, semantic_pb2
 
 from services.common import errors
-from services.common.grpc_client import call_metadata, cut_short
+from services.common.grpc_client import call_metadata, cut_short, health_error
 from services.common.hashing import BlockHasher
 from services.common.logs import Thinned
 from services.common.metrics import SECONDS_BUCKETS, counter, histogram
@@ -493,13 +493,17 @@ class Orchestrator:
             if timeout is not None and cut_short(e, timeout, self.prefix.timeout_s):
                 # The request's deadline, not the index: ring routing, no degradation.
                 return PrefixView({}, key, None, hashes)
+            # A timeout said as how long the index did not answer (gRPC's bare "Deadline
+            # Exceeded" named no deadline), as its health line says it.
+            said = health_error(e, timeout, self.prefix.timeout_s)
+            said = said if isinstance(said, str) else e.details()
             if probe:
                 # A Warm choosing owners (up to 64 prompts a call) is not a request served
                 # degraded: counting each probe swamped the per-request figure.
-                log.info("prefix index unreachable for a routing probe: %s", e.details())
+                log.info("prefix index unreachable for a routing probe: %s", said)
                 return PrefixView({}, key, None, hashes)
             if _DEGRADED_LINES.allow(("prefix match", e.code().name)):
-                log.warning("prefix index unreachable, ring routing: %s", e.details())
+                log.warning("prefix index unreachable, ring routing: %s", said)
             self.stats.degrade("index_down")
             return PrefixView({}, key, None, hashes)
 

@@ -290,6 +290,29 @@ def test_an_index_outage_during_warms_owner_probes_is_not_a_degraded_request():
     assert orch.stats.degradations["index_down"] == 1
 
 
+def test_an_index_that_times_out_is_said_to_have_given_no_answer_in_time(caplog, monkeypatch):
+    """A chaos walkthrough: with the index SIGSTOPped each request's line read "prefix index
+    unreachable, ring routing: Deadline Exceeded" (no deadline named) while the index's health
+    line said how long it went unanswered. Both say it now."""
+    import logging
+
+    from services.common.logs import Thinned
+    from services.orchestrator import pipeline
+
+    def late(h, m, timeout=None, probe=False, on_call=None):
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+
+    monkeypatch.setattr(pipeline, "_DEGRADED_LINES", Thinned(pipeline.log,
+                                                             level=logging.WARNING))
+    stub, stubs = one_replica()
+    orch = make(stubs, prefix=SimpleNamespace(timeout_s=0.5, match=late))
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.pipeline"):
+        run(orch)
+    lines = [r.getMessage() for r in caplog.records if "ring routing" in r.getMessage()]
+    assert lines == ["prefix index unreachable, ring routing: no answer within 0.5s "
+                     "(timed out)"]
+
+
 def test_the_report_and_metrics_say_what_the_index_promised_against_what_was_reused():
     """A prefix-routed request that found less cached than the index said (the replica had
     evicted part of it meanwhile) looked like any partial hit: the report now carries the
