@@ -859,6 +859,15 @@ def build_output(results: list[RunResult], sizes: list[int], sessions: int, rate
         cmd += " --replicas " + " ".join(map(str, a.replicas))
     if a.sessions:
         cmd += f" --sessions {a.sessions}"
+    # Every other option that changes the figures, where given: without them a run of some
+    # policies, or of another pool size, was recorded (and reported) as the default command.
+    for opt, default in (("policies", list(POLICIES)), ("pool_blocks", SimConfig.pool_blocks),
+                         ("tenants", SimConfig.tenants),
+                         ("req_per_replica_s", SimConfig.req_per_replica_s)):
+        v = getattr(a, opt, default)
+        if v != default:
+            cmd += f" --{opt.replace('_', '-')} " + (" ".join(v) if isinstance(v, list)
+                                                      else str(v))
     if a.merge:
         cmd += " --merge"
     return {
