@@ -22,8 +22,11 @@ batch 8 over batch 1 (~128-token contexts, and with a shared 1,024-token prefix)
 the plain cache at 1k context; TTFT on a cached prefix and 8-request throughput against
 transformers continuous batching.
 
-`--quick` keeps every figure but shrinks repetitions, the shared prefix (256 tokens) and the
-transformers CB workload so the whole run takes under ~3 minutes; it writes `kvpool-quick.json`.
+`--quick` keeps every figure and the 1,024-token system prompt but shrinks repetitions (one
+replica pair, 4 prompt pairs for the unique-prompt ratio), tokens generated and the transformers
+CB workload (4 requests, a 256-token prefix: `ttft_hit_vs_transformers_cb` and
+`throughput_vs_transformers_cb` are on that smaller shape) so the whole run takes under ~3
+minutes; it writes `kvpool-quick.json`.
 """
 
 from __future__ import annotations
