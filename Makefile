@@ -49,12 +49,14 @@ test-fast: setup
 lint: setup
 	$(VENV)/bin/ruff check services clients tests benchmarks scripts
 
-# Every benchmark in benchmarks/, then benchmarks/results/REPORT.md with plots (hours: the
-# simulation alone runs 100k sessions per cluster size).
+# The six benchmarks with targets (kvpool, prefix_index, semantic, orchestrator, assisted,
+# simulate), then benchmarks/results/REPORT.md with plots (hours: the simulation alone runs 100k
+# sessions per cluster size). The studies beside them (prefix_lapse, semantic_restart, device,
+# step_profile, ...) are run on their own; the report shows the results they left.
 bench: setup
 	$(VPY) -m benchmarks.report --run
 
-# Each benchmark's --quick version and the report (< 15 minutes on 2 CPUs).
+# The same six benchmarks' --quick versions and the report (< 15 minutes on 2 CPUs).
 bench-quick: setup
 	$(VPY) -m benchmarks.report --run --quick
 
