@@ -17,6 +17,7 @@ import datetime as dt
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -131,14 +132,35 @@ def _table(head: list[str], rows: list[list[object]]) -> str:
     return "\n".join(out)
 
 
+# prefix_index's targets are {"<figure> <op> <bound>": met} (or "<figure> within <d> of the
+# <other>"), no value: the value is the result's own figure of that name.
+_BOUND = re.compile(r"^(\w+) (<=|>=) (\S+)$")
+_WITHIN = re.compile(r"^(\w+) within (\S+) of the (\w+)$")
+
+
+def _figure(d: dict, name: str) -> float | None:
+    v = d.get(name)
+    return v if isinstance(v, (int, float)) and not isinstance(v, bool) else None
+
+
 def targets_of(d: dict) -> list[tuple[str, object, str, bool | None]]:
-    """(name, value, target, met) from the two shapes benchmarks use."""
+    """(name, value, target, met) from the two shapes benchmarks use. A target given only as
+    a verdict (`"bytes_per_block <= 250": true`) is shown as the others are, its value read
+    from the result's figure of that name (the row had no value and the whole name, not the
+    bound, in the goal column)."""
     out = []
     for k, v in (d.get("targets") or {}).items():
         if isinstance(v, dict):
             out.append((k, v.get("value"), str(v.get("target", "")), v.get("met")))
         elif isinstance(v, bool):
-            out.append((k, None, k, v))
+            if m := _BOUND.match(k):
+                out.append((m[1], _figure(d, m[1]), f"{m[2]} {m[3]}", v))
+            elif m := _WITHIN.match(k):
+                a, b = _figure(d, m[1]), _figure(d.get(m[3]) or {}, m[1])
+                out.append((f"{m[1]} difference from the {m[3]}",
+                            None if a is None or b is None else abs(a - b), f"<= {m[2]}", v))
+            else:
+                out.append((k, None, k, v))
     return out
 
 

@@ -1,0 +1,65 @@
+"""What benchmarks/report.py writes into its tables: each value under the column that names its
+unit, each target with its value and its bound, each documented command as it is run."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from benchmarks import report
+
+RESULTS = Path(report.RESULTS)
+
+
+def test_a_verdict_only_target_shows_its_figure_and_its_bound():
+    """prefix_index writes `{"bytes_per_block <= 250": true}`: the row showed no value and the
+    whole name in the goal column."""
+    d = {"bytes_per_block": 207.7, "hit_ratio": 0.833, "trie": {"hit_ratio": 0.831},
+         "targets": {"bytes_per_block <= 250": True, "speedup_vs_token_trie >= 5": False,
+                     "hit_ratio within 0.01 of the trie": True, "something else": True}}
+    got = report.targets_of(d)
+    assert got[0] == ("bytes_per_block", 207.7, "<= 250", True)
+    assert got[1] == ("speedup_vs_token_trie", None, ">= 5", False)  # no such figure: no value
+    name, value, goal, met = got[2]
+    assert (name, goal, met) == ("hit_ratio difference from the trie", "<= 0.01", True)
+    assert value == pytest.approx(0.002)
+    assert got[3] == ("something else", None, "something else", True)
+    # The dict shape is as it was.
+    assert report.targets_of({"targets": {"x": {"value": 1.2, "target": ">= 1.5", "met": False}}}
+                             ) == [("x", 1.2, ">= 1.5", False)]
+
+
+@pytest.fixture
+def rendered(tmp_path, monkeypatch) -> str:
+    """REPORT.md from a copy of the stored results (plots left out)."""
+    root = tmp_path / "repo"
+    out = root / "benchmarks" / "results"
+    out.mkdir(parents=True)
+    for p in RESULTS.glob("*.json"):
+        shutil.copy(p, out / p.name)
+    monkeypatch.setattr(report, "ROOT", root)
+    monkeypatch.setattr(report, "RESULTS", out)
+    for name in ("plot_ttft", "plot_hits_over_time", "plot_pool", "plot_decode",
+                 "plot_semantic", "plot_index"):
+        monkeypatch.setattr(report, name, lambda *a, **k: None)
+    return report.write_report(False).read_text()
+
+
+def _rows(text: str, head: str) -> list[list[str]]:
+    lines = text.splitlines()
+    i = lines.index(head)
+    out = []
+    for line in lines[i + 2:]:
+        if not line.startswith("|"):
+            break
+        out.append([c.strip() for c in line.strip("|").split("|")])
+    return out
+
+
+def test_prefix_index_targets_have_values_in_the_all_targets_table(rendered):
+    rows = [r for r in _rows(rendered, "| benchmark | target | value | goal | met |")
+            if r[0] == "prefix_index"]
+    assert rows and all(r[2] != "–" for r in rows)
+    assert ["prefix_index", "bytes_per_block"] == rows[0][:2] and rows[0][3] == "<= 250"
