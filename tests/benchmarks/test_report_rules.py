@@ -3,6 +3,7 @@ unit, each target with its value and its bound, each documented command as it is
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -56,6 +57,15 @@ def _rows(text: str, head: str) -> list[list[str]]:
             break
         out.append([c.strip() for c in line.strip("|").split("|")])
     return out
+
+
+def test_kvpool_ratios_are_not_in_the_seconds_column(rendered):
+    kv = json.loads((RESULTS / "kvpool.json").read_text())["figures"]
+    rows = {r[0]: r[1:] for r in _rows(rendered, "| case | TTFT s | ratio |")}
+    assert rows["hit / miss"] == ["–", report._f(kv["ttft_ratio_hit_over_miss"])]
+    assert rows["unique prompt, cache on / off"] == [
+        "–", report._f(kv["ttft_ratio_cache_on_over_off_unique"])]
+    assert rows["cold (nothing cached)"] == [report._f(kv["ttft_cold_s"]), "–"]
 
 
 def test_prefix_index_targets_have_values_in_the_all_targets_table(rendered):
