@@ -73,3 +73,36 @@ def test_prefix_index_targets_have_values_in_the_all_targets_table(rendered):
             if r[0] == "prefix_index"]
     assert rows and all(r[2] != "–" for r in rows)
     assert ["prefix_index", "bytes_per_block"] == rows[0][:2] and rows[0][3] == "<= 250"
+
+
+def test_the_quick_commands_are_the_ones_run(rendered):
+    """`prefix_index --quick` alone writes no file: the report names the `--out` it runs."""
+    assert ("`python -m benchmarks.prefix_index --quick --out "
+            "benchmarks/results/prefix_index-quick.json`") in rendered
+    assert "`python -m benchmarks.kvpool --quick`" in rendered
+
+
+def test_a_quick_result_says_which_targets_it_did_not_judge(tmp_path, monkeypatch):
+    """semantic_quick.json measures latency at 5k entries: its targets at 100k are not judged,
+    and "5/5 targets met" read as the full run's."""
+    out = tmp_path / "repo" / "benchmarks" / "results"
+    out.mkdir(parents=True)
+    full = {"targets": {"lookup_p50_ms@100k": {"value": 1.4, "target": "<= 2.0", "met": True},
+                        "strict_qqp_precision": {"value": 0.93, "target": ">= 0.97",
+                                                 "met": False}}}
+    quick = {"quick": True, "targets": {"strict_qqp_precision": {
+        "value": 0.97, "target": ">= 0.97", "met": True}}}
+    (out / "semantic.json").write_text(json.dumps(full))
+    (out / "semantic_quick.json").write_text(json.dumps(quick))
+    monkeypatch.setattr(report, "ROOT", tmp_path / "repo")
+    monkeypatch.setattr(report, "RESULTS", out)
+    for name in ("plot_ttft", "plot_hits_over_time", "plot_pool", "plot_decode",
+                 "plot_semantic", "plot_index"):
+        monkeypatch.setattr(report, name, lambda *a, **k: None)
+    text = report.write_report(True).read_text()
+    assert "| semantic | `benchmarks/results/semantic_quick.json` (quick run) | – | – | 1/1 |" \
+        in text
+    assert "a quick run leaves out those its reduced run does not measure (semantic: " \
+        "lookup_p50_ms@100k)" in text
+    # The full report has nothing to say.
+    assert "a quick run leaves out" not in report.write_report(False).read_text()
