@@ -480,13 +480,16 @@ def device_text(results: Path) -> list[str]:
                 f"17 tokens cost {_f((d.get('draft_forward_costs') or [None])[-1])}x one of 1 "
                 f"(ladder {d.get('draft_ladder')})."]
     for name in ("step_profile_cuda.json", "step_profile_cpu.json"):
-        d = _optional(results / name)
+        path = results / name
+        d = _optional(path)
         if d is None:
             continue
         rows = [[k, v.get("engine_ms_per_step"), v.get("model_ms_per_step"),
                  v.get("kernels_per_step", v.get("ops_per_step")), v.get("gpu_busy_ms_per_step")]
                 for k, v in d.get("figures", {}).items()]
-        out += ["", f"A decode step on {d.get('device_name')} (`{d.get('command')}`):", "",
+        # The file too, as every other table names it (the command alone named none).
+        out += ["", f"A decode step on {d.get('device_name')} (`{path.relative_to(ROOT)}`; "
+                f"`{d.get('command')}`):", "",
                 _table(["batch", "engine ms", "transformers loop ms",
                         "kernels (GPU) / operators (CPU)", "GPU busy ms"], rows)]
     return out

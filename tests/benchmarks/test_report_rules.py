@@ -106,3 +106,9 @@ def test_a_quick_result_says_which_targets_it_did_not_judge(tmp_path, monkeypatc
         "lookup_p50_ms@100k)" in text
     # The full report has nothing to say.
     assert "a quick run leaves out" not in report.write_report(False).read_text()
+
+
+def test_every_decode_step_table_names_its_file(rendered):
+    for name in ("step_profile_cuda.json", "step_profile_cpu.json"):
+        if (RESULTS / name).exists():
+            assert f"(`benchmarks/results/{name}`; `python -m benchmarks.step_profile" in rendered
