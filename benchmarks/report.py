@@ -469,7 +469,11 @@ def device_text(results: Path) -> list[str]:
         f = d.get("figures", {})
         out += ["", f"The replica in-process on {d.get('device_name')} (`{dev.relative_to(ROOT)}`, "
                 f"torch {d.get('host', {}).get('torch')}; `{d.get('command')}`, "
-                f"{_f(f.get('pairs'))} of the near pairs above): greedy tokens identical from "
+                # From the file the study read them from: under --quick "above" is
+                # assisted-quick.json, whose few pairs these are not.
+                f"{_f(f.get('pairs'))} of the near pairs in "
+                f"`{str(d.get('pairs_from', 'benchmarks/results/assisted.json')).split(' ')[0]}`"
+                "): greedy tokens identical from "
                 "scratch, from the pool's cache, with the near-miss draft, with an unrelated one "
                 f"and batched: {_f(f.get('identical_outputs'))}; seeded sampling the same with a "
                 f"draft: {_f(f.get('identical_sampled'))}. decode_speedup_in_process "

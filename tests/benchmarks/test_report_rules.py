@@ -112,3 +112,10 @@ def test_every_decode_step_table_names_its_file(rendered):
     for name in ("step_profile_cuda.json", "step_profile_cpu.json"):
         if (RESULTS / name).exists():
             assert f"(`benchmarks/results/{name}`; `python -m benchmarks.step_profile" in rendered
+
+
+def test_the_device_study_names_the_file_its_pairs_came_from(rendered):
+    """Its pairs are assisted.json's; "of the near pairs above" read as the quick run's."""
+    if (RESULTS / "device_cuda.json").exists():
+        assert "12 of the near pairs in `benchmarks/results/assisted.json`)" in rendered
+        assert "of the near pairs above" not in rendered
