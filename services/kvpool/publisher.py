@@ -325,6 +325,13 @@ class Publisher:
                                    free_blocks=s.blocks_free + s.blocks_cached,
                                    total_blocks=s.blocks_total), only=only, partial=partial)
         self.connected = True
+        if self._client.sharded:
+            # A shard that did not answer (down, or removed before this replica's list was)
+            # lags, as a failed batch leaves it: retried on its own timer and caught up by a
+            # snapshot. Heartbeats went on to it every beat, each a WARNING (30 a minute per
+            # replica while it was gone), a hung one holding the loop for its timeout.
+            asked = set(self._client.addresses) if only is None else set(only)
+            self._lagging |= asked - set(got)
         forgot = {a for a, r in got.items() if not r.known}
         if forgot:
             self._rejoin(forgot)

@@ -269,3 +269,28 @@ def test_batches_skip_lagging_shards(make_engine) -> None:
         assert to == [{a}] and pub._backlog == [] and pub._lagging == {b}
     finally:
         pub._client.close()
+
+
+def test_a_shard_that_misses_a_heartbeat_lags_and_is_no_longer_beaten(make_engine,
+                                                                      caplog) -> None:
+    """A shard gone while the replica had nothing to publish (a prefix shard removed before
+    the replicas' lists were) got a heartbeat every beat, each one a WARNING, for as long as
+    it was gone: only a failed batch marked a shard lagging. Now a missed heartbeat does, and
+    the shard is left to its own retry timer."""
+    (_, ha), (_, hb) = start_shard(lease_seconds=5.0), start_shard(lease_seconds=5.0)
+    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    eng = make_engine(num_blocks=16, hash_key=None)
+    pub = start_publisher(eng, addrs)  # heartbeats every 0.2 s
+    try:
+        wait_for(lambda: pub.registered and not pub._need_resync and pub.resyncs >= 1)
+        hb.stop(0)
+        wait_for(lambda: addrs[1] in pub._lagging, timeout=5.0)
+        caplog.clear()
+        time.sleep(1.5)  # ~7 beats
+        beats = [r for r in caplog.records if "Heartbeat" in r.getMessage()
+                 and r.levelname == "WARNING"]
+        assert beats == []
+        assert addrs[0] not in pub._lagging
+    finally:
+        pub.stop()
+        ha.stop(0)
