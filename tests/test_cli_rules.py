@@ -111,7 +111,29 @@ def test_stats_says_when_a_tiers_shard_lists_disagree(capsys):
                 shards_total=2, shards_answered=2, shard_list_mismatch="shard 1 lists 3"))
 
     assert cli.cmd_stats(Client(), None) == 0
-    assert capsys.readouterr().err == "prefix: shard 1 lists 3\n"
+    assert capsys.readouterr().err == f"prefix: shard 1 lists 3; {cli.MISMATCH_FIX['prefix']}\n"
+
+
+@pytest.mark.parametrize(("tier", "setting"), [
+    ("semantic", "TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS"),
+    ("prefix", "TIERCACHE_KVPOOL_PREFIX_ADDRESS")])
+def test_stats_says_what_to_do_about_a_shard_list_mismatch(capsys, tier, setting):
+    """The note named the two lists and not the fix (that was in the shard's log alone), nor
+    that a change of the shards under way shows it too, and for how long after."""
+    from tiercache.v1 import semantic_pb2
+
+    st = (semantic_pb2 if tier == "semantic" else prefix_pb2)
+    kind = st.SemanticStatsResponse if tier == "semantic" else st.PrefixStatsResponse
+
+    class Client:
+        def stats(self):
+            return orchestrator_pb2.StatsResponse(**{tier: kind(
+                shards_total=2, shards_answered=2, shard_list_mismatch="lists differ")})
+
+    assert cli.cmd_stats(Client(), None) == 0
+    err = capsys.readouterr().err
+    assert err.startswith(f"{tier}: lists differ; list the same {tier} shards")
+    assert setting in err and "minutes after" in err
 
 
 @pytest.mark.parametrize("argv", [["--ca", "ca.pem", "--key", "k.pem", "stats"],
@@ -330,7 +352,7 @@ def test_stats_shows_a_shard_list_mismatch_on_a_terminal_without_control_charact
                 shards_total=1, shards_answered=1, shard_list_mismatch="lists 3\x1b[2J"))
 
     assert cli.cmd_stats(Client(), None) == 0
-    assert err.getvalue() == "prefix: lists 3\ufffd[2J\n"
+    assert err.getvalue() == f"prefix: lists 3\ufffd[2J; {cli.MISMATCH_FIX['prefix']}\n"
 
 
 @pytest.fixture(scope="module")

@@ -323,6 +323,20 @@ def cmd_feedback(c: TierCacheClient, a: argparse.Namespace) -> int:
     return 0
 
 
+# What to do about a tier's shard-list mismatch: the server's note names the two lists only
+# (the fix was in the shard's log alone), and during a planned change of the shards it is
+# expected and outlives the change (docs/deploy.md, "Scale each tier").
+MISMATCH_FIX = {
+    "semantic": "list the same semantic shards, by the same names, in every orchestrator's "
+                "TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS (after a change of the shards, "
+                "expected until about 10 minutes after the old list's last call)",
+    "prefix": "list the same prefix shards, by the same names, in every kvpool's "
+              "TIERCACHE_KVPOOL_PREFIX_ADDRESS and every orchestrator's "
+              "TIERCACHE_ORCHESTRATOR_PREFIX_ADDRESSES (after a change of the shards, "
+              "expected until 5 minutes after the last pod rolled)",
+}
+
+
 def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
     resp = c.stats()
     print(json.dumps(_as_dict(resp), indent=2))
@@ -343,7 +357,8 @@ def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
         if st.shard_list_mismatch:
             # Every call succeeds while lookups go to the wrong shard: the JSON alone hid it.
             # The server's words, shown as the others on stderr are.
-            sys.stderr.write(f"{tier}: {shown(st.shard_list_mismatch, sys.stderr)}\n")
+            sys.stderr.write(f"{tier}: {shown(st.shard_list_mismatch, sys.stderr)}; "
+                             f"{MISMATCH_FIX[tier]}\n")
     return 0
 
 

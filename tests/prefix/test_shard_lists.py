@@ -13,6 +13,7 @@ import logging
 import pytest
 from tiercache.v1 import common_pb2, prefix_pb2
 
+from clients.python.cli import MISMATCH_FIX
 from services.common.addresses import canonical_address, shard_fingerprint
 from services.common.config import ConfigError, require_addresses
 from services.common.hashing import BlockHasher
@@ -183,7 +184,7 @@ def test_a_shard_missing_on_one_side_is_reported_while_match_answers(shards, cap
         assert shown["prefix"]["shardListMismatch"] == s.shard_list_mismatch
         assert shown["prefix"]["shardListMismatchesTotal"] == str(len(prompts))
         assert [d["lastError"] for d in shown["dependencies"]] == [s.shard_list_mismatch]
-        assert err == f"prefix: {s.shard_list_mismatch}\n"
+        assert err == f"prefix: {s.shard_list_mismatch}; {MISMATCH_FIX['prefix']}\n"
     finally:
         kvpool.close()
         pb.client.close()

@@ -19,6 +19,7 @@ from tiercache.v1 import common_pb2
 from tiercache.v1 import semantic_pb2 as pb
 from tiercache.v1 import semantic_pb2_grpc as pbg
 
+from clients.python.cli import MISMATCH_FIX
 from services.common.addresses import shard_fingerprint
 from services.common.shard_list import SHOWN_SECONDS, WARN_EVERY_SECONDS
 from services.semantic.server import serve
@@ -248,4 +249,4 @@ def test_an_orchestrator_missing_a_shard_is_reported_while_calls_answer(shards, 
     assert note.startswith(DIFFERS)
     assert shown["semantic"]["shardListMismatchesTotal"] == str(sum(on_a))
     assert [d["lastError"] for d in shown["dependencies"]] == [note]
-    assert err == f"semantic: {note}\n"
+    assert err == f"semantic: {note}; {MISMATCH_FIX['semantic']}\n"
