@@ -24,3 +24,23 @@ def test_a_mismatch_warns_at_most_once_a_minute(caplog):
     clock.t += 5
     assert not c.check(3, "bbbb", ["r0"])
     assert len(caplog.records) == 2 and c.mismatches_total == 7
+
+
+def test_a_side_says_its_own_list_as_the_notes_name_it():
+    """A note named the lists by fingerprint only, and no start line said whose list had
+    which: `said` is what the orchestrator's ready line and kvpool's registration line add."""
+    from services.common.addresses import shard_fingerprint
+    from services.common.shard_list import said
+    from services.orchestrator.__main__ import shard_lists_said
+    from services.orchestrator.config import OrchestratorConfig
+
+    two, three = ["p-0:1", "p-1:1"], ["p-0:1", " P-1.:1", "p-2:1"]
+    c = ShardListCheck(Clock())
+    c.registered("r0", 2, shard_fingerprint(two))
+    assert not c.check(3, shard_fingerprint(three), ["r0"])
+    assert said(two) in c.note() and said(three) in c.note()
+    assert said(["a:1"]) == f"1 shard ({shard_fingerprint(['a:1'])})"
+    cfg = OrchestratorConfig(semantic_address="s-0:2, s-1:2", prefix_addresses=tuple(three))
+    assert shard_lists_said(cfg) == (f"; semantic shard list {said(['s-0:2', 's-1:2'])}"
+                                     f"; prefix shard list {said(three)}")
+    assert shard_lists_said(OrchestratorConfig(semantic_address="", prefix_addresses=())) == ""

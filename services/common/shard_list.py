@@ -16,10 +16,12 @@ minutes after the last one. A mismatch never fails the call.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import NamedTuple
 
 from prometheus_client import Counter
+
+from services.common.addresses import shard_fingerprint
 
 # How long Stats go on saying a mismatch after the last one seen.
 SHOWN_SECONDS = 300.0
@@ -41,6 +43,14 @@ class ShardList(NamedTuple):
         one shard each never do (nothing is placed: one shard may be named differently on
         each side)."""
         return self.fingerprint != other.fingerprint and max(self.shards, other.shards) > 1
+
+
+def said(addresses: Iterable[str]) -> str:
+    """A side's own list as a mismatch note names lists ("2 shards (40798ea3909ab9e3)"), for
+    its start line: notes name fingerprints only, and no log said which pod had which, so with
+    several orchestrators the one on the old list could not be found."""
+    addrs = [a.strip() for a in addresses if a.strip()]
+    return str(ShardList(len(addrs), shard_fingerprint(addrs)))
 
 
 def merged_note(notes: Mapping[str, str], sharded: bool) -> str:

@@ -28,6 +28,7 @@ from tiercache.v1 import prefix_pb2
 
 from services.common.grpc_client import make_channel
 from services.common.prefix_client import PrefixIndexClient, batch_blocks
+from services.common.shard_list import said
 from services.kvpool.block_pool import AllCleared, BlocksRemoved, BlocksStored, PoolEvent
 
 log = logging.getLogger(__name__)
@@ -276,8 +277,10 @@ class Publisher:
         else:  # every shard's limits hold for batches that fan out to all of them
             self._max_events = min(self._max_events, events)
             self._max_blocks = min(self._max_blocks, blocks)
-        log.info("registered with prefix index %s as %s/%s", ", ".join(sorted(only))
-                 if only else self.address, self.replica_id, self.incarnation)
+        # The list's fingerprint as the shards' mismatch notes name it: whose list is whose.
+        log.info("registered with prefix index %s as %s/%s (shard list %s)",
+                 ", ".join(sorted(only)) if only else self.address, self.replica_id,
+                 self.incarnation, said(self.address.split(",")))
 
     def _rejoin(self, forgot: set[str]) -> None:
         """Shards that forgot this replica (restarted, or its lease lapsed there): register

@@ -15,11 +15,20 @@ from services.common.bootstrap import (
 )
 from services.common.hashing import DEFAULT_KEY, hash_key_from_env
 from services.common.model_store import ModelStoreError
+from services.common.shard_list import said
 from services.orchestrator.app import build
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.server import OrchestratorServicer
 
 log = logging.getLogger("services.orchestrator")
+
+
+def shard_lists_said(cfg: OrchestratorConfig) -> str:
+    """The sharded tiers' lists as the shards' mismatch notes name them ("; semantic shards 2
+    shards (3b72...)"): a note says which fingerprints differ, and this says whose each is."""
+    tiers = (("semantic", cfg.semantic_address.split(",")), ("prefix", cfg.prefix_addresses))
+    return "".join(f"; {tier} shard list {said(addrs)}" for tier, addrs in tiers
+                   if any(a.strip() for a in addrs))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,8 +75,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     servicer.attach(app.orch, app.tenants, app.warmer)
     handle.set_serving()
-    log.info("orchestrator ready on port %d (model %s, %d replicas)", handle.port,
-             app.orch.model_id, len(cfg.kvpool_addresses))
+    log.info("orchestrator ready on port %d (model %s, %d replicas%s)", handle.port,
+             app.orch.model_id, len(cfg.kvpool_addresses), shard_lists_said(cfg))
     run_until_signal(handle, cfg.grace_s, on_stop=app.close)
     return 0
 

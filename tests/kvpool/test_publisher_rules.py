@@ -294,3 +294,25 @@ def test_a_shard_that_misses_a_heartbeat_lags_and_is_no_longer_beaten(make_engin
     finally:
         pub.stop()
         ha.stop(0)
+
+
+def test_the_registration_line_names_the_shard_list_as_the_notes_do(make_engine,
+                                                                    caplog) -> None:
+    """A shard's mismatch note names lists by fingerprint; the replica's line said only the
+    addresses, so which pod had the other list took computing fingerprints by hand."""
+    import logging
+
+    from services.common.shard_list import said
+
+    caplog.set_level(logging.INFO, "services.kvpool.publisher")
+    (_, ha), (_, hb) = start_shard(lease_seconds=5.0), start_shard(lease_seconds=5.0)
+    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    pub = start_publisher(make_engine(num_blocks=16, hash_key=None), addrs)
+    try:
+        wait_for(lambda: pub.registered)
+        wait_for(lambda: any(f"(shard list {said(addrs)})" in r.getMessage()
+                             for r in caplog.records), timeout=5.0)
+    finally:
+        pub.stop()
+        ha.stop(0)
+        hb.stop(0)
