@@ -790,3 +790,34 @@ def test_health_watches_are_counted_and_timed_as_their_clients_saw_them():
     assert counted() == {"OK": 10, "CANCELLED": 1, "DEADLINE_EXCEEDED": 1,
                          "INVALID_ARGUMENT": 1}
     assert _timed("watched", "Watch") - timed == 13
+
+
+def test_a_stream_cancelled_just_before_it_waits_for_a_slot_does_not_wait_out_the_grace(
+        monkeypatch):
+    """Its client cancelled between the is_active() check and add_callback: gRPC refuses the
+    callback (False, it will never run) and the stream waited the whole grace, holding its
+    thread and its peer's one wait, as the callback was added to stop."""
+    monkeypatch.setattr(bootstrap, "OPEN_SLOT_GRACE_S", 5.0)
+    icpt = bootstrap._ServerInterceptor("slots", None)
+    icpt._open_by_peer["ipv4:10.0.0.9"] = bootstrap.MAX_OPEN_STREAMS_PER_PEER  # its slots held
+
+    class Ctx:
+        def peer(self):
+            return "ipv4:10.0.0.9:4000"
+
+        def is_active(self):
+            return True  # as seen just before the cancel
+
+        def add_callback(self, cb) -> bool:
+            return False  # the call is over: the callback will never run
+
+        def abort(self, code, details):
+            raise RuntimeError(details)
+
+    wrapped = icpt._limited(lambda it, ctx: iter(()), "ServerReflectionInfo",
+                            lambda ctx: "rid", None, None, None)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="open streams per client"):
+        next(wrapped(iter(()), Ctx()))
+    assert time.monotonic() - t0 < 2.5
+    assert not icpt._open_waiting

@@ -669,8 +669,10 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                         waiting.add(peer)
                         mine_waits = True
                         # Its client going away wakes it: it held its thread (and the
-                        # peer's one wait) for the rest of the grace.
-                        context.add_callback(lambda: _notify_all(freed))
+                        # peer's one wait) for the rest of the grace. Refused (False), the
+                        # call ended since is_active() above: the callback will never run.
+                        if not context.add_callback(lambda: _notify_all(freed)):
+                            break
                     freed.wait(left)
                 if mine_waits:
                     waiting.discard(peer)
