@@ -26,10 +26,11 @@ from typing import NamedTuple
 
 
 class Recorded(NamedTuple):
-    """What one `DispatchMemory.record` added: the blocks new to the replica, and when."""
+    """What one `DispatchMemory.record` added: the blocks new to the replica, and when (its
+    time and its number: two records within one tick of the clock are told apart)."""
 
     replica_id: str
-    at: float
+    at: tuple[float, int]
     added: tuple[bytes, ...]
 
 
@@ -47,10 +48,13 @@ class DispatchMemory:
         self.max_blocks = max_blocks  # over all replicas; the oldest go first
         self.clock = clock
         self._lock = threading.Lock()
-        # (replica id, block hash) -> time recorded, oldest first over every replica: expiry
-        # and shedding pop from the front, O(1) a block (a per-replica order made shedding
-        # scan every replica for the oldest, under the route lock, once per block).
-        self._order: OrderedDict[tuple[str, bytes], float] = OrderedDict()
+        # (replica id, block hash) -> (time recorded, record number), oldest first over every
+        # replica: expiry and shedding pop from the front, O(1) a block (a per-replica order
+        # made shedding scan every replica for the oldest, under the route lock, once per
+        # block). The number: `withdraw` takes a block back only while the refused record is
+        # the last that sent it (a time alone matched a later record's within one clock tick).
+        self._order: OrderedDict[tuple[str, bytes], tuple[float, int]] = OrderedDict()
+        self._records = 0
         self._by_replica: dict[str, set[bytes]] = {}  # for match: what each replica was sent
 
     @property
@@ -70,6 +74,8 @@ class DispatchMemory:
         added: list[bytes] = []
         with self._lock:
             now = self.clock()
+            self._records += 1
+            stamp = (now, self._records)
             blocks = self._by_replica.setdefault(replica_id, set())
             order = self._order
             for h in hashes:
@@ -79,11 +85,11 @@ class DispatchMemory:
                 else:
                     blocks.add(h)
                     added.append(h)
-                order[key] = now
+                order[key] = stamp
             self._expire(now)
             while len(order) > self.max_blocks:  # the oldest go, whichever replica's
                 self._pop_oldest()
-        return Recorded(replica_id, now, tuple(added))
+        return Recorded(replica_id, stamp, tuple(added))
 
     def withdraw(self, rec: Recorded | None) -> None:
         """Take back what `record` added for a request its replica refused without computing
@@ -149,5 +155,5 @@ class DispatchMemory:
     def _expire(self, now: float) -> None:
         cutoff = now - self.ttl_s
         order = self._order
-        while order and next(iter(order.values())) <= cutoff:
+        while order and next(iter(order.values()))[0] <= cutoff:
             self._pop_oldest()

@@ -131,3 +131,16 @@ def test_withdraw_takes_back_only_what_that_record_added_and_no_one_sent_since()
     assert len(mem) == 4
     mem.withdraw(None)  # nothing recorded (memory off, no full block): nothing to do
     assert DispatchMemory(16, ttl_s=0).record("r0", h) is None
+
+
+def test_withdraw_keeps_a_credit_another_request_renewed_at_the_same_clock_reading():
+    """Two requests routed within one tick of a coarse clock (or a test's): the later one's
+    credit on the shared blocks carried the earlier one's time, and withdrawing the earlier
+    (refused) took the later one's credit too."""
+    clock = Clock(100.0)
+    mem = DispatchMemory(16, ttl_s=10, clock=clock)
+    h = hashes(SYSTEM)
+    rec = mem.record("r0", h)
+    mem.record("r0", h)  # another request, same reading of the clock
+    mem.withdraw(rec)
+    assert mem.match(h) == {"r0": 16 * len(h)}
