@@ -69,3 +69,13 @@ def test_an_address_that_is_not_host_port_is_a_usage_error(address, capsys):
     with pytest.raises(SystemExit) as e:
         probe.main([address, "--timeout", "0.2"])
     assert e.value.code == 2 and "HOST:PORT" in capsys.readouterr().err
+
+
+def test_a_ca_flag_file_that_holds_no_ca_is_said_so(tmp_path):
+    """`--ca FILE` of a file that is no CA (a key, a typo'd path to another file) failed as
+    "UNAVAILABLE: failed to connect to all addresses", naming neither the flag nor the file:
+    read as the server's fault, at every probe."""
+    bad = tmp_path / "ca.pem"
+    bad.write_text("not a certificate\n")
+    ok, seen = probe.check("127.0.0.1:1", timeout=0.5, env={}, ca=str(bad))
+    assert not ok and seen.startswith(f"{bad}: holds no CA certificate"), seen

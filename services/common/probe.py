@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.config import is_host_port
-from services.common.grpc_client import channel_credentials_from_env
+from services.common.grpc_client import ca_problem, channel_credentials_from_env
 
 SYSTEM_ROOTS = "system"
 
@@ -38,6 +38,10 @@ def check(address: str, service: str = "", timeout: float = 2.0, server_name: st
         return False, f"cannot read a TLS file: {e}"
     except ValueError as e:  # half a client key pair: a one-line answer, not a traceback
         return False, str(e)
+    if roots and (problem := ca_problem(roots)):
+        # Said here: gRPC fails the handshake as "failed to connect to all addresses", which
+        # named neither the file nor the flag, and read as the server's fault.
+        return False, f"{roots}: {problem}"
     options = [("grpc.ssl_target_name_override", server_name)] if server_name else []
     channel = (grpc.secure_channel(address, creds, options=options) if creds is not None
                else grpc.insecure_channel(address, options=options))
