@@ -36,6 +36,7 @@ from services.common.addresses import ShardRing, shard_fingerprint
 from services.common.bootstrap import DEFAULT_MAX_MESSAGE_BYTES
 from services.common.grpc_client import (
     call_metadata,
+    health_error,
     make_channel,
     tells_of_health,
     timeout_or,
@@ -225,7 +226,11 @@ class PrefixIndexClient:
         else:
             if not tells_of_health(err, timeout, self.timeout):
                 return
-            said = f"{err.code().name}: {err.details()}"
+            # A timeout said as how long the shard did not answer, as an unsharded index's
+            # and a semantic shard's lines say it ("DEADLINE_EXCEEDED: Deadline Exceeded").
+            said = health_error(err, timeout, self.timeout)
+            if not isinstance(said, str):
+                said = f"{err.code().name}: {err.details()}"
         self.shard_errors[address] = said
         if self.on_outcome is not None:
             self.on_outcome(address, said)

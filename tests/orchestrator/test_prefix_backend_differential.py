@@ -578,6 +578,8 @@ class Run:
             assert line.healthy == healthy, (a, line, err)
             if err is None:
                 assert line.last_error.startswith("no call yet"), line
+            elif err == DEADLINE.name:  # said as how long nobody answered, as unsharded
+                assert line.last_error.startswith("no answer within"), line
             elif err:
                 assert line.last_error.startswith(f"{err}: "), line
             assert (NOTE in line.last_error) == self.notes[a], line

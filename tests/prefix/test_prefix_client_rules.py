@@ -338,3 +338,18 @@ def test_a_timeout_of_zero_is_passed_on_not_taken_for_the_default():
         client.top_prefixes(3, timeout=timeout)
         client.publish_events("r", "i1", [ev], timeout=timeout)
         assert fake.timeouts == [want] * 5, timeout  # 1 Match, 2 TopPrefixes, 2 PublishEvents
+
+
+def test_a_shard_that_timed_out_says_how_long_nobody_answered():
+    """A SIGSTOPped shard of a sharded index read "DEADLINE_EXCEEDED: Deadline Exceeded" on
+    its Stats line (gRPC's words, no deadline named), where one unsharded index and a
+    semantic shard say how long nobody answered."""
+    late = {"Match": grpc.StatusCode.DEADLINE_EXCEEDED}
+    c, fake = client_of({A: dict(late), B: dict(late)})
+    told: list[tuple[str, str]] = []
+    c.on_outcome = lambda address, said: told.append((address, said))
+    with pytest.raises(PrefixIndexError) as e:
+        c.match("m", block_hashes=[b"x" * 16])  # the client's whole timeout
+    shard = e.value.address
+    assert told == [(shard, f"no answer within {c.timeout:g}s (timed out)")]
+    assert c.shard_errors[shard] == told[0][1]

@@ -478,7 +478,7 @@ def test_an_overloaded_shard_is_left_out_as_a_down_one_is() -> None:
         st = impatient.stats(allow_partial=True)
         assert (st.shards_total, st.shards_answered) == (2, 1)
         assert [(r.replica_id, r.held_blocks) for r in st.replicas] == [("r0", 2)]
-        assert impatient.shard_errors[addrs[0]].startswith("DEADLINE_EXCEEDED")
+        assert impatient.shard_errors[addrs[0]].startswith("no answer within")
         assert impatient.shard_errors[addrs[1]] == ""
         with pytest.raises(PrefixIndexError):
             impatient.top_prefixes(10)
