@@ -4,27 +4,11 @@ keys) and those written after (new keys), into a copy of the results folder."""
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
-
-import pytest
 
 from benchmarks import report
 
-RESULTS = Path(report.RESULTS)
-
-
-@pytest.fixture
-def results(tmp_path, monkeypatch):
-    """A copy of the stored results (json only), the report pointed at it."""
-    root = tmp_path / "repo"
-    out = root / "benchmarks" / "results"
-    out.mkdir(parents=True)
-    for p in RESULTS.glob("*.json"):
-        shutil.copy(p, out / p.name)
-    monkeypatch.setattr(report, "ROOT", root)
-    monkeypatch.setattr(report, "RESULTS", out)
-    return out
+# `results` (conftest.py): a copy of the stored results, the report pointed at it.
 
 
 def _render(results: Path, monkeypatch) -> str:

@@ -4,12 +4,12 @@ unit, each target with its value and its bound, each documented command as it is
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
 
 from benchmarks import report
+from tests.benchmarks.test_report_keys import _render
 
 RESULTS = Path(report.RESULTS)
 
@@ -33,19 +33,9 @@ def test_a_verdict_only_target_shows_its_figure_and_its_bound():
 
 
 @pytest.fixture
-def rendered(tmp_path, monkeypatch) -> str:
-    """REPORT.md from a copy of the stored results (plots left out)."""
-    root = tmp_path / "repo"
-    out = root / "benchmarks" / "results"
-    out.mkdir(parents=True)
-    for p in RESULTS.glob("*.json"):
-        shutil.copy(p, out / p.name)
-    monkeypatch.setattr(report, "ROOT", root)
-    monkeypatch.setattr(report, "RESULTS", out)
-    for name in ("plot_ttft", "plot_hits_over_time", "plot_pool", "plot_decode",
-                 "plot_semantic", "plot_index"):
-        monkeypatch.setattr(report, name, lambda *a, **k: None)
-    return report.write_report(False).read_text()
+def rendered(results, monkeypatch) -> str:
+    """REPORT.md from a copy of the stored results (conftest's `results`; plots left out)."""
+    return _render(results, monkeypatch)
 
 
 def _rows(text: str, head: str) -> list[list[str]]:
