@@ -116,7 +116,7 @@ def random_list(rng: random.Random) -> Sent:
 class Report:
     """The shared MismatchReport as the docs describe it."""
 
-    def __init__(self, clock: Clock, between: str, calls: str) -> None:
+    def __init__(self, clock: Clock, between: str, calls: tuple[str, str]) -> None:
         self.clock, self.between, self.calls = clock, between, calls
         self.total = 0
         self.last: tuple[float, set[str]] | None = None  # when, the texts it may say
@@ -137,8 +137,9 @@ class Report:
         if self.last is None or self.clock() - self.last[0] > WINDOW:
             return {""}
         ago = f"{self.clock() - self.last[0]:.0f}"
+        said = self.calls[0] if self.total == 1 else self.calls[1]
         return {f"shard list differs between {self.between}: {w} {ago} s ago ({self.total} "
-                f"such {self.calls} in all)" for w in self.last[1]}
+                f"such {said} in all)" for w in self.last[1]}
 
 
 class Warnings(logging.Handler):
@@ -177,7 +178,8 @@ def _compare_report(real, model: Report, warnings: Warnings, tier: str, metric0:
     assert len(warnings.records) == len(model.warnings), where
     if model.warnings:
         msg, (whats, n) = warnings.records[-1], model.warnings[-1]
-        assert any(msg.startswith(f"{tier} shard lists differ: {w} ({n} such {model.calls} "
+        said = model.calls[0] if n == 1 else model.calls[1]
+        assert any(msg.startswith(f"{tier} shard lists differ: {w} ({n} such {said} "
                                   "since the last warning); ") for w in whats), (where, msg)
 
 
@@ -188,7 +190,7 @@ class PrefixModel:
     def __init__(self, clock: Clock, max_remembered: int) -> None:
         self.regs: OrderedDict[str, Sent] = OrderedDict()  # in the order registered
         self.max = max_remembered
-        self.report = Report(clock, "replicas and orchestrator", "Matches")
+        self.report = Report(clock, "replicas and orchestrator", ("Match", "Matches"))
 
     def registered(self, rid: str, sent: Sent) -> None:
         self.regs.pop(rid, None)
@@ -263,7 +265,7 @@ class SemanticModel:
         self.clock = clock
         self.seen: list[tuple[Sent, float, str]] = []  # each list's last call, oldest first
         self.max = max_lists
-        self.report = Report(clock, "orchestrators", "calls")
+        self.report = Report(clock, "orchestrators", ("call", "calls"))
 
     def check(self, sent: Sent, method: str, caller: str) -> bool:
         if not sent.fp:

@@ -44,3 +44,30 @@ def test_a_side_says_its_own_list_as_the_notes_name_it():
     assert shard_lists_said(cfg) == (f"; semantic shard list {said(['s-0:2', 's-1:2'])}"
                                      f"; prefix shard list {said(three)}")
     assert shard_lists_said(OrchestratorConfig(semantic_address="", prefix_addresses=())) == ""
+
+
+def test_one_mismatch_is_said_in_the_singular():
+    """A scaling walkthrough: "(1 such Matches in all)"."""
+    import logging
+
+    from prometheus_client import CollectorRegistry, Counter
+
+    from services.common.shard_list import MismatchReport
+
+    now = [0.0]
+    metric = Counter("t_mismatch", "t", registry=CollectorRegistry())
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
+
+    log = logging.getLogger("test.shard_list.singular")
+    log.addHandler(Keep())
+    r = MismatchReport(lambda: now[0], metric, log, tier="prefix", between="a and b",
+                       calls=("Match", "Matches"), advice="fix it")
+    r.record("x")
+    assert r.note().endswith("(1 such Match in all)")
+    assert "(1 such Match since the last warning)" in seen[0]
+    r.record("x")
+    assert r.note().endswith("(2 such Matches in all)")

@@ -64,12 +64,13 @@ class MismatchReport:
     thread-safe: callers hold their own lock.
 
     `tier` opens the warning ("prefix shard lists differ: ..."), `between` the note ("shard
-    list differs between orchestrators: ..."); `calls` names the calls counted ("Matches"),
-    and `advice` ends the warning with what a mismatch does and how to fix it.
+    list differs between orchestrators: ..."); `calls` names the calls counted, one and
+    several (("Match", "Matches"): "1 such Match", not "1 such Matches"), and `advice` ends
+    the warning with what a mismatch does and how to fix it.
     """
 
     def __init__(self, clock: Callable[[], float], metric: Counter, log: logging.Logger, *,
-                 tier: str, between: str, calls: str, advice: str) -> None:
+                 tier: str, between: str, calls: tuple[str, str], advice: str) -> None:
         self.clock = clock
         self.metric = metric
         self.log = log
@@ -89,7 +90,8 @@ class MismatchReport:
         self._unwarned += 1
         if self._warned_at is None or now - self._warned_at >= WARN_EVERY_SECONDS:
             self.log.warning("%s shard lists differ: %s (%d such %s since the last warning); "
-                             "%s", self.tier, what, self._unwarned, self.calls, self.advice)
+                             "%s", self.tier, what, self._unwarned,
+                             self.calls[self._unwarned != 1], self.advice)
             self._warned_at, self._unwarned = now, 0
 
     def note(self) -> str:
@@ -101,4 +103,4 @@ class MismatchReport:
         if ago > SHOWN_SECONDS:
             return ""
         return (f"shard list differs between {self.between}: {what} {ago:.0f} s ago "
-                f"({self.total} such {self.calls} in all)")
+                f"({self.total} such {self.calls[self.total != 1]} in all)")

@@ -45,7 +45,7 @@ class ShardListCheck:
         self._counts: Counter[ShardList] = Counter()  # how many replicas registered each list
         self.report = MismatchReport(
             clock, MISMATCHES, log, tier="prefix", between="replicas and orchestrator",
-            calls="Matches",
+            calls=("Match", "Matches"),
             advice="chains it publishes here are looked up on another shard: list the same "
                    "shards in kvpool's prefix_address and the orchestrator's prefix_addresses")
 

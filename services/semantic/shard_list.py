@@ -54,7 +54,8 @@ class RecentShardLists:
         self._seen: OrderedDict[str, tuple[ShardList, float, str]] = OrderedDict()
         self._lock = threading.Lock()
         self.report = MismatchReport(
-            clock, MISMATCHES, log, tier="semantic", between="orchestrators", calls="calls",
+            clock, MISMATCHES, log, tier="semantic", between="orchestrators",
+            calls=("call", "calls"),
             advice="namespaces one orchestrator stores are looked up on another shard by the "
                    "other: list the same semantic shards, by the same names, in every "
                    "orchestrator's semantic_address")

@@ -1001,7 +1001,8 @@ def check_stats(svc: Svc, m: Model, before: dict) -> None:
         assert st.shard_list_mismatch.startswith(
             "shard list differs between replicas and orchestrator: replica "), \
             st.shard_list_mismatch
-        assert st.shard_list_mismatch.endswith(f"({m.mismatches} such Matches in all)")
+        said = "Match" if m.mismatches == 1 else "Matches"
+        assert st.shard_list_mismatch.endswith(f"({m.mismatches} such {said} in all)")
     else:
         assert st.shard_list_mismatch == ""
     # The Stats call itself is counted before it returns: read the metrics after it.

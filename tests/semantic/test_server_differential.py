@@ -338,7 +338,8 @@ def check_stats(svc: Svc, m: Model, before: dict) -> None:
     assert bool(st.shard_list_mismatch) == bool(m.mismatches)
     if m.mismatches:
         assert st.shard_list_mismatch.startswith("shard list differs between orchestrators")
-        assert f"({m.mismatches} such calls in all)" in st.shard_list_mismatch
+        said = "call" if m.mismatches == 1 else "calls"
+        assert f"({m.mismatches} such {said} in all)" in st.shard_list_mismatch
     assert (st.shards_total, st.shards_answered) == (0, 0)
     assert 0 <= st.lookup_p50_ms <= st.lookup_p99_ms
     assert (st.lookup_p99_ms > 0) == (m.lookups > 0)

@@ -63,7 +63,7 @@ def test_a_list_differing_from_one_seen_within_the_window_mismatches():
     assert not c.check(3, "bbbb", "Lookup", "ipv4:10.0.0.2:5000")  # answered all the same
     assert c.note() == (f"{DIFFERS}: a call came with 2 shards (aaaa) from ipv4:10.0.0.1:4000, "
                         "a Lookup with 3 shards (bbbb) from ipv4:10.0.0.2:5000 0 s ago "
-                        "(1 such calls in all)")
+                        "(1 such call in all)")
     # The first orchestrator's next call mismatches too: the other list is recent.
     assert not c.check(2, "aaaa", "Store", "ipv4:10.0.0.1:4000")
     assert c.note().startswith(f"{DIFFERS}: a call came with 3 shards (bbbb) from "
@@ -85,7 +85,7 @@ def test_the_note_lasts_a_while_and_warnings_are_rate_limited(caplog):
         assert not c.check(3, "bbbb", "Lookup")
     assert len(caplog.records) == 1
     assert ("semantic shard lists differ: a call came with 2 shards (aaaa), a Lookup with 3 "
-            "shards (bbbb) (1 such calls since the last warning)") in caplog.records[0].getMessage()
+            "shards (bbbb) (1 such call since the last warning)") in caplog.records[0].getMessage()
     clock.t += WARN_EVERY_SECONDS
     assert not c.check(3, "bbbb", "Lookup")
     assert len(caplog.records) == 2
@@ -155,7 +155,7 @@ def test_a_shard_called_with_two_lists_says_so_and_answers_both(shards):
         assert note.startswith(f"{DIFFERS}: a call came with 1 shard ({one.fingerprint}) from "
                                "ipv4:127.0.0.1:"), note
         assert f", a Lookup with 2 shards ({two.fingerprint}) from ipv4:127.0.0.1:" in note
-        assert note.endswith("(1 such calls in all)")
+        assert note.endswith("(1 such call in all)")
         # An older orchestrator's call (no list) is not checked.
         assert stub.Lookup(pb.LookupRequest(namespace=NS, text="q"), timeout=10).hit
         assert stub.Stats(pb.SemanticStatsRequest(),
