@@ -100,6 +100,13 @@ def packaged_gguf_path() -> Path:
     raise ModelStoreError(f"{SMOLLM2_GGUF} not found in package {SMOLLM2_PACKAGE!r}")
 
 
+def packaged_folder(cache_dir: str | None = None) -> Path:
+    """Where the packaged model's conversion lives (converted or not): under `cache_dir`,
+    default `cache_dir_default()`."""
+    root = Path(cache_dir).expanduser() if cache_dir else cache_dir_default()
+    return root / "models" / SMOLLM2_MODEL_ID
+
+
 def resolve_model(spec: str = SMOLLM2_SPEC, cache_dir: str | None = None,
                   model_id: str | None = None) -> ResolvedModel:
     """Turn a model spec into a local HF folder.
@@ -115,8 +122,7 @@ def resolve_model(spec: str = SMOLLM2_SPEC, cache_dir: str | None = None,
         ModelStoreError: the package, folder or its config.json is missing.
     """
     if spec.strip().lower() == SMOLLM2_SPEC:
-        root = Path(cache_dir).expanduser() if cache_dir else cache_dir_default()
-        path = _ensure_converted(packaged_gguf_path(), root / "models" / SMOLLM2_MODEL_ID)
+        path = _ensure_converted(packaged_gguf_path(), packaged_folder(cache_dir))
         return ResolvedModel(str(path), model_id or SMOLLM2_MODEL_ID)
     folder = Path(spec).expanduser()
     if not folder.is_dir():

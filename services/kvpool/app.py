@@ -15,12 +15,11 @@ import torch
 
 from services.common.hashing import BlockHasher
 from services.common.model_store import (
-    SMOLLM2_MODEL_ID,
     SMOLLM2_SPEC,
     ModelStoreError,
-    cache_dir_default,
     is_converted,
     load_resolved,
+    packaged_folder,
     readable_weights,
 )
 from services.common.policy import make_policy
@@ -170,8 +169,7 @@ def config_folder(cfg: KvPoolConfig) -> str | None:
     anything is converted or loaded; None otherwise (the packaged model not converted yet:
     converting it is the load's work)."""
     if cfg.model.strip().lower() == SMOLLM2_SPEC:
-        root = Path(cfg.cache_dir).expanduser() if cfg.cache_dir else cache_dir_default()
-        target = root / "models" / SMOLLM2_MODEL_ID
+        target = packaged_folder(cfg.cache_dir)  # as resolve_model will find it
         return str(target) if is_converted(target) else None
     folder = Path(cfg.model).expanduser()
     return str(folder) if (folder / "config.json").is_file() else None
