@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import random
+import secrets
 import shutil
 import signal
 import socket
@@ -372,6 +373,7 @@ class Stack:
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
     _tmp_db: str | None = None  # a temporary semantic database's folder, deleted at stop
     signals: StopSignals | None = None  # the launcher's: a stop waits for a child's start
+    internal_token_file: Path | None = None  # an internal token made up for the stack
 
     def port(self, offset: int) -> int:
         return free_port() if self.base_port == 0 else self.base_port + offset
@@ -384,6 +386,14 @@ class Stack:
             for offset in range(3 + self.replicas):
                 self._check_port(self.base_port + offset)
         env = dict(self.extra_env)
+        internal = internal_token_env({**os.environ, **env})
+        if internal:
+            env.update(internal)
+            self.internal_token_file = self.log_dir / INTERNAL_TOKEN_FILE
+            self.internal_token_file.unlink(missing_ok=True)  # created anew, owner-only
+            fd = os.open(self.internal_token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as f:
+                f.write(next(iter(internal.values())) + "\n")
         sem = prefix = None
         if service_exists("semantic"):
             db_env = semantic_db_env(self.base_port, env)
@@ -442,6 +452,9 @@ class Stack:
             if self._tmp_db:
                 shutil.rmtree(self._tmp_db, ignore_errors=True)
                 self._tmp_db = None
+            if self.internal_token_file:  # a credential of this stack only: gone with it
+                self.internal_token_file.unlink(missing_ok=True)
+                self.internal_token_file = None
 
 
 def tls_note() -> str:
@@ -449,15 +462,40 @@ def tls_note() -> str:
             "": ""}[tls_mode()]
 
 
-def auth_note(env: Mapping[str, str] | None = None) -> str:
+def tenant_tokens_set(env: Mapping[str, str]) -> bool:
+    return bool(env.get("TIERCACHE_ORCHESTRATOR_TOKENS", "").strip()
+                or env.get("TIERCACHE_ORCHESTRATOR_TOKENS_FILE", "").strip())
+
+
+INTERNAL_TOKEN_VARS = tuple(f"TIERCACHE_{s.upper()}_INTERNAL_TOKEN" for s in SERVICES)
+INTERNAL_TOKEN_FILE = "internal-token"  # in the stack's log folder, for the operator's grpcurl
+
+
+def internal_token_env(env: Mapping[str, str]) -> dict[str, str]:
+    """One internal credential for every service of this stack, made up for it when tenant
+    tokens are set and no internal token is: without one, semantic, prefix and kvpool answered
+    any caller, and every tenant of the stack (on this host, as those ports are) read the
+    others' hot prefixes and salts (PrefixIndex/TopPrefixes) and cached answers (SemanticCache
+    /Lookup with their tenant name) around the orchestrator's authentication."""
+    if not tenant_tokens_set(env) or any(k in env for k in INTERNAL_TOKEN_VARS):
+        return {}
+    token = secrets.token_hex(32)
+    return dict.fromkeys(INTERNAL_TOKEN_VARS, token)
+
+
+def auth_note(env: Mapping[str, str] | None = None, internal_token_file: Path | None = None
+              ) -> str:
     """A line for the printed examples when the orchestrator has tenant tokens: as printed,
-    each was refused (UNAUTHENTICATED "missing bearer token")."""
+    each was refused (UNAUTHENTICATED "missing bearer token"). `internal_token_file`: where
+    the internal credential made up for the stack is (`internal_token_env`)."""
     env = os.environ if env is None else env
-    if not (env.get("TIERCACHE_ORCHESTRATOR_TOKENS", "").strip()
-            or env.get("TIERCACHE_ORCHESTRATOR_TOKENS_FILE", "").strip()):
+    if not tenant_tokens_set(env):
         return ""
+    internal = ("" if internal_token_file is None else
+                f"  The internal services want the stack's internal token: grpcurl -H "
+                f"\"authorization: Bearer $(cat {internal_token_file})\".\n")
     return ("  Tenant tokens are set: give the CLI --token TOKEN (or export TIERCACHE_TOKEN) "
-            "and grpcurl -H 'authorization: Bearer TOKEN'.\n")
+            "and grpcurl -H 'authorization: Bearer TOKEN'.\n" + internal)
 
 
 def cli_transport() -> str:
@@ -603,7 +641,7 @@ TierCache is up{tls_note()}. Orchestrator: {orch}
             .venv/bin/tiercache{cli_transport()} --address {orch} stats
   grpcurl:  {grpcurl} {grpcurl_transport()} -d '{EXAMPLE_JSON}' \\
               {orch} tiercache.v1.Orchestrator/Generate
-{auth_note()}Ctrl-C stops everything.""", flush=True)
+{auth_note(internal_token_file=stack.internal_token_file)}Ctrl-C stops everything.""", flush=True)
             while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):
                 time.sleep(1.0)
         dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]

@@ -456,3 +456,39 @@ def test_the_readme_says_a_dead_replica_stops_the_local_stack():
     assert ("so does any service exiting (a kvpool replica killed included: the launcher "
             "names it and exits 1)") in readme
     assert "kill -STOP <pid>" in readme
+
+
+@pytest.mark.parametrize(("env", "made"), [
+    ({}, False),
+    ({"TIERCACHE_ORCHESTRATOR_TOKENS_FILE": "/etc/tokens.json"}, True),
+    ({"TIERCACHE_ORCHESTRATOR_TOKENS": "t=alice", "TIERCACHE_PREFIX_INTERNAL_TOKEN": "x"}, False),
+])
+def test_tenant_tokens_give_the_internal_services_a_credential(monkeypatch, tmp_path, env, made):
+    """With tenant tokens and no internal token the launcher's semantic, prefix and kvpool
+    answered any caller: a tenant read every tenant's hot prefixes and salts from
+    PrefixIndex/TopPrefixes (and cached answers from SemanticCache/Lookup), around the
+    orchestrator's authentication."""
+    from tests.test_launcher import fake_starts
+
+    for k in ("TIERCACHE_ORCHESTRATOR_TOKENS", "TIERCACHE_ORCHESTRATOR_TOKENS_FILE",
+              *launcher.INTERNAL_TOKEN_VARS):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    started = fake_starts(monkeypatch)
+    monkeypatch.setattr(launcher, "semantic_db_env", lambda port, env: {})
+    stack = Stack(replicas=1, base_port=0, log_dir=tmp_path).start()
+    given = {k: e.get(f"TIERCACHE_{k.split('-')[0].upper()}_INTERNAL_TOKEN")
+             for k, e in started.items()}
+    assert set(given) == {"semantic", "prefix", "kvpool-0", "orchestrator"}
+    if not made:
+        assert stack.internal_token_file is None
+        assert launcher.auth_note(internal_token_file=None).count("\n") == (1 if env else 0)
+        return
+    token = given["semantic"]
+    assert len(token) == 64 and set(given.values()) == {token}
+    path = stack.internal_token_file
+    assert path.read_text().strip() == token and path.stat().st_mode & 0o777 == 0o600
+    assert str(path) in launcher.auth_note(internal_token_file=path)
+    stack.stop()
+    assert not path.exists()
