@@ -644,12 +644,14 @@ def main(argv: list[str] | None = None) -> int:
     w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
     w.add_argument("--system", default="",
                    help="system prompt to prefill and pin (whole 16-token KV blocks only)")
-    w.add_argument("--top-k", type=uint32, default=0, help="also warm the k hottest prefixes")
+    w.add_argument("--top-k", type=uint32, default=0,
+                   help="also warm (and pin) this tenant's k hottest prefixes (at most 64)")
     w.add_argument("--owners", action="store_true", help="only the owning replica")
     w.add_argument("--raw", action="store_true",
                    help="send --system as a raw prompt (a model without a chat template)")
     w.add_argument("--ttl", type=uint32, default=0,
-                   help="pin lifetime in seconds (0 = the server's default)")
+                   help="pin lifetime in seconds (0 = the server's default); extends a pin, "
+                        "never shortens one")
     f = sub.add_parser("feedback", help="mark a semantic entry good (verified) or bad")
     f.add_argument("entry_id", help="the entry id a chat's report line names (entry ...)")
     f.add_argument("--bad", action="store_true",
