@@ -147,6 +147,17 @@ class Cancellable:
         return True
 
 
+class HungCall(Cancellable):
+    """A replica's Generate that hangs: CANCELLED once cancelled, else DEADLINE_EXCEEDED
+    after 10 s."""
+
+    def __iter__(self):
+        if self.cancelled.wait(10):
+            raise RpcError(grpc.StatusCode.CANCELLED)
+        raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+        yield  # pragma: no cover
+
+
 class HungIndex:
     """A prefix index whose Match hangs (up to `timeout_s`) until the caller cancels it; each
     call is kept in `probes`, `started` set once one is under way."""
@@ -271,14 +282,6 @@ def test_a_call_sent_as_the_poller_declares_its_replica_hung_fails_over_at_once(
     before its call was watched: the cancel went to the watchers registered so far, none, and
     the call waited on A to its deadline while B was idle. A replica already down when the
     request was routed (the last resort, none healthy) is still tried."""
-
-    class HungCall(Cancellable):
-        def __iter__(self):
-            if self.cancelled.wait(10):
-                raise RpcError(grpc.StatusCode.CANCELLED)
-            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
-            yield  # pragma: no cover
-
     hung = HungCall()
 
     class HangsAsDeclaredDown(Stub):

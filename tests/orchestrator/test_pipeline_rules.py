@@ -229,14 +229,7 @@ def test_a_call_cancelled_because_its_replica_was_found_hung_is_logged_as_hung(c
     import time
     from types import SimpleNamespace
 
-    from tests.orchestrator.test_pipeline_paths import TENANT, Cancellable
-
-    class HungCall(Cancellable):
-        def __iter__(self):
-            if self.cancelled.wait(10):
-                raise RpcError(grpc.StatusCode.CANCELLED)
-            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
-            yield  # pragma: no cover
+    from tests.orchestrator.test_pipeline_paths import TENANT, HungCall
 
     why = "hung: 3 Stats polls in a row unanswered within 2s (replica_hung_polls 3)"
 
