@@ -29,21 +29,32 @@ def test_a_mismatch_warns_at_most_once_a_minute(caplog):
 def test_a_side_says_its_own_list_as_the_notes_name_it():
     """A note named the lists by fingerprint only, and no start line said whose list had
     which: `said` is what the orchestrator's ready line and kvpool's registration line add."""
+    from types import SimpleNamespace
+
+    from tiercache.v1 import common_pb2
+
     from services.common.addresses import shard_fingerprint
     from services.common.shard_list import said
     from services.orchestrator.__main__ import shard_lists_said
-    from services.orchestrator.config import OrchestratorConfig
+    from services.orchestrator.backends import SemanticBackend
+    from services.orchestrator.prefix_backend import PrefixBackend
+
+    def sent(addrs: list[str]) -> common_pb2.ShardList:
+        return common_pb2.ShardList(shards=len(addrs), fingerprint=shard_fingerprint(addrs))
 
     two, three = ["p-0:1", "p-1:1"], ["p-0:1", " P-1.:1", "p-2:1"]
     c = ShardListCheck(Clock())
     c.registered("r0", 2, shard_fingerprint(two))
     assert not c.check(3, shard_fingerprint(three), ["r0"])
-    assert said(two) in c.note() and said(three) in c.note()
-    assert said(["a:1"]) == f"1 shard ({shard_fingerprint(['a:1'])})"
-    cfg = OrchestratorConfig(semantic_address="s-0:2, s-1:2", prefix_addresses=tuple(three))
-    assert shard_lists_said(cfg) == (f"; semantic shard list {said(['s-0:2', 's-1:2'])}"
-                                     f"; prefix shard list {said(three)}")
-    assert shard_lists_said(OrchestratorConfig(semantic_address="", prefix_addresses=())) == ""
+    assert said(sent(two)) in c.note() and said(sent(three)) in c.note()
+    assert said(sent(["a:1"])) == f"1 shard ({shard_fingerprint(['a:1'])})"
+    # The lists as the orchestrator's clients send them (addresses stripped, blanks left out).
+    orch = SimpleNamespace(semantic=SemanticBackend("s-0:2, s-1:2", "", 1.0),
+                           prefix=PrefixBackend(tuple(three), "", 0.5, block_size=16))
+    assert shard_lists_said(orch) == (f"; semantic shard list {said(sent(['s-0:2', 's-1:2']))}"
+                                      f"; prefix shard list {said(sent(three))}")
+    assert shard_lists_said(SimpleNamespace(semantic=SemanticBackend("", "", 1.0),
+                                            prefix=None)) == ""
 
 
 def test_one_mismatch_is_said_in_the_singular():

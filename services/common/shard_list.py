@@ -16,12 +16,10 @@ minutes after the last one. A mismatch never fails the call.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Mapping
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
 
 from prometheus_client import Counter
-
-from services.common.addresses import shard_fingerprint
 
 # How long Stats go on saying a mismatch after the last one seen.
 SHOWN_SECONDS = 300.0
@@ -45,12 +43,12 @@ class ShardList(NamedTuple):
         return self.fingerprint != other.fingerprint and max(self.shards, other.shards) > 1
 
 
-def said(addresses: Iterable[str]) -> str:
-    """A side's own list as a mismatch note names lists ("2 shards (40798ea3909ab9e3)"), for
+def said(sent: Any) -> str:
+    """A side's own list as its client sends it (a `common_pb2.ShardList`: size and
+    fingerprint), named as a mismatch note names lists ("2 shards (40798ea3909ab9e3)"), for
     its start line: notes name fingerprints only, and no log said which pod had which, so with
     several orchestrators the one on the old list could not be found."""
-    addrs = [a.strip() for a in addresses if a.strip()]
-    return str(ShardList(len(addrs), shard_fingerprint(addrs)))
+    return str(ShardList(sent.shards, sent.fingerprint))
 
 
 def merged_note(notes: Mapping[str, str], sharded: bool) -> str:

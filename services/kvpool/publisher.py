@@ -280,7 +280,7 @@ class Publisher:
         # The list's fingerprint as the shards' mismatch notes name it: whose list is whose.
         log.info("registered with prefix index %s as %s/%s (shard list %s)",
                  ", ".join(sorted(only)) if only else self.address, self.replica_id,
-                 self.incarnation, said(self.address.split(",")))
+                 self.incarnation, said(self._client.shard_list))
 
     def _rejoin(self, forgot: set[str]) -> None:
         """Shards that forgot this replica (restarted, or its lease lapsed there): register

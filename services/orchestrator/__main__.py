@@ -23,12 +23,14 @@ from services.orchestrator.server import OrchestratorServicer
 log = logging.getLogger("services.orchestrator")
 
 
-def shard_lists_said(cfg: OrchestratorConfig) -> str:
-    """The sharded tiers' lists as the shards' mismatch notes name them ("; semantic shards 2
-    shards (3b72...)"): a note says which fingerprints differ, and this says whose each is."""
-    tiers = (("semantic", cfg.semantic_address.split(",")), ("prefix", cfg.prefix_addresses))
-    return "".join(f"; {tier} shard list {said(addrs)}" for tier, addrs in tiers
-                   if any(a.strip() for a in addrs))
+def shard_lists_said(orch) -> str:
+    """The cache tiers' lists as `orch`'s clients send them, named as the shards' mismatch
+    notes name them ("; semantic shard list 2 shards (3b72...)"): a note says which
+    fingerprints differ, and this says whose each is."""
+    tiers = (("semantic", orch.semantic.shard_list if orch.semantic.enabled else None),
+             ("prefix", orch.prefix.client.shard_list if orch.prefix is not None else None))
+    return "".join(f"; {tier} shard list {said(sent)}" for tier, sent in tiers
+                   if sent is not None)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -76,7 +78,7 @@ def _main(argv: list[str] | None) -> int:
     servicer.attach(app.orch, app.tenants, app.warmer)
     handle.set_serving()
     log.info("orchestrator ready on port %d (model %s, %d replicas%s)", handle.port,
-             app.orch.model_id, len(cfg.kvpool_addresses), shard_lists_said(cfg))
+             app.orch.model_id, len(cfg.kvpool_addresses), shard_lists_said(app.orch))
     run_until_signal(handle, cfg.grace_s, on_stop=app.close)
     return 0
 

@@ -302,6 +302,9 @@ def test_the_registration_line_names_the_shard_list_as_the_notes_do(make_engine,
     addresses, so which pod had the other list took computing fingerprints by hand."""
     import logging
 
+    from tiercache.v1 import common_pb2
+
+    from services.common.addresses import shard_fingerprint
     from services.common.shard_list import said
 
     caplog.set_level(logging.INFO, "services.kvpool.publisher")
@@ -310,7 +313,8 @@ def test_the_registration_line_names_the_shard_list_as_the_notes_do(make_engine,
     pub = start_publisher(make_engine(num_blocks=16, hash_key=None), addrs)
     try:
         wait_for(lambda: pub.registered)
-        wait_for(lambda: any(f"(shard list {said(addrs)})" in r.getMessage()
+        sent = common_pb2.ShardList(shards=2, fingerprint=shard_fingerprint(addrs))
+        wait_for(lambda: any(f"(shard list {said(sent)})" in r.getMessage()
                              for r in caplog.records), timeout=5.0)
     finally:
         pub.stop()
