@@ -95,7 +95,7 @@ class DispatchMemory:
         """Take back what `record` added for a request its replica refused without computing
         anything (its own verdict: too big for every pool, a bad field): that replica holds
         nothing of the prompt, and requests sharing it would follow the credit there. Only
-        blocks no other request has sent there since (their time is still the record's): a
+        blocks no other request has sent there since (their stamp is still the record's): a
         request sharing them keeps its credit. Blocks that were credited before stay."""
         if rec is None or not rec.added:
             return

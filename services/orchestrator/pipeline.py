@@ -829,9 +829,9 @@ class Orchestrator:
                     if held.hung and code == grpc.StatusCode.CANCELLED:
                         # Cancelled by us, the replica found hung: gRPC's own "Locally
                         # cancelled by application!" read as if someone had asked for it.
-                        why = ("cancelled by this orchestrator: "
-                               f"{replica.health.last_error or 'hung (Stats polls unanswered)'}")
                         why_public = "hung (Stats polls unanswered)"
+                        why = ("cancelled by this orchestrator: "
+                               f"{replica.health.last_error or why_public}")
                 except _StreamCut as e:
                     lost, why = e, str(e)
                     why_public = why
