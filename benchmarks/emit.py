@@ -1,7 +1,7 @@
 """What the one-file benchmarks share: the machine line of a result, and printing it then
 writing it where it goes (prefix_lapse, semantic_restart, prefix_index), or writing it and
 saying where (the in-process studies: device, step_profile, draft_batch, prompt_lookup);
-and judging targets (kvpool, assisted, orchestrator)."""
+and judging targets (kvpool, assisted, orchestrator, semantic, simulate)."""
 
 from __future__ import annotations
 
