@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable
 
 import grpc
-from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
+from tiercache.v1 import common_pb2, prefix_pb2, prefix_pb2_grpc
 
 from services.common.bootstrap import create_server
 from services.kvpool.publisher import Publisher
@@ -497,6 +497,7 @@ def test_a_snapshot_larger_than_the_backlog_limit_is_delivered_once(monkeypatch)
 
     class Client:
         sharded = False
+        shard_list = common_pb2.ShardList(shards=1, fingerprint="f")  # the one it sends
 
         def register(self, *a, **k):
             return RegisterOutcome(10.0, {"a": 1})
