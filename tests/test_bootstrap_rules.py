@@ -197,6 +197,19 @@ def test_an_address_given_with_spaces_binds_without_them():
         h.stop(0)
 
 
+def test_the_start_line_says_metrics_off_rather_than_none(caplog):
+    """With no metrics port the start line said "(metrics None)": an operator read a port
+    named None. It says "off", and the port number when there is one."""
+    with caplog.at_level(logging.INFO, logger="services.common.bootstrap"):
+        off = create_server(service="test", address="127.0.0.1:0", services=[])
+        on = create_server(service="test", address="127.0.0.1:0", services=[], metrics_port=0)
+    off.stop(0)
+    on.stop(0)
+    lines = [r.getMessage() for r in caplog.records if "listening on port" in r.getMessage()]
+    assert lines == [f"test listening on port {off.port} (metrics off)",
+                     f"test listening on port {on.port} (metrics {on.metrics_port})"]
+
+
 def test_a_metrics_port_that_cannot_be_bound_leaves_the_grpc_port_free():
     """A BindError for the metrics port stops the gRPC server already bound: its port is free
     again for the next try (so_reuseport is off, so a leftover server would hold it)."""

@@ -966,7 +966,8 @@ def create_server(
                             f"{host}:{metrics_port} ({exc.strerror or exc})") from None
         handle._metrics_httpd = httpd
         handle.metrics_port = httpd.server_address[1]
-    log.info("%s listening on port %d (metrics %s)", service, port, handle.metrics_port)
+    log.info("%s listening on port %d (metrics %s)", service, port,
+             "off" if handle.metrics_port is None else handle.metrics_port)
     return handle
 
 
