@@ -473,17 +473,20 @@ class PrefixIndexClient:
         allp.sort(key=lambda p: (-p.hits, -len(p.token_ids)))
         return prefix_pb2.TopPrefixesResponse(prefixes=allp[:k])
 
-    def stats(self, *, timeout: float | None = None, allow_partial: bool = False
-              ) -> prefix_pb2.PrefixStatsResponse:
+    def stats(self, *, timeout: float | None = None, allow_partial: bool = False,
+              answered: set[str] | None = None) -> prefix_pb2.PrefixStatsResponse:
         """Figures summed over shards; a replica's held blocks summed over shards, the rest
         of its record (load, incarnation, address, capacity) from the shard that heard from
         it last.
         `shards_answered` < `shards_total` (with `allow_partial`) says some shard's are
         missing, rather than the sum passing for the whole index's: a shard down, slow or
         refusing (one refusal hid every other shard's figures: the orchestrator's Stats left
-        the index's unset, documented as summed over the shards that answered)."""
+        the index's unset, documented as summed over the shards that answered).
+        `answered`: given, the addresses of the shards that answered are added to it."""
         got = self._fan_out({a: prefix_pb2.PrefixStatsRequest() for a in self.addresses},
                             "Stats", timeout, allow_partial, refusals_partial=True)
+        if answered is not None:
+            answered.update(got)
         out = prefix_pb2.PrefixStatsResponse(shards_total=len(self.addresses),
                                              shards_answered=len(got))
         reps: dict[str, prefix_pb2.ReplicaInfo] = {}

@@ -102,12 +102,13 @@ class PrefixBackend:
 
     def stats(self, timeout: float | None = None):
         """`timeout`: at most this long (the caller's deadline), else the index's own."""
-        r = self._guard(self.client.stats, allow_partial=True,
+        answered: set[str] = set()
+        r = self._guard(self.client.stats, allow_partial=True, answered=answered,
                         timeout=None if timeout is None else min(timeout, self.timeout_s))
-        if r.shards_answered == r.shards_total:
-            # Every shard answered: none is hung. Its Matches were still skipped for the rest
-            # of their back-off (up to 5 s) after this call had logged the index "healthy
-            # again" and set its gauge to 1: ring routing and "unreachable" lines under it.
-            for a in self.client.addresses:
-                self.hung.answered(a)
+        # A shard that answered is not hung. Its Matches were still skipped for the rest of
+        # their back-off (up to 5 s) after this call had logged the index "healthy again" and
+        # set its gauge to 1: ring routing and "unreachable" lines under it. So too when
+        # another shard did not answer (a partial Stats ended no shard's back-off).
+        for a in answered:
+            self.hung.answered(a)
         return r

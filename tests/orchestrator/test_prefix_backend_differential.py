@@ -20,7 +20,8 @@ The model, written from those docs:
   of those that answered; a refusal (k = 0) raises, and so does no shard answering;
 - `stats(timeout)`: every shard, waiting at most min(timeout, the tier's timeout); the shards
   that answered are summed (`shards_answered` of `shards_total`); raises only when none did;
-  when every shard answered, none is skipped as hung any more (its back-off ends);
+  a shard that answered is no longer skipped as hung (its back-off ends), whether or not
+  the others answered;
 - health (`dependencies`, the gauge tiercache_orchestrator_dependency_healthy): one shard:
   the tier's line ("prefix") is its last counted call's outcome; several: a "prefix shard"
   line each ("no call yet" before its first), the tier's line healthy only when every
@@ -516,8 +517,8 @@ class Run:
                         assert real == s.noted, (a, real)
                     self.notes[a] = real
                 assert bool(out.shard_list_mismatch) == any(self.notes[a] for a in up)
-                if len(up) == self.n:
-                    self.hung.clear()  # every shard answered: none is skipped as hung
+                for a in up:  # a shard that answered is not skipped as hung any more
+                    self.hung.pop(a, None)
         finally:
             took = time.monotonic() - began
             if hung is not None:

@@ -186,9 +186,12 @@ def test_an_index_that_answers_stats_is_no_longer_skipped_as_hung():
         calls.append("match")
         raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
 
+    def stats(answered=None, **kw):
+        answered.add("127.0.0.9:1")
+        return prefix_pb2.PrefixStatsResponse(shards_total=1, shards_answered=1)
+
     pb.client.match = hangs
-    pb.client.stats = lambda **kw: prefix_pb2.PrefixStatsResponse(shards_total=1,
-                                                                   shards_answered=1)
+    pb.client.stats = stats
     try:
         with pytest.raises(grpc.RpcError):
             pb.match([b"\0" * 16], MODEL)  # its whole timeout: hung, skipped a while
@@ -199,5 +202,36 @@ def test_an_index_that_answers_stats_is_no_longer_skipped_as_hung():
         assert pb.dependencies()[0].healthy
         pb.client.match = lambda *a, **kw: prefix_pb2.MatchResponse()
         assert pb.match([b"\0" * 16], MODEL) == {}  # asked, not skipped
+    finally:
+        pb.client.close()
+
+
+def test_a_partial_stats_ends_the_back_off_of_the_shards_that_answered():
+    """With one shard down, a Stats the other shards answered ended none of their hung
+    back-offs (only a Stats every shard answered did): a shard answering Stats kept its
+    Matches skipped up to 5 s. The shards that answered are no longer hung; the one that
+    did not stays skipped."""
+    import grpc
+
+    from tests.orchestrator.test_pipeline_paths import RpcError
+
+    a, b = "127.0.0.9:1", "127.0.0.9:2"
+    pb = PrefixBackend((a, b), "", 0.5, BS)
+    for shard in (a, b):  # both ran out a Match's whole timeout: both skipped
+        with pytest.raises(grpc.RpcError):
+            pb.hung.call(shard, 0.5, 0.5, lambda: (_ for _ in ()).throw(
+                RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)))
+
+    def stats(answered=None, **kw):
+        answered.add(a)  # b did not answer
+        return prefix_pb2.PrefixStatsResponse(shards_total=2, shards_answered=1)
+
+    pb.client.stats = stats
+    try:
+        pb.stats()
+        assert pb.hung.call(a, 0.5, 0.5, lambda: "asked") == "asked"
+        with pytest.raises(grpc.RpcError) as skipped:
+            pb.hung.call(b, 0.5, 0.5, lambda: "asked")
+        assert "skipped" in skipped.value.details()
     finally:
         pb.client.close()
