@@ -84,6 +84,26 @@ def check_causal(model: Any, path: str, missing: Any = ()) -> None:
                               "check TIERCACHE_KVPOOL_MODEL")
 
 
+def check_attention(path: str) -> None:
+    """Refuses, before the weights load, a folder whose architecture transformers runs
+    without SDPA attention (Gemma 2, Bloom, Mamba, ...): the engine loads every model with
+    attn_implementation="sdpa" and drives its paged cache through one 4-D boolean mask, which
+    only SDPA takes as it is. transformers' own refusal ended the start in a paragraph naming
+    neither the folder nor the setting, and advising a load argument a replica has no
+    setting for. A folder that is no causal LM's is left to `from_pretrained` to name."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(path)
+    mapping = AutoModelForCausalLM._model_mapping
+    if type(config) not in mapping:
+        return
+    cls = mapping[type(config)]
+    if not getattr(cls, "_supports_sdpa", False):
+        raise ModelStoreError(f"{path} holds a {cls.__name__}, which kvpool cannot serve: "
+                              "transformers runs no SDPA attention for it, and the paged "
+                              "cache needs SDPA; check TIERCACHE_KVPOOL_MODEL")
+
+
 def check_finite(model: Any, path: str) -> None:
     """One forward of a few tokens, where the model was loaded (its CPU copy): logits that are
     not finite mean weights damaged in place (bit rot, a bad restore; safetensors checks no
@@ -117,6 +137,7 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
     def load(path: str) -> Any:
         log.info("loading model from %s on %s (%s)", path, cfg.device, cfg.dtype)
         # (The packaged model is converted again instead: load_resolved.)
+        check_attention(path)
         with readable_weights(path, "TIERCACHE_KVPOOL_MODEL"):
             model, info = AutoModelForCausalLM.from_pretrained(
                 path, dtype=_DTYPES[cfg.dtype], attn_implementation="sdpa",

@@ -264,3 +264,24 @@ def test_a_replica_refuses_a_pool_of_no_block_before_binding_or_loading(tmp_path
     model = _config_only_folder(tmp_path / "m")
     with pytest.raises(ConfigError, match=f"{PER - 1} bytes hold no KV block"):
         entry._main(["--model", model, "--kv-cache-bytes", str(PER - 1), "--metrics-port", "-1"])
+
+
+def test_an_architecture_without_sdpa_attention_is_refused_naming_the_folder(tmp_path):
+    """The engine drives every model through SDPA (one 4-D boolean mask over the paged rows):
+    a Gemma 2 folder was refused by transformers' own paragraph, which named neither the
+    folder nor the setting. The refusal is one line naming both, and a Llama folder passes."""
+    from transformers import Gemma2Config, LlamaConfig
+
+    from services.kvpool.app import check_attention, load_model
+
+    small = dict(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=4)
+    Gemma2Config(**small).save_pretrained(tmp_path / "gemma2")
+    LlamaConfig(**small).save_pretrained(tmp_path / "llama")
+    check_attention(str(tmp_path / "llama"))
+    folder = str(tmp_path / "gemma2")
+    with pytest.raises(ModelStoreError) as e:
+        load_model(KvPoolConfig(model=folder))
+    msg = str(e.value)
+    assert "\n" not in msg and folder in msg and "Gemma2ForCausalLM" in msg
+    assert "TIERCACHE_KVPOOL_MODEL" in msg and "SDPA" in msg
