@@ -158,7 +158,8 @@ class KvPoolConfig:
     # services/kvpool/README.md).
     one_thread_below: int = 256
     # Longest sequence (prompt + generated) served; 0 = the model's max_position_embeddings
-    # (or sliding window), which also caps a larger value.
+    # (or sliding window, or a longrope model's original context), which also caps a larger
+    # value.
     # The working rows grow to max_batch_size x this many tokens of KV on top of the pool
     # (SmolLM2 fp32: 46 KB per token, so 8 x 8,192 tokens = 3.0 GB; up to 1.5x that while the
     # last growth step copies, unless preallocate_rows): bound it to fit.

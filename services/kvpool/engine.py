@@ -196,6 +196,26 @@ def sliding_window(cfg: Any) -> int | None:
     return int(window)
 
 
+def rope_switch(cfg: Any) -> int | None:
+    """The context past which a longrope model (Phi-3 128k, Phi-3.5, ...) changes its rotary
+    frequencies: transformers takes the long factors for a whole forward once any of its
+    positions is past the original context, so a key's rotation depends on how far the forward
+    that computed it reached. generate() from scratch and the engine (prefill chunks, cached
+    prefixes) then give the same position different keys; within it nothing switches. None
+    for every other rope (a dynamic one rescales only past max_position_embeddings)."""
+    params = getattr(cfg, "rope_parameters", None) or getattr(cfg, "rope_scaling", None)
+    if not isinstance(params, dict) or not params:
+        return None
+    # One set, or one per layer type ({"full_attention": {...}, "sliding_attention": {...}}).
+    sets = (list(params.values()) if all(isinstance(v, dict) for v in params.values())
+            else [params])
+    limits = [int(p.get("original_max_position_embeddings")
+                  or getattr(cfg, "original_max_position_embeddings", 0) or 0)
+              for p in sets if p.get("rope_type", p.get("type")) == "longrope"]
+    limits = [n for n in limits if n > 0]
+    return min(limits) if limits else None
+
+
 def kv_shape(cfg: Any) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of a model's config: what its KV blocks hold per token.
     The config alone, so a pool's size can be judged before the weights load."""
@@ -210,7 +230,8 @@ def model_info(model: Any, model_id: str) -> ModelInfo:
     The context of a sliding-window model is its window: the paged cache gives every layer
     one causal mask over the whole context, which transformers takes as it is (it builds no
     window into a mask it is given), so past the window the answer would not be the model's.
-    Within it the two masks are the same."""
+    Within it the two masks are the same. A longrope model's is its original context
+    (`rope_switch`), for the same reason."""
     cfg = model.config
     num_layers, kv_heads, head_dim = kv_shape(cfg)
     eos: Any = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -224,6 +245,12 @@ def model_info(model: Any, model_id: str) -> ModelInfo:
                     "at most %d tokens (not %d), where the answer stays the model's", model_id,
                     window, window, max_context)
         max_context = window
+    switch = rope_switch(cfg)
+    if switch is not None and switch < max_context:
+        log.warning("%s switches its rotary frequencies (longrope) past %d tokens: serving "
+                    "contexts of at most %d tokens (not %d), where the answer stays the "
+                    "model's", model_id, switch, switch, max_context)
+        max_context = switch
     return ModelInfo(model_id, num_layers, kv_heads, head_dim, cfg.vocab_size, max_context,
                      eos_ids)
 

@@ -446,3 +446,45 @@ def test_after_the_model_replaces_a_draft_token_its_guesses_are_verified_as_a_tr
         assert isinstance(fin, Finished) and toks == ref
         trees += eng.stats().draft_tree_forwards_total
     assert trees >= 1
+
+
+def _phi3_longrope(original: int):
+    import torch
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Phi3Config(vocab_size=128, hidden_size=64, intermediate_size=128,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=4 * original, eos_token_id=127, pad_token_id=0,
+                     original_max_position_embeddings=original, initializer_range=0.25,
+                     rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 8,
+                                   "long_factor": [4.0] * 8,
+                                   "original_max_position_embeddings": original},
+                     attn_implementation="sdpa")
+    m = Phi3ForCausalLM(cfg).eval()
+    m.generation_config.eos_token_id = 127
+    return m
+
+
+def test_a_longrope_model_is_served_within_its_original_context_exactly(make_engine) -> None:
+    """Longrope (Phi-3 128k, Phi-3.5) takes its long rotary factors for a whole forward once
+    one of its positions is past the original context: the keys of one position then depend
+    on how far the forward that computed them reached, and every answer past it (a cold one,
+    prefilled in chunks, too) differed from generate()'s. The context is that original one."""
+    import random
+
+    from transformers import Phi3Config
+
+    from services.kvpool.engine import model_info, rope_switch
+
+    m = _phi3_longrope(24)
+    assert rope_switch(m.config) == 24
+    assert model_info(m, "phi3-longrope").max_context == 24
+    assert rope_switch(Phi3Config()) is None  # its original_max_position_embeddings, no longrope
+    eng = make_engine(model=m, num_blocks=64, block_size=4, max_prefill_chunk=8)
+    rng = random.Random(0)
+    long = [rng.randrange(1, 126) for _ in range(20)]
+    # Answers that fill the context; the long prompt twice (cached prefix).
+    for p in ([rng.randrange(1, 126) for _ in range(9)], long[:16], long, long):
+        toks, _ = collect(eng.submit(request(p, 24 - len(p), ignore_eos=True))[1])
+        assert toks == reference_greedy(m, p, 24 - len(p))
