@@ -402,3 +402,31 @@ def test_every_argument_of_every_command_says_what_it_is_in_help(cmd, capsys):
         inline = re.search(r"\S {2,}\S", ln.strip())
         wrapped = i + 1 < len(lines) and lines[i + 1].startswith(" " * 8)
         assert inline or wrapped, f"{cmd}: {ln.strip()!r} has no help"
+
+
+def test_chat_raw_sends_the_text_as_a_raw_prompt(fake, monkeypatch, capsys):
+    """A model without a chat template refuses `messages` (FAILED_PRECONDITION "send a raw
+    `prompt`"), and chat had no way to send one: --raw sends the text alone, unwrapped; with
+    --session or --system (a history, a system message) it is a usage error."""
+    seen = []
+    plain = FakeClient.stream
+
+    def stream(self, messages, **kw):
+        seen.append((messages, kw.get("raw", False)))
+        yield from plain(self, messages, **kw)
+
+    monkeypatch.setattr(FakeClient, "stream", stream)
+    assert cli.main(["chat", "--raw", "Once upon a time"]) == 0  # its report line too
+    assert cli.main(["chat", "-q", "hi"]) == 0
+    assert seen == [("Once upon a time", True), ([{"role": "user", "content": "hi"}], False)]
+    for flags in (["--session", "s1"], ["--system", "be brief"]):
+        with pytest.raises(SystemExit) as e:
+            cli.main(["chat", "--raw", *flags, "hi"])
+        assert e.value.code == 2
+        assert "--raw" in capsys.readouterr().err
+    # The server's refusal of messages for a model without a template points at --raw.
+    _streaming(monkeypatch, then=Refusal(grpc.StatusCode.FAILED_PRECONDITION,
+                                         "the model has no chat template (a base model?): "
+                                         "send a raw `prompt` instead of `messages`"))
+    assert cli.main(["chat", "-q", "hi"]) == 1
+    assert "note: --raw sends the text as a raw prompt" in capsys.readouterr().err

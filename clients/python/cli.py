@@ -173,10 +173,14 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
     messages.append({"role": "user", "content": a.text})
+    # A model without a chat template (a base model) takes only a raw `prompt`: chat was
+    # refused FAILED_PRECONDITION there, with no flag to send one (--raw has no session).
+    raw = getattr(a, "raw", False)
     out, final = [], None
     try:
-        for ch in c.stream(messages, max_tokens=a.max_tokens, temperature=a.temperature,
-                           top_p=a.top_p, seed=a.seed, session_id=a.session or "",
+        for ch in c.stream(a.text if raw else messages, raw=raw, max_tokens=a.max_tokens,
+                           temperature=a.temperature, top_p=a.top_p, seed=a.seed,
+                           session_id=a.session or "",
                            cache_policy=_policy(a)):
             sys.stdout.write(shown(ch.text))
             sys.stdout.flush()
@@ -197,6 +201,8 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         # N characters cannot fit in the limit of M prompt tokens", or the tenant's own limit
         # (RESOURCE_EXHAUSTED "messages: N tokens exceed tenant limit M").
         details = e.details() or ""
+        if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "chat template" in details:
+            sys.stderr.write("note: --raw sends the text as a raw prompt\n")
         if (hist is not None and had_history
                 and e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
                                  grpc.StatusCode.RESOURCE_EXHAUSTED)
@@ -641,6 +647,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="compute the whole prompt (no KV reuse)")
     ch.add_argument("--new", action="store_true",
                     help="with --session: start the session over (its saved turns dropped)")
+    ch.add_argument("--raw", action="store_true",
+                    help="send the text as a raw prompt, without the chat template (a model "
+                         "without one refuses messages); not with --session or --system")
     w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
     w.add_argument("--system", default="",
                    help="system prompt to prefill and pin (whole 16-token KV blocks only)")
@@ -687,6 +696,9 @@ def main(argv: list[str] | None = None) -> int:
     a.address = a.address.strip()
     if a.cmd == "warm" and not a.system and not a.top_k:
         w.error("give --system PROMPT or --top-k K")  # not the wire's "prompts or top_k"
+    if a.cmd == "chat" and a.raw and (a.session or a.system):
+        # A raw prompt is the whole prompt: no system message, no earlier turns to carry.
+        ch.error("--raw sends the text alone: not with --session or --system")
     for name in _WIRE_ARGS:
         value = getattr(a, name, None)
         if isinstance(value, str) and not _utf8(value):
