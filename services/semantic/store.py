@@ -13,6 +13,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
@@ -232,15 +233,34 @@ def _unwritable_folder_is_named(path: str) -> Iterator[None]:
             "writable folder") from None
 
 
+def _file_size_limit() -> str:
+    """The process's file-size limit (`ulimit -f`, RLIMIT_FSIZE) as a clause of a disk error,
+    "" when there is none: past it every write fails as on a full disk, whatever the volume
+    holds, and nothing else says so."""
+    soft = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    return "" if soft == resource.RLIM_INFINITY else (
+        f"; this process's file-size limit (ulimit -f) is {soft} bytes")
+
+
 @contextlib.contextmanager
 def _full_is_exhausted() -> Iterator[None]:
     """A full disk (SQLITE_FULL: the disk or the database's size limit) is
-    RESOURCE_EXHAUSTED naming it, not an INTERNAL error."""
+    RESOURCE_EXHAUSTED naming it, not an INTERNAL error. So is a write the system refused
+    for another reason than ENOSPC (SQLITE_IOERR_WRITE): SQLite maps only ENOSPC to
+    SQLITE_FULL, and a file-size limit (EFBIG) or a disk quota (EDQUOT) reached read as a bare
+    "disk I/O error": INTERNAL, "see server logs", and a traceback per Store (and a start
+    that cut TTLs exited 2, "bad configuration"). The statement is rolled back either way."""
     try:
         yield
     except sqlite3.OperationalError as e:
-        if getattr(e, "sqlite_errorcode", None) == sqlite3.SQLITE_FULL or "full" in str(e):
-            raise ResourceExhausted(f"disk: the entry store is full ({e})") from None
+        code = getattr(e, "sqlite_errorcode", None)
+        if code == sqlite3.SQLITE_FULL or "full" in str(e):
+            raise ResourceExhausted(
+                f"disk: the entry store is full ({e}{_file_size_limit()})") from None
+        if code == sqlite3.SQLITE_IOERR_WRITE:
+            raise ResourceExhausted(
+                f"disk: the entry store could not be written ({e}: a file-size limit or disk "
+                f"quota reached, or the volume failing{_file_size_limit()})") from None
         raise
 
 
@@ -321,7 +341,7 @@ class EntryStore:
             return
         try:
             self.flush_hits()
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, ResourceExhausted) as exc:
             # Hit counters are best effort (not worth an fsync per lookup); a full disk at
             # shutdown must not keep the database open and locked.
             log.warning("hit counters not written at close: %s", exc)
@@ -470,7 +490,9 @@ class EntryStore:
             return 0
         # A counter of an entry deleted meanwhile updates no row: harmless.
         try:
-            with self._lock, self._transaction():
+            # A full disk (or a file-size limit) is ResourceExhausted naming it, as every
+            # other write's: the housekeeper retries each tick and warns, without a traceback.
+            with _full_is_exhausted(), self._lock, self._transaction():
                 cur = self._db.executemany(
                     # Never lower: a counter restored after a failed flush may be older.
                     "UPDATE entries SET last_hit_at = MAX(last_hit_at, ?), "

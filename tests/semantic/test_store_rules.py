@@ -104,3 +104,46 @@ def test_a_flush_counts_the_rows_it_updated_not_the_counters_it_held(tmp_path):
     assert st.flush_hits() == 1
     assert st.flush_hits() == 0
     st.close()
+
+
+_PAST_THE_FILE_SIZE_LIMIT = r"""
+import resource, sys
+import numpy as np
+from services.common.errors import ResourceExhausted
+from services.semantic.store import EntryStore
+st = EntryStore(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (int(sys.argv[2]), resource.RLIM_INFINITY))
+for i in range(10_000):
+    try:
+        st.insert(id=f"n{i}", tenant="t", model_id="m", context_hash="", prompt=f"q {i}",
+                  answer="a" * 4000, embedding=np.ones(4, np.float32) / 2, embed_model="e",
+                  verified=False, created_at=1.0, ttl_seconds=0)
+    except ResourceExhausted as e:
+        print("refused", i, e)
+        break
+"""
+
+
+def test_a_write_past_the_file_size_limit_is_resource_exhausted_naming_the_limit(tmp_path):
+    """`ulimit -f` reached (EFBIG), like a disk quota (EDQUOT), is no ENOSPC: SQLite said a
+    bare "disk I/O error", and each Store was INTERNAL with a traceback in the log."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "s.db"
+    st = EntryStore(str(path))
+    for i in range(50):
+        insert(st, f"o{i}", answer="a" * 4000)
+    st.close()
+    limit = path.stat().st_size + (256 << 10)  # a page multiple: writes past it get EFBIG
+    out = subprocess.run([sys.executable, "-c", _PAST_THE_FILE_SIZE_LIMIT, str(path), str(limit)],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("refused"), out.stdout
+    assert f"file-size limit (ulimit -f) is {limit} bytes" in out.stdout
+    # Rolled back: the rows acknowledged before the refusal are there, whole, and no more.
+    refused_at = int(out.stdout.split()[1])
+    st = EntryStore(str(path))
+    assert st.count() == 50 + refused_at
+    assert st._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    st.close()
