@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from tiercache.v1 import semantic_pb2, semantic_pb2_grpc
 
 from services.common.bootstrap import ServerHandle, create_server
-from services.common.errors import InvalidArgument, Unavailable
+from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.logs import Thinned
 from services.semantic.cache import Embedder, Entry, Namespace, SemanticCache
 from services.semantic.config import SemanticConfig
 from services.semantic.index import set_search_threads
@@ -136,6 +137,7 @@ class Housekeeper:
         self.snapshot_path = snapshot_path
         self.snapshot_interval_s = snapshot_interval_s
         self._stop = threading.Event()
+        self._disk_lines = Thinned(log, per_window=1, window_s=60.0, level=logging.WARNING)
         self._thread = threading.Thread(target=self._run, name="semantic-housekeeper",
                                         daemon=True)
 
@@ -148,7 +150,7 @@ class Housekeeper:
         self._thread.join(timeout=10)
         try:
             self.cache.store.flush_hits()
-        except sqlite3.Error as exc:  # a full disk: the service must still stop
+        except (sqlite3.Error, ResourceExhausted) as exc:  # a full disk: it must still stop
             log.warning("hit counters not written at stop: %s", exc)
 
     def _run(self) -> None:
@@ -165,6 +167,13 @@ class Housekeeper:
                     if n:
                         log.info("expired %d entries", n)
                     next_expiry = time.monotonic() + self.interval_s
+            except ResourceExhausted as exc:
+                # A full disk, a file-size limit or a quota: lookups go on, and the flush
+                # retries every tick. Logged as a failure, it was an ERROR with a traceback
+                # every second (while any hit waited) for as long as the disk stayed full.
+                if self._disk_lines.allow(("housekeeping", "disk full")):
+                    log.warning("hit counters or expired entries not written (retried every "
+                                "%g s): %s", flush_every, exc)
             except Exception:  # noqa: BLE001 - keep housekeeping alive; it retries next tick
                 log.exception("housekeeping failed")
             if (self.snapshot_path and self.snapshot_interval_s > 0

@@ -112,6 +112,37 @@ def test_the_housekeepers_stop_writes_the_hit_counters(make_cache):
     assert c.store.get(e.id).hit_count == 1
 
 
+def test_a_full_disk_is_one_warning_from_the_housekeeper_not_a_traceback_a_tick(
+        make_cache, caplog):
+    """A full disk (or a file-size limit) made every tick's hit-counter flush an ERROR with a
+    traceback ("housekeeping failed", once a second for as long as the disk stayed full); it
+    is one WARNING naming the disk per minute now, and the stop still closes the store."""
+    import sqlite3
+
+    c = make_cache()
+    c.store_entry(A, "query", "an answer")
+    assert c.lookup(A, "query").hit  # a hit counter waiting to be written
+
+    def full(sql, *args):
+        raise sqlite3.OperationalError("database or disk is full")
+
+    real = c.store._db
+    c.store._db = type("Full", (), {"execute": staticmethod(
+        lambda sql, *a: real.execute(sql, *a) if sql in ("BEGIN", "ROLLBACK") else full(sql)),
+        "executemany": staticmethod(full), "in_transaction": property(
+            lambda self: real.in_transaction), "close": staticmethod(real.close)})()
+    keeper = Housekeeper(c, interval_s=0.01).start()
+    try:
+        time.sleep(0.3)  # ~30 ticks, each failing
+    finally:
+        keeper.stop()
+    lines = [r for r in caplog.records if r.name == "services.semantic.server"]
+    assert not [r for r in lines if r.levelname == "ERROR"], [r.getMessage() for r in lines]
+    warned = [r.getMessage() for r in lines if r.levelname == "WARNING"
+              and "not written (retried" in r.getMessage()]
+    assert len(warned) == 1 and "disk: the entry store is full" in warned[0]
+
+
 def test_a_stop_says_when_an_index_merge_outlived_its_time(make_cfg, emb):
     """RunningService.stop waits up to `index_close` for index merges and returns False when
     one still runs (the process must then exit without finalizing), True otherwise."""
