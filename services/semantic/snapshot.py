@@ -54,6 +54,19 @@ def _settings(params, embed_id: str) -> dict:
             "hnsw_ef_construction": params.hnsw_ef_construction}
 
 
+def _matched(settings: dict) -> dict:
+    """`settings` as a saved snapshot is matched by: the embedder by its weights' fingerprint
+    (after "@"), what its vectors depend on, where the identity carries one, not by the name
+    the model is served under. The same model under another name
+    (TIERCACHE_SEMANTIC_MODEL_NAME, a custom folder renamed) re-embeds nothing
+    (cache._same_vectors), yet every saved graph was ignored and built again: a minute per
+    100k entries before the shard served. `adopt` still checks every saved vector."""
+    tag = settings.get("embedder")
+    if isinstance(tag, str) and "@" in tag:
+        return {**settings, "embedder": "@" + tag.rpartition("@")[2]}
+    return settings
+
+
 Key = tuple[str, str, str]
 SaveState = dict[Key, tuple[object, dict]]  # namespace -> (its graph's token, manifest entry)
 
@@ -181,7 +194,7 @@ class Saved:
             log.warning("ignoring the HNSW snapshot in %s (%s: %s); every namespace is built",
                         self.folder, type(e).__name__, e)
             return
-        if settings != _settings(params, embed_id):
+        if _matched(settings) != _matched(_settings(params, embed_id)):
             log.warning("ignoring the HNSW snapshot in %s: built with other settings (%s, now "
                         "%s); every namespace is built", self.folder, settings,
                         _settings(params, embed_id))

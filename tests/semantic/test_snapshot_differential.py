@@ -106,7 +106,9 @@ class FarEmbedder:
 
     def __init__(self, name: str = "far") -> None:
         self.name = name
-        self.identity = f"{name}@differential"
+        # Each name its own weights: a snapshot is matched by the weights part (the same
+        # weights under another name keep their graphs, test_snapshot_rules).
+        self.identity = f"{name}@{name}-weights"
 
     def embed_one(self, text: str) -> np.ndarray:
         t = text.removeprefix("probe ")
@@ -519,7 +521,8 @@ class Run:
             path.write_text(json.dumps(manifest))
             out["manifest"] = "settings"
         elif what == "embedder":
-            # The same vectors under another identity (all re-embedded, to the same).
+            # The same vectors under another identity, other weights (all re-embedded, to
+            # the same).
             self.emb = FarEmbedder(rng.choice([n for n in ("far", "far2", "other")
                                                if n != self.emb.name]))
             out["manifest"] = "settings"

@@ -144,3 +144,14 @@ def test_a_save_removes_temporary_manifests_of_saves_killed_and_nothing_like_the
         snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 2)])
     assert (folder / ".manifest.json.swp").exists()
     assert not [p for p in folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_snapshot_is_taken_under_another_name_of_the_same_weights_only(tmp_path):
+    """Renaming the model (TIERCACHE_SEMANTIC_MODEL_NAME) re-embeds nothing, but its graphs
+    were ignored as "built with other settings" and built again; other weights still are."""
+    main, labels = graph()
+    folder = tmp_path / "snap"
+    snapshot.save(folder, PARAMS, "all-MiniLM-L6-v2@c271f490407437f4", [(KEY, main, labels, 1)])
+    assert snapshot.Saved(folder, PARAMS, "minilm-prod@c271f490407437f4").take(KEY) is not None
+    for other in ("all-MiniLM-L6-v2@0000000000000000", "all-MiniLM-L6-v2"):
+        assert snapshot.Saved(folder, PARAMS, other).take(KEY) is None
