@@ -834,3 +834,39 @@ def test_a_stream_cancelled_just_before_it_waits_for_a_slot_does_not_wait_out_th
         next(wrapped(iter(()), Ctx()))
     assert time.monotonic() - t0 < 2.5
     assert not icpt._open_waiting
+
+
+def test_a_handler_giving_up_on_a_cancelled_caller_is_logged_as_counted(caplog):
+    """A handler that raises DeadlineExceeded because its caller is gone (the semantic tier's
+    "the caller is gone; not embedded") after the client cancelled is counted CANCELLED, and
+    its line says CANCELLED too: it said "ended DEADLINE_EXCEEDED" beside a CANCELLED count."""
+    import threading
+
+    gone = threading.Event()
+
+    def unary(_req, context):
+        deadline = time.monotonic() + 10
+        while context.is_active() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        gone.set()
+        raise errors.DeadlineExceeded("the caller is gone; not embedded")
+
+    def count(code: str) -> float:
+        return RPC_TOTAL.labels("gone-log", "Unary", code)._value.get()
+
+    before = {c: count(c) for c in ("CANCELLED", "DEADLINE_EXCEEDED")}
+    h = _kinds_server("gone-log", 1 << 20, {"Unary": unary})
+    try:
+        with (caplog.at_level(logging.INFO, logger="services.common.bootstrap"),
+              grpc.insecure_channel(h.address) as ch):
+            fut = ch.unary_unary("/x.Kinds/Unary").future(b"", timeout=30)
+            time.sleep(0.2)
+            fut.cancel()
+            assert gone.wait(10)
+            _poll(lambda: count("CANCELLED") - before["CANCELLED"] >= 1)
+            time.sleep(0.1)
+            assert count("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"]
+            lines = [r.getMessage() for r in caplog.records if "Unary ended" in r.getMessage()]
+            assert lines == ["Unary ended CANCELLED: the caller is gone; not embedded"]
+    finally:
+        h.stop(5)

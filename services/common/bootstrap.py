@@ -535,12 +535,16 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 RPC_TOTAL.labels(service, short, rpc_ended(context).code).inc()
                 raise exc
             if isinstance(exc, errors.TierCacheError):
-                count(context, _counted_code(context, exc.code), requests)
+                # The status its client got, counted and logged alike: a handler giving up on a
+                # caller that cancelled (semantic's "caller is gone", DeadlineExceeded) was
+                # counted CANCELLED but logged "ended DEADLINE_EXCEEDED".
+                ended = _counted_code(context, exc.code)
+                count(context, ended, requests)
                 details = _capped(str(exc))
                 # A refused or failed call left no line: a ticket quoting its request id could
                 # not be traced. One line, with the id bound; a flood of them is thinned.
-                if _ERROR_LINES.allow((service, short, exc.code)):
-                    log.info("%s ended %s: %s", short, exc.code, details[:300])
+                if _ERROR_LINES.allow((service, short, ended)):
+                    log.info("%s ended %s: %s", short, ended, details[:300])
                 trailers = exc.trailers + (((errors.OVERLOADED_KEY, "1"),)
                                            if isinstance(exc, errors.Overloaded) else ())
                 if trailers:
