@@ -727,7 +727,8 @@ class SemanticBackend:
                 self.shard_health[address].fail(why)
             raise
 
-    def _each(self, method: str, req, deadline: float | None = None
+    def _each(self, method: str, req, deadline: float | None = None,
+              on_call: Callable[[grpc.Future], None] | None = None
               ) -> tuple[dict[str, Any], Exception | None]:
         """Call every shard: the answers of those that had it (by address, in the shards'
         order), and why some shard did not answer (None if every one did, NOT_FOUND aside).
@@ -737,6 +738,8 @@ class SemanticBackend:
         another error wins over NOT_FOUND (the entry may be on the shard that failed).
         `deadline` (time.monotonic()) bounds the whole round: each shard gets what is left of
         it, and none is called once it has passed (DeadlineExceeded if none answered).
+        `on_call`: see `_call` (a Feedback cancels its call when its client goes; the round
+        then ends with grpc.FutureCancelledError).
         """
         out: dict[str, Any] = {}
         not_found: grpc.RpcError | None = None
@@ -751,7 +754,7 @@ class SemanticBackend:
                     break
                 timeout = min(self.timeout_s, left)
             try:
-                out[a] = self._call(a, method, req, timeout)
+                out[a] = self._call(a, method, req, timeout, on_call=on_call)
             except grpc.RpcError as e:
                 if e.code() == grpc.StatusCode.NOT_FOUND:
                     not_found = e
@@ -777,16 +780,18 @@ class SemanticBackend:
         req.shard_list.CopyFrom(self.shard_list)
         return self._call(self.shard_for(req.namespace), "Store", req, timeout, on_call)
 
-    def verify(self, entry_id: str, verified: bool, deadline: float | None = None
+    def verify(self, entry_id: str, verified: bool, deadline: float | None = None,
+               on_call: Callable[[grpc.Future], None] | None = None
                ) -> semantic_pb2.SemanticEntry:
         got, _ = self._each("Verify", semantic_pb2.VerifyRequest(id=entry_id, verified=verified),
-                            deadline)
+                            deadline, on_call)
         return next(iter(got.values()))
 
-    def invalidate(self, entry_id: str, deadline: float | None = None
+    def invalidate(self, entry_id: str, deadline: float | None = None,
+                   on_call: Callable[[grpc.Future], None] | None = None
                    ) -> semantic_pb2.InvalidateResponse:
         got, failed = self._each("Invalidate", semantic_pb2.InvalidateRequest(id=entry_id),
-                                 deadline)
+                                 deadline, on_call)
         removed = sum(r.removed for r in got.values())
         if removed == 0 and failed is not None:
             # The shards that answered do not hold it; the one that did not may: "unknown"

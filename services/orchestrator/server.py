@@ -324,15 +324,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if entry_id is None:
             raise errors.NotFound(
                 f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown")
+        # The tier's call under way when the caller cancels is cancelled with it, as a
+        # Generate's are: it ran to its end (up to the tier's 2 s on a hung shard), holding a
+        # worker, and the tier applied a rating whose client had seen CANCELLED.
+        gone = _Gone()
+        _on_rpc_end(context, gone.set)
         try:
             deadline = _call_deadline(context)
             if request.rating == orchestrator_pb2.RATING_BAD:
-                n = sem.invalidate(entry_id, deadline).removed
+                n = sem.invalidate(entry_id, deadline, on_call=gone.holding).removed
                 # 0: removed meanwhile by another call (a race with a second "bad"): done, as
                 # for an entry already gone (below).
                 return orchestrator_pb2.FeedbackResponse(invalidated=n > 0)
-            sem.verify(entry_id, True, deadline)
+            sem.verify(entry_id, True, deadline, on_call=gone.holding)
             return orchestrator_pb2.FeedbackResponse(verified=True)
+        except grpc.FutureCancelledError:
+            raise errors.Cancelled("client cancelled") from None
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 # An entry this tenant was given, gone since (expired, evicted, invalidated): a

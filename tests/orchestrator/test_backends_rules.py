@@ -4,6 +4,7 @@ that no other test pinned down; each over fakes of the replicas or shards."""
 from __future__ import annotations
 
 import threading
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -322,3 +323,41 @@ def test_a_timed_out_semantic_tier_says_how_long_nobody_answered():
     lines = {d.name: d for d in sb.dependencies()}
     assert not lines["semantic"].healthy
     assert lines["semantic"].last_error == "no answer within 2s (timed out)"
+
+
+def test_a_rating_cancelled_by_its_caller_cancels_its_call_and_asks_no_further_shard():
+    """Verify and Invalidate hand each shard's call to `on_call` (a Feedback cancels it when
+    its client goes): the round ends there, with no later shard asked and nothing held
+    against the shard."""
+    class Future:
+        def __init__(self) -> None:
+            self.cancelled = False
+
+        def cancel(self) -> bool:
+            self.cancelled = True
+            return True
+
+        def result(self):
+            assert self.cancelled
+            raise grpc.FutureCancelledError()
+
+    class Method:
+        def __init__(self) -> None:
+            self.sent: list[Future] = []
+
+        def future(self, req, **kw):
+            self.sent.append(Future())
+            return self.sent[-1]
+
+    for method in ("Invalidate", "Verify"):
+        sb = SemanticBackend("127.0.0.1:1,127.0.0.1:2", "", 1.0)
+        stubs = {a: SimpleNamespace(**{method: Method()}) for a in sb.addresses}
+        sb.stubs.update(stubs)
+        with pytest.raises(grpc.FutureCancelledError):
+            if method == "Invalidate":
+                sb.invalidate("e-1", on_call=lambda call: call.cancel())
+            else:
+                sb.verify("e-1", True, on_call=lambda call: call.cancel())
+        first, second = sb.addresses
+        assert [len(getattr(stubs[a], method).sent) for a in (first, second)] == [1, 0]
+        assert (sb.health.last_error, sb.shard_health[first].last_error) == ("", "")

@@ -136,9 +136,9 @@ def test_a_bad_rating_cut_short_by_the_deadline_is_not_reported_unknown(shards, 
     asked: list[str] = []
     real_call = be._call
 
-    def call(address, method, req, timeout):
+    def call(address, method, req, timeout, on_call=None):
         asked.append(address)
-        return real_call(address, method, req, timeout)
+        return real_call(address, method, req, timeout, on_call=on_call)
 
     # The round's clock jumps past the deadline once the first shard has answered.
     clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + 60 * len(asked),

@@ -178,8 +178,8 @@ def test_feedback_without_a_rating_is_refused_naming_rating():
     semantic tier is not called."""
     s, orch = servicer(STREAM_HEADROOM + 1)
     called: list = []
-    orch.semantic = SimpleNamespace(enabled=True, invalidate=lambda *a: called.append(a),
-                                    verify=lambda *a: called.append(a))
+    orch.semantic = SimpleNamespace(enabled=True, invalidate=lambda *a, **kw: called.append(a),
+                                    verify=lambda *a, **kw: called.append(a))
     ref = s.tenants.entry_ref(s.tenants.authenticate({}), "e1")
     with pytest.raises(errors.InvalidArgument, match="^rating:"):
         s.Feedback(orchestrator_pb2.FeedbackRequest(semantic_entry_id=ref), Context())
@@ -199,7 +199,7 @@ def test_feedback_while_the_semantic_tier_is_down_blames_the_tier_not_the_refere
         def details(self) -> str:
             return "failed to connect to all addresses; last error: 10.0.3.9:50052"
 
-    def fail(*a):
+    def fail(*a, **kw):
         raise Down(code)
 
     s, orch = servicer(STREAM_HEADROOM + 1)
@@ -210,6 +210,42 @@ def test_feedback_while_the_semantic_tier_is_down_blames_the_tier_not_the_refere
             s.Feedback(orchestrator_pb2.FeedbackRequest(semantic_entry_id=ref, rating=rating),
                        Context())
         assert (ei.value.code, str(ei.value)) == (code.name, said)
+
+
+@pytest.mark.parametrize("rating", [orchestrator_pb2.RATING_GOOD, orchestrator_pb2.RATING_BAD])
+def test_a_feedback_whose_caller_cancels_cancels_the_tiers_call(rating):
+    """A live walkthrough: a Feedback cancelled while the semantic tier was slow left its
+    Invalidate running (up to the tier's 2 s, a worker held), and the tier applied the rating
+    of a client that had seen CANCELLED. The call under way is cancelled with the caller, as
+    a Generate's tier calls are, and the Feedback ends CANCELLED."""
+    from tests.orchestrator.test_pipeline_paths import Cancellable
+
+    class Cancelling(Context):
+        def __init__(self) -> None:
+            self.callbacks: list = []
+
+        def add_callback(self, fn):
+            self.callbacks.append(fn)
+            return True
+
+    ctx = Cancelling()
+    calls: list[Cancellable] = []
+
+    def slow(*a, on_call=None, **kw):
+        call = Cancellable()
+        calls.append(call)
+        on_call(call)
+        for fn in ctx.callbacks:  # the client cancels while the tier has not answered
+            fn()
+        assert call.cancelled.wait(5)
+        raise grpc.FutureCancelledError()
+
+    s, orch = servicer(STREAM_HEADROOM + 1)
+    orch.semantic = SimpleNamespace(enabled=True, invalidate=slow, verify=slow)
+    ref = s.tenants.entry_ref(s.tenants.authenticate({}), "e1")
+    with pytest.raises(errors.Cancelled):
+        s.Feedback(orchestrator_pb2.FeedbackRequest(semantic_entry_id=ref, rating=rating), ctx)
+    assert len(calls) == 1 and calls[0].cancelled.is_set()
 
 
 def _stats_servicer(tokens: str = ""):
