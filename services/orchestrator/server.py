@@ -339,7 +339,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             sem.verify(entry_id, True, deadline, on_call=gone.holding)
             return orchestrator_pb2.FeedbackResponse(verified=True)
         except grpc.FutureCancelledError:
-            raise errors.Cancelled("client cancelled") from None
+            # Its deadline passed or its client went: said as such, not "client cancelled".
+            raise rpc_ended(context) from None
         except grpc.RpcError as e:
             if e.code() == grpc.StatusCode.NOT_FOUND:
                 # An entry this tenant was given, gone since (expired, evicted, invalidated): a

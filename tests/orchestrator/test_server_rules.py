@@ -212,12 +212,14 @@ def test_feedback_while_the_semantic_tier_is_down_blames_the_tier_not_the_refere
         assert (ei.value.code, str(ei.value)) == (code.name, said)
 
 
+@pytest.mark.parametrize("left,ended", [(None, errors.Cancelled), (0.0, errors.DeadlineExceeded)])
 @pytest.mark.parametrize("rating", [orchestrator_pb2.RATING_GOOD, orchestrator_pb2.RATING_BAD])
-def test_a_feedback_whose_caller_cancels_cancels_the_tiers_call(rating):
+def test_a_feedback_whose_caller_cancels_cancels_the_tiers_call(rating, left, ended):
     """A live walkthrough: a Feedback cancelled while the semantic tier was slow left its
     Invalidate running (up to the tier's 2 s, a worker held), and the tier applied the rating
     of a client that had seen CANCELLED. The call under way is cancelled with the caller, as
-    a Generate's tier calls are, and the Feedback ends CANCELLED."""
+    a Generate's tier calls are, and the Feedback ends CANCELLED (DEADLINE_EXCEEDED, not
+    "client cancelled", when it was the deadline that passed)."""
     from tests.orchestrator.test_pipeline_paths import Cancellable
 
     class Cancelling(Context):
@@ -227,6 +229,9 @@ def test_a_feedback_whose_caller_cancels_cancels_the_tiers_call(rating):
         def add_callback(self, fn):
             self.callbacks.append(fn)
             return True
+
+        def time_remaining(self):
+            return left
 
     ctx = Cancelling()
     calls: list[Cancellable] = []
@@ -243,7 +248,7 @@ def test_a_feedback_whose_caller_cancels_cancels_the_tiers_call(rating):
     s, orch = servicer(STREAM_HEADROOM + 1)
     orch.semantic = SimpleNamespace(enabled=True, invalidate=slow, verify=slow)
     ref = s.tenants.entry_ref(s.tenants.authenticate({}), "e1")
-    with pytest.raises(errors.Cancelled):
+    with pytest.raises(ended):
         s.Feedback(orchestrator_pb2.FeedbackRequest(semantic_entry_id=ref, rating=rating), ctx)
     assert len(calls) == 1 and calls[0].cancelled.is_set()
 
