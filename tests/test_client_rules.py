@@ -3,6 +3,8 @@ TypeError naming it, before anything is sent."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from clients.python.client import TierCacheClient
@@ -121,3 +123,82 @@ def test_a_client_given_a_token_or_timeout_of_the_wrong_type_says_which():
 def test_stop_token_ids_may_be_any_iterable_of_ids():
     req = TierCacheClient.build_request("q", stop_token_ids=iter([7, 9]))
     assert list(req.sampling.stop_token_ids) == [7, 9]
+
+
+class _HangingCall:
+    """A Generate call that yields one chunk, then waits until cancelled (CANCELLED)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.cancelled = threading.Event()
+        self.waiting = threading.Event()
+
+    def __iter__(self):
+        import grpc
+        from tiercache.v1 import orchestrator_pb2
+
+        yield orchestrator_pb2.GenerateResponse(text="a")
+        self.waiting.set()
+        assert self.cancelled.wait(10)
+
+        class Cancelled(grpc.RpcError):
+            def code(self):
+                return grpc.StatusCode.CANCELLED
+
+        raise Cancelled()
+
+    def cancel(self) -> bool:
+        self.cancelled.set()
+        return True
+
+
+def _hanging_client():
+    c = TierCacheClient("localhost:1")
+    calls: list[_HangingCall] = []
+
+    def generate(self, *a, **k):
+        calls.append(_HangingCall())
+        return calls[-1]
+
+    c.stub = type("Stub", (), {"Generate": generate})()
+    return c, calls
+
+
+def test_a_stream_is_cancelled_from_another_thread_while_its_reader_waits():
+    """A live walkthrough: a user's cancel from another thread could not stop a stream
+    (close() raised "generator already executing" while the reader waited, and the answer ran
+    to its end). ChunkStream.cancel ends the call; the reader gets CANCELLED, with the chunks
+    it had."""
+    import threading
+
+    import grpc
+
+    c, calls = _hanging_client()
+    try:
+        s = c.stream("q")
+        got: list = []
+
+        def read() -> None:
+            try:
+                for ch in s:
+                    got.append(ch.text)
+            except grpc.RpcError as e:
+                got.append((e.code(), e.chunks_received))
+
+        t = threading.Thread(target=read)
+        t.start()
+        while not calls:
+            time.sleep(0.01)
+        assert calls[0].waiting.wait(5)
+        s.cancel()
+        t.join(5)
+        assert got == ["a", (grpc.StatusCode.CANCELLED, 1)]
+        # Before the first next(): the call is cancelled as it starts.
+        early = c.stream("q")
+        early.cancel()
+        with pytest.raises(grpc.RpcError):
+            list(early)
+        assert calls[1].cancelled.is_set()
+    finally:
+        c.close()

@@ -20,6 +20,7 @@ import math
 import numbers
 import re
 import struct
+import threading
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -181,6 +182,57 @@ class Chunk:
     final: orchestrator_pb2.GenerateFinal | None = None
 
 
+class _CallHolder:
+    """The call of one stream once it has started, and whether it was cancelled before: what
+    `ChunkStream.cancel` and the stream's generator share (the generator holds this, not the
+    ChunkStream, so that dropping the ChunkStream still closes it at once)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.call: grpc.Call | None = None
+        self.cancelled = False
+
+    def started(self, call: grpc.Call) -> None:
+        with self.lock:
+            self.call = call
+            cancelled = self.cancelled
+        if cancelled:
+            call.cancel()
+
+    def cancel(self) -> None:
+        with self.lock:
+            self.cancelled = True
+            call = self.call
+        if call is not None:
+            call.cancel()
+
+
+class ChunkStream(Iterator[Chunk]):
+    """What `TierCacheClient.stream` returns: an iterator of Chunks. `cancel()` ends the call
+    from any thread (a user's cancel while another thread waits for the next chunk; that
+    thread's next() then raises grpc.RpcError CANCELLED); `close()` does it from the thread
+    that reads (a generator's close, which another thread cannot call while it waits:
+    "generator already executing", and the answer ran on to its end)."""
+
+    def __init__(self, holder: _CallHolder, chunks: Iterator[Chunk]) -> None:
+        self._holder = holder
+        self._chunks = chunks
+
+    def __iter__(self) -> ChunkStream:
+        return self
+
+    def __next__(self) -> Chunk:
+        return next(self._chunks)
+
+    def close(self) -> None:
+        self._chunks.close()  # type: ignore[attr-defined]
+
+    def cancel(self) -> None:
+        """Cancel the call (the server stops generating), from any thread, at any time: before
+        the first next() the call is cancelled as it starts; after its end, a no-op."""
+        self._holder.cancel()
+
+
 @dataclass
 class GenerateResult:
     """A whole answer. `token_ids` is empty unless the request set return_token_ids; it holds
@@ -335,7 +387,7 @@ class TierCacheClient:
         return req
 
     def stream(self, messages: Messages, *, timeout: float | None = None, request_id: str = "",
-               **kw: Any) -> Iterator[Chunk]:
+               **kw: Any) -> ChunkStream:
         """Stream chunks as the model produces them; the last chunk carries `final`.
         `request_id` (plain, at most 128 characters) correlates the call with your own logs.
 
@@ -347,19 +399,25 @@ class TierCacheClient:
         first next(). Stopping early cancels the call (the server stops generating): call
         `close()` on the iterator, or `break` out of a for loop that holds the only reference
         to it (`for ch in c.stream(...)`); an iterator kept in a variable goes on generating
-        after a `break` until it is closed or garbage-collected. Keyword arguments: those of
-        build_request."""
+        after a `break` until it is closed or garbage-collected. From another thread (a user's
+        cancel while the reader waits), call its `cancel()` (a ChunkStream). Keyword
+        arguments: those of build_request."""
         # Checked now, at the call: in the generator below a bad argument or a closed client
         # was raised only at the first next(), past a caller's try around stream().
         req = self.build_request(messages, **kw)
-        return self._stream(req, self._timeout(timeout), self._metadata(request_id))
+        holder = _CallHolder()
+        return ChunkStream(holder, self._stream(req, self._timeout(timeout),
+                                                self._metadata(request_id), holder))
 
     def _stream(self, req: orchestrator_pb2.GenerateRequest, timeout: float,
-                metadata: list[tuple[str, str]]) -> Iterator[Chunk]:
+                metadata: list[tuple[str, str]], holder: _CallHolder | None = None
+                ) -> Iterator[Chunk]:
         # The call starts at the first next(), not before: an iterator never read (never
         # closed either) would otherwise leave a generation running to its deadline.
         self._check_open()  # closed between stream() and the first next()
         call = self.stub.Generate(req, timeout=timeout, metadata=metadata)
+        if holder is not None:
+            holder.started(call)  # cancelled at once if ChunkStream.cancel came first
         received, final = 0, False
         try:
             for msg in call:
