@@ -416,6 +416,9 @@ class Engine:
         packed = packed_layers(model)
         self.packing = Packing("onednn", packed) if packed else Packing("torch", 0, "not packed")
         self._inbox: queue.Queue = queue.Queue()
+        # Ids whose cancel is in the inbox, not yet taken: a warm-up prefill cancelled during
+        # its last forward checks this before pinning (set.add and discard are atomic).
+        self._cancel_asked: set[str] = set()
         self._waiting: deque[Sequence] = deque()
         self._decoding: list[Sequence] = []  # row i holds _decoding[i]
         self._prefilling: Sequence | None = None  # holds row len(_decoding)
@@ -536,6 +539,7 @@ class Engine:
 
     def cancel(self, seq_id: str) -> None:
         """Stop a sequence and release its blocks (no-op if it already ended)."""
+        self._cancel_asked.add(seq_id)
         self._inbox.put(("cancel", seq_id))
 
     def call(self, fn: Callable[[], Any]) -> Future:
@@ -650,6 +654,7 @@ class Engine:
                 self._by_id[seq.seq_id] = seq
                 self._waiting.append(seq)
             elif kind == "cancel":
+                self._cancel_asked.discard(msg[1])
                 seq = self._by_id.get(msg[1])
                 if seq is not None:
                     self._finish(seq, Failed(errors.Cancelled("request cancelled")))
@@ -1202,6 +1207,15 @@ class Engine:
         full = seq.num_computed // self.pool.block_size
         pinned = 0
         if seq.req.pin_ttl_seconds > 0:
+            # A Warm cancelled (or past its deadline) during its last forward, seen only at the
+            # next turn, still pinned its blocks for the whole TTL against the tenant's quota,
+            # its caller told CANCELLED: ended as such instead (the blocks stay cached).
+            if seq.seq_id in self._cancel_asked:
+                self._finish(seq, Failed(errors.Cancelled("request cancelled")))
+                return
+            if seq.req.deadline is not None and time.monotonic() >= seq.req.deadline:
+                self._finish(seq, Failed(errors.DeadlineExceeded("deadline exceeded")))
+                return
             try:
                 pinned = self.pool.pin(table[:full], seq.req.pin_ttl_seconds)
             except PoolExhausted as exc:  # computed and cached, but not pinned

@@ -488,3 +488,45 @@ def test_a_longrope_model_is_served_within_its_original_context_exactly(make_eng
     for p in ([rng.randrange(1, 126) for _ in range(9)], long[:16], long, long):
         toks, _ = collect(eng.submit(request(p, 24 - len(p), ignore_eos=True))[1])
         assert toks == reference_greedy(m, p, 24 - len(p))
+
+
+def test_a_warm_up_cancelled_or_past_its_deadline_during_its_last_forward_pins_nothing(
+        make_engine, monkeypatch) -> None:
+    """A live walkthrough: a Warm cancelled while its one-chunk prefill ran still pinned its
+    28 blocks for the whole TTL (the cancel is taken between steps, after the pin), its
+    caller told CANCELLED. The prefill now ends CANCELLED (DEADLINE_EXCEEDED past its
+    deadline) with its blocks cached, not pinned."""
+    import time
+
+    eng = make_engine(num_blocks=32, max_batch_size=1, drafts=False)
+    by_hand(eng)
+
+    def run(out) -> Finished | Failed:
+        for _ in range(10):  # steps only: a cancel in the inbox stays untaken, as mid-forward
+            if not out.empty():
+                break
+            eng._step()
+        (item,) = list(out.queue)
+        return item
+
+    seq_id, out = eng.submit(EngineRequest("w", prompt(32, 70), SamplingSpec(max_tokens=0),
+                                           prefill_only=True, pin_ttl_seconds=600))
+    eng._drain_inbox(block=False)
+    eng.cancel(seq_id)
+    item = run(out)
+    assert isinstance(item, Failed) and isinstance(item.error, errors.Cancelled)
+    assert eng.pool.stats().pinned == 0
+    eng._drain_inbox(block=False)  # the cancel itself: a no-op now, and forgotten
+    assert eng._cancel_asked == set()
+
+    _, late = eng.submit(EngineRequest("d", prompt(32, 71), SamplingSpec(max_tokens=0),
+                                       prefill_only=True, pin_ttl_seconds=600,
+                                       deadline=time.monotonic() + 60))
+    eng._drain_inbox(block=False)
+    real = time.monotonic
+    monkeypatch.setattr(time, "monotonic", lambda: real() + 3600)  # the deadline passes
+    item = run(late)
+    monkeypatch.undo()
+    assert isinstance(item, Failed) and isinstance(item.error, errors.DeadlineExceeded)
+    stats = eng.pool.stats()
+    assert (stats.pinned, stats.in_use, eng.prefills_total) == (0, 0, 0) and stats.cached > 0
