@@ -256,10 +256,12 @@ _WAIT_CHECK_S = 0.05
 
 
 def _still(wanted: Callable[[], bool] | None, what: str) -> None:
-    """Raise DeadlineExceeded unless the caller still waits (`wanted` None: always)."""
+    """Raise DeadlineExceeded unless the caller still waits (`wanted` None: always); `what`:
+    what had not happened yet ("the answer was written"; a Lookup said "the lookup was
+    written", though it writes nothing)."""
     if wanted is not None and not wanted():
-        raise DeadlineExceeded(f"the caller's deadline passed (or it went away) before the "
-                               f"{what} was written: nothing changed")
+        raise DeadlineExceeded(f"the caller's deadline passed (or it went away) before "
+                               f"{what}: nothing changed")
 
 
 class SemanticCache:
@@ -397,7 +399,7 @@ class SemanticCache:
         self._check_text("text", text, self.cfg.max_text_chars)
         resolved = self.policy.resolve(tier, threshold)
         t0 = time.perf_counter()
-        _still(wanted, "lookup")
+        _still(wanted, "the lookup was made")
         exact = self._exact_repeat(ns, text, resolved)
         if exact is not None:
             t1 = time.perf_counter()
@@ -405,7 +407,7 @@ class SemanticCache:
             self._record(exact, t1 - t0, None, resolved.explicit)
             return exact
         vec, over = self._embed(text, wanted=wanted)
-        _still(wanted, "lookup")
+        _still(wanted, "the lookup was made")
         t1 = time.perf_counter()
         result = self._search(ns, vec, text, resolved, want_draft, over)
         if not result.hit:  # the model answers, and its answer is stored under this text
@@ -719,7 +721,7 @@ class SemanticCache:
         answer_tokens = pack_tokens(answer_token_ids)
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
         vec, over = self._embed(prompt, reuse=True)
-        _still(wanted, "answer")
+        _still(wanted, "the answer was written")
         now = self.clock()
         eid = uuid.uuid4().hex
         label = self.store.insert(id=eid, tenant=ns.tenant, model_id=ns.model_id,
@@ -744,7 +746,7 @@ class SemanticCache:
                     # went on, and its answer stood although the caller had been told
                     # DEADLINE_EXCEEDED.
                     self._removed.wait(_WAIT_CHECK_S)
-                    _still(wanted, "answer")
+                    _still(wanted, "the answer was written")
                     old = self._by_prompt.get((ns, prompt))
                 if old is not None and old > label:
                     # A Store of the same prompt committed after this one (a higher label)
@@ -969,7 +971,7 @@ class SemanticCache:
         # thing and the row (after a restart) the other. Not under the cache lock, which every
         # lookup takes: it is never held across a SQLite write.
         with self._verify_lock:
-            _still(wanted, "rating")
+            _still(wanted, "the rating was written")
             self.store.set_verified(e.label, verified)
             with self._lock:
                 cur = self._entries.get(e.label)
@@ -996,7 +998,7 @@ class SemanticCache:
             # already expired "invalidated" (its docs: false for an entry expired), and
             # expirations_total never counted it.
             raise NotFound(f"id: entry {shown(entry_id)} has expired")
-        _still(wanted, "removal")
+        _still(wanted, "the removal was written")
         def held() -> list[int]:
             return [e.label] if e.label in self._entries else []
 

@@ -308,3 +308,15 @@ def test_a_whitespace_only_tenant_or_model_is_refused_and_nothing_is_written(mak
     with pytest.raises(InvalidArgument, match=f"namespace.{field}: required"):
         c.lookup(ns, "A fine question?")
     assert c.stats().entries == 0 and c.stats().lookups_total == 0
+
+
+def test_a_lookup_whose_caller_left_says_the_lookup_was_not_made(make_cache):
+    """A Lookup whose caller had gone said "before the lookup was written", though a lookup
+    writes nothing; a Store's refusal still says its answer was not written."""
+    from services.common.errors import DeadlineExceeded
+
+    c = make_cache()
+    with pytest.raises(DeadlineExceeded, match="before the lookup was made: nothing changed"):
+        c.lookup(A, "A fine question?", wanted=lambda: False)
+    with pytest.raises(DeadlineExceeded, match="before the answer was written: nothing"):
+        _store(c, wanted=lambda: False)
