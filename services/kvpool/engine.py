@@ -786,6 +786,11 @@ class Engine:
             self._finish_prefill(seq)
             return
         assert logits is not None, "a generating sequence always recomputes >= 1 token"
+        if seq.generated:
+            # A preempted answer recomputed: this forward emits its next token(s) as a decode
+            # step would. Uncounted, forward_passes fell below completion - 1 - accepted and
+            # the orchestrator counted the gap as passes that drafts saved.
+            seq.forward_passes += 1
         seq.phase = Phase.DECODE
         self._decoding.append(seq)
         assert seq.row == len(self._decoding) - 1

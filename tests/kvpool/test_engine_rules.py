@@ -174,6 +174,25 @@ def test_a_preempted_answer_goes_back_ahead_of_requests_that_never_ran(make_engi
         assert toks == reference_greedy(tiny_model, list(r.token_ids), r.sampling.max_tokens)
 
 
+
+def test_a_preempted_answer_counts_the_forward_that_resumes_it_as_a_decoding_pass(
+        make_engine, tiny_model) -> None:
+    """forward_passes counts the forwards that emitted an answer's tokens after its first
+    (CacheReport: completion - 1 - draft_tokens_accepted). A preempted answer's recompute
+    emits its next token as a decode step would: uncounted, an answer with no draft reported
+    fewer passes than tokens - 1, and the orchestrator counted the difference as passes that
+    drafts saved (forward_passes_saved_total)."""
+    eng = make_engine(num_blocks=14, max_batch_size=2, max_prefill_chunk=32)
+    by_hand(eng)
+    reqs = [request(prompt(20, 20), 24, rid="a", ignore_eos=True),
+            request(prompt(20, 21), 24, rid="b", ignore_eos=True)]
+    res = drive(eng, reqs, lambda e: None)
+    assert eng.preemptions_total >= 1
+    for r, (toks, fin) in zip(reqs, res, strict=True):
+        assert toks == reference_greedy(tiny_model, list(r.token_ids), r.sampling.max_tokens)
+        assert fin.draft_tokens_accepted == 0
+        assert fin.forward_passes == fin.completion_tokens - 1, (r.request_id, fin)
+
 # ---- a second round: draft verification, trees, costs, scheduling ---------------------------
 
 def test_a_prefill_is_preempted_before_warm_up_pins_yield_to_a_decoding_answer(
