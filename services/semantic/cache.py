@@ -187,7 +187,9 @@ def _metrics():
     return {
         "lookups": m.counter("tiercache_semantic_lookups_total",
                              "Semantic lookups by tier (strict, standard, relaxed, or explicit: "
-                             "the request's own threshold) and outcome (hit, draft, miss)",
+                             "the request's own threshold) and outcome (hit, draft, miss; draft: "
+                             "the nearest entry was in the draft band, not a hit, counted "
+                             "whether or not the caller wanted a draft)",
                              ("tier", "outcome")),
         "guard": m.counter("tiercache_semantic_guard_rejections_total",
                            "Lookups in which a candidate close enough to hit was refused (by "
