@@ -83,13 +83,17 @@ class KvPoolConfig:
     prefix_caching: bool = True
     # Verify requests' draft tokens (cache-assisted generation); False = ignore drafts.
     drafts: bool = True
-    # Most draft tokens verified per sequence in one forward (the bound of the adaptive gamma).
+    # Most draft tokens of one proposal verified in one forward (the bound of the adaptive
+    # gamma). A tree (draft_branches) adds alternatives, each within this bound, in the same
+    # forward: alone, a sequence's forward may verify up to draft_branches x this many (less
+    # what the branches share); in a batch only within the padding its row has anyway.
     max_draft_tokens: int = 16
     # Draft proposal lengths: "auto" = chosen at start from forwards of 1..max_draft_tokens+1
     # tokens timed on this device (15-20 s on a quiet 2-core CPU, longer while other processes
     # keep it busy: disturbed timings are dropped; services/kvpool/calibrate.py), or from
     # draft_costs untimed; or three ascending lengths "a,b,c" in 1..max_draft_tokens (after a
-    # miss, after a match, while proposals verify). Only read when drafts are on.
+    # miss, after a match, while proposals verify). Only used when drafts are on (validated
+    # always: a malformed value refuses the start with drafts off too).
     draft_ladder: str = "auto"
     # The forward costs "auto" chooses from, given instead of timed at start (which takes
     # 15-20 s of each replica's start on a 2-core CPU): max_draft_tokens + 1 numbers, what a
@@ -114,7 +118,7 @@ class KvPoolConfig:
     # Most branches a sequence decoding alone verifies in one forward: its proposal
     # and the continuations after other draft positions its context's end matches, as a tree
     # (services/kvpool/drafting.py `Draft.alternatives`, `Tree`). 1 = the proposal alone.
-    # Only read when drafts are on.
+    # Only used when drafts are on (validated always).
     draft_branches: int = 4
     # Prompt lookup for requests without a draft too: they propose continuations of where the
     # end of their context (prompt + output) occurred earlier in it, verified like a draft's
