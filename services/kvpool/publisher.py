@@ -214,7 +214,12 @@ class Publisher:
                 if (self._lagging and not self._backlog and not self._need_resync
                         and time.monotonic() >= self._lag_retry_at):
                     self._catch_up_lagging()
-                backoff = 0.2
+                if self.connected:
+                    # Only once the index has answered: a turn that called nothing (no beat
+                    # due, no events) reset it too, so through an outage every failed
+                    # heartbeat retried after 0.2 s and logged a WARNING saying so, every
+                    # heartbeat interval for as long as the index was down.
+                    backoff = 0.2
                 wait = max(0.0, min(self.publish_interval_seconds, next_beat - time.monotonic()))
                 if not self._backlog:
                     self.engine.wait_events(wait)

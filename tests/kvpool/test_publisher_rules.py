@@ -4,7 +4,7 @@ backlog limit; a full resync leaves no shard lagging; a lease of 0 is no lease; 
 forgot the replica are registered again once; heartbeats keep their interval under a longer
 publish interval and pace to the shortest lease of the shards; an accepted batch marks the
 publisher connected; a probe answered by an index that forgot the replica fails; batches
-skip lagging shards."""
+skip lagging shards; the retry backoff grows through an outage of the index."""
 
 from __future__ import annotations
 
@@ -320,3 +320,34 @@ def test_the_registration_line_names_the_shard_list_as_the_notes_do(make_engine,
         pub.stop()
         ha.stop(0)
         hb.stop(0)
+
+
+def test_the_retry_backoff_grows_through_an_outage_of_the_index(make_engine, caplog) -> None:
+    """With the only index down, each failed heartbeat doubles the wait before the next try
+    (0.2, 0.4, 0.8 s ...): the quiet turns between heartbeats (no beat due, no events) reset
+    it, so every beat retried after 0.2 s and logged a WARNING saying so, for as long as the
+    index was down."""
+    import logging
+    import re
+
+    import grpc
+
+    from services.kvpool.publisher import Publisher
+    from tests.kvpool.conftest import TINY_ID
+
+    (_, h) = start_shard(lease_seconds=10.0)
+    eng = make_engine(num_blocks=16, hash_key=None)
+    # Beats 1 s apart, longer than the first waits: quiet turns come between the failures.
+    pub = Publisher(eng, address=f"127.0.0.1:{h.port}", replica_id="kv-0", incarnation="i",
+                    public_address="x:1", model_id=TINY_ID, heartbeat_seconds=1.0,
+                    publish_interval_seconds=0.02, channel_factory=grpc.insecure_channel).start()
+    try:
+        wait_for(lambda: pub.registered and pub.connected)
+        h.stop(0)
+        with caplog.at_level(logging.WARNING, logger="services.kvpool.publisher"):
+            waits = lambda: [float(w) for w in re.findall(  # noqa: E731
+                r"retrying in ([0-9.]+)s", caplog.text)]
+            wait_for(lambda: len(waits()) >= 3)
+        assert waits()[:3] == [0.2, 0.4, 0.8], caplog.text
+    finally:
+        pub.stop()
