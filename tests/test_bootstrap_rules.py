@@ -4,7 +4,8 @@ stream counted under their codes and timed; an `authenticate` refusal capped and
 cut status message saying what it lost; a cancelled stream closed under its request id; a
 real ServerHandle turning SERVING keeping a later signal for the drain; `on_stop` after the
 stop; no parent watch for pid 0 or 1; an address with spaces binding; a metrics port that
-cannot be bound freeing the gRPC port (helpers and fixtures from test_bootstrap)."""
+cannot be bound freeing the gRPC port; a drain saying the calls it waits for and whether it
+cut them (helpers and fixtures from test_bootstrap)."""
 
 from __future__ import annotations
 
@@ -870,3 +871,50 @@ def test_a_handler_giving_up_on_a_cancelled_caller_is_logged_as_counted(caplog):
             assert lines == ["Unary ended CANCELLED: the caller is gone; not embedded"]
     finally:
         h.stop(5)
+
+
+def _call_quietly(ch: grpc.Channel, request: bytes) -> None:
+    try:
+        ch.unary_unary("/x.Slow/Wait")(request, timeout=20)
+    except grpc.RpcError:
+        pass  # cut by the stop: what the test is about
+
+
+def test_a_drain_says_how_many_calls_it_waits_for_and_whether_the_grace_cut_them(caplog):
+    """ServerHandle.stop logs the calls under way when it starts refusing new ones, then
+    "drained" when they finished within the grace, or a WARNING naming how many it cut: the
+    log said "draining" then "stopped", and nothing of the streams in between."""
+    import threading
+
+    def wait(_req, context):
+        end = time.monotonic() + float(_req or b"10")
+        while context.is_active() and time.monotonic() < end:
+            time.sleep(0.5)  # slow to notice: still running when the stop returns
+        return b""
+
+    def add(_servicer, srv) -> None:
+        srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "x.Slow", {"Wait": grpc.unary_unary_rpc_method_handler(wait)}),))
+
+    for seconds, grace, said in ((b"0.6", 5.0, "drained in"), (b"10", 0.3, "cut")):
+        h = create_server(service="drain-log", address="127.0.0.1:0",
+                          services=[(add, None, "x.Slow")])
+        ch = grpc.insecure_channel(h.address)
+        call = threading.Thread(target=_call_quietly, args=(ch, seconds))
+        call.start()
+        deadline = time.monotonic() + 10
+        while h._interceptor.in_flight < 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="services.common.bootstrap"):
+            h.stop(grace)
+        call.join(20)
+        ch.close()
+        lines = [r.getMessage() for r in caplog.records]
+        assert any("1 call(s) under way" in m and "refusing new calls" in m
+                   for m in lines), lines
+        assert any(said in m for m in lines), lines
+        if said == "cut":
+            assert any(r.levelno == logging.WARNING and "with 1 call(s) under way" in
+                       r.getMessage() for r in caplog.records), lines

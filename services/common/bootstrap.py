@@ -453,6 +453,20 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         self.cut_at: float | None = None
         # The server's own state (grpcio's private `_state`, pinned version), for `_past_cap`.
         self.server_state: Any = None
+        # Calls whose handler is running (Health.Watch, which holds no thread, aside): what a
+        # drain waits for, said in its log lines.
+        self.in_flight = 0
+        self._in_flight_lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        with self._in_flight_lock:
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            with self._in_flight_lock:
+                self.in_flight -= 1
 
     def _past_cap(self) -> bool:
         """Whether gRPC refuses the call being intercepted for its concurrent-call cap right
@@ -574,6 +588,10 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             """`parsed`: gRPC parses the requests (a client stream's, read by the handler).
             The response is serialized here, to check it against the send limit."""
             def wrapped(raw, context):
+                with interceptor.running():
+                    return unary_call(raw, context)
+
+            def unary_call(raw, context):
                 rid = prologue(context)
                 request = raw if parsed else parse(raw, context)
                 t0 = time.perf_counter()
@@ -595,6 +613,10 @@ class _ServerInterceptor(grpc.ServerInterceptor):
 
         def stream_behavior(inner):
             def wrapped(raw, context) -> Iterator:
+                with interceptor.running():
+                    yield from stream_call(raw, context)
+
+            def stream_call(raw, context) -> Iterator:
                 rid = prologue(context)
                 request = parse(raw, context)
                 t0 = time.perf_counter()
@@ -772,6 +794,13 @@ class ServerHandle:
     def stop(self, grace: float | None = 5.0) -> None:
         """Health NOT_SERVING, refuse new RPCs, let in-flight ones finish within `grace`."""
         self.begin_drain()
+        # The drain said as it goes: how many calls it waits for, and whether they finished
+        # or the grace cut them (the log said "draining", then "stopped", nothing between).
+        calls = self._interceptor.in_flight if self._interceptor is not None else None
+        began = time.monotonic()
+        if calls is not None:
+            log.info("refusing new calls; %d call(s) under way, %.1fs to finish", calls,
+                     grace or 0.0)
         if self._interceptor is not None:
             # Calls still running when the grace ends are cut by gRPC: their handlers see the
             # call closed, as if their client had gone (`rpc_ended` tells them apart).
@@ -785,6 +814,14 @@ class ServerHandle:
         if grace:
             self.health.close_watches()
         stopping.wait()
+        took = time.monotonic() - began
+        if calls is not None:
+            left = self._interceptor.in_flight
+            if left and took >= (grace or 0.0) - STOP_CUT_SLACK_S:
+                log.warning("drain grace of %.1fs ended with %d call(s) under way: cut "
+                            "(their clients get UNAVAILABLE)", grace or 0.0, left)
+            else:
+                log.info("drained in %.1fs: every call finished", took)
         Thinned.flush_all()  # every instance: the orchestrator's WARNINGs too
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
