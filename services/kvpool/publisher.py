@@ -16,6 +16,7 @@ replica keeps serving and catches up with a resync later.
 from __future__ import annotations
 
 import logging
+import math
 import random
 import threading
 import time
@@ -45,6 +46,8 @@ MAX_BACKLOG_POOLS = 2
 MAX_BATCH = 512
 # Blocks per batch when the index does not say its limit (its default).
 MAX_BATCH_BLOCKS = 65536
+# While the index stays unreachable, its failed tries are a WARNING this often (DEBUG between).
+OUTAGE_WARNING_EVERY_S = 60.0
 # How long a resync waits for the engine thread to take its snapshot (between two steps).
 SNAPSHOT_TIMEOUT = 60.0
 
@@ -137,6 +140,9 @@ class Publisher:
         # False from a failure until one does again. Stats shows 0 for the batch number
         # while it is False.
         self.connected = False
+        # An outage of the index (every shard failing the same call): when it began, its
+        # failed tries, and when it was last said at WARNING (monotonic; None = none).
+        self._outage: tuple[float, int, float] | None = None
         self.resyncs = 0
         self._backlog: list[PoolEvent] = []
         # The index's batch limits, from its Register answer.
@@ -220,6 +226,11 @@ class Publisher:
                     # heartbeat retried after 0.2 s and logged a WARNING saying so, every
                     # heartbeat interval for as long as the index was down.
                     backoff = 0.2
+                    if self._outage is not None:
+                        began, tries, _ = self._outage
+                        self._outage = None
+                        log.info("prefix index %s answers again after %.0fs (%d tries failed)",
+                                 self.address, time.monotonic() - began, tries)
                 wait = max(0.0, min(self.publish_interval_seconds, next_beat - time.monotonic()))
                 if not self._backlog:
                     self.engine.wait_events(wait)
@@ -245,9 +256,18 @@ class Publisher:
                     # and each registration brings a full snapshot.
                     self._stop.wait(random.uniform(0.0, self._beat_every))
                     continue
-                log.warning("prefix index %s: %s (%s); retrying in %.1fs", self.address,
-                            e.code().name if hasattr(e, "code") else "?",
-                            e.details() if hasattr(e, "details") else e, backoff)
+                # One WARNING as the outage begins, then one a minute while it lasts (each
+                # try one, 12 a minute per replica, filled the log of an index's restart);
+                # the tries between at DEBUG, and a line when the index answers again.
+                now = time.monotonic()
+                began, tries, said = self._outage or (now, 0, -math.inf)
+                loud = now - said >= OUTAGE_WARNING_EVERY_S
+                self._outage = (began, tries + 1, now if loud else said)
+                log.log(logging.WARNING if loud else logging.DEBUG,
+                        "prefix index %s: %s (%s); retrying in %.1fs%s", self.address,
+                        e.code().name if hasattr(e, "code") else "?",
+                        e.details() if hasattr(e, "details") else e, backoff,
+                        f" (failing for {now - began:.0f}s, {tries + 1} tries)" if tries else "")
                 self._collect()
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)

@@ -4,7 +4,8 @@ backlog limit; a full resync leaves no shard lagging; a lease of 0 is no lease; 
 forgot the replica are registered again once; heartbeats keep their interval under a longer
 publish interval and pace to the shortest lease of the shards; an accepted batch marks the
 publisher connected; a probe answered by an index that forgot the replica fails; batches
-skip lagging shards; the retry backoff grows through an outage of the index."""
+skip lagging shards; the retry backoff grows through an outage of the index, said once at
+WARNING and once when it ends."""
 
 from __future__ import annotations
 
@@ -344,10 +345,43 @@ def test_the_retry_backoff_grows_through_an_outage_of_the_index(make_engine, cap
     try:
         wait_for(lambda: pub.registered and pub.connected)
         h.stop(0)
-        with caplog.at_level(logging.WARNING, logger="services.kvpool.publisher"):
+        with caplog.at_level(logging.DEBUG, logger="services.kvpool.publisher"):
             waits = lambda: [float(w) for w in re.findall(  # noqa: E731
                 r"retrying in ([0-9.]+)s", caplog.text)]
             wait_for(lambda: len(waits()) >= 3)
         assert waits()[:3] == [0.2, 0.4, 0.8], caplog.text
     finally:
         pub.stop()
+
+
+def test_an_outage_of_the_index_is_one_warning_then_a_line_when_it_answers_again(
+        make_engine, caplog) -> None:
+    """The first failed try of an outage is a WARNING, the tries after it DEBUG (one a
+    minute WARNING again); once the index answers, one INFO line says after how long. Each
+    try was a WARNING: 12 a minute per replica through an index's restart."""
+    import logging
+
+    import grpc
+
+    from services.kvpool.publisher import Publisher
+    from tests.kvpool.conftest import TINY_ID
+
+    (_, h) = start_shard(lease_seconds=10.0)
+    port = h.port
+    eng = make_engine(num_blocks=16, hash_key=None)
+    pub = Publisher(eng, address=f"127.0.0.1:{port}", replica_id="kv-0", incarnation="i",
+                    public_address="x:1", model_id=TINY_ID, heartbeat_seconds=0.2,
+                    publish_interval_seconds=0.02, channel_factory=grpc.insecure_channel).start()
+    try:
+        wait_for(lambda: pub.registered and pub.connected)
+        with caplog.at_level(logging.DEBUG, logger="services.kvpool.publisher"):
+            h.stop(0)
+            wait_for(lambda: caplog.text.count("retrying in") >= 4)
+            (_, h) = start_shard(port=port, lease_seconds=10.0)
+            wait_for(lambda: "answers again" in caplog.text)
+        failed = [r for r in caplog.records if "retrying in" in r.getMessage()]
+        assert [r.levelno for r in failed[:4]] == [logging.WARNING] + [logging.DEBUG] * 3
+        assert "(failing for" in failed[1].getMessage()
+    finally:
+        pub.stop()
+        h.stop(0)
