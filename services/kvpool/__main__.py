@@ -62,6 +62,7 @@ def _main(argv: list[str] | None) -> int:
         # sequence the engine may hold, plus room for Stats polls, Prefill and Resync, or a
         # busy replica's Stats would queue behind streams until it is declared hung.
         max_workers=cfg.max_batch_size + cfg.max_waiting + 16)
+    servicer.draining = handle.draining  # Stats refused from SIGTERM on (KvPoolServicer.Stats)
     # Only the engine thread runs the model with several threads; this one loads it with one.
     # Two threads that each ran an OpenMP team leave libgomp with more threads than cores, and it
     # then stops spinning between parallel regions: each of the ~200 oneDNN layers of a SmolLM2

@@ -73,6 +73,8 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
         self.engine = None
         self.info: ModelInfo | None = None
         self.publisher = None
+        # The server's drain flag (ServerHandle.draining), set from SIGTERM on.
+        self.draining: threading.Event | None = None
 
     def attach(self, engine, info: ModelInfo, publisher=None) -> None:
         self.engine, self.info, self.publisher = engine, info, publisher
@@ -274,6 +276,13 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
 
     def Stats(self, request: kvpool_pb2.KvStatsRequest,
               context: grpc.ServicerContext) -> kvpool_pb2.KvStatsResponse:
+        if self.draining is not None and self.draining.is_set():
+            # Health says NOT_SERVING from SIGTERM on, but orchestrators route by these polls,
+            # dialing the pod by name, not through a Service's endpoints: they went on sending
+            # new requests through the whole drain delay (5 s in the manifests), each then
+            # to finish within the grace. Refused, the replica leaves routing at the next
+            # poll while its streams finish (backends.ReplicaSet).
+            raise errors.Unavailable("kvpool is draining (stopping): it takes no new requests")
         engine, info = self._ready()
         s = engine.stats()
         served = engine.served_costs

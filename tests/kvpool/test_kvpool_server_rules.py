@@ -194,3 +194,17 @@ def test_an_engine_stopped_by_a_drain_that_began_during_the_watchs_check_says_no
                                              set_serving=calls.append), every=0.01)
     t.join(5)
     assert not t.is_alive() and calls == []
+
+
+def test_stats_are_refused_once_the_server_drains(tiny_model) -> None:
+    """From SIGTERM on (the handle's `draining`), Stats is UNAVAILABLE saying the replica is
+    draining: orchestrators route by these polls, not by health, and went on sending new
+    requests to a stopping replica through the whole drain delay."""
+    import threading
+
+    draining = threading.Event()
+    s = servicer(QueuedEngine(), tiny_model)
+    s.draining = draining
+    draining.set()
+    with pytest.raises(errors.Unavailable, match="draining"):
+        s.Stats(kvpool_pb2.KvStatsRequest(), Ctx())
