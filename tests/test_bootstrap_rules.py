@@ -909,12 +909,14 @@ def test_a_drain_says_how_many_calls_it_waits_for_and_whether_the_grace_cut_them
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="services.common.bootstrap"):
             h.stop(grace)
+            h.stop(0)  # again, as semantic and prefix do as they close: said once
         call.join(20)
         ch.close()
         lines = [r.getMessage() for r in caplog.records]
         assert any("1 call(s) under way" in m and "refusing new calls" in m
                    for m in lines), lines
         assert any(said in m for m in lines), lines
+        assert sum("refusing new calls" in m for m in lines) == 1, lines
         if said == "cut":
             assert any(r.levelno == logging.WARNING and "with 1 call(s) under way" in
                        r.getMessage() for r in caplog.records), lines

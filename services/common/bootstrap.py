@@ -796,7 +796,9 @@ class ServerHandle:
         self.begin_drain()
         # The drain said as it goes: how many calls it waits for, and whether they finished
         # or the grace cut them (the log said "draining", then "stopped", nothing between).
-        calls = self._interceptor.in_flight if self._interceptor is not None else None
+        # Said once: semantic and prefix stop their handle again as they close (no calls).
+        calls = (self._interceptor.in_flight
+                 if self._interceptor is not None and not self.stopped.is_set() else None)
         began = time.monotonic()
         if calls is not None:
             log.info("refusing new calls; %d call(s) under way, %.1fs to finish", calls,
