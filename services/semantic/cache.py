@@ -19,6 +19,7 @@ import math
 import re
 import threading
 import time
+import unicodedata
 import uuid
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Iterator, Sequence
@@ -479,7 +480,13 @@ class SemanticCache:
 
     def _unseen(self, text: str) -> str:
         fn = getattr(self.embedder, "unseen", None)
-        return fn(text) if fn is not None else ""  # a test double that reads everything
+        if fn is None:
+            return ""  # a test double that reads everything
+        # Composed alike (NFC): the same unread word typed decomposed (a Korean question from
+        # macOS, NFD: its syllables as jamo) embeds to the same vector, but its unread
+        # characters are other code points, and it missed its own entry at similarity 1.0.
+        unseen = fn(text)
+        return unseen if unseen.isascii() else unicodedata.normalize("NFC", unseen)
 
     def _entry_unseen(self, e: Entry) -> str:
         """`e.unseen`, tokenising its prompt once (entries are told on their first near hit)."""

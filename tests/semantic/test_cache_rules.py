@@ -320,3 +320,29 @@ def test_a_lookup_whose_caller_left_says_the_lookup_was_not_made(make_cache):
         c.lookup(A, "A fine question?", wanted=lambda: False)
     with pytest.raises(DeadlineExceeded, match="before the answer was written: nothing"):
         _store(c, wanted=lambda: False)
+
+
+class _UnreadEmbedder(edges.FixedEmbedder):
+    """Reads ASCII only: every other character is unseen (MiniLM maps Hangul it lacks to
+    [UNK], whether typed composed or decomposed)."""
+
+    def unseen(self, text: str) -> str:
+        return "".join(ch for ch in text if not ch.isascii() and not ch.isspace())
+
+
+def test_the_same_unread_text_composed_otherwise_hits_its_entry(cache_factory):
+    """A Korean question typed decomposed (NFD, as macOS writes it) embeds to the vector of
+    its composed (NFC) form, but its unread characters are jamo, not syllables: it missed its
+    own entry at similarity 1.0, in every tier. What differs beyond composition still does."""
+    import unicodedata
+
+    e = _UnreadEmbedder()
+    nfc = "한국의 수도는 어디입니까?"
+    nfd = unicodedata.normalize("NFD", nfc)
+    for text in (nfc, nfd, "일본의 수도는 어디입니까?"):
+        e.at(text, 1.0, 1)
+    c = cache_factory(e, guard_tiers=(), verifier_tiers=())
+    c.store_entry(A, nfc, "서울")
+    r = c.lookup(A, nfd, tier="strict")
+    assert r.hit and r.entry.answer == "서울"
+    assert not c.lookup(A, "일본의 수도는 어디입니까?", tier="relaxed").hit
