@@ -202,3 +202,33 @@ def test_a_stream_is_cancelled_from_another_thread_while_its_reader_waits():
         assert calls[1].cancelled.is_set()
     finally:
         c.close()
+
+
+@pytest.mark.parametrize(("args", "kw", "said"), [
+    (("caf\udce9?",), {}, "messages: not valid Unicode: a lone surrogate at character 3"),
+    (("x\ud800",), {"raw": True}, "messages: not valid Unicode"),
+    (([{"role": "system", "content": "s"}, {"role": "user", "content": "\ud83d!"}],), {},
+     "messages[1].content: not valid Unicode: a lone surrogate at character 0"),
+    (([{"role": "us\udcffer", "content": "hi"}],), {}, "messages[0].role: not valid Unicode"),
+    (("hi",), {"session_id": "s\ud800"}, "session_id: not valid Unicode"),
+])
+def test_a_lone_surrogate_is_a_value_error_naming_its_field(args, kw, said):
+    """A str protobuf cannot encode (a trace's JSON "\\ud83d", a surrogateescape'd byte) was
+    protobuf's UnicodeEncodeError ("position 0: surrogates not allowed"), naming no field;
+    replay reported it so for every turn."""
+    with pytest.raises(ValueError) as e:
+        TierCacheClient.build_request(*args, **kw)
+    assert str(e.value).startswith(said)
+    assert not isinstance(e.value, UnicodeError)
+    # Text outside the BMP, written properly, still builds.
+    req = TierCacheClient.build_request("🇯🇵 👨\u200d👩\u200d👧 \U0010ffff", session_id="s😀")
+    assert req.messages[0].content.startswith("🇯🇵")
+
+
+def test_a_warm_prompt_with_a_lone_surrogate_names_it():
+    c = TierCacheClient("localhost:1")
+    try:
+        with pytest.raises(ValueError, match=r"^prompts\[1\]: not valid Unicode"):
+            c.warm(["fine", "bad \udc80"])
+    finally:
+        c.close()

@@ -83,6 +83,19 @@ def _message_list(messages: object) -> list:
                         f"dicts, not {messages!r:.80}") from None
 
 
+def _wire_text(where: str, text: str) -> str:
+    """`text` as a protobuf string field carries it (UTF-8), or a ValueError naming `where`:
+    a lone surrogate (a JSON "\\ud800" in a replayed trace, a str decoded with
+    surrogateescape) was protobuf's bare UnicodeEncodeError, naming no field."""
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{where}: not valid Unicode: a lone surrogate at character "
+                             f"{e.start}") from None
+    return text
+
+
 def _message(where: str, m: object) -> dict[str, str]:
     """One chat message's fields, or a TypeError naming it: a missing "content" was a bare
     KeyError 'content', a number there protobuf's "bad argument type for built-in operation",
@@ -94,6 +107,7 @@ def _message(where: str, m: object) -> dict[str, str]:
             raise TypeError(f"{where}: no {key!r} (a message is {{'role', 'content'}})")
         if not isinstance(m[key], str):
             raise TypeError(f"{where}.{key}: a string, not {type(m[key]).__name__}")
+        _wire_text(f"{where}.{key}", m[key])
     return {"role": m["role"], "content": m["content"]}
 
 
@@ -173,9 +187,10 @@ def checked_int(name: str, value: int, top: int) -> int:
 
 @dataclass
 class Chunk:
-    """One streamed piece: text (never a broken UTF-8 character; may be empty), its token ids
-    (only with return_token_ids), and on the last one `final` (the GenerateFinal message:
-    finish_reason, usage, cache_report, request_id)."""
+    """One streamed piece: text (never a broken UTF-8 character, but a grapheme, such as
+    emoji joined by U+200D or a letter and its combining marks, may span pieces; may be
+    empty), its token ids (only with return_token_ids), and on the last one `final` (the
+    GenerateFinal message: finish_reason, usage, cache_report, request_id)."""
 
     text: str
     token_ids: list[int]
@@ -363,6 +378,7 @@ class TierCacheClient:
         stop_token_ids = [checked_int("stop_token_ids", t, 2**32 - 1) for t in stop_token_ids]
         if not isinstance(session_id, str):
             raise TypeError(f"session_id: a string, not {type(session_id).__name__}")
+        _wire_text("session_id", session_id)
         if cache_policy is not None and not isinstance(cache_policy, common_pb2.CachePolicy):
             raise TypeError("cache_policy: a tiercache.v1.common_pb2.CachePolicy, not "
                             f"{type(cache_policy).__name__}")
@@ -377,6 +393,7 @@ class TierCacheClient:
         if isinstance(messages, dict):  # one message: not its keys as messages
             messages = [messages]
         if isinstance(messages, str):
+            _wire_text("messages", messages)
             if raw:
                 req.prompt = messages
             else:
@@ -493,6 +510,7 @@ class TierCacheClient:
         for i, p in enumerate(prompts):
             wp = req.prompts.add()
             if isinstance(p, str):
+                _wire_text(f"prompts[{i}]", p)
                 if raw:
                     wp.prompt = p
                 else:
