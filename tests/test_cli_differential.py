@@ -653,7 +653,7 @@ class Step:
         assert lines == want, where
         if self.session and "".join(text).strip():
             saved = json.loads((self.home / "sessions" / f"{self.session}.json").read_text())
-            assert saved[-1] == {"role": "assistant", "content": "".join(text).strip()}, where
+            assert saved[-1] == {"role": "assistant", "content": "".join(text)}, where
 
     def _check_warm(self, request, method, rc, out, lines, where) -> None:
         assert method == "Warm", where

@@ -256,3 +256,21 @@ def test_a_trace_naming_a_tenant_its_header_lacks_is_refused_before_sending(fake
     trace.write_text("\n".join(lines) + "\n")
     with pytest.raises(SystemExit, match="request 2 names tenant 't1'"):
         cli.main(["replay", str(trace)])
+
+
+def test_an_answer_is_saved_as_generated_not_stripped(fake, monkeypatch):
+    """A session saved its answers stripped: an answer ending in a newline no longer rendered
+    into the next turn's prompt as the tokens the replica had cached for it, so the rest of
+    the conversation was computed again. A whitespace-only answer is still not saved."""
+    def answers(text):
+        def stream(self, messages, **kw):
+            yield Chunk(text, [])
+            yield _final()
+        return stream
+
+    monkeypatch.setattr(FakeClient, "stream", answers(" Paris.\n"))
+    assert cli.main(["chat", "-q", "--session", "s", "capital?"]) == 0
+    monkeypatch.setattr(FakeClient, "stream", answers(" \n"))
+    assert cli.main(["chat", "-q", "--session", "s", "again?"]) == 0
+    saved = json.loads((fake / "home" / "sessions" / "s.json").read_text())
+    assert [m["content"] for m in saved] == ["capital?", " Paris.\n"]

@@ -9,7 +9,8 @@ damaged file), with the rules of the README ("Calling it"), the chat docstrings 
   no history is sent (else "--system ignored"); "continuing session 'NAME' (N earlier
   turn(s); ...)" on stderr when history was sent, unless -q;
 - the turn's history is saved only when the turn was answered (final message, then at most a
-  deadline/cancel status) with text: the whole answer, stripped. A failed turn (any status,
+  deadline/cancel status) with text: the whole answer, as generated (not stripped; one
+  of whitespace alone is empty). A failed turn (any status,
   the stream cut without its final message, Ctrl-C) or an empty answer leaves the file as it
   was; with --new and a saved file, a failed, cut or empty turn says it was not started over;
 - one file per session name under `$TIERCACHE_CLI_HOME/sessions/` (not per token: a tenant's
@@ -276,7 +277,7 @@ class Chat:
         allowed += [cont, "note: --system ignored"]
         not_over = f"note: session {self.session!r} was not started over"
         if self.kind == "ok":
-            answer = text.strip()
+            answer = text if text.strip() else ""  # saved as generated; blank = empty
             saves = bool(self.session and answer)
             if saves and state == "dir":  # a folder in the file's place: cannot be saved
                 assert rc == 1 and out == text + "\n", where

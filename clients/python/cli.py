@@ -228,15 +228,18 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
                                           else "") + "\n")
         _not_started_over(a, hist)
         return 1
-    answer = "".join(out).strip()
+    # Saved as generated, not stripped: the next turn renders it back into the prompt, and an
+    # answer ending in a newline, stripped, no longer matched the tokens the replica cached
+    # for it (the rest of the conversation was computed again).
+    answer = "".join(out)
     # Saved before the report line: with stderr closed or full, writing it failed and the
     # answered turn was lost without a word.
-    if hist is not None and answer:
+    if hist is not None and answer.strip():
         messages.append({"role": "assistant", "content": answer})
         _save_history(hist, messages)
     if not a.quiet:
         sys.stderr.write(shown(format_report(final.cache_report), sys.stderr) + "\n")
-    if hist is not None and not answer:
+    if hist is not None and not answer.strip():
         # An empty assistant turn is invalid input for every later request of the session:
         # keep the history as it was (the question can be asked again).
         sys.stderr.write(f"empty answer: session {a.session!r} left unchanged\n")
