@@ -843,9 +843,10 @@ def test_a_handler_giving_up_on_a_cancelled_caller_is_logged_as_counted(caplog):
     its line says CANCELLED too: it said "ended DEADLINE_EXCEEDED" beside a CANCELLED count."""
     import threading
 
-    gone = threading.Event()
+    entered, gone = threading.Event(), threading.Event()
 
     def unary(_req, context):
+        entered.set()
         deadline = time.monotonic() + 10
         while context.is_active() and time.monotonic() < deadline:
             time.sleep(0.01)
@@ -861,14 +862,21 @@ def test_a_handler_giving_up_on_a_cancelled_caller_is_logged_as_counted(caplog):
         with (caplog.at_level(logging.INFO, logger="services.common.bootstrap"),
               grpc.insecure_channel(h.address) as ch):
             fut = ch.unary_unary("/x.Kinds/Unary").future(b"", timeout=30)
-            time.sleep(0.2)
+            # Cancelled once its handler runs (a sleep before the cancel raced the handler's
+            # start on a loaded host).
+            assert entered.wait(10)
             fut.cancel()
             assert gone.wait(10)
-            _poll(lambda: count("CANCELLED") - before["CANCELLED"] >= 1)
-            time.sleep(0.1)
+
+            def lines() -> list[str]:
+                return [r.getMessage() for r in caplog.records if "Unary ended" in r.getMessage()]
+
+            # The line is written after the count: once it is there, so is the count (a sleep
+            # after the count raced the line).
+            _poll(lines, timeout=10)
+            assert lines() == ["Unary ended CANCELLED: the caller is gone; not embedded"]
+            assert count("CANCELLED") - before["CANCELLED"] == 1
             assert count("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"]
-            lines = [r.getMessage() for r in caplog.records if "Unary ended" in r.getMessage()]
-            assert lines == ["Unary ended CANCELLED: the caller is gone; not embedded"]
     finally:
         h.stop(5)
 
