@@ -123,7 +123,14 @@ def test_a_full_disk_is_one_warning_from_the_housekeeper_not_a_traceback_a_tick(
     c.store_entry(A, "query", "an answer")
     assert c.lookup(A, "query").hit  # a hit counter waiting to be written
 
+    flushes = []
+    three_handled = threading.Event()
+
     def full(sql, *args):
+        if sql.startswith("UPDATE"):  # a tick's flush: the 4th starts once 3 were handled
+            flushes.append(sql)
+            if len(flushes) >= 4:
+                three_handled.set()
         raise sqlite3.OperationalError("database or disk is full")
 
     real = c.store._db
@@ -133,7 +140,8 @@ def test_a_full_disk_is_one_warning_from_the_housekeeper_not_a_traceback_a_tick(
             lambda self: real.in_transaction), "close": staticmethod(real.close)})()
     keeper = Housekeeper(c, interval_s=0.01).start()
     try:
-        time.sleep(0.3)  # ~30 ticks, each failing
+        # Ticks counted, not slept through (a loaded host ran none in 0.3 s).
+        assert three_handled.wait(30)
     finally:
         keeper.stop()
     lines = [r for r in caplog.records if r.name == "services.semantic.server"]
