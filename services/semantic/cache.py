@@ -40,6 +40,7 @@ from services.semantic.guard import ParaphraseGuard, spelling_differs
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.policy import HIT_TOLERANCE, Outcome, ThresholdPolicy
 from services.semantic.snapshot import Saved
+from services.semantic.snapshot import same_vectors as _same_vectors
 from services.semantic.snapshot import save as save_snapshot
 from services.semantic.store import WRITE_CHUNK, EntryStore, Row, pack_tokens, unpack_tokens
 from services.semantic.verifier import StaleVerifier, Verifier, VerifierModel
@@ -242,16 +243,6 @@ def _fitted_elsewhere(meta: dict, embedder: Embedder) -> str:
         return "" if weights == ours else f"{meta.get('embedder', '?')}@{weights}"
     name = meta.get("embedder")
     return "" if not name or name == embedder.name else name
-
-
-def _same_vectors(tag: str, ours: str) -> bool:
-    """Whether vectors tagged `tag` are the ones embedder identity `ours` makes: by the
-    weights part (after "@") where both carry one. By the whole tag, serving the same model
-    under a new name (TIERCACHE_SEMANTIC_MODEL_NAME, a custom folder moved or renamed)
-    re-embedded every entry before the service would serve: minutes at a full shard."""
-    if "@" in tag and "@" in ours:
-        return tag.rpartition("@")[2] == ours.rpartition("@")[2]
-    return tag == ours
 
 
 # How often a Store waiting for an Invalidate (`store_entry`) asks whether its caller still waits.

@@ -54,17 +54,17 @@ def _settings(params, embed_id: str) -> dict:
             "hnsw_ef_construction": params.hnsw_ef_construction}
 
 
-def _matched(settings: dict) -> dict:
-    """`settings` as a saved snapshot is matched by: the embedder by its weights' fingerprint
-    (after "@"), what its vectors depend on, where the identity carries one, not by the name
-    the model is served under. The same model under another name
-    (TIERCACHE_SEMANTIC_MODEL_NAME, a custom folder renamed) re-embeds nothing
-    (cache._same_vectors), yet every saved graph was ignored and built again: a minute per
-    100k entries before the shard served. `adopt` still checks every saved vector."""
-    tag = settings.get("embedder")
-    if isinstance(tag, str) and "@" in tag:
-        return {**settings, "embedder": "@" + tag.rpartition("@")[2]}
-    return settings
+def same_vectors(tag: str, ours: str) -> bool:
+    """Whether vectors tagged `tag` are the ones embedder identity `ours` makes: by the
+    weights part (after "@") where both carry one. By the whole tag, serving the same model
+    under a new name (TIERCACHE_SEMANTIC_MODEL_NAME, a custom folder moved or renamed)
+    re-embedded every entry before the service would serve: minutes at a full shard. A saved
+    snapshot is matched by the same rule: its graphs were ignored under a new name and built
+    again (a minute per 100k entries before the shard served); `adopt` still checks every
+    saved vector."""
+    if "@" in tag and "@" in ours:
+        return tag.rpartition("@")[2] == ours.rpartition("@")[2]
+    return tag == ours
 
 
 Key = tuple[str, str, str]
@@ -194,10 +194,12 @@ class Saved:
             log.warning("ignoring the HNSW snapshot in %s (%s: %s); every namespace is built",
                         self.folder, type(e).__name__, e)
             return
-        if _matched(settings) != _matched(_settings(params, embed_id)):
+        ours = _settings(params, embed_id)
+        saved_by = settings["embedder"]  # matched by its weights (same_vectors), not its name
+        if ({**settings, "embedder": embed_id} != ours
+                or not isinstance(saved_by, str) or not same_vectors(saved_by, embed_id)):
             log.warning("ignoring the HNSW snapshot in %s: built with other settings (%s, now "
-                        "%s); every namespace is built", self.folder, settings,
-                        _settings(params, embed_id))
+                        "%s); every namespace is built", self.folder, settings, ours)
             return
         self._entries = entries
 

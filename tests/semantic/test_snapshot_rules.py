@@ -155,3 +155,8 @@ def test_a_snapshot_is_taken_under_another_name_of_the_same_weights_only(tmp_pat
     assert snapshot.Saved(folder, PARAMS, "minilm-prod@c271f490407437f4").take(KEY) is not None
     for other in ("all-MiniLM-L6-v2@0000000000000000", "all-MiniLM-L6-v2"):
         assert snapshot.Saved(folder, PARAMS, other).take(KEY) is None
+    manifest = folder / snapshot.MANIFEST  # an embedder that is no identity: ignored
+    text = manifest.read_text()
+    assert text.count("\"all-MiniLM-L6-v2@c271f490407437f4\"") == 1
+    manifest.write_text(text.replace('"all-MiniLM-L6-v2@c271f490407437f4"', "5"))
+    assert snapshot.Saved(folder, PARAMS, "minilm-prod@c271f490407437f4").take(KEY) is None
