@@ -185,7 +185,7 @@ class ModelInfo:
 
 
 def sliding_window(cfg: Any) -> int | None:
-    """The attention window of a model with sliding-window layers (Mistral, Gemma 2/3, Qwen 2
+    """The attention window of a model with sliding-window layers (Mistral, Gemma 3, Qwen 2
     with use_sliding_window, ...); None when every layer attends to the whole context."""
     window = getattr(cfg, "sliding_window", None)
     if not window or getattr(cfg, "use_sliding_window", True) is False:
