@@ -188,11 +188,13 @@ def test_a_stream_is_cancelled_from_another_thread_while_its_reader_waits():
 
         t = threading.Thread(target=read)
         t.start()
-        while not calls:
+        deadline = time.monotonic() + 10  # bounded: a reader that died fails, not hangs
+        while not calls and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert calls[0].waiting.wait(5)
+        assert calls and calls[0].waiting.wait(10)
         s.cancel()
-        t.join(5)
+        t.join(10)
+        assert not t.is_alive()
         assert got == ["a", (grpc.StatusCode.CANCELLED, 1)]
         # Before the first next(): the call is cancelled as it starts.
         early = c.stream("q")
