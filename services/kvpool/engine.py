@@ -330,6 +330,14 @@ def out_of_memory(exc: BaseException) -> bool:
                                               or "can't allocate memory" in msg)
 
 
+def device_done(device: torch.device) -> None:
+    """Wait until `device` has run the work queued on it: CUDA kernels are launched
+    asynchronously, so a clock read right after a forward there times the launches, not the
+    forward. Nothing to wait for on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _release_cached_device_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -768,6 +776,9 @@ class Engine:
             seq.num_computed = end
             seq.computed_tokens += end - start
             if self.metrics:
+                # Nothing of a chunk before the last reaches the host: on a GPU the clock
+                # read at once timed the kernels' launches (a fraction of the forward).
+                device_done(self.device)
                 self.metrics.step_seconds.labels("prefill").observe(time.perf_counter() - t0)
         else:
             logits = None

@@ -549,3 +549,49 @@ def test_a_warm_up_cancelled_or_past_its_deadline_during_its_last_forward_pins_n
     assert isinstance(item, Failed) and isinstance(item.error, errors.DeadlineExceeded)
     stats = eng.pool.stats()
     assert (stats.pinned, stats.in_use, eng.prefills_total) == (0, 0, 0) and stats.cached > 0
+
+
+def test_device_done_waits_for_a_cuda_device_only(monkeypatch) -> None:
+    """On CUDA kernels run after their launch returns: `device_done` synchronises that device
+    (the one given, not the current one) and does nothing on the CPU."""
+    import torch
+
+    from services.kvpool.engine import device_done
+
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    device_done(torch.device("cpu"))
+    assert synced == []
+    device_done(torch.device("cuda", 1))
+    assert synced == [torch.device("cuda", 1)]
+
+
+def test_a_prefill_chunk_is_timed_once_the_device_has_run_it(make_engine, monkeypatch) -> None:
+    """tiercache_kvpool_step_seconds{kind="prefill"} is read after `device_done`: a chunk
+    before the last sends nothing to the host, so on a GPU the clock read right after its
+    forward timed the kernel launches only (decode steps are timed after their tokens were
+    sampled on the host)."""
+    from services.kvpool import engine as engine_mod
+    from services.kvpool.metrics import KvMetrics
+
+    events: list[str] = []
+    eng = make_engine(metrics=KvMetrics(), max_prefill_chunk=16)
+    by_hand(eng)
+    monkeypatch.setattr(engine_mod, "device_done", lambda dev: events.append(f"sync {dev}"))
+
+    class Kind:
+        def __init__(self, kind: str) -> None:
+            self.kind = kind
+
+        def observe(self, seconds: float) -> None:
+            events.append(f"observe {self.kind}")
+
+    class Steps:
+        def labels(self, kind: str) -> Kind:
+            return Kind(kind)
+
+    monkeypatch.setattr(eng.metrics, "step_seconds", Steps())
+    drive(eng, [request(prompt(17, 5), 1, rid="p", ignore_eos=True)], lambda e: None)
+    prefills = [i for i, e in enumerate(events) if e == "observe prefill"]
+    assert len(prefills) == 2  # 17 tokens in two chunks
+    assert all(i > 0 and events[i - 1] == f"sync {eng.device}" for i in prefills), events
