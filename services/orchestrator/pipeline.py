@@ -32,7 +32,7 @@ from services.orchestrator.detok import IncrementalDetokenizer, complete_decode,
 from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.render import PromptRenderer, RenderedPrompt
 from services.orchestrator.routing import RoutingPolicy
-from services.orchestrator.tenants import Tenant
+from services.orchestrator.tenants import REJECTED, Tenant
 
 log = logging.getLogger(__name__)
 
@@ -693,12 +693,12 @@ class Orchestrator:
                         if hashes and self.dispatched is not None:
                             recorded = self.dispatched.record(decision.replica_id, hashes)
                 if decision is None or replica is None:
-                    raise _give_up(
+                    raise _counted(tenant, _give_up(
                         too_big, bool(tried) and only_busy,
                         f"every kvpool replica is busy (tried {', '.join(tried)}); retry later",
                         "no kvpool replica is available"
                         + (f" (tried {', '.join(tried)})" if tried else "")
-                        + (f"; last: {why_public}" if why_public else "")) from None
+                        + (f"; last: {why_public}" if why_public else ""))) from None
                 call = None
                 stream_ended = False
                 busy = larger = False
@@ -888,12 +888,12 @@ class Orchestrator:
                 if attempts >= self.max_attempts:
                     # The replica's own message (transport errors name internal addresses) is in
                     # the log line above, not in the client's status.
-                    raise _give_up(
+                    raise _counted(tenant, _give_up(
                         too_big, only_busy,
                         f"every kvpool replica tried is busy (tried {', '.join(tried)}); "
                         f"last: {why_public}; retry later",
                         f"kvpool replicas failed {attempts} times (tried {', '.join(tried)}); "
-                        f"last: {why_public}") from None
+                        f"last: {why_public}")) from None
 
             tail = detok.flush()
             if tail:
@@ -1091,6 +1091,16 @@ def _give_up(too_big: grpc.RpcError | None, all_busy: bool, busy: str,
     if all_busy:
         return errors.Overloaded(busy)
     return errors.Unavailable(unavailable)
+
+
+def _counted(tenant: Tenant, e: errors.TierCacheError) -> errors.TierCacheError:
+    """`e`, counted in tiercache_orchestrator_rejections_total when it is "every replica busy"
+    (reason replicas_busy): a burst past the replicas' queues showed there only as
+    busy_replica degradations, one per replica tried (a request that then found a free
+    replica counted too), so the refusals by reason did not add up to what clients saw."""
+    if isinstance(e, errors.Overloaded):
+        REJECTED.labels(tenant.name, "replicas_busy").inc()
+    return e
 
 
 def _as_domain(e: grpc.RpcError) -> errors.TierCacheError:

@@ -41,9 +41,10 @@ log = logging.getLogger(__name__)
 # live check's `--max-tokens 5000`) is INVALID_ARGUMENT and counted only in tiercache_rpc_total.
 REJECTED = counter("tiercache_orchestrator_rejections_total",
                    "Requests refused RESOURCE_EXHAUSTED by a tenant's limit (reason "
-                   "prompt_tokens, max_tokens, concurrent, rate_limit) or the server's stream "
-                   "cap (server_streams); not those past the server's own max_tokens or prompt "
-                   "limits (INVALID_ARGUMENT, in tiercache_rpc_total)", ("tenant", "reason"))
+                   "prompt_tokens, max_tokens, concurrent, rate_limit), the server's stream "
+                   "cap (server_streams) or every kvpool replica busy (replicas_busy); not "
+                   "those past the server's own max_tokens or prompt limits (INVALID_ARGUMENT, "
+                   "in tiercache_rpc_total)", ("tenant", "reason"))
 
 
 def parse_token_pairs(tokens: str) -> dict[str, str]:

@@ -255,3 +255,24 @@ def test_a_call_cancelled_because_its_replica_was_found_hung_is_logged_as_hung(c
     lines = [r.getMessage() for r in caplog.records if "replica A failed" in r.getMessage()]
     assert lines == [f"replica A failed (cancelled by this orchestrator: {why}) after 0 "
                      "tokens; attempt 2"]
+
+
+def test_a_request_every_replica_refused_as_busy_counts_once_as_replicas_busy():
+    """A burst past every replica's queue reached clients as RESOURCE_EXHAUSTED "every kvpool
+    replica is busy" but counted in no refusal reason: only busy_replica degradations, one per
+    replica tried (two for this request; a request that then found room counted one too). It
+    counts once, under its tenant, as replicas_busy; a request refused by one replica and
+    served by another counts nothing there."""
+    from tests.orchestrator.test_pipeline_paths import Busy
+
+    labels = {"tenant": TENANT.name, "reason": "replicas_busy"}
+    before = sample_value("tiercache_orchestrator_rejections_total", labels) or 0
+    both = make({r: Stub(r, [Call([], Busy())]) for r in ("A", "B")})
+    with pytest.raises(errors.Overloaded, match="every kvpool replica is busy"):
+        generate(both, [])
+    assert sample_value("tiercache_orchestrator_rejections_total", labels) == before + 1
+    assert both.stats.degradations["busy_replica"] == 2
+    served = make({"A": Stub("A", [Call([], Busy())]),
+                   "B": Stub("B", [Call([final("B", 2)])])})
+    generate(served, [])
+    assert sample_value("tiercache_orchestrator_rejections_total", labels) == before + 1
