@@ -362,7 +362,7 @@ class TenantRegistry:
                 REJECTED.labels(tenant.name, "concurrent").inc()
                 raise Overloaded(  # retry later: a slot frees when a stream ends
                     f"tenant {tenant.name}: {n} concurrent requests "
-                    f"(limit {tenant.max_concurrent})")
+                    f"(limit {tenant.max_concurrent}); retry when one of them ends")
             self._active[tenant.name] = n + 1
             return tenant
 

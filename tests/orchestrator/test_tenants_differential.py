@@ -132,7 +132,7 @@ class Model:
         n = self.active.get(lim.name, 0)
         if n >= lim.max_concurrent:
             raise Overloaded(f"tenant {lim.name}: {n} concurrent requests "
-                             f"(limit {lim.max_concurrent})")
+                             f"(limit {lim.max_concurrent}); retry when one of them ends")
         self.active[lim.name] = n + 1
         return lim.name
 
