@@ -527,7 +527,12 @@ class Engine:
             # Counted here, not from the last step's stats: a burst arriving between two steps
             # must meet the limit too (every waiting stream holds a gRPC thread).
             if self._queued >= self.max_waiting:
-                raise errors.Overloaded("replica busy: too many waiting requests")
+                # Naming the limit and what to do: "too many waiting requests" left a direct
+                # caller (and the orchestrator's log line) to guess which limit and whether
+                # to send it again.
+                raise errors.Overloaded(
+                    f"replica busy: {self._queued} requests waiting for admission (max_waiting "
+                    f"{self.max_waiting}); retry later or on another replica")
             self._queued += 1
             order = next(self._ids)
             seq = Sequence(req, out, f"{req.request_id or 'req'}#{order}", list(req.token_ids),

@@ -595,3 +595,18 @@ def test_a_prefill_chunk_is_timed_once_the_device_has_run_it(make_engine, monkey
     prefills = [i for i, e in enumerate(events) if e == "observe prefill"]
     assert len(prefills) == 2  # 17 tokens in two chunks
     assert all(i > 0 and events[i - 1] == f"sync {eng.device}" for i in prefills), events
+
+
+def test_a_request_past_max_waiting_is_told_the_limit_and_to_retry(make_engine) -> None:
+    """The refusal past max_waiting said only "too many waiting requests": it names the
+    limit now, and that the same request may be sent again (it is Overloaded: the trailer)."""
+    eng = make_engine(max_waiting=1)
+    by_hand(eng)
+    eng.submit(request(prompt(6, 1), 2, rid="a"))
+    try:
+        eng.submit(request(prompt(6, 2), 2, rid="b"))
+    except errors.Overloaded as e:
+        assert "1 requests waiting for admission (max_waiting 1); retry later" in str(e)
+    else:
+        raise AssertionError("a request past max_waiting was accepted")
+    drive(eng, [], lambda e: None)
