@@ -53,9 +53,10 @@ def retry_later(error: grpc.RpcError) -> bool:
     a request that can never succeed as it is, and for a stream that failed after part of its
     answer had arrived (`chunks_received` > 0: sent again, that text would come twice).
     False too for DEADLINE_EXCEEDED (the same deadline runs out again: give a longer
-    `timeout`) and CANCELLED (the caller's own cancel or close()). The server says no delay:
-    back off (exponentially, with jitter) and give up after a few tries; the client itself
-    never retries."""
+    `timeout`) and CANCELLED (the caller's own cancel or close()). The server sends no delay
+    in its metadata (a tenant's rate-limit refusal says "retry in N s" in its details): back
+    off (exponentially, with jitter) and give up after a few tries; the client itself never
+    retries."""
     if getattr(error, "chunks_received", 0):
         return False
     code = error.code() if callable(getattr(error, "code", None)) else None
