@@ -276,7 +276,11 @@ class BlockPool:
         copies: list[tuple[int, int]] = []
         if cow_src is not None:
             copies.append((cow_src, new[0]))
+            # A use like the shared blocks' (LFU counts the hit, LRU the time): the copied
+            # block is a new one, so close() never touches the source, and a regenerated deep
+            # prompt's last block kept its old recency and was evicted first.
             self._blocks[cow_src].hits += 1
+            self._blocks[cow_src].last_access = now
             self._unref(cow_src)
         self._seqs[seq_id] = _Table(blocks=shared + new, committed=len(shared),
                                     cache_salt=cache_salt)

@@ -38,7 +38,7 @@ def test_a_copy_on_write_source_counts_as_a_hit_for_lfu() -> None:
     clock.t = 2.0
     adm = pool.open("c", X[:4])  # full hit: block 0 is the COW source
     assert adm.copies and adm.copies[0][0] == 0
-    pool.close("c")  # nothing committed: block 0 keeps its old recency
+    pool.close("c")  # block 0 used at t=2: still older than Y's block
     clock.t = 3.0
     run_seq(pool, "b", Y[:4])  # a younger shallow block with no hits
     y = pool.match(Y[:4])[0]
@@ -318,3 +318,21 @@ def test_a_colliding_first_block_of_another_tenant_is_neither_matched_nor_shared
     pool.close("b")
     pool.check_integrity()
     assert pool.match(x, "a") == xs and pool.match(x, "b") == []
+
+
+def test_a_copy_on_write_source_counts_as_a_use_for_deep_lru() -> None:
+    """A full-prompt hit uses its last block through a copy: that is a use for LRU as it is a
+    hit for LFU, or the block of a prompt asked again just now goes before older chains."""
+    pool, clock, _ = make_pool(shallow=0)  # every block deep: plain LRU over leaves
+    clock.t = 1.0
+    run_seq(pool, "x", X)
+    clock.t = 2.0
+    run_seq(pool, "y", Y)
+    clock.t = 3.0
+    adm = pool.open("x again", X)  # full hit: X's last block is the copy-on-write source
+    x2 = pool.match(X)[2]
+    assert adm.copies and adm.copies[0][0] == x2
+    pool.close("x again")
+    pool.check_integrity()
+    y1 = pool.match(Y)[1]
+    assert pool.eviction_order()[:2] == [y1, x2]
