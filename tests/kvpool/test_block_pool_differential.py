@@ -16,10 +16,10 @@ first selection) and for the ids a new allocation gets (any free blocks).
 
 Rules the model holds the pool to: open's cached_tokens, shared blocks and copy-on-write
 (and its fallback when the source and its copy do not fit together), hits and recency
-(a shared or copied-from block is a hit; allocation, commit and close refresh recency),
-exactly the evictions an allocation is short, refusals (PoolExhausted, `short`, the sequence
-not opened, nothing referenced, and nothing evicted unless enough blocks looked evictable:
-the documented exception where unpinned parents of a pinned leaf cannot be freed),
+(a shared or copied-from block is a hit and a use; allocation, commit and close refresh
+recency), exactly the evictions an allocation is short, refusals (PoolExhausted, `short`,
+the sequence not opened, nothing referenced, and nothing evicted unless enough blocks looked
+evictable: the documented exception where unpinned parents of a pinned leaf cannot be freed),
 deduplication by tokens on commit, truncate, close, pins with expiry (a pin ends at its
 expiry instant), max_pinned and the per-salt limit (leading blocks, refreshes count once),
 release_pins, evict, clear (children first; AllCleared iff the table empties), stats,
@@ -441,6 +441,7 @@ class Harness:
             m.blocks[b].last = now
         if cow is not None:
             m.blocks[cow].hits += 1
+            m.blocks[cow].last = now
         m.seqs[sid] = MSeq(list(got), len(shared), salt)
         copies = [(cow, got[len(shared)])] if cow is not None else []
         assert adm.cached_tokens == cached, (adm, cached)
