@@ -138,12 +138,14 @@ class KvPoolConfig:
     preallocate_rows: bool = False
     # "hybrid" (LFU under shallow_tokens, LRU deeper) or "lru".
     eviction_policy: str = "hybrid"
-    # Depth (tokens) under which hybrid eviction ranks blocks by use count (LFU).
+    # Blocks starting before this token are ranked by use count (LFU) under hybrid eviction,
+    # deeper ones by recency (LRU) and evicted first.
     shallow_tokens: int = 128
     # Longest pin a Prefill may ask for (a longer one is cut to it).
     pin_ttl_max_seconds: int = 3600
-    # Share of the pool that pins (warm-up) may hold at once; a pin past it is refused
-    # (RESOURCE_EXHAUSTED) so that one tenant's Warm cannot starve every request.
+    # Share of the pool that pins (warm-up) may hold at once, so that one tenant's Warm cannot
+    # starve every request: a pin past it pins the prompt's leading blocks up to the limit
+    # (the rest stay cached), one with no room left is refused (RESOURCE_EXHAUSTED).
     max_pinned_fraction: float = 0.5
     # Share of the pool the pins of one cache salt (one tenant) may hold: one tenant's Warm
     # with a long TTL must not take every pin the pool allows from the others.
