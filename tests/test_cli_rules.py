@@ -430,3 +430,18 @@ def test_chat_raw_sends_the_text_as_a_raw_prompt(fake, monkeypatch, capsys):
                                          "send a raw `prompt` instead of `messages`"))
     assert cli.main(["chat", "-q", "hi"]) == 1
     assert "note: --raw sends the text as a raw prompt" in capsys.readouterr().err
+
+
+def test_the_report_line_and_an_error_name_the_request_id(fake, monkeypatch, capsys):
+    """A support ticket quotes the call's request id (every service's log lines of it carry
+    that id): chat showed none, neither after an answer nor with an error."""
+    final = orchestrator_pb2.GenerateFinal(request_id="rid-42")
+    monkeypatch.setattr(FakeClient, "stream",
+                        lambda self, messages, **kw: iter([Chunk("hi", [], final)]))
+    assert cli.main(["chat", "hi"]) == 0
+    assert capsys.readouterr().err.rstrip().endswith(", request rid-42]")
+    refused = Refusal(grpc.StatusCode.INVALID_ARGUMENT, "bad")
+    refused.request_id = "rid-43"
+    _streaming(monkeypatch, "", then=refused)
+    assert cli.main(["chat", "-q", "hi"]) == 1
+    assert capsys.readouterr().err == "error: INVALID_ARGUMENT: bad (request rid-43)\n"

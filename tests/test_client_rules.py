@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+import grpc
 import pytest
 
 from clients.python.client import TierCacheClient
@@ -234,3 +235,46 @@ def test_a_warm_prompt_with_a_lone_surrogate_names_it():
             c.warm(["fine", "bad \udc80"])
     finally:
         c.close()
+
+
+class _Refused(grpc.RpcError):
+    def code(self):
+        return grpc.StatusCode.INVALID_ARGUMENT
+
+    def details(self):
+        return "refused"
+
+
+def test_a_failed_call_names_the_request_id_it_was_sent_with():
+    """The RpcError of a failed stream, Warm or Feedback carries `request_id`, the
+    x-request-id sent (the caller's or one made up): a made-up one was never shown, so a
+    failed call had no id to trace in the servers' logs."""
+    c = TierCacheClient("localhost:1")
+    sent: list[str] = []
+
+    def refuse(_req, timeout=None, metadata=()):
+        sent.append(dict(metadata)["x-request-id"])
+        raise _Refused()
+
+    class Call:  # what gRPC's Generate returns: the error comes from reading it
+        def __init__(self, _req, timeout=None, metadata=()):
+            self.metadata = metadata
+
+        def __iter__(self):
+            refuse(None, metadata=self.metadata)
+
+        def cancel(self) -> bool:
+            return True
+
+    c.stub = type("Stub", (), {"Generate": staticmethod(Call), "Warm": staticmethod(refuse),
+                               "Feedback": staticmethod(refuse)})()
+    with pytest.raises(grpc.RpcError) as e:
+        list(c.stream("hi", request_id="mine-1"))
+    assert e.value.request_id == "mine-1"
+    with pytest.raises(grpc.RpcError) as e:
+        c.warm("system", request_id="mine-2")
+    assert e.value.request_id == "mine-2"
+    with pytest.raises(grpc.RpcError) as e:
+        c.feedback("entry", good=True)
+    assert e.value.request_id == sent[-1] and sent[-1]
+    c.close()

@@ -238,7 +238,8 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         messages.append({"role": "assistant", "content": answer})
         _save_history(hist, messages)
     if not a.quiet:
-        sys.stderr.write(shown(format_report(final.cache_report), sys.stderr) + "\n")
+        sys.stderr.write(shown(format_report(final.cache_report, final.request_id),
+                               sys.stderr) + "\n")
     if hist is not None and not answer.strip():
         # An empty assistant turn is invalid input for every later request of the session:
         # keep the history as it was (the question can be asked again).
@@ -285,8 +286,10 @@ def _policy(a: argparse.Namespace):
                                   skip_prefix_cache=a.no_prefix_cache)
 
 
-def format_report(r) -> str:
-    """One line for a stream's CacheReport: which tier answered and what it reused."""
+def format_report(r, request_id: str = "") -> str:
+    """One line for a stream's CacheReport: which tier answered and what it reused; then
+    `request_id`, the id every service's log lines of the call carry (a user had none to
+    quote in a ticket)."""
     sim = r.semantic_similarity
     if r.semantic_hit:
         tier = f"semantic hit {sim:.3f}" if sim else "semantic hit"
@@ -305,7 +308,8 @@ def format_report(r) -> str:
                if r.draft_tokens_proposed else "")
             + (f", draft from {r.draft_entry_id}" if r.draft_entry_id else "")
             + (f", entry {r.semantic_entry_id}" if r.semantic_entry_id else "")
-            + (f", degraded: {' '.join(r.degradations)}" if r.degradations else "") + "]")
+            + (f", degraded: {' '.join(r.degradations)}" if r.degradations else "")
+            + (f", request {request_id}" if request_id else "") + "]")
 
 
 def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
@@ -735,7 +739,11 @@ def main(argv: list[str] | None = None) -> int:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
             # gRPC's own words for this call's deadline: say which setting set it.
             details += f" (no answer within --timeout {a.timeout:g} s)"
-        sys.stderr.write(f"error: {e.code().name}{later}: {shown(details, sys.stderr)}\n")
+        # The id the servers logged the call under (a ticket quotes it); none for an error
+        # raised before anything was sent.
+        rid = getattr(e, "request_id", "")
+        sys.stderr.write(f"error: {e.code().name}{later}: {shown(details, sys.stderr)}"
+                         + (f" (request {rid})" if rid else "") + "\n")
         return 1
     except KeyboardInterrupt:
         return 130

@@ -47,6 +47,19 @@ class IncompleteStream(RuntimeError):
     message: the answer may be cut short, and there is no CacheReport."""
 
 
+@contextlib.contextmanager
+def _naming_request(metadata: list[tuple[str, str]]) -> Iterator[None]:
+    """A failed call's `grpc.RpcError` gets `request_id`, the x-request-id it was sent with:
+    the id its server's lines carry (an id made up here was never shown, and a ticket had
+    none to quote)."""
+    try:
+        yield
+    except grpc.RpcError as e:
+        with contextlib.suppress(AttributeError):
+            e.request_id = dict(metadata)["x-request-id"]
+        raise
+
+
 def retry_later(error: grpc.RpcError) -> bool:
     """True when `error` says the same request may succeed later (RESOURCE_EXHAUSTED marked
     overloaded or refused by the server's cap on concurrent calls, or UNAVAILABLE); False for
@@ -411,7 +424,8 @@ class TierCacheClient:
 
         Raises:
             grpc.RpcError: the call failed; `chunks_received` on it says how many chunks had
-                arrived (then `retry_later` is False: a resent request repeats their text).
+                arrived (then `retry_later` is False: a resent request repeats their text); `request_id` on it is
+                the call's x-request-id, the id to look for in the servers' logs).
             IncompleteStream: the stream ended without its final message.
         A bad argument or a closed client raises at this call; the request is sent at the
         first next(). Stopping early cancels the call (the server stops generating): call
@@ -451,6 +465,7 @@ class TierCacheClient:
                 return
             with contextlib.suppress(AttributeError):
                 e.chunks_received = received
+                e.request_id = dict(metadata)["x-request-id"]
             raise
         finally:
             call.cancel()  # no-op when finished; stops generation if the caller stops early
@@ -522,8 +537,9 @@ class TierCacheClient:
                         raise TypeError("warm: each prompt is a system prompt (str) or a list "
                                         f"of messages ({{'role', 'content'}} dicts), not {m!r:.80}")
                     wp.messages.add(**_message(f"prompts[{i}].messages[{j}]", m))
-        return self.stub.Warm(req, timeout=self._timeout(timeout),
-                              metadata=self._metadata(request_id))
+        md = self._metadata(request_id)
+        with _naming_request(md):
+            return self.stub.Warm(req, timeout=self._timeout(timeout), metadata=md)
 
     def feedback(self, semantic_entry_id: str, good: bool, timeout: float | None = None
                  ) -> orchestrator_pb2.FeedbackResponse:
@@ -539,7 +555,9 @@ class TierCacheClient:
         req = orchestrator_pb2.FeedbackRequest(
             semantic_entry_id=semantic_entry_id,
             rating=orchestrator_pb2.RATING_GOOD if good else orchestrator_pb2.RATING_BAD)
-        return self.stub.Feedback(req, timeout=self._timeout(timeout), metadata=self._metadata())
+        md = self._metadata()
+        with _naming_request(md):
+            return self.stub.Feedback(req, timeout=self._timeout(timeout), metadata=md)
 
     def stats(self, timeout: float | None = None) -> orchestrator_pb2.StatsResponse:
         """Figures of every tier, over every tenant: PERMISSION_DENIED unless the token is an
