@@ -289,6 +289,51 @@ def test_a_stream_whose_client_left_is_closed_under_its_request_id():
     assert ids == ["gone-7"]
 
 
+def test_a_stream_whose_client_left_logs_one_line_under_its_request_id():
+    """A server stream its client cancelled says so in one line with the request id bound,
+    as every other status does: a kvpool Generate its orchestrator cancelled (the end
+    client's cancel or deadline) was counted but left no line, and the replica that served
+    the ticket's request id could not be found in the logs."""
+    import threading
+
+    from services.common.logs import request_id_var
+
+    seen: list[tuple[str, str]] = []
+    closed = threading.Event()
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:  # the id bound when written
+            if "Talk ended" in record.getMessage():
+                seen.append((record.getMessage(), request_id_var.get()))
+
+    def talk(_request, _context):
+        try:
+            while True:
+                yield b"x"
+                time.sleep(0.01)
+        finally:
+            closed.set()
+
+    keep, logger = Keep(), logging.getLogger("services.common.bootstrap")
+    logger.addHandler(keep)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    h = _stream_server("Talk", talk)
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            stream = ch.unary_stream("/x.Stream/Talk")(b"", timeout=10,
+                                                       metadata=[("x-request-id", "gone-8")])
+            assert next(stream) == b"x"
+            stream.cancel()
+            assert closed.wait(5)
+            _poll(lambda: seen, timeout=5)  # written after the close
+    finally:
+        h.stop(0)
+        logger.removeHandler(keep)
+        logger.setLevel(old)
+    assert seen == [("Talk ended CANCELLED: client cancelled", "gone-8")]
+
+
 def test_the_internal_credential_must_match_exactly(server):
     """`authorization: Bearer <token>` as it is: padded with a space it is refused."""
     for value in ("Bearer s3cret ", " Bearer s3cret"):

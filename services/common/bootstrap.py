@@ -627,7 +627,14 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 except GeneratorExit:
                     # Client went away (or its deadline passed); `_bound_items` closed the
                     # inner generator, running its cleanup.
-                    RPC_TOTAL.labels(service, short, rpc_ended(context).code).inc()
+                    ended = rpc_ended(context)
+                    RPC_TOTAL.labels(service, short, ended.code).inc()
+                    # Logged as any other status is (one line, the id bound, thinned): a
+                    # replica's Generate its orchestrator cancelled (the client's cancel or
+                    # deadline) left no line, so a ticket's id never named the replica.
+                    if _ERROR_LINES.allow((service, short, ended.code)):
+                        with bound_request_id(rid):
+                            log.info("%s ended %s: %s", short, ended.code, ended)
                     raise
                 except BaseException as exc:  # noqa: BLE001
                     # Bound again: the id was reset when next() raised, and an unexpected
