@@ -973,3 +973,43 @@ def test_a_drain_says_how_many_calls_it_waits_for_and_whether_the_grace_cut_them
         if said == "cut":
             assert any(r.levelno == logging.WARNING and "with 1 call(s) under way" in
                        r.getMessage() for r in caplog.records), lines
+
+
+def test_a_request_id_that_is_replaced_says_so_under_the_new_one():
+    """A caller's x-request-id that is not plain (too long, a space) is replaced, as before,
+    and one line says which id replaced it, under the new one: replaced without a word, the
+    caller's id matched no line, and a refused call never told its caller the new id."""
+    from services.common.logs import request_id_var
+
+    seen: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "x-request-id" in record.getMessage():
+                seen.append((record.getMessage(), request_id_var.get()))
+
+    ids: list[str] = []
+
+    def once(_request, _context):
+        ids.append(request_id_var.get())
+        yield b"x"
+
+    keep, logger = Keep(), logging.getLogger("services.common.bootstrap")
+    logger.addHandler(keep)
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    h = _stream_server("Once", once)
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            for rid in ("L" * 300, "a b", "plain-1"):
+                assert list(ch.unary_stream("/x.Stream/Once")(
+                    b"", timeout=10, metadata=[("x-request-id", rid)])) == [b"x"]
+    finally:
+        h.stop(0)
+        logger.removeHandler(keep)
+        logger.setLevel(old)
+    assert ids[2] == "plain-1" and "L" * 300 not in ids and "a b" not in ids
+    assert [new for _, new in seen] == ids[:2]
+    assert seen[0][0].startswith("Once: x-request-id 'LLLL") and "(300 characters)" in seen[0][0]
+    assert seen[1][0] == (f"Once: x-request-id 'a b' replaced by {ids[1]} (not 1-128 "
+                          "characters of A-Z a-z 0-9 . _ : -)")

@@ -522,7 +522,15 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     if exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
                         _refused_caller(context, short, exc.code, str(exc))
                     context.abort(_status_code(exc.code), _capped(str(exc)))
-            return plain_request_id(metadata.get("x-request-id", ""))
+            given = metadata.get("x-request-id", "")
+            rid = plain_request_id(given)
+            if given and rid != given and _ERROR_LINES.allow((service, short, "x-request-id")):
+                # Replaced without a word, the caller's id (a ticket quotes it) matched no
+                # line, and a refused call never told its caller the new one.
+                with bound_request_id(rid):
+                    log.info("%s: x-request-id %s replaced by %s (not 1-128 characters of "
+                             "A-Z a-z 0-9 . _ : -)", short, errors.shown(given), rid)
+            return rid
 
         if getattr(handler.unary_stream, "experimental_non_blocking", False):
             # Health.Watch answers through callbacks and holds no thread; wrapped like the
