@@ -640,7 +640,9 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     # Logged as any other status is (one line, the id bound, thinned): a
                     # replica's Generate its orchestrator cancelled (the client's cancel or
                     # deadline) left no line, so a ticket's id never named the replica.
-                    if _ERROR_LINES.allow((service, short, ended.code)):
+                    # Thinned apart from the handlers' own errors of the same code (a flood of
+                    # cancels hid none of them).
+                    if _ERROR_LINES.allow((service, short, ended.code, "caller left")):
                         with bound_request_id(rid):
                             log.info("%s ended %s: %s", short, ended.code, ended)
                     raise
