@@ -588,6 +588,7 @@ class Step:
         assert re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", metadata.get("x-request-id", "")), where
         # gRPC carries a deadline rounded up to its unit (100 ms past 1e5 ms, and so on).
         assert self.timeout - 2 < left <= self.timeout * 1.01 + 0.2, where
+        self.rid = metadata["x-request-id"]  # what an error line names
         getattr(self, "_check_" + self.cmd)(request, method, rc, out, lines, where)
 
     def _unary_aborted(self, rc, out, lines, where) -> bool:
@@ -605,7 +606,8 @@ class Step:
         if act[1] == SC.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
             details += f" (no answer within --timeout {self.timeout:g} s)"
         details = details.translate(CONTROL) if self.tty_err else details
-        assert "\n".join(lines) == f"error: {act[1].name}{later}: {details}", where
+        assert "\n".join(lines) == (f"error: {act[1].name}{later}: {details} "
+                                   f"(request {self.rid})"), where
 
     def _check_chat(self, request, method, rc, out, lines, where) -> None:
         assert method == "Generate", where

@@ -309,7 +309,8 @@ class Chat:
             said = [ln for ln in lines if ln.startswith("error: ")]
             came = self.acts.index(status) - (self.acts[0][0] == "gate")
             busy = " (retry later)" if code == SC.UNAVAILABLE and not came else ""
-            assert said == [f"error: {code.name}{busy}: {details}"], where
+            assert said == [f"error: {code.name}{busy}: {details} "
+                            f"(request {metadata['x-request-id']})"], where
             assert any(ln.startswith(not_over) for ln in lines) == bool(self.new and exists)
             long = bool(self.session and history and details in TOO_LONG
                         and code in (SC.INVALID_ARGUMENT, SC.RESOURCE_EXHAUSTED))

@@ -305,10 +305,11 @@ def check_deadline(seen: Seen, want: float) -> None:
         seen.remaining, want)
 
 
-def report_line(r) -> str:
+def report_line(r, request_id: str = "") -> str:
     """The README's report line: `[semantic hit 0.971 | route semantic, ...]` or `[model
     (nearest entry 0.912) | route prefix, prompt 226 tok, cached 208, replica kvpool-0, ttft
-    95 ms, draft 8/8 accepted, draft from <id>, entry <id>]`, ending `degraded: ...`."""
+    95 ms, draft 8/8 accepted, draft from <id>, entry <id>, request <id>]`, with `degraded:
+    ...` before the request id."""
     sim = r.semantic_similarity
     head = "semantic hit" if r.semantic_hit else "model"
     if sim:
@@ -327,6 +328,8 @@ def report_line(r) -> str:
         parts.append(f"entry {r.semantic_entry_id}")
     if r.degradations:
         parts.append("degraded: " + " ".join(r.degradations))
+    if request_id:
+        parts.append(f"request {request_id}")
     return f"[{head} | " + ", ".join(parts) + "]"
 
 
@@ -613,7 +616,8 @@ def check_cli_chat(rng, srv: Scripted, address: str, seed: int, n: int,
         fin = [f for _, _, f in want.chunks if f is not None][-1]
         reports = [re.sub(r" \(index expected \d+\)", "", ln) for ln in lines
                    if ln.startswith("[")]
-        assert reports == ([] if quiet else [report_line(fin.cache_report)]), (reports, err)
+        assert reports == ([] if quiet else [report_line(fin.cache_report, fin.request_id)]), (
+            reports, err)
         assert any("empty answer" in ln for ln in lines) == bool(session and not answer), err
         if session and answer:
             histories[session] = [m for m in sent] + [{"role": "assistant", "content": answer}]
@@ -630,8 +634,8 @@ def check_cli_chat(rng, srv: Scripted, address: str, seed: int, n: int,
         if details is None:  # the client's own deadline: its words are gRPC's
             assert said[0].startswith(f"error: {code.name}: "), err
         else:
-            assert said[0] == f"error: {code.name}{' (retry later)' if busy else ''}: {details}", (
-                err, acts)
+            assert said[0] == (f"error: {code.name}{' (retry later)' if busy else ''}: {details} "
+                               f"(request {seen.metadata['x-request-id']})"), (err, acts)
     if session:
         path = Path(os.environ["TIERCACHE_CLI_HOME"]) / "sessions" / f"{session}.json"
         saved = json.loads(path.read_text()) if path.exists() else []
@@ -684,7 +688,9 @@ def check_cli_unary(rng, srv: Scripted, address: str) -> None:
         srv.unary.append((code, "no"))
         rc, out, err = run_cli(argv)
         busy = " (retry later)" if code == SC.UNAVAILABLE else ""
-        assert rc == 1 and out == "" and err == f"error: {code.name}{busy}: no\n", (rc, err)
+        assert rc == 1 and out == "", (rc, err)
+        said = rf"error: {code.name}{re.escape(busy)}: no \(request [0-9a-f]{{16}}\)\n"
+        assert re.fullmatch(said, err), err
         return
     srv.unary.append(reply)
     rc, out, err = run_cli(argv)

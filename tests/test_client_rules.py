@@ -246,7 +246,7 @@ class _Refused(grpc.RpcError):
 
 
 def test_a_failed_call_names_the_request_id_it_was_sent_with():
-    """The RpcError of a failed stream, Warm or Feedback carries `request_id`, the
+    """The RpcError of a failed stream, Warm, Feedback or Stats carries `request_id`, the
     x-request-id sent (the caller's or one made up): a made-up one was never shown, so a
     failed call had no id to trace in the servers' logs."""
     c = TierCacheClient("localhost:1")
@@ -267,7 +267,8 @@ def test_a_failed_call_names_the_request_id_it_was_sent_with():
             return True
 
     c.stub = type("Stub", (), {"Generate": staticmethod(Call), "Warm": staticmethod(refuse),
-                               "Feedback": staticmethod(refuse)})()
+                               "Feedback": staticmethod(refuse),
+                               "Stats": staticmethod(refuse)})()
     with pytest.raises(grpc.RpcError) as e:
         list(c.stream("hi", request_id="mine-1"))
     assert e.value.request_id == "mine-1"
@@ -277,4 +278,7 @@ def test_a_failed_call_names_the_request_id_it_was_sent_with():
     with pytest.raises(grpc.RpcError) as e:
         c.feedback("entry", good=True)
     assert e.value.request_id == sent[-1] and sent[-1]
+    with pytest.raises(grpc.RpcError) as e:
+        c.stats()
+    assert e.value.request_id == sent[-1] and sent[-2] != sent[-1]
     c.close()

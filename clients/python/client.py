@@ -49,9 +49,9 @@ class IncompleteStream(RuntimeError):
 
 @contextlib.contextmanager
 def _naming_request(metadata: list[tuple[str, str]]) -> Iterator[None]:
-    """A failed call's `grpc.RpcError` gets `request_id`, the x-request-id it was sent with:
-    the id its server's lines carry (an id made up here was never shown, and a ticket had
-    none to quote)."""
+    """A failed call's `grpc.RpcError` (Warm, Feedback, Stats) gets `request_id`, the
+    x-request-id it was sent with: the id its server's lines carry (an id made up here was
+    never shown, and a ticket had none to quote)."""
     try:
         yield
     except grpc.RpcError as e:
@@ -424,8 +424,8 @@ class TierCacheClient:
 
         Raises:
             grpc.RpcError: the call failed; `chunks_received` on it says how many chunks had
-                arrived (then `retry_later` is False: a resent request repeats their text); `request_id` on it is
-                the call's x-request-id, the id to look for in the servers' logs).
+                arrived (then `retry_later` is False: a resent request repeats their text);
+                `request_id` on it is the call's x-request-id, the id the servers' logs carry.
             IncompleteStream: the stream ended without its final message.
         A bad argument or a closed client raises at this call; the request is sent at the
         first next(). Stopping early cancels the call (the server stops generating): call
@@ -562,5 +562,7 @@ class TierCacheClient:
     def stats(self, timeout: float | None = None) -> orchestrator_pb2.StatsResponse:
         """Figures of every tier, over every tenant: PERMISSION_DENIED unless the token is an
         admin one (or the server has no tokens)."""
-        return self.stub.Stats(orchestrator_pb2.StatsRequest(), timeout=self._timeout(timeout),
-                               metadata=self._metadata())
+        md = self._metadata()
+        with _naming_request(md):
+            return self.stub.Stats(orchestrator_pb2.StatsRequest(),
+                                   timeout=self._timeout(timeout), metadata=md)
