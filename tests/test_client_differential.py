@@ -620,7 +620,7 @@ def check_cli_chat(rng, srv: Scripted, address: str, seed: int, n: int,
             reports, err)
         assert any("empty answer" in ln for ln in lines) == bool(session and not answer), err
         if session and answer:
-            histories[session] = [m for m in sent] + [{"role": "assistant", "content": answer}]
+            histories[session] = [m for m in sent] + [{"role": "assistant", "content": text}]
         elif session and new:
             histories[session] = histories.get(session, [])  # left as it was
     elif want.end == "incomplete":
