@@ -33,7 +33,10 @@ and docs/metrics.md:
 - Health.Watch counted and timed when it ends: CANCELLED, DEADLINE_EXCEEDED, and OK when
   the stop ended it, with a grace or none, after NOT_SERVING;
 - "<method> ended <CODE>" INFO lines, one per domain error raised (thinned per method and
-  code, the count at INFO); "unhandled error" ERROR lines, one per plain exception only.
+  code, the count at INFO), CODE the status the client got: where a domain error raced its
+  client's cancel or deadline, that method's lines are only checked to name a code raised
+  or the client's (a stop-70 change logs the status counted, and the exact check then failed
+  1 run in 2); "unhandled error" ERROR lines, one per plain exception only.
 
 Run here: seeds 3-82 (13 failed: model error 1), 0-59 and 100-159 (2 failed: model error 2),
 then 116, 139 and 200-259, all equal to the model (~1.7 s a seed, 2 shared cores). No defect
@@ -242,6 +245,9 @@ class Lines(logging.Handler):
 class Run:
     def __init__(self, seed: int) -> None:
         self.seed, self.rng = seed, random.Random(seed)
+        # Methods where a handler's domain error raced its client's cancel: its line may say
+        # the status the client got (CANCELLED) rather than the one raised (check_lines).
+        self.raced: set[str] = set()
         self.service = f"calls-{seed}-{os.getpid()}-{time.monotonic_ns()}"
         self.servicer = Servicer()
         # Each call: (method, key of what the model allows). Counted per (method, code):
@@ -423,6 +429,7 @@ class Run:
                 return
             if code == "DEADLINE_EXCEEDED":  # a loaded host: the handler was not done yet
                 self.expect(method, {"DEADLINE_EXCEEDED", want}, ran=started)
+                self.raced.add(method)
                 return
         if mode == "cancel" and code == "CANCELLED" and (want, want_details) != (
                 "CANCELLED", details):
@@ -439,6 +446,7 @@ class Run:
                 self.expect(method, {"CANCELLED"}, ran=True)
             else:  # the handler's end and the cancel raced: either is what happened
                 self.expect(method, {"CANCELLED", want}, ran=True)
+                self.raced.add(method)
             return
         assert (code, details) == (want, want_details), self.where(
             f"{method} {s['end']} {mode} out={s['out']}: got {code} {details[:60]!r} "
@@ -596,6 +604,16 @@ def check_lines(run: Run, records: list) -> None:
         assert [(lv, int(m.split(": ")[1].split()[0])) for lv, m in counted] == (
             [(logging.WARNING, left)] if left > 0 else []), run.where(
             f"{method}: count lines {counted} for {n} refusals")
+        if method in run.raced:
+            # A domain error that raced its client's cancel or deadline is logged (and thinned)
+            # under the status the client got: per code only an upper bound holds.
+            raised = {c for (m, c) in sv.raised if m == method}
+            for lv, m in records:
+                if m.startswith(f"{method} ended ") and m.split(": ", 1)[1] not in LEFT:
+                    code = m[len(f"{method} ended "):].split(":", 1)[0]
+                    assert lv == logging.INFO and code in raised | {
+                        "CANCELLED", "DEADLINE_EXCEEDED"}, run.where(f"{method}: {m[:80]}")
+            continue
         for code in set(DOMAIN.values()):
             n = sv.raised.get((method, code), 0)
             # (A stream its client left says so too, thinned apart: not a domain error.)
