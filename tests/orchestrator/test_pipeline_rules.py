@@ -276,3 +276,17 @@ def test_a_request_every_replica_refused_as_busy_counts_once_as_replicas_busy():
                    "B": Stub("B", [Call([final("B", 2)])])})
     generate(served, [])
     assert sample_value("tiercache_orchestrator_rejections_total", labels) == before + 1
+
+
+def test_a_request_refused_as_busy_until_its_attempts_ran_out_counts_as_replicas_busy():
+    """The other way to "every replica busy": max_attempts used up with replicas left untried
+    ("every kvpool replica tried is busy") is the same refusal, counted once too."""
+    from tests.orchestrator.test_pipeline_paths import Busy
+
+    labels = {"tenant": TENANT.name, "reason": "replicas_busy"}
+    before = sample_value("tiercache_orchestrator_rejections_total", labels) or 0
+    orch = make({r: Stub(r, [Call([], Busy())]) for r in ("A", "B", "C")}, max_attempts=2)
+    with pytest.raises(errors.Overloaded, match="every kvpool replica tried is busy"):
+        generate(orch, [])
+    assert sample_value("tiercache_orchestrator_rejections_total", labels) == before + 1
+    assert orch.stats.degradations["busy_replica"] == 2
