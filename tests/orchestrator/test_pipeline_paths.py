@@ -51,7 +51,8 @@ class Busy(RpcError):
         super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     def details(self) -> str:
-        return "replica busy: too many waiting requests"
+        return ("replica busy: 1 requests waiting for admission (max_waiting 1); retry later "
+                "or on another replica")
 
     def trailing_metadata(self):
         return ((errors.OVERLOADED_KEY, "1"),)
