@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from services.kvpool.engine import device_done
+
 
 class TooSlow(RuntimeError):
     """The measurement ran past its time budget (a loaded host: its figures would be noise)."""
@@ -119,13 +121,11 @@ def _forward_costs(model: Any, max_q: int, context: int, sweeps: int, budget_s: 
                     cache.crop(-extra)
                 if threads_for is not None:
                     torch.set_num_threads(threads_for(q))
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
+                device_done(dev)
                 t0 = time.perf_counter()
                 model(ids[:, context:context + q], cache=cache, position_ids=pos,
                       attention_mask=mask, use_cache=True)
-                if dev.type == "cuda":
-                    torch.cuda.synchronize(dev)
+                device_done(dev)
                 sweep.times[q] = time.perf_counter() - t0
             sweep.wall = time.perf_counter() - w0
             sweep.cpu = time.process_time() - c0
