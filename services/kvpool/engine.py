@@ -531,7 +531,8 @@ class Engine:
                 # caller (and the orchestrator's log line) to guess which limit and whether
                 # to send it again.
                 raise errors.Overloaded(
-                    f"replica busy: {self._queued} requests waiting for admission (max_waiting "
+                    f"replica busy: {self._queued} request{'s' * (self._queued != 1)} waiting "
+                    f"for admission (max_waiting "
                     f"{self.max_waiting}); retry later or on another replica")
             self._queued += 1
             order = next(self._ids)

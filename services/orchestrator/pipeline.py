@@ -891,7 +891,9 @@ class Orchestrator:
                     raise _counted(tenant, _give_up(
                         too_big, only_busy,
                         f"every kvpool replica tried is busy (tried {', '.join(tried)}); "
-                        f"last: {why_public}; retry later",
+                        f"last: {why_public}"
+                        # A replica's own refusal may say it already (past max_waiting).
+                        + ("" if "retry later" in why_public else "; retry later"),
                         f"kvpool replicas failed {attempts} times (tried {', '.join(tried)}); "
                         f"last: {why_public}")) from None
 

@@ -606,7 +606,7 @@ def test_a_request_past_max_waiting_is_told_the_limit_and_to_retry(make_engine) 
     try:
         eng.submit(request(prompt(6, 2), 2, rid="b"))
     except errors.Overloaded as e:
-        assert "1 requests waiting for admission (max_waiting 1); retry later" in str(e)
+        assert "1 request waiting for admission (max_waiting 1); retry later" in str(e)
     else:
         raise AssertionError("a request past max_waiting was accepted")
     drive(eng, [], lambda e: None)

@@ -51,7 +51,7 @@ class Busy(RpcError):
         super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
 
     def details(self) -> str:
-        return ("replica busy: 1 requests waiting for admission (max_waiting 1); retry later "
+        return ("replica busy: 1 request waiting for admission (max_waiting 1); retry later "
                 "or on another replica")
 
     def trailing_metadata(self):
