@@ -109,7 +109,12 @@ class Sampler:
         probs = torch.softmax((x - hi) / t, dim=-1).float()
         _check_finite(probs)
         if self.spec.top_p < 1.0:
-            sorted_p, order = torch.sort(probs, descending=True)
+            # Ordered by the logits, not the probabilities: at a huge temperature the
+            # probabilities round to one value and a sort of them put an arbitrary token first,
+            # kept alone by a tiny top_p (the same non-top token every step). The logits keep
+            # the model's order, ties to the lowest id as greedy's argmax.
+            order = torch.argsort(x, descending=True, stable=True)
+            sorted_p = probs[order]
             cum = torch.cumsum(sorted_p, dim=-1)
             # Keep the smallest set whose mass reaches top_p (always at least the top token:
             # a top_p below float32's range compares as 0, which the top token's 0 reaches).
