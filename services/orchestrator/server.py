@@ -65,7 +65,9 @@ def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig,
     Stop ids are checked here, before the semantic lookup and routing: a request the replica
     would refuse must not be answered from the cache, nor leave routing state behind."""
     if s.max_tokens < 0:
-        raise errors.InvalidArgument("sampling.max_tokens", f"must be > 0, got {s.max_tokens}")
+        # 0 is valid here (the default): "must be > 0" told a client its unset field was wrong.
+        raise errors.InvalidArgument("sampling.max_tokens", f"must be >= 0 (0 = the server's "
+                                     f"default_max_tokens), got {s.max_tokens}")
     max_tokens = s.max_tokens or cfg.default_max_tokens
     if max_tokens > cfg.max_tokens_limit:
         raise errors.InvalidArgument("sampling.max_tokens",

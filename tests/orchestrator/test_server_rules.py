@@ -54,6 +54,8 @@ def test_a_negative_max_tokens_is_refused_naming_the_field(value):
     with pytest.raises(errors.InvalidArgument) as ei:
         parse_sampling(SP(max_tokens=value), CFG, 1000)
     assert str(ei.value).startswith("sampling.max_tokens")
+    # 0 is the default, not a wrong value: the refusal says so (was "must be > 0").
+    assert "must be >= 0 (0 = the server's default_max_tokens)" in str(ei.value)
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -0.1])
