@@ -232,6 +232,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             # answered from the semantic cache, nor leave routing state behind.
             if not request.sampling.max_tokens and n_prompt < context_limit:
                 sampling = dataclasses.replace(sampling, max_tokens=context_limit - n_prompt)
+            elif not request.sampling.max_tokens:
+                # Not "+ sampling.max_tokens (256)": a client that never set it was told to
+                # change a field it did not send; the prompt alone is too long.
+                raise errors.InvalidArgument(
+                    "messages" if request.messages else "prompt",
+                    f"prompt ({n_prompt} tokens) leaves no room for an answer in the model "
+                    f"context ({context_limit}): at most {context_limit - 1} prompt tokens")
             else:
                 raise errors.InvalidArgument(
                     "messages" if request.messages else "prompt",

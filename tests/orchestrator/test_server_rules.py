@@ -30,7 +30,7 @@ from services.orchestrator.server import (
 )
 from services.orchestrator.tenants import TenantRegistry
 from tests.metric_sample import sample_value
-from tests.orchestrator.test_request_path import ContextOrchestrator
+from tests.orchestrator.test_request_path import ContextOrchestrator, generate_call
 from tests.orchestrator.test_stream_cap import Context, request, servicer
 
 CFG = OrchestratorConfig(kvpool_addresses=("A",), default_max_tokens=100, max_tokens_limit=500)
@@ -56,6 +56,16 @@ def test_a_negative_max_tokens_is_refused_naming_the_field(value):
     assert str(ei.value).startswith("sampling.max_tokens")
     # 0 is the default, not a wrong value: the refusal says so (was "must be > 0").
     assert "must be >= 0 (0 = the server's default_max_tokens)" in str(ei.value)
+
+
+def test_a_prompt_that_fills_the_context_is_told_so_without_max_tokens_it_never_set():
+    """The fake prompt is 10 tokens: with max_tokens unset, a 10-token context leaves no room
+    and the refusal names the prompt alone (it said "+ sampling.max_tokens (256)", the server
+    default, a field the client never sent)."""
+    with pytest.raises(errors.InvalidArgument) as ei:
+        generate_call(10, 0)
+    assert str(ei.value) == ("prompt: prompt (10 tokens) leaves no room for an answer in the "
+                             "model context (10): at most 9 prompt tokens")
 
 
 @pytest.mark.parametrize("value", [math.nan, math.inf, -0.1])
