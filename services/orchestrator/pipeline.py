@@ -587,7 +587,12 @@ class Orchestrator:
                            or self.renderer.encode_literal(look.entry.answer))
                           if look.HasField("entry") else [])
             cut = look.entry.truncated_at if look.hit else 0
-            if cut and cut < sampling.max_tokens:
+            # The request's stop token inside a cut-short answer ends the answer there, as it
+            # ends the model's: the hit covers all the request wants (it went to the model,
+            # counted "too_short", the answer's own first tokens as its draft).
+            stop = set(sampling.stop_token_ids)
+            stops_inside = bool(cut) and any(t in stop for t in cached_ids[:cut])
+            if cut and cut < sampling.max_tokens and not stops_inside:
                 # A cut-short answer cannot stand for a longer one: the model answers, with
                 # the cached part as its draft.
                 with self.stats.lock:

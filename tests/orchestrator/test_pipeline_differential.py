@@ -649,7 +649,9 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
         ids = (list(entry.answer_token_ids) or TOK.encode(entry.answer)) if entry else []
         if look.hit:
             cut = entry.truncated_at
-            reason = ("too_short" if cut and cut < s.max_tokens
+            # architecture.md: served to a request whose stop token comes within the N tokens.
+            stops_inside = bool(cut) and any(t in s.stop_token_ids for t in ids[:cut])
+            reason = ("too_short" if cut and cut < s.max_tokens and not stops_inside
                       else "ignore_eos" if s.ignore_eos and not cut
                       else "sampled" if not greedy and not serves_sampled else None)
             if reason is None:

@@ -97,6 +97,25 @@ def test_a_stop_token_just_past_max_tokens_leaves_the_length_cut():
     assert fin.finish_reason == common_pb2.FINISH_REASON_LENGTH and fin.completion_tokens == 4
 
 
+def test_a_cut_short_hit_holding_the_requests_stop_token_is_served():
+    """A hit cut short after 9 tokens serves a request for 16 that stops at "." (token 6): the
+    model's answer would end there too. It went to the model as "too_short"."""
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=True, similarity=0.99,
+        entry=semantic_pb2.SemanticEntry(id="e1", answer="Paris. It", truncated_at=9)))
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=sem)
+    events = run_stop(orch, max_tokens=16, stop=(ord("."),))
+    assert stub.requests == []
+    assert text_of(events) == "Paris."
+    fin = finished(events)
+    assert fin.finish_reason == common_pb2.FINISH_REASON_STOP and fin.completion_tokens == 6
+    assert fin.report.semantic_hit and orch.stats.semantic_hits_too_short == 0
+    # Without the stop token the cut answer is still too short for 16 tokens.
+    run_stop(orch, max_tokens=16)
+    assert len(stub.requests) == 1 and orch.stats.semantic_hits_too_short == 1
+
+
 def _answer(ids: bytes, reason: int, cached: int = 0) -> kvpool_pb2.KvGenerateResponse:
     return kvpool_pb2.KvGenerateResponse(token_ids=list(ids), final=kvpool_pb2.KvGenerateFinal(
         finish_reason=reason, replica_id="A", cached_tokens=cached))
