@@ -256,15 +256,11 @@ def test_a_server_stream_that_ends_is_counted_ok_and_timed():
     assert _timed("streams", "Count") - timed == 1
 
 
-def test_a_stream_whose_client_left_is_closed_under_its_request_id():
-    """A server stream whose client cancelled is closed by the interceptor with the request
-    id bound, so its handler's cleanup logs as that request (left to the garbage collector it
-    ran with no id)."""
+def _talk_cancelled(request_id: str, on_close, after=lambda: None) -> None:
+    """A server stream "Talk" under `request_id`, cancelled by its client after its first
+    message; `on_close()` runs in its handler's cleanup, `after()` before the server stops."""
     import threading
 
-    from services.common.logs import request_id_var
-
-    ids: list[str] = []
     closed = threading.Event()
 
     def talk(_request, _context):
@@ -273,19 +269,30 @@ def test_a_stream_whose_client_left_is_closed_under_its_request_id():
                 yield b"x"
                 time.sleep(0.01)
         finally:
-            ids.append(request_id_var.get())
+            on_close()
             closed.set()
 
     h = _stream_server("Talk", talk)
     try:
         with grpc.insecure_channel(h.address) as ch:
             stream = ch.unary_stream("/x.Stream/Talk")(b"", timeout=10,
-                                                       metadata=[("x-request-id", "gone-7")])
+                                                       metadata=[("x-request-id", request_id)])
             assert next(stream) == b"x"
             stream.cancel()
             assert closed.wait(5)
+            after()
     finally:
         h.stop(0)
+
+
+def test_a_stream_whose_client_left_is_closed_under_its_request_id():
+    """A server stream whose client cancelled is closed by the interceptor with the request
+    id bound, so its handler's cleanup logs as that request (left to the garbage collector it
+    ran with no id)."""
+    from services.common.logs import request_id_var
+
+    ids: list[str] = []
+    _talk_cancelled("gone-7", lambda: ids.append(request_id_var.get()))
     assert ids == ["gone-7"]
 
 
@@ -294,41 +301,23 @@ def test_a_stream_whose_client_left_logs_one_line_under_its_request_id():
     as every other status does: a kvpool Generate its orchestrator cancelled (the end
     client's cancel or deadline) was counted but left no line, and the replica that served
     the ticket's request id could not be found in the logs."""
-    import threading
-
     from services.common.logs import request_id_var
 
     seen: list[tuple[str, str]] = []
-    closed = threading.Event()
 
     class Keep(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:  # the id bound when written
             if "Talk ended" in record.getMessage():
                 seen.append((record.getMessage(), request_id_var.get()))
 
-    def talk(_request, _context):
-        try:
-            while True:
-                yield b"x"
-                time.sleep(0.01)
-        finally:
-            closed.set()
-
     keep, logger = Keep(), logging.getLogger("services.common.bootstrap")
     logger.addHandler(keep)
     old = logger.level
     logger.setLevel(logging.INFO)
-    h = _stream_server("Talk", talk)
     try:
-        with grpc.insecure_channel(h.address) as ch:
-            stream = ch.unary_stream("/x.Stream/Talk")(b"", timeout=10,
-                                                       metadata=[("x-request-id", "gone-8")])
-            assert next(stream) == b"x"
-            stream.cancel()
-            assert closed.wait(5)
-            _poll(lambda: seen, timeout=5)  # written after the close
+        # The line is written after the close.
+        _talk_cancelled("gone-8", lambda: None, after=lambda: _poll(lambda: seen, timeout=5))
     finally:
-        h.stop(0)
         logger.removeHandler(keep)
         logger.setLevel(old)
     assert seen == [("Talk ended CANCELLED: client cancelled", "gone-8")]
