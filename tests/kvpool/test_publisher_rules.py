@@ -323,6 +323,19 @@ def test_the_registration_line_names_the_shard_list_as_the_notes_do(make_engine,
         hb.stop(0)
 
 
+def _tiny_publisher(make_engine, port: int, heartbeat_seconds: float):
+    """A started Publisher of a tiny engine, publishing to the index shard on `port`."""
+    import grpc
+
+    from services.kvpool.publisher import Publisher
+    from tests.kvpool.conftest import TINY_ID
+
+    return Publisher(make_engine(num_blocks=16, hash_key=None), address=f"127.0.0.1:{port}",
+                     replica_id="kv-0", incarnation="i", public_address="x:1",
+                     model_id=TINY_ID, heartbeat_seconds=heartbeat_seconds,
+                     publish_interval_seconds=0.02, channel_factory=grpc.insecure_channel).start()
+
+
 def test_the_retry_backoff_grows_through_an_outage_of_the_index(make_engine, caplog) -> None:
     """With the only index down, each failed heartbeat doubles the wait before the next try
     (0.2, 0.4, 0.8 s ...): the quiet turns between heartbeats (no beat due, no events) reset
@@ -331,17 +344,9 @@ def test_the_retry_backoff_grows_through_an_outage_of_the_index(make_engine, cap
     import logging
     import re
 
-    import grpc
-
-    from services.kvpool.publisher import Publisher
-    from tests.kvpool.conftest import TINY_ID
-
     (_, h) = start_shard(lease_seconds=10.0)
-    eng = make_engine(num_blocks=16, hash_key=None)
     # Beats 1 s apart, longer than the first waits: quiet turns come between the failures.
-    pub = Publisher(eng, address=f"127.0.0.1:{h.port}", replica_id="kv-0", incarnation="i",
-                    public_address="x:1", model_id=TINY_ID, heartbeat_seconds=1.0,
-                    publish_interval_seconds=0.02, channel_factory=grpc.insecure_channel).start()
+    pub = _tiny_publisher(make_engine, h.port, heartbeat_seconds=1.0)
     try:
         wait_for(lambda: pub.registered and pub.connected)
         h.stop(0)
@@ -361,17 +366,10 @@ def test_an_outage_of_the_index_is_one_warning_then_a_line_when_it_answers_again
     try was a WARNING: 12 a minute per replica through an index's restart."""
     import logging
 
-    import grpc
-
-    from services.kvpool.publisher import Publisher
-    from tests.kvpool.conftest import TINY_ID
 
     (_, h) = start_shard(lease_seconds=10.0)
     port = h.port
-    eng = make_engine(num_blocks=16, hash_key=None)
-    pub = Publisher(eng, address=f"127.0.0.1:{port}", replica_id="kv-0", incarnation="i",
-                    public_address="x:1", model_id=TINY_ID, heartbeat_seconds=0.2,
-                    publish_interval_seconds=0.02, channel_factory=grpc.insecure_channel).start()
+    pub = _tiny_publisher(make_engine, port, heartbeat_seconds=0.2)
     try:
         wait_for(lambda: pub.registered and pub.connected)
         with caplog.at_level(logging.DEBUG, logger="services.kvpool.publisher"):
