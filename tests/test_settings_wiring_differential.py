@@ -258,6 +258,7 @@ class FakeHandle:
 
     def __init__(self) -> None:
         self.stopped = threading.Event()
+        self.draining = threading.Event()  # ServerHandle's: kvpool's Stats reads it
         self.serving = False
 
     def set_serving(self) -> None:

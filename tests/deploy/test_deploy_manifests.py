@@ -524,6 +524,8 @@ def _doc_kubectl_commands() -> list[list[str]]:
     pieces += [" ".join(m.split()) for m in re.findall(r"`([^`]+)`", prose)]
     found: list[list[str]] = []
     for piece in pieces:
+        if "kubectl" not in piece:  # (a log line's format in inline code need not parse)
+            continue
         lex = shlex.shlex(piece, posix=True, punctuation_chars="|&;()")
         lex.whitespace_split = True
         words: list[str] = []
