@@ -239,18 +239,13 @@ def model_info(model: Any, model_id: str) -> ModelInfo:
         eos = cfg.eos_token_id
     eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
     max_context = cfg.max_position_embeddings
-    window = sliding_window(cfg)
-    if window is not None and window < max_context:
-        log.warning("%s attends through a sliding window of %d tokens: serving contexts of "
-                    "at most %d tokens (not %d), where the answer stays the model's", model_id,
-                    window, window, max_context)
-        max_context = window
-    switch = rope_switch(cfg)
-    if switch is not None and switch < max_context:
-        log.warning("%s switches its rotary frequencies (longrope) past %d tokens: serving "
-                    "contexts of at most %d tokens (not %d), where the answer stays the "
-                    "model's", model_id, switch, switch, max_context)
-        max_context = switch
+    for limit, why in ((sliding_window(cfg), "attends through a sliding window of %d tokens"),
+                       (rope_switch(cfg), "switches its rotary frequencies (longrope) past %d "
+                                          "tokens")):
+        if limit is not None and limit < max_context:
+            log.warning("%s " + why + ": serving contexts of at most %d tokens (not %d), where "
+                        "the answer stays the model's", model_id, limit, limit, max_context)
+            max_context = limit
     return ModelInfo(model_id, num_layers, kv_heads, head_dim, cfg.vocab_size, max_context,
                      eos_ids)
 
