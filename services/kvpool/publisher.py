@@ -260,9 +260,9 @@ class Publisher:
                 # try one, 12 a minute per replica, filled the log of an index's restart);
                 # the tries between at DEBUG, and a line when the index answers again.
                 now = time.monotonic()
-                began, tries, said = self._outage or (now, 0, -math.inf)
-                loud = now - said >= OUTAGE_WARNING_EVERY_S
-                self._outage = (began, tries + 1, now if loud else said)
+                began, tries, warned = self._outage or (now, 0, -math.inf)
+                loud = now - warned >= OUTAGE_WARNING_EVERY_S
+                self._outage = (began, tries + 1, now if loud else warned)
                 log.log(logging.WARNING if loud else logging.DEBUG,
                         "prefix index %s: %s (%s); retrying in %.1fs%s", self.address,
                         e.code().name if hasattr(e, "code") else "?",
