@@ -39,8 +39,7 @@ from services.semantic.config import SemanticConfig
 from services.semantic.guard import ParaphraseGuard, spelling_differs
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.policy import HIT_TOLERANCE, Outcome, ThresholdPolicy
-from services.semantic.snapshot import Saved
-from services.semantic.snapshot import same_vectors as _same_vectors
+from services.semantic.snapshot import Saved, same_vectors
 from services.semantic.snapshot import save as save_snapshot
 from services.semantic.store import WRITE_CHUNK, EntryStore, Row, pack_tokens, unpack_tokens
 from services.semantic.verifier import StaleVerifier, Verifier, VerifierModel
@@ -1348,7 +1347,7 @@ class SemanticCache:
         length, in memory and in SQLite. The writes go in batches of `WRITE_CHUNK` rows per
         transaction: one commit (an fsync) per row made a restart after a model change take
         minutes at 100k entries."""
-        old = [r for r in rows if not _same_vectors(r.embed_model, self._embed_id)
+        old = [r for r in rows if not same_vectors(r.embed_model, self._embed_id)
                or r.embedding.shape != (self.embedder.dim,)]
         if old:
             # Minutes to hours at a full shard (200k entries on 2 cores: 16 min at 208 short
