@@ -97,10 +97,13 @@ def _message_list(messages: object) -> list:
                         f"dicts, not {messages!r:.80}") from None
 
 
-def _wire_text(where: str, text: str) -> str:
-    """`text` as a protobuf string field carries it (UTF-8), or a ValueError naming `where`:
-    a lone surrogate (a JSON "\\ud800" in a replayed trace, a str decoded with
-    surrogateescape) was protobuf's bare UnicodeEncodeError, naming no field."""
+def _wire_text(where: str, text: object) -> str:
+    """`text` as a protobuf string field carries it (UTF-8), or an error naming `where`: a
+    TypeError for what is no string; a ValueError for a lone surrogate (a JSON "\\ud800" in
+    a replayed trace, a str decoded with surrogateescape), which was protobuf's bare
+    UnicodeEncodeError, naming no field."""
+    if not isinstance(text, str):
+        raise TypeError(f"{where}: a string, not {type(text).__name__}")
     if not text.isascii():
         try:
             text.encode("utf-8")
@@ -119,8 +122,6 @@ def _message(where: str, m: object) -> dict[str, str]:
     for key in ("role", "content"):
         if key not in m:
             raise TypeError(f"{where}: no {key!r} (a message is {{'role', 'content'}})")
-        if not isinstance(m[key], str):
-            raise TypeError(f"{where}.{key}: a string, not {type(m[key]).__name__}")
         _wire_text(f"{where}.{key}", m[key])
     return {"role": m["role"], "content": m["content"]}
 
@@ -390,8 +391,6 @@ class TierCacheClient:
             raise TypeError("stop_token_ids: a list of token ids, not "
                             f"{type(stop_token_ids).__name__}")
         stop_token_ids = [checked_int("stop_token_ids", t, 2**32 - 1) for t in stop_token_ids]
-        if not isinstance(session_id, str):
-            raise TypeError(f"session_id: a string, not {type(session_id).__name__}")
         _wire_text("session_id", session_id)
         if cache_policy is not None and not isinstance(cache_policy, common_pb2.CachePolicy):
             raise TypeError("cache_policy: a tiercache.v1.common_pb2.CachePolicy, not "
