@@ -441,14 +441,12 @@ class TierCacheClient:
                                                 self._metadata(request_id), holder))
 
     def _stream(self, req: orchestrator_pb2.GenerateRequest, timeout: float,
-                metadata: list[tuple[str, str]], holder: _CallHolder | None = None
-                ) -> Iterator[Chunk]:
+                metadata: list[tuple[str, str]], holder: _CallHolder) -> Iterator[Chunk]:
         # The call starts at the first next(), not before: an iterator never read (never
         # closed either) would otherwise leave a generation running to its deadline.
         self._check_open()  # closed between stream() and the first next()
         call = self.stub.Generate(req, timeout=timeout, metadata=metadata)
-        if holder is not None:
-            holder.started(call)  # cancelled at once if ChunkStream.cancel came first
+        holder.started(call)  # cancelled at once if ChunkStream.cancel came first
         received, final = 0, False
         try:
             for msg in call:
