@@ -822,7 +822,7 @@ class Orchestrator:
                             # follow this one's credit to that replica (and count the miss as
                             # an eviction).
                             self.dispatched.withdraw(recorded)
-                        raise _as_domain(e) from None
+                        raise _counted(tenant, _as_domain(e)) from None
                     # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
                     # another, but it is not marked down for everyone (Stats polls judge that):
                     # one request that breaks replicas must not take every replica out of routing.
@@ -1104,9 +1104,13 @@ def _counted(tenant: Tenant, e: errors.TierCacheError) -> errors.TierCacheError:
     """`e`, counted in tiercache_orchestrator_rejections_total when it is "every replica busy"
     (reason replicas_busy): a burst past the replicas' queues showed there only as
     busy_replica degradations, one per replica tried (a request that then found a free
-    replica counted too), so the refusals by reason did not add up to what clients saw."""
+    replica counted too), so the refusals by reason did not add up to what clients saw. A
+    replica's own RESOURCE_EXHAUSTED (a request its KV pool can never hold) counts as kv_pool:
+    passed on as it came, it was counted in no reason at all."""
     if isinstance(e, errors.Overloaded):
         REJECTED.labels(tenant.name, "replicas_busy").inc()
+    elif e.code == "RESOURCE_EXHAUSTED":
+        REJECTED.labels(tenant.name, "kv_pool").inc()
     return e
 
 

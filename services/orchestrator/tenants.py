@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 REJECTED = counter("tiercache_orchestrator_rejections_total",
                    "Requests refused RESOURCE_EXHAUSTED by a tenant's limit (reason "
                    "prompt_tokens, max_tokens, concurrent, rate_limit), the server's stream "
-                   "cap (server_streams) or every kvpool replica busy (replicas_busy); not "
+                   "cap (server_streams), every kvpool replica busy (replicas_busy) or a "
+                   "request no replica's KV pool can hold (kv_pool); not "
                    "those past the server's own max_tokens or prompt limits (INVALID_ARGUMENT, "
                    "in tiercache_rpc_total)", ("tenant", "reason"))
 

@@ -32,6 +32,7 @@ from tests.orchestrator.test_pipeline_paths import (
     Stub,
     final,
     generate,
+    in_order,
     make,
 )
 from tests.orchestrator.test_request_path import hit
@@ -311,3 +312,41 @@ def test_a_request_refused_as_busy_until_its_attempts_ran_out_counts_as_replicas
     assert str(e.value).count("retry later") == 1, str(e.value)
     assert sample_value("tiercache_orchestrator_rejections_total", labels) == before + 1
     assert orch.stats.degradations["busy_replica"] == 2
+
+
+def test_a_request_no_pool_can_hold_counts_once_as_kv_pool():
+    """A replica's own RESOURCE_EXHAUSTED (prompt + max_tokens more KV blocks than its pool
+    has) reached the client as it came but was counted in no rejections_total reason: a
+    fixed limit an operator could not see by reason. It counts once as kv_pool, whether the
+    only replica refused it or every pool tried did; a refusal served by a larger pool counts
+    nothing there."""
+    class TooBig(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return "token_ids: prompt + max_tokens need 300 KV blocks, the pool has 200"
+
+    labels = {"tenant": TENANT.name, "reason": "kv_pool"}
+    before = sample_value("tiercache_orchestrator_rejections_total", labels) or 0
+    with pytest.raises(errors.TierCacheError, match="need 300 KV blocks") as e:
+        generate(make({"A": Stub("A", [Call([], TooBig())])}), [])
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+    assert sample_value("tiercache_orchestrator_rejections_total", labels) == before + 1
+
+    def sized(orch, sizes):
+        for r in orch.replicas.replicas:
+            r.stats = kvpool_pb2.KvStatsResponse(replica_id=r.replica_id,
+                                                 blocks_total=sizes[r.replica_id])
+        orch.routing = in_order("A", "B")
+        return orch
+
+    larger = sized(make({"A": Stub("A", [Call([], TooBig())]),
+                         "B": Stub("B", [Call([final("B", 2)])])}), {"A": 200, "B": 400})
+    generate(larger, [])
+    assert sample_value("tiercache_orchestrator_rejections_total", labels) == before + 1
+    every = sized(make({"A": Stub("A", [Call([], TooBig())]),
+                        "B": Stub("B", [Call([], TooBig())])}), {"A": 200, "B": 400})
+    with pytest.raises(errors.TierCacheError, match="need 300 KV blocks"):
+        generate(every, [])
+    assert sample_value("tiercache_orchestrator_rejections_total", labels) == before + 2
