@@ -9,7 +9,7 @@ message, an answer of only whitespace, a gRPC status (before or after the final)
 IncompleteStream, a stream that ends quietly without its final, or any other exception, each
 step after a delay of a few milliseconds. The model, per session: its turns in order, each sent
 once with exactly [system prompt, earlier questions and their answers as received (joined,
-stripped), the question]; an outcome per turn with the final's figures (the last final that
+not stripped), the question]; an outcome per turn with the final's figures (the last final that
 came, kept by a turn that failed after it: undocumented, the code's choice) and its error
 ("CODE: details", "stream ended without a final message", "Type: message"); after a turn that
 failed or answered nothing every later turn skipped ("skipped: turn K of the session failed /
@@ -42,7 +42,8 @@ after replay had raised (the CLI's terminal counter printed after its line was e
 as invariants only: the order of outcomes (compared by session and turn), a skipped turn's
 `sent_at` (the end of the turn that ended its session), a status after the final keeping the
 final's figures.
-Teeth (300 seeds each): the history's answer unstripped 116 failed; one request more in flight
+Teeth (300 seeds each): the history's answer unstripped 116 failed (when the model
+stripped it; it no longer does); one request more in flight
 than `concurrency` 120; only a session's first turn waiting for its time 44; an empty answer
 not ending its session 115; Ctrl-C not closing the clients 37; the summary summing the tokens
 of failed turns too 17.
@@ -257,9 +258,9 @@ def expect_turn(script: Script) -> tuple[str, str, orchestrator_pb2.GenerateFina
                 err = "stream ended without a final message"
             else:
                 err = f"{type(e).__name__}: {e}"
-            return err, "".join(texts).strip(), final, waited, waited if ttft is None else ttft
+            return err, "".join(texts), final, waited, waited if ttft is None else ttft
     err = "" if final is not None else "stream ended without a final message"
-    return err, "".join(texts).strip(), final, waited, waited if ttft is None else ttft
+    return err, "".join(texts), final, waited, waited if ttft is None else ttft
 
 
 def model(w: Workload, scripts: dict[str, Script]) -> dict[tuple[str, int], Want]:
@@ -276,7 +277,7 @@ def model(w: Workload, scripts: dict[str, Script]) -> dict[tuple[str, int], Want
                     {"role": "user", "content": r.question}]
             err, answer, final, total, ttft = expect_turn(scripts[r.question])
             want[(sid, r.turn)] = Want(True, msgs, err, final, total, ttft)
-            if err or not answer:
+            if err or not answer.strip():
                 why = "failed" if err else "answered nothing"
                 skipped = f"skipped: turn {r.turn} of the session {why}"
                 continue

@@ -1,11 +1,11 @@
 """Replaying a workload trace against a running stack (`tiercache replay trace.jsonl`).
 
-Sessions run as chains (turn k+1 is sent after turn k's answer, with the history), starting
-at their arrival time (scaled by `time_scale`; 0 = as fast as the concurrency allows), and at
-most `concurrency` requests are in flight. Each request's outcome is recorded for reports. A
-turn that fails, or answers nothing, ends its session (the later turns are recorded as skipped:
-sent with a made-up answer in their history, their figures would describe a conversation that
-never happened).
+Sessions run as chains (turn k+1 is sent after turn k's answer, with the history: the answers
+as generated, not stripped), starting at their arrival time (scaled by `time_scale`; 0 = as
+fast as the concurrency allows), and at most `concurrency` requests are in flight. Each
+request's outcome is recorded for reports. A turn that fails, or answers nothing, ends its
+session (the later turns are recorded as skipped: sent with a made-up answer in their history,
+their figures would describe a conversation that never happened).
 Ctrl-C sends nothing more and cancels the requests in flight.
 """
 
@@ -126,8 +126,11 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
                 rep.semantic_hit, rep.semantic_similarity, rep.replica_id, rep.route, err,
                 rep.index_matched_tokens)
             record(o)
-            answer = "".join(text).strip()
-            if err or not answer:
+            # Sent back as generated, not stripped (as the CLI saves a session's answers): an
+            # answer ending in a newline, stripped, no longer matched the tokens its replica
+            # cached, so the next turn recomputed them and the benchmark measured that.
+            answer = "".join(text)
+            if err or not answer.strip():
                 # An empty answer cannot be sent back as an assistant turn (refused), and a
                 # made-up one ("ok" was) would describe a conversation that never happened.
                 why = "failed" if err else "answered nothing"
