@@ -22,7 +22,7 @@ the docstrings of stream(), retry_later(), IncompleteStream and replay), not fro
   generate() returns the joined text and token ids, the final's figures and the count of
   messages;
 - chat --session: each turn sends the session's saved history (the system prompt it began
-  with, then earlier user turns and the assistant's whole answers, stripped, in order) plus
+  with, then earlier user turns and the assistant's whole answers, as generated, in order) plus
   the question; a turn that fails, is cut, or answers nothing leaves the history as it was;
   --new starts it over, --system counts only for a new session. stdout is the answer and a
   newline (an error after text: the text and a newline; before any: nothing); stderr says
@@ -31,7 +31,7 @@ the docstrings of stream(), retry_later(), IncompleteStream and replay), not fro
   feedback: the reply as JSON with zero values, warm's exit 1 when nothing was warmed or a
   result has an error;
 - replay: each session's turns in order, each sent with the system prompt, the earlier
-  questions and stripped answers, at max(its `at` x time_scale, the previous turn's end) on a
+  questions and answers as generated, at max(its `at` x time_scale, the previous turn's end) on a
   fake clock (a thread-local clock per session; waits and chunk arrivals advance it), the
   turn's outcome from its final's report; a failed or empty turn ends the session, its later
   turns recorded as skipped; at most `concurrency` requests in flight; progress counts 1..N.
@@ -914,8 +914,8 @@ def check_replay(rng, srv: Scripted, address: str, seed: int) -> None:
                 assert o.total_ms == pytest.approx(dur * 1000.0)
                 assert o.ttft_ms == pytest.approx(ttft * 1000.0)
                 end = start + dur
-            answer = "".join(t for t, _, _ in want.chunks).strip()
-            if o.error or not answer:
+            answer = "".join(t for t, _, _ in want.chunks)
+            if o.error or not answer.strip():
                 why = "failed" if o.error else "answered nothing"
                 skipped = f"skipped: turn {r.turn} of the session {why}"
                 continue
