@@ -4,7 +4,7 @@ clients/python/cli.py) against a model, with a scripted Orchestrator on loopback
 The model is a dict per CLI home: session name -> its saved messages (absent, a list, or a
 damaged file), with the rules of the README ("Calling it"), the chat docstrings and notes:
 - a turn sends the saved history (the `--system` the session began with, earlier questions and
-  the assistant's answers, stripped), then the question, with the session name as session_id
+  the assistant's answers as generated), then the question, with the session name as session_id
   (no --session: none and no history); `--new` sends no history, `--system` counts only when
   no history is sent (else "--system ignored"); "continuing session 'NAME' (N earlier
   turn(s); ...)" on stderr when history was sent, unless -q;
