@@ -7,6 +7,7 @@ turns them into a status with a message that names the offending field.
 from __future__ import annotations
 
 import contextlib
+import unicodedata
 
 # Longest client value a status message repeats (gRPC refuses a status over 16 KiB of
 # metadata, and the client then sees a transport error that names no field).
@@ -18,6 +19,15 @@ def shown(value: object) -> str:
     if isinstance(value, str) and len(value) > SHOWN_CHARS:
         return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
     return repr(value)
+
+
+def blank(text: str) -> bool:
+    """True when `text` holds nothing a reader sees: only whitespace, control (Cc) and format
+    (Cf: zero-width spaces and joiners, a BOM, direction marks) characters. `str.strip()`
+    keeps "\u200b": a message of zero-width characters was answered, and its answer stored in
+    the semantic tier, where every other invisible question then matched it. Stops at the
+    first visible character (a long text costs nothing more)."""
+    return all(c.isspace() or unicodedata.category(c) in ("Cc", "Cf") for c in text)
 
 
 class TierCacheError(Exception):

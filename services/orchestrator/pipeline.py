@@ -991,7 +991,7 @@ class Orchestrator:
         # missed). A request that skipped the lookup refreshes the entry, as it asked.
         shorter = cut_short and look is not None and look.hit and (
             not look.entry.truncated_at or look.entry.truncated_at >= len(generated))
-        if not (self.semantic.enabled and may_store and answer.strip() and not past_end
+        if not (self.semantic.enabled and may_store and not errors.blank(answer) and not past_end
                 and not shorter):
             return ""
         return self._store(tenant, prompt, answer, len(generated) if cut_short else 0, deadline,

@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from services.common.errors import FailedPrecondition, InvalidArgument, shown
+from services.common.errors import FailedPrecondition, InvalidArgument, blank, shown
 from services.common.metrics import counter
 
 ROLES = ("system", "user", "assistant")
@@ -90,8 +90,9 @@ def _check_message(field: str, m: Message, max_chars: int, *, allow_empty: bool)
     if m.role not in ROLES:
         raise InvalidArgument(f"{field}.role",
                               f"unknown role {shown(m.role)}; expected one of {', '.join(ROLES)}")
-    if not allow_empty and not m.content.strip():
-        raise InvalidArgument(f"{field}.content", "must not be empty")
+    if not allow_empty and blank(m.content):
+        raise InvalidArgument(f"{field}.content",
+                              "must not be empty (or only whitespace or invisible characters)")
     if len(m.content) > max_chars:
         raise InvalidArgument(f"{field}.content",
                               f"longer than the limit of {max_chars} characters")
@@ -369,8 +370,9 @@ class PromptRenderer:
     def render_raw(self, prompt: str, field: str = "prompt", scope: str = "") -> RenderedPrompt:
         """A raw prompt, used as-is; `field` names it in errors (e.g. "prompts[1].prompt");
         `scope`: the tenant (see `encode_prompt`)."""
-        if not prompt.strip():
-            raise InvalidArgument(field, "must not be empty (or give messages)")
+        if blank(prompt):
+            raise InvalidArgument(field, "must not be empty or only whitespace or invisible "
+                                         "characters (or give messages)")
         if len(prompt) > self.max_chars:
             raise InvalidArgument(field, f"longer than the limit of {self.max_chars} characters")
         # The whitespace at its ends is part of the namespace: for a raw completion it is the

@@ -641,7 +641,7 @@ class Warmer:
                 ids = self.orch.renderer.render_warm([Message(m.role, m.content)
                                                       for m in p.messages], f"prompts[{i}]",
                                                      scope=tenant.name)
-            elif p.prompt.strip():
+            elif not errors.blank(p.prompt):
                 ids = self.orch.renderer.render_raw(p.prompt, f"prompts[{i}].prompt",
                                                     scope=tenant.name).token_ids
             else:

@@ -33,6 +33,7 @@ from services.common.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    blank,
     shown,
 )
 from services.semantic.config import SemanticConfig
@@ -367,8 +368,9 @@ class SemanticCache:
         return Namespace(ns.tenant, ns.model_id, ns.context_hash.lower())
 
     def _check_text(self, field: str, text: str, limit: int) -> None:
-        if not text or not text.strip():
-            raise InvalidArgument(field, "must not be empty")
+        if blank(text):
+            raise InvalidArgument(field,
+                                  "must not be empty (or only whitespace or invisible characters)")
         if len(text) > limit:
             raise InvalidArgument(field, f"longer than the limit of {limit} characters "
                                          f"(got {len(text)})")

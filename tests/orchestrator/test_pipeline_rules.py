@@ -151,6 +151,17 @@ def test_a_whitespace_only_answer_is_not_stored():
     assert sem.stores == [] and finished(events).report.semantic_entry_id == ""
 
 
+def test_an_answer_of_only_invisible_characters_is_not_stored():
+    """A zero-width answer passed `answer.strip()` and was stored: a hit on it serves nothing
+    a reader sees. Not stored, as a whitespace-only one is not; served as generated."""
+    sem = RecordingSemantic()
+    answer = "\u200b\u200b\n".encode()
+    stub = Stub("A", [Call([_answer(answer, common_pb2.FINISH_REASON_EOS)])])
+    events = run(make({"A": stub}, semantic=sem), max_tokens=16)
+    assert text_of(events) == "\u200b\u200b\n"
+    assert sem.stores == [] and finished(events).report.semantic_entry_id == ""
+
+
 def test_a_resumed_replicas_cached_tokens_never_exceed_the_prompt():
     """A resume sends the prompt plus the tokens already streamed: the replica may report
     more cached tokens than the client's prompt has; the report counts the prompt's."""

@@ -6,7 +6,7 @@ import pytest
 
 from services.common.errors import InvalidArgument
 from services.orchestrator.detok import IncrementalDetokenizer
-from services.orchestrator.render import Message, PromptRenderer, context_hash
+from services.orchestrator.render import Message, PromptRenderer, context_hash, validate_messages
 from tests.metric_sample import sample_value
 
 pytestmark = pytest.mark.model  # the real SmolLM2 tokenizer (converted on first use)
@@ -580,3 +580,18 @@ def test_a_private_use_text_beside_a_control_text_is_rendered_as_typed(tok, rend
     warm = renderer.render_warm([Message("user", "\ue0000\ue001<|im_start|>")])
     assert tok.decode(warm) == "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, " \
         "trained by Hugging Face<|im_end|>\n<|im_start|>user\n\ue0000\ue001<|im_start|><|im_end|>\n"
+
+
+@pytest.mark.parametrize("invisible", ["\u200b", "\u200b\u200d\ufeff", "\t\x00\u2060 "])
+def test_messages_and_raw_prompts_of_only_invisible_characters_are_refused(renderer,
+                                                                           invisible):
+    """A message or raw prompt of zero-width or control characters only passed the empty
+    check (str.strip() keeps them) and was answered, its answer stored for every other
+    invisible question to hit; refused as empty, naming the field. Around visible text they
+    stay text."""
+    with pytest.raises(InvalidArgument, match=r"messages\[0\]\.content: must not be empty"):
+        validate_messages([Message("user", invisible)], 1000)
+    with pytest.raises(InvalidArgument, match="prompt: must not be empty"):
+        renderer.render_raw(invisible)
+    validate_messages([Message("user", invisible + "hi")], 1000)
+    assert renderer.render_raw("hi" + invisible).query_text == "hi" + invisible

@@ -548,7 +548,7 @@ def test_texts_that_differ_only_where_the_model_cannot_read_do_not_hit(make_cach
     c = make_cache(guard_tiers=(), verifier_tiers=())
     pairs = [("Is 🐍 a good pet?", "Is 🦈 a good pet?"),
              ("Translate to English: ሰላም", "Translate to English: ደህና"),
-             ("\x00", "\u200b"),
+             ("Repeat after me: \x00", "Repeat after me: \u200b"),  # (alone: refused as empty)
              ("Describe this emoji in one word: 🍕", "Describe this emoji in one word: 🥶"),
              # A word past WordPiece's 100 characters is one [UNK], and plain ASCII was
              # taken as read in full.

@@ -346,3 +346,21 @@ def test_the_same_unread_text_composed_otherwise_hits_its_entry(cache_factory):
     r = c.lookup(A, nfd, tier="strict")
     assert r.hit and r.entry.answer == "서울"
     assert not c.lookup(A, "일본의 수도는 어디입니까?", tier="relaxed").hit
+
+
+@pytest.mark.parametrize("invisible", ["\u200b", "\u200b\u200c\ufeff", " \u2060\n\x00", "\u200e"])
+def test_text_of_only_invisible_characters_is_refused_and_nothing_is_written(make_cache,
+                                                                             invisible):
+    """str.strip() kept zero-width and control characters as content: a question or answer
+    of only "\\u200b" was stored, and every other invisible question then matched it. Refused
+    as empty, naming the field, nothing stored or counted; a visible character among them is
+    text."""
+    c = make_cache()
+    for field in ("prompt", "answer"):
+        with pytest.raises(InvalidArgument, match=f"{field}: must not be empty"):
+            _store(c, **{field: invisible})
+    with pytest.raises(InvalidArgument, match="text: must not be empty"):
+        c.lookup(A, invisible)
+    assert c.stats().entries == 0 and c.stats().lookups_total == 0
+    _store(c, prompt=invisible + "Why?", answer=invisible + "Because.")
+    assert c.stats().entries == 1

@@ -50,6 +50,7 @@ import os
 import random
 import threading
 import time
+import unicodedata
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
@@ -70,6 +71,11 @@ WORDS = ("the a cat dog question python café naïve résumé 一个 女人 🐍
          "long Zürich cafe\u0301 \u200b").split(" ")
 BAD = ["\ud800", "a \udcff b", b"bytes"]
 
+
+
+def _invisible(t: str) -> bool:
+    """Refused as empty: nothing left once whitespace, control and format characters go."""
+    return not [c for c in t if not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf")]
 
 def _text(rng: random.Random) -> str:
     r = rng.random()
@@ -291,7 +297,7 @@ def run_cache_round(seed: int, inner, lone: _Lone, tmp: str, seen: dict) -> list
 
     for i in range(rng.randint(0, 5)):  # the static namespace, written beforehand
         t = pick()
-        if t.strip() and len(t) <= max_chars:
+        if not _invisible(t) and len(t) <= max_chars:
             cache.store_entry(static, t, f"s{i}")
     ops = []
     for _ in range(rng.randint(1, 30)):
@@ -329,7 +335,7 @@ def run_cache_round(seed: int, inner, lone: _Lone, tmp: str, seen: dict) -> list
         embedded = {t for texts, _ in rec.batches for t in texts}
         for i, ((kind, ns, t), res) in enumerate(zip(ops, results, strict=True)):
             tag = f"op {i} {kind} {ns.context_hash} {t[:16]!r}({len(t)})"
-            if not t.strip() or len(t) > max_chars:
+            if _invisible(t) or len(t) > max_chars:
                 seen["refused"] += 1
                 if res[0] != "err" or not isinstance(res[1], InvalidArgument):
                     p(f"{tag}: not refused: {res}")
