@@ -282,3 +282,31 @@ def test_a_failed_call_names_the_request_id_it_was_sent_with():
         c.stats()
     assert e.value.request_id == sent[-1] and sent[-2] != sent[-1]
     c.close()
+
+
+def test_a_client_made_before_a_fork_refuses_calls_in_the_child(monkeypatch):
+    """A live walkthrough (gunicorn --preload): a client made in the master and used in a
+    forked worker failed UNAVAILABLE "Wrong file descriptor generation" (retry_later: True),
+    or went through, by luck; gRPC channels do not survive a fork. Now a RuntimeError saying
+    so, before anything is sent, in the child only."""
+    import os
+
+    from clients.python import client as client_mod
+
+    c = TierCacheClient("localhost:1")
+    try:
+        parent = os.getpid()
+        monkeypatch.setattr(client_mod.os, "getpid", lambda: parent + 1)  # the forked child
+        calls = [lambda: c.stream("q"), lambda: c.warm("system"), lambda: c.stats(),
+                 lambda: c.feedback("entry", True), lambda: c.__enter__()]
+        for call in calls:
+            with pytest.raises(RuntimeError, match=f"made in process {parent}, before a fork"):
+                call()
+        monkeypatch.undo()
+        sent: list = []
+        c.stub = type("Stub", (), {"Stats": lambda self, *a, **k: sent.append(a)})()
+        c.stats()  # the process that made it still calls
+        assert len(sent) == 1
+    finally:
+        c.close()
+

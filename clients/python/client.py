@@ -10,7 +10,8 @@ The server keeps no conversation: each turn sends the whole history (system prom
 user's new message last), with one `session_id` per conversation so its turns reuse one
 replica's cached prefix. Errors are grpc.RpcError (its code() and details() name the problem;
 `retry_later` says whether to send it again); a bad argument is refused here, before anything
-is sent (ValueError or TypeError naming it), and a call on a closed client is a RuntimeError.
+is sent (ValueError or TypeError naming it), and a call on a closed client, or on one made
+before a fork() (in the child), is a RuntimeError.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import math
 import numbers
+import os
 import re
 import struct
 import threading
@@ -296,7 +298,9 @@ class TierCacheClient:
     thread-safe; the client holds no per-call state). `close()`, or leaving its `with` block,
     ends every call still running on it, in any thread (their iterators raise grpc.RpcError
     CANCELLED, "Channel closed!"); closing again is a no-op, and any later call is a
-    RuntimeError."""
+    RuntimeError. A client serves the process that made it: in a child of fork() (gunicorn
+    --preload, multiprocessing's fork) its calls are a RuntimeError, as gRPC channels do not
+    survive a fork; make one per process."""
 
     def __init__(self, address: str = "localhost:50051", token: str | None = None,
                  timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None
@@ -309,6 +313,7 @@ class TierCacheClient:
         address = address.strip()
         self.address = address
         self._closed = False
+        self._pid = os.getpid()  # a forked child's calls are refused: see _check_open
         self.token = checked_token(token)
         self.timeout = _checked_timeout(timeout)
         opts = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
@@ -335,6 +340,14 @@ class TierCacheClient:
         if self._closed:
             # gRPC's own "ValueError: Cannot invoke RPC: Channel closed!" read as a bad value.
             raise RuntimeError("TierCacheClient is closed: make a new one")
+        if os.getpid() != self._pid:
+            # A gRPC channel does not survive fork() (gRPC Python does not support it): in a
+            # gunicorn --preload worker a call on the master's client failed UNAVAILABLE
+            # "Wrong file descriptor generation", which retry_later calls worth retrying, or
+            # went through, by luck.
+            raise RuntimeError(f"TierCacheClient was made in process {self._pid}, before a "
+                               "fork(): gRPC channels do not survive a fork; make one in each "
+                               "process (gunicorn: in post_fork, or on first use)")
 
     def _metadata(self, request_id: str = "") -> list[tuple[str, str]]:
         """Call metadata: the caller's request id (it names the call in every service's logs
