@@ -310,3 +310,17 @@ def test_a_client_made_before_a_fork_refuses_calls_in_the_child(monkeypatch):
     finally:
         c.close()
 
+
+@pytest.mark.parametrize(("entry", "error", "said"), [
+    (123, TypeError, "^semantic_entry_id: a string, not int"),
+    (None, TypeError, "^semantic_entry_id: a string, not NoneType"),
+    ("e\ud800", ValueError, "^semantic_entry_id: not valid Unicode"),
+])
+def test_feedback_names_an_entry_id_that_is_no_string(entry, error, said):
+    """feedback(123, True) was protobuf's "bad argument type for built-in operation"."""
+    c = TierCacheClient("localhost:1")
+    try:
+        with pytest.raises(error, match=said):
+            c.feedback(entry, True)
+    finally:
+        c.close()

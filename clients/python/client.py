@@ -559,6 +559,9 @@ class TierCacheClient:
         answer: no longer served). The reply's `invalidated` / `verified` say what changed;
         a bad rating of an entry already gone is `invalidated` False, a good one NOT_FOUND,
         and so is an id this tenant was not given."""
+        # Named here: protobuf's own refusal of a number was "bad argument type for built-in
+        # operation", naming nothing.
+        _wire_text("semantic_entry_id", semantic_entry_id)
         if not isinstance(good, bool):
             # Truth-tested, feedback(entry, "bad") marked a wrong answer verified.
             raise TypeError(f"good: True (verified) or False (wrong: invalidate), not {good!r:.40}")
