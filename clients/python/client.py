@@ -71,7 +71,9 @@ def retry_later(error: grpc.RpcError) -> bool:
     `timeout`) and CANCELLED (the caller's own cancel or close()). The server sends no delay
     in its metadata (a tenant's rate-limit refusal says "retry in N s" in its details): back
     off (exponentially, with jitter) and give up after a few tries; the client itself never
-    retries."""
+    retries. Sending Feedback or Warm again is safe (a rating sets a state, a pin is only ever
+    extended: a second bad rating answers `invalidated` False); a Generate sent again after
+    UNAVAILABLE may have run on the server already (its work done twice)."""
     if getattr(error, "chunks_received", 0):
         return False
     code = error.code() if callable(getattr(error, "code", None)) else None
@@ -300,7 +302,10 @@ class TierCacheClient:
     CANCELLED, "Channel closed!"); closing again is a no-op, and any later call is a
     RuntimeError. A client serves the process that made it: in a child of fork() (gunicorn
     --preload, multiprocessing's fork) its calls are a RuntimeError, as gRPC channels do not
-    survive a fork; make one per process."""
+    survive a fork; make one per process. There is no asyncio API: run a call in a thread
+    (asyncio.to_thread) and cancel the call itself when the task is cancelled (the README
+    shows how): cancelling the task does not stop its thread, and a task cancelled around
+    `to_thread(c.generate, ...)` left its answer generating to the end."""
 
     def __init__(self, address: str = "localhost:50051", token: str | None = None,
                  timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None
@@ -379,7 +384,9 @@ class TierCacheClient:
             template), one {"role", "content"} dict, or a list of them (roles "system",
             "user", "assistant"; the last one the user's). `raw` is ignored for a list.
         max_tokens: new tokens at most; 0 = the server's default (capped by the tenant's
-            limit; more than that limit is RESOURCE_EXHAUSTED, not retryable).
+            limit; more than that limit is RESOURCE_EXHAUSTED, not retryable, and more than
+            the server's own, TIERCACHE_ORCHESTRATOR_MAX_TOKENS_LIMIT (2048), is
+            INVALID_ARGUMENT).
         temperature: 0 = greedy; top_p: nucleus mass in (0, 1], 0 = 1.0; seed: 0 = none (a
             seed makes a sampled answer reproducible).
         session_id: one id per conversation (at most 256 characters): routing only, the
