@@ -396,6 +396,15 @@ def test_a_replica_past_its_call_cap_hands_the_request_to_another(caplog):
     assert "is busy" in caplog.text and "failed" not in caplog.text
 
 
+def sized(orch, sizes: dict[str, int]):
+    """`orch` with each replica's pool of `sizes[replica_id]` blocks, routed A then B."""
+    for r in orch.replicas.replicas:
+        r.stats = kvpool_pb2.KvStatsResponse(replica_id=r.replica_id,
+                                             blocks_total=sizes[r.replica_id])
+    orch.routing = in_order("A", "B")
+    return orch
+
+
 def test_a_request_too_big_for_one_pool_goes_to_a_replica_with_a_larger_one():
     """Pools sized by kv_cache_bytes differ with the hardware: a request one replica can never
     hold went back to the client as final, though another replica's pool could."""
@@ -405,13 +414,6 @@ def test_a_request_too_big_for_one_pool_goes_to_a_replica_with_a_larger_one():
 
         def details(self) -> str:
             return "token_ids: prompt + max_tokens need 300 KV blocks, the pool has 200"
-
-    def sized(orch, sizes):
-        for r in orch.replicas.replicas:
-            r.stats = kvpool_pb2.KvStatsResponse(replica_id=r.replica_id,
-                                                 blocks_total=sizes[r.replica_id])
-        orch.routing = in_order("A", "B")
-        return orch
 
     a, b = Stub("A", [Call([], TooBig())]), Stub("B", [Call([final("B", 2)])])
     orch = sized(make({"A": a, "B": b}), {"A": 200, "B": 400})

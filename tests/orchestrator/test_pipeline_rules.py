@@ -32,8 +32,8 @@ from tests.orchestrator.test_pipeline_paths import (
     Stub,
     final,
     generate,
-    in_order,
     make,
+    sized,
 )
 from tests.orchestrator.test_request_path import hit
 from tests.orchestrator.test_request_path import run as run_stop
@@ -344,13 +344,6 @@ def test_a_request_no_pool_can_hold_counts_once_as_kv_pool():
         generate(make({"A": Stub("A", [Call([], TooBig())])}), [])
     assert e.value.code == "RESOURCE_EXHAUSTED"
     assert sample_value("tiercache_orchestrator_rejections_total", labels) == before + 1
-
-    def sized(orch, sizes):
-        for r in orch.replicas.replicas:
-            r.stats = kvpool_pb2.KvStatsResponse(replica_id=r.replica_id,
-                                                 blocks_total=sizes[r.replica_id])
-        orch.routing = in_order("A", "B")
-        return orch
 
     larger = sized(make({"A": Stub("A", [Call([], TooBig())]),
                          "B": Stub("B", [Call([final("B", 2)])])}), {"A": 200, "B": 400})
