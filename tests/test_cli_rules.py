@@ -445,3 +445,22 @@ def test_the_report_line_and_an_error_name_the_request_id(fake, monkeypatch, cap
     _streaming(monkeypatch, "", then=refused)
     assert cli.main(["chat", "-q", "hi"]) == 1
     assert capsys.readouterr().err == "error: INVALID_ARGUMENT: bad (request rid-43)\n"
+
+
+def test_a_session_whose_prompt_alone_fills_the_context_says_it_has_grown_too_long(
+        fake, monkeypatch, capsys):
+    """With --max-tokens unset (the default) the server words the overflow as "leaves no
+    room", not "exceed": the note on how to go on was left out, and every later turn failed
+    the same way."""
+    assert cli.main(["chat", "-q", "--session", "full", "hi"]) == 0
+
+    def refuse(self, messages, **kw):
+        raise Refusal(grpc.StatusCode.INVALID_ARGUMENT,
+                      "messages: prompt (1038 tokens) leaves no room for an answer in the "
+                      "model context (1024): at most 1023 prompt tokens")
+        yield  # a generator, as the client's stream is
+
+    monkeypatch.setattr(FakeClient, "stream", refuse)
+    assert cli.main(["chat", "-q", "--session", "full", "and then?"]) == 1
+    err = capsys.readouterr().err
+    assert "grown too long" in err and "full.json" in err and "--max-tokens" not in err

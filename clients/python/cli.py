@@ -199,7 +199,8 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
         # Only the prompt's own size: "messages: N tokens exceed the limit of M", "messages:
         # prompt (N tokens) + sampling.max_tokens (M) exceed the model context (C)", "messages:
         # N characters cannot fit in the limit of M prompt tokens", or the tenant's own limit
-        # (RESOURCE_EXHAUSTED "messages: N tokens exceed tenant limit M").
+        # (RESOURCE_EXHAUSTED "messages: N tokens exceed tenant limit M"), or with max_tokens
+        # unset "messages: prompt (N tokens) leaves no room for an answer in the model context".
         details = e.details() or ""
         if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "chat template" in details:
             sys.stderr.write("note: --raw sends the text as a raw prompt\n")
@@ -207,7 +208,10 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
                 and e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
                                  grpc.StatusCode.RESOURCE_EXHAUSTED)
                 and (details.startswith("messages:")
-                     and ("exceed" in details or "cannot fit" in details)
+                     # "leaves no room": the prompt alone fills the context (max_tokens unset,
+                     # the CLI's default), which every later turn only makes longer.
+                     and ("exceed" in details or "cannot fit" in details
+                          or "leaves no room" in details)
                      # Past the largest KV pool: every later turn needs more blocks still.
                      or details.startswith("prompt (rendered messages):")
                      and "KV blocks" in details)):
