@@ -641,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--session", default="", type=session_name,
                     help="conversation id (keeps history)")
     ch.add_argument("--system", default="", help="system prompt for a new conversation")
-    ch.add_argument("--max-tokens", type=int32, default=0, help="0 = the server's default")
+    ch.add_argument("--max-tokens", type=int32, default=0,
+                    help="0 = the server's default, cut to what the model's context leaves")
     ch.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
     ch.add_argument("--top-p", type=_top_p, default=0.0, help="nucleus sampling (0 = off)")
     ch.add_argument("--seed", type=uint64, default=0,

@@ -384,9 +384,13 @@ class TierCacheClient:
             template), one {"role", "content"} dict, or a list of them (roles "system",
             "user", "assistant"; the last one the user's). `raw` is ignored for a list.
         max_tokens: new tokens at most; 0 = the server's default (capped by the tenant's
-            limit; more than that limit is RESOURCE_EXHAUSTED, not retryable, and more than
-            the server's own, TIERCACHE_ORCHESTRATOR_MAX_TOKENS_LIMIT (2048), is
-            INVALID_ARGUMENT).
+            limit, and by what the model's context leaves after the prompt: the answer then
+            stops there, finish_reason LENGTH). More than the tenant's limit is
+            RESOURCE_EXHAUSTED, and more than the server's own,
+            TIERCACHE_ORCHESTRATOR_MAX_TOKENS_LIMIT (2048), INVALID_ARGUMENT; a prompt that
+            with max_tokens passes the model's context, or fills it alone, is INVALID_ARGUMENT
+            naming the tokens and the context (a conversation grown that long fails so on
+            every later turn); none retryable.
         temperature: 0 = greedy; top_p: nucleus mass in (0, 1], 0 = 1.0; seed: 0 = none (a
             seed makes a sampled answer reproducible).
         session_id: one id per conversation (at most 256 characters): routing only, the
