@@ -464,3 +464,4 @@ def test_a_session_whose_prompt_alone_fills_the_context_says_it_has_grown_too_lo
     assert cli.main(["chat", "-q", "--session", "full", "and then?"]) == 1
     err = capsys.readouterr().err
     assert "grown too long" in err and "full.json" in err and "--max-tokens" not in err
+    assert "start it over with --new" in err  # the flag that does it, named

@@ -221,7 +221,7 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
             sys.stderr.write(
                 f"note: session {a.session!r} has grown too long for the model; "
                 + (f"--max-tokens {room} or less fits this turn; " if room else "")
-                + f"start a new one, or delete {hist}\n")
+                + f"start it over with --new, or delete {hist}\n")
         raise
     sys.stdout.write("\n")
     if final is None:
