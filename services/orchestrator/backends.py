@@ -625,6 +625,12 @@ class SemanticBackend:
         # shard): requests' explicit thresholds are checked against the highest even while the
         # tier is skipped, so such a request is refused alike whether the tier is up or not.
         self.floors: dict[str, float] = {}
+        # Shards whose last Store was refused RESOURCE_EXHAUSTED (a full or read-only disk):
+        # only a Store that succeeds brings them back. Any call's success did, and every
+        # request's Lookup then flipped the line healthy between two refused Stores: the
+        # gauge read 1 or 0 by the traffic mix (an alert on it missed the incident) and the
+        # log had an "unhealthy" / "healthy again" pair per request.
+        self._store_refused: set[str] = set()
 
     def threshold_floor(self) -> float:
         """The highest threshold_floor the shards have said (0.0 before any has)."""
@@ -711,8 +717,11 @@ class SemanticBackend:
         try:
             resp = self.hung.call(address, timeout, self.timeout_s, lambda: unary_call(
                 rpc, req, on_call, timeout=timeout, metadata=md))
-            self.health.ok()
-            self.shard_health[address].ok()
+            if method == "Store":
+                self._store_refused.discard(address)
+            if address not in self._store_refused:
+                self.health.ok()
+                self.shard_health[address].ok()
             return resp
         except grpc.RpcError as e:
             if isinstance(e, _SkippedShard):
@@ -723,6 +732,8 @@ class SemanticBackend:
                 # Stats must say so. A request's own bad input or an unknown id is not the
                 # tier's fault.
                 why = health_error(e, timeout, self.timeout_s)
+                if method == "Store" and e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._store_refused.add(address)
                 self.health.fail(why)
                 self.shard_health[address].fail(why)
             raise

@@ -361,3 +361,35 @@ def test_a_rating_cancelled_by_its_caller_cancels_its_call_and_asks_no_further_s
         first, second = sb.addresses
         assert [len(getattr(stubs[a], method).sent) for a in (first, second)] == [1, 0]
         assert (sb.health.last_error, sb.shard_health[first].last_error) == ("", "")
+
+
+def test_a_tier_refusing_every_store_stays_unhealthy_while_its_lookups_answer():
+    """A full disk refuses every Store (RESOURCE_EXHAUSTED) while Lookups still answer: each
+    request's Lookup marked the tier healthy again, so the health gauge read 0 or 1 by the
+    traffic mix (a dependency_healthy alert missed the incident) and the log had an
+    "unhealthy" / "healthy again" pair per request. Only a Store that succeeds brings it back."""
+    class FullDisk:
+        full = True
+
+        def Lookup(self, req, **kw):  # noqa: N802 - the gRPC method's name
+            return semantic_pb2.LookupResponse()
+
+        def Store(self, req, **kw):  # noqa: N802 - the gRPC method's name
+            if self.full:
+                raise Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, "disk: the entry store is full")
+            return semantic_pb2.StoreResponse()
+
+    stub = FullDisk()
+    sb = backend_with(stub)
+    for _ in range(3):
+        sb.lookup(semantic_pb2.LookupRequest())
+        with pytest.raises(grpc.RpcError):
+            sb.store(semantic_pb2.StoreRequest())
+        sb.lookup(semantic_pb2.LookupRequest())
+        line = sb.dependencies()[0]
+        assert not line.healthy and "entry store is full" in line.last_error
+        assert sample_value("tiercache_orchestrator_dependency_healthy",
+                            {"dependency": "semantic", "address": "s:1"}) == 0.0
+    stub.full = False
+    sb.store(semantic_pb2.StoreRequest())
+    assert sb.dependencies()[0].healthy
