@@ -41,8 +41,9 @@ T = TypeVar("T")
 DEPENDENCY_HEALTHY = gauge(
     "tiercache_orchestrator_dependency_healthy",
     "1 while a dependency (kvpool replica, semantic or prefix tier or shard) is healthy as "
-    "the orchestrator last found it, 0 once it failed a call or a health poll; absent until "
-    "its first call", ("dependency", "address"))
+    "the orchestrator last found it, 0 once it failed a call or a health poll (a semantic "
+    "tier that refused a Store for a full disk: until a Store succeeds); absent until its "
+    "first call", ("dependency", "address"))
 IN_FLIGHT = gauge("tiercache_orchestrator_replica_requests_in_flight",
                   "Generate calls this orchestrator has under way on each replica (by its "
                   "address): routing's own share of the replica's load", ("replica",))
