@@ -82,6 +82,10 @@ DISPATCH_ROUTES = counter("tiercache_orchestrator_dispatch_memory_routes_total",
 # request flooded the log while it lasted (76 lines in 16 s at 2 requests in flight with no
 # replica up); at most 10 per dependency and status every 10 s, then a count.
 _DEGRADED_LINES = Thinned(log, level=logging.WARNING)
+# A replica's busy or too-small-pool hand-off, thinned alike per replica: a burst past the
+# replicas' queues logged one INFO line per attempt (1,967 in 25 s at 10 requests in flight on
+# two replicas with max_waiting 1), burying every other line.
+_LOAD_LINES = Thinned(log)
 
 # Semantic-tier INVALID_ARGUMENT details that blame the request's cache policy.
 _POLICY_FIELDS = ("tier", "threshold")
@@ -790,8 +794,9 @@ class Orchestrator:
                     if busy:
                         # Full queue or memory held on this replica only: another may serve it
                         # (an answer under way resumes there, exactly). Not marked down.
-                        log.info("replica %s is busy (%s); trying another", replica.replica_id,
-                                 e.details())
+                        if _LOAD_LINES.allow((f"replica {replica.replica_id}", "busy")):
+                            log.info("replica %s is busy (%s); trying another",
+                                     replica.replica_id, e.details())
                     elif code in _REPLICA_REFUSED_US:
                         # Our internal credential, not the client's: a misconfigured replica.
                         # Never the client's UNAUTHENTICATED; try another replica.
@@ -812,8 +817,9 @@ class Orchestrator:
                         # kv_cache_bytes differ with each replica's hardware.
                         larger = True
                         too_big = too_big or e
-                        log.info("replica %s cannot hold the request (%s); trying a larger pool",
-                                 replica.replica_id, e.details())
+                        if _LOAD_LINES.allow((f"replica {replica.replica_id}", "too small")):
+                            log.info("replica %s cannot hold the request (%s); trying a larger "
+                                     "pool", replica.replica_id, e.details())
                     elif code not in _REPLICA_LOST:
                         # The replica judged the request itself: pass its verdict on unchanged.
                         if len(generated) == from_here and self.dispatched is not None:
