@@ -159,6 +159,7 @@ class Housekeeper:
             flush_every = min(flush_every, self.snapshot_interval_s)
         next_expiry = 0.0
         next_save = time.monotonic() + self.snapshot_interval_s
+        failed_saves = 0  # in a row
         while not self._stop.wait(flush_every):
             try:
                 self.cache.store.flush_hits()
@@ -181,9 +182,15 @@ class Housekeeper:
                 next_save = time.monotonic() + self.snapshot_interval_s
                 try:
                     self.cache.save_snapshot(self.snapshot_path)
-                except Exception:  # noqa: BLE001 - a speed-up lost; retried next interval
-                    log.exception("saving the HNSW graphs to %s failed; retried in %.0f s",
-                                  self.snapshot_path, self.snapshot_interval_s)
+                    failed_saves = 0
+                except Exception as exc:  # noqa: BLE001 - a speed-up lost; retried next interval
+                    # Why in the line itself (a full or read-only volume), the traceback once
+                    # per run of failures: each retry was an ERROR whose only words were
+                    # "failed" and a 20-line traceback ending in faiss's write error.
+                    log.error("saving the HNSW graphs to %s failed (%s); retried in %.0f s",
+                              self.snapshot_path, exc, self.snapshot_interval_s,
+                              exc_info=not failed_saves)
+                    failed_saves += 1
 
 
 @dataclass

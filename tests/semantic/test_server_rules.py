@@ -165,3 +165,33 @@ def test_a_stop_says_when_an_index_merge_outlived_its_time(make_cfg, emb):
         assert merge.is_alive()
     finally:
         release.set()
+
+
+def test_a_failing_snapshot_save_names_its_error_with_one_traceback(make_cache, caplog,
+                                                                    monkeypatch):
+    """A snapshot save failing at every interval (a full volume) was an ERROR saying only
+    "failed; retried in N s" and a traceback each time: the cause (faiss's write error) was
+    in the traceback's last line alone. Each line names it now, the traceback once."""
+    import logging
+
+    c = make_cache()
+    calls = []
+
+    def full(folder):
+        calls.append(folder)
+        raise RuntimeError("write error in x.faiss: 244 != 500 (No space left on device)")
+
+    monkeypatch.setattr(c, "save_snapshot", full)
+    keeper = Housekeeper(c, interval_s=0.01, snapshot_path="/snap",
+                         snapshot_interval_s=0.01).start()
+    try:
+        deadline = time.monotonic() + 10
+        while len(calls) < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        keeper.stop()
+    lines = [r for r in caplog.records if r.levelno == logging.ERROR
+             and r.getMessage().startswith("saving the HNSW graphs to /snap failed")]
+    assert len(lines) >= 3
+    assert all("No space left on device" in r.getMessage() for r in lines)
+    assert [bool(r.exc_info) for r in lines[:3]] == [True, False, False]
