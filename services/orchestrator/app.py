@@ -34,6 +34,8 @@ class App:
         self.warmer.stop()
         self.orch.replicas.stop()
         self.orch.semantic.stop()
+        if self.orch.prefix is not None:
+            self.orch.prefix.stop()
 
 
 # A tenant's concurrent requests when tokens are configured and nothing else is said.
@@ -81,6 +83,8 @@ def build(cfg: OrchestratorConfig) -> App:
     semantic.start()
     prefix = (PrefixBackend(cfg.prefix_addresses, cfg.internal_token, cfg.prefix_timeout_s,
                             cfg.block_size) if cfg.prefix_addresses else None)
+    if prefix is not None:
+        prefix.start()
     orch = Orchestrator(
         renderer=PromptRenderer(tok, cfg.max_message_chars, cfg.max_prompt_tokens),
         tokenizer=tok, model_id=model_id,

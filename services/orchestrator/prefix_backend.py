@@ -7,6 +7,8 @@ replica -> matched tokens map that routing needs.
 
 from __future__ import annotations
 
+import logging
+import threading
 from collections.abc import Callable
 
 import grpc
@@ -15,6 +17,8 @@ from tiercache.v1 import common_pb2
 from services.common.grpc_client import health_error, tells_of_health, timeout_or
 from services.common.prefix_client import PrefixIndexClient
 from services.orchestrator.backends import Health, HungBackoff, tier_health, with_note
+
+log = logging.getLogger(__name__)
 
 
 class PrefixBackend:
@@ -43,6 +47,41 @@ class PrefixBackend:
         self.timeout_s = timeout_s
         self.hung = HungBackoff("prefix index shard", self.HUNG_BACKOFF_S,
                                 *([clock] if clock else []))
+
+    # How often the index is asked for its Stats (`start`), as the semantic tier is: its
+    # health gauge, set only by calls, stayed 0 after the index came back for as long as no
+    # request came (with the background warm-up off, for good: a dependency alert firing on
+    # a healthy idle stack), and an index gone down while no request came read healthy.
+    POLL_S = 5.0
+
+    def start(self, every: float = POLL_S) -> threading.Event:
+        """Poll the index every `every` seconds (`poll_once`); the returned event stops it
+        (`stop`)."""
+        self._stop_poll = stop = threading.Event()
+        threading.Thread(target=self._poll_loop, args=(every, stop), name="prefix-poll",
+                         daemon=True).start()
+        return stop
+
+    def stop(self) -> None:
+        stop = getattr(self, "_stop_poll", None)
+        if stop is not None:
+            stop.set()
+
+    def poll_once(self, every: float = POLL_S) -> None:
+        """Stats on the index (every shard): its health records, as a Match would set them."""
+        try:
+            self.stats(timeout=every)
+        except grpc.RpcError:
+            pass  # marked down by _guard (and each shard by its outcome)
+
+    def _poll_loop(self, every: float, stop: threading.Event) -> None:
+        while True:
+            try:
+                self.poll_once(every)
+            except Exception:  # noqa: BLE001 - a dead poller would freeze the gauges again
+                log.exception("prefix index poll failed")
+            if stop.wait(every):
+                return
 
     def _shard_outcome(self, address: str, error: str) -> None:
         h = self.shard_health.get(address)

@@ -235,3 +235,41 @@ def test_a_partial_stats_ends_the_back_off_of_the_shards_that_answered():
         assert "skipped" in skipped.value.details()
     finally:
         pb.client.close()
+
+
+def test_a_poll_finds_the_index_down_and_back_with_no_request(index):
+    """The index's health was set by calls only: back after an outage, its gauge stayed 0 for
+    as long as no request came (with the background warm-up off, for good: a dependency alert
+    firing on a healthy idle stack), and one gone down while idle read healthy. The poller
+    (Stats, as the semantic tier's) finds both without a Match."""
+    import grpc
+
+    pb = PrefixBackend((index.address,), "", 0.5, BS)
+    real = pb.client.stats
+    try:
+        pb.poll_once(every=0.5)
+        assert pb.health.healthy and _healthy("prefix", index.address) == 1.0
+
+        class Down(grpc.RpcError):
+            def code(self):
+                return grpc.StatusCode.UNAVAILABLE
+
+            def details(self):
+                return "failed to connect to all addresses"
+
+        def down(**kw):
+            raise Down()
+
+        pb.client.stats = down
+        pb.poll_once(every=0.5)
+        assert not pb.health.healthy and _healthy("prefix", index.address) == 0.0
+        pb.client.stats = real
+        pb.poll_once(every=0.5)
+        assert pb.health.healthy and _healthy("prefix", index.address) == 1.0
+        stop = pb.start(every=0.05)
+        assert not stop.is_set()
+        pb.stop()
+        assert stop.is_set()
+    finally:
+        pb.stop()
+        pb.client.close()
