@@ -44,6 +44,7 @@ import os
 import random
 import sys
 import threading
+import unicodedata
 from collections import OrderedDict
 
 import pytest
@@ -73,6 +74,11 @@ FRAGMENTS = (
 )
 PLAIN = tuple(f for f in FRAGMENTS if "<" not in f and not {"\ue000", "\ue001"} & set(f))
 
+
+
+def _invisible(t: str) -> bool:
+    """Empty to the renderer: nothing left once whitespace, control and format characters go."""
+    return not [c for c in t if not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf")]
 
 class Refused(Exception):
     def __init__(self, field: str) -> None:
@@ -120,7 +126,7 @@ class Reference:
         for i, m in enumerate(msgs):
             if m.role not in ROLES:
                 raise Refused(f"{field}[{i}].role")
-            if (not allow_empty and not m.content.strip()) or len(m.content) > self.max_chars:
+            if (not allow_empty and _invisible(m.content)) or len(m.content) > self.max_chars:
                 raise Refused(f"{field}[{i}].content")
         if last_user and msgs[-1].role != "user":
             raise Refused(f"{field}[{len(msgs) - 1}].role")
@@ -188,7 +194,7 @@ class Reference:
         return self.chat_ids(msgs, scope, False)
 
     def raw(self, prompt: str, scope: str):
-        if not prompt.strip() or len(prompt) > self.max_chars:
+        if _invisible(prompt) or len(prompt) > self.max_chars:
             raise Refused("prompt")
         self.lookup_pieces(prompt, scope)
         lead = prompt[:len(prompt) - len(prompt.lstrip())]
