@@ -125,6 +125,25 @@ def tier_health(name: str, address: str, shards: Sequence[common_pb2.DependencyH
         last_error=f"{len(down)} of {len(shards)} shards unhealthy: {', '.join(down)}")
 
 
+def poll_every(name: str, poll_once: Callable[[float], None], every: float) -> threading.Event:
+    """Call `poll_once(every)` every `every` seconds on a daemon thread until the returned
+    event is set. An exception is logged and the loop goes on: a dead poller froze the
+    health gauges it keeps."""
+    stop = threading.Event()
+
+    def loop() -> None:
+        while True:
+            try:
+                poll_once(every)
+            except Exception:  # noqa: BLE001 - see above
+                log.exception("%s poll failed", name)
+            if stop.wait(every):
+                return
+
+    threading.Thread(target=loop, name=f"{name}-poll", daemon=True).start()
+    return stop
+
+
 def with_note(line: common_pb2.DependencyHealth, note: str) -> None:
     """Mark `line` unhealthy with `note` (a shard's word that the shard lists it is reached by
     differ: every call succeeds while lookups go to the wrong shard) beside any error it has."""
@@ -645,10 +664,8 @@ class SemanticBackend:
     def start(self, every: float = POLL_S) -> threading.Event:
         """Poll every shard every `every` seconds (`poll_once`); the returned event stops it
         (`stop`)."""
-        self._stop_poll = stop = threading.Event()
-        if self.enabled:
-            threading.Thread(target=self._poll_loop, args=(every, stop), name="semantic-poll",
-                             daemon=True).start()
+        self._stop_poll = stop = (poll_every("semantic", self.poll_once, every)
+                                  if self.enabled else threading.Event())
         return stop
 
     def stop(self) -> None:
@@ -673,15 +690,6 @@ class SemanticBackend:
         lists (`dependencies`) and their threshold_floor (`threshold_floor`)."""
         self.shard_list_notes.update({a: r.shard_list_mismatch for a, r in replies.items()})
         self.floors.update({a: r.threshold_floor for a, r in replies.items()})
-
-    def _poll_loop(self, every: float, stop: threading.Event) -> None:
-        while True:
-            try:
-                self.poll_once(every)
-            except Exception:  # noqa: BLE001 - a dead poller would freeze the gauges again
-                log.exception("semantic poll failed")
-            if stop.wait(every):
-                return
 
     def dependencies(self) -> list[common_pb2.DependencyHealth]:
         """Stats' health entries: the tier's, and with shards each shard's, the tier's then

@@ -7,7 +7,6 @@ replica -> matched tokens map that routing needs.
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 
@@ -16,9 +15,13 @@ from tiercache.v1 import common_pb2
 
 from services.common.grpc_client import health_error, tells_of_health, timeout_or
 from services.common.prefix_client import PrefixIndexClient
-from services.orchestrator.backends import Health, HungBackoff, tier_health, with_note
-
-log = logging.getLogger(__name__)
+from services.orchestrator.backends import (
+    Health,
+    HungBackoff,
+    poll_every,
+    tier_health,
+    with_note,
+)
 
 
 class PrefixBackend:
@@ -57,9 +60,7 @@ class PrefixBackend:
     def start(self, every: float = POLL_S) -> threading.Event:
         """Poll the index every `every` seconds (`poll_once`); the returned event stops it
         (`stop`)."""
-        self._stop_poll = stop = threading.Event()
-        threading.Thread(target=self._poll_loop, args=(every, stop), name="prefix-poll",
-                         daemon=True).start()
+        self._stop_poll = stop = poll_every("prefix index", self.poll_once, every)
         return stop
 
     def stop(self) -> None:
@@ -73,15 +74,6 @@ class PrefixBackend:
             self.stats(timeout=every)
         except grpc.RpcError:
             pass  # marked down by _guard (and each shard by its outcome)
-
-    def _poll_loop(self, every: float, stop: threading.Event) -> None:
-        while True:
-            try:
-                self.poll_once(every)
-            except Exception:  # noqa: BLE001 - a dead poller would freeze the gauges again
-                log.exception("prefix index poll failed")
-            if stop.wait(every):
-                return
 
     def _shard_outcome(self, address: str, error: str) -> None:
         h = self.shard_health.get(address)

@@ -34,6 +34,7 @@ from tests.orchestrator.test_pipeline_paths import (
     Stub,
     final,
     generate,
+    in_order,
     make,
     sized,
 )
