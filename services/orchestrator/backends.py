@@ -125,23 +125,45 @@ def tier_health(name: str, address: str, shards: Sequence[common_pb2.DependencyH
         last_error=f"{len(down)} of {len(shards)} shards unhealthy: {', '.join(down)}")
 
 
-def poll_every(name: str, poll_once: Callable[[float], None], every: float) -> threading.Event:
-    """Call `poll_once(every)` every `every` seconds on a daemon thread until the returned
-    event is set. An exception is logged and the loop goes on: a dead poller froze the
-    health gauges it keeps."""
-    stop = threading.Event()
+class Polled:
+    """A tier asked for its Stats in the background: its health gauges, set only by calls,
+    stayed 0 after a recovery for as long as no request came (a "dependency down" alert
+    firing on a healthy idle stack), and a tier gone down while no request came read
+    healthy. Subclasses give `poll_once(every)`, `POLL_NAME` and `polled()`."""
 
-    def loop() -> None:
-        while True:
-            try:
-                poll_once(every)
-            except Exception:  # noqa: BLE001 - see above
-                log.exception("%s poll failed", name)
-            if stop.wait(every):
-                return
+    POLL_S = 5.0
+    POLL_NAME = ""
 
-    threading.Thread(target=loop, name=f"{name}-poll", daemon=True).start()
-    return stop
+    def poll_once(self, every: float = POLL_S) -> None:
+        raise NotImplementedError
+
+    def polled(self) -> bool:
+        """Whether `start` polls at all."""
+        return True
+
+    def start(self, every: float = POLL_S) -> threading.Event:
+        """Call `poll_once(every)` every `every` seconds on a daemon thread (when `polled()`);
+        the returned event stops it (`stop`). An exception is logged and the loop goes on: a
+        dead poller froze the gauges again."""
+        self._stop_poll = stop = threading.Event()
+
+        def loop() -> None:
+            while True:
+                try:
+                    self.poll_once(every)
+                except Exception:  # noqa: BLE001 - see above
+                    log.exception("%s poll failed", self.POLL_NAME)
+                if stop.wait(every):
+                    return
+
+        if self.polled():
+            threading.Thread(target=loop, name=f"{self.POLL_NAME}-poll", daemon=True).start()
+        return stop
+
+    def stop(self) -> None:
+        stop = getattr(self, "_stop_poll", None)
+        if stop is not None:
+            stop.set()
 
 
 def with_note(line: common_pb2.DependencyHealth, note: str) -> None:
@@ -599,7 +621,7 @@ class HungBackoff:
                 self.state.pop(address, None)  # the probe got an answer (an error)
 
 
-class SemanticBackend:
+class SemanticBackend(Polled):
     """The semantic cache (one process or N shards), or nothing when no address is configured.
 
     Shards own whole namespaces: Lookup/Store go to the shard a consistent-hash ring picks for
@@ -656,24 +678,14 @@ class SemanticBackend:
         """The highest threshold_floor the shards have said (0.0 before any has)."""
         return max(self.floors.values(), default=0.0)
 
-    # How often every shard is asked for its Stats (`start`): its health gauge, set only by
-    # calls, stayed 0 for as long as no request came after a recovery (a "dependency down"
-    # alert firing on a healthy tier), and was absent until the first request.
-    POLL_S = 5.0
+    # Every shard is asked for its Stats (`Polled.start`); the gauge was also absent until the
+    # first request.
+    POLL_NAME = "semantic"
 
-    def start(self, every: float = POLL_S) -> threading.Event:
-        """Poll every shard every `every` seconds (`poll_once`); the returned event stops it
-        (`stop`)."""
-        self._stop_poll = stop = (poll_every("semantic", self.poll_once, every)
-                                  if self.enabled else threading.Event())
-        return stop
+    def polled(self) -> bool:
+        return self.enabled
 
-    def stop(self) -> None:
-        stop = getattr(self, "_stop_poll", None)
-        if stop is not None:
-            stop.set()
-
-    def poll_once(self, every: float = POLL_S) -> None:
+    def poll_once(self, every: float = Polled.POLL_S) -> None:
         """Stats on each shard: its health, and its threshold_floor (asked of busy shards
         too: a shard restarted with another floor said it only to an idle poll, and requests
         were checked against the old one)."""

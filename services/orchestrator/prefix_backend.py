@@ -7,7 +7,6 @@ replica -> matched tokens map that routing needs.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import grpc
@@ -18,13 +17,13 @@ from services.common.prefix_client import PrefixIndexClient
 from services.orchestrator.backends import (
     Health,
     HungBackoff,
-    poll_every,
+    Polled,
     tier_health,
     with_note,
 )
 
 
-class PrefixBackend:
+class PrefixBackend(Polled):
     # An index shard whose Match ran out its whole timeout is skipped (ring routing) for this
     # long, doubling while it stays hung: every request waited the timeout on it before.
     HUNG_BACKOFF_S = (0.5, 5.0)
@@ -51,24 +50,11 @@ class PrefixBackend:
         self.hung = HungBackoff("prefix index shard", self.HUNG_BACKOFF_S,
                                 *([clock] if clock else []))
 
-    # How often the index is asked for its Stats (`start`), as the semantic tier is: its
-    # health gauge, set only by calls, stayed 0 after the index came back for as long as no
-    # request came (with the background warm-up off, for good: a dependency alert firing on
-    # a healthy idle stack), and an index gone down while no request came read healthy.
-    POLL_S = 5.0
+    # The index is asked for its Stats (`Polled.start`) as the semantic tier is: with the
+    # background warm-up off, its gauge stayed 0 for good on an idle stack after it came back.
+    POLL_NAME = "prefix index"
 
-    def start(self, every: float = POLL_S) -> threading.Event:
-        """Poll the index every `every` seconds (`poll_once`); the returned event stops it
-        (`stop`)."""
-        self._stop_poll = stop = poll_every("prefix index", self.poll_once, every)
-        return stop
-
-    def stop(self) -> None:
-        stop = getattr(self, "_stop_poll", None)
-        if stop is not None:
-            stop.set()
-
-    def poll_once(self, every: float = POLL_S) -> None:
+    def poll_once(self, every: float = Polled.POLL_S) -> None:
         """Stats on the index (every shard): its health records, as a Match would set them."""
         try:
             self.stats(timeout=every)
