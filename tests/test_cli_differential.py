@@ -95,6 +95,7 @@ from tiercache.v1 import (
 )
 
 from clients.python import cli
+from tests.blank_text import blank
 
 SEEDS = int(os.environ.get("CLI_DIFFERENTIAL_SEEDS", "60"))
 STEPS = 12
@@ -650,10 +651,10 @@ class Step:
         want = [] if self.quiet else [report_line(final)]
         if self.tty_err:
             want = [ln.translate(CONTROL) for ln in want]
-        if self.session and not "".join(text).strip():
+        if self.session and blank("".join(text)):
             want.append(f"empty answer: session {self.session!r} left unchanged")
         assert lines == want, where
-        if self.session and "".join(text).strip():
+        if self.session and not blank("".join(text)):
             saved = json.loads((self.home / "sessions" / f"{self.session}.json").read_text())
             assert saved[-1] == {"role": "assistant", "content": "".join(text)}, where
 

@@ -274,3 +274,34 @@ def test_an_answer_is_saved_as_generated_not_stripped(fake, monkeypatch):
     assert cli.main(["chat", "-q", "--session", "s", "again?"]) == 0
     saved = json.loads((fake / "home" / "sessions" / "s.json").read_text())
     assert [m["content"] for m in saved] == ["capital?", " Paris.\n"]
+
+
+def test_an_answer_of_only_invisible_characters_is_not_saved_nor_sent_back(fake, monkeypatch,
+                                                                            capsys):
+    """The orchestrator refuses a message of only zero-width, format or control characters as
+    empty (an assistant turn too): a session that saved such an answer, or a replayed session
+    that sent it back, had every later turn refused INVALID_ARGUMENT. Answered nothing, as an
+    answer of only whitespace is."""
+    assert cli.main(["chat", "-q", "--session", "s", "hi"]) == 0
+
+    def invisible(self, messages, **kw):
+        yield Chunk("\u200b\u2060\n", [])
+        yield _final()
+
+    monkeypatch.setattr(FakeClient, "stream", invisible)
+    capsys.readouterr()
+    assert cli.main(["chat", "-q", "--session", "s", "more"]) == 0
+    assert "empty answer: session 's' left unchanged" in capsys.readouterr().err
+    saved = json.loads((fake / "home" / "sessions" / "s.json").read_text())
+    assert [m["content"] for m in saved] == ["hi", "Hello."]
+
+    class Invisible(ReplayClient):
+        def stream(self, messages, **kw):
+            self.sent.append(messages)
+            yield Chunk("\ufeff\u200b", [])
+            yield _final()
+
+    client = Invisible()
+    out = replay_mod.replay(_workload(1, 2), {"t0": client}, concurrency=1)
+    assert len(client.sent) == 1
+    assert [o.error for o in out] == ["", "skipped: turn 0 of the session answered nothing"]

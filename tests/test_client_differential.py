@@ -84,6 +84,7 @@ from benchmarks.workload import Request, Workload, WorkloadSpec
 from clients.python import cli
 from clients.python import replay as replay_mod
 from clients.python.client import IncompleteStream, TierCacheClient, retry_later
+from tests.blank_text import blank
 
 SEEDS = int(os.environ.get("CLIENT_DIFFERENTIAL_SEEDS", "100"))
 SC = grpc.StatusCode
@@ -612,7 +613,7 @@ def check_cli_chat(rng, srv: Scripted, address: str, seed: int, n: int,
     assert any("--system ignored" in ln for ln in lines) == bool(system and history), err
     if want.end == "ok":
         assert rc == 0 and out == shown + "\n", (rc, out, err, acts)
-        answer = text.strip()
+        answer = not blank(text)
         fin = [f for _, _, f in want.chunks if f is not None][-1]
         reports = [re.sub(r" \(index expected \d+\)", "", ln) for ln in lines
                    if ln.startswith("[")]
@@ -915,7 +916,7 @@ def check_replay(rng, srv: Scripted, address: str, seed: int) -> None:
                 assert o.ttft_ms == pytest.approx(ttft * 1000.0)
                 end = start + dur
             answer = "".join(t for t, _, _ in want.chunks)
-            if o.error or not answer.strip():
+            if o.error or blank(answer):
                 why = "failed" if o.error else "answered nothing"
                 skipped = f"skipped: turn {r.turn} of the session {why}"
                 continue

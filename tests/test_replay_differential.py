@@ -5,7 +5,7 @@ CLI's summary and README, with scripted fake clients (pure scheduling logic: no 
 Each seed draws a workload (1-6 sessions of 1-4 turns over two tenants, arrival times that
 collide, some sessions whose trace lines interleave), a concurrency (1-3), a time scale (0,
 or milliseconds per trace second) and a script per request: text chunks then the final
-message, an answer of only whitespace, a gRPC status (before or after the final), an
+message, an answer of only blank text, a gRPC status (before or after the final), an
 IncompleteStream, a stream that ends quietly without its final, or any other exception, each
 step after a delay of a few milliseconds. The model, per session: its turns in order, each sent
 once with exactly [system prompt, earlier questions and their answers as received (joined,
@@ -74,6 +74,7 @@ from benchmarks.workload import Request, Workload, WorkloadSpec, save_trace
 from clients.python import cli
 from clients.python import replay as replay_mod
 from clients.python.client import Chunk, IncompleteStream
+from tests.blank_text import blank
 from tests.test_cli_sessions import Refusal as Status  # a gRPC status as a client raises it
 
 SEEDS = int(os.environ.get("REPLAY_DIFFERENTIAL_SEEDS", "100"))
@@ -205,7 +206,8 @@ def rand_script(rng: random.Random) -> Script:
                             else rng.choice(TEXTS), None)]
     steps.append(delay())
     if kind in ("ok", "blank", "status_after_final"):
-        steps.append(("chunk", rng.choice(["", " "]) if kind == "blank" else rng.choice(TEXTS),
+        steps.append(("chunk", rng.choice(["", " ", "\u200b"]) if kind == "blank"
+                      else rng.choice(TEXTS),
                       rand_final(rng)))
     if kind in ("status", "status_after_final"):
         code = rng.choice([grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL,
@@ -277,7 +279,7 @@ def model(w: Workload, scripts: dict[str, Script]) -> dict[tuple[str, int], Want
                     {"role": "user", "content": r.question}]
             err, answer, final, total, ttft = expect_turn(scripts[r.question])
             want[(sid, r.turn)] = Want(True, msgs, err, final, total, ttft)
-            if err or not answer.strip():
+            if err or blank(answer):
                 why = "failed" if err else "answered nothing"
                 skipped = f"skipped: turn {r.turn} of the session {why}"
                 continue

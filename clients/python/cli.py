@@ -35,6 +35,7 @@ from clients.python.client import (
     retry_later,
 )
 from services.common.config import is_host_port
+from services.common.errors import blank
 from services.common.grpc_client import ca_problem, key_pair_problem, pem_problem
 from services.common.logs import isatty
 
@@ -238,13 +239,15 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
     answer = "".join(out)
     # Saved before the report line: with stderr closed or full, writing it failed and the
     # answered turn was lost without a word.
-    if hist is not None and answer.strip():
+    # Blank as the server reads it (only whitespace, zero-width, format or control characters):
+    # it refuses such an assistant turn, so saved it failed every later turn of the session.
+    if hist is not None and not blank(answer):
         messages.append({"role": "assistant", "content": answer})
         _save_history(hist, messages)
     if not a.quiet:
         sys.stderr.write(shown(format_report(final.cache_report, final.request_id),
                                sys.stderr) + "\n")
-    if hist is not None and not answer.strip():
+    if hist is not None and blank(answer):
         # An empty assistant turn is invalid input for every later request of the session:
         # keep the history as it was (the question can be asked again).
         sys.stderr.write(f"empty answer: session {a.session!r} left unchanged\n")

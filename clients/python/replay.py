@@ -22,6 +22,7 @@ from tiercache.v1 import common_pb2
 
 from benchmarks.workload import Request, Workload
 from clients.python.client import IncompleteStream, TierCacheClient
+from services.common.errors import blank
 
 
 @dataclass
@@ -130,8 +131,9 @@ def replay(workload: Workload, clients: dict[str, TierCacheClient], *, concurren
             # answer ending in a newline, stripped, no longer matched the tokens its replica
             # cached, so the next turn recomputed them and the benchmark measured that.
             answer = "".join(text)
-            if err or not answer.strip():
-                # An empty answer cannot be sent back as an assistant turn (refused), and a
+            if err or blank(answer):
+                # An empty answer (or one of only invisible characters, blank as the server
+                # reads it) cannot be sent back as an assistant turn (refused), and a
                 # made-up one ("ok" was) would describe a conversation that never happened.
                 why = "failed" if err else "answered nothing"
                 for s in reqs[i + 1:]:
