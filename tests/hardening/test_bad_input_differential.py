@@ -91,6 +91,7 @@ from tiercache.v1 import (
 
 from services.common.hashing import BlockHasher
 from services.launcher import free_port
+from tests.blank_text import blank
 
 SEEDS = int(os.environ.get("BAD_INPUT_DIFFERENTIAL_SEEDS", "0"))
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -434,7 +435,8 @@ class SemanticWorld:
 
         def text_bad(rng, r):
             name = "text" if rpc == "Lookup" else "prompt"
-            setattr(r, name, pick(rng, ("", " ", "\n\t ", "x" * 65, "x" * 10_000, "x" * 64)))
+            setattr(r, name, pick(rng, ("", " ", "\n\t ", "\u200b\ufeff", "x" * 65,
+                                        "x" * 10_000, "x" * 64)))
 
         def tier_bad(rng, r):
             r.tier = pick(rng, ("lenient", "STRICT", " strict", "explicit", "s" * 300))
@@ -494,7 +496,7 @@ class SemanticWorld:
     def expect_text(self, v: Verdict, name: str, text: str, limit: int) -> None:
         # "Non-empty, within the size limit" (the proto); blank text counts as empty
         # (`_check_text`: nothing to embed).
-        if not text.strip() or len(text) > limit:
+        if blank(text) or len(text) > limit:
             v.bad(INVALID, name)
 
     def expect(self, rpc: str, r) -> Verdict:

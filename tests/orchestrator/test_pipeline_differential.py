@@ -80,6 +80,7 @@ from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling, TextDelta
 from services.orchestrator.render import RenderedPrompt
 from services.orchestrator.tenants import Tenant
+from tests.blank_text import blank
 
 SEEDS = int(os.environ.get("ORCH_PIPELINE_DIFFERENTIAL_SEEDS", "200"))
 
@@ -783,7 +784,7 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
     cut_short = F != R_EOS
     shorter = cut_short and look is not None and look.hit and (
         not look.entry.truncated_at or look.entry.truncated_at >= len(gen))
-    if (w.semantic.enabled and may_store and answer.strip() and not past_end
+    if (w.semantic.enabled and may_store and not blank(answer) and not past_end
             and not shorter):
         body = gen[:-1] if gen[-1] == EOS else gen
         ids = [] if EOS in body else list(gen)

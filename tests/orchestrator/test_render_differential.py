@@ -44,7 +44,6 @@ import os
 import random
 import sys
 import threading
-import unicodedata
 from collections import OrderedDict
 
 import pytest
@@ -52,6 +51,7 @@ import pytest
 from services.common.errors import InvalidArgument
 from services.orchestrator import render
 from services.orchestrator.render import Message, PromptRenderer
+from tests.blank_text import blank
 
 pytestmark = pytest.mark.model  # the real SmolLM2 tokenizer
 
@@ -74,11 +74,6 @@ FRAGMENTS = (
 )
 PLAIN = tuple(f for f in FRAGMENTS if "<" not in f and not {"\ue000", "\ue001"} & set(f))
 
-
-
-def _invisible(t: str) -> bool:
-    """Empty to the renderer: nothing left once whitespace, control and format characters go."""
-    return not [c for c in t if not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf")]
 
 class Refused(Exception):
     def __init__(self, field: str) -> None:
@@ -126,7 +121,7 @@ class Reference:
         for i, m in enumerate(msgs):
             if m.role not in ROLES:
                 raise Refused(f"{field}[{i}].role")
-            if (not allow_empty and _invisible(m.content)) or len(m.content) > self.max_chars:
+            if (not allow_empty and blank(m.content)) or len(m.content) > self.max_chars:
                 raise Refused(f"{field}[{i}].content")
         if last_user and msgs[-1].role != "user":
             raise Refused(f"{field}[{len(msgs) - 1}].role")
@@ -194,7 +189,7 @@ class Reference:
         return self.chat_ids(msgs, scope, False)
 
     def raw(self, prompt: str, scope: str):
-        if _invisible(prompt) or len(prompt) > self.max_chars:
+        if blank(prompt) or len(prompt) > self.max_chars:
             raise Refused("prompt")
         self.lookup_pieces(prompt, scope)
         lead = prompt[:len(prompt) - len(prompt.lstrip())]
@@ -236,7 +231,7 @@ class Gen:
         r = self.rng
         x = r.random()
         if x < 0.03:
-            return r.choice(("", " ", "\n\t", "\u2028"))
+            return r.choice(("", " ", "\n\t", "\u2028", "\u200b", "\x00\u2060"))
         if x < 0.05:
             return "y" * (self.max_chars + r.choice((0, 1)))
         if x < 0.5:

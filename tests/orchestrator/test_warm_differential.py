@@ -67,6 +67,7 @@ from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.render import PromptRenderer
 from services.orchestrator.server import Warmer
 from services.orchestrator.tenants import Tenant
+from tests.blank_text import blank
 from tests.metric_sample import sample_value
 
 STATS: Counter = Counter()
@@ -318,7 +319,7 @@ def model_warm(world: World, tenant: Tenant, req, time_remaining, gone: bool, bu
     wanted = []
     for i, p in enumerate(req.prompts[:64]):
         ids = list(p.prompt.encode())
-        if not p.prompt.strip():
+        if blank(p.prompt):
             bad.add("INVALID_ARGUMENT")
             continue
         if len(ids) > cfg.max_prompt_tokens or len(ids) < bs:
