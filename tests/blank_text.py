@@ -1,13 +1,17 @@
 """The rule for empty text, written from docs/reliability.md (not from the code it checks):
-text of only whitespace, zero-width, format or control characters counts as empty (refused in
-a message, a raw prompt or a semantic text; an answer of it is not stored, not saved to a
-session and not sent back in a replayed history)."""
+text of only whitespace, zero-width, format (but for those drawn, as "۝") or control
+characters counts as empty (refused in a message, a raw prompt or a semantic text; an answer
+of it is not stored, not saved to a session and not sent back in a replayed history)."""
 
 from __future__ import annotations
 
 import unicodedata
 
+# Format characters that are drawn (Unicode's Prepended_Concatenation_Mark): text.
+DRAWN = {0x600, 0x601, 0x602, 0x603, 0x604, 0x605, 0x6DD, 0x70F, 0x890, 0x891, 0x8E2, 0x110BD,
+         0x110CD}
+
 
 def blank(text: str) -> bool:
-    return not any(not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf")
-                   for c in text)
+    return not any(not c.isspace() and (unicodedata.category(c) not in ("Cc", "Cf")
+                                        or ord(c) in DRAWN) for c in text)

@@ -95,3 +95,16 @@ def test_a_non_ascii_status_message_is_capped_by_its_size_on_the_wire():
                 assert e.value.details().endswith(f"({len(text) - len(kept)} characters cut)")
     finally:
         server.stop(0)
+
+
+@pytest.mark.parametrize("text", [
+    "\u0600", "\u06dd", "\u070f", "\u08e2", "\U000110bd",  # format characters drawn as signs
+    "\u0301", "👨\u200d👩\u200d👧", "\u200fשלום\u200e", "\u2800", "\u0915\u094d\u200d",
+])
+def test_text_a_reader_sees_is_not_blank(text):
+    """The Arabic number sign, end of ayah (۝), the Syriac abbreviation mark and the Kaithi
+    number sign are format characters (Cf) that are drawn, spanning the digits after them:
+    a question of only "۝" was refused as empty. A lone combining mark, an emoji joined by
+    ZWJ, right-to-left text between direction marks, a Braille cell are text too."""
+    assert not errors.blank(text)
+    assert errors.blank(" \u200b\u200d\ufeff\u2060\u00ad\x00\u200e\U000e0041\n")

@@ -21,13 +21,21 @@ def shown(value: object) -> str:
     return repr(value)
 
 
+# Format characters (Cf) that are drawn: Unicode's Prepended_Concatenation_Mark (the Arabic
+# number signs, end of ayah "۝", the Syriac abbreviation mark, the Kaithi number signs).
+_DRAWN_FORMAT = frozenset("\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u0890\u0891"
+                          "\u08e2\U000110bd\U000110cd")
+
+
 def blank(text: str) -> bool:
     """True when `text` holds nothing a reader sees: only whitespace, control (Cc) and format
-    (Cf: zero-width spaces and joiners, a BOM, direction marks) characters. `str.strip()`
+    (Cf: zero-width spaces and joiners, a BOM, direction marks) characters, but for the few
+    format characters that are drawn (a question of only "۝" is text). `str.strip()`
     keeps "\u200b": a message of zero-width characters was answered, and its answer stored in
     the semantic tier, where every other invisible question then matched it. Stops at the
     first visible character (a long text costs nothing more)."""
-    return all(c.isspace() or unicodedata.category(c) in ("Cc", "Cf") for c in text)
+    return all(c.isspace() or unicodedata.category(c) in ("Cc", "Cf") and c not in _DRAWN_FORMAT
+               for c in text)
 
 
 class TierCacheError(Exception):

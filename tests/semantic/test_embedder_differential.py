@@ -50,7 +50,6 @@ import os
 import random
 import threading
 import time
-import unicodedata
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import numpy as np
@@ -60,6 +59,7 @@ from services.semantic.cache import Namespace, SemanticCache
 from services.semantic.config import SemanticConfig
 from services.semantic.embedder import BatchingEmbedder
 from services.semantic.store import EntryStore
+from tests.blank_text import blank
 from tests.clock import Clock
 
 SEEDS = int(os.environ.get("TIERCACHE_EMBEDDER_DIFF_SEEDS", "8"))
@@ -70,12 +70,8 @@ HANG_S = 10.0
 WORDS = ("the a cat dog question python café naïve résumé 一个 女人 🐍 hello world 각 ! ? "
          "long Zürich cafe\u0301 \u200b").split(" ")
 BAD = ["\ud800", "a \udcff b", b"bytes"]
+_invisible = blank  # refused as empty (tests/blank_text.py)
 
-
-
-def _invisible(t: str) -> bool:
-    """Refused as empty: nothing left once whitespace, control and format characters go."""
-    return not [c for c in t if not c.isspace() and unicodedata.category(c) not in ("Cc", "Cf")]
 
 def _text(rng: random.Random) -> str:
     r = rng.random()
