@@ -199,6 +199,9 @@ class Replica:
     # Times the poller has declared it down (`_notify_down`): `watch` compares it with the
     # count seen at routing.
     downs: int = 0
+    # Why its last Stats answer says it can never serve this orchestrator (its id, another
+    # model or block size; "" = none): kept out even of the last-resort routing.
+    misfit: str = ""
 
     @property
     def public_id(self) -> str:
@@ -324,7 +327,10 @@ class ReplicaSet:
         r = self.replicas[i]
         try:
             s, ours_after = fut.result()
-            wrong = self._mismatch(s) or self._id_taken(r, s)
+            misfit = self._mismatch(s)
+            wrong = misfit or self._id_taken(r, s)
+            # Named by the id it answered with: one never healthy is still known by its alias.
+            r.misfit = f"{s.replica_id or r.public_id}: {misfit}" if misfit else ""
             if wrong:
                 if r.health.healthy or r.health.last_error != wrong:
                     log.error("replica %s at %s is out of routing: %s", s.replica_id,
@@ -365,6 +371,9 @@ class ReplicaSet:
                 return
             r.health.ok()
         except grpc.RpcError as e:
+            # What it serves is not known now (restarting, maybe on our model): a last resort
+            # again, and a request finding none is not told it serves another model.
+            r.misfit = ""
             hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
             # Consecutive timed-out polls: a refusal in between (draining) is not one.
             r.slow_polls = r.slow_polls + 1 if hung else 0
@@ -468,12 +477,29 @@ class ReplicaSet:
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.health.healthy]
 
+    def _routable(self) -> list[Replica]:
+        return self.healthy() or [r for r in self.replicas if not r.misfit]
+
     def views(self) -> list[ReplicaView]:
         """Replicas to route to: the healthy ones, or every one when none is known healthy
-        (at start-up, or after a network blip) — trying costs one fast connection error."""
-        live = self.healthy() or self.replicas
+        (at start-up, or after a network blip) — trying costs one fast connection error.
+        Never one that said it serves another model or block size: mid-roll (every replica
+        on the new model, this orchestrator not yet), each request was sent to every replica
+        in turn, refused by each, and logged an ERROR and a WARNING per replica."""
+        live = self._routable()
         return [ReplicaView(r.replica_id, r.load,
                             r.stats.blocks_free if r.stats is not None else -1) for r in live]
+
+    def misfits(self) -> str:
+        """Why routing has no replica because of the deployment ("" = not so): every replica
+        said it serves another model (or block size). Names both ids and what to set."""
+        with self._lock:
+            why = [r.misfit for r in self.replicas]
+        if not why or not all(why):
+            return ""
+        return ("no kvpool replica serves this orchestrator's model: " + "; ".join(why)
+                + ". Set the orchestrator's TIERCACHE_ORCHESTRATOR_MODEL and _MODEL_ID (and "
+                "_BLOCK_SIZE) to the replicas', or restart the replicas on this one's")
 
     def by_id(self, replica_id: str) -> Replica | None:
         """The replica named `replica_id`, also by its address: a replica is known by its
@@ -491,8 +517,9 @@ class ReplicaSet:
         """The smallest model context the replicas routing can use report (0 = none has
         answered Stats yet): a request longer than it could be refused by the replica it is
         routed to. Those routing cannot use (down, stalled, gone) do not count: one with a
-        smaller context that had crashed or been scaled away still cut every request short."""
-        live = self.healthy() or self.replicas
+        smaller context that had crashed or been scaled away still cut every request short;
+        nor one on another model (its figures are the old model's, from before it changed)."""
+        live = self._routable()
         with self._lock:
             sizes = [r.stats.max_context for r in live
                      if r.stats is not None and r.stats.max_context]

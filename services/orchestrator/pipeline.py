@@ -702,6 +702,12 @@ class Orchestrator:
                         if hashes and self.dispatched is not None:
                             recorded = self.dispatched.record(decision.replica_id, hashes)
                 if decision is None or replica is None:
+                    misfits = "" if tried else self.replicas.misfits()
+                    if misfits:
+                        # A deployment fault (mid-roll to another model, or one left
+                        # behind), not "unavailable, retry": said once per request, naming
+                        # both model ids and what to set (the replicas are not asked).
+                        raise errors.FailedPrecondition(misfits)
                     raise _counted(tenant, _give_up(
                         too_big, bool(tried) and only_busy,
                         f"every kvpool replica is busy (tried {', '.join(tried)}); retry later",

@@ -45,7 +45,8 @@ order), our in-flight calls beginning and ending, requests' outcomes on a replic
   there takes it out of routing until the next answered poll, its error the health line's
   unless the poller holds it down (the poller's reason stands);
 - load = our calls in flight + max(0, running + waiting - ours at the poll); routing sees the
-  healthy replicas, or every one when none is; max_context is the smallest of theirs.
+  healthy replicas, or every one when none is, less those whose last answer was another
+  model or block size (until a poll of theirs fails); max_context is the smallest of theirs.
 
 Run many seeds by hand: `python -m tests.orchestrator.test_backends_differential 300`.
 """
@@ -426,6 +427,7 @@ class ReplicaModel:
     # Its "process" as the harness has it: id, incarnation, model, block size.
     own_id: str = ""
     incarnation: str = "a"
+    misfit: str = ""  # another model or block size, said by its last answer
 
 
 class ReplicaHarness:
@@ -517,6 +519,7 @@ class ReplicaHarness:
             else:
                 m.slow = 0
                 self.down(m, e.details())
+            m.misfit = ""
             return
         s = value
         wrong = ""
@@ -531,6 +534,9 @@ class ReplicaHarness:
             if other is not None:
                 wrong = (f"replica id {s.replica_id!r} is also answered by {other.address}: "
                          "give each replica its own TIERCACHE_KVPOOL_REPLICA_ID")
+        pub = m.replica_id if m.replica_id != m.address else m.alias
+        m.misfit = (f"{s.replica_id or pub}: {wrong}"
+                    if wrong.startswith(("it serves model", "its KV block size")) else "")
         if wrong:
             m.slow = 0  # an answer: the row of timed-out polls is broken
             self.down(m, wrong)
@@ -680,12 +686,17 @@ class ReplicaHarness:
                 (m.address, gauge)
         healthy = [m for m in self.reps if m.healthy]
         assert [r.address for r in rs.healthy()] == [m.address for m in healthy]
-        live = healthy or self.reps
+        live = healthy or [m for m in self.reps if not m.misfit]
         want_views = [(m.replica_id, self.load(m), m.stats.blocks_free if m.stats else -1)
                       for m in live]
         assert [tuple(v) for v in rs.views()] == want_views
         sizes = [m.stats.max_context for m in live if m.stats and m.stats.max_context]
         assert rs.max_context() == min(sizes, default=0)
+        misfits = rs.misfits()
+        if self.reps and all(m.misfit for m in self.reps):
+            assert all(m.misfit in misfits for m in self.reps), misfits
+        else:
+            assert misfits == ""
         for name in {m.replica_id for m in self.reps} | set(self.addresses) | {"nobody"}:
             want_r = next((m for m in self.reps if m.replica_id == name), None) or \
                 next((m for m in self.reps if m.address == name), None)

@@ -393,3 +393,32 @@ def test_a_tier_refusing_every_store_stays_unhealthy_while_its_lookups_answer():
     stub.full = False
     sb.store(semantic_pb2.StoreRequest())
     assert sb.dependencies()[0].healthy
+
+
+def test_replicas_serving_another_model_are_not_routed_to_even_as_a_last_resort():
+    """With no replica healthy, routing tries every one (a network blip at start-up): but one
+    that answered serving another model refuses every request, which was sent there anyway
+    (an ERROR and a WARNING per request). It is left out, and `misfits` says why once every
+    replica is such; a replica back on the right model is routable again."""
+    rs = ReplicaSet(addresses=(), internal_token="", model_id="m")
+    reps = [Replica(f"a{i}", Answering(replica_id=f"kvpool-{i}", model_id="m2"),
+                    Health("kvpool", f"a{i}"), replica_id=f"a{i}") for i in range(2)]
+    rs.replicas.extend(reps)
+    reps[0].stub.answer = kvpool_pb2.KvStatsResponse(replica_id="kvpool-0", model_id="m",
+                                                     max_context=100)
+    rs.poll_once()
+    assert rs.max_context() == 100
+    reps[0].stub.answer = kvpool_pb2.KvStatsResponse(replica_id="kvpool-0", model_id="m2")
+    rs.poll_once()  # restarted on another model: its old figures no longer count either
+    assert rs.healthy() == [] and rs.views() == [] and rs.max_context() == 0
+    why = rs.misfits()
+    assert "kvpool-0: it serves model 'm2', this orchestrator 'm'" in why
+    assert "kvpool-1: it serves model 'm2'" in why
+    reps[1].stub.answer = kvpool_pb2.KvStatsResponse(replica_id="kvpool-1", model_id="m")
+    rs.poll_once()
+    assert [v.replica_id for v in rs.views()] == ["kvpool-1"] and rs.misfits() == ""
+    # Gone (restarting): what it serves is no longer known, and it is a last resort again.
+    reps[0].stub = FailingStats(grpc.StatusCode.UNAVAILABLE)
+    reps[1].stub = FailingStats(grpc.StatusCode.UNAVAILABLE)
+    rs.poll_once()
+    assert rs.misfits() == "" and len(rs.views()) == 2

@@ -374,3 +374,26 @@ def test_a_busy_replicas_hand_offs_are_thinned_in_the_log(caplog):
             assert orch.stats.degradations["busy_replica"] == 1
     said = [r for r in caplog.records if r.getMessage().startswith("replica busy-q is busy")]
     assert 1 <= len(said) <= 10
+
+
+def test_a_request_when_every_replica_serves_another_model_is_refused_naming_both_ids():
+    """Mid-roll to new weights (every replica restarted on model "m2", the orchestrator still
+    on "m"): routing fell back to every replica "as none is healthy", each refused the request
+    (model_id), the orchestrator logged an ERROR and a WARNING per replica per request, and
+    the client got UNAVAILABLE "...; last: FAILED_PRECONDITION", naming no model. The
+    replicas are not asked; the client is told both ids and what to set."""
+    stubs = {r: Stub(r, [Call([final(r, 2)])]) for r in ("A", "B")}
+    orch = make(stubs)
+    for r in orch.replicas.replicas:
+        r.replica_id = r.address
+        r.misfit = f"{r.address}: it serves model 'm2', this orchestrator 'm'"
+        r.health.fail(r.misfit, hold=True)
+    with pytest.raises(errors.FailedPrecondition) as e:
+        generate(orch, [])
+    assert "A: it serves model 'm2', this orchestrator 'm'" in str(e.value)
+    assert "TIERCACHE_ORCHESTRATOR_MODEL" in str(e.value)
+    assert stubs["A"].requests == [] and stubs["B"].requests == []
+    # B merely down, not known to serve another model: still tried as a last resort.
+    orch.replicas.replicas[1].misfit = ""
+    assert finished(generate(orch, [])).report.replica_id == "B"
+    assert stubs["A"].requests == [] and len(stubs["B"].requests) == 1
