@@ -956,3 +956,27 @@ def test_stats_answers_in_the_callers_time_when_a_prefix_shard_never_does():
         resp = c.stats(timeout=0.6)
     assert not resp.HasField("prefix") and resp.dependencies[-1].name == "prefix"
     assert len(given) == 2 and given[1] < 0.5  # a fifth of 0.6 s kept to answer in
+
+
+def test_a_warm_when_every_replica_serves_another_model_names_both_model_ids():
+    """Mid-roll (the replicas on new weights, this orchestrator not yet) a Warm was
+    UNAVAILABLE "no healthy replica to warm", naming no model; Generate says
+    FAILED_PRECONDITION with both ids, and so does Warm now, asking no replica."""
+    from services.orchestrator.render import PromptRenderer
+    from services.orchestrator.server import Warmer
+    from tests.orchestrator.test_pipeline_paths import TENANT, Stub, Tok, make
+
+    stubs = {"A": Stub("A", [])}
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=100)
+    r = orch.replicas.replicas[0]
+    r.misfit = "kvpool-0: it serves model 'm2', this orchestrator 'm'"
+    r.health.fail(r.misfit, hold=True)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
+    try:
+        with pytest.raises(errors.FailedPrecondition, match="serves model 'm2', this orch"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+                prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 40)]))
+    finally:
+        warmer.stop()
+    assert _sent(stubs) == []

@@ -245,6 +245,9 @@ class World:
     def max_context(self) -> int:
         return self.context
 
+    def misfits(self) -> str:
+        return ""  # no replica here serves another model
+
     def owner(self, tenant, token_ids, deadline=None, on_call=None):
         key = (tenant.cache_salt, tuple(token_ids))
         if key not in self.owners:
