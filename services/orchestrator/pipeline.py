@@ -704,10 +704,12 @@ class Orchestrator:
                 if decision is None or replica is None:
                     misfits = "" if tried else self.replicas.misfits()
                     if misfits:
-                        # A deployment fault (mid-roll to another model, or one left
-                        # behind), not "unavailable, retry": said once per request, naming
-                        # both model ids and what to set (the replicas are not asked).
-                        raise errors.FailedPrecondition(misfits)
+                        # Mid-roll to another model (or one left behind): said once per
+                        # request, naming both model ids and what to set (the replicas are
+                        # not asked). UNAVAILABLE, not FAILED_PRECONDITION: in a planned roll
+                        # the same request succeeds moments later on a rolled orchestrator
+                        # or replica, and clients retry UNAVAILABLE (`retry_later`).
+                        raise errors.Unavailable(misfits)
                     raise _counted(tenant, _give_up(
                         too_big, bool(tried) and only_busy,
                         f"every kvpool replica is busy (tried {', '.join(tried)}); retry later",

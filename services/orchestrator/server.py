@@ -698,9 +698,9 @@ class Warmer:
         if not self.orch.replicas.healthy():  # after the checks of the request itself
             misfits = self.orch.replicas.misfits()
             if misfits:
-                # Every replica on another model (mid-roll): said as Generate says it, not as
-                # "unavailable, retry" naming no model.
-                raise errors.FailedPrecondition(misfits)
+                # Every replica on another model (mid-roll): said as Generate says it, naming
+                # both model ids ("no healthy replica to warm" named none).
+                raise errors.Unavailable(misfits)
             raise errors.Unavailable("no healthy replica to warm")
         reserved = afford(len(jobs) - 1) if afford is not None and jobs else 0
         # The pool's threads do not inherit the call's request id: bound there for the logs,

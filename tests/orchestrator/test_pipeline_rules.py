@@ -381,14 +381,15 @@ def test_a_request_when_every_replica_serves_another_model_is_refused_naming_bot
     on "m"): routing fell back to every replica "as none is healthy", each refused the request
     (model_id), the orchestrator logged an ERROR and a WARNING per replica per request, and
     the client got UNAVAILABLE "...; last: FAILED_PRECONDITION", naming no model. The
-    replicas are not asked; the client is told both ids and what to set."""
+    replicas are not asked; the client is told both ids and what to set, still UNAVAILABLE
+    (retryable: in a planned roll a retry succeeds once a rolled orchestrator takes it)."""
     stubs = {r: Stub(r, [Call([final(r, 2)])]) for r in ("A", "B")}
     orch = make(stubs)
     for r in orch.replicas.replicas:
         r.replica_id = r.address
         r.misfit = f"{r.address}: it serves model 'm2', this orchestrator 'm'"
         r.health.fail(r.misfit, hold=True)
-    with pytest.raises(errors.FailedPrecondition) as e:
+    with pytest.raises(errors.Unavailable) as e:
         generate(orch, [])
     assert "A: it serves model 'm2', this orchestrator 'm'" in str(e.value)
     assert "TIERCACHE_ORCHESTRATOR_MODEL" in str(e.value)

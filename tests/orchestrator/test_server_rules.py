@@ -960,8 +960,8 @@ def test_stats_answers_in_the_callers_time_when_a_prefix_shard_never_does():
 
 def test_a_warm_when_every_replica_serves_another_model_names_both_model_ids():
     """Mid-roll (the replicas on new weights, this orchestrator not yet) a Warm was
-    UNAVAILABLE "no healthy replica to warm", naming no model; Generate says
-    FAILED_PRECONDITION with both ids, and so does Warm now, asking no replica."""
+    UNAVAILABLE "no healthy replica to warm", naming no model; Generate names both ids, and
+    so does Warm now (still UNAVAILABLE: a roll ends), asking no replica."""
     from services.orchestrator.render import PromptRenderer
     from services.orchestrator.server import Warmer
     from tests.orchestrator.test_pipeline_paths import TENANT, Stub, Tok, make
@@ -974,7 +974,7 @@ def test_a_warm_when_every_replica_serves_another_model_names_both_model_ids():
     r.health.fail(r.misfit, hold=True)
     warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
     try:
-        with pytest.raises(errors.FailedPrecondition, match="serves model 'm2', this orch"):
+        with pytest.raises(errors.Unavailable, match="serves model 'm2', this orch"):
             warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
                 prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 40)]))
     finally:
