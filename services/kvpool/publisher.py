@@ -141,8 +141,9 @@ class Publisher:
         # while it is False.
         self.connected = False
         # An outage of the index (every shard failing the same call): when it began, its
-        # failed tries, and when it was last said at WARNING (monotonic; None = none).
-        self._outage: tuple[float, int, float] | None = None
+        # failed tries, when it was last said at WARNING (monotonic; None = none) and the
+        # status said then.
+        self._outage: tuple[float, int, float, str] | None = None
         self.resyncs = 0
         self._backlog: list[PoolEvent] = []
         # The index's batch limits, from its Register answer.
@@ -227,7 +228,7 @@ class Publisher:
                     # heartbeat interval for as long as the index was down.
                     backoff = 0.2
                     if self._outage is not None:
-                        began, tries, _ = self._outage
+                        began, tries, _, _ = self._outage
                         self._outage = None
                         log.info("prefix index %s answers again after %.0fs (%d tries failed)",
                                  self.address, time.monotonic() - began, tries)
@@ -259,13 +260,18 @@ class Publisher:
                 # One WARNING as the outage begins, then one a minute while it lasts (each
                 # try one, 12 a minute per replica, filled the log of an index's restart);
                 # the tries between at DEBUG, and a line when the index answers again.
+                # A new status is said at once: an index restarted on another internal token
+                # or hash key (a rotation) refused every try UNAUTHENTICATED or
+                # FAILED_PRECONDITION for a minute, while the log's last line still said
+                # UNAVAILABLE (connection refused) from its restart.
                 now = time.monotonic()
-                began, tries, warned = self._outage or (now, 0, -math.inf)
-                loud = now - warned >= OUTAGE_WARNING_EVERY_S
-                self._outage = (began, tries + 1, now if loud else warned)
+                code = e.code().name if hasattr(e, "code") else "?"
+                began, tries, warned, said = self._outage or (now, 0, -math.inf, "")
+                loud = now - warned >= OUTAGE_WARNING_EVERY_S or code != said
+                self._outage = (began, tries + 1, now if loud else warned,
+                                code if loud else said)
                 log.log(logging.WARNING if loud else logging.DEBUG,
-                        "prefix index %s: %s (%s); retrying in %.1fs%s", self.address,
-                        e.code().name if hasattr(e, "code") else "?",
+                        "prefix index %s: %s (%s); retrying in %.1fs%s", self.address, code,
                         e.details() if hasattr(e, "details") else e, backoff,
                         f" (failing for {now - began:.0f}s, {tries + 1} tries)" if tries else "")
                 self._collect()

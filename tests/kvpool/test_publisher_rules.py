@@ -5,7 +5,7 @@ forgot the replica are registered again once; heartbeats keep their interval und
 publish interval and pace to the shortest lease of the shards; an accepted batch marks the
 publisher connected; a probe answered by an index that forgot the replica fails; batches
 skip lagging shards; the retry backoff grows through an outage of the index, said once at
-WARNING and once when it ends."""
+WARNING and once when it ends, and again at once when its status changes."""
 
 from __future__ import annotations
 
@@ -380,6 +380,46 @@ def test_an_outage_of_the_index_is_one_warning_then_a_line_when_it_answers_again
         failed = [r for r in caplog.records if "retrying in" in r.getMessage()]
         assert [r.levelno for r in failed[:4]] == [logging.WARNING] + [logging.DEBUG] * 3
         assert "(failing for" in failed[1].getMessage()
+    finally:
+        pub.stop()
+        h.stop(0)
+
+
+def test_a_new_status_within_an_outage_is_said_at_once(make_engine, caplog) -> None:
+    """An outage whose cause changes (the index restarted on another internal token: refused
+    connections, then UNAUTHENTICATED) says the new status at WARNING at its first try, not
+    a minute later: the log's last line said UNAVAILABLE while every try was refused."""
+    import logging
+
+    import grpc
+
+    class Refused(grpc.RpcError):
+        def __init__(self, code: grpc.StatusCode) -> None:
+            self._code = code
+
+        def code(self) -> grpc.StatusCode:
+            return self._code
+
+        def details(self) -> str:
+            return "refused"
+
+    (_, h) = start_shard(lease_seconds=10.0)
+    pub = _tiny_publisher(make_engine, h.port, heartbeat_seconds=0.2)
+    codes = [grpc.StatusCode.UNAVAILABLE] * 2 + [grpc.StatusCode.UNAUTHENTICATED] * 2
+
+    def beat(*_a, **_k) -> None:
+        raise Refused(codes.pop(0) if len(codes) > 1 else codes[0])
+
+    try:
+        wait_for(lambda: pub.registered and pub.connected)
+        with caplog.at_level(logging.DEBUG, logger="services.kvpool.publisher"):
+            pub._heartbeat = beat
+            wait_for(lambda: caplog.text.count("retrying in") >= 4)
+        failed = [(r.levelno, r.getMessage().split(" (")[0].rsplit(" ", 1)[-1])
+                  for r in caplog.records if "retrying in" in r.getMessage()][:4]
+        assert failed == [(logging.WARNING, "UNAVAILABLE"), (logging.DEBUG, "UNAVAILABLE"),
+                          (logging.WARNING, "UNAUTHENTICATED"),
+                          (logging.DEBUG, "UNAUTHENTICATED")], caplog.text
     finally:
         pub.stop()
         h.stop(0)
