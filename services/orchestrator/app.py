@@ -17,7 +17,12 @@ from services.orchestrator.prefix_backend import PrefixBackend
 from services.orchestrator.render import PromptRenderer
 from services.orchestrator.routing import make_routing_policy
 from services.orchestrator.server import Warmer
-from services.orchestrator.tenants import TenantRegistry, file_version, watch_tokens_file
+from services.orchestrator.tenants import (
+    TenantRegistry,
+    file_version,
+    version_tag,
+    watch_tokens_file,
+)
 
 log = logging.getLogger("services.orchestrator")
 
@@ -68,6 +73,11 @@ def build(cfg: OrchestratorConfig) -> App:
     # The version read, taken before the read: a change in between is read again, not missed.
     version = file_version(os.path.expanduser(cfg.tokens_file)) if cfg.tokens_file else None
     tenants = read_tokens()
+    if cfg.tokens_file:
+        # The version in force, as each reload names the one it takes (docs/deploy.md).
+        log.info("tokens file %s: %d tokens of %d tenants (version %s)",
+                 os.path.expanduser(cfg.tokens_file), len(tenants.by_token),
+                 len({t.name for t in tenants.by_token.values()}), version_tag(version))
     resolved, tok = load_resolved(cfg.model, cfg.cache_dir or None, None, load_tokenizer)
     if not getattr(tok, "chat_template", None):
         log.warning("model %s has no chat template: requests must send a raw `prompt`; "

@@ -43,8 +43,8 @@ class OrchestratorConfig:
     tokens_file: str = ""
     # "token=tenant,..." pairs, beside or instead of tokens_file; "" = none.
     tokens: str = ""
-    # How often the tokens file is checked for changes and read again (0 = once, at start): a
-    # token removed from it stopped working only when every orchestrator was restarted.
+    # How often the tokens file is checked for changes and read again (0 = once, at start: a
+    # token removed from it then works until the orchestrator restarts).
     tokens_reload_s: float = 5.0
     # Defaults and limits per request. max_tokens of a request that sets none (0), capped by
     # its tenant's limit and by what the model's context leaves.

@@ -231,12 +231,17 @@ class TenantRegistry:
         names: dict[str, str] = {}  # token -> tenant
         if tokens_file:
             with open(os.path.expanduser(tokens_file), encoding="utf-8") as f:
-                try:
-                    data = json.load(f, object_pairs_hook=_unique_keys)
-                except json.JSONDecodeError as exc:
-                    raise ValueError(f"{tokens_file}: not JSON: {exc}") from None
-                except ValueError as exc:
-                    raise ValueError(f"{tokens_file}: {exc}") from None
+                text = f.read()
+            if not text.strip():
+                # Said as such: an emptied or half-written file read "not JSON: Expecting
+                # value: line 1 column 1 (char 0)".
+                raise ValueError(f"{tokens_file}: the file is empty")
+            try:
+                data = json.loads(text, object_pairs_hook=_unique_keys)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{tokens_file}: not JSON: {exc}") from None
+            except ValueError as exc:
+                raise ValueError(f"{tokens_file}: {exc}") from None
             if not isinstance(data, Mapping):
                 raise ValueError(f"{tokens_file}: expected a JSON object of token -> tenant")
             for i, (tok, raw) in enumerate(data.items(), 1):
@@ -494,6 +499,12 @@ def file_version(path: str) -> bytes | None:
         return None
 
 
+def version_tag(version: bytes | None) -> str:
+    """A tokens file version as logs name it: the first 12 hex digits of its sha256, what
+    `sha256sum` prints for the file (a secret's digest, never its tokens)."""
+    return version.hex()[:12] if version is not None else "unreadable"
+
+
 def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegistry],
                       path: str, every: float, stop: threading.Event,
                       seen: bytes | None = None) -> threading.Thread:
@@ -506,14 +517,15 @@ def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegist
     first = file_version(path) if seen is None else seen
 
     def loop() -> None:
-        seen = first
+        seen = taken = first
         while not stop.wait(every):
             now = file_version(path)
             if now == seen:
                 continue
             before, seen = seen, now
             if now is None:
-                log.error("tokens file %s is gone: keeping the tokens read before", path)
+                log.error("tokens file %s is gone: keeping the tokens read before (version %s)",
+                          path, version_tag(taken))
                 continue
             try:
                 fresh = build()
@@ -524,11 +536,17 @@ def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegist
                     # version marked seen after a passing failure was never taken, a removed
                     # token accepted until the file changed again.
                     seen = before
-                log.error("tokens file %s changed but was not taken (%s): keeping the tokens "
-                          "read before", path, exc)
+                # Versions named: "read again: 2 tokens of 2 tenants" was the same line for
+                # a token removed and one changed, and an operator could not tell which
+                # version of the file was in force (`sha256sum` of the file says it).
+                log.error("tokens file %s changed (version %s) but was not taken (%s): keeping "
+                          "the tokens read before (version %s)", path, version_tag(now), exc,
+                          version_tag(taken))
                 continue
-            log.info("tokens file %s read again: %d tokens of %d tenants", path,
-                     len(fresh.by_token), len({t.name for t in fresh.by_token.values()}))
+            taken = now
+            log.info("tokens file %s read again: %d tokens of %d tenants (version %s)", path,
+                     len(fresh.by_token), len({t.name for t in fresh.by_token.values()}),
+                     version_tag(now))
 
     t = threading.Thread(target=loop, name="tokens-reload", daemon=True)
     t.start()

@@ -21,3 +21,47 @@ def test_a_tenant_past_its_concurrent_requests_is_told_what_to_do():
         reg.acquire(acme)
     reg.release(held)
     reg.release(reg.acquire(acme))  # the slot freed: taken again
+
+
+def test_the_tokens_file_versions_are_named_in_the_reload_lines(tmp_path, caplog):
+    """Each reload line names the version it took (sha256sum's first 12 digits), and a
+    refused one both versions: "read again: 2 tokens of 2 tenants" read the same for a
+    token removed and one changed. An emptied file is said to be empty, not "not JSON"."""
+    import hashlib
+    import json
+    import logging
+    import threading
+    import time
+
+    from services.orchestrator.tenants import watch_tokens_file
+
+    f = tmp_path / "tokens.json"
+    first = json.dumps({"tok-a": {"tenant": "a"}})
+    f.write_text(first)
+
+    def build() -> TenantRegistry:
+        return TenantRegistry.build(tokens_file=str(f), tokens="", key=b"k",
+                                    max_prompt_tokens=100, max_tokens=16, max_concurrent=1)
+
+    def tag(text: str) -> str:
+        return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+    def until(cond) -> None:
+        end = time.monotonic() + 5
+        while not cond():
+            assert time.monotonic() < end, caplog.text
+            time.sleep(0.01)
+
+    stop = threading.Event()
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.tenants"):
+        watch_tokens_file(build(), build, str(f), 0.02, stop)
+        second = json.dumps({"tok-b": {"tenant": "b"}})
+        f.write_text(second)
+        until(lambda: f"read again: 1 tokens of 1 tenants (version {tag(second)})"
+              in caplog.text)
+        f.write_text("")
+        until(lambda: f"changed (version {tag('')}) but was not taken" in caplog.text)
+    stop.set()
+    assert f"the file is empty): keeping the tokens read before (version {tag(second)})" \
+        in caplog.text
+    assert tag(first) not in caplog.text  # the start's version is the app's line
