@@ -49,6 +49,10 @@ IN_FLIGHT = gauge("tiercache_orchestrator_replica_requests_in_flight",
                   "address): routing's own share of the replica's load", ("replica",))
 
 
+# Reasons a dependency's outage says at WARNING, its first included: each new one once.
+MAX_REASONS_SAID = 4
+
+
 @dataclass
 class Health:
     name: str
@@ -59,6 +63,8 @@ class Health:
     # Marked down by the health poller (a replica refusing Stats, e.g. draining): only the
     # poller brings it back, not a request that still finishes there.
     held_down: bool = False
+    # The reasons said at WARNING since it went down (see `fail`).
+    _said: set[str] = field(default_factory=set, repr=False, compare=False)
     # traffic_ok's check and set, against the poller's fail(hold=True) in between.
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
     # Whether its state is a metric and its recovery a log line. Off for a sharded tier's own
@@ -74,6 +80,7 @@ class Health:
         if not self.healthy and self.last_error and self.exported:
             # Said as its going down was: recovery was only visible in Stats.
             log.info("%s at %s is healthy again", self.name, self.address)
+        self._said.clear()
         self.healthy, self.last_error, self.last_ok = True, "", time.time()
         self.held_down = False
         self._export()
@@ -97,6 +104,15 @@ class Health:
         with self._lock:
             if self.healthy and self.exported:
                 log.warning("%s at %s is unhealthy: %s", self.name, self.address, msg)
+                self._said = {str(msg)}
+            elif (self.exported and str(msg) not in self._said
+                  and len(self._said) < MAX_REASONS_SAID):
+                # A new reason while down is said too (a few per outage): a replica restarted
+                # on another internal token read "Connection refused" from its restart in
+                # the log for as long as it refused us UNAUTHENTICATED.
+                log.warning("%s at %s is still unhealthy, now: %s", self.name, self.address,
+                            msg)
+                self._said.add(str(msg))
             if hold or not self.held_down:
                 # The poller's verdict stands in Stats while it holds the replica down: a
                 # hung replica's calls, cancelled by the poller, said "Locally cancelled by

@@ -422,3 +422,32 @@ def test_replicas_serving_another_model_are_not_routed_to_even_as_a_last_resort(
     reps[1].stub = FailingStats(grpc.StatusCode.UNAVAILABLE)
     rs.poll_once()
     assert rs.misfits() == "" and len(rs.views()) == 2
+
+
+def test_a_new_reason_while_down_is_said_once(caplog):
+    """A dependency that stays down for another reason (restarted on another internal token:
+    refused connections, then UNAUTHENTICATED) says the new reason once; the log kept the
+    first ("Connection refused") for the whole outage. A few per outage, each once."""
+    import logging
+
+    h = Health("kvpool", "r0")
+    h.ok()
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.backends"):
+        h.fail("connection refused", hold=True)
+        h.fail("connection refused", hold=True)
+        h.fail("authorization: missing or wrong internal credential", hold=True)
+        h.fail("authorization: missing or wrong internal credential", hold=True)
+        h.fail("connection refused", hold=True)
+        for i in range(10):
+            h.fail(f"reason {i}")
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines[:2] == ["kvpool at r0 is unhealthy: connection refused",
+                         "kvpool at r0 is still unhealthy, now: authorization: missing or "
+                         "wrong internal credential"]
+    assert len(lines) == 4  # bounded: two more reasons, then none
+    h.ok()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.backends"):
+        h.fail("connection refused")  # a new outage says its reason again
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvpool at r0 is unhealthy: connection refused"]
