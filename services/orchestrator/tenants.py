@@ -30,7 +30,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unauthenticated,
 )
-from services.common.metrics import counter
+from services.common.metrics import counter, gauge
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,13 @@ log = logging.getLogger(__name__)
 # or why. Tenants come from configuration, so the label set is bounded.
 # "a tenant or server limit" read as every limit: a max_tokens past the server's own limit (the
 # live check's `--max-tokens 5000`) is INVALID_ARGUMENT and counted only in tiercache_rpc_total.
+# Alertable: a refused version was only an ERROR line, while the tokens in force were older
+# than the file (a token removed from it still accepted).
+TOKENS_STALE = gauge("tiercache_orchestrator_tokens_file_stale",
+                     "1 while the tenant tokens file differs from the version in force (its "
+                     "latest version malformed, empty, unreadable or gone: the tokens read "
+                     "before stay), else 0; absent without a tokens file or with "
+                     "tokens_reload_s 0")
 REJECTED = counter("tiercache_orchestrator_rejections_total",
                    "Requests refused RESOURCE_EXHAUSTED by a tenant's limit (reason "
                    "prompt_tokens, max_tokens, concurrent, rate_limit), the server's stream "
@@ -515,6 +522,7 @@ def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegist
     force stay (never none: an emptied file is refused as at start)."""
     path = os.path.expanduser(path)
     first = file_version(path) if seen is None else seen
+    TOKENS_STALE.set(0)
 
     def loop() -> None:
         seen = taken = first
@@ -524,6 +532,7 @@ def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegist
                 continue
             before, seen = seen, now
             if now is None:
+                TOKENS_STALE.set(1)
                 log.error("tokens file %s is gone: keeping the tokens read before (version %s)",
                           path, version_tag(taken))
                 continue
@@ -536,6 +545,7 @@ def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegist
                     # version marked seen after a passing failure was never taken, a removed
                     # token accepted until the file changed again.
                     seen = before
+                TOKENS_STALE.set(1)
                 # Versions named: "read again: 2 tokens of 2 tenants" was the same line for
                 # a token removed and one changed, and an operator could not tell which
                 # version of the file was in force (`sha256sum` of the file says it).
@@ -544,6 +554,7 @@ def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegist
                           version_tag(taken))
                 continue
             taken = now
+            TOKENS_STALE.set(0)
             log.info("tokens file %s read again: %d tokens of %d tenants (version %s)", path,
                      len(fresh.by_token), len({t.name for t in fresh.by_token.values()}),
                      version_tag(now))

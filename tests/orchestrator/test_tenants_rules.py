@@ -26,7 +26,8 @@ def test_a_tenant_past_its_concurrent_requests_is_told_what_to_do():
 def test_the_tokens_file_versions_are_named_in_the_reload_lines(tmp_path, caplog):
     """Each reload line names the version it took (sha256sum's first 12 digits), and a
     refused one both versions: "read again: 2 tokens of 2 tenants" read the same for a
-    token removed and one changed. An emptied file is said to be empty, not "not JSON"."""
+    token removed and one changed. An emptied file is said to be empty, not "not JSON". The
+    stale gauge says while the file's latest version is not the one in force."""
     import hashlib
     import json
     import logging
@@ -34,6 +35,7 @@ def test_the_tokens_file_versions_are_named_in_the_reload_lines(tmp_path, caplog
     import time
 
     from services.orchestrator.tenants import watch_tokens_file
+    from tests.metric_sample import sample_value
 
     f = tmp_path / "tokens.json"
     first = json.dumps({"tok-a": {"tenant": "a"}})
@@ -59,8 +61,13 @@ def test_the_tokens_file_versions_are_named_in_the_reload_lines(tmp_path, caplog
         f.write_text(second)
         until(lambda: f"read again: 1 tokens of 1 tenants (version {tag(second)})"
               in caplog.text)
+        assert sample_value("tiercache_orchestrator_tokens_file_stale") == 0
         f.write_text("")
         until(lambda: f"changed (version {tag('')}) but was not taken" in caplog.text)
+        assert sample_value("tiercache_orchestrator_tokens_file_stale") == 1
+        f.write_text(second)
+        until(lambda: caplog.text.count("read again") >= 2)
+        assert sample_value("tiercache_orchestrator_tokens_file_stale") == 0
     stop.set()
     assert f"the file is empty): keeping the tokens read before (version {tag(second)})" \
         in caplog.text
