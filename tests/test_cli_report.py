@@ -200,3 +200,41 @@ def test_the_cli_says_when_a_tiers_figures_leave_out_shards(capsys):
     out = capsys.readouterr()
     assert '"semantic"' not in out.out.replace('"name": "semantic"', "")
     assert out.err == "semantic: no figures (it did not answer; see its line in dependencies)\n"
+
+
+@pytest.mark.parametrize(("max_tokens", "why"), [
+    (8, "(--max-tokens)"), (0, "(the server's default max_tokens, or the room the model's")])
+def test_an_answer_cut_at_its_token_limit_is_said_so(tmp_path, monkeypatch, capsys, max_tokens,
+                                                    why):
+    """An answer cut at max_tokens (finish reason LENGTH) looked like the model's whole
+    answer: a half sentence and no word that it stopped there. A note after the report line
+    says so and where the limit came from; an answer the model ended says nothing; -q leaves
+    the note out with the report."""
+    from tiercache.v1 import orchestrator_pb2
+
+    from clients.python.cli import cmd_chat
+
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path))
+
+    class Cut(FakeClient):
+        def __init__(self, reason) -> None:
+            super().__init__("The capital of France is")
+            self.reason = reason
+
+        def stream(self, messages, **kw):
+            from clients.python.client import Chunk
+
+            yield Chunk(self.answers.pop(0), [], None)
+            yield Chunk("", [], orchestrator_pb2.GenerateFinal(
+                finish_reason=self.reason, usage=common_pb2.Usage(completion_tokens=6)))
+
+    args = chat_args("Capital of France?")
+    args.quiet, args.max_tokens, args.session = False, max_tokens, None
+    assert cmd_chat(Cut(common_pb2.FINISH_REASON_LENGTH), args) == 0
+    err = capsys.readouterr().err
+    assert f"note: the answer was cut at 6 tokens {why}" in err, err
+    assert cmd_chat(Cut(common_pb2.FINISH_REASON_EOS), args) == 0
+    assert "cut at" not in capsys.readouterr().err
+    args.quiet = True
+    assert cmd_chat(Cut(common_pb2.FINISH_REASON_LENGTH), args) == 0
+    assert capsys.readouterr().err == ""

@@ -247,6 +247,14 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
     if not a.quiet:
         sys.stderr.write(shown(format_report(final.cache_report, final.request_id),
                                sys.stderr) + "\n")
+        if final.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+            # Cut at its token limit, not ended by the model: nothing said so, and a half
+            # sentence read as the whole answer.
+            sys.stderr.write(f"note: the answer was cut at {final.usage.completion_tokens} "
+                             "tokens (" + ("--max-tokens" if a.max_tokens else
+                                           "the server's default max_tokens, or the room the "
+                                           "model's context leaves; --max-tokens asks for more")
+                             + ")\n")
     if hist is not None and blank(answer):
         # An empty assistant turn is invalid input for every later request of the session:
         # keep the history as it was (the question can be asked again).
