@@ -49,16 +49,21 @@ class IncompleteStream(RuntimeError):
     message: the answer may be cut short, and there is no CacheReport."""
 
 
+def _name_request(e: grpc.RpcError, metadata: list[tuple[str, str]]) -> None:
+    """Give a failed call's `grpc.RpcError` `request_id`, the x-request-id it was sent with:
+    the id its server's lines carry (an id made up here was never shown, and a ticket had
+    none to quote)."""
+    with contextlib.suppress(AttributeError):
+        e.request_id = dict(metadata)["x-request-id"]
+
+
 @contextlib.contextmanager
 def _naming_request(metadata: list[tuple[str, str]]) -> Iterator[None]:
-    """A failed call's `grpc.RpcError` (Warm, Feedback, Stats) gets `request_id`, the
-    x-request-id it was sent with: the id its server's lines carry (an id made up here was
-    never shown, and a ticket had none to quote)."""
+    """`_name_request` for the unary calls (Warm, Feedback, Stats)."""
     try:
         yield
     except grpc.RpcError as e:
-        with contextlib.suppress(AttributeError):
-            e.request_id = dict(metadata)["x-request-id"]
+        _name_request(e, metadata)
         raise
 
 
@@ -486,7 +491,7 @@ class TierCacheClient:
                 return
             with contextlib.suppress(AttributeError):
                 e.chunks_received = received
-                e.request_id = dict(metadata)["x-request-id"]
+            _name_request(e, metadata)
             raise
         finally:
             call.cancel()  # no-op when finished; stops generation if the caller stops early
