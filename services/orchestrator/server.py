@@ -696,12 +696,9 @@ class Warmer:
                 f"{len(jobs)} prefills (prompts x target replicas) exceed the limit of {limit} "
                 f"per call: warm fewer prompts, or target the owners")
         if not self.orch.replicas.healthy():  # after the checks of the request itself
-            misfits = self.orch.replicas.misfits()
-            if misfits:
-                # Every replica on another model (mid-roll): said as Generate says it, naming
-                # both model ids ("no healthy replica to warm" named none).
-                raise errors.Unavailable(misfits)
-            raise errors.Unavailable("no healthy replica to warm")
+            # Every replica on another model (mid-roll): said as Generate says it, naming both
+            # model ids ("no healthy replica to warm" named none).
+            raise errors.Unavailable(self.orch.replicas.misfits() or "no healthy replica to warm")
         reserved = afford(len(jobs) - 1) if afford is not None and jobs else 0
         # The pool's threads do not inherit the call's request id: bound there for the logs,
         # and handed to each Prefill.
