@@ -75,9 +75,8 @@ def build(cfg: OrchestratorConfig) -> App:
     tenants = read_tokens()
     if cfg.tokens_file:
         # The version in force, as each reload names the one it takes (docs/deploy.md).
-        log.info("tokens file %s: %d tokens of %d tenants (version %s)",
-                 os.path.expanduser(cfg.tokens_file), len(tenants.by_token),
-                 len({t.name for t in tenants.by_token.values()}), version_tag(version))
+        log.info("tokens file %s: %s (version %s)", os.path.expanduser(cfg.tokens_file),
+                 tenants.summary(), version_tag(version))
     resolved, tok = load_resolved(cfg.model, cfg.cache_dir or None, None, load_tokenizer)
     if not getattr(tok, "chat_template", None):
         log.warning("model %s has no chat template: requests must send a raw `prompt`; "

@@ -209,6 +209,11 @@ class TenantRegistry:
     # A tenant's old name -> its name now, for tokens a reload moved to another name.
     _renamed: dict[str, str] = field(default_factory=dict)
 
+    def summary(self) -> str:
+        """"N tokens of M tenants", as the tokens file's log lines say what was read."""
+        return (f"{len(self.by_token)} tokens of "
+                f"{len({t.name for t in self.by_token.values()})} tenants")
+
     def __post_init__(self) -> None:
         self._by_digest = {_digest(tok): t for tok, t in self.by_token.items()}
         self._current = {t.name: t for t in self.by_token.values()}
@@ -555,8 +560,7 @@ def watch_tokens_file(registry: TenantRegistry, build: Callable[[], TenantRegist
                 continue
             taken = now
             TOKENS_STALE.set(0)
-            log.info("tokens file %s read again: %d tokens of %d tenants (version %s)", path,
-                     len(fresh.by_token), len({t.name for t in fresh.by_token.values()}),
+            log.info("tokens file %s read again: %s (version %s)", path, fresh.summary(),
                      version_tag(now))
 
     t = threading.Thread(target=loop, name="tokens-reload", daemon=True)
