@@ -32,6 +32,7 @@ import grpc
 from tiercache.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 from services.common.config import is_host_port
+from services.common.errors import lone_surrogate
 
 Messages = str | Sequence[dict[str, str]]
 
@@ -113,12 +114,9 @@ def _wire_text(where: str, text: object) -> str:
     UnicodeEncodeError, naming no field."""
     if not isinstance(text, str):
         raise TypeError(f"{where}: a string, not {type(text).__name__}")
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise ValueError(f"{where}: not valid Unicode: a lone surrogate at character "
-                             f"{e.start}") from None
+    at = lone_surrogate(text)
+    if at is not None:
+        raise ValueError(f"{where}: not valid Unicode: a lone surrogate at character {at}")
     return text
 
 

@@ -38,6 +38,18 @@ def blank(text: str) -> bool:
                for c in text)
 
 
+def lone_surrogate(text: str) -> int | None:
+    """The character index of `text`'s first lone surrogate (a str that is not UTF-8, which
+    protobuf and the tokenizers refuse with errors naming no field), or None."""
+    if text.isascii():
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
 class TierCacheError(Exception):
     """Base class; `code` is the grpc.StatusCode name the adapter uses, and `trailers` the
     trailing metadata it sends with the status (key, value pairs)."""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
+from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable, lone_surrogate
 from services.semantic.onnx_export import ensure_onnx, export_identity
 
 log = logging.getLogger(__name__)
@@ -208,12 +208,9 @@ def _check_embeddable(text: object) -> None:
     embeds alone."""
     if not isinstance(text, str):
         raise TypeError(f"the text to embed must be a str, not {type(text).__name__}")
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError as e:
-            raise InvalidArgument("text", f"not valid Unicode: a lone surrogate at character "
-                                          f"{e.start}") from None
+    at = lone_surrogate(text)
+    if at is not None:
+        raise InvalidArgument("text", f"not valid Unicode: a lone surrogate at character {at}")
 
 
 def _asks(wanted: Callable[[], bool]) -> bool:
