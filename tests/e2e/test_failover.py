@@ -261,8 +261,13 @@ def test_a_client_gone_during_a_hung_lookup_gives_its_slot_back_at_once(stack):
             call = c.stub.Generate(c.build_request("Name a river.", max_tokens=4),
                                    timeout=120, metadata=c._metadata())
             # Under way: its lookup waits on the stopped tier, holding the tenant's one slot.
-            wait_until(lambda: tenant_slot(stack.orch.address) == "taken", 30,
-                       "the request never took the tenant's slot")
+            def taken() -> bool:
+                # Ended before it was seen holding the slot: said with its status, not as a
+                # 30 s wait for a slot it no longer holds.
+                assert not call.done(), f"the request ended early: {call.code()} {call.details()}"
+                return tenant_slot(stack.orch.address) == "taken"
+
+            wait_until(taken, 30, "the request never took the tenant's slot")
             call.cancel()
             # Back long before the lookup's own timeout (30 s) would have ended it.
             wait_until(lambda: tenant_slot(stack.orch.address) == "free", 10,
