@@ -1002,3 +1002,30 @@ def test_a_request_id_that_is_replaced_says_so_under_the_new_one():
     assert seen[0][0].startswith("Once: x-request-id 'LLLL") and "(300 characters)" in seen[0][0]
     assert seen[1][0] == (f"Once: x-request-id 'a b' replaced by {ids[1]} (not 1-128 "
                           "characters of A-Z a-z 0-9 . _ : -)")
+
+
+def test_a_failed_call_says_its_request_id_in_its_trailers(server):
+    """A failed call's trailers carry the request id its log line has: the caller's, or the
+    one made up for a caller that sent none (grpcurl) or a bad one; the Overloaded trailer
+    stays beside it. Only a finished Generate said it before (GenerateFinal)."""
+    stub = tb._stub(server)
+    cases = [("mine-1", "", grpc.StatusCode.INVALID_ARGUMENT),
+             ("", "", grpc.StatusCode.INVALID_ARGUMENT),
+             ("bad id!", "", grpc.StatusCode.INVALID_ARGUMENT),
+             ("mine-2", "busy", grpc.StatusCode.RESOURCE_EXHAUSTED),
+             ("mine-3", "coded", grpc.StatusCode.FAILED_PRECONDITION),
+             ("mine-4", "boom", grpc.StatusCode.INTERNAL)]
+    for given, model, code in cases:
+        md = tb.AUTH + ([("x-request-id", given)] if given else [])
+        req = prefix_pb2.MatchRequest(model_id=model, token_ids=[1] if model else [])
+        with pytest.raises(grpc.RpcError) as e:
+            stub.Match(req, timeout=5, metadata=md)
+        assert e.value.code() == code
+        trailers = dict(e.value.trailing_metadata())
+        rid = trailers.get("x-request-id", "")
+        if given == "bad id!" or not given:
+            assert len(rid) == 16 and rid.isalnum(), (given, trailers)
+        else:
+            assert rid == given, trailers
+        if model == "busy":
+            assert trailers[errors.OVERLOADED_KEY] == "1"

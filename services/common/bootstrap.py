@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import errors
 from services.common.config import ConfigError
-from services.common.logs import Thinned, bound_request_id, plain_request_id
+from services.common.logs import Thinned, bound_request_id, plain_request_id, request_id_var
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.common.reaper import StreamReaper
 from services.common.reflection import SourceInfoPool, source_info_pool
@@ -130,6 +130,14 @@ class _StatusSender:
             if status != self._last:
                 self._send(health_pb2.HealthCheckResponse(status=status))
                 self._last = status
+
+
+def _told_request_id() -> tuple[tuple[str, str], ...]:
+    """The failed call's request id (bound by the interceptor) as a trailer: a caller that
+    sent none (grpcurl), or one the server replaced, had no way to learn the id its error's
+    log line carries (only a Generate that finished says it, in GenerateFinal)."""
+    rid = request_id_var.get()
+    return (("x-request-id", rid),) if rid else ()
 
 
 class _HealthServicer(health.HealthServicer):
@@ -569,9 +577,9 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     log.info("%s ended %s: %s", short, ended, details[:300])
                 trailers = exc.trailers + (((errors.OVERLOADED_KEY, "1"),)
                                            if isinstance(exc, errors.Overloaded) else ())
-                if trailers:
-                    context.set_trailing_metadata(trailers)
+                context.set_trailing_metadata(trailers + _told_request_id())
                 context.abort(_status_code(exc.code), details)
+            context.set_trailing_metadata(_told_request_id())
             code = context.code() if hasattr(context, "code") else None
             if code not in (None, grpc.StatusCode.OK):
                 # The handler already aborted, or set a code and then raised. Abort again
