@@ -165,10 +165,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 and policy.semantic_threshold < floor - 1e-6):
             # Checked here too, against the floor the tier said: only its Lookup refused it,
             # so the same request was refused while the tier was up and served while it was
-            # skipped. The tier's own words (it checks again).
+            # skipped. The tier's own words (it checks again). The value as the caller wrote
+            # it (`:g`, as parse_policy says it): the wire's float32 made 0.1 "0.10000000149011612".
             raise errors.InvalidArgument(
                 "cache_policy.semantic_threshold", f"must be 0 (tier default) or in "
-                f"[{floor}, 1], got {policy.semantic_threshold}")
+                f"[{floor:g}, 1], got {policy.semantic_threshold:g}")
         if not request.messages and not request.prompt:
             raise errors.InvalidArgument("messages", "must not be empty (or give prompt)")
         if request.messages and request.prompt:

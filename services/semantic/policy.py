@@ -85,8 +85,9 @@ class ThresholdPolicy:
         # The wire carries a float32: 0.9 arrives as 0.89999998. Within that rounding of the
         # floor (or of 1) it is the bound the caller wrote.
         if not math.isfinite(threshold) or not (self.floor - 1e-6 <= threshold <= 1.0 + 1e-6):
+            # `:g`: the value as the caller wrote it, not its float32 ("got 0.30000001192092896").
             raise InvalidArgument("threshold", f"must be 0 (tier default) or in "
-                                               f"[{self.floor}, 1], got {threshold}")
+                                               f"[{self.floor:g}, 1], got {threshold:g}")
         return Resolved(name, min(1.0, max(self.floor, float(threshold))), True)
 
     def threshold_for(self, resolved: Resolved, verified: bool) -> float:

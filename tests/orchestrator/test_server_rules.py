@@ -980,3 +980,18 @@ def test_a_warm_when_every_replica_serves_another_model_names_both_model_ids():
     finally:
         warmer.stop()
     assert _sent(stubs) == []
+
+
+def test_a_threshold_under_the_floor_is_said_as_written_not_as_its_float32():
+    """The floor check said the wire's float32: 0.1 was "got 0.10000000149011612"."""
+    s = OrchestratorServicer(OrchestratorConfig(kvpool_addresses=("h:1",)))
+    orch = ContextOrchestrator(0)
+    s.attach(orch, TenantRegistry.build(tokens_file="", tokens="", key=b"k",
+                                        max_prompt_tokens=1000, max_tokens=1000,
+                                        max_concurrent=10))
+    req = orchestrator_pb2.GenerateRequest(prompt="x" * 40)
+    req.cache_policy.semantic_threshold = 0.1
+    with pytest.raises(errors.InvalidArgument) as ei:
+        list(s.Generate(req, Context()))
+    assert str(ei.value) == ("cache_policy.semantic_threshold: must be 0 (tier default) or in "
+                             "[0.85, 1], got 0.1")

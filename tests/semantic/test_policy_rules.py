@@ -1,0 +1,21 @@
+"""The threshold policy's rules a grpcurl walk-through found unguarded: a refused explicit
+threshold is said as the caller wrote it, not as its float32."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from services.common.errors import InvalidArgument
+from services.semantic.config import SemanticConfig
+from services.semantic.policy import ThresholdPolicy
+
+
+@pytest.mark.parametrize(("sent", "said"), [(0.3, "0.3"), (-1.0, "-1"), (1.5, "1.5")])
+def test_a_refused_threshold_is_said_as_written_not_as_its_float32(sent, said):
+    """A Lookup's threshold arrives as a float32: 0.3 read "got 0.30000001192092896", -1
+    "got -1.0"."""
+    policy = ThresholdPolicy.from_config(SemanticConfig())
+    with pytest.raises(InvalidArgument) as ei:
+        policy.resolve("", float(np.float32(sent)))
+    assert str(ei.value) == f"threshold: must be 0 (tier default) or in [0.85, 1], got {said}"
