@@ -627,6 +627,11 @@ class Warmer:
                 f"{self.cfg.warm_pin_ttl_max_s} s")
         ttl = request.pin_ttl_seconds or self.cfg.warm_pin_ttl_s
         for i, p in enumerate(request.prompts):  # before any rendering, as Generate does
+            if p.messages and p.prompt:
+                # The prompt was dropped without a word (Generate refuses the pair): a caller
+                # that set both meant one of them, and got the other warmed.
+                raise errors.InvalidArgument(f"prompts[{i}].prompt",
+                                             "give messages or prompt, not both")
             check_size(self.orch.renderer, self.cfg, tenant, f"prompts[{i}]",
                        [m.content for m in p.messages] if p.messages else [p.prompt])
         if request.top_k and self.orch.prefix is None:

@@ -995,3 +995,28 @@ def test_a_threshold_under_the_floor_is_said_as_written_not_as_its_float32():
         list(s.Generate(req, Context()))
     assert str(ei.value) == ("cache_policy.semantic_threshold: must be 0 (tier default) or in "
                              "[0.85, 1], got 0.1")
+
+
+def test_a_warm_prompt_giving_messages_and_prompt_is_refused_before_any_work():
+    """A WarmPrompt with both messages and prompt warmed the messages and dropped the prompt
+    without a word (Generate refuses the pair): INVALID_ARGUMENT naming the prompt, before
+    any rendering or replica call."""
+    from services.orchestrator.render import PromptRenderer
+    from services.orchestrator.server import Warmer
+    from tests.orchestrator.test_pipeline_paths import TENANT, Stub, Tok, make
+
+    stubs = {"A": Stub("A", [])}
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=1000)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
+    try:
+        both = orchestrator_pb2.WarmPrompt(
+            messages=[orchestrator_pb2.ChatMessage(role="system", content="s " * 40)],
+            prompt="p " * 40)
+        ok = orchestrator_pb2.WarmPrompt(prompt="q " * 40)
+        with pytest.raises(errors.InvalidArgument) as ei:
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(prompts=[ok, both]))
+        assert str(ei.value) == "prompts[1].prompt: give messages or prompt, not both"
+        assert stubs["A"].requests == []
+    finally:
+        warmer.stop()
