@@ -1029,3 +1029,20 @@ def test_a_failed_call_says_its_request_id_in_its_trailers(server):
             assert rid == given, trailers
         if model == "busy":
             assert trailers[errors.OVERLOADED_KEY] == "1"
+
+
+def test_health_check_of_an_unknown_name_says_it_and_list_answers(small_server):
+    """Check of an unknown name was NOT_FOUND with no message, and List (advertised by
+    reflection) UNIMPLEMENTED: the name is said with those the server knows, and List gives
+    each name's status."""
+    with grpc.insecure_channel(small_server.address) as ch:
+        hs = health_pb2_grpc.HealthStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            hs.Check(health_pb2.HealthCheckRequest(service="tiercache.v1.Nope"), timeout=5)
+        assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        assert e.value.details() == ("service: unknown name 'tiercache.v1.Nope'; this server "
+                                     "knows '', 'tiercache.v1.PrefixIndex'")
+        got = hs.List(health_pb2.HealthListRequest(), timeout=5)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        assert {k: v.status for k, v in got.statuses.items()} == {
+            "": serving, "tiercache.v1.PrefixIndex": serving}

@@ -154,6 +154,27 @@ class _HealthServicer(health.HealthServicer):
       now happen outside the lock, one at a time per stream (`_StatusSender`).
     """
 
+    def Check(self, request, context):  # noqa: N802
+        with self._lock:
+            status = self._server_status.get(request.service)
+            names = sorted(self._server_status)
+        if status is None:
+            # The library's NOT_FOUND had no message (grpcurl printed an empty "Message:"):
+            # the name refused, and those this server answers for ("" = the whole server).
+            context.abort(grpc.StatusCode.NOT_FOUND,
+                          f"service: unknown name {errors.shown(request.service)}; this "
+                          f"server knows {', '.join(map(repr, names)) or 'none'}")
+        return health_pb2.HealthCheckResponse(status=status)
+
+    def List(self, request, context):  # noqa: N802
+        """Every name and its status: the library left it UNIMPLEMENTED ("Method not
+        implemented!") while reflection advertised it."""
+        with self._lock:
+            statuses = dict(self._server_status)
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status)
+            for name, status in statuses.items()})
+
     def Watch(self, request, context, send_response_callback=None):  # noqa: N802
         if len(request.service) > MAX_HEALTH_NAME:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
