@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import gc
+import os
 import logging
 import sqlite3
 
@@ -15,7 +17,7 @@ from services.common.bootstrap import (
 from services.common.config import ConfigError
 from services.semantic.config import SemanticConfig
 from services.semantic.server import serve
-from services.semantic.store import DatabaseInUse
+from services.semantic.store import DatabaseInUse, NotWritable
 
 log = logging.getLogger("services.semantic")
 
@@ -41,6 +43,10 @@ def _main(argv: list[str] | None) -> int:
         # A model folder without its tokenizer, a database path that is a folder or not a
         # database, a cache folder that cannot be made, a verifier file that is not JSON:
         # found only now, where the paths exist. One line, exit 2.
+        why = not_writable(exc)
+        if why:
+            log.error("cannot start: %s", why)
+            return 2
         log.error("bad configuration: %s: %s", type(exc).__name__, exc)
         return 2
     # Move what loading built (entries, maps, index arrays) out of the cyclic collector's reach:
@@ -63,6 +69,21 @@ def _main(argv: list[str] | None) -> int:
                     cfg.index_close_seconds)
         exit_process(0)
     return 0
+
+
+def not_writable(exc: BaseException) -> str:
+    """Why the start failed when a path the service writes is not writable ("" when that is
+    not the cause): a read-only data volume read "bad configuration: OSError: [Errno 30]",
+    though no setting was wrong and the fix is the volume's."""
+    if isinstance(exc, NotWritable):
+        return str(exc)
+    if not (isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+            and exc.filename):
+        return ""
+    return (f"{exc.filename} is not writable ({exc.strerror}): the service writes its "
+            "database with its lock, -wal and -shm files, and its model cache; mount the "
+            f"volume read-write or make it writable by uid {os.geteuid()}, or point "
+            "TIERCACHE_SEMANTIC_DB_PATH / TIERCACHE_SEMANTIC_CACHE_DIR at a writable folder")
 
 
 if __name__ == "__main__":

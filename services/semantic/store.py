@@ -38,6 +38,11 @@ _JOURNAL_SIZE_LIMIT = 64 << 20
 _COLUMN_ADDED = 1796004933.0
 
 
+class NotWritable(PermissionError):
+    """A path the service must write that it cannot (a read-only volume, one owned by another
+    uid): its start says so, naming the path and the cause, not "bad configuration"."""
+
+
 class DatabaseInUse(RuntimeError):
     """Another process has the database open: two caches on one file would each keep their own
     view of it and delete each other's rows (start-up de-duplication, lowered limits)."""
@@ -226,7 +231,7 @@ def _unwritable_folder_is_named(path: str) -> Iterator[None]:
                     and not os.access(folder, os.W_OK))):
             raise
         name = os.path.basename(path)
-        raise sqlite3.OperationalError(
+        raise NotWritable(
             f"{path}: {e}: the folder {folder} must be writable by the service (uid "
             f"{os.geteuid()}), not only the database file: SQLite's WAL keeps {name}-wal and "
             f"{name}-shm beside it; make it writable, or point TIERCACHE_SEMANTIC_DB_PATH at a "

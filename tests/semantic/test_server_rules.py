@@ -195,3 +195,27 @@ def test_a_failing_snapshot_save_names_its_error_with_one_traceback(make_cache, 
     assert len(lines) >= 3
     assert all("No space left on device" in r.getMessage() for r in lines)
     assert [bool(r.exc_info) for r in lines[:3]] == [True, False, False]
+
+
+@pytest.mark.parametrize("err", [
+    OSError(30, "Read-only file system", "/data/semantic.db.lock"),  # the lock file, first
+    PermissionError(13, "Permission denied", "/data/cache/onnx"),  # another uid's volume
+])
+def test_a_start_on_a_volume_it_cannot_write_says_so_not_bad_configuration(
+        monkeypatch, caplog, err):
+    """A read-only data volume stopped the start with "bad configuration: OSError: [Errno
+    30] ...", though no setting was wrong: the line names the path, the cause and the fix."""
+    import logging
+
+    import services.semantic.__main__ as main
+
+    monkeypatch.setattr(main, "load_service_config", lambda *a: object())
+
+    def refuse(cfg):
+        raise err
+    monkeypatch.setattr(main, "serve", refuse)
+    with caplog.at_level(logging.ERROR, logger="services.semantic"):
+        assert main._main([]) == 2
+    line = caplog.records[-1].getMessage()
+    assert line.startswith(f"cannot start: {err.filename} is not writable ({err.strerror})")
+    assert "bad configuration" not in line and "TIERCACHE_SEMANTIC_DB_PATH" in line

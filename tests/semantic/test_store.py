@@ -577,7 +577,7 @@ def test_a_database_folder_the_service_cannot_write_is_named():
         probe = ("import sys, sqlite3\n"
                  "from services.semantic.store import EntryStore\n"
                  "try:\n    EntryStore(sys.argv[1]).close()\n"
-                 "except sqlite3.OperationalError as e:\n    print(e)\n")
+                 "except OSError as e:\n    print(e)\n")
         out = subprocess.run([*cmd, "-c", probe, str(path)], capture_output=True, text=True,
                              timeout=120, cwd="/", check=True,
                              env={**os.environ, "PYTHONPATH": f"{root}:{root / 'gen'}"}).stdout
