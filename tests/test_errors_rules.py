@@ -108,3 +108,19 @@ def test_text_a_reader_sees_is_not_blank(text):
     ZWJ, right-to-left text between direction marks, a Braille cell are text too."""
     assert not errors.blank(text)
     assert errors.blank(" \u200b\u200d\ufeff\u2060\u00ad\x00\u200e\U000e0041\n")
+
+
+@pytest.mark.parametrize("text", [
+    "\u3164", "\u115f", "\u1160", "\uffa0", "\u3164 \u3164\n",  # the Hangul fillers
+    "\ufe00", "\ufe0f", "\U000e0100", "\U000e01ef", "\ufe0f\u200d\ufe0f",  # selectors
+    "\u034f", "\u180b", "\u17b4",  # CGJ, a Mongolian FVS, a Khmer inherent vowel
+])
+def test_text_of_characters_that_draw_nothing_is_blank(text):
+    """Unicode's default-ignorable letters and marks draw nothing, as zero-width spaces: a
+    question of only Hangul fillers (Lo) or variation selectors (Mn) was answered and
+    stored, and every other such question then hit it. The shared rule agrees."""
+    from tests.blank_text import blank as rule
+
+    assert errors.blank(text) and rule(text)
+    assert not errors.blank(text + "a") and not errors.blank("\u2764\ufe0f")
+    assert not errors.blank("\u1100\u1160")  # a jamo with the vowel filler: a syllable

@@ -239,7 +239,8 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
     answer = "".join(out)
     # Saved before the report line: with stderr closed or full, writing it failed and the
     # answered turn was lost without a word.
-    # Blank as the server reads it (only whitespace, zero-width, format or control characters):
+    # Blank as the server reads it (only whitespace, zero-width, format, control or other
+    # characters that draw nothing):
     # it refuses such an assistant turn, so saved it failed every later turn of the session.
     if hist is not None and not blank(answer):
         messages.append({"role": "assistant", "content": answer})

@@ -27,14 +27,26 @@ _DRAWN_FORMAT = frozenset("\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u089
                           "\u08e2\U000110bd\U000110cd")
 
 
+# Unicode's Default_Ignorable_Code_Point characters that are neither Cf nor Cc: letters and
+# marks that draw nothing (the Hangul fillers are Lo, the variation selectors and the
+# combining grapheme joiner Mn), so a text of only them passed as text: "\u3164" was
+# answered and stored, and every other such question hit it, as zero-width ones had.
+_INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180f\u3164\uffa0"
+                       + "".join(map(chr, range(0xFE00, 0xFE10)))
+                       + "".join(map(chr, range(0xE0100, 0xE01F0))))
+
+
 def blank(text: str) -> bool:
     """True when `text` holds nothing a reader sees: only whitespace, control (Cc) and format
     (Cf: zero-width spaces and joiners, a BOM, direction marks) characters, but for the few
-    format characters that are drawn (a question of only "۝" is text). `str.strip()`
-    keeps "\u200b": a message of zero-width characters was answered, and its answer stored in
-    the semantic tier, where every other invisible question then matched it. Stops at the
-    first visible character (a long text costs nothing more)."""
-    return all(c.isspace() or unicodedata.category(c) in ("Cc", "Cf") and c not in _DRAWN_FORMAT
+    format characters that are drawn (a question of only "۝" is text), and the other
+    characters Unicode says draw nothing (the Hangul fillers, variation selectors, the
+    combining grapheme joiner, Mongolian free variation selectors, Khmer inherent vowels).
+    `str.strip()` keeps "\u200b": a message of zero-width characters was answered, and its
+    answer stored in the semantic tier, where every other invisible question then matched it.
+    Stops at the first visible character (a long text costs nothing more)."""
+    return all(c.isspace() or c in _INVISIBLE
+               or unicodedata.category(c) in ("Cc", "Cf") and c not in _DRAWN_FORMAT
                for c in text)
 
 
