@@ -1,7 +1,8 @@
 """The rule for empty text, written from docs/reliability.md (not from the code it checks):
 text of only whitespace, zero-width, format (but for those drawn, as "۝"), control or other
-default-ignorable characters (Hangul fillers, variation selectors) counts as empty (refused in a message, a raw prompt or a semantic text; an answer
-of it is not stored, not saved to a session and not sent back in a replayed history)."""
+characters Unicode draws as nothing (Hangul fillers, variation selectors) counts as empty
+(refused in a message, a raw prompt or a semantic text; an answer of it is not stored, not
+saved to a session and not sent back in a replayed history)."""
 
 from __future__ import annotations
 

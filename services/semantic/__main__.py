@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import errno
 import gc
-import os
 import logging
+import os
 import sqlite3
 
 from services.common.bootstrap import (
