@@ -31,7 +31,7 @@ from services.common.grpc_client import (
     timeout_or,
     unary_call,
 )
-from services.common.metrics import gauge
+from services.common.metrics import SECONDS_BUCKETS, gauge, histogram
 from services.common.shard_list import merged_note
 from services.orchestrator.routing import ReplicaView
 
@@ -47,6 +47,31 @@ DEPENDENCY_HEALTHY = gauge(
 IN_FLIGHT = gauge("tiercache_orchestrator_replica_requests_in_flight",
                   "Generate calls this orchestrator has under way on each replica (by its "
                   "address): routing's own share of the replica's load", ("replica",))
+
+# Only the tiers' own records said how they fared (health, degradations): a shard answering
+# every Lookup, slowly, within its timeout, fired no alert and showed in no figure.
+CALL_SECONDS = histogram(
+    "tiercache_orchestrator_backend_call_seconds",
+    "Time the orchestrator's calls to the other services take, by tier (semantic, prefix, "
+    "kvpool), method (semantic Lookup, Store, Verify, Invalidate, Stats; prefix Match; kvpool "
+    "Generate until the replica's first message, Prefill, Stats) and address (the shard or "
+    "replica): failed calls included (a hung one at its timeout), not those skipped while a "
+    "hung shard backs off nor those cancelled for a client gone", ("tier", "method", "address"),
+    buckets=SECONDS_BUCKETS)
+
+
+def timed(tier: str, method: str, address: str, fn: Callable[[], T]) -> T:
+    """`fn()`, its time in CALL_SECONDS whatever its outcome, but for a call cancelled with
+    its client (grpc.FutureCancelledError): that time is the client's, not the tier's."""
+    t0: float | None = time.monotonic()
+    try:
+        return fn()
+    except grpc.FutureCancelledError:
+        t0 = None
+        raise
+    finally:
+        if t0 is not None:
+            CALL_SECONDS.labels(tier, method, address).observe(time.monotonic() - t0)
 
 
 # Reasons a dependency's outage says at WARNING, its first included: each new one once.
@@ -290,8 +315,9 @@ class ReplicaSet:
         # Stats reads the last step's figures off the engine thread, so a long prefill does
         # not hold it up (tens of ms at worst on a busy CPU); still, only repeated silence
         # counts, as one slow answer may be a pause of the host.
-        s = r.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=self.stats_timeout_s,
-                         metadata=call_metadata(self.internal_token))
+        s = timed("kvpool", "Stats", r.address, lambda: r.stub.Stats(
+            kvpool_pb2.KvStatsRequest(), timeout=self.stats_timeout_s,
+            metadata=call_metadata(self.internal_token)))
         with self._lock:
             return s, r.inflight
 
@@ -779,8 +805,9 @@ class SemanticBackend(Polled):
         rpc = getattr(self.stubs[address], method)
         md = call_metadata(self.internal_token)
         try:
-            resp = self.hung.call(address, timeout, self.timeout_s, lambda: unary_call(
-                rpc, req, on_call, timeout=timeout, metadata=md))
+            resp = self.hung.call(address, timeout, self.timeout_s, lambda: timed(
+                "semantic", method, address,
+                lambda: unary_call(rpc, req, on_call, timeout=timeout, metadata=md)))
             if method == "Store":
                 self._store_refused.discard(address)
             if address not in self._store_refused:

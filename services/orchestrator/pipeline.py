@@ -27,7 +27,7 @@ from services.common.grpc_client import call_metadata, cut_short, health_error
 from services.common.hashing import BlockHasher
 from services.common.logs import Thinned
 from services.common.metrics import SECONDS_BUCKETS, counter, histogram
-from services.orchestrator.backends import ReplicaSet, SemanticBackend
+from services.orchestrator.backends import CALL_SECONDS, ReplicaSet, SemanticBackend
 from services.orchestrator.detok import IncrementalDetokenizer, complete_decode, decode
 from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.render import PromptRenderer, RenderedPrompt
@@ -748,6 +748,7 @@ class Orchestrator:
                         model_id=self.model_id,
                         # A resumed answer continues the seeded randomness where it stopped.
                         seed_offset=len(generated))
+                    called_at: float | None = time.monotonic()
                     call = replica.stub.Generate(req, timeout=remaining,
                                                  metadata=call_metadata(self.internal_token,
                                                                         request_id))
@@ -763,6 +764,12 @@ class Orchestrator:
                     # watcher are released as soon as its stream ends, and a lost replica is
                     # resumed at once with every token read, however far behind the client is.
                     for msg in call:
+                        if called_at is not None:
+                            # The replica's answer time (its queue and prefill, as this
+                            # orchestrator sees them); the rest of a stream is decode.
+                            CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
+                                time.monotonic() - called_at)
+                            called_at = None
                         if msg.token_ids:
                             new = list(msg.token_ids)
                             generated.extend(new)

@@ -19,6 +19,7 @@ from services.orchestrator.backends import (
     HungBackoff,
     Polled,
     tier_health,
+    timed,
     with_note,
 )
 
@@ -86,9 +87,11 @@ class PrefixBackend(Polled):
         client goes: grpc.FutureCancelledError, not held against the shard)."""
         shard = self.client.shard_for(block_hashes[0]) if block_hashes else ""
         r = self.hung.call(shard, timeout_or(timeout, self.timeout_s), self.timeout_s,
-                           lambda: self._guard(self.client.match, model_id,
-                                               block_hashes=block_hashes, timeout=timeout,
-                                               probe=probe, on_call=on_call))
+                           lambda: timed("prefix", "Match", shard or self.health.address,
+                                         lambda: self._guard(
+                                             self.client.match, model_id,
+                                             block_hashes=block_hashes, timeout=timeout,
+                                             probe=probe, on_call=on_call)))
         return {m.replica_id: m.matched_tokens for m in r.matches if m.matched_blocks}
 
     def dependencies(self) -> list:

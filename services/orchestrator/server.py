@@ -27,6 +27,7 @@ from services.common.logs import Thinned, bound_request_id, request_id_var
 from services.common.metrics import counter
 from services.common.reaper import StreamReaper
 from services.common.tokens import validate_stop_ids
+from services.orchestrator.backends import timed
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling
 from services.orchestrator.render import Message
@@ -515,14 +516,15 @@ class _Gone(threading.Event):
 
 
 def _unless_gone(call, gone: threading.Event):
-    """`call`'s response (a unary gRPC future), or None when `gone` is set before it ends: the
-    call is then cancelled, and the replica's handler cancels its work."""
+    """`call`'s response (a unary gRPC future); grpc.FutureCancelledError when `gone` is set
+    before it ends: the call is then cancelled, and the replica's handler cancels its work
+    (and its time is not the replica's, in `timed`)."""
     done = threading.Event()
     call.add_done_callback(lambda _call: done.set())
     while not (done.is_set() or gone.is_set()):
         done.wait(GONE_POLL_S)
     if not done.is_set() and call.cancel():
-        return None
+        raise grpc.FutureCancelledError()
     return call.result()
 
 
@@ -555,15 +557,15 @@ class Warmer:
         kw = dict(timeout=max(0.1, timeout),
                   metadata=call_metadata(self.orch.internal_token, request_id))
         try:
-            if gone is None:
-                r = replica.stub.Prefill(req, **kw)
-            else:
-                r = _unless_gone(replica.stub.Prefill.future(req, **kw), gone)
-                if r is None:
-                    return orchestrator_pb2.WarmResult(
-                        prompt_index=index, replica_id=replica.public_id,
-                        error="CANCELLED: the caller went away; this prefill's cancellation "
-                              "was sent to the replica")
+            try:
+                r = timed("kvpool", "Prefill", replica.address,
+                          (lambda: replica.stub.Prefill(req, **kw)) if gone is None else
+                          lambda: _unless_gone(replica.stub.Prefill.future(req, **kw), gone))
+            except grpc.FutureCancelledError:
+                return orchestrator_pb2.WarmResult(
+                    prompt_index=index, replica_id=replica.public_id,
+                    error="CANCELLED: the caller went away; this prefill's cancellation "
+                          "was sent to the replica")
             return orchestrator_pb2.WarmResult(
                 prompt_index=index, replica_id=r.replica_id or replica.public_id,
                 prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,

@@ -310,3 +310,41 @@ def test_requests_count_a_request_once_its_client_has_the_last_token():
     assert cold() == before
     report(generate(orch, []))
     assert cold() == before + 1
+
+
+CALL_SECONDS = "tiercache_orchestrator_backend_call_seconds"
+
+
+def test_a_slow_semantic_shard_shows_in_the_backend_call_histogram():
+    """A shard answering every Lookup slowly, within its timeout, stayed healthy and counted no
+    degradation: no figure showed it. Each call is timed by tier, method and shard, a failed
+    one too."""
+    from tiercache.v1 import semantic_pb2
+
+    from services.orchestrator.backends import SemanticBackend
+
+    addr = "slow-shard:1"
+    labels = {"tier": "semantic", "method": "Lookup", "address": addr}
+    answers: list = [semantic_pb2.LookupResponse(), RpcError(grpc.StatusCode.UNAVAILABLE)]
+
+    def lookup(req, **kw):
+        time.sleep(0.35)
+        got = answers.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+    sem = SemanticBackend(addr, "", timeout_s=2.0)
+    sem.stubs[addr] = SimpleNamespace(Lookup=lookup)
+    req = semantic_pb2.LookupRequest(namespace=semantic_pb2.Namespace(tenant="t"), text="q")
+
+    def seen(suffix: str, le: str | None = None) -> float:
+        want = labels if le is None else {**labels, "le": le}
+        return sample_value(CALL_SECONDS + suffix, want) or 0.0
+
+    sem.lookup(req)
+    with pytest.raises(grpc.RpcError):
+        sem.lookup(req)
+    assert seen("_count") == 2 and seen("_sum") >= 0.7
+    assert seen("_bucket", "0.3") == 0 and seen("_bucket", "+Inf") == 2
+    assert sem.health.healthy is False  # UNAVAILABLE, as before

@@ -117,6 +117,7 @@ class Replica:
 
     def __init__(self, world: World, rid: str) -> None:
         self.world, self.replica_id, self.public_id = world, rid, rid
+        self.address = f"{rid}:1"  # what the Warmer's Prefill timing labels it by
         self.load = 0
         self.healthy = True
         self.stats = None

@@ -42,7 +42,8 @@ class FakeStub:
 
 def make(loads, hot):
     reps = [SimpleNamespace(replica_id=f"r{i}", public_id=f"r{i}", load=load,
-                            stub=FakeStub(f"r{i}")) for i, load in enumerate(loads)]
+                            address=f"r{i}:1", stub=FakeStub(f"r{i}"))
+            for i, load in enumerate(loads)]
     replicas = SimpleNamespace(healthy=lambda: reps)
     prefix = SimpleNamespace(top_prefixes=lambda k, model_id, min_hits=0: [
         h for h in hot if h.hits >= min_hits][:k])
@@ -353,7 +354,8 @@ def test_a_warm_reserves_its_prefills_from_the_rate_limit_and_gives_back_unused_
     reg.clock = clock = Clock(100.0)
     # Replica r0 already holds the prefixes (a refresh computes nothing), r1 computes them.
     reps = [SimpleNamespace(replica_id=f"r{i}", public_id=f"r{i}", load=0, stats=None,
-                            stub=PinStub(0 if i == 0 else 32)) for i in range(2)]
+                            address=f"r{i}:1", stub=PinStub(0 if i == 0 else 32))
+            for i in range(2)]
     hot = [prefix_pb2.HotPrefix(token_ids=[7 + j] * 32, holders=["r0"], hits=5,
                                 cache_salt=tenant.cache_salt) for j in range(2)]
     orch = SimpleNamespace(
