@@ -1046,3 +1046,25 @@ def test_health_check_of_an_unknown_name_says_it_and_list_answers(small_server):
         serving = health_pb2.HealthCheckResponse.SERVING
         assert {k: v.status for k, v in got.statuses.items()} == {
             "": serving, "tiercache.v1.PrefixIndex": serving}
+
+
+def test_a_call_refused_at_the_rpc_cap_is_counted_apart_from_other_resource_exhausted():
+    """gRPC refuses a call past `max_concurrent_rpcs` before any handler: it was counted in
+    tiercache_rpc_total under RESOURCE_EXHAUSTED only, alike with a tenant over its limit, so
+    no alert could page for the process taking no more calls. Below the cap: not counted."""
+    from types import SimpleNamespace
+
+    from services.common.metrics import RPC_REFUSED_AT_CAP
+
+    icpt = bootstrap._ServerInterceptor("capped", None)
+    icpt.server_state = SimpleNamespace(maximum_concurrent_rpcs=4, active_rpc_count=4)
+    details = SimpleNamespace(method="/tiercache.v1.PrefixIndex/Match", invocation_metadata=())
+    refused = RPC_REFUSED_AT_CAP.labels("capped", "Match")
+    handler = object()
+    assert icpt.intercept_service(lambda d: handler, details) is handler  # gRPC refuses it
+    assert refused._value.get() == 1
+    assert RPC_TOTAL.labels("capped", "Match", "RESOURCE_EXHAUSTED")._value.get() == 1
+    icpt.server_state.active_rpc_count = 3
+    icpt.intercept_service(lambda d: grpc.unary_unary_rpc_method_handler(lambda r, c: r),
+                           details)
+    assert refused._value.get() == 1

@@ -37,7 +37,7 @@ from grpc_reflection.v1alpha import reflection
 from services.common import errors
 from services.common.config import ConfigError
 from services.common.logs import Thinned, bound_request_id, plain_request_id, request_id_var
-from services.common.metrics import RPC_SECONDS, RPC_TOTAL
+from services.common.metrics import RPC_REFUSED_AT_CAP, RPC_SECONDS, RPC_TOTAL
 from services.common.reaper import StreamReaper
 from services.common.reflection import SourceInfoPool, source_info_pool
 from services.common.wire import find_invalid_utf8
@@ -516,6 +516,9 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             # Refused by gRPC before any handler: counted here or nowhere (a flood refused
             # at the cap left tiercache_rpc_total flat, and an error-ratio alert silent).
             RPC_TOTAL.labels(self.service, short, "RESOURCE_EXHAUSTED").inc()
+            # And on their own: in tiercache_rpc_total they read as any other
+            # RESOURCE_EXHAUSTED (a tenant over its limit), which no capacity alert pages for.
+            RPC_REFUSED_AT_CAP.labels(self.service, short).inc()
             return handler
         pairs = tuple(handler_call_details.invocation_metadata or ())
         metadata = dict(pairs)

@@ -62,3 +62,10 @@ RPC_SECONDS = histogram(
     buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60,
              120, 300),  # streams last up to the request timeout (300 s by default)
 )
+# Apart from the other RESOURCE_EXHAUSTED in tiercache_rpc_total (a tenant's limits, a full
+# queue or disk): only this says the process itself took no more calls.
+RPC_REFUSED_AT_CAP = counter(
+    "tiercache_rpc_refused_at_cap_total",
+    "Calls gRPC refused at once, before any handler, at the server's cap on calls under way or "
+    "waiting for a worker thread (max_concurrent_rpcs; RESOURCE_EXHAUSTED \"Concurrent RPC limit "
+    "exceeded!\", also counted in tiercache_rpc_total)", ("service", "method"))
