@@ -33,3 +33,17 @@ def test_remove_aside_of_a_missing_folder_leaves_nothing_behind(tmp_path):
     (tmp_path / "here" / "f").write_text("x")
     remove_aside(tmp_path / "here", ".here.old-")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["other"]
+
+
+def test_only_a_path_it_may_not_write_is_named_not_writable():
+    """A read-only volume (EROFS), another uid's folder (EACCES, EPERM) with the path: one
+    line naming it, the cause and the settings. Any other error, or one without a path: ""."""
+    from services.common.files import not_writable
+
+    line = not_writable(OSError(30, "Read-only file system", "/v/x"), "its data", "TIERCACHE_A")
+    assert line.startswith("/v/x is not writable (Read-only file system): the service writes "
+                           "its data; mount the volume read-write") and "TIERCACHE_A" in line
+    assert not_writable(PermissionError(13, "Permission denied", "/v"), "d", "S")
+    assert not not_writable(OSError(28, "No space left on device", "/v"), "d", "S")
+    assert not not_writable(OSError(30, "Read-only file system"), "d", "S")
+    assert not not_writable(ValueError("/v"), "d", "S")

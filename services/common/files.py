@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -17,6 +18,19 @@ def file_digest(path: str | os.PathLike) -> str:
         for chunk in iter(lambda: f.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def not_writable(exc: BaseException, writes: str, settings: str) -> str:
+    """Why a start failed when a path the service writes is not writable, as one line ("" when
+    that is not `exc`'s cause): `writes` says what it writes there, `settings` where else it
+    may be put. A read-only volume read "bad configuration: ... [Errno 30]", though no setting
+    was wrong and the fix is the volume's."""
+    if not (isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
+            and exc.filename):
+        return ""
+    return (f"{exc.filename} is not writable ({exc.strerror}): the service writes {writes}; "
+            f"mount the volume read-write or make it writable by uid {os.geteuid()}, or point "
+            f"{settings} at a writable folder")
 
 
 def fsync_path(path: str | os.PathLike) -> None:

@@ -14,6 +14,7 @@ import logging  # noqa: E402
 import torch  # noqa: E402
 from tiercache.v1 import kvpool_pb2_grpc  # noqa: E402
 
+from services.common import files  # noqa: E402
 from services.common.bootstrap import (  # noqa: E402
     create_server,
     exit_process,
@@ -77,7 +78,13 @@ def _main(argv: list[str] | None) -> int:
         # load (OSError: no weights file, unreadable files; also a full disk or too many open
         # files while converting, which a restart with the same settings would meet again;
         # ValueError: a config.json transformers does not recognise).
-        log.error("bad configuration (the model could not be loaded): %s", exc)
+        why = files.not_writable(exc, "the packaged model's conversion into its cache folder "
+                                 "on the first start (a converted one is only read)",
+                                 "TIERCACHE_KVPOOL_CACHE_DIR")
+        if why:
+            log.error("cannot start: %s", why)
+        else:
+            log.error("bad configuration (the model could not be loaded): %s", exc)
         handle.stop(None)
         return 2
     except RuntimeError as exc:  # torch.OutOfMemoryError is one

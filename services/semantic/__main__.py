@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import errno
 import gc
 import logging
-import os
 import sqlite3
 
+from services.common import files
 from services.common.bootstrap import (
     exit_process,
     load_service_config,
@@ -73,17 +72,12 @@ def _main(argv: list[str] | None) -> int:
 
 def not_writable(exc: BaseException) -> str:
     """Why the start failed when a path the service writes is not writable ("" when that is
-    not the cause): a read-only data volume read "bad configuration: OSError: [Errno 30]",
-    though no setting was wrong and the fix is the volume's."""
+    not the cause)."""
     if isinstance(exc, NotWritable):
         return str(exc)
-    if not (isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-            and exc.filename):
-        return ""
-    return (f"{exc.filename} is not writable ({exc.strerror}): the service writes its "
-            "database with its lock, -wal and -shm files, and its model cache; mount the "
-            f"volume read-write or make it writable by uid {os.geteuid()}, or point "
-            "TIERCACHE_SEMANTIC_DB_PATH / TIERCACHE_SEMANTIC_CACHE_DIR at a writable folder")
+    return files.not_writable(exc, "its database with its lock, -wal and -shm files, and its "
+                              "model cache", "TIERCACHE_SEMANTIC_DB_PATH / "
+                              "TIERCACHE_SEMANTIC_CACHE_DIR")
 
 
 if __name__ == "__main__":
