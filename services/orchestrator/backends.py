@@ -54,9 +54,10 @@ CALL_SECONDS = histogram(
     "tiercache_orchestrator_backend_call_seconds",
     "Time the orchestrator's calls to the other services take, by tier (semantic, prefix, "
     "kvpool), method (semantic Lookup, Store, Verify, Invalidate, Stats; prefix Match; kvpool "
-    "Generate until the replica's first message, Prefill, Stats) and address (the shard or "
-    "replica): failed calls included (a hung one at its timeout), not those skipped while a "
-    "hung shard backs off nor those cancelled for a client gone", ("tier", "method", "address"),
+    "Generate until the replica's first message or its failure, Prefill, Stats) and address "
+    "(the shard or replica): failed calls included (a hung one at its timeout), not those "
+    "skipped while a hung shard backs off nor those cancelled for a client gone",
+    ("tier", "method", "address"),
     buckets=SECONDS_BUCKETS)
 
 

@@ -717,6 +717,9 @@ class Orchestrator:
                         + (f" (tried {', '.join(tried)})" if tried else "")
                         + (f"; last: {why_public}" if why_public else ""))) from None
                 call = None
+                # When this attempt's Generate was sent, until its first message or its end
+                # (then timed: backend_call_seconds).
+                called_at: float | None = None
                 stream_ended = False
                 busy = larger = False
                 try:
@@ -748,7 +751,7 @@ class Orchestrator:
                         model_id=self.model_id,
                         # A resumed answer continues the seeded randomness where it stopped.
                         seed_offset=len(generated))
-                    called_at: float | None = time.monotonic()
+                    called_at = time.monotonic()
                     call = replica.stub.Generate(req, timeout=remaining,
                                                  metadata=call_metadata(self.internal_token,
                                                                         request_id))
@@ -794,6 +797,12 @@ class Orchestrator:
                 except grpc.RpcError as e:
                     stream_ended = True  # its status: the call is over
                     code = e.code()
+                    if called_at is not None and not cancelled.is_set():
+                        # Failed before its first message (refused, lost, hung and cut by the
+                        # poller): timed too, as the other tiers' failed calls are. Not one
+                        # its client cancelled: that time is the client's.
+                        CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
+                            time.monotonic() - called_at)
                     if final is not None:
                         # The answer is whole: the stream broke only after the final message
                         # (its trailing status lost, or the hung-replica watcher firing just then).

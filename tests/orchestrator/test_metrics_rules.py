@@ -348,3 +348,20 @@ def test_a_slow_semantic_shard_shows_in_the_backend_call_histogram():
     assert seen("_count") == 2 and seen("_sum") >= 0.7
     assert seen("_bucket", "0.3") == 0 and seen("_bucket", "+Inf") == 2
     assert sem.health.healthy is False  # UNAVAILABLE, as before
+
+
+def test_a_replica_generate_is_timed_to_its_first_message_or_its_failure():
+    """A Generate is timed until the replica's first message (the rest is decode), and one
+    that fails before any (refused, lost) when it fails, as the other tiers' failed calls
+    are: a replica failing every call at once showed in no figure of this histogram."""
+    def count(address: str) -> float:
+        return sample_value(CALL_SECONDS + "_count", {"tier": "kvpool", "method": "Generate",
+                                                      "address": address}) or 0.0
+
+    ok = make({"gen-ok:1": Stub("A", [Call([final("A", 2)])])})
+    report(generate(ok, []))
+    assert count("gen-ok:1") == 1
+    bad = make({"gen-bad:1": Stub("B", [Call([], err=RpcError(grpc.StatusCode.UNAVAILABLE))])})
+    with pytest.raises(errors.TierCacheError):
+        generate(bad, [])
+    assert count("gen-bad:1") == 1
