@@ -37,13 +37,23 @@ def test_remove_aside_of_a_missing_folder_leaves_nothing_behind(tmp_path):
 
 def test_only_a_path_it_may_not_write_is_named_not_writable():
     """A read-only volume (EROFS), another uid's folder (EACCES, EPERM) with the path: one
-    line naming it, the cause and the settings. Any other error, or one without a path: ""."""
+    line naming it, the cause and the settings; a full one (ENOSPC) says to free space (a
+    full volume at start read "bad configuration"). Any other error, or one without a path:
+    ""."""
     from services.common.files import not_writable
 
     line = not_writable(OSError(30, "Read-only file system", "/v/x"), "its data", "TIERCACHE_A")
     assert line.startswith("/v/x is not writable (Read-only file system): the service writes "
                            "its data; mount the volume read-write") and "TIERCACHE_A" in line
     assert not_writable(PermissionError(13, "Permission denied", "/v"), "d", "S")
-    assert not not_writable(OSError(28, "No space left on device", "/v"), "d", "S")
+    assert not_writable(OSError(28, "No space left on device", "/v"), "d", "S") == (
+        "/v cannot be written (No space left on device): free space on its volume or grow it, "
+        "then start again")
+    assert not not_writable(OSError(2, "No such file or directory", "/v"), "d", "S")
+    assert not_writable(OSError(28, "No space left on device"), "d", "S", "/cache").startswith(
+        "/cache cannot be written (No space left on device): free space")
+    assert not_writable(OSError(28, "writing x into /v: No space left on device (S)"), "d", "S"
+                        ) == ("writing x into /v: No space left on device (S): free space on its "
+                              "volume or grow it, then start again")
     assert not not_writable(OSError(30, "Read-only file system"), "d", "S")
     assert not not_writable(ValueError("/v"), "d", "S")

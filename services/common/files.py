@@ -20,13 +20,22 @@ def file_digest(path: str | os.PathLike) -> str:
     return h.hexdigest()
 
 
-def not_writable(exc: BaseException, writes: str, settings: str) -> str:
-    """Why a start failed when a path the service writes is not writable, as one line ("" when
-    that is not `exc`'s cause): `writes` says what it writes there, `settings` where else it
-    may be put. A read-only volume read "bad configuration: ... [Errno 30]", though no setting
-    was wrong and the fix is the volume's."""
-    if not (isinstance(exc, OSError) and exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM)
-            and exc.filename):
+def not_writable(exc: BaseException, writes: str, settings: str, where: str = "") -> str:
+    """Why a start failed when a path the service writes is not writable, or its volume is
+    full, as one line ("" when that is not `exc`'s cause): `writes` says what it writes there,
+    `settings` where else it may be put, `where` the folder a full volume's error without a
+    path is said of. A read-only volume read "bad configuration: ... [Errno 30]", though no
+    setting was wrong and the fix is the volume's."""
+    if not isinstance(exc, OSError):
+        return ""
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT) and (exc.filename or exc.strerror):
+        # A full volume (or a quota) is no setting either. Without a path, the message names
+        # it (the ONNX export's does).
+        path = exc.filename or where
+        what = f"{path} cannot be written ({exc.strerror})" if path else exc.strerror
+        said = "free space" in (exc.strerror or "")  # the lock file's own advice
+        return what + ("" if said else ": free space on its volume or grow it, then start again")
+    if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not exc.filename:
         return ""
     return (f"{exc.filename} is not writable ({exc.strerror}): the service writes {writes}; "
             f"mount the volume read-write or make it writable by uid {os.geteuid()}, or point "

@@ -23,7 +23,7 @@ from services.common.bootstrap import (  # noqa: E402
     service_main,
 )
 from services.common.config import ConfigError  # noqa: E402
-from services.common.model_store import ModelStoreError  # noqa: E402
+from services.common.model_store import ModelStoreError, packaged_folder  # noqa: E402
 from services.kvpool.app import build_replica, device_problem, pool_problem  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
 from services.kvpool.engine import out_of_memory  # noqa: E402
@@ -80,7 +80,8 @@ def _main(argv: list[str] | None) -> int:
         # ValueError: a config.json transformers does not recognise).
         why = files.not_writable(exc, "the packaged model's conversion into its cache folder "
                                  "on the first start (a converted one is only read)",
-                                 "TIERCACHE_KVPOOL_CACHE_DIR")
+                                 "TIERCACHE_KVPOOL_CACHE_DIR",
+                                 str(packaged_folder(cfg.cache_dir or None)))
         if why:
             log.error("cannot start: %s", why)
         else:
