@@ -147,3 +147,15 @@ def test_a_write_past_the_file_size_limit_is_resource_exhausted_naming_the_limit
     assert st.count() == 50 + refused_at
     assert st._db.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
     st.close()
+
+
+def test_a_database_folder_the_service_cannot_write_names_the_setting(tmp_path, monkeypatch):
+    # As on a read-only volume (root ignores a folder's mode, so the refusal is simulated).
+    def refused(path):
+        raise PermissionError(13, "Permission denied", path + ".lock")
+
+    monkeypatch.setattr("services.semantic.store._lock_database", refused)
+    with pytest.raises(PermissionError) as info:
+        EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    msg = str(info.value)
+    assert "TIERCACHE_SEMANTIC_DB_PATH" in msg and f"folder {tmp_path} must be writable" in msg
