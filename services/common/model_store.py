@@ -17,6 +17,7 @@ template was damaged in place, is converted again (`is_converted`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import importlib.util
@@ -289,8 +290,20 @@ def source_id(gguf: Path) -> str:
 
 @contextlib.contextmanager
 def _file_lock(path: Path) -> Iterator[None]:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a+") as f:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        f = open(path, "a+")
+    except OSError as e:
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        # The first write under the cache folder: a read-only or foreign-owned one was a bare
+        # "[Errno 1] Operation not permitted: '/data/models'", naming no setting.
+        raise ModelStoreError(
+            f"cache folder {path.parent.parent} cannot be written ({e.strerror}: "
+            f"{e.filename}): the packaged model is converted into it; point the service's "
+            "cache_dir (TIERCACHE_<SERVICE>_CACHE_DIR) or TIERCACHE_CACHE_DIR at a writable "
+            "folder") from None
+    with f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:
             yield

@@ -133,3 +133,17 @@ def test_an_old_marker_over_a_folder_without_weights_is_not_converted(tmp_path: 
     assert not model_store.is_converted(path, sid)
     resolve_model("smollm2", cache_dir=str(tmp_path))
     assert loads == [1, 1] and (path / "model.safetensors").is_file()
+
+
+def test_a_cache_folder_that_cannot_be_written_names_the_settings(tmp_path: Path, monkeypatch):
+    """A read-only cache folder is a ModelStoreError naming it and the settings to change, not
+    a bare OSError (the refusal is simulated: root writes past a folder's mode)."""
+    _fake_gguf(tmp_path, monkeypatch)
+
+    def refused(self, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    with pytest.raises(model_store.ModelStoreError,
+                       match=r"cache folder .*ro cannot be written .*TIERCACHE_CACHE_DIR"):
+        resolve_model("smollm2", cache_dir=str(tmp_path / "ro"))
