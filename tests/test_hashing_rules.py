@@ -18,3 +18,22 @@ def test_a_hash_key_of_more_than_64_bytes_is_a_config_error(monkeypatch):
     monkeypatch.setenv("TIERCACHE_HASH_KEY", "k" * 65)
     with pytest.raises(ConfigError, match="TIERCACHE_HASH_KEY: at most 64 bytes"):
         hash_key_from_env()
+
+
+def test_a_pure_python_switch_that_is_no_boolean_refuses_the_start(monkeypatch):
+    """TIERCACHE_PURE_PYTHON_HASH=enable kept the C hasher without a word: refused at start,
+    naming the variable (exit 2), as the services' own booleans are."""
+    from services.common.bootstrap import load_service_config
+    from services.common.hashing import pure_python_from_env
+    from services.prefix.config import PrefixConfig
+
+    for value, pure in (("", False), ("off", False), ("0", False), (" On ", True), ("1", True)):
+        monkeypatch.setenv("TIERCACHE_PURE_PYTHON_HASH", value)
+        assert pure_python_from_env() is pure, value
+    monkeypatch.setenv("TIERCACHE_PURE_PYTHON_HASH", "enable")
+    with pytest.raises(ConfigError, match="TIERCACHE_PURE_PYTHON_HASH: expected true/false, "
+                                          "got 'enable'"):
+        pure_python_from_env()
+    assert load_service_config(PrefixConfig, "prefix", []) is None
+    monkeypatch.setenv("TIERCACHE_PURE_PYTHON_HASH", "off")
+    assert load_service_config(PrefixConfig, "prefix", []) is not None

@@ -1270,7 +1270,7 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
 
     from services.common.config import load_config
     from services.common.grpc_client import tls_env_problem, tls_files_problem
-    from services.common.hashing import hash_key_from_env
+    from services.common.hashing import hash_key_from_env, pure_python_from_env
     from services.common.logs import setup_logging
 
     try:
@@ -1284,6 +1284,7 @@ def load_service_config(cls: type, service: str, argv: Sequence[str] | None) -> 
         # checked here so that a bad value fails the start at once, before anything binds.
         drain_delay_from_env()
         key = hash_key_from_env()
+        pure_python_from_env()
         problem = tls_env_problem(service=service) or tls_files_problem(service)
         if problem:
             raise ConfigError(problem)

@@ -43,9 +43,29 @@ try:
     from services.common import _blockhash
 except ImportError:  # no compiler where this was installed: hashlib below, same values
     _blockhash = None
-# The config module's boolean words: "false"/"no"/"off" keep the C hasher.
-if os.environ.get("TIERCACHE_PURE_PYTHON_HASH", "").strip().lower() in ("1", "true", "yes", "on"):
-    _blockhash = None
+
+
+def pure_python_from_env() -> bool:
+    """`TIERCACHE_PURE_PYTHON_HASH`, read as the config module's booleans ("" = unset: off).
+
+    Raises:
+        ConfigError: another word ("enable", "2"), which kept the C hasher without a word.
+    """
+    given = os.environ.get("TIERCACHE_PURE_PYTHON_HASH", "")
+    raw = given.strip().lower()
+    if raw in ("1", "true", "yes", "on"):
+        return True
+    if raw in ("", "0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"TIERCACHE_PURE_PYTHON_HASH: expected true/false, got {given!r}")
+
+
+# A word that is neither is refused at start (`load_service_config`), not here at import.
+try:
+    if pure_python_from_env():
+        _blockhash = None
+except ConfigError:
+    pass
 
 
 def native() -> bool:
