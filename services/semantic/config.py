@@ -50,7 +50,7 @@ class SemanticConfig:
 
     # host:port the service listens on (0 = any free port).
     address: str = "127.0.0.1:50052"
-    metrics_port: int = 9102  # -1 = off
+    metrics_port: int = 9102  # Prometheus /metrics and /healthz port; -1 = off, 0 = any free port
     # Credential callers must send (authorization: Bearer ...); "" = none required.
     internal_token: str = ""
     # Embedding model: any sentence-transformers folder; "" = the packaged all-MiniLM-L6-v2.
@@ -190,7 +190,8 @@ class SemanticConfig:
         """Raises ConfigError naming the variable of the first bad field."""
         s = SERVICE
         require_listen_address(self.address, s)
-        require(-1 <= self.metrics_port <= 65535, s, "metrics_port", "must be -1 (off) or a port")
+        require(-1 <= self.metrics_port <= 65535, s, "metrics_port",
+                "must be -1 (off), 0 or a port")
         md = self.resolved_model_dir()
         require(bool(md) and os.path.isdir(md), s, "model_dir",
                 f"not a sentence-transformers folder: {md!r}")
