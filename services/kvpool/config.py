@@ -57,7 +57,8 @@ class KvPoolConfig:
     max_batch_size: int = 8
     # Prompt tokens computed per forward of one sequence (bounds decode stalls).
     max_prefill_chunk: int = 512
-    # Largest max_tokens a request may ask for (INVALID_ARGUMENT past it).
+    # Largest max_tokens a request may ask for (INVALID_ARGUMENT past it). Orchestrators'
+    # max_tokens_limit must not exceed it (they do not learn it from the replicas).
     max_new_tokens_limit: int = 2048
     # Requests allowed to wait for admission before new ones are refused.
     max_waiting: int = 256

@@ -50,6 +50,8 @@ class OrchestratorConfig:
     # its tenant's limit and by what the model's context leaves.
     default_max_tokens: int = 256
     # Largest max_tokens a request may ask for (INVALID_ARGUMENT past it); tenants may have less.
+    # At most the replicas' max_new_tokens_limit (2048 by default): past theirs the replica
+    # refuses the request ("must be <= 2048") though this limit allowed it.
     max_tokens_limit: int = 2048
     # Longest rendered prompt, in tokens (INVALID_ARGUMENT past it); tenants may have less
     # (RESOURCE_EXHAUSTED past theirs).
