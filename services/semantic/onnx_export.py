@@ -78,7 +78,10 @@ class SentenceModelSpec:
         """
         d = Path(model_dir)
         if not (d / "config.json").is_file() or not (d / "tokenizer.json").is_file():
-            raise ValueError(f"{d}: needs config.json and tokenizer.json (a fast tokenizer)")
+            # Named with the setting, as a malformed file is below: the line said only the path.
+            raise ValueError(f"{d}: needs config.json and tokenizer.json (a fast tokenizer); "
+                             "point TIERCACHE_SEMANTIC_MODEL_DIR at a sentence-transformers "
+                             "folder, or unset it for the packaged all-MiniLM-L6-v2")
         try:
             return cls._read(d)
         except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -307,3 +307,11 @@ def test_a_start_while_another_path_repairs_an_export_of_its_contents_waits_for_
     other.join(30)
     assert got == plain and exports == [str(a), str(a)]  # the first export and the repair
     assert sorted(os.listdir(plain.parent)) == [".model.lock", "model"]
+
+
+def test_a_model_folder_without_its_files_names_the_setting(tmp_path: Path):
+    """An empty folder as model_dir: the refusal names TIERCACHE_SEMANTIC_MODEL_DIR (it named
+    only the path)."""
+    with pytest.raises(ValueError, match=r"needs config.json and tokenizer.json .*"
+                                         r"TIERCACHE_SEMANTIC_MODEL_DIR"):
+        SentenceModelSpec.read(tmp_path)
