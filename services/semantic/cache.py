@@ -284,7 +284,7 @@ class SemanticCache:
         self.verifier: Verifier | None = None
         if self.verifier_tiers:
             try:
-                self.verifier = Verifier(VerifierModel.load(cfg.verifier_path)
+                self.verifier = Verifier(VerifierModel.load(cfg.resolved_verifier_path())
                                          if cfg.verifier_path else None, self.guard)
             except StaleVerifier as e:
                 # Fitted on another version's features (an upgrade changed them, or a

@@ -178,6 +178,11 @@ class SemanticConfig:
             return DEFAULT_MODEL_NAME
         return os.path.basename(os.path.normpath(folder))
 
+    def resolved_verifier_path(self) -> str:
+        """`verifier_path` with `~` expanded, as every other path setting ("" = the packaged
+        weights): "~/verifier.json" was refused as no such file."""
+        return os.path.expanduser(self.verifier_path) if self.verifier_path else ""
+
     def resolved_snapshot_path(self) -> str:
         return (os.path.expanduser(self.snapshot_path) if self.snapshot_path
                 else self.resolved_db_path() + ".hnsw")
@@ -251,7 +256,7 @@ class SemanticConfig:
             require(t in self.guard_tiers, s, moved(self, "verifier_tiers", "guard_tiers"),
                     f"tier {t!r} of verifier_tiers must also be in guard_tiers "
                     f"({','.join(self.guard_tiers) or 'none'}): the guard is the verifier's veto")
-        require(not self.verifier_path or os.path.isfile(self.verifier_path), s,
+        require(not self.verifier_path or os.path.isfile(self.resolved_verifier_path()), s,
                 "verifier_path", f"no such file: {self.verifier_path!r}")
         require(self.default_ttl_seconds >= 0, s, "default_ttl_seconds", "must be >= 0")
         require(self.max_ttl_seconds >= self.default_ttl_seconds, s,

@@ -112,3 +112,14 @@ def test_a_verifier_tier_left_unguarded_is_blamed_on_the_setting_moved(argv, env
                     {f"TIERCACHE_SEMANTIC_{k.upper()}": v for k, v in env.items()})
     msg = str(e.value)
     assert msg.startswith(named) and "verifier_tiers" in msg and "guard_tiers" in msg
+
+
+def test_a_verifier_path_under_the_home_folder_is_expanded(tmp_path, monkeypatch):
+    """"~/verifier.json" is the file in $HOME, as for every other path setting (it was refused
+    as no such file, and would have been opened as a folder named "~")."""
+    (tmp_path / "verifier.json").write_text("{}")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load(verifier_path="~/verifier.json")
+    assert cfg.resolved_verifier_path() == str(tmp_path / "verifier.json")
+    with pytest.raises(ConfigError, match="no such file: '~/absent.json'"):
+        load(verifier_path="~/absent.json")
