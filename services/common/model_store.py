@@ -294,10 +294,12 @@ def _file_lock(path: Path) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a+")
     except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
+                           errno.EEXIST):
             raise
-        # The first write under the cache folder: a read-only or foreign-owned one was a bare
-        # "[Errno 1] Operation not permitted: '/data/models'", naming no setting.
+        # The first write under the cache folder: a read-only or foreign-owned one, or a file
+        # where it or a folder above it should be, was a bare "[Errno 1] Operation not
+        # permitted: '/data/models'" (or "[Errno 20] Not a directory"), naming no setting.
         raise ModelStoreError(
             f"cache folder {path.parent.parent} cannot be written ({e.strerror}: "
             f"{e.filename}): the packaged model is converted into it; point the service's "

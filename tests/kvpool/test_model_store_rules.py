@@ -147,3 +147,12 @@ def test_a_cache_folder_that_cannot_be_written_names_the_settings(tmp_path: Path
     with pytest.raises(model_store.ModelStoreError,
                        match=r"cache folder .*ro cannot be written .*TIERCACHE_CACHE_DIR"):
         resolve_model("smollm2", cache_dir=str(tmp_path / "ro"))
+
+
+def test_a_cache_folder_that_is_a_file_names_the_settings(tmp_path: Path, monkeypatch):
+    """TIERCACHE_CACHE_DIR naming a file: the same refusal, not "[Errno 20] Not a directory"."""
+    _fake_gguf(tmp_path, monkeypatch)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(model_store.ModelStoreError,
+                       match=r"cache folder .*file cannot be written .*TIERCACHE_CACHE_DIR"):
+        resolve_model("smollm2", cache_dir=str(tmp_path / "file"))
