@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass
 
 from services.common.bootstrap import DEFAULT_MAX_MESSAGE_BYTES
-from services.common.config import moved, require, require_listen_address
+from services.common.config import ConfigError, moved, require, require_listen_address
 from services.semantic.onnx_export import EXPORTERS
 
 SERVICE = "semantic"
@@ -292,6 +292,12 @@ class SemanticConfig:
                                   self.resolved_db_path()))),
                               ("snapshot_path", self.resolved_snapshot_path())):
             blocker = file_in_the_way(folder)
+            if blocker and field == "cache_dir" and not self.cache_dir \
+                    and os.environ.get("TIERCACHE_CACHE_DIR"):
+                # The folder came from the shared setting: TIERCACHE_SEMANTIC_CACHE_DIR, which
+                # the user never set, was blamed.
+                raise ConfigError(f"TIERCACHE_CACHE_DIR: {blocker} is a file, where a folder "
+                                  "must be")
             require(not blocker, s, field, f"{blocker} is a file, where a folder must be")
         # A floor: 1e-9 spun a core purging nothing (362 CPU ticks per 10 s idle, against 2).
         require(self.expiry_interval_s >= 0.1, s, "expiry_interval_s", "must be >= 0.1")

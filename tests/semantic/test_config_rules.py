@@ -123,3 +123,15 @@ def test_a_verifier_path_under_the_home_folder_is_expanded(tmp_path, monkeypatch
     assert cfg.resolved_verifier_path() == str(tmp_path / "verifier.json")
     with pytest.raises(ConfigError, match="no such file: '~/absent.json'"):
         load(verifier_path="~/absent.json")
+
+
+def test_a_shared_cache_dir_that_is_a_file_is_blamed_on_the_shared_setting(tmp_path,
+                                                                           monkeypatch):
+    """TIERCACHE_CACHE_DIR naming a file: the refusal names it, not the service's own
+    cache_dir, which was never set; the service's own, set, is named itself."""
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("TIERCACHE_CACHE_DIR", str(tmp_path / "file"))
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_CACHE_DIR: .*file is a file"):
+        load()
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_SEMANTIC_CACHE_DIR: .*file is a file"):
+        load(cache_dir=str(tmp_path / "file"))
