@@ -142,7 +142,8 @@ class KvPoolConfig:
     # Blocks starting before this token are ranked by use count (LFU) under hybrid eviction,
     # deeper ones by recency (LRU) and evicted first.
     shallow_tokens: int = 128
-    # Longest pin a Prefill may ask for (a longer one is cut to it).
+    # Longest pin a Prefill may ask for (a longer one is cut to it, without a word: orchestrators'
+    # warm_pin_ttl_max_s should not exceed it).
     pin_ttl_max_seconds: int = 3600
     # Share of the pool that pins (warm-up) may hold at once, so that one tenant's Warm cannot
     # starve every request: a pin past it pins the prompt's leading blocks up to the limit

@@ -136,7 +136,9 @@ class OrchestratorConfig:
     # A Warm call's pin when it gives no pin_ttl_seconds. The background loop pins nothing:
     # its pins counted against each tenant's pin quota and refused the tenant's own Warm.
     warm_pin_ttl_s: int = 600
-    # Longest pin a Warm call may ask for (pin_ttl_seconds); longer is INVALID_ARGUMENT.
+    # Longest pin a Warm call may ask for (pin_ttl_seconds); longer is INVALID_ARGUMENT. At most
+    # the replicas' pin_ttl_max_seconds (3600 by default): they cut a longer pin to theirs, and
+    # the Warm call's answer does not say so.
     warm_pin_ttl_max_s: int = 3600
     # Prefills one Warm call may ask for (its prompts and top_k prefixes x their target
     # replicas); more is INVALID_ARGUMENT. 64 prompts on 64 replicas would be 4,096.
