@@ -315,3 +315,16 @@ def test_a_model_folder_without_its_files_names_the_setting(tmp_path: Path):
     with pytest.raises(ValueError, match=r"needs config.json and tokenizer.json .*"
                                          r"TIERCACHE_SEMANTIC_MODEL_DIR"):
         SentenceModelSpec.read(tmp_path)
+
+
+def test_a_cache_folder_that_cannot_be_written_names_the_settings(tmp_path, monkeypatch):
+    """A read-only cache folder: the refusal names the settings to change, not a bare "[Errno 1]
+    Operation not permitted" (simulated: root writes past a folder's mode)."""
+    model = _small_model(tmp_path / "model")
+
+    def refused(self, *args, **kwargs):
+        raise PermissionError(1, "Operation not permitted", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", refused)
+    with pytest.raises(PermissionError, match="TIERCACHE_SEMANTIC_CACHE_DIR"):
+        ensure_onnx(model, tmp_path / "cache", "m")
