@@ -294,17 +294,18 @@ def _file_lock(path: Path) -> Iterator[None]:
         path.parent.mkdir(parents=True, exist_ok=True)
         f = open(path, "a+")
     except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
-                           errno.EEXIST):
+        if e.errno not in (errno.ENOTDIR, errno.EEXIST):
+            # A read-only or foreign-owned folder stays an OSError naming its path: the
+            # services' entry points say it is not writable and how to fix the volume
+            # (`files.not_writable`).
             raise
-        # The first write under the cache folder: a read-only or foreign-owned one, or a file
-        # where it or a folder above it should be, was a bare "[Errno 1] Operation not
-        # permitted: '/data/models'" (or "[Errno 20] Not a directory"), naming no setting.
+        # A file where the cache folder or a folder above it should be was a bare "[Errno 20]
+        # Not a directory: '/etc/x/models'", naming no setting.
         raise ModelStoreError(
             f"cache folder {path.parent.parent} cannot be written ({e.strerror}: "
             f"{e.filename}): the packaged model is converted into it; point the service's "
-            "cache_dir (TIERCACHE_<SERVICE>_CACHE_DIR) or TIERCACHE_CACHE_DIR at a writable "
-            "folder") from None
+            "cache_dir (TIERCACHE_<SERVICE>_CACHE_DIR) or TIERCACHE_CACHE_DIR at a folder"
+            ) from None
     with f:
         fcntl.flock(f.fileno(), fcntl.LOCK_EX)
         try:

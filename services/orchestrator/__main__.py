@@ -6,6 +6,7 @@ import logging
 
 from tiercache.v1 import orchestrator_pb2_grpc
 
+from services.common import files
 from services.common.bootstrap import (
     create_server,
     exit_process,
@@ -71,8 +72,15 @@ def _main(argv: list[str] | None) -> int:
         app = build(cfg)
     except (ModelStoreError, OSError, ValueError) as exc:
         # A model folder or tokens file that is missing or malformed: a configuration error
-        # (exit 2, one line), found only now because the paths exist only where it runs.
-        log.error("bad configuration: %s", exc)
+        # (exit 2, one line), found only now because the paths exist only where it runs. A
+        # cache folder it cannot write is no setting's fault but the volume's.
+        why = files.not_writable(exc, "the packaged model's conversion into its cache folder "
+                                 "on the first start (a converted one is only read)",
+                                 "TIERCACHE_ORCHESTRATOR_CACHE_DIR")
+        if why:
+            log.error("cannot start: %s", why)
+        else:
+            log.error("bad configuration: %s", exc)
         handle.stop(None)
         return 2
     servicer.attach(app.orch, app.tenants, app.warmer)

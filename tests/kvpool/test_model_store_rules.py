@@ -12,7 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from services.common import model_store
+from services.common import files, model_store
 from services.common.model_store import resolve_model
 from tests.kvpool.test_model_store import _fake_gguf
 
@@ -135,18 +135,22 @@ def test_an_old_marker_over_a_folder_without_weights_is_not_converted(tmp_path: 
     assert loads == [1, 1] and (path / "model.safetensors").is_file()
 
 
-def test_a_cache_folder_that_cannot_be_written_names_the_settings(tmp_path: Path, monkeypatch):
-    """A read-only cache folder is a ModelStoreError naming it and the settings to change, not
-    a bare OSError (the refusal is simulated: root writes past a folder's mode)."""
+def test_a_cache_folder_that_cannot_be_written_is_an_oserror_naming_its_path(tmp_path: Path,
+                                                                            monkeypatch):
+    """A read-only cache folder stays an OSError with its path, which the services' entry
+    points say as "cannot start: <path> is not writable" with the fix (`files.not_writable`;
+    the refusal is simulated: root writes past a folder's mode)."""
     _fake_gguf(tmp_path, monkeypatch)
 
     def refused(self, *args, **kwargs):
         raise PermissionError(1, "Operation not permitted", str(self))
 
     monkeypatch.setattr(Path, "mkdir", refused)
-    with pytest.raises(model_store.ModelStoreError,
-                       match=r"cache folder .*ro cannot be written .*TIERCACHE_CACHE_DIR"):
+    with pytest.raises(PermissionError) as e:
         resolve_model("smollm2", cache_dir=str(tmp_path / "ro"))
+    assert e.value.filename.startswith(str(tmp_path / "ro"))
+    why = files.not_writable(e.value, "the conversion", "TIERCACHE_KVPOOL_CACHE_DIR")
+    assert why.startswith(f"{e.value.filename} is not writable") and "CACHE_DIR" in why
 
 
 def test_a_cache_folder_that_is_a_file_names_the_settings(tmp_path: Path, monkeypatch):
