@@ -32,7 +32,6 @@ depend on it.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import hashlib
 import json
@@ -410,19 +409,8 @@ def _ensure_at(target: Path, spec: SentenceModelSpec, exporter: str, fp: str,
     root, key = target.parent, target.name  # key: the folder's name, as its lock's
     if broken is None and _is_current(target, fp):
         return target
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        lock = open(root / f".{key}.lock", "w")  # closed by the with below
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        # The first write under the cache folder: a read-only one was a bare "[Errno 1]
-        # Operation not permitted: '/data/cache'", naming no setting.
-        raise OSError(e.errno, f"{e.strerror}: the ONNX export goes under {root}, which the "
-                      f"service (uid {os.geteuid()}) must be able to write; point "
-                      "TIERCACHE_SEMANTIC_CACHE_DIR (or the shared TIERCACHE_CACHE_DIR) at a "
-                      "writable folder", e.filename) from None
-    with lock:
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f".{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if broken is not None and export_identity(target) == broken:
             log.warning("removing the export %s, which could not be loaded", target)

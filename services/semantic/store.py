@@ -238,24 +238,6 @@ def _unwritable_folder_is_named(path: str) -> Iterator[None]:
             "writable folder") from None
 
 
-@contextlib.contextmanager
-def _unwritable_lock_folder_is_named(path: str) -> Iterator[None]:
-    """A database folder the service cannot create or write: the lock file, made there before
-    SQLite opens anything, failed with a bare "[Errno 13] Permission denied:
-    '/data/semantic.db.lock'", naming neither the setting nor the way out (a read-only volume,
-    one owned by another uid than the pod's)."""
-    try:
-        yield
-    except OSError as e:
-        if e.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
-            raise
-        folder = os.path.dirname(os.path.abspath(path))
-        raise OSError(e.errno, f"{e.strerror}: the folder {folder} must be writable by the "
-                      f"service (uid {os.geteuid()}): {os.path.basename(path)}.lock and SQLite's "
-                      "-wal and -shm files go beside the database; make it writable, or point "
-                      "TIERCACHE_SEMANTIC_DB_PATH at a writable folder", e.filename) from None
-
-
 def _file_size_limit() -> str:
     """The process's file-size limit (`ulimit -f`, RLIMIT_FSIZE) as a clause of a disk error,
     "" when there is none: past it every write fails as on a full disk, whatever the volume
@@ -296,9 +278,8 @@ class EntryStore:
         if path != ":memory:":
             # Every tenant's prompts and answers: readable by this user only (SQLite gives its
             # -wal and -shm files the database's mode).
-            with _unwritable_lock_folder_is_named(path):
-                os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
-                self._lock_fd = _lock_database(path)
+            os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+            self._lock_fd = _lock_database(path)
         self.path = path
         self._lock = threading.Lock()
         try:

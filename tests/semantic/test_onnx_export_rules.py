@@ -317,14 +317,20 @@ def test_a_model_folder_without_its_files_names_the_setting(tmp_path: Path):
         SentenceModelSpec.read(tmp_path)
 
 
-def test_a_cache_folder_that_cannot_be_written_names_the_settings(tmp_path, monkeypatch):
-    """A read-only cache folder: the refusal names the settings to change, not a bare "[Errno 1]
-    Operation not permitted" (simulated: root writes past a folder's mode)."""
+def test_a_cache_folder_that_cannot_be_written_is_said_with_the_setting(tmp_path, monkeypatch):
+    """A read-only cache folder: the export's refusal keeps its path, which the start's line
+    says with the fix and the setting, not a bare "[Errno 1] Operation not permitted"
+    (simulated: root writes past a folder's mode)."""
+    from services.semantic.__main__ import not_writable
+
     model = _small_model(tmp_path / "model")
 
     def refused(self, *args, **kwargs):
         raise PermissionError(1, "Operation not permitted", str(self))
 
     monkeypatch.setattr(Path, "mkdir", refused)
-    with pytest.raises(PermissionError, match="TIERCACHE_SEMANTIC_CACHE_DIR"):
+    with pytest.raises(PermissionError) as info:
         ensure_onnx(model, tmp_path / "cache", "m")
+    line = not_writable(info.value)
+    assert line.startswith(f"{info.value.filename} is not writable")
+    assert str(tmp_path / "cache") in line and "TIERCACHE_SEMANTIC_CACHE_DIR" in line

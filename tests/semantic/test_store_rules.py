@@ -149,13 +149,19 @@ def test_a_write_past_the_file_size_limit_is_resource_exhausted_naming_the_limit
     st.close()
 
 
-def test_a_database_folder_the_service_cannot_write_names_the_setting(tmp_path, monkeypatch):
-    # As on a read-only volume (root ignores a folder's mode, so the refusal is simulated).
+def test_a_database_folder_the_service_cannot_write_is_said_with_the_setting(tmp_path,
+                                                                            monkeypatch):
+    """The lock file, made before SQLite opens anything, is the first write: its refusal keeps
+    its path, which the start's line says with the fix and the setting (root ignores a
+    folder's mode, so the refusal is simulated)."""
+    from services.semantic.__main__ import not_writable
+
     def refused(path):
         raise PermissionError(13, "Permission denied", path + ".lock")
 
     monkeypatch.setattr("services.semantic.store._lock_database", refused)
     with pytest.raises(PermissionError) as info:
         EntryStore(str(tmp_path / "s.db"), "NORMAL")
-    msg = str(info.value)
-    assert "TIERCACHE_SEMANTIC_DB_PATH" in msg and f"folder {tmp_path} must be writable" in msg
+    line = not_writable(info.value)
+    assert line.startswith(f"{tmp_path / 's.db'}.lock is not writable (Permission denied)")
+    assert "TIERCACHE_SEMANTIC_DB_PATH" in line
