@@ -349,9 +349,10 @@ def test_a_configuration_problem_found_while_starting_is_one_line_and_exit_2(mon
     assert "bad configuration: TIERCACHE_TEST_ADDRESS: cannot listen" in caplog.text
 
 
-def test_the_metrics_port_answers_its_two_paths_and_refuses_others():
-    """On the metrics port HEALTH_PATH alone is health (503 until SERVING), METRICS_PATH alone
-    the Prometheus metrics; any other path, a longer one starting like them included, 404."""
+def test_the_metrics_port_answers_its_paths_and_refuses_others():
+    """On the metrics port HEALTH_PATH alone is health (503 until SERVING), READY_PATH health
+    and the service's readiness check, METRICS_PATH alone the Prometheus metrics; any other
+    path, a longer one starting like them included, 404."""
     import urllib.error
     import urllib.request
 
@@ -370,6 +371,15 @@ def test_the_metrics_port_answers_its_two_paths_and_refuses_others():
             assert r.status == 200  # a query string is not part of the path
         # A wrong path (a probe or scrape misconfigured) is refused, not answered with
         # metrics: a liveness probe on "/health" passed whatever the health.
+        # Readiness: health, plus the service's own check when it has one (none here).
+        with urllib.request.urlopen(base + bootstrap.READY_PATH, timeout=5) as r:
+            assert r.status == 200 and r.read() == b"READY\n"
+        h.readiness = lambda: "no replica"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(base + bootstrap.READY_PATH, timeout=5)
+        assert e.value.code == 503 and e.value.read() == b"NOT_READY: no replica\n"
+        with urllib.request.urlopen(base + bootstrap.HEALTH_PATH, timeout=5) as r:
+            assert r.status == 200  # liveness does not wait on it
         for path in ("/", "/health", bootstrap.HEALTH_PATH + "z", "/metricsx", "/metrics/"):
             with pytest.raises(urllib.error.HTTPError) as e:
                 urllib.request.urlopen(base + path, timeout=5)

@@ -7,7 +7,8 @@
     run_until_signal(handle, grace=10)
 
 Every server gets: the stock gRPC health service (NOT_SERVING until `set_serving`; with a
-metrics port, the same status over HTTP at `/healthz` beside `/metrics`), server reflection
+metrics port, the same status over HTTP at `/healthz` beside `/metrics`, and at `/readyz` with
+the service's own readiness check, `ServerHandle.readiness`, on top), server reflection
 (for grpcurl), an interceptor that binds the caller's `x-request-id` to the logs,
 counts RPCs and latency in Prometheus, enforces the internal credential when one is configured,
 and maps domain errors (`services.common.errors`) to status codes so that no traceback ever
@@ -72,6 +73,10 @@ DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # cap and worker threads, so a flood that filled them got the probes refused, and a pod that
 # was only busy was taken out of its Service and then restarted, its streams lost.
 HEALTH_PATH = "/healthz"
+# Readiness (Kubernetes' readiness probe): health, and the service's own `readiness` check
+# (ServerHandle). Liveness stays HEALTH_PATH: a pod whose dependencies are down is not to be
+# restarted for it, only kept out of its Service (and a rolling update held back).
+READY_PATH = "/readyz"
 METRICS_PATH = "/metrics"
 _OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # Open two-way streams (server reflection) one server serves at once: each holds a worker
@@ -817,6 +822,10 @@ class ServerHandle:
     # that turns it off and on again, such as kvpool's stalled-engine check).
     draining: threading.Event = field(default_factory=threading.Event)
     _health_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Why the service, though SERVING, must not take traffic yet ("" = it may), asked at
+    # READY_PATH only (None = ready whenever SERVING). The orchestrator's: no healthy replica
+    # serves its model.
+    readiness: Callable[[], str] | None = None
 
     @property
     def address(self) -> str:
@@ -997,7 +1006,7 @@ def create_server(
             instead of queueing them without bound (a flood of cheap calls, unauthenticated
             ones too, holds bounded memory). None: 4 x max_workers.
         metrics_port: serve Prometheus metrics over HTTP on this port (0 = free port, None = off),
-            and health at HEALTH_PATH.
+            and health at HEALTH_PATH (readiness at READY_PATH).
         credentials: TLS credentials; None = from env (server_credentials_from_env) or plaintext.
         max_connection_age_s: > 0: a client connection is closed (GOAWAY) after this long;
             clients reconnect for their next calls, so behind a Service connections spread
@@ -1086,14 +1095,26 @@ def _serve_metrics_and_health(handle: ServerHandle, host: str, port: int) -> Any
         path = environ.get("PATH_INFO")
         if path == METRICS_PATH:
             return metrics(environ, start_response)
-        if path != HEALTH_PATH:
+        if path not in (HEALTH_PATH, READY_PATH):
             start_response("404 Not Found", [("Content-Type", "text/plain; charset=utf-8")])
-            return [f"not found: {METRICS_PATH} (metrics) or {HEALTH_PATH} (health)\n"
-                    .encode()]
+            return [f"not found: {METRICS_PATH} (metrics), {HEALTH_PATH} (health) or "
+                    f"{READY_PATH} (readiness)\n".encode()]
         ok = handle.serving
+        body = b"SERVING\n" if ok else b"NOT_SERVING\n"
+        if ok and path == READY_PATH and handle.readiness is not None:
+            try:
+                why = handle.readiness()
+            except Exception as exc:  # noqa: BLE001 - a broken check must not pass the probe
+                log.exception("readiness check failed")
+                why = f"readiness check failed: {type(exc).__name__}"
+            # The reason in the body: `curl` (or the kubelet's event) says what is missing.
+            ok, body = (True, b"READY\n") if not why else (
+                False, f"NOT_READY: {why}\n".encode("utf-8", "replace"))
+        elif ok and path == READY_PATH:
+            body = b"READY\n"
         start_response("200 OK" if ok else "503 Service Unavailable",
                        [("Content-Type", "text/plain; charset=utf-8")])
-        return [b"SERVING\n" if ok else b"NOT_SERVING\n"]
+        return [body]
 
     # The family of the address asked for (WSGIServer alone binds IPv4 only).
     family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,

@@ -84,6 +84,10 @@ def _main(argv: list[str] | None) -> int:
         handle.stop(None)
         return 2
     servicer.attach(app.orch, app.tenants, app.warmer)
+    # Ready (/readyz, the readiness probe) only while a replica serving this model is healthy;
+    # health (/healthz, liveness and gRPC health, which the launcher waits on) does not wait
+    # for replicas: a kvpool outage must not restart every orchestrator.
+    handle.readiness = app.orch.replicas.unready
     handle.set_serving()
     log.info("orchestrator ready on port %d (model %s, %d replicas%s)", handle.port,
              app.orch.model_id, len(cfg.kvpool_addresses), shard_lists_said(app.orch))

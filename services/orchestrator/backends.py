@@ -299,6 +299,8 @@ class ReplicaSet:
     # Each replica's Stats call still under way or not yet applied (index -> future): a hung
     # replica is not asked again until it answers or times out, and no poll cycle waits for it.
     _pending: dict[int, Future | None] = field(default_factory=dict)
+    # What `unready` said last: None before it was first asked, then whether not ready.
+    _said_unready: bool | None = None
 
     def __post_init__(self) -> None:
         for i, addr in enumerate(self.addresses):
@@ -519,6 +521,31 @@ class ReplicaSet:
 
     def healthy(self) -> list[Replica]:
         return [r for r in self.replicas if r.health.healthy]
+
+    def unready(self) -> str:
+        """Why this orchestrator must not take traffic now ("" = it may): no replica serving
+        its model id (and block size) is healthy. Its readiness (`/readyz`): it said ready
+        with none, so a rolling update to another model id replaced every old orchestrator
+        (whose replicas still served) with new ones that could only refuse. Said in the log
+        as it changes, when asked (each readiness probe)."""
+        if self.healthy():
+            if self._said_unready:
+                log.info("ready (/readyz): healthy kvpool replica(s) %s",
+                         ", ".join(r.replica_id for r in self.healthy()))
+            self._said_unready = False
+            return ""
+        with self._lock:
+            # A replica on another model is named by the id it answered with (its misfit).
+            lines = [r.misfit[:200] or f"{r.public_id}: "
+                     f"{r.health.last_error[:200] or 'not answered yet'}" for r in self.replicas]
+        why = (f"no healthy kvpool replica serves model {self.model_id!r}" if self.model_id
+               else "no kvpool replica is healthy") + f" ({'; '.join(lines)})"
+        if self._said_unready is None:  # starting: the replicas may still be loading
+            log.info("not ready yet (/readyz): %s", why)
+        elif not self._said_unready:
+            log.warning("not ready (/readyz) until a replica is back: %s", why)
+        self._said_unready = True
+        return why
 
     def _routable(self) -> list[Replica]:
         return self.healthy() or [r for r in self.replicas if not r.misfit]

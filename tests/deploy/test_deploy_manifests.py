@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from services.common.bootstrap import HEALTH_PATH
+from services.common.bootstrap import HEALTH_PATH, READY_PATH
 from services.common.config import ConfigError, env_name, load_config
 from tests.deploy.k8s_view import (
     ROOT,
@@ -164,9 +164,14 @@ def test_every_container_has_probes_resources_and_runs_locked_down(rendered: Ren
             # the gRPC server's call cap cannot refuse (a busy pod is neither taken out of its
             # Service nor restarted).
             assert c["startupProbe"].get("grpc", {}).get("port") == ports["grpc"], where
+            # The orchestrator's readiness also needs a healthy replica on its model (READY_PATH):
+            # ready without one, a rolling update to a model no replica served yet replaced
+            # every working pod. Liveness never waits on another tier.
+            paths = {"readinessProbe": READY_PATH if w.service == "orchestrator" else HEALTH_PATH,
+                     "livenessProbe": HEALTH_PATH}
             for probe in ("readinessProbe", "livenessProbe"):
                 get = c[probe].get("httpGet", {})
-                assert get.get("path") == HEALTH_PATH, f"{where}: {probe}"
+                assert get.get("path") == paths[probe], f"{where}: {probe}"
                 port = get.get("port")  # a container port's name or number
                 assert ports.get(port, port) == ports["metrics"], f"{where}: {probe}"
             start = c["startupProbe"]

@@ -451,3 +451,46 @@ def test_a_new_reason_while_down_is_said_once(caplog):
         h.fail("connection refused")  # a new outage says its reason again
     assert [r.getMessage() for r in caplog.records] == [
         "kvpool at r0 is unhealthy: connection refused"]
+
+
+def test_readiness_waits_for_a_healthy_replica_on_the_orchestrators_model(caplog):
+    """The orchestrator's /readyz (its readiness probe) is 503 naming why while no replica
+    serving its model id is healthy, 200 once one is; /healthz (liveness) stays 200. It said
+    ready with none, so a rolling update to a model id no replica served yet replaced every
+    working orchestrator with ones that could only refuse."""
+    import logging
+    import urllib.error
+    import urllib.request
+
+    from services.common.bootstrap import HEALTH_PATH, READY_PATH, create_server
+
+    stub, rs, _ = _polled_replica_r0()
+    stub.answer = kvpool_pb2.KvStatsResponse(replica_id="r0", incarnation="a", model_id="m2")
+    rs.poll_once()
+    h = create_server(service="test", address="127.0.0.1:0", services=[], metrics_port=0)
+    h.readiness = rs.unready
+    h.set_serving()
+    base = f"http://127.0.0.1:{h.metrics_port}"
+
+    def get(path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(base + path, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    try:
+        with caplog.at_level(logging.INFO, logger="services.orchestrator.backends"):
+            status, body = get(READY_PATH)
+            assert status == 503, body
+            assert body.startswith("NOT_READY: no healthy kvpool replica serves model 'm' ")
+            assert "r0: it serves model 'm2', this orchestrator 'm'" in body
+            assert get(HEALTH_PATH) == (200, "SERVING\n")
+            stub.answer = kvpool_pb2.KvStatsResponse(replica_id="r0", incarnation="a",
+                                                     model_id="m")
+            rs.poll_once()
+            assert get(READY_PATH) == (200, "READY\n")
+        assert "not ready yet (/readyz): no healthy kvpool replica" in caplog.text
+        assert "ready (/readyz): healthy kvpool replica(s) r0" in caplog.text
+    finally:
+        h.stop(0)
