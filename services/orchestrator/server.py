@@ -387,7 +387,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 degradations=dict(st.degradations),
                 semantic_hits_too_short=st.semantic_hits_too_short,
                 semantic_hits_sampled=st.semantic_hits_sampled,
-                semantic_hits_ignore_eos=st.semantic_hits_ignore_eos)
+                semantic_hits_ignore_eos=st.semantic_hits_ignore_eos,
+                # Its own, beside the replicas' (a replica on another id is out of routing):
+                # the replicas' were shown and this one's was not.
+                model_id=o.model_id)
         for r in o.replicas.replicas:
             if r.stats is not None and r.health.healthy:
                 resp.replicas.append(r.stats)

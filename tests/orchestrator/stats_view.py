@@ -25,7 +25,7 @@ def stats_server(semantic, prefix=None) -> Iterator[str]:
     cfg.validate()
     s = OrchestratorServicer(cfg)
     orch = SimpleNamespace(stats=OrchestratorStats(), replicas=SimpleNamespace(replicas=[]),
-                           semantic=semantic, prefix=prefix)
+                           semantic=semantic, prefix=prefix, model_id="m")
     s.attach(orch, TenantRegistry.build(tokens_file="", tokens="", key=b"k",
                                         max_prompt_tokens=100, max_tokens=100,
                                         max_concurrent=4))

@@ -222,7 +222,7 @@ class FeedbackRig:
                        "tiercache.v1.SemanticCache")]) for s in self.switches]
         self.tenants = _registry(_tokens_file(folder))
         self.orch = SimpleNamespace(stats=OrchestratorStats(), prefix=None, semantic=None,
-                                    replicas=SimpleNamespace(replicas=[]))
+                                    replicas=SimpleNamespace(replicas=[]), model_id="m")
         self.server = Orchestrator()
         self.server.svc.attach(self.orch, self.tenants)
         self.caches: list[SemanticCache] = []
@@ -531,7 +531,8 @@ def run_stats(rig: StatsRig, seed: int, steps: int = 12, slow: bool = False) -> 
     rig.server.svc.attach(SimpleNamespace(
         stats=st, replicas=SimpleNamespace(replicas=replicas),
         semantic=SemanticBackend(",".join(sem_addrs), "", 5.0),
-        prefix=PrefixBackend(tuple(px_addrs), "", 5.0, 16) if px_addrs else None),
+        prefix=PrefixBackend(tuple(px_addrs), "", 5.0, 16) if px_addrs else None,
+        model_id="m"),
         rig.registries[tokens])
     log = Log(seed, "stats")
     sem_ok: dict = {}  # address -> its last call answered (None: not known)

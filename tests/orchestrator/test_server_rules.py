@@ -272,7 +272,8 @@ def _stats_servicer(tokens: str = ""):
     replicas = [SimpleNamespace(stats=kvpool_pb2.KvStatsResponse(replica_id=f"r{i}"), health=h)
                 for i, h in enumerate(health)]
     orch = SimpleNamespace(stats=OrchestratorStats(), replicas=SimpleNamespace(replicas=replicas),
-                           semantic=SimpleNamespace(enabled=False), prefix=None)
+                           semantic=SimpleNamespace(enabled=False), prefix=None,
+                           model_id="SmolLM2-135M-Instruct")
     return s, orch, TenantRegistry.build(tokens_file="", tokens=tokens, key=b"k",
                                          max_prompt_tokens=100, max_tokens=100,
                                          max_concurrent=4)
@@ -288,6 +289,16 @@ def test_stats_is_unavailable_while_loading_and_lists_only_healthy_replicas_figu
     resp = s.Stats(orchestrator_pb2.StatsRequest(), Context())
     assert [r.replica_id for r in resp.replicas] == ["r0"]
     assert [d.name for d in resp.dependencies] == ["kvpool-True", "kvpool-False"]
+
+
+def test_stats_names_the_orchestrators_own_model_id():
+    """`tiercache stats` showed each replica's model id and not the orchestrator's, which
+    decides which replicas are routed to: a replica out of routing for serving another model
+    could not be compared with it."""
+    s, orch, tenants = _stats_servicer()
+    s.attach(orch, tenants)
+    resp = s.Stats(orchestrator_pb2.StatsRequest(), Context())
+    assert resp.model_id == "SmolLM2-135M-Instruct"
 
 
 def test_stats_is_refused_to_a_tenant_without_admin():

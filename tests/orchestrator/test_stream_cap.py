@@ -42,6 +42,7 @@ class SlowOrchestrator:
     tok = range(1000)  # only its length (the vocabulary size) is read
     replicas = SimpleNamespace(max_context=lambda: 0)  # no replica has reported its context
     semantic = SimpleNamespace(enabled=False)
+    model_id = "m"  # what Stats says it serves
 
     def __init__(self) -> None:
         self.release = threading.Event()
