@@ -504,9 +504,19 @@ class Engine:
         kv_tokens = len(req.token_ids) + max(req.sampling.max_tokens - 1, 0)
         need = self.pool.blocks_needed(kv_tokens)
         if need > self.pool.num_blocks:
-            what = "the prefix needs" if req.prefill_only else "prompt + max_tokens need"
+            if req.prefill_only:
+                what, fits = "the prefix needs", ""
+            else:
+                # The figures said: "prompt + max_tokens" alone left a caller to guess which of
+                # the two to cut, and by how much. (The orchestrator says when max_tokens was its
+                # default, the client having set none.)
+                n, m = len(req.token_ids), req.sampling.max_tokens
+                what = f"prompt ({n} tokens) + sampling.max_tokens ({m}) need"
+                room = self.pool.num_blocks * self.pool.block_size - n + 1
+                fits = (f"; sampling.max_tokens of at most {room} fits" if room > 0
+                        else "; the prompt alone is too long for it")
             raise errors.ResourceExhausted(
-                f"token_ids: {what} {need} KV blocks, the pool has {self.pool.num_blocks}")
+                f"token_ids: {what} {need} KV blocks, the pool has {self.pool.num_blocks}{fits}")
         out: queue.Queue = queue.Queue()
         # Built before a waiting slot is taken: a failure here must not use one up for good.
         sampler = Sampler(req.sampling)

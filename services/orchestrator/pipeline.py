@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import re
 import secrets
 import threading
 import time
@@ -262,6 +263,9 @@ class Sampling:
     seed: int
     stop_token_ids: tuple[int, ...]
     ignore_eos: bool
+    # Whether the client set max_tokens (False: max_tokens is the server's default, or what
+    # the model's context leaves): a refusal must not blame a field the client never sent.
+    max_tokens_set: bool = True
 
 
 @dataclass(frozen=True)
@@ -715,7 +719,7 @@ class Orchestrator:
                         f"every kvpool replica is busy (tried {', '.join(tried)}); retry later",
                         "no kvpool replica is available"
                         + (f" (tried {', '.join(tried)})" if tried else "")
-                        + (f"; last: {why_public}" if why_public else ""))) from None
+                        + (f"; last: {why_public}" if why_public else ""), sampling)) from None
                 call = None
                 # When this attempt's Generate was sent, until its first message or its end
                 # (then timed: backend_call_seconds).
@@ -852,7 +856,7 @@ class Orchestrator:
                             # follow this one's credit to that replica (and count the miss as
                             # an eviction).
                             self.dispatched.withdraw(recorded)
-                        raise _counted(tenant, _as_domain(e)) from None
+                        raise _counted(tenant, _as_domain(e, sampling)) from None
                     # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
                     # another, but it is not marked down for everyone (Stats polls judge that):
                     # one request that breaks replicas must not take every replica out of routing.
@@ -930,7 +934,7 @@ class Orchestrator:
                         # A replica's own refusal may say it already (past max_waiting).
                         + ("" if "retry later" in why_public else "; retry later"),
                         f"kvpool replicas failed {attempts} times (tried {', '.join(tried)}); "
-                        f"last: {why_public}")) from None
+                        f"last: {why_public}", sampling)) from None
 
             tail = detok.flush()
             if tail:
@@ -1119,12 +1123,12 @@ def _within(timeout_s: float, deadline: float, share: float = 1.0) -> float | No
 
 
 def _give_up(too_big: grpc.RpcError | None, all_busy: bool, busy: str,
-             unavailable: str) -> errors.TierCacheError:
+             unavailable: str, sampling: Sampling | None = None) -> errors.TierCacheError:
     """The client's error once no replica is left to try (none routable, or attempts used
     up), in one order: too big for every pool that was tried (a fixed limit), then every
     replica tried busy (retry later: Overloaded), then unavailable."""
     if too_big is not None:
-        return _as_domain(too_big)
+        return _as_domain(too_big, sampling)
     if all_busy:
         return errors.Overloaded(busy)
     return errors.Unavailable(unavailable)
@@ -1144,12 +1148,19 @@ def _counted(tenant: Tenant, e: errors.TierCacheError) -> errors.TierCacheError:
     return e
 
 
-def _as_domain(e: grpc.RpcError) -> errors.TierCacheError:
+def _as_domain(e: grpc.RpcError, sampling: Sampling | None = None) -> errors.TierCacheError:
     """A replica's status, re-raised with the same code and message — its fields renamed to
-    the caller's: the replica's token_ids are the rendered prompt (messages or prompt)."""
+    the caller's: the replica's token_ids are the rendered prompt (messages or prompt), and
+    its sampling.max_tokens, when the client set none (`sampling`), the server's default."""
     details = e.details() or ""
     if details.startswith("token_ids:"):
         details = "prompt (rendered messages):" + details[len("token_ids:"):]
+        if sampling is not None and not sampling.max_tokens_set:
+            # "prompt + sampling.max_tokens (256) need 19 KV blocks" told a client that had
+            # sent no max_tokens to change it as if it had.
+            details = re.sub(r"\+ sampling\.max_tokens \((\d+)\)",
+                             r"+ the default max_tokens (\1; the request set no "
+                             r"sampling.max_tokens)", details, count=1)
     exc = errors.TierCacheError(details)
     exc.code = e.code().name if e.code() is not None else "INTERNAL"
     return exc

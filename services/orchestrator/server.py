@@ -82,7 +82,7 @@ def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig,
     # The replicas' own check, before any tier runs (count only when the vocabulary is unknown).
     validate_stop_ids(s.stop_token_ids, math.inf if vocab_size is None else vocab_size)
     return Sampling(max_tokens, float(s.temperature), float(top_p), int(s.seed),
-                    tuple(s.stop_token_ids), bool(s.ignore_eos))
+                    tuple(s.stop_token_ids), bool(s.ignore_eos), max_tokens_set=s.max_tokens > 0)
 
 
 def parse_policy(p: common_pb2.CachePolicy) -> Policy:

@@ -39,6 +39,28 @@ def test_a_finished_requests_stats_are_out_before_its_result(make_engine) -> Non
     drive(eng, [], lambda e: None)  # "b" too
 
 
+def test_a_request_too_big_for_the_pool_is_told_its_figures_and_what_would_fit(
+        make_engine) -> None:
+    """"prompt + max_tokens need 7 KV blocks" said neither part: a caller could not tell
+    whether to cut its prompt or its max_tokens, nor by how much (nor the orchestrator say
+    which was its default). The refusal names both and the largest max_tokens that fits, or
+    that the prompt alone is too long; nothing is queued."""
+    import pytest
+
+    eng = make_engine(num_blocks=4, block_size=4)  # 16 tokens
+    with pytest.raises(errors.ResourceExhausted) as ei:
+        eng.submit(request(prompt(10, 1), 8))
+    assert str(ei.value) == ("token_ids: prompt (10 tokens) + sampling.max_tokens (8) need 5 KV "
+                             "blocks, the pool has 4; sampling.max_tokens of at most 7 fits")
+    with pytest.raises(errors.ResourceExhausted) as ei:
+        eng.submit(request(prompt(17, 1), 1))
+    assert str(ei.value) == ("token_ids: prompt (17 tokens) + sampling.max_tokens (1) need 5 KV "
+                             "blocks, the pool has 4; the prompt alone is too long for it")
+    _, out = eng.submit(request(prompt(10, 1), 7))  # what it said fits, fits
+    assert eng.stats().waiting + eng.stats().running <= 1
+    collect(out, timeout=30)
+
+
 def test_a_pool_that_cannot_take_a_request_refuses_new_ones_for_good_streamed_ones_as_busy(
         make_engine, monkeypatch) -> None:
     """With nothing running to free blocks, a new request is RESOURCE_EXHAUSTED ("never fits

@@ -279,7 +279,8 @@ def test_pool_too_small_is_resource_exhausted(tiny_model) -> None:
         with pytest.raises(grpc.RpcError) as ei:
             gen(s.stub, list(range(1, 20)), max_tokens=8)
         assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert ei.value.details().startswith("token_ids: prompt + max_tokens need 7 KV blocks")
+        assert ei.value.details().startswith(
+            "token_ids: prompt (19 tokens) + sampling.max_tokens (8) need 7 KV blocks")
         with pytest.raises(grpc.RpcError) as ei:  # Prefill has no max_tokens to blame
             s.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=list(range(1, 20))), timeout=10)
         assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED

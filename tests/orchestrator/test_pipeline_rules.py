@@ -255,6 +255,42 @@ def test_a_request_every_pool_refuses_takes_back_its_dispatch_credit():
     assert held.dispatched.match(hashes) == {"A": 32}
 
 
+@pytest.mark.parametrize("client_set", [True, False])
+def test_a_kv_pool_refusal_names_max_tokens_as_the_client_gave_it_or_not(client_set):
+    """A request no pool can hold said "prompt + max_tokens need 19 KV blocks" to a client
+    that had set no max_tokens (the server's default, 256, was too much for the pool): it was
+    told to change a field it never sent. Set, the client's field is named; unset, the
+    default is said to be one, both on a replica's own verdict and on giving up."""
+    import time
+
+    from services.orchestrator.pipeline import _give_up
+
+    said = ("token_ids: prompt (37 tokens) + sampling.max_tokens (256) need 19 KV blocks, the "
+            "pool has 16; sampling.max_tokens of at most 220 fits")
+
+    class TooBig(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return said
+
+    sampling = Sampling(256, 0.0, 1.0, 0, (), False, max_tokens_set=client_set)
+    orch = make({"A": Stub("A", [Call([], TooBig())])})
+    with pytest.raises(errors.TierCacheError) as ei:
+        list(orch.generate(
+            tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"), sampling=sampling,
+            policy=Policy(), session_id="s", return_token_ids=True, request_id="rid",
+            deadline=time.monotonic() + 30, on_cancel=lambda fn: None))
+    gave_up = _give_up(TooBig(), False, "busy", "unavailable", sampling)
+    for e in (ei.value, gave_up):
+        assert e.code == "RESOURCE_EXHAUSTED"
+        assert str(e) == "prompt (rendered messages): prompt (37 tokens) + " + (
+            "sampling.max_tokens (256)" if client_set else
+            "the default max_tokens (256; the request set no sampling.max_tokens)") + (
+            " need 19 KV blocks, the pool has 16; sampling.max_tokens of at most 220 fits")
+
+
 def test_a_call_cancelled_because_its_replica_was_found_hung_is_logged_as_hung(caplog):
     """The poller declares A hung and cancels its call: the failover line said gRPC's own
     "CANCELLED: Locally cancelled by application!", as if someone had asked for the cancel,
