@@ -333,8 +333,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # Only references this tenant was given: another tenant's entry is simply not found.
         entry_id = self.tenants.entry_id(tenant, request.semantic_entry_id)
         if entry_id is None:
+            # A reference of the right shape whose signature fails: said what may be behind it
+            # (a bare "unknown" after a hash-key rotation sent operators looking for a lost
+            # entry). Not said for one of another shape, which no key ever signed.
             raise errors.NotFound(
-                f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown")
+                f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown"
+                + (" (not issued to this tenant, or signed with an earlier hash key: "
+                   "references given before the hash key was rotated are no longer accepted)"
+                   if self.tenants.signed_like(request.semantic_entry_id) else ""))
         # The tier's call under way when the caller cancels is cancelled with it, as a
         # Generate's are: it ran to its end (up to the tier's 2 s on a hung shard), holding a
         # worker, and the tier applied a rating whose client had seen CANCELLED.

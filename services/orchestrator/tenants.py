@@ -491,6 +491,14 @@ class TenantRegistry:
         for that tenant, so that nobody can rate or invalidate another tenant's entry."""
         return f"{entry_id}.{self._entry_tag(tenant, entry_id)}" if entry_id else ""
 
+    @staticmethod
+    def signed_like(ref: str) -> bool:
+        """Whether `ref` has the shape of a reference `entry_ref` makes (`<id>.<16 hex
+        digits>`): one that then fails `entry_id` was signed for another tenant or with
+        another hash key (one rotated since), not mistyped into another shape."""
+        entry_id, _, tag = ref.rpartition(".")
+        return bool(entry_id) and len(tag) == 16 and all(c in "0123456789abcdef" for c in tag)
+
     def entry_id(self, tenant: Tenant, ref: str) -> str | None:
         """The entry id behind `ref` if `ref` was issued to `tenant`, else None."""
         entry_id, _, tag = ref.rpartition(".")

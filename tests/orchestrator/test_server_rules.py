@@ -198,6 +198,29 @@ def test_feedback_without_a_rating_is_refused_naming_rating():
     assert called == []
 
 
+def test_feedback_on_a_reference_signed_otherwise_hints_at_a_hash_key_rotation():
+    """A reference signed with an earlier hash key (rotated since, docs/deploy.md) was a bare
+    NOT_FOUND "unknown", as a mistyped one: the hint is given for a reference of the signed
+    shape whose signature fails, NOT_FOUND still, and for no other; the tier is not called."""
+    from services.orchestrator.tenants import TenantRegistry
+
+    s, orch = servicer(STREAM_HEADROOM + 1)
+    called: list = []
+    orch.semantic = SimpleNamespace(enabled=True, invalidate=lambda *a, **kw: called.append(a),
+                                    verify=lambda *a, **kw: called.append(a))
+    before = TenantRegistry.build(tokens_file="", tokens="", key=b"an earlier key",
+                                  max_prompt_tokens=100, max_tokens=100, max_concurrent=4)
+    old_ref = before.entry_ref(before.authenticate({}), "e1")
+    for ref, hint in ((old_ref, True), ("e1", False), ("e1.not-a-tag", False)):
+        with pytest.raises(errors.NotFound) as ei:
+            s.Feedback(orchestrator_pb2.FeedbackRequest(
+                semantic_entry_id=ref, rating=orchestrator_pb2.RATING_GOOD), Context())
+        said = str(ei.value)
+        assert said.startswith(f"semantic_entry_id: {ref!r} unknown"), said
+        assert ("signed with an earlier hash key" in said) == hint, said
+    assert called == []
+
+
 @pytest.mark.parametrize("code,said", [
     (grpc.StatusCode.UNAVAILABLE, "the semantic tier is unavailable"),
     (grpc.StatusCode.DEADLINE_EXCEEDED, "the semantic tier did not answer in time")])
