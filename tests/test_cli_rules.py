@@ -465,3 +465,15 @@ def test_a_session_whose_prompt_alone_fills_the_context_says_it_has_grown_too_lo
     err = capsys.readouterr().err
     assert "grown too long" in err and "full.json" in err and "--max-tokens" not in err
     assert "start it over with --new" in err  # the flag that does it, named
+
+
+def test_a_sessions_note_on_a_kv_pool_refusal_says_how_many_tokens_fit():
+    """Past every KV pool, a session's note said only "start it over" though the refusal says
+    what answer would still fit this turn; it says that, as for the model's context. Not for
+    a prompt too long for the pool by itself."""
+    fits = ("prompt (rendered messages): prompt (35 tokens) + the default max_tokens (256; the "
+            "request set no sampling.max_tokens) need 19 KV blocks, the pool has 16; "
+            "sampling.max_tokens of at most 222 fits")
+    alone = ("prompt (rendered messages): prompt (391 tokens) + sampling.max_tokens (4) need "
+             "25 KV blocks, the pool has 16; the prompt alone is too long for it")
+    assert cli._room_left(fits) == 222 and cli._room_left(alone) == 0

@@ -276,11 +276,19 @@ _CONTEXT = re.compile(r"prompt \((\d+) tokens\) \+ sampling\.max_tokens \((\d+)\
                       r"model context \((\d+)\)")
 
 
+# A replica's KV pool refusal (through the orchestrator) says what would fit, when anything
+# would: "...; sampling.max_tokens of at most 222 fits".
+_POOL_ROOM = re.compile(r"sampling\.max_tokens of at most (\d+) fits")
+
+
 def _room_left(details: str) -> int:
-    """The answer's room in the context when only max_tokens overflowed it (0: none)."""
+    """The answer's room in the context, or in the largest KV pool, when only max_tokens
+    overflowed it (0: none)."""
     m = _CONTEXT.search(details)
     if not m:
-        return 0
+        # Past the pool, the note said only "start it over" where a smaller answer fit.
+        pool = _POOL_ROOM.search(details)
+        return int(pool.group(1)) if pool else 0
     prompt, _, context = map(int, m.groups())
     return max(0, context - prompt)
 
