@@ -377,6 +377,12 @@ class ReplicaSet:
             # Named by the id it answered with: one never healthy is still known by its alias.
             r.misfit = f"{s.replica_id or r.public_id}: {misfit}" if misfit else ""
             if wrong:
+                if misfit and s.replica_id:
+                    # Named as a replica in routing is (its Stats line and log lines): it stayed
+                    # "kvpool", which of the replicas out of routing for another model unsaid.
+                    # (Not one answering under a taken id: that id is another's name.)
+                    with self._lock:
+                        r.health.name = f"kvpool/{s.replica_id}"
                 if r.health.healthy or r.health.last_error != wrong:
                     log.error("replica %s at %s is out of routing: %s", s.replica_id,
                               r.address, wrong)

@@ -537,6 +537,8 @@ class ReplicaHarness:
         pub = m.replica_id if m.replica_id != m.address else m.alias
         m.misfit = (f"{s.replica_id or pub}: {wrong}"
                     if wrong.startswith(("it serves model", "its KV block size")) else "")
+        if m.misfit and s.replica_id:
+            m.name = f"kvpool/{s.replica_id}"  # named by the id it answered with
         if wrong:
             m.slow = 0  # an answer: the row of timed-out polls is broken
             self.down(m, wrong)

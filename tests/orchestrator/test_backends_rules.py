@@ -97,6 +97,19 @@ def test_a_replica_restarted_with_another_model_is_reported_lost():
     assert lost == ["r0"] and not rs.replicas[0].health.healthy
 
 
+def test_a_replica_out_of_routing_for_its_model_is_named_by_its_id_in_stats():
+    """A replica that never served this orchestrator's model read "kvpool" in Stats'
+    dependencies (and its log lines), not "kvpool/<its id>" as every other replica: which
+    replica served the other model was said only by its address."""
+    rs = ReplicaSet(addresses=(), internal_token="", model_id="m")
+    rs.replicas.append(Replica("10.0.0.1:50054", Answering(replica_id="kvpool-3", model_id="m2"),
+                               Health("kvpool", "10.0.0.1:50054"), replica_id="10.0.0.1:50054"))
+    rs.poll_once()
+    (line,) = [r.health.proto() for r in rs.replicas]
+    assert (line.name, line.healthy) == ("kvpool/kvpool-3", False)
+    assert line.last_error == "it serves model 'm2', this orchestrator 'm'"
+
+
 def test_a_replica_restarted_under_another_id_is_reported_lost_by_the_id_it_had():
     """Routing recorded what it sent to a replica under its id; a restart that brings another
     id must forget the old one's records. The report named the new id, which had none, and
