@@ -429,6 +429,13 @@ class PrefixIndex:
         """Renew a lease; `known` is False if the replica must register again."""
         if not replica_id:
             raise InvalidArgument("replica_id", "required")
+        if load.free_blocks > load.total_blocks:
+            # Taken as it came, it was handed on in Stats and every Match answer (a pool with
+            # more free blocks than blocks). A kvpool replica's own never is: free + cached
+            # of one figure of its fixed-size pool, taken at once.
+            raise InvalidArgument(
+                "load.free_blocks", f"{load.free_blocks} is more than load.total_blocks "
+                f"({load.total_blocks})")
         now = self.clock()
         self._expire(now)
         rep = self._replicas.get(replica_id)

@@ -652,10 +652,11 @@ class PrefixWorld:
                                                 fingerprint=pick(rng, ("", "a", "b"))))
         if rpc == "Heartbeat":
             rid, inc = self.some_replica(rng)
+            free = rng.randrange(2**32)
             return prefix_pb2.HeartbeatRequest(replica_id=rid, incarnation=inc,
                                                load=prefix_pb2.ReplicaLoad(
-                                                   running=rng.randrange(5),
-                                                   free_blocks=rng.randrange(2**32)))
+                                                   running=rng.randrange(5), free_blocks=free,
+                                                   total_blocks=rng.randrange(free, 2**32)))
         if rpc == "PublishEvents":
             rid, inc = self.some_replica(rng)
             rep = self.replicas.get(rid)
@@ -714,6 +715,10 @@ class PrefixWorld:
     def corruptions(self, rpc: str) -> list[Corruption]:
         def ids_empty(rng, r):
             setattr(r, pick(rng, ("replica_id", "incarnation")), "")
+
+        def load_bad(rng, r):  # more free blocks than blocks
+            r.load.total_blocks = min(r.load.total_blocks, 2**32 - 2)
+            r.load.free_blocks = r.load.total_blocks + pick(rng, (1, 1000))
 
         def ids_odd(rng, r):
             setattr(r, pick(rng, ("replica_id", "incarnation")),
@@ -842,7 +847,7 @@ class PrefixWorld:
         if rpc == "Register":
             return [ids_empty, ids_odd, address_bad, model_bad, block_size_bad, probe_bad]
         if rpc == "Heartbeat":
-            return [ids_empty, ids_odd]
+            return [ids_empty, ids_odd, load_bad]
         if rpc == "PublishEvents":
             return [ids_empty, seq_bad, too_many_events, event_unset, hashes_bad, tokens_bad,
                     parent_bad, root_fields_bad, salt_bad, removed_bad, too_many_blocks]
@@ -884,6 +889,8 @@ class PrefixWorld:
         elif rpc == "Heartbeat":
             if not r.replica_id:
                 v.bad(INVALID, "replica_id")
+            if r.load.free_blocks > r.load.total_blocks:
+                v.bad(INVALID, "load.free_blocks")
         elif rpc == "PublishEvents":
             # Either flaw may be named first: the replica's, the batch number's or an event's.
             rep = self.replicas.get(r.replica_id)

@@ -102,6 +102,25 @@ def test_a_heartbeat_that_changes_the_load_reorders_equal_matches(index, hasher)
             assert got[0].load == Load(running=1)
 
 
+def test_a_heartbeat_with_more_free_blocks_than_blocks_is_refused_leaving_the_last_load(
+        index, clock):
+    """free_blocks past total_blocks is INVALID_ARGUMENT naming both fields; the replica keeps
+    the load of its last good heartbeat and its lease is not renewed by the bad one (it was
+    taken and shown in Stats and Match answers as it came)."""
+    reg(index, "a")
+    index.heartbeat("a", "i1", Load(running=1, free_blocks=100, total_blocks=100))
+    before = index.stats()
+    clock.t += 1
+    with pytest.raises(InvalidArgument, match=r"load\.free_blocks: 500 .*load\.total_blocks "
+                                              r"\(100\)"):
+        index.heartbeat("a", "i1", Load(running=2, free_blocks=500, total_blocks=100))
+    clock.t -= 1
+    assert index.stats() == before
+    with pytest.raises(InvalidArgument, match="load.free_blocks"):  # unknown replica alike
+        index.heartbeat("nobody", "i1", Load(free_blocks=1))
+    assert index.replica_count == 1
+
+
 @pytest.mark.parametrize("resync_again", [False, True])
 def test_a_resyncs_hits_are_given_back_up_to_one_lease_after_it_that_instant_included(
         clock, hasher, resync_again):

@@ -382,6 +382,7 @@ class Run:
         inc = self.reps[rid][0] if rng.random() < 0.9 or only else rng.choice(self.reps[rid][3] or
                                                                         ["never"])
         load = tuple(rng.randrange(0, 9) for _ in range(4))
+        load = (*load[:3], max(load[2], load[3]))  # a pool's load: free <= total
         asked = self.addrs if only is None else [a for a in self.addrs if a in only]
         got = {a: (self.shards[a].heartbeat(rid, inc, load, time.monotonic()) if self.up[a]
                    else UNAVAILABLE) for a in asked}

@@ -27,7 +27,8 @@ test_index_differential.py):
   the same incarnation refreshes address and capacity; another drops the old holdings,
   starts at 1 and makes the old one refused for good; the same incarnation back after a
   lapse carries its numbers on, must resync first, and gets the hits its lapse saved back
-  (within a lease). Heartbeat: known, and the load recorded, for the live incarnation only;
+  (within a lease). Heartbeat: known, and the load recorded, for the live incarnation only
+  (a load with more free_blocks than total_blocks refused, whoever sends it);
 - leases lapse at their deadline; a publish taken (applied, a retry, a RESYNC answer)
   renews like a heartbeat, a refused one does not; a lapse forgets the replica's shard list;
 - PublishEvents: an old seq is acknowledged and ignored, a later one (or any but a resync
@@ -417,6 +418,10 @@ def do_heartbeat(svc: Svc, m: Model, rng: random.Random) -> None:
                  for i in range(4))
     req = pb.HeartbeatRequest(replica_id=rid, incarnation=inc, load=pb.ReplicaLoad(
         running=load[0], waiting=load[1], free_blocks=load[2], total_blocks=load[3]))
+    if load[2] > load[3]:  # more free blocks than blocks: refused, nothing renewed
+        expect_refused(m, "Heartbeat", call(svc, "Heartbeat", req), INVALID,
+                       "load.free_blocks", req)
+        return
     got = ok(m, "Heartbeat", call(svc, "Heartbeat", req), req)
     known = rep is not None and rep.inc == inc
     if known:
