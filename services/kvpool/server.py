@@ -240,6 +240,12 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                 "prefix caching is off on this replica (TIERCACHE_KVPOOL_PREFIX_CACHING): "
                 "nothing can be prefilled or pinned")
         ttl = 0.0
+        if request.ttl_seconds and not request.pin:
+            # A pin's lifetime without the pin: taken, the prefix was computed and left
+            # unpinned, "OK, 0 blocks pinned" with the TTL ignored without a word.
+            raise errors.InvalidArgument(
+                "ttl_seconds", f"{request.ttl_seconds} s without pin: set pin to pin the "
+                "prefix for ttl_seconds, or leave ttl_seconds 0")
         if request.pin:
             if request.ttl_seconds <= 0:
                 raise errors.InvalidArgument("ttl_seconds", "must be > 0 when pin is set")

@@ -1145,7 +1145,7 @@ class KvWorld:
             pin = rng.random() < 0.4
             return kvpool_pb2.PrefillRequest(
                 token_ids=self.tokens(rng, 4 if pin else 1), cache_salt=pick(rng, ("", "t1")),
-                pin=pin, ttl_seconds=rng.randrange(1, 5000) if pin else rng.randrange(3),
+                pin=pin, ttl_seconds=rng.randrange(1, 5000) if pin else 0,
                 model_id=pick(rng, ("", self.model_id)))
         return kvpool_pb2.KvStatsRequest()
 
@@ -1195,6 +1195,9 @@ class KvWorld:
             r.pin = True
             r.ttl_seconds = pick(rng, (0, 0, 2**32 - 1))
 
+        def ttl_without_pin(rng, r):  # a pin's lifetime, no pin: not ignored
+            r.pin, r.ttl_seconds = False, pick(rng, (1, 60, 2**32 - 1))
+
         def short_pin(rng, r):
             r.pin, r.ttl_seconds = True, 60
             del r.token_ids[self.pool.block_size - 1:]
@@ -1205,7 +1208,7 @@ class KvWorld:
                     no_sampling]
         if rpc == "Prefill":
             return [model_other, tokens_empty, tokens_vocab, tokens_long, salt_bad, ttl_bad,
-                    short_pin]
+                    ttl_without_pin, short_pin]
         return []
 
     # -- the model of the docs --
@@ -1244,7 +1247,7 @@ class KvWorld:
                 v.bad(INVALID, "token_ids")
             if self.pool.blocks_needed(len(r.token_ids)) > self.pool.num_blocks:
                 v.bad(EXHAUSTED, "token_ids")
-            if r.pin and r.ttl_seconds <= 0:
+            if r.pin and r.ttl_seconds <= 0 or not r.pin and r.ttl_seconds:
                 v.bad(INVALID, "ttl_seconds")
             if r.pin and len(r.token_ids) < self.pool.block_size:
                 v.bad(INVALID, "token_ids")

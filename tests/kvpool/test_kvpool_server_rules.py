@@ -175,6 +175,19 @@ def test_a_pin_asked_for_longer_than_the_replicas_limit_is_cut_to_it(tiny_model)
     assert [r.pin_ttl_seconds for r in eng.requests] == [CFG.pin_ttl_max_seconds, 5]
 
 
+def test_a_pin_ttl_without_pin_is_refused_naming_it_before_any_work(tiny_model) -> None:
+    """ttl_seconds is a pin's lifetime: sent without pin it is INVALID_ARGUMENT naming it, and
+    nothing reaches the engine (the prefix was computed, left unpinned, and the TTL ignored
+    without a word). Neither field set is a plain prefill."""
+    eng = QueuedEngine(done(0))
+    s = servicer(eng, tiny_model)
+    with pytest.raises(errors.InvalidArgument, match=r"^ttl_seconds: 60 s without pin"):
+        s.Prefill(kvpool_pb2.PrefillRequest(token_ids=PROMPT, ttl_seconds=60), Ctx())
+    assert eng.requests == []
+    s.Prefill(kvpool_pb2.PrefillRequest(token_ids=PROMPT), Ctx())
+    assert [r.pin_ttl_seconds for r in eng.requests] == [0.0]
+
+
 def test_an_engine_stopped_by_a_drain_that_began_during_the_watchs_check_says_nothing():
     """The watch ends quietly when the server stops, even when the stop lands between its
     wake-up and its look at the engine (a drain stops the engine on purpose)."""
