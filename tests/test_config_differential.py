@@ -54,6 +54,7 @@ from services.kvpool.config import KvPoolConfig
 from services.orchestrator.config import OrchestratorConfig
 from services.prefix.config import PrefixConfig
 from services.semantic.config import SemanticConfig
+from tests.blank_text import blank
 
 SEEDS = int(os.environ.get("CONFIG_DIFFERENTIAL_SEEDS", "1000"))
 DOC = Path(__file__).resolve().parents[1] / "docs" / "settings.md"
@@ -198,8 +199,10 @@ RULES: dict[str, list[tuple[tuple[str, ...], object]]] = {
         (("max_new_tokens_limit",), lambda v: v["max_new_tokens_limit"] >= 1),
         (("max_waiting",), lambda v: v["max_waiting"] >= 1),
         (("replica_id",), lambda v: 0 < len(v["replica_id"]) <= 256
-         and v["replica_id"].isprintable() and not any(c.isspace() for c in v["replica_id"])),
-        (("model_id",), lambda v: len(v["model_id"]) <= 256 and "\0" not in v["model_id"]),
+         and v["replica_id"].isprintable() and not any(c.isspace() for c in v["replica_id"])
+         and not blank(v["replica_id"])),
+        (("model_id",), lambda v: len(v["model_id"]) <= 256 and "\0" not in v["model_id"]
+         and (not v["model_id"] or not blank(v["model_id"]))),
         (("torch_threads",), lambda v: 0 <= v["torch_threads"] <= 1024),
         (("address",), lambda v: _hostport(v["address"], listen=True)),
         (("prefix_address",), lambda v: not v["prefix_address"]
@@ -353,8 +356,8 @@ CHOICES = {
     "device": ["cpu", "cuda", "cuda:1", "cuda:x", "gpu", ""],
     "dtype": ["float32", "float16", "bfloat16", "fp16", ""],
     "linear_kernels": ["onednn", "torch", "mkl"],
-    "replica_id": ["kvpool-1", "a b", "", "x" * 256, "x" * 257, "r\x07"],
-    "model_id": ["", "m", "x" * 257],
+    "replica_id": ["kvpool-1", "a b", "", "x" * 256, "x" * 257, "r\x07", "\u3164"],
+    "model_id": ["", "m", "x" * 257, "\u3164"],
     "model": ["smollm2", "", "some/folder"],
     "prefix_address": ["", "a:1", "a:1,b:2", "a:1,", "a:1,A:1", "a:0", "a", ",", "a:1;b:2"],
     "advertise_address": ["", "10.0.0.5:50054", "a:0", "a"],

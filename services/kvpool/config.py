@@ -13,6 +13,7 @@ from services.common.config import (
     require_addresses,
     require_listen_address,
 )
+from services.common.errors import blank
 
 SERVICE = "kvpool"
 LINEAR_KERNELS = ("onednn", "torch")  # see `KvPoolConfig.linear_kernels`
@@ -210,7 +211,10 @@ class KvPoolConfig:
         require(self.max_prefill_chunk >= 1, s, "max_prefill_chunk", "must be >= 1")
         require(self.max_new_tokens_limit >= 1, s, "max_new_tokens_limit", "must be >= 1")
         require(self.max_waiting >= 1, s, "max_waiting", "must be >= 1 (0 refuses everything)")
-        require(bool(self.replica_id.strip()), s, "replica_id", "must not be empty")
+        # The index's rule (errors.blank): an id of only invisible characters ("\u3164")
+        # passed strip() and isprintable(), and named a replica nobody could see in Stats.
+        require(not blank(self.replica_id), s, "replica_id",
+                "must not be empty (or only whitespace or invisible characters)")
         # The prefix index refuses longer ids at Register: the replica would never be indexed.
         require(len(self.replica_id) <= 256, s, "replica_id", "must be at most 256 characters")
         # The index's own rules at Register: broken, the replica served but was never indexed
@@ -219,6 +223,11 @@ class KvPoolConfig:
                 s, "replica_id", "printable characters without spaces only")
         require(len(self.model_id) <= 256 and "\0" not in self.model_id, s, "model_id",
                 "at most 256 characters, no NUL")
+        # Empty is derived from the model; otherwise the index refuses it at Register when
+        # nothing of it is visible, and the replica would serve but never be indexed.
+        require(not self.model_id or not blank(self.model_id), s, "model_id",
+                "empty (derived from the model) or visible text, not only whitespace or "
+                "invisible characters")
         require(self.num_blocks <= MAX_BLOCKS, s, "num_blocks",
                 f"must be at most {MAX_BLOCKS:,} (a pool that large fits no memory)")
         require(self.torch_threads <= MAX_THREADS, s, "torch_threads",

@@ -29,6 +29,7 @@ from services.common.errors import (
     PermissionDenied,
     ResourceExhausted,
     Unauthenticated,
+    blank,
 )
 from services.common.metrics import counter, gauge
 
@@ -116,8 +117,11 @@ def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, di
         raise ValueError(f"{where}: unknown field(s) {sorted(unknown)}; "
                          f"expected {sorted(_KEYS)}")
     name = spec.get("tenant")
-    if not isinstance(name, str) or not name.strip():
-        raise ValueError(f"{where}: 'tenant' must be a non-empty string")
+    if not isinstance(name, str) or blank(name):
+        # strip() kept "\u200b" and "\u3164": a tenant nobody could read in a log line, a
+        # metric label or a Stats answer, and told apart from another only by its bytes.
+        raise ValueError(f"{where}: 'tenant' must be a non-empty string (not only whitespace "
+                         "or invisible characters)")
     if name != name.strip():
         # " acme" and "acme" would be two tenants, with two salts and two sets of limits.
         raise ValueError(f"{where}: 'tenant' {name!r} has leading or trailing whitespace")

@@ -29,6 +29,7 @@ from services.common.errors import (
     InvalidArgument,
     NotFound,
     ResourceExhausted,
+    blank,
     shown,
 )
 from services.common.hashing import DIGEST_SIZE, BlockHasher, check_salt
@@ -359,6 +360,11 @@ class PrefixIndex:
                 raise InvalidArgument(name, why)
             if not value:
                 raise InvalidArgument(name, "required")
+            if blank(value):
+                # isprintable() takes the Hangul filler U+3164 (a letter that draws nothing),
+                # and model_id is not held to it: an id nobody could see or type was indexed.
+                raise InvalidArgument(name, "only whitespace or invisible characters (such as "
+                                            "U+200B or U+3164); give a visible id")
             if len(value) > 256:
                 raise InvalidArgument(name, "longer than 256 characters")
             if name != "model_id" and (not value.isprintable()

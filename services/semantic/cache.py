@@ -359,8 +359,9 @@ class SemanticCache:
             raise InvalidArgument("namespace", "required")
         for field, value in (("namespace.tenant", ns.tenant),
                              ("namespace.model_id", ns.model_id)):
-            if not value.strip():  # " " named nobody's tenant or model, as "" does
-                raise InvalidArgument(field, "required (not empty or whitespace only)")
+            if blank(value):  # " " or "\u3164" named nobody's tenant or model, as "" does
+                raise InvalidArgument(field, "required (not empty, or only whitespace or "
+                                             "invisible characters)")
             if len(value) > self.cfg.max_tenant_chars:
                 raise InvalidArgument(field, f"longer than {self.cfg.max_tenant_chars} chars")
         if len(ns.context_hash) > 128 or not _HEX.fullmatch(ns.context_hash):

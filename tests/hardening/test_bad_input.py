@@ -191,7 +191,10 @@ PREFIX_CASES = [
         block_size=4), INV, "address"),
     case("register blank replica id", "Register", prefix_pb2.RegisterRequest(
         replica_id="   ", incarnation="i", address="a:1", model_id="m", block_size=4),
-        INV, "replica_id: printable characters without spaces only"),
+        INV, "replica_id: only whitespace or invisible characters"),
+    case("register invisible replica id", "Register", prefix_pb2.RegisterRequest(
+        replica_id="\u3164", incarnation="i", address="a:1", model_id="m", block_size=4),
+        INV, "replica_id: only whitespace or invisible characters"),
     case("register short hash probe", "Register", prefix_pb2.RegisterRequest(
         replica_id="r9", incarnation="i", address="a:1", model_id="m", block_size=4,
         hash_probe=b"abc"), INV, "hash_probe: must be 16 bytes"),
@@ -290,6 +293,8 @@ SEMANTIC_CASES = [
     case("lookup no namespace", "Lookup", LK(text="hi"), INV, "namespace"),
     case("lookup empty tenant", "Lookup", LK(namespace=semantic_pb2.Namespace(model_id="m"),
                                               text="hi"), INV, "namespace.tenant"),
+    case("lookup invisible tenant", "Lookup", LK(namespace=semantic_pb2.Namespace(
+        tenant="\u200b\u3164", model_id="m"), text="hi"), INV, "namespace.tenant"),
     case("lookup non-hex context", "Lookup", LK(namespace=semantic_pb2.Namespace(
         tenant="a", model_id="m", context_hash="zz!"), text="hi"), INV, "namespace.context_hash"),
     case("lookup empty text", "Lookup", LK(namespace=NS), INV, "text"),

@@ -427,8 +427,8 @@ class SemanticWorld:
         def context_long(rng, r):
             r.namespace.context_hash = "a" * pick(rng, (129, 1000))
 
-        def tenant_space(rng, r):  # refused whitespace only, not with a space inside
-            r.namespace.tenant = pick(rng, (" ", "a b", "\t"))
+        def tenant_space(rng, r):  # refused blank, not with a space inside
+            r.namespace.tenant = pick(rng, (" ", "a b", "\t", "\u3164", "\u200b"))
 
         ns_fix = [no_namespace, oneof(tenant_empty, tenant_long, tenant_space),
                   oneof(model_empty, model_long), oneof(context_not_hex, context_long)]
@@ -486,8 +486,8 @@ class SemanticWorld:
             return
         ns = r.namespace
         for name, value in (("tenant", ns.tenant), ("model_id", ns.model_id)):
-            # "Required (not whitespace only)", the proto says.
-            if not value.strip() or len(value) > self.cfg.max_tenant_chars:
+            # "Required (not whitespace or invisible characters only)", the proto says.
+            if blank(value) or len(value) > self.cfg.max_tenant_chars:
                 v.bad(INVALID, f"namespace.{name}")
         h = ns.context_hash
         if len(h) > 128 or any(c not in "0123456789abcdefABCDEF" for c in h):
@@ -722,14 +722,16 @@ class PrefixWorld:
 
         def ids_odd(rng, r):
             setattr(r, pick(rng, ("replica_id", "incarnation")),
-                    pick(rng, ("a b", "x" * 257, "a\0b", "tab\t", "new\nline", "é" * 3)))
+                    pick(rng, ("a b", "x" * 257, "a\0b", "tab\t", "new\nline", "é" * 3,
+                               "\u3164")))
 
         def address_bad(rng, r):
             r.address = pick(rng, ("", "nohost", "host:0", "host:70000", "a b:1", ":1",
                                    "http://h:1", "h:1,h:2", "h:-1", "x" * 300 + ":1"))
 
         def model_bad(rng, r):
-            r.model_id = pick(rng, ("", "m" * 257, "a\0b", "m" * 256, "a b", "unknown"))
+            r.model_id = pick(rng, ("", "m" * 257, "a\0b", "m" * 256, "a b", "unknown",
+                                    "\u200b\u3164"))
 
         def block_size_bad(rng, r):
             r.block_size = pick(rng, (0, BS + 1, 2**32 - 1, 1))
@@ -868,7 +870,7 @@ class PrefixWorld:
         if rpc == "Register":
             for name in ("replica_id", "incarnation", "address", "model_id"):
                 value = getattr(r, name)
-                if not value or len(value) > 256 or "\0" in value or (
+                if blank(value) or len(value) > 256 or "\0" in value or (
                         name != "model_id" and (not value.isprintable()
                                                 or any(c.isspace() for c in value))):
                     v.bad(INVALID, name)

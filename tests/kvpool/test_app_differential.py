@@ -67,6 +67,7 @@ from services.common.config import ConfigError, is_host_port, load_config
 from services.kvpool.app import build_replica, device_problem, pool_blocks, pool_problem
 from services.kvpool.config import KvPoolConfig
 from services.kvpool.engine import model_info
+from tests.blank_text import blank
 
 SEEDS = int(os.environ.get("KVAPP_DIFFERENTIAL_SEEDS", "300"))
 K = "TIERCACHE_KVPOOL_"
@@ -120,7 +121,7 @@ def device_ok(d: str) -> bool:
 
 def register_ok(value: str) -> bool:
     """The index's Register rules for a replica id or address."""
-    return (0 < len(value) <= 256 and value.isprintable()
+    return (0 < len(value) <= 256 and value.isprintable() and not blank(value)
             and not any(c.isspace() for c in value) and "\0" not in value)
 
 
@@ -163,7 +164,8 @@ def config_violations(s: dict) -> set[str]:
         set_by_user = tenant <= 0 or tenant != Fraction(DEFAULTS[
             "max_pinned_per_tenant_fraction"])
         rule(False, "max_pinned_per_tenant_fraction" if set_by_user else "max_pinned_fraction")
-    rule(len(s["model_id"]) <= 256 and "\0" not in s["model_id"], "model_id")
+    rule(len(s["model_id"]) <= 256 and "\0" not in s["model_id"]
+         and (not s["model_id"] or not blank(s["model_id"])), "model_id")
     rule(register_ok(s["replica_id"]), "replica_id")
     if s["advertise_address"]:
         rule(is_host_port(s["advertise_address"]), "advertise_address")
@@ -276,9 +278,9 @@ def random_settings(rng: random.Random, arch: Arch) -> dict:
                                             "0.35"],
                                            ["0.6", "1", "0", "-1"]),
         "model_id": (["", "m", "\u00e9t\u00e9-7B", "m" * 256, "with space"],
-                     ["m" * 257, "a\0b"]),
+                     ["m" * 257, "a\0b", "\u3164"]),
         "replica_id": (["kvpool-0", "r" * 256, "\u03c1\u03b5\u03c0-1"],
-                       ["r" * 257, "r 1", "r\t1", "", "r\u200b1", "r\x7f"]),
+                       ["r" * 257, "r 1", "r\t1", "", "r\u200b1", "r\x7f", "\u3164"]),
         "prefix_address": (["", "127.0.0.1:50053", "127.0.0.1:50053,127.0.0.1:50055"], []),
         "address": (["127.0.0.1:50054", "0.0.0.0:0", "[::1]:50054", "h" * 251 + ":5005"],
                     ["h" * 252 + ":5005", "k\u200bv:1"]),

@@ -26,6 +26,20 @@ def test_each_bound_is_taken_at_its_edge_and_refused_past_it(name, taken, refuse
         load_config(KvPoolConfig, "kvpool", [], environ={K + name: refused})
 
 
+@pytest.mark.parametrize(("name", "value"), [
+    ("REPLICA_ID", "\u3164"), ("REPLICA_ID", "\u3164\u3164"), ("MODEL_ID", "\u3164"),
+    ("MODEL_ID", "\u200b\ufe0f"),
+])
+def test_an_id_of_only_invisible_characters_is_refused_at_start(name, value):
+    """The Hangul filler passed strip() and isprintable(): a replica named by nothing anyone
+    could see in Stats or a log line (and the index refuses such ids at Register, so it
+    served but was never indexed). A visible character among them is an id."""
+    with pytest.raises(ConfigError, match=K + name + ".*invisible"):
+        load_config(KvPoolConfig, "kvpool", [], environ={K + name: value})
+    cfg = load_config(KvPoolConfig, "kvpool", [], environ={K + name: value + "r1"})
+    assert getattr(cfg, name.lower()) == value + "r1"
+
+
 @pytest.mark.parametrize("device", ["cuda:00", "cuda:01", "cuda:\u0661", "cuda:\u00b2"])
 def test_a_device_index_torch_cannot_read_is_refused_at_start(device):
     """A differential review: these passed validation, torch refuses the string ("Invalid

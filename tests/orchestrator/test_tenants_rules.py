@@ -72,3 +72,26 @@ def test_the_tokens_file_versions_are_named_in_the_reload_lines(tmp_path, caplog
     assert f"the file is empty): keeping the tokens read before (version {tag(second)})" \
         in caplog.text
     assert tag(first) not in caplog.text  # the start's version is the app's line
+
+
+@pytest.mark.parametrize("name", ["\u3164", "\u200b", "\u200b\ufeff", "\u3164 \u3164"])
+def test_a_tenant_named_by_only_invisible_characters_is_refused_at_start(tmp_path, name):
+    """strip() kept the Hangul filler and zero-width characters: a tenant nobody could read in
+    a log line, a metric label or Stats was taken, from the tokens file and from
+    TIERCACHE_ORCHESTRATOR_TOKENS alike. Refused as a name with nothing in it; a visible
+    character among them names a tenant."""
+    import json
+
+    def build(tokens_file: str = "", tokens: str = "") -> TenantRegistry:
+        return TenantRegistry.build(tokens_file=tokens_file, tokens=tokens, key=b"k",
+                                    max_prompt_tokens=100, max_tokens=16, max_concurrent=1)
+
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"tok": {"tenant": name}}))
+    with pytest.raises(ValueError, match=r"'tenant' must be a non-empty string \(not only "
+                                         "whitespace or invisible characters\\)"):
+        build(tokens_file=str(f))
+    with pytest.raises(ValueError, match="invisible characters"):
+        build(tokens="tok=" + name)
+    reg = build(tokens="tok=a" + name)
+    assert reg.authenticate({"authorization": "Bearer tok"}).name == "a" + name

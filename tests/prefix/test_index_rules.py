@@ -27,6 +27,28 @@ def test_register_takes_ids_of_256_characters_and_refuses_longer_ones(index):
                            args["model_id"], BS)
 
 
+@pytest.mark.parametrize("field", ["replica_id", "incarnation", "model_id"])
+@pytest.mark.parametrize("blank", ["\u3164", "\u200b", " "])
+def test_register_refuses_ids_of_only_invisible_characters_naming_the_field(index, field,
+                                                                            blank):
+    """The Hangul filler passed isprintable(), and model_id is not held to it at all: a
+    replica or model nobody could see in Stats or a log line was indexed. Refused as an id
+    with nothing visible in it, nothing registered; a visible character among them is an
+    id."""
+    args = {"replica_id": "r", "incarnation": "i1", "address": "addr", "model_id": MODEL}
+    args[field] = blank
+    with pytest.raises(InvalidArgument, match=f"^{field}: "):
+        index.register(args["replica_id"], args["incarnation"], args["address"],
+                       args["model_id"], BS)
+    assert index.replica_count == 0
+    if field != "model_id" or blank != " ":
+        return
+    with pytest.raises(InvalidArgument, match="model_id: only whitespace or invisible"):
+        index.register("r", "i1", "addr", "\u3164", BS)
+    index.register("r", "i1", "addr", "m \u3164", BS)  # a model id may hold spaces
+    assert index.replica_count == 1
+
+
 def test_a_hash_probe_of_the_wrong_length_is_a_bad_argument_not_a_key_mismatch(index, hasher):
     """A malformed hash_probe is INVALID_ARGUMENT naming it; only a well-formed probe that
     differs is FAILED_PRECONDITION (a key or model mismatch)."""

@@ -16,10 +16,10 @@ test_index_differential.py):
   leases, held blocks, every counter, the shard-list figures), every prefix metric and later
   Match answers (a probe Match of the refused batch's chain) are as before; only
   tiercache_rpc_total counts it, under its code. Ids and the address: required, at most 256
-  printable characters without spaces, no NUL (model_id: spaces allowed); the address also
-  as `announce_problem` says; stored events: hashes of 16 bytes, not repeated, not a root's
-  key (h_0), block_size tokens a block, parent_hash empty or 16 bytes and not h_0, at the root
-  start_block 0, first_block_hash empty or block_hashes[0], a valid salt; with
+  printable characters without spaces, no NUL, not blank (model_id: spaces allowed); the
+  address also as `announce_problem` says; stored events: hashes of 16 bytes, not repeated,
+  not a root's key (h_0), block_size tokens a block, parent_hash empty or 16 bytes and not
+  h_0, at the root start_block 0, first_block_hash empty or block_hashes[0], a valid salt; with
   verify_hashes, hashes that match the tokens; Match: model_id required (at most 256), one of
   token_ids and block_hashes, at most max_blocks blocks, a valid salt with tokens; k in
   1..1000;
@@ -104,6 +104,7 @@ from tiercache.v1 import prefix_pb2_grpc as pbg
 from services.common.hashing import BlockHasher
 from services.prefix.config import PrefixConfig
 from services.prefix.server import build_index, serve
+from tests.blank_text import blank
 from tests.clock import Clock
 from tests.prefix.test_index_differential import Universe as Chains
 from tests.prefix.test_index_differential import toks
@@ -336,7 +337,7 @@ def expected_register(m: Model, req: pb.RegisterRequest) -> pb.RegisterResponse:
     def check_id(name: str, value: str, printable: bool = True) -> None:
         if not value:
             raise Refused(INVALID, name)
-        if len(value) > 256:
+        if blank(value) or len(value) > 256:  # nothing visible: as good as empty
             raise Refused(INVALID, name)
         if printable and (not value.isprintable() or any(c.isspace() for c in value)):
             raise Refused(INVALID, name)
@@ -809,6 +810,8 @@ def refusals(m: Model, verify: bool) -> list:
         ("Register", reg(replica_id="r" * 257), INVALID, "replica_id"),
         ("Register", reg(replica_id="r 0"), INVALID, "replica_id"),
         ("Register", reg(replica_id="r\u200b0"), INVALID, "replica_id"),
+        ("Register", reg(replica_id="\u3164"), INVALID, "replica_id"),
+        ("Register", reg(model_id="\u200b"), INVALID, "model_id"),
         ("Register", reg(incarnation=""), INVALID, "incarnation"),
         ("Register", reg(incarnation="i\0"), INVALID, "incarnation"),
         ("Register", reg(incarnation="i" * 257), INVALID, "incarnation"),

@@ -297,12 +297,16 @@ def test_a_ttl_cut_not_written_on_a_full_disk_still_applies_in_memory(make_cache
 
 
 
+@pytest.mark.parametrize("blank", [" \t", "\u3164", "\u200b"])
 @pytest.mark.parametrize("field", ["tenant", "model_id"])
-def test_a_whitespace_only_tenant_or_model_is_refused_and_nothing_is_written(make_cache, field):
+def test_a_whitespace_only_tenant_or_model_is_refused_and_nothing_is_written(make_cache, field,
+                                                                             blank):
     """A differential review: " " passed as a tenant or model id, though it names nobody's
-    (text fields refuse whitespace only); refused now, naming the field, nothing stored."""
+    (text fields refuse whitespace only); refused now, naming the field, nothing stored. So
+    are ids of only invisible characters (the Hangul filler, a zero-width space): the rule
+    of blank text (errors.blank), which strip() missed."""
     c = make_cache()
-    ns = Namespace(**{"tenant": "t", "model_id": "m", field: " \t"})
+    ns = Namespace(**{"tenant": "t", "model_id": "m", field: blank})
     with pytest.raises(InvalidArgument, match=f"namespace.{field}: required"):
         _store(c, ns=ns)
     with pytest.raises(InvalidArgument, match=f"namespace.{field}: required"):
