@@ -477,3 +477,20 @@ def test_a_sessions_note_on_a_kv_pool_refusal_says_how_many_tokens_fit():
     alone = ("prompt (rendered messages): prompt (391 tokens) + sampling.max_tokens (4) need "
              "25 KV blocks, the pool has 16; the prompt alone is too long for it")
     assert cli._room_left(fits) == 222 and cli._room_left(alone) == 0
+
+
+def test_a_request_over_the_orchestrators_size_limit_names_the_setting(fake, monkeypatch,
+                                                                       capsys):
+    """gRPC refuses a request over max_request_bytes before any handler, in its own words
+    ("SERVER: Received message larger than max (N vs. M)"), which name no setting; the CLI
+    says which one it is. gRPC's words for anything else are left as they are."""
+    words = "SERVER: Received message larger than max (5000016 vs. 4194304)"
+    _streaming(monkeypatch, "", then=Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, words))
+    assert cli.main(["chat", "-q", "hi"]) == 1
+    assert capsys.readouterr().err == (
+        f"error: RESOURCE_EXHAUSTED: {words} (bytes: the request's vs. the orchestrator's "
+        "limit, TIERCACHE_ORCHESTRATOR_MAX_REQUEST_BYTES; send less, or raise it)\n")
+    other = "CLIENT: Received message larger than max (20000000 vs. 16777216)"
+    _streaming(monkeypatch, "", then=Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, other))
+    assert cli.main(["chat", "-q", "hi"]) == 1
+    assert capsys.readouterr().err == f"error: RESOURCE_EXHAUSTED: {other}\n"

@@ -66,6 +66,9 @@ def _history_path(session: str) -> Path:
 # Control characters a terminal acts on (ESC sequences clear the screen, set its title):
 # model text, and cached answers shared between requests, are shown with them replaced.
 _CONTROL = {c: "\ufffd" for c in range(32) if chr(c) not in "\n\t"} | {0x7F: "\ufffd"}
+# gRPC's own words for a request over the server's size limit, refused before any handler:
+# they name no setting, and the orchestrator logs nothing of it.
+_REQUEST_TOO_LARGE = "SERVER: Received message larger than max ("
 
 
 def shown(text: str, stream=None) -> str:
@@ -764,6 +767,10 @@ def main(argv: list[str] | None = None) -> int:
         if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
             # gRPC's own words for this call's deadline: say which setting set it.
             details += f" (no answer within --timeout {a.timeout:g} s)"
+        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(
+                _REQUEST_TOO_LARGE):
+            details += (" (bytes: the request's vs. the orchestrator's limit, "
+                        "TIERCACHE_ORCHESTRATOR_MAX_REQUEST_BYTES; send less, or raise it)")
         # The id the servers logged the call under (a ticket quotes it); none for an error
         # raised before anything was sent.
         rid = getattr(e, "request_id", "")

@@ -59,9 +59,11 @@ class OrchestratorConfig:
     # Longest message content or raw prompt, in characters (INVALID_ARGUMENT past it).
     max_message_chars: int = 100_000
     # Largest request message the server reads (a Generate's messages, a Warm's prompts). Past
-    # it gRPC refuses the call (RESOURCE_EXHAUSTED) before anything is parsed: at gRPC's 16 MiB
-    # a request of 7.5 M empty messages took 1.2 s and 420 MB to parse, only to be refused.
-    # Raise it with max_prompt_tokens (about 4 bytes a token is ample for text).
+    # it gRPC refuses the call before anything is parsed, in its own words, which name no
+    # setting: RESOURCE_EXHAUSTED "SERVER: Received message larger than max (<request bytes>
+    # vs. <this limit>)", logged nowhere (the CLI names this setting beside it). At gRPC's 16
+    # MiB a request of 7.5 M empty messages took 1.2 s and 420 MB to parse, only to be
+    # refused. Raise it with max_prompt_tokens (about 4 bytes a token is ample for text).
     max_request_bytes: int = 4 * 1024 * 1024
     # Concurrent requests of a tenant without a limit of its own. 0 = automatic: 16 with
     # tenant tokens (under max_streams, 56 by default: one tenant must not take every stream
