@@ -102,7 +102,7 @@ SPEC = read_doc()
 
 def _hostport(a: str, *, listen: bool = False) -> bool:
     host, _, port = a.rpartition(":")  # a host without spaces, commas, semicolons, slashes
-    return (bool(host) and not any(c.isspace() or c in ",;/" for c in host)
+    return (bool(host) and not any(c.isspace() or c in ",;/" for c in host) and not blank(host)
             and port.isascii() and port.isdigit()
             and (0 if listen else 1) <= int(port) <= 65535)
 
@@ -351,7 +351,8 @@ RULES: dict[str, list[tuple[tuple[str, ...], object]]] = {
 TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 # Values by field (besides generic boundaries): valid ones and ones the rules refuse.
 CHOICES = {
-    "address": ["127.0.0.1:0", "h:65535", "h:65536", "h:1", "[::1]:5", "h", ":5", "h:-1"],
+    "address": ["127.0.0.1:0", "h:65535", "h:65536", "h:1", "[::1]:5", "h", ":5", "h:-1",
+                "\u3164:1"],
     "eviction_policy": ["hybrid", "lru", "LRU", "lfu", ""],
     "device": ["cpu", "cuda", "cuda:1", "cuda:x", "gpu", ""],
     "dtype": ["float32", "float16", "bfloat16", "fp16", ""],

@@ -76,6 +76,20 @@ def test_help_shows_an_empty_list_default_as_none():
     assert config._shown_default(peers) == "none"
 
 
+@pytest.mark.parametrize("host", ["\u3164", "\u200b", "\u200b\u3164", "dns:///\u3164",
+                                  "ipv4:\u200b"])
+def test_a_host_of_only_invisible_characters_is_no_host(host):
+    """errors.blank's rule: "\u3164:50054" passed as host:port (isspace() is False for it), and
+    a replica announcing it was taken by the index and handed out by every Match, though
+    nobody could read it and gRPC resolves no such name. A visible character is a host."""
+    from services.common.config import announce_problem
+
+    for listen in (False, True):
+        assert not config.is_host_port(f"{host}:1", listen=listen)
+    assert announce_problem(f"{host}:1") != ""
+    assert config.is_host_port("h\u3164:1")
+
+
 def test_port_bounds_differ_for_listening_and_dialing():
     """0 (any free port) only for an address to listen on; 65535 is a port; a gRPC target is
     dialed, never listened on; a bracketed IPv6 host is dialed, a bare one is not."""

@@ -19,7 +19,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 from services.common.addresses import canonical_address, target_host
-from services.common.errors import shown
+from services.common.errors import blank, shown
 
 T = TypeVar("T")
 
@@ -326,6 +326,10 @@ def is_host_port(a: str, *, listen: bool = False, dialed: bool = False) -> bool:
             and (1 - listen) <= int(port) <= 65535):
         return False
     if any(c.isspace() or c in ",;" for c in host):
+        return False
+    if blank(target_host(host) or host):
+        # "\u3164:50054" and "\u200b:1" passed: a host nobody can read, and no name gRPC
+        # resolves (a replica announcing it was handed out by every Match, undialable).
         return False
     if host.startswith(_GRPC_SCHEMES):
         # dns://x:1 reads x:1 as the DNS server and leaves no host ("no server name supplied")

@@ -727,7 +727,8 @@ class PrefixWorld:
 
         def address_bad(rng, r):
             r.address = pick(rng, ("", "nohost", "host:0", "host:70000", "a b:1", ":1",
-                                   "http://h:1", "h:1,h:2", "h:-1", "x" * 300 + ":1"))
+                                   "http://h:1", "h:1,h:2", "h:-1", "x" * 300 + ":1",
+                                   "\u3164:1"))
 
         def model_bad(rng, r):
             r.model_id = pick(rng, ("", "m" * 257, "a\0b", "m" * 256, "a b", "unknown",
@@ -1067,7 +1068,7 @@ def _host_port(a: str) -> bool:
     host, sep, port = a.rpartition(":")
     if not (sep and host and port.isascii() and port.isdigit() and 1 <= int(port) <= 65535):
         return False
-    return not any(c.isspace() or c in ",;/" for c in host)
+    return not any(c.isspace() or c in ",;/" for c in host) and not blank(host)
 
 
 # ==== kvpool =====================================================================================
