@@ -57,3 +57,31 @@ def test_only_a_path_it_may_not_write_is_named_not_writable():
                               "volume or grow it, then start again")
     assert not not_writable(OSError(30, "Read-only file system"), "d", "S")
     assert not not_writable(ValueError("/v"), "d", "S")
+
+
+def test_a_path_it_cannot_read_is_not_said_not_writable(tmp_path, monkeypatch):
+    """EACCES is also what reading a file the service may not read raises (a tokens file or
+    weights mounted owner-only for another uid): that start said "<tokens file> is not
+    writable ...: the service writes the packaged model's conversion ...; mount the volume
+    read-write", the wrong fault and fix. Only a path it may read, or one not there yet (a file
+    it was creating), is named not writable."""
+    import os
+
+    from services.common.files import not_writable
+
+    secret = tmp_path / "tokens.json"
+    secret.write_text("{}")
+    real = os.access
+    # As root every file is readable: the mode a pod's non-root uid meets, said by access().
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p) == str(secret)
+                        and mode == os.R_OK else real(p, mode, **kw))
+    assert not_writable(PermissionError(13, "Permission denied", str(secret)), "d", "S") == ""
+    assert not_writable(PermissionError(1, "Operation not permitted", str(secret)), "d", "S") == ""
+    # A file it was creating (not there), or one it may read but not write: not writable.
+    assert not_writable(PermissionError(13, "Permission denied", str(tmp_path / "new.lock")),
+                        "d", "S").startswith(f"{tmp_path / 'new.lock'} is not writable")
+    (tmp_path / "lock").write_text("")
+    assert not_writable(PermissionError(13, "Permission denied", str(tmp_path / "lock")),
+                        "d", "S").startswith(f"{tmp_path / 'lock'} is not writable")
+    # A read-only volume is about writing, whatever the mode.
+    assert not_writable(OSError(30, "Read-only file system", str(secret)), "d", "S")

@@ -37,6 +37,11 @@ def not_writable(exc: BaseException, writes: str, settings: str, where: str = ""
         return what + ("" if said else ": free space on its volume or grow it, then start again")
     if exc.errno not in (errno.EROFS, errno.EACCES, errno.EPERM) or not exc.filename:
         return ""
+    if (exc.errno != errno.EROFS and os.path.exists(exc.filename)
+            and not os.access(exc.filename, os.R_OK)):
+        # EACCES is also a file it may not read (a tokens file or weights owner-only for
+        # another uid): "not writable ... mount the volume read-write" named the wrong fault.
+        return ""
     return (f"{exc.filename} is not writable ({exc.strerror}): the service writes {writes}; "
             f"mount the volume read-write or make it writable by uid {os.geteuid()}, or point "
             f"{settings} at a writable folder")
