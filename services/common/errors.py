@@ -7,6 +7,7 @@ turns them into a status with a message that names the offending field.
 from __future__ import annotations
 
 import contextlib
+import struct
 import unicodedata
 
 # Longest client value a status message repeats (gRPC refuses a status over 16 KiB of
@@ -34,6 +35,20 @@ _DRAWN_FORMAT = frozenset("\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u089
 _INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180f\u3164\uffa0"
                        + "".join(map(chr, range(0xFE00, 0xFE10)))
                        + "".join(map(chr, range(0xE0100, 0xE01F0))))
+
+
+def as_written(x: float) -> str:
+    """A float32 from the wire as its caller wrote it: the fewest digits that give the same
+    float32 (0.1, not 0.10000000149011612; 1.000002, which `:g` cut to "1")."""
+    try:
+        want = struct.pack("<f", x)
+    except (OverflowError, struct.error):  # no float32 (a double's, past its range)
+        return f"{x:g}"
+    for digits in range(1, 10):
+        said = f"{x:.{digits}g}"
+        if struct.pack("<f", float(said)) == want:
+            return said
+    return f"{x:g}"
 
 
 def blank(text: str) -> bool:

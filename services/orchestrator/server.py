@@ -96,7 +96,7 @@ def parse_policy(p: common_pb2.CachePolicy) -> Policy:
         # the floor check refuses next.
         raise errors.InvalidArgument("cache_policy.semantic_threshold",
                                      "must be 0 (tier default) or in [the semantic floor, 1], "
-                                     f"got {p.semantic_threshold:g}")
+                                     f"got {errors.as_written(p.semantic_threshold)}")
     return Policy(p.skip_semantic_lookup, p.skip_semantic_store, p.skip_prefix_cache,
                   p.skip_draft, p.semantic_tier, p.semantic_threshold, p.store_sampled,
                   p.serve_sampled)
@@ -167,10 +167,11 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             # Checked here too, against the floor the tier said: only its Lookup refused it,
             # so the same request was refused while the tier was up and served while it was
             # skipped. The tier's own words (it checks again). The value as the caller wrote
-            # it (`:g`, as parse_policy says it): the wire's float32 made 0.1 "0.10000000149011612".
+            # it (`errors.as_written`, as parse_policy says it): the wire's float32 made 0.1
+            # "0.10000000149011612".
             raise errors.InvalidArgument(
                 "cache_policy.semantic_threshold", f"must be 0 (tier default) or in "
-                f"[{floor:g}, 1], got {policy.semantic_threshold:g}")
+                f"[{floor:g}, 1], got {errors.as_written(policy.semantic_threshold)}")
         if not request.messages and not request.prompt:
             raise errors.InvalidArgument("messages", "must not be empty (or give prompt)")
         if request.messages and request.prompt:

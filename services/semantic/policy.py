@@ -13,7 +13,7 @@ import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from services.common.errors import InvalidArgument, shown
+from services.common.errors import InvalidArgument, as_written, shown
 
 # How far below its threshold a similarity still counts as at it (`ThresholdPolicy.decide`):
 # similarities are float32, and the boundary is inclusive.
@@ -85,9 +85,9 @@ class ThresholdPolicy:
         # The wire carries a float32: 0.9 arrives as 0.89999998. Within that rounding of the
         # floor (or of 1) it is the bound the caller wrote.
         if not math.isfinite(threshold) or not (self.floor - 1e-6 <= threshold <= 1.0 + 1e-6):
-            # `:g`: the value as the caller wrote it, not its float32 ("got 0.30000001192092896").
+            # As the caller wrote it, not its float32 ("got 0.30000001192092896").
             raise InvalidArgument("threshold", f"must be 0 (tier default) or in "
-                                               f"[{self.floor:g}, 1], got {threshold:g}")
+                                               f"[{self.floor:g}, 1], got {as_written(threshold)}")
         return Resolved(name, min(1.0, max(self.floor, float(threshold))), True)
 
     def threshold_for(self, resolved: Resolved, verified: bool) -> float:

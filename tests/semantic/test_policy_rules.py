@@ -11,7 +11,9 @@ from services.semantic.config import SemanticConfig
 from services.semantic.policy import ThresholdPolicy
 
 
-@pytest.mark.parametrize(("sent", "said"), [(0.3, "0.3"), (-1.0, "-1"), (1.5, "1.5")])
+@pytest.mark.parametrize(("sent", "said"), [(0.3, "0.3"), (-1.0, "-1"), (1.5, "1.5"),
+                                          # `:g` cut these to 6 digits: "got 1", inside [.., 1].
+                                          (1.000002, "1.000002"), (1234567.0, "1234567")])
 def test_a_refused_threshold_is_said_as_written_not_as_its_float32(sent, said):
     """A Lookup's threshold arrives as a float32: 0.3 read "got 0.30000001192092896", -1
     "got -1.0"."""
