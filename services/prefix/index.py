@@ -961,6 +961,11 @@ class PrefixIndex:
         """
         if not model_id:
             raise InvalidArgument("model_id", "required")
+        if blank(model_id):
+            # As Register refuses it: no replica can serve such a model, and an empty match
+            # read as a cold cache, not as the caller's mistake.
+            raise InvalidArgument("model_id", "only whitespace or invisible characters (such as "
+                                              "U+200B or U+3164); give a visible id")
         if len(model_id) > 256:
             raise InvalidArgument("model_id", "longer than 256 characters")
         if len(token_ids) and len(block_hashes):

@@ -351,3 +351,14 @@ def test_matches_for_a_model_nobody_serves_while_the_sweeper_is_starved_are_no_p
     with caplog.at_level(logging.WARNING, logger="services.prefix.index"):
         index.sweep()
     assert not index.stats().replicas and "stood still" not in caplog.text
+
+
+@pytest.mark.parametrize("blank", ["\u3164", "\u200b", " "])
+def test_match_refuses_a_model_id_of_only_invisible_characters_naming_the_field(index, blank):
+    """Register refuses such a model_id, so no replica serves it: Match answered an empty
+    match, as if the request were fine and merely cold. Refused as at Register, by tokens or
+    by hashes, and nothing counted."""
+    for kw in ({"token_ids": toks(1)}, {"block_hashes": [b"\0" * 16]}):
+        with pytest.raises(InvalidArgument, match="^model_id: only whitespace or invisible"):
+            index.match(blank, "", **kw)
+    assert index.matches_total == 0
