@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from services.common.bootstrap import DEFAULT_MAX_MESSAGE_BYTES
 from services.common.config import ConfigError, moved, require, require_listen_address
+from services.common.errors import blank
 from services.semantic.onnx_export import EXPORTERS
 
 SERVICE = "semantic"
@@ -306,3 +307,8 @@ class SemanticConfig:
         require(not name or (name.isprintable() and name not in (".", "..")
                              and not any(c in name for c in "/\\")), s, "model_name",
                 f"a plain name without slashes, got {name!r}")
+        # The ids' rule (errors.blank): "\u3164" passes isprintable(), and tagged every entry
+        # and named the ONNX folder with a name nobody can see or type.
+        require(not name or not blank(name), s, "model_name",
+                "empty (named after the model folder) or visible text, not only whitespace or "
+                "invisible characters")

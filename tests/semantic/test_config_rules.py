@@ -89,6 +89,15 @@ def test_a_model_name_must_be_a_plain_folder_name(name):
         load(model_name=name)
 
 
+@pytest.mark.parametrize("name", ["\u3164", "\u034f", "\ufe0f\u3164"])
+def test_a_model_name_of_only_invisible_characters_is_refused_naming_the_variable(name):
+    """The Hangul filler and the combining grapheme joiner pass isprintable(): the entries'
+    model tag and the ONNX folder got a name nobody can see or type (replica_id and model_id
+    of kvpool are refused so, errors.blank). Refused by the variable's name."""
+    with pytest.raises(ConfigError, match="^TIERCACHE_SEMANTIC_MODEL_NAME: .*invisible"):
+        load(model_name=name)
+
+
 def test_the_snapshot_path_defaults_to_the_database_path_with_hnsw(tmp_path):
     """"" = <db_path>.hnsw (docs/settings.md)."""
     db = str(tmp_path / "x" / "s.db")
