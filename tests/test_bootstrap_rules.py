@@ -1078,3 +1078,19 @@ def test_a_call_refused_at_the_rpc_cap_is_counted_apart_from_other_resource_exha
     icpt.intercept_service(lambda d: grpc.unary_unary_rpc_method_handler(lambda r, c: r),
                            details)
     assert refused._value.get() == 1
+
+
+@pytest.mark.parametrize("value", ["", "  "])
+def test_an_empty_drain_delay_is_refused_naming_the_variable_as_an_empty_number_is(
+        monkeypatch, value):
+    """Every number setting set but empty is refused (config._parse: "expected a number"),
+    and so is an empty TIERCACHE_LOG_LEVEL: an empty TIERCACHE_DRAIN_DELAY_S was taken as 0,
+    a drain of none where the manifest meant one (a Secret or ConfigMap key left empty).
+    Unset, it is 0."""
+    from services.common.config import ConfigError
+
+    monkeypatch.setenv("TIERCACHE_DRAIN_DELAY_S", value)
+    with pytest.raises(ConfigError, match="^TIERCACHE_DRAIN_DELAY_S: set but empty"):
+        bootstrap.drain_delay_from_env()
+    monkeypatch.delenv("TIERCACHE_DRAIN_DELAY_S")
+    assert bootstrap.drain_delay_from_env() == 0.0

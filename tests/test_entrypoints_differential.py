@@ -231,7 +231,7 @@ class Case:
 
     def bad_drain(self):
         self.s.env["TIERCACHE_DRAIN_DELAY_S"] = self.rng.choice(
-            ["301", "-1", "x", "nan", "inf", "1e9"])
+            ["301", "-1", "x", "nan", "inf", "1e9", "", " "])
         self.s.problems.append(("TIERCACHE_DRAIN_DELAY_S",))
 
     def p_hash_key(self):

@@ -1136,7 +1136,12 @@ def _serve_metrics_and_health(handle: ServerHandle, host: str, port: int) -> Any
 def drain_delay_from_env() -> float:
     """`TIERCACHE_DRAIN_DELAY_S`: seconds between SIGTERM (health NOT_SERVING) and refusing new
     requests; 0 (the default) stops at once, as `make run` wants."""
-    raw = os.environ.get("TIERCACHE_DRAIN_DELAY_S", "0").strip() or "0"
+    raw = os.environ.get("TIERCACHE_DRAIN_DELAY_S", "0").strip()
+    if not raw:
+        # As every number setting set but empty (config._parse) and TIERCACHE_LOG_LEVEL: taken
+        # as 0, a manifest's empty key meant for a drain stopped the pod without one.
+        raise ConfigError("TIERCACHE_DRAIN_DELAY_S: set but empty; unset it for no delay (0), "
+                          "or give seconds in [0, 300]")
     try:
         delay = float(raw)
     except ValueError:
