@@ -494,3 +494,21 @@ def test_a_request_over_the_orchestrators_size_limit_names_the_setting(fake, mon
     _streaming(monkeypatch, "", then=Refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, other))
     assert cli.main(["chat", "-q", "hi"]) == 1
     assert capsys.readouterr().err == f"error: RESOURCE_EXHAUSTED: {other}\n"
+
+
+def test_tls_files_from_the_environment_or_flags_expand_a_leading_tilde(fake, monkeypatch):
+    """TIERCACHE_TLS_CA="~/certs/ca.pem" (an env file's, never expanded by a shell) and
+    "--cert=~/..." were "cannot read ~/...": expanded, as the services expand theirs."""
+    (fake / "c").mkdir()
+    subprocess.run([os.path.join(os.path.dirname(__file__), "..", "scripts", "gen-certs.sh"),
+                    str(fake / "c")], check=True, capture_output=True, timeout=60)
+    monkeypatch.setenv("HOME", str(fake))
+    monkeypatch.setenv("TIERCACHE_TLS_CA", "~/c/ca.pem")
+    seen = []
+    real = cli.credentials
+    monkeypatch.setattr(cli, "credentials", lambda a: seen.append((a, real(a))) or seen[-1][1])
+    cli.main(["--cert=~/c/client.pem", "--key", "~/c/client.key", "chat", "hi"])
+    (a, creds), = seen
+    assert (a.ca, a.cert, a.key) == tuple(str(fake / "c" / n)
+                                          for n in ("ca.pem", "client.pem", "client.key"))
+    assert isinstance(creds, grpc.ChannelCredentials)

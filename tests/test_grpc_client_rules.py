@@ -96,3 +96,25 @@ def test_a_tiers_timeout_is_said_as_how_long_nobody_answered():
     assert health_error(late, None, 2.0) == "no answer within 2s (timed out)"
     down = RpcError(grpc.StatusCode.UNAVAILABLE)
     assert health_error(down, 0.25, 2.0) is down
+
+
+def test_tls_file_variables_expand_a_leading_tilde_as_every_path_setting_does(
+        two_cert_sets, monkeypatch):
+    """"~/certs/server.pem" from an env file stopped the service at start ("cannot read
+    ~/certs/server.pem"), though cache_dir, db_path, model and tokens_file expand `~`. The
+    start's checks, the server's files and the clients' credentials all read it expanded."""
+    from services.common.bootstrap import server_credentials_from_env, server_tls_files
+    from services.common.grpc_client import channel_credentials_from_env, tls_files_problem
+
+    a, _ = two_cert_sets
+    monkeypatch.setenv("HOME", str(a.parent))
+    env = {"TIERCACHE_TLS_CERT": "~/a/server.pem", "TIERCACHE_TLS_KEY": "~/a/server.key",
+           "TIERCACHE_TLS_CA": "~/a/ca.pem", "TIERCACHE_TLS_CLIENT_CERT": "~/a/client.pem",
+           "TIERCACHE_TLS_CLIENT_KEY": "~/a/client.key"}
+    assert tls_files_problem("prefix", env) == ""
+    assert server_tls_files("prefix", env) == (("TIERCACHE_TLS_CERT", str(a / "server.pem")),
+                                               ("TIERCACHE_TLS_KEY", str(a / "server.key")))
+    assert channel_credentials_from_env(env) is not None
+    for var, value in env.items():
+        monkeypatch.setenv(var, value)
+    assert server_credentials_from_env("prefix") is not None

@@ -649,11 +649,15 @@ def main(argv: list[str] | None = None) -> int:
                    help="tenant bearer token (env TIERCACHE_TOKEN; none = no auth)")
     p.add_argument("--timeout", type=_up_to_1e6(False, " seconds"), default=300.0,
                    help="seconds per call (default %(default)s)")
-    p.add_argument("--ca", default=os.environ.get("TIERCACHE_TLS_CA"),
+    # TLS files `~`-expanded as the services' are (an env file's "~/certs/ca.pem" arrives
+    # literally, and so does a flag's "--ca=~/..."; argparse applies `type` to the defaults).
+    p.add_argument("--ca", type=os.path.expanduser, default=os.environ.get("TIERCACHE_TLS_CA"),
                    help="CA bundle: speak TLS and verify the server (env TIERCACHE_TLS_CA)")
-    p.add_argument("--cert", default=os.environ.get("TIERCACHE_TLS_CLIENT_CERT"),
+    p.add_argument("--cert", type=os.path.expanduser,
+                   default=os.environ.get("TIERCACHE_TLS_CLIENT_CERT"),
                    help="client certificate for mutual TLS (env TIERCACHE_TLS_CLIENT_CERT)")
-    p.add_argument("--key", default=os.environ.get("TIERCACHE_TLS_CLIENT_KEY"),
+    p.add_argument("--key", type=os.path.expanduser,
+                   default=os.environ.get("TIERCACHE_TLS_CLIENT_KEY"),
                    help="client key for mutual TLS (env TIERCACHE_TLS_CLIENT_KEY)")
     p.add_argument("--tls", action="store_true",
                    help="speak TLS, verifying the server against the system's trusted roots "

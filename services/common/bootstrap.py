@@ -889,6 +889,13 @@ class ServerHandle:
         self.stopped.set()
 
 
+def tls_file(env: Mapping[str, str], var: str) -> str:
+    """A TLS file variable's path, `~` expanded as every other path setting's is (it arrives
+    literally from env files and manifests: "~/certs/server.pem" was "cannot read"); "" =
+    unset."""
+    return os.path.expanduser(env.get(var) or "")
+
+
 def server_tls_files(service: str, env: Mapping[str, str] | None = None
                      ) -> tuple[tuple[str, str], tuple[str, str]]:
     """The server's (variable, certificate file) and (variable, key file): the service's own
@@ -899,7 +906,7 @@ def server_tls_files(service: str, env: Mapping[str, str] | None = None
     for part in ("CERT", "KEY"):
         own = f"TIERCACHE_{service.upper()}_TLS_{part}" if service else ""
         var = own if own and env.get(own) else f"TIERCACHE_TLS_{part}"
-        picked.append((var, env.get(var, "")))
+        picked.append((var, tls_file(env, var)))
     return picked[0], picked[1]
 
 
@@ -938,7 +945,7 @@ def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:
         return None
     if not (cert and key):
         raise ConfigError(f"{cert_var} and {key_var} must be set together")
-    ca = os.environ.get("TIERCACHE_TLS_CA") if requires_client_certs(service) else None
+    ca = tls_file(os.environ, "TIERCACHE_TLS_CA") if requires_client_certs(service) else None
     with open(cert, "rb") as f:
         cert_b = f.read()
     with open(key, "rb") as f:

@@ -14,6 +14,7 @@ from services.common.bootstrap import (
     client_auth,
     client_auth_var,
     server_tls_files,
+    tls_file,
 )
 from services.common.logs import request_id_var
 
@@ -129,11 +130,11 @@ def tls_files_problem(service: str = "", env: Mapping[str, str] | None = None) -
     if service:
         names += [f"TIERCACHE_{service.upper()}_TLS_CERT", f"TIERCACHE_{service.upper()}_TLS_KEY"]
     for var in names:
-        path = env.get(var)
+        path = tls_file(env, var)
         why = pem_problem(path) if path else ""
         if why:
             return f"{var}: {why}"
-    ca = env.get("TIERCACHE_TLS_CA")
+    ca = tls_file(env, "TIERCACHE_TLS_CA")
     # A key given as the CA failed in gRPC's C core as "cannot listen on <address>".
     why = ca_problem(ca) if ca else ""
     if why:
@@ -208,7 +209,7 @@ def channel_credentials_from_env(env: Mapping[str, str] | None = None,
     def read(p: str | None) -> bytes | None:
         if not p:
             return None
-        with open(p, "rb") as f:
+        with open(os.path.expanduser(p), "rb") as f:
             return f.read()
 
     return grpc.ssl_channel_credentials(
