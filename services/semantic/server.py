@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sqlite3
 import threading
 import time
@@ -19,7 +20,8 @@ from services.semantic.cache import Embedder, Entry, Namespace, SemanticCache
 from services.semantic.config import SemanticConfig
 from services.semantic.index import set_search_threads
 from services.semantic.shard_list import RecentShardLists
-from services.semantic.store import EntryStore
+from services.semantic.snapshot import unwritable
+from services.semantic.store import EntryStore, NotWritable
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +253,14 @@ def serve(cfg: SemanticConfig, embedder: Embedder | None = None) -> RunningServi
     try:
         embedder = embedder or make_embedder(cfg)
         store = EntryStore(cfg.resolved_db_path(), cfg.sqlite_synchronous)
+        why = unwritable(snapshot_path) if snapshot_path else ""
+        if why:
+            # Found at start, as the database's folder is (__main__: one line, exit 2).
+            raise NotWritable(
+                f"TIERCACHE_SEMANTIC_SNAPSHOT_PATH: {why}: the service saves its HNSW graphs "
+                f"there (on stop and every snapshot_interval_s) for the next start to take; "
+                f"make it writable by uid {os.geteuid()}, point TIERCACHE_SEMANTIC_SNAPSHOT_PATH "
+                "at a writable folder, or set TIERCACHE_SEMANTIC_SNAPSHOT_ON_STOP=false")
         cache = SemanticCache(cfg, embedder, store)
         cache.load(snapshot_path)
     except BaseException:

@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import re
+import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -52,6 +53,25 @@ _TMP = re.compile(rf"\.{re.escape(MANIFEST)}\.[0-9]+\.tmp")  # a manifest being 
 def _settings(params, embed_id: str) -> dict:
     return {"format": FORMAT, "embedder": embed_id, "dim": params.dim, "hnsw_m": params.hnsw_m,
             "hnsw_ef_construction": params.hnsw_ef_construction}
+
+
+def unwritable(folder: str | os.PathLike) -> str:
+    """Why a save into `folder` would fail for want of write access ("" = it would not): the
+    folder, or where it does not exist yet the nearest folder above it (the save makes the
+    rest), must take a new file. Probed by making one and removing it, as the save would
+    (os.access says yes to root on a read-only sysfs); nothing is left behind, not even the
+    folder. A read-only or foreign-owned volume was found only when a save failed, after
+    snapshot_interval_s or at the stop, and every start then built its graphs anew."""
+    path = Path(folder).absolute()
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".write-probe.", dir=path)
+    except OSError as exc:
+        return f"{path} is not writable ({exc.strerror or exc})"
+    os.close(fd)
+    os.unlink(probe)
+    return ""
 
 
 def same_vectors(tag: str, ours: str) -> bool:

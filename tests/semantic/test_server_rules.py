@@ -7,6 +7,7 @@ when an index merge outlived the time it was given."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -219,3 +220,25 @@ def test_a_start_on_a_volume_it_cannot_write_says_so_not_bad_configuration(
     line = caplog.records[-1].getMessage()
     assert line.startswith(f"cannot start: {err.filename} is not writable ({err.strerror})")
     assert "bad configuration" not in line and "TIERCACHE_SEMANTIC_DB_PATH" in line
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys/kernel"), reason="needs sysfs (read-only to all)")
+def test_a_snapshot_folder_that_cannot_be_written_stops_the_start_naming_its_variable(
+        make_cfg, emb, tmp_path):
+    """The HNSW graphs' folder on a read-only volume was found only when a save failed (after
+    snapshot_interval_s, or at the stop): refused at start, as the database's folder is, in a
+    line naming TIERCACHE_SEMANTIC_SNAPSHOT_PATH (sysfs refuses even root, whom os.access
+    answers yes). A folder not there yet but creatable is taken, and not made until a save."""
+    from services.semantic.store import NotWritable
+
+    with pytest.raises(NotWritable, match=r"^TIERCACHE_SEMANTIC_SNAPSHOT_PATH: /sys/kernel "
+                                          r"is not writable"):
+        serve(make_cfg(snapshot_path="/sys/kernel/tiercache/graphs"), embedder=emb)
+    # Nothing held: the database is not left locked.
+    graphs = tmp_path / "not" / "yet" / "graphs"
+    svc = serve(make_cfg(snapshot_path=str(graphs)), embedder=emb)
+    try:
+        assert not (tmp_path / "not").exists()
+    finally:
+        svc.stop(grace=0)
+    assert list(tmp_path.glob("**/.write-probe.*")) == []
