@@ -1094,3 +1094,35 @@ def test_an_empty_drain_delay_is_refused_naming_the_variable_as_an_empty_number_
         bootstrap.drain_delay_from_env()
     monkeypatch.delenv("TIERCACHE_DRAIN_DELAY_S")
     assert bootstrap.drain_delay_from_env() == 0.0
+
+
+def test_calls_refused_while_the_service_loads_leave_one_line_not_one_per_poll(caplog):
+    """A replica loading its model answers every poll (the orchestrator's, the launcher's,
+    once a second) UNAVAILABLE: each was an INFO line, 60 a minute. errors.Starting is said
+    once per method a minute; any other UNAVAILABLE keeps its ten lines per ten seconds."""
+    import logging
+
+    class Loading(prefix_pb2_grpc.PrefixIndexServicer):
+        def Stats(self, request, context):
+            raise errors.Starting("kvpool is loading its model; retry shortly")
+
+        def Match(self, request, context):
+            raise errors.Unavailable("the index is gone")
+
+    h = create_server(service="loading-rule", address="127.0.0.1:0",
+                      services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, Loading(),
+                                 "tiercache.v1.PrefixIndex")])
+    try:
+        stub = tb._stub(h)
+        with caplog.at_level(logging.INFO, logger="services.common.bootstrap"):
+            for _ in range(5):
+                for call, req in ((stub.Stats, prefix_pb2.PrefixStatsRequest()),
+                                  (stub.Match, prefix_pb2.MatchRequest(token_ids=[1]))):
+                    with pytest.raises(grpc.RpcError) as e:
+                        call(req, timeout=5)
+                    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        h.stop(0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum(m.startswith("Stats ended UNAVAILABLE: kvpool is loading") for m in lines) == 1
+    assert sum(m.startswith("Match ended UNAVAILABLE") for m in lines) == 5

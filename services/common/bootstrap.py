@@ -47,6 +47,9 @@ log = logging.getLogger(__name__)
 
 
 _ERROR_LINES = Thinned(log)
+# Calls refused while the service loads (errors.Starting): one line per method a minute, then
+# how many more (the orchestrator, the launcher and probes poll every second meanwhile).
+_STARTING_LINES = Thinned(log, per_window=1, window_s=60.0)
 # Callers refused for their credential, one line per peer and code (thinned): only a counter
 # said so, and token guessing could not be traced to a peer. The credential is never logged.
 _AUTH_LINES = Thinned(log, per_window=3, window_s=60.0, level=logging.WARNING)
@@ -602,7 +605,9 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 details = _capped(str(exc))
                 # A refused or failed call left no line: a ticket quoting its request id could
                 # not be traced. One line, with the id bound; a flood of them is thinned.
-                if _ERROR_LINES.allow((service, short, ended)):
+                lines = (_STARTING_LINES if isinstance(exc, errors.Starting) and ended ==
+                         exc.code else _ERROR_LINES)
+                if lines.allow((service, short, ended)):
                     log.info("%s ended %s: %s", short, ended, details[:300])
                 trailers = exc.trailers + (((errors.OVERLOADED_KEY, "1"),)
                                            if isinstance(exc, errors.Overloaded) else ())

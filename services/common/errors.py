@@ -172,6 +172,12 @@ class Unavailable(TierCacheError):
     code = "UNAVAILABLE"
 
 
+class Starting(Unavailable):
+    """UNAVAILABLE: the service is still loading (its model, its entries). Pollers ask every
+    second meanwhile, so the server logs it once a minute per method, not once a call: a
+    replica loading its model for a minute wrote 60 "Stats ended UNAVAILABLE" INFO lines."""
+
+
 class DeadlineExceeded(TierCacheError):
     code = "DEADLINE_EXCEEDED"
 

@@ -81,7 +81,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
 
     def _ready(self):
         if self.engine is None or self.info is None:
-            raise errors.Unavailable("kvpool is loading its model; retry shortly")
+            raise errors.Starting("kvpool is loading its model; retry shortly")
         if not self.engine.running:
             # Stopped (shutting down), or its thread died: nothing submitted would be answered.
             raise errors.Unavailable("kvpool engine is not running")

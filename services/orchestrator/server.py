@@ -149,7 +149,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
     def _tenant(self, context: grpc.ServicerContext):
         if self.orch is None or self.tenants is None:
-            raise errors.Unavailable("orchestrator is still loading")
+            raise errors.Starting("orchestrator is still loading")
         tenant = self.tenants.authenticate(tuple(context.invocation_metadata() or ()))
         self.tenants.check_rate(tenant)
         return tenant

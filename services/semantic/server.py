@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from tiercache.v1 import semantic_pb2, semantic_pb2_grpc
 
 from services.common.bootstrap import ServerHandle, create_server
-from services.common.errors import InvalidArgument, ResourceExhausted, Unavailable
+from services.common.errors import InvalidArgument, ResourceExhausted, Starting
 from services.common.logs import Thinned
 from services.semantic.cache import Embedder, Entry, Namespace, SemanticCache
 from services.semantic.config import SemanticConfig
@@ -68,7 +68,7 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
     @property
     def cache(self) -> SemanticCache:
         if self._cache is None:
-            raise Unavailable("semantic cache is still loading")
+            raise Starting("semantic cache is still loading")
         return self._cache
 
     def _placed_by(self, request, method: str, context) -> None:
