@@ -123,7 +123,9 @@ class OrchestratorConfig:
     # comes back once it turns again. Above the longest step the model takes (a 512-token
     # prefill chunk of a large model on CPU takes tens of seconds). 0 = off.
     replica_stall_s: float = 60.0
-    # Background warm-up: off when warm_interval_s <= 0 or warm_top_k == 0.
+    # Background warm-up: a cycle about every warm_interval_s (each wait drawn within 10% of
+    # it, so pods started together drift apart); off when warm_interval_s <= 0 or
+    # warm_top_k == 0.
     warm_interval_s: float = 30.0
     # Hot prefixes the loop asks the index for each cycle (0 = loop off).
     warm_top_k: int = 8

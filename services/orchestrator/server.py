@@ -6,6 +6,7 @@ import contextlib
 import dataclasses
 import logging
 import math
+import random
 import threading
 import time
 import uuid
@@ -470,6 +471,8 @@ MAX_WARM_PROMPTS = 64
 PREFILL_TIMEOUT_S = 120.0  # one prefill of the warm-up loop (a Warm call's: its deadline)
 MAX_SESSION_ID_CHARS = 256
 WARM_WINDOW = 4  # one Warm call's prefills queued or running at once (the pool has 8 threads)
+# The background loop's wait is the interval times a random factor in 1 +- this (docs/deploy.md).
+WARM_JITTER = 0.1
 
 
 def _caching_off(replica) -> bool:
@@ -845,8 +848,12 @@ class Warmer:
                     WARM_PREFILLS.labels("ok").inc()
                     WARM_TOKENS.labels("computed").inc(res.computed_tokens)
                     WARM_TOKENS.labels("cached").inc(res.cached_tokens)
-                    log.info("warmed a %d-token prefix (%d hits) on %s: %d tokens computed",
-                             res.prompt_tokens, hp.hits, r.replica_id, res.computed_tokens)
+                    # A prefill that computed nothing found the prefix cached: another
+                    # orchestrator's loop warmed it first (the index had not listed it yet).
+                    # Not news: at INFO, every pod's duplicate said "0 tokens computed".
+                    log.log(logging.INFO if res.computed_tokens else logging.DEBUG,
+                            "warmed a %d-token prefix (%d hits) on %s: %d tokens computed",
+                            res.prompt_tokens, hp.hits, r.replica_id, res.computed_tokens)
                 else:
                     WARM_PREFILLS.labels("failed").inc()
                     if _WARM_FAILED_LINES.allow((r.replica_id, res.error.partition(":")[0])):
@@ -858,7 +865,10 @@ class Warmer:
         return done
 
     def _loop(self) -> None:
-        while not self._stop.wait(self.cfg.warm_interval_s):
+        # Each wait drawn within +-WARM_JITTER of the interval: pods started together kept
+        # their cycles in step, each sending the same prefill in the same moment.
+        while not self._stop.wait(self.cfg.warm_interval_s
+                                  * random.uniform(1 - WARM_JITTER, 1 + WARM_JITTER)):
             try:
                 self.cycle()
             except Exception:  # noqa: BLE001 - the loop must survive a bad cycle

@@ -1054,3 +1054,42 @@ def test_a_warm_prompt_giving_messages_and_prompt_is_refused_before_any_work():
         assert stubs["A"].requests == []
     finally:
         warmer.stop()
+
+
+def test_a_warm_up_prefill_that_computed_nothing_is_no_info_line(caplog):
+    """Another orchestrator's loop warmed the prefix first: the prefill finds it cached. Each
+    such duplicate was an INFO line saying "0 tokens computed"; it is DEBUG now, and a
+    prefill that computed the prefix is still INFO."""
+    import logging
+
+    from tests.orchestrator.test_warm_loop import hp, make
+
+    w, reps = make([0, 0], [hp([1] * 32, [])])
+    reps[0].stub.Prefill = lambda req, timeout=None, metadata=None: kvpool_pb2.PrefillResponse(
+        prompt_tokens=32, computed_tokens=0, cached_tokens=32, replica_id="r0")
+    with caplog.at_level(logging.DEBUG, logger="services.orchestrator.server"):
+        assert w.cycle() == 2
+    said = {r.getMessage(): r.levelname for r in caplog.records if "warmed" in r.getMessage()}
+    assert said == {"warmed a 32-token prefix (10 hits) on r0: 0 tokens computed": "DEBUG",
+                    "warmed a 32-token prefix (10 hits) on r1: 32 tokens computed": "INFO"}
+
+
+def test_the_warm_up_loops_wait_is_jittered_around_its_interval(monkeypatch):
+    """Orchestrators started together kept their warm-up cycles in step for good, each
+    sending the same prefill at the same moment (docs/deploy.md): each wait is drawn within
+    10% of warm_interval_s, so they drift apart."""
+    from tests.orchestrator.test_warm_loop import make
+
+    w, _ = make([0], [])
+    waits: list[float] = []
+
+    class Stop:
+        def wait(self, timeout):
+            waits.append(timeout)
+            return len(waits) >= 50
+
+    w._stop = Stop()
+    monkeypatch.setattr(w, "cycle", lambda: 0)
+    w._loop()
+    assert len(waits) == 50 and all(0.9 <= t <= 1.1 for t in waits)  # interval 1 s
+    assert len(set(waits)) > 40
