@@ -512,3 +512,13 @@ def test_tls_files_from_the_environment_or_flags_expand_a_leading_tilde(fake, mo
     assert (a.ca, a.cert, a.key) == tuple(str(fake / "c" / n)
                                           for n in ("ca.pem", "client.pem", "client.key"))
     assert isinstance(creds, grpc.ChannelCredentials)
+
+
+def test_the_stats_help_says_its_request_counts_are_one_orchestrators(capsys):
+    """"figures of every tier" read as the cluster's totals; with several orchestrators the
+    request and token counts are the answering one's only (README)."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "request and token counts are the answering orchestrator's own" in said

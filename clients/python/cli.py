@@ -704,7 +704,10 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("entry_id", help="the entry id a chat's report line names (entry ...)")
     f.add_argument("--bad", action="store_true",
                    help="a wrong answer: invalidate the entry (default: mark it verified)")
-    sub.add_parser("stats", help="figures of every tier")
+    # The shared tiers' figures are the same from any orchestrator; its request and token
+    # counts are its own (README): "every tier" read as the cluster's totals.
+    sub.add_parser("stats", help="figures of every tier; request and token counts are the "
+                                 "answering orchestrator's own, since its start")
     rp = sub.add_parser("replay", help="replay a workload trace (python -m benchmarks.workload)")
     rp.add_argument("trace", help="trace file (JSON lines) that benchmarks.workload wrote")
     rp.add_argument("--concurrency", type=_positive, default=2,
