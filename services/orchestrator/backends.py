@@ -300,7 +300,10 @@ class ReplicaSet:
     # replica is not asked again until it answers or times out, and no poll cycle waits for it.
     _pending: dict[int, Future | None] = field(default_factory=dict)
     # What `unready` said last: None before it was first asked, then whether not ready.
+    # Read, logged and written under `_said_lock`: each /readyz probe asks on its own thread,
+    # and two at once both said a change (or one's late write undid the other's).
     _said_unready: bool | None = None
+    _said_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
         for i, addr in enumerate(self.addresses):
@@ -534,11 +537,13 @@ class ReplicaSet:
         with none, so a rolling update to another model id replaced every old orchestrator
         (whose replicas still served) with new ones that could only refuse. Said in the log
         as it changes, when asked (each readiness probe)."""
-        if self.healthy():
-            if self._said_unready:
-                log.info("ready (/readyz): healthy kvpool replica(s) %s",
-                         ", ".join(r.replica_id for r in self.healthy()))
-            self._said_unready = False
+        healthy = self.healthy()
+        if healthy:
+            with self._said_lock:
+                if self._said_unready:
+                    log.info("ready (/readyz): healthy kvpool replica(s) %s",
+                             ", ".join(r.replica_id for r in healthy))
+                self._said_unready = False
             return ""
         with self._lock:
             # A replica on another model is named by the id it answered with (its misfit).
@@ -546,11 +551,12 @@ class ReplicaSet:
                      f"{r.health.last_error[:200] or 'not answered yet'}" for r in self.replicas]
         why = (f"no healthy kvpool replica serves model {self.model_id!r}" if self.model_id
                else "no kvpool replica is healthy") + f" ({'; '.join(lines)})"
-        if self._said_unready is None:  # starting: the replicas may still be loading
-            log.info("not ready yet (/readyz): %s", why)
-        elif not self._said_unready:
-            log.warning("not ready (/readyz) until a replica is back: %s", why)
-        self._said_unready = True
+        with self._said_lock:
+            if self._said_unready is None:  # starting: the replicas may still be loading
+                log.info("not ready yet (/readyz): %s", why)
+            elif not self._said_unready:
+                log.warning("not ready (/readyz) until a replica is back: %s", why)
+            self._said_unready = True
         return why
 
     def _routable(self) -> list[Replica]:

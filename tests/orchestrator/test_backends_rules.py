@@ -507,3 +507,37 @@ def test_readiness_waits_for_a_healthy_replica_on_the_orchestrators_model(caplog
         assert "ready (/readyz): healthy kvpool replica(s) r0" in caplog.text
     finally:
         h.stop(0)
+
+
+def test_readiness_probes_at_once_say_a_change_once(monkeypatch):
+    """`unready` runs on each /readyz probe's thread (several at once: kubelet's, a
+    port-forwarded curl). `_said_unready` was read and written without a lock: two probes
+    both read "was ready" and both wrote the WARNING (or one's late write undid the
+    other's, and the next change went unsaid). The second probe waits for the first."""
+    from services.orchestrator import backends
+
+    rs = ReplicaSet(addresses=(), internal_token="", model_id="m")
+    rs._said_unready = False  # it was ready; now no replica is healthy
+    inside, second = threading.Event(), threading.Event()
+    release = threading.Event()
+    said: list[str] = []
+
+    def warning(msg, *args):
+        said.append(msg % args)
+        if len(said) == 1:
+            inside.set()
+            release.wait(10)
+        else:
+            second.set()
+
+    monkeypatch.setattr(backends, "log", SimpleNamespace(warning=warning, info=warning))
+    first = threading.Thread(target=rs.unready)
+    first.start()
+    assert inside.wait(10)
+    other = threading.Thread(target=rs.unready)
+    other.start()
+    second.wait(1.0)  # without the lock the other probe says it again at once
+    release.set()
+    first.join(10)
+    other.join(10)
+    assert len(said) == 1 and said[0].startswith("not ready (/readyz) until a replica is back")
