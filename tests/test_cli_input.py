@@ -403,7 +403,7 @@ _STATS_SCRIPT = (
     "from clients.python import cli\n"
     "from tests.test_cli_input import FakeClient\n"
     "from tiercache.v1 import orchestrator_pb2\n"
-    "FakeClient.stats = lambda self, **kw: orchestrator_pb2.StatsResponse()\n"
+    "FakeClient.stats = lambda self, **kw: orchestrator_pb2.StatsResponse(model_id='m')\n"
     "cli.TierCacheClient = FakeClient\n"
     "sys.exit(cli.main(['stats']))\n")
 

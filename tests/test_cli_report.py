@@ -179,6 +179,7 @@ def test_the_cli_says_when_a_tiers_figures_leave_out_shards(capsys):
             return self.resp
 
     part = orchestrator_pb2.StatsResponse(
+        model_id="m",
         prefix=prefix_pb2.PrefixStatsResponse(nodes=3, shards_total=2, shards_answered=1),
         semantic=semantic_pb2.SemanticStatsResponse(shards_total=2, shards_answered=2))
     assert cli.cmd_stats(Client(part), None) == 0
@@ -186,6 +187,7 @@ def test_the_cli_says_when_a_tiers_figures_leave_out_shards(capsys):
     assert '"shardsAnswered": 1' in out.out and '"shardsTotal": 2' in out.out
     assert out.err == "prefix: 1 of 2 shards answered; its figures leave out the others'\n"
     whole = orchestrator_pb2.StatsResponse(
+        model_id="m",
         prefix=prefix_pb2.PrefixStatsResponse(nodes=3, shards_total=2, shards_answered=2))
     assert cli.cmd_stats(Client(whole), None) == 0
     assert capsys.readouterr().err == ""
@@ -193,6 +195,7 @@ def test_the_cli_says_when_a_tiers_figures_leave_out_shards(capsys):
     # leaves the tier's figures unset, and the JSON simply lacks the key. Said on stderr too;
     # a tier that is not configured (no dependency line) is not.
     none = orchestrator_pb2.StatsResponse(
+        model_id="m",
         prefix=prefix_pb2.PrefixStatsResponse(nodes=3, shards_total=1, shards_answered=1),
         dependencies=[common_pb2.DependencyHealth(name="semantic", address="a:1",
                                                   healthy=False, last_error="Deadline")])

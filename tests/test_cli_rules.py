@@ -107,11 +107,31 @@ def test_stats_says_when_a_tiers_shard_lists_disagree(capsys):
 
     class Client:
         def stats(self):
-            return orchestrator_pb2.StatsResponse(prefix=prefix_pb2.PrefixStatsResponse(
-                shards_total=2, shards_answered=2, shard_list_mismatch="shard 1 lists 3"))
+            return orchestrator_pb2.StatsResponse(
+                model_id="m", prefix=prefix_pb2.PrefixStatsResponse(
+                    shards_total=2, shards_answered=2, shard_list_mismatch="shard 1 lists 3"))
 
     assert cli.cmd_stats(Client(), None) == 0
     assert capsys.readouterr().err == f"prefix: shard 1 lists 3; {cli.MISMATCH_FIX['prefix']}\n"
+
+
+def test_stats_says_an_orchestrator_older_than_the_client_reports_no_model_id(capsys):
+    """Mid-upgrade, this CLI against an orchestrator without StatsResponse.model_id (field 16)
+    printed "modelId": "" beside replicas reporting theirs, as if it served no model."""
+
+    class Client:
+        def __init__(self, model_id):
+            self.model_id = model_id
+
+        def stats(self):
+            return orchestrator_pb2.StatsResponse(model_id=self.model_id)
+
+    assert cli.cmd_stats(Client(""), None) == 0
+    out = capsys.readouterr()
+    assert json.loads(out.out)["modelId"] == ""  # the key stays, for scripts reading it
+    assert out.err.startswith("modelId: not reported (an orchestrator older than this client")
+    assert cli.cmd_stats(Client("SmolLM2"), None) == 0
+    assert capsys.readouterr().err == ""
 
 
 @pytest.mark.parametrize(("tier", "setting"), [
@@ -127,7 +147,7 @@ def test_stats_says_what_to_do_about_a_shard_list_mismatch(capsys, tier, setting
 
     class Client:
         def stats(self):
-            return orchestrator_pb2.StatsResponse(**{tier: kind(
+            return orchestrator_pb2.StatsResponse(model_id="m", **{tier: kind(
                 shards_total=2, shards_answered=2, shard_list_mismatch="lists differ")})
 
     assert cli.cmd_stats(Client(), None) == 0
@@ -348,8 +368,9 @@ def test_stats_shows_a_shard_list_mismatch_on_a_terminal_without_control_charact
 
     class Client:
         def stats(self):
-            return orchestrator_pb2.StatsResponse(prefix=prefix_pb2.PrefixStatsResponse(
-                shards_total=1, shards_answered=1, shard_list_mismatch="lists 3\x1b[2J"))
+            return orchestrator_pb2.StatsResponse(
+                model_id="m", prefix=prefix_pb2.PrefixStatsResponse(
+                    shards_total=1, shards_answered=1, shard_list_mismatch="lists 3\x1b[2J"))
 
     assert cli.cmd_stats(Client(), None) == 0
     assert err.getvalue() == f"prefix: lists 3\ufffd[2J; {cli.MISMATCH_FIX['prefix']}\n"

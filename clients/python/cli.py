@@ -380,6 +380,12 @@ MISMATCH_FIX = {
 def cmd_stats(c: TierCacheClient, a: argparse.Namespace) -> int:
     resp = c.stats()
     print(json.dumps(_as_dict(resp), indent=2))
+    if not resp.model_id:
+        # Every orchestrator of this version reports its model id (its setting or folder's
+        # name; never empty): "" is an older one, which has no such field. Printed alone it
+        # read as an orchestrator serving no model, beside replicas reporting theirs.
+        sys.stderr.write("modelId: not reported (an orchestrator older than this client; "
+                         "replicas[].modelId are the models routed to)\n")
     tiers = {d.name for d in resp.dependencies}
     for tier, st in (("semantic", resp.semantic), ("prefix", resp.prefix)):
         if not resp.HasField(tier):
