@@ -246,6 +246,9 @@ RULES: dict[str, list[tuple[tuple[str, ...], object]]] = {
     "orchestrator": [
         (("metrics_port",), lambda v: PORT(v["metrics_port"])),
         (("model",), lambda v: v["model"] != ""),
+        # kvpool's rule for the same id.
+        (("model_id",), lambda v: len(v["model_id"]) <= 256 and "\0" not in v["model_id"]
+         and (not v["model_id"] or not blank(v["model_id"]))),
         (("min_prefix_tokens",), lambda v: v["min_prefix_tokens"] >= 1),
         (("tokens",), lambda v: _pairs_ok(v["tokens"])),
         (("address",), lambda v: _hostport(v["address"], listen=True)),
@@ -342,7 +345,8 @@ RULES: dict[str, list[tuple[tuple[str, ...], object]]] = {
          lambda v: 4 * v["max_text_chars"] + 24 * v["max_answer_chars"] + 65536 <= 16 << 20),
         (("expiry_interval_s",), lambda v: v["expiry_interval_s"] >= 0.1),
         (("model_name",), lambda v: v["model_name"] not in (".", "..")
-         and v["model_name"].isprintable() and not set("/\\") & set(v["model_name"])),
+         and v["model_name"].isprintable() and not set("/\\") & set(v["model_name"])
+         and (not v["model_name"] or not blank(v["model_name"]))),
     ],
 }
 
@@ -383,7 +387,7 @@ CHOICES = {
                     "standard"],
     "verifier_tiers": ["strict,standard", "strict", "", "standard", "relaxed"],
     "internal_token": ["s3cret-token", "", "a b", "tok\u00e9n", "\ttok\n"],
-    "model_name": ["", "mini", "..", "a/b", "x\ty"],
+    "model_name": ["", "mini", "..", "a/b", "x\ty", "\u3164"],
 }
 INTS = [-2, -1, 0, 1, 2, 3, 4, 7, 8, 9, 63, 64, 65, 256, 257, 1024, 1025, 4096, 4097, 32768,
         32769, 65535, 65536, 1 << 22, (1 << 22) + 1, 2**31 - 1, 2**31, 2**32 - 1, 2**32,
