@@ -85,3 +85,39 @@ def test_a_path_it_cannot_read_is_not_said_not_writable(tmp_path, monkeypatch):
                         "d", "S").startswith(f"{tmp_path / 'lock'} is not writable")
     # A read-only volume is about writing, whatever the mode.
     assert not_writable(OSError(30, "Read-only file system", str(secret)), "d", "S")
+
+
+@pytest.mark.parametrize(("service", "build"), [("kvpool", "build_replica"),
+                                                ("orchestrator", "build")])
+def test_a_cache_folder_the_start_cannot_write_says_so_not_bad_configuration(
+        service, build, monkeypatch, caplog):
+    """The packaged model to convert into a read-only cache volume stopped the start with "bad
+    configuration ...: [Errno 30] Read-only file system: ...", though no setting was wrong:
+    the line names the path, the cause, the fix and the service's setting (exit 2, the
+    server stopped)."""
+    import importlib
+    import logging
+    import types
+
+    from services.kvpool.config import KvPoolConfig
+    from services.orchestrator.config import OrchestratorConfig
+
+    entry = importlib.import_module(f"services.{service}.__main__")
+    cfg = (KvPoolConfig(metrics_port=-1) if service == "kvpool" else
+           OrchestratorConfig(kvpool_addresses=("127.0.0.1:1",), metrics_port=-1))
+    stopped: list = []
+    handle = types.SimpleNamespace(draining=None, stop=lambda grace: stopped.append(grace))
+    monkeypatch.setattr(entry, "create_server", lambda **kw: handle)
+
+    def refuse(cfg):
+        raise OSError(30, "Read-only file system", "/cache/models")
+    monkeypatch.setattr(entry, build, refuse)
+    monkeypatch.setattr(entry, "load_service_config", lambda *a: cfg)  # logging as it is
+    with caplog.at_level(logging.ERROR, logger=f"services.{service}"):
+        assert entry._main([]) == 2
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("cannot start: /cache/models is not writable (Read-only file "
+                           "system)"), line
+    assert "bad configuration" not in line
+    assert f"TIERCACHE_{service.upper()}_CACHE_DIR" in line
+    assert stopped == [None]

@@ -285,31 +285,3 @@ def test_an_architecture_without_sdpa_attention_is_refused_naming_the_folder(tmp
     msg = str(e.value)
     assert "\n" not in msg and folder in msg and "Gemma2ForCausalLM" in msg
     assert "TIERCACHE_KVPOOL_MODEL" in msg and "SDPA" in msg
-
-
-def test_a_cache_folder_it_cannot_write_says_so_not_bad_configuration(tmp_path, monkeypatch,
-                                                                       caplog):
-    """Live: the packaged model to convert into a read-only cache volume stopped the start
-    with "bad configuration (the model could not be loaded): [Errno 30] Read-only file
-    system: ...", though no setting was wrong: the line names the path, the cause and the
-    fix (exit 2, the server stopped)."""
-    import logging
-
-    import services.kvpool.__main__ as entry
-
-    stopped = []
-    handle = types.SimpleNamespace(draining=None, stop=lambda grace: stopped.append(grace))
-    monkeypatch.setattr(entry, "create_server", lambda **kw: handle)
-
-    def refuse(cfg):
-        raise OSError(30, "Read-only file system", "/cache/models")
-    monkeypatch.setattr(entry, "build_replica", refuse)
-    cfg = KvPoolConfig(model=_config_only_folder(tmp_path / "m"), metrics_port=-1)
-    monkeypatch.setattr(entry, "load_service_config", lambda *a: cfg)  # logging as it is
-    with caplog.at_level(logging.ERROR, logger="services.kvpool"):
-        assert entry._main([]) == 2
-    line = caplog.records[-1].getMessage()
-    assert line.startswith("cannot start: /cache/models is not writable (Read-only file "
-                           "system)"), line
-    assert "bad configuration" not in line and "TIERCACHE_KVPOOL_CACHE_DIR" in line
-    assert stopped == [None]

@@ -138,16 +138,22 @@ def test_a_session_id_of_the_limit_is_taken_and_one_more_character_refused():
 
 def test_a_threshold_just_under_the_tiers_floor_is_refused():
     """The floor the tier said is the lowest threshold taken: 0.005 under it is refused."""
-    s = OrchestratorServicer(OrchestratorConfig(kvpool_addresses=("h:1",)))
     orch = ContextOrchestrator(0)
+    e = _threshold_refused(orch, 0.845)  # the fake tier's floor is 0.85
+    assert str(e).startswith("cache_policy.semantic_threshold") and orch.calls == []
+
+
+def _threshold_refused(orch, threshold: float) -> errors.InvalidArgument:
+    """The refusal of a Generate with `threshold`, through a servicer on `orch`."""
+    s = OrchestratorServicer(OrchestratorConfig(kvpool_addresses=("h:1",)))
     s.attach(orch, TenantRegistry.build(tokens_file="", tokens="", key=b"k",
                                         max_prompt_tokens=1000, max_tokens=1000,
                                         max_concurrent=10))
     req = orchestrator_pb2.GenerateRequest(prompt="x" * 40)
-    req.cache_policy.semantic_threshold = 0.845  # the fake tier's floor is 0.85
-    with pytest.raises(errors.InvalidArgument, match="^cache_policy.semantic_threshold"):
+    req.cache_policy.semantic_threshold = threshold
+    with pytest.raises(errors.InvalidArgument) as ei:
         list(s.Generate(req, Context()))
-    assert orch.calls == []
+    return ei.value
 
 
 def test_the_pipeline_gets_the_bound_request_id_and_a_deadline_capped_by_request_timeout():
@@ -1018,17 +1024,8 @@ def test_a_warm_when_every_replica_serves_another_model_names_both_model_ids():
 
 def test_a_threshold_under_the_floor_is_said_as_written_not_as_its_float32():
     """The floor check said the wire's float32: 0.1 was "got 0.10000000149011612"."""
-    s = OrchestratorServicer(OrchestratorConfig(kvpool_addresses=("h:1",)))
-    orch = ContextOrchestrator(0)
-    s.attach(orch, TenantRegistry.build(tokens_file="", tokens="", key=b"k",
-                                        max_prompt_tokens=1000, max_tokens=1000,
-                                        max_concurrent=10))
-    req = orchestrator_pb2.GenerateRequest(prompt="x" * 40)
-    req.cache_policy.semantic_threshold = 0.1
-    with pytest.raises(errors.InvalidArgument) as ei:
-        list(s.Generate(req, Context()))
-    assert str(ei.value) == ("cache_policy.semantic_threshold: must be 0 (tier default) or in "
-                             "[0.85, 1], got 0.1")
+    assert str(_threshold_refused(ContextOrchestrator(0), 0.1)) == (
+        "cache_policy.semantic_threshold: must be 0 (tier default) or in [0.85, 1], got 0.1")
 
 
 def test_a_warm_prompt_giving_messages_and_prompt_is_refused_before_any_work():

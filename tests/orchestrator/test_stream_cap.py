@@ -661,29 +661,3 @@ def test_a_server_stream_refusal_gives_the_rate_token_back_too():
     orch.release.set()
     list(g)
     assert s.tenants._buckets["default"].tokens == 1.0
-
-
-def test_a_cache_folder_it_cannot_write_says_so_not_bad_configuration(monkeypatch, caplog):
-    """The packaged model to convert into a read-only cache volume stopped the orchestrator
-    with "bad configuration: [Errno 30] ...", though no setting was wrong: the line names the
-    path, the cause and the fix (exit 2, the server stopped), as kvpool's does."""
-    import logging
-
-    import services.orchestrator.__main__ as entry
-
-    stopped = []
-    handle = SimpleNamespace(stop=lambda grace: stopped.append(grace))
-    monkeypatch.setattr(entry, "create_server", lambda **kw: handle)
-
-    def refuse(cfg):
-        raise OSError(30, "Read-only file system", "/cache/models")
-    monkeypatch.setattr(entry, "build", refuse)
-    cfg = OrchestratorConfig(kvpool_addresses=("127.0.0.1:1",), metrics_port=-1)
-    monkeypatch.setattr(entry, "load_service_config", lambda *a: cfg)  # logging as it is
-    with caplog.at_level(logging.ERROR, logger="services.orchestrator"):
-        assert entry._main([]) == 2
-    line = caplog.records[-1].getMessage()
-    assert line.startswith("cannot start: /cache/models is not writable (Read-only file "
-                           "system)"), line
-    assert "bad configuration" not in line and "TIERCACHE_ORCHESTRATOR_CACHE_DIR" in line
-    assert stopped == [None]
