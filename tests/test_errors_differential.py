@@ -34,7 +34,7 @@ from services.common.bootstrap import MAX_DETAILS_CHARS, MAX_DETAILS_WIRE_BYTES,
 
 SEEDS = int(os.environ.get("TIERCACHE_ERRORS_DIFF_SEEDS", "1500"))
 DOCUMENTED = {"TierCacheError": "INTERNAL", "Overloaded": "RESOURCE_EXHAUSTED",
-              "PinRefused": "RESOURCE_EXHAUSTED"}
+              "PinRefused": "RESOURCE_EXHAUSTED", "Starting": "UNAVAILABLE"}
 ALPHABET = ["a", " ", "%", "~", "\x01", "\u00e9", "\u2713", "\U0001f642", "\ud800", "'", "\\"]
 
 
