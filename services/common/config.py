@@ -88,6 +88,12 @@ def _parse(raw: str, typ: Any, where: str) -> Any:
     raise ConfigError(f"{where}: unsupported config type {typ!r}")
 
 
+def parse_bool(raw: str, where: str) -> bool:
+    """`raw` read as a boolean setting is (true/false, 1/0, yes/no, on/off); ConfigError
+    naming `where` for any other word."""
+    return _parse(raw, bool, where)
+
+
 def load_config(
     cls: type[T],
     service: str,

@@ -30,7 +30,7 @@ from array import array
 from collections.abc import Sequence
 from hashlib import blake2b
 
-from services.common.config import ConfigError
+from services.common.config import ConfigError, parse_bool
 from services.common.errors import InvalidArgument
 
 DIGEST_SIZE = 16
@@ -52,12 +52,7 @@ def pure_python_from_env() -> bool:
         ConfigError: another word ("enable", "2"), which kept the C hasher without a word.
     """
     given = os.environ.get("TIERCACHE_PURE_PYTHON_HASH", "")
-    raw = given.strip().lower()
-    if raw in ("1", "true", "yes", "on"):
-        return True
-    if raw in ("", "0", "false", "no", "off"):
-        return False
-    raise ConfigError(f"TIERCACHE_PURE_PYTHON_HASH: expected true/false, got {given!r}")
+    return bool(given.strip()) and parse_bool(given, "TIERCACHE_PURE_PYTHON_HASH")
 
 
 # A word that is neither is refused at start (`load_service_config`), not here at import.
