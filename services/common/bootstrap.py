@@ -1090,6 +1090,17 @@ def _int32_ms(seconds: float) -> int:
     return min(int(seconds * 1000), 2**31 - 1)
 
 
+def _unready(handle: ServerHandle) -> str:
+    """Why the serving service is not ready (`ServerHandle.readiness`; "" = ready)."""
+    if handle.readiness is None:
+        return ""
+    try:
+        return handle.readiness()
+    except Exception as exc:  # noqa: BLE001 - a broken check must not pass the probe
+        log.exception("readiness check failed")
+        return f"readiness check failed: {type(exc).__name__}"
+
+
 def _serve_metrics_and_health(handle: ServerHandle, host: str, port: int) -> Any:
     """Start an HTTP server on a daemon thread: HEALTH_PATH answers with `handle`'s health,
     METRICS_PATH with Prometheus metrics, any other path 404 naming the two. Every path was
@@ -1113,17 +1124,11 @@ def _serve_metrics_and_health(handle: ServerHandle, host: str, port: int) -> Any
                     f"{READY_PATH} (readiness)\n".encode()]
         ok = handle.serving
         body = b"SERVING\n" if ok else b"NOT_SERVING\n"
-        if ok and path == READY_PATH and handle.readiness is not None:
-            try:
-                why = handle.readiness()
-            except Exception as exc:  # noqa: BLE001 - a broken check must not pass the probe
-                log.exception("readiness check failed")
-                why = f"readiness check failed: {type(exc).__name__}"
+        if ok and path == READY_PATH:
+            why = _unready(handle)
             # The reason in the body: `curl` (or the kubelet's event) says what is missing.
             ok, body = (True, b"READY\n") if not why else (
                 False, f"NOT_READY: {why}\n".encode("utf-8", "replace"))
-        elif ok and path == READY_PATH:
-            body = b"READY\n"
         start_response("200 OK" if ok else "503 Service Unavailable",
                        [("Content-Type", "text/plain; charset=utf-8")])
         return [body]
