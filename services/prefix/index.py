@@ -206,6 +206,19 @@ def _check_hashes(name: str, hashes: Sequence[bytes]) -> None:
             raise InvalidArgument(f"{name}[{i}]", f"must be {DIGEST_SIZE} bytes, got {len(h)}")
 
 
+def _check_id(name: str, value: str) -> None:
+    """An id Register and Match take: given, visible, at most 256 characters."""
+    if not value:
+        raise InvalidArgument(name, "required")
+    if blank(value):
+        # isprintable() takes the Hangul filler U+3164 (a letter that draws nothing), and
+        # model_id is not held to it: an id nobody could see or type was indexed.
+        raise InvalidArgument(name, "only whitespace or invisible characters (such as U+200B "
+                                    "or U+3164); give a visible id")
+    if len(value) > 256:
+        raise InvalidArgument(name, "longer than 256 characters")
+
+
 class PrefixIndex:
     """Which replica holds which blocks; see the module docstring for the protocol."""
 
@@ -358,15 +371,7 @@ class PrefixIndex:
             why = check_address(value) if name == "address" and check_address else ""
             if why:
                 raise InvalidArgument(name, why)
-            if not value:
-                raise InvalidArgument(name, "required")
-            if blank(value):
-                # isprintable() takes the Hangul filler U+3164 (a letter that draws nothing),
-                # and model_id is not held to it: an id nobody could see or type was indexed.
-                raise InvalidArgument(name, "only whitespace or invisible characters (such as "
-                                            "U+200B or U+3164); give a visible id")
-            if len(value) > 256:
-                raise InvalidArgument(name, "longer than 256 characters")
+            _check_id(name, value)
             if name != "model_id" and (not value.isprintable()
                                        or any(c.isspace() for c in value)):
                 # Ids and the address go into Stats, logs and routing as they are.
@@ -959,15 +964,9 @@ class PrefixIndex:
         Raises:
             InvalidArgument: no model, no or both inputs, malformed hashes, too many blocks.
         """
-        if not model_id:
-            raise InvalidArgument("model_id", "required")
-        if blank(model_id):
-            # As Register refuses it: no replica can serve such a model, and an empty match
-            # read as a cold cache, not as the caller's mistake.
-            raise InvalidArgument("model_id", "only whitespace or invisible characters (such as "
-                                              "U+200B or U+3164); give a visible id")
-        if len(model_id) > 256:
-            raise InvalidArgument("model_id", "longer than 256 characters")
+        # As Register refuses it: no replica can serve such a model, and an empty match read
+        # as a cold cache, not as the caller's mistake.
+        _check_id("model_id", model_id)
         if len(token_ids) and len(block_hashes):
             raise InvalidArgument("token_ids", "give token_ids or block_hashes, not both")
         if len(block_hashes):
