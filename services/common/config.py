@@ -320,6 +320,17 @@ def require(cond: bool, service: str, field: str, why: str) -> None:
 _GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "xds:")
 
 
+def require_model_id(model_id: str, service: str) -> None:
+    """The prefix index's rules for a model id (Register and Match), checked at start: longer
+    than 256 characters or with a NUL, every call was refused; of only whitespace or
+    invisible characters, it named a model nobody can see ("" = derived from the model)."""
+    require(len(model_id) <= 256 and "\0" not in model_id, service, "model_id",
+            "at most 256 characters, no NUL")
+    require(not model_id or not blank(model_id), service, "model_id",
+            "empty (derived from the model) or visible text, not only whitespace or "
+            "invisible characters")
+
+
 def is_host_port(a: str, *, listen: bool = False, dialed: bool = False) -> bool:
     """host:port, the host anything without spaces, commas, semicolons or slashes (a name, an
     IPv4 address, a [bracketed] IPv6 address), or a gRPC target such as dns:///name:port to

@@ -12,6 +12,7 @@ from services.common.config import (
     require,
     require_addresses,
     require_listen_address,
+    require_model_id,
 )
 from services.common.errors import blank
 
@@ -221,13 +222,8 @@ class KvPoolConfig:
         # (INVALID_ARGUMENT, retried every 5 s for good).
         require(self.replica_id.isprintable() and not any(c.isspace() for c in self.replica_id),
                 s, "replica_id", "printable characters without spaces only")
-        require(len(self.model_id) <= 256 and "\0" not in self.model_id, s, "model_id",
-                "at most 256 characters, no NUL")
-        # Empty is derived from the model; otherwise the index refuses it at Register when
-        # nothing of it is visible, and the replica would serve but never be indexed.
-        require(not self.model_id or not blank(self.model_id), s, "model_id",
-                "empty (derived from the model) or visible text, not only whitespace or "
-                "invisible characters")
+        # The index refuses another at Register: the replica would serve but never be indexed.
+        require_model_id(self.model_id, s)
         require(self.num_blocks <= MAX_BLOCKS, s, "num_blocks",
                 f"must be at most {MAX_BLOCKS:,} (a pool that large fits no memory)")
         require(self.torch_threads <= MAX_THREADS, s, "torch_threads",

@@ -5,8 +5,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from services.common.config import moved, require, require_addresses, require_listen_address
-from services.common.errors import blank
+from services.common.config import (
+    moved,
+    require,
+    require_addresses,
+    require_listen_address,
+    require_model_id,
+)
 from services.orchestrator.tenants import parse_token_pairs
 
 SVC = "orchestrator"
@@ -205,13 +210,8 @@ class OrchestratorConfig:
         # As kvpool's (the block hasher's native chain takes at most 2^20, and the replicas'
         # blocks must be the same size anyway).
         require(1 <= self.block_size <= 1024, SVC, "block_size", "must be in 1..1024")
-        # kvpool's rules for the same id (the index's at Register and Match): longer, every
-        # Match was refused; invisible, it named a model nobody can see in a log line.
-        require(len(self.model_id) <= 256 and "\0" not in self.model_id, SVC, "model_id",
-                "at most 256 characters, no NUL")
-        require(not self.model_id or not blank(self.model_id), SVC, "model_id",
-                "empty (derived from the model) or visible text, not only whitespace or "
-                "invisible characters")
+        # kvpool's rules for the same id (the index's at Register and Match).
+        require_model_id(self.model_id, SVC)
         require(0 < self.default_max_tokens <= self.max_tokens_limit, SVC,
                 moved(self, "default_max_tokens", "max_tokens_limit")
                 if self.default_max_tokens > 0 else "default_max_tokens",
