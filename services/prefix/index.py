@@ -1029,6 +1029,8 @@ class PrefixIndex:
         long ones made an answer past gRPC's message limit, which failed the call."""
         if not 1 <= k <= 1000:
             raise InvalidArgument("k", "must be in 1..1000")
+        if model_id:  # empty = every model; a blank one matched none and read as a cold cache
+            _check_id("model_id", model_id)
         now = self.clock()
         self._expire(now)  # a lapsed replica's prefixes are not reported, as in match
         out = []

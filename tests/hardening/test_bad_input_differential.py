@@ -843,8 +843,8 @@ class PrefixWorld:
         def k_bad(rng, r):
             r.k = pick(rng, (0, 1001, 2**32 - 1, 1000, 1))
 
-        def top_any(rng, r):
-            r.model_id = pick(rng, ("x" * 5000, "a\0b", ""))
+        def top_model(rng, r):  # empty = every model; blank or over 256 refused as by Match
+            r.model_id = pick(rng, ("x" * 5000, "x" * 256, "a\0b", "", " ", "\u3164"))
             r.min_hits = pick(rng, (0, 2**64 - 1))
 
         if rpc == "Register":
@@ -857,7 +857,7 @@ class PrefixWorld:
         if rpc == "Match":
             return [match_model_bad, match_inputs_bad, match_hashes_many, match_salt_bad]
         if rpc == "TopPrefixes":
-            return [k_bad, top_any]
+            return [k_bad, top_model]
         return []
 
     # -- the model of the docs --
@@ -939,6 +939,8 @@ class PrefixWorld:
         elif rpc == "TopPrefixes":
             if not 1 <= r.k <= 1000:
                 v.bad(INVALID, "k")
+            if r.model_id and (blank(r.model_id) or len(r.model_id) > 256):
+                v.bad(INVALID, "model_id")
         return v
 
     def expect_events(self, v: Verdict, r, soft: Verdict) -> None:

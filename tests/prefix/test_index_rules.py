@@ -266,6 +266,17 @@ def test_top_prefixes_takes_k_from_1_to_1000(index, hasher):
         index.top_prefixes(1001)
 
 
+def test_top_prefixes_refuses_a_blank_model_id_and_takes_an_empty_one_as_every_model(
+        index, hasher):
+    """An empty model_id means every model; a blank one (" ", U+3164) matched none and read as
+    a cold cache: it is refused naming model_id, as Match refuses it."""
+    hot(index, hasher, toks(1))
+    assert len(index.top_prefixes(10, "")) == 1
+    for bad in (" ", "\u3164"):
+        with pytest.raises(InvalidArgument, match="model_id"):
+            index.top_prefixes(10, bad)
+
+
 def test_unheld_nodes_over_the_budget_are_reaped_a_step_at_a_time_below_the_hard_bound(
         clock, hasher):
     """Unheld nodes that bring the tree just over max_nodes are reaped a step per call
