@@ -54,6 +54,13 @@ REAPED = counter("tiercache_orchestrator_streams_ended_at_deadline_total",
                  "Generate streams still under way a second past their deadline, ended from "
                  "outside: a client that stopped reading (its handler stuck sending), or a "
                  "handler stuck anywhere else (the pipeline ends a request at its deadline)")
+# Ratings applied: without them a tuned semantic threshold could be judged in production by
+# its hit rate alone, the false hits users reported nowhere in the metrics.
+FEEDBACK = counter("tiercache_orchestrator_feedback_total",
+                   "Feedback ratings of semantic hits applied, by rating: good (the entry "
+                   "verified, served at the verified bonus from then on) and bad (a wrong answer: "
+                   "invalidated, or gone already); bad against requests_total{cache_class="
+                   "\"semantic_hit\"} is the false hits users reported", ("rating",))
 # How long past a request's deadline the reaper waits: the pipeline ends a request by itself
 # at its deadline (its replica call runs to it; what was read ahead is handed out until it);
 # the reaper is for one stuck in a send.
@@ -354,8 +361,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 n = sem.invalidate(entry_id, deadline, on_call=gone.holding).removed
                 # 0: removed meanwhile by another call (a race with a second "bad"): done, as
                 # for an entry already gone (below).
+                FEEDBACK.labels("bad").inc()
                 return orchestrator_pb2.FeedbackResponse(invalidated=n > 0)
             sem.verify(entry_id, True, deadline, on_call=gone.holding)
+            FEEDBACK.labels("good").inc()
             return orchestrator_pb2.FeedbackResponse(verified=True)
         except grpc.FutureCancelledError:
             # Its deadline passed or its client went: said as such, not "client cancelled".
@@ -367,6 +376,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 # "good" cannot be kept. Named by the client's reference, as an unknown one is
                 # (the tier's message named its own internal id).
                 if request.rating == orchestrator_pb2.RATING_BAD:
+                    FEEDBACK.labels("bad").inc()
                     return orchestrator_pb2.FeedbackResponse(invalidated=False)
                 raise errors.NotFound(
                     f"semantic_entry_id: {errors.shown(request.semantic_entry_id)} unknown "

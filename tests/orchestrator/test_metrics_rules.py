@@ -1,4 +1,4 @@
-"""Two orchestrator metrics no test read, checked against what docs/metrics.md says they count
+"""Orchestrator metrics no test read, checked against what docs/metrics.md says they count
 (pure logic with the fakes of test_pipeline_paths and test_stream_cap; the series read from
 the Prometheus registry as deltas):
 
@@ -7,7 +7,9 @@ the Prometheus registry as deltas):
   and not those routed by the ring, by what the index itself knew, or without the memory;
 - tiercache_orchestrator_streams_ended_at_deadline_total: Generate streams ended from
   outside (the reaper) a second past their deadline, and not streams read through, nor
-  requests refused before they started."""
+  requests refused before they started;
+- tiercache_orchestrator_feedback_total: Feedback ratings applied, by rating, and none
+  refused or not applied."""
 
 from __future__ import annotations
 
@@ -365,3 +367,52 @@ def test_a_replica_generate_is_timed_to_its_first_message_or_its_failure():
     with pytest.raises(errors.TierCacheError):
         generate(bad, [])
     assert count("gen-bad:1") == 1
+
+
+FEEDBACK = "tiercache_orchestrator_feedback_total"
+
+
+def test_feedback_counts_each_applied_rating_by_rating_and_no_refused_one():
+    """docs/metrics.md: a good rating applied (Verify) counts good, a bad one (Invalidate,
+    the entry gone already too) counts bad; one the tier could not apply, or refused before
+    it, counts nothing. No metric said how many hits users rated wrong."""
+    from services.orchestrator.config import STREAM_HEADROOM
+    from tests.orchestrator.test_semantic_errors import Refusal
+    from tests.orchestrator.test_stream_cap import servicer
+
+    def count(rating: str) -> float:
+        return sample_value(FEEDBACK, {"rating": rating}) or 0.0
+
+    s, orch = servicer(STREAM_HEADROOM + 1)
+    gone: list[bool] = []
+
+    def invalidate(*a, **kw):
+        if gone:
+            raise Refusal(grpc.StatusCode.NOT_FOUND, "id: no entry 'e1'")
+        gone.append(True)
+        return SimpleNamespace(removed=1)
+
+    def verify(*a, **kw):
+        if gone:
+            raise Refusal(grpc.StatusCode.NOT_FOUND, "id: no entry 'e1'")
+
+    orch.semantic = SimpleNamespace(enabled=True, invalidate=invalidate, verify=verify)
+    ref = s.tenants.entry_ref(s.tenants.authenticate({}), "e1")
+    good, bad = count("good"), count("bad")
+
+    def rate(rating, entry=ref):
+        return s.Feedback(orchestrator_pb2.FeedbackRequest(semantic_entry_id=entry,
+                                                           rating=rating), Context())
+
+    assert rate(orchestrator_pb2.RATING_GOOD).verified
+    assert (count("good"), count("bad")) == (good + 1, bad)
+    assert rate(orchestrator_pb2.RATING_BAD).invalidated
+    assert not rate(orchestrator_pb2.RATING_BAD).invalidated  # gone already: still a report
+    assert (count("good"), count("bad")) == (good + 1, bad + 2)
+    with pytest.raises(errors.NotFound):  # a good rating of an entry gone: not applied
+        rate(orchestrator_pb2.RATING_GOOD)
+    with pytest.raises(errors.NotFound):  # an unknown reference: refused before the tier
+        rate(orchestrator_pb2.RATING_BAD, "nope")
+    with pytest.raises(errors.InvalidArgument):
+        rate(orchestrator_pb2.RATING_UNSPECIFIED)
+    assert (count("good"), count("bad")) == (good + 1, bad + 2)
