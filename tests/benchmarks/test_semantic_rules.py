@@ -7,7 +7,7 @@ import struct
 
 import numpy as np
 
-from benchmarks.semantic import TIERS, _curve, _exact_top, _pr
+from benchmarks.semantic import TIERS, _curve, _exact_top, _pr, settings_not_read
 from services.semantic.policy import Outcome, ThresholdPolicy
 
 
@@ -43,3 +43,15 @@ def test_recall_at_1_counts_an_entry_tied_with_the_exact_top():
     scores = np.array([0.91, 0.97, 0.97, 0.5], np.float32)
     assert _exact_top(scores, 1) and _exact_top(scores, 2)
     assert not _exact_top(scores, 0) and not _exact_top(scores, None)
+
+
+def test_the_semantic_settings_the_benchmark_does_not_read_are_named():
+    """The quality and Chinese parts measure the default tiers: a user who exported
+    TIERCACHE_SEMANTIC_TIER_STRICT=0.98 got the 0.97 row without a word. Every
+    TIERCACHE_SEMANTIC_ variable set is named (the note main logs), no other."""
+    env = {"TIERCACHE_SEMANTIC_TIER_STRICT": "0.98", "TIERCACHE_SEMANTIC_MODEL_DIR": "/m",
+           "TIERCACHE_DATA_DIR": "/d", "TIERCACHE_ORCHESTRATOR_SEMANTIC_TIER": "strict",
+           "HOME": "/root"}
+    assert settings_not_read(env) == ["TIERCACHE_SEMANTIC_MODEL_DIR",
+                                      "TIERCACHE_SEMANTIC_TIER_STRICT"]
+    assert settings_not_read({"TIERCACHE_DATA_DIR": "/d"}) == []
