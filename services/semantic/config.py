@@ -112,10 +112,16 @@ class SemanticConfig:
     tier_standard: float = 0.95
     # Cosine similarity a hit needs in the relaxed tier (chit-chat).
     tier_relaxed: float = 0.90
-    # Tier of a lookup that names none: strict, standard or relaxed.
+    # Tier of a lookup that names none: strict, standard or relaxed. The orchestrator names
+    # one in every lookup (TIERCACHE_ORCHESTRATOR_SEMANTIC_TIER unless the request's
+    # cache_policy does): this one applies to direct callers of the service only.
     default_tier: str = "standard"
-    threshold_floor: float = 0.85  # explicit thresholds below it are refused
-    verified_bonus: float = 0.02  # verified entries need `threshold - bonus`
+    # Explicit thresholds below it are refused; no threshold is lowered below it (a verified
+    # entry's included).
+    threshold_floor: float = 0.85
+    # Verified entries need `threshold - bonus` (not below threshold_floor), under a tier or
+    # an explicit threshold alike.
+    verified_bonus: float = 0.02
     draft_floor: float = 0.80  # near-misses at or above it are draft candidates
     # Tiers whose hits must pass the paraphrase guard (on QQP it lifts standard-tier precision
     # from 0.85 to 0.91 for 10% of its recall; see benchmarks/results/semantic.json).
