@@ -72,6 +72,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import random
 import re
@@ -234,11 +235,14 @@ def invoke(monkeypatch, argv, env, tty_out, tty_err) -> tuple[int, str, str]:
 
 def report_line(r: common_pb2.CacheReport) -> str:
     """The README's report line, from a CacheReport as it arrived."""
+    # Rounded down to 3 decimals within the tier's float32 tolerance (1e-6): never shown at
+    # a threshold it missed.
     sim = r.semantic_similarity
+    shown = f"{math.floor((sim + 1e-6) * 1000) / 1000:.3f}"
     if r.semantic_hit:
-        head = "semantic hit" + (f" {sim:.3f}" if sim else "")
+        head = "semantic hit" + (f" {shown}" if sim else "")
     else:
-        head = "model" + (f" (nearest entry {sim:.3f})" if sim else "")
+        head = "model" + (f" (nearest entry {shown})" if sim else "")
     parts = ([f"route {r.route}"] if r.route else []) + [f"prompt {r.prompt_tokens} tok"]
     parts.append(f"cached {r.cached_tokens}" + (
         f" (index expected {r.index_matched_tokens})"

@@ -543,3 +543,32 @@ def test_the_stats_help_says_its_request_counts_are_one_orchestrators(capsys):
     assert e.value.code == 0
     said = " ".join(capsys.readouterr().out.split())
     assert "request and token counts are the answering orchestrator's own" in said
+
+
+def _f32(x: float) -> float:
+    import struct
+
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def test_the_report_never_shows_a_missed_similarity_at_the_threshold_it_missed():
+    """A walkthrough tuning thresholds: a miss at 0.9696 in the strict tier (0.97) read
+    "model (nearest entry 0.970)", rounded up to the threshold. The figure is rounded down,
+    within the tier's float32 tolerance: a 3-decimal threshold it reaches is one the
+    similarity reached as the service decides."""
+    from tiercache.v1 import common_pb2
+
+    from services.semantic.policy import Outcome, ThresholdPolicy
+
+    policy = ThresholdPolicy({"strict": 0.97, "standard": 0.95, "relaxed": 0.90})
+    for th in (0.97, 0.95, 0.90):
+        resolved = policy.resolve(threshold=th)
+        for sim in (th - 4e-4, th - 2e-6, _f32(th) - 2 ** -24, _f32(th), th + 4e-4):
+            sim = _f32(sim)
+            hit = policy.decide(sim, resolved, False).outcome is Outcome.HIT
+            line = cli.format_report(common_pb2.CacheReport(semantic_hit=hit,
+                                                            semantic_similarity=sim))
+            shown = float(re.search(r"(\d\.\d{3})", line).group(1))
+            assert (shown >= th) == hit, (th, sim, line)
+    near = common_pb2.CacheReport(semantic_similarity=_f32(0.9696))
+    assert cli.format_report(near).startswith("[model (nearest entry 0.969) |")

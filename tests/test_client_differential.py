@@ -313,8 +313,9 @@ def report_line(r, request_id: str = "") -> str:
     ...` before the request id."""
     sim = r.semantic_similarity
     head = "semantic hit" if r.semantic_hit else "model"
-    if sim:
-        head += f" {sim:.3f}" if r.semantic_hit else f" (nearest entry {sim:.3f})"
+    if sim:  # rounded down within the tier's float32 tolerance (1e-6)
+        shown = f"{math.floor((sim + 1e-6) * 1000) / 1000:.3f}"
+        head += f" {shown}" if r.semantic_hit else f" (nearest entry {shown})"
     parts = [f"route {r.route}"] if r.route else []
     parts += [f"prompt {r.prompt_tokens} tok", f"cached {r.cached_tokens}",
               f"replica {r.replica_id or '-'}", f"ttft {r.ttft_ms:.0f} ms"]

@@ -15,6 +15,7 @@ import errno
 import fcntl
 import ipaddress
 import json
+import math
 import os
 import re
 import sys
@@ -38,6 +39,7 @@ from services.common.config import is_host_port
 from services.common.errors import blank
 from services.common.grpc_client import ca_problem, key_pair_problem, pem_problem
 from services.common.logs import isatty
+from services.semantic.policy import HIT_TOLERANCE
 
 
 def session_name(text: str) -> str:
@@ -313,15 +315,23 @@ def _policy(a: argparse.Namespace):
                                   skip_prefix_cache=a.no_prefix_cache)
 
 
+def shown_similarity(sim: float) -> str:
+    """A similarity to 3 decimals, rounded down, within the semantic tier's float32 tolerance
+    (`HIT_TOLERANCE`): rounded to nearest, a miss at 0.9696 in the strict tier (0.97) read
+    "nearest entry 0.970", at the threshold, and a user checking a threshold saw a miss
+    where the figure said hit. Now a figure at or above a 3-decimal threshold is a hit."""
+    return f"{math.floor((sim + HIT_TOLERANCE) * 1000) / 1000:.3f}"
+
+
 def format_report(r, request_id: str = "") -> str:
     """One line for a stream's CacheReport: which tier answered and what it reused; then
     `request_id`, the id every service's log lines of the call carry (a user had none to
     quote in a ticket)."""
     sim = r.semantic_similarity
     if r.semantic_hit:
-        tier = f"semantic hit {sim:.3f}" if sim else "semantic hit"
+        tier = f"semantic hit {shown_similarity(sim)}" if sim else "semantic hit"
     else:
-        tier = "model" + (f" (nearest entry {sim:.3f})" if sim else "")
+        tier = "model" + (f" (nearest entry {shown_similarity(sim)})" if sim else "")
     return (f"[{tier} | "
             + (f"route {r.route}, " if r.route else "")
             + f"prompt {r.prompt_tokens} tok, cached {r.cached_tokens}"
