@@ -93,7 +93,9 @@ def parse_sampling(s: common_pb2.SamplingParams, cfg: OrchestratorConfig,
                     tuple(s.stop_token_ids), bool(s.ignore_eos), max_tokens_set=s.max_tokens > 0)
 
 
-def parse_policy(p: common_pb2.CachePolicy) -> Policy:
+def parse_policy(p: common_pb2.CachePolicy, floor: float = 0.0) -> Policy:
+    """The request's cache policy; `floor` is the semantic tier's threshold floor where its
+    shards have said it (0.0: not yet)."""
     if p.semantic_tier and p.semantic_tier not in ("strict", "standard", "relaxed"):
         # The accepted names said, as the semantic tier's own refusal says them.
         raise errors.InvalidArgument("cache_policy.semantic_tier",
@@ -102,8 +104,11 @@ def parse_policy(p: common_pb2.CachePolicy) -> Policy:
     if p.semantic_threshold and not 0.0 < p.semantic_threshold <= 1.0:
         # The value said: "must be in (0, 1]" alone sent a caller who gave 1.5 to 0.5, which
         # the floor check refuses next.
+        # The floor's value where known, as the floor check below says it: NaN or 1.5 read
+        # "[the semantic floor, 1]" while 0.84 read "[0.85, 1]", the same bound.
+        bound = f"{floor:g}" if floor else "the semantic floor"
         raise errors.InvalidArgument("cache_policy.semantic_threshold",
-                                     "must be 0 (tier default) or in [the semantic floor, 1], "
+                                     f"must be 0 (tier default) or in [{bound}, 1], "
                                      f"got {errors.as_written(p.semantic_threshold)}")
     return Policy(p.skip_semantic_lookup, p.skip_semantic_store, p.skip_prefix_cache,
                   p.skip_draft, p.semantic_tier, p.semantic_threshold, p.store_sampled,
@@ -168,8 +173,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         arrived = time.monotonic()
         tenant = self._tenant(context)
         sampling = parse_sampling(request.sampling, self.cfg, len(self.orch.tok))
-        policy = parse_policy(request.cache_policy)
         floor = self.orch.semantic.threshold_floor() if self.orch.semantic.enabled else 0.0
+        policy = parse_policy(request.cache_policy, floor)
         if (policy.semantic_threshold and not policy.skip_semantic_lookup
                 and policy.semantic_threshold < floor - 1e-6):
             # Checked here too, against the floor the tier said: only its Lookup refused it,

@@ -100,6 +100,16 @@ def test_a_bad_tier_or_threshold_says_what_is_accepted_and_what_came():
                              "[the semantic floor, 1], got 1.5")
 
 
+@pytest.mark.parametrize("bad,said", [(1.5, "1.5"), (math.nan, "nan"), (-0.2, "-0.2")])
+def test_a_threshold_outside_0_1_names_the_floor_the_tier_said(bad, said):
+    """A walkthrough: NaN, 1.5 or -0.2 read "in [the semantic floor, 1]" while 0.84 read
+    "in [0.85, 1]" for the same bound; the floor the shards said is named, once known."""
+    with pytest.raises(errors.InvalidArgument) as ei:
+        parse_policy(common_pb2.CachePolicy(semantic_threshold=bad), 0.85)
+    assert str(ei.value) == ("cache_policy.semantic_threshold: must be 0 (tier default) or in "
+                             f"[0.85, 1], got {said}")
+
+
 # ---- Generate: bad input leaves nothing behind, limits at their boundary ----------------------
 
 def _held(s) -> tuple[int, int]:
