@@ -21,6 +21,16 @@ from services.semantic.store import DatabaseInUse, NotWritable
 log = logging.getLogger("services.semantic")
 
 
+def thresholds_said(cfg: SemanticConfig) -> str:
+    """The thresholds this start took, for its serving line: they are read at start only, and
+    an operator who changed one had no way to see which values the running shard held short
+    of a Lookup in each tier."""
+    return (f"thresholds strict {cfg.tier_strict:g}, standard {cfg.tier_standard:g}, relaxed "
+            f"{cfg.tier_relaxed:g} (verified entries {cfg.verified_bonus:g} lower, floor "
+            f"{cfg.threshold_floor:g}); guard {','.join(cfg.guard_tiers) or 'none'}, verifier "
+            f"{','.join(cfg.verifier_tiers) or 'none'}")
+
+
 def main(argv: list[str] | None = None) -> int:
     return service_main("semantic", _main, argv)
 
@@ -53,8 +63,8 @@ def _main(argv: list[str] | None) -> int:
     # Process-wide, so here and not in serve() (tests start many services in one process).
     gc.collect()
     gc.freeze()
-    log.info("semantic cache serving on port %d with %d entries", svc.handle.port,
-             svc.cache.stats().entries)
+    log.info("semantic cache serving on port %d with %d entries; %s", svc.handle.port,
+             svc.cache.stats().entries, thresholds_said(cfg))
     closed: list[bool] = []
     run_until_signal(svc.handle, grace=cfg.grace_seconds,
                      on_stop=lambda: closed.append(svc.stop(0, cfg.index_close_seconds)))

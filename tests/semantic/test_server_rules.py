@@ -242,3 +242,17 @@ def test_a_snapshot_folder_that_cannot_be_written_stops_the_start_naming_its_var
     finally:
         svc.stop(grace=0)
     assert list(tmp_path.glob("**/.write-probe.*")) == []
+
+
+def test_the_serving_line_says_the_thresholds_the_start_took():
+    """Thresholds are read at start only: the serving line names the ones taken (tiers,
+    verified bonus, floor, guard and verifier tiers), so a restart with new values shows them."""
+    from services.semantic.__main__ import thresholds_said
+    from services.semantic.config import SemanticConfig
+
+    said = thresholds_said(SemanticConfig(tier_strict=0.98, tier_relaxed=0.88,
+                                          verifier_tiers=("strict",)))
+    assert said == ("thresholds strict 0.98, standard 0.95, relaxed 0.88 (verified entries 0.02 "
+                    "lower, floor 0.85); guard strict,standard, verifier strict")
+    assert thresholds_said(SemanticConfig(guard_tiers=(), verifier_tiers=())).endswith(
+        "guard none, verifier none")
