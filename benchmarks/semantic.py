@@ -853,7 +853,13 @@ def settings_not_read(environ) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m benchmarks.semantic")
+    ap = argparse.ArgumentParser(
+        prog="python -m benchmarks.semantic",
+        epilog="Figures are the default configuration's (tiers "
+               f"{', '.join(f'{t} {v:.2f}' for t, v in TIERS.items())}): "
+               "TIERCACHE_SEMANTIC_* settings are not read; quality.curve in "
+               "the results file gives other thresholds'. Data: TIERCACHE_DATA_DIR, else "
+               "../shared/data. The module docstring says more.")
     ap.add_argument("--quick", action="store_true", help="reduced run (< 3 minutes)")
     ap.add_argument("--parts", default=",".join(PARTS),
                     help=f"comma-separated subset of {','.join(PARTS)}; parts not run keep "
