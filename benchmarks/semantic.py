@@ -39,7 +39,8 @@ standard 0.95, relaxed 0.90, the default guard and verifier tiers, the packaged 
 `TIERCACHE_SEMANTIC_*` settings are not read (a note names those set); to choose other
 thresholds, read `quality.curve` (QQP precision / recall and the PAWS false-hit rate every
 0.005 from 0.80 to 1.00, similarity alone and with the guard; the verifier's cuts are per tier,
-not on it). Pairs of one's own: services/semantic/README.md, "Tuning the thresholds".
+not on it). Pairs of one's own, scored by a running shard under its settings:
+`python -m benchmarks.semantic_pairs` (services/semantic/README.md, "Tuning the thresholds").
 """
 
 from __future__ import annotations
