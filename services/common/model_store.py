@@ -211,23 +211,45 @@ def is_converted(target: Path, source_id: str | None = None) -> bool:
     and there is one: a folder whose weights were deleted (a disk clean-up) passed that check
     on no file at all, and was reused without its weights.
     """
+    return not conversion_problem(target, source_id)
+
+
+def conversion_problem(target: Path, source_id: str | None = None) -> str:
+    """Why `target` holds no usable conversion (of `source_id`, when given), as a few words
+    naming the file at fault; "" when it does (`is_converted`'s checks). A damaged cache was
+    converted again under the first start's own words, "converting ... (once)", at INFO: the
+    operator never learnt which file had been cut short or changed, nor that it had been."""
     marker = target / _DONE_MARKER
     if not marker.is_file():
-        return False
+        if not target.exists():
+            return "not converted yet"
+        return (f"no completion marker {marker.name} (a conversion cut short, or a folder "
+                "copied without its hidden files)")
     try:
         meta = json.loads(marker.read_text())
         if source_id is not None and meta.get("source_id") != source_id:
-            return False
+            return (f"converted from {meta.get('source_id')!r}, this release converts "
+                    f"{source_id!r}")
         files = meta.get("files")
-        if files is None:  # an older marker: see above
+        if files is None:  # an older marker: see is_converted
             weights = list(target.glob("*.safetensors"))
-            return bool(weights) and all(_safetensors_whole(f) for f in weights)
-        if not all((target / rel).stat().st_size == size for rel, size in files.items()):
-            return False
-        digests = meta.get("digests", {})  # none in a marker from before they were recorded
-        return all(file_digest(target / rel) == want for rel, want in digests.items())
-    except (OSError, ValueError, AttributeError, TypeError, LookupError):
-        return False
+            if not weights:
+                return "no *.safetensors weights"
+            cut = [f.name for f in weights if not _safetensors_whole(f)]
+            return f"{cut[0]} is not as long as its header says" if cut else ""
+        for rel, size in files.items():
+            path = target / rel
+            if not path.is_file():
+                return f"{rel} is missing"
+            if path.stat().st_size != size:
+                return (f"{rel} is {path.stat().st_size} bytes, {size} when converted "
+                        "(cut short or replaced)")
+        for rel, want in meta.get("digests", {}).items():  # none in a marker before them
+            if file_digest(target / rel) != want:
+                return f"{rel} changed since it was converted (damaged in place)"
+        return ""
+    except (OSError, ValueError, AttributeError, TypeError, LookupError) as exc:
+        return f"{marker.name} or a file it lists cannot be read ({type(exc).__name__}: {exc})"
 
 
 def _safetensors_whole(path: Path) -> bool:
@@ -318,8 +340,15 @@ def _ensure_converted(gguf: Path, target: Path, broken: str | None = None) -> Pa
     """`target` converted from `gguf`. `broken`: the marker text of a conversion that failed
     to load, converted again unless another process already replaced it."""
     sid = source_id(gguf)
-    if broken is None and is_converted(target, sid):
+    problem = conversion_problem(target, sid)
+    if broken is None and not problem:
         return target
+    if problem and target.exists():
+        # A cache folder damaged (a node crash, a full disk, a bad copy) or stale: said once,
+        # naming the file, before the ~30 s of converting it again; before the lock, so that
+        # a cache folder the service cannot write still says why it had to.
+        log.warning("the cached conversion %s cannot be used (%s): converting it again",
+                    target, problem)
     with _file_lock(target.parent / f".{target.name}.lock"):
         # Another process may have finished while we waited for the lock (a broken
         # conversion, too: its marker is then another one).

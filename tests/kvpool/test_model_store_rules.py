@@ -160,3 +160,35 @@ def test_a_cache_folder_that_is_a_file_names_the_settings(tmp_path: Path, monkey
     with pytest.raises(model_store.ModelStoreError,
                        match=r"cache folder .*file cannot be written .*TIERCACHE_CACHE_DIR"):
         resolve_model("smollm2", cache_dir=str(tmp_path / "file"))
+
+
+def test_a_damaged_conversion_is_converted_again_under_a_warning_naming_the_file(
+        tmp_path: Path, monkeypatch, caplog):
+    """A cut-short, missing or changed file of a cached conversion was converted again under
+    the first start's "converting ... (once)" at INFO: the operator never learnt that the
+    cache had been damaged, nor which file. Now one WARNING names the file and what is wrong;
+    a first conversion (no folder yet) stays INFO."""
+    loads = _fake_gguf(tmp_path, monkeypatch)
+    with caplog.at_level("INFO", logger="services.common.model_store"):
+        path = Path(resolve_model("smollm2", cache_dir=str(tmp_path)).path)
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    sid = model_store.source_id(model_store.packaged_gguf_path())
+    assert model_store.conversion_problem(path, sid) == ""
+    damages = [
+        (lambda: (path / "model.safetensors").write_bytes(b""),
+         "model.safetensors is 0 bytes, 4096 when converted"),
+        (lambda: (path / "config.json").unlink(), "config.json is missing"),
+        (lambda: (path / "tokenizer.json").write_bytes(b"x" * 10),
+         "tokenizer.json changed since it was converted"),
+        (lambda: (path / model_store._DONE_MARKER).unlink(), "no completion marker"),
+        (lambda: (path / model_store._DONE_MARKER).write_text("{"), "cannot be read"),
+    ]
+    for damage, said in damages:
+        damage()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="services.common.model_store"):
+            resolve_model("smollm2", cache_dir=str(tmp_path))
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and said in warned[0] and str(path) in warned[0], warned
+        assert model_store.is_converted(path, sid)
+    assert len(loads) == 1 + len(damages)
