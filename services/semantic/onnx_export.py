@@ -284,20 +284,40 @@ def _is_current(d: Path, fingerprint: str) -> bool:
     recorded (no "files" in meta.json) is accepted here: re-exporting every existing cache
     would cost each a start of tens of seconds; the embedder exports it again only if its
     tokenizer fails to load (`OnnxEmbedder`)."""
+    return not _export_problem(d, fingerprint)
+
+
+def _export_problem(d: Path, fingerprint: str) -> str:
+    """Why the folder `d` holds no usable export of `fingerprint`, as a few words naming the
+    file at fault; "" when it does (`_is_current`'s checks). A damaged export was made again
+    under the first start's own words, "exporting ... (once)", at INFO: the operator never
+    learnt that the cache had been damaged, nor which file."""
+    if not d.exists():
+        return "not exported yet"
+    for name in ("meta.json", "model.onnx"):
+        if not (d / name).is_file():
+            return f"{name} is missing"
     try:
         meta = json.loads((d / "meta.json").read_text())
         size = (d / "model.onnx").stat().st_size
-        if meta.get("fingerprint") != fingerprint or meta.get("model_bytes", size) != size:
-            return False
+        if meta.get("fingerprint") != fingerprint:
+            return "an export of another model, exporter or release (fingerprint)"
+        if meta.get("model_bytes", size) != size:
+            return f"model.onnx is {size} bytes, {meta['model_bytes']} when exported (cut short)"
         want = meta.get("model_blake2b")  # none in an export from before it was recorded
         if want is not None and file_digest(d / "model.onnx") != want:
-            return False
+            return "model.onnx changed since it was exported (damaged in place)"
         files = meta.get("files")
-        if files is None:  # an older export: see above
-            return True
-        return all(_file_record(d / name) == want for name, want in files.items())
-    except (OSError, ValueError, AttributeError, TypeError):
-        return False
+        if files is None:  # an older export: see _is_current
+            return ""
+        for name, want in files.items():
+            if not (d / name).is_file():
+                return f"{name} is missing"
+            if _file_record(d / name) != want:
+                return f"{name} changed since it was exported (cut short or damaged)"
+        return ""
+    except (OSError, ValueError, AttributeError, TypeError, LookupError) as exc:
+        return f"meta.json or a file it names cannot be read ({type(exc).__name__}: {exc})"
 
 
 def export_identity(d: Path) -> tuple[int, int, int, int] | None:
@@ -407,8 +427,17 @@ def _ensure_at(target: Path, spec: SentenceModelSpec, exporter: str, fp: str,
     """`ensure_onnx` into `target` (`fp`: the spec's fingerprint for `exporter`); None when
     `target` turned out to hold another model folder's export."""
     root, key = target.parent, target.name  # key: the folder's name, as its lock's
-    if broken is None and _is_current(target, fp):
-        return target
+    if broken is None:
+        problem = _export_problem(target, fp)
+        if not problem:
+            return target
+        if problem != "not exported yet":
+            # A cache folder damaged (a node crash, a full disk, a bad copy) or stale: said
+            # once, naming the file, before the tens of seconds of exporting it again; before
+            # the lock, so that a cache folder the service cannot write still says why it had
+            # to. (One that could not be loaded is said under the lock, as it is removed.)
+            log.warning("the ONNX export %s cannot be used (%s): exporting it again", target,
+                        problem)
     root.mkdir(parents=True, exist_ok=True)
     with open(root / f".{key}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)

@@ -334,3 +334,31 @@ def test_a_cache_folder_that_cannot_be_written_is_said_with_the_setting(tmp_path
     line = not_writable(info.value)
     assert line.startswith(f"{info.value.filename} is not writable")
     assert str(tmp_path / "cache") in line and "TIERCACHE_SEMANTIC_CACHE_DIR" in line
+
+
+def test_a_damaged_export_is_made_again_under_a_warning_naming_the_file(tmp_path, monkeypatch,
+                                                                        caplog):
+    """A cut-short, changed or missing file of a cached export was exported again under the
+    first start's "exporting ... (once)" at INFO: the operator never learnt that the cache
+    had been damaged, nor which file. Now one WARNING names it; a first export stays INFO."""
+    exports: list[str] = []
+    monkeypatch.setattr(onnx_export, "_export", _fake_exporter(exports))
+    model = _small_model(tmp_path / "model")
+    with caplog.at_level("INFO", logger="services.semantic.onnx_export"):
+        folder = ensure_onnx(model, tmp_path / "cache", "m")
+    assert not [r for r in caplog.records if r.levelname == "WARNING"]
+    damages = [
+        (lambda: (folder / "model.onnx").write_bytes(b"x" * 10),
+         "model.onnx is 10 bytes, 64 when exported"),
+        (lambda: (folder / "model.onnx").write_bytes(b"y" * 64), "model.onnx changed"),
+        (lambda: (folder / "meta.json").unlink(), "meta.json is missing"),
+        (lambda: (folder / "meta.json").write_text("{"), "meta.json or a file it names"),
+    ]
+    for damage, said in damages:
+        damage()
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="services.semantic.onnx_export"):
+            assert ensure_onnx(model, tmp_path / "cache", "m") == folder
+        warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert len(warned) == 1 and said in warned[0] and str(folder) in warned[0], warned
+    assert len(exports) == 1 + len(damages)
