@@ -48,6 +48,22 @@ class DatabaseInUse(RuntimeError):
     view of it and delete each other's rows (start-up de-duplication, lowered limits)."""
 
 
+def _say_if_emptied(path: str) -> None:
+    """Warns of a database file that exists with nothing in it (nor in its -wal): SQLite
+    opens a 0-byte file as a new, empty database, so one cut to nothing (a full disk, a copy
+    or restore that stopped) started an empty cache without a word, its snapshot's graphs
+    dropped unsaid. A first start killed before it wrote the schema leaves one too."""
+    if not os.path.isfile(path) or os.path.getsize(path):  # none yet (a first start), or data
+        return
+    wal = f"{path}-wal"
+    if os.path.isfile(wal) and os.path.getsize(wal):  # SQLite reads its pages from there
+        return
+    log.warning("%s is empty (0 bytes): a database cut to nothing (a full disk, a copy or "
+                "restore that stopped) or a first start killed before it wrote one; starting "
+                "with an empty cache, which refills (restore a backup to keep the entries: "
+                "docs/deploy.md)", path)
+
+
 def _owner_only(path: str) -> None:
     """Creates the database file readable by this user only, and tightens one of ours made
     by an older version. One owned by another user (a volume shared through a group, as
@@ -287,6 +303,7 @@ class EntryStore:
             # and no way out, and the pod crash-looped.
             with _damaged_is_named(path), _unwritable_folder_is_named(path):
                 if path != ":memory:":
+                    _say_if_emptied(path)
                     _owner_only(path)
                 self._db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
                 # Read before anything is written (journal mode, schema): a newer database is

@@ -165,3 +165,19 @@ def test_a_database_folder_the_service_cannot_write_is_said_with_the_setting(tmp
     line = not_writable(info.value)
     assert line.startswith(f"{tmp_path / 's.db'}.lock is not writable (Permission denied)")
     assert "TIERCACHE_SEMANTIC_DB_PATH" in line
+
+
+def test_a_database_cut_to_nothing_is_said_once_at_warning(tmp_path, caplog):
+    """SQLite opens a 0-byte file as a new database: one cut to nothing (a full disk, a copy
+    that stopped) started an empty cache without a word. A first start (no file) and a file
+    with rows say nothing."""
+    path = str(tmp_path / "semantic.db")
+    with caplog.at_level("WARNING", logger="services.semantic.store"):
+        EntryStore(path).close()
+        EntryStore(path).close()
+    assert not caplog.records
+    open(path, "wb").close()
+    with caplog.at_level("WARNING", logger="services.semantic.store"):
+        EntryStore(path).close()
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and f"{path} is empty (0 bytes)" in warned[0], warned
