@@ -56,6 +56,12 @@ def _main(argv: list[str] | None) -> int:
         if why:
             log.error("cannot start: %s", why)
             return 2
+        if type(exc) is sqlite3.DatabaseError:
+            # A damaged database (store._damaged_error names the file and the way out) is no
+            # setting either: "bad configuration: DatabaseError: ..." sent the operator to
+            # the settings.
+            log.error("cannot start: %s", exc)
+            return 2
         log.error("bad configuration: %s: %s", type(exc).__name__, exc)
         return 2
     # Move what loading built (entries, maps, index arrays) out of the cyclic collector's reach:

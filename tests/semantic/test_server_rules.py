@@ -256,3 +256,24 @@ def test_the_serving_line_says_the_thresholds_the_start_took():
                     "lower, floor 0.85); guard strict,standard, verifier strict")
     assert thresholds_said(SemanticConfig(guard_tiers=(), verifier_tiers=())).endswith(
         "guard none, verifier none")
+
+
+def test_a_damaged_database_stops_the_start_as_no_bad_configuration(monkeypatch, caplog):
+    """A database damaged on disk stopped the start with "bad configuration: DatabaseError:
+    ...", though no setting was wrong: the line is the store's own, naming the file and the
+    way out."""
+    import logging
+    import sqlite3
+
+    import services.semantic.__main__ as main
+
+    monkeypatch.setattr(main, "load_service_config", lambda *a: object())
+
+    def refuse(cfg):
+        raise sqlite3.DatabaseError("/data/semantic.db: file is not a database (a damaged "
+                                    "database: stop the service, then move ...)")
+    monkeypatch.setattr(main, "serve", refuse)
+    with caplog.at_level(logging.ERROR, logger="services.semantic"):
+        assert main._main([]) == 2
+    line = caplog.records[-1].getMessage()
+    assert line.startswith("cannot start: /data/semantic.db: file is not a database"), line
