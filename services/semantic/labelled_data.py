@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import logging
 import os
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from services.semantic.embedder import OnnxEmbedder
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = Path(os.environ.get("TIERCACHE_DATA_DIR", ROOT.parent / "shared" / "data"))
+log = logging.getLogger(__name__)
 
 
 def embed_all(emb: OnnxEmbedder, texts: list[str], batch: int = 64) -> np.ndarray:
@@ -34,7 +36,20 @@ def embed_all(emb: OnnxEmbedder, texts: list[str], batch: int = 64) -> np.ndarra
             h.update(t.encode() + b"\0")
         path = Path(default_cache_dir()) / "bench" / f"semantic-emb-{h.hexdigest()}.npy"
         if path.is_file():
-            return np.load(path)
+            # Cut short or damaged (a crash before its data reached the disk, a full disk, a
+            # bad copy): np.load's ValueError was a traceback at every run, or a cached array
+            # of another shape was returned; embedded again instead, and the file replaced.
+            try:
+                cached = np.load(path, allow_pickle=False)
+            except (OSError, ValueError) as exc:
+                log.warning("the cached embeddings %s cannot be read (%s): embedding again",
+                            path, exc)
+            else:
+                if cached.shape == (len(texts), emb.dim) and cached.dtype == np.float32:
+                    return cached
+                log.warning("the cached embeddings %s hold a %s %s array, not %d x %d "
+                            "float32: embedding again", path, cached.dtype, cached.shape,
+                            len(texts), emb.dim)
     out = np.zeros((len(texts), emb.dim), np.float32)
     order = np.argsort([len(t) for t in texts], kind="stable")
     for i in range(0, len(texts), batch):

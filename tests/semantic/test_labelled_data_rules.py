@@ -103,3 +103,23 @@ def test_the_data_folder_is_taken_from_tiercache_data_dir(tmp_path):
                        timeout=120)
     assert r.returncode == 0, r.stderr[-2000:]
     assert r.stdout.strip() == str(tmp_path)
+
+
+def test_a_damaged_cache_file_is_embedded_again_under_a_warning(tmp_path, monkeypatch, caplog):
+    """A cached .npy cut short or of another shape (a crash, a full disk, a bad copy) was a
+    ValueError traceback at every run, or returned as it was: it is embedded again, said once
+    at WARNING, and the file replaced."""
+    monkeypatch.setenv("TIERCACHE_CACHE_DIR", str(tmp_path))
+    texts = [f"question {i}" for i in range(2500)]
+    want = embed_all(FakeEmbedder(), texts)
+    (path,) = (tmp_path / "bench").iterdir()
+    for damage in (lambda: path.write_bytes(path.read_bytes()[:1000]),
+                   lambda: np.save(path, np.zeros((3, 4), np.float32))):
+        damage()
+        caplog.clear()
+        emb = FakeEmbedder()
+        with caplog.at_level("WARNING", logger="services.semantic.labelled_data"):
+            np.testing.assert_array_equal(embed_all(emb, texts), want)
+        assert emb.batches and len(caplog.records) == 1
+        assert str(path) in caplog.records[0].getMessage()
+        np.testing.assert_array_equal(np.load(path), want)
