@@ -128,10 +128,14 @@ def _damaged_advice(path: str) -> str:
 
 def _damaged_error(path: str, e: sqlite3.DatabaseError) -> sqlite3.DatabaseError:
     """`e` (not a database, or a malformed one) as an error naming the file and the way out:
-    "database disk image is malformed" named neither, and the pod crash-looped."""
+    "database disk image is malformed" named neither, and the pod crash-looped. The way out
+    names a backup too: a restore that left the old -wal beside the copy (replayed into it)
+    ends here, and "starts empty" alone had the operator throw the restored entries away."""
+    name = os.path.basename(path) or path
     return sqlite3.DatabaseError(
         f"{path}: {e} (a damaged database: {_damaged_advice(path)}; the service then starts "
-        "empty and the cache refills)")
+        f"empty and the cache refills; or, to keep the entries, put a backup in as {name} "
+        f"with no {name}-wal or {name}-shm beside it: docs/deploy.md)")
 
 
 _SCHEMA = """

@@ -181,3 +181,16 @@ def test_a_database_cut_to_nothing_is_said_once_at_warning(tmp_path, caplog):
         EntryStore(path).close()
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and f"{path} is empty (0 bytes)" in warned[0], warned
+
+
+def test_a_damaged_database_is_told_of_a_backup_too(tmp_path):
+    """A backup restored over semantic.db with the old -wal left beside it is damaged by its
+    replay at the next open (docs/deploy.md): the refusal's only way out was to start empty,
+    throwing the restored entries away; it names putting a backup in without the -wal too."""
+    path = tmp_path / "semantic.db"
+    path.write_bytes(b"\x07" * 8192)  # as any damage: the same way out
+    with pytest.raises(sqlite3.DatabaseError) as err:
+        EntryStore(str(path)).close()
+    assert f"{path}: file is not a database (a damaged database: " in str(err.value)
+    assert ("or, to keep the entries, put a backup in as semantic.db with no semantic.db-wal "
+            "or semantic.db-shm beside it: docs/deploy.md") in str(err.value)
