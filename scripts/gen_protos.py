@@ -8,7 +8,8 @@ The one protoc invocation that `make protos`, the container image and a plain wh
 
 --descriptors also writes OUT_DIR/tiercache_descriptors.pb, a FileDescriptorSet with source
 info, which server reflection serves so that `grpcurl describe` shows the .proto comments
-(services/common/reflection.py). Needs only grpcio-tools.
+(services/common/reflection.py); without it a set already in OUT_DIR is removed (it would be
+stale). Needs only grpcio-tools.
 """
 
 from __future__ import annotations
@@ -47,6 +48,11 @@ def compile_protos(out: str | Path, descriptors: bool = False, root: Path = ROOT
     if descriptors:
         args += ["--include_source_info", "--include_imports",
                  f"--descriptor_set_out={out / DESCRIPTOR_SET_NAME}"]
+    else:
+        # A set left by an earlier run is the old protos': reflection serves it before the
+        # compiled descriptors, so `grpcurl describe` showed a field removed or lacked one
+        # added, and grpcurl refused to send a new field ("no known field").
+        (out / DESCRIPTOR_SET_NAME).unlink(missing_ok=True)
     # protoc names files relative to an -I root: give it the paths below protos/.
     rc = protoc.main([*args, *(str(root / p) for p in protos)])
     if rc != 0:
