@@ -15,7 +15,10 @@ def main(argv: list[str] | None, out: Path, render: Callable[[], str], what: str
     ap.add_argument("--check", action="store_true", help="exit 1 if the file is out of date")
     a = ap.parse_args(argv)
     text = render()
-    script = f"scripts/{Path(sys.argv[0]).name}" if sys.argv and sys.argv[0] else "the script"
+    # The script that defines `render`, not sys.argv[0]: called from a test (as
+    # tests/test_settings_doc.py does) that was pytest's, and the fix said
+    # "run python scripts/__main__.py".
+    script = f"scripts/{Path(render.__code__.co_filename).name}"
     if a.check:
         if not out.exists() or out.read_text(encoding="utf-8") != text:
             print(f"{out} is out of date: run python {script}", file=sys.stderr)

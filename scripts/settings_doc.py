@@ -18,11 +18,15 @@ import inspect
 import sys
 from pathlib import Path
 
-from services.common.config import _shown_default
-
 ROOT = Path(__file__).resolve().parent.parent
+# This checkout's code first: run as `python scripts/...`, the path held scripts/ and not the
+# checkout, so a venv shared with another checkout (an editable install of it) documented that
+# one's code here, and the test of this checkout then failed on the file just written.
+sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import docgen  # noqa: E402 - beside this script
+
+from services.common.config import _shown_default  # noqa: E402 - this checkout's (above)
 
 OUT = ROOT / "docs" / "settings.md"
 CLASSES = (("orchestrator", "services.orchestrator.config", "OrchestratorConfig"),
