@@ -186,6 +186,30 @@ def test_sharded_stats_add_counts_and_take_the_highest_percentile_and_floor():
     assert sb.threshold_floor() == pytest.approx(0.9)
 
 
+def test_sharded_stats_sum_every_count_field_of_the_message():
+    """The sum is a list of field names: a uint64 field added to SemanticStatsResponse and
+    left off it showed with one shard (its answer is copied) and read 0 with two, and no test
+    failed. Every uint64 field is a count and is summed."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    counts = [f.name for f in semantic_pb2.SemanticStatsResponse.DESCRIPTOR.fields
+              if f.type == FieldDescriptor.TYPE_UINT64 and not f.is_repeated]
+
+    class Figures:
+        def __init__(self, base: int) -> None:
+            self.f = {n: base + i for i, n in enumerate(counts)}
+
+        def Stats(self, req, **kw):  # noqa: N802 - the gRPC method's name
+            return semantic_pb2.SemanticStatsResponse(**self.f)
+
+    sb = SemanticBackend("127.0.0.1:1,127.0.0.1:2", "", 1.0)
+    a, b = sb.addresses
+    sb.stubs[a], sb.stubs[b] = Figures(1), Figures(100)
+    out = sb.stats()
+    assert counts and {n: getattr(out, n) for n in counts} == {
+        n: 101 + 2 * i for i, n in enumerate(counts)}
+
+
 def test_one_tenants_namespaces_spread_over_the_shards():
     """A namespace is tenant, model and context: one tenant's contexts are placed each on
     its own, so a busy tenant's traffic is not all on one shard."""

@@ -294,6 +294,21 @@ def test_stats_sum_a_replicas_blocks_over_shards_and_keep_its_longest_silence():
         assert (got.shards_answered, got.shards_total) == (2, 2)
 
 
+def test_stats_sum_every_count_field_of_the_message_over_shards():
+    """The sum is a list of field names: a uint64 field added to PrefixStatsResponse and left
+    off it read 0 in the orchestrator's Stats, and no test failed. Every uint64 field is a
+    count (max_nodes the shards' budgets) and is summed."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    counts = [f.name for f in prefix_pb2.PrefixStatsResponse.DESCRIPTOR.fields
+              if f.type == FieldDescriptor.TYPE_UINT64 and not f.is_repeated]
+    c, _ = client_of({A: {"Stats": _stats(**{n: 1 + i for i, n in enumerate(counts)})},
+                      B: {"Stats": _stats(**{n: 100 + i for i, n in enumerate(counts)})}})
+    got = c.stats()
+    assert counts and {n: getattr(got, n) for n in counts} == {
+        n: 101 + 2 * i for i, n in enumerate(counts)}
+
+
 def test_a_call_failing_on_every_shard_names_each_shards_error():
     """Register, Heartbeat, TopPrefixes and Stats failing on every shard raise the first
     error with each shard's in `shards_failed`, as PublishEvents does (they named only the
