@@ -9,6 +9,9 @@ PROTOS := $(wildcard protos/tiercache/v1/*.proto)
 
 .PHONY: setup protos run test test-fast lint bench bench-quick k8s-validate soak clean
 
+# The venv (.venv: pinned deps, the project editable with its C block hasher, the model
+# package) and the generated gRPC code (gen/). Done again when pyproject.toml, setup.py or
+# the C source is newer than .venv/.setup-stamp: every target below but clean runs it first.
 setup: $(STAMP) $(GEN_STAMP)
 
 $(STAMP): pyproject.toml setup.py services/common/_blockhash.c
@@ -28,6 +31,8 @@ $(STAMP): pyproject.toml setup.py services/common/_blockhash.c
 		echo "$(CURDIR)/gen" > "$$site/tiercache-gen.pth"
 	touch $(STAMP)
 
+# gen/ from protos/ (scripts/gen_protos.py gen --descriptors: the code and the descriptor set
+# reflection serves to grpcurl), when a .proto, the script or the venv is newer than gen/.stamp.
 protos: $(GEN_STAMP)
 
 # The venv is a real prerequisite: generated code records the grpcio-tools/protobuf versions
@@ -37,15 +42,20 @@ $(GEN_STAMP): $(PROTOS) scripts/gen_protos.py $(STAMP)
 	$(VPY) scripts/gen_protos.py gen --descriptors
 	touch $(GEN_STAMP)
 
+# The whole stack on loopback (services.launcher; ARGS="--base-port N --replicas N").
 run: setup
 	$(VPY) -m services.launcher $(ARGS)
 
+# Every test (unit, gRPC, end-to-end, hardening short forms); one file or test:
+# .venv/bin/pytest -q tests/prefix/test_reap.py [-k NAME].
 test: setup
 	$(VPY) -m pytest -q -ra
 
+# The tests not marked e2e (real service processes) nor model (the real SmolLM2).
 test-fast: setup
 	$(VPY) -m pytest -q -ra -m "not e2e and not model"
 
+# ruff over the code (pyproject.toml's rules; gen/ excluded).
 lint: setup
 	$(VENV)/bin/ruff check services clients tests benchmarks scripts
 
@@ -71,5 +81,8 @@ k8s-validate: setup
 soak: setup
 	$(VPY) -m benchmarks.soak
 
+# What setup and the tools made: gen/, the venv, the C hasher built in place (with build/ and
+# the egg-info of the editable install) and the tools' caches. Not .run/ (the stacks' logs),
+# .hypothesis/ (failing examples kept) nor ~/.cache/tiercache (models, sessions, the database).
 clean:
-	rm -rf gen $(VENV) .pytest_cache .ruff_cache
+	rm -rf gen $(VENV) .pytest_cache .ruff_cache build *.egg-info services/common/_blockhash*.so
