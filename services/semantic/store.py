@@ -323,6 +323,10 @@ class EntryStore:
                 self._db.execute("PRAGMA journal_mode=WAL")
                 self._db.execute(f"PRAGMA synchronous={synchronous.upper()}")
                 self._db.execute(f"PRAGMA journal_size_limit={_JOURNAL_SIZE_LIMIT}")
+                # A deleted row (Invalidate, expiry, eviction) is overwritten with zeros, not
+                # left readable in a free page or slot of the file: SQLite's default is off
+                # unless its build says otherwise (Debian's says on, python.org's does not).
+                self._db.execute("PRAGMA secure_delete=ON")
                 self._db.executescript(_SCHEMA)
                 cols = {r[1] for r in self._db.execute("PRAGMA table_info(entries)")}
                 if version < 1:
@@ -501,6 +505,21 @@ class EntryStore:
             with self._hits_lock:
                 for x in chunk:
                     self._pending_hits.pop(x, None)
+
+    def truncate_wal(self) -> bool:
+        """Checkpoints the WAL into the database and truncates it to zero bytes: the WAL keeps
+        every page as it was written, deleted rows' text included, until later writes
+        overwrite it (up to journal_size_limit). Returns False when a reader kept the
+        checkpoint from finishing (another process holding the database open: a backup);
+        the WAL then stays as it was and a later call finishes it."""
+        if self.path == ":memory:":
+            return True
+        with _full_is_exhausted(), _damaged_is_named(self.path), self._lock:
+            busy = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+        if busy:
+            log.warning("%s: the WAL was not emptied (another connection reads the database);"
+                        " deleted rows may stay readable in its -wal file until it is", self.path)
+        return not busy
 
     def record_hit(self, label: int, at: float, hit_count: int) -> None:
         """Buffers a hit (written by `flush_hits`); never waits on SQLite."""

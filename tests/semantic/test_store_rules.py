@@ -80,6 +80,20 @@ def test_the_configured_synchronous_level_is_applied(tmp_path, level, value):
     st.close()
 
 
+def test_deleted_rows_are_overwritten_and_the_wal_can_be_emptied(tmp_path):
+    """A deleted row's text stays readable in the file unless secure_delete is on (off in
+    SQLite's own default build) and in the WAL until a truncating checkpoint; both are what
+    an erasure on request needs."""
+    st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    assert st._db.execute("PRAGMA secure_delete").fetchone()[0] == 1
+    label = insert(st, "gone", prompt="ZEBRAPOX-7731 secret")
+    st.delete([label])
+    assert st.truncate_wal() is True
+    assert (tmp_path / "s.db-wal").stat().st_size == 0
+    assert b"ZEBRAPOX-7731" not in (tmp_path / "s.db").read_bytes()
+    st.close()
+
+
 def test_a_group_readable_database_of_ours_is_tightened(tmp_path):
     import os
     import stat
