@@ -1069,6 +1069,26 @@ class SemanticCache:
                     n = self._drop_in_chunks(gone, expired_at=self.clock())
         return n
 
+    def invalidate_tenant(self, tenant: str) -> int:
+        """Removes every entry of `tenant` on this shard, in every namespace (a tenant's data
+        deleted on request: a namespace Invalidate needs each model id and context hash, which
+        nobody outside the shard can list). Returns how many were live, counted as
+        `invalidate_namespace` counts. The rows are overwritten in the database file
+        (secure_delete) and the WAL, which held their text too, is emptied afterwards: deleted
+        rows stayed readable there (`strings semantic.db-wal`) until later writes overwrote
+        them. A Store of the tenant's racing this call may land after it: stop the tenant's
+        traffic (remove its token) first."""
+        if blank(tenant):
+            raise InvalidArgument("tenant", "required (not empty, or only whitespace or "
+                                            "invisible characters)")
+        if len(tenant) > self.cfg.max_tenant_chars:
+            raise InvalidArgument("tenant", f"longer than {self.cfg.max_tenant_chars} chars")
+        with self._lock:
+            spaces = [ns for ns in self._ns_lru if ns.tenant == tenant]
+        n = sum(self.invalidate_namespace(ns) for ns in spaces)
+        self.store.truncate_wal()
+        return n
+
     def _drop_in_chunks(self, labels: list[int], expired_at: float | None = None) -> int:
         """Drops `labels` from memory (already deleted from SQLite), a chunk per lock hold:
         every lookup takes this lock to record itself, and 100k removals take about a second.

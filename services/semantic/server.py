@@ -111,8 +111,10 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
             n = self.cache.invalidate_id(request.id, wanted=lambda: _still_wanted(context))
         elif which == "namespace":
             n = self.cache.invalidate_namespace(namespace_from_proto(request.namespace))
+        elif which == "tenant":
+            n = self.cache.invalidate_tenant(request.tenant)
         else:
-            raise InvalidArgument("target", "set either id or namespace")
+            raise InvalidArgument("target", "set one of id, namespace or tenant")
         return semantic_pb2.InvalidateResponse(removed=n)
 
     def Stats(self, request, context):

@@ -368,3 +368,31 @@ def test_text_of_only_invisible_characters_is_refused_and_nothing_is_written(mak
     assert c.stats().entries == 0 and c.stats().lookups_total == 0
     _store(c, prompt=invisible + "Why?", answer=invisible + "Because.")
     assert c.stats().entries == 1
+
+
+def test_invalidating_a_tenant_erases_its_every_namespace_from_the_files(make_cache):
+    """Erasure on request: a namespace Invalidate needs each model id and context hash, which
+    no caller can list, so a tenant's entries could not all be removed. `invalidate_tenant`
+    removes them in every namespace, leaves other tenants' alone, and leaves none of their
+    text readable in the database file or its WAL (deleted rows stayed there as written)."""
+    import os
+
+    c = make_cache(**LIMITS)
+    secret = "ZEBRAPOX-7731"
+    spaces = [A, Namespace(A.tenant, "other-model", ""), Namespace(A.tenant, "smollm2", "ab12")]
+    for i, ns in enumerate(spaces):
+        _store(c, ns=ns, prompt=f"{secret} q{i}?", answer=f"{secret} a{i}.")
+    kept = _store(c, ns=edges.B, prompt="B's question?", answer="B's answer.")
+    assert c.invalidate_tenant(A.tenant) == 3
+    assert c.store.count() == 1 and c.get(kept.id) == kept
+    assert all(c.index_of(ns) is None or len(c._ns_lru.get(ns, ())) == 0 for ns in spaces)
+    path = c.store.path
+    for f in (path, path + "-wal"):
+        if os.path.exists(f):
+            with open(f, "rb") as fh:
+                assert secret.encode() not in fh.read(), f
+    assert c.invalidate_tenant(A.tenant) == 0  # nothing left: not an error
+    for bad in ("", " ", "t" * 65):
+        with pytest.raises(InvalidArgument) as exc:
+            c.invalidate_tenant(bad)
+        assert exc.value.field == "tenant"

@@ -69,6 +69,20 @@ def test_invalidate_namespace(stub):
     assert stub.Stats(pb.SemanticStatsRequest(), timeout=10).entries == 0
 
 
+def test_invalidate_tenant_removes_its_every_namespace_only(stub):
+    """Erasure on request: one call per shard removes a tenant's entries of every model and
+    context; another tenant's stay, and a blank tenant is INVALID_ARGUMENT naming it."""
+    other_ctx = pb.Namespace(tenant="acme", model_id="other", context_hash="ab")
+    other_tenant = pb.Namespace(tenant="globex", model_id="smollm2", context_hash="00ff")
+    for ns in (NS, other_ctx, other_tenant):
+        stub.Store(pb.StoreRequest(namespace=ns, prompt="Why is the sky blue?",
+                                   answer="physics"), timeout=10)
+    assert stub.Invalidate(pb.InvalidateRequest(tenant="acme"), timeout=10).removed == 2
+    assert stub.Stats(pb.SemanticStatsRequest(), timeout=10).entries == 1
+    code, details = _code(stub.Invalidate, pb.InvalidateRequest(tenant=" "))
+    assert code == grpc.StatusCode.INVALID_ARGUMENT and "tenant" in details
+
+
 @pytest.mark.parametrize(("req", "field"), [
     (pb.LookupRequest(namespace=NS, text=""), "text"),
     (pb.LookupRequest(namespace=NS, text="x" * 9000), "text"),
