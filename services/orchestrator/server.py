@@ -236,7 +236,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         if len(prompt.token_ids) > self.cfg.max_prompt_tokens:
             raise errors.InvalidArgument(
                 "messages" if request.messages else "prompt",
-                f"{len(prompt.token_ids)} tokens exceed the limit of {self.cfg.max_prompt_tokens}")
+                f"{len(prompt.token_ids)} tokens exceed the limit of {self.cfg.max_prompt_tokens} "
+                "(the orchestrator's max_prompt_tokens)")  # one past the context said neither
         if not request.sampling.max_tokens and sampling.max_tokens > tenant.max_tokens:
             # Unset max_tokens means the server default, capped by the tenant's limit: a
             # field the client never set must not fail its request.
@@ -685,7 +686,8 @@ class Warmer:
             if len(ids) > self.cfg.max_prompt_tokens:
                 raise errors.InvalidArgument(
                     f"prompts[{i}]", f"{len(ids)} tokens exceed the limit of "
-                                     f"{self.cfg.max_prompt_tokens}")
+                                     f"{self.cfg.max_prompt_tokens} (the orchestrator's "
+                                     "max_prompt_tokens)")
             if len(ids) < self.cfg.block_size:
                 # Only full KV blocks are cached and pinned: such a warm-up would report
                 # success and leave nothing behind.

@@ -707,7 +707,8 @@ def test_warm_refuses_a_prompt_shorter_than_a_block_and_says_how_long_one_is():
             warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
                 prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 15)]))
         with pytest.raises(errors.InvalidArgument,
-                           match=r"^prompts\[0\]: 65 tokens exceed the limit of 64"):
+                           match=r"^prompts\[0\]: 65 tokens exceed the limit of 64 "
+                                 r"\(the orchestrator.s max_prompt_tokens\)$"):
             warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
                 prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 65)]))
         assert stubs["A"].requests == []

@@ -361,7 +361,8 @@ def test_a_prompt_of_exactly_max_prompt_tokens_is_served_and_one_token_more_refu
     assert [m.text for m in s.Generate(request(), Context())] == ["hi"]
     s, orch = servicer(STREAM_HEADROOM + 2, max_prompt_tokens=2)
     before = _held(s)
-    with pytest.raises(errors.InvalidArgument, match="^messages: 3 tokens exceed the limit of 2"):
+    with pytest.raises(errors.InvalidArgument, match="^messages: 3 tokens exceed the limit of 2 "
+                       r"\(the orchestrator's max_prompt_tokens\)$"):
         next(s.Generate(request(), Context()))
     assert _held(s) == before
 
