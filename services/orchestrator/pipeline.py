@@ -893,7 +893,10 @@ class Orchestrator:
                     # the request may fit there once it is back, so "too big" is not the
                     # answer (it was, though that replica never said so).
                     too_big = None
-                if lost is not None:
+                if lost is not None and not held.hung:
+                    # Not when the poller found it hung and we cut the call: it holds the
+                    # replica down with why, and our own CANCELLED ("Locally cancelled by
+                    # application!") was logged as the replica's new reason to be unhealthy.
                     replica.health.fail(lost)
                 if (lost is not None or busy or larger) and self.dispatched is not None:
                     # What was sent there moments ago is not held there (lost), or would steer

@@ -315,7 +315,7 @@ def test_a_call_cancelled_because_its_replica_was_found_hung_is_logged_as_hung(c
     orch.routing = SimpleNamespace(choose=lambda views, seen, aff, exclude, *rest: next(
         (SimpleNamespace(replica_id=r, route="least_loaded", matched_tokens=0)
          for r in ("A", "B") if r not in exclude), None))
-    with caplog.at_level(logging.WARNING, logger="services.orchestrator.pipeline"):
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator"):
         events = list(orch.generate(
             tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
             sampling=Sampling(4, 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
@@ -325,6 +325,11 @@ def test_a_call_cancelled_because_its_replica_was_found_hung_is_logged_as_hung(c
     lines = [r.getMessage() for r in caplog.records if "replica A failed" in r.getMessage()]
     assert lines == [f"replica A failed (cancelled by this orchestrator: {why}) after 0 "
                      "tokens; attempt 2"]
+    # Our own cancel is no reason of A's: it was logged as one ("A is still unhealthy, now:
+    # Locally cancelled by application!"), taking a slot of the few new reasons said.
+    said = [r.getMessage() for r in caplog.records if r.name.endswith(".backends")]
+    assert said and all(why in line for line in said), said
+    assert a.health.last_error == why
 
 
 def test_a_request_every_replica_refused_as_busy_counts_once_as_replicas_busy():
