@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -77,6 +78,7 @@ def timed(tier: str, method: str, address: str, fn: Callable[[], T]) -> T:
 
 # Reasons a dependency's outage says at WARNING, its first included: each new one once.
 MAX_REASONS_SAID = 4
+_FIGURE = re.compile(r"\b\d+(\.\d+)?(ms|s)?\b")  # a count or a duration in a reason
 
 
 @dataclass
@@ -127,18 +129,23 @@ class Health:
 
     def fail(self, err: BaseException | str, hold: bool = False) -> None:
         msg = err.details() if isinstance(err, grpc.RpcError) else str(err)
+        # A reason is new by its words, not its figures: a paused replica's "hung: 3 Stats
+        # polls in a row ..." then "hung: 4 ...", "hung: 5 ..." was said at every poll and
+        # used up the reasons said, so a real new one (UNAUTHENTICATED after a restart) was not.
+        # Whole numbers only ("70s" too): a model id's "135M" stays a word.
+        said_as = _FIGURE.sub("#", str(msg))
         with self._lock:
             if self.healthy and self.exported:
                 log.warning("%s at %s is unhealthy: %s", self.name, self.address, msg)
-                self._said = {str(msg)}
-            elif (self.exported and str(msg) not in self._said
+                self._said = {said_as}
+            elif (self.exported and said_as not in self._said
                   and len(self._said) < MAX_REASONS_SAID):
                 # A new reason while down is said too (a few per outage): a replica restarted
                 # on another internal token read "Connection refused" from its restart in
                 # the log for as long as it refused us UNAUTHENTICATED.
                 log.warning("%s at %s is still unhealthy, now: %s", self.name, self.address,
                             msg)
-                self._said.add(str(msg))
+                self._said.add(said_as)
             if hold or not self.held_down:
                 # The poller's verdict stands in Stats while it holds the replica down: a
                 # hung replica's calls, cancelled by the poller, said "Locally cancelled by

@@ -475,8 +475,8 @@ def test_a_new_reason_while_down_is_said_once(caplog):
         h.fail("authorization: missing or wrong internal credential", hold=True)
         h.fail("authorization: missing or wrong internal credential", hold=True)
         h.fail("connection refused", hold=True)
-        for i in range(10):
-            h.fail(f"reason {i}")
+        for word in "abcdefghij":  # distinct words (reasons differing in figures are one)
+            h.fail(f"reason {word}")
     lines = [r.getMessage() for r in caplog.records]
     assert lines[:2] == ["kvpool at r0 is unhealthy: connection refused",
                          "kvpool at r0 is still unhealthy, now: authorization: missing or "
@@ -488,6 +488,31 @@ def test_a_new_reason_while_down_is_said_once(caplog):
         h.fail("connection refused")  # a new outage says its reason again
     assert [r.getMessage() for r in caplog.records] == [
         "kvpool at r0 is unhealthy: connection refused"]
+
+
+def test_a_reason_that_only_counts_on_is_not_said_again(caplog):
+    """A replica paused (SIGSTOP) for 30 s: every poll said "still unhealthy, now: hung: 4
+    Stats polls ...", then 5, 6: the same reason, its count on, which used up the few new
+    reasons said, so one that was new (a restart on another internal token) went unsaid."""
+    import logging
+
+    h = Health("kvpool", "r0")
+    h.ok()
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.backends"):
+        for n in range(3, 12):
+            h.fail(f"hung: {n} Stats polls in a row unanswered within 2s "
+                   "(replica_hung_polls 3)", hold=True)
+        h.fail("authorization: missing or wrong internal credential", hold=True)
+        h.fail("serves model 'SmolLM2-360M', not 'SmolLM2-135M'", hold=True)
+        h.fail("serves model 'SmolLM2-1.7B', not 'SmolLM2-135M'", hold=True)  # words differ
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvpool at r0 is unhealthy: hung: 3 Stats polls in a row unanswered within 2s "
+        "(replica_hung_polls 3)",
+        "kvpool at r0 is still unhealthy, now: authorization: missing or wrong internal "
+        "credential",
+        "kvpool at r0 is still unhealthy, now: serves model 'SmolLM2-360M', not 'SmolLM2-135M'",
+        "kvpool at r0 is still unhealthy, now: serves model 'SmolLM2-1.7B', not 'SmolLM2-135M'"]
+    assert h.last_error.startswith("serves model 'SmolLM2-1.7B'")  # Stats: the latest, in full
 
 
 def test_readiness_waits_for_a_healthy_replica_on_the_orchestrators_model(caplog):
