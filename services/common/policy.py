@@ -10,6 +10,7 @@ caller's job, the policy only orders them.
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from typing import NamedTuple
 
@@ -42,26 +43,43 @@ class LRUPolicy(EvictionPolicy):
 
 
 class HybridPolicy(EvictionPolicy):
-    """LFU for blocks starting before `shallow_tokens`, LRU for deeper ones; deep go first."""
+    """LFU for blocks starting before `shallow_tokens`, LRU for deeper ones; deep go first.
 
-    def __init__(self, shallow_tokens: int = 128) -> None:
+    `half_life` (seconds of `last_access`; None = counts never age): a block's hits count
+    half as much per half-life since its last use, so a base hot yesterday does not outrank
+    one hot today for good. Ranked by log2(1 + hits) + last_access / half_life: the same
+    order as the aged counts at any later moment, so a key computed once stays right."""
+
+    def __init__(self, shallow_tokens: int = 128, half_life: float | None = None) -> None:
         if shallow_tokens < 0:
             raise ValueError("shallow_tokens must be >= 0")
+        if half_life is not None and not half_life > 0:
+            raise ValueError("half_life must be > 0 (or None)")
         self.shallow_tokens = shallow_tokens
+        self.half_life = half_life
 
     def is_shallow(self, start_token: int) -> bool:
         return start_token < self.shallow_tokens
 
     def key(self, usage: BlockUsage) -> tuple:
         if self.is_shallow(usage.start_token):
+            if self.half_life is not None:
+                return (1, math.log2(1 + usage.hits) + usage.last_access / self.half_life,
+                        usage.last_access)
             return (1, usage.hits, usage.last_access)
         return (0, usage.last_access, 0)
 
 
-def make_policy(name: str, shallow_tokens: int = 128) -> EvictionPolicy:
-    """Policy by config name: "hybrid" (default) or "lru"."""
+# The kvpool's hit half-life (its pool's clock is in seconds; the prefix index ages its own
+# counts, on index ticks): as the index's default hit_half_life_seconds.
+POOL_HIT_HALF_LIFE_S = 3600.0
+
+
+def make_policy(name: str, shallow_tokens: int = 128,
+                half_life: float | None = None) -> EvictionPolicy:
+    """Policy by config name: "hybrid" (default; `half_life` as HybridPolicy's) or "lru"."""
     if name == "hybrid":
-        return HybridPolicy(shallow_tokens)
+        return HybridPolicy(shallow_tokens, half_life)
     if name == "lru":
         return LRUPolicy()
     raise ValueError(f"unknown eviction policy {name!r} (expected 'hybrid' or 'lru')")

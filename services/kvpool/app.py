@@ -22,7 +22,7 @@ from services.common.model_store import (
     packaged_folder,
     readable_weights,
 )
-from services.common.policy import make_policy
+from services.common.policy import POOL_HIT_HALF_LIFE_S, make_policy
 from services.kvpool.block_pool import BlockPool
 from services.kvpool.calibrate import forward_costs
 from services.kvpool.config import IMPLAUSIBLE, MAX_BLOCKS, KvPoolConfig
@@ -301,7 +301,10 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
     hasher = BlockHasher(info.model_id, cfg.block_size)
     # Events exist for the publisher; without a prefix index nobody would ever take them.
     pool = BlockPool(n, cfg.block_size, hasher,
-                     make_policy(cfg.eviction_policy, cfg.shallow_tokens),
+                     # Shallow blocks' hits age: without, a base hot once stayed ahead of
+                     # today's hot bases for good (LFU counts only ever grew).
+                     make_policy(cfg.eviction_policy, cfg.shallow_tokens,
+                                 half_life=POOL_HIT_HALF_LIFE_S),
                      record_events=bool(cfg.prefix_address),
                      max_pinned=share(n, cfg.max_pinned_fraction),
                      max_pinned_per_salt=share(n, cfg.max_pinned_per_tenant_fraction))

@@ -141,8 +141,9 @@ class KvPoolConfig:
     preallocate_rows: bool = False
     # "hybrid" (LFU under shallow_tokens, LRU deeper) or "lru".
     eviction_policy: str = "hybrid"
-    # Blocks starting before this token are ranked by use count (LFU) under hybrid eviction,
-    # deeper ones by recency (LRU) and evicted first.
+    # Blocks starting before this token are ranked by use count (LFU; a count halves per hour
+    # since the block's last use) under hybrid eviction, deeper ones by recency (LRU) and
+    # evicted first.
     shallow_tokens: int = 128
     # Longest pin a Prefill may ask for (a longer one is cut to it, without a word: orchestrators'
     # warm_pin_ttl_max_s should not exceed it).

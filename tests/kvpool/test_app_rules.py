@@ -285,3 +285,20 @@ def test_an_architecture_without_sdpa_attention_is_refused_naming_the_folder(tmp
     msg = str(e.value)
     assert "\n" not in msg and folder in msg and "Gemma2ForCausalLM" in msg
     assert "TIERCACHE_KVPOOL_MODEL" in msg and "SDPA" in msg
+
+
+def test_the_replicas_pool_ages_its_shallow_hits(tiny_model):
+    """The replica's pool ranks shallow blocks with the hit half-life (see
+    `test_shallow_hits_age_so_a_base_hot_long_ago_goes_before_one_hot_now`): built without
+    it, a base hot once stayed ahead of every base hot since, for good."""
+    from services.common.policy import POOL_HIT_HALF_LIFE_S, HybridPolicy
+    from services.kvpool import app
+    from tests.kvpool.conftest import TINY_ID
+
+    cfg = KvPoolConfig(num_blocks=64, block_size=4, metrics_port=-1, draft_costs="1,1,1")
+    replica = app.build_replica(cfg, model=tiny_model, model_id=TINY_ID, metrics=False)
+    try:
+        policy = replica.engine.pool.policy
+        assert isinstance(policy, HybridPolicy) and policy.half_life == POOL_HIT_HALF_LIFE_S
+    finally:
+        replica.engine.stop()

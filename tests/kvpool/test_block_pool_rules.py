@@ -336,3 +336,43 @@ def test_a_copy_on_write_source_counts_as_a_use_for_deep_lru() -> None:
     pool.check_integrity()
     y1 = pool.match(Y)[1]
     assert pool.eviction_order()[:2] == [y1, x2]
+
+
+def test_shallow_hits_age_so_a_base_hot_long_ago_goes_before_one_hot_now() -> None:
+    """Shallow blocks ranked by hits alone (LFU) never aged: a system prompt reused 20 times
+    yesterday outranked, for good, one reused 3 times in the last minute, which was evicted
+    (its hits reset) again and again. The replica's policy halves hits per half-life since
+    their last use; at equal age the counts still decide."""
+    from services.common.policy import POOL_HIT_HALF_LIFE_S, make_policy
+
+    H = POOL_HIT_HALF_LIFE_S
+    clock = Clock(1.0)
+    pool = BlockPool(8, BS, BlockHasher("m", BS, key=b"k"),
+                     make_policy("hybrid", 8, half_life=H), clock=clock)
+    old, new = X[:4], Y[:4]
+    run_seq(pool, "old", old)
+    for i in range(20):  # 20 hits, a day ago
+        pool.open(f"o{i}", old + [99])
+        pool.close(f"o{i}")
+    clock.t = 1.0 + 24 * H
+    run_seq(pool, "new", new)
+    for i in range(3):  # 3 hits, now
+        pool.open(f"n{i}", new + [99])
+        pool.close(f"n{i}")
+    (o0,), (n0,) = pool.match(old), pool.match(new)
+    assert pool.eviction_order() == [o0, n0]
+    assert pool.evict(1) == [o0]
+    pool.check_integrity()
+    # Within a half-life, more hits still keep a block longer.
+    pool2 = BlockPool(8, BS, BlockHasher("m", BS, key=b"k"),
+                      make_policy("hybrid", 8, half_life=H), clock=Clock(1.0))
+    run_seq(pool2, "old", old)
+    for i in range(20):
+        pool2.open(f"o{i}", old + [99])
+        pool2.close(f"o{i}")
+    pool2.clock.t = 1.0 + H / 4
+    run_seq(pool2, "new", new)
+    pool2.open("n", new + [99])
+    pool2.close("n")
+    assert pool2.eviction_order() == [pool2.match(new)[0], pool2.match(old)[0]]
+
