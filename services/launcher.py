@@ -32,6 +32,18 @@ from services.common.bootstrap import PARENT_PID_ENV
 from services.common.grpc_client import channel_credentials_from_env, tls_mode
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def installed() -> bool:
+    """Whether this runs from an installed package (a wheel in site-packages), not a checkout."""
+    return ROOT.name in ("site-packages", "dist-packages")
+
+
+def run_dir() -> Path:
+    """The stacks' `.run/` (logs, the internal token): the checkout's; installed from a wheel,
+    the one in the directory the launcher starts in, as site-packages is no place for logs
+    (and is often not writable)."""
+    return (Path.cwd() if installed() else ROOT) / ".run"
 SERVICES = ("semantic", "prefix", "kvpool", "orchestrator")
 EXAMPLE_JSON = ('{"messages":[{"role":"user","content":"What is a KV cache?"}],'
                 '"sampling":{"max_tokens":64}}')
@@ -73,6 +85,19 @@ def free_port() -> int:
         if port not in _HANDED:
             _HANDED.add(port)
             return port
+
+
+def tool_path(name: str) -> str:
+    """How to call a script of this venv from here: `.venv/bin/tiercache` in a checkout's venv,
+    the full path in another venv; the bare name when this venv has none (it was printed as
+    `.venv/bin/tiercache` wherever the package was installed)."""
+    path = Path(sys.executable).parent / name
+    if not path.exists():
+        return name
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def service_exists(name: str) -> bool:
@@ -193,16 +218,20 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         env = {**os.environ, **self.env}
         env.setdefault("PYTHONUNBUFFERED", "1")
-        # The repo and its generated code, whether or not the venv has the .pth for gen/.
-        env["PYTHONPATH"] = os.pathsep.join(
-            [str(ROOT), str(ROOT / "gen"), *filter(None, [env.get("PYTHONPATH")])])
+        if not installed():
+            # The repo and its generated code, whether or not the venv has the .pth for gen/
+            # (an installed package is on the path already, its gRPC code in the wheel).
+            env["PYTHONPATH"] = os.pathsep.join(
+                [str(ROOT), str(ROOT / "gen"), *filter(None, [env.get("PYTHONPATH")])])
         env[f"TIERCACHE_{self.name.upper()}_ADDRESS"] = self.address
         env[PARENT_PID_ENV] = str(os.getpid())  # the service stops if this process dies
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self._log_offset = out.tell() if self.log_path else 0
         try:
+            # In the launcher's directory, not the checkout's nor site-packages: a relative path
+            # the operator set (a TLS file, a database) means what it meant where it was typed.
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", f"services.{self.name}", *self.args], cwd=ROOT, env=env,
+                [sys.executable, "-m", f"services.{self.name}", *self.args], env=env,
                 stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
         finally:
             # The child has its own descriptor: the launcher's copy stayed open, one per child.
@@ -368,7 +397,7 @@ class Stack:
 
     replicas: int = 2
     base_port: int = 50051
-    log_dir: Path = ROOT / ".run" / "logs"
+    log_dir: Path = field(default_factory=lambda: run_dir() / "logs")
     extra_env: dict[str, str] = field(default_factory=dict)
     procs: dict[str, ServiceProcess] = field(default_factory=dict)
     _tmp_db: str | None = None  # a temporary semantic database's folder, deleted at stop
@@ -609,7 +638,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--base-port {a.base_port}: the stack needs ports N..N+{3 + a.replicas - 1} "
                  "within 1..65535 (0 = any free ports)")
     # A stack on other ports (a second one, as the port-in-use message suggests) logs apart.
-    logs = ROOT / ".run" / "logs"
+    logs = run_dir() / "logs"
     if a.base_port == 0:
         prune_pid_logs(logs)
     if a.base_port != 50051:
@@ -634,11 +663,12 @@ def main(argv: list[str] | None = None) -> int:
                 notes = "; ".join(stack.procs[k].exit_note() for k in dead)
                 raise RuntimeError(f"service(s) exited during start: {notes}")
             orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
-            grpcurl = shutil.which("grpcurl") or str(Path(sys.executable).parent / "grpcurl")
+            grpcurl = shutil.which("grpcurl") or tool_path("grpcurl")
+            cli = tool_path("tiercache")
             print(f"""
 TierCache is up{tls_note()}. Orchestrator: {orch}
-  CLI:      .venv/bin/tiercache{cli_transport()} --address {orch} chat "What is a KV cache?"
-            .venv/bin/tiercache{cli_transport()} --address {orch} stats
+  CLI:      {cli}{cli_transport()} --address {orch} chat "What is a KV cache?"
+            {cli}{cli_transport()} --address {orch} stats
   grpcurl:  {grpcurl} {grpcurl_transport()} -d '{EXAMPLE_JSON}' \\
               {orch} tiercache.v1.Orchestrator/Generate
 {auth_note(internal_token_file=stack.internal_token_file)}Ctrl-C stops everything.""", flush=True)

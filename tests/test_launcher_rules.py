@@ -492,3 +492,52 @@ def test_tenant_tokens_give_the_internal_services_a_credential(monkeypatch, tmp_
     assert str(path) in launcher.auth_note(internal_token_file=path)
     stack.stop()
     assert not path.exists()
+
+
+def test_installed_from_a_wheel_the_stack_logs_and_runs_where_it_was_started(
+        monkeypatch, tmp_path, capsys):
+    """From site-packages the logs went to site-packages/.run/logs (often not writable; junk
+    in the install), the children ran there (a relative TLS path named a file in it), the
+    printed CLI was `.venv/bin/tiercache` (not there) and site-packages led their PYTHONPATH."""
+    site = tmp_path / "venv" / "lib" / "python3.11" / "site-packages"
+    (site / "services").mkdir(parents=True)
+    (tmp_path / "venv" / "bin").mkdir()
+    (tmp_path / "venv" / "bin" / "tiercache").touch()
+    here = tmp_path / "ops"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    monkeypatch.setattr(launcher, "ROOT", site)
+    monkeypatch.setattr(launcher.sys, "executable", str(tmp_path / "venv" / "bin" / "python"))
+    monkeypatch.setenv("PYTHONPATH", "/x")
+    seen = {}
+
+    def popen(cmd, **kw):
+        seen.update(kw, cmd=cmd)
+        return _Proc()
+
+    monkeypatch.setattr(launcher.subprocess, "Popen", popen)
+    assert Stack().log_dir == here / ".run" / "logs"
+    ServiceProcess("prefix", 1234).start()
+    assert seen.get("cwd") is None  # the launcher's own directory
+    assert seen["env"]["PYTHONPATH"] == "/x"
+
+    def start(self):
+        self.procs = {}
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(launcher, "service_exists", lambda name: True)
+    assert _main(monkeypatch, start, ("--base-port", "58999")) == 0
+    assert f"logs in {here / '.run' / 'logs' / 'port-58999'}" in capsys.readouterr().out
+    assert launcher.tool_path("tiercache") == str(tmp_path / "venv" / "bin" / "tiercache")
+    assert launcher.tool_path("grpcurl") == "grpcurl"  # not in that venv: the bare name
+
+
+def test_in_a_checkout_the_stack_logs_in_its_run_folder_and_prints_the_venvs_cli(
+        monkeypatch, tmp_path):
+    monkeypatch.setattr(launcher, "ROOT", tmp_path)
+    (tmp_path / ".venv" / "bin").mkdir(parents=True)
+    (tmp_path / ".venv" / "bin" / "tiercache").touch()
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(launcher.sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
+    assert Stack().log_dir == tmp_path / ".run" / "logs"
+    assert launcher.tool_path("tiercache") == ".venv/bin/tiercache"
