@@ -572,3 +572,16 @@ def test_the_report_never_shows_a_missed_similarity_at_the_threshold_it_missed()
             assert (shown >= th) == hit, (th, sim, line)
     near = common_pb2.CacheReport(semantic_similarity=_f32(0.9696))
     assert cli.format_report(near).startswith("[model (nearest entry 0.969) |")
+
+
+def test_version_prints_the_installed_distributions_version(monkeypatch, capsys):
+    """`tiercache --version` was refused ("the following arguments are required: cmd"): an
+    operator who installed a wheel had no way to ask which release it was."""
+    import importlib.metadata
+
+    monkeypatch.setattr(importlib.metadata, "version",
+                        lambda name: "9.8.7" if name == "tiercache" else "?")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--version"])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.strip() == "tiercache 9.8.7"

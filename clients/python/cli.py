@@ -13,6 +13,7 @@ import argparse
 import contextlib
 import errno
 import fcntl
+import importlib.metadata
 import ipaddress
 import json
 import math
@@ -657,8 +658,19 @@ def _positive(text: str) -> int:
 _WIRE_ARGS = ("address", "token", "text", "session", "system", "entry_id", "tenant_tokens")
 
 
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, as built into the wheel)."""
+    try:
+        return importlib.metadata.version("tiercache")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: a checkout on PYTHONPATH without `make setup`)"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
+    # Which release a wheel installed (`tiercache --version` read "the following arguments
+    # are required: cmd").
+    p.add_argument("--version", action="version", version=f"tiercache {package_version()}")
     p.add_argument("--address", default=os.environ.get("TIERCACHE_ADDRESS", "localhost:50051"),
                    help="orchestrator host:port (env TIERCACHE_ADDRESS; default %(default)s)")
     p.add_argument("--token", type=_token, default=_FROM_ENV,
