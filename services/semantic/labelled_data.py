@@ -65,15 +65,28 @@ def embed_all(emb: OnnxEmbedder, texts: list[str], batch: int = 64) -> np.ndarra
 
 # ---- data -----------------------------------------------------------------------------------
 
+def _data_file(name: str) -> Path:
+    """`DATA / name`, or FileNotFoundError saying where the data is looked for: installed from a
+    wheel, the default names a folder inside the venv (`lib/shared/data`), and the bare
+    "[Errno 2]" said nothing of `TIERCACHE_DATA_DIR`."""
+    path = DATA / name
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"labelled data file {path} not found: set TIERCACHE_DATA_DIR to the folder holding "
+            "qqp_val.csv, paws_wiki_dev.tsv and stsb_zh_valid.tsv (default: ../shared/data "
+            "beside a checkout)")
+    return path
+
+
 def load_qqp() -> list[tuple[str, str, int]]:
-    with open(DATA / "qqp_val.csv", newline="") as f:
+    with open(_data_file("qqp_val.csv"), newline="") as f:
         return [(r["question1"], r["question2"], int(r["is_duplicate"]))
                 for r in csv.DictReader(f)]
 
 
 def _tsv(name: str, columns: int) -> list[list[str]]:
     """Rows of a tab-separated data file that have exactly `columns` fields."""
-    with open(DATA / name, encoding="utf-8") as f:
+    with open(_data_file(name), encoding="utf-8") as f:
         return [p for p in (line.rstrip("\n").split("\t") for line in f) if len(p) == columns]
 
 

@@ -12,6 +12,7 @@ from hashlib import blake2b
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from services.semantic import labelled_data
 from services.semantic.labelled_data import embed_all, load_paws, load_qqp, load_stsb_zh
@@ -123,3 +124,13 @@ def test_a_damaged_cache_file_is_embedded_again_under_a_warning(tmp_path, monkey
         assert emb.batches and len(caplog.records) == 1
         assert str(path) in caplog.records[0].getMessage()
         np.testing.assert_array_equal(np.load(path), want)
+
+
+def test_a_missing_data_file_names_tiercache_data_dir(tmp_path, monkeypatch):
+    """Installed from a wheel the default folder is inside the venv (`lib/shared/data`): a
+    bare "[Errno 2] ... qqp_val.csv" said nothing of where to put the data."""
+    monkeypatch.setattr(labelled_data, "DATA", tmp_path / "none")
+    for load, name in ((load_qqp, "qqp_val.csv"), (load_paws, "paws_wiki_dev.tsv"),
+                       (load_stsb_zh, "stsb_zh_valid.tsv")):
+        with pytest.raises(FileNotFoundError, match=f"{name} not found: set TIERCACHE_DATA_DIR"):
+            load()
