@@ -9,6 +9,7 @@ so its build compiles `protos/` into the wheel itself.
 """
 
 import runpy
+import shutil
 from pathlib import Path
 
 from setuptools import Extension, setup
@@ -19,6 +20,10 @@ class BuildPyWithProtos(build_py):
     """build_py that also compiles protos/tiercache/v1/*.proto into the build (not editable)."""
 
     def run(self) -> None:
+        if not getattr(self, "editable_mode", False):
+            # pip builds in the tree: what an earlier build left in build/lib (a module since
+            # deleted, a file since excluded) went into every later wheel. build_ext runs after.
+            shutil.rmtree(self.build_lib, ignore_errors=True)
         super().run()
         if getattr(self, "editable_mode", False):
             return  # editable installs import gen/ (see the Makefile)

@@ -14,9 +14,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.timeout(600)
-def test_the_sdist_builds_a_wheel_and_holds_no_tests_nor_the_wheel_c_source(tmp_path):
+def test_the_sdist_builds_wheels_holding_only_what_the_tree_has(tmp_path):
     """The sdist held tests/test_*.py alone (setuptools' default: no conftest.py, no helpers,
-    no subfolders; none of it runnable) and the wheel the hasher's C source beside its build."""
+    no subfolders; none of it runnable) and the wheel the hasher's C source beside its build;
+    a wheel built again in the same tree held whatever the last build left in build/lib."""
     build = ("import sys; from setuptools import build_meta as b; "
              "print(b.build_sdist(sys.argv[1]))")
     out = subprocess.run([sys.executable, "-c", build, str(tmp_path)], check=True, cwd=ROOT,
@@ -32,11 +33,21 @@ def test_the_sdist_builds_a_wheel_and_holds_no_tests_nor_the_wheel_c_source(tmp_
                    "protos/tiercache/v1/orchestrator.proto"):
         assert needed in names
     (src,) = (tmp_path / "src").iterdir()
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
-                   check=True, cwd=tmp_path, timeout=300)
-    (wheel,) = (tmp_path / "dist").glob("tiercache-*.whl")
+    (wheel,) = _wheel(src, tmp_path / "dist")
     files = set(zipfile.ZipFile(wheel).namelist())
     assert "tiercache/v1/orchestrator_pb2_grpc.py" in files
     assert "services/semantic/verifier.json" in files
     assert "services/common/_blockhash.c" not in files
+    # pip builds in the tree: a file an earlier build left in build/lib is in no later wheel.
+    for lib in (src / "build").glob("lib*"):
+        (lib / "services" / "stale_module.py").write_text("")
+    (wheel,) = _wheel(src, tmp_path / "again")
+    assert "services/stale_module.py" not in zipfile.ZipFile(wheel).namelist()
+    assert "services/common/_blockhash.cpython" in " ".join(zipfile.ZipFile(wheel).namelist())
+
+
+def _wheel(src: Path, out: Path) -> list[Path]:
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                    "--no-build-isolation", "-w", str(out), str(src)],
+                   check=True, cwd=out.parent, timeout=300)
+    return list(out.glob("tiercache-*.whl"))
