@@ -1013,10 +1013,13 @@ def quiet_logging():
 
 def test_kvpool_main_wires_the_server_publisher_and_watchdog(tiny):
     omp = os.environ.get("OMP_WAIT_POLICY")
+    onednn = os.environ.get("ONEDNN_PRIMITIVE_CACHE_CAPACITY")
     import services.kvpool.__main__ as kmain
 
     if omp is None:
         os.environ.pop("OMP_WAIT_POLICY", None)
+    if onednn is None:
+        os.environ.pop("ONEDNN_PRIMITIVE_CACHE_CAPACITY", None)
     from services.kvpool import app
 
     def one(seed: int) -> None:

@@ -7,6 +7,12 @@ import os
 # Before torch loads OpenMP: spinning worker threads waste shared CPUs (NOTES: a decode step
 # went from 173 to 87 ms under contention with passive waiting).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# Before torch loads oneDNN, which reads it once: oneDNN's primitive cache keeps a compiled
+# kernel (~0.65 MiB) for every size of forward a packed linear layer has run (each new prefill
+# length adds four), up to 1,024 by default. Under steady short chat traffic a replica's RSS
+# rose 20 MiB a minute with that and 10.6 with 256, at the same tokens/s; malloc_trim and
+# MALLOC_ARENA_MAX=2 did not slow it (docs/deploy.md, Memory; `python -m benchmarks.kvpool_rss`).
+os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "256")
 
 import dataclasses  # noqa: E402
 import logging  # noqa: E402

@@ -302,3 +302,25 @@ def test_the_replicas_pool_ages_its_shallow_hits(tiny_model):
         assert isinstance(policy, HybridPolicy) and policy.half_life == POOL_HIT_HALF_LIFE_S
     finally:
         replica.engine.stop()
+
+
+@pytest.mark.parametrize(("given", "want"), [(None, "256"), ("1024", "1024")])
+def test_the_replica_caps_onednns_primitive_cache_unless_the_environment_sets_it(given, want):
+    """oneDNN keeps a compiled kernel (~0.65 MiB) per forward size up to 1,024 by default: a
+    replica's RSS rose 20 MiB a minute under steady traffic, 10.6 with 256 (docs/deploy.md,
+    Memory). `python -m services.kvpool` sets 256 before torch loads; an operator's value
+    stands."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    name = "ONEDNN_PRIMITIVE_CACHE_CAPACITY"
+    root = Path(__file__).resolve().parents[2]
+    env = {k: v for k, v in os.environ.items() if k != name}
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(root / "gen")])
+    if given is not None:
+        env[name] = given
+    out = subprocess.run(
+        [sys.executable, "-c", f"import os, services.kvpool.__main__; print(os.environ[{name!r}])"],
+        cwd=root, env=env, capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == want
