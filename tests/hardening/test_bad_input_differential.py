@@ -395,7 +395,10 @@ class SemanticWorld:
         if rpc == "Invalidate":
             if rng.random() < 0.6:
                 return semantic_pb2.InvalidateRequest(id=self.known_id(rng))
-            return semantic_pb2.InvalidateRequest(namespace=self.ns(rng))
+            if rng.random() < 0.75:
+                return semantic_pb2.InvalidateRequest(namespace=self.ns(rng))
+            # Every entry of one tenant, in every namespace (erasure on request).
+            return semantic_pb2.InvalidateRequest(tenant=pick(rng, self.tenants))
         return semantic_pb2.SemanticStatsRequest()
 
     @staticmethod
@@ -468,6 +471,9 @@ class SemanticWorld:
         def id_empty_target(rng, r):
             r.id = ""
 
+        def tenant_target_bad(rng, r):  # required, as a namespace's tenant is
+            r.tenant = pick(rng, ("", " ", "\t", "\u3164", "\u200b", "t" * 257, "t" * 256))
+
         if rpc == "Lookup":
             return [*ns_fix, text_bad, tier_bad, threshold_bad]
         if rpc == "Store":
@@ -475,7 +481,7 @@ class SemanticWorld:
         if rpc == "Verify":
             return [id_bad]
         if rpc == "Invalidate":
-            return [no_target, id_empty_target, id_bad, *ns_fix]
+            return [no_target, id_empty_target, id_bad, tenant_target_bad, *ns_fix]
         return []
 
     # -- the model of the docs --
@@ -524,6 +530,9 @@ class SemanticWorld:
                 v.bad(INVALID, "target")
             elif which == "namespace":
                 self.expect_ns(v, r)
+            elif which == "tenant":
+                if blank(r.tenant) or len(r.tenant) > self.cfg.max_tenant_chars:
+                    v.bad(INVALID, "tenant")
             elif not r.id:
                 v.bad(INVALID, "id")
             elif r.id not in self.entries.values():
@@ -555,6 +564,9 @@ class SemanticWorld:
             if r.WhichOneof("target") == "id":
                 assert resp.removed == 1, resp
                 gone = [k for k, i in self.entries.items() if i == r.id]
+            elif r.WhichOneof("target") == "tenant":
+                gone = [k for k in self.entries if k[0][0] == r.tenant]
+                assert resp.removed == len(gone), (resp, gone)
             else:
                 ns = self.key_ns(r.namespace)
                 gone = [k for k in self.entries if k[0] == ns]
