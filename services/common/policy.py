@@ -47,8 +47,11 @@ class HybridPolicy(EvictionPolicy):
 
     `half_life` (seconds of `last_access`; None = counts never age): a block's hits count
     half as much per half-life since its last use, so a base hot yesterday does not outrank
-    one hot today for good. Ranked by log2(1 + hits) + last_access / half_life: the same
-    order as the aged counts at any later moment, so a key computed once stays right."""
+    one hot today for good. Ranked by log2(1 + hits) + last_access / half_life, that is by
+    (1 + hits) halved per half-life since the last use (the 1 keeps a block not reused yet
+    from ranking below every block ever reused, however long ago): the same order at any
+    later moment, so a key computed once stays right. Not the order of the aged hits alone:
+    1 hit now ties with 3 an hour ago (2 vs 4 halved), where the aged hits say 1 < 1.5."""
 
     def __init__(self, shallow_tokens: int = 128, half_life: float | None = None) -> None:
         if shallow_tokens < 0:
