@@ -9,7 +9,8 @@ is how many live block tables list it; its state (in_use / pinned / cached / fre
 from those; the hash table is a dict keyed by chain; a block's children are found by scanning
 the table; the eviction candidates are rebuilt from scratch at every step (committed,
 unreferenced, unpinned, no committed child) and ranked by the documented keys (shallow blocks,
-starting before `shallow_tokens`, by fewest hits then oldest use; deep ones by oldest use;
+starting before `shallow_tokens`, by fewest hits (with a half-life, as the replica's policy:
+hits + 1 halved per half-life since the last use) then oldest use; deep ones by oldest use;
 every deep one first). Ties are undocumented: the pool may take any candidate with the
 smallest key, and the model follows the pool's pick. Likewise for release_pins (any deepest
 first selection) and for the ids a new allocation gets (any free blocks).
@@ -55,6 +56,7 @@ is the full run (`KVPOOL_POOL_DIFFERENTIAL_STEPS` sets the history length).
 
 from __future__ import annotations
 
+import math
 import os
 import random
 from dataclasses import dataclass, field
@@ -123,8 +125,9 @@ class Model:
     """The pool as its docs describe it; brute force over every block at every step."""
 
     def __init__(self, n: int, bs: int, shallow: int, hasher: BlockHasher, clock: Clock,
-                 max_pinned: int, max_per_salt: int, lru: bool = False) -> None:
-        self.lru = lru
+                 max_pinned: int, max_per_salt: int, lru: bool = False,
+                 half_life: float | None = None) -> None:
+        self.lru, self.half_life = lru, half_life
         self.n, self.bs, self.shallow, self.hasher, self.clock = n, bs, shallow, hasher, clock
         self.max_pinned, self.max_per_salt = max_pinned, max_per_salt
         self.blocks = [MBlock() for _ in range(n)]
@@ -182,6 +185,11 @@ class Model:
         if self.lru:
             return (0, blk.last)
         if self.start(b) < self.shallow:  # LFU, the older first among equal hits
+            if self.half_life is not None:
+                # hits + 1 halved per half-life since the last use, as of now (policy.py);
+                # rounded so that equal aged counts compare equal in floats.
+                aged = math.log2(1 + blk.hits) - (self.now() - blk.last) / self.half_life
+                return (1, round(aged, 9), blk.last)
             return (1, blk.hits, blk.last)
         return (0, blk.last)  # LRU; every deep block before any shallow one
 
@@ -304,18 +312,23 @@ class Harness:
         self.n = n = rng.randint(2, 12)
         self.shallow = rng.choice([0, bs, 2 * bs, 3 * bs, rng.randint(0, 3 * bs), 10_000])
         self.lru = rng.random() < 0.15  # LRUPolicy: every block by recency alone
+        # Shallow hits aging (the replica's policy), over ticks of 0 to 5; drawn apart, so that
+        # each seed's history is the one it was before.
+        self.half_life = random.Random(~self.seed).choice([None, None, 0.5, 4.0])
         max_pinned = rng.choice([None, None, 0, 1, 2, n // 2, n])
         mp = n if max_pinned is None else max_pinned
         max_per_salt = rng.choice([None, None, 1, 2, max(1, mp // 2)])
         self.clock = Clock(rng.choice([0.0, 1000.0]))
         self.hasher = BlockHasher("m", bs, key=b"k")
         cls = EagerCompactionPool if rng.random() < 0.5 else BlockPool
-        self.pool = cls(n, bs, self.hasher, HybridPolicy(self.shallow), clock=self.clock,
-                              max_pinned=max_pinned, max_pinned_per_salt=max_per_salt)
+        self.pool = cls(n, bs, self.hasher, HybridPolicy(self.shallow, self.half_life),
+                        clock=self.clock, max_pinned=max_pinned,
+                        max_pinned_per_salt=max_per_salt)
         if self.lru:
             self.pool.policy = LRUPolicy()
         self.model = Model(n, bs, self.shallow, self.hasher, self.clock, mp,
-                           mp if max_per_salt is None else max_per_salt, self.lru)
+                           mp if max_per_salt is None else max_per_salt, self.lru,
+                           self.half_life)
         self.index: dict[bytes, tuple] = {}
         self.live: dict[str, DSeq] = {}
         self.history: list[tuple[list[int], str]] = []
