@@ -515,7 +515,14 @@ class EntryStore:
         if self.path == ":memory:":
             return True
         with _full_is_exhausted(), _damaged_is_named(self.path), self._lock:
-            busy = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            # Without waiting: under the store lock SQLite's busy timeout (5 s) stalled every
+            # Store and hit flush that long behind a backup's read, only to warn after.
+            wait = self._db.execute("PRAGMA busy_timeout").fetchone()[0]
+            self._db.execute("PRAGMA busy_timeout = 0")
+            try:
+                busy = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
+            finally:
+                self._db.execute(f"PRAGMA busy_timeout = {int(wait)}")
         if busy:
             log.warning("%s: the WAL was not emptied (another connection reads the database);"
                         " deleted rows may stay readable in its -wal file until it is", self.path)

@@ -94,6 +94,30 @@ def test_deleted_rows_are_overwritten_and_the_wal_can_be_emptied(tmp_path):
     st.close()
 
 
+def test_emptying_the_wal_behind_a_reader_does_not_wait_under_the_store_lock(tmp_path):
+    """A backup reading the database keeps the WAL from being emptied: truncate_wal says so at
+    once (the caller calls again) instead of waiting SQLite's busy timeout under the store's
+    lock, which stalled every Store and hit flush 5 s; the timeout is the same afterwards."""
+    import sqlite3
+    import time
+
+    st = EntryStore(str(tmp_path / "s.db"), "NORMAL")
+    wait = st._db.execute("PRAGMA busy_timeout").fetchone()[0]
+    insert(st, "one")
+    reader = sqlite3.connect(str(tmp_path / "s.db"))
+    reader.execute("BEGIN")
+    reader.execute("SELECT count(*) FROM entries").fetchone()  # a read snapshot held
+    insert(st, "two")  # a WAL frame the reader's snapshot predates
+    t0 = time.monotonic()
+    assert st.truncate_wal() is False
+    assert time.monotonic() - t0 < wait / 1000 / 2
+    assert st._db.execute("PRAGMA busy_timeout").fetchone()[0] == wait
+    reader.rollback()
+    reader.close()
+    assert st.truncate_wal() is True
+    st.close()
+
+
 def test_a_group_readable_database_of_ours_is_tightened(tmp_path):
     import os
     import stat
