@@ -672,6 +672,9 @@ class Orchestrator:
             # The first "needs more KV blocks than the pool has": the client's answer if no
             # replica with a larger pool takes the request either.
             too_big: grpc.RpcError | None = None
+            # The largest pool among the replicas tried that failed otherwise (lost, busy): a
+            # smaller pool's "too big" after it is no verdict, the request fits there once back.
+            failed_pool = 0
             why_public = ""  # the last replica failure, as the client may see it
             route = ""
             while final is None:
@@ -840,11 +843,13 @@ class Orchestrator:
                                   e.details())
                     elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
                           and (e.details() or "").startswith("token_ids:")
-                          and self._larger_pool(replica, exclude)):
+                          and (self._larger_pool(replica, exclude)
+                               or failed_pool > _pool_blocks(replica))):
                         # Too big for this replica's pool, not for every one: pools sized by
                         # kv_cache_bytes differ with each replica's hardware.
                         larger = True
-                        too_big = too_big or e
+                        if failed_pool <= _pool_blocks(replica):
+                            too_big = too_big or e
                         if _LOAD_LINES.allow((f"replica {replica.replica_id}", "too small")):
                             log.info("replica %s cannot hold the request (%s); trying a larger "
                                      "pool", replica.replica_id, e.details())
@@ -864,7 +869,10 @@ class Orchestrator:
                         None if busy or larger
                         or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
                     why = f"{code.name}: {e.details()}"
-                    why_public = f"{code.name}: {e.details()}" if busy else code.name
+                    if not (larger and why_public):
+                        # A small pool's refusal after a replica failed keeps that failure as
+                        # the last reason ("last: RESOURCE_EXHAUSTED" named no replica's fault).
+                        why_public = f"{code.name}: {e.details()}" if busy else code.name
                     if held.hung and code == grpc.StatusCode.CANCELLED:
                         # Cancelled by us, the replica found hung: gRPC's own "Locally
                         # cancelled by application!" read as if someone had asked for it.
@@ -893,6 +901,7 @@ class Orchestrator:
                     # the request may fit there once it is back, so "too big" is not the
                     # answer (it was, though that replica never said so).
                     too_big = None
+                    failed_pool = max(failed_pool, _pool_blocks(replica))
                 if lost is not None and not held.hung:
                     # Not when the poller found it hung and we cut the call: it holds the
                     # replica down with why, and our own CANCELLED ("Locally cancelled by
@@ -1090,7 +1099,7 @@ class Orchestrator:
 
     def _larger_pool(self, replica, exclude: set) -> bool:
         """Whether a healthy replica not tried yet has more KV blocks than `replica`."""
-        mine = replica.stats.blocks_total if replica.stats is not None else 0
+        mine = _pool_blocks(replica)
         return any(r.stats is not None and r.stats.blocks_total > mine
                    for r in self.replicas.healthy()
                    if r is not replica and r.replica_id not in exclude
@@ -1123,6 +1132,11 @@ def _within(timeout_s: float, deadline: float, share: float = 1.0) -> float | No
     None when the deadline has passed."""
     left = deadline - time.monotonic()
     return None if left <= 0 else min(timeout_s, share * left)
+
+
+def _pool_blocks(replica) -> int:
+    """`replica`'s KV blocks as its last Stats said (0 before any)."""
+    return replica.stats.blocks_total if replica.stats is not None else 0
 
 
 def _give_up(too_big: grpc.RpcError | None, all_busy: bool, busy: str,

@@ -29,6 +29,7 @@ from tests.orchestrator.test_contracts import (
 from tests.orchestrator.test_pipeline_paths import (
     PROMPT,
     TENANT,
+    Busy,
     Call,
     RpcError,
     Stub,
@@ -439,3 +440,32 @@ def test_a_request_when_every_replica_serves_another_model_is_refused_naming_bot
     orch.replicas.replicas[1].misfit = ""
     assert finished(generate(orch, [])).report.replica_id == "B"
     assert stubs["A"].requests == [] and len(stubs["B"].requests) == 1
+
+
+
+@pytest.mark.parametrize("first", ["lost", "lost_mid_answer", "busy"])
+def test_a_small_pool_after_the_larger_one_failed_is_not_too_big(first):
+    """Routed first to the replica with the larger pool (it held the prefix), lost there
+    (before or after its first token) or found busy, then refused by a smaller pool: the
+    small pool's "need 300 KV blocks" was the client's answer, a request that fits the
+    cluster refused as too big for good (its figures those of the resumed request: prompt
+    plus the tokens streamed). Unavailable or busy (retry later) instead, as when the small
+    pool was tried first."""
+    class TooBig(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return "token_ids: prompt + max_tokens need 300 KV blocks, the pool has 200"
+
+    msgs = ([kvpool_pb2.KvGenerateResponse(token_ids=[ord("o")])]
+            if first == "lost_mid_answer" else [])
+    fail = Busy() if first == "busy" else RpcError(grpc.StatusCode.UNAVAILABLE)
+    orch = sized(make({"A": Stub("A", [Call([], TooBig())]), "B": Stub("B", [Call(msgs, fail)])}),
+                 {"A": 200, "B": 400})
+    orch.routing = in_order("B", "A")
+    with pytest.raises(errors.TierCacheError) as e:
+        generate(orch, [])
+    assert "need 300 KV blocks" not in str(e.value)
+    assert e.value.code == ("RESOURCE_EXHAUSTED" if first == "busy" else "UNAVAILABLE")
+    assert "last: RESOURCE_EXHAUSTED" not in str(e.value)
