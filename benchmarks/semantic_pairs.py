@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import io
 import json
 import sys
 import uuid
@@ -40,7 +41,9 @@ def read_pairs(path: Path) -> tuple[list[tuple[str, str, int]], int]:
     delimiter = "\t" if text.split("\n", 1)[0].count("\t") else ","
     pairs: list[tuple[str, str, int]] = []
     skipped = 0
-    reader = csv.reader(text.splitlines(), delimiter=delimiter,
+    # The text itself, not its lines: a quoted field may hold a newline (QQP's do), and a
+    # row split there was counted skipped twice instead of read.
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter,
                         quoting=csv.QUOTE_NONE if delimiter == "\t" else csv.QUOTE_MINIMAL)
     for n, row in enumerate(reader):
         if len(row) >= 3 and row[-1].strip() in ("0", "1") and row[-3].strip() \

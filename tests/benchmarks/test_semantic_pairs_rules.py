@@ -47,6 +47,12 @@ class Stub:
         self.invalidated.append(req.namespace.tenant)
 
 
+def test_a_quoted_field_holding_a_newline_is_one_row(tmp_path):
+    f = tmp_path / "pairs.csv"
+    f.write_text('id,q1,q2,label\n1,"two\nlines",one line,1\n2,a,b,0\n', encoding="utf-8")
+    assert read_pairs(f) == ([("two\nlines", "one line", 1), ("a", "b", 0)], 0)
+
+
 def test_each_tier_counts_right_and_wrong_hits_and_refusals_and_every_namespace_goes():
     stub = Stub({"same": (True, False, ""), "trap": (True, False, ""),
                  "guarded": (False, True, "numbers differ: 200 mg, 400 mg"),
