@@ -343,10 +343,12 @@ def _ensure_converted(gguf: Path, target: Path, broken: str | None = None) -> Pa
     problem = conversion_problem(target, sid)
     if broken is None and not problem:
         return target
-    if problem and target.exists():
+    if broken is None and problem and target.exists():
         # A cache folder damaged (a node crash, a full disk, a bad copy) or stale: said once,
         # naming the file, before the ~30 s of converting it again; before the lock, so that
-        # a cache folder the service cannot write still says why it had to.
+        # a cache folder the service cannot write still says why it had to. (One that could
+        # not be loaded was said by `load_resolved`: a file changed since would be a second
+        # line for the same repair, as onnx_export's `_ensure_at` avoids.)
         log.warning("the cached conversion %s cannot be used (%s): converting it again",
                     target, problem)
     with _file_lock(target.parent / f".{target.name}.lock"):

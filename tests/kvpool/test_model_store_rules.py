@@ -192,3 +192,27 @@ def test_a_damaged_conversion_is_converted_again_under_a_warning_naming_the_file
         assert len(warned) == 1 and said in warned[0] and str(path) in warned[0], warned
         assert model_store.is_converted(path, sid)
     assert len(loads) == 1 + len(damages)
+
+
+def test_a_conversion_damaged_again_between_load_and_repair_is_said_once(tmp_path: Path,
+                                                                          monkeypatch, caplog):
+    """A conversion that failed to load was said "cannot be loaded", and, if a file changed
+    before the repair looked (a copy still running, a second damage), "cannot be used" too:
+    two WARNINGs for one repair. The load's failure is said; the repair does not say it again
+    (as `onnx_export.ensure_onnx(broken=...)`)."""
+    loads = _fake_gguf(tmp_path, monkeypatch)
+    path = Path(resolve_model("smollm2", cache_dir=str(tmp_path)).path)
+    calls = []
+
+    def load(p: str):
+        calls.append(p)
+        if len(calls) == 1:
+            (path / "config.json").unlink()  # changed after the load, before the repair
+            raise OSError("bad weights")
+        return "model"
+
+    with caplog.at_level("WARNING", logger="services.common.model_store"):
+        _, got = model_store.load_resolved("smollm2", str(tmp_path), None, load)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert got == "model" and len(warned) == 1 and "cannot be loaded" in warned[0], warned
+    assert len(loads) == 2
