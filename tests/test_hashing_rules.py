@@ -37,3 +37,33 @@ def test_a_pure_python_switch_that_is_no_boolean_refuses_the_start(monkeypatch):
     assert load_service_config(PrefixConfig, "prefix", []) is None
     monkeypatch.setenv("TIERCACHE_PURE_PYTHON_HASH", "off")
     assert load_service_config(PrefixConfig, "prefix", []) is not None
+
+
+def test_a_service_says_once_when_hashes_come_from_hashlib(monkeypatch, caplog):
+    """Nothing at run time said that the C hasher was missing (only a slower service): a
+    WARNING when it was not built, INFO when TIERCACHE_PURE_PYTHON_HASH asked for hashlib,
+    each once per process; nothing when the C hasher is used. The prefix index says it as
+    it is built (kvpool and the orchestrator where they build their hasher)."""
+    from services.common import hashing
+    from services.prefix.config import PrefixConfig
+    from services.prefix.server import build_index
+
+    def said() -> list[tuple[str, str]]:
+        return [(r.levelname, r.getMessage()) for r in caplog.records
+                if r.name == "services.common.hashing"]
+
+    with caplog.at_level("INFO", logger="services.common.hashing"):
+        for built, used, level, words in ((False, None, "WARNING", "is not built"),
+                                          (True, None, "INFO", "TIERCACHE_PURE_PYTHON_HASH")):
+            monkeypatch.setattr(hashing, "_built", built)
+            monkeypatch.setattr(hashing, "_blockhash", used)
+            monkeypatch.setattr(hashing, "_said", False)
+            caplog.clear()
+            build_index(PrefixConfig())
+            build_index(PrefixConfig())
+            assert [lv for lv, _ in said()] == [level] and words in said()[0][1], said()
+        monkeypatch.setattr(hashing, "_blockhash", object())
+        monkeypatch.setattr(hashing, "_said", False)
+        caplog.clear()
+        hashing.say_which_hasher()
+        assert said() == []

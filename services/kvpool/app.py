@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from services.common.hashing import BlockHasher
+from services.common.hashing import BlockHasher, say_which_hasher
 from services.common.model_store import (
     SMOLLM2_SPEC,
     ModelStoreError,
@@ -298,6 +298,7 @@ def build_replica(cfg: KvPoolConfig, model: Any | None = None, model_id: str | N
                     "context: a prompt and answer longer than that are refused "
                     "(TIERCACHE_KVPOOL_NUM_BLOCKS / _KV_CACHE_BYTES, or _MAX_CONTEXT)",
                     n * cfg.block_size, n, cfg.block_size, info.max_context)
+    say_which_hasher()
     hasher = BlockHasher(info.model_id, cfg.block_size)
     # Events exist for the publisher; without a prefix index nobody would ever take them.
     pool = BlockPool(n, cfg.block_size, hasher,

@@ -7,7 +7,7 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-from services.common.hashing import BlockHasher, hash_key_from_env
+from services.common.hashing import BlockHasher, hash_key_from_env, say_which_hasher
 from services.common.model_store import eos_token_ids, load_resolved, load_tokenizer
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
 from services.orchestrator.config import OrchestratorConfig
@@ -87,6 +87,7 @@ def build(cfg: OrchestratorConfig) -> App:
                           stall_s=cfg.replica_stall_s,
                           stats_timeout_s=cfg.replica_stats_timeout_s,
                           hung_polls=cfg.replica_hung_polls)
+    say_which_hasher()
     replicas.start()
     semantic = SemanticBackend(cfg.semantic_address, cfg.internal_token, cfg.semantic_timeout_s)
     semantic.start()
