@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from services.common.files import file_digest, fsync_path, remove_aside
+from services.common.logs import isatty
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -433,10 +434,35 @@ def _load_gguf(gguf: Path) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     folder, name = str(gguf.parent), gguf.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    _fix_pre_tokenizer(tokenizer, gguf_pre_type(gguf))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    with _quiet_gguf_bar():
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        _fix_pre_tokenizer(tokenizer, gguf_pre_type(gguf))
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name,
+                                                     dtype=torch.float32)
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _quiet_gguf_bar() -> Iterator[None]:
+    """transformers' GGUF reader draws its own tqdm bar ("Converting and de-quantizing GGUF
+    tensors...", `tqdm.auto` imported into its module), which neither transformers'
+    `disable_progress_bar` nor the hub's switch (`logs.quiet_library_progress_bars`)
+    reaches: into a log file or a pod's stderr it wrote carriage-return lines amid the JSON
+    lines. Off while stderr is no terminal, as those switches are; the conversion's own bar
+    (`_convert`) still says the step."""
+    if isatty(sys.stderr):
+        yield
+        return
+    import functools
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    drawn = gguf_utils.tqdm
+    gguf_utils.tqdm = functools.partial(drawn, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = drawn
 
 
 def gguf_pre_type(gguf: Path) -> str | None:

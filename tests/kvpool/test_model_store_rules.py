@@ -216,3 +216,31 @@ def test_a_conversion_damaged_again_between_load_and_repair_is_said_once(tmp_pat
     warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert got == "model" and len(warned) == 1 and "cannot be loaded" in warned[0], warned
     assert len(loads) == 2
+
+
+def test_transformers_gguf_bar_writes_nothing_when_stderr_is_no_terminal(tmp_path: Path,
+                                                                         monkeypatch):
+    """transformers' GGUF loader draws its own tqdm bar ("Converting and de-quantizing GGUF
+    tensors...", tqdm.auto imported into its module): `logs.quiet_library_progress_bars`
+    does not reach it, and a (re-)conversion wrote its carriage-return lines amid the
+    JSON-lines log. Off while stderr is no terminal; the module's bar is put back after."""
+    import io
+    import sys
+
+    import transformers
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    drawn = gguf_utils.tqdm
+
+    def load(*args, **kwargs):
+        for _ in gguf_utils.tqdm(range(3), desc="Converting and de-quantizing GGUF tensors..."):
+            pass
+        return SimpleNamespace()
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", load)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", load)
+    monkeypatch.setattr(model_store, "gguf_pre_type", lambda g: None)
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    model_store._load_gguf(tmp_path / "x.gguf")
+    assert err.getvalue() == "" and gguf_utils.tqdm is drawn
