@@ -607,6 +607,27 @@ def test_library_progress_bars_are_off_when_logs_go_to_a_file():
     assert r.returncode == 0 and r.stdout.strip() == "False", r.stderr[-2000:]
 
 
+def test_our_own_step_bar_is_a_log_line_per_step_when_logs_go_to_a_file(monkeypatch, caplog):
+    """A conversion's or an export's tqdm bar wrote carriage-return lines into the JSON-lines
+    log (a file, a pod's stderr), as the libraries' bars had: off a terminal each step done
+    is an INFO line instead, naming the step."""
+    import io
+    import logging
+
+    from services.common.logs import step_progress
+
+    err = io.StringIO()
+    monkeypatch.setattr(sys, "stderr", err)
+    caplog.set_level(logging.INFO)
+    with step_progress(2, "converting M", logging.getLogger("t")) as bar:
+        bar.set_postfix_str("load")
+        bar.update(1)
+        bar.update(1)
+    assert [r.getMessage() for r in caplog.records] == [
+        "converting M: 1/2 steps done (load)", "converting M: 2/2 steps done"]
+    assert err.getvalue() == ""
+
+
 def test_thinned_error_lines_are_counted_even_when_their_flood_stops(caplog):
     """The count of lines left out was said only by the same key's next line: a flood that
     stopped was never counted. Any key's line after the window says it, and so does a stop;

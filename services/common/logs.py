@@ -191,11 +191,49 @@ def isatty(stream) -> bool:
         return False
 
 
+def step_progress(total: int, desc: str, logger: logging.Logger):
+    """A bar for our own long work of `total` steps (a conversion, an export): tqdm's on a
+    terminal; elsewhere (a log file, a pod's stderr) an INFO line on `logger` per step done,
+    "<desc>: 2/4 steps done (<the step's note>)". tqdm's bar there was a line of carriage
+    returns amid the JSON lines, which broke their parsing as the libraries' bars did."""
+    if isatty(sys.stderr):
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+    return _StepLines(total, desc, logger)
+
+
+class _StepLines:
+    """`step_progress` off a terminal: tqdm's update / set_postfix_str / close, as log lines."""
+
+    def __init__(self, total: int, desc: str, logger: logging.Logger) -> None:
+        self.total, self.desc, self.log = total, desc, logger
+        self.n, self.note = 0, ""
+
+    def set_postfix_str(self, note: str) -> None:
+        self.note = note  # the step under way: said when it is done
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        self.log.info("%s: %d/%d steps done%s", self.desc, self.n, self.total,
+                      f" ({self.note})" if self.note else "")
+        self.note = ""
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> _StepLines:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
 def quiet_library_progress_bars() -> None:
     """Turns off transformers' and the hub's own progress bars ("Loading weights: 0%|...\\r"):
     written to a log file or a pod's stderr, each was a line of carriage returns amid the
     JSON lines, which broke their parsing. Our own long work (a conversion, an export) still
-    says how far it is."""
+    says how far it is, a log line per step (`step_progress`)."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read where imported later
     if "huggingface_hub" in sys.modules:
         from huggingface_hub.utils import disable_progress_bars

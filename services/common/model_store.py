@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
 from services.common.files import file_digest, fsync_path, remove_aside
-from services.common.logs import isatty
+from services.common.logs import isatty, step_progress
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -367,16 +367,13 @@ def _ensure_converted(gguf: Path, target: Path, broken: str | None = None) -> Pa
 
 
 def _convert(gguf: Path, target: Path, source: str = "") -> None:
-    from tqdm import tqdm
-
     steps = ["load GGUF (slow: parses metadata, dequantizes)", "save weights", "save tokenizer",
              "publish"]
     t0 = time.monotonic()
     log.info("converting %s -> %s (once)", gguf.name, target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
-        with tqdm(total=len(steps), desc=f"converting {SMOLLM2_MODEL_ID}", unit="step",
-                  file=sys.stderr, dynamic_ncols=True) as bar:
+        with step_progress(len(steps), f"converting {SMOLLM2_MODEL_ID}", log) as bar:
             bar.set_postfix_str(steps[0])
             model, tokenizer = _load_gguf(gguf)
             bar.update(1)

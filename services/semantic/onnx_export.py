@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from services.common.files import file_digest, fsync_path, remove_aside
+from services.common.logs import step_progress
 from services.common.model_store import readable_weights
 
 log = logging.getLogger(__name__)
@@ -160,10 +161,9 @@ def _is_documentation(name: str) -> bool:
 def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript") -> None:
     """Exports the transformer + pooling + normalisation into `out_dir/model.onnx`."""
     import torch
-    from tqdm import tqdm
     from transformers import AutoModel
 
-    steps = tqdm(total=4, desc=f"ONNX export of {spec.model_dir.name}", unit="step")
+    steps = step_progress(4, f"ONNX export of {spec.model_dir.name}", log)
     # Eager attention: the SDPA path drops an all-ones mask at trace time, which would bake
     # "no padding" into the graph.
     with readable_weights(spec.model_dir, "TIERCACHE_SEMANTIC_MODEL_DIR", ValueError):
