@@ -50,6 +50,7 @@ from typing import Any
 import grpc
 
 from benchmarks.emit import verdicts
+from services.launcher import wait_healthy
 
 # Same OpenMP waiting policy as the kvpool process, so the in-process baselines are not
 # handicapped (torch is imported lazily, after this).
@@ -131,23 +132,8 @@ def start_server(num_blocks: int, **extra: str) -> tuple[subprocess.Popen, str]:
                **{f"TIERCACHE_KVPOOL_{k.upper()}": v for k, v in extra.items()})
     proc = subprocess.Popen([sys.executable, "-m", "services.kvpool"], cwd=ROOT, env=env)
     addr = f"127.0.0.1:{port}"
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    ch = grpc.insecure_channel(addr)
-    stub = health_pb2_grpc.HealthStub(ch)
-    end = time.monotonic() + 300
-    while time.monotonic() < end:
-        if proc.poll() is not None:
-            raise RuntimeError("kvpool exited during start-up")
-        try:
-            r = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
-            if r.status == health_pb2.HealthCheckResponse.SERVING:
-                ch.close()
-                return proc, addr
-        except grpc.RpcError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("kvpool did not become healthy")
+    wait_healthy(addr, 300, proc, env={})  # plaintext, as this process starts it
+    return proc, addr
 
 
 class Client:

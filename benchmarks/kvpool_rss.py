@@ -41,6 +41,7 @@ from pathlib import Path
 import grpc
 
 from benchmarks.kvpool import Client, free_port
+from services.launcher import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
@@ -105,23 +106,13 @@ def start(env_extra: dict[str, str], settings: dict[str, str], port: int = 0,
                     sys.stdout.write(line)
 
         threading.Thread(target=count, daemon=True).start()
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
     addr = f"127.0.0.1:{port}"
-    with grpc.insecure_channel(addr) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
-        end = time.monotonic() + 300
-        while time.monotonic() < end:
-            if proc.poll() is not None:
-                raise RuntimeError("kvpool exited during start-up")
-            try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                    return proc, addr
-            except grpc.RpcError:
-                pass
-            time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError("kvpool did not become healthy")
+    try:
+        wait_healthy(addr, 300, proc, env={})
+    except TimeoutError:
+        proc.kill()
+        raise
+    return proc, addr
 
 
 def shapes_probe(sizes: int = 512, step: int = 128) -> list[dict]:
