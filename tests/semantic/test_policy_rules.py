@@ -21,3 +21,16 @@ def test_a_refused_threshold_is_said_as_written_not_as_its_float32(sent, said):
     with pytest.raises(InvalidArgument) as ei:
         policy.resolve("", float(np.float32(sent)))
     assert str(ei.value) == f"threshold: must be 0 (tier default) or in [0.85, 1], got {said}"
+
+
+def test_a_similarity_exactly_the_tolerance_below_the_threshold_is_a_hit():
+    """The boundary is inclusive: `decide` counts a similarity within HIT_TOLERANCE below the
+    entry's threshold as at it, the tolerance itself included (`>=`, not `>`)."""
+    from services.semantic.policy import HIT_TOLERANCE, Outcome
+
+    policy = ThresholdPolicy.from_config(SemanticConfig())
+    resolved = policy.resolve("standard")
+    at = resolved.threshold - HIT_TOLERANCE
+    assert policy.decide(at, resolved, False).outcome is Outcome.HIT
+    below = np.nextafter(at, 0.0)
+    assert policy.decide(below, resolved, False).outcome is not Outcome.HIT
