@@ -376,3 +376,14 @@ def test_shallow_hits_age_so_a_base_hot_long_ago_goes_before_one_hot_now() -> No
     pool2.close("n")
     assert pool2.eviction_order() == [pool2.match(new)[0], pool2.match(old)[0]]
 
+
+
+@pytest.mark.parametrize("half_life", [0.0, -1.0, float("nan")])
+def test_a_hit_half_life_that_is_not_positive_is_refused(half_life):
+    """Keys divide last_access by half_life: 0 would fail with ZeroDivisionError at the first
+    shallow block's key (a negative one would rank by age backwards), so the policy refuses it
+    when built."""
+    with pytest.raises(ValueError, match="half_life must be > 0"):
+        HybridPolicy(128, half_life)
+    assert HybridPolicy(128, None).half_life is None
+    assert HybridPolicy(128, 1e-9).half_life == 1e-9
