@@ -124,3 +124,17 @@ def test_the_reap_queue_is_dropped_once_nothing_is_unheld() -> None:
     assert h(1) in tree and h(2) not in tree and len(tree) == 1
     assert not tree._reap and tree._reap_at == 0
     tree.check_integrity()
+
+
+def test_a_match_that_leaves_its_chain_stops_where_the_parent_link_breaks() -> None:
+    """A list that is not one chain falls back to a walk along parent links: a held node at
+    the right depth under another first block is not the next block of this chain, and
+    nothing after it counts (the tail may be this chain's again, as here)."""
+    tree = new_tree()
+    tree.store(ROOT, [h(1), h(2), h(3), h(4)], list(range(16)), 0, 1)  # replica 0
+    tree.store(ROOT, [h(1)], list(range(4)), 1, 2)  # replica 1: the first block only
+    tree.store(ROOT, [h(5), h(6)], list(range(50, 58)), 0, 3)  # h6: depth 1 under h5
+    segs = tree.match([h(1), h(6), h(3), h(4)], 4)
+    assert [(s.holders, s.blocks) for s in segs] == [(0b11, 1)]
+    assert tree.get(h(1)).hits == 1  # type: ignore[union-attr]
+    assert tree.get(h(4)).hits == 0  # type: ignore[union-attr]
