@@ -67,3 +67,31 @@ def test_a_service_says_once_when_hashes_come_from_hashlib(monkeypatch, caplog):
         caplog.clear()
         hashing.say_which_hasher()
         assert said() == []
+
+
+def test_only_salt_sized_roots_are_cached():
+    """`root` keeps salts of up to 128 characters: a caller's long string is hashed each time
+    instead of staying resident (same value either way)."""
+    hasher = BlockHasher("m", 4, key=b"k")
+    long_root = hasher.root("s" * 129)
+    assert hasher._roots == {}
+    assert hasher.root("s" * 129) == long_root
+    hasher.root("s" * 128)
+    assert list(hasher._roots) == ["s" * 128]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_the_hash_memo_stays_within_two_generations(native):
+    """The span memo drops its older generation once the young one holds `memo_blocks`
+    blocks: distinct prompts never grow it past about two generations, and the hashes stay
+    those of a hasher without a memo."""
+    from services.common.hashing import SPAN_BLOCKS
+
+    memo = 2 * SPAN_BLOCKS
+    hasher = BlockHasher("m", 4, key=b"k", memo_blocks=memo, native=native)
+    plain = BlockHasher("m", 4, key=b"k", memo_blocks=0, native=native)
+    for i in range(50):
+        toks = [i] + list(range(4 * SPAN_BLOCKS - 1))  # one full span each
+        assert hasher.hashes(toks) == plain.hashes(toks)
+        held = (len(hasher._young) + len(hasher._old)) * SPAN_BLOCKS
+        assert held <= 2 * memo
