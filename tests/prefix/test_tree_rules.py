@@ -138,3 +138,14 @@ def test_a_match_that_leaves_its_chain_stops_where_the_parent_link_breaks() -> N
     assert [(s.holders, s.blocks) for s in segs] == [(0b11, 1)]
     assert tree.get(h(1)).hits == 1  # type: ignore[union-attr]
     assert tree.get(h(4)).hits == 0  # type: ignore[union-attr]
+
+
+def test_a_walked_match_gives_one_segment_per_holder_set_and_none_empty() -> None:
+    """Along the walk, a block held by the same replicas as the next one adds no segment:
+    every segment names the replicas whose match ends there (none with no holders)."""
+    tree = new_tree()
+    tree.store(ROOT, [h(1), h(2), h(3)], list(range(12)), 0, 1)  # replica 0
+    tree.store(ROOT, [h(1)], list(range(4)), 1, 2)  # replica 1: the first block only
+    tree.store(ROOT, [h(i) for i in range(10, 15)], list(range(50, 70)), 2, 3)  # replica 2
+    segs = tree.match([h(1), h(2), h(3), h(13), h(14)], 4)  # h13: depth 3, not under h3
+    assert [(s.holders, s.blocks) for s in segs] == [(0b01, 3), (0b10, 1)]
