@@ -27,6 +27,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -439,6 +440,11 @@ def _load_gguf(gguf: Path) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+_GGUF_BAR_LOCK = threading.Lock()
+_gguf_quiet = 0  # conversions under way with transformers' GGUF bar off
+_gguf_drawn: Any = None  # that bar as found by the first of them
+
+
 @contextlib.contextmanager
 def _quiet_gguf_bar() -> Iterator[None]:
     """transformers' GGUF reader draws its own tqdm bar ("Converting and de-quantizing GGUF
@@ -454,12 +460,21 @@ def _quiet_gguf_bar() -> Iterator[None]:
 
     from transformers import modeling_gguf_pytorch_utils as gguf_utils
 
-    drawn = gguf_utils.tqdm
-    gguf_utils.tqdm = functools.partial(drawn, disable=True)
+    # Counted: conversions overlapping in one process (two cache folders) each put back what
+    # they found, so the first done turned it on under the second, and the second left it off.
+    global _gguf_quiet, _gguf_drawn
+    with _GGUF_BAR_LOCK:
+        if _gguf_quiet == 0:
+            _gguf_drawn = gguf_utils.tqdm
+            gguf_utils.tqdm = functools.partial(_gguf_drawn, disable=True)
+        _gguf_quiet += 1
     try:
         yield
     finally:
-        gguf_utils.tqdm = drawn
+        with _GGUF_BAR_LOCK:
+            _gguf_quiet -= 1
+            if _gguf_quiet == 0:
+                gguf_utils.tqdm = _gguf_drawn
 
 
 def gguf_pre_type(gguf: Path) -> str | None:

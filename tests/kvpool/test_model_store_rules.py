@@ -244,3 +244,23 @@ def test_transformers_gguf_bar_writes_nothing_when_stderr_is_no_terminal(tmp_pat
     monkeypatch.setattr(sys, "stderr", err)
     model_store._load_gguf(tmp_path / "x.gguf")
     assert err.getvalue() == "" and gguf_utils.tqdm is drawn
+
+
+def test_two_overlapping_conversions_leave_transformers_gguf_bar_as_it_was(monkeypatch):
+    """Two conversions in one process (two cache folders: each its own file lock) overlap:
+    the first to finish put the bar back under the second, whose tensors then drew it, and
+    the second put back the first's disabled bar, which stayed for the process's life."""
+    import io
+    import sys
+
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    drawn = gguf_utils.tqdm
+    monkeypatch.setattr(sys, "stderr", io.StringIO())
+    first, second = model_store._quiet_gguf_bar(), model_store._quiet_gguf_bar()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert gguf_utils.tqdm is not drawn  # the second still converts: still off
+    second.__exit__(None, None, None)
+    assert gguf_utils.tqdm is drawn
