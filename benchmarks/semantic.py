@@ -632,10 +632,10 @@ def _exact_top(scores: np.ndarray, pos: int | None) -> bool:
 
 def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> dict:
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
     from tiercache.v1 import semantic_pb2 as pb
     from tiercache.v1 import semantic_pb2_grpc as pbg
 
+    from services.launcher import wait_healthy
     from services.semantic.store import EntryStore
 
     cfg = SemanticConfig()
@@ -668,17 +668,9 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
         proc = subprocess.Popen([sys.executable, "-m", "services.semantic"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
+            # Plaintext, as this process starts it; loading 100k entries took ~18 s.
+            wait_healthy(f"127.0.0.1:{port}", 600, proc, env={})
             ch = grpc.insecure_channel(f"127.0.0.1:{port}")
-            health = health_pb2_grpc.HealthStub(ch)
-            while True:
-                if proc.poll() is not None:
-                    raise RuntimeError("semantic service exited during start")
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == 1:
-                        break
-                except grpc.RpcError:
-                    pass
-                time.sleep(0.2)
             start_s = time.perf_counter() - t0
             log(f"{size}: service loaded and indexed in {start_s:.1f}s")
             stub = pbg.SemanticCacheStub(ch)

@@ -811,8 +811,9 @@ class FakeServer:
 
 def test_latency_figures_match_the_model(monkeypatch, tmp_path):
     import grpc
-    from grpc_health.v1 import health_pb2_grpc
     from tiercache.v1 import semantic_pb2_grpc
+
+    from services import launcher
 
     cfg = SemanticConfig()
     for seed in range(SEEDS):
@@ -860,8 +861,7 @@ def test_latency_figures_match_the_model(monkeypatch, tmp_path):
                     tmp_path / f"s{seed}-{len(server.log)}")))
             m.setattr(bench.subprocess, "Popen", server.popen)
             m.setattr(grpc, "insecure_channel", lambda target: object())
-            m.setattr(health_pb2_grpc, "HealthStub", lambda ch: types.SimpleNamespace(
-                Check=lambda req, timeout=None: types.SimpleNamespace(status=1)))
+            m.setattr(launcher, "wait_healthy", lambda *a, **k: None)  # the fake is up
             m.setattr(semantic_pb2_grpc, "SemanticCacheStub",
                       lambda ch, server=server: types.SimpleNamespace(Lookup=server.lookup,
                                                                       Stats=server.stats))

@@ -55,3 +55,14 @@ def test_the_semantic_settings_the_benchmark_does_not_read_are_named():
     assert settings_not_read(env) == ["TIERCACHE_SEMANTIC_MODEL_DIR",
                                       "TIERCACHE_SEMANTIC_TIER_STRICT"]
     assert settings_not_read({"TIERCACHE_DATA_DIR": "/d"}) == []
+
+
+def test_every_benchmark_waits_for_a_service_with_the_launchers_wait_healthy():
+    """kvpool and kvpool_rss each had a copy of the health loop, now the launcher's
+    `wait_healthy`; semantic's latency part kept its own, with no time limit (a service stuck
+    loading held the benchmark for good)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2] / "benchmarks"
+    own = [p.name for p in sorted(root.glob("*.py")) if "HealthStub" in p.read_text()]
+    assert own == [], own
