@@ -55,7 +55,7 @@ REAP_IDLE_S = 0.25
 
 def build_index(cfg: PrefixConfig) -> PrefixIndex:
     """The index as configured (`max_blocks` within one message: `batch_blocks`)."""
-    hashing.say_which_hasher()  # it hashes every published block (verify_hashes)
+    hashing.say_which_hasher()  # it hashes every Match prompt (published blocks: verify_hashes)
     max_blocks = batch_blocks(cfg.block_size, cfg.max_blocks)
     if max_blocks < cfg.max_blocks:
         log.info("max_blocks %d lowered to %d: a batch of blocks of %d tokens must fit one "
