@@ -144,6 +144,8 @@ def test_concurrent_first_export_is_done_once_and_atomically(tmp_path):
     """Two processes export into an empty cache dir at once: both get a complete model."""
     code = (
         "import sys, json\n"
+        "from services.common.logs import setup_logging\n"
+        "setup_logging('semantic')\n"  # as the service: the export's steps are log lines
         "from services.semantic.onnx_export import ensure_onnx\n"
         "from services.semantic.config import default_model_dir\n"
         "d = ensure_onnx(default_model_dir(), sys.argv[1], 'mini')\n"
@@ -158,7 +160,7 @@ def test_concurrent_first_export_is_done_once_and_atomically(tmp_path):
     assert all(p.returncode == 0 for p in procs), [e[-2000:] for _, e in outs]
     folders = {json.loads(o.strip().splitlines()[-1]) for o, _ in outs}
     assert folders == {str(tmp_path / "onnx" / "mini")}
-    progress = [e for _, e in outs if "ONNX export" in e]
+    progress = [e for _, e in outs if "ONNX export of " in e and "4/4 steps done" in e]
     assert len(progress) == 1, "exactly one process exports (with progress output)"
     assert sorted(os.listdir(tmp_path / "onnx")) == [".mini.lock", "mini"]
     meta = json.loads((tmp_path / "onnx" / "mini" / "meta.json").read_text())
