@@ -342,17 +342,19 @@ def _ensure_converted(gguf: Path, target: Path, broken: str | None = None) -> Pa
     """`target` converted from `gguf`. `broken`: the marker text of a conversion that failed
     to load, converted again unless another process already replaced it."""
     sid = source_id(gguf)
-    problem = conversion_problem(target, sid)
-    if broken is None and not problem:
-        return target
-    if broken is None and problem and target.exists():
-        # A cache folder damaged (a node crash, a full disk, a bad copy) or stale: said once,
-        # naming the file, before the ~30 s of converting it again; before the lock, so that
-        # a cache folder the service cannot write still says why it had to. (One that could
-        # not be loaded was said by `load_resolved`: a file changed since would be a second
-        # line for the same repair, as onnx_export's `_ensure_at` avoids.)
-        log.warning("the cached conversion %s cannot be used (%s): converting it again",
-                    target, problem)
+    if broken is None:
+        # (One that failed to load was said by `load_resolved` and is not checked here: its
+        # digests again, and a file changed since would be a second line for the same repair,
+        # as onnx_export's `_ensure_at` avoids.)
+        problem = conversion_problem(target, sid)
+        if not problem:
+            return target
+        if target.exists():
+            # A cache folder damaged (a node crash, a full disk, a bad copy) or stale: said
+            # once, naming the file, before the ~30 s of converting it again; before the lock,
+            # so that a cache folder the service cannot write still says why it had to.
+            log.warning("the cached conversion %s cannot be used (%s): converting it again",
+                        target, problem)
     with _file_lock(target.parent / f".{target.name}.lock"):
         # Another process may have finished while we waited for the lock (a broken
         # conversion, too: its marker is then another one).
