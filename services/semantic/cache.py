@@ -357,16 +357,19 @@ class SemanticCache:
     def _check_namespace(self, ns: Namespace | None) -> Namespace:
         if ns is None:
             raise InvalidArgument("namespace", "required")
-        for field, value in (("namespace.tenant", ns.tenant),
-                             ("namespace.model_id", ns.model_id)):
-            if blank(value):  # " " or "\u3164" named nobody's tenant or model, as "" does
-                raise InvalidArgument(field, "required (not empty, or only whitespace or "
-                                             "invisible characters)")
-            if len(value) > self.cfg.max_tenant_chars:
-                raise InvalidArgument(field, f"longer than {self.cfg.max_tenant_chars} chars")
+        self._check_name("namespace.tenant", ns.tenant)
+        self._check_name("namespace.model_id", ns.model_id)
         if len(ns.context_hash) > 128 or not _HEX.fullmatch(ns.context_hash):
             raise InvalidArgument("namespace.context_hash", "must be hex, at most 128 chars")
         return Namespace(ns.tenant, ns.model_id, ns.context_hash.lower())
+
+    def _check_name(self, field: str, value: str) -> None:
+        """A tenant or model id: given, visible, at most max_tenant_chars."""
+        if blank(value):  # " " or "\u3164" named nobody's tenant or model, as "" does
+            raise InvalidArgument(field, "required (not empty, or only whitespace or "
+                                         "invisible characters)")
+        if len(value) > self.cfg.max_tenant_chars:
+            raise InvalidArgument(field, f"longer than {self.cfg.max_tenant_chars} chars")
 
     def _check_text(self, field: str, text: str, limit: int) -> None:
         if blank(text):
@@ -1078,11 +1081,7 @@ class SemanticCache:
         rows stayed readable there (`strings semantic.db-wal`) until later writes overwrote
         them. A Store of the tenant's racing this call may land after it: stop the tenant's
         traffic (remove its token) first."""
-        if blank(tenant):
-            raise InvalidArgument("tenant", "required (not empty, or only whitespace or "
-                                            "invisible characters)")
-        if len(tenant) > self.cfg.max_tenant_chars:
-            raise InvalidArgument("tenant", f"longer than {self.cfg.max_tenant_chars} chars")
+        self._check_name("tenant", tenant)
         with self._lock:
             spaces = [ns for ns in self._ns_lru if ns.tenant == tenant]
         n = sum(self.invalidate_namespace(ns) for ns in spaces)
