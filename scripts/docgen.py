@@ -7,6 +7,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
+# This checkout's code first, for the scripts that import this before `services`: run as
+# `python scripts/...`, the path held scripts/ and not the checkout, so a venv shared with
+# another checkout (an editable install of it) documented that one's code here, and the test of
+# this checkout then failed on the file just written.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
 
 def main(argv: list[str] | None, out: Path, render: Callable[[], str], what: str,
          description: str) -> int:
