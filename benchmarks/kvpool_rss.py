@@ -41,6 +41,7 @@ from pathlib import Path
 import grpc
 
 from benchmarks.kvpool import Client, free_port
+from benchmarks.soak import rss_bytes
 from services.launcher import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,11 +50,7 @@ ARENA = 64 << 20  # glibc HEAP_MAX_SIZE on 64-bit: a non-main arena's heap is al
 
 
 def rss_kib(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    return 0
+    return rss_bytes(pid) // 1024
 
 
 def smaps_split(pid: int) -> dict[str, int]:
