@@ -11,10 +11,8 @@ or the comment after it). `tests/test_settings_doc.py` keeps the file current.
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import importlib
-import inspect
 import sys
 from pathlib import Path
 
@@ -22,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import docgen  # noqa: E402 - beside this script (puts this checkout first on the path)
 
-from services.common.config import _shown_default  # noqa: E402 - this checkout's (docgen)
+from services.common.config import _shown_default, field_notes  # noqa: E402 - this checkout's
 
 OUT = ROOT / "docs" / "settings.md"
 CLASSES = (("orchestrator", "services.orchestrator.config", "OrchestratorConfig"),
@@ -56,29 +54,6 @@ hasher, the same digests). The launcher (`make run`) reads `TIERCACHE_REPLICAS` 
 """
 
 
-def _comments(cls: type) -> dict[str, str]:
-    """Field -> the comment written with it in the class's source."""
-    lines, _ = inspect.getsourcelines(cls)
-    source = "".join(lines)
-    out: dict[str, str] = {}
-    tree = ast.parse(inspect.cleandoc("\n" + source) if source.startswith(" ") else source)
-    body = tree.body[0].body  # the class
-    text = source.splitlines()
-    for node in body:
-        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
-            continue
-        row = node.lineno - 1
-        above: list[str] = []
-        k = row - 1
-        while k >= 0 and text[k].strip().startswith("#"):
-            above.insert(0, text[k].strip().lstrip("#").strip())
-            k -= 1
-        line = text[row]
-        after = line.split("#", 1)[1].strip() if "#" in line and '"#' not in line else ""
-        out[node.target.id] = " ".join(p for p in (" ".join(above), after) if p)
-    return out
-
-
 def _default(f: dataclasses.Field) -> str:
     shown = _shown_default(f)  # as --help shows it, but an empty string as ""
     return '""' if shown == "none" else shown
@@ -92,7 +67,7 @@ def render() -> str:
     parts = [HEADER]
     for service, module, name in CLASSES:
         cls = getattr(importlib.import_module(module), name)
-        notes = _comments(cls)
+        notes = field_notes(cls)
         parts.append(f"\n## {service}\n\n| variable | default | meaning |\n|---|---|---|\n")
         for f in dataclasses.fields(cls):
             var = f"TIERCACHE_{service.upper()}_{f.name.upper()}"

@@ -191,3 +191,37 @@ def test_a_number_setting_that_is_no_number_is_named_in_plain_words(var, raw, wa
     with pytest.raises(ConfigError) as e:
         load_config(DemoConfig, "demo", [], environ={var: raw})
     assert str(e.value) == f"{var}: {want}"
+
+
+@pytest.mark.parametrize("service", ["orchestrator", "semantic", "prefix", "kvpool"])
+def test_help_says_what_each_setting_means_from_the_notes_settings_md_shows(service, capsys,
+                                                                             monkeypatch):
+    """--help listed each variable and default but not what it meant; now each flag's help
+    ends with the first sentence (or head) of the note docs/settings.md shows for it, %s and
+    all (argparse %-formats help: "3.4%" raised)."""
+    import dataclasses
+    import importlib
+    import re
+
+    cls = next(v for k, v in vars(importlib.import_module(f"services.{service}.config")).items()
+               if k.endswith("Config") and dataclasses.is_dataclass(v))
+    notes = config.field_notes(cls)
+    monkeypatch.setenv("COLUMNS", "2000")  # no wrapping ("comma-" / "separated")
+    with pytest.raises(SystemExit):
+        load_config(cls, service, ["--help"])
+    out = re.sub(r"\s+", " ", capsys.readouterr().out)
+    for f in dataclasses.fields(cls):
+        assert notes.get(f.name), f"{f.name}: no note (docs/settings.md's meaning is empty)"
+        head = config.summary(notes[f.name])
+        assert len(head) <= config.SUMMARY_CHARS + 4
+        var = config.env_name(service, f.name)
+        assert f"{var}; default {config._shown_default(f)} {head}" in out, f.name
+    assert "docs/settings.md" in out
+
+
+def test_a_meaning_for_help_is_its_first_sentence_or_a_head_outside_brackets():
+    long = "Blocks are ranked by use count (LFU, a count halving per hour) " + "x" * 200
+    assert config.summary("Port to listen on. 0 = any free one.") == "Port to listen on."
+    assert config.summary("Listens on e.g. 0.0.0.0 here. More.") == "Listens on e.g. 0.0.0.0 here."
+    assert config.summary("Draft lengths: " + "y " * 100) == "Draft lengths ..."
+    assert config.summary(long) == "Blocks are ranked by use count ..."

@@ -9,8 +9,10 @@ variable instead of surfacing later as a stray exception.
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import difflib
+import inspect
 import math
 import os
 import re
@@ -109,11 +111,18 @@ def load_config(
     hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
     # No abbreviations: "--max-tokens" silently set max_tokens_limit, not the default.
-    parser = argparse.ArgumentParser(prog=f"python -m services.{service}", allow_abbrev=False)
+    parser = argparse.ArgumentParser(
+        prog=f"python -m services.{service}", allow_abbrev=False, formatter_class=_HelpLines,
+        epilog="Each setting in full: docs/settings.md (the same descriptions).")
+    notes = field_notes(cls)
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        # What the setting means under where it is read from: --help listed names and defaults
+        # only. argparse %-formats help ("3.4%" broke it): a note's % is doubled.
+        meaning = summary(notes.get(f.name, "")).replace("%", "%%")
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
                             metavar=_metavar(hints[f.name]),
-                            help=f"env {env_name(service, f.name)}; default {_shown_default(f)}")
+                            help=f"env {env_name(service, f.name)}; default {_shown_default(f)}"
+                            + (f"\n{meaning}" if meaning else ""))
     args = parser.parse_args(list(argv) if argv is not None else [])
     flags: dict[str, str] = {}  # env name -> the flag that set the field instead
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
@@ -273,6 +282,66 @@ def _shown_default(f: dataclasses.Field) -> str:
     if isinstance(d, tuple):
         return ",".join(map(str, d))
     return str(d)
+
+
+class _HelpLines(argparse.HelpFormatter):
+    """Help keeps its own line breaks (variable and default, then the meaning), each part
+    wrapped as argparse wraps."""
+
+    def _split_lines(self, text: str, width: int) -> list[str]:
+        wrap = super()._split_lines  # not in the comprehension: super() needs this frame
+        return [w for part in text.splitlines() for w in wrap(part, width)]
+
+
+def field_notes(cls: type) -> dict[str, str]:
+    """Field -> the comment written with it in the class's source (the lines just above the
+    field, then the comment after it): docs/settings.md's "meaning" and --help's. {} when the
+    source cannot be read."""
+    try:
+        lines, _ = inspect.getsourcelines(cls)
+    except (OSError, TypeError):
+        return {}
+    source = "".join(lines)
+    out: dict[str, str] = {}
+    tree = ast.parse(inspect.cleandoc("\n" + source) if source.startswith(" ") else source)
+    body = tree.body[0].body  # the class
+    text = source.splitlines()
+    for node in body:
+        if not isinstance(node, ast.AnnAssign) or not isinstance(node.target, ast.Name):
+            continue
+        row = node.lineno - 1
+        above: list[str] = []
+        k = row - 1
+        while k >= 0 and text[k].strip().startswith("#"):
+            above.insert(0, text[k].strip().lstrip("#").strip())
+            k -= 1
+        line = text[row]
+        after = line.split("#", 1)[1].strip() if "#" in line and '"#' not in line else ""
+        out[node.target.id] = " ".join(p for p in (" ".join(above), after) if p)
+    return out
+
+
+# A sentence ends at a full stop before a capital, quote or bracket ("e.g. the" and "0.5 s"
+# do not end one).
+_SENTENCE_END = re.compile(r"(?<!\be\.g)(?<!\bi\.e)\.\s+(?=[A-Z0-9\"'(`])")
+SUMMARY_CHARS = 160
+
+
+def summary(note: str) -> str:
+    """A setting's meaning in one line for --help: the note's first sentence; of a longer one
+    its head up to the first ": " or "; " (what the setting is, before the detail), else up
+    to its last ", " or " (" that fits, never inside brackets ("... ranked by use count (LFU
+    ..." read as broken)."""
+    m = _SENTENCE_END.search(note)
+    first = note[:m.start() + 1] if m else note
+    if len(first) <= SUMMARY_CHARS:
+        return first
+    cuts = [i for i in range(8, SUMMARY_CHARS)
+            if first[i:i + 2] in (": ", "; ", ", ", " (")
+            and first[:i].count("(") == first[:i].count(")")]
+    heads = [i for i in cuts if first[i:i + 2] in (": ", "; ")]
+    cut = heads[0] if heads else cuts[-1] if cuts else first[:SUMMARY_CHARS].rfind(" ")
+    return first[:cut] + " ..."
 
 
 def _metavar(typ: Any) -> str:
