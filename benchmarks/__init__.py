@@ -3,7 +3,18 @@
 from __future__ import annotations
 
 import platform
+from collections.abc import Mapping
 from pathlib import Path
+
+
+def plaintext_env(env: Mapping[str, str]) -> dict[str, str]:
+    """Every TLS variable set in `env` (TIERCACHE_TLS_* and TIERCACHE_<SERVICE>_TLS_*), blanked:
+    merged last into the environment of a server a benchmark starts, so that it serves
+    plaintext as the benchmark's clients (plaintext channels) and its health wait speak it.
+    A shell with the stack's TLS variables exported started TLS servers that the plaintext
+    wait then timed out on. Blank, not removed: the launcher's Stack lays its services'
+    variables over this process's environment, and "" is "unset" to every TLS reader."""
+    return {k: "" for k in env if k.startswith("TIERCACHE_") and "_TLS_" in k}
 
 
 def cpu_model() -> str:

@@ -103,7 +103,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks import cpu_model
+from benchmarks import cpu_model, plaintext_env
 from benchmarks.emit import rounded, verdicts
 from benchmarks.kvpool import write_result
 
@@ -564,7 +564,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="bench-assisted-") as tmp:
         env = {"TIERCACHE_SEMANTIC_DB_PATH": str(Path(tmp) / "semantic.db"),
                "TIERCACHE_KVPOOL_NUM_BLOCKS": "4096", "TIERCACHE_KVPOOL_MAX_BATCH_SIZE": "8",
-               "TIERCACHE_LOG_LEVEL": "WARNING"}
+               "TIERCACHE_LOG_LEVEL": "WARNING",
+               **plaintext_env(os.environ)}  # as Served's channels speak
         stack = Stack(replicas=1, base_port=0, extra_env=env,
                       log_dir=Path("/tmp/tiercache-bench-logs") / "assisted")
         print("starting stack (semantic, prefix, 1 kvpool replica, orchestrator) ...",

@@ -49,6 +49,7 @@ from typing import Any
 
 import grpc
 
+from benchmarks import plaintext_env
 from benchmarks.emit import verdicts
 from services.launcher import wait_healthy
 
@@ -129,10 +130,11 @@ def start_server(num_blocks: int, **extra: str) -> tuple[subprocess.Popen, str]:
     env = dict(os.environ, TIERCACHE_KVPOOL_ADDRESS=f"127.0.0.1:{port}",
                TIERCACHE_KVPOOL_METRICS_PORT="-1", TIERCACHE_KVPOOL_NUM_BLOCKS=str(num_blocks),
                TIERCACHE_KVPOOL_MAX_BATCH_SIZE="8", TIERCACHE_LOG_LEVEL="WARNING",
-               **{f"TIERCACHE_KVPOOL_{k.upper()}": v for k, v in extra.items()})
+               **{f"TIERCACHE_KVPOOL_{k.upper()}": v for k, v in extra.items()},
+               **plaintext_env(os.environ))  # as Client's channel speaks
     proc = subprocess.Popen([sys.executable, "-m", "services.kvpool"], cwd=ROOT, env=env)
     addr = f"127.0.0.1:{port}"
-    wait_healthy(addr, 300, proc, env={})  # plaintext, as this process starts it
+    wait_healthy(addr, 300, proc, env=env)
     return proc, addr
 
 

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks import plaintext_env
 from benchmarks.kvpool import Client, free_port
 from benchmarks.soak import rss_bytes
 from services.launcher import wait_healthy
@@ -89,7 +90,8 @@ def start(env_extra: dict[str, str], settings: dict[str, str], port: int = 0,
     port = port or free_port()
     env = dict(os.environ, TIERCACHE_KVPOOL_ADDRESS=f"127.0.0.1:{port}",
                TIERCACHE_KVPOOL_METRICS_PORT="-1", TIERCACHE_LOG_LEVEL="WARNING",
-               **{f"TIERCACHE_KVPOOL_{k.upper()}": v for k, v in settings.items()}, **env_extra)
+               **{f"TIERCACHE_KVPOOL_{k.upper()}": v for k, v in settings.items()}, **env_extra,
+               **plaintext_env(os.environ))  # as the benchmark's channel speaks
     if created is not None:
         env["ONEDNN_VERBOSE"] = "profile_create"
     proc = subprocess.Popen([sys.executable, "-m", "services.kvpool"], cwd=ROOT, env=env,
@@ -105,7 +107,7 @@ def start(env_extra: dict[str, str], settings: dict[str, str], port: int = 0,
         threading.Thread(target=count, daemon=True).start()
     addr = f"127.0.0.1:{port}"
     try:
-        wait_healthy(addr, 300, proc, env={})
+        wait_healthy(addr, 300, proc, env=env)
     except TimeoutError:
         proc.kill()
         raise

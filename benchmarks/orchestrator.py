@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -33,6 +34,7 @@ from pathlib import Path
 
 from tiercache.v1 import common_pb2
 
+from benchmarks import plaintext_env
 from benchmarks.emit import rounded, verdicts
 from benchmarks.workload import WorkloadSpec, generate
 from clients.python.client import TierCacheClient
@@ -290,6 +292,7 @@ def run_variant(name: str, spec: WorkloadSpec, *, routing: str, caches: bool, nu
         # A fresh semantic store per variant: one run's answers must not serve the next.
         "TIERCACHE_SEMANTIC_DB_PATH": str(Path(tempfile.mkdtemp(prefix=f"bench-{name}-"))
                                           / "semantic.db"),
+        **plaintext_env(os.environ),  # as the clients below (no credentials) speak
     }
     stack = Stack(replicas=2, base_port=0, log_dir=Path("/tmp/tiercache-bench-logs") / name,
                   extra_env=env)

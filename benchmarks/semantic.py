@@ -61,7 +61,7 @@ from pathlib import Path
 
 import numpy as np
 
-from benchmarks import cpu_model
+from benchmarks import cpu_model, plaintext_env
 from benchmarks.emit import verdicts
 from services.semantic.config import SemanticConfig, default_cache_dir
 from services.semantic.embedder import OnnxEmbedder
@@ -663,13 +663,14 @@ def bench_latency(emb: OnnxEmbedder, qqp, sizes: list[int], n_queries: int) -> d
         port = _free_port()
         env = dict(os.environ, TIERCACHE_SEMANTIC_ADDRESS=f"127.0.0.1:{port}",
                    TIERCACHE_SEMANTIC_METRICS_PORT="-1", TIERCACHE_SEMANTIC_DB_PATH=db,
-                   TIERCACHE_SEMANTIC_SQLITE_SYNCHRONOUS="NORMAL", PYTHONPATH=str(ROOT))
+                   TIERCACHE_SEMANTIC_SQLITE_SYNCHRONOUS="NORMAL", PYTHONPATH=str(ROOT),
+                   **plaintext_env(os.environ))  # as the channel below speaks
         t0 = time.perf_counter()
         proc = subprocess.Popen([sys.executable, "-m", "services.semantic"], env=env,
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
-            # Plaintext, as this process starts it; loading 100k entries took ~18 s.
-            wait_healthy(f"127.0.0.1:{port}", 600, proc, env={})
+            # Loading 100k entries took ~18 s.
+            wait_healthy(f"127.0.0.1:{port}", 600, proc, env=env)
             ch = grpc.insecure_channel(f"127.0.0.1:{port}")
             start_s = time.perf_counter() - t0
             log(f"{size}: service loaded and indexed in {start_s:.1f}s")
