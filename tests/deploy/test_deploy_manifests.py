@@ -341,6 +341,27 @@ def test_termination_grace_outlasts_the_drain(rendered: Rendered) -> None:
             f"index close {close}s + snapshot save {save}s")
 
 
+# What one entry holds on a semantic PersistentVolume at most (docs/capacity.md §1): its SQLite
+# row (one 4 KiB page from ~410 characters of question + answer) and, in namespaces past
+# hnsw_min_entries, its vector in the saved HNSW graphs (~1.8 KB), twice while a save writes the
+# new files before removing the old; plus the ONNX export of the embedding model (87 MB).
+SEMANTIC_PV_BYTES_PER_ENTRY = 4150 + 2 * 1800
+ONNX_EXPORT_BYTES = 87e6
+
+
+def test_the_semantic_volume_holds_the_entry_cap_with_its_saved_graphs(rendered: Rendered
+                                                                        ) -> None:
+    """dev's 2Gi claim was sized from SQLite and the export alone; the graphs a stop (and every
+    snapshot_interval_s) saves beside the database live on the same volume."""
+    w = rendered.workload_for("semantic")
+    cfg = load_service_config(rendered, w)
+    claim = next(t for t in w.obj["spec"]["volumeClaimTemplates"]
+                 if t["metadata"]["name"] == "data")
+    need = cfg.max_entries_total * SEMANTIC_PV_BYTES_PER_ENTRY + ONNX_EXPORT_BYTES
+    have = mem_bytes(claim["spec"]["resources"]["requests"]["storage"])
+    assert have >= need, f"{rendered.overlay}: {have / 1e9:.2f} GB claimed, {need / 1e9:.2f} needed"
+
+
 def test_the_orchestrator_drains_as_long_as_the_replicas_it_streams_from(rendered: Rendered
                                                                            ) -> None:
     """Its drain was 30 s against the replicas' 60 s: a rollout of the orchestrator cut the
