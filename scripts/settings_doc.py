@@ -33,9 +33,10 @@ HEADER = """# Settings
 Every setting of the four services, generated from their config classes by
 `python scripts/settings_doc.py` (`tests/test_settings_doc.py` fails when this file is out of
 date). A setting `foo_bar` of service `svc` is read from `TIERCACHE_SVC_FOO_BAR`, and a flag
-`--foo-bar` given to `python -m services.svc` wins over it (`--help` lists them). Values are
-checked at start: a bad one stops the service with exit 2 and a line naming the variable
-(or flag), as does a `TIERCACHE_` variable that is no setting. Shared settings, read by
+`--foo-bar` given to `python -m services.svc` wins over it (`--help` lists them, each with
+the first sentence of its meaning below). Values are checked at start: a bad one stops the
+service with exit 2 and a line naming the variable (or flag), as does a `TIERCACHE_` variable
+that is no setting. Shared settings, read by
 every service that needs them: `TIERCACHE_TLS_CERT` / `_KEY` / `_CA` / `_CLIENT_CERT` /
 `_CLIENT_KEY` (TLS, [reliability.md](reliability.md); per service
 `TIERCACHE_<SERVICE>_TLS_CERT` / `_KEY` replace the server's pair and
