@@ -16,7 +16,7 @@ from services.common.bootstrap import (
 from services.common.config import ConfigError
 from services.semantic.config import SemanticConfig
 from services.semantic.server import serve
-from services.semantic.store import DatabaseInUse, NotWritable
+from services.semantic.store import DatabaseInUse, FolderInTheWay, NotWritable
 
 log = logging.getLogger("services.semantic")
 
@@ -41,7 +41,8 @@ def _main(argv: list[str] | None) -> int:
         return 2
     try:
         svc = serve(cfg)
-    except DatabaseInUse as exc:
+    except (DatabaseInUse, FolderInTheWay) as exc:
+        # Both name the path, what is wrong and the way out: no setting is at fault.
         log.error("cannot start: %s", exc)
         return 2
     except ConfigError:
@@ -49,9 +50,9 @@ def _main(argv: list[str] | None) -> int:
         # service_main, naming the flag where one set it, as every service's does.
         raise
     except (OSError, ValueError, sqlite3.Error) as exc:
-        # A model folder without its tokenizer, a database path that is a folder or not a
-        # database, a cache folder that cannot be made, a verifier file that is not JSON:
-        # found only now, where the paths exist. One line, exit 2.
+        # A model folder without its tokenizer, a database that is not one, a cache folder
+        # that cannot be made, a verifier file that is not JSON: found only now, where the
+        # paths exist. One line, exit 2.
         why = not_writable(exc)
         if why:
             log.error("cannot start: %s", why)

@@ -48,6 +48,38 @@ class DatabaseInUse(RuntimeError):
     view of it and delete each other's rows (start-up de-duplication, lowered limits)."""
 
 
+class FolderInTheWay(RuntimeError):
+    """A folder where the store opens a file (the database, its lock, its -wal or -shm): the
+    start said "bad configuration: IsADirectoryError" for the lock, and a bare "disk I/O
+    error" for the -wal, naming neither the path nor the way out."""
+
+
+# The files beside the database that a start opens, by suffix: what each is, and the way out
+# when a folder stands there. None holds the database's rows, so a folder there is removed.
+_SIBLINGS = (
+    (".lock", "the database's lock file (it holds only the holder's pid, and the service "
+              "makes it)"),
+    ("-wal", "SQLite's write-ahead log of the database (SQLite makes it)"),
+    ("-shm", "SQLite's shared-memory index of the database (SQLite makes it)"),
+)
+
+
+def _folders_in_the_way(path: str) -> None:
+    """Raises FolderInTheWay naming the first of the database and the files beside it that is
+    a folder, what belongs there and the way out. The siblings sit beside the file the path
+    resolves to, as SQLite and `_lock_database` put them."""
+    if os.path.isdir(path):
+        raise FolderInTheWay(
+            f"{path} is a folder, where the database file must be: move it aside, or point "
+            "TIERCACHE_SEMANTIC_DB_PATH at a file (a new one starts an empty cache)")
+    real = os.path.realpath(path)
+    for suffix, what in _SIBLINGS:
+        if os.path.isdir(real + suffix):
+            raise FolderInTheWay(
+                f"{real + suffix} is a folder, where {what} must be: move it aside (the service "
+                "keeps nothing in a folder there), then start again")
+
+
 def _say_if_emptied(path: str) -> None:
     """Warns of a database file that exists with nothing in it (nor in its -wal): SQLite
     opens a 0-byte file as a new, empty database, so one cut to nothing (a full disk, a copy
@@ -101,8 +133,8 @@ def _lock_database(path: str) -> int:
         holder = os.pread(fd, 32, 0).decode("ascii", "replace").strip() or "?"
         os.close(fd)
         raise DatabaseInUse(
-            f"{path} is in use by another process (pid {holder}); stop it, or give this one "
-            "its own database (TIERCACHE_SEMANTIC_DB_PATH)") from None
+            f"{path} is in use by another process (pid {holder}, holding {lock_path}); stop "
+            "it, or give this one its own database (TIERCACHE_SEMANTIC_DB_PATH)") from None
     try:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -299,6 +331,7 @@ class EntryStore:
             # Every tenant's prompts and answers: readable by this user only (SQLite gives its
             # -wal and -shm files the database's mode).
             os.makedirs(os.path.dirname(os.path.abspath(path)), mode=0o700, exist_ok=True)
+            _folders_in_the_way(path)
             self._lock_fd = _lock_database(path)
         self.path = path
         self._lock = threading.Lock()

@@ -277,3 +277,23 @@ def test_a_damaged_database_stops_the_start_as_no_bad_configuration(monkeypatch,
         assert main._main([]) == 2
     line = caplog.records[-1].getMessage()
     assert line.startswith("cannot start: /data/semantic.db: file is not a database"), line
+
+
+def test_a_folder_at_the_lock_path_stops_the_start_naming_it_not_bad_configuration(
+        monkeypatch, caplog, tmp_path):
+    """`semantic.db.lock` a folder read "bad configuration: IsADirectoryError: ...", sending
+    the operator to the settings: the line says "cannot start:", the path, and the way out,
+    as the damaged database's does."""
+    import logging
+
+    import services.semantic.__main__ as main
+    from services.semantic.store import EntryStore
+
+    (tmp_path / "semantic.db.lock").mkdir()
+    monkeypatch.setattr(main, "load_service_config", lambda *a: object())
+    monkeypatch.setattr(main, "serve", lambda cfg: EntryStore(str(tmp_path / "semantic.db")))
+    with caplog.at_level(logging.ERROR, logger="services.semantic"):
+        assert main._main([]) == 2
+    line = caplog.records[-1].getMessage()
+    assert line.startswith(f"cannot start: {tmp_path}/semantic.db.lock is a folder, where the "
+                           "database's lock file"), line

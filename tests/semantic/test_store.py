@@ -217,11 +217,14 @@ def test_the_database_and_its_lock_are_readable_by_their_owner_only(tmp_path):
 def test_a_database_that_cannot_be_opened_leaves_no_lock_behind(tmp_path):
     """A failure between taking the lock and opening SQLite kept the lock: the retry in the
     same process was refused as 'in use by another process'."""
+    import sqlite3
+
     path = tmp_path / "s.db"
-    path.mkdir()  # a folder where the database should be
-    with pytest.raises(OSError):
+    # Not a database (a folder there is refused before the lock is taken: FolderInTheWay).
+    path.write_bytes(b"not a database, but long enough to be read as a header" * 4)
+    with pytest.raises(sqlite3.DatabaseError):
         EntryStore(str(path))
-    path.rmdir()
+    path.unlink()
     EntryStore(str(path)).close()  # not DatabaseInUse
 
 

@@ -7,6 +7,8 @@ mutant of the rule it checks."""
 
 from __future__ import annotations
 
+import os
+import re
 import sqlite3
 
 import pytest
@@ -232,3 +234,37 @@ def test_a_damaged_database_is_told_of_a_backup_too(tmp_path):
     assert f"{path}: file is not a database (a damaged database: " in str(err.value)
     assert ("or, to keep the entries, put a backup in as semantic.db with no semantic.db-wal "
             "or semantic.db-shm beside it: docs/deploy.md") in str(err.value)
+
+
+@pytest.mark.parametrize("where", ["semantic.db", "semantic.db.lock", "semantic.db-wal",
+                                   "semantic.db-shm"])
+def test_a_folder_where_a_file_the_start_opens_must_be_is_named_with_the_way_out(
+        tmp_path, where):
+    """A folder at the lock's path stopped the start with "bad configuration:
+    IsADirectoryError", at the -wal's with a bare "disk I/O error": the error names the path,
+    that a folder stands where a file must be, and the way out; nothing is left behind (no
+    lock file, no database file made)."""
+    from services.semantic.store import FolderInTheWay
+
+    (tmp_path / where).mkdir()
+    with pytest.raises(FolderInTheWay) as e:
+        EntryStore(str(tmp_path / "semantic.db"))
+    said = str(e.value)
+    assert said.startswith(f"{tmp_path / where} is a folder, where "), said
+    assert "move it aside" in said
+    assert sorted(p.name for p in tmp_path.iterdir()) == [where]
+
+
+def test_a_database_in_use_names_the_lock_its_holder_keeps(tmp_path):
+    """"in use by another process (pid N)" named the database only: the holder is found by
+    the lock file, which the line names too."""
+    from services.semantic.store import DatabaseInUse
+
+    path = str(tmp_path / "semantic.db")
+    first = EntryStore(path)
+    try:
+        with pytest.raises(DatabaseInUse, match=rf"pid {os.getpid()}, holding "
+                                                rf"{re.escape(path)}\.lock\)"):
+            EntryStore(path)
+    finally:
+        first.close()
