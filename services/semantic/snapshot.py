@@ -8,7 +8,8 @@ main index here; the next start takes a saved graph for a namespace instead of b
 saved row whose entry is still live must hold exactly that entry's vector, rows of entries
 gone since are tombstoned, entries it lacks are added. A file that does not fit (another
 database, another embedder or index settings, damaged, cut short) is ignored, with a warning,
-and that namespace is built as before; so is every namespace when the folder is missing.
+and that namespace is built as before; so is every namespace when the folder or its manifest
+is missing (a manifest missing beside graph files is warned of).
 
 Layout of the folder (`snapshot_path`, default `<db_path>.hnsw`): one `<n>.faiss` per saved
 namespace (faiss's own format) and `<n>.labels.npy`, and `manifest.json`, written last and
@@ -197,6 +198,16 @@ class Saved:
         self._entries: dict[tuple[str, str, str], dict] = {}
         path = self.folder / MANIFEST
         if not path.exists():
+            # No folder, or one no save finished in: a first start, nothing to say. Graph files
+            # without their manifest are a snapshot damaged (a manifest deleted, a copy that
+            # left it out): every graph was built again without a word, as on a first start.
+            graphs = (sorted(p.name for p in self.folder.iterdir() if _OURS.fullmatch(p.name))
+                      if self.folder.is_dir() else [])
+            if graphs:
+                log.warning("ignoring the HNSW snapshot in %s: %s is missing beside %d graph "
+                            "files (%s, ...; deleted, or a first save killed before it wrote "
+                            "it); every namespace is built from SQLite, and the next save "
+                            "writes it again", self.folder, path, len(graphs), graphs[0])
             return
         try:
             manifest = json.loads(path.read_text())

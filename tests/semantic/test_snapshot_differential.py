@@ -582,6 +582,9 @@ class Run:
         handler.emit = records.append
         logger = logging.getLogger("services.semantic")
         logger.addHandler(handler)
+        # Graph files with no manifest (a first save killed before its rename): warned of.
+        damage["orphans"] = (self.snap.is_dir() and not (self.snap / snapshot.MANIFEST).exists()
+                             and any(_OURS_NAME.fullmatch(p.name) for p in self.snap.iterdir()))
         snapshot.Saved.take, NamespaceIndex.adopt = take, adopt
         try:
             self.s = self._open(self.db, str(self.snap))
@@ -599,7 +602,7 @@ class Run:
                                      "ignoring the HNSW snapshot": 0,
                                      "built with other settings": 0}
         manifest = damage["manifest"] if self.in_force is not None else "none"
-        if manifest == "unreadable":
+        if manifest == "unreadable" or damage.get("orphans"):
             want_warn["ignoring the HNSW snapshot"] = 1
         elif manifest == "settings":
             want_warn["built with other settings"] = 1

@@ -160,3 +160,27 @@ def test_a_snapshot_is_taken_under_another_name_of_the_same_weights_only(tmp_pat
     assert text.count("\"all-MiniLM-L6-v2@c271f490407437f4\"") == 1
     manifest.write_text(text.replace('"all-MiniLM-L6-v2@c271f490407437f4"', "5"))
     assert snapshot.Saved(folder, PARAMS, "minilm-prod@c271f490407437f4").take(KEY) is None
+
+
+def test_graph_files_without_their_manifest_are_said_once_at_warning(tmp_path, caplog):
+    """A manifest gone while the graphs it named are still there (deleted, left out of a copy)
+    was taken for a first start: every graph was built again without a line. One WARNING names
+    the manifest and says the graphs are built from SQLite; no folder, or an empty one, is a
+    first start and says nothing."""
+    import logging
+
+    main, labels = graph()
+    folder = tmp_path / "snap"
+    with caplog.at_level(logging.WARNING, logger=snapshot.__name__):
+        assert snapshot.Saved(folder, PARAMS, "emb").take(KEY) is None  # no folder
+        folder.mkdir()
+        assert snapshot.Saved(folder, PARAMS, "emb").take(KEY) is None  # an empty one
+        assert caplog.records == []
+        snapshot.save(folder, PARAMS, "emb", [(KEY, main, labels, 1)])
+        (folder / snapshot.MANIFEST).unlink()
+        caplog.clear()
+        assert snapshot.Saved(folder, PARAMS, "emb").take(KEY) is None
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1, lines
+    assert f"{folder / snapshot.MANIFEST} is missing" in lines[0]
+    assert "built from SQLite" in lines[0]
