@@ -216,6 +216,14 @@ def _metrics():
                            "embedding (also counted in tiercache_semantic_lookups_total; the "
                            "orchestrator may still decline a hit: its "
                            "semantic_hits_not_served_total)"),
+        # A counter of its own, not a label on lookups_total: a label there would split every
+        # existing hit series (dashboards and alerts read lookups_total{tier,outcome="hit"}).
+        "verified": m.counter("tiercache_semantic_verified_hits_total",
+                              "Hits on an entry a human verified (Verify, or feedback rated "
+                              "good), held to the threshold less verified_bonus, by tier as in "
+                              "tiercache_semantic_lookups_total (also counted there as hits: "
+                              "the other hits are lookups_total{outcome=\"hit\"} less these)",
+                              ("tier",)),
         "graphs_taken": m.gauge("tiercache_semantic_hnsw_graphs_from_snapshot",
                                 "HNSW graphs the last start took from the saved snapshot "
                                 "instead of building them"),
@@ -674,6 +682,8 @@ class SemanticCache:
                 self._guarded += 1
             self._latency.append(search_s * 1000)
         self._m["lookups"].labels(tier, outcome).inc()
+        if r.hit and r.entry is not None and r.entry.verified:
+            self._m["verified"].labels(tier).inc()
         if r.guard_rejected:
             self._m["guard"].inc()
         self._m["search"].observe(search_s)

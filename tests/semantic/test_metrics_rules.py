@@ -202,3 +202,33 @@ def test_search_seconds_help_says_an_exact_repeat_is_observed_without_a_search(m
     assert c.lookup(a, "the prompt").exact
     assert moved(before, snapshot(c)) == {("standard", "hit"): 1, "exact_hits_total": 1,
                                           "search_seconds_count": 1}
+
+
+def test_hits_on_verified_entries_are_counted_apart_by_tier(make_cache, emb):
+    """No series told hits on human-verified entries (held to the threshold less the verified
+    bonus) from the others: verified_hits_total{tier} counts them (exact repeats and explicit
+    thresholds too), and lookups_total goes on counting every hit as before."""
+    c = make_cache()
+    cfg = c.cfg
+    plain, verified = Namespace("plain", "m", ""), Namespace("verified", "m", "")
+    below = cfg.tier_standard - cfg.verified_bonus / 2  # a hit for a verified entry only
+    emb.at("plain entry", cfg.tier_standard + 0.01, 2)
+    emb.at("verified entry", below, 3)
+    c.store_entry(plain, "plain entry", "a")
+    c.store_entry(verified, "verified entry", "b", verified=True)
+
+    def counts() -> dict:
+        return {t: metric("tiercache_semantic_verified_hits_total", tier=t) for t in TIERS}
+
+    before, hits_before = counts(), metric("tiercache_semantic_lookups_total",
+                                           tier="standard", outcome="hit")
+    assert c.lookup(plain, "query", tier="standard").hit
+    assert c.lookup(verified, "query", tier="standard").hit
+    assert c.lookup(verified, "verified entry", tier="strict").exact
+    assert c.lookup(verified, "query", threshold=cfg.tier_standard).hit
+    assert not c.lookup(verified, "query", tier="strict").hit
+    after = counts()
+    assert {t: after[t] - before[t] for t in TIERS if after[t] != before[t]} == {
+        "standard": 1, "strict": 1, "explicit": 1}
+    assert metric("tiercache_semantic_lookups_total", tier="standard",
+                  outcome="hit") - hits_before == 2

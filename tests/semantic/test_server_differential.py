@@ -487,6 +487,8 @@ def do_lookup(svc: Svc, m: Model, o: Oracle, rng: random.Random) -> None:
         m.bump(("tiercache_semantic_guard_rejections_total", ()))
     outcome = "hit" if r.hit else "draft" if draft else "miss"
     m.bump(("tiercache_semantic_lookups_total", (("outcome", outcome), ("tier", tier_key))))
+    if r.hit and match["entry"].verified:
+        m.bump(("tiercache_semantic_verified_hits_total", (("tier", tier_key),)))
     m.bump(("tiercache_semantic_search_seconds_count", ()))
     if r.exact:
         m.bump(("tiercache_semantic_exact_hits_total", ()))
