@@ -241,3 +241,24 @@ def test_an_answer_cut_at_its_token_limit_is_said_so(tmp_path, monkeypatch, caps
     args.quiet = True
     assert cmd_chat(Cut(common_pb2.FINISH_REASON_LENGTH), args) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_the_report_names_the_threshold_applied_and_a_refusal_above_it():
+    """"nearest entry 0.962" did not say what it was held to, nor whether the guard or the
+    verifier refused a candidate past its threshold: the report's semantic_threshold, tier
+    and guard fields are shown (left out where no lookup was made)."""
+    near = common_pb2.CacheReport(semantic_similarity=0.962, semantic_threshold=0.97,
+                                  semantic_tier="strict", route="prefix")
+    assert format_report(near).startswith(
+        "[model (nearest entry 0.962, strict threshold 0.970) | route prefix, ")
+    refused = common_pb2.CacheReport(semantic_similarity=0.981, semantic_threshold=0.95,
+                                     semantic_tier="standard", semantic_guard_rejected=True,
+                                     semantic_guard_reason="numbers differ: 3 vs 4")
+    assert format_report(refused).startswith(
+        "[model (nearest entry 0.981, standard threshold 0.950, refused: numbers differ: 3 vs "
+        "4) | prompt 0 tok")
+    hit = common_pb2.CacheReport(semantic_hit=True, semantic_similarity=0.94,
+                                 semantic_threshold=0.93, semantic_tier="standard",
+                                 semantic_guard_rejected=True, semantic_guard_reason="negation")
+    assert format_report(hit).startswith(
+        "[semantic hit 0.940 (standard threshold 0.930, a closer entry refused: negation) | ")

@@ -329,10 +329,20 @@ def format_report(r, request_id: str = "") -> str:
     `request_id`, the id every service's log lines of the call carry (a user had none to
     quote in a ticket)."""
     sim = r.semantic_similarity
+    # What the similarity was held to, and a refusal above it: "nearest entry 0.962" alone
+    # did not say whether it missed the threshold or the guard or verifier refused it.
+    held = (f"{r.semantic_tier + ' ' if r.semantic_tier else ''}threshold "
+            f"{r.semantic_threshold:.3f}" if r.semantic_threshold else "")
+    refused = (f"refused: {r.semantic_guard_reason or 'by the guard'}"
+               if r.semantic_guard_rejected else "")
     if r.semantic_hit:
-        tier = f"semantic hit {shown_similarity(sim)}" if sim else "semantic hit"
+        said = ", ".join(x for x in (held, refused and f"a closer entry {refused}") if x)
+        tier = ("semantic hit" + (f" {shown_similarity(sim)}" if sim else "")
+                + (f" ({said})" if said else ""))
     else:
-        tier = "model" + (f" (nearest entry {shown_similarity(sim)})" if sim else "")
+        said = ", ".join(x for x in (f"nearest entry {shown_similarity(sim)}" if sim else "",
+                                     held, refused) if x)
+        tier = "model" + (f" ({said})" if said else "")
     return (f"[{tier} | "
             + (f"route {r.route}, " if r.route else "")
             + f"prompt {r.prompt_tokens} tok, cached {r.cached_tokens}"

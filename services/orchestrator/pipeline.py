@@ -589,6 +589,13 @@ class Orchestrator:
         draft_ids: list[int] = []
         if look is not None:
             report.semantic_similarity = look.similarity
+            # What the similarity was held to, and a refusal above it: without them a model
+            # answer after "nearest entry 0.962" did not say whether 0.962 missed the
+            # threshold or the guard/verifier refused it.
+            report.semantic_threshold = look.threshold
+            report.semantic_tier = look.tier
+            report.semantic_guard_rejected = look.guard_rejected
+            report.semantic_guard_reason = look.guard_reason
             # The answer's ids as the model generated them; tokenized again only for an entry
             # stored without them (the text alone: a client's Store, an older build's row).
             cached_ids = ((list(look.entry.answer_token_ids)

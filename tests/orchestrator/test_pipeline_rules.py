@@ -469,3 +469,26 @@ def test_a_small_pool_after_the_larger_one_failed_is_not_too_big(first):
     assert "need 300 KV blocks" not in str(e.value)
     assert e.value.code == ("RESOURCE_EXHAUSTED" if first == "busy" else "UNAVAILABLE")
     assert "last: RESOURCE_EXHAUSTED" not in str(e.value)
+
+
+def test_the_report_says_the_threshold_applied_and_a_guard_refusal_above_it():
+    """The CacheReport carried the similarity only: not what it was held to, nor that the
+    guard or verifier refused a candidate above its threshold (a model answer after a
+    similarity past the threshold read as a bug). The tier's reply is passed on, on a miss
+    and on a hit; a request with no lookup leaves the fields unset."""
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=False, similarity=0.981, threshold=0.95, tier="standard", guard_rejected=True,
+        guard_reason="numbers differ"))
+    _, stubs = one_replica()
+    rep = finished(run(make(stubs, semantic=sem))).report
+    assert (rep.semantic_tier, rep.semantic_guard_rejected, rep.semantic_guard_reason) == (
+        "standard", True, "numbers differ")
+    assert rep.semantic_threshold == pytest.approx(0.95)
+    sem = hit("cached")
+    sem.answer.threshold, sem.answer.tier = 0.93, "standard"
+    rep = finished(run(make(one_replica()[1], semantic=sem))).report
+    assert rep.semantic_hit and rep.semantic_threshold == pytest.approx(0.93)
+    assert (rep.semantic_tier, rep.semantic_guard_rejected) == ("standard", False)
+    rep = finished(run(make(one_replica()[1], semantic=sem),
+                       policy=Policy(skip_semantic_lookup=True))).report
+    assert (rep.semantic_threshold, rep.semantic_tier) == (0.0, "")
