@@ -219,6 +219,12 @@ def _check_id(name: str, value: str) -> None:
         raise InvalidArgument(name, "longer than 256 characters")
 
 
+def _check_no_nul(name: str, value: str) -> None:
+    if "\0" in value:
+        # Roots hash model and salt with NUL between them (see check_salt).
+        raise InvalidArgument(name, "must not contain NUL")
+
+
 class PrefixIndex:
     """Which replica holds which blocks; see the module docstring for the protocol."""
 
@@ -376,9 +382,7 @@ class PrefixIndex:
                                        or any(c.isspace() for c in value)):
                 # Ids and the address go into Stats, logs and routing as they are.
                 raise InvalidArgument(name, "printable characters without spaces only")
-            if "\0" in value:
-                # Roots hash model and salt with NUL between them (see check_salt).
-                raise InvalidArgument(name, "must not contain NUL")
+            _check_no_nul(name, value)
         if hash_probe and len(hash_probe) != DIGEST_SIZE:
             raise InvalidArgument("hash_probe", f"must be {DIGEST_SIZE} bytes, got "
                                                 f"{len(hash_probe)}")
@@ -965,8 +969,10 @@ class PrefixIndex:
             InvalidArgument: no model, no or both inputs, malformed hashes, too many blocks.
         """
         # As Register refuses it: no replica can serve such a model, and an empty match read
-        # as a cold cache, not as the caller's mistake.
+        # as a cold cache, not as the caller's mistake (one with a NUL was answered and
+        # counted as a miss in Stats).
         _check_id("model_id", model_id)
+        _check_no_nul("model_id", model_id)
         if len(token_ids) and len(block_hashes):
             raise InvalidArgument("token_ids", "give token_ids or block_hashes, not both")
         if len(block_hashes):
@@ -1031,6 +1037,11 @@ class PrefixIndex:
             raise InvalidArgument("k", "must be in 1..1000")
         if model_id:  # empty = every model; a blank one matched none and read as a cold cache
             _check_id("model_id", model_id)
+            _check_no_nul("model_id", model_id)
+        if cache_salt is not None:
+            # A salt Match and every publish refuse (a NUL, past the length limit) matched
+            # nothing here either, and an empty answer read as "nothing hot yet".
+            check_salt("cache_salt", cache_salt)
         now = self.clock()
         self._expire(now)  # a lapsed replica's prefixes are not reported, as in match
         out = []

@@ -824,7 +824,7 @@ class PrefixWorld:
                 block_hashes=[bytes([i]) * 16 for i in range(n)])))
 
         def match_model_bad(rng, r):
-            r.model_id = pick(rng, ("", "m" * 257, "unknown"))
+            r.model_id = pick(rng, ("", "m" * 257, "unknown", "a\0b"))
 
         def match_inputs_bad(rng, r):
             how = rng.randrange(4)
@@ -855,9 +855,12 @@ class PrefixWorld:
         def k_bad(rng, r):
             r.k = pick(rng, (0, 1001, 2**32 - 1, 1000, 1))
 
-        def top_model(rng, r):  # empty = every model; blank or over 256 refused as by Match
+        def top_model(rng, r):  # empty = every model; blank, NUL or over 256 refused as by Match
             r.model_id = pick(rng, ("x" * 5000, "x" * 256, "a\0b", "", " ", "\u3164"))
             r.min_hits = pick(rng, (0, 2**64 - 1))
+
+        def top_salt(rng, r):  # a salt Match refuses is refused as a filter too
+            r.cache_salt = pick(rng, ("a\0", "s" * 257, "s" * 256, ""))
 
         if rpc == "Register":
             return [ids_empty, ids_odd, address_bad, model_bad, block_size_bad, probe_bad]
@@ -869,7 +872,7 @@ class PrefixWorld:
         if rpc == "Match":
             return [match_model_bad, match_inputs_bad, match_hashes_many, match_salt_bad]
         if rpc == "TopPrefixes":
-            return [k_bad, top_model]
+            return [k_bad, top_model, top_salt]
         return []
 
     # -- the model of the docs --
@@ -931,7 +934,7 @@ class PrefixWorld:
                 # docs do not say whether its events are looked at.
                 v.may_pass = True
         elif rpc == "Match":
-            if not r.model_id or len(r.model_id) > 256:
+            if not r.model_id or len(r.model_id) > 256 or "\0" in r.model_id:
                 v.bad(INVALID, "model_id")
             if r.token_ids and r.block_hashes:
                 v.bad(INVALID, "token_ids")
@@ -951,8 +954,11 @@ class PrefixWorld:
         elif rpc == "TopPrefixes":
             if not 1 <= r.k <= 1000:
                 v.bad(INVALID, "k")
-            if r.model_id and (blank(r.model_id) or len(r.model_id) > 256):
+            if r.model_id and (blank(r.model_id) or len(r.model_id) > 256
+                               or "\0" in r.model_id):
                 v.bad(INVALID, "model_id")
+            if r.HasField("cache_salt") and (len(r.cache_salt) > 256 or "\0" in r.cache_salt):
+                v.bad(INVALID, "cache_salt")
         return v
 
     def expect_events(self, v: Verdict, r, soft: Verdict) -> None:

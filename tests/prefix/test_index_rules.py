@@ -277,6 +277,26 @@ def test_top_prefixes_refuses_a_blank_model_id_and_takes_an_empty_one_as_every_m
             index.top_prefixes(10, bad)
 
 
+def test_match_and_top_prefixes_refuse_a_model_id_or_salt_no_replica_can_have(index, hasher):
+    """A model id with a NUL (Register refuses it) was answered by Match with no replica and
+    counted in Stats as a miss, and by TopPrefixes with nothing hot; a salt Match and
+    publishes refuse (NUL, too long) was taken by TopPrefixes as a filter matching nothing.
+    Refused naming the field, nothing counted."""
+    hot(index, hasher, toks(1))
+    before = index.stats()
+    with pytest.raises(InvalidArgument, match="^model_id: must not contain NUL"):
+        index.match(MODEL + "\0", token_ids=toks(1))
+    with pytest.raises(InvalidArgument, match="^model_id: must not contain NUL"):
+        index.top_prefixes(10, MODEL + "\0")
+    for salt in ("t\0", "s" * 100_000):
+        with pytest.raises(InvalidArgument, match="^cache_salt: "):
+            index.top_prefixes(10, MODEL, cache_salt=salt)
+    after = index.stats()
+    assert (after.matches_total, after.match_blocks_total) == (before.matches_total,
+                                                               before.match_blocks_total)
+    assert len(index.top_prefixes(10, MODEL, cache_salt="")) == 1
+
+
 def test_unheld_nodes_over_the_budget_are_reaped_a_step_at_a_time_below_the_hard_bound(
         clock, hasher):
     """Unheld nodes that bring the tree just over max_nodes are reaped a step per call

@@ -72,7 +72,8 @@ chain past max_blocks for accepted.
 Stop 68: Register checked a non-empty address before the other fields (a request with an empty
 replica_id and a malformed address named the address); it now checks in field order.
 Left as is: Match and TopPrefixes take any
-model id or salt as a filter (no replica has a NUL or whitespace one), and Match's limit of
+model id or salt as a filter (no replica has a whitespace one; a NUL in either, or a salt past
+its length limit, is refused since: test_index_rules.py), and Match's limit of
 max_blocks blocks is not in the proto; the nodes and unheld gauges follow a lapse that a
 Match or TopPrefixes found at the sweeper's next turn (it wakes within 5 ms while anything is
 unheld); the 64-replica limit and pruning (max_nodes large here) are not driven.
