@@ -601,6 +601,17 @@ class Orchestrator:
             cached_ids = ((list(look.entry.answer_token_ids)
                            or self.renderer.encode_literal(look.entry.answer))
                           if look.HasField("entry") else [])
+            if look.hit and not all(0 <= t < self._vocab for t in cached_ids):
+                # A hit whose ids this model has no token for (an entry stored by a client, or
+                # by another model under the same id) was served with them: a client asking
+                # for token ids got ids no token has, and one cut at max_tokens or a stop
+                # token got its text decoded from them ("", the text lost). Its text is what
+                # is served: tokenized again, as for an entry stored without ids. (A
+                # near-miss's draft of such ids is dropped below.)
+                log.warning("request %s: entry %s holds token ids outside the vocabulary of "
+                            "%d; its answer is tokenized again", request_id, look.entry.id,
+                            self._vocab)
+                cached_ids = self.renderer.encode_literal(look.entry.answer)
             cut = look.entry.truncated_at if look.hit else 0
             # The request's stop token inside a cut-short answer ends the answer there, as it
             # ends the model's: the hit covers all the request wants (it went to the model,

@@ -73,6 +73,24 @@ def test_a_draft_id_equal_to_the_vocabulary_size_is_dropped():
     assert orch.stats.degradations["draft_dropped"] == 1
 
 
+@pytest.mark.parametrize(("max_tokens", "text"), [(16, "hello"), (2, "he")])
+def test_a_hit_with_ids_outside_the_vocabulary_is_served_from_its_text(max_tokens, text):
+    """A hit on an entry a client stored with ids the model has no token for (the byte fake has
+    256) returned those ids to a client asking for token ids, and a hit cut at max_tokens
+    decoded its text from them (the real tokenizer gave ""). Its text is served, tokenized
+    again as for an entry stored without ids; the replica is not asked."""
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=True, similarity=0.99, entry=semantic_pb2.SemanticEntry(
+            id="e8", answer="hello", answer_token_ids=[104, 300, 301, 302, 303])))
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=sem)
+    events = run(orch, max_tokens=max_tokens)
+    assert text_of(events) == text
+    assert [t for e in events if hasattr(e, "token_ids") for t in e.token_ids] == list(
+        text.encode())
+    assert finished(events).report.semantic_hit and not stub.requests
+
+
 def test_an_ignore_eos_answer_lost_right_after_an_eos_token_is_resumed():
     """With ignore_eos the end of sequence is an ordinary token: a replica lost just after
     streaming it has not finished the answer, which resumes on another replica."""
