@@ -294,19 +294,25 @@ class SemanticConfig:
                 f"{DEFAULT_MAX_MESSAGE_BYTES}-byte gRPC message limit (4 x max_text_chars + "
                 "24 x max_answer_chars + 64 KiB must fit)")
         # Named at start: a file where a folder must be was a FileExistsError / NotADirectory
-        # line naming neither the variable nor the fix.
-        for field, folder in (("cache_dir", self.resolved_cache_dir()),
-                              ("db_path", os.path.dirname(os.path.abspath(
-                                  self.resolved_db_path()))),
-                              ("snapshot_path", self.resolved_snapshot_path())):
+        # line naming neither the variable nor the fix. A path left to its default is blamed
+        # on the setting it came from: <cache_dir>/semantic a file was reported under
+        # TIERCACHE_SEMANTIC_DB_PATH, which the operator never set.
+        cache_from = ("cache_dir" if self.cache_dir or not os.environ.get("TIERCACHE_CACHE_DIR")
+                      else "")  # "" = the shared TIERCACHE_CACHE_DIR
+        db_from = "db_path" if self.db_path else cache_from
+        for field, folder, what in (
+                ("cache_dir" if self.cache_dir else cache_from, self.resolved_cache_dir(), ""),
+                (db_from, os.path.dirname(os.path.abspath(self.resolved_db_path())),
+                 "" if self.db_path else " (the database's folder: db_path is unset)"),
+                ("snapshot_path" if self.snapshot_path else db_from,
+                 self.resolved_snapshot_path(),
+                 "" if self.snapshot_path else " (the snapshot folder, <db_path>.hnsw: "
+                 "snapshot_path is unset)")):
             blocker = file_in_the_way(folder)
-            if blocker and field == "cache_dir" and not self.cache_dir \
-                    and os.environ.get("TIERCACHE_CACHE_DIR"):
-                # The folder came from the shared setting: TIERCACHE_SEMANTIC_CACHE_DIR, which
-                # the user never set, was blamed.
-                raise ConfigError(f"TIERCACHE_CACHE_DIR: {blocker} is a file, where a folder "
-                                  "must be")
-            require(not blocker, s, field, f"{blocker} is a file, where a folder must be")
+            why = f"{blocker} is a file, where a folder must be{what}"
+            if blocker and not field:
+                raise ConfigError(f"TIERCACHE_CACHE_DIR: {why}")
+            require(not blocker, s, field, why)
         # A floor: 1e-9 spun a core purging nothing (362 CPU ticks per 10 s idle, against 2).
         require(self.expiry_interval_s >= 0.1, s, "expiry_interval_s", "must be >= 0.1")
         name = self.model_name

@@ -144,3 +144,30 @@ def test_a_shared_cache_dir_that_is_a_file_is_blamed_on_the_shared_setting(tmp_p
         load()
     with pytest.raises(ConfigError, match=r"^TIERCACHE_SEMANTIC_CACHE_DIR: .*file is a file"):
         load(cache_dir=str(tmp_path / "file"))
+
+
+def test_a_file_where_a_default_path_puts_a_folder_is_blamed_on_the_setting_it_came_from(
+        tmp_path, monkeypatch):
+    """Only the cache dir set, and <cache_dir>/semantic a file: the refusal named
+    TIERCACHE_SEMANTIC_DB_PATH, which the operator never set; it names the setting the path
+    came from (the service's cache_dir, or the shared TIERCACHE_CACHE_DIR), and db_path or
+    snapshot_path only when they are set themselves."""
+    (tmp_path / "semantic").write_text("")
+    monkeypatch.delenv("TIERCACHE_CACHE_DIR", raising=False)
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_SEMANTIC_CACHE_DIR: .*semantic is a file"):
+        load(cache_dir=str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^--cache-dir \(env TIERCACHE_SEMANTIC_CACHE_DIR\):"):
+        load_config(SemanticConfig, "semantic", ["--cache-dir", str(tmp_path)], {})
+    monkeypatch.setenv("TIERCACHE_CACHE_DIR", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_CACHE_DIR: .*semantic is a file"):
+        load()
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_SEMANTIC_DB_PATH: .*semantic is a file"):
+        load(db_path=str(tmp_path / "semantic" / "x.db"))
+    # The snapshot folder defaults to <db_path>.hnsw: a file there is the db_path's doing.
+    (tmp_path / "db").mkdir()
+    (tmp_path / "db" / "s.db.hnsw").write_text("")
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_SEMANTIC_DB_PATH: .*hnsw is a file"):
+        load(db_path=str(tmp_path / "db" / "s.db"))
+    with pytest.raises(ConfigError, match=r"^TIERCACHE_SEMANTIC_SNAPSHOT_PATH: .*hnsw is a"):
+        load(db_path=str(tmp_path / "db" / "s.db"),
+             snapshot_path=str(tmp_path / "db" / "s.db.hnsw"))
