@@ -1294,6 +1294,20 @@ class SemanticCache:
             self._saved = (folder, state)
             return len(state)
 
+    def unsaved_namespaces(self) -> tuple[int, int]:
+        """Namespaces a snapshot does not hold, for the stop's line: (searched flat, under
+        `hnsw_min_entries`: rebuilt at start in moments; past it but not yet merged into a
+        graph: built at the next start)."""
+        flat = unmerged = 0
+        with self._lock:
+            for index in self._indexes.values():
+                if index.kind != "hnsw":
+                    if len(index) < self._params.hnsw_min_entries:
+                        flat += 1
+                    else:
+                        unmerged += 1
+        return flat, unmerged
+
     def _cap_ttls_at_load(self) -> None:
         """Writes today's TTL limit (`_loaded_ttl`) into the rows over it, so that a cut TTL
         stays cut: kept in memory only, a later start under a higher limit gave it back,

@@ -218,10 +218,18 @@ class RunningService:
         merged = self.cache.close_indexes(index_close)
         if self.snapshot_path:
             try:
-                self.cache.save_snapshot(self.snapshot_path)
+                saved = self.cache.save_snapshot(self.snapshot_path)
             except Exception:  # noqa: BLE001 - a speed-up lost, nothing else: SQLite holds all
                 log.exception("saving the HNSW graphs to %s failed; the next start builds them",
                               self.snapshot_path)
+            else:
+                # Said either way: a stop soon after the first Stores writes no folder (every
+                # namespace still flat), which read as a save lost.
+                flat, unmerged = self.cache.unsaved_namespaces()
+                log.info("saved %d HNSW graph%s to %s; not saved: %d namespace(s) searched "
+                         "flat (under hnsw_min_entries, rebuilt at start in moments), %d past "
+                         "it not merged into a graph yet (built at the next start)", saved,
+                         "" if saved == 1 else "s", self.snapshot_path, flat, unmerged)
         self.cache.store.close()
         close = getattr(self.embedder, "close", None)
         if close is not None:

@@ -297,3 +297,22 @@ def test_a_folder_at_the_lock_path_stops_the_start_naming_it_not_bad_configurati
     line = caplog.records[-1].getMessage()
     assert line.startswith(f"cannot start: {tmp_path}/semantic.db.lock is a folder, where the "
                            "database's lock file"), line
+
+
+def test_a_stop_says_what_it_saved_of_the_hnsw_graphs_or_why_nothing(make_cfg, emb, caplog,
+                                                                     tmp_path):
+    """A shard stopped soon after its first Stores wrote no snapshot and said nothing of it:
+    by design (a namespace under hnsw_min_entries is searched flat, rebuilt at start in
+    moments, so there is no graph to save), but the operator looking for the folder could not
+    tell it from a save lost. The stop's line says what it saved, and why the rest was not."""
+    import logging
+
+    snap = tmp_path / "s.db.hnsw"
+    svc = serve(make_cfg(guard_tiers=(), verifier_tiers=(), snapshot_path=str(snap)),
+                embedder=emb)
+    svc.cache.store_entry(A, "query", "an answer")
+    with caplog.at_level(logging.INFO, logger="services.semantic.server"):
+        assert svc.stop(grace=0, index_close=5) is True
+    (line,) = [r.getMessage() for r in caplog.records if "HNSW graph" in r.getMessage()]
+    assert line.startswith(f"saved 0 HNSW graphs to {snap}") and "1 namespace" in line
+    assert "flat" in line and "hnsw_min_entries" in line and not snap.exists()
