@@ -225,3 +225,27 @@ def test_a_meaning_for_help_is_its_first_sentence_or_a_head_outside_brackets():
     assert config.summary("Listens on e.g. 0.0.0.0 here. More.") == "Listens on e.g. 0.0.0.0 here."
     assert config.summary("Draft lengths: " + "y " * 100) == "Draft lengths ..."
     assert config.summary(long) == "Blocks are ranked by use count ..."
+
+
+@pytest.mark.parametrize("service", ["orchestrator", "semantic", "prefix", "kvpool"])
+def test_each_help_line_reads_as_the_settings_meaning_on_its_own(service):
+    """--help shows a note's first sentence alone: prefix cold_after_ticks read
+    "...unless used within ...", min_deep_hits ended "pruned first...", and a group's heading
+    above a field's note ("Thresholds.", "Server.", "Semantic tier defaults.") or a note that
+    gave only its values ('"" = $TIERCACHE_CACHE_DIR ...', "-1 = off, ...") stood in for what
+    the setting is."""
+    import dataclasses
+    import importlib
+    import re
+
+    cls = next(v for k, v in vars(importlib.import_module(f"services.{service}.config")).items()
+               if k.endswith("Config") and dataclasses.is_dataclass(v))
+    notes = config.field_notes(cls)
+    headings = {"thresholds.", "server.", "semantic tier defaults.",
+                "defaults and limits per request."}
+    for f in dataclasses.fields(cls):
+        head = config.summary(notes[f.name])
+        assert not head.startswith("..."), f.name
+        assert not re.search(r"\w\.\.\.$", head), f.name  # "first..." runs on to the next
+        assert head.lower() not in headings and len(head.split()) >= 3, (f.name, head)
+        assert not re.match(r'("[^"]*"|-?\d+|empty) = ', head), (f.name, head)

@@ -52,8 +52,10 @@ class OrchestratorConfig:
     # How often the tokens file is checked for changes and read again (0 = once, at start: a
     # token removed from it then works until the orchestrator restarts).
     tokens_reload_s: float = 5.0
-    # Defaults and limits per request. max_tokens of a request that sets none (0), capped by
-    # its tenant's limit and by what the model's context leaves.
+    # Defaults and limits per request.
+
+    # max_tokens of a request that sets none (0), capped by its tenant's limit and by what
+    # the model's context leaves.
     default_max_tokens: int = 256
     # Largest max_tokens a request may ask for (INVALID_ARGUMENT past it); tenants may have less.
     # At most the replicas' max_new_tokens_limit (2048 by default): past theirs the replica
@@ -85,8 +87,9 @@ class OrchestratorConfig:
     # Most a prefix index Match may take (and at most a quarter of the time the request has
     # left).
     prefix_timeout_s: float = 0.5
-    # Semantic tier defaults. The tier of a request whose cache_policy names none (strict,
-    # standard or relaxed).
+    # Semantic tier defaults.
+
+    # The tier of a request whose cache_policy names none (strict, standard or relaxed).
     semantic_tier: str = "standard"
     # Send semantic near-misses to replicas as drafts (cache-assisted generation).
     enable_drafts: bool = True
@@ -155,11 +158,14 @@ class OrchestratorConfig:
     warm_max_prefills_per_call: int = 256
     # Failover attempts per request.
     max_attempts: int = 3
-    # Server. A Generate stream (or a Warm call) holds a worker thread until it ends: past
-    # max_workers - STREAM_HEADROOM they are refused (RESOURCE_EXHAUSTED), so health checks,
-    # Stats and Feedback always find a thread. While its replica call runs, a Generate stream
-    # also has a thread of its own outside the pool, reading the replica's answer at the
-    # replica's pace (a slow client must not hold the replica): at most as many as streams.
+    # Server.
+
+    # Worker threads of the gRPC server. A Generate stream (or a Warm call) holds one until it
+    # ends: past max_workers - STREAM_HEADROOM they are refused (RESOURCE_EXHAUSTED), so
+    # health checks, Stats and Feedback always find a thread. While its replica call runs, a
+    # Generate stream also has a thread of its own outside the pool, reading the replica's
+    # answer at the replica's pace (a slow client must not hold the replica): at most as many
+    # as streams.
     max_workers: int = 64
     # Calls of every kind under way or waiting for a worker thread. Past it gRPC refuses a new
     # call at once (RESOURCE_EXHAUSTED "Concurrent RPC limit exceeded!") rather than queue it

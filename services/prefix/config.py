@@ -13,8 +13,9 @@ class PrefixConfig:
 
     # host:port the index listens on (0 = any free port).
     address: str = "127.0.0.1:50053"
-    metrics_port: int = -1  # -1 = off, 0 = any free port
-    internal_token: str = ""  # "" = no internal credential required
+    metrics_port: int = -1  # Prometheus /metrics and /healthz port; -1 = off, 0 = any free port
+    # Credential callers (replicas, orchestrators) must send; "" = none required.
+    internal_token: str = ""
     block_size: int = 16  # tokens per block; replicas must use the same
     lease_seconds: float = 10.0  # a replica that does not heartbeat within this is dropped
     max_nodes: int = 1_000_000  # node budget (~208 B each)
@@ -22,9 +23,12 @@ class PrefixConfig:
     prune_step: int = 8000  # work units per call while pruning (~10 ms; see PruneRun)
     eviction_policy: str = "hybrid"  # "hybrid" (LFU shallow, LRU deep) or "lru"
     shallow_tokens: int = 128  # blocks starting before this token are ranked by hits
-    min_deep_hits: int = 1  # deep leaves hit fewer times are pruned first...
-    # ...unless used within this many index ticks (a store batch or a match each): a newest
-    # turn has had no chance of a hit yet (~60 s at 100 requests/s). 0 = no grace.
+    # Deep leaves hit fewer times than this are pruned first (unless used within
+    # cold_after_ticks).
+    min_deep_hits: int = 1
+    # Grace of a deep leaf under min_deep_hits: used within this many index ticks (a store
+    # batch or a match each), it is not pruned first, as a newest turn has had no chance of a
+    # hit yet (~60 s at 100 requests/s). 0 = no grace.
     cold_after_ticks: int = 20000
     # Every hit count is halved once per this many seconds (by the lease sweeper), so that a
     # burst long ago stops outranking steady use in TopPrefixes and LFU pruning. 0 = never.

@@ -59,7 +59,9 @@ class SemanticConfig:
     # Name used in the ONNX cache path and stored with each entry ("" = all-MiniLM-L6-v2 for
     # the packaged folder, wherever it is named from, else the folder's name).
     model_name: str = ""
-    cache_dir: str = ""  # "" = $TIERCACHE_CACHE_DIR or ~/.cache/tiercache
+    # Folder of the ONNX export and (unless db_path is set) the database, under semantic/;
+    # "" = $TIERCACHE_CACHE_DIR or ~/.cache/tiercache.
+    cache_dir: str = ""
     onnx_threads: int = 0  # intra-op threads of ONNX Runtime; 0 = its default
     # Whether ONNX Runtime's threads spin after each embedding, waiting for more work. On the
     # 2-core host with the benchmark's client beside the service (`python -m benchmarks.semantic
@@ -107,7 +109,9 @@ class SemanticConfig:
     hnsw_ef_search: int = 32
     faiss_threads: int = 1  # OpenMP threads for searches (bulk builds at start use all cores)
     delta_capacity: int = 2048  # entries searched exactly before being merged into the index
-    # Thresholds. Cosine similarity a hit needs in the strict tier.
+    # Thresholds.
+
+    # Cosine similarity a hit needs in the strict tier.
     tier_strict: float = 0.97
     # Cosine similarity a hit needs in the standard tier.
     tier_standard: float = 0.95
