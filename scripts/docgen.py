@@ -31,5 +31,6 @@ def main(argv: list[str] | None, out: Path, render: Callable[[], str], what: str
             return 1
         return 0
     out.write_text(text, encoding="utf-8")
-    print(f"wrote {out} ({text.count(chr(10) + '| `')} {what})")
+    # Rows of our own names only: settings.md's table of process variables is no setting.
+    print(f"wrote {out} ({text.lower().count(chr(10) + '| `tiercache_')} {what})")
     return 0

@@ -52,7 +52,57 @@ hasher, the same digests). The launcher (`make run`) reads `TIERCACHE_REPLICAS` 
 `python -m services.semantic.fit_verifier` read their labelled data from `TIERCACHE_DATA_DIR`
 (default `../shared/data` beside the repository); the tests read `TIERCACHE_TEST_DEVICE`
 (`cuda` for `tests/device`) and `TIERCACHE_TEST_LOGS` (the e2e log folder, then kept).
+
+Process variables without the `TIERCACHE_` prefix, read by the libraries (or, where said, the
+services) and set by the image (`deploy/docker/Dockerfile`), the manifests
+(`deploy/k8s/base/config/common.env`, the pods' `env:`) or the service itself:
 """
+
+
+# Process variables without the TIERCACHE_ prefix (HEADER's table): name, default, meaning.
+PROCESS_VARS = (
+    ("`HOME`",
+     "the user's home; image `/home/tiercache`, manifests `/tmp`",
+     "Where `~` leads: the cache folder when `TIERCACHE_CACHE_DIR` is unset "
+     "(`~/.cache/tiercache`), a `~` in path settings, the CLI's sessions, and libraries' "
+     "own caches. The manifests point it at the `/tmp` volume: the root filesystem is "
+     "read-only."),
+    ("`GRPC_DNS_RESOLVER`",
+     "gRPC's own (c-ares); manifests `native`",
+     "gRPC's name resolver for addresses to dial. `native` resolves with the system "
+     "resolver, so short names such as `kvpool-0.kvpool` go through the pod's DNS search "
+     "path."),
+    ("`OMP_NUM_THREADS`",
+     "unset: every core of the node; manifests the pod's CPU limit",
+     "OpenMP threads of torch (kvpool's default `torch_threads` 0 and the orchestrator) "
+     "and faiss; the semantic shard's bulk HNSW builds at start use this many (else every"
+     " core). Unset in a pod, they oversubscribe its CPU quota and are throttled."),
+    ("`OMP_WAIT_POLICY`",
+     "`PASSIVE`, set by `python -m services.kvpool` unless given",
+     "OpenMP workers sleep between parallel regions instead of spinning: right for "
+     "replicas sharing cores (`services/kvpool/README.md`, Threads)."),
+    ("`ONEDNN_PRIMITIVE_CACHE_CAPACITY`",
+     "`256`, set by `python -m services.kvpool` unless given (oneDNN's own: 1,024)",
+     "Compiled oneDNN kernels kept (~0.65 MiB each, four per new prefill length): at "
+     "1,024 a replica's RSS rose 20 MiB a minute under steady traffic, 10.6 at 256 "
+     "([deploy.md](deploy.md), Memory)."),
+    ("`HF_HUB_DISABLE_PROGRESS_BARS`",
+     "`1`, set by every service unless given",
+     "Hugging Face progress bars off: their carriage returns broke the JSON log lines."),
+    ("`HF_HOME`, `HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE`",
+     "image `/var/cache/tiercache/hf`, `1`, `1` (else the libraries' defaults: "
+     "`~/.cache/huggingface`, online)",
+     "The Hugging Face cache folder, and no downloads: every model the services use is "
+     "local (the image's converted SmolLM2, the packaged all-MiniLM-L6-v2)."),
+    ("`PYTHONPATH`, `PYTHONUNBUFFERED`, `PYTHONDONTWRITEBYTECODE`",
+     "image `/app:/app/gen`, `1`, `1`",
+     "The code and its generated gRPC modules on the path; log lines written at once; no "
+     "`.pyc` written (the image compiles them at build)."),
+    ("`POD_NAME`, `POD_IP`",
+     "set by kvpool's manifest",
+     "Not read by the service: the manifest makes `TIERCACHE_KVPOOL_REPLICA_ID` (the pod "
+     "name) and `TIERCACHE_KVPOOL_ADVERTISE_ADDRESS` (`<pod IP>:50054`) from them."),
+)
 
 
 def _default(f: dataclasses.Field) -> str:
@@ -65,7 +115,8 @@ def _cell(text: str) -> str:
 
 
 def render() -> str:
-    parts = [HEADER]
+    parts = [HEADER, "\n| variable | default | what it does |\n|---|---|---|\n"]
+    parts += [f"| {name} | {default} | {meaning} |\n" for name, default, meaning in PROCESS_VARS]
     for service, module, name in CLASSES:
         cls = getattr(importlib.import_module(module), name)
         notes = field_notes(cls)

@@ -43,3 +43,29 @@ def test_every_shared_name_the_services_accept_is_named():
     missing = sorted(n for n in SHARED_NAMES if f"TIERCACHE_{n}`" not in head
                      and not (n.startswith("TLS_") and f"`_{n[4:]}`" in head))
     assert not missing, f"not in docs/settings.md's opening paragraph: {missing}"
+
+
+def test_every_process_variable_the_manifests_image_or_services_set_is_named():
+    """HOME, GRPC_DNS_RESOLVER, OMP_NUM_THREADS (the manifests), the image's ENV and what
+    `python -m services.kvpool` sets unless given (ONEDNN_PRIMITIVE_CACHE_CAPACITY,
+    OMP_WAIT_POLICY) were explained only in manifest and source comments: each is named, with
+    what it does and its default, in docs/settings.md's opening part."""
+    import re
+
+    names = set()
+    for line in (ROOT / "deploy/k8s/base/config/common.env").read_text().splitlines():
+        if line and not line.startswith("#"):
+            names.add(line.split("=", 1)[0])
+    for path in (ROOT / "deploy/k8s/base").glob("*.yaml"):
+        names |= set(re.findall(r"- name: ([A-Z][A-Z0-9_]+)\n", path.read_text()))
+    docker = (ROOT / "deploy/docker/Dockerfile").read_text().split("AS runtime")[1]
+    env_block = docker.split("\nENV ", 1)[1].split("\n\n", 1)[0]  # the runtime's ENV
+    names |= set(re.findall(r"\b([A-Z][A-Z0-9_]+)=", env_block)) - {"PATH"}
+    for path in (ROOT / "services").rglob("*.py"):
+        names |= set(re.findall(r'os\.environ\.setdefault\("([A-Z0-9_]+)"', path.read_text()))
+    names = {n for n in names if not n.startswith("TIERCACHE_")}
+    assert {"HOME", "GRPC_DNS_RESOLVER", "OMP_NUM_THREADS",
+            "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "OMP_WAIT_POLICY"} <= names
+    head = (ROOT / "docs/settings.md").read_text(encoding="utf-8").split("\n## ")[0]
+    missing = sorted(n for n in names if f"`{n}`" not in head)
+    assert not missing, f"not in docs/settings.md's opening part: {missing}"
