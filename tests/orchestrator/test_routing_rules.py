@@ -114,3 +114,14 @@ def test_room_never_outranks_the_share_rule_on_the_ring():
     for i in range(40):
         d = p.choose(v, {}, f"s{i}", new_blocks=64, record=False)
         assert (d.replica_id, d.route) == ("r1", "ring"), i
+
+
+def test_the_share_rule_applies_once_the_recent_total_reaches_min_recent_per_replica():
+    """"Applies once the recent total *reaches* min_recent per replica": at exactly 4 x 2
+    recent requests, all on r0, r0 is over its share and loses a new prompt it holds."""
+    clock = Clock(100.0)
+    p = PrefixAwarePolicy(epsilon=0.25, window_s=30.0, min_recent=4.0, clock=clock)
+    for _ in range(8):
+        p.record("r0")
+    d = p.choose(views(r0=0, r1=0), {"r0": 1024}, "s", record=False)
+    assert (d.replica_id, d.route) == ("r1", "ring")
