@@ -686,6 +686,11 @@ class Orchestrator:
             made_up = False
             first_token_at: float | None = None
             attempts = 0
+            # Of `attempts`, those max_attempts bounds: not a pool too small with a larger one
+            # left (a hop to that pool, each replica asked once): counted, the attempts ran out
+            # on small pools and the client was told "too big" for good, though the largest
+            # replica held the request.
+            failures = 0
             only_busy = True  # every replica tried so far said it was busy (Overloaded)
             # The first "needs more KV blocks than the pool has": the client's answer if no
             # replica with a larger pool takes the request either.
@@ -932,6 +937,7 @@ class Orchestrator:
                     # expired while traffic went on).
                     self.dispatched.forget(replica.replica_id)
                 attempts += 1
+                failures += not larger
                 with _noting(notes):
                     if busy or larger:
                         # Saturation or a small pool, already logged at INFO above: counted
@@ -954,7 +960,7 @@ class Orchestrator:
                     final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
                     made_up = True
                     break
-                if attempts >= self.max_attempts:
+                if failures >= self.max_attempts:
                     # The replica's own message (transport errors name internal addresses) is in
                     # the log line above, not in the client's status.
                     raise _counted(tenant, _give_up(
@@ -963,7 +969,7 @@ class Orchestrator:
                         f"last: {why_public}"
                         # A replica's own refusal may say it already (past max_waiting).
                         + ("" if "retry later" in why_public else "; retry later"),
-                        f"kvpool replicas failed {attempts} times (tried {', '.join(tried)}); "
+                        f"kvpool replicas failed {failures} times (tried {', '.join(tried)}); "
                         f"last: {why_public}", sampling)) from None
 
             tail = detok.flush()

@@ -510,3 +510,35 @@ def test_the_report_says_the_threshold_applied_and_a_guard_refusal_above_it():
     rep = finished(run(make(one_replica()[1], semantic=sem),
                        policy=Policy(skip_semantic_lookup=True))).report
     assert (rep.semantic_threshold, rep.semantic_tier) == (0.0, "")
+
+
+@pytest.mark.parametrize("max_attempts", [1, 2])
+def test_a_pool_too_small_with_a_larger_one_left_does_not_use_up_the_attempts(max_attempts):
+    """A replica whose pool is too small for the request, a larger one left to try, is a hop
+    to that pool, not a failed attempt: counted as one, the attempts ran out first (here one
+    small pool at max_attempts 1; two at 2) and the client was told "need 300 KV blocks"
+    (RESOURCE_EXHAUSTED for good), though the largest replica holds the request."""
+    class TooBig(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return "token_ids: prompt + max_tokens need 300 KV blocks, the pool has 200"
+
+    small = ("A", "B")[:max_attempts]
+    stubs = {r: Stub(r, [Call([], TooBig())]) for r in small}
+    stubs["C"] = Stub("C", [Call([final("C", 2)])])
+    orch = sized(make(stubs, max_attempts=max_attempts),
+                 {"A": 100, "B": 200, "C": 400})
+    orch.routing = in_order(*small, "C")
+    assert finished(generate(orch, [])).report.replica_id == "C"
+    assert orch.stats.degradations["larger_pool"] == max_attempts
+    # Failures still count: a lost replica after the small pool ends the request at 1.
+    lost = {"A": Stub("A", [Call([], TooBig())]),
+            "B": Stub("B", [Call([], RpcError(grpc.StatusCode.UNAVAILABLE))]),
+            "C": Stub("C", [Call([final("C", 2)])])}
+    orch = sized(make(lost, max_attempts=1), {"A": 100, "B": 400, "C": 400})
+    orch.routing = in_order("A", "B", "C")
+    with pytest.raises(errors.Unavailable, match=r"failed 1 times \(tried kvpool#0, kvpool#1\)"):
+        generate(orch, [])
+    assert lost["C"].requests == []
