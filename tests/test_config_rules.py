@@ -249,3 +249,26 @@ def test_each_help_line_reads_as_the_settings_meaning_on_its_own(service):
         assert not re.search(r"\w\.\.\.$", head), f.name  # "first..." runs on to the next
         assert head.lower() not in headings and len(head.split()) >= 3, (f.name, head)
         assert not re.match(r'("[^"]*"|-?\d+|empty) = ', head), (f.name, head)
+
+
+@pytest.mark.parametrize("raw", ["inf", "-inf", "nan"])
+def test_a_float_setting_that_is_not_finite_is_called_so(raw):
+    """inf is refused as not finite, not as "at most 1e+09 in size" (true, but not the
+    problem: the value is no number of seconds at all)."""
+    with pytest.raises(ConfigError, match="expected a finite number"):
+        load_config(DemoConfig, "demo", [], environ={"TIERCACHE_DEMO_RATIO": raw})
+
+
+def test_a_services_tls_files_are_no_unknown_setting():
+    """TIERCACHE_<SERVICE>_TLS_CERT/_KEY/_CLIENT_AUTH are read by the server's TLS set-up, not
+    by a field: the typo check must not refuse them (every TLS deployment would not start)."""
+    env = {f"TIERCACHE_DEMO_{n}": "x" for n in ("TLS_CERT", "TLS_KEY", "TLS_CLIENT_AUTH")}
+    assert load_config(DemoConfig, "demo", [], environ=env).num_blocks == 8
+
+
+def test_a_secret_of_exactly_the_minimum_length_is_not_weak():
+    """MIN_SECRET_CHARS is the shortest secret taken without a warning."""
+    n = config.MIN_SECRET_CHARS
+    secret = "k3Q9xT2mW8vR5zLp" * 4
+    assert config.weak_secret(secret[:n]) == ""
+    assert "shorter than" in config.weak_secret(secret[:n - 1])

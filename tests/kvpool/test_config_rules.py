@@ -18,6 +18,8 @@ K = "TIERCACHE_KVPOOL_"
     ("NUM_BLOCKS", str(MAX_BLOCKS), str(MAX_BLOCKS + 1)),  # "must be at most 4,194,304"
     ("SEND_STALL_SECONDS", "1", "0.5"),  # "must be 0 (off) or >= 1"
     ("SEND_STALL_SECONDS", "0", "-1"),
+    ("MAX_DRAFT_TOKENS", "64", "65"),  # "must be in 1..64"
+    ("PIN_TTL_MAX_SECONDS", "1", "0"),  # "must be >= 1": 0 cut every Warm's pin to nothing
 ])
 def test_each_bound_is_taken_at_its_edge_and_refused_past_it(name, taken, refused):
     cfg = load_config(KvPoolConfig, "kvpool", [], environ={K + name: taken})

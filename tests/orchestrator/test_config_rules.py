@@ -17,6 +17,13 @@ ORCH = "TIERCACHE_ORCHESTRATOR_"
     ("MAX_REQUEST_BYTES", str(2**31 - 1), str(2**31)),
     ("REPLICA_HUNG_POLLS", "100", "101"),  # "must be in 1..100"
     ("WARM_INTERVAL_S", "1", "0.5"),  # "must be <= 0 (off) or >= 1"
+    # Sent in int32 / uint32 fields: one past failed every request / every warm-up.
+    ("MAX_TOKENS_LIMIT", str(2**31 - 1), str(2**31)),
+    ("WARM_PIN_TTL_MAX_S", str(2**32 - 1), str(2**32)),
+    # max_streams = max_workers - 8: at 8 every Generate was refused.
+    ("MAX_WORKERS", "9", "8"),
+    # Must exceed max_workers (64): streams alone must never fill it.
+    ("MAX_CONCURRENT_RPCS", "65", "64"),
 ])
 def test_each_bound_is_taken_at_its_edge_and_refused_past_it(name, taken, refused):
     cfg = load_config(OrchestratorConfig, "orchestrator", [], environ={ORCH + name: taken})
