@@ -434,8 +434,12 @@ def test_an_answer_ending_on_a_draft_stop_token_saves_one_pass_fewer(make_engine
     if stop in ans[:3]:
         pytest.skip("the stop token occurs earlier")
     plain, fp = run(eng, p, [], max_tokens=10, stop_token_ids=frozenset([stop]))
+    before = eng.draft_tokens_accepted_total
     toks, fd = run(eng, p, ans, max_tokens=10, stop_token_ids=frozenset([stop]))
     assert toks == plain == ans[:4]
+    # The replica's total (Stats, and the metric) counts the same 4, not the whole verified
+    # run past the stop.
+    assert eng.draft_tokens_accepted_total - before == fd.draft_tokens_accepted
     assert fp.forward_passes == len(plain) - 1
     assert fd.draft_tokens_accepted == 4 and fd.forward_passes == 0
     assert fd.forward_passes == len(toks) - fd.draft_tokens_accepted  # not len - 1 - accepted
