@@ -262,3 +262,12 @@ def test_the_report_names_the_threshold_applied_and_a_refusal_above_it():
                                  semantic_guard_rejected=True, semantic_guard_reason="negation")
     assert format_report(hit).startswith(
         "[semantic hit 0.940 (standard threshold 0.930, a closer entry refused: negation) | ")
+
+
+def test_no_threshold_is_shown_when_no_entry_was_compared():
+    """An empty namespace (no candidate: similarity 0) still comes with the tier's threshold:
+    "[model (standard threshold 0.950) | ..." read as if an entry had been held to it and
+    missed. Nothing was compared, so nothing is said, as before the threshold was shown."""
+    empty = common_pb2.CacheReport(semantic_threshold=0.95, semantic_tier="standard",
+                                   route="prefix")
+    assert format_report(empty).startswith("[model | route prefix, ")

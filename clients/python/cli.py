@@ -330,9 +330,11 @@ def format_report(r, request_id: str = "") -> str:
     quote in a ticket)."""
     sim = r.semantic_similarity
     # What the similarity was held to, and a refusal above it: "nearest entry 0.962" alone
-    # did not say whether it missed the threshold or the guard or verifier refused it.
+    # did not say whether it missed the threshold or the guard or verifier refused it. Only
+    # where an entry was compared (an empty namespace has the tier's threshold, and no
+    # similarity: the threshold alone read as a candidate that missed it).
     held = (f"{r.semantic_tier + ' ' if r.semantic_tier else ''}threshold "
-            f"{r.semantic_threshold:.3f}" if r.semantic_threshold else "")
+            f"{r.semantic_threshold:.3f}" if r.semantic_threshold and sim else "")
     refused = (f"refused: {r.semantic_guard_reason or 'by the guard'}"
                if r.semantic_guard_rejected else "")
     if r.semantic_hit:
