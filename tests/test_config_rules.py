@@ -272,3 +272,24 @@ def test_a_secret_of_exactly_the_minimum_length_is_not_weak():
     secret = "k3Q9xT2mW8vR5zLp" * 4
     assert config.weak_secret(secret[:n]) == ""
     assert "shorter than" in config.weak_secret(secret[:n - 1])
+
+
+def test_a_config_class_has_its_source_read_once_not_at_every_load(monkeypatch):
+    """--help's meanings come from the class's source (inspect + ast: ~8 ms for a service's
+    class, ~100x the rest of a load): read at every load_config, they tripled
+    test_config_differential's time and went into every start whether or not help was asked.
+    Read once per class."""
+    import inspect
+
+    @dataclass
+    class Once:
+        # The one setting.
+        level: int = 1
+
+    real, reads = inspect.getsourcelines, []
+    monkeypatch.setattr(config.inspect, "getsourcelines",
+                        lambda obj: reads.append(obj) or real(obj))
+    for _ in range(3):
+        assert load_config(Once, "demo", [], environ={}).level == 1
+    assert config.field_notes(Once) == {"level": "The one setting."}
+    assert len(reads) == 1

@@ -12,12 +12,14 @@ import argparse
 import ast
 import dataclasses
 import difflib
+import functools
 import inspect
 import math
 import os
 import re
 import typing
 from collections.abc import Mapping, Sequence
+from types import MappingProxyType
 from typing import Any, TypeVar
 
 from services.common.addresses import canonical_address, target_host
@@ -293,14 +295,16 @@ class _HelpLines(argparse.HelpFormatter):
         return [w for part in text.splitlines() for w in wrap(part, width)]
 
 
-def field_notes(cls: type) -> dict[str, str]:
+@functools.cache
+def field_notes(cls: type) -> Mapping[str, str]:
     """Field -> the comment written with it in the class's source (the lines just above the
-    field, then the comment after it): docs/settings.md's "meaning" and --help's. {} when the
-    source cannot be read."""
+    field, then the comment after it): docs/settings.md's "meaning" and --help's. Empty when
+    the source cannot be read. Read once per class (read-only): inspect and ast take ~100x
+    the rest of a load_config, which every start and many tests run."""
     try:
         lines, _ = inspect.getsourcelines(cls)
     except (OSError, TypeError):
-        return {}
+        return MappingProxyType({})
     source = "".join(lines)
     out: dict[str, str] = {}
     tree = ast.parse(inspect.cleandoc("\n" + source) if source.startswith(" ") else source)
@@ -318,7 +322,7 @@ def field_notes(cls: type) -> dict[str, str]:
         line = text[row]
         after = line.split("#", 1)[1].strip() if "#" in line and '"#' not in line else ""
         out[node.target.id] = " ".join(p for p in (" ".join(above), after) if p)
-    return out
+    return MappingProxyType(out)
 
 
 # A sentence ends at a full stop before a capital, quote or bracket ("e.g. the" and "0.5 s"
