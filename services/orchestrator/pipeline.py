@@ -601,7 +601,10 @@ class Orchestrator:
             cached_ids = ((list(look.entry.answer_token_ids)
                            or self.renderer.encode_literal(look.entry.answer))
                           if look.HasField("entry") else [])
-            if look.hit and not all(0 <= t < self._vocab for t in cached_ids):
+            # Whether this model has a token for every id: one pass, for the hit and for the
+            # draft below alike.
+            in_vocab = all(0 <= t < self._vocab for t in cached_ids)
+            if look.hit and not in_vocab:
                 # A hit whose ids this model has no token for (an entry stored by a client, or
                 # by another model under the same id) was served with them: a client asking
                 # for token ids got ids no token has, and one cut at max_tokens or a stop
@@ -612,6 +615,7 @@ class Orchestrator:
                             "%d; its answer is tokenized again", request_id, look.entry.id,
                             self._vocab)
                 cached_ids = self.renderer.encode_literal(look.entry.answer)
+                in_vocab = True  # the tokenizer's own ids
             cut = look.entry.truncated_at if look.hit else 0
             # The request's stop token inside a cut-short answer ends the answer there, as it
             # ends the model's: the hit covers all the request wants (it went to the model,
@@ -641,7 +645,7 @@ class Orchestrator:
                                            return_token_ids, request_id, t0)
                 return
             if look.HasField("entry") and want_draft:
-                if all(0 <= t < self._vocab for t in cached_ids):
+                if in_vocab:
                     draft_ids = cached_ids
                     report.draft_entry_id = look.entry.id
                 else:

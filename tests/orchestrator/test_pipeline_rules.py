@@ -91,6 +91,30 @@ def test_a_hit_with_ids_outside_the_vocabulary_is_served_from_its_text(max_token
     assert finished(events).report.semantic_hit and not stub.requests
 
 
+def test_a_hit_s_ids_are_checked_against_the_vocabulary_in_one_pass():
+    """The hit's check (581b7d7) and the draft's were the same scan written twice: a hit the
+    model answers instead (cut short, here) scanned every id of its answer twice. One pass
+    serves both: each id is compared with the vocabulary size once."""
+    compared = []
+
+    class Vocab(int):  # `t < vocab` with an int t asks the subclass's reflected __gt__ first
+        def __gt__(self, t):
+            compared.append(t)
+            return int(self) > t
+
+    ids = [104, 101, 108, 108, 111]
+    sem = RecordingSemantic(semantic_pb2.LookupResponse(
+        hit=True, similarity=0.99, entry=semantic_pb2.SemanticEntry(
+            id="e9", answer="hello", answer_token_ids=ids, truncated_at=5)))
+    stub, stubs = one_replica()
+    orch = make(stubs, semantic=sem)
+    orch._vocab = Vocab(orch._vocab)
+    events = run(orch, max_tokens=16)
+    assert list(stub.requests[0].draft_token_ids) == ids  # too short: the model, with a draft
+    assert finished(events).report.draft_entry_id == "e9"
+    assert compared == ids
+
+
 def test_an_ignore_eos_answer_lost_right_after_an_eos_token_is_resumed():
     """With ignore_eos the end of sequence is an ordinary token: a replica lost just after
     streaming it has not finished the answer, which resumes on another replica."""
