@@ -5,21 +5,21 @@ starting a service.
 
 The model: every setting is read from its TIERCACHE_<SVC>_ variable and a `--flag` wins over it
 (the variable then not read at all); `--help` lists every setting of docs/settings.md with its
-variable and exits 0. A start is refused with exit 2 when anything is wrong, and the one ERROR
-line names what the user typed (the flag if one was given, else the variable): a bad value, a
-TIERCACHE_ variable that is no setting (a Kubernetes service link and another service's
-setting are no error), TIERCACHE_LOG_LEVEL not a level, TIERCACHE_DRAIN_DELAY_S not seconds in
-[0, 300], TIERCACHE_HASH_KEY set but empty or over 64 bytes, half a TLS key pair or a TLS file
-that cannot be read, an internal credential set but empty or not printable ASCII, an address
-or metrics port that cannot be bound (in use), orchestrator tenant tokens with the public
-development hash key, a tokens file that is no readable file, a cache_dir that is a file, a
-kvpool CUDA device torch does not see; an unknown flag or a flag without its value is argparse's
-usage error (exit 2, naming the flag). A refused start leaves nothing behind: no file in HOME,
-the working directory or the paths it was given, and no listening socket. An accepted start
-(prefix, orchestrator) serves health SERVING on the address asked for (the port asked for, or
-a free one for port 0), /healthz on the metrics port (off at -1), warns where the docs say it
-warns (no tenant tokens; a credential or hash key shorter than 16 characters), and its drain
-closes every socket it opened.
+variable and the start of its meaning there, and exits 0. A start is refused with exit 2 when
+anything is wrong, and the one ERROR line names what the user typed (the flag if one was given,
+else the variable): a bad value, a TIERCACHE_ variable that is no setting (a Kubernetes service
+link and another service's setting are no error), TIERCACHE_LOG_LEVEL not a level,
+TIERCACHE_DRAIN_DELAY_S not seconds in [0, 300], TIERCACHE_HASH_KEY set but empty or over 64
+bytes, half a TLS key pair or a TLS file that cannot be read, an internal credential set but
+empty or not printable ASCII, an address or metrics port that cannot be bound (in use),
+orchestrator tenant tokens with the public development hash key, a tokens file that is no
+readable file, a cache_dir that is a file, a kvpool CUDA device torch does not see; an unknown
+flag or a flag without its value is argparse's usage error (exit 2, naming the flag). A refused
+start leaves nothing behind: no file in HOME, the working directory or the paths it was given,
+and no listening socket. An accepted start (prefix, orchestrator) serves health SERVING on the
+address asked for (the port asked for, or a free one for port 0), /healthz on the metrics port
+(off at -1), warns where the docs say it warns (no tenant tokens; a credential or hash key
+shorter than 16 characters), and its drain closes every socket it opened.
 
 Seeded starts run each service's `main` in-process against real sockets and a real gRPC
 health check: first every check alone (one start each), then random starts of 1-6 pieces
@@ -106,6 +106,16 @@ def documented_settings() -> dict[str, list[str]]:
         m = re.match(r"\| `(TIERCACHE_[A-Z0-9_]+)` \|", line)
         if m and svc:
             out.setdefault(svc, []).append(m.group(1))
+    return out
+
+
+def documented_meanings() -> dict[str, str]:
+    """Each variable's meaning column in docs/settings.md (markdown escapes as written)."""
+    out = {}
+    for line in (ROOT / "docs" / "settings.md").read_text().splitlines():
+        m = re.match(r"\| `(TIERCACHE_[A-Z0-9_]+)` \| `[^`]*` \| (.*) \|$", line)
+        if m:
+            out[m.group(1)] = m.group(2)
     return out
 
 
@@ -574,8 +584,14 @@ def test_random_starts_agree_with_the_documented_rules(service, busy_port, tmp_p
 def test_help_lists_every_documented_setting(service):
     rc, _, out = call_main(service, ["--help"], {})
     assert rc == 0
+    # As wrapped to any width; the docs write a note's backquotes as quotes.
+    flat = " ".join(out.replace("`", "'").split())
     for var in documented_settings()[service]:
         assert flag_of(var, service) in out and var in out, var
+        # The meaning's first words follow the default (its first sentence, or a head of it).
+        meaning = documented_meanings()[var].replace("\\|", "|")
+        words = " ".join(meaning.split()[:2]).rstrip(".:;,")
+        assert re.search(rf"{var}; default \S+(?: \S+)*? {re.escape(words)}", flat), (var, words)
 
 
 # ---- what only a process shows -----------------------------------------------------------------
