@@ -21,20 +21,20 @@ the deadline, or the client going after k tokens; the Store answering, down, ref
 client gone during it; any sampling (max_tokens 1-9, stop tokens that may be the end of
 sequence, ignore_eos, greedy or sampled, seeded or not) and any cache policy flags.
 
-The model (written from DESIGN.md "The life of a request", docs/architecture.md steps 3-9,
-the CacheReport, FinishReason and metrics docs) computes the reference answer from scratch and
-follows the schedule: what the client receives (every token once, in order, across resumes;
-a hit cut as the model would cut it), the finish reason or the error (busy everywhere:
+The model (written from DESIGN.md "The life of a request", docs/architecture.md steps 3-9, the
+CacheReport, FinishReason and metrics docs) computes the reference answer from scratch and
+follows the schedule: what the client receives (every token once, in order, across resumes; a
+hit cut as the model would cut it), the finish reason or the error (busy everywhere:
 Overloaded; no replica left: Unavailable; a verdict passed on), each Generate request (prompt +
-tokens so far, max_tokens left, seed and seed_offset, the draft from where the answer is),
-what routing was given (matches raised by the prompts sent moments ago, the replicas
-excluded), every CacheReport field (semantic hit and similarity, prompt tokens, cached tokens
-as the last replica said, at most the prompt, replica, route, draft figures,
-index_matched_tokens, the entry stored or hit, the draft's entry, the degradations in order),
-whether and what was stored (answer, truncated_at, ids), and the deltas of the orchestrator's
-counters and metrics (requests and TTFT by cache class, degradations, tokens, hits not
-served, draft tokens, forward passes saved, matched and shortfall tokens). A second test
-closes the request after its client took a few events (the replica side racing on):
+tokens so far, max_tokens left, seed and seed_offset, the draft from where the answer is), what
+routing was given (matches raised by the prompts sent moments ago, the replicas excluded),
+every CacheReport field (semantic hit, similarity, threshold, tier and guard refusal, prompt
+tokens, cached tokens as the last replica said, at most the prompt, replica, route, draft
+figures, index_matched_tokens, the entry stored or hit, the draft's entry, the degradations in
+order), whether and what was stored (answer, truncated_at, ids), and the deltas of the
+orchestrator's counters and metrics (requests and TTFT by cache class, degradations, tokens,
+hits not served, draft tokens, forward passes saved, matched and shortfall tokens). A second
+test closes the request after its client took a few events (the replica side racing on):
 invariants only, as listed in `run_client_stop`.
 
 Where the docs do not settle it the model follows the code and says so: a replica that failed
@@ -562,8 +562,14 @@ def make_plan(w: World, rng: random.Random, n: int) -> Plan:
             accepted=rng.randint(0, 4), lookup=rng.randint(0, 2), passes=rng.randint(0, 9),
             chunks=[rng.randint(1, 3) for _ in range(6)],
             final_attached=rng.random() < 0.5))
-    return Plan(prompt, query, tenant, sampling, policy, rng.random() < 0.7,
+    plan = Plan(prompt, query, tenant, sampling, policy, rng.random() < 0.7,
                 rng.random() < 0.1, lookup, answer, index, matches, order, store, attempts)
+    # What the tier held the candidate to, and a refusal above it: passed on in the report.
+    answer.threshold = rng.choice((0.0, 0.9, 0.93, 0.95, 0.97))
+    answer.tier = rng.choice(("", "strict", "standard", "relaxed"))
+    if rng.random() < 0.2:
+        answer.guard_rejected, answer.guard_reason = True, "numbers differ"
+    return plan
 
 
 # ---- the reference model -----------------------------------------------------------------
@@ -644,6 +650,11 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
             look = p.answer
     draft: list[int] = []
     E.report["semantic_similarity"] = look.similarity if look is not None else 0.0
+    # The rest of the tier's reply, passed on as it said it (unset without a lookup).
+    E.report["semantic_threshold"] = look.threshold if look is not None else 0.0
+    E.report["semantic_tier"] = look.tier if look is not None else ""
+    E.report["semantic_guard_rejected"] = look.guard_rejected if look is not None else False
+    E.report["semantic_guard_reason"] = look.guard_reason if look is not None else ""
     E.report["draft_entry_id"] = ""
     if look is not None:
         entry = look.entry if look.HasField("entry") else None
@@ -837,7 +848,8 @@ def serve_hit(E: Expected, look, ids: list[int], s: Sampling, met: dict, stats: 
 REPORT_FIELDS = ("semantic_hit", "semantic_similarity", "prompt_tokens", "cached_tokens",
                  "replica_id", "route", "draft_tokens_proposed", "draft_tokens_accepted",
                  "lookup_tokens_accepted", "forward_passes", "index_matched_tokens",
-                 "semantic_entry_id", "draft_entry_id")
+                 "semantic_entry_id", "draft_entry_id", "semantic_threshold", "semantic_tier",
+                 "semantic_guard_rejected", "semantic_guard_reason")
 
 
 def stats_of(orch: Orchestrator) -> dict:
