@@ -37,6 +37,7 @@ the Prometheus registry (deltas since the run began: one registry per process, s
 across restarts, where Stats start again) must be the model's:
 tiercache_semantic_lookups_total{tier, outcome} (an explicit threshold under "explicit";
 outcome hit, draft = a miss whose nearest live entry is at or above the draft floor, miss),
+verified_hits_total{tier} (the hits among them on a human-verified entry),
 exact_hits_total (the hits on an exact repeat), embed_seconds_count (every Lookup not served
 as an exact repeat; never a Store), search_seconds_count (every Lookup), evictions_total and
 expirations_total (every eviction and expiry the model counts, those at load included),
@@ -86,6 +87,7 @@ def metrics() -> dict:
         return sample_value(f"tiercache_semantic_{name}", labels) or 0.0
 
     out = {(t, o): get("lookups_total", tier=t, outcome=o) for t in TIERS for o in OUTCOMES}
+    out.update({("verified", t): get("verified_hits_total", tier=t) for t in TIERS})
     for name in PLAIN:
         out[name] = get(name)
     out["saves_ok"] = get("snapshot_saves_total", result="ok")
@@ -213,10 +215,12 @@ class MRun(Run):
             super().op_lookup(ns, text)
         finally:
             del m.lookup
-        tier, threshold, (hit, _, sim, exact, _) = seen[0]
+        tier, threshold, (hit, eid, sim, exact, _) = seen[0]
         key = "explicit" if threshold else (tier or "standard")
         outcome = "hit" if hit else ("draft" if sim >= DRAFT_FLOOR else "miss")
         self.want[(key, outcome)] += 1
+        if hit and m.entries[eid].verified:  # also counted apart, under the same tier
+            self.want[("verified", key)] += 1
         self.want["search_seconds_count"] += 1
         self.want["exact_hits_total" if exact else "embed_seconds_count"] += 1
         self.check(self.searches - searches == (0 if exact else 1),
