@@ -699,6 +699,7 @@ class Orchestrator:
             # The first "needs more KV blocks than the pool has": the client's answer if no
             # replica with a larger pool takes the request either.
             too_big: grpc.RpcError | None = None
+            too_big_pool = 0  # the largest pool that said so
             # The largest pool among the replicas tried that failed otherwise (lost, busy): a
             # smaller pool's "too big" after it is no verdict, the request fits there once back.
             failed_pool = 0
@@ -736,6 +737,8 @@ class Orchestrator:
                         if hashes and self.dispatched is not None:
                             recorded = self.dispatched.record(decision.replica_id, hashes)
                 if decision is None or replica is None:
+                    too_big, only_busy, why_public = self._too_big_stands(
+                        too_big, too_big_pool, only_busy, why_public)
                     misfits = "" if tried else self.replicas.misfits()
                     if misfits:
                         # Mid-roll to another model (or one left behind): said once per
@@ -871,12 +874,15 @@ class Orchestrator:
                     elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
                           and (e.details() or "").startswith("token_ids:")
                           and (self._larger_pool(replica, exclude)
-                               or failed_pool > _pool_blocks(replica))):
+                               or failed_pool > _pool_blocks(replica)
+                               or self._larger_down(_pool_blocks(replica)) is not None)):
                         # Too big for this replica's pool, not for every one: pools sized by
-                        # kv_cache_bytes differ with each replica's hardware.
+                        # kv_cache_bytes differ with each replica's hardware. A larger one
+                        # down is no verdict either (`_too_big_stands`).
                         larger = True
                         if failed_pool <= _pool_blocks(replica):
                             too_big = too_big or e
+                            too_big_pool = max(too_big_pool, _pool_blocks(replica))
                         if _LOAD_LINES.allow((f"replica {replica.replica_id}", "too small")):
                             log.info("replica %s cannot hold the request (%s); trying a larger "
                                      "pool", replica.replica_id, e.details())
@@ -965,6 +971,8 @@ class Orchestrator:
                     made_up = True
                     break
                 if failures >= self.max_attempts:
+                    too_big, only_busy, why_public = self._too_big_stands(
+                        too_big, too_big_pool, only_busy, why_public)
                     # The replica's own message (transport errors name internal addresses) is in
                     # the log line above, not in the client's status.
                     raise _counted(tenant, _give_up(
@@ -1132,6 +1140,29 @@ class Orchestrator:
                    for r in self.replicas.healthy()
                    if r is not replica and r.replica_id not in exclude
                    and r.address not in exclude)
+
+    def _larger_down(self, blocks: int):
+        """The replica with the largest pool of those known down (not one serving another
+        model) whose pool, as its last Stats said, has more KV blocks than `blocks`; None if
+        none has."""
+        down = [r for r in self.replicas.replicas
+                if not r.health.healthy and not r.misfit and _pool_blocks(r) > blocks]
+        return max(down, key=_pool_blocks, default=None)
+
+    def _too_big_stands(self, too_big: grpc.RpcError | None, too_big_pool: int,
+                        only_busy: bool, why_public: str
+                        ) -> tuple[grpc.RpcError | None, bool, str]:
+        """(too_big, only_busy, why_public) for the client's error once no replica is left
+        to try. "Too big" is the answer only while no larger pool is down: one declared down
+        after the small pool's refusal (or before it, only small pools left healthy) may
+        hold the request once back, as a larger pool tried and lost on this request may
+        (`failed_pool`), so it is UNAVAILABLE naming that replica, not a RESOURCE_EXHAUSTED
+        clients never retry."""
+        down = None if too_big is None else self._larger_down(too_big_pool)
+        if down is None:
+            return too_big, only_busy, why_public
+        # Its health reason stays in Stats and the log (transport errors name addresses).
+        return None, False, f"{down.public_id}, with a larger KV pool, is down"
 
     def _count(self, cache_class: str, prompt: int, cached: int, completion: int,
                ttft_ms: float) -> None:

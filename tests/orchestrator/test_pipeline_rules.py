@@ -566,3 +566,46 @@ def test_a_pool_too_small_with_a_larger_one_left_does_not_use_up_the_attempts(ma
     with pytest.raises(errors.Unavailable, match=r"failed 1 times \(tried kvpool#0, kvpool#1\)"):
         generate(orch, [])
     assert lost["C"].requests == []
+
+
+@pytest.mark.parametrize("when", ["after_the_refusal", "before_it"])
+def test_a_small_pool_with_the_larger_one_down_is_unavailable_not_too_big(when):
+    """The larger pool's replica declared down (its Stats polls failed) between a small
+    pool's refusal and the next routing decision, or already before it with only small
+    pools healthy: the small pool's "need 300 KV blocks" was the client's answer
+    (RESOURCE_EXHAUSTED, never retried), though the request fits once that replica is back.
+    Unavailable, naming that replica, as when the larger pool was tried and lost."""
+    from types import SimpleNamespace
+
+    class TooBig(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return "token_ids: prompt + max_tokens need 300 KV blocks, the pool has 200"
+
+    class DownsB(Stub):
+        def Generate(self, req, timeout=None, metadata=None):  # noqa: N802
+            if when == "after_the_refusal" and not self.requests:  # the first request only
+                orch.replicas.by_id("B").health.fail("Connection refused", hold=True)
+            return super().Generate(req, timeout, metadata)
+
+    stubs = {"A": DownsB("A", [Call([], TooBig())]), "B": Stub("B", [Call([final("B", 2)])]),
+             "C": Stub("C", [Call([], TooBig())])}
+    orch = sized(make(stubs), {"A": 200, "B": 400, "C": 200})
+    if when == "before_it":
+        orch.replicas.by_id("B").health.fail("Connection refused", hold=True)
+    # Routing as the real one sees it: healthy replicas only (`ReplicaSet.views`).
+    orch.routing = SimpleNamespace(choose=lambda views, seen, aff, exclude, *rest: next(
+        (SimpleNamespace(replica_id=v.replica_id, route="least_loaded", matched_tokens=0)
+         for v in sorted(views, key=lambda v: v.replica_id) if v.replica_id not in exclude),
+        None))
+    with pytest.raises(errors.Unavailable) as e:
+        generate(orch, [])
+    assert "need 300 KV blocks" not in str(e.value)
+    assert "kvpool#1" in str(e.value) and "Connection refused" not in str(e.value)
+    assert stubs["B"].requests == [] and len(stubs["C"].requests) == 1
+    # The larger pool back: the same request is served there.
+    orch.replicas.by_id("B").health.ok()
+    stubs["A"].calls, stubs["C"].calls = [Call([], TooBig())], [Call([], TooBig())]
+    assert finished(generate(orch, [])).report.replica_id == "B"
