@@ -46,7 +46,8 @@ REQUESTS = counter("tiercache_orchestrator_requests_total",
                    ("cache_class",))
 DEGRADED = counter("tiercache_orchestrator_degradations_total",
                    "Degraded events, one per event (a request may count several): tier "
-                   "skipped, index down, replica failed over (retry/resume), replica busy, "
+                   "skipped, index down, index refused a Match (a prompt past its "
+                   "max_blocks), replica failed over (retry/resume), replica busy, "
                    "larger pool sought, draft dropped, store failed", ("kind",))
 TTFT = histogram("tiercache_orchestrator_ttft_seconds", "Time to first token", ("cache_class",),
                  buckets=SECONDS_BUCKETS)
@@ -505,6 +506,17 @@ class Orchestrator:
             # Exceeded" named no deadline), as its health line says it.
             said = health_error(e, timeout, self.prefix.timeout_s)
             said = said if isinstance(said, str) else e.details()
+            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                # A live index refusing this Match (more blocks than its max_blocks, which the
+                # orchestrator is not told): not an outage, and its health stays good
+                # (`tells_of_health`). Logged and counted as "index down" it read as one.
+                if probe:
+                    log.info("prefix index refused a routing probe's Match: %s", said)
+                    return PrefixView({}, key, None, hashes)
+                if _DEGRADED_LINES.allow(("prefix match", e.code().name)):
+                    log.warning("prefix index refused the Match, ring routing: %s", said)
+                self.stats.degrade("index_refused")
+                return PrefixView({}, key, None, hashes)
             if probe:
                 # A Warm choosing owners (up to 64 prompts a call) is not a request served
                 # degraded: counting each probe swamped the per-request figure.

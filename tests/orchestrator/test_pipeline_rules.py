@@ -609,3 +609,33 @@ def test_a_small_pool_with_the_larger_one_down_is_unavailable_not_too_big(when):
     orch.replicas.by_id("B").health.ok()
     stubs["A"].calls, stubs["C"].calls = [Call([], TooBig())], [Call([], TooBig())]
     assert finished(generate(orch, [])).report.replica_id == "B"
+
+
+def test_a_match_the_index_refuses_is_not_the_index_down(caplog):
+    """A prompt of more blocks than the prefix index's max_blocks: the live index refuses its
+    Match (INVALID_ARGUMENT) and the request was logged "prefix index unreachable" and
+    counted as index_down, an outage alert for a healthy index. Ring routing still, said
+    and counted as the index's refusal (index_refused)."""
+    from types import SimpleNamespace
+
+    class Refused(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.INVALID_ARGUMENT)
+
+        def details(self) -> str:
+            return "block_hashes: more than 4 blocks"
+
+    def refuse(h, m, timeout=None, probe=False, on_call=None):
+        raise Refused()
+
+    stub, stubs = one_replica()
+    orch = make(stubs, prefix=SimpleNamespace(timeout_s=0.5, match=refuse))
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.pipeline"):
+        assert orch.owner(TENANT, PROMPT) is not None  # a Warm's probe: ring routing
+        run(orch)
+    assert len(stub.requests) == 1
+    assert orch.stats.degradations["index_down"] == 0
+    assert orch.stats.degradations["index_refused"] == 1
+    said = [r.getMessage() for r in caplog.records if "prefix index" in r.getMessage()]
+    assert said and not any("unreachable" in s for s in said), said
+    assert all("refused" in s and "more than 4 blocks" in s for s in said), said
