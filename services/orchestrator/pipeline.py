@@ -506,25 +506,19 @@ class Orchestrator:
             # Exceeded" named no deadline), as its health line says it.
             said = health_error(e, timeout, self.prefix.timeout_s)
             said = said if isinstance(said, str) else e.details()
-            if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                # A live index refusing this Match (more blocks than its max_blocks, which the
-                # orchestrator is not told): not an outage, and its health stays good
-                # (`tells_of_health`). Logged and counted as "index down" it read as one.
-                if probe:
-                    log.info("prefix index refused a routing probe's Match: %s", said)
-                    return PrefixView({}, key, None, hashes)
-                if _DEGRADED_LINES.allow(("prefix match", e.code().name)):
-                    log.warning("prefix index refused the Match, ring routing: %s", said)
-                self.stats.degrade("index_refused")
-                return PrefixView({}, key, None, hashes)
+            # A live index refusing this Match (more blocks than its max_blocks, which the
+            # orchestrator is not told) is not an outage, and its health stays good
+            # (`tells_of_health`): logged and counted as "index down" it read as one.
+            refused = e.code() == grpc.StatusCode.INVALID_ARGUMENT
+            what = "refused the Match" if refused else "unreachable"
             if probe:
                 # A Warm choosing owners (up to 64 prompts a call) is not a request served
                 # degraded: counting each probe swamped the per-request figure.
-                log.info("prefix index unreachable for a routing probe: %s", said)
+                log.info("prefix index %s (a routing probe): %s", what, said)
                 return PrefixView({}, key, None, hashes)
             if _DEGRADED_LINES.allow(("prefix match", e.code().name)):
-                log.warning("prefix index unreachable, ring routing: %s", said)
-            self.stats.degrade("index_down")
+                log.warning("prefix index %s, ring routing: %s", what, said)
+            self.stats.degrade("index_refused" if refused else "index_down")
             return PrefixView({}, key, None, hashes)
 
     def _with_dispatched(self, matches: dict[str, int], hashes: list[bytes]) -> dict[str, int]:
