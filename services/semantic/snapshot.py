@@ -197,12 +197,21 @@ class Saved:
         self.folder = Path(folder)
         self._entries: dict[tuple[str, str, str], dict] = {}
         path = self.folder / MANIFEST
-        if not path.exists():
+        try:
+            missing = not path.exists()
             # No folder, or one no save finished in: a first start, nothing to say. Graph files
             # without their manifest are a snapshot damaged (a manifest deleted, a copy that
             # left it out): every graph was built again without a word, as on a first start.
             graphs = (sorted(p.name for p in self.folder.iterdir() if _OURS.fullmatch(p.name))
-                      if self.folder.is_dir() else [])
+                      if missing and self.folder.is_dir() else [])
+        except OSError as e:
+            # A folder the shard may not read (mode 000: the manifest's stat fails; 300: the
+            # listing does) raised out of the start with a traceback; a snapshot is only a
+            # speed-up, warned of and ignored as a manifest that cannot be read is.
+            log.warning("ignoring the HNSW snapshot in %s (%s: %s); every namespace is built",
+                        self.folder, type(e).__name__, e)
+            return
+        if missing:
             if graphs:
                 log.warning("ignoring the HNSW snapshot in %s: %s is missing beside %d graph "
                             "files (%s, ...; deleted, or a first save killed before it wrote "

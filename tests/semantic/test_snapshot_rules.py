@@ -184,3 +184,31 @@ def test_graph_files_without_their_manifest_are_said_once_at_warning(tmp_path, c
     assert len(lines) == 1, lines
     assert f"{folder / snapshot.MANIFEST} is missing" in lines[0]
     assert "built from SQLite" in lines[0]
+
+
+@pytest.mark.parametrize("fails", ["exists", "iterdir"])
+def test_a_snapshot_folder_that_cannot_be_read_is_one_warning_not_a_failed_start(
+        tmp_path, monkeypatch, caplog, fails):
+    """A snapshot folder the shard may not read (mode 000: the manifest's stat is EACCES; mode
+    300: listing it is) raised PermissionError out of the scan for graph files, stopping the
+    start with a traceback, though a snapshot is only a speed-up. One WARNING names the folder
+    and the error; every namespace is built from SQLite."""
+    import logging
+    from pathlib import Path
+
+    folder = tmp_path / "snap"
+    folder.mkdir()
+    real = getattr(Path, fails)
+
+    def denied(self, *a, **kw):
+        if self in (folder, folder / snapshot.MANIFEST):
+            raise PermissionError(13, "Permission denied", str(self))
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Path, fails, denied)
+    with caplog.at_level(logging.WARNING, logger=snapshot.__name__):
+        assert snapshot.Saved(folder, PARAMS, "emb").take(KEY) is None
+    lines = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(lines) == 1, lines
+    assert str(folder) in lines[0] and "Permission denied" in lines[0], lines[0]
+    assert "built" in lines[0]
