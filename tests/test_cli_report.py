@@ -271,3 +271,26 @@ def test_no_threshold_is_shown_when_no_entry_was_compared():
     empty = common_pb2.CacheReport(semantic_threshold=0.95, semantic_tier="standard",
                                    route="prefix")
     assert format_report(empty).startswith("[model | route prefix, ")
+
+
+def test_the_report_says_why_a_hit_was_not_served_and_a_threshold_from_the_request():
+    """A hit the orchestrator declined (too short, sampled, ignore_eos) read "model (nearest
+    entry 0.981, standard threshold 0.950)": a similarity past the threshold, no refusal, and
+    the model, with nothing saying why. And `--threshold 0.9` read "standard threshold 0.900",
+    as if the tier's. semantic_not_served and semantic_threshold_from_request are shown."""
+    declined = common_pb2.CacheReport(semantic_similarity=0.981, semantic_threshold=0.95,
+                                      semantic_tier="standard", semantic_not_served="too_short")
+    assert format_report(declined).startswith(
+        "[model (nearest entry 0.981, standard threshold 0.950, hit not served: the stored "
+        "answer is shorter than asked) | prompt 0 tok")
+    declined.semantic_not_served = "sampled"
+    assert "hit not served: a sampled request (serve_sampled off)) |" in format_report(declined)
+    declined.semantic_not_served = "ignore_eos"
+    assert ("hit not served: ignore_eos, and the stored answer ended at end of sequence) |"
+            in format_report(declined))
+    declined.semantic_not_served = "new_reason"
+    assert "hit not served: new_reason) |" in format_report(declined)
+    own = common_pb2.CacheReport(semantic_similarity=0.93, semantic_threshold=0.9,
+                                 semantic_tier="standard", semantic_threshold_from_request=True,
+                                 semantic_hit=True)
+    assert format_report(own).startswith("[semantic hit 0.930 (the request's threshold 0.900) | ")

@@ -324,6 +324,12 @@ def shown_similarity(sim: float) -> str:
     return f"{math.floor((sim + HIT_TOLERANCE) * 1000) / 1000:.3f}"
 
 
+# CacheReport.semantic_not_served's reasons, as the report line says them.
+_NOT_SERVED = {"too_short": "the stored answer is shorter than asked",
+               "sampled": "a sampled request (serve_sampled off)",
+               "ignore_eos": "ignore_eos, and the stored answer ended at end of sequence"}
+
+
 def format_report(r, request_id: str = "") -> str:
     """One line for a stream's CacheReport: which tier answered and what it reused; then
     `request_id`, the id every service's log lines of the call carry (a user had none to
@@ -333,17 +339,25 @@ def format_report(r, request_id: str = "") -> str:
     # did not say whether it missed the threshold or the guard or verifier refused it. Only
     # where an entry was compared (an empty namespace has the tier's threshold, and no
     # similarity: the threshold alone read as a candidate that missed it).
-    held = (f"{r.semantic_tier + ' ' if r.semantic_tier else ''}threshold "
-            f"{r.semantic_threshold:.3f}" if r.semantic_threshold and sim else "")
+    # A request's own threshold (--threshold) read as its tier's: "standard threshold 0.900".
+    source = ("the request's " if r.semantic_threshold_from_request
+              else f"{r.semantic_tier} " if r.semantic_tier else "")
+    held = (f"{source}threshold {r.semantic_threshold:.3f}"
+            if r.semantic_threshold and sim else "")
     refused = (f"refused: {r.semantic_guard_reason or 'by the guard'}"
                if r.semantic_guard_rejected else "")
+    # A hit the orchestrator declined read as a similarity past the threshold, no refusal and
+    # a model answer, with nothing saying why.
+    declined = (f"hit not served: "
+                f"{_NOT_SERVED.get(r.semantic_not_served, r.semantic_not_served)}"
+                if r.semantic_not_served else "")
     if r.semantic_hit:
         said = ", ".join(x for x in (held, refused and f"a closer entry {refused}") if x)
         tier = ("semantic hit" + (f" {shown_similarity(sim)}" if sim else "")
                 + (f" ({said})" if said else ""))
     else:
         said = ", ".join(x for x in (f"nearest entry {shown_similarity(sim)}" if sim else "",
-                                     held, refused) if x)
+                                     held, refused, declined) if x)
         tier = "model" + (f" ({said})" if said else "")
     return (f"[{tier} | "
             + (f"route {r.route}, " if r.route else "")

@@ -602,6 +602,8 @@ class Orchestrator:
             report.semantic_tier = look.tier
             report.semantic_guard_rejected = look.guard_rejected
             report.semantic_guard_reason = look.guard_reason
+            # A request's own threshold read as its tier's ("standard threshold 0.900").
+            report.semantic_threshold_from_request = policy.semantic_threshold != 0.0
             # The answer's ids as the model generated them; tokenized again only for an entry
             # stored without them (the text alone: a client's Store, an older build's row).
             cached_ids = ((list(look.entry.answer_token_ids)
@@ -634,18 +636,21 @@ class Orchestrator:
                 with self.stats.lock:
                     self.stats.semantic_hits_too_short += 1
                 NOT_SERVED.labels("too_short").inc()
+                report.semantic_not_served = "too_short"
             elif look.hit and sampling.ignore_eos and not cut:
                 # The stored answer ended at the model's end of sequence (not cut short); a
                 # request told to go on past it gets the model (the answer as its draft).
                 with self.stats.lock:
                     self.stats.semantic_hits_ignore_eos += 1
                 NOT_SERVED.labels("ignore_eos").inc()
+                report.semantic_not_served = "ignore_eos"
             elif look.hit and not greedy and not serves_sampled:
                 # A sampled request wants the model's sample (a seed: the same one whatever
                 # the cache holds), not the one cached answer every time: the hit is its draft.
                 with self.stats.lock:
                     self.stats.semantic_hits_sampled += 1
                 NOT_SERVED.labels("sampled").inc()
+                report.semantic_not_served = "sampled"
             elif look.hit:
                 yield from self._serve_hit(look, cached_ids, sampling, report,
                                            return_token_ids, request_id, t0)

@@ -5,21 +5,21 @@ The real pipeline runs against fakes (pure logic, no processes): replicas whose 
 deterministic function of the token ids they are given (the next token is a hash of the whole
 context, of the seed and the draw's index too when sampled, over a six-token vocabulary with
 the end of sequence), a semantic tier that keeps what is stored, an index, and routing that
-takes the replicas in the request's order (routing itself has its own differential). Each
-seed builds one deployment (1-4 replicas, 1-4 attempts, drafts, store_sampled, serve_sampled,
-the tier or the index off, routing's memory of prompts sent on or off) and sends 12 requests
-over 4 prompts (one of them sent by two tenants), each with a random schedule: the lookup
-answering (a hit on what was stored, a near miss, another prompt's entry, an entry stored as
-text only, cut short, or with ids outside the vocabulary), down, failing, timing out (the
-tier's timeout, or cut short by a short deadline), refusing the text or the request's
-threshold, or the client gone during it; the index answering, down, timing out or the client
-gone; each replica attempt answering whole, failing before its first token or after k tokens
-(UNAVAILABLE, UNKNOWN, INTERNAL, CANCELLED, our credential refused, another model, busy, or
-a clean end without the final message: k reaching the answer's end loses only the final
-message), failing after its final message, passing a verdict on the request, running out
-the deadline, or the client going after k tokens; the Store answering, down, refusing, or the
-client gone during it; any sampling (max_tokens 1-9, stop tokens that may be the end of
-sequence, ignore_eos, greedy or sampled, seeded or not) and any cache policy flags.
+takes the replicas in the request's order (routing itself has its own differential). Each seed
+builds one deployment (1-4 replicas, 1-4 attempts, drafts, store_sampled, serve_sampled, the
+tier or the index off, routing's memory of prompts sent on or off) and sends 12 requests over 4
+prompts (one of them sent by two tenants), each with a random schedule: the lookup answering (a
+hit on what was stored, a near miss, another prompt's entry, an entry stored as text only, cut
+short, or with ids outside the vocabulary), down, failing, timing out (the tier's timeout, or
+cut short by a short deadline), refusing the text or the request's threshold, or the client
+gone during it; the index answering, down, timing out or the client gone; each replica attempt
+answering whole, failing before its first token or after k tokens (UNAVAILABLE, UNKNOWN,
+INTERNAL, CANCELLED, our credential refused, another model, busy, or a clean end without the
+final message: k reaching the answer's end loses only the final message), failing after its
+final message, passing a verdict on the request, running out the deadline, or the client going
+after k tokens; the Store answering, down, refusing, or the client gone during it; any sampling
+(max_tokens 1-9, stop tokens that may be the end of sequence, ignore_eos, greedy or sampled,
+seeded or not) and any cache policy flags.
 
 The model (written from DESIGN.md "The life of a request", docs/architecture.md steps 3-9, the
 CacheReport, FinishReason and metrics docs) computes the reference answer from scratch and
@@ -28,7 +28,8 @@ hit cut as the model would cut it), the finish reason or the error (busy everywh
 Overloaded; no replica left: Unavailable; a verdict passed on), each Generate request (prompt +
 tokens so far, max_tokens left, seed and seed_offset, the draft from where the answer is), what
 routing was given (matches raised by the prompts sent moments ago, the replicas excluded),
-every CacheReport field (semantic hit, similarity, threshold, tier and guard refusal, prompt
+every CacheReport field (semantic hit, similarity, threshold and whether the request set it,
+tier and guard refusal, the reason a hit was not served, prompt
 tokens, cached tokens as the last replica said, at most the prompt, replica, route, draft
 figures, index_matched_tokens, the entry stored or hit, the draft's entry, the degradations in
 order), whether and what was stored (answer, truncated_at, ids), and the deltas of the
@@ -516,7 +517,8 @@ def make_plan(w: World, rng: random.Random, n: int) -> Plan:
     policy = Policy(skip_semantic_lookup=rng.random() < 0.1,
                     skip_semantic_store=rng.random() < 0.1,
                     skip_prefix_cache=rng.random() < 0.1, skip_draft=rng.random() < 0.15,
-                    store_sampled=rng.random() < 0.15, serve_sampled=rng.random() < 0.15)
+                    store_sampled=rng.random() < 0.15, serve_sampled=rng.random() < 0.15,
+                    semantic_threshold=0.9 if rng.random() < 0.2 else 0.0)
     lookup = pick(rng, {"answer": 0.76, "unavailable": 0.05, "internal": 0.03,
                         "deadline_exceeded": 0.05, "invalid_argument": 0.04,
                         "bad_threshold": 0.02, "cancel": 0.03})
@@ -655,6 +657,11 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
     E.report["semantic_tier"] = look.tier if look is not None else ""
     E.report["semantic_guard_rejected"] = look.guard_rejected if look is not None else False
     E.report["semantic_guard_reason"] = look.guard_reason if look is not None else ""
+    # Where the threshold came from: the request's own, if it set one and a lookup was made.
+    E.report["semantic_threshold_from_request"] = (look is not None
+                                                   and pol.semantic_threshold != 0.0)
+    # Why a hit was not served (the first reason), in the report as in NOT_SERVED.
+    E.report["semantic_not_served"] = ""
     E.report["draft_entry_id"] = ""
     if look is not None:
         entry = look.entry if look.HasField("entry") else None
@@ -669,6 +676,7 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
             if reason is None:
                 return serve_hit(E, look, ids, s, met, stats)
             bump(stats, f"semantic_hits_{reason}")
+            E.report["semantic_not_served"] = reason
             bump(met, metric_key("tiercache_orchestrator_semantic_hits_not_served_total",
                                  reason=reason))
         if entry is not None and want_draft:
@@ -849,7 +857,8 @@ REPORT_FIELDS = ("semantic_hit", "semantic_similarity", "prompt_tokens", "cached
                  "replica_id", "route", "draft_tokens_proposed", "draft_tokens_accepted",
                  "lookup_tokens_accepted", "forward_passes", "index_matched_tokens",
                  "semantic_entry_id", "draft_entry_id", "semantic_threshold", "semantic_tier",
-                 "semantic_guard_rejected", "semantic_guard_reason")
+                 "semantic_guard_rejected", "semantic_guard_reason", "semantic_not_served",
+                 "semantic_threshold_from_request")
 
 
 def stats_of(orch: Orchestrator) -> dict:

@@ -639,3 +639,30 @@ def test_a_match_the_index_refuses_is_not_the_index_down(caplog):
     said = [r.getMessage() for r in caplog.records if "prefix index" in r.getMessage()]
     assert said and not any("unreachable" in s for s in said), said
     assert all("refused" in s and "more than 4 blocks" in s for s in said), said
+
+
+def test_the_report_says_why_a_hit_was_not_served_and_a_threshold_from_the_request():
+    """A hit the orchestrator declined (too short for the request, a sampled request, one going
+    past the answer's end of sequence) reported its similarity above the threshold, no refusal
+    and a model answer: nothing said why. And a request's own threshold read as its tier's.
+    semantic_not_served names the reason (NOT_SERVED's label); semantic_threshold_from_request
+    says where the threshold came from."""
+    def report(answer: str, *, cut: int = 0, policy: Policy = Policy(), **sampling):
+        sem = hit(answer)
+        sem.answer.entry.truncated_at = cut
+        sem.answer.threshold, sem.answer.tier = 0.9, "standard"
+        s = Sampling(**{"max_tokens": 8, "temperature": 0.0, "top_p": 1.0, "seed": 0,
+                        "stop_token_ids": (), "ignore_eos": False, **sampling})
+        return finished(run(make(one_replica()[1], semantic=sem), policy=policy,
+                            sampling=s)).report
+
+    assert report("abc", cut=3).semantic_not_served == "too_short"
+    assert report("abc", ignore_eos=True).semantic_not_served == "ignore_eos"
+    assert report("abc", temperature=0.7, seed=5).semantic_not_served == "sampled"
+    rep = report("abcdefgh")
+    assert rep.semantic_hit and rep.semantic_not_served == ""
+    assert not rep.semantic_threshold_from_request
+    rep = report("abc", cut=3, policy=Policy(semantic_threshold=0.9))
+    assert rep.semantic_threshold_from_request and rep.semantic_not_served == "too_short"
+    rep = report("abc", policy=Policy(semantic_threshold=0.9, skip_semantic_lookup=True))
+    assert not rep.semantic_threshold_from_request  # no lookup: nothing was held to it
