@@ -12,14 +12,15 @@ prompts (one of them sent by two tenants), each with a random schedule: the look
 hit on what was stored, a near miss, another prompt's entry, an entry stored as text only, cut
 short, or with ids outside the vocabulary), down, failing, timing out (the tier's timeout, or
 cut short by a short deadline), refusing the text or the request's threshold, or the client
-gone during it; the index answering, down, timing out or the client gone; each replica attempt
-answering whole, failing before its first token or after k tokens (UNAVAILABLE, UNKNOWN,
-INTERNAL, CANCELLED, our credential refused, another model, busy, or a clean end without the
-final message: k reaching the answer's end loses only the final message), failing after its
-final message, passing a verdict on the request, running out the deadline, or the client going
-after k tokens; the Store answering, down, refusing, or the client gone during it; any sampling
-(max_tokens 1-9, stop tokens that may be the end of sequence, ignore_eos, greedy or sampled,
-seeded or not) and any cache policy flags.
+gone during it; the index answering, down, timing out, refusing the Match (INVALID_ARGUMENT:
+index_refused) or the client gone; each replica attempt answering whole, failing before its
+first token or after k tokens (UNAVAILABLE, UNKNOWN, INTERNAL, CANCELLED, our credential
+refused, another model, busy, or a clean end without the final message: k reaching the answer's
+end loses only the final message), failing after its final message, passing a verdict on the
+request, running out the deadline, or the client going after k tokens; the Store answering,
+down, refusing, or the client gone during it; any sampling (max_tokens 1-9, stop tokens that
+may be the end of sequence, ignore_eos, greedy or sampled, seeded or not) and any cache policy
+flags.
 
 The model (written from DESIGN.md "The life of a request", docs/architecture.md steps 3-9, the
 CacheReport, FinishReason and metrics docs) computes the reference answer from scratch and
@@ -333,6 +334,9 @@ class Index:
             raise grpc.FutureCancelledError()
         if mode in ("unavailable", "deadline_exceeded"):
             raise RpcError(getattr(grpc.StatusCode, mode.upper()))
+        if mode == "refused":  # a live index: the prompt is past its max_blocks
+            raise RpcError(grpc.StatusCode.INVALID_ARGUMENT,
+                           "hashes: 9000 blocks, more than max_blocks 8192")
         return dict(self.world.plan.matches)
 
 
@@ -370,7 +374,7 @@ class Plan:
     short_deadline: bool
     lookup: str  # answer / cancel / unavailable / internal / deadline_exceeded / ...
     answer: semantic_pb2.LookupResponse | None
-    index: str  # answer / cancel / unavailable / deadline_exceeded
+    index: str  # answer / cancel / unavailable / deadline_exceeded / refused
     matches: dict[str, int]
     order: list[str]
     store: str  # ok / cancel / unavailable / invalid_argument / internal
@@ -386,8 +390,8 @@ METRICS = (
     + [("tiercache_orchestrator_ttft_seconds_count", {"cache_class": c})
        for c in ("semantic_hit", "prefix_hit", "cold")]
     + [("tiercache_orchestrator_degradations_total", {"kind": k})
-       for k in ("semantic_skipped", "index_down", "retry", "resume", "busy_replica",
-                 "larger_pool", "draft_dropped", "semantic_store_failed")]
+       for k in ("semantic_skipped", "index_down", "index_refused", "retry", "resume",
+                 "busy_replica", "larger_pool", "draft_dropped", "semantic_store_failed")]
     + [("tiercache_orchestrator_tokens_total", {"kind": k})
        for k in ("prompt", "cached", "generated", "saved_semantic")]
     + [("tiercache_orchestrator_semantic_hits_not_served_total", {"reason": r})
@@ -538,8 +542,8 @@ def make_plan(w: World, rng: random.Random, n: int) -> Plan:
     else:
         answer = semantic_pb2.LookupResponse(hit=rng.random() < 0.5, entry=rng.choice(others),
                                              similarity=sim)
-    index = pick(rng, {"answer": 0.8, "unavailable": 0.08, "deadline_exceeded": 0.07,
-                       "cancel": 0.05})
+    index = pick(rng, {"answer": 0.76, "unavailable": 0.08, "deadline_exceeded": 0.07,
+                       "refused": 0.04, "cancel": 0.05})
     rids = list(w.rid_of.values()) + ["kv-gone"]
     matches = {rid: rng.choice((8, 16, 32, 48, 64)) for rid in rids if rng.random() < 0.4}
     order = list(w.addresses)
@@ -694,6 +698,9 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
             return E
         if p.index == "unavailable" or (p.index == "deadline_exceeded" and not p.short_deadline):
             degrade("index_down")
+        elif p.index == "refused":
+            # A live index refusing the Match (deploy.md): ring routing, not an outage.
+            degrade("index_refused")
         elif p.index == "answer":
             matches = dict(p.matches)
     sample = None if greedy else (s.seed or seed)
