@@ -215,8 +215,28 @@ def test_help_says_what_each_setting_means_from_the_notes_settings_md_shows(serv
         head = config.summary(notes[f.name])
         assert len(head) <= config.SUMMARY_CHARS + 4
         var = config.env_name(service, f.name)
-        assert f"{var}; default {config._shown_default(f)} {head}" in out, f.name
+        shown = config._shown_default(f)
+        stands = config.default_stands_for(notes[f.name], shown)
+        shown += f" ({stands})" if stands and stands not in head else ""
+        assert f"{var}; default {shown} {head}" in out, f.name
     assert "docs/settings.md" in out
+
+
+def test_a_sentinel_default_says_what_it_stands_for_in_help(capsys, monkeypatch):
+    """"default 0" said nothing where the note's "0 = ..." fell outside the first sentence
+    (kvpool max_context: 0 = the model's own context)."""
+    from services.kvpool.config import KvPoolConfig
+
+    monkeypatch.setenv("COLUMNS", "2000")
+    with pytest.raises(SystemExit):
+        load_config(KvPoolConfig, "kvpool", ["--help"])
+    out = capsys.readouterr().out
+    assert ("TIERCACHE_KVPOOL_MAX_CONTEXT; default 0 (the model's max_position_embeddings)"
+            in out)
+    assert config.default_stands_for("-1 = off, 0 = any free port", "-1") == "off"
+    assert config.default_stands_for("-1 = off, 0 = any free port", "0") == "any free port"
+    assert config.default_stands_for("0 = automatic: 16 with tokens", "0") == "automatic"
+    assert config.default_stands_for("Slots. 10 = ten, 0.5 = half", "0") == ""
 
 
 def test_a_meaning_for_help_is_its_first_sentence_or_a_head_outside_brackets():

@@ -120,11 +120,17 @@ def load_config(
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
         # What the setting means under where it is read from: --help listed names and defaults
         # only. argparse %-formats help ("3.4%" broke it): a note's % is doubled.
-        meaning = summary(notes.get(f.name, "")).replace("%", "%%")
+        note = notes.get(f.name, "")
+        meaning, shown = summary(note), _shown_default(f)
+        # What the default stands for where it is a sentinel ("default 0" said nothing when
+        # the note's "0 = the model's context" fell outside the first sentence).
+        stands = default_stands_for(note, shown)
+        if stands and stands not in meaning:
+            shown += f" ({stands})"
         parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=None,
                             metavar=_metavar(hints[f.name]),
-                            help=f"env {env_name(service, f.name)}; default {_shown_default(f)}"
-                            + (f"\n{meaning}" if meaning else ""))
+                            help=(f"env {env_name(service, f.name)}; default {shown}"
+                                  + (f"\n{meaning}" if meaning else "")).replace("%", "%%"))
     args = parser.parse_args(list(argv) if argv is not None else [])
     flags: dict[str, str] = {}  # env name -> the flag that set the field instead
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
@@ -346,6 +352,14 @@ def summary(note: str) -> str:
     heads = [i for i in cuts if first[i:i + 2] in (": ", "; ")]
     cut = heads[0] if heads else cuts[-1] if cuts else first[:SUMMARY_CHARS].rfind(" ")
     return first[:cut] + " ..."
+
+
+def default_stands_for(note: str, shown: str) -> str:
+    """What the note says a default of `shown` stands for ("0 = any free port" -> "any free
+    port"), up to the clause's end; "" when it says nothing of that value."""
+    m = re.search(rf"(?<![\w.-]){re.escape(shown)} (?:=|means) ([^.;:(]+?)(?=, \S+ =|[.;:(]|$)",
+                  note)
+    return m.group(1).strip() if m else ""
 
 
 def _metavar(typ: Any) -> str:
