@@ -982,12 +982,11 @@ class Orchestrator:
                     made_up = True
                     break
                 if failures >= self.max_attempts:
-                    too_big, only_busy, why_public = self._too_big_stands(
-                        too_big, too_big_pool, only_busy, why_public)
+                    # No "too big" here: only a failure is counted, and one clears it (above).
                     # The replica's own message (transport errors name internal addresses) is in
                     # the log line above, not in the client's status.
                     raise _counted(tenant, _give_up(
-                        too_big, only_busy,
+                        None, only_busy,
                         f"every kvpool replica tried is busy (tried {', '.join(tried)}); "
                         f"last: {why_public}"
                         # A replica's own refusal may say it already (past max_waiting).
