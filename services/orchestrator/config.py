@@ -157,7 +157,7 @@ class OrchestratorConfig:
     # replicas); more is INVALID_ARGUMENT. 64 prompts on 64 replicas would be 4,096.
     warm_max_prefills_per_call: int = 256
     # Failover attempts per request: replicas that failed it (lost, busy, refused). A replica
-    # whose KV pool is too small for it, a larger one left to try, is not one.
+    # whose KV pool is too small for it, with a larger one left to try or down, is not one.
     max_attempts: int = 3
     # Server.
 
