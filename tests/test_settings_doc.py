@@ -53,16 +53,20 @@ def test_every_process_variable_the_manifests_image_or_services_set_is_named():
     import re
 
     names = set()
-    for line in (ROOT / "deploy/k8s/base/config/common.env").read_text().splitlines():
-        if line and not line.startswith("#"):
-            names.add(line.split("=", 1)[0])
-    for path in (ROOT / "deploy/k8s/base").glob("*.yaml"):
-        names |= set(re.findall(r"- name: ([A-Z][A-Z0-9_]+)\n", path.read_text()))
+    for path in (ROOT / "deploy/k8s").rglob("*.env"):  # the manifests' config maps
+        for line in path.read_text().splitlines():
+            if line.strip() and not line.startswith("#"):
+                names.add(line.split("=", 1)[0].strip())
+    for path in (ROOT / "deploy/k8s").rglob("*.yaml"):  # the base, overlays and components
+        names |= set(re.findall(r"^\s*- name: ([A-Z][A-Z0-9_]+)\s*(?:#.*)?$", path.read_text(),
+                                re.MULTILINE))
     docker = (ROOT / "deploy/docker/Dockerfile").read_text().split("AS runtime")[1]
-    env_block = docker.split("\nENV ", 1)[1].split("\n\n", 1)[0]  # the runtime's ENV
-    names |= set(re.findall(r"\b([A-Z][A-Z0-9_]+)=", env_block)) - {"PATH"}
+    for env_block in re.findall(r"^ENV ((?:.*\\\n)*.*)", docker, re.MULTILINE):  # the runtime's
+        names |= set(re.findall(r"\b([A-Z][A-Z0-9_]+)=", env_block)) - {"PATH"}
     for path in (ROOT / "services").rglob("*.py"):
-        names |= set(re.findall(r'os\.environ\.setdefault\("([A-Z0-9_]+)"', path.read_text()))
+        # Set unless given, or read (semantic's bulk builds read OMP_NUM_THREADS).
+        names |= set(re.findall(r'os\.(?:environ(?:\.setdefault|\.get)?|getenv)[(\[]"([A-Z0-9_]+)"',
+                                path.read_text()))
     names = {n for n in names if not n.startswith("TIERCACHE_")}
     assert {"HOME", "GRPC_DNS_RESOLVER", "OMP_NUM_THREADS",
             "ONEDNN_PRIMITIVE_CACHE_CAPACITY", "OMP_WAIT_POLICY"} <= names
