@@ -237,6 +237,11 @@ def test_a_sentinel_default_says_what_it_stands_for_in_help(capsys, monkeypatch)
     assert config.default_stands_for("-1 = off, 0 = any free port", "0") == "any free port"
     assert config.default_stands_for("0 = automatic: 16 with tokens", "0") == "automatic"
     assert config.default_stands_for("Slots. 10 = ten, 0.5 = half", "0") == ""
+    # A clause in brackets ends at its bracket; a full stop is one before a space or the end,
+    # not a dot inside the clause (a path's suffix, a decimal).
+    assert config.default_stands_for("A tenant's cap (0 = none): past it", "0") == "none"
+    assert config.default_stands_for('Graphs; "" = <db_path>.hnsw. More.', '""') == "<db_path>.hnsw"
+    assert config.default_stands_for("Saved (0 = every 0.5 s idle)", "0") == "every 0.5 s idle"
 
 
 def test_a_meaning_for_help_is_its_first_sentence_or_a_head_outside_brackets():
