@@ -237,6 +237,9 @@ def test_a_sentinel_default_says_what_it_stands_for_in_help(capsys, monkeypatch)
     assert config.default_stands_for("-1 = off, 0 = any free port", "0") == "any free port"
     assert config.default_stands_for("0 = automatic: 16 with tokens", "0") == "automatic"
     assert config.default_stands_for("Slots. 10 = ten, 0.5 = half", "0") == ""
+    # An empty default is shown as none and written "" in notes (semantic snapshot_path).
+    assert config.default_stands_for('Where. "" = <db_path>.hnsw. More.', "none") == (
+        "<db_path>.hnsw")
     # A clause in brackets ends at its bracket; a full stop is one before a space or the end,
     # not a dot inside the clause (a path's suffix, a decimal).
     assert config.default_stands_for("A tenant's cap (0 = none): past it", "0") == "none"

@@ -357,8 +357,10 @@ def summary(note: str) -> str:
 def default_stands_for(note: str, shown: str) -> str:
     """What the note says a default of `shown` stands for ("0 = any free port" -> "any free
     port"), up to the clause's end (the next clause, a bracket, a colon or semicolon, a full
-    stop: not a dot inside it, as in "<db_path>.hnsw"); "" when it says nothing of that value."""
-    m = re.search(rf"(?<![\w.-]){re.escape(shown)} (?:=|means) ([^;:()]+?)"
+    stop: not a dot inside it, as in "<db_path>.hnsw"); "" when it says nothing of that value.
+    A default shown as none is written '""' in notes."""
+    said = '""' if shown == "none" else shown
+    m = re.search(rf"(?<![\w.-]){re.escape(said)} (?:=|means) ([^;:()]+?)"
                   r"(?=, \S+ =|[;:()]|\.(?:\s|$)|$)", note)
     return m.group(1).strip() if m else ""
 
