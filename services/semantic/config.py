@@ -305,7 +305,7 @@ class SemanticConfig:
                       else "")  # "" = the shared TIERCACHE_CACHE_DIR
         db_from = "db_path" if self.db_path else cache_from
         for field, folder, what in (
-                ("cache_dir" if self.cache_dir else cache_from, self.resolved_cache_dir(), ""),
+                (cache_from, self.resolved_cache_dir(), ""),
                 (db_from, os.path.dirname(os.path.abspath(self.resolved_db_path())),
                  "" if self.db_path else " (the database's folder: db_path is unset)"),
                 ("snapshot_path" if self.snapshot_path else db_from,
