@@ -151,6 +151,10 @@ def checked_token(token: str | None) -> str | None:
     return token
 
 
+# What every client channel is opened with: answers up to 16 MiB, as the services' channels
+# take them (gRPC's default is 4 MiB).
+CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
+
 # The longest timeout a call may have, as the CLI's --timeout: gRPC turned one past about
 # 1e9 s into a deadline already passed, and every call failed at once with DEADLINE_EXCEEDED.
 MAX_TIMEOUT = 1e6
@@ -217,6 +221,59 @@ class Chunk:
     text: str
     token_ids: list[int]
     final: orchestrator_pb2.GenerateFinal | None = None
+
+
+def _chunk(msg: orchestrator_pb2.GenerateResponse) -> Chunk:
+    return Chunk(msg.text, list(msg.token_ids), msg.final if msg.HasField("final") else None)
+
+
+def _whole_at_end(final: bool, e: grpc.RpcError) -> bool:
+    """Whether a stream that failed with `e` after its last message (`final`: it was the
+    final one) still holds the whole answer: the call was ended at its deadline, or cancelled,
+    only after its final message had come (a server ending calls at their deadline may cut one
+    that finished that moment). Any other status is raised."""
+    return final and e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED)
+
+
+def _stream_failed(e: grpc.RpcError, received: int, metadata: list[tuple[str, str]]) -> None:
+    """Mark a stream's error with the chunks that had arrived (`retry_later` is False once
+    any had) and the call's request id."""
+    with contextlib.suppress(AttributeError):
+        e.chunks_received = received
+    _name_request(e, metadata)
+
+
+def _incomplete() -> IncompleteStream:
+    # A bare stream() caller got a cut answer with no sign of it.
+    return IncompleteStream("the stream ended without a final message (the answer may be cut "
+                            "short)")
+
+
+class _Answer:
+    """What generate() gathers from a stream's chunks (the sync and the asyncio client's)."""
+
+    def __init__(self) -> None:
+        self.text: list[str] = []
+        self.ids: list[int] = []
+        self.final: orchestrator_pb2.GenerateFinal | None = None
+        self.chunks = 0
+
+    def add(self, ch: Chunk) -> None:
+        self.text.append(ch.text)
+        self.ids.extend(ch.token_ids)
+        self.chunks += 1
+        if ch.final is not None:
+            self.final = ch.final
+
+    def result(self) -> GenerateResult:
+        final = self.final
+        assert final is not None  # stream() raises IncompleteStream otherwise
+        return GenerateResult(
+            text="".join(self.text), token_ids=self.ids,
+            finish_reason=common_pb2.FinishReason.Name(final.finish_reason),
+            prompt_tokens=final.usage.prompt_tokens,
+            completion_tokens=final.usage.completion_tokens, report=final.cache_report,
+            request_id=final.request_id, chunks=self.chunks)
 
 
 class _CallHolder:
@@ -292,68 +349,38 @@ class GenerateResult:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-class TierCacheClient:
-    """A channel to the orchestrator. Every call has a timeout; errors surface as grpc.RpcError.
+class _ClientBase:
+    """What TierCacheClient and AsyncTierCacheClient share: the checks of the address, token
+    and timeouts, each call's metadata, and the requests, built and checked before any call."""
 
-    `token` is the tenant's bearer token (sent as `authorization: Bearer <token>`; None when
-    the server has no tokens). `timeout` (seconds, default 300) is each call's default
-    deadline, for a stream the whole stream's, not a gap between chunks; the server cuts it to
-    its request_timeout_s (300 s by default). `credentials` (grpc.ssl_channel_credentials)
-    speaks TLS. One client may be shared by any number of threads (a gRPC channel is
-    thread-safe; the client holds no per-call state). `close()`, or leaving its `with` block,
-    ends every call still running on it, in any thread (their iterators raise grpc.RpcError
-    CANCELLED, "Channel closed!"); closing again is a no-op, and any later call is a
-    RuntimeError. A client serves the process that made it: in a child of fork() (gunicorn
-    --preload, multiprocessing's fork) its calls are a RuntimeError, as gRPC channels do not
-    survive a fork; make one per process. There is no asyncio API: run a call in a thread
-    (asyncio.to_thread) and cancel the call itself when the task is cancelled (the README
-    shows how): cancelling the task does not stop its thread, and a task cancelled around
-    `to_thread(c.generate, ...)` left its answer generating to the end."""
+    _name = "TierCacheClient"  # the class a closed or forked client's error names
 
-    def __init__(self, address: str = "localhost:50051", token: str | None = None,
-                 timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None
-                 ) -> None:
+    def __init__(self, address: str, token: str | None, timeout: float) -> None:
         if not isinstance(address, str) or not is_host_port(address.strip(), dialed=True):
             # gRPC dialed "localhost:99999" as port 34463 and "localhost" as 443: UNAVAILABLE,
             # which retry_later calls worth retrying, for good.
             raise ValueError(f"address: {address!r} is not host:port (port 1..65535; an IPv6 "
                              "address in brackets)")
-        address = address.strip()
-        self.address = address
+        self.address = address.strip()
         self._closed = False
         self._pid = os.getpid()  # a forked child's calls are refused: see _check_open
         self.token = checked_token(token)
         self.timeout = _checked_timeout(timeout)
-        opts = [("grpc.max_receive_message_length", 16 * 1024 * 1024)]
-        self.channel = (grpc.secure_channel(address, credentials, options=opts) if credentials
-                        else grpc.insecure_channel(address, options=opts))
-        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
 
     def _timeout(self, timeout: float | None) -> float:
         # Not `timeout or self.timeout`: 0 became the 300 s default.
         return self.timeout if timeout is None else _checked_timeout(timeout)
 
-    def __enter__(self) -> TierCacheClient:
-        self._check_open()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        self._closed = True
-        self.channel.close()
-
     def _check_open(self) -> None:
         if self._closed:
             # gRPC's own "ValueError: Cannot invoke RPC: Channel closed!" read as a bad value.
-            raise RuntimeError("TierCacheClient is closed: make a new one")
+            raise RuntimeError(f"{self._name} is closed: make a new one")
         if os.getpid() != self._pid:
             # A gRPC channel does not survive fork() (gRPC Python does not support it): in a
             # gunicorn --preload worker a call on the master's client failed UNAVAILABLE
             # "Wrong file descriptor generation", which retry_later calls worth retrying, or
             # went through, by luck.
-            raise RuntimeError(f"TierCacheClient was made in process {self._pid}, before a "
+            raise RuntimeError(f"{self._name} was made in process {self._pid}, before a "
                                "fork(): gRPC channels do not survive a fork; make one in each "
                                "process (gunicorn: in post_fork, or on first use)")
 
@@ -443,6 +470,97 @@ class TierCacheClient:
                 req.messages.add(**_message(f"messages[{i}]", m))
         return req
 
+    @staticmethod
+    def _warm_request(prompts: Sequence[Messages] | str, *, top_k: int, owners_only: bool,
+                      pin_ttl_seconds: int, raw: bool) -> orchestrator_pb2.WarmRequest:
+        """The WarmRequest warm() sends (its docstring says what the arguments are)."""
+        if isinstance(prompts, str):
+            # One system prompt, not one prompt per character (28 single-letter prompts, then
+            # a server error that did not point here).
+            prompts = [prompts]
+        elif isinstance(prompts, Mapping):
+            prompts = [[prompts]]  # one message (its keys were taken for two system prompts)
+        else:
+            prompts = list(prompts)
+            if prompts and isinstance(prompts[0], Mapping):
+                prompts = [prompts]  # one conversation's messages, not a list of them
+        # Named here: protobuf's own refusal of -1 was "Value out of range: -1", no field.
+        top_k = checked_int("top_k", top_k, 2**32 - 1)
+        pin_ttl_seconds = checked_int("pin_ttl_seconds", pin_ttl_seconds, 2**32 - 1)
+        req = orchestrator_pb2.WarmRequest(
+            top_k=top_k, pin_ttl_seconds=pin_ttl_seconds,
+            target=(orchestrator_pb2.WARM_TARGET_OWNERS if owners_only
+                    else orchestrator_pb2.WARM_TARGET_ALL))
+        for i, p in enumerate(prompts):
+            wp = req.prompts.add()
+            if isinstance(p, str):
+                _wire_text(f"prompts[{i}]", p)
+                if raw:
+                    wp.prompt = p
+                else:
+                    wp.messages.add(role="system", content=p)
+            else:
+                for j, m in enumerate([p] if isinstance(p, Mapping) else p):
+                    if not isinstance(m, Mapping):
+                        raise TypeError("warm: each prompt is a system prompt (str) or a list "
+                                        f"of messages ({{'role', 'content'}} dicts), not {m!r:.80}")
+                    wp.messages.add(**_message(f"prompts[{i}].messages[{j}]", m))
+        return req
+
+    @staticmethod
+    def _feedback_request(semantic_entry_id: str, good: bool
+                          ) -> orchestrator_pb2.FeedbackRequest:
+        """The FeedbackRequest feedback() sends."""
+        # Named here: protobuf's own refusal of a number was "bad argument type for built-in
+        # operation", naming nothing.
+        _wire_text("semantic_entry_id", semantic_entry_id)
+        if not isinstance(good, bool):
+            # Truth-tested, feedback(entry, "bad") marked a wrong answer verified.
+            raise TypeError(f"good: True (verified) or False (wrong: invalidate), not {good!r:.40}")
+        req = orchestrator_pb2.FeedbackRequest(
+            semantic_entry_id=semantic_entry_id,
+            rating=orchestrator_pb2.RATING_GOOD if good else orchestrator_pb2.RATING_BAD)
+        return req
+
+
+class TierCacheClient(_ClientBase):
+    """A channel to the orchestrator. Every call has a timeout; errors surface as grpc.RpcError.
+
+    `token` is the tenant's bearer token (sent as `authorization: Bearer <token>`; None when
+    the server has no tokens). `timeout` (seconds, default 300) is each call's default
+    deadline, for a stream the whole stream's, not a gap between chunks; the server cuts it to
+    its request_timeout_s (300 s by default). `credentials` (grpc.ssl_channel_credentials)
+    speaks TLS. One client may be shared by any number of threads (a gRPC channel is
+    thread-safe; the client holds no per-call state). `close()`, or leaving its `with` block,
+    ends every call still running on it, in any thread (their iterators raise grpc.RpcError
+    CANCELLED, "Channel closed!"); closing again is a no-op, and any later call is a
+    RuntimeError. A client serves the process that made it: in a child of fork() (gunicorn
+    --preload, multiprocessing's fork) its calls are a RuntimeError, as gRPC channels do not
+    survive a fork; make one per process. From asyncio, use AsyncTierCacheClient
+    (clients/python/aio.py: the same calls, awaited; cancelling the task cancels the call),
+    not this client in a thread: cancelling a task does not stop its thread, and a task
+    cancelled around `to_thread(c.generate, ...)` left its answer generating to the end."""
+
+    def __init__(self, address: str = "localhost:50051", token: str | None = None,
+                 timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None
+                 ) -> None:
+        super().__init__(address, token, timeout)
+        self.channel = (grpc.secure_channel(self.address, credentials, options=CHANNEL_OPTIONS)
+                        if credentials
+                        else grpc.insecure_channel(self.address, options=CHANNEL_OPTIONS))
+        self.stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
+
+    def __enter__(self) -> TierCacheClient:
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._closed = True
+        self.channel.close()
+
     def stream(self, messages: Messages, *, timeout: float | None = None, request_id: str = "",
                **kw: Any) -> ChunkStream:
         """Stream chunks as the model produces them; the last chunk carries `final`.
@@ -478,44 +596,27 @@ class TierCacheClient:
         try:
             for msg in call:
                 received += 1
-                final = msg.HasField("final")
-                yield Chunk(msg.text, list(msg.token_ids), msg.final if final else None)
+                chunk = _chunk(msg)
+                final = chunk.final is not None
+                yield chunk
         except grpc.RpcError as e:
-            if final and e.code() in (grpc.StatusCode.DEADLINE_EXCEEDED,
-                                      grpc.StatusCode.CANCELLED):
-                # The answer is whole: the call was ended at its deadline only after its
-                # final message had come (a server ending calls at their deadline may cut one
-                # that finished that moment). Any other status is raised.
+            if _whole_at_end(final, e):
                 return
-            with contextlib.suppress(AttributeError):
-                e.chunks_received = received
-            _name_request(e, metadata)
+            _stream_failed(e, received, metadata)
             raise
         finally:
             call.cancel()  # no-op when finished; stops generation if the caller stops early
         if not final:
-            # A bare stream() caller got a cut answer with no sign of it.
-            raise IncompleteStream("the stream ended without a final message (the answer may "
-                                   "be cut short)")
+            raise _incomplete()
 
     def generate(self, messages: Messages, **kw: Any) -> GenerateResult:
         """Run a whole generation and return the text and figures (a GenerateResult).
         Keyword arguments: stream()'s (timeout, request_id) and build_request's; it raises as
         stream() does."""
-        text, ids, final, n = [], [], None, 0
+        answer = _Answer()
         for ch in self.stream(messages, **kw):
-            text.append(ch.text)
-            ids.extend(ch.token_ids)
-            n += 1
-            if ch.final is not None:
-                final = ch.final
-        assert final is not None  # stream() raises IncompleteStream otherwise
-        return GenerateResult(
-            text="".join(text), token_ids=ids,
-            finish_reason=common_pb2.FinishReason.Name(final.finish_reason),
-            prompt_tokens=final.usage.prompt_tokens,
-            completion_tokens=final.usage.completion_tokens, report=final.cache_report,
-            request_id=final.request_id, chunks=n)
+            answer.add(ch)
+        return answer.result()
 
     def warm(self, prompts: Sequence[Messages] | str = (), *, top_k: int = 0,
              owners_only: bool = False, pin_ttl_seconds: int = 0,
@@ -530,37 +631,8 @@ class TierCacheClient:
         `pin_ttl_seconds` (0 = the server's default; past its limit INVALID_ARGUMENT) how long
         the blocks stay pinned. A replica that failed is a WarmResult.error, not an
         exception; no results at all means nothing was warmed."""
-        if isinstance(prompts, str):
-            # One system prompt, not one prompt per character (28 single-letter prompts, then
-            # a server error that did not point here).
-            prompts = [prompts]
-        elif isinstance(prompts, Mapping):
-            prompts = [[prompts]]  # one message (its keys were taken for two system prompts)
-        else:
-            prompts = list(prompts)
-            if prompts and isinstance(prompts[0], Mapping):
-                prompts = [prompts]  # one conversation's messages, not a list of them
-        # Named here: protobuf's own refusal of -1 was "Value out of range: -1", no field.
-        top_k = checked_int("top_k", top_k, 2**32 - 1)
-        pin_ttl_seconds = checked_int("pin_ttl_seconds", pin_ttl_seconds, 2**32 - 1)
-        req = orchestrator_pb2.WarmRequest(
-            top_k=top_k, pin_ttl_seconds=pin_ttl_seconds,
-            target=(orchestrator_pb2.WARM_TARGET_OWNERS if owners_only
-                    else orchestrator_pb2.WARM_TARGET_ALL))
-        for i, p in enumerate(prompts):
-            wp = req.prompts.add()
-            if isinstance(p, str):
-                _wire_text(f"prompts[{i}]", p)
-                if raw:
-                    wp.prompt = p
-                else:
-                    wp.messages.add(role="system", content=p)
-            else:
-                for j, m in enumerate([p] if isinstance(p, Mapping) else p):
-                    if not isinstance(m, Mapping):
-                        raise TypeError("warm: each prompt is a system prompt (str) or a list "
-                                        f"of messages ({{'role', 'content'}} dicts), not {m!r:.80}")
-                    wp.messages.add(**_message(f"prompts[{i}].messages[{j}]", m))
+        req = self._warm_request(prompts, top_k=top_k, owners_only=owners_only,
+                                 pin_ttl_seconds=pin_ttl_seconds, raw=raw)
         md = self._metadata(request_id)
         with _naming_request(md):
             return self.stub.Warm(req, timeout=self._timeout(timeout), metadata=md)
@@ -573,15 +645,7 @@ class TierCacheClient:
         answer: no longer served). The reply's `invalidated` / `verified` say what changed;
         a bad rating of an entry already gone is `invalidated` False, a good one NOT_FOUND,
         and so is an id this tenant was not given."""
-        # Named here: protobuf's own refusal of a number was "bad argument type for built-in
-        # operation", naming nothing.
-        _wire_text("semantic_entry_id", semantic_entry_id)
-        if not isinstance(good, bool):
-            # Truth-tested, feedback(entry, "bad") marked a wrong answer verified.
-            raise TypeError(f"good: True (verified) or False (wrong: invalidate), not {good!r:.40}")
-        req = orchestrator_pb2.FeedbackRequest(
-            semantic_entry_id=semantic_entry_id,
-            rating=orchestrator_pb2.RATING_GOOD if good else orchestrator_pb2.RATING_BAD)
+        req = self._feedback_request(semantic_entry_id, good)
         md = self._metadata()
         with _naming_request(md):
             return self.stub.Feedback(req, timeout=self._timeout(timeout), metadata=md)
