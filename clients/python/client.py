@@ -11,7 +11,8 @@ user's new message last), with one `session_id` per conversation so its turns re
 replica's cached prefix. Errors are grpc.RpcError (its code() and details() name the problem;
 `retry_later` says whether to send it again); a bad argument is refused here, before anything
 is sent (ValueError or TypeError naming it), and a call on a closed client, or on one made
-before a fork() (in the child), is a RuntimeError.
+before a fork() (in the child), is a RuntimeError. From asyncio: AsyncTierCacheClient
+(clients/python/aio.py), the same calls awaited.
 """
 
 from __future__ import annotations
