@@ -48,7 +48,8 @@ DEGRADED = counter("tiercache_orchestrator_degradations_total",
                    "Degraded events, one per event (a request may count several): tier "
                    "skipped, index down, index refused a Match (a prompt past its "
                    "max_blocks), replica failed over (retry/resume), replica busy, "
-                   "larger pool sought, draft dropped, store failed", ("kind",))
+                   "larger pool sought (larger_pool), or none left to try as the larger one is "
+                   "down (larger_pool_down), draft dropped, store failed", ("kind",))
 TTFT = histogram("tiercache_orchestrator_ttft_seconds", "Time to first token", ("cache_class",),
                  buckets=SECONDS_BUCKETS)
 NOT_SERVED = counter("tiercache_orchestrator_semantic_hits_not_served_total",
@@ -714,6 +715,7 @@ class Orchestrator:
             # The largest pool among the replicas tried that failed otherwise (lost, busy): a
             # smaller pool's "too big" after it is no verdict, the request fits there once back.
             failed_pool = 0
+            failed_by = ""  # that replica's id, for the log
             why_public = ""  # the last replica failure, as the client may see it
             route = ""
             while final is None:
@@ -770,6 +772,7 @@ class Orchestrator:
                 called_at: float | None = None
                 stream_ended = False
                 busy = larger = False
+                larger_kind = "larger_pool"  # the degradation a too-small pool counts as
                 try:
                     if (decision.route == "prefix"
                             and seen.get(decision.replica_id, 0) > matches.get(decision.replica_id,
@@ -885,18 +888,33 @@ class Orchestrator:
                     elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
                           and (e.details() or "").startswith("token_ids:")
                           and (self._larger_pool(replica, exclude)
-                               or failed_pool > _pool_blocks(replica)
-                               or self._larger_down(_pool_blocks(replica)) is not None)):
+                               or _may_hold(failed_pool, _pool_blocks(replica), _blocks_needed(e))
+                               or self._larger_down(_pool_blocks(replica),
+                                                    _blocks_needed(e)) is not None)):
                         # Too big for this replica's pool, not for every one: pools sized by
                         # kv_cache_bytes differ with each replica's hardware. A larger one
-                        # down is no verdict either (`_too_big_stands`).
+                        # down is no verdict either (`_too_big_stands`), unless the request
+                        # needs more blocks than that pool has too.
                         larger = True
                         if failed_pool <= _pool_blocks(replica):
                             too_big = too_big or e
                             too_big_pool = max(too_big_pool, _pool_blocks(replica))
+                        if self._larger_pool(replica, exclude):
+                            larger_kind, next_step = "larger_pool", "trying a larger pool"
+                        else:
+                            # No larger pool left to try: the one that may hold the request is
+                            # down (or failed on this request). Said and counted apart: "trying
+                            # a larger pool" and larger_pool read as a hand-off, though the
+                            # request then ended UNAVAILABLE.
+                            down = self._larger_down(_pool_blocks(replica), _blocks_needed(e))
+                            larger_kind = "larger_pool_down"
+                            next_step = ("no larger pool to try: "
+                                         + (f"{down.replica_id}, with a larger pool, is down"
+                                            if down is not None else
+                                            f"{failed_by}, with a larger pool, failed on it"))
                         if _LOAD_LINES.allow((f"replica {replica.replica_id}", "too small")):
-                            log.info("replica %s cannot hold the request (%s); trying a larger "
-                                     "pool", replica.replica_id, e.details())
+                            log.info("replica %s cannot hold the request (%s); %s",
+                                     replica.replica_id, e.details(), next_step)
                     elif code not in _REPLICA_LOST:
                         # The replica judged the request itself: pass its verdict on unchanged.
                         if len(generated) == from_here and self.dispatched is not None:
@@ -943,9 +961,13 @@ class Orchestrator:
                 if not larger:
                     # A replica with a larger pool was tried and failed otherwise (lost, busy):
                     # the request may fit there once it is back, so "too big" is not the
-                    # answer (it was, though that replica never said so).
-                    too_big = None
-                    failed_pool = max(failed_pool, _pool_blocks(replica))
+                    # answer (it was, though that replica never said so). Unless its pool, as
+                    # its last Stats said, is too small for what the refusal needs as well.
+                    if too_big is None or not _pool_blocks(replica) or _may_hold(
+                            _pool_blocks(replica), too_big_pool, _blocks_needed(too_big)):
+                        too_big = None
+                    if _pool_blocks(replica) > failed_pool:
+                        failed_pool, failed_by = _pool_blocks(replica), replica.replica_id
                 if lost is not None and not held.hung:
                     # Not when the poller found it hung and we cut the call: it holds the
                     # replica down with why, and our own CANCELLED ("Locally cancelled by
@@ -964,7 +986,7 @@ class Orchestrator:
                         # Saturation or a small pool, already logged at INFO above: counted
                         # apart from replica failures, so alerts on "retry"/"resume" mean broken
                         # replicas.
-                        self.stats.degrade("busy_replica" if busy else "larger_pool")
+                        self.stats.degrade("busy_replica" if busy else larger_kind)
                     else:
                         self.stats.degrade("resume" if generated else "retry")
                         if _DEGRADED_LINES.allow((f"replica {replica.replica_id}",
@@ -1151,12 +1173,13 @@ class Orchestrator:
                    if r is not replica and r.replica_id not in exclude
                    and r.address not in exclude)
 
-    def _larger_down(self, blocks: int):
+    def _larger_down(self, blocks: int, need: int | None = None):
         """The replica with the largest pool of those known down (not one serving another
-        model) whose pool, as its last Stats said, has more KV blocks than `blocks`; None if
-        none has."""
+        model) whose pool, as its last Stats said, has more KV blocks than `blocks` and, when
+        the request's `need` is known, at least that many; None if none has."""
         down = [r for r in self.replicas.replicas
-                if not r.health.healthy and not r.misfit and _pool_blocks(r) > blocks]
+                if not r.health.healthy and not r.misfit
+                and _may_hold(_pool_blocks(r), blocks, need)]
         return max(down, key=_pool_blocks, default=None)
 
     def _too_big_stands(self, too_big: grpc.RpcError | None, too_big_pool: int,
@@ -1168,7 +1191,8 @@ class Orchestrator:
         hold the request once back, as a larger pool tried and lost on this request may
         (`failed_pool`), so it is UNAVAILABLE naming that replica, not a RESOURCE_EXHAUSTED
         clients never retry."""
-        down = None if too_big is None else self._larger_down(too_big_pool)
+        down = (None if too_big is None
+                else self._larger_down(too_big_pool, _blocks_needed(too_big)))
         if down is None:
             return too_big, only_busy, why_public
         # Its health reason stays in Stats and the log (transport errors name addresses).
@@ -1206,6 +1230,28 @@ def _within(timeout_s: float, deadline: float, share: float = 1.0) -> float | No
 def _pool_blocks(replica) -> int:
     """`replica`'s KV blocks as its last Stats said (0 before any)."""
     return replica.stats.blocks_total if replica.stats is not None else 0
+
+
+# A replica's "too big" refusal: "token_ids: prompt (37 tokens) + sampling.max_tokens (256) need
+# 19 KV blocks, the pool has 16; ..." (kvpool's engine, `submit`).
+_NEED = re.compile(r"\bneed (\d+) KV blocks\b")
+
+
+def _blocks_needed(e: grpc.RpcError) -> int | None:
+    """The KV blocks a replica's "too big" refusal says the request needs; None if it does not
+    say (another build's words). The replica's own figure, not one worked out here: it counts
+    by its block size and knows which tokens its pool keeps (the last generated one is not)."""
+    m = _NEED.search(e.details() or "")
+    return int(m.group(1)) if m else None
+
+
+def _may_hold(pool: int, blocks: int, need: int | None) -> bool:
+    """Whether a pool of `pool` KV blocks (a replica down, or lost on this request) may hold
+    a request a pool of `blocks` refused as needing `need` blocks, once it is back: larger,
+    and not smaller than the need where the refusal said it. The pool sizes are the replicas'
+    last Stats: a request past every pool, down or not, is refused for good (RESOURCE_EXHAUSTED,
+    the words of the up case), not UNAVAILABLE, which clients retry forever."""
+    return pool > blocks and (need is None or pool >= need)
 
 
 def _give_up(too_big: grpc.RpcError | None, all_busy: bool, busy: str,

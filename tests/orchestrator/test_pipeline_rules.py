@@ -666,3 +666,111 @@ def test_the_report_says_why_a_hit_was_not_served_and_a_threshold_from_the_reque
     assert rep.semantic_threshold_from_request and rep.semantic_not_served == "too_short"
     rep = report("abc", policy=Policy(semantic_threshold=0.9, skip_semantic_lookup=True))
     assert not rep.semantic_threshold_from_request  # no lookup: nothing was held to it
+
+
+def _too_big(need: int, pool: int) -> RpcError:
+    """A replica's refusal of a request its pool can never hold, in kvpool's words."""
+    class TooBig(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return (f"token_ids: prompt (9 tokens) + sampling.max_tokens (8) need {need} KV "
+                    f"blocks, the pool has {pool}")
+    return TooBig()
+
+
+def _healthy_in_order():
+    """Routing as the real one sees it: healthy replicas only (`ReplicaSet.views`), by id."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(choose=lambda views, seen, aff, exclude, *rest: next(
+        (SimpleNamespace(replica_id=v.replica_id, route="least_loaded", matched_tokens=0)
+         for v in sorted(views, key=lambda v: v.replica_id) if v.replica_id not in exclude),
+        None))
+
+
+def test_a_small_pool_with_the_larger_one_down_is_logged_and_counted_as_such(caplog):
+    """The larger pool's replica down: the small pool's refusal was logged "trying a larger
+    pool" and counted as larger_pool, a hand-off, though no larger pool was left to try and
+    the request ended UNAVAILABLE. Said naming the replica down and counted as
+    larger_pool_down (a label value of the same metric); with it up, as before."""
+    labels = {"kind": "larger_pool_down"}
+    before = sample_value("tiercache_orchestrator_degradations_total", labels) or 0
+    # Replica ids of their own: the hand-off lines are thinned per replica (`_LOAD_LINES`).
+    stubs = {"small-a": Stub("small-a", [Call([], _too_big(300, 200))]),
+             "large-b": Stub("large-b", [Call([final("large-b", 2)])])}
+    orch = sized(make(stubs), {"small-a": 200, "large-b": 400})
+    orch.replicas.by_id("large-b").health.fail("Connection refused", hold=True)
+    orch.routing = _healthy_in_order()
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.pipeline"):
+        with pytest.raises(errors.Unavailable):
+            generate(orch, [])
+    said = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
+    assert said and "trying a larger pool" not in said[-1], said
+    assert "no larger pool to try: large-b, with a larger pool, is down" in said[-1], said
+    assert orch.stats.degradations["larger_pool_down"] == 1
+    assert orch.stats.degradations["larger_pool"] == 0
+    assert sample_value("tiercache_orchestrator_degradations_total", labels) == before + 1
+
+    caplog.clear()
+    orch.replicas.by_id("large-b").health.ok()
+    stubs["small-a"].calls = [Call([], _too_big(300, 200))]
+    orch.routing = in_order("small-a", "large-b")
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.pipeline"):
+        assert finished(generate(orch, [])).report.replica_id == "large-b"
+    said = [r.getMessage() for r in caplog.records if "cannot hold" in r.getMessage()]
+    assert said and said[-1].endswith("; trying a larger pool"), said
+    assert orch.stats.degradations["larger_pool"] == 1
+    assert orch.stats.degradations["larger_pool_down"] == 1
+
+
+@pytest.mark.parametrize("larger", ["down", "lost_here", "up"])
+def test_a_request_past_every_pool_is_too_big_for_good_with_the_larger_one_down(larger):
+    """A request needing more KV blocks than every pool, the largest's replica down (or lost
+    on this request) included: UNAVAILABLE naming that replica, retried by clients forever,
+    though it never fits once that replica is back. The sizes are known (the replicas' last
+    Stats): the same RESOURCE_EXHAUSTED, in the replica's words, as with that replica up."""
+    stubs = {"A": Stub("A", [Call([], _too_big(500, 200))]),
+             "B": Stub("B", [Call([], RpcError(grpc.StatusCode.UNAVAILABLE) if larger ==
+                                  "lost_here" else _too_big(500, 400))])}
+    orch = sized(make(stubs), {"A": 200, "B": 400})
+    if larger == "down":
+        orch.replicas.by_id("B").health.fail("Connection refused", hold=True)
+        orch.routing = _healthy_in_order()
+    else:
+        orch.routing = in_order("B", "A") if larger == "lost_here" else in_order("A", "B")
+    with pytest.raises(errors.TierCacheError) as e:
+        generate(orch, [])
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+    assert "need 500 KV blocks, the pool has" in str(e.value)
+    assert not isinstance(e.value, errors.Unavailable)
+    if larger == "down":
+        assert stubs["B"].requests == []
+    # One the larger pool holds stays UNAVAILABLE while it is down (it fits once it is back).
+    if larger != "up":
+        stubs = {"A": Stub("A", [Call([], _too_big(300, 200))]),
+                 "B": Stub("B", [Call([], RpcError(grpc.StatusCode.UNAVAILABLE))])}
+        orch = sized(make(stubs), {"A": 200, "B": 400})
+        if larger == "down":
+            orch.replicas.by_id("B").health.fail("Connection refused", hold=True)
+            orch.routing = _healthy_in_order()
+        else:
+            orch.routing = in_order("B", "A")
+        with pytest.raises(errors.Unavailable):
+            generate(orch, [])
+
+
+def test_a_larger_pool_lost_after_the_small_ones_refusal_keeps_a_refusal_past_it():
+    """The small pool refused first (a larger one left), then the larger pool's replica was
+    lost: "too big" was dropped for UNAVAILABLE, though the refusal needed more blocks than
+    the lost pool has. It stands (RESOURCE_EXHAUSTED); one the lost pool could hold does
+    not."""
+    for need, code in ((500, "RESOURCE_EXHAUSTED"), (300, "UNAVAILABLE")):
+        stubs = {"A": Stub("A", [Call([], _too_big(need, 200))]),
+                 "B": Stub("B", [Call([], RpcError(grpc.StatusCode.UNAVAILABLE))])}
+        orch = sized(make(stubs), {"A": 200, "B": 400})
+        orch.routing = in_order("A", "B")
+        with pytest.raises(errors.TierCacheError) as e:
+            generate(orch, [])
+        assert e.value.code == code, (need, str(e.value))
