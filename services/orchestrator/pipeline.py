@@ -715,7 +715,8 @@ class Orchestrator:
             # The largest pool among the replicas tried that failed otherwise (lost, busy): a
             # smaller pool's "too big" after it is no verdict, the request fits there once back.
             failed_pool = 0
-            failed_by = ""  # that replica's id, for the log
+            # That replica: its id (for the log), public id and failure (for the client's).
+            failed_by = failed_public = failed_why = ""
             why_public = ""  # the last replica failure, as the client may see it
             route = ""
             while final is None:
@@ -912,6 +913,12 @@ class Orchestrator:
                                          + (f"{down.replica_id}, with a larger pool, is down"
                                             if down is not None else
                                             f"{failed_by}, with a larger pool, failed on it"))
+                        if _may_hold(failed_pool, _pool_blocks(replica), _blocks_needed(e)):
+                            # A larger pool failed on this request (now down, too, if lost):
+                            # "(tried kvpool#1, kvpool#0); last: UNAVAILABLE" read as the small
+                            # pool's failure, and did not say the request needs that pool.
+                            why_public = (f"{failed_public}, with a larger KV pool, failed "
+                                          f"({failed_why})")
                         if _LOAD_LINES.allow((f"replica {replica.replica_id}", "too small")):
                             log.info("replica %s cannot hold the request (%s); %s",
                                      replica.replica_id, e.details(), next_step)
@@ -968,6 +975,7 @@ class Orchestrator:
                         too_big = None
                     if _pool_blocks(replica) > failed_pool:
                         failed_pool, failed_by = _pool_blocks(replica), replica.replica_id
+                        failed_public, failed_why = replica.public_id, why_public
                 if lost is not None and not held.hung:
                     # Not when the poller found it hung and we cut the call: it holds the
                     # replica down with why, and our own CANCELLED ("Locally cancelled by

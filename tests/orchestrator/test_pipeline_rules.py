@@ -511,6 +511,11 @@ def test_a_small_pool_after_the_larger_one_failed_is_not_too_big(first):
     assert "need 300 KV blocks" not in str(e.value)
     assert e.value.code == ("RESOURCE_EXHAUSTED" if first == "busy" else "UNAVAILABLE")
     assert "last: RESOURCE_EXHAUSTED" not in str(e.value)
+    if first != "busy":
+        # "(tried kvpool#1, kvpool#0); last: UNAVAILABLE" read as the small pool's failure
+        # and did not say the request needs the pool that failed.
+        assert str(e.value).endswith(
+            "; last: kvpool#1, with a larger KV pool, failed (UNAVAILABLE)"), str(e.value)
 
 
 def test_the_report_says_the_threshold_applied_and_a_guard_refusal_above_it():
