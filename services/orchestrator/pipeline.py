@@ -604,6 +604,9 @@ class Orchestrator:
             report.semantic_guard_rejected = look.guard_rejected
             report.semantic_guard_reason = look.guard_reason
             # A request's own threshold read as its tier's ("standard threshold 0.900").
+            # Worked out here, not taken from the reply's threshold_from_request: it is the
+            # threshold this orchestrator sent (0 = the tier's), and an older semantic tier
+            # mid-roll leaves that field false.
             report.semantic_threshold_from_request = policy.semantic_threshold != 0.0
             # The answer's ids as the model generated them; tokenized again only for an entry
             # stored without them (the text alone: a client's Store, an older build's row).

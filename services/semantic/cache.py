@@ -164,6 +164,11 @@ class LookupResult:
     embed_ms: float = 0.0
     # The text is the entry's own prompt: found by text, served without embedding.
     exact: bool = False
+    # Where the threshold came from (the request's own, or its tier's), and its value before
+    # the verified bonus: `threshold` alone did not tell a direct caller whether its explicit
+    # threshold was used (a verified entry's is lowered) or held to [floor, 1].
+    threshold_from_request: bool = False
+    base_threshold: float = 0.0
 
 
 @dataclass
@@ -410,7 +415,9 @@ class SemanticCache:
         exact = self._exact_repeat(ns, text, resolved)
         if exact is not None:
             t1 = time.perf_counter()
-            exact = replace(exact, search_ms=(t1 - t0) * 1000)
+            exact = replace(exact, search_ms=(t1 - t0) * 1000,
+                            threshold_from_request=resolved.explicit,
+                            base_threshold=resolved.threshold)
             self._record(exact, t1 - t0, None, resolved.explicit)
             return exact
         vec, over = self._embed(text, wanted=wanted)
@@ -420,7 +427,9 @@ class SemanticCache:
         if not result.hit:  # the model answers, and its answer is stored under this text
             self._remember(text, vec, over)
         t2 = time.perf_counter()
-        result = replace(result, search_ms=(t2 - t1) * 1000, embed_ms=(t1 - t0) * 1000)
+        result = replace(result, search_ms=(t2 - t1) * 1000, embed_ms=(t1 - t0) * 1000,
+                         threshold_from_request=resolved.explicit,
+                         base_threshold=resolved.threshold)
         self._record(result, t2 - t1, t1 - t0, resolved.explicit)
         return result
 

@@ -87,7 +87,8 @@ class SemanticServicer(semantic_pb2_grpc.SemanticCacheServicer):
         resp = semantic_pb2.LookupResponse(
             hit=r.hit, similarity=r.similarity, threshold=r.threshold, tier=r.tier,
             guard_rejected=r.guard_rejected, guard_reason=r.guard_reason,
-            search_ms=r.search_ms, embed_ms=r.embed_ms, exact=r.exact)
+            search_ms=r.search_ms, embed_ms=r.embed_ms, exact=r.exact,
+            threshold_from_request=r.threshold_from_request, base_threshold=r.base_threshold)
         if r.entry is not None:
             resp.entry.CopyFrom(entry_to_proto(r.entry))
         resp.handler_ms = (time.perf_counter() - t0) * 1000

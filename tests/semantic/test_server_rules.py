@@ -77,6 +77,31 @@ def test_a_refused_candidate_is_reported_in_the_lookup_response(make_cache, emb)
     assert r.guard_reason == "refused by the test's check" and r.entry.prompt == "query"
 
 
+def test_the_lookup_response_says_where_its_threshold_came_from(make_cache, emb):
+    """A direct Lookup caller could not tell whether its explicit threshold was used:
+    `threshold` is the verified entry's, lowered by the bonus, and the tier's name is there
+    either way. threshold_from_request and base_threshold say it (the orchestrator's
+    CacheReport worked it out on its side); an exact repeat (found by text) says it too."""
+    c = make_cache()
+    e = c.store_entry(A, "query", "an answer")
+    c.verify(e.id, True)
+    emb.fixed["query again"] = emb.fixed["query"]
+    floor, bonus = c.policy.floor, c.cfg.verified_bonus
+    for text in ("query again", "query"):
+        r = SemanticServicer(c).Lookup(pb.LookupRequest(namespace=NS, text=text,
+                                                        threshold=0.97), Call())
+        assert r.threshold_from_request and r.base_threshold == pytest.approx(0.97)
+        assert r.threshold == pytest.approx(max(floor, 0.97 - bonus))
+        r = SemanticServicer(c).Lookup(pb.LookupRequest(namespace=NS, text=text,
+                                                        tier="strict"), Call())
+        assert not r.threshold_from_request and r.tier == "strict"
+        assert r.base_threshold == pytest.approx(c.policy.resolve("strict").threshold)
+    # One a float's rounding under the floor is taken as the floor, and says so.
+    r = SemanticServicer(c).Lookup(pb.LookupRequest(namespace=NS, text="query again",
+                                                    threshold=floor - 5e-7), Call())
+    assert r.threshold_from_request and r.base_threshold == pytest.approx(floor, abs=1e-7)
+
+
 @pytest.mark.parametrize("method", ["Lookup", "Store", "Verify", "Invalidate", "Stats"])
 def test_every_call_before_the_cache_is_attached_is_unavailable(method):
     """While the entries load (serve() attaches the cache after), each RPC is UNAVAILABLE,
