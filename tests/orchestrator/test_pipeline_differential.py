@@ -17,7 +17,12 @@ index_refused) or the client gone; each replica attempt answering whole, failing
 first token or after k tokens (UNAVAILABLE, UNKNOWN, INTERNAL, CANCELLED, our credential
 refused, another model, busy, or a clean end without the final message: k reaching the answer's
 end loses only the final message), failing after its final message, passing a verdict on the
-request, running out the deadline, or the client going after k tokens; the Store answering,
+request, running out the deadline, or the client going after k tokens (in half the worlds
+the replicas have KV pools of 4, 8 or 16 blocks, most known to the orchestrator by their
+Stats, some declared down before a request; a request needing more blocks than a replica's
+pool is refused there, with or without the figure in its words, and handed to a larger pool,
+healthy and not tried yet, else UNAVAILABLE while a larger one that may hold it is down or
+was lost on the request, else refused for good); the Store answering,
 down, refusing, or the client gone during it; any sampling (max_tokens 1-9, stop tokens that
 may be the end of sequence, ignore_eos, greedy or sampled, seeded or not) and any cache policy
 flags.
@@ -54,7 +59,10 @@ Each of 6 hand-made mutants fails seeds (of 300): the sampled draw restarted on 
 (87), a stop token not seen as the answer's end when the final message is lost (128), the
 draft not advanced on a resume (10), a cut-short
 answer replacing a whole hit (14), the shortfall counting the prompt's last token (73),
-every failover counted as a retry (287).
+every failover counted as a retry (287). Of the pool sizes (300 seeds, in groups of 10):
+the pipeline before larger_pool_down and the refusal past every pool fails 25 groups of 30;
+a too-small pool's hop counted as a failed attempt 22; "too big" never kept after a smaller
+pool failed 6; a down pool taken to hold any need 18.
 `ORCH_PIPELINE_DIFFERENTIAL_SEEDS=N` runs more (default 200 seeds of each test, ~4 s).
 Of the client-gone test, dropping routing's release of a call fails 270 seeds of 300 (dropping
 the cancel of a call left mid-stream fails none: the client's own callbacks cancel it first).
@@ -174,6 +182,11 @@ def failure(kind: str) -> RpcError:
         return RpcError(grpc.StatusCode.FAILED_PRECONDITION, "model_id: serves another")
     if kind == "too_big":
         return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "token_ids: need 9 blocks, have 4")
+    if kind.startswith("too_big:"):  # a pool too small for the request: too_big:<need>:<pool>
+        need, pool = kind.split(":")[1:]
+        return RpcError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                        f"token_ids: prompt + sampling.max_tokens need {need} KV blocks, the "
+                        f"pool has {pool}" if need else "token_ids: too long for this pool")
     return RpcError(getattr(grpc.StatusCode, kind.upper()))
 
 
@@ -261,7 +274,7 @@ class Stub:
 
     def Generate(self, req, timeout=None, metadata=None):  # noqa: N802
         w = self.world
-        att = w.attempts[len(w.calls)]
+        att = w.attempt_on(self.address, w.attempts[len(w.calls)])
         w.calls.append((self.address, req))
         call = GenCall(w, w.rid_of[self.address], req, att)
         w.gen_calls.append(call)
@@ -351,8 +364,13 @@ class InOrder:
                continues=False, record=True):
         w = self.world
         w.routed.append((dict(seen), set(exclude)))
+        # As the real routing: only the replicas `views` offers (the healthy ones, or every
+        # one when none is); a world without pool sizes keeps every replica up.
+        offered = {v.replica_id for v in views}
         for addr in w.plan.order:
             rid = w.rid_of[addr]
+            if w.pools is not None and rid not in offered:
+                continue
             if rid not in exclude and addr not in exclude:
                 route = "prefix" if seen.get(rid, 0) >= w.min_prefix else "ring"
                 return SimpleNamespace(replica_id=rid, route=route, matched_tokens=seen.get(rid, 0))
@@ -379,6 +397,13 @@ class Plan:
     order: list[str]
     store: str  # ok / cancel / unavailable / invalid_argument / internal
     attempts: list[Attempt]
+    # In a world with pool sizes (`World.pools`): the KV blocks the request needs (a replica
+    # whose pool is smaller refuses it, whatever its attempt said), whether the refusal says
+    # the figure (an older build's words do not), and the replicas declared down (their
+    # Stats polls failed) before the request.
+    need: int = 0
+    need_said: bool = True
+    down: frozenset = frozenset()
 
 
 TENANTS = (Tenant("a", "salt-a", 10_000, 1_000, 4), Tenant("b", "salt-b", 10_000, 1_000, 4))
@@ -391,7 +416,8 @@ METRICS = (
        for c in ("semantic_hit", "prefix_hit", "cold")]
     + [("tiercache_orchestrator_degradations_total", {"kind": k})
        for k in ("semantic_skipped", "index_down", "index_refused", "retry", "resume",
-                 "busy_replica", "larger_pool", "draft_dropped", "semantic_store_failed")]
+                 "busy_replica", "larger_pool", "larger_pool_down", "draft_dropped",
+                 "semantic_store_failed")]
     + [("tiercache_orchestrator_tokens_total", {"kind": k})
        for k in ("prompt", "cached", "generated", "saved_semantic")]
     + [("tiercache_orchestrator_semantic_hits_not_served_total", {"reason": r})
@@ -441,11 +467,21 @@ class World:
         self.semantic = SemanticTier(self, enabled=rng.random() < 0.9)
         self.index = Index(self) if rng.random() < 0.8 else None
         self.dispatch_on = rng.random() < 0.7
+        # Pool sizes (KV blocks) in half the worlds: each replica's, and whether the
+        # orchestrator knows it (a replica that never answered a Stats has no size here).
+        self.pools: dict[str, int] | None = None
+        self.known: set[str] = set()
+        if rng.random() < 0.5:
+            self.pools = {a: rng.choice((4, 8, 16)) for a in self.addresses}
+            self.known = {a for a in self.addresses if rng.random() < 0.9}
         replicas = ReplicaSet(tuple(self.addresses), "")
         for r in replicas.replicas:
             r.stub = Stub(self, r.address)
             r.replica_id = self.rid_of[r.address]
             r.health.ok()
+            if self.pools is not None and r.address in self.known:
+                r.stats = kvpool_pb2.KvStatsResponse(replica_id=r.replica_id,
+                                                     blocks_total=self.pools[r.address])
         self.orch = Orchestrator(
             renderer=SimpleNamespace(encode=TOK.encode, encode_literal=TOK.encode),
             tokenizer=TOK, model_id="m", hasher=BlockHasher("m", BLOCK, b"k" * 32),
@@ -474,6 +510,30 @@ class World:
     def client_gone(self) -> None:
         for fn in self.cancel_fns:
             fn()
+
+    def attempt_on(self, addr: str, att: Attempt) -> Attempt:
+        """What replica `addr` does with the request: a pool smaller than the request's need
+        refuses it before anything else (kvpool's `submit`), whatever `att` said."""
+        p = self.plan
+        if self.pools is not None and p.need > self.pools[addr]:
+            return Attempt("die", 0, f"too_big:{p.need if p.need_said else ''}:"
+                                     f"{self.pools[addr]}")
+        return att
+
+    def set_health(self) -> None:
+        """A world with pool sizes: the replicas the request's plan has down declared so (as
+        the Stats poller does), the others healthy (those lost by an earlier request too)."""
+        if self.pools is None:
+            return
+        for r in self.orch.replicas.replicas:
+            if r.address in self.plan.down:
+                r.health.fail("Connection refused", hold=True)
+            else:
+                r.health.ok()
+
+    def known_pool(self, addr: str) -> int:
+        """`addr`'s pool as the orchestrator knows it (its last Stats); 0 if unknown."""
+        return self.pools[addr] if self.pools is not None and addr in self.known else 0
 
     def public_id(self, addr: str) -> str:
         rid = self.rid_of[addr]
@@ -551,7 +611,10 @@ def make_plan(w: World, rng: random.Random, n: int) -> Plan:
     store = pick(rng, {"ok": 0.8, "unavailable": 0.06, "internal": 0.02,
                        "invalid_argument": 0.06, "cancel": 0.06})
     attempts = []
-    for _ in range(w.max_attempts + 1):
+    # A pool too small is a hop, not an attempt used up: each replica may be asked once.
+    n_attempts = (w.max_attempts + 1 if w.pools is None
+                  else max(w.max_attempts + 1, len(w.addresses)))
+    for _ in range(n_attempts):
         kind = pick(rng, {"ok": 0.45, "die": 0.35, "after": 0.06, "cancel": 0.03,
                           "verdict": 0.05, "busy": 0.06})
         k = rng.choice((0, 0, 1, 2, 3, 9))
@@ -562,6 +625,8 @@ def make_plan(w: World, rng: random.Random, n: int) -> Plan:
             kind, k = "die", rng.choice((0, 0, 1, 9))
         elif kind == "verdict":
             kind = "die"
+            if w.pools is not None and error == "too_big":
+                error = "invalid_argument"  # in a sized world "too big" follows the sizes
         attempts.append(Attempt(
             kind, k, error, cached=rng.choice((0, 5, 16, 31, 32, 33, 48, 200)),
             replica_id_said=rng.random() < 0.85, proposed=rng.randint(0, 6),
@@ -575,6 +640,10 @@ def make_plan(w: World, rng: random.Random, n: int) -> Plan:
     answer.tier = rng.choice(("", "strict", "standard", "relaxed"))
     if rng.random() < 0.2:
         answer.guard_rejected, answer.guard_reason = True, "numbers differ"
+    if w.pools is not None:
+        plan.need = rng.choice((0, 2, 6, 6, 12, 12, 20))
+        plan.need_said = rng.random() < 0.9
+        plan.down = frozenset(a for a in w.addresses if rng.random() < 0.25)
     return plan
 
 
@@ -708,12 +777,31 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
     gen: list[int] = []
     tried: list[str] = []
     only_busy = True
-    attempts = 0
+    attempts = failures = 0
     made_up = False
+    # Pool sizes (a world with them; deploy.md, the kv_pool reason): a replica whose pool is
+    # too small hands the request to a larger one, healthy and not tried yet; with the larger
+    # one down (or lost on this request) and able to hold it once back, UNAVAILABLE; past every
+    # pool whose size is known, down or not, the refusal for good (RESOURCE_EXHAUSTED).
+    down = set(p.down)  # replicas down: before the request, and lost during it
+    need = p.need if p.need_said else None
+    too_big_pool: int | None = None  # the largest pool whose "too big" stands, if one does
+    failed_pool = 0  # the largest known pool that failed otherwise on this request
 
-    def give_up():
+    def may_hold(pool: int, blocks: int) -> bool:
+        return pool > blocks and (need is None or pool >= need)
+
+    def larger_down(blocks: int) -> bool:
+        return any(may_hold(w.known_pool(a), blocks) for a in down)
+
+    def give_up(at_no_route: bool = True):
         E.ids = list(gen)
-        E.error = "OVERLOADED" if tried and only_busy else "UNAVAILABLE"
+        if at_no_route and too_big_pool is not None and not larger_down(too_big_pool):
+            E.error = "RESOURCE_EXHAUSTED"
+        elif at_no_route and too_big_pool is not None:
+            E.error = "UNAVAILABLE"  # the larger pool down: the request fits once it is back
+        else:
+            E.error = "OVERLOADED" if tried and only_busy else "UNAVAILABLE"
         return E
 
     while True:
@@ -727,7 +815,9 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
                     seen[rid] = n * BLOCK
         excluded = {x for a in tried for x in (a, w.rid_of[a])}
         E.routed.append((seen, excluded))
-        addr = next((a for a in p.order if a not in tried), None)
+        # Routing is offered the healthy replicas, or every one when none is.
+        up = [a for a in w.addresses if a not in down] or w.addresses
+        addr = next((a for a in p.order if a not in tried and a in up), None)
         if addr is None:
             return give_up()
         rid = w.rid_of[addr]
@@ -739,7 +829,7 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
         if w.dispatch_on and hashed:
             added = set(hashed) - st.sent.get(rid, set())
             st.sent.setdefault(rid, set()).update(hashed)
-        att = p.attempts[attempts]
+        att = w.attempt_on(addr, p.attempts[attempts])
         from_here = len(gen)
         E.requests.append((addr, prompt + gen, s.max_tokens - len(gen), len(gen),
                            draft[len(gen):]))
@@ -752,6 +842,13 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
             E.ids, E.error = list(gen), "CANCELLED"
             return E
         err = att.error
+        mine = w.known_pool(addr)
+        larger_up = any(w.known_pool(a) > mine for a in w.addresses
+                        if a not in down and a != addr and a not in tried)
+        larger = err.startswith("too_big:") if err else False
+        if larger and not (larger_up or may_hold(failed_pool, mine) or larger_down(mine)):
+            err = "too_big"  # no pool, up or down, may hold it: the replica's verdict
+            larger = False
         if err in VERDICTS:
             if added and len(gen) == from_here and err != "deadline_exceeded":
                 # Refused before computing anything: this request's own credit goes back (not
@@ -763,17 +860,30 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
             E.error = {"too_big": "RESOURCE_EXHAUSTED"}.get(err, err.upper())
             return E
         busy = err == "busy"
-        degrade("busy_replica" if busy else "resume" if gen else "retry")
+        if larger:
+            if failed_pool <= mine:
+                too_big_pool = max(too_big_pool or 0, mine)
+            # A hand-off to a larger pool, or none left to try with the larger one down.
+            degrade("larger_pool" if larger_up else "larger_pool_down")
+        else:
+            degrade("busy_replica" if busy else "resume" if gen else "retry")
+            if too_big_pool is not None and (not mine or may_hold(mine, too_big_pool)):
+                too_big_pool = None  # it may hold the request once back: no verdict
+            failed_pool = max(failed_pool, mine)
+            if err in ("unavailable", "cancelled", "unauthenticated", "permission_denied",
+                       "other_model", None):
+                down.add(addr)  # lost: marked down (not INTERNAL / UNKNOWN, nor busy)
         if w.dispatch_on and err not in ("internal", "unknown"):
             st.sent.pop(rid, None)  # a replica that failed is forgotten at once
         tried.append(addr)
-        only_busy = only_busy and busy
+        only_busy = only_busy and (busy or larger)
         attempts += 1
+        failures += not larger
         if len(gen) == len(R):  # the whole answer was streamed; its final message lost
             made_up = True
             break
-        if attempts >= w.max_attempts:
-            return give_up()
+        if failures >= w.max_attempts:
+            return give_up(at_no_route=False)
     E.ids, E.finish, E.completion, E.prompt_tokens = gen, F, len(gen), P
     cached = 0 if made_up else min(att.cached, P)
     expected = min(seen.get(rid, 0), P)
@@ -883,6 +993,7 @@ def delta(after: dict, before: dict) -> dict:
 def run_request(w: World, p: Plan) -> tuple[list, BaseException | None]:
     w.plan, w.calls, w.routed, w.cancel_fns, w.attempts = p, [], [], [], p.attempts
     w.gen_calls = []
+    w.set_health()
     events: list = []
     err = None
     deadline = time.monotonic() + (1.0 if p.short_deadline else 30.0)
@@ -1010,6 +1121,7 @@ def run_client_stop(seed: int) -> None:
     p = make_plan(w, rng, 0)
     stop = rng.choice((0, 1, 1, 2, 3))
     w.plan, w.attempts = p, p.attempts
+    w.set_health()
     events: list = []
     gen = w.orch.generate(
         tenant=p.tenant, prompt=RenderedPrompt(list(p.prompt), p.query, "ctx"),
