@@ -27,8 +27,8 @@ class PrefixConfig:
     # cold_after_ticks).
     min_deep_hits: int = 1
     # Grace of a deep leaf under min_deep_hits: used within this many index ticks (a store
-    # batch or a match each), it is not pruned first, as a newest turn has had no chance of a
-    # hit yet (~60 s at 100 requests/s). 0 = no grace.
+    # batch or a match each, never a probe), it is not pruned first, as a newest turn has had
+    # no chance of a hit yet (~60 s at 100 requests/s). 0 = no grace.
     cold_after_ticks: int = 20000
     # Every hit count is halved once per this many seconds (by the lease sweeper), so that a
     # burst long ago stops outranking steady use in TopPrefixes and LFU pruning. 0 = never.

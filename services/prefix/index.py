@@ -256,7 +256,8 @@ class PrefixIndex:
             shallow_tokens: blocks starting before this token are never "deep" for the
                 `min_deep_hits` rule (default: the policy's split, else 128).
             min_deep_hits: deep leaves hit fewer times than this are pruned first.
-            cold_after_ticks: ...unless used within this many ticks (stores and matches):
+            cold_after_ticks: ...unless used within this many ticks (stores and matches, not
+                probes):
                 a conversation's newest turn, stored a moment ago, has had no chance of a
                 hit; pruned first, its later turns' stores were dropped (unknown parent) and
                 the conversation stayed invisible to the index. 0 = no grace.
@@ -963,7 +964,8 @@ class PrefixIndex:
         """Every live replica of `model_id` with the leading blocks of the request it holds.
 
         Only chains under `model_id`'s roots match. A `probe` (routing asking, not traffic)
-        gets the same answer without a hit credited or a match counted.
+        gets the same answer without a hit credited, a match counted or a tick (the clock of
+        `cold_after_ticks`) taken.
 
         Raises:
             InvalidArgument: no model, no or both inputs, malformed hashes, too many blocks.
@@ -1000,7 +1002,10 @@ class PrefixIndex:
                     self.match_blocks_total += len(token_ids) // self.block_size
                 return MatchResult([], len(token_ids) // self.block_size, self.block_size)
             hashes = self.hasher(model_id).hashes(token_ids, salt)
-        self._tick += 1
+        if not probe:
+            # A probe is no use: advancing the clock, health and warm-up probes aged every
+            # block's last use, and a tail stored moments ago lost its cold_after_ticks grace.
+            self._tick += 1
         segments = self.tree.match(hashes, self._tick, model_id, credit=not probe)
         bs = self.block_size
         reps = self._by_model.get(model_id, ())

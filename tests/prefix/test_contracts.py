@@ -168,8 +168,8 @@ def test_a_block_another_replica_stores_again_counts_as_used_now(clock, hasher):
     z, x, y = toks(1, 4), toks(1, 2), toks(1, 3)  # three deep leaves under one root block
     for seq, chain in enumerate((z, x, y), 1):
         index.publish("a", "i1", seq, [stored(hasher, chain)])
-    for _ in range(10):  # time passes: ten matches that hit nothing
-        index.match(MODEL, token_ids=toks(9), probe=True)
+    for _ in range(10):  # time passes: ten matches that hit nothing (traffic; not probes)
+        index.match(MODEL, token_ids=toks(9))
     index.publish("b", "i1", 1, [stored(hasher, x)])  # b's newest turn: x
     index.publish("a", "i1", 4, [stored(hasher, toks(5))])  # over the budget: a prune
     index.check_integrity()
@@ -279,8 +279,8 @@ def test_a_resync_restates_shared_blocks_without_using_them(clock, hasher):
         index.publish(rid, "i1", 1, [stored(hasher, y), stored(hasher, x, start=2)])
     for _ in range(3):
         matched(index, y)
-    for _ in range(10):
-        index.match(MODEL, token_ids=toks(9), probe=True)
+    for _ in range(10):  # time passes (matches of traffic: probes take no tick)
+        index.match(MODEL, token_ids=toks(9))
     index.publish("b", "i1", 2, [stored(hasher, y), stored(hasher, x, start=2)], resync=True)
     tree = index.tree
     gone = tree.prune(len(tree) - 1, HybridPolicy(shallow), shallow, 1, index._recent_since())

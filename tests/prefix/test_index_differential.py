@@ -19,7 +19,7 @@ model, salt and path of small ints, so descendants are found by path prefix). Fr
   takes the block and everything below it, and reaches waiting chains; Cleared drops all.
 - Match: for each live replica of the model the longest leading run of the request's
   blocks it holds, longest first, ties in load order; the deepest block any of them holds
-  is credited a hit unless probe; counters as the proto says.
+  is credited a hit unless probe; a probe takes no tick; counters as the proto says.
 - Hits: where matches end, halved by `sweep` once per half-life passed; a node nobody holds
   loses them; a resync or a lapse saves those of the nodes only that replica held and gives
   them back to nodes stored again with no hits yet (within a lease); a pruned leaf's hits
@@ -433,7 +433,8 @@ class Model:
             path = tuple(tokens[i * BS] // 10 for i in range(len(tokens) // BS))
             hashes = self.u.chain(model, salt, path) if path else []
             assert hashes == self.u.hashers[model].hashes(tokens, salt)
-        self.tick += 1
+        if not probe:  # a probe takes no tick (no use: cold_after_ticks ages by traffic)
+            self.tick += 1
         chain = 0  # how far the request is one chain (a caller's list may be garbage)
         while chain < len(hashes) and \
                 self.u.parent(hashes[chain]) == (hashes[chain - 1] if chain else None):

@@ -393,3 +393,29 @@ def test_match_refuses_a_model_id_of_only_invisible_characters_naming_the_field(
         with pytest.raises(InvalidArgument, match="^model_id: only whitespace or invisible"):
             index.match(blank, "", **kw)
     assert index.matches_total == 0
+
+
+def test_probe_matches_take_no_tick_so_a_fresh_tail_keeps_its_grace(clock, hasher):
+    """A race audit: health and warm-up probes (Match with probe set: routing asking, not
+    traffic) advanced the index's tick clock, so a tail stored moments ago aged by every probe
+    and lost its cold_after_ticks grace: pruned first, though no traffic had passed since."""
+    from services.common.policy import HybridPolicy
+
+    shallow = 2 * BS
+    index = make_index(clock, policy=HybridPolicy(shallow), min_deep_hits=1,
+                       cold_after_ticks=5)
+    reg(index)
+    base = toks(1, 2)
+    old, fresh = base + toks(4), base + toks(3)  # deep leaves
+    index.publish("a", "i1", 1, [stored(hasher, old)])
+    matched(index, old)  # hit once: not cold
+    index.publish("a", "i1", 2, [stored(hasher, fresh, start=2)])  # the newest turn
+    tick = index._tick
+    for _ in range(10):  # probes only: no traffic since the store
+        index.match(MODEL, token_ids=fresh, probe=True)
+        index.match(MODEL, token_ids=toks(9), probe=True)
+    assert index._tick == tick
+    tree = index.tree
+    gone = tree.prune(len(tree) - 1, HybridPolicy(shallow), shallow, 1, index._recent_since())
+    assert gone == [hasher.hashes(old)[-1]]  # the least recent deep leaf, not the fresh one
+    index.check_integrity()
