@@ -714,11 +714,12 @@ class SemanticCache:
         replaces the first: of two at once, the one committed later stands, and the other
         returns it.
 
-        `wanted`, asked once the prompt is embedded, right before the write: False (the
-        caller's deadline passed, or it went away) writes nothing, so a caller whose deadline
-        passed before the write does not leave an entry behind it cannot name (one passing
-        during the write still can: best effort). Asked again, every `_WAIT_CHECK_S`, while
-        the Store waits for an Invalidate that read the entry it replaces.
+        `wanted`, asked once the prompt is embedded, right before the write, and again once
+        the row is written, before memory takes it: False (the caller's deadline passed, or it
+        went away) leaves nothing, so a caller whose deadline passed before the commit does not
+        leave an entry behind it cannot name (one passing after it, or while the answer goes
+        back, still can: best effort). Asked again, every `_WAIT_CHECK_S`, while the Store
+        waits for an Invalidate that read the entry it replaces.
 
         `answer_token_ids`: the answer as the namespace's model generated it (optional; served
         back with the entry, see SemanticEntry.answer_token_ids).
@@ -760,6 +761,11 @@ class SemanticCache:
         expired_now = 0
         stands: Entry | None = None
         try:
+            # Asked again once the row is written: the write waits for the store's lock
+            # behind every other Store and flush (tens of ms under a burst), and a deadline
+            # passing meanwhile left an answer served to everyone though its caller was told
+            # DEADLINE_EXCEEDED. Refused here, its row goes (below) and memory never held it.
+            _still(wanted, "the answer was written")
             with self._lock:
                 # Same prompt again: the new answer replaces the old one.
                 old = self._by_prompt.get((ns, prompt))

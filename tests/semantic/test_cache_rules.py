@@ -396,3 +396,26 @@ def test_invalidating_a_tenant_erases_its_every_namespace_from_the_files(make_ca
         with pytest.raises(InvalidArgument) as exc:
             c.invalidate_tenant(bad)
         assert exc.value.field == "tenant"
+
+
+def test_a_store_whose_caller_left_while_its_row_was_written_leaves_nothing(make_cache):
+    """A race audit: `wanted` was asked only before the row was written, and the write waits
+    for the store's lock behind every other Store and flush. A deadline passing meanwhile left
+    the answer in memory and SQLite, served to everyone, its caller told DEADLINE_EXCEEDED.
+    Asked again once the row is written: refused, the row deleted, memory never holding it."""
+    from services.common.errors import DeadlineExceeded
+
+    c = make_cache()
+    asked = []
+
+    def wanted() -> bool:  # the caller waits through the write, and has gone once it is done
+        asked.append(c.store.count())
+        return len(asked) == 1
+
+    with pytest.raises(DeadlineExceeded, match="before the answer was written"):
+        _store(c, wanted=wanted)
+    assert asked == [0, 1]  # asked before the write, and again once the row was there
+    assert c.stats().entries == 0 and c.store.count() == 0
+    assert not c.lookup(A, "A fine question?").hit
+    assert _store(c).id  # nothing left in the way of the next Store of that prompt
+    assert c.stats().entries == 1 and c.store.count() == 1
