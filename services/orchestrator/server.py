@@ -583,7 +583,10 @@ class Warmer:
         req = kvpool_pb2.PrefillRequest(token_ids=token_ids, cache_salt=cache_salt,
                                         pin=ttl > 0, ttl_seconds=ttl,
                                         model_id=self.orch.model_id)
-        kw = dict(timeout=max(0.1, timeout),
+        # What is left of the call's time, never more: raised to 0.1 s, a prefill sent with
+        # less left ran (and pinned for the TTL) on the replica up to 0.1 s after its Warm's
+        # caller was told DEADLINE_EXCEEDED.
+        kw = dict(timeout=timeout,
                   metadata=call_metadata(self.orch.internal_token, request_id))
         try:
             try:

@@ -1101,3 +1101,30 @@ def test_the_warm_up_loops_wait_is_jittered_around_its_interval(monkeypatch):
     w._loop()
     assert len(waits) == 50 and all(0.9 <= t <= 1.1 for t in waits)  # interval 1 s
     assert len(set(waits)) > 40
+
+
+def test_a_warm_prefill_never_gets_a_later_deadline_than_its_call():
+    """A race audit: a prefill sent with less than 0.1 s of the call left got a 0.1 s timeout,
+    so the replica computed and pinned it for the whole TTL up to 0.1 s after the Warm's
+    caller had been told DEADLINE_EXCEEDED. Its timeout is what is left of the call's."""
+    from services.orchestrator.render import PromptRenderer
+    from services.orchestrator.server import Warmer
+    from tests.orchestrator.test_pipeline_paths import TENANT, Stub, Tok, make
+
+    timeouts: list[float] = []
+
+    class Timed(Stub):
+        def _prefill(self, req, timeout=None, metadata=None):
+            timeouts.append(timeout)
+            return super()._prefill(req, timeout, metadata)
+
+    orch = make({"A": Timed("A", [])})
+    orch.renderer = PromptRenderer(Tok(), max_chars=50)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
+    try:
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]), time_remaining=0.05)
+    finally:
+        warmer.stop()
+    assert not out.results[0].error
+    assert len(timeouts) == 1 and 0 < timeouts[0] <= 0.05
