@@ -527,13 +527,23 @@ class _Gone(threading.Event):
         super().__init__()
         self._lock = threading.Lock()
         self._call: grpc.Future | None = None
+        self._wakes: list[threading.Event] = []  # running prefills' waits (`wake_on_set`)
 
     def set(self) -> None:
         super().set()
         with self._lock:
-            call = self._call
+            call, wakes = self._call, list(self._wakes)
         if call is not None:
             call.cancel()
+        for wake in wakes:
+            wake.set()
+
+    def wake_on_set(self, wake: threading.Event) -> None:
+        """Sets `wake` once this is set (at once if it is already)."""
+        with self._lock:
+            self._wakes.append(wake)
+        if self.is_set():
+            wake.set()
 
     def holding(self, call: grpc.Future | None) -> None:
         """`call` is the one under way now (None: it ended); cancelled at once if already
@@ -548,10 +558,15 @@ def _unless_gone(call, gone: threading.Event):
     """`call`'s response (a unary gRPC future); grpc.FutureCancelledError when `gone` is set
     before it ends: the call is then cancelled, and the replica's handler cancels its work
     (and its time is not the replica's, in `timed`)."""
-    done = threading.Event()
-    call.add_done_callback(lambda _call: done.set())
+    done, wake = threading.Event(), threading.Event()
+    call.add_done_callback(lambda _call: (done.set(), wake.set()))
+    if isinstance(gone, _Gone):
+        # Woken as the caller goes: polled alone, the cancel reached the replica up to
+        # GONE_POLL_S late, and a prefill ending meanwhile pinned its blocks for the whole
+        # TTL for a caller already gone.
+        gone.wake_on_set(wake)
     while not (done.is_set() or gone.is_set()):
-        done.wait(GONE_POLL_S)
+        wake.wait(GONE_POLL_S)
     if not done.is_set() and call.cancel():
         raise grpc.FutureCancelledError()
     return call.result()

@@ -1128,3 +1128,65 @@ def test_a_warm_prefill_never_gets_a_later_deadline_than_its_call():
         warmer.stop()
     assert not out.results[0].error
     assert len(timeouts) == 1 and 0 < timeouts[0] <= 0.05
+
+
+def test_a_running_warm_prefill_is_cancelled_as_its_caller_goes_not_at_the_next_poll(
+        monkeypatch):
+    """A race audit: a running prefill looked for its caller's cancel every GONE_POLL_S
+    (0.25 s), so a prefill ending within that time still pinned its blocks for the whole TTL
+    for a caller already gone. It is woken by the cancel itself. Forced: the caller goes right
+    after the prefill's wait checked for it, and the poll is made a minute long (only the
+    wake can end the call in time)."""
+    import time
+
+    from services.orchestrator import server
+    from services.orchestrator.render import PromptRenderer
+    from services.orchestrator.server import Warmer, _Gone
+    from tests.orchestrator.test_pipeline_paths import TENANT, Stub, Tok, Unary, make
+
+    monkeypatch.setattr(server, "GONE_POLL_S", 60.0)
+    release = threading.Event()
+
+    class LateGone(_Gone):
+        armed = False
+
+        def is_set(self) -> bool:
+            was = super().is_set()
+            if (self.armed and not was  # the prefill's wait has just checked: gone now
+                    and threading.current_thread().name.startswith("warm")):
+                self.armed = False
+                self.set()
+            return was
+
+    gone = LateGone()
+
+    class Arming(Unary):
+        def future(self, req, timeout=None, metadata=None):
+            call = super().future(req, timeout, metadata)
+            gone.armed = True  # the next look at `gone` is the prefill's wait
+            return call
+
+    class Hung(Stub):
+        def __init__(self, *a) -> None:
+            super().__init__(*a)
+            self.Prefill = Arming(self._prefill)
+
+        def _prefill(self, req, timeout=None, metadata=None):
+            release.wait(10)
+            return super()._prefill(req, timeout, metadata)
+
+    stubs = {"A": Hung("A", [])}
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=50)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
+    t0 = time.monotonic()
+    try:
+        out = warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+            prompts=[orchestrator_pb2.WarmPrompt(prompt="x" * 16)]), time_remaining=30.0,
+            gone=gone)
+    finally:
+        release.set()
+        warmer.stop()
+    assert time.monotonic() - t0 < 5.0
+    assert out.results[0].error.startswith("CANCELLED")
+    assert [c.cancelled for c in stubs["A"].Prefill.calls] == [True]
