@@ -1039,6 +1039,9 @@ class SemanticCache:
             with self._lock:
                 n = 1 if self._drop_locked(e.label) is not None else 0
                 self._m["entries"].set(len(self._entries))
+        # A bad answer removed on request: its text is overwritten in the file (secure_delete)
+        # but stayed in semantic.db-wal, as written, until later writes overwrote it.
+        self.store.truncate_wal()
         return n
 
     @contextlib.contextmanager
@@ -1078,8 +1081,15 @@ class SemanticCache:
         """Removes every entry of a namespace; returns how many were live. An entry already
         past its TTL (never served; the housekeeper had not purged it yet) is removed too but
         counted expired, as the purge would have, not invalidated: Invalidate by id calls such
-        an entry NOT_FOUND, and the two must agree on what was invalidated."""
+        an entry NOT_FOUND, and the two must agree on what was invalidated. The WAL, which
+        held the removed rows' text as written, is emptied afterwards (`truncate_wal`)."""
         ns = self._check_namespace(ns)
+        n = self._invalidate_namespace(ns)
+        self.store.truncate_wal()
+        return n
+
+    def _invalidate_namespace(self, ns: Namespace) -> int:
+        """`invalidate_namespace` of a checked namespace, leaving the WAL as it is."""
         with self._removal(ns, lambda: list(self._ns_lru.get(ns, ())), whole=True) as labels:
             with self._lock:
                 index = self._indexes.get(ns)
@@ -1109,8 +1119,8 @@ class SemanticCache:
         self._check_name("tenant", tenant)
         with self._lock:
             spaces = [ns for ns in self._ns_lru if ns.tenant == tenant]
-        n = sum(self.invalidate_namespace(ns) for ns in spaces)
-        self.store.truncate_wal()
+        n = sum(self._invalidate_namespace(ns) for ns in spaces)
+        self.store.truncate_wal()  # once, after every namespace
         return n
 
     def _drop_in_chunks(self, labels: list[int], expired_at: float | None = None) -> int:
@@ -1168,6 +1178,10 @@ class SemanticCache:
                             self._mark_expiring_locked(item[1], -1)
                             heapq.heappush(self._expiry_heap, item)
             self._m["expirations"].inc(n)
+        if gone:
+            # Past its TTL an answer is gone from the file (secure_delete), and from the WAL
+            # only once emptied: its text stayed in semantic.db-wal until overwritten.
+            self.store.truncate_wal()
         self._compact_expiry_heap()
         return n
 

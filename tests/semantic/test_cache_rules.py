@@ -419,3 +419,36 @@ def test_a_store_whose_caller_left_while_its_row_was_written_leaves_nothing(make
     assert not c.lookup(A, "A fine question?").hit
     assert _store(c).id  # nothing left in the way of the next Store of that prompt
     assert c.stats().entries == 1 and c.store.count() == 1
+
+
+def _text_in_files(c, secret: str) -> list[str]:
+    import os
+
+    found = []
+    for f in (c.store.path, c.store.path + "-wal"):
+        if os.path.exists(f):
+            with open(f, "rb") as fh:
+                if secret.encode() in fh.read():
+                    found.append(f)
+    return found
+
+
+@pytest.mark.parametrize("how", ["id", "namespace", "expiry"])
+def test_every_erasing_delete_leaves_no_text_in_the_wal(make_cache, clock, how):
+    """Invalidate by id (a `feedback --bad`), by namespace and the expiry purge overwrote the
+    rows in the file (secure_delete) but left their text in semantic.db-wal as written, only
+    the tenant Invalidate emptied it: each now does."""
+    c = make_cache(**LIMITS)
+    secret = "QUOKKAVAX-5190"
+    e = _store(c, prompt=f"{secret} q?", answer=f"{secret} a.", ttl_seconds=60)
+    kept = _store(c, ns=edges.B, prompt="B's question?", answer="B's answer.")
+    assert _text_in_files(c, secret)  # the check can see it
+    if how == "id":
+        assert c.invalidate_id(e.id) == 1
+    elif how == "namespace":
+        assert c.invalidate_namespace(A) == 1
+    else:
+        clock.t = e.created_at + 61
+        assert c.expire() == 1
+    assert _text_in_files(c, secret) == []
+    assert c.get(kept.id) == kept
