@@ -39,6 +39,20 @@ def installed() -> bool:
     return ROOT.name in ("site-packages", "dist-packages")
 
 
+def _open_log(path: Path):
+    """A service's log file, appended to, readable by this user only: created 0644 under the
+    usual umask, it let every local user read what the services log (tenant names, refused
+    calls' errors, and whatever a DEBUG line or a traceback quotes). One of ours an older
+    launcher made wider is tightened; one owned by another user keeps its mode."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    st = os.fstat(fd)
+    if st.st_uid == os.geteuid() and st.st_mode & 0o077:
+        os.fchmod(fd, 0o600)
+    out = os.fdopen(fd, "ab")
+    out.seek(0, os.SEEK_END)  # tell() is where this run's lines start (last_problem)
+    return out
+
+
 def run_dir() -> Path:
     """The stacks' `.run/` (logs, the internal token): the checkout's; installed from a wheel,
     the one in the directory the launcher starts in, as site-packages is no place for logs
@@ -225,7 +239,7 @@ class ServiceProcess:
                 [str(ROOT), str(ROOT / "gen"), *filter(None, [env.get("PYTHONPATH")])])
         env[f"TIERCACHE_{self.name.upper()}_ADDRESS"] = self.address
         env[PARENT_PID_ENV] = str(os.getpid())  # the service stops if this process dies
-        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        out = _open_log(self.log_path) if self.log_path else subprocess.DEVNULL
         self._log_offset = out.tell() if self.log_path else 0
         try:
             # In the launcher's directory, not the checkout's nor site-packages: a relative path
@@ -408,7 +422,8 @@ class Stack:
         return free_port() if self.base_port == 0 else self.base_port + offset
 
     def start(self, timeout: float = 600.0) -> Stack:
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        # Owner-only, as the logs in it (_open_log) and the internal token.
+        self.log_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         if self.base_port:
             # Every port first: a second `make run` said the semantic database was in use
             # (and chose another) before it found the first stack's ports taken and stopped.

@@ -541,3 +541,22 @@ def test_in_a_checkout_the_stack_logs_in_its_run_folder_and_prints_the_venvs_cli
     monkeypatch.setattr(launcher.sys, "executable", str(tmp_path / ".venv" / "bin" / "python"))
     assert Stack().log_dir == tmp_path / ".run" / "logs"
     assert launcher.tool_path("tiercache") == ".venv/bin/tiercache"
+
+
+def test_a_services_log_file_is_readable_by_its_owner_only(monkeypatch, tmp_path):
+    """Logs name tenants and quote refused calls' errors (and whatever DEBUG or a traceback
+    says): created 0644 under the usual umask, every local user could read them. A log an
+    older launcher left wider is tightened, and appended to, not cut."""
+    monkeypatch.setattr(launcher.subprocess, "Popen", lambda cmd, **kw: _Proc())
+    old = os.umask(0o022)
+    try:
+        ServiceProcess("prefix", 1, log_path=tmp_path / "new.log").start()
+        (tmp_path / "old.log").write_text("earlier run\n")
+        os.chmod(tmp_path / "old.log", 0o644)
+        p = ServiceProcess("prefix", 1, log_path=tmp_path / "old.log").start()
+    finally:
+        os.umask(old)
+    for name in ("new.log", "old.log"):
+        assert (tmp_path / name).stat().st_mode & 0o777 == 0o600, name
+    assert (tmp_path / "old.log").read_text() == "earlier run\n"
+    assert p._log_offset == len("earlier run\n")
