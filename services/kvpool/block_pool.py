@@ -522,6 +522,27 @@ class BlockPool:
             self._emit(BlocksRemoved(removed))
         return dropped
 
+    def flush_salt(self, cache_salt: str) -> tuple[int, int]:
+        """Drops every unreferenced cached block of one cache salt (one tenant's: the salt
+        seeds each of its chains, and every block of a chain carries it), its pinned ones
+        too: erasure on request, where they otherwise stayed until evicted. Children before
+        parents, each removal reported (BlocksRemoved) for the prefix index. Blocks a running
+        sequence holds stay, as does a parent of one (their KV is being read: dropped under a
+        reader, the next request would find a hash without its block). Returns (dropped,
+        kept): `kept` is that tenant's blocks still hashed (a later call drops them once
+        their requests end)."""
+        mine = [bid for bid, b in enumerate(self._blocks)
+                if b.hash is not None and b.cache_salt == cache_salt]
+        removed = []
+        for bid in sorted(mine, key=lambda i: -self._blocks[i].start_token):
+            b = self._blocks[bid]
+            if b.ref == 0 and b.children == 0:
+                removed.append(self._drop_hash(bid))  # and its pin
+                self._free.append(bid)
+        if removed:
+            self._emit(BlocksRemoved(removed))
+        return len(removed), len(mine) - len(removed)
+
     # ---- events ----------------------------------------------------------------------------
 
     def _emit(self, ev: PoolEvent) -> None:

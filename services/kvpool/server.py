@@ -9,6 +9,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import grpc
@@ -277,6 +278,28 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             prompt_tokens=item.prompt_tokens, cached_tokens=item.cached_tokens,
             computed_tokens=item.computed_tokens, pinned_blocks=item.pinned_blocks,
             replica_id=self.cfg.replica_id, elapsed_ms=item.elapsed_ms)
+
+    # ---- Flush -----------------------------------------------------------------------------
+
+    def Flush(self, request: kvpool_pb2.KvFlushRequest,
+              context: grpc.ServicerContext) -> kvpool_pb2.KvFlushResponse:
+        engine, _ = self._ready()
+        salt = check_salt("cache_salt", request.cache_salt)
+        if not salt:
+            # The unsalted blocks are those of every caller that sends no salt: not a tenant.
+            raise errors.InvalidArgument("cache_salt", "required (the tenant's cache salt)")
+        # On the engine thread, between steps: the pool has one owner.
+        fut = engine.call(lambda: engine.pool.flush_salt(salt))
+        left = context.time_remaining()
+        try:
+            dropped, kept = fut.result(timeout=None if left is None or left > 1e8 else left)
+        except FutureTimeout:
+            if fut.cancel():  # never ran: nothing was dropped
+                raise errors.DeadlineExceeded("deadline exceeded before the flush ran") from None
+            dropped, kept = fut.result()  # running: quick once started
+        log.info("flushed %d cached blocks of one cache salt (%d kept: in use)", dropped, kept)
+        return kvpool_pb2.KvFlushResponse(blocks_dropped=dropped, blocks_in_use=kept,
+                                          replica_id=self.cfg.replica_id)
 
     # ---- Stats -----------------------------------------------------------------------------
 

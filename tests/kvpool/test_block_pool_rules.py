@@ -387,3 +387,30 @@ def test_a_hit_half_life_that_is_not_positive_is_refused(half_life):
         HybridPolicy(128, half_life)
     assert HybridPolicy(128, None).half_life is None
     assert HybridPolicy(128, 1e-9).half_life == 1e-9
+
+
+def test_flushing_a_salt_drops_that_tenants_blocks_pins_included_and_keeps_those_in_use() -> None:
+    """Erasure on request: one tenant's cached blocks stayed until evicted. flush_salt drops
+    every unreferenced block of the salt, pinned ones too, children before parents, reports
+    each removal for the prefix index, and keeps the blocks a running sequence holds (and
+    other tenants' blocks, X's included under another salt)."""
+    pool, _, hasher = make_pool(n=16)
+    run_seq(pool, "ax", X, salt="a")  # 3 blocks
+    run_seq(pool, "ay", Y, salt="a")  # 2 blocks
+    run_seq(pool, "bx", X, salt="b")  # 3 blocks: same tokens, another tenant
+    assert pool.pin(pool.match(Y, "a"), ttl_seconds=10) == 2
+    pool.open("running", X[:8] + [1], "a")  # holds a's first two X blocks
+    pool.take_events()
+    assert pool.flush_salt("a") == (3, 2)  # a's X tail and both (pinned) Y blocks; 2 in use
+    ev = pool.take_events()
+    assert len(ev) == 1 and sorted(ev[0].block_hashes) == sorted(
+        [hasher.hashes(X, "a")[2], *hasher.hashes(Y, "a")])
+    assert pool.match(Y, "a") == [] and len(pool.match(X, "a")) == 2
+    assert len(pool.match(X, "b")) == 3 and pool.stats().pinned == 0
+    pool.check_integrity()
+    pool.close("running")
+    assert pool.flush_salt("a") == (2, 0)  # once its request ends
+    assert pool.match(X, "a") == [] and len(pool.match(X, "b")) == 3
+    assert pool.flush_salt("a") == (0, 0) and pool.take_events()[-1] == BlocksRemoved(
+        [hasher.hashes(X, "a")[1], hasher.hashes(X, "a")[0]])
+    pool.check_integrity()

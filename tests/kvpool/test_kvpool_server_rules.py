@@ -221,3 +221,48 @@ def test_stats_are_refused_once_the_server_drains(tiny_model) -> None:
     draining.set()
     with pytest.raises(errors.Unavailable, match="draining"):
         s.Stats(kvpool_pb2.KvStatsRequest(), Ctx())
+
+
+def test_flush_drops_one_tenants_blocks_and_the_next_answer_is_the_same(tiny_model) -> None:
+    """KvPool.Flush (erasure on request): a tenant's blocks, its pinned warm-up too, stayed
+    until evicted, with no way to drop them but a restart. Flush drops that salt's blocks
+    only, the next request computes them again with the same greedy tokens, and an empty or
+    bad salt is INVALID_ARGUMENT naming the field, with nothing dropped."""
+    from tests.kvpool.test_kvpool_server import Served
+
+    served = Served(CFG, tiny_model)
+    try:
+        ids = list(range(1, 25))
+        stub = served.stub
+        for salt in ("a", "b"):
+            stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=ids, cache_salt=salt, pin=True,
+                                                   ttl_seconds=600), timeout=10)
+
+        def answer(salt):
+            req = kvpool_pb2.KvGenerateRequest(
+                token_ids=ids + [3], cache_salt=salt,
+                sampling=common_pb2.SamplingParams(max_tokens=6))
+            out, final = [], None
+            for msg in stub.Generate(req, timeout=20):
+                out.extend(msg.token_ids)
+                final = msg.final if msg.HasField("final") else final
+            return out, final.cached_tokens
+
+        warm, cached = answer("a")
+        assert cached == 24
+        for bad, why in (("", "required"), ("x\0y", "NUL")):
+            with pytest.raises(grpc.RpcError) as exc:
+                stub.Flush(kvpool_pb2.KvFlushRequest(cache_salt=bad), timeout=5)
+            assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "cache_salt" in exc.value.details() and why in exc.value.details()
+        pinned = stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5).blocks_pinned
+        r = stub.Flush(kvpool_pb2.KvFlushRequest(cache_salt="a"), timeout=5)
+        assert r.blocks_dropped >= 6 and r.blocks_in_use == 0 and r.replica_id == "kv-test"
+        st = stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5)
+        assert st.blocks_pinned == pinned - 6  # a's pins went, b's stay
+        cold, cached = answer("a")
+        assert cached == 0 and cold == warm  # computed again, the same tokens
+        assert answer("b")[1] == 24
+        served.replica.engine.check_integrity()
+    finally:
+        served.close()
