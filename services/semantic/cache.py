@@ -327,6 +327,7 @@ class SemanticCache:
         self.graphs_adopted = 0  # HNSW graphs the last load took from a snapshot
         self._save_lock = threading.Lock()  # one save at a time (periodic, and at stop)
         self._saved: tuple[str, dict] = ("", {})  # the last save's folder and what it holds
+        self._save_requested = False  # see take_save_request
         self._entries: dict[int, Entry] = {}  # label -> entry
         self._by_id: dict[str, int] = {}
         # (namespace, exact prompt) -> label: a second Store of the same prompt replaces the
@@ -1105,7 +1106,22 @@ class SemanticCache:
                 # next restart; a retry of the Invalidate removes the rest.
                 with held:
                     n = self._drop_in_chunks(gone, expired_at=self.clock())
+        if index is not None and index.kind == "hnsw":
+            with self._lock:
+                if ns not in self._indexes:
+                    # Its graph, in a saved snapshot, holds every erased entry's embedding
+                    # until the next save (snapshot_interval_s, 600 s, or the stop): the
+                    # housekeeper saves at its next tick instead (`take_save_request`). The
+                    # save writes the manifest and the graphs merged since the last one.
+                    self._save_requested = True
         return n
+
+    def take_save_request(self) -> bool:
+        """Whether an Invalidate emptied a namespace that had an HNSW graph since the last call
+        (the housekeeper then saves the snapshot at once, dropping the graph's files)."""
+        with self._lock:
+            asked, self._save_requested = self._save_requested, False
+        return asked
 
     def invalidate_tenant(self, tenant: str) -> int:
         """Removes every entry of `tenant` on this shard, in every namespace (a tenant's data

@@ -182,8 +182,11 @@ class Housekeeper:
                                 "%g s): %s", flush_every, exc)
             except Exception:  # noqa: BLE001 - keep housekeeping alive; it retries next tick
                 log.exception("housekeeping failed")
-            if (self.snapshot_path and self.snapshot_interval_s > 0
-                    and time.monotonic() >= next_save and not self._stop.is_set()):
+            # An erasure (Invalidate) that emptied a namespace with a saved graph: saved now,
+            # so that its embeddings do not stay on disk until the next interval, or the stop.
+            erased = bool(self.snapshot_path) and self.cache.take_save_request()
+            if ((erased or (self.snapshot_path and self.snapshot_interval_s > 0
+                            and time.monotonic() >= next_save)) and not self._stop.is_set()):
                 next_save = time.monotonic() + self.snapshot_interval_s
                 try:
                     self.cache.save_snapshot(self.snapshot_path)

@@ -212,3 +212,39 @@ def test_a_snapshot_folder_that_cannot_be_read_is_one_warning_not_a_failed_start
     assert len(lines) == 1, lines
     assert str(folder) in lines[0] and "Permission denied" in lines[0], lines[0]
     assert "built" in lines[0]
+
+
+def test_erasing_a_saved_namespace_has_the_housekeeper_save_at_once(make_cfg, clock, tmp_path):
+    """An Invalidate of a namespace (or its tenant) whose HNSW graph was saved left every
+    erased entry's embedding in the snapshot's files until the next periodic save (600 s) or
+    the stop: the housekeeper now saves at its next tick, dropping them. A flat namespace,
+    never saved, asks for no save."""
+    import time
+
+    from services.semantic.server import Housekeeper
+    from tests.semantic.test_snapshot import A, B, FixedEmbedder, filled, settings
+
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    made: list = []
+    c = filled(cfg, FixedEmbedder(), clock, snap, made)
+    try:
+        assert c.save_snapshot(snap) == 1
+        graphs = [p for p in os.listdir(snap) if p.endswith(".faiss")]
+        assert len(graphs) == 1
+        c.invalidate_namespace(B)
+        assert c.take_save_request() is False  # flat: nothing of it on disk
+        keeper = Housekeeper(c, interval_s=3600, snapshot_path=snap,
+                             snapshot_interval_s=3600).start()
+        try:
+            c.invalidate_tenant(A.tenant)
+            deadline = time.monotonic() + 10
+            while os.path.exists(os.path.join(snap, graphs[0])) and time.monotonic() < deadline:
+                time.sleep(0.02)
+        finally:
+            keeper.stop()
+        assert not [p for p in os.listdir(snap) if p.endswith((".faiss", ".labels.npy"))]
+        assert c.take_save_request() is False  # taken by the housekeeper
+    finally:
+        for x in made:
+            x.close_indexes()
+            x.store.close()
