@@ -19,6 +19,7 @@ from tiercache.v1 import (
     kvpool_pb2,
     orchestrator_pb2,
     orchestrator_pb2_grpc,
+    semantic_pb2,
 )
 
 from services.common import errors
@@ -446,6 +447,64 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             resp.dependencies.extend(o.prefix.dependencies())
         return resp
 
+
+    def EraseTenant(self, request, context):
+        # Every tenant's data is an operator's to erase, never another tenant's.
+        caller = self._tenant(context)
+        self.tenants.require_admin(caller, "a tenant's data", "erase")
+        name = request.tenant
+        if not name.strip():
+            raise errors.InvalidArgument("tenant", "required (the tenant's name, as in the "
+                                         "tokens file)")
+        o = self.orch
+        # Bounded as a Generate is: a client without a deadline (grpcurl's default) gave
+        # time_remaining() of years, a timeout gRPC cut to nothing, and every call failed.
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + (ERASE_TIMEOUT_S if remaining is None
+                                       else min(remaining, ERASE_TIMEOUT_S))
+        resp = orchestrator_pb2.EraseTenantResponse()
+        if o.semantic.enabled:
+            # First: a name a shard refuses (too long) is refused before any KV is dropped.
+            for a in o.semantic.addresses:
+                left = max(0.01, deadline - time.monotonic())
+                try:
+                    r = o.semantic._call(a, "Invalidate",
+                                         semantic_pb2.InvalidateRequest(tenant=name), left)
+                except grpc.RpcError as e:
+                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                        raise errors.InvalidArgument("tenant", e.details().split(": ", 1)[-1]
+                                                     ) from None
+                    resp.not_reached.append(f"semantic shard {a}: {e.code().name}: "
+                                            f"{(e.details() or '')[:200]}")
+                    continue
+                resp.semantic_entries_removed += r.removed
+        # The salt the tenant's requests carried: keyed by the hash key, from the name.
+        req = kvpool_pb2.KvFlushRequest(cache_salt=self.tenants.salt_for(name, self.tenants.key))
+        md = call_metadata(o.internal_token)
+        for r in o.replicas.replicas:
+            try:
+                f = r.stub.Flush(req, timeout=max(0.01, deadline - time.monotonic()),
+                                 metadata=md)
+            except grpc.RpcError as e:
+                resp.not_reached.append(f"kvpool {r.public_id}: {e.code().name}: "
+                                        f"{(e.details() or '')[:200]}")
+                continue
+            resp.kv_blocks_dropped += f.blocks_dropped
+            resp.kv_blocks_in_use += f.blocks_in_use
+            if f.blocks_dropped and o.dispatched is not None:
+                # What this orchestrator sent there moments ago (hashes, not told apart by
+                # tenant): routed on, the tenant's next request went "prefix" to a replica
+                # holding nothing of it ("cached 0, index expected 48").
+                o.dispatched.forget(r.replica_id)
+        log.info("erased tenant %s: %d semantic entries, %d KV blocks (%d in use, kept); "
+                 "not reached: %s", name, resp.semantic_entries_removed, resp.kv_blocks_dropped,
+                 resp.kv_blocks_in_use, "; ".join(resp.not_reached) or "none")
+        return resp
+
+
+# The most an EraseTenant takes, its calls to every shard and replica together (an Invalidate
+# of a large tenant takes about a second per 100k entries).
+ERASE_TIMEOUT_S = 120.0
 
 # What Stats keeps of its caller's time to answer in: this share of it, at most this long.
 STATS_SLACK_SHARE = 0.2

@@ -480,11 +480,12 @@ class TenantRegistry:
         return b
 
     @staticmethod
-    def require_admin(tenant: Tenant, what: str) -> None:
-        """PERMISSION_DENIED unless the tenant may see cluster-wide figures."""
+    def require_admin(tenant: Tenant, what: str, verb: str = "read") -> None:
+        """PERMISSION_DENIED unless the tenant is an admin (cluster-wide figures, erasure)."""
         if not tenant.admin:
             raise PermissionDenied(
-                f"authorization: tenant {tenant.name} may not read {what} (needs an admin token)")
+                f"authorization: tenant {tenant.name} may not {verb} {what} (needs an admin "
+                "token)")
 
     def _entry_tag(self, tenant: Tenant, entry_id: str) -> str:
         msg = f"entry:{tenant.name}:{entry_id}".encode()

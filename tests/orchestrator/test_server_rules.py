@@ -1190,3 +1190,73 @@ def test_a_running_warm_prefill_is_cancelled_as_its_caller_goes_not_at_the_next_
     assert time.monotonic() - t0 < 5.0
     assert out.results[0].error.startswith("CANCELLED")
     assert [c.cancelled for c in stubs["A"].Prefill.calls] == [True]
+
+
+class _FlushStub:
+    def __init__(self, fail: bool = False) -> None:
+        self.fail, self.asked = fail, []
+
+    def Flush(self, req, timeout=None, metadata=None):
+        self.asked.append(req.cache_salt)
+        self.timeouts = [*getattr(self, "timeouts", []), timeout]
+        if self.fail:
+            err = grpc.RpcError()
+            err.code = lambda: grpc.StatusCode.UNAVAILABLE
+            err.details = lambda: "connection refused"
+            raise err
+        return kvpool_pb2.KvFlushResponse(blocks_dropped=5, blocks_in_use=1)
+
+
+def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
+    """Erasure on request needed one Invalidate per semantic shard and had no way to drop a
+    tenant's KV blocks but a replica restart. EraseTenant (admin only) invalidates the tenant
+    on every shard and flushes its cache salt on every replica, names what did not answer,
+    and refuses an empty name before touching anything."""
+    from tiercache.v1 import semantic_pb2
+
+    s, orch, tenants = _stats_servicer(tokens="tok-a=alice,tok-o=ops")
+    tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
+    tenants.__post_init__()
+    calls = []
+
+    timeouts = []
+
+    def sem_call(address, method, req, timeout=None):
+        calls.append((address, method, req.tenant))
+        timeouts.append(timeout)
+        return semantic_pb2.InvalidateResponse(removed=3)
+
+    orch.semantic = SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), _call=sem_call)
+    stubs = [_FlushStub(), _FlushStub(fail=True)]
+    orch.replicas = SimpleNamespace(replicas=[
+        SimpleNamespace(stub=st, public_id=f"kv{i}", replica_id=f"kv{i}")
+        for i, st in enumerate(stubs)])
+    orch.internal_token = ""
+    forgot = []
+    orch.dispatched = SimpleNamespace(forget=forgot.append)
+    s.attach(orch, tenants)
+
+    def as_(tok):
+        class C(Context):
+            def invocation_metadata(self):
+                return (("authorization", f"Bearer {tok}"),)
+
+            def time_remaining(self):
+                return 1e9  # a client without a deadline, as gRPC tells it (grpcurl's default)
+        return C()
+
+    with pytest.raises(errors.PermissionDenied, match="authorization: tenant alice may not "
+                       "erase a tenant's data"):
+        s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), as_("tok-a"))
+    with pytest.raises(errors.InvalidArgument, match="^tenant: required"):
+        s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant=" "), as_("tok-o"))
+    assert calls == [] and stubs[0].asked == []
+    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), as_("tok-o"))
+    assert calls == [("s:1", "Invalidate", "alice"), ("s:2", "Invalidate", "alice")]
+    salt = tenants.by_token["tok-a"].cache_salt
+    assert stubs[0].asked == [salt] and stubs[1].asked == [salt]
+    assert (r.semantic_entries_removed, r.kv_blocks_dropped, r.kv_blocks_in_use) == (6, 5, 1)
+    assert list(r.not_reached) == ["kvpool kv1: UNAVAILABLE: connection refused"]
+    assert forgot == [orch.replicas.replicas[0].replica_id]  # no credit for what went
+    # Every call bounded (ERASE_TIMEOUT_S): years of timeout were cut to nothing by gRPC.
+    assert all(0 < t <= 120 for t in timeouts + stubs[0].timeouts + stubs[1].timeouts)
