@@ -195,9 +195,14 @@ class Housekeeper:
                     # Why in the line itself (a full or read-only volume), the traceback once
                     # per run of failures: each retry was an ERROR whose only words were
                     # "failed" and a 20-line traceback ending in faiss's write error.
-                    log.error("saving the HNSW graphs to %s failed (%s); retried in %.0f s",
-                              self.snapshot_path, exc, self.snapshot_interval_s,
-                              exc_info=not failed_saves)
+                    # Without periodic saves (snapshot_interval_s 0) an erasure's failed save
+                    # waits for the stop or the next erasure: it read "retried in 0 s".
+                    retry = (f"retried in {self.snapshot_interval_s:.0f} s"
+                             if self.snapshot_interval_s > 0 else
+                             "retried at the next erasure or at the stop (periodic saves are "
+                             "off: snapshot_interval_s 0)")
+                    log.error("saving the HNSW graphs to %s failed (%s); %s",
+                              self.snapshot_path, exc, retry, exc_info=not failed_saves)
                     failed_saves += 1
 
 

@@ -248,3 +248,47 @@ def test_erasing_a_saved_namespace_has_the_housekeeper_save_at_once(make_cfg, cl
         for x in made:
             x.close_indexes()
             x.store.close()
+
+
+@pytest.mark.parametrize("interval_s, says", [
+    (0.0, "retried at the next erasure or at the stop"), (600.0, "retried in 600 s")])
+def test_a_failed_save_after_an_erasure_says_when_it_is_retried(caplog, interval_s, says):
+    """An erasure's save that failed with periodic saves off (snapshot_interval_s 0) was
+    logged "retried in 0 s", though nothing retries it before the stop or the next erasure."""
+    import logging
+    import threading
+
+    from services.semantic import server
+
+    tried = threading.Event()
+
+    class Cache:
+        class store:  # noqa: N801 - stands in for the cache's store
+            @staticmethod
+            def flush_hits() -> None:
+                pass
+
+        asked = [True]
+
+        def expire(self) -> int:
+            return 0
+
+        def take_save_request(self) -> bool:
+            return bool(self.asked) and self.asked.pop()
+
+        def save_snapshot(self, path: str) -> int:
+            tried.set()
+            raise OSError(28, "No space left on device")
+
+    keeper = server.Housekeeper(Cache(), interval_s=3600, snapshot_path="/nowhere",
+                                snapshot_interval_s=interval_s)
+    with caplog.at_level(logging.ERROR, logger=server.log.name):
+        keeper.start()
+        try:
+            assert tried.wait(10)
+        finally:
+            keeper.stop()
+    lines = [r.getMessage() for r in caplog.records if "HNSW graphs" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert says in lines[0] and "No space left" in lines[0], lines[0]
+    assert "retried in 0 s" not in lines[0]
