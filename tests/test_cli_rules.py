@@ -6,6 +6,7 @@ stand in for the server: pure client logic)."""
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import re
@@ -409,7 +410,8 @@ def test_sound_tls_files_make_credentials(certs):
     assert isinstance(cli.credentials(a), grpc.ChannelCredentials)
 
 
-@pytest.mark.parametrize("cmd", ["chat", "warm", "feedback", "stats", "replay"])
+@pytest.mark.parametrize("cmd", ["chat", "warm", "feedback", "stats", "erase-tenant",
+                                 "replay"])
 def test_every_argument_of_every_command_says_what_it_is_in_help(cmd, capsys):
     """`warm --help` listed a bare --system, `feedback --help` a bare entry_id and --bad:
     nothing said which id, or what --bad does to the entry."""
@@ -585,3 +587,98 @@ def test_version_prints_the_installed_distributions_version(monkeypatch, capsys)
         cli.main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out.strip() == "tiercache 9.8.7"
+
+
+class _Eraser(FakeClient):
+    """Answers EraseTenant with `reply` (or raises it), keeping the tenants asked for."""
+
+    reply: object = orchestrator_pb2.EraseTenantResponse()
+    asked: list[str] = []
+
+    def erase_tenant(self, tenant):
+        self.asked.append(tenant)
+        if isinstance(self.reply, Exception):
+            raise self.reply
+        return self.reply
+
+
+@pytest.fixture
+def eraser(fake, monkeypatch):
+    monkeypatch.setattr(cli, "TierCacheClient", _Eraser)
+    monkeypatch.setattr(_Eraser, "asked", [])
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # not a terminal: no question
+    return _Eraser
+
+
+def test_erase_tenant_prints_the_counts_and_every_unreached_one_and_exits_1(eraser, monkeypatch,
+                                                                            capsys):
+    """Each shard or replica not reached keeps the tenant's data: every one is said, and the
+    exit status is not 0, so that `erase-tenant X --yes && ...` takes no part for all."""
+    monkeypatch.setattr(eraser, "reply", orchestrator_pb2.EraseTenantResponse(
+        semantic_entries_removed=4, kv_blocks_dropped=9,
+        not_reached=["semantic shard h:1: UNAVAILABLE: down", "kvpool r1: UNAVAILABLE: gone"]))
+    assert cli.main(["erase-tenant", "acme"]) == 1
+    out, err = capsys.readouterr()
+    assert json.loads(out) == {"semanticEntriesRemoved": "4", "kvBlocksDropped": 9,
+                               "kvBlocksInUse": 0, "notReached": [
+                                   "semantic shard h:1: UNAVAILABLE: down",
+                                   "kvpool r1: UNAVAILABLE: gone"]}
+    assert "not reached: semantic shard h:1: UNAVAILABLE: down\n" in err
+    assert "not reached: kvpool r1: UNAVAILABLE: gone\n" in err
+    assert "2 not reached: the tenant's data stays there" in err
+    assert eraser.asked == ["acme"]
+
+
+def test_erase_tenant_that_reached_everything_exits_0_and_in_use_blocks_exit_1(
+        eraser, monkeypatch, capsys):
+    monkeypatch.setattr(eraser, "reply", orchestrator_pb2.EraseTenantResponse(
+        kv_blocks_dropped=3))
+    assert cli.main(["erase-tenant", "acme"]) == 0
+    assert capsys.readouterr().err == ""
+    monkeypatch.setattr(eraser, "reply", orchestrator_pb2.EraseTenantResponse(
+        kv_blocks_in_use=2))
+    assert cli.main(["erase-tenant", "acme"]) == 1
+    assert "2 KV blocks kept: a running request reads them" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("answer", "erased"), [("y\n", True), ("yes\n", True), ("\n", False),
+                                                ("n\n", False), ("", False)])
+def test_erase_tenant_at_a_terminal_asks_first(eraser, monkeypatch, capsys, answer, erased):
+    """Destructive: at a terminal it asks, and anything but y/yes (Enter, end of input) erases
+    nothing and exits 1; --yes does not ask."""
+    stdin = Tty(answer)
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert cli.main(["erase-tenant", "acme"]) == (0 if erased else 1)
+    err = capsys.readouterr().err
+    assert "erase every cached answer and KV block of tenant 'acme'" in err
+    assert eraser.asked == (["acme"] if erased else [])
+    assert ("not erased" in err) is not erased
+    monkeypatch.setattr(sys, "stdin", Tty(""))
+    assert cli.main(["erase-tenant", "--yes", "acme"]) == 0
+    assert "[y/N]" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["", "  "])
+def test_erase_tenant_without_a_name_is_a_usage_error(eraser, capsys, name):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["erase-tenant", "--yes", name])
+    assert e.value.code == 2
+    assert "tenant: required" in capsys.readouterr().err
+    assert eraser.asked == []
+
+
+def test_erase_tenant_with_a_tenants_token_says_it_needs_an_admin_one(eraser, monkeypatch,
+                                                                      capsys):
+    class Denied(grpc.RpcError):
+        def code(self):
+            return grpc.StatusCode.PERMISSION_DENIED
+
+        def details(self):
+            return ("authorization: tenant acme may not erase a tenant's data (needs an admin "
+                    "token)")
+
+    monkeypatch.setattr(eraser, "reply", Denied())
+    assert cli.main(["erase-tenant", "--yes", "beta"]) == 1
+    assert capsys.readouterr().err == (
+        "error: PERMISSION_DENIED: authorization: tenant acme may not erase a tenant's data "
+        "(needs an admin token)\n")

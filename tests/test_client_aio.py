@@ -145,6 +145,8 @@ def test_bad_arguments_are_the_sync_clients_errors_before_any_call(address):
                 await c.warm(["system prompt", [{"role": "system"}]])
             with pytest.raises(TypeError, match="^good:"):
                 await c.feedback("entry", "bad")
+            with pytest.raises(ValueError, match="^tenant: required"):
+                await c.erase_tenant(" ")
             c.stream("fine")  # never read: nothing sent
             assert c.channel is None  # not even opened
         assert Scripted.calls == []
@@ -158,8 +160,12 @@ def test_every_call_carries_the_token_and_a_request_id(address):
             await c.warm("be brief", owners_only=True)
             await c.feedback("entry-1", good=False)
             assert (await c.stats()).requests_total == 7
+            assert list((await c.erase_tenant("acme")).not_reached) == [
+                "kvpool r1: UNAVAILABLE: x"]
     run(main())
-    assert [m for m, _, _ in Scripted.calls] == ["Generate", "Warm", "Feedback", "Stats"]
+    assert [m for m, _, _ in Scripted.calls] == ["Generate", "Warm", "Feedback", "Stats",
+                                                 "EraseTenant"]
+    assert Scripted.calls[-1][1].tenant == "acme"
     assert all(md["authorization"] == "Bearer tok-1" and md["x-request-id"]
                for _, _, md in Scripted.calls)
     assert Scripted.calls[0][2]["x-request-id"] == "r" * 128
@@ -313,7 +319,8 @@ def test_the_sync_client_still_names_itself():
 
 def test_the_requests_checks_and_stream_rules_are_the_sync_clients_own_code():
     """Shared, not copied: one fix of a check or of the final-message rule serves both."""
-    for name in ("build_request", "_warm_request", "_feedback_request", "_metadata",
+    for name in ("build_request", "_warm_request", "_feedback_request", "_erase_request",
+                 "_metadata",
                  "_timeout", "_check_open"):
         assert getattr(AsyncTierCacheClient, name) is getattr(TierCacheClient, name), name
     from tests.orchestrator.test_warm_loop import Err

@@ -40,6 +40,11 @@ class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
         self._seen("Feedback", request, context)
         return orchestrator_pb2.FeedbackResponse()
 
+    def EraseTenant(self, request, context):  # noqa: N802
+        self._seen("EraseTenant", request, context)
+        return orchestrator_pb2.EraseTenantResponse(semantic_entries_removed=3,
+                                                    not_reached=["kvpool r1: UNAVAILABLE: x"])
+
     def Generate(self, request, context):  # noqa: N802
         self._seen("Generate", request, context)
         q = request.messages[-1].content if request.messages else request.prompt
@@ -298,15 +303,19 @@ def test_an_answer_larger_than_grpcs_4_mib_default_is_received(address):
 
 
 def test_every_call_carries_the_bearer_token_and_a_request_id(address):
-    """Generate, Warm and Feedback each send `authorization: Bearer <token>` and an
+    """Generate, Warm, Feedback and EraseTenant each send `authorization: Bearer <token>` and an
     x-request-id (the caller's when given); Feedback sends the rating asked for."""
     with TierCacheClient(address, token=" tok-1 ") as c:
         c.generate("fine", request_id="r" * 128)
         c.warm("be brief", owners_only=True)
         c.feedback("entry-1", good=False)
         c.feedback("entry-2", good=True)
+        erased = c.erase_tenant("acme")
     methods = [m for m, _, _ in Scripted.calls]
-    assert methods == ["Generate", "Warm", "Feedback", "Feedback"]
+    assert methods == ["Generate", "Warm", "Feedback", "Feedback", "EraseTenant"]
+    assert Scripted.calls[-1][1].tenant == "acme"
+    assert (erased.semantic_entries_removed, list(erased.not_reached)) == (
+        3, ["kvpool r1: UNAVAILABLE: x"])
     assert all(md["authorization"] == "Bearer tok-1" and md["x-request-id"]
                for _, _, md in Scripted.calls)
     assert Scripted.calls[0][2]["x-request-id"] == "r" * 128

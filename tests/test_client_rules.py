@@ -268,7 +268,8 @@ def test_a_failed_call_names_the_request_id_it_was_sent_with():
 
     c.stub = type("Stub", (), {"Generate": staticmethod(Call), "Warm": staticmethod(refuse),
                                "Feedback": staticmethod(refuse),
-                               "Stats": staticmethod(refuse)})()
+                               "Stats": staticmethod(refuse),
+                               "EraseTenant": staticmethod(refuse)})()
     with pytest.raises(grpc.RpcError) as e:
         list(c.stream("hi", request_id="mine-1"))
     assert e.value.request_id == "mine-1"
@@ -280,6 +281,9 @@ def test_a_failed_call_names_the_request_id_it_was_sent_with():
     assert e.value.request_id == sent[-1] and sent[-1]
     with pytest.raises(grpc.RpcError) as e:
         c.stats()
+    assert e.value.request_id == sent[-1] and sent[-2] != sent[-1]
+    with pytest.raises(grpc.RpcError) as e:
+        c.erase_tenant("acme")
     assert e.value.request_id == sent[-1] and sent[-2] != sent[-1]
     c.close()
 
@@ -322,5 +326,22 @@ def test_feedback_names_an_entry_id_that_is_no_string(entry, error, said):
     try:
         with pytest.raises(error, match=said):
             c.feedback(entry, True)
+    finally:
+        c.close()
+
+
+@pytest.mark.parametrize(("tenant", "error", "said"), [
+    ("", ValueError, "^tenant: required"),
+    ("  ", ValueError, "^tenant: required"),
+    (None, TypeError, "^tenant: a string, not NoneType"),
+    ("a\ud800", ValueError, "^tenant: not valid Unicode"),
+])
+def test_erase_tenant_names_a_missing_or_bad_tenant_before_any_call(tenant, error, said):
+    """Refused here, naming the argument: nothing is sent (no server, no stub call)."""
+    c = TierCacheClient("localhost:1")
+    c.stub = None  # any call would be an AttributeError
+    try:
+        with pytest.raises(error, match=said):
+            c.erase_tenant(tenant)
     finally:
         c.close()

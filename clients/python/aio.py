@@ -260,3 +260,8 @@ class AsyncTierCacheClient(_ClientBase):
         return await self._unary("Stats", orchestrator_pb2.StatsRequest(), timeout,
                                  self._metadata())
 
+    async def erase_tenant(self, tenant: str, timeout: float | None = None
+                           ) -> orchestrator_pb2.EraseTenantResponse:
+        """TierCacheClient.erase_tenant, awaited."""
+        req = self._erase_request(tenant)
+        return await self._unary("EraseTenant", req, timeout, self._metadata())

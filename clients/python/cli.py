@@ -32,6 +32,7 @@ from tiercache.v1 import common_pb2
 from clients.python.client import (
     IncompleteStream,
     TierCacheClient,
+    _ClientBase,
     checked_token,
     float32_problem,
     retry_later,
@@ -400,6 +401,33 @@ def cmd_feedback(c: TierCacheClient, a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_erase_tenant(c: TierCacheClient, a: argparse.Namespace) -> int:
+    if not a.yes and isatty(sys.stdin):
+        # Destructive and not undoable: asked at a terminal; a script (stdin not a terminal)
+        # or --yes goes on.
+        sys.stderr.write(f"erase every cached answer and KV block of tenant {a.tenant!r} on "
+                         "every semantic shard and kvpool replica? [y/N] ")
+        sys.stderr.flush()
+        answer = sys.stdin.readline()  # "" at end of input: a no
+        if answer.strip().lower() not in ("y", "yes"):
+            sys.stderr.write("not erased\n")
+            return 1
+    resp = c.erase_tenant(a.tenant)
+    print(json.dumps(_as_dict(resp), indent=2))
+    for line in resp.not_reached:
+        # Every one said, on its own line: the tenant's data there stays.
+        sys.stderr.write(f"not reached: {shown(line, sys.stderr)}\n")
+    if resp.not_reached:
+        sys.stderr.write(f"{len(resp.not_reached)} not reached: the tenant's data stays there; "
+                         "run erase-tenant again once they are back\n")
+    if resp.kv_blocks_in_use:
+        sys.stderr.write(f"{resp.kv_blocks_in_use} KV blocks kept: a running request reads "
+                         "them; remove the tenant's tokens, then run erase-tenant again once "
+                         "its requests have ended\n")
+    # Not zero unless everything was erased: a script's `&&` must not take a part for all.
+    return 1 if resp.not_reached or resp.kv_blocks_in_use else 0
+
+
 # What to do about a tier's shard-list mismatch: the server's note names the two lists only
 # (the fix was in the shard's log alone), and during a planned change of the shards it is
 # expected and outlives the change (docs/deploy.md, "Scale each tier").
@@ -681,7 +709,8 @@ def _positive(text: str) -> int:
 
 # Arguments sent over the wire: they must be valid UTF-8 (a shell passes undecodable bytes as
 # surrogates, which protobuf cannot encode).
-_WIRE_ARGS = ("address", "token", "text", "session", "system", "entry_id", "tenant_tokens")
+_WIRE_ARGS = ("address", "token", "text", "session", "system", "entry_id", "tenant_tokens",
+              "tenant")
 
 
 def package_version() -> str:
@@ -762,6 +791,13 @@ def main(argv: list[str] | None = None) -> int:
     # counts are its own (README): "every tier" read as the cluster's totals.
     sub.add_parser("stats", help="figures of every tier; request and token counts are the "
                                  "answering orchestrator's own, since its start")
+    er = sub.add_parser("erase-tenant",
+                        help="erase a tenant's cached data on every shard and replica (admin "
+                             "token; exit 1 when some were not reached)")
+    er.add_argument("tenant", help="the tenant's name, as in the tokens file")
+    er.add_argument("--yes", action="store_true",
+                    help="do not ask for confirmation (not asked either when stdin is not a "
+                         "terminal)")
     rp = sub.add_parser("replay", help="replay a workload trace (python -m benchmarks.workload)")
     rp.add_argument("trace", help="trace file (JSON lines) that benchmarks.workload wrote")
     rp.add_argument("--concurrency", type=_positive, default=2,
@@ -795,12 +831,17 @@ def main(argv: list[str] | None = None) -> int:
     if a.cmd == "chat" and a.raw and (a.session or a.system):
         # A raw prompt is the whole prompt: no system message, no earlier turns to carry.
         ch.error("--raw sends the text alone: not with --session or --system")
+    if a.cmd == "erase-tenant":
+        try:
+            _ClientBase._erase_request(a.tenant)  # the client's own checks, as usage errors
+        except (TypeError, ValueError) as e:
+            er.error(str(e))
     for name in _WIRE_ARGS:
         value = getattr(a, name, None)
         if isinstance(value, str) and not _utf8(value):
             p.error(f"{name.replace('_', '-')}: not valid UTF-8")
     cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats,
-            "replay": cmd_replay}
+            "erase-tenant": cmd_erase_tenant, "replay": cmd_replay}
     if sys.stdout is None or sys.stderr is None:
         # Closed (`>&-`): a traceback after the request had been sent and answered.
         if sys.stderr is not None:

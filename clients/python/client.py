@@ -523,6 +523,15 @@ class _ClientBase:
             rating=orchestrator_pb2.RATING_GOOD if good else orchestrator_pb2.RATING_BAD)
         return req
 
+    @staticmethod
+    def _erase_request(tenant: str) -> orchestrator_pb2.EraseTenantRequest:
+        """The EraseTenantRequest erase_tenant() sends."""
+        _wire_text("tenant", tenant)
+        if not tenant.strip():
+            # Said here, before anything is sent (the server's INVALID_ARGUMENT says the same).
+            raise ValueError("tenant: required (the tenant's name, as in the tokens file)")
+        return orchestrator_pb2.EraseTenantRequest(tenant=tenant)
+
 
 class TierCacheClient(_ClientBase):
     """A channel to the orchestrator. Every call has a timeout; errors surface as grpc.RpcError.
@@ -658,3 +667,16 @@ class TierCacheClient(_ClientBase):
         with _naming_request(md):
             return self.stub.Stats(orchestrator_pb2.StatsRequest(),
                                    timeout=self._timeout(timeout), metadata=md)
+
+    def erase_tenant(self, tenant: str, timeout: float | None = None
+                     ) -> orchestrator_pb2.EraseTenantResponse:
+        """Erase one tenant's cached data: its semantic entries on every shard, its KV blocks
+        on every kvpool replica (PERMISSION_DENIED unless the token is an admin one, or the
+        server has no tokens). `tenant` is its name as in the tokens file (it may already be
+        removed there). The reply counts what was removed; `not_reached` names each shard or
+        replica that did not answer, and why: the tenant's data there stays (call again).
+        `kv_blocks_in_use` blocks were kept because a running request reads them."""
+        req = self._erase_request(tenant)
+        md = self._metadata()
+        with _naming_request(md):
+            return self.stub.EraseTenant(req, timeout=self._timeout(timeout), metadata=md)
