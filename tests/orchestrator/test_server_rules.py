@@ -1260,3 +1260,33 @@ def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
     assert forgot == [orch.replicas.replicas[0].replica_id]  # no credit for what went
     # Every call bounded (ERASE_TIMEOUT_S): years of timeout were cut to nothing by gRPC.
     assert all(0 < t <= 120 for t in timeouts + stubs[0].timeouts + stubs[1].timeouts)
+
+
+def test_erase_tenant_keeps_time_to_answer_when_a_replica_hangs():
+    """A live walkthrough: a kvpool replica stopped (SIGSTOP) held its Flush to the caller's
+    own deadline (`tiercache --timeout 10 erase-tenant`), and the caller got DEADLINE_EXCEEDED,
+    not the counts of what was erased and the line naming the replica. Each call now ends
+    before the caller's deadline, leaving time to answer."""
+    s, orch, tenants = _stats_servicer(tokens="tok-o=ops")
+    tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
+    tenants.__post_init__()
+    stubs = [_FlushStub(), _FlushStub(fail=True)]
+    orch.semantic = SimpleNamespace(enabled=False)
+    orch.replicas = SimpleNamespace(replicas=[
+        SimpleNamespace(stub=st, public_id=f"kv{i}", replica_id=f"kv{i}")
+        for i, st in enumerate(stubs)])
+    orch.internal_token = ""
+    orch.dispatched = None
+    s.attach(orch, tenants)
+
+    class C(Context):
+        def invocation_metadata(self):
+            return (("authorization", "Bearer tok-o"),)
+
+        def time_remaining(self):
+            return 10.0
+
+    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), C())
+    assert list(r.not_reached) == ["kvpool kv1: UNAVAILABLE: connection refused"]
+    assert all(t <= 10.0 - 0.2 for t in stubs[0].timeouts + stubs[1].timeouts), (
+        stubs[0].timeouts, stubs[1].timeouts)
