@@ -33,7 +33,7 @@ from services.orchestrator.backends import timed
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling
 from services.orchestrator.render import Message
-from services.orchestrator.tenants import REJECTED, TenantRegistry
+from services.orchestrator.tenants import MAX_TENANT_CHARS, REJECTED, TenantRegistry
 
 log = logging.getLogger(__name__)
 
@@ -447,15 +447,19 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             resp.dependencies.extend(o.prefix.dependencies())
         return resp
 
-
     def EraseTenant(self, request, context):
         # Every tenant's data is an operator's to erase, never another tenant's.
         caller = self._tenant(context)
         self.tenants.require_admin(caller, "a tenant's data", "erase")
         name = request.tenant
-        if not name.strip():
+        if errors.blank(name):
             raise errors.InvalidArgument("tenant", "required (the tenant's name, as in the "
                                          "tokens file)")
+        if len(name) > MAX_TENANT_CHARS:
+            # No tenant has such a name (the tokens file allows no longer one), and checked
+            # here, the shards and replicas are all called at once with none refusing it.
+            raise errors.InvalidArgument("tenant", f"longer than {MAX_TENANT_CHARS} characters "
+                                         "(no tenant has such a name)")
         o = self.orch
         # Bounded as a Generate is: a client without a deadline (grpcurl's default) gave
         # time_remaining() of years, a timeout gRPC cut to nothing, and every call failed.
@@ -465,31 +469,32 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             # took the caller's whole time, and the caller got DEADLINE_EXCEEDED instead of
             # the counts and the not_reached line naming it.
             remaining -= min(STATS_SLACK_S, STATS_SLACK_SHARE * remaining)
-        deadline = time.monotonic() + (ERASE_TIMEOUT_S if remaining is None
-                                       else min(remaining, ERASE_TIMEOUT_S))
+        timeout = max(0.01, ERASE_TIMEOUT_S if remaining is None
+                      else min(remaining, ERASE_TIMEOUT_S))
         resp = orchestrator_pb2.EraseTenantResponse()
-        if o.semantic.enabled:
-            # First: a name a shard refuses (too long) is refused before any KV is dropped.
-            for a in o.semantic.addresses:
-                left = max(0.01, deadline - time.monotonic())
-                try:
-                    r = o.semantic._call(a, "Invalidate",
-                                         semantic_pb2.InvalidateRequest(tenant=name), left)
-                except grpc.RpcError as e:
-                    if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                        raise errors.InvalidArgument("tenant", e.details().split(": ", 1)[-1]
-                                                     ) from None
-                    resp.not_reached.append(f"semantic shard {a}: {e.code().name}: "
-                                            f"{(e.details() or '')[:200]}")
-                    continue
-                resp.semantic_entries_removed += r.removed
+
+        # Every shard and replica at once: called one after another, one hung shard took the
+        # whole budget and every shard and replica after it went unreached.
+        shards = o.semantic.addresses if o.semantic.enabled else ()
+        inval = semantic_pb2.InvalidateRequest(tenant=name)
         # The salt the tenant's requests carried: keyed by the hash key, from the name.
-        req = kvpool_pb2.KvFlushRequest(cache_salt=self.tenants.salt_for(name, self.tenants.key))
+        flush = kvpool_pb2.KvFlushRequest(cache_salt=self.tenants.salt_for(name, self.tenants.key))
         md = call_metadata(o.internal_token)
-        for r in o.replicas.replicas:
+        with ThreadPoolExecutor(max_workers=max(1, min(ERASE_FANOUT, len(shards) + len(
+                o.replicas.replicas))), thread_name_prefix="erase") as pool:
+            invalidated = [(a, pool.submit(o.semantic._call, a, "Invalidate", inval, timeout))
+                           for a in shards]
+            flushed = [(r, pool.submit(r.stub.Flush, flush, timeout=timeout, metadata=md))
+                       for r in o.replicas.replicas]
+        for a, call in invalidated:
             try:
-                f = r.stub.Flush(req, timeout=max(0.01, deadline - time.monotonic()),
-                                 metadata=md)
+                resp.semantic_entries_removed += call.result().removed
+            except grpc.RpcError as e:
+                resp.not_reached.append(f"semantic shard {a}: {e.code().name}: "
+                                        f"{(e.details() or '')[:200]}")
+        for r, call in flushed:
+            try:
+                f = call.result()
             except grpc.RpcError as e:
                 resp.not_reached.append(f"kvpool {r.public_id}: {e.code().name}: "
                                         f"{(e.details() or '')[:200]}")
@@ -510,6 +515,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 # The most an EraseTenant takes, its calls to every shard and replica together (an Invalidate
 # of a large tenant takes about a second per 100k entries).
 ERASE_TIMEOUT_S = 120.0
+# Shards or replicas an EraseTenant calls at once.
+ERASE_FANOUT = 16
 
 # What Stats keeps of its caller's time to answer in: this share of it, at most this long.
 STATS_SLACK_SHARE = 0.2

@@ -1252,7 +1252,7 @@ def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
         s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant=" "), as_("tok-o"))
     assert calls == [] and stubs[0].asked == []
     r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), as_("tok-o"))
-    assert calls == [("s:1", "Invalidate", "alice"), ("s:2", "Invalidate", "alice")]
+    assert sorted(calls) == [("s:1", "Invalidate", "alice"), ("s:2", "Invalidate", "alice")]
     salt = tenants.by_token["tok-a"].cache_salt
     assert stubs[0].asked == [salt] and stubs[1].asked == [salt]
     assert (r.semantic_entries_removed, r.kv_blocks_dropped, r.kv_blocks_in_use) == (6, 5, 1)
@@ -1290,3 +1290,65 @@ def test_erase_tenant_keeps_time_to_answer_when_a_replica_hangs():
     assert list(r.not_reached) == ["kvpool kv1: UNAVAILABLE: connection refused"]
     assert all(t <= 10.0 - 0.2 for t in stubs[0].timeouts + stubs[1].timeouts), (
         stubs[0].timeouts, stubs[1].timeouts)
+
+
+def test_erase_tenant_calls_every_shard_and_replica_at_once():
+    """Review: EraseTenant called the shards, then the replicas, one after another, so one hung
+    shard took the whole budget and every shard and replica after it was reported unreached
+    though it would have answered. They are now called at once: the others answer while the
+    hung one waits. A name no tenant can have (over MAX_TENANT_CHARS) is refused before any
+    call, as a shard would have refused it."""
+    import threading
+
+    from tiercache.v1 import semantic_pb2
+
+    from services.orchestrator.tenants import MAX_TENANT_CHARS
+
+    s, orch, tenants = _stats_servicer(tokens="tok-o=ops")
+    tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
+    tenants.__post_init__()
+    others_done = threading.Event()
+    calls = []
+
+    def sem_call(address, method, req, timeout=None):
+        calls.append(address)
+        if address == "hung":
+            # Answers only once everything else was called (sequentially: never, until
+            # its timeout, which is then the whole budget).
+            if not others_done.wait(5):
+                err = grpc.RpcError()
+                err.code = lambda: grpc.StatusCode.DEADLINE_EXCEEDED
+                err.details = lambda: "Deadline Exceeded"
+                raise err
+            return semantic_pb2.InvalidateResponse(removed=1)
+        return semantic_pb2.InvalidateResponse(removed=2)
+
+    class Last(_FlushStub):
+        def Flush(self, req, timeout=None, metadata=None):
+            out = super().Flush(req, timeout, metadata)
+            others_done.set()
+            return out
+
+    orch.semantic = SimpleNamespace(enabled=True, addresses=("hung", "s:2"), _call=sem_call)
+    stubs = [Last()]
+    orch.replicas = SimpleNamespace(replicas=[
+        SimpleNamespace(stub=st, public_id=f"kv{i}", replica_id=f"kv{i}")
+        for i, st in enumerate(stubs)])
+    orch.internal_token = ""
+    orch.dispatched = None
+    s.attach(orch, tenants)
+
+    class C(Context):
+        def invocation_metadata(self):
+            return (("authorization", "Bearer tok-o"),)
+
+        def time_remaining(self):
+            return 30.0
+
+    with pytest.raises(errors.InvalidArgument, match=f"^tenant: longer than {MAX_TENANT_CHARS}"):
+        s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="a" * (MAX_TENANT_CHARS + 1)),
+                      C())
+    assert calls == [] and stubs[0].asked == []
+    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), C())
+    assert list(r.not_reached) == []
+    assert (r.semantic_entries_removed, r.kv_blocks_dropped) == (3, 5)
