@@ -595,82 +595,12 @@ class Orchestrator:
             current.pop("tier", None)
         draft_ids: list[int] = []
         if look is not None:
-            report.semantic_similarity = look.similarity
-            # What the similarity was held to, and a refusal above it: without them a model
-            # answer after "nearest entry 0.962" did not say whether 0.962 missed the
-            # threshold or the guard/verifier refused it.
-            report.semantic_threshold = look.threshold
-            report.semantic_tier = look.tier
-            report.semantic_guard_rejected = look.guard_rejected
-            report.semantic_guard_reason = look.guard_reason
-            # A request's own threshold read as its tier's ("standard threshold 0.900").
-            # Worked out here, not taken from the reply's threshold_from_request: it is the
-            # threshold this orchestrator sent (0 = the tier's), and an older semantic tier
-            # mid-roll leaves that field false.
-            report.semantic_threshold_from_request = policy.semantic_threshold != 0.0
-            # The answer's ids as the model generated them; tokenized again only for an entry
-            # stored without them (the text alone: a client's Store, an older build's row).
-            cached_ids = ((list(look.entry.answer_token_ids)
-                           or self.renderer.encode_literal(look.entry.answer))
-                          if look.HasField("entry") else [])
-            # Whether this model has a token for every id: one pass, for the hit and for the
-            # draft below alike.
-            in_vocab = all(0 <= t < self._vocab for t in cached_ids)
-            if look.hit and not in_vocab:
-                # A hit whose ids this model has no token for (an entry stored by a client, or
-                # by another model under the same id) was served with them: a client asking
-                # for token ids got ids no token has, and one cut at max_tokens or a stop
-                # token got its text decoded from them ("", the text lost). Its text is what
-                # is served: tokenized again, as for an entry stored without ids. (A
-                # near-miss's draft of such ids is dropped below.)
-                log.warning("request %s: entry %s holds token ids outside the vocabulary of "
-                            "%d; its answer is tokenized again", request_id, look.entry.id,
-                            self._vocab)
-                cached_ids = self.renderer.encode_literal(look.entry.answer)
-                in_vocab = True  # the tokenizer's own ids
-            cut = look.entry.truncated_at if look.hit else 0
-            # The request's stop token inside a cut-short answer ends the answer there, as it
-            # ends the model's: the hit covers all the request wants (it went to the model,
-            # counted "too_short", the answer's own first tokens as its draft).
-            stop = set(sampling.stop_token_ids)
-            stops_inside = bool(cut) and any(t in stop for t in cached_ids[:cut])
-            if cut and cut < sampling.max_tokens and not stops_inside:
-                # A cut-short answer cannot stand for a longer one: the model answers, with
-                # the cached part as its draft.
-                with self.stats.lock:
-                    self.stats.semantic_hits_too_short += 1
-                NOT_SERVED.labels("too_short").inc()
-                report.semantic_not_served = "too_short"
-            elif look.hit and sampling.ignore_eos and not cut:
-                # The stored answer ended at the model's end of sequence (not cut short); a
-                # request told to go on past it gets the model (the answer as its draft).
-                with self.stats.lock:
-                    self.stats.semantic_hits_ignore_eos += 1
-                NOT_SERVED.labels("ignore_eos").inc()
-                report.semantic_not_served = "ignore_eos"
-            elif look.hit and not greedy and not serves_sampled:
-                # A sampled request wants the model's sample (a seed: the same one whatever
-                # the cache holds), not the one cached answer every time: the hit is its draft.
-                with self.stats.lock:
-                    self.stats.semantic_hits_sampled += 1
-                NOT_SERVED.labels("sampled").inc()
-                report.semantic_not_served = "sampled"
-            elif look.hit:
-                yield from self._serve_hit(look, cached_ids, sampling, report,
-                                           return_token_ids, request_id, t0)
+            served, draft_ids = self._weigh_lookup(look, sampling, policy, report, greedy,
+                                                   serves_sampled, want_draft, notes, request_id)
+            if served is not None:
+                yield from self._serve_hit(look, served, sampling, report, return_token_ids,
+                                           request_id, t0)
                 return
-            if look.HasField("entry") and want_draft:
-                if in_vocab:
-                    draft_ids = cached_ids
-                    report.draft_entry_id = look.entry.id
-                else:
-                    # Ids this model has no token for (an entry stored by a client, or by
-                    # another model under the same id): the replica refused the whole request
-                    # for them. A draft is advice: the answer goes on without it.
-                    log.warning("request %s: dropped the draft of entry %s (token ids outside "
-                                "the vocabulary of %d)", request_id, look.entry.id, self._vocab)
-                    with _noting(notes):
-                        self.stats.degrade("draft_dropped")
 
         ids = prompt.token_ids
         if cancelled.is_set():
@@ -1095,6 +1025,91 @@ class Orchestrator:
                     yield item
         finally:
             ahead.close()
+
+    def _weigh_lookup(self, look: semantic_pb2.LookupResponse, sampling: Sampling,
+                      policy: Policy, report: common_pb2.CacheReport, greedy: bool,
+                      serves_sampled: bool, want_draft: bool, notes: list[str],
+                      request_id: str) -> tuple[list[int] | None, list[int]]:
+        """What the semantic tier's answer `look` is for: (the hit's token ids to serve from
+        the cache, or None when the model answers; the model's draft, [] for none). Fills the
+        report's semantic fields, and counts a hit not served by its reason (too_short,
+        ignore_eos, sampled), the hit then being the model's draft; a draft of ids outside this
+        model's vocabulary is dropped (draft_dropped)."""
+        report.semantic_similarity = look.similarity
+        # What the similarity was held to, and a refusal above it: without them a model
+        # answer after "nearest entry 0.962" did not say whether 0.962 missed the
+        # threshold or the guard/verifier refused it.
+        report.semantic_threshold = look.threshold
+        report.semantic_tier = look.tier
+        report.semantic_guard_rejected = look.guard_rejected
+        report.semantic_guard_reason = look.guard_reason
+        # A request's own threshold read as its tier's ("standard threshold 0.900").
+        # Worked out here, not taken from the reply's threshold_from_request: it is the
+        # threshold this orchestrator sent (0 = the tier's), and an older semantic tier
+        # mid-roll leaves that field false.
+        report.semantic_threshold_from_request = policy.semantic_threshold != 0.0
+        # The answer's ids as the model generated them; tokenized again only for an entry
+        # stored without them (the text alone: a client's Store, an older build's row).
+        cached_ids = ((list(look.entry.answer_token_ids)
+                       or self.renderer.encode_literal(look.entry.answer))
+                      if look.HasField("entry") else [])
+        # Whether this model has a token for every id: one pass, for the hit and for the
+        # draft below alike.
+        in_vocab = all(0 <= t < self._vocab for t in cached_ids)
+        if look.hit and not in_vocab:
+            # A hit whose ids this model has no token for (an entry stored by a client, or
+            # by another model under the same id) was served with them: a client asking
+            # for token ids got ids no token has, and one cut at max_tokens or a stop
+            # token got its text decoded from them ("", the text lost). Its text is what
+            # is served: tokenized again, as for an entry stored without ids. (A
+            # near-miss's draft of such ids is dropped below.)
+            log.warning("request %s: entry %s holds token ids outside the vocabulary of "
+                        "%d; its answer is tokenized again", request_id, look.entry.id,
+                        self._vocab)
+            cached_ids = self.renderer.encode_literal(look.entry.answer)
+            in_vocab = True  # the tokenizer's own ids
+        cut = look.entry.truncated_at if look.hit else 0
+        # The request's stop token inside a cut-short answer ends the answer there, as it
+        # ends the model's: the hit covers all the request wants (it went to the model,
+        # counted "too_short", the answer's own first tokens as its draft).
+        stop = set(sampling.stop_token_ids)
+        stops_inside = bool(cut) and any(t in stop for t in cached_ids[:cut])
+        if cut and cut < sampling.max_tokens and not stops_inside:
+            # A cut-short answer cannot stand for a longer one: the model answers, with
+            # the cached part as its draft.
+            with self.stats.lock:
+                self.stats.semantic_hits_too_short += 1
+            NOT_SERVED.labels("too_short").inc()
+            report.semantic_not_served = "too_short"
+        elif look.hit and sampling.ignore_eos and not cut:
+            # The stored answer ended at the model's end of sequence (not cut short); a
+            # request told to go on past it gets the model (the answer as its draft).
+            with self.stats.lock:
+                self.stats.semantic_hits_ignore_eos += 1
+            NOT_SERVED.labels("ignore_eos").inc()
+            report.semantic_not_served = "ignore_eos"
+        elif look.hit and not greedy and not serves_sampled:
+            # A sampled request wants the model's sample (a seed: the same one whatever
+            # the cache holds), not the one cached answer every time: the hit is its draft.
+            with self.stats.lock:
+                self.stats.semantic_hits_sampled += 1
+            NOT_SERVED.labels("sampled").inc()
+            report.semantic_not_served = "sampled"
+        elif look.hit:
+            return cached_ids, []
+        if look.HasField("entry") and want_draft:
+            if in_vocab:
+                report.draft_entry_id = look.entry.id
+                return None, cached_ids
+            else:
+                # Ids this model has no token for (an entry stored by a client, or by
+                # another model under the same id): the replica refused the whole request
+                # for them. A draft is advice: the answer goes on without it.
+                log.warning("request %s: dropped the draft of entry %s (token ids outside "
+                            "the vocabulary of %d)", request_id, look.entry.id, self._vocab)
+                with _noting(notes):
+                    self.stats.degrade("draft_dropped")
+        return None, []
 
     def _store_answer(self, tenant: Tenant, prompt: RenderedPrompt, sampling: Sampling, look,
                       may_store: bool, generated: Sequence[int], finish_reason: int,
