@@ -340,6 +340,44 @@ def _noting(notes: list[str]) -> Iterator[None]:
         _REQUEST_NOTES.reset(tok)
 
 
+class _Request:
+    """The state a Generate's steps share: whether its client has gone (`cancelled`), the
+    downstream calls to cancel then (`current`: a cache tier's, one at a time, and a
+    replica's), its degradations (`notes`, for its report) and its CacheReport."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+        self.current: dict[str, grpc.Future] = {}
+        self.notes: list[str] = []
+        self.report = common_pb2.CacheReport()
+
+    def cancel_downstream(self) -> None:
+        """The client has gone: every call in flight for it is cancelled, and none starts."""
+        self.cancelled.set()
+        for what in ("tier", "call"):
+            call = self.current.get(what)
+            if call is not None:
+                call.cancel()
+
+    def tier_call_started(self, call: grpc.Future) -> None:
+        # A cache tier's call (the lookup, the index Match, the Store after the answer:
+        # one at a time) is cancelled with the request: its client gone, the slots it
+        # holds come back at once, not when the tier answers (up to the tier's timeout).
+        self.current["tier"] = call
+        if self.cancelled.is_set():
+            call.cancel()
+
+    @contextlib.contextmanager
+    def tier_call(self) -> Iterator[None]:
+        """Around a cache tier's call: its degradations are this request's, and the call is
+        forgotten (no longer to cancel) as it ends."""
+        try:
+            with _noting(self.notes):
+                yield
+        finally:
+            self.current.pop("tier", None)
+
+
 def answer_ids(tok, special_ids: frozenset[int], generated: list[int], answer: str
                ) -> list[int]:
     """The model's own ids of `answer`, as the semantic tier stores them with it: `generated`
@@ -550,33 +588,17 @@ class Orchestrator:
         # TTFT's start: when the server received the request (rendering and tokenizing
         # included), or now.
         t0 = time.monotonic() if arrived is None else arrived
+        state = _Request()
+        cancelled, current, notes = state.cancelled, state.current, state.notes
         # Registered first: a client gone during the semantic lookup or the index match must
         # not get a model call (nor hold its slots until the replica's first token).
-        cancelled = threading.Event()
-        current: dict[str, grpc.Future] = {}
-
-        def cancel_downstream() -> None:
-            cancelled.set()
-            for what in ("tier", "call"):
-                call = current.get(what)
-                if call is not None:
-                    call.cancel()
-
-        def tier_call_started(call: grpc.Future) -> None:
-            # A cache tier's call (the lookup, the index Match, the Store after the answer:
-            # one at a time) is cancelled with the request: its client gone, the slots it
-            # holds come back at once, not when the tier answers (up to the tier's timeout).
-            current["tier"] = call
-            if cancelled.is_set():
-                call.cancel()
-
-        on_cancel(cancel_downstream)
+        on_cancel(state.cancel_downstream)
         greedy = sampling.temperature == 0.0
         # An unseeded sample gets its seed here rather than on the replica: an answer resumed
         # on another replica then continues the same draw (`seed_offset`), as a seeded one
         # does, instead of going on from a new random seed.
         seed = sampling.seed if greedy or sampling.seed else secrets.randbits(63) + 1
-        report = common_pb2.CacheReport()
+        report = state.report
         want_draft = self.enable_drafts and not policy.skip_draft
         serves_sampled = policy.serve_sampled or self.serve_sampled
         may_store = not policy.skip_semantic_store and (greedy or policy.store_sampled
@@ -586,13 +608,9 @@ class Orchestrator:
         # counted a hit not served, all for nothing. Kept where its answer may be stored: the
         # lookup is what stops a cut-short sample from replacing a longer stored answer.
         useless = not greedy and not serves_sampled and not want_draft and not may_store
-        notes: list[str] = []  # this request's degradations, for its report
-        try:
-            with _noting(notes):
-                look = None if useless else self._lookup(tenant, prompt, policy, want_draft,
-                                                         deadline, tier_call_started)
-        finally:
-            current.pop("tier", None)
+        with state.tier_call():
+            look = None if useless else self._lookup(tenant, prompt, policy, want_draft,
+                                                     deadline, state.tier_call_started)
         draft_ids: list[int] = []
         if look is not None:
             served, draft_ids = self._weigh_lookup(look, sampling, policy, report, greedy,
@@ -607,15 +625,12 @@ class Orchestrator:
             # Gone during the semantic lookup: no Match either (the index would count it as
             # traffic, and its hits steer warm-up).
             raise errors.Cancelled("client cancelled")
-        try:
-            # A Match cancelled with the request gives ring routing's empty view: the loop's
-            # first check below ends the request before anything is routed.
-            with _noting(notes):
-                matches, key, new_blocks, hashes = (
-                    PrefixView({}, "", None, []) if policy.skip_prefix_cache
-                    else self._matches(tenant, ids, deadline, on_call=tier_call_started))
-        finally:
-            current.pop("tier", None)
+        # A Match cancelled with the request gives ring routing's empty view: the loop's
+        # first check below ends the request before anything is routed.
+        with state.tier_call():
+            matches, key, new_blocks, hashes = (
+                PrefixView({}, "", None, []) if policy.skip_prefix_cache
+                else self._matches(tenant, ids, deadline, on_call=state.tier_call_started))
         session_key = session_routing_key(tenant, session_id)
         if not key:
             # Keyed by tenant too: two tenants' prompts never share KV (their salts differ).
@@ -1000,13 +1015,10 @@ class Orchestrator:
             # Stored as the replica finishes, not once the client has read the answer: a client
             # reading slowly no longer holds the Store back, nor, too slow for its deadline,
             # leaves its whole answer unstored.
-            try:
-                with _noting(notes):
-                    sid = self._store_answer(tenant, prompt, sampling, look, may_store,
-                                             generated, final.finish_reason, deadline,
-                                             tier_call_started)
-            finally:
-                current.pop("tier", None)
+            with state.tier_call():
+                sid = self._store_answer(tenant, prompt, sampling, look, may_store,
+                                         generated, final.finish_reason, deadline,
+                                         state.tier_call_started)
             report.degradations.extend(notes)
             if cancelled.is_set():
                 # Gone during the Store (cancelled with it): no final message, for nobody.
@@ -1016,7 +1028,7 @@ class Orchestrator:
             yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
 
         ahead = _ReadAhead(replica_side(), sampling.max_tokens + 4,
-                           f"replica-stream-{request_id}", deadline, cancel_downstream)
+                           f"replica-stream-{request_id}", deadline, state.cancel_downstream)
         try:
             for item in ahead:
                 if isinstance(item, _Deferred):
