@@ -340,16 +340,24 @@ def _noting(notes: list[str]) -> Iterator[None]:
         _REQUEST_NOTES.reset(tok)
 
 
+@dataclass
 class _Request:
-    """The state a Generate's steps share: whether its client has gone (`cancelled`), the
-    downstream calls to cancel then (`current`: a cache tier's, one at a time, and a
-    replica's), its degradations (`notes`, for its report) and its CacheReport."""
+    """A Generate's inputs and the state its steps share: whether its client has gone
+    (`cancelled`), the downstream calls to cancel then (`current`: a cache tier's, one at a
+    time, and a replica's), its degradations (`notes`, for its report) and its CacheReport."""
 
-    def __init__(self) -> None:
-        self.cancelled = threading.Event()
-        self.current: dict[str, grpc.Future] = {}
-        self.notes: list[str] = []
-        self.report = common_pb2.CacheReport()
+    tenant: Tenant
+    prompt: RenderedPrompt
+    sampling: Sampling
+    policy: Policy
+    return_token_ids: bool
+    request_id: str
+    deadline: float
+    t0: float  # TTFT's start
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    current: dict[str, grpc.Future] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    report: common_pb2.CacheReport = field(default_factory=common_pb2.CacheReport)
 
     def cancel_downstream(self) -> None:
         """The client has gone: every call in flight for it is cancelled, and none starts."""
@@ -588,8 +596,8 @@ class Orchestrator:
         # TTFT's start: when the server received the request (rendering and tokenizing
         # included), or now.
         t0 = time.monotonic() if arrived is None else arrived
-        state = _Request()
-        cancelled, current, notes = state.cancelled, state.current, state.notes
+        state = _Request(tenant, prompt, sampling, policy, return_token_ids, request_id,
+                         deadline, t0)
         # Registered first: a client gone during the semantic lookup or the index match must
         # not get a model call (nor hold its slots until the replica's first token).
         on_cancel(state.cancel_downstream)
@@ -614,420 +622,34 @@ class Orchestrator:
         draft_ids: list[int] = []
         if look is not None:
             served, draft_ids = self._weigh_lookup(look, sampling, policy, report, greedy,
-                                                   serves_sampled, want_draft, notes, request_id)
+                                                   serves_sampled, want_draft, state.notes,
+                                                   request_id)
             if served is not None:
                 yield from self._serve_hit(look, served, sampling, report, return_token_ids,
                                            request_id, t0)
                 return
 
         ids = prompt.token_ids
-        if cancelled.is_set():
+        if state.cancelled.is_set():
             # Gone during the semantic lookup: no Match either (the index would count it as
             # traffic, and its hits steer warm-up).
             raise errors.Cancelled("client cancelled")
         # A Match cancelled with the request gives ring routing's empty view: the loop's
         # first check below ends the request before anything is routed.
         with state.tier_call():
-            matches, key, new_blocks, hashes = (
-                PrefixView({}, "", None, []) if policy.skip_prefix_cache
-                else self._matches(tenant, ids, deadline, on_call=state.tier_call_started))
+            view = (PrefixView({}, "", None, []) if policy.skip_prefix_cache
+                    else self._matches(tenant, ids, deadline, on_call=state.tier_call_started))
         session_key = session_routing_key(tenant, session_id)
+        key = view.key
         if not key:
             # Keyed by tenant too: two tenants' prompts never share KV (their salts differ).
             # Not hash() of a str: it is salted per process, and every orchestrator pod must
             # put a prompt on the same replica (a tuple of ints hashes alike everywhere).
             key = session_key or f"{tenant.name}\x1f{hash(tuple(ids[:64]))}"
         affinity = session_key or key
-        def replica_side() -> Iterator[TextDelta | Finished]:
-            # Runs on the request's read-ahead thread (see `_ReadAhead`).
-            detok = IncrementalDetokenizer(self.tok)
-            generated: list[int] = []
-            exclude: set[str] = set()
-            tried: list[str] = []  # replica ids, for the client's error (addresses stay internal)
-            final: kvpool_pb2.KvGenerateFinal | None = None
-            # The final made here for a replica lost after the answer's last token: its figures
-            # (cached tokens, forward passes, drafts) were never said, and read as zeros.
-            made_up = False
-            first_token_at: float | None = None
-            attempts = 0
-            # Of `attempts`, those max_attempts bounds: not a pool too small with a larger one
-            # left (a hop to that pool, each replica asked once): counted, the attempts ran out
-            # on small pools and the client was told "too big" for good, though the largest
-            # replica held the request.
-            failures = 0
-            only_busy = True  # every replica tried so far said it was busy (Overloaded)
-            # The first "needs more KV blocks than the pool has": the client's answer if no
-            # replica with a larger pool takes the request either.
-            too_big: grpc.RpcError | None = None
-            too_big_pool = 0  # the largest pool that said so
-            # The largest pool among the replicas tried that failed otherwise (lost, busy): a
-            # smaller pool's "too big" after it is no verdict, the request fits there once back.
-            failed_pool = 0
-            # That replica: its id (for the log), public id and failure (for the client's).
-            failed_by = failed_public = failed_why = ""
-            why_public = ""  # the last replica failure, as the client may see it
-            route = ""
-            while final is None:
-                if cancelled.is_set():
-                    raise errors.Cancelled("client cancelled")
-                with self._route_lock:
-                    if deadline - time.monotonic() <= 0:
-                        # Before routing, with the lock held (the time may run out waiting for
-                        # it): a request never sent must leave no prompt credit or routed count
-                        # behind (requests sharing its prefix would follow it there).
-                        raise errors.DeadlineExceeded(
-                            "deadline exceeded before a replica answered")
-                    # How often each replica had been declared down before its health is read for
-                    # routing (see ReplicaSet.watch).
-                    downs_at = {r.address: r.downs for r in self.replicas.replicas}
-                    seen = self._with_dispatched(matches, hashes)
-                    views = self.replicas.views()
-                    # A replica that failed is excluded by its address too: its first Stats
-                    # answer may rename it (from its address to its own id) between attempts.
-                    excluded = frozenset(exclude | {r.replica_id for r in self.replicas.replicas
-                                                    if r.address in exclude})
-                    decision = self.routing.choose(views, seen, affinity, excluded, new_blocks,
-                                                   prompt.continues)
-                    replica = (self.replicas.by_id(decision.replica_id) if decision is not None
-                               else None)
-                    recorded = None  # this attempt's dispatch credit (DispatchMemory.record)
-                    if replica is not None:
-                        # Counted before the lock is released: a request routed right after this
-                        # one sees this replica's load with it.
-                        self.replicas.begin(replica)
-                        held = _Held(self.replicas, replica)
-                        if hashes and self.dispatched is not None:
-                            recorded = self.dispatched.record(decision.replica_id, hashes)
-                if decision is None or replica is None:
-                    too_big, only_busy, why_public = self._too_big_stands(
-                        too_big, too_big_pool, only_busy, why_public)
-                    misfits = "" if tried else self.replicas.misfits()
-                    if misfits:
-                        # Mid-roll to another model (or one left behind): said once per
-                        # request, naming both model ids and what to set (the replicas are
-                        # not asked). UNAVAILABLE, not FAILED_PRECONDITION: in a planned roll
-                        # the same request succeeds moments later on a rolled orchestrator
-                        # or replica, and clients retry UNAVAILABLE (`retry_later`).
-                        raise errors.Unavailable(misfits)
-                    raise _counted(tenant, _give_up(
-                        too_big, bool(tried) and only_busy,
-                        f"every kvpool replica is busy (tried {', '.join(tried)}); retry later",
-                        "no kvpool replica is available"
-                        + (f" (tried {', '.join(tried)})" if tried else "")
-                        + (f"; last: {why_public}" if why_public else ""), sampling)) from None
-                call = None
-                # When this attempt's Generate was sent, until its first message or its end
-                # (then timed: backend_call_seconds).
-                called_at: float | None = None
-                stream_ended = False
-                busy = larger = False
-                larger_kind = "larger_pool"  # the degradation a too-small pool counts as
-                try:
-                    if (decision.route == "prefix"
-                            and seen.get(decision.replica_id, 0) > matches.get(decision.replica_id,
-                                                                               0)):
-                        DISPATCH_ROUTES.inc()
-                    if log.isEnabledFor(logging.DEBUG):
-                        log.debug("route %s: %s -> %s (matched %d; index %s; sent moments ago %s; "
-                                  "loads %s)", request_id, decision.route, decision.replica_id,
-                                  decision.matched_tokens, dict(matches),
-                                  {r: t for r, t in seen.items() if t > matches.get(r, 0)},
-                                  {v.replica_id: v.load for v in self.replicas.views()})
-                    route = (decision.route if attempts == 0
-                             else ("resume" if generated else "retry"))
-                    remaining = deadline - time.monotonic()
-                    if remaining <= 0:
-                        raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
-                    from_here = len(generated)  # this replica's tokens start here
-                    req = kvpool_pb2.KvGenerateRequest(
-                        request_id=request_id, token_ids=ids + generated,
-                        sampling=common_pb2.SamplingParams(
-                            max_tokens=sampling.max_tokens - len(generated),
-                            temperature=sampling.temperature, top_p=sampling.top_p,
-                            seed=seed, stop_token_ids=sampling.stop_token_ids,
-                            ignore_eos=sampling.ignore_eos),
-                        cache_salt=tenant.cache_salt, skip_prefix_cache=policy.skip_prefix_cache,
-                        draft_token_ids=draft_ids[len(generated):] if draft_ids else [],
-                        model_id=self.model_id,
-                        # A resumed answer continues the seeded randomness where it stopped.
-                        seed_offset=len(generated))
-                    called_at = time.monotonic()
-                    call = replica.stub.Generate(req, timeout=remaining,
-                                                 metadata=call_metadata(self.internal_token,
-                                                                        request_id))
-                    current["call"] = call
-                    # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
-                    # ends CANCELLED, which fails over below like any lost replica.
-                    held.watcher = held.cut_as_hung(call)
-                    self.replicas.watch(replica, held.watcher, downs_at.get(replica.address))
-                    if cancelled.is_set():
-                        call.cancel()
-                    # Read at the replica's pace (this runs on the request's read-ahead thread),
-                    # drained at the client's: the replica's share of routing's load and its
-                    # watcher are released as soon as its stream ends, and a lost replica is
-                    # resumed at once with every token read, however far behind the client is.
-                    for msg in call:
-                        if called_at is not None:
-                            # The replica's answer time (its queue and prefill, as this
-                            # orchestrator sees them); the rest of a stream is decode.
-                            CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
-                                time.monotonic() - called_at)
-                            called_at = None
-                        if msg.token_ids:
-                            new = list(msg.token_ids)
-                            generated.extend(new)
-                            text = detok.push(new)
-                            if first_token_at is None:
-                                # When the orchestrator has it from a replica (handed on at
-                                # once to a client keeping up; a slow one takes it later).
-                                first_token_at = time.monotonic()
-                            if text or return_token_ids:
-                                yield TextDelta(text, new if return_token_ids else [])
-                        if msg.HasField("final"):
-                            final = msg.final
-                    stream_ended = True
-                    if final is None:
-                        # Ended cleanly but without its final message: the replica broke off (a
-                        # proxy or a replica going away); fail over as for a lost replica.
-                        raise _StreamCut(f"replica {replica.public_id} ended the stream without "
-                                         "a final message")
-                    # Not ok(): a draining replica (down by the poller) finishing its streams must
-                    # not come back into routing with each one.
-                    replica.health.traffic_ok()
-                except grpc.RpcError as e:
-                    stream_ended = True  # its status: the call is over
-                    code = e.code()
-                    if called_at is not None and not cancelled.is_set():
-                        # Failed before its first message (refused, lost, hung and cut by the
-                        # poller): timed too, as the other tiers' failed calls are. Not one
-                        # its client cancelled: that time is the client's.
-                        CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
-                            time.monotonic() - called_at)
-                    if final is not None:
-                        # The answer is whole: the stream broke only after the final message
-                        # (its trailing status lost, or the hung-replica watcher firing just then).
-                        log.info("replica %s: %s after the final message; answer complete",
-                                 replica.replica_id, code.name)
-                        break
-                    if cancelled.is_set():
-                        raise errors.Cancelled("client cancelled") from None
-                    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                        raise errors.DeadlineExceeded(
-                            "deadline exceeded while generating") from None
-                    busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.overloaded(e)
-                    if busy:
-                        # Full queue or memory held on this replica only: another may serve it
-                        # (an answer under way resumes there, exactly). Not marked down.
-                        if _LOAD_LINES.allow((f"replica {replica.replica_id}", "busy")):
-                            log.info("replica %s is busy (%s); trying another",
-                                     replica.replica_id, e.details())
-                    elif code in _REPLICA_REFUSED_US:
-                        # Our internal credential, not the client's: a misconfigured replica.
-                        # Never the client's UNAUTHENTICATED; try another replica.
-                        log.error("replica %s refused the orchestrator's internal credential (%s: "
-                                  "%s): check TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN and "
-                                  "TIERCACHE_KVPOOL_INTERNAL_TOKEN", replica.replica_id,
-                                  code.name, e.details())
-                    elif (code == grpc.StatusCode.FAILED_PRECONDITION
-                          and (e.details() or "").startswith("model_id:")):
-                        # The orchestrator sends its own model id: a replica serving another
-                        # model is a deployment fault, not the client's; try another replica.
-                        log.error("replica %s serves another model (%s)", replica.replica_id,
-                                  e.details())
-                    elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                          and (e.details() or "").startswith("token_ids:")
-                          and (self._larger_pool(replica, exclude)
-                               or _may_hold(failed_pool, _pool_blocks(replica), _blocks_needed(e))
-                               or self._larger_down(_pool_blocks(replica),
-                                                    _blocks_needed(e)) is not None)):
-                        # Too big for this replica's pool, not for every one: pools sized by
-                        # kv_cache_bytes differ with each replica's hardware. A larger one
-                        # down is no verdict either (`_too_big_stands`), unless the request
-                        # needs more blocks than that pool has too.
-                        larger = True
-                        if failed_pool <= _pool_blocks(replica):
-                            too_big = too_big or e
-                            too_big_pool = max(too_big_pool, _pool_blocks(replica))
-                        if self._larger_pool(replica, exclude):
-                            larger_kind, next_step = "larger_pool", "trying a larger pool"
-                        else:
-                            # No larger pool left to try: the one that may hold the request is
-                            # down (or failed on this request). Said and counted apart: "trying
-                            # a larger pool" and larger_pool read as a hand-off, though the
-                            # request then ended UNAVAILABLE.
-                            down = self._larger_down(_pool_blocks(replica), _blocks_needed(e))
-                            larger_kind = "larger_pool_down"
-                            next_step = ("no larger pool to try: "
-                                         + (f"{down.replica_id}, with a larger pool, is down"
-                                            if down is not None else
-                                            f"{failed_by}, with a larger pool, failed on it"))
-                        if _may_hold(failed_pool, _pool_blocks(replica), _blocks_needed(e)):
-                            # A larger pool failed on this request (now down, too, if lost):
-                            # "(tried kvpool#1, kvpool#0); last: UNAVAILABLE" read as the small
-                            # pool's failure, and did not say the request needs that pool.
-                            why_public = (f"{failed_public}, with a larger KV pool, failed "
-                                          f"({failed_why})")
-                        if _LOAD_LINES.allow((f"replica {replica.replica_id}", "too small")):
-                            log.info("replica %s cannot hold the request (%s); %s",
-                                     replica.replica_id, e.details(), next_step)
-                    elif code not in _REPLICA_LOST:
-                        # The replica judged the request itself: pass its verdict on unchanged.
-                        if len(generated) == from_here and self.dispatched is not None:
-                            # Refused before computing anything (too big for every pool, say):
-                            # the prompt is not held there, and a request sharing it must not
-                            # follow this one's credit to that replica (and count the miss as
-                            # an eviction).
-                            self.dispatched.withdraw(recorded)
-                        raise _counted(tenant, _as_domain(e, sampling)) from None
-                    # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
-                    # another, but it is not marked down for everyone (Stats polls judge that):
-                    # one request that breaks replicas must not take every replica out of routing.
-                    lost: BaseException | None = (
-                        None if busy or larger
-                        or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
-                    why = f"{code.name}: {e.details()}"
-                    if not (larger and why_public):
-                        # A small pool's refusal after a replica failed keeps that failure as
-                        # the last reason ("last: RESOURCE_EXHAUSTED" named no replica's fault).
-                        why_public = f"{code.name}: {e.details()}" if busy else code.name
-                    if held.hung and code == grpc.StatusCode.CANCELLED:
-                        # Cancelled by us, the replica found hung: gRPC's own "Locally
-                        # cancelled by application!" read as if someone had asked for it.
-                        why_public = "hung (Stats polls unanswered)"
-                        why = ("cancelled by this orchestrator: "
-                               f"{replica.health.last_error or why_public}")
-                except _StreamCut as e:
-                    lost, why = e, str(e)
-                    why_public = why
-                else:
-                    continue  # the final message arrived: the loop ends
-                finally:
-                    if call is not None and not stream_ended:
-                        call.cancel()  # left mid-stream (the request closed): stop the replica
-                    current.pop("call", None)
-                    held.release()
-                # The replica is lost for this request: try the next one (resuming after the
-                # tokens already streamed).
-                exclude.update((replica.replica_id, replica.address))
-                tried.append(replica.public_id)
-                # A pool too small is no reason to retry later; busy ones are: every replica
-                # tried busy or too small is still "busy, retry later".
-                only_busy = only_busy and (busy or larger)
-                if not larger:
-                    # A replica with a larger pool was tried and failed otherwise (lost, busy):
-                    # the request may fit there once it is back, so "too big" is not the
-                    # answer (it was, though that replica never said so). Unless its pool, as
-                    # its last Stats said, is too small for what the refusal needs as well.
-                    if too_big is None or not _pool_blocks(replica) or _may_hold(
-                            _pool_blocks(replica), too_big_pool, _blocks_needed(too_big)):
-                        too_big = None
-                    if _pool_blocks(replica) > failed_pool:
-                        failed_pool, failed_by = _pool_blocks(replica), replica.replica_id
-                        failed_public, failed_why = replica.public_id, why_public
-                if lost is not None and not held.hung:
-                    # Not when the poller found it hung and we cut the call: it holds the
-                    # replica down with why, and our own CANCELLED ("Locally cancelled by
-                    # application!") was logged as the replica's new reason to be unhealthy.
-                    replica.health.fail(lost)
-                if (lost is not None or busy or larger) and self.dispatched is not None:
-                    # What was sent there moments ago is not held there (lost), or would steer
-                    # the same prefix back to a replica that cannot take it (busy, or its pool
-                    # too small: every request routed there renewed the credit, so it never
-                    # expired while traffic went on).
-                    self.dispatched.forget(replica.replica_id)
-                attempts += 1
-                failures += not larger
-                with _noting(notes):
-                    if busy or larger:
-                        # Saturation or a small pool, already logged at INFO above: counted
-                        # apart from replica failures, so alerts on "retry"/"resume" mean broken
-                        # replicas.
-                        self.stats.degrade("busy_replica" if busy else larger_kind)
-                    else:
-                        self.stats.degrade("resume" if generated else "retry")
-                        if _DEGRADED_LINES.allow((f"replica {replica.replica_id}",
-                                                  why.partition(":")[0])):
-                            log.warning("replica %s failed (%s) after %d tokens; attempt %d",
-                                        replica.replica_id, why, len(generated), attempts + 1)
-                ended = self._ended(generated, sampling)
-                if ended is not None:
-                    # The tokens streamed already make the whole answer (they reached max_tokens,
-                    # a stop token or the end of sequence; the final message was lost): a resume
-                    # would ask for 0 tokens, or generate on past the answer's end.
-                    log.info("replica %s failed after the answer's last token; answer complete",
-                             replica.replica_id)
-                    final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
-                    made_up = True
-                    break
-                if failures >= self.max_attempts:
-                    # No "too big" here: only a failure is counted, and one clears it (above).
-                    # The replica's own message (transport errors name internal addresses) is in
-                    # the log line above, not in the client's status.
-                    raise _counted(tenant, _give_up(
-                        None, only_busy,
-                        f"every kvpool replica tried is busy (tried {', '.join(tried)}); "
-                        f"last: {why_public}"
-                        # A replica's own refusal may say it already (past max_waiting).
-                        + ("" if "retry later" in why_public else "; retry later"),
-                        f"kvpool replicas failed {failures} times (tried {', '.join(tried)}); "
-                        f"last: {why_public}", sampling)) from None
-
-            tail = detok.flush()
-            if tail:
-                yield TextDelta(tail, [])
-            prompt_tokens = len(ids)
-            cached = min(final.cached_tokens, prompt_tokens)
-            ttft = ((first_token_at or time.monotonic()) - t0) * 1000.0
-            report.prompt_tokens = prompt_tokens
-            report.cached_tokens = cached
-            report.replica_id = final.replica_id or replica.public_id
-            report.ttft_ms = ttft
-            report.draft_tokens_proposed = final.draft_tokens_proposed
-            report.draft_tokens_accepted = final.draft_tokens_accepted
-            report.lookup_tokens_accepted = final.lookup_tokens_accepted
-            report.forward_passes = final.forward_passes
-            report.route = route
-            # What the last replica chosen was expected to hold, against what it reused.
-            expected = min(seen.get(decision.replica_id, 0), prompt_tokens)
-            report.index_matched_tokens = expected
-            fin, completion = final, len(generated)
-            passes_saved = (0 if made_up
-                            else max(0, completion - from_here - 1 - fin.forward_passes))
-
-            def account() -> None:
-                # The request's counts and metrics, made as before once its client has taken
-                # the last token (a client gone before is not a request served).
-                DRAFT_TOKENS.labels("proposed").inc(fin.draft_tokens_proposed)
-                DRAFT_TOKENS.labels("accepted_from_cache").inc(
-                    max(0, fin.draft_tokens_accepted - fin.lookup_tokens_accepted))
-                DRAFT_TOKENS.labels("accepted_from_lookup").inc(fin.lookup_tokens_accepted)
-                PASSES_SAVED.inc(passes_saved)
-                MATCHED_TOKENS.inc(expected)
-                # A replica computes at least the prompt's last token, held or not. Not known
-                # of a replica lost before its final message: counted as nothing reused, its
-                # whole match read as evicted.
-                if not made_up:
-                    MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
-                cache_class = "prefix_hit" if cached >= self.min_prefix_tokens else "cold"
-                self._count(cache_class, prompt_tokens, cached, completion, ttft)
-
-            yield _Deferred(account)
-            # Stored as the replica finishes, not once the client has read the answer: a client
-            # reading slowly no longer holds the Store back, nor, too slow for its deadline,
-            # leaves its whole answer unstored.
-            with state.tier_call():
-                sid = self._store_answer(tenant, prompt, sampling, look, may_store,
-                                         generated, final.finish_reason, deadline,
-                                         state.tier_call_started)
-            report.degradations.extend(notes)
-            if cancelled.is_set():
-                # Gone during the Store (cancelled with it): no final message, for nobody.
-                raise errors.Cancelled("client cancelled")
-            if sid:
-                report.semantic_entry_id = sid
-            yield Finished(final.finish_reason, prompt_tokens, len(generated), report, request_id)
-
-        ahead = _ReadAhead(replica_side(), sampling.max_tokens + 4,
+        side = _ReplicaSide(self, state, seed=seed, draft_ids=draft_ids, view=view,
+                            affinity=affinity, look=look, may_store=may_store)
+        ahead = _ReadAhead(side.run(), sampling.max_tokens + 4,
                            f"replica-stream-{request_id}", deadline, state.cancel_downstream)
         try:
             for item in ahead:
@@ -1247,6 +869,417 @@ class Orchestrator:
         TOKENS.labels("prompt").inc(prompt)
         TOKENS.labels("cached").inc(cached)
         TOKENS.labels("generated").inc(completion)
+
+
+class _ReplicaSide:
+    """The replica side of one request, run on its read-ahead thread (see `_ReadAhead`):
+    routes it, relays each replica's stream, fails over to another replica (resuming after
+    the tokens already read) or hands a request too big for one pool to a larger one, then
+    reports the answer and stores it. Its attributes are the state its attempts share."""
+
+    def __init__(self, orch: Orchestrator, req: _Request, *, seed: int, draft_ids: list[int],
+                 view: PrefixView, affinity: str, look: semantic_pb2.LookupResponse | None,
+                 may_store: bool) -> None:
+        self.orch, self.req = orch, req
+        self.ids = req.prompt.token_ids
+        self.seed, self.draft_ids, self.affinity = seed, draft_ids, affinity
+        self.matches, self.new_blocks, self.hashes = view.matches, view.new_blocks, view.hashes
+        self.look, self.may_store = look, may_store
+        self.detok = IncrementalDetokenizer(orch.tok)
+        self.generated: list[int] = []
+        self.exclude: set[str] = set()
+        self.tried: list[str] = []  # replica ids, for the client's error (addresses stay internal)
+        self.final: kvpool_pb2.KvGenerateFinal | None = None
+        # The final made here for a replica lost after the answer's last token: its figures
+        # (cached tokens, forward passes, drafts) were never said, and read as zeros.
+        self.made_up = False
+        self.first_token_at: float | None = None
+        self.attempts = 0
+        # Of `attempts`, those max_attempts bounds: not a pool too small with a larger one
+        # left (a hop to that pool, each replica asked once): counted, the attempts ran out
+        # on small pools and the client was told "too big" for good, though the largest
+        # replica held the request.
+        self.failures = 0
+        self.only_busy = True  # every replica tried so far said it was busy (Overloaded)
+        # The first "needs more KV blocks than the pool has": the client's answer if no
+        # replica with a larger pool takes the request either.
+        self.too_big: grpc.RpcError | None = None
+        self.too_big_pool = 0  # the largest pool that said so
+        # The largest pool among the replicas tried that failed otherwise (lost, busy): a
+        # smaller pool's "too big" after it is no verdict, the request fits there once back.
+        self.failed_pool = 0
+        # That replica: its id (for the log), public id and failure (for the client's).
+        self.failed_by = self.failed_public = self.failed_why = ""
+        self.why_public = ""  # the last replica failure, as the client may see it
+        self.route = ""
+
+    def run(self) -> Iterator[TextDelta | Finished | _Deferred]:
+        """Tries replicas until one gives the whole answer (none left: the client's error),
+        then reports it and stores it."""
+        o, req = self.orch, self.req
+        while self.final is None:
+            if req.cancelled.is_set():
+                raise errors.Cancelled("client cancelled")
+            with o._route_lock:
+                if req.deadline - time.monotonic() <= 0:
+                    # Before routing, with the lock held (the time may run out waiting for
+                    # it): a request never sent must leave no prompt credit or routed count
+                    # behind (requests sharing its prefix would follow it there).
+                    raise errors.DeadlineExceeded(
+                        "deadline exceeded before a replica answered")
+                # How often each replica had been declared down before its health is read for
+                # routing (see ReplicaSet.watch).
+                downs_at = {r.address: r.downs for r in o.replicas.replicas}
+                seen = o._with_dispatched(self.matches, self.hashes)
+                views = o.replicas.views()
+                # A replica that failed is excluded by its address too: its first Stats
+                # answer may rename it (from its address to its own id) between attempts.
+                excluded = frozenset(self.exclude | {r.replica_id for r in o.replicas.replicas
+                                                if r.address in self.exclude})
+                decision = o.routing.choose(views, seen, self.affinity, excluded, self.new_blocks,
+                                               req.prompt.continues)
+                replica = (o.replicas.by_id(decision.replica_id) if decision is not None
+                           else None)
+                recorded = None  # this attempt's dispatch credit (DispatchMemory.record)
+                if replica is not None:
+                    # Counted before the lock is released: a request routed right after this
+                    # one sees this replica's load with it.
+                    o.replicas.begin(replica)
+                    held = _Held(o.replicas, replica)
+                    if self.hashes and o.dispatched is not None:
+                        recorded = o.dispatched.record(decision.replica_id, self.hashes)
+            if decision is None or replica is None:
+                self.too_big, self.only_busy, self.why_public = o._too_big_stands(
+                    self.too_big, self.too_big_pool, self.only_busy, self.why_public)
+                misfits = "" if self.tried else o.replicas.misfits()
+                if misfits:
+                    # Mid-roll to another model (or one left behind): said once per
+                    # request, naming both model ids and what to set (the replicas are
+                    # not asked). UNAVAILABLE, not FAILED_PRECONDITION: in a planned roll
+                    # the same request succeeds moments later on a rolled orchestrator
+                    # or replica, and clients retry UNAVAILABLE (`retry_later`).
+                    raise errors.Unavailable(misfits)
+                raise _counted(req.tenant, _give_up(
+                    self.too_big, bool(self.tried) and self.only_busy,
+                    f"every kvpool replica is busy (tried {', '.join(self.tried)}); retry later",
+                    "no kvpool replica is available"
+                    + (f" (tried {', '.join(self.tried)})" if self.tried else "")
+                    + (f"; last: {self.why_public}" if self.why_public else ""),
+                    req.sampling)) from None
+            call = None
+            # When this attempt's Generate was sent, until its first message or its end
+            # (then timed: backend_call_seconds).
+            called_at: float | None = None
+            stream_ended = False
+            busy = larger = False
+            larger_kind = "larger_pool"  # the degradation a too-small pool counts as
+            try:
+                if (decision.route == "prefix"
+                        and seen.get(decision.replica_id, 0) > self.matches.get(decision.replica_id,
+                                                                           0)):
+                    DISPATCH_ROUTES.inc()
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("route %s: %s -> %s (matched %d; index %s; sent moments ago %s; "
+                              "loads %s)", req.request_id, decision.route, decision.replica_id,
+                              decision.matched_tokens, dict(self.matches),
+                              {r: t for r, t in seen.items() if t > self.matches.get(r, 0)},
+                              {v.replica_id: v.load for v in o.replicas.views()})
+                self.route = (decision.route if self.attempts == 0
+                         else ("resume" if self.generated else "retry"))
+                remaining = req.deadline - time.monotonic()
+                if remaining <= 0:
+                    raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
+                from_here = len(self.generated)  # this replica's tokens start here
+                kv_request = kvpool_pb2.KvGenerateRequest(
+                    request_id=req.request_id, token_ids=self.ids + self.generated,
+                    sampling=common_pb2.SamplingParams(
+                        max_tokens=req.sampling.max_tokens - len(self.generated),
+                        temperature=req.sampling.temperature, top_p=req.sampling.top_p,
+                        seed=self.seed, stop_token_ids=req.sampling.stop_token_ids,
+                        ignore_eos=req.sampling.ignore_eos),
+                    cache_salt=req.tenant.cache_salt,
+                    skip_prefix_cache=req.policy.skip_prefix_cache,
+                    draft_token_ids=self.draft_ids[len(self.generated):] if self.draft_ids else [],
+                    model_id=o.model_id,
+                    # A resumed answer continues the seeded randomness where it stopped.
+                    seed_offset=len(self.generated))
+                called_at = time.monotonic()
+                call = replica.stub.Generate(kv_request, timeout=remaining,
+                                             metadata=call_metadata(o.internal_token,
+                                                                    req.request_id))
+                req.current["call"] = call
+                # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
+                # ends CANCELLED, which fails over below like any lost replica.
+                held.watcher = held.cut_as_hung(call)
+                o.replicas.watch(replica, held.watcher, downs_at.get(replica.address))
+                if req.cancelled.is_set():
+                    call.cancel()
+                # Read at the replica's pace (this runs on the request's read-ahead thread),
+                # drained at the client's: the replica's share of routing's load and its
+                # watcher are released as soon as its stream ends, and a lost replica is
+                # resumed at once with every token read, however far behind the client is.
+                for msg in call:
+                    if called_at is not None:
+                        # The replica's answer time (its queue and prefill, as this
+                        # orchestrator sees them); the rest of a stream is decode.
+                        CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
+                            time.monotonic() - called_at)
+                        called_at = None
+                    if msg.token_ids:
+                        new = list(msg.token_ids)
+                        self.generated.extend(new)
+                        text = self.detok.push(new)
+                        if self.first_token_at is None:
+                            # When the orchestrator has it from a replica (handed on at
+                            # once to a client keeping up; a slow one takes it later).
+                            self.first_token_at = time.monotonic()
+                        if text or req.return_token_ids:
+                            yield TextDelta(text, new if req.return_token_ids else [])
+                    if msg.HasField("final"):
+                        self.final = msg.final
+                stream_ended = True
+                if self.final is None:
+                    # Ended cleanly but without its final message: the replica broke off (a
+                    # proxy or a replica going away); fail over as for a lost replica.
+                    raise _StreamCut(f"replica {replica.public_id} ended the stream without "
+                                     "a final message")
+                # Not ok(): a draining replica (down by the poller) finishing its streams must
+                # not come back into routing with each one.
+                replica.health.traffic_ok()
+            except grpc.RpcError as e:
+                stream_ended = True  # its status: the call is over
+                code = e.code()
+                if called_at is not None and not req.cancelled.is_set():
+                    # Failed before its first message (refused, lost, hung and cut by the
+                    # poller): timed too, as the other tiers' failed calls are. Not one
+                    # its client cancelled: that time is the client's.
+                    CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
+                        time.monotonic() - called_at)
+                if self.final is not None:
+                    # The answer is whole: the stream broke only after the final message
+                    # (its trailing status lost, or the hung-replica watcher firing just then).
+                    log.info("replica %s: %s after the final message; answer complete",
+                             replica.replica_id, code.name)
+                    break
+                if req.cancelled.is_set():
+                    raise errors.Cancelled("client cancelled") from None
+                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    raise errors.DeadlineExceeded(
+                        "deadline exceeded while generating") from None
+                busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.overloaded(e)
+                if busy:
+                    # Full queue or memory held on this replica only: another may serve it
+                    # (an answer under way resumes there, exactly). Not marked down.
+                    if _LOAD_LINES.allow((f"replica {replica.replica_id}", "busy")):
+                        log.info("replica %s is busy (%s); trying another",
+                                 replica.replica_id, e.details())
+                elif code in _REPLICA_REFUSED_US:
+                    # Our internal credential, not the client's: a misconfigured replica.
+                    # Never the client's UNAUTHENTICATED; try another replica.
+                    log.error("replica %s refused the orchestrator's internal credential (%s: "
+                              "%s): check TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN and "
+                              "TIERCACHE_KVPOOL_INTERNAL_TOKEN", replica.replica_id,
+                              code.name, e.details())
+                elif (code == grpc.StatusCode.FAILED_PRECONDITION
+                      and (e.details() or "").startswith("model_id:")):
+                    # The orchestrator sends its own model id: a replica serving another
+                    # model is a deployment fault, not the client's; try another replica.
+                    log.error("replica %s serves another model (%s)", replica.replica_id,
+                              e.details())
+                elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
+                      and (e.details() or "").startswith("token_ids:")
+                      and (o._larger_pool(replica, self.exclude)
+                           or _may_hold(self.failed_pool, _pool_blocks(replica), _blocks_needed(e))
+                           or o._larger_down(_pool_blocks(replica),
+                                                _blocks_needed(e)) is not None)):
+                    # Too big for this replica's pool, not for every one: pools sized by
+                    # kv_cache_bytes differ with each replica's hardware. A larger one
+                    # down is no verdict either (`_too_big_stands`), unless the request
+                    # needs more blocks than that pool has too.
+                    larger = True
+                    if self.failed_pool <= _pool_blocks(replica):
+                        self.too_big = self.too_big or e
+                        self.too_big_pool = max(self.too_big_pool, _pool_blocks(replica))
+                    if o._larger_pool(replica, self.exclude):
+                        larger_kind, next_step = "larger_pool", "trying a larger pool"
+                    else:
+                        # No larger pool left to try: the one that may hold the request is
+                        # down (or failed on this request). Said and counted apart: "trying
+                        # a larger pool" and larger_pool read as a hand-off, though the
+                        # request then ended UNAVAILABLE.
+                        down = o._larger_down(_pool_blocks(replica), _blocks_needed(e))
+                        larger_kind = "larger_pool_down"
+                        next_step = ("no larger pool to try: "
+                                     + (f"{down.replica_id}, with a larger pool, is down"
+                                        if down is not None else
+                                        f"{self.failed_by}, with a larger pool, failed on it"))
+                    if _may_hold(self.failed_pool, _pool_blocks(replica), _blocks_needed(e)):
+                        # A larger pool failed on this request (now down, too, if lost):
+                        # "(tried kvpool#1, kvpool#0); last: UNAVAILABLE" read as the small
+                        # pool's failure, and did not say the request needs that pool.
+                        self.why_public = (f"{self.failed_public}, with a larger KV pool, failed "
+                                      f"({self.failed_why})")
+                    if _LOAD_LINES.allow((f"replica {replica.replica_id}", "too small")):
+                        log.info("replica %s cannot hold the request (%s); %s",
+                                 replica.replica_id, e.details(), next_step)
+                elif code not in _REPLICA_LOST:
+                    # The replica judged the request itself: pass its verdict on unchanged.
+                    if len(self.generated) == from_here and o.dispatched is not None:
+                        # Refused before computing anything (too big for every pool, say):
+                        # the prompt is not held there, and a request sharing it must not
+                        # follow this one's credit to that replica (and count the miss as
+                        # an eviction).
+                        o.dispatched.withdraw(recorded)
+                    raise _counted(req.tenant, _as_domain(e, req.sampling)) from None
+                # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
+                # another, but it is not marked down for everyone (Stats polls judge that):
+                # one request that breaks replicas must not take every replica out of routing.
+                lost: BaseException | None = (
+                    None if busy or larger
+                    or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
+                why = f"{code.name}: {e.details()}"
+                if not (larger and self.why_public):
+                    # A small pool's refusal after a replica failed keeps that failure as
+                    # the last reason ("last: RESOURCE_EXHAUSTED" named no replica's fault).
+                    self.why_public = f"{code.name}: {e.details()}" if busy else code.name
+                if held.hung and code == grpc.StatusCode.CANCELLED:
+                    # Cancelled by us, the replica found hung: gRPC's own "Locally
+                    # cancelled by application!" read as if someone had asked for it.
+                    self.why_public = "hung (Stats polls unanswered)"
+                    why = ("cancelled by this orchestrator: "
+                           f"{replica.health.last_error or self.why_public}")
+            except _StreamCut as e:
+                lost, why = e, str(e)
+                self.why_public = why
+            else:
+                continue  # the final message arrived: the loop ends
+            finally:
+                if call is not None and not stream_ended:
+                    call.cancel()  # left mid-stream (the request closed): stop the replica
+                req.current.pop("call", None)
+                held.release()
+            # The replica is lost for this request: try the next one (resuming after the
+            # tokens already streamed).
+            self.exclude.update((replica.replica_id, replica.address))
+            self.tried.append(replica.public_id)
+            # A pool too small is no reason to retry later; busy ones are: every replica
+            # tried busy or too small is still "busy, retry later".
+            self.only_busy = self.only_busy and (busy or larger)
+            if not larger:
+                # A replica with a larger pool was tried and failed otherwise (lost, busy):
+                # the request may fit there once it is back, so "too big" is not the
+                # answer (it was, though that replica never said so). Unless its pool, as
+                # its last Stats said, is too small for what the refusal needs as well.
+                if self.too_big is None or not _pool_blocks(replica) or _may_hold(
+                        _pool_blocks(replica), self.too_big_pool, _blocks_needed(self.too_big)):
+                    self.too_big = None
+                if _pool_blocks(replica) > self.failed_pool:
+                    self.failed_pool, self.failed_by = _pool_blocks(replica), replica.replica_id
+                    self.failed_public, self.failed_why = replica.public_id, self.why_public
+            if lost is not None and not held.hung:
+                # Not when the poller found it hung and we cut the call: it holds the
+                # replica down with why, and our own CANCELLED ("Locally cancelled by
+                # application!") was logged as the replica's new reason to be unhealthy.
+                replica.health.fail(lost)
+            if (lost is not None or busy or larger) and o.dispatched is not None:
+                # What was sent there moments ago is not held there (lost), or would steer
+                # the same prefix back to a replica that cannot take it (busy, or its pool
+                # too small: every request routed there renewed the credit, so it never
+                # expired while traffic went on).
+                o.dispatched.forget(replica.replica_id)
+            self.attempts += 1
+            self.failures += not larger
+            with _noting(req.notes):
+                if busy or larger:
+                    # Saturation or a small pool, already logged at INFO above: counted
+                    # apart from replica failures, so alerts on "retry"/"resume" mean broken
+                    # replicas.
+                    o.stats.degrade("busy_replica" if busy else larger_kind)
+                else:
+                    o.stats.degrade("resume" if self.generated else "retry")
+                    if _DEGRADED_LINES.allow((f"replica {replica.replica_id}",
+                                              why.partition(":")[0])):
+                        log.warning("replica %s failed (%s) after %d tokens; attempt %d",
+                                    replica.replica_id, why, len(self.generated), self.attempts + 1)
+            ended = o._ended(self.generated, req.sampling)
+            if ended is not None:
+                # The tokens streamed already make the whole answer (they reached max_tokens,
+                # a stop token or the end of sequence; the final message was lost): a resume
+                # would ask for 0 tokens, or generate on past the answer's end.
+                log.info("replica %s failed after the answer's last token; answer complete",
+                         replica.replica_id)
+                self.final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
+                self.made_up = True
+                break
+            if self.failures >= o.max_attempts:
+                # No "too big" here: only a failure is counted, and one clears it (above).
+                # The replica's own message (transport errors name internal addresses) is in
+                # the log line above, not in the client's status.
+                raise _counted(req.tenant, _give_up(
+                    None, self.only_busy,
+                    f"every kvpool replica tried is busy (tried {', '.join(self.tried)}); "
+                    f"last: {self.why_public}"
+                    # A replica's own refusal may say it already (past max_waiting).
+                    + ("" if "retry later" in self.why_public else "; retry later"),
+                    f"kvpool replicas failed {self.failures} times "
+                    f"(tried {', '.join(self.tried)}); "
+                    f"last: {self.why_public}", req.sampling)) from None
+
+        tail = self.detok.flush()
+        if tail:
+            yield TextDelta(tail, [])
+        prompt_tokens = len(self.ids)
+        cached = min(self.final.cached_tokens, prompt_tokens)
+        ttft = ((self.first_token_at or time.monotonic()) - req.t0) * 1000.0
+        req.report.prompt_tokens = prompt_tokens
+        req.report.cached_tokens = cached
+        req.report.replica_id = self.final.replica_id or replica.public_id
+        req.report.ttft_ms = ttft
+        req.report.draft_tokens_proposed = self.final.draft_tokens_proposed
+        req.report.draft_tokens_accepted = self.final.draft_tokens_accepted
+        req.report.lookup_tokens_accepted = self.final.lookup_tokens_accepted
+        req.report.forward_passes = self.final.forward_passes
+        req.report.route = self.route
+        # What the last replica chosen was expected to hold, against what it reused.
+        expected = min(seen.get(decision.replica_id, 0), prompt_tokens)
+        req.report.index_matched_tokens = expected
+        fin, completion = self.final, len(self.generated)
+        passes_saved = (0 if self.made_up
+                        else max(0, completion - from_here - 1 - fin.forward_passes))
+
+        def account() -> None:
+            # The request's counts and metrics, made as before once its client has taken
+            # the last token (a client gone before is not a request served).
+            DRAFT_TOKENS.labels("proposed").inc(fin.draft_tokens_proposed)
+            DRAFT_TOKENS.labels("accepted_from_cache").inc(
+                max(0, fin.draft_tokens_accepted - fin.lookup_tokens_accepted))
+            DRAFT_TOKENS.labels("accepted_from_lookup").inc(fin.lookup_tokens_accepted)
+            PASSES_SAVED.inc(passes_saved)
+            MATCHED_TOKENS.inc(expected)
+            # A replica computes at least the prompt's last token, held or not. Not known
+            # of a replica lost before its final message: counted as nothing reused, its
+            # whole match read as evicted.
+            if not self.made_up:
+                MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
+            cache_class = "prefix_hit" if cached >= o.min_prefix_tokens else "cold"
+            o._count(cache_class, prompt_tokens, cached, completion, ttft)
+
+        yield _Deferred(account)
+        # Stored as the replica finishes, not once the client has read the answer: a client
+        # reading slowly no longer holds the Store back, nor, too slow for its deadline,
+        # leaves its whole answer unstored.
+        with req.tier_call():
+            sid = o._store_answer(req.tenant, req.prompt, req.sampling, self.look, self.may_store,
+                                     self.generated, self.final.finish_reason, req.deadline,
+                                     req.tier_call_started)
+        req.report.degradations.extend(req.notes)
+        if req.cancelled.is_set():
+            # Gone during the Store (cancelled with it): no final message, for nobody.
+            raise errors.Cancelled("client cancelled")
+        if sid:
+            req.report.semantic_entry_id = sid
+        yield Finished(self.final.finish_reason, prompt_tokens, len(self.generated), req.report,
+                       req.request_id)
 
 
 # The most of what is left of a request's deadline that an optional cache call may take: a
