@@ -871,6 +871,30 @@ class Orchestrator:
         TOKENS.labels("generated").inc(completion)
 
 
+class _Attempt:
+    """One replica tried for a request: the routing decision, the replica's call and what its
+    failure, if it fails, means for the request (see `_ReplicaSide._judge_failure`)."""
+
+    def __init__(self, decision, replica, held: _Held, seen: dict[str, int],
+                 downs_at: dict[str, int]) -> None:
+        self.decision, self.replica, self.held = decision, replica, held
+        self.seen = seen  # the matches routing saw (the index's and those sent moments ago)
+        # How often each replica had been declared down before its health was read for
+        # routing (see ReplicaSet.watch).
+        self.downs_at = downs_at
+        self.recorded = None  # this attempt's dispatch credit (DispatchMemory.record)
+        self.from_here = 0  # this replica's tokens start here (in `generated`)
+        self.call: grpc.Future | None = None
+        # When this attempt's Generate was sent, until its first message or its end
+        # (then timed: backend_call_seconds).
+        self.called_at: float | None = None
+        self.stream_ended = False
+        self.busy = self.larger = False
+        self.larger_kind = "larger_pool"  # the degradation a too-small pool counts as
+        self.lost: BaseException | None = None  # the error to mark the replica down with
+        self.why = ""  # the failure, for the log
+
+
 class _ReplicaSide:
     """The replica side of one request, run on its read-ahead thread (see `_ReadAhead`):
     routes it, relays each replica's stream, fails over to another replica (resuming after
@@ -920,76 +944,25 @@ class _ReplicaSide:
         while self.final is None:
             if req.cancelled.is_set():
                 raise errors.Cancelled("client cancelled")
-            with o._route_lock:
-                if req.deadline - time.monotonic() <= 0:
-                    # Before routing, with the lock held (the time may run out waiting for
-                    # it): a request never sent must leave no prompt credit or routed count
-                    # behind (requests sharing its prefix would follow it there).
-                    raise errors.DeadlineExceeded(
-                        "deadline exceeded before a replica answered")
-                # How often each replica had been declared down before its health is read for
-                # routing (see ReplicaSet.watch).
-                downs_at = {r.address: r.downs for r in o.replicas.replicas}
-                seen = o._with_dispatched(self.matches, self.hashes)
-                views = o.replicas.views()
-                # A replica that failed is excluded by its address too: its first Stats
-                # answer may rename it (from its address to its own id) between attempts.
-                excluded = frozenset(self.exclude | {r.replica_id for r in o.replicas.replicas
-                                                if r.address in self.exclude})
-                decision = o.routing.choose(views, seen, self.affinity, excluded, self.new_blocks,
-                                               req.prompt.continues)
-                replica = (o.replicas.by_id(decision.replica_id) if decision is not None
-                           else None)
-                recorded = None  # this attempt's dispatch credit (DispatchMemory.record)
-                if replica is not None:
-                    # Counted before the lock is released: a request routed right after this
-                    # one sees this replica's load with it.
-                    o.replicas.begin(replica)
-                    held = _Held(o.replicas, replica)
-                    if self.hashes and o.dispatched is not None:
-                        recorded = o.dispatched.record(decision.replica_id, self.hashes)
-            if decision is None or replica is None:
-                self.too_big, self.only_busy, self.why_public = o._too_big_stands(
-                    self.too_big, self.too_big_pool, self.only_busy, self.why_public)
-                misfits = "" if self.tried else o.replicas.misfits()
-                if misfits:
-                    # Mid-roll to another model (or one left behind): said once per
-                    # request, naming both model ids and what to set (the replicas are
-                    # not asked). UNAVAILABLE, not FAILED_PRECONDITION: in a planned roll
-                    # the same request succeeds moments later on a rolled orchestrator
-                    # or replica, and clients retry UNAVAILABLE (`retry_later`).
-                    raise errors.Unavailable(misfits)
-                raise _counted(req.tenant, _give_up(
-                    self.too_big, bool(self.tried) and self.only_busy,
-                    f"every kvpool replica is busy (tried {', '.join(self.tried)}); retry later",
-                    "no kvpool replica is available"
-                    + (f" (tried {', '.join(self.tried)})" if self.tried else "")
-                    + (f"; last: {self.why_public}" if self.why_public else ""),
-                    req.sampling)) from None
-            call = None
-            # When this attempt's Generate was sent, until its first message or its end
-            # (then timed: backend_call_seconds).
-            called_at: float | None = None
-            stream_ended = False
-            busy = larger = False
-            larger_kind = "larger_pool"  # the degradation a too-small pool counts as
+            att = self._route()
+            replica, decision = att.replica, att.decision
             try:
                 if (decision.route == "prefix"
-                        and seen.get(decision.replica_id, 0) > self.matches.get(decision.replica_id,
-                                                                           0)):
+                        and att.seen.get(decision.replica_id, 0) > self.matches.get(
+                            decision.replica_id, 0)):
                     DISPATCH_ROUTES.inc()
                 if log.isEnabledFor(logging.DEBUG):
                     log.debug("route %s: %s -> %s (matched %d; index %s; sent moments ago %s; "
                               "loads %s)", req.request_id, decision.route, decision.replica_id,
                               decision.matched_tokens, dict(self.matches),
-                              {r: t for r, t in seen.items() if t > self.matches.get(r, 0)},
+                              {r: t for r, t in att.seen.items() if t > self.matches.get(r, 0)},
                               {v.replica_id: v.load for v in o.replicas.views()})
                 self.route = (decision.route if self.attempts == 0
                          else ("resume" if self.generated else "retry"))
                 remaining = req.deadline - time.monotonic()
                 if remaining <= 0:
                     raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
-                from_here = len(self.generated)  # this replica's tokens start here
+                att.from_here = len(self.generated)  # this replica's tokens start here
                 kv_request = kvpool_pb2.KvGenerateRequest(
                     request_id=req.request_id, token_ids=self.ids + self.generated,
                     sampling=common_pb2.SamplingParams(
@@ -1003,28 +976,28 @@ class _ReplicaSide:
                     model_id=o.model_id,
                     # A resumed answer continues the seeded randomness where it stopped.
                     seed_offset=len(self.generated))
-                called_at = time.monotonic()
-                call = replica.stub.Generate(kv_request, timeout=remaining,
+                att.called_at = time.monotonic()
+                att.call = replica.stub.Generate(kv_request, timeout=remaining,
                                              metadata=call_metadata(o.internal_token,
                                                                     req.request_id))
-                req.current["call"] = call
+                req.current["call"] = att.call
                 # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
                 # ends CANCELLED, which fails over below like any lost replica.
-                held.watcher = held.cut_as_hung(call)
-                o.replicas.watch(replica, held.watcher, downs_at.get(replica.address))
+                att.held.watcher = att.held.cut_as_hung(att.call)
+                o.replicas.watch(replica, att.held.watcher, att.downs_at.get(replica.address))
                 if req.cancelled.is_set():
-                    call.cancel()
+                    att.call.cancel()
                 # Read at the replica's pace (this runs on the request's read-ahead thread),
                 # drained at the client's: the replica's share of routing's load and its
                 # watcher are released as soon as its stream ends, and a lost replica is
                 # resumed at once with every token read, however far behind the client is.
-                for msg in call:
-                    if called_at is not None:
+                for msg in att.call:
+                    if att.called_at is not None:
                         # The replica's answer time (its queue and prefill, as this
                         # orchestrator sees them); the rest of a stream is decode.
                         CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
-                            time.monotonic() - called_at)
-                        called_at = None
+                            time.monotonic() - att.called_at)
+                        att.called_at = None
                     if msg.token_ids:
                         new = list(msg.token_ids)
                         self.generated.extend(new)
@@ -1037,7 +1010,7 @@ class _ReplicaSide:
                             yield TextDelta(text, new if req.return_token_ids else [])
                     if msg.HasField("final"):
                         self.final = msg.final
-                stream_ended = True
+                att.stream_ended = True
                 if self.final is None:
                     # Ended cleanly but without its final message: the replica broke off (a
                     # proxy or a replica going away); fail over as for a lost replica.
@@ -1047,14 +1020,14 @@ class _ReplicaSide:
                 # not come back into routing with each one.
                 replica.health.traffic_ok()
             except grpc.RpcError as e:
-                stream_ended = True  # its status: the call is over
+                att.stream_ended = True  # its status: the call is over
                 code = e.code()
-                if called_at is not None and not req.cancelled.is_set():
+                if att.called_at is not None and not req.cancelled.is_set():
                     # Failed before its first message (refused, lost, hung and cut by the
                     # poller): timed too, as the other tiers' failed calls are. Not one
                     # its client cancelled: that time is the client's.
                     CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
-                        time.monotonic() - called_at)
+                        time.monotonic() - att.called_at)
                 if self.final is not None:
                     # The answer is whole: the stream broke only after the final message
                     # (its trailing status lost, or the hung-replica watcher firing just then).
@@ -1066,8 +1039,8 @@ class _ReplicaSide:
                 if code == grpc.StatusCode.DEADLINE_EXCEEDED:
                     raise errors.DeadlineExceeded(
                         "deadline exceeded while generating") from None
-                busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.overloaded(e)
-                if busy:
+                att.busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.overloaded(e)
+                if att.busy:
                     # Full queue or memory held on this replica only: another may serve it
                     # (an answer under way resumes there, exactly). Not marked down.
                     if _LOAD_LINES.allow((f"replica {replica.replica_id}", "busy")):
@@ -1096,19 +1069,19 @@ class _ReplicaSide:
                     # kv_cache_bytes differ with each replica's hardware. A larger one
                     # down is no verdict either (`_too_big_stands`), unless the request
                     # needs more blocks than that pool has too.
-                    larger = True
+                    att.larger = True
                     if self.failed_pool <= _pool_blocks(replica):
                         self.too_big = self.too_big or e
                         self.too_big_pool = max(self.too_big_pool, _pool_blocks(replica))
                     if o._larger_pool(replica, self.exclude):
-                        larger_kind, next_step = "larger_pool", "trying a larger pool"
+                        att.larger_kind, next_step = "larger_pool", "trying a larger pool"
                     else:
                         # No larger pool left to try: the one that may hold the request is
                         # down (or failed on this request). Said and counted apart: "trying
                         # a larger pool" and larger_pool read as a hand-off, though the
                         # request then ended UNAVAILABLE.
                         down = o._larger_down(_pool_blocks(replica), _blocks_needed(e))
-                        larger_kind = "larger_pool_down"
+                        att.larger_kind = "larger_pool_down"
                         next_step = ("no larger pool to try: "
                                      + (f"{down.replica_id}, with a larger pool, is down"
                                         if down is not None else
@@ -1124,48 +1097,48 @@ class _ReplicaSide:
                                  replica.replica_id, e.details(), next_step)
                 elif code not in _REPLICA_LOST:
                     # The replica judged the request itself: pass its verdict on unchanged.
-                    if len(self.generated) == from_here and o.dispatched is not None:
+                    if len(self.generated) == att.from_here and o.dispatched is not None:
                         # Refused before computing anything (too big for every pool, say):
                         # the prompt is not held there, and a request sharing it must not
                         # follow this one's credit to that replica (and count the miss as
                         # an eviction).
-                        o.dispatched.withdraw(recorded)
+                        o.dispatched.withdraw(att.recorded)
                     raise _counted(req.tenant, _as_domain(e, req.sampling)) from None
                 # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
                 # another, but it is not marked down for everyone (Stats polls judge that):
                 # one request that breaks replicas must not take every replica out of routing.
-                lost: BaseException | None = (
-                    None if busy or larger
+                att.lost = (
+                    None if att.busy or att.larger
                     or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
-                why = f"{code.name}: {e.details()}"
-                if not (larger and self.why_public):
+                att.why = f"{code.name}: {e.details()}"
+                if not (att.larger and self.why_public):
                     # A small pool's refusal after a replica failed keeps that failure as
                     # the last reason ("last: RESOURCE_EXHAUSTED" named no replica's fault).
-                    self.why_public = f"{code.name}: {e.details()}" if busy else code.name
-                if held.hung and code == grpc.StatusCode.CANCELLED:
+                    self.why_public = f"{code.name}: {e.details()}" if att.busy else code.name
+                if att.held.hung and code == grpc.StatusCode.CANCELLED:
                     # Cancelled by us, the replica found hung: gRPC's own "Locally
                     # cancelled by application!" read as if someone had asked for it.
                     self.why_public = "hung (Stats polls unanswered)"
-                    why = ("cancelled by this orchestrator: "
+                    att.why = ("cancelled by this orchestrator: "
                            f"{replica.health.last_error or self.why_public}")
             except _StreamCut as e:
-                lost, why = e, str(e)
-                self.why_public = why
+                att.lost, att.why = e, str(e)
+                self.why_public = att.why
             else:
                 continue  # the final message arrived: the loop ends
             finally:
-                if call is not None and not stream_ended:
-                    call.cancel()  # left mid-stream (the request closed): stop the replica
+                if att.call is not None and not att.stream_ended:
+                    att.call.cancel()  # left mid-stream (the request closed): stop the replica
                 req.current.pop("call", None)
-                held.release()
+                att.held.release()
             # The replica is lost for this request: try the next one (resuming after the
             # tokens already streamed).
             self.exclude.update((replica.replica_id, replica.address))
             self.tried.append(replica.public_id)
             # A pool too small is no reason to retry later; busy ones are: every replica
             # tried busy or too small is still "busy, retry later".
-            self.only_busy = self.only_busy and (busy or larger)
-            if not larger:
+            self.only_busy = self.only_busy and (att.busy or att.larger)
+            if not att.larger:
                 # A replica with a larger pool was tried and failed otherwise (lost, busy):
                 # the request may fit there once it is back, so "too big" is not the
                 # answer (it was, though that replica never said so). Unless its pool, as
@@ -1176,31 +1149,32 @@ class _ReplicaSide:
                 if _pool_blocks(replica) > self.failed_pool:
                     self.failed_pool, self.failed_by = _pool_blocks(replica), replica.replica_id
                     self.failed_public, self.failed_why = replica.public_id, self.why_public
-            if lost is not None and not held.hung:
+            if att.lost is not None and not att.held.hung:
                 # Not when the poller found it hung and we cut the call: it holds the
                 # replica down with why, and our own CANCELLED ("Locally cancelled by
                 # application!") was logged as the replica's new reason to be unhealthy.
-                replica.health.fail(lost)
-            if (lost is not None or busy or larger) and o.dispatched is not None:
+                replica.health.fail(att.lost)
+            if (att.lost is not None or att.busy or att.larger) and o.dispatched is not None:
                 # What was sent there moments ago is not held there (lost), or would steer
                 # the same prefix back to a replica that cannot take it (busy, or its pool
                 # too small: every request routed there renewed the credit, so it never
                 # expired while traffic went on).
                 o.dispatched.forget(replica.replica_id)
             self.attempts += 1
-            self.failures += not larger
+            self.failures += not att.larger
             with _noting(req.notes):
-                if busy or larger:
+                if att.busy or att.larger:
                     # Saturation or a small pool, already logged at INFO above: counted
                     # apart from replica failures, so alerts on "retry"/"resume" mean broken
                     # replicas.
-                    o.stats.degrade("busy_replica" if busy else larger_kind)
+                    o.stats.degrade("busy_replica" if att.busy else att.larger_kind)
                 else:
                     o.stats.degrade("resume" if self.generated else "retry")
                     if _DEGRADED_LINES.allow((f"replica {replica.replica_id}",
-                                              why.partition(":")[0])):
+                                              att.why.partition(":")[0])):
                         log.warning("replica %s failed (%s) after %d tokens; attempt %d",
-                                    replica.replica_id, why, len(self.generated), self.attempts + 1)
+                                    replica.replica_id, att.why, len(self.generated),
+                                    self.attempts + 1)
             ended = o._ended(self.generated, req.sampling)
             if ended is not None:
                 # The tokens streamed already make the whole answer (they reached max_tokens,
@@ -1241,11 +1215,11 @@ class _ReplicaSide:
         req.report.forward_passes = self.final.forward_passes
         req.report.route = self.route
         # What the last replica chosen was expected to hold, against what it reused.
-        expected = min(seen.get(decision.replica_id, 0), prompt_tokens)
+        expected = min(att.seen.get(decision.replica_id, 0), prompt_tokens)
         req.report.index_matched_tokens = expected
         fin, completion = self.final, len(self.generated)
         passes_saved = (0 if self.made_up
-                        else max(0, completion - from_here - 1 - fin.forward_passes))
+                        else max(0, completion - att.from_here - 1 - fin.forward_passes))
 
         def account() -> None:
             # The request's counts and metrics, made as before once its client has taken
@@ -1280,6 +1254,58 @@ class _ReplicaSide:
             req.report.semantic_entry_id = sid
         yield Finished(self.final.finish_reason, prompt_tokens, len(self.generated), req.report,
                        req.request_id)
+
+    def _route(self) -> _Attempt:
+        """The replica for the next attempt, its load there counted (and the prompt's dispatch
+        credit recorded) under the route lock; none left to try: the client's error (replicas
+        of another model, too big for every pool, every one busy, or none available)."""
+        o, req = self.orch, self.req
+        with o._route_lock:
+            if req.deadline - time.monotonic() <= 0:
+                # Before routing, with the lock held (the time may run out waiting for
+                # it): a request never sent must leave no prompt credit or routed count
+                # behind (requests sharing its prefix would follow it there).
+                raise errors.DeadlineExceeded(
+                    "deadline exceeded before a replica answered")
+            # How often each replica had been declared down before its health is read for
+            # routing (see ReplicaSet.watch).
+            downs_at = {r.address: r.downs for r in o.replicas.replicas}
+            seen = o._with_dispatched(self.matches, self.hashes)
+            views = o.replicas.views()
+            # A replica that failed is excluded by its address too: its first Stats
+            # answer may rename it (from its address to its own id) between attempts.
+            excluded = frozenset(self.exclude | {r.replica_id for r in o.replicas.replicas
+                                                 if r.address in self.exclude})
+            decision = o.routing.choose(views, seen, self.affinity, excluded, self.new_blocks,
+                                        req.prompt.continues)
+            replica = (o.replicas.by_id(decision.replica_id) if decision is not None
+                       else None)
+            if replica is not None:
+                # Counted before the lock is released: a request routed right after this
+                # one sees this replica's load with it.
+                o.replicas.begin(replica)
+                att = _Attempt(decision, replica, _Held(o.replicas, replica), seen, downs_at)
+                if self.hashes and o.dispatched is not None:
+                    att.recorded = o.dispatched.record(decision.replica_id, self.hashes)
+                return att
+        self.too_big, self.only_busy, self.why_public = o._too_big_stands(
+            self.too_big, self.too_big_pool, self.only_busy, self.why_public)
+        misfits = "" if self.tried else o.replicas.misfits()
+        if misfits:
+            # Mid-roll to another model (or one left behind): said once per
+            # request, naming both model ids and what to set (the replicas are
+            # not asked). UNAVAILABLE, not FAILED_PRECONDITION: in a planned roll
+            # the same request succeeds moments later on a rolled orchestrator
+            # or replica, and clients retry UNAVAILABLE (`retry_later`).
+            raise errors.Unavailable(misfits)
+        raise _counted(req.tenant, _give_up(
+            self.too_big, bool(self.tried) and self.only_busy,
+            f"every kvpool replica is busy (tried {', '.join(self.tried)}); retry later",
+            "no kvpool replica is available"
+            + (f" (tried {', '.join(self.tried)})" if self.tried else "")
+            + (f"; last: {self.why_public}" if self.why_public else ""),
+            req.sampling)) from None
+
 
 
 # The most of what is left of a request's deadline that an optional cache call may take: a
