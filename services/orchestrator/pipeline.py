@@ -1199,61 +1199,7 @@ class _ReplicaSide:
                     f"(tried {', '.join(self.tried)}); "
                     f"last: {self.why_public}", req.sampling)) from None
 
-        tail = self.detok.flush()
-        if tail:
-            yield TextDelta(tail, [])
-        prompt_tokens = len(self.ids)
-        cached = min(self.final.cached_tokens, prompt_tokens)
-        ttft = ((self.first_token_at or time.monotonic()) - req.t0) * 1000.0
-        req.report.prompt_tokens = prompt_tokens
-        req.report.cached_tokens = cached
-        req.report.replica_id = self.final.replica_id or replica.public_id
-        req.report.ttft_ms = ttft
-        req.report.draft_tokens_proposed = self.final.draft_tokens_proposed
-        req.report.draft_tokens_accepted = self.final.draft_tokens_accepted
-        req.report.lookup_tokens_accepted = self.final.lookup_tokens_accepted
-        req.report.forward_passes = self.final.forward_passes
-        req.report.route = self.route
-        # What the last replica chosen was expected to hold, against what it reused.
-        expected = min(att.seen.get(decision.replica_id, 0), prompt_tokens)
-        req.report.index_matched_tokens = expected
-        fin, completion = self.final, len(self.generated)
-        passes_saved = (0 if self.made_up
-                        else max(0, completion - att.from_here - 1 - fin.forward_passes))
-
-        def account() -> None:
-            # The request's counts and metrics, made as before once its client has taken
-            # the last token (a client gone before is not a request served).
-            DRAFT_TOKENS.labels("proposed").inc(fin.draft_tokens_proposed)
-            DRAFT_TOKENS.labels("accepted_from_cache").inc(
-                max(0, fin.draft_tokens_accepted - fin.lookup_tokens_accepted))
-            DRAFT_TOKENS.labels("accepted_from_lookup").inc(fin.lookup_tokens_accepted)
-            PASSES_SAVED.inc(passes_saved)
-            MATCHED_TOKENS.inc(expected)
-            # A replica computes at least the prompt's last token, held or not. Not known
-            # of a replica lost before its final message: counted as nothing reused, its
-            # whole match read as evicted.
-            if not self.made_up:
-                MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
-            cache_class = "prefix_hit" if cached >= o.min_prefix_tokens else "cold"
-            o._count(cache_class, prompt_tokens, cached, completion, ttft)
-
-        yield _Deferred(account)
-        # Stored as the replica finishes, not once the client has read the answer: a client
-        # reading slowly no longer holds the Store back, nor, too slow for its deadline,
-        # leaves its whole answer unstored.
-        with req.tier_call():
-            sid = o._store_answer(req.tenant, req.prompt, req.sampling, self.look, self.may_store,
-                                     self.generated, self.final.finish_reason, req.deadline,
-                                     req.tier_call_started)
-        req.report.degradations.extend(req.notes)
-        if req.cancelled.is_set():
-            # Gone during the Store (cancelled with it): no final message, for nobody.
-            raise errors.Cancelled("client cancelled")
-        if sid:
-            req.report.semantic_entry_id = sid
-        yield Finished(self.final.finish_reason, prompt_tokens, len(self.generated), req.report,
-                       req.request_id)
+        yield from self._finish(att)
 
     def _route(self) -> _Attempt:
         """The replica for the next attempt, its load there counted (and the prompt's dispatch
@@ -1307,6 +1253,66 @@ class _ReplicaSide:
             req.sampling)) from None
 
 
+    def _finish(self, att: _Attempt) -> Iterator[TextDelta | Finished | _Deferred]:
+        """The answer is whole (`att` its last attempt): the detokenizer's tail, the report,
+        the request's counts and metrics (deferred until its client has the last token), the
+        answer stored in the semantic tier, then the final event."""
+        o, req, report, final = self.orch, self.req, self.req.report, self.final
+        tail = self.detok.flush()
+        if tail:
+            yield TextDelta(tail, [])
+        prompt_tokens = len(self.ids)
+        cached = min(final.cached_tokens, prompt_tokens)
+        ttft = ((self.first_token_at or time.monotonic()) - req.t0) * 1000.0
+        report.prompt_tokens = prompt_tokens
+        report.cached_tokens = cached
+        report.replica_id = final.replica_id or att.replica.public_id
+        report.ttft_ms = ttft
+        report.draft_tokens_proposed = final.draft_tokens_proposed
+        report.draft_tokens_accepted = final.draft_tokens_accepted
+        report.lookup_tokens_accepted = final.lookup_tokens_accepted
+        report.forward_passes = final.forward_passes
+        report.route = self.route
+        # What the last replica chosen was expected to hold, against what it reused.
+        expected = min(att.seen.get(att.decision.replica_id, 0), prompt_tokens)
+        report.index_matched_tokens = expected
+        fin, completion, made_up = final, len(self.generated), self.made_up
+        passes_saved = (0 if made_up
+                        else max(0, completion - att.from_here - 1 - fin.forward_passes))
+
+        def account() -> None:
+            # The request's counts and metrics, made as before once its client has taken
+            # the last token (a client gone before is not a request served).
+            DRAFT_TOKENS.labels("proposed").inc(fin.draft_tokens_proposed)
+            DRAFT_TOKENS.labels("accepted_from_cache").inc(
+                max(0, fin.draft_tokens_accepted - fin.lookup_tokens_accepted))
+            DRAFT_TOKENS.labels("accepted_from_lookup").inc(fin.lookup_tokens_accepted)
+            PASSES_SAVED.inc(passes_saved)
+            MATCHED_TOKENS.inc(expected)
+            # A replica computes at least the prompt's last token, held or not. Not known
+            # of a replica lost before its final message: counted as nothing reused, its
+            # whole match read as evicted.
+            if not made_up:
+                MATCH_SHORTFALL.inc(max(0, min(expected, prompt_tokens - 1) - cached))
+            cache_class = "prefix_hit" if cached >= o.min_prefix_tokens else "cold"
+            o._count(cache_class, prompt_tokens, cached, completion, ttft)
+
+        yield _Deferred(account)
+        # Stored as the replica finishes, not once the client has read the answer: a client
+        # reading slowly no longer holds the Store back, nor, too slow for its deadline,
+        # leaves its whole answer unstored.
+        with req.tier_call():
+            sid = o._store_answer(req.tenant, req.prompt, req.sampling, self.look,
+                                  self.may_store, self.generated, final.finish_reason,
+                                  req.deadline, req.tier_call_started)
+        report.degradations.extend(req.notes)
+        if req.cancelled.is_set():
+            # Gone during the Store (cancelled with it): no final message, for nobody.
+            raise errors.Cancelled("client cancelled")
+        if sid:
+            report.semantic_entry_id = sid
+        yield Finished(final.finish_reason, prompt_tokens, len(self.generated), report,
+                       req.request_id)
 
 # The most of what is left of a request's deadline that an optional cache call may take: a
 # tier that hangs must leave the replica most of the time (a lookup given all of it failed
