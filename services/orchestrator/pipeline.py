@@ -1131,73 +1131,7 @@ class _ReplicaSide:
                     att.call.cancel()  # left mid-stream (the request closed): stop the replica
                 req.current.pop("call", None)
                 att.held.release()
-            # The replica is lost for this request: try the next one (resuming after the
-            # tokens already streamed).
-            self.exclude.update((replica.replica_id, replica.address))
-            self.tried.append(replica.public_id)
-            # A pool too small is no reason to retry later; busy ones are: every replica
-            # tried busy or too small is still "busy, retry later".
-            self.only_busy = self.only_busy and (att.busy or att.larger)
-            if not att.larger:
-                # A replica with a larger pool was tried and failed otherwise (lost, busy):
-                # the request may fit there once it is back, so "too big" is not the
-                # answer (it was, though that replica never said so). Unless its pool, as
-                # its last Stats said, is too small for what the refusal needs as well.
-                if self.too_big is None or not _pool_blocks(replica) or _may_hold(
-                        _pool_blocks(replica), self.too_big_pool, _blocks_needed(self.too_big)):
-                    self.too_big = None
-                if _pool_blocks(replica) > self.failed_pool:
-                    self.failed_pool, self.failed_by = _pool_blocks(replica), replica.replica_id
-                    self.failed_public, self.failed_why = replica.public_id, self.why_public
-            if att.lost is not None and not att.held.hung:
-                # Not when the poller found it hung and we cut the call: it holds the
-                # replica down with why, and our own CANCELLED ("Locally cancelled by
-                # application!") was logged as the replica's new reason to be unhealthy.
-                replica.health.fail(att.lost)
-            if (att.lost is not None or att.busy or att.larger) and o.dispatched is not None:
-                # What was sent there moments ago is not held there (lost), or would steer
-                # the same prefix back to a replica that cannot take it (busy, or its pool
-                # too small: every request routed there renewed the credit, so it never
-                # expired while traffic went on).
-                o.dispatched.forget(replica.replica_id)
-            self.attempts += 1
-            self.failures += not att.larger
-            with _noting(req.notes):
-                if att.busy or att.larger:
-                    # Saturation or a small pool, already logged at INFO above: counted
-                    # apart from replica failures, so alerts on "retry"/"resume" mean broken
-                    # replicas.
-                    o.stats.degrade("busy_replica" if att.busy else att.larger_kind)
-                else:
-                    o.stats.degrade("resume" if self.generated else "retry")
-                    if _DEGRADED_LINES.allow((f"replica {replica.replica_id}",
-                                              att.why.partition(":")[0])):
-                        log.warning("replica %s failed (%s) after %d tokens; attempt %d",
-                                    replica.replica_id, att.why, len(self.generated),
-                                    self.attempts + 1)
-            ended = o._ended(self.generated, req.sampling)
-            if ended is not None:
-                # The tokens streamed already make the whole answer (they reached max_tokens,
-                # a stop token or the end of sequence; the final message was lost): a resume
-                # would ask for 0 tokens, or generate on past the answer's end.
-                log.info("replica %s failed after the answer's last token; answer complete",
-                         replica.replica_id)
-                self.final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
-                self.made_up = True
-                break
-            if self.failures >= o.max_attempts:
-                # No "too big" here: only a failure is counted, and one clears it (above).
-                # The replica's own message (transport errors name internal addresses) is in
-                # the log line above, not in the client's status.
-                raise _counted(req.tenant, _give_up(
-                    None, self.only_busy,
-                    f"every kvpool replica tried is busy (tried {', '.join(self.tried)}); "
-                    f"last: {self.why_public}"
-                    # A replica's own refusal may say it already (past max_waiting).
-                    + ("" if "retry later" in self.why_public else "; retry later"),
-                    f"kvpool replicas failed {self.failures} times "
-                    f"(tried {', '.join(self.tried)}); "
-                    f"last: {self.why_public}", req.sampling)) from None
+            self._after_failure(att)
 
         yield from self._finish(att)
 
@@ -1252,6 +1186,82 @@ class _ReplicaSide:
             + (f"; last: {self.why_public}" if self.why_public else ""),
             req.sampling)) from None
 
+
+    def _after_failure(self, att: _Attempt) -> None:
+        """The attempt's replica is lost for this request: it is excluded, its failure noted
+        for the client's error (busy, too big, the largest pool that failed), marked down if
+        lost, its dispatch credit forgotten and the degradation counted. Then either the
+        tokens read already make the whole answer (`final` made here), or the next replica is
+        tried (resuming after them), unless max_attempts failures used the attempts up."""
+        # The replica is lost for this request: try the next one (resuming after the
+        # tokens already streamed).
+        o, req, replica = self.orch, self.req, att.replica
+        busy, larger = att.busy, att.larger
+        self.exclude.update((replica.replica_id, replica.address))
+        self.tried.append(replica.public_id)
+        # A pool too small is no reason to retry later; busy ones are: every replica
+        # tried busy or too small is still "busy, retry later".
+        self.only_busy = self.only_busy and (busy or larger)
+        if not larger:
+            # A replica with a larger pool was tried and failed otherwise (lost, busy):
+            # the request may fit there once it is back, so "too big" is not the
+            # answer (it was, though that replica never said so). Unless its pool, as
+            # its last Stats said, is too small for what the refusal needs as well.
+            if self.too_big is None or not _pool_blocks(replica) or _may_hold(
+                    _pool_blocks(replica), self.too_big_pool, _blocks_needed(self.too_big)):
+                self.too_big = None
+            if _pool_blocks(replica) > self.failed_pool:
+                self.failed_pool, self.failed_by = _pool_blocks(replica), replica.replica_id
+                self.failed_public, self.failed_why = replica.public_id, self.why_public
+        if att.lost is not None and not att.held.hung:
+            # Not when the poller found it hung and we cut the call: it holds the
+            # replica down with why, and our own CANCELLED ("Locally cancelled by
+            # application!") was logged as the replica's new reason to be unhealthy.
+            replica.health.fail(att.lost)
+        if (att.lost is not None or busy or larger) and o.dispatched is not None:
+            # What was sent there moments ago is not held there (lost), or would steer
+            # the same prefix back to a replica that cannot take it (busy, or its pool
+            # too small: every request routed there renewed the credit, so it never
+            # expired while traffic went on).
+            o.dispatched.forget(replica.replica_id)
+        self.attempts += 1
+        self.failures += not larger
+        with _noting(req.notes):
+            if busy or larger:
+                # Saturation or a small pool, already logged at INFO above: counted
+                # apart from replica failures, so alerts on "retry"/"resume" mean broken
+                # replicas.
+                o.stats.degrade("busy_replica" if busy else att.larger_kind)
+            else:
+                o.stats.degrade("resume" if self.generated else "retry")
+                if _DEGRADED_LINES.allow((f"replica {replica.replica_id}",
+                                          att.why.partition(":")[0])):
+                    log.warning("replica %s failed (%s) after %d tokens; attempt %d",
+                                replica.replica_id, att.why, len(self.generated),
+                                self.attempts + 1)
+        ended = o._ended(self.generated, req.sampling)
+        if ended is not None:
+            # The tokens streamed already make the whole answer (they reached max_tokens,
+            # a stop token or the end of sequence; the final message was lost): a resume
+            # would ask for 0 tokens, or generate on past the answer's end.
+            log.info("replica %s failed after the answer's last token; answer complete",
+                     replica.replica_id)
+            self.final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
+            self.made_up = True
+            return
+        if self.failures >= o.max_attempts:
+            # No "too big" here: only a failure is counted, and one clears it (above).
+            # The replica's own message (transport errors name internal addresses) is in
+            # the log line above, not in the client's status.
+            raise _counted(req.tenant, _give_up(
+                None, self.only_busy,
+                f"every kvpool replica tried is busy (tried {', '.join(self.tried)}); "
+                f"last: {self.why_public}"
+                # A replica's own refusal may say it already (past max_waiting).
+                + ("" if "retry later" in self.why_public else "; retry later"),
+                f"kvpool replicas failed {self.failures} times "
+                f"(tried {', '.join(self.tried)}); last: {self.why_public}",
+                req.sampling)) from None
 
     def _finish(self, att: _Attempt) -> Iterator[TextDelta | Finished | _Deferred]:
         """The answer is whole (`att` its last attempt): the detokenizer's tail, the report,
