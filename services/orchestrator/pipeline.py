@@ -1021,106 +1021,8 @@ class _ReplicaSide:
                 replica.health.traffic_ok()
             except grpc.RpcError as e:
                 att.stream_ended = True  # its status: the call is over
-                code = e.code()
-                if att.called_at is not None and not req.cancelled.is_set():
-                    # Failed before its first message (refused, lost, hung and cut by the
-                    # poller): timed too, as the other tiers' failed calls are. Not one
-                    # its client cancelled: that time is the client's.
-                    CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
-                        time.monotonic() - att.called_at)
-                if self.final is not None:
-                    # The answer is whole: the stream broke only after the final message
-                    # (its trailing status lost, or the hung-replica watcher firing just then).
-                    log.info("replica %s: %s after the final message; answer complete",
-                             replica.replica_id, code.name)
+                if not self._judge_failure(att, e):
                     break
-                if req.cancelled.is_set():
-                    raise errors.Cancelled("client cancelled") from None
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-                    raise errors.DeadlineExceeded(
-                        "deadline exceeded while generating") from None
-                att.busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.overloaded(e)
-                if att.busy:
-                    # Full queue or memory held on this replica only: another may serve it
-                    # (an answer under way resumes there, exactly). Not marked down.
-                    if _LOAD_LINES.allow((f"replica {replica.replica_id}", "busy")):
-                        log.info("replica %s is busy (%s); trying another",
-                                 replica.replica_id, e.details())
-                elif code in _REPLICA_REFUSED_US:
-                    # Our internal credential, not the client's: a misconfigured replica.
-                    # Never the client's UNAUTHENTICATED; try another replica.
-                    log.error("replica %s refused the orchestrator's internal credential (%s: "
-                              "%s): check TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN and "
-                              "TIERCACHE_KVPOOL_INTERNAL_TOKEN", replica.replica_id,
-                              code.name, e.details())
-                elif (code == grpc.StatusCode.FAILED_PRECONDITION
-                      and (e.details() or "").startswith("model_id:")):
-                    # The orchestrator sends its own model id: a replica serving another
-                    # model is a deployment fault, not the client's; try another replica.
-                    log.error("replica %s serves another model (%s)", replica.replica_id,
-                              e.details())
-                elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
-                      and (e.details() or "").startswith("token_ids:")
-                      and (o._larger_pool(replica, self.exclude)
-                           or _may_hold(self.failed_pool, _pool_blocks(replica), _blocks_needed(e))
-                           or o._larger_down(_pool_blocks(replica),
-                                                _blocks_needed(e)) is not None)):
-                    # Too big for this replica's pool, not for every one: pools sized by
-                    # kv_cache_bytes differ with each replica's hardware. A larger one
-                    # down is no verdict either (`_too_big_stands`), unless the request
-                    # needs more blocks than that pool has too.
-                    att.larger = True
-                    if self.failed_pool <= _pool_blocks(replica):
-                        self.too_big = self.too_big or e
-                        self.too_big_pool = max(self.too_big_pool, _pool_blocks(replica))
-                    if o._larger_pool(replica, self.exclude):
-                        att.larger_kind, next_step = "larger_pool", "trying a larger pool"
-                    else:
-                        # No larger pool left to try: the one that may hold the request is
-                        # down (or failed on this request). Said and counted apart: "trying
-                        # a larger pool" and larger_pool read as a hand-off, though the
-                        # request then ended UNAVAILABLE.
-                        down = o._larger_down(_pool_blocks(replica), _blocks_needed(e))
-                        att.larger_kind = "larger_pool_down"
-                        next_step = ("no larger pool to try: "
-                                     + (f"{down.replica_id}, with a larger pool, is down"
-                                        if down is not None else
-                                        f"{self.failed_by}, with a larger pool, failed on it"))
-                    if _may_hold(self.failed_pool, _pool_blocks(replica), _blocks_needed(e)):
-                        # A larger pool failed on this request (now down, too, if lost):
-                        # "(tried kvpool#1, kvpool#0); last: UNAVAILABLE" read as the small
-                        # pool's failure, and did not say the request needs that pool.
-                        self.why_public = (f"{self.failed_public}, with a larger KV pool, failed "
-                                      f"({self.failed_why})")
-                    if _LOAD_LINES.allow((f"replica {replica.replica_id}", "too small")):
-                        log.info("replica %s cannot hold the request (%s); %s",
-                                 replica.replica_id, e.details(), next_step)
-                elif code not in _REPLICA_LOST:
-                    # The replica judged the request itself: pass its verdict on unchanged.
-                    if len(self.generated) == att.from_here and o.dispatched is not None:
-                        # Refused before computing anything (too big for every pool, say):
-                        # the prompt is not held there, and a request sharing it must not
-                        # follow this one's credit to that replica (and count the miss as
-                        # an eviction).
-                        o.dispatched.withdraw(att.recorded)
-                    raise _counted(req.tenant, _as_domain(e, req.sampling)) from None
-                # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
-                # another, but it is not marked down for everyone (Stats polls judge that):
-                # one request that breaks replicas must not take every replica out of routing.
-                att.lost = (
-                    None if att.busy or att.larger
-                    or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
-                att.why = f"{code.name}: {e.details()}"
-                if not (att.larger and self.why_public):
-                    # A small pool's refusal after a replica failed keeps that failure as
-                    # the last reason ("last: RESOURCE_EXHAUSTED" named no replica's fault).
-                    self.why_public = f"{code.name}: {e.details()}" if att.busy else code.name
-                if att.held.hung and code == grpc.StatusCode.CANCELLED:
-                    # Cancelled by us, the replica found hung: gRPC's own "Locally
-                    # cancelled by application!" read as if someone had asked for it.
-                    self.why_public = "hung (Stats polls unanswered)"
-                    att.why = ("cancelled by this orchestrator: "
-                           f"{replica.health.last_error or self.why_public}")
             except _StreamCut as e:
                 att.lost, att.why = e, str(e)
                 self.why_public = att.why
@@ -1186,6 +1088,126 @@ class _ReplicaSide:
             + (f"; last: {self.why_public}" if self.why_public else ""),
             req.sampling)) from None
 
+
+    def _judge_failure(self, att: _Attempt, e: grpc.RpcError) -> bool:
+        """What a replica's failed call means for the request: whether it is lost for it (try
+        another: busy, its pool too small, or the replica failed, refused our credential or
+        serves another model; `att.lost` the error to mark it down with, `att.why` its log
+        reason), False when the answer was already whole; the client's error when the client
+        went, the deadline passed or the replica judged the request itself."""
+        o, req, replica = self.orch, self.req, att.replica
+        code = e.code()
+        if att.called_at is not None and not req.cancelled.is_set():
+            # Failed before its first message (refused, lost, hung and cut by the
+            # poller): timed too, as the other tiers' failed calls are. Not one
+            # its client cancelled: that time is the client's.
+            CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
+                time.monotonic() - att.called_at)
+        if self.final is not None:
+            # The answer is whole: the stream broke only after the final message
+            # (its trailing status lost, or the hung-replica watcher firing just then).
+            log.info("replica %s: %s after the final message; answer complete",
+                     replica.replica_id, code.name)
+            return False
+        if req.cancelled.is_set():
+            raise errors.Cancelled("client cancelled") from None
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise errors.DeadlineExceeded(
+                "deadline exceeded while generating") from None
+        att.busy = code == grpc.StatusCode.RESOURCE_EXHAUSTED and errors.overloaded(e)
+        if att.busy:
+            # Full queue or memory held on this replica only: another may serve it
+            # (an answer under way resumes there, exactly). Not marked down.
+            if _LOAD_LINES.allow((f"replica {replica.replica_id}", "busy")):
+                log.info("replica %s is busy (%s); trying another",
+                         replica.replica_id, e.details())
+        elif code in _REPLICA_REFUSED_US:
+            # Our internal credential, not the client's: a misconfigured replica.
+            # Never the client's UNAUTHENTICATED; try another replica.
+            log.error("replica %s refused the orchestrator's internal credential (%s: "
+                      "%s): check TIERCACHE_ORCHESTRATOR_INTERNAL_TOKEN and "
+                      "TIERCACHE_KVPOOL_INTERNAL_TOKEN", replica.replica_id,
+                      code.name, e.details())
+        elif (code == grpc.StatusCode.FAILED_PRECONDITION
+              and (e.details() or "").startswith("model_id:")):
+            # The orchestrator sends its own model id: a replica serving another
+            # model is a deployment fault, not the client's; try another replica.
+            log.error("replica %s serves another model (%s)", replica.replica_id,
+                      e.details())
+        elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
+              and (e.details() or "").startswith("token_ids:")
+              and self._another_may_hold(replica, e)):
+            self._too_small(att, e)
+        elif code not in _REPLICA_LOST:
+            # The replica judged the request itself: pass its verdict on unchanged.
+            if len(self.generated) == att.from_here and o.dispatched is not None:
+                # Refused before computing anything (too big for every pool, say):
+                # the prompt is not held there, and a request sharing it must not
+                # follow this one's credit to that replica (and count the miss as
+                # an eviction).
+                o.dispatched.withdraw(att.recorded)
+            raise _counted(req.tenant, _as_domain(e, req.sampling)) from None
+        # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
+        # another, but it is not marked down for everyone (Stats polls judge that):
+        # one request that breaks replicas must not take every replica out of routing.
+        att.lost = (None if att.busy or att.larger
+                    or code in (grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN) else e)
+        att.why = f"{code.name}: {e.details()}"
+        if not (att.larger and self.why_public):
+            # A small pool's refusal after a replica failed keeps that failure as
+            # the last reason ("last: RESOURCE_EXHAUSTED" named no replica's fault).
+            self.why_public = f"{code.name}: {e.details()}" if att.busy else code.name
+        if att.held.hung and code == grpc.StatusCode.CANCELLED:
+            # Cancelled by us, the replica found hung: gRPC's own "Locally
+            # cancelled by application!" read as if someone had asked for it.
+            self.why_public = "hung (Stats polls unanswered)"
+            att.why = ("cancelled by this orchestrator: "
+                       f"{replica.health.last_error or self.why_public}")
+        return True
+
+    def _another_may_hold(self, replica, e: grpc.RpcError) -> bool:
+        """Whether a request too big for `replica`'s pool (its refusal `e`) may fit another
+        one: a larger pool not tried yet, one tried that failed otherwise, or one down."""
+        o, blocks, need = self.orch, _pool_blocks(replica), _blocks_needed(e)
+        return (o._larger_pool(replica, self.exclude)
+                or _may_hold(self.failed_pool, blocks, need)
+                or o._larger_down(blocks, need) is not None)
+
+    def _too_small(self, att: _Attempt, e: grpc.RpcError) -> None:
+        """The attempt's replica refused the request as too big for its pool, not for every
+        one: noted as "too big" unless a larger pool already failed on it, and said as a hand-
+        off to a larger pool (larger_pool) or as none left to try (larger_pool_down)."""
+        # Too big for this replica's pool, not for every one: pools sized by
+        # kv_cache_bytes differ with each replica's hardware. A larger one
+        # down is no verdict either (`_too_big_stands`), unless the request
+        # needs more blocks than that pool has too.
+        o, replica = self.orch, att.replica
+        att.larger = True
+        if self.failed_pool <= _pool_blocks(replica):
+            self.too_big = self.too_big or e
+            self.too_big_pool = max(self.too_big_pool, _pool_blocks(replica))
+        if o._larger_pool(replica, self.exclude):
+            att.larger_kind, next_step = "larger_pool", "trying a larger pool"
+        else:
+            # No larger pool left to try: the one that may hold the request is
+            # down (or failed on this request). Said and counted apart: "trying
+            # a larger pool" and larger_pool read as a hand-off, though the
+            # request then ended UNAVAILABLE.
+            down = o._larger_down(_pool_blocks(replica), _blocks_needed(e))
+            att.larger_kind = "larger_pool_down"
+            next_step = ("no larger pool to try: "
+                         + (f"{down.replica_id}, with a larger pool, is down"
+                            if down is not None else
+                            f"{self.failed_by}, with a larger pool, failed on it"))
+        if _may_hold(self.failed_pool, _pool_blocks(replica), _blocks_needed(e)):
+            # A larger pool failed on this request (now down, too, if lost):
+            # "(tried kvpool#1, kvpool#0); last: UNAVAILABLE" read as the small
+            # pool's failure, and did not say the request needs that pool.
+            self.why_public = (f"{self.failed_public}, with a larger KV pool, failed "
+                               f"({self.failed_why})")
+        if _LOAD_LINES.allow((f"replica {replica.replica_id}", "too small")):
+            log.info("replica %s cannot hold the request (%s); %s",
+                     replica.replica_id, e.details(), next_step)
 
     def _after_failure(self, att: _Attempt) -> None:
         """The attempt's replica is lost for this request: it is excluded, its failure noted
