@@ -16,7 +16,7 @@ import secrets
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -593,6 +593,12 @@ class Orchestrator:
                  policy: Policy, session_id: str, return_token_ids: bool, request_id: str,
                  deadline: float, on_cancel: Callable[[Callable[[], None]], None],
                  arrived: float | None = None) -> Iterator[TextDelta | Finished]:
+        """One request's events, in its phases: the semantic lookup and its verdict
+        (`_weigh_lookup`: a hit served here, `_serve_hit`, or the model's draft), the prefix
+        index's view of the prompt and its routing key, then the replica side
+        (`_ReplicaSide`: routing, each replica's attempt, failover, the report and the
+        answer's Store), read ahead on a thread of its own (`_ReadAhead`) and drained here at
+        the client's pace."""
         # TTFT's start: when the server received the request (rendering and tokenizing
         # included), or now.
         t0 = time.monotonic() if arrived is None else arrived
@@ -940,101 +946,12 @@ class _ReplicaSide:
     def run(self) -> Iterator[TextDelta | Finished | _Deferred]:
         """Tries replicas until one gives the whole answer (none left: the client's error),
         then reports it and stores it."""
-        o, req = self.orch, self.req
         while self.final is None:
-            if req.cancelled.is_set():
+            if self.req.cancelled.is_set():
                 raise errors.Cancelled("client cancelled")
             att = self._route()
-            replica, decision = att.replica, att.decision
-            try:
-                if (decision.route == "prefix"
-                        and att.seen.get(decision.replica_id, 0) > self.matches.get(
-                            decision.replica_id, 0)):
-                    DISPATCH_ROUTES.inc()
-                if log.isEnabledFor(logging.DEBUG):
-                    log.debug("route %s: %s -> %s (matched %d; index %s; sent moments ago %s; "
-                              "loads %s)", req.request_id, decision.route, decision.replica_id,
-                              decision.matched_tokens, dict(self.matches),
-                              {r: t for r, t in att.seen.items() if t > self.matches.get(r, 0)},
-                              {v.replica_id: v.load for v in o.replicas.views()})
-                self.route = (decision.route if self.attempts == 0
-                         else ("resume" if self.generated else "retry"))
-                remaining = req.deadline - time.monotonic()
-                if remaining <= 0:
-                    raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
-                att.from_here = len(self.generated)  # this replica's tokens start here
-                kv_request = kvpool_pb2.KvGenerateRequest(
-                    request_id=req.request_id, token_ids=self.ids + self.generated,
-                    sampling=common_pb2.SamplingParams(
-                        max_tokens=req.sampling.max_tokens - len(self.generated),
-                        temperature=req.sampling.temperature, top_p=req.sampling.top_p,
-                        seed=self.seed, stop_token_ids=req.sampling.stop_token_ids,
-                        ignore_eos=req.sampling.ignore_eos),
-                    cache_salt=req.tenant.cache_salt,
-                    skip_prefix_cache=req.policy.skip_prefix_cache,
-                    draft_token_ids=self.draft_ids[len(self.generated):] if self.draft_ids else [],
-                    model_id=o.model_id,
-                    # A resumed answer continues the seeded randomness where it stopped.
-                    seed_offset=len(self.generated))
-                att.called_at = time.monotonic()
-                att.call = replica.stub.Generate(kv_request, timeout=remaining,
-                                             metadata=call_metadata(o.internal_token,
-                                                                    req.request_id))
-                req.current["call"] = att.call
-                # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
-                # ends CANCELLED, which fails over below like any lost replica.
-                att.held.watcher = att.held.cut_as_hung(att.call)
-                o.replicas.watch(replica, att.held.watcher, att.downs_at.get(replica.address))
-                if req.cancelled.is_set():
-                    att.call.cancel()
-                # Read at the replica's pace (this runs on the request's read-ahead thread),
-                # drained at the client's: the replica's share of routing's load and its
-                # watcher are released as soon as its stream ends, and a lost replica is
-                # resumed at once with every token read, however far behind the client is.
-                for msg in att.call:
-                    if att.called_at is not None:
-                        # The replica's answer time (its queue and prefill, as this
-                        # orchestrator sees them); the rest of a stream is decode.
-                        CALL_SECONDS.labels("kvpool", "Generate", replica.address).observe(
-                            time.monotonic() - att.called_at)
-                        att.called_at = None
-                    if msg.token_ids:
-                        new = list(msg.token_ids)
-                        self.generated.extend(new)
-                        text = self.detok.push(new)
-                        if self.first_token_at is None:
-                            # When the orchestrator has it from a replica (handed on at
-                            # once to a client keeping up; a slow one takes it later).
-                            self.first_token_at = time.monotonic()
-                        if text or req.return_token_ids:
-                            yield TextDelta(text, new if req.return_token_ids else [])
-                    if msg.HasField("final"):
-                        self.final = msg.final
-                att.stream_ended = True
-                if self.final is None:
-                    # Ended cleanly but without its final message: the replica broke off (a
-                    # proxy or a replica going away); fail over as for a lost replica.
-                    raise _StreamCut(f"replica {replica.public_id} ended the stream without "
-                                     "a final message")
-                # Not ok(): a draining replica (down by the poller) finishing its streams must
-                # not come back into routing with each one.
-                replica.health.traffic_ok()
-            except grpc.RpcError as e:
-                att.stream_ended = True  # its status: the call is over
-                if not self._judge_failure(att, e):
-                    break
-            except _StreamCut as e:
-                att.lost, att.why = e, str(e)
-                self.why_public = att.why
-            else:
-                continue  # the final message arrived: the loop ends
-            finally:
-                if att.call is not None and not att.stream_ended:
-                    att.call.cancel()  # left mid-stream (the request closed): stop the replica
-                req.current.pop("call", None)
-                att.held.release()
-            self._after_failure(att)
-
+            if (yield from self._attempt(att)):
+                self._after_failure(att)
         yield from self._finish(att)
 
     def _route(self) -> _Attempt:
@@ -1088,6 +1005,105 @@ class _ReplicaSide:
             + (f"; last: {self.why_public}" if self.why_public else ""),
             req.sampling)) from None
 
+    def _attempt(self, att: _Attempt) -> Generator[TextDelta, None, bool]:
+        """Sends the request (resumed after the tokens already read) to the attempt's replica
+        and relays its stream; whether the replica is lost for this request (failed, busy or
+        its pool too small: `_after_failure`, then the next attempt). Its call, its share of
+        routing's load and its watcher end with the attempt."""
+        o, req, replica, decision = self.orch, self.req, att.replica, att.decision
+        sampling = req.sampling
+        try:
+            if (decision.route == "prefix"
+                    and att.seen.get(decision.replica_id, 0) > self.matches.get(
+                        decision.replica_id, 0)):
+                DISPATCH_ROUTES.inc()
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("route %s: %s -> %s (matched %d; index %s; sent moments ago %s; "
+                          "loads %s)", req.request_id, decision.route, decision.replica_id,
+                          decision.matched_tokens, dict(self.matches),
+                          {r: t for r, t in att.seen.items() if t > self.matches.get(r, 0)},
+                          {v.replica_id: v.load for v in o.replicas.views()})
+            self.route = (decision.route if self.attempts == 0
+                          else ("resume" if self.generated else "retry"))
+            remaining = req.deadline - time.monotonic()
+            if remaining <= 0:
+                raise errors.DeadlineExceeded("deadline exceeded before a replica answered")
+            att.from_here = len(self.generated)  # this replica's tokens start here
+            kv_request = kvpool_pb2.KvGenerateRequest(
+                request_id=req.request_id, token_ids=self.ids + self.generated,
+                sampling=common_pb2.SamplingParams(
+                    max_tokens=sampling.max_tokens - len(self.generated),
+                    temperature=sampling.temperature, top_p=sampling.top_p,
+                    seed=self.seed, stop_token_ids=sampling.stop_token_ids,
+                    ignore_eos=sampling.ignore_eos),
+                cache_salt=req.tenant.cache_salt, skip_prefix_cache=req.policy.skip_prefix_cache,
+                draft_token_ids=self.draft_ids[len(self.generated):] if self.draft_ids else [],
+                model_id=o.model_id,
+                # A resumed answer continues the seeded randomness where it stopped.
+                seed_offset=len(self.generated))
+            att.called_at = time.monotonic()
+            att.call = replica.stub.Generate(kv_request, timeout=remaining,
+                                             metadata=call_metadata(o.internal_token,
+                                                                    req.request_id))
+            req.current["call"] = att.call
+            # Declared down by the poller (hung: Stats unanswered) -> cancel this call; it
+            # ends CANCELLED, which fails over below like any lost replica.
+            att.held.watcher = att.held.cut_as_hung(att.call)
+            o.replicas.watch(replica, att.held.watcher, att.downs_at.get(replica.address))
+            if req.cancelled.is_set():
+                att.call.cancel()
+            yield from self._relay(att)
+            att.stream_ended = True
+            if self.final is None:
+                # Ended cleanly but without its final message: the replica broke off (a
+                # proxy or a replica going away); fail over as for a lost replica.
+                raise _StreamCut(f"replica {replica.public_id} ended the stream without "
+                                 "a final message")
+            # Not ok(): a draining replica (down by the poller) finishing its streams must
+            # not come back into routing with each one.
+            replica.health.traffic_ok()
+        except grpc.RpcError as e:
+            att.stream_ended = True  # its status: the call is over
+            return self._judge_failure(att, e)
+        except _StreamCut as e:
+            att.lost, att.why = e, str(e)
+            self.why_public = att.why
+            return True
+        else:
+            return False  # the final message arrived: the loop ends
+        finally:
+            if att.call is not None and not att.stream_ended:
+                att.call.cancel()  # left mid-stream (the request closed): stop the replica
+            req.current.pop("call", None)
+            att.held.release()
+
+    def _relay(self, att: _Attempt) -> Iterator[TextDelta]:
+        """The replica's stream, read at its pace and handed on as text (and token ids, where
+        asked); its final message kept in `final`."""
+        # Read at the replica's pace (this runs on the request's read-ahead thread),
+        # drained at the client's: the replica's share of routing's load and its
+        # watcher are released as soon as its stream ends, and a lost replica is
+        # resumed at once with every token read, however far behind the client is.
+        return_ids = self.req.return_token_ids
+        for msg in att.call:
+            if att.called_at is not None:
+                # The replica's answer time (its queue and prefill, as this
+                # orchestrator sees them); the rest of a stream is decode.
+                CALL_SECONDS.labels("kvpool", "Generate", att.replica.address).observe(
+                    time.monotonic() - att.called_at)
+                att.called_at = None
+            if msg.token_ids:
+                new = list(msg.token_ids)
+                self.generated.extend(new)
+                text = self.detok.push(new)
+                if self.first_token_at is None:
+                    # When the orchestrator has it from a replica (handed on at
+                    # once to a client keeping up; a slow one takes it later).
+                    self.first_token_at = time.monotonic()
+                if text or return_ids:
+                    yield TextDelta(text, new if return_ids else [])
+            if msg.HasField("final"):
+                self.final = msg.final
 
     def _judge_failure(self, att: _Attempt, e: grpc.RpcError) -> bool:
         """What a replica's failed call means for the request: whether it is lost for it (try
@@ -1345,6 +1361,7 @@ class _ReplicaSide:
             report.semantic_entry_id = sid
         yield Finished(final.finish_reason, prompt_tokens, len(self.generated), report,
                        req.request_id)
+
 
 # The most of what is left of a request's deadline that an optional cache call may take: a
 # tier that hangs must leave the replica most of the time (a lookup given all of it failed
