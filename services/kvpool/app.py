@@ -147,7 +147,7 @@ def load_model(cfg: KvPoolConfig) -> tuple[Any, str, Packing]:
         return model
 
     resolved, model = load_resolved(cfg.model, cfg.cache_dir or None, cfg.model_id or None,
-                                    load)
+                                    load, check_weights=True)
     model.to(cfg.device).eval()
     packing = pack_linears(model, cfg.linear_kernels)
     if packing.kernels == "onednn":

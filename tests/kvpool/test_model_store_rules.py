@@ -264,3 +264,63 @@ def test_two_overlapping_conversions_leave_transformers_gguf_bar_as_it_was(monke
     assert gguf_utils.tqdm is not drawn  # the second still converts: still off
     second.__exit__(None, None, None)
     assert gguf_utils.tqdm is drawn
+
+
+def test_weights_damaged_in_place_at_their_size_are_converted_again_where_loaded(
+        tmp_path: Path, monkeypatch, caplog):
+    """The marker recorded no digest of the weights: weights zeroed in place at their size
+    loaded, and the model answered garbage without a word. kvpool (`check_weights`) now
+    compares their sha256 first and converts again once under the WARNING the other files
+    get; the orchestrator, which loads only the tokenizer, does not read them. A marker from
+    before the digest gets it after a load that passed; a mismatch again after converting is
+    one ModelStoreError naming the file (kvpool: "bad configuration", exit 2)."""
+    loads = _fake_gguf(tmp_path, monkeypatch)
+
+    def load(p: str) -> bytes:
+        return (Path(p) / "model.safetensors").read_bytes()  # loads whatever is there
+
+    path = Path(resolve_model("smollm2", cache_dir=str(tmp_path)).path)
+    marker = json.loads((path / model_store._DONE_MARKER).read_text())
+    assert list(marker[model_store._WEIGHTS_DIGESTS]) == ["model.safetensors"]
+
+    def zero() -> None:
+        with open(path / "model.safetensors", "r+b") as f:
+            f.seek(1000)
+            f.write(b"\0" * 64)  # same size
+
+    zero()
+    _, data = model_store.load_resolved("smollm2", str(tmp_path), None, load)
+    assert data != b"w" * 4096 and loads == [1]  # the tokenizer's caller reads no weights
+    with caplog.at_level("WARNING", logger="services.common.model_store"):
+        _, data = model_store.load_resolved("smollm2", str(tmp_path), None, load,
+                                            check_weights=True)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert data == b"w" * 4096 and loads == [1, 1]
+    assert len(warned) == 1 and "model.safetensors changed since it was converted" in \
+        warned[0] and str(path) in warned[0], warned
+    # An older marker (no weights digest) passes, and gets it once the load passed.
+    marker = json.loads((path / model_store._DONE_MARKER).read_text())
+    del marker[model_store._WEIGHTS_DIGESTS]
+    (path / model_store._DONE_MARKER).write_text(json.dumps(marker))
+    model_store.load_resolved("smollm2", str(tmp_path), None, load, check_weights=True)
+    assert loads == [1, 1]
+    marker = json.loads((path / model_store._DONE_MARKER).read_text())
+    assert model_store._WEIGHTS_DIGESTS in marker
+    assert not list(path.glob("*.tmp"))
+    zero()
+    model_store.load_resolved("smollm2", str(tmp_path), None, load, check_weights=True)
+    assert loads == [1, 1, 1]
+    # Damaged again by the disk right after converting: one error, not a loop.
+    real_publish = model_store._publish
+
+    def publish_then_damage(tmp: Path, target: Path) -> None:
+        real_publish(tmp, target)
+        zero()
+
+    monkeypatch.setattr(model_store, "_publish", publish_then_damage)
+    zero()
+    with pytest.raises(model_store.ModelStoreError,
+                       match=r"converted again and still does not match its marker: "
+                             r"model\.safetensors changed since it was converted"):
+        model_store.load_resolved("smollm2", str(tmp_path), None, load, check_weights=True)
+    assert loads == [1, 1, 1, 1]
