@@ -831,13 +831,11 @@ class Orchestrator:
         TOKENS.labels("saved_semantic").inc(len(ids))
         yield Finished(finish, 0, len(ids), report, request_id)
 
-    def _larger_pool(self, replica, exclude: set) -> bool:
-        """Whether a healthy replica not tried yet has more KV blocks than `replica`."""
-        mine = _pool_blocks(replica)
-        return any(r.stats is not None and r.stats.blocks_total > mine
+    def _larger_pool(self, blocks: int, exclude: set) -> bool:
+        """Whether a healthy replica not tried yet has more KV blocks than `blocks`."""
+        return any(r.stats is not None and r.stats.blocks_total > blocks
                    for r in self.replicas.healthy()
-                   if r is not replica and r.replica_id not in exclude
-                   and r.address not in exclude)
+                   if r.replica_id not in exclude and r.address not in exclude)
 
     def _larger_down(self, blocks: int, need: int | None = None):
         """The replica with the largest pool of those known down (not one serving another
@@ -1152,7 +1150,7 @@ class _ReplicaSide:
                       e.details())
         elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
               and (e.details() or "").startswith("token_ids:")
-              and self._another_may_hold(replica, e)):
+              and self._another_may_hold(_pool_blocks(replica), e)):
             self._too_small(att, e)
         elif code not in _REPLICA_LOST:
             # The replica judged the request itself: pass its verdict on unchanged.
@@ -1181,11 +1179,12 @@ class _ReplicaSide:
                        f"{replica.health.last_error or self.why_public}")
         return True
 
-    def _another_may_hold(self, replica, e: grpc.RpcError) -> bool:
-        """Whether a request too big for `replica`'s pool (its refusal `e`) may fit another
-        one: a larger pool not tried yet, one tried that failed otherwise, or one down."""
-        o, blocks, need = self.orch, _pool_blocks(replica), _blocks_needed(e)
-        return (o._larger_pool(replica, self.exclude)
+    def _another_may_hold(self, blocks: int, e: grpc.RpcError) -> bool:
+        """Whether a request too big for a pool of `blocks` KV blocks (its refusal `e`) may fit
+        another one: a larger pool not tried yet, one tried that failed otherwise, or one
+        down."""
+        o, need = self.orch, _blocks_needed(e)
+        return (o._larger_pool(blocks, self.exclude)
                 or _may_hold(self.failed_pool, blocks, need)
                 or o._larger_down(blocks, need) is not None)
 
@@ -1202,7 +1201,7 @@ class _ReplicaSide:
         if self.failed_pool <= _pool_blocks(replica):
             self.too_big = self.too_big or e
             self.too_big_pool = max(self.too_big_pool, _pool_blocks(replica))
-        if o._larger_pool(replica, self.exclude):
+        if o._larger_pool(_pool_blocks(replica), self.exclude):
             att.larger_kind, next_step = "larger_pool", "trying a larger pool"
         else:
             # No larger pool left to try: the one that may hold the request is
@@ -1288,11 +1287,17 @@ class _ReplicaSide:
             self.made_up = True
             return
         if self.failures >= o.max_attempts:
-            # No "too big" here: only a failure is counted, and one clears it (above).
+            # A "too big" that still stands where no pool, tried or not, up or down, may hold
+            # the request is the answer (RESOURCE_EXHAUSTED, for good): the failure that used
+            # up the attempts was a pool smaller than the request's need, and UNAVAILABLE had
+            # clients retry a request that can never fit. One a pool may still hold is not.
             # The replica's own message (transport errors name internal addresses) is in
             # the log line above, not in the client's status.
+            too_big = (self.too_big if self.too_big is not None
+                       and not self._another_may_hold(self.too_big_pool, self.too_big)
+                       else None)
             raise _counted(req.tenant, _give_up(
-                None, self.only_busy,
+                too_big, self.only_busy,
                 f"every kvpool replica tried is busy (tried {', '.join(self.tried)}); "
                 f"last: {self.why_public}"
                 # A replica's own refusal may say it already (past max_waiting).

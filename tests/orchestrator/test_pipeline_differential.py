@@ -794,9 +794,19 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
     def larger_down(blocks: int) -> bool:
         return any(may_hold(w.known_pool(a), blocks) for a in down)
 
+    def larger_up(blocks: int) -> bool:
+        """A healthy replica not tried yet with a larger pool than `blocks`."""
+        return any(w.known_pool(a) > blocks for a in w.addresses
+                   if a not in down and a not in tried)
+
     def give_up(at_no_route: bool = True):
         E.ids = list(gen)
-        if at_no_route and too_big_pool is not None and not larger_down(too_big_pool):
+        # With the attempts used up, a "too big" stands only where no pool, tried or not, up
+        # or down, may hold the request (it can never fit).
+        stands = too_big_pool is not None and (at_no_route or not (
+            larger_up(too_big_pool) or may_hold(failed_pool, too_big_pool)
+            or larger_down(too_big_pool)))
+        if stands and not larger_down(too_big_pool):
             E.error = "RESOURCE_EXHAUSTED"
         elif at_no_route and too_big_pool is not None:
             E.error = "UNAVAILABLE"  # the larger pool down: the request fits once it is back
@@ -843,10 +853,8 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
             return E
         err = att.error
         mine = w.known_pool(addr)
-        larger_up = any(w.known_pool(a) > mine for a in w.addresses
-                        if a not in down and a != addr and a not in tried)
         larger = err.startswith("too_big:") if err else False
-        if larger and not (larger_up or may_hold(failed_pool, mine) or larger_down(mine)):
+        if larger and not (larger_up(mine) or may_hold(failed_pool, mine) or larger_down(mine)):
             err = "too_big"  # no pool, up or down, may hold it: the replica's verdict
             larger = False
         if err in VERDICTS:
@@ -864,7 +872,7 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
             if failed_pool <= mine:
                 too_big_pool = max(too_big_pool or 0, mine)
             # A hand-off to a larger pool, or none left to try with the larger one down.
-            degrade("larger_pool" if larger_up else "larger_pool_down")
+            degrade("larger_pool" if larger_up(mine) else "larger_pool_down")
         else:
             degrade("busy_replica" if busy else "resume" if gen else "retry")
             if too_big_pool is not None and (not mine or may_hold(mine, too_big_pool)):

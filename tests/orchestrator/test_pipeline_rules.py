@@ -779,3 +779,32 @@ def test_a_larger_pool_lost_after_the_small_ones_refusal_keeps_a_refusal_past_it
         with pytest.raises(errors.TierCacheError) as e:
             generate(orch, [])
         assert e.value.code == code, (need, str(e.value))
+
+
+@pytest.mark.parametrize("larger", ["past_it", "shrunk"])
+def test_attempts_used_up_on_a_request_no_pool_can_hold_is_too_big_not_unavailable(larger):
+    """max_attempts 1: the small pool refused (a larger one left to try), then the larger
+    pool's replica was lost, its pool (as its Stats said, or say once it came back smaller)
+    too small for the request as well. The attempts ran out and the client was told
+    UNAVAILABLE, which it retries, though the request can never fit: the small pool's refusal
+    (RESOURCE_EXHAUSTED, for good). One the lost pool may hold stays UNAVAILABLE."""
+    need = 500 if larger == "past_it" else 300
+
+    class Shrinks(Stub):
+        def Generate(self, req, timeout=None, metadata=None):  # noqa: N802
+            if larger == "shrunk":  # its next Stats: a pool smaller than the request's need
+                orch.replicas.by_id("B").stats.blocks_total = 250
+            return super().Generate(req, timeout, metadata)
+
+    stubs = {"A": Stub("A", [Call([], _too_big(need, 200))]),
+             "B": Shrinks("B", [Call([], RpcError(grpc.StatusCode.UNAVAILABLE))])}
+    orch = sized(make(stubs, max_attempts=1), {"A": 200, "B": 400})
+    with pytest.raises(errors.TierCacheError) as e:
+        generate(orch, [])
+    assert e.value.code == "RESOURCE_EXHAUSTED", str(e.value)
+    assert f"need {need} KV blocks" in str(e.value)
+    stubs = {"A": Stub("A", [Call([], _too_big(300, 200))]),
+             "B": Stub("B", [Call([], RpcError(grpc.StatusCode.UNAVAILABLE))])}
+    orch = sized(make(stubs, max_attempts=1), {"A": 200, "B": 400})
+    with pytest.raises(errors.Unavailable):
+        generate(orch, [])
