@@ -831,9 +831,11 @@ class Orchestrator:
         TOKENS.labels("saved_semantic").inc(len(ids))
         yield Finished(finish, 0, len(ids), report, request_id)
 
-    def _larger_pool(self, blocks: int, exclude: set) -> bool:
-        """Whether a healthy replica not tried yet has more KV blocks than `blocks`."""
-        return any(r.stats is not None and r.stats.blocks_total > blocks
+    def _larger_pool(self, blocks: int, exclude: set, need: int | None = None) -> bool:
+        """Whether a healthy replica not tried yet has more KV blocks than `blocks` and, when
+        the request's `need` is known, at least that many: a larger pool still too small was
+        handed the request anyway, one call more for the same refusal."""
+        return any(r.stats is not None and _may_hold(r.stats.blocks_total, blocks, need)
                    for r in self.replicas.healthy()
                    if r.replica_id not in exclude and r.address not in exclude)
 
@@ -1184,7 +1186,7 @@ class _ReplicaSide:
         another one: a larger pool not tried yet, one tried that failed otherwise, or one
         down."""
         o, need = self.orch, _blocks_needed(e)
-        return (o._larger_pool(blocks, self.exclude)
+        return (o._larger_pool(blocks, self.exclude, need)
                 or _may_hold(self.failed_pool, blocks, need)
                 or o._larger_down(blocks, need) is not None)
 
@@ -1201,7 +1203,7 @@ class _ReplicaSide:
         if self.failed_pool <= _pool_blocks(replica):
             self.too_big = self.too_big or e
             self.too_big_pool = max(self.too_big_pool, _pool_blocks(replica))
-        if o._larger_pool(_pool_blocks(replica), self.exclude):
+        if o._larger_pool(_pool_blocks(replica), self.exclude, _blocks_needed(e)):
             att.larger_kind, next_step = "larger_pool", "trying a larger pool"
         else:
             # No larger pool left to try: the one that may hold the request is
@@ -1403,7 +1405,7 @@ def _blocks_needed(e: grpc.RpcError) -> int | None:
 
 
 def _may_hold(pool: int, blocks: int, need: int | None) -> bool:
-    """Whether a pool of `pool` KV blocks (a replica down, or lost on this request) may hold
+    """Whether a pool of `pool` KV blocks (a replica up, down, or lost on this request) may hold
     a request a pool of `blocks` refused as needing `need` blocks, once it is back: larger,
     and not smaller than the need where the refusal said it. The pool sizes are the replicas'
     last Stats: a request past every pool, down or not, is refused for good (RESOURCE_EXHAUSTED,

@@ -20,12 +20,12 @@ end loses only the final message), failing after its final message, passing a ve
 request, running out the deadline, or the client going after k tokens (in half the worlds
 the replicas have KV pools of 4, 8 or 16 blocks, most known to the orchestrator by their
 Stats, some declared down before a request; a request needing more blocks than a replica's
-pool is refused there, with or without the figure in its words, and handed to a larger pool,
-healthy and not tried yet, else UNAVAILABLE while a larger one that may hold it is down or
-was lost on the request, else refused for good); the Store answering,
-down, refusing, or the client gone during it; any sampling (max_tokens 1-9, stop tokens that
-may be the end of sequence, ignore_eos, greedy or sampled, seeded or not) and any cache policy
-flags.
+pool is refused there, with or without the figure in its words, and handed to a larger pool
+that may hold it (not smaller than the figure), healthy and not tried yet, else UNAVAILABLE
+while a larger one that may hold it is down or was lost on the request, else refused for good
+at once); the Store answering, down, refusing, or the client gone during it; any sampling
+(max_tokens 1-9, stop tokens that may be the end of sequence, ignore_eos, greedy or sampled,
+seeded or not) and any cache policy flags.
 
 The model (written from DESIGN.md "The life of a request", docs/architecture.md steps 3-9, the
 CacheReport, FinishReason and metrics docs) computes the reference answer from scratch and
@@ -780,7 +780,8 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
     attempts = failures = 0
     made_up = False
     # Pool sizes (a world with them; deploy.md, the kv_pool reason): a replica whose pool is
-    # too small hands the request to a larger one, healthy and not tried yet; with the larger
+    # too small hands the request to a larger one that may hold it, healthy and not tried
+    # yet; with the larger
     # one down (or lost on this request) and able to hold it once back, UNAVAILABLE; past every
     # pool whose size is known, down or not, the refusal for good (RESOURCE_EXHAUSTED).
     down = set(p.down)  # replicas down: before the request, and lost during it
@@ -795,8 +796,10 @@ def model(w: World, st: ModelState, p: Plan, seed: int | None, stored: int) -> E
         return any(may_hold(w.known_pool(a), blocks) for a in down)
 
     def larger_up(blocks: int) -> bool:
-        """A healthy replica not tried yet with a larger pool than `blocks`."""
-        return any(w.known_pool(a) > blocks for a in w.addresses
+        """A healthy replica not tried yet whose pool may hold what `blocks` refused: larger,
+        and not smaller than the need where the refusal said it (past every pool: refused at
+        once, no call to a larger pool still too small)."""
+        return any(may_hold(w.known_pool(a), blocks) for a in w.addresses
                    if a not in down and a not in tried)
 
     def give_up(at_no_route: bool = True):

@@ -808,3 +808,31 @@ def test_attempts_used_up_on_a_request_no_pool_can_hold_is_too_big_not_unavailab
     orch = sized(make(stubs, max_attempts=1), {"A": 200, "B": 400})
     with pytest.raises(errors.Unavailable):
         generate(orch, [])
+
+
+def test_a_request_past_every_pool_is_refused_at_once_with_the_larger_one_up():
+    """Both replicas up, the request needing more KV blocks than either pool (as their last
+    Stats said): the small pool's refusal handed it to the larger one, one call more for the
+    same RESOURCE_EXHAUSTED. Refused at once, the larger pool not called, counted as no
+    hand-off; one the larger pool holds (or a refusal without the figure) is still handed
+    on."""
+    stubs = {"A": Stub("A", [Call([], _too_big(500, 200))]),
+             "B": Stub("B", [Call([], _too_big(500, 400))])}
+    orch = sized(make(stubs), {"A": 200, "B": 400})
+    with pytest.raises(errors.TierCacheError) as e:
+        generate(orch, [])
+    assert e.value.code == "RESOURCE_EXHAUSTED" and "need 500 KV blocks" in str(e.value)
+    assert stubs["B"].requests == []
+    assert orch.stats.degradations["larger_pool"] == 0
+    class NoFigure(RpcError):  # another build's words: the need unknown
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return "token_ids: too long for this pool"
+
+    for refusal in (_too_big(300, 200), NoFigure()):
+        stubs = {"A": Stub("A", [Call([], refusal)]), "B": Stub("B", [Call([final("B", 2)])])}
+        orch = sized(make(stubs), {"A": 200, "B": 400})
+        assert finished(generate(orch, [])).report.replica_id == "B"
+        assert orch.stats.degradations["larger_pool"] == 1
