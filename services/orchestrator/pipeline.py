@@ -848,6 +848,29 @@ class Orchestrator:
                 and _may_hold(_pool_blocks(r), blocks, need)]
         return max(down, key=_pool_blocks, default=None)
 
+    def _in_largest_pool(self, e: grpc.RpcError) -> grpc.RpcError:
+        """A replica's refusal of a request past every pool (`e`), in the words the largest
+        pool known (its last Stats, up or down) gives: a small pool's own figures ("the pool
+        has 8; sampling.max_tokens of at most 80 fits") told the client to fit under a pool
+        smaller than the one it may use. `e` itself when its replica's pool is the largest,
+        the need is not said, or a pool known may hold it."""
+        details = e.details() or ""
+        need, said = _blocks_needed(e), _POOL_HAS.search(details)
+        sizes = [r.stats for r in self.replicas.replicas if r.stats is not None and not r.misfit]
+        if need is None or said is None or not sizes:
+            return e
+        largest = max(sizes, key=lambda st: st.blocks_total)
+        if not int(said.group(1)) < largest.blocks_total < need:
+            return e
+        # kvpool's words (engine `submit`): the room left for max_tokens by the prompt.
+        tokens = _PROMPT_TOKENS.search(details)
+        block = largest.block_size or self.hasher.block_size
+        room = largest.blocks_total * block - int(tokens.group(1)) + 1 if tokens else None
+        fits = ("" if room is None else f"; sampling.max_tokens of at most {room} fits"
+                if room > 0 else "; the prompt alone is too long for it")
+        return _Refusal(e.code(), details[:said.start()]
+                        + f"the pool has {largest.blocks_total}{fits}" + details[said.end():])
+
     def _too_big_stands(self, too_big: grpc.RpcError | None, too_big_pool: int,
                         only_busy: bool, why_public: str
                         ) -> tuple[grpc.RpcError | None, bool, str]:
@@ -998,7 +1021,8 @@ class _ReplicaSide:
             # or replica, and clients retry UNAVAILABLE (`retry_later`).
             raise errors.Unavailable(misfits)
         raise _counted(req.tenant, _give_up(
-            self.too_big, bool(self.tried) and self.only_busy,
+            None if self.too_big is None else o._in_largest_pool(self.too_big),
+            bool(self.tried) and self.only_busy,
             f"every kvpool replica is busy (tried {', '.join(self.tried)}); retry later",
             "no kvpool replica is available"
             + (f" (tried {', '.join(self.tried)})" if self.tried else "")
@@ -1162,6 +1186,8 @@ class _ReplicaSide:
                 # follow this one's credit to that replica (and count the miss as
                 # an eviction).
                 o.dispatched.withdraw(att.recorded)
+            if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                e = o._in_largest_pool(e)  # past every pool: the largest one's figures
             raise _counted(req.tenant, _as_domain(e, req.sampling)) from None
         # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
         # another, but it is not marked down for everyone (Stats polls judge that):
@@ -1299,7 +1325,7 @@ class _ReplicaSide:
                        and not self._another_may_hold(self.too_big_pool, self.too_big)
                        else None)
             raise _counted(req.tenant, _give_up(
-                too_big, self.only_busy,
+                None if too_big is None else o._in_largest_pool(too_big), self.only_busy,
                 f"every kvpool replica tried is busy (tried {', '.join(self.tried)}); "
                 f"last: {self.why_public}"
                 # A replica's own refusal may say it already (past max_waiting).
@@ -1394,6 +1420,24 @@ def _pool_blocks(replica) -> int:
 # A replica's "too big" refusal: "token_ids: prompt (37 tokens) + sampling.max_tokens (256) need
 # 19 KV blocks, the pool has 16; ..." (kvpool's engine, `submit`).
 _NEED = re.compile(r"\bneed (\d+) KV blocks\b")
+# Its pool's figures, and the prompt's length they were worked out from.
+_POOL_HAS = re.compile(r"\bthe pool has (\d+)(?:; sampling\.max_tokens of at most \d+ fits"
+                       r"|; the prompt alone is too long for it)?")
+_PROMPT_TOKENS = re.compile(r"\bprompt \((\d+) tokens\)")
+
+
+class _Refusal(grpc.RpcError):
+    """A replica's refusal said in other words (`Orchestrator._in_largest_pool`)."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self._code, self._details = code, details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
 
 
 def _blocks_needed(e: grpc.RpcError) -> int | None:

@@ -836,3 +836,50 @@ def test_a_request_past_every_pool_is_refused_at_once_with_the_larger_one_up():
         orch = sized(make(stubs), {"A": 200, "B": 400})
         assert finished(generate(orch, [])).report.replica_id == "B"
         assert orch.stats.degradations["larger_pool"] == 1
+
+
+def _refusal(prompt: int, max_tokens: int, pool: int) -> RpcError:
+    """kvpool's refusal (engine `submit`, 16-token blocks) of a request past a pool."""
+    need = -(-(prompt + max_tokens - 1) // 16)
+    room = pool * 16 - prompt + 1
+    fits = (f"; sampling.max_tokens of at most {room} fits" if room > 0
+            else "; the prompt alone is too long for it")
+    said = (f"token_ids: prompt ({prompt} tokens) + sampling.max_tokens ({max_tokens}) need "
+            f"{need} KV blocks, the pool has {pool}{fits}")
+
+    class Refused(RpcError):
+        def __init__(self) -> None:
+            super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED)
+
+        def details(self) -> str:
+            return said
+    return Refused()
+
+
+@pytest.mark.parametrize("larger", ["down", "up"])
+def test_a_refusal_past_every_pool_names_the_largest_pools_figures(larger):
+    """A request past every pool refused by the small pool, the larger one down (or up: not
+    called, see above): the client was told the small pool's figures ("the pool has 8; the
+    prompt alone is too long for it"), though under the largest pool a max_tokens of 81
+    fits. The words the largest pool gives, its figures; a refusal by the largest pool
+    itself is passed on as it came."""
+    stubs = {"A": Stub("A", [Call([], _refusal(1200, 200, 8))]),
+             "B": Stub("B", [Call([final("B", 2)])])}
+    orch = sized(make(stubs), {"A": 8, "B": 80})
+    if larger == "down":
+        orch.replicas.by_id("B").health.fail("Connection refused", hold=True)
+        orch.routing = _healthy_in_order()
+    with pytest.raises(errors.TierCacheError) as e:
+        generate(orch, [])
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+    assert str(e.value) == (
+        "prompt (rendered messages): prompt (1200 tokens) + sampling.max_tokens (200) need 88 "
+        "KV blocks, the pool has 80; sampling.max_tokens of at most 81 fits"), str(e.value)
+    assert stubs["B"].requests == []
+    stubs = {"B": Stub("B", [Call([], _refusal(1200, 200, 80))]),
+             "A": Stub("A", [Call([], _refusal(1200, 200, 8))])}
+    orch = sized(make(stubs), {"A": 8, "B": 80})
+    orch.routing = in_order("B", "A")
+    with pytest.raises(errors.TierCacheError) as e:
+        generate(orch, [])
+    assert str(e.value).endswith("the pool has 80; sampling.max_tokens of at most 81 fits")
