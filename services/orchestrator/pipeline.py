@@ -964,6 +964,11 @@ class _ReplicaSide:
         # That replica: its id (for the log), public id and failure (for the client's).
         self.failed_by = self.failed_public = self.failed_why = ""
         self.why_public = ""  # the last replica failure, as the client may see it
+        # The report's `route` label (CacheReport.route): the first attempt's routing reason
+        # ("prefix", "ring", ...), else "retry" ("resume" once tokens were read) whenever a
+        # replica tried before the one that served it did not, busy or its pool too small
+        # included (no failures, but the replica first chosen did not serve it; the
+        # degradations say which), as the proto comment and README say.
         self.route = ""
 
     def run(self) -> Iterator[TextDelta | Finished | _Deferred]:
@@ -1347,6 +1352,11 @@ class _ReplicaSide:
         ttft = ((self.first_token_at or time.monotonic()) - req.t0) * 1000.0
         report.prompt_tokens = prompt_tokens
         report.cached_tokens = cached
+        # The replica whose tokens end the answer: its own id (its final message), or its
+        # public id where the final was made here (lost after the answer's last token, before
+        # its final message). Naming the lost replica is right there: it produced the answer
+        # (its part, after a resume); being lost is what became of it afterwards (counted as
+        # retry/resume in the degradations).
         report.replica_id = final.replica_id or att.replica.public_id
         report.ttft_ms = ttft
         report.draft_tokens_proposed = final.draft_tokens_proposed

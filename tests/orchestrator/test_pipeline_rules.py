@@ -883,3 +883,25 @@ def test_a_refusal_past_every_pool_names_the_largest_pools_figures(larger):
     with pytest.raises(errors.TierCacheError) as e:
         generate(orch, [])
     assert str(e.value).endswith("the pool has 80; sampling.max_tokens of at most 81 fits")
+
+
+def test_the_report_names_the_replica_whose_tokens_end_the_answer_and_a_hand_off_as_retry():
+    """Pinned (checked right, not changed): a replica lost after the answer's last token
+    (its final message, which carries the replica id, lost) is named in the report: it made
+    the answer's end (here after a resume from A), not a replica that did nothing. And a
+    request a busy or too-small replica handed to another reports route "retry", as the
+    proto comment of `route` says (the replica first chosen did not serve it), its
+    degradations saying why (busy_replica / larger_pool), not retry."""
+    tok = [kvpool_pb2.KvGenerateResponse(token_ids=[c]) for c in b"abcd"]
+    stubs = {"A": Stub("A", [Call(tok[:2], RpcError(grpc.StatusCode.UNAVAILABLE))]),
+             "B": Stub("B", [Call(tok[2:], RpcError(grpc.StatusCode.UNAVAILABLE))])}
+    orch = make(stubs)
+    orch.routing = in_order("A", "B")
+    rep = finished(generate(orch, [])).report
+    # Its public id (never polled here, B's own id unknown: "kvpool#1"), B's tokens "cd".
+    assert (rep.replica_id, rep.route) == ("kvpool#1", "resume")
+    assert list(rep.degradations) == ["resume"]
+    for first, kind in ((Busy(), "busy_replica"), (_too_big(300, 200), "larger_pool")):
+        stubs = {"A": Stub("A", [Call([], first)]), "B": Stub("B", [Call([final("B", 2)])])}
+        rep = finished(generate(sized(make(stubs), {"A": 200, "B": 400}), [])).report
+        assert (rep.replica_id, rep.route, list(rep.degradations)) == ("B", "retry", [kind])
