@@ -1207,6 +1207,34 @@ class _FlushStub:
         return kvpool_pb2.KvFlushResponse(blocks_dropped=5, blocks_in_use=1)
 
 
+def _erase_servicer(semantic, stubs, tokens="tok-o=ops", dispatched=None):
+    """A servicer for EraseTenant whose tenant "ops" (token tok-o) is an admin, over
+    `semantic` and kvpool replicas kv0, kv1... answering with `stubs`."""
+    s, orch, tenants = _stats_servicer(tokens=tokens)
+    tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
+    tenants.__post_init__()
+    orch.semantic = semantic
+    orch.replicas = SimpleNamespace(replicas=[
+        SimpleNamespace(stub=st, public_id=f"kv{i}", replica_id=f"kv{i}")
+        for i, st in enumerate(stubs)])
+    orch.internal_token = ""
+    orch.dispatched = dispatched
+    s.attach(orch, tenants)
+    return s, orch, tenants
+
+
+def _caller(token, remaining):
+    """A call's context: `token`, and `remaining` seconds left (1e9: a client without a
+    deadline, as gRPC tells it: grpcurl's default)."""
+    class C(Context):
+        def invocation_metadata(self):
+            return (("authorization", f"Bearer {token}"),)
+
+        def time_remaining(self):
+            return remaining
+    return C()
+
+
 def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
     """Erasure on request needed one Invalidate per semantic shard and had no way to drop a
     tenant's KV blocks but a replica restart. EraseTenant (admin only) invalidates the tenant
@@ -1214,11 +1242,7 @@ def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
     and refuses an empty name before touching anything."""
     from tiercache.v1 import semantic_pb2
 
-    s, orch, tenants = _stats_servicer(tokens="tok-a=alice,tok-o=ops")
-    tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
-    tenants.__post_init__()
     calls = []
-
     timeouts = []
 
     def sem_call(address, method, req, timeout=None):
@@ -1226,24 +1250,14 @@ def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
         timeouts.append(timeout)
         return semantic_pb2.InvalidateResponse(removed=3)
 
-    orch.semantic = SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), _call=sem_call)
     stubs = [_FlushStub(), _FlushStub(fail=True)]
-    orch.replicas = SimpleNamespace(replicas=[
-        SimpleNamespace(stub=st, public_id=f"kv{i}", replica_id=f"kv{i}")
-        for i, st in enumerate(stubs)])
-    orch.internal_token = ""
     forgot = []
-    orch.dispatched = SimpleNamespace(forget=forgot.append)
-    s.attach(orch, tenants)
+    s, orch, tenants = _erase_servicer(
+        SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), _call=sem_call), stubs,
+        tokens="tok-a=alice,tok-o=ops", dispatched=SimpleNamespace(forget=forgot.append))
 
     def as_(tok):
-        class C(Context):
-            def invocation_metadata(self):
-                return (("authorization", f"Bearer {tok}"),)
-
-            def time_remaining(self):
-                return 1e9  # a client without a deadline, as gRPC tells it (grpcurl's default)
-        return C()
+        return _caller(tok, 1e9)
 
     with pytest.raises(errors.PermissionDenied, match="authorization: tenant alice may not "
                        "erase a tenant's data"):
@@ -1267,26 +1281,9 @@ def test_erase_tenant_keeps_time_to_answer_when_a_replica_hangs():
     own deadline (`tiercache --timeout 10 erase-tenant`), and the caller got DEADLINE_EXCEEDED,
     not the counts of what was erased and the line naming the replica. Each call now ends
     before the caller's deadline, leaving time to answer."""
-    s, orch, tenants = _stats_servicer(tokens="tok-o=ops")
-    tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
-    tenants.__post_init__()
     stubs = [_FlushStub(), _FlushStub(fail=True)]
-    orch.semantic = SimpleNamespace(enabled=False)
-    orch.replicas = SimpleNamespace(replicas=[
-        SimpleNamespace(stub=st, public_id=f"kv{i}", replica_id=f"kv{i}")
-        for i, st in enumerate(stubs)])
-    orch.internal_token = ""
-    orch.dispatched = None
-    s.attach(orch, tenants)
-
-    class C(Context):
-        def invocation_metadata(self):
-            return (("authorization", "Bearer tok-o"),)
-
-        def time_remaining(self):
-            return 10.0
-
-    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), C())
+    s, _, _ = _erase_servicer(SimpleNamespace(enabled=False), stubs)
+    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), _caller("tok-o", 10.0))
     assert list(r.not_reached) == ["kvpool kv1: UNAVAILABLE: connection refused"]
     assert all(t <= 10.0 - 0.2 for t in stubs[0].timeouts + stubs[1].timeouts), (
         stubs[0].timeouts, stubs[1].timeouts)
@@ -1304,9 +1301,6 @@ def test_erase_tenant_calls_every_shard_and_replica_at_once():
 
     from services.orchestrator.tenants import MAX_TENANT_CHARS
 
-    s, orch, tenants = _stats_servicer(tokens="tok-o=ops")
-    tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
-    tenants.__post_init__()
     others_done = threading.Event()
     calls = []
 
@@ -1329,26 +1323,13 @@ def test_erase_tenant_calls_every_shard_and_replica_at_once():
             others_done.set()
             return out
 
-    orch.semantic = SimpleNamespace(enabled=True, addresses=("hung", "s:2"), _call=sem_call)
     stubs = [Last()]
-    orch.replicas = SimpleNamespace(replicas=[
-        SimpleNamespace(stub=st, public_id=f"kv{i}", replica_id=f"kv{i}")
-        for i, st in enumerate(stubs)])
-    orch.internal_token = ""
-    orch.dispatched = None
-    s.attach(orch, tenants)
-
-    class C(Context):
-        def invocation_metadata(self):
-            return (("authorization", "Bearer tok-o"),)
-
-        def time_remaining(self):
-            return 30.0
-
+    s, _, _ = _erase_servicer(
+        SimpleNamespace(enabled=True, addresses=("hung", "s:2"), _call=sem_call), stubs)
     with pytest.raises(errors.InvalidArgument, match=f"^tenant: longer than {MAX_TENANT_CHARS}"):
         s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="a" * (MAX_TENANT_CHARS + 1)),
-                      C())
+                      _caller("tok-o", 30.0))
     assert calls == [] and stubs[0].asked == []
-    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), C())
+    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), _caller("tok-o", 30.0))
     assert list(r.not_reached) == []
     assert (r.semantic_entries_removed, r.kv_blocks_dropped) == (3, 5)
