@@ -115,6 +115,6 @@ def build(cfg: OrchestratorConfig) -> App:
     if cfg.tokens_file and cfg.tokens_reload_s > 0:
         watch_tokens_file(tenants, read_tokens, cfg.tokens_file, cfg.tokens_reload_s, stop,
                           seen=version)
-    warmer = Warmer(orch, cfg)
+    warmer = Warmer(orch, cfg, tenants)
     warmer.start()
     return App(orch, tenants, warmer, stop)

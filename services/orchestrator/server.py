@@ -646,9 +646,12 @@ def _unless_gone(call, gone: threading.Event):
 class Warmer:
     """Prefills prompts on replicas (Warm RPC) and runs the low-traffic warm-up loop."""
 
-    def __init__(self, orch: Orchestrator, cfg: OrchestratorConfig) -> None:
+    def __init__(self, orch: Orchestrator, cfg: OrchestratorConfig,
+                 tenants: TenantRegistry | None = None) -> None:
         self.orch = orch
         self.cfg = cfg
+        # The loop warms only these tenants' salts (None: every salt).
+        self.tenants = tenants
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=8, thread_name_prefix="warm")
 
@@ -933,6 +936,10 @@ class Warmer:
         # Replicas this cycle could warm: one with prefix caching off never holds a prefix,
         # and kept every prefix "lacking somewhere" while the cycle skipped it anyway.
         warmable = {r.replica_id for r in self.orch.replicas.healthy() if not _caching_off(r)}
+        # Only the tenants the tokens file has now (and unsalted prefixes): a tenant removed
+        # for erasure was warmed on, and a cycle that read the hot prefixes before an
+        # EraseTenant computed the erased tenant's KV again on the replicas it reached after.
+        hot = self._of_tenants_now(hot)
         for hp in _fair_share(hot, warmable, k):
             if done >= self.cfg.warm_max_prompts_per_cycle or self._stop.is_set():
                 break
@@ -946,6 +953,8 @@ class Warmer:
                 if r.load > 0 or self.cluster_load() > self.cfg.warm_max_load:
                     busy += 1
                     continue
+                if not self._of_tenants_now([hp]):  # removed during the cycle
+                    break
                 # Not pinned: pins count against the tenant's pin quota on the replica, and
                 # the loop's filled it for warm_pin_ttl_s, refusing the tenant's own Warm
                 # calls. Hot prefixes stay cached while they are used.
@@ -969,6 +978,13 @@ class Warmer:
         WARM_CYCLES.labels("ran" if done else "replicas_busy" if busy
                            else "nothing_to_warm").inc()
         return done
+
+    def _of_tenants_now(self, hot: list) -> list:
+        """The prefixes of `hot` under a salt of a tenant the tokens file has now, or none."""
+        if self.tenants is None:
+            return hot
+        salts = self.tenants.cache_salts()
+        return [hp for hp in hot if not hp.cache_salt or hp.cache_salt in salts]
 
     def _loop(self) -> None:
         # Each wait drawn within +-WARM_JITTER of the interval: pods started together kept

@@ -350,6 +350,13 @@ class TenantRegistry:
             self.by_token, self._by_digest = other.by_token, other._by_digest
             self._current = other._current
 
+    def cache_salts(self) -> set[str]:
+        """The cache salts of the tenants the tokens file has now (the default tenant's,
+        without tokens): the warm-up loop copies no prefix of a tenant removed since, whose
+        data an EraseTenant may have just erased."""
+        tenants = [self.default] if self.default is not None else self._current.values()
+        return {t.cache_salt for t in tenants}
+
     def _now(self, tenant: Tenant) -> Tenant:
         """`tenant` with its limits as the tenants file has them now: a call authenticated
         just before a reload was admitted under the old concurrency limit (and metered at the

@@ -32,6 +32,9 @@ def test_a_lost_replica_is_forgotten_by_routings_dispatch_memory():
         for listener in app.orch.replicas.on_lost:  # as the replica set tells of a loss
             listener("kv-1")
         assert memory.match(block) == {}
+        # The warm-up loop warms the tenants the tokens file has now (a removed one, erased,
+        # is not warmed again): it reads the registry the servicer authenticates with.
+        assert app.warmer.tenants is app.tenants
     finally:
         app.close()
 

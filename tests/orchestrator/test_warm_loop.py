@@ -394,3 +394,39 @@ def test_a_warm_reserves_its_prefills_from_the_rate_limit_and_gives_back_unused_
         warm(4)  # 8 prefills
     assert sum(r.stub.calls for r in reps) == calls and tokens() == pytest.approx(2)
     w.stop()
+
+
+def test_the_loop_copies_no_prefix_of_a_tenant_no_longer_in_the_tokens_file():
+    """Review: a cycle read the hot prefixes, then prefilled them one by one (seconds each);
+    an EraseTenant in between was undone on the replicas prefilled after it (the erased
+    tenant's KV computed again and cached, though EraseTenant had answered all erased), and a
+    tenant removed from the tokens file (erasure's step 1) was still warmed. Only the salts
+    of the tenants the tokens file has now are warmed (unsalted prefixes too, as before),
+    checked again right before each prefill (a reload during the cycle counts)."""
+    from services.orchestrator.tenants import TenantRegistry
+
+    def registry(*names):
+        return TenantRegistry.build(tokens_file="", tokens=",".join(
+            f"tok-{n}-0123456789abcdef={n}" for n in names), key=b"k" * 32, max_prompt_tokens=100,
+            max_tokens=100, max_concurrent=4)
+
+    tenants = registry("alice", "bob")
+    salt = {n: TenantRegistry.salt_for(n, b"k" * 32) for n in ("alice", "bob")}
+    hot = [prefix_pb2.HotPrefix(token_ids=[i] * 32, holders=[], hits=10, cache_salt=s)
+           for i, s in ((1, salt["alice"]), (2, salt["bob"]), (3, "gone"), (4, ""))]
+    w, reps = make([0], hot)
+    w.cfg = OrchestratorConfig(warm_interval_s=1.0, warm_top_k=8, warm_max_load=1.0,
+                               warm_max_prompts_per_cycle=10)
+    w.tenants = tenants
+    stub = reps[0].stub
+    real = stub.Prefill
+
+    def prefill(req, timeout=None, metadata=None):
+        out = real(req, timeout, metadata)
+        if req.cache_salt == salt["alice"]:
+            tenants.adopt(registry("alice"))  # bob's tokens removed during the cycle
+        return out
+
+    stub.Prefill = prefill
+    assert w.cycle() == 2
+    assert stub.calls == [[1] * 32, [4] * 32]  # alice's and the unsalted one; not bob's
