@@ -480,12 +480,19 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # The salt the tenant's requests carried: keyed by the hash key, from the name.
         flush = kvpool_pb2.KvFlushRequest(cache_salt=self.tenants.salt_for(name, self.tenants.key))
         md = call_metadata(o.internal_token)
+        deadline = time.monotonic() + timeout
+
+        def left() -> float:
+            # As each call starts: past ERASE_FANOUT of them, one that waited for a thread
+            # behind hung ones, sent with the whole budget, ran past the caller's deadline.
+            return max(0.01, deadline - time.monotonic())
+
         with ThreadPoolExecutor(max_workers=max(1, min(ERASE_FANOUT, len(shards) + len(
                 o.replicas.replicas))), thread_name_prefix="erase") as pool:
-            invalidated = [(a, pool.submit(o.semantic._call, a, "Invalidate", inval, timeout))
-                           for a in shards]
-            flushed = [(r, pool.submit(r.stub.Flush, flush, timeout=timeout, metadata=md))
-                       for r in o.replicas.replicas]
+            invalidated = [(a, pool.submit(lambda a=a: o.semantic._call(
+                a, "Invalidate", inval, left()))) for a in shards]
+            flushed = [(r, pool.submit(lambda r=r: r.stub.Flush(
+                flush, timeout=left(), metadata=md))) for r in o.replicas.replicas]
         for a, call in invalidated:
             try:
                 resp.semantic_entries_removed += call.result().removed

@@ -1333,3 +1333,50 @@ def test_erase_tenant_calls_every_shard_and_replica_at_once():
     r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), _caller("tok-o", 30.0))
     assert list(r.not_reached) == []
     assert (r.semantic_entries_removed, r.kv_blocks_dropped) == (3, 5)
+
+
+def test_erase_tenant_calls_waiting_for_a_thread_get_only_the_time_left(monkeypatch):
+    """Review: with more shards and replicas than ERASE_FANOUT threads, a call that waited for
+    a thread behind hung ones was still sent with the whole budget, computed before any call:
+    it ran past the caller's deadline, and the caller got DEADLINE_EXCEEDED instead of the
+    counts and the not_reached lines. Each call now gets what is left of the budget as it
+    starts."""
+    import time
+
+    from services.orchestrator import server as srv
+
+    monkeypatch.setattr(srv, "ERASE_FANOUT", 1)
+    s, orch, tenants = _stats_servicer(tokens="tok-o=ops")
+    tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
+    tenants.__post_init__()
+
+    class Hung(_FlushStub):
+        def Flush(self, req, timeout=None, metadata=None):
+            self.timeouts = [*getattr(self, "timeouts", []), timeout]
+            time.sleep(timeout)  # a stopped replica: its whole timeout
+            err = grpc.RpcError()
+            err.code = lambda: grpc.StatusCode.DEADLINE_EXCEEDED
+            err.details = lambda: "Deadline Exceeded"
+            raise err
+
+    stubs = [Hung(), Hung()]
+    orch.semantic = SimpleNamespace(enabled=False)
+    orch.replicas = SimpleNamespace(replicas=[
+        SimpleNamespace(stub=st, public_id=f"kv{i}", replica_id=f"kv{i}")
+        for i, st in enumerate(stubs)])
+    orch.internal_token = ""
+    orch.dispatched = None
+    s.attach(orch, tenants)
+
+    class C(Context):
+        def invocation_metadata(self):
+            return (("authorization", "Bearer tok-o"),)
+
+        def time_remaining(self):
+            return 1.0
+
+    t0 = time.monotonic()
+    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), C())
+    assert time.monotonic() - t0 < 1.0  # answered within the caller's deadline
+    assert [line.split(":")[0] for line in r.not_reached] == ["kvpool kv0", "kvpool kv1"]
+    assert stubs[1].timeouts[0] < 0.2, stubs[1].timeouts  # what the first one left
