@@ -6,7 +6,8 @@ configured a call without a valid `authorization: Bearer <token>` is UNAUTHENTIC
 Per tenant (tokens file): `max_prompt_tokens`, `max_tokens`, `max_concurrent` requests,
 `rate_per_s` requests per second with bursts of `burst` (token bucket; 0 = no rate limit), and
 `admin` — only admin tenants (and the `default` tenant of an unauthenticated local stack) may
-read cluster-wide Stats, which describe every tenant's traffic.
+read cluster-wide Stats, which describe every tenant's traffic, or erase a tenant's cached
+data (EraseTenant).
 """
 
 from __future__ import annotations
