@@ -1192,6 +1192,13 @@ def test_a_running_warm_prefill_is_cancelled_as_its_caller_goes_not_at_the_next_
     assert [c.cancelled for c in stubs["A"].Prefill.calls] == [True]
 
 
+def _rpc_error(code: grpc.StatusCode, details: str) -> grpc.RpcError:
+    err = grpc.RpcError()
+    err.code = lambda: code
+    err.details = lambda: details
+    return err
+
+
 class _FlushStub:
     def __init__(self, fail: bool = False) -> None:
         self.fail, self.asked = fail, []
@@ -1200,10 +1207,7 @@ class _FlushStub:
         self.asked.append(req.cache_salt)
         self.timeouts = [*getattr(self, "timeouts", []), timeout]
         if self.fail:
-            err = grpc.RpcError()
-            err.code = lambda: grpc.StatusCode.UNAVAILABLE
-            err.details = lambda: "connection refused"
-            raise err
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "connection refused")
         return kvpool_pb2.KvFlushResponse(blocks_dropped=5, blocks_in_use=1)
 
 
@@ -1310,10 +1314,7 @@ def test_erase_tenant_calls_every_shard_and_replica_at_once():
             # Answers only once everything else was called (sequentially: never, until
             # its timeout, which is then the whole budget).
             if not others_done.wait(5):
-                err = grpc.RpcError()
-                err.code = lambda: grpc.StatusCode.DEADLINE_EXCEEDED
-                err.details = lambda: "Deadline Exceeded"
-                raise err
+                raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             return semantic_pb2.InvalidateResponse(removed=1)
         return semantic_pb2.InvalidateResponse(removed=2)
 
@@ -1346,37 +1347,18 @@ def test_erase_tenant_calls_waiting_for_a_thread_get_only_the_time_left(monkeypa
     from services.orchestrator import server as srv
 
     monkeypatch.setattr(srv, "ERASE_FANOUT", 1)
-    s, orch, tenants = _stats_servicer(tokens="tok-o=ops")
-    tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
-    tenants.__post_init__()
 
     class Hung(_FlushStub):
         def Flush(self, req, timeout=None, metadata=None):
             self.timeouts = [*getattr(self, "timeouts", []), timeout]
             time.sleep(timeout)  # a stopped replica: its whole timeout
-            err = grpc.RpcError()
-            err.code = lambda: grpc.StatusCode.DEADLINE_EXCEEDED
-            err.details = lambda: "Deadline Exceeded"
-            raise err
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
 
     stubs = [Hung(), Hung()]
-    orch.semantic = SimpleNamespace(enabled=False)
-    orch.replicas = SimpleNamespace(replicas=[
-        SimpleNamespace(stub=st, public_id=f"kv{i}", replica_id=f"kv{i}")
-        for i, st in enumerate(stubs)])
-    orch.internal_token = ""
-    orch.dispatched = None
-    s.attach(orch, tenants)
-
-    class C(Context):
-        def invocation_metadata(self):
-            return (("authorization", "Bearer tok-o"),)
-
-        def time_remaining(self):
-            return 1.0
+    s, _, _ = _erase_servicer(SimpleNamespace(enabled=False), stubs)
 
     t0 = time.monotonic()
-    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), C())
+    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), _caller("tok-o", 1.0))
     assert time.monotonic() - t0 < 1.0  # answered within the caller's deadline
     assert [line.split(":")[0] for line in r.not_reached] == ["kvpool kv0", "kvpool kv1"]
     assert stubs[1].timeouts[0] < 0.2, stubs[1].timeouts  # what the first one left
