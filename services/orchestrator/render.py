@@ -265,6 +265,15 @@ class PromptRenderer:
                     self._pieces_bytes -= _piece_bytes(old, len(kept))
         return ids
 
+    def forget_scope(self, scope: str) -> int:
+        """Drops the pieces kept for `scope` (a tenant erased: its prompts' text stayed in
+        this cache until newer pieces pushed it out). Returns how many were dropped."""
+        with self._pieces_lock:
+            gone = [k for k in self._pieces if k[0] == scope]
+            for k in gone:
+                self._pieces_bytes -= _piece_bytes(k[1], len(self._pieces.pop(k)))
+        return len(gone)
+
     def _added_split(self) -> tuple[re.Pattern, dict[str, int]] | None:
         """A pattern matching the tokenizer's added tokens (longest first, as its own split
         does) and their ids; None when pieces between them may not be tokenized apart."""

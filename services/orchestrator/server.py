@@ -513,6 +513,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 # tenant): routed on, the tenant's next request went "prefix" to a replica
                 # holding nothing of it ("cached 0, index expected 48").
                 o.dispatched.forget(r.replica_id)
+        # Its prompts' pieces kept for tokenizing (scoped by tenant name).
+        o.renderer.forget_scope(name)
         log.info("erased tenant %s: %d semantic entries, %d KV blocks dropped, %d kept in use; "
                  "not reached: %s", name, resp.semantic_entries_removed, resp.kv_blocks_dropped,
                  resp.kv_blocks_in_use, "; ".join(resp.not_reached) or "none")

@@ -1137,6 +1137,10 @@ class SemanticCache:
             spaces = [ns for ns in self._ns_lru if ns.tenant == tenant]
         n = sum(self._invalidate_namespace(ns) for ns in spaces)
         self.store.truncate_wal()  # once, after every namespace
+        with self._recent_lock:
+            # Texts just looked up, the tenant's among them (kept by text alone, so all go:
+            # the next Store of each embeds its text again).
+            self._recent.clear()
         return n
 
     def _drop_in_chunks(self, labels: list[int], expired_at: float | None = None) -> int:

@@ -595,3 +595,22 @@ def test_messages_and_raw_prompts_of_only_invisible_characters_are_refused(rende
         renderer.render_raw(invisible)
     validate_messages([Message("user", invisible + "hi")], 1000)
     assert renderer.render_raw("hi" + invisible).query_text == "hi" + invisible
+
+
+def test_forgetting_a_scope_drops_only_its_pieces_and_their_bytes(tok):
+    """Review: an erased tenant's prompts stayed in the piece cache (its text, tokenized)
+    until newer pieces pushed them out. `forget_scope` drops that tenant's pieces only."""
+    from services.orchestrator import render
+
+    renderer = PromptRenderer(tok, max_chars=100_000)
+    for scope in ("alice", "bob"):
+        renderer.render_chat([Message("system", f"{scope}'s own prompt " + "word " * 200),
+                              Message("user", "q")], scope=scope)
+    bobs = {k: v for k, v in renderer._pieces.items() if k[0] == "bob"}
+    alices = len(renderer._pieces) - len(bobs)
+    assert bobs and alices
+    assert renderer.forget_scope("alice") == alices
+    assert renderer._pieces == bobs
+    assert renderer._pieces_bytes == sum(render._piece_bytes(k[1], len(v))
+                                         for k, v in bobs.items())
+    assert renderer.forget_scope("alice") == 0

@@ -1223,6 +1223,8 @@ def _erase_servicer(semantic, stubs, tokens="tok-o=ops", dispatched=None):
         for i, st in enumerate(stubs)])
     orch.internal_token = ""
     orch.dispatched = dispatched
+    orch.renderer = SimpleNamespace(forgot=[])
+    orch.renderer.forget_scope = orch.renderer.forgot.append
     s.attach(orch, tenants)
     return s, orch, tenants
 
@@ -1276,6 +1278,7 @@ def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
     assert (r.semantic_entries_removed, r.kv_blocks_dropped, r.kv_blocks_in_use) == (6, 5, 1)
     assert list(r.not_reached) == ["kvpool kv1: UNAVAILABLE: connection refused"]
     assert forgot == [orch.replicas.replicas[0].replica_id]  # no credit for what went
+    assert orch.renderer.forgot == ["alice"]  # its prompts' pieces kept for tokenizing
     # Every call bounded (ERASE_TIMEOUT_S): years of timeout were cut to nothing by gRPC.
     assert all(0 < t <= 120 for t in timeouts + stubs[0].timeouts + stubs[1].timeouts)
 

@@ -452,3 +452,15 @@ def test_every_erasing_delete_leaves_no_text_in_the_wal(make_cache, clock, how):
         assert c.expire() == 1
     assert _text_in_files(c, secret) == []
     assert c.get(kept.id) == kept
+
+
+def test_invalidating_a_tenant_forgets_the_texts_just_looked_up(make_cache):
+    """Review: after a tenant's erasure, the vectors of texts it had just looked up stayed in
+    memory keyed by their text (kept for the Store that usually follows a miss) until newer
+    lookups pushed them out. They go with the erasure (all of them: kept by text alone)."""
+    c = make_cache(**LIMITS)
+    c.lookup(A, "ZEBRAPOX-7731 what is a KV cache?")
+    c.lookup(edges.B, "B's own question?")
+    assert len(c._recent) == 2
+    c.invalidate_tenant(A.tenant)
+    assert not c._recent
