@@ -496,15 +496,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         for a, call in invalidated:
             try:
                 resp.semantic_entries_removed += call.result().removed
-            except grpc.RpcError as e:
-                resp.not_reached.append(f"semantic shard {a}: {e.code().name}: "
-                                        f"{(e.details() or '')[:200]}")
+            except Exception as e:  # noqa: BLE001 - see _not_reached
+                resp.not_reached.append(_not_reached(f"semantic shard {a}", e))
         for r, call in flushed:
             try:
                 f = call.result()
-            except grpc.RpcError as e:
-                resp.not_reached.append(f"kvpool {r.public_id}: {e.code().name}: "
-                                        f"{(e.details() or '')[:200]}")
+            except Exception as e:  # noqa: BLE001 - see _not_reached
+                resp.not_reached.append(_not_reached(f"kvpool {r.public_id}", e))
                 continue
             resp.kv_blocks_dropped += f.blocks_dropped
             resp.kv_blocks_in_use += f.blocks_in_use
@@ -519,6 +517,17 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                  "not reached: %s", name, resp.semantic_entries_removed, resp.kv_blocks_dropped,
                  resp.kv_blocks_in_use, "; ".join(resp.not_reached) or "none")
         return resp
+
+
+def _not_reached(what: str, e: Exception) -> str:
+    """EraseTenant's not_reached line for a shard or replica whose call raised `e`. Not only
+    an RpcError: a stub's ValueError (its channel closed as the replica set changed) ended the
+    whole call with UNKNOWN, the other calls' counts lost, their credit and the tenant's
+    prompt pieces kept."""
+    if isinstance(e, grpc.RpcError) and callable(getattr(e, "code", None)):
+        return f"{what}: {e.code().name}: {(e.details() or '')[:200]}"
+    log.warning("EraseTenant: %s failed", what, exc_info=e)
+    return f"{what}: failed ({type(e).__name__})"
 
 
 # The most an EraseTenant takes, its calls to every shard and replica together (an Invalidate

@@ -1365,3 +1365,32 @@ def test_erase_tenant_calls_waiting_for_a_thread_get_only_the_time_left(monkeypa
     assert time.monotonic() - t0 < 1.0  # answered within the caller's deadline
     assert [line.split(":")[0] for line in r.not_reached] == ["kvpool kv0", "kvpool kv1"]
     assert stubs[1].timeouts[0] < 0.2, stubs[1].timeouts  # what the first one left
+
+
+def test_erase_tenant_names_a_call_that_failed_other_than_by_status():
+    """Review: only an RpcError was caught. A stub raising anything else (ValueError: "Cannot
+    invoke RPC on closed channel!", a replica's channel closed as the replica set changed) or a
+    shard call failing so ended the whole EraseTenant with UNKNOWN: the counts of what the
+    other calls erased were lost, and their credit and the tenant's prompt pieces were kept.
+    Such a call is named in not_reached like any other that did not answer."""
+    from tiercache.v1 import semantic_pb2
+
+    class Closed(_FlushStub):
+        def Flush(self, req, timeout=None, metadata=None):
+            raise ValueError("Cannot invoke RPC on closed channel!")
+
+    def sem_call(address, method, req, timeout=None):
+        if address == "s:2":
+            raise KeyError(address)  # its stub gone with a shard set changed
+        return semantic_pb2.InvalidateResponse(removed=3)
+
+    forgot = []
+    stubs = [Closed(), _FlushStub()]
+    s, orch, _ = _erase_servicer(
+        SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), _call=sem_call), stubs,
+        dispatched=SimpleNamespace(forget=forgot.append))
+    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), _caller("tok-o", 1e9))
+    assert (r.semantic_entries_removed, r.kv_blocks_dropped, r.kv_blocks_in_use) == (3, 5, 1)
+    assert list(r.not_reached) == ["semantic shard s:2: failed (KeyError)",
+                                   "kvpool kv0: failed (ValueError)"]
+    assert forgot == ["kv1"] and orch.renderer.forgot == ["alice"]
