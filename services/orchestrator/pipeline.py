@@ -1181,7 +1181,7 @@ class _ReplicaSide:
                       e.details())
         elif (code == grpc.StatusCode.RESOURCE_EXHAUSTED
               and (e.details() or "").startswith("token_ids:")
-              and self._another_may_hold(_pool_blocks(replica), e)):
+              and self._another_may_hold(_refused_pool(replica, e), e)):
             self._too_small(att, e)
         elif code not in _REPLICA_LOST:
             # The replica judged the request itself: pass its verdict on unchanged.
@@ -1231,23 +1231,24 @@ class _ReplicaSide:
         # needs more blocks than that pool has too.
         o, replica = self.orch, att.replica
         att.larger = True
-        if self.failed_pool <= _pool_blocks(replica):
+        mine = _refused_pool(replica, e)
+        if self.failed_pool <= mine:
             self.too_big = self.too_big or e
-            self.too_big_pool = max(self.too_big_pool, _pool_blocks(replica))
-        if o._larger_pool(_pool_blocks(replica), self.exclude, _blocks_needed(e)):
+            self.too_big_pool = max(self.too_big_pool, mine)
+        if o._larger_pool(mine, self.exclude, _blocks_needed(e)):
             att.larger_kind, next_step = "larger_pool", "trying a larger pool"
         else:
             # No larger pool left to try: the one that may hold the request is
             # down (or failed on this request). Said and counted apart: "trying
             # a larger pool" and larger_pool read as a hand-off, though the
             # request then ended UNAVAILABLE.
-            down = o._larger_down(_pool_blocks(replica), _blocks_needed(e))
+            down = o._larger_down(mine, _blocks_needed(e))
             att.larger_kind = "larger_pool_down"
             next_step = ("no larger pool to try: "
                          + (f"{down.replica_id}, with a larger pool, is down"
                             if down is not None else
                             f"{self.failed_by}, with a larger pool, failed on it"))
-        if _may_hold(self.failed_pool, _pool_blocks(replica), _blocks_needed(e)):
+        if _may_hold(self.failed_pool, mine, _blocks_needed(e)):
             # A larger pool failed on this request (now down, too, if lost):
             # "(tried kvpool#1, kvpool#0); last: UNAVAILABLE" read as the small
             # pool's failure, and did not say the request needs that pool.
@@ -1448,6 +1449,15 @@ class _Refusal(grpc.RpcError):
 
     def details(self) -> str:
         return self._details
+
+
+def _refused_pool(replica, e: grpc.RpcError) -> int:
+    """The KV blocks of `replica`'s pool that refused a request as too big (`e`): the
+    refusal's own "the pool has N", else its last Stats. A replica just restarted with a
+    smaller pool, its Stats not polled since, read as its old size: a larger pool than its
+    new one, though smaller than the old, was not handed the request it would hold."""
+    said = _POOL_HAS.search(e.details() or "")
+    return int(said.group(1)) if said else _pool_blocks(replica)
 
 
 def _blocks_needed(e: grpc.RpcError) -> int | None:

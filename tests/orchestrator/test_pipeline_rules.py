@@ -905,3 +905,16 @@ def test_the_report_names_the_replica_whose_tokens_end_the_answer_and_a_hand_off
         stubs = {"A": Stub("A", [Call([], first)]), "B": Stub("B", [Call([final("B", 2)])])}
         rep = finished(generate(sized(make(stubs), {"A": 200, "B": 400}), [])).report
         assert (rep.replica_id, rep.route, list(rep.degradations)) == ("B", "retry", [kind])
+
+
+def test_a_refusal_by_a_pool_its_stats_said_larger_is_handed_to_a_pool_that_holds_it():
+    """Review: a replica restarted with a smaller pool (100 blocks), its Stats not polled
+    since (400), refused a request needing 200 blocks: judged by its old size, B's pool (300)
+    was not larger, and the request was refused for good, though B holds it. The refusal's own
+    "the pool has 100" is the refusing pool's size; its last Stats only where it says none."""
+    stubs = {"A": Stub("A", [Call([], _refusal(3000, 200, 100))]),
+             "B": Stub("B", [Call([final("B", 2)])])}
+    orch = sized(make(stubs), {"A": 400, "B": 300})
+    orch.routing = in_order("A", "B")
+    assert finished(generate(orch, [])).report.replica_id == "B"
+    assert orch.stats.degradations["larger_pool"] == 1
