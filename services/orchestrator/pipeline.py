@@ -848,15 +848,18 @@ class Orchestrator:
                 and _may_hold(_pool_blocks(r), blocks, need)]
         return max(down, key=_pool_blocks, default=None)
 
-    def _in_largest_pool(self, e: grpc.RpcError) -> grpc.RpcError:
+    def _in_largest_pool(self, e: grpc.RpcError, refused_by=None) -> grpc.RpcError:
         """A replica's refusal of a request past every pool (`e`), in the words the largest
         pool known (its last Stats, up or down) gives: a small pool's own figures ("the pool
         has 8; sampling.max_tokens of at most 80 fits") told the client to fit under a pool
         smaller than the one it may use. `e` itself when its replica's pool is the largest,
-        the need is not said, or a pool known may hold it."""
+        the need is not said, or a pool known may hold it. The refusing replica (`refused_by`)
+        counts at the size its refusal says: its last Stats may be stale (restarted with a
+        smaller pool), and named a pool of that old size that no replica has."""
         details = e.details() or ""
         need, said = _blocks_needed(e), _POOL_HAS.search(details)
-        sizes = [r.stats for r in self.replicas.replicas if r.stats is not None and not r.misfit]
+        sizes = [r.stats for r in self.replicas.replicas
+                 if r.stats is not None and not r.misfit and r is not refused_by]
         if need is None or said is None or not sizes:
             return e
         largest = max(sizes, key=lambda st: st.blocks_total)
@@ -958,6 +961,7 @@ class _ReplicaSide:
         # replica with a larger pool takes the request either.
         self.too_big: grpc.RpcError | None = None
         self.too_big_pool = 0  # the largest pool that said so
+        self.too_big_by = None  # the replica whose refusal too_big is
         # The largest pool among the replicas tried that failed otherwise (lost, busy): a
         # smaller pool's "too big" after it is no verdict, the request fits there once back.
         self.failed_pool = 0
@@ -1026,7 +1030,7 @@ class _ReplicaSide:
             # or replica, and clients retry UNAVAILABLE (`retry_later`).
             raise errors.Unavailable(misfits)
         raise _counted(req.tenant, _give_up(
-            None if self.too_big is None else o._in_largest_pool(self.too_big),
+            None if self.too_big is None else o._in_largest_pool(self.too_big, self.too_big_by),
             bool(self.tried) and self.only_busy,
             f"every kvpool replica is busy (tried {', '.join(self.tried)}); retry later",
             "no kvpool replica is available"
@@ -1192,7 +1196,7 @@ class _ReplicaSide:
                 # an eviction).
                 o.dispatched.withdraw(att.recorded)
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                e = o._in_largest_pool(e)  # past every pool: the largest one's figures
+                e = o._in_largest_pool(e, replica)  # past every pool: the largest one's figures
             raise _counted(req.tenant, _as_domain(e, req.sampling)) from None
         # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
         # another, but it is not marked down for everyone (Stats polls judge that):
@@ -1233,7 +1237,8 @@ class _ReplicaSide:
         att.larger = True
         mine = _refused_pool(replica, e)
         if self.failed_pool <= mine:
-            self.too_big = self.too_big or e
+            if self.too_big is None:
+                self.too_big, self.too_big_by = e, replica
             self.too_big_pool = max(self.too_big_pool, mine)
         if o._larger_pool(mine, self.exclude, _blocks_needed(e)):
             att.larger_kind, next_step = "larger_pool", "trying a larger pool"
@@ -1331,7 +1336,8 @@ class _ReplicaSide:
                        and not self._another_may_hold(self.too_big_pool, self.too_big)
                        else None)
             raise _counted(req.tenant, _give_up(
-                None if too_big is None else o._in_largest_pool(too_big), self.only_busy,
+                None if too_big is None else o._in_largest_pool(too_big, self.too_big_by),
+                self.only_busy,
                 f"every kvpool replica tried is busy (tried {', '.join(self.tried)}); "
                 f"last: {self.why_public}"
                 # A replica's own refusal may say it already (past max_waiting).

@@ -918,3 +918,20 @@ def test_a_refusal_by_a_pool_its_stats_said_larger_is_handed_to_a_pool_that_hold
     orch.routing = in_order("A", "B")
     assert finished(generate(orch, [])).report.replica_id == "B"
     assert orch.stats.degradations["larger_pool"] == 1
+
+
+def test_a_refusal_past_every_pool_names_no_pool_only_the_refusers_stale_stats_had():
+    """Review: the refusing replica restarted with a smaller pool (100 blocks, its Stats not
+    polled since: 400) and the request past every pool (500 blocks): the refusal was rewritten
+    to "the pool has 400", a pool no replica has, and a max_tokens that fits none. The
+    refusing replica counts at its refusal's own size: the largest pool is B's (300)."""
+    stubs = {"A": Stub("A", [Call([], _refusal(7800, 201, 100))]),
+             "B": Stub("B", [Call([final("B", 2)])])}
+    orch = sized(make(stubs), {"A": 400, "B": 300})
+    orch.routing = in_order("A", "B")
+    with pytest.raises(errors.TierCacheError) as e:
+        generate(orch, [])
+    assert e.value.code == "RESOURCE_EXHAUSTED"
+    assert str(e.value).endswith("need 500 KV blocks, the pool has 300; the prompt alone is "
+                                 "too long for it"), str(e.value)
+    assert stubs["B"].requests == []
