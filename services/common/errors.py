@@ -143,6 +143,15 @@ PREFILL_WORK_KEYS = ("tiercache-prompt-tokens", "tiercache-cached-tokens",
                      "tiercache-computed-tokens")
 
 
+def pool_room(num_blocks: int, block_size: int, prompt_tokens: int) -> str:
+    """The end of a "too big for the pool" refusal: what max_tokens fits beside the prompt in
+    a pool of `num_blocks` blocks. kvpool says it, and the orchestrator says it again for the
+    largest pool known when a smaller one refused (the words clients and the CLI read)."""
+    room = num_blocks * block_size - prompt_tokens + 1
+    return (f"; sampling.max_tokens of at most {room} fits" if room > 0
+            else "; the prompt alone is too long for it")
+
+
 class PinRefused(ResourceExhausted):
     """A prefill computed and cached its prompt, but the pool refused to pin it."""
 

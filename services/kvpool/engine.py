@@ -512,9 +512,7 @@ class Engine:
                 # default, the client having set none.)
                 n, m = len(req.token_ids), req.sampling.max_tokens
                 what = f"prompt ({n} tokens) + sampling.max_tokens ({m}) need"
-                room = self.pool.num_blocks * self.pool.block_size - n + 1
-                fits = (f"; sampling.max_tokens of at most {room} fits" if room > 0
-                        else "; the prompt alone is too long for it")
+                fits = errors.pool_room(self.pool.num_blocks, self.pool.block_size, n)
             raise errors.ResourceExhausted(
                 f"token_ids: {what} {need} KV blocks, the pool has {self.pool.num_blocks}{fits}")
         out: queue.Queue = queue.Queue()

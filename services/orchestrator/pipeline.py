@@ -868,9 +868,8 @@ class Orchestrator:
         # kvpool's words (engine `submit`): the room left for max_tokens by the prompt.
         tokens = _PROMPT_TOKENS.search(details)
         block = largest.block_size or self.hasher.block_size
-        room = largest.blocks_total * block - int(tokens.group(1)) + 1 if tokens else None
-        fits = ("" if room is None else f"; sampling.max_tokens of at most {room} fits"
-                if room > 0 else "; the prompt alone is too long for it")
+        fits = (errors.pool_room(largest.blocks_total, block, int(tokens.group(1)))
+                if tokens else "")
         return _Refusal(e.code(), details[:said.start()]
                         + f"the pool has {largest.blocks_total}{fits}" + details[said.end():])
 
