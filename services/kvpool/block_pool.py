@@ -506,21 +506,13 @@ class BlockPool:
     def clear(self) -> int:
         """Drop every unreferenced, unpinned cached block (AllCleared if the table empties)."""
         now = self.clock()
-        dropped = 0
-        # Children before parents: walk deepest first.
-        order = sorted((bid for bid, b in enumerate(self._blocks) if self._evictable(b, now)),
-                       key=lambda i: -self._blocks[i].start_token)
-        removed = []
-        for bid in order:
-            if self._blocks[bid].children == 0:
-                removed.append(self._drop_hash(bid))
-                self._free.append(bid)
-                dropped += 1
+        removed = self._drop_deepest_first(
+            bid for bid, b in enumerate(self._blocks) if self._evictable(b, now))
         if not self._table:
             self._emit(AllCleared())
         elif removed:
             self._emit(BlocksRemoved(removed))
-        return dropped
+        return len(removed)
 
     def flush_salt(self, cache_salt: str) -> tuple[int, int]:
         """Drops every unreferenced cached block of one cache salt (one tenant's: the salt
@@ -533,15 +525,22 @@ class BlockPool:
         their requests end)."""
         mine = [bid for bid, b in enumerate(self._blocks)
                 if b.hash is not None and b.cache_salt == cache_salt]
-        removed = []
-        for bid in sorted(mine, key=lambda i: -self._blocks[i].start_token):
-            b = self._blocks[bid]
-            if b.ref == 0 and b.children == 0:
-                removed.append(self._drop_hash(bid))  # and its pin
-                self._free.append(bid)
+        removed = self._drop_deepest_first(mine)  # pinned ones too: _drop_hash unpins
         if removed:
             self._emit(BlocksRemoved(removed))
         return len(removed), len(mine) - len(removed)
+
+    def _drop_deepest_first(self, bids) -> list[bytes]:
+        """Drops each of `bids` no sequence holds and no child hangs from, children before
+        parents (deepest first: a parent whose children all go is dropped too), freeing its
+        block. Returns their hashes, for BlocksRemoved."""
+        removed = []
+        for bid in sorted(bids, key=lambda i: -self._blocks[i].start_token):
+            b = self._blocks[bid]
+            if b.ref == 0 and b.children == 0:
+                removed.append(self._drop_hash(bid))
+                self._free.append(bid)
+        return removed
 
     # ---- events ----------------------------------------------------------------------------
 
