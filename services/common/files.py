@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hashlib
 import os
 import shutil
+import stat
 import tempfile
 from pathlib import Path
 
@@ -69,3 +71,33 @@ def remove_aside(target: Path, prefix: str) -> None:
         os.rmdir(old)  # still empty: a failed call leaves no folder for a clean-up to find
         raise
     shutil.rmtree(old, ignore_errors=True)
+
+
+def replace_text(path: str | os.PathLike, text: str) -> None:
+    """Replaces `path` with `text` in one step: written to a temporary file beside it, fsynced,
+    then renamed over it. Written in place, an interrupted write (or a power loss) left a file
+    cut short (the verifier's weights: every semantic shard then refused to start). Keeps the
+    mode of the file it replaces (a new one gets the umask's), as writing in place did. A
+    symbolic link at `path` is replaced by the file (its target is left as it was; whoever
+    reads `path` reads the new text), where writing in place wrote through it."""
+    path = os.path.abspath(path)
+    folder, name = os.path.split(path)
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except FileNotFoundError:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fchmod(f.fileno(), mode)
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_path(folder)  # the rename itself, durable

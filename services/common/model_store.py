@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from services.common.files import file_digest, fsync_path, remove_aside
+from services.common.files import file_digest, fsync_path, remove_aside, replace_text
 from services.common.logs import isatty, step_progress
 
 log = logging.getLogger(__name__)
@@ -231,17 +231,10 @@ def _record_weights_digest(target: Path, marker: str) -> None:
             if not isinstance(meta, dict) or _WEIGHTS_DIGESTS in meta:
                 return
             meta[_WEIGHTS_DIGESTS] = _weights_digests(target)
-            tmp = target / f"{_DONE_MARKER}.{os.getpid()}.tmp"
-            tmp.write_text(json.dumps(meta))
-            tmp.chmod(0o644)
-            fsync_path(tmp)
-            os.replace(tmp, target / _DONE_MARKER)
-            fsync_path(target)
+            replace_text(target / _DONE_MARKER, json.dumps(meta))  # keeps its mode (0644)
         log.info("recorded the weights' digest in %s (a marker from before it was)",
                  target / _DONE_MARKER)
     except (OSError, ValueError, ModelStoreError) as exc:
-        with contextlib.suppress(OSError):
-            (target / f"{_DONE_MARKER}.{os.getpid()}.tmp").unlink()
         log.info("the weights' digest cannot be recorded in %s (%s): they are checked by "
                  "loading them only", target / _DONE_MARKER, exc)
 

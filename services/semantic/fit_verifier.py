@@ -36,19 +36,18 @@ that a verifier fitted without the veto can use them.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import re
-import stat
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from services.common.files import fsync_path
+# The weights file, replaced in one step (an interrupted fit left it cut short, and every
+# semantic shard then refused to start).
+from services.common.files import replace_text as write_weights
 from services.semantic.verifier import (
     DEFAULT_WEIGHTS,
     FEATURES,
@@ -234,35 +233,6 @@ def load_pairs() -> tuple[PairSet, list[tuple[str, str, int]], list[tuple[str, s
     return (PairSet(np.vstack(xs), np.concatenate(ys), np.concatenate(src)), qqp, paws,
             emb.identity)
 
-
-def write_weights(path: str | os.PathLike, text: str) -> None:
-    """Replaces `path` with `text` in one step: written to a temporary file beside it, fsynced,
-    then renamed over it. Written in place, an interrupted fit (or a power loss) left a file
-    cut short, and every semantic shard then refused to start. Keeps the mode of the file it
-    replaces (a new one gets the umask's), as writing in place did. A symbolic link at `path`
-    is replaced by the file (its target is left as it was; whoever reads `path` reads the new
-    weights), where writing in place wrote through it."""
-    path = os.path.abspath(path)
-    folder, name = os.path.split(path)
-    try:
-        mode = stat.S_IMODE(os.stat(path).st_mode)
-    except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fchmod(f.fileno(), mode)
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    fsync_path(folder)  # the rename itself, durable
 
 
 def main(argv: list[str] | None = None) -> int:
