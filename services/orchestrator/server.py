@@ -420,14 +420,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             if r.stats is not None and r.health.healthy:
                 resp.replicas.append(r.stats)
             resp.dependencies.append(r.health.proto())
-        deadline = _call_deadline(context)
-        if deadline is not None:
-            # The tiers' calls end this much before the caller's deadline, which is its own
-            # and passes a little before ours: given all of it, a prefix shard that never
-            # answered ran to the deadline, the answer came too late, and the caller got
-            # DEADLINE_EXCEEDED instead of every figure that had come in time.
-            left = max(0.0, deadline - time.monotonic())
-            deadline -= min(STATS_SLACK_S, STATS_SLACK_SHARE * left)
+        deadline = _tiers_deadline(context)
         if o.semantic.enabled:
             try:
                 # Half of what is left: the prefix index's figures get the rest.
@@ -463,14 +456,13 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         o = self.orch
         # Bounded as a Generate is: a client without a deadline (grpcurl's default) gave
         # time_remaining() of years, a timeout gRPC cut to nothing, and every call failed.
-        remaining = context.time_remaining()
-        if remaining is not None:
-            # Kept back to answer in, as Stats keeps: a replica that hung (stopped, not gone)
-            # took the caller's whole time, and the caller got DEADLINE_EXCEEDED instead of
-            # the counts and the not_reached line naming it.
-            remaining -= min(STATS_SLACK_S, STATS_SLACK_SHARE * remaining)
-        timeout = max(0.01, ERASE_TIMEOUT_S if remaining is None
-                      else min(remaining, ERASE_TIMEOUT_S))
+        # Time kept back to answer in, as Stats keeps: a replica that hung (stopped, not
+        # gone) took the caller's whole time, and the caller got DEADLINE_EXCEEDED instead of
+        # the counts and the not_reached line naming it.
+        deadline = time.monotonic() + ERASE_TIMEOUT_S
+        answer_by = _tiers_deadline(context)
+        if answer_by is not None:
+            deadline = min(deadline, answer_by)
         resp = orchestrator_pb2.EraseTenantResponse()
 
         # Every shard and replica at once: called one after another, one hung shard took the
@@ -480,7 +472,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # The salt the tenant's requests carried: keyed by the hash key, from the name.
         flush = kvpool_pb2.KvFlushRequest(cache_salt=self.tenants.salt_for(name, self.tenants.key))
         md = call_metadata(o.internal_token)
-        deadline = time.monotonic() + timeout
 
         def left() -> float:
             # As each call starts: past ERASE_FANOUT of them, one that waited for a thread
@@ -545,6 +536,20 @@ def _call_deadline(context) -> float | None:
     """The RPC's deadline as a time.monotonic() instant; None when the client set none."""
     left = context.time_remaining()
     return None if left is None else time.monotonic() + left
+
+
+def _tiers_deadline(context) -> float | None:
+    """When the calls an answer waits on (Stats' tiers, EraseTenant's shards and replicas)
+    must end, as a time.monotonic() instant: this much before the caller's deadline, which is
+    its own and passes a little before ours. Given all of it, a prefix shard that never
+    answered ran to the deadline, the answer came too late, and the caller got
+    DEADLINE_EXCEEDED instead of every figure that had come in time. None when the client set
+    no deadline."""
+    deadline = _call_deadline(context)
+    if deadline is not None:
+        left = max(0.0, deadline - time.monotonic())
+        deadline -= min(STATS_SLACK_S, STATS_SLACK_SHARE * left)
+    return deadline
 
 
 # A dependency's failures whose text is about the transport (addresses, connection errors):
