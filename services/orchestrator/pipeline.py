@@ -1234,25 +1234,25 @@ class _ReplicaSide:
         # needs more blocks than that pool has too.
         o, replica = self.orch, att.replica
         att.larger = True
-        mine = _refused_pool(replica, e)
+        mine, need = _refused_pool(replica, e), _blocks_needed(e)
         if self.failed_pool <= mine:
             if self.too_big is None:
                 self.too_big, self.too_big_by = e, replica
             self.too_big_pool = max(self.too_big_pool, mine)
-        if o._larger_pool(mine, self.exclude, _blocks_needed(e)):
+        if o._larger_pool(mine, self.exclude, need):
             att.larger_kind, next_step = "larger_pool", "trying a larger pool"
         else:
             # No larger pool left to try: the one that may hold the request is
             # down (or failed on this request). Said and counted apart: "trying
             # a larger pool" and larger_pool read as a hand-off, though the
             # request then ended UNAVAILABLE.
-            down = o._larger_down(mine, _blocks_needed(e))
+            down = o._larger_down(mine, need)
             att.larger_kind = "larger_pool_down"
             next_step = ("no larger pool to try: "
                          + (f"{down.replica_id}, with a larger pool, is down"
                             if down is not None else
                             f"{self.failed_by}, with a larger pool, failed on it"))
-        if _may_hold(self.failed_pool, mine, _blocks_needed(e)):
+        if _may_hold(self.failed_pool, mine, need):
             # A larger pool failed on this request (now down, too, if lost):
             # "(tried kvpool#1, kvpool#0); last: UNAVAILABLE" read as the small
             # pool's failure, and did not say the request needs that pool.
