@@ -319,8 +319,9 @@ class SemanticCache:
                                    cfg.delta_capacity)
         # Vectors of texts just looked up, for the Store that usually follows a miss (the
         # orchestrator stores the model's answer under the text it looked up): embedding is
-        # ~95% of a Store. Bounded, newest last; a Store takes its text's vector out.
-        self._recent: OrderedDict[str, tuple[np.ndarray, bool]] = OrderedDict()
+        # ~95% of a Store. Bounded, newest last; a Store takes its text's vector out. Keyed by
+        # (tenant, text): a tenant's erasure drops its own texts and no other tenant's.
+        self._recent: OrderedDict[tuple[str, str], tuple[np.ndarray, bool]] = OrderedDict()
         self._recent_lock = threading.Lock()
         self._lock = threading.RLock()  # guards the maps below, never held during I/O waits
         self._indexes: dict[Namespace, NamespaceIndex] = {}
@@ -426,7 +427,7 @@ class SemanticCache:
         t1 = time.perf_counter()
         result = self._search(ns, vec, text, resolved, want_draft, over)
         if not result.hit:  # the model answers, and its answer is stored under this text
-            self._remember(text, vec, over)
+            self._remember((ns.tenant, text), vec, over)
         t2 = time.perf_counter()
         result = replace(result, search_ms=(t2 - t1) * 1000, embed_ms=(t1 - t0) * 1000,
                          threshold_from_request=resolved.explicit,
@@ -454,14 +455,15 @@ class SemanticCache:
         return LookupResult(True, self._touch(e, now), 1.0, decision.threshold, resolved.tier,
                             exact=True)
 
-    def _embed(self, text: str, *, reuse: bool = False,
+    def _embed(self, text: str, *, reuse_for: str | None = None,
                wanted: Callable[[], bool] | None = None) -> tuple[np.ndarray, bool]:
         """The text's vector, and whether the model read only its start (see `over_window`).
-        `reuse`: take the one a Lookup of the text that missed kept (see `_remember`).
-        `wanted`: handed to a batching embedder, which drops the text of a caller gone."""
-        if reuse:
+        `reuse_for`: a tenant; take the vector its Lookup of the text that missed kept (see
+        `_remember`). `wanted`: handed to a batching embedder, which drops the text of a
+        caller gone."""
+        if reuse_for is not None:
             with self._recent_lock:
-                kept = self._recent.pop(text, None)
+                kept = self._recent.pop((reuse_for, text), None)
             if kept is not None:
                 return kept
         checked = getattr(self.embedder, "embed_one_checked", None)
@@ -471,12 +473,12 @@ class SemanticCache:
             return checked(text)
         return self.embedder.embed_one(text), False  # a test double without a window
 
-    def _remember(self, text: str, vec: np.ndarray, over: bool) -> None:
-        """Keep a missed Lookup's vector for the Store that follows (bounded, newest last).
-        Copied: the embedder's vectors are views of its whole batch."""
+    def _remember(self, key: tuple[str, str], vec: np.ndarray, over: bool) -> None:
+        """Keep a missed Lookup's vector, under (tenant, text), for the Store that follows
+        (bounded, newest last). Copied: the embedder's vectors are views of its whole batch."""
         with self._recent_lock:
-            self._recent[text] = (vec.copy(), over)
-            self._recent.move_to_end(text)
+            self._recent[key] = (vec.copy(), over)
+            self._recent.move_to_end(key)
             while len(self._recent) > RECENT_VECTORS:
                 self._recent.popitem(last=False)
 
@@ -746,7 +748,7 @@ class SemanticCache:
             raise InvalidArgument("answer_token_ids", "token ids must be in [0, 2^32)")
         answer_tokens = pack_tokens(answer_token_ids)
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
-        vec, over = self._embed(prompt, reuse=True)
+        vec, over = self._embed(prompt, reuse_for=ns.tenant)
         _still(wanted, "the answer was written")
         now = self.clock()
         eid = uuid.uuid4().hex
@@ -1138,9 +1140,9 @@ class SemanticCache:
         n = sum(self._invalidate_namespace(ns) for ns in spaces)
         self.store.truncate_wal()  # once, after every namespace
         with self._recent_lock:
-            # Texts just looked up, the tenant's among them (kept by text alone, so all go:
-            # the next Store of each embeds its text again).
-            self._recent.clear()
+            # The texts it just looked up; other tenants' stay for their Stores.
+            for key in [k for k in self._recent if k[0] == tenant]:
+                del self._recent[key]
         return n
 
     def _drop_in_chunks(self, labels: list[int], expired_at: float | None = None) -> int:

@@ -454,13 +454,22 @@ def test_every_erasing_delete_leaves_no_text_in_the_wal(make_cache, clock, how):
     assert c.get(kept.id) == kept
 
 
-def test_invalidating_a_tenant_forgets_the_texts_just_looked_up(make_cache):
+def test_invalidating_a_tenant_forgets_its_texts_just_looked_up_and_no_others(cache_factory):
     """Review: after a tenant's erasure, the vectors of texts it had just looked up stayed in
     memory keyed by their text (kept for the Store that usually follows a miss) until newer
-    lookups pushed them out. They go with the erasure (all of them: kept by text alone)."""
-    c = make_cache(**LIMITS)
+    lookups pushed them out. They go with the erasure; they went with every other tenant's
+    too (kept by text alone), whose next Stores embedded their texts again. Only the erased
+    tenant's go now, the same text looked up by another tenant included."""
+    counting = CountingEmbedder()
+    c = cache_factory(counting, guard_tiers=(), verifier_tiers=(), **LIMITS)
     c.lookup(A, "ZEBRAPOX-7731 what is a KV cache?")
     c.lookup(edges.B, "B's own question?")
-    assert len(c._recent) == 2
+    c.lookup(edges.B, "ZEBRAPOX-7731 what is a KV cache?")
     c.invalidate_tenant(A.tenant)
-    assert not c._recent
+    assert all(tenant != A.tenant for tenant, _ in c._recent)
+    counting.calls.clear()
+    c.store_entry(edges.B, "B's own question?", "B's answer.")
+    c.store_entry(edges.B, "ZEBRAPOX-7731 what is a KV cache?", "B's answer.")
+    assert counting.calls == []  # B's vectors were kept for its Stores
+    c.store_entry(A, "ZEBRAPOX-7731 what is a KV cache?", "A's answer.")
+    assert counting.calls == ["ZEBRAPOX-7731 what is a KV cache?"]  # A's was dropped
