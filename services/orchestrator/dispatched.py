@@ -12,8 +12,10 @@ the last `ttl_s` seconds, and routing takes, for each replica, the longer of the
 match and this one. A request credited this way waits behind the earlier one on the same
 replica, and kvpool prefills one sequence at a time, so it is admitted after the shared
 blocks are committed and reuses them. A stale credit (the replica evicted the blocks, or the
-request failed) lasts at most `ttl_s`; a replica that fails is forgotten at once, and a
-request a replica refuses outright (nothing computed there) takes its own credit back.
+request failed) lasts at most `ttl_s`; a replica that fails is forgotten at once, a tenant
+erased is forgotten on each replica that dropped its blocks (each block is kept with the
+cache salt it was hashed with), and a request a replica refuses outright (nothing computed
+there) takes its own credit back.
 """
 
 from __future__ import annotations
@@ -55,7 +57,9 @@ class DispatchMemory:
         # the last that sent it (a time alone matched a later record's within one clock tick).
         self._order: OrderedDict[tuple[str, bytes], tuple[float, int]] = OrderedDict()
         self._records = 0
-        self._by_replica: dict[str, set[bytes]] = {}  # for match: what each replica was sent
+        # For match: what each replica was sent, each block with its owner (the cache salt of
+        # the tenant whose prompt it is: `forget` of one tenant).
+        self._by_replica: dict[str, dict[bytes, str]] = {}
 
     @property
     def enabled(self) -> bool:
@@ -66,9 +70,11 @@ class DispatchMemory:
             self._expire(self.clock())
             return len(self._order)
 
-    def record(self, replica_id: str, hashes: Sequence[bytes]) -> Recorded | None:
-        """`replica_id` was sent a prompt whose full blocks hash to `hashes`. Returns what
-        this added (for `withdraw`; None when nothing was recorded)."""
+    def record(self, replica_id: str, hashes: Sequence[bytes],
+               owner: str = "") -> Recorded | None:
+        """`replica_id` was sent a prompt whose full blocks hash to `hashes`, salted with
+        `owner` (its tenant's cache salt). Returns what this added (for `withdraw`; None when
+        nothing was recorded)."""
         if not self.enabled or not hashes:
             return None
         added: list[bytes] = []
@@ -76,14 +82,14 @@ class DispatchMemory:
             now = self.clock()
             self._records += 1
             stamp = (now, self._records)
-            blocks = self._by_replica.setdefault(replica_id, set())
+            blocks = self._by_replica.setdefault(replica_id, {})
             order = self._order
             for h in hashes:
                 key = (replica_id, h)
                 if key in order:
                     order.move_to_end(key)
                 else:
-                    blocks.add(h)
+                    blocks[h] = owner
                     added.append(h)
                 order[key] = stamp
             self._expire(now)
@@ -107,7 +113,7 @@ class DispatchMemory:
                 key = (rec.replica_id, h)
                 if self._order.get(key) == rec.at:
                     del self._order[key]
-                    blocks.discard(h)
+                    del blocks[h]
             if not blocks:
                 del self._by_replica[rec.replica_id]
 
@@ -139,16 +145,24 @@ class DispatchMemory:
                 out[rid] = tokens
         return out
 
-    def forget(self, replica_id: str) -> None:
-        """Drop everything sent to `replica_id` (it failed: its work may be lost)."""
+    def forget(self, replica_id: str, owner: str | None = None) -> None:
+        """Drop everything sent to `replica_id` (it failed: its work may be lost), or with
+        `owner` only the blocks of that cache salt (its tenant's blocks were flushed there:
+        the other tenants' stay, and so does their credit)."""
         with self._lock:
-            for h in self._by_replica.pop(replica_id, ()):
+            blocks = self._by_replica.get(replica_id)
+            if blocks is None:
+                return
+            for h in [h for h, o in blocks.items() if owner is None or o == owner]:
+                del blocks[h]
                 del self._order[(replica_id, h)]
+            if not blocks:
+                del self._by_replica[replica_id]
 
     def _pop_oldest(self) -> None:
         (rid, h), _ = self._order.popitem(last=False)
         blocks = self._by_replica[rid]
-        blocks.discard(h)
+        del blocks[h]
         if not blocks:
             del self._by_replica[rid]
 

@@ -1016,7 +1016,8 @@ class _ReplicaSide:
                 o.replicas.begin(replica)
                 att = _Attempt(decision, replica, _Held(o.replicas, replica), seen, downs_at)
                 if self.hashes and o.dispatched is not None:
-                    att.recorded = o.dispatched.record(decision.replica_id, self.hashes)
+                    att.recorded = o.dispatched.record(decision.replica_id, self.hashes,
+                                                       self.req.tenant.cache_salt)
                 return att
         self.too_big, self.only_busy, self.why_public = o._too_big_stands(
             self.too_big, self.too_big_pool, self.only_busy, self.why_public)

@@ -498,10 +498,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             resp.kv_blocks_dropped += f.blocks_dropped
             resp.kv_blocks_in_use += f.blocks_in_use
             if f.blocks_dropped and o.dispatched is not None:
-                # What this orchestrator sent there moments ago (hashes, not told apart by
-                # tenant): routed on, the tenant's next request went "prefix" to a replica
-                # holding nothing of it ("cached 0, index expected 48").
-                o.dispatched.forget(r.replica_id)
+                # What this orchestrator sent there moments ago of the tenant's: routed on, its
+                # next request went "prefix" to a replica holding nothing of it ("cached 0,
+                # index expected 48"). Only its own: the other tenants' blocks stay there.
+                o.dispatched.forget(r.replica_id, flush.cache_salt)
         # Its prompts' pieces kept for tokenizing (scoped by tenant name).
         o.renderer.forget_scope(name)
         log.info("erased tenant %s: %d semantic entries, %d KV blocks dropped, %d kept in use; "

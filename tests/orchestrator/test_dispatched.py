@@ -59,6 +59,23 @@ def test_a_failed_replica_is_forgotten():
     assert len(mem) == 10
 
 
+def test_an_erased_tenant_is_forgotten_on_a_replica_and_no_other_tenant():
+    """Review: EraseTenant forgot everything sent to each replica that dropped the tenant's
+    blocks, and every other tenant's next request there routed as if new (its blocks were
+    still there). Only the erased tenant's salt goes, on that replica only."""
+    mem = DispatchMemory(16, ttl_s=10, clock=Clock(100.0))
+    a, b = hashes(SYSTEM, salt="salt-a"), hashes(SYSTEM, salt="salt-b")
+    mem.record("r0", a, "salt-a")
+    mem.record("r0", b, "salt-b")
+    mem.record("r1", a, "salt-a")
+    mem.forget("r0", "salt-a")
+    assert mem.match(a) == {"r1": 160}
+    assert mem.match(b) == {"r0": 160}
+    assert len(mem) == 20
+    mem.forget("r0", "salt-b")  # its last blocks: the replica has no records left
+    assert mem.match(b) == {} and set(mem._by_replica) == {"r1"}
+
+
 def test_past_max_blocks_the_oldest_go_first_whichever_replica_holds_them():
     clock = Clock(100.0)
     mem = DispatchMemory(16, ttl_s=60, max_blocks=12, clock=clock)

@@ -466,6 +466,18 @@ def test_a_stream_that_breaks_after_its_final_message_is_a_complete_answer(max_a
     assert orch.dispatched.match(orch.hasher.hashes(PROMPT, TENANT.cache_salt)) == {"A": 96}
 
 
+def test_a_dispatch_is_recorded_under_its_tenants_cache_salt():
+    """EraseTenant forgets an erased tenant's dispatches by its cache salt (the salt its
+    flush dropped): the record carries the salt of the tenant whose request it was."""
+    orch = make({"A": Stub("A", [Call([final("A", 2)])])})
+    generate(orch, [])
+    hashes = orch.hasher.hashes(PROMPT, TENANT.cache_salt)
+    orch.dispatched.forget("A", "another tenant's salt")
+    assert orch.dispatched.match(hashes) == {"A": 96}
+    orch.dispatched.forget("A", TENANT.cache_salt)
+    assert orch.dispatched.match(hashes) == {}
+
+
 def test_warm_top_k_for_owners_warms_only_the_owner():
     stubs = {r: Stub(r, []) for r in ("A", "B", "C")}
     hot = list(range(100, 164))

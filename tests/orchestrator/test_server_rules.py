@@ -1260,7 +1260,8 @@ def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
     forgot = []
     s, orch, tenants = _erase_servicer(
         SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), _call=sem_call), stubs,
-        tokens="tok-a=alice,tok-o=ops", dispatched=SimpleNamespace(forget=forgot.append))
+        tokens="tok-a=alice,tok-o=ops",
+        dispatched=SimpleNamespace(forget=lambda *a: forgot.append(a)))
 
     def as_(tok):
         return _caller(tok, 1e9)
@@ -1277,7 +1278,8 @@ def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
     assert stubs[0].asked == [salt] and stubs[1].asked == [salt]
     assert (r.semantic_entries_removed, r.kv_blocks_dropped, r.kv_blocks_in_use) == (6, 5, 1)
     assert list(r.not_reached) == ["kvpool kv1: UNAVAILABLE: connection refused"]
-    assert forgot == [orch.replicas.replicas[0].replica_id]  # no credit for what went
+    # No credit for what went: the tenant's, on the replica that dropped it.
+    assert forgot == [(orch.replicas.replicas[0].replica_id, salt)]
     assert orch.renderer.forgot == ["alice"]  # its prompts' pieces kept for tokenizing
     # Every call bounded (ERASE_TIMEOUT_S): years of timeout were cut to nothing by gRPC.
     assert all(0 < t <= 120 for t in timeouts + stubs[0].timeouts + stubs[1].timeouts)
@@ -1388,7 +1390,7 @@ def test_erase_tenant_names_a_call_that_failed_other_than_by_status():
     stubs = [Closed(), _FlushStub()]
     s, orch, _ = _erase_servicer(
         SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), _call=sem_call), stubs,
-        dispatched=SimpleNamespace(forget=forgot.append))
+        dispatched=SimpleNamespace(forget=lambda rid, salt: forgot.append(rid)))
     r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), _caller("tok-o", 1e9))
     assert (r.semantic_entries_removed, r.kv_blocks_dropped, r.kv_blocks_in_use) == (3, 5, 1)
     assert list(r.not_reached) == ["semantic shard s:2: failed (KeyError)",
