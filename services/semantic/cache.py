@@ -1025,6 +1025,18 @@ class SemanticCache:
         """
         if not entry_id:
             raise InvalidArgument("id", "required")
+        try:
+            return self._invalidate_id(entry_id, wanted)
+        except NotFound:
+            # A repeat of an Invalidate whose WAL emptying failed (a backup reading, a full
+            # disk) finds no entry: it empties the WAL still holding the row's text, where it
+            # had returned with the text left there.
+            if self.store.wal_owed:
+                self.store.truncate_wal()
+            raise
+
+    def _invalidate_id(self, entry_id: str, wanted: Callable[[], bool] | None) -> int:
+        """`invalidate_id` of a non-empty id."""
         e = self.get(entry_id)
         if e.expired(self.clock()):
             # Removed here, it read "removed 1": Feedback answered a bad rating of an answer
@@ -1200,9 +1212,10 @@ class SemanticCache:
                             self._mark_expiring_locked(item[1], -1)
                             heapq.heappush(self._expiry_heap, item)
             self._m["expirations"].inc(n)
-        if gone:
+        if gone or self.store.wal_owed:
             # Past its TTL an answer is gone from the file (secure_delete), and from the WAL
-            # only once emptied: its text stayed in semantic.db-wal until overwritten.
+            # only once emptied: its text stayed in semantic.db-wal until overwritten. Owed:
+            # an erasing call's emptying had not finished, and nobody repeated the call.
             self.store.truncate_wal()
         self._compact_expiry_heap()
         return n

@@ -335,6 +335,9 @@ class EntryStore:
             self._lock_fd = _lock_database(path)
         self.path = path
         self._lock = threading.Lock()
+        # A WAL emptying that did not finish (a reader, a full disk): deleted rows' text may
+        # still be in the -wal file, and the next erasing call empties it (`wal_owed`).
+        self._wal_owed = False
         try:
             # Not a database, or a malformed one: "file is not a database" named no file
             # and no way out, and the pod crash-looped.
@@ -544,10 +547,12 @@ class EntryStore:
         every page as it was written, deleted rows' text included, until later writes
         overwrite it (up to journal_size_limit). Returns False when a reader kept the
         checkpoint from finishing (another process holding the database open: a backup);
-        the WAL then stays as it was and a later call finishes it."""
+        the WAL then stays as it was and a later call finishes it (`wal_owed` says one is
+        due: an erasing call repeated, or the housekeeper's next purge, makes it)."""
         if self.path == ":memory:":
             return True
         with _full_is_exhausted(), _damaged_is_named(self.path), self._lock:
+            self._wal_owed = True  # until it has finished: a raise leaves it owed
             # Without waiting: under the store lock SQLite's busy timeout (5 s) stalled every
             # Store and hit flush that long behind a backup's read, only to warn after.
             wait = self._db.execute("PRAGMA busy_timeout").fetchone()[0]
@@ -556,10 +561,16 @@ class EntryStore:
                 busy = self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)").fetchone()[0]
             finally:
                 self._db.execute(f"PRAGMA busy_timeout = {int(wait)}")
+            self._wal_owed = bool(busy)
         if busy:
             log.warning("%s: the WAL was not emptied (another connection reads the database);"
                         " deleted rows may stay readable in its -wal file until it is", self.path)
         return not busy
+
+    @property
+    def wal_owed(self) -> bool:
+        """Whether the last `truncate_wal` did not finish (the WAL may hold deleted text)."""
+        return self._wal_owed
 
     def record_hit(self, label: int, at: float, hit_count: int) -> None:
         """Buffers a hit (written by `flush_hits`); never waits on SQLite."""
