@@ -339,10 +339,13 @@ class TenantRegistry:
         refused from the next call on, a new one accepted. Requests under way and the rate
         buckets stay, by tenant name (a concurrency or rate limit changed applies to the next
         acquire, rate check and charge, a call's authenticated before the reload included:
-        see `_now`; a call's size limits stay those it was authenticated under)."""
+        see `_now`; a call's size limits stay those it was authenticated under). A tenant the
+        file no longer has (removed, or renamed) leaves its bucket, its count once its last
+        request ends, and its series of tiercache_orchestrator_rejections_total."""
         if other.default is not None or self.default is not None:
             raise ValueError("a registry without tokens cannot be swapped")
         with self._lock:
+            before = set(self._current)
             moved = {t.name: new.name for tok, t in self.by_token.items()
                      if (new := other.by_token.get(tok)) is not None and new.name != t.name}
             renamed = {old: moved.get(mid, mid) for old, mid in self._renamed.items()}
@@ -350,6 +353,21 @@ class TenantRegistry:
             self._renamed = {old: new for old, new in renamed.items() if old != new}
             self.by_token, self._by_digest = other.by_token, other._by_digest
             self._current = other._current
+            gone = self._drop_removed_locked(before)
+        for name in gone:
+            REJECTED.remove_by_labels({"tenant": name})
+
+    def _drop_removed_locked(self, before: set[str]) -> set[str]:
+        """Forget the limiter state of tenants not in `_current` (the lock held): they kept
+        their buckets and counts for as long as the process ran. A count of requests still
+        under way stays until `release`. Returns the names forgotten: those of `before` (the
+        file read last) and any a call authenticated before a removal has used since."""
+        gone = (before | set(self._buckets) | set(self._active)) - set(self._current)
+        for name in gone:
+            self._buckets.pop(name, None)
+            if not self._active.get(name):
+                self._active.pop(name, None)
+        return gone
 
     def cache_salts(self) -> set[str]:
         """The cache salts of the tenants the tokens file has now (the default tenant's,
@@ -398,7 +416,11 @@ class TenantRegistry:
 
     def release(self, tenant: Tenant) -> None:
         with self._lock:
-            self._active[tenant.name] = max(0, self._active.get(tenant.name, 0) - 1)
+            n = max(0, self._active.get(tenant.name, 0) - 1)
+            if n or tenant.name in self._current or self.default is not None:
+                self._active[tenant.name] = n
+            else:  # the last request of a tenant removed from the file
+                self._active.pop(tenant.name, None)
 
     def check_rate(self, tenant: Tenant) -> None:
         """Take one request from the tenant's token bucket; RESOURCE_EXHAUSTED when empty."""

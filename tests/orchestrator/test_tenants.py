@@ -487,11 +487,52 @@ def test_a_call_authenticated_before_its_tenant_was_renamed_is_held_to_the_new_n
     r.release(fresh)
     assert r.acquire(late).name == "acme-eu"  # counted under the name it has now
     r.release(early)
-    assert r._active == {"acme": 0, "acme-eu": 1}
+    assert r._active == {"acme-eu": 1}  # acme's count left with its last request
     # Renamed again: the first name follows to the last.
     f.write_text(json.dumps({tok: {"tenant": "acme-us", "max_concurrent": 2}}))
     r.adopt(reg(tokens_file=str(f)))
     assert r.acquire(late).name == "acme-us"
+
+
+def test_a_tenant_removed_from_the_file_leaves_its_limiter_state_and_rejection_series(
+        tmp_path):
+    """Review: a tenant removed from the tokens file kept its rate bucket, its concurrency
+    count and its tiercache_orchestrator_rejections_total series for as long as the
+    orchestrator ran. The reload drops them (a request still under way keeps its count until
+    it ends); the tenants kept keep theirs."""
+    from services.common.errors import Overloaded
+    from services.orchestrator.tenants import REJECTED
+    from tests.clock import Clock
+    from tests.metric_sample import sample_value
+
+    tok_a, tok_b = "tok-gone-0123456789ab", "tok-kept-0123456789ab"
+    f = tmp_path / "tokens.json"
+    limits = {"rate_per_s": 1, "burst": 1}
+    f.write_text(json.dumps({tok_a: {"tenant": "gone-t", **limits},
+                             tok_b: {"tenant": "kept-t", **limits}}))
+    r = reg(tokens_file=str(f))
+    r.clock = Clock(100.0)
+    gone, kept = (r.authenticate({"authorization": f"Bearer {t}"}) for t in (tok_a, tok_b))
+    for t in (gone, kept):
+        r.check_rate(t)
+        with pytest.raises(Overloaded):
+            r.check_rate(t)  # counted: reason rate_limit
+    held = r.acquire(gone)  # a request of the removed tenant still under way
+    r.release(r.acquire(gone))  # and one that ended: an idle count of 0
+
+    def series(name):
+        return sample_value("tiercache_orchestrator_rejections_total",
+                            {"tenant": name, "reason": "rate_limit"})
+
+    assert series("gone-t") == 1 and series("kept-t") == 1
+    f.write_text(json.dumps({tok_b: {"tenant": "kept-t", **limits}}))
+    r.adopt(reg(tokens_file=str(f)))
+    assert series("gone-t") is None and series("kept-t") == 1
+    assert set(r._buckets) == {"kept-t"}
+    assert r._active == {"gone-t": 1}  # still under way
+    r.release(held)
+    assert r._active == {}
+    REJECTED.remove_by_labels({"tenant": "kept-t"})  # the suite's other tests see none
 
 
 def test_a_retry_after_the_wait_an_afford_refusal_names_passes():
