@@ -504,9 +504,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 o.dispatched.forget(r.replica_id, flush.cache_salt)
         # Its prompts' pieces kept for tokenizing (scoped by tenant name).
         o.renderer.forget_scope(name)
-        log.info("erased tenant %s: %d semantic entries, %d KV blocks dropped, %d kept in use; "
-                 "not reached: %s", name, resp.semantic_entries_removed, resp.kv_blocks_dropped,
-                 resp.kv_blocks_in_use, "; ".join(resp.not_reached) or "none")
+        # A WARNING when a shard or replica was not reached: the erasure is not done, and an
+        # INFO line was the only trace of the tenant's data left there.
+        log.log(logging.WARNING if resp.not_reached else logging.INFO,
+                "erased tenant %s: %d semantic entries, %d KV blocks dropped, %d kept in use; "
+                "not reached: %s", name, resp.semantic_entries_removed, resp.kv_blocks_dropped,
+                resp.kv_blocks_in_use, "; ".join(resp.not_reached) or "none")
         return resp
 
 

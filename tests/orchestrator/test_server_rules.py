@@ -1298,6 +1298,27 @@ def test_erase_tenant_keeps_time_to_answer_when_a_replica_hangs():
         stubs[0].timeouts, stubs[1].timeouts)
 
 
+def test_an_erasure_that_did_not_reach_everything_is_a_warning(caplog):
+    """A live walkthrough (one of two semantic shards stopped): the orchestrator's only trace
+    of an erasure left unfinished, the tenant's data still on the shard, was an INFO line.
+    It is a WARNING now; an erasure that reached everything stays INFO."""
+    import logging
+
+    def erase(stubs):
+        s, _, _ = _erase_servicer(SimpleNamespace(enabled=False), stubs)
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="services.orchestrator.server"):
+            s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"),
+                          _caller("tok-o", 10.0))
+        return [(r.levelno, r.getMessage()) for r in caplog.records
+                if r.getMessage().startswith("erased tenant alice")]
+
+    [(level, msg)] = erase([_FlushStub(), _FlushStub(fail=True)])
+    assert level == logging.WARNING and "not reached: kvpool kv1: UNAVAILABLE" in msg
+    assert erase([_FlushStub()]) == [(logging.INFO, "erased tenant alice: 0 semantic entries, "
+                                      "5 KV blocks dropped, 1 kept in use; not reached: none")]
+
+
 def test_erase_tenant_calls_every_shard_and_replica_at_once():
     """Review: EraseTenant called the shards, then the replicas, one after another, so one hung
     shard took the whole budget and every shard and replica after it was reported unreached
