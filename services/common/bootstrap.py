@@ -472,6 +472,196 @@ def _parsed_non_blocking(handler, service: str, short: str, prologue):
         parsed, request_deserializer=None, response_serializer=handler.response_serializer)
 
 
+class _Call:
+    """One method's calls as `_ServerInterceptor` wraps them: the caller's credential and
+    request id checked first (`prologue`), each call counted (`count`), what a handler raised
+    mapped to a status (`fail`), and the wrappers of unary and server-streaming handlers."""
+
+    def __init__(self, interceptor: _ServerInterceptor, method: str, short: str, handler,
+                 pairs) -> None:
+        self.interceptor, self.method = interceptor, method
+        self.service, self.short = interceptor.service, short
+        self.pairs, self.metadata = pairs, dict(pairs)
+        open_method = method.startswith(_OPEN_METHODS)
+        self.need_auth = bool(interceptor.internal_token) and not open_method
+        self.authenticate = None if open_method else interceptor.authenticate
+        # Two credentials: which one counts would depend on who reads them (a proxy the
+        # first, `dict` here the last); none is taken.
+        self.twice = self.need_auth and sum(k == "authorization" for k, _ in pairs) > 1
+        self.token = interceptor.internal_token or ""
+        self.deserialize = handler.request_deserializer
+        self.serialize, self.limit = handler.response_serializer, interceptor.max_send
+
+    def prologue(self, context) -> str | None:
+        """The caller's credential, checked before its request is parsed: a request
+        without one (up to the message size limit) cost nothing but its transfer."""
+        with contextlib.suppress(AttributeError):
+            context.tiercache_server = self.interceptor  # for `rpc_ended`
+        if self.need_auth:
+            self._check_token(context)
+        if self.authenticate is not None:
+            self._check_caller(context)
+        return self._request_id()
+
+    def _check_token(self, context) -> None:
+        got = "" if self.twice else self.metadata.get("authorization", "")
+        if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
+            RPC_TOTAL.labels(self.service, self.short, "UNAUTHENTICATED").inc()
+            _refused_caller(context, self.short, "UNAUTHENTICATED",
+                            "missing or wrong internal credential")
+            context.abort(grpc.StatusCode.UNAUTHENTICATED,
+                          "authorization: missing or wrong internal credential")
+
+    def _check_caller(self, context) -> None:
+        try:
+            self.authenticate(self.pairs)
+        except errors.TierCacheError as exc:
+            RPC_TOTAL.labels(self.service, self.short, exc.code).inc()
+            if exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
+                _refused_caller(context, self.short, exc.code, str(exc))
+            context.abort(_status_code(exc.code), _capped(str(exc)))
+
+    def _request_id(self) -> str:
+        given = self.metadata.get("x-request-id", "")
+        rid = plain_request_id(given)
+        if given and rid != given and \
+                _ERROR_LINES.allow((self.service, self.short, "x-request-id")):
+            # Replaced without a word, the caller's id (a ticket quotes it) matched no
+            # line, and a refused call never told its caller the new one.
+            with bound_request_id(rid):
+                log.info("%s: x-request-id %s replaced by %s (not 1-128 characters of "
+                         "A-Z a-z 0-9 . _ : -)", self.short, errors.shown(given), rid)
+        return rid
+
+    def count(self, context, code: str, requests) -> None:
+        """`code` counted now; for a call whose handler read a request stream
+        (`requests`) and that is still open, once the call has ended (`_count_at_end`)."""
+        if requests is not None and not _call_ended(context):
+            _count_at_end(context, requests, self.service, self.short, code)
+        else:
+            RPC_TOTAL.labels(self.service, self.short, code).inc()
+
+    def fail(self, context, exc: BaseException, requests=None) -> None:
+        """`exc` (what the handler raised) mapped to a status and counted under it;
+        `requests`: the call's request stream, when its handler read one."""
+        if isinstance(exc, grpc.RpcError) and _call_ended(context):
+            # gRPC's request iterator saying the call ended under the handler (its client
+            # cancelled, its deadline passed): no failure of the handler. Logged as one,
+            # every reflection stream its client cancelled left an ERROR and a traceback.
+            RPC_TOTAL.labels(self.service, self.short, rpc_ended(context).code).inc()
+            raise exc
+        if isinstance(exc, errors.TierCacheError):
+            self._fail_domain(context, exc, requests)
+        context.set_trailing_metadata(_told_request_id())
+        code = context.code() if hasattr(context, "code") else None
+        if code not in (None, grpc.StatusCode.OK):
+            self._abort_again(context, code, requests)
+        log.exception("unhandled error in %s", self.method)
+        self.count(context, _counted_code(context, "INTERNAL"), requests)
+        context.abort(grpc.StatusCode.INTERNAL,
+                      f"internal error in {self.short}; see server logs")
+
+    def _fail_domain(self, context, exc: errors.TierCacheError, requests) -> None:
+        # The status its client got, counted and logged alike: a handler giving up on a
+        # caller that cancelled (semantic's "caller is gone", DeadlineExceeded) was
+        # counted CANCELLED but logged "ended DEADLINE_EXCEEDED".
+        ended = _counted_code(context, exc.code)
+        self.count(context, ended, requests)
+        details = _capped(str(exc))
+        # A refused or failed call left no line: a ticket quoting its request id could
+        # not be traced. One line, with the id bound; a flood of them is thinned.
+        lines = (_STARTING_LINES if isinstance(exc, errors.Starting) and ended ==
+                 exc.code else _ERROR_LINES)
+        if lines.allow((self.service, self.short, ended)):
+            log.info("%s ended %s: %s", self.short, ended, details[:300])
+        trailers = exc.trailers + (((errors.OVERLOADED_KEY, "1"),)
+                                   if isinstance(exc, errors.Overloaded) else ())
+        context.set_trailing_metadata(trailers + _told_request_id())
+        context.abort(_status_code(exc.code), details)
+
+    def _abort_again(self, context, code: grpc.StatusCode, requests) -> None:
+        # The handler already aborted, or set a code and then raised. Abort again
+        # with that code and the handler's own details: left to gRPC, a code set
+        # without details would go out with the exception's text as its message.
+        self.count(context, _counted_code(context, code.name), requests)
+        details = context.details() if hasattr(context, "details") else None
+        if isinstance(details, bytes):
+            details = details.decode("utf-8", "replace")
+        context.abort(code, _capped(details or f"{self.short} failed: {code.name}"))
+
+    def parse(self, raw, context):
+        return _parse_request(self.deserialize, raw, context, self.service, self.short)
+
+    def unary_behavior(self, inner, parsed: bool = False):
+        """`parsed`: gRPC parses the requests (a client stream's, read by the handler).
+        The response is serialized here, to check it against the send limit."""
+        def wrapped(raw, context):
+            with self.interceptor.running():
+                return self._unary_call(inner, parsed, raw, context)
+
+        return wrapped
+
+    def _unary_call(self, inner, parsed: bool, raw, context):
+        rid = self.prologue(context)
+        request = raw if parsed else self.parse(raw, context)
+        t0 = time.perf_counter()
+        with bound_request_id(rid):
+            try:
+                resp = inner(request, context)
+                data = _encoded(resp, self.serialize, self.limit, context, self.service,
+                                self.short)
+                if parsed:
+                    self.count(context, _finished_code(context), raw)
+                else:
+                    RPC_TOTAL.labels(self.service, self.short, _finished_code(context)).inc()
+                return data
+            except BaseException as exc:  # noqa: BLE001 - mapped to a status
+                self.fail(context, exc, raw if parsed else None)
+            finally:
+                RPC_SECONDS.labels(self.service, self.short).observe(time.perf_counter() - t0)
+
+    def stream_behavior(self, inner):
+        def wrapped(raw, context) -> Iterator:
+            with self.interceptor.running():
+                yield from self._stream_call(inner, raw, context)
+
+        return wrapped
+
+    def _stream_call(self, inner, raw, context) -> Iterator:
+        rid = self.prologue(context)
+        request = self.parse(raw, context)
+        t0 = time.perf_counter()
+        try:
+            yield from _bound_items(lambda: inner(request, context), rid,
+                                    _encoder(self.serialize, self.limit, context, self.service,
+                                             self.short))
+            RPC_TOTAL.labels(self.service, self.short, _finished_code(context)).inc()
+        except GeneratorExit:
+            # Client went away (or its deadline passed); `_bound_items` closed the
+            # inner generator, running its cleanup.
+            self._caller_left(context, rid)
+            raise
+        except BaseException as exc:  # noqa: BLE001
+            # Bound again: the id was reset when next() raised, and an unexpected
+            # error's traceback must carry the id the client was told to look for.
+            with bound_request_id(rid):
+                self.fail(context, exc)
+        finally:
+            RPC_SECONDS.labels(self.service, self.short).observe(time.perf_counter() - t0)
+
+    def _caller_left(self, context, rid: str | None) -> None:
+        ended = rpc_ended(context)
+        RPC_TOTAL.labels(self.service, self.short, ended.code).inc()
+        # Logged as any other status is (one line, the id bound, thinned): a
+        # replica's Generate its orchestrator cancelled (the client's cancel or
+        # deadline) left no line, so a ticket's id never named the replica.
+        # Thinned apart from the handlers' own errors of the same code (a flood of
+        # cancels hid none of them).
+        if _ERROR_LINES.allow((self.service, self.short, ended.code, "caller left")):
+            with bound_request_id(rid):
+                log.info("%s ended %s: %s", self.short, ended.code, ended)
+
+
 class _ServerInterceptor(grpc.ServerInterceptor):
     """Request id, metrics, internal auth and domain-error mapping around every handler."""
 
@@ -528,187 +718,26 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             # RESOURCE_EXHAUSTED (a tenant over its limit), which no capacity alert pages for.
             RPC_REFUSED_AT_CAP.labels(self.service, short).inc()
             return handler
-        pairs = tuple(handler_call_details.invocation_metadata or ())
-        metadata = dict(pairs)
-        open_method = method.startswith(_OPEN_METHODS)
-        need_auth = bool(self.internal_token) and not open_method
-        authenticate = None if open_method else self.authenticate
-        # Two credentials: which one counts would depend on who reads them (a proxy the
-        # first, `dict` here the last); none is taken.
-        twice = need_auth and sum(k == "authorization" for k, _ in pairs) > 1
-        token = self.internal_token or ""
-        service = self.service
-
-        interceptor = self
-
-        def prologue(context) -> str | None:
-            """The caller's credential, checked before its request is parsed: a request
-            without one (up to the message size limit) cost nothing but its transfer."""
-            with contextlib.suppress(AttributeError):
-                context.tiercache_server = interceptor  # for `rpc_ended`
-            if need_auth:
-                got = "" if twice else metadata.get("authorization", "")
-                if not hmac.compare_digest(got.encode(), f"Bearer {token}".encode()):
-                    RPC_TOTAL.labels(service, short, "UNAUTHENTICATED").inc()
-                    _refused_caller(context, short, "UNAUTHENTICATED",
-                                    "missing or wrong internal credential")
-                    context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                                  "authorization: missing or wrong internal credential")
-            if authenticate is not None:
-                try:
-                    authenticate(pairs)
-                except errors.TierCacheError as exc:
-                    RPC_TOTAL.labels(service, short, exc.code).inc()
-                    if exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
-                        _refused_caller(context, short, exc.code, str(exc))
-                    context.abort(_status_code(exc.code), _capped(str(exc)))
-            given = metadata.get("x-request-id", "")
-            rid = plain_request_id(given)
-            if given and rid != given and _ERROR_LINES.allow((service, short, "x-request-id")):
-                # Replaced without a word, the caller's id (a ticket quotes it) matched no
-                # line, and a refused call never told its caller the new one.
-                with bound_request_id(rid):
-                    log.info("%s: x-request-id %s replaced by %s (not 1-128 characters of "
-                             "A-Z a-z 0-9 . _ : -)", short, errors.shown(given), rid)
-            return rid
-
+        call = _Call(self, method, short, handler,
+                     tuple(handler_call_details.invocation_metadata or ()))
         if getattr(handler.unary_stream, "experimental_non_blocking", False):
             # Health.Watch answers through callbacks and holds no thread; wrapped like the
             # others, it would fall back to a blocking generator that holds one per open watch
             # (32 of them, with no credential, stalled a 32-thread server). Only its request
             # is parsed here: gRPC's own deserializer answered malformed bytes with INTERNAL.
-            return _parsed_non_blocking(handler, service, short, prologue)
-
-        def count(context, code: str, requests) -> None:
-            """`code` counted now; for a call whose handler read a request stream
-            (`requests`) and that is still open, once the call has ended (`_count_at_end`)."""
-            if requests is not None and not _call_ended(context):
-                _count_at_end(context, requests, service, short, code)
-            else:
-                RPC_TOTAL.labels(service, short, code).inc()
-
-        def fail(context, exc: BaseException, requests=None) -> None:
-            """`exc` (what the handler raised) mapped to a status and counted under it;
-            `requests`: the call's request stream, when its handler read one."""
-            if isinstance(exc, grpc.RpcError) and _call_ended(context):
-                # gRPC's request iterator saying the call ended under the handler (its client
-                # cancelled, its deadline passed): no failure of the handler. Logged as one,
-                # every reflection stream its client cancelled left an ERROR and a traceback.
-                RPC_TOTAL.labels(service, short, rpc_ended(context).code).inc()
-                raise exc
-            if isinstance(exc, errors.TierCacheError):
-                # The status its client got, counted and logged alike: a handler giving up on a
-                # caller that cancelled (semantic's "caller is gone", DeadlineExceeded) was
-                # counted CANCELLED but logged "ended DEADLINE_EXCEEDED".
-                ended = _counted_code(context, exc.code)
-                count(context, ended, requests)
-                details = _capped(str(exc))
-                # A refused or failed call left no line: a ticket quoting its request id could
-                # not be traced. One line, with the id bound; a flood of them is thinned.
-                lines = (_STARTING_LINES if isinstance(exc, errors.Starting) and ended ==
-                         exc.code else _ERROR_LINES)
-                if lines.allow((service, short, ended)):
-                    log.info("%s ended %s: %s", short, ended, details[:300])
-                trailers = exc.trailers + (((errors.OVERLOADED_KEY, "1"),)
-                                           if isinstance(exc, errors.Overloaded) else ())
-                context.set_trailing_metadata(trailers + _told_request_id())
-                context.abort(_status_code(exc.code), details)
-            context.set_trailing_metadata(_told_request_id())
-            code = context.code() if hasattr(context, "code") else None
-            if code not in (None, grpc.StatusCode.OK):
-                # The handler already aborted, or set a code and then raised. Abort again
-                # with that code and the handler's own details: left to gRPC, a code set
-                # without details would go out with the exception's text as its message.
-                count(context, _counted_code(context, code.name), requests)
-                details = context.details() if hasattr(context, "details") else None
-                if isinstance(details, bytes):
-                    details = details.decode("utf-8", "replace")
-                context.abort(code, _capped(details or f"{short} failed: {code.name}"))
-            log.exception("unhandled error in %s", method)
-            count(context, _counted_code(context, "INTERNAL"), requests)
-            context.abort(grpc.StatusCode.INTERNAL, f"internal error in {short}; see server logs")
-
-        deserialize, serialize = handler.request_deserializer, handler.response_serializer
-        limit = self.max_send
-
-        def parse(raw, context):
-            return _parse_request(deserialize, raw, context, service, short)
-
-        def unary_behavior(inner, parsed: bool = False):
-            """`parsed`: gRPC parses the requests (a client stream's, read by the handler).
-            The response is serialized here, to check it against the send limit."""
-            def wrapped(raw, context):
-                with interceptor.running():
-                    return unary_call(raw, context)
-
-            def unary_call(raw, context):
-                rid = prologue(context)
-                request = raw if parsed else parse(raw, context)
-                t0 = time.perf_counter()
-                with bound_request_id(rid):
-                    try:
-                        resp = inner(request, context)
-                        data = _encoded(resp, serialize, limit, context, service, short)
-                        if parsed:
-                            count(context, _finished_code(context), raw)
-                        else:
-                            RPC_TOTAL.labels(service, short, _finished_code(context)).inc()
-                        return data
-                    except BaseException as exc:  # noqa: BLE001 - mapped to a status
-                        fail(context, exc, raw if parsed else None)
-                    finally:
-                        RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
-
-            return wrapped
-
-        def stream_behavior(inner):
-            def wrapped(raw, context) -> Iterator:
-                with interceptor.running():
-                    yield from stream_call(raw, context)
-
-            def stream_call(raw, context) -> Iterator:
-                rid = prologue(context)
-                request = parse(raw, context)
-                t0 = time.perf_counter()
-                try:
-                    yield from _bound_items(lambda: inner(request, context), rid,
-                                            _encoder(serialize, limit, context, service, short))
-                    RPC_TOTAL.labels(service, short, _finished_code(context)).inc()
-                except GeneratorExit:
-                    # Client went away (or its deadline passed); `_bound_items` closed the
-                    # inner generator, running its cleanup.
-                    ended = rpc_ended(context)
-                    RPC_TOTAL.labels(service, short, ended.code).inc()
-                    # Logged as any other status is (one line, the id bound, thinned): a
-                    # replica's Generate its orchestrator cancelled (the client's cancel or
-                    # deadline) left no line, so a ticket's id never named the replica.
-                    # Thinned apart from the handlers' own errors of the same code (a flood of
-                    # cancels hid none of them).
-                    if _ERROR_LINES.allow((service, short, ended.code, "caller left")):
-                        with bound_request_id(rid):
-                            log.info("%s ended %s: %s", short, ended.code, ended)
-                    raise
-                except BaseException as exc:  # noqa: BLE001
-                    # Bound again: the id was reset when next() raised, and an unexpected
-                    # error's traceback must carry the id the client was told to look for.
-                    with bound_request_id(rid):
-                        fail(context, exc)
-                finally:
-                    RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
-
-            return wrapped
-
+            return _parsed_non_blocking(handler, call.service, call.short, call.prologue)
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
-                unary_behavior(handler.unary_unary),
+                call.unary_behavior(handler.unary_unary),
                 request_deserializer=None, response_serializer=None)
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
-                stream_behavior(handler.unary_stream),
+                call.stream_behavior(handler.unary_stream),
                 request_deserializer=None, response_serializer=None)
         if handler.stream_stream:
             return grpc.stream_stream_rpc_method_handler(
-                self._limited(handler.stream_stream, short, prologue, fail, count, serialize),
+                self._limited(handler.stream_stream, call.short, call.prologue, call.fail,
+                              call.count, call.serialize),
                 request_deserializer=handler.request_deserializer, response_serializer=None)
         if handler.stream_unary:
             # None is served today; one added later is not open to callers without the
@@ -717,7 +746,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
             # none of them: a domain error reached its client as UNKNOWN "Exception calling
             # application: <its text>", any other exception's text too).
             return grpc.stream_unary_rpc_method_handler(
-                unary_behavior(handler.stream_unary, parsed=True),
+                call.unary_behavior(handler.stream_unary, parsed=True),
                 request_deserializer=handler.request_deserializer, response_serializer=None)
         return handler
 
