@@ -760,21 +760,45 @@ class Warmer:
         something, less what was reserved (negative: given back). The call itself paid for
         one; the tenant's rate limit counts each prefill that computed something. Once `gone`
         is set (the caller cancelled), no further prefill is sent."""
+        deadline = time.monotonic() + (120.0 if time_remaining is None
+                                       else min(120.0, time_remaining))
+        self._check_request(tenant, request)
+        ttl = request.pin_ttl_seconds or self.cfg.warm_pin_ttl_s
+        # Choosing owners asks the index once per prompt, one after another: together those
+        # lookups get at most a quarter of the call's time (each a share of what is left of
+        # it), so a hung index leaves the prefills most of it.
+        owners_until = time.monotonic() + 0.25 * max(0.0, deadline - time.monotonic())
+        jobs = []
+        for i, p in enumerate(request.prompts):
+            ids = self._prompt_ids(tenant, i, p)
+            for r in self._targets(tenant, ids, request.target, owners_until, gone):
+                jobs.append((r, ids, tenant.cache_salt, ttl, i))
+        if request.top_k:
+            for ids, salt in self._hot_prefixes(tenant, request.top_k):
+                for r in self._targets(tenant, ids, request.target, owners_until, gone):
+                    # Holders too: a Warm always pins (ttl > 0), and on a holder the
+                    # prefill computes nothing and pins. Skipped, a top_k Warm pinned nothing
+                    # once the background loop had cached the hot prefixes everywhere.
+                    jobs.append((r, ids, salt, ttl, -1))
+        self._check_jobs(request, jobs)
+        reserved = afford(len(jobs) - 1) if afford is not None and jobs else 0
+        return orchestrator_pb2.WarmResponse(
+            results=self._prefill_all(jobs, deadline, gone, reserved, charge))
+
+    def _check_request(self, tenant, request) -> None:
+        """The Warm request's own fields, before any rendering or index lookup."""
         if not request.prompts and not request.top_k:
             raise errors.InvalidArgument("prompts", "give prompts or top_k")
         if len(request.prompts) > MAX_WARM_PROMPTS:
             raise errors.InvalidArgument("prompts", f"at most {MAX_WARM_PROMPTS} per call")
         if request.top_k > MAX_WARM_PROMPTS:
             raise errors.InvalidArgument("top_k", f"at most {MAX_WARM_PROMPTS}")
-        deadline = time.monotonic() + (120.0 if time_remaining is None
-                                       else min(120.0, time_remaining))
         if request.target not in orchestrator_pb2.WarmTarget.values():
             raise errors.InvalidArgument("target", f"unknown WarmTarget {request.target}")
         if request.pin_ttl_seconds > self.cfg.warm_pin_ttl_max_s:
             raise errors.InvalidArgument(
                 "pin_ttl_seconds", f"{request.pin_ttl_seconds} s exceeds the limit of "
                 f"{self.cfg.warm_pin_ttl_max_s} s")
-        ttl = request.pin_ttl_seconds or self.cfg.warm_pin_ttl_s
         for i, p in enumerate(request.prompts):  # before any rendering, as Generate does
             if p.messages and p.prompt:
                 # The prompt was dropped without a word (Generate refuses the pair): a caller
@@ -786,65 +810,59 @@ class Warmer:
         if request.top_k and self.orch.prefix is None:
             raise errors.FailedPrecondition(
                 "top_k: no prefix index is configured to name the hot prefixes")
-        jobs = []
-        # Choosing owners asks the index once per prompt, one after another: together those
-        # lookups get at most a quarter of the call's time (each a share of what is left of
-        # it), so a hung index leaves the prefills most of it.
-        owners_until = time.monotonic() + 0.25 * max(0.0, deadline - time.monotonic())
-        for i, p in enumerate(request.prompts):
-            if p.messages:
-                ids = self.orch.renderer.render_warm([Message(m.role, m.content)
-                                                      for m in p.messages], f"prompts[{i}]",
-                                                     scope=tenant.name)
-            elif not errors.blank(p.prompt):
-                ids = self.orch.renderer.render_raw(p.prompt, f"prompts[{i}].prompt",
-                                                    scope=tenant.name).token_ids
-            else:
-                raise errors.InvalidArgument(f"prompts[{i}]", "give messages or prompt")
-            if len(ids) > self.cfg.max_prompt_tokens:
-                raise errors.InvalidArgument(
-                    f"prompts[{i}]", f"{len(ids)} tokens exceed the limit of "
-                                     f"{self.cfg.max_prompt_tokens} (the orchestrator's "
-                                     "max_prompt_tokens)")
-            if len(ids) < self.cfg.block_size:
-                # Only full KV blocks are cached and pinned: such a warm-up would report
-                # success and leave nothing behind.
-                raise errors.InvalidArgument(
-                    f"prompts[{i}]", f"{len(ids)} tokens, shorter than one KV block "
-                                     f"({self.cfg.block_size}): nothing could be kept")
-            if len(ids) > tenant.max_prompt_tokens:  # the same limit as the tenant's requests
-                REJECTED.labels(tenant.name, "prompt_tokens").inc()
-                raise errors.ResourceExhausted(
-                    f"prompts[{i}]: {len(ids)} tokens exceed tenant limit "
-                    f"{tenant.max_prompt_tokens}")
-            context = self.orch.replicas.max_context()
-            if context and len(ids) > context:
-                # Every target replica refused it, one call each, naming its own field.
-                raise errors.InvalidArgument(
-                    f"prompts[{i}]", f"{len(ids)} tokens exceed the model context ({context})")
-            # Only whole KV blocks are kept: the tail past the last one was computed and
-            # thrown away, and a refresh of a prompt already warm recomputed it every time
-            # (reported as work, and charged to the tenant as work).
-            ids = ids[:len(ids) // self.cfg.block_size * self.cfg.block_size]
-            for r in self._targets(tenant, ids, request.target, owners_until, gone):
-                jobs.append((r, ids, tenant.cache_salt, ttl, i))
-        if request.top_k:
-            try:
-                # This tenant's prefixes only (another tenant's salt is not ours to use): the
-                # index filters, so k of them come back, not k of everyone's.
-                hot = self.orch.prefix.top_prefixes(request.top_k, self.orch.model_id,
-                                                    cache_salt=tenant.cache_salt)
-            except grpc.RpcError as e:
-                raise errors.Unavailable(f"top_k: the prefix index is unavailable "
-                                         f"({e.code().name})") from None
-            mine = [hp for hp in hot if hp.cache_salt == tenant.cache_salt][:request.top_k]
-            for hp in mine:
-                ids = list(hp.token_ids)
-                for r in self._targets(tenant, ids, request.target, owners_until, gone):
-                    # Holders too: a Warm always pins (ttl > 0), and on a holder the
-                    # prefill computes nothing and pins. Skipped, a top_k Warm pinned nothing
-                    # once the background loop had cached the hot prefixes everywhere.
-                    jobs.append((r, ids, hp.cache_salt, ttl, -1))
+
+    def _prompt_ids(self, tenant, i: int, p) -> list:
+        """Prompt `i`'s token ids, checked against every limit, cut to whole KV blocks."""
+        if p.messages:
+            ids = self.orch.renderer.render_warm([Message(m.role, m.content)
+                                                  for m in p.messages], f"prompts[{i}]",
+                                                 scope=tenant.name)
+        elif not errors.blank(p.prompt):
+            ids = self.orch.renderer.render_raw(p.prompt, f"prompts[{i}].prompt",
+                                                scope=tenant.name).token_ids
+        else:
+            raise errors.InvalidArgument(f"prompts[{i}]", "give messages or prompt")
+        if len(ids) > self.cfg.max_prompt_tokens:
+            raise errors.InvalidArgument(
+                f"prompts[{i}]", f"{len(ids)} tokens exceed the limit of "
+                                 f"{self.cfg.max_prompt_tokens} (the orchestrator's "
+                                 "max_prompt_tokens)")
+        if len(ids) < self.cfg.block_size:
+            # Only full KV blocks are cached and pinned: such a warm-up would report
+            # success and leave nothing behind.
+            raise errors.InvalidArgument(
+                f"prompts[{i}]", f"{len(ids)} tokens, shorter than one KV block "
+                                 f"({self.cfg.block_size}): nothing could be kept")
+        if len(ids) > tenant.max_prompt_tokens:  # the same limit as the tenant's requests
+            REJECTED.labels(tenant.name, "prompt_tokens").inc()
+            raise errors.ResourceExhausted(
+                f"prompts[{i}]: {len(ids)} tokens exceed tenant limit "
+                f"{tenant.max_prompt_tokens}")
+        context = self.orch.replicas.max_context()
+        if context and len(ids) > context:
+            # Every target replica refused it, one call each, naming its own field.
+            raise errors.InvalidArgument(
+                f"prompts[{i}]", f"{len(ids)} tokens exceed the model context ({context})")
+        # Only whole KV blocks are kept: the tail past the last one was computed and
+        # thrown away, and a refresh of a prompt already warm recomputed it every time
+        # (reported as work, and charged to the tenant as work).
+        return ids[:len(ids) // self.cfg.block_size * self.cfg.block_size]
+
+    def _hot_prefixes(self, tenant, top_k: int) -> list[tuple[list, str]]:
+        """The tenant's `top_k` hottest prefixes as the index names them: (token ids, salt)."""
+        try:
+            # This tenant's prefixes only (another tenant's salt is not ours to use): the
+            # index filters, so k of them come back, not k of everyone's.
+            hot = self.orch.prefix.top_prefixes(top_k, self.orch.model_id,
+                                                cache_salt=tenant.cache_salt)
+        except grpc.RpcError as e:
+            raise errors.Unavailable(f"top_k: the prefix index is unavailable "
+                                     f"({e.code().name})") from None
+        mine = [hp for hp in hot if hp.cache_salt == tenant.cache_salt][:top_k]
+        return [(list(hp.token_ids), hp.cache_salt) for hp in mine]
+
+    def _check_jobs(self, request, jobs: list) -> None:
+        """The prefills a Warm asks for: at most the per-call limit, and a replica to run them."""
         limit = self.cfg.warm_max_prefills_per_call
         if len(jobs) > limit:
             raise errors.InvalidArgument(
@@ -855,7 +873,10 @@ class Warmer:
             # Every replica on another model (mid-roll): said as Generate says it, naming both
             # model ids ("no healthy replica to warm" named none).
             raise errors.Unavailable(self.orch.replicas.misfits() or "no healthy replica to warm")
-        reserved = afford(len(jobs) - 1) if afford is not None and jobs else 0
+
+    def _prefill_all(self, jobs: list, deadline: float, gone: threading.Event | None,
+                     reserved: int, charge: Callable[[int], None] | None) -> list:
+        """Each job's prefill (`_run_windowed`), then the tenant charged for the work done."""
         # The pool's threads do not inherit the call's request id: bound there for the logs,
         # and handed to each Prefill.
         rid = request_id_var.get()
@@ -883,7 +904,7 @@ class Warmer:
                 owed = max(0, worked - 1) - reserved
                 if owed:
                     charge(owed)
-        return orchestrator_pb2.WarmResponse(results=results)
+        return results
 
     def _run_windowed(self, fn, jobs: list, deadline: float,
                       gone: threading.Event) -> list:
