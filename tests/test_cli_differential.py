@@ -81,7 +81,6 @@ import socket
 import struct
 import subprocess
 import threading
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -90,21 +89,19 @@ from google.protobuf import json_format
 from tiercache.v1 import (
     common_pb2,
     orchestrator_pb2,
-    orchestrator_pb2_grpc,
     prefix_pb2,
     semantic_pb2,
 )
 
 from clients.python import cli
 from tests.blank_text import blank
+from tests.fake_orchestrator import CLIENT_ENV, UnaryScripted, serving
 
 SEEDS = int(os.environ.get("CLI_DIFFERENTIAL_SEEDS", "60"))
 STEPS = 12
 SC = grpc.StatusCode
 CODES = [c for c in SC if c != SC.OK]
 ROOT = Path(__file__).resolve().parent.parent
-ENV = ("TIERCACHE_ADDRESS", "TIERCACHE_TOKEN", "TIERCACHE_TLS_CA", "TIERCACHE_TLS_CLIENT_CERT",
-       "TIERCACHE_TLS_CLIENT_KEY")
 CONTROL = {c: "\ufffd" for c in range(32) if chr(c) not in "\n\t"} | {0x7F: "\ufffd"}
 TEXTS = ["", "Hel", "lo.", " world", "\n", "é€", "a\tb", "\x1b[2J", "x\x07\x7fy"]
 WORDS = ["no replica", "", "naïve", "bad\x1b]0;title\x07 value", "Concurrent RPC limit exceeded!"]
@@ -114,7 +111,7 @@ def f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
+class Scripted(UnaryScripted):
     """Every call is recorded (method, request, metadata, time left) and answered by `answer`:
     ("reply", message) / ("abort", code, details, overloaded) for unary calls, a list of
     ("chunk", text) / ("final", text, report) / ("abort", ...) / ("end",) for Generate."""
@@ -143,15 +140,6 @@ class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
             self._abort(context, act)
         return act[1]
 
-    def Warm(self, request, context):  # noqa: N802
-        return self._unary("Warm", request, context)
-
-    def Feedback(self, request, context):  # noqa: N802
-        return self._unary("Feedback", request, context)
-
-    def Stats(self, request, context):  # noqa: N802
-        return self._unary("Stats", request, context)
-
     def Generate(self, request, context):  # noqa: N802
         self._record("Generate", request, context)
         for act in self.answer:
@@ -169,13 +157,9 @@ class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
 
 @pytest.fixture(scope="module")
 def server():
-    srv = grpc.server(ThreadPoolExecutor(4))
     s = Scripted()
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(s, srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
-    yield s, port
-    srv.stop(0)
+    with serving(s, 4) as port:
+        yield s, port
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +193,7 @@ class Out(io.StringIO):
 
 
 def invoke(monkeypatch, argv, env, tty_out, tty_err) -> tuple[int, str, str]:
-    for var in ENV:
+    for var in CLIENT_ENV:
         monkeypatch.delenv(var, raising=False)
     for var, value in env.items():
         monkeypatch.setenv(var, value)

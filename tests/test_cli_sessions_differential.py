@@ -58,7 +58,6 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -66,6 +65,7 @@ import pytest
 from tiercache.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 from clients.python import cli
+from tests.fake_orchestrator import clear_client_env, serving
 
 SEEDS = int(os.environ.get("CLI_SESSIONS_DIFFERENTIAL_SEEDS", "40"))
 SC = grpc.StatusCode
@@ -138,13 +138,9 @@ class Router:
 
 @pytest.fixture(scope="module")
 def server():
-    srv = grpc.server(ThreadPoolExecutor(8))
     s = Scripted()
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(s, srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
-    yield s, f"127.0.0.1:{port}"
-    srv.stop(0)
+    with serving(s, 8) as port:
+        yield s, f"127.0.0.1:{port}"
 
 
 def run(buffers: dict, argv: list[str], result: list, buf: tuple | None = None) -> None:
@@ -470,10 +466,7 @@ def test_cli_sessions_match_the_documented_model(server, tmp_path, monkeypatch):
     buffers: dict = {}
     monkeypatch.setattr(sys, "stdout", Router(buffers, True))
     monkeypatch.setattr(sys, "stderr", Router(buffers, False))
-    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path))  # restored after the test
-    for name in ("TIERCACHE_TOKEN", "TIERCACHE_ADDRESS", "TIERCACHE_TLS_CA",
-                 "TIERCACHE_TLS_CLIENT_CERT", "TIERCACHE_TLS_CLIENT_KEY"):
-        monkeypatch.delenv(name, raising=False)
+    clear_client_env(monkeypatch, tmp_path)
     for seed in range(SEEDS):
         run_seed(seed, srv, address, tmp_path, buffers)
 

@@ -27,6 +27,7 @@ from clients.python.client import (
     _whole_at_end,
     retry_later,
 )
+from tests.fake_orchestrator import serving
 from tests.test_client_library import Scripted as LibraryScripted
 
 
@@ -61,14 +62,10 @@ class Scripted(LibraryScripted):
 
 @pytest.fixture
 def address():
-    server = grpc.server(ThreadPoolExecutor(8))
     Scripted.calls = []
     Scripted.ended = []
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Scripted(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(0)
+    with serving(Scripted(), 8) as port:
+        yield f"127.0.0.1:{port}"
 
 
 def run(coro):

@@ -85,6 +85,7 @@ from clients.python import cli
 from clients.python import replay as replay_mod
 from clients.python.client import IncompleteStream, TierCacheClient, retry_later
 from tests.blank_text import blank
+from tests.fake_orchestrator import UnaryScripted, clear_client_env, serving
 
 SEEDS = int(os.environ.get("CLIENT_DIFFERENTIAL_SEEDS", "100"))
 SC = grpc.StatusCode
@@ -102,7 +103,7 @@ class Seen:
     remaining: float | None
 
 
-class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
+class Scripted(UnaryScripted):
     """Generate plays the script of its key (the last message's content, or the prompt):
     ("chunk", text, ids), ("final", text, ids, GenerateFinal), ("abort", code, details,
     trailers), ("hang",) until the client ends the call, ("end",) (status OK). Warm, Feedback
@@ -150,25 +151,12 @@ class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
             context.abort(reply[0], reply[1])
         return reply
 
-    def Warm(self, request, context):  # noqa: N802
-        return self._unary("Warm", request, context)
-
-    def Feedback(self, request, context):  # noqa: N802
-        return self._unary("Feedback", request, context)
-
-    def Stats(self, request, context):  # noqa: N802
-        return self._unary("Stats", request, context)
-
 
 @pytest.fixture(scope="module")
 def server():
-    srv = grpc.server(ThreadPoolExecutor(16))
     s = Scripted()
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(s, srv)
-    port = srv.add_insecure_port("127.0.0.1:0")
-    srv.start()
-    yield s, f"127.0.0.1:{port}"
-    srv.stop(0)
+    with serving(s, 16) as port:
+        yield s, f"127.0.0.1:{port}"
 
 
 # ---------------------------------------------------------------- random scripts
@@ -936,10 +924,7 @@ def run_seed(seed: int, srv: Scripted, address: str, home: Path) -> None:
 
 def test_client_cli_and_replay_match_the_documented_model(server, tmp_path, monkeypatch):
     srv, address = server
-    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path))  # restored after the test
-    for name in ("TIERCACHE_TOKEN", "TIERCACHE_ADDRESS", "TIERCACHE_TLS_CA",
-                 "TIERCACHE_TLS_CLIENT_CERT", "TIERCACHE_TLS_CLIENT_KEY"):
-        monkeypatch.delenv(name, raising=False)
+    clear_client_env(monkeypatch, tmp_path)
     for seed in range(SEEDS):
         run_seed(seed, srv, address, tmp_path)
 

@@ -18,6 +18,7 @@ from clients.python.client import (
     TierCacheClient,
     retry_later,
 )
+from tests.fake_orchestrator import serving
 from tests.orchestrator.test_warm_loop import Err
 
 
@@ -67,13 +68,9 @@ class Scripted(orchestrator_pb2_grpc.OrchestratorServicer):
 
 @pytest.fixture
 def address():
-    server = grpc.server(ThreadPoolExecutor(4))
     Scripted.calls = []
-    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Scripted(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    yield f"127.0.0.1:{port}"
-    server.stop(0)
+    with serving(Scripted(), 4) as port:
+        yield f"127.0.0.1:{port}"
 
 
 def test_a_stream_without_its_final_message_raises_for_every_caller(address):
