@@ -6,10 +6,12 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,3 +141,50 @@ def wait_started(started: Path, proc: subprocess.Popen, timeout: float, what) ->
     while not started.exists() and proc.poll() is None:
         assert time.monotonic() - t0 < timeout, what
         time.sleep(0.01)
+
+
+def starting(log: Path, started: Path | None, hold: float) -> None:
+    """A stand-in's start of the slow step: its pid added to `log`, `started` written (it holds
+    the cache's lock by now), then `hold` seconds held while others come to the lock."""
+    with open(log, "a") as f:
+        f.write(f"{os.getpid()}\n")
+    if started is not None:
+        started.write_text("1")
+    if hold:
+        time.sleep(hold)
+
+
+@contextmanager
+def read_only(*folders: Path) -> Iterator[None]:
+    """The folders mode 0555 inside the block, their own modes back after it."""
+    modes = {p: stat.S_IMODE(p.stat().st_mode) for p in folders}
+    for p in modes:
+        p.chmod(0o555)
+    try:
+        yield
+    finally:
+        for p, mode in modes.items():
+            p.chmod(mode)
+
+
+def take_step(run, ops: list[tuple[str, Callable[[], None], int]]) -> None:
+    """One of `ops` (name, step, weight) drawn by `run.rng` by weight, added to `run.trail` and
+    `run.counts`, and taken."""
+    name, fn, _ = run.rng.choices(ops, weights=[w for *_, w in ops])[0]
+    run.trail.append(name)
+    run.counts[name] = run.counts.get(name, 0) + 1
+    fn()
+
+
+def run_seeds(run_seed: Callable[[int, Path, int], dict[str, int]], base: Path, seeds: int,
+              steps: int) -> dict[str, int]:
+    """`run_seed(seed, folder, steps)` for each seed, in a folder of its own under `base`
+    (removed at the end): how many of each operation ran, summed."""
+    total: dict[str, int] = {}
+    try:
+        for seed in range(seeds):
+            for k, v in run_seed(seed, base / str(seed), steps).items():
+                total[k] = total.get(k, 0) + v
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    return total

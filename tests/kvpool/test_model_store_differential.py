@@ -52,7 +52,6 @@ import random
 import shutil
 import stat
 import tempfile
-import time
 from pathlib import Path
 
 from services.common import files as files_mod
@@ -64,7 +63,11 @@ from tests.procs import (
     killable_remove_aside,
     lines_in,
     python_child,
+    read_only,
+    run_seeds,
     saving,
+    starting,
+    take_step,
     wait_started,
 )
 
@@ -123,12 +126,7 @@ def install_fakes(gguf: Path, log: Path, kill: str | None = None, hold: float = 
                 (Path(folder) / name).write_bytes(out[name])
 
     def load(g: Path):
-        with open(log, "a") as f:
-            f.write(f"{os.getpid()}\n")
-        if started is not None:
-            started.write_text("1")
-        if hold:
-            time.sleep(hold)  # holding the lock while others come to it
+        starting(log, started, hold)
         if kill == "load":
             die()
         import transformers
@@ -434,16 +432,10 @@ class Run:
     def readonly(self) -> None:
         d, pre = self.m.decision(self.target), self.pre()
         self.models.mkdir(parents=True, exist_ok=True)
-        modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (self.cache, self.models)}
-        for p in modes:
-            p.chmod(0o555)
-        try:
+        with read_only(self.cache, self.models):
             before = lines_in(self.log)
             [out] = _wait([_child("resolve", self.cache, self.gguf, self.log, self.tvs(),
                                   readonly=True)], self.ctx())
-        finally:
-            for p, mode in modes.items():
-                p.chmod(mode)
         c = self.ctx()
         assert lines_in(self.log) == before, c
         if out.get("path"):
@@ -545,10 +537,7 @@ class Run:
         if self.children:
             ops += [("concurrent", self.concurrent, 1), ("kill", self.killed, 2),
                     ("readonly", self.readonly, 1 if CAN_READONLY else 0)]
-        name, fn, _ = self.rng.choices(ops, weights=[w for *_, w in ops])[0]
-        self.trail.append(name)
-        self.counts[name] = self.counts.get(name, 0) + 1
-        fn()
+        take_step(self, ops)
 
 
 _REAL_TV = ""
@@ -591,12 +580,6 @@ def test_the_conversion_cache_answers_as_the_model_after_every_step():
     """Seeded sequences of resolves, loads, damage, strays, source changes, and (in real
     processes) concurrent, killed and read-only resolves: every decision and folder as the
     model says."""
-    total: dict[str, int] = {}
     base = _base()
-    try:
-        for seed in range(SEEDS):
-            for k, v in run_seed(seed, base / str(seed), STEPS).items():
-                total[k] = total.get(k, 0) + v
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    total = run_seeds(run_seed, base, SEEDS, STEPS)
     assert total.get("kill", 0) and total.get("concurrent", 0) and total.get("damage", 0), total

@@ -54,7 +54,6 @@ import random
 import shutil
 import stat
 import tempfile
-import time
 from pathlib import Path
 
 from services.common import files as files_mod
@@ -66,7 +65,11 @@ from tests.procs import (
     killable_remove_aside,
     lines_in,
     python_child,
+    read_only,
+    run_seeds,
     saving,
+    starting,
+    take_step,
     wait_started,
 )
 
@@ -97,12 +100,7 @@ def install_fakes(log: Path, kill: str | None = None, hold: float = 0.0,
                   (onnx_export, "remove_aside"), (files_mod, "shutil")])
 
     def export(spec, out: Path, exporter: str = "torchscript") -> None:
-        with open(log, "a") as f:
-            f.write(f"{os.getpid()}\n")
-        if started is not None:
-            started.write_text("1")
-        if hold:
-            time.sleep(hold)
+        starting(log, started, hold)
         if kill == "start":
             die()
         d = Path(spec.model_dir)
@@ -459,16 +457,10 @@ class Run:
         cur = self.m.current(want, side, exporter)
         self.root.mkdir(parents=True, exist_ok=True)
         pre = _snapshot(want)
-        modes = {p: stat.S_IMODE(p.stat().st_mode) for p in (self.cache, self.root)}
-        for p in modes:
-            p.chmod(0o555)
-        try:
+        with read_only(self.cache, self.root):
             before = lines_in(self.log)
             [out] = _wait([_child("ensure", self.m.dirs[side], self.cache, exporter, self.log,
                                   readonly=True)], self.ctx())
-        finally:
-            for p, mode in modes.items():
-                p.chmod(mode)
         c = self.ctx()
         assert lines_in(self.log) == before, c
         if out.get("path"):
@@ -567,10 +559,7 @@ class Run:
         if self.children:
             ops += [("concurrent", self.concurrent, 1), ("kill", self.killed, 2),
                     ("readonly", self.readonly, 1 if CAN_READONLY else 0)]
-        name, fn, _ = self.rng.choices(ops, weights=[w for *_, w in ops])[0]
-        self.trail.append(name)
-        self.counts[name] = self.counts.get(name, 0) + 1
-        fn()
+        take_step(self, ops)
 
 
 def run_seed(seed: int, base: Path, steps: int, children: bool = True) -> dict[str, int]:
@@ -595,14 +584,8 @@ def run_seed(seed: int, base: Path, steps: int, children: bool = True) -> dict[s
 def test_the_export_cache_answers_as_the_model_after_every_step():
     """Seeded sequences of ensures, loads, damage, strays, model folder changes, and (in real
     processes) concurrent, killed and read-only ensures: every answer as the model says."""
-    total: dict[str, int] = {}
     base = Path(tempfile.mkdtemp(prefix="tiercache-onnx-diff-"))
-    try:
-        for seed in range(SEEDS):
-            for k, v in run_seed(seed, base / str(seed), STEPS).items():
-                total[k] = total.get(k, 0) + v
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
+    total = run_seeds(run_seed, base, SEEDS, STEPS)
     assert total.get("kill", 0) and total.get("concurrent", 0) and total.get("damage", 0), total
 
 
