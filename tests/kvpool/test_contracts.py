@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 
 from services.common.hashing import BlockHasher
 from services.common.policy import HybridPolicy
-from services.kvpool.block_pool import BlockPool
+from services.kvpool.block_pool import BlockPool, PoolExhausted
 from services.kvpool.engine import Engine, EngineRequest, Finished
 from services.kvpool.sampling import SamplingSpec
 from tests.clock import Clock
@@ -124,6 +124,21 @@ def by_hand(eng: Engine) -> None:
     requests, so it is opened again for that)."""
     eng.stop()
     eng._closed = False
+
+
+def alone_out_of_blocks(eng: Engine, monkeypatch, tokens: list[int]):
+    """On an engine stepped by hand: the only answer (ignoring EOS) decodes one step, then the
+    pool has no block for its next token. Returns `collect`'s (tokens, how it ended)."""
+
+    def exhausted(*a, **kw):
+        raise PoolExhausted("no blocks")
+
+    _, out = eng.submit(request(tokens, 8, rid="a", ignore_eos=True))
+    eng._drain_inbox(block=False)
+    eng._step()
+    monkeypatch.setattr(eng.pool, "ensure_capacity", exhausted)
+    eng._step()
+    return collect(out, timeout=1)
 
 
 def drive(eng: Engine, reqs: list[EngineRequest], after_step: Callable[[Engine], None],

@@ -16,7 +16,13 @@ from services.kvpool.block_pool import PoolExhausted
 from services.kvpool.engine import EngineRequest, Failed, Finished
 from services.kvpool.sampling import SamplingSpec
 from tests.kvpool.conftest import collect, reference_greedy, request
-from tests.kvpool.test_contracts import by_hand, drive, no_memory_for_proposals, prompt
+from tests.kvpool.test_contracts import (
+    alone_out_of_blocks,
+    by_hand,
+    drive,
+    no_memory_for_proposals,
+    prompt,
+)
 
 
 def test_a_finished_requests_stats_are_out_before_its_result(make_engine) -> None:
@@ -121,16 +127,7 @@ def test_an_answer_decoding_alone_that_runs_out_of_blocks_ends_as_busy(make_engi
     give one back: it ends Overloaded (another replica may finish it), its blocks freed."""
     eng = make_engine(num_blocks=32)
     by_hand(eng)
-    _, out = eng.submit(request(prompt(6, 6), 8, rid="a", ignore_eos=True))
-    eng._drain_inbox(block=False)
-    eng._step()
-
-    def exhausted(*a, **kw):
-        raise PoolExhausted("no blocks")
-
-    monkeypatch.setattr(eng.pool, "ensure_capacity", exhausted)
-    eng._step()
-    toks, fin = collect(out, timeout=1)
+    toks, fin = alone_out_of_blocks(eng, monkeypatch, prompt(6, 6))
     assert toks and isinstance(fin, Failed) and isinstance(fin.error, errors.Overloaded)
     assert "while decoding" in str(fin.error) and eng.pool.stats().in_use == 0
 

@@ -18,7 +18,7 @@ from services.kvpool.engine import EngineRequest, Failed, Finished
 from services.kvpool.metrics import KvMetrics
 from services.kvpool.sampling import SamplingSpec
 from tests.kvpool.conftest import collect, reference_greedy, request
-from tests.kvpool.test_contracts import by_hand, drive, prompt
+from tests.kvpool.test_contracts import alone_out_of_blocks, by_hand, drive, prompt
 from tests.kvpool.test_kvpool_engine import paused
 from tests.metric_sample import sample_value
 
@@ -381,21 +381,10 @@ def test_a_sequence_preempted_while_still_prefilling_counts_too(make_engine,
 def test_an_answer_out_of_blocks_alone_is_not_a_preemption(make_engine, monkeypatch) -> None:
     """The only decoding answer that cannot get a block ends Overloaded: it is not recomputed
     later, so it is no preemption."""
-    from services.kvpool.block_pool import PoolExhausted
-
     eng = make_engine(num_blocks=32, metrics=KvMetrics())
     by_hand(eng)
     d = Deltas(eng)
-    _, out = eng.submit(request(prompt(6, 96), 8, rid="a", ignore_eos=True))
-    eng._drain_inbox(block=False)
-    eng._step()
-
-    def exhausted(*a, **kw):
-        raise PoolExhausted("no blocks")
-
-    monkeypatch.setattr(eng.pool, "ensure_capacity", exhausted)
-    eng._step()
-    _, fin = collect(out, timeout=1)
+    _, fin = alone_out_of_blocks(eng, monkeypatch, prompt(6, 96))
     assert isinstance(fin, Failed) and isinstance(fin.error, errors.Overloaded)
     assert d.agree()["preemptions"] == 0
 
