@@ -77,6 +77,7 @@ from array import array
 from dataclasses import dataclass, field
 from hashlib import blake2b
 from types import SimpleNamespace
+from typing import NoReturn
 
 import grpc
 import pytest
@@ -286,6 +287,15 @@ class Cancellable:
         return True
 
 
+def cancelled(world: World, on_call) -> NoReturn:
+    """A tier call whose client goes while it is under way: `on_call` is given the call to
+    cancel, and the call ends cancelled."""
+    if on_call is not None:
+        on_call(Cancellable())
+    world.client_gone()
+    raise grpc.FutureCancelledError()
+
+
 class SemanticTier:
     """Entries by (namespace, prompt text); each call does what the request's schedule says."""
 
@@ -302,10 +312,7 @@ class SemanticTier:
         self.lookups.append(req)
         mode = self.world.plan.lookup
         if mode == "cancel":
-            if on_call is not None:
-                on_call(Cancellable())
-            self.world.client_gone()
-            raise grpc.FutureCancelledError()
+            cancelled(self.world, on_call)
         if mode in ("unavailable", "internal", "deadline_exceeded", "invalid_argument"):
             raise RpcError(getattr(grpc.StatusCode, mode.upper()), "text: too long")
         if mode == "bad_threshold":
@@ -316,10 +323,7 @@ class SemanticTier:
         self.stores.append(req)
         mode = self.world.plan.store
         if mode == "cancel":
-            if on_call is not None:
-                on_call(Cancellable())
-            self.world.client_gone()
-            raise grpc.FutureCancelledError()
+            cancelled(self.world, on_call)
         if mode in ("unavailable", "invalid_argument", "internal"):
             raise RpcError(getattr(grpc.StatusCode, mode.upper()))
         self.n += 1
@@ -341,10 +345,7 @@ class Index:
         self.calls += 1
         mode = self.world.plan.index
         if mode == "cancel":
-            if on_call is not None:
-                on_call(Cancellable())
-            self.world.client_gone()
-            raise grpc.FutureCancelledError()
+            cancelled(self.world, on_call)
         if mode in ("unavailable", "deadline_exceeded"):
             raise RpcError(getattr(grpc.StatusCode, mode.upper()))
         if mode == "refused":  # a live index: the prompt is past its max_blocks
