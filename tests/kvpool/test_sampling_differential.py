@@ -582,31 +582,36 @@ def chunks(total: int) -> list[int]:
     return list(range(0, max(total, 1), CHUNK))
 
 
+def chunk_seeds(first: int, total: int = SEEDS) -> range:
+    """The seeds of the chunk starting at `first` (of `chunks(total)`)."""
+    return range(first, min(first + CHUNK, total))
+
+
 @pytest.mark.parametrize("first", chunks(SEEDS))
 def test_probs_and_sample_match_the_model(first: int) -> None:
-    for seed in range(first, min(first + CHUNK, SEEDS)):
+    for seed in chunk_seeds(first):
         run_probs_seed(seed)
 
 
 @pytest.mark.parametrize("first", chunks(SEEDS))
 def test_verify_outcome_distribution_is_the_speculative_rule(first: int) -> None:
-    for seed in range(first, min(first + CHUNK, SEEDS)):
+    for seed in chunk_seeds(first):
         run_verify_seed(seed)
 
 
 @pytest.mark.parametrize("first", chunks(SEEDS))
 def test_verify_tree_outcome_distribution_is_the_per_node_rule(first: int) -> None:
-    for seed in range(first, min(first + CHUNK, SEEDS)):
+    for seed in chunk_seeds(first):
         run_tree_seed(seed)
 
 
 @pytest.mark.parametrize("first", chunks(SEEDS))
 def test_batches_equal_their_rows(first: int) -> None:
-    for seed in range(first, min(first + CHUNK, SEEDS)):
+    for seed in chunk_seeds(first):
         run_batch_seed(seed)
 
 
 @pytest.mark.parametrize("first", chunks(SEEDS // 3))
 def test_a_seeded_answer_is_one_stream_whatever_verified_it(first: int) -> None:
-    for seed in range(first, min(first + CHUNK, SEEDS // 3)):
+    for seed in chunk_seeds(first, SEEDS // 3):
         run_stream_seed(seed)
