@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+from collections.abc import Callable
 
 import pytest
 
@@ -276,11 +277,20 @@ class MRun(Run):
                    f"written")
         return over[written:]
 
-    def _failing(self, sql: str) -> tuple[_FullAfter, int]:
+    def _failing(self, sql: str, op: Callable[[], object]) -> tuple[object, _FullAfter, int]:
+        """`op` with the store's `sql` statements failing (disk full) after a random number
+        of chunks: its answer (None: it raised ResourceExhausted), the failing store, that
+        number."""
         n = self.rng.choice([0, 0, 1, 2])
         db = _FullAfter(self.cache.store._db, sql, n)
         self.cache.store._db = db
-        return db, n
+        try:
+            got = op()
+        except ResourceExhausted:
+            got = None
+        finally:
+            self.cache.store._db = db.db
+        return got, db, n
 
     def _dropped(self) -> list[str]:
         held = self.cache._by_id
@@ -289,13 +299,7 @@ class MRun(Run):
     def op_expire_fail(self) -> None:
         now = self.clock.t
         due = [e for e in self.model.entries.values() if e.expired(now)]
-        db, n = self._failing("DELETE")
-        try:
-            got = self.cache.expire()
-        except ResourceExhausted:
-            got = None
-        finally:
-            self.cache.store._db = db.db
+        got, db, n = self._failing("DELETE", self.cache.expire)
         self.log.append(f"t={now} expire failing after {n} chunks -> {got}")
         if got is not None:
             want = self.model.purge(now)
@@ -381,13 +385,7 @@ class MRun(Run):
         ns, now = self._ns(), self.clock.t
         m = self.model
         lru = sorted(m.held(_norm(ns)), key=lambda e: e.used)
-        db, n = self._failing("DELETE")
-        try:
-            got = self.cache.invalidate_namespace(ns)
-        except ResourceExhausted:
-            got = None
-        finally:
-            self.cache.store._db = db.db
+        got, db, n = self._failing("DELETE", lambda: self.cache.invalidate_namespace(ns))
         self.log.append(f"t={now} invalidate_ns {ns} failing after {n} chunks -> {got}")
         if got is not None:
             want = m.invalidate_ns(_norm(ns), now)
