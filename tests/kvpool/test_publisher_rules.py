@@ -12,15 +12,19 @@ from __future__ import annotations
 import time
 
 from tests.kvpool.conftest import StatsEngine
-from tests.kvpool.test_publisher_sharded import start_publisher, start_shard, wait_for
+from tests.kvpool.test_publisher_sharded import (
+    start_publisher,
+    start_shard,
+    two_shards,
+    wait_for,
+)
 
 
 def test_a_lagging_shard_is_caught_up_only_once_its_retry_time_has_come(make_engine) -> None:
     """The loop resyncs a lagging shard on the shard's own timer (`_lag_retry_at`, pushed back
     by each failure): turn after turn passes without a try before that time, and the try
     comes once it is reached."""
-    (_, ha), (_, hb) = start_shard(), start_shard()
-    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    ha, hb, addrs = two_shards()
     eng = make_engine(num_blocks=16, hash_key=None)
     pub = start_publisher(eng, addrs)
     tries: list[set[str]] = []
@@ -121,8 +125,7 @@ def test_shards_that_forgot_the_replica_are_registered_again_once(make_engine) -
     """Shards a failed call found to have forgotten the replica are registered again on the
     loop's next turn, once: not again on every later turn (each registration there brings
     the shard a fresh snapshot)."""
-    (_, ha), (_, hb) = start_shard(), start_shard()
-    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    ha, hb, addrs = two_shards()
     eng = make_engine(num_blocks=16, hash_key=None)
     pub = start_publisher(eng, addrs)
     rejoined: list[set[str]] = []
@@ -278,8 +281,7 @@ def test_a_shard_that_misses_a_heartbeat_lags_and_is_no_longer_beaten(make_engin
     the replicas' lists were) got a heartbeat every beat, each one a WARNING, for as long as
     it was gone: only a failed batch marked a shard lagging. Now a missed heartbeat does, and
     the shard is left to its own retry timer."""
-    (_, ha), (_, hb) = start_shard(lease_seconds=5.0), start_shard(lease_seconds=5.0)
-    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    ha, hb, addrs = two_shards(lease_seconds=5.0)
     eng = make_engine(num_blocks=16, hash_key=None)
     pub = start_publisher(eng, addrs)  # heartbeats every 0.2 s
     try:
@@ -309,8 +311,7 @@ def test_the_registration_line_names_the_shard_list_as_the_notes_do(make_engine,
     from services.common.shard_list import said
 
     caplog.set_level(logging.INFO, "services.kvpool.publisher")
-    (_, ha), (_, hb) = start_shard(lease_seconds=5.0), start_shard(lease_seconds=5.0)
-    addrs = [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+    ha, hb, addrs = two_shards(lease_seconds=5.0)
     pub = start_publisher(make_engine(num_blocks=16, hash_key=None), addrs)
     try:
         wait_for(lambda: pub.registered)

@@ -40,6 +40,13 @@ def start_shard(port: int = 0, lease_seconds: float = 1.0):
     return index, h
 
 
+def two_shards(lease_seconds: float = 1.0):
+    """Two shards (`start_shard`): their server handles and their addresses."""
+    (_, ha), (_, hb) = start_shard(lease_seconds=lease_seconds), start_shard(
+        lease_seconds=lease_seconds)
+    return ha, hb, [f"127.0.0.1:{ha.port}", f"127.0.0.1:{hb.port}"]
+
+
 def start_publisher(eng, addrs: list[str]) -> Publisher:
     return Publisher(eng, address=",".join(addrs), replica_id="kv-0", incarnation="inc-1",
                      public_address="10.0.0.7:50054", model_id=TINY_ID,
