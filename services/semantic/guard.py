@@ -252,6 +252,97 @@ def _number_key(value: float) -> str:
     return str(int(value)) if value == int(value) else repr(value)
 
 
+def _version_after_name(words: list[str], low: list[str], i: int) -> bool:
+    """The number at `i` (with a ".") is a version after a name, not a quantity."""
+    return bool(i) and (
+        low[i - 1] in _VERSION_WORDS
+        or (words[i - 1][:1].isupper() and low[i - 1] not in _STOP_CAPS)) and not (
+        i + 1 < len(low) and (low[i + 1] in _UNIT_FORMS or low[i + 1] in _SCALES
+                              or low[i + 1] == "per"))
+
+
+def _digits_at(words: list[str], low: list[str], i: int) -> float | None:
+    """The value the digits at `i` start a run with (inf: compared as written); None where
+    they start none."""
+    w = low[i]
+    digits = _number_value(w) if w[0].isdigit() or _signed(w) else None
+    if digits is None and "," in w and w[-1].isdigit() and (w[0].isdigit() or _signed(w)):
+        # "1,5 liters": no thousands separator, compared as written with its unit (as a
+        # number past a float is, below), not as 15 nor without "liters".
+        digits = math.inf
+    if digits is not None and "." in w and _version_after_name(words, low, i):
+        # A version after a name is no quantity: "Python 3.10" is not "Python 3.1" (equal
+        # as numbers; a review's standard-tier hit), though "2.50 mg" is "2.5 mg", and
+        # "Xanax 0.5 mg" a dose with its unit (a first version dropped the unit).
+        digits = None
+    return digits
+
+
+def _run(low: list[str], i: int, digits: float | None) -> tuple[float, str, int]:
+    """A run: digits or number words, then scale words ("2 million", "two hundred and
+    fifty"). Returns its value, the kind of its last word, and where it ends."""
+    n = len(low)
+    total = group = 0.0
+    last = ""
+    if digits is not None:
+        group, last, i = digits, "digits", i + 1
+    while i < n:
+        w = low[i]
+        if w in _UNITS and last in ("", "ten", "scale", "and"):
+            group, last = group + _UNITS[w], "unit"
+        elif w in _TENS and last in ("", "scale", "and"):
+            group, last = group + _TENS[w], "ten"
+        elif w in _SCALES and last in ("", "digits", "unit", "ten", "scale"):
+            scale = _SCALES[w]
+            # A scale alone ("a million", "hundred thousand") counts one of it; a number
+            # written before it, even 0, counts that many ("0 billion" was 1 billion).
+            base = group if last in ("digits", "unit", "ten") else (group or 1)
+            if scale == 100:
+                group = base * 100
+            else:
+                total, group = total + base * scale, 0.0
+            last = "scale"
+        elif (w == "and" and last == "scale" and i + 1 < n
+              and (low[i + 1] in _UNITS or low[i + 1] in _TENS)):
+            last = "and"
+        else:
+            break
+        i += 1
+    return total + group, last, i
+
+
+def _run_key(low: list[str], start: int, i: int, value: float, last: str) -> tuple[str, int]:
+    """The key of the run `low[start:i]` worth `value`, and where it ends ("k" taken)."""
+    # Past a float ("9" x 300 "billion"): as written, as a long number alone is (int() of
+    # the inf was an OverflowError, every Lookup meeting the entry INTERNAL).
+    key = _number_key(value) if math.isfinite(value) else " ".join(low[start:i])
+    if i < len(low) and low[i] == "k" and last == "digits" and math.isfinite(value):
+        key, i = _number_key(value * 1000), i + 1  # "100k" is 100000
+    return key, i
+
+
+def _with_unit(low: list[str], i: int, key: str, start: int,
+               feet_end: int) -> tuple[str, int, int]:
+    """`key` with the unit at `i` that belongs to it; where it ends, and where the last
+    "<number> ft" ended."""
+    n = len(low)
+    if i < n and low[i] in _UNIT_FORMS:
+        unit, i = _UNIT_FORMS[low[i]], i + 1
+        if unit == "deg" and i < n and _UNIT_FORMS.get(low[i]) in _DEGREE_SCALES:
+            unit, i = _UNIT_FORMS[low[i]], i + 1  # "400 degrees Fahrenheit": 400 f
+        key = f"{key} {unit}"
+        if unit == "ft":
+            feet_end = i
+    elif start == feet_end:
+        # "5 ft 10 in", "5 ft 10", "5 foot 10": the number right after feet is inches.
+        key = f"{key} in"
+        if i < n and low[i] == "in":
+            i += 1
+    elif i + 1 < n and low[i] == "per" and low[i + 1] == "cent":
+        key, i = f"{key} percent", i + 2
+    return key, i, feet_end
+
+
 def _numbers(words: list[str]) -> Counter:
     """How often each number occurs, with the unit written after it ("5pm" and "5 pm" are
     "5 pm", not "5 am": "10km" is read as "10 km"). Cardinal number words in a row make one
@@ -266,20 +357,7 @@ def _numbers(words: list[str]) -> Counter:
         if i and _pronoun_one(w, low[i - 1]) and not (i + 1 < n and low[i + 1] in _SCALES):
             i += 1  # "no one", "which one": no number ("nobody" / "no one" were refused)
             continue
-        digits = _number_value(w) if w[0].isdigit() or _signed(w) else None
-        if digits is None and "," in w and w[-1].isdigit() and (w[0].isdigit() or _signed(w)):
-            # "1,5 liters": no thousands separator, compared as written with its unit (as a
-            # number past a float is, below), not as 15 nor without "liters".
-            digits = math.inf
-        if digits is not None and "." in w and i and (
-                low[i - 1] in _VERSION_WORDS
-                or (words[i - 1][:1].isupper() and low[i - 1] not in _STOP_CAPS)) and not (
-                i + 1 < n and (low[i + 1] in _UNIT_FORMS or low[i + 1] in _SCALES
-                               or low[i + 1] == "per")):
-            # A version after a name is no quantity: "Python 3.10" is not "Python 3.1" (equal
-            # as numbers; a review's standard-tier hit), though "2.50 mg" is "2.5 mg", and
-            # "Xanax 0.5 mg" a dose with its unit (a first version dropped the unit).
-            digits = None
+        digits = _digits_at(words, low, i)
         if digits is None and w not in _UNITS and w not in _TENS and w not in _SCALES:
             # Ordinals, multiples, "half" (in words or digits: "third", "3rd", "2x"), and
             # numbers too long for a float: alone, as written.
@@ -288,55 +366,11 @@ def _numbers(words: list[str]) -> Counter:
                 out[key] += 1
             i += 1
             continue
-        # A run: digits or number words, then scale words ("2 million", "two hundred and
-        # fifty"); a unit after it belongs to it.
-        total = group = 0.0
-        last = ""
+        # A unit after a run belongs to it.
         start = i
-        if digits is not None:
-            group, last, i = digits, "digits", i + 1
-        while i < n:
-            w = low[i]
-            if w in _UNITS and last in ("", "ten", "scale", "and"):
-                group, last = group + _UNITS[w], "unit"
-            elif w in _TENS and last in ("", "scale", "and"):
-                group, last = group + _TENS[w], "ten"
-            elif w in _SCALES and last in ("", "digits", "unit", "ten", "scale"):
-                scale = _SCALES[w]
-                # A scale alone ("a million", "hundred thousand") counts one of it; a number
-                # written before it, even 0, counts that many ("0 billion" was 1 billion).
-                base = group if last in ("digits", "unit", "ten") else (group or 1)
-                if scale == 100:
-                    group = base * 100
-                else:
-                    total, group = total + base * scale, 0.0
-                last = "scale"
-            elif (w == "and" and last == "scale" and i + 1 < n
-                  and (low[i + 1] in _UNITS or low[i + 1] in _TENS)):
-                last = "and"
-            else:
-                break
-            i += 1
-        value = total + group
-        # Past a float ("9" x 300 "billion"): as written, as a long number alone is (int() of
-        # the inf was an OverflowError, every Lookup meeting the entry INTERNAL).
-        key = _number_key(value) if math.isfinite(value) else " ".join(low[start:i])
-        if i < n and low[i] == "k" and last == "digits" and math.isfinite(value):
-            key, i = _number_key(value * 1000), i + 1  # "100k" is 100000
-        if i < n and low[i] in _UNIT_FORMS:
-            unit, i = _UNIT_FORMS[low[i]], i + 1
-            if unit == "deg" and i < n and _UNIT_FORMS.get(low[i]) in _DEGREE_SCALES:
-                unit, i = _UNIT_FORMS[low[i]], i + 1  # "400 degrees Fahrenheit": 400 f
-            key = f"{key} {unit}"
-            if unit == "ft":
-                feet_end = i
-        elif start == feet_end:
-            # "5 ft 10 in", "5 ft 10", "5 foot 10": the number right after feet is inches.
-            key = f"{key} in"
-            if i < n and low[i] == "in":
-                i += 1
-        elif i + 1 < n and low[i] == "per" and low[i + 1] == "cent":
-            key, i = f"{key} percent", i + 2
+        value, last, i = _run(low, i, digits)
+        key, i = _run_key(low, start, i, value, last)
+        key, i, feet_end = _with_unit(low, i, key, start, feet_end)
         out[key] += 1
     return out
 
