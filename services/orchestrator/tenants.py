@@ -167,6 +167,72 @@ def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, di
     return name, out
 
 
+def _read_tokens_file(tokens_file: str) -> Mapping:
+    """The tokens file's JSON object of token -> tenant."""
+    with open(os.path.expanduser(tokens_file), encoding="utf-8") as f:
+        text = f.read()
+    if not text.strip():
+        # Said as such: an emptied or half-written file read "not JSON: Expecting
+        # value: line 1 column 1 (char 0)".
+        raise ValueError(f"{tokens_file}: the file is empty")
+    try:
+        data = json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{tokens_file}: not JSON: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{tokens_file}: {exc}") from None
+    if not isinstance(data, Mapping):
+        raise ValueError(f"{tokens_file}: expected a JSON object of token -> tenant")
+    return data
+
+
+def _add_file_tokens(tokens_file: str, defaults: Mapping[str, int], specs: dict[str, dict],
+                     names: dict[str, str]) -> None:
+    """Add the tokens file's tenants to `specs` (tenant -> limits), its tokens to `names`."""
+    data = _read_tokens_file(tokens_file)
+    for i, (tok, raw) in enumerate(data.items(), 1):
+        where = f"{tokens_file}: entry {i}"
+        if not isinstance(tok, str) or not tok.strip():
+            raise ValueError(f"{where}: the token must be a non-empty string")
+        if not _sendable(tok):
+            raise ValueError(f"{where}: the token must be printable ASCII without "
+                             "surrounding spaces (a gRPC client cannot send another, "
+                             "and the CLI strips spaces)")
+        name, spec = _spec(where, raw, defaults)
+        if specs.setdefault(name, spec) != spec:
+            raise ValueError(f"{where}: tenant {name!r} has another token with "
+                             "different limits (limits are per tenant)")
+        names[tok] = name
+
+
+def _add_string_tokens(tokens: str, defaults: Mapping[str, int], specs: dict[str, dict],
+                       names: dict[str, str]) -> None:
+    """Add the "token=tenant,..." string's tokens to `names`, their tenants to `specs`."""
+    if tokens.strip() and not parse_token_pairs(tokens):
+        raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: set but names no token=tenant")
+    for tok, name in parse_token_pairs(tokens).items():
+        if not _sendable(tok):
+            raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: a token must be printable "
+                             "ASCII without surrounding spaces")
+        if names.get(tok, name) != name:
+            raise ValueError(f"TIERCACHE_ORCHESTRATOR_TOKENS: a token of tenant {name!r} "
+                             f"is the file's token of tenant {names[tok]!r}")
+        names[tok] = name
+        specs.setdefault(name, _spec("TIERCACHE_ORCHESTRATOR_TOKENS", name, defaults)[1])
+
+
+def _warn_weak(names: dict[str, str]) -> None:
+    """Say which tenants have a guessable token."""
+    weak = sorted({names[tok] for tok in names if weak_secret(tok)})
+    if weak:
+        # Named by tenant, never by token. Said, not refused: a laptop's cluster runs the
+        # dev overlay's placeholders.
+        log.warning("tenant tokens that are placeholders or shorter than %d characters "
+                    "(anyone may guess them): tenants %s", MIN_SECRET_CHARS,
+                    ", ".join(weak[:8]) + (f" and {len(weak) - 8} more" if len(weak) > 8
+                                           else ""))
+
+
 @dataclass(frozen=True)
 class Tenant:
     name: str
@@ -247,44 +313,8 @@ class TenantRegistry:
         specs: dict[str, dict] = {}  # tenant -> its limits (one spec per tenant)
         names: dict[str, str] = {}  # token -> tenant
         if tokens_file:
-            with open(os.path.expanduser(tokens_file), encoding="utf-8") as f:
-                text = f.read()
-            if not text.strip():
-                # Said as such: an emptied or half-written file read "not JSON: Expecting
-                # value: line 1 column 1 (char 0)".
-                raise ValueError(f"{tokens_file}: the file is empty")
-            try:
-                data = json.loads(text, object_pairs_hook=_unique_keys)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{tokens_file}: not JSON: {exc}") from None
-            except ValueError as exc:
-                raise ValueError(f"{tokens_file}: {exc}") from None
-            if not isinstance(data, Mapping):
-                raise ValueError(f"{tokens_file}: expected a JSON object of token -> tenant")
-            for i, (tok, raw) in enumerate(data.items(), 1):
-                where = f"{tokens_file}: entry {i}"
-                if not isinstance(tok, str) or not tok.strip():
-                    raise ValueError(f"{where}: the token must be a non-empty string")
-                if not _sendable(tok):
-                    raise ValueError(f"{where}: the token must be printable ASCII without "
-                                     "surrounding spaces (a gRPC client cannot send another, "
-                                     "and the CLI strips spaces)")
-                name, spec = _spec(where, raw, defaults)
-                if specs.setdefault(name, spec) != spec:
-                    raise ValueError(f"{where}: tenant {name!r} has another token with "
-                                     "different limits (limits are per tenant)")
-                names[tok] = name
-        if tokens.strip() and not parse_token_pairs(tokens):
-            raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: set but names no token=tenant")
-        for tok, name in parse_token_pairs(tokens).items():
-            if not _sendable(tok):
-                raise ValueError("TIERCACHE_ORCHESTRATOR_TOKENS: a token must be printable "
-                                 "ASCII without surrounding spaces")
-            if names.get(tok, name) != name:
-                raise ValueError(f"TIERCACHE_ORCHESTRATOR_TOKENS: a token of tenant {name!r} "
-                                 f"is the file's token of tenant {names[tok]!r}")
-            names[tok] = name
-            specs.setdefault(name, _spec("TIERCACHE_ORCHESTRATOR_TOKENS", name, defaults)[1])
+            _add_file_tokens(tokens_file, defaults, specs, names)
+        _add_string_tokens(tokens, defaults, specs, names)
         if tokens_file and not names:
             # An emptied secret must not turn authentication off.
             raise ValueError(f"{tokens_file}: no tokens (remove the setting to run without "
@@ -295,14 +325,7 @@ class TenantRegistry:
 
         tenants = {name: make(name, spec) for name, spec in specs.items()}
         by_token = {tok: tenants[name] for tok, name in names.items()}
-        weak = sorted({names[tok] for tok in names if weak_secret(tok)})
-        if weak:
-            # Named by tenant, never by token. Said, not refused: a laptop's cluster runs the
-            # dev overlay's placeholders.
-            log.warning("tenant tokens that are placeholders or shorter than %d characters "
-                        "(anyone may guess them): tenants %s", MIN_SECRET_CHARS,
-                        ", ".join(weak[:8]) + (f" and {len(weak) - 8} more" if len(weak) > 8
-                                               else ""))
+        _warn_weak(names)
         # No tokens = a local, unauthenticated stack: its one caller is also its operator.
         default = None if by_token else make("default", _spec("default", {
             "tenant": "default", "admin": True}, defaults)[1])
