@@ -190,7 +190,7 @@ class Publisher:
     # ---- loop -------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        next_beat = 0.0
+        self._next_beat = 0.0  # when the next heartbeat is due (monotonic)
         backoff = 0.2
         while not self._stop.is_set():
             # After a failure: a snapshot (a pass over the pool on the engine thread, ~0.3 s
@@ -198,82 +198,22 @@ class Publisher:
             # shards it goes to answer a heartbeat, not on every retry of an outage.
             retrying = backoff > 0.2
             try:
-                if self._forgot:
-                    forgot, self._forgot = self._forgot, set()
-                    self._rejoin(forgot)
-                if not self.registered:
-                    self._register()
-                    next_beat = time.monotonic() + self._beat_every
-                if self._need_resync:
-                    if retrying and not self._probe(None):
-                        continue
-                    self._resync()
-                now = time.monotonic()
-                if now >= next_beat:
-                    # Set first: a failing heartbeat must not run again on every retry ahead
-                    # of publishing.
-                    next_beat = now + self._beat_every
-                    healthy = self._healthy()
-                    self._heartbeat(healthy, partial=True)
-                self._collect()
-                if self._backlog:
-                    self._publish()
-                if (self._lagging and not self._backlog and not self._need_resync
-                        and time.monotonic() >= self._lag_retry_at):
-                    self._catch_up_lagging()
+                if not self._sync(retrying):
+                    continue
                 if self.connected:
                     # Only once the index has answered: a turn that called nothing (no beat
                     # due, no events) reset it too, so through an outage every failed
                     # heartbeat retried after 0.2 s and logged a WARNING saying so, every
                     # heartbeat interval for as long as the index was down.
                     backoff = 0.2
-                    if self._outage is not None:
-                        began, tries, _, _ = self._outage
-                        self._outage = None
-                        log.info("prefix index %s answers again after %.0fs (%d tries failed)",
-                                 self.address, time.monotonic() - began, tries)
-                wait = max(0.0, min(self.publish_interval_seconds, next_beat - time.monotonic()))
-                if not self._backlog:
-                    self.engine.wait_events(wait)
-                    if self._stop.is_set():
-                        return
-                    # Let a burst of steps accumulate into one batch.
-                    self._stop.wait(min(wait, self.publish_interval_seconds))
+                    self._outage_over()
+                self._idle()
             except grpc.RpcError as e:
                 self.connected = False
                 if e.code() == grpc.StatusCode.NOT_FOUND:
-                    # The index does not know this incarnation (restart, lapsed lease). A
-                    # batch or a lagging shard's resync that went to the forgetful shards
-                    # alone fails whole: register again on those only (`_rejoin`).
-                    failed = getattr(e, "shards_failed", {})
-                    forgot = {a for a, f in failed.items()
-                              if f.code() == grpc.StatusCode.NOT_FOUND}
-                    log.info("prefix index: %s; registering again", e.details())
-                    if self._client.sharded and forgot:
-                        self._forgot |= forgot
-                        continue
-                    self.registered = False
-                    # Spread out: after an index restart every replica hears this at once,
-                    # and each registration brings a full snapshot.
-                    self._stop.wait(random.uniform(0.0, self._beat_every))
+                    self._forgotten(e)
                     continue
-                # One WARNING as the outage begins, then one a minute while it lasts (each
-                # try one, 12 a minute per replica, filled the log of an index's restart);
-                # the tries between at DEBUG, and a line when the index answers again.
-                # A new status is said at once: an index restarted on another internal token
-                # or hash key (a rotation) refused every try UNAUTHENTICATED or
-                # FAILED_PRECONDITION for a minute, while the log's last line still said
-                # UNAVAILABLE (connection refused) from its restart.
-                now = time.monotonic()
-                code = e.code().name if hasattr(e, "code") else "?"
-                began, tries, warned, said = self._outage or (now, 0, -math.inf, "")
-                loud = now - warned >= OUTAGE_WARNING_EVERY_S or code != said
-                self._outage = (began, tries + 1, now if loud else warned,
-                                code if loud else said)
-                log.log(logging.WARNING if loud else logging.DEBUG,
-                        "prefix index %s: %s (%s); retrying in %.1fs%s", self.address, code,
-                        e.details() if hasattr(e, "details") else e, backoff,
-                        f" (failing for {now - began:.0f}s, {tries + 1} tries)" if tries else "")
+                self._say_outage(e, backoff)
                 self._collect()
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
@@ -283,6 +223,88 @@ class Publisher:
                 log.exception("prefix publisher step failed; retrying in %.1fs", backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 5.0)
+
+    def _sync(self, retrying: bool) -> bool:
+        """One turn's calls to the index: registration, resync, heartbeat, the backlog and the
+        lagging shards. False: the shards due a resync do not answer yet (`retrying`)."""
+        if self._forgot:
+            forgot, self._forgot = self._forgot, set()
+            self._rejoin(forgot)
+        if not self.registered:
+            self._register()
+            self._next_beat = time.monotonic() + self._beat_every
+        if self._need_resync:
+            if retrying and not self._probe(None):
+                return False
+            self._resync()
+        now = time.monotonic()
+        if now >= self._next_beat:
+            # Set first: a failing heartbeat must not run again on every retry ahead
+            # of publishing.
+            self._next_beat = now + self._beat_every
+            healthy = self._healthy()
+            self._heartbeat(healthy, partial=True)
+        self._collect()
+        if self._backlog:
+            self._publish()
+        if (self._lagging and not self._backlog and not self._need_resync
+                and time.monotonic() >= self._lag_retry_at):
+            self._catch_up_lagging()
+        return True
+
+    def _outage_over(self) -> None:
+        """Say that the index answers again, if an outage was under way."""
+        if self._outage is not None:
+            began, tries, _, _ = self._outage
+            self._outage = None
+            log.info("prefix index %s answers again after %.0fs (%d tries failed)",
+                     self.address, time.monotonic() - began, tries)
+
+    def _idle(self) -> None:
+        """Wait for events (with none in the backlog) until the next heartbeat is due."""
+        wait = max(0.0, min(self.publish_interval_seconds, self._next_beat - time.monotonic()))
+        if not self._backlog:
+            self.engine.wait_events(wait)
+            if self._stop.is_set():
+                return
+            # Let a burst of steps accumulate into one batch.
+            self._stop.wait(min(wait, self.publish_interval_seconds))
+
+    def _forgotten(self, e: grpc.RpcError) -> None:
+        """The index does not know this incarnation (restart, lapsed lease). A batch or a
+        lagging shard's resync that went to the forgetful shards alone fails whole: register
+        again on those only (`_rejoin`)."""
+        failed = getattr(e, "shards_failed", {})
+        forgot = {a for a, f in failed.items()
+                  if f.code() == grpc.StatusCode.NOT_FOUND}
+        log.info("prefix index: %s; registering again", e.details())
+        if self._client.sharded and forgot:
+            self._forgot |= forgot
+            return
+        self.registered = False
+        # Spread out: after an index restart every replica hears this at once,
+        # and each registration brings a full snapshot.
+        self._stop.wait(random.uniform(0.0, self._beat_every))
+
+    def _say_outage(self, e: grpc.RpcError, backoff: float) -> None:
+        """Log a failed try of an outage, loud or not."""
+        # One WARNING as the outage begins, then one a minute while it lasts (each
+        # try one, 12 a minute per replica, filled the log of an index's restart);
+        # the tries between at DEBUG, and a line when the index answers again.
+        # A new status is said at once: an index restarted on another internal token
+        # or hash key (a rotation) refused every try UNAUTHENTICATED or
+        # FAILED_PRECONDITION for a minute, while the log's last line still said
+        # UNAVAILABLE (connection refused) from its restart.
+        now = time.monotonic()
+        code = e.code().name if hasattr(e, "code") else "?"
+        began, tries, warned, said = self._outage or (now, 0, -math.inf, "")
+        loud = now - warned >= OUTAGE_WARNING_EVERY_S or code != said
+        self._outage = (began, tries + 1, now if loud else warned,
+                        code if loud else said)
+        log.log(logging.WARNING if loud else logging.DEBUG,
+                "prefix index %s: %s (%s); retrying in %.1fs%s", self.address, code,
+                e.details() if hasattr(e, "details") else e, backoff,
+                f" (failing for {now - began:.0f}s, {tries + 1} tries)" if tries else "")
 
     def _register(self, only: set[str] | None = None) -> None:
         """Register on every shard (then resync all), or on the shards in `only` that forgot
