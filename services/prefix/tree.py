@@ -795,8 +795,21 @@ class BlockTree:
 
     def check_integrity(self) -> None:
         """Raise AssertionError unless tree, table, holders, free slots and counters agree."""
-        bs = self.block_size
         size = len(self._key)
+        self._check_slots(size)
+        reach, held, unheld = self._check_reachable(size)
+        if reach != len(self._table):
+            raise AssertionError(f"{len(self._table) - reach} table entries unreachable")
+        if held != self.held:
+            raise AssertionError(f"held counts {self.held} != recount {held}")
+        if unheld != self.unheld:
+            raise AssertionError(f"unheld count {self.unheld} != recount {unheld}")
+        if unheld:
+            self._check_reap_queue()
+
+    def _check_slots(self, size: int) -> None:
+        """The record arrays, token planes, free list and roots against the slots."""
+        bs = self.block_size
         if len(self._nav) != _NAV * size or len(self._use) != _USE * size:
             raise AssertionError("record arrays out of step with the slots")
         if len(self._planes) not in (2, 4) or any(len(p) != size * bs for p in self._planes):
@@ -808,6 +821,10 @@ class BlockTree:
             raise AssertionError("live slots != nodes + roots")
         if set(self._meta) != set(self._roots.values()):
             raise AssertionError("root metadata and roots disagree")
+
+    def _check_reachable(self, size: int) -> tuple[int, list[int], int]:
+        """Walk every root's subtree, checking each node; returns the nodes reached, the
+        recount of `held` and of `unheld`."""
         reach = unheld = 0
         held = [0] * 64
         for rkey, r in self._roots.items():
@@ -818,32 +835,34 @@ class BlockTree:
             while stack:
                 s = stack.pop()
                 reach += 1
-                key = self._key[s]
-                if key is None or self._table.get(key) != s:
-                    raise AssertionError(f"slot {s} reachable but not in the table")
-                h = self._holders(s)
+                h = self._checked_node(s)
                 unheld += not h  # left by a clear for `reap` (closure: so is its subtree)
-                p = self._parent(s)
-                if self._depth(s) != self._depth(p) + 1:
-                    raise AssertionError(f"node {key.hex()}: depth")
-                if self._depth(p) >= 0 and h & ~self._holders(p):
-                    raise AssertionError(f"node {key.hex()}: holder closure broken")
                 for b in bits(h):
                     held[b] += 1
                 stack.extend(self._checked_kids(s, size))
-        if reach != len(self._table):
-            raise AssertionError(f"{len(self._table) - reach} table entries unreachable")
-        if held != self.held:
-            raise AssertionError(f"held counts {self.held} != recount {held}")
-        if unheld != self.unheld:
-            raise AssertionError(f"unheld count {self.unheld} != recount {unheld}")
-        if unheld:
-            ahead: set[int] = set()
-            for i, arr in enumerate(self._reap):
-                ahead.update(arr[self._reap_at if i == 0 else 0 :].tolist())
-            for s in self._table.values():
-                if not self._use[_USE * s + _HOLD] and s not in ahead:
-                    raise AssertionError(f"unheld slot {s} is not queued ahead for reaping")
+        return reach, held, unheld
+
+    def _checked_node(self, s: int) -> int:
+        """Check reachable slot `s` (table entry, depth, holder closure); returns its holders."""
+        key = self._key[s]
+        if key is None or self._table.get(key) != s:
+            raise AssertionError(f"slot {s} reachable but not in the table")
+        h = self._holders(s)
+        p = self._parent(s)
+        if self._depth(s) != self._depth(p) + 1:
+            raise AssertionError(f"node {key.hex()}: depth")
+        if self._depth(p) >= 0 and h & ~self._holders(p):
+            raise AssertionError(f"node {key.hex()}: holder closure broken")
+        return h
+
+    def _check_reap_queue(self) -> None:
+        """Every unheld slot is queued ahead for reaping."""
+        ahead: set[int] = set()
+        for i, arr in enumerate(self._reap):
+            ahead.update(arr[self._reap_at if i == 0 else 0 :].tolist())
+        for s in self._table.values():
+            if not self._use[_USE * s + _HOLD] and s not in ahead:
+                raise AssertionError(f"unheld slot {s} is not queued ahead for reaping")
 
     def _checked_kids(self, s: int, size: int) -> list[int]:
         out = []
