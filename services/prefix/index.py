@@ -906,56 +906,72 @@ class PrefixIndex:
             raise InvalidArgument(f"events[{i}].stored.block_hashes",
                                   "a block hash is a root's key (h_0)")
         if ev.parent_hash:
-            if len(ev.parent_hash) != DIGEST_SIZE:
-                raise InvalidArgument(f"events[{i}].stored.parent_hash",
-                                      f"must be empty or {DIGEST_SIZE} bytes")
-            parent = bytes(ev.parent_hash)
-            model = self.tree.root_model(parent)
-            if model is not None and model != rep.model_id:
-                # A root's own children skip the holder check: without this, a replica could
-                # hang its blocks under another model's prompts.
-                raise InvalidArgument(f"events[{i}].stored.parent_hash",
-                                      f"is the root of model {model!r}, not {rep.model_id!r}")
-            if model is not None or parent == self._root_of(rep, ev.cache_salt):
-                # Named as a parent, a root's key was taken while another replica's chain had
-                # made the root, and its blocks silently dropped while none had.
-                raise InvalidArgument(f"events[{i}].stored.parent_hash",
-                                      "is a root's key (h_0): a chain from the root is sent "
-                                      "with an empty parent_hash")
+            parent = self._named_parent(rep, i, ev)
         else:
-            if ev.start_block:
-                raise InvalidArgument(f"events[{i}].stored.start_block",
-                                      "must be 0 when parent_hash is empty")
-            if ev.first_block_hash and ev.first_block_hash != hashes[0]:
-                raise InvalidArgument(f"events[{i}].stored.first_block_hash",
-                                      "must equal block_hashes[0] at the root")
-            parent = self.hasher(rep.model_id).root(
-                check_salt(f"events[{i}].stored.cache_salt", ev.cache_salt))
-            if parent in hashes:  # the root not made yet: the same, once it is
-                raise InvalidArgument(f"events[{i}].stored.block_hashes",
-                                      "a block hash is a root's key (h_0)")
+            parent = self._root_parent(rep, i, ev, hashes)
         if self.verify_hashes:
-            # Known blocks were verified when first stored; only the new tail needs hashing.
-            # A known block counts only where the event says what the tree holds (its tokens,
-            # its parent): the same batch may drop it first (a resync clears the replica's
-            # holdings, a Removed may come earlier), and store then makes it again from the
-            # event's tokens, which were never checked (any tokens, under any parent).
-            j = 0
-            prev_key = parent
-            while j < len(hashes):
-                known = self.tree.get(hashes[j])
-                if known is None or known.parent_key != prev_key or \
-                        known.token_ids != list(ev.token_ids[j * bs:(j + 1) * bs]):
-                    break
-                prev_key = hashes[j]
-                j += 1
-            prev = hashes[j - 1] if j else parent
-            want = self._verifier(rep.model_id).hashes(ev.token_ids[j * bs :], parent=prev)
-            if want != hashes[j:]:
-                raise InvalidArgument(
-                    f"events[{i}].stored.block_hashes",
-                    "do not match the tokens (hash key, model_id or parent mismatch)")
+            self._verify_stored(rep, i, ev, parent, hashes)
         return parent, hashes
+
+    def _named_parent(self, rep: Replica, i: int, ev: Stored) -> bytes:
+        """Stored event `i`'s parent_hash, checked: no root's key (h_0)."""
+        if len(ev.parent_hash) != DIGEST_SIZE:
+            raise InvalidArgument(f"events[{i}].stored.parent_hash",
+                                  f"must be empty or {DIGEST_SIZE} bytes")
+        parent = bytes(ev.parent_hash)
+        model = self.tree.root_model(parent)
+        if model is not None and model != rep.model_id:
+            # A root's own children skip the holder check: without this, a replica could
+            # hang its blocks under another model's prompts.
+            raise InvalidArgument(f"events[{i}].stored.parent_hash",
+                                  f"is the root of model {model!r}, not {rep.model_id!r}")
+        if model is not None or parent == self._root_of(rep, ev.cache_salt):
+            # Named as a parent, a root's key was taken while another replica's chain had
+            # made the root, and its blocks silently dropped while none had.
+            raise InvalidArgument(f"events[{i}].stored.parent_hash",
+                                  "is a root's key (h_0): a chain from the root is sent "
+                                  "with an empty parent_hash")
+        return parent
+
+    def _root_parent(self, rep: Replica, i: int, ev: Stored, hashes: list[bytes]) -> bytes:
+        """The root key (h_0) stored event `i` continues, its parent_hash empty."""
+        if ev.start_block:
+            raise InvalidArgument(f"events[{i}].stored.start_block",
+                                  "must be 0 when parent_hash is empty")
+        if ev.first_block_hash and ev.first_block_hash != hashes[0]:
+            raise InvalidArgument(f"events[{i}].stored.first_block_hash",
+                                  "must equal block_hashes[0] at the root")
+        parent = self.hasher(rep.model_id).root(
+            check_salt(f"events[{i}].stored.cache_salt", ev.cache_salt))
+        if parent in hashes:  # the root not made yet: the same, once it is
+            raise InvalidArgument(f"events[{i}].stored.block_hashes",
+                                  "a block hash is a root's key (h_0)")
+        return parent
+
+    def _verify_stored(self, rep: Replica, i: int, ev: Stored, parent: bytes,
+                       hashes: list[bytes]) -> None:
+        """Stored event `i`'s hashes against its tokens."""
+        bs = self.block_size
+        # Known blocks were verified when first stored; only the new tail needs hashing.
+        # A known block counts only where the event says what the tree holds (its tokens,
+        # its parent): the same batch may drop it first (a resync clears the replica's
+        # holdings, a Removed may come earlier), and store then makes it again from the
+        # event's tokens, which were never checked (any tokens, under any parent).
+        j = 0
+        prev_key = parent
+        while j < len(hashes):
+            known = self.tree.get(hashes[j])
+            if known is None or known.parent_key != prev_key or \
+                    known.token_ids != list(ev.token_ids[j * bs:(j + 1) * bs]):
+                break
+            prev_key = hashes[j]
+            j += 1
+        prev = hashes[j - 1] if j else parent
+        want = self._verifier(rep.model_id).hashes(ev.token_ids[j * bs :], parent=prev)
+        if want != hashes[j:]:
+            raise InvalidArgument(
+                f"events[{i}].stored.block_hashes",
+                "do not match the tokens (hash key, model_id or parent mismatch)")
 
     # -- queries --------------------------------------------------------------------------
 
