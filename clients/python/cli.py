@@ -27,7 +27,7 @@ from typing import NoReturn
 
 import grpc
 from google.protobuf.json_format import MessageToDict
-from tiercache.v1 import common_pb2
+from tiercache.v1 import common_pb2, orchestrator_pb2
 
 from clients.python.client import (
     IncompleteStream,
@@ -165,6 +165,43 @@ def cmd_chat(c: TierCacheClient, a: argparse.Namespace) -> int:
 
 
 def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> int:
+    messages, had_history = _turn_messages(a, hist)
+    out, final = _stream_answer(c, a, hist, messages, had_history)
+    sys.stdout.write("\n")
+    if final is None:
+        # Ended without its final message (a proxy or connection cut reported as OK): the
+        # answer may be cut short, as TierCacheClient.generate says too.
+        sys.stderr.write("error: the stream ended without a final message (the answer may be "
+                         "incomplete)" + (f"; session {a.session!r} left unchanged" if hist
+                                          else "") + "\n")
+        _not_started_over(a, hist)
+        return 1
+    # Saved as generated, not stripped: the next turn renders it back into the prompt, and an
+    # answer ending in a newline, stripped, no longer matched the tokens the replica cached
+    # for it (the rest of the conversation was computed again).
+    answer = "".join(out)
+    # Saved before the report line: with stderr closed or full, writing it failed and the
+    # answered turn was lost without a word.
+    # Blank as the server reads it (only whitespace, zero-width, format, control or other
+    # characters that draw nothing):
+    # it refuses such an assistant turn, so saved it failed every later turn of the session.
+    if hist is not None and not blank(answer):
+        messages.append({"role": "assistant", "content": answer})
+        _save_history(hist, messages)
+    if not a.quiet:
+        _say_report(a, final)
+    if hist is not None and blank(answer):
+        # An empty assistant turn is invalid input for every later request of the session:
+        # keep the history as it was (the question can be asked again).
+        sys.stderr.write(f"empty answer: session {a.session!r} left unchanged\n")
+        _not_started_over(a, hist)
+    return 0
+
+
+def _turn_messages(a: argparse.Namespace,
+                   hist: Path | None) -> tuple[list[dict[str, str]], bool]:
+    """The turn's messages (the session's history, a new one's system prompt, the question),
+    and whether the session had history."""
     messages: list[dict[str, str]] = []
     if hist is not None and not a.new:
         messages = _load_history(hist)
@@ -181,6 +218,14 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
     if a.system and not messages:
         messages.append({"role": "system", "content": a.system})
     messages.append({"role": "user", "content": a.text})
+    return messages, had_history
+
+
+def _stream_answer(c: TierCacheClient, a: argparse.Namespace, hist: Path | None,
+                   messages: list[dict[str, str]],
+                   had_history: bool) -> tuple[list[str], orchestrator_pb2.GenerateFinal | None]:
+    """Stream the answer to stdout; its pieces, and its final message (None: the stream
+    ended without one)."""
     # A model without a chat template (a base model) takes only a raw `prompt`: chat was
     # refused FAILED_PRECONDITION there, with no flag to send one (--raw has no session).
     raw = getattr(a, "raw", False)
@@ -204,71 +249,55 @@ def _chat_turn(c: TierCacheClient, a: argparse.Namespace, hist: Path | None) -> 
     except grpc.RpcError as e:
         _end_line(out)  # the error is not glued to the partial answer
         _not_started_over(a, hist)
-        # Only the prompt's own size: "messages: N tokens exceed the limit of M", "messages:
-        # prompt (N tokens) + sampling.max_tokens (M) exceed the model context (C)", "messages:
-        # N characters cannot fit in the limit of M prompt tokens", or the tenant's own limit
-        # (RESOURCE_EXHAUSTED "messages: N tokens exceed tenant limit M"), or with max_tokens
-        # unset "messages: prompt (N tokens) leaves no room for an answer in the model context".
-        details = e.details() or ""
-        if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "chat template" in details:
-            sys.stderr.write("note: --raw sends the text as a raw prompt\n")
-        if (hist is not None and had_history
-                and e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
-                                 grpc.StatusCode.RESOURCE_EXHAUSTED)
-                and (details.startswith("messages:")
-                     # "leaves no room": the prompt alone fills the context (max_tokens unset,
-                     # the CLI's default), which every later turn only makes longer.
-                     and ("exceed" in details or "cannot fit" in details
-                          or "leaves no room" in details)
-                     # Past the largest KV pool: every later turn needs more blocks still.
-                     or details.startswith("prompt (rendered messages):")
-                     and "KV blocks" in details)):
-            # The conversation outgrew the prompt limit or the model's context: every later
-            # turn would fail the same way, unless only the answer's room is short.
-            room = _room_left(details)
-            sys.stderr.write(
-                f"note: session {a.session!r} has grown too long for the model; "
-                + (f"--max-tokens {room} or less fits this turn; " if room else "")
-                + f"start it over with --new, or delete {hist}\n")
+        _say_turn_failed(e, a, hist, had_history)
         raise
-    sys.stdout.write("\n")
-    if final is None:
-        # Ended without its final message (a proxy or connection cut reported as OK): the
-        # answer may be cut short, as TierCacheClient.generate says too.
-        sys.stderr.write("error: the stream ended without a final message (the answer may be "
-                         "incomplete)" + (f"; session {a.session!r} left unchanged" if hist
-                                          else "") + "\n")
-        _not_started_over(a, hist)
-        return 1
-    # Saved as generated, not stripped: the next turn renders it back into the prompt, and an
-    # answer ending in a newline, stripped, no longer matched the tokens the replica cached
-    # for it (the rest of the conversation was computed again).
-    answer = "".join(out)
-    # Saved before the report line: with stderr closed or full, writing it failed and the
-    # answered turn was lost without a word.
-    # Blank as the server reads it (only whitespace, zero-width, format, control or other
-    # characters that draw nothing):
-    # it refuses such an assistant turn, so saved it failed every later turn of the session.
-    if hist is not None and not blank(answer):
-        messages.append({"role": "assistant", "content": answer})
-        _save_history(hist, messages)
-    if not a.quiet:
-        sys.stderr.write(shown(format_report(final.cache_report, final.request_id),
-                               sys.stderr) + "\n")
-        if final.finish_reason == common_pb2.FINISH_REASON_LENGTH:
-            # Cut at its token limit, not ended by the model: nothing said so, and a half
-            # sentence read as the whole answer.
-            sys.stderr.write(f"note: the answer was cut at {final.usage.completion_tokens} "
-                             "tokens (" + ("--max-tokens" if a.max_tokens else
-                                           "the server's default max_tokens, or the room the "
-                                           "model's context leaves; --max-tokens asks for more")
-                             + ")\n")
-    if hist is not None and blank(answer):
-        # An empty assistant turn is invalid input for every later request of the session:
-        # keep the history as it was (the question can be asked again).
-        sys.stderr.write(f"empty answer: session {a.session!r} left unchanged\n")
-        _not_started_over(a, hist)
-    return 0
+    return out, final
+
+
+def _say_turn_failed(e: grpc.RpcError, a: argparse.Namespace, hist: Path | None,
+                     had_history: bool) -> None:
+    """The notes on a failed turn: --raw for a model without a chat template, and a session
+    grown too long for the model."""
+    # Only the prompt's own size: "messages: N tokens exceed the limit of M", "messages:
+    # prompt (N tokens) + sampling.max_tokens (M) exceed the model context (C)", "messages:
+    # N characters cannot fit in the limit of M prompt tokens", or the tenant's own limit
+    # (RESOURCE_EXHAUSTED "messages: N tokens exceed tenant limit M"), or with max_tokens
+    # unset "messages: prompt (N tokens) leaves no room for an answer in the model context".
+    details = e.details() or ""
+    if e.code() == grpc.StatusCode.FAILED_PRECONDITION and "chat template" in details:
+        sys.stderr.write("note: --raw sends the text as a raw prompt\n")
+    if (hist is not None and had_history
+            and e.code() in (grpc.StatusCode.INVALID_ARGUMENT,
+                             grpc.StatusCode.RESOURCE_EXHAUSTED)
+            and (details.startswith("messages:")
+                 # "leaves no room": the prompt alone fills the context (max_tokens unset,
+                 # the CLI's default), which every later turn only makes longer.
+                 and ("exceed" in details or "cannot fit" in details
+                      or "leaves no room" in details)
+                 # Past the largest KV pool: every later turn needs more blocks still.
+                 or details.startswith("prompt (rendered messages):")
+                 and "KV blocks" in details)):
+        # The conversation outgrew the prompt limit or the model's context: every later
+        # turn would fail the same way, unless only the answer's room is short.
+        room = _room_left(details)
+        sys.stderr.write(
+            f"note: session {a.session!r} has grown too long for the model; "
+            + (f"--max-tokens {room} or less fits this turn; " if room else "")
+            + f"start it over with --new, or delete {hist}\n")
+
+
+def _say_report(a: argparse.Namespace, final: orchestrator_pb2.GenerateFinal) -> None:
+    """The cache report line, and a note when the answer was cut at its token limit."""
+    sys.stderr.write(shown(format_report(final.cache_report, final.request_id),
+                           sys.stderr) + "\n")
+    if final.finish_reason == common_pb2.FINISH_REASON_LENGTH:
+        # Cut at its token limit, not ended by the model: nothing said so, and a half
+        # sentence read as the whole answer.
+        sys.stderr.write(f"note: the answer was cut at {final.usage.completion_tokens} "
+                         "tokens (" + ("--max-tokens" if a.max_tokens else
+                                       "the server's default max_tokens, or the room the "
+                                       "model's context leaves; --max-tokens asks for more")
+                         + ")\n")
 
 
 def _not_started_over(a: argparse.Namespace, hist: Path | None) -> None:
@@ -721,7 +750,8 @@ def package_version() -> str:
         return "unknown (not installed: a checkout on PYTHONPATH without `make setup`)"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The CLI's parser, and the subcommand parsers whose usage errors `_check_args` says."""
     p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
     # Which release a wheel installed (`tiercache --version` read "the following arguments
     # are required: cmd").
@@ -746,6 +776,22 @@ def main(argv: list[str] | None = None) -> int:
                    help="speak TLS, verifying the server against the system's trusted roots "
                         "(servers with a public certificate; no --ca needed)")
     sub = p.add_subparsers(dest="cmd", required=True)
+    ch = _add_chat(sub)
+    w = _add_warm(sub)
+    f = sub.add_parser("feedback", help="mark a semantic entry good (verified) or bad")
+    f.add_argument("entry_id", help="the entry id a chat's report line names (entry ...)")
+    f.add_argument("--bad", action="store_true",
+                   help="a wrong answer: invalidate the entry (default: mark it verified)")
+    # The shared tiers' figures are the same from any orchestrator; its request and token
+    # counts are its own (README): "every tier" read as the cluster's totals.
+    sub.add_parser("stats", help="figures of every tier; request and token counts are the "
+                                 "answering orchestrator's own, since its start")
+    er = _add_erase_tenant(sub)
+    _add_replay(sub)
+    return p, {"chat": ch, "warm": w, "erase-tenant": er}
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     ch = sub.add_parser("chat", help="ask a question, stream the answer")
     ch.add_argument("text", help="the question (a user message)")
     ch.add_argument("--session", default="", type=session_name,
@@ -772,6 +818,10 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--raw", action="store_true",
                     help="send the text as a raw prompt, without the chat template (a model "
                          "without one refuses messages); not with --session or --system")
+    return ch
+
+
+def _add_warm(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
     w.add_argument("--system", default="",
                    help="system prompt to prefill and pin (whole 16-token KV blocks only)")
@@ -783,14 +833,10 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--ttl", type=uint32, default=0,
                    help="pin lifetime in seconds (0 = the server's default); extends a pin, "
                         "never shortens one")
-    f = sub.add_parser("feedback", help="mark a semantic entry good (verified) or bad")
-    f.add_argument("entry_id", help="the entry id a chat's report line names (entry ...)")
-    f.add_argument("--bad", action="store_true",
-                   help="a wrong answer: invalidate the entry (default: mark it verified)")
-    # The shared tiers' figures are the same from any orchestrator; its request and token
-    # counts are its own (README): "every tier" read as the cluster's totals.
-    sub.add_parser("stats", help="figures of every tier; request and token counts are the "
-                                 "answering orchestrator's own, since its start")
+    return w
+
+
+def _add_erase_tenant(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     er = sub.add_parser("erase-tenant",
                         help="erase a tenant's cached data on every shard and replica (admin "
                              "token; exit 1 when some were not reached)")
@@ -798,6 +844,10 @@ def main(argv: list[str] | None = None) -> int:
     er.add_argument("--yes", action="store_true",
                     help="do not ask for confirmation (not asked either when stdin is not a "
                          "terminal)")
+    return er
+
+
+def _add_replay(sub: argparse._SubParsersAction) -> None:
     rp = sub.add_parser("replay", help="replay a workload trace (python -m benchmarks.workload)")
     rp.add_argument("trace", help="trace file (JSON lines) that benchmarks.workload wrote")
     rp.add_argument("--concurrency", type=_positive, default=2,
@@ -808,7 +858,10 @@ def main(argv: list[str] | None = None) -> int:
                     help="of each answer (default %(default)s; 0 = the server's default)")
     rp.add_argument("--tenant-tokens", type=_tenant_tokens, default={},
                     help="tenant=token,... for auth (tenants not named use --token)")
-    a = p.parse_args(argv)
+
+
+def _replace_unencodable() -> None:
+    """Unencodable output as "?" on stdout and stderr."""
     for stream in (sys.stdout, sys.stderr):
         # A console whose encoding cannot spell the answer (ascii, a Windows code page) gets
         # "?" for what it cannot show, not a UnicodeEncodeError traceback mid-answer.
@@ -816,6 +869,12 @@ def main(argv: list[str] | None = None) -> int:
             stream.reconfigure(errors="replace")
         except (AttributeError, ValueError, OSError):  # not a text file (captured, closed)
             pass
+
+
+def _check_args(p: argparse.ArgumentParser, subs: dict[str, argparse.ArgumentParser],
+                a: argparse.Namespace) -> None:
+    """Usage errors parsing alone does not find (exits 2, as argparse does)."""
+    w, ch, er = subs["warm"], subs["chat"], subs["erase-tenant"]
     if a.token is _FROM_ENV:  # no --token given (an empty one means no auth)
         try:
             a.token = _token(os.environ.get("TIERCACHE_TOKEN", ""))
@@ -840,6 +899,33 @@ def main(argv: list[str] | None = None) -> int:
         value = getattr(a, name, None)
         if isinstance(value, str) and not _utf8(value):
             p.error(f"{name.replace('_', '-')}: not valid UTF-8")
+
+
+def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> None:
+    """The one line a failed call ends the CLI with."""
+    # Any call the same request may succeed later: UNAVAILABLE too (a replica or the
+    # orchestrator restarting), not after part of an answer was printed.
+    later = " (retry later)" if retry_later(e) else ""
+    details = e.details() or ""
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+        # gRPC's own words for this call's deadline: say which setting set it.
+        details += f" (no answer within --timeout {a.timeout:g} s)"
+    if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(
+            _REQUEST_TOO_LARGE):
+        details += (" (bytes: the request's vs. the orchestrator's limit, "
+                    "TIERCACHE_ORCHESTRATOR_MAX_REQUEST_BYTES; send less, or raise it)")
+    # The id the servers logged the call under (a ticket quotes it); none for an error
+    # raised before anything was sent.
+    rid = getattr(e, "request_id", "")
+    sys.stderr.write(f"error: {e.code().name}{later}: {shown(details, sys.stderr)}"
+                     + (f" (request {rid})" if rid else "") + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    p, subs = _parser()
+    a = p.parse_args(argv)
+    _replace_unencodable()
+    _check_args(p, subs, a)
     cmds = {"chat": cmd_chat, "warm": cmd_warm, "feedback": cmd_feedback, "stats": cmd_stats,
             "erase-tenant": cmd_erase_tenant, "replay": cmd_replay}
     if sys.stdout is None or sys.stderr is None:
@@ -862,22 +948,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             return rc
     except grpc.RpcError as e:
-        # Any call the same request may succeed later: UNAVAILABLE too (a replica or the
-        # orchestrator restarting), not after part of an answer was printed.
-        later = " (retry later)" if retry_later(e) else ""
-        details = e.details() or ""
-        if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
-            # gRPC's own words for this call's deadline: say which setting set it.
-            details += f" (no answer within --timeout {a.timeout:g} s)"
-        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(
-                _REQUEST_TOO_LARGE):
-            details += (" (bytes: the request's vs. the orchestrator's limit, "
-                        "TIERCACHE_ORCHESTRATOR_MAX_REQUEST_BYTES; send less, or raise it)")
-        # The id the servers logged the call under (a ticket quotes it); none for an error
-        # raised before anything was sent.
-        rid = getattr(e, "request_id", "")
-        sys.stderr.write(f"error: {e.code().name}{later}: {shown(details, sys.stderr)}"
-                         + (f" (request {rid})" if rid else "") + "\n")
+        _say_rpc_error(e, a)
         return 1
     except KeyboardInterrupt:
         return 130
