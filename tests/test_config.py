@@ -47,6 +47,24 @@ def test_bad_flag_names_the_flag():
         load_config(DemoConfig, "demo", ["--ratio", "x"], environ={})
 
 
+@pytest.mark.parametrize("var,value,want", [
+    ("PREFIX_ADDRESSES", ",", "only commas, no entry"),
+    ("PREFIX_ADDRESSES", " , ", "only commas, no entry"),
+    ("SEMANTIC_ADDRESS", ",", "must name at least one host:port"),
+    ("SEMANTIC_ADDRESS", " , ,", "must name at least one host:port"),
+])
+def test_a_shard_list_of_only_commas_is_refused_not_read_as_tier_off(var, value, want):
+    """Empty, a shard list turns its tier off; "," (a list whose entries were lost) ran the
+    orchestrator without the tier, no word said. kvpool's prefix_address refused it already."""
+    from services.orchestrator.config import OrchestratorConfig
+
+    var = "TIERCACHE_ORCHESTRATOR_" + var
+    with pytest.raises(ConfigError, match=f"^{var}: {want}"):
+        load_config(OrchestratorConfig, "orchestrator", [], environ={var: value})
+    cfg = load_config(OrchestratorConfig, "orchestrator", [], environ={var: ""})
+    assert not cfg.prefix_addresses and not cfg.semantic_address
+
+
 def test_orchestrator_config_validates():
     from services.orchestrator.config import OrchestratorConfig
 

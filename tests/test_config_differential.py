@@ -255,7 +255,9 @@ RULES: dict[str, list[tuple[tuple[str, ...], object]]] = {
         (("kvpool_addresses",), lambda v: bool(v["kvpool_addresses"])
          and _addr_list(v["kvpool_addresses"])),
         (("prefix_addresses",), lambda v: _addr_list(v["prefix_addresses"])),
-        (("semantic_address",), lambda v: _addr_list(v["semantic_address"].split(","))),
+        (("semantic_address",), lambda v: not v["semantic_address"]
+         or (_addr_list(v["semantic_address"].split(","))
+             and any(a.strip() for a in v["semantic_address"].split(",")))),
         (("block_size",), lambda v: 1 <= v["block_size"] <= 1024),
         (("default_max_tokens",), lambda v: v["default_max_tokens"] > 0),
         (("default_max_tokens", "max_tokens_limit"),
@@ -374,8 +376,8 @@ CHOICES = {
                     "1" + ",\u0661" * 16, "1" + ",1e0" * 16, "1,,1.2" + ",1.2" * 14, "x",
                     "1" + ",1." * 16, "1"],
     "kvpool_addresses": ["a:1", "a:1,b:2", "", ",", "a:1, a:1", "a:1,B:2,b:2", "x", "a:1,,b:2"],
-    "prefix_addresses": ["", "p:1", "p:1,q:2", "p", "p:1,p:1"],
-    "semantic_address": ["", "s:1", "s:1,t:2", "s", "s:1,S:1", "s:1,"],
+    "prefix_addresses": ["", "p:1", "p:1,q:2", "p", "p:1,p:1", ","],
+    "semantic_address": ["", "s:1", "s:1,t:2", "s", "s:1,S:1", "s:1,", ","],
     "tokens": ["a=acme", "a=acme,b=beta", "a", "a=acme,a=beta", "=x", "c2VjcmV0===acme",
                "a=acme,"],
     "semantic_tier": list(TIERS) + ["lax", "Strict"],
@@ -437,7 +439,8 @@ def spell(rng: random.Random, field: str, typ: str, default):
         text = rng.choice(CHOICES.get(field, ["a,b"]))
         if rng.random() < 0.3:
             text = text.replace(",", " , ")
-        return _pad(rng, text), tuple(s.strip() for s in text.split(",") if s.strip())
+        items = tuple(s.strip() for s in text.split(",") if s.strip())
+        return _pad(rng, text), items if items or not text.strip() else None  # "," refused
     text = rng.choice(CHOICES.get(field, ["", "x", default or "y"]))
     raw = _pad(rng, text) if rng.random() < 0.3 else text
     return raw, raw.strip()

@@ -56,6 +56,9 @@ def _parse(raw: str, typ: Any, where: str) -> Any:
     if origin in (tuple, list):
         (inner, *_) = typing.get_args(typ) or (str,)
         items = [s.strip() for s in raw.split(",") if s.strip()]
+        if raw.strip() and not items:
+            # "," read as no entries: prefix_addresses="," ran without the index, no word said.
+            raise ConfigError(f"{where}: only commas, no entry")
         return tuple(_parse(s, inner, where) for s in items)
     try:
         if typ is bool:
@@ -493,6 +496,13 @@ def require_listen_address(address: str, service: str) -> None:
     over 65535 modulo 65536 and served on another port without a word."""
     require(is_host_port(address.strip(), listen=True), service, "address",
             f"{_why_not(address.strip())} (port 0..65535, 0 = any free one)")
+
+
+def require_shard_list(text: str, service: str, field: str) -> None:
+    """A comma-separated shard list where "" turns the tier off: anything else must name at
+    least one shard (`require_addresses`). "," turned the tier off without a word."""
+    if text.strip():
+        require_addresses(text.split(","), service, field, allow_none=False)
 
 
 def require_addresses(addresses, service: str, field: str, *, allow_none: bool,

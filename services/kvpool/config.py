@@ -13,6 +13,7 @@ from services.common.config import (
     require_addresses,
     require_listen_address,
     require_model_id,
+    require_shard_list,
 )
 from services.common.errors import blank
 
@@ -230,9 +231,7 @@ class KvPoolConfig:
         require(self.torch_threads <= MAX_THREADS, s, "torch_threads",
                 f"must be at most {MAX_THREADS}")
         require_listen_address(self.address, s)
-        if self.prefix_address.strip():  # "" = no prefix index; anything else must name one
-            require_addresses(self.prefix_address.split(","), s, "prefix_address",
-                              allow_none=False)
+        require_shard_list(self.prefix_address, s, "prefix_address")  # "" = no prefix index
         if self.advertise_address:
             require_addresses([self.advertise_address], s, "advertise_address",
                               allow_none=False, dialed=False)  # a pod IP, bare IPv6 too

@@ -11,6 +11,7 @@ from services.common.config import (
     require_addresses,
     require_listen_address,
     require_model_id,
+    require_shard_list,
 )
 from services.orchestrator.tenants import parse_token_pairs
 
@@ -212,8 +213,7 @@ class OrchestratorConfig:
         require(bool(self.kvpool_addresses), SVC, "kvpool_addresses", "at least one replica")
         require_addresses(self.kvpool_addresses, SVC, "kvpool_addresses", allow_none=False)
         require_addresses(self.prefix_addresses, SVC, "prefix_addresses", allow_none=True)
-        require_addresses(self.semantic_address.split(",") if self.semantic_address else [],
-                          SVC, "semantic_address", allow_none=True)
+        require_shard_list(self.semantic_address, SVC, "semantic_address")
         # As kvpool's (the block hasher's native chain takes at most 2^20, and the replicas'
         # blocks must be the same size anyway).
         require(1 <= self.block_size <= 1024, SVC, "block_size", "must be in 1..1024")
