@@ -85,12 +85,14 @@ class RenderedPrompt:
     continues: bool = False
 
 
-def _check_message(field: str, m: Message, max_chars: int, *, allow_empty: bool) -> None:
-    """One message's role, content and length; InvalidArgument names `field`.role/.content."""
+def _check_message(field: str, m: Message, max_chars: int) -> None:
+    """One message's role, content and length; InvalidArgument names `field`.role/.content.
+    Generate's and Warm's alike: a warmed prefix with an empty message is one no request
+    Generate takes can ever reuse (its pins held blocks for nothing)."""
     if m.role not in ROLES:
         raise InvalidArgument(f"{field}.role",
                               f"unknown role {shown(m.role)}; expected one of {', '.join(ROLES)}")
-    if not allow_empty and blank(m.content):
+    if blank(m.content):
         raise InvalidArgument(f"{field}.content",
                               "must not be empty (or only whitespace or invisible characters)")
     if len(m.content) > max_chars:
@@ -103,7 +105,7 @@ def validate_messages(messages: Sequence[Message], max_chars: int) -> None:
     if not messages:
         raise InvalidArgument("messages", "must not be empty (or give prompt)")
     for i, m in enumerate(messages):
-        _check_message(f"messages[{i}]", m, max_chars, allow_empty=False)
+        _check_message(f"messages[{i}]", m, max_chars)
     if messages[-1].role != "user":
         raise InvalidArgument(f"messages[{len(messages) - 1}].role",
                               "the last message must be from the user")
@@ -400,6 +402,6 @@ class PromptRenderer:
         if not messages:
             raise InvalidArgument(f"{field}.messages", "must not be empty (or give prompt)")
         for i, m in enumerate(messages):
-            _check_message(f"{field}.messages[{i}]", m, self.max_chars, allow_empty=True)
+            _check_message(f"{field}.messages[{i}]", m, self.max_chars)
         return self.encode_messages(messages, add_generation_prompt=False,
                                     field=f"{field}.messages", scope=scope)

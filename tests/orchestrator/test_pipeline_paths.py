@@ -655,6 +655,33 @@ def test_warm_refuses_long_pins_and_names_the_bad_prompt():
         warmer.stop()
 
 
+@pytest.mark.parametrize("content", ["", "  \n", "\u200b"])
+def test_warm_refuses_an_empty_message_as_generate_does_and_sends_nothing(content):
+    """A message of no visible text is INVALID_ARGUMENT naming its content in Generate; Warm
+    took it and pinned a prefix that no request Generate takes can ever reuse."""
+    from services.orchestrator.render import Message, PromptRenderer
+
+    stubs = {"A": Stub("A", [])}
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=50)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
+    said = "must not be empty"
+    try:
+        with pytest.raises(errors.InvalidArgument, match=r"^messages\[1\].content: " + said):
+            orch.renderer.render_chat([Message("system", "Be brief."), Message("user", content)])
+        req = orchestrator_pb2.WarmRequest(prompts=[
+            orchestrator_pb2.WarmPrompt(prompt="x" * 16),
+            orchestrator_pb2.WarmPrompt(messages=[
+                orchestrator_pb2.ChatMessage(role="system", content="Be brief."),
+                orchestrator_pb2.ChatMessage(role="user", content=content)])])
+        with pytest.raises(errors.InvalidArgument,
+                           match=r"^prompts\[1\].messages\[1\].content: " + said):
+            warmer.warm(TENANT, req)
+        assert stubs["A"].requests == []
+    finally:
+        warmer.stop()
+
+
 def test_a_replica_refusal_names_the_callers_field_not_the_replicas():
     class Refusal(RpcError):
         def details(self) -> str:

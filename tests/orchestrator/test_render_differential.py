@@ -115,13 +115,13 @@ class Reference:
         return list(self.tok.encode(text, add_special_tokens=False)) if text else []
 
     # ---- validation (architecture.md step 2; render.py's module doc) -------------------
-    def check(self, msgs, field: str, allow_empty: bool, last_user: bool) -> None:
+    def check(self, msgs, field: str, last_user: bool) -> None:
         if not msgs:
             raise Refused(field)
         for i, m in enumerate(msgs):
             if m.role not in ROLES:
                 raise Refused(f"{field}[{i}].role")
-            if (not allow_empty and blank(m.content)) or len(m.content) > self.max_chars:
+            if blank(m.content) or len(m.content) > self.max_chars:
                 raise Refused(f"{field}[{i}].content")
         if last_user and msgs[-1].role != "user":
             raise Refused(f"{field}[{len(msgs) - 1}].role")
@@ -180,12 +180,12 @@ class Reference:
         return ids
 
     def chat(self, msgs, scope: str):
-        self.check(msgs, "messages", allow_empty=False, last_user=True)
+        self.check(msgs, "messages", last_user=True)
         return self.chat_ids(msgs, scope, True), ("chat", tuple(
             (m.role, m.content) for m in msgs[:-1]))
 
     def warm(self, msgs, scope: str) -> list[int]:
-        self.check(msgs, "prompts[].messages", allow_empty=True, last_user=False)
+        self.check(msgs, "prompts[].messages", last_user=False)
         return self.chat_ids(msgs, scope, False)
 
     def raw(self, prompt: str, scope: str):
