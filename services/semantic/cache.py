@@ -988,7 +988,9 @@ class SemanticCache:
     def verify(self, entry_id: str, verified: bool,
                wanted: Callable[[], bool] | None = None) -> Entry:
         """Sets the human-verified flag (durably). `wanted`: as in `store_entry`, asked right
-        before the write.
+        before the write and again once it is written: False then writes the old flag back
+        (memory never held the new one), so a caller told DEADLINE_EXCEEDED leaves the
+        thresholds its entry is served at as they were.
 
         Raises:
             InvalidArgument: empty id. NotFound: unknown id. DeadlineExceeded: not wanted.
@@ -1005,7 +1007,19 @@ class SemanticCache:
         # lookup takes: it is never held across a SQLite write.
         with self._verify_lock:
             _still(wanted, "the rating was written")
+            with self._lock:
+                was = self._entries.get(e.label)
+            if was is None:
+                raise NotFound(f"id: no entry {shown(entry_id)}")
             self.store.set_verified(e.label, verified)
+            try:
+                # Asked again, as Store asks: the write waits for the store's lock behind
+                # every Store and flush, and a flag set after the caller was told
+                # DEADLINE_EXCEEDED changed the threshold every lookup of it is held to.
+                _still(wanted, "the rating was written")
+            except DeadlineExceeded:
+                self.store.set_verified(e.label, was.verified)
+                raise
             with self._lock:
                 cur = self._entries.get(e.label)
                 if cur is None:
@@ -1016,7 +1030,10 @@ class SemanticCache:
 
     def invalidate_id(self, entry_id: str, wanted: Callable[[], bool] | None = None) -> int:
         """Removes one entry (e.g. after feedback that its answer was wrong). `wanted`: as in
-        `store_entry`, asked right before the delete.
+        `store_entry`, asked right before the delete, and not after it: a removal is erasure
+        on request, harmless when late, and never undone (putting a bad answer back to honour
+        a deadline would serve it again); a caller told DEADLINE_EXCEEDED that retries is
+        told NOT_FOUND once it is gone.
 
         Raises:
             InvalidArgument: empty id. NotFound: unknown id, or an entry expired (gone to

@@ -421,6 +421,47 @@ def test_a_store_whose_caller_left_while_its_row_was_written_leaves_nothing(make
     assert c.stats().entries == 1 and c.store.count() == 1
 
 
+def _gone_after_the_write(c, e, asked: list):
+    """A `wanted` whose caller waits through the write and has gone once it is done; `asked`
+    gets the row's verified flag at each ask (None once the row is gone)."""
+    def wanted() -> bool:
+        row = c.store.get(e.id)
+        asked.append(row and row.verified)
+        return len(asked) == 1
+    return wanted
+
+
+def test_a_verify_whose_caller_left_while_its_flag_was_written_changes_nothing(make_cache):
+    """A race audit: Verify asked `wanted` only before the write, as Store once did: a deadline
+    passing during the write left the flag set (the entry served at the verified threshold)
+    though its caller was told DEADLINE_EXCEEDED. Asked again once written: the old flag is
+    written back, memory never holding the new one."""
+    from services.common.errors import DeadlineExceeded
+
+    c = make_cache()
+    e = _store(c)
+    asked: list = []
+    with pytest.raises(DeadlineExceeded, match="before the rating was written: nothing"):
+        c.verify(e.id, True, wanted=_gone_after_the_write(c, e, asked))
+    assert asked == [False, True]  # asked before the write, and again once it was there
+    assert not c.get(e.id).verified and not c.store.get(e.id).verified
+    assert c.verify(e.id, True).verified and c.store.get(e.id).verified
+
+
+def test_an_invalidate_whose_caller_left_while_it_was_written_still_removes(make_cache):
+    """The other rule, on purpose: an Invalidate by id is asked before the delete only. A
+    removal is erasure on request, harmless when late, and never undone (a bad answer put
+    back would be served again); a retry is told NOT_FOUND."""
+    c = make_cache()
+    e = _store(c)
+    asked: list = []
+    assert c.invalidate_id(e.id, wanted=_gone_after_the_write(c, e, asked)) == 1
+    assert asked == [False]  # asked once, before the delete
+    assert c.store.get(e.id) is None and not c.lookup(A, "A fine question?").hit
+    with pytest.raises(NotFound):
+        c.invalidate_id(e.id)
+
+
 def _text_in_files(c, secret: str) -> list[str]:
     import os
 
