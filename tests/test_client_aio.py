@@ -9,6 +9,7 @@ import gc
 import logging
 import shutil
 import subprocess
+import threading
 import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
@@ -226,6 +227,77 @@ def test_cancel_from_another_task_and_close_end_the_readers_call_cancelled(addre
         with pytest.raises(RuntimeError, match="^AsyncTierCacheClient is closed"):
             await c.generate("fine")
         await c.close()  # again: a no-op
+    run(main())
+
+
+def _in_a_thread(fn) -> None:
+    """`fn()` in another thread, the event loop blocked until it returns; its error raised."""
+    errs: list[BaseException] = []
+
+    def run_it() -> None:
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+            errs.append(e)
+    t = threading.Thread(target=run_it)
+    t.start()
+    t.join()
+    if errs:
+        raise errs[0]
+
+
+@pytest.mark.timeout(30)  # a cancel asyncio refused left the reader waiting for good
+def test_cancel_from_another_thread_ends_the_readers_call_cancelled(address):
+    """cancel() from a thread (a UI's, a worker's) cancelled the grpc.aio call off its event
+    loop: while the call was being sent, asyncio refused it ("Non-thread-safe operation",
+    the call left running). Handed to the stream's loop, it ends as a cancel from a task does;
+    after the reader's first chunk and before its first read alike."""
+    got: list[str] = []
+
+    async def read(s: AsyncChunkStream) -> None:
+        async for ch in s:
+            got.append(ch.text)
+
+    async def main():
+        async with AsyncTierCacheClient(address) as c:
+            for when in ("sending", "after a chunk"):
+                s = c.stream("hang")
+                reader = asyncio.create_task(read(s))
+                if when == "sending":
+                    for _ in range(2):  # the call made, its request being sent
+                        await asyncio.sleep(0)
+                    assert s._call is not None and not s._call._preparation.done()
+                else:
+                    await until(lambda: got)  # its first chunk in, the reader waits
+                _in_a_thread(s.cancel)
+                with pytest.raises(grpc.RpcError) as e:
+                    await asyncio.wait_for(reader, 5)
+                assert e.value.code() == grpc.StatusCode.CANCELLED
+                await until(lambda: Scripted.ended.count("hang") == len(Scripted.calls))
+            s = c.stream("fine")
+            _in_a_thread(s.cancel)  # before the first read: nothing is sent
+            with pytest.raises(grpc.RpcError) as e:
+                await s.__anext__()
+            assert e.value.code() == grpc.StatusCode.CANCELLED
+        assert len(Scripted.calls) <= 2 and all(m == "Generate" for m, _, _ in Scripted.calls)
+    run(main())
+
+
+def test_a_cancel_from_a_thread_while_the_first_read_makes_the_call_is_not_lost(address):
+    """The first read checks for a cancel, then makes the call: a thread's cancel between the
+    two saw no call to cancel, and the call went ahead (the reader got its answer)."""
+    async def main():
+        async with AsyncTierCacheClient(address) as c:
+            s = c.stream("hang")
+            live = c._live_stub
+
+            def stub_after_a_cancel():
+                _in_a_thread(s.cancel)  # lands after the check, before the call is made
+                return live()
+            c._live_stub = stub_after_a_cancel
+            with pytest.raises(grpc.RpcError) as e:
+                await asyncio.wait_for(s.__anext__(), 5)
+            assert e.value.code() == grpc.StatusCode.CANCELLED
     run(main())
 
 

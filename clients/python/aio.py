@@ -14,6 +14,7 @@ awaits a call cancels the call: the server stops generating and frees its KV blo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -60,8 +61,8 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
     `final`. The call starts at the first read (a stream never read sends nothing). Stopping
     early cancels the call (the server stops generating): cancel the task that reads it, leave
     an `async with` block around it, or `await aclose()`; `cancel()` ends it from another task
-    (the reader's next read then raises grpc.RpcError CANCELLED). A stream dropped unclosed is
-    cancelled when it is garbage-collected."""
+    or another thread (the reader's next read then raises grpc.RpcError CANCELLED). A stream
+    dropped unclosed is cancelled when it is garbage-collected."""
 
     def __init__(self, client: AsyncTierCacheClient, req: orchestrator_pb2.GenerateRequest,
                  timeout: float, metadata: list[tuple[str, str]]) -> None:
@@ -70,6 +71,7 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
         self._timeout = timeout
         self._metadata = metadata
         self._call: grpc.aio.UnaryStreamCall | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None  # the call's, set before it
         self._received = 0
         self._final = False
         self._ended = False
@@ -96,8 +98,11 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
             except BaseException:
                 self._ended = True
                 raise
+            self._loop = asyncio.get_running_loop()
             self._call = stub.Generate(self._req, timeout=self._timeout,
                                        metadata=self._metadata)
+            if self._cancelled:  # by another thread, since the check above: it saw no call
+                self._call.cancel()
         try:
             msg = await self._call.read()
         except grpc.RpcError as e:
@@ -133,11 +138,24 @@ class AsyncChunkStream(AsyncIterator[Chunk]):
         return e
 
     def cancel(self) -> None:
-        """Cancel the call (the server stops generating), at any time: before the first read
-        nothing is sent; after its end, a no-op."""
+        """Cancel the call (the server stops generating), at any time and from any thread:
+        before the first read nothing is sent; after its end, a no-op. From outside the
+        stream's event loop it is handed to that loop (grpc.aio calls are not thread-safe:
+        cancelled from a thread, asyncio refused it, "Non-thread-safe operation", or the
+        loop was not woken): a chunk already received may still be read before CANCELLED."""
         self._cancelled = True
-        if self._call is not None:
-            self._call.cancel()
+        call, loop = self._call, self._loop
+        if call is None:
+            return
+        try:
+            here = asyncio.get_running_loop() is loop
+        except RuntimeError:  # no loop runs in this thread
+            here = False
+        if here:
+            call.cancel()
+            return
+        with contextlib.suppress(RuntimeError):  # the loop is closed: its calls ended with it
+            loop.call_soon_threadsafe(call.cancel)
 
     async def aclose(self) -> None:
         """Stop reading: the call is cancelled if it still runs; later reads end at once."""
