@@ -228,7 +228,7 @@ class AsyncTierCacheClient(_ClientBase):
         (`chunks_received`, `request_id` on it) and one that ends without its final message
         IncompleteStream. Stop early by cancelling the reading task, leaving
         `async with c.stream(...) as s:`, or `await s.aclose()`; `s.cancel()` from another
-        task. Keyword arguments: build_request's."""
+        task or thread. Keyword arguments: build_request's."""
         req = self.build_request(messages, **kw)
         return AsyncChunkStream(self, req, self._timeout(timeout), self._metadata(request_id))
 
