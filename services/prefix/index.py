@@ -219,10 +219,12 @@ def _check_id(name: str, value: str) -> None:
         raise InvalidArgument(name, "longer than 256 characters")
 
 
-def _check_no_nul(name: str, value: str) -> None:
-    if "\0" in value:
+def _check_model_id(model_id: str) -> None:
+    """A model id Register, Match and TopPrefixes take: an id (`_check_id`) without NUL."""
+    _check_id("model_id", model_id)
+    if "\0" in model_id:
         # Roots hash model and salt with NUL between them (see check_salt).
-        raise InvalidArgument(name, "must not contain NUL")
+        raise InvalidArgument("model_id", "must not contain NUL")
 
 
 class PrefixIndex:
@@ -378,12 +380,14 @@ class PrefixIndex:
             why = check_address(value) if name == "address" and check_address else ""
             if why:
                 raise InvalidArgument(name, why)
+            if name == "model_id":
+                _check_model_id(value)
+                continue
             _check_id(name, value)
-            if name != "model_id" and (not value.isprintable()
-                                       or any(c.isspace() for c in value)):
-                # Ids and the address go into Stats, logs and routing as they are.
+            if not value.isprintable() or any(c.isspace() for c in value):
+                # Ids and the address go into Stats, logs and routing as they are (a NUL is
+                # not printable: refused here).
                 raise InvalidArgument(name, "printable characters without spaces only")
-            _check_no_nul(name, value)
         if hash_probe and len(hash_probe) != DIGEST_SIZE:
             raise InvalidArgument("hash_probe", f"must be {DIGEST_SIZE} bytes, got "
                                                 f"{len(hash_probe)}")
@@ -989,8 +993,7 @@ class PrefixIndex:
         # As Register refuses it: no replica can serve such a model, and an empty match read
         # as a cold cache, not as the caller's mistake (one with a NUL was answered and
         # counted as a miss in Stats).
-        _check_id("model_id", model_id)
-        _check_no_nul("model_id", model_id)
+        _check_model_id(model_id)
         if len(token_ids) and len(block_hashes):
             raise InvalidArgument("token_ids", "give token_ids or block_hashes, not both")
         if len(block_hashes):
@@ -1057,8 +1060,7 @@ class PrefixIndex:
         if not 1 <= k <= 1000:
             raise InvalidArgument("k", "must be in 1..1000")
         if model_id:  # empty = every model; a blank one matched none and read as a cold cache
-            _check_id("model_id", model_id)
-            _check_no_nul("model_id", model_id)
+            _check_model_id(model_id)
         if cache_salt is not None:
             # A salt Match and every publish refuse (a NUL, past the length limit) matched
             # nothing here either, and an empty answer read as "nothing hot yet".
