@@ -54,12 +54,7 @@ def _parse(raw: str, typ: Any, where: str) -> Any:
             return None
         return _parse(raw, args[0], where)
     if origin in (tuple, list):
-        (inner, *_) = typing.get_args(typ) or (str,)
-        items = [s.strip() for s in raw.split(",") if s.strip()]
-        if raw.strip() and not items:
-            # "," read as no entries: prefix_addresses="," ran without the index, no word said.
-            raise ConfigError(f"{where}: only commas, no entry")
-        return tuple(_parse(s, inner, where) for s in items)
+        return _parse_list(raw, typ, where)
     try:
         if typ is bool:
             low = raw.strip().lower()
@@ -93,6 +88,16 @@ def _parse(raw: str, typ: Any, where: str) -> Any:
     except ValueError as exc:
         raise ConfigError(f"{where}: {exc}") from None
     raise ConfigError(f"{where}: unsupported config type {typ!r}")
+
+
+def _parse_list(raw: str, typ: Any, where: str) -> tuple:
+    """A comma-separated setting: its entries, stripped, each parsed as the list's type."""
+    (inner, *_) = typing.get_args(typ) or (str,)
+    items = [s.strip() for s in raw.split(",") if s.strip()]
+    if raw.strip() and not items:
+        # "," read as no entries: prefix_addresses="," ran without the index, no word said.
+        raise ConfigError(f"{where}: only commas, no entry")
+    return tuple(_parse(s, inner, where) for s in items)
 
 
 def parse_bool(raw: str, where: str) -> bool:
