@@ -1166,12 +1166,15 @@ class SemanticCache:
         self._check_name("tenant", tenant)
         with self._lock:
             spaces = [ns for ns in self._ns_lru if ns.tenant == tenant]
-        n = sum(self._invalidate_namespace(ns) for ns in spaces)
-        self.store.truncate_wal()  # once, after every namespace
-        with self._recent_lock:
-            # The texts it just looked up; other tenants' stay for their Stores.
-            for key in [k for k in self._recent if k[0] == tenant]:
-                del self._recent[key]
+        try:
+            n = sum(self._invalidate_namespace(ns) for ns in spaces)
+            self.store.truncate_wal()  # once, after every namespace
+        finally:
+            # The texts it just looked up, even when the disk failed the erasure (dropping
+            # them writes nothing); other tenants' stay for their Stores.
+            with self._recent_lock:
+                for key in [k for k in self._recent if k[0] == tenant]:
+                    del self._recent[key]
         return n
 
     def _drop_in_chunks(self, labels: list[int], expired_at: float | None = None) -> int:

@@ -542,3 +542,23 @@ def test_invalidating_a_tenant_forgets_its_texts_just_looked_up_and_no_others(ca
     assert counting.calls == []  # B's vectors were kept for its Stores
     c.store_entry(A, "ZEBRAPOX-7731 what is a KV cache?", "A's answer.")
     assert counting.calls == ["ZEBRAPOX-7731 what is a KV cache?"]  # A's was dropped
+
+
+def test_a_tenant_erasure_that_fails_still_forgets_its_texts_just_looked_up(make_cache,
+                                                                           monkeypatch):
+    """Review: the tenant's texts just looked up were dropped after the WAL was emptied, so
+    an emptying that raised (a full disk) left them in memory, told RESOURCE_EXHAUSTED. They
+    go whatever the disk says: dropping them writes nothing."""
+    from services.common.errors import ResourceExhausted
+
+    c = make_cache(**LIMITS)
+    c.lookup(A, "ZEBRAPOX-7731 what is a KV cache?")
+    c.lookup(edges.B, "B's own question?")
+
+    def full() -> bool:
+        raise ResourceExhausted("disk full")
+
+    monkeypatch.setattr(c.store, "truncate_wal", full)
+    with pytest.raises(ResourceExhausted):
+        c.invalidate_tenant(A.tenant)
+    assert [t for t, _ in c._recent] == [edges.B.tenant]
