@@ -990,7 +990,8 @@ class SemanticCache:
         """Sets the human-verified flag (durably). `wanted`: as in `store_entry`, asked right
         before the write and again once it is written: False then writes the old flag back
         (memory never held the new one), so a caller told DEADLINE_EXCEEDED leaves the
-        thresholds its entry is served at as they were.
+        thresholds its entry is served at as they were (unless the disk refuses that write:
+        the new flag then stands, in memory too, and the disk's error is raised).
 
         Raises:
             InvalidArgument: empty id. NotFound: unknown id. DeadlineExceeded: not wanted.
@@ -1018,15 +1019,31 @@ class SemanticCache:
                 # DEADLINE_EXCEEDED changed the threshold every lookup of it is held to.
                 _still(wanted, "the rating was written")
             except DeadlineExceeded:
-                self.store.set_verified(e.label, was.verified)
+                self._write_back(e, was.verified, verified)
                 raise
-            with self._lock:
-                cur = self._entries.get(e.label)
-                if cur is None:
-                    raise NotFound(f"id: no entry {shown(entry_id)}")
-                cur = replace(cur, verified=verified)
-                self._entries[e.label] = cur
+            return self._take_flag(e, verified)
+
+    def _take_flag(self, e: Entry, verified: bool) -> Entry:
+        """Memory takes the verified flag `e`'s row now holds (`verify`); NotFound when the
+        entry went meanwhile."""
+        with self._lock:
+            cur = self._entries.get(e.label)
+            if cur is None:
+                raise NotFound(f"id: no entry {shown(e.id)}")
+            cur = replace(cur, verified=verified)
+            self._entries[e.label] = cur
         return cur
+
+    def _write_back(self, e: Entry, old: bool, new: bool) -> None:
+        """`verify`'s undo: `e`'s row takes `old` again. Not written (a full disk), the row
+        keeps `new`, and memory takes it too: holding `old`, lookups served the entry at one
+        threshold and a restart at the other."""
+        try:
+            self.store.set_verified(e.label, old)
+        except BaseException:
+            with contextlib.suppress(NotFound):
+                self._take_flag(e, new)
+            raise
 
     def invalidate_id(self, entry_id: str, wanted: Callable[[], bool] | None = None) -> int:
         """Removes one entry (e.g. after feedback that its answer was wrong). `wanted`: as in

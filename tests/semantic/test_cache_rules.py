@@ -448,6 +448,29 @@ def test_a_verify_whose_caller_left_while_its_flag_was_written_changes_nothing(m
     assert c.verify(e.id, True).verified and c.store.get(e.id).verified
 
 
+def test_a_verify_whose_undo_fails_leaves_memory_as_the_row(make_cache, monkeypatch):
+    """Review: the old flag written back on a full disk raised with the row holding the new
+    flag and memory the old one: lookups served the entry at one threshold, and a restart at
+    the other. Memory now takes the flag the row kept, and the disk's error is raised."""
+    from services.common.errors import ResourceExhausted
+
+    c = make_cache()
+    e = _store(c)
+    real, writes = c.store.set_verified, []
+
+    def full_on_the_undo(label: int, verified: bool) -> None:
+        writes.append(verified)
+        if len(writes) > 1:
+            raise ResourceExhausted("disk full")
+        real(label, verified)
+
+    monkeypatch.setattr(c.store, "set_verified", full_on_the_undo)
+    with pytest.raises(ResourceExhausted):
+        c.verify(e.id, True, wanted=_gone_after_the_write(c, e, []))
+    assert writes == [True, False]
+    assert c.get(e.id).verified and c.store.get(e.id).verified
+
+
 def test_an_invalidate_whose_caller_left_while_it_was_written_still_removes(make_cache):
     """The other rule, on purpose: an Invalidate by id is asked before the delete only. A
     removal is erasure on request, harmless when late, and never undone (a bad answer put
