@@ -129,14 +129,15 @@ class SemanticConfig:
     verified_bonus: float = 0.02
     draft_floor: float = 0.80  # near-misses at or above it are draft candidates
     # Tiers whose hits must pass the paraphrase guard (on QQP it lifts standard-tier precision
-    # from 0.85 to 0.91 for 10% of its recall; see benchmarks/results/semantic.json).
+    # from 0.85 to 0.91 for 10% of its recall; see benchmarks/results/semantic.json). "" =
+    # none (only commas is refused: a list whose entries were lost must not turn it off).
     guard_tiers: tuple[str, ...] = ("strict", "standard")
     # Tiers (among guard_tiers) whose hits must also pass the learned verifier (verifier.py):
     # out-of-sample on QQP + PAWS (5-fold, folds grouped by shared sentences) it cuts the PAWS
     # false-hit rate (strict 3.4% -> 2.0%, standard 4.3% -> 2.2%) and lifts standard-tier QQP
     # precision 0.906 -> 0.918 (strict: 0.932 -> 0.931, within the fold-split spread), for 4%
     # (strict, recall 0.102 -> 0.098) / 16% (standard, 0.180 -> 0.152) of the tiers' recall;
-    # see benchmarks/results/semantic.json and services/semantic/README.md.
+    # see benchmarks/results/semantic.json and services/semantic/README.md. "" = none.
     verifier_tiers: tuple[str, ...] = ("strict", "standard")
     # Weights of the verifier; "" = the committed services/semantic/verifier.json.
     verifier_path: str = ""

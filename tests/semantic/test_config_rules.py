@@ -171,3 +171,13 @@ def test_a_file_where_a_default_path_puts_a_folder_is_blamed_on_the_setting_it_c
     with pytest.raises(ConfigError, match=r"^TIERCACHE_SEMANTIC_SNAPSHOT_PATH: .*hnsw is a"):
         load(db_path=str(tmp_path / "db" / "s.db"),
              snapshot_path=str(tmp_path / "db" / "s.db.hnsw"))
+
+
+def test_empty_guard_and_verifier_tiers_are_none_and_only_commas_is_refused():
+    """docs/settings.md: "" = none. "," read as none too, until the list rule refused a
+    setting of only commas (a list whose entries were lost turned the guard off unsaid)."""
+    env = {"TIERCACHE_SEMANTIC_GUARD_TIERS": "", "TIERCACHE_SEMANTIC_VERIFIER_TIERS": ""}
+    cfg = load_config(SemanticConfig, "semantic", [], env)
+    assert (cfg.guard_tiers, cfg.verifier_tiers) == ((), ())
+    with pytest.raises(ConfigError, match="GUARD_TIERS: only commas, no entry"):
+        load_config(SemanticConfig, "semantic", [], {**env, "TIERCACHE_SEMANTIC_GUARD_TIERS": ","})
