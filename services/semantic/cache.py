@@ -991,7 +991,9 @@ class SemanticCache:
         before the write and again once it is written: False then writes the old flag back
         (memory never held the new one), so a caller told DEADLINE_EXCEEDED leaves the
         thresholds its entry is served at as they were (unless the disk refuses that write:
-        the new flag then stands, in memory too, and the disk's error is raised).
+        the new flag then stands, in memory too, and the disk's error is raised). A deadline
+        that passes after the second ask, as the answer travels, is the caller's alone: the
+        new flag stands and the caller sees DEADLINE_EXCEEDED (it asks again to know).
 
         Raises:
             InvalidArgument: empty id. NotFound: unknown id. DeadlineExceeded: not wanted.
