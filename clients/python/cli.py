@@ -241,7 +241,7 @@ def _stream_answer(c: TierCacheClient, a: argparse.Namespace, hist: Path | None,
             if ch.final is not None:
                 final = ch.final
     except IncompleteStream:
-        final = None  # said below
+        final = None  # said by `_chat_turn`
     except KeyboardInterrupt:
         _end_line(out)
         _not_started_over(a, hist)  # as for a failed turn: a next turn would continue them

@@ -473,9 +473,11 @@ def _parsed_non_blocking(handler, service: str, short: str, prologue):
 
 
 class _Call:
-    """One method's calls as `_ServerInterceptor` wraps them: the caller's credential and
-    request id checked first (`prologue`), each call counted (`count`), what a handler raised
-    mapped to a status (`fail`), and the wrappers of unary and server-streaming handlers."""
+    """One call as `_ServerInterceptor` wraps it: the caller's credential and request id
+    checked first (`prologue`), the call counted (`count`), what its handler raised mapped to
+    a status (`fail`), and the wrappers of unary and server-streaming handlers. Built for each
+    call (`intercept_service` runs per call): it holds that call's metadata, credential
+    included, so one kept per method would check every later call against the first's."""
 
     def __init__(self, interceptor: _ServerInterceptor, method: str, short: str, handler,
                  pairs) -> None:

@@ -268,7 +268,7 @@ def _digits_at(words: list[str], low: list[str], i: int) -> float | None:
     digits = _number_value(w) if w[0].isdigit() or _signed(w) else None
     if digits is None and "," in w and w[-1].isdigit() and (w[0].isdigit() or _signed(w)):
         # "1,5 liters": no thousands separator, compared as written with its unit (as a
-        # number past a float is, below), not as 15 nor without "liters".
+        # number past a float is, `_run_key`), not as 15 nor without "liters".
         digits = math.inf
     if digits is not None and "." in w and _version_after_name(words, low, i):
         # A version after a name is no quantity: "Python 3.10" is not "Python 3.1" (equal
