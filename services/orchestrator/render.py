@@ -85,6 +85,11 @@ class RenderedPrompt:
     continues: bool = False
 
 
+# A message's content or a raw prompt with nothing to read: said alike for both, and alike by
+# Generate and Warm.
+BLANK = "must not be empty (or only whitespace or invisible characters)"
+
+
 def _check_message(field: str, m: Message, max_chars: int) -> None:
     """One message's role, content and length; InvalidArgument names `field`.role/.content.
     Generate's and Warm's alike: a warmed prefix with an empty message is one no request
@@ -93,8 +98,7 @@ def _check_message(field: str, m: Message, max_chars: int) -> None:
         raise InvalidArgument(f"{field}.role",
                               f"unknown role {shown(m.role)}; expected one of {', '.join(ROLES)}")
     if blank(m.content):
-        raise InvalidArgument(f"{field}.content",
-                              "must not be empty (or only whitespace or invisible characters)")
+        raise InvalidArgument(f"{field}.content", BLANK)
     if len(m.content) > max_chars:
         raise InvalidArgument(f"{field}.content",
                               f"longer than the limit of {max_chars} characters")
@@ -382,8 +386,7 @@ class PromptRenderer:
         """A raw prompt, used as-is; `field` names it in errors (e.g. "prompts[1].prompt");
         `scope`: the tenant (see `encode_prompt`)."""
         if blank(prompt):
-            raise InvalidArgument(field, "must not be empty or only whitespace or invisible "
-                                         "characters (or give messages)")
+            raise InvalidArgument(field, f"{BLANK}; or give messages")
         if len(prompt) > self.max_chars:
             raise InvalidArgument(field, f"longer than the limit of {self.max_chars} characters")
         # The whitespace at its ends is part of the namespace: for a raw completion it is the

@@ -813,15 +813,16 @@ class Warmer:
 
     def _prompt_ids(self, tenant, i: int, p) -> list:
         """Prompt `i`'s token ids, checked against every limit, cut to whole KV blocks."""
-        if p.messages:
-            ids = self.orch.renderer.render_warm([Message(m.role, m.content)
-                                                  for m in p.messages], f"prompts[{i}]",
-                                                 scope=tenant.name)
-        elif not errors.blank(p.prompt):
+        # As Generate's `_prepare`: a prompt given (blank too) is the raw one, refused naming
+        # prompts[i].prompt; neither given is refused naming prompts[i].messages. A blank
+        # prompt was "prompts[i]: give messages or prompt", though it had given one.
+        if p.prompt:
             ids = self.orch.renderer.render_raw(p.prompt, f"prompts[{i}].prompt",
                                                 scope=tenant.name).token_ids
         else:
-            raise errors.InvalidArgument(f"prompts[{i}]", "give messages or prompt")
+            ids = self.orch.renderer.render_warm([Message(m.role, m.content)
+                                                  for m in p.messages], f"prompts[{i}]",
+                                                 scope=tenant.name)
         if len(ids) > self.cfg.max_prompt_tokens:
             raise errors.InvalidArgument(
                 f"prompts[{i}]", f"{len(ids)} tokens exceed the limit of "

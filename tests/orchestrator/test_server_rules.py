@@ -1417,3 +1417,43 @@ def test_erase_tenant_names_a_call_that_failed_other_than_by_status():
     assert list(r.not_reached) == ["semantic shard s:2: failed (KeyError)",
                                    "kvpool kv0: failed (ValueError)"]
     assert forgot == ["kv1"] and orch.renderer.forgot == ["alice"]
+
+
+@pytest.mark.parametrize("blank", ["   ", "\u200b\t"])
+def test_a_blank_raw_prompt_is_refused_naming_prompt_alike_by_warm_and_generate(blank):
+    """A WarmPrompt whose prompt was only whitespace was "prompts[0]: give messages or prompt",
+    though it gave one, and Generate said the same input otherwise: both name the prompt and
+    say it in the words a blank message's content gets. A WarmPrompt giving neither is named
+    as Generate names a request giving neither."""
+    from services.orchestrator.render import BLANK, PromptRenderer
+    from services.orchestrator.server import Warmer
+    from tests.orchestrator.test_pipeline_paths import TENANT, Stub, Tok, make
+
+    stubs = {"A": Stub("A", [])}
+    orch = make(stubs)
+    orch.renderer = PromptRenderer(Tok(), max_chars=1000)
+    warmer = Warmer(orch, OrchestratorConfig(kvpool_addresses=("A",)))
+    try:
+        with pytest.raises(errors.InvalidArgument) as warm:
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+                prompts=[orchestrator_pb2.WarmPrompt(prompt=blank)]))
+        with pytest.raises(errors.InvalidArgument) as neither:
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+                prompts=[orchestrator_pb2.WarmPrompt()]))
+        assert stubs["A"].requests == []
+    finally:
+        warmer.stop()
+    ctx = ContextOrchestrator(0)
+    ctx.renderer = orch.renderer
+    s = OrchestratorServicer(OrchestratorConfig(kvpool_addresses=("h:1",)))
+    s.attach(ctx, TenantRegistry.build(tokens_file="", tokens="", key=b"k",
+                                       max_prompt_tokens=1000, max_tokens=1000,
+                                       max_concurrent=10))
+    with pytest.raises(errors.InvalidArgument) as generate:
+        list(s.Generate(orchestrator_pb2.GenerateRequest(prompt=blank), Context()))
+    assert str(generate.value) == f"prompt: {BLANK}; or give messages"
+    assert str(warm.value) == f"prompts[0].{generate.value}"
+    assert str(neither.value) == "prompts[0].messages: must not be empty (or give prompt)"
+    with pytest.raises(errors.InvalidArgument) as generate:
+        list(s.Generate(orchestrator_pb2.GenerateRequest(), Context()))
+    assert str(neither.value) == f"prompts[0].{generate.value}"
