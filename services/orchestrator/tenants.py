@@ -373,12 +373,22 @@ class TenantRegistry:
                      if (new := other.by_token.get(tok)) is not None and new.name != t.name}
             renamed = {old: moved.get(mid, mid) for old, mid in self._renamed.items()}
             renamed.update(moved)
-            self._renamed = {old: new for old, new in renamed.items() if old != new}
             self.by_token, self._by_digest = other.by_token, other._by_digest
             self._current = other._current
+            self._renamed = self._renames_in_use(renamed)
             gone = self._drop_removed_locked(before)
         for name in gone:
             REJECTED.remove_by_labels({"tenant": name})
+
+    def _renames_in_use(self, renamed: dict[str, str]) -> dict[str, str]:
+        """The renames `_now` can still follow, with `_current` the file read now: one whose
+        new name the file no longer has leads nowhere (its calls go by the limits they were
+        authenticated with, as a removed tenant's), and one whose old name the file has again
+        is never asked (`_now` finds the name first) and would lead that tenant's calls to
+        another's limits once it is removed. Kept, they stayed for as long as the process
+        ran."""
+        return {old: new for old, new in renamed.items()
+                if old != new and new in self._current and old not in self._current}
 
     def _drop_removed_locked(self, before: set[str]) -> set[str]:
         """Forget the limiter state of tenants not in `_current` (the lock held): they kept

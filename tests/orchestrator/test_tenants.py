@@ -494,6 +494,54 @@ def test_a_call_authenticated_before_its_tenant_was_renamed_is_held_to_the_new_n
     assert r.acquire(late).name == "acme-us"
 
 
+def test_a_rename_whose_new_name_is_removed_is_forgotten_and_never_followed_to_a_newcomer(
+        tmp_path):
+    """Review: `_renamed` kept acme -> acme-eu after acme-eu left the file, for as long as the
+    process ran, and a tenant given the name acme-eu later took the limits of the calls
+    authenticated as acme: those calls go by the limits they were authenticated with, as a
+    removed tenant's do."""
+    from services.common.errors import Overloaded
+
+    tok, other = "tok-acme-0123456789ab", "tok-other-0123456789ab"
+    f = tmp_path / "tokens.json"
+
+    def load(entries):
+        f.write_text(json.dumps(entries))
+        return reg(tokens_file=str(f))
+
+    r = load({tok: {"tenant": "acme", "max_concurrent": 2}})
+    late = r.authenticate({"authorization": f"Bearer {tok}"})
+    r.adopt(load({tok: {"tenant": "acme-eu", "max_concurrent": 1}}))
+    assert r._renamed == {"acme": "acme-eu"}
+    r.adopt(load({other: {"tenant": "z"}}))  # acme-eu removed
+    assert r._renamed == {}
+    r.adopt(load({other: {"tenant": "acme-eu", "max_concurrent": 1}}))  # another tenant
+    assert [r.acquire(late).name for _ in range(2)] == ["acme", "acme"]  # its own limit, 2
+    with pytest.raises(Overloaded, match=r"tenant acme: 2 concurrent requests \(limit 2\)"):
+        r.acquire(late)
+
+
+def test_a_rename_whose_old_name_comes_back_is_forgotten(tmp_path):
+    """A rename a -> b stays only while `_now` may follow it: once the file names a tenant a
+    again, a's calls go by that tenant (found by name first), and the entry left would send
+    them to b's limits once that a is removed."""
+    tok, back = "tok-acme-0123456789ab", "tok-back-0123456789ab"
+    f = tmp_path / "tokens.json"
+
+    def load(entries):
+        f.write_text(json.dumps(entries))
+        return reg(tokens_file=str(f))
+
+    r = load({tok: {"tenant": "a"}})
+    r.adopt(load({tok: {"tenant": "b"}}))
+    assert r._renamed == {"a": "b"}
+    r.adopt(load({tok: {"tenant": "b"}, back: {"tenant": "a"}}))
+    assert r._renamed == {}
+    newcomer = r.authenticate({"authorization": f"Bearer {back}"})
+    r.adopt(load({tok: {"tenant": "b", "max_concurrent": 1}}))  # the new a removed
+    assert [r.acquire(newcomer).name for _ in range(2)] == ["a", "a"]  # not b's limit of 1
+
+
 def test_a_tenant_removed_from_the_file_leaves_its_limiter_state_and_rejection_series(
         tmp_path):
     """Review: a tenant removed from the tokens file kept its rate bucket, its concurrency

@@ -13,9 +13,11 @@ The model's rules, as documented:
 - limits are per tenant; a call keeps the size limits it was authenticated under, while its
   concurrency and rate go by the tenant's limits as the file has them now, a tenant renamed by
   a reload (its tokens moved to another name) by the renamed one's, a tenant removed by those
-  it was authenticated with; counts and buckets are per tenant name and survive a reload
-  of the tenant's name (a tenant the file no longer has leaves its bucket and, once idle, its
-  count);
+  it was authenticated with (one renamed to a name a later reload removes too, and for good:
+  not by a tenant given that name after; one whose old name a later file has again goes by
+  that tenant's, and by its own once that one is removed); counts and buckets are per tenant
+  name and survive a reload of the tenant's name (a tenant the file no longer has leaves its
+  bucket and, once idle, its count);
 - token bucket: `burst` full at first use, refilled at `rate_per_s` up to `burst`; a request
   takes one (refused "retry in (1 - tokens) / rate s" when under one); a refund or a negative
   charge gives back, never past `burst`; a charge takes, never below -burst; `afford(n)`
@@ -110,9 +112,11 @@ class Model:
         """`renames`: old name -> new name, as the reload moved whole tenants."""
         chained = {old: renames.get(new, new) for old, new in self.renamed.items()}
         chained.update(renames)
-        self.renamed = {old: new for old, new in chained.items() if old != new}
         self.tokens = dict(tokens)
         self.current = {lim.name: lim for lim in tokens.values()}
+        # A rename to a name the file no longer has, or from one it has again, is forgotten.
+        self.renamed = {old: new for old, new in chained.items()
+                        if old != new and new in self.current and old not in self.current}
         # A tenant the file no longer has leaves its bucket, and its count once idle.
         self.buckets = {k: b for k, b in self.buckets.items() if k in self.current}
         self.active = {k: n for k, n in self.active.items() if n or k in self.current}
