@@ -57,6 +57,16 @@ REJECTED = counter("tiercache_orchestrator_rejections_total",
                    "in tiercache_rpc_total)", ("tenant", "reason"))
 
 
+def _drop_rejection_series(names: set[str]) -> None:
+    """Drop the tiercache_orchestrator_rejections_total series of every tenant not in
+    `names` (the file read now): not only those the last file had. A call authenticated
+    before its tenant was removed and refused after for a server-wide reason (server_streams,
+    replicas_busy) made a series of the removed name that no later reload dropped."""
+    labelled = {s.labels["tenant"] for m in REJECTED.collect() for s in m.samples}
+    for name in labelled - names:
+        REJECTED.remove_by_labels({"tenant": name})
+
+
 def parse_token_pairs(tokens: str) -> dict[str, str]:
     """`TIERCACHE_ORCHESTRATOR_TOKENS` ("token=tenant,...") as token -> tenant. A pair splits
     at its last '=': a token may end in base64 padding ("c2VjcmV0==" stood for the token
@@ -364,7 +374,8 @@ class TenantRegistry:
         acquire, rate check and charge, a call's authenticated before the reload included:
         see `_now`; a call's size limits stay those it was authenticated under). A tenant the
         file no longer has (removed, or renamed) leaves its bucket, its count once its last
-        request ends, and its series of tiercache_orchestrator_rejections_total."""
+        request ends, and its series of tiercache_orchestrator_rejections_total (any made
+        since its removal too, by a call authenticated before it)."""
         if other.default is not None or self.default is not None:
             raise ValueError("a registry without tokens cannot be swapped")
         with self._lock:
@@ -376,9 +387,8 @@ class TenantRegistry:
             self.by_token, self._by_digest = other.by_token, other._by_digest
             self._current = other._current
             self._renamed = self._renames_in_use(renamed)
-            gone = self._drop_removed_locked(before)
-        for name in gone:
-            REJECTED.remove_by_labels({"tenant": name})
+            self._drop_removed_locked(before)
+        _drop_rejection_series(set(self._current))
 
     def _renames_in_use(self, renamed: dict[str, str]) -> dict[str, str]:
         """The renames `_now` can still follow, with `_current` the file read now: one whose
@@ -390,17 +400,15 @@ class TenantRegistry:
         return {old: new for old, new in renamed.items()
                 if old != new and new in self._current and old not in self._current}
 
-    def _drop_removed_locked(self, before: set[str]) -> set[str]:
+    def _drop_removed_locked(self, before: set[str]) -> None:
         """Forget the limiter state of tenants not in `_current` (the lock held): they kept
         their buckets and counts for as long as the process ran. A count of requests still
-        under way stays until `release`. Returns the names forgotten: those of `before` (the
-        file read last) and any a call authenticated before a removal has used since."""
-        gone = (before | set(self._buckets) | set(self._active)) - set(self._current)
-        for name in gone:
+        under way stays until `release`. Those of `before` (the file read last) and any a call
+        authenticated before a removal has used since."""
+        for name in (before | set(self._buckets) | set(self._active)) - set(self._current):
             self._buckets.pop(name, None)
             if not self._active.get(name):
                 self._active.pop(name, None)
-        return gone
 
     def cache_salts(self) -> set[str]:
         """The cache salts of the tenants the tokens file has now (the default tenant's,

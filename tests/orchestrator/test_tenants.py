@@ -542,6 +542,39 @@ def test_a_rename_whose_old_name_comes_back_is_forgotten(tmp_path):
     assert [r.acquire(newcomer).name for _ in range(2)] == ["a", "a"]  # not b's limit of 1
 
 
+def test_a_removed_tenants_rejection_series_made_after_the_reload_goes_at_the_next(tmp_path):
+    """Review: a call authenticated before its tenant was removed and refused after for a
+    server-wide reason (server_streams, replicas_busy) made a rejections series of the
+    removed name, which no later reload dropped (it dropped only the names the file read
+    last had and those with limiter state). The next reload drops every name not in the
+    file; the tenants kept keep theirs."""
+    from services.orchestrator.tenants import REJECTED
+    from tests.metric_sample import sample_value
+
+    tok_a, tok_b = "tok-gone-0123456789ab", "tok-kept-0123456789ab"
+    f = tmp_path / "tokens.json"
+
+    def load(entries):
+        f.write_text(json.dumps(entries))
+        return reg(tokens_file=str(f))
+
+    def series(name, reason):
+        return sample_value("tiercache_orchestrator_rejections_total",
+                            {"tenant": name, "reason": reason})
+
+    r = load({tok_a: {"tenant": "gone-t"}, tok_b: {"tenant": "kept-t"}})
+    late = r.authenticate({"authorization": f"Bearer {tok_a}"})
+    r.adopt(load({tok_b: {"tenant": "kept-t"}}))
+    REJECTED.labels(late.name, "server_streams").inc()  # as the servicer counts it
+    REJECTED.labels(late.name, "replicas_busy").inc()  # as the pipeline does
+    REJECTED.labels("kept-t", "replicas_busy").inc()
+    r.adopt(load({tok_b: {"tenant": "kept-t"}}))
+    assert series("gone-t", "server_streams") is None
+    assert series("gone-t", "replicas_busy") is None
+    assert series("kept-t", "replicas_busy") == 1
+    REJECTED.remove_by_labels({"tenant": "kept-t"})  # the suite's other tests see none
+
+
 def test_a_tenant_removed_from_the_file_leaves_its_limiter_state_and_rejection_series(
         tmp_path):
     """Review: a tenant removed from the tokens file kept its rate bucket, its concurrency
