@@ -22,8 +22,9 @@ from tiercache.v1 import (
     semantic_pb2,
 )
 
-from services.common.hashing import BlockHasher
+from services.common.hashing import MAX_SALT_CHARS, BlockHasher
 from tests.hardening.conftest import (
+    ADMIN,
     BAD_UTF8,
     INTERNAL_MD,
     TOK_A,
@@ -118,6 +119,12 @@ KV_CASES = [
          kvpool_pb2.PrefillRequest(token_ids=[1] * 5000), INV, "token_ids"),
     case("prefill other model", "Prefill",
          kvpool_pb2.PrefillRequest(token_ids=[1] * 8, model_id="x"), FP, "model_id"),
+    # Flush drops a tenant's cached blocks: without a salt it would be every unsalted caller's.
+    case("flush without a salt", "Flush", kvpool_pb2.KvFlushRequest(), INV, "cache_salt"),
+    case("flush salt with NUL", "Flush", kvpool_pb2.KvFlushRequest(cache_salt="a\0b"), INV,
+         "cache_salt"),
+    case("flush salt too long", "Flush",
+         kvpool_pb2.KvFlushRequest(cache_salt="s" * (MAX_SALT_CHARS + 1)), INV, "cache_salt"),
     case("prefill invalid UTF-8 salt", "Prefill", raw(kvpool_pb2.PrefillRequest(token_ids=[1]))
          + string_field(2, BAD_UTF8), INV, "cache_salt"),
     case("stats malformed", "Stats", b"\xff", INV, "request"),
@@ -450,6 +457,12 @@ ORCH_CASES = [
          "semantic_entry_id", metadata=A),
     case("stats as a tenant", "Stats", orchestrator_pb2.StatsRequest(), DENIED, "authorization",
          metadata=A),
+    case("erase a tenant as a tenant", "EraseTenant", orchestrator_pb2.EraseTenantRequest(
+        tenant="a"), DENIED, "authorization", metadata=A),
+    case("erase no tenant", "EraseTenant", orchestrator_pb2.EraseTenantRequest(), INV, "tenant",
+         metadata=tuple(md(ADMIN))),
+    case("erase a tenant name too long", "EraseTenant", orchestrator_pb2.EraseTenantRequest(
+        tenant="t" * 20_000), INV, "tenant", metadata=tuple(md(ADMIN))),
 ]
 
 
