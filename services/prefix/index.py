@@ -34,7 +34,7 @@ from services.common.errors import (
 )
 from services.common.hashing import DIGEST_SIZE, BlockHasher, check_salt
 from services.common.policy import EvictionPolicy, HybridPolicy
-from services.prefix.tree import BlockTree, PruneRun, bits
+from services.prefix.tree import BlockTree, MatchSegment, PruneRun, bits
 
 log = logging.getLogger(__name__)
 
@@ -225,6 +225,26 @@ def _check_model_id(model_id: str) -> None:
     if "\0" in model_id:
         # Roots hash model and salt with NUL between them (see check_salt).
         raise InvalidArgument("model_id", "must not contain NUL")
+
+
+def _ranked(reps: Sequence[Replica], segments: list[MatchSegment],
+            bs: int) -> list[ReplicaMatch]:
+    """A match's answers from the tree's `segments` (longest first): each replica holding one
+    with its longest, longest first, then the zero answers of those holding none."""
+    hit, zero = [], []
+    for rep in reps:
+        for holders, blocks in segments:
+            if holders >> rep.bit & 1:
+                hit.append(_new(ReplicaMatch, (rep.replica_id, rep.address, blocks,
+                                               blocks * bs, rep.load)))
+                break
+        else:
+            zero.append(rep.zero)
+    # One segment: every holder matched the same length, already in load order.
+    if len(segments) > 1 and len(hit) > 1:
+        hit.sort(key=_blocks, reverse=True)  # stable: ties stay in load order
+    hit += zero
+    return hit
 
 
 class PrefixIndex:
@@ -1033,23 +1053,10 @@ class PrefixIndex:
             self.match_blocks_total += len(hashes)
         if not segments:
             return MatchResult([r.zero for r in reps], len(hashes), bs)  # type: ignore[misc]
-        hit, zero = [], []
-        for rep in reps:
-            for holders, blocks in segments:
-                if holders >> rep.bit & 1:
-                    hit.append(_new(ReplicaMatch, (rep.replica_id, rep.address, blocks,
-                                                   blocks * bs, rep.load)))
-                    break
-            else:
-                zero.append(rep.zero)
-        # One segment: every holder matched the same length, already in load order.
-        if len(segments) > 1 and len(hit) > 1:
-            hit.sort(key=_blocks, reverse=True)  # stable: ties stay in load order
         if not probe:
             self.matches_hit += 1
             self.match_blocks_hit += segments[0].blocks
-        hit += zero
-        return _new(MatchResult, (hit, len(hashes), bs))
+        return _new(MatchResult, (_ranked(reps, segments, bs), len(hashes), bs))
 
     def top_prefixes(self, k: int, model_id: str = "", min_hits: int = 0,
                      cache_salt: str | None = None) -> list[HotPrefix]:
