@@ -838,7 +838,7 @@ class Engine:
                 # A draft whose proposal was withdrawn (no room) moves past this token too.
                 seq.draft.update(0, [tok])
 
-    def _decode_step(self) -> None:
+    def _make_decode_room(self) -> None:
         # Every decoding sequence needs room for one more token; preempt the newest if short.
         for seq in list(self._decoding):
             if seq.phase is not Phase.DECODE:
@@ -867,6 +867,9 @@ class Engine:
                     self._preempt(victim)
                     if victim is seq:
                         break
+
+    def _decode_step(self) -> None:
+        self._make_decode_room()
         seqs = list(self._decoding)
         if not seqs:
             return
