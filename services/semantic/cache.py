@@ -420,7 +420,7 @@ class SemanticCache:
             exact = replace(exact, search_ms=(t1 - t0) * 1000,
                             threshold_from_request=resolved.explicit,
                             base_threshold=resolved.threshold)
-            self._record(exact, t1 - t0, None, resolved.explicit)
+            self._record(exact, t1 - t0, None)
             return exact
         vec, over = self._embed(text, wanted=wanted)
         _still(wanted, "the lookup was made")
@@ -432,7 +432,7 @@ class SemanticCache:
         result = replace(result, search_ms=(t2 - t1) * 1000, embed_ms=(t1 - t0) * 1000,
                          threshold_from_request=resolved.explicit,
                          base_threshold=resolved.threshold)
-        self._record(result, t2 - t1, t1 - t0, resolved.explicit)
+        self._record(result, t2 - t1, t1 - t0)
         return result
 
     def _exact_repeat(self, ns: Namespace, text: str, resolved) -> LookupResult | None:
@@ -676,14 +676,13 @@ class SemanticCache:
             self.store.record_hit(cur.label, now, cur.hit_count)
         return cur
 
-    def _record(self, r: LookupResult, search_s: float, embed_s: float | None,
-                explicit: bool = False) -> None:
+    def _record(self, r: LookupResult, search_s: float, embed_s: float | None) -> None:
         """Count one lookup (`embed_s` None: it embedded nothing). A lookup with its own
-        threshold counts under "explicit", not under its tier (that mixed other thresholds
-        into the tier's hit rate)."""
+        threshold (`r.threshold_from_request`) counts under "explicit", not under its tier
+        (that mixed other thresholds into the tier's hit rate)."""
         outcome = "hit" if r.hit else ("draft" if self.policy.in_draft_band(r.similarity)
                                        else "miss")
-        tier = "explicit" if explicit else r.tier
+        tier = "explicit" if r.threshold_from_request else r.tier
         with self._lock:
             self._lookups += 1
             if r.hit:
