@@ -737,9 +737,9 @@ def _positive(text: str) -> int:
 
 
 # Arguments sent over the wire: they must be valid UTF-8 (a shell passes undecodable bytes as
-# surrogates, which protobuf cannot encode).
-_WIRE_ARGS = ("address", "token", "text", "session", "system", "entry_id", "tenant_tokens",
-              "tenant")
+# surrogates, which protobuf cannot encode). Not erase-tenant's `tenant`: the client's own
+# request check (`_check_args`) refuses it first, naming the character.
+_WIRE_ARGS = ("address", "token", "text", "session", "system", "entry_id", "tenant_tokens")
 
 
 def package_version() -> str:
