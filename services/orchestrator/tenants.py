@@ -379,7 +379,6 @@ class TenantRegistry:
         if other.default is not None or self.default is not None:
             raise ValueError("a registry without tokens cannot be swapped")
         with self._lock:
-            before = set(self._current)
             moved = {t.name: new.name for tok, t in self.by_token.items()
                      if (new := other.by_token.get(tok)) is not None and new.name != t.name}
             renamed = {old: moved.get(mid, mid) for old, mid in self._renamed.items()}
@@ -387,7 +386,7 @@ class TenantRegistry:
             self.by_token, self._by_digest = other.by_token, other._by_digest
             self._current = other._current
             self._renamed = self._renames_in_use(renamed)
-            self._drop_removed_locked(before)
+            self._drop_removed_locked()
         _drop_rejection_series(set(self._current))
 
     def _renames_in_use(self, renamed: dict[str, str]) -> dict[str, str]:
@@ -400,12 +399,13 @@ class TenantRegistry:
         return {old: new for old, new in renamed.items()
                 if old != new and new in self._current and old not in self._current}
 
-    def _drop_removed_locked(self, before: set[str]) -> None:
+    def _drop_removed_locked(self) -> None:
         """Forget the limiter state of tenants not in `_current` (the lock held): they kept
         their buckets and counts for as long as the process ran. A count of requests still
-        under way stays until `release`. Those of `before` (the file read last) and any a call
-        authenticated before a removal has used since."""
-        for name in (before | set(self._buckets) | set(self._active)) - set(self._current):
+        under way stays until `release`. Every name holding state is a key of `_buckets` or
+        `_active` (the file read last's, and any a call authenticated before a removal has
+        used since)."""
+        for name in (set(self._buckets) | set(self._active)) - set(self._current):
             self._buckets.pop(name, None)
             if not self._active.get(name):
                 self._active.pop(name, None)
