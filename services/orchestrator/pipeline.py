@@ -627,9 +627,8 @@ class Orchestrator:
                                                      deadline, state.tier_call_started)
         draft_ids: list[int] = []
         if look is not None:
-            served, draft_ids = self._weigh_lookup(look, sampling, policy, report, greedy,
-                                                   serves_sampled, want_draft, state.notes,
-                                                   request_id)
+            served, draft_ids = self._weigh_lookup(look, state, greedy, serves_sampled,
+                                                   want_draft)
             if served is not None:
                 yield from self._serve_hit(look, served, sampling, report, return_token_ids,
                                            request_id, t0)
@@ -666,15 +665,15 @@ class Orchestrator:
         finally:
             ahead.close()
 
-    def _weigh_lookup(self, look: semantic_pb2.LookupResponse, sampling: Sampling,
-                      policy: Policy, report: common_pb2.CacheReport, greedy: bool,
-                      serves_sampled: bool, want_draft: bool, notes: list[str],
-                      request_id: str) -> tuple[list[int] | None, list[int]]:
+    def _weigh_lookup(self, look: semantic_pb2.LookupResponse, req: _Request, greedy: bool,
+                      serves_sampled: bool, want_draft: bool
+                      ) -> tuple[list[int] | None, list[int]]:
         """What the semantic tier's answer `look` is for: (the hit's token ids to serve from
         the cache, or None when the model answers; the model's draft, [] for none). Fills the
-        report's semantic fields, and counts a hit not served by its reason (too_short,
-        ignore_eos, sampled), the hit then being the model's draft; a draft of ids outside this
-        model's vocabulary is dropped (draft_dropped)."""
+        request's report's semantic fields, and counts a hit not served by its reason
+        (too_short, ignore_eos, sampled), the hit then being the model's draft; a draft of ids
+        outside this model's vocabulary is dropped (draft_dropped, in the request's notes)."""
+        sampling, report, request_id = req.sampling, req.report, req.request_id
         report.semantic_similarity = look.similarity
         # What the similarity was held to, and a refusal above it: without them a model
         # answer after "nearest entry 0.962" did not say whether 0.962 missed the
@@ -687,7 +686,7 @@ class Orchestrator:
         # Worked out here, not taken from the reply's threshold_from_request: it is the
         # threshold this orchestrator sent (0 = the tier's), and an older semantic tier
         # mid-roll leaves that field false.
-        report.semantic_threshold_from_request = policy.semantic_threshold != 0.0
+        report.semantic_threshold_from_request = req.policy.semantic_threshold != 0.0
         # The answer's ids as the model generated them; tokenized again only for an entry
         # stored without them (the text alone: a client's Store, an older build's row).
         cached_ids = ((list(look.entry.answer_token_ids)
@@ -747,7 +746,7 @@ class Orchestrator:
                 # for them. A draft is advice: the answer goes on without it.
                 log.warning("request %s: dropped the draft of entry %s (token ids outside "
                             "the vocabulary of %d)", request_id, look.entry.id, self._vocab)
-                with _noting(notes):
+                with _noting(req.notes):
                     self.stats.degrade("draft_dropped")
         return None, []
 
