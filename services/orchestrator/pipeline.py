@@ -830,7 +830,7 @@ class Orchestrator:
         TOKENS.labels("saved_semantic").inc(len(ids))
         yield Finished(finish, 0, len(ids), report, request_id)
 
-    def _larger_pool(self, blocks: int, exclude: set, need: int | None = None) -> bool:
+    def _larger_pool(self, blocks: int, exclude: set, need: int | None) -> bool:
         """Whether a healthy replica not tried yet has more KV blocks than `blocks` and, when
         the request's `need` is known, at least that many: a larger pool still too small was
         handed the request anyway, one call more for the same refusal."""
@@ -838,7 +838,7 @@ class Orchestrator:
                    for r in self.replicas.healthy()
                    if r.replica_id not in exclude and r.address not in exclude)
 
-    def _larger_down(self, blocks: int, need: int | None = None):
+    def _larger_down(self, blocks: int, need: int | None):
         """The replica with the largest pool of those known down (not one serving another
         model) whose pool, as its last Stats said, has more KV blocks than `blocks` and, when
         the request's `need` is known, at least that many; None if none has."""
