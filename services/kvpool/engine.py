@@ -47,6 +47,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, NamedTuple
@@ -336,6 +337,19 @@ def device_done(device: torch.device) -> None:
 def _release_cached_device_memory() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def result_unless_late(fut: Future, timeout: float | None) -> Any:
+    """The result of `fut` (an `Engine.call`), waited for up to `timeout` s. Not started by
+    then, it is cancelled and FutureTimeout raised: left in the engine's inbox it would still
+    run later, its effect (events taken, blocks dropped) unseen by a caller that gave up.
+    Already running, it is waited for (quick once started) rather than abandoned."""
+    try:
+        return fut.result(timeout=timeout)
+    except FutureTimeout:
+        if fut.cancel():
+            raise
+        return fut.result()
 
 
 class Engine:

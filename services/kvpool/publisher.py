@@ -21,7 +21,6 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import grpc
@@ -31,6 +30,7 @@ from services.common.grpc_client import make_channel
 from services.common.prefix_client import PrefixIndexClient, batch_blocks
 from services.common.shard_list import said
 from services.kvpool.block_pool import AllCleared, BlocksRemoved, BlocksStored, PoolEvent
+from services.kvpool.engine import result_unless_late
 
 log = logging.getLogger(__name__)
 
@@ -481,16 +481,9 @@ class Publisher:
             pending = self.engine.take_events() + self.engine.pool.take_events()
             return list(self.engine.pool.holdings()), pending
 
-        fut = self.engine.call(snapshot)
-        try:
-            holdings, pending = fut.result(timeout=SNAPSHOT_TIMEOUT)
-        except FutureTimeout:
-            # A snapshot left in the engine's inbox would still run later and take the pending
-            # events, handing them to nobody: cancel it, or, if it is running already, wait
-            # for it (it is quick once started) rather than abandon what it takes.
-            if fut.cancel():
-                raise
-            holdings, pending = fut.result()
+        # Not started in time, cancelled (FutureTimeout): left in the inbox, it would still
+        # run later and take the pending events, handing them to nobody.
+        holdings, pending = result_unless_late(self.engine.call(snapshot), SNAPSHOT_TIMEOUT)
         if only is None:
             self._backlog.clear()  # every shard gets the snapshot, which reflects them
             self._snapshot_left = 0

@@ -29,6 +29,7 @@ from services.kvpool.engine import (
     FinishReason,
     ModelInfo,
     TokenDelta,
+    result_unless_late,
 )
 from services.kvpool.sampling import SamplingSpec
 
@@ -289,14 +290,13 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
             # The unsalted blocks are those of every caller that sends no salt: not a tenant.
             raise errors.InvalidArgument("cache_salt", "required (the tenant's cache salt)")
         # On the engine thread, between steps: the pool has one owner.
-        fut = engine.call(lambda: engine.pool.flush_salt(salt))
-        left = context.time_remaining()
+        deadline = self._deadline(context)
         try:
-            dropped, kept = fut.result(timeout=None if left is None or left > 1e8 else left)
-        except FutureTimeout:
-            if fut.cancel():  # never ran: nothing was dropped
-                raise errors.DeadlineExceeded("deadline exceeded before the flush ran") from None
-            dropped, kept = fut.result()  # running: quick once started
+            dropped, kept = result_unless_late(
+                engine.call(lambda: engine.pool.flush_salt(salt)),
+                None if deadline is None else deadline - time.monotonic())
+        except FutureTimeout:  # never ran: nothing was dropped
+            raise errors.DeadlineExceeded("deadline exceeded before the flush ran") from None
         log.info("flushed %d cached blocks of one cache salt (%d kept: in use)", dropped, kept)
         return kvpool_pb2.KvFlushResponse(blocks_dropped=dropped, blocks_in_use=kept,
                                           replica_id=self.cfg.replica_id)
