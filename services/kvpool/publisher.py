@@ -261,14 +261,14 @@ class Publisher:
                      self.address, time.monotonic() - began, tries)
 
     def _idle(self) -> None:
-        """Wait for events (with none in the backlog) until the next heartbeat is due."""
+        """Wait for events (with none in the backlog) until the next heartbeat is due, at most
+        publish_interval_seconds."""
+        if self._backlog:
+            return
         wait = max(0.0, min(self.publish_interval_seconds, self._next_beat - time.monotonic()))
-        if not self._backlog:
-            self.engine.wait_events(wait)
-            if self._stop.is_set():
-                return
-            # Let a burst of steps accumulate into one batch.
-            self._stop.wait(min(wait, self.publish_interval_seconds))
+        self.engine.wait_events(wait)
+        # Let a burst of steps accumulate into one batch (no wait once stopped: `_run` ends).
+        self._stop.wait(wait)
 
     def _forgotten(self, e: grpc.RpcError) -> None:
         """The index does not know this incarnation (restart, lapsed lease). A batch or a
