@@ -606,19 +606,17 @@ class _Call:
     def _unary_call(self, inner, parsed: bool, raw, context):
         rid = self.prologue(context)
         request = raw if parsed else self.parse(raw, context)
+        requests = raw if parsed else None  # a client stream's, for `count` and `fail`
         t0 = time.perf_counter()
         with bound_request_id(rid):
             try:
                 resp = inner(request, context)
                 data = _encoded(resp, self.serialize, self.limit, context, self.service,
                                 self.short)
-                if parsed:
-                    self.count(context, _finished_code(context), raw)
-                else:
-                    RPC_TOTAL.labels(self.service, self.short, _finished_code(context)).inc()
+                self.count(context, _finished_code(context), requests)
                 return data
             except BaseException as exc:  # noqa: BLE001 - mapped to a status
-                self.fail(context, exc, raw if parsed else None)
+                self.fail(context, exc, requests)
             finally:
                 RPC_SECONDS.labels(self.service, self.short).observe(time.perf_counter() - t0)
 
