@@ -5,9 +5,12 @@ version must still compare equal)."""
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 
 import pytest
 
+from services.common import files
 from services.common.files import file_digest, remove_aside
 
 
@@ -121,3 +124,41 @@ def test_a_cache_folder_the_start_cannot_write_says_so_not_bad_configuration(
     assert "bad configuration" not in line
     assert f"TIERCACHE_{service.upper()}_CACHE_DIR" in line
     assert stopped == [None]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])
+def test_a_new_file_reads_the_umask_without_setting_it(tmp_path, monkeypatch, umask):
+    """replace_text's new file gets 0666 less the umask, read from /proc/self/status: reading it
+    with os.umask set it for a moment, and a file another thread created then got no mask."""
+    old = os.umask(umask)
+    try:
+        assert files.current_umask() == umask
+
+        def no_set(mask):
+            raise AssertionError(f"os.umask({mask:o}) called: the umask was set to read it")
+
+        monkeypatch.setattr(files.os, "umask", no_set)
+        files.replace_text(tmp_path / "new.txt", "text")
+    finally:
+        monkeypatch.undo()
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "new.txt").stat().st_mode) == 0o666 & ~umask
+
+
+def test_without_proc_the_umask_is_read_by_setting_it_back(tmp_path, monkeypatch):
+    """Where /proc/self/status cannot be read, the umask is read through os.umask and put back
+    as it was."""
+    real_open = open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_proc)
+    old = os.umask(0o027)
+    try:
+        assert files.current_umask() == 0o027
+        assert os.umask(0o027) == 0o027  # set back as it was
+    finally:
+        os.umask(old)

@@ -73,6 +73,20 @@ def remove_aside(target: Path, prefix: str) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def current_umask() -> int:
+    """The process's umask, read from /proc/self/status where Linux shows it (4.7+). Reading it
+    otherwise means setting it: `os.umask` returns the old one only by setting a new one, and a
+    file another thread creates before it is set back gets that one instead (no mask at all)."""
+    with contextlib.suppress(OSError, ValueError):
+        with open("/proc/self/status", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    umask = os.umask(0o077)  # no /proc: the short window gets the strictest usual mask
+    os.umask(umask)
+    return umask
+
+
 def replace_text(path: str | os.PathLike, text: str) -> None:
     """Replaces `path` with `text` in one step: written to a temporary file beside it, fsynced,
     then renamed over it. Written in place, an interrupted write (or a power loss) left a file
@@ -85,9 +99,7 @@ def replace_text(path: str | os.PathLike, text: str) -> None:
     try:
         mode = stat.S_IMODE(os.stat(path).st_mode)
     except FileNotFoundError:
-        umask = os.umask(0)
-        os.umask(umask)
-        mode = 0o666 & ~umask
+        mode = 0o666 & ~current_umask()
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=folder)
     try:
         with os.fdopen(fd, "w") as f:
