@@ -651,17 +651,16 @@ class _Gone(threading.Event):
             call.cancel()
 
 
-def _unless_gone(call, gone: threading.Event):
+def _unless_gone(call, gone: _Gone):
     """`call`'s response (a unary gRPC future); grpc.FutureCancelledError when `gone` is set
     before it ends: the call is then cancelled, and the replica's handler cancels its work
     (and its time is not the replica's, in `timed`)."""
     done, wake = threading.Event(), threading.Event()
     call.add_done_callback(lambda _call: (done.set(), wake.set()))
-    if isinstance(gone, _Gone):
-        # Woken as the caller goes: polled alone, the cancel reached the replica up to
-        # GONE_POLL_S late, and a prefill ending meanwhile pinned its blocks for the whole
-        # TTL for a caller already gone.
-        gone.wake_on_set(wake)
+    # Woken as the caller goes: polled alone, the cancel reached the replica up to
+    # GONE_POLL_S late, and a prefill ending meanwhile pinned its blocks for the whole
+    # TTL for a caller already gone.
+    gone.wake_on_set(wake)
     while not (done.is_set() or gone.is_set()):
         wake.wait(GONE_POLL_S)
     if not done.is_set() and call.cancel():
@@ -683,7 +682,7 @@ class Warmer:
 
     def _prefill(self, replica, token_ids, cache_salt, ttl, index,
                  timeout: float = PREFILL_TIMEOUT_S,
-                 request_id: str = "", gone: threading.Event | None = None):
+                 request_id: str = "", gone: _Gone | None = None):
         """One Prefill on `replica`, pinned for `ttl` seconds (0: not pinned). With `gone` (the
         Warm caller cancelled or went away), a running prefill is cancelled once it is set:
         the replica stops computing and pins nothing more for nobody."""
@@ -731,14 +730,14 @@ class Warmer:
                 prompt_index=index, replica_id=replica.public_id, prompt_tokens=prompt,
                 cached_tokens=cached, computed_tokens=computed, error=f"{e.code().name}: {why}")
 
-    def _targets(self, tenant, token_ids, target, deadline: float, gone=None):
+    def _targets(self, tenant, token_ids, target, deadline: float, gone: _Gone | None = None):
         healthy = self.orch.replicas.healthy()
         if target == orchestrator_pb2.WARM_TARGET_OWNERS:
             # The caller's deadline bounds each owner lookup (and once it has passed, or the
             # caller is gone, the index is not asked): one lookup per prompt at the index's
             # whole timeout held a hung index's Warm far past its deadline.
             # A probe under way when the caller goes is cancelled (`_Gone`), not waited for.
-            holding = gone.holding if isinstance(gone, _Gone) else None
+            holding = gone.holding if gone is not None else None
             try:
                 owner = self.orch.owner(tenant, token_ids,
                                         time.monotonic() if gone is not None and gone.is_set()
@@ -751,7 +750,7 @@ class Warmer:
 
     def warm(self, tenant, request, time_remaining: float | None = None,
              charge: Callable[[int], None] | None = None,
-             gone: threading.Event | None = None,
+             gone: _Gone | None = None,
              afford: Callable[[int], int] | None = None) -> orchestrator_pb2.WarmResponse:
         """Prefill and pin the request's prompts (and/or the tenant's top_k hot prefixes) on
         their target replicas. `afford(n)` reserves the n prefills beyond the first from the
@@ -875,14 +874,14 @@ class Warmer:
             # model ids ("no healthy replica to warm" named none).
             raise errors.Unavailable(self.orch.replicas.misfits() or "no healthy replica to warm")
 
-    def _prefill_all(self, jobs: list, deadline: float, gone: threading.Event | None,
+    def _prefill_all(self, jobs: list, deadline: float, gone: _Gone | None,
                      reserved: int, charge: Callable[[int], None] | None) -> list:
         """Each job's prefill (`_run_windowed`), then the tenant charged for the work done."""
         # The pool's threads do not inherit the call's request id: bound there for the logs,
         # and handed to each Prefill.
         rid = request_id_var.get()
 
-        gone = gone or threading.Event()
+        gone = gone or _Gone()
 
         def prefill(job) -> orchestrator_pb2.WarmResult:
             if gone.is_set():  # nobody to tell: the replicas' work and pins would be wasted

@@ -931,7 +931,7 @@ def test_a_warm_whose_caller_went_away_sends_no_further_prefill_and_cancels_the_
     running still ran to their own timeout on the replicas, which went on computing and
     pinning: they are cancelled now."""
     stubs, gate, inflight, _, warmer = _gated_warmer()
-    gone = threading.Event()
+    gone = _Gone()
     out: list = []
     prompts = [orchestrator_pb2.WarmPrompt(prompt=f"x{i:02d}" + "." * 16) for i in range(4)]
     t = threading.Thread(target=lambda: out.append(warmer.warm(

@@ -25,6 +25,7 @@ from services.orchestrator.pipeline import OrchestratorStats
 from services.orchestrator.server import (
     MAX_SESSION_ID_CHARS,
     OrchestratorServicer,
+    _Gone,
     parse_policy,
     parse_sampling,
 )
@@ -731,7 +732,7 @@ def test_a_warm_whose_caller_goes_does_not_wait_for_a_pool_thread():
     warmer._pool = ThreadPoolExecutor(max_workers=1)
     busy, release = threading.Event(), threading.Event()
     warmer._pool.submit(lambda: busy.set() or release.wait(30))  # another call's prefill
-    gone = threading.Event()
+    gone = _Gone()
     out: list = []
     t = threading.Thread(target=lambda: out.append(warmer.warm(
         TENANT, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 16)]), gone=gone)))

@@ -65,7 +65,7 @@ from tiercache.v1 import kvpool_pb2, orchestrator_pb2, prefix_pb2
 from services.common import errors
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.render import PromptRenderer
-from services.orchestrator.server import Warmer
+from services.orchestrator.server import Warmer, _Gone
 from services.orchestrator.tenants import Tenant
 from tests.blank_text import blank
 from tests.metric_sample import sample_value
@@ -618,7 +618,7 @@ def _warm_step(world, warmer, rng, tenants, texts, seed, step, log, before) -> N
             raise errors.ResourceExhausted("rate limit: retry later")
         return k
 
-    ev = threading.Event()
+    ev = _Gone()
     if gone:
         ev.set()
     got_status = None
