@@ -612,7 +612,6 @@ class Orchestrator:
         # on another replica then continues the same draw (`seed_offset`), as a seeded one
         # does, instead of going on from a new random seed.
         seed = sampling.seed if greedy or sampling.seed else secrets.randbits(63) + 1
-        report = state.report
         want_draft = self.enable_drafts and not policy.skip_draft
         serves_sampled = policy.serve_sampled or self.serve_sampled
         may_store = not policy.skip_semantic_store and (greedy or policy.store_sampled
@@ -630,8 +629,7 @@ class Orchestrator:
             served, draft_ids = self._weigh_lookup(look, state, greedy, serves_sampled,
                                                    want_draft)
             if served is not None:
-                yield from self._serve_hit(look, served, sampling, report, return_token_ids,
-                                           request_id, t0)
+                yield from self._serve_hit(look, served, state)
                 return
 
         ids = prompt.token_ids
@@ -792,8 +790,8 @@ class Orchestrator:
             return common_pb2.FINISH_REASON_LENGTH
         return None
 
-    def _serve_hit(self, look, ids: list[int], sampling: Sampling, report, return_token_ids,
-                   request_id, t0):
+    def _serve_hit(self, look, ids: list[int], req: _Request):
+        sampling, report = req.sampling, req.report
         answer = look.entry.answer
         finish = common_pb2.FINISH_REASON_CACHED
         stop = set(sampling.stop_token_ids)
@@ -822,13 +820,13 @@ class Orchestrator:
         report.semantic_hit = True
         report.semantic_entry_id = look.entry.id
         report.route = "semantic"
-        report.ttft_ms = (time.monotonic() - t0) * 1000.0
-        yield TextDelta(answer, ids if return_token_ids else [])
+        report.ttft_ms = (time.monotonic() - req.t0) * 1000.0
+        yield TextDelta(answer, ids if req.return_token_ids else [])
         self._count("semantic_hit", 0, 0, 0, report.ttft_ms)
         with self.stats.lock:
             self.stats.semantic_tokens_saved += len(ids)
         TOKENS.labels("saved_semantic").inc(len(ids))
-        yield Finished(finish, 0, len(ids), report, request_id)
+        yield Finished(finish, 0, len(ids), report, req.request_id)
 
     def _larger_pool(self, blocks: int, exclude: set, need: int | None) -> bool:
         """Whether a healthy replica not tried yet has more KV blocks than `blocks` and, when
