@@ -316,6 +316,13 @@ class OrchestratorStats:
     degradations: Counter = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
+    def not_served(self, why: str) -> None:
+        """A semantic hit the model answered instead, by its reason (`_why_not_served`)."""
+        attr = f"semantic_hits_{why}"  # semantic_hits_too_short, ...
+        with self.lock:
+            setattr(self, attr, getattr(self, attr) + 1)
+        NOT_SERVED.labels(why).inc()
+
     def degrade(self, kind: str) -> None:
         with self.lock:
             self.degradations[kind] += 1
@@ -399,6 +406,31 @@ def answer_ids(tok, special_ids: frozenset[int], generated: list[int], answer: s
     if any(t in special_ids for t in body) or decode(tok, body, False) != answer:
         return []
     return list(generated)
+
+
+def _why_not_served(look: semantic_pb2.LookupResponse, cached_ids: list[int],
+                    sampling: Sampling, greedy: bool, serves_sampled: bool) -> str:
+    """Why the semantic tier's hit is not served ("" when it is, or there is none): the first
+    of too_short, ignore_eos, sampled. The model answers then, the hit as its draft."""
+    cut = look.entry.truncated_at if look.hit else 0
+    # The request's stop token inside a cut-short answer ends the answer there, as it
+    # ends the model's: the hit covers all the request wants (it went to the model,
+    # counted "too_short", the answer's own first tokens as its draft).
+    stop = set(sampling.stop_token_ids)
+    stops_inside = bool(cut) and any(t in stop for t in cached_ids[:cut])
+    if cut and cut < sampling.max_tokens and not stops_inside:
+        # A cut-short answer cannot stand for a longer one: the model answers, with
+        # the cached part as its draft.
+        return "too_short"
+    if look.hit and sampling.ignore_eos and not cut:
+        # The stored answer ended at the model's end of sequence (not cut short); a
+        # request told to go on past it gets the model (the answer as its draft).
+        return "ignore_eos"
+    if look.hit and not greedy and not serves_sampled:
+        # A sampled request wants the model's sample (a seed: the same one whatever
+        # the cache holds), not the one cached answer every time: the hit is its draft.
+        return "sampled"
+    return ""
 
 
 class Orchestrator:
@@ -705,33 +737,10 @@ class Orchestrator:
                         self._vocab)
             cached_ids = self.renderer.encode_literal(look.entry.answer)
             in_vocab = True  # the tokenizer's own ids
-        cut = look.entry.truncated_at if look.hit else 0
-        # The request's stop token inside a cut-short answer ends the answer there, as it
-        # ends the model's: the hit covers all the request wants (it went to the model,
-        # counted "too_short", the answer's own first tokens as its draft).
-        stop = set(sampling.stop_token_ids)
-        stops_inside = bool(cut) and any(t in stop for t in cached_ids[:cut])
-        if cut and cut < sampling.max_tokens and not stops_inside:
-            # A cut-short answer cannot stand for a longer one: the model answers, with
-            # the cached part as its draft.
-            with self.stats.lock:
-                self.stats.semantic_hits_too_short += 1
-            NOT_SERVED.labels("too_short").inc()
-            report.semantic_not_served = "too_short"
-        elif look.hit and sampling.ignore_eos and not cut:
-            # The stored answer ended at the model's end of sequence (not cut short); a
-            # request told to go on past it gets the model (the answer as its draft).
-            with self.stats.lock:
-                self.stats.semantic_hits_ignore_eos += 1
-            NOT_SERVED.labels("ignore_eos").inc()
-            report.semantic_not_served = "ignore_eos"
-        elif look.hit and not greedy and not serves_sampled:
-            # A sampled request wants the model's sample (a seed: the same one whatever
-            # the cache holds), not the one cached answer every time: the hit is its draft.
-            with self.stats.lock:
-                self.stats.semantic_hits_sampled += 1
-            NOT_SERVED.labels("sampled").inc()
-            report.semantic_not_served = "sampled"
+        why = _why_not_served(look, cached_ids, sampling, greedy, serves_sampled)
+        if why:
+            self.stats.not_served(why)
+            report.semantic_not_served = why
         elif look.hit:
             return cached_ids, []
         if look.HasField("entry") and want_draft:
