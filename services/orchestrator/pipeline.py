@@ -562,13 +562,14 @@ class Orchestrator:
         Match's call as it starts (to cancel it when the request's client goes away)."""
         hashes = self.hasher.hashes(token_ids, tenant.cache_salt)
         key = hashes[0].hex() if hashes else ""
+        ring = PrefixView({}, key, None, hashes)  # nothing from the index: ring routing
         if self.prefix is None or not hashes:
-            return PrefixView({}, key, None, hashes)
+            return ring
         timeout = None
         if deadline is not None:
             timeout = _within(self.prefix.timeout_s, deadline, _CACHE_SHARE)
             if timeout is None:
-                return PrefixView({}, key, None, hashes)  # no time left: ring routing
+                return ring  # no time left
         try:
             # Full blocks are hashed; the partial last block and the answer need one more.
             return PrefixView(self.prefix.match(hashes, self.model_id, timeout, probe=probe,
@@ -576,11 +577,11 @@ class Orchestrator:
                               key, len(hashes) + 1, hashes)
         except grpc.FutureCancelledError:
             # Cancelled with the request (its client went away): not the index's.
-            return PrefixView({}, key, None, hashes)
+            return ring
         except grpc.RpcError as e:
             if timeout is not None and cut_short(e, timeout, self.prefix.timeout_s):
                 # The request's deadline, not the index: ring routing, no degradation.
-                return PrefixView({}, key, None, hashes)
+                return ring
             # A timeout said as how long the index did not answer (gRPC's bare "Deadline
             # Exceeded" named no deadline), as its health line says it.
             said = health_error(e, timeout, self.prefix.timeout_s)
@@ -594,11 +595,11 @@ class Orchestrator:
                 # A Warm choosing owners (up to 64 prompts a call) is not a request served
                 # degraded: counting each probe swamped the per-request figure.
                 log.info("prefix index %s (a routing probe): %s", what, said)
-                return PrefixView({}, key, None, hashes)
+                return ring
             if _DEGRADED_LINES.allow(("prefix match", e.code().name)):
                 log.warning("prefix index %s, ring routing: %s", what, said)
             self.stats.degrade("index_refused" if refused else "index_down")
-            return PrefixView({}, key, None, hashes)
+            return ring
 
     def _with_dispatched(self, matches: dict[str, int], hashes: list[bytes]) -> dict[str, int]:
         """`matches` raised by what was sent to each replica moments ago (the caller holds
