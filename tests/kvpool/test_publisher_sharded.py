@@ -8,7 +8,7 @@ find the replica's holdings whichever shard owns the prompt.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from functools import partial
 
 import grpc
 import pytest
@@ -21,13 +21,9 @@ from services.kvpool.publisher import Publisher
 from services.prefix.config import PrefixConfig
 from services.prefix.server import PrefixServicer, build_index
 from tests.kvpool.conftest import TINY_ID, TINY_VOCAB, generate
+from tests.waits import wait_until
 
-
-def wait_for(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.05)
+wait_for = partial(wait_until, timeout=15.0, every=0.05)  # a test may pass its own timeout
 
 
 def start_shard(port: int = 0, lease_seconds: float = 1.0):

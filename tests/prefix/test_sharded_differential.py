@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -38,6 +36,7 @@ from services.common.hashing import BlockHasher
 from services.common.prefix_client import PrefixIndexClient, PrefixIndexError
 from services.prefix.config import PrefixConfig
 from services.prefix.server import PrefixServicer, build_index
+from tests.waits import wait_until
 
 BS = 4
 MODELS = ("m", "n")
@@ -53,13 +52,6 @@ def start_index(port: int = 0):
                                  PrefixServicer(index), "tiercache.v1.PrefixIndex")])
     h.set_serving()
     return index, h
-
-
-def poll(cond: Callable[[], bool], timeout: float = 15.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "condition not reached in time"
-        time.sleep(0.02)
 
 
 _HASHERS: dict[str, BlockHasher] = {}
@@ -280,7 +272,7 @@ class Run:
                 return False
             return not got[a].known  # forgot everyone
 
-        poll(answers)
+        wait_until(answers, 15.0)
         self.unsynced[a] = {r.rid for r in self.replicas}
         self.no_loads = a
         order = list(self.replicas)
