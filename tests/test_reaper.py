@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import grpc
 import pytest
@@ -20,16 +21,13 @@ from services.orchestrator.pipeline import TextDelta
 from services.orchestrator.server import OrchestratorServicer
 from services.orchestrator.tenants import TenantRegistry
 from tests.orchestrator.test_stream_cap import Renderer, request
+from tests.waits import wait_until
 
 # Any HTTP/2 client may offer a window this small: the server's sends then wait on it.
 SMALL_WINDOW = [("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
 
 
-def _wait_for(cond, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.05)
+_wait_for = partial(wait_until, timeout=10.0, what="timed out", every=0.05)
 
 
 def test_a_stream_stuck_sending_is_ended_at_its_deadline_with_the_reason():

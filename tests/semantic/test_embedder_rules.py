@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 
 import numpy as np
 import pytest
@@ -13,6 +14,7 @@ import pytest
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from services.semantic.embedder import BatchingEmbedder
 from tests.semantic.test_embedder import _SlowInner
+from tests.waits import wait_until
 
 
 def test_the_window_is_max_seq_length_tokens_and_a_text_past_it_says_so(onnx_embedder):
@@ -104,13 +106,9 @@ def _queue_behind_a_running_batch(b: BatchingEmbedder, inner: _Recording, texts:
     return out, threads
 
 
-def _until(cond, timeout: float = 30.0) -> None:
-    """Waits until `cond()` (polled): sleeps of a fixed length let a late thread of a busy
-    host join the wrong batch."""
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, "timed out"
-        time.sleep(0.005)
+# Waits until `cond()` (polled): sleeps of a fixed length let a late thread of a busy host join
+# the wrong batch.
+_until = partial(wait_until, timeout=30.0, what="timed out", every=0.005)
 
 
 def test_a_batch_never_holds_more_than_max_batch_texts():
