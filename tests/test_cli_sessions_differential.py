@@ -66,6 +66,7 @@ from tiercache.v1 import common_pb2, orchestrator_pb2, orchestrator_pb2_grpc
 
 from clients.python import cli
 from tests.fake_orchestrator import clear_client_env, serving
+from tests.waits import wait_until
 
 SEEDS = int(os.environ.get("CLI_SESSIONS_DIFFERENTIAL_SEEDS", "40"))
 SC = grpc.StatusCode
@@ -388,13 +389,6 @@ def damage(rng: random.Random, home: Home) -> None:
     home.private.discard(name)
 
 
-def wait_for(cond, what: str, limit: float = 10) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.002)
-
-
 def overlap(rng, srv: Scripted, address: str, buffers: dict, home: Home, key: str) -> None:
     """Two invocations at once: the first held by the server until the second has either
     waited for it (same session) or ended (another session)."""
@@ -414,13 +408,13 @@ def overlap(rng, srv: Scripted, address: str, buffers: dict, home: Home, key: st
     if stops:  # its file is unreadable: it ends before sending
         ta.join(10)
     else:
-        wait_for(lambda: first.key in srv.seen, "the first turn reached the server")
+        wait_until(lambda: first.key in srv.seen, 10, "the first turn reached the server", 0.002)
     tb = threading.Thread(target=run, args=(buffers, second.argv, res_b, buf_b))
     tb.start()
     same = bool(first.session) and first.session == second.session and not stops
     if same:
-        wait_for(lambda: any("waiting for another turn" in s for s in buf_b[1]),
-                 "the second turn waits")
+        wait_until(lambda: any("waiting for another turn" in s for s in buf_b[1]), 10,
+                   "the second turn waits", 0.002)
         time.sleep(0.01)
         assert second.key not in srv.seen
     else:

@@ -56,8 +56,8 @@ from __future__ import annotations
 import random
 import sys
 import threading
-import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import grpc
 import pytest
@@ -65,6 +65,7 @@ from tiercache.v1 import kvpool_pb2, semantic_pb2
 
 from services.orchestrator import backends
 from services.orchestrator.backends import ReplicaSet, SemanticBackend
+from tests import waits
 from tests.clock import Clock
 from tests.metric_sample import sample_value
 
@@ -84,12 +85,7 @@ class Err(grpc.RpcError):
         return self._details
 
 
-def wait_until(cond, what: str) -> None:
-    end = time.monotonic() + WAIT_S
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.0002)
+wait_until = partial(waits.wait_until, timeout=WAIT_S, every=0.0002)
 
 
 class Held:
@@ -602,9 +598,11 @@ class ReplicaHarness:
         t.start()
         t.join(WAIT_S)
         assert not t.is_alive(), "poll_once did not return"
-        wait_until(lambda: all(k in self.held for k in asked), "the replicas asked")
+        wait_until(lambda: all(k in self.held for k in asked),
+                   what="timed out waiting for the replicas asked")
         for k in prompt:
-            wait_until(lambda k=k: k not in self.rs._pending, f"replica {k}'s answer applied")
+            wait_until(lambda k=k: k not in self.rs._pending,
+                       what=f"timed out waiting for replica {k}'s answer applied")
             del self.held[k]
         assert sorted(self.applied) == sorted(prompt), (self.applied, prompt)
         for k in self.applied:
@@ -617,7 +615,8 @@ class ReplicaHarness:
         self.log.append(f"release {k}: {kind} {str(value).replace(chr(10), ' ')}")
         held = self.held.pop(k)
         held.end(kind, value)
-        wait_until(lambda: k not in self.rs._pending, f"replica {k}'s late answer applied")
+        wait_until(lambda: k not in self.rs._pending,
+                   what=f"timed out waiting for replica {k}'s late answer applied")
         self.model_apply(k, kind, value)
 
     def step(self) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from functools import partial
 from types import SimpleNamespace
 
 import grpc
@@ -18,6 +19,7 @@ from tiercache.v1 import kvpool_pb2, prefix_pb2, semantic_pb2
 from services.common import errors
 from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
 from services.orchestrator.render import RenderedPrompt
+from tests import waits
 from tests.orchestrator.test_pipeline_paths import (
     PROMPT,
     TENANT,
@@ -31,12 +33,7 @@ from tests.orchestrator.test_pipeline_paths import (
 )
 from tests.orchestrator.test_request_path import backend_with
 
-
-def wait_until(pred, what: str, timeout: float = 10.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, what
-        time.sleep(0.005)
+wait_until = partial(waits.wait_until, timeout=10.0, every=0.005)
 
 
 def start(orch, on_cancel=lambda fn: None, max_tokens: int = 16):
@@ -61,7 +58,7 @@ def test_the_replica_is_released_when_its_stream_ends_not_when_the_client_has_re
     a = orch.replicas.replicas[0]
     events = start(orch)
     first = next(events)  # the client has read one message and reads no more for now
-    wait_until(lambda: a.inflight == 0, "the replica's load stayed while the client slept")
+    wait_until(lambda: a.inflight == 0, what="the replica's load stayed while the client slept")
     rest = list(events)
     got = [first, *rest]
     assert "".join(e.text for e in got if isinstance(e, TextDelta)) == "abcok"
@@ -86,7 +83,7 @@ def test_a_resume_sends_every_token_read_ahead_of_the_client():
     events = start(orch, max_tokens=6)
     assert next(events).text == "ab"
     # A's stream has ended (lost) with "cd" read ahead of the client: A is released at once.
-    wait_until(lambda: a.inflight == 0, "the lost replica's load stayed")
+    wait_until(lambda: a.inflight == 0, what="the lost replica's load stayed")
     got = list(events)
     assert "".join(e.text for e in got if isinstance(e, TextDelta)) == "cdok"
     resumed = b_stub.requests[0]
@@ -117,7 +114,7 @@ def test_the_answer_is_stored_as_the_replica_finishes_not_when_the_client_has_re
     orch = make({"A": stub}, semantic=sem)
     events = start(orch)
     assert next(events).text == "a"  # ...and the client reads no more for now
-    wait_until(lambda: stored, "the answer was not stored while the client slept")
+    wait_until(lambda: stored, what="the answer was not stored while the client slept")
     req = stored[0]
     assert req.answer == "abok" and list(req.answer_token_ids) == list(b"abok")
     got = list(events)
@@ -145,7 +142,7 @@ def test_an_answer_whose_stream_broke_after_its_final_message_is_stored_as_it_en
     orch = make({"A": stub}, semantic=sem)
     events = start(orch)
     assert next(events).text == "a"
-    wait_until(lambda: stored, "the answer was not stored while the client slept")
+    wait_until(lambda: stored, what="the answer was not stored while the client slept")
     got = list(events)
     assert [r.answer for r in stored] == ["aok"]
     assert isinstance(got[-1], Finished) and got[-1].report.semantic_entry_id == "e1"
@@ -162,7 +159,8 @@ def test_a_replica_lost_mid_answer_is_resumed_while_the_client_is_still_reading(
     orch.routing = in_order("A", "B")
     events = start(orch, max_tokens=8)
     assert next(events).text == "ab"  # ...and the client reads no more for now
-    wait_until(lambda: stored, "the answer was not resumed and finished while the client slept")
+    wait_until(lambda: stored,
+               what="the answer was not resumed and finished while the client slept")
     resumed = b_stub.requests[0]
     assert list(resumed.token_ids) == PROMPT + list(b"abcd")
     assert resumed.sampling.max_tokens == 4 and resumed.seed_offset == 4
@@ -377,7 +375,7 @@ def test_what_was_read_ahead_is_not_handed_out_past_the_requests_deadline():
     closed = []
     ahead = _ReadAhead(iter([1, 2, 3]), 8, "t", time.monotonic() + 0.3,
                        lambda: closed.append(1))
-    wait_until(lambda: ahead._ended, "the source was not read ahead")
+    wait_until(lambda: ahead._ended, what="the source was not read ahead")
     assert next(ahead) == 1
     time.sleep(0.35)
     with pytest.raises(errors.DeadlineExceeded):
@@ -402,7 +400,7 @@ def test_a_read_ahead_closed_early_stops_its_source_on_its_own_thread():
 
     ahead = _ReadAhead(source(), 4, "t", None, lambda: None)
     assert next(ahead) == 0
-    wait_until(lambda: len(gave) >= 5, "the source was not read ahead")
+    wait_until(lambda: len(gave) >= 5, what="the source was not read ahead")
     time.sleep(0.05)
     assert len(gave) <= 6  # the buffer's limit holds it back (4 buffered, 1 waiting)
     ahead.close()
@@ -456,7 +454,7 @@ def test_a_client_gone_before_the_end_of_its_answer_is_not_counted_as_served():
     orch = make({"A": stub}, semantic=sem)
     events = start(orch)
     assert next(events).text == "a"
-    wait_until(lambda: stored and not readers(), "the replica side did not finish")
+    wait_until(lambda: stored and not readers(), what="the replica side did not finish")
     assert sum(orch.stats.requests.values()) == 0
     events.close()  # the client went away without reading the rest
     assert sum(orch.stats.requests.values()) == 0

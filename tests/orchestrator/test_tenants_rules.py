@@ -32,10 +32,11 @@ def test_the_tokens_file_versions_are_named_in_the_reload_lines(tmp_path, caplog
     import json
     import logging
     import threading
-    import time
+    from functools import partial
 
     from services.orchestrator.tenants import watch_tokens_file
     from tests.metric_sample import sample_value
+    from tests.waits import wait_until
 
     f = tmp_path / "tokens.json"
     first = json.dumps({"tok-a": {"tenant": "a"}})
@@ -48,11 +49,7 @@ def test_the_tokens_file_versions_are_named_in_the_reload_lines(tmp_path, caplog
     def tag(text: str) -> str:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
 
-    def until(cond) -> None:
-        end = time.monotonic() + 5
-        while not cond():
-            assert time.monotonic() < end, caplog.text
-            time.sleep(0.01)
+    until = partial(wait_until, timeout=5, what=lambda: caplog.text, every=0.01)
 
     stop = threading.Event()
     with caplog.at_level(logging.INFO, logger="services.orchestrator.tenants"):
