@@ -12,6 +12,7 @@ from tiercache.v1 import common_pb2, prefix_pb2, prefix_pb2_grpc
 from services.common.bootstrap import create_server
 from services.kvpool.publisher import Publisher
 from tests.kvpool.conftest import StatsEngine, generate
+from tests.waits import wait_until
 
 
 class FakeIndex(prefix_pb2_grpc.PrefixIndexServicer):
@@ -69,10 +70,7 @@ class FakeIndex(prefix_pb2_grpc.PrefixIndexServicer):
 def wait_for(cond: Callable[[], bool], timeout: float = 10.0,
              state: Callable[[], object] = lambda: "") -> None:
     """Poll `cond`; on timeout, fail with `state()` (what the thing waited on was doing)."""
-    end = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < end, f"condition not reached in {timeout:.0f} s {state()}"
-        time.sleep(0.02)
+    wait_until(cond, timeout, lambda: f"condition not reached in {timeout:.0f} s {state()}")
 
 
 def publisher_state(pub: Publisher) -> str:
