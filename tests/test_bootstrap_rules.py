@@ -24,6 +24,7 @@ from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.launcher import free_port
 from tests import test_bootstrap as tb
 from tests.test_bootstrap_differential import watch_health
+from tests.waits import holds_within
 
 server, small_server = tb.server, tb.small_server  # the fixtures of test_bootstrap
 
@@ -316,7 +317,7 @@ def test_a_stream_whose_client_left_logs_one_line_under_its_request_id():
     logger.setLevel(logging.INFO)
     try:
         # The line is written after the close.
-        _talk_cancelled("gone-8", lambda: None, after=lambda: _poll(lambda: seen, timeout=5))
+        _talk_cancelled("gone-8", lambda: None, after=lambda: holds_within(lambda: seen, timeout=5))
     finally:
         logger.removeHandler(keep)
         logger.setLevel(old)
@@ -389,12 +390,6 @@ def test_the_metrics_port_answers_its_paths_and_refuses_others():
         h.stop(0)
 
 
-def _poll(until, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not until() and time.monotonic() < deadline:
-        time.sleep(0.02)
-
-
 def test_a_call_that_ended_under_its_handler_is_counted_as_its_client_saw_it():
     """A handler that returns (or raises a domain error) after its client's deadline passed,
     or after the server's stop cut its call, was counted OK (or under the error's code) while
@@ -434,7 +429,7 @@ def test_a_call_that_ended_under_its_handler_is_counted_as_its_client_saw_it():
                     list(call(request, timeout=0.2)) if method == "Stream" else \
                         call(request, timeout=0.2)
                 assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            _poll(lambda: sum(got().values()) == 3)
+            holds_within(lambda: sum(got().values()) == 3)
             assert got() == {("Unary", "DEADLINE_EXCEEDED"): 2, ("Stream", "DEADLINE_EXCEEDED"): 1}
             seen: list = []
 
@@ -450,7 +445,7 @@ def test_a_call_that_ended_under_its_handler_is_counted_as_its_client_saw_it():
             h.stop(0.2)
             t.join(10)
             assert seen == [grpc.StatusCode.UNAVAILABLE]
-            _poll(lambda: sum(got().values()) == 4)
+            holds_within(lambda: sum(got().values()) == 4)
     finally:
         h.stop(0)
     assert got() == {("Unary", "DEADLINE_EXCEEDED"): 2, ("Stream", "DEADLINE_EXCEEDED"): 1,
@@ -584,7 +579,7 @@ def test_a_reaped_reflection_stream_is_counted_as_its_client_saw_it(monkeypatch)
     finally:
         h.stop(5)
     assert got == [grpc.StatusCode.DEADLINE_EXCEEDED] * 12
-    _poll(lambda: _rpc_count("reaped", method, "DEADLINE_EXCEEDED") - before[
+    holds_within(lambda: _rpc_count("reaped", method, "DEADLINE_EXCEEDED") - before[
         "DEADLINE_EXCEEDED"] >= 12)
     assert {c: _rpc_count("reaped", method, c) - before[c] for c in codes} == {
         "OK": 0, "DEADLINE_EXCEEDED": 12}
@@ -696,8 +691,9 @@ def test_a_response_over_the_send_limit_is_refused_and_counted_as_its_client_saw
                         got[method, size] = ("OK", [len(m) for m in call(b"%d" % size)])
                     except grpc.RpcError as e:
                         got[method, size] = (e.code().name, e.details())
-            _poll(lambda: all(sum(_rpc_count("too-large", m, c) - before[m, c] for c in codes)
-                              == 2 for m in kinds))
+            holds_within(lambda: all(
+                sum(_rpc_count("too-large", m, c) - before[m, c] for c in codes) == 2
+                for m in kinds))
     finally:
         h.stop(5)
     refused = ("RESOURCE_EXHAUSTED", f"SERVER: Sent message larger than max ({limit + 1} vs. "
@@ -761,7 +757,7 @@ def test_a_stream_of_requests_cut_after_its_handler_finished_is_not_counted_ok(m
                 call.cancel()
                 assert cut_seen.wait(5)
                 seen.append(call.code())
-            _poll(lambda: sum(_rpc_count("cut-late", *k) - before[k] for k in before) == 2)
+            holds_within(lambda: sum(_rpc_count("cut-late", *k) - before[k] for k in before) == 2)
     finally:
         h.stop(5)
     assert seen == [grpc.StatusCode.CANCELLED] * 2
@@ -792,8 +788,8 @@ def test_a_client_stream_cut_by_a_request_over_the_limit_is_never_counted_ok():
                     ch.stream_unary("/x.Kinds/Gather")(iter([b"a", b"g" * (limit + 1)]),
                                                        timeout=5)
                 seen.append((e.value.code(), e.value.details()))
-            _poll(lambda: sum(_rpc_count("cut-big", "Gather", c) - before[c]
-                              for c in codes) == calls)
+            holds_within(lambda: sum(_rpc_count("cut-big", "Gather", c) - before[c]
+                                     for c in codes) == calls)
     finally:
         h.stop(5)
     assert seen == [(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -830,7 +826,7 @@ def test_health_watches_are_counted_and_timed_as_their_clients_saw_them():
             open_ = [watch(ch) for _ in range(2)]
             if grace:  # a cancelled one, one past its deadline, one refused
                 cancelled = watch(ch)
-                _poll(lambda c=cancelled: c[2] == [serving])
+                holds_within(lambda c=cancelled: c[2] == [serving])
                 cancelled[0].cancel()
                 late = watch(ch, timeout=0.3)
                 refused = watch(ch, name="n" * (MAX_HEALTH_NAME + 1))
@@ -838,13 +834,13 @@ def test_health_watches_are_counted_and_timed_as_their_clients_saw_them():
                     t.join(5)
                 assert [cancelled[2][-1], late[2][-1], refused[2]] == [
                     "CANCELLED", "DEADLINE_EXCEEDED", ["INVALID_ARGUMENT"]]
-            _poll(lambda o=open_: all(seen for _c, _t, seen in o))
+            holds_within(lambda o=open_: all(seen for _c, _t, seen in o))
             h.stop(grace)
             for _call, t, seen in open_:
                 t.join(5)
                 ends.append(seen)
     assert ends == [[serving, ns, "ended"]] * 10
-    _poll(lambda: sum(counted().values()) == 13)
+    holds_within(lambda: sum(counted().values()) == 13)
     assert counted() == {"OK": 10, "CANCELLED": 1, "DEADLINE_EXCEEDED": 1,
                          "INVALID_ARGUMENT": 1}
     assert _timed("watched", "Watch") - timed == 13
@@ -917,7 +913,7 @@ def test_a_handler_giving_up_on_a_cancelled_caller_is_logged_as_counted(caplog):
 
             # The line is written after the count: once it is there, so is the count (a sleep
             # after the count raced the line).
-            _poll(lines, timeout=10)
+            holds_within(lines, timeout=10)
             assert lines() == ["Unary ended CANCELLED: the caller is gone; not embedded"]
             assert count("CANCELLED") - before["CANCELLED"] == 1
             assert count("DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"]

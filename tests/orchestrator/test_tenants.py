@@ -6,6 +6,7 @@ import pytest
 
 from services.common.errors import ResourceExhausted, Unauthenticated
 from services.orchestrator.tenants import TenantRegistry
+from tests.waits import holds_within
 
 KEY = b"k"
 
@@ -26,14 +27,6 @@ def limited(r: TenantRegistry):
     t = dataclasses.replace(r.by_token[next(iter(r.by_token))], rate_per_s=1.0, burst=3)
     r._current[t.name] = t  # the limits in force, as a reload of the tokens file sets them
     return t, clock
-
-
-def until(cond, timeout: float = 5.0) -> bool:
-    """Waits up to `timeout` for `cond()` (a watcher's reload); its last value."""
-    t0 = time.monotonic()
-    while not cond() and time.monotonic() - t0 < timeout:
-        time.sleep(0.02)
-    return cond()
 
 
 def tenant_of(r: TenantRegistry, token: str) -> str | None:
@@ -281,16 +274,16 @@ def test_a_changed_tokens_file_is_read_again_and_a_bad_one_leaves_the_old_tokens
         watch_tokens_file(r, lambda: reg(tokens_file=str(f)), str(f), 0.02, stop)
         time.sleep(0.1)  # the watcher has read the first version
         f.write_text(json.dumps({"tok-a": {"tenant": "a"}, "tok-c": {"tenant": "c"}}))
-        assert until(lambda: refused("tok-b"))  # removed: refused
+        assert holds_within(lambda: refused("tok-b"))  # removed: refused
         assert r.authenticate({"authorization": "Bearer tok-c"}).name == "c"  # added
         assert r._active["a"] == 1  # the request under way is still counted
         f.write_text("{not json")  # a bad version: said, the tokens in force stay
-        assert until(lambda: "was not taken" in caplog.text)
+        assert holds_within(lambda: "was not taken" in caplog.text)
         f.write_text("{}")  # emptied: never "no tokens, no authentication"
-        assert until(lambda: caplog.text.count("was not taken") >= 2)
+        assert holds_within(lambda: caplog.text.count("was not taken") >= 2)
         assert not refused("tok-a") and not refused("tok-c") and refused("tok-b")
         f.unlink()
-        assert until(lambda: "is gone" in caplog.text)
+        assert holds_within(lambda: "is gone" in caplog.text)
         assert not refused("tok-a")
     stop.set()
     r.release(a)
@@ -317,7 +310,7 @@ def test_a_passing_read_error_is_retried_not_taken_as_the_version_seen(tmp_path)
     watch_tokens_file(r, build, str(f), 0.02, stop)
     time.sleep(0.1)
     f.write_text(json.dumps({"tok-b": {"tenant": "b"}}))
-    until(lambda: tenant_of(r, "tok-b") is not None)
+    holds_within(lambda: tenant_of(r, "tok-b") is not None)
     stop.set()
     assert not failures
     assert r.authenticate({"authorization": "Bearer tok-b"}).name == "b"
@@ -341,12 +334,12 @@ def test_the_watcher_survives_any_bad_version_and_misses_no_change_after_its_rea
     stop = threading.Event()
     t = watch_tokens_file(r, lambda: reg(tokens_file=str(f)), str(f), 0.02, stop, seen=version)
 
-    assert until(lambda: tenant_of(r, "tok-b") == "b")
+    assert holds_within(lambda: tenant_of(r, "tok-b") == "b")
     f.write_text("[" * 200_000)
     time.sleep(0.2)
     assert t.is_alive()
     f.write_text(json.dumps({"tok-c": {"tenant": "c"}}))
-    assert until(lambda: tenant_of(r, "tok-c") == "c")
+    assert holds_within(lambda: tenant_of(r, "tok-c") == "c")
     with pytest.raises(Unauthenticated):
         r.authenticate({"authorization": "Bearer tok-b"})
     stop.set()
@@ -405,7 +398,7 @@ def test_the_watcher_follows_a_tokens_file_under_the_home_folder(tmp_path, monke
     try:
         time.sleep(0.1)  # the watcher has read the first version
         f.write_text(json.dumps({"tok-b": {"tenant": "b"}}))  # tok-a removed
-        until(lambda: tenant_of(r, "tok-a") is None)
+        holds_within(lambda: tenant_of(r, "tok-a") is None)
         with pytest.raises(Unauthenticated):
             r.authenticate({"authorization": "Bearer tok-a"})
         assert r.authenticate({"authorization": "Bearer tok-b"}).name == "b"
