@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from services.launcher import ServiceProcess
+from tests import waits
 from tests.e2e.conftest import start, start_all
 from tests.index_sync import wait_index_matches_pools
 
@@ -134,13 +134,7 @@ def replica_stats(stack: FullStack, metadata: list | None = None) -> list:
 
 def wait_until(pred, timeout: float, what: str, every: float = 0.1):
     """`pred()`'s first truthy value, asked every `every` s; fails after `timeout` s."""
-    end = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        assert time.monotonic() < end, f"not within {timeout} s: {what}"
-        time.sleep(every)
+    return waits.wait_until(pred, timeout, f"not within {timeout} s: {what}", every)
 
 
 def wait_index_caught_up(stack: FullStack, timeout: float = 30.0,
