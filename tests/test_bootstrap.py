@@ -13,6 +13,7 @@ from tiercache.v1 import orchestrator_pb2, prefix_pb2, prefix_pb2_grpc
 from services.common import errors
 from services.common.bootstrap import create_server
 from services.common.wire import find_invalid_utf8
+from tests.waits import holds_within
 
 
 class Index(prefix_pb2_grpc.PrefixIndexServicer):
@@ -237,9 +238,7 @@ def test_watches_cancelled_at_once_neither_freeze_the_server_nor_stay_behind(sma
     assert hs.Check(health_pb2.HealthCheckRequest(), timeout=3).status == \
         health_pb2.HealthCheckResponse.SERVING
     table = small_server.health._send_response_callbacks
-    deadline = time.monotonic() + 5
-    while sum(map(len, table.values())) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    holds_within(lambda: not sum(map(len, table.values())), 5, 0.05)
     assert sum(map(len, table.values())) == 0
 
 
@@ -447,9 +446,7 @@ def test_a_reflection_stream_over_the_cap_waits_a_moment_for_a_slot(small_server
     late = threading.Thread(target=lambda: got.extend(
         rs.ServerReflectionInfo(iter([ask]), timeout=60)))
     late.start()
-    deadline = time.monotonic() + 20
-    while not waiting and time.monotonic() < deadline:  # until the server has it waiting
-        time.sleep(0.01)
+    holds_within(lambda: waiting, 20, 0.01)  # until the server has it waiting
     assert waiting, "the late stream never waited"
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:  # the peer waits already: refused at once
@@ -483,14 +480,10 @@ def test_a_stream_waiting_for_a_slot_lets_go_when_its_client_cancels(small_serve
     waiting = small_server._interceptor._open_waiting
     try:
         late = rs.ServerReflectionInfo(iter(queue.Queue().get, None), timeout=60)
-        deadline = time.monotonic() + 20
-        while not waiting and time.monotonic() < deadline:  # until the server has it waiting
-            time.sleep(0.01)
+        holds_within(lambda: waiting, 20, 0.01)  # until the server has it waiting
         assert waiting, "the late stream never waited"
         late.cancel()
-        deadline = time.monotonic() + 10
-        while waiting and time.monotonic() < deadline:
-            time.sleep(0.01)
+        holds_within(lambda: not waiting, 10, 0.01)
         assert not waiting, "a cancelled stream kept waiting for a slot"
     finally:
         for q, it in held:
@@ -519,9 +512,7 @@ def test_reflection_streams_are_counted_and_timed_however_they_end(small_server)
     ask = reflection_pb2.ServerReflectionRequest(list_services="")
     got = list(rs.ServerReflectionInfo(iter([ask]), timeout=5))
     assert got and got[0].list_services_response.service
-    deadline = time.monotonic() + 5
-    while ok() < before_ok + 1 and time.monotonic() < deadline:  # the handler ends after
-        time.sleep(0.05)
+    holds_within(lambda: ok() >= before_ok + 1, 5, 0.05)  # the handler ends after
     assert ok() == before_ok + 1 and timed() == before_timed + 1
 
 

@@ -68,6 +68,7 @@ from grpc_health.v1 import health_pb2
 from services.common import bootstrap, errors
 from services.common.bootstrap import create_server
 from tests.test_bootstrap_differential import _add, _counts, _timed, watch_health
+from tests.waits import holds_within
 
 SEEDS = int(os.environ.get("BOOTSTRAP_CALLS_DIFFERENTIAL_SEEDS", "3"))
 FIRST = int(os.environ.get("BOOTSTRAP_CALLS_DIFFERENTIAL_FIRST_SEED", "0"))
@@ -463,9 +464,7 @@ class Run:
         late = self.rng.random() < 0.4
         stream, t, seen = watch_health(self.ch, timeout=0.2 if late else 5)
         if not late:
-            end = time.monotonic() + 5
-            while not seen and time.monotonic() < end:
-                time.sleep(0.003)
+            holds_within(lambda: seen, 5, 0.003)
             stream.cancel()
         t.join(5)
         want = "DEADLINE_EXCEEDED" if late else "CANCELLED"

@@ -81,6 +81,7 @@ from services.common.bootstrap import create_server
 from services.common.logs import request_id_var
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.common.reaper import StreamReaper
+from tests.waits import holds_within
 
 SEEDS = int(os.environ.get("BOOTSTRAP_DIFFERENTIAL_SEEDS", "3"))
 FIRST = int(os.environ.get("BOOTSTRAP_DIFFERENTIAL_FIRST_SEED", "0"))
@@ -143,9 +144,7 @@ class Servicer:
         if act == "abort":
             context.abort(grpc.StatusCode[s["code"]], s["details"])
         if act == "hold":  # until the client cancels (or the stop cuts it)
-            end = time.monotonic() + 5
-            while context.is_active() and time.monotonic() < end:
-                time.sleep(0.005)
+            holds_within(lambda: not context.is_active(), 5, 0.005)
         self.note(s["id"])
         return b"b" * s["size"] if act == "big" else b"done"
 
@@ -532,9 +531,7 @@ class Run:
             model.count("Check", code)
         elif op == "watch":  # the status now, then its client cancels it
             stream, t, seen = watch_health(self.ch)
-            end = time.monotonic() + 5
-            while not seen and time.monotonic() < end:
-                time.sleep(0.005)
+            holds_within(lambda: seen, 5, 0.005)
             assert seen[:1] == [OK if model.serving else NS], self.where(f"Watch {seen}")
             stream.cancel()
             t.join(5)
@@ -744,9 +741,7 @@ def run_reaper_seed(seed: int) -> None:
         if rng.random() < 0.2:
             reaper.disarm(rng.randrange(10**6, 10**7))  # never armed: harmless
     kept = [c for c in calls if c[2]]
-    end = time.monotonic() + 5
-    while any(not c[0].ended for c in kept) and time.monotonic() < end:
-        time.sleep(0.01)
+    holds_within(lambda: not any(not c[0].ended for c in kept), 5, 0.01)
     time.sleep(0.05)
     for ctx, when, keep, name in calls:
         if keep:

@@ -887,9 +887,7 @@ def test_a_handler_giving_up_on_a_cancelled_caller_is_logged_as_counted(caplog):
 
     def unary(_req, context):
         entered.set()
-        deadline = time.monotonic() + 10
-        while context.is_active() and time.monotonic() < deadline:
-            time.sleep(0.01)
+        holds_within(lambda: not context.is_active(), 10, 0.01)
         gone.set()
         raise errors.DeadlineExceeded("the caller is gone; not embedded")
 

@@ -30,6 +30,7 @@ from clients.python.client import (
 )
 from tests.fake_orchestrator import serving
 from tests.test_client_library import Scripted as LibraryScripted
+from tests.waits import holds_within
 
 
 class Scripted(LibraryScripted):
@@ -47,17 +48,13 @@ class Scripted(LibraryScripted):
             return
         self._seen("Generate", request, context)
         yield orchestrator_pb2.GenerateResponse(text="Partial ")
-        deadline = time.monotonic() + 20
-        while context.is_active() and time.monotonic() < deadline:
-            time.sleep(0.005)
+        holds_within(lambda: not context.is_active(), 20, 0.005)
 
     def Stats(self, request, context):  # noqa: N802
         self._seen("Stats", request, context)
         context.add_callback(lambda: self.ended.append("Stats"))
         if dict(context.invocation_metadata()).get("x-request-id") == "hang":
-            deadline = time.monotonic() + 20
-            while context.is_active() and time.monotonic() < deadline:
-                time.sleep(0.005)
+            holds_within(lambda: not context.is_active(), 20, 0.005)
         return orchestrator_pb2.StatsResponse(requests_total=7)
 
 

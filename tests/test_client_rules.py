@@ -3,12 +3,11 @@ TypeError naming it, before anything is sent."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 import pytest
 
 from clients.python.client import TierCacheClient
+from tests.waits import holds_within
 
 
 @pytest.mark.parametrize(("messages", "said"), [
@@ -189,9 +188,7 @@ def test_a_stream_is_cancelled_from_another_thread_while_its_reader_waits():
 
         t = threading.Thread(target=read)
         t.start()
-        deadline = time.monotonic() + 10  # bounded: a reader that died fails, not hangs
-        while not calls and time.monotonic() < deadline:
-            time.sleep(0.01)
+        holds_within(lambda: calls, 10, 0.01)  # bounded: a reader that died fails, not hangs
         assert calls and calls[0].waiting.wait(10)
         s.cancel()
         t.join(10)

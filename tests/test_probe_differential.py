@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2
 from services.common import probe
 from services.common.bootstrap import create_server
 from services.launcher import free_port
+from tests.waits import holds_within
 
 SEEDS = int(os.environ.get("PROBE_DIFFERENTIAL_SEEDS", "6"))
 TLS_VARS = ("TIERCACHE_TLS_CA", "TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY",
@@ -63,9 +64,7 @@ class ScriptedHealth:
         if kind == "abort":
             context.abort(arg, f"scripted {arg.name} \u00e9")
         if kind == "sleep":
-            end = time.monotonic() + arg
-            while time.monotonic() < end and context.is_active():
-                time.sleep(0.01)
+            holds_within(lambda: not context.is_active(), arg, 0.01)
         if kind == "status":
             return health_pb2.HealthCheckResponse(status=arg)
         return health_pb2.HealthCheckResponse(status=1)

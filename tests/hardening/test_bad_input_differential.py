@@ -70,7 +70,6 @@ import re
 import sqlite3
 import struct
 import threading
-import time
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -92,6 +91,7 @@ from tiercache.v1 import (
 from services.common.hashing import BlockHasher
 from services.launcher import free_port
 from tests.blank_text import blank
+from tests.waits import holds_within
 
 SEEDS = int(os.environ.get("BAD_INPUT_DIFFERENTIAL_SEEDS", "0"))
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
@@ -614,9 +614,7 @@ class PrefixWorld:
     def picture(self):
         # Nodes a resync or a clear left unheld are deleted by the sweeper thread, in steps:
         # its own pace, not the call's. Both pictures are taken once it is done.
-        end = time.monotonic() + 10
-        while self.index.tree.unheld and time.monotonic() < end:
-            time.sleep(0.002)
+        holds_within(lambda: not self.index.tree.unheld, 10, 0.002)
         with self.svc.servicer.lock:
             self.svc.servicer._gauges()
             st = self.index.stats()

@@ -18,6 +18,7 @@ from services.kvpool.config import KvPoolConfig
 from services.kvpool.server import KvPoolServicer
 from tests.kvpool.conftest import TINY_ID, TINY_VOCAB, assert_idle, reference_greedy
 from tests.metric_sample import sample_value
+from tests.waits import holds_within
 
 CFG = KvPoolConfig(address="127.0.0.1:0", metrics_port=-1, num_blocks=64, block_size=4,
                    max_batch_size=4, max_prefill_chunk=16, max_new_tokens_limit=64,
@@ -515,9 +516,7 @@ def test_a_deadline_is_counted_as_one_though_the_engine_answers_the_cancel_first
         want = dict(before)
         want["Generate", "DEADLINE_EXCEEDED"] += 1
         want["Prefill", "DEADLINE_EXCEEDED"] += 1
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and {k: count(*k) for k in before} != want:
-            time.sleep(0.05)
+        holds_within(lambda: {k: count(*k) for k in before} == want, 5, 0.05)
         assert {k: count(*k) for k in before} == want
     finally:
         s.close()
@@ -695,9 +694,7 @@ def test_a_pause_of_the_whole_process_is_not_read_as_a_stalled_engine(pause: flo
         assert calls == []
         with lock:
             state["age"] = 6.0  # a real stall, the watch on time: still caught
-        deadline = time.monotonic() + 5
-        while not calls and time.monotonic() < deadline:
-            time.sleep(0.01)
+        holds_within(lambda: calls, 5, 0.01)
         assert calls == [False]
     finally:
         handle.stopped.set()
@@ -714,9 +711,7 @@ def test_the_engine_reports_how_long_its_loop_has_been_stuck(make_engine) -> Non
     assert eng.stalled_for() >= 0.9  # a call run between steps holds the loop
     release.set()
     fut.result(5)
-    deadline = time.monotonic() + 5
-    while eng.stalled_for() > 0.8 and time.monotonic() < deadline:
-        time.sleep(0.05)
+    holds_within(lambda: eng.stalled_for() <= 0.8, 5, 0.05)
     assert eng.stalled_for() <= 0.8
 
 

@@ -5,6 +5,7 @@ from tiercache.v1 import kvpool_pb2
 
 from services.orchestrator.backends import Health, Replica, ReplicaSet
 from services.orchestrator.routing import PrefixAwarePolicy
+from tests.waits import holds_within
 
 
 class StatsStub:
@@ -408,9 +409,7 @@ def test_a_hung_replica_does_not_hold_up_the_poll_cycle():
         rs.poll_once()  # the hung one is still being asked: not asked again
         assert fine.stats is not None and Hung.calls == 1
         release.set()  # its answer lands later, and is applied then
-        deadline = time.monotonic() + 5
-        while hung.stats is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        holds_within(lambda: hung.stats is not None, 5, 0.02)
         assert hung.stats is not None and hung.health.healthy
     finally:
         release.set()
@@ -451,9 +450,7 @@ def test_a_replica_is_asked_again_only_once_its_last_answer_is_applied():
         rs.poll_once()  # its answer is not applied yet: not asked again
         assert Slow.calls == 1
         release.set()
-        deadline = time.monotonic() + 5
-        while 0 in rs._pending and time.monotonic() < deadline:
-            time.sleep(0.02)
+        holds_within(lambda: 0 not in rs._pending, 5, 0.02)
         assert r.stats is not None and 0 not in rs._pending
     finally:
         release.set()

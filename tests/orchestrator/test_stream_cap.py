@@ -21,6 +21,7 @@ from services.orchestrator.render import PromptRenderer, RenderedPrompt
 from services.orchestrator.server import OrchestratorServicer
 from services.orchestrator.tenants import TenantRegistry
 from tests.metric_sample import sample_value
+from tests.waits import holds_within
 
 
 class Renderer:
@@ -484,9 +485,7 @@ def _flood(workers: int, calls: int, during: Callable[[Any, Any], None] | None =
         futures = [stub.Stats.future(orchestrator_pb2.StatsRequest(), timeout=60)
                    for _ in range(calls)]
         # Every worker holds a call; the refusals come back at once, the rest wait.
-        end = time.monotonic() + 20
-        while time.monotonic() < end and held.entered < workers:
-            time.sleep(0.02)
+        holds_within(lambda: held.entered >= workers, 20, 0.02)
         time.sleep(0.5)
         assert held.entered == workers
         done = [c for c in futures if c.done()]

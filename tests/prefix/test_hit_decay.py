@@ -12,6 +12,7 @@ from services.prefix.config import PrefixConfig
 from services.prefix.index import Load
 from services.prefix.server import build_index
 from services.prefix.tree import BlockTree
+from tests.waits import holds_within
 
 from .conftest import BS, MODEL, make_index, matched, stored, sweep_for, toks
 
@@ -229,7 +230,6 @@ def test_resyncs_again_and_again_keep_no_more_saved_hits_than_the_replica_can_ho
 def test_the_sweeper_goes_on_after_a_sweep_fails(caplog):
     # The one thread that sweeps leases nobody calls about, ages the hits and ends the lapse
     # grace was ended for good by a single error.
-    import time
 
     from services.prefix.server import serve
 
@@ -247,9 +247,7 @@ def test_the_sweeper_goes_on_after_a_sweep_fails(caplog):
     index.sweep = flaky
     svc = serve(cfg, index)
     try:
-        end = time.monotonic() + 10
-        while len(turns) < 3 and time.monotonic() < end:
-            time.sleep(0.05)
+        holds_within(lambda: len(turns) >= 3, 10, 0.05)
     finally:
         svc.stop()
     assert len(turns) >= 3

@@ -17,6 +17,7 @@ from services.prefix.config import PrefixConfig
 from services.prefix.index import Load
 from services.prefix.server import build_index, serve
 from services.prefix.tree import BlockTree
+from tests.waits import holds_within
 
 from .conftest import BS, MODEL, make_index, matched, stored, toks
 
@@ -229,9 +230,7 @@ def test_a_clear_made_by_a_call_is_reaped_soon_not_a_quarter_lease_later(hasher)
             index.publish("a", "i1", 1, [stored(hasher, toks(*range(1, 21)))])
             index.publish("a", "i1", 2, [Cleared()])
             assert index.tree.unheld == 20
-        end = time.monotonic() + 5
-        while index.tree.unheld and time.monotonic() < end:
-            time.sleep(0.02)
+        holds_within(lambda: not index.tree.unheld, 5, 0.02)
         assert index.tree.unheld == 0 and index.replica_count == 1  # reaped; "a" still there
     finally:
         svc.stop()

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from services.semantic.index import IndexParams, NamespaceIndex
+from tests.waits import holds_within
 
 
 def _unit(rng, n, d=32):
@@ -225,9 +226,7 @@ def test_writers_never_wait_for_an_index_build():
 
 def settled(idx: NamespaceIndex) -> None:
     """Waits up to 30 s for `idx`'s background merge to end, and checks that it did."""
-    end = time.monotonic() + 30
-    while idx._merging is not None and time.monotonic() < end:
-        time.sleep(0.02)
+    holds_within(lambda: idx._merging is None, 30, 0.02)
     assert idx._merging is None, "the background merge did not settle"
 
 
@@ -371,9 +370,8 @@ def test_removals_while_merges_are_held_start_none_until_released():
                 assert idx.remove(lab)
             assert builds == [] and idx._merging is None
             assert idx.search(vecs[350], 1)[0].label == 350
-        end = time.monotonic() + 30  # the release purged inline, or started a merge
-        while idx._merging is not None and time.monotonic() < end:
-            time.sleep(0.02)
+        # the release purged inline, or started a merge
+        holds_within(lambda i=idx: i._merging is None, 30, 0.02)
         assert builds == [True] and len(idx._dead) == 0
         idx.check_integrity()
         assert len(idx) == 100 and idx.search(vecs[399], 1)[0].label == 399
@@ -443,9 +441,7 @@ def test_background_merges_wait_for_a_process_wide_slot(monkeypatch):
     closing, builds = waiting_index()
     closing.close(timeout=0.2)  # shutdown while it waits
     slots.release()
-    end = time.monotonic() + 10
-    while closing._merging is not None and time.monotonic() < end:
-        time.sleep(0.02)
+    holds_within(lambda: closing._merging is None, 10, 0.02)
     assert closing._merging is None and builds == []
 
 

@@ -6,13 +6,12 @@ mutant of the rule it checks."""
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 from services.semantic.index import IndexParams, NamespaceIndex
 from tests.semantic.test_index import _unit, counting_builds, settled
 from tests.semantic.test_snapshot import PARAMS, hnsw_of
+from tests.waits import holds_within
 
 
 def test_a_search_past_a_few_tombstones_takes_one_pass():
@@ -160,9 +159,7 @@ def test_a_running_merge_stops_after_its_build_once_merges_are_held():
     vecs = _unit(rng, 40)
     for i in range(12):  # 3/4 of the delta: a merge starts and waits in its build
         idx.add(i, vecs[i])
-    end = time.monotonic() + 30
-    while not builds and time.monotonic() < end:
-        time.sleep(0.01)
+    holds_within(lambda: builds, 30, 0.01)
     assert builds == [False]
     with idx.merges_held():
         for i in range(12, 40):  # the delta fills again behind the build

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 
 import pytest
 from tiercache.v1 import semantic_pb2 as pb
@@ -18,6 +17,7 @@ from services.common.errors import DeadlineExceeded, Unavailable
 from services.semantic.server import Housekeeper, SemanticServicer, _still_wanted, serve
 from tests.semantic import test_cache_edges as edges
 from tests.semantic.test_cache_edges import A
+from tests.waits import holds_within
 
 emb, make_cache = edges.emb, edges.make_cache  # the fixtures of test_cache_edges
 NS = pb.Namespace(tenant=A.tenant, model_id=A.model_id, context_hash=A.context_hash)
@@ -118,9 +118,7 @@ def test_the_housekeeper_purges_expired_entries(make_cache, clock):
     clock.t += 11
     keeper = Housekeeper(c, interval_s=0.01).start()
     try:
-        deadline = time.monotonic() + 10
-        while c.store.count() > 1 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        holds_within(lambda: c.store.count() <= 1, 10, 0.01)
     finally:
         keeper.stop()
     assert c.store.count() == 1 and c.stats().expirations_total == 1
@@ -211,9 +209,7 @@ def test_a_failing_snapshot_save_names_its_error_with_one_traceback(make_cache, 
     keeper = Housekeeper(c, interval_s=0.01, snapshot_path="/snap",
                          snapshot_interval_s=0.01).start()
     try:
-        deadline = time.monotonic() + 10
-        while len(calls) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        holds_within(lambda: len(calls) >= 3, 10, 0.01)
     finally:
         keeper.stop()
     lines = [r for r in caplog.records if r.levelno == logging.ERROR

@@ -15,6 +15,7 @@ import pytest
 
 from services.semantic import snapshot
 from tests.semantic.test_snapshot import PARAMS, hnsw_of, unit_rows
+from tests.waits import holds_within
 
 KEY = ("tenant-a", "smollm2", "")
 
@@ -219,7 +220,6 @@ def test_erasing_a_saved_namespace_has_the_housekeeper_save_at_once(make_cfg, cl
     erased entry's embedding in the snapshot's files until the next periodic save (600 s) or
     the stop: the housekeeper now saves at its next tick, dropping them. A flat namespace,
     never saved, asks for no save."""
-    import time
 
     from services.semantic.server import Housekeeper
     from tests.semantic.test_snapshot import A, B, FixedEmbedder, filled, settings
@@ -237,9 +237,7 @@ def test_erasing_a_saved_namespace_has_the_housekeeper_save_at_once(make_cfg, cl
                              snapshot_interval_s=3600).start()
         try:
             c.invalidate_tenant(A.tenant)
-            deadline = time.monotonic() + 10
-            while os.path.exists(os.path.join(snap, graphs[0])) and time.monotonic() < deadline:
-                time.sleep(0.02)
+            holds_within(lambda: not os.path.exists(os.path.join(snap, graphs[0])), 10, 0.02)
         finally:
             keeper.stop()
         assert not [p for p in os.listdir(snap) if p.endswith((".faiss", ".labels.npy"))]
