@@ -14,7 +14,7 @@ import pytest
 
 from services.common.config import ConfigError, load_config, require_addresses
 from services.prefix.config import PrefixConfig
-from tests.waits import holds_within
+from tests.waits import holds_within, wait_until
 
 ROOT = Path(__file__).resolve().parent
 
@@ -456,10 +456,7 @@ def test_a_service_started_by_the_launcher_stops_when_the_launcher_is_killed(tmp
         child = int(pid_file.read_text())
         parent.kill()
         parent.wait(10)
-        end = time.monotonic() + 20
-        while _alive(child):
-            assert time.monotonic() < end, "the service outlived its launcher"
-            time.sleep(0.2)
+        wait_until(lambda: not _alive(child), 20, "the service outlived its launcher", every=0.2)
         child = 0
     finally:
         if parent.poll() is None:

@@ -23,6 +23,7 @@ from tests.kvpool.test_contracts import (
     no_memory_for_proposals,
     prompt,
 )
+from tests.waits import wait_until
 
 
 def test_a_finished_requests_stats_are_out_before_its_result(make_engine) -> None:
@@ -110,10 +111,8 @@ def test_the_engine_reads_as_stalled_from_the_third_failed_model_step_in_a_row(
     eng._decode_step = broken
     for i in range(STALL_AFTER_FAILURES):
         if i == STALL_AFTER_FAILURES - 1:  # not stalled yet: an idle turn counts
-            deadline = time.monotonic() + 10
-            while eng.stalled_for() >= 0.3:
-                assert time.monotonic() < deadline, "two failed steps read as a stall"
-                time.sleep(0.05)
+            wait_until(lambda: eng.stalled_for() < 0.3, 10, "two failed steps read as a stall",
+                       every=0.05)
         _, fin = collect(eng.submit(request(prompt(8, 5), 4))[1])
         assert isinstance(fin, Failed)
     assert eng.step_failures_total == STALL_AFTER_FAILURES

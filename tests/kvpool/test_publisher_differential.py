@@ -80,6 +80,7 @@ from services.kvpool.block_pool import BlockPool, PoolExhausted
 from services.kvpool.publisher import Publisher
 from services.prefix.index import PrefixIndex
 from services.prefix.server import PrefixServicer
+from tests.waits import wait_until
 
 MODEL = "m-diff"
 BS = 4
@@ -730,10 +731,7 @@ def test_over_grpc_the_index_converges_after_restarts_and_outages() -> None:
                         Replica.pool_step(rep, prompts)  # type: ignore[arg-type]
                     eng.step_end()
                 index, handle = _serve(port)  # back, empty, on the same port
-            end = time.monotonic() + 10
-            while not converged():
-                assert time.monotonic() < end, f"phase {phase}: no convergence in 10 s"
-                time.sleep(0.02)
+            wait_until(converged, 10, f"phase {phase}: no convergence in 10 s")
             with eng.lock:
                 pool.check_integrity()
                 held = {h for b in range(pool.num_blocks) if (h := pool.block_hash(b))}

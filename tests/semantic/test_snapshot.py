@@ -20,6 +20,7 @@ from services.semantic.server import serve
 from services.semantic.store import EntryStore
 from tests.metric_sample import sample_value
 from tests.semantic.test_cache_edges import FixedEmbedder
+from tests.waits import wait_until
 
 A = Namespace("tenant-a", "smollm2", "")
 B = Namespace("tenant-b", "smollm2", "ab12")
@@ -476,10 +477,8 @@ def test_the_graphs_are_saved_while_running_so_a_crash_restart_takes_them(make_c
         for i in range(60):
             s.cache.store_entry(A, f"q{i}", f"answer {i}")
         s.cache.index_of(A).compact()
-        end = time.monotonic() + 10
-        while not (os.path.exists(manifest) and json.loads(open(manifest).read())["namespaces"]):
-            assert time.monotonic() < end, "no periodic save"
-            time.sleep(0.05)
+        wait_until(lambda: os.path.exists(manifest) and json.loads(open(manifest).read())[
+            "namespaces"], 10, "no periodic save", every=0.05)
         for i in range(5):  # stored after the save: caught up from SQLite at the next start
             s.cache.store_entry(A, f"late{i}", f"late answer {i}")
         # A crash: nothing saved at the end (the process is gone; its lock goes with it).
