@@ -73,7 +73,6 @@ import os
 import random
 import re
 import sqlite3
-import struct
 import sys
 import types
 from hashlib import blake2b
@@ -93,10 +92,6 @@ TOL = 1e-6  # services/semantic/policy.py: "a tiny tolerance ... makes the bound
 
 # ----------------------------------------------------------------------------------------
 # The model (issue 5's definitions, the docstrings), written apart from the code.
-
-
-def f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 def served_hit(sim: float, th: float) -> bool:

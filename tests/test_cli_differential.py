@@ -78,7 +78,6 @@ import random
 import re
 import shutil
 import socket
-import struct
 import subprocess
 import threading
 from pathlib import Path
@@ -96,6 +95,7 @@ from tiercache.v1 import (
 from clients.python import cli
 from tests.blank_text import blank
 from tests.fake_orchestrator import CLIENT_ENV, UnaryScripted, serving
+from tests.wire import f32
 
 SEEDS = int(os.environ.get("CLI_DIFFERENTIAL_SEEDS", "60"))
 STEPS = 12
@@ -105,10 +105,6 @@ ROOT = Path(__file__).resolve().parent.parent
 CONTROL = {c: "\ufffd" for c in range(32) if chr(c) not in "\n\t"} | {0x7F: "\ufffd"}
 TEXTS = ["", "Hel", "lo.", " world", "\n", "é€", "a\tb", "\x1b[2J", "x\x07\x7fy"]
 WORDS = ["no replica", "", "naïve", "bad\x1b]0;title\x07 value", "Concurrent RPC limit exceeded!"]
-
-
-def f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 class Scripted(UnaryScripted):

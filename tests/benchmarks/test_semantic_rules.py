@@ -3,16 +3,11 @@ review found computed otherwise than defined (tests/test_bench_semantic_differen
 
 from __future__ import annotations
 
-import struct
-
 import numpy as np
 
 from benchmarks.semantic import TIERS, _curve, _exact_top, _pr, settings_not_read
 from services.semantic.policy import Outcome, ThresholdPolicy
-
-
-def _f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
+from tests.wire import f32
 
 
 def test_a_hit_reaches_the_threshold_as_the_served_policy_decides():
@@ -24,14 +19,14 @@ def test_a_hit_reaches_the_threshold_as_the_served_policy_decides():
     policy = ThresholdPolicy(dict(TIERS))
     for tier, th in TIERS.items():
         resolved = policy.resolve(tier)
-        for sim in (_f32(th), _f32(th) - 2 ** -24, _f32(th - 9e-7), _f32(th - 2e-6)):
+        for sim in (f32(th), f32(th) - 2 ** -24, f32(th - 9e-7), f32(th - 2e-6)):
             served = policy.decide(sim, resolved, False).outcome is Outcome.HIT
             qs = np.array([sim], np.float32)
             prec, rec, tp, fp = _pr(qs, np.ones(1, bool), np.array([1]), th, False)
             assert (tp == 1) is served, (tier, sim)
     at = {p["threshold"]: p for p in _curve(
-        np.array([_f32(0.95)], np.float32), np.ones(1, bool), np.array([1]),
-        np.array([_f32(0.95)], np.float32), np.ones(1, bool), np.array([0]),
+        np.array([f32(0.95)], np.float32), np.ones(1, bool), np.array([1]),
+        np.array([f32(0.95)], np.float32), np.ones(1, bool), np.array([0]),
         np.ones(1, bool), np.ones(1, bool))}
     assert at[0.95]["recall"] == 1.0 and at[0.95]["paws_fhr"] == 1.0  # served: a hit
 

@@ -74,7 +74,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import struct
 from dataclasses import dataclass, field
 
 import grpc
@@ -88,13 +87,14 @@ from tiercache.v1 import semantic_pb2_grpc as pbg
 from services.semantic.guard import ParaphraseGuard, spelling_differs
 from services.semantic.server import serve
 from tests.clock import Clock
+from tests.wire import f32
 
 SEEDS = int(os.environ.get("SEMANTIC_SERVER_DIFFERENTIAL_SEEDS", "4"))
 STEPS = int(os.environ.get("SEMANTIC_SERVER_DIFFERENTIAL_STEPS", "45"))
 EPS = 1e-4
 TIERS = {"strict": 0.97, "standard": 0.95, "relaxed": 0.90}
 FLOOR, BONUS, DRAFT_FLOOR, DEFAULT_TIER = 0.85, 0.02, 0.80, "standard"
-DRAFT_BOUND = min(DRAFT_FLOOR, struct.unpack("f", struct.pack("f", DRAFT_FLOOR))[0])
+DRAFT_BOUND = min(DRAFT_FLOOR, f32(DRAFT_FLOOR))
 MAX_TEXT, MAX_ANSWER, MAX_TENANT, MAX_TTL = 1500, 900, 64, 10_000
 DEFAULT_TTL = 5_000
 NS_CAP, TOTAL_CAP = 4, 7
@@ -120,10 +120,6 @@ TEXTS = [t for g in GROUPS for t in g] + LONG
 NAMESPACES = [("acme", "m1", ""), ("acme", "m1", "00ff"), ("beta", "m1", ""),
               ("acme", "m2", "ab")]
 FINGERPRINTS = ["", "fp-a", "fp-b", "x" * 70, "x" * 64 + "y"]
-
-
-def f32(x: float) -> float:
-    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @dataclass
