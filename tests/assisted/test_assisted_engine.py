@@ -12,15 +12,10 @@ import torch
 
 from services.kvpool.engine import EngineRequest, Finished
 from services.kvpool.sampling import SamplingSpec
-from tests.kvpool.conftest import TINY_VOCAB, assert_idle, collect, reference_greedy
+from tests.kvpool.conftest import TINY_VOCAB, assert_idle, collect, prompt, reference_greedy
 from tests.kvpool.test_kvpool_engine import paused
 
 N_NEW = 40
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, TINY_VOCAB - 1) for _ in range(n)]
 
 
 def run(eng, tokens: list[int], draft: list[int], max_tokens: int = N_NEW, rid: str = "r",

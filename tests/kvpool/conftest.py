@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import random
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 
@@ -125,6 +126,12 @@ def generate(eng: Engine, tokens: list[int], max_tokens: int = 8, salt: str = ""
     """Run one request to completion."""
     _, out = eng.submit(request(tokens, max_tokens, salt, **sampling))
     return collect(out)
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """`n` token ids in [1, TINY_VOCAB - 1), drawn with `seed`."""
+    rng = random.Random(seed)
+    return [rng.randrange(1, TINY_VOCAB - 1) for _ in range(n)]
 
 
 def request(tokens: list[int], max_tokens: int = 8, salt: str = "", rid: str = "r",

@@ -17,7 +17,7 @@ from services.kvpool.block_pool import BlockPool, PoolExhausted
 from services.kvpool.engine import Engine, EngineRequest, Finished
 from services.kvpool.sampling import SamplingSpec
 from tests.clock import Clock
-from tests.kvpool.conftest import TINY_VOCAB, collect, reference_greedy, request
+from tests.kvpool.conftest import TINY_VOCAB, collect, prompt, reference_greedy, request
 
 BS = 4
 
@@ -113,11 +113,6 @@ def test_a_colliding_hash_with_other_tokens_is_not_reused() -> None:
 
 
 # ---- engine: synchronous stepping ----------------------------------------------------------
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, TINY_VOCAB - 1) for _ in range(n)]
-
 
 def by_hand(eng: Engine) -> None:
     """Stop the engine thread; the test's own loop steps it (a stopped engine refuses

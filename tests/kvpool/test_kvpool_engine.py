@@ -21,6 +21,7 @@ from tests.kvpool.conftest import (
     assert_idle,
     collect,
     generate,
+    prompt,
     reference_greedy,
     request,
 )
@@ -37,11 +38,6 @@ def paused(eng) -> Iterator[None]:
         yield
     finally:
         gate.set()
-
-
-def prompt(n: int, seed: int = 0) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, TINY_VOCAB - 1) for _ in range(n)]
 
 
 def test_cached_prefix_logits_equal_one_full_pass(make_engine, tiny_model) -> None:
