@@ -109,6 +109,7 @@ from tests.blank_text import blank
 from tests.clock import Clock
 from tests.prefix.test_index_differential import Universe as Chains
 from tests.prefix.test_index_differential import toks
+from tests.wire import bad_utf8
 
 SEEDS = int(os.environ.get("PREFIX_SERVER_DIFFERENTIAL_SEEDS", "15"))
 STEPS = int(os.environ.get("PREFIX_SERVER_DIFFERENTIAL_STEPS", "70"))
@@ -320,14 +321,6 @@ def ok(m: Model, method: str, got, what):
                                                 got.details())
     m.rpc(method)
     return got
-
-
-def bad_utf8(msg, placeholder: str) -> bytes:
-    """`msg` serialized with one byte of `placeholder`'s field made invalid UTF-8."""
-    raw = msg.SerializeToString()
-    b = placeholder.encode()
-    assert raw.count(b) == 1
-    return raw.replace(b, b[:2] + b"\xff" + b[3:])
 
 
 # ---- Register ----------------------------------------------------------------------------------

@@ -87,7 +87,7 @@ from tiercache.v1 import semantic_pb2_grpc as pbg
 from services.semantic.guard import ParaphraseGuard, spelling_differs
 from services.semantic.server import serve
 from tests.clock import Clock
-from tests.wire import f32
+from tests.wire import bad_utf8, f32
 
 SEEDS = int(os.environ.get("SEMANTIC_SERVER_DIFFERENTIAL_SEEDS", "4"))
 STEPS = int(os.environ.get("SEMANTIC_SERVER_DIFFERENTIAL_STEPS", "45"))
@@ -269,14 +269,6 @@ def spelled(rng: random.Random, ns) -> pb.Namespace:
     """The namespace as a caller may write it: its context hash in either case."""
     return pb.Namespace(tenant=ns[0], model_id=ns[1],
                         context_hash=ns[2].upper() if rng.random() < 0.3 else ns[2])
-
-
-def bad_utf8(msg, placeholder: str) -> bytes:
-    """`msg` serialized with one byte of `placeholder`'s field made invalid UTF-8."""
-    raw = msg.SerializeToString()
-    b = placeholder.encode()
-    assert raw.count(b) == 1
-    return raw.replace(b, b[:2] + b"\xff" + b[3:])
 
 
 @dataclass
