@@ -28,7 +28,7 @@ from services.orchestrator.server import REAP_GRACE_S, OrchestratorServicer
 from services.orchestrator.tenants import TenantRegistry
 from tests.metric_sample import sample_value
 from tests.orchestrator.test_pipeline_paths import Call, RpcError, Stub, final, generate, make
-from tests.orchestrator.test_stream_cap import Context, SlowOrchestrator
+from tests.orchestrator.test_stream_cap import Context, SlowOrchestrator, request
 
 ROUTES = "tiercache_orchestrator_dispatch_memory_routes_total"
 REAPED = "tiercache_orchestrator_streams_ended_at_deadline_total"
@@ -147,10 +147,6 @@ def servicer() -> tuple[OrchestratorServicer, SlowOrchestrator]:
                                         max_prompt_tokens=100, max_tokens=100,
                                         max_concurrent=10))
     return s, orch
-
-
-def request() -> orchestrator_pb2.GenerateRequest:
-    return orchestrator_pb2.GenerateRequest(messages=[{"role": "user", "content": "hi"}])
 
 
 def test_a_stream_whose_client_stopped_reading_is_ended_and_counted_once():
