@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from services.common.config import ConfigError, load_config
+from services.common.config import ConfigError
 from services.semantic.config import SemanticConfig
-
-
-def load(**env: str) -> SemanticConfig:
-    return load_config(SemanticConfig, "semantic", [],
-                       {f"TIERCACHE_SEMANTIC_{k.upper()}": v for k, v in env.items()})
+from tests.semantic.test_config_rules import load
 
 
 def test_a_draft_floor_above_the_threshold_floor_is_refused_by_name():
