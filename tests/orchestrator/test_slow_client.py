@@ -14,12 +14,13 @@ from types import SimpleNamespace
 
 import grpc
 import pytest
-from tiercache.v1 import kvpool_pb2, prefix_pb2, semantic_pb2
+from tiercache.v1 import prefix_pb2, semantic_pb2
 
 from services.common import errors
 from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
 from services.orchestrator.render import RenderedPrompt
 from tests import waits
+from tests.orchestrator.test_contracts import tokens
 from tests.orchestrator.test_pipeline_paths import (
     PROMPT,
     TENANT,
@@ -42,10 +43,6 @@ def start(orch, on_cancel=lambda fn: None, max_tokens: int = 16):
         sampling=Sampling(max_tokens, 0.0, 1.0, 0, (), False), policy=Policy(), session_id="s",
         return_token_ids=True, request_id="rid", deadline=time.monotonic() + 30,
         on_cancel=on_cancel)
-
-
-def tokens(text: str) -> kvpool_pb2.KvGenerateResponse:
-    return kvpool_pb2.KvGenerateResponse(token_ids=list(text.encode()))
 
 
 def readers() -> list[threading.Thread]:
