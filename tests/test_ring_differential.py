@@ -53,14 +53,14 @@ _REAL_POINT = ring_mod._point
 EPSILONS = ["0", "0.1", "0.25", "0.5", "1"]
 
 
-def _h64(data: bytes) -> int:
+def h64(data: bytes) -> int:
     return int.from_bytes(blake2b(data, digest_size=8).digest(), "big")
 
 
 def _coarse(data: bytes) -> int:
     """Only 32 distinct points (spread over the ring): ties between nodes' points, and keys
     landing exactly on a point, become common."""
-    return (_h64(data) >> 59) << 59
+    return (h64(data) >> 59) << 59
 
 
 def _kb(key: bytes | str) -> bytes:
@@ -164,7 +164,7 @@ def _check_all(ring: HashRing, model: Model, keys: list) -> None:
 def run_seed(seed: int, monkeypatch) -> None:
     rng = random.Random(seed)
     coarse = seed % 3 == 0
-    point = _coarse if coarse else _h64
+    point = _coarse if coarse else h64
     monkeypatch.setattr(ring_mod, "_point", _coarse if coarse else _REAL_POINT)
     vnodes = rng.choice([1, 2, 3, 5, 16, 40])
     start = rng.sample(POOL, rng.randrange(0, 5))

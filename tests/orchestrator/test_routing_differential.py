@@ -55,21 +55,17 @@ import math
 import os
 import random
 from fractions import Fraction
-from hashlib import blake2b
 
 import pytest
 
 from services.orchestrator.routing import PrefixAwarePolicy, ReplicaView, RoundRobinPolicy
 from tests.clock import Clock
+from tests.test_ring_differential import h64
 
 SEEDS = int(os.environ.get("ROUTING_DIFFERENTIAL_SEEDS", "200"))
 STEPS = 160
 POOL = ["r0", "r1", "r2", "kvpool-0", "kvpool-1", "kvpool-10"]
 KEYS = ["s", "acme\x1fsess-1", "acme\x1fsess-2", "beta\x1f7", "", "x" * 40]
-
-
-def _h64(data: bytes) -> int:
-    return int.from_bytes(blake2b(data, digest_size=8).digest(), "big")
 
 
 _POINTS: dict[tuple[str, int], list[int]] = {}
@@ -78,14 +74,14 @@ _POINTS: dict[tuple[str, int], list[int]] = {}
 def points(name: str, vnodes: int) -> list[int]:
     got = _POINTS.get((name, vnodes))
     if got is None:
-        got = _POINTS[(name, vnodes)] = [_h64(f"{name}#{i}".encode()) for i in range(vnodes)]
+        got = _POINTS[(name, vnodes)] = [h64(f"{name}#{i}".encode()) for i in range(vnodes)]
     return got
 
 
 def clockwise(key: str, names: list[str], vnodes: int) -> list[str]:
     """`names` ordered by their nearest point strictly clockwise of the key's hash (a point at
     the key's own hash is a full turn away), ties by name."""
-    k = _h64(key.encode())
+    k = h64(key.encode())
     dist = {n: min((p - k - 1) % 2**64 for p in points(n, vnodes)) for n in names}
     return sorted(names, key=lambda n: (dist[n], n))
 
