@@ -39,13 +39,6 @@ def _gpt2_byte_of() -> dict[str, int]:
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from services.common.model_store import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model("smollm2").path)
-
-
-@pytest.fixture(scope="module")
 def wordpiece():
     from transformers import AutoTokenizer
 
@@ -146,8 +139,8 @@ def _differential(tok, seeds: range, byte_of: dict[str, int]) -> None:
                                               clean_up_tokenization_spaces=False) == whole
 
 
-def test_any_chunking_of_random_byte_level_ids_streams_their_complete_decode(smol):
-    _differential(smol, range(300), _gpt2_byte_of())
+def test_any_chunking_of_random_byte_level_ids_streams_their_complete_decode(tok):
+    _differential(tok, range(300), _gpt2_byte_of())
 
 
 @pytest.mark.parametrize("clean_up", [False, True])
@@ -221,8 +214,8 @@ def _render_differential(tok, seeds: range, *, exact_text: bool, unk_is_text: bo
     assert typed_seen and plain_seen  # both paths were drawn
 
 
-def test_random_chats_typing_control_texts_keep_only_the_templates_control_tokens(smol):
-    _render_differential(smol, range(120), exact_text=True, unk_is_text=False)
+def test_random_chats_typing_control_texts_keep_only_the_templates_control_tokens(tok):
+    _render_differential(tok, range(120), exact_text=True, unk_is_text=False)
 
 
 def test_random_chats_under_a_wordpiece_template_keep_only_its_control_tokens(wordpiece):
@@ -233,8 +226,8 @@ def test_random_chats_under_a_wordpiece_template_keep_only_its_control_tokens(wo
     _render_differential(tok, range(80), exact_text=False, unk_is_text=True)
 
 
-def test_random_chats_typing_added_tokens_not_marked_special_keep_them_text(smol):
+def test_random_chats_typing_added_tokens_not_marked_special_keep_them_text(tok):
     """`<tool_call>` added with special=False (as Qwen's): typed, it stays text too."""
-    tok = copy.deepcopy(smol)
-    tok.add_tokens(["<tool_call>", "</tool_call>"])
-    _render_differential(tok, range(60), exact_text=True, unk_is_text=False)
+    own = copy.deepcopy(tok)
+    own.add_tokens(["<tool_call>", "</tool_call>"])
+    _render_differential(own, range(60), exact_text=True, unk_is_text=False)

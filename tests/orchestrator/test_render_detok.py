@@ -13,13 +13,6 @@ pytestmark = pytest.mark.model  # the real SmolLM2 tokenizer (converted on first
 
 
 @pytest.fixture(scope="module")
-def tok():
-    from services.common.model_store import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model("smollm2").path)
-
-
-@pytest.fixture(scope="module")
 def renderer(tok):
     return PromptRenderer(tok, max_chars=1000)
 

@@ -362,13 +362,6 @@ def run_seed(tok, seed: int, steps: int = STEPS, books: bool = True) -> int:
         render.PIECE_CACHE_MAX_BYTES = old
 
 
-@pytest.fixture(scope="module")
-def tok():
-    from services.common.model_store import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model("smollm2").path)
-
-
 CHUNK = 10
 
 
