@@ -9,6 +9,7 @@ cut them (helpers and fixtures from test_bootstrap)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 import time
@@ -1120,3 +1121,77 @@ def test_calls_refused_while_the_service_loads_leave_one_line_not_one_per_poll(c
     lines = [r.getMessage() for r in caplog.records]
     assert sum(m.startswith("Stats ended UNAVAILABLE: kvpool is loading") for m in lines) == 1
     assert sum(m.startswith("Match ended UNAVAILABLE") for m in lines) == 5
+
+
+@contextlib.contextmanager
+def lines_with_ids(name: str = "services.common.bootstrap", level: int = logging.WARNING):
+    """The messages `name`'s logger writes at `level` or above meanwhile, each with the
+    request id bound when it was written (what its JSON line's request_id is)."""
+    from services.common.logs import request_id_var
+
+    seen: list[tuple[str, str]] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append((record.getMessage(), request_id_var.get()))
+
+    keep, logger = Keep(level), logging.getLogger(name)
+    logger.addHandler(keep)
+    old = logger.level
+    logger.setLevel(min(level, old or level))
+    try:
+        yield seen
+    finally:
+        logger.removeHandler(keep)
+        logger.setLevel(old)
+
+
+def fresh_lines(monkeypatch, name: str = "_AUTH_LINES") -> None:
+    """The thinning of the interceptor's lines `name` (the refusals', per peer host) started
+    over: every caller here is 127.0.0.1, and earlier tests may have used up its lines."""
+    old = getattr(bootstrap, name)
+    monkeypatch.setattr(bootstrap, name, bootstrap.Thinned(
+        old.log, per_window=old.per_window, window_s=old.window_s, level=old.level))
+
+
+@pytest.mark.parametrize("given", ["mine-7", "", "bad id!"])
+def test_a_call_refused_for_the_internal_credential_says_its_request_id(server, monkeypatch,
+                                                                        given):
+    """A call refused UNAUTHENTICATED (the internal credential) carries its request id, the
+    caller's when plain, else a new one, in its trailers and its refusal line, as every other
+    failed call does: it was checked before the id was taken, and the CLI's "(request <id>)"
+    after the refusal matched no log line."""
+    fresh_lines(monkeypatch)
+    md = [("authorization", "Bearer wrong")] + ([("x-request-id", given)] if given else [])
+    with lines_with_ids() as seen, pytest.raises(grpc.RpcError) as e:
+        tb._stub(server).Match(prefix_pb2.MatchRequest(token_ids=[1]), timeout=5, metadata=md)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert e.value.details() == "authorization: missing or wrong internal credential"
+    rid = dict(e.value.trailing_metadata()).get("x-request-id", "")
+    assert rid == given if given == "mine-7" else (len(rid) == 16 and rid.isalnum()), rid
+    refusals = [(m, i) for m, i in seen if "refused UNAUTHENTICATED" in m]
+    assert len(refusals) == 1 and refusals[0][1] == rid, seen
+
+
+def test_a_refusal_by_authenticate_says_its_request_id(monkeypatch):
+    """`authenticate`'s refusal (the orchestrator's tenant token) likewise: the id in the
+    trailers and on the line, and the request not parsed (its bytes are no MatchRequest)."""
+    fresh_lines(monkeypatch)
+
+    def authenticate(metadata):
+        raise errors.Unauthenticated("authorization: unknown token")
+
+    h = create_server(service="test", address="127.0.0.1:0", authenticate=authenticate,
+                      services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, tb.Index(),
+                                 "tiercache.v1.PrefixIndex")])
+    try:
+        with grpc.insecure_channel(h.address) as ch, lines_with_ids() as seen, \
+                pytest.raises(grpc.RpcError) as e:
+            ch.unary_unary("/tiercache.v1.PrefixIndex/Match")(
+                b"\xff\xff\xff", timeout=5, metadata=[("x-request-id", "ticket-9")])
+    finally:
+        h.stop(0)
+    assert (e.value.code(), e.value.details()) == (grpc.StatusCode.UNAUTHENTICATED,
+                                                   "authorization: unknown token")
+    assert dict(e.value.trailing_metadata()).get("x-request-id") == "ticket-9"
+    assert [i for m, i in seen if "refused UNAUTHENTICATED" in m] == ["ticket-9"], seen

@@ -494,16 +494,24 @@ class _Call:
         self.deserialize = handler.request_deserializer
         self.serialize, self.limit = handler.response_serializer, interceptor.max_send
 
-    def prologue(self, context) -> str | None:
+    def prologue(self, context) -> str:
         """The caller's credential, checked before its request is parsed: a request
-        without one (up to the message size limit) cost nothing but its transfer."""
+        without one (up to the message size limit) cost nothing but its transfer. A refusal
+        has the call's request id, as every failed call has (its line, its trailers): it had
+        none, and the id a client printed after 'unknown token' was in no log line."""
         with contextlib.suppress(AttributeError):
             context.tiercache_server = self.interceptor  # for `rpc_ended`
-        if self.need_auth:
-            self._check_token(context)
-        if self.authenticate is not None:
-            self._check_caller(context)
-        return self._request_id()
+        given = self.metadata.get("x-request-id", "")
+        rid = plain_request_id(given)
+        with bound_request_id(rid):
+            if self.need_auth:
+                self._check_token(context)
+            if self.authenticate is not None:
+                self._check_caller(context)
+        # Said once the caller is known: an unknown one's bad ids would use up the lines
+        # (thinned per method) of those the callers with a credential sent.
+        self._say_replaced(given, rid)
+        return rid
 
     def _check_token(self, context) -> None:
         got = "" if self.twice else self.metadata.get("authorization", "")
@@ -511,6 +519,7 @@ class _Call:
             RPC_TOTAL.labels(self.service, self.short, "UNAUTHENTICATED").inc()
             _refused_caller(context, self.short, "UNAUTHENTICATED",
                             "missing or wrong internal credential")
+            context.set_trailing_metadata(_told_request_id())
             context.abort(grpc.StatusCode.UNAUTHENTICATED,
                           "authorization: missing or wrong internal credential")
 
@@ -521,11 +530,10 @@ class _Call:
             RPC_TOTAL.labels(self.service, self.short, exc.code).inc()
             if exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
                 _refused_caller(context, self.short, exc.code, str(exc))
+            context.set_trailing_metadata(_told_request_id())
             context.abort(_status_code(exc.code), _capped(str(exc)))
 
-    def _request_id(self) -> str:
-        given = self.metadata.get("x-request-id", "")
-        rid = plain_request_id(given)
+    def _say_replaced(self, given: str, rid: str) -> None:
         if given and rid != given and \
                 _ERROR_LINES.allow((self.service, self.short, "x-request-id")):
             # Replaced without a word, the caller's id (a ticket quotes it) matched no
@@ -533,7 +541,6 @@ class _Call:
             with bound_request_id(rid):
                 log.info("%s: x-request-id %s replaced by %s (not 1-128 characters of "
                          "A-Z a-z 0-9 . _ : -)", self.short, errors.shown(given), rid)
-        return rid
 
     def count(self, context, code: str, requests) -> None:
         """`code` counted now; for a call whose handler read a request stream

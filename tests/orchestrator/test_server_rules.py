@@ -1458,3 +1458,44 @@ def test_a_blank_raw_prompt_is_refused_naming_prompt_alike_by_warm_and_generate(
     with pytest.raises(errors.InvalidArgument) as generate:
         list(s.Generate(orchestrator_pb2.GenerateRequest(), Context()))
     assert str(neither.value) == f"prompts[0].{generate.value}"
+
+
+@pytest.mark.parametrize("token", ["", "guess"])
+def test_a_call_refused_for_its_tenant_token_says_its_request_id(monkeypatch, token):
+    """The orchestrator's refusal of a missing or unknown token (before the request is
+    parsed) carries the call's request id in its trailers and its one log line, Stats' and
+    Generate's alike: it had none, and the id the CLI printed after 'unknown token' was in no
+    log line."""
+    from tiercache.v1 import orchestrator_pb2_grpc
+
+    from services.common.bootstrap import create_server
+    from tests.test_bootstrap_rules import fresh_lines, lines_with_ids
+
+    fresh_lines(monkeypatch)
+    s = OrchestratorServicer(CFG)
+    s.attach(None, TenantRegistry.build(tokens_file="", tokens="tok-0123456789abcdef=a",
+                                        key=b"k", max_prompt_tokens=100, max_tokens=100,
+                                        max_concurrent=4))
+    h = create_server(service="orchestrator", address="127.0.0.1:0",
+                      services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, s,
+                                 "tiercache.v1.Orchestrator")], authenticate=s.authenticate_call)
+    md = [("authorization", f"Bearer {token}")] if token else []
+    got = []
+    try:
+        with grpc.insecure_channel(h.address) as ch, lines_with_ids() as seen:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+            for i, call in enumerate((
+                    lambda md: stub.Stats(orchestrator_pb2.StatsRequest(), timeout=5,
+                                          metadata=md),
+                    lambda md: list(stub.Generate(request(), timeout=5, metadata=md)))):
+                with pytest.raises(grpc.RpcError) as e:
+                    call([*md, ("x-request-id", f"ticket-{i}")])
+                got.append((e.value.code(), e.value.details(),
+                            dict(e.value.trailing_metadata()).get("x-request-id")))
+    finally:
+        h.stop(0)
+    why = "authorization: unknown token" if token else "authorization: missing bearer token"
+    assert got == [(grpc.StatusCode.UNAUTHENTICATED, why, f"ticket-{i}") for i in range(2)]
+    assert [(m.split(" from ")[0], i) for m, i in seen] == [
+        ("Stats refused UNAUTHENTICATED", "ticket-0"),
+        ("Generate refused UNAUTHENTICATED", "ticket-1")], seen
