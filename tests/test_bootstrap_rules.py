@@ -1195,3 +1195,25 @@ def test_a_refusal_by_authenticate_says_its_request_id(monkeypatch):
                                                    "authorization: unknown token")
     assert dict(e.value.trailing_metadata()).get("x-request-id") == "ticket-9"
     assert [i for m, i in seen if "refused UNAUTHENTICATED" in m] == ["ticket-9"], seen
+
+
+def test_a_malformed_request_says_its_request_id(server, monkeypatch):
+    """Bytes that are no request (INVALID_ARGUMENT, found by the interceptor's parse) carry
+    the call's request id in their trailers and leave one line under it, as a handler's
+    INVALID_ARGUMENT does: they had neither, unary and server-streaming calls alike."""
+    fresh_lines(monkeypatch, "_ERROR_LINES")
+    got = []
+    with grpc.insecure_channel(server.address) as ch, \
+            lines_with_ids(level=logging.INFO) as seen:
+        for i, call in enumerate((ch.unary_unary("/tiercache.v1.PrefixIndex/Match"),
+                                  lambda *a, **kw: list(ch.unary_stream(
+                                      "/grpc.health.v1.Health/Watch")(*a, **kw)))):
+            with pytest.raises(grpc.RpcError) as e:
+                call(b"\xff\xff\xff", timeout=5, metadata=[*tb.AUTH, ("x-request-id", f"m-{i}")])
+            got.append((e.value.code(), e.value.details(),
+                        dict(e.value.trailing_metadata()).get("x-request-id")))
+    assert got == [(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed protobuf message",
+                    f"m-{i}") for i in range(2)]
+    assert [(m, i) for m, i in seen if "INVALID_ARGUMENT" in m] == [
+        ("Match ended INVALID_ARGUMENT: request: malformed protobuf message", "m-0"),
+        ("Watch ended INVALID_ARGUMENT: request: malformed protobuf message", "m-1")], seen

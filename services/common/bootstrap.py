@@ -309,7 +309,9 @@ def _status_code(name: str) -> grpc.StatusCode:
 
 def _parse_request(deserialize, raw, context, service: str, short: str):
     """The request parsed by us, so that a malformed one is INVALID_ARGUMENT naming the field,
-    not the INTERNAL status gRPC gives a failing deserializer."""
+    not the INTERNAL status gRPC gives a failing deserializer; said as a handler's
+    INVALID_ARGUMENT is (one thinned line, the id trailer: it had neither), the call's
+    request id bound by the caller."""
     if deserialize is None:
         return raw
     try:
@@ -317,11 +319,13 @@ def _parse_request(deserialize, raw, context, service: str, short: str):
     except Exception:  # noqa: BLE001 - any parse failure is the client's input
         cls = getattr(deserialize, "__self__", None)
         where = find_invalid_utf8(cls.DESCRIPTOR, raw) if cls is not None else None
+        details = (f"{where}: invalid UTF-8 in a string field" if where
+                   else "request: malformed protobuf message")
         RPC_TOTAL.labels(service, short, "INVALID_ARGUMENT").inc()
-        if where:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"{where}: invalid UTF-8 in a string field")
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request: malformed protobuf message")
+        if _ERROR_LINES.allow((service, short, "INVALID_ARGUMENT")):
+            log.info("%s ended INVALID_ARGUMENT: %s", short, details)
+        context.set_trailing_metadata(_told_request_id())
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, details)
 
 
 def _counted_code(context, code: str) -> str:
@@ -441,8 +445,8 @@ def _parsed_non_blocking(handler, service: str, short: str, prologue):
     behavior, deserialize = handler.unary_stream, handler.request_deserializer
 
     def parsed(raw, context, send_response_callback=None):
-        prologue(context)
-        request = _parse_request(deserialize, raw, context, service, short)
+        with bound_request_id(prologue(context)):
+            request = _parse_request(deserialize, raw, context, service, short)
         t0, ended_here = time.perf_counter(), []
         send = send_response_callback
         if send_response_callback is not None:
@@ -612,10 +616,10 @@ class _Call:
 
     def _unary_call(self, inner, parsed: bool, raw, context):
         rid = self.prologue(context)
-        request = raw if parsed else self.parse(raw, context)
         requests = raw if parsed else None  # a client stream's, for `count` and `fail`
-        t0 = time.perf_counter()
         with bound_request_id(rid):
+            request = raw if parsed else self.parse(raw, context)
+            t0 = time.perf_counter()
             try:
                 resp = inner(request, context)
                 data = _encoded(resp, self.serialize, self.limit, context, self.service,
@@ -636,7 +640,8 @@ class _Call:
 
     def _stream_call(self, inner, raw, context) -> Iterator:
         rid = self.prologue(context)
-        request = self.parse(raw, context)
+        with bound_request_id(rid):
+            request = self.parse(raw, context)
         t0 = time.perf_counter()
         try:
             yield from _bound_items(lambda: inner(request, context), rid,
