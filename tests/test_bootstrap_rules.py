@@ -1217,3 +1217,27 @@ def test_a_malformed_request_says_its_request_id(server, monkeypatch):
     assert [(m, i) for m, i in seen if "INVALID_ARGUMENT" in m] == [
         ("Match ended INVALID_ARGUMENT: request: malformed protobuf message", "m-0"),
         ("Watch ended INVALID_ARGUMENT: request: malformed protobuf message", "m-1")], seen
+
+
+def test_a_streamed_response_over_the_send_limit_is_logged_under_its_request_id(monkeypatch):
+    """The WARNING of a response refused for its size has the call's request id, a stream's
+    too (its messages were checked outside the id: its line had none, a unary call's had it);
+    the trailer has it, as before."""
+    fresh_lines(monkeypatch, "_TOO_LARGE_LINES")
+    limit = 4096
+
+    def stream(request, _context):
+        yield b"first"
+        yield b"r" * (limit + 1)
+
+    h = _kinds_server("too-large-id", limit, {"Stream": stream})
+    try:
+        with grpc.insecure_channel(h.address) as ch, lines_with_ids() as seen, \
+                pytest.raises(grpc.RpcError) as e:
+            list(ch.unary_stream("/x.Kinds/Stream")(b"", timeout=5,
+                                                    metadata=[("x-request-id", "big-1")]))
+    finally:
+        h.stop(0)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert dict(e.value.trailing_metadata()).get("x-request-id") == "big-1"
+    assert [i for m, i in seen if "over the server's limit" in m] == ["big-1"], seen

@@ -357,7 +357,8 @@ def _finished_code(context) -> str:
 
 def _bound_items(start: Callable[[], Any], rid: str, encode: Callable[[Any], Any]) -> Iterator:
     """The messages of `start()` (a streaming handler's) as `encode` gives them, with the
-    request id bound around each step of the handler's own code; when the client went away
+    request id bound around each step of the handler's own code and each message's `encode`
+    (a stream's response refused for its size was logged under no id); when the client went away
     (or `encode` refused a message), the handler's generator is closed under the id too (its
     cleanup logs as that request, not under none)."""
     it = None
@@ -367,10 +368,10 @@ def _bound_items(start: Callable[[], Any], rid: str, encode: Callable[[Any], Any
         while True:
             try:
                 with bound_request_id(rid):
-                    item = next(it)
+                    data = encode(next(it))  # a refusal for its size logs under the id
             except StopIteration:
                 return
-            yield encode(item)
+            yield data
     except BaseException:
         close = getattr(it, "close", None)
         if close:
