@@ -21,6 +21,7 @@ from tiercache.v1 import prefix_pb2, prefix_pb2_grpc
 
 from services.common import bootstrap, errors
 from services.common.bootstrap import MAX_DETAILS_CHARS, MAX_HEALTH_NAME, _capped, create_server
+from services.common.logs import package_version
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.launcher import free_port
 from tests import test_bootstrap as tb
@@ -209,8 +210,10 @@ def test_the_start_line_says_metrics_off_rather_than_none(caplog):
     off.stop(0)
     on.stop(0)
     lines = [r.getMessage() for r in caplog.records if "listening on port" in r.getMessage()]
-    assert lines == [f"test listening on port {off.port} (metrics off)",
-                     f"test listening on port {on.port} (metrics {on.metrics_port})"]
+    v = package_version()
+    assert lines == [f"test listening on port {off.port} (metrics off; tiercache {v})",
+                     f"test listening on port {on.port} (metrics {on.metrics_port}; "
+                     f"tiercache {v})"]
 
 
 def test_a_metrics_port_that_cannot_be_bound_leaves_the_grpc_port_free():

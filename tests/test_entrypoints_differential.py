@@ -631,7 +631,7 @@ def serves_and_drains(proc: subprocess.Popen, service: str, ready: str) -> None:
     try:
         lines = read_until(proc, f"{service} listening on port")
         port = int(re.search(r"listening on port (\d+)", lines[-1]).group(1))
-        metrics = int(re.search(r"\(metrics (\d+)\)", lines[-1]).group(1))
+        metrics = int(re.search(r"\(metrics (\d+);", lines[-1]).group(1))
         lines += read_until(proc, ready, timeout=60)
         assert health(port) == "SERVING"
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics}/healthz", timeout=5) as r:

@@ -13,7 +13,6 @@ import argparse
 import contextlib
 import errno
 import fcntl
-import importlib.metadata
 import ipaddress
 import json
 import math
@@ -40,7 +39,7 @@ from clients.python.client import (
 from services.common.config import is_host_port
 from services.common.errors import blank
 from services.common.grpc_client import ca_problem, key_pair_problem, pem_problem
-from services.common.logs import isatty
+from services.common.logs import isatty, package_version
 from services.semantic.policy import HIT_TOLERANCE
 
 
@@ -740,14 +739,6 @@ def _positive(text: str) -> int:
 # surrogates, which protobuf cannot encode). Not erase-tenant's `tenant`: the client's own
 # request check (`_check_args`) refuses it first, naming the character.
 _WIRE_ARGS = ("address", "token", "text", "session", "system", "entry_id", "tenant_tokens")
-
-
-def package_version() -> str:
-    """The installed distribution's version (pyproject.toml's, as built into the wheel)."""
-    try:
-        return importlib.metadata.version("tiercache")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed: a checkout on PYTHONPATH without `make setup`)"
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

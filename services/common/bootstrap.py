@@ -37,7 +37,13 @@ from grpc_reflection.v1alpha import reflection
 
 from services.common import errors
 from services.common.config import ConfigError
-from services.common.logs import Thinned, bound_request_id, plain_request_id, request_id_var
+from services.common.logs import (
+    Thinned,
+    bound_request_id,
+    package_version,
+    plain_request_id,
+    request_id_var,
+)
 from services.common.metrics import RPC_REFUSED_AT_CAP, RPC_SECONDS, RPC_TOTAL
 from services.common.reaper import StreamReaper
 from services.common.reflection import SourceInfoPool, source_info_pool
@@ -1121,8 +1127,10 @@ def create_server(
                             f"{host}:{metrics_port} ({exc.strerror or exc})") from None
         handle._metrics_httpd = httpd
         handle.metrics_port = httpd.server_address[1]
-    log.info("%s listening on port %d (metrics %s)", service, port,
-             "off" if handle.metrics_port is None else handle.metrics_port)
+    # The version too: which build a pod runs, read from its first line (a rollout's pods
+    # told apart without kubectl describe).
+    log.info("%s listening on port %d (metrics %s; tiercache %s)", service, port,
+             "off" if handle.metrics_port is None else handle.metrics_port, package_version())
     return handle
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.metadata
 import json
 import logging
 import os
@@ -125,6 +126,15 @@ class Thinned:
     def flush(self) -> None:
         """Say what every key left out so far (the server is stopping)."""
         self.sweep(every=True)
+
+
+def package_version() -> str:
+    """The installed distribution's version (pyproject.toml's, as built into the wheel): the
+    CLI's `--version` and every service's start line."""
+    try:
+        return importlib.metadata.version("tiercache")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: a checkout on PYTHONPATH without `make setup`)"
 
 
 _PLAIN_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
