@@ -135,8 +135,13 @@ class Health:
         # Whole numbers only ("70s" too): a model id's "135M" stays a word.
         said_as = _FIGURE.sub("#", str(msg))
         with self._lock:
-            if self.healthy and self.exported:
-                log.warning("%s at %s is unhealthy: %s", self.name, self.address, msg)
+            if self.exported and (self.healthy or not self._said):
+                # Never healthy yet (the orchestrator started while its replicas load, or an
+                # address nothing answers): "is still unhealthy, now:" said a going-down that
+                # no line had said.
+                log.warning("%s at %s is %s: %s", self.name, self.address,
+                            "unhealthy" if self.healthy or self.last_ok else "not healthy yet",
+                            msg)
                 self._said = {said_as}
             elif (self.exported and said_as not in self._said
                   and len(self._said) < MAX_REASONS_SAID):

@@ -590,3 +590,23 @@ def test_readiness_probes_at_once_say_a_change_once(monkeypatch):
     first.join(10)
     other.join(10)
     assert len(said) == 1 and said[0].startswith("not ready (/readyz) until a replica is back")
+
+
+def test_a_dependency_never_healthy_yet_is_not_said_to_be_still_unhealthy(caplog):
+    """On-call walk-through: an orchestrator started while its replicas loaded logged "kvpool
+    at ... is still unhealthy, now: kvpool is loading its model" as its first word of them,
+    a going-down no line had said. Its first reason is "not healthy yet"; a new one after it
+    is "still unhealthy, now:"; once healthy, a failure is "unhealthy" as before."""
+    import logging
+
+    h = Health("kvpool", "r0")
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.backends"):
+        h.fail("kvpool is loading its model; retry shortly")
+        h.fail("kvpool is loading its model; retry shortly")
+        h.fail("connection refused")
+        h.ok()
+        h.fail("connection refused")
+    assert [r.getMessage() for r in caplog.records] == [
+        "kvpool at r0 is not healthy yet: kvpool is loading its model; retry shortly",
+        "kvpool at r0 is still unhealthy, now: connection refused",
+        "kvpool at r0 is unhealthy: connection refused"]
