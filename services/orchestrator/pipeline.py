@@ -477,6 +477,12 @@ class Orchestrator:
         return semantic_pb2.Namespace(tenant=tenant.name, model_id=self.model_id,
                                       context_hash=prompt.context_hash)
 
+    def _at_shard(self, ns: semantic_pb2.Namespace, details: str) -> str:
+        """`details` of a failed call, naming the shard `ns` went to unless they do: a hung
+        shard's Store logged only gRPC's "Deadline Exceeded" (neither which nor where)."""
+        address = self.semantic.shard_for(ns)
+        return details if address in details else f"semantic shard {address}: {details}"
+
     def _lookup(self, tenant: Tenant, prompt: RenderedPrompt, policy: Policy, want_draft: bool,
                 deadline: float, on_call: Callable[[grpc.Future], None] | None = None
                 ) -> semantic_pb2.LookupResponse | None:
@@ -487,9 +493,10 @@ class Orchestrator:
         timeout = _within(self.semantic.timeout_s, deadline, _CACHE_SHARE)
         if timeout is None:
             return None  # the request's deadline has passed: the replica step reports it
+        ns = self._namespace(tenant, prompt)
         try:
             return self.semantic.lookup(semantic_pb2.LookupRequest(
-                namespace=self._namespace(tenant, prompt), text=prompt.query_text,
+                namespace=ns, text=prompt.query_text,
                 tier=policy.semantic_tier or self.default_tier,
                 threshold=policy.semantic_threshold, want_draft=want_draft), timeout,
                 on_call=on_call)
@@ -513,7 +520,8 @@ class Orchestrator:
                 return None
             # Anything else (the tier down) only means this request goes without the tier.
             if _DEGRADED_LINES.allow(("semantic lookup", e.code().name)):
-                log.warning("semantic lookup failed, skipping the tier: %s", details)
+                log.warning("semantic lookup failed, skipping the tier: %s",
+                            self._at_shard(ns, details))
             self.stats.degrade("semantic_skipped")
             return None
 
@@ -531,9 +539,10 @@ class Orchestrator:
             # anyway, the Store timed out here while the tier still wrote the entry, which
             # the client could then not name.
             return ""
+        ns = self._namespace(tenant, prompt)
         try:
             return self.semantic.store(semantic_pb2.StoreRequest(
-                namespace=self._namespace(tenant, prompt), prompt=prompt.query_text,
+                namespace=ns, prompt=prompt.query_text,
                 answer=answer, truncated_at=truncated_at, answer_token_ids=answer_ids),
                 timeout, on_call=on_call).id
         except grpc.FutureCancelledError:
@@ -549,7 +558,7 @@ class Orchestrator:
                 log.info("answer not stored in the semantic tier: %s", e.details())
                 return ""
             if _DEGRADED_LINES.allow(("semantic store", e.code().name)):
-                log.warning("semantic store failed: %s", e.details())
+                log.warning("semantic store failed: %s", self._at_shard(ns, e.details() or ""))
             self.stats.degrade("semantic_store_failed")
             return ""
 

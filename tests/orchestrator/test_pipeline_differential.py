@@ -301,6 +301,9 @@ class SemanticTier:
 
     timeout_s = 2.0
 
+    def shard_for(self, ns) -> str:
+        return "sem:1"
+
     def __init__(self, world: World, enabled: bool) -> None:
         self.world, self.enabled = world, enabled
         self.entries: dict[tuple, semantic_pb2.SemanticEntry] = {}

@@ -731,6 +731,9 @@ def test_a_hung_tier_leaves_the_replica_most_of_a_short_deadline():
         enabled = True
         timeout_s = 2.0
 
+        def shard_for(self, ns) -> str:
+            return "sem:1"
+
         def __init__(self) -> None:
             self.timeouts: list[float] = []
 

@@ -37,6 +37,9 @@ class RefusingTier:
     def store(self, request, timeout=None, on_call=None):
         raise self.error
 
+    def shard_for(self, ns):
+        return "10.0.0.7:50052"
+
 
 def _soon() -> float:
     return time.monotonic() + 30
@@ -108,3 +111,25 @@ def test_a_tier_down_is_logged_a_few_times_then_counted_not_once_per_request(cap
                              deadline=_soon()) is None
     assert caplog.text.count("semantic lookup failed") == 3
     assert o.stats.degradations["semantic_skipped"] == 20
+
+
+@pytest.mark.parametrize("details,said", [
+    ("Deadline Exceeded", "semantic shard 10.0.0.7:50052: Deadline Exceeded"),
+    ("semantic shard 10.0.0.7:50052 hung: skipped for another 1.0s",
+     "semantic shard 10.0.0.7:50052 hung: skipped for another 1.0s"),
+])
+def test_a_failed_semantic_call_s_line_names_its_shard(caplog, monkeypatch, details, said):
+    """On-call walk-through: with the semantic shard SIGSTOPped, a Store's line read
+    "semantic store failed: Deadline Exceeded", naming no shard. Each line names it, once."""
+    import logging
+
+    from services.common.logs import Thinned
+    from services.orchestrator import pipeline
+
+    monkeypatch.setattr(pipeline, "_DEGRADED_LINES", Thinned(pipeline.log))
+    o = orchestrator(Refusal(grpc.StatusCode.DEADLINE_EXCEEDED, details))
+    with caplog.at_level(logging.WARNING, logger=pipeline.log.name):
+        assert o._lookup(TENANT, PROMPT, Policy(), want_draft=False, deadline=_soon()) is None
+        assert o._store(TENANT, PROMPT, "answer", 0, _soon()) == ""
+    assert [r.getMessage() for r in caplog.records] == [
+        f"semantic lookup failed, skipping the tier: {said}", f"semantic store failed: {said}"]
