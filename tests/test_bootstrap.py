@@ -805,3 +805,24 @@ def test_a_callers_token_is_checked_before_its_request_is_parsed():
         ch.close()
     finally:
         h.stop(0)
+
+
+def test_the_count_of_refused_callers_left_out_says_what_it_counts(server, monkeypatch, caplog):
+    """On-call walk-through: after 100 calls with a wrong token, the count line read
+    "ipv4:127.0.0.1/UNAUTHENTICATED: 97 more lines left out", not saying what the lines were."""
+    import logging
+
+    from services.common import bootstrap
+    from services.common.logs import Thinned
+
+    monkeypatch.setattr(bootstrap, "_AUTH_LINES", Thinned(bootstrap.log, per_window=1,
+                                                          window_s=60.0, level=logging.WARNING))
+    with caplog.at_level(logging.WARNING, logger="services.common.bootstrap"):
+        for _ in range(3):
+            with pytest.raises(grpc.RpcError):
+                _stub(server).Match(prefix_pb2.MatchRequest(token_ids=[1]), timeout=5,
+                                    metadata=[("authorization", "Bearer guess")])
+        bootstrap._AUTH_LINES.flush()
+    counts = [r.getMessage().split(" between")[0] for r in caplog.records
+              if "left out" in r.getMessage()]
+    assert counts == ["callers refused/ipv4:127.0.0.1/UNAUTHENTICATED: 2 more lines left out"]
