@@ -1,8 +1,11 @@
 """Semantic tier benchmark (issue 5).
 
-    python -m benchmarks.semantic [--quick]
+    python -m benchmarks.semantic [--quick] [--out-dir DIR]
         [--parts embed,quality,chinese,latency,ef_sweep,exporters]
         ->  benchmarks/results/semantic.json (+ semantic_pr.png, semantic_table.md)
+
+`--out-dir` writes those files to DIR instead (and keeps the parts not run from DIR's file),
+so a trial run leaves the committed results alone.
 
 `--parts` runs a subset (e.g. `--parts latency` on a quiet machine, `--parts quality` anywhere:
 precision does not depend on load) and keeps the other parts' figures from the existing file;
@@ -858,6 +861,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", default=",".join(PARTS),
                     help=f"comma-separated subset of {','.join(PARTS)}; parts not run keep "
                          "their figures from the existing results file (default: all)")
+    ap.add_argument("--out-dir", type=Path, default=RESULTS,
+                    help="folder of the results file, plot and table (default: "
+                         "benchmarks/results; another keeps the committed ones as they are)")
     args = ap.parse_args(argv)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
@@ -875,7 +881,9 @@ def main(argv: list[str] | None = None) -> int:
     emb = OnnxEmbedder(cfg.resolved_model_dir(), default_cache_dir(), cfg.resolved_model_name())
     qqp, paws, zh = load_qqp(), load_paws(), load_stsb_zh()
     sfx = "_quick" if quick else ""
-    out = RESULTS / f"semantic{sfx}.json"
+    out_dir = args.out_dir
+    out_dir.mkdir(parents=True, exist_ok=True)  # the quality part writes its plot there
+    out = out_dir / f"semantic{sfx}.json"
     res: dict = json.loads(out.read_text()) if out.is_file() and len(parts) < len(PARTS) else {}
     res.update({"quick": quick, "model": cfg.resolved_model_name(), "cpu_count": os.cpu_count(),
                 "data": str(DATA)})
@@ -894,7 +902,7 @@ def main(argv: list[str] | None = None) -> int:
         log(json.dumps(res["embed"]))
     if "quality" in parts:
         log("quality: QQP / PAWS per tier")
-        png = RESULTS / f"semantic{sfx}_pr.png"
+        png = out_dir / f"semantic{sfx}_pr.png"
         res["quality"] = bench_quality(emb, qqp_q, paws_q, cfg, png)
     if "chinese" in parts:
         log("Chinese STS-B")
@@ -919,10 +927,9 @@ def main(argv: list[str] | None = None) -> int:
         runs[p] = {"at": stamp, "load_average_1m": os.getloadavg()[0], "cpu_model": cpu_model()}
     res["targets"] = targets(res)
     res["wall_s"] = time.perf_counter() - t_all
-    RESULTS.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1))
     if "quality" in res:
-        (RESULTS / f"semantic{sfx}_table.md").write_text(table(res))
+        (out_dir / f"semantic{sfx}_table.md").write_text(table(res))
         print(table(res))
     for name, t in res["targets"].items():
         print(f"{name}: {t['value']:.4g} (target {t['target']}) {'met' if t['met'] else 'NOT met'}")
