@@ -869,6 +869,9 @@ def test_a_stream_cancelled_just_before_it_waits_for_a_slot_does_not_wait_out_th
         def add_callback(self, cb) -> bool:
             return False  # the call is over: the callback will never run
 
+        def set_trailing_metadata(self, trailers) -> None:
+            pass
+
         def abort(self, code, details):
             raise RuntimeError(details)
 
@@ -1244,3 +1247,38 @@ def test_a_streamed_response_over_the_send_limit_is_logged_under_its_request_id(
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert dict(e.value.trailing_metadata()).get("x-request-id") == "big-1"
     assert [i for m, i in seen if "over the server's limit" in m] == ["big-1"], seen
+
+
+def test_a_reflection_stream_refused_at_the_open_stream_cap_says_its_request_id(small_server,
+                                                                                 monkeypatch):
+    """A two-way stream refused RESOURCE_EXHAUSTED for the open-stream caps carries its request
+    id in its trailers, and its line too, as every other failed call: it had neither. These
+    need no credential, so the lines are thinned per peer host as the credential refusals'
+    (3 a minute), not one per refused stream."""
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    fresh_lines(monkeypatch)
+    monkeypatch.setattr(bootstrap, "OPEN_SLOT_GRACE_S", 0.05)  # nothing frees here anyway
+    rs = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(small_server.address))
+    ask = reflection_pb2.ServerReflectionRequest(list_services="")
+    held = tb._held_streams(rs, ask, bootstrap.MAX_OPEN_STREAMS_PER_PEER)
+    got = []
+    try:
+        with lines_with_ids() as seen:
+            for i in range(6):
+                with pytest.raises(grpc.RpcError) as e:
+                    next(rs.ServerReflectionInfo(iter([ask]), timeout=5,
+                                                 metadata=[("x-request-id", f"ticket-{i}")]))
+                got.append((e.value.code(), e.value.details(),
+                            dict(e.value.trailing_metadata() or ()).get("x-request-id")))
+    finally:
+        for q, it in held:
+            q.put(None)
+            it.cancel()
+    why = "ServerReflectionInfo: at most 2 open streams per client; close one"
+    assert got == [(grpc.StatusCode.RESOURCE_EXHAUSTED, why, f"ticket-{i}") for i in range(6)]
+    refusals = [(m.split(" from ")[0], m.split(": ", 1)[1], i) for m, i in seen
+                if "refused RESOURCE_EXHAUSTED" in m]
+    assert refusals == [("ServerReflectionInfo refused RESOURCE_EXHAUSTED",
+                         "at most 2 open streams per client; close one", f"ticket-{i}")
+                        for i in range(3)], seen

@@ -58,6 +58,7 @@ _ERROR_LINES = Thinned(log)
 _STARTING_LINES = Thinned(log, per_window=1, window_s=60.0)
 # Callers refused for their credential, one line per peer and code (thinned): only a counter
 # said so, and token guessing could not be traced to a peer. The credential is never logged.
+# Two-way streams refused for the open-stream caps too (`_refuse_stream`, no credential needed).
 _AUTH_LINES = Thinned(log, per_window=3, window_s=60.0, level=logging.WARNING)
 # Responses refused for size: WARNINGs, so their count is one too (_ERROR_LINES counts INFO).
 _TOO_LARGE_LINES = Thinned(log, level=logging.WARNING)
@@ -812,9 +813,7 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 if mine_waits:
                     waiting.discard(peer)
             if refused:
-                RPC_TOTAL.labels(service, short, "RESOURCE_EXHAUSTED").inc()
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                              f"{short}: {refused}; close one")
+                _refuse_stream(context, service, short, rid, f"{refused}; close one")
             reaped = _OPEN_REAPER.arm(time.monotonic() + OPEN_STREAM_MAX_S, context,
                                       f"{short}: open for {OPEN_STREAM_MAX_S:g} s, the most a "
                                       "stream may be; open another")
@@ -848,6 +847,18 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 
         return wrapped
+
+
+def _refuse_stream(context, service: str, short: str, rid: str, why: str) -> None:
+    """A two-way stream refused RESOURCE_EXHAUSTED for the open-stream caps, with its request
+    id (trailer and line), as every other failed call: it had neither. Its line is thinned per
+    peer host as the credential refusals' are: these streams need no credential, and a flood
+    of them must not write a line each."""
+    RPC_TOTAL.labels(service, short, "RESOURCE_EXHAUSTED").inc()
+    with bound_request_id(rid):
+        _refused_caller(context, short, "RESOURCE_EXHAUSTED", why)
+        context.set_trailing_metadata(_told_request_id())
+    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{short}: {why}")
 
 
 def _notify_all(cond: threading.Condition) -> None:
