@@ -1282,3 +1282,26 @@ def test_a_reflection_stream_refused_at_the_open_stream_cap_says_its_request_id(
     assert refusals == [("ServerReflectionInfo refused RESOURCE_EXHAUSTED",
                          "at most 2 open streams per client; close one", f"ticket-{i}")
                         for i in range(3)], seen
+
+
+def test_one_grpcurl_call_with_a_bad_request_id_says_it_replaced_once(small_server,
+                                                                      monkeypatch):
+    """grpcurl sends its headers on the reflection stream it opens first, and on the call: a
+    bad x-request-id's "replaced" line was written twice, the reflection's telling nothing the
+    call's does not. Reflection's bad id is replaced without a line; the call's is said."""
+    import subprocess
+
+    from tests.e2e.conftest import grpcurl_path
+
+    fresh_lines(monkeypatch, "_ERROR_LINES")
+    with lines_with_ids(level=logging.INFO) as seen:
+        out = subprocess.run(
+            [grpcurl_path(), "-plaintext", "-H", "x-request-id: bad id with spaces",
+             "-H", "authorization: Bearer s3cret", "-d", '{"token_ids": [1]}',
+             small_server.address, "tiercache.v1.PrefixIndex/Match"],
+            capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    said = [(m, i) for m, i in seen if "x-request-id" in m]
+    assert len(said) == 1, seen
+    assert said[0][0] == (f"Match: x-request-id 'bad id with spaces' replaced by {said[0][1]} "
+                          "(not 1-128 characters of A-Z a-z 0-9 . _ : -)")

@@ -90,7 +90,8 @@ HEALTH_PATH = "/healthz"
 # restarted for it, only kept out of its Service (and a rolling update held back).
 READY_PATH = "/readyz"
 METRICS_PATH = "/metrics"
-_OPEN_METHODS = ("/grpc.health.v1.Health/", "/grpc.reflection.")
+_REFLECTION_METHODS = "/grpc.reflection."
+_OPEN_METHODS = ("/grpc.health.v1.Health/", _REFLECTION_METHODS)
 # Open two-way streams (server reflection) one server serves at once: each holds a worker
 # thread while open, and needs no credential.
 MAX_OPEN_STREAMS = 4
@@ -501,6 +502,10 @@ class _Call:
         open_method = method.startswith(_OPEN_METHODS)
         self.need_auth = bool(interceptor.internal_token) and not open_method
         self.authenticate = None if open_method else interceptor.authenticate
+        # Reflection is tooling's: grpcurl opens a stream before each call, with the call's
+        # headers, so a bad id was said twice, the reflection's line telling nothing the
+        # call's does not. Still replaced (its trailers carry the new id), without a line.
+        self.say_replaced = not method.startswith(_REFLECTION_METHODS)
         # Two credentials: which one counts would depend on who reads them (a proxy the
         # first, `dict` here the last); none is taken.
         self.twice = self.need_auth and sum(k == "authorization" for k, _ in pairs) > 1
@@ -548,7 +553,7 @@ class _Call:
             context.abort(_status_code(exc.code), _capped(str(exc)))
 
     def _say_replaced(self, given: str, rid: str) -> None:
-        if given and rid != given and \
+        if self.say_replaced and given and rid != given and \
                 _ERROR_LINES.allow((self.service, self.short, "x-request-id")):
             # Replaced without a word, the caller's id (a ticket quotes it) matched no
             # line, and a refused call never told its caller the new one.
