@@ -607,7 +607,11 @@ class PrefixIndex:
         if gone:
             # Here, not by the sweeper alone: whichever call comes first drops a lapsed lease
             # (a Match, another replica's heartbeat), so the sweeper's line was nearly never
-            # written (1 of 8 lapses in an operator's run).
+            # written (1 of 8 lapses in an operator's run). INFO, not WARNING: every replica
+            # stopped on purpose (a rollout, a scale-down) lapses so, having withdrawn its
+            # blocks (there is no Deregister), and a lapse that is a fault is a WARNING where it
+            # happened: the orchestrator's "kvpool/<name> at <address> is unhealthy" (killed,
+            # hung), the replica's own "prefix index <address>: UNAVAILABLE ..." (cut off).
             log.info("leases lapsed: dropped replicas %s (lease %g s; last seen %s s ago)",
                      ", ".join(r.replica_id for r in gone), self.lease_seconds,
                      ", ".join(f"{now - r.last_seen:.1f}" for r in gone))
