@@ -9,7 +9,6 @@ cut them (helpers and fixtures from test_bootstrap)."""
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import signal
 import time
@@ -25,6 +24,7 @@ from services.common.logs import package_version
 from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 from services.launcher import free_port
 from tests import test_bootstrap as tb
+from tests.log_lines import fresh_lines, lines_with_ids
 from tests.test_bootstrap_differential import watch_health
 from tests.waits import holds_within
 
@@ -1127,37 +1127,6 @@ def test_calls_refused_while_the_service_loads_leave_one_line_not_one_per_poll(c
     lines = [r.getMessage() for r in caplog.records]
     assert sum(m.startswith("Stats ended UNAVAILABLE: kvpool is loading") for m in lines) == 1
     assert sum(m.startswith("Match ended UNAVAILABLE") for m in lines) == 5
-
-
-@contextlib.contextmanager
-def lines_with_ids(name: str = "services.common.bootstrap", level: int = logging.WARNING):
-    """The messages `name`'s logger writes at `level` or above meanwhile, each with the
-    request id bound when it was written (what its JSON line's request_id is)."""
-    from services.common.logs import request_id_var
-
-    seen: list[tuple[str, str]] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            seen.append((record.getMessage(), request_id_var.get()))
-
-    keep, logger = Keep(level), logging.getLogger(name)
-    logger.addHandler(keep)
-    old = logger.level
-    logger.setLevel(min(level, old or level))
-    try:
-        yield seen
-    finally:
-        logger.removeHandler(keep)
-        logger.setLevel(old)
-
-
-def fresh_lines(monkeypatch, name: str = "_AUTH_LINES") -> None:
-    """The thinning of the interceptor's lines `name` (the refusals', per peer host) started
-    over: every caller here is 127.0.0.1, and earlier tests may have used up its lines."""
-    old = getattr(bootstrap, name)
-    monkeypatch.setattr(bootstrap, name, bootstrap.Thinned(
-        old.log, per_window=old.per_window, window_s=old.window_s, level=old.level))
 
 
 @pytest.mark.parametrize("given", ["mine-7", "", "bad id!"])

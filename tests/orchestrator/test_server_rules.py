@@ -1469,7 +1469,7 @@ def test_a_call_refused_for_its_tenant_token_says_its_request_id(monkeypatch, to
     from tiercache.v1 import orchestrator_pb2_grpc
 
     from services.common.bootstrap import create_server
-    from tests.test_bootstrap_rules import fresh_lines, lines_with_ids
+    from tests.log_lines import fresh_lines, lines_with_ids
 
     fresh_lines(monkeypatch)
     s = OrchestratorServicer(CFG)
