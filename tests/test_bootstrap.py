@@ -1,5 +1,6 @@
 """The common bootstrap over a real channel: health, reflection, error mapping, UTF-8, auth."""
 
+import contextlib
 import queue
 import threading
 import time
@@ -155,15 +156,23 @@ def test_find_invalid_utf8_nested_and_repeated():
                              good.SerializeToString()) is None
 
 
-@pytest.fixture
-def small_server():
-    h = create_server(service="test", address="127.0.0.1:0", internal_token="s3cret",
+@contextlib.contextmanager
+def _small(service: str = "test"):
+    h = create_server(service=service, address="127.0.0.1:0", internal_token="s3cret",
                       max_workers=6,
                       services=[(prefix_pb2_grpc.add_PrefixIndexServicer_to_server, Index(),
                                  "tiercache.v1.PrefixIndex")])
     h.set_serving()
-    yield h
-    h.stop(0)
+    try:
+        yield h
+    finally:
+        h.stop(0)
+
+
+@pytest.fixture
+def small_server():
+    with _small() as h:
+        yield h
 
 
 def test_malformed_health_requests_are_invalid_argument_watch_too(small_server):
@@ -491,29 +500,34 @@ def test_a_stream_waiting_for_a_slot_lets_go_when_its_client_cancels(small_serve
             it.cancel()
 
 
-def test_reflection_streams_are_counted_and_timed_however_they_end(small_server):
+def test_reflection_streams_are_counted_and_timed_however_they_end():
     """Only refused reflection streams reached tiercache_rpc_total: the method's only series
-    was the refusal, and an error-ratio alert on it read 100%."""
+    was the refusal, and an error-ratio alert on it read 100%. Its server has a service name
+    of its own: the streams earlier tests held on theirs ("test") may end, and be timed, while
+    this one runs."""
     from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     from services.common.metrics import RPC_SECONDS, RPC_TOTAL
 
+    service = "reflection-counted"
+
     def ok() -> float:
-        return RPC_TOTAL.labels("test", "ServerReflectionInfo", "OK")._value.get()
+        return RPC_TOTAL.labels(service, "ServerReflectionInfo", "OK")._value.get()
 
     def timed() -> float:
         return sum(s.value for m in RPC_SECONDS.collect() for s in m.samples
                    if s.name.endswith("_count")
                    and s.labels.get("method") == "ServerReflectionInfo"
-                   and s.labels.get("service") == "test")
+                   and s.labels.get("service") == service)
 
     before_ok, before_timed = ok(), timed()
-    rs = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(small_server.address))
-    ask = reflection_pb2.ServerReflectionRequest(list_services="")
-    got = list(rs.ServerReflectionInfo(iter([ask]), timeout=5))
-    assert got and got[0].list_services_response.service
-    holds_within(lambda: ok() >= before_ok + 1, 5, 0.05)  # the handler ends after
-    assert ok() == before_ok + 1 and timed() == before_timed + 1
+    with _small(service) as h:
+        rs = reflection_pb2_grpc.ServerReflectionStub(grpc.insecure_channel(h.address))
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        got = list(rs.ServerReflectionInfo(iter([ask]), timeout=5))
+        assert got and got[0].list_services_response.service
+        holds_within(lambda: ok() >= before_ok + 1, 5, 0.05)  # the handler ends after
+        assert ok() == before_ok + 1 and timed() == before_timed + 1
 
 
 def test_the_per_client_reflection_cap_counts_every_connection_of_one_host(small_server):
