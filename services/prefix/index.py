@@ -1016,8 +1016,10 @@ class PrefixIndex:
         """
         # As Register refuses it: no replica can serve such a model, and an empty match read
         # as a cold cache, not as the caller's mistake (one with a NUL was answered and
-        # counted as a miss in Stats).
-        _check_model_id(model_id)
+        # counted as a miss in Stats). A served model's id passed this check at Register: a
+        # dict lookup instead of the checks (blank() walks the id) on every Match.
+        if model_id not in self._by_model:
+            _check_model_id(model_id)
         if len(token_ids) and len(block_hashes):
             raise InvalidArgument("token_ids", "give token_ids or block_hashes, not both")
         if len(block_hashes):
