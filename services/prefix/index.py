@@ -575,13 +575,14 @@ class PrefixIndex:
         a lapse still has to give back) are kept that much longer too: a replica whose lease
         lapsed just before the pause sent its Register during it, and lost them all while
         the Register waited for an index that could not answer."""
-        if self._swept_at is None:
+        swept = self._swept_at
+        if swept is None:
             return
         # The last sign that the process ran: the sweeper's turn, or a call served since. A
         # sweeper starved while calls came (a busy lock, the GIL) is not a pause: read as one,
         # it pushed a silent replica's lease past its end while the index answered every 50 ms.
-        gap = now - max(self._swept_at, self._active_at)
-        if gap <= self.lease_seconds / 2:
+        # (Comparisons, not max(): this runs on every call.)
+        if now - (swept if swept > self._active_at else self._active_at) <= self.lease_seconds / 2:
             return
         # The sweeper's own period was time the index ran: only the lateness is forgiven (a
         # sweeper late at every turn still lets a silent replica's lease run out).
@@ -598,7 +599,8 @@ class PrefixIndex:
 
     def _expire(self, now: float, force: bool = False) -> list[str]:
         self._forgive_pause(now)
-        self._active_at = max(self._active_at, now)
+        if now > self._active_at:
+            self._active_at = now
         if now < self._next_deadline and not force:
             return []
         gone = [r for r in self._replicas.values() if r.deadline <= now]
