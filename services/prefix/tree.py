@@ -617,11 +617,14 @@ class BlockTree:
             return []
         if model_id is not None and self._meta.get(self._parent(first), ("",))[0] != model_id:
             return []  # another model's hashes, asked for under this one
+        # With no node unheld (a clear's leftovers, see `reap`), every node in the table is
+        # held: the probes below skip that test (~0.2 us of a Match).
+        unheld = self.unheld
         def at(i: int) -> int | None:
             """The node of hashes[i] if it sits at depth i under the node of hashes[i-1] (a
             node elsewhere is not part of this chain: a publisher's skip, another model)."""
             s = get(hashes[i])
-            if s is None or nav[_NAV * s + _DEPTH] != i or not use[_USE * s + _HOLD]:
+            if s is None or nav[_NAV * s + _DEPTH] != i or unheld and not use[_USE * s + _HOLD]:
                 return None  # (an unheld node is not there: holders shrink along a chain)
             up = nav[_NAV * s + _UP]
             return s if up and s - up == get(hashes[i - 1]) else None
