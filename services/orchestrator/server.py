@@ -867,8 +867,9 @@ class Warmer:
         if len(jobs) > limit:
             raise errors.InvalidArgument(
                 "prompts" if request.prompts else "top_k",
-                f"{len(jobs)} prefills (prompts x target replicas) exceed the limit of {limit} "
-                f"per call: warm fewer prompts, or target the owners")
+                f"{len(jobs)} prefills (one per prompt or top-k prefix and target replica) "
+                f"exceed the limit of {limit} per call: warm fewer prompts or a smaller top_k, "
+                f"or target the owners")
         if not self.orch.replicas.healthy():  # after the checks of the request itself
             # Every replica on another model (mid-roll): said as Generate says it, naming both
             # model ids ("no healthy replica to warm" named none).

@@ -692,6 +692,13 @@ def test_a_warm_past_the_per_call_limit_names_the_field_it_asked_with():
         with pytest.raises(errors.InvalidArgument, match="^prompts: 4 prefills"):
             warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
                 prompts=[_prompt("x" * 16), _prompt("y" * 16)]))
+        # A prompt and a hot prefix on two replicas: the prefix's two count as the prompt's
+        # (the message said "prompts x target replicas", as if the prompt alone made four).
+        with pytest.raises(errors.InvalidArgument, match=r"^prompts: 4 prefills \(one per "
+                           r"prompt or top-k prefix and target replica\) exceed the limit of 3 "
+                           r"per call: warm fewer prompts or a smaller top_k"):
+            warmer.warm(TENANT, orchestrator_pb2.WarmRequest(prompts=[_prompt("x" * 16)],
+                                                             top_k=1))
     finally:
         warmer.stop()
     assert _sent(stubs) == []
