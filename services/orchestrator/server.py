@@ -685,7 +685,8 @@ class Warmer:
                  request_id: str = "", gone: _Gone | None = None):
         """One Prefill on `replica`, pinned for `ttl` seconds (0: not pinned). With `gone` (the
         Warm caller cancelled or went away), a running prefill is cancelled once it is set:
-        the replica stops computing and pins nothing more for nobody."""
+        the replica stops computing and pins nothing more for nobody; so it is when the
+        poller declares the replica down (UNAVAILABLE in its result)."""
         if timeout <= 0:
             # Queued behind the call's other prefills (prompts x replicas share the pool)
             # until its deadline: sending it anyway made replicas compute for a caller that
@@ -702,15 +703,18 @@ class Warmer:
         # caller was told DEADLINE_EXCEEDED.
         kw = dict(timeout=timeout,
                   metadata=call_metadata(self.orch.internal_token, request_id))
+        down = threading.Event()
         try:
             try:
                 r = timed("kvpool", "Prefill", replica.address,
                           (lambda: replica.stub.Prefill(req, **kw)) if gone is None else
-                          lambda: _unless_gone(replica.stub.Prefill.future(req, **kw), gone))
+                          lambda: self._prefill_watched(replica, req, kw, gone, down))
             except grpc.FutureCancelledError:
                 return orchestrator_pb2.WarmResult(
                     prompt_index=index, replica_id=replica.public_id,
-                    error="CANCELLED: the caller went away; this prefill's cancellation "
+                    error=f"UNAVAILABLE: replica {replica.public_id} was found down during "
+                          "this prefill (cancelled)" if down.is_set() else
+                          "CANCELLED: the caller went away; this prefill's cancellation "
                           "was sent to the replica")
             return orchestrator_pb2.WarmResult(
                 prompt_index=index, replica_id=r.replica_id or replica.public_id,
@@ -729,6 +733,23 @@ class Warmer:
             return orchestrator_pb2.WarmResult(
                 prompt_index=index, replica_id=replica.public_id, prompt_tokens=prompt,
                 cached_tokens=cached, computed_tokens=computed, error=f"{e.code().name}: {why}")
+
+    def _prefill_watched(self, replica, req, kw: dict, gone: _Gone, down: threading.Event):
+        """A Warm call's Prefill, cancelled as its caller goes (`_unless_gone`) or as the
+        poller declares the replica down (`down` then set): a Warm with one replica SIGSTOPped
+        waited 60 s for it, long after the poller had taken it out of routing."""
+        seen = replica.downs  # declared down before the watch below: cancelled at once
+        call = replica.stub.Prefill.future(req, **kw)
+
+        def on_down() -> None:
+            down.set()
+            call.cancel()
+
+        self.orch.replicas.watch(replica, on_down, seen)
+        try:
+            return _unless_gone(call, gone)
+        finally:
+            self.orch.replicas.unwatch(replica, on_down)
 
     def _targets(self, tenant, token_ids, target, deadline: float, gone: _Gone | None = None):
         healthy = self.orch.replicas.healthy()

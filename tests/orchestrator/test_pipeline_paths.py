@@ -31,6 +31,7 @@ from services.orchestrator.routing import PrefixAwarePolicy
 from services.orchestrator.server import Warmer, _Gone, _on_rpc_end
 from services.orchestrator.tenants import Tenant
 from tests.metric_sample import sample_value
+from tests.waits import wait_until
 
 
 class RpcError(grpc.RpcError):
@@ -952,6 +953,35 @@ def test_a_warm_whose_caller_went_away_sends_no_further_prefill_and_cancels_the_
         assert sum("cancellation was sent to the replica" in e for e in errors_) == 4
         calls = [c for s in stubs.values() for c in s.Prefill.calls]
         assert len(calls) == 4 and all(c.cancelled for c in calls)  # no further one sent
+    finally:
+        gate.set()
+        warmer.stop()
+
+
+def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailable():
+    """A Warm with one replica SIGSTOPped waited 60 s for its prefill, though the poller had
+    taken it out of routing after ~9 s (a stream there fails over at once): the prefill is
+    cancelled as the replica is declared down, the others run on."""
+    stubs, gate, inflight, _, warmer = _gated_warmer()
+    out: list = []
+    t = threading.Thread(target=lambda: out.append(warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
+        prompts=[orchestrator_pb2.WarmPrompt(prompt="x0" + "." * 16)]))))
+    t.start()
+    try:
+        deadline = time.monotonic() + 30
+        while inflight[0] < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        rs = warmer.orch.replicas
+        down = next(r for r in rs.replicas if r.replica_id == "A")
+        rs._notify_down(down)
+        wait_until(lambda: [c.cancelled for c in stubs["A"].Prefill.calls] == [True], 5,
+                   "A's prefill was not cancelled as A was declared down")
+        gate.set()
+        t.join(10)
+        assert sorted(r.error for r in out[0].results) == [
+            "", "", f"UNAVAILABLE: replica {down.public_id} was found down during this prefill "
+                    "(cancelled)"]
+        assert not any(r.watchers for r in rs.replicas)  # each prefill's watch ended with it
     finally:
         gate.set()
         warmer.stop()

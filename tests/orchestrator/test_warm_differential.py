@@ -120,6 +120,7 @@ class Replica:
         self.address = f"{rid}:1"  # what the Warmer's Prefill timing labels it by
         self.load = 0
         self.healthy = True
+        self.downs = 0  # never declared down here (see World.watch)
         self.stats = None
         self.mode = "ok"  # ok | error | verdict | slow
         self.error_code = grpc.StatusCode.UNAVAILABLE
@@ -248,6 +249,12 @@ class World:
 
     def misfits(self) -> str:
         return ""  # no replica here serves another model
+
+    def watch(self, r, fn, downs_seen=None) -> None:
+        pass  # no replica here is declared down while a prefill runs
+
+    def unwatch(self, r, fn) -> None:
+        pass
 
     def owner(self, tenant, token_ids, deadline=None, on_call=None):
         key = (tenant.cache_salt, tuple(token_ids))

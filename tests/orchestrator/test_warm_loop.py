@@ -354,12 +354,13 @@ def test_a_warm_reserves_its_prefills_from_the_rate_limit_and_gives_back_unused_
     reg.clock = clock = Clock(100.0)
     # Replica r0 already holds the prefixes (a refresh computes nothing), r1 computes them.
     reps = [SimpleNamespace(replica_id=f"r{i}", public_id=f"r{i}", load=0, stats=None,
-                            address=f"r{i}:1", stub=PinStub(0 if i == 0 else 32))
+                            downs=0, address=f"r{i}:1", stub=PinStub(0 if i == 0 else 32))
             for i in range(2)]
     hot = [prefix_pb2.HotPrefix(token_ids=[7 + j] * 32, holders=["r0"], hits=5,
                                 cache_salt=tenant.cache_salt) for j in range(2)]
     orch = SimpleNamespace(
-        replicas=SimpleNamespace(healthy=lambda: reps), model_id="m", internal_token="",
+        replicas=SimpleNamespace(healthy=lambda: reps, watch=lambda r, fn, seen: None,
+                                 unwatch=lambda r, fn: None), model_id="m", internal_token="",
         prefix=SimpleNamespace(top_prefixes=lambda k, model_id, cache_salt=None: hot[:k]))
     w = Warmer(orch, OrchestratorConfig(warm_interval_s=0))
 
