@@ -106,8 +106,10 @@ class Health:
 
     def _ok(self) -> None:
         if not self.healthy and self.last_error and self.exported:
-            # Said as its going down was: recovery was only visible in Stats.
-            log.info("%s at %s is healthy again", self.name, self.address)
+            # Said as its going down was: recovery was only visible in Stats. One never
+            # healthy before (its line said "not healthy yet") is healthy, not "again".
+            log.info("%s at %s is healthy%s", self.name, self.address,
+                     " again" if self.last_ok else "")
         self._said.clear()
         self.healthy, self.last_error, self.last_ok = True, "", time.time()
         self.held_down = False

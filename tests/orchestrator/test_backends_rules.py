@@ -610,3 +610,18 @@ def test_a_dependency_never_healthy_yet_is_not_said_to_be_still_unhealthy(caplog
         "kvpool at r0 is not healthy yet: kvpool is loading its model; retry shortly",
         "kvpool at r0 is still unhealthy, now: connection refused",
         "kvpool at r0 is unhealthy: connection refused"]
+
+
+def test_a_dependency_healthy_for_the_first_time_is_not_said_healthy_again(caplog):
+    """After "not healthy yet", its first healthy poll said "is healthy again", a recovery
+    from a health no line had said; after a going-down it is "again"."""
+    import logging
+
+    h = Health("kvpool", "r0")
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.backends"):
+        h.fail("kvpool is loading its model; retry shortly")
+        h.ok()
+        h.fail("connection refused")
+        h.ok()
+    assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
+        "kvpool at r0 is healthy", "kvpool at r0 is healthy again"]
