@@ -306,26 +306,13 @@ def test_a_stream_whose_client_left_logs_one_line_under_its_request_id():
     as every other status does: a kvpool Generate its orchestrator cancelled (the end
     client's cancel or deadline) was counted but left no line, and the replica that served
     the ticket's request id could not be found in the logs."""
-    from services.common.logs import request_id_var
+    def ended() -> list[tuple[str, str]]:  # each with the id bound when written
+        return [(m, i) for m, i in lines if "Talk ended" in m]
 
-    seen: list[tuple[str, str]] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:  # the id bound when written
-            if "Talk ended" in record.getMessage():
-                seen.append((record.getMessage(), request_id_var.get()))
-
-    keep, logger = Keep(), logging.getLogger("services.common.bootstrap")
-    logger.addHandler(keep)
-    old = logger.level
-    logger.setLevel(logging.INFO)
-    try:
+    with lines_with_ids(level=logging.INFO) as lines:
         # The line is written after the close.
-        _talk_cancelled("gone-8", lambda: None, after=lambda: holds_within(lambda: seen, timeout=5))
-    finally:
-        logger.removeHandler(keep)
-        logger.setLevel(old)
-    assert seen == [("Talk ended CANCELLED: client cancelled", "gone-8")]
+        _talk_cancelled("gone-8", lambda: None, after=lambda: holds_within(ended, timeout=5))
+    assert ended() == [("Talk ended CANCELLED: client cancelled", "gone-8")]
 
 
 def test_the_internal_credential_must_match_exactly(server):
@@ -981,33 +968,21 @@ def test_a_request_id_that_is_replaced_says_so_under_the_new_one():
     caller's id matched no line, and a refused call never told its caller the new id."""
     from services.common.logs import request_id_var
 
-    seen: list[tuple[str, str]] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if "x-request-id" in record.getMessage():
-                seen.append((record.getMessage(), request_id_var.get()))
-
     ids: list[str] = []
 
     def once(_request, _context):
         ids.append(request_id_var.get())
         yield b"x"
 
-    keep, logger = Keep(), logging.getLogger("services.common.bootstrap")
-    logger.addHandler(keep)
-    old = logger.level
-    logger.setLevel(logging.INFO)
     h = _stream_server("Once", once)
     try:
-        with grpc.insecure_channel(h.address) as ch:
+        with grpc.insecure_channel(h.address) as ch, lines_with_ids(level=logging.INFO) as lines:
             for rid in ("L" * 300, "a b", "plain-1"):
                 assert list(ch.unary_stream("/x.Stream/Once")(
                     b"", timeout=10, metadata=[("x-request-id", rid)])) == [b"x"]
     finally:
         h.stop(0)
-        logger.removeHandler(keep)
-        logger.setLevel(old)
+    seen = [(m, i) for m, i in lines if "x-request-id" in m]
     assert ids[2] == "plain-1" and "L" * 300 not in ids and "a b" not in ids
     assert [new for _, new in seen] == ids[:2]
     assert seen[0][0].startswith("Once: x-request-id 'LLLL") and "(300 characters)" in seen[0][0]
