@@ -741,7 +741,7 @@ def run_reaper_seed(seed: int) -> None:
         if rng.random() < 0.2:
             reaper.disarm(rng.randrange(10**6, 10**7))  # never armed: harmless
     kept = [c for c in calls if c[2]]
-    holds_within(lambda: not any(not c[0].ended for c in kept), 5, 0.01)
+    holds_within(lambda: all(c[0].ended for c in kept), 5, 0.01)
     time.sleep(0.05)
     for ctx, when, keep, name in calls:
         if keep:
