@@ -326,12 +326,8 @@ class Run:
             return all(want_t.get(m, 0) <= timed.get(m, 0) <= want_t.get(m, 0)
                        + loose_t.get(m, 0) for m in set(timed) | set(want_t))
 
-        end = time.monotonic() + 5
-        while time.monotonic() < end:
-            if self._matches(_delta(_counts(self.service), self.before), want) and timed_ok(
-                    _delta(_timed(self.service), self.timed_before)):
-                break
-            time.sleep(0.02)
+        holds_within(lambda: self._matches(_delta(_counts(self.service), self.before), want)
+                     and timed_ok(_delta(_timed(self.service), self.timed_before)), 5)
         got = _delta(_counts(self.service), self.before)
         assert self._matches(got, want), self.where(f"counts {got} != model {want} "
                                                     f"(+ at most {self.model.loose} not OK)")

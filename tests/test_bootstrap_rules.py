@@ -26,7 +26,7 @@ from services.launcher import free_port
 from tests import test_bootstrap as tb
 from tests.log_lines import fresh_lines, lines_with_ids
 from tests.test_bootstrap_differential import watch_health
-from tests.waits import holds_within
+from tests.waits import holds_within, wait_until
 
 server, small_server = tb.server, tb.small_server  # the fixtures of test_bootstrap
 
@@ -611,9 +611,7 @@ def test_a_reflection_stream_its_client_cancelled_is_counted_so_and_logs_no_erro
             # instead (GeneratorExit, counted the same). A late handler only weakens the test.
             time.sleep(0.3)
             call.cancel()
-            deadline = time.monotonic() + 20
-            while not counted() and time.monotonic() < deadline:
-                time.sleep(0.02)
+            holds_within(counted, 20)
             pending.put(None)
             # CANCELLED, also when gRPC's server took the end of the requests before the
             # cancel (the handler's loop ended, the call still read active: counted OK in 1
@@ -927,9 +925,8 @@ def test_a_drain_says_how_many_calls_it_waits_for_and_whether_the_grace_cut_them
     import threading
 
     def wait(_req, context):
-        end = time.monotonic() + float(_req or b"10")
-        while context.is_active() and time.monotonic() < end:
-            time.sleep(0.5)  # slow to notice: still running when the stop returns
+        # slow to notice: still running when the stop returns
+        holds_within(lambda: not context.is_active(), float(_req or b"10"), 0.5)
         return b""
 
     def add(_servicer, srv) -> None:
@@ -942,10 +939,7 @@ def test_a_drain_says_how_many_calls_it_waits_for_and_whether_the_grace_cut_them
         ch = grpc.insecure_channel(h.address)
         call = threading.Thread(target=_call_quietly, args=(ch, seconds))
         call.start()
-        deadline = time.monotonic() + 10
-        while h._interceptor.in_flight < 1:
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        wait_until(lambda h=h: h._interceptor.in_flight >= 1, 10)
         caplog.clear()
         with caplog.at_level(logging.INFO, logger="services.common.bootstrap"):
             h.stop(grace)

@@ -18,7 +18,7 @@ from services.kvpool.config import KvPoolConfig
 from services.kvpool.server import KvPoolServicer
 from tests.kvpool.conftest import TINY_ID, TINY_VOCAB, assert_idle, reference_greedy
 from tests.metric_sample import sample_value
-from tests.waits import holds_within
+from tests.waits import holds_within, wait_until
 
 CFG = KvPoolConfig(address="127.0.0.1:0", metrics_port=-1, num_blocks=64, block_size=4,
                    max_batch_size=4, max_prefill_chunk=16, max_new_tokens_limit=64,
@@ -454,11 +454,8 @@ def test_a_stream_ended_by_cancel_or_deadline_is_not_counted_ok(tiny_model) -> N
         pre = count("Prefill", "DEADLINE_EXCEEDED")
         with pytest.raises(grpc.RpcError):
             s.stub.Prefill(kvpool_pb2.PrefillRequest(token_ids=PROMPT), timeout=0.3)
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and (
-                count("Generate", "DEADLINE_EXCEEDED") == before["DEADLINE_EXCEEDED"]
-                or count("Prefill", "DEADLINE_EXCEEDED") == pre):
-            time.sleep(0.05)
+        holds_within(lambda: count("Generate", "DEADLINE_EXCEEDED") != before["DEADLINE_EXCEEDED"]
+                     and count("Prefill", "DEADLINE_EXCEEDED") != pre, 5, 0.05)
         after = {c: count("Generate", c) for c in before}
         assert after["OK"] == before["OK"]
         assert after["CANCELLED"] == before["CANCELLED"] + 1
@@ -675,13 +672,12 @@ def test_a_pause_of_the_whole_process_is_not_read_as_a_stalled_engine(pause: flo
     def wait_ticks(n: int) -> None:
         with lock:
             until = state["ticks"] + n
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
+
+        def ticked() -> bool:
             with lock:
-                if state["ticks"] >= until:
-                    return
-            time.sleep(0.005)
-        raise AssertionError("the watch stopped ticking")
+                return state["ticks"] >= until
+
+        wait_until(ticked, 5, "the watch stopped ticking", 0.005)
 
     engine = SimpleNamespace(running=True, stalled_for=stalled_for)
     handle = SimpleNamespace(stopped=threading.Event(), set_serving=calls.append)
@@ -774,10 +770,8 @@ def test_stats_say_how_long_the_engine_has_not_turned(served) -> None:
         assert stuck >= 1.0
     finally:
         release.set()
-    deadline = time.monotonic() + 5
-    while served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5).stalled_for_s >= 1.0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: served.stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=5).stalled_for_s
+               < 1.0, 5, every=0.05)
 
 
 def test_a_direct_client_that_stops_reading_is_ended_after_send_stall_seconds(tiny_model):
@@ -828,10 +822,8 @@ def test_a_direct_client_that_stops_reading_is_ended_after_send_stall_seconds(ti
                 pass
         assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "send_stall_seconds" in e.value.details()
-        end = time.monotonic() + 5
-        while (RPC_TOTAL.labels("kvpool", "Generate", "DEADLINE_EXCEEDED")._value.get() == before
-               and time.monotonic() < end):
-            time.sleep(0.05)
+        holds_within(lambda: RPC_TOTAL.labels("kvpool", "Generate", "DEADLINE_EXCEEDED")
+                     ._value.get() != before, 5, 0.05)
         # Counted as the client was told, not CANCELLED.
         assert RPC_TOTAL.labels("kvpool", "Generate", "DEADLINE_EXCEEDED")._value.get() == (
             before + 1)

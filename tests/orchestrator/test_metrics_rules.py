@@ -29,6 +29,7 @@ from services.orchestrator.tenants import TenantRegistry
 from tests.metric_sample import sample_value
 from tests.orchestrator.test_pipeline_paths import Call, RpcError, Stub, final, generate, make
 from tests.orchestrator.test_stream_cap import Context, SlowOrchestrator, request
+from tests.waits import holds_within
 
 ROUTES = "tiercache_orchestrator_dispatch_memory_routes_total"
 REAPED = "tiercache_orchestrator_streams_ended_at_deadline_total"
@@ -41,9 +42,7 @@ def metric(name: str) -> float:
 def reaped_reaches(want: float) -> float:
     """The reaped count once it reaches `want` (5 s at most): the reaper thread counts a call
     after ending it, which on a loaded host may come well after the end the test saw."""
-    end = time.monotonic() + 5
-    while metric(REAPED) < want and time.monotonic() < end:
-        time.sleep(0.01)
+    holds_within(lambda: metric(REAPED) >= want, 5, 0.01)
     return metric(REAPED)
 
 
@@ -205,10 +204,8 @@ def test_a_stream_the_reaper_failed_to_end_is_not_counted(caplog):
     # ended and counted, whatever it did with the failed one is done (a sleep here passed
     # whether or not a late count came).
     s._reaper.arm(time.monotonic(), Reaped(0), "a later call")
-    end = time.monotonic() + 5
-    while (not any("a later call" in r.getMessage() for r in caplog.records)
-           and time.monotonic() < end):
-        time.sleep(0.01)  # its line is written after its count
+    # its line is written after its count
+    holds_within(lambda: any("a later call" in r.getMessage() for r in caplog.records), 5, 0.01)
     assert metric(REAPED) == before + 1  # that call only
     orch.release.set()
     stream.close()

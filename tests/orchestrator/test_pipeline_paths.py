@@ -31,7 +31,7 @@ from services.orchestrator.routing import PrefixAwarePolicy
 from services.orchestrator.server import Warmer, _Gone, _on_rpc_end
 from services.orchestrator.tenants import Tenant
 from tests.metric_sample import sample_value
-from tests.waits import wait_until
+from tests.waits import holds_within, wait_until
 
 
 class RpcError(grpc.RpcError):
@@ -942,9 +942,7 @@ def test_a_warm_whose_caller_went_away_sends_no_further_prefill_and_cancels_the_
         TENANT, orchestrator_pb2.WarmRequest(prompts=prompts), gone=gone)))
     t.start()
     try:
-        deadline = time.monotonic() + 30
-        while inflight[0] < 4 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        holds_within(lambda: inflight[0] >= 4, 30, 0.01)
         gone.set()  # the client cancels while 4 of its 12 prefills run (and never end)
         t.join(10)
         assert not t.is_alive()

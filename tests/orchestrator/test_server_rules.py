@@ -33,6 +33,7 @@ from services.orchestrator.tenants import TenantRegistry
 from tests.metric_sample import sample_value
 from tests.orchestrator.test_request_path import ContextOrchestrator, generate_call
 from tests.orchestrator.test_stream_cap import Context, request, servicer
+from tests.waits import holds_within
 
 CFG = OrchestratorConfig(kvpool_addresses=("A",), default_max_tokens=100, max_tokens_limit=500)
 SP = common_pb2.SamplingParams
@@ -746,9 +747,8 @@ def test_a_warm_whose_caller_goes_does_not_wait_for_a_pool_thread():
     try:
         assert busy.wait(10)
         t.start()
-        deadline = time.monotonic() + 10
-        while warmer._pool._work_queue.qsize() < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)  # both of its prefills queue behind the busy thread
+        # both of its prefills queue behind the busy thread
+        holds_within(lambda: warmer._pool._work_queue.qsize() >= 2, 10, 0.01)
         assert warmer._pool._work_queue.qsize() == 2
         gone.set()
         t.join(5)
@@ -822,9 +822,7 @@ def test_the_loop_runs_a_cycle_each_interval_outlives_a_failing_one_and_ends_on_
     w.start()
     loop = next(t for t in threading.enumerate() if t.name == "warm-loop" and t.is_alive())
     try:
-        deadline = time.monotonic() + 10
-        while len(asked) < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        holds_within(lambda: len(asked) >= 3, 10, 0.01)
         assert len(asked) >= 3
     finally:
         w.stop()
