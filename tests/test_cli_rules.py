@@ -24,6 +24,7 @@ from clients.python.client import Chunk
 from tests import test_cli_input
 from tests.test_cli_input import FakeClient, Tty
 from tests.test_cli_sessions import Refusal, ReplayClient, _final, _workload
+from tests.wire import f32
 
 fake = test_cli_input.fake
 
@@ -547,12 +548,6 @@ def test_the_stats_help_says_its_request_counts_are_one_orchestrators(capsys):
     assert "request and token counts are the answering orchestrator's own" in said
 
 
-def _f32(x: float) -> float:
-    import struct
-
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
 def test_the_report_never_shows_a_missed_similarity_at_the_threshold_it_missed():
     """A walkthrough tuning thresholds: a miss at 0.9696 in the strict tier (0.97) read
     "model (nearest entry 0.970)", rounded up to the threshold. The figure is rounded down,
@@ -565,14 +560,14 @@ def test_the_report_never_shows_a_missed_similarity_at_the_threshold_it_missed()
     policy = ThresholdPolicy({"strict": 0.97, "standard": 0.95, "relaxed": 0.90})
     for th in (0.97, 0.95, 0.90):
         resolved = policy.resolve(threshold=th)
-        for sim in (th - 4e-4, th - 2e-6, _f32(th) - 2 ** -24, _f32(th), th + 4e-4):
-            sim = _f32(sim)
+        for sim in (th - 4e-4, th - 2e-6, f32(th) - 2 ** -24, f32(th), th + 4e-4):
+            sim = f32(sim)
             hit = policy.decide(sim, resolved, False).outcome is Outcome.HIT
             line = cli.format_report(common_pb2.CacheReport(semantic_hit=hit,
                                                             semantic_similarity=sim))
             shown = float(re.search(r"(\d\.\d{3})", line).group(1))
             assert (shown >= th) == hit, (th, sim, line)
-    near = common_pb2.CacheReport(semantic_similarity=_f32(0.9696))
+    near = common_pb2.CacheReport(semantic_similarity=f32(0.9696))
     assert cli.format_report(near).startswith("[model (nearest entry 0.969) |")
 
 

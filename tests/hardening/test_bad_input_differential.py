@@ -68,7 +68,6 @@ import queue
 import random
 import re
 import sqlite3
-import struct
 import threading
 import types
 from collections.abc import Callable
@@ -92,11 +91,11 @@ from services.common.hashing import BlockHasher
 from services.launcher import free_port
 from tests.blank_text import blank
 from tests.waits import holds_within
+from tests.wire import f32
 
 SEEDS = int(os.environ.get("BAD_INPUT_DIFFERENTIAL_SEEDS", "0"))
 INVALID, NOT_FOUND = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND
 FAILED, EXHAUSTED = grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.RESOURCE_EXHAUSTED
-F32 = lambda x: struct.unpack("f", struct.pack("f", x))[0]  # noqa: E731 - the wire's float
 
 # ---- state snapshots ----------------------------------------------------------------------
 
@@ -513,7 +512,7 @@ class SemanticWorld:
             if r.tier not in ("",) + self.TIERS:
                 v.bad(INVALID, "tier")
             t = r.threshold
-            if t != 0 and not (math.isfinite(t) and F32(self.cfg.threshold_floor) - 1e-6
+            if t != 0 and not (math.isfinite(t) and f32(self.cfg.threshold_floor) - 1e-6
                                <= t <= 1 + 1e-6):
                 v.bad(INVALID, "threshold")
         elif rpc == "Store":
