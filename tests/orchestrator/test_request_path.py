@@ -725,15 +725,9 @@ def test_a_hung_tier_leaves_the_replica_most_of_a_short_deadline():
     """A request with 1.5 s to live and a semantic tier that never answers: the lookup used to
     get all 1.5 s (min(2 s timeout, time left)), and the request then failed with
     DEADLINE_EXCEEDED before any replica was asked, every time."""
-    from tests.orchestrator.test_pipeline_paths import Call, Stub, final, make
+    from tests.orchestrator.test_pipeline_paths import Call, Semantic, Stub, final, make
 
-    class Hung:
-        enabled = True
-        timeout_s = 2.0
-
-        def shard_for(self, ns) -> str:
-            return "sem:1"
-
+    class Hung(Semantic):  # its tier's timeout (2 s) and shard; calls that never answer
         def __init__(self) -> None:
             self.timeouts: list[float] = []
 
