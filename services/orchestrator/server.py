@@ -751,21 +751,19 @@ class Warmer:
         finally:
             self.orch.replicas.unwatch(replica, on_down)
 
-    def _targets(self, tenant, token_ids, target, deadline: float, gone: _Gone | None = None):
+    def _targets(self, tenant, token_ids, target, deadline: float, gone: _Gone):
         healthy = self.orch.replicas.healthy()
         if target == orchestrator_pb2.WARM_TARGET_OWNERS:
             # The caller's deadline bounds each owner lookup (and once it has passed, or the
             # caller is gone, the index is not asked): one lookup per prompt at the index's
             # whole timeout held a hung index's Warm far past its deadline.
             # A probe under way when the caller goes is cancelled (`_Gone`), not waited for.
-            holding = gone.holding if gone is not None else None
             try:
                 owner = self.orch.owner(tenant, token_ids,
-                                        time.monotonic() if gone is not None and gone.is_set()
-                                        else deadline, on_call=holding)
+                                        time.monotonic() if gone.is_set() else deadline,
+                                        on_call=gone.holding)
             finally:
-                if holding is not None:
-                    holding(None)
+                gone.holding(None)
             return [r for r in healthy if r.replica_id == owner]
         return healthy
 
@@ -780,6 +778,7 @@ class Warmer:
         something, less what was reserved (negative: given back). The call itself paid for
         one; the tenant's rate limit counts each prefill that computed something. Once `gone`
         is set (the caller cancelled), no further prefill is sent."""
+        gone = gone or _Gone()  # a call without one: never set
         deadline = time.monotonic() + (120.0 if time_remaining is None
                                        else min(120.0, time_remaining))
         self._check_request(tenant, request)
@@ -896,14 +895,12 @@ class Warmer:
             # model ids ("no healthy replica to warm" named none).
             raise errors.Unavailable(self.orch.replicas.misfits() or "no healthy replica to warm")
 
-    def _prefill_all(self, jobs: list, deadline: float, gone: _Gone | None,
+    def _prefill_all(self, jobs: list, deadline: float, gone: _Gone,
                      reserved: int, charge: Callable[[int], None] | None) -> list:
         """Each job's prefill (`_run_windowed`), then the tenant charged for the work done."""
         # The pool's threads do not inherit the call's request id: bound there for the logs,
         # and handed to each Prefill.
         rid = request_id_var.get()
-
-        gone = gone or _Gone()
 
         def prefill(job) -> orchestrator_pb2.WarmResult:
             if gone.is_set():  # nobody to tell: the replicas' work and pins would be wasted
