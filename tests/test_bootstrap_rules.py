@@ -623,9 +623,9 @@ def test_a_reflection_stream_its_client_cancelled_is_counted_so_and_logs_no_erro
         h.stop(5)
 
 
-def _kinds_server(service: str, limit: int, handlers: dict):
+def _kinds_server(service: str, limit: int, handlers: dict, parse=None):
     """A server of `limit` max_message_bytes serving `handlers` ({"Unary": fn, ...}, each
-    kind by its name) as x.Kinds."""
+    kind by its name) as x.Kinds; `parse`: their request deserializer (None: raw bytes)."""
     make = {"Unary": grpc.unary_unary_rpc_method_handler,
             "Stream": grpc.unary_stream_rpc_method_handler,
             "Gather": grpc.stream_unary_rpc_method_handler,
@@ -633,7 +633,8 @@ def _kinds_server(service: str, limit: int, handlers: dict):
 
     def add(_servicer, srv) -> None:
         srv.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("x.Kinds", {
-            name: make[name](fn) for name, fn in handlers.items()}),))
+            name: make[name](fn, request_deserializer=parse)
+            for name, fn in handlers.items()}),))
 
     return create_server(service=service, address="127.0.0.1:0", max_message_bytes=limit,
                          services=[(add, None, "x.Kinds")])
@@ -1161,6 +1162,26 @@ def test_a_malformed_request_says_its_request_id(server, monkeypatch):
     assert [(m, i) for m, i in seen if "INVALID_ARGUMENT" in m] == [
         ("Match ended INVALID_ARGUMENT: request: malformed protobuf message", "m-0"),
         ("Watch ended INVALID_ARGUMENT: request: malformed protobuf message", "m-1")], seen
+
+
+def test_a_malformed_request_to_a_server_stream_says_its_request_id(monkeypatch):
+    """As a unary call's (above), through the server-streaming wrapper, which parses apart
+    from it: a server stream's malformed bytes carry the id in their trailers and line too."""
+    fresh_lines(monkeypatch, "_ERROR_LINES")
+    h = _kinds_server("malformed-stream", 4096, {"Stream": lambda request, _context: iter(())},
+                      parse=prefix_pb2.MatchRequest.FromString)
+    try:
+        with grpc.insecure_channel(h.address) as ch, \
+                lines_with_ids(level=logging.INFO) as seen, pytest.raises(grpc.RpcError) as e:
+            list(ch.unary_stream("/x.Kinds/Stream")(b"\xff\xff\xff", timeout=5,
+                                                    metadata=[("x-request-id", "m-2")]))
+    finally:
+        h.stop(0)
+    assert (e.value.code(), e.value.details(),
+            dict(e.value.trailing_metadata()).get("x-request-id")) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "request: malformed protobuf message", "m-2")
+    assert [(m, i) for m, i in seen if "INVALID_ARGUMENT" in m] == [
+        ("Stream ended INVALID_ARGUMENT: request: malformed protobuf message", "m-2")], seen
 
 
 def test_a_streamed_response_over_the_send_limit_is_logged_under_its_request_id(monkeypatch):
