@@ -412,7 +412,9 @@ def _why_not_served(look: semantic_pb2.LookupResponse, cached_ids: list[int],
                     sampling: Sampling, greedy: bool, serves_sampled: bool) -> str:
     """Why the semantic tier's hit is not served ("" when it is, or there is none): the first
     of too_short, ignore_eos, sampled. The model answers then, the hit as its draft."""
-    cut = look.entry.truncated_at if look.hit else 0
+    if not look.hit:
+        return ""
+    cut = look.entry.truncated_at
     # The request's stop token inside a cut-short answer ends the answer there, as it
     # ends the model's: the hit covers all the request wants (it went to the model,
     # counted "too_short", the answer's own first tokens as its draft).
@@ -422,11 +424,11 @@ def _why_not_served(look: semantic_pb2.LookupResponse, cached_ids: list[int],
         # A cut-short answer cannot stand for a longer one: the model answers, with
         # the cached part as its draft.
         return "too_short"
-    if look.hit and sampling.ignore_eos and not cut:
+    if sampling.ignore_eos and not cut:
         # The stored answer ended at the model's end of sequence (not cut short); a
         # request told to go on past it gets the model (the answer as its draft).
         return "ignore_eos"
-    if look.hit and not greedy and not serves_sampled:
+    if not greedy and not serves_sampled:
         # A sampled request wants the model's sample (a seed: the same one whatever
         # the cache holds), not the one cached answer every time: the hit is its draft.
         return "sampled"
