@@ -651,6 +651,10 @@ class _Gone(threading.Event):
             call.cancel()
 
 
+class _FoundDown(Exception):
+    """A Warm's prefill cancelled as the poller declared its replica down."""
+
+
 def _unless_gone(call, gone: _Gone):
     """`call`'s response (a unary gRPC future); grpc.FutureCancelledError when `gone` is set
     before it ends: the call is then cancelled, and the replica's handler cancels its work
@@ -703,18 +707,20 @@ class Warmer:
         # caller was told DEADLINE_EXCEEDED.
         kw = dict(timeout=timeout,
                   metadata=call_metadata(self.orch.internal_token, request_id))
-        down = threading.Event()
         try:
             try:
                 r = timed("kvpool", "Prefill", replica.address,
                           (lambda: replica.stub.Prefill(req, **kw)) if gone is None else
-                          lambda: self._prefill_watched(replica, req, kw, gone, down))
-            except grpc.FutureCancelledError:
+                          lambda: self._prefill_watched(replica, req, kw, gone))
+            except _FoundDown:
                 return orchestrator_pb2.WarmResult(
                     prompt_index=index, replica_id=replica.public_id,
                     error=f"UNAVAILABLE: replica {replica.public_id} was found down during "
-                          "this prefill (cancelled)" if down.is_set() else
-                          "CANCELLED: the caller went away; this prefill's cancellation "
+                          "this prefill (cancelled)")
+            except grpc.FutureCancelledError:
+                return orchestrator_pb2.WarmResult(
+                    prompt_index=index, replica_id=replica.public_id,
+                    error="CANCELLED: the caller went away; this prefill's cancellation "
                           "was sent to the replica")
             return orchestrator_pb2.WarmResult(
                 prompt_index=index, replica_id=r.replica_id or replica.public_id,
@@ -734,12 +740,13 @@ class Warmer:
                 prompt_index=index, replica_id=replica.public_id, prompt_tokens=prompt,
                 cached_tokens=cached, computed_tokens=computed, error=f"{e.code().name}: {why}")
 
-    def _prefill_watched(self, replica, req, kw: dict, gone: _Gone, down: threading.Event):
+    def _prefill_watched(self, replica, req, kw: dict, gone: _Gone):
         """A Warm call's Prefill, cancelled as its caller goes (`_unless_gone`) or as the
-        poller declares the replica down (`down` then set): a Warm with one replica SIGSTOPped
-        waited 60 s for it, long after the poller had taken it out of routing."""
+        poller declares the replica down (`_FoundDown` then): a Warm with one replica
+        SIGSTOPped waited 60 s for it, long after the poller had taken it out of routing."""
         seen = replica.downs  # declared down before the watch below: cancelled at once
         call = replica.stub.Prefill.future(req, **kw)
+        down = threading.Event()
 
         def on_down() -> None:
             down.set()
@@ -748,6 +755,12 @@ class Warmer:
         self.orch.replicas.watch(replica, on_down, seen)
         try:
             return _unless_gone(call, gone)
+        except grpc.FutureCancelledError:
+            if down.is_set():
+                # Not the caller's cancellation: the replica's time, timed as a failure
+                # (as Generate times a call the poller cut).
+                raise _FoundDown() from None
+            raise
         finally:
             self.orch.replicas.unwatch(replica, on_down)
 

@@ -959,8 +959,17 @@ def test_a_warm_whose_caller_went_away_sends_no_further_prefill_and_cancels_the_
 def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailable():
     """A Warm with one replica SIGSTOPped waited 60 s for its prefill, though the poller had
     taken it out of routing after ~9 s (a stream there fails over at once): the prefill is
-    cancelled as the replica is declared down, the others run on."""
+    cancelled as the replica is declared down, the others run on. Its time is the replica's
+    (timed as a failed call, as Generate's cut by the poller is), not a caller's going away."""
     stubs, gate, inflight, _, warmer = _gated_warmer()
+    rs = warmer.orch.replicas
+    down = next(r for r in rs.replicas if r.replica_id == "A")
+
+    def timed_calls() -> float:
+        return sample_value("tiercache_orchestrator_backend_call_seconds_count", {
+            "tier": "kvpool", "method": "Prefill", "address": down.address}) or 0.0
+
+    timed_before = timed_calls()
     out: list = []
     t = threading.Thread(target=lambda: out.append(warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
         prompts=[orchestrator_pb2.WarmPrompt(prompt="x0" + "." * 16)]))))
@@ -969,8 +978,6 @@ def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailabl
         deadline = time.monotonic() + 30
         while inflight[0] < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        rs = warmer.orch.replicas
-        down = next(r for r in rs.replicas if r.replica_id == "A")
         rs._notify_down(down)
         wait_until(lambda: [c.cancelled for c in stubs["A"].Prefill.calls] == [True], 5,
                    "A's prefill was not cancelled as A was declared down")
@@ -979,6 +986,7 @@ def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailabl
         assert sorted(r.error for r in out[0].results) == [
             "", "", f"UNAVAILABLE: replica {down.public_id} was found down during this prefill "
                     "(cancelled)"]
+        assert timed_calls() == timed_before + 1
         assert not any(r.watchers for r in rs.replicas)  # each prefill's watch ended with it
     finally:
         gate.set()
