@@ -14,6 +14,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from tests.waits import wait_until
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Root writes anywhere: a read-only folder is made so for a root child by dropping the
@@ -137,10 +139,7 @@ def lines_in(log: Path) -> int:
 def wait_started(started: Path, proc: subprocess.Popen, timeout: float, what) -> None:
     """Until a child has written `started` (it holds the cache's lock) or ended; past
     `timeout` it hangs, and the assertion says `what`."""
-    t0 = time.monotonic()
-    while not started.exists() and proc.poll() is None:
-        assert time.monotonic() - t0 < timeout, what
-        time.sleep(0.01)
+    wait_until(lambda: started.exists() or proc.poll() is not None, timeout, what, every=0.01)
 
 
 def starting(log: Path, started: Path | None, hold: float) -> None:

@@ -211,19 +211,18 @@ def test_a_stream_the_reaper_failed_to_end_is_not_counted(caplog):
     stream.close()
 
 
-def test_prompt_pieces_counts_pieces_of_the_length_its_help_names():
+def test_prompt_pieces_counts_pieces_of_the_length_its_help_names(tok):
     """tiercache_orchestrator_prompt_pieces_total's help names the length a piece needs
     (docs/metrics.md said "PIECE_CACHE_MIN_CHARS", a name no operator can look up: a live
     stack's ~200-character system prompts left the series absent). A piece (the template's
     "system\n" and the prompt, between control tokens) one character under it is not counted;
     one of it is, a miss then a hit."""
-    from services.common.model_store import load_tokenizer, resolve_model
     from services.orchestrator import render
     from services.orchestrator.render import PIECE_CACHE_MIN_CHARS, Message, PromptRenderer
 
     help_text = render.PIECES._documentation  # noqa: SLF001
     assert f"of {PIECE_CACHE_MIN_CHARS} characters or more" in help_text
-    renderer = PromptRenderer(load_tokenizer(resolve_model("smollm2").path), max_chars=10_000)
+    renderer = PromptRenderer(tok, max_chars=10_000)
     name = "tiercache_orchestrator_prompt_pieces_total"
 
     def counts() -> tuple[float, float]:

@@ -1,5 +1,6 @@
 """Rendering, validation and incremental detokenization with the real SmolLM2 tokenizer."""
 
+import copy
 from types import SimpleNamespace
 
 import pytest
@@ -331,14 +332,12 @@ def test_a_control_text_under_a_template_that_changes_messages_is_named(tok):
                                    "('<|im_end|>')"), str(e.value)
 
 
-def test_an_added_token_not_marked_special_typed_in_a_message_stays_text():
+def test_an_added_token_not_marked_special_typed_in_a_message_stays_text(tok):
     """Only added tokens marked special were taken for control tokens: one marked
     `special=False` (Qwen's `<tool_call>`, FIM markers, which templates use as structure)
     typed in a message became that token, so a user could open a tool call themselves.
     `split_special_tokens` leaves such tokens matched; they are tokenized without them."""
-    from services.common.model_store import load_tokenizer, resolve_model
-
-    tok = load_tokenizer(resolve_model("smollm2").path)  # its own copy: tokens are added
+    tok = copy.deepcopy(tok)  # its own copy: tokens are added
     tok.add_tokens(["<tool_call>"])
     tool = tok.convert_tokens_to_ids("<tool_call>")
     renderer = PromptRenderer(tok, max_chars=1000)

@@ -85,14 +85,12 @@ def test_a_whole_hit_ending_at_eos_stays_whole_when_eos_is_also_a_stop_token():
     assert finished(events).finish_reason == common_pb2.FINISH_REASON_STOP
 
 
-def test_an_answer_stored_without_ids_is_tokenized_as_plain_text():
+def test_an_answer_stored_without_ids_is_tokenized_as_plain_text(tok):
     """An entry without its token ids (a client's Store, an answer cut inside a character) is
     tokenized again; a "<|im_end|>" the model wrote as text became the EOS token, so a request
     with EOS as a stop token got the answer cut there, and a LENGTH cut dropped the text."""
-    from services.common.model_store import load_tokenizer, resolve_model
     from services.orchestrator.render import PromptRenderer
 
-    tok = load_tokenizer(resolve_model("smollm2").path)
     said = "End a turn with <|im_end|> then wait."
     stub, stubs = one_replica()
     orch = make(stubs, semantic=hit(said), tok=tok)

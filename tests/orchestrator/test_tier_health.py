@@ -179,14 +179,13 @@ def test_an_idle_semantic_tier_is_polled_so_its_gauge_follows_it():
     """A metrics review: the gauge was set only by requests' calls, so after a recovery it
     stayed 0 for as long as no request came (an alert firing on a healthy tier), and it was
     absent until the first request (a tier down from the start never read 0)."""
-    import time
-
     import grpc
     import pytest
     from tiercache.v1 import semantic_pb2
 
     from services.orchestrator.backends import SemanticBackend
     from tests.orchestrator.test_semantic_errors import Refusal
+    from tests.waits import holds_within
 
     class Stub:
         ok, calls, floor = False, 0, 0.85
@@ -217,8 +216,6 @@ def test_an_idle_semantic_tier_is_polled_so_its_gauge_follows_it():
     stop = b.start(every=0.05)  # the background loop does the same
     stub.ok = False
     b.shard_health["127.0.0.9:5"].last_ok = 0.0
-    t0 = time.monotonic()
-    while value() != 0.0 and time.monotonic() - t0 < 5:
-        time.sleep(0.02)
+    holds_within(lambda: value() == 0.0, 5)
     b.stop()
     assert value() == 0.0 and stop.is_set()
