@@ -1105,10 +1105,12 @@ def test_a_call_refused_for_the_internal_credential_says_its_request_id(server, 
     """A call refused UNAUTHENTICATED (the internal credential) carries its request id, the
     caller's when plain, else a new one, in its trailers and its refusal line, as every other
     failed call does: it was checked before the id was taken, and the CLI's "(request <id>)"
-    after the refusal matched no log line."""
+    after the refusal matched no log line. A bad id an unknown caller sent writes no
+    "replaced" line: those would use up the lines known callers' bad ids get."""
     fresh_lines(monkeypatch)
+    fresh_lines(monkeypatch, "_ERROR_LINES")
     md = [("authorization", "Bearer wrong")] + ([("x-request-id", given)] if given else [])
-    with lines_with_ids() as seen, pytest.raises(grpc.RpcError) as e:
+    with lines_with_ids(level=logging.INFO) as seen, pytest.raises(grpc.RpcError) as e:
         tb._stub(server).Match(prefix_pb2.MatchRequest(token_ids=[1]), timeout=5, metadata=md)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert e.value.details() == "authorization: missing or wrong internal credential"
@@ -1116,6 +1118,7 @@ def test_a_call_refused_for_the_internal_credential_says_its_request_id(server, 
     assert rid == given if given == "mine-7" else (len(rid) == 16 and rid.isalnum()), rid
     refusals = [(m, i) for m, i in seen if "refused UNAUTHENTICATED" in m]
     assert len(refusals) == 1 and refusals[0][1] == rid, seen
+    assert not [m for m, _ in seen if "replaced by" in m], seen
 
 
 def test_a_refusal_by_authenticate_says_its_request_id(monkeypatch):
