@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -15,6 +16,15 @@ def plaintext_env(env: Mapping[str, str]) -> dict[str, str]:
     wait then timed out on. Blank, not removed: the launcher's Stack lays its services'
     variables over this process's environment, and "" is "unset" to every TLS reader."""
     return {k: "" for k in env if k.startswith("TIERCACHE_") and "_TLS_" in k}
+
+
+def stack_log_dir(name: str) -> Path:
+    """A new folder for the logs of the stack `name` a benchmark starts, said on stdout so that
+    a failed run's logs can be found: in one fixed folder, two runs side by side (or a run's
+    repeats) overwrote each other's."""
+    d = Path(tempfile.mkdtemp(prefix=f"tiercache-bench-logs-{name}-"))
+    print(f"[{name}] stack logs in {d}", flush=True)
+    return d
 
 
 def cpu_model() -> str:

@@ -103,7 +103,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from benchmarks import cpu_model, plaintext_env
+from benchmarks import cpu_model, plaintext_env, stack_log_dir
 from benchmarks.emit import rounded, verdicts
 from benchmarks.kvpool import write_result
 
@@ -567,7 +567,7 @@ def main(argv: list[str] | None = None) -> int:
                "TIERCACHE_LOG_LEVEL": "WARNING",
                **plaintext_env(os.environ)}  # as Served's channels speak
         stack = Stack(replicas=1, base_port=0, extra_env=env,
-                      log_dir=Path("/tmp/tiercache-bench-logs") / "assisted")
+                      log_dir=stack_log_dir("assisted"))
         print("starting stack (semantic, prefix, 1 kvpool replica, orchestrator) ...",
               flush=True)
         stack.start(timeout=600)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from tiercache.v1 import common_pb2
 
-from benchmarks import plaintext_env
+from benchmarks import plaintext_env, stack_log_dir
 from benchmarks.emit import rounded, verdicts
 from benchmarks.workload import WorkloadSpec, generate
 from clients.python.client import TierCacheClient
@@ -294,8 +294,7 @@ def run_variant(name: str, spec: WorkloadSpec, *, routing: str, caches: bool, nu
                                           / "semantic.db"),
         **plaintext_env(os.environ),  # as the clients below (no credentials) speak
     }
-    stack = Stack(replicas=2, base_port=0, log_dir=Path("/tmp/tiercache-bench-logs") / name,
-                  extra_env=env)
+    stack = Stack(replicas=2, base_port=0, log_dir=stack_log_dir(name), extra_env=env)
     print(f"[{name}] starting stack{label} ...", flush=True)
     stack.start(timeout=600)
     try:

@@ -577,6 +577,7 @@ def install(monkeypatch, world: World, calls: list) -> None:
     monkeypatch.setattr(assisted, "near_miss_pairs",
                         lambda n: (world.pairs[:n], 1000 + len(world.pairs)))
     monkeypatch.setattr(launcher, "Stack", FakeStack)
+    monkeypatch.setattr(assisted, "stack_log_dir", lambda name: None)  # no stack, no logs
     monkeypatch.setattr(model_store, "load_tokenizer", lambda path: FakeTokenizer())
     monkeypatch.setattr(model_store, "resolve_model", lambda spec: SimpleNamespace(path="x"))
     monkeypatch.setattr(render, "PromptRenderer", FakeRenderer)

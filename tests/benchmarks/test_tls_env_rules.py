@@ -5,11 +5,12 @@ out. No process is started here: the start is captured where it would happen."""
 
 from __future__ import annotations
 
+import tempfile
 from types import SimpleNamespace
 
 import pytest
 
-from benchmarks import plaintext_env
+from benchmarks import plaintext_env, stack_log_dir
 from services.common.bootstrap import requires_client_certs, server_tls_files
 from services.common.grpc_client import tls_mode
 
@@ -106,7 +107,8 @@ def test_orchestrator_benchmark_stack_serves_plaintext_to_its_plaintext_clients(
 
 
 def test_assisted_benchmark_stack_serves_plaintext_to_its_plaintext_channels(tls_shell,
-                                                                             monkeypatch):
+                                                                             monkeypatch,
+                                                                             tmp_path):
     from benchmarks import assisted
     from services import launcher
     from services.common import model_store
@@ -119,6 +121,19 @@ def test_assisted_benchmark_stack_serves_plaintext_to_its_plaintext_channels(tls
                         lambda path: SimpleNamespace(all_special_ids=[]))
     monkeypatch.setattr(render, "PromptRenderer", lambda tok: None)
     monkeypatch.setattr(assisted, "near_miss_pairs", lambda n: ([], 0))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its stack's log folder
     with pytest.raises(Started):
         assisted.main(["--quick"])
     assert_plaintext(seen["server"])
+
+
+def test_each_benchmark_stack_logs_to_a_folder_of_its_own_said_at_its_start(monkeypatch,
+                                                                           tmp_path, capsys):
+    """The orchestrator and assisted benchmarks' stacks logged to one fixed folder per name:
+    two runs side by side overwrote each other's logs."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    a, b = stack_log_dir("tiercache"), stack_log_dir("tiercache")
+    assert a != b and a.is_dir() and b.is_dir() and a.parent == b.parent == tmp_path
+    assert a.name.startswith("tiercache-bench-logs-tiercache-")
+    assert capsys.readouterr().out == f"[tiercache] stack logs in {a}\n" \
+                                      f"[tiercache] stack logs in {b}\n"
