@@ -59,8 +59,11 @@ def run_dir() -> Path:
     (and is often not writable)."""
     return (Path.cwd() if installed() else ROOT) / ".run"
 SERVICES = ("semantic", "prefix", "kvpool", "orchestrator")
-EXAMPLE_JSON = ('{"messages":[{"role":"user","content":"What is a KV cache?"}],'
-                '"sampling":{"max_tokens":64}}')
+EXAMPLE_QUESTION = "What is a KV cache?"
+EXAMPLE_JSON = json.dumps({"messages": [{"role": "user", "content": EXAMPLE_QUESTION}],
+                           "sampling": {"max_tokens": 64}}, separators=(",", ":"))
+RAW_EXAMPLE_JSON = json.dumps({"prompt": EXAMPLE_QUESTION, "sampling": {"max_tokens": 64}},
+                              separators=(",", ":"))
 
 
 # Ports this process handed out: none twice (each is free only until its server binds it).
@@ -624,6 +627,32 @@ def model_to_convert(env: Mapping[str, str]) -> bool:
                for root in roots)
 
 
+def has_chat_template(folder: Path) -> bool:
+    """Whether a model folder's tokenizer has a chat template, where transformers looks for one:
+    chat_template.jinja, additional_chat_templates/, tokenizer_config.json's chat_template. A
+    config that cannot be read counts as one: the orchestrator says what is wrong with it."""
+    if (folder / "chat_template.jinja").is_file() or \
+            any((folder / "additional_chat_templates").glob("*.jinja")):
+        return True
+    try:
+        config = json.loads((folder / "tokenizer_config.json").read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, ValueError):
+        return True
+    return not isinstance(config, dict) or bool(config.get("chat_template"))
+
+
+def example_request(env: Mapping[str, str]) -> tuple[str, str]:
+    """The printed examples' grpcurl JSON and CLI chat flags for the orchestrator's model: a
+    raw prompt where it has no chat template (its `messages` are refused, as the printed
+    example was on such a model)."""
+    spec = env.get("TIERCACHE_ORCHESTRATOR_MODEL", "").strip() or model_store.SMOLLM2_SPEC
+    if spec.lower() == model_store.SMOLLM2_SPEC or has_chat_template(Path(spec).expanduser()):
+        return EXAMPLE_JSON, ""
+    return RAW_EXAMPLE_JSON, " --raw"
+
+
 def main(argv: list[str] | None = None) -> int:
     # prog: as the services name themselves (run with -m, argparse said "launcher.py").
     ap = argparse.ArgumentParser(prog="python -m services.launcher",
@@ -680,11 +709,12 @@ def main(argv: list[str] | None = None) -> int:
             orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
             grpcurl = shutil.which("grpcurl") or tool_path("grpcurl")
             cli = tool_path("tiercache")
+            example, raw = example_request(os.environ)
             print(f"""
 TierCache is up{tls_note()}. Orchestrator: {orch}
-  CLI:      {cli}{cli_transport()} --address {orch} chat "What is a KV cache?"
+  CLI:      {cli}{cli_transport()} --address {orch} chat{raw} "{EXAMPLE_QUESTION}"
             {cli}{cli_transport()} --address {orch} stats
-  grpcurl:  {grpcurl} {grpcurl_transport()} -d '{EXAMPLE_JSON}' \\
+  grpcurl:  {grpcurl} {grpcurl_transport()} -d '{example}' \\
               {orch} tiercache.v1.Orchestrator/Generate
 {auth_note(internal_token_file=stack.internal_token_file)}Ctrl-C stops everything.""", flush=True)
             while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):

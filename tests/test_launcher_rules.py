@@ -560,3 +560,51 @@ def test_a_services_log_file_is_readable_by_its_owner_only(monkeypatch, tmp_path
         assert (tmp_path / name).stat().st_mode & 0o777 == 0o600, name
     assert (tmp_path / "old.log").read_text() == "earlier run\n"
     assert p._log_offset == len("earlier run\n")
+
+
+@pytest.mark.model
+def test_the_printed_example_sends_a_raw_prompt_where_the_model_has_no_chat_template(tmp_path):
+    """The launcher printed a `messages` example (and a plain `chat`) whatever the model: one
+    without a chat template refuses it (FAILED_PRECONDITION). Whether a folder has one is
+    decided as the orchestrator's tokenizer (transformers) decides it, without loading it."""
+    import shutil
+
+    from google.protobuf import json_format
+    from tiercache.v1 import orchestrator_pb2
+
+    from services.common.model_store import load_tokenizer, resolve_model
+
+    src = Path(resolve_model("smollm2").path)
+    template = (src / "chat_template.jinja").read_text()
+
+    def folder(name: str, jinja: str = "", extra: str = "", config: dict | None = None) -> Path:
+        d = tmp_path / name
+        d.mkdir()
+        for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(src / f, d / f)
+        if jinja:
+            (d / "chat_template.jinja").write_text(jinja)
+        if extra:
+            (d / "additional_chat_templates").mkdir()
+            (d / "additional_chat_templates" / "tool_use.jinja").write_text(extra)
+        if config is not None:
+            base = json.loads((d / "tokenizer_config.json").read_text())
+            (d / "tokenizer_config.json").write_text(json.dumps({**base, **config}))
+        return d
+
+    cases = {"jinja": folder("jinja", jinja=template), "none": folder("none"),
+             "in-config": folder("in-config", config={"chat_template": template}),
+             "empty-in-config": folder("empty-in-config", config={"chat_template": ""}),
+             "named-only": folder("named-only", extra=template)}
+    raw = (launcher.RAW_EXAMPLE_JSON, " --raw")
+    chat = (launcher.EXAMPLE_JSON, "")
+    got = {k: launcher.example_request({"TIERCACHE_ORCHESTRATOR_MODEL": str(d)})
+           for k, d in cases.items()}
+    assert got == {"jinja": chat, "none": raw, "in-config": chat, "empty-in-config": raw,
+                   "named-only": chat}
+    for k, d in cases.items():  # as the tokenizer the orchestrator loads says
+        assert launcher.has_chat_template(d) == bool(load_tokenizer(str(d)).chat_template), k
+    assert launcher.example_request({}) == chat  # SmolLM2, the default
+    assert launcher.example_request({"TIERCACHE_ORCHESTRATOR_MODEL": " SmolLM2 "}) == chat
+    req = json_format.Parse(launcher.RAW_EXAMPLE_JSON, orchestrator_pb2.GenerateRequest())
+    assert req.prompt == launcher.EXAMPLE_QUESTION and not req.messages
