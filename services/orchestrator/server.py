@@ -672,6 +672,29 @@ def _unless_gone(call, gone: _Gone):
     return call.result()
 
 
+def _unsent(replica, index: int, timeout: float,
+            downs_seen: int | None) -> orchestrator_pb2.WarmResult | None:
+    """The result of a Warm's prefill that must not be sent now (None: it may be)."""
+    if timeout <= 0:
+        # Queued behind the call's other prefills (prompts x replicas share the pool)
+        # until its deadline: sending it anyway made replicas compute for a caller that
+        # had its answer, and held the pool from other tenants' Warm calls.
+        return orchestrator_pb2.WarmResult(
+            prompt_index=index, replica_id=replica.public_id,
+            error="DEADLINE_EXCEEDED: the call's deadline passed before this prefill "
+                  "could start")
+    if downs_seen is not None and replica.downs != downs_seen:
+        # Declared down since the Warm chose it (queued behind the call's other prefills):
+        # not sent, rather than sent and cancelled at once (nothing for a replica out of
+        # routing to start, nor a call to time). One declared down between here and its
+        # watch is cancelled there (`Warmer._prefill_watched`).
+        return orchestrator_pb2.WarmResult(
+            prompt_index=index, replica_id=replica.public_id,
+            error=f"UNAVAILABLE: replica {replica.public_id} was found down before this "
+                  "prefill could start (not sent)")
+    return None
+
+
 class Warmer:
     """Prefills prompts on replicas (Warm RPC) and runs the low-traffic warm-up loop."""
 
@@ -686,19 +709,17 @@ class Warmer:
 
     def _prefill(self, replica, token_ids, cache_salt, ttl, index,
                  timeout: float = PREFILL_TIMEOUT_S,
-                 request_id: str = "", gone: _Gone | None = None):
+                 request_id: str = "", gone: _Gone | None = None,
+                 downs_seen: int | None = None):
         """One Prefill on `replica`, pinned for `ttl` seconds (0: not pinned). With `gone` (the
         Warm caller cancelled or went away), a running prefill is cancelled once it is set:
         the replica stops computing and pins nothing more for nobody; so it is when the
-        poller declares the replica down (UNAVAILABLE in its result)."""
-        if timeout <= 0:
-            # Queued behind the call's other prefills (prompts x replicas share the pool)
-            # until its deadline: sending it anyway made replicas compute for a caller that
-            # had its answer, and held the pool from other tenants' Warm calls.
-            return orchestrator_pb2.WarmResult(
-                prompt_index=index, replica_id=replica.public_id,
-                error="DEADLINE_EXCEEDED: the call's deadline passed before this prefill "
-                      "could start")
+        poller declares the replica down (UNAVAILABLE in its result) since `downs_seen`
+        (`replica.downs` when the Warm chose it; without one, since the prefill started):
+        declared so before it starts, it is not sent."""
+        unsent = _unsent(replica, index, timeout, downs_seen)
+        if unsent is not None:
+            return unsent
         req = kvpool_pb2.PrefillRequest(token_ids=token_ids, cache_salt=cache_salt,
                                         pin=ttl > 0, ttl_seconds=ttl,
                                         model_id=self.orch.model_id)
@@ -711,7 +732,7 @@ class Warmer:
             try:
                 r = timed("kvpool", "Prefill", replica.address,
                           (lambda: replica.stub.Prefill(req, **kw)) if gone is None else
-                          lambda: self._prefill_watched(replica, req, kw, gone))
+                          lambda: self._prefill_watched(replica, req, kw, gone, downs_seen))
             except _FoundDown:
                 return orchestrator_pb2.WarmResult(
                     prompt_index=index, replica_id=replica.public_id,
@@ -740,11 +761,12 @@ class Warmer:
                 prompt_index=index, replica_id=replica.public_id, prompt_tokens=prompt,
                 cached_tokens=cached, computed_tokens=computed, error=f"{e.code().name}: {why}")
 
-    def _prefill_watched(self, replica, req, kw: dict, gone: _Gone):
+    def _prefill_watched(self, replica, req, kw: dict, gone: _Gone, downs_seen: int | None):
         """A Warm call's Prefill, cancelled as its caller goes (`_unless_gone`) or as the
         poller declares the replica down (`_FoundDown` then): a Warm with one replica
         SIGSTOPped waited 60 s for it, long after the poller had taken it out of routing."""
-        seen = replica.downs  # declared down before the watch below: cancelled at once
+        # Declared down since `downs_seen`, before the watch below: cancelled at once.
+        seen = replica.downs if downs_seen is None else downs_seen
         call = replica.stub.Prefill.future(req, **kw)
         down = threading.Event()
 
@@ -764,7 +786,12 @@ class Warmer:
         finally:
             self.orch.replicas.unwatch(replica, on_down)
 
-    def _targets(self, tenant, token_ids, target, deadline: float, gone: _Gone):
+    def _targets(self, tenant, token_ids, target, deadline: float, gone: _Gone) -> list:
+        """The replicas to prefill `token_ids` on, each as (replica, its `downs` when chosen):
+        read before their health, as Generate reads them, so that one the poller declares
+        down after this is not sent its prefill (a prefill queued behind the call's others
+        went to it, and ran there until its next down declaration, a poll cycle later)."""
+        downs = {r.address: r.downs for r in self.orch.replicas.replicas}
         healthy = self.orch.replicas.healthy()
         if target == orchestrator_pb2.WARM_TARGET_OWNERS:
             # The caller's deadline bounds each owner lookup (and once it has passed, or the
@@ -777,8 +804,8 @@ class Warmer:
                                         on_call=gone.holding)
             finally:
                 gone.holding(None)
-            return [r for r in healthy if r.replica_id == owner]
-        return healthy
+            healthy = [r for r in healthy if r.replica_id == owner]
+        return [(r, downs[r.address]) for r in healthy]
 
     def warm(self, tenant, request, time_remaining: float | None = None,
              charge: Callable[[int], None] | None = None,
@@ -803,15 +830,15 @@ class Warmer:
         jobs = []
         for i, p in enumerate(request.prompts):
             ids = self._prompt_ids(tenant, i, p)
-            for r in self._targets(tenant, ids, request.target, owners_until, gone):
-                jobs.append((r, ids, tenant.cache_salt, ttl, i))
+            for r, downs in self._targets(tenant, ids, request.target, owners_until, gone):
+                jobs.append((r, ids, tenant.cache_salt, ttl, i, downs))
         if request.top_k:
             for ids, salt in self._hot_prefixes(tenant, request.top_k):
-                for r in self._targets(tenant, ids, request.target, owners_until, gone):
+                for r, downs in self._targets(tenant, ids, request.target, owners_until, gone):
                     # Holders too: a Warm always pins (ttl > 0), and on a holder the
                     # prefill computes nothing and pins. Skipped, a top_k Warm pinned nothing
                     # once the background loop had cached the hot prefixes everywhere.
-                    jobs.append((r, ids, salt, ttl, -1))
+                    jobs.append((r, ids, salt, ttl, -1, downs))
         self._check_jobs(request, jobs)
         reserved = afford(len(jobs) - 1) if afford is not None and jobs else 0
         return orchestrator_pb2.WarmResponse(
@@ -921,8 +948,8 @@ class Warmer:
                     prompt_index=job[4], replica_id=job[0].public_id,
                     error="CANCELLED: the caller went away before this prefill started")
             with bound_request_id(rid):
-                return self._prefill(*job, timeout=deadline - time.monotonic(), request_id=rid,
-                                     gone=gone)
+                return self._prefill(*job[:5], timeout=deadline - time.monotonic(),
+                                     request_id=rid, gone=gone, downs_seen=job[5])
 
         results: list = []
         try:

@@ -993,6 +993,50 @@ def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailabl
         warmer.stop()
 
 
+def test_a_warm_prefill_queued_for_a_replica_found_down_since_it_was_chosen_is_not_sent():
+    """A prefill still queued (behind the call's window) when the poller declared its replica
+    down read the down count as it started, so it was sent there all the same, and only cut at
+    the next down declaration, a poll cycle later: it is not sent, its result UNAVAILABLE. The
+    one running there is cancelled as before; only that one is timed (the other made no call)."""
+    stubs, gate, inflight, _, warmer = _gated_warmer()
+    rs = warmer.orch.replicas
+    down = next(r for r in rs.replicas if r.replica_id == "B")
+
+    def timed_calls() -> float:
+        return sample_value("tiercache_orchestrator_backend_call_seconds_count", {
+            "tier": "kvpool", "method": "Prefill", "address": down.address}) or 0.0
+
+    timed_before = timed_calls()
+    out: list = []
+    # Two prompts on A, B, C: 6 prefills, the window runs 4 (x0 on A, B, C; x1 on A) and
+    # queues x1 on B and C.
+    prompts = [orchestrator_pb2.WarmPrompt(prompt=f"x{i}" + "." * 16) for i in range(2)]
+    t = threading.Thread(target=lambda: out.append(warmer.warm(
+        TENANT, orchestrator_pb2.WarmRequest(prompts=prompts))))
+    t.start()
+    try:
+        wait_until(lambda: inflight[0] == 4, 30, "the window's 4 prefills did not start")
+        rs._notify_down(down)
+        wait_until(lambda: [c.cancelled for c in stubs["B"].Prefill.calls] == [True], 5,
+                   "B's running prefill was not cancelled as B was declared down")
+        gate.set()  # the window moves on: x1 on B and C start
+        t.join(10)
+        b = down.public_id
+        assert [(r.prompt_index, r.error) for r in out[0].results] == [
+            (0, ""),
+            (0, f"UNAVAILABLE: replica {b} was found down during this prefill (cancelled)"),
+            (0, ""), (1, ""),
+            (1, f"UNAVAILABLE: replica {b} was found down before this prefill could start "
+                "(not sent)"),
+            (1, "")]
+        assert len(stubs["B"].Prefill.calls) == 1  # x1 never went to B
+        assert timed_calls() == timed_before + 1
+        assert not any(r.watchers for r in rs.replicas)
+    finally:
+        gate.set()
+        warmer.stop()
+
+
 def test_a_warm_past_its_deadline_answers_every_prefill_without_recursing():
     """Each prefill past the deadline was answered by a recursive call: 1,500 of them (the
     cap goes to 4,096) raised RecursionError, INTERNAL to the caller."""

@@ -359,8 +359,9 @@ def test_a_warm_reserves_its_prefills_from_the_rate_limit_and_gives_back_unused_
     hot = [prefix_pb2.HotPrefix(token_ids=[7 + j] * 32, holders=["r0"], hits=5,
                                 cache_salt=tenant.cache_salt) for j in range(2)]
     orch = SimpleNamespace(
-        replicas=SimpleNamespace(healthy=lambda: reps, watch=lambda r, fn, seen: None,
-                                 unwatch=lambda r, fn: None), model_id="m", internal_token="",
+        replicas=SimpleNamespace(replicas=reps, healthy=lambda: reps,
+                                 watch=lambda r, fn, seen: None, unwatch=lambda r, fn: None),
+        model_id="m", internal_token="",
         prefix=SimpleNamespace(top_prefixes=lambda k, model_id, cache_salt=None: hot[:k]))
     w = Warmer(orch, OrchestratorConfig(warm_interval_s=0))
 
