@@ -250,8 +250,9 @@ class Replica:
     # A name for errors before the replica's first Stats answer ("kvpool#2"): see public_id.
     alias: str = ""
     # Called when the poller declares the replica unhealthy: in-flight calls on it cancel
-    # themselves and fail over (a hung replica would otherwise hold them to their deadline).
-    watchers: set[Callable[[], None]] = field(default_factory=set)
+    # themselves and fail over (a hung replica would otherwise hold them to their deadline);
+    # a Warm's prefills (True here) are cancelled, not failed over.
+    watchers: dict[Callable[[], None], bool] = field(default_factory=dict)
     # Times the poller has declared it down (`_notify_down`): `watch` compares it with the
     # count seen at routing.
     downs: int = 0
@@ -279,6 +280,16 @@ class Replica:
         s, ours_at_poll = self.polled
         engine = (s.running + s.waiting) if s is not None else 0
         return self.inflight + max(0, engine - ours_at_poll)
+
+
+def _cutting(requests: int, prefills: int) -> str:
+    """What a replica's down line says is done to its calls in flight, naming only the kinds
+    there are: requests fail over, a Warm's prefills are cancelled (the line counted both as
+    requests failing over, though a prefill is not sent elsewhere)."""
+    said = [f"failing over {requests} in-flight request(s)"] if requests else []
+    if prefills:
+        said.append(f"cancelling {prefills} warm prefill(s)")
+    return ", ".join(said)
 
 
 @dataclass
@@ -499,18 +510,21 @@ class ReplicaSet:
     def _notify_down(self, r: Replica) -> None:
         with self._lock:
             r.downs += 1
-            watchers = list(r.watchers)
+            watchers = dict(r.watchers)
         if watchers:
-            log.warning("replica %s is down: failing over %d in-flight request(s)",
-                        r.replica_id, len(watchers))
+            prefills = sum(watchers.values())
+            log.warning("replica %s is down: %s", r.replica_id,
+                        _cutting(len(watchers) - prefills, prefills))
         for fn in watchers:
             try:
                 fn()
             except Exception:  # a watcher must not stop the poller
                 log.exception("replica-down watcher failed")
 
-    def watch(self, r: Replica, fn: Callable[[], None], downs_seen: int | None = None) -> None:
-        """Call `fn` if the poller declares `r` down (until `unwatch`).
+    def watch(self, r: Replica, fn: Callable[[], None], downs_seen: int | None = None,
+              warm: bool = False) -> None:
+        """Call `fn` if the poller declares `r` down (until `unwatch`); `warm`: `fn` cancels a
+        Warm's prefill, which is not failed over (its down line says which is which).
 
         `downs_seen`: `r.downs` when the call was routed there. If the poller declared it down
         since (between routing and this watch), `fn` is called at once: that call was sent
@@ -518,14 +532,14 @@ class ReplicaSet:
         (One routed to a replica already down, as a last resort when none is healthy, is
         left to run.)"""
         with self._lock:
-            r.watchers.add(fn)
+            r.watchers[fn] = warm
             missed = downs_seen is not None and r.downs != downs_seen
         if missed:
             fn()
 
     def unwatch(self, r: Replica, fn: Callable[[], None]) -> None:
         with self._lock:
-            r.watchers.discard(fn)
+            r.watchers.pop(fn, None)
 
     def start(self) -> None:
         self.poll_once()

@@ -774,7 +774,7 @@ class Warmer:
             down.set()
             call.cancel()
 
-        self.orch.replicas.watch(replica, on_down, seen)
+        self.orch.replicas.watch(replica, on_down, seen, warm=True)
         try:
             return _unless_gone(call, gone)
         except grpc.FutureCancelledError:

@@ -625,3 +625,31 @@ def test_a_dependency_healthy_for_the_first_time_is_not_said_healthy_again(caplo
         h.ok()
     assert [r.getMessage() for r in caplog.records if r.levelno == logging.INFO] == [
         "kvpool at r0 is healthy", "kvpool at r0 is healthy again"]
+
+
+def test_a_replica_found_down_says_what_becomes_of_each_kind_of_call_on_it(caplog):
+    """The down line counted a Warm's prefills among the requests "failing over", though
+    they are cancelled (their results UNAVAILABLE), not sent elsewhere: each kind is said
+    apart, and a replica with only requests on it says so as before."""
+    import logging
+
+    r = Replica("r0", None, Health("kvpool", "r0"), replica_id="r0")
+    rs = replica_set(r)
+    cut: list[str] = []
+    watchers = [lambda: cut.append("g1"), lambda: cut.append("g2"), lambda: cut.append("w1")]
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.backends"):
+        rs.watch(r, watchers[0])
+        rs._notify_down(r)  # requests only: the line as it was
+        rs.watch(r, watchers[1])
+        rs.watch(r, watchers[2], warm=True)
+        rs._notify_down(r)
+        for fn in watchers[:2]:
+            rs.unwatch(r, fn)
+        rs._notify_down(r)  # a Warm's prefill only
+        rs.unwatch(r, watchers[2])
+        rs._notify_down(r)  # nothing in flight: no line
+    assert [rec.getMessage() for rec in caplog.records] == [
+        "replica r0 is down: failing over 1 in-flight request(s)",
+        "replica r0 is down: failing over 2 in-flight request(s), cancelling 1 warm prefill(s)",
+        "replica r0 is down: cancelling 1 warm prefill(s)"]
+    assert sorted(cut) == ["g1", "g1", "g2", "w1", "w1"] and r.downs == 4

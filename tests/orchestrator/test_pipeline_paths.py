@@ -956,11 +956,12 @@ def test_a_warm_whose_caller_went_away_sends_no_further_prefill_and_cancels_the_
         warmer.stop()
 
 
-def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailable():
+def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailable(caplog):
     """A Warm with one replica SIGSTOPped waited 60 s for its prefill, though the poller had
     taken it out of routing after ~9 s (a stream there fails over at once): the prefill is
     cancelled as the replica is declared down, the others run on. Its time is the replica's
-    (timed as a failed call, as Generate's cut by the poller is), not a caller's going away."""
+    (timed as a failed call, as Generate's cut by the poller is), not a caller's going away.
+    The down line says it is cancelled ("failing over 1 in-flight request(s)", it said)."""
     stubs, gate, inflight, _, warmer = _gated_warmer()
     rs = warmer.orch.replicas
     down = next(r for r in rs.replicas if r.replica_id == "A")
@@ -978,7 +979,10 @@ def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailabl
         deadline = time.monotonic() + 30
         while inflight[0] < 3 and time.monotonic() < deadline:
             time.sleep(0.01)
-        rs._notify_down(down)
+        with caplog.at_level(logging.WARNING, logger="services.orchestrator.backends"):
+            rs._notify_down(down)
+        assert [r.getMessage() for r in caplog.records] == [
+            f"replica {down.replica_id} is down: cancelling 1 warm prefill(s)"]
         wait_until(lambda: [c.cancelled for c in stubs["A"].Prefill.calls] == [True], 5,
                    "A's prefill was not cancelled as A was declared down")
         gate.set()

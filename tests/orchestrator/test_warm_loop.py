@@ -360,7 +360,7 @@ def test_a_warm_reserves_its_prefills_from_the_rate_limit_and_gives_back_unused_
                                 cache_salt=tenant.cache_salt) for j in range(2)]
     orch = SimpleNamespace(
         replicas=SimpleNamespace(replicas=reps, healthy=lambda: reps,
-                                 watch=lambda r, fn, seen: None, unwatch=lambda r, fn: None),
+                                 watch=lambda r, fn, seen, warm: None, unwatch=lambda r, fn: None),
         model_id="m", internal_token="",
         prefix=SimpleNamespace(top_prefixes=lambda k, model_id, cache_salt=None: hot[:k]))
     w = Warmer(orch, OrchestratorConfig(warm_interval_s=0))
