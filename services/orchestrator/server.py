@@ -715,8 +715,8 @@ class Warmer:
         Warm caller cancelled or went away), a running prefill is cancelled once it is set:
         the replica stops computing and pins nothing more for nobody; so it is when the
         poller declares the replica down (UNAVAILABLE in its result) since `downs_seen`
-        (`replica.downs` when the Warm chose it; without one, since the prefill started):
-        declared so before it starts, it is not sent."""
+        (`replica.downs` when the Warm chose it): declared so before it starts, it is not
+        sent."""
         unsent = _unsent(replica, index, timeout, downs_seen)
         if unsent is not None:
             return unsent
@@ -761,12 +761,10 @@ class Warmer:
                 prompt_index=index, replica_id=replica.public_id, prompt_tokens=prompt,
                 cached_tokens=cached, computed_tokens=computed, error=f"{e.code().name}: {why}")
 
-    def _prefill_watched(self, replica, req, kw: dict, gone: _Gone, downs_seen: int | None):
+    def _prefill_watched(self, replica, req, kw: dict, gone: _Gone, downs_seen: int):
         """A Warm call's Prefill, cancelled as its caller goes (`_unless_gone`) or as the
         poller declares the replica down (`_FoundDown` then): a Warm with one replica
         SIGSTOPped waited 60 s for it, long after the poller had taken it out of routing."""
-        # Declared down since `downs_seen`, before the watch below: cancelled at once.
-        seen = replica.downs if downs_seen is None else downs_seen
         call = replica.stub.Prefill.future(req, **kw)
         down = threading.Event()
 
@@ -774,7 +772,8 @@ class Warmer:
             down.set()
             call.cancel()
 
-        self.orch.replicas.watch(replica, on_down, seen, warm=True)
+        # Declared down since `downs_seen`, before this watch: cancelled at once.
+        self.orch.replicas.watch(replica, on_down, downs_seen, warm=True)
         try:
             return _unless_gone(call, gone)
         except grpc.FutureCancelledError:
