@@ -606,6 +606,13 @@ def ports_fit(base_port: int, replicas: int) -> bool:
     return 0 <= base_port <= 65535 - 2 - replicas
 
 
+def model_folder(env: Mapping[str, str], service: str) -> Path | None:
+    """The model folder `service` (KVPOOL, ORCHESTRATOR) is set to serve; None for the
+    packaged `smollm2`, its default."""
+    spec = env.get(f"TIERCACHE_{service}_MODEL", "").strip() or model_store.SMOLLM2_SPEC
+    return None if spec.lower() == model_store.SMOLLM2_SPEC else Path(spec).expanduser()
+
+
 def model_to_convert(env: Mapping[str, str]) -> bool:
     """Whether a service will convert the packaged model at start: kvpool or the orchestrator
     on `smollm2` (their default) without a current conversion in the cache folder each uses.
@@ -613,8 +620,7 @@ def model_to_convert(env: Mapping[str, str]) -> bool:
     which is converted again.)"""
     roots = []
     for svc in ("KVPOOL", "ORCHESTRATOR"):
-        spec = env.get(f"TIERCACHE_{svc}_MODEL", "").strip() or model_store.SMOLLM2_SPEC
-        if spec.lower() == model_store.SMOLLM2_SPEC:
+        if model_folder(env, svc) is None:
             cache = env.get(f"TIERCACHE_{svc}_CACHE_DIR", "").strip()
             roots.append(Path(cache).expanduser() if cache else model_store.cache_dir_default())
     if not roots:
@@ -647,8 +653,8 @@ def example_request(env: Mapping[str, str]) -> tuple[str, str]:
     """The printed examples' grpcurl JSON and CLI chat flags for the orchestrator's model: a
     raw prompt where it has no chat template (its `messages` are refused, as the printed
     example was on such a model)."""
-    spec = env.get("TIERCACHE_ORCHESTRATOR_MODEL", "").strip() or model_store.SMOLLM2_SPEC
-    if spec.lower() == model_store.SMOLLM2_SPEC or has_chat_template(Path(spec).expanduser()):
+    folder = model_folder(env, "ORCHESTRATOR")
+    if folder is None or has_chat_template(folder):
         return EXAMPLE_JSON, ""
     return RAW_EXAMPLE_JSON, " --raw"
 
