@@ -884,6 +884,12 @@ def _gated_warmer(**cfg):
         kvpool_addresses=("A",), **cfg))
 
 
+def _prefills_timed(replica) -> float:
+    """Prefills on `replica` timed in backend_call_seconds."""
+    return sample_value("tiercache_orchestrator_backend_call_seconds_count", {
+        "tier": "kvpool", "method": "Prefill", "address": replica.address}) or 0.0
+
+
 def test_warm_caps_prefills_per_call_and_leaves_pool_threads_to_other_calls():
     """prompts x replicas was unbounded (4,096 prefills at 64 x 64), and one call queued all
     of its prefills on the 8 shared warm threads: another tenant's Warm waited for all of them."""
@@ -965,12 +971,7 @@ def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailabl
     stubs, gate, inflight, _, warmer = _gated_warmer()
     rs = warmer.orch.replicas
     down = next(r for r in rs.replicas if r.replica_id == "A")
-
-    def timed_calls() -> float:
-        return sample_value("tiercache_orchestrator_backend_call_seconds_count", {
-            "tier": "kvpool", "method": "Prefill", "address": down.address}) or 0.0
-
-    timed_before = timed_calls()
+    timed_before = _prefills_timed(down)
     out: list = []
     t = threading.Thread(target=lambda: out.append(warmer.warm(TENANT, orchestrator_pb2.WarmRequest(
         prompts=[orchestrator_pb2.WarmPrompt(prompt="x0" + "." * 16)]))))
@@ -990,7 +991,7 @@ def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailabl
         assert sorted(r.error for r in out[0].results) == [
             "", "", f"UNAVAILABLE: replica {down.public_id} was found down during this prefill "
                     "(cancelled)"]
-        assert timed_calls() == timed_before + 1
+        assert _prefills_timed(down) == timed_before + 1
         assert not any(r.watchers for r in rs.replicas)  # each prefill's watch ended with it
     finally:
         gate.set()
@@ -1005,12 +1006,7 @@ def test_a_warm_prefill_queued_for_a_replica_found_down_since_it_was_chosen_is_n
     stubs, gate, inflight, _, warmer = _gated_warmer()
     rs = warmer.orch.replicas
     down = next(r for r in rs.replicas if r.replica_id == "B")
-
-    def timed_calls() -> float:
-        return sample_value("tiercache_orchestrator_backend_call_seconds_count", {
-            "tier": "kvpool", "method": "Prefill", "address": down.address}) or 0.0
-
-    timed_before = timed_calls()
+    timed_before = _prefills_timed(down)
     out: list = []
     # Two prompts on A, B, C: 6 prefills, the window runs 4 (x0 on A, B, C; x1 on A) and
     # queues x1 on B and C.
@@ -1034,7 +1030,7 @@ def test_a_warm_prefill_queued_for_a_replica_found_down_since_it_was_chosen_is_n
                 "(not sent)"),
             (1, "")]
         assert len(stubs["B"].Prefill.calls) == 1  # x1 never went to B
-        assert timed_calls() == timed_before + 1
+        assert _prefills_timed(down) == timed_before + 1
         assert not any(r.watchers for r in rs.replicas)
     finally:
         gate.set()
