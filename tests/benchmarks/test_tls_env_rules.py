@@ -6,6 +6,7 @@ out. No process is started here: the start is captured where it would happen."""
 from __future__ import annotations
 
 import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -82,12 +83,19 @@ def test_kvpool_rss_benchmark_starts_its_replica_plaintext(tls_shell, monkeypatc
     assert seen["wait"] == seen["server"]
 
 
+def assert_own_log_dir(log_dir, name: str, tmp: Path) -> None:
+    """The stack logs to a new folder of `stack_log_dir`'s, not a fixed one per name."""
+    assert log_dir.parent == tmp and log_dir.is_dir(), log_dir
+    assert log_dir.name.startswith(f"tiercache-bench-logs-{name}-"), log_dir
+
+
 def fake_stack(seen):
     def stack(*a, extra_env=None, **kw):
         import os
 
         # What Stack's services get: this process's environment under extra_env.
         seen["server"] = {**os.environ, **(extra_env or {})}
+        seen["log_dir"] = kw["log_dir"]
         raise Started
     return stack
 
@@ -99,11 +107,12 @@ def test_orchestrator_benchmark_stack_serves_plaintext_to_its_plaintext_clients(
     seen = {}
     monkeypatch.setattr(orchestrator, "Stack", fake_stack(seen))
     monkeypatch.setattr(orchestrator, "generate", lambda spec: SimpleNamespace(system_prompts=[]))
-    monkeypatch.setattr(orchestrator.tempfile, "mkdtemp", lambda **kw: str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # its semantic store, its logs
     with pytest.raises(Started):
         orchestrator.run_variant("t", None, routing="ring", caches=True, num_blocks=64,
                                  max_tokens=8, concurrency=1)
     assert_plaintext(seen["server"])
+    assert_own_log_dir(seen["log_dir"], "t", tmp_path)
 
 
 def test_assisted_benchmark_stack_serves_plaintext_to_its_plaintext_channels(tls_shell,
@@ -125,6 +134,7 @@ def test_assisted_benchmark_stack_serves_plaintext_to_its_plaintext_channels(tls
     with pytest.raises(Started):
         assisted.main(["--quick"])
     assert_plaintext(seen["server"])
+    assert_own_log_dir(seen["log_dir"], "assisted", tmp_path)
 
 
 def test_each_benchmark_stack_logs_to_a_folder_of_its_own_said_at_its_start(monkeypatch,
