@@ -977,9 +977,8 @@ def test_a_warm_prefill_on_a_replica_found_down_is_cancelled_and_said_unavailabl
         prompts=[orchestrator_pb2.WarmPrompt(prompt="x0" + "." * 16)]))))
     t.start()
     try:
-        deadline = time.monotonic() + 30
-        while inflight[0] < 3 and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: inflight[0] >= 3, 30, "the Warm's three prefills never started",
+                   every=0.01)
         with caplog.at_level(logging.WARNING, logger="services.orchestrator.backends"):
             rs._notify_down(down)
         assert [r.getMessage() for r in caplog.records] == [
