@@ -58,7 +58,7 @@ _ERROR_LINES = Thinned(log)
 _STARTING_LINES = Thinned(log, per_window=1, window_s=60.0)
 # Callers refused for their credential, one line per peer and code (thinned): only a counter
 # said so, and token guessing could not be traced to a peer. The credential is never logged.
-# Two-way streams refused for the open-stream caps too (`_refuse_stream`, no credential needed).
+# Two-way streams refused for the open-stream caps too (`_refuse`, no credential needed).
 _AUTH_LINES = Thinned(log, per_window=3, window_s=60.0, level=logging.WARNING)
 # Responses refused for size: WARNINGs, so their count is one too (_ERROR_LINES counts INFO).
 _TOO_LARGE_LINES = Thinned(log, level=logging.WARNING)
@@ -78,6 +78,19 @@ def _refused_caller(context, method: str, code: str, why: str) -> None:
     # 97 more lines left out" did not say they were callers refused.
     if _AUTH_LINES.allow(("callers refused", peer.rpartition(":")[0], code)):
         log.warning("%s refused %s from %s: %s", method, code, peer[:128], why[:200])
+
+
+def _refuse(context, service: str, short: str, code: str, why: str, details: str,
+            say: bool = True) -> None:
+    """A call refused before its handler ran (its credential, the open-stream caps): counted
+    under `code`, said in one line thinned per peer host (`_refused_caller`, when `say`), its
+    request id (bound by the caller) in its trailers as every failed call's, then aborted with
+    `details`."""
+    RPC_TOTAL.labels(service, short, code).inc()
+    if say:
+        _refused_caller(context, short, code, why)
+    context.set_trailing_metadata(_told_request_id())
+    context.abort(_status_code(code), details)
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 # On the metrics port: 200 "SERVING" or 503 "NOT_SERVING", what gRPC health says. Kubernetes'
@@ -535,22 +548,16 @@ class _Call:
     def _check_token(self, context) -> None:
         got = "" if self.twice else self.metadata.get("authorization", "")
         if not hmac.compare_digest(got.encode(), f"Bearer {self.token}".encode()):
-            RPC_TOTAL.labels(self.service, self.short, "UNAUTHENTICATED").inc()
-            _refused_caller(context, self.short, "UNAUTHENTICATED",
-                            "missing or wrong internal credential")
-            context.set_trailing_metadata(_told_request_id())
-            context.abort(grpc.StatusCode.UNAUTHENTICATED,
-                          "authorization: missing or wrong internal credential")
+            _refuse(context, self.service, self.short, "UNAUTHENTICATED",
+                    "missing or wrong internal credential",
+                    "authorization: missing or wrong internal credential")
 
     def _check_caller(self, context) -> None:
         try:
             self.authenticate(self.pairs)
         except errors.TierCacheError as exc:
-            RPC_TOTAL.labels(self.service, self.short, exc.code).inc()
-            if exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"):
-                _refused_caller(context, self.short, exc.code, str(exc))
-            context.set_trailing_metadata(_told_request_id())
-            context.abort(_status_code(exc.code), _capped(str(exc)))
+            _refuse(context, self.service, self.short, exc.code, str(exc), _capped(str(exc)),
+                    say=exc.code in ("UNAUTHENTICATED", "PERMISSION_DENIED"))
 
     def _say_replaced(self, given: str, rid: str) -> None:
         if self.say_replaced and given and rid != given and \
@@ -818,7 +825,12 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 if mine_waits:
                     waiting.discard(peer)
             if refused:
-                _refuse_stream(context, service, short, rid, f"{refused}; close one")
+                # With its request id, as every other failed call (it had neither trailer
+                # nor line); its line thinned per peer host: these streams need no
+                # credential, and a flood of them must not write a line each.
+                with bound_request_id(rid):
+                    _refuse(context, service, short, "RESOURCE_EXHAUSTED",
+                            f"{refused}; close one", f"{short}: {refused}; close one")
             reaped = _OPEN_REAPER.arm(time.monotonic() + OPEN_STREAM_MAX_S, context,
                                       f"{short}: open for {OPEN_STREAM_MAX_S:g} s, the most a "
                                       "stream may be; open another")
@@ -852,18 +864,6 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                 RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 
         return wrapped
-
-
-def _refuse_stream(context, service: str, short: str, rid: str, why: str) -> None:
-    """A two-way stream refused RESOURCE_EXHAUSTED for the open-stream caps, with its request
-    id (trailer and line), as every other failed call: it had neither. Its line is thinned per
-    peer host as the credential refusals' are: these streams need no credential, and a flood
-    of them must not write a line each."""
-    RPC_TOTAL.labels(service, short, "RESOURCE_EXHAUSTED").inc()
-    with bound_request_id(rid):
-        _refused_caller(context, short, "RESOURCE_EXHAUSTED", why)
-        context.set_trailing_metadata(_told_request_id())
-    context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{short}: {why}")
 
 
 def _notify_all(cond: threading.Condition) -> None:
