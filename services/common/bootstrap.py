@@ -345,10 +345,18 @@ def _parse_request(deserialize, raw, context, service: str, short: str):
         details = (f"{where}: invalid UTF-8 in a string field" if where
                    else "request: malformed protobuf message")
         RPC_TOTAL.labels(service, short, "INVALID_ARGUMENT").inc()
-        if _ERROR_LINES.allow((service, short, "INVALID_ARGUMENT")):
-            log.info("%s ended INVALID_ARGUMENT: %s", short, details)
+        _say_ended(service, short, "INVALID_ARGUMENT", details)
         context.set_trailing_metadata(_told_request_id())
         context.abort(grpc.StatusCode.INVALID_ARGUMENT, details)
+
+
+def _say_ended(service: str, short: str, code: str, details: str,
+               lines: Thinned | None = None, why: tuple[str, ...] = ()) -> None:
+    """One INFO line for a call that ended `code` (its `details` cut to 300 characters), under
+    the request id the caller bound; thinned by `lines` (default `_ERROR_LINES`) per service,
+    method, code (and `why`)."""
+    if (lines or _ERROR_LINES).allow((service, short, code, *why)):
+        log.info("%s ended %s: %s", short, code, details[:300])
 
 
 def _counted_code(context, code: str) -> str:
@@ -607,8 +615,7 @@ class _Call:
         # not be traced. One line, with the id bound; a flood of them is thinned.
         lines = (_STARTING_LINES if isinstance(exc, errors.Starting) and ended ==
                  exc.code else _ERROR_LINES)
-        if lines.allow((self.service, self.short, ended)):
-            log.info("%s ended %s: %s", self.short, ended, details[:300])
+        _say_ended(self.service, self.short, ended, details, lines)
         trailers = exc.trailers + (((errors.OVERLOADED_KEY, "1"),)
                                    if isinstance(exc, errors.Overloaded) else ())
         context.set_trailing_metadata(trailers + _told_request_id())
@@ -691,9 +698,8 @@ class _Call:
         # deadline) left no line, so a ticket's id never named the replica.
         # Thinned apart from the handlers' own errors of the same code (a flood of
         # cancels hid none of them).
-        if _ERROR_LINES.allow((self.service, self.short, ended.code, "caller left")):
-            with bound_request_id(rid):
-                log.info("%s ended %s: %s", self.short, ended.code, ended)
+        with bound_request_id(rid):
+            _say_ended(self.service, self.short, ended.code, str(ended), why=("caller left",))
 
 
 class _ServerInterceptor(grpc.ServerInterceptor):
