@@ -12,7 +12,7 @@ import math
 import re
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -290,6 +290,13 @@ def _cutting(requests: int, prefills: int) -> str:
     if prefills:
         said.append(f"cancelling {prefills} warm prefill(s)")
     return ", ".join(said)
+
+
+def downs_by_address(replicas: Iterable[Replica]) -> dict[str, int]:
+    """How often the poller has declared each replica (by address) down so far: read before
+    their health for routing, and handed to `ReplicaSet.watch` as `downs_seen`, so that one
+    declared down in between has its call cancelled at once."""
+    return {r.address: r.downs for r in replicas}
 
 
 @dataclass

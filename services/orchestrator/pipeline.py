@@ -28,7 +28,12 @@ from services.common.grpc_client import call_metadata, cut_short, health_error
 from services.common.hashing import BlockHasher
 from services.common.logs import Thinned
 from services.common.metrics import SECONDS_BUCKETS, counter, histogram
-from services.orchestrator.backends import CALL_SECONDS, ReplicaSet, SemanticBackend
+from services.orchestrator.backends import (
+    CALL_SECONDS,
+    ReplicaSet,
+    SemanticBackend,
+    downs_by_address,
+)
 from services.orchestrator.detok import IncrementalDetokenizer, complete_decode, decode
 from services.orchestrator.dispatched import DispatchMemory
 from services.orchestrator.render import PromptRenderer, RenderedPrompt
@@ -1017,7 +1022,7 @@ class _ReplicaSide:
                     "deadline exceeded before a replica answered")
             # How often each replica had been declared down before its health is read for
             # routing (see ReplicaSet.watch).
-            downs_at = {r.address: r.downs for r in o.replicas.replicas}
+            downs_at = downs_by_address(o.replicas.replicas)
             seen = o._with_dispatched(self.matches, self.hashes)
             views = o.replicas.views()
             # A replica that failed is excluded by its address too: its first Stats

@@ -29,7 +29,7 @@ from services.common.logs import Thinned, bound_request_id, request_id_var
 from services.common.metrics import counter
 from services.common.reaper import StreamReaper
 from services.common.tokens import validate_stop_ids
-from services.orchestrator.backends import timed
+from services.orchestrator.backends import downs_by_address, timed
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling
 from services.orchestrator.render import Message
@@ -790,7 +790,7 @@ class Warmer:
         read before their health, as Generate reads them, so that one the poller declares
         down after this is not sent its prefill (a prefill queued behind the call's others
         went to it, and ran there until its next down declaration, a poll cycle later)."""
-        downs = {r.address: r.downs for r in self.orch.replicas.replicas}
+        downs = downs_by_address(self.orch.replicas.replicas)
         healthy = self.orch.replicas.healthy()
         if target == orchestrator_pb2.WARM_TARGET_OWNERS:
             # The caller's deadline bounds each owner lookup (and once it has passed, or the
