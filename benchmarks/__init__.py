@@ -18,12 +18,12 @@ def plaintext_env(env: Mapping[str, str]) -> dict[str, str]:
     return {k: "" for k in env if k.startswith("TIERCACHE_") and "_TLS_" in k}
 
 
-def stack_log_dir(name: str) -> Path:
-    """A new folder for the logs of the stack `name` a benchmark starts, said on stdout so that
-    a failed run's logs can be found: in one fixed folder, two runs side by side (or a run's
-    repeats) overwrote each other's."""
+def stack_log_dir(name: str, what: str = "stack logs") -> Path:
+    """A new folder for the logs of the stack `name` a benchmark starts (or other `what`: the
+    report's runs of the benchmarks), said on stdout so that a failed run's logs can be found:
+    in one fixed folder, two runs side by side (or a run's repeats) overwrote each other's."""
     d = Path(tempfile.mkdtemp(prefix=f"tiercache-bench-logs-{name}-"))
-    print(f"[{name}] stack logs in {d}", flush=True)
+    print(f"[{name}] {what} in {d}", flush=True)
     return d
 
 

@@ -29,10 +29,11 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+from benchmarks import stack_log_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 REPO = ROOT  # where BENCHES' paths point (ROOT is pointed elsewhere by tests)
 RESULTS = ROOT / "benchmarks" / "results"
-LOGS = Path("/tmp/tiercache-bench-logs")
 
 
 class Bench(NamedTuple):
@@ -64,7 +65,9 @@ def run_all(quick: bool, only: list[str] | None = None) -> dict[str, dict]:
     """Run each benchmark as `python -m benchmarks.<name>`; returns status per benchmark."""
     from tqdm import tqdm
 
-    LOGS.mkdir(parents=True, exist_ok=True)
+    # A new folder per run: one fixed folder had two runs (side by side, or a rerun of a
+    # failure) overwrite each other's logs.
+    logs = stack_log_dir("report", "benchmark logs")
     status: dict[str, dict] = {}
     todo = [b for b in BENCHES if not only or b.name in only]
     bar = tqdm(todo, desc="benchmarks", unit="bench")
@@ -74,7 +77,7 @@ def run_all(quick: bool, only: list[str] | None = None) -> dict[str, dict]:
             status[b.name] = {"status": "not present", "wall_s": 0.0}
             continue
         cmd = [sys.executable, "-m", f"benchmarks.{b.name}", *(b.quick_args if quick else ())]
-        log = LOGS / f"{b.name}{'-quick' if quick else ''}.log"
+        log = logs / f"{b.name}{'-quick' if quick else ''}.log"
         t0 = time.monotonic()
         timeout = b.quick_timeout_s if quick else b.full_timeout_s
         env = os.environ | {"PYTHONUNBUFFERED": "1"}

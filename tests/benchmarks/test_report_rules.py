@@ -109,3 +109,30 @@ def test_the_device_study_names_the_file_its_pairs_came_from(rendered):
     if (RESULTS / "device_cuda.json").exists():
         assert "12 of the near pairs in `benchmarks/results/assisted.json`)" in rendered
         assert "of the near pairs above" not in rendered
+
+
+def test_each_run_of_the_benchmarks_logs_to_a_folder_of_its_own_said_at_its_start(
+        tmp_path, monkeypatch, capsys):
+    """`--run` logged each benchmark to one fixed /tmp/tiercache-bench-logs/<name>.log: a second
+    run (side by side, or a rerun of a failure) overwrote the first's log."""
+    import tempfile
+
+    root = tmp_path / "repo"
+    (root / "benchmarks").mkdir(parents=True)
+    (root / "benchmarks" / "__init__.py").write_text("")
+    (root / "benchmarks" / "kvpool.py").write_text(
+        "import os\nprint('run', os.environ['BENCH_RUN'])\n")
+    monkeypatch.setattr(report, "ROOT", root)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    logs = []
+    for run in ("first", "second"):
+        monkeypatch.setenv("BENCH_RUN", run)
+        st = report.run_all(False, ["kvpool"])["kvpool"]
+        assert st["status"] == "ok", st
+        logs.append(Path(st["log"]))
+    a, b = logs
+    assert a.parent != b.parent and a.parent.parent == b.parent.parent == tmp_path
+    assert a.read_text() == "run first\n" and b.read_text() == "run second\n"
+    out = capsys.readouterr().out
+    assert f"[report] benchmark logs in {a.parent}\n" in out
+    assert f"[report] benchmark logs in {b.parent}\n" in out
