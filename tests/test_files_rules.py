@@ -90,14 +90,13 @@ def test_a_path_it_cannot_read_is_not_said_not_writable(tmp_path, monkeypatch):
     assert not_writable(OSError(30, "Read-only file system", str(secret)), "d", "S")
 
 
-@pytest.mark.parametrize(("service", "build"), [("kvpool", "build_replica"),
-                                                ("orchestrator", "build")])
-def test_a_cache_folder_the_start_cannot_write_says_so_not_bad_configuration(
-        service, build, monkeypatch, caplog):
-    """The packaged model to convert into a read-only cache volume stopped the start with "bad
-    configuration ...: [Errno 30] Read-only file system: ...", though no setting was wrong:
-    the line names the path, the cause, the fix and the service's setting (exit 2, the
-    server stopped)."""
+BUILDS = [("kvpool", "build_replica"), ("orchestrator", "build")]
+
+
+def _failed_start(service: str, build: str, error: OSError, monkeypatch, caplog,
+                  cache_dir: str = "") -> str:
+    """The line `python -m services.<service>` ends with when its `build` raises `error` (exit
+    2, the server stopped)."""
     import importlib
     import logging
     import types
@@ -106,24 +105,49 @@ def test_a_cache_folder_the_start_cannot_write_says_so_not_bad_configuration(
     from services.orchestrator.config import OrchestratorConfig
 
     entry = importlib.import_module(f"services.{service}.__main__")
-    cfg = (KvPoolConfig(metrics_port=-1) if service == "kvpool" else
-           OrchestratorConfig(kvpool_addresses=("127.0.0.1:1",), metrics_port=-1))
+    cfg = (KvPoolConfig(metrics_port=-1, cache_dir=cache_dir) if service == "kvpool" else
+           OrchestratorConfig(kvpool_addresses=("127.0.0.1:1",), metrics_port=-1,
+                              cache_dir=cache_dir))
     stopped: list = []
     handle = types.SimpleNamespace(draining=None, stop=lambda grace: stopped.append(grace))
     monkeypatch.setattr(entry, "create_server", lambda **kw: handle)
 
     def refuse(cfg):
-        raise OSError(30, "Read-only file system", "/cache/models")
+        raise error
     monkeypatch.setattr(entry, build, refuse)
     monkeypatch.setattr(entry, "load_service_config", lambda *a: cfg)  # logging as it is
     with caplog.at_level(logging.ERROR, logger=f"services.{service}"):
         assert entry._main([]) == 2
-    line = caplog.records[-1].getMessage()
+    assert stopped == [None]
+    return caplog.records[-1].getMessage()
+
+
+@pytest.mark.parametrize(("service", "build"), BUILDS)
+def test_a_cache_folder_the_start_cannot_write_says_so_not_bad_configuration(
+        service, build, monkeypatch, caplog):
+    """The packaged model to convert into a read-only cache volume stopped the start with "bad
+    configuration ...: [Errno 30] Read-only file system: ...", though no setting was wrong:
+    the line names the path, the cause, the fix and the service's setting (exit 2, the
+    server stopped)."""
+    line = _failed_start(service, build, OSError(30, "Read-only file system", "/cache/models"),
+                         monkeypatch, caplog)
     assert line.startswith("cannot start: /cache/models is not writable (Read-only file "
                            "system)"), line
     assert "bad configuration" not in line
     assert f"TIERCACHE_{service.upper()}_CACHE_DIR" in line
-    assert stopped == [None]
+
+
+@pytest.mark.parametrize(("service", "build"), BUILDS)
+def test_a_full_cache_volume_names_the_conversions_folder(service, build, tmp_path,
+                                                          monkeypatch, caplog):
+    """A write to a full volume fails without a path (ENOSPC from a write of an open file):
+    kvpool's line named the conversion's folder, the orchestrator's only "cannot start: No
+    space left on device" (its copy of the call left the folder out)."""
+    line = _failed_start(service, build, OSError(28, "No space left on device"), monkeypatch,
+                         caplog, cache_dir=str(tmp_path))
+    assert line == (f"cannot start: {tmp_path}/models/SmolLM2-135M-Instruct cannot be written "
+                    "(No space left on device): free space on its volume or grow it, then "
+                    "start again"), line
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o077, 0o002])

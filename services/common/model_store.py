@@ -34,7 +34,13 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
-from services.common.files import file_digest, fsync_path, remove_aside, replace_text
+from services.common.files import (
+    file_digest,
+    fsync_path,
+    not_writable,
+    remove_aside,
+    replace_text,
+)
 from services.common.logs import isatty, step_progress
 
 log = logging.getLogger(__name__)
@@ -119,6 +125,16 @@ def packaged_folder(cache_dir: str | None = None) -> Path:
     default `cache_dir_default()`."""
     root = Path(cache_dir).expanduser() if cache_dir else cache_dir_default()
     return root / "models" / SMOLLM2_MODEL_ID
+
+
+def conversion_not_writable(exc: BaseException, setting: str, cache_dir: str | None) -> str:
+    """Why a start failed (`files.not_writable`; "" when that is not `exc`'s cause) when it
+    converts the packaged model into `cache_dir` (`setting` points it elsewhere): a full
+    volume's error without a path names the conversion's folder (the orchestrator's named
+    none, "cannot start: No space left on device")."""
+    return not_writable(exc, "the packaged model's conversion into its cache folder on the "
+                        "first start (a converted one is only read)", setting,
+                        str(packaged_folder(cache_dir or None)))
 
 
 def resolve_model(spec: str = SMOLLM2_SPEC, cache_dir: str | None = None,

@@ -20,7 +20,6 @@ import logging  # noqa: E402
 import torch  # noqa: E402
 from tiercache.v1 import kvpool_pb2_grpc  # noqa: E402
 
-from services.common import files  # noqa: E402
 from services.common.bootstrap import (  # noqa: E402
     create_server,
     exit_process,
@@ -29,7 +28,10 @@ from services.common.bootstrap import (  # noqa: E402
     service_main,
 )
 from services.common.config import ConfigError  # noqa: E402
-from services.common.model_store import ModelStoreError, packaged_folder  # noqa: E402
+from services.common.model_store import (  # noqa: E402
+    ModelStoreError,
+    conversion_not_writable,
+)
 from services.kvpool.app import build_replica, device_problem, pool_problem  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
 from services.kvpool.engine import out_of_memory  # noqa: E402
@@ -84,10 +86,7 @@ def _main(argv: list[str] | None) -> int:
         # load (OSError: no weights file, unreadable files; also a full disk or too many open
         # files while converting, which a restart with the same settings would meet again;
         # ValueError: a config.json transformers does not recognise).
-        why = files.not_writable(exc, "the packaged model's conversion into its cache folder "
-                                 "on the first start (a converted one is only read)",
-                                 "TIERCACHE_KVPOOL_CACHE_DIR",
-                                 str(packaged_folder(cfg.cache_dir or None)))
+        why = conversion_not_writable(exc, "TIERCACHE_KVPOOL_CACHE_DIR", cfg.cache_dir)
         if why:
             log.error("cannot start: %s", why)
         else:

@@ -6,7 +6,6 @@ import logging
 
 from tiercache.v1 import orchestrator_pb2_grpc
 
-from services.common import files
 from services.common.bootstrap import (
     create_server,
     exit_process,
@@ -15,7 +14,7 @@ from services.common.bootstrap import (
     service_main,
 )
 from services.common.hashing import DEFAULT_KEY, hash_key_from_env
-from services.common.model_store import ModelStoreError
+from services.common.model_store import ModelStoreError, conversion_not_writable
 from services.common.shard_list import said
 from services.orchestrator.app import build
 from services.orchestrator.config import OrchestratorConfig
@@ -74,9 +73,7 @@ def _main(argv: list[str] | None) -> int:
         # A model folder or tokens file that is missing or malformed: a configuration error
         # (exit 2, one line), found only now because the paths exist only where it runs. A
         # cache folder it cannot write is no setting's fault but the volume's.
-        why = files.not_writable(exc, "the packaged model's conversion into its cache folder "
-                                 "on the first start (a converted one is only read)",
-                                 "TIERCACHE_ORCHESTRATOR_CACHE_DIR")
+        why = conversion_not_writable(exc, "TIERCACHE_ORCHESTRATOR_CACHE_DIR", cfg.cache_dir)
         if why:
             log.error("cannot start: %s", why)
         else:
