@@ -33,7 +33,12 @@ from services.orchestrator.backends import downs_by_address, timed
 from services.orchestrator.config import OrchestratorConfig
 from services.orchestrator.pipeline import Finished, Orchestrator, Policy, Sampling
 from services.orchestrator.render import Message
-from services.orchestrator.tenants import MAX_TENANT_CHARS, REJECTED, TenantRegistry
+from services.orchestrator.tenants import (
+    MAX_TENANT_CHARS,
+    REJECTED,
+    TenantRegistry,
+    check_prompt_tokens,
+)
 
 log = logging.getLogger(__name__)
 
@@ -892,11 +897,7 @@ class Warmer:
             raise errors.InvalidArgument(
                 f"prompts[{i}]", f"{len(ids)} tokens, shorter than one KV block "
                                  f"({self.cfg.block_size}): nothing could be kept")
-        if len(ids) > tenant.max_prompt_tokens:  # the same limit as the tenant's requests
-            REJECTED.labels(tenant.name, "prompt_tokens").inc()
-            raise errors.ResourceExhausted(
-                f"prompts[{i}]: {len(ids)} tokens exceed tenant limit "
-                f"{tenant.max_prompt_tokens}")
+        check_prompt_tokens(tenant, len(ids), f"prompts[{i}]")  # as the tenant's requests
         context = self.orch.replicas.max_context()
         if context and len(ids) > context:
             # Every target replica refused it, one call each, naming its own field.

@@ -269,6 +269,15 @@ def _digest(token: str) -> bytes:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).digest()
 
 
+def check_prompt_tokens(tenant: Tenant, prompt_tokens: int, field: str) -> None:
+    """A prompt (`field`, as the request named it) over the tenant's max_prompt_tokens refused,
+    RESOURCE_EXHAUSTED, and counted: Generate's and each of a Warm's prompts alike."""
+    if prompt_tokens > tenant.max_prompt_tokens:
+        REJECTED.labels(tenant.name, "prompt_tokens").inc()
+        raise ResourceExhausted(
+            f"{field}: {prompt_tokens} tokens exceed tenant limit {tenant.max_prompt_tokens}")
+
+
 @dataclass
 class TenantRegistry:
     """Looks tenants up by token, counts their concurrent requests and meters their rate."""
@@ -432,10 +441,7 @@ class TenantRegistry:
         """`field` names the prompt as the request gave it ("messages" or "prompt"). The
         limits the call was authenticated under: the server has already fitted an unset
         max_tokens to them (a reload since must not refuse what the client never set)."""
-        if prompt_tokens > tenant.max_prompt_tokens:
-            REJECTED.labels(tenant.name, "prompt_tokens").inc()
-            raise ResourceExhausted(
-                f"{field}: {prompt_tokens} tokens exceed tenant limit {tenant.max_prompt_tokens}")
+        check_prompt_tokens(tenant, prompt_tokens, field)
         if max_tokens > tenant.max_tokens:
             REJECTED.labels(tenant.name, "max_tokens").inc()
             raise ResourceExhausted(
