@@ -458,7 +458,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             # here, the shards and replicas are all called at once with none refusing it.
             raise errors.InvalidArgument("tenant", f"longer than {MAX_TENANT_CHARS} characters "
                                          "(no tenant has such a name)")
-        o = self.orch
         # Bounded as a Generate is: a client without a deadline (grpcurl's default) gave
         # time_remaining() of years, a timeout gRPC cut to nothing, and every call failed.
         # Time kept back to answer in, as Stats keeps: a replica that hung (stopped, not
@@ -468,6 +467,23 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         answer_by = _tiers_deadline(context)
         if answer_by is not None:
             deadline = min(deadline, answer_by)
+        resp = self._erase_everywhere(name, deadline)
+        # Its prompts' pieces kept for tokenizing (scoped by tenant name).
+        self.orch.renderer.forget_scope(name)
+        # A WARNING when a shard or replica was not reached: the erasure is not done, and an
+        # INFO line was the only trace of the tenant's data left there.
+        log.log(logging.WARNING if resp.not_reached else logging.INFO,
+                "erased tenant %s: %d semantic entries, %d KV blocks dropped, %d kept in use; "
+                "not reached: %s", name, resp.semantic_entries_removed, resp.kv_blocks_dropped,
+                resp.kv_blocks_in_use, "; ".join(resp.not_reached) or "none")
+        return resp
+
+    def _erase_everywhere(self, name: str, deadline: float
+                          ) -> orchestrator_pb2.EraseTenantResponse:
+        """The tenant `name`'s entries invalidated on every semantic shard and its KV blocks
+        flushed on every replica, by `deadline` (time.monotonic()); what each removed, summed,
+        and those not reached, named."""
+        o = self.orch
         resp = orchestrator_pb2.EraseTenantResponse()
 
         # Every shard and replica at once: called one after another, one hung shard took the
@@ -507,14 +523,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 # next request went "prefix" to a replica holding nothing of it ("cached 0,
                 # index expected 48"). Only its own: the other tenants' blocks stay there.
                 o.dispatched.forget(r.replica_id, flush.cache_salt)
-        # Its prompts' pieces kept for tokenizing (scoped by tenant name).
-        o.renderer.forget_scope(name)
-        # A WARNING when a shard or replica was not reached: the erasure is not done, and an
-        # INFO line was the only trace of the tenant's data left there.
-        log.log(logging.WARNING if resp.not_reached else logging.INFO,
-                "erased tenant %s: %d semantic entries, %d KV blocks dropped, %d kept in use; "
-                "not reached: %s", name, resp.semantic_entries_removed, resp.kv_blocks_dropped,
-                resp.kv_blocks_in_use, "; ".join(resp.not_reached) or "none")
         return resp
 
 
