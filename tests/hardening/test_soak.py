@@ -1,12 +1,13 @@
 """Short soak (the long form is `make soak` -> benchmarks/soak.py): mixed traffic from two
 tenants with 10% client cancellations and 10% deadline expiries, in rounds on the shared stack.
-After every round no block is referenced; RSS does not grow after the warm-up round."""
+After every round no block is referenced; RSS, open descriptors and threads do not grow after
+the warm-up round."""
 
 from __future__ import annotations
 
 import pytest
 
-from benchmarks.soak import RSS_GROWTH_LIMIT, run_soak
+from benchmarks.soak import RSS_GROWTH_LIMIT, count_growth_over, run_soak
 from tests.hardening.conftest import TOK_A, TOK_B
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -20,6 +21,8 @@ def test_short_soak_leaks_nothing_and_memory_is_flat(stack):
                    requests=16, concurrency=4, tokens=(TOK_A, TOK_B), max_tokens=4)
     summary = res.summary()
     print("soak:", summary["outcomes"], "latency ms", summary["latency_ms"])
+    print("fds per round:", [r["fds"] for r in res.rounds])
+    print("threads per round:", [r["threads"] for r in res.rounds])
     warm = res.rounds[1:]
     assert summary["outcomes"].get("OK", 0) >= 40
     assert summary["outcomes"].get("CANCELLED", 0) + summary["outcomes"].get(
@@ -29,3 +32,4 @@ def test_short_soak_leaks_nothing_and_memory_is_flat(stack):
     limit_b, limit_f = RSS_GROWTH_LIMIT
     for k in first:
         assert last[k] - first[k] <= max(limit_b, limit_f * first[k]), grew
+    assert count_growth_over(res, since=1) == {}
