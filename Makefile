@@ -76,7 +76,7 @@ k8s-validate: setup
 	  kubectl kustomize "$$o" | $(VENV)/bin/kubernetes-validate --strict --quiet -k 1.37.0 -; \
 	done; echo "k8s-validate: every overlay renders and validates"
 
-# Long soak (about 1-4 minutes; 60.5 s in soak.json): rounds of mixed traffic with 20% cancellations/deadline
+# Long soak (about 1-4 minutes; 86.7 s in soak.json): rounds of mixed traffic with 20% cancellations/deadline
 # expiries on a fresh loopback stack -> benchmarks/results/soak.json. Short form: make test.
 soak: setup
 	$(VPY) -m benchmarks.soak
