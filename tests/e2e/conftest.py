@@ -33,6 +33,11 @@ _OWN_DRAFTS = ("TIERCACHE_KVPOOL_DRAFT_COSTS", "TIERCACHE_KVPOOL_DRAFT_LADDER",
                "TIERCACHE_KVPOOL_MAX_DRAFT_TOKENS")
 
 
+# The cluster hash key services started here get (unless the test gives its own): a tenant's
+# cache salt is keyed by it (TenantRegistry.salt_for).
+HASH_KEY = "e2e-test-hash-key"
+
+
 def with_draft_costs(env: dict[str, str]) -> dict[str, str]:
     """A kvpool's `env` with TIERCACHE_KVPOOL_DRAFT_COSTS = DRAFT_COSTS, unless the test or the
     environment the services inherit (ServiceProcess starts them with os.environ under env)
@@ -67,7 +72,7 @@ def start_all(specs: list[tuple[str, dict[str, str], str | None]], timeout: floa
             assert service_exists(name), f"services/{name} is missing"
             # Tenants configured: the orchestrator refuses the public default hash key.
             env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1",
-                   "TIERCACHE_HASH_KEY": "e2e-test-hash-key", **env}
+                   "TIERCACHE_HASH_KEY": HASH_KEY, **env}
             if name == "kvpool":
                 env = with_draft_costs(env)
             started.append(ServiceProcess(name, port, env,

@@ -19,6 +19,8 @@ ADMIN_TOKEN = "tok-admin"
 TOKENS = {"tok-a": {"tenant": "a"}, "tok-b": {"tenant": "b"},
           "tok-small": {"tenant": "small", "max_prompt_tokens": 60, "max_tokens": 6,
                         "max_concurrent": 1},
+          # Tenants no other test sends for: what EraseTenant removes of one is all its own.
+          "tok-erase-a": {"tenant": "erase-a"}, "tok-erase-b": {"tenant": "erase-b"},
           # Cluster-wide Stats describe every tenant's traffic: operators only.
           ADMIN_TOKEN: {"tenant": "ops", "admin": True}}
 

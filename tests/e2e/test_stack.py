@@ -1,20 +1,40 @@
 """The whole request path over real processes: semantic tier, prefix reuse across turns and
-requests, warm-up on every replica, tenant isolation, auth and limits (issue 6)."""
+requests, warm-up on every replica, tenant isolation, auth and limits (issue 6), erasing a
+tenant's data."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import grpc
 import pytest
-from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
+from tiercache.v1 import (
+    common_pb2,
+    kvpool_pb2,
+    kvpool_pb2_grpc,
+    orchestrator_pb2,
+    orchestrator_pb2_grpc,
+    prefix_pb2,
+    prefix_pb2_grpc,
+)
 
+from clients.python import cli
 from clients.python.client import TierCacheClient
 from services.orchestrator.pipeline import session_routing_key
 from services.orchestrator.routing import PrefixAwarePolicy, ReplicaView
-from services.orchestrator.tenants import Tenant
-from tests.e2e.stack import INTERNAL_MD, admin_stats, start_full_stack, wait_index_caught_up
+from services.orchestrator.tenants import Tenant, TenantRegistry
+from tests.e2e.conftest import HASH_KEY
+from tests.e2e.stack import (
+    ADMIN_TOKEN,
+    INTERNAL_MD,
+    admin_stats,
+    replica_stats,
+    start_full_stack,
+    wait_index_caught_up,
+    wait_until,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -324,3 +344,137 @@ def test_internal_services_refuse_calls_without_the_internal_credential(stack):
             getattr(stub, method)(req, timeout=10)
         assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, addr
         getattr(stub, method)(req, timeout=10, metadata=INTERNAL_MD)  # with it: fine
+
+
+def idle_pools(stack) -> dict[str, tuple[int, int]]:
+    """Each replica's (blocks held: cached + pinned, evictions so far) once none runs
+    anything and the index agrees with them; every pool's states add up to its total."""
+    wait_until(lambda: all(s.running == s.waiting == s.blocks_in_use == 0
+                           for s in replica_stats(stack)), 30, "replicas idle")
+    wait_index_caught_up(stack)
+    pools = replica_stats(stack)
+    for s in pools:
+        assert (s.blocks_free + s.blocks_cached + s.blocks_pinned + s.blocks_in_use
+                == s.blocks_total), s
+    return {s.replica_id: (s.blocks_cached + s.blocks_pinned, s.evictions_total)
+            for s in pools}
+
+
+def added(before: dict, after: dict) -> dict[str, int]:
+    """Blocks each replica holds in `after` (idle_pools) over `before`; none evicted between,
+    so these are the blocks stored between."""
+    assert all(after[r][1] == before[r][1] for r in before), (before, after)
+    return {r: after[r][0] - before[r][0] for r in before}
+
+
+def fill(stack, client, msgs: list, plain: str):
+    """A tenant's system prompt warmed (pinned on every replica) and two answers stored:
+    `msgs` (asked again: a semantic hit) and `plain`. The first answer to `msgs`."""
+    warm = client.warm([msgs[0]["content"]], pin_ttl_seconds=300)
+    assert {r.replica_id for r in warm.results} == {"kv-0", "kv-1"}
+    assert all(not r.error and r.pinned_blocks > 0 for r in warm.results), warm
+    wait_index_caught_up(stack)
+    first = client.generate(msgs, max_tokens=12, return_token_ids=True)
+    assert not first.report.semantic_hit and first.token_ids
+    # The warmed system prompt's blocks reused (the question after it is computed).
+    assert first.report.cached_tokens >= warm.results[0].prompt_tokens // 16 * 16 - 16
+    assert client.generate(msgs, max_tokens=12).report.semantic_hit
+    assert not client.generate(plain, max_tokens=4).report.semantic_hit
+    assert client.generate(plain, max_tokens=4).report.semantic_hit
+    return first
+
+
+def semantic_entries(stack) -> int:
+    return admin_stats(stack).semantic.entries
+
+
+def hot_prefixes(stack, tenant: str) -> int:
+    """How many hot prefixes (token ids included) the prefix index lists of `tenant`'s."""
+    salt = TenantRegistry.salt_for(tenant, HASH_KEY.encode())
+    with grpc.insecure_channel(stack.prefix.address) as ch:
+        return len(prefix_pb2_grpc.PrefixIndexStub(ch).TopPrefixes(
+            prefix_pb2.TopPrefixesRequest(k=1000, cache_salt=salt), timeout=10,
+            metadata=INTERNAL_MD).prefixes)
+
+
+def refused_erasures(a, b, ops) -> None:
+    """EraseTenant by a tenant (even for itself), or for a blank or impossible name: each
+    refused with its documented status."""
+    for c in (a, b):
+        with pytest.raises(grpc.RpcError) as e:
+            c.erase_tenant("erase-a")
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value
+    with pytest.raises(ValueError, match="tenant: required"):
+        ops.erase_tenant(" ")  # the client says so before sending
+    raw = orchestrator_pb2_grpc.OrchestratorStub(ops.channel)
+    for name, said in (("", "tenant: required"), ("  ", "tenant: required"),
+                       ("x" * 65, "tenant: longer than 64")):
+        with pytest.raises(grpc.RpcError) as e:
+            raw.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant=name), timeout=30,
+                            metadata=[("authorization", f"Bearer {ADMIN_TOKEN}")])
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value
+        assert e.value.details().startswith(said), e.value.details()
+
+
+def test_erase_tenant_removes_its_data_everywhere_and_nothing_else(stack, capsys):
+    """Two tenants ask the same (same system prompt, same questions; their KV and answers are
+    each their own). Erasing one with the operators' token removes exactly what it stored, on
+    the semantic tier and on both replicas, and nothing of the other's; refused or empty
+    erasures change nothing; the erased tenant's next answer is the same, computed anew."""
+    sys4 = SYSTEM.replace("Northwind", "Tailspin")
+    msgs = [{"role": "system", "content": sys4},
+            {"role": "user", "content": "How long can I return category 7 orders?"}]
+    plain = "What is the chemical symbol of gold?"
+    with TierCacheClient(stack.orch.address, token="tok-erase-a", timeout=180) as a, \
+            TierCacheClient(stack.orch.address, token="tok-erase-b", timeout=180) as b, \
+            TierCacheClient(stack.orch.address, token=ADMIN_TOKEN, timeout=180) as ops:
+        pools0, entries0 = idle_pools(stack), semantic_entries(stack)
+        a_first = fill(stack, a, msgs, plain)
+        pools_a = idle_pools(stack)
+        a_blocks = added(pools0, pools_a)
+        assert all(n > 0 for n in a_blocks.values()), a_blocks
+        assert semantic_entries(stack) == entries0 + 2
+        b_first = fill(stack, b, msgs, plain)
+        assert b_first.token_ids == a_first.token_ids  # greedy, the same prompt
+        pools_ab, entries_ab = idle_pools(stack), semantic_entries(stack)
+        assert entries_ab == entries0 + 4
+        assert hot_prefixes(stack, "erase-a") > 0 and hot_prefixes(stack, "erase-b") > 0
+
+        # Refused, or for no tenant of that name (erasing nothing): nothing changes.
+        refused_erasures(a, b, ops)
+        nobody = ops.erase_tenant("erase-nobody")
+        assert nobody == orchestrator_pb2.EraseTenantResponse(), nobody
+        assert idle_pools(stack) == pools_ab and semantic_entries(stack) == entries_ab
+        assert a.generate(msgs, max_tokens=12).report.semantic_hit
+
+        erased = ops.erase_tenant("erase-a")
+        assert (erased.semantic_entries_removed, erased.kv_blocks_dropped,
+                erased.kv_blocks_in_use, list(erased.not_reached)) == (
+            2, sum(a_blocks.values()), 0, []), erased
+        # Only A's blocks went, on each replica (the index followed: idle_pools waits for it).
+        assert added(pools_ab, idle_pools(stack)) == {r: -n for r, n in a_blocks.items()}
+        assert semantic_entries(stack) == entries0 + 2
+        assert hot_prefixes(stack, "erase-a") == 0 and hot_prefixes(stack, "erase-b") > 0
+        # Again, as an operator runs it: nothing left to remove, everything reached (exit 0).
+        capsys.readouterr()
+        assert cli.main(["--address", stack.orch.address, "--token", ADMIN_TOKEN,
+                         "erase-tenant", "erase-a", "--yes"]) == 0
+        assert json.loads(capsys.readouterr().out) == {
+            "semanticEntriesRemoved": "0", "kvBlocksDropped": 0, "kvBlocksInUse": 0,
+            "notReached": []}
+
+        # A: no answer served from the cache, no KV reused; the same tokens, computed anew.
+        a_after = a.generate(msgs, max_tokens=12, return_token_ids=True)
+        assert not a_after.report.semantic_hit and a_after.report.replica_id
+        assert a_after.report.cached_tokens == 0
+        assert not a_after.report.draft_entry_id  # no answer of A's (nor B's) left as a draft
+        assert a_after.token_ids == a_first.token_ids
+        assert not a.generate(plain, max_tokens=4).report.semantic_hit
+        # B: its answers still served, its warmed system prompt still reused.
+        b_again = b.generate(msgs, max_tokens=12, return_token_ids=True)
+        assert b_again.report.semantic_hit and b_again.token_ids == b_first.token_ids
+        assert b.generate(plain, max_tokens=4).report.semantic_hit
+        b_new = b.generate([msgs[0], {"role": "user", "content": "Hello?"}], max_tokens=4,
+                           cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True))
+        assert b_new.report.cached_tokens >= b_first.report.cached_tokens // 16 * 16 - 16
+        idle_pools(stack)
