@@ -143,6 +143,12 @@ class PromptRenderer:
         self.piece_hits = self.piece_misses = 0
 
     @property
+    def _added_tokens(self) -> dict[int, Any]:
+        """The tokenizer's added tokens by id ({}: none, or a tokenizer that keeps no such
+        table)."""
+        return getattr(self.tok, "added_tokens_decoder", None) or {}
+
+    @property
     def max_token_chars(self) -> int:
         """An upper bound on the characters one token stands for: its longest vocabulary
         entry (byte-level and SentencePiece entries spell each byte or space as at most one
@@ -220,7 +226,7 @@ class PromptRenderer:
         covers)."""
         if self._bare is False:
             self._bare = None
-            added = getattr(self.tok, "added_tokens_decoder", None) or {}
+            added = self._added_tokens
             self._plain_added = tuple(sorted(
                 t.content for t in added.values() if t.content and not t.special))
             backend = getattr(self.tok, "backend_tokenizer", None)
@@ -288,7 +294,7 @@ class PromptRenderer:
         return self._added  # type: ignore[return-value]
 
     def _find_added_split(self) -> tuple[re.Pattern, dict[str, int]] | None:
-        added = getattr(self.tok, "added_tokens_decoder", None) or {}
+        added = self._added_tokens
         if not getattr(self.tok, "is_fast", False) or not added:
             return None
         backend = getattr(self.tok, "backend_tokenizer", None)
@@ -311,7 +317,7 @@ class PromptRenderer:
         """The texts the tokenizer turns into added (control) tokens, e.g. "<|im_end|>", and
         those not marked special (`<tool_call>`), which a template may use as structure too."""
         if self._specials is None:
-            added = getattr(self.tok, "added_tokens_decoder", None) or {}
+            added = self._added_tokens
             texts = {t.content for t in added.values()}
             texts |= set(getattr(self.tok, "all_special_tokens", None) or ())
             self._specials = tuple(sorted(t for t in texts if t))
