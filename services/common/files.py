@@ -10,16 +10,22 @@ import shutil
 import stat
 import tempfile
 from pathlib import Path
+from typing import Any
+
+
+def hash_file(hasher: Any, path: str | os.PathLike) -> Any:
+    """Feeds the bytes of the file at `path` to `hasher` (a hashlib object) in 1 MiB chunks,
+    so a model file of gigabytes is never held whole; returns `hasher`."""
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            hasher.update(chunk)
+    return hasher
 
 
 def file_digest(path: str | os.PathLike) -> str:
-    """The blake2b digest (16 bytes, hex) of the file at `path`, read in 1 MiB chunks: what a
-    cache's completion record keeps of a small file, to notice it damaged in place."""
-    h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
+    """The blake2b digest (16 bytes, hex) of the file at `path`: what a cache's completion
+    record keeps of a small file, to notice it damaged in place."""
+    return hash_file(hashlib.blake2b(digest_size=16), path).hexdigest()
 
 
 def not_writable(exc: BaseException, writes: str, settings: str, where: str = "") -> str:

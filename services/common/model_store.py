@@ -37,6 +37,7 @@ from typing import Any, NamedTuple, TypeVar
 from services.common.files import (
     file_digest,
     fsync_path,
+    hash_file,
     not_writable,
     remove_aside,
     replace_text,
@@ -414,9 +415,8 @@ def source_id(gguf: Path) -> str:
     import transformers
 
     h = hashlib.blake2b(digest_size=8)
-    with contextlib.suppress(FileNotFoundError), open(gguf, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
+    with contextlib.suppress(FileNotFoundError):
+        hash_file(h, gguf)
     major = transformers.__version__.split(".")[0]
     return f"{gguf.name}|{h.hexdigest()}|transformers-{major}|{CONVERSION}"
 

@@ -44,7 +44,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.common.files import file_digest, fsync_path, remove_aside
+from services.common.files import file_digest, fsync_path, hash_file, remove_aside
 from services.common.logs import step_progress
 from services.common.model_store import readable_weights
 
@@ -144,9 +144,7 @@ class SentenceModelSpec:
             if p.is_file() and not _is_documentation(name):
                 h.update(name.encode())
                 # Content, weights included: a fine-tuned checkpoint has the same size.
-                with p.open("rb") as f:
-                    for chunk in iter(lambda: f.read(1 << 20), b""):
-                        h.update(chunk)
+                hash_file(h, p)
         return h.hexdigest()
 
 
