@@ -14,6 +14,7 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
+from setuptools.command.egg_info import egg_info
 
 
 class BuildPyWithProtos(build_py):
@@ -37,8 +38,20 @@ class BuildPyWithProtos(build_py):
         Path(self.build_lib, name).replace(Path(self.build_lib, "tiercache", name))
 
 
+class EggInfoWithProtos(egg_info):
+    """egg_info whose top_level.txt names `tiercache` too: no package list holds it (build_py
+    generates it), so importlib.metadata.packages_distributions() said no distribution
+    provides `tiercache`. (An editable install lists it as well: gen/ holds it there.)"""
+
+    def run(self) -> None:
+        super().run()
+        top_level = Path(self.egg_info, "top_level.txt")
+        names = set(top_level.read_text().split()) | {"tiercache"}
+        top_level.write_text("".join(f"{name}\n" for name in sorted(names)))
+
+
 setup(
-    cmdclass={"build_py": BuildPyWithProtos},
+    cmdclass={"build_py": BuildPyWithProtos, "egg_info": EggInfoWithProtos},
     ext_modules=[
         Extension(
             "services.common._blockhash",

@@ -12,13 +12,19 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.timeout(600)
-def test_a_plain_wheel_has_the_generated_grpc_code_and_the_verifier_weights(tmp_path):
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("dist")
     # No build isolation: the venv already holds setuptools and grpcio-tools (no download).
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(tmp_path), str(ROOT)],
-                   check=True, cwd=tmp_path, timeout=570)
-    (wheel,) = tmp_path.glob("tiercache-*.whl")
+                    "--no-build-isolation", "-w", str(out), str(ROOT)],
+                   check=True, cwd=out, timeout=570)
+    (built,) = out.glob("tiercache-*.whl")
+    return built
+
+
+@pytest.mark.timeout(600)
+def test_a_plain_wheel_has_the_generated_grpc_code_and_the_verifier_weights(wheel, tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for proto in sorted((ROOT / "protos" / "tiercache" / "v1").glob("*.proto")):
         for suffix in ("_pb2.py", "_pb2_grpc.py"):
@@ -37,3 +43,18 @@ def test_a_plain_wheel_has_the_generated_grpc_code_and_the_verifier_weights(tmp_
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().endswith("tiercache/tiercache_descriptors.pb")
     assert "clients/python/cli.py" in names
+
+
+@pytest.mark.timeout(600)
+def test_the_wheels_top_level_names_say_it_provides_the_grpc_package(wheel, tmp_path):
+    """top_level.txt listed services, clients and benchmarks, not the generated `tiercache`,
+    so packages_distributions() (which reads that file) gave no distribution for it."""
+    zipfile.ZipFile(wheel).extractall(tmp_path / "site")
+    (top_level,) = (tmp_path / "site").glob("tiercache-*.dist-info/top_level.txt")
+    assert top_level.read_text().split() == ["benchmarks", "clients", "services", "tiercache"]
+    # Python without site-packages (the venv's editable install): the wheel's files alone.
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import importlib.metadata as md; "
+             "print(md.packages_distributions().get('tiercache'))")
+    out = subprocess.run([sys.executable, "-S", "-c", probe, str(tmp_path / "site")],
+                         check=True, cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert out.stdout.split() == ["['tiercache']"]
