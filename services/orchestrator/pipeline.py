@@ -1221,6 +1221,14 @@ class _ReplicaSide:
             if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 e = o._in_largest_pool(e, replica)  # past every pool: the largest one's figures
             raise _counted(req.tenant, _as_domain(e, req.sampling)) from None
+        self._note_why(att, e)
+        return True
+
+    def _note_why(self, att: _Attempt, e: grpc.RpcError) -> None:
+        """Why the attempt's replica is lost for the request (its call failed with `e`): the
+        error to mark it down with (`att.lost`, None where it is not to be), its log reason
+        (`att.why`) and what the client's error will say (`why_public`)."""
+        code, replica = e.code(), att.replica
         # INTERNAL / UNKNOWN: the replica failed this request, perhaps only it; try
         # another, but it is not marked down for everyone (Stats polls judge that):
         # one request that breaks replicas must not take every replica out of routing.
@@ -1237,7 +1245,6 @@ class _ReplicaSide:
             self.why_public = "hung (Stats polls unanswered)"
             att.why = ("cancelled by this orchestrator: "
                        f"{replica.health.last_error or self.why_public}")
-        return True
 
     def _another_may_hold(self, blocks: int, e: grpc.RpcError) -> bool:
         """Whether a request too big for a pool of `blocks` KV blocks (its refusal `e`) may fit
@@ -1286,14 +1293,10 @@ class _ReplicaSide:
             log.info("replica %s cannot hold the request (%s); %s",
                      replica.replica_id, e.details(), next_step)
 
-    def _after_failure(self, att: _Attempt) -> None:
-        """The attempt's replica is lost for this request: it is excluded, its failure noted
-        for the client's error (busy, too big, the largest pool that failed), marked down if
-        lost, its dispatch credit forgotten and the degradation counted. Then either the
-        tokens read already make the whole answer (`final` made here), or the next replica is
-        tried (resuming after them), unless max_attempts failures used the attempts up."""
-        # The replica is lost for this request: try the next one (resuming after the
-        # tokens already streamed).
+    def _note_failure(self, att: _Attempt) -> None:
+        """Notes the attempt's failure: its replica excluded and tried, what the client's
+        error will say (busy, too big, the largest pool that failed), the replica marked down
+        if lost, its dispatch credit forgotten, the attempt and the degradation counted."""
         o, req, replica = self.orch, self.req, att.replica
         busy, larger = att.busy, att.larger
         self.exclude.update((replica.replica_id, replica.address))
@@ -1338,6 +1341,14 @@ class _ReplicaSide:
                     log.warning("replica %s failed (%s) after %d tokens; attempt %d",
                                 replica.replica_id, att.why, len(self.generated),
                                 self.attempts + 1)
+
+    def _after_failure(self, att: _Attempt) -> None:
+        """The attempt's replica is lost for this request: its failure noted
+        (`_note_failure`). Then either the tokens read already make the whole answer (`final`
+        made here), or the next replica is tried (resuming after them), unless max_attempts
+        failures used the attempts up."""
+        self._note_failure(att)
+        o, req, replica = self.orch, self.req, att.replica
         ended = o._ended(self.generated, req.sampling)
         if ended is not None:
             # The tokens streamed already make the whole answer (they reached max_tokens,
