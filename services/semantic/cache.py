@@ -731,20 +731,7 @@ class SemanticCache:
                 written).
             DeadlineExceeded: `wanted` said no (nothing is written).
         """
-        ns = self._check_namespace(ns)
-        self._check_text("prompt", prompt, self.cfg.max_text_chars)
-        self._check_text("answer", answer, self.cfg.max_answer_chars)
-        if ttl_seconds < 0 or ttl_seconds > self.cfg.max_ttl_seconds:
-            raise InvalidArgument("ttl_seconds", f"must be in [0, {self.cfg.max_ttl_seconds}]")
-        answer_bytes = len(answer.encode("utf-8", "surrogatepass"))
-        if len(answer_token_ids) > answer_bytes + 1:
-            # A byte-level tokenizer gives each token at least one byte of text, and the end of
-            # sequence none: more ids than that are not this answer's.
-            raise InvalidArgument(
-                "answer_token_ids", f"{len(answer_token_ids)} token ids for an answer of "
-                f"{answer_bytes} UTF-8 bytes: at most one per byte, and an end of sequence")
-        if any(t < 0 or t >= 1 << 32 for t in answer_token_ids):
-            raise InvalidArgument("answer_token_ids", "token ids must be in [0, 2^32)")
+        ns = self._check_store(ns, prompt, answer, ttl_seconds, answer_token_ids)
         answer_tokens = pack_tokens(answer_token_ids)
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
         vec, over = self._embed(prompt, reuse_for=ns.tenant)
@@ -759,8 +746,7 @@ class SemanticCache:
         entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated,
                       over, answer_tokens=answer_tokens)
         dropped: list[int] = []  # labels memory no longer holds: their rows go too
-        victims: list[int] = []
-        expired_now = 0
+        evicted = expired_now = 0
         stands: Entry | None = None
         try:
             # Asked again once the row is written: the write waits for the store's lock
@@ -791,25 +777,7 @@ class SemanticCache:
                     if old is not None:
                         self._drop_locked(old)
                         dropped.append(old)
-                    victims = self._victims_locked(ns)
-                    if victims:
-                        # Past capacity: entries already expired (the housekeeper purges
-                        # them every expiry_interval_s) go first. By LRU alone a live answer
-                        # was evicted while a dead one kept its slot.
-                        # (Those an expire under way took off the heap count as gone in
-                        # `_victims_locked`: that expire drops them.)
-                        due = [lab for _, lab in self._due_locked(now)]
-                        for lab in due:
-                            self._drop_locked(lab)
-                            dropped.append(lab)
-                        expired_now = len(due)
-                        self._expired += expired_now
-                        if due:
-                            victims = self._victims_locked(ns)
-                    for lab in victims:
-                        self._drop_locked(lab)
-                        dropped.append(lab)
-                    self._evicted += len(victims)
+                    evicted, expired_now = self._make_room_locked(ns, now, dropped)
                     self._m["entries"].set(len(self._entries))
         except BaseException:
             # Committed rows that memory does not hold would be served by nothing, missed by
@@ -820,10 +788,55 @@ class SemanticCache:
                 self._m["entries"].set(len(self._entries))
             self.store.delete([label, *dropped])
             raise
-        self._m["evictions"].inc(len(victims))
+        self._m["evictions"].inc(evicted)
         self._m["expirations"].inc(expired_now)
         self.store.delete(dropped)
         return stands or entry
+
+    def _check_store(self, ns: Namespace, prompt: str, answer: str, ttl_seconds: int,
+                     answer_token_ids: Sequence[int]) -> Namespace:
+        """`store_entry`'s checks of what it was given (InvalidArgument naming the field);
+        returns the namespace checked."""
+        ns = self._check_namespace(ns)
+        self._check_text("prompt", prompt, self.cfg.max_text_chars)
+        self._check_text("answer", answer, self.cfg.max_answer_chars)
+        if ttl_seconds < 0 or ttl_seconds > self.cfg.max_ttl_seconds:
+            raise InvalidArgument("ttl_seconds", f"must be in [0, {self.cfg.max_ttl_seconds}]")
+        answer_bytes = len(answer.encode("utf-8", "surrogatepass"))
+        if len(answer_token_ids) > answer_bytes + 1:
+            # A byte-level tokenizer gives each token at least one byte of text, and the end of
+            # sequence none: more ids than that are not this answer's.
+            raise InvalidArgument(
+                "answer_token_ids", f"{len(answer_token_ids)} token ids for an answer of "
+                f"{answer_bytes} UTF-8 bytes: at most one per byte, and an end of sequence")
+        if any(t < 0 or t >= 1 << 32 for t in answer_token_ids):
+            raise InvalidArgument("answer_token_ids", "token ids must be in [0, 2^32)")
+        return ns
+
+    def _make_room_locked(self, ns: Namespace, now: float, dropped: list[int]
+                          ) -> tuple[int, int]:
+        """Drops what the namespace, its tenant and the cache hold past capacity (`dropped`
+        gets their labels); returns how many were evicted and how many expired."""
+        victims = self._victims_locked(ns)
+        expired = 0
+        if victims:
+            # Past capacity: entries already expired (the housekeeper purges them every
+            # expiry_interval_s) go first. By LRU alone a live answer was evicted while a
+            # dead one kept its slot. (Those an expire under way took off the heap count as
+            # gone in `_victims_locked`: that expire drops them.)
+            due = [lab for _, lab in self._due_locked(now)]
+            for lab in due:
+                self._drop_locked(lab)
+                dropped.append(lab)
+            expired = len(due)
+            self._expired += expired
+            if due:
+                victims = self._victims_locked(ns)
+        for lab in victims:
+            self._drop_locked(lab)
+            dropped.append(lab)
+        self._evicted += len(victims)
+        return len(victims), expired
 
     def _due_locked(self, now: float) -> list[tuple[float, int]]:
         """Pops the expiry heap's due items; those whose entry they still stand for (gone:
