@@ -407,76 +407,87 @@ class ReplicaSet:
         r = self.replicas[i]
         try:
             s, ours_after = fut.result()
-            misfit = self._mismatch(s)
-            wrong = misfit or self._id_taken(r, s)
-            # Named by the id it answered with: one never healthy is still known by its alias.
-            r.misfit = f"{s.replica_id or r.public_id}: {misfit}" if misfit else ""
-            if wrong:
-                if misfit and s.replica_id:
-                    # Named as a replica in routing is (its Stats line and log lines): it stayed
-                    # "kvpool", which of the replicas out of routing for another model unsaid.
-                    # (Not one answering under a taken id: that id is another's name.)
-                    with self._lock:
-                        r.health.name = f"kvpool/{s.replica_id}"
-                if r.health.healthy or r.health.last_error != wrong:
-                    log.error("replica %s at %s is out of routing: %s", s.replica_id,
-                              r.address, wrong)
-                r.health.fail(wrong, hold=True)
-                r.slow_polls = 0  # it answered: the row of timed-out polls is broken
-                self._lost(r)
-                return
-            restarted = (r.stats is not None and s.incarnation
-                         and s.incarnation != r.stats.incarnation)
-            # What routing sent to it was recorded under the id it had; a restart may bring
-            # another (TIERCACHE_KVPOOL_REPLICA_ID changed), and the old one's records are
-            # the ones to forget.
-            known_as = r.replica_id
-            with self._lock:
-                r.stats = s
-                # The replica counted at some moment during the call; attribute to us the
-                # larger of our counts at either end, so ours never inflate the others'.
-                r.inflight_at_poll = max(ours_before, ours_after)
-                r.polled = (s, r.inflight_at_poll)
-                r.replica_id = s.replica_id or r.address
-                r.health.name = f"kvpool/{r.replica_id}"
-                r.slow_polls = 0
-            if restarted:
-                self._lost(r, known_as)
-            if self.stall_s > 0 and s.stalled_for_s >= self.stall_s:
-                # Its gRPC server answers, its engine does not: requests sent there would
-                # wait to their deadline. Out of routing, and in-flight calls fail over.
-                why = (f"engine stalled: no step finished for {s.stalled_for_s:.0f}s "
-                       f"(replica_stall_s {self.stall_s:g})")
-                was = r.health.healthy
-                r.health.fail(why, hold=True)
-                if was:
-                    log.error("replica %s at %s is out of routing: %s", r.replica_id,
-                              r.address, why)
-                    self._lost(r)
-                self._notify_down(r)
-                return
-            r.health.ok()
+            self._answered(r, s, ours_before, ours_after)
         except grpc.RpcError as e:
-            # What it serves is not known now (restarting, maybe on our model): a last resort
-            # again, and a request finding none is not told it serves another model.
-            r.misfit = ""
-            hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-            # Consecutive timed-out polls: a refusal in between (draining) is not one.
-            r.slow_polls = r.slow_polls + 1 if hung else 0
-            if not hung or r.slow_polls >= self.hung_polls:
-                # No new requests go there. A hung one is said so: "Deadline Exceeded" alone
-                # did not say whose deadline, nor that the replica was taken out for it.
-                r.health.fail(f"hung: {r.slow_polls} Stats polls in a row unanswered within "
-                              f"{self.stats_timeout_s:g}s (replica_hung_polls "
-                              f"{self.hung_polls})" if hung else e, hold=True)
-                self._lost(r)
-            if hung and r.slow_polls >= self.hung_polls:
-                # Only a hung replica has its in-flight calls cancelled: one that refuses
-                # Stats because it is draining (SIGTERM) still finishes its streams, and
-                # one that died fails them itself (UNAVAILABLE), which fails them over.
-                self._notify_down(r)
+            self._poll_failed(r, e)
         except Exception:  # noqa: BLE001 - one replica's odd answer must not stop the poll
             log.exception("polling replica %s failed", r.replica_id)
+
+    def _answered(self, r: Replica, s: kvpool_pb2.KvStatsResponse, ours_before: int,
+                  ours_after: int) -> None:
+        """Replica `r` answered Stats with `s`: out of routing if it must not serve our
+        requests or its engine stalled; else its load and id taken and it is healthy."""
+        misfit = self._mismatch(s)
+        wrong = misfit or self._id_taken(r, s)
+        # Named by the id it answered with: one never healthy is still known by its alias.
+        r.misfit = f"{s.replica_id or r.public_id}: {misfit}" if misfit else ""
+        if wrong:
+            if misfit and s.replica_id:
+                # Named as a replica in routing is (its Stats line and log lines): it stayed
+                # "kvpool", which of the replicas out of routing for another model unsaid.
+                # (Not one answering under a taken id: that id is another's name.)
+                with self._lock:
+                    r.health.name = f"kvpool/{s.replica_id}"
+            if r.health.healthy or r.health.last_error != wrong:
+                log.error("replica %s at %s is out of routing: %s", s.replica_id,
+                          r.address, wrong)
+            r.health.fail(wrong, hold=True)
+            r.slow_polls = 0  # it answered: the row of timed-out polls is broken
+            self._lost(r)
+            return
+        restarted = (r.stats is not None and s.incarnation
+                     and s.incarnation != r.stats.incarnation)
+        # What routing sent to it was recorded under the id it had; a restart may bring
+        # another (TIERCACHE_KVPOOL_REPLICA_ID changed), and the old one's records are
+        # the ones to forget.
+        known_as = r.replica_id
+        with self._lock:
+            r.stats = s
+            # The replica counted at some moment during the call; attribute to us the
+            # larger of our counts at either end, so ours never inflate the others'.
+            r.inflight_at_poll = max(ours_before, ours_after)
+            r.polled = (s, r.inflight_at_poll)
+            r.replica_id = s.replica_id or r.address
+            r.health.name = f"kvpool/{r.replica_id}"
+            r.slow_polls = 0
+        if restarted:
+            self._lost(r, known_as)
+        if self.stall_s > 0 and s.stalled_for_s >= self.stall_s:
+            # Its gRPC server answers, its engine does not: requests sent there would
+            # wait to their deadline. Out of routing, and in-flight calls fail over.
+            why = (f"engine stalled: no step finished for {s.stalled_for_s:.0f}s "
+                   f"(replica_stall_s {self.stall_s:g})")
+            was = r.health.healthy
+            r.health.fail(why, hold=True)
+            if was:
+                log.error("replica %s at %s is out of routing: %s", r.replica_id,
+                          r.address, why)
+                self._lost(r)
+            self._notify_down(r)
+            return
+        r.health.ok()
+
+    def _poll_failed(self, r: Replica, e: grpc.RpcError) -> None:
+        """Replica `r`'s Stats call failed with `e`: out of routing unless it timed out fewer
+        than hung_polls times in a row; a hung one has its in-flight calls cancelled."""
+        # What it serves is not known now (restarting, maybe on our model): a last resort
+        # again, and a request finding none is not told it serves another model.
+        r.misfit = ""
+        hung = e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        # Consecutive timed-out polls: a refusal in between (draining) is not one.
+        r.slow_polls = r.slow_polls + 1 if hung else 0
+        if not hung or r.slow_polls >= self.hung_polls:
+            # No new requests go there. A hung one is said so: "Deadline Exceeded" alone
+            # did not say whose deadline, nor that the replica was taken out for it.
+            r.health.fail(f"hung: {r.slow_polls} Stats polls in a row unanswered within "
+                          f"{self.stats_timeout_s:g}s (replica_hung_polls "
+                          f"{self.hung_polls})" if hung else e, hold=True)
+            self._lost(r)
+        if hung and r.slow_polls >= self.hung_polls:
+            # Only a hung replica has its in-flight calls cancelled: one that refuses
+            # Stats because it is draining (SIGTERM) still finishes its streams, and
+            # one that died fails them itself (UNAVAILABLE), which fails them over.
+            self._notify_down(r)
 
     def _mismatch(self, s: kvpool_pb2.KvStatsResponse) -> str:
         """Why a replica answering `s` must not serve this orchestrator's requests ("" = it
