@@ -395,39 +395,8 @@ class PrefixIndex:
             FailedPrecondition: block_size or the hash probe differs from the index's.
             ResourceExhausted: all replica slots are taken.
         """
-        for name, value in (("replica_id", replica_id), ("incarnation", incarnation),
-                            ("address", address), ("model_id", model_id)):
-            why = check_address(value) if name == "address" and check_address else ""
-            if why:
-                raise InvalidArgument(name, why)
-            if name == "model_id":
-                _check_model_id(value)
-                continue
-            _check_id(name, value)
-            if not value.isprintable() or any(c.isspace() for c in value):
-                # Ids and the address go into Stats, logs and routing as they are (a NUL is
-                # not printable: refused here).
-                raise InvalidArgument(name, "printable characters without spaces only")
-        if hash_probe and len(hash_probe) != DIGEST_SIZE:
-            raise InvalidArgument("hash_probe", f"must be {DIGEST_SIZE} bytes, got "
-                                                f"{len(hash_probe)}")
-        if not block_size:
-            raise InvalidArgument("block_size", "required")
-        if block_size != self.block_size:
-            raise FailedPrecondition(
-                f"block_size: replica uses {block_size}, this index {self.block_size}")
-        # Probed with a hasher kept only for a model already served: refused registrations
-        # of made-up models filled the cache (1,024), and every real model's went cold.
-        probe_with = self._hashers.get(model_id) or BlockHasher(
-            model_id, self.block_size, self.hash_key, memo_blocks=0)
-        if hash_probe and hash_probe != probe_with.probe():
-            raise FailedPrecondition(
-                "hash_probe: the replica's block hashes differ from the index's "
-                "(TIERCACHE_HASH_KEY or model_id mismatch)")
-        if (replica_id, incarnation) in self._replaced:
-            raise FailedPrecondition(
-                f"incarnation: {shown(incarnation)} of {shown(replica_id)} was replaced by a "
-                "newer one (a restarted replica registers under a new incarnation)")
+        self._check_registration(replica_id, incarnation, address, model_id, block_size,
+                                 hash_probe, check_address)
         now = self.clock()
         self._expire(now)
         rep = self._replicas.get(replica_id)
@@ -464,6 +433,45 @@ class PrefixIndex:
             self._reindex_models()
         self._renew(rep, now)
         return RegisterResult(self.lease_seconds, rep.next_seq)
+
+    def _check_registration(self, replica_id: str, incarnation: str, address: str,
+                            model_id: str, block_size: int, hash_probe: bytes,
+                            check_address: Callable[[str], str] | None) -> None:
+        """`register`'s checks of the call (its Raises, less ResourceExhausted), in field
+        order; nothing changes."""
+        for name, value in (("replica_id", replica_id), ("incarnation", incarnation),
+                            ("address", address), ("model_id", model_id)):
+            why = check_address(value) if name == "address" and check_address else ""
+            if why:
+                raise InvalidArgument(name, why)
+            if name == "model_id":
+                _check_model_id(value)
+                continue
+            _check_id(name, value)
+            if not value.isprintable() or any(c.isspace() for c in value):
+                # Ids and the address go into Stats, logs and routing as they are (a NUL is
+                # not printable: refused here).
+                raise InvalidArgument(name, "printable characters without spaces only")
+        if hash_probe and len(hash_probe) != DIGEST_SIZE:
+            raise InvalidArgument("hash_probe", f"must be {DIGEST_SIZE} bytes, got "
+                                                f"{len(hash_probe)}")
+        if not block_size:
+            raise InvalidArgument("block_size", "required")
+        if block_size != self.block_size:
+            raise FailedPrecondition(
+                f"block_size: replica uses {block_size}, this index {self.block_size}")
+        # Probed with a hasher kept only for a model already served: refused registrations
+        # of made-up models filled the cache (1,024), and every real model's went cold.
+        probe_with = self._hashers.get(model_id) or BlockHasher(
+            model_id, self.block_size, self.hash_key, memo_blocks=0)
+        if hash_probe and hash_probe != probe_with.probe():
+            raise FailedPrecondition(
+                "hash_probe: the replica's block hashes differ from the index's "
+                "(TIERCACHE_HASH_KEY or model_id mismatch)")
+        if (replica_id, incarnation) in self._replaced:
+            raise FailedPrecondition(
+                f"incarnation: {shown(incarnation)} of {shown(replica_id)} was replaced by a "
+                "newer one (a restarted replica registers under a new incarnation)")
 
     def heartbeat(self, replica_id: str, incarnation: str, load: Load) -> HeartbeatResult:
         """Renew a lease; `known` is False if the replica must register again."""
@@ -704,6 +712,14 @@ class PrefixIndex:
             return done
         plan = self._validate(rep, events)
         self._renew(rep, now)
+        self._apply_plan(rep, plan, resync, now)
+        rep.next_seq = seq + 1
+        self._prune_some()
+        return PublishResult(False, rep.next_seq)
+
+    def _apply_plan(self, rep: Replica, plan: list[tuple], resync: bool, now: float) -> None:
+        """Applies a validated batch (`_validate`'s plan) of the replica's events to the tree;
+        a resync first clears what the replica held, keeping its nodes' hits."""
         self._tick += 1
         tick = self._tick
         tree = self.tree
@@ -742,9 +758,6 @@ class PrefixIndex:
         elif rep.usage is not None:
             self._give_back_usage(rep, now, (h for kind, _, b, _, _ in plan
                                              if kind == "stored" for h in b))
-        rep.next_seq = seq + 1
-        self._prune_some()
-        return PublishResult(False, rep.next_seq)
 
     def _publish_one(self, rep: Replica, seq: int, ev: Stored) -> PublishResult:
         """`publish` of the most common batch: one stored chain below a known block.
