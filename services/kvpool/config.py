@@ -231,23 +231,7 @@ class KvPoolConfig:
                 f"must be at most {MAX_BLOCKS:,} (a pool that large fits no memory)")
         require(self.torch_threads <= MAX_THREADS, s, "torch_threads",
                 f"must be at most {MAX_THREADS}")
-        require_listen_address(self.address, s)
-        require_shard_list(self.prefix_address, s, "prefix_address")  # "" = no prefix index
-        if self.advertise_address:
-            require_addresses([self.advertise_address], s, "advertise_address",
-                              allow_none=False, dialed=False)  # a pod IP, bare IPv6 too
-        if self.prefix_address.strip():
-            # The index's rule at Register for the address announced (`announce_problem`):
-            # broken, the replica served but was never indexed. Port 0 is the listen
-            # address's "any free port", not where the replica is: it needs an
-            # advertise_address.
-            a = self.public_address
-            why = announce_problem(a)
-            require(not why, s, "advertise_address" if self.advertise_address else "address",
-                    f"{a[:60]!r} cannot be announced to the prefix index: {why} (host:port with "
-                    "a port 1..65535, at most 256 printable characters without spaces"
-                    + ("" if self.advertise_address else
-                       "; with port 0 set TIERCACHE_KVPOOL_ADVERTISE_ADDRESS") + ")")
+        self._check_addresses()
         require(-1 <= self.metrics_port <= 65535, s, "metrics_port",
                 "must be -1 (off), 0 or a port")
         # Floors: at 1e-9 an idle replica sent the index ~1,500 heartbeats a second (half a
@@ -292,6 +276,28 @@ class KvPoolConfig:
                 f"be in (0, max_pinned_fraction ({self.max_pinned_fraction:g})]")
         require(self.torch_threads >= 0, s, "torch_threads", "must be >= 0")
         require(self.one_thread_below >= 0, s, "one_thread_below", "must be >= 0")
+
+    def _check_addresses(self) -> None:
+        """`validate`'s checks of where the replica listens, the prefix index it registers
+        with and the address it announces there."""
+        s = SERVICE
+        require_listen_address(self.address, s)
+        require_shard_list(self.prefix_address, s, "prefix_address")  # "" = no prefix index
+        if self.advertise_address:
+            require_addresses([self.advertise_address], s, "advertise_address",
+                              allow_none=False, dialed=False)  # a pod IP, bare IPv6 too
+        if self.prefix_address.strip():
+            # The index's rule at Register for the address announced (`announce_problem`):
+            # broken, the replica served but was never indexed. Port 0 is the listen
+            # address's "any free port", not where the replica is: it needs an
+            # advertise_address.
+            a = self.public_address
+            why = announce_problem(a)
+            require(not why, s, "advertise_address" if self.advertise_address else "address",
+                    f"{a[:60]!r} cannot be announced to the prefix index: {why} (host:port with "
+                    "a port 1..65535, at most 256 printable characters without spaces"
+                    + ("" if self.advertise_address else
+                       "; with port 0 set TIERCACHE_KVPOOL_ADVERTISE_ADDRESS") + ")")
 
     @property
     def public_address(self) -> str:
