@@ -298,6 +298,24 @@ class SemanticConfig:
                 f"{self.max_answer_chars}, an entry could take {worst} bytes, past the "
                 f"{DEFAULT_MAX_MESSAGE_BYTES}-byte gRPC message limit (4 x max_text_chars + "
                 "24 x max_answer_chars + 64 KiB must fit)")
+        self._check_folders()
+        # A floor: 1e-9 spun a core purging nothing (362 CPU ticks per 10 s idle, against 2).
+        require(self.expiry_interval_s >= 0.1, s, "expiry_interval_s", "must be >= 0.1")
+        name = self.model_name
+        # A folder name under the ONNX cache: "../x" or "/abs" put the export outside it.
+        require(not name or (name.isprintable() and name not in (".", "..")
+                             and not any(c in name for c in "/\\")), s, "model_name",
+                f"a plain name without slashes, got {name!r}")
+        # The ids' rule (errors.blank): "\u3164" passes isprintable(), and tagged every entry
+        # and named the ONNX folder with a name nobody can see or type.
+        require(not name or not blank(name), s, "model_name",
+                "empty (named after the model folder) or visible text, not only whitespace or "
+                "invisible characters")
+
+    def _check_folders(self) -> None:
+        """`validate`'s check that no file stands where the cache, database or snapshot
+        folder must be, named by the setting the path came from."""
+        s = SERVICE
         # Named at start: a file where a folder must be was a FileExistsError / NotADirectory
         # line naming neither the variable nor the fix. A path left to its default is blamed
         # on the setting it came from: <cache_dir>/semantic a file was reported under
@@ -318,15 +336,3 @@ class SemanticConfig:
             if blocker and not field:
                 raise ConfigError(f"TIERCACHE_CACHE_DIR: {why}")
             require(not blocker, s, field, why)
-        # A floor: 1e-9 spun a core purging nothing (362 CPU ticks per 10 s idle, against 2).
-        require(self.expiry_interval_s >= 0.1, s, "expiry_interval_s", "must be >= 0.1")
-        name = self.model_name
-        # A folder name under the ONNX cache: "../x" or "/abs" put the export outside it.
-        require(not name or (name.isprintable() and name not in (".", "..")
-                             and not any(c in name for c in "/\\")), s, "model_name",
-                f"a plain name without slashes, got {name!r}")
-        # The ids' rule (errors.blank): "\u3164" passes isprintable(), and tagged every entry
-        # and named the ONNX folder with a name nobody can see or type.
-        require(not name or not blank(name), s, "model_name",
-                "empty (named after the model folder) or visible text, not only whitespace or "
-                "invisible characters")
