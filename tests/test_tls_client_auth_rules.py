@@ -6,6 +6,8 @@ setting of every service, not a typo (helpers and fixtures from test_common_edge
 
 from __future__ import annotations
 
+import json
+
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -97,3 +99,41 @@ def test_the_server_reads_the_value_as_the_start_check_does():
     assert requires_client_certs("orchestrator", {"TIERCACHE_TLS_CA": "ca", var: "require"})
     assert not requires_client_certs("orchestrator", {var: "require"})  # no CA: no mutual TLS
     assert requires_client_certs("prefix", {"TIERCACHE_TLS_CA": "ca", var: "none"})
+
+
+def _json_line(line: str) -> bool:
+    try:
+        return isinstance(json.loads(line), dict)
+    except ValueError:
+        return False
+
+
+def test_refused_handshakes_leave_the_services_log_json_lines(two_cert_sets, monkeypatch,
+                                                              tmp_path):
+    """A prefix process under mutual TLS, called by plaintext clients and by TLS clients
+    without a certificate, then by one with it: its log holds JSON lines only. gRPC's core
+    wrote one plain-text line per refused handshake ("Handshake failed with error
+    SSL_ERROR_SSL ..."), not JSON and never thinned: a port scan or a misconfigured client
+    grew every service's log by a line a connection (915 lines for 915 refused calls)."""
+    from services.launcher import ServiceProcess, free_port
+
+    certs = two_cert_sets[0]
+    for var, name in zip(TLS_VARS, ("ca.pem", "server.pem", "server.key", "client.pem",
+                                    "client.key"), strict=True):
+        monkeypatch.setenv(var, str(certs / name))
+    monkeypatch.delenv("GRPC_VERBOSITY", raising=False)  # the service's default, not ours
+    log = tmp_path / "prefix.log"
+    p = ServiceProcess("prefix", free_port(), env={"TIERCACHE_PREFIX_METRICS_PORT": "-1"},
+                       log_path=log)
+    bare = grpc.ssl_channel_credentials(root_certificates=(certs / "ca.pem").read_bytes())
+    try:
+        p.start().wait(120)
+        for _ in range(4):
+            assert not _check(p.port, bare)
+            with grpc.insecure_channel(p.address) as ch, pytest.raises(grpc.RpcError):
+                health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+        assert _check(p.port, channel_credentials_from_env())
+    finally:
+        p.stop()
+    lines = log.read_text().splitlines()
+    assert lines and [ln for ln in lines if not _json_line(ln)] == []
