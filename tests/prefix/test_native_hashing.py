@@ -121,3 +121,35 @@ def test_pack_survives_a_token_whose_index_method_shrinks_the_list():
     toks.extend([Shrinks(), 1, 2, 3])
     with pytest.raises(RuntimeError, match="changed size"):
         hashing.pack_tokens(toks, 4)
+
+
+# Digests as the hashlib definition gave them (dev key): a change to the C chain, the packer or
+# the memo that moves any block hash breaks every index and pool already holding blocks.
+_KEY = b"tiercache-dev-hash-key"
+_PINNED = [
+    ("bench-model", 16, "", list(range(40)), "499fe191c454cc6c054ce0a1cf314dbf",
+     ["a92ce5174e183e2e065093c9ba136d03", "e32d6737a90586b5a3c4eaa64a36a5f6"]),
+    ("bench-model", 16, "t1", [49151 - i for i in range(32)], "bdfc942b1b4141c11339d659258c390c",
+     ["71fc602227cd3d3c99323f0aed672ef7", "e298246f303559174dc84c0cd8d39d9a"]),
+    ("m", 29, "", [2**32 - 1] * 29 + [0] * 29, "51d1e7e45eda1783d1731587562ec040",
+     ["a829e51675cb954fc01d516f6b0784bb", "a0db58b43146c200ee3d79cb20b1afbf"]),
+    ("m", 1, "s", [7, 2**16], "198f93697fb12e94dc2d1a5604a3a2bb",
+     ["57c0cc80452a699f067a5c8e7ef7a67c", "0161911ba1785d1f4b4d728feffa68f3"]),
+]
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-chain-if-built", "hashlib"])
+@pytest.mark.parametrize("memo", [0, 64])
+def test_block_hashes_are_pinned(native: bool, memo: int):
+    for model, bs, salt, toks, root, want in _PINNED:
+        h = BlockHasher(model, bs, _KEY, memo_blocks=memo, native=native)
+        assert h.root(salt).hex() == root
+        for _ in range(2):  # the second call takes the memo's spans where there is one
+            assert [d.hex() for d in h.hashes(toks, salt)] == want
+    long = [i * 7919 % 2**32 for i in range(16 * 20)]  # two whole 8-block spans and 4 more
+    h = BlockHasher("bench-model", 16, _KEY, memo_blocks=memo, native=native)
+    for _ in range(2):
+        got = h.hashes(long)
+        assert [got[i].hex() for i in (7, 15, 19)] == [
+            "85132a1e924c1fddfaef72cc53eb469c", "ab2707c7cc27066a5029738d7d14dd70",
+            "9e8a6fa4d0076c3445272bd292e81be5"]
