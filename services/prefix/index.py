@@ -1041,7 +1041,7 @@ class PrefixIndex:
             if len(block_hashes) > self.max_blocks:
                 raise InvalidArgument("block_hashes", f"more than {self.max_blocks} blocks")
             # C-level length checks instead of a Python loop (a total alone would take 15 + 17).
-            if set(map(len, block_hashes)) != {DIGEST_SIZE}:
+            if set(map(len, block_hashes)) != _ONE_DIGEST:
                 _check_hashes("block_hashes", block_hashes)
             hashes = block_hashes
         elif len(token_ids):

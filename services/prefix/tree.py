@@ -378,15 +378,9 @@ class BlockTree:
             j += 1
         if j == n:
             return j - lo
-        # The rest in bulk: table entries first (setdefault answers the existing slot for a
-        # known or repeated hash), then every array grows by one run.
-        s0 = s = len(self._key)
-        setdefault = table.setdefault
-        for h in hashes[j:] if j else hashes:
-            if setdefault(h, s) != s:
-                break
-            s += 1
-        m = s - s0
+        # The rest in bulk: table entries first, then every array grows by one run.
+        s0 = len(self._key)
+        m = self._claim_slots(hashes[j:] if j else hashes, s0)
         if not m:
             return j - lo
         i = j - lo  # blocks already placed in free slots
@@ -407,6 +401,27 @@ class BlockTree:
             self._nav[_NAV * first + _PREV] = s0
         self._set_kid(par, s0)
         return i + m
+
+    def _claim_slots(self, hashes: Sequence[bytes], s0: int) -> int:
+        """Table entries for `hashes` at slots s0, s0 + 1, ... up to the first hash that is
+        known or repeated; returns how many were made."""
+        table = self._table
+        if table.keys().isdisjoint(hashes):
+            # The usual tail, all new: two C-level passes (a probe a hash took ~0.3 us in a
+            # Python loop over a big table, most of it the loop).
+            size = len(table)
+            table.update(zip(hashes, range(s0, s0 + len(hashes)), strict=True))
+            if len(table) - size == len(hashes):
+                return len(hashes)
+            for h in hashes:  # a hash repeated (an inconsistent chain): undone, done below
+                table.pop(h, None)
+        s = s0
+        setdefault = table.setdefault  # answers the existing slot for a known or repeated hash
+        for h in hashes:
+            if setdefault(h, s) != s:
+                break
+            s += 1
+        return s - s0
 
     def remove(self, key: bytes, bit: int) -> int:
         """Replica slot `bit` dropped block `key`: it drops the block's whole subtree too.
@@ -611,7 +626,7 @@ class BlockTree:
         n = len(hashes)
         if not n:
             return []
-        get, nav, use = self._table.get, self._nav, self._use
+        get, nav, use, key = self._table.get, self._nav, self._use, self._key
         first = get(hashes[0])
         if first is None or nav[_NAV * first + _DEPTH] != 0 or not use[_USE * first + _HOLD]:
             return []
@@ -627,7 +642,9 @@ class BlockTree:
             if s is None or nav[_NAV * s + _DEPTH] != i or unheld and not use[_USE * s + _HOLD]:
                 return None  # (an unheld node is not there: holders shrink along a chain)
             up = nav[_NAV * s + _UP]
-            return s if up and s - up == get(hashes[i - 1]) else None
+            # Its parent is hashes[i-1]'s node: the parent's key read back, not a second table
+            # lookup (a depth >= 1 node's parent is a block, keyed in `table` as in `_key`).
+            return s if up and key[s - up] == hashes[i - 1] else None
 
         # Binary search for the deepest known block (presence is monotone along a chain).
         lo, lo_s = 1, first
