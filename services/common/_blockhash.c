@@ -2,6 +2,7 @@
  *
  *     pack(tokens, count) -> bytes             the first `count` tokens as little-endian uint32
  *     chain(key, parent, data, block_size) -> list[bytes]
+ *     memo_chain(key, parent, data, block_size, span_blocks, young, old) -> list[bytes]
  *
  * h_i = BLAKE2b-128(key; h_{i-1} || block i of the packed tokens `data`), for every block of
  * `data`, starting from h_0 = parent. Keyed BLAKE2b as in RFC 7693 (what hashlib's
@@ -200,31 +201,34 @@ fail:
     return NULL;
 }
 
-/* chain(key, parent, data, block_size) -> list[bytes]: the hashes of every block of `data`
- * (packed tokens; its length must be a multiple of 4 * block_size), chained from `parent`. */
-static PyObject *chain(PyObject *self, PyObject *args) {
-    Py_buffer key, parent, data;
-    Py_ssize_t block_size;
-    if (!PyArg_ParseTuple(args, "y*y*y*n", &key, &parent, &data, &block_size)) return NULL;
-    PyObject *out = NULL;
-    uint8_t *msg = NULL, *digests = NULL;
-    if (key.len < 1 || key.len > 64) {
+/* The arguments `chain` and `memo_chain` share, checked; -1 with an error set. */
+static int check_chain_args(const Py_buffer *key, const Py_buffer *parent, const Py_buffer *data,
+                            Py_ssize_t block_size) {
+    if (key->len < 1 || key->len > 64) {
         PyErr_SetString(PyExc_ValueError, "key: 1 to 64 bytes");
-        goto done;
+        return -1;
     }
-    if (parent.len != OUT_BYTES) {
+    if (parent->len != OUT_BYTES) {
         PyErr_SetString(PyExc_ValueError, "parent: must be 16 bytes");
-        goto done;
+        return -1;
     }
-    if (block_size <= 0 || block_size > (1 << 20) || data.len % (block_size * 4)) {
+    if (block_size <= 0 || block_size > (1 << 20) || data->len % (block_size * 4)) {
         PyErr_SetString(PyExc_ValueError,
                         "data: a whole number of blocks of block_size (1 to 2^20) uint32s");
-        goto done;
+        return -1;
     }
-    Py_ssize_t n_blocks = data.len / (block_size * 4);
-    size_t tok_bytes = (size_t)block_size * 4, len = OUT_BYTES + tok_bytes;
-    msg = PyMem_Malloc(len);
-    digests = PyMem_Malloc((size_t)(n_blocks ? n_blocks : 1) * OUT_BYTES);
+    return 0;
+}
+
+/* Appends the digests of the `n_blocks` blocks at `src` (`tok_bytes` each), chained from
+ * `parent`, to `out` as 16-byte bytes objects; -1 with an error set. */
+static int chain_into(PyObject *out, const Py_buffer *key, const uint8_t parent[OUT_BYTES],
+                      const uint8_t *src, Py_ssize_t n_blocks, size_t tok_bytes) {
+    if (n_blocks == 0) return 0;
+    size_t len = OUT_BYTES + tok_bytes;
+    uint8_t *msg = PyMem_Malloc(len);
+    uint8_t *digests = PyMem_Malloc((size_t)n_blocks * OUT_BYTES);
+    int rc = -1;
     if (msg == NULL || digests == NULL) {
         PyErr_NoMemory();
         goto done;
@@ -234,12 +238,11 @@ static PyObject *chain(PyObject *self, PyObject *args) {
     uint64_t hk[8];
     uint8_t kb[BLOCK_BYTES];
     memcpy(hk, IV, sizeof hk);
-    hk[0] ^= 0x01010000ULL ^ ((uint64_t)key.len << 8) ^ OUT_BYTES;
+    hk[0] ^= 0x01010000ULL ^ ((uint64_t)key->len << 8) ^ OUT_BYTES;
     memset(kb, 0, sizeof kb);
-    memcpy(kb, key.buf, (size_t)key.len);
+    memcpy(kb, key->buf, (size_t)key->len);
     compress(hk, kb, BLOCK_BYTES, 0);
-    memcpy(msg, parent.buf, OUT_BYTES);
-    const uint8_t *src = data.buf;
+    memcpy(msg, parent, OUT_BYTES);
     Py_BEGIN_ALLOW_THREADS
     for (Py_ssize_t b = 0; b < n_blocks; b++) {
         memcpy(msg + OUT_BYTES, src + b * tok_bytes, tok_bytes);
@@ -247,19 +250,136 @@ static PyObject *chain(PyObject *self, PyObject *args) {
         memcpy(msg, digests + b * OUT_BYTES, OUT_BYTES);
     }
     Py_END_ALLOW_THREADS
-    out = PyList_New(n_blocks);
-    if (out == NULL) goto done;
     for (Py_ssize_t b = 0; b < n_blocks; b++) {
         PyObject *d = PyBytes_FromStringAndSize((const char *)digests + b * OUT_BYTES, OUT_BYTES);
-        if (d == NULL) {
-            Py_CLEAR(out);
-            break;
+        if (d == NULL || PyList_Append(out, d) < 0) {
+            Py_XDECREF(d);
+            goto done;
         }
-        PyList_SET_ITEM(out, b, d);
+        Py_DECREF(d);
     }
+    rc = 0;
 done:
     PyMem_Free(msg);
     PyMem_Free(digests);
+    return rc;
+}
+
+/* chain(key, parent, data, block_size) -> list[bytes]: the hashes of every block of `data`
+ * (packed tokens; its length must be a multiple of 4 * block_size), chained from `parent`. */
+static PyObject *chain(PyObject *self, PyObject *args) {
+    Py_buffer key, parent, data;
+    Py_ssize_t block_size;
+    if (!PyArg_ParseTuple(args, "y*y*y*n", &key, &parent, &data, &block_size)) return NULL;
+    PyObject *out = NULL;
+    if (check_chain_args(&key, &parent, &data, block_size) == 0 && (out = PyList_New(0))) {
+        size_t tok_bytes = (size_t)block_size * 4;
+        if (chain_into(out, &key, parent.buf, data.buf, data.len / tok_bytes, tok_bytes) < 0)
+            Py_CLEAR(out);
+    }
+    PyBuffer_Release(&key);
+    PyBuffer_Release(&parent);
+    PyBuffer_Release(&data);
+    return out;
+}
+
+/* A new bytes object: `prev` (16 bytes) then `len` bytes of `span`: a memo key. */
+static PyObject *memo_key(const uint8_t prev[OUT_BYTES], const uint8_t *span, size_t len) {
+    PyObject *k = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(OUT_BYTES + len));
+    if (k != NULL) {
+        memcpy(PyBytes_AS_STRING(k), prev, OUT_BYTES);
+        memcpy(PyBytes_AS_STRING(k) + OUT_BYTES, span, len);
+    }
+    return k;
+}
+
+/* The memo's spans from the start of `data`, while they are known (young, else old: promoted
+ * into young), appended to `out`; `prev` ends as the last digest taken. Returns the bytes of
+ * `data` they cover, or -1 with an error set. */
+static Py_ssize_t memo_walk(PyObject *out, PyObject *young, PyObject *old, uint8_t prev[OUT_BYTES],
+                            const uint8_t *data, Py_ssize_t len, Py_ssize_t span,
+                            Py_ssize_t span_blocks) {
+    Py_ssize_t off = 0;
+    while (off + span <= len) {
+        PyObject *k = memo_key(prev, data + off, (size_t)span);
+        if (k == NULL) return -1;
+        PyObject *hs = PyDict_GetItemWithError(young, k);  /* borrowed */
+        if (hs == NULL && !PyErr_Occurred()) {
+            hs = PyDict_GetItemWithError(old, k);
+            if (hs != NULL && PyDict_SetItem(young, k, hs) < 0) hs = NULL;
+        }
+        Py_DECREF(k);
+        if (hs == NULL) return PyErr_Occurred() ? -1 : off;
+        if (!PyTuple_CheckExact(hs) || PyTuple_GET_SIZE(hs) != span_blocks) {
+            PyErr_SetString(PyExc_TypeError, "memo: a span's value is not its tuple of digests");
+            return -1;
+        }
+        for (Py_ssize_t i = 0; i < span_blocks; i++) {
+            PyObject *d = PyTuple_GET_ITEM(hs, i);
+            if (!PyBytes_CheckExact(d) || PyBytes_GET_SIZE(d) != OUT_BYTES) {
+                PyErr_SetString(PyExc_TypeError, "memo: a digest is not 16 bytes");
+                return -1;
+            }
+            if (PyList_Append(out, d) < 0) return -1;
+        }
+        memcpy(prev, PyBytes_AS_STRING(PyTuple_GET_ITEM(hs, span_blocks - 1)), OUT_BYTES);
+        off += span;
+    }
+    return off;
+}
+
+/* Remembers in `young` each whole span of the digests `out[first:]` (the blocks of `data`
+ * chained from `prev`): (digest before it ‖ its packed tokens) -> the tuple of its digests. */
+static int memo_store(PyObject *out, Py_ssize_t first, PyObject *young, const uint8_t *prev,
+                      const uint8_t *data, Py_ssize_t span, Py_ssize_t span_blocks) {
+    Py_ssize_t n = PyList_GET_SIZE(out);
+    for (Py_ssize_t i = first; i + span_blocks <= n; i += span_blocks) {
+        const uint8_t *before = i == first ? prev
+                                : (const uint8_t *)PyBytes_AS_STRING(PyList_GET_ITEM(out, i - 1));
+        PyObject *k = memo_key(before, data + (i - first) / span_blocks * span, (size_t)span);
+        if (k == NULL) return -1;
+        PyObject *hs = PyList_GetSlice(out, i, i + span_blocks);
+        PyObject *t = hs == NULL ? NULL : PyList_AsTuple(hs);
+        Py_XDECREF(hs);
+        int rc = t == NULL ? -1 : PyDict_SetItem(young, k, t);
+        Py_DECREF(k);
+        Py_XDECREF(t);
+        if (rc < 0) return -1;
+    }
+    return 0;
+}
+
+/* memo_chain(key, parent, data, block_size, span_blocks, young, old) -> list[bytes]: what
+ * `chain` answers, taking whole spans of `span_blocks` blocks from the memo dicts while they
+ * are known and remembering the new ones in `young` (BlockHasher.hashes' memo, one call). */
+static PyObject *memo_chain(PyObject *self, PyObject *args) {
+    Py_buffer key, parent, data;
+    Py_ssize_t block_size, span_blocks;
+    PyObject *young, *old;
+    if (!PyArg_ParseTuple(args, "y*y*y*nnO!O!", &key, &parent, &data, &block_size, &span_blocks,
+                          &PyDict_Type, &young, &PyDict_Type, &old))
+        return NULL;
+    PyObject *out = NULL;
+    if (check_chain_args(&key, &parent, &data, block_size) < 0) goto done;
+    if (span_blocks < 1 || span_blocks > (1 << 20)) {
+        PyErr_SetString(PyExc_ValueError, "span_blocks: 1 to 2^20");
+        goto done;
+    }
+    out = PyList_New(0);
+    if (out == NULL) goto done;
+    size_t tok_bytes = (size_t)block_size * 4;
+    Py_ssize_t span = span_blocks * (Py_ssize_t)tok_bytes;
+    const uint8_t *buf = data.buf;
+    uint8_t prev[OUT_BYTES];
+    memcpy(prev, parent.buf, OUT_BYTES);
+    Py_ssize_t off = memo_walk(out, young, old, prev, buf, data.len, span, span_blocks);
+    Py_ssize_t first = PyList_GET_SIZE(out);
+    if (off < 0 ||
+        chain_into(out, &key, prev, buf + off, (data.len - off) / (Py_ssize_t)tok_bytes,
+                   tok_bytes) < 0 ||
+        memo_store(out, first, young, prev, buf + off, span, span_blocks) < 0)
+        Py_CLEAR(out);
+done:
     PyBuffer_Release(&key);
     PyBuffer_Release(&parent);
     PyBuffer_Release(&data);
@@ -270,6 +390,9 @@ static PyMethodDef methods[] = {
     {"pack", pack, METH_VARARGS, "pack(tokens, count) -> the first count tokens as LE uint32"},
     {"chain", chain, METH_VARARGS,
      "chain(key, parent, data, block_size) -> one 16-byte chained hash per block of data"},
+    {"memo_chain", memo_chain, METH_VARARGS,
+     "memo_chain(key, parent, data, block_size, span_blocks, young, old) -> chain's answer, "
+     "whole spans from and into the memo dicts"},
     {NULL, NULL, 0, NULL},
 };
 

@@ -153,3 +153,27 @@ def test_block_hashes_are_pinned(native: bool, memo: int):
         assert [got[i].hex() for i in (7, 15, 19)] == [
             "85132a1e924c1fddfaef72cc53eb469c", "ab2707c7cc27066a5029738d7d14dd70",
             "9e8a6fa4d0076c3445272bd292e81be5"]
+
+
+@native
+def test_memo_chain_answers_what_chain_does_and_checks_its_memo():
+    """`memo_chain` (the memo's walk in C) gives `chain`'s digests cold, warm (young), after a
+    generation change (old, promoted into young), and refuses a memo entry that is no span."""
+    mc, chain = hashing._blockhash.memo_chain, hashing._blockhash.chain
+    rng = random.Random(5)
+    data = hashing.pack_tokens([rng.randrange(2**32) for _ in range(16 * 21)], 16 * 21)
+    want = chain(b"k", bytes(16), data, 16)
+    young: dict = {}
+    assert mc(b"k", bytes(16), data, 16, 8, young, {}) == want
+    assert len(young) == 2  # two whole spans of 8 blocks; the 5 left are no span
+    assert mc(b"k", bytes(16), data, 16, 8, young, {}) == want
+    old, young = young, {}
+    assert mc(b"k", bytes(16), data, 16, 8, young, old) == want
+    assert young == old
+    young[next(iter(young))] = ("not a digest",) * 8
+    with pytest.raises(TypeError, match="memo"):
+        mc(b"k", bytes(16), data, 16, 8, young, {})
+    with pytest.raises(ValueError, match="span_blocks"):
+        mc(b"k", bytes(16), data, 16, 0, {}, {})
+    with pytest.raises(ValueError, match="parent"):
+        mc(b"k", bytes(15), data, 16, 8, {}, {})
