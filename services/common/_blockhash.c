@@ -1,6 +1,7 @@
 /* The block-hash chain of services/common/hashing.py in one C call.
  *
  *     pack(tokens, count) -> bytes             the first `count` tokens as little-endian uint32
+ *     planes(tokens, count, wide) -> list[bytes]   the same bytes as 2 or 4 planes (byte p of each)
  *     chain(key, parent, data, block_size) -> list[bytes]
  *     memo_chain(key, parent, data, block_size, span_blocks, young, old) -> list[bytes]
  *
@@ -145,48 +146,61 @@ static inline int small_value(PyObject *o, unsigned long *v) {
     return 0;
 }
 
+/* `tokens` as a fast sequence of at least `count` items, or NULL with an error set. */
+static PyObject *token_sequence(PyObject *tokens, Py_ssize_t count) {
+    PyObject *seq = PySequence_Fast(tokens, "tokens: a sequence of ints");
+    if (seq != NULL && (count < 0 || PySequence_Fast_GET_SIZE(seq) < count)) {
+        Py_DECREF(seq);
+        PyErr_SetString(PyExc_ValueError, "count: must be in [0, len(tokens)]");
+        return NULL;
+    }
+    return seq;
+}
+
+/* Token `i` of `seq` as a uint32 in `*out`; -1 with an error set where it is none. */
+static inline int token_at(PyObject *seq, Py_ssize_t i, uint32_t *out) {
+    /* Re-read the item each time: an __index__ method (Python code) may resize the list. */
+    if (i >= PySequence_Fast_GET_SIZE(seq)) {
+        PyErr_SetString(PyExc_RuntimeError, "tokens changed size while being packed");
+        return -1;
+    }
+    if (i + PREFETCH < PySequence_Fast_GET_SIZE(seq))
+        PREFETCH_OBJECT(PySequence_Fast_GET_ITEM(seq, i + PREFETCH));
+    PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+    unsigned long v;
+    if (PyLong_CheckExact(o)) {
+        if (!small_value(o, &v)) v = PyLong_AsUnsignedLong(o);
+    } else {
+        Py_INCREF(o);
+        PyObject *ix = PyNumber_Index(o);  /* numpy and torch integers, bools */
+        Py_DECREF(o);
+        if (ix == NULL) return -1;
+        v = PyLong_AsUnsignedLong(ix);
+        Py_DECREF(ix);
+    }
+    if (v == (unsigned long)-1 && PyErr_Occurred()) return -1;
+    if (v > 0xFFFFFFFFUL) {
+        PyErr_SetString(PyExc_OverflowError, "token id does not fit in uint32");
+        return -1;
+    }
+    *out = (uint32_t)v;
+    return 0;
+}
+
 /* pack(tokens, count) -> bytes: the first `count` tokens as little-endian uint32. */
 static PyObject *pack(PyObject *self, PyObject *args) {
     PyObject *tokens;
     Py_ssize_t count;
     if (!PyArg_ParseTuple(args, "On", &tokens, &count)) return NULL;
-    PyObject *seq = PySequence_Fast(tokens, "tokens: a sequence of ints");
+    PyObject *seq = token_sequence(tokens, count);
     if (seq == NULL) return NULL;
-    if (count < 0 || PySequence_Fast_GET_SIZE(seq) < count) {
-        Py_DECREF(seq);
-        PyErr_SetString(PyExc_ValueError, "count: must be in [0, len(tokens)]");
-        return NULL;
-    }
     PyObject *out = PyBytes_FromStringAndSize(NULL, count * 4);
-    if (out == NULL) {
-        Py_DECREF(seq);
-        return NULL;
-    }
-    uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = 0; i < count; i++, p += 4) {
-        /* Re-read the item each time: an __index__ method (Python code) may resize the list. */
-        if (i >= PySequence_Fast_GET_SIZE(seq)) {
-            PyErr_SetString(PyExc_RuntimeError, "tokens changed size while being packed");
-            goto fail;
-        }
-        if (i + PREFETCH < PySequence_Fast_GET_SIZE(seq))
-            PREFETCH_OBJECT(PySequence_Fast_GET_ITEM(seq, i + PREFETCH));
-        PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
-        unsigned long v;
-        if (PyLong_CheckExact(o)) {
-            if (!small_value(o, &v)) v = PyLong_AsUnsignedLong(o);
-        } else {
-            Py_INCREF(o);
-            PyObject *ix = PyNumber_Index(o);  /* numpy and torch integers, bools */
-            Py_DECREF(o);
-            if (ix == NULL) goto fail;
-            v = PyLong_AsUnsignedLong(ix);
-            Py_DECREF(ix);
-        }
-        if (v == (unsigned long)-1 && PyErr_Occurred()) goto fail;
-        if (v > 0xFFFFFFFFUL) {
-            PyErr_SetString(PyExc_OverflowError, "token id does not fit in uint32");
-            goto fail;
+    uint8_t *p = out == NULL ? NULL : (uint8_t *)PyBytes_AS_STRING(out);
+    for (Py_ssize_t i = 0; out != NULL && i < count; i++, p += 4) {
+        uint32_t v;
+        if (token_at(seq, i, &v) < 0) {
+            Py_CLEAR(out);
+            break;
         }
         p[0] = (uint8_t)v;
         p[1] = (uint8_t)(v >> 8);
@@ -195,10 +209,45 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     }
     Py_DECREF(seq);
     return out;
-fail:
+}
+
+/* planes(tokens, count, wide) -> list[bytes]: byte p of each of the first `count` tokens in
+ * plane p (little-endian); the two low planes only where every token is below 2^16 and
+ * `wide` is false, else all four (what services/prefix/tree.py keeps per block). */
+static PyObject *planes(PyObject *self, PyObject *args) {
+    PyObject *tokens;
+    Py_ssize_t count;
+    int wide;
+    if (!PyArg_ParseTuple(args, "Onp", &tokens, &count, &wide)) return NULL;
+    PyObject *seq = token_sequence(tokens, count);
+    if (seq == NULL) return NULL;
+    PyObject *pl[4] = {NULL, NULL, NULL, NULL}, *out = NULL;
+    uint8_t *b[4];
+    for (int k = 0; k < 4; k++) {
+        pl[k] = PyBytes_FromStringAndSize(NULL, count);
+        if (pl[k] == NULL) goto done;
+        b[k] = (uint8_t *)PyBytes_AS_STRING(pl[k]);
+    }
+    uint32_t high = 0;
+    for (Py_ssize_t i = 0; i < count; i++) {
+        uint32_t v;
+        if (token_at(seq, i, &v) < 0) goto done;
+        b[0][i] = (uint8_t)v;
+        b[1][i] = (uint8_t)(v >> 8);
+        b[2][i] = (uint8_t)(v >> 16);
+        b[3][i] = (uint8_t)(v >> 24);
+        high |= v >> 16;
+    }
+    Py_ssize_t n = wide || high ? 4 : 2;
+    out = PyList_New(n);
+    for (Py_ssize_t k = 0; out != NULL && k < n; k++) {
+        PyList_SET_ITEM(out, k, pl[k]);
+        pl[k] = NULL;
+    }
+done:
+    for (int k = 0; k < 4; k++) Py_XDECREF(pl[k]);
     Py_DECREF(seq);
-    Py_DECREF(out);
-    return NULL;
+    return out;
 }
 
 /* The arguments `chain` and `memo_chain` share, checked; -1 with an error set. */
@@ -388,6 +437,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"pack", pack, METH_VARARGS, "pack(tokens, count) -> the first count tokens as LE uint32"},
+    {"planes", planes, METH_VARARGS,
+     "planes(tokens, count, wide) -> the byte planes of the first count tokens (2 or 4)"},
     {"chain", chain, METH_VARARGS,
      "chain(key, parent, data, block_size) -> one 16-byte chained hash per block of data"},
     {"memo_chain", memo_chain, METH_VARARGS,

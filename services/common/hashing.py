@@ -133,6 +133,18 @@ def pack_tokens(token_ids: Sequence[int], count: int, native: bool = True) -> by
     return buf.tobytes()
 
 
+def token_planes(token_ids: Sequence[int], count: int, wide: bool) -> list[bytes]:
+    """The first `count` tokens as byte planes: plane p holds byte p (little-endian) of each.
+    Two planes where every token is below 2**16 and not `wide`, else four (the prefix tree's
+    token store). Refuses what `pack_tokens` refuses."""
+    if _blockhash is not None:
+        return _blockhash.planes(token_ids, count, wide)
+    raw = pack_tokens(token_ids, count)
+    if not wide and raw[2::4].count(0) == count and raw[3::4].count(0) == count:
+        return [raw[0::4], raw[1::4]]
+    return [raw[0::4], raw[1::4], raw[2::4], raw[3::4]]
+
+
 # Longest cache_salt an RPC accepts (the orchestrator sends 32 hex characters).
 MAX_SALT_CHARS = 256
 

@@ -52,7 +52,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from services.common.hashing import pack_tokens
+from services.common.hashing import token_planes
 from services.common.policy import BlockUsage, EvictionPolicy
 
 NIL = -1  # no slot
@@ -276,15 +276,12 @@ class BlockTree:
 
     def _pack(self, part: Sequence[int]) -> list[bytes]:
         """Token planes of `part` (widening the tree's planes if a token needs 32 bits)."""
-        n = len(part)
-        raw = pack_tokens(part, n)  # little-endian uint32 (the C packer when built)
         planes = self._planes
-        if len(planes) == 2:
-            if raw[2::4].count(0) == n and raw[3::4].count(0) == n:
-                return [raw[0::4], raw[1::4]]
+        out = token_planes(part, len(part), len(planes) == 4)  # in one C call when built
+        if len(out) > len(planes):
             size = len(planes[0])
             planes += [bytearray(size), bytearray(size)]  # once: this vocabulary needs 32 bits
-        return [raw[0::4], raw[1::4], raw[2::4], raw[3::4]]
+        return out
 
     # -- stores and removals ---------------------------------------------------------------
 

@@ -177,3 +177,22 @@ def test_memo_chain_answers_what_chain_does_and_checks_its_memo():
         mc(b"k", bytes(16), data, 16, 0, {}, {})
     with pytest.raises(ValueError, match="parent"):
         mc(b"k", bytes(15), data, 16, 8, {}, {})
+
+
+@native
+def test_planes_are_the_packed_bytes_split_and_refuse_what_pack_refuses(monkeypatch):
+    """The C `planes` against the hashlib build's slicing of `pack_tokens` (the tree's token
+    store): two planes below 2**16 unless wide, four from the first token past it."""
+    rng = random.Random(9)
+    cases = [([], False), ([0, 1, 2**16 - 1], False), ([5, 2**16, 7], False), ([1, 2], True),
+             ([rng.randrange(2**32) for _ in range(300)], False), ([np.int64(3), True], False)]
+    got = [hashing.token_planes(t, len(t), w) for t, w in cases]
+    monkeypatch.setattr(hashing, "_blockhash", None)
+    assert got == [hashing.token_planes(t, len(t), w) for t, w in cases]
+    assert [len(p) for p in got] == [2, 2, 4, 4, 4, 2]
+    monkeypatch.undo()
+    for bad, exc in (([-1], OverflowError), ([2**32], OverflowError), (["1"], TypeError)):
+        with pytest.raises(exc):
+            hashing.token_planes(bad, 1, False)
+    with pytest.raises(ValueError):
+        hashing.token_planes([1], 2, False)
