@@ -42,7 +42,10 @@ _LITTLE = array("I").itemsize == 4 and sys.byteorder == "little"
 
 try:
     from services.common import _blockhash
-except ImportError:  # no compiler where this was installed: hashlib below, same values
+
+    # A build from an older _blockhash.c (not rebuilt since) lacks these: taken as none.
+    _blockhash.memo_chain, _blockhash.planes  # noqa: B018
+except (ImportError, AttributeError):  # no compiler where this was installed: hashlib below
     _blockhash = None
 
 
