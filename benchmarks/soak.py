@@ -59,12 +59,17 @@ RSS_GROWTH_LIMIT = (48 * 2**20, 0.10)  # bytes, fraction: the larger of the two
 COUNT_GROWTH_LIMIT = {"fds": 4, "threads": 8}
 
 
-def rss_bytes(pid: int) -> int:
+def _status_value(pid: int, field: str) -> int:
+    """The number after `field:` in /proc/<pid>/status (0 where the line is missing)."""
     with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
     return 0
+
+
+def rss_bytes(pid: int) -> int:
+    return _status_value(pid, "VmRSS") * 1024
 
 
 def open_fds(pid: int) -> int:
@@ -72,11 +77,7 @@ def open_fds(pid: int) -> int:
 
 
 def thread_count(pid: int) -> int:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("Threads:"):
-                return int(line.split()[1])
-    return 0
+    return _status_value(pid, "Threads")
 
 
 def growth(res: SoakResult, key: str, since: int = 0) -> dict[str, int]:
