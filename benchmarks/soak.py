@@ -207,10 +207,12 @@ def run_soak(*, address: str, pids: dict[str, int], kv_stats, rounds: int, reque
     return res
 
 
-def rss_growth_ok(res: SoakResult) -> dict[str, bool]:
-    first = res.rounds[0]["rss"]
+def rss_growth_ok(res: SoakResult, since: int = 0) -> dict[str, bool]:
+    """Per process: whether its RSS grew from round `since` to the last within
+    RSS_GROWTH_LIMIT."""
+    first = res.rounds[since]["rss"]
     lim_b, lim_f = RSS_GROWTH_LIMIT
-    return {k: g <= max(lim_b, lim_f * first[k]) for k, g in growth(res, "rss").items()}
+    return {k: g <= max(lim_b, lim_f * first[k]) for k, g in growth(res, "rss", since).items()}
 
 
 def count_growth_over(res: SoakResult, since: int = 0) -> dict[str, dict[str, int]]:
