@@ -618,19 +618,15 @@ def model_to_convert(env: Mapping[str, str]) -> bool:
     on `smollm2` (their default) without a current conversion in the cache folder each uses.
     (Said before for a model folder, which converts nothing, and not for a stale conversion,
     which is converted again.)"""
-    roots = []
-    for svc in ("KVPOOL", "ORCHESTRATOR"):
-        if model_folder(env, svc) is None:
-            cache = env.get(f"TIERCACHE_{svc}_CACHE_DIR", "").strip()
-            roots.append(Path(cache).expanduser() if cache else model_store.cache_dir_default())
-    if not roots:
+    targets = [model_store.packaged_folder(env.get(f"TIERCACHE_{svc}_CACHE_DIR", "").strip())
+               for svc in ("KVPOOL", "ORCHESTRATOR") if model_folder(env, svc) is None]
+    if not targets:
         return False
     try:
         sid = model_store.source_id(model_store.packaged_gguf_path())  # hashes ~90 MB: once
     except model_store.ModelStoreError:
         return False  # the service says what is missing
-    return any(not model_store.is_converted(root / "models" / model_store.SMOLLM2_MODEL_ID, sid)
-               for root in roots)
+    return any(not model_store.is_converted(target, sid) for target in targets)
 
 
 def has_chat_template(folder: Path) -> bool:
