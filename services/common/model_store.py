@@ -135,7 +135,7 @@ def conversion_not_writable(exc: BaseException, setting: str, cache_dir: str | N
     none, "cannot start: No space left on device")."""
     return not_writable(exc, "the packaged model's conversion into its cache folder on the "
                         "first start (a converted one is only read)", setting,
-                        str(packaged_folder(cache_dir or None)))
+                        str(packaged_folder(cache_dir)))
 
 
 def resolve_model(spec: str = SMOLLM2_SPEC, cache_dir: str | None = None,
