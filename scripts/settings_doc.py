@@ -89,6 +89,11 @@ PROCESS_VARS = (
     ("`HF_HUB_DISABLE_PROGRESS_BARS`",
      "`1`, set by every service unless given",
      "Hugging Face progress bars off: their carriage returns broke the JSON log lines."),
+    ("`GRPC_VERBOSITY`",
+     "`ERROR`, set by every service unless given",
+     "What gRPC's core writes to stderr, outside the JSON log lines: at `ERROR`, not one "
+     "plain-text line per refused TLS handshake. `INFO` shows why a handshake failed "
+     "([deploy.md](deploy.md), TLS)."),
     ("`HF_HOME`, `HF_HUB_OFFLINE`, `TRANSFORMERS_OFFLINE`",
      "image `/var/cache/tiercache/hf`, `1`, `1` (else the libraries' defaults: "
      "`~/.cache/huggingface`, online)",
