@@ -217,7 +217,6 @@ class BlockHasher:
         Returns:
             One 16-byte hash per full block, in order.
         """
-        step = self.block_size * 4
         n = len(token_ids) // self.block_size
         if n == 0:
             return []
@@ -239,14 +238,20 @@ class BlockHasher:
             return out
         if chain is not None:
             return chain(self.key, prev, data, self.block_size)
+        return self._hashlib_chain(prev, data)
+
+    def _hashlib_chain(self, prev: bytes, data: bytes) -> list[bytes]:
+        """The chain of the packed blocks `data` from `prev` with hashlib (`chain` in C)."""
+        step = self.block_size * 4
         cp = self._proto.copy
         out = []
-        for off in range(0, n * step, step):
-            s = cp()
-            s.update(prev)
-            s.update(data[off : off + step])
-            prev = s.digest()
-            out.append(prev)
+        append = out.append
+        for off in range(0, len(data), step):
+            h = cp()
+            h.update(prev)
+            h.update(data[off : off + step])
+            prev = h.digest()
+            append(prev)
         return out
 
     def _memo_spans(self, prev: bytes, data: bytes) -> list[bytes]:
@@ -254,9 +259,7 @@ class BlockHasher:
         step = self.block_size * 4
         sstep = SPAN_BLOCKS * step
         young, old = self._young, self._old
-        cp = self._proto.copy
         out: list[bytes] = []
-        append = out.append
         end = len(data)
         off = 0
         # Warm part, a whole span of blocks per lookup: shared system prompts, earlier turns.
@@ -273,18 +276,13 @@ class BlockHasher:
             off += sstep
         # Cold part: remember each new full span (the next turn repeats this request).
         while off < end:
-            stop = off + sstep if off + sstep <= end else end
-            first = len(out)
-            key = prev + data[off:stop]
-            for o in range(off, stop, step):
-                h = cp()
-                h.update(prev)
-                h.update(data[o : o + step])
-                prev = h.digest()
-                append(prev)
-            if stop - off == sstep:
-                young[key] = tuple(out[first:])
-            off = stop
+            span = data[off : off + sstep]
+            hs = self._hashlib_chain(prev, span)
+            if len(span) == sstep:
+                young[prev + span] = tuple(hs)
+            out += hs
+            prev = hs[-1]
+            off += sstep
         return out
 
     def probe(self) -> bytes:
