@@ -119,8 +119,8 @@ def pack_tokens(token_ids: Sequence[int], count: int, native: bool = True) -> by
     """The first `count` tokens as little-endian uint32 bytes."""
     if native and _blockhash is not None:
         return _blockhash.pack(token_ids, count)
-    if len(token_ids) < count:
-        raise ValueError(f"pack_tokens: {len(token_ids)} tokens, fewer than count={count}")
+    if not 0 <= count <= len(token_ids):  # as in C: a negative count is no slice bound
+        raise ValueError(f"pack_tokens: count={count} not in [0, {len(token_ids)} tokens]")
     if len(token_ids) != count:  # only the first `count` are packed (and checked), as in C
         token_ids = token_ids[:count]
     if type(token_ids) is list:

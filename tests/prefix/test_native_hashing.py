@@ -82,12 +82,15 @@ def test_pack_accepts_integer_types_and_refuses_what_array_refuses():
 @native
 def test_pack_checks_only_the_tokens_it_packs_and_refuses_too_few_either_way():
     """The C and Python packers agree on edge cases: a bad token past `count` is not packed
-    (nor refused), and fewer tokens than `count` is an error in both."""
+    (nor refused), and fewer tokens than `count`, or a negative `count`, is an error in both
+    (the Python packer took -1 as a slice bound: [1, 2, 3] packed as [1])."""
     for native in (True, False):
         assert hashing.pack_tokens([1, 2, 3, 4, -5], 4, native=native) == \
             hashing.pack_tokens([1, 2, 3, 4], 4, native=False)
         with pytest.raises(ValueError):
             hashing.pack_tokens([1, 2], 3, native=native)
+        with pytest.raises(ValueError):
+            hashing.pack_tokens([1, 2, 3], -1, native=native)
 
 
 @native
