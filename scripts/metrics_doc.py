@@ -20,8 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import docgen  # noqa: E402 - beside this script (puts this checkout first on the path)
 
 OUT = ROOT / "docs" / "metrics.md"
-SECTIONS = (("rpc", "Every service"), ("tls", "Every service serving TLS"), ("kvpool", "kvpool"),
-            ("prefix", "prefix"), ("semantic", "semantic"), ("orchestrator", "orchestrator"))
+SECTIONS = (("rpc", "Every service"), ("kvpool", "kvpool"), ("prefix", "prefix"),
+            ("semantic", "semantic"), ("orchestrator", "orchestrator"))
 
 HEADER = """# Metrics
 

@@ -1012,8 +1012,7 @@ def requires_client_certs(service: str, env: Mapping[str, str] | None = None) ->
 
 def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:
     """TLS from `TIERCACHE_TLS_CERT`/`_KEY` files; mutual TLS when `TIERCACHE_TLS_CA` is set
-    (and the service's TIERCACHE_<SERVICE>_TLS_CLIENT_AUTH is not `none`). The files are
-    taken again when they change, for new connections (`server_tls.ServerTlsFiles`).
+    (and the service's TIERCACHE_<SERVICE>_TLS_CLIENT_AUTH is not `none`).
 
     Raises:
         ConfigError: a certificate without its key, or a key without its certificate.
@@ -1023,9 +1022,17 @@ def server_credentials_from_env(service: str) -> grpc.ServerCredentials | None:
         return None
     if not (cert and key):
         raise ConfigError(f"{cert_var} and {key_var} must be set together")
-    from services.common.server_tls import ServerTlsFiles  # imports this module
-
-    return ServerTlsFiles(service).credentials()
+    ca = tls_file(os.environ, "TIERCACHE_TLS_CA") if requires_client_certs(service) else None
+    with open(cert, "rb") as f:
+        cert_b = f.read()
+    with open(key, "rb") as f:
+        key_b = f.read()
+    ca_b = None
+    if ca:
+        with open(ca, "rb") as f:
+            ca_b = f.read()
+    return grpc.ssl_server_credentials([(key_b, cert_b)], root_certificates=ca_b,
+                                       require_client_auth=ca_b is not None)
 
 
 # A client whose deadline passes while the server is stuck sending to it ends the stream a
