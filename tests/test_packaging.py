@@ -9,17 +9,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_packaging_rules import _wheel
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("dist")
-    # No build isolation: the venv already holds setuptools and grpcio-tools (no download).
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(out), str(ROOT)],
-                   check=True, cwd=out, timeout=570)
-    (built,) = out.glob("tiercache-*.whl")
+    (built,) = _wheel(ROOT, tmp_path_factory.mktemp("dist"), timeout=570)
     return built
 
 

@@ -46,8 +46,10 @@ def test_the_sdist_builds_wheels_holding_only_what_the_tree_has(tmp_path):
     assert "services/common/_blockhash.cpython" in " ".join(zipfile.ZipFile(wheel).namelist())
 
 
-def _wheel(src: Path, out: Path) -> list[Path]:
+def _wheel(src: Path, out: Path, timeout: float = 300) -> list[Path]:
+    """The wheels pip builds of the tree `src` into `out`. No build isolation: the venv
+    already holds setuptools and grpcio-tools (no download)."""
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
                     "--no-build-isolation", "-w", str(out), str(src)],
-                   check=True, cwd=out.parent, timeout=300)
+                   check=True, cwd=out.parent, timeout=timeout)
     return list(out.glob("tiercache-*.whl"))
