@@ -164,11 +164,13 @@ def run_job(address: str, job: Job, max_tokens: int, timeout: float) -> tuple[st
         return e.code().name, (time.monotonic() - t0) * 1000
 
 
-def run_soak(*, address: str, pids: dict[str, int], kv_stats, rounds: int, requests: int,
+def run_soak(*, address: str, pids: dict[str, int], wait_idle, rounds: int, requests: int,
              concurrency: int, tokens: tuple[str, str], max_tokens: int = 6,
              timeout: float = 60.0, seed: int = 7, idle_timeout: float = 60.0,
              log=print) -> SoakResult:
-    """Run `rounds` rounds of `requests` jobs; `kv_stats()` returns every replica's Stats."""
+    """Run `rounds` rounds of `requests` jobs. After each, `wait_idle(idle_timeout)` returns
+    every replica's Stats once every sequence ended, no block is referenced and the pools'
+    books balance, or raises AssertionError (the stack's `wait_kv_idle`)."""
     res = SoakResult()
     for rnd in range(rounds):
         t0 = time.monotonic()
@@ -182,18 +184,10 @@ def run_soak(*, address: str, pids: dict[str, int], kv_stats, rounds: int, reque
                 raise AssertionError(f"round {rnd}: {job.kind}/{job.mode} ended {code}")
             if code == "OK" and job.mode == "normal":
                 res.latencies_ms.append(ms)
-        # Idle: every sequence ended, no block referenced, the pool's books balance.
-        end = time.monotonic() + idle_timeout
-        while True:
-            st = kv_stats()
-            if all(s.running == 0 and s.waiting == 0 and s.blocks_in_use == 0 for s in st):
-                break
-            if time.monotonic() > end:
-                raise AssertionError(f"round {rnd}: replicas not idle: {st}")
-            time.sleep(0.1)
-        for s in st:
-            if s.blocks_free + s.blocks_cached + s.blocks_pinned != s.blocks_total:
-                raise AssertionError(f"round {rnd}: blocks lost on {s.replica_id}: {s}")
+        try:
+            st = wait_idle(idle_timeout)
+        except AssertionError as e:
+            raise AssertionError(f"round {rnd}: {e}") from None
         rss = {name: rss_bytes(pid) for name, pid in pids.items()}
         res.rounds.append({"round": rnd, "seconds": round(time.monotonic() - t0, 1),
                            "outcomes": dict(Counter(code for code, _ in outs)),
@@ -237,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             pids = {f"{p.name}:{p.port}": p.proc.pid for p in stack.all()}
             t0 = time.monotonic()
-            res = run_soak(address=stack.orch.address, pids=pids, kv_stats=stack.kv_stats,
+            res = run_soak(address=stack.orch.address, pids=pids, wait_idle=stack.wait_kv_idle,
                            rounds=args.rounds, requests=args.requests,
                            concurrency=args.concurrency, tokens=(TOK_A, TOK_B))
             wall = time.monotonic() - t0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -137,6 +137,23 @@ def replica_stats(stack: FullStack, metadata: list | None = None) -> list:
 def wait_until(pred, timeout: float, what: str, every: float = 0.1):
     """`pred()`'s first truthy value, asked every `every` s; fails after `timeout` s."""
     return waits.wait_until(pred, timeout, f"not within {timeout} s: {what}", every)
+
+
+def wait_pools_idle(read_pools: Callable[[], list], timeout: float) -> list:
+    """The replicas' Stats (`read_pools()`) once none runs or queues a sequence or references
+    a block; each pool's free + cached + pinned blocks are then its total (none lost). Fails
+    after `timeout` s with the last Stats read."""
+    seen: list = []
+
+    def idle() -> bool:
+        seen[:] = read_pools()
+        return all(s.running == s.waiting == s.blocks_in_use == 0 for s in seen)
+
+    waits.wait_until(idle, timeout, lambda: f"replicas not idle within {timeout} s: {seen}", 0.1)
+    for s in seen:
+        if s.blocks_free + s.blocks_cached + s.blocks_pinned != s.blocks_total:
+            raise AssertionError(f"blocks lost on {s.replica_id}: {s}")
+    return seen
 
 
 def wait_index_caught_up(stack: FullStack, timeout: float = 30.0,

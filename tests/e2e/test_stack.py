@@ -33,7 +33,7 @@ from tests.e2e.stack import (
     replica_stats,
     start_full_stack,
     wait_index_caught_up,
-    wait_until,
+    wait_pools_idle,
 )
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
@@ -349,15 +349,14 @@ def test_internal_services_refuse_calls_without_the_internal_credential(stack):
 def idle_pools(stack) -> dict[str, tuple[int, int]]:
     """Each replica's (blocks held: cached + pinned, evictions so far) once none runs
     anything and the index agrees with them; every pool's states add up to its total."""
-    wait_until(lambda: all(s.running == s.waiting == s.blocks_in_use == 0
-                           for s in replica_stats(stack)), 30, "replicas idle")
+    def read() -> list:
+        return replica_stats(stack)
+
+    wait_pools_idle(read, 30)
     wait_index_caught_up(stack)
-    pools = replica_stats(stack)
-    for s in pools:
-        assert (s.blocks_free + s.blocks_cached + s.blocks_pinned + s.blocks_in_use
-                == s.blocks_total), s
+    # Read again: the counts the index now agrees with (still idle, none lost).
     return {s.replica_id: (s.blocks_cached + s.blocks_pinned, s.evictions_total)
-            for s in pools}
+            for s in wait_pools_idle(read, 30)}
 
 
 def added(before: dict, after: dict) -> dict[str, int]:

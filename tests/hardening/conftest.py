@@ -5,7 +5,6 @@ security tests (it is restarted in place by the fault tests, never left broken).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from tiercache.v1 import (
 )
 
 from tests.e2e.conftest import LOG_DIR
-from tests.e2e.stack import FullStack, start_full_stack
+from tests.e2e.stack import FullStack, start_full_stack, wait_pools_idle
 
 INTERNAL = "internal-hardening-secret-7f3a"
 INTERNAL_MD = [("authorization", f"Bearer {INTERNAL}")]
@@ -180,17 +179,9 @@ class Stack(FullStack):
         return out
 
     def wait_kv_idle(self, timeout: float = 60.0) -> list[kvpool_pb2.KvStatsResponse]:
-        """Every replica has no running sequence and no referenced block (or fail)."""
-        end = time.monotonic() + timeout
-        while True:
-            st = self.kv_stats()
-            if all(s.running == 0 and s.waiting == 0 and s.blocks_in_use == 0 for s in st):
-                for s in st:
-                    # Free + cached + pinned accounts for every block: none lost.
-                    assert s.blocks_free + s.blocks_cached + s.blocks_pinned == s.blocks_total, s
-                return st
-            assert time.monotonic() < end, f"replicas not idle: {st}"
-            time.sleep(0.2)
+        """Every live replica has no running sequence and no referenced block, and has lost
+        none (or fail): `wait_pools_idle`."""
+        return wait_pools_idle(self.kv_stats, timeout)
 
     def admin_stats(self, timeout: float = 30.0) -> orchestrator_pb2.StatsResponse:
         from tiercache.v1 import orchestrator_pb2_grpc

@@ -17,8 +17,8 @@ def test_short_soak_leaks_nothing_and_memory_is_flat(stack):
     pids = {f"{p.name}:{p.port}": p.proc.pid for p in stack.all()}
     # Round 0 warms caches (semantic entries, cached prefixes, allocator arenas); rounds 1..3
     # repeat the same content with fresh cancellation/deadline draws.
-    res = run_soak(address=stack.orch.address, pids=pids, kv_stats=stack.kv_stats, rounds=4,
-                   requests=16, concurrency=4, tokens=(TOK_A, TOK_B), max_tokens=4)
+    res = run_soak(address=stack.orch.address, pids=pids, wait_idle=stack.wait_kv_idle,
+                   rounds=4, requests=16, concurrency=4, tokens=(TOK_A, TOK_B), max_tokens=4)
     summary = res.summary()
     print("soak:", summary["outcomes"], "latency ms", summary["latency_ms"])
     print("fds per round:", [r["fds"] for r in res.rounds])
