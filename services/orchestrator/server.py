@@ -685,6 +685,13 @@ def _unless_gone(call, gone: _Gone):
     return call.result()
 
 
+def _not_run(replica, index: int, error: str) -> orchestrator_pb2.WarmResult:
+    """The result of a Warm's prefill on `replica` that did no work (prompt `index`, -1: a
+    top-k prefix): `error`, its status name first."""
+    return orchestrator_pb2.WarmResult(prompt_index=index, replica_id=replica.public_id,
+                                       error=error)
+
+
 def _unsent(replica, index: int, timeout: float,
             downs_seen: int | None) -> orchestrator_pb2.WarmResult | None:
     """The result of a Warm's prefill that must not be sent now (None: it may be)."""
@@ -692,19 +699,15 @@ def _unsent(replica, index: int, timeout: float,
         # Queued behind the call's other prefills (prompts x replicas share the pool)
         # until its deadline: sending it anyway made replicas compute for a caller that
         # had its answer, and held the pool from other tenants' Warm calls.
-        return orchestrator_pb2.WarmResult(
-            prompt_index=index, replica_id=replica.public_id,
-            error="DEADLINE_EXCEEDED: the call's deadline passed before this prefill "
-                  "could start")
+        return _not_run(replica, index, "DEADLINE_EXCEEDED: the call's deadline passed "
+                                         "before this prefill could start")
     if downs_seen is not None and replica.downs != downs_seen:
         # Declared down since the Warm chose it (queued behind the call's other prefills):
         # not sent, rather than sent and cancelled at once (nothing for a replica out of
         # routing to start, nor a call to time). One declared down between here and its
         # watch is cancelled there (`Warmer._prefill_watched`).
-        return orchestrator_pb2.WarmResult(
-            prompt_index=index, replica_id=replica.public_id,
-            error=f"UNAVAILABLE: replica {replica.public_id} was found down before this "
-                  "prefill could start (not sent)")
+        return _not_run(replica, index, f"UNAVAILABLE: replica {replica.public_id} was found "
+                                         "down before this prefill could start (not sent)")
     return None
 
 
@@ -747,15 +750,13 @@ class Warmer:
                           (lambda: replica.stub.Prefill(req, **kw)) if gone is None else
                           lambda: self._prefill_watched(replica, req, kw, gone, downs_seen))
             except _FoundDown:
-                return orchestrator_pb2.WarmResult(
-                    prompt_index=index, replica_id=replica.public_id,
-                    error=f"UNAVAILABLE: replica {replica.public_id} was found down during "
-                          "this prefill (cancelled)")
+                return _not_run(replica, index, f"UNAVAILABLE: replica {replica.public_id} "
+                                                 "was found down during this prefill "
+                                                 "(cancelled)")
             except grpc.FutureCancelledError:
-                return orchestrator_pb2.WarmResult(
-                    prompt_index=index, replica_id=replica.public_id,
-                    error="CANCELLED: the caller went away; this prefill's cancellation "
-                          "was sent to the replica")
+                return _not_run(replica, index, "CANCELLED: the caller went away; this "
+                                                 "prefill's cancellation was sent to the "
+                                                 "replica")
             return orchestrator_pb2.WarmResult(
                 prompt_index=index, replica_id=r.replica_id or replica.public_id,
                 prompt_tokens=r.prompt_tokens, cached_tokens=r.cached_tokens,
@@ -952,9 +953,8 @@ class Warmer:
 
         def prefill(job) -> orchestrator_pb2.WarmResult:
             if gone.is_set():  # nobody to tell: the replicas' work and pins would be wasted
-                return orchestrator_pb2.WarmResult(
-                    prompt_index=job[4], replica_id=job[0].public_id,
-                    error="CANCELLED: the caller went away before this prefill started")
+                return _not_run(job[0], job[4], "CANCELLED: the caller went away before "
+                                                 "this prefill started")
             with bound_request_id(rid):
                 return self._prefill(*job[:5], timeout=deadline - time.monotonic(),
                                      request_id=rid, gone=gone, downs_seen=job[5])
