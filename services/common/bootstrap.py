@@ -82,10 +82,10 @@ def _refused_caller(context, method: str, code: str, why: str) -> None:
 
 def _refuse(context, service: str, short: str, code: str, why: str, details: str,
             say: bool = True) -> None:
-    """A call refused before its handler ran (its credential, the open-stream caps): counted
-    under `code`, said in one line thinned per peer host (`_refused_caller`, when `say`), its
-    request id (bound by the caller) in its trailers as every failed call's, then aborted with
-    `details`."""
+    """A call refused before its handler ran (its credential, the open-stream caps, a malformed
+    request): counted under `code`, said in one line thinned per peer host (`_refused_caller`,
+    when `say`; a malformed request says its own line, `_say_ended`), its request id (bound by
+    the caller) in its trailers as every failed call's, then aborted with `details`."""
     RPC_TOTAL.labels(service, short, code).inc()
     if say:
         _refused_caller(context, short, code, why)
@@ -344,10 +344,8 @@ def _parse_request(deserialize, raw, context, service: str, short: str):
         where = find_invalid_utf8(cls.DESCRIPTOR, raw) if cls is not None else None
         details = (f"{where}: invalid UTF-8 in a string field" if where
                    else "request: malformed protobuf message")
-        RPC_TOTAL.labels(service, short, "INVALID_ARGUMENT").inc()
         _say_ended(service, short, "INVALID_ARGUMENT", details)
-        context.set_trailing_metadata(_told_request_id())
-        context.abort(grpc.StatusCode.INVALID_ARGUMENT, details)
+        _refuse(context, service, short, "INVALID_ARGUMENT", details, details, say=False)
 
 
 def _say_ended(service: str, short: str, code: str, details: str,
