@@ -400,10 +400,8 @@ def test_tenant_salts_are_keyed_with_the_configured_key():
 # ---- context hash of a conversation (M34) ------------------------------------------------
 
 @pytest.fixture(scope="module")
-def renderer():
-    from services.common.model_store import load_tokenizer, resolve_model
-
-    return PromptRenderer(load_tokenizer(resolve_model("smollm2").path), max_chars=1000)
+def renderer(tok):
+    return PromptRenderer(tok, max_chars=1000)
 
 
 @pytest.mark.model  # the real SmolLM2 tokenizer
