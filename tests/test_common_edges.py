@@ -204,7 +204,7 @@ def test_a_refused_call_leaves_one_line_with_its_request_id_and_a_flood_is_thinn
 
     from services.common import bootstrap, errors
     from services.common.bootstrap import create_server
-    from services.common.logs import request_id_var
+    from tests.log_lines import lines_with_ids
 
     def call(request: bytes, context) -> bytes:
         raise errors.InvalidArgument("text", "must not be empty")
@@ -213,30 +213,20 @@ def test_a_refused_call_leaves_one_line_with_its_request_id_and_a_flood_is_thinn
         server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
             "x.Refuse", {"Call": grpc.unary_unary_rpc_method_handler(call)}),))
 
-    seen: list[tuple[str, str]] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            seen.append((record.getMessage(), request_id_var.get()))
-
-    keep = Keep(logging.INFO)
-    bootstrap.log.addHandler(keep)
-    level = bootstrap.log.level
-    bootstrap.log.setLevel(logging.INFO)  # the services' default (TIERCACHE_LOG_LEVEL)
-    bootstrap._ERROR_LINES = bootstrap.Thinned(bootstrap.log, per_window=3, window_s=60.0)
-    handle = create_server(service="refuse-test", address="127.0.0.1:0",
-                           services=[(add, None, "x.Refuse")])
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
-            refuse = ch.unary_unary("/x.Refuse/Call")
-            for i in range(5):
-                with pytest.raises(grpc.RpcError):
-                    refuse(b"", timeout=5, metadata=[("x-request-id", f"ticket-{i}")])
-    finally:
-        handle.stop(0)
-        bootstrap.log.removeHandler(keep)
-        bootstrap.log.setLevel(level)
-        bootstrap._ERROR_LINES = bootstrap.Thinned(bootstrap.log)
+    # INFO: the services' default (TIERCACHE_LOG_LEVEL).
+    with lines_with_ids(bootstrap.log.name, logging.INFO) as seen:
+        bootstrap._ERROR_LINES = bootstrap.Thinned(bootstrap.log, per_window=3, window_s=60.0)
+        handle = create_server(service="refuse-test", address="127.0.0.1:0",
+                               services=[(add, None, "x.Refuse")])
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{handle.port}") as ch:
+                refuse = ch.unary_unary("/x.Refuse/Call")
+                for i in range(5):
+                    with pytest.raises(grpc.RpcError):
+                        refuse(b"", timeout=5, metadata=[("x-request-id", f"ticket-{i}")])
+        finally:
+            handle.stop(0)
+            bootstrap._ERROR_LINES = bootstrap.Thinned(bootstrap.log)
     lines = [(m, rid) for m, rid in seen if "ended INVALID_ARGUMENT" in m]
     assert lines == [("Call ended INVALID_ARGUMENT: text: must not be empty", f"ticket-{i}")
                      for i in range(3)]  # then thinned
@@ -636,37 +626,27 @@ def test_thinned_error_lines_are_counted_even_when_their_flood_stops(caplog):
     import time
 
     from services.common import bootstrap
-    from services.common.logs import bound_request_id, request_id_var
+    from services.common.logs import bound_request_id
+    from tests.log_lines import lines_with_ids
 
-    ids: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            if "left out" in record.getMessage():
-                ids.append(request_id_var.get())
-
-    keep = Keep(logging.INFO)
-    bootstrap.log.addHandler(keep)
     t = bootstrap.Thinned(bootstrap.log, per_window=1, window_s=0.05)
     t.SWEEP_S = 0.0
-    try:
-        with caplog.at_level(logging.INFO, logger=bootstrap.log.name):
-            assert t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
-            assert not t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
-            assert not t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
-            assert "left out" not in caplog.text  # the window is not over
-            time.sleep(0.06)
-            with bound_request_id("unrelated-request"):
-                assert t.allow(("svc", "Store", "NOT_FOUND"))  # another key
-            assert re.search(r"svc/Lookup/INVALID_ARGUMENT: 2 more lines left out between "
-                             r"\d\d:\d\d:\d\d and \d\d:\d\d:\d\dZ", caplog.text)
-            assert not t.allow(("svc", "Store", "NOT_FOUND"))
-            t.flush()
-    finally:
-        bootstrap.log.removeHandler(keep)
+    with lines_with_ids(bootstrap.log.name, logging.INFO) as lines, \
+            caplog.at_level(logging.INFO, logger=bootstrap.log.name):
+        assert t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
+        assert not t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
+        assert not t.allow(("svc", "Lookup", "INVALID_ARGUMENT"))
+        assert "left out" not in caplog.text  # the window is not over
+        time.sleep(0.06)
+        with bound_request_id("unrelated-request"):
+            assert t.allow(("svc", "Store", "NOT_FOUND"))  # another key
+        assert re.search(r"svc/Lookup/INVALID_ARGUMENT: 2 more lines left out between "
+                         r"\d\d:\d\d:\d\d and \d\d:\d\d:\d\dZ", caplog.text)
+        assert not t.allow(("svc", "Store", "NOT_FOUND"))
+        t.flush()
     assert "svc/Store/NOT_FOUND: 1 more lines left out" in caplog.text
     assert caplog.text.count("left out") == 2
-    assert ids == ["", ""]
+    assert [rid for m, rid in lines if "left out" in m] == ["", ""]
 
 
 def test_a_stream_cut_at_the_end_of_the_servers_drain_is_counted_unavailable():
