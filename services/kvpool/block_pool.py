@@ -69,6 +69,14 @@ class Admission(NamedTuple):
     copies: list[tuple[int, int]]  # (src, dst) block copies the engine must do first (COW)
 
 
+class Flushed(NamedTuple):
+    """What `flush_salt` did: the blocks it dropped (now free; their KV rows still hold the
+    tenant's data until the engine zeroes them) and how many of the salt's stayed (in use)."""
+
+    block_ids: list[int]
+    kept: int
+
+
 class PoolStats(NamedTuple):
     total: int
     free: int
@@ -506,7 +514,7 @@ class BlockPool:
     def clear(self) -> int:
         """Drop every unreferenced, unpinned cached block (AllCleared if the table empties)."""
         now = self.clock()
-        removed = self._drop_deepest_first(
+        _, removed = self._drop_deepest_first(
             bid for bid, b in enumerate(self._blocks) if self._evictable(b, now))
         if not self._table:
             self._emit(AllCleared())
@@ -514,33 +522,34 @@ class BlockPool:
             self._emit(BlocksRemoved(removed))
         return len(removed)
 
-    def flush_salt(self, cache_salt: str) -> tuple[int, int]:
+    def flush_salt(self, cache_salt: str) -> Flushed:
         """Drops every unreferenced cached block of one cache salt (one tenant's: the salt
         seeds each of its chains, and every block of a chain carries it), its pinned ones
         too: erasure on request, where they otherwise stayed until evicted. Children before
         parents, each removal reported (BlocksRemoved) for the prefix index. Blocks a running
         sequence holds stay, as does a parent of one (their KV is being read: dropped under a
-        reader, the next request would find a hash without its block). Returns (dropped,
-        kept): `kept` is that tenant's blocks still hashed (a later call drops them once
-        their requests end)."""
+        reader, the next request would find a hash without its block). Returns the dropped
+        block ids (the engine zeroes their KV) and `kept`: that tenant's blocks still hashed
+        (a later call drops them once their requests end)."""
         mine = [bid for bid, b in enumerate(self._blocks)
                 if b.hash is not None and b.cache_salt == cache_salt]
-        removed = self._drop_deepest_first(mine)  # pinned ones too: _drop_hash unpins
+        dropped, removed = self._drop_deepest_first(mine)  # pinned too: _drop_hash unpins
         if removed:
             self._emit(BlocksRemoved(removed))
-        return len(removed), len(mine) - len(removed)
+        return Flushed(dropped, len(mine) - len(dropped))
 
-    def _drop_deepest_first(self, bids) -> list[bytes]:
+    def _drop_deepest_first(self, bids) -> tuple[list[int], list[bytes]]:
         """Drops each of `bids` no sequence holds and no child hangs from, children before
         parents (deepest first: a parent whose children all go is dropped too), freeing its
-        block. Returns their hashes, for BlocksRemoved."""
-        removed = []
+        block. Returns their ids and their hashes (for BlocksRemoved)."""
+        dropped, removed = [], []
         for bid in sorted(bids, key=lambda i: -self._blocks[i].start_token):
             b = self._blocks[bid]
             if b.ref == 0 and b.children == 0:
                 removed.append(self._drop_hash(bid))
+                dropped.append(bid)
                 self._free.append(bid)
-        return removed
+        return dropped, removed
 
     # ---- events ----------------------------------------------------------------------------
 

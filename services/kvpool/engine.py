@@ -583,6 +583,17 @@ class Engine:
                 self._inbox.put(("call", fn, fut))
         return fut
 
+    def flush_salt(self, cache_salt: str) -> tuple[int, int]:
+        """Erase one tenant's cached KV (on the engine thread, through `call`): the pool drops
+        its blocks (`BlockPool.flush_salt`) and their rows in the KV tensor are overwritten with
+        zeros before this returns (on a GPU too: it waits for the fill), instead of staying
+        until the next allocation writes there. Blocks still in use keep theirs. Returns
+        (dropped, kept)."""
+        flushed = self.pool.flush_salt(cache_salt)
+        self.store.zero_blocks(flushed.block_ids)
+        device_done(self.device)
+        return len(flushed.block_ids), flushed.kept
+
     def threads_for(self, tokens: int) -> int:
         """The torch threads a forward of `tokens` new tokens (all rows) runs with, on the
         engine thread once it started (before that, `threads` 0 means torch's count now)."""

@@ -134,6 +134,12 @@ class KvStore:
         idx = torch.tensor(block_ids, device=self.device)
         self.blocks.index_copy_(0, idx, src)
 
+    def zero_blocks(self, block_ids: list[int]) -> None:
+        """Overwrite the given pool blocks with zeros, every layer's K and V (one fill): an
+        erased tenant's KV must not stay in memory until the next allocation writes there."""
+        if block_ids:
+            self.blocks.index_fill_(0, torch.tensor(block_ids, device=self.device), 0)
+
     def copy_block(self, src: int, dst: int) -> None:
         self.blocks[dst] = self.blocks[src]
 

@@ -293,7 +293,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
         deadline = self._deadline(context)
         try:
             dropped, kept = result_unless_late(
-                engine.call(lambda: engine.pool.flush_salt(salt)),
+                engine.call(lambda: engine.flush_salt(salt)),
                 None if deadline is None else deadline - time.monotonic())
         except FutureTimeout:  # never ran: nothing was dropped
             raise errors.DeadlineExceeded("deadline exceeded before the flush ran") from None

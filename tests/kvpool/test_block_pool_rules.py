@@ -10,7 +10,7 @@ import pytest
 
 from services.common.hashing import BlockHasher
 from services.common.policy import HybridPolicy
-from services.kvpool.block_pool import BlockPool, BlocksRemoved, PoolExhausted
+from services.kvpool.block_pool import BlockPool, BlocksRemoved, Flushed, PoolExhausted
 from tests.clock import Clock
 from tests.kvpool.test_kvpool_block_pool import BS, X, Y, make_pool, run_seq
 
@@ -398,10 +398,12 @@ def test_flushing_a_salt_drops_that_tenants_blocks_pins_included_and_keeps_those
     run_seq(pool, "ax", X, salt="a")  # 3 blocks
     run_seq(pool, "ay", Y, salt="a")  # 2 blocks
     run_seq(pool, "bx", X, salt="b")  # 3 blocks: same tokens, another tenant
-    assert pool.pin(pool.match(Y, "a"), ttl_seconds=10) == 2
+    ax, ay = pool.match(X, "a"), pool.match(Y, "a")
+    assert pool.pin(ay, ttl_seconds=10) == 2
     pool.open("running", X[:8] + [1], "a")  # holds a's first two X blocks
     pool.take_events()
-    assert pool.flush_salt("a") == (3, 2)  # a's X tail and both (pinned) Y blocks; 2 in use
+    # a's X tail and both (pinned) Y blocks, their ids for the engine to zero; 2 in use
+    assert pool.flush_salt("a") == Flushed([ax[2], *reversed(ay)], 2)
     ev = pool.take_events()
     assert len(ev) == 1 and sorted(ev[0].block_hashes) == sorted(
         [hasher.hashes(X, "a")[2], *hasher.hashes(Y, "a")])
@@ -409,8 +411,8 @@ def test_flushing_a_salt_drops_that_tenants_blocks_pins_included_and_keeps_those
     assert len(pool.match(X, "b")) == 3 and pool.stats().pinned == 0
     pool.check_integrity()
     pool.close("running")
-    assert pool.flush_salt("a") == (2, 0)  # once its request ends
+    assert pool.flush_salt("a") == Flushed([ax[1], ax[0]], 0)  # once its request ends
     assert pool.match(X, "a") == [] and len(pool.match(X, "b")) == 3
-    assert pool.flush_salt("a") == (0, 0) and pool.take_events()[-1] == BlocksRemoved(
+    assert pool.flush_salt("a") == ([], 0) and pool.take_events()[-1] == BlocksRemoved(
         [hasher.hashes(X, "a")[1], hasher.hashes(X, "a")[0]])
     pool.check_integrity()

@@ -11,6 +11,8 @@ draft's guesses after a replaced token verified as a tree. The engine is stepped
 
 from __future__ import annotations
 
+import torch
+
 from services.common import errors
 from services.kvpool.block_pool import PoolExhausted
 from services.kvpool.engine import EngineRequest, Failed, Finished
@@ -628,3 +630,62 @@ def test_a_request_past_max_waiting_is_told_the_limit_and_to_retry(make_engine) 
     else:
         raise AssertionError("a request past max_waiting was accepted")
     drive(eng, [], lambda e: None)
+
+
+def test_flushing_a_salt_zeroes_its_blocks_kv_and_leaves_other_tenants_exact(
+        make_engine) -> None:
+    """Erasure: Flush dropped a tenant's blocks from the pool but their K/V rows stayed in
+    the KV tensor until the next allocation wrote there. Now every layer's K and V of each
+    dropped block is zero when the flush returns; another tenant's blocks are bit-for-bit as
+    they were, and its next request reuses them for the same greedy tokens."""
+    eng = make_engine(num_blocks=64, block_size=4)
+    by_hand(eng)
+    pa, pb = prompt(14, 41), prompt(14, 42)
+    (toks_a, _), = drive(eng, [request(pa, 6, "a", rid="a")], lambda e: None)
+    (toks_b, _), = drive(eng, [request(pb, 6, "b", rid="b")], lambda e: None)
+    a_ids, b_ids = eng.pool.match(pa + toks_a, "a"), eng.pool.match(pb + toks_b, "b")
+    assert len(a_ids) >= 3 and len(b_ids) >= 3
+    assert all(eng.store.blocks[bid].abs().sum() > 0 for bid in a_ids)  # KV was there
+    b_before = eng.store.blocks[b_ids].clone()
+
+    assert eng.flush_salt("a") == (len(a_ids), 0)
+
+    assert not eng.store.blocks[a_ids].any(), "an erased tenant's KV is still in the pool"
+    assert torch.equal(eng.store.blocks[b_ids], b_before)
+    eng.check_integrity()
+    (again, fin), = drive(eng, [request(pb, 6, "b", rid="b2")], lambda e: None)
+    assert again == toks_b and fin.cached_tokens == 12  # b's 3 full blocks reused
+    (cold, fin), = drive(eng, [request(pa, 6, "a", rid="a2")], lambda e: None)
+    assert cold == toks_a and fin.cached_tokens == 0
+    assert all(eng.pool.ref_count(bid) == 0 for bid in range(eng.pool.num_blocks))
+
+
+def test_flushing_a_salt_keeps_the_kv_of_blocks_a_running_request_holds(make_engine) -> None:
+    """Flush keeps (and counts) the blocks a running request of the tenant reads: their KV
+    must stay too, or the request would go on attending to zeros. The tenant's other blocks
+    are zeroed; the request ends with the tokens it gives without a flush."""
+    eng = make_engine(num_blocks=64, block_size=4)
+    by_hand(eng)
+    old = prompt(10, 43)
+    drive(eng, [request(old, 4, "a", rid="old")], lambda e: None)
+    old_ids = eng.pool.match(old, "a")
+    pr = prompt(12, 44)
+    (alone, _), = drive(eng, [request(pr, 8, "b", rid="ref", ignore_eos=True)], lambda e: None)
+    seen: list[tuple[int, int]] = []
+
+    def flush_once(e) -> None:
+        running = e._running()  # noqa: SLF001 - the one sequence stepped by hand
+        if seen or not running:
+            return
+        held = [bid for bid in e.pool.blocks_of(running[0].seq_id)
+                if e.pool.block_hash(bid) is not None]
+        if len(held) < 3:
+            return
+        before = e.store.blocks[held].clone()
+        seen.append(e.flush_salt("a"))
+        assert torch.equal(e.store.blocks[held], before), "a held block's KV was zeroed"
+
+    (toks, _), = drive(eng, [request(pr, 8, "a", rid="run", ignore_eos=True)], flush_once)
+    assert seen and seen[0][0] >= len(old_ids) and seen[0][1] >= 3
+    assert not eng.store.blocks[old_ids].any()
+    assert toks == alone
