@@ -188,6 +188,10 @@ class BlockPool:
         """The block table of a live sequence (a copy)."""
         return list(self._seqs[seq_id].blocks)
 
+    def free_blocks(self) -> list[int]:
+        """Ids of the free blocks (their KV is written before anything reads it)."""
+        return list(self._free)
+
     def has(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 

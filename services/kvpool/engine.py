@@ -585,12 +585,15 @@ class Engine:
 
     def flush_salt(self, cache_salt: str) -> tuple[int, int]:
         """Erase one tenant's cached KV (on the engine thread, through `call`): the pool drops
-        its blocks (`BlockPool.flush_salt`) and their rows in the KV tensor are overwritten with
-        zeros before this returns (on a GPU too: it waits for the fill), instead of staying
-        until the next allocation writes there. Blocks still in use keep theirs. Returns
-        (dropped, kept)."""
+        its blocks (`BlockPool.flush_salt`), then what no running sequence holds is overwritten
+        with zeros before this returns (on a GPU too: it waits for the fills), instead of
+        staying until the next allocation writes there: every free block (those just dropped,
+        the tenant's evicted before, a duplicate a commit swapped for its twin) and every
+        working-row slot of no running sequence (an ended request's whole KV stays in its
+        row). Blocks and rows in use keep theirs. Returns (dropped, kept)."""
         flushed = self.pool.flush_salt(cache_salt)
-        self.store.zero_blocks(flushed.block_ids)
+        self.store.zero_blocks(self.pool.free_blocks())
+        self.store.zero_unused_rows({s.row: s.num_computed for s in self._running()})
         device_done(self.device)
         return len(flushed.block_ids), flushed.kept
 

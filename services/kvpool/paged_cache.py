@@ -140,6 +140,16 @@ class KvStore:
         if block_ids:
             self.blocks.index_fill_(0, torch.tensor(block_ids, device=self.device), 0)
 
+    def zero_unused_rows(self, held: dict[int, int]) -> None:
+        """Overwrite with zeros every working-row slot no running sequence holds: each row not
+        in `held` (row -> tokens its sequence has computed), whose ended sequence left its KV
+        there, and each held row past its tokens (a longer sequence's before it)."""
+        idle = [r for r in range(self.max_rows) if r not in held]
+        if idle:
+            self.rows.index_fill_(2, torch.tensor(idle, device=self.device), 0)
+        for row, n in held.items():
+            self.rows[:, :, row, :, n:].zero_()
+
     def copy_block(self, src: int, dst: int) -> None:
         self.blocks[dst] = self.blocks[src]
 

@@ -689,3 +689,46 @@ def test_flushing_a_salt_keeps_the_kv_of_blocks_a_running_request_holds(make_eng
     assert seen and seen[0][0] >= len(old_ids) and seen[0][1] >= 3
     assert not eng.store.blocks[old_ids].any()
     assert toks == alone
+
+
+def test_flushing_a_salt_also_zeroes_free_blocks_and_the_rows_of_ended_requests(
+        make_engine) -> None:
+    """The tenant's KV had two more copies no flush reached: blocks of it evicted earlier
+    (free, still holding their rows) and the working row an ended request leaves its whole KV
+    in (its partial last block and all). After a flush both are zero; the other tenant's
+    cached blocks are bit-for-bit as they were and give the same tokens."""
+    eng = make_engine(num_blocks=8, block_size=4, max_batch_size=2)
+    by_hand(eng)
+    pa, pb = prompt(14, 45), prompt(14, 46)
+    drive(eng, [request(pa, 6, "a", rid="a")], lambda e: None)  # 5 blocks
+    (toks_b, _), = drive(eng, [request(pb, 6, "b", rid="b")], lambda e: None)  # evicts a's
+    free, b_ids = eng.pool.free_blocks(), eng.pool.match(pb + toks_b, "b")
+    assert eng.store.blocks[free].any() and eng.store.rows.any()  # a's evicted KV, both rows
+    b_before = eng.store.blocks[b_ids].clone()
+
+    eng.flush_salt("a")
+
+    assert not eng.store.blocks[eng.pool.free_blocks()].any()
+    assert not eng.store.rows.any()
+    assert torch.equal(eng.store.blocks[b_ids], b_before)
+    (again, fin), = drive(eng, [request(pb, 6, "b", rid="b2")], lambda e: None)
+    assert again == toks_b and fin.cached_tokens == 12
+
+
+def test_flushes_between_every_step_change_no_running_requests_tokens(make_engine) -> None:
+    """A flush zeroes the working rows past each running sequence's computed tokens and every
+    free block: nothing a step reads later. Batched requests with drafts (the prompt repeats
+    itself) and prefix reuse, flushed after every step, give the tokens they give alone."""
+    reqs = [request(prompt(9, 47) * 3, 12, "a", rid="x", ignore_eos=True),
+            request(prompt(9, 47) * 3, 10, "b", rid="y", ignore_eos=True),
+            request(prompt(30, 48), 12, "a", rid="z", ignore_eos=True,
+                    draft=prompt(8, 49))]
+    plain = make_engine(num_blocks=48)
+    by_hand(plain)
+    want = [toks for toks, _ in drive(plain, reqs, lambda e: None)]
+    eng = make_engine(num_blocks=48)
+    by_hand(eng)
+    flushes: list[tuple[int, int]] = []
+    got = drive(eng, reqs, lambda e: flushes.append(e.flush_salt("a")))
+    assert [toks for toks, _ in got] == want
+    assert any(kept for _, kept in flushes) and any(dropped for dropped, _ in flushes)
