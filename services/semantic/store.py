@@ -335,8 +335,9 @@ class EntryStore:
             self._lock_fd = _lock_database(path)
         self.path = path
         self._lock = threading.Lock()
-        # A WAL emptying that did not finish (a reader, a full disk): deleted rows' text may
-        # still be in the -wal file, and the next erasing call empties it (`wal_owed`).
+        # Rows deleted since the WAL was last emptied (or an emptying that did not finish: a
+        # reader, a full disk): their text may still be in the -wal file, and the next
+        # erasing call or purge empties it (`wal_owed`).
         self._wal_owed = False
         try:
             # Not a database, or a malformed one: "file is not a database" named no file
@@ -536,6 +537,10 @@ class EntryStore:
                   self._transaction()):
                 self._db.executemany("DELETE FROM entries WHERE label = ?",
                                      [(x,) for x in chunk])
+                # Their text stays in the WAL as written until it is emptied: owed, so that
+                # the housekeeper's next purge empties it after an eviction or a replacement
+                # too (they stayed there until an erasing call or later writes overwrote it).
+                self._wal_owed = True
             if committed is not None:
                 committed.extend(chunk)
             with self._hits_lock:
@@ -569,7 +574,8 @@ class EntryStore:
 
     @property
     def wal_owed(self) -> bool:
-        """Whether the last `truncate_wal` did not finish (the WAL may hold deleted text)."""
+        """Whether the WAL may hold deleted rows' text: rows deleted since the last
+        `truncate_wal` that finished (or the last did not finish)."""
         return self._wal_owed
 
     def record_hit(self, label: int, at: float, hit_count: int) -> None:

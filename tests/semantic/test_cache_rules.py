@@ -546,6 +546,24 @@ def test_a_wal_left_full_by_a_reader_is_emptied_by_the_repeat_or_the_next_tick(m
     assert not c.store.wal_owed
 
 
+def test_an_evicted_or_replaced_answer_leaves_the_wal_at_the_next_purge(make_cache):
+    """Review: an answer replaced by a newer one to the same prompt, or evicted at capacity,
+    was overwritten in semantic.db but stayed in semantic.db-wal, as written, until an
+    erasing call or later writes overwrote it: the purge emptied the WAL only after
+    expiring something. A delete now owes the emptying, and the next purge makes it."""
+    c = make_cache(max_entries_per_namespace=1, **LIMITS)
+    _store(c, prompt="q one?", answer="OKAPIVAX-1 a.")
+    _store(c, prompt="q one?", answer="plain.")  # replaces it
+    _store(c, prompt="q two?", answer="EMUPOX-2 a.")  # evicts q one
+    _store(c, prompt="q three?", answer="plain.")  # evicts q two
+    for secret in ("OKAPIVAX-1", "EMUPOX-2"):
+        assert _text_in_files(c, secret) == [c.store.path + "-wal"]
+    assert c.expire() == 0  # nothing expired: the tick empties the WAL owed
+    assert _text_in_files(c, "OKAPIVAX-1") == _text_in_files(c, "EMUPOX-2") == []
+    assert not c.store.wal_owed
+    assert c.lookup(A, "q three?").hit
+
+
 def test_invalidating_a_tenant_forgets_its_texts_just_looked_up_and_no_others(cache_factory):
     """Review: after a tenant's erasure, the vectors of texts it had just looked up stayed in
     memory keyed by their text (kept for the Store that usually follows a miss) until newer
