@@ -131,9 +131,6 @@ class Failed(NamedTuple):
     error: Exception
 
 
-Output = TokenDelta | Finished | Failed
-
-
 STALL_AFTER_FAILURES = 3  # model steps failed in a row that make the engine read as stalled
 
 
