@@ -471,7 +471,6 @@ class Cluster:
         self.routes: dict[str, int] = {}
         self.ttft: dict[str, list[float]] = {"cold": [], "partial": [], "warm": []}
         self.index_s = 0.0
-        self.index_calls = 0
         self.peak_nodes = 0
         self.finished = 0
 
@@ -521,7 +520,6 @@ class Cluster:
                         break
                     matches[m.replica_id] = m.matched_tokens
             self.index_s += time.perf_counter() - t0
-            self.index_calls += 1
         # As the orchestrator calls it: the block count only when the index answered, and
         # whether this is a later turn (the recent-share rule never moves those).
         d = self.policy.choose(self.views, matches, s.sid,
