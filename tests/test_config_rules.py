@@ -90,6 +90,23 @@ def test_a_host_of_only_invisible_characters_is_no_host(host):
     assert config.is_host_port("h\u3164:1")
 
 
+@pytest.mark.parametrize("host", ["[]", "[\u200b]", "dns:///[]"])
+def test_empty_brackets_are_no_host(host):
+    """"[]:50054" passed as host:port where ":50054" did not: gRPC parses no such name, so
+    a service told to listen there failed its start with "the port is in use, or the host
+    is not an address of this machine", a list to dial failed every call (UNAVAILABLE
+    "Unparsable name"), and the index took it from a replica and handed it out in Match."""
+    from services.common.config import announce_problem
+
+    for listen in (False, True):
+        assert not config.is_host_port(f"{host}:1", listen=listen)
+    assert announce_problem(f"{host}:1") != ""
+    with pytest.raises(ConfigError, match=r"TIERCACHE_PREFIX_ADDRESS: .* is not host:port"):
+        config.require_listen_address(f"{host}:1", "prefix")
+    assert config.is_host_port("[::1]:1", listen=True) and config.is_host_port("[::]:0",
+                                                                               listen=True)
+
+
 def test_port_bounds_differ_for_listening_and_dialing():
     """0 (any free port) only for an address to listen on; 65535 is a port; a gRPC target is
     dialed, never listened on; a bracketed IPv6 host is dialed, a bare one is not."""

@@ -442,9 +442,11 @@ def is_host_port(a: str, *, listen: bool = False, dialed: bool = False) -> bool:
         return False
     if any(c.isspace() or c in ",;" for c in host):
         return False
-    if blank(target_host(host) or host):
+    named = target_host(host) or host
+    if blank(named[1:-1] if named.startswith("[") and named.endswith("]") else named):
         # "\u3164:50054" and "\u200b:1" passed: a host nobody can read, and no name gRPC
-        # resolves (a replica announcing it was handed out by every Match, undialable).
+        # resolves (a replica announcing it was handed out by every Match, undialable); so
+        # did "[]:50054", which gRPC cannot parse to listen on or dial.
         return False
     if host.startswith(_GRPC_SCHEMES):
         # dns://x:1 reads x:1 as the DNS server and leaves no host ("no server name supplied")
