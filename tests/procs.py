@@ -14,6 +14,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from tests.waits import wait_until
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -140,6 +143,24 @@ def wait_started(started: Path, proc: subprocess.Popen, timeout: float, what) ->
     """Until a child has written `started` (it holds the cache's lock) or ended; past
     `timeout` it hangs, and the assertion says `what`."""
     wait_until(lambda: started.exists() or proc.poll() is not None, timeout, what, every=0.01)
+
+
+def wait_serving(channel: grpc.Channel, service: str, proc: subprocess.Popen, timeout: float,
+                 log: Callable[[], str]) -> None:
+    """Until `service`'s health check on `channel` says SERVING, asked every 0.2 s; fails
+    with `log()` (the child's stderr) once `proc` has ended, or after `timeout` s."""
+    health = health_pb2_grpc.HealthStub(channel)
+    ask = health_pb2.HealthCheckRequest(service=service)
+
+    def serving() -> bool:
+        assert proc.poll() is None, log()
+        try:
+            return health.Check(ask, timeout=1).status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+
+    wait_until(serving, timeout, f"{service or 'the server'} not SERVING within {timeout} s",
+               every=0.2)
 
 
 def starting(log: Path, started: Path | None, hold: float) -> None:

@@ -238,11 +238,11 @@ def test_a_native_crash_leaves_every_threads_stack_in_the_log(tmp_path):
     import signal
     import subprocess
     import sys
-    import time
     from pathlib import Path
 
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from tests.procs import wait_serving
 
     port = free_port()
     root = Path(__file__).resolve().parents[1]
@@ -255,18 +255,7 @@ def test_a_native_crash_leaves_every_threads_stack_in_the_log(tmp_path):
                                 stdout=subprocess.DEVNULL, stderr=f)
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
-            health = health_pb2_grpc.HealthStub(ch)
-            end = time.monotonic() + 60
-            while True:
-                assert proc.poll() is None, err.read_text()
-                try:
-                    if health.Check(health_pb2.HealthCheckRequest(), timeout=1).status == \
-                            health_pb2.HealthCheckResponse.SERVING:
-                        break
-                except grpc.RpcError:
-                    pass
-                assert time.monotonic() < end, "prefix did not become healthy"
-                time.sleep(0.2)
+            wait_serving(ch, "", proc, 60, err.read_text)
         proc.send_signal(signal.SIGABRT)
         assert proc.wait(30) == -signal.SIGABRT
     finally:

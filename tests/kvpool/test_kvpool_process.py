@@ -5,21 +5,19 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 import torch
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from services.common.bootstrap import HEALTH_PATH
 from services.kvpool.linear import pack_linears
 from services.launcher import free_port
 from tests.kvpool.conftest import make_tiny_model, reference_greedy
-from tests.procs import terminate
+from tests.procs import terminate, wait_serving
 
 ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.e2e
@@ -44,18 +42,7 @@ def test_process_serves_a_local_model_folder_and_stops_on_sigterm(tmp_path: Path
                             stderr=subprocess.PIPE, text=True)
     channel = grpc.insecure_channel(f"127.0.0.1:{port}")
     try:
-        health = health_pb2_grpc.HealthStub(channel)
-        end = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, proc.stderr.read()
-            try:
-                if health.Check(health_pb2.HealthCheckRequest(service="tiercache.v1.KvPool"),
-                                timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
-                    break
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < end, "kvpool did not become healthy"
-            time.sleep(0.2)
+        wait_serving(channel, "tiercache.v1.KvPool", proc, 60, proc.stderr.read)
         # The pod's readiness and liveness probes ask the metrics port (docs/deploy.md).
         with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}{HEALTH_PATH}",
                                     timeout=5) as r:

@@ -13,12 +13,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tiercache.v1 import semantic_pb2 as pb
 from tiercache.v1 import semantic_pb2_grpc as pbg
 
 from services.launcher import free_port
-from tests.procs import terminate
+from tests.procs import terminate, wait_serving
 
 pytestmark = pytest.mark.e2e
 
@@ -38,19 +37,9 @@ def _start(db: str, port: int) -> subprocess.Popen:
 
 def _wait_serving(port: int, proc: subprocess.Popen, timeout: float = 120) -> grpc.Channel:
     ch = grpc.insecure_channel(f"127.0.0.1:{port}")
-    health = health_pb2_grpc.HealthStub(ch)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        try:
-            st = health.Check(health_pb2.HealthCheckRequest(service="tiercache.v1.SemanticCache"),
-                              timeout=1).status
-            if st == health_pb2.HealthCheckResponse.SERVING:
-                return ch
-        except grpc.RpcError:
-            pass
-        time.sleep(0.2)
-    raise AssertionError("service did not become SERVING")
+    wait_serving(ch, "tiercache.v1.SemanticCache", proc, timeout,
+                 lambda: proc.stderr.read()[-3000:])
+    return ch
 
 
 def test_acknowledged_stores_survive_kill_9(tmp_path):
