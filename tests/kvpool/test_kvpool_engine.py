@@ -26,6 +26,7 @@ from tests.kvpool.conftest import (
     request,
 )
 from tests.metric_sample import sample_value
+from tests.waits import wait_until
 
 
 @contextlib.contextmanager
@@ -219,9 +220,8 @@ def test_cancel_releases_everything(make_engine, where) -> None:
         eng.cancel(sid)
         return True
 
-    deadline = time.monotonic() + 30
-    while not eng.call(cancel_if_there).result(30):  # one engine turn a try
-        assert time.monotonic() < deadline, f"the victim never reached {where}"
+    wait_until(lambda: eng.call(cancel_if_there).result(30), 30,  # one engine turn a try
+               f"the victim never reached {where}", every=0)
     _, fin = collect(out)
     assert isinstance(fin, Failed) and isinstance(fin.error, errors.Cancelled)
     if blocker is not None:
@@ -753,15 +753,14 @@ def test_an_engine_whose_model_steps_keep_failing_reads_as_stalled(make_engine,
     # Not stuck, though: the loop turns (what the orchestrator's routing reads, so an idle
     # replica whose steps failed is not held out of routing until a step succeeds there).
     # (The idle loop turns every ~0.5 s: allow a loaded machine's late wake-up.)
-    while eng.stuck_for() >= 0.6:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: eng.stuck_for() < 0.6, deadline - time.monotonic(),
+               lambda: f"stuck for {eng.stuck_for():.2f} s", every=0.05)
     eng._decode_step = real
     toks, fin = collect(eng.submit(request(prompt(8), max_tokens=4))[1])
     assert isinstance(fin, Finished) and toks == reference_greedy(tiny_model, prompt(8), 4)
-    while eng.stalled_for() >= 0.6:  # a model step went through: progress again
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: eng.stalled_for() < 0.6,  # a model step went through: progress again
+               deadline - time.monotonic(), lambda: f"stalled for {eng.stalled_for():.2f} s",
+               every=0.05)
 
 
 def test_a_row_copy_failing_while_a_failed_batch_is_failed_fails_the_rest_too(

@@ -203,11 +203,6 @@ def _child(op: str, cache: Path, gguf: Path, log: Path, tv: str, kill: str | Non
     return python_child(CHILD, arg, readonly)
 
 
-def _wait(procs, what) -> list[dict | None]:
-    """Each child's answer (None: killed); a child still running after the timeout is a hang."""
-    return json_answers(procs, what, CHILD_TIMEOUT)
-
-
 # ---- the reference model -----------------------------------------------------------------
 
 class Model:
@@ -372,7 +367,7 @@ class Run:
         before = lines_in(self.log)
         procs = [_child(op, self.cache, self.gguf, self.log, self.tvs(), hold=0.2)
                  for op in ops]
-        outs = _wait(procs, self.ctx())
+        outs = json_answers(procs, self.ctx(), CHILD_TIMEOUT)
         n = lines_in(self.log) - before
         for o in outs:
             assert o == {"path": str(self.target)}, (self.ctx(), o)
@@ -403,7 +398,7 @@ class Run:
         if waiter:
             wait_started(started, procs[0], CHILD_TIMEOUT, self.ctx())
             procs.append(_child("resolve", self.cache, self.gguf, self.log, self.tvs()))
-        outs = _wait(procs, self.ctx())
+        outs = json_answers(procs, self.ctx(), CHILD_TIMEOUT)
         c = self.ctx()
         assert outs[0] is None, (c, "not killed", outs[0])
         self.m.killed_left = 2  # its temp folder, and the stale one renamed aside
@@ -434,8 +429,8 @@ class Run:
         self.models.mkdir(parents=True, exist_ok=True)
         with read_only(self.cache, self.models):
             before = lines_in(self.log)
-            [out] = _wait([_child("resolve", self.cache, self.gguf, self.log, self.tvs(),
-                                  readonly=True)], self.ctx())
+            [out] = json_answers([_child("resolve", self.cache, self.gguf, self.log, self.tvs(),
+                                         readonly=True)], self.ctx(), CHILD_TIMEOUT)
         c = self.ctx()
         assert lines_in(self.log) == before, c
         if out.get("path"):
