@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import sqlite3
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -19,6 +18,7 @@ from services.semantic.cache import Namespace, SemanticCache
 from services.semantic.index import IndexParams, NamespaceIndex
 from services.semantic.store import EntryStore
 from tests.metric_sample import sample_value
+from tests.waits import holds_within
 
 DIM = 16
 A = Namespace("tenant-a", "smollm2", "")
@@ -472,9 +472,8 @@ def test_a_store_into_a_namespace_being_invalidated_waits_for_the_invalidation(
     held = HeldInvalidate(c, monkeypatch, by, old)
     st = threading.Thread(target=lambda: c.store_entry(A, "query", "new answer"), daemon=True)
     st.start()
-    deadline = time.monotonic() + 30
-    while st.is_alive() and not waiting.is_set() and time.monotonic() < deadline:
-        time.sleep(0.005)  # until the Store has replaced the entry, or waits
+    # until the Store has replaced the entry, or waits
+    holds_within(lambda: not st.is_alive() or waiting.is_set(), 30, every=0.005)
     assert held.end() == (2 if behind and by == "namespace" else 1)
     st.join(30)
     assert not st.is_alive()
@@ -545,9 +544,7 @@ def test_a_delta_capacity_of_one_merges_and_then_rests():
     v = np.zeros(DIM, np.float32)
     v[0] = 1.0
     idx.add(1, v)
-    end = time.monotonic() + 10
-    while idx.merging and time.monotonic() < end:
-        time.sleep(0.02)
+    holds_within(lambda: not idx.merging, 10)
     try:
         assert not idx.merging
         assert idx.search(v, 1)[0].label == 1

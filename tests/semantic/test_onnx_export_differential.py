@@ -185,11 +185,6 @@ def _child(op: str, model: Path, cache: Path, exporter: str, log: Path, kill: st
     return python_child(CHILD, arg, readonly)
 
 
-def _wait(procs, what) -> list[dict | None]:
-    """Each child's answer (None: killed); a child still running after the timeout is a hang."""
-    return json_answers(procs, what, CHILD_TIMEOUT)
-
-
 # ---- the reference model -----------------------------------------------------------------
 
 class Pub:
@@ -393,8 +388,8 @@ class Run:
         pre = _snapshot(want)
         needs = cur == "no" or ("embed" in ops and not self.m.whole(want, side, exporter))
         before = lines_in(self.log)
-        outs = _wait([_child(op, self.m.dirs[side], self.cache, exporter, self.log, hold=0.2)
-                      for op in ops], self.ctx())
+        outs = json_answers([_child(op, self.m.dirs[side], self.cache, exporter, self.log,
+                                    hold=0.2) for op in ops], self.ctx(), CHILD_TIMEOUT)
         n = lines_in(self.log) - before
         for o in outs:
             assert o == {"path": str(want)}, (self.ctx(), o)
@@ -427,7 +422,7 @@ class Run:
         if waiter:
             wait_started(started, procs[0], CHILD_TIMEOUT, self.ctx())
             procs.append(_child("ensure", self.m.dirs[side], self.cache, exporter, self.log))
-        outs = _wait(procs, self.ctx())
+        outs = json_answers(procs, self.ctx(), CHILD_TIMEOUT)
         c = self.ctx()
         assert outs[0] is None, (c, "not killed", outs[0])
         self.m.killed_left[want.name] = 2
@@ -459,8 +454,8 @@ class Run:
         pre = _snapshot(want)
         with read_only(self.cache, self.root):
             before = lines_in(self.log)
-            [out] = _wait([_child("ensure", self.m.dirs[side], self.cache, exporter, self.log,
-                                  readonly=True)], self.ctx())
+            [out] = json_answers([_child("ensure", self.m.dirs[side], self.cache, exporter,
+                                         self.log, readonly=True)], self.ctx(), CHILD_TIMEOUT)
         c = self.ctx()
         assert lines_in(self.log) == before, c
         if out.get("path"):
