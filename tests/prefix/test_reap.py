@@ -199,9 +199,8 @@ def test_stats_say_how_many_unheld_nodes_are_left_summed_over_shards(hasher, mon
                 svc.servicer.index.register("a", "i1", "a:1", MODEL, BS, 100)
                 svc.servicer.index.publish("a", "i1", 1, [stored(hasher, toks(*range(1, n + 1)))])
         assert client.stats().nodes == 17 and client.stats().unheld_nodes == 0
-        wait = time.monotonic() + 10
-        while any(s.servicer.index.replica_count for s in svcs) and time.monotonic() < wait:
-            time.sleep(0.05)  # the leases lapse (the sweepers drop "a")
+        # the leases lapse (the sweepers drop "a")
+        holds_within(lambda: not any(s.servicer.index.replica_count for s in svcs), 10, 0.05)
         for svc, n in zip(svcs, (12, 5), strict=True):
             with grpc.insecure_channel(svc.address) as ch:
                 s = prefix_pb2_grpc.PrefixIndexStub(ch).Stats(prefix_pb2.PrefixStatsRequest(),
