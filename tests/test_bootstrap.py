@@ -14,7 +14,7 @@ from tiercache.v1 import orchestrator_pb2, prefix_pb2, prefix_pb2_grpc
 from services.common import errors
 from services.common.bootstrap import create_server
 from services.common.wire import find_invalid_utf8
-from tests.waits import holds_within
+from tests.waits import holds_within, wait_until
 
 
 class Index(prefix_pb2_grpc.PrefixIndexServicer):
@@ -214,10 +214,7 @@ def test_open_watches_hold_no_worker_thread_and_leave_nothing_behind(small_serve
         for w in watches:
             w.cancel()
     table = small_server.health._send_response_callbacks
-    deadline = time.monotonic() + 5
-    while any(k.startswith("unknown-") for k in table) and \
-            time.monotonic() < deadline:
-        time.sleep(0.05)
+    holds_within(lambda: not any(k.startswith("unknown-") for k in table), 5, 0.05)
     assert not [k for k in table if k.startswith("unknown-")]
     with pytest.raises(grpc.RpcError) as e:
         next(hs.Watch(health_pb2.HealthCheckRequest(service="x" * 100_000), timeout=5))
@@ -593,9 +590,8 @@ def test_a_closed_reflection_stream_leaves_no_timer_and_no_per_client_count(smal
     assert timers() - before and sum(counts().values()) == 1  # open: timed and counted
     q.put(None)  # the client ends its side; the stream ends normally
     assert list(it) == []
-    deadline = time.monotonic() + 5
-    while (timers() - before or counts()) and time.monotonic() < deadline:
-        time.sleep(0.05)  # the handler's cleanup runs after the client has seen the end
+    # the handler's cleanup runs after the client has seen the end
+    holds_within(lambda: not (timers() - before or counts()), 5, 0.05)
     assert timers() - before == set()
     assert counts() == {}
     ch.close()
@@ -632,10 +628,8 @@ def test_connections_are_closed_at_their_max_age_and_clients_move_to_a_new_one()
 
             first = peer()
             assert peer() == first  # one connection while it is young
-            deadline = time.monotonic() + 30
-            while peer() == first:  # a new connection (another client port) once it aged
-                assert time.monotonic() < deadline, "the connection was never closed"
-                time.sleep(0.2)
+            # a new connection (another client port) once it aged
+            wait_until(lambda: peer() != first, 30, "the connection was never closed", 0.2)
     finally:
         h.stop(0)
 
