@@ -161,9 +161,7 @@ class Servicer:
         if s["end"] == "late":
             time.sleep(0.3)
         if s["end"] == "hold":
-            end = time.monotonic() + 5
-            while context.is_active() and time.monotonic() < end:
-                time.sleep(0.003)
+            holds_within(lambda: not context.is_active(), 5, 0.003)
             return
         kind = {"raise": DOMAIN[s["err"]], "plain": "plain"}.get(s["end"])
         with self.lock:
@@ -479,9 +477,7 @@ class Run:
         grace = rng.choice([0, 0, 0.3])
         watches = [watch_health(self.ch, timeout=10) for _ in range(rng.randint(0, 3))]
         for _, _, seen in watches:
-            end = time.monotonic() + 5
-            while not seen and time.monotonic() < end:
-                time.sleep(0.003)
+            holds_within(lambda seen=seen: seen, 5, 0.003)
         held: list = []
         for i in range(rng.randint(0, 3)):
             method = rng.choice(METHODS)
