@@ -68,7 +68,6 @@ import os
 import random
 import re
 import threading
-import time
 import types
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -86,6 +85,7 @@ from clients.python import replay as replay_mod
 from clients.python.client import IncompleteStream, TierCacheClient, retry_later
 from tests.blank_text import blank
 from tests.fake_orchestrator import UnaryScripted, clear_client_env, serving
+from tests.waits import holds_within
 
 SEEDS = int(os.environ.get("CLIENT_DIFFERENTIAL_SEEDS", "100"))
 SC = grpc.StatusCode
@@ -136,9 +136,7 @@ class Scripted(UnaryScripted):
                     context.set_trailing_metadata(act[3])
                 context.abort(act[1], act[2])
             elif act[0] == "hang":
-                deadline = time.monotonic() + 20
-                while context.is_active() and time.monotonic() < deadline:
-                    time.sleep(0.005)
+                holds_within(lambda: not context.is_active(), 20, 0.005)
                 return
             else:
                 return
@@ -444,10 +442,8 @@ def one_library_call(rng, srv: Scripted, c: TierCacheClient, token, key: str, ha
     check_metadata(seen.metadata, token, request_id)
     check_deadline(seen, call_timeout)
     if want.end == "stopped" and hangs:
-        deadline = time.monotonic() + 3
-        while key not in srv.ended and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert key in srv.ended, "stopping early did not cancel the call"
+        assert holds_within(lambda: key in srv.ended, 3, 0.005), (
+            "stopping early did not cancel the call")
 
 
 def check_library(rng: random.Random, srv: Scripted, address: str, seed: int) -> None:
