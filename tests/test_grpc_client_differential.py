@@ -74,6 +74,7 @@ from services.common.grpc_client import (
 from services.common.logs import bound_request_id
 from services.launcher import free_port
 from tests import descriptors
+from tests.waits import holds_within
 
 SEEDS = int(os.environ.get("GRPC_CLIENT_DIFFERENTIAL_SEEDS", "4"))
 LONG = os.environ.get("GRPC_CLIENT_DIFFERENTIAL_LONG") == "1"
@@ -257,9 +258,7 @@ class Script:
         if kind == "abort":
             context.abort(grpc.StatusCode[arg], f"scripted {arg}")
         if kind == "sleep":
-            end = time.monotonic() + float(arg)
-            while time.monotonic() < end and context.is_active():
-                time.sleep(0.01)
+            holds_within(lambda: not context.is_active(), float(arg), 0.01)
             return b"late"
         if kind == "size":
             return b"r" * int(arg)
@@ -365,9 +364,8 @@ def _step(rng: random.Random, rpc, dead_rpc, script: Script, i: int):
         assert took < timeout + 1.5
     # the handler runs once for a call that reaches it, never for another (counted by the
     # call's own id: a cancelled call's handler may start after the next call has begun)
-    deadline = time.monotonic() + 2.0
-    while want_attempts and not script.of(call_id) and time.monotonic() < deadline:
-        time.sleep(0.01)  # a timed-out call's handler may start a moment late
+    if want_attempts:  # a timed-out call's handler may start a moment late
+        holds_within(lambda: script.of(call_id), 2.0, 0.01)
     attempts = script.of(call_id)
     if want_attempts is None:
         assert len(attempts) <= 1
