@@ -76,6 +76,7 @@ from clients.python import replay as replay_mod
 from clients.python.client import Chunk, IncompleteStream
 from tests.blank_text import blank
 from tests.test_cli_sessions import Refusal as Status  # a gRPC status as a client raises it
+from tests.waits import wait_until
 
 SEEDS = int(os.environ.get("REPLAY_DIFFERENTIAL_SEEDS", "100"))
 CLOSED = "TierCacheClient is closed: make a new one"
@@ -456,13 +457,12 @@ def _maker(made: dict[str, FakeClient]):
 def check_interrupted(net: Net, clients: dict[str, FakeClient], returned: float,
                       linger: float, ctx) -> None:
     assert all(c.closed for c in clients.values()), ("a client left open", ctx)
-    end = time.monotonic() + 2.0
-    while True:
+    def none_in_flight() -> bool:
         with net.lock:
-            if net.flight == 0:
-                break
-        assert time.monotonic() < end, ("a call in flight was never cancelled", ctx)
-        time.sleep(0.002)
+            return net.flight == 0
+
+    wait_until(none_in_flight, 2.0, lambda: f"a call in flight was never cancelled: {net.flight} "
+               f"in flight, {ctx}", every=0.002)
     time.sleep(linger)
     with net.lock:
         late = [c for calls in net.calls.values() for c in calls if c.at > returned]
