@@ -19,6 +19,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 from clients.python.client import TierCacheClient
 from services.launcher import free_port
 from tests.e2e.conftest import grpcurl_path, start
+from tests.waits import wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
@@ -157,10 +158,8 @@ def test_client_cancel_stops_generation_on_the_replica(stack, client):
     next(stream)
     next(stream)
     # Replica stats are published after each engine step: give them a moment to catch up.
-    end = time.monotonic() + 10
-    while kv_stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=10).running != 1:
-        assert time.monotonic() < end, "the replica never reported the stream as running"
-        time.sleep(0.05)
+    wait_until(lambda: kv_stub.Stats(kvpool_pb2.KvStatsRequest(), timeout=10).running == 1, 10,
+               "the replica never reported the stream as running", every=0.05)
     stream.close()  # cancels the RPC
     end = time.monotonic() + 10
     while time.monotonic() < end:
