@@ -27,6 +27,21 @@ def stack_log_dir(name: str, what: str = "stack logs") -> Path:
     return d
 
 
+def proc_status_value(pid: int | str, field: str) -> int:
+    """The number after `field:` in /proc/<pid>/status (0 where the line is missing); `pid`
+    "self" for this process."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1])
+    return 0
+
+
+def rss_bytes(pid: int | str = "self") -> int:
+    """The resident set of process `pid` (this one by default), from /proc."""
+    return proc_status_value(pid, "VmRSS") * 1024
+
+
 def cpu_model() -> str:
     """The host's processor as /proc/cpuinfo names it (how much dearer a forward of several
     tokens is than one of a single token, and which linear kernels are faster, differ by

@@ -40,9 +40,8 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks import plaintext_env
+from benchmarks import plaintext_env, rss_bytes
 from benchmarks.kvpool import Client, free_port
-from benchmarks.soak import rss_bytes
 from services.launcher import wait_healthy
 
 ROOT = Path(__file__).resolve().parent.parent

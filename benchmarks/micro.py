@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks import rss_bytes
+
 RESULT = Path(__file__).resolve().parent / "results" / "micro.json"
 
 
@@ -58,27 +60,19 @@ def tenant_auth() -> float:
     return (time.perf_counter() - t0) / 2000 * 1e6
 
 
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
 def index_memory(n: int = 100_000, d: int = 384) -> float:
     from services.semantic.index import IndexParams, NamespaceIndex
 
     x = np.random.default_rng(0).standard_normal((n, d)).astype("float32")
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     gc.collect()
-    before = _rss()
+    before = rss_bytes()
     idx = NamespaceIndex(IndexParams(d), background=False)
     idx.add_many(np.arange(n), x)
     input_bytes = x.nbytes
     del x
     gc.collect()
-    grown = _rss() - before + input_bytes  # the input was allocated before `before`
+    grown = rss_bytes() - before + input_bytes  # the input was allocated before `before`
     assert len(idx) == n
     return grown / n
 

@@ -35,6 +35,7 @@ from pathlib import Path
 import grpc
 from tiercache.v1 import common_pb2
 
+from benchmarks import proc_status_value, rss_bytes
 from clients.python.client import TierCacheClient
 
 OUT = Path(__file__).resolve().parent / "results" / "soak.json"
@@ -59,25 +60,12 @@ RSS_GROWTH_LIMIT = (48 * 2**20, 0.10)  # bytes, fraction: the larger of the two
 COUNT_GROWTH_LIMIT = {"fds": 4, "threads": 8}
 
 
-def _status_value(pid: int, field: str) -> int:
-    """The number after `field:` in /proc/<pid>/status (0 where the line is missing)."""
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith(f"{field}:"):
-                return int(line.split()[1])
-    return 0
-
-
-def rss_bytes(pid: int) -> int:
-    return _status_value(pid, "VmRSS") * 1024
-
-
 def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
 def thread_count(pid: int) -> int:
-    return _status_value(pid, "Threads")
+    return proc_status_value(pid, "Threads")
 
 
 def growth(res: SoakResult, key: str, since: int = 0) -> dict[str, int]:
