@@ -17,19 +17,9 @@ from services.common.config import load_config
 from services.common.grpc_client import channel_credentials_from_env, tls_env_problem
 from services.orchestrator.config import OrchestratorConfig
 from tests import test_common_edges as edges
+from tests.certs import set_tls_env
 
 two_cert_sets = edges.two_cert_sets  # the fixture of test_common_edges
-
-TLS_VARS = ("TIERCACHE_TLS_CA", "TIERCACHE_TLS_CERT", "TIERCACHE_TLS_KEY",
-            "TIERCACHE_TLS_CLIENT_CERT", "TIERCACHE_TLS_CLIENT_KEY")
-
-
-def _set_tls_env(monkeypatch, certs) -> None:
-    """TLS_VARS set to the files of the cert set `certs` (mutual TLS for every service)."""
-    for var, name in zip(TLS_VARS, ("ca.pem", "server.pem", "server.key", "client.pem",
-                                    "client.key"), strict=True):
-        monkeypatch.setenv(var, str(certs / name))
-
 
 def _check(port: int, creds: grpc.ChannelCredentials) -> bool:
     """Whether a TLS Health/Check on `port` with `creds` is answered."""
@@ -49,7 +39,7 @@ def test_none_lets_only_its_service_take_clients_without_a_certificate(two_cert_
     answers the one with the client certificate. The shared CA alone made every server, the
     public one too, demand client certificates from tenants."""
     certs = two_cert_sets[0]
-    _set_tls_env(monkeypatch, certs)
+    set_tls_env(monkeypatch, certs)
     monkeypatch.setenv("TIERCACHE_ORCHESTRATOR_TLS_CLIENT_AUTH", "none")
     ca = (certs / "ca.pem").read_bytes()
     bare = grpc.ssl_channel_credentials(root_certificates=ca)
@@ -123,7 +113,7 @@ def test_refused_handshakes_leave_the_services_log_json_lines(two_cert_sets, mon
     from services.launcher import ServiceProcess, free_port
 
     certs = two_cert_sets[0]
-    _set_tls_env(monkeypatch, certs)
+    set_tls_env(monkeypatch, certs)
     monkeypatch.delenv("GRPC_VERBOSITY", raising=False)  # the service's default, not ours
     log = tmp_path / "prefix.log"
     p = ServiceProcess("prefix", free_port(), env={"TIERCACHE_PREFIX_METRICS_PORT": "-1"},

@@ -27,6 +27,7 @@ from clients.python.client import TierCacheClient
 from services import launcher
 from services.common.hashing import DEFAULT_KEY, BlockHasher
 from services.launcher import ServiceProcess, free_port, wait_healthy
+from tests.certs import set_tls_env, tls_env
 from tests.e2e.conftest import LOG_DIR, grpcurl_path
 from tests.e2e.stack import wait_index_caught_up
 from tests.hardening.conftest import (
@@ -60,14 +61,6 @@ def creds(certs: Path, client_cert: bool = True) -> grpc.ChannelCredentials:
         certificate_chain=(certs / "client.pem").read_bytes() if client_cert else None)
 
 
-def tls_env(certs: Path) -> dict[str, str]:
-    return {"TIERCACHE_TLS_CERT": str(certs / "server.pem"),
-            "TIERCACHE_TLS_KEY": str(certs / "server.key"),
-            "TIERCACHE_TLS_CA": str(certs / "ca.pem"),
-            "TIERCACHE_TLS_CLIENT_CERT": str(certs / "client.pem"),
-            "TIERCACHE_TLS_CLIENT_KEY": str(certs / "client.key")}
-
-
 def refused(channel: grpc.Channel) -> grpc.StatusCode:
     """The status a Health check gets on `channel` (OK if it got through)."""
     try:
@@ -92,8 +85,7 @@ def test_mutual_tls_process_refuses_clients_without_a_certificate(certs, monkeyp
         with pytest.raises(TimeoutError):
             wait_healthy(p.address, 1.5, env={})  # a plaintext health check never gets through
         # The grpcurl line `make run` prints for a TLS stack works as printed.
-        for k, v in tls_env(certs).items():
-            monkeypatch.setenv(k, v)
+        set_tls_env(monkeypatch, certs)
         flags = launcher.grpcurl_transport()
         assert "-plaintext" not in flags and "-cert" in flags
         r = subprocess.run([grpcurl_path(), *flags.split(), p.address,
@@ -184,8 +176,7 @@ def test_mutual_tls_between_all_four_services_by_config(certs, monkeypatch, tmp_
     from services.semantic.config import SemanticConfig
     from services.semantic.server import serve as serve_semantic
 
-    for k, v in tls_env(certs).items():
-        monkeypatch.setenv(k, v)
+    set_tls_env(monkeypatch, certs)
     stops = []
     try:
         prefix = serve_prefix(PrefixConfig(address="127.0.0.1:0", internal_token=INTERNAL))
