@@ -204,16 +204,15 @@ class BlockHasher:
         return r
 
     def hashes(
-        self, token_ids: Sequence[int], cache_salt: str = "", parent: bytes | None = None,
-        start_block: int = 0,
+        self, token_ids: Sequence[int], cache_salt: str = "", parent: bytes | None = None
     ) -> list[bytes]:
         """Hashes of every *full* block of `token_ids`.
 
         Args:
-            token_ids: tokens from the start of the sequence (or from block `start_block`).
+            token_ids: tokens from the start of the sequence (or from the block after
+                `parent`).
             cache_salt: tenant salt seeding the chain (ignored when `parent` is given).
             parent: hash of the block before `token_ids[0]`; None = start at the root.
-            start_block: unused for hashing, kept for callers that resume a chain.
         Returns:
             One 16-byte hash per full block, in order.
         """

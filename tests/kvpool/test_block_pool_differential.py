@@ -766,8 +766,8 @@ class PositionHasher:
     def __init__(self, bs: int) -> None:
         self.block_size = bs
 
-    def hashes(self, token_ids: list[int], cache_salt: str = "", parent: bytes | None = None,
-               start_block: int = 0) -> list[bytes]:
+    def hashes(self, token_ids: list[int], cache_salt: str = "",
+               parent: bytes | None = None) -> list[bytes]:
         first = 0 if parent is None else int.from_bytes(parent, "little") + 1
         return [i.to_bytes(16, "little")
                 for i in range(first, first + len(token_ids) // self.block_size)]

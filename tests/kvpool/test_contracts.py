@@ -88,7 +88,7 @@ class CollidingHasher:
     block_size = BS
 
     def hashes(self, token_ids: Sequence[int], cache_salt: str = "",
-               parent: bytes | None = None, start_block: int = 0) -> list[bytes]:
+               parent: bytes | None = None) -> list[bytes]:
         first = 0 if parent is None else int.from_bytes(parent, "little") + 1
         n = len(token_ids) // BS
         return [i.to_bytes(16, "little") for i in range(first, first + n)]
