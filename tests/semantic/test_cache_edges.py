@@ -1139,3 +1139,36 @@ def test_a_miss_while_stores_only_add_is_searched_once(make_cache, emb, monkeypa
     r = c.lookup(A, "query", tier="relaxed")
     assert not r.hit and c.stats().entries == 2
     assert len(searches) == 1, searches
+
+
+class CountsReads(dict):
+    """The cache's entry map, counting the entries read by key."""
+
+    reads = 0
+
+    def __getitem__(self, label):
+        self.reads += 1
+        return dict.__getitem__(self, label)
+
+
+def test_a_store_at_global_capacity_reads_only_the_largest_tenants_oldest_entries(
+        make_cache, clock):
+    """Past the global capacity a Store evicts from the tenant holding the most entries. It
+    read the oldest entry of every tenant first, under the cache lock: with 20,000 tenants a
+    Store at capacity held the lock ~50 ms (every lookup waiting). Only a tenant within
+    `over` entries of the largest can lose one."""
+    c = make_cache(max_entries_total=203)
+    for i in range(200):
+        clock.t += 1
+        c.store_entry(Namespace(f"small-{i}", "smollm2", ""), f"q{i}", "a")
+    big = [c.store_entry(Namespace("big", "smollm2", ""), f"big {i}", "a").id for i in range(3)]
+    clock.t += 1
+    c._entries = CountsReads(c._entries)
+    c.store_entry(Namespace("small-0", "smollm2", ""), "one more", "a")
+    assert [eid in c._by_id for eid in big] == [False, True, True]  # the largest's oldest
+    assert c._entries.reads < 10
+    c.store_entry(Namespace("small-1", "smollm2", ""), "and another", "a")
+    # Tied at two entries (big, small-0, small-1): the least recently used goes, small-0's.
+    assert "q0" not in {e.prompt for e in dict.values(c._entries)}
+    assert c.stats().entries == 203 and c.stats().evictions_total == 2
+    c.check_integrity()
