@@ -18,6 +18,7 @@ import json
 import logging
 import math
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
@@ -177,8 +178,48 @@ def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, di
     return name, out
 
 
-def _read_tokens_file(tokens_file: str) -> Mapping:
-    """The tokens file's JSON object of token -> tenant."""
+_JSON_SPACE = re.compile(r"[ \t\n\r]*")
+
+
+def _entries(text: str) -> list[tuple[str, int]]:
+    """(token, line it starts on) of each entry of the JSON object `text` (keys repeated or
+    not), for refusals: a position alone ("entry 20002") is a count no editor
+    shows."""
+    decode, skip = json.JSONDecoder().raw_decode, _JSON_SPACE.match
+    out: list[tuple[str, int]] = []
+    start = skip(text, 0).end()
+    if text[start:start + 1] != "{":
+        return out
+    i, line, counted = skip(text, start + 1).end(), 1, 0
+    while text[i] != "}":
+        line, counted = line + text.count("\n", counted, i), i
+        tok, i = decode(text, i)
+        _, i = decode(text, skip(text, skip(text, i).end() + 1).end())  # past ':' to the value
+        out.append((tok, line))
+        i = skip(text, i).end()
+        if text[i] == ",":
+            i = skip(text, i + 1).end()
+    return out
+
+
+def _repeated_token(text: str) -> str:
+    """Which entry of the tokens file repeats an earlier one's token ("" when none does: the
+    repeated key was a tenant's setting, or the text is not JSON past the repeated key)."""
+    try:
+        entries = _entries(text)
+    except (ValueError, IndexError):
+        return ""
+    first: dict[str, tuple[int, int]] = {}
+    for i, (tok, line) in enumerate(entries, 1):
+        if tok in first:
+            j, at = first[tok]
+            return f"entry {i} (line {line}) repeats the token of entry {j} (line {at})"
+        first[tok] = (i, line)
+    return ""
+
+
+def _read_tokens_file(tokens_file: str) -> tuple[Mapping, str]:
+    """The tokens file's JSON object of token -> tenant, and its text."""
     with open(os.path.expanduser(tokens_file), encoding="utf-8") as f:
         text = f.read()
     if not text.strip():
@@ -190,29 +231,37 @@ def _read_tokens_file(tokens_file: str) -> Mapping:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{tokens_file}: not JSON: {exc}") from None
     except ValueError as exc:
-        raise ValueError(f"{tokens_file}: {exc}") from None
+        raise ValueError(f"{tokens_file}: {_repeated_token(text) or exc}") from None
     if not isinstance(data, Mapping):
         raise ValueError(f"{tokens_file}: expected a JSON object of token -> tenant")
-    return data
+    return data, text
 
 
 def _add_file_tokens(tokens_file: str, defaults: Mapping[str, int], specs: dict[str, dict],
                      names: dict[str, str]) -> None:
     """Add the tokens file's tenants to `specs` (tenant -> limits), its tokens to `names`."""
-    data = _read_tokens_file(tokens_file)
+    data, text = _read_tokens_file(tokens_file)
     for i, (tok, raw) in enumerate(data.items(), 1):
-        where = f"{tokens_file}: entry {i}"
-        if not isinstance(tok, str) or not tok.strip():
-            raise ValueError(f"{where}: the token must be a non-empty string")
-        if not _sendable(tok):
-            raise ValueError(f"{where}: the token must be printable ASCII without "
-                             "surrounding spaces (a gRPC client cannot send another, "
-                             "and the CLI strips spaces)")
-        name, spec = _spec(where, raw, defaults)
-        if specs.setdefault(name, spec) != spec:
-            raise ValueError(f"{where}: tenant {name!r} has another token with "
-                             "different limits (limits are per tenant)")
-        names[tok] = name
+        try:
+            _add_file_entry(f"{tokens_file}: entry {i}", tok, raw, defaults, specs, names)
+        except ValueError as exc:
+            raise ValueError(f"{exc} (line {_entries(text)[i - 1][1]})") from None
+
+
+def _add_file_entry(where: str, tok: object, raw: object, defaults: Mapping[str, int],
+                    specs: dict[str, dict], names: dict[str, str]) -> None:
+    """Add one entry of the tokens file (`where` names it)."""
+    if not isinstance(tok, str) or not tok.strip():
+        raise ValueError(f"{where}: the token must be a non-empty string")
+    if not _sendable(tok):
+        raise ValueError(f"{where}: the token must be printable ASCII without "
+                         "surrounding spaces (a gRPC client cannot send another, "
+                         "and the CLI strips spaces)")
+    name, spec = _spec(where, raw, defaults)
+    if specs.setdefault(name, spec) != spec:
+        raise ValueError(f"{where}: tenant {name!r} has another token with "
+                         "different limits (limits are per tenant)")
+    names[tok] = name
 
 
 def _add_string_tokens(tokens: str, defaults: Mapping[str, int], specs: dict[str, dict],
@@ -323,7 +372,7 @@ class TenantRegistry:
         (a string token of a tenant the file describes takes the file's limits).
 
         Raises:
-            ValueError: a malformed entry (naming its position and field, never the token),
+            ValueError: a malformed entry (naming its position, line and field, never the token),
                 tokens configured but none given (that would open the API to everyone), or two
                 tokens of one tenant with different limits.
         """

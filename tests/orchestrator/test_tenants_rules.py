@@ -92,3 +92,28 @@ def test_a_tenant_named_by_only_invisible_characters_is_refused_at_start(tmp_pat
         build(tokens="tok=" + name)
     reg = build(tokens="tok=a" + name)
     assert reg.authenticate({"authorization": "Bearer tok"}).name == "a" + name
+
+
+def test_a_refused_tokens_file_entry_is_named_by_its_line_too(tmp_path):
+    """A refusal named the entry by its position only ("entry 20002", "key 20002 of an object
+    repeats an earlier key of it"): in a file of 20,000 tenants, a count no editor shows. It
+    names the line the entry starts on, and a repeated token the entry it repeats."""
+    import json
+
+    def build(text: str) -> None:
+        f = tmp_path / "tokens.json"
+        f.write_text(text)
+        TenantRegistry.build(tokens_file=str(f), tokens="", key=b"k", max_prompt_tokens=100,
+                             max_tokens=16, max_concurrent=1)
+
+    entries = {f"token-{i:04d}-0123456789abcdef": {"tenant": f"t{i}"} for i in range(300)}
+    good = json.dumps(entries, indent=1)  # entry i starts on line 2 + 3 * (i - 1)
+    with pytest.raises(ValueError, match=r"entry 301: 'tenant' ' t' has leading or trailing "
+                                         r"whitespace \(line 902\)$"):
+        build(good[:-2] + ',\n "another-0123456789abcdef": {"tenant": " t"}\n}')
+    with pytest.raises(ValueError, match=r"tokens.json: entry 301 \(line 902\) repeats the "
+                                         r"token of entry 6 \(line 17\)$"):
+        build(good[:-2] + ',\n "token-0005-0123456789abcdef": "x"\n}')
+    with pytest.raises(ValueError, match="key 2 of an object repeats an earlier key of it"):
+        build('{"token-0123456789abcdef": {"tenant": "a", "tenant": "b"}}')  # not a token
+    build(good)
