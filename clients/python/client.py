@@ -376,7 +376,7 @@ class _ClientBase:
         if self._closed:
             # gRPC's own "ValueError: Cannot invoke RPC: Channel closed!" read as a bad value.
             raise RuntimeError(f"{self._name} is closed: make a new one")
-        if os.getpid() != self._pid:
+        if self._in_fork_child():
             # A gRPC channel does not survive fork() (gRPC Python does not support it): in a
             # gunicorn --preload worker a call on the master's client failed UNAVAILABLE
             # "Wrong file descriptor generation", which retry_later calls worth retrying, or
@@ -384,6 +384,10 @@ class _ClientBase:
             raise RuntimeError(f"{self._name} was made in process {self._pid}, before a "
                                "fork(): gRPC channels do not survive a fork; make one in each "
                                "process (gunicorn: in post_fork, or on first use)")
+
+    def _in_fork_child(self) -> bool:
+        """Whether this process is a child of fork() of the process the client serves."""
+        return os.getpid() != self._pid
 
     def _metadata(self, request_id: str = "") -> list[tuple[str, str]]:
         """Call metadata: the caller's request id (it names the call in every service's logs
@@ -546,7 +550,8 @@ class TierCacheClient(_ClientBase):
     CANCELLED, "Channel closed!"); closing again is a no-op, and any later call is a
     RuntimeError. A client serves the process that made it: in a child of fork() (gunicorn
     --preload, multiprocessing's fork) its calls are a RuntimeError, as gRPC channels do not
-    survive a fork; make one per process. From asyncio, use AsyncTierCacheClient
+    survive a fork, and its close() only marks it closed (the channel is the parent's); make
+    one per process. From asyncio, use AsyncTierCacheClient
     (clients/python/aio.py: the same calls, awaited; cancelling the task cancels the call),
     not this client in a thread: cancelling a task does not stop its thread, and a task
     cancelled around `to_thread(c.generate, ...)` left its answer generating to the end."""
@@ -569,7 +574,10 @@ class TierCacheClient(_ClientBase):
 
     def close(self) -> None:
         self._closed = True
-        self.channel.close()
+        if not self._in_fork_child():
+            # In a forked child the channel is the parent's: its close() there hung while a
+            # call of the parent's was under way (an atexit close in a gunicorn worker).
+            self.channel.close()
 
     def stream(self, messages: Messages, *, timeout: float | None = None, request_id: str = "",
                **kw: Any) -> ChunkStream:

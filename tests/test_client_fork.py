@@ -1,0 +1,73 @@
+"""The clients across a real fork() (gunicorn --preload workers, multiprocessing's "fork"), in
+a child Python that forks (this test process runs a gRPC server: it is not forked itself). The
+forked grandchild ends itself with SIGALRM; a hang fails the test at the child's timeout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.fake_orchestrator import serving
+from tests.procs import communicate_all, python_child
+from tests.test_client_aio import Scripted
+
+# What each script starts with: `fork(child)` runs `child()` in a forked process bounded by
+# SIGALRM, and answers how it ended ("exit 0", "signal 11") and what it printed.
+FORK = """
+import asyncio, gc, json, os, signal, sys
+from clients.python.client import TierCacheClient
+from clients.python.aio import AsyncTierCacheClient
+address = json.loads(sys.argv[1])["address"]
+
+def fork(child):
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        signal.alarm(15)
+        os.close(r)
+        try:
+            said = repr(child())
+        except Exception as e:
+            said = f"{type(e).__name__}: {e}"
+        os.write(w, said.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        said = f.read()
+    _, status = os.waitpid(pid, 0)
+    ended = (f"exit {os.waitstatus_to_exitcode(status)}" if os.WIFEXITED(status)
+             else f"signal {os.WTERMSIG(status)}")
+    return ended, said
+"""
+
+
+@pytest.fixture
+def address():
+    Scripted.calls = []
+    Scripted.ended = []
+    with serving(Scripted(), 8) as port:
+        yield f"127.0.0.1:{port}"
+
+
+def forking(script: str, address: str) -> dict:
+    """The JSON the script prints last (after FORK's helpers)."""
+    [(out, err)] = communicate_all([python_child(FORK + script, {"address": address})], 60)
+    assert out.strip(), err[-2000:]
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_a_sync_client_closed_in_a_forked_child_while_the_parent_calls(address):
+    """An atexit close() in a gunicorn worker: the child's close() of its parent's channel,
+    with a call of the parent's under way, hung (the child never exited). Now close() in a
+    child only marks the client closed; the parent's calls go on."""
+    out = forking("""
+c = TierCacheClient(address)
+s = c.stream("hang")
+next(s)  # the parent's call is under way
+ended, said = fork(c.close)
+s.cancel()
+print(json.dumps({"child": [ended, said], "parent": c.stats(timeout=10).requests_total}))
+""", address)
+    assert out == {"child": ["exit 0", "None"], "parent": 7}
+
