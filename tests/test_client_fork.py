@@ -71,3 +71,40 @@ print(json.dumps({"child": [ended, said], "parent": c.stats(timeout=10).requests
 """, address)
     assert out == {"child": ["exit 0", "None"], "parent": 7}
 
+
+def test_an_async_client_first_called_in_a_forked_child_serves_it(address):
+    """Made at import, as the README shows, in a gunicorn --preload master: nothing of gRPC
+    was open before the fork, yet every call in the worker was a RuntimeError. Its channel
+    now binds it to the process of its first call; one opened before the fork still refuses
+    the child's calls, naming the fork."""
+    out = forking("""
+c = AsyncTierCacheClient(address)  # at import: no channel yet
+child = fork(lambda: asyncio.run(c.stats(timeout=10)).requests_total)
+parent = asyncio.run(c.stats(timeout=10)).requests_total  # its channel opens in the parent
+opened = fork(lambda: asyncio.run(c.stats(timeout=10)))
+print(json.dumps({"child": child, "parent": parent, "opened": opened}))
+""", address)
+    assert out["child"] == ["exit 0", "7"] and out["parent"] == 7
+    ended, said = out["opened"]
+    assert ended == "exit 0" and said.startswith(
+        "RuntimeError: AsyncTierCacheClient opened its channel in process "), said
+    assert "before a fork()" in said
+
+
+def test_an_async_client_closed_in_a_forked_child_leaves_the_parents_channel(address):
+    """close() (then a gc) in a child of the parent's open grpc.aio channel crashed the child
+    (SIGSEGV) or hung it, and hung the parent's later calls past their deadlines. Now the
+    child only marks its copy closed; the parent's channel serves on."""
+    out = forking("""
+c = AsyncTierCacheClient(address)
+loop = asyncio.new_event_loop()
+loop.run_until_complete(c.stats(timeout=10))
+def close_here():
+    asyncio.new_event_loop().run_until_complete(c.close())
+    gc.collect()
+    return c._closed
+child = fork(close_here)
+after = loop.run_until_complete(asyncio.wait_for(c.stats(timeout=10), 15)).requests_total
+print(json.dumps({"child": child, "parent": after}))
+""", address)
+    assert out == {"child": ["exit 0", "True"], "parent": 7}

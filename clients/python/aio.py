@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -39,6 +40,9 @@ from clients.python.client import (
 # gRPC's own words for a call ended by the client: its cancel(), or its channel's close().
 _CANCELLED_HERE = "Locally cancelled by application!"
 _CHANNEL_CLOSED = "Channel closed!"
+
+# The channels of clients closed in a child of fork() (their parent's), kept from being freed.
+_INHERITED: list[grpc.aio.Channel] = []
 
 
 def _task_cancelled() -> bool:
@@ -173,16 +177,25 @@ class AsyncTierCacheClient(_ClientBase):
     `await close()`, or leaving its `async with` block, ends every call still running on it
     (their readers raise grpc.RpcError CANCELLED, "Channel closed!"); closing again is a
     no-op, and any later call is a RuntimeError. The channel opens at the first call, in the
-    running event loop, and serves that loop only: one made at import time (before the loop
-    runs) is fine; a call from another loop (a second asyncio.run) is a RuntimeError, as is
-    a call in a child of fork()."""
+    running event loop, and serves that loop and process only: one made at import time
+    (before the loop runs, or in a gunicorn --preload master) is fine; a call from another
+    loop (a second asyncio.run) is a RuntimeError, as is a call in a child of fork() made
+    after the channel opened (its close() there only marks it closed). While a channel is
+    open, a forked child's own grpc.aio calls hang past their deadlines (gRPC's asyncio has no
+    fork support): fork before the first call, after close(), or use multiprocessing's
+    "spawn"."""
 
     _name = "AsyncTierCacheClient"
+    _made = "opened its channel"
 
     def __init__(self, address: str = "localhost:50051", token: str | None = None,
                  timeout: float = 300.0, credentials: grpc.ChannelCredentials | None = None
                  ) -> None:
         super().__init__(address, token, timeout)
+        # Bound to a process when its channel opens: one made before a fork() (at import, in
+        # a gunicorn --preload master) but first called in the child serves the child (it
+        # was refused there, though nothing of gRPC had crossed the fork).
+        self._pid = None
         self._credentials = credentials
         self.channel: grpc.aio.Channel | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -201,6 +214,7 @@ class AsyncTierCacheClient(_ClientBase):
                 if self._credentials
                 else grpc.aio.insecure_channel(self.address, options=CHANNEL_OPTIONS))
             self._loop = loop
+            self._pid = os.getpid()
             self._stub = orchestrator_pb2_grpc.OrchestratorStub(self.channel)
         elif loop is not self._loop:
             raise RuntimeError(f"{self._name} serves the event loop of its first call; make "
@@ -218,7 +232,12 @@ class AsyncTierCacheClient(_ClientBase):
         self._closed = True
         if self.channel is not None:
             channel, self.channel, self._stub = self.channel, None, None
-            await channel.close()
+            if self._in_fork_child():
+                # The parent's channel: closed, or freed, in a forked child it hung or crashed
+                # the child and hung the parent's calls past their deadlines. Kept, untouched.
+                _INHERITED.append(channel)
+            else:
+                await channel.close()
 
     def stream(self, messages: Messages, *, timeout: float | None = None, request_id: str = "",
                **kw: Any) -> AsyncChunkStream:

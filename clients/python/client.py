@@ -355,6 +355,7 @@ class _ClientBase:
     and timeouts, each call's metadata, and the requests, built and checked before any call."""
 
     _name = "TierCacheClient"  # the class a closed or forked client's error names
+    _made = "was made"  # what happened in the process a forked client's error names
 
     def __init__(self, address: str, token: str | None, timeout: float) -> None:
         if not isinstance(address, str) or not is_host_port(address.strip(), dialed=True):
@@ -364,7 +365,9 @@ class _ClientBase:
                              "address in brackets)")
         self.address = address.strip()
         self._closed = False
-        self._pid = os.getpid()  # a forked child's calls are refused: see _check_open
+        # The process the client serves (None: any, until it binds): a forked child's calls
+        # are refused, see _check_open.
+        self._pid: int | None = os.getpid()
         self.token = checked_token(token)
         self.timeout = _checked_timeout(timeout)
 
@@ -381,13 +384,13 @@ class _ClientBase:
             # gunicorn --preload worker a call on the master's client failed UNAVAILABLE
             # "Wrong file descriptor generation", which retry_later calls worth retrying, or
             # went through, by luck.
-            raise RuntimeError(f"{self._name} was made in process {self._pid}, before a "
-                               "fork(): gRPC channels do not survive a fork; make one in each "
+            raise RuntimeError(f"{self._name} {self._made} in process {self._pid}, before "
+                               "a fork(): gRPC channels do not survive a fork; make one in each "
                                "process (gunicorn: in post_fork, or on first use)")
 
     def _in_fork_child(self) -> bool:
         """Whether this process is a child of fork() of the process the client serves."""
-        return os.getpid() != self._pid
+        return self._pid is not None and os.getpid() != self._pid
 
     def _metadata(self, request_id: str = "") -> list[tuple[str, str]]:
         """Call metadata: the caller's request id (it names the call in every service's logs
