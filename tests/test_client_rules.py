@@ -204,6 +204,24 @@ def test_a_stream_is_cancelled_from_another_thread_while_its_reader_waits():
         c.close()
 
 
+def test_a_stream_left_by_an_exception_from_its_with_block_is_cancelled():
+    """A live walkthrough: a Ctrl-C in the body of the loop over a stream kept in a variable
+    left its call generating until the process exited (the orchestrator logged the
+    CANCELLED 6 s later, at the exit), and ChunkStream had no `with`. Leaving
+    `with c.stream(...) as s:` by any exception now cancels the call."""
+    c, calls = _hanging_client()
+    try:
+        with pytest.raises(KeyboardInterrupt), c.stream("q") as s:
+            for _ in s:
+                raise KeyboardInterrupt
+        assert calls[0].cancelled.is_set()
+        with c.stream("q") as never_read:  # left before the first next(): nothing is sent
+            pass
+        assert len(calls) == 1 and list(never_read) == []
+    finally:
+        c.close()
+
+
 @pytest.mark.parametrize(("args", "kw", "said"), [
     (("caf\udce9?",), {}, "messages: not valid Unicode: a lone surrogate at character 3"),
     (("x\ud800",), {"raw": True}, "messages: not valid Unicode"),

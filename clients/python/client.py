@@ -307,7 +307,9 @@ class ChunkStream(Iterator[Chunk]):
     from any thread (a user's cancel while another thread waits for the next chunk; that
     thread's next() then raises grpc.RpcError CANCELLED); `close()` does it from the thread
     that reads (a generator's close, which another thread cannot call while it waits:
-    "generator already executing", and the answer ran on to its end)."""
+    "generator already executing", and the answer ran on to its end), and so does leaving
+    `with c.stream(...) as s:` (by a break, a return or any exception: a Ctrl-C in the loop's
+    body, past a stream kept in a variable, left it generating until the process exited)."""
 
     def __init__(self, holder: _CallHolder, chunks: Iterator[Chunk]) -> None:
         self._holder = holder
@@ -315,6 +317,12 @@ class ChunkStream(Iterator[Chunk]):
 
     def __iter__(self) -> ChunkStream:
         return self
+
+    def __enter__(self) -> ChunkStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def __next__(self) -> Chunk:
         return next(self._chunks)
@@ -593,7 +601,8 @@ class TierCacheClient(_ClientBase):
                 `request_id` on it is the call's x-request-id, the id the servers' logs carry.
             IncompleteStream: the stream ended without its final message.
         A bad argument or a closed client raises at this call; the request is sent at the
-        first next(). Stopping early cancels the call (the server stops generating): call
+        first next(). Stopping early cancels the call (the server stops generating): leave
+        `with c.stream(...) as s:` (any exit: break, return, an exception, Ctrl-C), call
         `close()` on the iterator, or `break` out of a for loop that holds the only reference
         to it (`for ch in c.stream(...)`); an iterator kept in a variable goes on generating
         after a `break` until it is closed or garbage-collected. From another thread (a user's
