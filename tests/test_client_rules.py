@@ -204,6 +204,24 @@ def test_a_stream_is_cancelled_from_another_thread_while_its_reader_waits():
         c.close()
 
 
+@pytest.mark.parametrize("make", ["TierCacheClient", "AsyncTierCacheClient"])
+def test_a_client_sent_to_another_process_is_refused_by_name(make):
+    """A client passed to a multiprocessing "spawn" pool's task: the sync one's pickling
+    failed "no default __reduce__ due to non-trivial __cinit__" (its channel), naming
+    neither; an AsyncTierCacheClient not yet called was copied, channel options and all."""
+    import copy
+    import pickle
+
+    from clients.python.aio import AsyncTierCacheClient
+
+    c = {"TierCacheClient": TierCacheClient, "AsyncTierCacheClient": AsyncTierCacheClient}[
+        make]("localhost:1")
+    for send in (pickle.dumps, copy.copy):
+        with pytest.raises(TypeError, match=f"^{make} cannot be pickled .*make one in each "
+                                            "process, from its address and token"):
+            send(c)
+
+
 def test_a_stream_left_by_an_exception_from_its_with_block_is_cancelled():
     """A live walkthrough: a Ctrl-C in the body of the loop over a stream kept in a variable
     left its call generating until the process exited (the orchestrator logged the

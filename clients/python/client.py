@@ -379,6 +379,12 @@ class _ClientBase:
         self.token = checked_token(token)
         self.timeout = _checked_timeout(timeout)
 
+    def __reduce__(self) -> Any:
+        # Sent to another process (a spawn pool's argument), it was "no default __reduce__
+        # due to non-trivial __cinit__" (the channel), naming neither the client nor the way.
+        raise TypeError(f"{self._name} cannot be pickled (sent to another process): make one "
+                        "in each process, from its address and token")
+
     def _timeout(self, timeout: float | None) -> float:
         # Not `timeout or self.timeout`: 0 became the 300 s default.
         return self.timeout if timeout is None else _checked_timeout(timeout)
