@@ -65,6 +65,29 @@ def blank(text: str) -> bool:
                for c in text)
 
 
+def name_problem(name: str) -> str:
+    """Why `name` (a tenant's) cannot tell one tenant from another as printed, or "" when it
+    can: a character that prints as nothing or as a space (control, format, other whitespace
+    than a plain space, blank()'s invisible ones), or a form other than NFC. "acme\u200b" and
+    NFD "café" were tenants of their own, with their own salts, printed as "acme" and "café"
+    in logs, metric labels and Stats, and an EraseTenant of what the log showed missed them."""
+    for c in name:
+        if c != " " and (blank(c) or unicodedata.category(c) in ("Cc", "Cf")):
+            return f"holds {_char(c)}, a character that prints as nothing or as a space"
+    if not unicodedata.is_normalized("NFC", name):
+        c = next(c for i, c in enumerate(name, 1)
+                 if not unicodedata.is_normalized("NFC", name[:i]))
+        return (f"is not in Unicode NFC form (at {_char(c)}): write it as "
+                f"{unicodedata.normalize('NFC', name)!r}")
+    return ""
+
+
+def _char(c: str) -> str:
+    """"U+200B (ZERO WIDTH SPACE)": a character a message cannot show as itself."""
+    label = unicodedata.name(c, "")
+    return f"U+{ord(c):04X}" + (f" ({label})" if label else "")
+
+
 def lone_surrogate(text: str) -> int | None:
     """The character index of `text`'s first lone surrogate (a str that is not UTF-8, which
     protobuf and the tokenizers refuse with errors naming no field), or None."""

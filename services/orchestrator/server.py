@@ -458,6 +458,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             # here, the shards and replicas are all called at once with none refusing it.
             raise errors.InvalidArgument("tenant", f"longer than {MAX_TENANT_CHARS} characters "
                                          "(no tenant has such a name)")
+        if problem := errors.name_problem(name):
+            raise errors.InvalidArgument("tenant", f"{problem} (no tenant has such a name)")
         # Bounded as a Generate is: a client without a deadline (grpcurl's default) gave
         # time_remaining() of years, a timeout gRPC cut to nothing, and every call failed.
         # Time kept back to answer in, as Stats keeps: a replica that hung (stopped, not

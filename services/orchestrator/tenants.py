@@ -32,6 +32,7 @@ from services.common.errors import (
     ResourceExhausted,
     Unauthenticated,
     blank,
+    name_problem,
 )
 from services.common.metrics import counter, gauge
 
@@ -146,6 +147,8 @@ def _spec(where: str, raw: object, defaults: Mapping[str, int]) -> tuple[str, di
         # tenant's cache would be off without a word.
         raise ValueError(f"{where}: 'tenant' is {len(name)} characters; at most "
                          f"{MAX_TENANT_CHARS}")
+    if problem := name_problem(name):
+        raise ValueError(f"{where}: 'tenant' {problem}")
     def whole(k: str, v: object) -> int:
         # JSON has one number type: 10.0 and 1e3 are whole numbers too (True is not).
         if type(v) is float and math.isfinite(v) and v.is_integer():

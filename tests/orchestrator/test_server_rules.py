@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import threading
 import time
 from types import SimpleNamespace
@@ -1289,6 +1290,24 @@ def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
     assert orch.renderer.forgot == ["alice"]  # its prompts' pieces kept for tokenizing
     # Every call bounded (ERASE_TIMEOUT_S): years of timeout were cut to nothing by gRPC.
     assert all(0 < t <= 120 for t in timeouts + stubs[0].timeouts + stubs[1].timeouts)
+
+
+@pytest.mark.parametrize(("name", "said"), [
+    ("acme\u200b", "holds U+200B (ZERO WIDTH SPACE)"), ("a\nb", "holds U+000A"),
+    ("a\u202eb", "holds U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+    ("cafe\u0301", "is not in Unicode NFC form (at U+0301")])
+def test_erase_tenant_refuses_a_name_that_prints_as_another_before_calling_anything(name, said):
+    """"acme\u200b" erased nothing of "acme" and answered as if it had (0 removed, everything
+    reached): no tenant may have such a name, so it is INVALID_ARGUMENT naming the
+    character, before any shard or replica is called."""
+    calls = []
+    stubs = [_FlushStub()]
+    s, _, _ = _erase_servicer(
+        SimpleNamespace(enabled=True, addresses=("s:1",),
+                        _call=lambda *a, **k: calls.append(a)), stubs, tokens="tok-o=ops")
+    with pytest.raises(errors.InvalidArgument, match=f"^tenant: {re.escape(said)}"):
+        s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant=name), _caller("tok-o", 1e9))
+    assert calls == [] and stubs[0].asked == []
 
 
 def test_erase_tenant_keeps_time_to_answer_when_a_replica_hangs():

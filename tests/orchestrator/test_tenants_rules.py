@@ -75,8 +75,8 @@ def test_the_tokens_file_versions_are_named_in_the_reload_lines(tmp_path, caplog
 def test_a_tenant_named_by_only_invisible_characters_is_refused_at_start(tmp_path, name):
     """strip() kept the Hangul filler and zero-width characters: a tenant nobody could read in
     a log line, a metric label or Stats was taken, from the tokens file and from
-    TIERCACHE_ORCHESTRATOR_TOKENS alike. Refused as a name with nothing in it; a visible
-    character among them names a tenant."""
+    TIERCACHE_ORCHESTRATOR_TOKENS alike. Refused as a name with nothing in it; with a visible
+    character among them, as a name that prints as another (the character named)."""
     import json
 
     def build(tokens_file: str = "", tokens: str = "") -> TenantRegistry:
@@ -90,8 +90,8 @@ def test_a_tenant_named_by_only_invisible_characters_is_refused_at_start(tmp_pat
         build(tokens_file=str(f))
     with pytest.raises(ValueError, match="invisible characters"):
         build(tokens="tok=" + name)
-    reg = build(tokens="tok=a" + name)
-    assert reg.authenticate({"authorization": "Bearer tok"}).name == "a" + name
+    with pytest.raises(ValueError, match=f"'tenant' holds U\\+{ord(name[0]):04X} "):
+        build(tokens="tok=a" + name)
 
 
 def test_a_refused_tokens_file_entry_is_named_by_its_line_too(tmp_path):
@@ -117,3 +117,70 @@ def test_a_refused_tokens_file_entry_is_named_by_its_line_too(tmp_path):
     with pytest.raises(ValueError, match="key 2 of an object repeats an earlier key of it"):
         build('{"token-0123456789abcdef": {"tenant": "a", "tenant": "b"}}')  # not a token
     build(good)
+
+
+# Each prints as a plain name in a log line, a metric label or Stats: "acme", "café", "ab".
+LOOKALIKES = [("acme\u200b", "U+200B (ZERO WIDTH SPACE)"),
+              ("cafe\u0301", "not in Unicode NFC form (at U+0301 (COMBINING ACUTE ACCENT))"),
+              ("a\nb", "U+000A"), ("a\x1fb", "U+001F"),
+              ("a\u202eb", "U+202E (RIGHT-TO-LEFT OVERRIDE)"),
+              ("a\u00a0b", "U+00A0 (NO-BREAK SPACE)")]
+
+
+@pytest.mark.parametrize(("name", "said"), LOOKALIKES)
+def test_a_tenant_name_that_prints_as_another_is_refused_at_start_naming_the_character(
+        tmp_path, name, said):
+    """"acme\u200b", NFD "café" or a name with a control or direction character inside were
+    tenants of their own (their own salts and limits), printed as "acme", "café" or "ab" in
+    logs, metric labels and Stats, and an EraseTenant of the name as printed missed them. The
+    tokens file (its entry and line named) and TIERCACHE_ORCHESTRATOR_TOKENS refuse them,
+    naming the character; a plain space inside a name stays a name."""
+    import json
+    import re
+
+    def build(tokens_file: str = "", tokens: str = "") -> TenantRegistry:
+        return TenantRegistry.build(tokens_file=tokens_file, tokens=tokens, key=b"k",
+                                    max_prompt_tokens=100, max_tokens=16, max_concurrent=1)
+
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"tok-x": "x", "tok": {"tenant": name}}, indent=1))
+    with pytest.raises(ValueError, match=rf"tokens.json: entry 2: 'tenant' .*"
+                                         rf"{re.escape(said)}.* \(line 3\)$"):
+        build(tokens_file=str(f))
+    with pytest.raises(ValueError, match=rf"^TIERCACHE_ORCHESTRATOR_TOKENS: 'tenant' .*"
+                                         rf"{re.escape(said)}"):
+        build(tokens="tok=" + name)
+    reg = build(tokens="tok=acme corp")
+    assert reg.authenticate({"authorization": "Bearer tok"}).name == "acme corp"
+
+
+def test_a_reload_naming_a_tenant_that_prints_as_another_keeps_the_tokens_before(
+        tmp_path, caplog):
+    """As a malformed reload: the version is refused, named, and the tokens read before stay
+    (the old token still authenticates, the new one does not)."""
+    import json
+    import logging
+    import threading
+
+    from services.common.errors import Unauthenticated
+    from services.orchestrator.tenants import watch_tokens_file
+    from tests.waits import wait_until
+
+    f = tmp_path / "tokens.json"
+    f.write_text(json.dumps({"tok-a": "acme"}))
+
+    def build() -> TenantRegistry:
+        return TenantRegistry.build(tokens_file=str(f), tokens="", key=b"k",
+                                    max_prompt_tokens=100, max_tokens=16, max_concurrent=1)
+
+    reg, stop = build(), threading.Event()
+    with caplog.at_level(logging.INFO, logger="services.orchestrator.tenants"):
+        watch_tokens_file(reg, build, str(f), 0.02, stop)
+        f.write_text(json.dumps({"tok-a": "acme", "tok-b": "acme\u200b"}))
+        wait_until(lambda: "but was not taken" in caplog.text, timeout=5,
+                   what=lambda: caplog.text, every=0.01)
+    stop.set()
+    assert "'tenant' holds U+200B (ZERO WIDTH SPACE)" in caplog.text
+    assert reg.authenticate({"authorization": "Bearer tok-a"}).name == "acme"
+    with pytest.raises(Unauthenticated):
+        reg.authenticate({"authorization": "Bearer tok-b"})
