@@ -22,3 +22,12 @@ def blank(text: str) -> bool:
     return not any(not c.isspace() and ord(c) not in IGNORABLE
                    and (unicodedata.category(c) not in ("Cc", "Cf") or ord(c) in DRAWN)
                    for c in text)
+
+
+def lookalike(name: str) -> bool:
+    """A tenant name that prints as another (docs/deploy.md, tenant tokens): one holding a
+    control or format character, whitespace other than a plain space or a character drawn
+    as nothing, or one not in NFC."""
+    return (any(c != " " and blank(c) or unicodedata.category(c) in ("Cc", "Cf")
+                for c in name)
+            or unicodedata.normalize("NFC", name) != name)

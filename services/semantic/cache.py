@@ -34,6 +34,7 @@ from services.common.errors import (
     NotFound,
     ResourceExhausted,
     blank,
+    name_problem,
     shown,
 )
 from services.semantic.config import SemanticConfig
@@ -372,7 +373,7 @@ class SemanticCache:
     def _check_namespace(self, ns: Namespace | None) -> Namespace:
         if ns is None:
             raise InvalidArgument("namespace", "required")
-        self._check_name("namespace.tenant", ns.tenant)
+        self._check_tenant("namespace.tenant", ns.tenant)
         self._check_name("namespace.model_id", ns.model_id)
         if len(ns.context_hash) > 128 or not _HEX.fullmatch(ns.context_hash):
             raise InvalidArgument("namespace.context_hash", "must be hex, at most 128 chars")
@@ -385,6 +386,13 @@ class SemanticCache:
                                          "invisible characters)")
         if len(value) > self.cfg.max_tenant_chars:
             raise InvalidArgument(field, f"longer than {self.cfg.max_tenant_chars} chars")
+
+    def _check_tenant(self, field: str, tenant: str) -> None:
+        """A tenant name: as `_check_name`, and none that prints as another (the orchestrator's
+        tokens file allows no such name: errors.name_problem)."""
+        self._check_name(field, tenant)
+        if problem := name_problem(tenant):
+            raise InvalidArgument(field, problem)
 
     def _check_text(self, field: str, text: str, limit: int) -> None:
         if blank(text):
@@ -1202,7 +1210,7 @@ class SemanticCache:
         rows stayed readable there (`strings semantic.db-wal`) until later writes overwrote
         them. A Store of the tenant's racing this call may land after it: stop the tenant's
         traffic (remove its token) first."""
-        self._check_name("tenant", tenant)
+        self._check_tenant("tenant", tenant)
         with self._lock:
             spaces = [ns for ns in self._ns_lru if ns.tenant == tenant]
         try:

@@ -302,6 +302,8 @@ SEMANTIC_CASES = [
                                               text="hi"), INV, "namespace.tenant"),
     case("lookup invisible tenant", "Lookup", LK(namespace=semantic_pb2.Namespace(
         tenant="\u200b\u3164", model_id="m"), text="hi"), INV, "namespace.tenant"),
+    case("lookup tenant printed as another", "Lookup", LK(namespace=semantic_pb2.Namespace(
+        tenant="acme\u200b", model_id="m"), text="hi"), INV, "namespace.tenant"),
     case("lookup non-hex context", "Lookup", LK(namespace=semantic_pb2.Namespace(
         tenant="a", model_id="m", context_hash="zz!"), text="hi"), INV, "namespace.context_hash"),
     case("lookup empty text", "Lookup", LK(namespace=NS), INV, "text"),

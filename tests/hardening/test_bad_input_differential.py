@@ -89,7 +89,7 @@ from tiercache.v1 import (
 
 from services.common.hashing import BlockHasher
 from services.launcher import free_port
-from tests.blank_text import blank
+from tests.blank_text import blank, lookalike
 from tests.waits import holds_within
 from tests.wire import f32
 
@@ -429,8 +429,9 @@ class SemanticWorld:
         def context_long(rng, r):
             r.namespace.context_hash = "a" * pick(rng, (129, 1000))
 
-        def tenant_space(rng, r):  # refused blank, not with a space inside
-            r.namespace.tenant = pick(rng, (" ", "a b", "\t", "\u3164", "\u200b"))
+        def tenant_space(rng, r):  # refused blank or a lookalike, not with a space inside
+            r.namespace.tenant = pick(rng, (" ", "a b", "\t", "\u3164", "\u200b", "a\u200b",
+                                            "cafe\u0301", "a\nb", "a\u202eb"))
 
         ns_fix = [no_namespace, oneof(tenant_empty, tenant_long, tenant_space),
                   oneof(model_empty, model_long), oneof(context_not_hex, context_long)]
@@ -471,7 +472,8 @@ class SemanticWorld:
             r.id = ""
 
         def tenant_target_bad(rng, r):  # required, as a namespace's tenant is
-            r.tenant = pick(rng, ("", " ", "\t", "\u3164", "\u200b", "t" * 257, "t" * 256))
+            r.tenant = pick(rng, ("", " ", "\t", "\u3164", "\u200b", "t" * 257, "t" * 256,
+                                  "acme\u200b", "cafe\u0301", "a b"))
 
         if rpc == "Lookup":
             return [*ns_fix, text_bad, tier_bad, threshold_bad]
@@ -494,6 +496,8 @@ class SemanticWorld:
             # "Required (not whitespace or invisible characters only)", the proto says.
             if blank(value) or len(value) > self.cfg.max_tenant_chars:
                 v.bad(INVALID, f"namespace.{name}")
+        if lookalike(ns.tenant):  # "... nor one that prints as another"
+            v.bad(INVALID, "namespace.tenant")
         h = ns.context_hash
         if len(h) > 128 or any(c not in "0123456789abcdefABCDEF" for c in h):
             v.bad(INVALID, "namespace.context_hash")
@@ -530,7 +534,8 @@ class SemanticWorld:
             elif which == "namespace":
                 self.expect_ns(v, r)
             elif which == "tenant":
-                if blank(r.tenant) or len(r.tenant) > self.cfg.max_tenant_chars:
+                if (blank(r.tenant) or len(r.tenant) > self.cfg.max_tenant_chars
+                        or lookalike(r.tenant)):
                     v.bad(INVALID, "tenant")
             elif not r.id:
                 v.bad(INVALID, "id")

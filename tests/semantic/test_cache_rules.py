@@ -603,3 +603,23 @@ def test_a_tenant_erasure_that_fails_still_forgets_its_texts_just_looked_up(make
     with pytest.raises(ResourceExhausted):
         c.invalidate_tenant(A.tenant)
     assert [t for t, _ in c._recent] == [edges.B.tenant]
+
+
+@pytest.mark.parametrize("name", ["acme\u200b", "cafe\u0301", "a\nb", "a\u202eb"])
+def test_a_tenant_name_that_prints_as_another_is_refused_naming_the_character(make_cache,
+                                                                             name):
+    """"acme\u200b" was a namespace of its own, printed as "acme", and an Invalidate of
+    "acme" by tenant left it. Store, Lookup and Invalidate (by tenant, by namespace) refuse
+    such a tenant naming the character (as the orchestrator's tokens file does), storing
+    nothing; a plain space inside a tenant's name stays allowed."""
+    c = make_cache(**LIMITS)
+    ns = Namespace(name, "m")
+    calls = [lambda: _store(c, ns=ns), lambda: c.lookup(ns, "A fine question?"),
+             lambda: c.invalidate_namespace(ns), lambda: c.invalidate_tenant(name)]
+    for call in calls:
+        with pytest.raises(InvalidArgument, match=r"U\+[0-9A-F]{4}") as exc:
+            call()
+        assert exc.value.field in ("namespace.tenant", "tenant")
+    assert c.store.count() == 0
+    _store(c, ns=Namespace("acme corp", "m"))
+    assert c.invalidate_tenant("acme corp") == 1
