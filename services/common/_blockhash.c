@@ -130,13 +130,15 @@ static void finish(const uint64_t hk[8], const uint8_t *msg, size_t len, uint8_t
 #define PREFETCH_OBJECT(o) ((void)0)
 #endif
 
-/* `o` (an exact int) as a uint32 read from its one 30-bit digit, without a call; 0 where it
- * needs more digits (or its layout is not CPython 3.11's): the caller asks the C API then. */
-static inline int small_value(PyObject *o, unsigned long *v) {
+/* `o` as a uint32 where it is an exact int of at most one 30-bit digit (every usual token id),
+ * read from its digit without a call; 0 for any other (or where the layout is not CPython
+ * 3.11's): the caller asks the C API then. */
+static inline int small_token(PyObject *o, uint32_t *v) {
 #if PY_VERSION_HEX < 0x030C0000 && !defined(Py_LIMITED_API) && PYLONG_BITS_IN_DIGIT == 30
+    if (!PyLong_CheckExact(o)) return 0;
     Py_ssize_t size = Py_SIZE(o);
-    if (size == 0 || size == 1) {
-        *v = size ? (unsigned long)((PyLongObject *)o)->ob_digit[0] : 0;
+    if ((size_t)size <= 1) {  /* 0 or 1 digit; a negative int is no token */
+        *v = size ? (uint32_t)((PyLongObject *)o)->ob_digit[0] : 0;
         return 1;
     }
 #else
@@ -167,9 +169,10 @@ static inline int token_at(PyObject *seq, Py_ssize_t i, uint32_t *out) {
     if (i + PREFETCH < PySequence_Fast_GET_SIZE(seq))
         PREFETCH_OBJECT(PySequence_Fast_GET_ITEM(seq, i + PREFETCH));
     PyObject *o = PySequence_Fast_GET_ITEM(seq, i);
+    if (small_token(o, out)) return 0;
     unsigned long v;
     if (PyLong_CheckExact(o)) {
-        if (!small_value(o, &v)) v = PyLong_AsUnsignedLong(o);
+        v = PyLong_AsUnsignedLong(o);
     } else {
         Py_INCREF(o);
         PyObject *ix = PyNumber_Index(o);  /* numpy and torch integers, bools */
@@ -187,6 +190,27 @@ static inline int token_at(PyObject *seq, Py_ssize_t i, uint32_t *out) {
     return 0;
 }
 
+/* The first `count` tokens of `seq` (`token_sequence`'s) as bytes: byte p (little-endian) of
+ * token i at `dst[p][i * step]`; -1 with an error set. Small exact ints first, in a loop
+ * without a call (a third of `token_at`'s instructions a token): no Python code runs there,
+ * so `seq` keeps its size and items. From the first other item on, `token_at` reads each (an
+ * __index__ method may change `seq`). Inlined: each caller's `step` is a constant. */
+static inline int put_tokens(PyObject *seq, Py_ssize_t count, uint8_t *const dst[4],
+                             Py_ssize_t step) {
+    PyObject **items = PySequence_Fast_ITEMS(seq);
+    Py_ssize_t i = 0;
+    uint32_t v;
+    for (; i < count && small_token(items[i], &v); i++) {
+        if (i + PREFETCH < count) PREFETCH_OBJECT(items[i + PREFETCH]);
+        for (int p = 0; p < 4; p++) dst[p][i * step] = (uint8_t)(v >> (8 * p));
+    }
+    for (; i < count; i++) {
+        if (token_at(seq, i, &v) < 0) return -1;
+        for (int p = 0; p < 4; p++) dst[p][i * step] = (uint8_t)(v >> (8 * p));
+    }
+    return 0;
+}
+
 /* pack(tokens, count) -> bytes: the first `count` tokens as little-endian uint32. */
 static PyObject *pack(PyObject *self, PyObject *args) {
     PyObject *tokens;
@@ -195,17 +219,10 @@ static PyObject *pack(PyObject *self, PyObject *args) {
     PyObject *seq = token_sequence(tokens, count);
     if (seq == NULL) return NULL;
     PyObject *out = PyBytes_FromStringAndSize(NULL, count * 4);
-    uint8_t *p = out == NULL ? NULL : (uint8_t *)PyBytes_AS_STRING(out);
-    for (Py_ssize_t i = 0; out != NULL && i < count; i++, p += 4) {
-        uint32_t v;
-        if (token_at(seq, i, &v) < 0) {
-            Py_CLEAR(out);
-            break;
-        }
-        p[0] = (uint8_t)v;
-        p[1] = (uint8_t)(v >> 8);
-        p[2] = (uint8_t)(v >> 16);
-        p[3] = (uint8_t)(v >> 24);
+    if (out != NULL) {
+        uint8_t *p = (uint8_t *)PyBytes_AS_STRING(out);
+        uint8_t *const dst[4] = {p, p + 1, p + 2, p + 3};
+        if (put_tokens(seq, count, dst, 4) < 0) Py_CLEAR(out);
     }
     Py_DECREF(seq);
     return out;
@@ -228,16 +245,9 @@ static PyObject *planes(PyObject *self, PyObject *args) {
         if (pl[k] == NULL) goto done;
         b[k] = (uint8_t *)PyBytes_AS_STRING(pl[k]);
     }
-    uint32_t high = 0;
-    for (Py_ssize_t i = 0; i < count; i++) {
-        uint32_t v;
-        if (token_at(seq, i, &v) < 0) goto done;
-        b[0][i] = (uint8_t)v;
-        b[1][i] = (uint8_t)(v >> 8);
-        b[2][i] = (uint8_t)(v >> 16);
-        b[3][i] = (uint8_t)(v >> 24);
-        high |= v >> 16;
-    }
+    if (put_tokens(seq, count, b, 1) < 0) goto done;
+    uint8_t high = 0;
+    for (Py_ssize_t i = 0; i < count; i++) high |= b[2][i] | b[3][i];
     Py_ssize_t n = wide || high ? 4 : 2;
     out = PyList_New(n);
     for (Py_ssize_t k = 0; out != NULL && k < n; k++) {

@@ -112,18 +112,22 @@ def test_chain_rejects_malformed_arguments():
 
 
 @native
-def test_pack_survives_a_token_whose_index_method_shrinks_the_list():
-    """Python code runs inside pack (an __index__); it must not read freed list memory."""
+@pytest.mark.parametrize("at", [0, 2])
+def test_pack_survives_a_token_whose_index_method_shrinks_the_list(at: int):
+    """Python code runs inside pack (an __index__); it must not read freed list memory, first
+    or after plain ints (read in a loop of their own: it hands over to the checked reads)."""
     toks: list = []
 
     class Shrinks:
         def __index__(self) -> int:
-            del toks[1:]
+            del toks[at + 1 :]
             return 7
 
-    toks.extend([Shrinks(), 1, 2, 3])
-    with pytest.raises(RuntimeError, match="changed size"):
-        hashing.pack_tokens(toks, 4)
+    toks.extend([1, 2][:at] + [Shrinks(), 1, 2, 3])
+    for packs in (hashing.pack_tokens, lambda t, n: hashing.token_planes(t, n, False)):
+        with pytest.raises(RuntimeError, match="changed size"):
+            packs(toks, at + 4)
+        toks[at + 1 :] = [1, 2, 3]
 
 
 # Digests as the hashlib definition gave them (dev key): a change to the C chain, the packer or
