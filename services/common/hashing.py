@@ -10,11 +10,16 @@ identical prompts share no hash and no block.
 
 Speed: one keyed BLAKE2b call per block costs ~0.6 µs in CPython, and most of a request's
 blocks are a shared system prompt or an earlier turn whose hashes were computed moments ago.
-A hasher therefore remembers `(h_{i-1} ‖ next 8 blocks) -> their 8 hashes` for recent spans
-(aligned from the start of the call; a bounded memo of two generations, which approximates
-LRU): one dict lookup replaces eight BLAKE2b calls. The memo is exact — the same input always
-maps to the same digests — so it changes speed, never values. Once one span of a chain misses,
-every later span has a new parent and would miss too, so the rest of the chain skips lookups.
+A hasher therefore remembers recent spans of 8 blocks (aligned from the start of the call; a
+bounded memo of two generations, which approximates LRU) as `(h_{i-1} ‖ the span's first
+block) -> (the rest of the span's tokens, its 8 hashes)`: one dict lookup and one comparison
+replace eight BLAKE2b calls. (Keyed by the whole span, every lookup hashed 528 bytes for the
+dict, most of its cost; now 80, and the rest is compared with the entry.) The memo is exact —
+a span is taken only where all its tokens and its parent are the entry's — so it changes
+speed, never values. Two spans that differ only after their first block share a key: the
+newer replaces the older (a miss then costs ≤ 8 BLAKE2b calls). Once one span of a chain
+misses, every later span has a new parent and would miss too, so the rest of the chain skips
+lookups.
 
 When the optional C extension `services.common._blockhash` is built (setup.py; it needs a C
 compiler), packing, the memo's lookups and the cold part of the chain run there: one call
@@ -188,6 +193,7 @@ class BlockHasher:
         # The C chain, or None for hashlib (native=False: tests compare the two).
         self._chain = (_blockhash.chain if native and _blockhash is not None
                        and 1 <= len(self.key) <= 64 else None)
+        # (parent ‖ a span's first block) -> (the span's other blocks, packed; its digests)
         self._young: dict[bytes, tuple[bytes, ...]] = {}
         self._old: dict[bytes, tuple[bytes, ...]] = {}
 
@@ -263,14 +269,12 @@ class BlockHasher:
         off = 0
         # Warm part, a whole span of blocks per lookup: shared system prompts, earlier turns.
         while off + sstep <= end:
-            key = prev + data[off : off + sstep]
-            hs = young.get(key)
-            if hs is None:
-                hs = old.get(key)
-                if hs is None:
-                    break
-                young[key] = hs  # promote: hot spans survive every generation change
-            out.extend(hs)
+            key = prev + data[off : off + step]
+            hs = young.get(key) or old.get(key)
+            if hs is None or hs[0] != data[off + step : off + sstep]:
+                break
+            young[key] = hs  # promote: hot spans survive every generation change
+            out.extend(hs[1:])
             prev = hs[-1]
             off += sstep
         # Cold part: remember each new full span (the next turn repeats this request).
@@ -278,7 +282,7 @@ class BlockHasher:
             span = data[off : off + sstep]
             hs = self._hashlib_chain(prev, span)
             if len(span) == sstep:
-                young[prev + span] = tuple(hs)
+                young[prev + span[:step]] = (span[step:], *hs)
             out += hs
             prev = hs[-1]
             off += sstep

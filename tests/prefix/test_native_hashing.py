@@ -56,10 +56,23 @@ def test_spans_the_c_path_remembers_map_to_their_hashes():
         assert fast.hashes(toks) == _plain(b"key", "m", 16, toks, "")
     memo = {**fast._old, **fast._young}
     assert len(memo) > 4
-    for key, digests in memo.items():
-        tokens = np.frombuffer(key[16:], dtype="<u4").tolist()
-        assert len(tokens) == 8 * 16
-        assert slow.hashes(tokens, parent=key[:16]) == list(digests)
+    for key, (rest, *digests) in memo.items():
+        tokens = np.frombuffer(key[16:] + rest, dtype="<u4").tolist()
+        assert len(key) == 16 + 16 * 4 and len(tokens) == 8 * 16
+        assert slow.hashes(tokens, parent=key[:16]) == digests
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["c-chain-if-built", "hashlib"])
+def test_spans_sharing_parent_and_first_block_never_take_each_others_hashes(native: bool):
+    """The memo's key is (parent ‖ a span's first block): spans that differ only later in
+    the span share it, and each must still get its own digests, cold and warm, in any order."""
+    rng = random.Random(12)
+    head = [rng.randrange(49_152) for _ in range(16 * 9)]  # one whole span, then a block
+    spans = [head + [rng.randrange(49_152) for _ in range(16 * 7)] for _ in range(3)]
+    spans.append(spans[0][:-1] + [spans[0][-1] ^ 1])  # only the span's last token differs
+    h = BlockHasher("m", 16, b"key", native=native)
+    for toks in spans + spans[::-1] + spans:
+        assert h.hashes(toks) == _plain(b"key", "m", 16, toks, "")
 
 
 @native
