@@ -349,6 +349,17 @@ class SemanticCache:
         # taken back from the tenant holding the most entries, so one tenant storing without
         # end evicts its own.
         self._tenant_lru: dict[str, OrderedDict[int, None]] = {}
+        # Per tenant, the entries it holds less those an expire under way drops (`_level_of`,
+        # as of the last `_settle_levels`), the tenants per such count, and per count a heap
+        # of (age, label, tenant) of each such tenant's next victim: a Store past the global
+        # capacity reads the oldest entries of a few tenants, not of every tenant tied at the
+        # most (20,000: ~47 ms a Store, under the lock). Items go stale as tenants change
+        # (`_dirty`, settled at the next such Store) and are dropped when popped.
+        self._level_of: dict[str, int] = {}
+        self._level_size: Counter[int] = Counter()
+        self._levels: dict[int, list[tuple[float, int, str]]] = {}
+        self._level_items = 0
+        self._dirty: set[str] = set()
         self._lookups = 0
         self._hits: dict[str, int] = {t: 0 for t in self.policy.tiers}
         self._near = self._guarded = self._evicted = self._expired = 0
@@ -679,6 +690,7 @@ class SemanticCache:
             self._entries[e.label] = cur
             self._ns_lru[cur.namespace].move_to_end(e.label)
             self._tenant_lru[cur.namespace.tenant].move_to_end(e.label)
+            self._dirty.add(cur.namespace.tenant)
             # Buffered in order (a dict write, no SQLite): two hits recorded outside the lock
             # could land last-writer-wins with the lower count.
             self.store.record_hit(cur.label, now, cur.hit_count)
@@ -873,6 +885,7 @@ class SemanticCache:
         self._ns_lru[e.namespace][e.label] = None
         self._top_label = max(self._top_label, e.label)
         self._tenant_lru.setdefault(e.namespace.tenant, OrderedDict())[e.label] = None
+        self._dirty.add(e.namespace.tenant)
 
     def _mark_expiring_locked(self, label: int, way: int) -> None:
         """Marks a held entry as taken by an expire under way (`way` 1), or unmarks it (-1;
@@ -886,6 +899,7 @@ class SemanticCache:
             self._expiring.remove(label)
         self._expiring_ns[e.namespace] += way
         self._expiring_tenant[e.namespace.tenant] += way
+        self._dirty.add(e.namespace.tenant)
         if not self._expiring_ns[e.namespace]:
             del self._expiring_ns[e.namespace]
         if not self._expiring_tenant[e.namespace.tenant]:
@@ -904,6 +918,7 @@ class SemanticCache:
         if ns_lru is not None:
             ns_lru.pop(label, None)
         t_lru = self._tenant_lru.get(e.namespace.tenant)
+        self._dirty.add(e.namespace.tenant)
         if t_lru is not None:
             t_lru.pop(label, None)
             if not t_lru:
@@ -960,24 +975,15 @@ class SemanticCache:
         recently used of the tenant that holds the most entries at that point. (A global LRU
         let one tenant storing distinct prompts without end evict every other tenant's
         answers; now it evicts its own once it holds the most.)"""
+        self._settle_levels()  # at each Store: a few tenants, not all at once
         over = (len(self._entries) - len(chosen) - len(self._expiring)
                 - self.cfg.max_entries_total)
         if over <= 0:
             return []
         skip = set(chosen)
-        held = {t: len(lru) for t, lru in self._tenant_lru.items()}
-        for t, n in self._expiring_tenant.items():
-            if t in held:
-                held[t] -= n
-        for lab in skip:
-            held[self._entries[lab].namespace.tenant] -= 1
-        # Each victim comes from a tenant holding the most at that point, which is at least
-        # one less than before it: a tenant more than `over` below the largest never loses
-        # one. Its oldest entry was read all the same (20,000 tenants: ~50 ms a Store at
-        # capacity, under the lock).
-        floor = max(held.values(), default=0) - over + 1
+        held = self._candidates_locked(over, skip)
         going = self._expiring
-        order = {t: iter(self._tenant_lru[t]) for t, n in held.items() if n >= floor}
+        order = {t: iter(self._tenant_lru[t]) for t in held}
 
         def head(t: str) -> tuple | None:
             """The tenant's next victim, keyed: most entries first, then least recently used
@@ -1000,6 +1006,85 @@ class SemanticCache:
             if (h := head(t)) is not None:
                 heapq.heappush(heap, h)
         return out
+
+    def _candidates_locked(self, over: int, skip: set[int]) -> dict[str, int]:
+        """The tenants that can lose one of `over` victims, with the entries each holds less
+        `skip` and those expiring. Each victim comes from a tenant holding the most at that
+        point, which is at least one less than before it: a tenant more than `over` below the
+        largest never loses one. Nor does one with `over` others holding as many whose oldest
+        entries are older: each of those goes first (their number and oldest entry hold
+        until one loses an entry), so only those `over` of each count are read, besides
+        the tenants losing `skip`. (All of a count were: 20,000 tenants tied, ~47 ms a Store
+        at capacity, under the lock.)"""
+        skipped = Counter(self._entries[lab].namespace.tenant for lab in skip)
+        held = {t: self._level_of[t] - n for t, n in skipped.items()}
+        if over * over > len(self._level_of):  # many victims (a lowered limit at start)
+            held = {**self._level_of, **held}
+            floor = max(held.values(), default=0) - over + 1
+            return {t: n for t, n in held.items() if n >= floor}
+        # The most any other tenant holds, where it can matter.
+        at = Counter(self._level_of[t] for t in skipped)
+        theirs = max(held.values(), default=0)
+        top = max(self._level_size, default=0)
+        most = next((c for c in range(top, max(theirs - over, 0), -1)
+                     if self._level_size[c] > at[c]), 0)
+        floor = max(most, theirs) - over + 1
+        held = {t: n for t, n in held.items() if n >= floor}
+        for c in range(most, max(floor, 1) - 1, -1):
+            held.update((t, c) for t in self._oldest_at_locked(c, over, skipped))
+        return held
+
+    def _oldest_at_locked(self, count: int, k: int, besides: Counter[str]) -> list[str]:
+        """The `k` tenants holding `count` entries (not `besides`) whose oldest are oldest."""
+        heap = self._levels.get(count, [])
+        kept: list[tuple[float, int, str]] = []
+        seen: set[str] = set()
+        out: list[str] = []
+        while heap and len(out) < k:
+            item = heapq.heappop(heap)
+            t = item[2]
+            if (t in seen or self._level_of.get(t) != count
+                    or self._head_item(t) != item):  # a copy, or stale
+                self._level_items -= 1
+                continue
+            kept.append(item)
+            seen.add(t)
+            if t not in besides:
+                out.append(t)
+        for item in kept:
+            heapq.heappush(heap, item)
+        return out
+
+    def _head_item(self, tenant: str) -> tuple[float, int, str]:
+        """The tenant's least recently used entry, not expiring, as a `_levels` item."""
+        lab = next(x for x in self._tenant_lru[tenant] if x not in self._expiring)
+        e = self._entries[lab]
+        return (max(e.last_hit_at, e.created_at), lab, tenant)
+
+    def _settle_levels(self) -> None:
+        """Brings `_level_of`, `_level_size` and `_levels` up to date for the tenants changed
+        since (`_dirty`); builds `_levels` again once most of its items are stale."""
+        for t in self._dirty:
+            n = self._level_of.pop(t, 0)
+            if n:
+                self._level_size[n] -= 1
+                if not self._level_size[n]:
+                    del self._level_size[n]
+            lru = self._tenant_lru.get(t)
+            n = len(lru) - self._expiring_tenant[t] if lru else 0
+            if n > 0:
+                self._level_of[t] = n
+                self._level_size[n] += 1
+                heapq.heappush(self._levels.setdefault(n, []), self._head_item(t))
+                self._level_items += 1
+        self._dirty.clear()
+        if self._level_items > 2 * len(self._level_of) + 64:
+            self._levels = {}
+            for t, n in self._level_of.items():
+                self._levels.setdefault(n, []).append(self._head_item(t))
+            for heap in self._levels.values():
+                heapq.heapify(heap)
+            self._level_items = len(self._level_of)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -1369,6 +1454,7 @@ class SemanticCache:
             for e in sorted(self._entries.values(),
                             key=lambda e: max(e.last_hit_at, e.created_at)):
                 self._tenant_lru.setdefault(e.namespace.tenant, OrderedDict())[e.label] = None
+            self._dirty.update(self._tenant_lru)
             # Limits lowered since the entries were written: each namespace's excess first,
             # then what is still over the global limit (choosing both before dropping would
             # count global victims twice and drop more than needed).
@@ -1617,6 +1703,11 @@ class SemanticCache:
             going = [self._entries[lab].namespace for lab in self._expiring]
             assert self._expiring_ns == Counter(going), "expiring per namespace"
             assert self._expiring_tenant == Counter(ns.tenant for ns in going), "per tenant"
+            self._settle_levels()
+            held = {t: len(lru) - self._expiring_tenant[t] for t, lru in self._tenant_lru.items()}
+            assert self._level_of == {t: n for t, n in held.items() if n}, "held per tenant"
+            assert self._level_size == Counter(self._level_of.values()), "tenants per count"
+            assert all(self._head_item(t) in self._levels[n] for t, n in self._level_of.items())
             # Entries an expire under way is dropping count as gone (`_victims_locked`), and
             # expired ones too: one whose delete failed stays (never served) until purged.
             now = self.clock()

@@ -1,0 +1,163 @@
+"""A differential test of the choice of global-capacity victims (`_global_excess_locked`).
+
+The cache keeps per-tenant counts, the tenants per count and a heap of each count's oldest
+entries, updated where entries come and go, so that a Store past `max_entries_total` reads a
+few tenants, not every tenant tied at the most. Its choice must stay exactly that of the
+function it replaced, kept here as the reference (`reference_victims`): each victim the least
+recently used entry of the tenant holding the most at that point, ties between tenants by the
+key (-held, max(last_hit_at, created_at), label).
+
+Seeded random workloads over few tenants (most tied, as at steady state, and clock steps of
+zero so that ages tie too) of Stores, replacing Stores, hits, expiries, an expiry under way
+(entries marked expiring, then dropped or, its delete failed, held again), Invalidate by id,
+namespace and tenant, and restarts under lowered limits drive a real `SemanticCache`; every
+choice (each Store, and each load) is compared with the reference's on the same state.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+
+import pytest
+
+from services.common.errors import NotFound
+from services.semantic.cache import Namespace, SemanticCache
+from tests.semantic.test_cache_edges import FixedEmbedder
+
+TENANTS = [f"t{i}" for i in range(7)]
+MODELS = ["m1", "m2"]
+
+
+def reference_victims(c: SemanticCache, chosen: list[int]) -> list[int]:
+    """`_global_excess_locked` as it was (0dc8b163): it read every tenant within `over` of
+    the largest."""
+    over = len(c._entries) - len(chosen) - len(c._expiring) - c.cfg.max_entries_total
+    if over <= 0:
+        return []
+    skip = set(chosen)
+    held = {t: len(lru) for t, lru in c._tenant_lru.items()}
+    for t, n in c._expiring_tenant.items():
+        if t in held:
+            held[t] -= n
+    for lab in skip:
+        held[c._entries[lab].namespace.tenant] -= 1
+    floor = max(held.values(), default=0) - over + 1
+    going = c._expiring
+    order = {t: iter(c._tenant_lru[t]) for t, n in held.items() if n >= floor}
+
+    def head(t: str) -> tuple | None:
+        lab = next((x for x in order[t] if x not in skip and x not in going), None)
+        if lab is None:
+            return None
+        e = c._entries[lab]
+        return (-held[t], max(e.last_hit_at, e.created_at), lab, t)
+
+    heap = [h for t in order if (h := head(t)) is not None]
+    heapq.heapify(heap)
+    out: list[int] = []
+    while len(out) < over and heap:
+        _, _, lab, t = heapq.heappop(heap)
+        out.append(lab)
+        held[t] -= 1
+        if (h := head(t)) is not None:
+            heapq.heappush(heap, h)
+    return out
+
+
+@pytest.fixture
+def compared(monkeypatch) -> list[tuple[int, int]]:
+    """Every choice is checked against the reference's; (over-capacity, tied) per choice."""
+    real = SemanticCache._global_excess_locked
+    seen: list[tuple[int, int]] = []
+
+    def checked(self, chosen):
+        want = reference_victims(self, chosen)
+        got = real(self, chosen)
+        assert got == want, (chosen, got, want)
+        if want:
+            held = [len(lru) for lru in self._tenant_lru.values()]
+            seen.append((len(want), held.count(max(held))))
+        return got
+
+    monkeypatch.setattr(SemanticCache, "_global_excess_locked", checked)
+    return seen
+
+
+def _step(c: SemanticCache, rnd: random.Random, clock, marked: list[int]) -> None:
+    clock.t += rnd.choice([0, 0, 1, 2])  # ages tie often
+    ns = Namespace(rnd.choice(TENANTS), rnd.choice(MODELS), "")
+    op = rnd.random()
+    held = list(c._entries.values())
+    if op < 0.45 or not held:
+        c.store_entry(ns, f"q{rnd.randrange(12)}", "a", ttl_seconds=rnd.choice([0, 0, 0, 5]))
+    elif op < 0.65:
+        e = rnd.choice(held)
+        r = c.lookup(e.namespace, e.prompt, tier="strict")
+        assert r.hit or e.expired(clock.t)
+    elif op < 0.72:
+        clock.t += 3
+        c.expire()
+    elif op < 0.80 and not marked:  # an expiry under way: its entries count as gone
+        dead = [e.label for e in held if e.expired(clock.t)]
+        with c._lock:
+            marked += rnd.sample(dead, min(len(dead), rnd.randint(1, 3)))
+            for lab in marked:
+                c._mark_expiring_locked(lab, 1)
+    elif op < 0.86 and marked:  # ... ends: some deleted, the rest held again
+        gone: list[int] = []
+        c.store.delete(marked[::2], gone)
+        c._drop_in_chunks(gone)
+        with c._lock:
+            for lab in marked[1::2]:
+                c._mark_expiring_locked(lab, -1)
+        marked.clear()
+    elif op < 0.93:
+        try:
+            c.invalidate_id(rnd.choice(held).id)
+        except NotFound:  # expired
+            pass
+    elif op < 0.97:
+        c.invalidate_namespace(ns)
+    else:
+        c.invalidate_tenant(ns.tenant)
+    c.check_integrity()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_global_victims_are_those_of_the_reference(cache_factory, clock, compared, seed):
+    rnd = random.Random(seed)
+    emb = FixedEmbedder()
+    limits = dict(guard_tiers=(), verifier_tiers=(), max_entries_per_namespace=6)
+    c = cache_factory(emb, max_entries_total=14, **limits)
+    for _ in range(4):
+        marked: list[int] = []
+        for _ in range(250):
+            _step(c, rnd, clock, marked)
+        if marked:
+            with c._lock:
+                for lab in marked:
+                    c._mark_expiring_locked(lab, -1)
+        # A restart under a lowered (or raised) limit: the load chooses many victims at once.
+        c = cache_factory(emb, max_entries_total=rnd.choice([3, 5, 9, 12, 14]),
+                          max_entries_per_tenant=rnd.choice([0, 0, 4]), **limits)
+        c.check_integrity()
+    assert sum(n for n, _ in compared) > 100
+    assert sum(1 for _, tied in compared if tied > 1) > 50  # ties between tenants
+    assert any(n > 1 for n, _ in compared)  # several victims in one choice
+
+
+def test_many_tied_tenants(cache_factory, clock, compared):
+    """Every tenant holds as many; a new tenant, then the oldest's, then others store."""
+    c = cache_factory(FixedEmbedder(), guard_tiers=(), verifier_tiers=(), max_entries_total=300)
+    for i in range(300):
+        clock.t += i % 2
+        c.store_entry(Namespace(f"t{i % 100}", "m", ""), f"q{i}", "a")
+    for i in range(200):
+        clock.t += i % 3 == 0
+        c.store_entry(Namespace(f"n{i % 7}" if i % 4 else f"t{i % 100}", "m", ""), f"r{i}", "a")
+        if i % 5 == 0:
+            e = c._entries[next(iter(c._tenant_lru[f"t{(i * 7) % 100}"]))]
+            assert c.lookup(e.namespace, e.prompt, tier="strict").hit
+    c.check_integrity()
+    assert len(compared) == 200
