@@ -429,7 +429,7 @@ class SemanticWorld:
         def context_long(rng, r):
             r.namespace.context_hash = "a" * pick(rng, (129, 1000))
 
-        def tenant_space(rng, r):  # refused blank or a lookalike, not with a space inside
+        def tenant_space(rng, r):  # refused blank, a lookalike where stored or looked up
             r.namespace.tenant = pick(rng, (" ", "a b", "\t", "\u3164", "\u200b", "a\u200b",
                                             "cafe\u0301", "a\nb", "a\u202eb"))
 
@@ -471,7 +471,7 @@ class SemanticWorld:
         def id_empty_target(rng, r):
             r.id = ""
 
-        def tenant_target_bad(rng, r):  # required, as a namespace's tenant is
+        def tenant_target_bad(rng, r):  # required; a lookalike is erasable, as in a namespace
             r.tenant = pick(rng, ("", " ", "\t", "\u3164", "\u200b", "t" * 257, "t" * 256,
                                   "acme\u200b", "cafe\u0301", "a b"))
 
@@ -487,7 +487,7 @@ class SemanticWorld:
 
     # -- the model of the docs --
 
-    def expect_ns(self, v: Verdict, r) -> None:
+    def expect_ns(self, v: Verdict, r, erasing: bool = False) -> None:
         if not r.HasField("namespace"):
             v.bad(INVALID, "namespace")
             return
@@ -496,7 +496,7 @@ class SemanticWorld:
             # "Required (not whitespace or invisible characters only)", the proto says.
             if blank(value) or len(value) > self.cfg.max_tenant_chars:
                 v.bad(INVALID, f"namespace.{name}")
-        if lookalike(ns.tenant):  # "... nor one that prints as another"
+        if lookalike(ns.tenant) and not erasing:  # "... nor one that prints as another"
             v.bad(INVALID, "namespace.tenant")
         h = ns.context_hash
         if len(h) > 128 or any(c not in "0123456789abcdefABCDEF" for c in h):
@@ -532,10 +532,9 @@ class SemanticWorld:
             if which is None:
                 v.bad(INVALID, "target")
             elif which == "namespace":
-                self.expect_ns(v, r)
+                self.expect_ns(v, r, erasing=True)  # an earlier release's lookalike, erased
             elif which == "tenant":
-                if (blank(r.tenant) or len(r.tenant) > self.cfg.max_tenant_chars
-                        or lookalike(r.tenant)):
+                if blank(r.tenant) or len(r.tenant) > self.cfg.max_tenant_chars:
                     v.bad(INVALID, "tenant")
             elif not r.id:
                 v.bad(INVALID, "id")
