@@ -458,8 +458,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             # here, the shards and replicas are all called at once with none refusing it.
             raise errors.InvalidArgument("tenant", f"longer than {MAX_TENANT_CHARS} characters "
                                          "(no tenant has such a name)")
-        if problem := errors.name_problem(name):
-            raise errors.InvalidArgument("tenant", f"{problem} (no tenant has such a name)")
+        # A name that prints as another (errors.name_problem) is no tenant's now, but an
+        # earlier release took one: its data is erased by that name, never kept for its TTL.
         # Bounded as a Generate is: a client without a deadline (grpcurl's default) gave
         # time_remaining() of years, a timeout gRPC cut to nothing, and every call failed.
         # Time kept back to answer in, as Stats keeps: a replica that hung (stopped, not
@@ -473,10 +473,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # Its prompts' pieces kept for tokenizing (scoped by tenant name).
         self.orch.renderer.forget_scope(name)
         # A WARNING when a shard or replica was not reached: the erasure is not done, and an
-        # INFO line was the only trace of the tenant's data left there.
+        # INFO line was the only trace of the tenant's data left there. A name that prints as
+        # another is escaped ('acme\u200b'): printed, it read as an erasure of "acme".
         log.log(logging.WARNING if resp.not_reached else logging.INFO,
                 "erased tenant %s: %d semantic entries, %d KV blocks dropped, %d kept in use; "
-                "not reached: %s", name, resp.semantic_entries_removed, resp.kv_blocks_dropped,
+                "not reached: %s", ascii(name) if errors.name_problem(name) else name,
+                resp.semantic_entries_removed, resp.kv_blocks_dropped,
                 resp.kv_blocks_in_use, "; ".join(resp.not_reached) or "none")
         return resp
 

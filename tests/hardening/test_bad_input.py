@@ -465,9 +465,6 @@ ORCH_CASES = [
          metadata=tuple(md(ADMIN))),
     case("erase a tenant name too long", "EraseTenant", orchestrator_pb2.EraseTenantRequest(
         tenant="t" * 20_000), INV, "tenant", metadata=tuple(md(ADMIN))),
-    case("erase a tenant printed as another", "EraseTenant",
-         orchestrator_pb2.EraseTenantRequest(tenant="a\u200b"), INV, "tenant",
-         metadata=tuple(md(ADMIN))),
 ]
 
 
