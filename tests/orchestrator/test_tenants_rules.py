@@ -8,13 +8,19 @@ from services.common.errors import Overloaded
 from services.orchestrator.tenants import TenantRegistry
 
 
+def registry(tokens_file: str = "", tokens: str = "") -> TenantRegistry:
+    """The registry of `tokens_file` or of TIERCACHE_ORCHESTRATOR_TOKENS' `tokens`, under the
+    limits the tests here share."""
+    return TenantRegistry.build(tokens_file=tokens_file, tokens=tokens, key=b"k",
+                                max_prompt_tokens=100, max_tokens=16, max_concurrent=1)
+
+
 def test_a_tenant_past_its_concurrent_requests_is_told_what_to_do():
     """Every other "retry later" refusal says when ("retry in N s", "retry shortly or on
     another orchestrator", "retry later"); the tenant's concurrency limit named only the
     limit, so a client hitting it in a burst could not tell it from a fixed one by its
     message."""
-    reg = TenantRegistry.build(tokens_file="", tokens="tok-acme=acme", key=b"k",
-                               max_prompt_tokens=100, max_tokens=16, max_concurrent=1)
+    reg = registry(tokens="tok-acme=acme")
     acme = reg.authenticate({"authorization": "Bearer tok-acme"})
     held = reg.acquire(acme)
     with pytest.raises(Overloaded, match=r"\(limit 1\); retry when one of them ends$"):
@@ -42,9 +48,7 @@ def test_the_tokens_file_versions_are_named_in_the_reload_lines(tmp_path, caplog
     first = json.dumps({"tok-a": {"tenant": "a"}})
     f.write_text(first)
 
-    def build() -> TenantRegistry:
-        return TenantRegistry.build(tokens_file=str(f), tokens="", key=b"k",
-                                    max_prompt_tokens=100, max_tokens=16, max_concurrent=1)
+    build = partial(registry, str(f))
 
     def tag(text: str) -> str:
         return hashlib.sha256(text.encode()).hexdigest()[:12]
@@ -79,19 +83,15 @@ def test_a_tenant_named_by_only_invisible_characters_is_refused_at_start(tmp_pat
     character among them, as a name that prints as another (the character named)."""
     import json
 
-    def build(tokens_file: str = "", tokens: str = "") -> TenantRegistry:
-        return TenantRegistry.build(tokens_file=tokens_file, tokens=tokens, key=b"k",
-                                    max_prompt_tokens=100, max_tokens=16, max_concurrent=1)
-
     f = tmp_path / "tokens.json"
     f.write_text(json.dumps({"tok": {"tenant": name}}))
     with pytest.raises(ValueError, match=r"'tenant' must be a non-empty string \(not only "
                                          "whitespace or invisible characters\\)"):
-        build(tokens_file=str(f))
+        registry(tokens_file=str(f))
     with pytest.raises(ValueError, match="invisible characters"):
-        build(tokens="tok=" + name)
+        registry(tokens="tok=" + name)
     with pytest.raises(ValueError, match=f"'tenant' holds U\\+{ord(name[0]):04X} "):
-        build(tokens="tok=a" + name)
+        registry(tokens="tok=a" + name)
 
 
 def test_a_refused_tokens_file_entry_is_named_by_its_line_too(tmp_path):
@@ -103,8 +103,7 @@ def test_a_refused_tokens_file_entry_is_named_by_its_line_too(tmp_path):
     def build(text: str) -> None:
         f = tmp_path / "tokens.json"
         f.write_text(text)
-        TenantRegistry.build(tokens_file=str(f), tokens="", key=b"k", max_prompt_tokens=100,
-                             max_tokens=16, max_concurrent=1)
+        registry(str(f))
 
     entries = {f"token-{i:04d}-0123456789abcdef": {"tenant": f"t{i}"} for i in range(300)}
     good = json.dumps(entries, indent=1)  # entry i starts on line 2 + 3 * (i - 1)
@@ -138,19 +137,15 @@ def test_a_tenant_name_that_prints_as_another_is_refused_at_start_naming_the_cha
     import json
     import re
 
-    def build(tokens_file: str = "", tokens: str = "") -> TenantRegistry:
-        return TenantRegistry.build(tokens_file=tokens_file, tokens=tokens, key=b"k",
-                                    max_prompt_tokens=100, max_tokens=16, max_concurrent=1)
-
     f = tmp_path / "tokens.json"
     f.write_text(json.dumps({"tok-x": "x", "tok": {"tenant": name}}, indent=1))
     with pytest.raises(ValueError, match=rf"tokens.json: entry 2: 'tenant' .*"
                                          rf"{re.escape(said)}.* \(line 3\)$"):
-        build(tokens_file=str(f))
+        registry(tokens_file=str(f))
     with pytest.raises(ValueError, match=rf"^TIERCACHE_ORCHESTRATOR_TOKENS: 'tenant' .*"
                                          rf"{re.escape(said)}"):
-        build(tokens="tok=" + name)
-    reg = build(tokens="tok=acme corp")
+        registry(tokens="tok=" + name)
+    reg = registry(tokens="tok=acme corp")
     assert reg.authenticate({"authorization": "Bearer tok"}).name == "acme corp"
 
 
@@ -161,6 +156,7 @@ def test_a_reload_naming_a_tenant_that_prints_as_another_keeps_the_tokens_before
     import json
     import logging
     import threading
+    from functools import partial
 
     from services.common.errors import Unauthenticated
     from services.orchestrator.tenants import watch_tokens_file
@@ -169,9 +165,7 @@ def test_a_reload_naming_a_tenant_that_prints_as_another_keeps_the_tokens_before
     f = tmp_path / "tokens.json"
     f.write_text(json.dumps({"tok-a": "acme"}))
 
-    def build() -> TenantRegistry:
-        return TenantRegistry.build(tokens_file=str(f), tokens="", key=b"k",
-                                    max_prompt_tokens=100, max_tokens=16, max_concurrent=1)
+    build = partial(registry, str(f))
 
     reg, stop = build(), threading.Event()
     with caplog.at_level(logging.INFO, logger="services.orchestrator.tenants"):
