@@ -17,6 +17,7 @@ from services.common.grpc_client import (
 )
 from services.common.logs import bound_request_id
 from tests import test_common_edges as edges
+from tests.certs import set_tls_env
 
 two_cert_sets = edges.two_cert_sets  # the fixture of test_common_edges
 
@@ -63,12 +64,7 @@ def test_a_channel_to_a_service_takes_messages_up_to_the_shared_limit(tls, two_c
                 "TIERCACHE_BIG_TLS_CERT", "TIERCACHE_BIG_TLS_KEY"):
         monkeypatch.delenv(var, raising=False)
     if tls:
-        certs = two_cert_sets[0]
-        monkeypatch.setenv("TIERCACHE_TLS_CERT", str(certs / "server.pem"))
-        monkeypatch.setenv("TIERCACHE_TLS_KEY", str(certs / "server.key"))
-        monkeypatch.setenv("TIERCACHE_TLS_CA", str(certs / "ca.pem"))
-        monkeypatch.setenv("TIERCACHE_TLS_CLIENT_CERT", str(certs / "client.pem"))
-        monkeypatch.setenv("TIERCACHE_TLS_CLIENT_KEY", str(certs / "client.key"))
+        set_tls_env(monkeypatch, two_cert_sets[0])
     h = _big_server()
     try:
         with make_channel(f"127.0.0.1:{h.port}") as ch:
