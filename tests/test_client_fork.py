@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
-from tests.fake_orchestrator import serving
+from tests import test_client_aio
 from tests.procs import communicate_all, python_child
-from tests.test_client_aio import Scripted
+
+address = test_client_aio.address  # the fixture of test_client_aio: its Scripted served
 
 # What each script starts with: `fork(child)` runs `child()` in a forked process bounded by
 # SIGALRM, and answers how it ended ("exit 0", "signal 11") and what it printed.
@@ -40,14 +39,6 @@ def fork(child):
              else f"signal {os.WTERMSIG(status)}")
     return ended, said
 """
-
-
-@pytest.fixture
-def address():
-    Scripted.calls = []
-    Scripted.ended = []
-    with serving(Scripted(), 8) as port:
-        yield f"127.0.0.1:{port}"
 
 
 def forking(script: str, address: str) -> dict:
