@@ -21,6 +21,7 @@ from tests.certs import set_tls_env
 
 two_cert_sets = edges.two_cert_sets  # the fixture of test_common_edges
 
+
 def _check(port: int, creds: grpc.ChannelCredentials) -> bool:
     """Whether a TLS Health/Check on `port` with `creds` is answered."""
     with grpc.secure_channel(f"127.0.0.1:{port}", creds) as ch:
