@@ -382,11 +382,15 @@ class SemanticCache:
     # ---- validation -------------------------------------------------------------------------
 
     def _check_namespace(self, ns: Namespace | None, erasing: bool = False) -> Namespace:
-        """A namespace to store or look up under; with `erasing`, one to remove, whose tenant
-        may print as another (`_check_tenant`)."""
+        """A namespace to store or look up under, whose tenant prints as no other (the
+        orchestrator's tokens file allows no such name: errors.name_problem); with `erasing`,
+        one to remove, whose tenant may: an earlier release stored entries under such a name,
+        and they must stay erasable by it."""
         if ns is None:
             raise InvalidArgument("namespace", "required")
-        (self._check_name if erasing else self._check_tenant)("namespace.tenant", ns.tenant)
+        self._check_name("namespace.tenant", ns.tenant)
+        if not erasing and (problem := name_problem(ns.tenant)):
+            raise InvalidArgument("namespace.tenant", problem)
         self._check_name("namespace.model_id", ns.model_id)
         if len(ns.context_hash) > 128 or not _HEX.fullmatch(ns.context_hash):
             raise InvalidArgument("namespace.context_hash", "must be hex, at most 128 chars")
@@ -399,15 +403,6 @@ class SemanticCache:
                                          "invisible characters)")
         if len(value) > self.cfg.max_tenant_chars:
             raise InvalidArgument(field, f"longer than {self.cfg.max_tenant_chars} chars")
-
-    def _check_tenant(self, field: str, tenant: str) -> None:
-        """A tenant name to store or look up under: as `_check_name`, and none that prints as
-        another (the orchestrator's tokens file allows no such name: errors.name_problem).
-        Removal (Invalidate by namespace or tenant) takes such a name: an earlier release
-        stored entries under one, and they must stay erasable by it."""
-        self._check_name(field, tenant)
-        if problem := name_problem(tenant):
-            raise InvalidArgument(field, problem)
 
     def _check_text(self, field: str, text: str, limit: int) -> None:
         if blank(text):
@@ -1299,7 +1294,7 @@ class SemanticCache:
         rows stayed readable there (`strings semantic.db-wal`) until later writes overwrote
         them. A Store of the tenant's racing this call may land after it: stop the tenant's
         traffic (remove its token) first."""
-        self._check_name("tenant", tenant)  # one that prints as another too (_check_tenant)
+        self._check_name("tenant", tenant)  # one that prints as another too (_check_namespace)
         with self._lock:
             spaces = [ns for ns in self._ns_lru if ns.tenant == tenant]
         try:
