@@ -118,6 +118,10 @@ class Entry:
     def answer_token_ids(self) -> list[int]:
         return unpack_tokens(self.answer_tokens)
 
+    def used_at(self) -> float:
+        """When last used: its last hit, else its creation (the key of the LRU orders)."""
+        return max(self.last_hit_at, self.created_at)
+
     def expires_at(self) -> float:
         """When the TTL runs out (inf = never)."""
         return self.created_at + self.ttl_seconds if self.ttl_seconds > 0 else math.inf
@@ -991,7 +995,7 @@ class SemanticCache:
             if lab is None:
                 return None
             e = self._entries[lab]
-            return (-held[t], max(e.last_hit_at, e.created_at), lab, t)
+            return (-held[t], e.used_at(), lab, t)
 
         # A heap: a restart under a lowered limit takes many victims over many tenants, and a
         # scan of every tenant per victim took seconds.
@@ -1058,7 +1062,7 @@ class SemanticCache:
         """The tenant's least recently used entry, not expiring, as a `_levels` item."""
         lab = next(x for x in self._tenant_lru[tenant] if x not in self._expiring)
         e = self._entries[lab]
-        return (max(e.last_hit_at, e.created_at), lab, tenant)
+        return (e.used_at(), lab, tenant)
 
     def _settle_levels(self) -> None:
         """Brings `_level_of`, `_level_size` and `_levels` up to date for the tenants changed
@@ -1444,14 +1448,13 @@ class SemanticCache:
                     index.add_many(labels, vecs)
                 del vecs, got
                 self._ns_lru[ns] = OrderedDict()
-                for e in sorted(es, key=lambda e: max(e.last_hit_at, e.created_at)):
+                for e in sorted(es, key=Entry.used_at):
                     self._entries[e.label] = e
                     self._by_id[e.id] = e.label
                     self._by_prompt[(ns, e.prompt)] = e.label
                     self._ns_lru[ns][e.label] = None
             self._top_label = max(self._top_label, max(self._entries, default=-1))
-            for e in sorted(self._entries.values(),
-                            key=lambda e: max(e.last_hit_at, e.created_at)):
+            for e in sorted(self._entries.values(), key=Entry.used_at):
                 self._tenant_lru.setdefault(e.namespace.tenant, OrderedDict())[e.label] = None
             self._dirty.update(self._tenant_lru)
             # Limits lowered since the entries were written: each namespace's excess first,
