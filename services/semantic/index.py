@@ -103,8 +103,10 @@ class Neighbor(NamedTuple):
     score: float
 
 
-# Rows a new delta starts with (it doubles as it fills).
-_INITIAL_DELTA_ROWS = 2
+# Rows a delta starts with when its first row comes (it doubles as it fills). One: most
+# namespaces of chat traffic (one per conversation turn) hold a single entry, and a second row
+# kept for each was a third of a one-entry namespace's memory (`benchmarks.namespace_scale`).
+_INITIAL_DELTA_ROWS = 1
 # Numbers the main indexes published, process-wide (`NamespaceIndex.saved_graph`).
 _MAIN_VERSIONS = itertools.count(1)
 
@@ -155,7 +157,7 @@ class NamespaceIndex:
         self._lock = threading.Lock()
         self._dead: set[int] = set()
         self._live: set[int] = set()
-        self._snap = self._new_snapshot(None, np.zeros(0, np.int64), "empty")
+        self._snap = self._new_snapshot(None, np.zeros(0, np.int64), "empty", 0)
         self._merging: threading.Thread | None = None
         self._closing = False
         self._held = 0  # callers inside `merges_held`
@@ -165,14 +167,13 @@ class NamespaceIndex:
         # is not counted.
         self.removals = 0
 
-    def _new_snapshot(self, main, labels, kind, cap: int | None = None) -> _Snapshot:
-        # The delta starts at 2 rows and doubles as it fills (up to `delta_capacity`): chat
-        # traffic has about one namespace per conversation turn, and a full-size delta each
-        # (3 MiB of address space at 2048 x 384 floats) cost 28-140 KiB of RSS per entry.
-        # After a build it holds just the rows added meanwhile, often none: a namespace loaded
-        # at start and never written to again holds no delta at all.
-        if cap is None:
-            cap = self._first_delta_rows
+    def _new_snapshot(self, main, labels, kind, cap: int) -> _Snapshot:
+        # The delta is allocated by the first add (`_grow_delta_locked`) at one row and
+        # doubles as it fills (up to `delta_capacity`): chat traffic has about one namespace
+        # per conversation turn, and a full-size delta each (3 MiB of address space at
+        # 2048 x 384 floats) cost 28-140 KiB of RSS per entry. After a build it holds just the
+        # rows added meanwhile, often none: a namespace loaded at start and never written to
+        # again holds no delta at all.
         return _Snapshot(main, labels, np.zeros((cap, self.params.dim), np.float32),
                          np.zeros(cap, np.int64), kind, [0], next(_MAIN_VERSIONS))
 
@@ -313,7 +314,7 @@ class NamespaceIndex:
                 main.add(np.ascontiguousarray(new_v))  # not yet published: ours to extend
                 main_labels = np.concatenate([main_labels, new_l])
             main.hnsw.efSearch = p.hnsw_ef_search
-            self._snap = self._new_snapshot(main, main_labels, "hnsw")
+            self._snap = self._new_snapshot(main, main_labels, "hnsw", 0)
             self._live = set(labels.tolist())
             self._dead = dead
             self._after_removal_locked()

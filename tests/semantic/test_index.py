@@ -338,6 +338,24 @@ def test_a_small_namespace_holds_a_small_delta_that_grows_as_it_fills():
     idx.check_integrity()
 
 
+def test_a_namespace_holds_only_the_delta_rows_its_entries_need():
+    """Most namespaces of chat traffic hold one entry: an empty one holds no delta rows, one
+    entry one row (two held a second 1.5 KiB row of 384 floats per namespace, a third of its
+    memory), and the delta doubles from there, every entry found exactly."""
+    rng = np.random.default_rng(11)
+    vecs = _unit(rng, 5, 384)
+    idx = NamespaceIndex(IndexParams(384, hnsw_min_entries=1000), background=False)
+    assert _delta_rows(idx) == 0
+    for n, want in ((1, 1), (2, 2), (3, 4), (5, 8)):
+        while len(idx) < n:
+            idx.add(len(idx), vecs[len(idx)])
+        assert _delta_rows(idx) == want
+        for i in range(n):
+            assert idx.search(vecs[i], n) == idx.search_exact(vecs[i], n)
+            assert idx.search(vecs[i], 1)[0].label == i
+    idx.check_integrity()
+
+
 def test_after_a_merge_the_delta_starts_small_again():
     rng = np.random.default_rng(5)
     idx = NamespaceIndex(IndexParams(32, hnsw_min_entries=1000, delta_capacity=64),
