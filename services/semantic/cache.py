@@ -1494,14 +1494,7 @@ class SemanticCache:
         save into `folder` keep their files. Raises OSError (the previous snapshot then stays
         in force)."""
         with self._save_lock:
-            items = []
-            with self._lock:
-                for ns, index in self._indexes.items():
-                    saved = index.saved_graph()
-                    if saved is not None:
-                        main, labels, version = saved
-                        # Its token: a merge publishes a new main, of a new version.
-                        items.append((tuple(ns), main, labels, version))
+            items = self._saved_graphs()
             previous = self._saved[1] if self._saved[0] == folder else None
             try:
                 state = save_snapshot(folder, self._params, self._embed_id, items, previous)
@@ -1512,6 +1505,24 @@ class SemanticCache:
             self._m["saved_at"].set(time.time())
             self._saved = (folder, state)
             return len(state)
+
+    def _saved_graphs(self) -> list[tuple]:
+        """(namespace, graph, labels, version) of every namespace with an HNSW graph. The
+        namespaces are walked outside the lock (a copy of the map is taken under it): walked
+        under it, every Lookup and Store waited for the walk every save (40-47 ms at 300,000
+        namespaces, against 12-20 ms for the copy; a shard may hold 2M). A namespace emptied
+        meanwhile is left out (its graph is erased, not saved); one merged meanwhile waits
+        for the next save."""
+        with self._lock:
+            held = dict(self._indexes)  # a C-level copy: no tuple per namespace
+        found = [(ns, index, g) for ns, index in held.items()
+                 if (g := index.saved_graph()) is not None]
+        del held
+        with self._lock:
+            # Its token: a merge publishes a new main, of a new version.
+            return [(tuple(ns), main, labels, version)
+                    for ns, index, (main, labels, version) in found
+                    if self._indexes.get(ns) is index]
 
     def unsaved_namespaces(self) -> tuple[int, int]:
         """Namespaces a snapshot does not hold, for the stop's line: (searched flat, under

@@ -24,6 +24,7 @@ from tests.waits import wait_until
 
 A = Namespace("tenant-a", "smollm2", "")
 B = Namespace("tenant-b", "smollm2", "ab12")
+C = Namespace("tenant-c", "smollm2", "cd34")
 DIM = 16
 PARAMS = IndexParams(DIM, hnsw_min_entries=40, hnsw_m=8, hnsw_ef_construction=40,
                      hnsw_ef_search=64, delta_capacity=16)
@@ -519,3 +520,29 @@ def test_a_graph_merged_since_the_last_save_is_written_though_it_took_the_old_on
     (entry,) = json.loads(open(os.path.join(snap, "manifest.json")).read())["namespaces"]
     saved = np.load(os.path.join(snap, entry["stem"] + ".labels.npy"))
     assert saved.tolist() == c.index_of(A).saved_main()[1].tolist()
+
+
+def test_a_save_walks_the_namespaces_outside_the_cache_lock(make_cfg, emb, clock, caches,
+                                                            tmp_path, monkeypatch):
+    """Chat traffic holds up to a namespace per entry (2M a shard): walked under the lock,
+    every save held each Lookup and Store for the whole walk. A namespace emptied during the
+    walk is not saved (an erasure)."""
+    cfg, snap = settings(make_cfg), str(tmp_path / "snap")
+    c = filled(cfg, emb, clock, snap, caches)
+    for i in range(60):
+        c.store_entry(C, f"c{i}", "a")
+    c.index_of(C).compact()
+    real, locked = NamespaceIndex.saved_graph, []
+
+    def watched(index):
+        locked.append(c._lock._is_owned())
+        if index is c.index_of(C):
+            c.invalidate_namespace(C)  # emptied between the walk and the save
+        return real(index)
+
+    monkeypatch.setattr(NamespaceIndex, "saved_graph", watched)
+    assert c.save_snapshot(snap) == 1  # A's graph; not C's, emptied meanwhile
+    assert len(locked) == 3 and not any(locked)
+    monkeypatch.undo()
+    r = opened(cfg, emb, clock, snap, caches)
+    assert r.graphs_adopted == 1 and r.index_of(C) is None
