@@ -29,16 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import resource
 import tempfile
 import time
 import tracemalloc
 from pathlib import Path
 
-import numpy as np
-
+from benchmarks import rss_bytes
+from benchmarks.semantic_bare import HashEmbedder, bare_cache
 from services.semantic.cache import Namespace, SemanticCache
-from services.semantic.config import SemanticConfig
 from services.semantic.store import EntryStore
 
 DIM = 384
@@ -47,30 +45,13 @@ LIVE_STORES = 200_000
 INVALIDATES = 1000  # each ~4 ms (a SQLite delete and a WAL truncation): not half of 100k
 
 
-class _Embedder:
-    name = identity = "hash@namespace_scale"
-    dim = DIM
-
-    def embed(self, texts: list[str]) -> np.ndarray:
-        return np.stack([self.embed_one(t) for t in texts])
-
-    def embed_one(self, text: str) -> np.ndarray:
-        v = np.random.default_rng(abs(hash(text)) % 2**32).standard_normal(DIM)
-        return (v / np.linalg.norm(v)).astype(np.float32)
-
-
-def _rss_mb() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * resource.getpagesize() / 2**20
-
-
 def _ns(i: int) -> Namespace:
     return Namespace(f"t{i % 100}", "m", f"{i:032x}")
 
 
 def _fill(db: str, n: int, per: int) -> None:
     store = EntryStore(db, "OFF")
-    emb = _Embedder()
+    emb = _embedder()
     rows = []
     for i in range(n):
         ns = _ns(i)
@@ -87,12 +68,16 @@ def _fill(db: str, n: int, per: int) -> None:
     store.close()
 
 
+def _embedder() -> HashEmbedder:
+    return HashEmbedder(DIM, "hash@namespace_scale")
+
+
 def _cache(db: str, n: int, per: int) -> SemanticCache:
-    cfg = SemanticConfig(address="127.0.0.1:0", metrics_port=-1, db_path=db,
-                         max_entries_total=max(2 * n * per, 1000), guard_tiers=(),
-                         verifier_tiers=())
-    cfg.validate()
-    return SemanticCache(cfg, _Embedder(), EntryStore(db, "NORMAL"))
+    return bare_cache(db, max(2 * n * per, 1000), _embedder())
+
+
+def _rss_mb() -> float:
+    return rss_bytes() / 2**20
 
 
 def _run(n: int, per: int, db: str, out) -> None:

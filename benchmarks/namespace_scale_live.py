@@ -21,6 +21,7 @@ import grpc
 from tiercache.v1 import semantic_pb2 as pb
 from tiercache.v1 import semantic_pb2_grpc as pbg
 
+from benchmarks import rss_bytes
 from services.launcher import free_port
 
 CALLS = 100
@@ -51,8 +52,7 @@ def _stop(p: subprocess.Popen) -> None:
 
 
 def _rss_mb(p: subprocess.Popen) -> float:
-    with open(f"/proc/{p.pid}/status") as f:
-        return next(int(x.split()[1]) for x in f if x.startswith("VmRSS")) / 1024
+    return rss_bytes(p.pid) / 2**20
 
 
 def _ns(i: int) -> pb.Namespace:

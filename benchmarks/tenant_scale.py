@@ -23,12 +23,9 @@ import time
 import tracemalloc
 from pathlib import Path
 
-import numpy as np
-
+from benchmarks.semantic_bare import HashEmbedder, bare_cache
 from services.orchestrator.tenants import TenantRegistry
-from services.semantic.cache import Namespace, SemanticCache
-from services.semantic.config import SemanticConfig
-from services.semantic.store import EntryStore
+from services.semantic.cache import Namespace
 
 CALLS = 20_000
 STORES = 100
@@ -68,33 +65,16 @@ def registry(n: int, folder: Path) -> dict:
             "rate_and_slot_us": round(limits / CALLS * 1e6, 2)}
 
 
-class _Embedder:
-    """A vector from each text's hash: the eviction, not the embedding, is measured."""
-
-    name = identity = "hash@tenant_scale"
-    dim = 16
-
-    def embed(self, texts: list[str]) -> np.ndarray:
-        out = np.stack([np.random.default_rng(abs(hash(t)) % 2**32).standard_normal(self.dim)
-                        for t in texts]).astype(np.float32)
-        return out / np.linalg.norm(out, axis=1, keepdims=True)
-
-    def embed_one(self, text: str) -> np.ndarray:
-        return self.embed([text])[0]
-
-
 def semantic(n: int, folder: Path) -> dict:
-    cfg = SemanticConfig(address="127.0.0.1:0", metrics_port=-1,
-                         db_path=str(folder / f"semantic-{n}.db"), max_entries_total=n,
-                         guard_tiers=(), verifier_tiers=())
-    cfg.validate()
     now = [1e6]
 
     def clock() -> float:
         now[0] += 0.001
         return now[0]
 
-    cache = SemanticCache(cfg, _Embedder(), EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    # A vector from each text's hash: the eviction, not the embedding, is measured.
+    cache = bare_cache(str(folder / f"semantic-{n}.db"), n, HashEmbedder(16, "hash@tenant_scale"),
+                       clock)
     cache.load()
     for i in range(n):
         cache.store_entry(Namespace(f"t{i}", "m", ""), f"question {i}", "answer")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from benchmarks import tenant_scale as ts
+from services.semantic.cache import SemanticCache
 
 
 def test_the_registry_figures_are_of_a_file_of_that_many_tenants(tmp_path):
@@ -13,14 +14,14 @@ def test_the_registry_figures_are_of_a_file_of_that_many_tenants(tmp_path):
 
 def test_each_timed_store_at_capacity_evicts_one_entry(tmp_path, monkeypatch):
     evicted = []
-    real = ts.SemanticCache.close_indexes
+    real = SemanticCache.close_indexes
 
     def counted(self, *a):
         s = self.stats()
         evicted.append((s.entries, s.evictions_total))
         return real(self, *a)
 
-    monkeypatch.setattr(ts.SemanticCache, "close_indexes", counted)
+    monkeypatch.setattr(SemanticCache, "close_indexes", counted)
     out = ts.semantic(20, tmp_path)
     assert set(out) == {"tenants", "store_at_capacity_distinct_ms", "store_at_capacity_tied_ms"}
     assert evicted == [(20, 2 * ts.STORES)]
