@@ -732,3 +732,114 @@ def test_flushes_between_every_step_change_no_running_requests_tokens(make_engin
     got = drive(eng, reqs, lambda e: flushes.append(e.flush_salt("a")))
     assert [toks for toks, _ in got] == want
     assert any(kept for _, kept in flushes) and any(dropped for dropped, _ in flushes)
+
+
+def _assert_only_running_kv(eng) -> None:
+    """What a flush leaves: every free block zero, and every working row zero past the tokens
+    its running sequence computed (all of it for a row none holds)."""
+    assert not eng.store.blocks[eng.pool.free_blocks()].any(), "a free block kept its KV"
+    held = {s.row: s.num_computed for s in eng._running()}  # noqa: SLF001
+    for row in range(eng.store.max_rows):
+        assert not eng.store.rows[:, :, row, :, held.get(row, 0):].any(), f"row {row} kept KV"
+
+
+def test_a_flush_after_every_step_zeroes_what_each_write_path_left(make_engine,
+                                                                   tiny_model) -> None:
+    """Flush zeroes only what was written since the last zeroing (each block and each row's
+    extent noted as written): every path that writes K/V must be noted, or a flush leaves
+    it. Prefill chunks, batched decode steps, a draft whose wrong tokens roll back, a tree
+    verified and moved down its row, a copy-on-write prefix and a fully cached pure prefill
+    (a row loaded with no forward), rows moved as requests end: after each step's flush only
+    the running requests' own KV is left, and the tokens are those of an engine never
+    flushed."""
+    from tests.assisted.test_draft_tree import crafted
+
+    px, pt = prompt(20, 81), prompt(13, 4)
+    ref_t = reference_greedy(tiny_model, pt, 40)
+    py = prompt(9, 63)
+    ref_y = reference_greedy(tiny_model, py, 16)
+    wrong = [t if i % 3 else (t + 7) % 127 for i, t in enumerate(ref_y)]
+    reqs = [request(px, 10, "a", rid="x", ignore_eos=True),
+            request(py, 16, "b", rid="y", ignore_eos=True, draft=wrong),
+            request(pt, 40, "b", rid="t", ignore_eos=True, draft=crafted(ref_t)[0]),
+            EngineRequest("w", px, SamplingSpec(max_tokens=1), "a", prefill_only=True),
+            request(px, 6, "a", rid="v", ignore_eos=True)]  # 19 of 20 cached: a COW
+    plain = make_engine(num_blocks=64, max_batch_size=3, max_prefill_chunk=8)
+    by_hand(plain)
+    want = [toks for toks, _ in drive(plain, reqs, lambda e: None)]
+    eng = make_engine(num_blocks=64, max_batch_size=3, max_prefill_chunk=8)
+    by_hand(eng)
+    salts = iter(["b", "zz"] * 1000)  # "a" stays cached for "w" and "v"
+
+    def flush(e) -> None:
+        e.flush_salt(next(salts))
+        _assert_only_running_kv(e)
+
+    got = drive(eng, reqs, flush)
+    assert [toks for toks, _ in got] == want
+    st = eng.stats()
+    assert st.draft_tree_forwards_total >= 1
+    assert st.draft_tokens_proposed_total > st.draft_tokens_accepted_total
+    assert got[3][1].cached_tokens == 20 and got[4][1].cached_tokens == 19
+
+
+def test_a_flush_zeroes_a_row_a_longer_request_left_under_a_shorter_ones(make_engine) -> None:
+    """A row's written extent only grows until a flush: a short request after a long one on
+    the same row writes less than the long one left there, which the flush still zeroes."""
+    eng = make_engine(num_blocks=64, max_batch_size=1)
+    by_hand(eng)
+    drive(eng, [request(prompt(30, 82), 6, "a", rid="long", ignore_eos=True)], lambda e: None)
+    drive(eng, [request(prompt(5, 83), 2, "b", rid="short", ignore_eos=True)], lambda e: None)
+    assert eng.store.rows[:, :, 0, :, 20:35].any()
+    eng.flush_salt("a")
+    _assert_only_running_kv(eng)
+    assert not eng.store.rows.any()
+
+
+def test_a_flush_zeroes_the_kv_a_row_move_brought_in_before_its_request_ended(
+        make_engine) -> None:
+    """A request ending moves the prefilling one down into its row; that one cancelled
+    before its next forward leaves the row holding the KV the move copied there, further
+    than anything written to that row itself: a flush zeroes it."""
+    eng = make_engine(num_blocks=64, max_batch_size=2)
+    by_hand(eng)
+    _, short = eng.submit(request(prompt(5, 84), 4, "b", rid="s", ignore_eos=True))
+    sid, long = eng.submit(request(prompt(40, 85), 4, "a", rid="l", ignore_eos=True))
+    while short.empty() or not isinstance(short.queue[-1], Finished):
+        eng._drain_inbox(block=False)
+        eng._step()
+    moved = eng._by_id[sid]  # noqa: SLF001
+    assert moved.row == 0 and moved.num_computed > 10
+    assert eng.store.rows[:, :, 0, :, 10:moved.num_computed].any()
+    eng.cancel(sid)
+    eng._drain_inbox(block=False)
+    assert isinstance(collect(long, timeout=1)[1], Failed)
+    eng.flush_salt("a")
+    _assert_only_running_kv(eng)
+    assert not eng.store.rows.any()
+
+
+def test_a_flush_zeroes_a_block_copied_for_a_request_that_failed_before_computing(
+        make_engine, monkeypatch) -> None:
+    """A copy-on-write fills a new block with the cached one's KV at admission; a request
+    refused right after (no memory for its rows) frees that block unwritten otherwise. The
+    flush zeroes it with the tenant's other blocks."""
+    eng = make_engine(num_blocks=64, block_size=4)
+    by_hand(eng)
+    p = prompt(12, 86)
+    drive(eng, [request(p, 2, "a", rid="first")], lambda e: None)
+    eng.flush_salt("zz")  # every free block zero: only the copy can dirty one
+    _assert_only_running_kv(eng)
+
+    def no_memory(num_tokens: int) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    monkeypatch.setattr(eng.store, "ensure_capacity", no_memory)
+    _, out = eng.submit(request(p, 2, "a", rid="cow"))
+    eng._drain_inbox(block=False)
+    eng._step()
+    assert isinstance(collect(out, timeout=1)[1].error, errors.Overloaded)
+    monkeypatch.undo()
+    assert eng.store.blocks[eng.pool.free_blocks()].any()  # the copy, freed
+    eng.flush_salt("zz")
+    _assert_only_running_kv(eng)
