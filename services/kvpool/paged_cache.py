@@ -15,6 +15,11 @@ pool always holds every full block and later requests can reuse it.
 Rows of the sequences decoded together are kept contiguous (0..B-1), so a batched decode reads
 `rows[l, 0, :B, :, :kv_len]` as a view — no per-step copy. Keys are stored after RoPE: a block is
 only valid at its own absolute position, which is exactly how prefix reuse uses it.
+
+Erasure (`zero_blocks`, `zero_unused_rows`) zeroes only what may be non-zero: the store notes
+each block written since it was last zeroed and each row's written extent (its highest slot
+written + 1 since then). Every write to either tensor goes through this module (a forward's
+through `PagedCache.begin`'s plan), which notes it.
 """
 
 from __future__ import annotations
@@ -62,6 +67,8 @@ class KvStore:
                                   dtype=dtype, device=self.device)
         self.capacity = 0
         self.rows = torch.zeros(0)
+        self._dirty: set[int] = set()  # blocks written since they were last zeroed
+        self._extent = [0] * max_rows  # per row: slots from here on are zero
         self.ensure_capacity(min(initial_capacity, self._round(max_context)))
 
     @staticmethod
@@ -109,6 +116,7 @@ class KvStore:
         """Gather the first `num_tokens` tokens of a sequence from its pool blocks into `row`."""
         if num_tokens <= 0:
             return
+        self.wrote(row, num_tokens)
         bs = self.block_size
         full, rem = divmod(num_tokens, bs)
         # One strided copy per run of consecutive block ids, straight into the row: a gather
@@ -132,31 +140,49 @@ class KvStore:
         src = self.rows[:, :, row, :, s:s + nb * bs].reshape(
             self.num_layers, 2, self.kv_heads, nb, bs, self.head_dim).permute(3, 0, 1, 2, 4, 5)
         idx = torch.tensor(block_ids, device=self.device)
+        self._dirty.update(block_ids)
         self.blocks.index_copy_(0, idx, src)
 
-    def zero_blocks(self, block_ids: list[int]) -> None:
-        """Overwrite the given pool blocks with zeros, every layer's K and V (one fill): an
-        erased tenant's KV must not stay in memory until the next allocation writes there."""
-        if block_ids:
-            self.blocks.index_fill_(0, torch.tensor(block_ids, device=self.device), 0)
+    def wrote(self, row: int, end: int) -> None:
+        """Note that `row`'s slots before `end` may hold K/V (for `zero_unused_rows`)."""
+        if end > self._extent[row]:
+            self._extent[row] = end
 
-    def zero_unused_rows(self, held: dict[int, int]) -> None:
+    def zero_blocks(self, block_ids: list[int]) -> int:
+        """Overwrite the given pool blocks with zeros, every layer's K and V (one fill): an
+        erased tenant's KV must not stay in memory until the next allocation writes there.
+        Blocks not written since they were last zeroed (or made) are zero already and left
+        alone. Returns how many were zeroed."""
+        ids = [bid for bid in block_ids if bid in self._dirty]
+        if ids:
+            self.blocks.index_fill_(0, torch.tensor(ids, device=self.device), 0)
+            self._dirty.difference_update(ids)
+        return len(ids)
+
+    def zero_unused_rows(self, held: dict[int, int]) -> int:
         """Overwrite with zeros every working-row slot no running sequence holds: each row not
         in `held` (row -> tokens its sequence has computed), whose ended sequence left its KV
-        there, and each held row past its tokens (a longer sequence's before it)."""
-        idle = [r for r in range(self.max_rows) if r not in held]
-        if idle:
-            self.rows.index_fill_(2, torch.tensor(idle, device=self.device), 0)
-        for row, n in held.items():
-            self.rows[:, :, row, :, n:].zero_()
+        there, and each held row past its tokens (a longer sequence's, or rejected draft
+        tokens). Only up to each row's written extent: past it the row is zero already.
+        Returns the slots zeroed."""
+        zeroed = 0
+        for row, end in enumerate(self._extent):
+            keep = held.get(row, 0)
+            if end > keep:
+                self.rows[:, :, row, :, keep:end].zero_()
+                self._extent[row] = keep
+                zeroed += end - keep
+        return zeroed
 
     def copy_block(self, src: int, dst: int) -> None:
+        self._dirty.add(dst)
         self.blocks[dst] = self.blocks[src]
 
     def move_slots(self, row: int, src: list[int], dst: list[int]) -> None:
         """Copy the K/V of `row`'s slots `src` to its slots `dst` (all read before any is
         written): a tree's accepted path, moved to where its positions belong."""
         if src:
+            self.wrote(row, max(dst) + 1)
             r = self.rows[:, :, row]
             r[:, :, :, torch.tensor(dst, device=self.device)] = \
                 r[:, :, :, torch.tensor(src, device=self.device)]
@@ -164,6 +190,7 @@ class KvStore:
     def move_row(self, src: int, dst: int, num_tokens: int) -> None:
         """Move a sequence's working row (to keep decoding rows contiguous)."""
         if src != dst and num_tokens > 0:
+            self.wrote(dst, num_tokens)
             self.rows[:, :, dst, :, :num_tokens] = self.rows[:, :, src, :, :num_tokens]
 
     def nbytes(self) -> tuple[int, int]:
@@ -249,6 +276,8 @@ class PagedCache(Cache):
             and all(len(d) == len(v) == plan.q_len
                     for d, v in zip(plan.depths, plan.visible, strict=True)))
         self.store.ensure_capacity(plan.kv_len)
+        for b, start in enumerate(plan.starts):  # what the layers' `update` writes
+            self.store.wrote(plan.row0 + b, start + plan.q_len)
         self.plan = plan
         self._idx = None
         self._pos = None

@@ -59,3 +59,37 @@ def test_rows_grow_to_the_next_rung_where_the_ladder_is_not_powers_of_two() -> N
     assert s.capacity == 20
     s.ensure_capacity(21)
     assert s.capacity == 36
+
+
+def test_zeroing_reaches_what_each_row_write_path_wrote_and_skips_what_is_zero() -> None:
+    """Erasure fills only what was written since the last zeroing: each row up to the
+    furthest slot a load, a forward's plan, a slot move or a row move wrote. A write one of
+    them failed to note would stay in memory; a second zeroing with nothing written since
+    fills nothing."""
+    from services.kvpool.paged_cache import ForwardPlan, PagedCache
+
+    s = rows_of(16, max_context=16)
+    s.blocks.normal_()
+    s.load_row(0, [0, 1], 6)  # slots 0..5
+    s.move_slots(0, [1], [9])  # slot 9, past every slot written before
+    s.move_row(0, 1, 10)  # row 1: slots 0..9
+    PagedCache(s).begin(ForwardPlan(1, [10], 3))  # a forward's K/V go to row 1, 10..12
+    s.rows[:, :, 1, :, 10:13] = 1.0
+    assert s.rows[:, :, 0, :, 9].any() and s.rows[:, :, 1, :, 12].all()
+    assert s.zero_unused_rows({1: 4}) == 10 + (13 - 4)
+    assert not s.rows[:, :, 0].any() and not s.rows[:, :, 1, :, 4:].any()
+    assert s.rows[:, :, 1, :, :4].any()  # a running sequence's own tokens are kept
+    assert s.zero_unused_rows({1: 4}) == 0
+
+
+def test_zeroing_blocks_fills_those_written_since_they_were_last_zeroed() -> None:
+    """A block a row was stored into or a copy-on-write filled is zeroed; one never written,
+    or zeroed since, is skipped (it is zero already)."""
+    s = rows_of(16, max_context=16)
+    s.rows.normal_()
+    s.store_blocks(0, [2], 0)
+    s.copy_block(2, 3)
+    assert s.blocks[2].any() and s.blocks[3].any()
+    assert s.zero_blocks([0, 1, 2, 3]) == 2
+    assert not s.blocks.any()
+    assert s.zero_blocks([0, 1, 2, 3]) == 0
