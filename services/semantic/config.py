@@ -210,6 +210,30 @@ class SemanticConfig:
         require_listen_address(self.address, s)
         require(-1 <= self.metrics_port <= 65535, s, "metrics_port",
                 "must be -1 (off), 0 or a port")
+        self._check_embedding()
+        require(self.sqlite_synchronous.upper() in ("FULL", "NORMAL", "EXTRA"), s,
+                "sqlite_synchronous", "must be FULL, NORMAL or EXTRA")
+        self._check_index()
+        self._check_tiers()
+        require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
+        require(self.index_close_seconds >= 0, s, "index_close_seconds", "must be >= 0")
+        # A floor: 1e-9 was taken, and the housekeeper then saved ~8,000 times a second, each
+        # save under the lock every lookup takes.
+        require(self.snapshot_interval_s == 0 or self.snapshot_interval_s >= 1, s,
+                "snapshot_interval_s", "must be 0 (saved only on stop) or >= 1")
+        require(self.max_tenant_chars >= 64, s, "max_tenant_chars",
+                "must be >= 64 (it also bounds model ids; below that every request is refused)")
+        self._check_hit_rules()
+        self._check_ttls()
+        self._check_sizes()
+        self._check_folders()
+        # A floor: 1e-9 spun a core purging nothing (362 CPU ticks per 10 s idle, against 2).
+        require(self.expiry_interval_s >= 0.1, s, "expiry_interval_s", "must be >= 0.1")
+        self._check_model_name()
+
+    def _check_embedding(self) -> None:
+        """`validate`'s checks of the embedding model and how it is run."""
+        s = SERVICE
         md = self.resolved_model_dir()
         require(bool(md) and os.path.isdir(md), s, "model_dir",
                 f"not a sentence-transformers folder: {md!r}")
@@ -221,8 +245,11 @@ class SemanticConfig:
                 f"must be one of {', '.join(EXPORTERS)}, got {self.onnx_exporter!r}")
         require(1 <= self.max_batch <= 1024, s, "max_batch", "must be in [1, 1024]")
         require(0 <= self.batch_wait_ms <= 100, s, "batch_wait_ms", "must be in [0, 100]")
-        require(self.sqlite_synchronous.upper() in ("FULL", "NORMAL", "EXTRA"), s,
-                "sqlite_synchronous", "must be FULL, NORMAL or EXTRA")
+
+    def _check_index(self) -> None:
+        """`validate`'s checks of the per-namespace index (exact search, then HNSW); the
+        upper bounds as `_check_embedding`'s."""
+        s = SERVICE
         require(self.hnsw_min_entries >= 1, s, "hnsw_min_entries", "must be >= 1")
         require(4 <= self.hnsw_m <= 128, s, "hnsw_m", "must be in [4, 128]")
         require(8 <= self.hnsw_ef_construction <= 32768, s, "hnsw_ef_construction",
@@ -230,6 +257,11 @@ class SemanticConfig:
         require(8 <= self.hnsw_ef_search <= 32768, s, "hnsw_ef_search", "must be in [8, 32768]")
         require(1 <= self.faiss_threads <= 1024, s, "faiss_threads", "must be in [1, 1024]")
         require(self.delta_capacity >= 1, s, "delta_capacity", "must be >= 1")
+
+    def _check_tiers(self) -> None:
+        """`validate`'s checks of the three tiers' thresholds: each in [threshold_floor, 1],
+        and relaxed <= standard <= strict."""
+        s = SERVICE
         for name in ("tier_strict", "tier_standard", "tier_relaxed"):
             v = getattr(self, name)
             require(self.threshold_floor <= v <= 1.0, s,
@@ -243,14 +275,11 @@ class SemanticConfig:
                 moved(self, "tier_relaxed", "tier_standard"), crossing)
         require(self.tier_standard <= self.tier_strict, s,
                 moved(self, "tier_strict", "tier_standard"), crossing)
-        require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
-        require(self.index_close_seconds >= 0, s, "index_close_seconds", "must be >= 0")
-        # A floor: 1e-9 was taken, and the housekeeper then saved ~8,000 times a second, each
-        # save under the lock every lookup takes.
-        require(self.snapshot_interval_s == 0 or self.snapshot_interval_s >= 1, s,
-                "snapshot_interval_s", "must be 0 (saved only on stop) or >= 1")
-        require(self.max_tenant_chars >= 64, s, "max_tenant_chars",
-                "must be >= 64 (it also bounds model ids; below that every request is refused)")
+
+    def _check_hit_rules(self) -> None:
+        """`validate`'s checks of what else decides a hit: the default tier, the floor and
+        bonus, the draft floor, and the tiers the guard and the verifier judge."""
+        s = SERVICE
         require(self.default_tier in ("strict", "standard", "relaxed"), s, "default_tier",
                 "must be strict, standard or relaxed")
         require(0.0 < self.threshold_floor <= 1.0, s, "threshold_floor", "must be in (0, 1]")
@@ -271,6 +300,10 @@ class SemanticConfig:
                     f"({','.join(self.guard_tiers) or 'none'}): the guard is the verifier's veto")
         require(not self.verifier_path or os.path.isfile(self.resolved_verifier_path()), s,
                 "verifier_path", f"no such file: {self.verifier_path!r}")
+
+    def _check_ttls(self) -> None:
+        """`validate`'s checks of the entries' TTLs."""
+        s = SERVICE
         require(self.default_ttl_seconds >= 0, s, "default_ttl_seconds", "must be >= 0")
         require(self.max_ttl_seconds >= self.default_ttl_seconds, s,
                 moved(self, "default_ttl_seconds", "max_ttl_seconds"),
@@ -281,6 +314,10 @@ class SemanticConfig:
         require(self.max_ttl_seconds >= 1, s, "max_ttl_seconds", "must be >= 1")
         require(self.max_ttl_seconds <= 2**32 - 1, s, "max_ttl_seconds",
                 "must fit the API's uint32 ttl_seconds (<= 4294967295)")
+
+    def _check_sizes(self) -> None:
+        """`validate`'s checks of how many entries are kept and how large one may be."""
+        s = SERVICE
         require(self.max_entries_per_namespace >= 1, s, "max_entries_per_namespace", ">= 1")
         require(self.max_entries_total >= 1, s, "max_entries_total", "must be >= 1")
         require(self.max_entries_per_tenant >= 0, s, "max_entries_per_tenant",
@@ -298,9 +335,10 @@ class SemanticConfig:
                 f"{self.max_answer_chars}, an entry could take {worst} bytes, past the "
                 f"{DEFAULT_MAX_MESSAGE_BYTES}-byte gRPC message limit (4 x max_text_chars + "
                 "24 x max_answer_chars + 64 KiB must fit)")
-        self._check_folders()
-        # A floor: 1e-9 spun a core purging nothing (362 CPU ticks per 10 s idle, against 2).
-        require(self.expiry_interval_s >= 0.1, s, "expiry_interval_s", "must be >= 0.1")
+
+    def _check_model_name(self) -> None:
+        """`validate`'s check of `model_name`, a folder name under the ONNX cache."""
+        s = SERVICE
         name = self.model_name
         # A folder name under the ONNX cache: "../x" or "/abs" put the export outside it.
         require(not name or (name.isprintable() and name not in (".", "..")
