@@ -6,6 +6,7 @@ so these tests place entries at exact cosines instead of hunting for sentences t
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 import threading
 
@@ -325,6 +326,41 @@ def test_load_counts_what_it_evicts_and_expires(make_cache, make_cfg, emb, clock
         assert again.load() == 2
         s = again.stats()
         assert (s.evictions_total, s.expirations_total) == (1, 1)
+    finally:
+        again.store.close()
+
+
+def test_load_logs_what_it_loaded_expired_evicted_and_replaced(make_cache, make_cfg, emb,
+                                                               clock, caplog):
+    """The start's summary line counts each way a row was left out: expired, over a lowered
+    limit, replaced by a newer answer (a replacing Store killed between its two writes). The
+    evicted are the least recently used of the namespace over its limit."""
+    c = make_cache()
+    c.store_entry(A, "expiring", "x", ttl_seconds=60)
+    for i in range(3):
+        clock.t += 1
+        c.store_entry(A, f"question {i}", f"answer {i}", ttl_seconds=86_400)
+    c.store_entry(B, "other", "y", ttl_seconds=86_400)
+    clock.t += 1
+    c.store.insert(id="crashed-replacement", tenant=B.tenant, model_id=B.model_id,
+                   context_hash=B.context_hash, prompt="other", answer="z",
+                   embedding=emb.embed_one("other"), embed_model=c._embed_id, verified=False,
+                   created_at=clock.t, ttl_seconds=86_400)
+    c.store.close()
+    clock.t += 61
+    cfg = make_cfg(guard_tiers=(), verifier_tiers=(), max_entries_per_namespace=2)
+    again = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
+    try:
+        with caplog.at_level(logging.INFO, logger="services.semantic.cache"):
+            assert again.load() == 3
+        assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded")] \
+            == ["loaded 3 entries in 2 namespaces (1 expired, 1 over capacity, 1 replaced by a "
+                "newer answer to the same prompt; 0 HNSW graphs taken from the snapshot, not "
+                "built)"]
+        assert sorted(e.prompt for e in again._entries.values()) == [
+            "other", "question 1", "question 2"]
+        assert again.lookup(B, "other").entry.answer == "z"
+        again.check_integrity()
     finally:
         again.store.close()
 
