@@ -130,6 +130,10 @@ class Entry:
         return now >= self.expires_at()
 
 
+# Each namespace's entries and their vectors, as `load` reads them from SQLite.
+_Groups = dict[Namespace, tuple[list[Entry], list[np.ndarray]]]
+
+
 class SteadyWallClock:
     """Seconds since the epoch that a step of the system clock does not move: the wall clock
     read once, then advanced by the monotonic clock. TTLs count elapsed time: on the wall
@@ -1403,69 +1407,15 @@ class SemanticCache:
         graph when it matches the namespace's entries (services/semantic/snapshot.py);
         `graphs_adopted` says how many were.
         """
-        now = self.clock()
-        ahead = self.store.clamp_future(now)
-        if ahead:
-            log.warning("%d entries were stamped after now (the clock ran ahead when they were "
-                        "written): their TTL counts from now", ahead)
-        self._cap_ttls_at_load()
-        newest, replaced = self._newest_rows()
-        stale = [r.label for r in newest.values() if self._expired_row(r, now)]
-        live = [r for r in newest.values() if not self._expired_row(r, now)]
-        del newest
-        self._reembed(live)
-        groups = self._group_rows(live)
-        del live  # the rows: only each namespace's entries and per-row vectors are left
+        groups, stale, replaced = self._rows_at_load(self.clock())
         self._delete_at_load(stale + replaced, "expired or replaced")
         saved = issued = None
         if snapshot_path:
             saved = Saved(snapshot_path, self._params, self._embed_id)
             issued = self.store.labels_issued()
-        adopted = 0
         with self._lock:
-            # One namespace at a time, its per-row vectors let go as soon as they are stacked:
-            # kept until the end, every row's array stayed alive beside the stacked copy, the
-            # index's copy and faiss's copy of each namespace (the peak of a restart).
-            for ns in list(groups):
-                es, vs = groups.pop(ns)
-                vecs = np.stack(vs)
-                vs.clear()
-                index = self._indexes[ns] = NamespaceIndex(self._params)
-                labels = np.array([e.label for e in es], np.int64)
-                # A namespace shrunk below `hnsw_min_entries` since the save is built flat
-                # (moments), as a merge would build it: its saved graph is not even read.
-                got = (saved.take(tuple(ns)) if saved is not None
-                       and len(labels) >= self._params.hnsw_min_entries else None)
-                if got is not None and index.adopt(got[0], got[1], labels, vecs, issued):
-                    adopted += 1
-                else:
-                    if got is not None:
-                        log.warning("the saved HNSW graph of a namespace of tenant %r does not "
-                                    "match its entries in SQLite (none of its entries is live "
-                                    "any more, another database, a backup restored since, or "
-                                    "vectors re-embedded): built again",
-                                    ns.tenant)
-                    index.add_many(labels, vecs)
-                del vecs, got
-                self._ns_lru[ns] = OrderedDict()
-                for e in sorted(es, key=Entry.used_at):
-                    self._entries[e.label] = e
-                    self._by_id[e.id] = e.label
-                    self._by_prompt[(ns, e.prompt)] = e.label
-                    self._ns_lru[ns][e.label] = None
-            self._top_label = max(self._top_label, max(self._entries, default=-1))
-            for e in sorted(self._entries.values(), key=Entry.used_at):
-                self._tenant_lru.setdefault(e.namespace.tenant, OrderedDict())[e.label] = None
-            self._dirty.update(self._tenant_lru)
-            # Limits lowered since the entries were written: each namespace's excess first,
-            # then what is still over the global limit (choosing both before dropping would
-            # count global victims twice and drop more than needed).
-            victims = [lab for ns in self._ns_lru for lab in self._ns_excess_locked(ns)]
-            for tenant in list(self._tenant_lru):
-                victims += self._tenant_excess_locked(tenant, victims)
-            victims += self._global_excess_locked(victims)
-            for lab in victims:
-                self._drop_locked(lab)
+            adopted = self._load_namespaces_locked(groups, saved, issued)
+            victims = self._evict_at_load_locked()
             self._evicted += len(victims)
             self._expired += len(stale)
             self._expiry_heap = [(e.expires_at(), lab) for lab, e in self._entries.items()
@@ -1486,6 +1436,85 @@ class SemanticCache:
                  "snapshot, not built)", len(self._entries), len(self._indexes),
                  len(stale), len(victims), len(replaced), adopted)
         return len(self._entries)
+
+    def _rows_at_load(self, now: float) -> tuple[_Groups, list[int], list[int]]:
+        """`load`'s reading of SQLite: the live rows' entries and vectors by namespace (TTLs
+        counted from now where stamped ahead of it, and cut to today's limit; vectors of
+        another model re-embedded), and the labels of the rows expired and of those replaced
+        by a newer row of the same prompt."""
+        ahead = self.store.clamp_future(now)
+        if ahead:
+            log.warning("%d entries were stamped after now (the clock ran ahead when they were "
+                        "written): their TTL counts from now", ahead)
+        self._cap_ttls_at_load()
+        newest, replaced = self._newest_rows()
+        stale = [r.label for r in newest.values() if self._expired_row(r, now)]
+        live = [r for r in newest.values() if not self._expired_row(r, now)]
+        del newest
+        self._reembed(live)
+        return self._group_rows(live), stale, replaced
+
+    def _load_namespaces_locked(self, groups: _Groups, saved: Saved | None,
+                                issued: int | None) -> int:
+        """`load`'s step under the lock: each namespace's index and entries, least recently
+        used first; returns the saved graphs taken. Empties `groups` as it goes."""
+        adopted = 0
+        # One namespace at a time, its per-row vectors let go as soon as they are stacked:
+        # kept until the end, every row's array stayed alive beside the stacked copy, the
+        # index's copy and faiss's copy of each namespace (the peak of a restart).
+        for ns in list(groups):
+            es, vs = groups.pop(ns)
+            vecs = np.stack(vs)
+            vs.clear()
+            labels = np.array([e.label for e in es], np.int64)
+            if self._index_at_load_locked(ns, labels, vecs, saved, issued):
+                adopted += 1
+            del vecs
+            self._ns_lru[ns] = OrderedDict()
+            for e in sorted(es, key=Entry.used_at):
+                self._entries[e.label] = e
+                self._by_id[e.id] = e.label
+                self._by_prompt[(ns, e.prompt)] = e.label
+                self._ns_lru[ns][e.label] = None
+        self._top_label = max(self._top_label, max(self._entries, default=-1))
+        return adopted
+
+    def _index_at_load_locked(self, ns: Namespace, labels: np.ndarray, vecs: np.ndarray,
+                              saved: Saved | None, issued: int | None) -> bool:
+        """`ns`'s index at load: its saved graph taken if it matches the entries (True), else
+        built."""
+        index = self._indexes[ns] = NamespaceIndex(self._params)
+        # A namespace shrunk below `hnsw_min_entries` since the save is built flat
+        # (moments), as a merge would build it: its saved graph is not even read.
+        got = (saved.take(tuple(ns)) if saved is not None
+               and len(labels) >= self._params.hnsw_min_entries else None)
+        if got is not None and index.adopt(got[0], got[1], labels, vecs, issued):
+            return True
+        if got is not None:
+            log.warning("the saved HNSW graph of a namespace of tenant %r does not "
+                        "match its entries in SQLite (none of its entries is live "
+                        "any more, another database, a backup restored since, or "
+                        "vectors re-embedded): built again",
+                        ns.tenant)
+        index.add_many(labels, vecs)
+        return False
+
+    def _evict_at_load_locked(self) -> list[int]:
+        """`load`'s last step under the lock: the tenants' recency lists, then the entries
+        over limits lowered since they were written dropped from memory; returns them."""
+        for e in sorted(self._entries.values(), key=Entry.used_at):
+            self._tenant_lru.setdefault(e.namespace.tenant, OrderedDict())[e.label] = None
+        self._dirty.update(self._tenant_lru)
+        # Limits lowered since the entries were written: each namespace's excess first,
+        # then what is still over the global limit (choosing both before dropping would
+        # count global victims twice and drop more than needed).
+        victims = [lab for ns in self._ns_lru for lab in self._ns_excess_locked(ns)]
+        for tenant in list(self._tenant_lru):
+            victims += self._tenant_excess_locked(tenant, victims)
+        victims += self._global_excess_locked(victims)
+        for lab in victims:
+            self._drop_locked(lab)
+        return victims
 
     def save_snapshot(self, folder: str) -> int:
         """Writes every HNSW namespace's published graph to `folder` (on a clean stop, and
@@ -1588,10 +1617,9 @@ class SemanticCache:
                     replaced.append(r.label)
         return newest, replaced
 
-    def _group_rows(self, rows: list[Row]
-                    ) -> dict[Namespace, tuple[list[Entry], list[np.ndarray]]]:
+    def _group_rows(self, rows: list[Row]) -> _Groups:
         """Each namespace's entries and their vectors, in `rows`' order."""
-        groups: dict[Namespace, tuple[list[Entry], list[np.ndarray]]] = {}
+        groups: _Groups = {}
         for r in rows:
             ns = Namespace(r.tenant, r.model_id, r.context_hash)
             es, vs = groups.setdefault(ns, ([], []))
