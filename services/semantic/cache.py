@@ -253,6 +253,32 @@ def _metrics():
     }
 
 
+def _verifier_for(cfg: SemanticConfig, embedder: Embedder,
+                  guard: ParaphraseGuard) -> Verifier | None:
+    """The learned verifier of `cfg.verifier_tiers`; None when no tier has one, or when its
+    weights cannot judge this embedder's similarities (those tiers then keep the guard)."""
+    if not cfg.verifier_tiers:
+        return None
+    try:
+        verifier = Verifier(VerifierModel.load(cfg.resolved_verifier_path())
+                            if cfg.verifier_path else None, guard)
+    except StaleVerifier as e:
+        # Fitted on another version's features (an upgrade changed them, or a
+        # rollback): the verifier tiers keep the guard, as with weights fitted for
+        # another embedder below. It stopped every shard (exit 2).
+        log.warning("%s: %s; verifier off (guard only) until then", cfg.verifier_path, e)
+        return None
+    fitted_for = _fitted_elsewhere(verifier.model.meta or {}, embedder)
+    if fitted_for:
+        # Its weights read similarities of the model it was fitted with; another model's
+        # scale differs. Its tiers keep the guard (verifier tiers are guard tiers too).
+        log.warning("the verifier was fitted for %s, not %s: verifier off (guard only); "
+                    "fit one with python -m services.semantic.fit_verifier", fitted_for,
+                    getattr(embedder, "identity", embedder.name))
+        return None
+    return verifier
+
+
 def _fitted_elsewhere(meta: dict, embedder: Embedder) -> str:
     """The model a verifier's weights were fitted for, when it is not `embedder` ("" when it
     is). By the model's weights (`embedder_weights`, the part of its identity after "@") when
@@ -303,26 +329,7 @@ class SemanticCache:
         self.guard = ParaphraseGuard()
         self.guard_tiers = frozenset(cfg.guard_tiers)
         self.verifier_tiers = frozenset(cfg.verifier_tiers)
-        self.verifier: Verifier | None = None
-        if self.verifier_tiers:
-            try:
-                self.verifier = Verifier(VerifierModel.load(cfg.resolved_verifier_path())
-                                         if cfg.verifier_path else None, self.guard)
-            except StaleVerifier as e:
-                # Fitted on another version's features (an upgrade changed them, or a
-                # rollback): the verifier tiers keep the guard, as with weights fitted for
-                # another embedder below. It stopped every shard (exit 2).
-                log.warning("%s: %s; verifier off (guard only) until then", cfg.verifier_path,
-                            e)
-        fitted_for = (_fitted_elsewhere(self.verifier.model.meta or {}, embedder)
-                      if self.verifier else "")
-        if fitted_for:
-            # Its weights read similarities of the model it was fitted with; another model's
-            # scale differs. Its tiers keep the guard (verifier tiers are guard tiers too).
-            log.warning("the verifier was fitted for %s, not %s: verifier off (guard only); "
-                        "fit one with python -m services.semantic.fit_verifier", fitted_for,
-                        getattr(embedder, "identity", embedder.name))
-            self.verifier = None
+        self.verifier = _verifier_for(cfg, embedder, self.guard)
         self._params = IndexParams(embedder.dim, cfg.hnsw_min_entries, cfg.hnsw_m,
                                    cfg.hnsw_ef_construction, cfg.hnsw_ef_search,
                                    cfg.delta_capacity)
