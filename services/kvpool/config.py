@@ -196,6 +196,41 @@ class KvPoolConfig:
         """Fail fast with the name of the offending variable."""
         s = SERVICE
         require(bool(self.model.strip()), s, "model", MODEL_SPEC_RULE)
+        self._check_engine()
+        self._check_ids()
+        require(self.num_blocks <= MAX_BLOCKS, s, "num_blocks",
+                f"must be at most {MAX_BLOCKS:,} (a pool that large fits no memory)")
+        require(self.torch_threads <= MAX_THREADS, s, "torch_threads",
+                f"must be at most {MAX_THREADS}")
+        self._check_addresses()
+        require(-1 <= self.metrics_port <= 65535, s, "metrics_port",
+                "must be -1 (off), 0 or a port")
+        # Floors: at 1e-9 an idle replica sent the index ~1,500 heartbeats a second (half a
+        # core on each side), and its publisher woke as often.
+        require(self.heartbeat_seconds >= 0.1, s, "heartbeat_seconds",
+                f"must be >= 0.1, got {self.heartbeat_seconds}")
+        require(self.publish_interval_seconds >= 0.01, s, "publish_interval_seconds",
+                f"must be >= 0.01, got {self.publish_interval_seconds}")
+        require(self.eviction_policy in ("hybrid", "lru"), s, "eviction_policy",
+                "must be 'hybrid' or 'lru'")
+        self._check_decoding()
+        require(self.shallow_tokens >= 0, s, "shallow_tokens", "must be >= 0")
+        require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
+        require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
+        # Under a few seconds an idle engine's own wait between turns read as a stall: health
+        # stayed NOT_SERVING, and a liveness probe would restart the replica for good.
+        require(self.engine_stall_seconds == 0 or self.engine_stall_seconds >= 5, s,
+                "engine_stall_seconds",
+                f"must be 0 (off) or >= 5, got {self.engine_stall_seconds}")
+        require(self.send_stall_seconds == 0 or self.send_stall_seconds >= 1, s,
+                "send_stall_seconds", "must be 0 (off) or >= 1")
+        self._check_pinning()
+        require(self.torch_threads >= 0, s, "torch_threads", "must be >= 0")
+        require(self.one_thread_below >= 0, s, "one_thread_below", "must be >= 0")
+
+    def _check_engine(self) -> None:
+        """`validate`'s checks of where the model runs and what the engine holds and takes."""
+        s = SERVICE
         # N as torch reads it: "cuda:00" and non-ASCII digits passed, and torch refused them
         # only after the model had loaded (a traceback, exit 1).
         require(self.device == "cpu"
@@ -215,6 +250,11 @@ class KvPoolConfig:
         require(self.max_prefill_chunk >= 1, s, "max_prefill_chunk", "must be >= 1")
         require(self.max_new_tokens_limit >= 1, s, "max_new_tokens_limit", "must be >= 1")
         require(self.max_waiting >= 1, s, "max_waiting", "must be >= 1 (0 refuses everything)")
+
+    def _check_ids(self) -> None:
+        """`validate`'s checks of the replica id and model id, by the prefix index's rules at
+        Register: an id it refuses leaves the replica serving but never indexed."""
+        s = SERVICE
         # The index's rule (errors.blank): an id of only invisible characters ("\u3164")
         # passed strip() and isprintable(), and named a replica nobody could see in Stats.
         require(not blank(self.replica_id), s, "replica_id",
@@ -227,21 +267,11 @@ class KvPoolConfig:
                 s, "replica_id", "printable characters without spaces only")
         # The index refuses another at Register: the replica would serve but never be indexed.
         require_model_id(self.model_id, s)
-        require(self.num_blocks <= MAX_BLOCKS, s, "num_blocks",
-                f"must be at most {MAX_BLOCKS:,} (a pool that large fits no memory)")
-        require(self.torch_threads <= MAX_THREADS, s, "torch_threads",
-                f"must be at most {MAX_THREADS}")
-        self._check_addresses()
-        require(-1 <= self.metrics_port <= 65535, s, "metrics_port",
-                "must be -1 (off), 0 or a port")
-        # Floors: at 1e-9 an idle replica sent the index ~1,500 heartbeats a second (half a
-        # core on each side), and its publisher woke as often.
-        require(self.heartbeat_seconds >= 0.1, s, "heartbeat_seconds",
-                f"must be >= 0.1, got {self.heartbeat_seconds}")
-        require(self.publish_interval_seconds >= 0.01, s, "publish_interval_seconds",
-                f"must be >= 0.01, got {self.publish_interval_seconds}")
-        require(self.eviction_policy in ("hybrid", "lru"), s, "eviction_policy",
-                "must be 'hybrid' or 'lru'")
+
+    def _check_decoding(self) -> None:
+        """`validate`'s checks of drafting (lengths, branches, ladder and costs) and the
+        linear kernels."""
+        s = SERVICE
         require(1 <= self.max_draft_tokens <= 64, s, "max_draft_tokens", "must be in 1..64")
         require(1 <= self.draft_branches <= 16, s, "draft_branches", "must be in 1..16")
         require(self.linear_kernels in LINEAR_KERNELS, s, "linear_kernels",
@@ -258,24 +288,16 @@ class KvPoolConfig:
         require(self.draft_costs.strip() == "" or self.draft_ladder == "auto", s,
                 "draft_costs", "given with a fixed draft_ladder: the costs choose the lengths "
                 "'auto' would time them for (give one or the other)")
-        require(self.shallow_tokens >= 0, s, "shallow_tokens", "must be >= 0")
-        require(self.pin_ttl_max_seconds >= 1, s, "pin_ttl_max_seconds", "must be >= 1")
-        require(self.grace_seconds >= 0, s, "grace_seconds", "must be >= 0")
-        # Under a few seconds an idle engine's own wait between turns read as a stall: health
-        # stayed NOT_SERVING, and a liveness probe would restart the replica for good.
-        require(self.engine_stall_seconds == 0 or self.engine_stall_seconds >= 5, s,
-                "engine_stall_seconds",
-                f"must be 0 (off) or >= 5, got {self.engine_stall_seconds}")
-        require(self.send_stall_seconds == 0 or self.send_stall_seconds >= 1, s,
-                "send_stall_seconds", "must be 0 (off) or >= 1")
+
+    def _check_pinning(self) -> None:
+        """`validate`'s checks of the shares of the pool pinned blocks may hold."""
+        s = SERVICE
         require(0 < self.max_pinned_fraction <= 1, s, "max_pinned_fraction", "must be in (0, 1]")
         require(0 < self.max_pinned_per_tenant_fraction <= self.max_pinned_fraction, s,
                 moved(self, "max_pinned_per_tenant_fraction", "max_pinned_fraction")
                 if self.max_pinned_per_tenant_fraction > 0 else "max_pinned_per_tenant_fraction",
                 f"max_pinned_per_tenant_fraction ({self.max_pinned_per_tenant_fraction:g}) must "
                 f"be in (0, max_pinned_fraction ({self.max_pinned_fraction:g})]")
-        require(self.torch_threads >= 0, s, "torch_threads", "must be >= 0")
-        require(self.one_thread_below >= 0, s, "one_thread_below", "must be >= 0")
 
     def _check_addresses(self) -> None:
         """`validate`'s checks of where the replica listens, the prefix index it registers
