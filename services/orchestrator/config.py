@@ -210,16 +210,33 @@ class OrchestratorConfig:
             parse_token_pairs(self.tokens)
         except ValueError as exc:
             require(False, SVC, "tokens", str(exc).split(": ", 1)[-1])
-        require_listen_address(self.address, SVC)
-        require(bool(self.kvpool_addresses), SVC, "kvpool_addresses", "at least one replica")
-        require_addresses(self.kvpool_addresses, SVC, "kvpool_addresses", allow_none=False)
-        require_addresses(self.prefix_addresses, SVC, "prefix_addresses", allow_none=True)
-        require_shard_list(self.semantic_address, SVC, "semantic_address")
+        self._check_addresses()
         # As kvpool's (the block hasher's native chain takes at most 2^20, and the replicas'
         # blocks must be the same size anyway).
         require(1 <= self.block_size <= 1024, SVC, "block_size", "must be in 1..1024")
         # kvpool's rules for the same id (the index's at Register and Match).
         require_model_id(self.model_id, SVC)
+        self._check_request_limits()
+        self._check_timeouts()
+        self._check_routing()
+        self._check_replica_polls()
+        self._check_warming()
+        require(self.max_workers > STREAM_HEADROOM, SVC, "max_workers",
+                f"must be > {STREAM_HEADROOM} (threads kept for health checks and Stats)")
+        require(self.max_concurrent_rpcs == 0 or self.max_concurrent_rpcs > self.max_workers,
+                SVC, "max_concurrent_rpcs",
+                "must be 0 (4 x max_workers) or > max_workers (streams must not fill it)")
+
+    def _check_addresses(self) -> None:
+        """`validate`'s checks of where the orchestrator listens and the shards it dials."""
+        require_listen_address(self.address, SVC)
+        require(bool(self.kvpool_addresses), SVC, "kvpool_addresses", "at least one replica")
+        require_addresses(self.kvpool_addresses, SVC, "kvpool_addresses", allow_none=False)
+        require_addresses(self.prefix_addresses, SVC, "prefix_addresses", allow_none=True)
+        require_shard_list(self.semantic_address, SVC, "semantic_address")
+
+    def _check_request_limits(self) -> None:
+        """`validate`'s checks of how large a request may be and how many a tenant may run."""
         require(0 < self.default_max_tokens <= self.max_tokens_limit, SVC,
                 moved(self, "default_max_tokens", "max_tokens_limit")
                 if self.default_max_tokens > 0 else "default_max_tokens",
@@ -234,6 +251,10 @@ class OrchestratorConfig:
                 f"must be in [65536, {2**31 - 1}] (gRPC's message size is an int32)")
         require(self.max_concurrent_per_tenant >= 0, SVC, "max_concurrent_per_tenant",
                 "must be >= 0 (0 = automatic)")
+
+    def _check_timeouts(self) -> None:
+        """`validate`'s checks of the calls' timeouts, the drain, the tokens file's reload and
+        the connections' age."""
         require(self.request_timeout_s > 0, SVC, "request_timeout_s", "must be > 0")
         for name in ("semantic_timeout_s", "prefix_timeout_s"):
             require(getattr(self, name) > 0, SVC, name, "must be > 0")
@@ -241,6 +262,9 @@ class OrchestratorConfig:
         require(self.tokens_reload_s == 0 or self.tokens_reload_s >= 0.5, SVC, "tokens_reload_s",
                 f"must be 0 (read once) or >= 0.5, got {self.tokens_reload_s}")
         require(self.max_connection_age_s >= 0, SVC, "max_connection_age_s", "must be >= 0")
+
+    def _check_routing(self) -> None:
+        """`validate`'s checks of the semantic tier asked for and how requests are routed."""
         require(self.semantic_tier in ("strict", "standard", "relaxed"), SVC, "semantic_tier",
                 "must be strict, standard or relaxed")
         require(self.routing_policy in ("prefix", "round_robin"), SVC, "routing_policy",
@@ -251,6 +275,10 @@ class OrchestratorConfig:
                 "must be in [0, 1024]")
         require(self.dispatch_memory_s >= 0, SVC, "dispatch_memory_s", "must be >= 0")
         require(self.max_attempts >= 1, SVC, "max_attempts", "must be >= 1")
+
+    def _check_replica_polls(self) -> None:
+        """`validate`'s checks of how often the replicas are polled (and warmed) and when one
+        counts as hung or stalled."""
         # Tiny values were taken and made the poller (and the warm loop) spin.
         require(self.replica_poll_s >= 0.01, SVC, "replica_poll_s", "must be >= 0.01")
         require(self.warm_interval_s <= 0 or self.warm_interval_s >= 1, SVC, "warm_interval_s",
@@ -259,6 +287,9 @@ class OrchestratorConfig:
         require(1 <= self.replica_hung_polls <= 100, SVC, "replica_hung_polls",
                 "must be in 1..100")
         require(self.replica_stall_s >= 0, SVC, "replica_stall_s", "must be >= 0 (0 = off)")
+
+    def _check_warming(self) -> None:
+        """`validate`'s checks of the warm-up of hot prefixes: pins, choice and bounds."""
         require(self.warm_pin_ttl_s > 0, SVC, "warm_pin_ttl_s", "must be > 0")
         require(self.warm_pin_ttl_max_s >= self.warm_pin_ttl_s, SVC,
                 moved(self, "warm_pin_ttl_max_s", "warm_pin_ttl_s"),
@@ -275,11 +306,6 @@ class OrchestratorConfig:
         require(self.warm_max_load >= 0, SVC, "warm_max_load", "must be >= 0")
         require(self.warm_max_prompts_per_cycle >= 0, SVC, "warm_max_prompts_per_cycle",
                 "must be >= 0")
-        require(self.max_workers > STREAM_HEADROOM, SVC, "max_workers",
-                f"must be > {STREAM_HEADROOM} (threads kept for health checks and Stats)")
-        require(self.max_concurrent_rpcs == 0 or self.max_concurrent_rpcs > self.max_workers,
-                SVC, "max_concurrent_rpcs",
-                "must be 0 (4 x max_workers) or > max_workers (streams must not fill it)")
 
     @property
     def max_streams(self) -> int:
