@@ -208,6 +208,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # and plain, else one it made up): one id in every log line, every downstream call and
         # GenerateFinal.
         request_id = request_id_var.get() or uuid.uuid4().hex[:16]
+        # Said at once, in the response headers: a stream the client ends itself (its
+        # deadline, a cancel) gets no trailers, and a client that sent no id (grpcurl, one in
+        # another language) had no id to quote for it.
+        context.send_initial_metadata((("x-request-id", request_id),))
         remaining = context.time_remaining()
         budget = self.cfg.request_timeout_s if remaining is None else min(
             remaining, self.cfg.request_timeout_s)

@@ -1540,3 +1540,37 @@ def test_a_call_refused_for_its_tenant_token_says_its_request_id(monkeypatch, to
     assert [(m.split(" from ")[0], i) for m, i in seen] == [
         ("Stats refused UNAUTHENTICATED", "ticket-0"),
         ("Generate refused UNAUTHENTICATED", "ticket-1")], seen
+
+
+def test_a_stream_says_its_request_id_in_its_headers_before_it_ends():
+    """A Generate's response headers carry the id its pipeline (its log lines, its
+    GenerateFinal) runs under, here one the server made up (the client sent none, as grpcurl
+    and clients in other languages do): a stream the client ends itself (a cancel, its
+    deadline) gets no trailers, and had no id to quote."""
+    from tiercache.v1 import orchestrator_pb2_grpc
+
+    from services.common.bootstrap import create_server
+
+    s, orch = servicer(STREAM_HEADROOM + 2)
+    ran_under: list[str] = []
+    slow = orch.generate
+
+    def generate(**kw):
+        ran_under.append(kw["request_id"])
+        yield from slow(**kw)
+
+    orch.generate = generate
+    h = create_server(service="orchestrator", address="127.0.0.1:0",
+                      services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, s,
+                                 "tiercache.v1.Orchestrator")], authenticate=s.authenticate_call)
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(request(), timeout=10)
+            assert next(call).text == "hi"
+            headers = dict(call.initial_metadata())
+            call.cancel()
+    finally:
+        orch.release.set()
+        h.stop(0)
+    assert len(ran_under) == 1 and ran_under[0]
+    assert headers.get("x-request-id") == ran_under[0], headers
