@@ -135,32 +135,13 @@ def save(folder: str | os.PathLike, params, embed_id: str,
     try:
         for i, (key, main, labels, token) in enumerate(items):
             entry = kept(key, token)
-            if entry is not None:
-                entries.append(entry)
-                state[key] = (token, entry)
-                continue
-            stem = f"{gen}-{i}"
-            faiss.write_index(main, str(folder / f"{stem}.faiss"))
-            os.chmod(folder / f"{stem}.faiss", 0o600)
-            fsync_path(folder / f"{stem}.faiss")
-            with open(os.open(folder / f"{stem}.labels.npy",
-                              os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-                np.save(f, np.ascontiguousarray(labels, np.int64))
-                f.flush()
-                os.fsync(f.fileno())
-            entry = {"namespace": list(key), "stem": stem, "rows": int(len(labels)),
-                     "faiss_digest": file_digest(folder / f"{stem}.faiss"),
-                     "labels_digest": file_digest(folder / f"{stem}.labels.npy")}
+            if entry is None:
+                entry = _write_graph(folder, f"{gen}-{i}", key, main, labels)
+                rows += len(labels)
+                written += 1
             entries.append(entry)
             state[key] = (token, entry)
-            rows += len(labels)
-            written += 1
-        manifest = dict(_settings(params, embed_id), namespaces=entries)
-        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, folder / MANIFEST)
+        _write_manifest(folder, tmp, dict(_settings(params, embed_id), namespaces=entries))
     except BaseException:
         # Disk full, say: the files of this save would stay until the next one. Only before
         # the rename: after it, they are the snapshot in force.
@@ -174,7 +155,43 @@ def save(folder: str | os.PathLike, params, embed_id: str,
     except OSError as e:
         log.warning("could not fsync %s after saving the HNSW graphs (%s): a power cut now may "
                     "leave the previous snapshot in force", folder, e)
-    keep = {e["stem"] for e in entries}
+    _remove_old_files(folder, keep={e["stem"] for e in entries})
+    log.info("saved %d HNSW namespaces to %s in %.1f s (%d written, %d rows; %d unchanged)",
+             len(entries), folder, time.monotonic() - t0, written, rows,
+             len(entries) - written)
+    return state
+
+
+def _write_graph(folder: Path, stem: str, key: Key, main: faiss.Index,
+                 labels: np.ndarray) -> dict:
+    """`save`'s files of one namespace's graph, owner only and fsynced, named `stem`;
+    returns its manifest entry."""
+    faiss.write_index(main, str(folder / f"{stem}.faiss"))
+    os.chmod(folder / f"{stem}.faiss", 0o600)
+    fsync_path(folder / f"{stem}.faiss")
+    with open(os.open(folder / f"{stem}.labels.npy",
+                      os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
+        np.save(f, np.ascontiguousarray(labels, np.int64))
+        f.flush()
+        os.fsync(f.fileno())
+    return {"namespace": list(key), "stem": stem, "rows": int(len(labels)),
+            "faiss_digest": file_digest(folder / f"{stem}.faiss"),
+            "labels_digest": file_digest(folder / f"{stem}.labels.npy")}
+
+
+def _write_manifest(folder: Path, tmp: Path, manifest: dict) -> None:
+    """`save`'s manifest, written to `tmp`, fsynced, then renamed into place: the new
+    snapshot is in force from the rename on."""
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
+        json.dump(manifest, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / MANIFEST)
+
+
+def _remove_old_files(folder: Path, keep: set[str]) -> None:
+    """After a save: the graph files of stems not in `keep` (the snapshot in force names
+    them all) and temporary manifests go; a file that cannot be removed is a warning."""
     for p in folder.iterdir():
         # Only files a save writes: the folder may be shared (the database's own, say).
         # A temporary manifest left is a save's killed before its rename.
@@ -184,10 +201,6 @@ def save(folder: str | os.PathLike, params, embed_id: str,
                 p.unlink()
             except OSError as e:
                 log.warning("could not remove an old snapshot file %s: %s", p, e)
-    log.info("saved %d HNSW namespaces to %s in %.1f s (%d written, %d rows; %d unchanged)",
-             len(entries), folder, time.monotonic() - t0, written, rows,
-             len(entries) - written)
-    return state
 
 
 class Saved:

@@ -290,3 +290,45 @@ def test_a_failed_save_after_an_erasure_says_when_it_is_retried(caplog, interval
     assert len(lines) == 1, lines
     assert says in lines[0] and "No space left" in lines[0], lines[0]
     assert "retried in 0 s" not in lines[0]
+
+
+def test_a_save_says_how_many_graphs_it_wrote_and_kept(tmp_path, caplog):
+    """The save's log line counts the graphs written (and their rows) apart from those kept
+    unchanged since the last save: pinned before `save` was split into its steps."""
+    a, a_labels = graph()
+    b, b_labels = hnsw_of(np.arange(101, 141, dtype=np.int64), unit_rows(40, 1))
+    other = ("tenant-b", "smollm2", "")
+    folder = tmp_path / "snap"
+    state = snapshot.save(folder, PARAMS, "emb", [(KEY, a, a_labels, 1)])
+    with caplog.at_level("INFO", logger=snapshot.log.name):
+        snapshot.save(folder, PARAMS, "emb", [(KEY, a, a_labels, 1), (other, b, b_labels, 1)],
+                      previous=state)
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("saved ")]
+    assert line.startswith(f"saved 2 HNSW namespaces to {folder} in ")
+    assert line.endswith("(1 written, 40 rows; 1 unchanged)")
+
+
+def test_an_old_file_that_cannot_be_removed_is_a_warning_not_a_failed_save(
+        tmp_path, monkeypatch, caplog):
+    """The previous save's graph files are removed once the new manifest is in force; one
+    that cannot be (a permission changed by hand) is a warning naming it, and the save
+    stands: pinned before `save` was split into its steps."""
+    a, a_labels = graph()
+    folder = tmp_path / "snap"
+    state = snapshot.save(folder, PARAMS, "emb", [(KEY, a, a_labels, 1)])
+    old = sorted(p for p in folder.iterdir() if p.name != snapshot.MANIFEST)
+    real = type(folder).unlink
+
+    def unlink(self, *args, **kwargs):
+        if self in old:
+            raise PermissionError(13, "Permission denied")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(type(folder), "unlink", unlink)
+    with caplog.at_level("WARNING", logger=snapshot.log.name):
+        snapshot.save(folder, PARAMS, "emb", [(KEY, a, a_labels, 2)], previous=state)
+    said = sorted(r.getMessage() for r in caplog.records if r.levelname == "WARNING")
+    assert len(old) == 2 and said == [
+        f"could not remove an old snapshot file {p}: [Errno 13] Permission denied" for p in old]
+    got = snapshot.Saved(folder, PARAMS, "emb").take(KEY)
+    assert got is not None and got[1].tolist() == a_labels.tolist()
