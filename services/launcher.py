@@ -655,7 +655,8 @@ def example_request(env: Mapping[str, str]) -> tuple[str, str]:
     return RAW_EXAMPLE_JSON, " --raw"
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """`main`'s flags, checked: a usage error (exit 2) naming the flag or variable at fault."""
     # prog: as the services name themselves (run with -m, argparse said "launcher.py").
     ap = argparse.ArgumentParser(prog="python -m services.launcher",
                                  description="Run the whole TierCache stack locally.",
@@ -683,12 +684,39 @@ def main(argv: list[str] | None = None) -> int:
     if not ports_fit(a.base_port, a.replicas):
         ap.error(f"--base-port {a.base_port}: the stack needs ports N..N+{3 + a.replicas - 1} "
                  "within 1..65535 (0 = any free ports)")
+    return a
+
+
+def _log_dir(base_port: int) -> Path:
+    """Where the stack on `base_port` logs; a free-port run first prunes those of finished
+    ones."""
     # A stack on other ports (a second one, as the port-in-use message suggests) logs apart.
     logs = run_dir() / "logs"
-    if a.base_port == 0:
+    if base_port == 0:
         prune_pid_logs(logs)
-    if a.base_port != 50051:
-        logs = logs / (f"port-{a.base_port}" if a.base_port else f"pid-{os.getpid()}")
+    if base_port != 50051:
+        logs = logs / (f"port-{base_port}" if base_port else f"pid-{os.getpid()}")
+    return logs
+
+
+def _say_up(stack: Stack) -> None:
+    """Prints, once every service is up, the orchestrator's address and how to call it."""
+    orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
+    grpcurl = shutil.which("grpcurl") or tool_path("grpcurl")
+    cli = tool_path("tiercache")
+    example, raw = example_request(os.environ)
+    print(f"""
+TierCache is up{tls_note()}. Orchestrator: {orch}
+  CLI:      {cli}{cli_transport()} --address {orch} chat{raw} "{EXAMPLE_QUESTION}"
+            {cli}{cli_transport()} --address {orch} stats
+  grpcurl:  {grpcurl} {grpcurl_transport()} -d '{example}' \\
+              {orch} tiercache.v1.Orchestrator/Generate
+{auth_note(internal_token_file=stack.internal_token_file)}Ctrl-C stops everything.""", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse_args(argv)
+    logs = _log_dir(a.base_port)
     stop = StopSignals()
     stack = Stack(replicas=a.replicas, base_port=a.base_port, log_dir=logs, signals=stop)
     converted = not model_to_convert(os.environ)
@@ -708,17 +736,7 @@ def main(argv: list[str] | None = None) -> int:
             if dead:  # each was waited for in turn: an earlier one may have died meanwhile
                 notes = "; ".join(stack.procs[k].exit_note() for k in dead)
                 raise RuntimeError(f"service(s) exited during start: {notes}")
-            orch = stack.procs["orchestrator"].address.replace("127.0.0.1", "localhost")
-            grpcurl = shutil.which("grpcurl") or tool_path("grpcurl")
-            cli = tool_path("tiercache")
-            example, raw = example_request(os.environ)
-            print(f"""
-TierCache is up{tls_note()}. Orchestrator: {orch}
-  CLI:      {cli}{cli_transport()} --address {orch} chat{raw} "{EXAMPLE_QUESTION}"
-            {cli}{cli_transport()} --address {orch} stats
-  grpcurl:  {grpcurl} {grpcurl_transport()} -d '{example}' \\
-              {orch} tiercache.v1.Orchestrator/Generate
-{auth_note(internal_token_file=stack.internal_token_file)}Ctrl-C stops everything.""", flush=True)
+            _say_up(stack)
             while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):
                 time.sleep(1.0)
         dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]

@@ -608,3 +608,37 @@ def test_the_printed_example_sends_a_raw_prompt_where_the_model_has_no_chat_temp
     assert launcher.example_request({"TIERCACHE_ORCHESTRATOR_MODEL": " SmolLM2 "}) == chat
     req = json_format.Parse(launcher.RAW_EXAMPLE_JSON, orchestrator_pb2.GenerateRequest())
     assert req.prompt == launcher.EXAMPLE_QUESTION and not req.messages
+
+
+def test_the_started_stack_is_announced_with_how_to_call_it(monkeypatch, capsys):
+    """What `main` prints from the start to a child's exit: the services and the log folder,
+    then, once every one is up, the orchestrator's address and a CLI and a grpcurl call of it;
+    pinned before `main` was split into its steps."""
+    def start(self):
+        p = ServiceProcess("kvpool", 1, key="kvpool-0")
+        p.proc = _DiesLater()
+        self.procs = {"kvpool-0": p, "orchestrator": ServiceProcess("orchestrator", 2)}
+        self.procs["orchestrator"].proc = _Running()
+        return self
+
+    monkeypatch.setattr(Stack, "stop", lambda self: None)
+    monkeypatch.setattr(launcher, "tool_path", lambda name: f"/t/{name}")
+    monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
+    monkeypatch.setattr(launcher, "example_request", lambda env: ("{}", " --raw"))
+    for name, said in (("tls_note", ""), ("cli_transport", ""), ("grpcurl_transport", "-p"),
+                       ("auth_note", "")):
+        monkeypatch.setattr(launcher, name, lambda *a, said=said, **k: said)
+    assert _main(monkeypatch, start) == 1
+    out = capsys.readouterr().out
+    first, rest = out.split("\n", 1)
+    assert first.startswith("Starting TierCache (") and ", orchestrator" in first
+    assert f"; logs in {launcher.run_dir() / 'logs' / f'pid-{os.getpid()}'}" in first
+    assert rest == f"""
+TierCache is up. Orchestrator: localhost:2
+  CLI:      /t/tiercache --address localhost:2 chat --raw "{launcher.EXAMPLE_QUESTION}"
+            /t/tiercache --address localhost:2 stats
+  grpcurl:  /t/grpcurl -p -d '{{}}' \\
+              localhost:2 tiercache.v1.Orchestrator/Generate
+Ctrl-C stops everything.
+stopped
+"""
