@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.common.config import ConfigError, env_name, load_config, require
+from services.common.model_store import ModelStoreError
 
 
 @dataclass(frozen=True)
@@ -254,6 +255,30 @@ def test_a_pool_too_big_for_memory_is_a_bad_configuration(monkeypatch, capfd):
         err = capfd.readouterr().err
         assert "out of memory loading" in err and "TIERCACHE_KVPOOL_KV_CACHE_BYTES" in err
         assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("exc, says", [
+    (ModelStoreError("TIERCACHE_KVPOOL_MODEL: /m has no config.json"),
+     "bad configuration (the model could not be loaded): TIERCACHE_KVPOOL_MODEL: /m has no "
+     "config.json"),
+    (ValueError("unrecognized configuration class"),
+     "bad configuration (the model could not be loaded): unrecognized configuration class"),
+    (OSError(28, "No space left on device", "/c/w.bin"),
+     "cannot start: /c/w.bin cannot be written (No space left on device): free space"),
+])
+def test_a_model_that_cannot_be_loaded_is_a_bad_configuration(monkeypatch, capfd, exc, says):
+    """How a replica's start ends when its model cannot be loaded: one line, exit 2, a full
+    volume said as such; pinned before `_main` was split into its steps."""
+    assert _kvpool_start_failing_with(monkeypatch, exc) == 2
+    err = capfd.readouterr().err
+    assert says in err and "Traceback" not in err
+
+
+def test_a_runtime_error_other_than_out_of_memory_is_not_a_configuration(monkeypatch):
+    """Only an allocation failure is said as a setting to lower: another RuntimeError from the
+    load goes on up (a traceback, exit 1); pinned before `_main` was split into its steps."""
+    with pytest.raises(RuntimeError, match="^expected all tensors on one device$"):
+        _kvpool_start_failing_with(monkeypatch, RuntimeError("expected all tensors on one device"))
 
 
 def test_a_file_where_a_semantic_folder_must_be_names_the_variable(tmp_path):

@@ -32,7 +32,7 @@ from services.common.model_store import (  # noqa: E402
     ModelStoreError,
     conversion_not_writable,
 )
-from services.kvpool.app import build_replica, device_problem, pool_problem  # noqa: E402
+from services.kvpool.app import Replica, build_replica, device_problem, pool_problem  # noqa: E402
 from services.kvpool.config import KvPoolConfig  # noqa: E402
 from services.kvpool.engine import out_of_memory  # noqa: E402
 from services.kvpool.publisher import Publisher  # noqa: E402
@@ -79,29 +79,8 @@ def _main(argv: list[str] | None) -> int:
     # 60 (2-core host, in-process; 95-106 ms against 77-126 with OMP_WAIT_POLICY=PASSIVE).
     cfg = dataclasses.replace(cfg, torch_threads=cfg.torch_threads or torch.get_num_threads())
     torch.set_num_threads(1)
-    try:
-        replica = build_replica(cfg)
-    except (ModelStoreError, OSError, ValueError) as exc:
-        # A model folder that does not exist (ModelStoreError), or one transformers cannot
-        # load (OSError: no weights file, unreadable files; also a full disk or too many open
-        # files while converting, which a restart with the same settings would meet again;
-        # ValueError: a config.json transformers does not recognise).
-        why = conversion_not_writable(exc, "TIERCACHE_KVPOOL_CACHE_DIR", cfg.cache_dir)
-        if why:
-            log.error("cannot start: %s", why)
-        else:
-            log.error("bad configuration (the model could not be loaded): %s", exc)
-        handle.stop(None)
-        return 2
-    except RuntimeError as exc:  # torch.OutOfMemoryError is one
-        if not out_of_memory(exc):
-            raise
-        # A traceback and exit 1 named none of the settings that size what did not fit, and a
-        # pod crash-looped on it.
-        log.error("bad configuration: out of memory loading the model and its KV pool "
-                  "on %s (%s); lower TIERCACHE_KVPOOL_KV_CACHE_BYTES (or NUM_BLOCKS), "
-                  "MAX_BATCH_SIZE or MAX_CONTEXT, or pick a device with more memory",
-                  cfg.device, str(exc).splitlines()[0][:200])
+    replica = _load_replica(cfg)
+    if replica is None:
         handle.stop(None)
         return 2
     publisher = None
@@ -126,6 +105,35 @@ def _main(argv: list[str] | None) -> int:
     run_until_signal(handle, cfg.grace_seconds, on_stop=on_stop)
     return 0
 
+
+
+def _load_replica(cfg: KvPoolConfig) -> Replica | None:
+    """`build_replica(cfg)`; None, said at error as one line, where the model cannot be
+    loaded (a bad configuration, or a volume the conversion cannot write) or it and its KV
+    pool do not fit in memory. Another RuntimeError goes on up."""
+    try:
+        return build_replica(cfg)
+    except (ModelStoreError, OSError, ValueError) as exc:
+        # A model folder that does not exist (ModelStoreError), or one transformers cannot
+        # load (OSError: no weights file, unreadable files; also a full disk or too many open
+        # files while converting, which a restart with the same settings would meet again;
+        # ValueError: a config.json transformers does not recognise).
+        why = conversion_not_writable(exc, "TIERCACHE_KVPOOL_CACHE_DIR", cfg.cache_dir)
+        if why:
+            log.error("cannot start: %s", why)
+        else:
+            log.error("bad configuration (the model could not be loaded): %s", exc)
+        return None
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one
+        if not out_of_memory(exc):
+            raise
+        # A traceback and exit 1 named none of the settings that size what did not fit, and a
+        # pod crash-looped on it.
+        log.error("bad configuration: out of memory loading the model and its KV pool "
+                  "on %s (%s); lower TIERCACHE_KVPOOL_KV_CACHE_BYTES (or NUM_BLOCKS), "
+                  "MAX_BATCH_SIZE or MAX_CONTEXT, or pick a device with more memory",
+                  cfg.device, str(exc).splitlines()[0][:200])
+        return None
 
 if __name__ == "__main__":
     exit_process(main())
