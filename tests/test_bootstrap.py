@@ -460,10 +460,13 @@ def test_a_reflection_stream_over_the_cap_waits_a_moment_for_a_slot(small_server
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert time.monotonic() - t0 < 15, "a second waiter from one peer held its thread"
     q, it = held.pop()
+    t0 = time.monotonic()
     q.put(None)  # one held stream ends: its slot goes to the late one
     assert [r.list_services_response.service for r in it] == []
     late.join(30)
     assert got and got[0].list_services_response.service
+    # Woken by the slot freed, not by the grace running out (then it found the slot free).
+    assert time.monotonic() - t0 < 15, "a freed slot woke no stream waiting for one"
     assert not waiting
     for q, it in held:
         q.put(None)

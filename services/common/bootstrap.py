@@ -794,40 +794,12 @@ class _ServerInterceptor(grpc.ServerInterceptor):
         two-way method outside the open ones needs the credential like any other, and its
         errors are mapped by `fail` as every other kind's (a domain error reached the client
         as UNKNOWN "Exception iterating responses: <its text>")."""
-        service, slots, limit = self.service, self._open_streams, self.max_send
-        by_peer, freed, waiting = self._open_by_peer, self._open_freed, self._open_waiting
+        service, limit = self.service, self.max_send
 
         def wrapped(request_iterator, context) -> Iterator:
             rid = prologue(context)
             peer = _peer(context).rpartition(":")[0] or "?"  # its host: one client, any port
-            give_up = time.monotonic() + OPEN_SLOT_GRACE_S
-            mine_waits = False
-            with freed:
-                while True:
-                    mine = by_peer.get(peer, 0)
-                    if mine < MAX_OPEN_STREAMS_PER_PEER and slots.acquire(blocking=False):
-                        by_peer[peer] = mine + 1
-                        refused = ""
-                        break
-                    refused = (f"at most {MAX_OPEN_STREAMS_PER_PEER} open streams per client"
-                               if mine >= MAX_OPEN_STREAMS_PER_PEER
-                               else f"at most {MAX_OPEN_STREAMS} open streams at once")
-                    left = give_up - time.monotonic()
-                    if left <= 0 or not context.is_active():
-                        break
-                    if not mine_waits:
-                        if peer in waiting or len(waiting) >= MAX_WAITING_STREAMS:
-                            break  # refused at once: no more threads held in waits
-                        waiting.add(peer)
-                        mine_waits = True
-                        # Its client going away wakes it: it held its thread (and the
-                        # peer's one wait) for the rest of the grace. Refused (False), the
-                        # call ended since is_active() above: the callback will never run.
-                        if not context.add_callback(lambda: _notify_all(freed)):
-                            break
-                    freed.wait(left)
-                if mine_waits:
-                    waiting.discard(peer)
+            refused = self._take_open_slot(peer, context)
             if refused:
                 # With its request id, as every other failed call (it had neither trailer
                 # nor line); its line thinned per peer host: these streams need no
@@ -855,19 +827,60 @@ class _ServerInterceptor(grpc.ServerInterceptor):
                     fail(context, exc, request_iterator)
             finally:
                 _OPEN_REAPER.disarm(reaped)
-                with freed:
-                    left = by_peer.get(peer, 1) - 1
-                    if left > 0:
-                        by_peer[peer] = left
-                    else:
-                        by_peer.pop(peer, None)
-                    slots.release()
-                    freed.notify_all()
+                self._free_open_slot(peer)
                 if code is not None:
                     RPC_TOTAL.labels(service, short, code).inc()
                 RPC_SECONDS.labels(service, short).observe(time.perf_counter() - t0)
 
         return wrapped
+
+    def _take_open_slot(self, peer: str, context) -> str:
+        """Takes an open stream's slot for a stream of `peer` (its host), waiting up to
+        OPEN_SLOT_GRACE_S for one to free; returns why it was refused ("" = taken: give it
+        back with `_free_open_slot`)."""
+        slots, by_peer = self._open_streams, self._open_by_peer
+        freed, waiting = self._open_freed, self._open_waiting
+        give_up = time.monotonic() + OPEN_SLOT_GRACE_S
+        mine_waits = False
+        with freed:
+            while True:
+                mine = by_peer.get(peer, 0)
+                if mine < MAX_OPEN_STREAMS_PER_PEER and slots.acquire(blocking=False):
+                    by_peer[peer] = mine + 1
+                    refused = ""
+                    break
+                refused = (f"at most {MAX_OPEN_STREAMS_PER_PEER} open streams per client"
+                           if mine >= MAX_OPEN_STREAMS_PER_PEER
+                           else f"at most {MAX_OPEN_STREAMS} open streams at once")
+                left = give_up - time.monotonic()
+                if left <= 0 or not context.is_active():
+                    break
+                if not mine_waits:
+                    if peer in waiting or len(waiting) >= MAX_WAITING_STREAMS:
+                        break  # refused at once: no more threads held in waits
+                    waiting.add(peer)
+                    mine_waits = True
+                    # Its client going away wakes it: it held its thread (and the
+                    # peer's one wait) for the rest of the grace. Refused (False), the
+                    # call ended since is_active() above: the callback will never run.
+                    if not context.add_callback(lambda: _notify_all(freed)):
+                        break
+                freed.wait(left)
+            if mine_waits:
+                waiting.discard(peer)
+        return refused
+
+    def _free_open_slot(self, peer: str) -> None:
+        """Gives back a slot `_take_open_slot` took for `peer`, waking a stream waiting for
+        one."""
+        with self._open_freed:
+            left = self._open_by_peer.get(peer, 1) - 1
+            if left > 0:
+                self._open_by_peer[peer] = left
+            else:
+                self._open_by_peer.pop(peer, None)
+            self._open_streams.release()
+            self._open_freed.notify_all()
 
 
 def _notify_all(cond: threading.Condition) -> None:
