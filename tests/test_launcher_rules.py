@@ -195,16 +195,19 @@ class _DiesLater:
         return self.returncode
 
 
-def test_a_service_that_dies_after_the_start_exits_1_naming_it(monkeypatch, capsys):
-    def start(self):
-        p = ServiceProcess("kvpool", 1, key="kvpool-0")
-        p.proc = _DiesLater()
-        self.procs = {"kvpool-0": p, "orchestrator": ServiceProcess("orchestrator", 2)}
-        self.procs["orchestrator"].proc = _Running()
-        return self
+def _kvpool_dies_later(self):
+    """A `Stack.start` stand-in: kvpool-0 up, then dying at its second poll; the orchestrator
+    running."""
+    p = ServiceProcess("kvpool", 1, key="kvpool-0")
+    p.proc = _DiesLater()
+    self.procs = {"kvpool-0": p, "orchestrator": ServiceProcess("orchestrator", 2)}
+    self.procs["orchestrator"].proc = _Running()
+    return self
 
+
+def test_a_service_that_dies_after_the_start_exits_1_naming_it(monkeypatch, capsys):
     monkeypatch.setattr(Stack, "stop", lambda self: None)
-    assert _main(monkeypatch, start) == 1
+    assert _main(monkeypatch, _kvpool_dies_later) == 1
     assert "service(s) exited: kvpool-0 (127.0.0.1:1) exited with 3" in capsys.readouterr().err
 
 
@@ -380,11 +383,7 @@ def test_a_stop_signal_while_a_failure_is_reported_keeps_exit_1(monkeypatch, fai
     def start(self):
         if failure == "failed to start":
             raise RuntimeError("prefix (127.0.0.1:1) exited with 2")
-        p = ServiceProcess("kvpool", 1, key="kvpool-0")
-        p.proc = _DiesLater()
-        self.procs = {"kvpool-0": p, "orchestrator": ServiceProcess("orchestrator", 2)}
-        self.procs["orchestrator"].proc = _Running()
-        return self
+        return _kvpool_dies_later(self)
 
     def say(*args, **kw):
         print(*args, **kw)
@@ -614,13 +613,6 @@ def test_the_started_stack_is_announced_with_how_to_call_it(monkeypatch, capsys)
     """What `main` prints from the start to a child's exit: the services and the log folder,
     then, once every one is up, the orchestrator's address and a CLI and a grpcurl call of it;
     pinned before `main` was split into its steps."""
-    def start(self):
-        p = ServiceProcess("kvpool", 1, key="kvpool-0")
-        p.proc = _DiesLater()
-        self.procs = {"kvpool-0": p, "orchestrator": ServiceProcess("orchestrator", 2)}
-        self.procs["orchestrator"].proc = _Running()
-        return self
-
     monkeypatch.setattr(Stack, "stop", lambda self: None)
     monkeypatch.setattr(launcher, "tool_path", lambda name: f"/t/{name}")
     monkeypatch.setattr(launcher.shutil, "which", lambda name: None)
@@ -628,7 +620,7 @@ def test_the_started_stack_is_announced_with_how_to_call_it(monkeypatch, capsys)
     for name, said in (("tls_note", ""), ("cli_transport", ""), ("grpcurl_transport", "-p"),
                        ("auth_note", "")):
         monkeypatch.setattr(launcher, name, lambda *a, said=said, **k: said)
-    assert _main(monkeypatch, start) == 1
+    assert _main(monkeypatch, _kvpool_dies_later) == 1
     out = capsys.readouterr().out
     first, rest = out.split("\n", 1)
     assert first.startswith("Starting TierCache (") and ", orchestrator" in first
