@@ -715,6 +715,52 @@ def test_flushing_a_salt_also_zeroes_free_blocks_and_the_rows_of_ended_requests(
     assert again == toks_b and fin.cached_tokens == 12
 
 
+def test_flushing_a_salt_zeroes_every_idle_row_the_last_too(make_engine) -> None:
+    """Two requests run side by side, each in its own working row; both end and leave their
+    KV there. A flush zeroes both rows, the last one included (a batch's rows are the ones a
+    lone request never writes)."""
+    eng = make_engine(num_blocks=32, block_size=4, max_batch_size=2)
+    by_hand(eng)
+    drive(eng, [request(prompt(9, 50), 4, "a", rid="a", ignore_eos=True),
+                request(prompt(9, 51), 4, "a", rid="b", ignore_eos=True)], lambda e: None)
+    assert all(eng.store.rows[:, :, r].any() for r in range(2))  # each row holds KV
+
+    eng.flush_salt("a")
+
+    assert not eng.store.rows.any(), "an ended request's KV stayed in its row"
+
+
+def test_flushing_a_salt_zeroes_a_running_rows_slots_past_its_tokens_and_keeps_the_rest(
+        make_engine) -> None:
+    """A row a running request holds keeps a longer, ended request's KV past the new one's
+    computed tokens. The flush zeroes from the first slot not computed on, and keeps every
+    slot before it: the request ends with the tokens it gives alone."""
+    short = request(prompt(6, 53), 6, "a", rid="short", ignore_eos=True)
+    ref = make_engine(num_blocks=32, block_size=4, max_batch_size=1)
+    by_hand(ref)
+    (alone, _), = drive(ref, [short], lambda e: None)
+    eng = make_engine(num_blocks=32, block_size=4, max_batch_size=1)
+    by_hand(eng)
+    drive(eng, [request(prompt(30, 52), 6, "b", rid="long", ignore_eos=True)], lambda e: None)
+    seen: list[int] = []
+
+    def flush_once(e) -> None:
+        running = e._running()  # noqa: SLF001 - the one sequence stepped by hand
+        if seen or not running:
+            return
+        row, n = running[0].row, running[0].num_computed
+        past = e.store.rows[:, :, row, :, n:]
+        assert past.any(), "the longer request's KV should be past the running one's tokens"
+        before = e.store.rows[:, :, row, :, :n].clone()
+        e.flush_salt("a")
+        assert not e.store.rows[:, :, row, :, n:].any(), "KV past a running row's tokens stayed"
+        assert torch.equal(e.store.rows[:, :, row, :, :n], before), "a held slot was zeroed"
+        seen.append(n)
+
+    (toks, _), = drive(eng, [short], flush_once)
+    assert seen and toks == alone
+
+
 def test_flushes_between_every_step_change_no_running_requests_tokens(make_engine) -> None:
     """A flush zeroes the working rows past each running sequence's computed tokens and every
     free block: nothing a step reads later. Batched requests with drafts (the prompt repeats
