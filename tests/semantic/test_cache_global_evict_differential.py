@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import heapq
 import random
+from collections import Counter
 
 import pytest
 
@@ -161,3 +162,77 @@ def test_many_tied_tenants(cache_factory, clock, compared):
             assert c.lookup(e.namespace, e.prompt, tier="strict").hit
     c.check_integrity()
     assert len(compared) == 200
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_global_victims_besides_a_loads_namespace_and_tenant_excess(cache_factory, clock,
+                                                                    compared, seed):
+    """A restart under lowered per-namespace and per-tenant caps and a global capacity a few
+    entries below what those leave: the global choice is made besides their victims (`skip`,
+    its tenants holding fewer), over few victims among many tenants (not the path that reads
+    every tenant), and must be the reference's."""
+    rnd = random.Random(seed)
+    emb = FixedEmbedder()
+    limits = dict(guard_tiers=(), verifier_tiers=())
+    tenants = [f"u{i}" for i in range(30)]
+    c = cache_factory(emb, max_entries_total=1000, **limits)
+    for i in range(150):
+        clock.t += rnd.choice([0, 0, 1])
+        ns = Namespace(rnd.choice(tenants[: 10 + i // 10]), rnd.choice(MODELS), "")
+        c.store_entry(ns, f"q{rnd.randrange(40)}", "a")
+    per_ns, per_tenant = rnd.choice([2, 3, 4]), rnd.choice([0, 4, 5])
+    left = Counter()
+    for ns, lru in c._ns_lru.items():
+        left[ns.tenant] += min(len(lru), per_ns)
+    kept = sum(min(n, per_tenant) if per_tenant else n for n in left.values())
+    over = rnd.randint(1, 4)
+    c = cache_factory(emb, max_entries_total=kept - over, max_entries_per_namespace=per_ns,
+                      max_entries_per_tenant=per_tenant, **limits)
+    c.check_integrity()
+    assert len(c._entries) == kept - over
+    assert compared and compared[-1][0] == over  # the load chose `over` global victims
+
+
+def test_a_tenants_expiring_oldest_entry_does_not_rank_it_among_the_tied(cache_factory, clock,
+                                                                          compared):
+    """Two tenants hold three entries each (not counting one of A's, its oldest, taken by an
+    expiry under way); a third's second Store takes one victim. It is B's oldest (older than
+    A's oldest left): A's expiring entry must not make A the tenant read at that count."""
+    c = cache_factory(FixedEmbedder(), guard_tiers=(), verifier_tiers=(), max_entries_total=7)
+    a, b = Namespace("A", "m", ""), Namespace("B", "m", "")
+    c.store_entry(a, "gone", "x")
+    for ns, q in [(b, "b1"), (b, "b2"), (b, "b3"), (a, "a1"), (a, "a2"), (a, "a3")]:
+        clock.t += 1
+        c.store_entry(ns, q, "x")
+    with c._lock:
+        c._mark_expiring_locked(c._by_prompt[(a, "gone")], 1)
+    for q in ("c1", "c2"):
+        c.store_entry(Namespace("C", "m", ""), q, "x")
+    assert [n for n, _ in compared] == [1]
+    assert (b, "b1") not in c._by_prompt and (a, "a1") in c._by_prompt
+    c.check_integrity()
+
+
+def test_a_tenant_listed_twice_at_its_count_is_read_once(cache_factory, clock, compared):
+    """A hit on a tenant's newest entry lists it again at the same count with the same oldest
+    entry. Over capacity by two (an expired entry an expiry took, held again when its delete
+    failed), a Store's choice of two victims reads the two tenants with the oldest entries at
+    the top count: A and B, not A twice (which left B's oldest, the second victim, unread).
+    (The Store then drops the expired entry first and chooses again.)"""
+    c = cache_factory(FixedEmbedder(), guard_tiers=(), verifier_tiers=(), max_entries_total=6)
+    a, b = Namespace("A", "m", ""), Namespace("B", "m", "")
+    c.store_entry(Namespace("X", "m", ""), "x1", "x", ttl_seconds=1)
+    for ns, q in [(a, "a1"), (b, "b1"), (Namespace("C", "m", ""), "c1"), (a, "a2"), (b, "b2")]:
+        clock.t += 1
+        c.store_entry(ns, q, "x")
+    clock.t += 10  # x1 expired; an expiry takes it, its delete fails: held again
+    with c._lock:
+        c._mark_expiring_locked(c._by_prompt[(Namespace("X", "m", ""), "x1")], 1)
+    c.store_entry(Namespace("C", "m", ""), "c2", "x")
+    with c._lock:
+        c._mark_expiring_locked(c._by_prompt[(Namespace("X", "m", ""), "x1")], -1)
+    assert c.lookup(a, "a2", tier="strict").hit
+    c.store_entry(Namespace("D", "m", ""), "d1", "x")
+    assert compared[0][0] == 2  # the choice of two victims (checked against the reference)
+    assert (a, "a1") not in c._by_prompt
+    c.check_integrity()
