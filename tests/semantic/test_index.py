@@ -366,6 +366,24 @@ def test_after_a_merge_the_delta_starts_small_again():
     assert _delta_rows(idx) <= 2
 
 
+def test_a_namespace_that_adopts_a_saved_graph_holds_no_delta_until_written():
+    """A namespace loaded at start from a saved graph and never written to again (most of a
+    restart's) holds no delta rows; its first add allocates one, found exactly."""
+    rng = np.random.default_rng(6)
+    vecs = _unit(rng, 40, 32)
+    built = NamespaceIndex(IndexParams(32, hnsw_min_entries=10), background=False)
+    built.add_many(np.arange(40), vecs)
+    built.compact()
+    main, main_labels, _ = built.saved_graph()
+    fresh = NamespaceIndex(IndexParams(32, hnsw_min_entries=10), background=False)
+    assert fresh.adopt(main, main_labels, np.arange(40), vecs, 39)
+    assert _delta_rows(fresh) == 0
+    extra = _unit(rng, 1, 32)[0]
+    fresh.add(40, extra)
+    assert _delta_rows(fresh) == 1 and fresh.search(extra, 1)[0].label == 40
+    fresh.check_integrity()
+
+
 def test_removals_while_merges_are_held_start_none_until_released():
     """A namespace being emptied must not purge its tombstones on the way; one that still
     holds entries afterwards purges them once, when the hold ends."""
