@@ -75,6 +75,19 @@ def test_spans_sharing_parent_and_first_block_never_take_each_others_hashes(nati
         assert h.hashes(toks) == _plain(b"key", "m", 16, toks, "")
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["c-chain-if-built", "hashlib"])
+def test_a_span_found_in_the_old_generation_moves_into_the_young_one(native: bool):
+    """Hot spans survive every generation change: each span a call finds in the old
+    generation is put in the young one (left there, it went with the next change)."""
+    rng = random.Random(13)
+    toks = [rng.randrange(49_152) for _ in range(16 * 8 * 2 + 5)]  # two spans, then some
+    h = BlockHasher("m", 16, b"key", native=native)
+    want = h.hashes(toks)
+    h._old, h._young = h._young, {}
+    assert h.hashes(toks) == want
+    assert len(h._young) == 2 and h._young == h._old
+
+
 @native
 def test_pack_accepts_integer_types_and_refuses_what_array_refuses():
     ok = [0, 1, 2**32 - 1, np.int64(5), np.uint32(7), True]
@@ -205,11 +218,12 @@ def test_planes_are_the_packed_bytes_split_and_refuse_what_pack_refuses(monkeypa
     store): two planes below 2**16 unless wide, four from the first token past it."""
     rng = random.Random(9)
     cases = [([], False), ([0, 1, 2**16 - 1], False), ([5, 2**16, 7], False), ([1, 2], True),
-             ([rng.randrange(2**32) for _ in range(300)], False), ([np.int64(3), True], False)]
+             ([rng.randrange(2**32) for _ in range(300)], False), ([np.int64(3), True], False),
+             ([3, 2**24, 4], False)]  # its third byte 0, its fourth not
     got = [hashing.token_planes(t, len(t), w) for t, w in cases]
     monkeypatch.setattr(hashing, "_blockhash", None)
     assert got == [hashing.token_planes(t, len(t), w) for t, w in cases]
-    assert [len(p) for p in got] == [2, 2, 4, 4, 4, 2]
+    assert [len(p) for p in got] == [2, 2, 4, 4, 4, 2, 4]
     monkeypatch.undo()
     for bad, exc in (([-1], OverflowError), ([2**32], OverflowError), (["1"], TypeError)):
         with pytest.raises(exc):
