@@ -761,6 +761,24 @@ def test_flushing_a_salt_zeroes_a_running_rows_slots_past_its_tokens_and_keeps_t
     assert seen and toks == alone
 
 
+def test_a_flush_waits_for_the_device_after_its_fills(make_engine, monkeypatch) -> None:
+    """On a GPU the fills are queued: Flush answers (the erasure done) only once the device has
+    run them, so the engine waits for it after both fills, before returning."""
+    from services.kvpool import engine as engine_mod
+
+    eng = make_engine(num_blocks=32, block_size=4)
+    by_hand(eng)
+    drive(eng, [request(prompt(9, 54), 4, "a", rid="a")], lambda e: None)
+    events: list[str] = []
+    for name in ("zero_blocks", "zero_unused_rows"):
+        real = getattr(eng.store, name)
+        monkeypatch.setattr(eng.store, name,
+                            lambda *a, _r=real, _n=name: (events.append(_n), _r(*a))[1])
+    monkeypatch.setattr(engine_mod, "device_done", lambda dev: events.append(f"sync {dev}"))
+    eng.flush_salt("a")
+    assert events == ["zero_blocks", "zero_unused_rows", f"sync {eng.device}"]
+
+
 def test_flushes_between_every_step_change_no_running_requests_tokens(make_engine) -> None:
     """A flush zeroes the working rows past each running sequence's computed tokens and every
     free block: nothing a step reads later. Batched requests with drafts (the prompt repeats
