@@ -236,3 +236,33 @@ def test_a_tenant_listed_twice_at_its_count_is_read_once(cache_factory, clock, c
     assert compared[0][0] == 2  # the choice of two victims (checked against the reference)
     assert (a, "a1") not in c._by_prompt
     c.check_integrity()
+
+
+def test_the_levels_rebuilt_from_stale_items_stay_a_heap_and_bounded(cache_factory, clock,
+                                                                     compared):
+    """Each hit and each short-lived tenant leaves a stale or repeated item in `_levels`;
+    past twice the tenants (+64) they are built again from the counts (memory stays bounded)
+    as heaps: the tenant re-listed last, whose entry is the oldest, is still read first."""
+    c = cache_factory(FixedEmbedder(), guard_tiers=(), verifier_tiers=(),
+                      max_entries_total=21)
+    tenants = [Namespace(f"t{i}", "m", "") for i in range(10)]
+    for q in ("q0", "q1"):
+        for ns in tenants:
+            clock.t += 1
+            c.store_entry(ns, q, "x")
+    z, rebuilt = Namespace("z", "m", ""), False
+    for i in range(200):
+        before = c._level_items
+        assert c.lookup(tenants[0], "q1", tier="strict").hit  # t0 listed again, at the end
+        c.store_entry(z, f"z{i}", "x")
+        c.invalidate_tenant("z")
+        assert c._level_items <= 2 * len(c._level_of) + 64 + 1, "stale items without bound"
+        if c._level_items < before:
+            rebuilt = True
+            break
+    assert rebuilt, "the levels were never built again"
+    w = Namespace("w", "m", "")
+    c.store_entry(w, "w1", "x")
+    c.store_entry(w, "w2", "x")  # one over: t0's q0, the oldest of the tied
+    assert compared and (tenants[0], "q0") not in c._by_prompt
+    c.check_integrity()
