@@ -761,6 +761,26 @@ def test_flushing_a_salt_zeroes_a_running_rows_slots_past_its_tokens_and_keeps_t
     assert seen and toks == alone
 
 
+def test_a_flush_with_no_free_block_left_drops_nothing_and_fails_nothing(make_engine) -> None:
+    """A request holding every block of the pool while another tenant is flushed: there is no
+    free block to zero (an empty fill), and the flush answers (0, 0), the request ending with
+    the tokens it gives alone."""
+    req = request(prompt(26, 55), 6, "b", rid="all", ignore_eos=True)
+    ref = make_engine(num_blocks=8, block_size=4)
+    by_hand(ref)
+    (alone, _), = drive(ref, [req], lambda e: None)
+    eng = make_engine(num_blocks=8, block_size=4)
+    by_hand(eng)
+    seen: list[tuple[int, int]] = []
+
+    def flush_when_full(e) -> None:
+        if not seen and e._running() and not e.pool.free_blocks():
+            seen.append(e.flush_salt("a"))
+
+    (toks, _), = drive(eng, [req], flush_when_full)
+    assert seen == [(0, 0)] and toks == alone
+
+
 def test_a_flush_waits_for_the_device_after_its_fills(make_engine, monkeypatch) -> None:
     """On a GPU the fills are queued: Flush answers (the erasure done) only once the device has
     run them, so the engine waits for it after both fills, before returning."""
