@@ -76,7 +76,7 @@ def retry_later(error: grpc.RpcError) -> bool:
     answer had arrived (`chunks_received` > 0: sent again, that text would come twice).
     False too for DEADLINE_EXCEEDED (the same deadline runs out again: give a longer
     `timeout`) and CANCELLED (the caller's own cancel or close()). The server sends no delay
-    in its metadata (a tenant's rate-limit refusal says "retry in N s" in its details): back
+    in its metadata (a tenant's rate-limit refusal says "retry in 0.35s" in its details): back
     off (exponentially, with jitter) and give up after a few tries; the client itself never
     retries. Sending Feedback or Warm again is safe (a rating sets a state, a pin is only ever
     extended: a second bad rating answers `invalidated` False); a Generate sent again after
