@@ -589,8 +589,8 @@ class Engine:
         working-row slot of no running sequence (an ended request's whole KV stays in its
         row). Blocks and rows in use keep theirs. Only what was written since it was last
         zeroed is filled (`KvStore` notes every write): the rest is zero already, and a fill
-        of the whole pool and rows held every step for up to 60 ms (230 ms with grown
-        rows). Returns (dropped, kept)."""
+        of the whole pool and rows held every step (timings: services/kvpool/README.md, on
+        `KvPool.Flush`). Returns (dropped, kept)."""
         flushed = self.pool.flush_salt(cache_salt)
         self.store.zero_blocks(self.pool.free_blocks())
         self.store.zero_unused_rows({s.row: s.num_computed for s in self._running()})
