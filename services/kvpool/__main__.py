@@ -106,7 +106,6 @@ def _main(argv: list[str] | None) -> int:
     return 0
 
 
-
 def _load_replica(cfg: KvPoolConfig) -> Replica | None:
     """`build_replica(cfg)`; None, said at error as one line, where the model cannot be
     loaded (a bad configuration, or a volume the conversion cannot write) or it and its KV
@@ -134,6 +133,7 @@ def _load_replica(cfg: KvPoolConfig) -> Replica | None:
                   "MAX_BATCH_SIZE or MAX_CONTEXT, or pick a device with more memory",
                   cfg.device, str(exc).splitlines()[0][:200])
         return None
+
 
 if __name__ == "__main__":
     exit_process(main())
