@@ -714,6 +714,12 @@ TierCache is up{tls_note()}. Orchestrator: {orch}
 {auth_note(internal_token_file=stack.internal_token_file)}Ctrl-C stops everything.""", flush=True)
 
 
+def _exit_notes(stack: Stack) -> str:
+    """How each of the stack's services that has exited ended ("" while none has)."""
+    return "; ".join(p.exit_note() for p in stack.procs.values()
+                     if p.proc and p.proc.poll() is not None)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = _parse_args(argv)
     logs = _log_dir(a.base_port)
@@ -732,16 +738,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with stop.interrupting():  # a stop signal raises KeyboardInterrupt only in here
             stack.start()
-            dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
-            if dead:  # each was waited for in turn: an earlier one may have died meanwhile
-                notes = "; ".join(stack.procs[k].exit_note() for k in dead)
+            notes = _exit_notes(stack)
+            if notes:  # each was waited for in turn: an earlier one may have died meanwhile
                 raise RuntimeError(f"service(s) exited during start: {notes}")
             _say_up(stack)
             while all(p.proc and p.proc.poll() is None for p in stack.procs.values()):
                 time.sleep(1.0)
-        dead = [k for k, p in stack.procs.items() if p.proc and p.proc.poll() is not None]
-        notes = "; ".join(stack.procs[k].exit_note() for k in dead)
-        print(f"service(s) exited: {notes}; see {stack.log_dir}", file=sys.stderr)
+        print(f"service(s) exited: {_exit_notes(stack)}; see {stack.log_dir}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nstopping ...", flush=True)
