@@ -927,3 +927,28 @@ def test_a_flush_zeroes_a_block_copied_for_a_request_that_failed_before_computin
     assert eng.store.blocks[eng.pool.free_blocks()].any()  # the copy, freed
     eng.flush_salt("zz")
     _assert_only_running_kv(eng)
+
+
+def test_a_flush_while_a_request_runs_still_zeroes_its_row_once_it_is_cancelled(
+        make_engine) -> None:
+    """A flush cuts a running row's written extent to the tokens its request computed (a
+    longer request's KV past them is zeroed), not below: cancelled before its next forward,
+    which would have noted its slots again, that request leaves them to the next flush."""
+    eng = make_engine(num_blocks=64, max_batch_size=1)
+    by_hand(eng)
+    drive(eng, [request(prompt(30, 87), 6, "a", rid="long", ignore_eos=True)], lambda e: None)
+    sid, out = eng.submit(request(prompt(9, 88), 8, "b", rid="short", ignore_eos=True))
+    eng._drain_inbox(block=False)
+    eng._step()  # prefilled and one token decoded: row 0 holds its KV, the long one's past it
+    (seq,) = eng._running()  # noqa: SLF001
+    n = seq.num_computed
+    assert n == 10 and eng.store.rows[:, :, 0, :, n:30].any()
+    eng.flush_salt("zz")
+    _assert_only_running_kv(eng)
+    assert eng.store.rows[:, :, 0, :, :n].any()  # its own KV, kept
+    eng.cancel(sid)
+    eng._drain_inbox(block=False)
+    assert isinstance(collect(out, timeout=1)[1], Failed)
+    eng.flush_salt("b")
+    _assert_only_running_kv(eng)
+    assert not eng.store.rows.any()
