@@ -1421,8 +1421,10 @@ class Engine:
     # ---- test hooks -----------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Pool integrity plus: every pool table belongs to a live sequence (engine thread)."""
+        """Pool integrity, the KV store's (what erasure relies on) plus: every pool table
+        belongs to a live sequence (engine thread)."""
         self.pool.check_integrity()
+        self.store.check_integrity()
         live = {s.seq_id for s in self._decoding}
         if self._prefilling is not None:
             live.add(self._prefilling.seq_id)

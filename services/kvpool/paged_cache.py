@@ -174,6 +174,18 @@ class KvStore:
                 zeroed += end - keep
         return zeroed
 
+    def check_integrity(self) -> None:
+        """What erasure relies on, since it fills only what was noted as written: every block
+        not noted is zero, and every row is zero from its written extent on. A write path
+        that does not note what it writes fails here at the next check (tests check after
+        every engine step), not only where a flush happens to leave its K/V."""
+        for row, end in enumerate(self._extent):
+            assert not self.rows[:, :, row, :, end:].any(), (
+                f"row {row} holds K/V past its written extent ({end})")
+        written = self.blocks.flatten(1).any(1).nonzero().flatten().tolist()
+        unnoted = sorted(set(written) - self._dirty)
+        assert not unnoted, f"blocks {unnoted[:8]} hold K/V not noted as written"
+
     def copy_block(self, src: int, dst: int) -> None:
         self._dirty.add(dst)
         self.blocks[dst] = self.blocks[src]

@@ -93,3 +93,24 @@ def test_zeroing_blocks_fills_those_written_since_they_were_last_zeroed() -> Non
     assert s.zero_blocks([0, 1, 2, 3]) == 2
     assert not s.blocks.any()
     assert s.zero_blocks([0, 1, 2, 3]) == 0
+
+
+def test_the_integrity_check_fails_on_kv_written_where_no_write_was_noted() -> None:
+    """Erasure fills only what was noted as written, so the engine's integrity check (after
+    every step in the engine tests) fails on a row slot past its written extent or a block
+    not noted, whichever write path left it; noted writes pass."""
+    import pytest
+
+    s = rows_of(16, max_context=16)
+    s.check_integrity()
+    s.rows[:, :, 1, :, 5] = 1.0  # written as a path that forgot `wrote` would
+    with pytest.raises(AssertionError, match="row 1 holds K/V past its written extent"):
+        s.check_integrity()
+    s.wrote(1, 6)
+    s.check_integrity()
+    s.blocks[3] = 1.0
+    with pytest.raises(AssertionError, match=r"blocks \[3\] hold K/V not noted"):
+        s.check_integrity()
+    s.copy_block(3, 2)  # a noted write: block 2 passes, 3 still fails
+    with pytest.raises(AssertionError, match=r"blocks \[3\]"):
+        s.check_integrity()
