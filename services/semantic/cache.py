@@ -90,6 +90,15 @@ class _Reading:
         return label == self.label if self.only else label <= self.label
 
 
+def _same_answer(held: Entry, new: Entry, now: float) -> bool:
+    """`new` stores nothing that `held` (the same prompt's entry, not expired at `now`) does
+    not: its answer, cut and tokens, its ttl and verified flag (an unverified answer stored
+    over a verified one replaces it, as any other Store: the flag starts over)."""
+    return (not held.expired(now) and held.answer == new.answer
+            and held.truncated == new.truncated and held.answer_tokens == new.answer_tokens
+            and held.ttl_seconds == new.ttl_seconds and held.verified == new.verified)
+
+
 @dataclass(frozen=True)
 class Entry:
     """One cached answer (the in-memory copy of a SQLite row)."""
@@ -748,7 +757,8 @@ class SemanticCache:
         Evicts least recently used entries beyond the namespace, tenant and global capacity
         (see `_global_excess_locked`). A second store of the identical prompt in a namespace
         replaces the first: of two at once, the one committed later stands, and the other
-        returns it.
+        returns it. A store of the answer the entry already holds (`_same_answer`) returns that
+        entry as it is (its TTL not renewed): a herd of identical requests gets one id.
 
         `wanted`, asked once the prompt is embedded, right before the write, and again once
         the row is written, before memory takes it: False (the caller's deadline passed, or it
@@ -800,10 +810,14 @@ class SemanticCache:
                     self._removed.wait(_WAIT_CHECK_S)
                     _still(wanted, "the answer was written")
                     old = self._by_prompt.get((ns, prompt))
-                if old is not None and old > label:
+                if old is not None and (
+                        old > label or _same_answer(self._entries[old], entry, now)):
                     # A Store of the same prompt committed after this one (a higher label)
                     # took the lock first: the later answer stands, as a restart would have
-                    # it (load keeps the newest row). Served the earlier one instead.
+                    # it (load keeps the newest row). Served the earlier one instead. Or the
+                    # entry held is this very answer (a herd of identical requests, each
+                    # storing what the model gave them all): it stands, so every caller is
+                    # given one id; replaced, the earlier callers' ids named an entry gone.
                     stands = self._entries[old]
                     dropped.append(label)
                 else:

@@ -330,6 +330,33 @@ def test_same_prompt_again_replaces_the_answer(make_cache):
     assert c.lookup(A, "Who is the CEO?").entry.answer == "Bob"
 
 
+def test_the_same_answer_again_keeps_the_entry_every_caller_was_given(make_cache):
+    """A herd: N identical requests miss together, the model gives each the same answer, and
+    each Store replaced the one before, so N - 1 callers held the id of an entry gone (their
+    Feedback "bad" invalidated nothing, their "good" was NOT_FOUND) while that answer stayed
+    served under another id."""
+    c = make_cache()
+    first = c.store_entry(A, "Who is the CEO?", "Alice", answer_token_ids=[1, 2])
+    again = c.store_entry(A, "Who is the CEO?", "Alice", answer_token_ids=[1, 2])
+    assert again.id == first.id and c.stats().entries == 1 and c.store.count() == 1
+    assert c.invalidate_id(first.id) == 1
+    assert not c.lookup(A, "Who is the CEO?").hit
+    other = c.store_entry(A, "Who is the CEO?", "Alice", truncated=1)  # not the same: replaced
+    assert c.store_entry(A, "Who is the CEO?", "Alice").id != other.id
+    assert c.store.count() == 1
+    c.check_integrity()
+
+
+def test_the_same_answer_again_replaces_an_entry_past_its_ttl(make_cache, clock):
+    c = make_cache()
+    old = c.store_entry(A, "Who is the CEO?", "Alice", ttl_seconds=10)
+    clock.t += 11  # expired, not purged yet
+    new = c.store_entry(A, "Who is the CEO?", "Alice", ttl_seconds=10)
+    assert new.id != old.id and c.lookup(A, "Who is the CEO?").entry.id == new.id
+    assert c.store.count() == 1
+    c.check_integrity()
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
     (dict(ns=Namespace("", "m")), "namespace.tenant"),
     (dict(ns=Namespace("t", "")), "namespace.model_id"),

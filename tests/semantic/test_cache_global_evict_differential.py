@@ -17,6 +17,7 @@ choice (each Store, and each load) is compared with the reference's on the same 
 from __future__ import annotations
 
 import heapq
+import itertools
 import random
 from collections import Counter
 
@@ -28,6 +29,9 @@ from tests.semantic.test_cache_edges import FixedEmbedder
 
 TENANTS = [f"t{i}" for i in range(7)]
 MODELS = ["m1", "m2"]
+# Each Store a new answer: one the prompt's entry already holds leaves it standing (no new
+# label), and the walk is about replacements and the evictions they make.
+_ANSWERS = (f"a{i}" for i in itertools.count())
 
 
 def reference_victims(c: SemanticCache, chosen: list[int]) -> list[int]:
@@ -91,7 +95,8 @@ def _step(c: SemanticCache, rnd: random.Random, clock, marked: list[int]) -> Non
     op = rnd.random()
     held = list(c._entries.values())
     if op < 0.45 or not held:
-        c.store_entry(ns, f"q{rnd.randrange(12)}", "a", ttl_seconds=rnd.choice([0, 0, 0, 5]))
+        c.store_entry(ns, f"q{rnd.randrange(12)}", next(_ANSWERS),
+                      ttl_seconds=rnd.choice([0, 0, 0, 5]))
     elif op < 0.65:
         e = rnd.choice(held)
         r = c.lookup(e.namespace, e.prompt, tier="strict")
