@@ -352,6 +352,7 @@ def test_load_logs_what_it_loaded_expired_evicted_and_replaced(make_cache, make_
     again = SemanticCache(cfg, emb, EntryStore(cfg.resolved_db_path(), "NORMAL"), clock)
     try:
         with caplog.at_level(logging.INFO, logger="services.semantic.cache"):
+            caplog.clear()  # the first cache's load line, where a test before left INFO on
             assert again.load() == 3
         assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded")] \
             == ["loaded 3 entries in 2 namespaces (1 expired, 1 over capacity, 1 replaced by a "
