@@ -21,6 +21,7 @@ import json
 import threading
 import time
 import uuid
+from collections import Counter
 
 import grpc
 from tiercache.v1 import common_pb2
@@ -86,11 +87,8 @@ def wave(c: TierCacheClient, msgs) -> dict:
     ok = [r for r in res if r]
     good = [r for r in ok if "error" not in r]
     ttfts = sorted(r["ttft"] for r in good)
-    replicas: dict[str, int] = {}
-    for r in good:
-        replicas[r["replica"]] = replicas.get(r["replica"], 0) + 1
     return {"n": len(msgs), "errors": [r["error"] for r in ok if "error" in r],
-            "replicas": replicas, "cached": [r["cached"] for r in good],
+            "replicas": Counter(r["replica"] for r in good), "cached": [r["cached"] for r in good],
             "prompt": good[0]["prompt"] if good else 0,
             "ttft_first_ms": round(ttfts[0]) if ttfts else None,
             "ttft_last_ms": round(ttfts[-1]) if ttfts else None,
