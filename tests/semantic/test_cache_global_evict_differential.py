@@ -184,7 +184,7 @@ def test_global_victims_besides_a_loads_namespace_and_tenant_excess(cache_factor
     for i in range(150):
         clock.t += rnd.choice([0, 0, 1])
         ns = Namespace(rnd.choice(tenants[: 10 + i // 10]), rnd.choice(MODELS), "")
-        c.store_entry(ns, f"q{rnd.randrange(40)}", "a")
+        c.store_entry(ns, f"q{rnd.randrange(40)}", next(_ANSWERS))  # a repeat replaces
     per_ns, per_tenant = rnd.choice([2, 3, 4]), rnd.choice([0, 4, 5])
     left = Counter()
     for ns, lru in c._ns_lru.items():
