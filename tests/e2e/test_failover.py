@@ -265,6 +265,11 @@ def test_a_client_gone_during_a_hung_lookup_gives_its_slot_back_at_once(stack):
         with TierCacheClient(stack.orch.address, token="tok-small", timeout=120) as c:
             call = c.stub.Generate(c.build_request("Name a river.", max_tokens=4),
                                    timeout=120, metadata=c._metadata())
+            # Its handler has begun (the headers go out just before it takes the tenant's
+            # slot) before the first probe, which takes the slot itself while it checks: sent
+            # sooner, a probe over a new connection could come first and have this request
+            # refused (seen once in CI, under load).
+            assert dict(call.initial_metadata()).get("x-request-id")
             # Under way: its lookup waits on the stopped tier, holding the tenant's one slot.
             def taken() -> bool:
                 # Ended before it was seen holding the slot: said with its status, not as a
