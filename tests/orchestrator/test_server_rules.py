@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
+import subprocess
 import threading
 import time
 from types import SimpleNamespace
@@ -30,6 +32,7 @@ from services.orchestrator.server import (
     parse_sampling,
 )
 from services.orchestrator.tenants import TenantRegistry
+from tests.e2e.conftest import grpcurl_path
 from tests.metric_sample import sample_value
 from tests.orchestrator.test_request_path import ContextOrchestrator, generate_call
 from tests.orchestrator.test_stream_cap import Context, request, servicer
@@ -201,6 +204,44 @@ def test_warm_without_a_warmer_is_failed_precondition_holding_nothing():
     with pytest.raises(errors.FailedPrecondition, match="warm-up"):
         s.Warm(orchestrator_pb2.WarmRequest(top_k=1), Context())
     assert _held(s) == before
+
+
+def test_a_warm_says_its_request_id_in_its_headers_before_it_ends():
+    """A Warm's response headers carry the id it runs under (one the server made up: the
+    client sent none), before its prefills end: a warm-up runs up to 120 s, and one its
+    caller cancels gets no trailers to read the id from."""
+    from tiercache.v1 import orchestrator_pb2_grpc
+
+    from services.common.bootstrap import create_server
+    from services.common.logs import request_id_var
+
+    s, _ = servicer(STREAM_HEADROOM + 2)
+    ran_under: list[str] = []
+    release = threading.Event()
+
+    def warm(tenant, request, remaining, **kw):
+        ran_under.append(request_id_var.get())
+        release.wait(10)
+        return orchestrator_pb2.WarmResponse()
+
+    s.warmer = SimpleNamespace(warm=warm)
+    h = create_server(service="orchestrator", address="127.0.0.1:0",
+                      services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, s,
+                                 "tiercache.v1.Orchestrator")], authenticate=s.authenticate_call)
+    try:
+        # grpcurl (Go) prints the headers as they come; gRPC Python reads a unary call's
+        # headers only with its end. Its deadline ends the call while the warm-up runs.
+        out = subprocess.run(
+            [grpcurl_path(), "-plaintext", "-v", "-max-time", "2", "-d", '{"top_k": 1}',
+             h.address, "tiercache.v1.Orchestrator/Warm"],
+            capture_output=True, text=True, timeout=30)
+    finally:
+        release.set()
+        h.stop(0)
+    said = re.search(r"Response headers received:\n(?:.*\n)*?x-request-id: (\S+)", out.stdout)
+    assert "DeadlineExceeded" in out.stderr + out.stdout, (out.stdout, out.stderr)
+    assert len(ran_under) == 1 and ran_under[0]
+    assert said is not None and said.group(1) == ran_under[0], out.stdout
 
 
 def test_feedback_without_a_rating_is_refused_naming_rating():
