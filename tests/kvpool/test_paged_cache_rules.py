@@ -69,6 +69,7 @@ def test_zeroing_reaches_what_each_row_write_path_wrote_and_skips_what_is_zero()
     from services.kvpool.paged_cache import ForwardPlan, PagedCache
 
     s = rows_of(16, max_context=16)
+    assert s.zero_unused_rows({}) == 0  # nothing written yet: nothing to fill
     s.blocks.normal_()
     s.load_row(0, [0, 1], 6)  # slots 0..5
     s.move_slots(0, [1], [9])  # slot 9, past every slot written before
@@ -105,6 +106,9 @@ def test_the_integrity_check_fails_on_kv_written_where_no_write_was_noted() -> N
     s.check_integrity()
     s.rows[:, :, 1, :, 5] = 1.0  # written as a path that forgot `wrote` would
     with pytest.raises(AssertionError, match="row 1 holds K/V past its written extent"):
+        s.check_integrity()
+    s.wrote(1, 5)  # noted one slot short: slot 5 is the extent's first, and must be zero
+    with pytest.raises(AssertionError, match=r"row 1 holds K/V past its written extent \(5\)"):
         s.check_integrity()
     s.wrote(1, 6)
     s.check_integrity()
