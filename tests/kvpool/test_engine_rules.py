@@ -11,6 +11,7 @@ draft's guesses after a replaced token verified as a tree. The engine is stepped
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from services.common import errors
@@ -816,6 +817,19 @@ def test_flushes_between_every_step_change_no_running_requests_tokens(make_engin
     got = drive(eng, reqs, lambda e: flushes.append(e.flush_salt("a")))
     assert [toks for toks, _ in got] == want
     assert any(kept for _, kept in flushes) and any(dropped for dropped, _ in flushes)
+
+
+def test_the_engines_integrity_check_asserts_what_a_flush_relies_on(make_engine) -> None:
+    """The engine's integrity check (run after every step in the engine tests) includes the KV
+    store's: K/V where no write was noted fails it, so a write path that forgot to note its
+    K/V fails any engine test stepping through it, not only the flush tests that reach it."""
+    eng = make_engine(num_blocks=16, block_size=4)
+    by_hand(eng)
+    eng.check_integrity()
+    eng.store.rows[:, :, 0, :, 3] = 1.0  # as a write that did not note itself would leave
+    with pytest.raises(AssertionError, match="row 0 holds K/V past its written extent"):
+        eng.check_integrity()
+    eng.store.rows.zero_()
 
 
 def _assert_only_running_kv(eng) -> None:
