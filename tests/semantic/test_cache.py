@@ -357,6 +357,41 @@ def test_the_same_answer_again_replaces_an_entry_past_its_ttl(make_cache, clock)
     c.check_integrity()
 
 
+def test_the_same_answer_keeps_the_entry_until_the_instant_it_expires(make_cache, clock):
+    """Kept while unexpired, to its last moment (a herd's Stores a little before the TTL
+    runs out keep one id); from its expiry on (`Entry.expired`: now >= expires_at) a Store
+    replaces it."""
+    c = make_cache()
+    old = c.store_entry(A, "Who is the CEO?", "Alice", ttl_seconds=10)
+    clock.t += 9.5
+    assert c.store_entry(A, "Who is the CEO?", "Alice", ttl_seconds=10).id == old.id
+    clock.t += 0.5  # its expiry itself
+    assert c.store_entry(A, "Who is the CEO?", "Alice", ttl_seconds=10).id != old.id
+    assert c.store.count() == 1
+    c.check_integrity()
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    (dict(answer_token_ids=[1, 2]), dict(answer_token_ids=[1, 3])),
+    (dict(ttl_seconds=100), dict(ttl_seconds=200)),
+    (dict(verified=True), dict(verified=False)),
+    (dict(verified=False), dict(verified=True)),
+], ids=["tokens", "ttl", "verified-then-not", "unverified-then-verified"])
+def test_the_same_text_stored_otherwise_replaces_the_entry(make_cache, first, second):
+    """Only a Store that brings nothing the entry lacks keeps it: the same text with other
+    token ids, another TTL or another verified flag is a new answer, and replaces the entry
+    as any Store of its prompt does (an unverified one over a verified one too)."""
+    c = make_cache()
+    old = c.store_entry(A, "Who is the CEO?", "Alice", **first)
+    new = c.store_entry(A, "Who is the CEO?", "Alice", **second)
+    assert new.id != old.id
+    held = c.lookup(A, "Who is the CEO?").entry
+    assert held.id == new.id and c.store.count() == 1
+    assert (held.answer_token_ids, held.ttl_seconds, held.verified) == (
+        new.answer_token_ids, new.ttl_seconds, new.verified)
+    c.check_integrity()
+
+
 @pytest.mark.parametrize(("kwargs", "field"), [
     (dict(ns=Namespace("", "m")), "namespace.tenant"),
     (dict(ns=Namespace("t", "")), "namespace.model_id"),
