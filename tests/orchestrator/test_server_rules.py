@@ -23,7 +23,7 @@ from tiercache.v1 import common_pb2, kvpool_pb2, orchestrator_pb2, prefix_pb2
 from services.common import errors
 from services.common.logs import bound_request_id
 from services.orchestrator.config import STREAM_HEADROOM, OrchestratorConfig
-from services.orchestrator.pipeline import OrchestratorStats
+from services.orchestrator.pipeline import OrchestratorStats, TextDelta
 from services.orchestrator.server import (
     MAX_SESSION_ID_CHARS,
     OrchestratorServicer,
@@ -1615,3 +1615,21 @@ def test_a_stream_says_its_request_id_in_its_headers_before_it_ends():
         h.stop(0)
     assert len(ran_under) == 1 and ran_under[0]
     assert headers.get("x-request-id") == ran_under[0], headers
+
+
+def test_a_stream_sends_its_request_id_before_its_pipeline_starts():
+    """The response headers go out before the pipeline runs (a semantic lookup or a prefill
+    that hangs gives no message for a while): a client that gives up before the first message
+    still has the id, the one the pipeline runs under."""
+    s, orch = servicer(STREAM_HEADROOM + 2)
+    ctx = Context()
+    at_start: list[tuple] = []
+
+    def generate(**kw):
+        at_start.append((getattr(ctx, "headers", None), kw["request_id"]))
+        yield TextDelta("hi", [])
+
+    orch.generate = generate
+    assert [r.text for r in s.Generate(request(), ctx)] == ["hi"]
+    ((headers, rid),) = at_start
+    assert rid and headers == (("x-request-id", rid),)
