@@ -336,8 +336,9 @@ def test_load_logs_what_it_loaded_expired_evicted_and_replaced(make_cache, make_
     limit, replaced by a newer answer (a replacing Store killed between its two writes). The
     evicted are the least recently used of the namespace over its limit."""
     c = make_cache()
-    c.store_entry(A, "expiring", "x", ttl_seconds=60)
-    for i in range(3):
+    for i in range(3):  # three expired, two over capacity, one replaced: each count its own
+        c.store_entry(A, f"expiring {i}", "x", ttl_seconds=60)
+    for i in range(4):
         clock.t += 1
         c.store_entry(A, f"question {i}", f"answer {i}", ttl_seconds=86_400)
     c.store_entry(B, "other", "y", ttl_seconds=86_400)
@@ -355,11 +356,11 @@ def test_load_logs_what_it_loaded_expired_evicted_and_replaced(make_cache, make_
             caplog.clear()  # the first cache's load line, where a test before left INFO on
             assert again.load() == 3
         assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("loaded")] \
-            == ["loaded 3 entries in 2 namespaces (1 expired, 1 over capacity, 1 replaced by a "
+            == ["loaded 3 entries in 2 namespaces (3 expired, 2 over capacity, 1 replaced by a "
                 "newer answer to the same prompt; 0 HNSW graphs taken from the snapshot, not "
                 "built)"]
         assert sorted(e.prompt for e in again._entries.values()) == [
-            "other", "question 1", "question 2"]
+            "other", "question 2", "question 3"]
         assert again.lookup(B, "other").entry.answer == "z"
         again.check_integrity()
     finally:

@@ -219,6 +219,26 @@ def test_weights_of_another_versions_features_leave_the_guard_not_a_stopped_shar
         VerifierModel.load(path)
 
 
+def test_weights_no_tier_uses_are_not_read(make_cfg, embedder, tmp_path, caplog):
+    """With no verifier tier the weights file configured is never read: one that would be
+    refused (fields missing) or stale neither stops the shard nor logs a warning about a
+    verifier nothing consults."""
+    import json
+    import logging
+
+    broken = json.loads(VerifierModel.load().to_json())
+    del broken["coef"]
+    path = tmp_path / "unused.json"
+    path.write_text(json.dumps(broken))
+    cfg = make_cfg(verifier_path=str(path), verifier_tiers=())
+    with caplog.at_level(logging.WARNING, logger="services.semantic"):
+        cache = SemanticCache(cfg, embedder, EntryStore(str(tmp_path / "v.db"), "NORMAL"))
+    try:
+        assert cache.verifier is None and "verifier" not in caplog.text
+    finally:
+        cache.store.close()
+
+
 def test_a_cut_short_weights_file_is_refused_naming_it_and_the_way_out(tmp_path):
     """A weights file cut short (fit_verifier wrote it in place) stopped the shard with a bare
     JSONDecodeError naming no file; weights of the wrong shape failed only at the first
