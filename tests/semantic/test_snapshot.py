@@ -546,3 +546,16 @@ def test_a_save_walks_the_namespaces_outside_the_cache_lock(make_cfg, emb, clock
     monkeypatch.undo()
     r = opened(cfg, emb, clock, snap, caches)
     assert r.graphs_adopted == 1 and r.index_of(C) is None
+
+
+def test_a_save_removes_the_manifest_a_killed_save_left_half_written(make_cfg, emb, clock,
+                                                                     caches, tmp_path):
+    """A save killed before its rename leaves its temporary manifest (named by its pid): the
+    next save removes it with the old graph files, or each crash left one more."""
+    cfg, snap = settings(make_cfg), tmp_path / "snap"
+    c = filled(cfg, emb, clock, str(snap), caches)
+    snap.mkdir(parents=True, exist_ok=True)
+    left = snap / ".manifest.json.99999.tmp"
+    left.write_text('{"half')
+    assert c.save_snapshot(str(snap)) == 1
+    assert not left.exists() and (snap / "manifest.json").exists()
