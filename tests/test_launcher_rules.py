@@ -634,3 +634,27 @@ TierCache is up. Orchestrator: localhost:2
 Ctrl-C stops everything.
 stopped
 """
+
+
+def test_only_a_free_port_stack_prunes_the_log_folders_of_finished_ones(monkeypatch, tmp_path):
+    """A free-port run (--base-port 0) logs under its own pid, so such folders pile up: it
+    prunes those of finished runs first. A stack on fixed ports logs in one folder each time
+    and prunes nothing."""
+    pruned: list = []
+    monkeypatch.setattr(launcher, "run_dir", lambda: tmp_path)
+    monkeypatch.setattr(launcher, "prune_pid_logs", pruned.append)
+    assert launcher._log_dir(50051) == tmp_path / "logs"
+    assert launcher._log_dir(53500) == tmp_path / "logs" / "port-53500"
+    assert pruned == []
+    assert launcher._log_dir(0) == tmp_path / "logs" / f"pid-{os.getpid()}"
+    assert pruned == [tmp_path / "logs"]
+
+
+def test_the_most_replicas_the_stack_runs_is_accepted_and_one_more_refused(monkeypatch, capsys):
+    """--replicas takes 1..MAX_REPLICAS, both ends included."""
+    monkeypatch.delenv("TIERCACHE_KVPOOL_METRICS_PORT", raising=False)
+    top = launcher.MAX_REPLICAS
+    assert launcher._parse_args(["--base-port", "0", "--replicas", str(top)]).replicas == top
+    with pytest.raises(SystemExit):
+        launcher._parse_args(["--base-port", "0", "--replicas", str(top + 1)])
+    assert f"the stack needs 1..{top} kvpool replicas" in capsys.readouterr().err
