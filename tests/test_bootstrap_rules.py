@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
+import types
 
 import grpc
 import pytest
@@ -1267,3 +1268,21 @@ def test_one_grpcurl_call_with_a_bad_request_id_says_it_replaced_once(small_serv
     assert len(said) == 1, seen
     assert said[0][0] == (f"Match: x-request-id 'bad id with spaces' replaced by {said[0][1]} "
                           "(not 1-128 characters of A-Z a-z 0-9 . _ : -)")
+
+
+def test_a_client_ending_one_of_its_streams_still_counts_the_others(monkeypatch):
+    """A client's open streams are counted down one per stream ended, to none only with its
+    last: its count dropped whole as one ended, a client holding its cap and ending one
+    stream could open the cap again, past MAX_OPEN_STREAMS_PER_PEER."""
+    monkeypatch.setattr(bootstrap, "OPEN_SLOT_GRACE_S", 0.0)  # a refusal waits for nothing
+    icpt = bootstrap._ServerInterceptor("slots", None)
+    ctx = types.SimpleNamespace(is_active=lambda: True, add_callback=lambda cb: True)
+    peer, cap = "ipv4:10.0.0.9", bootstrap.MAX_OPEN_STREAMS_PER_PEER
+    assert [icpt._take_open_slot(peer, ctx) for _ in range(cap)] == [""] * cap
+    icpt._free_open_slot(peer)
+    assert icpt._open_by_peer == {peer: cap - 1}
+    assert icpt._take_open_slot(peer, ctx) == ""
+    assert icpt._take_open_slot(peer, ctx) == f"at most {cap} open streams per client"
+    for _ in range(cap):
+        icpt._free_open_slot(peer)
+    assert icpt._open_by_peer == {}
