@@ -39,6 +39,13 @@ def test_semantic_hit_has_no_replica_and_no_draft():
                                 " entry ns.e2]")
 
 
+def test_a_coalesced_answer_names_the_request_whose_model_run_gave_it():
+    r = common_pb2.CacheReport(prompt_tokens=40, cached_tokens=40, replica_id="kvpool-0",
+                               ttft_ms=269.0, route="coalesced", coalesced_with="req-1")
+    assert format_report(r) == ("[model | route coalesced, prompt 40 tok, cached 40, replica "
+                                "kvpool-0, ttft 269 ms, coalesced with req-1]")
+
+
 def test_cold_answer_mentions_neither_draft_nor_entry():
     r = common_pb2.CacheReport(prompt_tokens=40, replica_id="kvpool-0", ttft_ms=269.0)
     assert format_report(r) == "[model | prompt 40 tok, cached 0, replica kvpool-0, ttft 269 ms]"

@@ -401,6 +401,8 @@ def format_report(r, request_id: str = "") -> str:
                if r.draft_tokens_proposed else "")
             + (f", draft from {r.draft_entry_id}" if r.draft_entry_id else "")
             + (f", entry {r.semantic_entry_id}" if r.semantic_entry_id else "")
+            # Its tokens came from an identical request's model run in flight (coalescing).
+            + (f", coalesced with {r.coalesced_with}" if r.coalesced_with else "")
             + (f", degraded: {' '.join(r.degradations)}" if r.degradations else "")
             + (f", request {request_id}" if request_id else "") + "]")
 

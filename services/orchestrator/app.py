@@ -105,7 +105,8 @@ def build(cfg: OrchestratorConfig) -> App:
                                     cfg.routing_load_floor),
         internal_token=cfg.internal_token, default_tier=cfg.semantic_tier,
         enable_drafts=cfg.enable_drafts, store_sampled=cfg.store_sampled,
-        serve_sampled=cfg.serve_sampled, eos_token_ids=eos_token_ids(resolved.path, tok),
+        serve_sampled=cfg.serve_sampled, coalesce=cfg.coalesce,
+        eos_token_ids=eos_token_ids(resolved.path, tok),
         max_attempts=cfg.max_attempts, min_prefix_tokens=cfg.min_prefix_tokens,
         dispatched=(DispatchMemory(cfg.block_size, cfg.dispatch_memory_s)
                     if cfg.dispatch_memory_s > 0 else None))

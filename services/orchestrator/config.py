@@ -100,6 +100,10 @@ class OrchestratorConfig:
     # Serve semantic hits to sampled (temperature > 0) requests too (CachePolicy.serve_sampled
     # per request). Off: they get the model's own sample, the hit as its draft.
     serve_sampled: bool = False
+    # Coalesce identical greedy requests in flight together: the first runs the model, the
+    # others (same tenant, prompt and sampling; caches not skipped) read its tokens as they
+    # come instead of calling a replica (CacheReport.coalesced_with). Off: each runs its own.
+    coalesce: bool = True
     # How requests choose a replica: by matched prefix against load, or round robin.
     routing_policy: str = "prefix"  # "prefix" or "round_robin" (a baseline for benchmarks)
     # Bounded-load slack: a replica past (1 + epsilon) x the mean load is skipped.

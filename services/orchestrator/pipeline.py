@@ -28,6 +28,7 @@ from services.common.grpc_client import call_metadata, cut_short, health_error
 from services.common.hashing import BlockHasher
 from services.common.logs import Thinned
 from services.common.metrics import SECONDS_BUCKETS, counter, histogram
+from services.orchestrator import coalesce as coalesce_mod
 from services.orchestrator.backends import (
     CALL_SECONDS,
     ReplicaSet,
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 # Served only (`_count`, once the client has the last token): a live check's cancelled and
 # timed-out Generates were in tiercache_rpc_total only, which the help did not say.
 REQUESTS = counter("tiercache_orchestrator_requests_total",
-                   "Generate requests served, by cache class (cold, prefix_hit, semantic_hit): "
+                   "Generate requests served, by cache class (cold, prefix_hit, semantic_hit, "
+                   "coalesced: the whole answer from an identical request's model run): "
                    "counted once the client has taken the last token, so not those refused, "
                    "failed, cancelled or past their deadline (see tiercache_rpc_total)",
                    ("cache_class",))
@@ -81,6 +83,10 @@ MATCH_SHORTFALL = counter("tiercache_orchestrator_prefix_match_shortfall_tokens_
 MATCHED_TOKENS = counter("tiercache_orchestrator_prefix_matched_tokens_total",
                          "Prompt tokens the prefix index (or routing's memory of prompts just "
                          "sent) said the chosen replica held, over the requests it served")
+COALESCED = counter("tiercache_orchestrator_coalesced_requests_total",
+                    "Greedy requests that followed an identical request's model run in flight "
+                    "instead of calling a replica (counted as they join it: those that then "
+                    "went on by themselves, their leader gone unfinished, included)")
 DISPATCH_ROUTES = counter("tiercache_orchestrator_dispatch_memory_routes_total",
                           "Routes to a replica for a prefix the index did not know yet (sent "
                           "there moments before): one per routing decision, so a request "
@@ -448,7 +454,7 @@ class Orchestrator:
                  internal_token: str, default_tier: str, enable_drafts: bool,
                  store_sampled: bool, max_attempts: int, min_prefix_tokens: int,
                  dispatched: DispatchMemory | None = None, serve_sampled: bool = False,
-                 eos_token_ids: frozenset[int] | None = None) -> None:
+                 eos_token_ids: frozenset[int] | None = None, coalesce: bool = True) -> None:
         self.renderer = renderer
         self.tok = tokenizer
         self._vocab = len(tokenizer)  # ids a draft may hold: the tokenizer's
@@ -469,6 +475,9 @@ class Orchestrator:
         self.dispatched = dispatched
         self.stats = OrchestratorStats()
         self._route_lock = threading.Lock()
+        # Identical greedy requests in flight together share one model run (coalesce.py).
+        self.coalesce = coalesce
+        self.flights = coalesce_mod.Flights()
         # Tokens a stored answer's text leaves out (skip_special_tokens): the end of sequence.
         self._special_ids = frozenset(getattr(tokenizer, "all_special_ids", None) or ())
         # Every id that ends the model's answer, as the replicas read them (the generation
@@ -576,9 +585,8 @@ class Orchestrator:
         """What the prefix index knows of this prompt (see PrefixView); `probe`: asked for
         routing's sake, not a request (the index credits no hit). `on_call` is handed the
         Match's call as it starts (to cancel it when the request's client goes away)."""
-        hashes = self.hasher.hashes(token_ids, tenant.cache_salt)
-        key = hashes[0].hex() if hashes else ""
-        ring = PrefixView({}, key, None, hashes)  # nothing from the index: ring routing
+        ring = self._ring_view(tenant, token_ids)  # nothing from the index: ring routing
+        hashes = ring.hashes
         if self.prefix is None or not hashes:
             return ring
         timeout = None
@@ -590,7 +598,7 @@ class Orchestrator:
             # Full blocks are hashed; the partial last block and the answer need one more.
             return PrefixView(self.prefix.match(hashes, self.model_id, timeout, probe=probe,
                                                 on_call=on_call),
-                              key, len(hashes) + 1, hashes)
+                              ring.key, len(hashes) + 1, hashes)
         except grpc.FutureCancelledError:
             # Cancelled with the request (its client went away): not the index's.
             return ring
@@ -616,6 +624,11 @@ class Orchestrator:
                 log.warning("prefix index %s, ring routing: %s", what, said)
             self.stats.degrade("index_refused" if refused else "index_down")
             return ring
+
+    def _ring_view(self, tenant: Tenant, token_ids: list[int]) -> PrefixView:
+        """The prompt's view without the index: its block hashes and ring key, no matches."""
+        hashes = self.hasher.hashes(token_ids, tenant.cache_salt)
+        return PrefixView({}, hashes[0].hex() if hashes else "", None, hashes)
 
     def _with_dispatched(self, matches: dict[str, int], hashes: list[bytes]) -> dict[str, int]:
         """`matches` raised by what was sent to each replica moments ago (the caller holds
@@ -681,15 +694,49 @@ class Orchestrator:
                 yield from self._serve_hit(look, served, state)
                 return
 
-        ids = prompt.token_ids
         if state.cancelled.is_set():
             # Gone during the semantic lookup: no Match either (the index would count it as
             # traffic, and its hits steer warm-up).
             raise errors.Cancelled("client cancelled")
+        with self._flight(state, greedy) as (flight, leads):
+            yield from self._model_answer(state, session_id, seed, draft_ids, look, may_store,
+                                          flight, leads)
+
+    @contextlib.contextmanager
+    def _flight(self, req: _Request, greedy: bool
+                ) -> Iterator[tuple[coalesce_mod.Flight | None, bool]]:
+        """The request's flight (coalesce.py) and whether it leads it: (None, False) where it
+        may not share one. A leader's flight ends with its replica side (`_ReplicaSide.run`),
+        or here, the side never run (the request failed or was cancelled before)."""
+        policy = req.policy
+        if not coalesce_mod.may_coalesce(self.coalesce, greedy, policy.skip_semantic_lookup,
+                                         policy.skip_prefix_cache):
+            yield None, False
+            return
+        key = coalesce_mod.flight_key(req.tenant.name, req.tenant.cache_salt, self.model_id,
+                                      req.prompt.token_ids, req.sampling)
+        flight, leads = self.flights.join(key, req.request_id)
+        if not leads:
+            COALESCED.inc()
+        try:
+            yield flight, leads
+        finally:
+            if leads:
+                self.flights.end(flight)
+
+    def _model_answer(self, state: _Request, session_id: str, seed: int, draft_ids: list[int],
+                      look, may_store: bool, flight: coalesce_mod.Flight | None, leads: bool
+                      ) -> Iterator[TextDelta | Finished]:
+        """The model's answer (the semantic tier's missed): the prefix index's view of the
+        prompt and its routing key, then the replica side, read ahead and drained here at the
+        client's pace. A follower of a flight asks the index only if it must go on by itself."""
+        tenant, policy, deadline = state.tenant, state.policy, state.deadline
+        ids = state.prompt.token_ids
         # A Match cancelled with the request gives ring routing's empty view: the loop's
         # first check below ends the request before anything is routed.
         with state.tier_call():
             view = (PrefixView({}, "", None, []) if policy.skip_prefix_cache
+                    else self._ring_view(tenant, ids) if flight is not None and not leads
                     else self._matches(tenant, ids, deadline, on_call=state.tier_call_started))
         session_key = session_routing_key(tenant, session_id)
         key = view.key
@@ -700,9 +747,11 @@ class Orchestrator:
             key = session_key or f"{tenant.name}\x1f{hash(tuple(ids[:64]))}"
         affinity = session_key or key
         side = _ReplicaSide(self, state, seed=seed, draft_ids=draft_ids, view=view,
-                            affinity=affinity, look=look, may_store=may_store)
-        ahead = _ReadAhead(side.run(), sampling.max_tokens + 4,
-                           f"replica-stream-{request_id}", deadline, state.cancel_downstream)
+                            affinity=affinity, look=look, may_store=may_store, flight=flight,
+                            leads=leads)
+        ahead = _ReadAhead(side.run(), state.sampling.max_tokens + 4,
+                           f"replica-stream-{state.request_id}", deadline,
+                           state.cancel_downstream)
         try:
             for item in ahead:
                 if isinstance(item, _Deferred):
@@ -957,8 +1006,12 @@ class _ReplicaSide:
 
     def __init__(self, orch: Orchestrator, req: _Request, *, seed: int, draft_ids: list[int],
                  view: PrefixView, affinity: str, look: semantic_pb2.LookupResponse | None,
-                 may_store: bool) -> None:
+                 may_store: bool, flight: coalesce_mod.Flight | None = None,
+                 leads: bool = False) -> None:
         self.orch, self.req = orch, req
+        # The flight this request publishes its tokens into (`leads`), or reads them from.
+        self.leads = flight if leads else None
+        self.follows = None if leads else flight
         self.ids = req.prompt.token_ids
         self.seed, self.draft_ids, self.affinity = seed, draft_ids, affinity
         self.matches, self.new_blocks, self.hashes = view.matches, view.new_blocks, view.hashes
@@ -999,14 +1052,72 @@ class _ReplicaSide:
 
     def run(self) -> Iterator[TextDelta | Finished | _Deferred]:
         """Tries replicas until one gives the whole answer (none left: the client's error),
-        then reports it and stores it."""
-        while self.final is None:
-            if self.req.cancelled.is_set():
-                raise errors.Cancelled("client cancelled")
-            att = self._route()
-            if (yield from self._attempt(att)):
-                self._after_failure(att)
-        yield from self._finish(att)
+        then reports it and stores it. A follower reads its leader's flight first: whole, it
+        is the answer; else it goes on from the tokens read."""
+        try:
+            if self.follows is not None and (yield from self._follow()):
+                yield from self._finish_followed()
+                return
+            while self.final is None:
+                if self.req.cancelled.is_set():
+                    raise errors.Cancelled("client cancelled")
+                att = self._route()
+                if (yield from self._attempt(att)):
+                    self._after_failure(att)
+            yield from self._finish(att)
+        finally:
+            if self.leads is not None:
+                self.orch.flights.end(self.leads)  # whatever way it ended
+
+    def _follow(self) -> Generator[TextDelta, None, bool]:
+        """The leader's tokens, read from its flight as they come (its backlog at once) and
+        handed on as this request's own; whether the leader finished (its final kept in
+        `final`). False: it ended without (its client gone, an error), and this request goes
+        on by itself from the tokens read, as a failover resumes (route "resume")."""
+        flight, req = self.follows, self.req
+        req.current["call"] = coalesce_mod.Waker(flight)  # its client gone: the wait ends
+        try:
+            while True:
+                got = flight.read(len(self.generated), req.deadline, req.cancelled)
+                if req.cancelled.is_set():
+                    raise errors.Cancelled("client cancelled")
+                if got.ids:
+                    yield from self._take(got.ids)
+                elif got.ended:
+                    break
+                else:
+                    raise errors.DeadlineExceeded("deadline exceeded while generating")
+        finally:
+            req.current.pop("call", None)
+        if self.generated:
+            req.report.coalesced_with = flight.leader_id
+        if got.final is None:
+            # Routed as any request: the index asked now (the leader's replica holds the
+            # prompt and the tokens read, most likely).
+            with req.tier_call():
+                view = self.orch._matches(req.tenant, self.ids, req.deadline,
+                                          on_call=req.tier_call_started)
+            self.matches, self.new_blocks = view.matches, view.new_blocks
+            return False
+        self.final = got.final
+        return True
+
+    def _finish_followed(self) -> Iterator[TextDelta | Finished | _Deferred]:
+        """The answer is whole from the leader's run (its final in `final`): the report says
+        so (route "coalesced", coalesced_with, the leader's replica; none of the prompt was
+        computed for this request, so all of it counts as cached, and no forward pass or
+        draft: the leader's report has its run's), counted as cache class "coalesced"; the
+        leader stores the answer, not this request."""
+        o, req, report = self.orch, self.req, self.req.report
+        yield from self._flush()
+        prompt_tokens = len(self.ids)
+        ttft = ((self.first_token_at or time.monotonic()) - req.t0) * 1000.0
+        report.prompt_tokens = report.cached_tokens = prompt_tokens
+        report.replica_id = self.follows.replica_id
+        report.ttft_ms = ttft
+        report.route = "coalesced"
+        yield _Deferred(lambda: o._count("coalesced", prompt_tokens, prompt_tokens, 0, ttft))
+        yield from self._finished()
 
     def _route(self) -> _Attempt:
         """The replica for the next attempt, its load there counted (and the prompt's dispatch
@@ -1079,7 +1190,8 @@ class _ReplicaSide:
                           decision.matched_tokens, dict(self.matches),
                           {r: t for r, t in att.seen.items() if t > self.matches.get(r, 0)},
                           {v.replica_id: v.load for v in o.replicas.views()})
-            self.route = (decision.route if self.attempts == 0
+            # A follower going on from its leader's tokens resumes at its first attempt.
+            self.route = (decision.route if self.attempts == 0 and not self.generated
                           else ("resume" if self.generated else "retry"))
             remaining = req.deadline - time.monotonic()
             if remaining <= 0:
@@ -1140,7 +1252,6 @@ class _ReplicaSide:
         # drained at the client's: the replica's share of routing's load and its
         # watcher are released as soon as its stream ends, and a lost replica is
         # resumed at once with every token read, however far behind the client is.
-        return_ids = self.req.return_token_ids
         for msg in att.call:
             if att.called_at is not None:
                 # The replica's answer time (its queue and prefill, as this
@@ -1149,17 +1260,24 @@ class _ReplicaSide:
                     time.monotonic() - att.called_at)
                 att.called_at = None
             if msg.token_ids:
-                new = list(msg.token_ids)
-                self.generated.extend(new)
-                text = self.detok.push(new)
-                if self.first_token_at is None:
-                    # When the orchestrator has it from a replica (handed on at
-                    # once to a client keeping up; a slow one takes it later).
-                    self.first_token_at = time.monotonic()
-                if text or return_ids:
-                    yield TextDelta(text, new if return_ids else [])
+                yield from self._take(list(msg.token_ids))
             if msg.HasField("final"):
                 self.final = msg.final
+
+    def _take(self, new: list[int]) -> Iterator[TextDelta]:
+        """Tokens read (from a replica, or a leader's flight): the answer's, published to this
+        request's followers, handed on as text (and token ids, where asked)."""
+        self.generated.extend(new)
+        if self.leads is not None:
+            self.leads.publish(new)
+        text = self.detok.push(new)
+        if self.first_token_at is None:
+            # When the orchestrator has it (handed on at once to a client keeping up; a slow
+            # one takes it later).
+            self.first_token_at = time.monotonic()
+        return_ids = self.req.return_token_ids
+        if text or return_ids:
+            yield TextDelta(text, new if return_ids else [])
 
     def _judge_failure(self, att: _Attempt, e: grpc.RpcError) -> bool:
         """What a replica's failed call means for the request: whether it is lost for it (try
@@ -1385,20 +1503,20 @@ class _ReplicaSide:
         the request's counts and metrics (deferred until its client has the last token), the
         answer stored in the semantic tier, then the final event."""
         o, req, report, final = self.orch, self.req, self.req.report, self.final
-        tail = self.detok.flush()
-        if tail:
-            yield TextDelta(tail, [])
-        prompt_tokens = len(self.ids)
-        cached = min(final.cached_tokens, prompt_tokens)
-        ttft = ((self.first_token_at or time.monotonic()) - req.t0) * 1000.0
-        report.prompt_tokens = prompt_tokens
-        report.cached_tokens = cached
         # The replica whose tokens end the answer: its own id (its final message), or its
         # public id where the final was made here (lost after the answer's last token, before
         # its final message). Naming the lost replica is right there: it produced the answer
         # (its part, after a resume); being lost is what became of it afterwards (counted as
         # retry/resume in the degradations).
         report.replica_id = final.replica_id or att.replica.public_id
+        if self.leads is not None:
+            self.leads.finish(final, report.replica_id)  # its followers need not wait more
+        yield from self._flush()
+        prompt_tokens = len(self.ids)
+        cached = min(final.cached_tokens, prompt_tokens)
+        ttft = ((self.first_token_at or time.monotonic()) - req.t0) * 1000.0
+        report.prompt_tokens = prompt_tokens
+        report.cached_tokens = cached
         report.ttft_ms = ttft
         report.draft_tokens_proposed = final.draft_tokens_proposed
         report.draft_tokens_accepted = final.draft_tokens_accepted
@@ -1437,13 +1555,25 @@ class _ReplicaSide:
             sid = o._store_answer(req.tenant, req.prompt, req.sampling, self.look,
                                   self.may_store, self.generated, final.finish_reason,
                                   req.deadline, req.tier_call_started)
+        yield from self._finished(sid)
+
+    def _flush(self) -> Iterator[TextDelta]:
+        """The detokenizer's tail (text held back for a character's next bytes), if any."""
+        tail = self.detok.flush()
+        if tail:
+            yield TextDelta(tail, [])
+
+    def _finished(self, sid: str = "") -> Iterator[Finished]:
+        """The final event (`sid`: the entry the answer was stored as), unless the client has
+        gone."""
+        req, report = self.req, self.req.report
         report.degradations.extend(req.notes)
         if req.cancelled.is_set():
             # Gone during the Store (cancelled with it): no final message, for nobody.
             raise errors.Cancelled("client cancelled")
         if sid:
             report.semantic_entry_id = sid
-        yield Finished(final.finish_reason, prompt_tokens, len(self.generated), report,
+        yield Finished(self.final.finish_reason, len(self.ids), len(self.generated), report,
                        req.request_id)
 
 

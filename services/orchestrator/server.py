@@ -427,7 +427,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 semantic_hits_ignore_eos=st.semantic_hits_ignore_eos,
                 # Its own, beside the replicas' (a replica on another id is out of routing):
                 # the replicas' were shown and this one's was not.
-                model_id=o.model_id)
+                model_id=o.model_id, coalesced=st.requests["coalesced"])
         for r in o.replicas.replicas:
             if r.stats is not None and r.health.healthy:
                 resp.replicas.append(r.stats)

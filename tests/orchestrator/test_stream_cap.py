@@ -437,7 +437,7 @@ class HeldStats:
         self.release = threading.Event()
         self.entered = 0
         self._count = threading.Lock()
-        self.requests = {"semantic_hit": 0, "prefix_hit": 0, "cold": 0}
+        self.requests = {"semantic_hit": 0, "prefix_hit": 0, "cold": 0, "coalesced": 0}
         self.prompt_tokens = self.cached_tokens = self.semantic_tokens_saved = 0
         self.semantic_hits_too_short = self.semantic_hits_sampled = 0
         self.semantic_hits_ignore_eos = 0

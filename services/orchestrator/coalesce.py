@@ -1,0 +1,134 @@
+"""Request coalescing: identical greedy requests in flight together share one model run.
+
+A thundering herd (N identical requests before the answer is cached) ran the model N times
+for one answer (docs/capacity.md: 16 requests took 12.3 s of wall time where one takes ~4.1
+s). The first request with a key, its semantic lookup missed, leads: it runs as ever and
+publishes into its `Flight` each batch of token ids as read from its replica, then its end.
+A later request with the same key while the flight is open follows: it calls no replica, its
+tokens are the flight's (the backlog at once, then live). Greedy tokens are decided by the key
+alone (`flight_key`), so a follower's answer is the one a run of its own would give; a leader
+that ends without finishing (its client gone, an error) leaves its followers the tokens so far,
+from which each goes on by itself (a failover's resume)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Hashable
+from typing import NamedTuple
+
+
+def flight_key(tenant_name: str, cache_salt: str, model_id: str, token_ids, sampling
+               ) -> Hashable:
+    """What decides a greedy answer's tokens: the tenant (name and salt: tenants never share
+    an answer), the model, the whole prompt and the whole sampling (max_tokens, stop ids,
+    ignore_eos, ...). Drafts and return_token_ids change no token, and are not in it."""
+    return (tenant_name, cache_salt, model_id, tuple(token_ids), sampling)
+
+
+def may_coalesce(enabled: bool, greedy: bool, skip_semantic_lookup: bool,
+                 skip_prefix_cache: bool) -> bool:
+    """Whether a request may lead or follow a flight: greedy (a sample is its own draw), and
+    with its caches on (a request that turned them off asked to be computed from scratch: the
+    benchmarks' "caches off" baseline must stay one)."""
+    return enabled and greedy and not skip_semantic_lookup and not skip_prefix_cache
+
+
+class Read(NamedTuple):
+    """What a follower reads from a flight: tokens past what it has (`ids`), or none and the
+    flight's end: `final` (the leader's final message) when it finished, `ended` when it ended
+    either way. Nothing at all: the wait ran out (its deadline) or it was woken to stop."""
+
+    ids: list[int]
+    ended: bool
+    final: object | None
+
+
+class Flight:
+    """One leader's model run as its followers read it. Thread-safe."""
+
+    def __init__(self, key: Hashable, leader_id: str) -> None:
+        self.key, self.leader_id = key, leader_id
+        self.replica_id = ""  # the replica whose tokens end the answer (with the final)
+        self._cond = threading.Condition()
+        self._ids: list[int] = []
+        self._final = None
+        self._ended = False
+
+    def publish(self, ids: list[int]) -> None:
+        """A batch of token ids, as the leader read it from its replica."""
+        with self._cond:
+            self._ids.extend(ids)
+            self._cond.notify_all()
+
+    def finish(self, final, replica_id: str) -> None:
+        """The leader's answer is whole: its final message, and the replica that ended it."""
+        with self._cond:
+            self._final, self.replica_id = final, replica_id
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        """The leader's replica side ended, finished (`finish` before) or not."""
+        with self._cond:
+            self._ended = True
+            self._cond.notify_all()
+
+    def wake(self) -> None:
+        """Wakes the followers waiting (one of them is to stop: its client has gone)."""
+        with self._cond:
+            self._cond.notify_all()
+
+    def read(self, have: int, deadline: float, stop: threading.Event) -> Read:
+        """The tokens past the first `have` (at once when there are), else the flight's end;
+        waits until one of them, `deadline` (time.monotonic) or `stop` (set, then `wake`)."""
+        with self._cond:
+            while True:
+                if len(self._ids) > have:
+                    return Read(self._ids[have:], False, None)
+                if self._ended or self._final is not None:
+                    return Read([], True, self._final)
+                left = deadline - time.monotonic()
+                if left <= 0 or stop.is_set():
+                    return Read([], False, None)
+                self._cond.wait(left)
+
+
+class Waker:
+    """Stands for a follower's "call" in its request's `current`: cancelling the request wakes
+    its wait on the flight (see `Flight.read`)."""
+
+    def __init__(self, flight: Flight) -> None:
+        self._flight = flight
+
+    def cancel(self) -> bool:
+        self._flight.wake()
+        return True
+
+
+class Flights:
+    """The open flights by key. Thread-safe: `join` makes a request the leader of a new flight
+    or a follower of the open one; `end` closes the leader's, once, whatever way it ended."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open: dict[Hashable, Flight] = {}
+
+    def join(self, key: Hashable, request_id: str) -> tuple[Flight, bool]:
+        """(the flight, whether this request leads it)."""
+        with self._lock:
+            flight = self._open.get(key)
+            if flight is not None:
+                return flight, False
+            flight = self._open[key] = Flight(key, request_id)
+            return flight, True
+
+    def end(self, flight: Flight) -> None:
+        """The leader's run ended: followers are told, and no request joins it any more."""
+        with self._lock:
+            if self._open.get(flight.key) is flight:
+                del self._open[flight.key]
+        flight.end()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)

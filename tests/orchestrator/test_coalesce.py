@@ -1,0 +1,264 @@
+"""Request coalescing (services/orchestrator/coalesce.py): the flight and its registry as pure
+logic, then through the real pipeline with fake replicas (identical greedy requests in flight
+together make one replica call; a leader gone unfinished leaves its followers to resume)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+from tiercache.v1 import common_pb2, kvpool_pb2
+
+from services.common import errors
+from services.orchestrator.coalesce import Flights, flight_key, may_coalesce
+from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
+from services.orchestrator.render import RenderedPrompt
+from services.orchestrator.tenants import Tenant
+from tests.metric_sample import sample_value
+from tests.orchestrator.test_pipeline_paths import PROMPT, TENANT, RpcError, Stub, make
+from tests.waits import wait_until
+
+SAMPLING = Sampling(4, 0.0, 1.0, 0, (), False)
+KEY = flight_key("a", "salt-a", "m", PROMPT, SAMPLING)
+FAR = time.monotonic() + 3600  # a deadline no test reaches
+
+
+# ---- the flight and its registry ----------------------------------------------------------
+
+def test_a_follower_reads_the_backlog_at_once_then_live_tokens_then_the_final():
+    flights = Flights()
+    flight, leads = flights.join(KEY, "leader")
+    assert leads
+    flight.publish([1, 2])
+    same, follows = flights.join(KEY, "follower")
+    assert same is flight and not follows
+    stop = threading.Event()
+    assert flight.read(0, FAR, stop).ids == [1, 2]  # the backlog, at once
+    threading.Timer(0.1, flight.publish, ([3],)).start()
+    got = flight.read(2, FAR, stop)  # waits for the live batch
+    assert got.ids == [3] and not got.ended
+    final = kvpool_pb2.KvGenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    flight.finish(final, "kvpool-0")
+    flights.end(flight)
+    got = flight.read(3, FAR, stop)
+    assert got.ended and got.final is final and flight.replica_id == "kvpool-0"
+    assert len(flights) == 0
+
+
+def test_a_leader_ending_unfinished_leaves_its_tokens_and_no_final():
+    flights = Flights()
+    flight, _ = flights.join(KEY, "leader")
+    flight.publish([5, 6])
+    threading.Timer(0.1, flights.end, (flight,)).start()
+    stop = threading.Event()
+    assert flight.read(0, FAR, stop).ids == [5, 6]
+    got = flight.read(2, FAR, stop)
+    assert got.ended and got.final is None and got.ids == []
+    assert len(flights) == 0
+    # Ended: the next identical request leads a flight of its own.
+    again, leads = flights.join(KEY, "next")
+    assert leads and again is not flight
+
+
+def test_a_followers_wait_ends_at_its_deadline_or_when_it_is_told_to_stop():
+    flight, _ = Flights().join(KEY, "leader")
+    stop = threading.Event()
+    t0 = time.monotonic()
+    got = flight.read(0, time.monotonic() + 0.2, stop)
+    assert got == ([], False, None) and time.monotonic() - t0 >= 0.2
+
+    def cancel() -> None:
+        stop.set()
+        flight.wake()
+
+    threading.Timer(0.1, cancel).start()
+    t0 = time.monotonic()
+    got = flight.read(0, FAR, stop)
+    assert got == ([], False, None) and time.monotonic() - t0 < 5
+
+
+def test_requests_that_differ_in_what_decides_the_tokens_never_share_a_flight():
+    flights = Flights()
+    keys = [KEY,
+            flight_key("b", "salt-a", "m", PROMPT, SAMPLING),  # another tenant
+            flight_key("a", "salt-b", "m", PROMPT, SAMPLING),  # another salt
+            flight_key("a", "salt-a", "m2", PROMPT, SAMPLING),  # another model
+            flight_key("a", "salt-a", "m", PROMPT + [7], SAMPLING),  # another prompt
+            flight_key("a", "salt-a", "m", PROMPT, Sampling(5, 0.0, 1.0, 0, (), False)),
+            flight_key("a", "salt-a", "m", PROMPT, Sampling(4, 0.0, 1.0, 0, (9,), False)),
+            flight_key("a", "salt-a", "m", PROMPT, Sampling(4, 0.0, 1.0, 0, (), True))]
+    assert all(flights.join(k, f"r{i}")[1] for i, k in enumerate(keys))
+    assert len(flights) == len(keys)
+
+
+def test_only_greedy_requests_with_their_caches_on_coalesce():
+    assert may_coalesce(True, True, False, False)
+    assert not may_coalesce(False, True, False, False)  # switched off
+    assert not may_coalesce(True, False, False, False)  # sampled
+    assert not may_coalesce(True, True, True, False)  # skip_semantic_lookup
+    assert not may_coalesce(True, True, False, True)  # skip_prefix_cache
+
+
+# ---- through the pipeline -----------------------------------------------------------------
+
+class Gated:
+    """A replica's Generate: its first `free` messages at once, the rest once `gate` is set;
+    CANCELLED (the call cancelled) while it waits."""
+
+    def __init__(self, msgs, gate: threading.Event, free: int = 0) -> None:
+        self.msgs, self.gate, self.free = msgs, gate, free
+        self.cancelled = threading.Event()
+
+    def cancel(self) -> bool:
+        self.cancelled.set()
+        self.gate.set()
+        return True
+
+    def __iter__(self):
+        for i, msg in enumerate(self.msgs):
+            if i >= self.free:
+                self.gate.wait(10)
+            if self.cancelled.is_set():
+                raise RpcError(grpc.StatusCode.CANCELLED)
+            yield msg
+
+
+def token(t: int) -> kvpool_pb2.KvGenerateResponse:
+    return kvpool_pb2.KvGenerateResponse(token_ids=[t])
+
+
+def last(t: int, rid: str = "A") -> kvpool_pb2.KvGenerateResponse:
+    return kvpool_pb2.KvGenerateResponse(token_ids=[t], final=kvpool_pb2.KvGenerateFinal(
+        finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id=rid, forward_passes=3))
+
+
+def run(orch, rid: str, out: dict, cancels: dict, policy: Policy = Policy(),
+        tenant: Tenant = TENANT) -> threading.Thread:
+    """Starts request `rid` on a thread; its events (or error) land in out[rid]."""
+    def go() -> None:
+        try:
+            out[rid] = list(orch.generate(
+                tenant=tenant, prompt=RenderedPrompt(PROMPT, "q", "ctx"), sampling=SAMPLING,
+                policy=policy, session_id="", return_token_ids=True, request_id=rid,
+                deadline=time.monotonic() + 30,
+                on_cancel=lambda cb: cancels.__setitem__(rid, cb)))
+        except errors.TierCacheError as e:
+            out[rid] = e
+
+    t = threading.Thread(target=go, daemon=True)
+    t.start()
+    return t
+
+
+def ids_of(events) -> list[int]:
+    return [t for e in events if isinstance(e, TextDelta) for t in e.token_ids]
+
+
+def coalesced() -> float:
+    return sample_value("tiercache_orchestrator_coalesced_requests_total") or 0.0
+
+
+def test_identical_greedy_requests_in_flight_share_one_replica_call():
+    gate = threading.Event()
+    stub = Stub("A", [Gated([token(104), token(105), token(33), last(10)], gate, free=1)])
+    orch = make({"A": stub})
+    out, cancels = {}, {}
+    threads = [run(orch, "lead", out, cancels)]
+    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
+    before = coalesced()
+    threads += [run(orch, f"f{i}", out, cancels) for i in range(3)]
+    wait_until(lambda: coalesced() == before + 3, 5, "the followers never joined")
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert len(stub.requests) == 1  # one model run for the four
+    want = [104, 105, 33, 10]
+    assert all(ids_of(out[r]) == want for r in out), out
+    assert "".join(e.text for e in out["f0"] if isinstance(e, TextDelta)) == "hi!\n"
+    lead = out["lead"][-1].report
+    assert lead.route != "coalesced" and not lead.coalesced_with
+    for r in ("f0", "f1", "f2"):
+        fin = out[r][-1]
+        assert isinstance(fin, Finished) and fin.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        rep = fin.report
+        assert (rep.route, rep.coalesced_with, rep.replica_id) == ("coalesced", "lead", "A")
+        assert rep.prompt_tokens == rep.cached_tokens == len(PROMPT)
+        assert rep.forward_passes == 0 and not rep.semantic_entry_id
+    assert orch.stats.requests["coalesced"] == 3
+    assert len(orch.flights) == 0
+
+
+def test_a_leader_whose_client_goes_leaves_its_followers_to_resume_exactly():
+    gate = threading.Event()
+    stub = Stub("A", [Gated([token(104), token(105), token(33), last(10)], gate, free=2),
+                      Gated([token(33), last(10)], threading.Event(), free=2)])
+    orch = make({"A": stub})
+    out, cancels = {}, {}
+    lead = run(orch, "lead", out, cancels)
+    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
+    before = coalesced()
+    follower = run(orch, "f0", out, cancels)
+    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    time.sleep(0.1)  # the follower has read the two tokens the leader has
+    cancels["lead"]()  # the leader's client goes
+    lead.join(10)
+    follower.join(10)
+    assert isinstance(out["lead"], errors.TierCacheError)
+    assert ids_of(out["f0"]) == [104, 105, 33, 10]
+    resumed = stub.requests[1]
+    assert list(resumed.token_ids) == PROMPT + [104, 105]
+    assert resumed.sampling.max_tokens == 2
+    rep = out["f0"][-1].report
+    assert (rep.route, rep.coalesced_with) == ("resume", "lead")
+    assert orch.stats.requests["coalesced"] == 0
+    assert len(orch.flights) == 0
+
+
+def test_a_followers_deadline_or_cancel_ends_it_and_not_the_leader():
+    gate = threading.Event()
+    stub = Stub("A", [Gated([token(104), last(10)], gate, free=1)])
+    orch = make({"A": stub})
+    out, cancels = {}, {}
+    lead = run(orch, "lead", out, cancels)
+    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
+    before = coalesced()
+    follower = run(orch, "f0", out, cancels)
+    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    cancels["f0"]()
+    follower.join(5)
+    assert not follower.is_alive() and isinstance(out["f0"], errors.Cancelled)
+    # Another, past its deadline while it waits: DEADLINE_EXCEEDED, as from a replica.
+    with pytest.raises(errors.DeadlineExceeded):
+        list(orch.generate(tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+                           sampling=SAMPLING, policy=Policy(), session_id="",
+                           return_token_ids=True, request_id="late",
+                           deadline=time.monotonic() + 0.3, on_cancel=lambda cb: None))
+    gate.set()
+    lead.join(10)
+    assert ids_of(out["lead"]) == [104, 10]
+    assert len(stub.requests) == 1 and len(orch.flights) == 0
+
+
+def test_requests_with_a_cache_turned_off_or_coalescing_off_run_the_model_themselves():
+    for policy, on in ((Policy(skip_prefix_cache=True), True),
+                       (Policy(skip_semantic_lookup=True), True), (Policy(), False)):
+        both_ran(policy, on)
+
+
+def both_ran(policy: Policy, on: bool) -> None:
+    """Two identical requests in flight together, each its own replica call."""
+    gate = threading.Event()
+    stub = Stub("A", [Gated([token(104), last(10)], gate), Gated([token(104), last(10)], gate)])
+    orch = make({"A": stub})
+    orch.coalesce = on
+    out, cancels = {}, {}
+    threads = [run(orch, "lead", out, cancels, policy)]
+    wait_until(lambda: stub.requests, 5, "the first never called its replica")
+    threads.append(run(orch, "other", out, cancels, policy))
+    wait_until(lambda: len(stub.requests) == 2, 5, f"{policy}, on={on}: one model run")
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert ids_of(out["other"]) == [104, 10] and not out["other"][-1].report.coalesced_with
