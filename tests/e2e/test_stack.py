@@ -477,3 +477,83 @@ def test_erase_tenant_removes_its_data_everywhere_and_nothing_else(stack, capsys
                            cache_policy=common_pb2.CachePolicy(skip_semantic_lookup=True))
         assert b_new.report.cached_tokens >= b_first.report.cached_tokens // 16 * 16 - 16
         idle_pools(stack)
+
+
+# Caches off: an answer computed from scratch, to compare token ids with.
+SCRATCH = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True,
+                                 skip_prefix_cache=True, skip_draft=True)
+
+
+def long_question(tag: str) -> str:
+    """A prompt new to every cache, long enough (~600 tokens) that its prefill holds the first
+    request on its replica while identical ones arrive."""
+    return (" ".join(f"Item {i} of the {tag} list weighs {i * 7 % 13} kilograms and ships from "
+                     f"depot {i % 4}." for i in range(40))
+            + f" Which depot ships the most items of the {tag} list?")
+
+
+def test_identical_greedy_requests_in_flight_run_the_model_once(stack, a):
+    q = long_question("coalesce")
+    sent: dict[str, object] = {}
+    errs: list[BaseException] = []
+
+    def send(rid: str) -> None:
+        try:
+            sent[rid] = a.generate(q, max_tokens=6, return_token_ids=True, request_id=rid)
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errs.append(exc)
+
+    before = kv_requests(stack)
+    served0 = admin_stats(stack)
+    lead = threading.Thread(target=send, args=("coal-lead",))
+    lead.start()
+    wait_admitted(stack, errs, lead)  # its prefill under way: the others join its flight
+    others = [threading.Thread(target=send, args=(f"coal-{i}",)) for i in range(3)]
+    for t in others:
+        t.start()
+    for t in [lead, *others]:
+        t.join(180)
+    assert not errs, errs[0]
+    assert kv_requests(stack) == before + 1  # the replicas ran it once
+    scratch = a.generate(q, max_tokens=6, return_token_ids=True, cache_policy=SCRATCH)
+    assert all(r.token_ids == scratch.token_ids for r in sent.values())
+    assert sent["coal-lead"].report.route not in ("coalesced", "")
+    for i in range(3):
+        rep = sent[f"coal-{i}"].report
+        assert (rep.route, rep.coalesced_with) == ("coalesced", "coal-lead"), rep
+        assert rep.replica_id == sent["coal-lead"].report.replica_id
+        assert rep.cached_tokens == rep.prompt_tokens == sent["coal-lead"].prompt_tokens
+    served = admin_stats(stack)
+    assert served.coalesced == served0.coalesced + 3
+    assert served.requests_total == served0.requests_total + 5
+
+
+def test_followers_of_a_leader_whose_client_goes_mid_stream_finish_exactly(stack, a):
+    q = long_question("cancel")
+    sent: dict[str, object] = {}
+    errs: list[BaseException] = []
+
+    def send(rid: str) -> None:
+        try:
+            sent[rid] = a.generate(q, max_tokens=24, return_token_ids=True, request_id=rid)
+        except BaseException as exc:  # noqa: BLE001 - raised below
+            errs.append(exc)
+
+    stream = a.stream(q, max_tokens=24, return_token_ids=True, request_id="cut-lead")
+    reader = threading.Thread(target=lambda: sent.setdefault("first", next(stream)))
+    reader.start()
+    wait_admitted(stack, errs, reader)  # its prefill under way: the others join its flight
+    others = [threading.Thread(target=send, args=(f"cut-{i}",)) for i in range(2)]
+    for t in others:
+        t.start()
+    reader.join(180)
+    assert sent["first"].token_ids and sent["first"].final is None  # mid-answer
+    stream.cancel()  # the leader's client goes
+    for t in others:
+        t.join(180)
+    assert not errs, errs[0]
+    scratch = a.generate(q, max_tokens=24, return_token_ids=True, cache_policy=SCRATCH)
+    for i in range(2):
+        got = sent[f"cut-{i}"]
+        assert got.token_ids == scratch.token_ids
+        assert (got.report.route, got.report.coalesced_with) == ("resume", "cut-lead")
