@@ -8,7 +8,8 @@ prompt (`same+system`), and N different questions under that system prompt (`sys
 — N greedy requests start together (a barrier), each case with text never sent before (a
 fresh nonce), then a second wave of N right after. Printed per wave: the replicas used,
 cached tokens per request, the TTFT of the first and last, the wall time against N x one
-request's, semantic hits, the semantic entries added, prompt tokens the replicas computed
+request's, semantic hits, answers coalesced (an identical request's model run, in flight,
+gave them), the semantic entries added, prompt tokens the replicas computed
 (kvpool Stats: prompt - cached, so a shared prefix prefilled k times shows as ~k x its
 length), refusals, and whether every answer's token ids equal one computed from scratch
 (every cache off) — they must. Bounded: at most max(sizes) requests in flight, 16 tokens each.
@@ -48,7 +49,7 @@ def kv_totals(c: TierCacheClient) -> dict:
     return {"computed": sum(r.prompt_tokens_total - r.cached_tokens_total for r in s.replicas),
             "requests": sum(r.requests_total for r in s.replicas),
             "entries": s.semantic.entries,
-            "classes": (s.semantic_hits, s.prefix_hits, s.cold)}
+            "classes": (s.semantic_hits, s.prefix_hits, s.cold, s.coalesced)}
 
 
 def burst(c: TierCacheClient, msgs: list[list[dict[str, str]]]) -> list[dict]:
@@ -66,6 +67,7 @@ def burst(c: TierCacheClient, msgs: list[list[dict[str, str]]]) -> list[dict]:
                       "cached": r.report.cached_tokens, "prompt": r.prompt_tokens,
                       "replica": r.report.replica_id or "-", "hit": r.report.semantic_hit,
                       "entry": r.report.semantic_entry_id,
+                      "coalesced": r.report.route == "coalesced",
                       "wall": (time.perf_counter() - t0) * 1000}
         except grpc.RpcError as e:  # a refusal under the burst is a result
             out[i] = {"error": f"{e.code().name}: {e.details()}"}
@@ -94,11 +96,14 @@ def wave(c: TierCacheClient, msgs) -> dict:
             "ttft_last_ms": round(ttfts[-1]) if ttfts else None,
             "wall_ms": round(wall),
             "semantic_hits": sum(r["hit"] for r in good),
+            # Answered whole by an identical request's model run in flight (coalescing).
+            "coalesced": sum(r["coalesced"] for r in good),
             "entry_ids": len({r["entry"] for r in good if r["entry"]}),
             "entries_added": after["entries"] - before["entries"],
             "tokens_computed": after["computed"] - before["computed"],
             "replica_requests": after["requests"] - before["requests"],
-            # The orchestrator's Stats: semantic hits, prefix hits, cold (they must sum to N).
+            # The orchestrator's Stats: semantic hits, prefix hits, cold, coalesced (they must
+            # sum to N).
             "classes": [a - b for a, b in zip(after["classes"], before["classes"], strict=True)],
             "ids": [r.get("ids") for r in res]}
 
