@@ -262,3 +262,42 @@ def both_ran(policy: Policy, on: bool) -> None:
     for t in threads:
         t.join(10)
     assert ids_of(out["other"]) == [104, 10] and not out["other"][-1].report.coalesced_with
+
+
+class FailsAt:
+    """A replica's Generate that fails with `err` once `gate` is set, before any token."""
+
+    def __init__(self, gate: threading.Event, err: grpc.RpcError) -> None:
+        self.gate, self.err = gate, err
+
+    def cancel(self) -> bool:
+        self.gate.set()
+        return True
+
+    def __iter__(self):
+        self.gate.wait(10)
+        raise self.err
+        yield  # pragma: no cover
+
+
+def test_a_leader_failing_before_any_token_leaves_its_follower_to_run_on_its_own():
+    gate = threading.Event()
+    # INTERNAL: the leader's one attempt fails, and the replica is not marked down for it.
+    stub = Stub("A", [FailsAt(gate, RpcError(grpc.StatusCode.INTERNAL)),
+                      Gated([token(104), last(10)], threading.Event(), free=2)])
+    orch = make({"A": stub}, max_attempts=1)
+    out, cancels = {}, {}
+    lead = run(orch, "lead", out, cancels)
+    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
+    before = coalesced()
+    follower = run(orch, "f0", out, cancels)
+    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    gate.set()
+    lead.join(10)
+    assert isinstance(out["lead"], errors.TierCacheError)
+    wait_until(lambda: not follower.is_alive(), 10, "the follower never ended")
+    assert ids_of(out["f0"]) == [104, 10]
+    assert list(stub.requests[1].token_ids) == PROMPT  # from scratch: it had no token
+    rep = out["f0"][-1].report
+    assert rep.route not in ("resume", "coalesced") and not rep.coalesced_with
+    assert len(orch.flights) == 0
