@@ -42,6 +42,19 @@ CFG = OrchestratorConfig(kvpool_addresses=("A",), default_max_tokens=100, max_to
 SP = common_pb2.SamplingParams
 
 
+def _on_loopback(s: OrchestratorServicer):
+    """`s` served by the service's own server (its interceptors, its authentication) on a
+    free loopback port: the handle; the caller stops it."""
+    from tiercache.v1 import orchestrator_pb2_grpc
+
+    from services.common.bootstrap import create_server
+
+    return create_server(service="orchestrator", address="127.0.0.1:0",
+                         services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, s,
+                                    "tiercache.v1.Orchestrator")],
+                         authenticate=s.authenticate_call)
+
+
 def test_max_tokens_unset_is_the_default_and_the_limit_itself_is_allowed():
     """Unset max_tokens means default_max_tokens (not the limit); max_tokens_limit is the
     largest value taken, one more is INVALID_ARGUMENT naming sampling.max_tokens."""
@@ -210,9 +223,6 @@ def test_a_warm_says_its_request_id_in_its_headers_before_it_ends():
     """A Warm's response headers carry the id it runs under (one the server made up: the
     client sent none), before its prefills end: a warm-up runs up to 120 s, and one its
     caller cancels gets no trailers to read the id from."""
-    from tiercache.v1 import orchestrator_pb2_grpc
-
-    from services.common.bootstrap import create_server
     from services.common.logs import request_id_var
 
     s, _ = servicer(STREAM_HEADROOM + 2)
@@ -225,9 +235,7 @@ def test_a_warm_says_its_request_id_in_its_headers_before_it_ends():
         return orchestrator_pb2.WarmResponse()
 
     s.warmer = SimpleNamespace(warm=warm)
-    h = create_server(service="orchestrator", address="127.0.0.1:0",
-                      services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, s,
-                                 "tiercache.v1.Orchestrator")], authenticate=s.authenticate_call)
+    h = _on_loopback(s)
     try:
         # grpcurl (Go) prints the headers as they come; gRPC Python reads a unary call's
         # headers only with its end. Its deadline ends the call while the warm-up runs.
@@ -1550,7 +1558,6 @@ def test_a_call_refused_for_its_tenant_token_says_its_request_id(monkeypatch, to
     log line."""
     from tiercache.v1 import orchestrator_pb2_grpc
 
-    from services.common.bootstrap import create_server
     from tests.log_lines import fresh_lines, lines_with_ids
 
     fresh_lines(monkeypatch)
@@ -1558,9 +1565,7 @@ def test_a_call_refused_for_its_tenant_token_says_its_request_id(monkeypatch, to
     s.attach(None, TenantRegistry.build(tokens_file="", tokens="tok-0123456789abcdef=a",
                                         key=b"k", max_prompt_tokens=100, max_tokens=100,
                                         max_concurrent=4))
-    h = create_server(service="orchestrator", address="127.0.0.1:0",
-                      services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, s,
-                                 "tiercache.v1.Orchestrator")], authenticate=s.authenticate_call)
+    h = _on_loopback(s)
     md = [("authorization", f"Bearer {token}")] if token else []
     got = []
     try:
@@ -1590,8 +1595,6 @@ def test_a_stream_says_its_request_id_in_its_headers_before_it_ends():
     deadline) gets no trailers, and had no id to quote."""
     from tiercache.v1 import orchestrator_pb2_grpc
 
-    from services.common.bootstrap import create_server
-
     s, orch = servicer(STREAM_HEADROOM + 2)
     ran_under: list[str] = []
     slow = orch.generate
@@ -1601,9 +1604,7 @@ def test_a_stream_says_its_request_id_in_its_headers_before_it_ends():
         yield from slow(**kw)
 
     orch.generate = generate
-    h = create_server(service="orchestrator", address="127.0.0.1:0",
-                      services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, s,
-                                 "tiercache.v1.Orchestrator")], authenticate=s.authenticate_call)
+    h = _on_loopback(s)
     try:
         with grpc.insecure_channel(h.address) as ch:
             call = orchestrator_pb2_grpc.OrchestratorStub(ch).Generate(request(), timeout=10)
