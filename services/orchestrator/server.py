@@ -336,12 +336,12 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         tenant = self._tenant(context)
         if self.warmer is None:
             raise errors.FailedPrecondition("warm-up is not available")
-        # A warm-up holds a tenant slot and a server stream slot like a request does (it holds
-        # a worker thread for up to 120 s: uncounted, Warm calls could take the threads kept
-        # for health probes and Stats), and ends by the caller's deadline.
         # Its id said at once, as Generate's: a warm-up runs up to 120 s, and one its caller
         # cancels or lets pass its deadline gets no trailers to read the id from.
         context.send_initial_metadata((("x-request-id", request_id_var.get()),))
+        # A warm-up holds a tenant slot and a server stream slot like a request does (it holds
+        # a worker thread for up to 120 s: uncounted, Warm calls could take the threads kept
+        # for health probes and Stats), and ends by the caller's deadline.
         with self._admitted(tenant):
             gone = _Gone()  # the caller cancelled or went away
             _on_rpc_end(context, gone.set)
