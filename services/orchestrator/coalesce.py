@@ -55,10 +55,12 @@ class Flight:
         self._final = None
         self._ended = False
 
-    def publish(self, ids: list[int]) -> None:
-        """A batch of token ids, as the leader read it from its replica."""
+    def publish(self, ids: list[int], replica_id: str = "") -> None:
+        """A batch of token ids, as the leader read it from its replica (`replica_id`: named
+        by a follower whose answer they make whole, the leader gone before its final)."""
         with self._cond:
             self._ids.extend(ids)
+            self.replica_id = replica_id or self.replica_id
             self._cond.notify_all()
 
     def finish(self, final, replica_id: str) -> None:

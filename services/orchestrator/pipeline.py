@@ -1091,7 +1091,9 @@ class _ReplicaSide:
             req.current.pop("call", None)
         if self.generated:
             req.report.coalesced_with = flight.leader_id
-        if got.final is None:
+        ended = None if got.final is not None else self.orch._ended(self.generated,
+                                                                   req.sampling)
+        if got.final is None and ended is None:
             # Routed as any request: the index asked now (the leader's replica holds the
             # prompt and the tokens read, most likely).
             with req.tier_call():
@@ -1099,7 +1101,9 @@ class _ReplicaSide:
                                           on_call=req.tier_call_started)
             self.matches, self.new_blocks = view.matches, view.new_blocks
             return False
-        self.final = got.final
+        # The tokens read may make the whole answer where the leader went before its final
+        # message: a resume would generate on past its end (or ask for 0 tokens).
+        self.final = got.final or kvpool_pb2.KvGenerateFinal(finish_reason=ended)
         return True
 
     def _finish_followed(self) -> Iterator[TextDelta | Finished | _Deferred]:
@@ -1260,16 +1264,17 @@ class _ReplicaSide:
                     time.monotonic() - att.called_at)
                 att.called_at = None
             if msg.token_ids:
-                yield from self._take(list(msg.token_ids))
+                yield from self._take(list(msg.token_ids), att.replica.public_id)
             if msg.HasField("final"):
                 self.final = msg.final
 
-    def _take(self, new: list[int]) -> Iterator[TextDelta]:
-        """Tokens read (from a replica, or a leader's flight): the answer's, published to this
-        request's followers, handed on as text (and token ids, where asked)."""
+    def _take(self, new: list[int], replica_id: str = "") -> Iterator[TextDelta]:
+        """Tokens read (from replica `replica_id`, or a leader's flight): the answer's,
+        published to this request's followers, handed on as text (and token ids, where
+        asked)."""
         self.generated.extend(new)
         if self.leads is not None:
-            self.leads.publish(new)
+            self.leads.publish(new, replica_id)
         text = self.detok.push(new)
         if self.first_token_at is None:
             # When the orchestrator has it (handed on at once to a client keeping up; a slow

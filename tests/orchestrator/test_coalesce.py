@@ -301,3 +301,39 @@ def test_a_leader_failing_before_any_token_leaves_its_follower_to_run_on_its_own
     rep = out["f0"][-1].report
     assert rep.route not in ("resume", "coalesced") and not rep.coalesced_with
     assert len(orch.flights) == 0
+
+
+def final_only(rid: str = "A") -> kvpool_pb2.KvGenerateResponse:
+    return kvpool_pb2.KvGenerateResponse(final=kvpool_pb2.KvGenerateFinal(
+        finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id=rid))
+
+
+@pytest.mark.parametrize("tokens, reason", [
+    ([104, 0], common_pb2.FINISH_REASON_EOS),  # the end of sequence, max_tokens left
+    ([104, 105, 33, 10], common_pb2.FINISH_REASON_LENGTH)])  # max_tokens reached
+def test_a_leader_gone_after_the_answers_last_token_leaves_its_follower_the_whole_answer(
+        tokens, reason):
+    # The leader read the whole answer, then its client went before the final message: a
+    # resume generated on past the end of sequence (or asked the replica for 0 tokens).
+    gate = threading.Event()
+    stub = Stub("A", [Gated([*map(token, tokens), final_only()], gate, free=len(tokens)),
+                      Gated([token(33), last(10)], threading.Event(), free=2)])
+    orch = make({"A": stub})
+    out, cancels = {}, {}
+    lead = run(orch, "lead", out, cancels)
+    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
+    before = coalesced()
+    follower = run(orch, "f0", out, cancels)
+    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    time.sleep(0.1)  # the follower has read the whole answer
+    cancels["lead"]()
+    lead.join(10)
+    follower.join(10)
+    assert ids_of(out["f0"]) == tokens
+    assert len(stub.requests) == 1  # no resume
+    fin = out["f0"][-1]
+    assert fin.finish_reason == reason
+    # The replica whose tokens they are (its public id: its final message never came).
+    assert (fin.report.route, fin.report.coalesced_with, fin.report.replica_id) == (
+        "coalesced", "lead", orch.replicas.replicas[0].public_id)
+    assert orch.stats.requests["coalesced"] == 1 and len(orch.flights) == 0
