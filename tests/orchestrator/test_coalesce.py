@@ -17,7 +17,7 @@ from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
 from services.orchestrator.render import RenderedPrompt
 from services.orchestrator.tenants import Tenant
 from tests.metric_sample import sample_value
-from tests.orchestrator.test_pipeline_paths import PROMPT, TENANT, RpcError, Stub, make
+from tests.orchestrator.test_pipeline_paths import PROMPT, TENANT, RpcError, Semantic, Stub, make
 from tests.waits import wait_until
 
 SAMPLING = Sampling(4, 0.0, 1.0, 0, (), False)
@@ -337,3 +337,80 @@ def test_a_leader_gone_after_the_answers_last_token_leaves_its_follower_the_whol
     assert (fin.report.route, fin.report.coalesced_with, fin.report.replica_id) == (
         "coalesced", "lead", orch.replicas.replicas[0].public_id)
     assert orch.stats.requests["coalesced"] == 1 and len(orch.flights) == 0
+
+
+class CutAfter(Gated):
+    """A replica's Generate: its messages, then UNAVAILABLE (the replica lost) once `gate` is
+    set."""
+
+    def __iter__(self):
+        yield from self.msgs
+        self.gate.wait(10)
+        raise RpcError(grpc.StatusCode.UNAVAILABLE)
+
+
+def test_a_leaders_failover_mid_stream_is_one_uninterrupted_stream_for_its_followers():
+    # "€" is E2 82 AC: the failover splits it, the follower's text still whole.
+    gate = threading.Event()
+    calls = [CutAfter([token(0xE2), token(0x82)], gate),
+             Gated([token(0xAC), last(10, "R2")], threading.Event(), free=2)]
+    stubs = {"A": Stub("A", []), "B": Stub("B", [])}
+    for stub in stubs.values():
+        stub.calls = calls  # whichever the leader is routed to first, the other resumes
+    orch = make(stubs)
+    out, cancels = {}, {}
+    sent = lambda: [r for s in stubs.values() for r in s.requests]  # noqa: E731
+    lead = run(orch, "lead", out, cancels)
+    wait_until(sent, 5, "the leader never called its replica")
+    before = coalesced()
+    follower = run(orch, "f0", out, cancels)
+    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    gate.set()
+    lead.join(10)
+    follower.join(10)
+    want = [0xE2, 0x82, 0xAC, 10]
+    assert ids_of(out["lead"]) == ids_of(out["f0"]) == want
+    assert "".join(e.text for e in out["f0"] if isinstance(e, TextDelta)) == "€\n"
+    assert len(sent()) == 2 and list(sent()[1].token_ids) == PROMPT + [0xE2, 0x82]
+    rep = out["f0"][-1].report
+    assert (rep.route, rep.coalesced_with, rep.replica_id) == ("coalesced", "lead", "R2")
+    assert out["lead"][-1].report.route == "resume" and len(orch.flights) == 0
+
+
+class HungStore(Semantic):
+    """A semantic tier whose Store hangs until `release` is set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.release, self.storing = threading.Event(), threading.Event()
+
+    def store(self, req, timeout=None, on_call=None):
+        self.storing.set()
+        self.release.wait(10)
+        return super().store(req, timeout, on_call)
+
+
+def test_a_leaders_hung_store_holds_no_follower_back():
+    gate = threading.Event()
+    stub = Stub("A", [Gated([token(104), last(10)], gate)])
+    semantic = HungStore()
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    lead = run(orch, "lead", out, cancels)
+    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
+    before = coalesced()
+    follower = run(orch, "f0", out, cancels)
+    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    gate.set()
+    assert semantic.storing.wait(5)
+    follower.join(5)
+    assert not follower.is_alive() and ids_of(out["f0"]) == [104, 10]
+    # Still storing: one arriving now has the whole answer at once, no replica call.
+    late = run(orch, "late", out, cancels)
+    late.join(5)
+    assert ids_of(out["late"]) == [104, 10] and len(stub.requests) == 1
+    assert lead.is_alive()
+    semantic.release.set()
+    lead.join(10)
+    assert ids_of(out["lead"]) == [104, 10] and out["lead"][-1].report.semantic_entry_id
+    assert len(orch.flights) == 0
