@@ -21,9 +21,12 @@ from typing import NamedTuple
 def flight_key(tenant_name: str, cache_salt: str, model_id: str, token_ids, sampling
                ) -> Hashable:
     """What decides a greedy answer's tokens: the tenant (name and salt: tenants never share
-    an answer), the model, the whole prompt and the whole sampling (max_tokens, stop ids,
-    ignore_eos, ...). Drafts and return_token_ids change no token, and are not in it."""
-    return (tenant_name, cache_salt, model_id, tuple(token_ids), sampling)
+    an answer), the model, the whole prompt, max_tokens, the stop ids (a set: their order or
+    one given twice changes nothing) and ignore_eos. Not the seed or top_p (greedy is the
+    argmax: the semantic tier serves a greedy answer whatever they are, too), drafts or
+    return_token_ids: they change no token."""
+    return (tenant_name, cache_salt, model_id, tuple(token_ids), sampling.max_tokens,
+            frozenset(sampling.stop_token_ids), sampling.ignore_eos)
 
 
 def may_coalesce(enabled: bool, greedy: bool, skip_semantic_lookup: bool,

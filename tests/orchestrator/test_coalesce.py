@@ -93,6 +93,16 @@ def test_requests_that_differ_in_what_decides_the_tokens_never_share_a_flight():
     assert len(flights) == len(keys)
 
 
+def test_greedy_requests_that_differ_in_nothing_that_decides_the_tokens_share_a_flight():
+    # Greedy is the argmax: seed and top_p choose nothing; stop ids are a set (another order,
+    # one twice); max_tokens_set only words a refusal. Each had a flight of its own.
+    stops = Sampling(4, 0.0, 1.0, 0, (9, 3), False)
+    same = [Sampling(4, 0.0, 1.0, 0, (3, 9, 9), False), Sampling(4, 0.0, 0.5, 7, (9, 3), False),
+            Sampling(4, 0.0, 1.0, 0, (9, 3), False, max_tokens_set=False)]
+    key = flight_key("a", "salt-a", "m", PROMPT, stops)
+    assert all(flight_key("a", "salt-a", "m", PROMPT, s) == key for s in same)
+
+
 def test_only_greedy_requests_with_their_caches_on_coalesce():
     assert may_coalesce(True, True, False, False)
     assert not may_coalesce(False, True, False, False)  # switched off
