@@ -424,3 +424,24 @@ def test_a_leaders_hung_store_holds_no_follower_back():
     lead.join(10)
     assert ids_of(out["lead"]) == [104, 10] and out["lead"][-1].report.semantic_entry_id
     assert len(orch.flights) == 0
+
+
+def test_a_leaders_client_reading_slowly_holds_no_follower_back():
+    gate = threading.Event()
+    stub = Stub("A", [Gated([token(104), token(105), token(33), last(10)], gate, free=1)])
+    orch = make({"A": stub})
+    leader = orch.generate(tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
+                           sampling=SAMPLING, policy=Policy(), session_id="",
+                           return_token_ids=True, request_id="lead",
+                           deadline=time.monotonic() + 30, on_cancel=lambda cb: None)
+    assert next(leader).token_ids == [104]  # then its client reads no more
+    out, cancels = {}, {}
+    before = coalesced()
+    follower = run(orch, "f0", out, cancels)
+    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    gate.set()
+    follower.join(5)
+    assert not follower.is_alive() and ids_of(out["f0"]) == [104, 105, 33, 10]
+    assert out["f0"][-1].report.route == "coalesced"
+    assert len(orch.flights) == 0  # closed with the leader's replica side, not its client
+    assert ids_of(leader) == [105, 33, 10]
