@@ -257,8 +257,13 @@ def test_requests_with_a_cache_turned_off_or_coalescing_off_run_the_model_themse
         both_ran(policy, on)
 
 
-def both_ran(policy: Policy, on: bool) -> None:
-    """Two identical requests in flight together, each its own replica call."""
+def test_two_tenants_with_one_salt_never_share_a_flight():
+    both_ran(Policy(), True, Tenant("b", TENANT.cache_salt, 10_000, 1_000, 4))
+
+
+def both_ran(policy: Policy, on: bool, other: Tenant = TENANT) -> None:
+    """Two identical requests in flight together (the second from tenant `other`), each its
+    own replica call."""
     gate = threading.Event()
     stub = Stub("A", [Gated([token(104), last(10)], gate), Gated([token(104), last(10)], gate)])
     orch = make({"A": stub})
@@ -266,7 +271,7 @@ def both_ran(policy: Policy, on: bool) -> None:
     out, cancels = {}, {}
     threads = [run(orch, "lead", out, cancels, policy)]
     wait_until(lambda: stub.requests, 5, "the first never called its replica")
-    threads.append(run(orch, "other", out, cancels, policy))
+    threads.append(run(orch, "other", out, cancels, policy, other))
     wait_until(lambda: len(stub.requests) == 2, 5, f"{policy}, on={on}: one model run")
     gate.set()
     for t in threads:
