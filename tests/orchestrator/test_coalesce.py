@@ -219,7 +219,7 @@ def test_a_leader_whose_client_goes_leaves_its_followers_to_resume_exactly():
     assert ids_of(out["f0"]) == [104, 105, 33, 10]
     resumed = stub.requests[1]
     assert list(resumed.token_ids) == PROMPT + [104, 105]
-    assert resumed.sampling.max_tokens == 2
+    assert (resumed.sampling.max_tokens, resumed.seed_offset) == (2, 2)
     rep = out["f0"][-1].report
     assert (rep.route, rep.coalesced_with) == ("resume", "lead")
     assert orch.stats.requests["coalesced"] == 0
