@@ -1104,6 +1104,7 @@ class _ReplicaSide:
         # The tokens read may make the whole answer where the leader went before its final
         # message: a resume would generate on past its end (or ask for 0 tokens).
         self.final = got.final or kvpool_pb2.KvGenerateFinal(finish_reason=ended)
+        self.made_up = got.final is None
         return True
 
     def _finish_followed(self) -> Iterator[TextDelta | Finished | _Deferred]:
@@ -1111,7 +1112,8 @@ class _ReplicaSide:
         so (route "coalesced", coalesced_with, the leader's replica; none of the prompt was
         computed for this request, so all of it counts as cached, and no forward pass or
         draft: the leader's report has its run's), counted as cache class "coalesced"; the
-        leader stores the answer, not this request."""
+        leader stores the answer, not this request, unless it went before its final
+        (`made_up`)."""
         o, req, report = self.orch, self.req, self.req.report
         yield from self._flush()
         prompt_tokens = len(self.ids)
@@ -1121,7 +1123,7 @@ class _ReplicaSide:
         report.ttft_ms = ttft
         report.route = "coalesced"
         yield _Deferred(lambda: o._count("coalesced", prompt_tokens, prompt_tokens, 0, ttft))
-        yield from self._finished()
+        yield from self._finished(self._store() if self.made_up else "")
 
     def _route(self) -> _Attempt:
         """The replica for the next attempt, its load there counted (and the prompt's dispatch
@@ -1556,11 +1558,16 @@ class _ReplicaSide:
         # Stored as the replica finishes, not once the client has read the answer: a client
         # reading slowly no longer holds the Store back, nor, too slow for its deadline,
         # leaves its whole answer unstored.
+        yield from self._finished(self._store())
+
+    def _store(self) -> str:
+        """The whole answer stored in the semantic tier where it may be: its entry id, or ""."""
+        req = self.req
         with req.tier_call():
-            sid = o._store_answer(req.tenant, req.prompt, req.sampling, self.look,
-                                  self.may_store, self.generated, final.finish_reason,
-                                  req.deadline, req.tier_call_started)
-        yield from self._finished(sid)
+            return self.orch._store_answer(req.tenant, req.prompt, req.sampling, self.look,
+                                           self.may_store, self.generated,
+                                           self.final.finish_reason, req.deadline,
+                                           req.tier_call_started)
 
     def _flush(self) -> Iterator[TextDelta]:
         """The detokenizer's tail (text held back for a character's next bytes), if any."""

@@ -351,6 +351,9 @@ def test_a_leader_gone_after_the_answers_last_token_leaves_its_follower_the_whol
     # The replica whose tokens they are (its public id: its final message never came).
     assert (fin.report.route, fin.report.coalesced_with, fin.report.replica_id) == (
         "coalesced", "lead", orch.replicas.replicas[0].public_id)
+    # Stored by the follower: its leader, gone, stored nothing (the next identical request
+    # went to the model again).
+    assert fin.report.semantic_entry_id == "e1"
     assert orch.stats.requests["coalesced"] == 1 and len(orch.flights) == 0
 
 
