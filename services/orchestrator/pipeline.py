@@ -1091,20 +1091,29 @@ class _ReplicaSide:
             req.current.pop("call", None)
         if self.generated:
             req.report.coalesced_with = flight.leader_id
-        ended = None if got.final is not None else self.orch._ended(self.generated,
-                                                                   req.sampling)
-        if got.final is None and ended is None:
-            # Routed as any request: the index asked now (the leader's replica holds the
-            # prompt and the tokens read, most likely).
-            with req.tier_call():
-                view = self.orch._matches(req.tenant, self.ids, req.deadline,
-                                          on_call=req.tier_call_started)
-            self.matches, self.new_blocks = view.matches, view.new_blocks
-            return False
+        self.final = got.final
         # The tokens read may make the whole answer where the leader went before its final
-        # message: a resume would generate on past its end (or ask for 0 tokens).
-        self.final = got.final or kvpool_pb2.KvGenerateFinal(finish_reason=ended)
-        self.made_up = got.final is None
+        # message, as after a replica lost there.
+        if self.final is not None or self._whole_already():
+            return True
+        # Routed as any request: the index asked now (the leader's replica holds the prompt
+        # and the tokens read, most likely).
+        with req.tier_call():
+            view = self.orch._matches(req.tenant, self.ids, req.deadline,
+                                      on_call=req.tier_call_started)
+        self.matches, self.new_blocks = view.matches, view.new_blocks
+        return False
+
+    def _whole_already(self) -> bool:
+        """Whether the tokens read make the whole answer (they reached max_tokens, a stop
+        token or the end of sequence) though no final message came: then `final` is made
+        here (`made_up`), as a resume would ask for 0 tokens, or generate on past the
+        answer's end."""
+        ended = self.orch._ended(self.generated, self.req.sampling)
+        if ended is None:
+            return False
+        self.final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
+        self.made_up = True
         return True
 
     def _finish_followed(self) -> Iterator[TextDelta | Finished | _Deferred]:
@@ -1474,15 +1483,9 @@ class _ReplicaSide:
         failures used the attempts up."""
         self._note_failure(att)
         o, req, replica = self.orch, self.req, att.replica
-        ended = o._ended(self.generated, req.sampling)
-        if ended is not None:
-            # The tokens streamed already make the whole answer (they reached max_tokens,
-            # a stop token or the end of sequence; the final message was lost): a resume
-            # would ask for 0 tokens, or generate on past the answer's end.
+        if self._whole_already():  # the final message was lost
             log.info("replica %s failed after the answer's last token; answer complete",
                      replica.replica_id)
-            self.final = kvpool_pb2.KvGenerateFinal(finish_reason=ended)
-            self.made_up = True
             return
         if self.failures >= o.max_attempts:
             # A "too big" that still stands where no pool, tried or not, up or down, may hold
