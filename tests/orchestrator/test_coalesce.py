@@ -17,7 +17,15 @@ from services.orchestrator.pipeline import Finished, Policy, Sampling, TextDelta
 from services.orchestrator.render import RenderedPrompt
 from services.orchestrator.tenants import Tenant
 from tests.metric_sample import sample_value
-from tests.orchestrator.test_pipeline_paths import PROMPT, TENANT, RpcError, Semantic, Stub, make
+from tests.orchestrator.test_pipeline_paths import (
+    PROMPT,
+    TENANT,
+    RpcError,
+    Semantic,
+    Stub,
+    final,
+    make,
+)
 from tests.waits import wait_until
 
 SAMPLING = Sampling(4, 0.0, 1.0, 0, (), False)
@@ -39,11 +47,11 @@ def test_a_follower_reads_the_backlog_at_once_then_live_tokens_then_the_final():
     threading.Timer(0.1, flight.publish, ([3],)).start()
     got = flight.read(2, FAR, stop)  # waits for the live batch
     assert got.ids == [3] and not got.ended
-    final = kvpool_pb2.KvGenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH)
-    flight.finish(final, "kvpool-0")
+    fin = kvpool_pb2.KvGenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    flight.finish(fin, "kvpool-0")
     flights.end(flight)
     got = flight.read(3, FAR, stop)
-    assert got.ended and got.final is final and flight.replica_id == "kvpool-0"
+    assert got.ended and got.final is fin and flight.replica_id == "kvpool-0"
     assert len(flights) == 0
 
 
@@ -318,11 +326,6 @@ def test_a_leader_failing_before_any_token_leaves_its_follower_to_run_on_its_own
     assert len(orch.flights) == 0
 
 
-def final_only(rid: str = "A") -> kvpool_pb2.KvGenerateResponse:
-    return kvpool_pb2.KvGenerateResponse(final=kvpool_pb2.KvGenerateFinal(
-        finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id=rid))
-
-
 @pytest.mark.parametrize("tokens, reason", [
     ([104, 0], common_pb2.FINISH_REASON_EOS),  # the end of sequence, max_tokens left
     ([104, 105, 33, 10], common_pb2.FINISH_REASON_LENGTH)])  # max_tokens reached
@@ -331,7 +334,7 @@ def test_a_leader_gone_after_the_answers_last_token_leaves_its_follower_the_whol
     # The leader read the whole answer, then its client went before the final message: a
     # resume generated on past the end of sequence (or asked the replica for 0 tokens).
     gate = threading.Event()
-    stub = Stub("A", [Gated([*map(token, tokens), final_only()], gate, free=len(tokens)),
+    stub = Stub("A", [Gated([*map(token, tokens), final("A", 0)], gate, free=len(tokens)),
                       Gated([token(33), last(10)], threading.Event(), free=2)])
     orch = make({"A": stub})
     out, cancels = {}, {}
