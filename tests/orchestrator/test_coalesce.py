@@ -152,16 +152,22 @@ def last(t: int, rid: str = "A") -> kvpool_pb2.KvGenerateResponse:
         finish_reason=common_pb2.FINISH_REASON_LENGTH, replica_id=rid, forward_passes=3))
 
 
+def request(orch, rid: str, policy: Policy = Policy(), tenant: Tenant = TENANT,
+            deadline_s: float = 30, on_cancel=lambda cb: None):
+    """Request `rid`'s events (the prompt and SAMPLING every test shares), as they are read."""
+    return orch.generate(
+        tenant=tenant, prompt=RenderedPrompt(PROMPT, "q", "ctx"), sampling=SAMPLING,
+        policy=policy, session_id="", return_token_ids=True, request_id=rid,
+        deadline=time.monotonic() + deadline_s, on_cancel=on_cancel)
+
+
 def run(orch, rid: str, out: dict, cancels: dict, policy: Policy = Policy(),
         tenant: Tenant = TENANT) -> threading.Thread:
     """Starts request `rid` on a thread; its events (or error) land in out[rid]."""
     def go() -> None:
         try:
-            out[rid] = list(orch.generate(
-                tenant=tenant, prompt=RenderedPrompt(PROMPT, "q", "ctx"), sampling=SAMPLING,
-                policy=policy, session_id="", return_token_ids=True, request_id=rid,
-                deadline=time.monotonic() + 30,
-                on_cancel=lambda cb: cancels.__setitem__(rid, cb)))
+            out[rid] = list(request(orch, rid, policy, tenant,
+                                    on_cancel=lambda cb: cancels.__setitem__(rid, cb)))
         except errors.TierCacheError as e:
             out[rid] = e
 
@@ -249,10 +255,7 @@ def test_a_followers_deadline_or_cancel_ends_it_and_not_the_leader():
     assert not follower.is_alive() and isinstance(out["f0"], errors.Cancelled)
     # Another, past its deadline while it waits: DEADLINE_EXCEEDED, as from a replica.
     with pytest.raises(errors.DeadlineExceeded):
-        list(orch.generate(tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
-                           sampling=SAMPLING, policy=Policy(), session_id="",
-                           return_token_ids=True, request_id="late",
-                           deadline=time.monotonic() + 0.3, on_cancel=lambda cb: None))
+        list(request(orch, "late", deadline_s=0.3))
     gate.set()
     lead.join(10)
     assert ids_of(out["lead"]) == [104, 10]
@@ -441,10 +444,7 @@ def test_a_leaders_client_reading_slowly_holds_no_follower_back():
     gate = threading.Event()
     stub = Stub("A", [Gated([token(104), token(105), token(33), last(10)], gate, free=1)])
     orch = make({"A": stub})
-    leader = orch.generate(tenant=TENANT, prompt=RenderedPrompt(PROMPT, "q", "ctx"),
-                           sampling=SAMPLING, policy=Policy(), session_id="",
-                           return_token_ids=True, request_id="lead",
-                           deadline=time.monotonic() + 30, on_cancel=lambda cb: None)
+    leader = request(orch, "lead")
     assert next(leader).token_ids == [104]  # then its client reads no more
     out, cancels = {}, {}
     before = coalesced()
