@@ -66,7 +66,9 @@ NOT_SERVED = counter("tiercache_orchestrator_semantic_hits_not_served_total",
                      ("reason",))
 TOKENS = counter("tiercache_orchestrator_tokens_total",
                  "Prompt, cached (prefix), generated and saved_semantic (served from the "
-                 "semantic cache, never generated) tokens", ("kind",))
+                 "semantic cache, never generated) tokens; a coalesced request's answer is "
+                 "generated once, counted with its leader's (its prompt counts as cached)",
+                 ("kind",))
 DRAFT_TOKENS = counter("tiercache_orchestrator_draft_tokens_total",
                        "Draft tokens proposed to replicas, and accepted by source: the cached "
                        "near-miss or prompt lookup (see forward_passes_saved_total for what "
