@@ -184,6 +184,18 @@ def coalesced() -> float:
     return sample_value("tiercache_orchestrator_coalesced_requests_total") or 0.0
 
 
+def lead_and_follow(orch, sent, out: dict, cancels: dict
+                    ) -> tuple[threading.Thread, threading.Thread]:
+    """Request "lead" running on a replica (`sent` true once it called one), then "f0" joined
+    to its flight as a follower."""
+    lead = run(orch, "lead", out, cancels)
+    wait_until(sent, 5, "the leader never called its replica")
+    before = coalesced()
+    follower = run(orch, "f0", out, cancels)
+    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    return lead, follower
+
+
 def test_identical_greedy_requests_in_flight_share_one_replica_call():
     gate = threading.Event()
     stub = Stub("A", [Gated([token(104), token(105), token(33), last(10)], gate, free=1)])
@@ -220,11 +232,7 @@ def test_a_leader_whose_client_goes_leaves_its_followers_to_resume_exactly():
                       Gated([token(33), last(10)], threading.Event(), free=2)])
     orch = make({"A": stub})
     out, cancels = {}, {}
-    lead = run(orch, "lead", out, cancels)
-    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
-    before = coalesced()
-    follower = run(orch, "f0", out, cancels)
-    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    lead, follower = lead_and_follow(orch, lambda: stub.requests, out, cancels)
     time.sleep(0.1)  # the follower has read the two tokens the leader has
     cancels["lead"]()  # the leader's client goes
     lead.join(10)
@@ -245,11 +253,7 @@ def test_a_followers_deadline_or_cancel_ends_it_and_not_the_leader():
     stub = Stub("A", [Gated([token(104), last(10)], gate, free=1)])
     orch = make({"A": stub})
     out, cancels = {}, {}
-    lead = run(orch, "lead", out, cancels)
-    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
-    before = coalesced()
-    follower = run(orch, "f0", out, cancels)
-    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    lead, follower = lead_and_follow(orch, lambda: stub.requests, out, cancels)
     cancels["f0"]()
     follower.join(5)
     assert not follower.is_alive() and isinstance(out["f0"], errors.Cancelled)
@@ -313,11 +317,7 @@ def test_a_leader_failing_before_any_token_leaves_its_follower_to_run_on_its_own
                       Gated([token(104), last(10)], threading.Event(), free=2)])
     orch = make({"A": stub}, max_attempts=1)
     out, cancels = {}, {}
-    lead = run(orch, "lead", out, cancels)
-    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
-    before = coalesced()
-    follower = run(orch, "f0", out, cancels)
-    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    lead, follower = lead_and_follow(orch, lambda: stub.requests, out, cancels)
     gate.set()
     lead.join(10)
     assert isinstance(out["lead"], errors.TierCacheError)
@@ -341,11 +341,7 @@ def test_a_leader_gone_after_the_answers_last_token_leaves_its_follower_the_whol
                       Gated([token(33), last(10)], threading.Event(), free=2)])
     orch = make({"A": stub})
     out, cancels = {}, {}
-    lead = run(orch, "lead", out, cancels)
-    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
-    before = coalesced()
-    follower = run(orch, "f0", out, cancels)
-    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    lead, follower = lead_and_follow(orch, lambda: stub.requests, out, cancels)
     time.sleep(0.1)  # the follower has read the whole answer
     cancels["lead"]()
     lead.join(10)
@@ -384,11 +380,7 @@ def test_a_leaders_failover_mid_stream_is_one_uninterrupted_stream_for_its_follo
     orch = make(stubs)
     out, cancels = {}, {}
     sent = lambda: [r for s in stubs.values() for r in s.requests]  # noqa: E731
-    lead = run(orch, "lead", out, cancels)
-    wait_until(sent, 5, "the leader never called its replica")
-    before = coalesced()
-    follower = run(orch, "f0", out, cancels)
-    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    lead, follower = lead_and_follow(orch, sent, out, cancels)
     gate.set()
     lead.join(10)
     follower.join(10)
@@ -420,11 +412,7 @@ def test_a_leaders_hung_store_holds_no_follower_back():
     semantic = HungStore()
     orch = make({"A": stub}, semantic=semantic)
     out, cancels = {}, {}
-    lead = run(orch, "lead", out, cancels)
-    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
-    before = coalesced()
-    follower = run(orch, "f0", out, cancels)
-    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
+    lead, follower = lead_and_follow(orch, lambda: stub.requests, out, cancels)
     gate.set()
     assert semantic.storing.wait(5)
     follower.join(5)
