@@ -492,16 +492,24 @@ def long_question(tag: str) -> str:
             + f" Which depot ships the most items of the {tag} list?")
 
 
+def sender(a, q: str, max_tokens: int, sent: dict, errs: list):
+    """A thread's target: request `rid` of `q`, its answer in sent[rid], its error in errs."""
+    def send(rid: str) -> None:
+        try:
+            sent[rid] = a.generate(q, max_tokens=max_tokens, return_token_ids=True,
+                                   request_id=rid)
+        except BaseException as exc:  # noqa: BLE001 - raised by the test
+            errs.append(exc)
+
+    return send
+
+
 def test_identical_greedy_requests_in_flight_run_the_model_once(stack, a):
     q = long_question("coalesce")
     sent: dict[str, object] = {}
     errs: list[BaseException] = []
 
-    def send(rid: str) -> None:
-        try:
-            sent[rid] = a.generate(q, max_tokens=6, return_token_ids=True, request_id=rid)
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errs.append(exc)
+    send = sender(a, q, 6, sent, errs)
 
     before = kv_requests(stack)
     served0 = admin_stats(stack)
@@ -533,11 +541,7 @@ def test_followers_of_a_leader_whose_client_goes_mid_stream_finish_exactly(stack
     sent: dict[str, object] = {}
     errs: list[BaseException] = []
 
-    def send(rid: str) -> None:
-        try:
-            sent[rid] = a.generate(q, max_tokens=24, return_token_ids=True, request_id=rid)
-        except BaseException as exc:  # noqa: BLE001 - raised below
-            errs.append(exc)
+    send = sender(a, q, 24, sent, errs)
 
     stream = a.stream(q, max_tokens=24, return_token_ids=True, request_id="cut-lead")
     reader = threading.Thread(target=lambda: sent.setdefault("first", next(stream)))
