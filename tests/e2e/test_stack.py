@@ -97,18 +97,24 @@ def wait_admitted(stack, errors: list, sender: threading.Thread,
         raise errors[0]
 
 
+def recorded(send, results: dict, errors: list):
+    """A thread's target: results[key] = send(key), or its error appended to `errors` (for
+    the test's own thread to raise)."""
+    def run(key) -> None:
+        try:
+            results[key] = send(key)
+        except BaseException as exc:  # noqa: BLE001 - raised by the test's thread
+            errors.append(exc)
+
+    return run
+
+
 def two_in_turn(stack, send, gap_s: float | None = None) -> list:
     """send(0), then send(1) once the first is on a replica (or answered), or `gap_s` after
     it; both answers, a thread's error raised here."""
     results: dict[int, object] = {}
     errors: list[BaseException] = []
-
-    def run(i: int) -> None:
-        try:
-            results[i] = send(i)
-        except BaseException as exc:  # noqa: BLE001 - raised by the caller's thread below
-            errors.append(exc)
-
+    run = recorded(send, results, errors)
     ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
     ts[0].start()
     if gap_s is None:
@@ -492,24 +498,13 @@ def long_question(tag: str) -> str:
             + f" Which depot ships the most items of the {tag} list?")
 
 
-def sender(a, q: str, max_tokens: int, sent: dict, errs: list):
-    """A thread's target: request `rid` of `q`, its answer in sent[rid], its error in errs."""
-    def send(rid: str) -> None:
-        try:
-            sent[rid] = a.generate(q, max_tokens=max_tokens, return_token_ids=True,
-                                   request_id=rid)
-        except BaseException as exc:  # noqa: BLE001 - raised by the test
-            errs.append(exc)
-
-    return send
-
-
 def test_identical_greedy_requests_in_flight_run_the_model_once(stack, a):
     q = long_question("coalesce")
     sent: dict[str, object] = {}
     errs: list[BaseException] = []
 
-    send = sender(a, q, 6, sent, errs)
+    send = recorded(lambda rid: a.generate(q, max_tokens=6, return_token_ids=True,
+                                           request_id=rid), sent, errs)
 
     before = kv_requests(stack)
     served0 = admin_stats(stack)
@@ -541,7 +536,8 @@ def test_followers_of_a_leader_whose_client_goes_mid_stream_finish_exactly(stack
     sent: dict[str, object] = {}
     errs: list[BaseException] = []
 
-    send = sender(a, q, 24, sent, errs)
+    send = recorded(lambda rid: a.generate(q, max_tokens=24, return_token_ids=True,
+                                           request_id=rid), sent, errs)
 
     stream = a.stream(q, max_tokens=24, return_token_ids=True, request_id="cut-lead")
     reader = threading.Thread(target=lambda: sent.setdefault("first", next(stream)))
