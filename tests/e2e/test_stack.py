@@ -109,23 +109,24 @@ def recorded(send, results: dict, errors: list):
     return run
 
 
-def two_in_turn(stack, send, gap_s: float | None = None) -> list:
-    """send(0), then send(1) once the first is on a replica (or answered), or `gap_s` after
-    it; both answers, a thread's error raised here."""
+def in_turn(stack, send, n: int = 2, gap_s: float | None = None) -> list:
+    """send(0), then send(1) ... send(n - 1) at once when the first is on a replica (or
+    answered), or `gap_s` after it; the n answers in order, a thread's error raised here."""
     results: dict[int, object] = {}
     errors: list[BaseException] = []
     run = recorded(send, results, errors)
-    ts = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    ts = [threading.Thread(target=run, args=(i,)) for i in range(n)]
     ts[0].start()
     if gap_s is None:
         wait_admitted(stack, errors, ts[0])
     else:
         time.sleep(gap_s)
-    ts[1].start()
+    for t in ts[1:]:
+        t.start()
     for t in ts:
         t.join(180)
     assert not errors, errors[0]
-    return [results[0], results[1]]
+    return [results[i] for i in range(n)]
 
 
 def test_repeat_is_a_semantic_hit_without_a_model_call(stack, a):
@@ -217,7 +218,7 @@ def test_warm_then_first_requests_hit_on_every_replica(stack, a):
     # Both replicas' warmed blocks are in the index: otherwise the second request, sent before
     # the slower replica's publish arrived, saw one holder only (a CI run saw both on kv-1).
     wait_index_caught_up(stack)
-    results = two_in_turn(stack, lambda i: a.generate(
+    results = in_turn(stack, lambda i: a.generate(
         [{"role": "system", "content": sys2},
          {"role": "user", "content": f"Question number {i}: hello?"}],
         max_tokens=32, ignore_eos=True,
@@ -246,7 +247,7 @@ def test_requests_sharing_a_new_system_prompt_meet_on_one_replica(stack, a):
         ring.setdefault(policy.choose(views, {}, key, new_blocks=32, record=False).replica_id,
                         sid)
     sids = [ring["kv-0"], ring["kv-1"]]
-    results = two_in_turn(stack, lambda i: a.generate(
+    results = in_turn(stack, lambda i: a.generate(
         [{"role": "system", "content": sys3},
          {"role": "user", "content": f"Question number {i}: hello?"}],
         max_tokens=4, session_id=sids[i],
@@ -500,32 +501,20 @@ def long_question(tag: str) -> str:
 
 def test_identical_greedy_requests_in_flight_run_the_model_once(stack, a):
     q = long_question("coalesce")
-    sent: dict[str, object] = {}
-    errs: list[BaseException] = []
-
-    send = recorded(lambda rid: a.generate(q, max_tokens=6, return_token_ids=True,
-                                           request_id=rid), sent, errs)
-
+    rids = ["coal-lead", "coal-0", "coal-1", "coal-2"]
     before = kv_requests(stack)
     served0 = admin_stats(stack)
-    lead = threading.Thread(target=send, args=("coal-lead",))
-    lead.start()
-    wait_admitted(stack, errs, lead)  # its prefill under way: the others join its flight
-    others = [threading.Thread(target=send, args=(f"coal-{i}",)) for i in range(3)]
-    for t in others:
-        t.start()
-    for t in [lead, *others]:
-        t.join(180)
-    assert not errs, errs[0]
+    # The others sent once the leader's prefill is under way: they join its flight.
+    lead, *others = in_turn(stack, lambda i: a.generate(
+        q, max_tokens=6, return_token_ids=True, request_id=rids[i]), n=4)
     assert kv_requests(stack) == before + 1  # the replicas ran it once
     scratch = a.generate(q, max_tokens=6, return_token_ids=True, cache_policy=SCRATCH)
-    assert all(r.token_ids == scratch.token_ids for r in sent.values())
-    assert sent["coal-lead"].report.route not in ("coalesced", "")
-    for i in range(3):
-        rep = sent[f"coal-{i}"].report
+    assert all(r.token_ids == scratch.token_ids for r in [lead, *others])
+    assert lead.report.route not in ("coalesced", "")
+    for rep in (r.report for r in others):
         assert (rep.route, rep.coalesced_with) == ("coalesced", "coal-lead"), rep
-        assert rep.replica_id == sent["coal-lead"].report.replica_id
-        assert rep.cached_tokens == rep.prompt_tokens == sent["coal-lead"].prompt_tokens
+        assert rep.replica_id == lead.report.replica_id
+        assert rep.cached_tokens == rep.prompt_tokens == lead.prompt_tokens
     served = admin_stats(stack)
     assert served.coalesced == served0.coalesced + 3
     assert served.requests_total == served0.requests_total + 5
