@@ -8,6 +8,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from tiercache.v1 import common_pb2
+
 from services.launcher import ServiceProcess, free_port, service_exists
 
 # One folder per test run (the secrets check reads every log in it; another run on the same
@@ -36,6 +38,10 @@ _OWN_DRAFTS = ("TIERCACHE_KVPOOL_DRAFT_COSTS", "TIERCACHE_KVPOOL_DRAFT_LADDER",
 # The cluster hash key services started here get (unless the test gives its own): a tenant's
 # cache salt is keyed by it (TenantRegistry.salt_for).
 HASH_KEY = "e2e-test-hash-key"
+
+# Every cache off: an answer computed from scratch (the token ids to compare with).
+CACHES_OFF = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True,
+                                    skip_prefix_cache=True, skip_draft=True)
 
 
 def with_draft_costs(env: dict[str, str]) -> dict[str, str]:

@@ -13,18 +13,15 @@ import time
 
 import grpc
 import pytest
-from tiercache.v1 import common_pb2
 
 from clients.python.aio import AsyncTierCacheClient
 from clients.python.client import TierCacheClient
-from tests.e2e.conftest import start
+from tests.e2e.conftest import CACHES_OFF, start
 
 pytestmark = [pytest.mark.e2e, pytest.mark.model]
 
-OFF = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True,
-                             skip_prefix_cache=True, skip_draft=True)
 QUESTIONS = [f"Give one word for the number {i}." for i in range(8)]
-LONG = dict(max_tokens=400, ignore_eos=True, cache_policy=OFF)  # ~30 s on a 2-core CPU
+LONG = dict(max_tokens=400, ignore_eos=True, cache_policy=CACHES_OFF)  # ~30 s on a 2-core CPU
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +55,8 @@ async def replica(c: AsyncTierCacheClient, pred, what: str, timeout: float = 10.
 
 def test_concurrent_calls_on_one_channel_give_the_ids_of_sequential_calls(address):
     with TierCacheClient(address, timeout=120) as c:
-        want = {q: c.generate(q, max_tokens=3, return_token_ids=True, cache_policy=OFF
-                              ).token_ids for q in QUESTIONS}
+        want = {q: c.generate(q, max_tokens=3, return_token_ids=True,
+                              cache_policy=CACHES_OFF).token_ids for q in QUESTIONS}
 
     async def main():
         async with AsyncTierCacheClient(address, timeout=120) as c:

@@ -25,7 +25,7 @@ from clients.python.client import TierCacheClient
 from services.orchestrator.pipeline import session_routing_key
 from services.orchestrator.routing import PrefixAwarePolicy, ReplicaView
 from services.orchestrator.tenants import Tenant, TenantRegistry
-from tests.e2e.conftest import HASH_KEY
+from tests.e2e.conftest import CACHES_OFF, HASH_KEY
 from tests.e2e.stack import (
     ADMIN_TOKEN,
     INTERNAL_MD,
@@ -486,11 +486,6 @@ def test_erase_tenant_removes_its_data_everywhere_and_nothing_else(stack, capsys
         idle_pools(stack)
 
 
-# Caches off: an answer computed from scratch, to compare token ids with.
-SCRATCH = common_pb2.CachePolicy(skip_semantic_lookup=True, skip_semantic_store=True,
-                                 skip_prefix_cache=True, skip_draft=True)
-
-
 def long_question(tag: str) -> str:
     """A prompt new to every cache, long enough (~600 tokens) that its prefill holds the first
     request on its replica while identical ones arrive."""
@@ -508,7 +503,7 @@ def test_identical_greedy_requests_in_flight_run_the_model_once(stack, a):
     lead, *others = in_turn(stack, lambda i: a.generate(
         q, max_tokens=6, return_token_ids=True, request_id=rids[i]), n=4)
     assert kv_requests(stack) == before + 1  # the replicas ran it once
-    scratch = a.generate(q, max_tokens=6, return_token_ids=True, cache_policy=SCRATCH)
+    scratch = a.generate(q, max_tokens=6, return_token_ids=True, cache_policy=CACHES_OFF)
     assert all(r.token_ids == scratch.token_ids for r in [lead, *others])
     assert lead.report.route not in ("coalesced", "")
     for rep in (r.report for r in others):
@@ -541,7 +536,7 @@ def test_followers_of_a_leader_whose_client_goes_mid_stream_finish_exactly(stack
     for t in others:
         t.join(180)
     assert not errs, errs[0]
-    scratch = a.generate(q, max_tokens=24, return_token_ids=True, cache_policy=SCRATCH)
+    scratch = a.generate(q, max_tokens=24, return_token_ids=True, cache_policy=CACHES_OFF)
     for i in range(2):
         got = sent[f"cut-{i}"]
         assert got.token_ids == scratch.token_ids
