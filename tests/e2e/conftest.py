@@ -54,27 +54,36 @@ def with_draft_costs(env: dict[str, str]) -> dict[str, str]:
     return {**env, "TIERCACHE_KVPOOL_DRAFT_COSTS": ",".join(map(str, DRAFT_COSTS))}
 
 
+def free_ports(n: int, taken: set[int] | None = None) -> tuple[int, ...]:
+    """`n` ports free now and none in `taken` (added to it): none of the services they are
+    for has bound its port yet, so the same one twice must not be handed out."""
+    taken = set() if taken is None else taken
+    out = []
+    while len(out) < n:
+        port = free_port()
+        if port not in taken:
+            taken.add(port)
+            out.append(port)
+    return tuple(out)
+
+
 def start(name: str, env: dict[str, str], key: str | None = None, timeout: float = 240.0
           ) -> ServiceProcess:
     return start_all([(name, env, key)], timeout)[0]
 
 
-def start_all(specs: list[tuple[str, dict[str, str], str | None]], timeout: float = 240.0
-              ) -> list[ServiceProcess]:
+def start_all(specs: list[tuple[str, dict[str, str], str | None]], timeout: float = 240.0,
+              ports: tuple[int, ...] = ()) -> list[ServiceProcess]:
     """Starts every (service, env, log key) at once, then waits for each to be healthy: two
-    replicas load and time their model side by side (~20 s each on its own). If one fails,
-    all are killed."""
+    replicas load and time their model side by side (~20 s each on its own). `ports`: those
+    of the first services, chosen by the caller (free_ports), for another's env to name; the
+    rest get free ones. If one fails, all are killed."""
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     started: list[ServiceProcess] = []
-    ports: set[int] = set()
+    taken: set[int] = set(ports)
     try:
-        for name, env, key in specs:
-            # Free now, but none of these has bound its port yet: the same one twice must
-            # not be handed out.
-            port = free_port()
-            while port in ports:
-                port = free_port()
-            ports.add(port)
+        for i, (name, env, key) in enumerate(specs):
+            port = ports[i] if i < len(ports) else free_ports(1, taken)[0]
             assert service_exists(name), f"services/{name} is missing"
             # Tenants configured: the orchestrator refuses the public default hash key.
             env = {f"TIERCACHE_{name.upper()}_METRICS_PORT": "-1",

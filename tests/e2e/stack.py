@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.launcher import ServiceProcess
 from tests import waits
-from tests.e2e.conftest import start, start_all
+from tests.e2e.conftest import free_ports, start, start_all
 from tests.index_sync import wait_index_matches_pools
 
 INTERNAL = "internal-e2e-secret"
@@ -70,28 +70,26 @@ def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict 
     tokens_file = tmp / "tokens.json"
     tokens_file.write_text(json.dumps(TOKENS if tokens is None else tokens))
     started: list = []
-
-    def go(service: str, env: dict, key: str):
-        p = start(service, env, key=key)
-        started.append(p)
-        return p
-
     try:
-        sem = go("semantic", {"TIERCACHE_SEMANTIC_DB_PATH": str(tmp / "semantic.db"),
-                              "TIERCACHE_SEMANTIC_INTERNAL_TOKEN": internal},
-                 key=f"{name}-semantic")
-        prefix = go("prefix", {"TIERCACHE_PREFIX_LEASE_SECONDS": str(lease_s),
-                               "TIERCACHE_PREFIX_INTERNAL_TOKEN": internal},
-                    key=f"{name}-prefix")
-        kv = start_all([("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": f"kv-{i}",
-                                    "TIERCACHE_KVPOOL_PREFIX_ADDRESS": prefix.address,
-                                    "TIERCACHE_KVPOOL_HEARTBEAT_SECONDS": "0.5",
-                                    "TIERCACHE_KVPOOL_NUM_BLOCKS": "512",
-                                    "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
-                                    "TIERCACHE_KVPOOL_INTERNAL_TOKEN": internal, **(kv_env or {})},
-                          f"{name}-kv{i}") for i in range(2)])
-        started.extend(kv)
-        orch = go("orchestrator", {
+        # The tiers and the replicas at once (a replica registers with the index when both
+        # are up); the orchestrator after them, so that its first poll finds them serving.
+        sem_port, prefix_port = free_ports(2)
+        prefix_address = f"127.0.0.1:{prefix_port}"
+        started.extend(start_all([
+            ("semantic", {"TIERCACHE_SEMANTIC_DB_PATH": str(tmp / "semantic.db"),
+                          "TIERCACHE_SEMANTIC_INTERNAL_TOKEN": internal}, f"{name}-semantic"),
+            ("prefix", {"TIERCACHE_PREFIX_LEASE_SECONDS": str(lease_s),
+                        "TIERCACHE_PREFIX_INTERNAL_TOKEN": internal}, f"{name}-prefix"),
+            *[("kvpool", {"TIERCACHE_KVPOOL_REPLICA_ID": f"kv-{i}",
+                          "TIERCACHE_KVPOOL_PREFIX_ADDRESS": prefix_address,
+                          "TIERCACHE_KVPOOL_HEARTBEAT_SECONDS": "0.5",
+                          "TIERCACHE_KVPOOL_NUM_BLOCKS": "512",
+                          "TIERCACHE_KVPOOL_TORCH_THREADS": "1",
+                          "TIERCACHE_KVPOOL_INTERNAL_TOKEN": internal, **(kv_env or {})},
+               f"{name}-kv{i}") for i in range(2)]], ports=(sem_port, prefix_port)))
+        sem, prefix, *kv = started
+        assert prefix.address == prefix_address
+        orch = start("orchestrator", {
             "TIERCACHE_ORCHESTRATOR_KVPOOL_ADDRESSES": ",".join(k.address for k in kv),
             "TIERCACHE_ORCHESTRATOR_SEMANTIC_ADDRESS": sem.address,
             "TIERCACHE_ORCHESTRATOR_PREFIX_ADDRESSES": prefix.address,
@@ -103,6 +101,7 @@ def start_full_stack(tmp: Path, name: str, lease_s: float = 3.0, orch_env: dict 
             "TIERCACHE_ORCHESTRATOR_WARM_INTERVAL_S": "0",
             "TIERCACHE_ORCHESTRATOR_PREFIX_TIMEOUT_S": "1.0",
             **(orch_env or {})}, key=f"{name}-orchestrator")
+        started.append(orch)
     except BaseException:
         # A later service that fails to start (or a skip) would otherwise leave the earlier
         # ones running: they have their own sessions and outlive pytest.
