@@ -8,7 +8,12 @@ A later request with the same key while the flight is open follows: it calls no 
 tokens are the flight's (the backlog at once, then live). Greedy tokens are decided by the key
 alone (`flight_key`), so a follower's answer is the one a run of its own would give; a leader
 that ends without finishing (its client gone, an error) leaves its followers the tokens so far,
-from which each goes on by itself (a failover's resume)."""
+from which each goes on by itself (a failover's resume).
+
+The answer is stored in the semantic tier once, by its flight's storer: the leader, claimed as
+it finishes where it may store (not with skip_semantic_store), else the first follower that
+may (`claim_store`); the others' reports name the entry it was stored as (`stored_as`), for
+Feedback, where its Store ends while they may still wait for it."""
 
 from __future__ import annotations
 
@@ -57,6 +62,8 @@ class Flight:
         self._ids: list[int] = []
         self._final = None
         self._ended = False
+        self._storer = ""  # the request that stores the answer ("" = none yet)
+        self._entry: str | None = None  # what its Store gave ("" = not stored), once it ended
 
     def publish(self, ids: list[int], replica_id: str = "") -> None:
         """A batch of token ids, as the leader read it from its replica (`replica_id`: named
@@ -66,17 +73,51 @@ class Flight:
             self.replica_id = replica_id or self.replica_id
             self._cond.notify_all()
 
-    def finish(self, final, replica_id: str) -> None:
-        """The leader's answer is whole: its final message, and the replica that ended it."""
+    def finish(self, final, replica_id: str, stores: bool = False) -> None:
+        """The leader's answer is whole: its final message, and the replica that ended it;
+        `stores`: the leader stores it (claimed before any follower reads the final)."""
         with self._cond:
             self._final, self.replica_id = final, replica_id
+            if stores and not self._storer:
+                self._storer = self.leader_id
             self._cond.notify_all()
 
     def end(self) -> None:
-        """The leader's replica side ended, finished (`finish` before) or not."""
+        """The leader's replica side ended, finished (`finish` before) or not; a Store it
+        claimed has ended too (its outcome given, or never to come: "")."""
         with self._cond:
             self._ended = True
+            if self._storer == self.leader_id and self._entry is None:
+                self._entry = ""
             self._cond.notify_all()
+
+    def claim_store(self, request_id: str) -> bool:
+        """Whether request `request_id` is to store the answer: none claimed it before."""
+        with self._cond:
+            if self._storer:
+                return False
+            self._storer = request_id
+            return True
+
+    def stored(self, request_id: str, entry_id: str) -> None:
+        """The Store of request `request_id` ended: `entry_id` ("" = not stored). Nothing
+        where that request is not the flight's storer."""
+        with self._cond:
+            if self._storer == request_id:
+                self._entry = entry_id
+                self._cond.notify_all()
+
+    def stored_as(self, deadline: float, stop: threading.Event) -> str:
+        """The entry id the answer was stored as; "" where none stores it, its Store stored
+        nothing, or it had not ended by `deadline` (time.monotonic) or `stop` (set, then
+        `wake`)."""
+        with self._cond:
+            while self._storer and self._entry is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or stop.is_set():
+                    return ""
+                self._cond.wait(left)
+            return self._entry or ""
 
     def wake(self) -> None:
         """Wakes the followers waiting (one of them is to stop: its client has gone)."""

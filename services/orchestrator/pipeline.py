@@ -543,19 +543,26 @@ class Orchestrator:
             self.stats.degrade("semantic_skipped")
             return None
 
-    def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated_at: int,
-               deadline: float, answer_ids: Sequence[int] = (),
-               on_call: Callable[[grpc.Future], None] | None = None) -> str:
-        """The stored entry's id ("" = not stored). `on_call` is handed the Store's call as it
-        starts (to cancel it when the request's client goes away)."""
-        # Before the final message, whose report names the stored entry: bounded by half of
-        # what is left of the request's deadline (past it, the answer is not stored), so a
-        # slow Store cannot turn a finished answer into DEADLINE_EXCEEDED.
+    def _store_timeout(self, deadline: float) -> float | None:
+        """How long a request's Store may take, None for no Store at all. Before the final
+        message, whose report names the stored entry: bounded by half of what is left of the
+        request's deadline (past it, the answer is not stored), so a slow Store cannot turn a
+        finished answer into DEADLINE_EXCEEDED."""
         timeout = _within(self.semantic.timeout_s, deadline, _STORE_SHARE)
         if timeout is None or timeout < min(_STORE_MIN_S, self.semantic.timeout_s):
             # Too little left to embed and write it (and then send the final message): sent
             # anyway, the Store timed out here while the tier still wrote the entry, which
             # the client could then not name.
+            return None
+        return timeout
+
+    def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated_at: int,
+               deadline: float, answer_ids: Sequence[int] = (),
+               on_call: Callable[[grpc.Future], None] | None = None) -> str:
+        """The stored entry's id ("" = not stored). `on_call` is handed the Store's call as it
+        starts (to cancel it when the request's client goes away)."""
+        timeout = self._store_timeout(deadline)
+        if timeout is None:
             return ""
         ns = self._namespace(tenant, prompt)
         try:
@@ -1122,9 +1129,8 @@ class _ReplicaSide:
         """The answer is whole from the leader's run (its final in `final`): the report says
         so (route "coalesced", coalesced_with, the leader's replica; none of the prompt was
         computed for this request, so all of it counts as cached, and no forward pass or
-        draft: the leader's report has its run's), counted as cache class "coalesced"; the
-        leader stores the answer, not this request, unless it went before its final
-        (`made_up`)."""
+        draft: the leader's report has its run's), counted as cache class "coalesced", and
+        the entry the answer was stored as (`_followed_entry`)."""
         o, req, report = self.orch, self.req, self.req.report
         yield from self._flush()
         prompt_tokens = len(self.ids)
@@ -1134,7 +1140,26 @@ class _ReplicaSide:
         report.ttft_ms = ttft
         report.route = "coalesced"
         yield _Deferred(lambda: o._count("coalesced", prompt_tokens, prompt_tokens, 0, ttft))
-        yield from self._finished(self._store() if self.made_up else "")
+        yield from self._finished(self._followed_entry())
+
+    def _followed_entry(self) -> str:
+        """The entry the flight's answer was stored as ("" = none): stored by this request
+        where it is the first that may store it (its leader may not: skip_semantic_store, or
+        it went before its final); else by the leader or that first follower, their Store
+        waited for as long as one of this request's own may take (`_store_timeout`: then a
+        follower's final comes no later than it would have without coalescing), ending at
+        once where none stores it, and with this request's client."""
+        flight, req = self.follows, self.req
+        if self.may_store and flight.claim_store(req.request_id):
+            return self._store()
+        timeout = self.orch._store_timeout(req.deadline)
+        if timeout is None:
+            return ""
+        req.current["call"] = coalesce_mod.Waker(flight)  # its client gone: the wait ends
+        try:
+            return flight.stored_as(time.monotonic() + timeout, req.cancelled)
+        finally:
+            req.current.pop("call", None)
 
     def _route(self) -> _Attempt:
         """The replica for the next attempt, its load there counted (and the prompt's dispatch
@@ -1522,7 +1547,8 @@ class _ReplicaSide:
         # retry/resume in the degradations).
         report.replica_id = final.replica_id or att.replica.public_id
         if self.leads is not None:
-            self.leads.finish(final, report.replica_id)  # its followers need not wait more
+            # Its followers need not wait more; the Store below is the flight's where it may.
+            self.leads.finish(final, report.replica_id, stores=self.may_store)
         yield from self._flush()
         prompt_tokens = len(self.ids)
         cached = min(final.cached_tokens, prompt_tokens)
@@ -1566,13 +1592,20 @@ class _ReplicaSide:
         yield from self._finished(self._store())
 
     def _store(self) -> str:
-        """The whole answer stored in the semantic tier where it may be: its entry id, or ""."""
-        req = self.req
-        with req.tier_call():
-            return self.orch._store_answer(req.tenant, req.prompt, req.sampling, self.look,
-                                           self.may_store, self.generated,
-                                           self.final.finish_reason, req.deadline,
-                                           req.tier_call_started)
+        """The whole answer stored in the semantic tier where it may be: its entry id, or "";
+        told to the request's flight (its followers name the entry) where it is its storer."""
+        req, sid = self.req, ""
+        try:
+            with req.tier_call():
+                sid = self.orch._store_answer(req.tenant, req.prompt, req.sampling, self.look,
+                                              self.may_store, self.generated,
+                                              self.final.finish_reason, req.deadline,
+                                              req.tier_call_started)
+        finally:
+            flight = self.leads or self.follows
+            if flight is not None:
+                flight.stored(req.request_id, sid)
+        return sid
 
     def _flush(self) -> Iterator[TextDelta]:
         """The detokenizer's tail (text held back for a character's next bytes), if any."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
 import pytest
@@ -85,6 +86,32 @@ def test_a_followers_wait_ends_at_its_deadline_or_when_it_is_told_to_stop():
     t0 = time.monotonic()
     got = flight.read(0, FAR, stop)
     assert got == ([], False, None) and time.monotonic() - t0 < 5
+
+
+def test_the_answer_has_one_storer_whose_entry_the_others_are_told():
+    stop = threading.Event()
+    fin = kvpool_pb2.KvGenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    # None stores it (the leader may not, no follower claimed): nothing to wait for.
+    flight, _ = Flights().join(KEY, "leader")
+    flight.finish(fin, "kvpool-0")
+    t0 = time.monotonic()
+    assert flight.stored_as(FAR, stop) == "" and time.monotonic() - t0 < 1
+    # The first follower that claims it stores it; a second may not; the others wait for it.
+    assert flight.claim_store("f0") and not flight.claim_store("f1")
+    threading.Timer(0.1, flight.stored, ("f0", "e7")).start()
+    flight.stored("f1", "e8")  # not the storer: nothing
+    assert flight.stored_as(FAR, stop) == "e7"
+    # The leader, claimed as it finishes: its Store waited for until it ends, or its side
+    # does (its Store never to come); at most until the wait's deadline.
+    flights = Flights()
+    flight, _ = flights.join(KEY, "leader")
+    flight.finish(fin, "kvpool-0", stores=True)
+    assert not flight.claim_store("f0")
+    t0 = time.monotonic()
+    assert flight.stored_as(time.monotonic() + 0.2, stop) == ""
+    assert time.monotonic() - t0 >= 0.2
+    threading.Timer(0.1, flights.end, (flight,)).start()
+    assert flight.stored_as(FAR, stop) == ""
 
 
 def test_requests_that_differ_in_what_decides_the_tokens_never_share_a_flight():
@@ -196,10 +223,23 @@ def lead_and_follow(orch, sent, out: dict, cancels: dict
     return lead, follower
 
 
+class Stores(Semantic):
+    """A semantic tier that keeps each Store's request; entry i's id is f"e{i}"."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stored: list = []
+
+    def store(self, req, timeout=None, on_call=None):
+        self.stored.append(req)
+        return SimpleNamespace(id=f"e{len(self.stored)}")
+
+
 def test_identical_greedy_requests_in_flight_share_one_replica_call():
     gate = threading.Event()
     stub = Stub("A", [Gated([token(104), token(105), token(33), last(10)], gate, free=1)])
-    orch = make({"A": stub})
+    semantic = Stores()
+    orch = make({"A": stub}, semantic=semantic)
     out, cancels = {}, {}
     threads = [run(orch, "lead", out, cancels)]
     wait_until(lambda: stub.requests, 5, "the leader never called its replica")
@@ -215,13 +255,15 @@ def test_identical_greedy_requests_in_flight_share_one_replica_call():
     assert "".join(e.text for e in out["f0"] if isinstance(e, TextDelta)) == "hi!\n"
     lead = out["lead"][-1].report
     assert lead.route != "coalesced" and not lead.coalesced_with
+    # Stored once, by the leader; each report names that entry (what Feedback rates).
+    assert len(semantic.stored) == 1 and lead.semantic_entry_id == "e1"
     for r in ("f0", "f1", "f2"):
         fin = out[r][-1]
         assert isinstance(fin, Finished) and fin.finish_reason == common_pb2.FINISH_REASON_LENGTH
         rep = fin.report
         assert (rep.route, rep.coalesced_with, rep.replica_id) == ("coalesced", "lead", "A")
         assert rep.prompt_tokens == rep.cached_tokens == len(PROMPT)
-        assert rep.forward_passes == 0 and not rep.semantic_entry_id
+        assert rep.forward_passes == 0 and rep.semantic_entry_id == "e1"
     assert orch.stats.requests["coalesced"] == 3
     assert len(orch.flights) == 0
 
@@ -341,22 +383,29 @@ def test_a_leader_gone_after_the_answers_last_token_leaves_its_follower_the_whol
                       Gated([token(33), last(10)], threading.Event(), free=2)])
     orch = make({"A": stub})
     out, cancels = {}, {}
+    semantic = Stores()
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
     lead, follower = lead_and_follow(orch, lambda: stub.requests, out, cancels)
-    time.sleep(0.1)  # the follower has read the whole answer
+    before = coalesced()
+    second = run(orch, "f1", out, cancels)
+    wait_until(lambda: coalesced() == before + 1, 5, "the second follower never joined")
+    time.sleep(0.1)  # the followers have read the whole answer
     cancels["lead"]()
-    lead.join(10)
-    follower.join(10)
-    assert ids_of(out["f0"]) == tokens
+    for t in (lead, follower, second):
+        t.join(10)
+    assert ids_of(out["f0"]) == ids_of(out["f1"]) == tokens
     assert len(stub.requests) == 1  # no resume
-    fin = out["f0"][-1]
-    assert fin.finish_reason == reason
-    # The replica whose tokens they are (its public id: its final message never came).
-    assert (fin.report.route, fin.report.coalesced_with, fin.report.replica_id) == (
-        "coalesced", "lead", orch.replicas.replicas[0].public_id)
-    # Stored by the follower: its leader, gone, stored nothing (the next identical request
-    # went to the model again).
-    assert fin.report.semantic_entry_id == "e1"
-    assert orch.stats.requests["coalesced"] == 1 and len(orch.flights) == 0
+    for fin in (out["f0"][-1], out["f1"][-1]):
+        assert fin.finish_reason == reason
+        # The replica whose tokens they are (its public id: its final message never came).
+        assert (fin.report.route, fin.report.coalesced_with, fin.report.replica_id) == (
+            "coalesced", "lead", orch.replicas.replicas[0].public_id)
+        # Stored by a follower, once: its leader, gone, stored nothing (the next identical
+        # request went to the model again), and each follower stored it again.
+        assert fin.report.semantic_entry_id == "e1"
+    assert len(semantic.stored) == 1
+    assert orch.stats.requests["coalesced"] == 2 and len(orch.flights) == 0
 
 
 class CutAfter(Gated):
@@ -410,6 +459,9 @@ def test_a_leaders_hung_store_holds_no_follower_back():
     gate = threading.Event()
     stub = Stub("A", [Gated([token(104), last(10)], gate)])
     semantic = HungStore()
+    # A follower waits for its leader's Store at most as long as a Store of its own could
+    # take: then it is answered without the entry's id.
+    semantic.timeout_s = 0.3
     orch = make({"A": stub}, semantic=semantic)
     out, cancels = {}, {}
     lead, follower = lead_and_follow(orch, lambda: stub.requests, out, cancels)
@@ -417,6 +469,7 @@ def test_a_leaders_hung_store_holds_no_follower_back():
     assert semantic.storing.wait(5)
     follower.join(5)
     assert not follower.is_alive() and ids_of(out["f0"]) == [104, 10]
+    assert not out["f0"][-1].report.semantic_entry_id
     # Still storing: one arriving now has the whole answer at once, no replica call.
     late = run(orch, "late", out, cancels)
     late.join(5)
@@ -425,6 +478,55 @@ def test_a_leaders_hung_store_holds_no_follower_back():
     semantic.release.set()
     lead.join(10)
     assert ids_of(out["lead"]) == [104, 10] and out["lead"][-1].report.semantic_entry_id
+    assert len(orch.flights) == 0
+
+
+def test_a_follower_waits_for_its_leaders_store_until_it_ends_or_its_client_goes():
+    gate = threading.Event()
+    stub = Stub("A", [Gated([token(104), last(10)], gate)])
+    semantic = HungStore()
+    semantic.timeout_s = 20  # a follower waits up to half its deadline's 30 s
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    lead, follower = lead_and_follow(orch, lambda: stub.requests, out, cancels)
+    before = coalesced()
+    second = run(orch, "f1", out, cancels)
+    wait_until(lambda: coalesced() == before + 1, 5, "the second follower never joined")
+    gate.set()
+    assert semantic.storing.wait(5)
+    time.sleep(0.2)  # the followers have the answer, and wait for the leader's Store
+    assert follower.is_alive() and second.is_alive()
+    cancels["f0"]()
+    follower.join(2)
+    assert not follower.is_alive() and isinstance(out["f0"], errors.Cancelled)
+    semantic.release.set()
+    for t in (lead, second):
+        t.join(10)
+    assert out["lead"][-1].report.semantic_entry_id == "e1"
+    assert ids_of(out["f1"]) == [104, 10] and out["f1"][-1].report.semantic_entry_id == "e1"
+    assert len(orch.flights) == 0
+
+
+def test_a_leader_that_skips_the_store_leaves_it_to_its_first_follower_that_may():
+    gate = threading.Event()
+    stub = Stub("A", [Gated([token(104), token(105), token(33), last(10)], gate, free=1)])
+    semantic = Stores()
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    threads = [run(orch, "lead", out, cancels, Policy(skip_semantic_store=True))]
+    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
+    before = coalesced()
+    threads += [run(orch, f"f{i}", out, cancels) for i in range(3)]
+    wait_until(lambda: coalesced() == before + 3, 5, "the followers never joined")
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert len(stub.requests) == 1
+    # One Store of the whole answer (cut short at max_tokens), by one follower; each
+    # follower's report names it, the leader's (which asked not to store) none.
+    assert [(r.answer, r.truncated_at) for r in semantic.stored] == [("hi!\n", 4)]
+    assert not out["lead"][-1].report.semantic_entry_id
+    assert [out[f"f{i}"][-1].report.semantic_entry_id for i in range(3)] == ["e1"] * 3
     assert len(orch.flights) == 0
 
 
