@@ -513,6 +513,13 @@ def test_identical_greedy_requests_in_flight_run_the_model_once(stack, a):
     served = admin_stats(stack)
     assert served.coalesced == served0.coalesced + 3
     assert served.requests_total == served0.requests_total + 5
+    # Stored once, by the leader: a follower's report names that entry, and Feedback on it
+    # invalidates it (the next identical request is the model's again, not a hit).
+    assert lead.report.semantic_entry_id
+    assert all(r.report.semantic_entry_id == lead.report.semantic_entry_id for r in others)
+    assert a.generate(q, max_tokens=6).report.semantic_hit
+    assert a.feedback(others[0].report.semantic_entry_id, good=False).invalidated
+    assert not a.generate(q, max_tokens=6).report.semantic_hit
 
 
 def test_followers_of_a_leader_whose_client_goes_mid_stream_finish_exactly(stack, a):
