@@ -6,14 +6,18 @@ s). The first request with a key, its semantic lookup missed, leads: it runs as 
 publishes into its `Flight` each batch of token ids as read from its replica, then its end.
 A later request with the same key while the flight is open follows: it calls no replica, its
 tokens are the flight's (the backlog at once, then live). Greedy tokens are decided by the key
-alone (`flight_key`), so a follower's answer is the one a run of its own would give; a leader
-that ends without finishing (its client gone, an error) leaves its followers the tokens so far,
-from which each goes on by itself (a failover's resume).
+alone (`flight_key`), so a follower's answer is the one a run of its own would give. A leader
+that ends without finishing (its client gone, an error) leaves its followers the tokens so far;
+the first of them to go on leads the flight that takes over (`Flights.take_over`: it starts
+with those tokens and resumes from them, a failover's resume), the others follow it, and so
+on while a leader ends unfinished: one model run at a time for the herd, not one each.
 
 The answer is stored in the semantic tier once, by its flight's storer: the leader, claimed as
 it finishes where it may store (not with skip_semantic_store), else the first follower that
 may (`claim_store`); the others' reports name the entry it was stored as (`stored_as`), for
-Feedback, where its Store ends while they may still wait for it."""
+Feedback, where its Store ends while they may still wait for it. A flight taken over is a new
+flight (its own storer: its leader, the one that took over, where it may store); one taken
+over with tokens already whole is finished at once, its leader's claim made with it."""
 
 from __future__ import annotations
 
@@ -55,11 +59,16 @@ class Read(NamedTuple):
 class Flight:
     """One leader's model run as its followers read it. Thread-safe."""
 
-    def __init__(self, key: Hashable, leader_id: str) -> None:
+    def __init__(self, key: Hashable, leader_id: str, ids: list[int] | tuple = (),
+                 replica_id: str = "") -> None:
+        """`ids`: the tokens it starts with (those of the flight it takes over, from
+        `replica_id`), for a request joining it to read from token 0."""
         self.key, self.leader_id = key, leader_id
-        self.replica_id = ""  # the replica whose tokens end the answer (with the final)
+        self.replica_id = replica_id  # the replica whose tokens end the answer (with the final)
+        # The flight that took over from this one, ended unfinished (`Flights.take_over`).
+        self.successor: Flight | None = None
         self._cond = threading.Condition()
-        self._ids: list[int] = []
+        self._ids: list[int] = list(ids)
         self._final = None
         self._ended = False
         self._storer = ""  # the request that stores the answer ("" = none yet)
@@ -124,6 +133,11 @@ class Flight:
         with self._cond:
             self._cond.notify_all()
 
+    def tokens(self) -> list[int]:
+        """Every token id published so far."""
+        with self._cond:
+            return list(self._ids)
+
     def read(self, have: int, deadline: float, stop: threading.Event) -> Read:
         """The tokens past the first `have` (at once when there are), else the flight's end;
         waits until one of them, `deadline` (time.monotonic) or `stop` (set, then `wake`)."""
@@ -153,7 +167,8 @@ class Waker:
 
 class Flights:
     """The open flights by key. Thread-safe: `join` makes a request the leader of a new flight
-    or a follower of the open one; `end` closes the leader's, once, whatever way it ended."""
+    or a follower of the open one; `take_over` does so for a follower of a flight ended
+    unfinished; `end` closes the leader's, once, whatever way it ended."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -162,11 +177,39 @@ class Flights:
     def join(self, key: Hashable, request_id: str) -> tuple[Flight, bool]:
         """(the flight, whether this request leads it)."""
         with self._lock:
-            flight = self._open.get(key)
-            if flight is not None:
-                return flight, False
-            flight = self._open[key] = Flight(key, request_id)
+            return self._join(key, request_id)
+
+    def take_over(self, gone: Flight, request_id: str, final=None,
+                  stores: bool = False) -> tuple[Flight, bool]:
+        """(the flight that goes on from `gone`, ended unfinished, for its followers; whether
+        this request, one of them, leads it). The first to ask leads a new flight that starts
+        with `gone`'s tokens (an identical request's flight opened since is followed instead);
+        the others follow that one, even once it has ended (then, ended unfinished, they take
+        over from it in turn): every follower of `gone` goes the same way, so each step runs
+        the model once for them all, however late one of them asks. `final`: the tokens read
+        are already whole (a final made for them): the new flight, led by the first to ask
+        whatever else is open, is finished with it at once, its leader's claim to the Store
+        made with it where `stores` (before another follower of `gone` can see the flight)."""
+        with self._lock:
+            if gone.successor is not None:
+                return gone.successor, False
+            if final is None:
+                gone.successor, leads = self._join(gone.key, request_id, gone.tokens(),
+                                                   gone.replica_id)
+                return gone.successor, leads
+            flight = gone.successor = Flight(gone.key, request_id, gone.tokens(),
+                                             gone.replica_id)
+            flight.finish(final, gone.replica_id, stores)
+            self._open.setdefault(gone.key, flight)  # joined until it ends, if none is open
             return flight, True
+
+    def _join(self, key: Hashable, request_id: str, ids: list[int] | tuple = (),
+              replica_id: str = "") -> tuple[Flight, bool]:
+        flight = self._open.get(key)
+        if flight is not None:
+            return flight, False
+        flight = self._open[key] = Flight(key, request_id, ids, replica_id)
+        return flight, True
 
     def end(self, flight: Flight) -> None:
         """The leader's run ended: followers are told, and no request joins it any more."""

@@ -1062,7 +1062,8 @@ class _ReplicaSide:
     def run(self) -> Iterator[TextDelta | Finished | _Deferred]:
         """Tries replicas until one gives the whole answer (none left: the client's error),
         then reports it and stores it. A follower reads its leader's flight first: whole, it
-        is the answer; else it goes on from the tokens read."""
+        is the answer; else it goes on from the tokens read, leading the flight that takes
+        over from its leader's (`_follow`)."""
         try:
             if self.follows is not None and (yield from self._follow()):
                 yield from self._finish_followed()
@@ -1079,11 +1080,41 @@ class _ReplicaSide:
                 self.orch.flights.end(self.leads)  # whatever way it ended
 
     def _follow(self) -> Generator[TextDelta, None, bool]:
-        """The leader's tokens, read from its flight as they come (its backlog at once) and
-        handed on as this request's own; whether the leader finished (its final kept in
-        `final`). False: it ended without (its client gone, an error), and this request goes
-        on by itself from the tokens read, as a failover resumes (route "resume")."""
+        """The answer read from the flights followed (`_read_flight`); whether it is whole (its
+        final in `final`). A leader that ended without finishing (its client gone, an error)
+        is taken over (`Flights.take_over`): the first of its followers to go on leads a flight
+        from the tokens read and goes on by itself from them, as a failover resumes (route
+        "resume"; False here); the others follow that flight, and the same again if its leader
+        ends unfinished. Tokens read that already make the whole answer end it as a finish
+        would: the one taking over stores it where it may (`_followed_entry`), the others finish
+        at once, naming its entry."""
+        while True:
+            self.final = yield from self._read_flight()
+            if self.final is not None:
+                return True
+            # The tokens read may make the whole answer where the leader went before its final
+            # message, as after a replica lost there.
+            whole = self._whole_already()
+            flight, leads = self.orch.flights.take_over(
+                self.follows, self.req.request_id, self.final if whole else None,
+                stores=self.may_store)
+            if leads:
+                self.leads = flight  # ended with this replica side (`run`), whatever way
+                if not whole:
+                    self._ask_index()
+                return whole
+            # The flight of the one taking over (finished at once where the tokens are whole:
+            # the entry it stores them as is named, `_followed_entry`).
+            self.follows = flight
+            if whole:
+                return True
+
+    def _read_flight(self) -> Generator[TextDelta, None, kvpool_pb2.KvGenerateFinal | None]:
+        """The tokens of the flight followed past those read, as they come (its backlog at
+        once), handed on as this request's own until it ends: its final (None: its leader
+        ended unfinished). Its leader is `coalesced_with` if it gave a token or the final."""
         flight, req = self.follows, self.req
+        had = len(self.generated)
         req.current["call"] = coalesce_mod.Waker(flight)  # its client gone: the wait ends
         try:
             while True:
@@ -1098,20 +1129,19 @@ class _ReplicaSide:
                     raise errors.DeadlineExceeded("deadline exceeded while generating")
         finally:
             req.current.pop("call", None)
-        if self.generated:
+        if len(self.generated) > had or got.final is not None:
             req.report.coalesced_with = flight.leader_id
-        self.final = got.final
-        # The tokens read may make the whole answer where the leader went before its final
-        # message, as after a replica lost there.
-        if self.final is not None or self._whole_already():
-            return True
-        # Routed as any request: the index asked now (the leader's replica holds the prompt
-        # and the tokens read, most likely).
+        return got.final
+
+    def _ask_index(self) -> None:
+        """A follower going on by itself is routed as any request: the index asked now (the
+        replica of the leader it takes over from holds the prompt and the tokens read, most
+        likely)."""
+        req = self.req
         with req.tier_call():
             view = self.orch._matches(req.tenant, self.ids, req.deadline,
                                       on_call=req.tier_call_started)
         self.matches, self.new_blocks = view.matches, view.new_blocks
-        return False
 
     def _whole_already(self) -> bool:
         """Whether the tokens read make the whole answer (they reached max_tokens, a stop
@@ -1144,13 +1174,16 @@ class _ReplicaSide:
 
     def _followed_entry(self) -> str:
         """The entry the flight's answer was stored as ("" = none): stored by this request
-        where it is the first that may store it (its leader may not: skip_semantic_store, or
-        it went before its final); else by the leader or that first follower, their Store
-        waited for as long as one of this request's own may take (`_store_timeout`: then a
-        follower's final comes no later than it would have without coalescing), ending at
-        once where none stores it, and with this request's client."""
-        flight, req = self.follows, self.req
-        if self.may_store and flight.claim_store(req.request_id):
+        where it leads it (it took over, the tokens already whole) or is the first that may
+        store it (its leader may not: skip_semantic_store), where it may; else by the
+        leader or that first follower, their Store waited for as long as one of this
+        request's own may take (`_store_timeout`: then a follower's final comes no later than
+        it would have without coalescing), ending at once where none stores it, and with this
+        request's client."""
+        # One that took over with the tokens already whole leads its flight, its claim to the
+        # Store made with it where it may store (`_follow`); else it waits as the others do.
+        flight, req = self.leads or self.follows, self.req
+        if self.may_store and (self.leads is not None or flight.claim_store(req.request_id)):
             return self._store()
         timeout = self.orch._store_timeout(req.deadline)
         if timeout is None:

@@ -530,6 +530,7 @@ def test_followers_of_a_leader_whose_client_goes_mid_stream_finish_exactly(stack
     send = recorded(lambda rid: a.generate(q, max_tokens=24, return_token_ids=True,
                                            request_id=rid), sent, errs)
 
+    before = kv_requests(stack)
     stream = a.stream(q, max_tokens=24, return_token_ids=True, request_id="cut-lead")
     reader = threading.Thread(target=lambda: sent.setdefault("first", next(stream)))
     reader.start()
@@ -543,8 +544,17 @@ def test_followers_of_a_leader_whose_client_goes_mid_stream_finish_exactly(stack
     for t in others:
         t.join(180)
     assert not errs, errs[0]
+    # Completed Generates (the leader's was cancelled): one resumed run for the two (each
+    # resumed on its own before: before + 2).
+    assert kv_requests(stack) == before + 1
     scratch = a.generate(q, max_tokens=24, return_token_ids=True, cache_policy=CACHES_OFF)
-    for i in range(2):
-        got = sent[f"cut-{i}"]
-        assert got.token_ids == scratch.token_ids
-        assert (got.report.route, got.report.coalesced_with) == ("resume", "cut-lead")
+    assert all(sent[f"cut-{i}"].token_ids == scratch.token_ids for i in range(2))
+    reps = {rid: sent[rid].report for rid in ("cut-0", "cut-1")}
+    # The first to go on resumed the leader's run; the other followed it.
+    (resumer,) = [rid for rid, rep in reps.items() if rep.route == "resume"]
+    (follower,) = set(reps) - {resumer}
+    assert reps[resumer].coalesced_with == "cut-lead"
+    assert (reps[follower].route, reps[follower].coalesced_with) == ("coalesced", resumer)
+    # Stored once, by the one that resumed: the other's report names that entry.
+    assert reps[resumer].semantic_entry_id
+    assert reps[follower].semantic_entry_id == reps[resumer].semantic_entry_id

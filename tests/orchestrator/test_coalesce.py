@@ -1,6 +1,7 @@
 """Request coalescing (services/orchestrator/coalesce.py): the flight and its registry as pure
 logic, then through the real pipeline with fake replicas (identical greedy requests in flight
-together make one replica call; a leader gone unfinished leaves its followers to resume)."""
+together make one replica call; a leader gone unfinished leaves its followers one resumed run
+between them)."""
 
 from __future__ import annotations
 
@@ -114,6 +115,55 @@ def test_the_answer_has_one_storer_whose_entry_the_others_are_told():
     assert flight.stored_as(FAR, stop) == ""
 
 
+def test_the_followers_of_a_flight_ended_unfinished_all_take_over_into_one_flight():
+    flights = Flights()
+    gone, _ = flights.join(KEY, "leader")
+    gone.publish([5, 6], "kvpool-0")
+    flights.end(gone)
+    first, leads = flights.take_over(gone, "f0")
+    # It starts with the tokens read: one joining it now reads the answer from token 0.
+    assert leads and first.leader_id == "f0" and first.tokens() == [5, 6]
+    assert first.replica_id == "kvpool-0"
+    assert flights.join(KEY, "late") == (first, False)
+    flights.end(first)  # its leader gone too, before another follower of `gone` asked
+    assert flights.take_over(gone, "f1") == (first, False)  # the same way: it ended
+    second, leads = flights.take_over(first, "f1")
+    assert leads and second.tokens() == [5, 6] and second is not first
+    flights.end(second)
+    # A flight an identical request opened meanwhile (from token 0) is followed instead.
+    fresh, _ = flights.join(KEY, "fresh")
+    assert flights.take_over(second, "f2") == (fresh, False)
+    flights.end(fresh)
+    assert len(flights) == 0
+
+
+def test_a_take_over_with_the_tokens_already_whole_is_finished_and_claimed_at_once():
+    stop = threading.Event()
+    fin = kvpool_pb2.KvGenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    flights = Flights()
+    gone, _ = flights.join(KEY, "leader")
+    gone.publish([5, 6, 7, 8], "kvpool-0")
+    flights.end(gone)
+    fresh, _ = flights.join(KEY, "fresh")  # opened since: not followed, its run not whole
+    taker, leads = flights.take_over(gone, "f0", fin, stores=True)
+    assert leads and taker is not fresh and taker.read(4, FAR, stop).final is fin
+    # The others see it finished, its Store claimed by the one that took over.
+    assert flights.take_over(gone, "f1", fin, stores=True) == (taker, False)
+    assert not taker.claim_store("f1")
+    taker.stored("f0", "e7")
+    assert taker.stored_as(FAR, stop) == "e7"
+    flights.end(taker)
+    flights.end(fresh)
+    # One that may not store leaves the claim to the first of the others that may.
+    gone, _ = flights.join(KEY, "leader")
+    flights.end(gone)
+    taker, _ = flights.take_over(gone, "f0", fin, stores=False)
+    assert flights.join(KEY, "late") == (taker, False)  # open until it ends
+    assert taker.claim_store("f1")
+    flights.end(taker)
+    assert len(flights) == 0
+
+
 def test_requests_that_differ_in_what_decides_the_tokens_never_share_a_flight():
     flights = Flights()
     keys = [KEY,
@@ -211,16 +261,17 @@ def coalesced() -> float:
     return sample_value("tiercache_orchestrator_coalesced_requests_total") or 0.0
 
 
-def lead_and_follow(orch, sent, out: dict, cancels: dict
-                    ) -> tuple[threading.Thread, threading.Thread]:
-    """Request "lead" running on a replica (`sent` true once it called one), then "f0" joined
-    to its flight as a follower."""
+def lead_and_follow(orch, sent, out: dict, cancels: dict, n: int = 1,
+                    policy: Policy = Policy()) -> tuple[threading.Thread, ...]:
+    """Request "lead" running on a replica (`sent` true once it called one), then "f0" (to
+    "f{n-1}", with `policy`) joined to its flight as followers: the threads, the leader's
+    first."""
     lead = run(orch, "lead", out, cancels)
     wait_until(sent, 5, "the leader never called its replica")
     before = coalesced()
-    follower = run(orch, "f0", out, cancels)
-    wait_until(lambda: coalesced() == before + 1, 5, "the follower never joined")
-    return lead, follower
+    followers = [run(orch, f"f{i}", out, cancels, policy) for i in range(n)]
+    wait_until(lambda: coalesced() == before + n, 5, "the followers never joined")
+    return lead, *followers
 
 
 class Stores(Semantic):
@@ -288,6 +339,140 @@ def test_a_leader_whose_client_goes_leaves_its_followers_to_resume_exactly():
     assert (rep.route, rep.coalesced_with) == ("resume", "lead")
     assert orch.stats.requests["coalesced"] == 0
     assert len(orch.flights) == 0
+
+
+WANT = [104, 105, 33, 10]
+
+
+def resumes(*gates: threading.Event) -> list[Gated]:
+    """A replica's Generates resuming after 104, 105: the rest, each once its gate is set."""
+    return [Gated([token(33), last(10)], gate) for gate in gates]
+
+
+def herd_of_three(gates: list[threading.Event], semantic: Stores, policy: Policy = Policy()):
+    """A leader and three followers (with `policy`) on a replica whose first call sends two
+    tokens at once (the rest never: the leader's client goes), then the resumed calls `gates`
+    let finish (and spares an extra run would take)."""
+    stub = Stub("A", [Gated([token(t) for t in WANT[:-1]] + [last(10)], threading.Event(),
+                            free=2), *resumes(*gates), *resumes(*[threading.Event()] * 4)])
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 3, policy)
+    time.sleep(0.1)  # the followers have read the two tokens the leader has
+    cancels["lead"]()
+    wait_until(lambda: len(stub.requests) >= 2, 5, "no follower went on")
+    return stub, orch, out, cancels, list(threads)
+
+
+def test_a_leader_gone_unfinished_leaves_its_followers_one_resumed_run():
+    # Each follower went on by itself from the tokens read: a herd whose first client went
+    # ran the model once more per follower (here 3 resumed calls, not 1).
+    gate, semantic = threading.Event(), Stores()
+    stub, orch, out, cancels, threads = herd_of_three([gate], semantic)
+    resumer = stub.requests[1].request_id
+    # One arriving now joins the flight that took over: the whole answer, from token 0.
+    before = coalesced()
+    threads.append(run(orch, "late", out, cancels))
+    wait_until(lambda: coalesced() == before + 1, 5, "the late one never joined")
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert len(stub.requests) == 2  # one model run more for the four
+    assert list(stub.requests[1].token_ids) == PROMPT + [104, 105]
+    assert isinstance(out["lead"], errors.Cancelled)
+    others = {"f0", "f1", "f2", "late"} - {resumer}
+    assert resumer in ("f0", "f1", "f2") and len(others) == 3
+    assert all(ids_of(out[r]) == WANT for r in others | {resumer}), out
+    rep = out[resumer][-1].report
+    assert (rep.route, rep.coalesced_with, rep.semantic_entry_id) == ("resume", "lead", "e1")
+    for r in others:
+        rep = out[r][-1].report
+        assert (rep.route, rep.coalesced_with, rep.replica_id) == ("coalesced", resumer, "A")
+        # The entry the one that took over stored the answer as (for Feedback).
+        assert rep.cached_tokens == len(PROMPT) and rep.semantic_entry_id == "e1"
+    assert len(semantic.stored) == 1  # the one that ran the model stores the answer
+    assert orch.stats.requests["coalesced"] == 3 and sum(orch.stats.requests.values()) == 4
+    assert len(orch.flights) == 0
+
+
+def test_a_taken_over_flights_leader_gone_too_leaves_the_others_one_run_more():
+    gates, semantic = [threading.Event(), threading.Event()], Stores()
+    stub, orch, out, cancels, threads = herd_of_three(gates, semantic)
+    first = stub.requests[1].request_id
+    cancels[first]()  # the one that took over goes too, before any token of its own
+    wait_until(lambda: len(stub.requests) >= 3, 5, "no other follower went on")
+    second = stub.requests[2].request_id
+    gates[1].set()
+    for t in threads:
+        t.join(10)
+    assert len(stub.requests) == 3  # one run more each time
+    assert list(stub.requests[2].token_ids) == PROMPT + [104, 105]
+    assert isinstance(out[first], errors.Cancelled)
+    (last_one,) = {"f0", "f1", "f2"} - {first, second}
+    assert ids_of(out[second]) == ids_of(out[last_one]) == WANT
+    # The second read no token from the first's flight: its tokens are the leader's.
+    rep = out[second][-1].report
+    assert (rep.route, rep.coalesced_with) == ("resume", "lead")
+    rep = out[last_one][-1].report
+    assert (rep.route, rep.coalesced_with, rep.replica_id) == ("coalesced", second, "A")
+    assert out[second][-1].report.semantic_entry_id == rep.semantic_entry_id == "e1"
+    assert len(semantic.stored) == 1
+    assert orch.stats.requests["coalesced"] == 1 and sum(orch.stats.requests.values()) == 2
+    assert len(orch.flights) == 0
+
+
+def test_one_taking_over_that_may_not_store_leaves_it_to_its_first_follower_that_may():
+    # The taker asked not to store (skip_semantic_store), two requests joining its flight may:
+    # stored by none before (no follower of a taken-over flight stored), their reports empty.
+    gate, semantic = threading.Event(), Stores()
+    stub = Stub("A", [Gated([token(t) for t in WANT[:-1]] + [last(10)], threading.Event(),
+                            free=2), *resumes(gate)])
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    threads = list(lead_and_follow(orch, lambda: stub.requests, out, cancels, 1,
+                                   Policy(skip_semantic_store=True)))
+    time.sleep(0.1)  # f0 has read the two tokens the leader has
+    cancels["lead"]()
+    wait_until(lambda: len(stub.requests) >= 2, 5, "f0 never went on")
+    before = coalesced()
+    threads += [run(orch, rid, out, cancels) for rid in ("late0", "late1")]
+    wait_until(lambda: coalesced() == before + 2, 5, "the late ones never joined")
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert len(stub.requests) == 2 and stub.requests[1].request_id == "f0"
+    assert [(r.answer, r.truncated_at) for r in semantic.stored] == [("hi!\n", 4)]
+    reps = {r: out[r][-1].report for r in ("f0", "late0", "late1")}
+    assert all(ids_of(out[r]) == WANT for r in reps)
+    # f0 names none (it asked not to store, as a leader that skips it); the first of the
+    # late ones stored it, the other names its entry.
+    assert {r: (rep.route, rep.coalesced_with, rep.semantic_entry_id)
+            for r, rep in reps.items()} == {"f0": ("resume", "lead", ""),
+                                            "late0": ("coalesced", "f0", "e1"),
+                                            "late1": ("coalesced", "f0", "e1")}
+    assert orch.stats.requests["coalesced"] == 2 and sum(orch.stats.requests.values()) == 3
+    assert len(orch.flights) == 0
+
+
+def test_followers_of_a_leader_gone_after_the_answers_last_token_store_it_once():
+    # Each follower ended with the tokens read and stored the answer: 3 Stores of one answer.
+    gate, semantic = threading.Event(), Stores()
+    stub = Stub("A", [Gated([*map(token, WANT), final("A", 0)], gate, free=len(WANT)),
+                      *resumes(*[threading.Event()] * 3)])
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 3)
+    time.sleep(0.1)  # the followers have read the whole answer
+    cancels["lead"]()
+    for t in threads:
+        t.join(10)
+    assert len(stub.requests) == 1 and len(semantic.stored) == 1
+    reps = [out[f"f{i}"][-1].report for i in range(3)]
+    assert all(ids_of(out[f"f{i}"]) == WANT for i in range(3))
+    assert all((r.route, r.coalesced_with) == ("coalesced", "lead") for r in reps)
+    # The one that took over stored it; the others name its entry.
+    assert [r.semantic_entry_id for r in reps] == ["e1"] * 3
+    assert orch.stats.requests["coalesced"] == 3 and len(orch.flights) == 0
 
 
 def test_a_followers_deadline_or_cancel_ends_it_and_not_the_leader():
