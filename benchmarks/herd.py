@@ -99,6 +99,9 @@ def wave(c: TierCacheClient, msgs) -> dict:
             # Answered whole by an identical request's model run in flight (coalescing).
             "coalesced": sum(r["coalesced"] for r in good),
             "entry_ids": len({r["entry"] for r in good if r["entry"]}),
+            # Reports naming the entry their answer was stored as (what Feedback rates): a
+            # follower names the one its flight's storer wrote.
+            "entry_named": sum(1 for r in good if r["entry"]),
             "entries_added": after["entries"] - before["entries"],
             "tokens_computed": after["computed"] - before["computed"],
             "replica_requests": after["requests"] - before["requests"],
