@@ -179,8 +179,8 @@ class Flights:
         with self._lock:
             return self._join(key, request_id)
 
-    def take_over(self, gone: Flight, request_id: str, final=None,
-                  stores: bool = False) -> tuple[Flight, bool]:
+    def take_over(self, gone: Flight, request_id: str, final=None, stores: bool = False,
+                  ids: list[int] | None = None) -> tuple[Flight, bool]:
         """(the flight that goes on from `gone`, ended unfinished, for its followers; whether
         this request, one of them, leads it). The first to ask leads a new flight that starts
         with `gone`'s tokens (an identical request's flight opened since is followed instead);
@@ -189,16 +189,18 @@ class Flights:
         the model once for them all, however late one of them asks. `final`: the tokens read
         are already whole (a final made for them): the new flight, led by the first to ask
         whatever else is open, is finished with it at once, its leader's claim to the Store
-        made with it where `stores` (before another follower of `gone` can see the flight)."""
+        made with it where `stores` (before another follower of `gone` can see the flight).
+        `ids`: the tokens this request has read (its flight starts with them: it goes on from
+        them), more than `gone`'s where `gone` is an identical request's flight from scratch
+        that it followed on taking over from one further on; default `gone`'s."""
+        ids = gone.tokens() if ids is None else ids
         with self._lock:
             if gone.successor is not None:
                 return gone.successor, False
             if final is None:
-                gone.successor, leads = self._join(gone.key, request_id, gone.tokens(),
-                                                   gone.replica_id)
+                gone.successor, leads = self._join(gone.key, request_id, ids, gone.replica_id)
                 return gone.successor, leads
-            flight = gone.successor = Flight(gone.key, request_id, gone.tokens(),
-                                             gone.replica_id)
+            flight = gone.successor = Flight(gone.key, request_id, ids, gone.replica_id)
             flight.finish(final, gone.replica_id, stores)
             self._open.setdefault(gone.key, flight)  # joined until it ends, if none is open
             return flight, True

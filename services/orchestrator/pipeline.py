@@ -1097,7 +1097,7 @@ class _ReplicaSide:
             whole = self._whole_already()
             flight, leads = self.orch.flights.take_over(
                 self.follows, self.req.request_id, self.final if whole else None,
-                stores=self.may_store)
+                stores=self.may_store, ids=self.generated)
             if leads:
                 self.leads = flight  # ended with this replica side (`run`), whatever way
                 if not whole:
