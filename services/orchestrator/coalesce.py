@@ -64,6 +64,9 @@ class Flight:
         """`ids`: the tokens it starts with (those of the flight it takes over, from
         `replica_id`), for a request joining it to read from token 0."""
         self.key, self.leader_id = key, leader_id
+        # The request whose model run gave the answer (a follower's coalesced_with): its
+        # leader, or, taken over with the tokens already whole, that of the flight taken over.
+        self.ran_by = leader_id
         self.replica_id = replica_id  # the replica whose tokens end the answer (with the final)
         # The flight that took over from this one, ended unfinished (`Flights.take_over`).
         self.successor: Flight | None = None
@@ -201,6 +204,7 @@ class Flights:
                 gone.successor, leads = self._join(gone.key, request_id, ids, gone.replica_id)
                 return gone.successor, leads
             flight = gone.successor = Flight(gone.key, request_id, ids, gone.replica_id)
+            flight.ran_by = gone.ran_by
             flight.finish(final, gone.replica_id, stores)
             self._open.setdefault(gone.key, flight)  # joined until it ends, if none is open
             return flight, True

@@ -1112,7 +1112,8 @@ class _ReplicaSide:
     def _read_flight(self) -> Generator[TextDelta, None, kvpool_pb2.KvGenerateFinal | None]:
         """The tokens of the flight followed past those read, as they come (its backlog at
         once), handed on as this request's own until it ends: its final (None: its leader
-        ended unfinished). Its leader is `coalesced_with` if it gave a token or the final."""
+        ended unfinished). The request whose run gave them (`Flight.ran_by`: its leader, but
+        for a flight taken over whole) is `coalesced_with` if it gave a token or the final."""
         flight, req = self.follows, self.req
         had = len(self.generated)
         req.current["call"] = coalesce_mod.Waker(flight)  # its client gone: the wait ends
@@ -1130,7 +1131,7 @@ class _ReplicaSide:
         finally:
             req.current.pop("call", None)
         if len(self.generated) > had or got.final is not None:
-            req.report.coalesced_with = flight.leader_id
+            req.report.coalesced_with = flight.ran_by
         return got.final
 
     def _ask_index(self) -> None:

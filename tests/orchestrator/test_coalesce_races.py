@@ -8,10 +8,15 @@ from __future__ import annotations
 import threading
 import time
 
+import grpc
+
 from services.common import errors
 from tests.orchestrator.test_coalesce import (
     WANT,
+    FailsAt,
     Gated,
+    HungStore,
+    Stores,
     coalesced,
     ids_of,
     last,
@@ -19,7 +24,7 @@ from tests.orchestrator.test_coalesce import (
     run,
     token,
 )
-from tests.orchestrator.test_pipeline_paths import PROMPT, Stub, make
+from tests.orchestrator.test_pipeline_paths import PROMPT, RpcError, Stub, final, make
 from tests.waits import wait_until
 
 
@@ -71,3 +76,68 @@ def test_one_taking_over_from_a_fresh_flight_behind_it_starts_its_own_with_all_i
     rep = out["late"][-1].report
     assert (rep.route, rep.coalesced_with) == ("coalesced", "f0")
     assert len(stub.requests) == 3 and len(orch.flights) == 0
+
+
+def test_a_chain_of_takers_failing_or_gone_ends_in_the_answer_once_exact():
+    # Not pinned before: a taker failing (a replica's error, its attempts spent) rather than
+    # cancelled, and a taker gone after a token of its own run, which the next one goes on
+    # from. The leader's client goes after 104, 105; the first to take over fails; the second
+    # reads 33 from its replica, then its client goes; the last goes on after 104, 105, 33.
+    fail, semantic = threading.Event(), Stores()
+    stub = Stub("A", [Gated([*map(token, WANT[:-1]), last(10)], threading.Event(), free=2),
+                      FailsAt(fail, RpcError(grpc.StatusCode.INTERNAL)),
+                      Gated([token(33), last(10)], threading.Event(), free=1),
+                      Gated([last(10)], threading.Event(), free=1)])
+    orch = make({"A": stub}, semantic=semantic, max_attempts=1)
+    out, cancels = {}, {}
+    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 3)
+    time.sleep(0.1)  # the followers have read the two tokens the leader has
+    cancels["lead"]()
+    wait_until(lambda: len(stub.requests) == 2, 5, "no follower went on")
+    fail.set()
+    wait_until(lambda: len(stub.requests) == 3, 5, "none went on after the first failed")
+    time.sleep(0.1)  # the second has read 33 from its replica
+    cancels[stub.requests[2].request_id]()
+    wait_until(lambda: len(stub.requests) == 4, 5, "none went on after the second went")
+    for t in threads:
+        t.join(10)
+    first, second, third = (r.request_id for r in stub.requests[1:])
+    assert [list(r.token_ids) for r in stub.requests[1:]] == [
+        PROMPT + [104, 105], PROMPT + [104, 105], PROMPT + [104, 105, 33]]
+    assert isinstance(out[first], errors.TierCacheError)
+    assert not isinstance(out[first], errors.Cancelled)
+    assert isinstance(out[second], errors.Cancelled)
+    assert ids_of(out[third]) == WANT
+    rep = out[third][-1].report
+    # Its last tokens before its own run came from the second's.
+    assert (rep.route, rep.coalesced_with, rep.semantic_entry_id) == ("resume", second, "e1")
+    assert len(semantic.stored) == 1 and semantic.stored[0].answer == "hi!\n"
+    assert sum(orch.stats.requests.values()) == 1 and len(orch.flights) == 0
+
+
+def test_one_joining_a_flight_taken_over_whole_names_the_request_whose_run_gave_it():
+    # The leader read the whole answer, then its client went before its final: f0 took over
+    # with the answer whole, running nothing (its report: coalesced with "lead"), and stores
+    # it. One arriving during that Store joined f0's flight and named f0, whose report has no
+    # run's figures (forward passes 0), as the request whose model run gave its answer.
+    semantic = HungStore()
+    stub = Stub("A", [Gated([*map(token, WANT), final("A", 0)], threading.Event(),
+                            free=len(WANT))])
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    threads = list(lead_and_follow(orch, lambda: stub.requests, out, cancels))
+    time.sleep(0.1)  # f0 has read the whole answer
+    cancels["lead"]()
+    assert semantic.storing.wait(5)  # f0 stores it
+    before = coalesced()
+    threads.append(run(orch, "late", out, cancels))
+    wait_until(lambda: coalesced() == before + 1, 5, "the late one never joined f0's flight")
+    semantic.release.set()
+    for t in threads:
+        t.join(10)
+    assert ids_of(out["f0"]) == ids_of(out["late"]) == WANT and len(stub.requests) == 1
+    reps = {r: out[r][-1].report for r in ("f0", "late")}
+    assert {r: (rep.route, rep.coalesced_with, rep.semantic_entry_id)
+            for r, rep in reps.items()} == {"f0": ("coalesced", "lead", "e1"),
+                                            "late": ("coalesced", "lead", "e1")}
+    assert len(orch.flights) == 0
