@@ -75,6 +75,9 @@ class Flight:
         self._final = None
         self._ended = False
         self._storer = ""  # the request that stores the answer ("" = none yet)
+        # Its leader is (claimed as it finished): not `_storer == leader_id`, as a client's
+        # x-request-id may be two requests' (a follower's claim read as the leader's).
+        self._leader_stores = False
         self._entry: str | None = None  # what its Store gave ("" = not stored), once it ended
 
     def publish(self, ids: list[int], replica_id: str = "") -> None:
@@ -91,7 +94,7 @@ class Flight:
         with self._cond:
             self._final, self.replica_id = final, replica_id
             if stores and not self._storer:
-                self._storer = self.leader_id
+                self._storer, self._leader_stores = self.leader_id, True
             self._cond.notify_all()
 
     def end(self) -> None:
@@ -99,7 +102,7 @@ class Flight:
         claimed has ended too (its outcome given, or never to come: "")."""
         with self._cond:
             self._ended = True
-            if self._storer == self.leader_id and self._entry is None:
+            if self._leader_stores and self._entry is None:
                 self._entry = ""
             self._cond.notify_all()
 

@@ -1627,7 +1627,10 @@ class _ReplicaSide:
 
     def _store(self) -> str:
         """The whole answer stored in the semantic tier where it may be: its entry id, or "";
-        told to the request's flight (its followers name the entry) where it is its storer."""
+        told to the request's flight (its followers name the entry) where it is its storer:
+        where it may store (one that may, storing, has claimed it: `_finish`, `_follow`,
+        `_followed_entry`), not by request id alone (a leader that may not, ending, gave ""
+        for a follower with its x-request-id that stored it)."""
         req, sid = self.req, ""
         try:
             with req.tier_call():
@@ -1637,7 +1640,7 @@ class _ReplicaSide:
                                               req.tier_call_started)
         finally:
             flight = self.leads or self.follows
-            if flight is not None:
+            if flight is not None and self.may_store:
                 flight.stored(req.request_id, sid)
         return sid
 

@@ -11,6 +11,7 @@ import time
 import grpc
 
 from services.common import errors
+from services.orchestrator.pipeline import Policy
 from tests.orchestrator.test_coalesce import (
     WANT,
     FailsAt,
@@ -140,4 +141,53 @@ def test_one_joining_a_flight_taken_over_whole_names_the_request_whose_run_gave_
     assert {r: (rep.route, rep.coalesced_with, rep.semantic_entry_id)
             for r, rep in reps.items()} == {"f0": ("coalesced", "lead", "e1"),
                                             "late": ("coalesced", "lead", "e1")}
+    assert len(orch.flights) == 0
+
+
+def after_the_claim(orch, storing: threading.Event, may_end: threading.Event) -> None:
+    """The leader's Store (one it may not make: nothing stored) waits until `storing` is set
+    (a follower that claimed the Store is storing), its flight's end until `may_end` is."""
+    store_answer, end = orch._store_answer, orch.flights.end
+
+    def held_store_answer(*args):
+        if not args[4]:  # may_store
+            storing.wait(5)
+        return store_answer(*args)
+
+    def held_end(flight):
+        may_end.wait(5)
+        end(flight)
+
+    orch._store_answer, orch.flights.end = held_store_answer, held_end
+
+
+def test_requests_sharing_a_request_id_name_the_entry_their_answer_was_stored_as():
+    # A client's x-request-id is kept as the request's id: two requests may carry one. The
+    # leader "x" may not store (skip_semantic_store); its follower "x" claimed the Store. The
+    # leader, its Store (none) or its end, was read as the storer's (its id): "" for "y".
+    gate, semantic, may_end = threading.Event(), HungStore(), threading.Event()
+    stub = Stub("A", [Gated([token(104), last(10)], gate)])
+    orch = make({"A": stub}, semantic=semantic)
+    after_the_claim(orch, semantic.storing, may_end)
+    out, cancels = {}, {}
+    threads = [run(orch, "x", out, cancels, Policy(skip_semantic_store=True))]
+    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
+    before = coalesced()
+    out2, cancels2 = {}, {}
+    threads.append(run(orch, "x", out2, cancels2))  # the same id, another request
+    wait_until(lambda: coalesced() == before + 1, 5, "the second x never joined")
+    gate.set()
+    assert semantic.storing.wait(5)  # the second x stores it
+    # y joins the flight (the answer whole, its Store claimed), then the leader ends.
+    threads.append(run(orch, "y", out, cancels))
+    wait_until(lambda: coalesced() == before + 2, 5, "y never joined")
+    time.sleep(0.1)  # y waits for the second x's Store
+    may_end.set()
+    wait_until(lambda: not threads[0].is_alive(), 5, "the leader never ended")
+    semantic.release.set()
+    for t in threads:
+        t.join(10)
+    assert ids_of(out["x"]) == ids_of(out2["x"]) == ids_of(out["y"]) == [104, 10]
+    assert not out["x"][-1].report.semantic_entry_id
+    assert out2["x"][-1].report.semantic_entry_id == out["y"][-1].report.semantic_entry_id == "e1"
     assert len(orch.flights) == 0
