@@ -262,11 +262,12 @@ def coalesced() -> float:
 
 
 def lead_and_follow(orch, sent, out: dict, cancels: dict, n: int = 1,
-                    policy: Policy = Policy()) -> tuple[threading.Thread, ...]:
-    """Request "lead" running on a replica (`sent` true once it called one), then "f0" (to
-    "f{n-1}", with `policy`) joined to its flight as followers: the threads, the leader's
-    first."""
-    lead = run(orch, "lead", out, cancels)
+                    policy: Policy = Policy(), lead_policy: Policy = Policy()
+                    ) -> tuple[threading.Thread, ...]:
+    """Request "lead" (with `lead_policy`) running on a replica (`sent` true once it called
+    one), then "f0" (to "f{n-1}", with `policy`) joined to its flight as followers: the
+    threads, the leader's first."""
+    lead = run(orch, "lead", out, cancels, lead_policy)
     wait_until(sent, 5, "the leader never called its replica")
     before = coalesced()
     followers = [run(orch, f"f{i}", out, cancels, policy) for i in range(n)]
@@ -292,11 +293,7 @@ def test_identical_greedy_requests_in_flight_share_one_replica_call():
     semantic = Stores()
     orch = make({"A": stub}, semantic=semantic)
     out, cancels = {}, {}
-    threads = [run(orch, "lead", out, cancels)]
-    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
-    before = coalesced()
-    threads += [run(orch, f"f{i}", out, cancels) for i in range(3)]
-    wait_until(lambda: coalesced() == before + 3, 5, "the followers never joined")
+    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, n=3)
     gate.set()
     for t in threads:
         t.join(10)
@@ -566,15 +563,10 @@ def test_a_leader_gone_after_the_answers_last_token_leaves_its_follower_the_whol
     gate = threading.Event()
     stub = Stub("A", [Gated([*map(token, tokens), final("A", 0)], gate, free=len(tokens)),
                       Gated([token(33), last(10)], threading.Event(), free=2)])
-    orch = make({"A": stub})
-    out, cancels = {}, {}
     semantic = Stores()
     orch = make({"A": stub}, semantic=semantic)
     out, cancels = {}, {}
-    lead, follower = lead_and_follow(orch, lambda: stub.requests, out, cancels)
-    before = coalesced()
-    second = run(orch, "f1", out, cancels)
-    wait_until(lambda: coalesced() == before + 1, 5, "the second follower never joined")
+    lead, follower, second = lead_and_follow(orch, lambda: stub.requests, out, cancels, n=2)
     time.sleep(0.1)  # the followers have read the whole answer
     cancels["lead"]()
     for t in (lead, follower, second):
@@ -673,10 +665,7 @@ def test_a_follower_waits_for_its_leaders_store_until_it_ends_or_its_client_goes
     semantic.timeout_s = 20  # a follower waits up to half its deadline's 30 s
     orch = make({"A": stub}, semantic=semantic)
     out, cancels = {}, {}
-    lead, follower = lead_and_follow(orch, lambda: stub.requests, out, cancels)
-    before = coalesced()
-    second = run(orch, "f1", out, cancels)
-    wait_until(lambda: coalesced() == before + 1, 5, "the second follower never joined")
+    lead, follower, second = lead_and_follow(orch, lambda: stub.requests, out, cancels, n=2)
     gate.set()
     assert semantic.storing.wait(5)
     time.sleep(0.2)  # the followers have the answer, and wait for the leader's Store
@@ -698,11 +687,8 @@ def test_a_leader_that_skips_the_store_leaves_it_to_its_first_follower_that_may(
     semantic = Stores()
     orch = make({"A": stub}, semantic=semantic)
     out, cancels = {}, {}
-    threads = [run(orch, "lead", out, cancels, Policy(skip_semantic_store=True))]
-    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
-    before = coalesced()
-    threads += [run(orch, f"f{i}", out, cancels) for i in range(3)]
-    wait_until(lambda: coalesced() == before + 3, 5, "the followers never joined")
+    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, n=3,
+                              lead_policy=Policy(skip_semantic_store=True))
     gate.set()
     for t in threads:
         t.join(10)
