@@ -1116,8 +1116,7 @@ class _ReplicaSide:
         for a flight taken over whole) is `coalesced_with` if it gave a token or the final."""
         flight, req = self.follows, self.req
         had = len(self.generated)
-        req.current["call"] = coalesce_mod.Waker(flight)  # its client gone: the wait ends
-        try:
+        with self._woken_by_cancel(flight):
             while True:
                 got = flight.read(len(self.generated), req.deadline, req.cancelled)
                 if req.cancelled.is_set():
@@ -1128,8 +1127,6 @@ class _ReplicaSide:
                     break
                 else:
                     raise errors.DeadlineExceeded("deadline exceeded while generating")
-        finally:
-            req.current.pop("call", None)
         if len(self.generated) > had or got.final is not None:
             req.report.coalesced_with = flight.ran_by
         return got.final
@@ -1189,11 +1186,18 @@ class _ReplicaSide:
         timeout = self.orch._store_timeout(req.deadline)
         if timeout is None:
             return ""
-        req.current["call"] = coalesce_mod.Waker(flight)  # its client gone: the wait ends
-        try:
+        with self._woken_by_cancel(flight):
             return flight.stored_as(time.monotonic() + timeout, req.cancelled)
+
+    @contextlib.contextmanager
+    def _woken_by_cancel(self, flight: coalesce_mod.Flight) -> Iterator[None]:
+        """While inside, the request's client going wakes its wait on `flight` (its "call"
+        in `current` is cancelled with the request)."""
+        self.req.current["call"] = coalesce_mod.Waker(flight)
+        try:
+            yield
         finally:
-            req.current.pop("call", None)
+            self.req.current.pop("call", None)
 
     def _route(self) -> _Attempt:
         """The replica for the next attempt, its load there counted (and the prompt's dispatch
