@@ -33,6 +33,14 @@ from tests.test_client_library import Scripted as LibraryScripted
 from tests.waits import holds_within
 
 
+def ended(context, key: str) -> None:
+    """Scripted.ended gets `key` once the call ends: its callback, or at once where the call
+    had already ended as its handler began (add_callback refuses then; a client's cancel while
+    its request was being sent, and the test waited for an end that was never recorded)."""
+    if not context.add_callback(lambda: Scripted.ended.append(key)):
+        Scripted.ended.append(key)
+
+
 class Scripted(LibraryScripted):
     """The library tests' script ('cut', 'busy', 'late', 'final then error', ...), plus
     'hang': one chunk, then nothing until the client ends the call; Stats answers at once,
@@ -42,7 +50,7 @@ class Scripted(LibraryScripted):
 
     def Generate(self, request, context):  # noqa: N802
         q = request.messages[-1].content if request.messages else request.prompt
-        context.add_callback(lambda: self.ended.append(q))
+        ended(context, q)
         if q != "hang":
             yield from super().Generate(request, context)
             return
@@ -52,7 +60,7 @@ class Scripted(LibraryScripted):
 
     def Stats(self, request, context):  # noqa: N802
         self._seen("Stats", request, context)
-        context.add_callback(lambda: self.ended.append("Stats"))
+        ended(context, "Stats")
         if dict(context.invocation_metadata()).get("x-request-id") == "hang":
             holds_within(lambda: not context.is_active(), 20, 0.005)
         return orchestrator_pb2.StatsResponse(requests_total=7)
