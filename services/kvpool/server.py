@@ -66,6 +66,15 @@ def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int,
                         frozenset(stops), bool(sp.ignore_eos), int(seed_offset))
 
 
+def _cancel_when_ended(context: grpc.ServicerContext, engine, seq_id: str) -> None:
+    """The engine's sequence is cancelled when its RPC ends, and at once where the RPC had
+    already ended (its client cancelled while the request was being read): gRPC refuses the
+    callback then, and a Generate's prefill ran to its end for nobody before its first send
+    failed (a Prefill saw it only at its next poll of the call)."""
+    if not context.add_callback(lambda: engine.cancel(seq_id)):
+        engine.cancel(seq_id)
+
+
 class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
     """Serves KvPool over an engine that is attached once the model is loaded."""
 
@@ -146,7 +155,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                             request.skip_prefix_cache,
                             self._deadline(context), draft_token_ids=tuple(draft))
         seq_id, out = engine.submit(req)
-        context.add_callback(lambda: engine.cancel(seq_id))
+        _cancel_when_ended(context, engine, seq_id)
         done = False
         try:
             while True:
@@ -267,7 +276,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                             self._deadline(context),
                             prefill_only=True, pin_ttl_seconds=ttl)
         seq_id, out = engine.submit(req)
-        context.add_callback(lambda: engine.cancel(seq_id))
+        _cancel_when_ended(context, engine, seq_id)
         item = self._next(out, context)
         if item is None:
             engine.cancel(seq_id)

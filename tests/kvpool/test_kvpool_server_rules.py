@@ -111,6 +111,26 @@ def test_a_stream_closed_early_cancels_its_sequence_and_the_rpc_end_does_too(tin
     assert eng.cancelled == ["seq-1", "seq-1"]
 
 
+class EndedCtx(Ctx):
+    """A call its client had cancelled before the handler began: gRPC refuses callbacks."""
+
+    def add_callback(self, fn):
+        return False
+
+
+@pytest.mark.parametrize("rpc", ["Generate", "Prefill"])
+def test_a_call_ended_before_its_handler_began_cancels_its_sequence_at_once(tiny_model, rpc):
+    """With the call already ended, gRPC refuses the RPC-end callback: the sequence is
+    cancelled as it is submitted, not after a prefill computed for nobody."""
+    eng = QueuedEngine(*([TokenDelta([1], last=True)] if rpc == "Generate" else []), done(1))
+    s = servicer(eng, tiny_model)
+    if rpc == "Generate":
+        list(s.Generate(request(), EndedCtx()))
+    else:
+        s.Prefill(kvpool_pb2.PrefillRequest(token_ids=PROMPT), EndedCtx())
+    assert eng.cancelled == ["seq-1"]
+
+
 @pytest.mark.parametrize("left", [None, 1e9])
 def test_no_client_deadline_gives_the_engine_none(tiny_model, left) -> None:
     """No deadline (gRPC reports none, or a huge time left) is no deadline for the engine."""
