@@ -123,8 +123,10 @@ class Scripted(UnaryScripted):
             self.seen.setdefault(key, []).append(
                 Seen(request, dict(context.invocation_metadata()), context.time_remaining()))
         # When the call ends, however it ends: a call cancelled between two messages is not
-        # resumed, so its handler never sees it.
-        context.add_callback(lambda: self.ended.add(key))
+        # resumed, so its handler never sees it. At once where it had ended before the handler
+        # began (a cancel while the request was being sent): gRPC refuses the callback then.
+        if not context.add_callback(lambda: self.ended.add(key)):
+            self.ended.add(key)
         for act in self.scripts.get(key, [("end",)]):
             if act[0] == "chunk":
                 yield orchestrator_pb2.GenerateResponse(text=act[1], token_ids=act[2])
