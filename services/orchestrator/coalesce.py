@@ -14,10 +14,14 @@ on while a leader ends unfinished: one model run at a time for the herd, not one
 
 The answer is stored in the semantic tier once, by its flight's storer: the leader, claimed as
 it finishes where it may store (not with skip_semantic_store), else the first follower that
-may (`claim_store`); the others' reports name the entry it was stored as (`stored_as`), for
-Feedback, where its Store ends while they may still wait for it. A flight taken over is a new
-flight (its own storer: its leader, the one that took over, where it may store); one taken
-over with tokens already whole is finished at once, its leader's claim made with it."""
+may (`settle`); the others' reports name the entry it was stored as (`settle`), for Feedback,
+where its Store ends while they may still wait for it. A storer whose Store is not made (its
+client went during it, or it had no time left for one) passes it on (`stored` with None): the
+next follower that may store and is still there claims it (the followers that may store are
+known from their joining, `Flights.join`, until they leave), so one Store is made in all, and
+one that may not store waits while such a follower may still claim it. A flight taken over is
+a new flight (its own storer: its leader, the one that took over, where it may store); one
+taken over with tokens already whole is finished at once, its leader's claim made with it."""
 
 from __future__ import annotations
 
@@ -60,10 +64,14 @@ class Flight:
     """One leader's model run as its followers read it. Thread-safe."""
 
     def __init__(self, key: Hashable, leader_id: str, ids: list[int] | tuple = (),
-                 replica_id: str = "") -> None:
+                 replica_id: str = "", leader: Hashable = None) -> None:
         """`ids`: the tokens it starts with (those of the flight it takes over, from
-        `replica_id`), for a request joining it to read from token 0."""
+        `replica_id`), for a request joining it to read from token 0. `leader`: the leader as
+        a member of the flight (its storer, `finish`), default `leader_id`: a client's
+        x-request-id may be two requests' (the pipeline gives each request a token of its
+        own), the members' tokens are told apart where their ids are not."""
         self.key, self.leader_id = key, leader_id
+        self._leader = leader_id if leader is None else leader
         # The request whose model run gave the answer (a follower's coalesced_with): its
         # leader, or, taken over with the tokens already whole, that of the flight taken over.
         self.ran_by = leader_id
@@ -74,10 +82,10 @@ class Flight:
         self._ids: list[int] = list(ids)
         self._final = None
         self._ended = False
-        self._storer = ""  # the request that stores the answer ("" = none yet)
-        # Its leader is (claimed as it finished): not `_storer == leader_id`, as a client's
-        # x-request-id may be two requests' (a follower's claim read as the leader's).
-        self._leader_stores = False
+        self._storer: Hashable = None  # the member storing the answer (None = none now)
+        # The followers that may store the answer and are still there, not yet settled: one
+        # of them claims the Store while none holds it (a storer's not made passes it on).
+        self._standby: set = set()
         self._entry: str | None = None  # what its Store gave ("" = not stored), once it ended
 
     def publish(self, ids: list[int], replica_id: str = "") -> None:
@@ -93,46 +101,94 @@ class Flight:
         `stores`: the leader stores it (claimed before any follower reads the final)."""
         with self._cond:
             self._final, self.replica_id = final, replica_id
-            if stores and not self._storer:
-                self._storer, self._leader_stores = self.leader_id, True
+            if stores and self._storer is None:
+                self._storer = self._leader
             self._cond.notify_all()
 
     def end(self) -> None:
         """The leader's replica side ended, finished (`finish` before) or not; a Store it
-        claimed has ended too (its outcome given, or never to come: "")."""
+        claimed and never made is passed on (`stored`)."""
         with self._cond:
             self._ended = True
-            if self._leader_stores and self._entry is None:
-                self._entry = ""
+            if self._storer == self._leader and self._entry is None:
+                self._storer = None
             self._cond.notify_all()
 
-    def claim_store(self, request_id: str) -> bool:
-        """Whether request `request_id` is to store the answer: none claimed it before."""
+    def add_follower(self, member: Hashable, may_store: bool) -> None:
+        """`member` follows the flight; `may_store`: one that may store the answer, its claim
+        to come (`settle`) until it leaves (`leave`)."""
+        if may_store:
+            with self._cond:
+                self._standby.add(member)
+
+    def leave(self, member: Hashable) -> None:
+        """`member` is gone from the flight (its client, its deadline, its end): it claims no
+        Store, and none waits for it to."""
         with self._cond:
-            if self._storer:
+            self._leave(member)
+
+    def _leave(self, member: Hashable) -> None:
+        if member in self._standby:
+            self._standby.discard(member)
+            self._cond.notify_all()
+
+    def claim_store(self, member: Hashable) -> bool:
+        """Whether `member` is to store the answer: none holds the claim, and none stored it."""
+        with self._cond:
+            if self._storer is not None or self._entry is not None:
                 return False
-            self._storer = request_id
+            self._storer = member
+            self._leave(member)
             return True
 
-    def stored(self, request_id: str, entry_id: str) -> None:
-        """The Store of request `request_id` ended: `entry_id` ("" = not stored). Nothing
-        where that request is not the flight's storer."""
+    def stored(self, member: Hashable, entry_id: str | None) -> None:
+        """The Store of `member` ended: `entry_id` ("" = not stored), or None where it was not
+        made (its client went during it, or it had no time left for one): passed on, to a
+        follower that may store and is still there (`settle`). Nothing where `member` is not
+        the flight's storer (its Store passed on already)."""
         with self._cond:
-            if self._storer == request_id:
+            if self._storer != member or self._entry is not None:
+                return
+            if entry_id is None:
+                self._storer = None
+            else:
                 self._entry = entry_id
-                self._cond.notify_all()
+            self._cond.notify_all()
+
+    def settle(self, member: Hashable, stores: bool, deadline: float,
+               stop: threading.Event) -> str | None:
+        """The entry id the answer was stored as, or None: `member` is to store it (`stores`:
+        it may, with time for it; claimed where none holds the claim, the first Store passed
+        on included). "" where none stores it (none holds the claim, and no follower that may
+        store is still there to), its Store stored nothing, or neither came by `deadline`
+        (time.monotonic) or `stop` (set, then `wake`). `member` leaves the flight's followers
+        that may store, as it returns (or at once: not `stores`)."""
+        with self._cond:
+            if not stores:
+                self._leave(member)
+            try:
+                return self._settled(member, stores, deadline, stop)
+            finally:
+                self._leave(member)
+
+    def _settled(self, member: Hashable, stores: bool, deadline: float,
+                 stop: threading.Event) -> str | None:
+        while self._entry is None:
+            left = deadline - time.monotonic()
+            if left <= 0 or stop.is_set():
+                return ""
+            if self._storer is None:
+                if stores:
+                    self._storer = member
+                    return None
+                if not self._standby:
+                    return ""  # none holds the claim, and none left may take it
+            self._cond.wait(left)
+        return self._entry
 
     def stored_as(self, deadline: float, stop: threading.Event) -> str:
-        """The entry id the answer was stored as; "" where none stores it, its Store stored
-        nothing, or it had not ended by `deadline` (time.monotonic) or `stop` (set, then
-        `wake`)."""
-        with self._cond:
-            while self._storer and self._entry is None:
-                left = deadline - time.monotonic()
-                if left <= 0 or stop.is_set():
-                    return ""
-                self._cond.wait(left)
-            return self._entry or ""
+        """The entry id the answer was stored as, for one that may not store it (`settle`)."""
+        return self.settle(None, False, deadline, stop) or ""
 
     def wake(self) -> None:
         """Wakes the followers waiting (one of them is to stop: its client has gone)."""
@@ -180,13 +236,17 @@ class Flights:
         self._lock = threading.Lock()
         self._open: dict[Hashable, Flight] = {}
 
-    def join(self, key: Hashable, request_id: str) -> tuple[Flight, bool]:
-        """(the flight, whether this request leads it)."""
+    def join(self, key: Hashable, request_id: str, member: Hashable = None,
+             may_store: bool = False) -> tuple[Flight, bool]:
+        """(the flight, whether this request leads it). `member`: the request's token in the
+        flight (default `request_id`); `may_store`: it may store the answer (a follower that
+        may is waited for, `Flight.settle`)."""
         with self._lock:
-            return self._join(key, request_id)
+            return self._join(key, request_id, member, may_store)
 
     def take_over(self, gone: Flight, request_id: str, final=None, stores: bool = False,
-                  ids: list[int] | None = None) -> tuple[Flight, bool]:
+                  ids: list[int] | None = None, member: Hashable = None
+                  ) -> tuple[Flight, bool]:
         """(the flight that goes on from `gone`, ended unfinished, for its followers; whether
         this request, one of them, leads it). The first to ask leads a new flight that starts
         with `gone`'s tokens (an identical request's flight opened since is followed instead);
@@ -198,26 +258,30 @@ class Flights:
         made with it where `stores` (before another follower of `gone` can see the flight).
         `ids`: the tokens this request has read (its flight starts with them: it goes on from
         them), more than `gone`'s where `gone` is an identical request's flight from scratch
-        that it followed on taking over from one further on; default `gone`'s."""
+        that it followed on taking over from one further on; default `gone`'s. `member`, and
+        `stores` for a follower of the flight returned: as `join`'s `member` and `may_store`."""
         ids = gone.tokens() if ids is None else ids
         with self._lock:
             if gone.successor is not None:
+                gone.successor.add_follower(_member(member, request_id), stores)
                 return gone.successor, False
             if final is None:
-                gone.successor, leads = self._join(gone.key, request_id, ids, gone.replica_id)
+                gone.successor, leads = self._join(gone.key, request_id, member, stores, ids,
+                                                   gone.replica_id)
                 return gone.successor, leads
-            flight = gone.successor = Flight(gone.key, request_id, ids, gone.replica_id)
+            flight = gone.successor = Flight(gone.key, request_id, ids, gone.replica_id, member)
             flight.ran_by = gone.ran_by
             flight.finish(final, gone.replica_id, stores)
             self._open.setdefault(gone.key, flight)  # joined until it ends, if none is open
             return flight, True
 
-    def _join(self, key: Hashable, request_id: str, ids: list[int] | tuple = (),
-              replica_id: str = "") -> tuple[Flight, bool]:
+    def _join(self, key: Hashable, request_id: str, member: Hashable, may_store: bool,
+              ids: list[int] | tuple = (), replica_id: str = "") -> tuple[Flight, bool]:
         flight = self._open.get(key)
         if flight is not None:
+            flight.add_follower(_member(member, request_id), may_store)
             return flight, False
-        flight = self._open[key] = Flight(key, request_id, ids, replica_id)
+        flight = self._open[key] = Flight(key, request_id, ids, replica_id, member)
         return flight, True
 
     def end(self, flight: Flight) -> None:
@@ -230,3 +294,8 @@ class Flights:
     def __len__(self) -> int:
         with self._lock:
             return len(self._open)
+
+
+def _member(member: Hashable, request_id: str) -> Hashable:
+    """A request's token in a flight: `member`, default its id."""
+    return request_id if member is None else member

@@ -378,6 +378,8 @@ class _Request:
     current: dict[str, grpc.Future] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     report: common_pb2.CacheReport = field(default_factory=common_pb2.CacheReport)
+    # The request in a flight (coalesce.py): its own, where request ids may be two requests'.
+    member: object = field(default_factory=object)
 
     def cancel_downstream(self) -> None:
         """The client has gone: every call in flight for it is cancelled, and none starts."""
@@ -543,12 +545,15 @@ class Orchestrator:
             self.stats.degrade("semantic_skipped")
             return None
 
-    def _store_timeout(self, deadline: float) -> float | None:
+    def _store_timeout(self, deadline: float, by: float | None = None) -> float | None:
         """How long a request's Store may take, None for no Store at all. Before the final
         message, whose report names the stored entry: bounded by half of what is left of the
         request's deadline (past it, the answer is not stored), so a slow Store cannot turn a
-        finished answer into DEADLINE_EXCEEDED."""
+        finished answer into DEADLINE_EXCEEDED; and by `by` (time.monotonic), where given:
+        a follower's Store passed on to it ends when its own would have."""
         timeout = _within(self.semantic.timeout_s, deadline, _STORE_SHARE)
+        if timeout is not None and by is not None:
+            timeout = min(timeout, by - time.monotonic())
         if timeout is None or timeout < min(_STORE_MIN_S, self.semantic.timeout_s):
             # Too little left to embed and write it (and then send the final message): sent
             # anyway, the Store timed out here while the tier still wrote the entry, which
@@ -561,9 +566,19 @@ class Orchestrator:
                on_call: Callable[[grpc.Future], None] | None = None) -> str:
         """The stored entry's id ("" = not stored). `on_call` is handed the Store's call as it
         starts (to cancel it when the request's client goes away)."""
-        timeout = self._store_timeout(deadline)
+        return self._store_made(tenant, prompt, answer, truncated_at, deadline, answer_ids,
+                                on_call) or ""
+
+    def _store_made(self, tenant: Tenant, prompt: RenderedPrompt, answer: str,
+                    truncated_at: int, deadline: float, answer_ids: Sequence[int] = (),
+                    on_call: Callable[[grpc.Future], None] | None = None,
+                    by: float | None = None) -> str | None:
+        """As `_store`, None where the Store was not made for this request's sake: no time
+        left for it (`_store_timeout`, `by`), or cancelled with the request (its client
+        went). Another request of its flight may make it then (`_ReplicaSide._store`)."""
+        timeout = self._store_timeout(deadline, by)
         if timeout is None:
-            return ""
+            return None
         ns = self._namespace(tenant, prompt)
         try:
             return self.semantic.store(semantic_pb2.StoreRequest(
@@ -572,8 +587,9 @@ class Orchestrator:
                 timeout, on_call=on_call).id
         except grpc.FutureCancelledError:
             # Cancelled with the request (its client went away): not the tier's. The answer
-            # goes unstored (the tier writes nothing for a caller gone, unless it had begun).
-            return ""
+            # goes unstored (the tier writes nothing for a caller gone, unless it had begun:
+            # then a Store of the same answer after it, passed on, returns that entry).
+            return None
         except grpc.RpcError as e:
             if cut_short(e, timeout, self.semantic.timeout_s):
                 return ""  # the request's own deadline, not the tier: no degradation
@@ -707,16 +723,18 @@ class Orchestrator:
             # Gone during the semantic lookup: no Match either (the index would count it as
             # traffic, and its hits steer warm-up).
             raise errors.Cancelled("client cancelled")
-        with self._flight(state, greedy) as (flight, leads):
+        with self._flight(state, greedy, may_store) as (flight, leads):
             yield from self._model_answer(state, session_id, seed, draft_ids, look, may_store,
                                           flight, leads)
 
     @contextlib.contextmanager
-    def _flight(self, req: _Request, greedy: bool
+    def _flight(self, req: _Request, greedy: bool, may_store: bool
                 ) -> Iterator[tuple[coalesce_mod.Flight | None, bool]]:
         """The request's flight (coalesce.py) and whether it leads it: (None, False) where it
         may not share one. A leader's flight ends with its replica side (`_ReplicaSide.run`),
-        or here, the side never run (the request failed or was cancelled before)."""
+        or here, the side never run (the request failed or was cancelled before); a follower
+        leaves the flight it follows as its side ends (`may_store`: till then, the Store may
+        pass to it)."""
         policy = req.policy
         if not coalesce_mod.may_coalesce(self.coalesce, greedy, policy.skip_semantic_lookup,
                                          policy.skip_prefix_cache):
@@ -724,7 +742,7 @@ class Orchestrator:
             return
         key = coalesce_mod.flight_key(req.tenant.name, req.tenant.cache_salt, self.model_id,
                                       req.prompt.token_ids, req.sampling)
-        flight, leads = self.flights.join(key, req.request_id)
+        flight, leads = self.flights.join(key, req.request_id, req.member, may_store)
         if not leads:
             COALESCED.inc()
         try:
@@ -732,6 +750,8 @@ class Orchestrator:
         finally:
             if leads:
                 self.flights.end(flight)
+            else:
+                flight.leave(req.member)  # the side never run (else left as it ended)
 
     def _model_answer(self, state: _Request, session_id: str, seed: int, draft_ids: list[int],
                       look, may_store: bool, flight: coalesce_mod.Flight | None, leads: bool
@@ -834,9 +854,11 @@ class Orchestrator:
 
     def _store_answer(self, tenant: Tenant, prompt: RenderedPrompt, sampling: Sampling, look,
                       may_store: bool, generated: Sequence[int], finish_reason: int,
-                      deadline: float, on_call: Callable[[grpc.Future], None]) -> str:
+                      deadline: float, on_call: Callable[[grpc.Future], None],
+                      by: float | None = None) -> str | None:
         """Stores the model's whole answer `generated` in the semantic tier where it may be
-        served again; the entry's id, or "" (not stored, or not to be)."""
+        served again; the entry's id, "" (not stored, or not to be), or None: not made, for
+        want of time (`by`: the latest it may end) or its client gone (`_store_made`)."""
         # Stored as the model said it: leading whitespace included (a raw completion's answer
         # often starts with a space; stripped, a hit's text and tokens were not the model's).
         answer = complete_decode(self.tok, generated)
@@ -855,10 +877,10 @@ class Orchestrator:
         if not (self.semantic.enabled and may_store and not errors.blank(answer) and not past_end
                 and not shorter):
             return ""
-        return self._store(tenant, prompt, answer, len(generated) if cut_short else 0, deadline,
-                           answer_ids=answer_ids(self.tok, self._special_ids, list(generated),
-                                                 answer),
-                           on_call=on_call)
+        return self._store_made(tenant, prompt, answer, len(generated) if cut_short else 0,
+                                deadline, answer_ids(self.tok, self._special_ids,
+                                                     list(generated), answer),
+                                on_call, by)
 
     def _ended(self, generated: list[int], sampling: Sampling) -> int | None:
         """The finish reason if `generated` is already a whole answer, else None."""
@@ -1078,6 +1100,8 @@ class _ReplicaSide:
         finally:
             if self.leads is not None:
                 self.orch.flights.end(self.leads)  # whatever way it ended
+            if self.follows is not None:
+                self.follows.leave(self.req.member)  # no Store passes to it now
 
     def _follow(self) -> Generator[TextDelta, None, bool]:
         """The answer read from the flights followed (`_read_flight`); whether it is whole (its
@@ -1097,7 +1121,7 @@ class _ReplicaSide:
             whole = self._whole_already()
             flight, leads = self.orch.flights.take_over(
                 self.follows, self.req.request_id, self.final if whole else None,
-                stores=self.may_store, ids=self.generated)
+                stores=self.may_store, ids=self.generated, member=self.req.member)
             if leads:
                 self.leads = flight  # ended with this replica side (`run`), whatever way
                 if not whole:
@@ -1172,22 +1196,25 @@ class _ReplicaSide:
 
     def _followed_entry(self) -> str:
         """The entry the flight's answer was stored as ("" = none): stored by this request
-        where it leads it (it took over, the tokens already whole) or is the first that may
-        store it (its leader may not: skip_semantic_store), where it may; else by the
-        leader or that first follower, their Store waited for as long as one of this
-        request's own may take (`_store_timeout`: then a follower's final comes no later than
-        it would have without coalescing), ending at once where none stores it, and with this
-        request's client."""
+        where it leads it (it took over, the tokens already whole) or claims the Store
+        (`Flight.settle`: none holds it, its leader may not store, skip_semantic_store, or
+        passed it on, its Store not made), where it may; else by the one that holds it, or
+        will (a follower that may store, still there), waited for as long as a Store of this
+        request's own may take (`_store_timeout`), the Store it claims meanwhile bounded by
+        the same end: a follower's final comes no later than it would have without
+        coalescing. The wait ends at once where none stores it, and with this request's
+        client."""
         # One that took over with the tokens already whole leads its flight, its claim to the
         # Store made with it where it may store (`_follow`); else it waits as the others do.
         flight, req = self.leads or self.follows, self.req
-        if self.may_store and (self.leads is not None or flight.claim_store(req.request_id)):
+        if self.may_store and self.leads is not None:
             return self._store()
         timeout = self.orch._store_timeout(req.deadline)
-        if timeout is None:
-            return ""
+        by = time.monotonic() + (timeout or 0.0)
         with self._woken_by_cancel(flight):
-            return flight.stored_as(time.monotonic() + timeout, req.cancelled)
+            entry = flight.settle(req.member, self.may_store and timeout is not None, by,
+                                  req.cancelled)
+        return self._store(by) if entry is None else entry
 
     @contextlib.contextmanager
     def _woken_by_cancel(self, flight: coalesce_mod.Flight) -> Iterator[None]:
@@ -1629,24 +1656,25 @@ class _ReplicaSide:
         # leaves its whole answer unstored.
         yield from self._finished(self._store())
 
-    def _store(self) -> str:
-        """The whole answer stored in the semantic tier where it may be: its entry id, or "";
-        told to the request's flight (its followers name the entry) where it is its storer:
-        where it may store (one that may, storing, has claimed it: `_finish`, `_follow`,
-        `_followed_entry`), not by request id alone (a leader that may not, ending, gave ""
-        for a follower with its x-request-id that stored it)."""
+    def _store(self, by: float | None = None) -> str:
+        """The whole answer stored in the semantic tier where it may be (`by`: the latest its
+        Store may end, one passed on to a follower): its entry id, or ""; told to the
+        request's flight (its followers name the entry) where it is its storer: where it may
+        store (one that may, storing, has claimed it: `_finish`, `_follow`,
+        `_followed_entry`). A Store not made (no time left for it, or cancelled with the
+        request) is passed on to another of the flight that may store (`Flight.stored`)."""
         req, sid = self.req, ""
         try:
             with req.tier_call():
                 sid = self.orch._store_answer(req.tenant, req.prompt, req.sampling, self.look,
                                               self.may_store, self.generated,
                                               self.final.finish_reason, req.deadline,
-                                              req.tier_call_started)
+                                              req.tier_call_started, by)
         finally:
             flight = self.leads or self.follows
             if flight is not None and self.may_store:
-                flight.stored(req.request_id, sid)
-        return sid
+                flight.stored(req.member, sid)
+        return sid or ""
 
     def _flush(self) -> Iterator[TextDelta]:
         """The detokenizer's tail (text held back for a character's next bytes), if any."""

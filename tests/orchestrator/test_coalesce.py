@@ -115,6 +115,53 @@ def test_the_answer_has_one_storer_whose_entry_the_others_are_told():
     assert flight.stored_as(FAR, stop) == ""
 
 
+def test_a_store_not_made_passes_to_a_follower_that_may_store_and_is_still_there():
+    stop = threading.Event()
+    fin = kvpool_pb2.KvGenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    flights = Flights()
+    flight, _ = flights.join(KEY, "leader")
+    for rid, may_store in (("f0", True), ("f1", True), ("f2", False)):
+        assert flights.join(KEY, rid, may_store=may_store) == (flight, False)
+    flight.finish(fin, "kvpool-0", stores=True)
+    # The leader's Store not made (its client went during it): f0, waiting, claims it; the
+    # leader's word after that is no longer the storer's.
+    threading.Timer(0.1, flight.stored, ("leader", None)).start()
+    assert flight.settle("f0", True, FAR, stop) is None
+    flight.stored("leader", "e9")
+    assert not flight.claim_store("f1")
+    threading.Timer(0.1, flight.stored, ("f0", "e7")).start()
+    assert flight.settle("f2", False, FAR, stop) == "e7"
+    assert flight.settle("f1", True, FAR, stop) == "e7"  # stored once: named, not stored
+    # None claimed yet: one that may not store waits while a follower that may is still
+    # there (it claims, its Store named), and not once the last of them left.
+    flight = finished_with_a_follower_that_may_store(fin)
+    threading.Timer(0.1, claim_and_store, (flight, "e5")).start()
+    assert flight.settle("f2", False, FAR, stop) == "e5"
+    flight = finished_with_a_follower_that_may_store(fin)
+    threading.Timer(0.1, flight.leave, ("f0",)).start()
+    t0 = time.monotonic()
+    assert flight.settle("f2", False, FAR, stop) == "" and time.monotonic() - t0 < 5
+    # A Store that stored nothing (the tier refused it) is not passed on.
+    flight = finished_with_a_follower_that_may_store(fin)
+    flight.add_follower("f1", True)
+    claim_and_store(flight, "")
+    assert flight.settle("f1", True, FAR, stop) == ""
+
+
+def finished_with_a_follower_that_may_store(fin):
+    """A flight finished by a leader that may not store, "f0" (that may) following it."""
+    flight, _ = Flights().join(KEY, "leader")
+    flight.add_follower("f0", True)
+    flight.finish(fin, "kvpool-0")
+    return flight
+
+
+def claim_and_store(flight, entry_id: str) -> None:
+    """"f0" claims the Store of `flight` and stores the answer as `entry_id`."""
+    assert flight.settle("f0", True, FAR, threading.Event()) is None
+    flight.stored("f0", entry_id)
+
+
 def test_the_followers_of_a_flight_ended_unfinished_all_take_over_into_one_flight():
     flights = Flights()
     gone, _ = flights.join(KEY, "leader")
@@ -239,11 +286,11 @@ def request(orch, rid: str, policy: Policy = Policy(), tenant: Tenant = TENANT,
 
 
 def run(orch, rid: str, out: dict, cancels: dict, policy: Policy = Policy(),
-        tenant: Tenant = TENANT) -> threading.Thread:
+        tenant: Tenant = TENANT, deadline_s: float = 30) -> threading.Thread:
     """Starts request `rid` on a thread; its events (or error) land in out[rid]."""
     def go() -> None:
         try:
-            out[rid] = list(request(orch, rid, policy, tenant,
+            out[rid] = list(request(orch, rid, policy, tenant, deadline_s,
                                     on_cancel=lambda cb: cancels.__setitem__(rid, cb)))
         except errors.TierCacheError as e:
             out[rid] = e

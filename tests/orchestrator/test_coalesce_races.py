@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import grpc
+import pytest
 
 from services.common import errors
+from services.orchestrator.coalesce import Flight
 from services.orchestrator.pipeline import Policy
 from tests.orchestrator.test_coalesce import (
     WANT,
@@ -190,4 +193,123 @@ def test_requests_sharing_a_request_id_name_the_entry_their_answer_was_stored_as
     assert ids_of(out["x"]) == ids_of(out2["x"]) == ids_of(out["y"]) == [104, 10]
     assert not out["x"][-1].report.semantic_entry_id
     assert out2["x"][-1].report.semantic_entry_id == out["y"][-1].report.semantic_entry_id == "e1"
+    assert len(orch.flights) == 0
+
+
+class CancelledStore(Stores):
+    """A semantic tier whose first Store waits until its call is cancelled (its request's
+    client gone: grpc.FutureCancelledError, nothing written; `storer` names that request, by
+    its replica side's thread); the later ones store at once."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storing, self.storer = threading.Event(), ""
+
+    def store(self, req, timeout=None, on_call=None):
+        if self.storing.is_set():
+            return super().store(req, timeout, on_call)
+        self.storer = threading.current_thread().name.removeprefix("replica-stream-")
+        cancelled = threading.Event()
+        on_call(SimpleNamespace(cancel=cancelled.set))
+        self.storing.set()
+        cancelled.wait(10)
+        raise grpc.FutureCancelledError()
+
+
+@pytest.mark.parametrize("lead_policy", [Policy(), Policy(skip_semantic_store=True)])
+def test_a_storer_whose_client_goes_during_its_store_passes_it_to_another_that_may(
+        lead_policy):
+    # The storer (the leader, or the first follower to claim the Store where the leader asked
+    # not to store) is cancelled during its Store: the answer went unstored for the herd, and
+    # no report named an entry.
+    gate, semantic = threading.Event(), CancelledStore()
+    semantic.timeout_s = 5  # how long the others wait for it: ample
+    stub = Stub("A", [Gated([token(104), last(10)], gate)])
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 3,
+                              lead_policy=lead_policy)
+    gate.set()
+    assert semantic.storing.wait(5)
+    cancels[semantic.storer]()
+    for t in threads:
+        t.join(10)
+    assert isinstance(out[semantic.storer], errors.Cancelled)
+    others = {"lead", "f0", "f1", "f2"} - {semantic.storer}
+    assert all(ids_of(out[r]) == [104, 10] for r in others), out
+    # Stored once, by a follower still there; each of the others that asked no
+    # skip_semantic_store names its entry.
+    assert [(r.answer, r.truncated_at) for r in semantic.stored] == [("h\n", 2)]
+    skips = {"lead"} if lead_policy.skip_semantic_store else set()
+    assert {r: out[r][-1].report.semantic_entry_id for r in others} == {
+        r: "" if r in skips else "e1" for r in others}
+    assert len(orch.flights) == 0
+
+
+def test_a_storer_with_no_time_left_for_its_store_passes_it_to_another_that_may():
+    # The leader reaches its Store with under 0.1 s of its deadline left (a Store gets half of
+    # it, under the 50 ms one is sent with): not sent, and none stored the answer.
+    gate, semantic = threading.Event(), Stores()
+    semantic.timeout_s = 5  # the followers wait for it up to 5 s: past the leader's deadline
+    stub = Stub("A", [Gated([token(104), last(10)], gate)])
+    orch = make({"A": stub}, semantic=semantic)
+    store_answer = orch._store_answer
+
+    def late(*args):
+        if threading.current_thread().name == "replica-stream-lead":
+            time.sleep(max(0.0, args[7] - time.monotonic() - 0.06))  # its deadline near
+        return store_answer(*args)
+
+    orch._store_answer = late
+    out, cancels = {}, {}
+    threads = [run(orch, "lead", out, cancels, deadline_s=2.0)]
+    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
+    before = coalesced()
+    threads += [run(orch, f"f{i}", out, cancels) for i in range(2)]
+    wait_until(lambda: coalesced() == before + 2, 5, "the followers never joined")
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert len(semantic.stored) == 1 and len(stub.requests) == 1
+    assert all(ids_of(out[f"f{i}"]) == [104, 10] for i in range(2))
+    assert [out[f"f{i}"][-1].report.semantic_entry_id for i in range(2)] == ["e1"] * 2
+    # The leader's own answer (if its deadline let it have one) names none: it stored none.
+    assert (isinstance(out["lead"], errors.DeadlineExceeded)
+            or not out["lead"][-1].report.semantic_entry_id)
+    assert len(orch.flights) == 0
+
+
+def test_one_that_may_not_store_names_the_entry_one_that_may_claims_during_its_wait(
+        monkeypatch):
+    # The leader and f0 asked not to store; f1, which may, reached the Store after f0 began
+    # to wait for it: f0 named none (none had claimed it), though f1 stored it at once.
+    gate, semantic, skip = threading.Event(), Stores(), Policy(skip_semantic_store=True)
+    semantic.timeout_s = 5  # f0 waits up to 5 s
+    stub = Stub("A", [Gated([token(104), last(10)], gate)])
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    real_read = Flight.read
+
+    def read(flight, *args):
+        got = real_read(flight, *args)
+        if got.final is not None and threading.current_thread().name == "replica-stream-f1":
+            # f1 has the answer once f0 has ended (before the fix), or has waited a while.
+            wait_until(lambda: "f0" in out or time.monotonic() > held_from + 0.5, 5,
+                       "f1 was held for ever")
+        return got
+
+    held_from = time.monotonic() + 3600
+    monkeypatch.setattr(Flight, "read", read)
+    threads = list(lead_and_follow(orch, lambda: stub.requests, out, cancels, 1, skip, skip))
+    before = coalesced()
+    threads.append(run(orch, "f1", out, cancels))
+    wait_until(lambda: coalesced() == before + 1, 5, "f1 never joined")
+    held_from = time.monotonic()
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert all(ids_of(out[r]) == [104, 10] for r in ("lead", "f0", "f1"))
+    assert len(semantic.stored) == 1
+    assert {r: out[r][-1].report.semantic_entry_id for r in ("lead", "f0", "f1")} == {
+        "lead": "", "f0": "e1", "f1": "e1"}
     assert len(orch.flights) == 0
