@@ -34,7 +34,11 @@ class ShardList(NamedTuple):
     fingerprint: str
 
     def __str__(self) -> str:
-        return f"{self.shards} shard{'s' * (self.shards != 1)} ({self.fingerprint})"
+        # Ours are hex. Any other is a caller's text, which went as sent into Stats' note, the
+        # warning and `tiercache stats`' stderr ("\x1b[2J" cleared the operator's terminal).
+        fp = self.fingerprint
+        shown = fp if fp.isascii() and fp.isprintable() else ascii(fp)
+        return f"{self.shards} shard{'s' * (self.shards != 1)} ({shown})"
 
     def differs(self, other: ShardList) -> bool:
         """Whether keys placed by the two lists may land on different shards. Two lists of

@@ -269,6 +269,18 @@ def test_a_long_fingerprint_is_cut_not_kept_whole():
     assert c.check(2, "a" * 64 + "different tail", ["r0"])  # compared as cut
 
 
+def test_a_fingerprint_with_control_characters_is_shown_escaped():
+    # Fingerprints came into Stats' note, the warning and `tiercache stats`' stderr as sent:
+    # a Match's "\x1b[2J" cleared the operator's terminal, a newline began a line of its own.
+    c = ShardListCheck(Clock())
+    c.registered("r0", 2, "aaaa\n")
+    assert not c.check(3, "\x1b[2Jall healthy\nnext", [])
+    note = c.note()
+    assert note.isprintable(), note
+    assert "registered with 2 shards ('aaaa\\n'), a Match came with 3 shards " \
+        "('\\x1b[2Jall healthy\\nnext')" in note, note
+
+
 def test_a_lapsed_replicas_list_is_forgotten():
     """A lapsed replica's list was kept: a Match naming no live replica was compared with it,
     and agreed with a list no live replica had (a mismatch missed)."""
