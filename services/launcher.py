@@ -19,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,8 +122,10 @@ def service_exists(name: str) -> bool:
 
 
 def wait_healthy(address: str, timeout: float, proc: subprocess.Popen | None = None,
-                 env: Mapping[str, str] | None = None) -> None:
-    """Block until the server at `address` reports SERVING (or raise TimeoutError).
+                 env: Mapping[str, str] | None = None,
+                 check: Callable[[], None] | None = None) -> None:
+    """Block until the server at `address` reports SERVING (or raise TimeoutError). `check`,
+    called between polls, may raise to end the wait (another process of a stack exited).
 
     Speaks TLS when `env` (default: this process's environment) sets `TIERCACHE_TLS_CA` (with
     the client certificate, for mutual TLS) or only `TIERCACHE_TLS_CERT` (verifying against the
@@ -137,6 +139,8 @@ def wait_healthy(address: str, timeout: float, proc: subprocess.Popen | None = N
         while time.monotonic() < end:
             if proc is not None and proc.poll() is not None:
                 raise RuntimeError(f"process for {address} exited with {proc.returncode}")
+            if check is not None:
+                check()
             try:
                 r = stub.Check(health_pb2.HealthCheckRequest(), timeout=1.0)
                 if r.status == health_pb2.HealthCheckResponse.SERVING:
@@ -256,10 +260,20 @@ class ServiceProcess:
                 out.close()
         return self
 
-    def wait(self, timeout: float = 180.0) -> ServiceProcess:
+    def wait(self, timeout: float = 180.0, others: Iterable[ServiceProcess] = ()
+             ) -> ServiceProcess:
+        """Until it is SERVING; raises where it, or one of `others` (the stack's processes),
+        exits first: an orchestrator that exited at boot was reported only once every
+        replica before it was up (minutes on a CPU)."""
         assert self.proc is not None
+
+        def check() -> None:
+            for o in others:
+                if o is not self and o.proc is not None and o.proc.poll() is not None:
+                    raise RuntimeError(o.exit_note())
+
         try:
-            wait_healthy(self.address, timeout, self.proc, {**os.environ, **self.env})
+            wait_healthy(self.address, timeout, self.proc, {**os.environ, **self.env}, check)
         except (RuntimeError, TimeoutError) as e:
             if self.proc.poll() is None:
                 if not isinstance(e, TimeoutError):
@@ -465,7 +479,7 @@ class Stack:
         self._start("orchestrator", self.port(0), orch_env)
         for key, p in self.procs.items():
             print(f"  waiting for {key} on {p.address} ...", flush=True)
-            p.wait(timeout)
+            p.wait(timeout, self.procs.values())
         return self
 
     def _start(self, name: str, port: int, env: dict[str, str], key: str | None = None

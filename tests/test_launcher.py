@@ -38,7 +38,7 @@ class _Started:
 
     address, name, proc = "127.0.0.1:1", "fake", None
 
-    def wait(self, timeout: float) -> None:
+    def wait(self, timeout: float, others=()) -> None:
         pass
 
     def stop(self) -> None:

@@ -4,18 +4,18 @@ with stop signals at random moments, against a model of what the docs and docstr
 
 The model, from the module docstring, README "Two commands", `Stack.stop`'s comment and the
 rules tests: children start in dependency order (semantic, prefix, kvpool-0.., orchestrator),
-none at all when a port of the stack is taken (the lowest taken one is named), none once a
-stop was asked for; a child that exits before it is ready, or never becomes ready within the
-wait, fails the start (the first such child in that order is named, with its exit code and
-the problem its log quotes); a child that dies after "TierCache is up" is named too; either
-failure exits 1, a stop signal that came before any failure exits 0 ("stopping ..."); exactly
-one of the two is said, and a failure once reported is never turned into exit 0. Stopping
-sends SIGTERM in reverse start order to each child still running, SIGKILL only to one still
-running 15 s + its drain setting later, nothing before the outcome is printed, and when
-`main` returns every child it started has exited and been reaped ("stopped" said iff one was
-started). A second signal, or one during the stop, changes none of this. Where the docs are
-silent (which failures a signal racing them reports) only the exit code's agreement with what
-was printed is asserted.
+none at all when a port of the stack is taken (the lowest taken one is named), none once a stop
+was asked for; a child that exits before it is ready, or never becomes ready within the wait,
+fails the start (the first to exit is named, whichever child is being waited for, else the
+first never ready in that order; with its exit code and the problem its log quotes); a child
+that dies after "TierCache is up" is named too; either failure exits 1, a stop signal that came
+before any failure exits 0 ("stopping ..."); exactly one of the two is said, and a failure once
+reported is never turned into exit 0. Stopping sends SIGTERM in reverse start order to each
+child still running, SIGKILL only to one still running 15 s + its drain setting later, nothing
+before the outcome is printed, and when `main` returns every child it started has exited and
+been reaped ("stopped" said iff one was started). A second signal, or one during the stop,
+changes none of this. Where the docs are silent (which failures a signal racing them reports)
+only the exit code's agreement with what was printed is asserted.
 
 `test_fake_stacks` drives the real code over fake children, a virtual clock and a fake health
 probe; a signal is delivered at a virtual time (interrupting a sleep or wait), right after the
@@ -424,29 +424,49 @@ def grace(sc: Scenario, key: str) -> float:
     return 15.0 + (min(float(raw), 600.0) if raw is not None else 10.0)
 
 
-def expected_failure(sc: Scenario, world: World) -> tuple[str, list[str]]:
-    """("port"|"start"|"exited", words the failure line must hold) when no signal came first."""
+# One health poll of the wait (the fake Check's 0.01 s and the 0.2 s sleep): exits this close
+# together are seen at the same poll, and which of them is named is then the check's order.
+POLL_S = 0.25
+
+
+def expected_failure(sc: Scenario, world: World) -> tuple[str, list[list[str]]]:
+    """("port"|"start"|"exited", the words the failure line must hold: one list of them per
+    failure it may name) when no signal came first."""
     if sc.taken:
-        return "port", [f"port {min(sc.taken)} ", "is in use"]
+        return "port", [[f"port {min(sc.taken)} ", "is in use"]]
     if any(c.kind == "dies" and c.at < DEATH_AFTER for c in sc.children.values()):
-        return "any", []  # which failure the launcher meets first is timing: see `check`
+        return "any", [[]]  # which failure the launcher meets first is timing: see `check`
+    started = {ch.key: ch for ch in world.children}
+    ready_by = 0.0  # when the children before the one waited for were all ready
+    never = None  # the first child in start order never ready: its wait's end
     for k in keys(sc.replicas):
-        c = sc.children[k]
-        child = next((ch for ch in world.children if ch.key == k), None)
+        c, child = sc.children[k], started.get(k)
         if child is None:
-            return "none", [f"({k} never started)"]
-        if c.kind == "exit":
-            words = [f"failed to start: {k} ({child.address}) {ended(c.code)}"]
-            return "start", words + ([f"{ended(c.code)}: {c.problem}"] if c.problem else [])
+            return "none", [[f"({k} never started)"]]
         if c.kind == "never":
-            return "start", [f"failed to start: {k} ({child.address}) not SERVING after "]
-    dying = [ch for ch in world.children if sc.children[ch.key].kind == "dies"]
-    if not dying:
-        return "none", ["(no failure in this scenario)"]
-    first = min(dying, key=lambda ch: ch.end()[0])
-    c = sc.children[first.key]
-    note = f"{first.key} ({first.address}) {ended(c.code)}"
-    return "exited", [f"service(s) exited: {note}" if first is world.children[0] else note]
+            never = (child, ready_by + WAIT_S)
+            break
+        if c.kind != "exit":
+            ready_by = max(ready_by, child.created + c.ready)
+    # The start fails at the first exit of any child (each wait watches them all), or at the
+    # end of the wait for one never ready, whichever comes first.
+    exits = sorted((ch.created + sc.children[ch.key].at, i, ch)
+                   for i, ch in enumerate(world.children)
+                   if sc.children[ch.key].kind in ("exit", "dies"))
+    if exits and (never is None or exits[0][0] < never[1]):
+        if never is None and all(sc.children[ch.key].kind == "dies" for *_, ch in exits):
+            first = exits[0][2]  # after "TierCache is up"
+            note = f"{first.key} ({first.address}) {ended(sc.children[first.key].code)}"
+            return "exited", [[f"service(s) exited: {note}" if first is world.children[0]
+                               else note]]
+        return "start", [[f"failed to start: {ch.key} ({ch.address}) {ended(c.code)}"]
+                         + ([f"{ended(c.code)}: {c.problem}"] if c.problem else [])
+                         for t, _, ch in exits if t <= exits[0][0] + POLL_S
+                         for c in [sc.children[ch.key]]]
+    if never is not None:
+        child = never[0]
+        return "start", [[f"failed to start: {child.key} ({child.address}) not SERVING after "]]
+    return "none", [["(no failure in this scenario)"]]
 
 
 def ended(code: int) -> str:
@@ -500,9 +520,9 @@ def check(sc: Scenario, world: World, got: object) -> list[str]:
                        or f"{ch.key} ({ch.address}) not SERVING" in fails[0][3] for ch in failing) \
                     and not sc.taken:
                 bad.append(f"failure line {fails[0][3]!r} names no failing child")
-            for w in expected_failure(sc, world)[1]:
-                if w not in fails[0][3]:
-                    bad.append(f"failure line {fails[0][3]!r} lacks {w!r}")
+            named = expected_failure(sc, world)[1]
+            if not any(all(w in fails[0][3] for w in words) for words in named):
+                bad.append(f"failure line {fails[0][3]!r} lacks {named!r}")
     elif stop[0] < failure_time(sc, world) and got != 0:
         bad.append(f"exit {got!r} though the stop signal came before any failure")
     # the stop: reverse order, SIGTERM, SIGKILL only after the grace, after the outcome said

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import types
 import warnings
 from pathlib import Path
@@ -402,7 +403,7 @@ def test_a_service_never_ready_is_named_and_one_that_died_at_the_end_gives_its_e
     """A child still running at the end of the wait is named with its address ("127.0.0.1:P
     not SERVING after 600s" named no service, unlike an exit); one that exited in the wait's
     last moments is reported by its exit, not as not ready."""
-    def timed_out(address, timeout, proc, env):
+    def timed_out(address, timeout, proc, env, check=None):
         raise TimeoutError(f"{address} not SERVING after {timeout:.0f}s")
 
     monkeypatch.setattr(launcher, "wait_healthy", timed_out)
@@ -418,6 +419,25 @@ def test_a_service_never_ready_is_named_and_one_that_died_at_the_end_gives_its_e
     p.proc.wait(10)
     with pytest.raises(RuntimeError, match=r"^kvpool-1 \(127\.0\.0\.1:1234\) exited with 3"):
         p.wait(7.0)
+
+
+def test_a_wait_ends_as_soon_as_another_process_of_the_stack_exits():
+    """A stack's processes are waited for in turn: an orchestrator that exited at boot (tenant
+    tokens without a hash key) was reported only once every replica before it was up,
+    minutes on a CPU. Any of them exiting ends the wait, named with its exit."""
+    slow = ServiceProcess("kvpool", launcher.free_port(), key="kvpool-0")  # never serves
+    gone = ServiceProcess("orchestrator", 1235)
+    slow.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    gone.proc = subprocess.Popen([sys.executable, "-c", "raise SystemExit(2)"])
+    gone.proc.wait(10)
+    try:
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match=r"^orchestrator \(127\.0\.0\.1:1235\) exited "
+                                               r"with 2"):
+            slow.wait(30.0, [slow, gone])
+        assert time.monotonic() - start < 10
+    finally:
+        slow.kill()
 
 
 def test_a_service_killed_by_a_signal_is_said_to_be_killed_by_it():
