@@ -68,12 +68,17 @@ def blank(text: str) -> bool:
 def name_problem(name: str) -> str:
     """Why `name` (a tenant's) cannot tell one tenant from another as printed, or "" when it
     can: a character that prints as nothing or as a space (control, format, other whitespace
-    than a plain space, blank()'s invisible ones), or a form other than NFC. "acme\u200b" and
-    NFD "café" were tenants of their own, with their own salts, printed as "acme" and "café"
-    in logs, metric labels and Stats, and an EraseTenant of what the log showed missed them."""
+    than a plain space, blank()'s invisible ones), a plain space first or last, or a form
+    other than NFC. "acme\u200b" and NFD "café" were tenants of their own, with their own
+    salts, printed as "acme" and "café" in logs, metric labels and Stats, and an EraseTenant
+    of what the log showed missed them; so was "acme " at a semantic shard, whose check took
+    it where the tokens file refuses it."""
     for c in name:
         if c != " " and (blank(c) or unicodedata.category(c) in ("Cc", "Cf")):
             return f"holds {_char(c)}, a character that prints as nothing or as a space"
+    if name != name.strip(" "):
+        return (f"{'begins' if name.startswith(' ') else 'ends'} with {_char(' ')}, which "
+                "prints as nothing there")
     if not unicodedata.is_normalized("NFC", name):
         c = next(c for i, c in enumerate(name, 1)
                  if not unicodedata.is_normalized("NFC", name[:i]))

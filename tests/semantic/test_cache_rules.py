@@ -605,14 +605,15 @@ def test_a_tenant_erasure_that_fails_still_forgets_its_texts_just_looked_up(make
     assert [t for t, _ in c._recent] == [edges.B.tenant]
 
 
-@pytest.mark.parametrize("name", ["acme\u200b", "cafe\u0301", "a\nb", "a\u202eb"])
+@pytest.mark.parametrize("name", ["acme\u200b", "cafe\u0301", "a\nb", "a\u202eb", "acme ", " acme"])
 def test_a_tenant_name_that_prints_as_another_is_refused_to_store_and_look_up_but_erasable(
         make_cache, monkeypatch, name):
     """"acme\u200b" was a namespace of its own, printed as "acme". Store and Lookup refuse
     such a tenant naming the character (as the orchestrator's tokens file does), storing
     nothing; Invalidate by namespace and by tenant take it: an earlier release stored entries
     under such a name, and refused, they could not be erased by name (they stayed until their
-    TTL). A plain space inside a tenant's name stays allowed."""
+    TTL). A plain space inside a tenant's name stays allowed; one leading or trailing ("acme ",
+    printed as "acme") is refused, as the tokens file refuses it."""
     import services.semantic.cache as cache_mod
 
     with monkeypatch.context() as earlier:  # the earlier release: no such check
