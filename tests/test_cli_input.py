@@ -689,3 +689,31 @@ def test_the_calls_own_deadline_names_the_timeout_that_set_it(fake, monkeypatch,
     monkeypatch.setattr(cli, "cmd_stats", expire)
     assert cli.main(["--timeout", "0.25", "stats"]) == 1
     assert capsys.readouterr().err == f"error: DEADLINE_EXCEEDED: {said}\n"
+
+
+@pytest.mark.parametrize("argv", [["stats"], ["feedback", "abc"]])
+def test_an_address_that_is_no_orchestrator_is_said_so(tmp_path, monkeypatch, capsys, argv):
+    """A walk: `tiercache --address` at a semantic shard's port (50052 beside the
+    orchestrator's 50051) ended "UNIMPLEMENTED: Method not found!", gRPC's words for a server
+    without the RPC, naming neither the address nor what to check. Against a real server
+    serving only tiercache.v1.SemanticCache, the line now says the address is no
+    orchestrator."""
+    from concurrent import futures
+
+    from tiercache.v1 import semantic_pb2_grpc
+
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path / "home"))
+    server = grpc.server(futures.ThreadPoolExecutor(1))
+    semantic_pb2_grpc.add_SemanticCacheServicer_to_server(
+        semantic_pb2_grpc.SemanticCacheServicer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        address = f"127.0.0.1:{port}"
+        assert cli.main(["--address", address, "--timeout", "10", *argv]) == 1
+    finally:
+        server.stop(None)
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: UNIMPLEMENTED: Method not found! ({address} serves no "
+                          "tiercache.v1.Orchestrator: --address names an orchestrator, not a "
+                          "semantic, prefix or kvpool shard)"), err

@@ -903,6 +903,11 @@ def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> None:
     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
         # gRPC's own words for this call's deadline: say which setting set it.
         details += f" (no answer within --timeout {a.timeout:g} s)"
+    if e.code() == grpc.StatusCode.UNIMPLEMENTED and details == "Method not found!":
+        # gRPC's own words for a server without the RPC: most often the port beside the
+        # orchestrator's, a shard's (a walk: "Method not found!" named nothing to check).
+        details += (f" ({a.address} serves no tiercache.v1.Orchestrator: --address names an "
+                    "orchestrator, not a semantic, prefix or kvpool shard)")
     if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and details.startswith(
             _REQUEST_TOO_LARGE):
         details += (" (bytes: the request's vs. the orchestrator's limit, "
