@@ -758,7 +758,8 @@ class SemanticCache:
         (see `_global_excess_locked`). A second store of the identical prompt in a namespace
         replaces the first: of two at once, the one committed later stands, and the other
         returns it. A store of the answer the entry already holds (`_same_answer`) returns that
-        entry as it is (its TTL not renewed): a herd of identical requests gets one id.
+        entry as it is (its TTL not renewed), writing nothing (`_held_answer`): a herd of
+        identical requests gets one id.
 
         `wanted`, asked once the prompt is embedded, right before the write, and again once
         the row is written, before memory takes it: False (the caller's deadline passed, or it
@@ -778,6 +779,10 @@ class SemanticCache:
         ns = self._check_store(ns, prompt, answer, ttl_seconds, answer_token_ids)
         answer_tokens = pack_tokens(answer_token_ids)
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
+        held = self._held_answer(Entry("", 0, ns, prompt, answer, verified, self.clock(), 0.0,
+                                       0, ttl, truncated, answer_tokens=answer_tokens))
+        if held is not None:
+            return held
         vec, over = self._embed(prompt, reuse_for=ns.tenant)
         _still(wanted, "the answer was written")
         now = self.clock()
@@ -840,6 +845,21 @@ class SemanticCache:
         self._m["expirations"].inc(expired_now)
         self.store.delete(dropped)
         return stands or entry
+
+    def _held_answer(self, probe: Entry) -> Entry | None:
+        """The entry of `probe`'s prompt when it already holds `probe`'s answer
+        (`_same_answer`) and no Invalidate under way read it: a Store of it writes nothing.
+        (It wrote a row and deleted it again once it found the entry standing: a crash between
+        the two left the newer row, which a restart keeps, `_newest_rows`, in place of the
+        entry its callers had been given.) Two such Stores at once, with no entry yet, still
+        both write: the one that finds the other's entry deletes its row (`store_entry`)."""
+        ns, prompt = probe.namespace, probe.prompt
+        with self._lock:
+            old = self._by_prompt.get((ns, prompt))
+            if old is None or any(r.holds(old) for r in self._removing.get(ns, ())):
+                return None
+            held = self._entries[old]
+        return held if _same_answer(held, probe, probe.created_at) else None
 
     def _check_store(self, ns: Namespace, prompt: str, answer: str, ttl_seconds: int,
                      answer_token_ids: Sequence[int]) -> Namespace:

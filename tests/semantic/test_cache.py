@@ -344,6 +344,36 @@ def test_the_same_answer_again_keeps_the_entry_every_caller_was_given(make_cache
     c.check_integrity()
 
 
+def test_the_same_answer_again_keeps_its_entry_across_a_crash_during_that_store(
+        make_cache, monkeypatch):
+    """A walk (kill -9 during a burst of Stores of answers already held): such a Store wrote
+    a row of its own, found the entry standing, and deleted its row again. Killed between
+    the two, the restart kept the newest row of the prompt (as after a replacing Store), so
+    the entry every earlier caller was given went (their Feedback NOT_FOUND, the same answer
+    served under a new id, its TTL counted afresh). The held answer is now found before
+    anything is written."""
+    c = make_cache()
+    first = c.store_entry(A, "Who is the CEO?", "Alice", answer_token_ids=[1, 2])
+
+    class Killed(BaseException):
+        pass
+
+    def killed(labels, *a, **kw):
+        raise Killed  # the process dies before the Store's own row is deleted
+
+    monkeypatch.setattr(c.store, "delete", killed)
+    try:
+        c.store_entry(A, "Who is the CEO?", "Alice", answer_token_ids=[1, 2])
+    except Killed:
+        pass
+    monkeypatch.undo()
+    c = make_cache()  # restarted on the same database
+    r = c.lookup(A, "Who is the CEO?")
+    assert r.hit and r.entry.id == first.id and r.entry.created_at == first.created_at
+    assert c.store.count() == 1
+    c.check_integrity()
+
+
 def test_the_same_answer_keeps_the_entry_until_the_instant_it_expires(make_cache, clock):
     """Kept while unexpired, to its last moment (a herd's Stores a little before the TTL
     runs out keep one id); from its expiry on (`Entry.expired`: now >= expires_at) a Store
