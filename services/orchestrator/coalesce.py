@@ -18,7 +18,8 @@ may (`settle`); the others' reports name the entry it was stored as (`settle`), 
 where its Store ends while they may still wait for it. A storer whose Store is not made (its
 client went during it, or it had no time left for one) passes it on (`stored` with None): the
 next follower that may store and is still there claims it (the followers that may store are
-known from their joining, `Flights.join`, until they leave), so one Store is made in all, and
+known from their joining, `Flights.join`, a flight taking over knowing those of the one it
+takes over from, until they leave), so one Store is made in all, and
 one that may not store waits while such a follower may still claim it. A flight taken over is
 a new flight (its own storer: its leader, the one that took over, where it may store); one
 taken over with tokens already whole is finished at once, its leader's claim made with it."""
@@ -123,9 +124,21 @@ class Flight:
 
     def leave(self, member: Hashable) -> None:
         """`member` is gone from the flight (its client, its deadline, its end): it claims no
-        Store, and none waits for it to."""
+        Store, and none waits for it to; nor in the flights that took over from this one (it
+        was to follow them, `hand_on`)."""
         with self._cond:
             self._leave(member)
+            successor = self.successor
+        if successor is not None:
+            successor.leave(member)
+
+    def hand_on(self, successor: Flight, taker: Hashable) -> None:
+        """`successor` takes over from this flight (`Flights.take_over`), `taker` its first to
+        ask: this flight's followers that may store, still there, are that flight's from now
+        (each follows it as it goes on), not only once each asks."""
+        with self._cond, successor._cond:  # one leaving meanwhile leaves both (`leave`)
+            self.successor = successor
+            successor._standby |= self._standby - {taker}
 
     def _leave(self, member: Hashable) -> None:
         if member in self._standby:
@@ -266,14 +279,15 @@ class Flights:
                 gone.successor.add_follower(_member(member, request_id), stores)
                 return gone.successor, False
             if final is None:
-                gone.successor, leads = self._join(gone.key, request_id, member, stores, ids,
-                                                   gone.replica_id)
-                return gone.successor, leads
-            flight = gone.successor = Flight(gone.key, request_id, ids, gone.replica_id, member)
-            flight.ran_by = gone.ran_by
-            flight.finish(final, gone.replica_id, stores)
-            self._open.setdefault(gone.key, flight)  # joined until it ends, if none is open
-            return flight, True
+                flight, leads = self._join(gone.key, request_id, member, stores, ids,
+                                           gone.replica_id)
+            else:
+                flight, leads = Flight(gone.key, request_id, ids, gone.replica_id, member), True
+                flight.ran_by = gone.ran_by
+                flight.finish(final, gone.replica_id, stores)
+                self._open.setdefault(gone.key, flight)  # joined until it ends, if none is open
+            gone.hand_on(flight, _member(member, request_id))
+            return flight, leads
 
     def _join(self, key: Hashable, request_id: str, member: Hashable, may_store: bool,
               ids: list[int] | tuple = (), replica_id: str = "") -> tuple[Flight, bool]:

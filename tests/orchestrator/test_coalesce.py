@@ -211,6 +211,31 @@ def test_a_take_over_with_the_tokens_already_whole_is_finished_and_claimed_at_on
     assert len(flights) == 0
 
 
+def test_the_followers_that_may_store_of_a_flight_taken_over_are_its_successors_at_once():
+    # Known to the flight taking over only as each asked to: one that took over first, that
+    # may not store, named no entry though a follower that may was yet to claim it.
+    stop = threading.Event()
+    fin = kvpool_pb2.KvGenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH)
+    for gone_first in (False, True):
+        flights = Flights()
+        gone, _ = flights.join(KEY, "leader")
+        flights.join(KEY, "f0", may_store=True)
+        flights.join(KEY, "f1")
+        flights.end(gone)
+        taker, leads = flights.take_over(gone, "f1", fin)
+        assert leads
+        if gone_first:  # f0's side ended before it asked: it leaves the taker's flight too
+            threading.Timer(0.1, gone.leave, ("f0",)).start()
+            t0 = time.monotonic()
+            assert taker.settle("f1", False, FAR, stop) == ""
+            assert time.monotonic() - t0 < 5
+        else:
+            threading.Timer(0.1, claim_and_store, (taker, "e5")).start()
+            assert taker.settle("f1", False, FAR, stop) == "e5"
+        flights.end(taker)
+        assert len(flights) == 0
+
+
 def test_requests_that_differ_in_what_decides_the_tokens_never_share_a_flight():
     flights = Flights()
     keys = [KEY,

@@ -313,3 +313,39 @@ def test_one_that_may_not_store_names_the_entry_one_that_may_claims_during_its_w
     assert {r: out[r][-1].report.semantic_entry_id for r in ("lead", "f0", "f1")} == {
         "lead": "", "f0": "e1", "f1": "e1"}
     assert len(orch.flights) == 0
+
+
+def test_one_taking_over_whole_that_may_not_store_names_the_entry_a_follower_after_it_stores():
+    # The leader read the whole answer, then its client went before its final. f0 (may not
+    # store) took over first, with the answer whole; f1 (may) took over after f0 began to wait
+    # for the Store: f0 named none (f1 was not yet known to its flight), though f1 stored it.
+    semantic, skip = Stores(), Policy(skip_semantic_store=True)
+    semantic.timeout_s = 5  # f0 waits up to 5 s
+    stub = Stub("A", [Gated([*map(token, WANT), final("A", 0)], threading.Event(),
+                            free=len(WANT))])
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    real_take_over = orch.flights.take_over
+
+    def take_over(*args, **kwargs):
+        if threading.current_thread().name == "replica-stream-f1":
+            # f1 goes on once f0 has ended (before the fix), or has waited a while.
+            wait_until(lambda: "f0" in out or time.monotonic() > held_from + 0.5, 5,
+                       "f1 was held for ever")
+        return real_take_over(*args, **kwargs)
+
+    orch.flights.take_over = take_over
+    threads = list(lead_and_follow(orch, lambda: stub.requests, out, cancels, 1, skip))
+    before = coalesced()
+    threads.append(run(orch, "f1", out, cancels))
+    wait_until(lambda: coalesced() == before + 1, 5, "f1 never joined")
+    time.sleep(0.1)  # the followers have read the whole answer
+    held_from = time.monotonic()
+    cancels["lead"]()
+    for t in threads:
+        t.join(10)
+    assert all(ids_of(out[r]) == WANT for r in ("f0", "f1")) and len(stub.requests) == 1
+    assert len(semantic.stored) == 1
+    assert {r: out[r][-1].report.semantic_entry_id for r in ("f0", "f1")} == {
+        "f0": "e1", "f1": "e1"}
+    assert len(orch.flights) == 0
