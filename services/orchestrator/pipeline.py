@@ -563,19 +563,13 @@ class Orchestrator:
 
     def _store(self, tenant: Tenant, prompt: RenderedPrompt, answer: str, truncated_at: int,
                deadline: float, answer_ids: Sequence[int] = (),
-               on_call: Callable[[grpc.Future], None] | None = None) -> str:
-        """The stored entry's id ("" = not stored). `on_call` is handed the Store's call as it
-        starts (to cancel it when the request's client goes away)."""
-        return self._store_made(tenant, prompt, answer, truncated_at, deadline, answer_ids,
-                                on_call) or ""
-
-    def _store_made(self, tenant: Tenant, prompt: RenderedPrompt, answer: str,
-                    truncated_at: int, deadline: float, answer_ids: Sequence[int] = (),
-                    on_call: Callable[[grpc.Future], None] | None = None,
-                    by: float | None = None) -> str | None:
-        """As `_store`, None where the Store was not made for this request's sake: no time
-        left for it (`_store_timeout`, `by`), or cancelled with the request (its client
-        went). Another request of its flight may make it then (`_ReplicaSide._store`)."""
+               on_call: Callable[[grpc.Future], None] | None = None,
+               by: float | None = None) -> str | None:
+        """The stored entry's id ("" = not stored), or None where the Store was not made for
+        this request's sake: no time left for it (`_store_timeout`, `by`), or cancelled with
+        the request (its client went); another request of its flight may make it then
+        (`_ReplicaSide._store`). `on_call` is handed the Store's call as it starts (to cancel
+        it when the request's client goes away)."""
         timeout = self._store_timeout(deadline, by)
         if timeout is None:
             return None
@@ -858,7 +852,7 @@ class Orchestrator:
                       by: float | None = None) -> str | None:
         """Stores the model's whole answer `generated` in the semantic tier where it may be
         served again; the entry's id, "" (not stored, or not to be), or None: not made, for
-        want of time (`by`: the latest it may end) or its client gone (`_store_made`)."""
+        want of time (`by`: the latest it may end) or its client gone (`_store`)."""
         # Stored as the model said it: leading whitespace included (a raw completion's answer
         # often starts with a space; stripped, a hit's text and tokens were not the model's).
         answer = complete_decode(self.tok, generated)
@@ -877,10 +871,10 @@ class Orchestrator:
         if not (self.semantic.enabled and may_store and not errors.blank(answer) and not past_end
                 and not shorter):
             return ""
-        return self._store_made(tenant, prompt, answer, len(generated) if cut_short else 0,
-                                deadline, answer_ids(self.tok, self._special_ids,
-                                                     list(generated), answer),
-                                on_call, by)
+        return self._store(tenant, prompt, answer, len(generated) if cut_short else 0,
+                           deadline, answer_ids(self.tok, self._special_ids, list(generated),
+                                                answer),
+                           on_call, by)
 
     def _ended(self, generated: list[int], sampling: Sampling) -> int | None:
         """The finish reason if `generated` is already a whole answer, else None."""

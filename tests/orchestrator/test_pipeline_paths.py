@@ -1168,7 +1168,7 @@ def test_no_store_is_sent_with_too_little_of_the_deadline_left_to_write_it():
 
     orch = make({"A": Stub("A", [])}, semantic=Recording())
     prompt = RenderedPrompt(PROMPT, "q", "ctx")
-    assert orch._store(TENANT, prompt, "ok", 0, time.monotonic() + 0.06) == ""
+    assert orch._store(TENANT, prompt, "ok", 0, time.monotonic() + 0.06) is None  # not made
     assert timeouts == []
     assert orch._store(TENANT, prompt, "ok", 0, time.monotonic() + 10) == "e1"
     assert timeouts == [2.0]
