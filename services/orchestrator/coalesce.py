@@ -145,15 +145,6 @@ class Flight:
             self._standby.discard(member)
             self._cond.notify_all()
 
-    def claim_store(self, member: Hashable) -> bool:
-        """Whether `member` is to store the answer: none holds the claim, and none stored it."""
-        with self._cond:
-            if self._storer is not None or self._entry is not None:
-                return False
-            self._storer = member
-            self._leave(member)
-            return True
-
     def stored(self, member: Hashable, entry_id: str | None) -> None:
         """The Store of `member` ended: `entry_id` ("" = not stored), or None where it was not
         made (its client went during it, or it had no time left for one): passed on, to a

@@ -98,7 +98,7 @@ def test_the_answer_has_one_storer_whose_entry_the_others_are_told():
     t0 = time.monotonic()
     assert flight.stored_as(FAR, stop) == "" and time.monotonic() - t0 < 1
     # The first follower that claims it stores it; a second may not; the others wait for it.
-    assert flight.claim_store("f0") and not flight.claim_store("f1")
+    assert claims(flight, "f0") and not claims(flight, "f1")
     threading.Timer(0.1, flight.stored, ("f0", "e7")).start()
     flight.stored("f1", "e8")  # not the storer: nothing
     assert flight.stored_as(FAR, stop) == "e7"
@@ -107,7 +107,7 @@ def test_the_answer_has_one_storer_whose_entry_the_others_are_told():
     flights = Flights()
     flight, _ = flights.join(KEY, "leader")
     flight.finish(fin, "kvpool-0", stores=True)
-    assert not flight.claim_store("f0")
+    assert not claims(flight, "f0")
     t0 = time.monotonic()
     assert flight.stored_as(time.monotonic() + 0.2, stop) == ""
     assert time.monotonic() - t0 >= 0.2
@@ -128,7 +128,7 @@ def test_a_store_not_made_passes_to_a_follower_that_may_store_and_is_still_there
     threading.Timer(0.1, flight.stored, ("leader", None)).start()
     assert flight.settle("f0", True, FAR, stop) is None
     flight.stored("leader", "e9")
-    assert not flight.claim_store("f1")
+    assert not claims(flight, "f1")
     threading.Timer(0.1, flight.stored, ("f0", "e7")).start()
     assert flight.settle("f2", False, FAR, stop) == "e7"
     assert flight.settle("f1", True, FAR, stop) == "e7"  # stored once: named, not stored
@@ -160,6 +160,12 @@ def claim_and_store(flight, entry_id: str) -> None:
     """"f0" claims the Store of `flight` and stores the answer as `entry_id`."""
     assert flight.settle("f0", True, FAR, threading.Event()) is None
     flight.stored("f0", entry_id)
+
+
+def claims(flight, member) -> bool:
+    """Whether `member`, that may store, claims the Store of `flight` at once (else it waits
+    50 ms for it)."""
+    return flight.settle(member, True, time.monotonic() + 0.05, threading.Event()) is None
 
 
 def test_the_followers_of_a_flight_ended_unfinished_all_take_over_into_one_flight():
@@ -196,7 +202,7 @@ def test_a_take_over_with_the_tokens_already_whole_is_finished_and_claimed_at_on
     assert leads and taker is not fresh and taker.read(4, FAR, stop).final is fin
     # The others see it finished, its Store claimed by the one that took over.
     assert flights.take_over(gone, "f1", fin, stores=True) == (taker, False)
-    assert not taker.claim_store("f1")
+    assert not claims(taker, "f1")
     taker.stored("f0", "e7")
     assert taker.stored_as(FAR, stop) == "e7"
     flights.end(taker)
@@ -206,7 +212,7 @@ def test_a_take_over_with_the_tokens_already_whole_is_finished_and_claimed_at_on
     flights.end(gone)
     taker, _ = flights.take_over(gone, "f0", fin, stores=False)
     assert flights.join(KEY, "late") == (taker, False)  # open until it ends
-    assert taker.claim_store("f1")
+    assert claims(taker, "f1")
     flights.end(taker)
     assert len(flights) == 0
 
