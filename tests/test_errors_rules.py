@@ -124,3 +124,17 @@ def test_text_of_characters_that_draw_nothing_is_blank(text):
     assert errors.blank(text) and rule(text)
     assert not errors.blank(text + "a") and not errors.blank("\u2764\ufe0f")
     assert not errors.blank("\u1100\u1160")  # a jamo with the vowel filler: a syllable
+
+
+@pytest.mark.parametrize("bad", ["m\x1b[2J\n", "llama\u200b", "m\u3164", "m\tx", "m\u2028",
+                                 "\u202emodel", "m\u00a0x", "m\ufe0f"])
+def test_a_model_id_holding_a_character_that_prints_as_nothing_has_a_problem(bad):
+    """The rule the prefix index, the semantic tier, kvpool and the configs share for model
+    ids: a control, format or invisible character, or whitespace other than a plain space,
+    is named by its code point; every id a hub or a model folder gives has none (NFD too)."""
+    from tests.blank_text import lookalike
+
+    assert errors.model_id_problem(bad).startswith("holds U+") and lookalike(bad)
+    for good in ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen2.5-0.5B", "my model",
+                 "models--org--name", "llama_3.1:8b", "café", "cafe\u0301", ""):
+        assert errors.model_id_problem(good) == ""

@@ -23,7 +23,7 @@ from types import MappingProxyType
 from typing import Any, TypeVar
 
 from services.common.addresses import canonical_address, target_host
-from services.common.errors import blank, shown
+from services.common.errors import blank, model_id_problem, shown
 
 T = TypeVar("T")
 
@@ -421,12 +421,15 @@ _GRPC_SCHEMES = ("dns:", "ipv4:", "ipv6:", "xds:")
 def require_model_id(model_id: str, service: str) -> None:
     """The prefix index's rules for a model id (Register and Match), checked at start: longer
     than 256 characters or with a NUL, every call was refused; of only whitespace or
-    invisible characters, it named a model nobody can see ("" = derived from the model)."""
+    invisible characters, it named a model nobody can see ("" = derived from the model); with
+    another character that prints as nothing or as a space, every Register was refused."""
     require(len(model_id) <= 256 and "\0" not in model_id, service, "model_id",
             "at most 256 characters, no NUL")
     require(not model_id or not blank(model_id), service, "model_id",
             "empty (derived from the model) or visible text, not only whitespace or "
             "invisible characters")
+    problem = model_id_problem(model_id)
+    require(not problem, service, "model_id", problem)
 
 
 def is_host_port(a: str, *, listen: bool = False, dialed: bool = False) -> bool:

@@ -73,9 +73,8 @@ def name_problem(name: str) -> str:
     salts, printed as "acme" and "café" in logs, metric labels and Stats, and an EraseTenant
     of what the log showed missed them; so was "acme " at a semantic shard, whose check took
     it where the tokens file refuses it."""
-    for c in name:
-        if c != " " and (blank(c) or unicodedata.category(c) in ("Cc", "Cf")):
-            return f"holds {_char(c)}, a character that prints as nothing or as a space"
+    if hidden := _hidden_char(name):
+        return hidden
     if name != name.strip(" "):
         return (f"{'begins' if name.startswith(' ') else 'ends'} with {_char(' ')}, which "
                 "prints as nothing there")
@@ -84,6 +83,25 @@ def name_problem(name: str) -> str:
                  if not unicodedata.is_normalized("NFC", name[:i]))
         return (f"is not in Unicode NFC form (at {_char(c)}): write it as "
                 f"{unicodedata.normalize('NFC', name)!r}")
+    return ""
+
+
+def model_id_problem(model_id: str) -> str:
+    """Why `model_id` cannot name a model as printed, or "" when it can: a character that
+    prints as nothing or as a space (name_problem's, a plain space allowed). "m\x1b[2J\n"
+    was registered with the prefix index, and its escape cleared the terminal of whoever read
+    the log line or Stats; "llama\u200b" was a model of its own that printed as "llama".
+    Every id a model folder or a hub gives ("org/model", "Qwen2.5-0.5B", "my model") passes;
+    NFD is not refused (a folder's name on macOS)."""
+    return _hidden_char(model_id)
+
+
+def _hidden_char(text: str) -> str:
+    """"holds U+...": `text`'s first character that prints as nothing or as a space (control,
+    format, whitespace other than a plain space, blank()'s invisible ones), or ""."""
+    for c in text:
+        if c != " " and (blank(c) or unicodedata.category(c) in ("Cc", "Cf")):
+            return f"holds {_char(c)}, a character that prints as nothing or as a space"
     return ""
 
 

@@ -100,6 +100,10 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
 
     def _check_model(self, model_id: str, info: ModelInfo) -> None:
         if model_id and model_id != info.model_id:
+            if problem := errors.model_id_problem(model_id):
+                # No model's id (the index refuses it): the caller's mistake, not a replica
+                # serving another model to look past.
+                raise errors.InvalidArgument("model_id", problem)
             raise errors.FailedPrecondition(
                 f"model_id: this replica serves {info.model_id!r}, not {errors.shown(model_id)}")
 

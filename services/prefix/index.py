@@ -30,6 +30,7 @@ from services.common.errors import (
     NotFound,
     ResourceExhausted,
     blank,
+    model_id_problem,
     shown,
 )
 from services.common.hashing import DIGEST_SIZE, BlockHasher, check_salt
@@ -225,11 +226,14 @@ def _check_id(name: str, value: str) -> None:
 
 
 def _check_model_id(model_id: str) -> None:
-    """A model id Register, Match and TopPrefixes take: an id (`_check_id`) without NUL."""
+    """A model id Register, Match and TopPrefixes take: an id (`_check_id`) without NUL, nor
+    any other character that prints as nothing or as a space (errors.model_id_problem)."""
     _check_id("model_id", model_id)
     if "\0" in model_id:
         # Roots hash model and salt with NUL between them (see check_salt).
         raise InvalidArgument("model_id", "must not contain NUL")
+    if problem := model_id_problem(model_id):
+        raise InvalidArgument("model_id", problem)
 
 
 def _ranked(reps: Sequence[Replica], segments: list[MatchSegment],

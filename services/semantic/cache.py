@@ -34,6 +34,7 @@ from services.common.errors import (
     NotFound,
     ResourceExhausted,
     blank,
+    model_id_problem,
     name_problem,
     shown,
 )
@@ -406,16 +407,19 @@ class SemanticCache:
     # ---- validation -------------------------------------------------------------------------
 
     def _check_namespace(self, ns: Namespace | None, erasing: bool = False) -> Namespace:
-        """A namespace to store or look up under, whose tenant prints as no other (the
-        orchestrator's tokens file allows no such name: errors.name_problem); with `erasing`,
-        one to remove, whose tenant may: an earlier release stored entries under such a name,
-        and they must stay erasable by it."""
+        """A namespace to store or look up under, whose tenant and model print as no other (the
+        orchestrator's tokens file allows no such name, the prefix index no such model:
+        errors.name_problem, model_id_problem); with `erasing`, one to remove, whose names
+        may: an earlier release stored entries under such names, and they must stay erasable
+        by them."""
         if ns is None:
             raise InvalidArgument("namespace", "required")
         self._check_name("namespace.tenant", ns.tenant)
         if not erasing and (problem := name_problem(ns.tenant)):
             raise InvalidArgument("namespace.tenant", problem)
         self._check_name("namespace.model_id", ns.model_id)
+        if not erasing and (problem := model_id_problem(ns.model_id)):
+            raise InvalidArgument("namespace.model_id", problem)
         if len(ns.context_hash) > 128 or not _HEX.fullmatch(ns.context_hash):
             raise InvalidArgument("namespace.context_hash", "must be hex, at most 128 chars")
         return Namespace(ns.tenant, ns.model_id, ns.context_hash.lower())

@@ -274,6 +274,22 @@ def test_prefill_bad_input_and_model_mismatch(served) -> None:
     assert "model_id" in ei.value.details()
 
 
+def test_a_model_id_no_model_can_have_is_invalid_argument_naming_the_character(served):
+    """A model id with a control or invisible character (the prefix index refuses it at
+    Register) was a replica serving another model (FAILED_PRECONDITION, which a router looks
+    past to the next replica): it is the caller's mistake, named as the index names it."""
+    ok = common_pb2.SamplingParams(max_tokens=1)
+    for call in (lambda: list(served.stub.Generate(kvpool_pb2.KvGenerateRequest(
+                     token_ids=[1], sampling=ok, model_id="m\x1b[2J\n"), timeout=5)),
+                 lambda: served.stub.Prefill(kvpool_pb2.PrefillRequest(
+                     token_ids=[1, 2], model_id="llama\u200b"), timeout=5)):
+        with pytest.raises(grpc.RpcError) as ei:
+            call()
+        assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert ei.value.details().startswith("model_id: holds U+")
+    assert_idle(served.replica.engine)
+
+
 def test_pool_too_small_is_resource_exhausted(tiny_model) -> None:
     s = Served(replace(CFG, num_blocks=4), tiny_model)
     try:

@@ -71,12 +71,13 @@ def test_warm_min_hits_past_its_bound_is_refused_stating_the_bound():
     assert cfg.warm_min_hits == 2**63
 
 
-@pytest.mark.parametrize("bad", ["x" * 257, "a\0b", "\u3164"])
+@pytest.mark.parametrize("bad", ["x" * 257, "a\0b", "\u3164", "m\x1b[2J\n", "llama\u200b"])
 def test_a_model_id_the_replicas_and_the_index_would_refuse_is_refused_at_start(bad):
-    """kvpool's model_id is at most 256 characters, without NUL, and visible (the index's
-    rules at Register and Match): the orchestrator took any, and then every Match it sent the
-    index was refused (a 257-character id) or hashed blocks no replica holds. Refused at start
-    by the variable's name, as kvpool's; 256 characters are taken."""
+    """kvpool's model_id is at most 256 characters, without NUL, and visible, with no
+    character that prints as nothing or as a space (the index's rules at Register and Match):
+    the orchestrator took any, and then every Match it sent the index was refused (a
+    257-character id) or hashed blocks no replica holds. Refused at start by the variable's
+    name, as kvpool's; 256 characters are taken."""
     env = ORCH + "MODEL_ID"
     assert len(load_config(OrchestratorConfig, "orchestrator", [],
                            environ={env: "x" * 256}).model_id) == 256

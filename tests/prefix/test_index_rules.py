@@ -45,8 +45,33 @@ def test_register_refuses_ids_of_only_invisible_characters_naming_the_field(inde
         return
     with pytest.raises(InvalidArgument, match="model_id: only whitespace or invisible"):
         index.register("r", "i1", "addr", "\u3164", BS)
-    index.register("r", "i1", "addr", "m \u3164", BS)  # a model id may hold spaces
+    index.register("r", "i1", "addr", "my model", BS)  # a model id may hold spaces
     assert index.replica_count == 1
+
+
+@pytest.mark.parametrize("bad", ["m\x1b[2J\n", "llama\u200b", "m \u3164", "m\tx", "m\u2028"])
+def test_a_model_id_holding_a_character_that_prints_as_nothing_is_refused_naming_it(
+        index, hasher, bad):
+    """Register took "m\x1b[2J\n" (replica_id, incarnation and address must be printable,
+    model_id only not blank): its escape cleared the terminal of whoever read the log line or
+    Stats, and "llama\u200b" was a model of its own printed as "llama". Register, Match and
+    TopPrefixes refuse it naming model_id and the character, nothing registered or counted;
+    every id a hub or a model folder gives is taken."""
+    hot(index, hasher, toks(1))
+    before = index.stats()
+    for call in (lambda: index.register("r9", "i1", "addr", bad, BS),
+                 lambda: index.match(bad, token_ids=toks(1)),
+                 lambda: index.top_prefixes(10, bad)):
+        with pytest.raises(InvalidArgument, match=r"^model_id: holds U\+[0-9A-F]{4}"):
+            call()
+    after = index.stats()
+    assert (len(after.replicas), after.matches_total) == (len(before.replicas),
+                                                          before.matches_total)
+    goods = ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen2.5-0.5B", "my model", "café",
+             "models--org--name", "llama_3.1:8b")
+    for i, good in enumerate(goods):
+        index.register(f"r{i}", "i1", "addr", good, BS)
+    assert len(index.stats().replicas) == len(before.replicas) + len(goods)
 
 
 def test_a_hash_probe_of_the_wrong_length_is_a_bad_argument_not_a_key_mismatch(index, hasher):

@@ -634,3 +634,29 @@ def test_a_tenant_name_that_prints_as_another_is_refused_to_store_and_look_up_bu
     assert [r.tenant for rows in c.store.iter_all() for r in rows] == ["acme"]
     _store(c, ns=Namespace("acme corp", "m"))
     assert c.invalidate_tenant("acme corp") == 1
+
+
+@pytest.mark.parametrize("model", ["m\x1b[2J\n", "llama\u200b", "m\u3164", "m\tx"])
+def test_a_model_id_that_prints_as_another_is_refused_to_store_and_look_up_but_erasable(
+        make_cache, monkeypatch, model):
+    """A model id holding a control, format or invisible character ("m\\x1b[2J\\n" cleared
+    the terminal of whoever read it; "llama\\u200b" printed as "llama") was a namespace of
+    its own. Store and Lookup refuse it naming the character, as the prefix index's Register
+    does, storing nothing; Invalidate by namespace takes it (an earlier release stored
+    entries under one). Every id a hub or a model folder gives is taken."""
+    import services.semantic.cache as cache_mod
+
+    with monkeypatch.context() as earlier:  # the earlier release: no such check
+        earlier.setattr(cache_mod, "model_id_problem", lambda _: "")
+        _store(make_cache(**LIMITS), ns=Namespace("acme", model))
+    c = make_cache(**LIMITS)  # restarted as the new release, on the same database
+    ns = Namespace("acme", model)
+    for call in (lambda: _store(c, ns=ns), lambda: c.lookup(ns, "A fine question?")):
+        with pytest.raises(InvalidArgument, match=r"U\+[0-9A-F]{4}") as exc:
+            call()
+        assert exc.value.field == "namespace.model_id"
+    assert c.store.count() == 1 and c.stats().lookups_total == 0
+    assert c.invalidate_namespace(ns) == 1
+    for good in ("HuggingFaceTB/SmolLM2-135M-Instruct", "Qwen2.5-0.5B", "my model", "café"):
+        _store(c, ns=Namespace("acme", good))
+    assert c.store.count() == 4
