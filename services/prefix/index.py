@@ -1051,9 +1051,12 @@ class PrefixIndex:
             _check_hashes("block_hashes", block_hashes)
             hashes = block_hashes
         elif len(token_ids):
-            if len(token_ids) > self.max_blocks * self.block_size:
-                raise InvalidArgument("token_ids",
-                                      f"more than {self.max_blocks * self.block_size} tokens")
+            if len(token_ids) // self.block_size > self.max_blocks:
+                # The limit is in blocks, as for block_hashes: a partial last block is not
+                # hashed (max_blocks full ones and a few tokens more were refused).
+                raise InvalidArgument(
+                    "token_ids", f"more than {self.max_blocks} full blocks of "
+                                 f"{self.block_size} tokens ({len(token_ids)} tokens)")
             salt = check_salt("cache_salt", cache_salt)
             hashes = None  # below, once the model is known to be served
         else:

@@ -842,7 +842,8 @@ class PrefixWorld:
             else:
                 del r.block_hashes[:]
                 del r.token_ids[:]
-                r.token_ids.extend([1] * (self.index.max_blocks * BS + pick(rng, (0, 1, 5))))
+                r.token_ids.extend([1] * (self.index.max_blocks * BS
+                                          + pick(rng, (0, 1, BS - 1, BS, BS + 1))))
 
         def match_hashes_many(rng, r):
             del r.token_ids[:]
@@ -946,7 +947,7 @@ class PrefixWorld:
                     if len(h) != 16:
                         v.bad(INVALID, f"block_hashes[{i}]")
             elif r.token_ids:
-                if len(r.token_ids) > idx.max_blocks * BS:
+                if len(r.token_ids) // BS > idx.max_blocks:  # full blocks (the proto)
                     v.bad(INVALID, "token_ids")
                 if len(r.cache_salt) > 256 or "\0" in r.cache_salt:
                     v.bad(INVALID, "cache_salt")

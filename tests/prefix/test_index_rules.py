@@ -444,3 +444,20 @@ def test_probe_matches_take_no_tick_so_a_fresh_tail_keeps_its_grace(clock, hashe
     gone = tree.prune(len(tree) - 1, HybridPolicy(shallow), shallow, 1, index._recent_since())
     assert gone == [hasher.hashes(old)[-1]]  # the least recent deep leaf, not the fresh one
     index.check_integrity()
+
+
+def test_a_match_of_max_blocks_full_blocks_and_a_partial_one_is_taken_by_tokens(clock, hasher):
+    """Match's limit is in blocks (max_blocks, as for block_hashes): max_blocks full blocks and
+    a partial last one, never hashed, were refused as "more than max_blocks*block_size
+    tokens", though their hashes were taken. One full block more is refused, naming blocks."""
+    index = make_index(clock, max_blocks=3)
+    reg(index, "a")
+    index.publish("a", "i1", 1, [stored(hasher, toks(1, 2, 3))])
+    for extra in (0, 1, BS - 1):
+        r = index.match(MODEL, token_ids=toks(1, 2, 3) + [7] * extra)
+        assert r.request_blocks == 3 and [(m.replica_id, m.matched_blocks)
+                                          for m in r.matches] == [("a", 3)]
+    with pytest.raises(InvalidArgument, match=r"^token_ids: more than 3 full blocks of "):
+        index.match(MODEL, token_ids=toks(1, 2, 3, 4))
+    with pytest.raises(InvalidArgument, match=r"^block_hashes: more than 3 blocks"):
+        index.match(MODEL, block_hashes=hasher.hashes(toks(1, 2, 3, 4), ""))

@@ -113,7 +113,7 @@ def test_bad_input_gets_a_clear_status_and_changes_nothing(server, client):
          grpc.StatusCode.INVALID_ARGUMENT, "block_hashes[0]"),
         ("Match", prefix_pb2.MatchRequest(token_ids=[1] * BS), grpc.StatusCode.INVALID_ARGUMENT,
          "model_id"),
-        ("Match", prefix_pb2.MatchRequest(model_id=MODEL, token_ids=[1] * (65536 * BS + 1)),
+        ("Match", prefix_pb2.MatchRequest(model_id=MODEL, token_ids=[1] * (65536 * BS + BS)),
          grpc.StatusCode.INVALID_ARGUMENT, "token_ids: more than"),
         ("PublishEvents", pub(replica_id="ghost", incarnation="i", seq=2, events=[good]),
          grpc.StatusCode.NOT_FOUND, "replica_id"),

@@ -74,7 +74,8 @@ replica_id and a malformed address named the address); it now checks in field or
 Left as is: Match and TopPrefixes take any
 model id or salt as a filter (no replica has a whitespace one; a NUL in either, or a salt past
 its length limit, is refused since: test_index_rules.py), and Match's limit of
-max_blocks blocks is not in the proto; the nodes and unheld gauges follow a lapse that a
+max_blocks blocks was not in the proto (it is since, in full blocks: 65,536 and a partial
+one were refused as "more than 1048576 tokens"); the nodes and unheld gauges follow a lapse that a
 Match or TopPrefixes found at the sweeper's next turn (it wakes within 5 ms while anything is
 unheld); the 64-replica limit and pruning (max_nodes large here) are not driven.
 Injected bugs (one at a time in server.py, then reverted), caught 24 of 24 at the default 15
@@ -662,7 +663,7 @@ def expected_match(m: Model, req: pb.MatchRequest) -> pb.MatchResponse:
                 raise Refused(INVALID, f"block_hashes[{i}]")
         hashes = [bytes(h) for h in req.block_hashes]
     elif req.token_ids:
-        if len(req.token_ids) > MAX_BLOCKS * BS:
+        if len(req.token_ids) // BS > MAX_BLOCKS:  # full blocks, as the proto says
             raise Refused(INVALID, "token_ids")
         if len(req.cache_salt) > 256 or "\0" in req.cache_salt:
             raise Refused(INVALID, "cache_salt")
@@ -827,7 +828,7 @@ def refusals(m: Model, verify: bool) -> list:
         ("Match", match(model_id="m" * 257), INVALID, "model_id"),
         ("Match", match(token_ids=[]), INVALID, "token_ids"),
         ("Match", match(block_hashes=hs), INVALID, "token_ids"),
-        ("Match", match(token_ids=[1] * (MAX_BLOCKS * BS + 1)), INVALID, "token_ids"),
+        ("Match", match(token_ids=[1] * (MAX_BLOCKS * BS + BS)), INVALID, "token_ids"),
         ("Match", match(token_ids=[], block_hashes=[hs[0]] * (MAX_BLOCKS + 1)), INVALID,
          "block_hashes"),
         ("Match", match(token_ids=[], block_hashes=[hs[0], b"\x01" * 17]), INVALID,
