@@ -42,6 +42,11 @@ RESYNCS = metrics.counter("tiercache_prefix_resyncs_total",
                           "tiercache_prefix_replicas for lapses)")
 # A counter (rate() and increase() work on it), fed from the tree's running total.
 PRUNED = metrics.counter("tiercache_prefix_pruned_total", "Nodes pruned by the memory budget")
+# Stats' dropped_blocks_total, the one counter of Stats no metric had: a replica publishing
+# chains the index cannot place (a lost parent) showed only to whoever polled Stats.
+DROPPED = metrics.counter("tiercache_prefix_dropped_blocks_total",
+                          "Stored blocks ignored because their parent was unknown or not held "
+                          "by the replica (Stats' dropped_blocks_total)")
 UNHELD = metrics.gauge("tiercache_prefix_unheld_nodes",
                        "Nodes a lapse or a resync left held by no replica, invisible to calls, "
                        "that the sweeper has still to delete")
@@ -95,6 +100,7 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         self.index = index
         self.lock = threading.Lock()
         self._pruned = metrics.TotalCounter(PRUNED)
+        self._dropped_blocks = metrics.TotalCounter(DROPPED)
         # Replicas' shard lists against Matches' (services.prefix.shard_list).
         self.shard_lists = ShardListCheck(index.clock)
         # A lapsed replica's list was kept, and a Match naming no live replica was still
@@ -113,6 +119,7 @@ class PrefixServicer(prefix_pb2_grpc.PrefixIndexServicer):
         UNHELD.set(self.index.tree.unheld)
         REPLICAS.set(self.index.replica_count)
         self._pruned.update(self.index.tree.pruned_total)
+        self._dropped_blocks.update(self.index.dropped_blocks_total)
 
     def Register(self, request, context):
         with self.lock:

@@ -758,14 +758,17 @@ def test_running_totals_are_exported_as_counters_that_only_add_what_is_new() -> 
         def __len__(self) -> int:
             return 0
 
-    index = SimpleNamespace(tree=Tree(), replica_count=0, clock=time.monotonic)
+    index = SimpleNamespace(tree=Tree(), replica_count=0, clock=time.monotonic,
+                            dropped_blocks_total=1)
     before = value("tiercache_prefix_pruned_total")
+    dropped = value("tiercache_prefix_dropped_blocks_total")
     s = PrefixServicer(index)
     s._gauges()
-    index.tree.pruned_total = 5
+    index.tree.pruned_total, index.dropped_blocks_total = 5, 4
     s._gauges()
     s._gauges()
     assert value("tiercache_prefix_pruned_total") - before == 5
+    assert value("tiercache_prefix_dropped_blocks_total") - dropped == 4
     assert value("tiercache_prefix_unheld_nodes") == 3  # what the sweeper has still to reap
     kinds = {m.name: m.type for m in REGISTRY.collect()}
     assert kinds["tiercache_kvpool_evictions"] == kinds["tiercache_prefix_pruned"] == "counter"

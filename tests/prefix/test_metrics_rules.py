@@ -87,3 +87,34 @@ def test_a_replica_back_from_a_lapse_that_resyncs_unasked_counts_no_resync():
         replica_id="r0", incarnation="i", seq=1, resync=True), None)
     assert out.status == prefix_pb2.PUBLISH_STATUS_OK and gauge() == 1
     assert sample_value("tiercache_prefix_resyncs_total") == before
+
+
+def test_the_dropped_blocks_counter_is_stats_dropped_blocks_total():
+    """Stats' dropped_blocks_total (stored blocks whose parent the replica does not hold) was
+    the one counter of Stats with no metric: tiercache_prefix_dropped_blocks_total follows
+    it, block for block, and a chain placed behind a held parent adds nothing."""
+    from services.common.hashing import BlockHasher
+
+    def dropped() -> float:
+        return sample_value("tiercache_prefix_dropped_blocks_total") or 0.0
+
+    s = PrefixServicer(PrefixIndex(BS, lease_seconds=LEASE, clock=Clock(100.0)))
+    register(s, "r0")
+    toks = list(range(5 * BS))
+    hs = BlockHasher("m", BS).hashes(toks, "")
+
+    def publish(seq: int, start: int, end: int) -> None:
+        s.PublishEvents(prefix_pb2.PublishEventsRequest(
+            replica_id="r0", incarnation="i", seq=seq, events=[prefix_pb2.KvEvent(
+                stored=prefix_pb2.BlocksStored(
+                    parent_hash=hs[start - 1] if start else b"", block_hashes=hs[start:end],
+                    token_ids=toks[start * BS:end * BS], first_block_hash=hs[0],
+                    start_block=start))]), None)
+
+    before = dropped()
+    publish(1, 3, 5)  # its parent, block 2, is not held: both blocks dropped
+    stats = s.Stats(prefix_pb2.PrefixStatsRequest(), None)
+    assert stats.dropped_blocks_total == 2 == dropped() - before
+    publish(2, 0, 2)  # from the root: placed
+    stats = s.Stats(prefix_pb2.PrefixStatsRequest(), None)
+    assert stats.dropped_blocks_total == 2 == dropped() - before and stats.nodes == 2

@@ -49,7 +49,8 @@ test_index_differential.py):
   capacity, the counters, max_nodes, shards 0/0, the mismatch count and note; the metrics
   of docs/metrics.md: rpc_total by method and code, events_total by kind (batches applied,
   not retries), matches_total and match_blocks_total by result, resyncs_total (as Stats'),
-  shard_list_mismatches_total, pruned_total (0), and the nodes, replicas and unheld gauges;
+  shard_list_mismatches_total, pruned_total (0), dropped_blocks_total (as Stats'), and the
+  nodes, replicas and unheld gauges;
   at the end the sweeper has deleted every unheld node.
 Time is a test clock put in the index's place before `serve`, moved under half a lease a
 step with a call after each (a longer silence reads as a pause of the process, which the
@@ -1014,6 +1015,8 @@ def check_stats(svc: Svc, m: Model, before: dict) -> None:
     assert now[("tiercache_prefix_replicas", ())] == len(m.reps)
     # The sweeper may have reaped some since the answer (never added any: the clock stood).
     assert now[("tiercache_prefix_unheld_nodes", ())] <= st.unheld_nodes
+    # Stats' dropped_blocks_total as a counter (docs/metrics.md).
+    m.metrics[("tiercache_prefix_dropped_blocks_total", ())] = m.dropped
     for key in set(now) | set(m.metrics):
         name = key[0]
         if name in ("tiercache_prefix_nodes", "tiercache_prefix_replicas",
