@@ -1,6 +1,7 @@
 """The rule for empty text, written from docs/reliability.md (not from the code it checks):
 text of only whitespace, zero-width, format (but for those drawn, as "۝"), control or other
-characters Unicode draws as nothing (Hangul fillers, variation selectors) counts as empty
+characters Unicode draws as nothing (Hangul fillers, variation selectors, the Braille blank
+U+2800) counts as empty
 (refused in a message, a raw prompt or a semantic text; an answer of it is not stored, not
 saved to a session and not sent back in a replayed history)."""
 
@@ -14,8 +15,9 @@ DRAWN = {0x600, 0x601, 0x602, 0x603, 0x604, 0x605, 0x6DD, 0x70F, 0x890, 0x891, 0
 
 
 # Unicode's Default_Ignorable_Code_Point (DerivedCoreProperties.txt), assigned, outside Cc/Cf.
+# And U+2800 BRAILLE PATTERN BLANK, a Braille cell with no dot: drawn as a space.
 IGNORABLE = ({0x34F, 0x115F, 0x1160, 0x17B4, 0x17B5, 0x180B, 0x180C, 0x180D, 0x180F, 0x3164,
-              0xFFA0} | set(range(0xFE00, 0xFE10)) | set(range(0xE0100, 0xE01F0)))
+              0xFFA0, 0x2800} | set(range(0xFE00, 0xFE10)) | set(range(0xE0100, 0xE01F0)))
 
 
 def blank(text: str) -> bool:

@@ -99,13 +99,14 @@ def test_a_non_ascii_status_message_is_capped_by_its_size_on_the_wire():
 
 @pytest.mark.parametrize("text", [
     "\u0600", "\u06dd", "\u070f", "\u08e2", "\U000110bd",  # format characters drawn as signs
-    "\u0301", "👨\u200d👩\u200d👧", "\u200fשלום\u200e", "\u2800", "\u0915\u094d\u200d",
+    "\u0301", "👨\u200d👩\u200d👧", "\u200fשלום\u200e", "\u2801", "\u0915\u094d\u200d",
 ])
 def test_text_a_reader_sees_is_not_blank(text):
     """The Arabic number sign, end of ayah (۝), the Syriac abbreviation mark and the Kaithi
     number sign are format characters (Cf) that are drawn, spanning the digits after them:
     a question of only "۝" was refused as empty. A lone combining mark, an emoji joined by
-    ZWJ, right-to-left text between direction marks, a Braille cell are text too."""
+    ZWJ, right-to-left text between direction marks, a Braille cell with a dot are text
+    too."""
     assert not errors.blank(text)
     assert errors.blank(" \u200b\u200d\ufeff\u2060\u00ad\x00\u200e\U000e0041\n")
 
@@ -114,6 +115,7 @@ def test_text_a_reader_sees_is_not_blank(text):
     "\u3164", "\u115f", "\u1160", "\uffa0", "\u3164 \u3164\n",  # the Hangul fillers
     "\ufe00", "\ufe0f", "\U000e0100", "\U000e01ef", "\ufe0f\u200d\ufe0f",  # selectors
     "\u034f", "\u180b", "\u17b4",  # CGJ, a Mongolian FVS, a Khmer inherent vowel
+    "\u2800", "\u2800 \u2800\n",  # the Braille blank: a cell with no dot, drawn as a space
 ])
 def test_text_of_characters_that_draw_nothing_is_blank(text):
     """Unicode's default-ignorable letters and marks draw nothing, as zero-width spaces: a

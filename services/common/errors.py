@@ -31,8 +31,11 @@ _DRAWN_FORMAT = frozenset("\u0600\u0601\u0602\u0603\u0604\u0605\u06dd\u070f\u089
 # Unicode's Default_Ignorable_Code_Point characters that are neither Cf nor Cc: letters and
 # marks that draw nothing (the Hangul fillers are Lo, the variation selectors and the
 # combining grapheme joiner Mn), so a text of only them passed as text: "\u3164" was
-# answered and stored, and every other such question hit it, as zero-width ones had.
-_INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180f\u3164\uffa0"
+# answered and stored, and every other such question hit it, as zero-width ones had. And
+# U+2800 BRAILLE PATTERN BLANK (So, not in that list): a cell with no dot, drawn as a space
+# (Braille's space between words), so a tenant "\u2800" printed as nothing.
+_INVISIBLE = frozenset("\u034f\u115f\u1160\u17b4\u17b5\u180b\u180c\u180d\u180f\u2800\u3164"
+                       "\uffa0"
                        + "".join(map(chr, range(0xFE00, 0xFE10)))
                        + "".join(map(chr, range(0xE0100, 0xE01F0))))
 
@@ -56,7 +59,8 @@ def blank(text: str) -> bool:
     (Cf: zero-width spaces and joiners, a BOM, direction marks) characters, but for the few
     format characters that are drawn (a question of only "۝" is text), and the other
     characters Unicode says draw nothing (the Hangul fillers, variation selectors, the
-    combining grapheme joiner, Mongolian free variation selectors, Khmer inherent vowels).
+    combining grapheme joiner, Mongolian free variation selectors, Khmer inherent vowels)
+    and the Braille blank U+2800.
     `str.strip()` keeps "\u200b": a message of zero-width characters was answered, and its
     answer stored in the semantic tier, where every other invisible question then matched it.
     Stops at the first visible character (a long text costs nothing more)."""

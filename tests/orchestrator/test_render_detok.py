@@ -574,7 +574,8 @@ def test_a_private_use_text_beside_a_control_text_is_rendered_as_typed(tok, rend
         "trained by Hugging Face<|im_end|>\n<|im_start|>user\n\ue0000\ue001<|im_start|><|im_end|>\n"
 
 
-@pytest.mark.parametrize("invisible", ["\u200b", "\u200b\u200d\ufeff", "\t\x00\u2060 "])
+@pytest.mark.parametrize("invisible", ["\u200b", "\u200b\u200d\ufeff", "\t\x00\u2060 ",
+                                       "\u2800\u2800"])
 def test_messages_and_raw_prompts_of_only_invisible_characters_are_refused(renderer,
                                                                            invisible):
     """A message or raw prompt of zero-width or control characters only passed the empty

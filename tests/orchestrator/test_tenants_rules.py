@@ -75,7 +75,7 @@ def test_the_tokens_file_versions_are_named_in_the_reload_lines(tmp_path, caplog
     assert tag(first) not in caplog.text  # the start's version is the app's line
 
 
-@pytest.mark.parametrize("name", ["\u3164", "\u200b", "\u200b\ufeff", "\u3164 \u3164"])
+@pytest.mark.parametrize("name", ["\u3164", "\u200b", "\u200b\ufeff", "\u3164 \u3164", "\u2800"])
 def test_a_tenant_named_by_only_invisible_characters_is_refused_at_start(tmp_path, name):
     """strip() kept the Hangul filler and zero-width characters: a tenant nobody could read in
     a log line, a metric label or Stats was taken, from the tokens file and from

@@ -297,7 +297,7 @@ def test_a_ttl_cut_not_written_on_a_full_disk_still_applies_in_memory(make_cache
 
 
 
-@pytest.mark.parametrize("blank", [" \t", "\u3164", "\u200b"])
+@pytest.mark.parametrize("blank", [" \t", "\u3164", "\u200b", "\u2800"])
 @pytest.mark.parametrize("field", ["tenant", "model_id"])
 def test_a_whitespace_only_tenant_or_model_is_refused_and_nothing_is_written(make_cache, field,
                                                                              blank):
@@ -352,7 +352,8 @@ def test_the_same_unread_text_composed_otherwise_hits_its_entry(cache_factory):
     assert not c.lookup(A, "일본의 수도는 어디입니까?", tier="relaxed").hit
 
 
-@pytest.mark.parametrize("invisible", ["\u200b", "\u200b\u200c\ufeff", " \u2060\n\x00", "\u200e"])
+@pytest.mark.parametrize("invisible", ["\u200b", "\u200b\u200c\ufeff", " \u2060\n\x00", "\u200e",
+                                       "\u2800\u2800"])
 def test_text_of_only_invisible_characters_is_refused_and_nothing_is_written(make_cache,
                                                                              invisible):
     """str.strip() kept zero-width and control characters as content: a question or answer
@@ -605,7 +606,8 @@ def test_a_tenant_erasure_that_fails_still_forgets_its_texts_just_looked_up(make
     assert [t for t, _ in c._recent] == [edges.B.tenant]
 
 
-@pytest.mark.parametrize("name", ["acme\u200b", "cafe\u0301", "a\nb", "a\u202eb", "acme ", " acme"])
+@pytest.mark.parametrize("name", ["acme\u200b", "cafe\u0301", "a\nb", "a\u202eb", "acme ", " acme",
+                                  "acme\u2800"])
 def test_a_tenant_name_that_prints_as_another_is_refused_to_store_and_look_up_but_erasable(
         make_cache, monkeypatch, name):
     """"acme\u200b" was a namespace of its own, printed as "acme". Store and Lookup refuse
@@ -636,7 +638,7 @@ def test_a_tenant_name_that_prints_as_another_is_refused_to_store_and_look_up_bu
     assert c.invalidate_tenant("acme corp") == 1
 
 
-@pytest.mark.parametrize("model", ["m\x1b[2J\n", "llama\u200b", "m\u3164", "m\tx"])
+@pytest.mark.parametrize("model", ["m\x1b[2J\n", "llama\u200b", "m\u3164", "m\tx", "m\u2800"])
 def test_a_model_id_that_prints_as_another_is_refused_to_store_and_look_up_but_erasable(
         make_cache, monkeypatch, model):
     """A model id holding a control, format or invisible character ("m\\x1b[2J\\n" cleared
