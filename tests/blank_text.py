@@ -26,10 +26,13 @@ def blank(text: str) -> bool:
                    for c in text)
 
 
+def hidden(text: str) -> bool:
+    """`text` holds a control or format character, whitespace other than a plain space or a
+    character drawn as nothing: a model id no service takes (the proto comments)."""
+    return any(c != " " and blank(c) or unicodedata.category(c) in ("Cc", "Cf") for c in text)
+
+
 def lookalike(name: str) -> bool:
-    """A tenant name that prints as another (docs/deploy.md, tenant tokens): one holding a
-    control or format character, whitespace other than a plain space or a character drawn
-    as nothing, or one not in NFC."""
-    return (any(c != " " and blank(c) or unicodedata.category(c) in ("Cc", "Cf")
-                for c in name)
-            or unicodedata.normalize("NFC", name) != name)
+    """A tenant name that prints as another (docs/deploy.md, tenant tokens): one `hidden`
+    holds, or one not in NFC."""
+    return hidden(name) or unicodedata.normalize("NFC", name) != name

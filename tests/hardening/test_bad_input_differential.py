@@ -89,7 +89,7 @@ from tiercache.v1 import (
 
 from services.common.hashing import BlockHasher
 from services.launcher import free_port
-from tests.blank_text import blank, lookalike
+from tests.blank_text import blank, hidden, lookalike
 from tests.waits import holds_within
 from tests.wire import f32
 
@@ -423,6 +423,9 @@ class SemanticWorld:
         def model_long(rng, r):
             r.namespace.model_id = "m" * pick(rng, (65, 257, 64))
 
+        def model_hidden(rng, r):  # refused where stored or looked up, erasable
+            r.namespace.model_id = pick(rng, ("m\n", "llama\u200b", "m\u3164", "my model"))
+
         def context_not_hex(rng, r):
             r.namespace.context_hash = pick(rng, ("xyz", "00 ff", "0x00", "é", "-1"))
 
@@ -434,7 +437,8 @@ class SemanticWorld:
                                             "cafe\u0301", "a\nb", "a\u202eb"))
 
         ns_fix = [no_namespace, oneof(tenant_empty, tenant_long, tenant_space),
-                  oneof(model_empty, model_long), oneof(context_not_hex, context_long)]
+                  oneof(model_empty, model_long, model_hidden),
+                  oneof(context_not_hex, context_long)]
 
         def text_bad(rng, r):
             name = "text" if rpc == "Lookup" else "prompt"
@@ -498,6 +502,8 @@ class SemanticWorld:
                 v.bad(INVALID, f"namespace.{name}")
         if lookalike(ns.tenant) and not erasing:  # "... nor one that prints as another"
             v.bad(INVALID, "namespace.tenant")
+        if hidden(ns.model_id) and not erasing:  # "... no control, format or invisible"
+            v.bad(INVALID, "namespace.model_id")
         h = ns.context_hash
         if len(h) > 128 or any(c not in "0123456789abcdefABCDEF" for c in h):
             v.bad(INVALID, "namespace.context_hash")
@@ -745,7 +751,7 @@ class PrefixWorld:
 
         def model_bad(rng, r):
             r.model_id = pick(rng, ("", "m" * 257, "a\0b", "m" * 256, "a b", "unknown",
-                                    "\u200b\u3164"))
+                                    "\u200b\u3164", "m\x1b[2J\n", "llama\u200b", "m\u2800"))
 
         def block_size_bad(rng, r):
             r.block_size = pick(rng, (0, BS + 1, 2**32 - 1, 1))
@@ -825,7 +831,7 @@ class PrefixWorld:
                 block_hashes=[bytes([i]) * 16 for i in range(n)])))
 
         def match_model_bad(rng, r):
-            r.model_id = pick(rng, ("", "m" * 257, "unknown", "a\0b"))
+            r.model_id = pick(rng, ("", "m" * 257, "unknown", "a\0b", "m\n", "m\u00a0x"))
 
         def match_inputs_bad(rng, r):
             how = rng.randrange(4)
@@ -858,7 +864,8 @@ class PrefixWorld:
             r.k = pick(rng, (0, 1001, 2**32 - 1, 1000, 1))
 
         def top_model(rng, r):  # empty = every model; blank, NUL or over 256 refused as by Match
-            r.model_id = pick(rng, ("x" * 5000, "x" * 256, "a\0b", "", " ", "\u3164"))
+            r.model_id = pick(rng, ("x" * 5000, "x" * 256, "a\0b", "", " ", "\u3164",
+                                    "m\u2028"))
             r.min_hits = pick(rng, (0, 2**64 - 1))
 
         def top_salt(rng, r):  # a salt Match refuses is refused as a filter too
@@ -890,7 +897,8 @@ class PrefixWorld:
                 value = getattr(r, name)
                 if blank(value) or len(value) > 256 or "\0" in value or (
                         name != "model_id" and (not value.isprintable()
-                                                or any(c.isspace() for c in value))):
+                                                or any(c.isspace() for c in value))) or (
+                        name == "model_id" and hidden(value)):
                     v.bad(INVALID, name)
             if r.address and not _host_port(r.address):
                 v.bad(INVALID, "address")
@@ -936,7 +944,8 @@ class PrefixWorld:
                 # docs do not say whether its events are looked at.
                 v.may_pass = True
         elif rpc == "Match":
-            if not r.model_id or len(r.model_id) > 256 or "\0" in r.model_id:
+            if (not r.model_id or len(r.model_id) > 256 or blank(r.model_id)
+                    or hidden(r.model_id)):  # a NUL is a control character
                 v.bad(INVALID, "model_id")
             if r.token_ids and r.block_hashes:
                 v.bad(INVALID, "token_ids")
@@ -957,7 +966,7 @@ class PrefixWorld:
             if not 1 <= r.k <= 1000:
                 v.bad(INVALID, "k")
             if r.model_id and (blank(r.model_id) or len(r.model_id) > 256
-                               or "\0" in r.model_id):
+                               or hidden(r.model_id)):
                 v.bad(INVALID, "model_id")
             if r.HasField("cache_salt") and (len(r.cache_salt) > 256 or "\0" in r.cache_salt):
                 v.bad(INVALID, "cache_salt")
