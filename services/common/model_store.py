@@ -34,6 +34,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple, TypeVar
 
+from services.common.errors import blank, model_id_problem
 from services.common.files import (
     file_digest,
     fsync_path,
@@ -150,7 +151,8 @@ def resolve_model(spec: str = SMOLLM2_SPEC, cache_dir: str | None = None,
     Returns:
         ResolvedModel(path, model_id).
     Raises:
-        ModelStoreError: the package, folder or its config.json is missing.
+        ModelStoreError: the package, folder or its config.json is missing, or the folder's
+            name, the id without `model_id`, is one the prefix index refuses.
     """
     if is_packaged(spec):
         path = _ensure_converted(packaged_gguf_path(), packaged_folder(cache_dir))
@@ -161,7 +163,20 @@ def resolve_model(spec: str = SMOLLM2_SPEC, cache_dir: str | None = None,
             f"model {spec!r}: not 'smollm2' and not a local model folder")
     if not (folder / "config.json").is_file():
         raise ModelStoreError(f"model folder {folder} has no config.json")
-    return ResolvedModel(str(folder.resolve()), model_id or folder.resolve().name)
+    return ResolvedModel(str(folder.resolve()), model_id or _folder_id(folder))
+
+
+def _folder_id(folder: Path) -> str:
+    """The model id a folder's name gives, or ModelStoreError where no service takes it (a
+    replica served but the index refused every Register, retried for good)."""
+    name = folder.resolve().name
+    problem = model_id_problem(name) or ("is only whitespace or invisible characters"
+                                         if blank(name) else "")
+    if problem:
+        raise ModelStoreError(f"model folder {str(folder)!r}: its name, the model id by "
+                              f"default, {problem}; set model_id (TIERCACHE_KVPOOL_MODEL_ID, "
+                              "TIERCACHE_ORCHESTRATOR_MODEL_ID) to another")
+    return name
 
 
 def load_resolved(spec: str, cache_dir: str | None, model_id: str | None,

@@ -77,11 +77,12 @@ def build(cfg: OrchestratorConfig) -> App:
         # The version in force, as each reload names the one it takes (docs/deploy.md).
         log.info("tokens file %s: %s (version %s)", os.path.expanduser(cfg.tokens_file),
                  tenants.summary(), version_tag(version))
-    resolved, tok = load_resolved(cfg.model, cfg.cache_dir or None, None, load_tokenizer)
+    resolved, tok = load_resolved(cfg.model, cfg.cache_dir or None, cfg.model_id or None,
+                                  load_tokenizer)
     if not getattr(tok, "chat_template", None):
         log.warning("model %s has no chat template: requests must send a raw `prompt`; "
                     "`messages` get FAILED_PRECONDITION", resolved.path)
-    model_id = cfg.model_id or resolved.model_id
+    model_id = resolved.model_id  # cfg.model_id, else the model's
     replicas = ReplicaSet(cfg.kvpool_addresses, cfg.internal_token, cfg.replica_poll_s,
                           model_id=model_id, block_size=cfg.block_size,
                           stall_s=cfg.replica_stall_s,

@@ -490,3 +490,17 @@ def test_a_base_model_folder_is_judged_by_its_weights_not_its_name(tmp_path):
         else:
             with pytest.raises(ModelStoreError, match="lm_head"):
                 load_model(KvPoolConfig(model=str(folder)))
+
+
+@pytest.mark.parametrize("name", ["m\x1b[2J", "llama\u200b", "\u3164", " "])
+def test_a_folder_named_as_no_model_id_may_be_needs_a_model_id(tmp_path: Path, name) -> None:
+    """A folder's name is the model id by default: one the prefix index refuses (a control or
+    invisible character, nothing visible) made a replica that served but whose every Register
+    was refused, retried for good. Refused at the start naming the setting; a model_id set
+    takes the folder."""
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    with pytest.raises(ModelStoreError, match="set model_id"):
+        resolve_model(str(folder))
+    assert resolve_model(str(folder), model_id="custom").model_id == "custom"
