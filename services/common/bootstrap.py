@@ -1070,6 +1070,13 @@ def rpc_ended(context: grpc.ServicerContext) -> errors.TierCacheError:
     return errors.Cancelled("client cancelled")
 
 
+def on_rpc_end(context: grpc.ServicerContext, fn: Callable[[], None]) -> None:
+    """Run `fn` when the RPC ends (the client cancelled or went away) — at once if it has
+    ended already: gRPC then refuses the callback instead of running it."""
+    if not context.add_callback(fn):
+        fn()
+
+
 def create_server(
     *,
     service: str,

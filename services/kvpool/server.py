@@ -16,7 +16,7 @@ import grpc
 from tiercache.v1 import common_pb2, kvpool_pb2, kvpool_pb2_grpc
 
 from services.common import errors
-from services.common.bootstrap import rpc_ended
+from services.common.bootstrap import on_rpc_end, rpc_ended
 from services.common.hashing import check_salt
 from services.common.logs import plain_request_id, request_id_var
 from services.common.reaper import StreamReaper
@@ -64,15 +64,6 @@ def sampling_spec(sp: common_pb2.SamplingParams, limit: int, vocab: int,
     stops = validate_stop_ids(sp.stop_token_ids, vocab)
     return SamplingSpec(sp.max_tokens, float(sp.temperature), float(top_p), int(sp.seed),
                         frozenset(stops), bool(sp.ignore_eos), int(seed_offset))
-
-
-def _cancel_when_ended(context: grpc.ServicerContext, engine, seq_id: str) -> None:
-    """The engine's sequence is cancelled when its RPC ends, and at once where the RPC had
-    already ended (its client cancelled while the request was being read): gRPC refuses the
-    callback then, and a Generate's prefill ran to its end for nobody before its first send
-    failed (a Prefill saw it only at its next poll of the call)."""
-    if not context.add_callback(lambda: engine.cancel(seq_id)):
-        engine.cancel(seq_id)
 
 
 class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
@@ -159,7 +150,10 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                             request.skip_prefix_cache,
                             self._deadline(context), draft_token_ids=tuple(draft))
         seq_id, out = engine.submit(req)
-        _cancel_when_ended(context, engine, seq_id)
+        # Cancelled when the RPC ends, at once where it had already ended (its client
+        # cancelled while the request was being read): else the prefill ran to its end for
+        # nobody before the first send failed (a Prefill saw it only at its next poll).
+        on_rpc_end(context, lambda: engine.cancel(seq_id))
         done = False
         try:
             while True:
@@ -280,7 +274,7 @@ class KvPoolServicer(kvpool_pb2_grpc.KvPoolServicer):
                             self._deadline(context),
                             prefill_only=True, pin_ttl_seconds=ttl)
         seq_id, out = engine.submit(req)
-        _cancel_when_ended(context, engine, seq_id)
+        on_rpc_end(context, lambda: engine.cancel(seq_id))  # as Generate's
         item = self._next(out, context)
         if item is None:
             engine.cancel(seq_id)

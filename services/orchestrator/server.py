@@ -23,7 +23,7 @@ from tiercache.v1 import (
 )
 
 from services.common import errors
-from services.common.bootstrap import rpc_ended
+from services.common.bootstrap import on_rpc_end, rpc_ended
 from services.common.grpc_client import call_metadata, cut_short
 from services.common.logs import Thinned, bound_request_id, request_id_var
 from services.common.metrics import counter
@@ -119,13 +119,6 @@ def parse_policy(p: common_pb2.CachePolicy, floor: float = 0.0) -> Policy:
     return Policy(p.skip_semantic_lookup, p.skip_semantic_store, p.skip_prefix_cache,
                   p.skip_draft, p.semantic_tier, p.semantic_threshold, p.store_sampled,
                   p.serve_sampled)
-
-
-def _on_rpc_end(context: grpc.ServicerContext, fn: Callable[[], None]) -> None:
-    """Run `fn` when the RPC ends (the client cancelled or went away) — at once if it has
-    ended already: gRPC then refuses the callback instead of running it."""
-    if not context.add_callback(fn):
-        fn()
 
 
 def check_size(renderer, cfg: OrchestratorConfig, tenant, field: str, texts: list[str]) -> None:
@@ -282,7 +275,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 tenant=tenant, prompt=prompt, sampling=sampling, policy=policy,
                 session_id=request.session_id, return_token_ids=request.return_token_ids,
                 request_id=request_id, deadline=deadline, arrived=arrived,
-                on_cancel=lambda fn: _on_rpc_end(context, fn))
+                on_cancel=lambda fn: on_rpc_end(context, fn))
             for ev in events:
                 if isinstance(ev, Finished):
                     ev.report.semantic_entry_id = self.tenants.entry_ref(
@@ -344,7 +337,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # for health probes and Stats), and ends by the caller's deadline.
         with self._admitted(tenant):
             gone = _Gone()  # the caller cancelled or went away
-            _on_rpc_end(context, gone.set)
+            on_rpc_end(context, gone.set)
             return self.warmer.warm(tenant, request, context.time_remaining(),
                                     charge=lambda n: self.tenants.charge(tenant, n), gone=gone,
                                     afford=lambda n: self.tenants.afford(tenant, n))
@@ -373,7 +366,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         # Generate's are: it ran to its end (up to the tier's 2 s on a hung shard), holding a
         # worker, and the tier applied a rating whose client had seen CANCELLED.
         gone = _Gone()
-        _on_rpc_end(context, gone.set)
+        on_rpc_end(context, gone.set)
         try:
             deadline = _call_deadline(context)
             if request.rating == orchestrator_pb2.RATING_BAD:

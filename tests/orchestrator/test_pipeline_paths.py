@@ -14,6 +14,7 @@ import pytest
 from tiercache.v1 import common_pb2, kvpool_pb2, orchestrator_pb2, prefix_pb2, semantic_pb2
 
 from services.common import errors
+from services.common.bootstrap import on_rpc_end
 from services.common.hashing import BlockHasher
 from services.orchestrator.backends import ReplicaSet
 from services.orchestrator.config import OrchestratorConfig
@@ -28,7 +29,7 @@ from services.orchestrator.pipeline import (
 )
 from services.orchestrator.render import RenderedPrompt
 from services.orchestrator.routing import PrefixAwarePolicy
-from services.orchestrator.server import Warmer, _Gone, _on_rpc_end
+from services.orchestrator.server import Warmer, _Gone
 from services.orchestrator.tenants import Tenant
 from tests.metric_sample import sample_value
 from tests.waits import holds_within, wait_until
@@ -448,11 +449,11 @@ def test_a_request_too_big_for_one_pool_goes_to_a_replica_with_a_larger_one():
 
 def test_a_callback_refused_because_the_rpc_already_ended_runs_at_once():
     ran = []
-    _on_rpc_end(SimpleNamespace(add_callback=lambda fn: False), lambda: ran.append(1))
+    on_rpc_end(SimpleNamespace(add_callback=lambda fn: False), lambda: ran.append(1))
     assert ran == [1]
     live = []
-    _on_rpc_end(SimpleNamespace(add_callback=lambda fn: live.append(fn) or True),
-                lambda: ran.append(2))
+    on_rpc_end(SimpleNamespace(add_callback=lambda fn: live.append(fn) or True),
+               lambda: ran.append(2))
     assert ran == [1] and len(live) == 1  # registered, not run
 
 
