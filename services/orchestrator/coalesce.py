@@ -190,10 +190,6 @@ class Flight:
             self._cond.wait(left)
         return self._entry
 
-    def stored_as(self, deadline: float, stop: threading.Event) -> str:
-        """The entry id the answer was stored as, for one that may not store it (`settle`)."""
-        return self.settle(None, False, deadline, stop) or ""
-
     def wake(self) -> None:
         """Wakes the followers waiting (one of them is to stop: its client has gone)."""
         with self._cond:

@@ -92,16 +92,17 @@ def test_a_followers_wait_ends_at_its_deadline_or_when_it_is_told_to_stop():
 def test_the_answer_has_one_storer_whose_entry_the_others_are_told():
     stop = threading.Event()
     fin = kvpool_pb2.KvGenerateFinal(finish_reason=common_pb2.FINISH_REASON_LENGTH)
-    # None stores it (the leader may not, no follower claimed): nothing to wait for.
+    # None stores it (the leader may not, no follower claimed): nothing for "w", one that may
+    # not store, to wait for.
     flight, _ = Flights().join(KEY, "leader")
     flight.finish(fin, "kvpool-0")
     t0 = time.monotonic()
-    assert flight.stored_as(FAR, stop) == "" and time.monotonic() - t0 < 1
+    assert flight.settle("w", False, FAR, stop) == "" and time.monotonic() - t0 < 1
     # The first follower that claims it stores it; a second may not; the others wait for it.
     assert claims(flight, "f0") and not claims(flight, "f1")
     threading.Timer(0.1, flight.stored, ("f0", "e7")).start()
     flight.stored("f1", "e8")  # not the storer: nothing
-    assert flight.stored_as(FAR, stop) == "e7"
+    assert flight.settle("w", False, FAR, stop) == "e7"
     # The leader, claimed as it finishes: its Store waited for until it ends, or its side
     # does (its Store never to come); at most until the wait's deadline.
     flights = Flights()
@@ -109,10 +110,10 @@ def test_the_answer_has_one_storer_whose_entry_the_others_are_told():
     flight.finish(fin, "kvpool-0", stores=True)
     assert not claims(flight, "f0")
     t0 = time.monotonic()
-    assert flight.stored_as(time.monotonic() + 0.2, stop) == ""
+    assert flight.settle("w", False, time.monotonic() + 0.2, stop) == ""
     assert time.monotonic() - t0 >= 0.2
     threading.Timer(0.1, flights.end, (flight,)).start()
-    assert flight.stored_as(FAR, stop) == ""
+    assert flight.settle("w", False, FAR, stop) == ""
 
 
 def test_a_store_not_made_passes_to_a_follower_that_may_store_and_is_still_there():
@@ -204,7 +205,7 @@ def test_a_take_over_with_the_tokens_already_whole_is_finished_and_claimed_at_on
     assert flights.take_over(gone, "f1", fin, stores=True) == (taker, False)
     assert not claims(taker, "f1")
     taker.stored("f0", "e7")
-    assert taker.stored_as(FAR, stop) == "e7"
+    assert taker.settle("w", False, FAR, stop) == "e7"
     flights.end(taker)
     flights.end(fresh)
     # One that may not store leaves the claim to the first of the others that may.
