@@ -341,12 +341,12 @@ def coalesced() -> float:
 
 
 def lead_and_follow(orch, sent, out: dict, cancels: dict, n: int = 1,
-                    policy: Policy = Policy(), lead_policy: Policy = Policy()
-                    ) -> tuple[threading.Thread, ...]:
-    """Request "lead" (with `lead_policy`) running on a replica (`sent` true once it called
-    one), then "f0" (to "f{n-1}", with `policy`) joined to its flight as followers: the
-    threads, the leader's first."""
-    lead = run(orch, "lead", out, cancels, lead_policy)
+                    policy: Policy = Policy(), lead_policy: Policy = Policy(),
+                    lead_deadline_s: float = 30) -> tuple[threading.Thread, ...]:
+    """Request "lead" (with `lead_policy`, `lead_deadline_s`) running on a replica (`sent`
+    true once it called one), then "f0" (to "f{n-1}", with `policy`) joined to its flight as
+    followers: the threads, the leader's first."""
+    lead = run(orch, "lead", out, cancels, lead_policy, deadline_s=lead_deadline_s)
     wait_until(sent, 5, "the leader never called its replica")
     before = coalesced()
     followers = [run(orch, f"f{i}", out, cancels, policy) for i in range(n)]

@@ -262,11 +262,8 @@ def test_a_storer_with_no_time_left_for_its_store_passes_it_to_another_that_may(
 
     orch._store_answer = late
     out, cancels = {}, {}
-    threads = [run(orch, "lead", out, cancels, deadline_s=2.0)]
-    wait_until(lambda: stub.requests, 5, "the leader never called its replica")
-    before = coalesced()
-    threads += [run(orch, f"f{i}", out, cancels) for i in range(2)]
-    wait_until(lambda: coalesced() == before + 2, 5, "the followers never joined")
+    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 2,
+                              lead_deadline_s=2.0)
     gate.set()
     for t in threads:
         t.join(10)
