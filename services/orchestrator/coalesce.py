@@ -65,14 +65,13 @@ class Flight:
     """One leader's model run as its followers read it. Thread-safe."""
 
     def __init__(self, key: Hashable, leader_id: str, ids: list[int] | tuple = (),
-                 replica_id: str = "", leader: Hashable = None) -> None:
+                 replica_id: str = "", *, leader: Hashable) -> None:
         """`ids`: the tokens it starts with (those of the flight it takes over, from
         `replica_id`), for a request joining it to read from token 0. `leader`: the leader as
-        a member of the flight (its storer, `finish`), default `leader_id`: a client's
+        a member of the flight (its storer, `finish`; `Flights.join`): a client's
         x-request-id may be two requests' (the pipeline gives each request a token of its
         own), the members' tokens are told apart where their ids are not."""
-        self.key, self.leader_id = key, leader_id
-        self._leader = leader_id if leader is None else leader
+        self.key, self.leader_id, self._leader = key, leader_id, leader
         # The request whose model run gave the answer (a follower's coalesced_with): its
         # leader, or, taken over with the tokens already whole, that of the flight taken over.
         self.ran_by = leader_id
@@ -242,7 +241,7 @@ class Flights:
         flight (default `request_id`); `may_store`: it may store the answer (a follower that
         may is waited for, `Flight.settle`)."""
         with self._lock:
-            return self._join(key, request_id, member, may_store)
+            return self._join(key, request_id, _member(member, request_id), may_store)
 
     def take_over(self, gone: Flight, request_id: str, final=None, stores: bool = False,
                   ids: list[int] | None = None, member: Hashable = None
@@ -261,28 +260,30 @@ class Flights:
         that it followed on taking over from one further on; default `gone`'s. `member`, and
         `stores` for a follower of the flight returned: as `join`'s `member` and `may_store`."""
         ids = gone.tokens() if ids is None else ids
+        member = _member(member, request_id)
         with self._lock:
             if gone.successor is not None:
-                gone.successor.add_follower(_member(member, request_id), stores)
+                gone.successor.add_follower(member, stores)
                 return gone.successor, False
             if final is None:
                 flight, leads = self._join(gone.key, request_id, member, stores, ids,
                                            gone.replica_id)
             else:
-                flight, leads = Flight(gone.key, request_id, ids, gone.replica_id, member), True
+                flight = Flight(gone.key, request_id, ids, gone.replica_id, leader=member)
+                leads = True
                 flight.ran_by = gone.ran_by
                 flight.finish(final, gone.replica_id, stores)
                 self._open.setdefault(gone.key, flight)  # joined until it ends, if none is open
-            gone.hand_on(flight, _member(member, request_id))
+            gone.hand_on(flight, member)
             return flight, leads
 
     def _join(self, key: Hashable, request_id: str, member: Hashable, may_store: bool,
               ids: list[int] | tuple = (), replica_id: str = "") -> tuple[Flight, bool]:
         flight = self._open.get(key)
         if flight is not None:
-            flight.add_follower(_member(member, request_id), may_store)
+            flight.add_follower(member, may_store)
             return flight, False
-        flight = self._open[key] = Flight(key, request_id, ids, replica_id, member)
+        flight = self._open[key] = Flight(key, request_id, ids, replica_id, leader=member)
         return flight, True
 
     def end(self, flight: Flight) -> None:
