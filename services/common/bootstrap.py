@@ -229,8 +229,7 @@ class _HealthServicer(health.HealthServicer):
         # and each send reads the status as it is then.
         send_response_callback(True)
         close = self._on_close_callback(send_response_callback, service)
-        if not context.add_callback(close):
-            close()  # the call has ended already: nothing else would remove it
+        on_rpc_end(context, close)  # ended already, at once: nothing else would remove it
         return blocking_watcher
 
     def set(self, service, status):
@@ -497,8 +496,7 @@ def _parsed_non_blocking(handler, service: str, short: str, prologue):
             set_code = context.code()  # an abort's (a name too long); else gRPC's UNKNOWN
             count(set_code.name if isinstance(set_code, grpc.StatusCode) else "UNKNOWN")
             raise
-        if not context.add_callback(count):
-            count()
+        on_rpc_end(context, count)
         return result
 
     parsed.experimental_non_blocking = True
