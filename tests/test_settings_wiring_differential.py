@@ -580,7 +580,8 @@ def fake_load_resolved(record: list):
 
     def load_resolved(spec, cache_dir, model_id, load):
         record.append((spec, cache_dir, model_id))
-        return ResolvedModel("/nonexistent/model-folder", "resolved-id"), Tok()
+        # As resolve_model: the id given, else the model's own.
+        return ResolvedModel("/nonexistent/model-folder", model_id or "resolved-id"), Tok()
 
     return load_resolved
 
@@ -603,7 +604,8 @@ def check_orchestrator(v: dict, cfg: OrchestratorConfig, a, watch: Calls, loops:
     from services.orchestrator.server import parse_sampling
 
     o = a.orch
-    assert resolved == [(v.get("model", "smollm2"), v.get("cache_dir") or None, None)]
+    assert resolved == [(v.get("model", "smollm2"), v.get("cache_dir") or None,
+                         v.get("model_id") or None)]
     model_id = v.get("model_id") or "resolved-id"
     token_ = v.get("internal_token", "")
     bs = v.get("block_size", 16)

@@ -35,9 +35,14 @@ def test_each_bound_is_taken_at_its_edge_and_refused_past_it(name, taken, refuse
 def test_an_id_of_only_invisible_characters_is_refused_at_start(name, value):
     """The Hangul filler passed strip() and isprintable(): a replica named by nothing anyone
     could see in Stats or a log line (and the index refuses such ids at Register, so it
-    served but was never indexed). A visible character among them is an id."""
+    served but was never indexed). A visible character among them is a replica id; a model
+    id refuses any such character (errors.model_id_problem: the index refuses them)."""
     with pytest.raises(ConfigError, match=K + name + ".*invisible"):
         load_config(KvPoolConfig, "kvpool", [], environ={K + name: value})
+    if name == "MODEL_ID":
+        with pytest.raises(ConfigError, match=K + name + ": holds U.*prints as nothing"):
+            load_config(KvPoolConfig, "kvpool", [], environ={K + name: value + "r1"})
+        return
     cfg = load_config(KvPoolConfig, "kvpool", [], environ={K + name: value + "r1"})
     assert getattr(cfg, name.lower()) == value + "r1"
 
