@@ -437,36 +437,38 @@ def expected_failure(sc: Scenario, world: World) -> tuple[str, list[list[str]]]:
     if any(c.kind == "dies" and c.at < DEATH_AFTER for c in sc.children.values()):
         return "any", [[]]  # which failure the launcher meets first is timing: see `check`
     started = {ch.key: ch for ch in world.children}
-    ready_by = 0.0  # when the children before the one waited for were all ready
-    never = None  # the first child in start order never ready: its wait's end
+    never = None  # the first child in start order never ready
     for k in keys(sc.replicas):
-        c, child = sc.children[k], started.get(k)
-        if child is None:
+        never = started.get(k)
+        if never is None:
             return "none", [[f"({k} never started)"]]
-        if c.kind == "never":
-            never = (child, ready_by + WAIT_S)
+        if sc.children[k].kind == "never":
             break
-        if c.kind != "exit":
-            ready_by = max(ready_by, child.created + c.ready)
-    # The start fails at the first exit of any child (each wait watches them all), or at the
-    # end of the wait for one never ready, whichever comes first.
+        never = None
+    # The start fails at the first exit of any child (each wait watches them all), else at the
+    # end of the wait for one never ready: every exit (by DEATH_AFTER + 3 s) comes before it.
     exits = sorted((ch.created + sc.children[ch.key].at, i, ch)
                    for i, ch in enumerate(world.children)
                    if sc.children[ch.key].kind in ("exit", "dies"))
-    if exits and (never is None or exits[0][0] < never[1]):
+    assert all(t < WAIT_S for t, *_ in exits)
+    if exits:
         if never is None and all(sc.children[ch.key].kind == "dies" for *_, ch in exits):
             first = exits[0][2]  # after "TierCache is up"
             note = f"{first.key} ({first.address}) {ended(sc.children[first.key].code)}"
             return "exited", [[f"service(s) exited: {note}" if first is world.children[0]
                                else note]]
-        return "start", [[f"failed to start: {ch.key} ({ch.address}) {ended(c.code)}"]
-                         + ([f"{ended(c.code)}: {c.problem}"] if c.problem else [])
-                         for t, _, ch in exits if t <= exits[0][0] + POLL_S
-                         for c in [sc.children[ch.key]]]
+        return "start", [start_failure(sc, ch) for t, _, ch in exits
+                         if t <= exits[0][0] + POLL_S]
     if never is not None:
-        child = never[0]
-        return "start", [[f"failed to start: {child.key} ({child.address}) not SERVING after "]]
+        return "start", [[f"failed to start: {never.key} ({never.address}) not SERVING after "]]
     return "none", [["(no failure in this scenario)"]]
+
+
+def start_failure(sc: Scenario, ch: FakeChild) -> list[str]:
+    """The words naming `ch`, exited during the start, in the failure line."""
+    c = sc.children[ch.key]
+    return ([f"failed to start: {ch.key} ({ch.address}) {ended(c.code)}"]
+            + ([f"{ended(c.code)}: {c.problem}"] if c.problem else []))
 
 
 def ended(code: int) -> str:
