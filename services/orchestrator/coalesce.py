@@ -16,10 +16,12 @@ The answer is stored in the semantic tier once, by its flight's storer: the lead
 it finishes where it may store (not with skip_semantic_store), else the first follower that
 may (`settle`); the others' reports name the entry it was stored as (`settle`), for Feedback,
 where its Store ends while they may still wait for it. A storer whose Store is not made (its
-client went during it, or it had no time left for one) passes it on (`stored` with None): the
-next follower that may store and is still there claims it (the followers that may store are
-known from their joining, `Flights.join`, a flight taking over knowing those of the one it
-takes over from, until they leave), so one Store is made in all, and
+client went during it, it had no time left for one, or it timed out under the storer's own
+bound) passes it on (`stored` with None): the next follower that may store and is still there
+claims it (the followers that may store are known from their joining, `Flights.join`, a
+flight taking over knowing those of the one it takes over from, until they leave), so the
+answer is stored once in all (a Store that timed out may still have landed: the tier writes
+nothing for a second Store of the answer its prompt's entry holds, and names that entry), and
 one that may not store waits while such a follower may still claim it. A flight taken over is
 a new flight (its own storer: its leader, the one that took over, where it may store); one
 taken over with tokens already whole is finished at once, its leader's claim made with it."""
@@ -146,9 +148,10 @@ class Flight:
 
     def stored(self, member: Hashable, entry_id: str | None) -> None:
         """The Store of `member` ended: `entry_id` ("" = not stored), or None where it was not
-        made (its client went during it, or it had no time left for one): passed on, to a
-        follower that may store and is still there (`settle`). Nothing where `member` is not
-        the flight's storer (its Store passed on already)."""
+        made (its client went during it, it had no time left for one, or it timed out under
+        its own bound): passed on, to a follower that may store and is still there
+        (`settle`). Nothing where `member` is not the flight's storer (its Store passed on
+        already)."""
         with self._cond:
             if self._storer != member or self._entry is not None:
                 return

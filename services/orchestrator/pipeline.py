@@ -566,10 +566,12 @@ class Orchestrator:
                on_call: Callable[[grpc.Future], None] | None = None,
                by: float | None = None) -> str | None:
         """The stored entry's id ("" = not stored), or None where the Store was not made for
-        this request's sake: no time left for it (`_store_timeout`, `by`), or cancelled with
-        the request (its client went); another request of its flight may make it then
-        (`_ReplicaSide._store`). `on_call` is handed the Store's call as it starts (to cancel
-        it when the request's client goes away)."""
+        this request's sake: no time left for it (`_store_timeout`, `by`), cancelled with the
+        request (its client went), or timed out under this request's own bound (shorter than
+        the tier's timeout); another request of its flight may make it then
+        (`_ReplicaSide._store`: harmless where this one landed late, the tier writing nothing
+        for a Store of the answer its prompt's entry holds). `on_call` is handed the Store's
+        call as it starts (to cancel it when the request's client goes away)."""
         timeout = self._store_timeout(deadline, by)
         if timeout is None:
             return None
@@ -586,7 +588,7 @@ class Orchestrator:
             return None
         except grpc.RpcError as e:
             if cut_short(e, timeout, self.semantic.timeout_s):
-                return ""  # the request's own deadline, not the tier: no degradation
+                return None  # the request's own deadline, not the tier: no degradation
             if e.code() == grpc.StatusCode.INVALID_ARGUMENT:
                 # A prompt or answer the tier will not take (over its size limits): not stored,
                 # and not a degradation of a healthy tier.
@@ -595,7 +597,10 @@ class Orchestrator:
             if _DEGRADED_LINES.allow(("semantic store", e.code().name)):
                 log.warning("semantic store failed: %s", self._at_shard(ns, e.details() or ""))
             self.stats.degrade("semantic_store_failed")
-            return ""
+            # Timed out under this request's own bound (long enough to tell of the tier's
+            # health): one with more time left may still make it.
+            own = timeout < self.semantic.timeout_s
+            return None if own and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED else ""
 
     # ---- prefix tier ---------------------------------------------------------------------
     def _matches(self, tenant: Tenant, token_ids: list[int],
@@ -852,7 +857,8 @@ class Orchestrator:
                       by: float | None = None) -> str | None:
         """Stores the model's whole answer `generated` in the semantic tier where it may be
         served again; the entry's id, "" (not stored, or not to be), or None: not made, for
-        want of time (`by`: the latest it may end) or its client gone (`_store`)."""
+        want of time (`by`: the latest it may end; or timed out under it), or its client gone
+        (`_store`)."""
         # Stored as the model said it: leading whitespace included (a raw completion's answer
         # often starts with a space; stripped, a hit's text and tokens were not the model's).
         answer = complete_decode(self.tok, generated)
@@ -1655,8 +1661,9 @@ class _ReplicaSide:
         Store may end, one passed on to a follower): its entry id, or ""; told to the
         request's flight (its followers name the entry) where it is its storer: where it may
         store (one that may, storing, has claimed it: `_finish`, `_follow`,
-        `_followed_entry`). A Store not made (no time left for it, or cancelled with the
-        request) is passed on to another of the flight that may store (`Flight.stored`)."""
+        `_followed_entry`). A Store not made (no time left for it, cancelled with the request,
+        or timed out under its own bound) is passed on to another of the flight that may store
+        (`Flight.stored`)."""
         req, sid = self.req, ""
         try:
             with req.tier_call():

@@ -276,6 +276,66 @@ def test_a_storer_with_no_time_left_for_its_store_passes_it_to_another_that_may(
     assert len(orch.flights) == 0
 
 
+class TimesOutFirst(Stores):
+    """A semantic tier whose first Store times out under its caller's bound (DEADLINE_EXCEEDED),
+    the entry written first (`lands`: it landed late) or not; a Store of the answer the
+    prompt's entry already holds writes nothing and returns that entry, as the tier does
+    (services/semantic/cache.py `_held_answer`). `timeouts`: each Store's timeout."""
+
+    def __init__(self, lands: bool) -> None:
+        super().__init__()
+        self.lands, self.timeouts = lands, []
+
+    def store(self, req, timeout=None, on_call=None):
+        self.timeouts.append(timeout)
+        held = [i for i, r in enumerate(self.stored, 1)
+                if (r.prompt, r.answer) == (req.prompt, req.answer)]
+        if held and len(self.timeouts) > 1:
+            return SimpleNamespace(id=f"e{held[-1]}")
+        if len(self.timeouts) == 1:
+            if self.lands:
+                super().store(req, timeout, on_call)
+            raise RpcError(grpc.StatusCode.DEADLINE_EXCEEDED)
+        return super().store(req, timeout, on_call)
+
+
+@pytest.mark.parametrize("lands", [True, False])
+@pytest.mark.parametrize("left_s", [0.3, 1.5])  # a Store of 0.15 s (no stall evidence), 0.75 s
+def test_a_storer_whose_store_times_out_under_its_own_bound_passes_it_to_another_that_may(
+        lands, left_s):
+    # The leader's Store, bounded by half of what is left of its deadline (under the tier's
+    # timeout), timed out: the followers named no entry, though a Store of their own had time.
+    gate, semantic = threading.Event(), TimesOutFirst(lands)
+    semantic.timeout_s = 5  # the followers' Stores (and waits) may take up to 5 s
+    stub = Stub("A", [Gated([token(104), last(10)], gate)])
+    orch = make({"A": stub}, semantic=semantic)
+    store_answer = orch._store_answer
+
+    def late(*args):
+        if threading.current_thread().name == "replica-stream-lead":
+            time.sleep(max(0.0, args[7] - time.monotonic() - left_s))  # its deadline near
+        return store_answer(*args)
+
+    orch._store_answer = late
+    out, cancels = {}, {}
+    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 2,
+                              lead_deadline_s=3.0)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert len(stub.requests) == 1
+    assert all(ids_of(out[f"f{i}"]) == [104, 10] for i in range(2))
+    # Two Stores, the first the leader's (under its own bound), the second a follower's
+    # within its own; one row, named by both followers.
+    assert len(semantic.timeouts) == 2 and semantic.timeouts[0] < left_s / 2 + 0.01
+    assert 1.0 < semantic.timeouts[1] <= 5
+    assert [(r.answer, r.truncated_at) for r in semantic.stored] == [("h\n", 2)]
+    assert [out[f"f{i}"][-1].report.semantic_entry_id for i in range(2)] == ["e1"] * 2
+    assert (isinstance(out["lead"], errors.DeadlineExceeded)
+            or not out["lead"][-1].report.semantic_entry_id)
+    assert len(orch.flights) == 0
+
+
 def test_one_that_may_not_store_names_the_entry_one_that_may_claims_during_its_wait(
         monkeypatch):
     # The leader and f0 asked not to store; f1, which may, reached the Store after f0 began
