@@ -336,6 +336,23 @@ def test_a_storer_whose_store_times_out_under_its_own_bound_passes_it_to_another
     assert len(orch.flights) == 0
 
 
+def test_a_store_that_runs_out_the_tiers_whole_timeout_is_not_passed_on():
+    # The tier's own timeout, not the storer's: a hung tier, each follower's Store would hang
+    # as long. None is sent again; the followers name no entry.
+    gate, semantic = threading.Event(), TimesOutFirst(False)
+    semantic.timeout_s = 0.3  # the leader's Store's bound, as the followers'
+    stub = Stub("A", [Gated([token(104), last(10)], gate)])
+    orch = make({"A": stub}, semantic=semantic)
+    out, cancels = {}, {}
+    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 2)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    assert semantic.timeouts == [0.3] and not semantic.stored
+    assert all(ids_of(out[r]) == [104, 10] for r in ("lead", "f0", "f1"))
+    assert not any(out[r][-1].report.semantic_entry_id for r in ("lead", "f0", "f1"))
+    assert len(orch.flights) == 0
+
 def test_one_that_may_not_store_names_the_entry_one_that_may_claims_during_its_wait(
         monkeypatch):
     # The leader and f0 asked not to store; f1, which may, reached the Store after f0 began
