@@ -642,3 +642,24 @@ def test_deploy_doc_names_every_tier_a_node_drain_may_take_whole(
         for w in r.workloads:
             if w.replicas == 1:
                 assert w.service in para, f"{r.overlay}: one {w.service} pod, not in: {para}"
+
+
+def _spreads_over_nodes(w: Workload) -> bool:
+    """A hostname topology spread (or pod anti-affinity) term selecting this workload's pods."""
+    spec = w.pod_spec
+    terms = [(t["topologyKey"], t.get("labelSelector", {}))
+             for t in spec.get("topologySpreadConstraints", [])]
+    anti = spec.get("affinity", {}).get("podAntiAffinity", {})
+    terms += [(t["topologyKey"], t.get("labelSelector", {}))
+              for t in anti.get("requiredDuringSchedulingIgnoredDuringExecution", [])]
+    terms += [(t["podAffinityTerm"]["topologyKey"], t["podAffinityTerm"].get("labelSelector", {}))
+              for t in anti.get("preferredDuringSchedulingIgnoredDuringExecution", [])]
+    return any(key == "kubernetes.io/hostname" and sel and selector_matches(sel, w.pod_labels)
+               for key, sel in terms)
+
+
+def test_every_workload_spreads_its_pods_over_nodes(rendered: Rendered) -> None:
+    """semantic and prefix had no spread: their shards (docs: "run two shards where that tier
+    must stay up") could all land on one node, and that node's failure took the whole tier."""
+    crowded = [w.name for w in rendered.workloads if not _spreads_over_nodes(w)]
+    assert not crowded, f"{rendered.overlay}: no spread over nodes for {crowded}"
