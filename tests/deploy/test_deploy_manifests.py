@@ -280,6 +280,13 @@ def test_addresses_point_at_every_pod_of_the_right_service(rendered: Rendered) -
                 tw, pods, port = resolve(rendered, address)
                 assert tw.service == target, f"{w.name}: {f}={address} reaches {tw.service}"
                 assert port == grpc_port(tw), f"{w.name}: {f}={address}: port"
+                # A caller counts each address as one replica or shard. A StatefulSet's
+                # headless Service name (`kvpool:50054`) resolves to every pod: one "replica"
+                # that is any pod, all traffic on the first IP gRPC picks, yet it "reached"
+                # every pod here, so gpu's 4 replicas listed that way passed.
+                assert len(pods) == 1, (
+                    f"{rendered.overlay}/{w.name}: {f}={address} names {tw.name}'s headless "
+                    f"Service, not one pod: list each as <pod>.{tw.name}:{port}")
                 reached += pods
             tw = rendered.workload_for(target)
             # Every shard/replica must be listed, once, or part of the tier is never used.
