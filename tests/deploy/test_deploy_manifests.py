@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from services.common.addresses import shard_fingerprint
 from services.common.bootstrap import HEALTH_PATH, READY_PATH
 from services.common.config import ConfigError, env_name, load_config
 from tests.deploy.k8s_view import (
@@ -322,6 +323,12 @@ def test_shared_settings_agree_across_services(rendered: Rendered) -> None:
     for s in SERVICES:
         if cfgs[s] is not None and hasattr(cfgs[s], "block_size") and kv is not None:
             assert cfgs[s].block_size == kv.block_size, s
+    # Both sides place a chain on a prefix shard by a ring of their own list: two names for
+    # one pod (`prefix-0.prefix` and `prefix-0.prefix.tiercache`) both reach prefix-0 above,
+    # yet are two shards to the ring, and replicas publish where Matches never look.
+    lists = {"orchestrator": orch.prefix_addresses, "kvpool": kv.prefix_address.split(",")}
+    prints = {s: shard_fingerprint(a) for s, a in lists.items()}
+    assert len(set(prints.values())) == 1, f"{rendered.overlay}: prefix shard lists {lists}"
 
 
 SNAPSHOT_SAVE_S = 10.0
