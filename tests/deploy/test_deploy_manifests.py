@@ -677,3 +677,20 @@ def test_every_workload_spreads_its_pods_over_nodes(rendered: Rendered) -> None:
     must stay up") could all land on one node, and that node's failure took the whole tier."""
     crowded = [w.name for w in rendered.workloads if not _spreads_over_nodes(w)]
     assert not crowded, f"{rendered.overlay}: no spread over nodes for {crowded}"
+
+
+def test_pod_names_resolve_while_the_pod_loads(rendered: Rendered) -> None:
+    """Callers dial each replica and shard by its pod name (`kvpool-0.kvpool`) and judge its
+    health themselves. A headless Service publishes those names only for ready pods, so a pod
+    loading its model had none, and gRPC, after failing to resolve it, re-resolves on a
+    backoff growing to 2 minutes: a name absent for 120 s was reached 70 s after it resolved
+    (a channel with the services' options, GRPC_DNS_RESOLVER=native), 1-2 minutes more of a
+    restarted dev replica's orchestrator not ready. Published at once, the orchestrator
+    connects while the pod loads and sees it SERVING within a poll."""
+    for w in rendered.workloads:
+        if w.kind != "StatefulSet":
+            continue
+        svc = rendered.get("Service", w.obj["spec"]["serviceName"])
+        assert svc["spec"].get("publishNotReadyAddresses") is True, (
+            f"{rendered.overlay}: Service {svc['metadata']['name']} publishes {w.name}'s pod "
+            f"names only once ready")
