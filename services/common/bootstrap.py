@@ -1117,6 +1117,33 @@ def create_server(
     # As validated (`require_listen_address`): a value with a leading space (a YAML quirk)
     # passed the check, then failed gRPC's lookup as "cannot listen".
     address = address.strip()
+    server, interceptor = _grpc_server(
+        service=service, max_workers=max_workers, internal_token=internal_token,
+        authenticate=authenticate, max_message_bytes=max_message_bytes,
+        max_concurrent_rpcs=max_concurrent_rpcs, max_connection_age_s=max_connection_age_s,
+        connection_age_grace_s=connection_age_grace_s)
+    hs, names = _add_services(server, services)
+    credentials = credentials or server_credentials_from_env(service)
+    port = _bind(server, service, address, credentials)
+    server.start()
+    handle = ServerHandle(service, server, port, hs, names)
+    handle._interceptor = interceptor
+    handle.set_serving(False)
+    if metrics_port is not None:
+        _start_metrics(handle, service, address, metrics_port)
+    # The version too: which build a pod runs, read from its first line (a rollout's pods
+    # told apart without kubectl describe).
+    log.info("%s listening on port %d (metrics %s; tiercache %s)", service, port,
+             "off" if handle.metrics_port is None else handle.metrics_port, package_version())
+    return handle
+
+
+def _grpc_server(*, service: str, max_workers: int, internal_token: str | None,
+                 authenticate: Callable[[Sequence[tuple[str, str]]], object] | None,
+                 max_message_bytes: int, max_concurrent_rpcs: int | None,
+                 max_connection_age_s: float,
+                 connection_age_grace_s: float) -> tuple[grpc.Server, _ServerInterceptor]:
+    """`create_server`'s gRPC server (not started, nothing added) and its interceptor."""
     interceptor = _ServerInterceptor(service, internal_token, authenticate, max_message_bytes)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{service}-rpc"),
@@ -1131,6 +1158,14 @@ def create_server(
         maximum_concurrent_rpcs=max_concurrent_rpcs or 4 * max_workers,
     )
     interceptor.server_state = getattr(server, "_state", None)
+    return server, interceptor
+
+
+def _add_services(server: grpc.Server,
+                  services: Sequence[tuple[Callable[[Any, grpc.Server], None], Any, str]]
+                  ) -> tuple[_HealthServicer, list[str]]:
+    """Adds `create_server`'s `services` to `server`, then health and reflection; returns the
+    health servicer and the full names of `services`."""
     names = []
     for add, servicer, full_name in services:
         add(servicer, server)
@@ -1142,7 +1177,16 @@ def create_server(
     reflection.enable_server_reflection(
         [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME], server, pool=source_info_pool() or SourceInfoPool({}))
-    credentials = credentials or server_credentials_from_env(service)
+    return hs, names
+
+
+def _bind(server: grpc.Server, service: str, address: str,
+          credentials: grpc.ServerCredentials | None) -> int:
+    """The port `server` listens on at `address` (TLS with `credentials`, else plaintext).
+
+    Raises:
+        BindError: it cannot listen there.
+    """
     try:
         if credentials is not None:
             port = server.add_secure_port(address, credentials)
@@ -1153,25 +1197,25 @@ def create_server(
     if port == 0:
         raise BindError(f"TIERCACHE_{service.upper()}_ADDRESS: cannot listen on {address} "
                         "(the port is in use, or the host is not an address of this machine)")
-    server.start()
-    handle = ServerHandle(service, server, port, hs, names)
-    handle._interceptor = interceptor
-    handle.set_serving(False)
-    if metrics_port is not None:
-        host = address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
-        try:
-            httpd = _serve_metrics_and_health(handle, host, metrics_port)
-        except OSError as exc:
-            server.stop(None)
-            raise BindError(f"TIERCACHE_{service.upper()}_METRICS_PORT: cannot listen on "
-                            f"{host}:{metrics_port} ({exc.strerror or exc})") from None
-        handle._metrics_httpd = httpd
-        handle.metrics_port = httpd.server_address[1]
-    # The version too: which build a pod runs, read from its first line (a rollout's pods
-    # told apart without kubectl describe).
-    log.info("%s listening on port %d (metrics %s; tiercache %s)", service, port,
-             "off" if handle.metrics_port is None else handle.metrics_port, package_version())
-    return handle
+    return port
+
+
+def _start_metrics(handle: ServerHandle, service: str, address: str, metrics_port: int) -> None:
+    """Serves `handle`'s metrics and health over HTTP on `metrics_port`, on the host of the
+    gRPC `address` (`_serve_metrics_and_health`).
+
+    Raises:
+        BindError: it cannot listen there (the gRPC server is stopped).
+    """
+    host = address.rsplit(":", 1)[0].strip("[]") or "0.0.0.0"
+    try:
+        httpd = _serve_metrics_and_health(handle, host, metrics_port)
+    except OSError as exc:
+        handle.server.stop(None)
+        raise BindError(f"TIERCACHE_{service.upper()}_METRICS_PORT: cannot listen on "
+                        f"{host}:{metrics_port} ({exc.strerror or exc})") from None
+    handle._metrics_httpd = httpd
+    handle.metrics_port = httpd.server_address[1]
 
 
 def _int32_ms(seconds: float) -> int:
