@@ -789,6 +789,23 @@ class SemanticCache:
             return held
         vec, over = self._embed(prompt, reuse_for=ns.tenant)
         _still(wanted, "the answer was written")
+        entry = self._write_row(ns, prompt, answer, verified, ttl, truncated, answer_tokens,
+                                vec, over)
+        dropped: list[int] = []  # labels memory no longer holds: their rows go too
+        try:
+            stands, evicted, expired_now = self._put_in_memory(entry, vec, wanted, dropped)
+        except BaseException:
+            self._unwrite(entry.label, dropped)
+            raise
+        self._m["evictions"].inc(evicted)
+        self._m["expirations"].inc(expired_now)
+        self.store.delete(dropped)
+        return stands or entry
+
+    def _write_row(self, ns: Namespace, prompt: str, answer: str, verified: bool, ttl: int,
+                   truncated: int, answer_tokens: bytes, vec: np.ndarray,
+                   over: bool) -> Entry:
+        """`store_entry`'s row, written and committed; returns its entry (not in memory yet)."""
         now = self.clock()
         eid = uuid.uuid4().hex
         label = self.store.insert(id=eid, tenant=ns.tenant, model_id=ns.model_id,
@@ -796,59 +813,64 @@ class SemanticCache:
                                   embedding=vec, embed_model=self._embed_id,
                                   verified=verified, created_at=now, ttl_seconds=ttl,
                                   truncated=truncated, answer_tokens=answer_tokens)
-        entry = Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated,
-                      over, answer_tokens=answer_tokens)
-        dropped: list[int] = []  # labels memory no longer holds: their rows go too
+        return Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated,
+                     over, answer_tokens=answer_tokens)
+
+    def _put_in_memory(self, entry: Entry, vec: np.ndarray,
+                       wanted: Callable[[], bool] | None,
+                       dropped: list[int]) -> tuple[Entry | None, int, int]:
+        """Memory takes `store_entry`'s written `entry` in place of the one its prompt held,
+        making room; or leaves it out when the one held stands. Adds the labels of the entries
+        memory no longer holds to `dropped` (their rows go too). Returns the entry that stands
+        instead (None: `entry` was taken), and the numbers evicted and expired to make room."""
+        ns, prompt, label, now = entry.namespace, entry.prompt, entry.label, entry.created_at
         evicted = expired_now = 0
         stands: Entry | None = None
-        try:
-            # Asked again once the row is written: the write waits for the store's lock
-            # behind every other Store and flush (tens of ms under a burst), and a deadline
-            # passing meanwhile left an answer served to everyone though its caller was told
-            # DEADLINE_EXCEEDED. Refused here, its row goes (below) and memory never held it.
-            _still(wanted, "the answer was written")
-            with self._lock:
-                # Same prompt again: the new answer replaces the old one.
+        # Asked again once the row is written: the write waits for the store's lock
+        # behind every other Store and flush (tens of ms under a burst), and a deadline
+        # passing meanwhile left an answer served to everyone though its caller was told
+        # DEADLINE_EXCEEDED. Refused here, its row goes (`_unwrite`) and memory never held it.
+        _still(wanted, "the answer was written")
+        with self._lock:
+            # Same prompt again: the new answer replaces the old one.
+            old = self._by_prompt.get((ns, prompt))
+            while old is not None and any(r.holds(old) for r in self._removing.get(ns, ())):
+                # An Invalidate under way read it (see `_removal`): it is gone once that
+                # one ends (about a second per 100k entries). A caller whose deadline
+                # passes meanwhile is refused and its row deleted (`_unwrite`): the Store
+                # went on, and its answer stood although the caller had been told
+                # DEADLINE_EXCEEDED.
+                self._removed.wait(_WAIT_CHECK_S)
+                _still(wanted, "the answer was written")
                 old = self._by_prompt.get((ns, prompt))
-                while old is not None and any(r.holds(old) for r in self._removing.get(ns, ())):
-                    # An Invalidate under way read it (see `_removal`): it is gone once that
-                    # one ends (about a second per 100k entries). A caller whose deadline
-                    # passes meanwhile is refused and its row deleted (below): the Store
-                    # went on, and its answer stood although the caller had been told
-                    # DEADLINE_EXCEEDED.
-                    self._removed.wait(_WAIT_CHECK_S)
-                    _still(wanted, "the answer was written")
-                    old = self._by_prompt.get((ns, prompt))
-                if old is not None and (
-                        old > label or _same_answer(self._entries[old], entry, now)):
-                    # A Store of the same prompt committed after this one (a higher label)
-                    # took the lock first: the later answer stands, as a restart would have
-                    # it (load keeps the newest row). Served the earlier one instead. Or the
-                    # entry held is this very answer (a herd of identical requests, each
-                    # storing what the model gave them all): it stands, so every caller is
-                    # given one id; replaced, the earlier callers' ids named an entry gone.
-                    stands = self._entries[old]
-                    dropped.append(label)
-                else:
-                    self._add_locked(entry, vec)
-                    if old is not None:
-                        self._drop_locked(old)
-                        dropped.append(old)
-                    evicted, expired_now = self._make_room_locked(ns, now, dropped)
-                    self._m["entries"].set(len(self._entries))
-        except BaseException:
-            # Committed rows that memory does not hold would be served by nothing, missed by
-            # invalidate and brought back by a restart: the new one, and any old one already
-            # dropped, leave SQLite too.
-            with self._lock:
-                self._drop_locked(label)
+            if old is not None and (
+                    old > label or _same_answer(self._entries[old], entry, now)):
+                # A Store of the same prompt committed after this one (a higher label)
+                # took the lock first: the later answer stands, as a restart would have
+                # it (load keeps the newest row). Served the earlier one instead. Or the
+                # entry held is this very answer (a herd of identical requests, each
+                # storing what the model gave them all): it stands, so every caller is
+                # given one id; replaced, the earlier callers' ids named an entry gone.
+                stands = self._entries[old]
+                dropped.append(label)
+            else:
+                self._add_locked(entry, vec)
+                if old is not None:
+                    self._drop_locked(old)
+                    dropped.append(old)
+                evicted, expired_now = self._make_room_locked(ns, now, dropped)
                 self._m["entries"].set(len(self._entries))
-            self.store.delete([label, *dropped])
-            raise
-        self._m["evictions"].inc(evicted)
-        self._m["expirations"].inc(expired_now)
-        self.store.delete(dropped)
-        return stands or entry
+        return stands, evicted, expired_now
+
+    def _unwrite(self, label: int, dropped: list[int]) -> None:
+        """Undoes a `store_entry` that failed once its row was written: committed rows that
+        memory does not hold would be served by nothing, missed by invalidate and brought back
+        by a restart, so the new one (`label`), and any old one already dropped, leave SQLite
+        too."""
+        with self._lock:
+            self._drop_locked(label)
+            self._m["entries"].set(len(self._entries))
+        self.store.delete([label, *dropped])
 
     def _held_answer(self, probe: Entry) -> Entry | None:
         """The entry of `probe`'s prompt when it already holds `probe`'s answer
