@@ -19,11 +19,16 @@ import unicodedata
 from collections.abc import Callable
 from concurrent.futures import Future
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from services.common.errors import DeadlineExceeded, InvalidArgument, Unavailable, lone_surrogate
 from services.semantic.onnx_export import ensure_onnx, export_identity
+
+if TYPE_CHECKING:
+    import onnxruntime as ort
+    from tokenizers import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -46,6 +51,68 @@ class _Unloadable(Exception):
         self.why = f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}"
 
 
+def _load(folder: Path, opts: ort.SessionOptions) -> tuple[ort.InferenceSession, Tokenizer]:
+    """The export's graph and tokenizer; `_Unloadable` names the file that failed."""
+    import onnxruntime as ort
+    from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf
+    from tokenizers import Tokenizer
+
+    try:
+        sess = ort.InferenceSession(str(folder / "model.onnx"), opts,
+                                    providers=["CPUExecutionProvider"])
+    except (InvalidProtobuf, InvalidGraph) as e:
+        # Only a file that does not parse: out of memory, say, would not be mended
+        # by an export.
+        raise _Unloadable(folder / "model.onnx", e) from e
+    path = folder / "tokenizer.json"
+    try:
+        tok = Tokenizer.from_file(str(path))
+    except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
+        raise _Unloadable(path, e) from e
+    return sess, tok
+
+
+def _load_export(model_dir: str, cache_dir: str, name: str, exporter: str,
+                 opts: ort.SessionOptions) -> tuple[ort.InferenceSession, Tokenizer, Path]:
+    """The graph and tokenizer of `model_dir`'s export (`ensure_onnx`), and its folder; a
+    cached export that does not load is exported again, once.
+
+    Raises:
+        ValueError: the export does not load though just exported (naming the file).
+    """
+    from services.semantic import onnx_export
+
+    before = onnx_export.exports_done
+    folder = ensure_onnx(model_dir, cache_dir, name, exporter=exporter)
+    loaded = export_identity(folder)
+    try:
+        sess, tok = _load(folder, opts)
+    except _Unloadable as e:
+        if onnx_export.exports_done != before:
+            # Exported by this very call (its digest did not match, say): exporting it
+            # again would make the same file.
+            raise ValueError(
+                f"{e.path} cannot be loaded though just exported ({e.why}); it is made "
+                f"from the model folder {model_dir}: check or replace that folder "
+                "(TIERCACHE_SEMANTIC_MODEL_DIR)") from e.__cause__
+        # A cached export damaged but of the size meta.json records (bit rot, a bad
+        # restore), or an older export (no digests in meta.json) whose tokenizer.json is
+        # damaged or gone, passed ensure_onnx's checks: every start then failed on it.
+        # Exported again, once.
+        log.warning("%s cannot be loaded (%s): exporting it again", e.path, e.why)
+        folder = ensure_onnx(model_dir, cache_dir, name, broken=loaded, exporter=exporter)
+        try:
+            sess, tok = _load(folder, opts)
+        except _Unloadable as again:
+            # Not the cache's: a fresh export fails as well (the model folder's own file
+            # is damaged). One line naming both files, not a traceback at every start.
+            raise ValueError(
+                f"{again.path} cannot be loaded even when exported again ({again.why}); "
+                f"it is made from the model folder {model_dir}: check or replace that "
+                "folder (TIERCACHE_SEMANTIC_MODEL_DIR)") from again.__cause__
+    return sess, tok, folder
+
+
 class OnnxEmbedder:
     """An exported sentence-transformers model run by ONNX Runtime. Thread-safe."""
 
@@ -60,54 +127,7 @@ class OnnxEmbedder:
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         # `SemanticConfig.onnx_spinning`: what spinning threads gain and cost.
         opts.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
-        from onnxruntime.capi.onnxruntime_pybind11_state import InvalidGraph, InvalidProtobuf
-
-        def load(folder: Path) -> tuple[ort.InferenceSession, Tokenizer]:
-            """The export's graph and tokenizer; `_Unloadable` names the file that failed."""
-            try:
-                sess = ort.InferenceSession(str(folder / "model.onnx"), opts,
-                                            providers=["CPUExecutionProvider"])
-            except (InvalidProtobuf, InvalidGraph) as e:
-                # Only a file that does not parse: out of memory, say, would not be mended
-                # by an export.
-                raise _Unloadable(folder / "model.onnx", e) from e
-            path = folder / "tokenizer.json"
-            try:
-                tok = Tokenizer.from_file(str(path))
-            except Exception as e:  # noqa: BLE001 - tokenizers raises plain Exception
-                raise _Unloadable(path, e) from e
-            return sess, tok
-
-        from services.semantic import onnx_export
-
-        before = onnx_export.exports_done
-        folder = ensure_onnx(model_dir, cache_dir, name, exporter=exporter)
-        loaded = export_identity(folder)
-        try:
-            self._sess, self._tok = load(folder)
-        except _Unloadable as e:
-            if onnx_export.exports_done != before:
-                # Exported by this very call (its digest did not match, say): exporting it
-                # again would make the same file.
-                raise ValueError(
-                    f"{e.path} cannot be loaded though just exported ({e.why}); it is made "
-                    f"from the model folder {model_dir}: check or replace that folder "
-                    "(TIERCACHE_SEMANTIC_MODEL_DIR)") from e.__cause__
-            # A cached export damaged but of the size meta.json records (bit rot, a bad
-            # restore), or an older export (no digests in meta.json) whose tokenizer.json is
-            # damaged or gone, passed ensure_onnx's checks: every start then failed on it.
-            # Exported again, once.
-            log.warning("%s cannot be loaded (%s): exporting it again", e.path, e.why)
-            folder = ensure_onnx(model_dir, cache_dir, name, broken=loaded, exporter=exporter)
-            try:
-                self._sess, self._tok = load(folder)
-            except _Unloadable as again:
-                # Not the cache's: a fresh export fails as well (the model folder's own file
-                # is damaged). One line naming both files, not a traceback at every start.
-                raise ValueError(
-                    f"{again.path} cannot be loaded even when exported again ({again.why}); "
-                    f"it is made from the model folder {model_dir}: check or replace that "
-                    "folder (TIERCACHE_SEMANTIC_MODEL_DIR)") from again.__cause__
+        self._sess, self._tok, folder = _load_export(model_dir, cache_dir, name, exporter, opts)
         # The graph's only output: "embedding" when traced, another name from the dynamo
         # exporter (onnx_export._export_dynamo).
         self._output: str = self._sess.get_outputs()[0].name
@@ -126,6 +146,11 @@ class OnnxEmbedder:
         self._plain = Tokenizer.from_str(self._tok.to_str())
         self._plain.no_truncation()
         self._plain.no_padding()
+        self._probe_tokenizer()
+
+    def _probe_tokenizer(self) -> None:
+        """What the tokenizer cannot read, found once: its unknown token, whether it strips
+        accents, whether it reads all of printable ASCII, and the tokens it adds to a text."""
         tok_model = json.loads(self._tok.to_str()).get("model", {})
         unk = tok_model.get("unk_token")  # WordPiece, BPE
         # Unigram (SentencePiece, e.g. XLM-R-based multilingual models) stores the id.
