@@ -398,7 +398,7 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             # semantic tier is unavailable" blamed a reference that was fine.
             exc = errors.TierCacheError(why if e.code() in _TRANSPORT_CODES
                                         else f"semantic_entry_id: {why}")
-            exc.code = e.code().name
+            exc.code = _tier_status(e, deadline)
             raise exc from None
 
     def Stats(self, request, context):
@@ -586,6 +586,18 @@ def _public_details(e: grpc.RpcError, what: str) -> str:
         log.warning("%s failed: %s: %s", what, e.code().name, e.details())
         return f"{what} {_TRANSPORT_WORDS[e.code()]}"
     return e.details() or e.code().name
+
+
+def _tier_status(e: grpc.RpcError, deadline: float | None) -> str:
+    """The status a call answers for its tier's failure `e`, given the caller's `deadline`
+    (time.monotonic(); None: it set none): the tier's own, but for the tier's own timeout
+    while the caller's time is not up, UNAVAILABLE (retry later). Passed on, a hung tier's
+    DEADLINE_EXCEEDED told a caller that had set no deadline never to send it again
+    (docs/clients.md: "the same deadline runs out again")."""
+    if (e.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            and (deadline is None or time.monotonic() < deadline)):
+        return grpc.StatusCode.UNAVAILABLE.name
+    return e.code().name
 
 
 # How `_public_details` says each transport failure ("is unavailable (unavailable)" said the
