@@ -507,8 +507,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 o.replicas.replicas))), thread_name_prefix="erase") as pool:
             invalidated = [(a, pool.submit(lambda a=a: o.semantic._call(
                 a, "Invalidate", inval, left()))) for a in shards]
-            flushed = [(r, pool.submit(lambda r=r: r.stub.Flush(
-                flush, timeout=left(), metadata=md))) for r in o.replicas.replicas]
+            flushed = [(r, pool.submit(lambda r=r: _flush_unless_down(r, flush, md, left())))
+                       for r in o.replicas.replicas]
         for a, call in invalidated:
             try:
                 resp.semantic_entries_removed += call.result().removed
@@ -517,6 +517,10 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         for r, call in flushed:
             try:
                 f = call.result()
+            except _FoundDown:
+                resp.not_reached.append(f"kvpool {r.public_id}: UNAVAILABLE: found hung by the "
+                                        "orchestrator's replica polls (its Flush cancelled)")
+                continue
             except Exception as e:  # noqa: BLE001 - see _not_reached
                 resp.not_reached.append(_not_reached(f"kvpool {r.public_id}", e))
                 continue
@@ -528,6 +532,22 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
                 # index expected 48"). Only its own: the other tenants' blocks stay there.
                 o.dispatched.forget(r.replica_id, flush.cache_salt)
         return resp
+
+
+def _flush_unless_down(r, req, md, timeout: float):
+    """KvPool.Flush `req` on replica `r`, cancelled (_FoundDown) once the poller declares `r`
+    down (again at each poll while it stays hung). A live walk's EraseTenant with a replica
+    SIGSTOPped answered after 62 s, when gRPC's keepalive gave up (ERASE_TIMEOUT_S else),
+    though the poller had found it hung within ~9 s, as a Warm's prefill there is cut."""
+    downs = r.downs
+    call = r.stub.Flush.future(req, timeout=timeout, metadata=md)
+    while True:
+        try:
+            return call.result(timeout=ERASE_DOWN_CHECK_S)
+        except grpc.FutureTimeoutError:
+            if r.downs != downs:
+                call.cancel()
+                raise _FoundDown() from None
 
 
 def _not_reached(what: str, e: Exception) -> str:
@@ -546,6 +566,8 @@ def _not_reached(what: str, e: Exception) -> str:
 ERASE_TIMEOUT_S = 120.0
 # Shards or replicas an EraseTenant calls at once.
 ERASE_FANOUT = 16
+# How often a Flush under way looks whether the poller has declared its replica down.
+ERASE_DOWN_CHECK_S = 0.25
 
 # What Stats keeps of its caller's time to answer in: this share of it, at most this long.
 STATS_SLACK_SHARE = 0.2
@@ -681,7 +703,8 @@ class _Gone(threading.Event):
 
 
 class _FoundDown(Exception):
-    """A Warm's prefill cancelled as the poller declared its replica down."""
+    """A Warm's prefill (or an EraseTenant's Flush) cancelled as the poller declared its
+    replica down."""
 
 
 def _unless_gone(call, gone: _Gone):

@@ -1283,15 +1283,60 @@ class _FlushStub:
         return kvpool_pb2.KvFlushResponse(blocks_dropped=5, blocks_in_use=1)
 
 
+class _FakeCall:
+    """A unary gRPC future over a fake stub's synchronous call, run in a thread of its own."""
+
+    def __init__(self, fn, *args, **kw) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1)
+        self._f, self._cancelled = pool.submit(fn, *args, **kw), False
+        pool.shutdown(wait=False)
+
+    def cancel(self) -> bool:
+        self._cancelled = True
+        return True
+
+    def result(self, timeout=None):
+        from concurrent.futures import TimeoutError as Timeout
+
+        if self._cancelled:
+            raise grpc.FutureCancelledError()
+        try:
+            return self._f.result(timeout)
+        except Timeout:
+            raise grpc.FutureTimeoutError() from None
+
+
+class _Method:
+    """A fake stub's method as gRPC's are: called, or `future` (a _FakeCall)."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+
+    def __call__(self, *args, **kw):
+        return self.fn(*args, **kw)
+
+    def future(self, *args, **kw) -> _FakeCall:
+        return _FakeCall(self.fn, *args, **kw)
+
+
+def _with_future(stub):
+    """`stub` (a _FlushStub) with its Flush callable as gRPC's are (`Flush.future` too)."""
+    return SimpleNamespace(Flush=_Method(stub.Flush))
+
+
 def _erase_servicer(semantic, stubs, tokens="tok-o=ops", dispatched=None):
     """A servicer for EraseTenant whose tenant "ops" (token tok-o) is an admin, over
-    `semantic` and kvpool replicas kv0, kv1... answering with `stubs`."""
+    `semantic` and kvpool replicas kv0, kv1... answering with `stubs` (none declared down by
+    the poller: `downs` 0)."""
     s, orch, tenants = _stats_servicer(tokens=tokens)
     tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
     tenants.__post_init__()
     orch.semantic = semantic
     orch.replicas = SimpleNamespace(replicas=[
-        SimpleNamespace(stub=st, public_id=f"kv{i}", replica_id=f"kv{i}")
+        SimpleNamespace(stub=_with_future(st), public_id=f"kv{i}", replica_id=f"kv{i}",
+                        downs=0)
         for i, st in enumerate(stubs)])
     orch.internal_token = ""
     orch.dispatched = dispatched
@@ -1496,6 +1541,41 @@ def test_erase_tenant_calls_waiting_for_a_thread_get_only_the_time_left(monkeypa
     assert time.monotonic() - t0 < 1.0  # answered within the caller's deadline
     assert [line.split(":")[0] for line in r.not_reached] == ["kvpool kv0", "kvpool kv1"]
     assert stubs[1].timeouts[0] < 0.2, stubs[1].timeouts  # what the first one left
+
+
+def test_erase_tenant_stops_waiting_for_a_replica_the_poller_finds_hung(monkeypatch):
+    """A live walk: with one kvpool replica SIGSTOPped, grpcurl's EraseTenant (no deadline)
+    answered after 62 s, when gRPC's keepalive gave up on the Flush (ERASE_TIMEOUT_S, 120 s,
+    else), though the poller had declared the replica hung within ~9 s and a Warm's prefill
+    there is cancelled then. The Flush is cancelled as the poller declares its replica down
+    (again at each poll while it stays hung): the answer comes at once, the hung replica named
+    in not_reached, the other's counts kept."""
+    import time
+
+    from services.orchestrator import server as srv
+
+    monkeypatch.setattr(srv, "ERASE_DOWN_CHECK_S", 0.02)
+
+    class Hung(_FlushStub):
+        def Flush(self, req, timeout=None, metadata=None):
+            time.sleep(3)  # a stopped replica, far past the test's wait
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "Stream removed (ping timeout)")
+
+    s, orch, _ = _erase_servicer(SimpleNamespace(enabled=False), [Hung(), _FlushStub()])
+    hung = orch.replicas.replicas[0]
+
+    def poller() -> None:
+        time.sleep(0.2)
+        hung.downs += 1  # the poller declares it down
+
+    threading.Thread(target=poller, daemon=True).start()
+    t0 = time.monotonic()
+    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), _caller("tok-o", 1e9))
+    assert time.monotonic() - t0 < 1.5
+    assert list(r.not_reached) == [
+        "kvpool kv0: UNAVAILABLE: found hung by the orchestrator's replica polls (its Flush "
+        "cancelled)"]
+    assert (r.kv_blocks_dropped, r.kv_blocks_in_use) == (5, 1)
 
 
 def test_erase_tenant_names_a_call_that_failed_other_than_by_status():
