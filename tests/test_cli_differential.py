@@ -15,7 +15,8 @@ Model, per invocation (random global options, environment and subcommand, shuffl
   option (argparse's usage lines before it), no traceback;
 - a TLS file that cannot be read or is no certificate/key (not PEM, a key as the CA, a key
   that is not the certificate's): exit 1, one line naming the file, nothing sent;
-  --tls or --ca against this plaintext server: exit 1, UNAVAILABLE, nothing handled;
+  --tls or --ca against this plaintext server: exit 1, UNAVAILABLE (not retry later: the
+  handshake fails again) saying the server does not speak TLS, nothing handled;
 - chat sends [system]? + user text, session_id = --session, sampling {max_tokens,
   temperature, top_p, seed} as float32/ints given, a cache policy from --tier, --threshold,
   --no-semantic (skip lookup and store), --no-prefix-cache, no raw prompt or token ids;
@@ -564,6 +565,10 @@ class Step:
         if self.no_call is not None:
             assert rc == 1 and out == "" and not calls, where
             assert len(lines) == 1, where
+            if self.no_call == "tls":
+                assert lines[0].startswith("error: UNAVAILABLE: "), where
+                assert "does not speak TLS: leave out --tls and --ca" in lines[0], where
+                return
             assert lines[0].startswith(("error: UNAVAILABLE (retry later): ",
                                         "error: DEADLINE_EXCEEDED: ")), where
             return

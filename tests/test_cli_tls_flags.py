@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
+import subprocess
+import sys
+from concurrent import futures
+from pathlib import Path
 
+import grpc
 import pytest
 
 from clients.python.cli import credentials
@@ -37,7 +43,104 @@ def test_cert_without_key_is_an_error(tmp_path, capsys):
 
 def test_tls_without_a_ca_verifies_against_the_system_roots():
     # What `make run` prints for servers with only TIERCACHE_TLS_CERT (no private CA).
-    import grpc
-
     assert isinstance(credentials(ns(None, tls=True)), grpc.ChannelCredentials)
     assert isinstance(credentials(ns("", tls=True)), grpc.ChannelCredentials)
+
+
+# A walk of the CLI against real servers: a TLS handshake that failed wrote gRPC core's own
+# plain-text INFO line ("I1208 ... ssl_transport_security.cc:2563] Handshake failed ...")
+# before the CLI's error, which ended "(retry later)" (the same handshake fails again) and
+# named no flag to check; a plaintext call to a TLS server said only "Socket closed".
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """Certs of two CAs, and Orchestrator servers without an RPC (UNIMPLEMENTED answers any
+    call once connected): plaintext, TLS, and TLS requiring a client certificate."""
+    from tiercache.v1 import orchestrator_pb2_grpc
+
+    root = tmp_path_factory.mktemp("certs")
+    for name in ("a", "b"):
+        subprocess.run([str(ROOT / "scripts" / "gen-certs.sh"), str(root / name)], check=True,
+                       capture_output=True, timeout=60)
+    a = root / "a"
+    started, ports = [], {}
+    for kind in ("plain", "tls", "mtls"):
+        server = grpc.server(futures.ThreadPoolExecutor(2))
+        orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(
+            orchestrator_pb2_grpc.OrchestratorServicer(), server)
+        if kind == "plain":
+            ports[kind] = server.add_insecure_port("127.0.0.1:0")
+        else:
+            creds = grpc.ssl_server_credentials(
+                [((a / "server.key").read_bytes(), (a / "server.pem").read_bytes())],
+                root_certificates=(a / "ca.pem").read_bytes(),
+                require_client_auth=kind == "mtls")
+            ports[kind] = server.add_secure_port("127.0.0.1:0", creds)
+        server.start()
+        started.append(server)
+    yield root, ports
+    for server in started:
+        server.stop(None)
+
+
+def cli_run(port: int, *flags: str) -> subprocess.CompletedProcess:
+    """`tiercache --address 127.0.0.1:PORT FLAGS stats` in a fresh interpreter, as a user's
+    shell runs it (no GRPC_VERBOSITY set)."""
+    env = {k: v for k, v in os.environ.items()
+           if k != "GRPC_VERBOSITY" and not k.startswith("TIERCACHE_")}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{ROOT / 'gen'}"
+    return subprocess.run([sys.executable, "-m", "clients.python.cli", "--address",
+                           f"127.0.0.1:{port}", "--timeout", "20", *flags, "stats"],
+                          env=env, cwd=ROOT, capture_output=True, text=True, timeout=60)
+
+
+def only_line(r: subprocess.CompletedProcess) -> str:
+    """The one line the failed call ends with (no other line before it)."""
+    assert r.returncode == 1, r.stderr
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    return lines[0]
+
+
+def test_tls_to_a_plaintext_server_says_so_in_one_line_not_retry_later(servers):
+    _, ports = servers
+    line = only_line(cli_run(ports["plain"], "--tls"))
+    assert line.startswith("error: UNAVAILABLE: "), line
+    assert (f"(127.0.0.1:{ports['plain']} does not speak TLS: leave out --tls and --ca) "
+            "(request ") in line, line
+
+
+@pytest.mark.parametrize("flags", [["--tls"], ["--ca", "b/ca.pem"]])
+def test_a_server_certificate_the_ca_does_not_sign_is_named_in_one_line(servers, flags):
+    root, ports = servers
+    flags = [str(root / f) if f.endswith(".pem") else f for f in flags]
+    line = only_line(cli_run(ports["tls"], *flags))
+    assert line.startswith("error: UNAVAILABLE: "), line
+    trusted = f"--ca {root / 'b/ca.pem'}" if "--ca" in flags else "the system's trusted roots"
+    assert (f"(the server's certificate is not signed by {trusted}: give --ca the CA that "
+            "signed it) (request ") in line, line
+
+
+def test_plaintext_to_a_tls_server_says_tls_may_be_wanted(servers):
+    _, ports = servers
+    line = only_line(cli_run(ports["tls"]))
+    assert line.startswith("error: UNAVAILABLE (retry later): "), line
+    assert "(a server that speaks TLS closes a plaintext connection: --ca or --tls)" in line
+
+
+def test_tls_without_a_client_certificate_says_one_may_be_wanted(servers):
+    root, ports = servers
+    line = only_line(cli_run(ports["mtls"], "--ca", str(root / "a/ca.pem")))
+    assert ("(a server that requires a client certificate closes a connection without one: "
+            "--cert and --key)") in line, line
+
+
+def test_sound_tls_reaches_the_server(servers):
+    root, ports = servers
+    a = root / "a"
+    r = cli_run(ports["mtls"], "--ca", str(a / "ca.pem"), "--cert", str(a / "client.pem"),
+                "--key", str(a / "client.key"))
+    assert only_line(r).startswith("error: UNIMPLEMENTED: Method not implemented!")

@@ -24,23 +24,29 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import NoReturn
 
-import grpc
-from google.protobuf.json_format import MessageToDict
-from tiercache.v1 import common_pb2, orchestrator_pb2
+# gRPC's core reads this once, as it loads (as services/__init__.py sets it for the services):
+# left unset, a failed TLS handshake wrote its own plain-text INFO line ("I1208 ...
+# ssl_transport_security.cc:2563] Handshake failed ...") to stderr before the CLI's error.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
-from clients.python.client import (
+import grpc  # noqa: E402
+from google.protobuf.json_format import MessageToDict  # noqa: E402
+from tiercache.v1 import common_pb2, orchestrator_pb2  # noqa: E402
+
+from clients.python.client import (  # noqa: E402
     IncompleteStream,
     TierCacheClient,
     _ClientBase,
     checked_token,
     float32_problem,
     retry_later,
+    tls_handshake_failed,
 )
-from services.common.config import is_host_port
-from services.common.errors import blank
-from services.common.grpc_client import ca_problem, key_pair_problem, pem_problem
-from services.common.logs import isatty, package_version
-from services.semantic.policy import HIT_TOLERANCE
+from services.common.config import is_host_port  # noqa: E402
+from services.common.errors import blank  # noqa: E402
+from services.common.grpc_client import ca_problem, key_pair_problem, pem_problem  # noqa: E402
+from services.common.logs import isatty, package_version  # noqa: E402
+from services.semantic.policy import HIT_TOLERANCE  # noqa: E402
 
 
 def session_name(text: str) -> str:
@@ -912,11 +918,33 @@ def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> None:
             _REQUEST_TOO_LARGE):
         details += (" (bytes: the request's vs. the orchestrator's limit, "
                     "TIERCACHE_ORCHESTRATOR_MAX_REQUEST_BYTES; send less, or raise it)")
+    if e.code() == grpc.StatusCode.UNAVAILABLE:
+        details += _tls_hint(details, a)
     # The id the servers logged the call under (a ticket quotes it); none for an error
     # raised before anything was sent.
     rid = getattr(e, "request_id", "")
     sys.stderr.write(f"error: {e.code().name}{later}: {shown(details, sys.stderr)}"
                      + (f" (request {rid})" if rid else "") + "\n")
+
+
+def _tls_hint(details: str, a: argparse.Namespace) -> str:
+    """What to check when a call failed to connect for TLS ("": nothing points at TLS). gRPC's
+    words named an OpenSSL error and no flag, and the CLI said to retry what fails again."""
+    tls = getattr(a, "credentials", None) is not None
+    if tls_handshake_failed(details) and "WRONG_VERSION_NUMBER" in details:
+        return f" ({a.address} does not speak TLS: leave out --tls and --ca)"
+    if tls_handshake_failed(details) and "CERTIFICATE_VERIFY_FAILED" in details:
+        trusted = f"--ca {a.ca}" if a.ca else "the system's trusted roots"
+        return (f" (the server's certificate is not signed by {trusted}: give --ca the CA "
+                "that signed it)")
+    if "Socket closed" not in details:  # a server that ends the handshake says only this
+        return ""
+    if not tls:
+        return " (a server that speaks TLS closes a plaintext connection: --ca or --tls)"
+    if not a.cert:
+        return (" (a server that requires a client certificate closes a connection without "
+                "one: --cert and --key)")
+    return ""
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -69,9 +69,16 @@ def _naming_request(metadata: list[tuple[str, str]]) -> Iterator[None]:
         raise
 
 
+def tls_handshake_failed(details: str) -> bool:
+    """Whether an UNAVAILABLE's details are gRPC's words for a TLS handshake that failed (a
+    server certificate the CA does not sign, TLS to a plaintext server)."""
+    return "Tls handshake failed" in details
+
+
 def retry_later(error: grpc.RpcError) -> bool:
     """True when `error` says the same request may succeed later (RESOURCE_EXHAUSTED marked
-    overloaded or refused by the server's cap on concurrent calls, or UNAVAILABLE); False for
+    overloaded or refused by the server's cap on concurrent calls, or UNAVAILABLE other than
+    a failed TLS handshake, which the same certificates fail again); False for
     a request that can never succeed as it is, and for a stream that failed after part of its
     answer had arrived (`chunks_received` > 0: sent again, that text would come twice).
     False too for DEADLINE_EXCEEDED (the same deadline runs out again: give a longer
@@ -84,11 +91,12 @@ def retry_later(error: grpc.RpcError) -> bool:
     if getattr(error, "chunks_received", 0):
         return False
     code = error.code() if callable(getattr(error, "code", None)) else None
+    details = error.details() if callable(getattr(error, "details", None)) else None
     if code == grpc.StatusCode.UNAVAILABLE:
-        return True
+        # Not a TLS handshake that failed: the same certificates fail it the same way again.
+        return not tls_handshake_failed(details or "")
     if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return False
-    details = error.details() if callable(getattr(error, "details", None)) else None
     if details == RPC_CAP_DETAILS:
         return True
     try:
