@@ -717,3 +717,69 @@ def test_an_address_that_is_no_orchestrator_is_said_so(tmp_path, monkeypatch, ca
     assert err.startswith(f"error: UNIMPLEMENTED: Method not found! ({address} serves no "
                           "tiercache.v1.Orchestrator: --address names an orchestrator, not a "
                           "semantic, prefix or kvpool shard)"), err
+
+
+def _stdin(monkeypatch, data: bytes) -> None:
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+
+
+def _sent_messages(monkeypatch) -> list:
+    sent: list = []
+    plain = FakeClient.stream
+
+    def stream(self, messages, **kw):
+        sent.append(messages)
+        yield from plain(self, messages, **kw)
+
+    monkeypatch.setattr(FakeClient, "stream", stream)
+    return sent
+
+
+def test_a_question_or_system_prompt_given_as_dash_is_read_from_stdin(fake, monkeypatch):
+    """A walk: `tiercache chat - < question.txt` asked the model "-" (and answered it), and a
+    question past 128 KiB could not be given at all (one argument's limit: "Argument list too
+    long"). A lone "-" now reads stdin, its trailing newlines dropped as `"$(cat f)"` does."""
+    sent = _sent_messages(monkeypatch)
+    question = "Summarise this: " + "word " * 40000  # 200 KB, past one argument's limit
+    _stdin(monkeypatch, (question + "\n\n").encode())
+    assert cli.main(["chat", "-q", "-"]) == 0
+    assert sent[-1] == [{"role": "user", "content": question}]
+    _stdin(monkeypatch, "Réponds en français.\n".encode())
+    assert cli.main(["chat", "-q", "--system", "-", "Hi?"]) == 0
+    assert sent[-1] == [{"role": "system", "content": "Réponds en français."},
+                        {"role": "user", "content": "Hi?"}]
+
+
+def test_warm_reads_its_system_prompt_from_stdin(fake, monkeypatch):
+    warmed: list = []
+    monkeypatch.setattr(FakeClient, "warm", lambda self, prompts, **kw: warmed.append(prompts)
+                        or orchestrator_pb2.WarmResponse(
+                            results=[orchestrator_pb2.WarmResult(replica_id="r")]),
+                        raising=False)
+    _stdin(monkeypatch, b"You are a helpful assistant.\n")
+    assert cli.main(["warm", "--system", "-"]) == 0
+    assert warmed == [["You are a helpful assistant."]]
+
+
+@pytest.mark.parametrize(("argv", "data", "said"), [
+    (["chat", "-"], b"caf\xe9?\n", "text (stdin): not valid UTF-8 (byte 0xe9 at offset 3)"),
+    (["warm", "--system", "-"], b"\xff", "--system (stdin): not valid UTF-8 (byte 0xff at "
+                                         "offset 0)"),
+    (["chat", "--system", "-", "-"], b"hi", "text and --system cannot both be - (stdin)"),
+])
+def test_stdin_that_is_not_utf8_or_asked_for_twice_is_a_usage_error(fake, monkeypatch, capsys,
+                                                                    argv, data, said):
+    sent = _sent_messages(monkeypatch)
+    _stdin(monkeypatch, data)
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(f"error: {said}\n")
+    assert sent == []
+
+
+def test_a_closed_stdin_for_dash_is_a_usage_error(fake, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "stdin", None)
+    with pytest.raises(SystemExit) as e:
+        cli.main(["chat", "-"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.endswith("error: text: - reads stdin, which is closed\n")

@@ -2,6 +2,7 @@
 
     tiercache chat "What is a KV cache?"            # streams the answer
     tiercache chat --session s1 "And a radix tree?"  # multi-turn (history kept in ~/.cache)
+    tiercache chat - < question.txt                  # the question from stdin
     tiercache warm --system "You are a helpful assistant. Answer briefly and clearly."
     tiercache feedback <entry-id> --bad
     tiercache stats
@@ -749,6 +750,42 @@ def _positive(text: str) -> int:
 _WIRE_ARGS = ("address", "token", "text", "session", "system", "entry_id", "tenant_tokens")
 
 
+# Arguments a lone "-" reads from stdin, by their names in usage errors: a question or system
+# prompt past one argument's limit (128 KiB: "Argument list too long"), or kept in a file
+# (`chat - < question.txt`). `chat -` asked the model "-".
+_STDIN_ARGS = {"text": "text", "system": "--system"}
+
+
+def _read_stdin_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Replace the argument given as "-" by stdin's text (trailing newlines dropped, as
+    `"$(cat file)"` drops them)."""
+    names = [n for n in _STDIN_ARGS if getattr(a, n, None) == "-"]
+    if len(names) > 1:
+        p.error("text and --system cannot both be - (stdin)")
+    for name in names:
+        setattr(a, name, _stdin_text(p, _STDIN_ARGS[name]))
+
+
+def _stdin_text(p: argparse.ArgumentParser, flag: str) -> str:
+    if sys.stdin is None:
+        p.error(f"{flag}: - reads stdin, which is closed")
+    if isatty(sys.stdin):
+        sys.stderr.write(f"reading {flag} from stdin (end it with Ctrl-D)\n")
+    try:
+        data = getattr(sys.stdin, "buffer", sys.stdin).read()
+    except KeyboardInterrupt:
+        raise SystemExit(130) from None
+    except OSError as e:
+        p.error(f"{flag}: cannot read stdin: {e}")
+    if isinstance(data, str):
+        return data.rstrip("\n")
+    try:
+        return data.decode("utf-8").rstrip("\n")
+    except UnicodeDecodeError as e:
+        p.error(f"{flag} (stdin): not valid UTF-8 (byte {data[e.start]:#04x} at offset "
+                f"{e.start})")
+
+
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The CLI's parser, and the subcommand parsers whose usage errors `_check_args` says."""
     p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
@@ -792,10 +829,11 @@ def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParse
 
 def _add_chat(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     ch = sub.add_parser("chat", help="ask a question, stream the answer")
-    ch.add_argument("text", help="the question (a user message)")
+    ch.add_argument("text", help="the question (a user message); - reads it from stdin")
     ch.add_argument("--session", default="", type=session_name,
                     help="conversation id (keeps history)")
-    ch.add_argument("--system", default="", help="system prompt for a new conversation")
+    ch.add_argument("--system", default="",
+                    help="system prompt for a new conversation (- reads it from stdin)")
     ch.add_argument("--max-tokens", type=int32, default=0,
                     help="0 = the server's default, cut to what the model's context leaves")
     ch.add_argument("--temperature", type=_temperature, default=0.0, help="0 = greedy")
@@ -823,7 +861,8 @@ def _add_chat(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def _add_warm(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     w = sub.add_parser("warm", help="prefill and pin a system prompt on replicas")
     w.add_argument("--system", default="",
-                   help="system prompt to prefill and pin (whole 16-token KV blocks only)")
+                   help="system prompt to prefill and pin (whole 16-token KV blocks only; - "
+                        "reads it from stdin)")
     w.add_argument("--top-k", type=uint32, default=0,
                    help="also warm (and pin) this tenant's k hottest prefixes (at most 64)")
     w.add_argument("--owners", action="store_true", help="only the owning replica")
@@ -884,6 +923,7 @@ def _check_args(p: argparse.ArgumentParser, subs: dict[str, argparse.ArgumentPar
         p.error(f"--address (env TIERCACHE_ADDRESS): {a.address!r} is not host:port (port "
                 "1..65535; an IPv6 address in brackets)")
     a.address = a.address.strip()
+    _read_stdin_args(p, a)
     if a.cmd == "warm" and not a.system and not a.top_k:
         w.error("give --system PROMPT or --top-k K")  # not the wire's "prompts or top_k"
     if a.cmd == "chat" and a.raw and (a.session or a.system):
