@@ -783,3 +783,27 @@ def test_a_closed_stdin_for_dash_is_a_usage_error(fake, monkeypatch, capsys):
         cli.main(["chat", "-"])
     assert e.value.code == 2
     assert capsys.readouterr().err.endswith("error: text: - reads stdin, which is closed\n")
+
+
+def test_new_without_a_session_is_a_usage_error(fake, capsys):
+    """A walk: `chat --new "hi"` answered as if nothing were asked of --new: nothing started
+    over, and nothing said that --new needs --session."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["chat", "--new", "hi"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.endswith(
+        "error: --new starts a --session over: give --session NAME\n")
+    assert cli.main(["chat", "-q", "--new", "--session", "s", "hi"]) == 0
+
+
+def test_help_says_what_each_exit_status_means(capsys):
+    """A walk: no --help, README or docstring said what the exit statuses mean; a script told
+    a failed call (1) from a usage error (2), Ctrl-C (130) or a reader gone (141) by guessing."""
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--help"])
+    assert e.value.code == 0
+    out = " ".join(capsys.readouterr().out.split())
+    said = out.partition("exit status: ")[2]
+    for status in ("0 done", "1 failed", "2 usage error", "130 interrupted (Ctrl-C)",
+                   "141 stdout closed"):
+        assert status in said, out

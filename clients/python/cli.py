@@ -786,9 +786,19 @@ def _stdin_text(p: argparse.ArgumentParser, flag: str) -> str:
                 f"{e.start})")
 
 
+# What a script can tell apart (nothing said it: a failed call and a usage error were told
+# apart by guessing).
+_EXIT_STATUSES = (
+    "exit status: 0 done; 1 failed (stderr says why: the call failed or was refused, a TLS "
+    "file or a session's history is unusable, a warm or erase-tenant did not reach everything, "
+    "a replayed request failed); 2 usage error (nothing sent); 130 interrupted (Ctrl-C); 141 "
+    "stdout closed before the output ended (| head)")
+
+
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The CLI's parser, and the subcommand parsers whose usage errors `_check_args` says."""
-    p = argparse.ArgumentParser(prog="tiercache", description="TierCache client")
+    p = argparse.ArgumentParser(prog="tiercache", description="TierCache client",
+                                epilog=_EXIT_STATUSES)
     # Which release a wheel installed (`tiercache --version` read "the following arguments
     # are required: cmd").
     p.add_argument("--version", action="version", version=f"tiercache {package_version()}")
@@ -926,6 +936,8 @@ def _check_args(p: argparse.ArgumentParser, subs: dict[str, argparse.ArgumentPar
     _read_stdin_args(p, a)
     if a.cmd == "warm" and not a.system and not a.top_k:
         w.error("give --system PROMPT or --top-k K")  # not the wire's "prompts or top_k"
+    if a.cmd == "chat" and a.new and not a.session:
+        ch.error("--new starts a --session over: give --session NAME")  # else ignored unsaid
     if a.cmd == "chat" and a.raw and (a.session or a.system):
         # A raw prompt is the whole prompt: no system message, no earlier turns to carry.
         ch.error("--raw sends the text alone: not with --session or --system")
