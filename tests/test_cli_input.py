@@ -807,3 +807,35 @@ def test_help_says_what_each_exit_status_means(capsys):
     for status in ("0 done", "1 failed", "2 usage error", "130 interrupted (Ctrl-C)",
                    "141 stdout closed"):
         assert status in said, out
+
+
+def test_a_stream_cut_by_its_timeout_names_the_timeout(tmp_path, monkeypatch, capsys):
+    """A walk: `--timeout 1.5 chat` of a long answer ended "DEADLINE_EXCEEDED: Stream removed
+    (Deadline Exceeded)", gRPC's words for a deadline passed mid-stream, which the note naming
+    --timeout (kept for its words before any answer) did not match. Against a real server
+    streaming slowly, the line now names the setting."""
+    import time
+    from concurrent import futures
+
+    from tiercache.v1 import orchestrator_pb2_grpc
+
+    class Slow(orchestrator_pb2_grpc.OrchestratorServicer):
+        def Generate(self, request, context):
+            for i in range(100):
+                yield orchestrator_pb2.GenerateResponse(text=f"w{i} ")
+                time.sleep(0.1)
+
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path / "home"))
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Slow(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert cli.main(["--address", f"127.0.0.1:{port}", "--timeout", "0.35", "chat",
+                         "hi"]) == 1
+    finally:
+        server.stop(None)
+    out, err = capsys.readouterr()
+    assert out.startswith("w0 ") and out.endswith("\n")
+    assert err.startswith("error: DEADLINE_EXCEEDED: Stream removed (Deadline Exceeded) (the "
+                          "answer did not end within --timeout 0.35 s) (request "), err

@@ -952,15 +952,21 @@ def _check_args(p: argparse.ArgumentParser, subs: dict[str, argparse.ArgumentPar
             p.error(f"{name.replace('_', '-')}: not valid UTF-8")
 
 
+# gRPC's words for this call's deadline passing: before any answer, and mid-stream (after part
+# of one, which the first alone missed).
+_DEADLINE_WORDS = {"Deadline Exceeded": "no answer within",
+                   "Stream removed (Deadline Exceeded)": "the answer did not end within"}
+
+
 def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> None:
     """The one line a failed call ends the CLI with."""
     # Any call the same request may succeed later: UNAVAILABLE too (a replica or the
     # orchestrator restarting), not after part of an answer was printed.
     later = " (retry later)" if retry_later(e) else ""
     details = e.details() or ""
-    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
+    if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details in _DEADLINE_WORDS:
         # gRPC's own words for this call's deadline: say which setting set it.
-        details += f" (no answer within --timeout {a.timeout:g} s)"
+        details += f" ({_DEADLINE_WORDS[details]} --timeout {a.timeout:g} s)"
     if e.code() == grpc.StatusCode.UNIMPLEMENTED and details == "Method not found!":
         # gRPC's own words for a server without the RPC: most often the port beside the
         # orchestrator's, a shard's (a walk: "Method not found!" named nothing to check).
