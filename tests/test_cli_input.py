@@ -766,6 +766,9 @@ def test_warm_reads_its_system_prompt_from_stdin(fake, monkeypatch):
     (["warm", "--system", "-"], b"\xff", "--system (stdin): not valid UTF-8 (byte 0xff at "
                                          "offset 0)"),
     (["chat", "--system", "-", "-"], b"hi", "text and --system cannot both be - (stdin)"),
+    # Empty: warm said "give --system PROMPT or --top-k K" of a --system it was given.
+    (["warm", "--system", "-"], b"\n", "--system (stdin): empty"),
+    (["chat", "-"], b"", "text (stdin): empty"),
 ])
 def test_stdin_that_is_not_utf8_or_asked_for_twice_is_a_usage_error(fake, monkeypatch, capsys,
                                                                     argv, data, said):

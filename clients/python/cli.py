@@ -777,13 +777,14 @@ def _stdin_text(p: argparse.ArgumentParser, flag: str) -> str:
         raise SystemExit(130) from None
     except OSError as e:
         p.error(f"{flag}: cannot read stdin: {e}")
-    if isinstance(data, str):
-        return data.rstrip("\n")
     try:
-        return data.decode("utf-8").rstrip("\n")
+        text = data if isinstance(data, str) else data.decode("utf-8")
     except UnicodeDecodeError as e:
         p.error(f"{flag} (stdin): not valid UTF-8 (byte {data[e.start]:#04x} at offset "
                 f"{e.start})")
+    if not text.rstrip("\n"):
+        p.error(f"{flag} (stdin): empty")
+    return text.rstrip("\n")
 
 
 # What a script can tell apart (nothing said it: a failed call and a usage error were told
