@@ -677,3 +677,20 @@ def test_erase_tenant_with_a_tenants_token_says_it_needs_an_admin_one(eraser, mo
     assert capsys.readouterr().err == (
         "error: PERMISSION_DENIED: authorization: tenant acme may not erase a tenant's data "
         "(needs an admin token)\n")
+
+
+class _CtrlC(Tty):
+    def readline(self, *a):
+        raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize(("stdin", "status"), [(Tty(""), 1), (_CtrlC(), 130)])
+def test_erase_tenant_left_at_its_question_says_not_erased_on_a_line_of_its_own(
+        eraser, monkeypatch, capsys, stdin, status):
+    """A walk: Ctrl-D at the question printed "[y/N] not erased" on the question's line, and
+    Ctrl-C ended with "[y/N] ^C" and no line end (the shell's prompt went after it), not
+    saying whether anything was erased."""
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert cli.main(["erase-tenant", "acme"]) == status
+    assert capsys.readouterr().err.endswith("[y/N] \nnot erased\n")
+    assert eraser.asked == []

@@ -438,17 +438,27 @@ def cmd_feedback(c: TierCacheClient, a: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_erase_tenant(c: TierCacheClient, a: argparse.Namespace) -> int:
-    if not a.yes and isatty(sys.stdin):
-        # Destructive and not undoable: asked at a terminal; a script (stdin not a terminal)
-        # or --yes goes on.
-        sys.stderr.write(f"erase every cached answer and KV block of tenant {a.tenant!r} on "
-                         "every semantic shard and kvpool replica? [y/N] ")
-        sys.stderr.flush()
+def _erase_confirmed(tenant: str) -> bool:
+    """Destructive and not undoable: asked at a terminal (a script, whose stdin is no
+    terminal, or --yes goes on). A no, end of input and Ctrl-C each say "not erased" on a
+    line of its own (after them the question's line was left open)."""
+    sys.stderr.write(f"erase every cached answer and KV block of tenant {tenant!r} on every "
+                     "semantic shard and kvpool replica? [y/N] ")
+    sys.stderr.flush()
+    try:
         answer = sys.stdin.readline()  # "" at end of input: a no
-        if answer.strip().lower() not in ("y", "yes"):
-            sys.stderr.write("not erased\n")
-            return 1
+    except KeyboardInterrupt:
+        sys.stderr.write("\nnot erased\n")
+        raise
+    if answer.strip().lower() in ("y", "yes"):
+        return True
+    sys.stderr.write(("" if answer.endswith("\n") else "\n") + "not erased\n")
+    return False
+
+
+def cmd_erase_tenant(c: TierCacheClient, a: argparse.Namespace) -> int:
+    if not a.yes and isatty(sys.stdin) and not _erase_confirmed(a.tenant):
+        return 1
     resp = c.erase_tenant(a.tenant)
     print(json.dumps(_as_dict(resp), indent=2))
     for line in resp.not_reached:
