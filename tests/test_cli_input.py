@@ -842,3 +842,31 @@ def test_a_stream_cut_by_its_timeout_names_the_timeout(tmp_path, monkeypatch, ca
     assert out.startswith("w0 ") and out.endswith("\n")
     assert err.startswith("error: DEADLINE_EXCEEDED: Stream removed (Deadline Exceeded) (the "
                           "answer did not end within --timeout 0.35 s) (request "), err
+
+
+def test_an_address_that_is_no_grpc_server_is_said_so_not_retry_later(tmp_path, monkeypatch,
+                                                                       capsys):
+    """A walk: `--address` at a web server's port (HTTP/1.1) ended "UNAVAILABLE (retry later):
+    ... Failed parsing HTTP/2 (Expected SETTINGS frame ...)": retry what never succeeds, the
+    address not said to be wrong. Against a real HTTP server, the line now says so."""
+    import http.server
+    import threading
+
+    class Quiet(http.server.BaseHTTPRequestHandler):
+        def log_message(self, *args):  # its own lines on stderr
+            pass
+
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path / "home"))
+    web = http.server.HTTPServer(("127.0.0.1", 0), Quiet)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    address = f"127.0.0.1:{web.server_address[1]}"
+    try:
+        assert cli.main(["--address", address, "--timeout", "10", "stats"]) == 1
+    finally:
+        web.shutdown()
+        web.server_close()
+    err = capsys.readouterr().err
+    assert err.startswith("error: UNAVAILABLE: "), err
+    assert (f"Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame, got frame "
+            f"type 79) ({address} is no gRPC server: --address names the orchestrator's gRPC "
+            "port) (request ") in err, err

@@ -35,13 +35,14 @@ from google.protobuf.json_format import MessageToDict  # noqa: E402
 from tiercache.v1 import common_pb2, orchestrator_pb2  # noqa: E402
 
 from clients.python.client import (  # noqa: E402
+    NO_HTTP2,
+    TLS_HANDSHAKE_FAILED,
     IncompleteStream,
     TierCacheClient,
     _ClientBase,
     checked_token,
     float32_problem,
     retry_later,
-    tls_handshake_failed,
 )
 from services.common.config import is_host_port  # noqa: E402
 from services.common.errors import blank  # noqa: E402
@@ -988,7 +989,7 @@ def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> None:
         details += (" (bytes: the request's vs. the orchestrator's limit, "
                     "TIERCACHE_ORCHESTRATOR_MAX_REQUEST_BYTES; send less, or raise it)")
     if e.code() == grpc.StatusCode.UNAVAILABLE:
-        details += _tls_hint(details, a)
+        details += _connect_hint(details, a)
     # The id the servers logged the call under (a ticket quotes it); none for an error
     # raised before anything was sent.
     rid = getattr(e, "request_id", "")
@@ -996,13 +997,16 @@ def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> None:
                      + (f" (request {rid})" if rid else "") + "\n")
 
 
-def _tls_hint(details: str, a: argparse.Namespace) -> str:
-    """What to check when a call failed to connect for TLS ("": nothing points at TLS). gRPC's
-    words named an OpenSSL error and no flag, and the CLI said to retry what fails again."""
+def _connect_hint(details: str, a: argparse.Namespace) -> str:
+    """What to check when a call failed to connect for TLS, or to a server speaking no gRPC
+    ("": nothing points at either). gRPC's words named an OpenSSL or HTTP/2 error and no flag,
+    and the CLI said to retry what fails again."""
     tls = getattr(a, "credentials", None) is not None
-    if tls_handshake_failed(details) and "WRONG_VERSION_NUMBER" in details:
+    if NO_HTTP2 in details:
+        return f" ({a.address} is no gRPC server: --address names the orchestrator's gRPC port)"
+    if TLS_HANDSHAKE_FAILED in details and "WRONG_VERSION_NUMBER" in details:
         return f" ({a.address} does not speak TLS: leave out --tls and --ca)"
-    if tls_handshake_failed(details) and "CERTIFICATE_VERIFY_FAILED" in details:
+    if TLS_HANDSHAKE_FAILED in details and "CERTIFICATE_VERIFY_FAILED" in details:
         trusted = f"--ca {a.ca}" if a.ca else "the system's trusted roots"
         return (f" (the server's certificate is not signed by {trusted}: give --ca the CA "
                 "that signed it)")

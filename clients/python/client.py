@@ -69,16 +69,22 @@ def _naming_request(metadata: list[tuple[str, str]]) -> Iterator[None]:
         raise
 
 
-def tls_handshake_failed(details: str) -> bool:
-    """Whether an UNAVAILABLE's details are gRPC's words for a TLS handshake that failed (a
-    server certificate the CA does not sign, TLS to a plaintext server)."""
-    return "Tls handshake failed" in details
+# gRPC's words for a connection that fails the same way every time: a TLS handshake that
+# failed (a server certificate the CA does not sign, TLS to a plaintext server), and a server
+# that speaks no HTTP/2 (no gRPC server: a web server's port).
+TLS_HANDSHAKE_FAILED = "Tls handshake failed"
+NO_HTTP2 = "Failed parsing HTTP/2"
+
+
+def wrong_server(details: str) -> bool:
+    """Whether an UNAVAILABLE's details say the connection fails the same way again."""
+    return TLS_HANDSHAKE_FAILED in details or NO_HTTP2 in details
 
 
 def retry_later(error: grpc.RpcError) -> bool:
     """True when `error` says the same request may succeed later (RESOURCE_EXHAUSTED marked
     overloaded or refused by the server's cap on concurrent calls, or UNAVAILABLE other than
-    a failed TLS handshake, which the same certificates fail again); False for
+    a failed TLS handshake or a server speaking no gRPC, which fail again); False for
     a request that can never succeed as it is, and for a stream that failed after part of its
     answer had arrived (`chunks_received` > 0: sent again, that text would come twice).
     False too for DEADLINE_EXCEEDED (the same deadline runs out again: give a longer
@@ -93,8 +99,8 @@ def retry_later(error: grpc.RpcError) -> bool:
     code = error.code() if callable(getattr(error, "code", None)) else None
     details = error.details() if callable(getattr(error, "details", None)) else None
     if code == grpc.StatusCode.UNAVAILABLE:
-        # Not a TLS handshake that failed: the same certificates fail it the same way again.
-        return not tls_handshake_failed(details or "")
+        # Not one that fails again: the same certificates, the same server at that address.
+        return not wrong_server(details or "")
     if code != grpc.StatusCode.RESOURCE_EXHAUSTED:
         return False
     if details == RPC_CAP_DETAILS:
