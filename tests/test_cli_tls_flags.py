@@ -144,3 +144,36 @@ def test_sound_tls_reaches_the_server(servers):
     r = cli_run(ports["mtls"], "--ca", str(a / "ca.pem"), "--cert", str(a / "client.pem"),
                 "--key", str(a / "client.key"))
     assert only_line(r).startswith("error: UNIMPLEMENTED: Method not implemented!")
+
+
+def test_tls_files_set_by_the_environment_are_named_by_their_variables(monkeypatch, capsys,
+                                                                       tmp_path):
+    """A walk: with the client pair exported (an env file) and no CA, the CLI said "--cert/--key
+    need --ca or --tls" to a user who typed no --cert; a missing TIERCACHE_TLS_CA file was
+    "--ca: cannot read ..." of a --ca never given."""
+    from clients.python import cli
+
+    monkeypatch.setenv("TIERCACHE_CLI_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("TIERCACHE_TLS_CA", raising=False)
+    monkeypatch.setenv("TIERCACHE_TLS_CLIENT_CERT", "/x/client.pem")
+    monkeypatch.setenv("TIERCACHE_TLS_CLIENT_KEY", "/x/client.key")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["stats"])
+    assert e.value.code == 2
+    assert capsys.readouterr().err == (
+        "tiercache: error: --cert/--key need --ca or --tls (TLS) (set by "
+        "TIERCACHE_TLS_CLIENT_CERT, TIERCACHE_TLS_CLIENT_KEY)\n")
+    monkeypatch.delenv("TIERCACHE_TLS_CLIENT_KEY")
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--tls", "stats"])
+    assert capsys.readouterr().err == (
+        "tiercache: error: give --cert and --key together (set by TIERCACHE_TLS_CLIENT_CERT)\n")
+    monkeypatch.delenv("TIERCACHE_TLS_CLIENT_CERT")
+    monkeypatch.setenv("TIERCACHE_TLS_CA", str(tmp_path / "missing.pem"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["stats"])
+    assert str(e.value.code).startswith(
+        f"error: --ca (env TIERCACHE_TLS_CA): cannot read {tmp_path / 'missing.pem'}")
+    with pytest.raises(SystemExit) as e:  # given as a flag: the flag alone
+        cli.main(["--ca", str(tmp_path / "other.pem"), "stats"])
+    assert str(e.value.code).startswith(f"error: --ca: cannot read {tmp_path / 'other.pem'}")

@@ -569,10 +569,10 @@ def credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
         return None
     if not a.ca and not a.tls:
         if a.cert or a.key:
-            _usage("--cert/--key need --ca or --tls (TLS)")
+            _usage("--cert/--key need --ca or --tls (TLS)" + _set_by_env(a))
         return None
     if bool(a.cert) != bool(a.key):
-        _usage("give --cert and --key together")
+        _usage("give --cert and --key together" + _set_by_env(a))
     problem = _tls_files_problem(a)
     if problem:
         raise SystemExit(f"error: {problem}")
@@ -584,6 +584,28 @@ def credentials(a: argparse.Namespace) -> grpc.ChannelCredentials | None:
                                         certificate_chain=read[2])
 
 
+# The variables argparse takes the TLS flags' values from when they are not given.
+_TLS_ENV = {"--ca": "TIERCACHE_TLS_CA", "--cert": "TIERCACHE_TLS_CLIENT_CERT",
+            "--key": "TIERCACHE_TLS_CLIENT_KEY"}
+
+
+def _from_env(flag: str, value: str | None) -> bool:
+    """Whether `flag`'s value is its variable's (as argparse expanded it): a user who typed no
+    --cert was told of "--cert/--key" that an env file had exported."""
+    env = os.environ.get(_TLS_ENV[flag])
+    return bool(env) and os.path.expanduser(env) == value
+
+
+def _tls_flag(flag: str, value: str | None) -> str:
+    return f"{flag} (env {_TLS_ENV[flag]})" if _from_env(flag, value) else flag
+
+
+def _set_by_env(a: argparse.Namespace) -> str:
+    """" (set by VAR, ...)" for the client pair's values the environment gave."""
+    names = [_TLS_ENV[f] for f, v in (("--cert", a.cert), ("--key", a.key)) if _from_env(f, v)]
+    return f" (set by {', '.join(names)})" if names else ""
+
+
 def _tls_files_problem(a: argparse.Namespace) -> str:
     """What is wrong with the TLS files given ("" = nothing), checked as the services check
     theirs at start: gRPC took a file that is no PEM, a key given as the CA, or a key that is
@@ -592,13 +614,14 @@ def _tls_files_problem(a: argparse.Namespace) -> str:
     for flag, path in (("--ca", a.ca), ("--cert", a.cert), ("--key", a.key)):
         why = pem_problem(path) if path else ""
         if why:
-            return f"{flag}: {why}"
+            return f"{_tls_flag(flag, path)}: {why}"
     why = ca_problem(a.ca) if a.ca else ""
     if why:
-        return f"--ca {a.ca}: {why}"
+        return f"{_tls_flag('--ca', a.ca)} {a.ca}: {why}"
     why = key_pair_problem(a.cert, a.key, server=False) if a.cert else ""
     if why:
-        return f"--cert {a.cert} and --key {a.key} {why}"
+        return (f"{_tls_flag('--cert', a.cert)} {a.cert} and {_tls_flag('--key', a.key)} "
+                f"{a.key} {why}")
     return ""
 
 
