@@ -870,3 +870,25 @@ def test_an_address_that_is_no_grpc_server_is_said_so_not_retry_later(tmp_path, 
     assert (f"Failed parsing HTTP/2 (Expected SETTINGS frame as the first frame, got frame "
             f"type 79) ({address} is no gRPC server: --address names the orchestrator's gRPC "
             "port) (request ") in err, err
+
+
+def test_ctrl_c_while_a_terminal_types_the_question_ends_its_line_and_exits_130(fake, monkeypatch,
+                                                                             capsys):
+    class Typing(Tty):
+        def read(self, *a):
+            raise KeyboardInterrupt
+
+    sent = _sent_messages(monkeypatch)
+    monkeypatch.setattr(sys, "stdin", Typing())
+    with pytest.raises(SystemExit) as e:
+        cli.main(["chat", "-"])
+    assert e.value.code == 130 and sent == []
+    assert capsys.readouterr().err == "reading text from stdin (end it with Ctrl-D)\n\n"
+
+
+def test_a_prompt_typed_at_a_terminal_with_stderr_closed_is_read(fake, monkeypatch):
+    sent = _sent_messages(monkeypatch)
+    monkeypatch.setattr(sys, "stdin", Tty("What is a cat?\n"))
+    monkeypatch.setattr(sys, "stderr", None)  # `2>&-`: the note had nowhere to go
+    assert cli.main(["chat", "-"]) == 1  # exit 1 with stderr closed, as for any command
+    assert sent == []

@@ -803,11 +803,13 @@ def _read_stdin_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
 def _stdin_text(p: argparse.ArgumentParser, flag: str) -> str:
     if sys.stdin is None:
         p.error(f"{flag}: - reads stdin, which is closed")
-    if isatty(sys.stdin):
+    if isatty(sys.stdin) and sys.stderr is not None:
         sys.stderr.write(f"reading {flag} from stdin (end it with Ctrl-D)\n")
     try:
         data = getattr(sys.stdin, "buffer", sys.stdin).read()
     except KeyboardInterrupt:
+        if sys.stderr is not None:
+            sys.stderr.write("\n")  # the shell's prompt went after the "^C" echoed
         raise SystemExit(130) from None
     except OSError as e:
         p.error(f"{flag}: cannot read stdin: {e}")
