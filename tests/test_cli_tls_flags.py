@@ -86,11 +86,11 @@ def servers(tmp_path_factory):
         server.stop(None)
 
 
-def cli_run(port: int, *flags: str) -> subprocess.CompletedProcess:
+def cli_run(port: int, *flags: str, **variables: str) -> subprocess.CompletedProcess:
     """`tiercache --address 127.0.0.1:PORT FLAGS stats` in a fresh interpreter, as a user's
-    shell runs it (no GRPC_VERBOSITY set)."""
+    shell runs it (no GRPC_VERBOSITY set; TIERCACHE_ `variables` only)."""
     env = {k: v for k, v in os.environ.items()
-           if k != "GRPC_VERBOSITY" and not k.startswith("TIERCACHE_")}
+           if k != "GRPC_VERBOSITY" and not k.startswith("TIERCACHE_")} | variables
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{ROOT / 'gen'}"
     return subprocess.run([sys.executable, "-m", "clients.python.cli", "--address",
                            f"127.0.0.1:{port}", "--timeout", "20", *flags, "stats"],
@@ -122,6 +122,17 @@ def test_a_server_certificate_the_ca_does_not_sign_is_named_in_one_line(servers,
     trusted = f"--ca {root / 'b/ca.pem'}" if "--ca" in flags else "the system's trusted roots"
     assert (f"(the server's certificate is not signed by {trusted}: give --ca the CA that "
             "signed it) (request ") in line, line
+
+
+def test_a_ca_from_the_environment_that_does_not_sign_the_server_is_named_by_it(servers):
+    root, ports = servers
+    ca = root / "b/ca.pem"
+    line = only_line(cli_run(ports["tls"], TIERCACHE_TLS_CA=str(ca)))
+    assert (f"(the server's certificate is not signed by --ca (env TIERCACHE_TLS_CA) {ca}: give "
+            "--ca the CA that signed it) (request ") in line, line
+    line = only_line(cli_run(ports["plain"], TIERCACHE_TLS_CA=str(ca)))
+    assert ("does not speak TLS: leave out --tls and --ca (env TIERCACHE_TLS_CA)) (request "
+            in line), line
 
 
 def test_plaintext_to_a_tls_server_says_tls_may_be_wanted(servers):

@@ -1030,9 +1030,9 @@ def _connect_hint(details: str, a: argparse.Namespace) -> str:
     if NO_HTTP2 in details:
         return f" ({a.address} is no gRPC server: --address names the orchestrator's gRPC port)"
     if TLS_HANDSHAKE_FAILED in details and "WRONG_VERSION_NUMBER" in details:
-        return f" ({a.address} does not speak TLS: leave out --tls and --ca)"
+        return f" ({a.address} does not speak TLS: leave out --tls and {_tls_flag('--ca', a.ca)})"
     if TLS_HANDSHAKE_FAILED in details and "CERTIFICATE_VERIFY_FAILED" in details:
-        trusted = f"--ca {a.ca}" if a.ca else "the system's trusted roots"
+        trusted = f"{_tls_flag('--ca', a.ca)} {a.ca}" if a.ca else "the system's trusted roots"
         return (f" (the server's certificate is not signed by {trusted}: give --ca the CA "
                 "that signed it)")
     if "Socket closed" not in details:  # a server that ends the handshake says only this
