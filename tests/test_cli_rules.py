@@ -694,3 +694,24 @@ def test_erase_tenant_left_at_its_question_says_not_erased_on_a_line_of_its_own(
     assert cli.main(["erase-tenant", "acme"]) == status
     assert capsys.readouterr().err.endswith("[y/N] \nnot erased\n")
     assert eraser.asked == []
+
+
+def test_tenant_tokens_naming_a_tenant_the_trace_lacks_are_a_usage_error(fake, monkeypatch,
+                                                                         capsys):
+    """A walk: `--tenant-tokens tenant-O=...` (a letter O for the zero) was dropped without a
+    word: every request of tenant-0 went out with --token, another tenant's."""
+    sent: list[str] = []
+
+    class Client(FakeClient):
+        def stream(self, messages, **kw):
+            sent.append(kw["session_id"])
+            yield from super().stream(messages, **kw)
+
+    monkeypatch.setattr(cli, "TierCacheClient", Client)
+    trace = _trace(fake / "t.jsonl", 2, tenants=("t0", "t1"))
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--token", "tok-all", "replay", trace, "--tenant-tokens", "t1=a,tO=b"])
+    assert e.value.code == 2 and sent == []
+    assert capsys.readouterr().err == (
+        "tiercache: error: --tenant-tokens: tenant 'tO' is not in the trace (its tenants: "
+        "t0, t1)\n")

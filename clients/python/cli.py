@@ -643,6 +643,13 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
             raise SystemExit(f"error: trace {a.trace}: request {i} names tenant {r.tenant!r} "
                              f"system_index {r.system_index}, which its header does not have")
     tokens = a.tenant_tokens
+    unknown = sorted(set(tokens) - set(w.system_prompts))
+    if unknown:
+        # Dropped without a word, its tenant's requests went with --token (another tenant's).
+        known = sorted(w.system_prompts)
+        _usage(f"--tenant-tokens: tenant {unknown[0]!r} is not in the trace (its tenants: "
+               + ", ".join(known[:10]) + (f", ... ({len(known)} in all)" if known[10:] else "")
+               + ")")
     clients = {t: TierCacheClient(a.address, token=tokens.get(t, a.token), timeout=a.timeout,
                                   credentials=a.credentials)
                for t in w.system_prompts}
