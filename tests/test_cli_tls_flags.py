@@ -188,3 +188,45 @@ def test_tls_files_set_by_the_environment_are_named_by_their_variables(monkeypat
     with pytest.raises(SystemExit) as e:  # given as a flag: the flag alone
         cli.main(["--ca", str(tmp_path / "other.pem"), "stats"])
     assert str(e.value.code).startswith(f"error: --ca: cannot read {tmp_path / 'other.pem'}")
+
+
+_SLOW_SERVER = """
+import time
+from concurrent import futures
+import grpc
+from tiercache.v1 import orchestrator_pb2, orchestrator_pb2_grpc
+class Slow(orchestrator_pb2_grpc.OrchestratorServicer):
+    def Generate(self, request, context):
+        for i in range(2000):
+            yield orchestrator_pb2.GenerateResponse(text=f"w{i} ")
+            time.sleep(0.05)
+server = grpc.server(futures.ThreadPoolExecutor(2))
+orchestrator_pb2_grpc.add_OrchestratorServicer_to_server(Slow(), server)
+print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+server.start()
+server.wait_for_termination()
+"""
+
+
+def test_a_plaintext_server_killed_mid_answer_gets_no_tls_hint():
+    """A walk: an orchestrator killed mid-answer ended the CLI's stream "UNAVAILABLE: Stream
+    removed (Socket closed)", and the hint for a TLS server closing a plaintext connection was
+    added to it, though this connection had served part of the answer."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TIERCACHE_")}
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{ROOT / 'gen'}"
+    server = subprocess.Popen([sys.executable, "-c", _SLOW_SERVER], env=env, cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(server.stdout.readline())
+        cli = subprocess.Popen([sys.executable, "-m", "clients.python.cli", "--address",
+                                f"127.0.0.1:{port}", "chat", "hi"], env=env, cwd=ROOT,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert cli.stdout.read(6) == "w0 w1 "  # part of the answer came
+        server.kill()
+        _, err = cli.communicate(timeout=60)
+    finally:
+        server.kill()
+        server.wait()
+    assert cli.returncode == 1
+    line = only_line(subprocess.CompletedProcess([], 1, "", err))
+    assert line.startswith("error: UNAVAILABLE: Stream removed (Socket closed) (request "), line

@@ -1042,7 +1042,9 @@ def _connect_hint(details: str, a: argparse.Namespace) -> str:
         trusted = f"{_tls_flag('--ca', a.ca)} {a.ca}" if a.ca else "the system's trusted roots"
         return (f" (the server's certificate is not signed by {trusted}: give --ca the CA "
                 "that signed it)")
-    if "Socket closed" not in details:  # a server that ends the handshake says only this
+    # A server that ends the handshake says only this, and only as the connection is made (a
+    # stream the server dropped mid-answer says "Stream removed (Socket closed)").
+    if not (details.startswith("failed to connect") and "Socket closed" in details):
         return ""
     if not tls:
         return " (a server that speaks TLS closes a plaintext connection: --ca or --tls)"
