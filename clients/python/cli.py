@@ -996,10 +996,9 @@ def _check_args(p: argparse.ArgumentParser, subs: dict[str, argparse.ArgumentPar
             p.error(f"{name.replace('_', '-')}: not valid UTF-8")
 
 
-# gRPC's words for this call's deadline passing: before any answer, and mid-stream (after part
-# of one, which the first alone missed).
-_DEADLINE_WORDS = {"Deadline Exceeded": "no answer within",
-                   "Stream removed (Deadline Exceeded)": "the answer did not end within"}
+# gRPC's words for this call's deadline passing; mid-stream either (the second one alone was
+# missed).
+_DEADLINE_WORDS = ("Deadline Exceeded", "Stream removed (Deadline Exceeded)")
 
 
 def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> None:
@@ -1010,7 +1009,9 @@ def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> None:
     details = e.details() or ""
     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details in _DEADLINE_WORDS:
         # gRPC's own words for this call's deadline: say which setting set it.
-        details += f" ({_DEADLINE_WORDS[details]} --timeout {a.timeout:g} s)"
+        said = ("the answer did not end" if getattr(e, "chunks_received", 0)
+                else "no answer")
+        details += f" ({said} within --timeout {a.timeout:g} s)"
     if e.code() == grpc.StatusCode.UNIMPLEMENTED and details == "Method not found!":
         # gRPC's own words for a server without the RPC: most often the port beside the
         # orchestrator's, a shard's (a walk: "Method not found!" named nothing to check).
