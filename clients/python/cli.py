@@ -1034,7 +1034,6 @@ def _connect_hint(details: str, a: argparse.Namespace) -> str:
     """What to check when a call failed to connect for TLS, or to a server speaking no gRPC
     ("": nothing points at either). gRPC's words named an OpenSSL or HTTP/2 error and no flag,
     and the CLI said to retry what fails again."""
-    tls = getattr(a, "credentials", None) is not None
     if NO_HTTP2 in details:
         return f" ({a.address} is no gRPC server: --address names the orchestrator's gRPC port)"
     if TLS_HANDSHAKE_FAILED in details and "WRONG_VERSION_NUMBER" in details:
@@ -1047,7 +1046,7 @@ def _connect_hint(details: str, a: argparse.Namespace) -> str:
     # stream the server dropped mid-answer says "Stream removed (Socket closed)").
     if not (details.startswith("failed to connect") and "Socket closed" in details):
         return ""
-    if not tls:
+    if a.credentials is None:
         return " (a server that speaks TLS closes a plaintext connection: --ca or --tls)"
     if not a.cert:
         return (" (a server that requires a client certificate closes a connection without "
