@@ -781,6 +781,22 @@ def test_stdin_that_is_not_utf8_or_asked_for_twice_is_a_usage_error(fake, monkey
     assert sent == []
 
 
+@pytest.mark.parametrize(("argv", "said"), [
+    (["chat", "--new", "-"], "--new starts a --session over: give --session NAME"),
+    (["chat", "--raw", "--session", "s", "-"], "--raw sends the text alone: not with "
+                                                "--session or --system"),
+])
+def test_usage_errors_that_need_no_text_come_before_stdin_is_read(fake, monkeypatch, capsys,
+                                                                  argv, said):
+    """A re-read: `chat --new -` at a terminal had the user type the whole question before
+    saying --new needs --session (stdin was read before every other check)."""
+    _stdin(monkeypatch, b"caf\xe9?\n")
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2 and capsys.readouterr().err.endswith(f"error: {said}\n")
+    assert sys.stdin.buffer.tell() == 0  # stdin left unread
+
+
 def test_a_closed_stdin_for_dash_is_a_usage_error(fake, monkeypatch, capsys):
     monkeypatch.setattr(sys, "stdin", None)
     with pytest.raises(SystemExit) as e:

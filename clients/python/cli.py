@@ -977,7 +977,6 @@ def _check_args(p: argparse.ArgumentParser, subs: dict[str, argparse.ArgumentPar
         p.error(f"--address (env TIERCACHE_ADDRESS): {a.address!r} is not host:port (port "
                 "1..65535; an IPv6 address in brackets)")
     a.address = a.address.strip()
-    _read_stdin_args(p, a)
     if a.cmd == "warm" and not a.system and not a.top_k:
         w.error("give --system PROMPT or --top-k K")  # not the wire's "prompts or top_k"
     if a.cmd == "chat" and a.new and not a.session:
@@ -990,6 +989,9 @@ def _check_args(p: argparse.ArgumentParser, subs: dict[str, argparse.ArgumentPar
             _ClientBase._erase_request(a.tenant)  # the client's own checks, as usage errors
         except (TypeError, ValueError) as e:
             er.error(str(e))
+    # Last of the usage errors that need no text: one of them said only after the user typed
+    # a whole question at a terminal was typed for nothing. ("-" counts as given above.)
+    _read_stdin_args(p, a)
     for name in _WIRE_ARGS:
         value = getattr(a, name, None)
         if isinstance(value, str) and not _utf8(value):
