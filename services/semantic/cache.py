@@ -783,14 +783,14 @@ class SemanticCache:
         ns = self._check_store(ns, prompt, answer, ttl_seconds, answer_token_ids)
         answer_tokens = pack_tokens(answer_token_ids)
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
-        held = self._held_answer(Entry("", 0, ns, prompt, answer, verified, self.clock(), 0.0,
-                                       0, ttl, truncated, answer_tokens=answer_tokens))
+        probe = Entry("", 0, ns, prompt, answer, verified, self.clock(), 0.0, 0, ttl, truncated,
+                      answer_tokens=answer_tokens)
+        held = self._held_answer(probe)
         if held is not None:
             return held
         vec, over = self._embed(prompt, reuse_for=ns.tenant)
         _still(wanted, "the answer was written")
-        entry = self._write_row(ns, prompt, answer, verified, ttl, truncated, answer_tokens,
-                                vec, over)
+        entry = self._write_row(probe, vec, over)
         dropped: list[int] = []  # labels memory no longer holds: their rows go too
         try:
             stands, evicted, expired_now = self._put_in_memory(entry, vec, wanted, dropped)
@@ -802,19 +802,19 @@ class SemanticCache:
         self.store.delete(dropped)
         return stands or entry
 
-    def _write_row(self, ns: Namespace, prompt: str, answer: str, verified: bool, ttl: int,
-                   truncated: int, answer_tokens: bytes, vec: np.ndarray,
-                   over: bool) -> Entry:
-        """`store_entry`'s row, written and committed; returns its entry (not in memory yet)."""
+    def _write_row(self, probe: Entry, vec: np.ndarray, over: bool) -> Entry:
+        """`store_entry`'s row of `probe`'s answer, written and committed now; returns its
+        entry (not in memory yet)."""
         now = self.clock()
         eid = uuid.uuid4().hex
+        ns = probe.namespace
         label = self.store.insert(id=eid, tenant=ns.tenant, model_id=ns.model_id,
-                                  context_hash=ns.context_hash, prompt=prompt, answer=answer,
-                                  embedding=vec, embed_model=self._embed_id,
-                                  verified=verified, created_at=now, ttl_seconds=ttl,
-                                  truncated=truncated, answer_tokens=answer_tokens)
-        return Entry(eid, label, ns, prompt, answer, verified, now, 0.0, 0, ttl, truncated,
-                     over, answer_tokens=answer_tokens)
+                                  context_hash=ns.context_hash, prompt=probe.prompt,
+                                  answer=probe.answer, embedding=vec,
+                                  embed_model=self._embed_id, verified=probe.verified,
+                                  created_at=now, ttl_seconds=probe.ttl_seconds,
+                                  truncated=probe.truncated, answer_tokens=probe.answer_tokens)
+        return replace(probe, id=eid, label=label, created_at=now, over_window=over)
 
     def _put_in_memory(self, entry: Entry, vec: np.ndarray,
                        wanted: Callable[[], bool] | None,
