@@ -1112,7 +1112,7 @@ def create_server(
             clients reconnect for their next calls, so behind a Service connections spread
             over pods added since. Calls under way get `connection_age_grace_s` to end.
     Raises:
-        RuntimeError: the address could not be bound.
+        BindError: the address or the metrics port cannot be bound (`_bind`, `_start_metrics`).
     """
     # As validated (`require_listen_address`): a value with a leading space (a YAML quirk)
     # passed the check, then failed gRPC's lookup as "cannot listen".
