@@ -678,6 +678,21 @@ class _SkippedShard(grpc.RpcError):
         return self._details
 
 
+class ShardFoundHung(grpc.RpcError):
+    """A call cancelled as the shard was found hung (`SemanticBackend.call_unless_hung`)."""
+
+    def __init__(self, method: str, timeout_s: float) -> None:
+        super().__init__()
+        self._details = (f"found hung: a call to it ran out the tier's whole timeout "
+                         f"({timeout_s:g}s) meanwhile; its {method} cancelled (call again)")
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+    def details(self) -> str:
+        return self._details
+
+
 class HungBackoff:
     """Skips a cache tier's shard while it is hung (a call ran out its whole timeout), for
     `backoff_s[0]` seconds, doubling up to `backoff_s[1]` while it stays hung; then one call
@@ -695,12 +710,30 @@ class HungBackoff:
         self.clock = clock
         self.state: dict[str, tuple[float, float]] = {}  # address -> (skip until, backoff)
         self.marked: dict[str, float] = {}  # address -> when a timeout last set it
+        # address -> what to call when a timeout marks it hung (`watch`).
+        self.watchers: dict[str, set[Callable[[], None]]] = {}
         self.lock = threading.Lock()
+
+    def watch(self, address: str, fn: Callable[[], None], marked_seen: float | None) -> None:
+        """Call `fn` when a call's timeout marks `address` hung (until `unwatch`), at once
+        if one has since `marked_seen` (its `marked` record then)."""
+        with self.lock:
+            self.watchers.setdefault(address, set()).add(fn)
+            missed = self.marked.get(address) != marked_seen
+        if missed:
+            fn()
+
+    def unwatch(self, address: str, fn: Callable[[], None]) -> None:
+        with self.lock:
+            self.watchers.get(address, set()).discard(fn)
 
     def call(self, address: str, timeout: float, full_s: float, fn: Callable[[], T]) -> T:
         """`fn()`, a call of `timeout` seconds to `address` (the tier's own timeout is
         `full_s`: a shorter one may be cut short by the request, see `cut_short`)."""
-        began, hung, probe = self.enter(address, timeout)
+        # A probe given longer than the tier's timeout (an EraseTenant's Invalidate) holds
+        # the others off only that long: it held off every call, the health poll's too, for
+        # its whole 120 s, and nothing marked the shard hung meanwhile (`watch`).
+        began, hung, probe = self.enter(address, min(timeout, full_s))
         try:
             out = fn()
         except grpc.RpcError as e:
@@ -752,6 +785,7 @@ class HungBackoff:
         """The call failed with `e`; `whole`: not a deadline the request's own shorter
         timeout ran into (see `cut_short`)."""
         code = e.code()
+        watchers: list[Callable[[], None]] = []
         with self.lock:
             if code == grpc.StatusCode.DEADLINE_EXCEEDED and whole:
                 # Hung: it let a call run out its whole timeout. The back-off grows from
@@ -765,6 +799,7 @@ class HungBackoff:
                     back = min(most, now_hung[1] * 2) if now_hung is not None else first
                     self.state[address] = (self.clock() + back, back)
                     self.marked[address] = self.clock()
+                    watchers = list(self.watchers.get(address, ()))
                     log.warning("%s %s timed out (%.1fs): skipped for %.1fs", self.what,
                                 address, timeout, back)
             elif hung is not None and code == grpc.StatusCode.DEADLINE_EXCEEDED:
@@ -774,6 +809,8 @@ class HungBackoff:
                 self._probe_again(address, probe, hung[1])
             elif hung is not None:
                 self.state.pop(address, None)  # the probe got an answer (an error)
+        for fn in watchers:
+            fn()
 
 
 class SemanticBackend(Polled):
@@ -914,6 +951,34 @@ class SemanticBackend(Polled):
                 self.health.fail(why)
                 self.shard_health[address].fail(why)
             raise
+
+    def call_unless_hung(self, address: str, method: str, req, timeout: float):
+        """`_call` given `timeout`, longer than the tier's own (an EraseTenant's Invalidate: a
+        healthy shard takes about a second per 100k entries, answering its health polls
+        meanwhile), cancelled once another call to the shard (the health poll's Stats, every
+        POLL_S) runs out the tier's whole timeout meanwhile: the shard is hung. A SIGSTOPped
+        shard's erase waited for gRPC's keepalive (77 s). Raises ShardFoundHung then."""
+        seen = self.hung.marked.get(address)
+        calls: list[grpc.Future] = []
+        found = threading.Event()
+
+        def cancel() -> None:
+            found.set()
+            for call in calls:
+                call.cancel()
+
+        def on_call(call: grpc.Future) -> None:
+            calls.append(call)
+            self.hung.watch(address, cancel, seen)
+
+        try:
+            return self._call(address, method, req, timeout, on_call=on_call)
+        except grpc.FutureCancelledError:
+            if not found.is_set():
+                raise
+            raise ShardFoundHung(method, self.timeout_s) from None
+        finally:
+            self.hung.unwatch(address, cancel)
 
     def _each(self, method: str, req, deadline: float | None = None,
               on_call: Callable[[grpc.Future], None] | None = None

@@ -505,7 +505,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
 
         with ThreadPoolExecutor(max_workers=max(1, min(ERASE_FANOUT, len(shards) + len(
                 o.replicas.replicas))), thread_name_prefix="erase") as pool:
-            invalidated = [(a, pool.submit(lambda a=a: o.semantic._call(
+            # Ended early only when the shard is found hung: a healthy one may take a minute.
+            invalidated = [(a, pool.submit(lambda a=a: o.semantic.call_unless_hung(
                 a, "Invalidate", inval, left()))) for a in shards]
             flushed = [(r, pool.submit(lambda r=r: _flush_unless_down(r, flush, md, left())))
                        for r in o.replicas.replicas]

@@ -1376,7 +1376,7 @@ def test_erase_tenant_fans_out_to_every_shard_and_replica_for_admins_only():
     stubs = [_FlushStub(), _FlushStub(fail=True)]
     forgot = []
     s, orch, tenants = _erase_servicer(
-        SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), _call=sem_call), stubs,
+        SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), call_unless_hung=sem_call), stubs,
         tokens="tok-a=alice,tok-o=ops",
         dispatched=SimpleNamespace(forget=lambda *a: forgot.append(a)))
 
@@ -1427,7 +1427,7 @@ def test_erase_tenant_erases_a_name_that_prints_as_another_an_earlier_release_to
 
     stubs = [_FlushStub(), _FlushStub()]
     s, orch, _ = _erase_servicer(
-        SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), _call=sem_call), stubs)
+        SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), call_unless_hung=sem_call), stubs)
     with caplog.at_level(logging.INFO, logger="services.orchestrator.server"):
         r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant=name),
                           _caller("tok-o", 1e9))
@@ -1505,7 +1505,7 @@ def test_erase_tenant_calls_every_shard_and_replica_at_once():
 
     stubs = [Last()]
     s, _, _ = _erase_servicer(
-        SimpleNamespace(enabled=True, addresses=("hung", "s:2"), _call=sem_call), stubs)
+        SimpleNamespace(enabled=True, addresses=("hung", "s:2"), call_unless_hung=sem_call), stubs)
     with pytest.raises(errors.InvalidArgument, match=f"^tenant: longer than {MAX_TENANT_CHARS}"):
         s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="a" * (MAX_TENANT_CHARS + 1)),
                       _caller("tok-o", 30.0))
@@ -1578,6 +1578,103 @@ def test_erase_tenant_stops_waiting_for_a_replica_the_poller_finds_hung(monkeypa
     assert (r.kv_blocks_dropped, r.kv_blocks_in_use) == (5, 1)
 
 
+class _ShardCall:
+    """A semantic shard's Invalidate under way: answers `answer` after `takes` seconds (a
+    hung shard: never, till gRPC's keepalive gives up), or cancelled."""
+
+    def __init__(self, takes: float, answer) -> None:
+        self.takes, self.answer, self.cancelled = takes, answer, threading.Event()
+
+    def cancel(self) -> bool:
+        self.cancelled.set()
+        return True
+
+    def result(self, timeout=None):
+        if self.cancelled.wait(min(self.takes, timeout or self.takes)):
+            raise grpc.FutureCancelledError()
+        if self.answer is None:
+            raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "Stream removed (ping timeout)")
+        return self.answer
+
+
+class _ShardMethod:
+    """A stub's unary method whose calls `start(timeout)` makes: blocking, or as a future."""
+
+    def __init__(self, start) -> None:
+        self.start = start
+
+    def __call__(self, req, timeout=None, metadata=None):
+        return self.start(timeout).result()
+
+    def future(self, req, timeout=None, metadata=None) -> _ShardCall:
+        return self.start(timeout)
+
+
+class _Shard:
+    """A semantic shard whose Invalidate takes `takes` seconds (None answer: hung) and whose
+    Stats answer at once, or, hung, run out the poller's whole timeout."""
+
+    def __init__(self, takes: float, answer=None) -> None:
+        self.takes, self.answer = takes, answer
+        self.Invalidate = _ShardMethod(lambda timeout: _ShardCall(min(takes, timeout), answer))
+
+    def Stats(self, req, timeout=None, metadata=None):  # noqa: N802 - the gRPC method's name
+        from tiercache.v1 import semantic_pb2
+        if self.answer is None:
+            time.sleep(timeout)
+            raise _rpc_error(grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+        return semantic_pb2.SemanticStatsResponse()
+
+
+def _polled_erase(shard: _Shard, poll_after: float, hung_before: bool = False):
+    """EraseTenant (no deadline) over one semantic shard `shard` (the tier's timeout 0.2 s)
+    whose health poll runs once, `poll_after` seconds in; its answer and how long it took."""
+    from services.orchestrator.backends import SemanticBackend
+
+    sem = SemanticBackend("s:1", "", 0.2)
+    sem.stubs["s:1"] = shard
+    if hung_before:  # marked hung by an earlier call, its pause over: the erase probes it
+        sem.hung.state["s:1"], sem.hung.marked["s:1"] = (time.monotonic(), 0.5), 0.0
+    s, _, _ = _erase_servicer(sem, [_FlushStub()])
+
+    def poller() -> None:
+        time.sleep(poll_after)
+        sem.poll_once()
+
+    threading.Thread(target=poller, daemon=True).start()
+    t0 = time.monotonic()
+    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), _caller("tok-o", 1e9))
+    return r, time.monotonic() - t0
+
+
+@pytest.mark.parametrize("hung_before", [False, True])
+def test_erase_tenant_stops_waiting_for_a_semantic_shard_its_health_poll_finds_hung(hung_before):
+    """A live walk: with the semantic shard SIGSTOPped, grpcurl's EraseTenant (no deadline)
+    answered after 77 s, when gRPC's keepalive gave up on the Invalidate (given the whole
+    ERASE_TIMEOUT_S, 120 s), though the tier's health poll found the shard hung within
+    seconds. The Invalidate is cancelled once a call to the shard (the poll's Stats) runs out
+    the tier's whole timeout meanwhile: the shard named in not_reached, the replicas' counts
+    kept. Also when the shard was marked hung before and this Invalidate probes it: the
+    probe held off every other call (the poll's too) for its whole 120 s."""
+    r, took = _polled_erase(_Shard(3.0), 0.3, hung_before)
+    assert took < 1.5, took
+    assert list(r.not_reached) == [
+        "semantic shard s:1: UNAVAILABLE: found hung: a call to it ran out the tier's whole "
+        "timeout (0.2s) meanwhile; its Invalidate cancelled (call again)"]
+    assert (r.kv_blocks_dropped, r.kv_blocks_in_use) == (5, 1)
+
+
+def test_erase_tenant_waits_for_a_slow_invalidate_on_a_shard_that_answers_its_polls():
+    """An Invalidate of a large tenant takes about a second per 100k entries, far past the
+    tier's timeout (2 s) but answered while the shard answers its health polls: it completes,
+    counted."""
+    from tiercache.v1 import semantic_pb2
+
+    r, took = _polled_erase(_Shard(1.0, semantic_pb2.InvalidateResponse(removed=7)), 0.1)
+    assert list(r.not_reached) == [] and r.semantic_entries_removed == 7
+    assert took >= 1.0
+
+
 def test_erase_tenant_names_a_call_that_failed_other_than_by_status():
     """Review: only an RpcError was caught. A stub raising anything else (ValueError: "Cannot
     invoke RPC on closed channel!", a replica's channel closed as the replica set changed) or a
@@ -1598,7 +1695,7 @@ def test_erase_tenant_names_a_call_that_failed_other_than_by_status():
     forgot = []
     stubs = [Closed(), _FlushStub()]
     s, orch, _ = _erase_servicer(
-        SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), _call=sem_call), stubs,
+        SimpleNamespace(enabled=True, addresses=("s:1", "s:2"), call_unless_hung=sem_call), stubs,
         dispatched=SimpleNamespace(forget=lambda rid, salt: forgot.append(rid)))
     r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), _caller("tok-o", 1e9))
     assert (r.semantic_entries_removed, r.kv_blocks_dropped, r.kv_blocks_in_use) == (3, 5, 1)
