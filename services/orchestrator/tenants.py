@@ -420,7 +420,10 @@ class TenantRegistry:
         auth = given[0] if given else ""
         if not auth:
             raise Unauthenticated("authorization: missing bearer token")
+        # RFC 7235 parts the scheme from the token by 1*SP: "Bearer  tok" read as the token
+        # " tok", "unknown token". No token begins with a space (`_sendable`).
         scheme, _, token = auth.partition(" ")
+        token = token.lstrip(" ")
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("authorization: expected 'Bearer <token>'")
         tenant = self._by_digest.get(_digest(token))

@@ -63,6 +63,18 @@ def test_bad_credentials_are_unauthenticated(md, msg):
         reg(tokens="tok-a=a").authenticate(md)
 
 
+def test_bearer_and_its_token_may_be_parted_by_several_spaces():
+    """A live walk: `authorization: Bearer  tok` (two spaces) was refused as "unknown token",
+    the token read as " tok". RFC 7235 parts the scheme from the credentials by 1*SP, and no
+    token begins with a space (the tokens file refuses one): accepted. A tab is no SP."""
+    r = reg(tokens="tok-a=a")
+    assert r.authenticate({"authorization": "Bearer  tok-a"}).name == "a"
+    assert r.authenticate({"authorization": "bearer   tok-a"}).name == "a"
+    with pytest.raises(Unauthenticated, match="expected 'Bearer <token>'"):
+        r.authenticate({"authorization": "Bearer\ttok-a"})
+    with pytest.raises(Unauthenticated, match="expected 'Bearer <token>'"):
+        r.authenticate({"authorization": "Bearer   "})
+
 def test_two_bearer_tokens_are_refused_whichever_is_valid():
     """gRPC metadata may repeat a key: the last token counted here, while a proxy in front
     may check the first, so a call could pass the proxy as one tenant and be served as

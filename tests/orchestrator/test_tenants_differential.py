@@ -102,6 +102,7 @@ class Model:
         if len(given) != 1:
             raise Unauthenticated("given more than once" if given else "missing bearer token")
         scheme, _, token = given[0].partition(" ")
+        token = token.lstrip(" ")  # 1*SP after the scheme (RFC 7235)
         if scheme.lower() != "bearer" or not token:
             raise Unauthenticated("expected 'Bearer <token>'")
         if token not in self.tokens:
