@@ -680,7 +680,8 @@ class TierCacheClient(_ClientBase):
         prefixes; `owners_only` warms only the replica(s) routing would pick;
         `pin_ttl_seconds` (0 = the server's default; past its limit INVALID_ARGUMENT) how long
         the blocks stay pinned. A replica that failed is a WarmResult.error, not an
-        exception; no results at all means nothing was warmed."""
+        exception; no results at all means nothing was warmed. A pin the replica's pin limits
+        cut short is no failure: its `pinned_blocks` is fewer than the prompt's blocks."""
         req = self._warm_request(prompts, top_k=top_k, owners_only=owners_only,
                                  pin_ttl_seconds=pin_ttl_seconds, raw=raw)
         md = self._metadata(request_id)
