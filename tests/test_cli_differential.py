@@ -39,7 +39,8 @@ Model, per invocation (random global options, environment and subcommand, shuffl
 - every call: the Bearer token (stripped; blank = none), an x-request-id, the --timeout as its
   deadline (300 s by default); any status: "error: CODE[ (retry later)]: details" (retry later
   for UNAVAILABLE, RESOURCE_EXHAUSTED with the overloaded trailer or gRPC's concurrent-call
-  refusal, never after part of an answer), exit 1; a token in plaintext to another host warned
+  refusal, never after part of an answer), exit 75 with retry later (EX_TEMPFAIL), else 1; a
+  token in plaintext to another host warned
   of (loopback spelled as localhost, 127.x, ipv4:, dns:///, [::1] not).
 Invariant only (the docs are silent): argparse's usage lines, JSON indentation, the "(index
 expected N)" part of the report only past cached + 1.
@@ -563,14 +564,15 @@ class Step:
             assert self.fail in lines[0], where
             return
         if self.no_call is not None:
-            assert rc == 1 and out == "" and not calls, where
+            assert out == "" and not calls, where
             assert len(lines) == 1, where
             if self.no_call == "tls":
-                assert lines[0].startswith("error: UNAVAILABLE: "), where
+                assert rc == 1 and lines[0].startswith("error: UNAVAILABLE: "), where
                 assert "does not speak TLS: leave out --tls and --ca" in lines[0], where
                 return
-            assert lines[0].startswith(("error: UNAVAILABLE (retry later): ",
-                                        "error: DEADLINE_EXCEEDED: ")), where
+            busy = lines[0].startswith("error: UNAVAILABLE (retry later): ")
+            assert busy or lines[0].startswith("error: DEADLINE_EXCEEDED: "), where
+            assert rc == (75 if busy else 1), where
             return
         assert len(calls) == 1, where
         ((method, request, metadata, left),) = calls
@@ -583,16 +585,18 @@ class Step:
         getattr(self, "_check_" + self.cmd)(request, method, rc, out, lines, where)
 
     def _unary_aborted(self, rc, out, lines, where) -> bool:
-        """Whether the unary call was scripted to abort; if so, its exit 1, nothing on
+        """Whether the unary call was scripted to abort; if so, its exit status, nothing on
         stdout, and the error said are checked."""
         if self.answer[0] != "abort":
             return False
-        assert rc == 1 and out == "", where
-        self._said_error(self.answer, 0, lines, where)
+        assert out == "", where
+        self._said_error(self.answer, 0, rc, lines, where)
         return True
 
-    def _said_error(self, act, received, lines, where) -> None:
+    def _said_error(self, act, received, rc, lines, where) -> None:
+        """The error line, and its exit status: 75 (EX_TEMPFAIL) with retry later, else 1."""
         later = " (retry later)" if retry_later(act, received) else ""
+        assert rc == (75 if later else 1), where
         details = act[2]
         if act[1] == SC.DEADLINE_EXCEEDED and details == "Deadline Exceeded":
             details += f" (no answer within --timeout {self.timeout:g} s)"
@@ -627,8 +631,8 @@ class Step:
                 break
         shown = "".join(text).translate(CONTROL) if self.tty_out else "".join(text)
         if self.outcome == "error":
-            assert rc == 1 and out == (shown + "\n" if "".join(text) else ""), where
-            self._said_error(status, received, lines, where)
+            assert out == (shown + "\n" if "".join(text) else ""), where
+            self._said_error(status, received, rc, lines, where)
             return
         assert out == shown + "\n", where
         if self.outcome == "cut":

@@ -466,7 +466,7 @@ def test_an_unavailable_stack_says_retry_later(fake, monkeypatch, capsys):
     """An operator's rolling restart: the CLI said UNAVAILABLE with no hint, though the same
     request would succeed later (the hint was given for RESOURCE_EXHAUSTED only)."""
     monkeypatch.setattr(cli, "TierCacheClient", RestartingClient)
-    assert cli.main(["chat", "hi"]) == 1
+    assert cli.main(["chat", "hi"]) == 75  # EX_TEMPFAIL: busy or unreachable now
     assert capsys.readouterr().err == (
         "error: UNAVAILABLE (retry later): no kvpool replica is available\n")
 
@@ -818,14 +818,15 @@ def test_new_without_a_session_is_a_usage_error(fake, capsys):
 
 def test_help_says_what_each_exit_status_means(capsys):
     """A walk: no --help, README or docstring said what the exit statuses mean; a script told
-    a failed call (1) from a usage error (2), Ctrl-C (130) or a reader gone (141) by guessing."""
+    a failed call (1) from a usage error (2), Ctrl-C (130) or a reader gone (141) by guessing,
+    and a call busy now (75) from one that fails again (1) not at all."""
     with pytest.raises(SystemExit) as e:
         cli.main(["--help"])
     assert e.value.code == 0
     out = " ".join(capsys.readouterr().out.split())
     said = out.partition("exit status: ")[2]
-    for status in ("0 done", "1 failed", "2 usage error", "130 interrupted (Ctrl-C)",
-                   "141 stdout closed"):
+    for status in ("0 done", "1 failed", "2 usage error", "75 busy or unreachable now",
+                   "130 interrupted (Ctrl-C)", "141 stdout closed"):
         assert status in said, out
 
 

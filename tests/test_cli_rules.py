@@ -53,6 +53,51 @@ def test_an_error_before_any_text_prints_no_empty_line(fake, monkeypatch, capsys
     assert out.out == "" and out.err == "error: INTERNAL: boom\n"
 
 
+class Overloaded(Refusal):
+    """A refusal with the server's overloaded trailer (busy now, as a tenant's limit says)."""
+
+    def trailing_metadata(self):
+        return (("tiercache-overloaded", "1"),)
+
+
+class CutShort(Refusal):
+    chunks_received = 1  # as the client marks an error after part of an answer
+
+
+SC = grpc.StatusCode
+
+
+@pytest.mark.parametrize(("error", "status"), [
+    (Refusal(SC.UNAVAILABLE, "no kvpool replica is available"), 75),
+    (Overloaded(SC.RESOURCE_EXHAUSTED, "tenant acme: 2 concurrent requests (limit 2)"), 75),
+    (Refusal(SC.RESOURCE_EXHAUSTED, "Concurrent RPC limit exceeded!"), 75),
+    (Refusal(SC.RESOURCE_EXHAUSTED, "messages: 5000 tokens exceed tenant limit 4096"), 1),
+    (CutShort(SC.UNAVAILABLE, "Stream removed (Socket closed)"), 1),
+    (Refusal(SC.UNAVAILABLE, "failed to connect: Tls handshake failed (WRONG_VERSION_NUMBER)"),
+     1),
+    (Refusal(SC.DEADLINE_EXCEEDED, "Deadline Exceeded"), 1),
+    (Refusal(SC.INVALID_ARGUMENT, "messages: empty"), 1)])
+def test_busy_now_exits_75_and_every_other_failure_1(fake, monkeypatch, capsys, error, status):
+    """A script could not tell "busy now, send it again later" from a failure that repeats:
+    both exited 1. What the error line marks "(retry later)" exits 75 (EX_TEMPFAIL)."""
+    _streaming(monkeypatch, "", then=error)
+    assert cli.main(["chat", "-q", "hi"]) == status
+    assert ("(retry later)" in capsys.readouterr().err) == (status == 75)
+
+
+def test_a_busy_unary_call_exits_75(fake, monkeypatch, capsys):
+    def busy(self, *a, **kw):
+        raise Overloaded(SC.RESOURCE_EXHAUSTED, "every replica is busy")
+
+    for cmd in ("stats", "feedback", "warm"):
+        monkeypatch.setattr(FakeClient, cmd, busy, raising=False)
+    assert cli.main(["stats"]) == 75
+    assert cli.main(["feedback", "e1"]) == 75
+    assert cli.main(["warm", "--top-k", "1"]) == 75
+    err = capsys.readouterr().err
+    assert err == "error: RESOURCE_EXHAUSTED (retry later): every replica is busy\n" * 3, err
+
+
 @pytest.mark.parametrize(("flags", "want"), [
     (["--no-prefix-cache"], (False, False, True)),
     (["--no-semantic"], (True, True, False))])

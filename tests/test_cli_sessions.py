@@ -68,7 +68,7 @@ def test_a_failed_new_turn_says_the_old_session_is_kept(fake, monkeypatch, capsy
 
     monkeypatch.setattr(FakeClient, "stream", refused)
     capsys.readouterr()
-    assert cli.main(["chat", "-q", "--session", "s", "--new", "again"]) == 1
+    assert cli.main(["chat", "-q", "--session", "s", "--new", "again"]) == 75  # retry later
     err = capsys.readouterr().err
     assert "'s' was not started over" in err and "no replica" in err
     saved = json.loads((fake / "home" / "sessions" / "s.json").read_text())

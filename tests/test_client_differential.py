@@ -27,7 +27,8 @@ the docstrings of stream(), retry_later(), IncompleteStream and replay), not fro
   --new starts it over, --system counts only for a new session. stdout is the answer and a
   newline (an error after text: the text and a newline; before any: nothing); stderr says
   `error: CODE (retry later): details` (`(retry later)` exactly when retry_later), the README's
-  report line unless -q, "continuing session" when history was sent; exit 0 or 1. warm,
+  report line unless -q, "continuing session" when history was sent; exit 0, 75 after an error
+  with `(retry later)` (EX_TEMPFAIL), else 1. warm,
   feedback: the reply as JSON with zero values, warm's exit 1 when nothing was warmed or a
   result has an error;
 - replay: each session's turns in order, each sent with the system prompt, the earlier
@@ -616,7 +617,8 @@ def check_cli_chat(rng, srv: Scripted, address: str, seed: int, n: int,
         assert "without a final message" in err and ("left unchanged" in err) == bool(session)
     else:
         _, code, details, n_got, busy = want.end
-        assert rc == 1 and out == (shown + "\n" if text else ""), (rc, out, err, acts)
+        assert rc == (75 if busy else 1), (rc, out, err, acts)  # EX_TEMPFAIL: busy now
+        assert out == (shown + "\n" if text else ""), (rc, out, err, acts)
         said = [ln for ln in lines if ln.startswith("error: ")]
         assert len(said) == 1, err
         if details is None:  # the client's own deadline: its words are gRPC's
@@ -676,7 +678,7 @@ def check_cli_unary(rng, srv: Scripted, address: str) -> None:
         srv.unary.append((code, "no"))
         rc, out, err = run_cli(argv)
         busy = " (retry later)" if code == SC.UNAVAILABLE else ""
-        assert rc == 1 and out == "", (rc, err)
+        assert rc == (75 if busy else 1) and out == "", (rc, err)
         said = rf"error: {code.name}{re.escape(busy)}: no \(request [0-9a-f]{{16}}\)\n"
         assert re.fullmatch(said, err), err
         return

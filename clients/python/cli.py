@@ -830,13 +830,19 @@ def _stdin_text(p: argparse.ArgumentParser, flag: str) -> str:
     return text.rstrip("\n")
 
 
+# A call refused as busy now, or not reached now, that the same command may get through
+# later: the error line says "(retry later)" (`retry_later`). EX_TEMPFAIL (sysexits.h): with
+# exit 1 for it too, a script could not tell "send it again later" from a failure that repeats.
+EXIT_RETRY_LATER = 75
+
 # What a script can tell apart (nothing said it: a failed call and a usage error were told
 # apart by guessing).
 _EXIT_STATUSES = (
     "exit status: 0 done; 1 failed (stderr says why: the call failed or was refused, a TLS "
     "file or a session's history is unusable, a warm or erase-tenant did not reach everything, "
-    "a replayed request failed); 2 usage error (nothing sent); 130 interrupted (Ctrl-C); 141 "
-    "stdout closed before the output ended (| head)")
+    "a replayed request failed); 2 usage error (nothing sent); 75 busy or unreachable now "
+    "(the error says '(retry later)': the same command may succeed later); 130 interrupted "
+    "(Ctrl-C); 141 stdout closed before the output ended (| head)")
 
 
 def _parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
@@ -1084,7 +1090,7 @@ def main(argv: list[str] | None = None) -> int:
             return rc
     except grpc.RpcError as e:
         _say_rpc_error(e, a)
-        return 1
+        return EXIT_RETRY_LATER if retry_later(e) else 1
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
