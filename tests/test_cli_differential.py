@@ -42,7 +42,8 @@ Model, per invocation (random global options, environment and subcommand, shuffl
   refusal, never after part of an answer), exit 75 with retry later (EX_TEMPFAIL), else 1; a
   token in plaintext to another host warned
   of (loopback spelled as localhost, 127.x, ipv4:, dns:///, [::1] not).
-Invariant only (the docs are silent): argparse's usage lines, JSON indentation, the "(index
+Invariant only (the docs are silent): argparse's usage lines, JSON indentation (two spaces, for
+every reply: feedback's one line was its own), the "(index
 expected N)" part of the report only past cached + 1.
 
 Run offline: 3,000 seeds of 12 invocations (CLI_DIFFERENTIAL_SEEDS=3000, 90 s), clean after the
@@ -688,9 +689,9 @@ class Step:
         if self._unary_aborted(rc, out, lines, where):
             return
         reply = self.answer[1]
-        assert out.count("\n") == 1, where
         assert json.loads(out) == {"invalidated": reply.invalidated,
                                    "verified": reply.verified}, where
+        assert out == json.dumps(json.loads(out), indent=2) + "\n", where  # as stats, warm
         gone = self.bad_rating and not reply.invalidated
         assert rc == 0 and len(lines) == int(gone), where
         assert all("already gone" in ln for ln in lines), where

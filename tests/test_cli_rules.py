@@ -149,6 +149,21 @@ def test_only_bad_feedback_on_a_gone_entry_says_it_is_gone(capsys):
     assert capsys.readouterr().err == ""
 
 
+def test_feedback_prints_its_json_indented_as_stats_warm_and_erase_tenant_do(fake, monkeypatch,
+                                                                           capsys):
+    """feedback printed one line of JSON where the other replies are indented: a script or a
+    reader met two layouts of one kind of output."""
+    monkeypatch.setattr(FakeClient, "feedback", lambda self, entry_id, good: (
+        orchestrator_pb2.FeedbackResponse(verified=good)), raising=False)
+    monkeypatch.setattr(FakeClient, "stats", lambda self: orchestrator_pb2.StatsResponse(
+        model_id="m"), raising=False)
+    for argv in (["feedback", "e1"], ["stats"]):
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert out == json.dumps(json.loads(out), indent=2) + "\n", (argv, out)
+    assert json.loads(out)["modelId"] == "m"
+
+
 def test_stats_says_when_a_tiers_shard_lists_disagree(capsys):
     """Every call succeeds while lookups go to the wrong shard: said on stderr too."""
 

@@ -432,7 +432,7 @@ def cmd_warm(c: TierCacheClient, a: argparse.Namespace) -> int:
 
 def cmd_feedback(c: TierCacheClient, a: argparse.Namespace) -> int:
     resp = c.feedback(a.entry_id, good=not a.bad)
-    print(json.dumps(_as_dict(resp)))
+    print(json.dumps(_as_dict(resp), indent=2))  # as every other reply (one line was its own)
     if a.bad and not resp.invalidated:
         sys.stderr.write("the entry was already gone (expired, evicted or invalidated): it is "
                          "not served\n")
