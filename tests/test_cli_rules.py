@@ -256,6 +256,41 @@ def test_replay_to_a_log_writes_a_progress_line_per_tenth(fake, monkeypatch, cap
     assert json.loads(out.out)["errors"] == 0
 
 
+@pytest.mark.parametrize(("scale", "said"), [
+    ("20", "the last of 3 requests is due 30 min 0 s after the start (the trace's timestamps x "
+           "--time-scale 20; later, when its session's earlier turns answer late)"),
+    ("0.5", "the last of 3 requests is due 45.0 s after the start (the trace's timestamps x "
+            "--time-scale 0.5; later, when its session's earlier turns answer late)"),
+    ("0", None)])
+def test_a_timed_replay_says_first_how_long_it_will_take(fake, monkeypatch, capsys, scale,
+                                                          said):
+    """`replay --time-scale 20` of a 90 s trace waited half an hour without a word (the
+    counter stood at 0); the line on stderr comes before anything is sent, stdout's summary
+    is as it was."""
+    trace = fake / "t.jsonl"
+    reqs = [Request(at=at, tenant="t0", session_id=f"s{i}", system_index=0, turn=0,
+                    question=f"q{i}?") for i, at in enumerate((0.0, 30.0, 90.0))]
+    save_trace(Workload(WorkloadSpec(), {"t0": ["be brief"]}, reqs), trace)
+    real, before = replay_mod.replay, []
+
+    def untimed(w, clients, **kw):  # the run itself untimed: the test does not wait
+        before.append(capsys.readouterr())  # what was said before anything is sent
+        return real(w, clients, **kw | {"time_scale": 0.0})
+
+    monkeypatch.setattr(replay_mod, "replay", untimed)
+    assert cli.main(["replay", str(trace), "--time-scale", scale]) == 0
+    out = capsys.readouterr().out
+    assert [(o.out, o.err) for o in before] == [("", said + "\n" if said else "")]
+    assert json.loads(out) == {"requests": 3, "errors": 0, "classes": {"cold": 3},
+                               "cached_tokens": 0, "prompt_tokens": 0}
+    assert out == json.dumps(json.loads(out), indent=2) + "\n"
+
+
+def test_a_replays_length_is_said_in_the_unit_that_reads_best():
+    assert [cli._duration(s) for s in (0.25, 59.94, 59.96, 3599, 3600, 7530)] == [
+        "0.2 s", "59.9 s", "1 min 0 s", "59 min 59 s", "1 h 0 min", "2 h 5 min"]
+
+
 def test_replay_on_a_terminal_ends_its_counter_line(fake, monkeypatch):
     err = Tty()
     monkeypatch.setattr(sys, "stderr", err)

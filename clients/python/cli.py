@@ -654,6 +654,7 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
                                   credentials=a.credentials)
                for t in w.system_prompts}
 
+    _say_replay_length(w, a.time_scale)
     tty = isatty(sys.stderr)
     shown = [-1]  # the last tenth of the run reported (not a terminal: a line per tenth)
 
@@ -684,6 +685,28 @@ def cmd_replay(c: TierCacheClient, a: argparse.Namespace) -> int:
                       "cached_tokens": sum(o.cached_tokens for o in ok),
                       "prompt_tokens": sum(o.prompt_tokens for o in ok)}, indent=2))
     return 1 if errors else 0
+
+
+def _say_replay_length(w, time_scale: float) -> None:
+    """A timed replay's length by the trace's timestamps, on stderr before anything is sent
+    (as its progress lines, at a terminal or not): a large --time-scale waited hours without a
+    word, its counter at 0."""
+    last = max((r.at for r in w.requests), default=0.0) * time_scale
+    if last > 0:
+        sys.stderr.write(f"the last of {len(w.requests)} requests is due {_duration(last)} "
+                         f"after the start (the trace's timestamps x --time-scale "
+                         f"{time_scale:g}; later, when its session's earlier turns answer "
+                         "late)\n")
+
+
+def _duration(seconds: float) -> str:
+    """45.0 s, 30 min 0 s, 2 h 5 min."""
+    if round(seconds, 1) < 60:
+        return f"{seconds:.1f} s"
+    minutes, s = divmod(round(seconds), 60)
+    if minutes < 60:
+        return f"{minutes} min {s} s"
+    return "{} h {} min".format(*divmod(minutes, 60))
 
 
 def _count(top: int):
