@@ -12,6 +12,7 @@ import math
 import re
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -251,8 +252,9 @@ class Replica:
     alias: str = ""
     # Called when the poller declares the replica unhealthy: in-flight calls on it cancel
     # themselves and fail over (a hung replica would otherwise hold them to their deadline);
-    # a Warm's prefills (True here) are cancelled, not failed over.
-    watchers: dict[Callable[[], None], bool] = field(default_factory=dict)
+    # a Warm's prefills and an EraseTenant's flushes are cancelled, not failed over (each
+    # watcher's kind here, `ReplicaSet.watch`).
+    watchers: dict[Callable[[], None], str] = field(default_factory=dict)
     # Times the poller has declared it down (`_notify_down`): `watch` compares it with the
     # count seen at routing.
     downs: int = 0
@@ -282,13 +284,17 @@ class Replica:
         return self.inflight + max(0, engine - ours_at_poll)
 
 
-def _cutting(requests: int, prefills: int) -> str:
-    """What a replica's down line says is done to its calls in flight, naming only the kinds
-    there are: requests fail over, a Warm's prefills are cancelled (the line counted both as
-    requests failing over, though a prefill is not sent elsewhere)."""
-    said = [f"failing over {requests} in-flight request(s)"] if requests else []
-    if prefills:
-        said.append(f"cancelling {prefills} warm prefill(s)")
+def _cutting(kinds: Iterable[str]) -> str:
+    """What a replica's down line says is done to its calls in flight (`kinds`: each one's
+    kind, `ReplicaSet.watch`), naming only the kinds there are: requests fail over, a Warm's
+    prefills and an EraseTenant's flushes are cancelled (the line counted a prefill as a
+    request failing over, though it is not sent elsewhere)."""
+    n = Counter(kinds)
+    said = [f"failing over {n['request']} in-flight request(s)"] if n["request"] else []
+    if n["prefill"]:
+        said.append(f"cancelling {n['prefill']} warm prefill(s)")
+    if n["flush"]:
+        said.append(f"cancelling {n['flush']} erase flush(es)")
     return ", ".join(said)
 
 
@@ -530,9 +536,7 @@ class ReplicaSet:
             r.downs += 1
             watchers = dict(r.watchers)
         if watchers:
-            prefills = sum(watchers.values())
-            log.warning("replica %s is down: %s", r.replica_id,
-                        _cutting(len(watchers) - prefills, prefills))
+            log.warning("replica %s is down: %s", r.replica_id, _cutting(watchers.values()))
         for fn in watchers:
             try:
                 fn()
@@ -540,9 +544,10 @@ class ReplicaSet:
                 log.exception("replica-down watcher failed")
 
     def watch(self, r: Replica, fn: Callable[[], None], downs_seen: int | None = None,
-              warm: bool = False) -> None:
-        """Call `fn` if the poller declares `r` down (until `unwatch`); `warm`: `fn` cancels a
-        Warm's prefill, which is not failed over (its down line says which is which).
+              kind: str = "request") -> None:
+        """Call `fn` if the poller declares `r` down (until `unwatch`); `kind`: what `fn` cuts,
+        "request" (failed over), "prefill" (a Warm's) or "flush" (an EraseTenant's), both
+        cancelled (its down line says which is which).
 
         `downs_seen`: `r.downs` when the call was routed there. If the poller declared it down
         since (between routing and this watch), `fn` is called at once: that call was sent
@@ -550,7 +555,7 @@ class ReplicaSet:
         (One routed to a replica already down, as a last resort when none is healthy, is
         left to run.)"""
         with self._lock:
-            r.watchers[fn] = warm
+            r.watchers[fn] = kind
             missed = downs_seen is not None and r.downs != downs_seen
         if missed:
             fn()

@@ -12,6 +12,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Any
 
 import grpc
 from tiercache.v1 import (
@@ -508,8 +509,8 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             # Ended early only when the shard is found hung: a healthy one may take a minute.
             invalidated = [(a, pool.submit(lambda a=a: o.semantic.call_unless_hung(
                 a, "Invalidate", inval, left()))) for a in shards]
-            flushed = [(r, pool.submit(lambda r=r: _flush_unless_down(r, flush, md, left())))
-                       for r in o.replicas.replicas]
+            flushed = [(r, pool.submit(lambda r=r: _flush_unless_down(
+                o.replicas, r, flush, md, left()))) for r in o.replicas.replicas]
         for a, call in invalidated:
             try:
                 resp.semantic_entries_removed += call.result().removed
@@ -535,20 +536,14 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         return resp
 
 
-def _flush_unless_down(r, req, md, timeout: float):
+def _flush_unless_down(replicas, r, req, md, timeout: float):
     """KvPool.Flush `req` on replica `r`, cancelled (_FoundDown) once the poller declares `r`
-    down (again at each poll while it stays hung). A live walk's EraseTenant with a replica
-    SIGSTOPped answered after 62 s, when gRPC's keepalive gave up (ERASE_TIMEOUT_S else),
-    though the poller had found it hung within ~9 s, as a Warm's prefill there is cut."""
+    down (`_unless_down`). A live walk's EraseTenant with a replica SIGSTOPped answered after
+    62 s, when gRPC's keepalive gave up (ERASE_TIMEOUT_S else), though the poller had found
+    it hung within ~9 s, as a Warm's prefill there is cut."""
     downs = r.downs
     call = r.stub.Flush.future(req, timeout=timeout, metadata=md)
-    while True:
-        try:
-            return call.result(timeout=ERASE_DOWN_CHECK_S)
-        except grpc.FutureTimeoutError:
-            if r.downs != downs:
-                call.cancel()
-                raise _FoundDown() from None
+    return _unless_down(replicas, r, call, downs, "flush", lambda c: c.result())
 
 
 def _not_reached(what: str, e: Exception) -> str:
@@ -567,8 +562,6 @@ def _not_reached(what: str, e: Exception) -> str:
 ERASE_TIMEOUT_S = 120.0
 # Shards or replicas an EraseTenant calls at once.
 ERASE_FANOUT = 16
-# How often a Flush under way looks whether the poller has declared its replica down.
-ERASE_DOWN_CHECK_S = 0.25
 
 # What Stats keeps of its caller's time to answer in: this share of it, at most this long.
 STATS_SLACK_SHARE = 0.2
@@ -725,6 +718,30 @@ def _unless_gone(call, gone: _Gone):
     return call.result()
 
 
+def _unless_down(replicas, replica, call, downs_seen: int | None, kind: str,
+                 result: Callable[[Any], Any]):
+    """`result(call)` (`call`: a unary gRPC future on `replica`, a `kind` of call, see
+    `ReplicaSet.watch`), the call cancelled as the poller declares `replica` down (at once if
+    it has since `downs_seen`): _FoundDown then."""
+    down = threading.Event()
+
+    def on_down() -> None:
+        down.set()
+        call.cancel()
+
+    replicas.watch(replica, on_down, downs_seen, kind)
+    try:
+        return result(call)
+    except grpc.FutureCancelledError:
+        if down.is_set():
+            # Not the caller's cancellation: the replica's time, timed as a failure
+            # (as Generate times a call the poller cut).
+            raise _FoundDown() from None
+        raise
+    finally:
+        replicas.unwatch(replica, on_down)
+
+
 def _not_run(replica, index: int, error: str) -> orchestrator_pb2.WarmResult:
     """The result of a Warm's prefill on `replica` that did no work (prompt `index`, -1: a
     top-k prefix): `error`, its status name first."""
@@ -820,24 +837,8 @@ class Warmer:
         poller declares the replica down (`_FoundDown` then): a Warm with one replica
         SIGSTOPped waited 60 s for it, long after the poller had taken it out of routing."""
         call = replica.stub.Prefill.future(req, **kw)
-        down = threading.Event()
-
-        def on_down() -> None:
-            down.set()
-            call.cancel()
-
-        # Declared down since `downs_seen`, before this watch: cancelled at once.
-        self.orch.replicas.watch(replica, on_down, downs_seen, warm=True)
-        try:
-            return _unless_gone(call, gone)
-        except grpc.FutureCancelledError:
-            if down.is_set():
-                # Not the caller's cancellation: the replica's time, timed as a failure
-                # (as Generate times a call the poller cut).
-                raise _FoundDown() from None
-            raise
-        finally:
-            self.orch.replicas.unwatch(replica, on_down)
+        return _unless_down(self.orch.replicas, replica, call, downs_seen, "prefill",
+                            lambda c: _unless_gone(c, gone))
 
     def _targets(self, tenant, token_ids, target, deadline: float, gone: _Gone) -> list:
         """The replicas to prefill `token_ids` on, each as (replica, its `downs` when chosen):

@@ -641,7 +641,7 @@ def test_a_replica_found_down_says_what_becomes_of_each_kind_of_call_on_it(caplo
         rs.watch(r, watchers[0])
         rs._notify_down(r)  # requests only: the line as it was
         rs.watch(r, watchers[1])
-        rs.watch(r, watchers[2], warm=True)
+        rs.watch(r, watchers[2], kind="prefill")
         rs._notify_down(r)
         for fn in watchers[:2]:
             rs.unwatch(r, fn)

@@ -132,7 +132,7 @@ class Unary:
         def run() -> None:
             try:
                 call.end(response=self.handler(req, timeout=timeout, metadata=metadata))
-            except grpc.RpcError as e:
+            except Exception as e:  # noqa: BLE001 - not only a status: a closed channel's ValueError
                 call.end(error=e)
 
         threading.Thread(target=run, daemon=True).start()

@@ -1283,61 +1283,22 @@ class _FlushStub:
         return kvpool_pb2.KvFlushResponse(blocks_dropped=5, blocks_in_use=1)
 
 
-class _FakeCall:
-    """A unary gRPC future over a fake stub's synchronous call, run in a thread of its own."""
-
-    def __init__(self, fn, *args, **kw) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(1)
-        self._f, self._cancelled = pool.submit(fn, *args, **kw), False
-        pool.shutdown(wait=False)
-
-    def cancel(self) -> bool:
-        self._cancelled = True
-        return True
-
-    def result(self, timeout=None):
-        from concurrent.futures import TimeoutError as Timeout
-
-        if self._cancelled:
-            raise grpc.FutureCancelledError()
-        try:
-            return self._f.result(timeout)
-        except Timeout:
-            raise grpc.FutureTimeoutError() from None
-
-
-class _Method:
-    """A fake stub's method as gRPC's are: called, or `future` (a _FakeCall)."""
-
-    def __init__(self, fn) -> None:
-        self.fn = fn
-
-    def __call__(self, *args, **kw):
-        return self.fn(*args, **kw)
-
-    def future(self, *args, **kw) -> _FakeCall:
-        return _FakeCall(self.fn, *args, **kw)
-
-
-def _with_future(stub):
-    """`stub` (a _FlushStub) with its Flush callable as gRPC's are (`Flush.future` too)."""
-    return SimpleNamespace(Flush=_Method(stub.Flush))
-
-
 def _erase_servicer(semantic, stubs, tokens="tok-o=ops", dispatched=None):
     """A servicer for EraseTenant whose tenant "ops" (token tok-o) is an admin, over
-    `semantic` and kvpool replicas kv0, kv1... answering with `stubs` (none declared down by
-    the poller: `downs` 0)."""
+    `semantic` and kvpool replicas kv0, kv1... answering with `stubs` (each Flush a future of
+    its own, cancellable: `Unary`), in a ReplicaSet whose poller has declared none down."""
+    from services.orchestrator.backends import ReplicaSet
+    from tests.orchestrator.test_pipeline_paths import Unary
+
     s, orch, tenants = _stats_servicer(tokens=tokens)
     tenants.by_token["tok-o"] = dataclasses.replace(tenants.by_token["tok-o"], admin=True)
     tenants.__post_init__()
     orch.semantic = semantic
-    orch.replicas = SimpleNamespace(replicas=[
-        SimpleNamespace(stub=_with_future(st), public_id=f"kv{i}", replica_id=f"kv{i}",
-                        downs=0)
-        for i, st in enumerate(stubs)])
+    orch.replicas = ReplicaSet(addresses=(), internal_token="")
+    orch.replicas.replicas.extend(
+        SimpleNamespace(stub=SimpleNamespace(Flush=Unary(st.Flush)), public_id=f"kv{i}",
+                        replica_id=f"kv{i}", downs=0, watchers={})
+        for i, st in enumerate(stubs))
     orch.internal_token = ""
     orch.dispatched = dispatched
     orch.renderer = SimpleNamespace(forgot=[])
@@ -1543,18 +1504,15 @@ def test_erase_tenant_calls_waiting_for_a_thread_get_only_the_time_left(monkeypa
     assert stubs[1].timeouts[0] < 0.2, stubs[1].timeouts  # what the first one left
 
 
-def test_erase_tenant_stops_waiting_for_a_replica_the_poller_finds_hung(monkeypatch):
+def test_erase_tenant_stops_waiting_for_a_replica_the_poller_finds_hung(caplog):
     """A live walk: with one kvpool replica SIGSTOPped, grpcurl's EraseTenant (no deadline)
     answered after 62 s, when gRPC's keepalive gave up on the Flush (ERASE_TIMEOUT_S, 120 s,
     else), though the poller had declared the replica hung within ~9 s and a Warm's prefill
     there is cancelled then. The Flush is cancelled as the poller declares its replica down
     (again at each poll while it stays hung): the answer comes at once, the hung replica named
-    in not_reached, the other's counts kept."""
+    in not_reached, the other's counts kept; the down line says the Flush is cancelled."""
+    import logging
     import time
-
-    from services.orchestrator import server as srv
-
-    monkeypatch.setattr(srv, "ERASE_DOWN_CHECK_S", 0.02)
 
     class Hung(_FlushStub):
         def Flush(self, req, timeout=None, metadata=None):
@@ -1566,12 +1524,17 @@ def test_erase_tenant_stops_waiting_for_a_replica_the_poller_finds_hung(monkeypa
 
     def poller() -> None:
         time.sleep(0.2)
-        hung.downs += 1  # the poller declares it down
+        orch.replicas._notify_down(hung)  # the poller declares it down
 
     threading.Thread(target=poller, daemon=True).start()
     t0 = time.monotonic()
-    r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"), _caller("tok-o", 1e9))
+    with caplog.at_level(logging.WARNING, logger="services.orchestrator.backends"):
+        r = s.EraseTenant(orchestrator_pb2.EraseTenantRequest(tenant="alice"),
+                          _caller("tok-o", 1e9))
     assert time.monotonic() - t0 < 1.5
+    assert [rec.getMessage() for rec in caplog.records
+            if rec.name == "services.orchestrator.backends"] == [
+        "replica kv0 is down: cancelling 1 erase flush(es)"]
     assert list(r.not_reached) == [
         "kvpool kv0: UNAVAILABLE: found hung by the orchestrator's replica polls (its Flush "
         "cancelled)"]

@@ -250,7 +250,7 @@ class World:
     def misfits(self) -> str:
         return ""  # no replica here serves another model
 
-    def watch(self, r, fn, downs_seen=None, warm=False) -> None:
+    def watch(self, r, fn, downs_seen=None, kind="request") -> None:
         pass  # no replica here is declared down while a prefill runs
 
     def unwatch(self, r, fn) -> None:
