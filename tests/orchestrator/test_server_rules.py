@@ -1541,45 +1541,22 @@ def test_erase_tenant_stops_waiting_for_a_replica_the_poller_finds_hung(caplog):
     assert (r.kv_blocks_dropped, r.kv_blocks_in_use) == (5, 1)
 
 
-class _ShardCall:
-    """A semantic shard's Invalidate under way: answers `answer` after `takes` seconds (a
-    hung shard: never, till gRPC's keepalive gives up), or cancelled."""
+class _Shard:
+    """A semantic shard whose Invalidate takes `takes` seconds (None answer: hung) and whose
+    Stats answer at once, or, hung, run out the poller's whole timeout. Its Invalidate is
+    cancellable (`Unary`): a hung one ends UNAVAILABLE when gRPC's keepalive gives up."""
 
-    def __init__(self, takes: float, answer) -> None:
-        self.takes, self.answer, self.cancelled = takes, answer, threading.Event()
+    def __init__(self, takes: float, answer=None) -> None:
+        from tests.orchestrator.test_pipeline_paths import Unary
 
-    def cancel(self) -> bool:
-        self.cancelled.set()
-        return True
+        self.takes, self.answer = takes, answer
+        self.Invalidate = Unary(self._invalidate)
 
-    def result(self, timeout=None):
-        if self.cancelled.wait(min(self.takes, timeout or self.takes)):
-            raise grpc.FutureCancelledError()
+    def _invalidate(self, req, timeout=None, metadata=None):
+        time.sleep(min(self.takes, timeout))
         if self.answer is None:
             raise _rpc_error(grpc.StatusCode.UNAVAILABLE, "Stream removed (ping timeout)")
         return self.answer
-
-
-class _ShardMethod:
-    """A stub's unary method whose calls `start(timeout)` makes: blocking, or as a future."""
-
-    def __init__(self, start) -> None:
-        self.start = start
-
-    def __call__(self, req, timeout=None, metadata=None):
-        return self.start(timeout).result()
-
-    def future(self, req, timeout=None, metadata=None) -> _ShardCall:
-        return self.start(timeout)
-
-
-class _Shard:
-    """A semantic shard whose Invalidate takes `takes` seconds (None answer: hung) and whose
-    Stats answer at once, or, hung, run out the poller's whole timeout."""
-
-    def __init__(self, takes: float, answer=None) -> None:
-        self.takes, self.answer = takes, answer
-        self.Invalidate = _ShardMethod(lambda timeout: _ShardCall(min(takes, timeout), answer))
 
     def Stats(self, req, timeout=None, metadata=None):  # noqa: N802 - the gRPC method's name
         from tiercache.v1 import semantic_pb2
