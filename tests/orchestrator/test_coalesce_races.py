@@ -253,14 +253,7 @@ def test_a_storer_with_no_time_left_for_its_store_passes_it_to_another_that_may(
     semantic.timeout_s = 5  # the followers wait for it up to 5 s: past the leader's deadline
     stub = Stub("A", [Gated([token(104), last(10)], gate)])
     orch = make({"A": stub}, semantic=semantic)
-    store_answer = orch._store_answer
-
-    def late(*args):
-        if threading.current_thread().name == "replica-stream-lead":
-            time.sleep(max(0.0, args[7] - time.monotonic() - 0.06))  # its deadline near
-        return store_answer(*args)
-
-    orch._store_answer = late
+    lead_stores_late(orch, 0.06)
     out, cancels = {}, {}
     threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 2,
                               lead_deadline_s=2.0)
@@ -274,6 +267,18 @@ def test_a_storer_with_no_time_left_for_its_store_passes_it_to_another_that_may(
     assert (isinstance(out["lead"], errors.DeadlineExceeded)
             or not out["lead"][-1].report.semantic_entry_id)
     assert len(orch.flights) == 0
+
+
+def lead_stores_late(orch, left_s: float) -> None:
+    """The leader's Store starts with `left_s` of its deadline left (its deadline near)."""
+    store_answer = orch._store_answer
+
+    def late(*args):
+        if threading.current_thread().name == "replica-stream-lead":
+            time.sleep(max(0.0, args[7] - time.monotonic() - left_s))
+        return store_answer(*args)
+
+    orch._store_answer = late
 
 
 class TimesOutFirst(Stores):
@@ -309,14 +314,7 @@ def test_a_storer_whose_store_times_out_under_its_own_bound_passes_it_to_another
     semantic.timeout_s = 5  # the followers' Stores (and waits) may take up to 5 s
     stub = Stub("A", [Gated([token(104), last(10)], gate)])
     orch = make({"A": stub}, semantic=semantic)
-    store_answer = orch._store_answer
-
-    def late(*args):
-        if threading.current_thread().name == "replica-stream-lead":
-            time.sleep(max(0.0, args[7] - time.monotonic() - left_s))  # its deadline near
-        return store_answer(*args)
-
-    orch._store_answer = late
+    lead_stores_late(orch, left_s)
     out, cancels = {}, {}
     threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 2,
                               lead_deadline_s=3.0)
