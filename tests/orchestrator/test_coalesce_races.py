@@ -249,17 +249,9 @@ def test_a_storer_whose_client_goes_during_its_store_passes_it_to_another_that_m
 def test_a_storer_with_no_time_left_for_its_store_passes_it_to_another_that_may():
     # The leader reaches its Store with under 0.1 s of its deadline left (a Store gets half of
     # it, under the 50 ms one is sent with): not sent, and none stored the answer.
-    gate, semantic = threading.Event(), Stores()
+    semantic = Stores()
     semantic.timeout_s = 5  # the followers wait for it up to 5 s: past the leader's deadline
-    stub = Stub("A", [Gated([token(104), last(10)], gate)])
-    orch = make({"A": stub}, semantic=semantic)
-    lead_stores_late(orch, 0.06)
-    out, cancels = {}, {}
-    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 2,
-                              lead_deadline_s=2.0)
-    gate.set()
-    for t in threads:
-        t.join(10)
+    orch, stub, out = herd_of_two(semantic, left_s=0.06, lead_deadline_s=2.0)
     assert len(semantic.stored) == 1 and len(stub.requests) == 1
     assert all(ids_of(out[f"f{i}"]) == [104, 10] for i in range(2))
     assert [out[f"f{i}"][-1].report.semantic_entry_id for i in range(2)] == ["e1"] * 2
@@ -269,8 +261,13 @@ def test_a_storer_with_no_time_left_for_its_store_passes_it_to_another_that_may(
     assert len(orch.flights) == 0
 
 
-def lead_stores_late(orch, left_s: float) -> None:
-    """The leader's Store starts with `left_s` of its deadline left (its deadline near)."""
+def herd_of_two(semantic, left_s: float | None = None, lead_deadline_s: float = 30):
+    """A leader and two followers of one answer ([104, 10]) on one replica, run to their end:
+    (orch, its replica's stub, each one's output). `left_s`: the leader's Store starts with
+    that much of its deadline left (its deadline near)."""
+    gate = threading.Event()
+    stub = Stub("A", [Gated([token(104), last(10)], gate)])
+    orch = make({"A": stub}, semantic=semantic)
     store_answer = orch._store_answer
 
     def late(*args):
@@ -278,7 +275,15 @@ def lead_stores_late(orch, left_s: float) -> None:
             time.sleep(max(0.0, args[7] - time.monotonic() - left_s))
         return store_answer(*args)
 
-    orch._store_answer = late
+    if left_s is not None:
+        orch._store_answer = late
+    out: dict = {}
+    threads = lead_and_follow(orch, lambda: stub.requests, out, {}, 2,
+                              lead_deadline_s=lead_deadline_s)
+    gate.set()
+    for t in threads:
+        t.join(10)
+    return orch, stub, out
 
 
 class TimesOutFirst(Stores):
@@ -310,17 +315,9 @@ def test_a_storer_whose_store_times_out_under_its_own_bound_passes_it_to_another
         lands, left_s):
     # The leader's Store, bounded by half of what is left of its deadline (under the tier's
     # timeout), timed out: the followers named no entry, though a Store of their own had time.
-    gate, semantic = threading.Event(), TimesOutFirst(lands)
+    semantic = TimesOutFirst(lands)
     semantic.timeout_s = 5  # the followers' Stores (and waits) may take up to 5 s
-    stub = Stub("A", [Gated([token(104), last(10)], gate)])
-    orch = make({"A": stub}, semantic=semantic)
-    lead_stores_late(orch, left_s)
-    out, cancels = {}, {}
-    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 2,
-                              lead_deadline_s=3.0)
-    gate.set()
-    for t in threads:
-        t.join(10)
+    orch, stub, out = herd_of_two(semantic, left_s=left_s, lead_deadline_s=3.0)
     assert len(stub.requests) == 1
     assert all(ids_of(out[f"f{i}"]) == [104, 10] for i in range(2))
     # Two Stores, the first the leader's (under its own bound), the second a follower's
@@ -337,19 +334,14 @@ def test_a_storer_whose_store_times_out_under_its_own_bound_passes_it_to_another
 def test_a_store_that_runs_out_the_tiers_whole_timeout_is_not_passed_on():
     # The tier's own timeout, not the storer's: a hung tier, each follower's Store would hang
     # as long. None is sent again; the followers name no entry.
-    gate, semantic = threading.Event(), TimesOutFirst(False)
+    semantic = TimesOutFirst(False)
     semantic.timeout_s = 0.3  # the leader's Store's bound, as the followers'
-    stub = Stub("A", [Gated([token(104), last(10)], gate)])
-    orch = make({"A": stub}, semantic=semantic)
-    out, cancels = {}, {}
-    threads = lead_and_follow(orch, lambda: stub.requests, out, cancels, 2)
-    gate.set()
-    for t in threads:
-        t.join(10)
+    orch, stub, out = herd_of_two(semantic)
     assert semantic.timeouts == [0.3] and not semantic.stored
     assert all(ids_of(out[r]) == [104, 10] for r in ("lead", "f0", "f1"))
     assert not any(out[r][-1].report.semantic_entry_id for r in ("lead", "f0", "f1"))
     assert len(orch.flights) == 0
+
 
 def test_one_that_may_not_store_names_the_entry_one_that_may_claims_during_its_wait(
         monkeypatch):
