@@ -168,8 +168,37 @@ def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript
         model = AutoModel.from_pretrained(str(spec.model_dir),
                                           attn_implementation="eager").eval()
     steps.update(1)
+    ids = torch.ones(2, 8, dtype=torch.long)
+    mask = torch.ones(2, 8, dtype=torch.long)
+    mask[1, 5:] = 0  # a padded row, so the traced graph really applies the mask
+    args: tuple = (ids, mask)
+    names = ["input_ids", "attention_mask"]
+    if getattr(model.config, "type_vocab_size", 0) > 1:
+        args = (ids, mask, torch.zeros(2, 8, dtype=torch.long))
+        names.append("token_type_ids")
+    steps.update(1)
+    if exporter == "dynamo":
+        _export_dynamo(_pooled(model, spec), args, names, out_dir / "model.onnx")
+    else:
+        _export_torchscript(model, spec, args, names, out_dir)
+    steps.update(1)
+    shutil.copy2(spec.model_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    _write_meta(spec, out_dir, exporter, names)
+    # On disk before the folder is renamed into place: after a power loss the rename could
+    # survive with an empty model.onnx, which no later start would ever export again.
+    for name in ("model.onnx", "tokenizer.json", "meta.json"):
+        with open(out_dir / name, "rb") as f:
+            os.fsync(f.fileno())
+    steps.update(1)
+    steps.close()
+
+
+def _pooled(model, spec: SentenceModelSpec):
+    """`model` with the folder's pooling (mean or CLS) and normalisation after it, in eval
+    mode: the module `_export` hands to the ONNX exporter."""
+    import torch
+
     pooling, normalize = spec.pooling, spec.normalize
-    has_types = getattr(model.config, "type_vocab_size", 0) > 1
 
     class Pooled(torch.nn.Module):
         def __init__(self) -> None:
@@ -188,38 +217,44 @@ def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript
                 emb = torch.nn.functional.normalize(emb, p=2.0, dim=1)
             return emb
 
-    ids = torch.ones(2, 8, dtype=torch.long)
-    mask = torch.ones(2, 8, dtype=torch.long)
-    mask[1, 5:] = 0  # a padded row, so the traced graph really applies the mask
-    args: tuple = (ids, mask)
-    names = ["input_ids", "attention_mask"]
-    if has_types:
-        args = (ids, mask, torch.zeros(2, 8, dtype=torch.long))
-        names.append("token_type_ids")
-    steps.update(1)
-    if exporter == "dynamo":
-        _export_dynamo(Pooled().eval(), args, names, out_dir / "model.onnx")
-    else:
-        axes = {n: {0: "batch", 1: "seq"} for n in names}
-        axes["embedding"] = {0: "batch"}
-        try:
-            with torch.inference_mode():
-                torch.onnx.export(Pooled().eval(), args, str(out_dir / "model.onnx"),
-                                  input_names=names, output_names=["embedding"],
-                                  dynamic_axes=axes, opset_version=OPSET, dynamo=False)
-        except OSError as e:
-            # The cache's disk (full, read-only), not the exporter: said as such, not as a
-            # reason to switch exporters (and as an OSError, one line at start).
-            raise OSError(e.errno, f"writing the ONNX export of {spec.model_dir} into "
-                          f"{out_dir.parent}: {e.strerror or e} (TIERCACHE_SEMANTIC_CACHE_DIR)"
-                          ) from e
-        except Exception as e:  # noqa: BLE001 - re-raised, with the way out named
-            raise RuntimeError(
-                f"the TorchScript ONNX exporter failed on {spec.model_dir} "
-                f"({type(e).__name__}: {e}); torch has deprecated it: if this torch release "
-                "no longer has it, set TIERCACHE_SEMANTIC_ONNX_EXPORTER=dynamo") from e
-    steps.update(1)
-    shutil.copy2(spec.model_dir / "tokenizer.json", out_dir / "tokenizer.json")
+    return Pooled().eval()
+
+
+def _export_torchscript(model, spec: SentenceModelSpec, args: tuple, names: list[str],
+                        out_dir: Path) -> None:
+    """`torch.onnx.export(dynamo=False)`, torch's legacy tracer, of `_pooled(model, spec)` into
+    `out_dir/model.onnx`: batch and sequence length dynamic.
+
+    Raises:
+        OSError: writing the graph failed (the cache's disk), naming the cache folder.
+        RuntimeError: the exporter failed, naming the dynamo exporter as the way on.
+    """
+    import torch
+
+    axes = {n: {0: "batch", 1: "seq"} for n in names}
+    axes["embedding"] = {0: "batch"}
+    try:
+        with torch.inference_mode():
+            torch.onnx.export(_pooled(model, spec), args, str(out_dir / "model.onnx"),
+                              input_names=names, output_names=["embedding"],
+                              dynamic_axes=axes, opset_version=OPSET, dynamo=False)
+    except OSError as e:
+        # The cache's disk (full, read-only), not the exporter: said as such, not as a
+        # reason to switch exporters (and as an OSError, one line at start).
+        raise OSError(e.errno, f"writing the ONNX export of {spec.model_dir} into "
+                      f"{out_dir.parent}: {e.strerror or e} (TIERCACHE_SEMANTIC_CACHE_DIR)"
+                      ) from e
+    except Exception as e:  # noqa: BLE001 - re-raised, with the way out named
+        raise RuntimeError(
+            f"the TorchScript ONNX exporter failed on {spec.model_dir} "
+            f"({type(e).__name__}: {e}); torch has deprecated it: if this torch release "
+            "no longer has it, set TIERCACHE_SEMANTIC_ONNX_EXPORTER=dynamo") from e
+
+
+def _write_meta(spec: SentenceModelSpec, out_dir: Path, exporter: str, names: list[str]) -> None:
+    """Writes `out_dir/meta.json`: what the export was made from (fingerprints, the model
+    folder), what the graph takes and does (inputs, pooling), and the sizes and digests of its
+    files that `_is_current` checks."""
     meta = {"fingerprint": spec.fingerprint(exporter), "weights": spec.weights_fingerprint(),
             "exporter": exporter,
             "max_seq_length": spec.max_seq_length, "dim": spec.dim, "pooling": spec.pooling,
@@ -231,13 +266,6 @@ def _export(spec: SentenceModelSpec, out_dir: Path, exporter: str = "torchscript
             "model_blake2b": file_digest(out_dir / "model.onnx"),
             "files": {n: _file_record(out_dir / n) for n in TOKENIZER_FILES}}
     (out_dir / "meta.json").write_text(json.dumps(meta, indent=1))
-    # On disk before the folder is renamed into place: after a power loss the rename could
-    # survive with an empty model.onnx, which no later start would ever export again.
-    for name in ("model.onnx", "tokenizer.json", "meta.json"):
-        with open(out_dir / name, "rb") as f:
-            os.fsync(f.fileno())
-    steps.update(1)
-    steps.close()
 
 
 def _export_dynamo(module, args: tuple, names: list[str], path: Path) -> None:
