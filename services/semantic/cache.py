@@ -307,6 +307,13 @@ def _fitted_elsewhere(meta: dict, embedder: Embedder) -> str:
 _WAIT_CHECK_S = 0.05
 
 
+def _flight_key(probe: Entry) -> tuple:
+    """What makes two Stores the same (`_same_answer`'s fields, and where): one of them in
+    flight writes for both (`SemanticCache._lead_or_wait`)."""
+    return (probe.namespace, probe.prompt, probe.answer, probe.truncated, probe.answer_tokens,
+            probe.ttl_seconds, probe.verified)
+
+
 def _still(wanted: Callable[[], bool] | None, what: str) -> None:
     """Raise DeadlineExceeded unless the caller still waits (`wanted` None: always); `what`:
     what had not happened yet ("the answer was written"; a Lookup said "the lookup was
@@ -366,6 +373,9 @@ class SemanticCache:
         # entries waits for that Invalidate's end (see `_removal`).
         self._removing: dict[Namespace, list[_Reading]] = {}
         self._removed = threading.Condition(self._lock)
+        # Stores in flight by `_flight_key`, each set once its Store ended: an identical Store
+        # arriving meanwhile waits for it rather than write a row of its own (`_lead_or_wait`).
+        self._flights: dict[tuple, threading.Event] = {}
         self._top_label = -1  # the highest label memory has held
         # Indexes of namespaces emptied while a merge of theirs ran: shutdown still waits on it.
         self._retired: list[NamespaceIndex] = []
@@ -763,14 +773,15 @@ class SemanticCache:
         replaces the first: of two at once, the one committed later stands, and the other
         returns it. A store of the answer the entry already holds (`_same_answer`) returns that
         entry as it is (its TTL not renewed), writing nothing (`_held_answer`): a herd of
-        identical requests gets one id.
+        identical requests gets one id. Identical Stores at once, before any entry holds the
+        prompt, write one row: the first writes, the others wait for it (`_lead_or_wait`).
 
         `wanted`, asked once the prompt is embedded, right before the write, and again once
         the row is written, before memory takes it: False (the caller's deadline passed, or it
         went away) leaves nothing, so a caller whose deadline passed before the commit does not
         leave an entry behind it cannot name (one passing after it, or while the answer goes
         back, still can: best effort). Asked again, every `_WAIT_CHECK_S`, while the Store
-        waits for an Invalidate that read the entry it replaces.
+        waits for an Invalidate that read the entry it replaces, or for an identical Store.
 
         `answer_token_ids`: the answer as the namespace's model generated it (optional; served
         back with the entry, see SemanticEntry.answer_token_ids).
@@ -785,10 +796,19 @@ class SemanticCache:
         ttl = ttl_seconds or self.cfg.default_ttl_seconds
         probe = Entry("", 0, ns, prompt, answer, verified, self.clock(), 0.0, 0, ttl, truncated,
                       answer_tokens=answer_tokens)
-        held = self._held_answer(probe)
-        if held is not None:
-            return held
-        vec, over = self._embed(prompt, reuse_for=ns.tenant)
+        while (flight := self._lead_or_wait(probe, wanted)) is None:
+            pass  # another identical Store ended: its entry, or ours to write, is found anew
+        if isinstance(flight, Entry):
+            return flight
+        try:
+            return self._store_new(probe, wanted)
+        finally:
+            self._land(probe, flight)
+
+    def _store_new(self, probe: Entry, wanted: Callable[[], bool] | None) -> Entry:
+        """`store_entry`'s write of `probe`'s answer, which no entry holds: its row, then
+        memory; returns the entry that stands."""
+        vec, over = self._embed(probe.prompt, reuse_for=probe.namespace.tenant)
         _still(wanted, "the answer was written")
         entry = self._write_row(probe, vec, over)
         dropped: list[int] = []  # labels memory no longer holds: their rows go too
@@ -872,13 +892,42 @@ class SemanticCache:
             self._m["entries"].set(len(self._entries))
         self.store.delete([label, *dropped])
 
+    def _lead_or_wait(self, probe: Entry, wanted: Callable[[], bool] | None
+                      ) -> Entry | threading.Event | None:
+        """The entry holding `probe`'s answer (`_held_answer`); else, when no identical Store
+        is in flight, a new flight this Store leads (it writes; `_land` ends it); else None once
+        the one in flight ended (asked again: it failed, or its entry went). A herd across
+        orchestrators stored at once, before any entry held the prompt: each wrote a row, and
+        a kill -9 before a loser's delete left two, the restart kept the newest, and the id
+        callers were given went. Raises DeadlineExceeded when `wanted` says no meanwhile."""
+        held = self._held_answer(probe)
+        if held is not None:
+            return held
+        key = _flight_key(probe)
+        with self._lock:
+            flight = self._flights.get(key)
+            if flight is None:
+                flight = self._flights[key] = threading.Event()
+                return flight
+        while not flight.wait(_WAIT_CHECK_S):
+            _still(wanted, "the answer was written")
+        return None
+
+    def _land(self, probe: Entry, flight: threading.Event) -> None:
+        """Ends the flight `_lead_or_wait` gave `probe`'s Store: the identical Stores waiting
+        on it look again."""
+        with self._lock:
+            if self._flights.get(_flight_key(probe)) is flight:
+                del self._flights[_flight_key(probe)]
+        flight.set()
+
     def _held_answer(self, probe: Entry) -> Entry | None:
         """The entry of `probe`'s prompt when it already holds `probe`'s answer
         (`_same_answer`) and no Invalidate under way read it: a Store of it writes nothing.
         (It wrote a row and deleted it again once it found the entry standing: a crash between
         the two left the newer row, which a restart keeps, `_newest_rows`, in place of the
-        entry its callers had been given.) Two such Stores at once, with no entry yet, still
-        both write: the one that finds the other's entry deletes its row (`store_entry`)."""
+        entry its callers had been given.) Two such Stores at once, with no entry yet, write
+        once: the second waits for the first (`_lead_or_wait`)."""
         ns, prompt = probe.namespace, probe.prompt
         with self._lock:
             old = self._by_prompt.get((ns, prompt))

@@ -1228,3 +1228,137 @@ def test_a_store_at_global_capacity_among_tied_tenants_reads_few_entries(make_ca
     assert {e.prompt for e in dict.values(c._entries)} == (
         {f"q{i}" for i in range(3, 200)} | {"n0", "n1", "n2"})
     c.check_integrity()
+
+
+def _gate_inserts(c: SemanticCache, arrivals: int, wait_s: float = 2.0) -> list[int]:
+    """Counts the rows Stores write (`store.insert`); each insert waits until `arrivals`
+    inserts have begun, or `wait_s`, so Stores that would each write are all caught writing."""
+    real, begun = c.store.insert, []
+    lock = threading.Condition()
+
+    def insert(**row):
+        with lock:
+            begun.append(1)
+            lock.notify_all()
+            lock.wait_for(lambda: len(begun) >= arrivals, wait_s)
+        return real(**row)
+
+    c.store.insert = insert
+    return begun
+
+
+def _stores_at_once(c: SemanticCache, n: int, **kw) -> list:
+    """`n` threads each storing the same answer to one prompt at once; their results (an
+    Entry or the exception raised)."""
+    out: list = [None] * n
+    start = threading.Barrier(n)
+
+    def store(i: int) -> None:
+        start.wait(10)
+        try:
+            out[i] = c.store_entry(A, "query", "one answer", answer_token_ids=[1, 2], **kw)
+        except Exception as e:  # noqa: BLE001 - the test reads it
+            out[i] = e
+
+    threads = [threading.Thread(target=store, args=(i,), daemon=True) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    return out
+
+
+def test_identical_stores_at_once_with_no_entry_yet_write_one_row(make_cache):
+    """A herd (identical requests across orchestrators: each coalesces its own only) stored
+    one answer at once before any entry held the prompt: each Store wrote a row, and all but
+    one deleted theirs once they found the other's entry. A kill -9 between such a commit and
+    its delete left two rows, the restart kept the newest, and the id callers were given went
+    (Feedback NOT_FOUND, the TTL counted afresh). The Stores in flight at once now write one
+    row, and every caller is given its id."""
+    c = make_cache()
+    begun = _gate_inserts(c, arrivals=4)
+    got = _stores_at_once(c, 4)
+    assert all(not isinstance(e, Exception) for e in got), got
+    assert len(begun) == 1 and len({e.id for e in got}) == 1
+    assert c.store.count() == 1 and c.stats().entries == 1
+    assert c.lookup(A, "query", tier="strict").entry.id == got[0].id
+    c.check_integrity()
+
+
+def test_identical_stores_at_once_keep_their_id_across_a_crash_during_them(make_cache):
+    """The crash itself (see above): the process dies as soon as a Store deletes a row it
+    wrote (as a herd's loser did, once it found the winner's entry), and the restart still
+    serves the entry under the id every caller was given."""
+    c = make_cache()
+    _gate_inserts(c, arrivals=3)
+    real_delete = c.store.delete
+
+    class Killed(Exception):
+        pass
+
+    def delete(labels, *a, **kw):
+        if labels:
+            raise Killed  # kill -9 before the row is gone
+        return real_delete(labels, *a, **kw)
+
+    c.store.delete = delete
+    given = {e.id for e in _stores_at_once(c, 3) if not isinstance(e, Killed)}
+    restarted = make_cache()  # on the same database
+    r = restarted.lookup(A, "query", tier="strict")
+    assert r.hit and given == {r.entry.id} and restarted.store.count() == 1
+    restarted.check_integrity()
+
+
+def test_of_identical_stores_at_once_one_whose_caller_left_leaves_the_others_to_store(
+        make_cache):
+    """The first of a herd's Stores writes for all; when its caller has gone (its deadline
+    passed) it writes nothing, and the Stores waiting on it store the answer themselves:
+    one row, one id among them."""
+    c = make_cache()
+    begun = _gate_inserts(c, arrivals=3, wait_s=0.5)
+    first = threading.Event()
+
+    def wanted() -> bool:  # the first Store asking is refused; the rest still wanted
+        if first.is_set():
+            return True
+        first.set()
+        return False
+
+    got = _stores_at_once(c, 3, wanted=wanted)
+    refused = [e for e in got if isinstance(e, DeadlineExceeded)]
+    stored = [e for e in got if not isinstance(e, Exception)]
+    assert len(refused) == 1 and len(stored) == 2, got
+    assert len({e.id for e in stored}) == 1 and len(begun) == 1
+    assert c.store.count() == 1 and c.stats().entries == 1
+    c.check_integrity()
+
+
+def test_a_store_waiting_for_an_identical_one_gives_up_when_its_caller_stops_waiting(
+        make_cache):
+    """A Store waiting for an identical one in flight (above) asks whether its caller still
+    waits: once not, it is refused with DEADLINE_EXCEEDED, and the one in flight still
+    stores."""
+    c = make_cache()
+    real, writing, go = c.store.insert, threading.Event(), threading.Event()
+
+    def held_insert(**row):
+        writing.set()
+        go.wait(10)
+        return real(**row)
+
+    c.store.insert = held_insert
+    out: list = []
+    first = threading.Thread(target=lambda: out.append(c.store_entry(A, "query", "x")),
+                             daemon=True)
+    first.start()
+    try:
+        assert writing.wait(10)
+        with pytest.raises(DeadlineExceeded):
+            c.store_entry(A, "query", "x", wanted=lambda: False)
+    finally:
+        go.set()
+        first.join(10)
+    assert len(out) == 1 and c.store.count() == 1
+    assert c.lookup(A, "query", tier="strict").entry.id == out[0].id
+    c.check_integrity()
