@@ -900,11 +900,11 @@ class SemanticCache:
         orchestrators stored at once, before any entry held the prompt: each wrote a row, and
         a kill -9 before a loser's delete left two, the restart kept the newest, and the id
         callers were given went. Raises DeadlineExceeded when `wanted` says no meanwhile."""
-        held = self._held_answer(probe)
-        if held is not None:
-            return held
         key = _flight_key(probe)
-        with self._lock:
+        with self._lock:  # one look at both: the flight may land between two
+            held = self._held_answer(probe)
+            if held is not None:
+                return held
             flight = self._flights.get(key)
             if flight is None:
                 flight = self._flights[key] = threading.Event()

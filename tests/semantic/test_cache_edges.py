@@ -1362,3 +1362,30 @@ def test_a_store_waiting_for_an_identical_one_gives_up_when_its_caller_stops_wai
     assert len(out) == 1 and c.store.count() == 1
     assert c.lookup(A, "query", tier="strict").entry.id == out[0].id
     c.check_integrity()
+
+
+def test_a_store_finding_no_entry_and_no_flight_meanwhile_does_not_write_again(make_cache):
+    """An identical Store that finds no entry (`_held_answer`) and, before it looks for a flight,
+    lets the first one write, take memory and land, finds the first one's entry: it led a
+    flight of its own and wrote a second row (deleted again once it found the entry, the very
+    window a kill -9 turned into a lost id)."""
+    c = make_cache()
+    inserts = _gate_inserts(c, arrivals=1)
+    real_held, first = c._held_answer, []
+
+    def held_then_first_store(probe):
+        held = real_held(probe)
+        if not first:  # the second Store, between its look and its flight: the first runs
+            first.append(threading.Thread(
+                target=lambda: first.append(c.store_entry(A, "query", "one answer")),
+                daemon=True))
+            first[0].start()
+            first[0].join(0.5)  # as far as it gets while this Store has not looked for flights
+        return held
+
+    c._held_answer = held_then_first_store
+    second = c.store_entry(A, "query", "one answer")
+    first[0].join(10)
+    assert not first[0].is_alive() and first[1].id == second.id
+    assert len(inserts) == 1 and c.store.count() == 1
+    c.check_integrity()
