@@ -91,13 +91,19 @@ class _Reading:
         return label == self.label if self.only else label <= self.label
 
 
+def _flight_key(probe: Entry) -> tuple:
+    """What makes two Stores the same (and `_same_answer`'s entry the same as a Store): where,
+    its answer, cut and tokens, its ttl and verified flag. One of them in flight writes for
+    both (`SemanticCache._lead_or_wait`)."""
+    return (probe.namespace, probe.prompt, probe.answer, probe.truncated, probe.answer_tokens,
+            probe.ttl_seconds, probe.verified)
+
+
 def _same_answer(held: Entry, new: Entry, now: float) -> bool:
     """`new` stores nothing that `held` (the same prompt's entry, not expired at `now`) does
-    not: its answer, cut and tokens, its ttl and verified flag (an unverified answer stored
-    over a verified one replaces it, as any other Store: the flag starts over)."""
-    return (not held.expired(now) and held.answer == new.answer
-            and held.truncated == new.truncated and held.answer_tokens == new.answer_tokens
-            and held.ttl_seconds == new.ttl_seconds and held.verified == new.verified)
+    not (`_flight_key`: an unverified answer stored over a verified one replaces it, as any
+    other Store: the flag starts over)."""
+    return not held.expired(now) and _flight_key(held) == _flight_key(new)
 
 
 @dataclass(frozen=True)
@@ -305,13 +311,6 @@ def _fitted_elsewhere(meta: dict, embedder: Embedder) -> str:
 
 # How often a Store waiting for an Invalidate (`store_entry`) asks whether its caller still waits.
 _WAIT_CHECK_S = 0.05
-
-
-def _flight_key(probe: Entry) -> tuple:
-    """What makes two Stores the same (`_same_answer`'s fields, and where): one of them in
-    flight writes for both (`SemanticCache._lead_or_wait`)."""
-    return (probe.namespace, probe.prompt, probe.answer, probe.truncated, probe.answer_tokens,
-            probe.ttl_seconds, probe.verified)
 
 
 def _still(wanted: Callable[[], bool] | None, what: str) -> None:
