@@ -171,6 +171,17 @@ def _told_request_id() -> tuple[tuple[str, str], ...]:
     return (("x-request-id", rid),) if rid else ()
 
 
+def _send_request_id(context, rid: str) -> None:
+    """The call's request id told to its caller at once, in the response headers, before
+    its request is parsed: a call its client ends (a cancel, its deadline) gets no trailers,
+    and one that sent no id (grpcurl, a client in another language) had none to quote. Every
+    method's, in `_Call.prologue` where all pass (Generate and Warm each sent theirs, the
+    others none). A refused call has it in its trailers alone (ended at once, it gets them);
+    one its client ended already has no one to tell, and runs on as it did."""
+    with contextlib.suppress(grpc.RpcError):
+        context.send_initial_metadata((("x-request-id", rid),))
+
+
 class _HealthServicer(health.HealthServicer):
     """gRPC's health servicer, minus what anyone who can connect could do to it:
 
@@ -506,10 +517,11 @@ def _parsed_non_blocking(handler, service: str, short: str, prologue):
 
 class _Call:
     """One call as `_ServerInterceptor` wraps it: the caller's credential and request id
-    checked first (`prologue`), the call counted (`count`), what its handler raised mapped to
-    a status (`fail`), and the wrappers of unary and server-streaming handlers. Built for each
-    call (`intercept_service` runs per call): it holds that call's metadata, credential
-    included, so one kept per method would check every later call against the first's."""
+    checked first and the id sent in the response headers (`prologue`), the call counted
+    (`count`), what its handler raised mapped to a status (`fail`), and the wrappers of unary
+    and server-streaming handlers. Built for each call (`intercept_service` runs per call): it
+    holds that call's metadata, credential included, so one kept per method would check every
+    later call against the first's."""
 
     def __init__(self, interceptor: _ServerInterceptor, method: str, short: str, handler,
                  pairs) -> None:
@@ -547,6 +559,7 @@ class _Call:
         # Said once the caller is known: an unknown one's bad ids would use up the lines
         # (thinned per method) of those the callers with a credential sent.
         self._say_replaced(given, rid)
+        _send_request_id(context, rid)
         return rid
 
     def _check_token(self, context) -> None:

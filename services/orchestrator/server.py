@@ -199,13 +199,9 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
             check_size(self.orch.renderer, self.cfg, tenant, "messages",
                        [m.content for m in request.messages])
         # The id the interceptor bound to this call's logs (the client's x-request-id if short
-        # and plain, else one it made up): one id in every log line, every downstream call and
-        # GenerateFinal.
+        # and plain, else one it made up) and sent in the response headers: one id in every
+        # log line, every downstream call and GenerateFinal.
         request_id = request_id_var.get() or uuid.uuid4().hex[:16]
-        # Said at once, in the response headers: a stream the client ends itself (its
-        # deadline, a cancel) gets no trailers, and a client that sent no id (grpcurl, one in
-        # another language) had no id to quote for it.
-        context.send_initial_metadata((("x-request-id", request_id),))
         remaining = context.time_remaining()
         budget = self.cfg.request_timeout_s if remaining is None else min(
             remaining, self.cfg.request_timeout_s)
@@ -330,9 +326,6 @@ class OrchestratorServicer(orchestrator_pb2_grpc.OrchestratorServicer):
         tenant = self._tenant(context)
         if self.warmer is None:
             raise errors.FailedPrecondition("warm-up is not available")
-        # Its id said at once, as Generate's: a warm-up runs up to 120 s, and one its caller
-        # cancels or lets pass its deadline gets no trailers to read the id from.
-        context.send_initial_metadata((("x-request-id", request_id_var.get()),))
         # A warm-up holds a tenant slot and a server stream slot like a request does (it holds
         # a worker thread for up to 120 s: uncounted, Warm calls could take the threads kept
         # for health probes and Stats), and ends by the caller's deadline.

@@ -21,9 +21,9 @@ import pytest
 from tiercache.v1 import common_pb2, kvpool_pb2, orchestrator_pb2, prefix_pb2
 
 from services.common import errors
-from services.common.logs import bound_request_id
+from services.common.logs import bound_request_id, request_id_var
 from services.orchestrator.config import STREAM_HEADROOM, OrchestratorConfig
-from services.orchestrator.pipeline import OrchestratorStats, TextDelta
+from services.orchestrator.pipeline import OrchestratorStats
 from services.orchestrator.server import (
     MAX_SESSION_ID_CHARS,
     OrchestratorServicer,
@@ -223,8 +223,6 @@ def test_a_warm_says_its_request_id_in_its_headers_before_it_ends():
     """A Warm's response headers carry the id it runs under (one the server made up: the
     client sent none), before its prefills end: a warm-up runs up to 120 s, and one its
     caller cancels gets no trailers to read the id from."""
-    from services.common.logs import request_id_var
-
     s, _ = servicer(STREAM_HEADROOM + 2)
     ran_under: list[str] = []
     release = threading.Event()
@@ -1752,19 +1750,50 @@ def test_a_stream_says_its_request_id_in_its_headers_before_it_ends():
     assert headers.get("x-request-id") == ran_under[0], headers
 
 
-def test_a_stream_sends_its_request_id_before_its_pipeline_starts():
-    """The response headers go out before the pipeline runs (a semantic lookup or a prefill
-    that hangs gives no message for a while): a client that gives up before the first message
-    still has the id, the one the pipeline runs under."""
-    s, orch = servicer(STREAM_HEADROOM + 2)
-    ctx = Context()
-    at_start: list[tuple] = []
+def _stuck_in_handler(s: OrchestratorServicer, release: threading.Event, ran_under: list):
+    """Every method of `s` (each the proto names) replaced by one that notes the request id
+    it runs under and waits for `release` before answering (a stream: before its first
+    message); the methods."""
+    def stuck(answer):
+        def handler(request, context):
+            ran_under.append(request_id_var.get())
+            release.wait(10)
+            return answer
 
-    def generate(**kw):
-        at_start.append((getattr(ctx, "headers", None), kw["request_id"]))
-        yield TextDelta("hi", [])
+        return handler
 
-    orch.generate = generate
-    assert [r.text for r in s.Generate(request(), ctx)] == ["hi"]
-    ((headers, rid),) = at_start
-    assert rid and headers == (("x-request-id", rid),)
+    def stuck_stream(request, context):
+        yield stuck(orchestrator_pb2.GenerateResponse())(request, context)
+
+    methods = orchestrator_pb2.DESCRIPTOR.services_by_name["Orchestrator"].methods
+    for m in methods:
+        setattr(s, m.name, stuck_stream if m.server_streaming
+                else stuck(getattr(orchestrator_pb2, m.output_type.name)()))
+    return methods
+
+
+def test_every_call_says_its_request_id_in_its_headers_before_its_handler_ends():
+    """Each method's response headers carry the id its handler runs under (here one the
+    server made up: the client sent none, as grpcurl and clients in other languages do),
+    sent before the handler answers: a call its deadline ends gets no trailers, and Stats,
+    Feedback and EraseTenant had no id to quote. (gRPC Python reads a unary call's headers
+    with its end: after its deadline, not after its own cancel.)"""
+    from tiercache.v1 import orchestrator_pb2_grpc
+
+    s, _ = servicer(STREAM_HEADROOM + 2)
+    release, ran_under, told = threading.Event(), [], {}
+    methods = _stuck_in_handler(s, release, ran_under)
+    h = _on_loopback(s)
+    try:
+        with grpc.insecure_channel(h.address) as ch:
+            stub = orchestrator_pb2_grpc.OrchestratorStub(ch)
+            for m in methods:
+                rpc, request = getattr(stub, m.name), getattr(orchestrator_pb2, m.input_type.name)()
+                call = (rpc if m.server_streaming else rpc.future)(request, timeout=0.5)
+                assert call.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                told[m.name] = dict(call.initial_metadata() or ()).get("x-request-id")
+    finally:
+        release.set()
+        h.stop(0)
+    assert all(ran_under) and len(set(ran_under)) == len(methods), ran_under
+    assert told == {m.name: rid for m, rid in zip(methods, ran_under, strict=True)}

@@ -64,9 +64,6 @@ class Context:
     def add_callback(self, fn):
         return True
 
-    def send_initial_metadata(self, metadata):
-        self.headers = tuple(metadata)
-
 
 def servicer(max_workers: int, max_concurrent: int = 100, max_prompt_tokens: int = 8192
              ) -> tuple[OrchestratorServicer, SlowOrchestrator]:
