@@ -175,9 +175,9 @@ def _send_request_id(context, rid: str) -> None:
     """The call's request id told to its caller at once, in the response headers, before
     its request is parsed: a call its client ends (a cancel, its deadline) gets no trailers,
     and one that sent no id (grpcurl, a client in another language) had none to quote. Every
-    method's, in `_Call.prologue` where all pass (Generate and Warm each sent theirs, the
-    others none). A refused call has it in its trailers alone (ended at once, it gets them);
-    one its client ended already has no one to tell, and runs on as it did."""
+    method's, in `_Call.prologue` where all pass, on a server asked to (`request_id_headers`:
+    the orchestrator's). A refused call has it in its trailers alone (ended at once, it gets
+    them); one its client ended already has no one to tell, and runs on as it did."""
     with contextlib.suppress(grpc.RpcError):
         context.send_initial_metadata((("x-request-id", rid),))
 
@@ -559,7 +559,8 @@ class _Call:
         # Said once the caller is known: an unknown one's bad ids would use up the lines
         # (thinned per method) of those the callers with a credential sent.
         self._say_replaced(given, rid)
-        _send_request_id(context, rid)
+        if self.interceptor.request_id_headers:
+            _send_request_id(context, rid)
         return rid
 
     def _check_token(self, context) -> None:
@@ -716,8 +717,10 @@ class _ServerInterceptor(grpc.ServerInterceptor):
 
     def __init__(self, service: str, internal_token: str | None,
                  authenticate: Callable[[Sequence[tuple[str, str]]], object] | None = None,
-                 max_send: int = DEFAULT_MAX_MESSAGE_BYTES) -> None:
+                 max_send: int = DEFAULT_MAX_MESSAGE_BYTES,
+                 request_id_headers: bool = False) -> None:
         self.service = service
+        self.request_id_headers = request_id_headers  # `_send_request_id` in every call
         self.max_send = max_send  # the server's gRPC send limit (max_message_bytes)
         self.internal_token = internal_token
         self.authenticate = authenticate
@@ -1102,6 +1105,7 @@ def create_server(
     max_connection_age_s: float = 0.0,
     connection_age_grace_s: float = 0.0,
     authenticate: Callable[[Sequence[tuple[str, str]]], object] | None = None,
+    request_id_headers: bool = False,
 ) -> ServerHandle:
     """Build and start a server; health starts NOT_SERVING.
 
@@ -1124,6 +1128,10 @@ def create_server(
         max_connection_age_s: > 0: a client connection is closed (GOAWAY) after this long;
             clients reconnect for their next calls, so behind a Service connections spread
             over pods added since. Calls under way get `connection_age_grace_s` to end.
+        request_id_headers: every call sends its request id in its response headers
+            (`_send_request_id`): the orchestrator's, for callers that sent none. The
+            internal tiers' callers send theirs, and a unary call's separate headers cost
+            tens of microseconds on their hot paths.
     Raises:
         BindError: the address or the metrics port cannot be bound (`_bind`, `_start_metrics`).
     """
@@ -1134,7 +1142,7 @@ def create_server(
         service=service, max_workers=max_workers, internal_token=internal_token,
         authenticate=authenticate, max_message_bytes=max_message_bytes,
         max_concurrent_rpcs=max_concurrent_rpcs, max_connection_age_s=max_connection_age_s,
-        connection_age_grace_s=connection_age_grace_s)
+        connection_age_grace_s=connection_age_grace_s, request_id_headers=request_id_headers)
     hs, names = _add_services(server, services)
     credentials = credentials or server_credentials_from_env(service)
     port = _bind(server, service, address, credentials)
@@ -1154,10 +1162,11 @@ def create_server(
 def _grpc_server(*, service: str, max_workers: int, internal_token: str | None,
                  authenticate: Callable[[Sequence[tuple[str, str]]], object] | None,
                  max_message_bytes: int, max_concurrent_rpcs: int | None,
-                 max_connection_age_s: float,
-                 connection_age_grace_s: float) -> tuple[grpc.Server, _ServerInterceptor]:
+                 max_connection_age_s: float, connection_age_grace_s: float,
+                 request_id_headers: bool) -> tuple[grpc.Server, _ServerInterceptor]:
     """`create_server`'s gRPC server (not started, nothing added) and its interceptor."""
-    interceptor = _ServerInterceptor(service, internal_token, authenticate, max_message_bytes)
+    interceptor = _ServerInterceptor(service, internal_token, authenticate, max_message_bytes,
+                                     request_id_headers)
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=f"{service}-rpc"),
         interceptors=[interceptor],

@@ -66,7 +66,9 @@ def _main(argv: list[str] | None) -> int:
         connection_age_grace_s=max(cfg.request_timeout_s, 120.0),
         max_message_bytes=cfg.max_request_bytes,
         # The bearer token, checked before the request is parsed.
-        authenticate=servicer.authenticate_call)
+        authenticate=servicer.authenticate_call,
+        # Its id in every call's response headers (a client that sent none can quote it).
+        request_id_headers=True)
     try:
         app = build(cfg)
     except (ModelStoreError, OSError, ValueError) as exc:

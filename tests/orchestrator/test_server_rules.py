@@ -52,7 +52,7 @@ def _on_loopback(s: OrchestratorServicer):
     return create_server(service="orchestrator", address="127.0.0.1:0",
                          services=[(orchestrator_pb2_grpc.add_OrchestratorServicer_to_server, s,
                                     "tiercache.v1.Orchestrator")],
-                         authenticate=s.authenticate_call)
+                         authenticate=s.authenticate_call, request_id_headers=True)
 
 
 def test_max_tokens_unset_is_the_default_and_the_limit_itself_is_allowed():
