@@ -1032,11 +1032,13 @@ def _check_args(p: argparse.ArgumentParser, subs: dict[str, argparse.ArgumentPar
 _DEADLINE_WORDS = ("Deadline Exceeded", "Stream removed (Deadline Exceeded)")
 
 
-def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> None:
-    """The one line a failed call ends the CLI with."""
+def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> int:
+    """The one line a failed call ends the CLI with; returns the CLI's exit status, 75 where
+    the line says "(retry later)", else 1 (one decision for both)."""
     # Any call the same request may succeed later: UNAVAILABLE too (a replica or the
     # orchestrator restarting), not after part of an answer was printed.
-    later = " (retry later)" if retry_later(e) else ""
+    again = retry_later(e)
+    later = " (retry later)" if again else ""
     details = e.details() or ""
     if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and details in _DEADLINE_WORDS:
         # gRPC's own words for this call's deadline: say which setting set it.
@@ -1059,6 +1061,7 @@ def _say_rpc_error(e: grpc.RpcError, a: argparse.Namespace) -> None:
     rid = getattr(e, "request_id", "")
     sys.stderr.write(f"error: {e.code().name}{later}: {shown(details, sys.stderr)}"
                      + (f" (request {rid})" if rid else "") + "\n")
+    return EXIT_RETRY_LATER if again else 1
 
 
 def _connect_hint(details: str, a: argparse.Namespace) -> str:
@@ -1112,8 +1115,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
             return rc
     except grpc.RpcError as e:
-        _say_rpc_error(e, a)
-        return EXIT_RETRY_LATER if retry_later(e) else 1
+        return _say_rpc_error(e, a)
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:
